@@ -1,0 +1,103 @@
+"""The `kvplane` command: composes each component's command group and turns known errors
+into one line on stderr.
+
+Exit codes: 0 success, 1 a known error (bad config, unreachable target, RPC error), 2 usage
+errors and commands that are not implemented yet.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from kvplane import __version__
+from kvplane.cli_common import OutputFormat, emit, fail_not_implemented
+from kvplane.errors import KvplaneError, NotImplementedYetError
+from kvplane.logs import LogFormat, configure_logging
+
+app = typer.Typer(
+    name="kvplane",
+    help="KV-aware routing and indexing control plane for LLM inference fleets.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _root(
+    log_level: Annotated[str, typer.Option(help="Log level: DEBUG, INFO, WARNING, ERROR.")] = (
+        "INFO"
+    ),
+    log_format: Annotated[str, typer.Option(help="Log format: text or json.")] = "text",
+) -> None:
+    fmt: LogFormat = "json" if log_format == "json" else "text"
+    configure_logging(log_level, fmt)
+
+
+@app.command()
+def version(
+    output: Annotated[OutputFormat, typer.Option("--output", "-o")] = OutputFormat.table,
+) -> None:
+    """Print kvplane's version."""
+    emit({"version": __version__}, output, lambda d: f"kvplane {d['version']}")
+
+
+@app.command()
+def up(
+    config: Annotated[
+        str | None, typer.Argument(help="Fleet YAML; embedded defaults when omitted.")
+    ] = None,
+) -> None:
+    """Start a whole local fleet (engines, controller, planner) until Ctrl-C."""
+    fail_not_implemented("kvplane up")
+
+
+def _register_groups() -> None:
+    # Each component owns its command group; importing them must stay cheap (no torch).
+    from controller.cli import admin_app, controller_app
+    from engine.cli import engine_app
+    from indexer.cli import indexer_app
+    from kvplane.bench import bench_app
+    from planner.cli import planner_app
+
+    app.add_typer(engine_app, name="engine", help="The bundled inference engine.")
+    app.add_typer(indexer_app, name="indexer", help="The KV prefix indexer service.")
+    app.add_typer(controller_app, name="controller", help="The fleet controller and gateway.")
+    app.add_typer(planner_app, name="planner", help="The fleet planner (scaling, draining).")
+    app.add_typer(admin_app, name="admin", help="Admin CLI for a controller or an engine.")
+    app.add_typer(bench_app, name="bench", help="Benchmarks with side-by-side peers.")
+
+
+_register_groups()
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except NotImplementedYetError as exc:
+        typer.echo(f"kvplane: {exc}", err=True)
+        sys.exit(2)
+    except KvplaneError as exc:
+        typer.echo(f"kvplane: error: {exc}", err=True)
+        sys.exit(1)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (typer.Exit, SystemExit) as exc:
+        code = getattr(exc, "exit_code", None)
+        if code is None:
+            code = getattr(exc, "code", 0)
+        sys.exit(code or 0)
+    except Exception as exc:
+        # click usage errors (bad option, missing argument) surface here in non-standalone mode.
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

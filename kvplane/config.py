@@ -1,0 +1,116 @@
+"""Configuration shared by every kvplane server: listen address, TLS, bearer-token auth.
+
+Each process has one pydantic model (extra="forbid") loaded from YAML; `--listen` on the CLI
+overrides the file. Environment variables are read only by the CLI, never here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from kvplane.errors import ConfigError
+
+
+class StrictModel(BaseModel):
+    """Base of every config model: unknown keys are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """Split "HOST:PORT" ("[::1]:50051" for IPv6); raises ValueError on anything else."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"port out of range in {value!r}")
+    return host.strip("[]"), port
+
+
+class TlsConfig(StrictModel):
+    cert_file: Path
+    key_file: Path
+    # Set -> mutual TLS: clients must present a certificate signed by this CA.
+    client_ca_file: Path | None = None
+
+
+class AuthConfig(StrictModel):
+    # A file holding the bearer token (surrounding whitespace ignored).
+    token_file: Path
+    # Also require the token on read-only RPCs.
+    protect_reads: bool = False
+
+    def read_token(self) -> str:
+        try:
+            token = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read auth.token_file {self.token_file}: {exc}") from exc
+        if not token:
+            raise ConfigError(f"auth.token_file {self.token_file} is empty")
+        return token
+
+
+class ServerConfig(StrictModel):
+    """The part of every server's YAML that the gRPC scaffolding reads."""
+
+    listen: str = "127.0.0.1:0"
+    tls: TlsConfig | None = None
+    auth: AuthConfig | None = None
+    # Prometheus /metrics on a side port; None disables it.
+    metrics_listen: str | None = None
+    # Seconds in-flight RPCs get to finish on SIGTERM/SIGINT.
+    shutdown_grace_s: float = 5.0
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        parse_host_port(value)
+        return value
+
+    @field_validator("metrics_listen")
+    @classmethod
+    def _check_metrics_listen(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def load_config(
+    model: type[ConfigT], path: Path | None, overrides: dict[str, object] | None = None
+) -> ConfigT:
+    """Load and validate `path` (YAML) as `model`, with CLI `overrides` applied on top.
+
+    No file means the model's embedded defaults. Every problem is a ConfigError whose message
+    names the file and the offending key.
+    """
+    data: dict[str, object] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a YAML mapping at the top level")
+        data = loaded
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        where = str(path) if path is not None else "the embedded defaults"
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"invalid config in {where}: {problems}") from exc

@@ -1,0 +1,187 @@
+"""gRPC server scaffolding shared by every kvplane server.
+
+`create_server(config, services)` builds a `grpc.aio` server with the given servicers, the
+standard health service and reflection, optional TLS/mTLS and an optional bearer token; it binds
+and returns `(server, port)` so tests can bind port 0. `serve_until_signal` runs a started
+server until SIGTERM/SIGINT and stops it gracefully. Servicers stay thin over a core object and
+report domain errors through `abort_with`, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvplane.config import ServerConfig, TlsConfig, parse_host_port
+from kvplane.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+AUTH_METADATA_KEY = "authorization"
+
+
+@dataclass(frozen=True)
+class Service:
+    """One servicer to register: its full name (for health and reflection), the function
+    that adds it to a server, and which of its methods mutate state (need the token)."""
+
+    name: str
+    add_to_server: Callable[[grpc.aio.Server], None]
+    mutating_methods: frozenset[str] = field(default_factory=frozenset)
+
+    def method_path(self, method: str) -> str:
+        return f"/{self.name}/{method}"
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED."""
+
+    def __init__(self, token: str, protected: Callable[[str], bool]) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._protected = protected
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        if not self._protected(method):
+            return await continuation(handler_call_details)
+        presented = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else value
+        if hmac.compare_digest(presented, self._expected):
+            return await continuation(handler_call_details)
+        return _unauthenticated_handler(await continuation(handler_call_details))
+
+
+def _unauthenticated_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
+
+    async def unary(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator
+
+    deserializer = getattr(handler, "request_deserializer", None)
+    serializer = getattr(handler, "response_serializer", None)
+    if handler is not None and handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(stream, deserializer, serializer)
+    return grpc.unary_unary_rpc_method_handler(unary, deserializer, serializer)
+
+
+def _server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    try:
+        key = tls.key_file.read_bytes()
+        cert = tls.cert_file.read_bytes()
+        client_ca = tls.client_ca_file.read_bytes() if tls.client_ca_file else None
+    except OSError as exc:
+        raise ConfigError(f"cannot read TLS file: {exc}") from exc
+    return grpc.ssl_server_credentials(
+        [(key, cert)],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+async def create_server(
+    config: ServerConfig,
+    services: Iterable[Service],
+    *,
+    options: Iterable[tuple[str, Any]] = (),
+) -> tuple[grpc.aio.Server, int]:
+    """Build, bind and start a server for `services`; returns it with the bound port.
+
+    Health reports SERVING for the empty service name and every registered service.
+    """
+    services = list(services)
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if config.auth is not None:
+        token = config.auth.read_token()
+        mutating = {s.method_path(m) for s in services for m in s.mutating_methods}
+        protect_reads = config.auth.protect_reads
+        infrastructure = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+        def protected(method: str) -> bool:
+            if method.startswith(infrastructure):
+                return False
+            return protect_reads or method in mutating
+
+        interceptors.append(BearerTokenInterceptor(token, protected))
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[("grpc.so_reuseport", 0), *options],
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in services:
+        service.add_to_server(server)
+    names = [s.name for s in services]
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME],
+        server,
+    )
+    host, port = parse_host_port(config.listen)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        if config.tls is not None:
+            bound = server.add_secure_port(address, _server_credentials(config.tls))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {config.listen}: {exc}") from exc
+    if bound == 0:
+        raise ConfigError(f"cannot listen on {config.listen}")
+    await server.start()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for name in ["", *names]:
+        await health_servicer.set(name, serving)
+    log.info("serving %s on %s:%d", ", ".join(names) or "health", host, bound)
+    return server, bound
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server,
+    grace_s: float,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Wait for SIGTERM or SIGINT (or the server ending), then stop gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        waiter = asyncio.ensure_future(server.wait_for_termination())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        log.info("shutting down (grace %.1fs)", grace_s)
+        if on_stop is not None:
+            await on_stop()
+        await server.stop(grace_s)
+        waiter.cancel()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def abort_with(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+) -> NoReturn:
+    """Abort the RPC with `code` and a one-line message (never a traceback)."""
+    await context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover

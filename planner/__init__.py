@@ -1,0 +1,1 @@
+"""The fleet planner: a pure decision core, observation adapters and actuators."""

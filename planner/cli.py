@@ -1,0 +1,15 @@
+"""`kvplane planner ...` commands."""
+
+from __future__ import annotations
+
+import typer
+
+from kvplane.cli_common import ConfigOption, ListenOption, fail_not_implemented
+
+planner_app = typer.Typer(no_args_is_help=True)
+
+
+@planner_app.command()
+def run(config: ConfigOption = None, listen: ListenOption = None) -> None:
+    """Run the planner: observe the fleet, scale pools and drain engines."""
+    fail_not_implemented("kvplane planner run")
