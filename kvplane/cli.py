@@ -93,11 +93,9 @@ def main() -> None:
         if code is None:
             code = getattr(exc, "code", 0)
         sys.exit(code or 0)
-    except Exception as exc:
-        # click usage errors (bad option, missing argument) surface here in non-standalone mode.
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    except typer.TyperException as exc:
+        # Usage errors (bad option, missing argument) surface here in non-standalone mode.
+        show = getattr(exc, "show", None)
+        if show is not None:
+            show()
+        sys.exit(int(getattr(exc, "exit_code", 2)))

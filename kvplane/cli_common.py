@@ -13,7 +13,7 @@ import typer
 from kvplane.errors import NotImplementedYetError
 
 
-class OutputFormat(str, enum.Enum):
+class OutputFormat(enum.StrEnum):
     table = "table"
     json = "json"
 

@@ -42,7 +42,7 @@ class Service:
         return f"/{self.name}/{method}"
 
 
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED."""
 
     def __init__(self, token: str, protected: Callable[[str], bool]) -> None:
@@ -51,9 +51,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method
         if not self._protected(method):
             return await continuation(handler_call_details)
@@ -66,13 +68,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return _unauthenticated_handler(await continuation(handler_call_details))
 
 
-def _unauthenticated_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+def _unauthenticated_handler(
+    handler: grpc.RpcMethodHandler[Any, Any] | None,
+) -> grpc.RpcMethodHandler[Any, Any]:
     message = "missing or invalid bearer token (metadata 'authorization: Bearer <token>')"
 
-    async def unary(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def unary(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def stream(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator
 
@@ -131,8 +135,11 @@ async def create_server(
         service.add_to_server(server)
     names = [s.name for s in services]
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME],
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     host, port = parse_host_port(config.listen)
@@ -180,7 +187,7 @@ async def serve_until_signal(
 
 
 async def abort_with(
-    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+    context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, message: str
 ) -> NoReturn:
     """Abort the RPC with `code` and a one-line message (never a traceback)."""
     await context.abort(code, message)

@@ -1,0 +1,142 @@
+"""The router core's vocabulary: what it is asked, what it knows about each engine, and what
+it answers. Frozen, slotted dataclasses; proto types never reach this far (the gateway and the
+replay build these from GetLoad, the index and their own bookkeeping).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Reason(enum.StrEnum):
+    """Why an engine was chosen (a Prometheus label and the admin `route` explanation)."""
+
+    CACHE = "cache"  # the cached prefix decided it
+    LOAD = "load"  # no useful cache anywhere: the least loaded engine won
+    TIE = "tie"  # several engines within the tie tolerance: spread at random
+    SESSION = "session"  # session affinity
+    BALANCE = "balance"  # a peer policy's load-balancing branch
+    POLICY = "policy"  # a cache-blind policy (round robin, random, ...)
+    ONLY = "only"  # one candidate
+    ALL_BUSY = "all_busy"  # every engine was busy; the least loaded was taken
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The last GetLoad of one engine. None = the engine did not report that value."""
+
+    running_requests: int | None = None
+    queued_requests: int | None = None
+    used_kv_blocks: int | None = None
+    total_kv_blocks: int | None = None
+    waiting_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """The router's own accounting for one engine, updated the instant it routes.
+
+    `prefill_tokens`: uncached prompt tokens of requests still waiting for their first token
+    (the prefill queue this router put there); `context_blocks`: KV blocks its active
+    requests' prompts occupy.
+    """
+
+    requests: int = 0
+    prefilling: int = 0
+    prefill_tokens: int = 0
+    context_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """How many leading blocks of the prompt an engine holds: contiguously on the device tier,
+    and how many more follow on a host tier (DRAM) before the first miss."""
+
+    device_blocks: int = 0
+    host_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One routable engine as the router sees it at decision time."""
+
+    engine_id: str
+    hit: PrefixHit = PrefixHit()
+    load: LoadSnapshot = LoadSnapshot()
+    inflight: InFlight = InFlight()
+    # Capacity in blocks (GetModelInfo.total_kv_blocks); None when unknown.
+    total_kv_blocks: int | None = None
+
+    @property
+    def active_requests(self) -> int:
+        """Requests on the engine: the larger of the polled count and the router's own (the
+        poll lags, the router's count misses other routers' traffic)."""
+        polled = (self.load.running_requests or 0) + (self.load.queued_requests or 0)
+        return max(polled, self.inflight.requests)
+
+    @property
+    def queued_requests(self) -> int:
+        return max(self.load.queued_requests or 0, self.inflight.prefilling)
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return max(self.load.waiting_tokens or 0, self.inflight.prefill_tokens)
+
+    @property
+    def kv_usage(self) -> float | None:
+        total = self.load.total_kv_blocks or self.total_kv_blocks
+        if not total or self.load.used_kv_blocks is None:
+            return None
+        return self.load.used_kv_blocks / total
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """A request to place: its prompt length, its canonical block keys (full blocks only) and
+    optionally a session key for affinity."""
+
+    request_id: str
+    num_prompt_tokens: int
+    block_size: int
+    block_keys: tuple[int, ...] = ()
+    session_key: str | None = None
+
+    @property
+    def max_cacheable_blocks(self) -> int:
+        """Full blocks that can be served from cache: at least one token is always computed."""
+        if self.num_prompt_tokens <= 0:
+            return 0
+        return min(len(self.block_keys), (self.num_prompt_tokens - 1) // self.block_size)
+
+    def cached_tokens(self, hit: PrefixHit) -> tuple[int, int]:
+        """(device, host) prompt tokens an engine with `hit` serves from cache."""
+        limit = self.max_cacheable_blocks
+        device = min(hit.device_blocks, limit)
+        host = min(hit.host_blocks, limit - device)
+        return device * self.block_size, host * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCost:
+    """One engine's terms in a decision (lower total is better; `None` for cache-blind
+    policies that compute no cost)."""
+
+    engine_id: str
+    cached_tokens: int
+    host_cached_tokens: int
+    prefill_cost: float
+    queue_cost: float
+    decode_cost: float
+    total: float | None
+    busy: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    engine_id: str
+    reason: Reason
+    policy: str
+    # Prompt tokens the chosen engine is expected to serve from its cache (device + host).
+    predicted_cached_tokens: int
+    costs: tuple[EngineCost, ...] = field(default=())

@@ -1,0 +1,110 @@
+"""The engine server's configuration (`kvplane engine serve --config FILE`).
+
+One pydantic model for the whole process. `model` is `sim` (the timing-model runner, no torch)
+or the path of an HF model directory (the torch runner). KV capacity is given either as a
+number of blocks or as a byte budget (the torch runner turns bytes into blocks from the
+model's shape; the sim runner needs blocks). KV events always go to `SubscribeKvEvents`; the
+vLLM-compatible ZMQ publisher is optional.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from kvplane.config import ServerConfig, StrictModel
+
+SIM_MODEL = "sim"
+
+
+class EngineRoleName(enum.StrEnum):
+    aggregated = "aggregated"
+    prefill = "prefill"
+    decode = "decode"
+
+
+class SimTimingConfig(StrictModel):
+    """The sim runner's cost model (seconds); `time_scale` 0 makes steps instantaneous."""
+
+    time_scale: float = Field(default=1.0, ge=0.0)
+    prefill_s_per_token: float = Field(default=2e-5, ge=0.0)
+    decode_base_s: float = Field(default=5e-3, ge=0.0)
+    decode_s_per_seq: float = Field(default=2e-4, ge=0.0)
+    decode_s_per_context_token: float = Field(default=1e-7, ge=0.0)
+    vocab_size: int = Field(default=32000, gt=1)
+    eos_token_id: int | None = None
+
+
+class KvEventsConfig(StrictModel):
+    """Where KV events go besides `SubscribeKvEvents` (always on)."""
+
+    # Batches kept for replay (gRPC `start_sequence_number` and the ZMQ replay socket).
+    buffer_steps: int = Field(default=10_000, gt=0)
+    # The vLLM-compatible ZMQ PUB (+ replay ROUTER). Off by default.
+    zmq_enabled: bool = False
+    # Bind addresses; port `*` picks a free port (the bound one is advertised).
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = "tcp://*:5558"
+    # None -> `kv@<advertised host:port>@<served model name>`, vLLM fleets' convention.
+    topic: str | None = None
+    hwm: int = Field(default=100_000, gt=0)
+    # Host put in GetKvEventSources when the bind host is a wildcard (`*`, 0.0.0.0, ::).
+    # None -> the gRPC listen host if it is specific, else this machine's address.
+    advertised_host: str | None = None
+    data_parallel_rank: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_endpoints(self) -> KvEventsConfig:
+        for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"kv_events.{name} must be a ZMQ address like tcp://HOST:PORT")
+        return self
+
+
+class EngineConfig(ServerConfig):
+    listen: str = "127.0.0.1:50061"
+    # `sim` or the path of an HF model directory (config.json, safetensors, tokenizer.json).
+    model: str = SIM_MODEL
+    # The name clients put in `GenerateRequest.model`; None -> `sim` or the directory's name.
+    served_model_name: str | None = None
+    served_model_aliases: list[str] = Field(default_factory=list)
+    role: EngineRoleName = EngineRoleName.aggregated
+    # None -> a fresh id per process (`engine-<hex>`).
+    instance_id: str | None = None
+
+    block_size: int = Field(default=16, gt=0)
+    # Exactly one of these may be set; neither -> 1024 blocks.
+    num_kv_blocks: int | None = Field(default=None, gt=0)
+    kv_cache_bytes: int | None = Field(default=None, gt=0)
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    # None -> the model's own limit (config.json) or 4096 for sim.
+    max_model_len: int | None = Field(default=None, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    sim: SimTimingConfig = Field(default_factory=SimTimingConfig)
+    kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+
+    @model_validator(mode="after")
+    def _check_capacity(self) -> EngineConfig:
+        if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("set num_kv_blocks or kv_cache_bytes, not both")
+        if self.model == SIM_MODEL and self.kv_cache_bytes is not None:
+            raise ValueError("the sim runner needs num_kv_blocks, not kv_cache_bytes")
+        return self
+
+    @property
+    def is_sim(self) -> bool:
+        return self.model == SIM_MODEL
+
+    def model_name(self) -> str:
+        """The served model name: explicit, else `sim`, else the model directory's name."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.is_sim:
+            return SIM_MODEL
+        return self.model.rstrip("/").rsplit("/", 1)[-1] or self.model

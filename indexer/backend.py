@@ -1,0 +1,117 @@
+"""The interface every index backend implements (`memory`, `redis`), and the result types.
+
+Backends are async because the shared one does I/O; the embedded `memory` backend wraps the
+pure core (`indexer.index`) and never awaits anything slow. One conformance suite
+(tests/indexer/test_conformance.py) runs against every backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from indexer.batch import Batch, BlockKey, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class TierPlacements:
+    """One worker's placements at one tier among the queried hashes (MatchExternalKv)."""
+
+    tier: Tier
+    hashes: tuple[BlockKey, ...]
+    component_masks: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlacements:
+    worker_id: str
+    address: str
+    by_tier: tuple[TierPlacements, ...]  # ascending by tier
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    worker_id: str
+    worker_address: str
+    matched_prefix_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixResult:
+    """MatchExternalKvPrefix: matches sorted by matched_prefix_blocks descending."""
+
+    matches: tuple[PrefixMatch, ...]
+    best_prefix_blocks: int
+    blocks_read: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierPrefix:
+    tier: Tier
+    matched_blocks: int
+    matched_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPrefixMatch:
+    """Per worker: leading blocks held contiguously on any servable tier, and per tier."""
+
+    worker_id: str
+    worker_address: str
+    matched_blocks: int
+    matched_tokens: int
+    tiers: tuple[TierPrefix, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    worker_id: str
+    worker_address: str
+    num_blocks: int
+    num_placements: int
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    backend: str
+    num_blocks: int
+    num_placements: int
+    workers: tuple[WorkerStats, ...]
+
+
+class IndexBackend(Protocol):
+    """The index as the services see it. Every method validates nothing about the wire:
+    the adapters validate (WIRE.md section 2) before calling; `apply` is atomic to readers."""
+
+    name: str
+
+    async def apply(self, batch: Batch) -> None: ...
+
+    async def match(
+        self, hashes: Sequence[BlockKey], count_as_hit: bool
+    ) -> list[WorkerPlacements]: ...
+
+    async def match_prefix(self, hashes: Sequence[BlockKey], max_blocks: int) -> PrefixResult: ...
+
+    async def match_prefix_by_tier(
+        self, hashes: Sequence[BlockKey], max_blocks: int
+    ) -> list[TokenPrefixMatch]:
+        """kvplane's token-level view: per worker, the contiguous prefix on any servable tier
+        and per tier (tokens from the blocks' known sizes). Sorted by matched_blocks desc."""
+        ...
+
+    async def hit_counts(self, hashes: Sequence[BlockKey]) -> list[tuple[BlockKey, int]]: ...
+
+    async def remove_worker(self, worker_id: str) -> int:
+        """Drop every placement of `worker_id` (and the worker); returns placements removed."""
+        ...
+
+    async def snapshot(self, worker_id: str | None = None) -> AsyncIterator[Batch]:
+        """Parent-first batches that rebuild the index (or one worker) when applied."""
+        ...
+
+    async def stats(self) -> IndexStats: ...
+
+    async def close(self) -> None: ...

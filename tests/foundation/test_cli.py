@@ -1,0 +1,112 @@
+"""The `kvplane` command: groups, exit codes, config errors, a server started on port 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+KVPLANE = [sys.executable, "-m", "kvplane"]
+GROUPS = ["engine", "indexer", "controller", "planner", "up", "admin", "bench", "version"]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*KVPLANE, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+def test_help_lists_every_command_group() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    for group in GROUPS:
+        assert re.search(rf"^\W*{group}\b", result.stdout, re.MULTILINE), group
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "kvplane"
+    result = subprocess.run([str(script), "version"], capture_output=True, text=True, check=True)
+    assert result.stdout.startswith("kvplane ")
+
+
+def test_version_json() -> None:
+    result = run("version", "--output", "json")
+    assert result.returncode == 0
+    assert json.loads(result.stdout)["version"]
+
+
+def test_command_not_built_yet_exits_2() -> None:
+    result = run("planner", "run")
+    assert result.returncode == 2
+    assert "not implemented yet" in result.stderr
+
+
+def test_usage_error_exits_2() -> None:
+    result = run("indexer", "serve", "--no-such-option")
+    assert result.returncode == 2
+
+
+def test_missing_config_file_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    result = run("indexer", "serve", "--config", str(tmp_path / "absent.yaml"))
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0
+    assert "absent.yaml" in result.stderr
+
+
+def test_unknown_config_key_is_rejected(tmp_path: Path) -> None:
+    config = tmp_path / "indexer.yaml"
+    config.write_text("listen: 127.0.0.1:0\nlisten_port: 5\n")
+    result = run("indexer", "serve", "--config", str(config))
+    assert result.returncode == 1
+    assert "listen_port" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_listen_address_is_rejected() -> None:
+    result = run("indexer", "serve", "--listen", "nonsense")
+    assert result.returncode == 1
+    assert "HOST:PORT" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_server_started_by_cli_answers_health_and_stops_on_sigint() -> None:
+    proc = subprocess.Popen(
+        [*KVPLANE, "indexer", "serve", "--listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stderr is not None
+        port = None
+        deadline = time.monotonic() + 45
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            match = re.search(r"serving .* on 127\.0\.0\.1:(\d+)", line)
+            if match:
+                port = int(match.group(1))
+        assert port, "the server never said where it listens"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

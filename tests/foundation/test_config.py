@@ -1,0 +1,60 @@
+"""YAML config loading shared by every server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvplane.config import ServerConfig, load_config, parse_host_port
+from kvplane.errors import ConfigError
+
+
+def test_embedded_defaults_without_a_file() -> None:
+    assert load_config(ServerConfig, None).listen == "127.0.0.1:0"
+
+
+def test_cli_listen_overrides_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("listen: 127.0.0.1:7000\nshutdown_grace_s: 1.5\n")
+    config = load_config(ServerConfig, path, {"listen": "0.0.0.0:7001"})
+    assert (config.listen, config.shutdown_grace_s) == ("0.0.0.0:7001", 1.5)
+    assert load_config(ServerConfig, path, {"listen": None}).listen == "127.0.0.1:7000"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("listen: [1, 2]\n", "listen"),
+        ("tls: {cert_file: a.pem}\n", "tls.key_file"),
+        ("auth: {token_file: t, extra: 1}\n", "auth.extra"),
+        ("- a\n- b\n", "mapping"),
+        ("listen: '127.0.0.1:99999'\n", "port out of range"),
+        ("key: [unclosed\n", "not valid YAML"),
+    ],
+)
+def test_invalid_configs_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(ServerConfig, path)
+
+
+def test_empty_file_means_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("")
+    assert load_config(ServerConfig, path) == ServerConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("127.0.0.1:80", ("127.0.0.1", 80)), ("[::1]:5", ("::1", 5)), ("host:0", ("host", 0))],
+)
+def test_parse_host_port(text: str, expected: tuple[str, int]) -> None:
+    assert parse_host_port(text) == expected
+
+
+@pytest.mark.parametrize("text", ["nohost", ":80", "host:", "host:x", "host:70000"])
+def test_parse_host_port_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_host_port(text)

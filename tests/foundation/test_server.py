@@ -1,0 +1,214 @@
+"""The gRPC scaffolding every server shares: health, reflection, TLS/mTLS, bearer token."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvplane.config import AuthConfig, ServerConfig, TlsConfig
+from kvplane.errors import ConfigError
+from kvplane.server import Service, create_server
+
+ECHO = "kvplane.test.Echo"
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+async def _echo(request: bytes, _context: Any) -> bytes:
+    return request
+
+
+async def _echo_stream(request: bytes, _context: Any) -> AsyncIterator[bytes]:
+    for _ in range(2):
+        yield request
+
+
+def _add_echo(server: grpc.aio.Server) -> None:
+    handlers = {
+        "Read": grpc.unary_unary_rpc_method_handler(_echo, _identity, _identity),
+        "Write": grpc.unary_unary_rpc_method_handler(_echo, _identity, _identity),
+        "WriteStream": grpc.unary_stream_rpc_method_handler(_echo_stream, _identity, _identity),
+    }
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(ECHO, handlers)])
+
+
+ECHO_SERVICE = Service(ECHO, _add_echo, frozenset({"Write", "WriteStream"}))
+
+
+async def _call(channel: grpc.aio.Channel, method: str, token: str | None = None) -> bytes:
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    if method == "WriteStream":
+        stream = channel.unary_stream(f"/{ECHO}/{method}", _identity, _identity)
+        return b"".join([chunk async for chunk in stream(b"hi", metadata=metadata)])
+    unary = channel.unary_unary(f"/{ECHO}/{method}", _identity, _identity)
+    result: bytes = await unary(b"hi", metadata=metadata)
+    return result
+
+
+async def test_health_and_reflection_on_port_zero() -> None:
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), [ECHO_SERVICE])
+    try:
+        assert port > 0
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", ECHO):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            replies = [r async for r in refl.ServerReflectionInfo(iter([request]))]
+            names = {s.name for s in replies[0].list_services_response.service}
+            assert {ECHO, "grpc.health.v1.Health"} <= names
+    finally:
+        await server.stop(None)
+
+
+async def test_bearer_token_guards_mutating_rpcs_only(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    config = ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file))
+    server, port = await create_server(config, [ECHO_SERVICE])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert await _call(channel, "Read") == b"hi"
+            assert await _call(channel, "Write", "s3cret") == b"hi"
+            assert await _call(channel, "WriteStream", "s3cret") == b"hihi"
+            for method, token in [("Write", None), ("Write", "wrong"), ("WriteStream", None)]:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _call(channel, method, token)
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(channel)
+            await health.Check(health_pb2.HealthCheckRequest())
+    finally:
+        await server.stop(None)
+
+
+async def test_protect_reads_guards_every_rpc(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret")
+    auth = AuthConfig(token_file=token_file, protect_reads=True)
+    server, port = await create_server(
+        ServerConfig(listen="127.0.0.1:0", auth=auth), [ECHO_SERVICE]
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _call(channel, "Read")
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert await _call(channel, "Read", "s3cret") == b"hi"
+    finally:
+        await server.stop(None)
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for localhost and a client certificate, made by openssl."""
+    d = tmp_path_factory.mktemp("pki")
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=test-ca",
+        "-keyout",
+        str(d / "ca.key"),
+        "-out",
+        str(d / "ca.pem"),
+    )
+    for name, ext in [
+        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ]:
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            str(d / f"{name}.key"),
+            "-out",
+            str(d / f"{name}.csr"),
+        )
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(d / f"{name}.csr"),
+            "-CA",
+            str(d / "ca.pem"),
+            "-CAkey",
+            str(d / "ca.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(d / f"{name}.ext"),
+            "-out",
+            str(d / f"{name}.pem"),
+        )
+    return d
+
+
+async def test_tls_and_mutual_tls(pki: Path) -> None:
+    tls = TlsConfig(cert_file=pki / "server.pem", key_file=pki / "server.key")
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0", tls=tls), [ECHO_SERVICE])
+    root = (pki / "ca.pem").read_bytes()
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=root)
+        async with grpc.aio.secure_channel(f"localhost:{port}", creds) as channel:
+            assert await _call(channel, "Read") == b"hi"
+    finally:
+        await server.stop(None)
+
+    mtls = TlsConfig(
+        cert_file=pki / "server.pem", key_file=pki / "server.key", client_ca_file=pki / "ca.pem"
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0", tls=mtls), [ECHO_SERVICE])
+    try:
+        anonymous = grpc.ssl_channel_credentials(root_certificates=root)
+        async with grpc.aio.secure_channel(f"localhost:{port}", anonymous) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _call(channel, "Read")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with_cert = grpc.ssl_channel_credentials(
+            root_certificates=root,
+            private_key=(pki / "client.key").read_bytes(),
+            certificate_chain=(pki / "client.pem").read_bytes(),
+        )
+        async with grpc.aio.secure_channel(f"localhost:{port}", with_cert) as channel:
+            assert await _call(channel, "Read") == b"hi"
+    finally:
+        await server.stop(None)
+
+
+async def test_unreadable_tls_or_token_file_is_a_config_error(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(ConfigError, match="TLS"):
+        await create_server(
+            ServerConfig(listen="127.0.0.1:0", tls=TlsConfig(cert_file=missing, key_file=missing)),
+            [],
+        )
+    with pytest.raises(ConfigError, match="token_file"):
+        await create_server(
+            ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=missing)), []
+        )
