@@ -1,0 +1,92 @@
+"""The router's own in-flight accounting, updated the instant it routes.
+
+Routers that only learn load from a periodic poll send a whole burst to the engine that looked
+idle at the last poll. Here `begin` charges the engine at once with the request and its
+uncached prefill work; `first_token` releases the prefill work (the engine reported its first
+token, so the prompt is computed); `finish` releases the request. Every call is idempotent per
+request id, so a retried or duplicated notification never drives a counter negative.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.router.model import InFlight
+
+
+@dataclass(slots=True)
+class _Entry:
+    engine_id: str
+    prefill_tokens: int
+    context_blocks: int
+    prefilling: bool = True
+
+
+class InFlightTracker:
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._by_engine: dict[str, InFlight] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def engine_of(self, request_id: str) -> str | None:
+        entry = self._entries.get(request_id)
+        return entry.engine_id if entry is not None else None
+
+    def request_ids(self, engine_id: str | None = None) -> list[str]:
+        return [
+            rid
+            for rid, entry in self._entries.items()
+            if engine_id is None or entry.engine_id == engine_id
+        ]
+
+    def of(self, engine_id: str) -> InFlight:
+        return self._by_engine.get(engine_id, InFlight())
+
+    def begin(
+        self, request_id: str, engine_id: str, prefill_tokens: int, context_blocks: int
+    ) -> None:
+        """Charge `engine_id` with a request; a request id already in flight is moved."""
+        if request_id in self._entries:
+            self.finish(request_id)
+        self._entries[request_id] = _Entry(engine_id, prefill_tokens, context_blocks)
+        self._add(engine_id, 1, 1, prefill_tokens, context_blocks)
+
+    def first_token(self, request_id: str) -> None:
+        entry = self._entries.get(request_id)
+        if entry is None or not entry.prefilling:
+            return
+        entry.prefilling = False
+        self._add(entry.engine_id, 0, -1, -entry.prefill_tokens, 0)
+
+    def finish(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return
+        prefilling = 1 if entry.prefilling else 0
+        prefill = entry.prefill_tokens if entry.prefilling else 0
+        self._add(entry.engine_id, -1, -prefilling, -prefill, -entry.context_blocks)
+
+    def drop_engine(self, engine_id: str) -> list[str]:
+        """Forget every request on `engine_id` (it died or was removed); returns their ids."""
+        dropped = self.request_ids(engine_id)
+        for rid in dropped:
+            del self._entries[rid]
+        self._by_engine.pop(engine_id, None)
+        return dropped
+
+    def _add(
+        self, engine_id: str, requests: int, prefilling: int, prefill_tokens: int, blocks: int
+    ) -> None:
+        old = self._by_engine.get(engine_id, InFlight())
+        new = InFlight(
+            requests=old.requests + requests,
+            prefilling=old.prefilling + prefilling,
+            prefill_tokens=old.prefill_tokens + prefill_tokens,
+            context_blocks=old.context_blocks + blocks,
+        )
+        if new.requests == 0:
+            self._by_engine.pop(engine_id, None)
+        else:
+            self._by_engine[engine_id] = new

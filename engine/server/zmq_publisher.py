@@ -1,0 +1,132 @@
+"""A vLLM-compatible ZMQ KV-event publisher: PUB for the live stream, ROUTER for replay.
+
+Live: every batch goes out as `[topic, seq (8-byte big-endian), payload]` on a PUB socket,
+`seq` counting from 0 per process like vLLM's. PUB never blocks: at the high-water mark ZMQ
+drops, and a subscriber that sees a gap asks the replay socket.
+
+Replay (vLLM 0.32's legacy protocol): a DEALER sends `[b"", start_seq]`; the ROUTER answers
+`[b"", topic, seq, payload]` for every buffered batch with `seq >= start_seq`, oldest first,
+then the end marker `[b"", b"", ff*8, b""]`. Replies are the very bytes sent live. Anything
+else on the replay socket is answered with just the end marker.
+
+Both sockets bind (this engine is the server). A `*` port picks a free one; `bound_endpoint`
+and `bound_replay_endpoint` hold the real addresses for `GetKvEventSources`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+
+import zmq
+import zmq.asyncio
+
+from kvplane.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+END_OF_REPLAY_SEQ = b"\xff" * 8
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=False)
+
+
+class ZmqKvPublisher:
+    """Owns the PUB and replay ROUTER sockets and the replay buffer of sent frames."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: str,
+        replay_endpoint: str | None,
+        topic: str,
+        hwm: int,
+        buffer_steps: int,
+    ) -> None:
+        self._endpoint = endpoint
+        self._replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self._hwm = hwm
+        self._sent: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
+        self._ctx = zmq.asyncio.Context()
+        self._pub: zmq.asyncio.Socket | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._replay_task: asyncio.Task[None] | None = None
+        self.bound_endpoint = ""
+        self.bound_replay_endpoint: str | None = None
+
+    async def start(self) -> None:
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, self._hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        self.bound_endpoint = _bind(pub, self._endpoint)
+        self._pub = pub
+        if self._replay_endpoint is not None:
+            router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            self.bound_replay_endpoint = _bind(router, self._replay_endpoint)
+            self._router = router
+            self._replay_task = asyncio.create_task(self._serve_replay(), name="zmq-kv-replay")
+        log.info(
+            "ZMQ KV events on %s (replay %s), topic %r",
+            self.bound_endpoint,
+            self.bound_replay_endpoint,
+            self.topic.decode(),
+        )
+
+    def publish(self, seq: int, payload: bytes) -> None:
+        """Send one batch live and keep it for replay. Never blocks."""
+        seq_bytes = encode_seq(seq)
+        self._sent.append((seq, seq_bytes, payload))
+        if self._pub is None:
+            return
+        try:
+            self._pub.send_multipart([self.topic, seq_bytes, payload], flags=zmq.NOBLOCK)
+        except zmq.Again:  # pragma: no cover - PUB drops at HWM instead of raising
+            log.warning("ZMQ KV publisher dropped batch %d (queue full)", seq)
+
+    async def _serve_replay(self) -> None:
+        assert self._router is not None
+        router = self._router
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) < 2:
+                continue
+            identity, body = frames[0], frames[1:]
+            request = body[-1]
+            replies: list[list[bytes]] = []
+            if len(request) == 8:
+                start_seq = int.from_bytes(request, "big")
+                replies = [
+                    [identity, b"", self.topic, seq_bytes, payload]
+                    for seq, seq_bytes, payload in list(self._sent)
+                    if seq >= start_seq
+                ]
+            else:
+                log.warning("ZMQ replay: ignoring a %d-byte request", len(request))
+            for reply in replies:
+                await router.send_multipart(reply)
+            await router.send_multipart([identity, b"", b"", END_OF_REPLAY_SEQ, b""])
+
+    async def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+
+def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
+    """Bind `endpoint` (port `*` picks a free one) and return the address actually bound."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"cannot bind ZMQ KV events to {endpoint}: {exc}") from exc
+    last = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return last.decode() if isinstance(last, bytes) else str(last)
