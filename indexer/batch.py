@@ -62,6 +62,12 @@ class Action:
     block_sizes: tuple[int, ...] = ()
     # REPORT only: parent of hashes[0]; None = root.
     parent: BlockKey | None = None
+    # Physical-copy counting (kvplane extension, never set by the kv_indexer.v1 wire): a source
+    # whose engine can hold one block in several physical copies on one worker sets this on
+    # REPORTs of new copies (each adds one copy) and on REVOKEs (each drops one; the placement
+    # leaves with its last copy). False: the seed's plain REPORT (a replace, never a new copy)
+    # and REVOKE (removes the placement whatever its copy count).
+    copies: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,12 +8,13 @@ errors and commands that are not implemented yet.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from kvplane import __version__
-from kvplane.cli_common import OutputFormat, emit, fail_not_implemented
+from kvplane.cli_common import OutputFormat, emit
 from kvplane.errors import KvplaneError, NotImplementedYetError
 from kvplane.logs import LogFormat, configure_logging
 
@@ -48,11 +49,16 @@ def version(
 @app.command()
 def up(
     config: Annotated[
-        str | None, typer.Argument(help="Fleet YAML; embedded defaults when omitted.")
+        Path | None, typer.Argument(help="Fleet YAML; embedded defaults when omitted.")
     ] = None,
+    live: Annotated[bool, typer.Option(help="Show a live status table on a terminal.")] = True,
 ) -> None:
     """Start a whole local fleet (engines, controller, planner) until Ctrl-C."""
-    fail_not_implemented("kvplane up")
+    import asyncio
+
+    from kvplane.up import load_fleet, run_fleet
+
+    asyncio.run(run_fleet(load_fleet(config), live))
 
 
 def _register_groups() -> None:

@@ -28,6 +28,12 @@ ConfigOption = Annotated[
 ListenOption = Annotated[
     str | None, typer.Option("--listen", help="HOST:PORT to listen on (overrides the config).")
 ]
+PortFileOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--port-file", help="Write the bound port here once listening (for port 0 and scripts)."
+    ),
+]
 TargetOption = Annotated[
     str, typer.Option("--target", "-t", help="HOST:PORT of the server to talk to.")
 ]

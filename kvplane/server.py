@@ -15,6 +15,7 @@ import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -159,6 +160,15 @@ async def create_server(
         await health_servicer.set(name, serving)
     log.info("serving %s on %s:%d", ", ".join(names) or "health", host, bound)
     return server, bound
+
+
+def write_port_file(path: Path | None, port: int) -> None:
+    """Publish the bound port atomically (readers never see a partial file)."""
+    if path is None:
+        return
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{port}\n")
+    partial.replace(path)
 
 
 async def serve_until_signal(

@@ -1,0 +1,193 @@
+"""Faithful re-implementations of the peers' documented routing policies, for side-by-side
+comparison with `kvplane` on the same traces and fleets (written from their documentation
+and descriptions, not their code).
+
+- `sglang_cache_aware` (SGLang's router, cache-aware policy): the router keeps its own
+  approximate prefix tree per worker from the prompts it routed (not engine events). If the
+  load is imbalanced (max - min > 64 and max > 1.5 x min, load = the router's in-flight
+  requests) it takes the least loaded worker; otherwise the worker with the longest match if
+  the match covers more than 30% of the prompt, else the worker with the smallest tree.
+- `dynamo_cost` (NVIDIA Dynamo's KV router, default selector): cost = overlap_weight x
+  (prompt blocks not cached on the worker + prefill blocks already queued there) + the
+  worker's active blocks; temperature 0: the minimum, ties at random.
+- `llmd_longest_prefix` (llm-d's precise prefix-cache scorer): the longest consecutive cached
+  prefix, each block weighted by where it lives (device 1.0, host 0.8); ties at random.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.router.model import Candidate, Decision, EngineCost, Reason, RouteRequest
+from controller.router.policies import blind_costs
+
+
+@dataclass(frozen=True, slots=True)
+class SglangSettings:
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    # Per-worker tree size bound (tokens); least recently used blocks go first.
+    max_tree_tokens: int = 1 << 24
+
+
+class _ApproxTree:
+    """One worker's approximate tree. Keys are chained block keys, so the set of keys is the
+    tree; an OrderedDict in access order gives LRU eviction. A walk touches children before
+    parents, so a parent is never older than its child and leaves go first."""
+
+    def __init__(self) -> None:
+        self.keys: OrderedDict[int, None] = OrderedDict()
+
+    def match(self, block_keys: Sequence[int]) -> int:
+        n = 0
+        for key in block_keys:
+            if key not in self.keys:
+                break
+            n += 1
+        return n
+
+    def insert(self, block_keys: Sequence[int], max_blocks: int) -> None:
+        for key in reversed(block_keys):
+            self.keys[key] = None
+            self.keys.move_to_end(key)
+        while len(self.keys) > max_blocks:
+            self.keys.popitem(last=False)
+
+
+class SglangCacheAware:
+    name = "sglang_cache_aware"
+
+    def __init__(self, settings: SglangSettings | None = None) -> None:
+        self.settings = settings or SglangSettings()
+        self._trees: dict[str, _ApproxTree] = {}
+
+    def _tree(self, engine_id: str) -> _ApproxTree:
+        return self._trees.setdefault(engine_id, _ApproxTree())
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        s = self.settings
+        costs = blind_costs(request, candidates)
+        loads = [c.inflight.requests for c in candidates]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > s.balance_abs_threshold and hi > lo * s.balance_rel_threshold:
+            chosen = candidates[loads.index(lo)]
+            return self._decision(request, chosen, Reason.BALANCE, costs)
+        matched = [self._tree(c.engine_id).match(request.block_keys) for c in candidates]
+        best = max(matched)
+        rate = best * request.block_size / max(request.num_prompt_tokens, 1)
+        if best > 0 and rate > s.cache_threshold:
+            chosen = candidates[matched.index(best)]
+            return self._decision(request, chosen, Reason.CACHE, costs)
+        sizes = [len(self._tree(c.engine_id).keys) for c in candidates]
+        chosen = candidates[sizes.index(min(sizes))]
+        return self._decision(request, chosen, Reason.LOAD, costs)
+
+    def _decision(
+        self,
+        request: RouteRequest,
+        chosen: Candidate,
+        reason: Reason,
+        costs: tuple[EngineCost, ...],
+    ) -> Decision:
+        device, host = request.cached_tokens(chosen.hit)
+        return Decision(chosen.engine_id, reason, self.name, device + host, costs)
+
+    def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
+        max_blocks = max(1, self.settings.max_tree_tokens // max(request.block_size, 1))
+        self._tree(engine_id).insert(request.block_keys, max_blocks)
+
+    def forget_engine(self, engine_id: str) -> None:
+        self._trees.pop(engine_id, None)
+
+
+class DynamoCost:
+    name = "dynamo_cost"
+
+    def __init__(self, overlap_weight: float = 1.0) -> None:
+        self.overlap_weight = overlap_weight
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        bs = request.block_size
+        request_blocks = math.ceil(request.num_prompt_tokens / bs)
+        rows = []
+        for c in candidates:
+            device, _host = request.cached_tokens(c.hit)
+            prefill_blocks = request_blocks - device // bs + c.inflight.prefill_tokens / bs
+            decode_blocks = float(c.inflight.context_blocks + request_blocks)
+            total = self.overlap_weight * prefill_blocks + decode_blocks
+            rows.append(
+                EngineCost(
+                    c.engine_id,
+                    device,
+                    0,
+                    self.overlap_weight * (request_blocks - device // bs),
+                    self.overlap_weight * c.inflight.prefill_tokens / bs,
+                    decode_blocks,
+                    total,
+                )
+            )
+        best = min(r.total or 0.0 for r in rows)
+        tied = [i for i, r in enumerate(rows) if r.total == best]
+        index = tied[0] if len(tied) == 1 else rng.choice(tied)
+        chosen = candidates[index]
+        device, _ = request.cached_tokens(chosen.hit)
+        reason = Reason.CACHE if device > 0 else Reason.LOAD
+        return Decision(chosen.engine_id, reason, self.name, device, tuple(rows))
+
+    def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
+        return None
+
+    def forget_engine(self, engine_id: str) -> None:
+        return None
+
+
+class LlmdLongestPrefix:
+    name = "llmd_longest_prefix"
+
+    def __init__(self, device_weight: float = 1.0, host_weight: float = 0.8) -> None:
+        self.device_weight = device_weight
+        self.host_weight = host_weight
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        query = max(len(request.block_keys), 1)
+        scores = []
+        for c in candidates:
+            blocks = c.hit.device_blocks * self.device_weight + c.hit.host_blocks * self.host_weight
+            scores.append(min(blocks / query, 1.0))
+        best = max(scores)
+        tied = [i for i, s in enumerate(scores) if s == best]
+        chosen = candidates[tied[0] if len(tied) == 1 else rng.choice(tied)]
+        device, host = request.cached_tokens(chosen.hit)
+        reason = Reason.TIE if len(tied) > 1 else Reason.CACHE if best > 0 else Reason.LOAD
+        return Decision(
+            chosen.engine_id, reason, self.name, device + host, blind_costs(request, candidates)
+        )
+
+    def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
+        return None
+
+    def forget_engine(self, engine_id: str) -> None:
+        return None

@@ -1,0 +1,238 @@
+"""Routing policies: each turns (request, candidates, randomness) into a Decision.
+
+`kvplane` (the default) scores every engine by the prefill work it would do for the request,
+its queue and its decode load; the cache-blind baselines (`round_robin`, `random`,
+`least_loaded`, `power_of_two`) are here for comparison and for fleets without KV events. The
+peers' documented policies live in `controller.router.peers`.
+
+A policy only chooses; the `Router` filters busy engines and applies session affinity first.
+Randomness is always the `random.Random` passed in, so a seeded run is reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from controller.router.model import Candidate, Decision, EngineCost, Reason, RouteRequest
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        """Pick one of `candidates` (never empty)."""
+        ...
+
+    def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
+        """The request was sent to `engine_id` (policies with their own state learn here)."""
+        ...
+
+    def forget_engine(self, engine_id: str) -> None: ...
+
+
+class _Stateless:
+    def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
+        return None
+
+    def forget_engine(self, engine_id: str) -> None:
+        return None
+
+
+def blind_costs(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple[EngineCost, ...]:
+    """Cost rows for cache-blind policies: the cache each engine would have served, no total."""
+    rows = []
+    for c in candidates:
+        device, host = request.cached_tokens(c.hit)
+        rows.append(
+            EngineCost(
+                engine_id=c.engine_id,
+                cached_tokens=device,
+                host_cached_tokens=host,
+                prefill_cost=float(request.num_prompt_tokens - device - host),
+                queue_cost=float(c.pending_prefill_tokens),
+                decode_cost=float(c.active_requests),
+                total=None,
+            )
+        )
+    return tuple(rows)
+
+
+def _decision(
+    policy: str,
+    request: RouteRequest,
+    chosen: Candidate,
+    reason: Reason,
+    costs: tuple[EngineCost, ...],
+) -> Decision:
+    device, host = request.cached_tokens(chosen.hit)
+    return Decision(chosen.engine_id, reason, policy, device + host, costs)
+
+
+def least_loaded_of(candidates: Sequence[Candidate], rng: random.Random) -> Candidate:
+    """Fewest active requests, then least pending prefill; remaining ties at random."""
+    best = min((c.active_requests, c.pending_prefill_tokens) for c in candidates)
+    tied = [c for c in candidates if (c.active_requests, c.pending_prefill_tokens) == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+class RoundRobin(_Stateless):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        # Order by id so that the rotation survives candidates coming and going.
+        ordered = sorted(candidates, key=lambda c: c.engine_id)
+        chosen = ordered[self._next % len(ordered)]
+        self._next += 1
+        return _decision(
+            self.name, request, chosen, Reason.POLICY, blind_costs(request, candidates)
+        )
+
+
+class RandomChoice(_Stateless):
+    name = "random"
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        chosen = rng.choice(list(candidates))
+        return _decision(
+            self.name, request, chosen, Reason.POLICY, blind_costs(request, candidates)
+        )
+
+
+class LeastLoaded(_Stateless):
+    name = "least_loaded"
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        chosen = least_loaded_of(candidates, rng)
+        return _decision(self.name, request, chosen, Reason.LOAD, blind_costs(request, candidates))
+
+
+class PowerOfTwo(_Stateless):
+    name = "power_of_two"
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        pair = rng.sample(list(candidates), 2) if len(candidates) > 1 else list(candidates)
+        chosen = least_loaded_of(pair, rng)
+        return _decision(self.name, request, chosen, Reason.LOAD, blind_costs(request, candidates))
+
+
+@dataclass(frozen=True, slots=True)
+class KvplaneWeights:
+    """The `kvplane` cost, in prompt-token equivalents of prefill work (lower is better):
+
+        total = overlap_weight * (uncached + host_weight * host_cached)
+              + pending prefill tokens queued on the engine
+              + decode_weight * active requests
+
+    `overlap_weight` > 1 makes recomputing a prefix that another engine holds cost more than
+    the queueing it would save: with limited caches, a prefix stored twice halves the room for
+    everything else (tuned on the Mooncake traces, docs/benchmarks/routing.md).
+    Engines within `tie_tokens` + `tie_ratio` * best of the best cost are ties, picked at
+    random (or by softmax when `temperature` > 0), so equal engines share a hot prefix.
+    """
+
+    overlap_weight: float = 2.0
+    host_weight: float = 0.25
+    decode_weight: float = 256.0
+    tie_tokens: float = 64.0
+    tie_ratio: float = 0.02
+    temperature: float = 0.0
+
+
+class KvplanePolicy(_Stateless):
+    name = "kvplane"
+
+    def __init__(self, weights: KvplaneWeights | None = None) -> None:
+        self.weights = weights or KvplaneWeights()
+
+    def costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[EngineCost]:
+        w = self.weights
+        rows = []
+        for c in candidates:
+            device, host = request.cached_tokens(c.hit)
+            uncached = request.num_prompt_tokens - device - host
+            prefill = w.overlap_weight * (uncached + w.host_weight * host)
+            queue = float(c.pending_prefill_tokens)
+            decode = w.decode_weight * c.active_requests
+            rows.append(
+                EngineCost(
+                    c.engine_id, device, host, prefill, queue, decode, prefill + queue + decode
+                )
+            )
+        return rows
+
+    def choose(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        w = self.weights
+        rows = self.costs(request, candidates)
+        totals = [r.total or 0.0 for r in rows]
+        best = min(totals)
+        if w.temperature > 0:
+            index = _softmax_pick(totals, w.temperature, rng)
+            tied = 2
+        else:
+            limit = best + w.tie_tokens + w.tie_ratio * best
+            near = [i for i, t in enumerate(totals) if t <= limit]
+            tied = len(near)
+            index = near[0] if tied == 1 else rng.choice(near)
+        chosen = candidates[index]
+        device, host = request.cached_tokens(chosen.hit)
+        if len(candidates) == 1:
+            reason = Reason.ONLY
+        elif tied > 1:
+            reason = Reason.TIE
+        elif device + host > 0:
+            reason = Reason.CACHE
+        else:
+            reason = Reason.LOAD
+        return Decision(chosen.engine_id, reason, self.name, device + host, tuple(rows))
+
+
+def _softmax_pick(totals: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """Sample an index with probability proportional to exp(-normalised cost / temperature);
+    costs are normalised by their spread so the temperature is scale-free."""
+    lo, hi = min(totals), max(totals)
+    spread = (hi - lo) or 1.0
+    weights = [math.exp(-(t - lo) / spread / temperature) for t in totals]
+    return rng.choices(range(len(totals)), weights=weights)[0]

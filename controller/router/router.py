@@ -1,0 +1,202 @@
+"""The router: the same pure code decides in the gateway and in the trace replay.
+
+`Router.route(request, candidates, rng, now_s)` takes the routable engines (the caller has
+already dropped unhealthy, draining and cordoned ones and filled in each engine's cached prefix
+and last polled load), adds its own in-flight accounting, filters busy engines, honours session
+affinity, lets the policy choose, and charges the chosen engine at once. The caller reports
+`first_token` and `finish` as the stream progresses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.router.inflight import InFlightTracker
+from controller.router.model import Candidate, Decision, EngineCost, Reason, RouteRequest
+from controller.router.policies import Policy, blind_costs, least_loaded_of
+from kvplane.errors import KvplaneError
+
+
+class NoEngineAvailableError(KvplaneError):
+    """No engine can take the request (none registered, all unhealthy, draining or cordoned)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    """An engine is busy (skipped while any engine is not) when its KV cache is this full or
+    this many requests are queued on it. None disables a check."""
+
+    kv_usage: float | None = 0.97
+    queued_requests: int | None = None
+
+    def is_busy(self, c: Candidate) -> bool:
+        usage = c.kv_usage
+        if self.kv_usage is not None and usage is not None and usage >= self.kv_usage:
+            return True
+        return self.queued_requests is not None and c.queued_requests >= self.queued_requests
+
+
+@dataclass(frozen=True, slots=True)
+class DisaggDecision:
+    """Disaggregated placement: `prefill` is None when the decode engine prefills itself."""
+
+    prefill: Decision | None
+    decode: Decision
+
+
+class Router:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        busy: BusyThresholds | None = None,
+        session_capacity: int = 100_000,
+        skip_prefill_ratio: float = 0.9,
+    ) -> None:
+        self.policy = policy
+        self.busy = busy or BusyThresholds()
+        self.inflight = InFlightTracker()
+        self.skip_prefill_ratio = skip_prefill_ratio
+        self._session_capacity = session_capacity
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    def with_inflight(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        return [dataclasses.replace(c, inflight=self.inflight.of(c.engine_id)) for c in candidates]
+
+    def explain(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        """What `route` would decide, without charging anyone (the admin `route` command).
+        Stateful policies still advance (a round robin turns), as a real request would."""
+        return self._decide(request, candidates, rng, now_s)
+
+    def route(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        decision = self._decide(request, candidates, rng, now_s)
+        prefill = max(request.num_prompt_tokens - decision.predicted_cached_tokens, 0)
+        blocks = math.ceil(request.num_prompt_tokens / max(request.block_size, 1))
+        self.inflight.begin(request.request_id, decision.engine_id, prefill, blocks)
+        self.policy.observe(request, decision.engine_id, now_s)
+        if request.session_key:
+            self._sessions[request.session_key] = decision.engine_id
+            self._sessions.move_to_end(request.session_key)
+            while len(self._sessions) > self._session_capacity:
+                self._sessions.popitem(last=False)
+        return decision
+
+    def first_token(self, request_id: str) -> None:
+        self.inflight.first_token(request_id)
+
+    def finish(self, request_id: str) -> None:
+        self.inflight.finish(request_id)
+
+    def forget_engine(self, engine_id: str) -> list[str]:
+        """The engine left the fleet: drop its accounting, sessions and policy state."""
+        self.policy.forget_engine(engine_id)
+        for key in [k for k, e in self._sessions.items() if e == engine_id]:
+            del self._sessions[key]
+        return self.inflight.drop_engine(engine_id)
+
+    def route_disaggregated(
+        self,
+        request: RouteRequest,
+        prefill_candidates: Sequence[Candidate],
+        decode_candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> DisaggDecision:
+        """Decode engine by load; prefill engine by the policy (overlap + load). When the
+        decode engine already holds `skip_prefill_ratio` of the prompt, it prefills itself."""
+        if not decode_candidates:
+            raise NoEngineAvailableError("no decode engine available")
+        decode_view = self.with_inflight(decode_candidates)
+        chosen = least_loaded_of(decode_view, rng)
+        device, host = request.cached_tokens(chosen.hit)
+        cached_fraction = (device + host) / max(request.num_prompt_tokens, 1)
+        decode = Decision(
+            chosen.engine_id,
+            Reason.LOAD,
+            "least_loaded",
+            device + host,
+            blind_costs(request, decode_view),
+        )
+        if not prefill_candidates or cached_fraction >= self.skip_prefill_ratio:
+            self.inflight.begin(
+                request.request_id,
+                chosen.engine_id,
+                request.num_prompt_tokens - device - host,
+                math.ceil(request.num_prompt_tokens / request.block_size),
+            )
+            return DisaggDecision(None, decode)
+        prefill = self.route(request, prefill_candidates, rng, now_s)
+        return DisaggDecision(prefill, decode)
+
+    def _decide(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        if not candidates:
+            raise NoEngineAvailableError("no engine available to route to")
+        view = self.with_inflight(candidates)
+        free = [c for c in view if not self.busy.is_busy(c)]
+        busy_ids = {c.engine_id for c in view} - {c.engine_id for c in free}
+        if not free:
+            chosen = least_loaded_of(view, rng)
+            device, host = request.cached_tokens(chosen.hit)
+            return Decision(
+                chosen.engine_id,
+                Reason.ALL_BUSY,
+                self.policy.name,
+                device + host,
+                _mark_busy(blind_costs(request, view), busy_ids),
+            )
+        if request.session_key:
+            engine_id = self._sessions.get(request.session_key)
+            sticky = next((c for c in free if c.engine_id == engine_id), None)
+            if sticky is not None:
+                device, host = request.cached_tokens(sticky.hit)
+                return Decision(
+                    sticky.engine_id,
+                    Reason.SESSION,
+                    self.policy.name,
+                    device + host,
+                    _mark_busy(blind_costs(request, view), busy_ids),
+                )
+        if len(free) == 1:
+            chosen = free[0]
+            device, host = request.cached_tokens(chosen.hit)
+            return Decision(
+                chosen.engine_id,
+                Reason.ONLY,
+                self.policy.name,
+                device + host,
+                _mark_busy(blind_costs(request, view), busy_ids),
+            )
+        decision = self.policy.choose(request, free, rng, now_s)
+        if not busy_ids:
+            return decision
+        busy_rows = [r for r in blind_costs(request, view) if r.engine_id in busy_ids]
+        return dataclasses.replace(
+            decision, costs=decision.costs + _mark_busy(tuple(busy_rows), busy_ids)
+        )
+
+
+def _mark_busy(rows: tuple[EngineCost, ...], busy_ids: set[str]) -> tuple[EngineCost, ...]:
+    return tuple(dataclasses.replace(r, busy=r.engine_id in busy_ids) for r in rows)

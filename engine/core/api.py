@@ -1,0 +1,454 @@
+"""The engine core's public types: requests in, outputs and KV events out, and the runner contract.
+
+Everything here is a frozen, slotted dataclass, an Enum or a Protocol; proto types stop at the
+servers (`engine/server/`), torch stays in the runners. The flow of one step:
+
+    EngineCore.step()
+      scheduler picks a ScheduledBatch  ->  ModelRunner.execute(batch) -> list[SequenceResult]
+      stop checks + detokenisation      ->  list[RequestOutput] (per-step deltas)
+      block manager records KV events   ->  EngineCore.take_kv_events() -> list[KvEvent]
+
+Conventions: token ids are ints; positions are 0-based; `None` means "not set / unknown", never
+`-1`; block keys are kvplane's canonical chained keys (`indexer.keys.block_keys`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NewType, Protocol
+
+from engine.core.errors import InvalidRequestError
+
+BlockKey = NewType("BlockKey", int)
+"""kvplane's canonical chained key of one full block (see `indexer.keys.block_keys`)."""
+
+BlockId = int
+"""Index of a physical KV block in the runner's cache, 0 <= id < num_blocks."""
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobRequest:
+    """Return the logprob and rank of each token, plus candidates at each position.
+
+    At most one candidate selection: `top_n` most likely tokens, explicit `token_ids`, or
+    `all_candidates` (the whole vocabulary). With none of them, only the token's own logprob.
+    """
+
+    top_n: int = 0
+    token_ids: tuple[int, ...] = ()
+    all_candidates: bool = False
+
+    def validate(self, what: str) -> None:
+        chosen = sum((self.top_n > 0, bool(self.token_ids), self.all_candidates))
+        if chosen > 1:
+            raise InvalidRequestError(f"{what}: choose one of top_n, token_ids or all")
+        if self.top_n < 0 or any(t < 0 for t in self.token_ids):
+            raise InvalidRequestError(f"{what}: negative top_n or token id")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling, stopping and returned-data options of one request.
+
+    Defaults are the engine defaults (an absent proto field maps to the default here).
+    `temperature == 0` means greedy. `max_tokens=None` means "until the context is full".
+    `num_sequences` (n) independent outputs share the prompt; output i samples with seed
+    `seed + i` when a seed is given.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    num_sequences: int = 1
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_in_output: bool = False
+    logprobs: LogprobRequest | None = None
+    prompt_logprobs: LogprobRequest | None = None
+    prompt_logprob_start: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError on a malformed combination (checked before acceptance)."""
+        if self.temperature < 0 or self.temperature != self.temperature:
+            raise InvalidRequestError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise InvalidRequestError("top_k must be >= 1 when set")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p must be in [0, 1]")
+        if not -2.0 <= self.frequency_penalty <= 2.0 or not -2.0 <= self.presence_penalty <= 2.0:
+            raise InvalidRequestError("frequency/presence penalties must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty must be > 0")
+        if self.num_sequences < 1:
+            raise InvalidRequestError("num_sequences must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be >= 1")
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
+            raise InvalidRequestError("min_tokens must be in [0, max_tokens]")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop token ids must be >= 0")
+        if self.prompt_logprob_start < 0:
+            raise InvalidRequestError("prompt_logprob_start must be >= 0")
+        if self.logprobs is not None:
+            self.logprobs.validate("output candidates")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.validate("prompt candidates")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One generation request, already tokenised.
+
+    `priority`: larger is scheduled first; FCFS within a priority. `cache_salt` and `lora_name`
+    namespace prefix-cache keys. `bypass_prefix_cache` skips reuse of cached blocks but still
+    caches the blocks it computes. Prompt logprobs imply no reuse for that request (every
+    position must be computed).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    bypass_prefix_cache: bool = False
+    kv_session_id: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One candidate token at a position. `rank` is 1-based in the full distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The logprob and 1-based rank of the chosen (or prompt) token, plus requested candidates."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    candidates: tuple[Candidate, ...] = ()
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # stop token, stop string or EOS: see StopMatch
+    LENGTH = "length"  # max_tokens or the context limit
+    CANCELLED = "cancelled"  # aborted
+    ERROR = "error"  # the runner failed; `RequestOutput.message` says why
+
+
+class StopKind(Enum):
+    STOP_TOKEN = "stop_token"
+    STOP_TEXT = "stop_text"
+    EOS = "eos"
+
+
+@dataclass(frozen=True, slots=True)
+class StopMatch:
+    kind: StopKind
+    token_id: int | None = None  # STOP_TOKEN and EOS
+    text: str | None = None  # STOP_TEXT
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Cumulative over every output of the request. cached <= prompt."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one output (`output_index`) of a request: deltas only.
+
+    `new_token_ids` are the tokens emitted this step; `new_text` is the text delta (text may lag
+    tokens: stop-string holdback and incomplete UTF-8 are held back). `logprobs`, when requested,
+    align with `new_token_ids`. `prompt_logprobs` is set at most once per request, on the first
+    output that carries it: one entry per prompt position from `prompt_logprob_start`, `None` for
+    position 0 (no conditional probability). `finish_reason` is set on the last output of this
+    index; `usage` only on the request's very last output (the last index to finish).
+    A matched stop token (caller stop id or EOS) is not in `new_token_ids` unless
+    `include_stop_in_output`; it is still counted in `completion_tokens`.
+    """
+
+    request_id: str
+    output_index: int
+    new_token_ids: tuple[int, ...] = ()
+    new_text: str = ""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    finish_reason: FinishReason | None = None
+    stop_match: StopMatch | None = None
+    message: str = ""
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# --------------------------------------------------------------------------------------------
+# KV events (recorded by the block manager, drained by EngineCore.take_kv_events)
+# --------------------------------------------------------------------------------------------
+
+
+class Medium(Enum):
+    GPU = "GPU"  # the runner's KV cache, wherever it lives (a CPU engine reports GPU, as vLLM)
+    CPU = "CPU"
+    DISK = "DISK"
+    EXTERNAL = "EXTERNAL"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Consecutive full blocks of one sequence became cached.
+
+    `parent_key` is the key of the block before the first listed one (None for a prefix start);
+    each later block's parent is the one before it. `token_ids` has exactly
+    `len(block_keys) * block_size` tokens. `extra_keys` has one entry per block: the cache salt
+    as `("cache_salt", salt)` on a sequence's first block, else None.
+    """
+
+    block_keys: tuple[BlockKey, ...]
+    parent_key: BlockKey | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: Medium = Medium.GPU
+    lora_name: str | None = None
+    extra_keys: tuple[tuple[str, ...] | None, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_keys: tuple[BlockKey, ...]
+    medium: Medium = Medium.GPU
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    medium: Medium = Medium.GPU
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+# --------------------------------------------------------------------------------------------
+# Runner contract
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One sequence's work in a step.
+
+    Compute `token_ids` at positions `start_position ..`; their KV goes into the slots
+    `block_table[p // block_size]`, offset `p % block_size`; attention covers positions
+    `0 .. start_position + len(token_ids) - 1` through `block_table`. When `sample` is set,
+    sample one token from the logits of the last position with `sampling` (penalties read
+    `prompt_token_ids` and `output_token_ids`; `seed` is already per output). When
+    `prompt_logprobs` is set, return the logprob of each prompt token at positions
+    `start_position + 1 .. min(start_position + len(token_ids), len(prompt_token_ids) - 1)`.
+    The sequences passed here are views valid during the call only: do not keep them.
+    """
+
+    seq_id: int
+    request_id: str
+    output_index: int
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[BlockId]
+    sample: bool
+    sampling: SamplingParams
+    seed: int | None
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    prompt_logprobs: LogprobRequest | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    sequences: tuple[ScheduledSequence, ...]
+    num_scheduled_tokens: int
+    num_prefill_tokens: int  # prompt tokens computed this step (uncached prefill work)
+    num_decode_sequences: int  # sequences past their prompt, computing one token
+    num_decode_context_tokens: int  # context length summed over the decoding sequences
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceResult:
+    """A runner's answer for one scheduled sequence.
+
+    `token_id` (and `logprob` when `sampling.logprobs`) only when the sequence sampled.
+    `prompt_logprobs` as described in ScheduledSequence.
+    """
+
+    seq_id: int
+    token_id: int | None = None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class ModelRunner(Protocol):
+    """Runs forward passes over a paged KV cache of `num_blocks` blocks of `block_size` tokens."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) the model supports."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        """Run one forward pass; return one result per scheduled sequence, in any order."""
+        ...
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        """Forget per-sequence state (seeded generators) of finished or aborted sequences."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------
+# Engine-level observations
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardPassStats:
+    """One step, for FORWARD_PASS / BATCH runtime events and metrics."""
+
+    started_at_s: float
+    duration_s: float
+    batch_size: int
+    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_sequences: int
+    num_cached_tokens: int  # prefix-cache hits of the sequences admitted this step
+    num_preempted: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The engine's load for GetLoad, measured at the end of the last step."""
+
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int  # referenced by a running sequence
+    num_cached_blocks: int  # holding a prefix-cache key (referenced or evictable)
+    num_total_blocks: int
+    running_tokens: int  # context tokens of running sequences
+    waiting_tokens: int  # tokens still to compute for waiting sequences
+    prefill_batch_size: int  # of the last step
+    decode_batch_size: int  # of the last step
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    outputs: list[RequestOutput]
+    stats: ForwardPassStats | None  # None when nothing ran
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # token budget per step (chunked prefill)
+    enable_prefix_caching: bool = True
+    medium: Medium = Medium.GPU
+    # A waiting sequence gains one priority level per `aging_s` seconds waited, so low priority
+    # work is never starved (None disables aging: strict priority, FCFS within a level).
+    aging_s: float | None = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What the engine thread hands to `EngineLoop(on_step=...)` after each step or command."""
+
+    result: StepResult
+    kv_events: list[KvEvent]
+    load: LoadSnapshot
+
+
+class EngineCoreFacade(Protocol):
+    """The synchronous core (`engine.core.engine_core.EngineCore`); not thread-safe: drive it
+    from one thread (`EngineLoop` does). Raises InvalidRequestError / PromptTooLongError /
+    DuplicateRequestError from `add_request` before accepting anything."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    def check_request(self, request: EngineRequest) -> None:
+        """Validate without side effects (thread-safe: reads immutable config only)."""
+        ...
+
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish every unfinished output as CANCELLED; [] when unknown or already finished."""
+        ...
+
+    def abort_all(self) -> list[RequestOutput]: ...
+
+    def step(self) -> StepResult: ...
+
+    def has_work(self) -> bool: ...
+
+    def take_kv_events(self) -> list[KvEvent]: ...
+
+    def kv_snapshot(self) -> list[BlockStored]:
+        """The cached set as BlockStored events, parents before children."""
+        ...
+
+    def load(self) -> LoadSnapshot: ...
+
+    def reset_prefix_cache(self) -> bool: ...

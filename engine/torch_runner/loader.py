@@ -1,0 +1,165 @@
+"""Load a Hugging Face Llama/Qwen2 checkpoint (config.json + *.safetensors) into a DecoderModel.
+
+Contract: `load_model(path, dtype, device)` returns a ready model or raises `CheckpointError`
+naming the missing file, the missing or misshapen tensor, or the unsupported dtype/device.
+Tensors are checked against the shapes `config.json` implies before anything is built, so a
+mismatched checkpoint fails at load time rather than producing wrong text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from engine.torch_runner.config import ModelConfig
+from engine.torch_runner.errors import CheckpointError
+from engine.torch_runner.model import DecoderModel, LayerWeights, ModelWeights
+
+DTypeName = Literal["float32", "bfloat16"]
+
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(
+            f"dtype {name!r} is not supported; choose one of {sorted(_DTYPES)}"
+        ) from None
+
+
+def resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise CheckpointError(f"bad device {name!r}: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CheckpointError(f"device {name!r} requested but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise CheckpointError(f"device type {device.type!r} is not supported (cpu or cuda)")
+    return device
+
+
+def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(str(file), device="cpu"))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {file}: {exc}") from exc
+    return state
+
+
+class _Weights:
+    """Takes tensors out of a state dict by name, checking shape, converting dtype/device."""
+
+    def __init__(
+        self, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self._state = state
+        self._dtype = dtype
+        self._device = device
+
+    def has(self, name: str) -> bool:
+        return name in self._state
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self._state.get(name)
+        if tensor is None:
+            raise CheckpointError(f"checkpoint has no tensor {name!r}")
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, config implies {shape}"
+            )
+        return tensor.to(device=self._device, dtype=self._dtype).contiguous()
+
+    def optional(self, name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
+        return self.get(name, shape) if present else None
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(p is None for p in parts):
+        return None
+    return torch.cat([p for p in parts if p is not None], dim=0)
+
+
+def build_weights(
+    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> ModelWeights:
+    w = _Weights(state, dtype, device)
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv_bias = config.qkv_bias
+        layers.append(
+            LayerWeights(
+                input_norm=w.get(p + "input_layernorm.weight", (hidden,)),
+                qkv_weight=torch.cat(
+                    [
+                        w.get(attn + "q_proj.weight", (q_size, hidden)),
+                        w.get(attn + "k_proj.weight", (kv_size, hidden)),
+                        w.get(attn + "v_proj.weight", (kv_size, hidden)),
+                    ]
+                ),
+                qkv_bias=_cat(
+                    [
+                        w.optional(attn + "q_proj.bias", (q_size,), qkv_bias),
+                        w.optional(attn + "k_proj.bias", (kv_size,), qkv_bias),
+                        w.optional(attn + "v_proj.bias", (kv_size,), qkv_bias),
+                    ]
+                ),
+                o_weight=w.get(attn + "o_proj.weight", (hidden, q_size)),
+                o_bias=w.optional(attn + "o_proj.bias", (hidden,), config.o_bias),
+                post_attention_norm=w.get(p + "post_attention_layernorm.weight", (hidden,)),
+                gate_up_weight=torch.cat(
+                    [
+                        w.get(mlp + "gate_proj.weight", (inter, hidden)),
+                        w.get(mlp + "up_proj.weight", (inter, hidden)),
+                    ]
+                ),
+                gate_up_bias=_cat(
+                    [
+                        w.optional(mlp + "gate_proj.bias", (inter,), config.mlp_bias),
+                        w.optional(mlp + "up_proj.bias", (inter,), config.mlp_bias),
+                    ]
+                ),
+                down_weight=w.get(mlp + "down_proj.weight", (hidden, inter)),
+                down_bias=w.optional(mlp + "down_proj.bias", (hidden,), config.mlp_bias),
+            )
+        )
+    embed = w.get("model.embed_tokens.weight", (config.vocab_size, hidden))
+    # Some tied checkpoints still ship lm_head.weight; tie_word_embeddings decides.
+    if config.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = w.get("lm_head.weight", (config.vocab_size, hidden))
+    return ModelWeights(
+        embed_tokens=embed,
+        layers=tuple(layers),
+        final_norm=w.get("model.norm.weight", (hidden,)),
+        lm_head=lm_head,
+    )
+
+
+def load_model(model_dir: Path | str, dtype: str = "float32", device: str = "cpu") -> DecoderModel:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist")
+    config = ModelConfig.from_dir(path)
+    torch_dtype = resolve_dtype(dtype)
+    torch_device = resolve_device(device)
+    state = read_state_dict(path)
+    weights = build_weights(config, state, torch_dtype, torch_device)
+    return DecoderModel(config, weights, torch_dtype, torch_device)

@@ -1,0 +1,158 @@
+"""The Llama/Qwen2 decoder over a paged KV cache.
+
+Both families share one forward: token embedding, then per layer RMSNorm -> grouped-query
+attention with rotary position embeddings (rotate-half layout) -> residual -> RMSNorm -> SwiGLU
+MLP -> residual, then a final RMSNorm and the LM head (the embedding matrix when tied). Qwen2
+differs only in its q/k/v biases, which the loader passes in. q/k/v and gate/up projections are
+stored fused (one matmul each), as in serving engines.
+
+Numerics follow the reference implementation: RMSNorm is computed in float32 and cast back
+before the weight multiply; cos/sin tables are computed in float32 and cast to the compute
+dtype; logits are returned in float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.torch_runner.attention import AttentionMetadata, PagedKvCache, paged_attention
+from engine.torch_runner.config import ModelConfig, RopeConfig, RopeType
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return weight * (x32 * torch.rsqrt(variance + eps)).to(dtype)
+
+
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.type is not RopeType.LLAMA3:
+        return inv_freq
+    # Llama 3.1 scaling: long wavelengths are slowed by `factor`, short ones kept, and the band
+    # between them interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables indexed by position, grown on demand past max_position_embeddings."""
+
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self._rope = rope
+        self._inv_freq = rope_inverse_frequencies(rope, head_dim)
+        self._dtype = dtype
+        self._device = device
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+        self._build(max_positions)
+
+    def _build(self, num_positions: int) -> None:
+        t = torch.arange(num_positions, dtype=torch.float32)
+        if self._rope.type is RopeType.LINEAR:
+            t = t / self._rope.factor
+        freqs = torch.outer(t, self._inv_freq)
+        self._cos = freqs.cos().to(self._dtype).to(self._device)
+        self._sin = freqs.sin().to(self._dtype).to(self._device)
+
+    def tables(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, head_dim / 2]."""
+        if max_position >= self._cos.shape[0]:
+            self._build(max(2 * self._cos.shape[0], max_position + 1))
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half (GPT-NeoX) layout: pairs (i, i + D/2) rotate together."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor  # [(H + 2 * KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_attention_norm: torch.Tensor
+    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelWeights:
+    embed_tokens: torch.Tensor
+    layers: tuple[LayerWeights, ...]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # the embedding itself when tied
+
+
+class DecoderModel:
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        self.rotary = RotaryEmbedding(
+            config.rope, config.head_dim, config.max_position_embeddings, dtype, device
+        )
+        self._q_size = config.num_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+        self._scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKvCache,
+        max_position: int,
+    ) -> torch.Tensor:
+        """[T] token ids -> [T, hidden] final hidden states (after the final norm)."""
+        cfg = self.config
+        cos, sin = self.rotary.tables(metadata.positions, max_position)
+        hidden = F.embedding(input_ids, self.weights.embed_tokens)
+        for index, layer in enumerate(self.weights.layers):
+            residual = hidden
+            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+            q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            attn = paged_attention(
+                q, k, v, kv_cache.keys[index], kv_cache.values[index], metadata, self._scale
+            )
+            hidden = residual + F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
+            residual = hidden
+            x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+        return rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+        return F.linear(hidden, self.weights.lm_head).float()

@@ -1,0 +1,365 @@
+"""Engine events -> index batches for one worker (pure; one `WorkerTranslator` per source).
+
+What it decides:
+
+- **Tier.** A medium maps to a tier: GPU -> HBM, CPU / CPU_PINNED -> DRAM, DISK / STORAGE ->
+  SSD. A nil medium and EXTERNAL have no tier in the seed; `MediumMap` makes that an explicit
+  choice (the indexer's own sources default nil -> HBM, since a nil medium on a GPU engine means
+  GPU; the bridge defaults to skipping both, like SGLang's bridge). An event whose medium maps
+  to no tier is skipped and counted.
+- **Key space.** `engine`: the engine's hash in sfixed64 (`to_sfixed64`). `canonical`:
+  kvplane's chained key of the block's tokens (`indexer.keys.block_keys`), with an engine-hash
+  -> canonical-key map per worker that resolves removals and re-announcements without tokens.
+  An event that cannot be keyed (no tokens, unknown parent) is skipped and counted.
+- **Copies.** vLLM can hold the same hash in two physical blocks and then removes it twice, so
+  copies are counted per (tier, engine hash): a block is reported when its first copy appears
+  and revoked when its last copy goes. `kv_cache_report_mode="full"` re-announces cached blocks
+  as BlockStored with a nil parent: a nil-parent store of an already-live hash is not a new
+  copy (checked against the real capture: counting them as copies leaves more live blocks than
+  the engine's cache holds). A removal of a hash never seen is passed on as a REVOKE in engine
+  mode (a no-op if absent; it may be a block indexed before this translator started).
+- **Clears.** AllBlocksCleared -> one CLEAR_ALL_AT_TIER per configured tier, in place (or only
+  its medium's tier when it names one); `reset()` clears every tier and all state (engine
+  restart, unrecoverable gap).
+- **Shape.** Adjacent REPORTs to one tier merge when they chain (each later block's parent is
+  the one before it, so a merge never loses a parent link); adjacent REVOKEs to one tier merge.
+  Batches are split at 256 actions / 16,384 hashes (the seed's limits), all with the same seq.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from indexer import keys
+from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier, to_sfixed64
+from indexer.engine_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineEvent,
+    EngineHash,
+)
+
+MAX_ACTIONS_PER_BATCH = 256
+MAX_HASHES_PER_BATCH = 16_384
+ALL_TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
+
+
+class HashMode(enum.StrEnum):
+    ENGINE = "engine"
+    CANONICAL = "canonical"
+
+
+_KNOWN_MEDIA: dict[str, Tier] = {
+    "GPU": Tier.HBM,
+    "CPU": Tier.DRAM,
+    "CPU_PINNED": Tier.DRAM,
+    "DISK": Tier.SSD,
+    "STORAGE": Tier.SSD,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MediumMap:
+    """Where a nil medium and EXTERNAL go (None = skip the event). Unknown media are skipped."""
+
+    nil: Tier | None = Tier.HBM
+    external: Tier | None = None
+
+    def tier(self, medium: str | None) -> Tier | None:
+        if medium is None:
+            return self.nil
+        if medium == "EXTERNAL":
+            return self.external
+        return _KNOWN_MEDIA.get(medium)
+
+
+BRIDGE_MEDIUM_MAP = MediumMap(nil=None, external=None)
+
+
+@dataclass(frozen=True, slots=True)
+class TranslateOptions:
+    worker_id: str
+    worker_address: str = ""
+    hash_mode: HashMode = HashMode.ENGINE
+    media: MediumMap = MediumMap()
+    # Tiers an AllBlocksCleared without a medium clears.
+    clear_tiers: tuple[Tier, ...] = ALL_TIERS
+    # Used when an event carries tokens but no block_size (canonical mode).
+    default_block_size: int | None = None
+    cache_spec: CacheSpec | None = None
+
+
+@dataclass(slots=True)
+class TranslateCounters:
+    num_events: int = 0
+    num_skipped_medium: int = 0  # medium mapped to no tier
+    num_unresolved: int = 0  # canonical mode: no tokens, unknown parent or unknown hash
+    num_actions: int = 0
+
+
+@dataclass(slots=True)
+class _Live:
+    """One engine hash live on this worker: copies per tier, and its key in the index."""
+
+    key: BlockKey
+    copies: dict[Tier, int] = field(default_factory=dict)
+
+
+class WorkerTranslator:
+    def __init__(self, options: TranslateOptions) -> None:
+        self.options = options
+        self.counters = TranslateCounters()
+        self._live: dict[BlockKey, _Live] = {}  # by sfixed64 engine hash
+
+    @property
+    def num_live_blocks(self) -> int:
+        return len(self._live)
+
+    def live_keys(self, tier: Tier | None = None) -> dict[BlockKey, int]:
+        """Index key -> copies (at `tier`, or summed over tiers) of every live block."""
+        out: dict[BlockKey, int] = {}
+        for live in self._live.values():
+            copies = sum(live.copies.values()) if tier is None else live.copies.get(tier, 0)
+            if copies:
+                out[live.key] = copies
+        return out
+
+    def translate(self, events: Iterable[EngineEvent], *, seq: int = 0) -> list[Batch]:
+        """The batches (possibly none) that apply `events` to the index, in order."""
+        actions: list[Action] = []
+        for event in events:
+            self.counters.num_events += 1
+            if isinstance(event, BlockStored):
+                self._stored(event, actions)
+            elif isinstance(event, BlockRemoved):
+                self._removed(event, actions)
+            elif isinstance(event, AllBlocksCleared):
+                self._cleared(event, actions)
+        return self._batches(actions, seq)
+
+    def reset(self, *, seq: int = 0) -> Batch:
+        """Forget everything and return the batch that clears this worker at every tier."""
+        self._live.clear()
+        actions = tuple(Action(ActionType.CLEAR_ALL_AT_TIER, t) for t in ALL_TIERS)
+        return self._batch(actions, seq)
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _tier(self, medium: str | None) -> Tier | None:
+        tier = self.options.media.tier(medium)
+        if tier is None:
+            self.counters.num_skipped_medium += 1
+        return tier
+
+    def _stored(self, event: BlockStored, out: list[Action]) -> None:
+        tier = self._tier(event.medium)
+        if tier is None or not event.block_hashes:
+            return
+        engine_keys = [to_sfixed64(h) for h in event.block_hashes]
+        index_keys = self._index_keys(event, engine_keys)
+        if index_keys is None:
+            self.counters.num_unresolved += 1
+            return
+        block_size = event.block_size or self.options.default_block_size or 0
+        reannounce = event.parent_block_hash is None
+        parent = self._parent_key(event.parent_block_hash)
+        for engine_key, key in zip(engine_keys, index_keys, strict=True):
+            live = self._live.get(engine_key)
+            if live is None:
+                live = self._live[engine_key] = _Live(key)
+            copies = live.copies.get(tier, 0)
+            if copies and reannounce:
+                pass  # full-mode re-announcement: not a new copy
+            else:
+                live.copies[tier] = copies + 1
+            if not copies:
+                _append_report(out, tier, key, parent, block_size)
+            parent = key
+
+    def _index_keys(
+        self, event: BlockStored, engine_keys: Sequence[BlockKey]
+    ) -> list[BlockKey] | None:
+        if self.options.hash_mode is HashMode.ENGINE:
+            return list(engine_keys)
+        # Canonical: reuse the keys of blocks already live (re-announcements, copies), hash
+        # the others from their tokens, chaining from the parent's canonical key.
+        block_size = event.block_size or self.options.default_block_size
+        known = [self._live.get(k) for k in engine_keys]
+        if all(live is not None for live in known):
+            return [live.key for live in known if live is not None]
+        if not block_size or len(event.token_ids) != block_size * len(engine_keys):
+            return None
+        parent: BlockKey | None = None
+        if event.parent_block_hash is not None:
+            parent_live = self._live.get(to_sfixed64(event.parent_block_hash))
+            if parent_live is None:
+                return None
+            parent = parent_live.key
+        salt = event.cache_salt or _salt_from_extra_keys(event)
+        out: list[BlockKey] = []
+        for i, live in enumerate(known):
+            if live is not None:
+                key = live.key
+            else:
+                tokens = event.token_ids[i * block_size : (i + 1) * block_size]
+                (key,) = keys.block_keys(
+                    tokens,
+                    block_size,
+                    lora_name=event.lora_name,
+                    cache_salt=salt if parent is None else None,
+                    parent=parent,
+                )
+            out.append(key)
+            parent = key
+        return out
+
+    def _parent_key(self, parent_hash: EngineHash | None) -> BlockKey | None:
+        if parent_hash is None:
+            return None
+        engine_key = to_sfixed64(parent_hash)
+        if self.options.hash_mode is HashMode.ENGINE:
+            return engine_key
+        live = self._live.get(engine_key)
+        return None if live is None else live.key
+
+    def _removed(self, event: BlockRemoved, out: list[Action]) -> None:
+        tier = self._tier(event.medium)
+        if tier is None:
+            return
+        for engine_hash in event.block_hashes:
+            engine_key = to_sfixed64(engine_hash)
+            live = self._live.get(engine_key)
+            if live is None:
+                if self.options.hash_mode is HashMode.ENGINE:
+                    _append_revoke(out, tier, engine_key)
+                else:
+                    self.counters.num_unresolved += 1
+                continue
+            copies = live.copies.get(tier, 0) - 1
+            if copies > 0:
+                live.copies[tier] = copies
+                continue
+            live.copies.pop(tier, None)
+            if not live.copies:
+                del self._live[engine_key]
+            _append_revoke(out, tier, live.key)
+
+    def _cleared(self, event: AllBlocksCleared, out: list[Action]) -> None:
+        if event.medium is None:
+            tiers: tuple[Tier, ...] = self.options.clear_tiers
+        else:
+            tier = self._tier(event.medium)
+            if tier is None:
+                return
+            tiers = (tier,)
+        for tier in tiers:
+            out.append(Action(ActionType.CLEAR_ALL_AT_TIER, tier))
+        for engine_key in list(self._live):
+            live = self._live[engine_key]
+            for tier in tiers:
+                live.copies.pop(tier, None)
+            if not live.copies:
+                del self._live[engine_key]
+
+    # -- batches ---------------------------------------------------------------------------
+
+    def _batch(self, actions: tuple[Action, ...], seq: int) -> Batch:
+        self.counters.num_actions += len(actions)
+        return Batch(
+            worker_id=self.options.worker_id,
+            actions=actions,
+            worker_address=self.options.worker_address,
+            seq=seq,
+            cache_spec=self.options.cache_spec,
+        )
+
+    def _batches(self, actions: list[Action], seq: int) -> list[Batch]:
+        return [self._batch(chunk, seq) for chunk in split_actions(actions)]
+
+
+def _salt_from_extra_keys(event: BlockStored) -> str | None:
+    """vLLM puts the cache salt in the first block's extra keys: as ("cache_salt", salt) in
+    the typed form, else as the last plain string that is not the LoRA name."""
+    if not event.extra_keys or event.extra_keys[0] is None:
+        return None
+    salt: str | None = None
+    for item in event.extra_keys[0]:
+        if isinstance(item, tuple) and len(item) == 2 and item[0] == "cache_salt":
+            return str(item[1])
+        if isinstance(item, str) and item != event.lora_name:
+            salt = item
+    return salt
+
+
+def _append_report(
+    out: list[Action], tier: Tier, key: BlockKey, parent: BlockKey | None, block_size: int
+) -> None:
+    sizes = (block_size,) if block_size > 0 else ()
+    last = out[-1] if out else None
+    if (
+        last is not None
+        and last.type is ActionType.REPORT
+        and last.tier is tier
+        and last.hashes[-1] == parent
+        and bool(last.block_sizes) == bool(sizes)
+    ):
+        out[-1] = replace(
+            last, hashes=(*last.hashes, key), block_sizes=last.block_sizes + sizes
+        )
+    else:
+        out.append(Action(ActionType.REPORT, tier, (key,), (), sizes, parent))
+
+
+def _append_revoke(out: list[Action], tier: Tier, key: BlockKey) -> None:
+    last = out[-1] if out else None
+    if last is not None and last.type is ActionType.REVOKE and last.tier is tier:
+        out[-1] = replace(last, hashes=(*last.hashes, key))
+    else:
+        out.append(Action(ActionType.REVOKE, tier, (key,)))
+
+
+def _split_action(action: Action, max_hashes: int) -> list[Action]:
+    if len(action.hashes) <= max_hashes:
+        return [action]
+    parts = []
+    for start in range(0, len(action.hashes), max_hashes):
+        end = start + max_hashes
+        parent = action.parent if start == 0 else action.hashes[start - 1]
+        parts.append(
+            replace(
+                action,
+                hashes=action.hashes[start:end],
+                component_masks=action.component_masks[start:end],
+                block_sizes=action.block_sizes[start:end],
+                parent=parent if action.type is ActionType.REPORT else None,
+            )
+        )
+    return parts
+
+
+def split_actions(
+    actions: Sequence[Action],
+    *,
+    max_actions: int = MAX_ACTIONS_PER_BATCH,
+    max_hashes: int = MAX_HASHES_PER_BATCH,
+) -> list[tuple[Action, ...]]:
+    """Cut an ordered action list into chunks within the seed's per-batch limits, keeping
+    order (an oversized REPORT/REVOKE becomes several actions; a REPORT part's parent is the
+    last hash of the part before)."""
+    chunks: list[tuple[Action, ...]] = []
+    current: list[Action] = []
+    num_hashes = 0
+    for whole in actions:
+        for action in _split_action(whole, max_hashes):
+            n = len(action.hashes)
+            if current and (len(current) >= max_actions or num_hashes + n > max_hashes):
+                chunks.append(tuple(current))
+                current, num_hashes = [], 0
+            current.append(action)
+            num_hashes += n
+    if current:
+        chunks.append(tuple(current))
+    return chunks
