@@ -1,0 +1,450 @@
+"""Paged KV cache bookkeeping: a block pool with reference counts, per-sequence block tables and
+prefix caching by chained block keys. Pure Python, no tensors.
+
+Invariants (checked by `check_invariants`, kept on every change):
+- every block is either free (ref count 0, on the free list) or used (ref count > 0, not on it);
+  `num_free_blocks + num_used_blocks == num_blocks`;
+- a block's ref count equals the number of block tables that hold it;
+- `_cached` maps each cached key to exactly one block, whose `_keys[block]` is that key; a block
+  on the free list may still hold a key (an evictable cached block);
+- the KV events recorded so far, replayed in order, give exactly the keys of `_cached`.
+
+Free list. An O(1) doubly linked list over block ids (arrays `_prev`/`_next`, sentinel at index
+`num_blocks`), so that a prefix hit can take a cached block out of the middle in O(1).
+Allocation pops from the head. A freed block without a key goes to the head (reused first, it
+holds nothing worth keeping); a freed cached block goes to the tail, so the head side holds the
+least recently used cached blocks: popping the head is LRU eviction. A sequence's blocks are
+freed last-first, so a prefix's tail is evicted before its head.
+
+Keys. Full blocks get kvplane's canonical chained key `indexer.keys.block_keys(tokens,
+block_size, lora_name=, cache_salt=, parent=)`, so the engine and the index agree on what a block
+is. A hit is re-checked against the stored token ids, parent key and namespace, so a key
+collision can never serve the wrong KV.
+
+Full prompt hits. The runner needs the logits of the last prompt token, so a hit never covers
+it: at most `(num_prompt_tokens - 1) // block_size` blocks are reused (a block-aligned prompt
+recomputes its whole last block, as vLLM does, instead of writing into a shared block).
+
+Slot layout of one sequence (block_size 4, 2 cached blocks hit, 3 new tokens this step):
+
+    block table:  [ b7 ][ b2 ][ b9 ]
+    positions:     0..3  4..7  8..11
+                   hit   hit   new: slots 8, 9, 10 written this step, 11 free
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.core.api import (
+    AllBlocksCleared,
+    BlockKey,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    Medium,
+)
+from indexer.keys import block_keys
+
+
+@dataclass(frozen=True, slots=True)
+class _Namespace:
+    lora_name: str | None
+    cache_salt: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedBlock:
+    """What a cached block holds, re-checked on every hit."""
+
+    parent_key: BlockKey | None
+    token_ids: tuple[int, ...]
+    namespace: _Namespace
+
+
+@dataclass(slots=True)
+class _Table:
+    """One sequence's blocks. `block_keys[i]` is the key of full block i once known; the first
+    `num_cached_blocks` blocks are in the prefix cache (hit or stored by this sequence)."""
+
+    namespace: _Namespace
+    block_ids: list[int] = field(default_factory=list)
+    block_keys: list[BlockKey] = field(default_factory=list)
+    num_cached_blocks: int = 0
+
+
+class BlockManager:
+    """Block pool + block tables + prefix cache. Not thread-safe (the engine thread owns it)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        medium: Medium = Medium.GPU,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.medium = medium
+        self._ref_counts = [0] * num_blocks
+        self._keys: list[BlockKey | None] = [None] * num_blocks
+        self._contents: list[_CachedBlock | None] = [None] * num_blocks
+        self._cached: dict[BlockKey, int] = {}
+        self._tables: dict[int, _Table] = {}
+        self._events: list[KvEvent] = []
+        # Doubly linked free list; index `num_blocks` is the sentinel.
+        sentinel = num_blocks
+        self._next = [*range(1, num_blocks + 1), 0]
+        self._prev = [sentinel, *range(num_blocks)]
+        self._num_free = num_blocks
+
+    # ---------------------------------------------------------------- sizes
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self._num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---------------------------------------------------------------- free list
+
+    def _unlink(self, block_id: int) -> None:
+        prev, nxt = self._prev[block_id], self._next[block_id]
+        self._next[prev] = nxt
+        self._prev[nxt] = prev
+        self._num_free -= 1
+
+    def _link_after(self, anchor: int, block_id: int) -> None:
+        nxt = self._next[anchor]
+        self._prev[block_id], self._next[block_id] = anchor, nxt
+        self._next[anchor] = block_id
+        self._prev[nxt] = block_id
+        self._num_free += 1
+
+    def _pop_free(self, evicted: list[BlockKey]) -> int:
+        block_id = self._next[self.num_blocks]
+        self._unlink(block_id)
+        key = self._keys[block_id]
+        if key is not None:  # evict the least recently used cached block
+            del self._cached[key]
+            self._keys[block_id] = None
+            self._contents[block_id] = None
+            evicted.append(key)
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            sentinel = self.num_blocks
+            anchor = self._prev[sentinel] if self._keys[block_id] is not None else sentinel
+            self._link_after(anchor, block_id)
+
+    # ---------------------------------------------------------------- prefix cache
+
+    def compute_keys(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+        parent: BlockKey | None = None,
+    ) -> list[BlockKey]:
+        """Canonical keys of the full blocks of `token_ids` (continuing a chain from `parent`)."""
+        num_full = len(token_ids) // self.block_size
+        if num_full == 0:
+            return []
+        keys = block_keys(
+            list(token_ids[: num_full * self.block_size]),
+            self.block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            parent=parent,
+        )
+        return [BlockKey(k) for k in keys]
+
+    def _find_hits(
+        self, token_ids: Sequence[int], keys: Sequence[BlockKey], namespace: _Namespace
+    ) -> list[int]:
+        max_blocks = min(len(keys), (len(token_ids) - 1) // self.block_size)
+        hits: list[int] = []
+        parent: BlockKey | None = None
+        size = self.block_size
+        for i in range(max_blocks):
+            block_id = self._cached.get(keys[i])
+            if block_id is None:
+                break
+            content = self._contents[block_id]
+            tokens = tuple(token_ids[i * size : (i + 1) * size])
+            if content != _CachedBlock(parent, tokens, namespace):
+                break  # a key collision: never serve someone else's KV
+            hits.append(block_id)
+            parent = keys[i]
+        return hits
+
+    def count_hit_tokens(
+        self,
+        token_ids: Sequence[int],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> int:
+        """How many prompt tokens a new sequence would find cached (no side effects)."""
+        if not self.enable_prefix_caching:
+            return 0
+        namespace = _Namespace(lora_name, cache_salt)
+        keys = self.compute_keys(token_ids, lora_name, cache_salt)
+        return len(self._find_hits(token_ids, keys, namespace)) * self.block_size
+
+    # ---------------------------------------------------------------- paired verbs
+
+    def can_allocate(
+        self,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        use_cache: bool = True,
+    ) -> bool:
+        """Whether `allocate` can give a new sequence slots for its first `num_tokens` tokens
+        (after its prefix hits)."""
+        hits = self._hits_for(token_ids, lora_name, cache_salt, use_cache)[1]
+        num_hit_free = sum(1 for b in hits if self._ref_counts[b] == 0)
+        num_new = max(0, self.blocks_for(num_tokens) - len(hits))
+        return num_new + num_hit_free <= self._num_free
+
+    def _hits_for(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        cache_salt: str | None,
+        use_cache: bool,
+    ) -> tuple[list[BlockKey], list[int]]:
+        if not self.enable_prefix_caching:
+            return [], []
+        keys = self.compute_keys(token_ids, lora_name, cache_salt)
+        if not use_cache:
+            return keys, []
+        return keys, self._find_hits(token_ids, keys, _Namespace(lora_name, cache_salt))
+
+    def allocate(
+        self,
+        seq_id: int,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        use_cache: bool = True,
+    ) -> int:
+        """Give a new sequence its prefix hits plus slots for its first `num_tokens` tokens
+        (hits included). Returns the number of cached tokens (a multiple of block_size).
+        Call `can_allocate` first; raises MemoryError when the pool is short."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        keys, hits = self._hits_for(token_ids, lora_name, cache_salt, use_cache)
+        num_hit_free = sum(1 for b in hits if self._ref_counts[b] == 0)
+        if max(0, self.blocks_for(num_tokens) - len(hits)) + num_hit_free > self._num_free:
+            raise MemoryError("not enough free KV blocks")
+        table = _Table(_Namespace(lora_name, cache_salt), block_keys=keys)
+        for block_id in hits:
+            if self._ref_counts[block_id] == 0:
+                self._unlink(block_id)
+            self._ref_counts[block_id] += 1
+            table.block_ids.append(block_id)
+        table.num_cached_blocks = len(hits)
+        self._tables[seq_id] = table
+        self._grow(table, max(num_tokens, len(hits) * self.block_size))
+        return len(hits) * self.block_size
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether the sequence's table can grow to hold `num_tokens` tokens in all."""
+        table = self._tables[seq_id]
+        return self.blocks_for(num_tokens) - len(table.block_ids) <= self._num_free
+
+    def append(self, seq_id: int, num_tokens: int) -> None:
+        """Grow the sequence's table to hold `num_tokens` tokens in all."""
+        if not self.can_append(seq_id, num_tokens):
+            raise MemoryError("not enough free KV blocks")
+        self._grow(self._tables[seq_id], num_tokens)
+
+    def _grow(self, table: _Table, num_tokens: int) -> None:
+        evicted: list[BlockKey] = []
+        while len(table.block_ids) < self.blocks_for(num_tokens):
+            block_id = self._pop_free(evicted)
+            self._ref_counts[block_id] = 1
+            table.block_ids.append(block_id)
+        if evicted:
+            self._events.append(BlockRemoved(tuple(evicted), self.medium))
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence's table; its cached blocks stay cached (evictable), the others are
+        free at once. Unknown ids are ignored (freeing twice is harmless)."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table.block_ids):
+            self._release(block_id)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's physical block ids (a live list: read, never modify)."""
+        return self._tables[seq_id].block_ids
+
+    def has_table(self, seq_id: int) -> bool:
+        return seq_id in self._tables
+
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """Record that the KV of `token_ids[:num_computed]` is computed: every newly full block
+        gets its key and enters the prefix cache (one BlockStored for the run of new blocks)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[seq_id]
+        num_full = min(num_computed // self.block_size, len(table.block_ids))
+        if num_full <= table.num_cached_blocks:
+            return
+        size = self.block_size
+        if len(table.block_keys) < num_full:
+            start = len(table.block_keys)
+            parent = table.block_keys[-1] if table.block_keys else None
+            ns = table.namespace
+            table.block_keys.extend(
+                self.compute_keys(
+                    token_ids[start * size : num_full * size], ns.lora_name, ns.cache_salt, parent
+                )
+            )
+        stored: list[int] = []
+        for i in range(table.num_cached_blocks, num_full):
+            block_id = table.block_ids[i]
+            key = table.block_keys[i]
+            if key in self._cached or self._keys[block_id] is not None:
+                # Another sequence computed the same block first: this copy stays private.
+                continue
+            parent = table.block_keys[i - 1] if i > 0 else None
+            tokens = tuple(token_ids[i * size : (i + 1) * size])
+            self._cached[key] = block_id
+            self._keys[block_id] = key
+            self._contents[block_id] = _CachedBlock(parent, tokens, table.namespace)
+            stored.append(i)
+        table.num_cached_blocks = num_full
+        self._record_stored(table, stored)
+
+    def _record_stored(self, table: _Table, indexes: list[int]) -> None:
+        """One BlockStored per run of consecutive block indexes."""
+        run: list[int] = []
+        for i in indexes:
+            if run and i != run[-1] + 1:
+                self._events.append(self._stored_event(table, run))
+                run = []
+            run.append(i)
+        if run:
+            self._events.append(self._stored_event(table, run))
+
+    def _stored_event(self, table: _Table, indexes: list[int]) -> BlockStored:
+        first = indexes[0]
+        ns = table.namespace
+        tokens: list[int] = []
+        for i in indexes:
+            content = self._contents[table.block_ids[i]]
+            assert content is not None
+            tokens.extend(content.token_ids)
+        extra: list[tuple[str, ...] | None] = [None] * len(indexes)
+        if first == 0 and ns.cache_salt is not None:
+            extra[0] = ("cache_salt", ns.cache_salt)
+        return BlockStored(
+            block_keys=tuple(table.block_keys[i] for i in indexes),
+            parent_key=table.block_keys[first - 1] if first > 0 else None,
+            token_ids=tuple(tokens),
+            block_size=self.block_size,
+            medium=self.medium,
+            lora_name=ns.lora_name,
+            extra_keys=tuple(extra),
+        )
+
+    # ---------------------------------------------------------------- events and resets
+
+    def take_events(self) -> list[KvEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key (AllBlocksCleared). Refused (False) while any block is used:
+        running sequences would keep chaining from keys the index no longer has."""
+        if self.num_used_blocks:
+            return False
+        self._cached.clear()
+        self._keys = [None] * self.num_blocks
+        self._contents = [None] * self.num_blocks
+        self._events.append(AllBlocksCleared(self.medium))
+        return True
+
+    def snapshot(self) -> list[BlockStored]:
+        """The cached set as one-block BlockStored events, parents before children."""
+        by_key: dict[BlockKey, BlockStored] = {}
+        for key, block_id in self._cached.items():
+            content = self._contents[block_id]
+            assert content is not None
+            extra: tuple[str, ...] | None = None
+            if content.parent_key is None and content.namespace.cache_salt is not None:
+                extra = ("cache_salt", content.namespace.cache_salt)
+            by_key[key] = BlockStored(
+                block_keys=(key,),
+                parent_key=content.parent_key,
+                token_ids=content.token_ids,
+                block_size=self.block_size,
+                medium=self.medium,
+                lora_name=content.namespace.lora_name,
+                extra_keys=(extra,),
+            )
+        ordered: list[BlockStored] = []
+        done: set[BlockKey] = set()
+
+        def visit(key: BlockKey) -> None:
+            stack = [key]
+            parent = by_key[key].parent_key
+            while parent is not None and parent in by_key and parent not in done:
+                stack.append(parent)
+                parent = by_key[parent].parent_key
+            for k in reversed(stack):
+                if k not in done:
+                    done.add(k)
+                    ordered.append(by_key[k])
+
+        for key in by_key:
+            visit(key)
+        return ordered
+
+    def cached_keys(self) -> set[BlockKey]:
+        return set(self._cached)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if a structural invariant is broken (tests call this)."""
+        on_list: set[int] = set()
+        node = self._next[self.num_blocks]
+        while node != self.num_blocks:
+            assert node not in on_list, "free list has a cycle"
+            on_list.add(node)
+            node = self._next[node]
+        assert len(on_list) == self._num_free
+        holders = [0] * self.num_blocks
+        for table in self._tables.values():
+            for block_id in table.block_ids:
+                holders[block_id] += 1
+        for block_id in range(self.num_blocks):
+            assert holders[block_id] == self._ref_counts[block_id], f"refcount of {block_id}"
+            assert (block_id in on_list) == (self._ref_counts[block_id] == 0)
+        for key, block_id in self._cached.items():
+            assert self._keys[block_id] == key
+        assert sum(k is not None for k in self._keys) == len(self._cached)

@@ -1,0 +1,1 @@
+"""Event sources: each adapter turns an engine's KV events into index batches."""

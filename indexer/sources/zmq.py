@@ -1,0 +1,292 @@
+"""A vLLM / SGLang ZMQ KV-event source: SUB on the publisher, replay from its ROUTER.
+
+One `ZmqSource` follows one publisher (one engine, one data-parallel rank) and feeds one
+worker through a `WorkerTranslator` into a sink (an index backend, or the bridge's
+ApplyExternalKvBatch client).
+
+Sequence rules (WIRE.md section 1; per publisher, starting at 0):
+
+- first message after start: the worker is cleared (entries left by an earlier run are stale)
+  and rebuilt from a replay from seq 0 when a replay endpoint is configured;
+- seq == expected: applied;
+- seq > expected (a gap): replay from the first missing seq; if the replay does not cover the
+  gap contiguously, the worker is cleared and rebuilt from whatever the replay buffer holds;
+- seq < expected: a duplicate of a batch just replayed is dropped; anything else is an engine
+  restart (seq reset), so the worker is cleared and rebuilt as on a first message;
+- a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
+  message rebuilds the worker as on a first message.
+
+Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from indexer.batch import Batch
+from indexer.translate import WorkerTranslator
+from indexer.zmq_decode import (
+    ArrayTail,
+    KvEventDecodeError,
+    ZmqMessage,
+    decode_frames,
+    decode_payload,
+    decode_replay_reply,
+)
+
+log = logging.getLogger(__name__)
+
+SEQ_BYTES = 8
+
+
+class BatchSink(Protocol):
+    """Where translated batches go: an `IndexBackend`, or a KVIndexer client."""
+
+    async def apply(self, batch: Batch) -> None: ...
+
+
+@dataclass(slots=True)
+class SourceCounters:
+    num_messages: int = 0
+    num_bad_messages: int = 0
+    num_events: int = 0
+    num_bad_events: int = 0
+    num_unknown_events: int = 0
+    num_batches_applied: int = 0
+    num_gaps: int = 0
+    num_replays: int = 0
+    num_replay_failures: int = 0
+    num_replayed_messages: int = 0
+    num_duplicates: int = 0
+    num_resets: int = 0
+    num_restarts: int = 0  # loop restarts after an error (reconnect with backoff)
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqSourceSettings:
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    # Bind the SUB instead of connecting (for publishers that connect, e.g. vLLM configured
+    # with an endpoint without `*`).
+    bind: bool = False
+    array_tail: ArrayTail = "ignore"
+    # Longest wait for the next replay reply before the replay counts as failed.
+    replay_timeout_s: float = 5.0
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+    receive_hwm: int = 100_000
+
+
+class ZmqSource:
+    def __init__(
+        self,
+        settings: ZmqSourceSettings,
+        translator: WorkerTranslator,
+        sink: BatchSink,
+        *,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.settings = settings
+        self.translator = translator
+        self.sink = sink
+        self.counters = SourceCounters()
+        self._context = context or zmq.asyncio.Context.instance()
+        # Next seq expected; None until the first message (then the worker is rebuilt).
+        self._expected: int | None = None
+        # After a replay, live messages in [floor, expected) are duplicates of replayed ones.
+        self._duplicate_floor: int | None = None
+        self._progress = asyncio.Condition()
+        self.last_seq: int | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self.translator.options.worker_id
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until `predicate()` holds after some message was handled."""
+        async with asyncio.timeout(timeout_s), self._progress:
+            await self._progress.wait_for(predicate)
+
+    async def run(self) -> None:
+        """Follow the publisher until cancelled; restart with backoff after any error."""
+        backoff = self.settings.backoff_initial_s
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.counters.num_restarts += 1
+                self._expected = None  # the index is in doubt: rebuild on the next message
+                log.exception(
+                    "zmq source %s (worker %s) failed; retrying in %.1fs",
+                    self.settings.endpoint,
+                    self.worker_id,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.settings.backoff_max_s)
+
+    async def _follow(self) -> None:
+        sub = self._context.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
+            sub.setsockopt(zmq.RECONNECT_IVL, int(self.settings.backoff_initial_s * 1000))
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.backoff_max_s * 1000))
+            sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
+            if self.settings.bind:
+                sub.bind(self.settings.endpoint)
+            else:
+                sub.connect(self.settings.endpoint)
+            log.info("zmq source %s -> worker %s", self.settings.endpoint, self.worker_id)
+            while True:
+                frames = await sub.recv_multipart()
+                self.counters.num_messages += 1
+                try:
+                    message = decode_frames(frames)
+                except KvEventDecodeError as exc:
+                    self.counters.num_bad_messages += 1
+                    log.warning("dropping bad message from %s: %s", self.settings.endpoint, exc)
+                else:
+                    await self._on_message(message)
+                async with self._progress:
+                    self._progress.notify_all()
+        finally:
+            sub.close(linger=0)
+
+    async def _on_message(self, message: ZmqMessage) -> None:
+        expected = self._expected
+        if expected is None:
+            await self._rebuild(message, reason=None)
+        elif message.seq == expected:
+            self._duplicate_floor = None  # past any replayed range
+            await self._apply(message)
+        elif message.seq > expected:
+            self._duplicate_floor = None
+            self.counters.num_gaps += 1
+            log.warning(
+                "worker %s: gap, expected seq %d, got %d", self.worker_id, expected, message.seq
+            )
+            await self._heal_gap(expected, message)
+        elif self._duplicate_floor is not None and message.seq >= self._duplicate_floor:
+            self.counters.num_duplicates += 1
+        else:
+            log.warning(
+                "worker %s: seq went back from %d to %d (engine restart)",
+                self.worker_id,
+                expected - 1,
+                message.seq,
+            )
+            await self._rebuild(message, reason="seq reset")
+
+    async def _apply(self, message: ZmqMessage) -> bool:
+        """Decode, translate and apply one message; False if it was dropped as malformed."""
+        try:
+            batch = decode_payload(message.payload, array_tail=self.settings.array_tail)
+        except KvEventDecodeError as exc:
+            self.counters.num_bad_messages += 1
+            log.warning("worker %s: dropping seq %d: %s", self.worker_id, message.seq, exc)
+            ok = False
+        else:
+            self.counters.num_events += len(batch.events)
+            self.counters.num_bad_events += batch.num_bad_events
+            self.counters.num_unknown_events += batch.num_unknown_events
+            for index_batch in self.translator.translate(batch.events, seq=message.seq):
+                await self.sink.apply(index_batch)
+                self.counters.num_batches_applied += 1
+            ok = True
+        # A malformed payload still consumes its seq: it is not a gap to heal.
+        self._expected = message.seq + 1
+        self.last_seq = message.seq
+        return ok
+
+    async def _reset_worker(self, seq: int) -> None:
+        self.counters.num_resets += 1
+        await self.sink.apply(self.translator.reset(seq=seq))
+        self.counters.num_batches_applied += 1
+
+    async def _rebuild(self, trigger: ZmqMessage, *, reason: str | None) -> None:
+        """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`."""
+        if reason is not None:
+            log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
+        await self._reset_worker(trigger.seq)
+        self._expected = None
+        self._duplicate_floor = None
+        if trigger.seq > 0:
+            # Whatever the buffer holds before the trigger, contiguous or not: after the
+            # clear, a partial rebuild only misses blocks, it never keeps stale ones.
+            for reply in await self._replay(0) or ():
+                if reply.seq >= trigger.seq:
+                    break
+                await self._apply(reply)
+        await self._apply(trigger)
+
+    async def _heal_gap(self, expected: int, trigger: ZmqMessage) -> None:
+        replies = await self._replay(expected)
+        covered = (
+            replies is not None
+            and bool(replies)
+            and replies[0].seq == expected
+            and all(b.seq == a.seq + 1 for a, b in zip(replies, replies[1:], strict=False))
+            and replies[-1].seq + 1 >= trigger.seq
+        )
+        if not covered or replies is None:
+            await self._rebuild(trigger, reason="replay cannot cover the gap")
+            return
+        for reply in replies:
+            await self._apply(reply)
+        self._duplicate_floor = expected
+        if trigger.seq >= (self._expected or 0):
+            await self._apply(trigger)
+        else:
+            self.counters.num_duplicates += 1
+
+    async def _replay(self, start_seq: int) -> list[ZmqMessage] | None:
+        """Every buffered message with seq >= start_seq (legacy protocol), or None when no
+        replay endpoint is configured or the replay failed."""
+        if not self.settings.replay_endpoint:
+            return None
+        self.counters.num_replays += 1
+        dealer = self._context.socket(zmq.DEALER)
+        replies: list[ZmqMessage] = []
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(self.settings.replay_endpoint)
+            await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
+            while True:
+                frames = await asyncio.wait_for(
+                    dealer.recv_multipart(), self.settings.replay_timeout_s
+                )
+                try:
+                    reply = decode_replay_reply(frames)
+                except KvEventDecodeError as exc:
+                    self.counters.num_bad_messages += 1
+                    log.warning("worker %s: bad replay reply: %s", self.worker_id, exc)
+                    continue
+                if reply is None:
+                    break
+                if reply.topic.startswith(self.settings.topic):
+                    replies.append(reply)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            self.counters.num_replay_failures += 1
+            log.warning(
+                "worker %s: replay from %s failed: %r",
+                self.worker_id,
+                self.settings.replay_endpoint,
+                exc,
+            )
+            return None
+        finally:
+            dealer.close(linger=0)
+        self.counters.num_replayed_messages += len(replies)
+        replies.sort(key=lambda m: m.seq)
+        return replies

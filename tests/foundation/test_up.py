@@ -1,0 +1,83 @@
+"""`kvplane up` starts a fleet of real processes and stops all of them on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.errors import ConfigError
+from kvplane.up import load_fleet
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=10
+        )
+    return int(reply.status)
+
+
+@pytest.mark.timeout(120)
+def test_up_starts_members_and_stops_them_on_sigint(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n  - {name: idx-a, kind: indexer}\n  - {name: idx-b, kind: indexer}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stderr is not None
+        addresses: dict[str, str] = {}
+        deadline = time.monotonic() + 90
+        while len(addresses) < 2 and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            match = re.search(r"fleet member (\S+) \(indexer\) on (\S+)", line)
+            if match:
+                addresses[match.group(1)] = match.group(2)
+        assert set(addresses) == {"idx-a", "idx-b"}
+        for address in addresses.values():
+            assert _health(address) == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        for address in addresses.values():
+            with pytest.raises(grpc.RpcError):
+                _health(address)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_fleet_refers_only_to_earlier_members(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n"
+        "  - {name: c, kind: controller, config: {engines: [{address: '${e}'}]}}\n"
+        "  - {name: e, kind: engine}\n"
+    )
+    with pytest.raises(ConfigError, match="before it is defined"):
+        load_fleet(fleet)
+
+
+def test_embedded_defaults_are_a_valid_fleet() -> None:
+    kinds = [m.kind for m in load_fleet(None).members]
+    assert kinds.count("engine") >= 2
+    assert "controller" in kinds
