@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import typer
 
+from indexer.admin_cli import index_app
 from kvplane.cli_common import ConfigOption, ListenOption, TargetOption, fail_not_implemented
 
 controller_app = typer.Typer(no_args_is_help=True)
 admin_app = typer.Typer(no_args_is_help=True)
+admin_app.add_typer(index_app, name="index")
 
 
 @controller_app.command()

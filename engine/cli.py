@@ -2,14 +2,44 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
-from kvplane.cli_common import ConfigOption, ListenOption, fail_not_implemented
+from kvplane.cli_common import ConfigOption, ListenOption
 
 engine_app = typer.Typer(no_args_is_help=True)
 
 
 @engine_app.command()
-def serve(config: ConfigOption = None, listen: ListenOption = None) -> None:
+def serve(
+    config: ConfigOption = None,
+    listen: ListenOption = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", help="'sim' or an HF model directory (overrides config)."),
+    ] = None,
+    role: Annotated[
+        str | None, typer.Option("--role", help="aggregated, prefill or decode.")
+    ] = None,
+    instance_id: Annotated[
+        str | None, typer.Option("--instance-id", help="This engine's id in EngineInfo/GetLoad.")
+    ] = None,
+    port_file: Annotated[
+        Path | None,
+        typer.Option("--port-file", help="Write the bound gRPC port here once listening."),
+    ] = None,
+) -> None:
     """Serve openengine.v1.OpenEngine and vllm.Generate over the bundled engine."""
-    fail_not_implemented("kvplane engine serve")
+    from engine.config import EngineConfig
+    from engine.server.service import run_engine
+    from kvplane.config import load_config
+
+    engine_config = load_config(
+        EngineConfig,
+        config,
+        {"listen": listen, "model": model, "role": role, "instance_id": instance_id},
+    )
+    asyncio.run(run_engine(engine_config, port_file=port_file))

@@ -26,15 +26,19 @@ class EngineRoleName(enum.StrEnum):
 
 
 class SimTimingConfig(StrictModel):
-    """The sim runner's cost model (seconds); `time_scale` 0 makes steps instantaneous."""
+    """The sim runner (`engine.core.sim_runner`): its timing model and dummy vocabulary.
+
+    `time_scale` multiplies the modelled step time: 1 sleeps in real time, 0 never sleeps.
+    The coefficients default to the sim runner's own (Dynamo's mocker, in ms).
+    """
 
     time_scale: float = Field(default=1.0, ge=0.0)
-    prefill_s_per_token: float = Field(default=2e-5, ge=0.0)
-    decode_base_s: float = Field(default=5e-3, ge=0.0)
-    decode_s_per_seq: float = Field(default=2e-4, ge=0.0)
-    decode_s_per_context_token: float = Field(default=1e-7, ge=0.0)
-    vocab_size: int = Field(default=32000, gt=1)
-    eos_token_id: int | None = None
+    prefill_ms_coeffs: tuple[float, float, float] | None = None
+    decode_ms_coeffs: tuple[float, float, float] | None = None
+    min_decode_ms: float | None = Field(default=None, ge=0.0)
+    vocab_size: int = Field(default=32000, gt=8)
+    # Output token number N (1-based) is the EOS; None: never (dummy tokens avoid EOS).
+    eos_after: int | None = Field(default=None, gt=0)
 
 
 class KvEventsConfig(StrictModel):

@@ -108,8 +108,10 @@ class IndexBackend(Protocol):
         """Drop every placement of `worker_id` (and the worker); returns placements removed."""
         ...
 
-    async def snapshot(self, worker_id: str | None = None) -> AsyncIterator[Batch]:
-        """Parent-first batches that rebuild the index (or one worker) when applied."""
+    def snapshot(self, worker_id: str | None = None) -> AsyncIterator[Batch]:
+        """Parent-first batches that rebuild the index (or one worker) when applied.
+        Implement it as an async generator (`async def` with `yield`); call it without await:
+        `async for batch in backend.snapshot(): ...`."""
         ...
 
     async def stats(self) -> IndexStats: ...

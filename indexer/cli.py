@@ -1,16 +1,27 @@
-"""`kvplane indexer ...` commands."""
+"""`kvplane indexer ...` commands: `serve` (the indexer service) and `bridge` (a ZMQ KV-event
+stream -> ApplyExternalKvBatch against any KVIndexer)."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 from indexer.config import IndexerConfig
-from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption
+from kvplane.cli_common import ConfigOption, ListenOption
 from kvplane.config import load_config
+from kvplane.errors import ConfigError
 
 indexer_app = typer.Typer(no_args_is_help=True)
+
+PortFileOption = Annotated[
+    Path | None,
+    typer.Option("--port-file", help="Write the bound gRPC port to this file once serving."),
+]
 
 
 @indexer_app.command()
@@ -22,3 +33,103 @@ def serve(
 
     cfg = load_config(IndexerConfig, config, {"listen": listen})
     asyncio.run(run_indexer(cfg, port_file=port_file))
+
+
+def _medium(value: str) -> Any:
+    from indexer.batch import Tier
+
+    upper = value.upper()
+    if upper == "SKIP":
+        return None
+    if upper not in ("HBM", "DRAM", "SSD"):
+        raise typer.BadParameter(f"expected HBM, DRAM, SSD or skip, got {value!r}")
+    return Tier[upper]
+
+
+async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
+    """Run `main` until it ends or SIGTERM/SIGINT arrives (then cancel it)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(main)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+@indexer_app.command()
+def bridge(
+    *,
+    endpoint: Annotated[str, typer.Option(help="ZMQ PUB endpoint, e.g. tcp://HOST:5557.")],
+    target: Annotated[str, typer.Option("--target", "-t", help="KVIndexer HOST:PORT.")],
+    worker_id: Annotated[str, typer.Option(help="worker_id sent with every batch.")],
+    worker_address: Annotated[
+        str, typer.Option(help="Router-facing address reported in prefix matches.")
+    ] = "",
+    replay_endpoint: Annotated[
+        str | None, typer.Option(help="The publisher's replay ROUTER endpoint.")
+    ] = None,
+    topic: Annotated[str, typer.Option(help="Subscription topic prefix.")] = "",
+    bind: Annotated[bool, typer.Option(help="Bind the SUB (publisher connects).")] = False,
+    hash_mode: Annotated[
+        str, typer.Option("--hash", help="engine (engine hashes) or canonical (kvplane keys).")
+    ] = "engine",
+    block_size: Annotated[
+        int | None, typer.Option(help="Block size for events without one (canonical).")
+    ] = None,
+    nil_medium: Annotated[
+        str, typer.Option(help="Tier for events with a nil medium: HBM, DRAM, SSD or skip.")
+    ] = "skip",
+    external_medium: Annotated[
+        str, typer.Option(help="Tier for medium EXTERNAL: HBM, DRAM, SSD or skip.")
+    ] = "skip",
+    clear_tier: Annotated[
+        list[str] | None,
+        typer.Option(help="Tier AllBlocksCleared clears (repeat; default all three)."),
+    ] = None,
+    token_file: Annotated[
+        Path | None, typer.Option(help="File with the bearer token for ApplyExternalKvBatch.")
+    ] = None,
+) -> None:
+    """Bridge a vLLM/SGLang ZMQ KV-event stream into ApplyExternalKvBatch calls."""
+    from indexer.batch import Tier
+    from indexer.bridge import BridgeSettings, run_bridge
+    from indexer.translate import ALL_TIERS, HashMode, MediumMap
+    from kvplane.config import parse_host_port
+
+    try:
+        parse_host_port(target)
+        mode = HashMode(hash_mode)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    clear_tiers: tuple[Tier, ...] = ALL_TIERS
+    if clear_tier:
+        tiers = [_medium(t) for t in clear_tier]
+        if any(t is None for t in tiers):
+            raise typer.BadParameter("--clear-tier takes HBM, DRAM or SSD")
+        clear_tiers = tuple(Tier(t) for t in tiers)
+    token = None
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --token-file {token_file}: {exc}") from exc
+    settings = BridgeSettings(
+        endpoint=endpoint,
+        target=target,
+        worker_id=worker_id,
+        worker_address=worker_address,
+        replay_endpoint=replay_endpoint,
+        topic=topic,
+        bind=bind,
+        hash_mode=mode,
+        media=MediumMap(nil=_medium(nil_medium), external=_medium(external_medium)),
+        clear_tiers=clear_tiers,
+        block_size=block_size,
+        token=token,
+    )
+    asyncio.run(_until_signal(run_bridge(settings)))

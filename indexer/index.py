@@ -53,6 +53,8 @@ MAX_HASHES_PER_REQUEST = 16_384
 SERVABLE_TIER_MASK = (1 << Tier.HBM) | (1 << Tier.DRAM)
 _TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
 _SLOTS_PER_WORKER = 3  # one placement bit per tier
+# Component bits as plain ints (IntFlag arithmetic is slow on the hot path).
+_FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAMBA)
 
 
 class ValidationKind(enum.Enum):
@@ -101,7 +103,7 @@ def validate_batch(batch: Batch) -> None:
     for i, action in enumerate(batch.actions):
         validate_action_type(action.type)
         validate_tier(action.tier)
-        if action.type is ActionType.CLEAR_ALL_AT_TIER:
+        if action.type == ActionType.CLEAR_ALL_AT_TIER:
             continue
         n = len(action.hashes)
         if n == 0:
@@ -139,7 +141,7 @@ def spec_is_valid(spec: CacheSpec) -> bool:
     """A spec the prefix rule can use; an invalid spec makes every prefix 0."""
     if spec.components == 0 or spec.version > 1:
         return False
-    return not (spec.components & Component.SWA and spec.swa_window_tokens == 0)
+    return not (spec.components & _SWA and spec.swa_window_tokens == 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +185,9 @@ class _Worker:
         self.num_placements = 0
 
 
-def _add_child(children: BlockKey | set[BlockKey] | None, child: BlockKey) -> BlockKey | set[BlockKey]:
+def _add_child(
+    children: BlockKey | set[BlockKey] | None, child: BlockKey
+) -> BlockKey | set[BlockKey]:
     if children is None or children == child:
         return child
     if isinstance(children, set):
@@ -245,9 +249,9 @@ class PrefixIndex:
         worker = self._worker(batch.worker_id)
         self._set_worker_info(worker, batch.worker_address, batch.cache_spec)
         for action in batch.actions:
-            if action.type is ActionType.REPORT:
+            if action.type == ActionType.REPORT:
                 self._report(worker, action)
-            elif action.type is ActionType.REVOKE:
+            elif action.type == ActionType.REVOKE:
                 self._revoke(worker, action)
             else:
                 self._clear_tier(worker, Tier(action.tier))
@@ -398,10 +402,10 @@ class PrefixIndex:
         self._attach(key, parent)
 
     def _delete_node(self, key: BlockKey, node: _Node) -> None:
+        if node.parent is not None:
+            self._detach(key, node.parent)  # first: the parent may be this very node
         del self._nodes[key]
         self._hits.pop(key, None)
-        if node.parent is not None:
-            self._detach(key, node.parent)
         if node.children is not None:
             self._orphans[key] = node.children
 
@@ -581,8 +585,8 @@ class PrefixIndex:
         full_tiers = spec.full_tier_mask & SERVABLE_TIER_MASK
         swa_tiers = spec.swa_tier_mask & SERVABLE_TIER_MASK
         mamba_tiers = spec.mamba_tier_mask & SERVABLE_TIER_MASK
-        has_swa = bool(spec.components & Component.SWA)
-        has_mamba = bool(spec.components & Component.MAMBA)
+        has_swa = bool(spec.components & _SWA)
+        has_mamba = bool(spec.components & _MAMBA)
         window = spec.swa_window_tokens
         best = 0
         run = 0
@@ -592,11 +596,11 @@ class PrefixIndex:
             node = self._nodes.get(key)
             if node is None or not node.workers & worker.bit:
                 return best, i + 1
-            if not self._available(worker, key, node, full_tiers, Component.FULL):
+            if not self._available(worker, key, node, full_tiers, _FULL):
                 return best, i + 1
             boundary_ok = True
             if has_swa:
-                if self._available(worker, key, node, swa_tiers, Component.SWA):
+                if self._available(worker, key, node, swa_tiers, _SWA):
                     run += node.size
                     boundary_ok = head_unbroken or run >= window
                 else:
@@ -605,7 +609,7 @@ class PrefixIndex:
                     boundary_ok = False
             if has_mamba:
                 boundary_ok = boundary_ok and self._available(
-                    worker, key, node, mamba_tiers, Component.MAMBA
+                    worker, key, node, mamba_tiers, _MAMBA
                 )
             if boundary_ok:
                 best = i + 1
@@ -699,13 +703,14 @@ class PrefixIndex:
         """Indexed blocks in the subtree rooted at `key` (itself included)."""
         if key not in self._nodes:
             return 0
-        count = 0
+        seen: set[BlockKey] = set()
         stack = [key]
         while stack:
-            node = self._nodes[stack.pop()]
-            count += 1
-            stack.extend(_iter_children(node.children))
-        return count
+            current = stack.pop()
+            if current not in seen:
+                seen.add(current)
+                stack.extend(_iter_children(self._nodes[current].children))
+        return len(seen)
 
     def worker_info(self, worker_id: str) -> tuple[str, CacheSpec | None] | None:
         """(address, cache spec) of a known worker, else None."""
@@ -773,18 +778,21 @@ class PrefixIndex:
         for tier in _TIERS:
             tbit = worker.tier_bits[tier]
             slot = tbit.bit_length() - 1
-            keys = sorted((k for k in worker.blocks if self._nodes[k].tiers & tbit), key=rank.get)
+            keys = sorted(
+                (k for k in worker.blocks if self._nodes[k].tiers & tbit), key=rank.__getitem__
+            )
             chain: list[BlockKey] = []
             for key in keys:
                 node = self._nodes[key]
-                if chain and (node.parent != chain[-1] or len(chain) >= MAX_ACTIONS_PER_BATCH):
+                if chain and (node.parent != chain[-1] or len(chain) >= MAX_HASHES_PER_REQUEST):
                     actions.append(self._report_action(tier, slot, chain))
                     chain = []
                 chain.append(key)
                 count = self._copies.get(key, {}).get(slot, 1)
-                extra_copies.extend(
-                    Action(ActionType.REPORT, tier, (key,), copies=True) for _ in range(count - 1)
-                )
+                if count > 1:  # a REPORT is a replace: each copy restates the mask
+                    mask = self._component_masks.get(key, {}).get(slot, 0)
+                    copy = Action(ActionType.REPORT, tier, (key,), (mask,), copies=True)
+                    extra_copies.extend([copy] * (count - 1))
             if chain:
                 actions.append(self._report_action(tier, slot, chain))
         actions.extend(extra_copies)
@@ -812,7 +820,9 @@ def _chunk_batch(
     num_hashes = 0
     for action in actions:
         n = len(action.hashes)
-        if chunk and (len(chunk) >= MAX_ACTIONS_PER_BATCH or num_hashes + n > MAX_HASHES_PER_REQUEST):
+        if chunk and (
+            len(chunk) >= MAX_ACTIONS_PER_BATCH or num_hashes + n > MAX_HASHES_PER_REQUEST
+        ):
             yield Batch(wid, tuple(chunk), address, cache_spec=spec)
             chunk, num_hashes = [], 0
         chunk.append(action)

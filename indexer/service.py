@@ -1,18 +1,172 @@
-"""Runs the indexer process: builds the backend and sources from config, serves gRPC."""
+"""Runs the indexer process: opens the backend, starts every configured event source as an
+owned task, serves `kv_indexer.v1.KVIndexer` and `kvplane.v1.KvIndex` (plus health and
+reflection) until SIGTERM/SIGINT, and exports Prometheus metrics on `metrics_listen`.
+
+Sources run in one `asyncio.TaskGroup`: a source never ends on its own (it retries with
+backoff), and all of them are cancelled when the server stops.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-from indexer.config import IndexerConfig
-from kvplane.server import create_server, serve_until_signal, write_port_file
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from indexer.backend import IndexBackend
+from indexer.backends import open_backend
+from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
+from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
+from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
+from indexer.sources.zmq import SourceCounters, ZmqSource, ZmqSourceSettings
+from indexer.translate import TranslateOptions, WorkerTranslator
+from kvplane.metrics import start_metrics_server
+from kvplane.server import create_server, serve_until_signal
 
 log = logging.getLogger(__name__)
 
+Source = ZmqSource | OpenEngineSource
 
-async def run_indexer(config: IndexerConfig, port_file: Path | None = None) -> None:
-    server, port = await create_server(config, [])
-    write_port_file(port_file, port)
-    log.info("indexer listening on port %d", port)
-    await serve_until_signal(server, config.shutdown_grace_s)
+
+def build_source(
+    config: ZmqSourceConfig | OpenEngineSourceConfig, backend: IndexBackend, block_size: int
+) -> Source:
+    """One configured source, feeding `backend`."""
+    if isinstance(config, ZmqSourceConfig):
+        worker_id, address = config.worker_id, config.worker_address
+    else:
+        worker_id = config.worker_id or config.target
+        address = config.target if config.worker_address is None else config.worker_address
+    translator = WorkerTranslator(
+        TranslateOptions(
+            worker_id=worker_id,
+            worker_address=address,
+            hash_mode=config.hash,
+            media=config.medium_map(),
+            clear_tiers=config.clear_tier_values(),
+            default_block_size=config.block_size or block_size,
+        )
+    )
+    if isinstance(config, ZmqSourceConfig):
+        settings = ZmqSourceSettings(
+            endpoint=config.endpoint,
+            replay_endpoint=config.replay_endpoint,
+            topic=config.topic,
+            bind=config.bind,
+            array_tail=config.array_tail,
+            replay_timeout_s=config.replay_timeout_s,
+        )
+        return ZmqSource(settings, translator, backend)
+    return OpenEngineSource(
+        OpenEngineSourceSettings(
+            target=config.target,
+            data_parallel_ranks=tuple(config.data_parallel_ranks),
+            discover_zmq=config.discover_zmq,
+        ),
+        translator,
+        backend,
+    )
+
+
+def _dropped(counters: SourceCounters) -> int:
+    return counters.num_bad_messages + counters.num_bad_events + counters.num_unknown_events
+
+
+class IndexerCollector:
+    """Prometheus view of the sources' and the servicers' counters (read at scrape time)."""
+
+    def __init__(
+        self, sources: Sequence[Source], servicer: KvIndexerServicer, limiter: PrefixQueryLimiter
+    ) -> None:
+        self._sources = sources
+        self._servicer = servicer
+        self._limiter = limiter
+
+    def collect(self) -> Iterator[Any]:
+        fields = [f for f in SourceCounters.__slots__ if f.startswith("num_")]
+        for name in fields:
+            metric = CounterMetricFamily(
+                f"kvplane_indexer_source_{name.removeprefix('num_')}",
+                f"Event source counter {name}",
+                labels=["worker_id"],
+            )
+            for source in self._sources:
+                metric.add_metric([source.worker_id], getattr(source.counters, name))
+            yield metric
+        for name in ("num_skipped_medium", "num_unresolved"):
+            metric = CounterMetricFamily(
+                f"kvplane_indexer_events_{name.removeprefix('num_')}",
+                f"Events not indexed ({name})",
+                labels=["worker_id"],
+            )
+            for source in self._sources:
+                metric.add_metric([source.worker_id], getattr(source.translator.counters, name))
+            yield metric
+        yield CounterMetricFamily(
+            "kvplane_indexer_external_batches_applied",
+            "ApplyExternalKvBatch calls applied",
+            value=self._servicer.num_batches_applied,
+        )
+        yield CounterMetricFamily(
+            "kvplane_indexer_prefix_queries_shed",
+            "Prefix queries shed with RESOURCE_EXHAUSTED",
+            value=self._limiter.num_shed,
+        )
+        yield GaugeMetricFamily(
+            "kvplane_indexer_prefix_queries_in_flight",
+            "Prefix queries being answered",
+            value=self._limiter.in_flight,
+        )
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    # Atomic: a reader never sees a half-written number.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -> None:
+    backend = await open_backend(config.backend)
+    try:
+        sources = [build_source(s, backend, config.block_size) for s in config.sources]
+        servicer_box: list[KvIndexerServicer] = []
+
+        def ingest_counters() -> IngestCounters:
+            applied = sum(s.counters.num_batches_applied for s in sources)
+            applied += sum(s.num_batches_applied for s in servicer_box)
+            dropped = sum(_dropped(s.counters) for s in sources)
+            return IngestCounters(num_batches_applied=applied, num_events_dropped=dropped)
+
+        services, kv_indexer, _ = index_services(
+            backend,
+            default_block_size=config.block_size,
+            max_concurrent_prefix_queries=config.max_concurrent_prefix_queries,
+            ingest_counters=ingest_counters,
+        )
+        servicer_box.append(kv_indexer)
+        server, port = await create_server(config, services)
+        metrics_server = None
+        if config.metrics_listen is not None:
+            registry = CollectorRegistry()
+            registry.register(IndexerCollector(sources, kv_indexer, kv_indexer.limiter))
+            metrics_server, _ = start_metrics_server(config.metrics_listen, registry)
+        if port_file is not None:
+            _write_port_file(port_file, port)
+        log.info("indexer on port %d: backend %s, %d sources", port, backend.name, len(sources))
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(s.run(), name=f"source:{s.worker_id}") for s in sources]
+                await serve_until_signal(server, config.shutdown_grace_s)
+                for task in tasks:
+                    task.cancel()
+        finally:
+            if metrics_server is not None:
+                metrics_server.shutdown()
+    finally:
+        await backend.close()

@@ -129,7 +129,7 @@ class WorkerTranslator:
 
     def translate(self, events: Iterable[EngineEvent], *, seq: int = 0) -> list[Batch]:
         """The batches (possibly none) that apply `events` to the index, in order."""
-        actions: list[Action] = []
+        actions: list[_Run] = []
         for event in events:
             self.counters.num_events += 1
             if isinstance(event, BlockStored):
@@ -154,7 +154,7 @@ class WorkerTranslator:
             self.counters.num_skipped_medium += 1
         return tier
 
-    def _stored(self, event: BlockStored, out: list[Action]) -> None:
+    def _stored(self, event: BlockStored, out: list[_Run]) -> None:
         tier = self._tier(event.medium)
         if tier is None or not event.block_hashes:
             return
@@ -210,6 +210,7 @@ class WorkerTranslator:
                     block_size,
                     lora_name=event.lora_name,
                     cache_salt=salt if parent is None else None,
+                    mm_hashes=[_mm_ids(event, i, salt)],
                     parent=parent,
                 )
             out.append(key)
@@ -225,7 +226,7 @@ class WorkerTranslator:
         live = self._live.get(engine_key)
         return None if live is None else live.key
 
-    def _removed(self, event: BlockRemoved, out: list[Action]) -> None:
+    def _removed(self, event: BlockRemoved, out: list[_Run]) -> None:
         tier = self._tier(event.medium)
         if tier is None:
             return
@@ -247,7 +248,7 @@ class WorkerTranslator:
                 del self._live[engine_key]
             _append_revoke(out, tier, live.key)
 
-    def _cleared(self, event: AllBlocksCleared, out: list[Action]) -> None:
+    def _cleared(self, event: AllBlocksCleared, out: list[_Run]) -> None:
         if event.medium is None:
             tiers: tuple[Tier, ...] = self.options.clear_tiers
         else:
@@ -256,7 +257,7 @@ class WorkerTranslator:
                 return
             tiers = (tier,)
         for tier in tiers:
-            out.append(Action(ActionType.CLEAR_ALL_AT_TIER, tier))
+            out.append(_Run(ActionType.CLEAR_ALL_AT_TIER, tier))
         for engine_key in list(self._live):
             live = self._live[engine_key]
             for tier in tiers:
@@ -276,7 +277,8 @@ class WorkerTranslator:
             cache_spec=self.options.cache_spec,
         )
 
-    def _batches(self, actions: list[Action], seq: int) -> list[Batch]:
+    def _batches(self, runs: list[_Run], seq: int) -> list[Batch]:
+        actions = [run.action() for run in runs]
         return [self._batch(chunk, seq) for chunk in split_actions(actions)]
 
 
@@ -294,31 +296,62 @@ def _salt_from_extra_keys(event: BlockStored) -> str | None:
     return salt
 
 
+def _mm_ids(event: BlockStored, i: int, salt: str | None) -> list[str] | None:
+    """Block i's extra keys other than the LoRA name and the cache salt (multimodal ids)."""
+    if i >= len(event.extra_keys) or event.extra_keys[i] is None:
+        return None
+    out = []
+    for item in event.extra_keys[i] or ():
+        if isinstance(item, tuple) and len(item) == 2 and item[0] == "cache_salt":
+            continue
+        if item == event.lora_name or (i == 0 and item == salt):
+            continue
+        out.append(item if isinstance(item, str) else repr(item))
+    return out or None
+
+
+@dataclass(slots=True)
+class _Run:
+    """An action being built: adjacent events to one tier extend it in place (appending to
+    lists, so a long run costs linear time)."""
+
+    type: ActionType
+    tier: Tier
+    hashes: list[BlockKey] = field(default_factory=list)
+    block_sizes: list[int] = field(default_factory=list)
+    parent: BlockKey | None = None
+
+    def action(self) -> Action:
+        return Action(
+            self.type, self.tier, tuple(self.hashes), (), tuple(self.block_sizes), self.parent
+        )
+
+
 def _append_report(
-    out: list[Action], tier: Tier, key: BlockKey, parent: BlockKey | None, block_size: int
+    out: list[_Run], tier: Tier, key: BlockKey, parent: BlockKey | None, block_size: int
 ) -> None:
-    sizes = (block_size,) if block_size > 0 else ()
     last = out[-1] if out else None
     if (
         last is not None
         and last.type is ActionType.REPORT
         and last.tier is tier
         and last.hashes[-1] == parent
-        and bool(last.block_sizes) == bool(sizes)
+        and bool(last.block_sizes) == (block_size > 0)
     ):
-        out[-1] = replace(
-            last, hashes=(*last.hashes, key), block_sizes=last.block_sizes + sizes
-        )
+        last.hashes.append(key)
     else:
-        out.append(Action(ActionType.REPORT, tier, (key,), (), sizes, parent))
+        last = _Run(ActionType.REPORT, tier, [key], [], parent)
+        out.append(last)
+    if block_size > 0:
+        last.block_sizes.append(block_size)
 
 
-def _append_revoke(out: list[Action], tier: Tier, key: BlockKey) -> None:
+def _append_revoke(out: list[_Run], tier: Tier, key: BlockKey) -> None:
     last = out[-1] if out else None
     if last is not None and last.type is ActionType.REVOKE and last.tier is tier:
-        out[-1] = replace(last, hashes=(*last.hashes, key))
+        last.hashes.append(key)
     else:
-        out.append(Action(ActionType.REVOKE, tier, (key,)))
+        out.append(_Run(ActionType.REVOKE, tier, [key]))
 
 
 def _split_action(action: Action, max_hashes: int) -> list[Action]:

@@ -2,14 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from kvplane.cli_common import fail_not_implemented
+from kvplane.cli_common import OutputFormat, OutputOption, emit
 
 bench_app = typer.Typer(no_args_is_help=True)
 
 
 @bench_app.command("index")
-def bench_index() -> None:
+def bench_index(
+    output: OutputOption = OutputFormat.table,
+    backend: Annotated[
+        str, typer.Option("--backend", help="Index backend URL: memory, redis://..., ...")
+    ] = "memory",
+    quick: Annotated[bool, typer.Option("--quick", help="About a tenth of the full size.")] = False,
+) -> None:
     """The prefix index against Dynamo's RadixTree, and the KVIndexer service."""
-    fail_not_implemented("kvplane bench index")
+    import asyncio
+
+    from indexer.bench import render_table, run_index_bench
+
+    result = asyncio.run(run_index_bench(backend, quick=quick))
+    emit(result, output, render_table)
+
+
+def _register_component_benchmarks() -> None:
+    from controller.bench import bench_route
+
+    bench_app.command("route")(bench_route)
+
+
+_register_component_benchmarks()

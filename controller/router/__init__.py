@@ -67,6 +67,7 @@ __all__ = [
     "DisaggDecision",
     "EngineCost",
     "InFlight",
+    "KvplaneWeights",
     "LoadSnapshot",
     "NoEngineAvailableError",
     "Policy",

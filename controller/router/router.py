@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.router.inflight import InFlightTracker
-from controller.router.model import Candidate, Decision, EngineCost, Reason, RouteRequest
+from controller.router.model import (
+    Candidate,
+    Decision,
+    EngineCost,
+    PrefixHit,
+    Reason,
+    RouteRequest,
+)
 from controller.router.policies import Policy, blind_costs, least_loaded_of
 from kvplane.errors import KvplaneError
 
@@ -49,6 +56,53 @@ class DisaggDecision:
     decode: Decision
 
 
+class PendingPrefixes:
+    """Blocks the router has just sent to an engine and the engine has not announced yet.
+
+    The index learns a prompt's blocks only after the engine computed them, so a burst of
+    prompts sharing a new prefix would otherwise be spread over several engines and computed
+    (and stored) several times. Each routed prompt's blocks count as held by its engine for
+    `ttl_s`; by then the engine's KV events tell the truth.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._expiry: dict[str, dict[int, float]] = {}
+        self._next_purge_s = 0.0
+
+    def add(self, engine_id: str, block_keys: Sequence[int], now_s: float) -> None:
+        if self.ttl_s <= 0 or not block_keys:
+            return
+        table = self._expiry.setdefault(engine_id, {})
+        expiry = now_s + self.ttl_s
+        for key in block_keys:
+            table[key] = expiry
+        if now_s >= self._next_purge_s:
+            self._purge(now_s)
+
+    def extend(self, engine_id: str, block_keys: Sequence[int], start: int, now_s: float) -> int:
+        """How far the held prefix reaches past `start` blocks with pending blocks."""
+        table = self._expiry.get(engine_id)
+        n = start
+        if not table:
+            return n
+        while n < len(block_keys) and table.get(block_keys[n], -1.0) >= now_s:
+            n += 1
+        return n
+
+    def forget(self, engine_id: str) -> None:
+        self._expiry.pop(engine_id, None)
+
+    def _purge(self, now_s: float) -> None:
+        self._next_purge_s = now_s + self.ttl_s
+        for engine_id, table in list(self._expiry.items()):
+            live = {k: t for k, t in table.items() if t >= now_s}
+            if live:
+                self._expiry[engine_id] = live
+            else:
+                del self._expiry[engine_id]
+
+
 class Router:
     def __init__(
         self,
@@ -57,16 +111,35 @@ class Router:
         busy: BusyThresholds | None = None,
         session_capacity: int = 100_000,
         skip_prefill_ratio: float = 0.9,
+        pending_ttl_s: float = 10.0,
     ) -> None:
         self.policy = policy
         self.busy = busy or BusyThresholds()
         self.inflight = InFlightTracker()
+        self.pending = PendingPrefixes(pending_ttl_s)
         self.skip_prefill_ratio = skip_prefill_ratio
         self._session_capacity = session_capacity
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
-    def with_inflight(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        return [dataclasses.replace(c, inflight=self.inflight.of(c.engine_id)) for c in candidates]
+    def with_inflight(
+        self,
+        candidates: Sequence[Candidate],
+        request: RouteRequest | None = None,
+        now_s: float = 0.0,
+    ) -> list[Candidate]:
+        """Candidates with the router's own knowledge added: in-flight accounting, and (given
+        the request) blocks it sent there that the index does not show yet."""
+        out = []
+        for c in candidates:
+            hit = c.hit
+            if request is not None:
+                held = c.hit.device_blocks + c.hit.host_blocks
+                reach = self.pending.extend(c.engine_id, request.block_keys, held, now_s)
+                if reach > held:
+                    # Pending blocks will be on the device once computed.
+                    hit = PrefixHit(c.hit.device_blocks + reach - held, c.hit.host_blocks)
+            out.append(dataclasses.replace(c, hit=hit, inflight=self.inflight.of(c.engine_id)))
+        return out
 
     def explain(
         self,
@@ -90,6 +163,7 @@ class Router:
         prefill = max(request.num_prompt_tokens - decision.predicted_cached_tokens, 0)
         blocks = math.ceil(request.num_prompt_tokens / max(request.block_size, 1))
         self.inflight.begin(request.request_id, decision.engine_id, prefill, blocks)
+        self.pending.add(decision.engine_id, request.block_keys, now_s)
         self.policy.observe(request, decision.engine_id, now_s)
         if request.session_key:
             self._sessions[request.session_key] = decision.engine_id
@@ -107,6 +181,7 @@ class Router:
     def forget_engine(self, engine_id: str) -> list[str]:
         """The engine left the fleet: drop its accounting, sessions and policy state."""
         self.policy.forget_engine(engine_id)
+        self.pending.forget(engine_id)
         for key in [k for k, e in self._sessions.items() if e == engine_id]:
             del self._sessions[key]
         return self.inflight.drop_engine(engine_id)
@@ -154,7 +229,7 @@ class Router:
     ) -> Decision:
         if not candidates:
             raise NoEngineAvailableError("no engine available to route to")
-        view = self.with_inflight(candidates)
+        view = self.with_inflight(candidates, request, now_s)
         free = [c for c in view if not self.busy.is_busy(c)]
         busy_ids = {c.engine_id for c in view} - {c.engine_id for c in free}
         if not free:

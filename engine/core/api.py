@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NewType, Protocol
+from typing import Protocol
 
 from engine.core.errors import InvalidRequestError
 
-BlockKey = NewType("BlockKey", int)
-"""kvplane's canonical chained key of one full block (see `indexer.keys.block_keys`)."""
+BlockKey = int
+"""kvplane's canonical chained key of one full block, signed 64-bit (`indexer.keys.block_keys`)."""
 
 BlockId = int
 """Index of a physical KV block in the runner's cache, 0 <= id < num_blocks."""
@@ -351,7 +351,8 @@ class ModelRunner(Protocol):
         ...
 
     def release(self, seq_ids: Sequence[int]) -> None:
-        """Forget per-sequence state (seeded generators) of finished or aborted sequences."""
+        """Forget per-sequence state (seeded generators) of finished or aborted sequences;
+        unknown ids are ignored."""
         ...
 
 

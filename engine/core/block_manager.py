@@ -47,6 +47,8 @@ from engine.core.api import (
 )
 from indexer.keys import block_keys
 
+_KeysMemo = tuple[Sequence[int], int, tuple[str | None, str | None, int | None], tuple[int, ...]]
+
 
 @dataclass(frozen=True, slots=True)
 class _Namespace:
@@ -97,10 +99,11 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}
         self._tables: dict[int, _Table] = {}
         self._events: list[KvEvent] = []
+        self._keys_memo: _KeysMemo | None = None
         # Doubly linked free list; index `num_blocks` is the sentinel.
         sentinel = num_blocks
-        self._next = [*range(1, num_blocks + 1), 0]
-        self._prev = [sentinel, *range(num_blocks)]
+        self._next: list[int] = [*range(1, num_blocks + 1), 0]
+        self._prev: list[int] = [sentinel, *range(num_blocks)]
         self._num_free = num_blocks
 
     # ---------------------------------------------------------------- sizes
@@ -166,6 +169,17 @@ class BlockManager:
         num_full = len(token_ids) // self.block_size
         if num_full == 0:
             return []
+        # One-entry memo: admission asks for the same token list's keys up to three times
+        # (count hits, can_allocate, allocate). Token lists are append-only, so the same list
+        # with the same number of full blocks has the same keys.
+        memo = self._keys_memo
+        if (
+            memo is not None
+            and memo[0] is token_ids
+            and memo[1] == num_full
+            and memo[2] == (lora_name, cache_salt, parent)
+        ):
+            return list(memo[3])
         keys = block_keys(
             list(token_ids[: num_full * self.block_size]),
             self.block_size,
@@ -173,7 +187,8 @@ class BlockManager:
             cache_salt=cache_salt,
             parent=parent,
         )
-        return [BlockKey(k) for k in keys]
+        self._keys_memo = (token_ids, num_full, (lora_name, cache_salt, parent), tuple(keys))
+        return keys
 
     def _find_hits(
         self, token_ids: Sequence[int], keys: Sequence[BlockKey], namespace: _Namespace

@@ -111,7 +111,12 @@ class CachedBlockMirror:
             # Walk up to the first ancestor not yet emitted, then emit downwards.
             chain: list[BlockKey] = []
             cursor: BlockKey | None = key
-            while cursor is not None and cursor not in emitted and cursor in self._blocks:
+            while (
+                cursor is not None
+                and cursor not in emitted
+                and cursor in self._blocks
+                and cursor not in chain  # keys are chained hashes; never loop on a bad one
+            ):
                 chain.append(cursor)
                 cursor = self._blocks[cursor].parent_key
             for chained in reversed(chain):
@@ -137,9 +142,7 @@ BatchListener = Callable[[KvEventBatchRecord], None]
 class KvEventLog:
     """Numbers batches, keeps the last `buffer_steps` of them, and fans them out."""
 
-    def __init__(
-        self, buffer_steps: int, clock_ns: Callable[[], int] = time.time_ns
-    ) -> None:
+    def __init__(self, buffer_steps: int, clock_ns: Callable[[], int] = time.time_ns) -> None:
         if buffer_steps < 1:
             raise ValueError("buffer_steps must be >= 1")
         self._ring: deque[KvEventBatchRecord] = deque(maxlen=buffer_steps)

@@ -23,6 +23,8 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
+from engine.server.kv_event_log import KvEventBatchRecord
+from engine.server.kv_wire import encode_msgpack_batch
 from kvplane.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,9 @@ class ZmqKvPublisher:
         topic: str,
         hwm: int,
         buffer_steps: int,
+        data_parallel_rank: int = 0,
     ) -> None:
+        self._dp_rank = data_parallel_rank
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
         self.topic = topic.encode()
@@ -76,6 +80,10 @@ class ZmqKvPublisher:
             self.bound_replay_endpoint,
             self.topic.decode(),
         )
+
+    def publish_batch(self, batch: KvEventBatchRecord) -> None:
+        """A KvEventLog listener: log batch N goes out as ZMQ seq N - 1 (vLLM counts from 0)."""
+        self.publish(batch.sequence_number - 1, encode_msgpack_batch(batch, self._dp_rank))
 
     def publish(self, seq: int, payload: bytes) -> None:
         """Send one batch live and keep it for replay. Never blocks."""
@@ -130,3 +138,14 @@ def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
         raise ConfigError(f"cannot bind ZMQ KV events to {endpoint}: {exc}") from exc
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     return last.decode() if isinstance(last, bytes) else str(last)
+
+
+_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
+def routable_host_port(bound_endpoint: str, advertised_host: str) -> tuple[str, int]:
+    """`tcp://0.0.0.0:5557` -> (advertised_host, 5557): never a bind wildcard."""
+    address = bound_endpoint.removeprefix("tcp://")
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") if host not in _WILDCARD_HOSTS else ""
+    return (host or advertised_host), int(port)

@@ -87,9 +87,7 @@ class AttentionMetadata:
         total = 0
         for chunk in chunks:
             if chunk.num_tokens <= 0 or chunk.start < 0:
-                raise KvCacheError(
-                    f"bad chunk: start {chunk.start}, num_tokens {chunk.num_tokens}"
-                )
+                raise KvCacheError(f"bad chunk: start {chunk.start}, num_tokens {chunk.num_tokens}")
             end = chunk.start + chunk.num_tokens
             if len(chunk.block_table) * block_size < end:
                 raise KvCacheError(
@@ -112,7 +110,15 @@ class AttentionMetadata:
         blocks = tables[seq_of_token, positions // block_size]
         slot_mapping = blocks * block_size + positions % block_size
         groups = tuple(
-            _build_group(chunks, members, offsets, tables, block_size, total, device)
+            _build_group(
+                chunks,
+                members,
+                offsets=offsets,
+                tables=tables,
+                block_size=block_size,
+                total_tokens=total,
+                device=device,
+            )
             for members in _partition(chunks)
         )
         return cls(
@@ -152,6 +158,7 @@ def _partition(chunks: Sequence[SequenceChunk]) -> list[list[int]]:
 def _build_group(
     chunks: Sequence[SequenceChunk],
     members: list[int],
+    *,
     offsets: list[int],
     tables: torch.Tensor,
     block_size: int,
@@ -199,7 +206,9 @@ class PagedKvCache:
         device: torch.device,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
-            raise KvCacheError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+            raise KvCacheError(
+                f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
+            )
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -218,6 +227,7 @@ def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    *,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     metadata: AttentionMetadata,
@@ -228,7 +238,7 @@ def paged_attention(
     Writes key/value into the caches first, so each token also attends to itself and to the
     earlier tokens of its own chunk.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    num_kv_heads, head_dim = key_cache.shape[2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
     num_heads = query.shape[1]

@@ -70,6 +70,8 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
         raw = _read_json(model_dir / "config.json", required=True)
+        if raw is None:  # unreachable: required files raise instead
+            raise CheckpointError(f"{model_dir / 'config.json'} not found")
         generation = _read_json(model_dir / "generation_config.json", required=False)
         return cls.from_dict(raw, generation)
 
@@ -146,7 +148,9 @@ def _architecture(raw: dict[str, Any]) -> Architecture:
     if not names and model_type in ("llama", "qwen2"):
         return Architecture.LLAMA if model_type == "llama" else Architecture.QWEN2
     supported = ", ".join(a.value for a in Architecture)
-    raise CheckpointError(f"unsupported architecture {names or model_type!r}; supported: {supported}")
+    raise CheckpointError(
+        f"unsupported architecture {names or model_type!r}; supported: {supported}"
+    )
 
 
 def _int(raw: dict[str, Any], key: str) -> int:
@@ -206,7 +210,5 @@ def _rope(raw: dict[str, Any]) -> RopeConfig:
         factor=factor,
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            scaling.get("original_max_position_embeddings", 8192)
-        ),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
     )

@@ -11,3 +11,8 @@ class CheckpointError(KvplaneError):
 
 class KvCacheError(KvplaneError):
     """The KV cache cannot be sized or addressed as asked (too small, a block out of range)."""
+
+
+class InvalidBatchError(KvplaneError):
+    """A scheduled step the model cannot compute (a token outside the vocabulary, a position
+    past the model's context); the scheduler should have refused the request before."""

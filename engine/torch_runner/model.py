@@ -54,7 +54,11 @@ class RotaryEmbedding:
     """cos/sin tables indexed by position, grown on demand past max_position_embeddings."""
 
     def __init__(
-        self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype,
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        max_positions: int,
+        dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self._rope = rope
@@ -73,7 +77,9 @@ class RotaryEmbedding:
         self._cos = freqs.cos().to(self._dtype).to(self._device)
         self._sin = freqs.sin().to(self._dtype).to(self._device)
 
-    def tables(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, positions: torch.Tensor, max_position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, sin of shape [T, 1, head_dim / 2]."""
         if max_position >= self._cos.shape[0]:
             self._build(max(2 * self._cos.shape[0], max_position + 1))
@@ -138,12 +144,18 @@ class DecoderModel:
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+            q, k, v = torch.split(qkv, [self._q_size, self._kv_size, self._kv_size], dim=-1)
             q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(
-                q, k, v, kv_cache.keys[index], kv_cache.values[index], metadata, self._scale
+                q,
+                k,
+                v,
+                key_cache=kv_cache.keys[index],
+                value_cache=kv_cache.values[index],
+                metadata=metadata,
+                scale=self._scale,
             )
             hidden = residual + F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
             residual = hidden

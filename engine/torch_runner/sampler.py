@@ -118,7 +118,9 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.seed is None:
                 continue
-            generator = torch.Generator().manual_seed(step_seed(row.seed, len(row.output_token_ids)))
+            generator = torch.Generator().manual_seed(
+                step_seed(row.seed, len(row.output_token_ids))
+            )
             own = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
             draws[i] = own.to(probs.device)
         return draws
@@ -207,7 +209,9 @@ def token_logprob(log_probs: torch.Tensor, token_id: int, request: LogprobReques
 
 def candidates(log_probs: torch.Tensor, request: LogprobRequest) -> tuple[Candidate, ...]:
     if request.top_n > 0 or request.all_candidates:
-        count = log_probs.shape[0] if request.all_candidates else min(request.top_n, log_probs.shape[0])
+        count = (
+            log_probs.shape[0] if request.all_candidates else min(request.top_n, log_probs.shape[0])
+        )
         values, ids = log_probs.topk(count, sorted=True)
         return tuple(
             Candidate(token_id=t, logprob=v, rank=r + 1)

@@ -22,6 +22,7 @@ Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop neve
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -236,7 +237,7 @@ class ZmqSource:
             replies is not None
             and bool(replies)
             and replies[0].seq == expected
-            and all(b.seq == a.seq + 1 for a, b in zip(replies, replies[1:], strict=False))
+            and all(b.seq == a.seq + 1 for a, b in itertools.pairwise(replies))
             and replies[-1].seq + 1 >= trigger.seq
         )
         if not covered or replies is None:

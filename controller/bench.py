@@ -1,0 +1,145 @@
+"""`kvplane bench route`: routing quality on a Mooncake-format trace, every policy side by
+side over the same simulated fleet (controller.replay), optionally with Dynamo's own mocker
+replay as peer rows (`--peer dynamo`, needs `pip install ai-dynamo-runtime==1.6.1`)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from controller.replay import ReplaySettings, load_trace, oracle_hit_ratio, replay
+from controller.router import POLICY_NAMES
+from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.errors import KvplaneError
+
+log = logging.getLogger(__name__)
+
+DYNAMO_RUNS = 3  # its kv_router breaks ties at random: average three runs
+
+
+def run_route_bench(
+    trace_path: Path,
+    settings: ReplaySettings,
+    policies: list[str],
+    peer: str | None = None,
+) -> dict[str, Any]:
+    """The benchmark's JSON document (see the issue for its shape)."""
+    unknown = [p for p in policies if p not in POLICY_NAMES]
+    if unknown:
+        raise KvplaneError(f"unknown policies: {', '.join(unknown)}")
+    trace = load_trace(trace_path)
+    result: dict[str, Any] = {
+        "trace": trace_path.name,
+        "workers": settings.workers,
+        "blocks_per_worker": settings.blocks_per_worker,
+        "block_size": settings.block_size,
+        "speedup": settings.speedup,
+        "num_requests": len(trace),
+        "oracle_hit_ratio": round(oracle_hit_ratio(trace, settings.block_size), 4),
+        "policies": {},
+    }
+    for name in policies:
+        started = time.monotonic()
+        outcome = replay(trace, name, settings)
+        log.debug("%s replayed in %.1fs", name, time.monotonic() - started)
+        result["policies"][name] = outcome.to_json()
+    if peer == "dynamo":
+        result["policies"].update(_dynamo_rows(trace_path, settings))
+    elif peer is not None:
+        raise KvplaneError(f"unknown peer {peer!r} (supported: dynamo)")
+    return result
+
+
+def _dynamo_rows(trace_path: Path, settings: ReplaySettings) -> dict[str, Any]:
+    try:
+        from dynamo import _core
+    except ImportError as exc:
+        raise KvplaneError(
+            "--peer dynamo needs Dynamo's mocker: pip install ai-dynamo-runtime==1.6.1"
+        ) from exc
+    rows: dict[str, Any] = {}
+    for mode in ("kv_router", "round_robin"):
+        runs = []
+        for _ in range(DYNAMO_RUNS if mode == "kv_router" else 1):
+            report = _core.run_mocker_trace_replay(
+                [str(trace_path)],
+                extra_engine_args={
+                    "engine": {
+                        "block_size": settings.block_size,
+                        "num_gpu_blocks": settings.blocks_per_worker,
+                    }
+                },
+                num_workers=settings.workers,
+                router_mode=mode,
+                trace_block_size=settings.block_size,
+                trace_format="mooncake",
+                replay_mode="offline",
+                arrival_speedup_ratio=settings.speedup,
+            )
+            runs.append(dict(report.summary))
+        rows[f"dynamo_{mode}"] = {
+            "hit_ratio": round(statistics.fmean(r["prefix_cache_reused_ratio"] for r in runs), 4),
+            "ttft_ms": {
+                "mean": round(statistics.fmean(r["mean_ttft_ms"] for r in runs), 1),
+                "p99": round(statistics.fmean(r["p99_ttft_ms"] for r in runs), 1),
+            },
+            "runs": len(runs),
+        }
+    return rows
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    lines = [
+        f"trace {doc['trace']}: {doc['workers']} workers x {doc['blocks_per_worker']} blocks "
+        f"of {doc['block_size']} tokens, speedup {doc['speedup']}, "
+        f"oracle reuse {doc['oracle_hit_ratio']:.3f}",
+        f"{'policy':<22}{'reuse':>8}{'ttft mean':>11}{'p50':>8}{'p99':>9}"
+        f"{'itl mean':>10}{'imbal.':>8}{'req/s':>8}",
+    ]
+    for name, row in doc["policies"].items():
+        ttft = row.get("ttft_ms", {})
+        itl = row.get("itl_ms", {}).get("mean")
+        imbalance = row.get("imbalance")
+        rps = row.get("throughput_rps")
+        lines.append(
+            f"{name:<22}{row['hit_ratio']:>8.3f}{ttft.get('mean', 0):>11.1f}"
+            f"{_cell(ttft.get('p50'), 8, 1)}{_cell(ttft.get('p99'), 9, 1)}"
+            f"{_cell(itl, 10, 2)}{_cell(imbalance, 8, 3)}{_cell(rps, 8, 2)}"
+        )
+    return "\n".join(lines)
+
+
+def _cell(value: float | None, width: int, digits: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def bench_route(
+    *,
+    trace: Annotated[Path, typer.Option("--trace", help="Mooncake-format JSONL trace.")],
+    workers: Annotated[int, typer.Option(min=1)] = 8,
+    blocks_per_worker: Annotated[int, typer.Option(min=1)] = 2048,
+    block_size: Annotated[int, typer.Option(min=1)] = 512,
+    speedup: Annotated[float, typer.Option(min=0.001)] = 1.0,
+    policies: Annotated[
+        str, typer.Option(help="Comma-separated policies (default: all).")
+    ] = ",".join(POLICY_NAMES),
+    peer: Annotated[str | None, typer.Option(help="Also run a peer's own replay: dynamo.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the router's randomness.")] = 0,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Routing quality on a real trace: reuse, TTFT, ITL, imbalance per policy."""
+    settings = ReplaySettings(
+        workers=workers,
+        blocks_per_worker=blocks_per_worker,
+        block_size=block_size,
+        speedup=speedup,
+        seed=seed,
+    )
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    doc = run_route_bench(trace, settings, names, peer)
+    emit(doc, output, render_table)

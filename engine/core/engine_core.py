@@ -1,0 +1,726 @@
+"""EngineCore: scheduler + block manager + runner + stop checks + detokenisation, one `step()`
+at a time; and EngineLoop, which runs those steps in one dedicated thread for asyncio servers.
+
+EngineCore is synchronous and single-threaded: `add_request`, `abort`, `step` and friends must be
+called from one thread. A step: schedule -> `runner.execute(batch)` -> mark the computed tokens
+(caching newly full blocks, which records KV events) -> for every sequence that sampled, stop
+checks and text deltas -> `RequestOutput`s. Time comes from the `clock` passed in (a virtual clock
+in replay), so the same core runs live and simulated.
+
+EngineLoop owns the thread. Callers on any thread `submit(request, sink)`: validation happens at
+once in the caller's thread (so a server can fail before acceptance), then the request is queued
+to the engine thread, which calls `sink(output)` for each output, in order, ending with the one
+that carries `usage`. For asyncio consumers use `asyncio_sink(loop, queue)`: it hands each output
+to `loop.call_soon_threadsafe(queue.put_nowait, output)`, so the event loop never blocks on a
+step. Commands (`abort`, `call`) return `concurrent.futures.Future`s (`asyncio.wrap_future`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from engine.core.api import (
+    BlockStored,
+    EngineRequest,
+    FinishReason,
+    ForwardPassStats,
+    KvEvent,
+    LoadSnapshot,
+    ModelRunner,
+    RequestOutput,
+    ScheduledBatch,
+    ScheduledSequence,
+    SchedulerConfig,
+    SequenceResult,
+    StepReport,
+    StepResult,
+    StopMatch,
+    TokenLogprob,
+    Usage,
+)
+from engine.core.block_manager import BlockManager
+from engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
+from engine.core.errors import (
+    DuplicateRequestError,
+    EngineStoppedError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from engine.core.scheduler import ScheduledWork, Scheduler
+from engine.core.sequence import Sequence
+from engine.core.sim_runner import SimRunner
+from engine.core.stopping import StopChecker
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True, eq=False)
+class _Output:
+    sequence: Sequence
+    stop: StopChecker
+    detokenizer: IncrementalDetokenizer | None
+    finished: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _RequestState:
+    request: EngineRequest
+    outputs: list[_Output] = field(default_factory=list)
+    num_unfinished: int = 0
+    # Logprob of the prompt token at each position (index = position; position 0 has none).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=sum(len(o.sequence.output_token_ids) for o in self.outputs),
+            cached_prompt_tokens=self.outputs[0].sequence.num_cached_tokens or 0,
+        )
+
+
+class EngineCore:
+    """The synchronous engine (see module docstring). Implements `api.EngineCoreFacade`."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: SchedulerConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or SchedulerConfig()
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.block_manager = BlockManager(
+            runner.num_blocks,
+            runner.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            medium=self.config.medium,
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.max_model_len = runner.max_model_len
+        self.eos_token_ids = runner.eos_token_ids
+        self._requests: dict[str, _RequestState] = {}
+        self._outputs_by_seq: dict[int, _Output] = {}
+        self._next_seq_id = 0
+        self._next_arrival = 0
+        self._last_prefill_batch = 0
+        self._last_decode_batch = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    # ---------------------------------------------------------------- requests
+
+    def check_request(self, request: EngineRequest) -> None:
+        """Validate without side effects; reads only immutable configuration (thread-safe)."""
+        if not request.request_id:
+            raise InvalidRequestError("request_id must be non-empty")
+        if not request.prompt_token_ids:
+            raise InvalidRequestError("the prompt must have at least one token")
+        if min(request.prompt_token_ids) < 0:
+            raise InvalidRequestError("token ids must be >= 0")
+        request.sampling.validate()
+        if request.sampling.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt + 1 > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt of {num_prompt} tokens leaves no room for output in a context of "
+                f"{self.max_model_len}"
+            )
+        bm = self.block_manager
+        if bm.blocks_for(num_prompt + 1) > bm.num_blocks:
+            raise PromptTooLongError(
+                f"prompt of {num_prompt} tokens does not fit the KV cache "
+                f"({bm.num_blocks} blocks of {bm.block_size})"
+            )
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (one sequence per output). Raises before accepting anything."""
+        self.check_request(request)
+        if request.request_id in self._requests:
+            raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+        sampling = request.sampling
+        num_prompt = len(request.prompt_token_ids)
+        room = self.max_model_len - num_prompt
+        max_new = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        state = _RequestState(request, num_unfinished=sampling.num_sequences)
+        if sampling.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * num_prompt
+        now_s = self.clock()
+        for index in range(sampling.num_sequences):
+            seq = Sequence(self._next_seq_id, request, index, self._next_arrival, now_s)
+            self._next_seq_id += 1
+            self._next_arrival += 1
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            output = _Output(seq, StopChecker(sampling, self.eos_token_ids, max_new), detok)
+            state.outputs.append(output)
+            self._outputs_by_seq[seq.seq_id] = output
+            self.scheduler.add(seq)
+        self._requests[request.request_id] = state
+
+    def is_running(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Finish every unfinished output as CANCELLED; [] when unknown or already finished."""
+        return self._finish_request(request_id, FinishReason.CANCELLED, "aborted")
+
+    def abort_all(
+        self, reason: FinishReason = FinishReason.CANCELLED, message: str = "aborted"
+    ) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for request_id in list(self._requests):
+            outputs.extend(self._finish_request(request_id, reason, message))
+        return outputs
+
+    def _finish_request(
+        self, request_id: str, reason: FinishReason, message: str
+    ) -> list[RequestOutput]:
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        unfinished = [out for out in state.outputs if not out.finished]
+        outputs = [
+            self._finish(state, out, reason, None, out.stop.finish(), message=message)
+            for out in unfinished
+        ]
+        self.runner.release([out.sequence.seq_id for out in unfinished])
+        return outputs
+
+    def _finish(
+        self,
+        state: _RequestState,
+        out: _Output,
+        reason: FinishReason,
+        stop_match: StopMatch | None,
+        text: str,
+        *,
+        message: str = "",
+        new_token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+    ) -> RequestOutput:
+        out.finished = True
+        self.scheduler.remove(out.sequence)
+        del self._outputs_by_seq[out.sequence.seq_id]
+        state.num_unfinished -= 1
+        usage = None
+        if state.num_unfinished == 0:
+            usage = state.usage()
+            del self._requests[state.request.request_id]
+        return RequestOutput(
+            request_id=state.request.request_id,
+            output_index=out.sequence.output_index,
+            new_token_ids=new_token_ids,
+            new_text=text,
+            logprobs=logprobs,
+            prompt_logprobs=self._take_prompt_logprobs(state, out),
+            finish_reason=reason,
+            stop_match=stop_match,
+            message=message,
+            usage=usage,
+        )
+
+    # ---------------------------------------------------------------- one step
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> StepResult:
+        started_s = self.clock()
+        sched = self.scheduler.schedule(started_s)
+        outputs: list[RequestOutput] = []
+        for seq in sched.out_of_capacity:
+            out = self._outputs_by_seq[seq.seq_id]
+            state = self._requests[seq.request_id]
+            outputs.append(
+                self._finish(
+                    state,
+                    out,
+                    FinishReason.LENGTH,
+                    None,
+                    out.stop.finish(),
+                    message="KV cache full",
+                )
+            )
+            self.runner.release([seq.seq_id])
+        if not sched.scheduled:
+            self._last_prefill_batch = self._last_decode_batch = 0
+            return StepResult(outputs, None)
+        batch = self._build_batch(sched.scheduled)
+        results = {r.seq_id: r for r in self.runner.execute(batch)}
+        duration_s = self.clock() - started_s
+        released: list[int] = []
+        for work, scheduled in zip(sched.scheduled, batch.sequences, strict=True):
+            output = self._on_computed(work, scheduled, results.get(work.sequence.seq_id))
+            if output is not None:
+                outputs.append(output)
+                if output.finished:
+                    released.append(work.sequence.seq_id)
+        if released:
+            self.runner.release(released)
+        num_decode = batch.num_decode_sequences
+        self._last_decode_batch = num_decode
+        self._last_prefill_batch = len(batch.sequences) - num_decode
+        stats = ForwardPassStats(
+            started_at_s=started_s,
+            duration_s=duration_s,
+            batch_size=len(batch.sequences),
+            num_scheduled_tokens=batch.num_scheduled_tokens,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_sequences=num_decode,
+            num_cached_tokens=sched.num_cached_tokens,
+            num_preempted=len(sched.preempted),
+        )
+        return StepResult(outputs, stats)
+
+    def fast_forward_decode(self, until_s: float) -> list[RequestOutput]:
+        """Offline replay with the sim runner only: run consecutive pure-decode passes in one
+        call, as `step()` would, while they start before `until_s` (the next arrival).
+
+        Applies only when nothing waits, every running sequence decodes, no block fills or
+        needs allocating, no output can finish (it stops one token short of its limit) and no
+        stop token, stop string, EOS, tokenizer or logprobs is involved; otherwise it does
+        nothing and returns []. The tokens, timing and block state are exactly those of the
+        same passes run by `step()`; only the per-pass outputs are merged (one output per
+        sequence) and no ForwardPassStats are produced. KV events cannot occur in such passes.
+        """
+        runner = self.runner
+        scheduler = self.scheduler
+        running = scheduler.running
+        if (
+            not isinstance(runner, SimRunner)
+            or runner.clock is None
+            or scheduler.num_waiting
+            or not running
+            or len(running) > self.config.max_num_batched_tokens
+        ):
+            return []
+        size = self.block_size
+        max_steps: int | None = None
+        context = 0
+        for seq in running:
+            out = self._outputs_by_seq[seq.seq_id]
+            sampling = seq.request.sampling
+            if (
+                seq.num_uncomputed_tokens != 1
+                or out.detokenizer is not None
+                or sampling.stop
+                or sampling.stop_token_ids
+                or sampling.logprobs is not None
+                or (runner.may_emit_eos and not sampling.ignore_eos)
+            ):
+                return []
+            computed = seq.num_computed_tokens
+            if len(self.block_manager.block_table(seq.seq_id)) * size <= computed:
+                return []  # the next pass needs a new block
+            # Stay inside the current block without filling it; stop one token short of LENGTH.
+            limit = min(size - 1 - computed % size, out.stop.num_remaining_tokens - 1)
+            max_steps = limit if max_steps is None else min(max_steps, limit)
+            context += seq.num_tokens
+        num_steps, end_s = runner.timing.decode_run(
+            start_s=self.clock(),
+            until_s=until_s,
+            max_steps=max_steps or 0,
+            num_sequences=len(running),
+            context_tokens=context,
+            capacity_tokens=self.block_manager.num_blocks * size,
+        )
+        if num_steps == 0:
+            return []
+        runner.pass_time_until(end_s, num_steps)
+        outputs: list[RequestOutput] = []
+        next_token = runner.next_token
+        for seq in running:
+            last = seq.token_ids[-1]
+            num_output = len(seq.output_token_ids)
+            new_tokens: list[int] = []
+            for offset in range(num_steps):
+                last = next_token(last, num_output + offset, seq.output_index)
+                new_tokens.append(last)
+            seq.token_ids.extend(new_tokens)
+            seq.output_token_ids.extend(new_tokens)
+            seq.num_computed_tokens += num_steps
+            self._outputs_by_seq[seq.seq_id].stop.skip_tokens(num_steps)
+            outputs.append(
+                RequestOutput(seq.request_id, seq.output_index, new_token_ids=tuple(new_tokens))
+            )
+        self._last_prefill_batch, self._last_decode_batch = 0, len(running)
+        return outputs
+
+    def _build_batch(self, scheduled: list[ScheduledWork]) -> ScheduledBatch:
+        sequences: list[ScheduledSequence] = []
+        num_prefill = num_decode = decode_context = 0
+        for work in scheduled:
+            seq = work.sequence
+            start = seq.num_computed_tokens
+            end = start + work.num_new_tokens
+            if seq.num_uncomputed_tokens == 1:
+                num_decode += 1
+                decode_context += seq.num_tokens
+            else:
+                num_prefill += work.num_new_tokens
+            state = self._requests[seq.request_id]
+            want_prompt_logprobs = (
+                state.prompt_logprobs is not None
+                and seq.output_index == 0
+                and not state.prompt_logprobs_sent
+                and start < seq.num_prompt_tokens - 1
+            )
+            sampling = seq.request.sampling
+            sequences.append(
+                ScheduledSequence(
+                    seq_id=seq.seq_id,
+                    request_id=seq.request_id,
+                    output_index=seq.output_index,
+                    token_ids=seq.token_ids[start:end],
+                    start_position=start,
+                    block_table=self.block_manager.block_table(seq.seq_id),
+                    sample=end == seq.num_tokens,
+                    sampling=sampling,
+                    seed=None if sampling.seed is None else sampling.seed + seq.output_index,
+                    prompt_token_ids=seq.request.prompt_token_ids,
+                    output_token_ids=seq.output_token_ids,
+                    prompt_logprobs=sampling.prompt_logprobs if want_prompt_logprobs else None,
+                    lora_name=seq.request.lora_name,
+                )
+            )
+        return ScheduledBatch(
+            sequences=tuple(sequences),
+            num_scheduled_tokens=sum(w.num_new_tokens for w in scheduled),
+            num_prefill_tokens=num_prefill,
+            num_decode_sequences=num_decode,
+            num_decode_context_tokens=decode_context,
+        )
+
+    def _on_computed(
+        self, work: ScheduledWork, scheduled: ScheduledSequence, result: SequenceResult | None
+    ) -> RequestOutput | None:
+        seq = work.sequence
+        seq.num_computed_tokens += work.num_new_tokens
+        self.block_manager.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        state = self._requests[seq.request_id]
+        out = self._outputs_by_seq[seq.seq_id]
+        if result is None:
+            raise RuntimeError(f"runner returned no result for sequence {seq.seq_id}")
+        if scheduled.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            first = scheduled.start_position + 1
+            for offset, entry in enumerate(result.prompt_logprobs):
+                state.prompt_logprobs[first + offset] = entry
+        if not scheduled.sample:
+            return None
+        if result.token_id is None:
+            raise RuntimeError(f"runner sampled no token for sequence {seq.seq_id}")
+        token_id = result.token_id
+        seq.append_token(token_id)
+        delta = out.detokenizer.add(token_id) if out.detokenizer is not None else ""
+        decision = out.stop.on_token(token_id, delta)
+        emitted = (token_id,) if decision.emit_token else ()
+        logprobs = None
+        if seq.request.sampling.logprobs is not None:
+            chosen = result.logprob
+            logprobs = (chosen,) if decision.emit_token and chosen is not None else ()
+        if decision.finish_reason is None:
+            return RequestOutput(
+                request_id=seq.request_id,
+                output_index=seq.output_index,
+                new_token_ids=emitted,
+                new_text=decision.text_delta,
+                logprobs=logprobs,
+                prompt_logprobs=self._take_prompt_logprobs(state, out),
+            )
+        text = decision.text_delta
+        if out.detokenizer is not None and decision.emit_token and decision.stop_match is None:
+            text += out.stop.finish(out.detokenizer.flush())
+        return self._finish(
+            state,
+            out,
+            decision.finish_reason,
+            decision.stop_match,
+            text,
+            new_token_ids=emitted,
+            logprobs=logprobs,
+        )
+
+    def _take_prompt_logprobs(
+        self, state: _RequestState, out: _Output
+    ) -> tuple[TokenLogprob | None, ...] | None:
+        """The request's prompt logprobs, once, on output 0's first output after the prompt."""
+        seq = out.sequence
+        if (
+            state.prompt_logprobs is None
+            or state.prompt_logprobs_sent
+            or seq.output_index != 0
+            or seq.num_computed_tokens < seq.num_prompt_tokens
+        ):
+            return None
+        state.prompt_logprobs_sent = True
+        start = seq.request.sampling.prompt_logprob_start
+        return tuple(state.prompt_logprobs[start:])
+
+    # ---------------------------------------------------------------- observations
+
+    def take_kv_events(self) -> list[KvEvent]:
+        return self.block_manager.take_events()
+
+    def kv_snapshot(self) -> list[BlockStored]:
+        return self.block_manager.snapshot()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()
+
+    def load(self) -> LoadSnapshot:
+        running = self.scheduler.running
+        waiting = self.scheduler.waiting()
+        bm = self.block_manager
+        return LoadSnapshot(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            num_total_blocks=bm.num_blocks,
+            running_tokens=sum(s.num_tokens for s in running),
+            waiting_tokens=sum(s.num_uncomputed_tokens for s in waiting),
+            prefill_batch_size=self._last_prefill_batch,
+            decode_batch_size=self._last_decode_batch,
+        )
+
+
+# ==============================================================================================
+# EngineLoop: the one engine thread
+# ==============================================================================================
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+class _CallSoonThreadsafe(Protocol):
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any) -> object: ...
+
+
+class _PutNowait(Protocol):
+    def put_nowait(self, item: RequestOutput, /) -> None: ...
+
+
+def asyncio_sink(loop: _CallSoonThreadsafe, queue: _PutNowait) -> OutputSink:
+    """A sink that hands each output to an asyncio queue on `loop`, from any thread."""
+
+    def sink(output: RequestOutput) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    return sink
+
+
+class EngineLoop:
+    """Runs `EngineCore.step()` in one dedicated thread; see the module docstring.
+
+    `on_step(report)` runs in the engine thread after every step or command that changed
+    something, with the drained KV events and a fresh load snapshot: publishers forward them
+    from there (thread-safely). It must not block for long.
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        on_step: Callable[[StepReport], None] | None = None,
+        thread_name: str = "engine-step",
+    ) -> None:
+        self.core = core
+        self._on_step = on_step
+        self._thread_name = thread_name
+        self._cond = threading.Condition()
+        self._commands: deque[Callable[[], list[RequestOutput]]] = deque()
+        self._sinks: dict[str, OutputSink] = {}
+        self._stopping = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._load = core.load()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("EngineLoop already started")
+        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Cancel every live request (their sinks get CANCELLED outputs) and end the thread."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def load(self) -> LoadSnapshot:
+        """The load measured after the last step (any thread)."""
+        return self._load
+
+    def num_live_requests(self) -> int:
+        with self._cond:
+            return len(self._sinks)
+
+    # ---------------------------------------------------------------- any thread
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Validate (raising before acceptance) and queue a request; outputs go to `sink`."""
+        self.core.check_request(request)
+        with self._cond:
+            if self._stopping:
+                raise EngineStoppedError("the engine is stopping")
+            if request.request_id in self._sinks:
+                raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+            self._sinks[request.request_id] = sink
+
+            def add() -> list[RequestOutput]:
+                try:
+                    self.core.add_request(request)
+                except Exception as exc:  # cannot happen after check_request; never hang
+                    logger.exception("could not add request %s", request.request_id)
+                    return [
+                        RequestOutput(
+                            request_id=request.request_id,
+                            output_index=i,
+                            finish_reason=FinishReason.ERROR,
+                            message=str(exc),
+                            usage=Usage(len(request.prompt_token_ids), 0, 0)
+                            if i == request.sampling.num_sequences - 1
+                            else None,
+                        )
+                        for i in range(request.sampling.num_sequences)
+                    ]
+                return []
+
+            self._commands.append(add)
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> Future[bool]:
+        """Cancel a request; the future says whether it was still running."""
+        future: Future[bool] = Future()
+
+        def command() -> list[RequestOutput]:
+            outputs = self.core.abort(request_id)
+            future.set_result(bool(outputs))
+            return outputs
+
+        self._enqueue(command, future)
+        return future
+
+    def abort_all(self) -> Future[list[str]]:
+        future: Future[list[str]] = Future()
+
+        def command() -> list[RequestOutput]:
+            outputs = self.core.abort_all()
+            future.set_result(sorted({o.request_id for o in outputs}))
+            return outputs
+
+        self._enqueue(command, future)
+        return future
+
+    def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        """Run `fn(core)` in the engine thread between steps (snapshots, cache resets)."""
+        future: Future[T] = Future()
+
+        def command() -> list[RequestOutput]:
+            future.set_result(fn(self.core))
+            return []
+
+        self._enqueue(command, future)
+        return future
+
+    def _enqueue(self, command: Callable[[], list[RequestOutput]], future: Future[Any]) -> None:
+        with self._cond:
+            if self._stopped:
+                future.set_exception(EngineStoppedError("the engine has stopped"))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stopping and not self.core.has_work():
+                        self._cond.wait()
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    stopping = self._stopping
+                outputs: list[RequestOutput] = []
+                for command in commands:
+                    outputs.extend(self._run_command(command))
+                if stopping:
+                    outputs.extend(self.core.abort_all())
+                    self._publish(StepResult(outputs, None))
+                    return
+                result = StepResult(outputs, None)
+                if self.core.has_work():
+                    result = self._step(outputs)
+                self._publish(result)
+        finally:
+            with self._cond:
+                self._stopped = True
+                pending = list(self._commands)
+                self._commands.clear()
+            for command in pending:  # resolve futures of commands that raced the stop
+                self._run_command(command)
+
+    def _run_command(self, command: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+        try:
+            return command()
+        except Exception as exc:  # a request that failed validation late, e.g. a duplicate
+            logger.warning("engine command failed: %s", exc)
+            return []
+
+    def _step(self, outputs: list[RequestOutput]) -> StepResult:
+        try:
+            result = self.core.step()
+        except Exception:
+            logger.exception("engine step failed; failing every running request")
+            outputs.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
+            return StepResult(outputs, None)
+        outputs.extend(result.outputs)
+        return StepResult(outputs, result.stats)
+
+    def _publish(self, result: StepResult) -> None:
+        self._load = self.core.load()
+        for output in result.outputs:
+            with self._cond:
+                sink = self._sinks.get(output.request_id)
+                if output.usage is not None:
+                    self._sinks.pop(output.request_id, None)
+            if sink is None:
+                continue
+            try:
+                sink(output)
+            except Exception:  # e.g. the consumer's event loop is closed: drop the request
+                logger.warning("output sink of %s failed; aborting it", output.request_id)
+                with self._cond:
+                    self._sinks.pop(output.request_id, None)
+                self.core.abort(output.request_id)
+        events = self.core.take_kv_events()
+        if self._on_step is not None and (result.outputs or result.stats or events):
+            self._on_step(StepReport(result, events, self._load))

@@ -1,0 +1,203 @@
+"""Continuous batching with chunked prefill, priorities and preemption by recompute.
+
+Each step (`schedule`) spends a token budget (`max_num_batched_tokens`):
+1. Running sequences first, highest priority first (FCFS within a level): each gets all its
+   uncomputed tokens (one for a decode, the rest of its prompt for a prefill) capped by what is
+   left of the budget. When the pool cannot hold them, the lowest-priority, latest-arrived
+   running sequence is preempted (blocks freed, `num_computed_tokens` reset; it goes back to the
+   front of its level's queue) until it fits; a sequence that cannot fit even alone is finished
+   as out of capacity.
+2. Then waiting sequences, while seats (`max_num_seqs`) and budget remain and nothing was
+   preempted this step: the waiting queue's best head (below) takes its prefix hits and slots
+   for its first chunk. If the pool cannot hold that chunk, admission stops (head-of-line: a
+   big prompt is not overtaken forever by small ones).
+
+Waiting order: larger priority first, FCFS within a priority (one FIFO per level, so picking
+is O(number of levels)). No starvation: with `aging_s` set, a waiting sequence's effective
+priority grows by one level per `aging_s` seconds waited, so any sequence eventually outranks
+newer high-priority arrivals.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.core.api import SchedulerConfig
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledWork:
+    sequence: Sequence
+    num_new_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledWork] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    out_of_capacity: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix hits of the sequences admitted this step
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(w.num_new_tokens for w in self.scheduled)
+
+
+class Scheduler:
+    """Owns the waiting queues and the running set; not thread-safe."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.config = config
+        self.block_manager = block_manager
+        self._waiting: dict[int, deque[Sequence]] = {}  # priority level -> FIFO
+        self._num_waiting = 0
+        self.running: list[Sequence] = []
+
+    # ---------------------------------------------------------------- queue
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def waiting(self) -> list[Sequence]:
+        return [s for level in self._waiting.values() for s in level]
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def add(self, sequence: Sequence) -> None:
+        sequence.status = SequenceStatus.WAITING
+        self._waiting.setdefault(sequence.priority, deque()).append(sequence)
+        self._num_waiting += 1
+
+    def _effective_priority(self, sequence: Sequence, now_s: float) -> float:
+        if self.config.aging_s is None:
+            return sequence.priority
+        waited_s = max(0.0, now_s - sequence.arrival_s)
+        return sequence.priority + waited_s // self.config.aging_s
+
+    def _peek_best(self, now_s: float) -> Sequence | None:
+        best: Sequence | None = None
+        best_rank: tuple[float, int] | None = None
+        for level in self._waiting.values():
+            if not level:
+                continue
+            head = level[0]
+            rank = (-self._effective_priority(head, now_s), head.arrival_order)
+            if best_rank is None or rank < best_rank:
+                best, best_rank = head, rank
+        return best
+
+    def _pop(self, sequence: Sequence) -> None:
+        level = self._waiting[sequence.priority]
+        if level and level[0] is sequence:
+            level.popleft()
+        else:
+            level.remove(sequence)
+        if not level:
+            del self._waiting[sequence.priority]
+        self._num_waiting -= 1
+
+    def remove(self, sequence: Sequence) -> None:
+        """Take a sequence out (finished or aborted) and free its blocks."""
+        if sequence.status is SequenceStatus.WAITING:
+            self._pop(sequence)
+        elif sequence.status is SequenceStatus.RUNNING:
+            self.running.remove(sequence)
+        sequence.status = SequenceStatus.FINISHED
+        self.block_manager.free(sequence.seq_id)
+
+    # ---------------------------------------------------------------- one step
+
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        self.running.sort(key=lambda s: (-s.priority, s.arrival_order))
+        kept: list[Sequence] = []
+        pending = list(self.running)  # not yet given work this step, best first
+        while pending and budget > 0:
+            seq = pending.pop(0)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            target = seq.num_computed_tokens + num_new
+            while not bm.can_append(seq.seq_id, target):
+                if pending:
+                    self._preempt(pending.pop(), out)
+                    continue
+                if kept:  # everyone still running is already scheduled: yield this one
+                    self._preempt(seq, out)
+                else:  # alone and still too big for the whole pool
+                    out.out_of_capacity.append(seq)
+                break
+            else:
+                bm.append(seq.seq_id, target)
+                out.scheduled.append(ScheduledWork(seq, num_new))
+                kept.append(seq)
+                budget -= num_new
+        # Sequences left in `pending` ran out of budget; they stay running, unscheduled.
+        # Out-of-capacity sequences stay listed until the core finishes them (`remove`).
+        self.running = kept + pending + out.out_of_capacity
+        if not out.preempted:
+            budget = self._admit(now_s, budget, out)
+        return out
+
+    def _admit(self, now_s: float, budget: int, out: SchedulerOutput) -> int:
+        bm = self.block_manager
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._peek_best(now_s)
+            if seq is None:
+                break
+            request = seq.request
+            use_cache = seq.use_prefix_cache
+            num_hit = bm.count_hit_tokens(
+                seq.token_ids, lora_name=request.lora_name, cache_salt=request.cache_salt
+            )
+            num_hit = num_hit if use_cache else 0
+            num_new = min(seq.num_tokens - num_hit, budget)
+            ok = bm.can_allocate(
+                seq.token_ids,
+                num_hit + num_new,
+                lora_name=request.lora_name,
+                cache_salt=request.cache_salt,
+                use_cache=use_cache,
+            )
+            if not ok:
+                if not self.running:  # nothing else holds blocks: it can never fit
+                    out.out_of_capacity.append(seq)
+                break
+            num_cached = bm.allocate(
+                seq.seq_id,
+                seq.token_ids,
+                num_hit + num_new,
+                lora_name=request.lora_name,
+                cache_salt=request.cache_salt,
+                use_cache=use_cache,
+            )
+            self._pop(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+            out.num_cached_tokens += num_cached
+            self.running.append(seq)
+            out.scheduled.append(ScheduledWork(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self._waiting.setdefault(seq.priority, deque()).appendleft(seq)
+        self._num_waiting += 1
+        out.preempted.append(seq)

@@ -1,0 +1,277 @@
+"""The engine's asyncio service layer: requests in flight, abort, drain, health, event fan-out.
+
+Sits between the servicers (proto in, proto out) and the `EngineLoop` thread (dataclasses).
+Every step report from the engine thread is handed to the event loop with
+`call_soon_threadsafe`, after that step's outputs (so a request's outputs are always ahead of
+the KV events of the same step); there it feeds the KV event log, the runtime-event hub and
+the metrics. Nothing here blocks the event loop on a step.
+
+Acceptance: `submit` validates synchronously (raising the domain errors the servicers map to
+a status) and then commits the request; after that, the request's stream of outputs always
+ends with the output that carries `usage` (finished, cancelled or failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.core.api import (
+    EngineRequest,
+    LoadSnapshot,
+    RequestOutput,
+    SamplingParams,
+    StepReport,
+)
+from engine.core.engine_core import EngineLoop, asyncio_sink
+from engine.server.errors import DrainingError, RequestNotFoundError
+from engine.server.info import ServedModel
+from engine.server.kv_event_log import KvEventLog
+from engine.server.metrics import EngineMetrics
+from engine.server.runtime_events import RuntimeEventHub
+
+log = logging.getLogger(__name__)
+
+_FINISHED_MEMORY = 10_000  # finished request ids remembered for ALREADY_FINISHED
+
+
+class AbortOutcome(enum.Enum):
+    ABORTED = "aborted"
+    ALREADY_FINISHED = "already_finished"
+
+
+class DrainPhase(enum.Enum):
+    STARTED = "started"
+    IN_PROGRESS = "in_progress"
+    COMPLETE = "complete"
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # no abort after the deadline: a failure
+
+
+@dataclass(frozen=True, slots=True)
+class DrainProgress:
+    phase: DrainPhase
+    in_flight_requests: int
+    message: str = ""
+
+
+class RequestStream:
+    """One accepted request's outputs, in order, ending with the one that carries usage."""
+
+    def __init__(self, request: EngineRequest, on_done: Callable[[RequestStream], None]) -> None:
+        self.request = request
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.done = False
+        self._on_done = on_done
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        while not self.done:
+            output = await self.queue.get()
+            if output.usage is not None:
+                self.done = True
+                self._on_done(self)
+            yield output
+
+
+class EngineService:
+    """Owns the EngineLoop's asyncio side. Create inside the running event loop."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        model: ServedModel,
+        kv_log: KvEventLog,
+        runtime_events: RuntimeEventHub,
+        metrics: EngineMetrics | None = None,
+        *,
+        drain_progress_interval_s: float = 1.0,
+    ) -> None:
+        self.engine_loop = engine_loop
+        self.model = model
+        self.kv_log = kv_log
+        self.runtime_events = runtime_events
+        self.metrics = metrics
+        self._aio_loop = asyncio.get_running_loop()
+        self._live: dict[str, RequestStream] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._accepting = True
+        self._draining = False
+        self._in_flight_changed = asyncio.Event()
+        self._progress_interval_s = drain_progress_interval_s
+        self._load = engine_loop.load()
+
+    # ---------------------------------------------------------------- engine thread -> loop
+
+    def on_step_threadsafe(self, report: StepReport) -> None:
+        """EngineLoop's `on_step` (engine thread): hand the report to the event loop."""
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
+            self._aio_loop.call_soon_threadsafe(self._on_report, report)
+
+    def _on_report(self, report: StepReport) -> None:
+        self._load = report.load
+        self.kv_log.append(report.kv_events)
+        self.runtime_events.publish_step(report.result.stats, report.load)
+        if self.metrics is not None:
+            self.metrics.on_report(report)
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def engine_running(self) -> bool:
+        return self.engine_loop.running
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._live)
+
+    def load(self) -> LoadSnapshot:
+        return self._load
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, request: EngineRequest, *, internal: bool = False) -> RequestStream:
+        """Validate and accept `request` (raising before acceptance), or refuse while draining.
+
+        `internal` requests (the health probe) are accepted while draining.
+        """
+        if not self._accepting and not internal:
+            raise DrainingError("the engine is draining and accepts no new requests")
+        stream = RequestStream(request, self._on_stream_done)
+        self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue))
+        self._live[request.request_id] = stream
+        self._finished.pop(request.request_id, None)
+        self._in_flight_changed.set()
+        if self.metrics is not None:
+            self.metrics.on_accept(request)
+        return stream
+
+    def _on_stream_done(self, stream: RequestStream) -> None:
+        request_id = stream.request.request_id
+        if self._live.get(request_id) is stream:
+            del self._live[request_id]
+        self._finished[request_id] = None
+        while len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+        self._in_flight_changed.set()
+
+    def cancel_nowait(self, request_id: str) -> None:
+        """The client went away: stop the work (nobody reads the outputs any more)."""
+        stream = self._live.pop(request_id, None)
+        if stream is None:
+            return
+        stream.done = True
+        self._finished[request_id] = None
+        self._in_flight_changed.set()
+        if self.engine_loop.running:
+            self.engine_loop.abort(request_id)
+
+    async def abort(self, request_id: str) -> AbortOutcome:
+        if request_id in self._live:
+            stopped = await asyncio.wrap_future(self.engine_loop.abort(request_id))
+            return AbortOutcome.ABORTED if stopped else AbortOutcome.ALREADY_FINISHED
+        if request_id in self._finished:
+            return AbortOutcome.ALREADY_FINISHED
+        raise RequestNotFoundError(f"no request {request_id!r} on this engine")
+
+    async def abort_all(self) -> list[str]:
+        return await asyncio.wrap_future(self.engine_loop.abort_all())
+
+    async def probe(self, timeout_s: float) -> str:
+        """Generate one greedy token end to end; returns "" or what went wrong."""
+        request = EngineRequest(
+            request_id=f"health-probe-{time.monotonic_ns()}",
+            prompt_token_ids=(0,),
+            sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+            bypass_prefix_cache=True,
+        )
+        try:
+            stream = self.submit(request, internal=True)
+
+            async def run() -> int:
+                tokens = 0
+                async for output in stream.outputs():
+                    tokens += len(output.new_token_ids)
+                    if output.message and output.finish_reason is not None and not tokens:
+                        raise RuntimeError(output.message)
+                return tokens
+
+            tokens = await asyncio.wait_for(run(), timeout=timeout_s)
+        except TimeoutError:
+            self.cancel_nowait(request.request_id)
+            return f"no token within {timeout_s:.1f}s"
+        except Exception as exc:  # the probe reports, it never raises
+            return f"probe failed: {exc}"
+        return "" if tokens == 1 else f"probe produced {tokens} tokens, expected 1"
+
+    # ---------------------------------------------------------------- drain
+
+    async def drain(
+        self, *, stop_accepting: bool, deadline_s: float | None, abort_after_deadline: bool
+    ) -> AsyncIterator[DrainProgress]:
+        """STARTED, IN_PROGRESS (on every change, and every progress interval), then COMPLETE.
+
+        `deadline_s` None: wait as long as it takes; 0: the deadline is now. After the deadline,
+        `abort_after_deadline` cancels what is left (then COMPLETE once it has ended); without
+        it the drain ends with DEADLINE_EXCEEDED (still not accepting).
+        """
+        if stop_accepting:
+            self._accepting = False
+            self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = None if deadline_s is None else loop.time() + deadline_s
+        aborted = False
+        yield DrainProgress(DrainPhase.STARTED, self.num_in_flight)
+        last_reported = self.num_in_flight
+        while self.num_in_flight > 0:
+            now = loop.time()
+            if deadline is not None and now >= deadline and not aborted:
+                if not abort_after_deadline:
+                    yield DrainProgress(
+                        DrainPhase.DEADLINE_EXCEEDED,
+                        self.num_in_flight,
+                        f"deadline passed with {self.num_in_flight} requests in flight",
+                    )
+                    return
+                aborted = True
+                await self.abort_all()
+                continue
+            wait_s = self._progress_interval_s
+            if deadline is not None and not aborted:
+                wait_s = min(wait_s, max(deadline - now, 0.0))
+            self._in_flight_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._in_flight_changed.wait(), timeout=wait_s)
+            if self.num_in_flight != last_reported or not self._in_flight_changed.is_set():
+                last_reported = self.num_in_flight
+                if last_reported > 0:
+                    yield DrainProgress(DrainPhase.IN_PROGRESS, last_reported)
+        message = "aborted the requests left at the deadline" if aborted else ""
+        yield DrainProgress(DrainPhase.COMPLETE, 0, message)
+
+    # ---------------------------------------------------------------- shutdown
+
+    async def close(self, grace_s: float) -> None:
+        """Stop accepting, give requests `grace_s` to finish, then stop the engine thread."""
+        self._accepting = False
+        self._draining = True
+        if self._live:
+            async for _ in self.drain(
+                stop_accepting=True, deadline_s=grace_s, abort_after_deadline=True
+            ):
+                pass
+        await asyncio.to_thread(self.engine_loop.stop, 10.0)
+        self.kv_log.close()
+        self.runtime_events.close()

@@ -1,0 +1,108 @@
+"""The engine servers' domain errors and the one table that maps every error to a gRPC status.
+
+Before acceptance an error is a non-OK status (`grpc_status_for`); after acceptance a
+Generate or subscription stream ends with one terminal `EngineError` (`engine_error_for`)
+and then OK, as the OpenEngine seed requires.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.core.errors import (
+    DuplicateRequestError,
+    EngineStoppedError,
+    InvalidRequestError,
+)
+from engine.server.kv_event_log import ReplayNotCoveredError, SubscriberOverrunError
+from kvplane.errors import KvplaneError
+from openengine.v1 import openengine_pb2 as pb
+
+
+class EngineServerError(KvplaneError):
+    """Root of the servers' own errors."""
+
+
+class ModelNotFoundError(EngineServerError):
+    """The request names a model this engine does not serve (NOT_FOUND)."""
+
+
+class UnsupportedOptionError(InvalidRequestError):
+    """An explicit request option this engine does not implement, e.g. guided decoding or
+    media (INVALID_ARGUMENT: 'malformed or unsupported explicit option')."""
+
+
+class FeatureDisabledError(EngineServerError):
+    """A whole feature is off here: LoRA, embed/classify/score tasks (FAILED_PRECONDITION)."""
+
+
+class RoleMismatchError(EngineServerError):
+    """The request does not fit this engine's role, e.g. a KV session on an aggregated engine
+    (FAILED_PRECONDITION, before acceptance)."""
+
+
+class DrainingError(EngineServerError):
+    """The engine is draining and accepts no new requests (UNAVAILABLE)."""
+
+
+class RequestNotFoundError(EngineServerError):
+    """Abort of a request id never seen (NOT_FOUND)."""
+
+
+class KvSessionNotFoundError(EngineServerError):
+    """Abort of a KV session this engine does not hold (NOT_FOUND)."""
+
+
+class OverloadedError(EngineServerError):
+    """Admission refused: too many requests queued (RESOURCE_EXHAUSTED)."""
+
+
+# Checked in order: the first matching class wins (subclasses before their bases).
+_TABLE: tuple[tuple[type[Exception], grpc.StatusCode, pb.ErrorCode.ValueType, bool], ...] = (
+    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_MODEL_NOT_FOUND, False),
+    (
+        UnsupportedOptionError,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        pb.ERROR_CODE_UNSUPPORTED_FEATURE,
+        False,
+    ),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, pb.ERROR_CODE_INVALID_ARGUMENT, False),
+    (
+        FeatureDisabledError,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        pb.ERROR_CODE_UNSUPPORTED_FEATURE,
+        False,
+    ),
+    (RoleMismatchError, grpc.StatusCode.FAILED_PRECONDITION, pb.ERROR_CODE_ROLE_MISMATCH, False),
+    (DrainingError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_DRAINING, True),
+    (RequestNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_REQUEST_NOT_FOUND, False),
+    (KvSessionNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_KV_SESSION_NOT_FOUND, False),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS, pb.ERROR_CODE_DUPLICATE_REQUEST, False),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, True),
+    (ReplayNotCoveredError, grpc.StatusCode.OUT_OF_RANGE, pb.ERROR_CODE_INVALID_ARGUMENT, False),
+    (SubscriberOverrunError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, True),
+    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_INTERNAL, True),
+)
+
+
+def grpc_status_for(exc: Exception) -> grpc.StatusCode:
+    """The status of a refusal before acceptance; unknown errors are INTERNAL."""
+    for cls, status, _code, _retryable in _TABLE:
+        if isinstance(exc, cls):
+            return status
+    return grpc.StatusCode.INTERNAL
+
+
+def engine_error_for(exc: Exception) -> pb.EngineError:
+    """The terminal EngineError of a failure after acceptance."""
+    for cls, _status, code, retryable in _TABLE:
+        if isinstance(exc, cls):
+            return pb.EngineError(code=code, message=str(exc), retryable=retryable)
+    return pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message="internal engine error")
+
+
+def public_message(exc: Exception) -> str:
+    """One line for the client: a known error's own message, never a traceback."""
+    if isinstance(exc, KvplaneError):
+        return str(exc) or type(exc).__name__
+    return "internal engine error"

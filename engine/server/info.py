@@ -1,0 +1,170 @@
+"""What the engine says about itself: EngineInfo, ModelInfo, KvConnectorInfo, LoadInfo.
+
+Capabilities advertise exactly what this engine implements: a capability it has is `true`
+with its limits, one it lacks is an explicit `false` (never absent), and a value it cannot
+measure is left absent (proto3 presence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.api import LoadSnapshot
+from kvplane import __version__
+from openengine.v1 import openengine_pb2 as pb
+
+ENGINE_NAME = "kvplane"
+SCHEMA_REVISION = 1
+MINIMUM_CLIENT_REVISION = 1
+# Immutable tag of the OpenEngine text this engine implements: revision 1 as given in the
+# seed document 000_94b72b7dabd1ee94 (never a moving branch name).
+SCHEMA_RELEASE = "openengine-v1-r1+seed.94b72b7dabd1ee94"
+
+_ALL_MODES = [
+    pb.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N,
+    pb.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS,
+    pb.CANDIDATE_TOKEN_SELECTION_MODE_ALL,
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The one model this engine serves, with the limits its clients need."""
+
+    model_id: str  # `sim` or the model directory
+    name: str
+    aliases: tuple[str, ...]
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_batched_tokens: int
+    vocab_size: int
+    has_tokenizer: bool
+
+    @property
+    def names(self) -> list[str]:
+        return [self.name, *self.aliases]
+
+    def serves(self, requested: str) -> bool:
+        """Empty means the default (only) model."""
+        return not requested or requested in self.names
+
+
+def engine_info(
+    model: ServedModel,
+    *,
+    role: pb.EngineRole.ValueType,
+    instance_id: str,
+    data_parallel_rank: int,
+) -> pb.EngineInfo:
+    return pb.EngineInfo(
+        engine_name=ENGINE_NAME,
+        engine_version=__version__,
+        role=role,
+        instance_id=instance_id,
+        supported_models=model.names,
+        parallelism=pb.ParallelismInfo(
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            data_parallel_size=1,
+            data_parallel_rank=data_parallel_rank,
+            data_parallel_start_rank=data_parallel_rank,
+        ),
+        kv_connector=kv_connector_info(),
+        schema_revision=SCHEMA_REVISION,
+        minimum_client_revision=MINIMUM_CLIENT_REVISION,
+        schema_release=SCHEMA_RELEASE,
+    )
+
+
+def kv_connector_info() -> pb.KvConnectorInfo:
+    """No KV transfer between engines yet: every capability an explicit false."""
+    return pb.KvConnectorInfo(
+        enabled=False,
+        supports_remote_prefill=False,
+        supports_decode_pull=False,
+        supports_abort_cleanup=False,
+        supports_drain=False,
+    )
+
+
+def _logprob_caps(model: ServedModel) -> pb.LogprobCapabilities:
+    return pb.LogprobCapabilities(
+        supported=True, candidate_selection_modes=_ALL_MODES, max_top_n=model.vocab_size
+    )
+
+
+def model_info(model: ServedModel) -> pb.ModelInfo:
+    text_input = model.has_tokenizer
+    return pb.ModelInfo(
+        model_id=model.model_id,
+        served_model_name=model.name,
+        served_model_aliases=list(model.aliases),
+        max_context_length=model.max_model_len,
+        max_output_tokens=model.max_model_len - 1,
+        kv_block_size=model.block_size,
+        total_kv_blocks=model.num_blocks,
+        max_running_requests=model.max_num_seqs,
+        max_batched_tokens=model.max_batched_tokens,
+        tokenizer_modes=["hf_tokenizer_json"] if model.has_tokenizer else [],
+        supports_text_input=text_input,
+        supports_token_ids_input=True,
+        generation=pb.GenerationCapabilities(
+            prompt_logprobs=_logprob_caps(model),
+            output_logprobs=_logprob_caps(model),
+            guided_decoding=pb.GuidedDecodingCapabilities(supported=False),
+            max_num_sequences=model.max_num_seqs,
+            supports_priority=True,
+            supports_stop_in_output=True,
+            supports_cache_salt=True,
+            supports_prefix_cache_bypass=True,
+        ),
+        supports_lora=False,
+        supports_multimodal=False,
+        tasks=pb.TaskCapabilities(
+            embed=pb.EmbedCapabilities(supported=False),
+            classify=pb.ClassifyCapabilities(supported=False),
+            score=pb.ScoreCapabilities(supported=False),
+        ),
+    )
+
+
+def load_info(
+    load: LoadSnapshot,
+    *,
+    instance_id: str,
+    timestamp_unix_ns: int,
+    data_parallel_rank: int,
+    include_per_rank: bool,
+) -> pb.LoadInfo:
+    info = pb.LoadInfo(
+        instance_id=instance_id,
+        timestamp_unix_nanos=timestamp_unix_ns,
+        running_requests=load.num_running,
+        queued_requests=load.num_waiting,
+        active_kv_sessions=0,
+        used_kv_blocks=load.num_used_blocks,
+        total_kv_blocks=load.num_total_blocks,
+        running_tokens=load.running_tokens,
+        waiting_tokens=load.waiting_tokens,
+        prefill_batch_size=load.prefill_batch_size,
+        decode_batch_size=load.decode_batch_size,
+        attributes={
+            "cached_kv_blocks": str(load.num_cached_blocks),
+            "kv_usage": f"{load.kv_usage:.6f}",
+        },
+    )
+    if include_per_rank:
+        info.ranks.append(
+            pb.RankLoadInfo(
+                data_parallel_rank=data_parallel_rank,
+                running_requests=load.num_running,
+                queued_requests=load.num_waiting,
+                used_kv_blocks=load.num_used_blocks,
+                total_kv_blocks=load.num_total_blocks,
+                prefill_batch_size=load.prefill_batch_size,
+                decode_batch_size=load.decode_batch_size,
+            )
+        )
+    return info

@@ -1,0 +1,318 @@
+"""OpenEngine protobuf <-> the engine core's dataclasses (the adapter ring's translation).
+
+`engine_request_from_proto` validates everything a Generate request can get wrong before
+acceptance and raises the domain errors of `engine.server.errors` (the servicer's table turns
+them into statuses). `GenerateStreamEncoder` turns the core's per-step `RequestOutput`
+deltas into GenerateResponse events with the seed's rules: `output_index` always present,
+deltas only, one GenerationFinished per output, Usage only on the final response.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.core.api import (
+    Candidate,
+    EngineRequest,
+    FinishReason,
+    LogprobRequest,
+    RequestOutput,
+    SamplingParams,
+    StopKind,
+    StopMatch,
+    TokenLogprob,
+    Usage,
+)
+from engine.core.errors import InvalidRequestError
+from engine.server.errors import (
+    FeatureDisabledError,
+    RoleMismatchError,
+    UnsupportedOptionError,
+)
+from engine.server.info import ServedModel
+from openengine.v1 import openengine_pb2 as pb
+
+TokenText = Callable[[int], str]
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineContext:
+    """What request conversion needs to know about the engine it runs on."""
+
+    model: ServedModel
+    role: pb.EngineRole.ValueType
+    data_parallel_rank: int
+    encode: Encode | None  # None: no tokenizer, text prompts are refused
+
+
+def _candidates(selection: pb.CandidateTokenSelection) -> LogprobRequest:
+    which = selection.WhichOneof("selection")
+    if which == "top_n":
+        if selection.top_n == 0:
+            raise InvalidRequestError("candidate top_n must be > 0")
+        return LogprobRequest(top_n=selection.top_n)
+    if which == "token_ids":
+        if not selection.token_ids.ids:
+            raise InvalidRequestError("candidate token_ids must not be empty")
+        return LogprobRequest(token_ids=tuple(selection.token_ids.ids))
+    if which == "all":
+        return LogprobRequest(all_candidates=True)
+    return LogprobRequest()
+
+
+def _logprob_request(
+    requested: bool, has_selection: bool, selection: pb.CandidateTokenSelection
+) -> LogprobRequest | None:
+    # Asking for candidates implies asking for the logprobs they are scored with.
+    if not requested and not has_selection:
+        return None
+    return _candidates(selection) if has_selection else LogprobRequest()
+
+
+def _check_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+    for token_id in ids:
+        if token_id >= vocab_size:
+            raise InvalidRequestError(f"{what}: token id {token_id} >= vocab size {vocab_size}")
+
+
+def _sampling(request: pb.GenerateRequest, vocab_size: int) -> SamplingParams:
+    s, stop, resp = request.sampling, request.stopping, request.response
+    stop_texts = tuple(c.stop_text for c in stop.conditions if c.HasField("stop_text"))
+    stop_ids = tuple(c.stop_token_id for c in stop.conditions if c.HasField("stop_token_id"))
+    if any(c.WhichOneof("condition") is None for c in stop.conditions):
+        raise InvalidRequestError("a stop condition sets neither stop_text nor stop_token_id")
+    top_k: int | None = s.top_k if s.HasField("top_k") else None
+    if top_k is not None and top_k in (0, -1):
+        top_k = None  # the engines' spelling of "no top-k"
+    prompt_lp = _logprob_request(
+        resp.return_prompt_logprobs, resp.HasField("prompt_candidates"), resp.prompt_candidates
+    )
+    output_lp = _logprob_request(
+        resp.return_output_logprobs, resp.HasField("output_candidates"), resp.output_candidates
+    )
+    for lp, what in ((prompt_lp, "prompt candidates"), (output_lp, "output candidates")):
+        if lp is not None:
+            _check_token_ids(lp.token_ids, vocab_size, what)
+    params = SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=top_k,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+        num_sequences=s.num_sequences if s.HasField("num_sequences") else 1,
+        max_tokens=stop.max_tokens if stop.HasField("max_tokens") else None,
+        min_tokens=stop.min_tokens if stop.HasField("min_tokens") else 0,
+        stop=stop_texts,
+        stop_token_ids=stop_ids,
+        ignore_eos=stop.ignore_eos,
+        include_stop_in_output=stop.include_stop_in_output,
+        logprobs=output_lp,
+        prompt_logprobs=prompt_lp,
+        prompt_logprob_start=resp.prompt_logprob_start,
+    )
+    params.validate()
+    return params
+
+
+def check_unsupported(request: pb.GenerateRequest, ctx: EngineContext) -> None:
+    """Refuse, before acceptance, what this engine does not implement yet."""
+    if request.HasField("guided"):
+        raise UnsupportedOptionError("guided decoding is not supported by this engine")
+    if request.media:
+        raise UnsupportedOptionError("media inputs are not supported by this engine")
+    if request.lora_name:
+        raise FeatureDisabledError("LoRA is not enabled on this engine")
+    has_session = request.kv.HasField("session")
+    if ctx.role == pb.ENGINE_ROLE_AGGREGATED and has_session:
+        raise RoleMismatchError("kv.session is for a DECODE engine; this engine is AGGREGATED")
+    if ctx.role == pb.ENGINE_ROLE_DECODE and not has_session:
+        raise RoleMismatchError("a DECODE engine needs kv.session from a prefill engine")
+    if ctx.role in (pb.ENGINE_ROLE_PREFILL, pb.ENGINE_ROLE_DECODE):
+        raise FeatureDisabledError("KV transfer between engines is not supported yet")
+
+
+def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
+    """Validate and translate; raises before anything is accepted."""
+    from engine.server.errors import ModelNotFoundError
+
+    if not ctx.model.serves(request.model):
+        raise ModelNotFoundError(f"model {request.model!r} is not served here")
+    check_unsupported(request, ctx)
+    which = request.WhichOneof("input")
+    if which == "token_ids":
+        prompt = list(request.token_ids.ids)
+    elif which == "prompt":
+        if ctx.encode is None:
+            raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
+        prompt = ctx.encode(request.prompt)
+    else:
+        raise InvalidRequestError("set prompt or token_ids")
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty")
+    _check_token_ids(prompt, ctx.model.vocab_size, "prompt")
+    kv = request.kv
+    if kv.HasField("data_parallel_rank") and kv.data_parallel_rank != ctx.data_parallel_rank:
+        raise InvalidRequestError(
+            f"kv.data_parallel_rank {kv.data_parallel_rank} is not served here "
+            f"(rank {ctx.data_parallel_rank})"
+        )
+    sampling = _sampling(request, ctx.model.vocab_size)
+    if sampling.prompt_logprob_start >= len(prompt) and sampling.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprob_start is past the end of the prompt")
+    return EngineRequest(
+        request_id=request.request_id or f"req-{uuid.uuid4().hex}",
+        prompt_token_ids=tuple(prompt),
+        sampling=sampling,
+        priority=request.priority if request.HasField("priority") else 0,
+        cache_salt=kv.cache_salt if kv.HasField("cache_salt") else None,
+        bypass_prefix_cache=kv.bypass_prefix_cache,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Outputs
+# ------------------------------------------------------------------------------------------
+
+_FINISH = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+def _candidate_proto(c: Candidate, token_text: TokenText) -> pb.LogProb:
+    out = pb.LogProb(token_id=c.token_id, logprob=c.logprob, token=token_text(c.token_id))
+    if c.rank is not None:
+        out.rank = c.rank
+    return out
+
+
+def token_info(token_id: int, lp: TokenLogprob | None, token_text: TokenText) -> pb.TokenInfo:
+    info = pb.TokenInfo(token_id=token_id, token=token_text(token_id))
+    if lp is not None:
+        info.logprob = lp.logprob
+        info.rank = lp.rank
+        info.candidates.extend(_candidate_proto(c, token_text) for c in lp.candidates)
+    return info
+
+
+def _stop_match(match: StopMatch) -> pb.StopMatch:
+    if match.kind is StopKind.STOP_TEXT:
+        return pb.StopMatch(stop_text=match.text or "")
+    if match.kind is StopKind.EOS:
+        return pb.StopMatch(eos_token_id=match.token_id or 0)
+    return pb.StopMatch(stop_token_id=match.token_id or 0)
+
+
+def usage_proto(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        cached_prompt_tokens=min(usage.cached_prompt_tokens, usage.prompt_tokens),
+    )
+
+
+class GenerateStreamEncoder:
+    """Turns one request's RequestOutputs into GenerateResponse events, enforcing the seed.
+
+    Tracks which outputs have finished so nothing follows a GenerationFinished for its index,
+    and `done` once every output has finished (or an error ended the request).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        num_outputs: int,
+        prompt_logprob_start: int,
+        token_text: TokenText,
+    ) -> None:
+        self._request_id = request_id
+        self._prompt = prompt_token_ids
+        self._num_outputs = num_outputs
+        self._prompt_start = prompt_logprob_start
+        self._token_text = token_text
+        self._finished: set[int] = set()
+        self._prompt_sent = False
+        self._last_usage: Usage | None = None
+        self.done = False
+
+    def encode(self, output: RequestOutput) -> list[pb.GenerateResponse]:
+        if self.done or output.output_index in self._finished:
+            return []
+        if output.usage is not None:
+            self._last_usage = output.usage
+        events: list[pb.GenerateResponse] = []
+        if output.prompt_logprobs is not None and not self._prompt_sent:
+            self._prompt_sent = True
+            events.append(self._prompt_event(output.prompt_logprobs))
+        if output.finish_reason is FinishReason.ERROR:
+            self.done = True
+            events.append(self.error_event(pb.ERROR_CODE_INTERNAL, output.message or "failed"))
+            return events
+        if output.new_token_ids or output.new_text:
+            lps: Sequence[TokenLogprob | None] = (
+                output.logprobs if output.logprobs is not None else [None] * 0
+            )
+            tokens = [
+                token_info(t, lps[i] if i < len(lps) else None, self._token_text)
+                for i, t in enumerate(output.new_token_ids)
+            ]
+            events.append(
+                pb.GenerateResponse(
+                    request_id=self._request_id,
+                    token=pb.TokenOutput(
+                        output_index=output.output_index, tokens=tokens, text=output.new_text
+                    ),
+                )
+            )
+        if output.finish_reason is not None:
+            events.append(self._finished_event(output))
+        return events
+
+    def _prompt_event(self, entries: Sequence[TokenLogprob | None]) -> pb.GenerateResponse:
+        tokens = []
+        for offset, lp in enumerate(entries):
+            position = self._prompt_start + offset
+            token_id = self._prompt[position] if position < len(self._prompt) else 0
+            tokens.append(token_info(token_id, lp, self._token_text))
+        return pb.GenerateResponse(
+            request_id=self._request_id, prompt=pb.PromptOutput(tokens=tokens)
+        )
+
+    def _finished_event(self, output: RequestOutput) -> pb.GenerateResponse:
+        assert output.finish_reason is not None
+        self._finished.add(output.output_index)
+        finished = pb.GenerationFinished(
+            output_index=output.output_index,
+            reason=_FINISH[output.finish_reason],
+            message=output.message,
+        )
+        if output.stop_match is not None and output.finish_reason is FinishReason.STOP:
+            finished.stop_match.CopyFrom(_stop_match(output.stop_match))
+        response = pb.GenerateResponse(request_id=self._request_id, finished=finished)
+        if len(self._finished) >= self._num_outputs:
+            self.done = True
+            if self._last_usage is not None:
+                response.usage.CopyFrom(usage_proto(self._last_usage))
+        return response
+
+    def error_event(
+        self, code: pb.ErrorCode.ValueType, message: str, *, retryable: bool = False
+    ) -> pb.GenerateResponse:
+        """The terminal EngineError (Usage so far attached when known)."""
+        self.done = True
+        response = pb.GenerateResponse(
+            request_id=self._request_id,
+            error=pb.EngineError(code=code, message=message, retryable=retryable),
+        )
+        if self._last_usage is not None:
+            response.usage.CopyFrom(usage_proto(self._last_usage))
+        return response

@@ -1,0 +1,360 @@
+"""`openengine.v1.OpenEngine` over the engine service: every RPC of the seed.
+
+Error phases (seed, "Standard errors"): anything wrong before acceptance is a non-OK status
+from `engine.server.errors`' table and no event; once a Generate, Drain or subscription is
+accepted, a failure is exactly one terminal `EngineError` event and the stream ends OK.
+Features this engine lacks are refused before acceptance and advertised as unsupported:
+Embed/Classify/Score and LoRA -> FAILED_PRECONDITION, guided decoding and media ->
+INVALID_ARGUMENT (unsupported explicit options), KV sessions -> FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from engine.server.engine_service import AbortOutcome, DrainPhase, EngineService
+from engine.server.errors import (
+    FeatureDisabledError,
+    KvSessionNotFoundError,
+    ModelNotFoundError,
+    engine_error_for,
+    grpc_status_for,
+    public_message,
+)
+from engine.server.info import engine_info, kv_connector_info, load_info, model_info
+from engine.server.kv_event_log import SubscriberOverrunError
+from engine.server.kv_wire import to_proto_batch
+from engine.server.openengine_convert import (
+    EngineContext,
+    GenerateStreamEncoder,
+    engine_request_from_proto,
+)
+from kvplane.errors import KvplaneError
+from kvplane.server import Service, abort_with
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+SERVICE_NAME = "openengine.v1.OpenEngine"
+MUTATING_METHODS = frozenset({"Drain", "Abort", "LoadLora", "UnloadLora"})
+
+_DRAIN_STATE = {
+    DrainPhase.STARTED: pb.DRAIN_STATE_STARTED,
+    DrainPhase.IN_PROGRESS: pb.DRAIN_STATE_IN_PROGRESS,
+    DrainPhase.COMPLETE: pb.DRAIN_STATE_COMPLETE,
+}
+
+
+async def refuse(context: Context, exc: Exception) -> NoReturn:
+    """Fail an RPC before acceptance with the table's status (a traceback only in our log)."""
+    if not isinstance(exc, KvplaneError):
+        log.exception("unexpected error before acceptance", exc_info=exc)
+    await abort_with(context, grpc_status_for(exc), public_message(exc))
+
+
+class OpenEngineServicer(pb_grpc.OpenEngineServicer):
+    def __init__(
+        self,
+        service: EngineService,
+        ctx: EngineContext,
+        *,
+        instance_id: str,
+        token_text: Callable[[int], str],
+        probe_timeout_s: float = 30.0,
+    ) -> None:
+        self._service = service
+        self._ctx = ctx
+        self._instance_id = instance_id
+        self._token_text = token_text
+        self._probe_timeout_s = probe_timeout_s
+        # Filled in once the servers are bound (their real addresses are known only then).
+        self.kv_event_sources: list[pb.KvEventSource] = []
+
+    def service(self) -> Service:
+        return Service(
+            SERVICE_NAME,
+            lambda server: pb_grpc.add_OpenEngineServicer_to_server(self, server),
+            MUTATING_METHODS,
+        )
+
+    def _check_model(self, model: str) -> None:
+        if not self._ctx.model.serves(model):
+            raise ModelNotFoundError(f"model {model!r} is not served here")
+
+    # ---------------------------------------------------------------- generation
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            engine_request = engine_request_from_proto(request, self._ctx)
+            stream = self._service.submit(engine_request)
+        except Exception as exc:
+            await refuse(context, exc)
+        sampling = engine_request.sampling
+        encoder = GenerateStreamEncoder(
+            engine_request.request_id,
+            engine_request.prompt_token_ids,
+            sampling.num_sequences,
+            sampling.prompt_logprob_start,
+            self._token_text,
+        )
+        try:
+            async for output in stream.outputs():
+                for event in encoder.encode(output):
+                    yield event
+                if encoder.done:
+                    break
+        except Exception:  # accepted: a failure is one terminal EngineError, then OK
+            log.exception("generation %s failed", engine_request.request_id)
+            if not encoder.done:
+                yield encoder.error_event(pb.ERROR_CODE_INTERNAL, "internal engine error")
+        finally:
+            if not stream.done:  # client gone or stream failed: stop the work
+                self._service.cancel_nowait(engine_request.request_id)
+
+    async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
+        await self._refuse_task(request.context, "embedding", context)
+
+    async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
+        await self._refuse_task(request.context, "classification", context)
+
+    async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
+        await self._refuse_task(request.context, "scoring", context)
+
+    async def _refuse_task(
+        self, task_context: pb.TaskRequestContext, what: str, context: Context
+    ) -> NoReturn:
+        try:
+            self._check_model(task_context.model)
+            raise FeatureDisabledError(f"{what} is not supported by this engine's model")
+        except KvplaneError as exc:
+            await refuse(context, exc)
+
+    # ---------------------------------------------------------------- metadata
+
+    async def GetEngineInfo(
+        self, request: pb.GetEngineInfoRequest, context: Context
+    ) -> pb.EngineInfo:
+        return engine_info(
+            self._ctx.model,
+            role=self._ctx.role,
+            instance_id=self._instance_id,
+            data_parallel_rank=self._ctx.data_parallel_rank,
+        )
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> pb.ModelInfo:
+        if not request.model:
+            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        try:
+            self._check_model(request.model)
+        except KvplaneError as exc:
+            await refuse(context, exc)
+        return model_info(self._ctx.model)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> pb.LoadInfo:
+        return load_info(
+            self._service.load(),
+            instance_id=self._instance_id,
+            timestamp_unix_ns=time.time_ns(),
+            data_parallel_rank=self._ctx.data_parallel_rank,
+            include_per_rank=request.include_per_rank,
+        )
+
+    # ---------------------------------------------------------------- health and lifecycle
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
+        try:
+            self._check_model(request.model)
+        except KvplaneError as exc:
+            await refuse(context, exc)
+        ready, not_ready = pb.HEALTH_STATE_READY, pb.HEALTH_STATE_NOT_READY
+        running = self._service.engine_running
+        checks = [
+            pb.HealthCheck(name="grpc", state=ready),
+            pb.HealthCheck(
+                name="scheduler",
+                state=ready if running else not_ready,
+                message="" if running else "the engine thread is not running",
+            ),
+            pb.HealthCheck(name="model", state=ready, message=self._ctx.model.name),
+        ]
+        healthy = running
+        if request.role != pb.ENGINE_ROLE_UNSPECIFIED:
+            role_ok = request.role == self._ctx.role
+            healthy = healthy and role_ok
+            checks.append(
+                pb.HealthCheck(
+                    name="role",
+                    state=ready if role_ok else not_ready,
+                    message=pb.EngineRole.Name(self._ctx.role),
+                )
+            )
+        if request.include_inference_probe:
+            problem = (
+                await self._service.probe(self._probe_timeout_s)
+                if running
+                else "the engine thread is not running"
+            )
+            healthy = healthy and not problem
+            checks.append(
+                pb.HealthCheck(
+                    name="inference_probe",
+                    state=not_ready if problem else ready,
+                    message=problem or "generated 1 token",
+                )
+            )
+        if not healthy:
+            state = not_ready
+        elif self._service.draining:
+            state = pb.HEALTH_STATE_DRAINING
+        else:
+            state = ready
+        return pb.HealthResponse(state=state, checks=checks)
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
+        target = request.WhichOneof("target")
+        try:
+            if target == "request_id":
+                if not request.request_id:
+                    await abort_with(
+                        context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"
+                    )
+                outcome = await self._service.abort(request.request_id)
+                if outcome is AbortOutcome.ABORTED:
+                    return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="aborted")
+                return pb.AbortResponse(
+                    status=pb.ABORT_STATUS_ALREADY_FINISHED, message="already finished"
+                )
+            if target == "kv_session":
+                raise KvSessionNotFoundError(
+                    f"no KV session {request.kv_session.session_id!r} on this engine"
+                )
+            if target == "all_requests":
+                aborted = await self._service.abort_all()
+                return pb.AbortResponse(
+                    status=pb.ABORT_STATUS_ABORTED, message=f"aborted {len(aborted)} requests"
+                )
+        except KvplaneError as exc:
+            await refuse(context, exc)
+        await abort_with(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "set exactly one abort target: request_id, kv_session or all_requests",
+        )
+
+    async def Drain(
+        self, request: pb.DrainRequest, context: Context
+    ) -> AsyncIterator[pb.DrainResponse]:
+        deadline_s = request.deadline_ms / 1000.0 if request.HasField("deadline_ms") else None
+        progress = self._service.drain(
+            stop_accepting=request.stop_accepting_new_requests,
+            deadline_s=deadline_s,
+            abort_after_deadline=request.abort_after_deadline,
+        )
+        try:
+            async for step in progress:
+                if step.phase is DrainPhase.DEADLINE_EXCEEDED:
+                    yield pb.DrainResponse(
+                        error=pb.EngineError(
+                            code=pb.ERROR_CODE_DRAINING, message=step.message, retryable=True
+                        ),
+                        in_flight_requests=step.in_flight_requests,
+                        open_kv_sessions=0,
+                        message=step.message,
+                    )
+                    return
+                yield pb.DrainResponse(
+                    state=_DRAIN_STATE[step.phase],
+                    in_flight_requests=step.in_flight_requests,
+                    open_kv_sessions=0,
+                    message=step.message,
+                )
+        except Exception as exc:
+            log.exception("drain failed")
+            yield pb.DrainResponse(error=engine_error_for(exc))
+
+    # ---------------------------------------------------------------- LoRA (disabled)
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> pb.LoadLoraResponse:
+        await self._lora_disabled(context)
+
+    async def UnloadLora(
+        self, request: pb.UnloadLoraRequest, context: Context
+    ) -> pb.UnloadLoraResponse:
+        await self._lora_disabled(context)
+
+    async def ListLoras(
+        self, request: pb.ListLorasRequest, context: Context
+    ) -> pb.ListLorasResponse:
+        await self._lora_disabled(context)
+
+    async def _lora_disabled(self, context: Context) -> NoReturn:
+        await refuse(context, FeatureDisabledError("LoRA is not enabled on this engine"))
+
+    # ---------------------------------------------------------------- KV
+
+    async def GetKvConnectorInfo(
+        self, request: pb.GetKvConnectorInfoRequest, context: Context
+    ) -> pb.KvConnectorInfo:
+        return kv_connector_info()
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: Context
+    ) -> pb.GetKvEventSourcesResponse:
+        wanted = set(request.data_parallel_ranks)
+        sources = [
+            s
+            for s in self.kv_event_sources
+            if not wanted or (s.HasField("data_parallel_rank") and s.data_parallel_rank in wanted)
+        ]
+        return pb.GetKvEventSourcesResponse(sources=sources)
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        rank = self._ctx.data_parallel_rank
+        try:
+            if request.data_parallel_ranks and rank not in request.data_parallel_ranks:
+                await abort_with(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"this engine serves data-parallel rank {rank} only",
+                )
+            batches = self._service.kv_log.subscribe(
+                start_sequence_number=request.start_sequence_number,
+                include_snapshot=request.include_snapshot,
+            )
+        except KvplaneError as exc:
+            await refuse(context, exc)
+        try:
+            async for batch in batches:
+                yield pb.SubscribeKvEventsResponse(batch=to_proto_batch(batch, rank))
+        except SubscriberOverrunError as exc:
+            yield pb.SubscribeKvEventsResponse(error=engine_error_for(exc))
+        except Exception as exc:
+            log.exception("KV event subscription failed")
+            yield pb.SubscribeKvEventsResponse(error=engine_error_for(exc))
+
+    async def SubscribeRuntimeEvents(
+        self, request: pb.SubscribeRuntimeEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+        types = [t for t in request.types if t != pb.RUNTIME_EVENT_TYPE_UNSPECIFIED]
+        events = self._service.runtime_events.subscribe(types)
+        try:
+            async for event in events:
+                yield pb.SubscribeRuntimeEventsResponse(runtime_event=event)
+        except SubscriberOverrunError as exc:
+            yield pb.SubscribeRuntimeEventsResponse(error=engine_error_for(exc))
+        except Exception as exc:
+            log.exception("runtime event subscription failed")
+            yield pb.SubscribeRuntimeEventsResponse(error=engine_error_for(exc))
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,323 @@
+"""Assemble and run one engine process: runner, core, engine thread, servers, publishers.
+
+`start_engine(config)` builds everything in the running event loop and returns an
+`EngineApp` whose gRPC server is bound and serving (port 0 picks a free port: tests and
+`kvplane up` read `app.port`). The engine thread starts last, after every publisher is
+attached, so no KV event batch is ever missing from the ZMQ stream. `run_engine` serves until
+SIGTERM/SIGINT, then drains: no new requests, in-flight ones get `shutdown_grace_s`, the rest
+are cancelled, subscriptions end, the thread stops.
+
+torch is imported only when `config.model` is a model directory (never for `sim`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig, EngineRoleName
+from engine.core.api import ModelRunner, SchedulerConfig, StepReport
+from engine.core.engine_core import EngineCore, EngineLoop
+from engine.server.engine_service import EngineService
+from engine.server.info import ServedModel
+from engine.server.kv_event_log import KvEventLog
+from engine.server.metrics import EngineMetrics
+from engine.server.openengine_convert import EngineContext
+from engine.server.openengine_servicer import OpenEngineServicer
+from engine.server.runtime_events import RuntimeEventHub
+from engine.server.vllm_servicer import VllmGenerateServicer
+from engine.server.zmq_publisher import ZmqKvPublisher, routable_host_port
+from kvplane.config import parse_host_port
+from kvplane.errors import ConfigError
+from kvplane.metrics import start_metrics_server
+from kvplane.server import create_server, serve_until_signal
+from openengine.v1 import openengine_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NUM_KV_BLOCKS = 1024
+DEFAULT_SIM_MAX_MODEL_LEN = 4096
+_WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
+
+_ROLE = {
+    EngineRoleName.aggregated: pb.ENGINE_ROLE_AGGREGATED,
+    EngineRoleName.prefill: pb.ENGINE_ROLE_PREFILL,
+    EngineRoleName.decode: pb.ENGINE_ROLE_DECODE,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    runner: ModelRunner
+    tokenizer: Any | None  # tokenizers.Tokenizer
+    vocab_size: int
+
+
+def _build_sim(config: EngineConfig) -> _Model:
+    from engine.core.sim_runner import SimRunner, TimingModel
+
+    sim = config.sim
+    defaults = TimingModel()
+    timing = TimingModel(
+        prefill_ms_coeffs=sim.prefill_ms_coeffs or defaults.prefill_ms_coeffs,
+        decode_ms_coeffs=sim.decode_ms_coeffs or defaults.decode_ms_coeffs,
+        min_decode_ms=defaults.min_decode_ms if sim.min_decode_ms is None else sim.min_decode_ms,
+    )
+    runner = SimRunner(
+        block_size=config.block_size,
+        num_blocks=config.num_kv_blocks or DEFAULT_NUM_KV_BLOCKS,
+        max_model_len=config.max_model_len or DEFAULT_SIM_MAX_MODEL_LEN,
+        vocab_size=sim.vocab_size,
+        eos_after=sim.eos_after,
+        timing=timing,
+        time_scale=sim.time_scale,
+    )
+    return _Model(runner, None, sim.vocab_size)
+
+
+def _build_torch(config: EngineConfig) -> _Model:
+    model_dir = Path(config.model)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model {config.model!r} is neither 'sim' nor an HF model directory")
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from engine.torch_runner.runner import TorchModelRunner  # imports torch
+
+    runner = TorchModelRunner.from_pretrained(
+        model_dir,
+        dtype=config.dtype,
+        device=config.device,
+        block_size=config.block_size,
+        num_blocks=config.num_kv_blocks
+        if config.num_kv_blocks is not None or config.kv_cache_bytes is not None
+        else DEFAULT_NUM_KV_BLOCKS,
+        kv_cache_bytes=config.kv_cache_bytes,
+        max_model_len=config.max_model_len,
+        seed=config.seed,
+    )
+    tokenizer_file = model_dir / "tokenizer.json"
+    tokenizer = HfTokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
+    return _Model(runner, tokenizer, runner.model.config.vocab_size)
+
+
+def advertised_host(config: EngineConfig) -> str:
+    """A host others can dial: configured, else the listen host, else this machine's address."""
+    if config.kv_events.advertised_host:
+        return config.kv_events.advertised_host
+    host, _ = parse_host_port(config.listen)
+    if host not in _WILDCARDS:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass
+class EngineApp:
+    """A running engine: its servers, service and publishers."""
+
+    config: EngineConfig
+    instance_id: str
+    server: grpc.aio.Server
+    port: int
+    service: EngineService
+    openengine: OpenEngineServicer
+    vllm: VllmGenerateServicer
+    publisher: ZmqKvPublisher | None
+    metrics_server: Any | None
+    metrics_port: int | None
+
+    async def close_engine(self) -> None:
+        """Drain and stop everything but the gRPC server (serve_until_signal stops that)."""
+        await self.service.close(self.config.shutdown_grace_s)
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+
+    async def close(self) -> None:
+        await self.close_engine()
+        await self.server.stop(self.config.shutdown_grace_s)
+
+
+def _token_text(tokenizer: Any | None) -> Callable[[int], str]:
+    if tokenizer is None:
+        return lambda _token_id: ""
+
+    @functools.lru_cache(maxsize=65536)
+    def text(token_id: int) -> str:
+        return str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+    return text
+
+
+async def start_engine(config: EngineConfig) -> EngineApp:
+    model = _build_sim(config) if config.is_sim else _build_torch(config)
+    runner, tokenizer = model.runner, model.tokenizer
+    instance_id = config.instance_id or f"engine-{uuid.uuid4().hex[:12]}"
+    core = EngineCore(
+        runner,
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        ),
+        tokenizer=tokenizer if tokenizer is not None else None,
+    )
+    served = ServedModel(
+        model_id=config.model,
+        name=config.model_name(),
+        aliases=tuple(config.served_model_aliases),
+        max_model_len=runner.max_model_len,
+        block_size=runner.block_size,
+        num_blocks=runner.num_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_batched_tokens=config.max_num_batched_tokens,
+        vocab_size=model.vocab_size,
+        has_tokenizer=tokenizer is not None,
+    )
+    kv_config = config.kv_events
+    kv_log = KvEventLog(kv_config.buffer_steps)
+    runtime = RuntimeEventHub(instance_id)
+    metrics_registry = CollectorRegistry() if config.metrics_listen else None
+    metrics = EngineMetrics(metrics_registry, served.name) if metrics_registry else None
+    services: list[EngineService] = []
+
+    def on_step(report: StepReport) -> None:  # engine thread; the service exists by then
+        services[0].on_step_threadsafe(report)
+
+    engine_loop = EngineLoop(core, on_step=on_step)
+    service = EngineService(engine_loop, served, kv_log, runtime, metrics)
+    services.append(service)
+
+    encode: Callable[[str], list[int]] | None = None
+    if tokenizer is not None:
+        hf = tokenizer
+
+        def encode(text: str) -> list[int]:
+            return list(hf.encode(text).ids)
+
+    ctx = EngineContext(
+        model=served,
+        role=_ROLE[config.role],
+        data_parallel_rank=kv_config.data_parallel_rank,
+        encode=encode,
+    )
+    openengine = OpenEngineServicer(
+        service, ctx, instance_id=instance_id, token_text=_token_text(tokenizer)
+    )
+    vllm = VllmGenerateServicer(service, ctx)
+    server, port = await create_server(config, [openengine.service(), vllm.service()])
+    publisher: ZmqKvPublisher | None = None
+    metrics_server: Any | None = None
+    metrics_port: int | None = None
+    try:
+        host = advertised_host(config)
+        sources = [
+            pb.KvEventSource(
+                transport="grpc",
+                endpoint_addr=pb.KvEndpoint(host=host, port=port, protocol="grpc"),
+                data_parallel_rank=kv_config.data_parallel_rank,
+                encoding="protobuf",
+                schema_version=1,
+                buffer_steps=kv_config.buffer_steps,
+            )
+        ]
+        if kv_config.zmq_enabled:
+            topic = kv_config.topic or f"kv@{host}:{port}@{served.name}"
+            publisher = ZmqKvPublisher(
+                endpoint=kv_config.endpoint,
+                replay_endpoint=kv_config.replay_endpoint,
+                topic=topic,
+                hwm=kv_config.hwm,
+                buffer_steps=kv_config.buffer_steps,
+                data_parallel_rank=kv_config.data_parallel_rank,
+            )
+            await publisher.start()
+            kv_log.add_listener(publisher.publish_batch)
+            sources.append(_zmq_source(publisher, host, kv_config.buffer_steps, kv_config.hwm))
+            sources[-1].data_parallel_rank = kv_config.data_parallel_rank
+        openengine.kv_event_sources = sources
+        if metrics_registry is not None and config.metrics_listen:
+            metrics_server, metrics_port = start_metrics_server(
+                config.metrics_listen, metrics_registry
+            )
+    except BaseException:
+        if publisher is not None:
+            await publisher.close()
+        await server.stop(0)
+        raise
+    engine_loop.start()
+    log.info(
+        "engine %s serving %s (%s, role %s) on port %d",
+        instance_id,
+        served.name,
+        "sim" if config.is_sim else config.model,
+        config.role.value,
+        port,
+    )
+    return EngineApp(
+        config=config,
+        instance_id=instance_id,
+        server=server,
+        port=port,
+        service=service,
+        openengine=openengine,
+        vllm=vllm,
+        publisher=publisher,
+        metrics_server=metrics_server,
+        metrics_port=metrics_port,
+    )
+
+
+def _zmq_source(
+    publisher: ZmqKvPublisher, host: str, buffer_steps: int, hwm: int
+) -> pb.KvEventSource:
+    source = pb.KvEventSource(
+        transport="zmq",
+        topic=publisher.topic.decode(),
+        encoding="msgpack",
+        buffer_steps=buffer_steps,
+        hwm=hwm,
+    )
+    if publisher.bound_endpoint.startswith("tcp://"):
+        pub_host, pub_port = routable_host_port(publisher.bound_endpoint, host)
+        source.endpoint_addr.CopyFrom(pb.KvEndpoint(host=pub_host, port=pub_port, protocol="tcp"))
+    replay = publisher.bound_replay_endpoint
+    if replay is not None and replay.startswith("tcp://"):
+        replay_host, replay_port = routable_host_port(replay, host)
+        source.replay_endpoint = f"tcp://{replay_host}:{replay_port}"
+    return source
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Atomically write the bound port (tests and `kvplane up` wait for this file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+async def run_engine(config: EngineConfig, *, port_file: Path | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop cleanly."""
+    app = await start_engine(config)
+    try:
+        if port_file is not None:
+            write_port_file(port_file, app.port)
+        await serve_until_signal(app.server, config.shutdown_grace_s, on_stop=app.close_engine)
+    finally:
+        with contextlib.suppress(Exception):
+            if app.service.engine_running:
+                await app.close_engine()
+    log.info("engine %s stopped", app.instance_id)

@@ -1,0 +1,272 @@
+"""`vllm.Generate` (vLLM's Rust front end's proto) over the same engine service.
+
+Both RPCs run the request exactly like OpenEngine's Generate. The proto's own defaults
+apply: `temperature` absent -> 0 (greedy; the model has no default of its own), `max_new_tokens`
+0 -> 20, `num_sequences` 0 -> 1, 0 for top_k/top_p/min_p/repetition_penalty -> "off".
+Unsupported options (structured output, logit bias, allowed token ids, KV transfer params)
+are refused before acceptance like in OpenEngine. This proto has no error event: a failure
+after acceptance ends the stream with gRPC INTERNAL. A prompt position without a logprob
+(the first prompt token) reports NaN so that the arrays stay aligned with `token_ids`.
+
+Streaming: the first response carries `prompt_info`; each response carries one
+SequenceOutput delta; a sequence's last one carries `finish_info`. Unary Generate collects
+everything into one response and so supports one sequence only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from engine.core.api import (
+    Candidate,
+    EngineRequest,
+    FinishReason,
+    LogprobRequest,
+    RequestOutput,
+    SamplingParams,
+    StopKind,
+    TokenLogprob,
+)
+from engine.core.errors import InvalidRequestError
+from engine.server.engine_service import EngineService
+from engine.server.errors import ModelNotFoundError, RoleMismatchError, UnsupportedOptionError
+from engine.server.openengine_convert import EngineContext
+from engine.server.openengine_servicer import refuse
+from kvplane.errors import KvplaneError
+from kvplane.server import Service, abort_with
+from openengine.v1 import openengine_pb2 as oe
+from vllm_grpc import vllm_grpc_pb2 as pb
+from vllm_grpc import vllm_grpc_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+SERVICE_NAME = "vllm.Generate"
+DEFAULT_MAX_NEW_TOKENS = 20
+
+_FINISH = {
+    FinishReason.STOP: pb.FinishInfo.STOP,
+    FinishReason.LENGTH: pb.FinishInfo.LENGTH,
+    FinishReason.CANCELLED: pb.FinishInfo.ABORTED,
+}
+
+
+def _candidates(select: pb.CandidateTokens) -> LogprobRequest:
+    which = select.WhichOneof("select")
+    if which == "top_n" and select.top_n > 0:
+        return LogprobRequest(top_n=select.top_n)
+    if which == "token_ids" and select.token_ids.ids:
+        return LogprobRequest(token_ids=tuple(select.token_ids.ids))
+    if which == "all" and select.all:
+        return LogprobRequest(all_candidates=True)
+    return LogprobRequest()
+
+
+def _logprobs(wanted: bool, has_select: bool, select: pb.CandidateTokens) -> LogprobRequest | None:
+    if not wanted and not has_select:
+        return None
+    return _candidates(select) if has_select else LogprobRequest()
+
+
+def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
+    if not ctx.model.serves(request.model):
+        raise ModelNotFoundError(f"model {request.model!r} is not served here")
+    if ctx.role != oe.ENGINE_ROLE_AGGREGATED:
+        raise RoleMismatchError("vllm.Generate runs on an AGGREGATED engine only")
+    dec = request.decoding
+    if dec.WhichOneof("structured_output") is not None:
+        raise UnsupportedOptionError("structured output is not supported by this engine")
+    if dec.logit_bias or dec.allowed_token_ids:
+        raise UnsupportedOptionError("logit_bias and allowed_token_ids are not supported")
+    if request.kv.HasField("kv_transfer_params") and request.kv.kv_transfer_params.fields:
+        raise RoleMismatchError("KV transfer is not supported by this engine")
+    which = request.WhichOneof("prompt")
+    if which == "token_ids":
+        prompt = list(request.token_ids.ids)
+    elif which == "text":
+        if ctx.encode is None:
+            raise UnsupportedOptionError("this engine has no tokenizer: send token_ids")
+        prompt = ctx.encode(request.text)
+    else:
+        raise InvalidRequestError("set text or token_ids")
+    if request.truncate_prompt_tokens:
+        prompt = prompt[-request.truncate_prompt_tokens :]
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty")
+    if any(t >= ctx.model.vocab_size for t in prompt):
+        raise InvalidRequestError(f"prompt token ids must be < {ctx.model.vocab_size}")
+    s, stop, resp = request.sampling, request.stopping, request.response
+    params = SamplingParams(
+        temperature=request.temperature if request.HasField("temperature") else 0.0,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k or None,
+        min_p=s.min_p,
+        frequency_penalty=dec.frequency_penalty,
+        presence_penalty=dec.presence_penalty,
+        repetition_penalty=dec.repetition_penalty or 1.0,
+        seed=s.seed if s.HasField("seed") else None,
+        num_sequences=s.num_sequences or 1,
+        max_tokens=stop.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        min_tokens=stop.min_new_tokens,
+        stop=tuple(stop.stop_strings),
+        stop_token_ids=tuple(stop.stop_token_ids),
+        ignore_eos=stop.ignore_eos,
+        include_stop_in_output=stop.include_stop_strings,
+        logprobs=_logprobs(
+            resp.output_logprobs, resp.HasField("output_candidates"), resp.output_candidates
+        ),
+        prompt_logprobs=_logprobs(
+            resp.prompt_logprobs, resp.HasField("prompt_candidates"), resp.prompt_candidates
+        ),
+    )
+    params.validate()
+    return EngineRequest(
+        request_id=request.request_id or f"vllm-{uuid.uuid4().hex}",
+        prompt_token_ids=tuple(prompt),
+        sampling=params,
+        priority=request.priority,
+        cache_salt=request.kv.cache_salt or None,
+        bypass_prefix_cache=request.kv.bypass_prefix_cache,
+    )
+
+
+def _candidate_info(candidates: Sequence[Candidate]) -> pb.CandidateTokenInfo:
+    return pb.CandidateTokenInfo(
+        tokens=[
+            pb.CandidateTokenInfo.TokenInfo(id=c.token_id, logprob=c.logprob, rank=c.rank or 0)
+            for c in candidates
+        ]
+    )
+
+
+@dataclass
+class _SequenceState:
+    num_output_tokens: int = 0
+
+
+@dataclass
+class VllmStreamEncoder:
+    """RequestOutputs -> vllm GenerateResponses (see the module docstring)."""
+
+    request: pb.GenerateRequest
+    engine_request: EngineRequest
+    sequences: dict[int, _SequenceState] = field(default_factory=dict)
+    prompt_sent: bool = False
+
+    def prompt_info(self, prompt_logprobs: Sequence[TokenLogprob | None] | None) -> pb.PromptInfo:
+        resp = self.request.response
+        prompt = self.engine_request.prompt_token_ids
+        info = pb.PromptInfo(num_prompt_tokens=len(prompt))
+        if resp.prompt_token_ids:
+            info.token_ids.extend(prompt)
+        if prompt_logprobs is not None:
+            for entry in prompt_logprobs:
+                info.logprobs.append(math.nan if entry is None else entry.logprob)
+                info.ranks.append(0 if entry is None else entry.rank)
+                if resp.HasField("prompt_candidates"):
+                    info.candidate_tokens.append(
+                        _candidate_info(() if entry is None else entry.candidates)
+                    )
+        return info
+
+    def encode(self, output: RequestOutput) -> pb.GenerateResponse:
+        resp = self.request.response
+        state = self.sequences.setdefault(output.output_index, _SequenceState())
+        state.num_output_tokens += len(output.new_token_ids)
+        seq = pb.SequenceOutput(index=output.output_index, num_tokens=len(output.new_token_ids))
+        if not resp.HasField("output_text") or resp.output_text:
+            seq.text = output.new_text
+        if resp.output_token_ids:
+            seq.token_ids.extend(output.new_token_ids)
+        if output.logprobs is not None:
+            seq.logprobs.extend(lp.logprob for lp in output.logprobs)
+            seq.ranks.extend(lp.rank for lp in output.logprobs)
+            if resp.HasField("output_candidates"):
+                seq.candidate_tokens.extend(
+                    _candidate_info(lp.candidates) for lp in output.logprobs
+                )
+        if output.finish_reason is not None and output.finish_reason is not FinishReason.ERROR:
+            finish = pb.FinishInfo(
+                num_output_tokens=state.num_output_tokens,
+                finish_reason=_FINISH[output.finish_reason],
+            )
+            match = output.stop_match
+            if match is not None and output.finish_reason is FinishReason.STOP:
+                if match.kind is StopKind.STOP_TEXT:
+                    finish.stop_string = match.text or ""
+                elif match.kind is StopKind.EOS:
+                    finish.eos_token_id = match.token_id or 0
+                else:
+                    finish.stop_token_id = match.token_id or 0
+            seq.finish_info.CopyFrom(finish)
+        response = pb.GenerateResponse(outputs=seq)
+        if not self.prompt_sent and (
+            self.engine_request.sampling.prompt_logprobs is None
+            or output.prompt_logprobs is not None
+        ):
+            self.prompt_sent = True
+            response.prompt_info.CopyFrom(self.prompt_info(output.prompt_logprobs))
+        return response
+
+
+class VllmGenerateServicer(pb_grpc.GenerateServicer):
+    def __init__(self, service: EngineService, ctx: EngineContext) -> None:
+        self._service = service
+        self._ctx = ctx
+
+    def service(self) -> Service:
+        return Service(
+            SERVICE_NAME, lambda server: pb_grpc.add_GenerateServicer_to_server(self, server)
+        )
+
+    async def _run(
+        self, request: pb.GenerateRequest, context: Context, *, single: bool
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            engine_request = engine_request_from_vllm(request, self._ctx)
+            if single and engine_request.sampling.num_sequences > 1:
+                raise InvalidRequestError("unary Generate returns one sequence: use GenerateStream")
+            stream = self._service.submit(engine_request)
+        except KvplaneError as exc:
+            await refuse(context, exc)
+        encoder = VllmStreamEncoder(request, engine_request)
+        try:
+            async for output in stream.outputs():
+                if output.finish_reason is FinishReason.ERROR:
+                    await abort_with(
+                        context, grpc.StatusCode.INTERNAL, output.message or "generation failed"
+                    )
+                yield encoder.encode(output)
+        finally:
+            if not stream.done:
+                self._service.cancel_nowait(engine_request.request_id)
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        async for response in self._run(request, context, single=False):
+            yield response
+
+    async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:
+        merged = pb.GenerateResponse()
+        seq = merged.outputs
+        async for response in self._run(request, context, single=True):
+            if response.HasField("prompt_info"):
+                merged.prompt_info.CopyFrom(response.prompt_info)
+            part = response.outputs
+            seq.text += part.text
+            seq.num_tokens += part.num_tokens
+            seq.token_ids.extend(part.token_ids)
+            seq.logprobs.extend(part.logprobs)
+            seq.ranks.extend(part.ranks)
+            seq.candidate_tokens.extend(part.candidate_tokens)
+            if part.HasField("finish_info"):
+                seq.finish_info.CopyFrom(part.finish_info)
+        return merged

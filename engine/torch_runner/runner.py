@@ -1,0 +1,230 @@
+"""TorchModelRunner: the engine core's `ModelRunner` over a real torch decoder.
+
+One `execute(batch)` is one forward pass over every scheduled sequence's new tokens (prefill
+chunks and decodes mixed), then logits only for the rows that need them (each sampling
+sequence's last token, plus the prompt positions whose logprobs were asked for), then sampling.
+It is synchronous and holds no locks: the engine drives it from one dedicated thread.
+
+Block ids in the scheduled block tables are the block manager's; this runner only owns the
+memory behind them (`PagedKvCache`). It keeps no per-sequence state (seeded sampling derives
+each step's generator from the seed and the output length), so `release` has nothing to free.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.core.api import ScheduledBatch, ScheduledSequence, SequenceResult, TokenLogprob
+from engine.torch_runner.attention import AttentionMetadata, PagedKvCache, SequenceChunk
+from engine.torch_runner.errors import InvalidBatchError, KvCacheError
+from engine.torch_runner.loader import load_model
+from engine.torch_runner.model import DecoderModel
+from engine.torch_runner.sampler import Sampler, SamplingRow, prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+class TorchModelRunner:
+    def __init__(
+        self,
+        model: DecoderModel,
+        *,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads is not None:
+            # Process-wide: the engine process owns torch. Small decode steps of small models
+            # run fastest on one thread; OpenMP barriers on oversubscribed cores cost 10x.
+            torch.set_num_threads(num_threads)
+        cfg = model.config
+        self.model = model
+        self._block_size = block_size
+        self._num_blocks = num_blocks
+        self._max_model_len = max_model_len or cfg.max_position_embeddings
+        if self._max_model_len <= 0:
+            raise KvCacheError(f"max_model_len must be positive, got {self._max_model_len}")
+        self._eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.kv_cache = PagedKvCache(
+            num_layers=cfg.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=model.dtype,
+            device=model.device,
+        )
+        self.sampler = Sampler(self._eos_token_ids, seed)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: Path | str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        max_model_len: int | None = None,
+        seed: int | None = None,
+        num_threads: int | None = None,
+    ) -> TorchModelRunner:
+        """Load a checkpoint and size the KV cache by `num_blocks` or by `kv_cache_bytes`."""
+        if num_blocks is not None and kv_cache_bytes is not None:
+            raise KvCacheError("give num_blocks or kv_cache_bytes, not both")
+        if block_size <= 0:
+            raise KvCacheError(f"block_size must be positive, got {block_size}")
+        model = load_model(model_dir, dtype, device)
+        if num_blocks is None:
+            cfg = model.config
+            per_block = PagedKvCache.bytes_per_block(
+                num_layers=cfg.num_layers,
+                block_size=block_size,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                dtype=model.dtype,
+            )
+            budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes
+            num_blocks = budget // per_block
+            if num_blocks < 1:
+                raise KvCacheError(
+                    f"kv_cache_bytes {budget} holds no block ({per_block} bytes per block)"
+                )
+        logger.info(
+            "loaded %s (%s, %s) with %d KV blocks of %d tokens",
+            model_dir,
+            dtype,
+            device,
+            num_blocks,
+            block_size,
+        )
+        return cls(
+            model,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            seed=seed,
+            num_threads=num_threads,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids at or above this are invalid (check prompts before accepting them)."""
+        return self.model.config.vocab_size
+
+    def release(self, seq_ids: Sequence[int]) -> None:
+        """Nothing to release: the runner keeps no per-sequence state."""
+
+    def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        sequences = batch.sequences
+        if not sequences:
+            return []
+        with torch.inference_mode():
+            return self._execute(sequences)
+
+    def _execute(self, sequences: Sequence[ScheduledSequence]) -> list[SequenceResult]:
+        model = self.model
+        device = model.device
+        input_ids: list[int] = []
+        chunks: list[SequenceChunk] = []
+        for seq in sequences:
+            input_ids.extend(seq.token_ids)
+            chunks.append(SequenceChunk(seq.start_position, len(seq.token_ids), seq.block_table))
+        max_position = max(c.start + c.num_tokens for c in chunks) - 1
+        if max_position >= self._max_model_len:
+            raise InvalidBatchError(
+                f"position {max_position} is beyond max_model_len {self._max_model_len}"
+            )
+        vocab = model.config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise InvalidBatchError(f"a token id is outside the vocabulary [0, {vocab})")
+        metadata = AttentionMetadata.build(
+            chunks, block_size=self._block_size, num_blocks=self._num_blocks, device=device
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
+        hidden = model.forward(ids, metadata, self.kv_cache, max_position)
+
+        # Which hidden rows need logits: prompt-logprob positions, then each sampling row.
+        rows: list[int] = []
+        prompt_rows: dict[int, tuple[int, list[int]]] = {}  # seq index -> (first row, targets)
+        sample_rows: list[int] = []
+        offset = 0
+        for i, seq in enumerate(sequences):
+            num_tokens = len(seq.token_ids)
+            if seq.prompt_logprobs is not None:
+                start = seq.start_position
+                end = min(start + num_tokens, len(seq.prompt_token_ids) - 1)
+                if end > start:
+                    prompt_rows[i] = (len(rows), list(seq.prompt_token_ids[start + 1 : end + 1]))
+                    rows.extend(range(offset, offset + end - start))
+            if seq.sample:
+                sample_rows.append(len(rows))
+                rows.append(offset + num_tokens - 1)
+            offset += num_tokens
+        if not rows:
+            return [SequenceResult(seq_id=seq.seq_id) for seq in sequences]
+        logits = model.compute_logits(hidden[torch.tensor(rows, device=device)])
+
+        sampling_seqs = [seq for seq in sequences if seq.sample]
+        sampled = (
+            self.sampler.sample(
+                logits[torch.tensor(sample_rows, device=device)],
+                [
+                    SamplingRow(
+                        params=seq.sampling,
+                        seed=seq.seed,
+                        prompt_token_ids=seq.prompt_token_ids,
+                        output_token_ids=seq.output_token_ids,
+                    )
+                    for seq in sampling_seqs
+                ],
+            )
+            if sampling_seqs
+            else []
+        )
+        results: list[SequenceResult] = []
+        next_sample = 0
+        for i, seq in enumerate(sequences):
+            token_id = None
+            logprob = None
+            if seq.sample:
+                token_id = sampled[next_sample].token_id
+                logprob = sampled[next_sample].logprob
+                next_sample += 1
+            prompt: tuple[TokenLogprob, ...] = ()
+            if i in prompt_rows and seq.prompt_logprobs is not None:
+                first, targets = prompt_rows[i]
+                prompt = prompt_logprobs(
+                    logits[first : first + len(targets)], targets, seq.prompt_logprobs
+                )
+            results.append(
+                SequenceResult(
+                    seq_id=seq.seq_id, token_id=token_id, logprob=logprob, prompt_logprobs=prompt
+                )
+            )
+        return results

@@ -1,0 +1,255 @@
+"""`kvplane admin index ...`: inspect a running indexer (stats, dump, match) over gRPC.
+
+`--target HOST:PORT` names the indexer (on the group or on each command); `--output json`
+prints machine-readable results. RPC failures become one-line errors (exit code 1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import grpc
+import typer
+
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.errors import KvplaneError
+from kvplane_api.v1 import index_pb2 as api
+from kvplane_api.v1 import index_pb2_grpc as api_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+TIMEOUT_S = 10.0
+
+index_app = typer.Typer(no_args_is_help=True, help="Inspect a kvplane indexer.")
+
+IndexTargetOption = Annotated[
+    str | None, typer.Option("--target", "-t", help="HOST:PORT of the indexer.")
+]
+T = TypeVar("T")
+
+
+class IndexRpcError(KvplaneError):
+    """An indexer RPC failed (unreachable, rejected)."""
+
+
+@index_app.callback()
+def _group(ctx: typer.Context, target: IndexTargetOption = None) -> None:
+    ctx.obj = {**(ctx.obj or {}), **({"target": target} if target else {})}
+
+
+def _target(ctx: typer.Context, target: str | None) -> str:
+    if target:
+        return target
+    node: Any = ctx
+    while node is not None:
+        if isinstance(node.obj, dict) and node.obj.get("target"):
+            return str(node.obj["target"])
+        node = node.parent
+    return DEFAULT_TARGET
+
+
+@contextmanager
+def _channel(target: str) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            yield channel
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            name = code.name if code is not None else "ERROR"
+            raise IndexRpcError(f"{target}: {name}: {details}") from None
+
+
+def _call(target: str, rpc: Callable[[grpc.Channel], T]) -> T:
+    with _channel(target) as channel:
+        return rpc(channel)
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    """A message as JSON-ready data; 64-bit integers stay numbers (protobuf's JSON mapping
+    would quote them) and enums are names."""
+    data: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None:
+            if field.is_repeated:
+                data[field.name] = [_as_dict(v) for v in value]
+            elif message.HasField(field.name):
+                data[field.name] = _as_dict(value)
+            continue
+        if field.has_presence and not field.is_repeated and not message.HasField(field.name):
+            data[field.name] = None
+            continue
+        if field.enum_type is not None:
+            names = field.enum_type.values_by_number
+            if field.is_repeated:
+                data[field.name] = [names[v].name if v in names else v for v in value]
+            else:
+                data[field.name] = names[value].name if value in names else value
+        else:
+            data[field.name] = list(value) if field.is_repeated else value
+    return data
+
+
+@index_app.command()
+def stats(
+    ctx: typer.Context, target: IndexTargetOption = None, output: OutputOption = OutputFormat.table
+) -> None:
+    """Blocks, placements and workers in the index."""
+    response = _call(
+        _target(ctx, target),
+        lambda ch: api_grpc.KvIndexStub(ch).GetIndexStats(
+            api.GetIndexStatsRequest(), timeout=TIMEOUT_S
+        ),
+    )
+
+    def render(data: dict[str, Any]) -> str:
+        lines = [
+            f"backend {data['backend']}: {data['num_blocks']} blocks, "
+            f"{data['num_placements']} placements, {data['num_workers']} workers, "
+            f"{data['num_batches_applied']} batches applied, "
+            f"{data['num_events_dropped']} events dropped"
+        ]
+        for w in data["workers"]:
+            lines.append(
+                f"  {w['worker_id']:<24} {w['worker_address'] or '-':<24} "
+                f"{w['num_blocks']:>10} blocks {w['num_placements']:>10} placements"
+            )
+        return "\n".join(lines)
+
+    emit(_as_dict(response), output, render)
+
+
+@index_app.command()
+def dump(
+    ctx: typer.Context,
+    worker_id: Annotated[str, typer.Option(help="Only this worker (default: all).")] = "",
+    target: IndexTargetOption = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """The index as parent-first ApplyExternalKvBatch requests (replayable)."""
+
+    def rpc(ch: grpc.Channel) -> list[dict[str, Any]]:
+        stream = api_grpc.KvIndexStub(ch).DumpIndex(
+            api.DumpIndexRequest(worker_id=worker_id), timeout=TIMEOUT_S * 6
+        )
+        return [_as_dict(batch) for batch in stream]
+
+    batches = _call(_target(ctx, target), rpc)
+
+    def render(data: list[dict[str, Any]]) -> str:
+        lines = []
+        for batch in data:
+            lines.append(f"worker {batch['worker_id']} ({batch['worker_address'] or '-'})")
+            for action in batch["actions"]:
+                parent = action.get("parent_block_hash")
+                lines.append(
+                    f"  {action['type']:<26} {action['tier']:<9} "
+                    f"{len(action['hashes'])} hashes"
+                    + (f" parent {parent}" if parent is not None else "")
+                )
+        return "\n".join(lines) or "(empty index)"
+
+    emit(batches, output, render)
+
+
+def _read_tokens(path: Path) -> list[int]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise KvplaneError(f"cannot read --tokens-file {path}: {exc.strerror}") from exc
+    try:
+        loaded = json.loads(text)
+    except json.JSONDecodeError:
+        loaded = [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+    if isinstance(loaded, dict):
+        loaded = loaded.get("token_ids", loaded.get("prompt_token_ids"))
+    if not isinstance(loaded, list) or not all(isinstance(t, int) for t in loaded):
+        raise KvplaneError(f"--tokens-file {path} must hold a JSON array of token ids")
+    return loaded
+
+
+def _parse_hashes(values: list[str]) -> list[int]:
+    out = []
+    for value in values:
+        for part in re.split(r"[\s,]+", value.strip()):
+            if part:
+                try:
+                    out.append(int(part, 0))
+                except ValueError:
+                    raise typer.BadParameter(f"not an integer hash: {part!r}") from None
+    return out
+
+
+@index_app.command()
+def match(
+    ctx: typer.Context,
+    *,
+    tokens_file: Annotated[
+        Path | None, typer.Option(help="JSON array (or whitespace list) of prompt token ids.")
+    ] = None,
+    block_size: Annotated[int, typer.Option(help="Tokens per block (0: server default).")] = 0,
+    lora_name: Annotated[str, typer.Option(help="LoRA adapter name.")] = "",
+    cache_salt: Annotated[str, typer.Option(help="Cache salt.")] = "",
+    hashes: Annotated[
+        list[str] | None,
+        typer.Option(help="Block hashes in prompt order (repeat, or comma-separated)."),
+    ] = None,
+    target: IndexTargetOption = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Which workers hold a prompt's prefix: by tokens (MatchTokens) or by block hashes
+    (MatchExternalKvPrefix)."""
+    address = _target(ctx, target)
+    if (tokens_file is None) == (not hashes):
+        raise typer.BadParameter("give exactly one of --tokens-file or --hashes")
+    if tokens_file is not None:
+        request = api.MatchTokensRequest(
+            token_ids=_read_tokens(tokens_file),
+            block_size=block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+        )
+        response: Any = _call(
+            address, lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(request, timeout=TIMEOUT_S)
+        )
+
+        def render_tokens(data: dict[str, Any]) -> str:
+            lines = [f"{data['num_query_blocks']} query blocks"]
+            for m in data["matches"]:
+                tiers = ", ".join(f"{t['tier']}={t['matched_blocks']}" for t in m["tiers"])
+                lines.append(
+                    f"  {m['worker_id']:<24} {m['worker_address'] or '-':<24} "
+                    f"{m['matched_blocks']:>6} blocks {m['matched_tokens']:>8} tokens  {tiers}"
+                )
+            return "\n".join(lines)
+
+        emit(_as_dict(response), output, render_tokens)
+        return
+    keys = _parse_hashes(hashes or [])
+    if not keys:
+        raise typer.BadParameter("--hashes is empty")
+    prefix_request = kv.MatchExternalKvPrefixRequest(hashes=keys)
+    response = _call(
+        address,
+        lambda ch: kv_grpc.KVIndexerStub(ch).MatchExternalKvPrefix(
+            prefix_request, timeout=TIMEOUT_S
+        ),
+    )
+
+    def render_prefix(data: dict[str, Any]) -> str:
+        lines = [f"best prefix {data['best_prefix_blocks']} of {len(keys)} blocks"]
+        for m in data["matches"]:
+            lines.append(
+                f"  {m['worker_id']:<24} {m['worker_address']:<24} "
+                f"{m['matched_prefix_blocks']:>6} blocks"
+            )
+        return "\n".join(lines)
+
+    emit(_as_dict(response), output, render_prefix)

@@ -1,0 +1,643 @@
+"""The shared `redis` index backend: `IndexBackend` on Redis or Redis Cluster.
+
+Contract: the same semantics as the `memory` backend (one conformance suite), with the state in
+Redis so that several indexer or router processes share one index. Every operation is one
+Redis Functions call (`indexer/redis_functions.lua`, loaded with FUNCTION LOAD REPLACE on every
+primary at start-up and again whenever Redis comes back without it): an ordered batch applies
+atomically with FCALL; a prefix lookup is one FCALL_RO that stops at the first miss. All keys of
+one partition share the hash tag `{model:0}`, so a partition sits in one cluster slot.
+docs/redis.md describes the layout, its memory per placement and the failure behaviour.
+
+Failure behaviour. Queries fail fast with `IndexUnavailableError` (a KvplaneError; servicers map
+it to UNAVAILABLE). Applies that cannot reach Redis are buffered in order (at most
+`max_buffered_batches`); past that, the worker whose batch overflows loses its buffered batches
+and is marked for resync. A background task brings the backend back by itself: it reloads the
+functions, detects a Redis that lost its data (the partition's boot token changed), removes
+the workers marked for resync (so nothing stale stays), replays the buffer in order, then asks
+the sources to resync those workers (`take_resync_requests` / `add_resync_listener`). A batch
+is never half-applied: each is one atomic function call, and re-applying one is idempotent.
+Snapshots and stats read the partition in several bounded calls, not one atomic cut.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ClusterError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from indexer import redis_codec as codec
+from indexer.backend import (
+    IndexStats,
+    PrefixMatch,
+    PrefixResult,
+    TierPlacements,
+    TierPrefix,
+    TokenPrefixMatch,
+    WorkerPlacements,
+    WorkerStats,
+)
+from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
+from indexer.index import MAX_ACTIONS_PER_BATCH, PrefixIndex
+from kvplane.errors import ConfigError, KvplaneError
+
+log = logging.getLogger(__name__)
+
+FUNCTIONS_FILE = Path(__file__).with_name("redis_functions.lua")
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException)
+_SERVABLE = (Tier.HBM, Tier.DRAM)
+
+
+class IndexUnavailableError(KvplaneError):
+    """The shared index cannot answer now (Redis down or failing); retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    """Options of `open_redis_backend` (the `redis:` block of the indexer config)."""
+
+    key_prefix: str = "kvplane"
+    # The partition: indexes of different models never share keys.
+    model: str = "default"
+    # Hashes per partition that hold the block records (fixed once a partition holds data).
+    buckets: int = 65536
+    password: str | None = None
+    password_file: Path | None = None
+    username: str | None = None
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    timeout_s: float = 2.0
+    connect_timeout_s: float = 0.5
+    max_buffered_batches: int = 10_000
+    # Background upkeep: boot-token check and sweeping of dead placements.
+    maintenance_interval_s: float = 1.0
+    sweep_chunk_buckets: int = 256
+    dump_chunk_buckets: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.buckets <= 1 << 24:
+            raise ConfigError(f"redis buckets must be in 1..{1 << 24}, got {self.buckets}")
+        if not self.key_prefix or any(c in self.key_prefix + self.model for c in "{}"):
+            raise ConfigError("redis key_prefix must be non-empty; key_prefix and model no braces")
+        if self.max_buffered_batches < 0:
+            raise ConfigError("redis max_buffered_batches must be >= 0")
+
+    def read_password(self) -> str | None:
+        if self.password_file is None:
+            return self.password
+        try:
+            return self.password_file.read_text().strip()
+        except OSError as exc:
+            where = self.password_file
+            raise ConfigError(f"cannot read redis password_file {where}: {exc}") from exc
+
+
+class _FcallCluster(RedisCluster):
+    """RedisCluster that routes FCALL/FCALL_RO by their first key without asking the server
+    (redis-py otherwise sends COMMAND GETKEYS, a second round trip, before every call)."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        if command.upper() in ("FCALL", "FCALL_RO") and len(args) >= 3 and int(args[1]) > 0:
+            slot: int = self.keyslot(args[2])
+            return slot
+        slot = await super()._determine_slot(command, *args)
+        return slot
+
+
+Client = aioredis.Redis | RedisCluster
+
+
+def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
+    """A client for `redis://`, `rediss://`, `unix://` or `redis+cluster://h:p[,h:p...]`,
+    and the address to name in errors."""
+    common: dict[str, Any] = {
+        "password": options.read_password(),
+        "username": options.username,
+        "socket_timeout": options.timeout_s,
+        "socket_connect_timeout": options.connect_timeout_s,
+        # One quick retry heals a pooled connection that a Redis restart broke.
+        "retry": Retry(NoBackoff(), 1),
+    }
+    tls: dict[str, Any] = {}
+    if options.tls_ca_file or options.tls_cert_file:
+        tls = {
+            "ssl": True,
+            "ssl_ca_certs": str(options.tls_ca_file) if options.tls_ca_file else None,
+            "ssl_certfile": str(options.tls_cert_file) if options.tls_cert_file else None,
+            "ssl_keyfile": str(options.tls_key_file) if options.tls_key_file else None,
+        }
+    if url.startswith("redis+cluster://"):
+        rest = url.removeprefix("redis+cluster://").split("/", 1)[0]
+        nodes = []
+        for part in rest.split(","):
+            host, _, port = part.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"backend {url!r}: expected redis+cluster://HOST:PORT[,...]")
+            nodes.append(ClusterNode(host.strip("[]"), int(port)))
+        cluster = _FcallCluster(startup_nodes=nodes, **common, **tls)
+        return cluster, rest
+    try:
+        client = aioredis.Redis.from_url(url, **common, **tls)
+    except ValueError as exc:
+        raise ConfigError(f"backend {url!r}: {exc}") from exc
+    where = urlsplit(url).netloc.rpartition("@")[2] or url
+    return client, where
+
+
+async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
+    """Connect, load the functions and claim the partition. A Redis that is down at start-up
+    is not an error: the backend answers UNAVAILABLE until it comes back."""
+    known = {f.name for f in fields(RedisOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"unknown redis backend options: {', '.join(unknown)}")
+    opts = RedisOptions(**options)
+    client, where = connect(url, opts)
+    backend = RedisBackend(client, opts, where)
+    try:
+        await backend.start()
+    except IndexUnavailableError as exc:
+        log.warning("%s; the indexer keeps trying", exc)
+    return backend
+
+
+class RedisBackend:
+    """`IndexBackend` over one partition in Redis (see the module docstring)."""
+
+    name = "redis"
+
+    def __init__(self, client: Client, options: RedisOptions, where: str) -> None:
+        self._client = client
+        self._options = options
+        self._where = where
+        self._meta_key = f"{options.key_prefix}:{{{options.model}:0}}:m"
+        self._nb = str(options.buckets)
+        self._boot: bytes | None = None
+        self._ready = False
+        self._ready_lock = asyncio.Lock()
+        self._known_workers: set[str] = set()
+        # Outage handling: batches waiting for Redis, workers whose batches were dropped.
+        self._outage = False
+        self._buffer: deque[Batch] = deque()
+        self._dropping: set[str] = set()
+        self._resync: set[str] = set()
+        self._listeners: list[Callable[[str], None]] = []
+        self._recovery: asyncio.Task[None] | None = None
+        self._maintenance: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._maintenance is None:
+            self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+        await self._ensure_ready()
+
+    async def close(self) -> None:
+        for task in (self._maintenance, self._recovery):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._maintenance = self._recovery = None
+        await self._client.aclose()
+
+    @property
+    def healthy(self) -> bool:
+        """Redis answered the last call and no batch is waiting for it."""
+        return self._ready and not self._outage
+
+    @property
+    def num_buffered_batches(self) -> int:
+        return len(self._buffer)
+
+    def add_resync_listener(self, callback: Callable[[str], None]) -> None:
+        """`callback(worker_id)` runs when a worker's index state was dropped (buffer overflow
+        during an outage, or Redis lost its data): its source must rebuild it."""
+        self._listeners.append(callback)
+
+    def take_resync_requests(self) -> frozenset[str]:
+        """Workers to resync since the last call (the polling form of the listener)."""
+        taken = frozenset(self._resync)
+        self._resync.clear()
+        return taken
+
+    # ------------------------------------------------------------------ calls
+
+    def _unavailable(self, exc: Exception) -> IndexUnavailableError:
+        return IndexUnavailableError(
+            f"shared index unavailable: Redis at {self._where} did not answer ({exc})"
+        )
+
+    async def _ensure_ready(self) -> None:
+        if self._ready:
+            return
+        async with self._ready_lock:
+            if self._ready:
+                return
+            code = FUNCTIONS_FILE.read_text()
+            try:
+                if isinstance(self._client, RedisCluster):
+                    for node in self._client.get_primaries():
+                        await self._client.execute_command(
+                            "FUNCTION", "LOAD", "REPLACE", code, target_nodes=node
+                        )
+                else:
+                    await self._client.function_load(code, replace=True)
+                boot, nb = await self._client.execute_command(
+                    "FCALL", "kvp_boot", 1, self._meta_key, self._nb, secrets.token_hex(8)
+                )
+            except (*_UNREACHABLE, OSError) as exc:
+                raise self._unavailable(exc) from exc
+            except ResponseError as exc:
+                raise IndexUnavailableError(f"Redis at {self._where} refused: {exc}") from exc
+            if int(nb) != self._options.buckets:
+                raise ConfigError(
+                    f"redis partition {self._meta_key[:-2]} holds data laid out in {nb} buckets,"
+                    f" configured {self._options.buckets}: use the same value or another model"
+                )
+            lost = self._boot is not None and boot != self._boot
+            self._boot = boot
+            self._ready = True
+        if lost:
+            self._state_lost()
+
+    def _state_lost(self) -> None:
+        """Redis came back without this partition's data: every worker this process fed must
+        be rebuilt by its source; their buffered batches are superseded by that."""
+        workers = set(self._known_workers)
+        log.warning("Redis at %s lost the index; resyncing %d worker(s)", self._where, len(workers))
+        self._buffer = deque(b for b in self._buffer if b.worker_id not in workers)
+        self._dropping -= workers
+        self._request_resync(workers)
+
+    def _request_resync(self, workers: set[str]) -> None:
+        for worker_id in sorted(workers):
+            self._resync.add(worker_id)
+            for callback in self._listeners:
+                try:
+                    callback(worker_id)
+                except Exception:
+                    log.exception("resync listener failed for worker %s", worker_id)
+
+    async def _fcall(
+        self,
+        function: str,
+        args: Sequence[bytes | str | int],
+        *,
+        readonly: bool = False,
+        boot: bool = False,
+    ) -> Any:
+        """One function call. With `boot` the partition's boot token goes first: the function
+        refuses to write into a partition that lost its data without this process noticing."""
+        for attempt in (0, 1):
+            await self._ensure_ready()
+            head: list[bytes | str | int] = [self._nb]
+            if boot:
+                head.append(self._boot or b"")
+            try:
+                return await self._client.execute_command(
+                    "FCALL_RO" if readonly else "FCALL",
+                    function,
+                    1,
+                    self._meta_key,
+                    *head,
+                    *args,
+                )
+            except (*_UNREACHABLE, OSError) as exc:
+                self._ready = False
+                raise self._unavailable(exc) from exc
+            except ResponseError as exc:
+                text = str(exc)
+                stale = "Function not found" in text or text.startswith("KVP_BOOT")
+                if stale and attempt == 0:
+                    self._ready = False
+                    continue
+                raise IndexUnavailableError(
+                    f"shared index error from Redis at {self._where}: {text}"
+                ) from exc
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ apply
+
+    async def apply(self, batch: Batch) -> None:
+        self._known_workers.add(batch.worker_id)
+        if batch.worker_id in self._dropping:
+            raise IndexUnavailableError(
+                f"shared index unavailable: Redis at {self._where} is down; worker "
+                f"{batch.worker_id!r} is dropped until it is back, then resynced"
+            )
+        if self._outage:
+            self._enqueue(batch)
+            return
+        try:
+            await self._fcall("kvp_apply", codec.apply_args(batch), boot=True)
+        except IndexUnavailableError as exc:
+            log.warning("%s; buffering batches", exc)
+            self._outage = True
+            self._enqueue(batch)
+            self._recovery = asyncio.get_running_loop().create_task(self._recover())
+
+    def _enqueue(self, batch: Batch) -> None:
+        limit = self._options.max_buffered_batches
+        if len(self._buffer) < limit:
+            self._buffer.append(batch)
+            return
+        worker_id = batch.worker_id
+        self._dropping.add(worker_id)
+        self._buffer = deque(b for b in self._buffer if b.worker_id != worker_id)
+        raise IndexUnavailableError(
+            f"shared index unavailable: Redis at {self._where} is down and {limit} batches "
+            f"are buffered; worker {worker_id!r} will be resynced when it is back"
+        )
+
+    async def _recover(self) -> None:
+        delay_s = 0.05
+        while True:
+            try:
+                await self._ensure_ready()
+                while self._dropping:
+                    worker_id = min(self._dropping)
+                    await self._fcall("kvp_remove", [worker_id], boot=True)
+                    self._dropping.discard(worker_id)
+                    self._request_resync({worker_id})
+                while self._buffer:
+                    # Left in the buffer until applied, so new batches queue behind it.
+                    await self._fcall("kvp_apply", codec.apply_args(self._buffer[0]), boot=True)
+                    self._buffer.popleft()
+                if not self._dropping:
+                    break
+            except IndexUnavailableError:
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+        self._outage = False
+        self._recovery = None
+        log.info("Redis at %s is back; buffered batches applied", self._where)
+
+    async def _maintain(self) -> None:
+        """Notices a Redis that lost its data (boot token) and sweeps dead placements."""
+        while True:
+            await asyncio.sleep(self._options.maintenance_interval_s)
+            try:
+                if self._ready and not self._outage:
+                    boot = await self._client.execute_command("HGET", self._meta_key, "boot")
+                    if boot != self._boot:
+                        self._ready = False
+                await self._ensure_ready()
+                chunk = str(self._options.sweep_chunk_buckets)
+                pending = True
+                while pending:  # bounded calls: other clients run in between
+                    pending = bool(await self._fcall("kvp_sweep", [chunk]))
+            except (IndexUnavailableError, *_UNREACHABLE, OSError) as exc:
+                self._ready = False
+                log.debug("index maintenance skipped: %s", exc)
+            except RedisError:
+                log.exception("index maintenance failed")
+
+    # ------------------------------------------------------------------ queries
+
+    async def match(self, hashes: Sequence[BlockKey], count_as_hit: bool) -> list[WorkerPlacements]:
+        distinct = list(dict.fromkeys(hashes))
+        reply = await self._fcall(
+            "kvp_match" if count_as_hit else "kvp_match_ro",
+            [codec.pack_keys(distinct), b"1" if count_as_hit else b"0"],
+            readonly=not count_as_hit,
+        )
+        items = reply[: len(distinct)]
+        names, addresses, _ = _worker_rows(reply[len(distinct) :])
+        order: list[int] = []
+        ordered: set[int] = set()
+        rows: dict[int, dict[int, tuple[list[BlockKey], list[int], list[int]]]] = {}
+        for key, item in zip(distinct, items, strict=True):
+            if not item:
+                continue
+            size = codec.u32(item)
+            holders: dict[int, None] = {}
+            for wid, tier, mask, _copies in codec.iter_placements(item, 4):
+                holders[wid] = None
+                row = rows.setdefault(wid, {}).setdefault(tier, ([], [], []))
+                row[0].append(key)
+                row[1].append(mask)
+                row[2].append(size)
+            new = [wid for wid in holders if wid not in ordered]
+            ordered.update(new)
+            order.extend(sorted(new, key=names.__getitem__))
+        return [
+            WorkerPlacements(
+                names[wid],
+                addresses[wid],
+                tuple(
+                    TierPlacements(Tier(tier), tuple(r[0]), tuple(r[1]), tuple(r[2]))
+                    for tier, r in sorted(rows[wid].items())
+                ),
+            )
+            for wid in order
+        ]
+
+    async def match_prefix(self, hashes: Sequence[BlockKey], max_blocks: int) -> PrefixResult:
+        limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
+        if limit == 0:
+            return PrefixResult((), 0, 0)
+        reply = await self._fcall(
+            "kvp_prefix", [codec.pack_keys(hashes[:limit]), limit], readonly=True
+        )
+        found = [
+            PrefixMatch(_text(reply[i + 1]), _text(reply[i + 2]), int(reply[i + 3]))
+            for i in range(1, len(reply), 4)
+        ]
+        found.sort(key=lambda m: (-m.matched_prefix_blocks, m.worker_id))
+        best = found[0].matched_prefix_blocks if found else 0
+        return PrefixResult(tuple(found), best, int(reply[0]))
+
+    async def match_prefix_by_tier(
+        self, hashes: Sequence[BlockKey], max_blocks: int
+    ) -> list[TokenPrefixMatch]:
+        limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
+        if limit == 0:
+            return []
+        reply = await self._fcall(
+            "kvp_scan", [codec.pack_keys(hashes[:limit]), limit], readonly=True
+        )
+        end = reply.index(b"")
+        blocks = reply[:end]
+        names, addresses, order = _worker_rows(reply[end + 1 :])
+        cum_tokens = [0]
+        held: list[dict[int, set[int]]] = []  # per block: worker id -> tiers
+        for item in blocks:
+            cum_tokens.append(cum_tokens[-1] + codec.u32(item))
+            per_block: dict[int, set[int]] = {}
+            for wid, tier, _mask in codec.iter_scan_placements(item):
+                per_block.setdefault(wid, set()).add(tier)
+            held.append(per_block)
+        out = []
+        for wid in order:
+            runs = {tier: _run(held, wid, {tier}) for tier in Tier}
+            matched = _run(held, wid, set(_SERVABLE))
+            per_tier = tuple(TierPrefix(t, n, cum_tokens[n]) for t, n in runs.items() if n)
+            out.append(
+                TokenPrefixMatch(names[wid], addresses[wid], matched, cum_tokens[matched], per_tier)
+            )
+        out.sort(key=lambda m: (-m.matched_blocks, m.worker_id))
+        return out
+
+    async def hit_counts(self, hashes: Sequence[BlockKey]) -> list[tuple[BlockKey, int]]:
+        distinct = list(dict.fromkeys(hashes))
+        reply = await self._fcall("kvp_hits", [codec.pack_keys(distinct)], readonly=True)
+        return [(k, int(n)) for k, n in zip(distinct, reply, strict=True) if int(n) >= 0]
+
+    async def remove_worker(self, worker_id: str) -> int:
+        self._buffer = deque(b for b in self._buffer if b.worker_id != worker_id)
+        self._dropping.discard(worker_id)
+        removed: int = await self._fcall("kvp_remove", [worker_id], boot=True)
+        return removed
+
+    # ------------------------------------------------------------------ views
+
+    async def _workers(self) -> list[tuple[int, str, str, bytes, int]]:
+        """Registered workers: id, name, address, packed spec, live placements."""
+        reply = await self._fcall("kvp_workers", [], readonly=True)
+        return [
+            (
+                int(reply[i]),
+                _text(reply[i + 1]),
+                _text(reply[i + 2]),
+                reply[i + 3],
+                int(reply[i + 4]) + int(reply[i + 5]) + int(reply[i + 6]),
+            )
+            for i in range(0, len(reply), 7)
+        ]
+
+    async def _dump(self) -> AsyncIterator[tuple[BlockKey, int, BlockKey | None, bytes]]:
+        """Every live block: key, token count, parent, placement records."""
+        step = self._options.dump_chunk_buckets
+        for first in range(0, self._options.buckets, step):
+            reply = await self._fcall("kvp_dump", [first, step], readonly=True)
+            for i in range(0, len(reply), 4):
+                parent = codec.unpack_key(reply[i + 2]) if reply[i + 2] else None
+                yield codec.unpack_key(reply[i]), int(reply[i + 1]), parent, reply[i + 3]
+
+    async def stats(self) -> IndexStats:
+        workers = await self._workers()
+        blocks_of: dict[int, int] = {}
+        num_blocks = 0
+        async for _key, _size, _parent, records in self._dump():
+            num_blocks += 1
+            for wid in {r[0] for r in codec.iter_placements(records)}:
+                blocks_of[wid] = blocks_of.get(wid, 0) + 1
+        rows = sorted(workers, key=lambda w: w[1])
+        return IndexStats(
+            backend=self.name,
+            num_blocks=num_blocks,
+            num_placements=sum(w[4] for w in rows),
+            workers=tuple(
+                WorkerStats(name, address, blocks_of.get(wid, 0), placements)
+                for wid, name, address, _spec, placements in rows
+            ),
+        )
+
+    async def snapshot(self, worker_id: str | None = None) -> AsyncIterator[Batch]:
+        """Read into a pure in-memory index, which then writes the batches exactly as the
+        memory backend does (parent-first chains, extra copies, wire-valid chunks)."""
+        workers = {
+            wid: (name, address, spec)
+            for wid, name, address, spec, _ in await self._workers()
+            if worker_id is None or name == worker_id
+        }
+        actions: dict[int, list[Action]] = {wid: [] for wid in workers}
+        blocks = []
+        async for key, size, parent, records in self._dump():
+            blocks.append((key, size, parent, records))
+        for key, size, parent, records in _parent_first(blocks):
+            for wid, tier, mask, copies in codec.iter_placements(records):
+                if wid not in actions:
+                    continue
+                sizes = (size,) if size else ()
+                actions[wid].append(
+                    Action(ActionType.REPORT, Tier(tier), (key,), (mask,), sizes, parent)
+                )
+                actions[wid].extend(
+                    Action(ActionType.REPORT, Tier(tier), (key,), (mask,), copies=True)
+                    for _ in range(copies - 1)
+                )
+        index = PrefixIndex()
+        for wid, (name, address, spec) in workers.items():
+            todo = actions[wid]
+            for start in range(0, max(len(todo), 1), MAX_ACTIONS_PER_BATCH):
+                chunk = tuple(todo[start : start + MAX_ACTIONS_PER_BATCH])
+                index.apply(Batch(name, chunk, address, cache_spec=codec.unpack_spec(spec)))
+        for batch in list(index.snapshot(worker_id)):
+            yield batch
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _worker_rows(flat: Sequence[Any]) -> tuple[dict[int, str], dict[int, str], list[int]]:
+    """Worker rows (id, name, address, spec) as name and address maps and id order."""
+    names: dict[int, str] = {}
+    addresses: dict[int, str] = {}
+    order: list[int] = []
+    for i in range(0, len(flat), 4):
+        wid = int(flat[i])
+        names[wid] = _text(flat[i + 1])
+        addresses[wid] = _text(flat[i + 2])
+        order.append(wid)
+    return names, addresses, order
+
+
+def _run(held: list[dict[int, set[int]]], wid: int, wanted: set[int]) -> int:
+    """Leading blocks that worker `wid` holds on some tier in `wanted`."""
+    n = 0
+    for per_block in held:
+        tiers = per_block.get(wid)
+        if tiers is None or tiers.isdisjoint(wanted):
+            break
+        n += 1
+    return n
+
+
+def _parent_first(
+    blocks: list[tuple[BlockKey, int, BlockKey | None, bytes]],
+) -> list[tuple[BlockKey, int, BlockKey | None, bytes]]:
+    """Blocks ordered so each comes after its indexed parent (roots by key, pre-order)."""
+    by_key = {b[0]: b for b in blocks}
+    children: dict[BlockKey, list[BlockKey]] = {}
+    roots = []
+    for key, _size, parent, _records in blocks:
+        if parent is None or parent not in by_key:
+            roots.append(key)
+        else:
+            children.setdefault(parent, []).append(key)
+    order: list[tuple[BlockKey, int, BlockKey | None, bytes]] = []
+    visited: set[BlockKey] = set()
+    # A parent cycle (only from inconsistent reports) has no root: visit it last.
+    for start in [*sorted(roots), *sorted(by_key)]:
+        stack = [start]
+        while stack:
+            key = stack.pop()
+            if key in visited:
+                continue
+            visited.add(key)
+            order.append(by_key[key])
+            stack.extend(sorted(children.get(key, ()), reverse=True))
+    return order

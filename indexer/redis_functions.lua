@@ -1,0 +1,623 @@
+#!lua name=kvplane
+--[[
+kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
+with FUNCTION LOAD REPLACE on every primary). docs/redis.md describes the layout; in short, for
+one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:<part>}:m":
+
+  <base>:m          HASH  meta: boot token, nw (last worker id), gcg/swg/swc/pg (sweeper)
+  <base>:wi         HASH  worker name -> small int id (interned once, reused on return)
+  <base>:ws         SET   ids of registered workers
+  <base>:w:<id>     HASH  n name, a address, s packed spec ("" = legacy), e<t> epoch and
+                          n<t> live placement count per tier t
+  <base>:b:<bucket> HASH  8-byte block key -> block record (below)
+  <base>:h:<bucket> HASH  8-byte block key -> hit count
+
+Block record: flags(1: bit 0 = has parent) token_count(u32) [parent(8)] then 13-byte
+placements: worker id(u16) tier(u8) epoch(u32) component mask(u32) copies(u16), in
+first-placed order.
+
+A placement is live iff its epoch equals its worker's current epoch at its tier. CLEAR and
+worker removal bump epochs (O(1), atomic); dead records are dropped whenever a record is
+rewritten and by kvp_sweep in bounded chunks. A block without live placements does not exist:
+its hit count, token count and parent are forgotten (a later REPORT starts it afresh).
+
+Block keys are opaque 8-byte strings here: Lua numbers are doubles and cannot hold them.
+]]
+
+local REC = 13 -- bytes per stored placement
+-- Returned placements are 9 bytes: worker id(u16) tier(u8) mask(u32) copies(u16).
+
+local function u16(s, i)
+  local a, b = string.byte(s, i, i + 1)
+  return a * 256 + b
+end
+
+local function u32(s, i)
+  local a, b, c, d = string.byte(s, i, i + 3)
+  return ((a * 256 + b) * 256 + c) * 256 + d
+end
+
+local function p16(n)
+  return string.char(math.floor(n / 256) % 256, n % 256)
+end
+
+local function p32(n)
+  return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
+    math.floor(n / 256) % 256, n % 256)
+end
+
+local function new_ctx(keys, args)
+  return { base = string.sub(keys[1], 1, -3), nb = tonumber(args[1]), ep = {}, dn = {} }
+end
+
+local function bucket_of(ctx, k)
+  local a, b, c = string.byte(k, 6, 8)
+  return ((a * 256 + b) * 256 + c) % ctx.nb
+end
+
+local function epoch_of(ctx, wid, tier)
+  local slot = wid * 4 + tier
+  local e = ctx.ep[slot]
+  if e == nil then
+    e = tonumber(redis.call('HGET', ctx.base .. ':w:' .. wid, 'e' .. tier)) or 0
+    ctx.ep[slot] = e
+  end
+  return e
+end
+
+local function header_len(v)
+  if string.byte(v, 1) % 2 == 1 then return 13 end
+  return 5
+end
+
+local function parent_of(v)
+  if string.byte(v, 1) % 2 == 1 then return string.sub(v, 6, 13) end
+  return ''
+end
+
+local function header(tokens, parent)
+  if parent ~= '' then return '\1' .. p32(tokens) .. parent end
+  return '\0' .. p32(tokens)
+end
+
+-- Live placements of a record as 9-byte strings (in stored order).
+local function live_out(ctx, v)
+  local out = {}
+  for pos = header_len(v) + 1, #v, REC do
+    local wid = u16(v, pos)
+    local tier = string.byte(v, pos + 2)
+    if u32(v, pos + 3) == epoch_of(ctx, wid, tier) then
+      out[#out + 1] = string.sub(v, pos, pos + 2) .. string.sub(v, pos + 7, pos + 12)
+    end
+  end
+  return out
+end
+
+local function add_delta(ctx, wid, tier, d)
+  local slot = wid * 4 + tier
+  ctx.dn[slot] = (ctx.dn[slot] or 0) + d
+end
+
+local function flush_deltas(ctx)
+  for slot, d in pairs(ctx.dn) do
+    if d ~= 0 then
+      local wid = math.floor(slot / 4)
+      redis.call('HINCRBY', ctx.base .. ':w:' .. wid, 'n' .. (slot % 4), d)
+    end
+  end
+end
+
+-- Rewrites a record keeping its live placements. `self` (wid * 4 + tier) is handed to
+-- `edit(old)` (old = its live record or nil), whose result replaces it in place (appended
+-- when it was absent; nil drops it). Returns the new placement pieces, self's old record and
+-- the number of other live placements.
+local function rewrite(ctx, v, self, edit)
+  local parts = {}
+  local old = nil
+  local others = 0
+  for pos = header_len(v) + 1, #v, REC do
+    local wid = u16(v, pos)
+    local tier = string.byte(v, pos + 2)
+    if u32(v, pos + 3) == epoch_of(ctx, wid, tier) then
+      local rec = string.sub(v, pos, pos + REC - 1)
+      if wid * 4 + tier == self then
+        old = rec
+        local new = edit(old)
+        if new then parts[#parts + 1] = new end
+      else
+        others = others + 1
+        parts[#parts + 1] = rec
+      end
+    end
+  end
+  if old == nil and edit then
+    local new = edit(nil)
+    if new then parts[#parts + 1] = new end
+  end
+  return parts, old, others
+end
+
+-- REPORT of one block: the placement's mask is replaced; with `copies` a placement that is
+-- already live gains a physical copy. Token count replaced only by a non-zero size; parent
+-- replaced only by a known one.
+local function report(ctx, wid, tier, epoch, k, mask, tokens, parent, copies)
+  local bucket = bucket_of(ctx, k)
+  local bkey = ctx.base .. ':b:' .. bucket
+  local v = redis.call('HGET', bkey, k)
+  local prefix = p16(wid) .. string.char(tier) .. p32(epoch) .. p32(mask)
+  local function edit(old)
+    if old == nil then return prefix .. '\0\1' end
+    local n = u16(old, 12)
+    if copies and n < 65535 then n = n + 1 end
+    return prefix .. p16(n)
+  end
+  if v then
+    local parts, old, others = rewrite(ctx, v, wid * 4 + tier, edit)
+    if old == nil then add_delta(ctx, wid, tier, 1) end
+    if old ~= nil or others > 0 then
+      if tokens == 0 then tokens = u32(v, 2) end
+      if parent == '' then parent = parent_of(v) end
+      redis.call('HSET', bkey, k, header(tokens, parent) .. table.concat(parts))
+      return
+    end
+  else
+    add_delta(ctx, wid, tier, 1)
+  end
+  -- A block with no live placement starts afresh: no hit count, this report's size.
+  redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
+  redis.call('HSET', bkey, k, header(tokens, parent) .. edit(nil))
+end
+
+-- REVOKE of one block: drops the placement, or with `copies` one physical copy of it.
+local function revoke(ctx, wid, tier, k, copies)
+  local bucket = bucket_of(ctx, k)
+  local bkey = ctx.base .. ':b:' .. bucket
+  local v = redis.call('HGET', bkey, k)
+  if not v then return end
+  local function edit(old)
+    if old == nil then return nil end
+    local n = u16(old, 12)
+    if copies and n > 1 then return string.sub(old, 1, 11) .. p16(n - 1) end
+    return nil
+  end
+  local parts, old, others = rewrite(ctx, v, wid * 4 + tier, edit)
+  if old == nil then
+    if others == 0 then
+      redis.call('HDEL', bkey, k)
+      redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
+    end
+    return
+  end
+  local kept = #parts > others
+  if not kept then add_delta(ctx, wid, tier, -1) end
+  if others == 0 and not kept then
+    redis.call('HDEL', bkey, k)
+    redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
+  else
+    redis.call('HSET', bkey, k, string.sub(v, 1, header_len(v)) .. table.concat(parts))
+  end
+end
+
+local function clear_tier(ctx, wid, tier)
+  local wkey = ctx.base .. ':w:' .. wid
+  if (tonumber(redis.call('HGET', wkey, 'n' .. tier)) or 0) + (ctx.dn[wid * 4 + tier] or 0) == 0 then
+    return
+  end
+  ctx.ep[wid * 4 + tier] = redis.call('HINCRBY', wkey, 'e' .. tier, 1)
+  redis.call('HSET', wkey, 'n' .. tier, 0)
+  ctx.dn[wid * 4 + tier] = 0
+  redis.call('HINCRBY', ctx.base .. ':m', 'gcg', 1)
+end
+
+local function intern(ctx, name)
+  local wid = redis.call('HGET', ctx.base .. ':wi', name)
+  if wid then return tonumber(wid) end
+  wid = redis.call('HINCRBY', ctx.base .. ':m', 'nw', 1)
+  if wid > 65535 then
+    return redis.error_reply('KVP_WORKERS more than 65535 worker names in one partition')
+  end
+  redis.call('HSET', ctx.base .. ':wi', name, wid)
+  redis.call('HSET', ctx.base .. ':w:' .. wid, 'n', name)
+  return wid
+end
+
+local function check_boot(ctx, boot)
+  local current = redis.call('HGET', ctx.base .. ':m', 'boot')
+  if current ~= boot then
+    return redis.error_reply('KVP_BOOT index state was lost or replaced (boot token mismatch)')
+  end
+  return nil
+end
+
+-- ARGV: nb, boot, worker, address, spec, then per action: type, tier, hashes, masks, sizes,
+-- parent, copies (blobs of big-endian int64 / uint32; "" = absent; copies "1" or "0").
+local function kvp_apply(keys, args)
+  local ctx = new_ctx(keys, args)
+  local err = check_boot(ctx, args[2])
+  if err then return err end
+  local wid = intern(ctx, args[3])
+  if type(wid) == 'table' then return wid end
+  local wkey = ctx.base .. ':w:' .. wid
+  redis.call('HSET', wkey, 'a', args[4], 's', args[5])
+  redis.call('SADD', ctx.base .. ':ws', wid)
+  for i = 6, #args, 7 do
+    local kind = tonumber(args[i])
+    local tier = tonumber(args[i + 1])
+    local hashes = args[i + 2]
+    local copies = args[i + 6] == '1'
+    if kind == 3 then
+      clear_tier(ctx, wid, tier)
+    elseif kind == 1 then
+      local masks, sizes, parent = args[i + 3], args[i + 4], args[i + 5]
+      local epoch = epoch_of(ctx, wid, tier)
+      for j = 1, #hashes / 8 do
+        local k = string.sub(hashes, j * 8 - 7, j * 8)
+        local mask, tokens = 0, 0
+        if masks ~= '' then mask = u32(masks, j * 4 - 3) end
+        if sizes ~= '' then tokens = u32(sizes, j * 4 - 3) end
+        report(ctx, wid, tier, epoch, k, mask, tokens, parent, copies)
+        parent = k
+      end
+    elseif kind == 2 then
+      for j = 1, #hashes / 8 do
+        revoke(ctx, wid, tier, string.sub(hashes, j * 8 - 7, j * 8), copies)
+      end
+    end
+  end
+  flush_deltas(ctx)
+  return 1
+end
+
+-- Worker table entries for the ids in `seen` (a list): id, name, address, spec.
+local function worker_rows(ctx, seen, out)
+  for _, wid in ipairs(seen) do
+    local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'n', 'a', 's')
+    out[#out + 1] = wid
+    out[#out + 1] = row[1] or ''
+    out[#out + 1] = row[2] or ''
+    out[#out + 1] = row[3] or ''
+  end
+  return out
+end
+
+-- ARGV: nb, hashes (distinct), count_as_hit. Returns: per hash its token count and live
+-- placements (u32 .. 9-byte records; "" when absent), then worker rows.
+local function match(keys, args, count)
+  local ctx = new_ctx(keys, args)
+  local hashes = args[2]
+  local n = #hashes / 8
+  local out = {}
+  local seen, known = {}, {}
+  for j = 1, n do
+    local k = string.sub(hashes, j * 8 - 7, j * 8)
+    local bucket = bucket_of(ctx, k)
+    local v = redis.call('HGET', ctx.base .. ':b:' .. bucket, k)
+    local item = ''
+    if v then
+      local live = live_out(ctx, v)
+      if #live > 0 then
+        item = string.sub(v, 2, 5) .. table.concat(live)
+        for _, rec in ipairs(live) do
+          local wid = u16(rec, 1)
+          if not known[wid] then
+            known[wid] = true
+            seen[#seen + 1] = wid
+          end
+        end
+        if count then redis.call('HINCRBY', ctx.base .. ':h:' .. bucket, k, 1) end
+      end
+    end
+    out[j] = item
+  end
+  return worker_rows(ctx, seen, out)
+end
+
+local function kvp_match(keys, args) return match(keys, args, args[3] == '1') end
+local function kvp_match_ro(keys, args) return match(keys, args, false) end
+
+-- ARGV: nb, hashes (distinct). Returns per hash its hit count, or -1 without a counter.
+local function kvp_hits(keys, args)
+  local ctx = new_ctx(keys, args)
+  local hashes = args[2]
+  local out = {}
+  for j = 1, #hashes / 8 do
+    local k = string.sub(hashes, j * 8 - 7, j * 8)
+    local bucket = bucket_of(ctx, k)
+    local hits = redis.call('HGET', ctx.base .. ':h:' .. bucket, k)
+    local result = -1
+    if hits then
+      local v = redis.call('HGET', ctx.base .. ':b:' .. bucket, k)
+      if v and #live_out(ctx, v) > 0 then result = tonumber(hits) end
+    end
+    out[j] = result
+  end
+  return out
+end
+
+-- Unpacks a spec string into a table, or nil for legacy workers.
+local function spec_of(s)
+  if s == nil or s == '' then return nil end
+  return {
+    version = u32(s, 1), components = u32(s, 5), window = u32(s, 9),
+    full = u32(s, 13), swa = u32(s, 17), mamba = u32(s, 21),
+  }
+end
+
+local function spec_valid(sp)
+  if sp.components == 0 or sp.version > 1 then return false end
+  if bit.band(sp.components, 2) ~= 0 and sp.window == 0 then return false end
+  return true
+end
+
+-- Component availability on one block from one worker's placements (list of {tier, mask}).
+local function available(placed, component, tier_mask)
+  for _, p in ipairs(placed) do
+    local tier, mask = p[1], p[2]
+    if (tier == 1 or tier == 2) and bit.band(mask, component) ~= 0
+        and bit.band(tier_mask, bit.lshift(1, tier)) ~= 0 then
+      return true
+    end
+  end
+  return false
+end
+
+-- One block's live placements grouped by worker: wid -> list of {tier, mask}, plus order.
+local function placements_by_worker(ctx, v)
+  local by = {}
+  local order = {}
+  for pos = header_len(v) + 1, #v, REC do
+    local wid = u16(v, pos)
+    local tier = string.byte(v, pos + 2)
+    if u32(v, pos + 3) == epoch_of(ctx, wid, tier) then
+      local list = by[wid]
+      if not list then
+        list = {}
+        by[wid] = list
+        order[#order + 1] = wid
+      end
+      list[#list + 1] = { tier, u32(v, pos + 7) }
+    end
+  end
+  return by, order
+end
+
+-- Advances one worker's prefix state over block `i`; returns false when its scan is over.
+-- A legacy worker with component detail on a scanned block fails closed (prefix 0) but is
+-- scanned on, as the memory backend does (blocks_read agrees).
+local function step(st, placed, i, tokens)
+  if not placed then return false end
+  local sp = st.spec
+  if sp == nil then
+    for _, p in ipairs(placed) do
+      if p[2] ~= 0 then st.poisoned = true end
+    end
+    st.best = i
+    return true
+  end
+  if not available(placed, 1, sp.full) then return false end
+  local ok = true
+  if bit.band(sp.components, 2) ~= 0 then
+    if available(placed, 2, sp.swa) then
+      st.run = st.run + tokens
+      ok = (not st.broken) or st.run >= sp.window
+    else
+      st.run = 0
+      st.broken = true
+      ok = false
+    end
+  end
+  if ok and bit.band(sp.components, 4) ~= 0 then ok = available(placed, 4, sp.mamba) end
+  if ok then st.best = i end
+  return true
+end
+
+-- MatchExternalKvPrefix. ARGV: nb, hashes, limit. Candidates: workers with an address that
+-- hold the first block. Returns blocks_read, then per worker with a non-zero prefix (in
+-- first-block placement order; the caller sorts): id, name, address, matched_prefix_blocks.
+local function kvp_prefix(keys, args)
+  local ctx = new_ctx(keys, args)
+  local hashes = args[2]
+  local limit = tonumber(args[3])
+  local states = {}
+  local active = {}
+  local blocks_read = 0
+  for i = 1, limit do
+    local k = string.sub(hashes, i * 8 - 7, i * 8)
+    local v = redis.call('HGET', ctx.base .. ':b:' .. bucket_of(ctx, k), k)
+    blocks_read = i
+    if not v then break end
+    local by, order = placements_by_worker(ctx, v)
+    if i == 1 then
+      for _, wid in ipairs(order) do
+        local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'n', 'a', 's')
+        local st = { wid = wid, name = row[1] or '', addr = row[2] or '',
+          spec = spec_of(row[3]), best = 0, run = 0, broken = false, poisoned = false }
+        if st.addr ~= '' then
+          states[#states + 1] = st
+          if st.spec == nil or spec_valid(st.spec) then active[#active + 1] = st end
+        end
+      end
+    end
+    local tokens = u32(v, 2)
+    local still = {}
+    for _, st in ipairs(active) do
+      if step(st, by[st.wid], i, tokens) then still[#still + 1] = st end
+    end
+    active = still
+    if #active == 0 then break end
+  end
+  local out = { blocks_read }
+  for _, st in ipairs(states) do
+    if st.best > 0 and not st.poisoned then
+      out[#out + 1] = st.wid
+      out[#out + 1] = st.name
+      out[#out + 1] = st.addr
+      out[#out + 1] = st.best
+    end
+  end
+  return out
+end
+
+-- Raw prefix scan: ARGV nb, hashes, limit. Returns per leading block, while some worker that
+-- holds the first block still holds every block so far, its token count and those workers'
+-- live placements (u32 .. 7-byte records: id u16, tier u8, mask u32); then "" and the
+-- worker rows of the first block's holders.
+local function kvp_scan(keys, args)
+  local ctx = new_ctx(keys, args)
+  local hashes = args[2]
+  local limit = tonumber(args[3])
+  local out = {}
+  local active = nil
+  local seen = {}
+  for i = 1, limit do
+    local k = string.sub(hashes, i * 8 - 7, i * 8)
+    local v = redis.call('HGET', ctx.base .. ':b:' .. bucket_of(ctx, k), k)
+    if not v then break end
+    local by, order = placements_by_worker(ctx, v)
+    if active == nil then
+      active = order
+      seen = order
+    end
+    local still = {}
+    local parts = {}
+    for _, wid in ipairs(active) do
+      local placed = by[wid]
+      if placed then
+        still[#still + 1] = wid
+        for _, p in ipairs(placed) do
+          parts[#parts + 1] = p16(wid) .. string.char(p[1]) .. p32(p[2])
+        end
+      end
+    end
+    active = still
+    if #active == 0 then break end
+    out[#out + 1] = string.sub(v, 2, 5) .. table.concat(parts)
+  end
+  out[#out + 1] = ''
+  return worker_rows(ctx, seen, out)
+end
+
+-- Registered workers: id, name, address, spec, live placements at tiers 1..3.
+local function kvp_workers(keys, args)
+  local ctx = new_ctx(keys, args)
+  local out = {}
+  local ids = redis.call('SMEMBERS', ctx.base .. ':ws')
+  for _, id in ipairs(ids) do
+    local row = redis.call('HMGET', ctx.base .. ':w:' .. id, 'n', 'a', 's', 'n1', 'n2', 'n3')
+    out[#out + 1] = tonumber(id)
+    for f = 1, 3 do out[#out + 1] = row[f] or '' end
+    for f = 4, 6 do out[#out + 1] = tonumber(row[f]) or 0 end
+  end
+  return out
+end
+
+-- ARGV: nb, worker name. Forgets the worker and all its placements (epochs bumped).
+-- Returns the number of live placements it had.
+local function kvp_remove(keys, args)
+  local ctx = new_ctx(keys, args)
+  local err = check_boot(ctx, args[2])
+  if err then return err end
+  local wid = redis.call('HGET', ctx.base .. ':wi', args[3])
+  if not wid then return 0 end
+  if redis.call('SREM', ctx.base .. ':ws', wid) == 0 then return 0 end
+  local wkey = ctx.base .. ':w:' .. wid
+  local row = redis.call('HMGET', wkey, 'n1', 'n2', 'n3')
+  local removed = 0
+  for t = 1, 3 do
+    local live = tonumber(row[t]) or 0
+    if live > 0 then
+      removed = removed + live
+      redis.call('HINCRBY', wkey, 'e' .. t, 1)
+      redis.call('HINCRBY', ctx.base .. ':m', 'gcg', 1)
+    end
+  end
+  redis.call('HDEL', wkey, 'a', 's', 'n1', 'n2', 'n3')
+  return removed
+end
+
+-- ARGV: nb, first bucket, number of buckets. Returns live blocks: key, token count, parent
+-- ("" = root), live placements (9-byte records).
+local function kvp_dump(keys, args)
+  local ctx = new_ctx(keys, args)
+  local first = tonumber(args[2])
+  local last = math.min(first + tonumber(args[3]), ctx.nb) - 1
+  local out = {}
+  for b = first, last do
+    local flat = redis.call('HGETALL', ctx.base .. ':b:' .. b)
+    for j = 1, #flat, 2 do
+      local v = flat[j + 1]
+      local live = live_out(ctx, v)
+      if #live > 0 then
+        out[#out + 1] = flat[j]
+        out[#out + 1] = u32(v, 2)
+        out[#out + 1] = parent_of(v)
+        out[#out + 1] = table.concat(live)
+      end
+    end
+  end
+  return out
+end
+
+-- Drops dead placements and blocks, `count` buckets per call, sharing one cursor between all
+-- indexers. Returns 1 while a sweep is pending, 0 when everything is clean.
+local function kvp_sweep(keys, args)
+  local ctx = new_ctx(keys, args)
+  local mkey = ctx.base .. ':m'
+  local m = redis.call('HMGET', mkey, 'gcg', 'swg', 'swc', 'pg')
+  local gcg, swg = tonumber(m[1]) or 0, tonumber(m[2]) or 0
+  local cursor, pass = tonumber(m[3]) or 0, tonumber(m[4]) or 0
+  if cursor == 0 then
+    if gcg == swg then return 0 end
+    pass = gcg
+  end
+  local last = math.min(cursor + tonumber(args[2]), ctx.nb) - 1
+  for b = cursor, last do
+    local bkey = ctx.base .. ':b:' .. b
+    local flat = redis.call('HGETALL', bkey)
+    for j = 1, #flat, 2 do
+      local k, v = flat[j], flat[j + 1]
+      local parts, _, others = rewrite(ctx, v, -1, false)
+      if others == 0 then
+        redis.call('HDEL', bkey, k)
+        redis.call('HDEL', ctx.base .. ':h:' .. b, k)
+      elseif others * REC + header_len(v) ~= #v then
+        redis.call('HSET', bkey, k, string.sub(v, 1, header_len(v)) .. table.concat(parts))
+      end
+    end
+  end
+  cursor = last + 1
+  if cursor >= ctx.nb then
+    cursor = 0
+    swg = pass
+  end
+  redis.call('HSET', mkey, 'swc', cursor, 'pg', pass, 'swg', swg)
+  if cursor == 0 and gcg == swg then return 0 end
+  return 1
+end
+
+-- ARGV: nb, token. Claims an empty partition (boot token) and returns the current token.
+local function kvp_boot(keys, args)
+  local mkey = string.sub(keys[1], 1, -3) .. ':m'
+  redis.call('HSETNX', mkey, 'boot', args[2])
+  local nb = redis.call('HGET', mkey, 'nb')
+  if not nb then
+    redis.call('HSET', mkey, 'nb', args[1])
+    nb = args[1]
+  end
+  return { redis.call('HGET', mkey, 'boot'), tonumber(nb) }
+end
+
+redis.register_function('kvp_apply', kvp_apply)
+redis.register_function('kvp_match', kvp_match)
+redis.register_function('kvp_remove', kvp_remove)
+redis.register_function('kvp_sweep', kvp_sweep)
+redis.register_function('kvp_boot', kvp_boot)
+redis.register_function{ function_name = 'kvp_match_ro', callback = kvp_match_ro,
+  flags = { 'no-writes' } }
+redis.register_function{ function_name = 'kvp_hits', callback = kvp_hits, flags = { 'no-writes' } }
+redis.register_function{ function_name = 'kvp_prefix', callback = kvp_prefix,
+  flags = { 'no-writes' } }
+redis.register_function{ function_name = 'kvp_scan', callback = kvp_scan, flags = { 'no-writes' } }
+redis.register_function{ function_name = 'kvp_workers', callback = kvp_workers,
+  flags = { 'no-writes' } }
+redis.register_function{ function_name = 'kvp_dump', callback = kvp_dump, flags = { 'no-writes' } }

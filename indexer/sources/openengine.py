@@ -1,0 +1,250 @@
+"""An OpenEngine KV-event source: `SubscribeKvEvents` on one engine, one worker.
+
+Resync protocol (seed 000, "KV connector and KV events"): every subscription asks for
+`include_snapshot` and, after the first, `start_sequence_number = last + 1`. The engine then
+either replays from there (no batch lost) or, when it no longer buffers that far back (or it
+restarted), sends a snapshot batch. A batch whose sequence number is not the next one expected
+(a snapshot, an engine restart) clears the worker before it is applied, so the index never
+keeps stale entries; a snapshot starts with AllBlocksCleared and lists every cached block.
+
+A terminal `EngineError` on the stream, a broken stream or an unreachable engine all end in a
+resubscription with exponential backoff. When the engine does not implement SubscribeKvEvents
+(UNIMPLEMENTED) and `discover_zmq` is set, `GetKvEventSources` is asked for a ZMQ/msgpack
+source and a `ZmqSource` follows it instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from indexer.engine_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineEvent,
+    EngineHash,
+)
+from indexer.sources.zmq import BatchSink, SourceCounters, ZmqSource, ZmqSourceSettings
+from indexer.translate import WorkerTranslator
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_MEDIA = {
+    pb.STORAGE_MEDIUM_UNSPECIFIED: None,
+    pb.STORAGE_MEDIUM_GPU: "GPU",
+    pb.STORAGE_MEDIUM_CPU_PINNED: "CPU_PINNED",
+    pb.STORAGE_MEDIUM_DISK: "DISK",
+    pb.STORAGE_MEDIUM_EXTERNAL: "EXTERNAL",
+}
+_INT64_BYTES = 8
+
+
+def decode_hash(value: pb.KvBlockHash) -> EngineHash:
+    """`int64`: 8 bytes big-endian two's complement; `string`: decimal text when it parses;
+    anything else: the raw bytes (to_sfixed64 takes their last 8 bytes)."""
+    raw = bytes(value.value)
+    if value.encoding in ("int64", "") and len(raw) == _INT64_BYTES:
+        return int.from_bytes(raw, "big", signed=True)
+    if value.encoding == "string":
+        try:
+            number = int(raw.decode())
+        except (UnicodeDecodeError, ValueError):
+            pass
+        else:
+            if -(1 << 63) <= number < (1 << 64):
+                return number
+    if not raw:
+        raise ValueError("empty block hash")
+    return raw
+
+
+def decode_event(event: pb.KvEvent) -> EngineEvent | None:
+    """One protobuf KvEvent; None for an empty oneof. Raises ValueError when malformed."""
+    kind = event.WhichOneof("event")
+    if kind == "block_stored":
+        s = event.block_stored
+        return BlockStored(
+            block_hashes=tuple(decode_hash(h) for h in s.block_hashes),
+            parent_block_hash=(
+                decode_hash(s.parent_block_hash) if s.HasField("parent_block_hash") else None
+            ),
+            token_ids=tuple(s.token_ids),
+            block_size=s.block_size or None,
+            medium=_MEDIA.get(s.medium),
+            lora_name=s.lora_name or None,
+            extra_keys=tuple(tuple(k.values) or None for k in s.extra_keys),
+            group_idx=s.group_idx,
+            kv_cache_spec_kind=s.kv_cache_spec_kind or None,
+            kv_cache_spec_sliding_window=s.kv_cache_spec_sliding_window or None,
+        )
+    if kind == "block_removed":
+        r = event.block_removed
+        return BlockRemoved(
+            block_hashes=tuple(decode_hash(h) for h in r.block_hashes),
+            medium=_MEDIA.get(r.medium),
+            group_idx=r.group_idx,
+        )
+    if kind == "all_blocks_cleared":
+        return AllBlocksCleared()
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenEngineSourceSettings:
+    target: str
+    data_parallel_ranks: tuple[int, ...] = ()
+    discover_zmq: bool = True
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 5.0
+
+
+class OpenEngineSource:
+    def __init__(
+        self,
+        settings: OpenEngineSourceSettings,
+        translator: WorkerTranslator,
+        sink: BatchSink,
+        *,
+        channel_options: tuple[tuple[str, object], ...] = (),
+    ) -> None:
+        self.settings = settings
+        self.translator = translator
+        self.sink = sink
+        self.counters = SourceCounters()
+        self.last_seq: int | None = None
+        # Set when the engine lacks SubscribeKvEvents and a discovered ZMQ source is used.
+        self.zmq_source: ZmqSource | None = None
+        self._channel_options = channel_options
+        self._progress = asyncio.Condition()
+
+    @property
+    def worker_id(self) -> str:
+        return self.translator.options.worker_id
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until `predicate()` holds after some batch was handled."""
+        async with asyncio.timeout(timeout_s), self._progress:
+            await self._progress.wait_for(predicate)
+
+    async def run(self) -> None:
+        backoff = self.settings.backoff_initial_s
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(
+                    self.settings.target, options=list(self._channel_options)
+                ) as channel:
+                    stub = pb_grpc.OpenEngineStub(channel)
+                    if await self._subscribe(stub):
+                        backoff = self.settings.backoff_initial_s
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.settings.discover_zmq:
+                    zmq_source = await self._discover_zmq()
+                    if zmq_source is not None:
+                        self.zmq_source = zmq_source
+                        await zmq_source.run()
+                        return
+                log.warning(
+                    "openengine source %s: %s: %s",
+                    self.settings.target,
+                    exc.code().name,
+                    exc.details(),
+                )
+            except Exception:
+                log.exception("openengine source %s failed", self.settings.target)
+            self.counters.num_restarts += 1
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.settings.backoff_max_s)
+
+    async def _subscribe(self, stub: pb_grpc.OpenEngineAsyncStub) -> bool:
+        """Follow one subscription until it ends; True if it delivered anything."""
+        start = 0 if self.last_seq is None else self.last_seq + 1
+        request = pb.SubscribeKvEventsRequest(
+            data_parallel_ranks=self.settings.data_parallel_ranks,
+            include_snapshot=True,
+            start_sequence_number=start,
+        )
+        delivered = False
+        async for response in stub.SubscribeKvEvents(request):
+            if response.WhichOneof("event") == "error":
+                log.warning(
+                    "openengine source %s: stream ended with %s: %s",
+                    self.settings.target,
+                    pb.ErrorCode.Name(response.error.code),
+                    response.error.message,
+                )
+                break
+            if response.WhichOneof("event") == "batch":
+                await self._on_batch(response.batch)
+                delivered = True
+                async with self._progress:
+                    self._progress.notify_all()
+        return delivered
+
+    async def _on_batch(self, batch: pb.KvEventBatch) -> None:
+        self.counters.num_messages += 1
+        seq = batch.sequence_number
+        expected = None if self.last_seq is None else self.last_seq + 1
+        if seq != expected:
+            if expected is not None:
+                self.counters.num_gaps += 1
+                log.warning(
+                    "worker %s: batch %d where %d was expected; clearing and rebuilding",
+                    self.worker_id,
+                    seq,
+                    expected,
+                )
+            self.counters.num_resets += 1
+            await self.sink.apply(self.translator.reset(seq=seq))
+            self.counters.num_batches_applied += 1
+        events: list[EngineEvent] = []
+        for raw in batch.events:
+            try:
+                event = decode_event(raw)
+            except ValueError:
+                self.counters.num_bad_events += 1
+                continue
+            if event is None:
+                self.counters.num_unknown_events += 1
+            else:
+                events.append(event)
+        self.counters.num_events += len(events)
+        for index_batch in self.translator.translate(events, seq=seq):
+            await self.sink.apply(index_batch)
+            self.counters.num_batches_applied += 1
+        self.last_seq = seq
+
+    async def _discover_zmq(self) -> ZmqSource | None:
+        async with grpc.aio.insecure_channel(self.settings.target) as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+            response = await stub.GetKvEventSources(
+                pb.GetKvEventSourcesRequest(data_parallel_ranks=self.settings.data_parallel_ranks)
+            )
+        for source in response.sources:
+            if source.transport != "zmq" or source.encoding not in ("", "msgpack"):
+                continue
+            endpoint = f"tcp://{source.endpoint_addr.host}:{source.endpoint_addr.port}"
+            replay = source.replay_endpoint or None
+            if replay is not None and "://" not in replay:
+                replay = f"tcp://{replay}"
+            log.info(
+                "worker %s: SubscribeKvEvents unimplemented; following ZMQ %s (replay %s)",
+                self.worker_id,
+                endpoint,
+                replay,
+            )
+            settings = ZmqSourceSettings(
+                endpoint=endpoint, replay_endpoint=replay, topic=source.topic
+            )
+            zmq_source = ZmqSource(settings, self.translator, self.sink)
+            zmq_source.counters = self.counters
+            return zmq_source
+        return None

@@ -1,0 +1,105 @@
+"""vLLM's own prefix-cache block hashes, computed from tokens (the vLLM-compatible mode).
+
+vLLM chains `digest_i = H((digest_{i-1} or NONE_HASH, tuple(block_i_tokens), extra_keys_i or
+None))` with the full 32-byte parent digest, where H is
+- `sha256`: sha256 of `pickle.dumps(x, protocol=5)` (vLLM's default), or
+- `sha256_cbor`: sha256 of `cbor2.dumps(x, canonical=True)`,
+and `NONE_HASH = H(seed)` with seed = the engine's PYTHONHASHSEED value when it is set, else
+the string "vllm-none-hash". The seed is a parameter here; this module never reads the
+environment. The KV events carry `int.from_bytes(digest[-8:], "big")` (unsigned); use
+`indexer.batch.to_sfixed64` to put it into the index's key space.
+
+Extra keys: a request's cache salt enters the first block's hash input as the pair
+`("cache_salt", salt)` (verified on the real vLLM 0.32.0 capture), although the BlockStored
+event's `extra_keys` shows only the bare salt (`["tenant-A"]`): a consumer that rebuilds a hash
+from an event must turn that back into the pair.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import cbor2
+
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+
+class VllmHashAlgo(enum.StrEnum):
+    SHA256 = "sha256"
+    SHA256_CBOR = "sha256_cbor"
+
+
+def digest(algo: VllmHashAlgo, value: Any) -> bytes:
+    """H(value): 32 bytes."""
+    if algo is VllmHashAlgo.SHA256:
+        return hashlib.sha256(pickle.dumps(value, protocol=5)).digest()
+    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+
+def none_hash(algo: VllmHashAlgo, python_hash_seed: str | None = None) -> bytes:
+    """The root parent digest: H(PYTHONHASHSEED value) if given, else H("vllm-none-hash")."""
+    seed = DEFAULT_NONE_HASH_SEED if python_hash_seed is None else python_hash_seed
+    return digest(algo, seed)
+
+
+def digest_to_int(value: bytes) -> int:
+    """The integer form vLLM publishes: the last 8 bytes, big-endian, unsigned."""
+    return int.from_bytes(value[-8:], "big")
+
+
+def block_digests(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: VllmHashAlgo = VllmHashAlgo.SHA256,
+    python_hash_seed: str | None = None,
+    cache_salt: str | None = None,
+    extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
+    parent: bytes | None = None,
+) -> list[bytes]:
+    """vLLM's 32-byte digests of the full blocks of `token_ids`.
+
+    `extra_keys[i]` (when given) is block i's extra-key tuple before the salt (LoRA name,
+    multimodal hashes, as the engine builds them); the salt is appended to block 0's keys
+    when `parent` is None (a continuation never repeats it). `parent` continues a chain from
+    a known 32-byte digest.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    prev = parent if parent is not None else none_hash(algo, python_hash_seed)
+    out: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        keys: tuple[Any, ...] = ()
+        if extra_keys is not None and i < len(extra_keys) and extra_keys[i]:
+            keys = tuple(extra_keys[i] or ())
+        if i == 0 and parent is None and cache_salt:
+            keys += (("cache_salt", cache_salt),)
+        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
+        prev = digest(algo, (prev, block, keys or None))
+        out.append(prev)
+    return out
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: VllmHashAlgo = VllmHashAlgo.SHA256,
+    python_hash_seed: str | None = None,
+    cache_salt: str | None = None,
+) -> list[int]:
+    """vLLM's published (unsigned 64-bit) block hashes of the full blocks of `token_ids`."""
+    return [
+        digest_to_int(d)
+        for d in block_digests(
+            token_ids,
+            block_size,
+            algo=algo,
+            python_hash_seed=python_hash_seed,
+            cache_salt=cache_salt,
+        )
+    ]

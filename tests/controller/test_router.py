@@ -1,0 +1,266 @@
+"""The router core: each policy's documented behaviour, cost terms, ties, busy filtering,
+in-flight accounting and the shared-system-prompt spread."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from controller.router import (
+    POLICY_NAMES,
+    BusyThresholds,
+    Candidate,
+    InFlight,
+    KvplaneWeights,
+    LoadSnapshot,
+    NoEngineAvailableError,
+    PrefixHit,
+    Reason,
+    Router,
+    RouteRequest,
+    make_policy,
+)
+from controller.router.peers import DynamoCost, LlmdLongestPrefix, SglangCacheAware
+from controller.router.policies import KvplanePolicy
+
+BS = 128
+
+
+def request(rid: str = "r", blocks: int = 4, extra: int = 5, keys_from: int = 0) -> RouteRequest:
+    keys = tuple(range(keys_from, keys_from + blocks))
+    return RouteRequest(rid, blocks * BS + extra, BS, keys)
+
+
+def cand(eid: str, device: int = 0, host: int = 0, **load: int) -> Candidate:
+    return Candidate(eid, hit=PrefixHit(device, host), load=LoadSnapshot(**load))
+
+
+def test_kvplane_cost_terms_are_prefill_queue_and_decode() -> None:
+    weights = KvplaneWeights(overlap_weight=2.0, host_weight=0.25, decode_weight=10.0)
+    policy = KvplanePolicy(weights)
+    req = request(blocks=4, extra=5)  # 69 tokens, at most 4 cacheable blocks
+    rows = policy.costs(
+        req,
+        [
+            Candidate("a", hit=PrefixHit(3, 1), inflight=InFlight(requests=2, prefill_tokens=100)),
+            Candidate("b", load=LoadSnapshot(running_requests=1, waiting_tokens=7)),
+        ],
+    )
+    a, b = rows
+    assert (a.cached_tokens, a.host_cached_tokens) == (3 * BS, BS)
+    assert a.prefill_cost == pytest.approx(2.0 * (5 + 0.25 * BS))
+    assert (a.queue_cost, a.decode_cost) == (100.0, 20.0)
+    assert a.total == pytest.approx(a.prefill_cost + 100.0 + 20.0)
+    assert (b.cached_tokens, b.queue_cost, b.decode_cost) == (0, 7.0, 10.0)
+    assert b.prefill_cost == 2.0 * (4 * BS + 5)
+
+
+def test_at_least_one_token_is_recomputed() -> None:
+    req = RouteRequest("r", 4 * BS, BS, (1, 2, 3, 4))  # exactly 4 full blocks
+    assert req.max_cacheable_blocks == 3
+    assert req.cached_tokens(PrefixHit(4, 0)) == (3 * BS, 0)
+
+
+def test_kvplane_prefers_cached_engine_then_device_over_host() -> None:
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(0)
+    d = router.explain(
+        request(blocks=8), [cand("none"), cand("dev", 8), cand("host", 0, 8)], rng, 0
+    )
+    assert (d.engine_id, d.reason) == ("dev", Reason.CACHE)
+    assert d.predicted_cached_tokens == 8 * BS
+    d = router.explain(request(blocks=8), [cand("none"), cand("host", 0, 8)], rng, 0)
+    assert d.engine_id == "host"
+
+
+def test_kvplane_leaves_a_cached_engine_whose_queue_is_long() -> None:
+    router = Router(make_policy("kvplane"))
+    busy_with_cache = cand("a", 4, queued_requests=3, waiting_tokens=100_000)
+    d = router.explain(request(blocks=4), [busy_with_cache, cand("b")], random.Random(0), 0)
+    assert (d.engine_id, d.reason) == ("b", Reason.LOAD)
+
+
+def test_ties_are_spread_at_random() -> None:
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(1)
+    engines = [cand(f"e{i}", 2) for i in range(4)]
+    picks = Counter(router.explain(request(), engines, rng, 0).engine_id for _ in range(200))
+    assert set(picks) == {"e0", "e1", "e2", "e3"}
+    assert router.explain(request(), engines, rng, 0).reason is Reason.TIE
+
+
+def test_shared_system_prefix_never_collapses_onto_one_engine() -> None:
+    """Every prompt starts with the same 2-block system prefix, which only e0 holds at first.
+    Engines learn the prefix as they serve it; nothing finishes (a burst)."""
+    for name in ("kvplane", "dynamo_cost", "least_loaded", "round_robin", "power_of_two"):
+        router = Router(make_policy(name))
+        rng = random.Random(7)
+        holders = {"e0"}
+        picks: Counter[str] = Counter()
+        for i in range(90):
+            keys = (1000, 1001, *range(10 * i, 10 * i + 6))
+            req = RouteRequest(f"r{i}", len(keys) * BS + 3, BS, keys)
+            engines = [cand(f"e{k}", 2 if f"e{k}" in holders else 0) for k in range(3)]
+            d = router.route(req, engines, rng, float(i))
+            holders.add(d.engine_id)
+            picks[d.engine_id] += 1
+        assert len(picks) == 3, name
+        assert max(picks.values()) <= 45, (name, picks)
+
+
+def test_inflight_accounting_charges_at_once_and_releases() -> None:
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(0)
+    req = request("x", blocks=4, extra=5)
+    d = router.route(req, [cand("a", 2), cand("b")], rng, 0)
+    assert d.engine_id == "a"
+    assert router.inflight.of("a") == InFlight(
+        requests=1, prefilling=1, prefill_tokens=2 * BS + 5, context_blocks=5
+    )
+    router.first_token("x")
+    router.first_token("x")
+    assert router.inflight.of("a") == InFlight(
+        requests=1, prefilling=0, prefill_tokens=0, context_blocks=5
+    )
+    router.finish("x")
+    router.finish("x")
+    assert router.inflight.of("a") == InFlight()
+    assert router.inflight.engine_of("x") is None
+
+
+def test_a_burst_is_spread_before_any_poll() -> None:
+    """The polled load says every engine is idle; the router's own accounting spreads a burst."""
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(3)
+    engines = [cand(f"e{i}") for i in range(4)]
+    picks = Counter(
+        router.route(request(f"r{i}", keys_from=100 * i), engines, rng, 0).engine_id
+        for i in range(40)
+    )
+    assert sorted(picks.values()) == [10, 10, 10, 10]
+
+
+def test_busy_engines_are_filtered_unless_all_are_busy() -> None:
+    router = Router(make_policy("kvplane"), busy=BusyThresholds(kv_usage=0.95, queued_requests=8))
+    rng = random.Random(0)
+    full = cand("full", 4, used_kv_blocks=99, total_kv_blocks=100)
+    queued = cand("queued", 4, queued_requests=8)
+    d = router.explain(request(), [full, queued, cand("cold")], rng, 0)
+    assert d.engine_id == "cold"
+    assert {r.engine_id for r in d.costs if r.busy} == {"full", "queued"}
+    d = router.explain(request(), [full, queued], rng, 0)
+    assert (d.engine_id, d.reason) == ("full", Reason.ALL_BUSY)
+
+
+def test_no_candidates_is_an_error() -> None:
+    with pytest.raises(NoEngineAvailableError):
+        Router(make_policy("kvplane")).route(request(), [], random.Random(0), 0)
+
+
+def test_unknown_policy_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("fastest")
+    assert {make_policy(n).name for n in POLICY_NAMES} == set(POLICY_NAMES)
+
+
+def test_session_affinity_keeps_a_session_on_its_engine() -> None:
+    router = Router(make_policy("round_robin"))
+    rng = random.Random(0)
+    engines = [cand("a"), cand("b"), cand("c")]
+    first = router.route(RouteRequest("1", 40, BS, session_key="s"), engines, rng, 0)
+    again = [
+        router.route(RouteRequest(f"x{i}", 40, BS, session_key="s"), engines, rng, 0)
+        for i in range(5)
+    ]
+    assert {d.engine_id for d in again} == {first.engine_id}
+    assert {d.reason for d in again} == {Reason.SESSION}
+    router.forget_engine(first.engine_id)
+    moved = router.route(
+        RouteRequest("y", 40, BS, session_key="s"),
+        [c for c in engines if c.engine_id != first.engine_id],
+        rng,
+        0,
+    )
+    assert moved.engine_id != first.engine_id
+
+
+def test_round_robin_least_loaded_power_of_two_random() -> None:
+    rng = random.Random(0)
+    engines = [
+        cand("a", running_requests=5),
+        cand("b", running_requests=1),
+        cand("c", running_requests=3),
+    ]
+    rr = make_policy("round_robin")
+    assert [rr.choose(request(), engines, rng, 0).engine_id for _ in range(4)] == [
+        "a",
+        "b",
+        "c",
+        "a",
+    ]
+    assert make_policy("least_loaded").choose(request(), engines, rng, 0).engine_id == "b"
+    p2 = make_policy("power_of_two")
+    for _ in range(50):
+        assert p2.choose(request(), engines, rng, 0).engine_id != "a"  # never the worse of a pair
+    rnd = make_policy("random")
+    assert {rnd.choose(request(), engines, rng, 0).engine_id for _ in range(60)} == {"a", "b", "c"}
+
+
+def test_sglang_cache_aware_branches() -> None:
+    rng = random.Random(0)
+    policy = SglangCacheAware()
+    a, b = cand("a"), cand("b")
+    warm = request("w", blocks=10, keys_from=0)
+    policy.observe(warm, "a", 0)
+    # Match above 30% of the prompt: the matching worker.
+    assert policy.choose(request(blocks=10, keys_from=0), [b, a], rng, 0).engine_id == "a"
+    # A 2-of-10 block match is under the threshold: the smallest tree (b is empty).
+    partial = RouteRequest("p", 10 * BS, BS, (0, 1, *range(500, 508)))
+    d = policy.choose(partial, [a, b], rng, 0)
+    assert (d.engine_id, d.reason) == ("b", Reason.LOAD)
+    # Imbalanced (100 vs 10 in flight: > 64 apart and > 1.5x): the least loaded, cache ignored.
+    loaded_a = Candidate("a", inflight=InFlight(requests=100))
+    light_b = Candidate("b", inflight=InFlight(requests=10))
+    d = policy.choose(request(blocks=10), [loaded_a, light_b], rng, 0)
+    assert (d.engine_id, d.reason) == ("b", Reason.BALANCE)
+    # 100 vs 40 is not imbalanced by the absolute threshold (60 <= 64): cache wins.
+    assert (
+        policy.choose(
+            request(blocks=10), [loaded_a, Candidate("b", inflight=InFlight(requests=40))], rng, 0
+        ).engine_id
+        == "a"
+    )
+
+
+def test_dynamo_cost_is_overlap_weighted_prefill_plus_active_blocks() -> None:
+    policy = DynamoCost()
+    req = request(blocks=4, extra=5)  # 5 blocks of prompt (ceil)
+    a = Candidate("a", hit=PrefixHit(4, 0), inflight=InFlight(requests=3, context_blocks=6))
+    b = Candidate("b", inflight=InFlight(requests=1, prefill_tokens=2 * BS, context_blocks=1))
+    d = policy.choose(req, [a, b], random.Random(0), 0)
+    totals = {r.engine_id: r.total for r in d.costs}
+    assert totals == {"a": (5 - 4) + (6 + 5), "b": (5 + 2) + (1 + 5)}
+    assert d.engine_id == "a"
+
+
+def test_llmd_longest_prefix_weights_host_blocks_at_0_8() -> None:
+    policy = LlmdLongestPrefix()
+    rng = random.Random(0)
+    req = request(blocks=10)
+    assert policy.choose(req, [cand("host", 0, 5), cand("dev", 5)], rng, 0).engine_id == "dev"
+    assert policy.choose(req, [cand("host", 0, 5), cand("dev", 3)], rng, 0).engine_id == "host"
+
+
+def test_disaggregated_prefill_then_decode_or_skip() -> None:
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(0)
+    prefill = [cand("p0"), cand("p1", 4)]
+    decode = [cand("d0", running_requests=4), cand("d1", running_requests=1)]
+    d = router.route_disaggregated(request("x", blocks=10), prefill, decode, rng, 0)
+    assert d.prefill is not None and d.prefill.engine_id == "p1"
+    assert d.decode.engine_id == "d1"
+    cached = [cand("d0", 10, running_requests=4), cand("d1", 10, running_requests=1)]
+    d = router.route_disaggregated(request("y", blocks=10, extra=1), prefill, cached, rng, 0)
+    assert d.prefill is None and d.decode.engine_id == "d1"

@@ -1,0 +1,119 @@
+"""An in-process engine (real gRPC server on 127.0.0.1 port 0) with real stubs, for the
+server tests. Not a test module itself."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from engine.config import EngineConfig, SimTimingConfig
+from engine.server.service import EngineApp, start_engine
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from vllm_grpc import vllm_grpc_pb2_grpc as vllm_grpc
+
+
+@dataclass
+class Engine:
+    app: EngineApp
+    channel: grpc.aio.Channel
+    stub: pb_grpc.OpenEngineAsyncStub
+    vllm: vllm_grpc.GenerateAsyncStub
+
+
+def sim_config(**overrides: Any) -> EngineConfig:
+    """A small sim engine: block size 4, 64 blocks, steps take no wall time."""
+    values: dict[str, Any] = {
+        "model": "sim",
+        "listen": "127.0.0.1:0",
+        "block_size": 4,
+        "num_kv_blocks": 64,
+        "max_model_len": 256,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "sim": SimTimingConfig(time_scale=0.0, vocab_size=1000),
+        "shutdown_grace_s": 1.0,
+    }
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+@asynccontextmanager
+async def running_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+    app = await start_engine(config or sim_config())
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    try:
+        yield Engine(
+            app,
+            channel,
+            pb_grpc.OpenEngineStub(channel),
+            vllm_grpc.GenerateStub(channel),
+        )
+    finally:
+        await channel.close()
+        await app.close()
+
+
+def generate_request(
+    ids: list[int], *, max_tokens: int = 4, n: int | None = None, **fields: Any
+) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids),
+        stopping=pb.StoppingOptions(max_tokens=max_tokens),
+        **fields,
+    )
+    if n is not None:
+        request.sampling.num_sequences = n
+    return request
+
+
+async def collect(stub: pb_grpc.OpenEngineAsyncStub, request: pb.GenerateRequest) -> list[Any]:
+    return [response async for response in stub.Generate(request)]
+
+
+async def rpc_error(call: Awaitable[Any] | Callable[[], Awaitable[Any]]) -> grpc.aio.AioRpcError:
+    """Await a call expected to fail; return its error."""
+    try:
+        await (call() if callable(call) else call)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    raise AssertionError("the call succeeded")
+
+
+async def stream_error(stream: Any) -> tuple[list[Any], grpc.aio.AioRpcError]:
+    """Drain a server stream expected to fail; return what came before and the error."""
+    got: list[Any] = []
+    try:
+        async for item in stream:
+            got.append(item)
+    except grpc.aio.AioRpcError as exc:
+        return got, exc
+    raise AssertionError(f"the stream succeeded with {len(got)} messages")
+
+
+async def wait_for(
+    predicate: Callable[[], Awaitable[bool]], *, timeout_s: float = 10.0, what: str = "condition"
+) -> None:
+    """Poll an async predicate until it holds (a condition, not a sleep to synchronise)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def idle(engine: Engine) -> bool:
+    """Nothing running or queued and no KV block referenced."""
+    load = await engine.stub.GetLoad(pb.GetLoadRequest())
+    return (
+        load.running_requests == 0
+        and load.queued_requests == 0
+        and load.used_kv_blocks == 0
+        and engine.app.service.num_in_flight == 0
+    )

@@ -1,0 +1,258 @@
+"""Block manager: paired verbs, prefix caching, LRU eviction, KV events, and a state machine
+against a naive model (a fake KV store that records which tokens each physical slot holds)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from engine.core.api import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Medium
+from engine.core.block_manager import BlockManager
+from indexer.keys import block_keys
+
+
+def replay(events: list[KvEvent], cached: set[int] | None = None) -> set[int]:
+    cached = set() if cached is None else cached
+    for event in events:
+        if isinstance(event, BlockStored):
+            assert len(event.token_ids) == len(event.block_keys) * event.block_size
+            cached.update(event.block_keys)
+        elif isinstance(event, BlockRemoved):
+            assert set(event.block_keys) <= cached, "removed a key that was never stored"
+            cached.difference_update(event.block_keys)
+        else:
+            cached.clear()
+    return cached
+
+
+def test_allocate_append_free_counts_blocks() -> None:
+    bm = BlockManager(8, 4)
+    assert bm.can_allocate(list(range(10)), 10)
+    assert bm.allocate(1, list(range(10)), 10) == 0
+    assert bm.num_used_blocks == 3 and bm.num_free_blocks == 5
+    assert bm.can_append(1, 12) and not bm.can_append(1, 33)
+    bm.append(1, 13)
+    assert len(bm.block_table(1)) == 4
+    with pytest.raises(MemoryError):
+        bm.append(1, 33)
+    bm.free(1)
+    bm.free(1)  # freeing twice is harmless
+    assert bm.num_free_blocks == 8
+    bm.check_invariants()
+
+
+def test_prefix_hit_reuses_blocks_and_never_covers_the_last_token() -> None:
+    bm = BlockManager(16, 4)
+    prompt = list(range(100, 112))  # 3 full blocks
+    bm.allocate(1, prompt, 12)
+    bm.cache_blocks(1, prompt, 12)
+    events = bm.take_events()
+    assert events == [
+        BlockStored(
+            block_keys=tuple(block_keys(prompt, 4)),
+            parent_key=None,
+            token_ids=tuple(prompt),
+            block_size=4,
+            medium=Medium.GPU,
+            lora_name=None,
+            extra_keys=(None, None, None),
+        )
+    ]
+    # Same 12-token prompt: the last block is recomputed (its last token needs logits).
+    assert bm.count_hit_tokens(prompt) == 8
+    assert bm.allocate(2, prompt, 12) == 8
+    assert bm.block_table(2)[:2] == bm.block_table(1)[:2]
+    assert bm.block_table(2)[2] != bm.block_table(1)[2]
+    # A longer prompt sharing the prefix gets all three blocks.
+    longer = [*prompt, 7, 8]
+    assert bm.allocate(3, longer, 14) == 12
+    bm.check_invariants()
+
+
+def test_namespaces_and_bypass_do_not_share_blocks() -> None:
+    bm = BlockManager(16, 4)
+    prompt = list(range(9))
+    bm.allocate(1, prompt, 9, cache_salt="a")
+    bm.cache_blocks(1, prompt, 9)
+    (stored,) = bm.take_events()
+    assert isinstance(stored, BlockStored)
+    assert stored.extra_keys == (("cache_salt", "a"), None)
+    assert stored.block_keys == tuple(block_keys(prompt, 4, cache_salt="a"))
+    assert bm.count_hit_tokens(prompt, cache_salt="a") == 8
+    assert bm.count_hit_tokens(prompt, cache_salt="b") == 0
+    assert bm.count_hit_tokens(prompt) == 0
+    assert bm.count_hit_tokens(prompt, lora_name="x", cache_salt="a") == 0
+    assert bm.allocate(2, prompt, 9, cache_salt="a", use_cache=False) == 0
+    bm.cache_blocks(2, prompt, 9)
+    assert bm.take_events() == []  # bypass still caches, but the keys were already cached
+
+
+def test_lru_evicts_least_recently_freed_and_records_removal() -> None:
+    bm = BlockManager(4, 2)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    for seq_id, tokens in ((1, a), (2, b)):
+        bm.allocate(seq_id, tokens, 4)
+        bm.cache_blocks(seq_id, tokens, 4)
+    bm.free(1)
+    bm.free(2)
+    keys_a, keys_b = block_keys(a, 2), block_keys(b, 2)
+    bm.take_events()
+    # Touch `a` again (hit, then free): `b` is now least recently used.
+    bm.allocate(3, [*a, 9], 5)
+    bm.free(3)
+    bm.allocate(4, [10, 11, 12, 13], 4)
+    events = bm.take_events()
+    removed = [k for e in events if isinstance(e, BlockRemoved) for k in e.block_keys]
+    # The tail of b goes first (blocks are freed last-first), then its head.
+    assert removed == [keys_b[1], keys_b[0]]
+    assert bm.cached_keys() >= set(keys_a)
+    bm.check_invariants()
+
+
+def test_reset_prefix_cache_refused_while_blocks_are_used() -> None:
+    bm = BlockManager(4, 2)
+    bm.allocate(1, [1, 2, 3], 3)
+    bm.cache_blocks(1, [1, 2, 3], 3)
+    assert not bm.reset_prefix_cache()
+    bm.free(1)
+    assert bm.reset_prefix_cache()
+    assert bm.num_cached_blocks == 0
+    assert isinstance(bm.take_events()[-1], AllBlocksCleared)
+
+
+def test_snapshot_lists_parents_first_and_replays_to_the_cached_set() -> None:
+    bm = BlockManager(32, 2)
+    for seq_id, tokens in enumerate(([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9, 9], [7, 7, 7])):
+        bm.allocate(seq_id, tokens, len(tokens))
+        bm.cache_blocks(seq_id, tokens, len(tokens))
+    snapshot = bm.snapshot()
+    seen: set[int] = set()
+    for event in snapshot:
+        assert event.parent_key is None or event.parent_key in seen
+        seen.update(event.block_keys)
+    assert replay(list(snapshot)) == bm.cached_keys() == replay(bm.take_events())
+
+
+# ------------------------------------------------------------------------------ state machine
+
+BLOCK_SIZE = 2
+NUM_BLOCKS = 10
+PREFIXES: tuple[list[int], ...] = ([], [1, 1, 2, 2], [1, 1, 2, 3], [3, 3, 3, 3, 3, 3])
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.next_id = 0
+        self.tokens: dict[int, list[int]] = {}  # a sequence's full future token list
+        self.namespace: dict[int, str | None] = {}
+        self.computed: dict[int, int] = {}
+        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token written there
+        self.replayed: set[int] = set()
+
+    def _write(self, seq_id: int, start: int, end: int) -> None:
+        table = self.bm.block_table(seq_id)
+        for pos in range(start, end):
+            block = table[pos // BLOCK_SIZE]
+            self.slots[(block, pos % BLOCK_SIZE)] = self.tokens[seq_id][pos]
+        self.computed[seq_id] = end
+        self.bm.cache_blocks(seq_id, self.tokens[seq_id], end)
+
+    @rule(
+        target=seqs,
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 3), min_size=1, max_size=8),
+        salt=st.sampled_from([None, None, "s"]),
+        use_cache=st.booleans(),
+        chunk=st.integers(1, 12),
+    )
+    def new_sequence(
+        self,
+        prefix: list[int],
+        suffix: list[int],
+        salt: str | None,
+        use_cache: bool,
+        chunk: int,
+    ) -> int | None:
+        tokens = prefix + suffix
+        seq_id = self.next_id
+        self.next_id += 1
+        # The naive model of a hit: leading full blocks whose keys are cached (never the one
+        # holding the last token).
+        cached_prefix = 0
+        cached = self.bm.cached_keys()
+        for key in block_keys(tokens, BLOCK_SIZE, cache_salt=salt)[
+            : (len(tokens) - 1) // BLOCK_SIZE
+        ]:
+            if key not in cached:
+                break
+            cached_prefix += BLOCK_SIZE
+        assert self.bm.count_hit_tokens(tokens, cache_salt=salt) == cached_prefix
+        expected = cached_prefix if use_cache else 0
+        num = min(len(tokens), expected + chunk)
+        if not self.bm.can_allocate(tokens, num, cache_salt=salt, use_cache=use_cache):
+            with pytest.raises(MemoryError):
+                self.bm.allocate(seq_id, tokens, num, cache_salt=salt, use_cache=use_cache)
+            return None
+        hit = self.bm.allocate(seq_id, tokens, num, cache_salt=salt, use_cache=use_cache)
+        assert hit == expected
+        self.tokens[seq_id] = tokens
+        self.namespace[seq_id] = salt
+        table = self.bm.block_table(seq_id)
+        for pos in range(hit):  # the reused KV really holds this prefix
+            assert self.slots[(table[pos // BLOCK_SIZE], pos % BLOCK_SIZE)] == tokens[pos]
+        self._write(seq_id, hit, num)
+        return seq_id
+
+    @precondition(lambda self: bool(self.tokens))
+    @rule(seq=seqs, more=st.integers(1, 5), generated=st.lists(st.integers(0, 3), max_size=3))
+    def extend(self, seq: int | None, more: int, generated: list[int]) -> None:
+        if seq not in self.tokens:
+            return
+        self.tokens[seq].extend(generated)
+        target = min(len(self.tokens[seq]), self.computed[seq] + more)
+        if not self.bm.can_append(seq, target):
+            with pytest.raises(MemoryError):
+                self.bm.append(seq, target)
+            return
+        self.bm.append(seq, target)
+        self._write(seq, self.computed[seq], target)
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq: int | None) -> None:
+        if seq not in self.tokens:
+            return
+        self.bm.free(seq)
+        del self.tokens[seq], self.computed[seq], self.namespace[seq]
+
+    @rule()
+    def reset(self) -> None:
+        assert self.bm.reset_prefix_cache() == (not self.tokens)
+
+    @invariant()
+    def structure_holds(self) -> None:
+        self.bm.check_invariants()
+        assert self.bm.num_free_blocks + self.bm.num_used_blocks == NUM_BLOCKS
+        used = {b for s in self.tokens for b in self.bm.block_table(s)}
+        assert len(used) == self.bm.num_used_blocks
+
+    @invariant()
+    def events_replay_to_the_cached_set(self) -> None:
+        replay(self.bm.take_events(), self.replayed)
+        assert self.replayed == self.bm.cached_keys()
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

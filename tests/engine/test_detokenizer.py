@@ -1,0 +1,74 @@
+"""Incremental detokenisation with the tiny-llama byte-level BPE tokenizer: deltas concatenate to
+the full decode, and no delta ever carries a partial UTF-8 character."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from engine.core.detokenizer import IncrementalDetokenizer
+
+TOKENIZER = Path(__file__).resolve().parents[2].parent / "shared/models/tiny-llama/tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(TOKENIZER))
+
+
+def stream(tokenizer: Tokenizer, prompt: list[int], output: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [detok.add(t) for t in output]
+    deltas.append(detok.flush())
+    return deltas
+
+
+TEXTS = [
+    "héllo wörld, naïve café",
+    "日本語のテキスト and 中文",
+    "emoji 🎉🚀 and 👩‍👩‍👧 families",
+    "Ελληνικά, русский, עברית",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_concatenate_to_the_full_decode(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    # Byte-level BPE really splits these characters across tokens.
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    deltas = stream(tokenizer, [], ids)
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_output_after_a_prompt_keeps_its_leading_space(tokenizer: Tokenizer, text: str) -> None:
+    prompt = tokenizer.encode("Say it:", add_special_tokens=False).ids
+    output = tokenizer.encode(" " + text, add_special_tokens=False).ids
+    full = tokenizer.decode(prompt + output)
+    expected = full[len(tokenizer.decode(prompt)) :]
+    deltas = stream(tokenizer, prompt, output)
+    assert "".join(deltas) == expected
+    assert expected.startswith(" ")
+
+
+def test_an_invalid_byte_sequence_is_flushed_at_the_end(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("🎉", add_special_tokens=False).ids
+    partial = ids[:-1]  # the emoji's bytes never complete
+    deltas = stream(tokenizer, [], partial)
+    assert deltas[:-1] == [""] * len(partial)
+    assert deltas[-1] == tokenizer.decode(partial)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=40))
+def test_any_text_streams_back_exactly(text: str) -> None:
+    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    deltas = stream(tokenizer, [], ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in tokenizer.decode(ids)

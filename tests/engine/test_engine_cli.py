@@ -1,0 +1,112 @@
+"""`kvplane engine serve` as a real process: port file, health, Generate, clean SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _kvplane() -> list[str]:
+    exe = Path(sys.executable).with_name("kvplane")
+    return (
+        [str(exe)]
+        if exe.exists()
+        else [sys.executable, "-c", "from kvplane.cli import main; main()"]
+    )
+
+
+def _wait_for_port(port_file: Path, proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return int(port_file.read_text())
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"engine exited early: {proc.stderr.read() if proc.stderr else ''!r}"
+            )
+        time.sleep(0.05)
+    raise AssertionError("engine did not write its port file")
+
+
+@pytest.mark.timeout(60)
+def test_serve_sim_answers_health_and_generate_then_stops_on_sigterm(tmp_path: Path) -> None:
+    port_file = tmp_path / "port"
+    config = tmp_path / "engine.yaml"
+    config.write_text("sim:\n  time_scale: 0\nblock_size: 4\nnum_kv_blocks: 64\n")
+    proc = subprocess.Popen(
+        [
+            *_kvplane(),
+            "engine",
+            "serve",
+            "--config",
+            str(config),
+            "--model",
+            "sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--instance-id",
+            "cli-engine",
+            "--port-file",
+            str(port_file),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        port = _wait_for_port(port_file, proc, 30)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stub = pb_grpc.OpenEngineStub(channel)
+            assert stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=10).instance_id == (
+                "cli-engine"
+            )
+            ready = stub.Health(pb.HealthRequest(include_inference_probe=True), timeout=10)
+            assert ready.state == pb.HEALTH_STATE_READY
+            responses = list(
+                stub.Generate(
+                    pb.GenerateRequest(
+                        token_ids=pb.TokenIds(ids=list(range(1, 20))),
+                        stopping=pb.StoppingOptions(max_tokens=3),
+                    ),
+                    timeout=10,
+                )
+            )
+            assert responses[-1].usage.completion_tokens == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert b"stopped" in (proc.stderr.read() if proc.stderr else b"")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_serve_refuses_a_bad_model_with_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [*_kvplane(), "engine", "serve", "--model", str(tmp_path / "missing")],
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert b"neither 'sim' nor an HF model directory" in result.stderr
+    assert b"Traceback" not in result.stderr

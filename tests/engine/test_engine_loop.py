@@ -1,0 +1,114 @@
+"""EngineLoop: steps run in one thread; asyncio consumers get outputs through their own queues
+without blocking; validation fails before acceptance; abort, call and stop are thread-safe."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engine.core.api import (
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    SchedulerConfig,
+    StepReport,
+)
+from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
+from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
+from engine.core.sim_runner import SimRunner
+
+
+def make_loop(time_scale: float = 0.0, reports: list[StepReport] | None = None) -> EngineLoop:
+    runner = SimRunner(block_size=4, num_blocks=256, time_scale=time_scale)
+    core = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=64))
+    return EngineLoop(core, on_step=reports.append if reports is not None else None)
+
+
+async def collect(queue: asyncio.Queue[RequestOutput]) -> list[RequestOutput]:
+    outputs: list[RequestOutput] = []
+    while not outputs or outputs[-1].usage is None:
+        outputs.append(await asyncio.wait_for(queue.get(), timeout=10))
+    return outputs
+
+
+@pytest.mark.timeout(30)
+async def test_concurrent_requests_stream_to_their_own_queues() -> None:
+    reports: list[StepReport] = []
+    engine = make_loop(reports=reports)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+    for i in range(8):
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queues[f"r{i}"] = queue
+        sampling = SamplingParams(max_tokens=5 + i, num_sequences=1 + i % 2)
+        request = EngineRequest(f"r{i}", tuple(range(10 + i, 30 + i)), sampling)
+        engine.submit(request, asyncio_sink(loop, queue))
+    results = await asyncio.gather(*(collect(q) for q in queues.values()))
+    for i, outputs in enumerate(results):
+        assert all(o.request_id == f"r{i}" for o in outputs)
+        n = 1 + i % 2
+        finished = [o for o in outputs if o.finished]
+        assert sorted(o.output_index for o in finished) == list(range(n))
+        assert sum(len(o.new_token_ids) for o in outputs) == n * (5 + i)
+        assert outputs[-1].usage is not None
+        assert outputs[-1].usage.completion_tokens == n * (5 + i)
+    engine.stop(timeout_s=10)
+    assert not engine.running
+    assert any(r.kv_events for r in reports)
+    assert all(r.result.stats is None or r.result.stats.batch_size > 0 for r in reports)
+    assert engine.load().num_running == 0 and engine.num_live_requests() == 0
+
+
+@pytest.mark.timeout(30)
+async def test_bad_requests_fail_before_acceptance() -> None:
+    engine = make_loop()
+    engine.start()
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    sink = asyncio_sink(loop, queue)
+    with pytest.raises(InvalidRequestError):
+        engine.submit(EngineRequest("a", (1, 2), SamplingParams(num_sequences=0)), sink)
+    with pytest.raises(InvalidRequestError):
+        engine.submit(EngineRequest("a", ()), sink)
+    with pytest.raises(InvalidRequestError):  # longer than the KV cache
+        engine.submit(EngineRequest("a", tuple(range(2000))), sink)
+    engine.submit(EngineRequest("dup", (1, 2, 3), SamplingParams(max_tokens=1000)), sink)
+    with pytest.raises(DuplicateRequestError):
+        engine.submit(EngineRequest("dup", (1, 2, 3)), sink)
+    assert await asyncio.wrap_future(engine.abort("dup"))
+    outputs = await collect(queue)
+    assert outputs[-1].finish_reason is FinishReason.CANCELLED
+    engine.stop(timeout_s=10)
+    with pytest.raises(EngineStoppedError):
+        engine.submit(EngineRequest("late", (1, 2, 3)), sink)
+
+
+@pytest.mark.timeout(30)
+async def test_abort_mid_stream_and_stop_cancel_everything() -> None:
+    engine = make_loop(time_scale=0.05)  # real (scaled) step time: requests stay live
+    engine.start()
+    loop = asyncio.get_running_loop()
+    first: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    second: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    engine.submit(EngineRequest("a", (5, 6, 7), long), asyncio_sink(loop, first))
+    engine.submit(EngineRequest("b", (8, 9, 10), long), asyncio_sink(loop, second))
+    head = await asyncio.wait_for(first.get(), timeout=10)  # streaming has started
+    assert head.new_token_ids and head.finish_reason is None
+    assert await asyncio.wrap_future(engine.abort("a"))
+    rest = await collect(first)
+    assert rest[-1].finish_reason is FinishReason.CANCELLED
+    assert not await asyncio.wrap_future(engine.abort("a"))  # already finished
+    # The engine thread is free to run other work between steps.
+    name = await asyncio.wrap_future(engine.call(lambda core: threading.current_thread().name))
+    assert name == "engine-step"
+    await asyncio.to_thread(engine.stop, 10)
+    tail = await collect(second)
+    assert tail[-1].finish_reason is FinishReason.CANCELLED
+    assert engine.num_live_requests() == 0
+    with pytest.raises(EngineStoppedError):
+        await asyncio.wrap_future(engine.call(lambda core: core.load()))

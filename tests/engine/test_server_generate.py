@@ -1,0 +1,295 @@
+"""OpenEngine Generate through a real gRPC client: streaming contract, errors by phase, abort,
+client cancellation and drain (sim runner)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import grpc
+import pytest
+from tests.engine.engine_server_harness import (
+    collect,
+    generate_request,
+    idle,
+    running_engine,
+    sim_config,
+    stream_error,
+    wait_for,
+)
+
+from engine.config import EngineConfig, SimTimingConfig
+from openengine.v1 import openengine_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = list(range(10, 50))  # 40 tokens = 10 blocks of 4
+
+
+async def test_stream_contract_with_two_outputs() -> None:
+    async with running_engine() as engine:
+        responses = await collect(engine.stub, generate_request(PROMPT, max_tokens=5, n=2))
+    tokens: Counter[int] = Counter()
+    finished: Counter[int] = Counter()
+    for i, r in enumerate(responses):
+        assert r.request_id == responses[0].request_id != ""
+        kind = r.WhichOneof("event")
+        if kind == "token":
+            assert r.token.HasField("output_index")  # present even for index 0
+            assert not finished[r.token.output_index]  # nothing after its GenerationFinished
+            tokens[r.token.output_index] += len(r.token.tokens)
+        elif kind == "finished":
+            assert r.finished.HasField("output_index")
+            assert r.finished.reason == pb.FINISH_REASON_LENGTH
+            finished[r.finished.output_index] += 1
+        else:
+            raise AssertionError(f"unexpected event {kind}")
+        assert r.HasField("usage") == (i == len(responses) - 1)  # Usage only on the final
+    assert tokens == {0: 5, 1: 5}  # deltas: 5 tokens each, never cumulative
+    assert finished == {0: 1, 1: 1}
+    usage = responses[-1].usage
+    assert responses[-1].WhichOneof("event") == "finished"
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (40, 10, 50)
+    assert usage.HasField("cached_prompt_tokens")
+    assert usage.cached_prompt_tokens == 0
+
+
+async def test_cached_prompt_tokens_reports_prefix_hits() -> None:
+    async with running_engine() as engine:
+        first = await collect(engine.stub, generate_request(PROMPT))
+        second = await collect(engine.stub, generate_request([*PROMPT, 7, 8, 9, 1]))
+        salted = await collect(
+            engine.stub, generate_request(PROMPT, kv=pb.KvOptions(cache_salt="tenant-b"))
+        )
+        bypass = await collect(
+            engine.stub, generate_request(PROMPT, kv=pb.KvOptions(bypass_prefix_cache=True))
+        )
+    assert first[-1].usage.cached_prompt_tokens == 0
+    # All 10 full prompt blocks of the first request are reused.
+    assert second[-1].usage.cached_prompt_tokens == 40
+    assert salted[-1].usage.cached_prompt_tokens == 0  # another namespace
+    assert bypass[-1].usage.cached_prompt_tokens == 0
+
+
+async def test_output_logprobs_and_prompt_output() -> None:
+    async with running_engine() as engine:
+        request = generate_request(
+            PROMPT[:6],
+            max_tokens=2,
+            response=pb.ResponseOptions(
+                return_prompt_logprobs=True,
+                return_output_logprobs=True,
+                output_candidates=pb.CandidateTokenSelection(top_n=1),
+            ),
+        )
+        responses = await collect(engine.stub, request)
+    prompts = [r.prompt for r in responses if r.WhichOneof("event") == "prompt"]
+    assert len(prompts) == 1
+    assert [t.token_id for t in prompts[0].tokens] == PROMPT[:6]
+    first, rest = prompts[0].tokens[0], prompts[0].tokens[1:]
+    assert not first.HasField("logprob") and not first.HasField("rank")  # no conditional prob
+    assert all(t.HasField("logprob") and t.HasField("rank") for t in rest)
+    out = [t for r in responses if r.WhichOneof("event") == "token" for t in r.token.tokens]
+    assert len(out) == 2
+    assert all(t.HasField("logprob") and len(t.candidates) == 1 for t in out)
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code"),
+    [
+        ({"model": "no-such-model"}, grpc.StatusCode.NOT_FOUND),
+        ({"sampling": pb.SamplingParams(num_sequences=0)}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"sampling": pb.SamplingParams(top_p=0.0)}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": "text needs a tokenizer"}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"guided": pb.GuidedDecoding(regex="a+")}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"media": [pb.MediaItem(url="http://x/y.png")]}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"lora_name": "adapter"}, grpc.StatusCode.FAILED_PRECONDITION),
+        (
+            {"kv": pb.KvOptions(session=pb.KvSessionRef(session_id="s"))},
+            grpc.StatusCode.FAILED_PRECONDITION,  # a DECODE-role request on an AGGREGATED engine
+        ),
+        (
+            {"kv": pb.KvOptions(data_parallel_rank=3)},
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    ],
+)
+async def test_refused_before_acceptance(request_fields: dict[str, object], code: object) -> None:
+    async with running_engine() as engine:
+        request = generate_request(PROMPT)
+        for name, value in request_fields.items():
+            if name == "prompt":
+                request.prompt = str(value)
+            elif name == "media":
+                assert isinstance(value, list)
+                request.media.extend(value)
+            elif isinstance(value, str):
+                setattr(request, name, value)
+            else:
+                getattr(request, name).CopyFrom(value)
+        events, error = await stream_error(engine.stub.Generate(request))
+        assert events == []  # before acceptance: a status, no event
+        assert error.code() == code
+        assert "Traceback" not in (error.details() or "")
+        assert await idle(engine)  # nothing leaked
+
+
+async def test_bad_prompts_are_refused_and_leak_nothing() -> None:
+    async with running_engine() as engine:
+        no_input = pb.GenerateRequest(stopping=pb.StoppingOptions(max_tokens=2))
+        too_long = generate_request(list(range(300)))  # context is 256
+        big_id = generate_request([5, 1000])  # vocab is 1000
+        empty = generate_request([])
+        for request in (no_input, too_long, big_id, empty):
+            events, error = await stream_error(engine.stub.Generate(request))
+            assert events == []
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert await idle(engine)
+
+
+async def test_stop_token_and_eos_finish_with_stop_match() -> None:
+    config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
+    async with running_engine(config) as engine:
+        eos = await collect(engine.stub, generate_request(PROMPT, max_tokens=10))
+        finished = eos[-1].finished
+        assert finished.reason == pb.FINISH_REASON_STOP
+        assert finished.stop_match.WhichOneof("match") == "eos_token_id"
+        emitted = [
+            t.token_id for r in eos if r.WhichOneof("event") == "token" for t in r.token.tokens
+        ]
+        assert len(emitted) == 2  # the EOS itself is not output
+        assert eos[-1].usage.completion_tokens == 3
+        stop_on = emitted[1]
+        request = generate_request(PROMPT, max_tokens=10)
+        request.stopping.conditions.append(pb.StopCondition(stop_token_id=stop_on))
+        request.stopping.include_stop_in_output = True
+        stopped = await collect(engine.stub, request)
+        assert stopped[-1].finished.stop_match.stop_token_id == stop_on
+        out = [
+            t.token_id for r in stopped if r.WhichOneof("event") == "token" for t in r.token.tokens
+        ]
+        assert out == emitted[:2]
+
+
+def _slow_config() -> EngineConfig:
+    # Steps take real (sim) time, so a long request is still running when we act on it.
+    return sim_config(
+        sim=SimTimingConfig(time_scale=0.2, vocab_size=1000), max_model_len=4096, num_kv_blocks=2048
+    )
+
+
+async def _first_token(stream: Any) -> pb.GenerateResponse:
+    response: pb.GenerateResponse = await asyncio.wait_for(stream.read(), timeout=20)  # type: ignore[attr-defined]
+    assert response.WhichOneof("event") == "token"
+    return response
+
+
+async def _rest(stream: Any) -> list[Any]:
+    """Read a stream to its end with `read()` (iteration may not follow `read()`)."""
+    got: list[Any] = []
+    while True:
+        response = await asyncio.wait_for(stream.read(), timeout=20)
+        if response is grpc.aio.EOF:
+            return got
+        got.append(response)
+
+
+async def test_abort_mid_stream_then_already_finished() -> None:
+    async with running_engine(_slow_config()) as engine:
+        stream = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="long"))
+        await _first_token(stream)
+        duplicate = engine.stub.Generate(generate_request(PROMPT, request_id="long"))
+        _, error = await stream_error(duplicate)
+        assert error.code() == grpc.StatusCode.ALREADY_EXISTS
+
+        aborted = await engine.stub.Abort(pb.AbortRequest(request_id="long"))
+        assert aborted.status == pb.ABORT_STATUS_ABORTED
+        rest = await _rest(stream)
+        assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        assert rest[-1].HasField("usage")
+        assert sum(r.WhichOneof("event") == "finished" for r in rest) == 1
+
+        again = await engine.stub.Abort(pb.AbortRequest(request_id="long"))
+        assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        for bad, code in [
+            (pb.AbortRequest(request_id="never-seen"), grpc.StatusCode.NOT_FOUND),
+            (
+                pb.AbortRequest(kv_session=pb.KvSessionRef(session_id="s")),
+                grpc.StatusCode.NOT_FOUND,
+            ),
+            (pb.AbortRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+        ]:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await engine.stub.Abort(bad)
+            assert info.value.code() == code
+        await wait_for(lambda: idle(engine), what="engine idle after abort")
+
+
+async def test_abort_all_and_client_cancel_free_everything() -> None:
+    async with running_engine(_slow_config()) as engine:
+        streams = [
+            engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id=f"r{i}"))
+            for i in range(2)
+        ]
+        for stream in streams:
+            await _first_token(stream)
+        result = await engine.stub.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        assert result.status == pb.ABORT_STATUS_ABORTED
+        for stream in streams:
+            rest = await _rest(stream)
+            assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+
+        gone = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="gone"))
+        await _first_token(gone)
+        gone.cancel()  # the client goes away: the engine stops the work
+        await wait_for(lambda: idle(engine), what="engine idle after client cancel")
+
+
+async def test_drain_stops_admission_and_completes_when_work_ends() -> None:
+    async with running_engine(_slow_config()) as engine:
+        stream = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="d"))
+        await _first_token(stream)
+        drain = engine.stub.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
+        started = await asyncio.wait_for(drain.read(), timeout=10)
+        assert started.state == pb.DRAIN_STATE_STARTED
+        assert started.HasField("in_flight_requests") and started.in_flight_requests == 1
+
+        events, refused = await stream_error(engine.stub.Generate(generate_request(PROMPT)))
+        assert events == [] and refused.code() == grpc.StatusCode.UNAVAILABLE
+        health = await engine.stub.Health(pb.HealthRequest())
+        assert health.state == pb.HEALTH_STATE_DRAINING
+
+        await engine.stub.Abort(pb.AbortRequest(request_id="d"))
+        rest = await _rest(drain)
+        assert rest[-1].state == pb.DRAIN_STATE_COMPLETE
+        assert rest[-1].in_flight_requests == 0
+        assert all(r.state == pb.DRAIN_STATE_IN_PROGRESS for r in rest[:-1])
+
+
+async def test_drain_deadline_zero_aborts_at_once_or_fails_without_abort() -> None:
+    async with running_engine(_slow_config()) as engine:
+        stream = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="x"))
+        await _first_token(stream)
+        no_abort = [
+            r
+            async for r in engine.stub.Drain(
+                pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=0)
+            )
+        ]
+        assert no_abort[0].state == pb.DRAIN_STATE_STARTED
+        assert no_abort[-1].WhichOneof("event") == "error"  # terminal EngineError, then OK
+        assert no_abort[-1].error.code == pb.ERROR_CODE_DRAINING
+
+        with_abort = [
+            r
+            async for r in engine.stub.Drain(
+                pb.DrainRequest(
+                    stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+                )
+            )
+        ]
+        assert with_abort[-1].state == pb.DRAIN_STATE_COMPLETE
+        rest = await _rest(stream)
+        assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        await wait_for(lambda: idle(engine), what="engine idle after drain")

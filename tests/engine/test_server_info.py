@@ -1,0 +1,161 @@
+"""OpenEngine metadata, load, health, unsupported features and auth, through real stubs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from tests.engine.engine_server_harness import (
+    collect,
+    generate_request,
+    rpc_error,
+    running_engine,
+    sim_config,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.config import AuthConfig
+from openengine.v1 import openengine_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_engine_info_advertises_the_contract_revision() -> None:
+    config = sim_config(instance_id="engine-7", served_model_aliases=["sim-alias"])
+    async with running_engine(config) as engine:
+        info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest())
+    assert (info.schema_revision, info.minimum_client_revision) == (1, 1)
+    assert info.schema_release and info.schema_release not in ("main", "master")
+    assert info.engine_name == "kvplane"
+    assert info.instance_id == "engine-7"
+    assert info.role == pb.ENGINE_ROLE_AGGREGATED
+    assert list(info.supported_models) == ["sim", "sim-alias"]
+    assert info.parallelism.HasField("data_parallel_rank")
+    assert info.kv_connector.HasField("enabled") and not info.kv_connector.enabled
+
+
+async def test_model_info_says_exactly_what_is_supported() -> None:
+    async with running_engine() as engine:
+        assert (
+            await rpc_error(engine.stub.GetModelInfo(pb.GetModelInfoRequest(model="nope")))
+        ).code() == grpc.StatusCode.NOT_FOUND
+        assert (
+            await rpc_error(engine.stub.GetModelInfo(pb.GetModelInfoRequest()))
+        ).code() == grpc.StatusCode.INVALID_ARGUMENT
+        info = await engine.stub.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+    assert info.served_model_name == "sim"
+    assert (info.kv_block_size, info.total_kv_blocks, info.max_context_length) == (4, 64, 256)
+    assert info.max_running_requests == 8 and info.max_batched_tokens == 256
+    # Unsupported is an explicit false, never absent.
+    gen = info.generation
+    assert gen.guided_decoding.HasField("supported") and not gen.guided_decoding.supported
+    assert info.HasField("supports_lora") and not info.supports_lora
+    assert info.HasField("supports_multimodal") and not info.supports_multimodal
+    for task in (info.tasks.embed, info.tasks.classify, info.tasks.score):
+        assert task.HasField("supported") and not task.supported
+    # The sim runner has no tokenizer: token ids only.
+    assert info.HasField("supports_text_input") and not info.supports_text_input
+    assert info.supports_token_ids_input
+    assert gen.output_logprobs.supported and gen.prompt_logprobs.supported
+    assert (
+        pb.CANDIDATE_TOKEN_SELECTION_MODE_UNSPECIFIED
+        not in gen.output_logprobs.candidate_selection_modes
+    )
+    assert gen.supports_priority and gen.supports_cache_salt and gen.supports_prefix_cache_bypass
+
+
+async def test_load_reports_every_scalar() -> None:
+    async with running_engine() as engine:
+        await collect(engine.stub, generate_request(list(range(12)), max_tokens=2))
+        load = await engine.stub.GetLoad(pb.GetLoadRequest(include_per_rank=True))
+    for name in (
+        "timestamp_unix_nanos",
+        "running_requests",
+        "queued_requests",
+        "active_kv_sessions",
+        "used_kv_blocks",
+        "total_kv_blocks",
+        "running_tokens",
+        "waiting_tokens",
+        "prefill_batch_size",
+        "decode_batch_size",
+    ):
+        assert load.HasField(name), name
+    assert load.total_kv_blocks == 64
+    assert load.running_requests == 0 and load.used_kv_blocks == 0  # a present, measured zero
+    assert int(load.attributes["cached_kv_blocks"]) == 3  # the 12-token prompt's 3 blocks
+    assert len(load.ranks) == 1 and load.ranks[0].HasField("data_parallel_rank")
+
+
+async def test_health_with_probe_and_role() -> None:
+    async with running_engine() as engine:
+        health = await engine.stub.Health(pb.HealthRequest(include_inference_probe=True))
+        assert health.state == pb.HEALTH_STATE_READY
+        probe = {c.name: c for c in health.checks}["inference_probe"]
+        assert probe.state == pb.HEALTH_STATE_READY
+        wrong_role = await engine.stub.Health(pb.HealthRequest(role=pb.ENGINE_ROLE_PREFILL))
+        assert wrong_role.state == pb.HEALTH_STATE_NOT_READY
+        assert {c.name: c.state for c in wrong_role.checks}["role"] == pb.HEALTH_STATE_NOT_READY
+        unknown = await rpc_error(engine.stub.Health(pb.HealthRequest(model="other")))
+        assert unknown.code() == grpc.StatusCode.NOT_FOUND
+        standard = health_pb2_grpc.HealthStub(engine.channel)
+        serving = await standard.Check(
+            health_pb2.HealthCheckRequest(service="openengine.v1.OpenEngine")
+        )
+        assert serving.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_unsupported_features_fail_before_acceptance() -> None:
+    async with running_engine() as engine:
+        stub = engine.stub
+        ctx = pb.TaskRequestContext(request_id="t", model="sim")
+        text = [pb.TaskInput(item_id="a", text="x")]
+        for call in (
+            stub.Embed(pb.EmbedRequest(context=ctx, inputs=text)),
+            stub.Classify(pb.ClassifyRequest(context=ctx, inputs=text)),
+            stub.Score(pb.ScoreRequest(context=ctx)),
+            stub.LoadLora(pb.LoadLoraRequest()),
+            stub.UnloadLora(pb.UnloadLoraRequest(lora_name="a")),
+            stub.ListLoras(pb.ListLorasRequest()),
+        ):
+            assert (await rpc_error(call)).code() == grpc.StatusCode.FAILED_PRECONDITION
+        other = pb.TaskRequestContext(request_id="t", model="other")
+        embed = stub.Embed(pb.EmbedRequest(context=other, inputs=text))
+        assert (await rpc_error(embed)).code() == grpc.StatusCode.NOT_FOUND
+        connector = await stub.GetKvConnectorInfo(pb.GetKvConnectorInfoRequest())
+        assert connector.HasField("enabled") and not connector.enabled
+
+
+async def test_decode_role_requires_a_session_and_refuses_without_one() -> None:
+    async with running_engine(sim_config(role="decode")) as engine:
+        info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest())
+        assert info.role == pb.ENGINE_ROLE_DECODE
+        events = engine.stub.Generate(generate_request([1, 2, 3]))
+        error = await rpc_error(lambda: collect_all(events))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def collect_all(stream: object) -> list[object]:
+    return [r async for r in stream]  # type: ignore[attr-defined]
+
+
+async def test_bearer_token_guards_mutating_methods_only(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    async with running_engine(sim_config(auth=AuthConfig(token_file=token_file))) as engine:
+        # Inference and reads need no token.
+        done = await collect(engine.stub, generate_request([1, 2, 3], max_tokens=1))
+        assert done[-1].HasField("usage")
+        await engine.stub.GetLoad(pb.GetLoadRequest())
+        # Abort and Drain do.
+        error = await rpc_error(engine.stub.Abort(pb.AbortRequest(request_id="x")))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        drain = await rpc_error(lambda: collect_all(engine.stub.Drain(pb.DrainRequest())))
+        assert drain.code() == grpc.StatusCode.UNAUTHENTICATED
+        with_token = await rpc_error(
+            engine.stub.Abort(
+                pb.AbortRequest(request_id="x"), metadata=(("authorization", "Bearer s3cret"),)
+            )
+        )
+        assert with_token.code() == grpc.StatusCode.NOT_FOUND  # authorised, then a real answer

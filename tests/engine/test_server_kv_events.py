@@ -1,0 +1,222 @@
+"""KV events and runtime events through a real engine: SubscribeKvEvents (snapshot, live,
+resume), agreement with the block manager, GetKvEventSources and the ZMQ publisher consumed
+by a real SUB socket and DEALER replay."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+from tests.engine.engine_server_harness import (
+    Engine,
+    collect,
+    generate_request,
+    rpc_error,
+    running_engine,
+    sim_config,
+    wait_for,
+)
+
+from engine.config import KvEventsConfig
+from engine.server.zmq_publisher import END_OF_REPLAY_SEQ
+from openengine.v1 import openengine_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _key(h: pb.KvBlockHash) -> int:
+    assert h.encoding == "int64" and len(h.value) == 8
+    return int.from_bytes(h.value, "big", signed=True)
+
+
+def _apply(cached: dict[int, int], batch: pb.KvEventBatch) -> None:
+    """A consumer's naive model: key -> live copies."""
+    for event in batch.events:
+        kind = event.WhichOneof("event")
+        if kind == "block_stored":
+            stored = event.block_stored
+            assert len(stored.token_ids) == len(stored.block_hashes) * stored.block_size
+            for h in stored.block_hashes:
+                cached[_key(h)] = cached.get(_key(h), 0) + 1
+        elif kind == "block_removed":
+            for h in event.block_removed.block_hashes:
+                key = _key(h)
+                if key in cached:
+                    cached[key] -= 1
+                    if cached[key] == 0:
+                        del cached[key]
+        else:
+            cached.clear()
+
+
+async def _engine_cached_keys(engine: Engine) -> set[int]:
+    future = engine.app.service.engine_loop.call(lambda core: core.block_manager.cached_keys())
+    keys = await asyncio.wrap_future(future)
+    return {k if k < 2**63 else k - 2**64 for k in keys}
+
+
+async def _next(stream: Any) -> pb.SubscribeKvEventsResponse:
+    response: pb.SubscribeKvEventsResponse = await asyncio.wait_for(stream.read(), timeout=10)
+    assert response.WhichOneof("event") == "batch"
+    return response
+
+
+async def test_snapshot_live_and_resume_agree_with_the_block_manager() -> None:
+    async with running_engine(sim_config(num_kv_blocks=16)) as engine:
+        stub = engine.stub
+        await collect(stub, generate_request(list(range(10, 30)), max_tokens=4))
+
+        stream = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+        snapshot = (await _next(stream)).batch
+        assert snapshot.sequence_number == engine.app.service.kv_log.last_sequence_number
+        assert snapshot.events[0].WhichOneof("event") == "all_blocks_cleared"
+        order = [_key(e.block_stored.block_hashes[0]) for e in snapshot.events[1:]]
+        for index, event in enumerate(snapshot.events[1:]):
+            stored = event.block_stored
+            if stored.HasField("parent_block_hash") and _key(stored.parent_block_hash) in order:
+                assert order.index(_key(stored.parent_block_hash)) < index  # parents first
+        cached: dict[int, int] = {}
+        _apply(cached, snapshot)
+        assert set(cached) == await _engine_cached_keys(engine)
+
+        # Live: more work, including evictions (16 blocks only), keeps the model in step.
+        live: list[pb.KvEventBatch] = []
+        for start in (100, 200, 300):
+            await collect(stub, generate_request(list(range(start, start + 24)), max_tokens=4))
+            target = engine.app.service.kv_log.last_sequence_number
+            while not live or live[-1].sequence_number < target:
+                live.append((await _next(stream)).batch)
+        stream.cancel()
+        numbers = [b.sequence_number for b in live]
+        assert numbers == list(range(snapshot.sequence_number + 1, numbers[-1] + 1))
+        for batch in live:
+            _apply(cached, batch)
+        assert any(e.WhichOneof("event") == "block_removed" for b in live for e in b.events)
+        assert set(cached) == await _engine_cached_keys(engine)
+
+        # Resume from a sequence number still buffered: the very same batches again.
+        resumed = stub.SubscribeKvEvents(
+            pb.SubscribeKvEventsRequest(start_sequence_number=numbers[0])
+        )
+        again = [(await _next(resumed)).batch for _ in numbers]
+        resumed.cancel()
+        assert again == live
+
+
+async def test_resume_outside_the_buffer_is_out_of_range() -> None:
+    config = sim_config(kv_events=KvEventsConfig(buffer_steps=2))
+    async with running_engine(config) as engine:
+        for start in (0, 100, 200, 300):
+            await collect(engine.stub, generate_request(list(range(start, start + 8))))
+        last = engine.app.service.kv_log.last_sequence_number
+        assert last > 3
+        request = pb.SubscribeKvEventsRequest(start_sequence_number=1)
+        error = await rpc_error(lambda: engine.stub.SubscribeKvEvents(request).read())
+        assert error.code() == grpc.StatusCode.OUT_OF_RANGE
+        # With include_snapshot the snapshot stands in for what is gone.
+        request.include_snapshot = True
+        stream = engine.stub.SubscribeKvEvents(request)
+        assert (await _next(stream)).batch.sequence_number == last
+        stream.cancel()
+
+
+async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
+    async with running_engine() as engine:
+        everything = engine.stub.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest())
+        only_queue = engine.stub.SubscribeRuntimeEvents(
+            pb.SubscribeRuntimeEventsRequest(types=[pb.RUNTIME_EVENT_TYPE_QUEUE])
+        )
+        hub = engine.app.service.runtime_events
+
+        async def subscribed() -> bool:
+            return hub.num_subscribers == 2
+
+        await wait_for(subscribed, what="runtime event subscribers")
+        await collect(engine.stub, generate_request(list(range(40)), max_tokens=3))
+        kinds: dict[int, pb.RuntimeEvent] = {}
+        while len(kinds) < 3:
+            response = await asyncio.wait_for(everything.read(), timeout=10)
+            event = response.runtime_event
+            kinds.setdefault(event.type, event)
+        forward = kinds[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS].attributes
+        assert int(forward["batch_size"]) >= 1
+        assert int(forward["num_scheduled_tokens"]) >= 1
+        assert int(forward["num_cached_tokens"]) >= 0
+        assert float(forward["duration_ms"]) >= 0.0
+        assert "decode_sequences" in kinds[pb.RUNTIME_EVENT_TYPE_BATCH].attributes
+        queued = await asyncio.wait_for(only_queue.read(), timeout=10)
+        assert queued.runtime_event.type == pb.RUNTIME_EVENT_TYPE_QUEUE
+        assert "running_requests" in queued.runtime_event.attributes
+        everything.cancel()
+        only_queue.cancel()
+
+
+async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
+    config = sim_config(
+        listen="0.0.0.0:0",
+        kv_events=KvEventsConfig(
+            zmq_enabled=True,
+            endpoint="tcp://*:*",
+            replay_endpoint="tcp://*:*",
+            advertised_host="127.0.0.1",
+        ),
+    )
+    async with running_engine(config) as engine:
+        sources = (await engine.stub.GetKvEventSources(pb.GetKvEventSourcesRequest())).sources
+        by_transport = {s.transport: s for s in sources}
+        zmq_source = by_transport["zmq"]
+        assert zmq_source.endpoint_addr.host == "127.0.0.1"  # never a bind wildcard
+        assert zmq_source.encoding == "msgpack"
+        assert zmq_source.topic == f"kv@127.0.0.1:{engine.app.port}@sim"
+        assert zmq_source.replay_endpoint.startswith("tcp://127.0.0.1:")
+        assert by_transport["grpc"].endpoint_addr.port == engine.app.port
+        none = await engine.stub.GetKvEventSources(
+            pb.GetKvEventSourcesRequest(data_parallel_ranks=[5])
+        )
+        assert list(none.sources) == []
+
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{zmq_source.endpoint_addr.port}")
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(zmq_source.replay_endpoint)
+        try:
+            # PUB drops until the subscription propagates: send work until something arrives.
+            live: list[list[bytes]] = []
+            start = 0
+            while not live:
+                await collect(engine.stub, generate_request(list(range(start, start + 8))))
+                start += 50
+                if await sub.poll(timeout=100):
+                    live.append(await sub.recv_multipart())
+            last_seq = engine.app.service.kv_log.last_sequence_number - 1
+            while int.from_bytes(live[-1][1], "big") < last_seq:
+                assert await sub.poll(timeout=5000)
+                live.append(await sub.recv_multipart())
+            topic, _seq, payload = live[-1]
+            assert topic == zmq_source.topic.encode()
+            _ts, events, rank = msgpack.unpackb(payload)
+            assert rank == 0 and events[0]["type"] == "BlockStored"
+            assert list(events[0])[:2] == ["type", "block_hashes"]
+
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            replayed: dict[int, list[bytes]] = {}
+            while True:
+                assert await dealer.poll(timeout=5000)
+                frames = await dealer.recv_multipart()
+                if frames[2] == END_OF_REPLAY_SEQ:
+                    break
+                replayed[int.from_bytes(frames[2], "big")] = frames[1:]
+            assert sorted(replayed) == list(range(last_seq + 1))
+            for frames in live:
+                assert replayed[int.from_bytes(frames[1], "big")] == frames
+        finally:
+            sub.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()

@@ -1,0 +1,82 @@
+"""vllm.Generate (unary and streaming) over the same core, through real stubs (sim runner)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tests.engine.engine_server_harness import collect, generate_request, rpc_error, running_engine
+
+from openengine.v1 import openengine_pb2 as oe
+from vllm_grpc import vllm_grpc_pb2 as pb
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = list(range(20, 44))
+
+
+def _request(**fields: object) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=PROMPT),
+        stopping=pb.StoppingCriteria(max_new_tokens=5),
+        response=pb.ResponseOptions(output_token_ids=True, prompt_token_ids=True),
+    )
+    for name, value in fields.items():
+        getattr(request, name).CopyFrom(value)
+    return request
+
+
+async def test_stream_two_sequences_with_prompt_info_and_finish_info() -> None:
+    async with running_engine() as engine:
+        request = _request(sampling=pb.RandomSampling(num_sequences=2))
+        responses = [r async for r in engine.vllm.GenerateStream(request)]
+    assert responses[0].HasField("prompt_info")
+    assert not any(r.HasField("prompt_info") for r in responses[1:])
+    assert list(responses[0].prompt_info.token_ids) == PROMPT
+    assert responses[0].prompt_info.num_prompt_tokens == len(PROMPT)
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    finishes = {}
+    for r in responses:
+        out = r.outputs
+        assert out.num_tokens == len(out.token_ids)
+        tokens[out.index].extend(out.token_ids)
+        if out.HasField("finish_info"):
+            assert out.index not in finishes
+            finishes[out.index] = out.finish_info
+    assert {i: len(t) for i, t in tokens.items()} == {0: 5, 1: 5}
+    assert all(f.finish_reason == pb.FinishInfo.LENGTH for f in finishes.values())
+    assert all(f.num_output_tokens == 5 for f in finishes.values())
+
+
+async def test_unary_generate_matches_openengine_greedy_tokens() -> None:
+    async with running_engine() as engine:
+        unary = await engine.vllm.Generate(_request())
+        openengine = await collect(
+            engine.stub,
+            generate_request(PROMPT, max_tokens=5, sampling=oe.SamplingParams(temperature=0)),
+        )
+    oe_tokens = [
+        t.token_id for r in openengine if r.WhichOneof("event") == "token" for t in r.token.tokens
+    ]
+    assert list(unary.outputs.token_ids) == oe_tokens
+    assert unary.outputs.num_tokens == 5
+    assert unary.outputs.finish_info.num_output_tokens == 5
+    assert unary.prompt_info.num_prompt_tokens == len(PROMPT)
+
+
+async def test_refusals_before_acceptance() -> None:
+    async with running_engine() as engine:
+        unknown = _request()
+        unknown.model = "other"
+        assert (await rpc_error(engine.vllm.Generate(unknown))).code() == grpc.StatusCode.NOT_FOUND
+        structured = _request(decoding=pb.DecodingParameters(regex="a+"))
+        assert (
+            await rpc_error(engine.vllm.Generate(structured))
+        ).code() == grpc.StatusCode.INVALID_ARGUMENT
+        two = _request(sampling=pb.RandomSampling(num_sequences=2))
+        assert (
+            await rpc_error(engine.vllm.Generate(two))
+        ).code() == grpc.StatusCode.INVALID_ARGUMENT
+        empty = pb.GenerateRequest()
+        assert (
+            await rpc_error(engine.vllm.Generate(empty))
+        ).code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,153 @@
+"""Stopping: stop strings across token boundaries (with holdback), include_stop_in_output,
+stop token ids, EOS and ignore_eos, min_tokens, max_tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from engine.core.api import (
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    SchedulerConfig,
+    StopKind,
+    StopMatch,
+)
+from engine.core.engine_core import EngineCore
+from engine.core.errors import InvalidRequestError
+from engine.core.sim_runner import SimRunner
+from engine.core.stopping import StopChecker, StopDecision
+
+TOKENIZER = Path(__file__).resolve().parents[2].parent / "shared/models/tiny-llama/tokenizer.json"
+EOS = 2
+
+
+def feed(
+    checker: StopChecker, pieces: list[tuple[int, str]]
+) -> tuple[str, list[str], StopDecision]:
+    emitted: list[str] = []
+    for token_id, text in pieces:
+        decision = checker.on_token(token_id, text)
+        emitted.append(decision.text_delta)
+        if decision.finish_reason is not None:
+            break
+    return "".join(emitted), emitted, decision
+
+
+def test_stop_string_split_across_three_tokens_is_found_and_held_back() -> None:
+    checker = StopChecker(SamplingParams(stop=("STOP!",)), {EOS}, 100)
+    text, deltas, decision = feed(
+        checker, [(10, "hello S"), (11, "TO"), (12, "P! and more"), (13, "never")]
+    )
+    assert text == "hello "
+    # Nothing of the stop string leaked before the match was confirmed.
+    assert all("S" not in d for d in deltas)
+    assert decision.finish_reason is FinishReason.STOP
+    assert decision.stop_match == StopMatch(StopKind.STOP_TEXT, text="STOP!")
+
+
+def test_include_stop_in_output_keeps_the_stop_string() -> None:
+    checker = StopChecker(
+        SamplingParams(stop=("xyz", "b c"), include_stop_in_output=True), {EOS}, 100
+    )
+    text, _, decision = feed(checker, [(5, "a b"), (6, " c d"), (7, "e")])
+    assert text == "a b c"
+    assert decision.stop_match is not None and decision.stop_match.text == "b c"
+
+
+def test_earliest_stop_string_wins() -> None:
+    checker = StopChecker(SamplingParams(stop=("later", "ear")), {EOS}, 100)
+    text, _, _ = feed(checker, [(5, "an earlier later")])
+    assert text == "an "
+
+
+def test_held_back_text_is_flushed_when_the_length_runs_out() -> None:
+    checker = StopChecker(SamplingParams(stop=("zzzz",), max_tokens=2), {EOS}, 2)
+    text, deltas, decision = feed(checker, [(5, "abc"), (6, "defz")])
+    assert deltas[0] == ""  # "abc" held back: it could start a 4-char stop string
+    assert text == "abcdefz"
+    assert decision.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_and_eos_respect_min_tokens_and_ignore_eos() -> None:
+    sampling = SamplingParams(stop_token_ids=(7,), min_tokens=2)
+    checker = StopChecker(sampling, {EOS}, 100)
+    assert checker.on_token(7, "x").finish_reason is None  # before min_tokens: just a token
+    assert checker.on_token(EOS, "").finish_reason is None
+    decision = checker.on_token(7, "y")
+    assert decision.finish_reason is FinishReason.STOP
+    assert decision.stop_match == StopMatch(StopKind.STOP_TOKEN, token_id=7)
+    assert not decision.emit_token
+
+    eos = StopChecker(SamplingParams(), {EOS}, 100).on_token(EOS, "")
+    assert eos.stop_match == StopMatch(StopKind.EOS, token_id=EOS)
+    assert (
+        StopChecker(SamplingParams(ignore_eos=True), {EOS}, 100).on_token(EOS, "").finish_reason
+        is None
+    )
+    included = StopChecker(SamplingParams(stop_token_ids=(7,), include_stop_in_output=True), {}, 9)
+    assert included.on_token(7, "q").emit_token
+
+
+# ------------------------------------------------------------------ through the engine
+
+
+def engine(eos_after: int | None = None) -> EngineCore:
+    runner = SimRunner(
+        block_size=4, num_blocks=128, vocab_size=1024, time_scale=0, eos_after=eos_after
+    )
+    return EngineCore(
+        runner,
+        SchedulerConfig(max_num_batched_tokens=64),
+        tokenizer=Tokenizer.from_file(str(TOKENIZER)),
+    )
+
+
+def generate(core: EngineCore, sampling: SamplingParams) -> list[RequestOutput]:
+    core.add_request(EngineRequest("r", (1, 450, 300, 600, 71), sampling))
+    outputs: list[RequestOutput] = []
+    while core.has_work():
+        outputs.extend(core.step().outputs)
+    return outputs
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_engine_stops_on_a_string_spanning_a_token_boundary(include: bool) -> None:
+    full = generate(engine(), SamplingParams(max_tokens=12, ignore_eos=True))
+    pieces = [o.new_text for o in full]
+    text = "".join(pieces)
+    # A stop string made of the end of token 3's text and the start of token 4's.
+    boundary = len("".join(pieces[:3]))
+    assert pieces[2] and pieces[3]
+    stop = text[boundary - 1 : boundary + 1]
+    index = text.find(stop)
+    outputs = generate(
+        engine(), SamplingParams(max_tokens=12, stop=(stop,), include_stop_in_output=include)
+    )
+    got = "".join(o.new_text for o in outputs)
+    assert got == (text[: index + len(stop)] if include else text[:index])
+    assert outputs[-1].finish_reason is FinishReason.STOP
+    assert outputs[-1].stop_match == StopMatch(StopKind.STOP_TEXT, text=stop)
+    assert outputs[-1].usage is not None
+
+
+def test_engine_eos_ends_the_output_unless_ignored() -> None:
+    outputs = generate(engine(eos_after=3), SamplingParams(max_tokens=10))
+    assert [len(o.new_token_ids) for o in outputs] == [1, 1, 0]  # EOS itself not emitted
+    assert outputs[-1].stop_match == StopMatch(StopKind.EOS, token_id=EOS)
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 3
+    ignored = generate(engine(eos_after=3), SamplingParams(max_tokens=10, ignore_eos=True))
+    assert sum(len(o.new_token_ids) for o in ignored) == 10
+    assert ignored[-1].finish_reason is FinishReason.LENGTH
+    late = generate(engine(eos_after=3), SamplingParams(max_tokens=10, min_tokens=5))
+    assert late[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_stop_strings_without_a_tokenizer_are_rejected() -> None:
+    core = EngineCore(SimRunner(time_scale=0))
+    with pytest.raises(InvalidRequestError):
+        core.add_request(EngineRequest("r", (1, 2, 3), SamplingParams(stop=("x",))))

@@ -1,0 +1,119 @@
+"""A vLLM-style KV-event publisher on real ZMQ sockets, for the source and bridge tests.
+
+An XPUB socket (a PUB that also reports subscriptions, so a test can wait until the SUB is
+connected instead of sleeping) and a ROUTER speaking vLLM 0.32's legacy replay protocol:
+`[b"", start_seq]` in, `[b"", topic, seq, payload]` per buffered batch (or without the topic,
+like older vLLM) out, then the end marker `[b"", b"", ff*8, b""]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+END_MARKER = [b"", b"", b"\xff" * 8, b""]
+
+
+class FakeKvPublisher:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        *,
+        replay_with_topic: bool = True,
+        buffer_steps: int | None = None,
+        endpoint: str = "tcp://127.0.0.1:*",
+    ) -> None:
+        self.context = context
+        self.pub = context.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
+        self.pub.bind(endpoint)
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router = context.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        # seq -> [topic, seq, payload]: what the replay ROUTER serves.
+        self.buffer: dict[int, list[bytes]] = {}
+        self.replay_with_topic = replay_with_topic
+        # Like vLLM's buffer_steps: only the newest batches stay replayable.
+        self.buffer_steps = buffer_steps
+        self.replay_requests: list[int] = []
+        self._replay_task: asyncio.Task[None] | None = None
+
+    async def wait_subscribed(self, timeout_s: float = 10.0) -> bytes:
+        """Wait for a SUB to subscribe (unsubscriptions are skipped); returns the topic."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await self.pub.recv()
+                if message[:1] == b"\x01":
+                    return bytes(message[1:])
+
+    async def send(self, frames: list[bytes]) -> None:
+        await self.pub.send_multipart(frames)
+
+    async def publish(
+        self,
+        frames: list[bytes],
+        *,
+        live: bool = True,
+        two_frames: bool = False,
+        replay_frames: list[bytes] | None = None,
+    ) -> None:
+        """Buffer a [topic, seq, payload] batch for replay (as `replay_frames` when given) and,
+        unless `live` is False (the subscriber loses it), send it (without the topic frame
+        when `two_frames`)."""
+        self.buffer[int.from_bytes(frames[1], "big")] = replay_frames or frames
+        if self.buffer_steps is not None:
+            while len(self.buffer) > self.buffer_steps:
+                del self.buffer[min(self.buffer)]
+        if live:
+            await self.send(frames[1:] if two_frames else frames)
+
+    def start_replay(self) -> None:
+        self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def _serve_replay(self) -> None:
+        while True:
+            identity, _empty, start = await self.router.recv_multipart()
+            start_seq = int.from_bytes(start, "big")
+            self.replay_requests.append(start_seq)
+            for seq in sorted(self.buffer):
+                if seq >= start_seq:
+                    topic, seq_frame, payload = self.buffer[seq]
+                    body = (
+                        [topic, seq_frame, payload]
+                        if self.replay_with_topic
+                        else [
+                            seq_frame,
+                            payload,
+                        ]
+                    )
+                    await self.router.send_multipart([identity, b"", *body])
+            end = END_MARKER if self.replay_with_topic else [b"", b"\xff" * 8, b""]
+            await self.router.send_multipart([identity, *end])
+
+    async def close(self) -> None:
+        if self._replay_task is not None:
+            self._replay_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._replay_task
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def running(task_coro: object) -> AsyncIterator[asyncio.Task[None]]:
+    """Run a coroutine as a task for the duration of the block, then cancel it."""
+    task: asyncio.Task[None] = asyncio.ensure_future(task_coro)  # type: ignore[arg-type]
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

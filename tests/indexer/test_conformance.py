@@ -1,0 +1,422 @@
+"""One conformance suite for every index backend: kv_indexer.v1's semantics (WIRE.md section 2)
+plus kvplane's extensions (copies, worker removal, snapshots, the per-tier token view).
+
+Runs once per backend registered in backend_factories.FACTORIES (fixture `backend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from indexer.backend import IndexBackend, PrefixResult, TierPlacements, WorkerPlacements
+from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier
+from indexer.memory_backend import MemoryBackend
+
+HBM, DRAM, SSD = Tier.HBM, Tier.DRAM, Tier.SSD
+FULL, SWA, MAMBA = 1, 2, 4
+HBM_MASK, DRAM_MASK, SSD_MASK = 1 << HBM, 1 << DRAM, 1 << SSD
+
+
+def report(
+    tier: Tier,
+    hashes: Sequence[BlockKey],
+    masks: Sequence[int] = (),
+    sizes: Sequence[int] = (),
+    *,
+    parent: BlockKey | None = None,
+    copies: bool = False,
+) -> Action:
+    return Action(
+        ActionType.REPORT, tier, tuple(hashes), tuple(masks), tuple(sizes), parent, copies
+    )
+
+
+def revoke(tier: Tier, hashes: Sequence[BlockKey], copies: bool = False) -> Action:
+    return Action(ActionType.REVOKE, tier, tuple(hashes), copies=copies)
+
+
+def clear(tier: Tier) -> Action:
+    return Action(ActionType.CLEAR_ALL_AT_TIER, tier)
+
+
+async def apply(
+    backend: IndexBackend,
+    worker: str,
+    *actions: Action,
+    address: str | None = None,
+    spec: CacheSpec | None = None,
+) -> None:
+    await backend.apply(
+        Batch(worker, tuple(actions), f"addr-{worker}" if address is None else address, 0, spec)
+    )
+
+
+def prefix_pairs(result: PrefixResult) -> list[tuple[str, int]]:
+    return [(m.worker_id, m.matched_prefix_blocks) for m in result.matches]
+
+
+async def prefix_of(backend: IndexBackend, worker: str, hashes: Sequence[BlockKey]) -> int:
+    result = await backend.match_prefix(hashes, 0)
+    return dict(prefix_pairs(result)).get(worker, 0)
+
+
+def tiers_of(placements: list[WorkerPlacements], worker: str) -> dict[Tier, TierPlacements]:
+    for wp in placements:
+        if wp.worker_id == worker:
+            return {tp.tier: tp for tp in wp.by_tier}
+    return {}
+
+
+# ---------------------------------------------------------------- apply
+
+
+async def test_actions_apply_in_order(backend: IndexBackend) -> None:
+    await apply(backend, "w", revoke(HBM, [1]), report(HBM, [1]))
+    await apply(backend, "v", report(HBM, [1]), revoke(HBM, [1]))
+    matched = await backend.match([1], False)
+    assert [wp.worker_id for wp in matched] == ["w"]
+
+
+async def test_report_replaces_the_mask_and_keeps_known_sizes(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2], masks=[3, 1], sizes=[16, 16]))
+    await apply(backend, "w", report(HBM, [1, 2], masks=[1, 0], sizes=[0, 8]))
+    hbm = tiers_of(await backend.match([1, 2], False), "w")[HBM]
+    assert hbm.hashes == (1, 2)
+    assert hbm.component_masks == (1, 0)
+    assert hbm.block_sizes == (16, 8)
+
+
+async def test_block_size_is_per_block_not_per_worker(backend: IndexBackend) -> None:
+    await apply(backend, "a", report(HBM, [1], sizes=[16]))
+    await apply(backend, "b", report(DRAM, [1]))
+    assert tiers_of(await backend.match([1], False), "b")[DRAM].block_sizes == (16,)
+
+
+async def test_one_block_at_two_tiers_is_two_placements(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(DRAM, [1]), report(HBM, [1]))
+    stats = await backend.stats()
+    assert (stats.num_blocks, stats.num_placements) == (1, 2)
+    assert list(tiers_of(await backend.match([1], False), "w")) == [HBM, DRAM]
+
+
+async def test_revoke_of_unknown_placement_is_a_no_op(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1]), revoke(DRAM, [1]), revoke(HBM, [99]))
+    assert (await backend.stats()).num_placements == 1
+
+
+async def test_clear_removes_one_tier_of_one_worker(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2]), report(DRAM, [1]))
+    await apply(backend, "v", report(HBM, [1]))
+    await apply(backend, "w", clear(HBM))
+    matched = await backend.match([1, 2], False)
+    assert list(tiers_of(matched, "w")) == [DRAM]
+    assert list(tiers_of(matched, "v")) == [HBM]
+    assert (await backend.stats()).num_placements == 2
+
+
+async def test_every_batch_overwrites_address_and_spec(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2]))
+    assert prefix_pairs(await backend.match_prefix([1, 2], 0)) == [("w", 2)]
+    await apply(backend, "w", address="")  # an empty batch refreshes address and spec
+    assert prefix_pairs(await backend.match_prefix([1, 2], 0)) == []
+    matched = await backend.match([1], False)
+    assert [(wp.worker_id, wp.address) for wp in matched] == [("w", "")]
+    await apply(backend, "w", address="10.0.0.1:8000")
+    result = await backend.match_prefix([1, 2], 0)
+    assert [(m.worker_address, m.matched_prefix_blocks) for m in result.matches] == [
+        ("10.0.0.1:8000", 2)
+    ]
+    # A spec with no FULL data on the blocks makes the same placements count 0 ...
+    await apply(backend, "w", spec=CacheSpec(components=FULL, full_tier_mask=HBM_MASK))
+    assert await prefix_of(backend, "w", [1, 2]) == 0
+    # ... and the next batch without a spec makes the worker legacy again.
+    await apply(backend, "w")
+    assert await prefix_of(backend, "w", [1, 2]) == 2
+
+
+async def test_reapplying_a_batch_is_idempotent(backend: IndexBackend) -> None:
+    batch = Batch("w", (report(HBM, [1, 2], masks=[1, 1], sizes=[4, 4]),), "a", 7)
+    await backend.apply(batch)
+    first = await backend.match([1, 2], False)
+    await backend.apply(batch)
+    assert await backend.match([1, 2], False) == first
+    assert (await backend.stats()).num_placements == 2
+
+
+# ---------------------------------------------------------------- MatchExternalKv and hits
+
+
+async def test_match_order_dedup_and_alignment(backend: IndexBackend) -> None:
+    await apply(backend, "b", report(DRAM, [2], masks=[1], sizes=[8]), report(HBM, [3]))
+    await apply(backend, "a", report(HBM, [3, 2], masks=[1, 3], sizes=[0, 8]))
+    matched = await backend.match([2, 9, 2, 3], False)
+    assert [wp.worker_id for wp in matched] == ["a", "b"]  # both first seen on 2: by id
+    a, b = tiers_of(matched, "a"), tiers_of(matched, "b")
+    assert (a[HBM].hashes, a[HBM].component_masks, a[HBM].block_sizes) == ((2, 3), (3, 1), (8, 0))
+    assert list(b) == [HBM, DRAM]
+    assert (b[HBM].hashes, b[DRAM].hashes, b[DRAM].component_masks) == ((3,), (2,), (1,))
+    matched = await backend.match([3, 2], False)
+    assert [wp.worker_id for wp in matched] == ["a", "b"]
+    await apply(backend, "c", report(SSD, [9]))
+    assert [wp.worker_id for wp in await backend.match([9, 2], False)] == ["c", "a", "b"]
+
+
+async def test_hits_count_distinct_matched_hashes_only(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2]))
+    await apply(backend, "v", report(HBM, [1]))
+    assert await backend.hit_counts([1, 2]) == []  # applies never touch counters
+    await backend.match([1, 1, 2, 3], True)
+    await backend.match([1], True)
+    await backend.match([1, 2], False)
+    assert await backend.hit_counts([3, 2, 1, 2]) == [(2, 1), (1, 2)]
+
+
+async def test_hit_counter_lives_while_the_block_has_placements(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1]), report(DRAM, [1]))
+    await apply(backend, "v", report(HBM, [2]))
+    await backend.match([1, 2], True)
+    await apply(backend, "w", revoke(HBM, [1]))  # partial revoke keeps it
+    assert await backend.hit_counts([1]) == [(1, 1)]
+    await apply(backend, "w", revoke(DRAM, [1]))
+    assert await backend.hit_counts([1, 2]) == [(2, 1)]
+    await apply(backend, "w", report(HBM, [1]))
+    assert await backend.hit_counts([1]) == []
+
+
+# ---------------------------------------------------------------- MatchExternalKvPrefix
+
+
+async def test_prefix_first_block_miss(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [2, 3]))
+    result = await backend.match_prefix([1, 2, 3], 0)
+    assert (result.matches, result.best_prefix_blocks, result.blocks_read) == ((), 0, 1)
+
+
+async def test_legacy_prefix_spans_tiers_up_to_the_first_gap(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1]), report(DRAM, [2]), report(SSD, [3]))
+    await apply(backend, "w", report(HBM, [5]))
+    assert await prefix_of(backend, "w", [1, 2, 3, 4, 5]) == 3
+
+
+async def test_legacy_worker_with_component_data_fails_closed(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2, 3], masks=[0, 1, 0]))
+    await apply(backend, "v", report(HBM, [1, 2, 3]))
+    assert prefix_pairs(await backend.match_prefix([1, 2, 3], 0)) == [("v", 3)]
+    # Only blocks scanned count: a mask past the worker's first gap does not poison it.
+    await apply(backend, "x", report(HBM, [1]), report(HBM, [3], masks=[1]))
+    assert await prefix_of(backend, "x", [1, 2, 3]) == 1
+
+
+async def test_max_blocks_caps_the_prefix(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2, 3, 4]))
+    result = await backend.match_prefix([1, 2, 3, 4], 2)
+    assert prefix_pairs(result) == [("w", 2)]
+    assert result.best_prefix_blocks == 2
+    assert prefix_pairs(await backend.match_prefix([1, 2, 3, 4], 9)) == [("w", 4)]
+
+
+async def test_prefix_output_order_and_exclusions(backend: IndexBackend) -> None:
+    await apply(backend, "c", report(HBM, [1, 2]))
+    await apply(backend, "b", report(HBM, [1, 2, 3]))
+    await apply(backend, "a", report(HBM, [1, 2]))
+    await apply(backend, "hidden", report(HBM, [1, 2, 3]), address="")
+    await apply(backend, "nothing", report(HBM, [2, 3]))
+    result = await backend.match_prefix([1, 2, 3], 0)
+    assert prefix_pairs(result) == [("b", 3), ("a", 2), ("c", 2)]
+    assert result.best_prefix_blocks == 3
+    assert [m.worker_address for m in result.matches] == ["addr-b", "addr-a", "addr-c"]
+
+
+async def test_invalid_specs_match_nothing(backend: IndexBackend) -> None:
+    invalid = [
+        CacheSpec(components=0, full_tier_mask=HBM_MASK),
+        CacheSpec(version=2, components=FULL, full_tier_mask=HBM_MASK),
+        CacheSpec(components=FULL | SWA, full_tier_mask=HBM_MASK, swa_tier_mask=HBM_MASK),
+    ]
+    for i, spec in enumerate(invalid):
+        await apply(backend, f"w{i}", report(HBM, [1, 2], masks=[3, 3], sizes=[4, 4]), spec=spec)
+    await apply(
+        backend,
+        "ok",
+        report(HBM, [1, 2], masks=[1, 1]),
+        spec=CacheSpec(version=1, components=FULL, full_tier_mask=HBM_MASK),
+    )
+    assert prefix_pairs(await backend.match_prefix([1, 2], 0)) == [("ok", 2)]
+
+
+async def test_legacy_placements_do_not_provide_full_under_a_spec(backend: IndexBackend) -> None:
+    spec = CacheSpec(components=FULL, full_tier_mask=HBM_MASK | DRAM_MASK)
+    await apply(backend, "w", report(HBM, [1, 2, 3], masks=[1, 0, 1]), spec=spec)
+    assert await prefix_of(backend, "w", [1, 2, 3]) == 1
+
+
+async def test_fact_swa_gap_with_window_100(backend: IndexBackend) -> None:
+    spec = CacheSpec(
+        components=FULL | SWA,
+        swa_window_tokens=100,
+        full_tier_mask=HBM_MASK,
+        swa_tier_mask=HBM_MASK,
+    )
+    await apply(backend, "w", report(HBM, [1, 2, 3, 4, 5], [3, 3, 3, 1, 3], [50] * 5), spec=spec)
+    assert await prefix_of(backend, "w", [1, 2, 3, 4, 5]) == 3
+
+
+async def test_fact_swa_head_run_shorter_than_window(backend: IndexBackend) -> None:
+    spec = CacheSpec(
+        components=FULL | SWA,
+        swa_window_tokens=1000,
+        full_tier_mask=HBM_MASK,
+        swa_tier_mask=HBM_MASK,
+    )
+    await apply(backend, "w", report(HBM, [1, 2], [3, 3], [16, 16]), spec=spec)
+    assert await prefix_of(backend, "w", [1, 2]) == 2
+
+
+async def test_swa_window_refilled_after_a_gap(backend: IndexBackend) -> None:
+    spec = CacheSpec(
+        components=FULL | SWA,
+        swa_window_tokens=100,
+        full_tier_mask=HBM_MASK,
+        swa_tier_mask=HBM_MASK,
+    )
+    masks = [3, 1, 3, 3, 3]
+    await apply(backend, "w", report(HBM, [1, 2, 3, 4, 5], masks, [50] * 5), spec=spec)
+    assert await prefix_of(backend, "w", [1, 2, 3, 4, 5]) == 5  # run 100 again at index 3
+    assert await prefix_of(backend, "w", [1, 2, 3]) == 1
+
+
+async def test_fact_mamba_only_on_the_boundary_block(backend: IndexBackend) -> None:
+    spec = CacheSpec(components=FULL | MAMBA, full_tier_mask=HBM_MASK, mamba_tier_mask=HBM_MASK)
+    await apply(backend, "w", report(HBM, [1, 2, 3, 4, 5], masks=[1, 1, 1, 5, 1]), spec=spec)
+    assert await prefix_of(backend, "w", [1, 2, 3, 4, 5]) == 4
+    assert await prefix_of(backend, "w", [1, 2]) == 0
+
+
+async def test_fact_full_on_hbm_then_dram_is_contiguous(backend: IndexBackend) -> None:
+    spec = CacheSpec(components=FULL, full_tier_mask=HBM_MASK | DRAM_MASK)
+    await apply(
+        backend, "w", report(HBM, [1, 2], masks=[1, 1]), report(DRAM, [3, 4], [1, 1]), spec=spec
+    )
+    assert await prefix_of(backend, "w", [1, 2, 3, 4]) == 4
+    hbm_only = CacheSpec(components=FULL, full_tier_mask=HBM_MASK)
+    await apply(backend, "w", spec=hbm_only)
+    assert await prefix_of(backend, "w", [1, 2, 3, 4]) == 2
+
+
+async def test_fact_ssd_only_matches_nothing(backend: IndexBackend) -> None:
+    spec = CacheSpec(components=FULL, full_tier_mask=HBM_MASK | DRAM_MASK | SSD_MASK)
+    await apply(backend, "w", report(SSD, [1, 2], masks=[1, 1]), spec=spec)
+    result = await backend.match_prefix([1, 2], 0)
+    assert (result.matches, result.best_prefix_blocks) == ((), 0)
+
+
+async def test_swa_tier_mask_is_its_own(backend: IndexBackend) -> None:
+    spec = CacheSpec(
+        components=FULL | SWA,
+        swa_window_tokens=32,
+        full_tier_mask=HBM_MASK | DRAM_MASK,
+        swa_tier_mask=HBM_MASK,
+    )
+    await apply(backend, "w", report(HBM, [1], [3], [16]), report(DRAM, [2, 3], [3, 3], [16, 16]))
+    await apply(backend, "w", spec=spec)
+    # SWA on DRAM does not count: the head run stops after block 0.
+    assert await prefix_of(backend, "w", [1, 2, 3]) == 1
+
+
+# ---------------------------------------------------------------- kvplane extensions
+
+
+async def test_copies_leave_with_the_last_copy(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2], copies=True), report(HBM, [1], copies=True))
+    await apply(backend, "w", report(HBM, [1]))  # a plain re-announcement is not a new copy
+    await apply(backend, "w", revoke(HBM, [1, 2], copies=True))
+    assert await prefix_of(backend, "w", [1]) == 1
+    assert await prefix_of(backend, "w", [2]) == 0
+    await apply(backend, "w", revoke(HBM, [1], copies=True))
+    assert await prefix_of(backend, "w", [1]) == 0
+    assert (await backend.stats()).num_placements == 0
+
+
+async def test_plain_revoke_removes_every_copy(backend: IndexBackend) -> None:
+    await apply(backend, "w", *[report(HBM, [1], copies=True)] * 3)
+    await apply(backend, "w", revoke(HBM, [1]))
+    assert await backend.match([1], False) == []
+    await apply(backend, "w", report(HBM, [1], copies=True))
+    await apply(backend, "w", revoke(HBM, [1], copies=True))
+    assert await backend.match([1], False) == []
+
+
+async def test_remove_worker(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2]), report(DRAM, [2]), report(HBM, [3], copies=True))
+    await apply(backend, "w", report(HBM, [3], copies=True))
+    await apply(backend, "v", report(HBM, [1]))
+    await backend.match([1, 2], True)
+    assert await backend.remove_worker("w") == 4
+    assert await backend.remove_worker("w") == 0
+    stats = await backend.stats()
+    assert [ws.worker_id for ws in stats.workers] == ["v"]
+    assert (stats.num_blocks, stats.num_placements) == (1, 1)
+    assert prefix_pairs(await backend.match_prefix([1, 2], 0)) == [("v", 1)]
+    assert await backend.hit_counts([1, 2]) == [(1, 1)]
+    await apply(backend, "w", report(HBM, [2]))  # a removed worker can come back
+    assert [wp.worker_id for wp in await backend.match([2], False)] == ["w"]
+    assert await backend.hit_counts([2]) == []
+
+
+async def test_stats_per_worker(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2]), report(DRAM, [2]))
+    await apply(backend, "v", address="")
+    stats = await backend.stats()
+    assert stats.backend == backend.name
+    assert [
+        (s.worker_id, s.worker_address, s.num_blocks, s.num_placements) for s in stats.workers
+    ] == [
+        ("v", "", 0, 0),
+        ("w", "addr-w", 2, 3),
+    ]
+
+
+async def test_prefix_by_tier_token_view(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2], sizes=[16, 16]), report(DRAM, [3], sizes=[8]))
+    await apply(backend, "w", report(SSD, [1, 2, 3, 4]))
+    await apply(backend, "v", report(DRAM, [1]), address="")
+    view = await backend.match_prefix_by_tier([1, 2, 3, 4, 5], 0)
+    assert [(m.worker_id, m.matched_blocks, m.matched_tokens) for m in view] == [
+        ("w", 3, 40),
+        ("v", 1, 16),
+    ]
+    assert [(t.tier, t.matched_blocks, t.matched_tokens) for t in view[0].tiers] == [
+        (HBM, 2, 32),
+        (SSD, 4, 40),
+    ]
+    capped = await backend.match_prefix_by_tier([1, 2, 3, 4, 5], 1)
+    assert [(m.worker_id, m.matched_blocks) for m in capped] == [("v", 1), ("w", 1)]
+    assert await backend.match_prefix_by_tier([9, 1], 0) == []
+
+
+async def test_snapshot_round_trip(backend: IndexBackend) -> None:
+    spec = CacheSpec(components=FULL | SWA, swa_window_tokens=32, full_tier_mask=6, swa_tier_mask=2)
+    await apply(backend, "w", report(HBM, [1, 2, 3], [3, 3, 1], [16, 16, 16]), spec=spec)
+    await apply(backend, "w", report(HBM, [4, 5], parent=2), report(DRAM, [2, 3], parent=1))
+    await apply(backend, "w", report(HBM, [5], copies=True), report(HBM, [5], copies=True))
+    await apply(backend, "v", report(SSD, [7], sizes=[16], parent=5), address="")
+    await apply(backend, "idle", address="x")
+    batches = [batch async for batch in backend.snapshot()]
+    rebuilt = MemoryBackend()
+    for batch in batches:
+        await rebuilt.apply(batch)
+    keys = [1, 2, 3, 4, 5, 7]
+    assert await rebuilt.match(keys, False) == await backend.match(keys, False)
+    assert (await rebuilt.stats()).workers == (await backend.stats()).workers
+    for query in ([1, 2, 3], [1, 2, 4, 5], [7], [2, 3]):
+        assert await rebuilt.match_prefix(query, 0) == await backend.match_prefix(query, 0)
+    assert await rebuilt.match_prefix_by_tier(keys, 0) == await backend.match_prefix_by_tier(
+        keys, 0
+    )
+    # Block 5's three copies came along: it leaves with the third copy-aware revoke.
+    for expected in (["w"], ["w"], []):
+        await rebuilt.apply(Batch("w", (revoke(HBM, [5], copies=True),), "addr-w", 0, spec))
+        assert [wp.worker_id for wp in await rebuilt.match([5], False)] == expected
+    one = [batch async for batch in backend.snapshot("v")]
+    assert [b.worker_id for b in one] == ["v"]
+    assert all(a.parent is None or a.parent == 5 for b in one for a in b.actions)

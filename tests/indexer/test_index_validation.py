@@ -1,0 +1,101 @@
+"""kv_indexer.v1's validation rules (WIRE.md section 2), shared by every backend and adapter:
+a rejected batch changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+
+from indexer.batch import Action, ActionType, Batch, CacheSpec, Tier
+from indexer.index import (
+    IndexRequestError,
+    PrefixIndex,
+    ValidationKind,
+    validate_action_type,
+    validate_batch,
+    validate_match,
+    validate_prefix_match,
+    validate_tier,
+)
+
+INVALID, EXHAUSTED = ValidationKind.INVALID_ARGUMENT, ValidationKind.RESOURCE_EXHAUSTED
+
+
+def report(hashes: tuple[int, ...], **fields: Any) -> Action:
+    return Action(ActionType.REPORT, Tier.HBM, hashes, **fields)
+
+
+def kind_of(batch: Batch) -> ValidationKind:
+    with pytest.raises(IndexRequestError) as info:
+        validate_batch(batch)
+    return info.value.kind
+
+
+def test_valid_batches_pass() -> None:
+    validate_batch(Batch("w", ()))  # empty: refreshes address and spec
+    validate_batch(
+        Batch(
+            "w",
+            (
+                report((1, 2), component_masks=(1, 3), block_sizes=(16, 16)),
+                Action(ActionType.REVOKE, Tier.SSD, (1,)),
+                Action(ActionType.CLEAR_ALL_AT_TIER, Tier.DRAM),
+            ),
+        )
+    )
+    validate_batch(Batch("w", tuple(report((i,)) for i in range(256))))
+    validate_batch(Batch("w", (report(tuple(range(16_384))),)))
+
+
+@pytest.mark.parametrize(
+    ("batch", "kind"),
+    [
+        (Batch("", ()), INVALID),
+        (Batch("w", tuple(report((i,)) for i in range(257))), EXHAUSTED),
+        (Batch("w", (report(tuple(range(16_000))), report(tuple(range(385))))), EXHAUSTED),
+        (Batch("w", (report(()),)), INVALID),
+        (Batch("w", (Action(ActionType.REVOKE, Tier.HBM, ()),)), INVALID),
+        (Batch("w", (report((1, 2), component_masks=(1,)),)), INVALID),
+        (Batch("w", (report((1, 2), block_sizes=(1, 2, 3)),)), INVALID),
+        (Batch("w", (Action(ActionType.CLEAR_ALL_AT_TIER, cast(Tier, 0)),)), INVALID),
+        (Batch("w", (Action(cast(ActionType, 0), Tier.HBM, (1,)),)), INVALID),
+        (Batch("w", (Action(ActionType.REPORT, cast(Tier, 0), (1,)),)), INVALID),
+    ],
+)
+def test_invalid_batches(batch: Batch, kind: ValidationKind) -> None:
+    assert kind_of(batch) is kind
+
+
+def test_rejected_batch_changes_nothing() -> None:
+    index = PrefixIndex()
+    index.apply(Batch("w", (report((1,)),), "a"))
+    bad = Batch("w", (Action(ActionType.REVOKE, Tier.HBM, (1,)), report((2, 3), block_sizes=(1,))))
+    with pytest.raises(IndexRequestError):
+        index.apply(Batch(bad.worker_id, bad.actions, "b", cache_spec=CacheSpec(components=1)))
+    assert [(p.worker_id, p.key) for p in index.placements()] == [("w", 1)]
+    assert index.worker_info("w") == ("a", None)
+
+
+def test_wire_enums() -> None:
+    assert validate_tier(3) is Tier.SSD
+    assert validate_action_type(3) is ActionType.CLEAR_ALL_AT_TIER
+    for bad in (0, 4, -1):
+        with pytest.raises(IndexRequestError):
+            validate_tier(bad)
+        with pytest.raises(IndexRequestError):
+            validate_action_type(bad)
+
+
+def test_match_limits() -> None:
+    validate_match([1])
+    validate_match(list(range(16_384)))
+    validate_prefix_match(list(range(100_000)))  # prefix queries have no length cap
+    for check, hashes, kind in [
+        (validate_match, [], INVALID),
+        (validate_match, list(range(16_385)), EXHAUSTED),
+        (validate_prefix_match, [], INVALID),
+    ]:
+        with pytest.raises(IndexRequestError) as info:
+            check(hashes)
+        assert info.value.kind is kind

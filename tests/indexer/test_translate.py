@@ -1,0 +1,231 @@
+"""Engine events -> index batches: tiers, key spaces, copies, clears, coalescing, splitting."""
+
+from __future__ import annotations
+
+from vllm_capture import BLOCK_SIZE, NUM_GPU_BLOCKS, LiveModel, live_messages, signed
+
+from indexer.batch import Action, ActionType, Batch, Tier
+from indexer.engine_events import AllBlocksCleared, BlockRemoved, BlockStored
+from indexer.index import PrefixIndex, validate_batch
+from indexer.keys import block_keys
+from indexer.translate import (
+    BRIDGE_MEDIUM_MAP,
+    HashMode,
+    MediumMap,
+    TranslateOptions,
+    WorkerTranslator,
+    split_actions,
+)
+from indexer.zmq_decode import decode_payload
+
+from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
+
+REPORT, REVOKE, CLEAR = ActionType.REPORT, ActionType.REVOKE, ActionType.CLEAR_ALL_AT_TIER
+
+
+def _translator(**kwargs: object) -> WorkerTranslator:
+    return WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000", **kwargs))  # type: ignore[arg-type]
+
+
+def _actions(batches: list[Batch]) -> list[Action]:
+    return [a for b in batches for a in b.actions]
+
+
+def test_vector_1_report_revoke_and_one_clear_per_configured_tier() -> None:
+    batches = _translator(media=BRIDGE_MEDIUM_MAP).translate(decode_payload(VECTOR_1).events, seq=9)
+    assert [b.seq for b in batches] == [9]
+    assert batches[0].worker_address == "10.0.0.1:8000"
+    assert _actions(batches) == [
+        Action(REPORT, Tier.HBM, (1234567890123, -987654321), (), (4, 4), 42),
+        Action(REVOKE, Tier.SSD, (100, 200)),
+        Action(CLEAR, Tier.HBM),
+        Action(CLEAR, Tier.DRAM),
+        Action(CLEAR, Tier.SSD),
+    ]
+    only_hbm = _translator(clear_tiers=(Tier.HBM,)).translate(decode_payload(VECTOR_1).events)
+    assert [a.tier for a in _actions(only_hbm) if a.type is CLEAR] == [Tier.HBM]
+
+
+def test_vector_2_nested_tokens_report() -> None:
+    batches = _translator(media=BRIDGE_MEDIUM_MAP).translate(decode_payload(VECTOR_2).events)
+    assert _actions(batches) == [Action(REPORT, Tier.HBM, (111,), (), (2,), None)]
+
+
+def test_vector_3_nil_medium_skipped_by_the_bridge_and_hbm_by_default() -> None:
+    bridge = _translator(media=BRIDGE_MEDIUM_MAP)
+    assert bridge.translate(decode_payload(VECTOR_3).events) == []
+    assert bridge.counters.num_skipped_medium == 2
+    own = _translator().translate(decode_payload(VECTOR_3).events)
+    assert _actions(own) == [
+        Action(REPORT, Tier.HBM, (1,), (), (2,), None),
+        Action(REVOKE, Tier.HBM, (2,)),
+    ]
+
+
+def test_media_to_tiers_and_external_is_configurable() -> None:
+    events = [
+        BlockStored((1,), medium="CPU"),
+        BlockStored((2,), medium="CPU_PINNED"),
+        BlockStored((3,), medium="STORAGE"),
+        BlockStored((4,), medium="EXTERNAL"),
+        BlockStored((5,), medium="NVME_OF_THE_FUTURE"),
+    ]
+    translator = _translator()
+    tiers = [a.tier for a in _actions(translator.translate(events))]
+    assert tiers == [Tier.DRAM, Tier.DRAM, Tier.SSD]
+    assert translator.counters.num_skipped_medium == 2
+    external = _translator(media=MediumMap(external=Tier.SSD)).translate(events[3:4])
+    assert _actions(external)[0].tier is Tier.SSD
+
+
+def test_hashes_are_normalised_to_sfixed64() -> None:
+    digest = bytes(range(24)) + (-2).to_bytes(8, "big", signed=True)
+    events = [BlockStored(((1 << 64) - 1, 1 << 63, digest), medium="GPU")]
+    (action,) = _actions(_translator().translate(events))
+    assert action.hashes == (-1, -(1 << 63), -2)
+
+
+def test_the_same_hash_live_twice_is_revoked_with_its_last_copy() -> None:
+    translator = _translator()
+    first = translator.translate([BlockStored((10, 11), medium="GPU")])
+    second = translator.translate([BlockStored((11,), parent_block_hash=10, medium="GPU")])
+    assert _actions(first) == [Action(REPORT, Tier.HBM, (10, 11), (), (), None)]
+    assert second == []  # a second physical copy: already indexed
+    assert translator.live_keys() == {10: 1, 11: 2}
+    assert translator.translate([BlockRemoved((11,), medium="GPU")]) == []
+    assert _actions(translator.translate([BlockRemoved((11,), medium="GPU")])) == [
+        Action(REVOKE, Tier.HBM, (11,))
+    ]
+
+
+def test_full_mode_reannouncement_is_not_a_new_copy() -> None:
+    translator = _translator()
+    translator.translate([BlockStored((10, 11), medium="GPU")])
+    assert translator.translate([BlockStored((10, 11, 12), medium="GPU")]) == [
+        Batch("w0", (Action(REPORT, Tier.HBM, (12,), (), (), 11),), "10.0.0.1:8000")
+    ]
+    assert translator.live_keys() == {10: 1, 11: 1, 12: 1}
+    revoke = translator.translate([BlockRemoved((10, 11), medium="GPU")])
+    assert _actions(revoke) == [Action(REVOKE, Tier.HBM, (10, 11))]
+
+
+def test_a_removal_of_an_unknown_hash_is_passed_on_in_engine_mode() -> None:
+    assert _actions(_translator().translate([BlockRemoved((77,), medium="GPU")])) == [
+        Action(REVOKE, Tier.HBM, (77,))
+    ]
+
+
+def test_clear_scoped_to_a_medium_and_reset() -> None:
+    translator = _translator()
+    translator.translate([BlockStored((1,), medium="GPU"), BlockStored((2,), medium="CPU")])
+    cleared = translator.translate([AllBlocksCleared(medium="CPU")])
+    assert _actions(cleared) == [Action(CLEAR, Tier.DRAM)]
+    assert translator.live_keys() == {1: 1}
+    reset = translator.reset(seq=5)
+    assert reset.seq == 5
+    assert [a.tier for a in reset.actions] == [Tier.HBM, Tier.DRAM, Tier.SSD]
+    assert translator.num_live_blocks == 0
+
+
+def test_coalescing_keeps_order_and_parent_links() -> None:
+    events = [
+        BlockStored((1, 2), medium="GPU", block_size=4),
+        BlockStored((3,), parent_block_hash=2, medium="GPU", block_size=4),  # chains: merges
+        BlockStored((9,), parent_block_hash=5, medium="GPU", block_size=4),  # does not chain
+        BlockStored((4,), parent_block_hash=3, medium="CPU", block_size=4),  # other tier
+        BlockRemoved((1,), medium="GPU"),
+        BlockRemoved((2,), medium="GPU"),
+        BlockRemoved((4,), medium="CPU"),
+    ]
+    assert _actions(_translator().translate(events)) == [
+        Action(REPORT, Tier.HBM, (1, 2, 3), (), (4, 4, 4), None),
+        Action(REPORT, Tier.HBM, (9,), (), (4,), 5),
+        Action(REPORT, Tier.DRAM, (4,), (), (4,), 3),
+        Action(REVOKE, Tier.HBM, (1, 2)),
+        Action(REVOKE, Tier.DRAM, (4,)),
+    ]
+
+
+def test_oversized_batches_split_within_the_seed_limits_with_the_same_seq() -> None:
+    translator = _translator()
+    big = translator.translate([BlockStored(tuple(range(1, 40_001)), medium="GPU")], seq=3)
+    assert len(big) == 3 and {b.seq for b in big} == {3}
+    for batch in big:
+        validate_batch(batch)
+    hashes = [h for b in big for a in b.actions for h in a.hashes]
+    assert hashes == list(range(1, 40_001))
+    parents = [a.parent for b in big for a in b.actions]
+    assert parents == [None, 16_384, 32_768]
+    many = [BlockRemoved((i,), medium="GPU" if i % 2 else "CPU") for i in range(300)]
+    split = _translator().translate(many, seq=4)
+    assert [len(b.actions) for b in split] == [256, 44]
+    chunks = split_actions([Action(REVOKE, Tier.HBM, (1,))] * 3, max_actions=2)
+    assert [len(c) for c in chunks] == [2, 1]
+
+
+def test_canonical_mode_keys_tokens_and_resolves_removals_by_engine_hash() -> None:
+    translator = _translator(hash_mode=HashMode.CANONICAL, default_block_size=2)
+    tokens = (5, 6, 7, 8, 9, 10)
+    keys = block_keys(tokens, 2, cache_salt="tenant-A")
+    stored = translator.translate(
+        [
+            BlockStored((100, 101), token_ids=tokens[:4], extra_keys=(("tenant-A",), None)),
+            BlockStored((102,), parent_block_hash=101, token_ids=tokens[4:], block_size=2),
+        ]
+    )
+    assert _actions(stored) == [Action(REPORT, Tier.HBM, tuple(keys), (), (2, 2, 2), None)]
+    removed = translator.translate([BlockRemoved((102, 100))])
+    assert _actions(removed) == [Action(REVOKE, Tier.HBM, (keys[2], keys[0]))]
+    # Unresolvable: no tokens, unknown parent, unknown removal.
+    skipped = translator.translate(
+        [
+            BlockStored((200,)),
+            BlockStored((201,), parent_block_hash=999, token_ids=(1, 2)),
+            BlockRemoved((555,)),
+        ]
+    )
+    assert skipped == []
+    assert translator.counters.num_unresolved == 3
+    translator.translate([AllBlocksCleared()])
+    assert translator.num_live_blocks == 0
+
+
+def _replay_capture(mode: HashMode) -> tuple[WorkerTranslator, PrefixIndex, LiveModel]:
+    translator = _translator(hash_mode=mode, default_block_size=BLOCK_SIZE)
+    index, model = PrefixIndex(), LiveModel()
+    for message in live_messages():
+        events = decode_payload(message.frames[2]).events
+        for batch in translator.translate(events, seq=message.seq):
+            index.apply(batch)
+        model.apply(message.events)
+        # The index holds exactly the blocks vLLM holds, after every message.
+        assert len(list(index.placements("w0"))) == len(model.live())
+        assert len(model.live()) <= NUM_GPU_BLOCKS
+    return translator, index, model
+
+
+def test_the_real_capture_in_engine_mode_tracks_vllms_live_set_and_copies() -> None:
+    translator, index, model = _replay_capture(HashMode.ENGINE)
+    assert {p.key for p in index.placements("w0")} == set(model.live())
+    assert translator.live_keys(Tier.HBM) == model.live()
+    assert all(p.tier is Tier.HBM for p in index.placements("w0"))
+
+
+def test_the_real_capture_in_canonical_mode_indexes_token_keys() -> None:
+    translator, index, model = _replay_capture(HashMode.CANONICAL)
+    canonical: dict[int, int] = {}
+
+    def key_of(h: int) -> int:
+        if h not in canonical:
+            parent = model.parent[h]
+            salt = model.salt[h] if parent is None else None
+            chained = None if parent is None else key_of(parent)
+            (canonical[h],) = block_keys(
+                model.tokens[h], BLOCK_SIZE, cache_salt=salt, parent=chained
+            )
+        return canonical[h]
+
+    expected = {key_of(h) for h in model.live_unsigned()}
+    assert {p.key for p in index.placements("w0")} == expected
+    assert translator.counters.num_unresolved == 0
+    assert signed(next(iter(model.live_unsigned()))) not in expected

@@ -1,0 +1,189 @@
+"""The ZMQ source on real sockets: malformed input is counted and skipped while the server
+keeps serving; reconnects; a publisher restart on the same port; a failing sink."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+from fake_kv_publisher import FakeKvPublisher, running
+
+from indexer.batch import Batch
+from indexer.index import PrefixIndex
+from indexer.memory_backend import MemoryBackend
+from indexer.servicer import index_services
+from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
+from indexer.translate import TranslateOptions, WorkerTranslator
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.config import ServerConfig
+from kvplane.server import create_server
+
+pytestmark = pytest.mark.timeout(60)
+WAIT_S = 20.0
+TOPIC = b"kv@test"
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def _seq(n: int) -> bytes:
+    return n.to_bytes(8, "big")
+
+
+def _stored(*hashes: int, parent: int | None = None) -> dict[str, object]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "medium": "GPU",
+    }
+
+
+def _message(seq: int, *events: object) -> list[bytes]:
+    return [TOPIC, _seq(seq), msgpack.packb([float(seq), list(events), None])]
+
+
+def _source(
+    endpoint: str, context: zmq.asyncio.Context, sink: object, replay: str | None = None
+) -> ZmqSource:
+    translator = WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000"))
+    settings = ZmqSourceSettings(
+        endpoint=endpoint,
+        replay_endpoint=replay,
+        topic="kv@",
+        backoff_initial_s=0.05,
+        backoff_max_s=0.2,
+    )
+    return ZmqSource(settings, translator, sink, context=context)  # type: ignore[arg-type]
+
+
+def _keys(index: PrefixIndex) -> set[int]:
+    return {p.key for p in index.placements("w0")}
+
+
+async def test_malformed_messages_are_counted_and_skipped_and_the_server_keeps_serving(
+    context: zmq.asyncio.Context,
+) -> None:
+    index = PrefixIndex()
+    backend = MemoryBackend(index)
+    services, _, _ = index_services(backend, default_block_size=16, max_concurrent_prefix_queries=4)
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    publisher = FakeKvPublisher(context)
+    source = _source(publisher.endpoint, context, backend)
+    huge_array = b"\x93\xcb" + bytes(8) + b"\xdd\xff\xff\xff\xff"
+    try:
+        async with running(source.run()), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            await publisher.wait_subscribed()
+            await publisher.send(_message(0, _stored(1)))
+            await publisher.send([TOPIC, _seq(1), msgpack.packb([1.0, [_stored(9)], None])[:-3]])
+            await publisher.send([TOPIC, _seq(2), msgpack.packb(["ts", {"events": 1}, "x"])])
+            await publisher.send([TOPIC, _seq(3), huge_array])
+            await publisher.send(
+                _message(
+                    4,
+                    {"type": "FutureEvent", "block_hashes": [7]},
+                    {"type": "BlockStored", "block_hashes": "not a list"},
+                    _stored(2, parent=1),
+                    ["BlockStored", [3], 2, None, None, None, "GPU"],
+                )
+            )
+            await publisher.send([TOPIC + b"-one-frame"])
+            await publisher.send([TOPIC, b"a", b"b", b"c", b"d"])
+            await publisher.send([TOPIC, b"\x00\x05", b"payload"])
+            await publisher.send(_message(5, _stored(4, parent=3)))
+            await source.wait_until(lambda: source.last_seq == 5, WAIT_S)
+            counters = source.counters
+            assert counters.num_messages == 9
+            assert counters.num_bad_messages == 6  # 3 payloads, 3 frame layouts
+            assert counters.num_bad_events == 1
+            assert counters.num_unknown_events == 1
+            assert counters.num_gaps == 0  # a malformed payload still consumed its seq
+            assert _keys(index) == {1, 2, 3, 4}
+            stub = kv_grpc.KVIndexerStub(ch)
+            prefix = await stub.MatchExternalKvPrefix(
+                kv.MatchExternalKvPrefixRequest(hashes=[1, 2, 3, 4, 9])
+            )
+            assert prefix.best_prefix_blocks == 4
+            assert [m.worker_address for m in prefix.matches] == ["10.0.0.1:8000"]
+    finally:
+        await publisher.close()
+        await server.stop(None)
+
+
+async def test_reconnects_and_a_publisher_restart_on_the_same_port_clears_the_worker(
+    context: zmq.asyncio.Context,
+) -> None:
+    probe = context.socket(zmq.PUB)
+    probe.bind("tcp://127.0.0.1:*")
+    endpoint = probe.getsockopt_string(zmq.LAST_ENDPOINT)
+    probe.close(linger=0)
+    index = PrefixIndex()
+    source = _source(endpoint, context, MemoryBackend(index))
+    async with running(source.run()):
+        # The source starts first; the publisher appears later on that port.
+        first = FakeKvPublisher(context, endpoint=endpoint)
+        try:
+            await first.wait_subscribed()
+            for seq in range(3):
+                await first.send(_message(seq, _stored(10 + seq, parent=None if not seq else 9 + seq)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+            assert _keys(index) == {10, 11, 12}
+        finally:
+            await first.close()
+        second = FakeKvPublisher(context, endpoint=endpoint)
+        try:
+            await second.wait_subscribed()
+            await second.send(_message(0, _stored(20)))
+            await source.wait_until(lambda: source.counters.num_resets == 2, WAIT_S)
+            assert _keys(index) == {20}
+        finally:
+            await second.close()
+
+
+class FlakySink:
+    """A sink that fails once, on its `fail_on`-th apply."""
+
+    def __init__(self, backend: MemoryBackend, fail_on: int) -> None:
+        self.backend = backend
+        self.fail_on = fail_on
+        self.calls = 0
+
+    async def apply(self, batch: Batch) -> None:
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise ConnectionError("index unavailable")
+        await self.backend.apply(batch)
+
+
+async def test_a_failing_sink_restarts_the_source_and_rebuilds_from_replay(
+    context: zmq.asyncio.Context,
+) -> None:
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    # Apply 1 is the first message's clear, 2 is seq 0, 3 (seq 1) fails.
+    sink = FlakySink(MemoryBackend(index), fail_on=3)
+    source = _source(publisher.endpoint, context, sink, replay=publisher.replay_endpoint)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1)))
+            await publisher.publish(_message(1, _stored(2, parent=1)))
+            await source.wait_until(lambda: source.counters.num_restarts == 1, WAIT_S)
+            await publisher.wait_subscribed()  # the restarted loop subscribes again
+            await publisher.publish(_message(2, {"type": "BlockRemoved", "block_hashes": [1]}))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == {2}
+    assert publisher.replay_requests == [0]
+    assert source.counters.num_resets == 2

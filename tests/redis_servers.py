@@ -1,0 +1,150 @@
+"""Private redis-server processes for tests: one node, or a 3-node Redis Cluster.
+
+Each server listens on 127.0.0.1 on a free port, in its own temporary directory, without
+persistence. `redis-server` and `redis-cli` come from the Debian package (/usr/bin).
+"""
+
+from __future__ import annotations
+
+import shutil
+import random
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `condition` until it holds; AssertionError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too, both below 65536."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise AssertionError("no free port pair for a Redis Cluster node")
+
+
+class RedisServer:
+    """One redis-server child process; `kill` and `start` again keep its port."""
+
+    def __init__(self, workdir: Path, *, cluster: bool = False) -> None:
+        self.workdir = workdir
+        self.cluster = cluster
+        self.port = free_cluster_port() if cluster else free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+
+    def start(self) -> None:
+        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        args += ["--logfile", str(self.workdir / "redis.log")]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args += ["--cluster-node-timeout", "2000"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        wait_for(self.answers, 10, f"redis-server on port {self.port}")
+
+    def answers(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"redis-server on port {self.port} exited: see {self.workdir}")
+        try:
+            return bool(self.client().ping())
+        except redis.RedisError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def flushall(self) -> None:
+        self.client().flushall()
+
+
+class RedisClusterNodes:
+    """Three primaries (no replicas) covering all slots."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.nodes = [RedisServer(workdir / f"node{i}", cluster=True) for i in range(3)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        subprocess.run(
+            [REDIS_CLI, "--cluster", "create"]
+            + [f"127.0.0.1:{n.port}" for n in self.nodes]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        wait_for(self._ok, 30, "cluster_state:ok on every node")
+
+    def _ok(self) -> bool:
+        for node in self.nodes:
+            info = node.client().execute_command("CLUSTER", "INFO")
+            text = info.decode() if isinstance(info, bytes) else str(info)
+            if "cluster_state:ok" not in text:
+                return False
+        return True
+
+    def flushall(self) -> None:
+        for node in self.nodes:
+            node.flushall()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
