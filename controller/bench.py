@@ -5,6 +5,7 @@ replay as peer rows (`--peer dynamo`, needs `pip install ai-dynamo-runtime==1.6.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from pathlib import Path
@@ -56,6 +57,8 @@ def run_route_bench(
 
 
 def _dynamo_rows(trace_path: Path, settings: ReplaySettings) -> dict[str, Any]:
+    # Dynamo logs every routing decision at INFO unless told otherwise.
+    os.environ.setdefault("DYN_LOG", "error")
     try:
         from dynamo import _core
     except ImportError as exc:

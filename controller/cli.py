@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from indexer.admin_cli import index_app
-from kvplane.cli_common import ConfigOption, ListenOption, TargetOption, fail_not_implemented
+from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption
 
 controller_app = typer.Typer(no_args_is_help=True)
 admin_app = typer.Typer(no_args_is_help=True)
@@ -13,12 +13,24 @@ admin_app.add_typer(index_app, name="index")
 
 
 @controller_app.command()
-def serve(config: ConfigOption = None, listen: ListenOption = None) -> None:
+def serve(
+    config: ConfigOption = None, listen: ListenOption = None, port_file: PortFileOption = None
+) -> None:
     """Serve the fleet gateway (openengine.v1.OpenEngine) and the admin API."""
-    fail_not_implemented("kvplane controller serve")
+    import asyncio
+
+    from controller.app import run_controller
+    from controller.config import ControllerConfig
+    from kvplane.config import load_config
+
+    cfg = load_config(ControllerConfig, config, {"listen": listen})
+    asyncio.run(run_controller(cfg, port_file=port_file))
 
 
-@admin_app.command()
-def workers(target: TargetOption = "127.0.0.1:50050") -> None:
-    """List the fleet's engines."""
-    fail_not_implemented("kvplane admin workers")
+def _register_admin_commands() -> None:
+    from controller.admin_cli import register
+
+    register(admin_app)
+
+
+_register_admin_commands()

@@ -15,6 +15,7 @@ engine_app = typer.Typer(no_args_is_help=True)
 
 @engine_app.command()
 def serve(
+    *,
     config: ConfigOption = None,
     listen: ListenOption = None,
     model: Annotated[

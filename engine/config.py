@@ -86,7 +86,7 @@ class EngineConfig(ServerConfig):
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     # None -> the model's own limit (config.json) or 4096 for sim.
     max_model_len: int | None = Field(default=None, gt=0)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
     seed: int = 0
 

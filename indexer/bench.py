@@ -17,11 +17,13 @@ import asyncio
 import gc
 import json
 import logging
+import multiprocessing
+import os
 import statistics
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,9 +31,10 @@ from typing import Any
 import xxhash
 
 from indexer.backend import IndexBackend
-from indexer.backends import open_backend
+from indexer.backends import REDIS_SCHEMES, open_backend
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
 from indexer.index import PrefixIndex, validate_batch
+from indexer.memory_backend import MemoryBackend
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 
 log = logging.getLogger(__name__)
@@ -115,6 +118,11 @@ class KvplaneSide:
         for payload in payloads:
             batch = from_proto(parse(payload))
             validate_batch(batch)
+            await apply(batch)
+
+    async def apply_batches(self, batches: Sequence[Batch]) -> None:
+        apply = self.backend.apply
+        for batch in batches:
             await apply(batch)
 
     async def match_all(self, queries: Sequence[Sequence[BlockKey]]) -> int:
@@ -248,15 +256,24 @@ class Figures:
     dynamo_ops_s: float | None
     ops: int
     unit: str
+    # Store workloads: kvplane from already-decoded Batch objects (the index alone).
+    kvplane_core_ops_s: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         ratio = self.kvplane_ops_s / self.dynamo_ops_s if self.dynamo_ops_s else None
+        core = self.kvplane_core_ops_s
         return {
             "kvplane_ops_s": round(self.kvplane_ops_s, 1),
+            "kvplane_core_ops_s": None if core is None else round(core, 1),
+            "core_ratio": None
+            if core is None or not self.dynamo_ops_s
+            else round(core / self.dynamo_ops_s, 3),
             "dynamo_ops_s": None if self.dynamo_ops_s is None else round(self.dynamo_ops_s, 1),
             "ratio": None if ratio is None else round(ratio, 3),
             "ops": self.ops,
             "unit": self.unit,
+            **self.extra,
         }
 
 
@@ -286,18 +303,30 @@ class IndexBench:
     async def store(self, events: list[StoreEvent], unit: str) -> Figures:
         kv_payloads = KvplaneSide.encode(events)
         dyn_payloads = DynamoSide.encode(events) if self.with_dynamo else []
-        kv_times, dyn_times = [], []
+        batches = [
+            Batch(f"w{e.worker}", (Action(ActionType.REPORT, Tier.HBM, e.hashes, parent=e.parent),))
+            for e in events
+        ]
+        kv_times: list[float] = []
+        core_times: list[float] = []
+        dyn_times: list[float] = []
         for _ in range(self.scale.repeats):
-            backend = await self._fresh()
-            try:
-                side = KvplaneSide(backend)
-                kv_times.append(await _time_async(partial(side.apply_all, kv_payloads)))
-            finally:
-                await backend.close()
+            for target, run in ((kv_times, "wire"), (core_times, "core")):
+                backend = await self._fresh()
+                try:
+                    side = KvplaneSide(backend)
+                    if run == "wire":
+                        target.append(await _time_async(partial(side.apply_all, kv_payloads)))
+                    else:
+                        target.append(await _time_async(partial(side.apply_batches, batches)))
+                finally:
+                    await backend.close()
             if self.with_dynamo:
                 dyn = DynamoSide()
                 dyn_times.append(_time_sync(partial(dyn.apply_all, dyn_payloads)))
-        return _figures(len(events), unit, kv_times, dyn_times)
+        figures = _figures(len(events), unit, kv_times, dyn_times)
+        figures.kvplane_core_ops_s = len(events) / statistics.median(core_times)
+        return figures
 
     async def match(
         self, setup: list[StoreEvent], queries: list[list[BlockKey]], unit: str
@@ -326,21 +355,34 @@ class IndexBench:
         return _figures(len(queries), unit, kv_times, dyn_times)
 
     async def remove(self, setup: list[StoreEvent]) -> Figures:
+        """Removal as the caller sees it. kvplane's memory backend removes a worker in O(1)
+        and purges its bits from the blocks afterwards; that purge is timed separately."""
         num_blocks = sum(len(e.hashes) for e in setup if e.worker == 0)
-        kv_times, dyn_times = [], []
+        kv_times, purge_times, dyn_times = [], [], []
         for _ in range(self.scale.repeats):
             backend = await self._fresh()
             try:
                 side = KvplaneSide(backend)
                 await side.apply_all(KvplaneSide.encode(setup))
                 kv_times.append(await _time_async(partial(side.remove, 0)))
+                if isinstance(backend, MemoryBackend):
+                    purge_times.append(_time_sync(backend.index.purge))
             finally:
                 await backend.close()
             if self.with_dynamo:
                 dyn = DynamoSide()
                 dyn.apply_all(DynamoSide.encode(setup))
                 dyn_times.append(_time_sync(partial(dyn.remove, 0)))
-        return _figures(num_blocks, "blocks removed", kv_times, dyn_times)
+        figures = _figures(num_blocks, "blocks removed", kv_times, dyn_times)
+        if purge_times:
+            purge_s = statistics.median(purge_times)
+            figures.extra["kvplane_purge_s"] = round(purge_s, 4)
+            if dyn_times:
+                dyn_s = statistics.median(dyn_times)
+                figures.extra["ratio_with_purge"] = round(
+                    dyn_s / (statistics.median(kv_times) + purge_s), 3
+                )
+        return figures
 
     async def workloads(self) -> dict[str, Figures]:
         s = self.scale
@@ -401,15 +443,14 @@ def bytes_per_placement(num_blocks: int) -> dict[str, float]:
 async def service_figures(
     backend_url: str, num_blocks: int, seconds: float, qps: float = 1_000.0
 ) -> dict[str, float] | None:
-    """MatchExternalKvPrefix over real gRPC on loopback (server and client in this process):
-    latency at an offered `qps` (open loop), then closed-loop throughput with 8 callers."""
+    """MatchExternalKvPrefix over real gRPC on loopback: the server runs in this process on
+    `backend_url` holding `num_blocks` blocks (64-block chains over 16 workers); a client
+    process measures latency at an offered `qps` (open loop), then closed-loop throughput with
+    8 concurrent callers. None when this build has no KVIndexer servicer."""
     try:
         from indexer.servicer import index_services
     except ImportError:
         return None
-    import grpc
-
-    from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
     from kvplane.config import ServerConfig
     from kvplane.server import create_server
 
@@ -426,37 +467,79 @@ async def service_figures(
             backend, default_block_size=16, max_concurrent_prefix_queries=1024
         )
         server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = kv_grpc.KVIndexerStub(channel)
-            requests = [kv.MatchExternalKvPrefixRequest(hashes=c) for c in chains]
-            for request in requests[:200]:  # warm up
-                await stub.MatchExternalKvPrefix(request)
-            latencies = await _open_loop(stub, requests, seconds, qps)
-            achieved = len(latencies) / seconds
-            max_qps = await _closed_loop(stub, requests, min(seconds, 3.0), callers=8)
+        figures = await asyncio.get_running_loop().run_in_executor(
+            None, _run_client_process, port, chains, seconds, qps
+        )
     finally:
         if server is not None:
             await server.stop(None)
         await backend.close()
+    return {**figures, "offered_qps": qps, "indexed_blocks": num_blocks}
+
+
+def _run_client_process(
+    port: int, chains: list[list[BlockKey]], seconds: float, qps: float
+) -> dict[str, float]:
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(1) as pool:
+        figures: dict[str, float] = pool.apply(_client_main, (port, chains, seconds, qps))
+    return figures
+
+
+def _client_main(
+    port: int, chains: list[list[BlockKey]], seconds: float, qps: float
+) -> dict[str, float]:
+    # The load generator must not compete with the server it measures: when this process
+    # was pinned (taskset, as for the Dynamo comparison), the client uses every other CPU.
+    cpus = set(range(os.cpu_count() or 1))
+    others = cpus - os.sched_getaffinity(0)
+    if others:
+        os.sched_setaffinity(0, others)
+    return asyncio.run(_client(port, chains, seconds, qps))
+
+
+async def _client(
+    port: int, chains: list[list[BlockKey]], seconds: float, qps: float
+) -> dict[str, float]:
+    import grpc
+
+    from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = kv_grpc.KVIndexerStub(channel)
+        requests = [kv.MatchExternalKvPrefixRequest(hashes=c) for c in chains]
+        for request in requests[:200]:  # warm up
+            await stub.MatchExternalKvPrefix(request)
+        latencies, failures = await _open_loop(stub, requests, seconds, qps)
+        max_qps = await _closed_loop(stub, requests, min(seconds, 3.0), callers=8)
     latencies.sort()
     return {
         "match_p50_ms": round(1e3 * latencies[len(latencies) // 2], 3),
         "match_p99_ms": round(1e3 * latencies[int(len(latencies) * 0.99)], 3),
-        "match_qps": round(achieved, 1),
-        "offered_qps": qps,
+        "match_qps": round(len(latencies) / seconds, 1),
+        "match_failed": len(failures),
         "max_qps_8_callers": round(max_qps, 1),
-        "indexed_blocks": num_blocks,
     }
 
 
-async def _open_loop(stub: Any, requests: list[Any], seconds: float, qps: float) -> list[float]:
+async def _open_loop(
+    stub: Any, requests: list[Any], seconds: float, qps: float
+) -> tuple[list[float], list[float]]:
+    """Latencies of the calls that succeeded and of those that failed (never retried)."""
+    import grpc
+
     loop = asyncio.get_running_loop()
     latencies: list[float] = []
+    failures: list[float] = []
 
     async def one(request: Any) -> None:
         start = time.perf_counter()
-        await stub.MatchExternalKvPrefix(request)
-        latencies.append(time.perf_counter() - start)
+        try:
+            await stub.MatchExternalKvPrefix(request)
+        except grpc.aio.AioRpcError:
+            failures.append(time.perf_counter() - start)
+        else:
+            latencies.append(time.perf_counter() - start)
 
     tasks = []
     start = loop.time()
@@ -466,7 +549,7 @@ async def _open_loop(stub: Any, requests: list[Any], seconds: float, qps: float)
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(requests[i % len(requests)])))
     await asyncio.gather(*tasks)
-    return latencies
+    return latencies, failures
 
 
 async def _closed_loop(stub: Any, requests: list[Any], seconds: float, callers: int) -> float:
@@ -497,10 +580,16 @@ async def run_index_bench(backend_url: str = "memory", quick: bool = False) -> d
     workloads = await bench.workloads()
     memory = bytes_per_placement(scale.memory_blocks) if backend_url == "memory" else None
     service = await service_figures(backend_url, scale.service_blocks, scale.service_seconds)
+    redis = None
+    if backend_url.startswith(REDIS_SCHEMES):  # Redis's own figures (indexer/redis_bench.py)
+        from indexer.redis_bench import redis_figures
+
+        redis = await redis_figures(backend_url, quick=quick)
     return {
         "workloads": {name: f.as_json() for name, f in workloads.items()},
         "service": service,
         "memory": memory,
+        "redis": redis,
         "dynamo": "ai-dynamo-runtime 1.6.1" if with_dynamo else "absent",
         "backend": backend_url,
         "quick": quick,
@@ -510,12 +599,18 @@ async def run_index_bench(backend_url: str = "memory", quick: bool = False) -> d
 def render_table(result: dict[str, Any]) -> str:
     lines = [
         f"backend: {result['backend']}   dynamo: {result['dynamo']}",
-        f"{'workload':<26}{'kvplane ops/s':>16}{'dynamo ops/s':>16}{'ratio':>8}  unit",
+        f"{'workload':<26}{'kvplane ops/s':>15}{'dynamo ops/s':>15}{'ratio':>7}"
+        f"{'core ops/s':>13}{'ratio':>7}  unit",
     ]
     for name, f in result["workloads"].items():
         dyn = "absent" if f["dynamo_ops_s"] is None else f"{f['dynamo_ops_s']:,.0f}"
         ratio = "-" if f["ratio"] is None else f"{f['ratio']:.2f}"
-        lines.append(f"{name:<26}{f['kvplane_ops_s']:>16,.0f}{dyn:>16}{ratio:>8}  {f['unit']}/s")
+        core = "-" if f["kvplane_core_ops_s"] is None else f"{f['kvplane_core_ops_s']:,.0f}"
+        core_ratio = "-" if f["core_ratio"] is None else f"{f['core_ratio']:.2f}"
+        lines.append(
+            f"{name:<26}{f['kvplane_ops_s']:>15,.0f}{dyn:>15}{ratio:>7}{core:>13}{core_ratio:>7}"
+            f"  {f['unit']}/s"
+        )
     service = result["service"]
     if service is None:
         lines.append("service: not measured (indexer.servicer not available)")
@@ -525,6 +620,10 @@ def render_table(result: dict[str, Any]) -> str:
             "{match_qps} qps (offered {offered_qps}); {max_qps_8_callers} qps with 8 callers; "
             "{indexed_blocks} blocks".format(**service)
         )
+    if result.get("redis") is not None:
+        from indexer.redis_bench import render_redis
+
+        lines.append(render_redis(result["redis"]))
     memory = result["memory"]
     if memory is not None:
         lines.append(

@@ -7,8 +7,8 @@ splits at 256 actions / 16,384 hashes with the same seq, turns AllBlocksCleared 
 per configured tier in place, and by default skips nil and EXTERNAL media (configurable).
 Copies are counted here, since the KVIndexer API has no notion of them.
 
-An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED,
-RESOURCE_EXHAUSTED) is retried with backoff, blocking the stream (ZMQ buffers meanwhile; an
+An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with
+backoff, blocking the stream (ZMQ buffers meanwhile; an
 overflow shows up as a gap and is replayed); any other status drops that batch and is logged.
 """
 
@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+import zmq.asyncio
 
 from indexer.batch import Batch, CacheSpec, Tier
 from indexer.kv_wire import batch_to_proto
@@ -36,13 +37,9 @@ from kvplane.server import AUTH_METADATA_KEY
 
 log = logging.getLogger(__name__)
 
-_TRANSIENT = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    }
-)
+# RESOURCE_EXHAUSTED is not among them: applies are never shed, so on an apply it means the
+# batch broke a size limit and would fail again.
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class KvIndexerSink:
@@ -117,7 +114,9 @@ class BridgeSettings:
     token: str | None = field(default=None, repr=False)
 
 
-def build_bridge(settings: BridgeSettings) -> tuple[ZmqSource, KvIndexerSink]:
+def build_bridge(
+    settings: BridgeSettings, *, context: zmq.asyncio.Context | None = None
+) -> tuple[ZmqSource, KvIndexerSink]:
     sink = KvIndexerSink(settings.target, token=settings.token)
     translator = WorkerTranslator(
         TranslateOptions(
@@ -139,6 +138,7 @@ def build_bridge(settings: BridgeSettings) -> tuple[ZmqSource, KvIndexerSink]:
         ),
         translator,
         sink,
+        context=context,
     )
     return source, sink
 

@@ -12,16 +12,11 @@ from typing import Annotated, Any
 import typer
 
 from indexer.config import IndexerConfig
-from kvplane.cli_common import ConfigOption, ListenOption
+from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption
 from kvplane.config import load_config
 from kvplane.errors import ConfigError
 
 indexer_app = typer.Typer(no_args_is_help=True)
-
-PortFileOption = Annotated[
-    Path | None,
-    typer.Option("--port-file", help="Write the bound gRPC port to this file once serving."),
-]
 
 
 @indexer_app.command()

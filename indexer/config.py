@@ -2,7 +2,7 @@
 
 ```yaml
 listen: 127.0.0.1:50051
-backend: memory                    # or redis://HOST:PORT/DB
+backend: memory                    # or redis://HOST:PORT/DB, redis+cluster://H:P,H:P (see `redis:`)
 block_size: 16                     # default for MatchTokens and canonical-mode sources
 sources:
   - kind: zmq                      # a vLLM or SGLang publisher
@@ -19,7 +19,8 @@ sources:
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -91,6 +92,49 @@ class OpenEngineSourceConfig(_SourceCommon):
 SourceConfig = Annotated[ZmqSourceConfig | OpenEngineSourceConfig, Field(discriminator="kind")]
 
 
+class RedisTlsConfig(StrictModel):
+    """TLS to Redis (also implied by a rediss:// URL). Files are PEM."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+
+class RedisBackendConfig(StrictModel):
+    """The `redis:` block, read when `backend` is redis://, rediss:// or redis+cluster://
+    (docs/redis.md)."""
+
+    # Every key starts with it; one partition (one cluster slot) per `model`.
+    key_prefix: str = Field(default="kvplane", min_length=1)
+    model: str = Field(default="default", min_length=1)
+    # Hashes holding a partition's block records; fixed once the partition holds data.
+    buckets: int = Field(default=65536, ge=1, le=1 << 24)
+    username: str | None = None
+    # A file holding the password (surrounding whitespace ignored).
+    password_file: Path | None = None
+    tls: RedisTlsConfig | None = None
+    timeout_s: float = Field(default=2.0, gt=0)
+    connect_timeout_s: float = Field(default=0.5, gt=0)
+    # Batches kept in order while Redis is down; past that, overflowing workers are resynced.
+    max_buffered_batches: int = Field(default=10_000, ge=0)
+
+    def backend_options(self) -> dict[str, Any]:
+        tls = self.tls or RedisTlsConfig()
+        return {
+            "key_prefix": self.key_prefix,
+            "model": self.model,
+            "buckets": self.buckets,
+            "username": self.username,
+            "password_file": self.password_file,
+            "tls_ca_file": tls.ca_file,
+            "tls_cert_file": tls.cert_file,
+            "tls_key_file": tls.key_file,
+            "timeout_s": self.timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
+            "max_buffered_batches": self.max_buffered_batches,
+        }
+
+
 class IndexerConfig(ServerConfig):
     listen: str = "127.0.0.1:50051"
     backend: str = "memory"
@@ -99,6 +143,12 @@ class IndexerConfig(ServerConfig):
     block_size: int = Field(default=16, gt=0)
     # Concurrent MatchExternalKvPrefix calls beyond this are shed with RESOURCE_EXHAUSTED.
     max_concurrent_prefix_queries: int = Field(default=64, gt=0)
+    # Options of a Redis backend (ignored by `memory`).
+    redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
+
+    def backend_options(self) -> dict[str, Any]:
+        """Keyword options for `indexer.backends.open_backend(self.backend, ...)`."""
+        return {} if self.backend == "memory" else self.redis.backend_options()
 
     @model_validator(mode="after")
     def _unique_workers(self) -> IndexerConfig:

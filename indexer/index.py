@@ -31,8 +31,11 @@ and its children become orphans (they keep their parent key, which may be report
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from itertools import accumulate, repeat
+from operator import and_
 
 from indexer.backend import (
     IndexStats,
@@ -53,8 +56,17 @@ MAX_HASHES_PER_REQUEST = 16_384
 SERVABLE_TIER_MASK = (1 << Tier.HBM) | (1 << Tier.DRAM)
 _TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
 _SLOTS_PER_WORKER = 3  # one placement bit per tier
+# Removed workers' bits purged per apply call (the rest waits for later calls or `purge`).
+PURGE_STEP_BLOCKS = 1024
+# Blocks fetched per step of a legacy prefix scan (a miss stops the scan after its chunk).
+_SCAN_CHUNK = 64
 # Component bits as plain ints (IntFlag arithmetic is slow on the hot path).
 _FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAMBA)
+
+
+_ACTION_VALUES = frozenset(int(a) for a in ActionType)
+_TIER_VALUES = frozenset(int(t) for t in Tier)
+_REPORT, _REVOKE, _CLEAR = (int(a) for a in ActionType)
 
 
 class ValidationKind(enum.Enum):
@@ -101,9 +113,12 @@ def validate_batch(batch: Batch) -> None:
         )
     num_hashes = 0
     for i, action in enumerate(batch.actions):
-        validate_action_type(action.type)
-        validate_tier(action.tier)
-        if action.type == ActionType.CLEAR_ALL_AT_TIER:
+        kind = action.type
+        if kind not in _ACTION_VALUES:
+            validate_action_type(kind)
+        if action.tier not in _TIER_VALUES:
+            validate_tier(action.tier)
+        if kind == _CLEAR:
             continue
         n = len(action.hashes)
         if n == 0:
@@ -155,64 +170,34 @@ class Placement:
     copies: int
 
 
-class _Node:
-    """One indexed block. `children` is None, one child key, or a set of child keys (most
-    chains have one child, so no set is allocated for them)."""
-
-    __slots__ = ("children", "parent", "size", "tiers", "workers")
-
-    def __init__(self, parent: BlockKey | None, workers: int, tiers: int) -> None:
-        self.parent = parent
-        self.children: BlockKey | set[BlockKey] | None = None
-        self.size = 0
-        self.workers = workers
-        self.tiers = tiers
-
-
 class _Worker:
-    __slots__ = ("address", "bit", "blocks", "idx", "num_placements", "spec", "tier_bits", "wid")
+    __slots__ = (
+        "address",
+        "all_bits",
+        "bit",
+        "blocks",
+        "idx",
+        "num_placements",
+        "prefix_matches",
+        "spec",
+        "tier_bits",
+        "wid",
+    )
 
     def __init__(self, wid: str, idx: int) -> None:
         self.wid = wid
         self.idx = idx
-        self.bit = 1 << idx
         base = _SLOTS_PER_WORKER * idx
+        self.bit = 1 << base  # the worker's HBM slot: its bit in "any tier" masks
         # tier_bits[t] is the placement bit for Tier t (index 0 unused).
         self.tier_bits = (0, 1 << base, 1 << (base + 1), 1 << (base + 2))
+        self.all_bits = 7 << base
         self.address = ""
         self.spec: CacheSpec | None = None
-        self.blocks: set[BlockKey] = set()
+        self.blocks: set[BlockKey] = set()  # keys it holds on at least one tier
+        # Immutable PrefixMatch answers by matched blocks, reused while the address holds.
+        self.prefix_matches: dict[int, PrefixMatch] = {}
         self.num_placements = 0
-
-
-def _add_child(
-    children: BlockKey | set[BlockKey] | None, child: BlockKey
-) -> BlockKey | set[BlockKey]:
-    if children is None or children == child:
-        return child
-    if isinstance(children, set):
-        children.add(child)
-        return children
-    return {children, child}
-
-
-def _remove_child(
-    children: BlockKey | set[BlockKey] | None, child: BlockKey
-) -> BlockKey | set[BlockKey] | None:
-    if isinstance(children, set):
-        children.discard(child)
-        if len(children) > 1:
-            return children
-        return next(iter(children), None)
-    return None if children == child else children
-
-
-def _iter_children(children: BlockKey | set[BlockKey] | None) -> Iterable[BlockKey]:
-    if children is None:
-        return ()
-    if isinstance(children, set):
-        return children
-    return (children,)
 
 
 def _bits(mask: int) -> Iterator[int]:
@@ -223,35 +208,54 @@ def _bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
+def _any_tier(tiers: int) -> int:
+    """Placement bits folded onto each worker's HBM slot: "holds it on some tier"."""
+    return tiers | tiers >> 1 | tiers >> 2
+
+
 class PrefixIndex:
     """The index. Not thread-safe: one owner (a backend) serialises calls."""
 
-    def __init__(self) -> None:
-        self._nodes: dict[BlockKey, _Node] = {}
-        self._orphans: dict[BlockKey, BlockKey | set[BlockKey]] = {}
+    def __init__(self, purge_step_blocks: int = PURGE_STEP_BLOCKS) -> None:
+        self._purge_step_blocks = purge_step_blocks
+        # key -> placement bits (bit 3w + tier - 1 per placement): the only per-block record.
+        self._tiers: dict[BlockKey, int] = {}
+        self._parents: dict[BlockKey, BlockKey] = {}  # blocks with a known parent
+        self._sizes: dict[BlockKey, int] = {}  # blocks with a known token count
         # Sparse side tables: block key -> {placement slot: value}.
         self._component_masks: dict[BlockKey, dict[int, int]] = {}
         self._copies: dict[BlockKey, dict[int, int]] = {}  # only counts >= 2
         self._hits: dict[BlockKey, int] = {}
         self._workers: dict[str, _Worker] = {}
         self._by_idx: dict[int, _Worker] = {}
-        self._free_idx: list[int] = []
-        self._addressed = 0  # bits of workers with a non-empty address
-        self._legacy = 0  # bits of workers without a cache spec
+        self._free_idx: list[int] = []  # slots of fully purged removed workers
+        self._next_idx = 0
+        self._addressed = 0  # HBM-slot bits of workers with a non-empty address
+        self._legacy = 0  # HBM-slot bits of workers without a cache spec
+        self._hbm_slots = 0  # HBM-slot bits of every live worker
+        # Removed workers whose bits are still in `_tiers`, purged a slice per apply.
+        self._dead = 0
+        self._pending: list[_Worker] = []
         self._num_placements = 0
-        self._sizes: dict[int, int] = {}  # interned token counts (one int object per value)
+        self._size_values: dict[int, int] = {}  # interned token counts
 
     # ------------------------------------------------------------------ apply
 
     def apply(self, batch: Batch) -> None:
         """Apply one batch, in order, atomically (validated first; raises IndexRequestError)."""
         validate_batch(batch)
+        if self._pending:
+            self.purge(self._purge_step_blocks)
         worker = self._worker(batch.worker_id)
         self._set_worker_info(worker, batch.worker_address, batch.cache_spec)
         for action in batch.actions:
-            if action.type == ActionType.REPORT:
-                self._report(worker, action)
-            elif action.type == ActionType.REVOKE:
+            kind = action.type
+            if kind == _REPORT:
+                if action.copies:
+                    self._report_copies(worker, action)
+                else:
+                    self._report(worker, action)
+            elif kind == _REVOKE:
                 self._revoke(worker, action)
             else:
                 self._clear_tier(worker, Tier(action.tier))
@@ -259,14 +263,23 @@ class PrefixIndex:
     def _worker(self, wid: str) -> _Worker:
         worker = self._workers.get(wid)
         if worker is None:
-            idx = self._free_idx.pop() if self._free_idx else len(self._by_idx)
+            if self._free_idx:
+                idx = self._free_idx.pop()
+            else:
+                idx = self._next_idx
+                self._next_idx += 1
             worker = _Worker(wid, idx)
             self._workers[wid] = worker
             self._by_idx[idx] = worker
             self._legacy |= worker.bit
+            self._hbm_slots |= worker.bit
         return worker
 
     def _set_worker_info(self, worker: _Worker, address: str, spec: CacheSpec | None) -> None:
+        if address == worker.address and spec is worker.spec:
+            return
+        if address != worker.address:
+            worker.prefix_matches.clear()
         worker.address = address
         worker.spec = spec
         bit = worker.bit
@@ -274,57 +287,98 @@ class PrefixIndex:
         self._legacy = self._legacy | bit if spec is None else self._legacy & ~bit
 
     def _report(self, worker: _Worker, action: Action) -> None:
-        nodes = self._nodes
-        wbit = worker.bit
-        tier = action.tier
-        tbit = worker.tier_bits[tier]
-        slot = tbit.bit_length() - 1
-        masks = action.component_masks
-        sizes = action.block_sizes
-        copies = action.copies
+        """REPORT without copy counting: set each placement (a replace)."""
+        tiers = self._tiers
+        get = tiers.get
+        parents = self._parents
+        tbit = worker.tier_bits[action.tier]
+        wbits = worker.all_bits
+        dead = self._dead
+        add_block = worker.blocks.add
         parent = action.parent
-        blocks = worker.blocks
-        for i, key in enumerate(action.hashes):
-            node = nodes.get(key)
-            if node is None:
-                node = _Node(parent, wbit, tbit)
-                nodes[key] = node
-                self._link_new(key, node)
-                blocks.add(key)
-                worker.num_placements += 1
-                self._num_placements += 1
-            else:
-                if parent is not None and node.parent != parent:
-                    self._relink(key, node, parent)
-                if node.tiers & tbit:
-                    if copies:
-                        per_key = self._copies.setdefault(key, {})
-                        per_key[slot] = per_key.get(slot, 1) + 1
-                else:
-                    if not node.workers & wbit:
-                        node.workers |= wbit
-                        blocks.add(key)
-                    node.tiers |= tbit
-                    worker.num_placements += 1
-                    self._num_placements += 1
-            mask = masks[i] if masks else 0
-            if mask:
-                self._component_masks.setdefault(key, {})[slot] = mask
-            elif key in self._component_masks:
-                self._drop_side(self._component_masks, key, slot)
-            if sizes:
-                size = sizes[i]
-                if size:
-                    node.size = self._sizes.setdefault(size, size)
+        hashes = action.hashes
+        if tiers.keys().isdisjoint(hashes):
+            # Every block is new (the common case: a fresh chain): C-speed bulk inserts.
+            before = len(tiers)
+            tiers.update(zip(hashes, repeat(tbit)))
+            worker.blocks.update(hashes)
+            if parent is not None:
+                parents[hashes[0]] = parent
+            parents.update(zip(hashes[1:], hashes[:-1], strict=True))
+            num_new = len(tiers) - before
+            worker.num_placements += num_new
+            self._num_placements += num_new
+            if action.component_masks or action.block_sizes or self._component_masks:
+                self._set_details(action, tbit.bit_length() - 1)
+            return
+        num_new = 0
+        for key in hashes:
+            t = get(key)
+            if t is not None and t & dead:
+                t = self._strip_dead(key, t)
+            if t is None:
+                tiers[key] = tbit
+                add_block(key)
+                num_new += 1
+            elif not t & tbit:
+                tiers[key] = t | tbit
+                if not t & wbits:
+                    add_block(key)
+                num_new += 1
+            if parent is not None:
+                parents[key] = parent
             parent = key
+        worker.num_placements += num_new
+        self._num_placements += num_new
+        if action.component_masks or action.block_sizes or self._component_masks:
+            self._set_details(action, tbit.bit_length() - 1)
+
+    def _report_copies(self, worker: _Worker, action: Action) -> None:
+        """REPORT of new physical copies: a new placement has one copy, an existing one
+        gains one (its mask and size are restated like a plain REPORT)."""
+        slot = worker.tier_bits[action.tier].bit_length() - 1
+        existing: list[bool] = []
+        seen: set[BlockKey] = set()
+        for key in action.hashes:
+            t = self._tiers.get(key)
+            if t is not None and t & self._dead:
+                t = self._strip_dead(key, t)
+            existing.append(key in seen or (t is not None and bool(t >> slot & 1)))
+            seen.add(key)
+        self._report(worker, replace(action, copies=False))
+        for key, had in zip(action.hashes, existing, strict=True):
+            if had:
+                per_key = self._copies.setdefault(key, {})
+                per_key[slot] = per_key.get(slot, 1) + 1
+
+    def _set_details(self, action: Action, slot: int) -> None:
+        """The REPORT's component masks (a replace: absent = 0) and known token counts."""
+        masks = action.component_masks
+        table = self._component_masks
+        if masks:
+            for key, mask in zip(action.hashes, masks, strict=True):
+                if mask:
+                    table.setdefault(key, {})[slot] = mask
+                elif key in table:
+                    self._drop_side(table, key, slot)
+        elif table:
+            for key in action.hashes:
+                if key in table:
+                    self._drop_side(table, key, slot)
+        if action.block_sizes:
+            sizes = self._sizes
+            interned = self._size_values
+            for key, size in zip(action.hashes, action.block_sizes, strict=True):
+                if size:
+                    sizes[key] = interned.setdefault(size, size)
 
     def _revoke(self, worker: _Worker, action: Action) -> None:
-        nodes = self._nodes
+        get = self._tiers.get
         tbit = worker.tier_bits[action.tier]
         slot = tbit.bit_length() - 1
         for key in action.hashes:
-            node = nodes.get(key)
-            if node is None or not node.tiers & tbit:
+            t = get(key)
+            if t is None or not t & tbit:
                 continue
             if key in self._copies:
                 per_key = self._copies[key]
@@ -336,30 +390,53 @@ class PrefixIndex:
                         self._drop_side(self._copies, key, slot)
                     continue
                 self._drop_side(self._copies, key, slot)
-            self._drop_placement(worker, key, node, tbit)
+            self._drop_placement(worker, key, t, tbit)
 
     def _clear_tier(self, worker: _Worker, tier: Tier) -> None:
         tbit = worker.tier_bits[tier]
         slot = tbit.bit_length() - 1
-        nodes = self._nodes
-        for key in [k for k in worker.blocks if nodes[k].tiers & tbit]:
+        tiers = self._tiers
+        for key in [k for k in worker.blocks if tiers[k] & tbit]:
             if key in self._copies:
                 self._drop_side(self._copies, key, slot)
-            self._drop_placement(worker, key, nodes[key], tbit)
+            self._drop_placement(worker, key, tiers[key], tbit)
 
-    def _drop_placement(self, worker: _Worker, key: BlockKey, node: _Node, tbit: int) -> None:
+    def _drop_placement(self, worker: _Worker, key: BlockKey, t: int, tbit: int) -> None:
         """Remove one placement (its copy count already settled by the caller)."""
-        tiers = node.tiers ^ tbit
-        node.tiers = tiers
+        t ^= tbit
         worker.num_placements -= 1
         self._num_placements -= 1
-        if key in self._component_masks:
-            self._drop_side(self._component_masks, key, tbit.bit_length() - 1)
-        if not tiers & (worker.tier_bits[1] | worker.tier_bits[2] | worker.tier_bits[3]):
-            node.workers ^= worker.bit
+        if not t & worker.all_bits:
             worker.blocks.discard(key)
-        if not tiers:
-            self._delete_node(key, node)
+        if t & ~self._dead:
+            self._tiers[key] = t
+            if key in self._component_masks:
+                self._drop_side(self._component_masks, key, tbit.bit_length() - 1)
+        else:  # no live placement left: the block leaves (dead bits go with it)
+            self._delete_block(key)
+
+    def _delete_block(self, key: BlockKey) -> None:
+        del self._tiers[key]
+        self._parents.pop(key, None)
+        self._sizes.pop(key, None)
+        self._hits.pop(key, None)
+        self._component_masks.pop(key, None)
+        self._copies.pop(key, None)
+
+    def _strip_dead(self, key: BlockKey, t: int) -> int | None:
+        """Drop removed workers' bits from one block; None when nothing live is left."""
+        dead = t & self._dead
+        for table in (self._component_masks, self._copies):
+            per_key = table.get(key)
+            if per_key is not None:
+                for slot in [s for s in per_key if dead >> s & 1]:
+                    self._drop_side(table, key, slot)
+        t ^= dead
+        if t:
+            self._tiers[key] = t
+            return t
+        self._delete_block(key)
+        return None
 
     @staticmethod
     def _drop_side(table: dict[BlockKey, dict[int, int]], key: BlockKey, slot: int) -> None:
@@ -367,71 +444,58 @@ class PrefixIndex:
         if per_key is not None and per_key.pop(slot, None) is not None and not per_key:
             del table[key]
 
-    # ------------------------------------------------------------------ tree links
-
-    def _link_new(self, key: BlockKey, node: _Node) -> None:
-        if node.parent is not None:
-            self._attach(key, node.parent)
-        if self._orphans:
-            adopted = self._orphans.pop(key, None)
-            if adopted is not None:
-                node.children = adopted
-
-    def _attach(self, key: BlockKey, parent: BlockKey) -> None:
-        parent_node = self._nodes.get(parent)
-        if parent_node is not None:
-            parent_node.children = _add_child(parent_node.children, key)
-        else:
-            self._orphans[parent] = _add_child(self._orphans.get(parent), key)
-
-    def _detach(self, key: BlockKey, parent: BlockKey) -> None:
-        parent_node = self._nodes.get(parent)
-        if parent_node is not None:
-            parent_node.children = _remove_child(parent_node.children, key)
-            return
-        rest = _remove_child(self._orphans.get(parent), key)
-        if rest is None:
-            self._orphans.pop(parent, None)
-        else:
-            self._orphans[parent] = rest
-
-    def _relink(self, key: BlockKey, node: _Node, parent: BlockKey) -> None:
-        if node.parent is not None:
-            self._detach(key, node.parent)
-        node.parent = parent
-        self._attach(key, parent)
-
-    def _delete_node(self, key: BlockKey, node: _Node) -> None:
-        if node.parent is not None:
-            self._detach(key, node.parent)  # first: the parent may be this very node
-        del self._nodes[key]
-        self._hits.pop(key, None)
-        if node.children is not None:
-            self._orphans[key] = node.children
-
     # ------------------------------------------------------------------ workers
 
     def remove_worker(self, worker_id: str) -> int:
-        """Drop every placement of `worker_id` and forget the worker; placements removed."""
+        """Drop every placement of `worker_id` and forget the worker; placements removed.
+
+        O(1) for the caller: the worker vanishes from every answer at once, and its bits are
+        purged from the blocks later, a slice per `apply` (`purge`), or at once before any
+        whole-index view (stats, placements, snapshot)."""
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return 0
         removed = worker.num_placements
-        nodes = self._nodes
-        for key in list(worker.blocks):
-            node = nodes[key]
-            for tier in _TIERS:
-                tbit = worker.tier_bits[tier]
-                if node.tiers & tbit:
-                    slot = tbit.bit_length() - 1
-                    if key in self._copies:
-                        self._drop_side(self._copies, key, slot)
-                    self._drop_placement(worker, key, node, tbit)
+        self._num_placements -= removed
+        self._dead |= worker.all_bits
+        self._pending.append(worker)
         del self._by_idx[worker.idx]
-        self._free_idx.append(worker.idx)
         self._addressed &= ~worker.bit
         self._legacy &= ~worker.bit
+        self._hbm_slots &= ~worker.bit
         return removed
+
+    def purge(self, max_blocks: int | None = None) -> bool:
+        """Purge removed workers' bits from up to `max_blocks` blocks (all when None);
+        True when nothing is left to purge. Their worker slots are reused afterwards."""
+        budget = max_blocks
+        while self._pending:
+            worker = self._pending[0]
+            blocks = worker.blocks
+            while blocks and (budget is None or budget > 0):
+                key = blocks.pop()
+                t = self._tiers.get(key)
+                if t is not None and t & worker.all_bits:
+                    self._strip_worker(key, t, worker)
+                if budget is not None:
+                    budget -= 1
+            if blocks:
+                return False
+            self._pending.pop(0)
+            self._dead &= ~worker.all_bits
+            self._free_idx.append(worker.idx)
+        return True
+
+    def _strip_worker(self, key: BlockKey, t: int, worker: _Worker) -> None:
+        for table in (self._component_masks, self._copies):
+            if key in table:
+                for tier in _TIERS:
+                    self._drop_side(table, key, worker.tier_bits[tier].bit_length() - 1)
+        t &= ~worker.all_bits
+        if t:
+            self._tiers[key] = t
+        else:
+            self._delete_block(key)
 
     def worker_ids(self) -> list[str]:
         return sorted(self._workers)
@@ -441,7 +505,8 @@ class PrefixIndex:
     def match(self, hashes: Sequence[BlockKey], count_as_hit: bool) -> list[WorkerPlacements]:
         """MatchExternalKv: per worker (first-seen order; workers first seen on the same hash
         by worker id) its placements among the distinct hashes, ascending by tier."""
-        nodes = self._nodes
+        get = self._tiers.get
+        live = ~self._dead
         seen: set[BlockKey] = set()
         order: list[_Worker] = []
         rows: dict[int, dict[int, tuple[list[BlockKey], list[int], list[int]]]] = {}
@@ -450,26 +515,26 @@ class PrefixIndex:
             if key in seen:
                 continue
             seen.add(key)
-            node = nodes.get(key)
-            if node is None:
+            t = get(key)
+            if t is None or not t & live:
                 continue
+            t &= live
             if count_as_hit:
                 self._hits[key] = self._hits.get(key, 0) + 1
-            new = node.workers & ~seen_workers
+            holders = _any_tier(t) & self._hbm_slots
+            new = holders & ~seen_workers
             if new:
                 seen_workers |= new
-                order.extend(sorted((self._by_idx[i] for i in _bits(new)), key=lambda w: w.wid))
+                fresh = [self._by_idx[b // _SLOTS_PER_WORKER] for b in _bits(new)]
+                order.extend(sorted(fresh, key=lambda w: w.wid))
             masks = self._component_masks.get(key)
-            for idx in _bits(node.workers):
-                worker = self._by_idx[idx]
-                per_tier = rows.setdefault(idx, {})
-                for tier in _TIERS:
-                    tbit = worker.tier_bits[tier]
-                    if node.tiers & tbit:
-                        row = per_tier.setdefault(tier, ([], [], []))
-                        row[0].append(key)
-                        row[1].append(masks.get(tbit.bit_length() - 1, 0) if masks else 0)
-                        row[2].append(node.size)
+            size = self._sizes.get(key, 0)
+            for slot in _bits(t):
+                idx, tier = divmod(slot, _SLOTS_PER_WORKER)
+                row = rows.setdefault(idx, {}).setdefault(tier + 1, ([], [], []))
+                row[0].append(key)
+                row[1].append(masks.get(slot, 0) if masks else 0)
+                row[2].append(size)
         return [
             WorkerPlacements(
                 worker.wid,
@@ -486,12 +551,13 @@ class PrefixIndex:
         """GetExternalKvHitCounts: distinct hashes, first-seen order, only those counted."""
         out: list[tuple[BlockKey, int]] = []
         seen: set[BlockKey] = set()
+        live = ~self._dead
         for key in hashes:
             if key in seen:
                 continue
             seen.add(key)
             count = self._hits.get(key)
-            if count is not None:
+            if count is not None and self._tiers[key] & live:
                 out.append((key, count))
         return out
 
@@ -501,76 +567,100 @@ class PrefixIndex:
         limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
         if limit == 0:
             return PrefixResult((), 0, 0)
-        nodes = self._nodes
-        first = nodes.get(hashes[0])
+        first = self._tiers.get(hashes[0])
         if first is None:
             return PrefixResult((), 0, 1)
-        candidates = first.workers & self._addressed
-        found: list[tuple[int, int]] = []  # (worker idx, matched blocks)
+        candidates = _any_tier(first) & self._addressed  # dead workers are never addressed
+        found: list[tuple[int, int]] = []  # (HBM slot of the worker, matched blocks)
         blocks_read = 1
         legacy = candidates & self._legacy
         if legacy:
             blocks_read, poisoned = self._legacy_prefix(hashes, limit, legacy, found)
             if poisoned:
-                found = [(idx, n) for idx, n in found if not poisoned >> idx & 1]
-        for idx in _bits(candidates & ~self._legacy):
-            matched, read = self._spec_prefix(self._by_idx[idx], hashes, limit)
+                found = [(slot, n) for slot, n in found if not poisoned >> slot & 1]
+        for slot in _bits(candidates & ~self._legacy):
+            worker = self._by_idx[slot // _SLOTS_PER_WORKER]
+            matched, read = self._spec_prefix(worker, hashes, limit)
             blocks_read = max(blocks_read, read)
             if matched:
-                found.append((idx, matched))
+                found.append((slot, matched))
         if not found:
             return PrefixResult((), 0, blocks_read)
         by_idx = self._by_idx
-        ranked = sorted(
-            (PrefixMatch(by_idx[idx].wid, by_idx[idx].address, n) for idx, n in found),
-            key=lambda m: (-m.matched_prefix_blocks, m.worker_id),
-        )
+        ranked = []
+        for slot, n in found:
+            worker = by_idx[slot // _SLOTS_PER_WORKER]
+            match = worker.prefix_matches.get(n)
+            if match is None:
+                match = worker.prefix_matches[n] = PrefixMatch(worker.wid, worker.address, n)
+            ranked.append(match)
+        if len(ranked) > 1:
+            ranked.sort(key=lambda m: (-m.matched_prefix_blocks, m.worker_id))
         return PrefixResult(tuple(ranked), ranked[0].matched_prefix_blocks, blocks_read)
 
     def _legacy_prefix(
         self, hashes: Sequence[BlockKey], limit: int, alive: int, found: list[tuple[int, int]]
     ) -> tuple[int, int]:
-        """The legacy rule for every worker in `alive` at once: an AND of worker bits along
-        the chain. Appends (idx, blocks) for prefixes > 0; returns (blocks read, bits of
-        workers failed closed by a non-zero component mask)."""
-        get = self._nodes.get
-        component_masks = self._component_masks
+        """The legacy rule for every worker in `alive` (HBM-slot bits) at once. Appends
+        (slot, blocks) for prefixes > 0; returns (blocks read, slots of workers failed closed
+        by a non-zero component mask).
+
+        Fast path at C speed: a running AND of the blocks' placement bits (`accumulate`)
+        gives, per worker, how far it holds the chain on HBM; the running AND only shrinks,
+        so the points where workers drop out are found by bisection. A worker that drops out
+        is then followed block by block over any tier (DRAM, SSD) from where it left HBM."""
+        get = self._tiers.get
+        ended: dict[int, int] = {}  # HBM slot -> leading blocks held on HBM
+        survivors = alive
+        base = 0
+        while survivors and base < limit:
+            end = min(limit, base + _SCAN_CHUNK)
+            acc = list(accumulate(map(get, hashes[base:end], repeat(0)), and_, initial=survivors))
+            ascending = acc[::-1]
+            n = end - base
+            current = survivors
+            while current:
+                below = bisect_left(ascending, current)  # entries that lost someone
+                if not below:
+                    break
+                k = n + 1 - below  # first position whose AND lost a worker
+                for slot in _bits(current & ~acc[k]):
+                    ended[slot] = base + k - 1
+                current = acc[k]
+            survivors = current
+            base = end
+        for slot in _bits(survivors):
+            ended[slot] = limit
+        blocks_read = 0
+        for slot, hbm_run in ended.items():
+            held = hbm_run
+            if held < limit:  # maybe on other tiers beyond its HBM run
+                bits = 7 << slot
+                while held < limit and get(hashes[held], 0) & bits:
+                    held += 1
+                ended[slot] = held
+            found.append((slot, held))
+            blocks_read = max(blocks_read, min(limit, held + 1))
         poisoned = 0
-        i = 0
-        while i < limit:
-            key = hashes[i]
-            node = get(key)
-            held = alive & node.workers if node is not None else 0
-            if held != alive:
-                gone = alive ^ held
-                if i:
-                    found.extend((idx, i) for idx in _bits(gone))
-                alive = held
-                if not alive:
-                    return i + 1, poisoned
-            if component_masks and key in component_masks:
-                poisoned |= self._holders_with_components(component_masks[key], alive)
-            i += 1
-        found.extend((idx, i) for idx in _bits(alive))
-        return i, poisoned
+        component_masks = self._component_masks
+        if component_masks:
+            window = hashes[:limit]
+            for key in component_masks.keys() & set(window):
+                position = window.index(key)
+                for slot, mask in component_masks[key].items():
+                    hbm_slot = slot - slot % _SLOTS_PER_WORKER
+                    if mask and ended.get(hbm_slot, 0) > position:
+                        poisoned |= 1 << hbm_slot
+        return blocks_read, poisoned
 
-    @staticmethod
-    def _holders_with_components(masks: dict[int, int], alive: int) -> int:
-        bits = 0
-        for slot, mask in masks.items():
-            idx = slot // _SLOTS_PER_WORKER
-            if mask and alive >> idx & 1:
-                bits |= 1 << idx
-        return bits
-
-    def _available(self, worker: _Worker, key: BlockKey, node: _Node, tiers: int, c: int) -> bool:
-        """Component `c` resident on `node` at a tier in the (1 << Tier) mask `tiers`."""
+    def _available(self, worker: _Worker, key: BlockKey, t: int, tier_mask: int, c: int) -> bool:
+        """Component `c` resident on block `key` at a tier in the (1 << Tier) mask."""
         masks = self._component_masks.get(key)
         if masks is None:
             return False
         for tier in _TIERS:
             tbit = worker.tier_bits[tier]
-            if tiers >> tier & 1 and node.tiers & tbit and masks.get(tbit.bit_length() - 1, 0) & c:
+            if tier_mask >> tier & 1 and t & tbit and masks.get(tbit.bit_length() - 1, 0) & c:
                 return True
         return False
 
@@ -579,8 +669,7 @@ class PrefixIndex:
     ) -> tuple[int, int]:
         """The component rule for one worker with a cache spec: (prefix blocks, blocks read)."""
         spec = worker.spec
-        assert spec is not None  # only called for spec workers
-        if not spec_is_valid(spec):
+        if spec is None or not spec_is_valid(spec):
             return 0, 1
         full_tiers = spec.full_tier_mask & SERVABLE_TIER_MASK
         swa_tiers = spec.swa_tier_mask & SERVABLE_TIER_MASK
@@ -593,24 +682,20 @@ class PrefixIndex:
         head_unbroken = True
         for i in range(limit):
             key = hashes[i]
-            node = self._nodes.get(key)
-            if node is None or not node.workers & worker.bit:
-                return best, i + 1
-            if not self._available(worker, key, node, full_tiers, _FULL):
+            t = self._tiers.get(key)
+            if t is None or not self._available(worker, key, t, full_tiers, _FULL):
                 return best, i + 1
             boundary_ok = True
             if has_swa:
-                if self._available(worker, key, node, swa_tiers, _SWA):
-                    run += node.size
+                if self._available(worker, key, t, swa_tiers, _SWA):
+                    run += self._sizes.get(key, 0)
                     boundary_ok = head_unbroken or run >= window
                 else:
                     run = 0
                     head_unbroken = False
                     boundary_ok = False
             if has_mamba:
-                boundary_ok = boundary_ok and self._available(
-                    worker, key, node, mamba_tiers, _MAMBA
-                )
+                boundary_ok = boundary_ok and self._available(worker, key, t, mamba_tiers, _MAMBA)
             if boundary_ok:
                 best = i + 1
         return best, limit
@@ -624,42 +709,42 @@ class PrefixIndex:
         (listed when > 0). Tokens sum the blocks' known sizes. Sorted by matched_blocks
         descending, then worker id."""
         limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
-        get = self._nodes.get
+        get = self._tiers.get
         first = get(hashes[0]) if limit else None
-        if first is None:
+        if first is None or not first & ~self._dead:
             return []
-        # Placement bits of every candidate, per tier and "servable" (mapped onto the HBM bit).
-        hbm_bits = sum(w.tier_bits[1] for w in self._workers.values())
-        alive_tiers = first.tiers
-        alive_servable = (first.tiers | first.tiers >> 1) & hbm_bits
-        ends: dict[int, int] = {}  # placement bit index -> contiguous blocks
+        hbm_slots = self._hbm_slots
+        alive_tiers = first & ~self._dead  # per placement bit: contiguous on that tier
+        alive_servable = (first | first >> 1) & hbm_slots  # per worker: on HBM or DRAM
+        ends: dict[int, int] = {}  # 2 * bit (+1 for servable) -> contiguous blocks
         cum_tokens = [0]
+        sizes = self._sizes
         i = 0
         while i < limit and (alive_tiers or alive_servable):
-            node = get(hashes[i])
-            tiers = node.tiers if node is not None else 0
-            servable = (tiers | tiers >> 1) & hbm_bits
-            for gone_mask, bias in ((alive_tiers & ~tiers, 0), (alive_servable & ~servable, 1)):
-                for b in _bits(gone_mask):
-                    ends[b * 2 + bias] = i
-            alive_tiers &= tiers
+            key = hashes[i]
+            t = get(key, 0)
+            servable = (t | t >> 1) & hbm_slots
+            for b in _bits(alive_tiers & ~t):
+                ends[2 * b] = i
+            for b in _bits(alive_servable & ~servable):
+                ends[2 * b + 1] = i
+            alive_tiers &= t
             alive_servable &= servable
-            cum_tokens.append(cum_tokens[-1] + (node.size if node is not None else 0))
+            cum_tokens.append(cum_tokens[-1] + sizes.get(key, 0))
             i += 1
         for b in _bits(alive_tiers):
-            ends[b * 2] = i
+            ends[2 * b] = i
         for b in _bits(alive_servable):
-            ends[b * 2 + 1] = i
+            ends[2 * b + 1] = i
         out: list[TokenPrefixMatch] = []
-        for idx in _bits(first.workers):
-            worker = self._by_idx[idx]
-            base = idx * _SLOTS_PER_WORKER
+        for slot in _bits(_any_tier(first) & hbm_slots):
+            worker = self._by_idx[slot // _SLOTS_PER_WORKER]
             per_tier = tuple(
                 TierPrefix(tier, n, cum_tokens[n])
                 for tier in _TIERS
-                if (n := ends.get((base + tier - 1) * 2, 0))
+                if (n := ends.get(2 * (slot + tier - 1), 0))
             )
-            matched = ends.get(base * 2 + 1, 0)
+            matched = ends.get(2 * slot + 1, 0)
             out.append(
                 TokenPrefixMatch(worker.wid, worker.address, matched, cum_tokens[matched], per_tier)
             )
@@ -670,46 +755,58 @@ class PrefixIndex:
 
     def placements(self, worker_id: str | None = None) -> Iterator[Placement]:
         """Every placement (or one worker's), by worker id then key then tier."""
-        workers = sorted(self._workers.values(), key=lambda w: w.wid)
-        for worker in workers:
+        self.purge()
+        for worker in sorted(self._workers.values(), key=lambda w: w.wid):
             if worker_id is not None and worker.wid != worker_id:
                 continue
             for key in sorted(worker.blocks):
-                node = self._nodes[key]
+                t = self._tiers[key]
                 masks = self._component_masks.get(key, {})
                 copies = self._copies.get(key, {})
                 for tier in _TIERS:
                     tbit = worker.tier_bits[tier]
-                    if node.tiers & tbit:
+                    if t & tbit:
                         slot = tbit.bit_length() - 1
                         yield Placement(
                             worker.wid, tier, key, masks.get(slot, 0), copies.get(slot, 1)
                         )
 
+    def _live(self, key: BlockKey) -> bool:
+        t = self._tiers.get(key)
+        return t is not None and bool(t & ~self._dead)
+
     def block_size(self, key: BlockKey) -> int:
         """The block's known token count (0 when unknown or not indexed)."""
-        node = self._nodes.get(key)
-        return node.size if node is not None else 0
+        return self._sizes.get(key, 0) if self._live(key) else 0
 
     def parent(self, key: BlockKey) -> BlockKey | None:
-        node = self._nodes.get(key)
-        return node.parent if node is not None else None
+        return self._parents.get(key) if self._live(key) else None
+
+    def _children_map(self) -> dict[BlockKey, list[BlockKey]]:
+        """Indexed parent -> its indexed children (built on demand: O(blocks))."""
+        self.purge()
+        tiers = self._tiers
+        children: dict[BlockKey, list[BlockKey]] = {}
+        for key, parent in self._parents.items():
+            if parent in tiers:
+                children.setdefault(parent, []).append(key)
+        return children
 
     def children(self, key: BlockKey) -> list[BlockKey]:
-        node = self._nodes.get(key)
-        return sorted(_iter_children(node.children)) if node is not None else []
+        return sorted(self._children_map().get(key, ()))
 
     def subtree_blocks(self, key: BlockKey) -> int:
         """Indexed blocks in the subtree rooted at `key` (itself included)."""
-        if key not in self._nodes:
+        if not self._live(key):
             return 0
+        children = self._children_map()
         seen: set[BlockKey] = set()
         stack = [key]
         while stack:
             current = stack.pop()
             if current not in seen:
                 seen.add(current)
-                stack.extend(_iter_children(self._nodes[current].children))
+                stack.extend(children.get(current, ()))
         return len(seen)
 
     def worker_info(self, worker_id: str) -> tuple[str, CacheSpec | None] | None:
@@ -718,9 +815,10 @@ class PrefixIndex:
         return None if worker is None else (worker.address, worker.spec)
 
     def stats(self, backend: str = "memory") -> IndexStats:
+        self.purge()
         return IndexStats(
             backend=backend,
-            num_blocks=len(self._nodes),
+            num_blocks=len(self._tiers),
             num_placements=self._num_placements,
             workers=tuple(
                 WorkerStats(w.wid, w.address, len(w.blocks), w.num_placements)
@@ -730,7 +828,8 @@ class PrefixIndex:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._nodes)
+        self.purge()
+        return len(self._tiers)
 
     @property
     def num_placements(self) -> int:
@@ -741,12 +840,14 @@ class PrefixIndex:
     def parent_first_order(self) -> list[BlockKey]:
         """Every indexed key, each after its indexed parent (pre-order from the roots, so a
         chain's blocks are adjacent)."""
-        nodes = self._nodes
+        children = self._children_map()
+        tiers = self._tiers
+        parents = self._parents
         order: list[BlockKey] = []
         visited: set[BlockKey] = set()
-        roots = [k for k, n in nodes.items() if n.parent is None or n.parent not in nodes]
+        roots = [k for k in tiers if parents.get(k) not in tiers]
         # A parent cycle (possible only with inconsistent reports) has no root: visit it last.
-        for start in [*roots, *nodes]:
+        for start in [*roots, *tiers]:
             if start in visited:
                 continue
             stack = [start]
@@ -756,11 +857,7 @@ class PrefixIndex:
                     continue
                 visited.add(key)
                 order.append(key)
-                children = nodes[key].children
-                if isinstance(children, set):
-                    stack.extend(sorted(children, reverse=True))
-                elif children is not None:
-                    stack.append(children)
+                stack.extend(sorted(children.get(key, ()), reverse=True))
         return order
 
     def snapshot(self, worker_id: str | None = None) -> Iterator[Batch]:
@@ -778,13 +875,11 @@ class PrefixIndex:
         for tier in _TIERS:
             tbit = worker.tier_bits[tier]
             slot = tbit.bit_length() - 1
-            keys = sorted(
-                (k for k in worker.blocks if self._nodes[k].tiers & tbit), key=rank.__getitem__
-            )
+            keys = sorted((k for k in worker.blocks if self._tiers[k] & tbit), key=rank.__getitem__)
             chain: list[BlockKey] = []
             for key in keys:
-                node = self._nodes[key]
-                if chain and (node.parent != chain[-1] or len(chain) >= MAX_HASHES_PER_REQUEST):
+                parent = self._parents.get(key)
+                if chain and (parent != chain[-1] or len(chain) >= MAX_HASHES_PER_REQUEST):
                     actions.append(self._report_action(tier, slot, chain))
                     chain = []
                 chain.append(key)
@@ -800,14 +895,14 @@ class PrefixIndex:
 
     def _report_action(self, tier: Tier, slot: int, chain: list[BlockKey]) -> Action:
         masks = tuple(self._component_masks.get(k, {}).get(slot, 0) for k in chain)
-        sizes = tuple(self._nodes[k].size for k in chain)
+        sizes = tuple(self._sizes.get(k, 0) for k in chain)
         return Action(
             ActionType.REPORT,
             tier,
             tuple(chain),
             component_masks=masks if any(masks) else (),
             block_sizes=sizes if any(sizes) else (),
-            parent=self._nodes[chain[0]].parent,
+            parent=self._parents.get(chain[0]),
         )
 
 

@@ -200,6 +200,7 @@ class RedisBackend:
         self._outage = False
         self._buffer: deque[Batch] = deque()
         self._dropping: set[str] = set()
+        self._removals: set[str] = set()
         self._resync: set[str] = set()
         self._listeners: list[Callable[[str], None]] = []
         self._recovery: asyncio.Task[None] | None = None
@@ -355,6 +356,10 @@ class RedisBackend:
             log.warning("%s; buffering batches", exc)
             self._outage = True
             self._enqueue(batch)
+            self._start_recovery()
+
+    def _start_recovery(self) -> None:
+        if self._recovery is None or self._recovery.done():
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
 
     def _enqueue(self, batch: Batch) -> None:
@@ -375,6 +380,10 @@ class RedisBackend:
         while True:
             try:
                 await self._ensure_ready()
+                while self._removals:
+                    worker_id = min(self._removals)
+                    await self._fcall("kvp_remove", [worker_id], boot=True)
+                    self._removals.discard(worker_id)
                 while self._dropping:
                     worker_id = min(self._dropping)
                     await self._fcall("kvp_remove", [worker_id], boot=True)
@@ -384,9 +393,10 @@ class RedisBackend:
                     # Left in the buffer until applied, so new batches queue behind it.
                     await self._fcall("kvp_apply", codec.apply_args(self._buffer[0]), boot=True)
                     self._buffer.popleft()
-                if not self._dropping:
+                if not self._dropping and not self._removals:
                     break
-            except IndexUnavailableError:
+            except KvplaneError as exc:
+                log.debug("Redis recovery: %s", exc)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
         self._outage = False
@@ -402,16 +412,70 @@ class RedisBackend:
                     boot = await self._client.execute_command("HGET", self._meta_key, "boot")
                     if boot != self._boot:
                         self._ready = False
-                await self._ensure_ready()
-                chunk = str(self._options.sweep_chunk_buckets)
-                pending = True
-                while pending:  # bounded calls: other clients run in between
-                    pending = bool(await self._fcall("kvp_sweep", [chunk]))
+                await self.sweep()
             except (IndexUnavailableError, *_UNREACHABLE, OSError) as exc:
                 self._ready = False
                 log.debug("index maintenance skipped: %s", exc)
             except RedisError:
                 log.exception("index maintenance failed")
+
+    async def sweep(self) -> None:
+        """Drop the records of cleared and removed placements now, in bounded calls (other
+        clients run in between). The maintenance task does this in the background."""
+        chunk = str(self._options.sweep_chunk_buckets)
+        pending = True
+        while pending:
+            pending = bool(await self._fcall("kvp_sweep", [chunk]))
+
+    def _partition_node(self) -> Any:
+        """Keyword arguments that send a plain command to the node holding the partition."""
+        if isinstance(self._client, RedisCluster):
+            return {"target_nodes": self._client.get_node_from_key(self._meta_key)}
+        return {}
+
+    async def used_memory_bytes(self) -> int:
+        """`used_memory` (INFO memory) of the Redis node holding this partition."""
+        try:
+            info = await self._client.info("memory", **self._partition_node())
+        except (*_UNREACHABLE, OSError) as exc:
+            raise self._unavailable(exc) from exc
+        return int(info["used_memory"])
+
+    async def function_stats(self, command: str) -> tuple[int, int]:
+        """(calls, microseconds) Redis reports for `command` (e.g. "fcall_ro") on the node
+        holding this partition (INFO commandstats): server-side time, without the network."""
+        try:
+            info = await self._client.info("commandstats", **self._partition_node())
+        except (*_UNREACHABLE, OSError) as exc:
+            raise self._unavailable(exc) from exc
+        row = info.get(f"cmdstat_{command}", {"calls": 0, "usec": 0})
+        return int(row["calls"]), int(row["usec"])
+
+    async def drop_partition(self) -> int:
+        """Delete every key of this partition (benchmarks); returns the number deleted.
+        Background upkeep stops: call `close` next."""
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+            self._maintenance = None
+        pattern = "".join(f"\\{c}" if c in "*?[]\\" else c for c in self._meta_key[:-1]) + "*"
+        target = self._partition_node()
+        deleted = 0
+        cursor: Any = 0
+        while True:
+            reply = await self._client.execute_command(
+                "SCAN", cursor, "MATCH", pattern, "COUNT", 1000, **target
+            )
+            cursor, keys = reply
+            if isinstance(cursor, dict):  # the cluster client answers {node: cursor}
+                cursor = next(iter(cursor.values()))
+            if keys:
+                deleted += int(await self._client.execute_command("UNLINK", *keys, **target))
+            if int(cursor) == 0:
+                break
+        self._ready = False
+        return deleted
 
     # ------------------------------------------------------------------ queries
 
@@ -505,9 +569,18 @@ class RedisBackend:
         return [(k, int(n)) for k, n in zip(distinct, reply, strict=True) if int(n) >= 0]
 
     async def remove_worker(self, worker_id: str) -> int:
+        """Removes the worker; while Redis is down the removal is queued (applied before any
+        later batch of that worker) and IndexUnavailableError raised."""
         self._buffer = deque(b for b in self._buffer if b.worker_id != worker_id)
         self._dropping.discard(worker_id)
-        removed: int = await self._fcall("kvp_remove", [worker_id], boot=True)
+        self._resync.discard(worker_id)
+        try:
+            removed: int = await self._fcall("kvp_remove", [worker_id], boot=True)
+        except IndexUnavailableError:
+            self._removals.add(worker_id)
+            self._outage = True
+            self._start_recovery()
+            raise
         return removed
 
     # ------------------------------------------------------------------ views

@@ -41,7 +41,17 @@ local function p16(n)
   return string.char(math.floor(n / 256) % 256, n % 256)
 end
 
+local SMALL32 = {} -- p32 of 0..255, filled on first use (no string library at load time)
+
 local function p32(n)
+  if n < 256 then
+    local packed = SMALL32[n]
+    if not packed then
+      packed = '\0\0\0' .. string.char(n)
+      SMALL32[n] = packed
+    end
+    return packed
+  end
   return string.char(math.floor(n / 16777216) % 256, math.floor(n / 65536) % 256,
     math.floor(n / 256) % 256, n % 256)
 end
@@ -137,35 +147,65 @@ local function rewrite(ctx, v, self, edit)
   return parts, old, others
 end
 
+-- Position of the (wid, tier) record in v (or nil), reading record heads only.
+local function find(v, from, wid, tier)
+  local hi, lo = math.floor(wid / 256), wid % 256
+  for pos = from, #v, REC do
+    local a, b, t = string.byte(v, pos, pos + 2)
+    if a == hi and b == lo and t == tier then return pos end
+  end
+  return nil
+end
+
+local function is_live(ctx, v, pos)
+  local a, b, t, e1, e2, e3, e4 = string.byte(v, pos, pos + 6)
+  return ((e1 * 256 + e2) * 256 + e3) * 256 + e4 == epoch_of(ctx, a * 256 + b, t)
+end
+
+-- Whether v holds a live placement other than the record at `skip`.
+local function other_live(ctx, v, from, skip)
+  for pos = from, #v, REC do
+    if pos ~= skip and is_live(ctx, v, pos) then return true end
+  end
+  return false
+end
+
 -- REPORT of one block: the placement's mask is replaced; with `copies` a placement that is
 -- already live gains a physical copy. Token count replaced only by a non-zero size; parent
--- replaced only by a known one.
-local function report(ctx, wid, tier, epoch, k, mask, tokens, parent, copies)
+-- replaced only by a known one. `head` = the record's id, tier and epoch bytes.
+local function report(ctx, wid, tier, head, k, mask, tokens, parent, copies)
   local bucket = bucket_of(ctx, k)
   local bkey = ctx.base .. ':b:' .. bucket
   local v = redis.call('HGET', bkey, k)
-  local prefix = p16(wid) .. string.char(tier) .. p32(epoch) .. p32(mask)
-  local function edit(old)
-    if old == nil then return prefix .. '\0\1' end
-    local n = u16(old, 12)
-    if copies and n < 65535 then n = n + 1 end
-    return prefix .. p16(n)
-  end
+  local with_mask = head .. p32(mask)
   if v then
-    local parts, old, others = rewrite(ctx, v, wid * 4 + tier, edit)
-    if old == nil then add_delta(ctx, wid, tier, 1) end
-    if old ~= nil or others > 0 then
+    local from = header_len(v) + 1
+    local pos = find(v, from, wid, tier)
+    local live_self = pos ~= nil and is_live(ctx, v, pos)
+    if live_self or other_live(ctx, v, from, pos) then
+      local n = 1
+      if live_self then
+        n = u16(v, pos + 11)
+        if copies and n < 65535 then n = n + 1 end
+      else
+        add_delta(ctx, wid, tier, 1)
+      end
+      local body
+      if pos then
+        body = string.sub(v, from, pos - 1) .. with_mask .. p16(n) .. string.sub(v, pos + REC)
+      else
+        body = string.sub(v, from) .. with_mask .. '\0\1'
+      end
       if tokens == 0 then tokens = u32(v, 2) end
       if parent == '' then parent = parent_of(v) end
-      redis.call('HSET', bkey, k, header(tokens, parent) .. table.concat(parts))
+      redis.call('HSET', bkey, k, header(tokens, parent) .. body)
       return
     end
-  else
-    add_delta(ctx, wid, tier, 1)
+    -- Only dead placements: the block starts afresh, without its old hit count.
+    redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
   end
-  -- A block with no live placement starts afresh: no hit count, this report's size.
-  redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
-  redis.call('HSET', bkey, k, header(tokens, parent) .. edit(nil))
+  add_delta(ctx, wid, tier, 1)
+  redis.call('HSET', bkey, k, header(tokens, parent) .. with_mask .. '\0\1')
 end
 
 -- REVOKE of one block: drops the placement, or with `copies` one physical copy of it.
@@ -174,28 +214,24 @@ local function revoke(ctx, wid, tier, k, copies)
   local bkey = ctx.base .. ':b:' .. bucket
   local v = redis.call('HGET', bkey, k)
   if not v then return end
-  local function edit(old)
-    if old == nil then return nil end
-    local n = u16(old, 12)
-    if copies and n > 1 then return string.sub(old, 1, 11) .. p16(n - 1) end
-    return nil
-  end
-  local parts, old, others = rewrite(ctx, v, wid * 4 + tier, edit)
-  if old == nil then
-    if others == 0 then
-      redis.call('HDEL', bkey, k)
-      redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
+  local from = header_len(v) + 1
+  local pos = find(v, from, wid, tier)
+  if pos and is_live(ctx, v, pos) then
+    local n = u16(v, pos + 11)
+    if copies and n > 1 then
+      redis.call('HSET', bkey, k, string.sub(v, 1, pos + 10) .. p16(n - 1) .. string.sub(v, pos + REC))
+      return
     end
+    add_delta(ctx, wid, tier, -1)
+    if other_live(ctx, v, from, pos) then
+      redis.call('HSET', bkey, k, string.sub(v, 1, pos - 1) .. string.sub(v, pos + REC))
+      return
+    end
+  elseif other_live(ctx, v, from, nil) then
     return
   end
-  local kept = #parts > others
-  if not kept then add_delta(ctx, wid, tier, -1) end
-  if others == 0 and not kept then
-    redis.call('HDEL', bkey, k)
-    redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
-  else
-    redis.call('HSET', bkey, k, string.sub(v, 1, header_len(v)) .. table.concat(parts))
-  end
+  redis.call('HDEL', bkey, k)
+  redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
 end
 
 local function clear_tier(ctx, wid, tier)
@@ -249,13 +285,13 @@ local function kvp_apply(keys, args)
       clear_tier(ctx, wid, tier)
     elseif kind == 1 then
       local masks, sizes, parent = args[i + 3], args[i + 4], args[i + 5]
-      local epoch = epoch_of(ctx, wid, tier)
+      local head = p16(wid) .. string.char(tier) .. p32(epoch_of(ctx, wid, tier))
       for j = 1, #hashes / 8 do
         local k = string.sub(hashes, j * 8 - 7, j * 8)
         local mask, tokens = 0, 0
         if masks ~= '' then mask = u32(masks, j * 4 - 3) end
         if sizes ~= '' then tokens = u32(sizes, j * 4 - 3) end
-        report(ctx, wid, tier, epoch, k, mask, tokens, parent, copies)
+        report(ctx, wid, tier, head, k, mask, tokens, parent, copies)
         parent = k
       end
     elseif kind == 2 then
@@ -349,18 +385,6 @@ local function spec_valid(sp)
   return true
 end
 
--- Component availability on one block from one worker's placements (list of {tier, mask}).
-local function available(placed, component, tier_mask)
-  for _, p in ipairs(placed) do
-    local tier, mask = p[1], p[2]
-    if (tier == 1 or tier == 2) and bit.band(mask, component) ~= 0
-        and bit.band(tier_mask, bit.lshift(1, tier)) ~= 0 then
-      return true
-    end
-  end
-  return false
-end
-
 -- One block's live placements grouped by worker: wid -> list of {tier, mask}, plus order.
 local function placements_by_worker(ctx, v)
   local by = {}
@@ -381,23 +405,66 @@ local function placements_by_worker(ctx, v)
   return by, order
 end
 
--- Advances one worker's prefix state over block `i`; returns false when its scan is over.
+-- Candidate states from the first block: live holders with an address, in record order.
+local function candidates(ctx, v)
+  local by, states = {}, {}
+  for pos = header_len(v) + 1, #v, REC do
+    local wid = u16(v, pos)
+    if by[wid] == nil and is_live(ctx, v, pos) then
+      local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'n', 'a', 's')
+      if row[2] and row[2] ~= '' then
+        local st = { wid = wid, name = row[1] or '', addr = row[2], spec = spec_of(row[3]),
+          best = 0, run = 0, broken = false, poisoned = false, seen = 0, f = 0, s = 0, m = 0 }
+        st.on = st.spec == nil or spec_valid(st.spec)
+        by[wid] = st
+        states[#states + 1] = st
+      else
+        by[wid] = false
+      end
+    end
+  end
+  return by, states
+end
+
+-- Notes what block `i` holds for each scanning candidate: present (seen), component detail
+-- on a legacy worker (poisoned), FULL/SWA/MAMBA on a tier its spec serves them from.
+local function observe(ctx, by, v, i)
+  local byte, ep = string.byte, ctx.ep
+  for pos = header_len(v) + 1, #v, REC do
+    local a, b, t, e1, e2, e3, e4, m1, m2, m3, m4 = byte(v, pos, pos + 10)
+    local wid = a * 256 + b
+    local st = by[wid]
+    if st and st.on
+        and ((e1 * 256 + e2) * 256 + e3) * 256 + e4 == (ep[wid * 4 + t] or epoch_of(ctx, wid, t)) then
+      st.seen = i
+      local mask = ((m1 * 256 + m2) * 256 + m3) * 256 + m4
+      local sp = st.spec
+      if sp == nil then
+        if mask ~= 0 then st.poisoned = true end
+      elseif t == 1 or t == 2 then
+        local tb = bit.lshift(1, t)
+        if bit.band(mask, 1) ~= 0 and bit.band(sp.full, tb) ~= 0 then st.f = i end
+        if bit.band(mask, 2) ~= 0 and bit.band(sp.swa, tb) ~= 0 then st.s = i end
+        if bit.band(mask, 4) ~= 0 and bit.band(sp.mamba, tb) ~= 0 then st.m = i end
+      end
+    end
+  end
+end
+
+-- Advances one candidate over block `i` (WIRE.md section 2's rules); false ends its scan.
 -- A legacy worker with component detail on a scanned block fails closed (prefix 0) but is
 -- scanned on, as the memory backend does (blocks_read agrees).
-local function step(st, placed, i, tokens)
-  if not placed then return false end
+local function step(st, i, tokens)
+  if st.seen ~= i then return false end
   local sp = st.spec
   if sp == nil then
-    for _, p in ipairs(placed) do
-      if p[2] ~= 0 then st.poisoned = true end
-    end
     st.best = i
     return true
   end
-  if not available(placed, 1, sp.full) then return false end
+  if st.f ~= i then return false end
   local ok = true
   if bit.band(sp.components, 2) ~= 0 then
-    if available(placed, 2, sp.swa) then
+    if st.s == i then
       st.run = st.run + tokens
       ok = (not st.broken) or st.run >= sp.window
     else
@@ -406,19 +473,19 @@ local function step(st, placed, i, tokens)
       ok = false
     end
   end
-  if ok and bit.band(sp.components, 4) ~= 0 then ok = available(placed, 4, sp.mamba) end
+  if ok and bit.band(sp.components, 4) ~= 0 then ok = st.m == i end
   if ok then st.best = i end
   return true
 end
 
 -- MatchExternalKvPrefix. ARGV: nb, hashes, limit. Candidates: workers with an address that
 -- hold the first block. Returns blocks_read, then per worker with a non-zero prefix (in
--- first-block placement order; the caller sorts): id, name, address, matched_prefix_blocks.
+-- first-block record order; the caller sorts): id, name, address, matched_prefix_blocks.
 local function kvp_prefix(keys, args)
   local ctx = new_ctx(keys, args)
   local hashes = args[2]
   local limit = tonumber(args[3])
-  local states = {}
+  local by, states
   local active = {}
   local blocks_read = 0
   for i = 1, limit do
@@ -426,28 +493,27 @@ local function kvp_prefix(keys, args)
     local v = redis.call('HGET', ctx.base .. ':b:' .. bucket_of(ctx, k), k)
     blocks_read = i
     if not v then break end
-    local by, order = placements_by_worker(ctx, v)
     if i == 1 then
-      for _, wid in ipairs(order) do
-        local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'n', 'a', 's')
-        local st = { wid = wid, name = row[1] or '', addr = row[2] or '',
-          spec = spec_of(row[3]), best = 0, run = 0, broken = false, poisoned = false }
-        if st.addr ~= '' then
-          states[#states + 1] = st
-          if st.spec == nil or spec_valid(st.spec) then active[#active + 1] = st end
-        end
+      by, states = candidates(ctx, v)
+      for _, st in ipairs(states) do
+        if st.on then active[#active + 1] = st end
       end
     end
+    observe(ctx, by, v, i)
     local tokens = u32(v, 2)
     local still = {}
     for _, st in ipairs(active) do
-      if step(st, by[st.wid], i, tokens) then still[#still + 1] = st end
+      if step(st, i, tokens) then
+        still[#still + 1] = st
+      else
+        st.on = false
+      end
     end
     active = still
     if #active == 0 then break end
   end
   local out = { blocks_read }
-  for _, st in ipairs(states) do
+  for _, st in ipairs(states or {}) do
     if st.best > 0 and not st.poisoned then
       out[#out + 1] = st.wid
       out[#out + 1] = st.name

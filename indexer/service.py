@@ -132,7 +132,7 @@ def _write_port_file(path: Path, port: int) -> None:
 
 
 async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -> None:
-    backend = await open_backend(config.backend)
+    backend = await open_backend(config.backend, **config.backend_options())
     try:
         sources = [build_source(s, backend, config.block_size) for s in config.sources]
         servicer_box: list[KvIndexerServicer] = []

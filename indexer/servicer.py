@@ -66,8 +66,13 @@ def _status_of(exc: KvplaneError) -> grpc.StatusCode:
     return grpc.StatusCode.UNAVAILABLE  # a backend that cannot answer (e.g. Redis down)
 
 
-async def _fail(context: Context, exc: KvplaneError) -> NoReturn:
-    await abort_with(context, _status_of(exc), str(exc))
+async def _fail(context: Context, exc: Exception) -> NoReturn:
+    """Abort with the table's status; anything that is not a domain error is a bug: logged
+    with its traceback here, and only a generic INTERNAL reaches the client."""
+    if isinstance(exc, KvplaneError):
+        await abort_with(context, _status_of(exc), str(exc))
+    log.error("index request failed", exc_info=exc)
+    await abort_with(context, grpc.StatusCode.INTERNAL, "internal error (logged by the indexer)")
 
 
 class PrefixQueryLimiter:
@@ -108,7 +113,7 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
         try:
             validate_batch(batch)
             await self.backend.apply(batch)
-        except KvplaneError as exc:
+        except Exception as exc:
             await _fail(context, exc)
         self.num_batches_applied += 1
         return kv.ApplyExternalKvBatchResponse()
@@ -120,7 +125,7 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
         try:
             validate_match(hashes)
             placements = await self.backend.match(hashes, request.count_as_hit)
-        except KvplaneError as exc:
+        except Exception as exc:
             await _fail(context, exc)
         return match_to_proto(placements)
 
@@ -130,12 +135,12 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
         hashes = list(request.hashes)
         try:
             validate_prefix_match(hashes)
-        except KvplaneError as exc:
+        except Exception as exc:
             await _fail(context, exc)
         await self.limiter.enter(context)
         try:
             result = await self.backend.match_prefix(hashes, request.max_blocks)
-        except KvplaneError as exc:
+        except Exception as exc:
             await _fail(context, exc)
         finally:
             self.limiter.leave()
@@ -148,7 +153,7 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
         try:
             validate_match(hashes)
             counts = await self.backend.hit_counts(hashes)
-        except KvplaneError as exc:
+        except Exception as exc:
             await _fail(context, exc)
         response = kv.GetExternalKvHitCountsResponse()
         for key, count in counts:
@@ -189,7 +194,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         await self.limiter.enter(context)
         try:
             matches = await self.backend.match_prefix_by_tier(block_keys, 0)
-        except KvplaneError as exc:
+        except Exception as exc:
             await _fail(context, exc)
         finally:
             self.limiter.leave()
@@ -200,7 +205,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
     ) -> api.IndexStats:
         try:
             stats = await self.backend.stats()
-        except KvplaneError as exc:
+        except Exception as exc:
             await _fail(context, exc)
         counters = self.ingest_counters()
         return stats_to_proto(
@@ -220,7 +225,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
                 batches = await batches
             async for batch in batches:
                 yield batch_to_proto(batch)
-        except KvplaneError as exc:
+        except Exception as exc:
             await _fail(context, exc)
 
 

@@ -30,8 +30,10 @@ def bench_index(
 
 def _register_component_benchmarks() -> None:
     from controller.bench import bench_route
+    from engine.torch_runner.bench import bench_engine  # imports torch only when run
 
     bench_app.command("route")(bench_route)
+    bench_app.command("engine")(bench_engine)
 
 
 _register_component_benchmarks()

@@ -6,8 +6,8 @@ persistence. `redis-server` and `redis-cli` come from the Debian package (/usr/b
 
 from __future__ import annotations
 
-import shutil
 import random
+import shutil
 import socket
 import subprocess
 import time
@@ -135,7 +135,7 @@ class RedisClusterNodes:
 
     def _ok(self) -> bool:
         for node in self.nodes:
-            info = node.client().execute_command("CLUSTER", "INFO")
+            info = node.client().execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
             text = info.decode() if isinstance(info, bytes) else str(info)
             if "cluster_state:ok" not in text:
                 return False

@@ -167,11 +167,11 @@ class KvplaneWeights:
     random (or by softmax when `temperature` > 0), so equal engines share a hot prefix.
     """
 
-    overlap_weight: float = 2.0
+    overlap_weight: float = 12.0
     host_weight: float = 0.25
     decode_weight: float = 256.0
     tie_tokens: float = 64.0
-    tie_ratio: float = 0.02
+    tie_ratio: float = 0.0
     temperature: float = 0.0
 
 

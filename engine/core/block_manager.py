@@ -181,7 +181,7 @@ class BlockManager:
         ):
             return list(memo[3])
         keys = block_keys(
-            list(token_ids[: num_full * self.block_size]),
+            token_ids,  # block_keys hashes whole blocks only
             self.block_size,
             lora_name=lora_name,
             cache_salt=cache_salt,

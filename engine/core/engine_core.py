@@ -1,30 +1,20 @@
 """EngineCore: scheduler + block manager + runner + stop checks + detokenisation, one `step()`
-at a time; and EngineLoop, which runs those steps in one dedicated thread for asyncio servers.
+at a time.
 
 EngineCore is synchronous and single-threaded: `add_request`, `abort`, `step` and friends must be
-called from one thread. A step: schedule -> `runner.execute(batch)` -> mark the computed tokens
+called from one thread (`engine.core.engine_loop.EngineLoop` runs them in a dedicated one; it is
+re-exported here). A step: schedule -> `runner.execute(batch)` -> mark the computed tokens
 (caching newly full blocks, which records KV events) -> for every sequence that sampled, stop
 checks and text deltas -> `RequestOutput`s. Time comes from the `clock` passed in (a virtual clock
 in replay), so the same core runs live and simulated.
-
-EngineLoop owns the thread. Callers on any thread `submit(request, sink)`: validation happens at
-once in the caller's thread (so a server can fail before acceptance), then the request is queued
-to the engine thread, which calls `sink(output)` for each output, in order, ending with the one
-that carries `usage`. For asyncio consumers use `asyncio_sink(loop, queue)`: it hands each output
-to `loop.call_soon_threadsafe(queue.put_nowait, output)`, so the event loop never blocks on a
-step. Commands (`abort`, `call`) return `concurrent.futures.Future`s (`asyncio.wrap_future`).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
-from collections import deque
+from array import array
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
 
 from engine.core.api import (
     BlockStored,
@@ -39,7 +29,6 @@ from engine.core.api import (
     ScheduledSequence,
     SchedulerConfig,
     SequenceResult,
-    StepReport,
     StepResult,
     StopMatch,
     TokenLogprob,
@@ -47,9 +36,9 @@ from engine.core.api import (
 )
 from engine.core.block_manager import BlockManager
 from engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
+from engine.core.engine_loop import EngineLoop, OutputSink, asyncio_sink
 from engine.core.errors import (
     DuplicateRequestError,
-    EngineStoppedError,
     InvalidRequestError,
     PromptTooLongError,
 )
@@ -58,9 +47,7 @@ from engine.core.sequence import Sequence
 from engine.core.sim_runner import SimRunner
 from engine.core.stopping import StopChecker
 
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
+__all__ = ["EngineCore", "EngineLoop", "OutputSink", "asyncio_sink"]
 
 
 @dataclass(slots=True, eq=False)
@@ -131,8 +118,10 @@ class EngineCore:
             raise InvalidRequestError("request_id must be non-empty")
         if not request.prompt_token_ids:
             raise InvalidRequestError("the prompt must have at least one token")
-        if min(request.prompt_token_ids) < 0:
-            raise InvalidRequestError("token ids must be >= 0")
+        try:  # one C-speed pass: an unsigned 32-bit array refuses anything out of range
+            array("I", request.prompt_token_ids)
+        except (OverflowError, TypeError):
+            raise InvalidRequestError("token ids must be integers in [0, 2**32)") from None
         request.sampling.validate()
         if request.sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
@@ -320,6 +309,7 @@ class EngineCore:
             sampling = seq.request.sampling
             if (
                 seq.num_uncomputed_tokens != 1
+                or not seq.output_token_ids
                 or out.detokenizer is not None
                 or sampling.stop
                 or sampling.stop_token_ids
@@ -346,14 +336,10 @@ class EngineCore:
             return []
         runner.pass_time_until(end_s, num_steps)
         outputs: list[RequestOutput] = []
-        next_token = runner.next_token
         for seq in running:
-            last = seq.token_ids[-1]
-            num_output = len(seq.output_token_ids)
-            new_tokens: list[int] = []
-            for offset in range(num_steps):
-                last = next_token(last, num_output + offset, seq.output_index)
-                new_tokens.append(last)
+            new_tokens = runner.next_tokens(
+                seq.token_ids[-1], len(seq.output_token_ids), seq.output_index, num_steps
+            )
             seq.token_ids.extend(new_tokens)
             seq.output_token_ids.extend(new_tokens)
             seq.num_computed_tokens += num_steps
@@ -371,7 +357,8 @@ class EngineCore:
             seq = work.sequence
             start = seq.num_computed_tokens
             end = start + work.num_new_tokens
-            if seq.num_uncomputed_tokens == 1:
+            # Decode: computing the one token it sampled itself (a last prompt token is prefill).
+            if seq.num_uncomputed_tokens == 1 and seq.output_token_ids:
                 num_decode += 1
                 decode_context += seq.num_tokens
             else:
@@ -500,227 +487,3 @@ class EngineCore:
             prefill_batch_size=self._last_prefill_batch,
             decode_batch_size=self._last_decode_batch,
         )
-
-
-# ==============================================================================================
-# EngineLoop: the one engine thread
-# ==============================================================================================
-
-OutputSink = Callable[[RequestOutput], None]
-
-
-class _CallSoonThreadsafe(Protocol):
-    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any) -> object: ...
-
-
-class _PutNowait(Protocol):
-    def put_nowait(self, item: RequestOutput, /) -> None: ...
-
-
-def asyncio_sink(loop: _CallSoonThreadsafe, queue: _PutNowait) -> OutputSink:
-    """A sink that hands each output to an asyncio queue on `loop`, from any thread."""
-
-    def sink(output: RequestOutput) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, output)
-
-    return sink
-
-
-class EngineLoop:
-    """Runs `EngineCore.step()` in one dedicated thread; see the module docstring.
-
-    `on_step(report)` runs in the engine thread after every step or command that changed
-    something, with the drained KV events and a fresh load snapshot: publishers forward them
-    from there (thread-safely). It must not block for long.
-    """
-
-    def __init__(
-        self,
-        core: EngineCore,
-        *,
-        on_step: Callable[[StepReport], None] | None = None,
-        thread_name: str = "engine-step",
-    ) -> None:
-        self.core = core
-        self._on_step = on_step
-        self._thread_name = thread_name
-        self._cond = threading.Condition()
-        self._commands: deque[Callable[[], list[RequestOutput]]] = deque()
-        self._sinks: dict[str, OutputSink] = {}
-        self._stopping = False
-        self._stopped = False
-        self._thread: threading.Thread | None = None
-        self._load = core.load()
-
-    # ---------------------------------------------------------------- lifecycle
-
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("EngineLoop already started")
-        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Cancel every live request (their sinks get CANCELLED outputs) and end the thread."""
-        with self._cond:
-            if self._stopping:
-                return
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
-
-    def load(self) -> LoadSnapshot:
-        """The load measured after the last step (any thread)."""
-        return self._load
-
-    def num_live_requests(self) -> int:
-        with self._cond:
-            return len(self._sinks)
-
-    # ---------------------------------------------------------------- any thread
-
-    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
-        """Validate (raising before acceptance) and queue a request; outputs go to `sink`."""
-        self.core.check_request(request)
-        with self._cond:
-            if self._stopping:
-                raise EngineStoppedError("the engine is stopping")
-            if request.request_id in self._sinks:
-                raise DuplicateRequestError(f"request {request.request_id!r} is already running")
-            self._sinks[request.request_id] = sink
-
-            def add() -> list[RequestOutput]:
-                try:
-                    self.core.add_request(request)
-                except Exception as exc:  # cannot happen after check_request; never hang
-                    logger.exception("could not add request %s", request.request_id)
-                    return [
-                        RequestOutput(
-                            request_id=request.request_id,
-                            output_index=i,
-                            finish_reason=FinishReason.ERROR,
-                            message=str(exc),
-                            usage=Usage(len(request.prompt_token_ids), 0, 0)
-                            if i == request.sampling.num_sequences - 1
-                            else None,
-                        )
-                        for i in range(request.sampling.num_sequences)
-                    ]
-                return []
-
-            self._commands.append(add)
-            self._cond.notify()
-
-    def abort(self, request_id: str) -> Future[bool]:
-        """Cancel a request; the future says whether it was still running."""
-        future: Future[bool] = Future()
-
-        def command() -> list[RequestOutput]:
-            outputs = self.core.abort(request_id)
-            future.set_result(bool(outputs))
-            return outputs
-
-        self._enqueue(command, future)
-        return future
-
-    def abort_all(self) -> Future[list[str]]:
-        future: Future[list[str]] = Future()
-
-        def command() -> list[RequestOutput]:
-            outputs = self.core.abort_all()
-            future.set_result(sorted({o.request_id for o in outputs}))
-            return outputs
-
-        self._enqueue(command, future)
-        return future
-
-    def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
-        """Run `fn(core)` in the engine thread between steps (snapshots, cache resets)."""
-        future: Future[T] = Future()
-
-        def command() -> list[RequestOutput]:
-            future.set_result(fn(self.core))
-            return []
-
-        self._enqueue(command, future)
-        return future
-
-    def _enqueue(self, command: Callable[[], list[RequestOutput]], future: Future[Any]) -> None:
-        with self._cond:
-            if self._stopped:
-                future.set_exception(EngineStoppedError("the engine has stopped"))
-                return
-            self._commands.append(command)
-            self._cond.notify()
-
-    # ---------------------------------------------------------------- engine thread
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while not self._commands and not self._stopping and not self.core.has_work():
-                        self._cond.wait()
-                    commands = list(self._commands)
-                    self._commands.clear()
-                    stopping = self._stopping
-                outputs: list[RequestOutput] = []
-                for command in commands:
-                    outputs.extend(self._run_command(command))
-                if stopping:
-                    outputs.extend(self.core.abort_all())
-                    self._publish(StepResult(outputs, None))
-                    return
-                result = StepResult(outputs, None)
-                if self.core.has_work():
-                    result = self._step(outputs)
-                self._publish(result)
-        finally:
-            with self._cond:
-                self._stopped = True
-                pending = list(self._commands)
-                self._commands.clear()
-            for command in pending:  # resolve futures of commands that raced the stop
-                self._run_command(command)
-
-    def _run_command(self, command: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
-        try:
-            return command()
-        except Exception as exc:  # a request that failed validation late, e.g. a duplicate
-            logger.warning("engine command failed: %s", exc)
-            return []
-
-    def _step(self, outputs: list[RequestOutput]) -> StepResult:
-        try:
-            result = self.core.step()
-        except Exception:
-            logger.exception("engine step failed; failing every running request")
-            outputs.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
-            return StepResult(outputs, None)
-        outputs.extend(result.outputs)
-        return StepResult(outputs, result.stats)
-
-    def _publish(self, result: StepResult) -> None:
-        self._load = self.core.load()
-        for output in result.outputs:
-            with self._cond:
-                sink = self._sinks.get(output.request_id)
-                if output.usage is not None:
-                    self._sinks.pop(output.request_id, None)
-            if sink is None:
-                continue
-            try:
-                sink(output)
-            except Exception:  # e.g. the consumer's event loop is closed: drop the request
-                logger.warning("output sink of %s failed; aborting it", output.request_id)
-                with self._cond:
-                    self._sinks.pop(output.request_id, None)
-                self.core.abort(output.request_id)
-        events = self.core.take_kv_events()
-        if self._on_step is not None and (result.outputs or result.stats or events):
-            self._on_step(StepReport(result, events, self._load))

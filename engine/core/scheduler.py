@@ -1,21 +1,21 @@
 """Continuous batching with chunked prefill, priorities and preemption by recompute.
 
 Each step (`schedule`) spends a token budget (`max_num_batched_tokens`):
-1. Running sequences first, highest priority first (FCFS within a level): each gets all its
-   uncomputed tokens (one for a decode, the rest of its prompt for a prefill) capped by what is
-   left of the budget. When the pool cannot hold them, the lowest-priority, latest-arrived
-   running sequence is preempted (blocks freed, `num_computed_tokens` reset; it goes back to the
-   front of its level's queue) until it fits; a sequence that cannot fit even alone is finished
-   as out of capacity.
+1. Running sequences first, highest (effective) priority first, FCFS within a level: each gets
+   all its uncomputed tokens (one for a decode, the rest of its prompt for a prefill) capped by
+   what is left of the budget. When the pool cannot hold them, the lowest-priority,
+   latest-arrived running sequence is preempted (blocks freed, `num_computed_tokens` reset; it
+   goes back to the front of its level's queue) until it fits; a sequence that cannot fit even
+   alone is finished as out of capacity.
 2. Then waiting sequences, while seats (`max_num_seqs`) and budget remain and nothing was
    preempted this step: the waiting queue's best head (below) takes its prefix hits and slots
    for its first chunk. If the pool cannot hold that chunk, admission stops (head-of-line: a
    big prompt is not overtaken forever by small ones).
 
 Waiting order: larger priority first, FCFS within a priority (one FIFO per level, so picking
-is O(number of levels)). No starvation: with `aging_s` set, a waiting sequence's effective
-priority grows by one level per `aging_s` seconds waited, so any sequence eventually outranks
-newer high-priority arrivals.
+is O(number of levels)). No starvation: with `aging_s` set, a sequence's effective priority
+grows by one level per `aging_s` seconds since its arrival, so any sequence eventually outranks
+newer high-priority arrivals, both for admission and when choosing whom to preempt.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
-        self.running.sort(key=lambda s: (-s.priority, s.arrival_order))
+        self.running.sort(key=lambda s: (-self._effective_priority(s, now_s), s.arrival_order))
         kept: list[Sequence] = []
         pending = list(self.running)  # not yet given work this step, best first
         while pending and budget > 0:

@@ -60,12 +60,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        """Still computing tokens it did not sample itself (prompt, or recompute after
-        preemption)."""
-        return self.num_computed_tokens < len(self.token_ids) - 1
-
-    @property
     def use_prefix_cache(self) -> bool:
         sampling = self.request.sampling
         # Prompt logprobs need every prompt position computed.

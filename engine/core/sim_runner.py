@@ -61,10 +61,21 @@ class TimingModel:
         """Consecutive pure-decode passes of `num_sequences` sequences (each adds one token of
         context), started while the clock is before `until_s`: (passes, end time). The clock
         arithmetic is the same as that many single passes, so replays agree to the bit."""
+        # `decode_ms` inlined (this loop is the replay's hot path); the same arithmetic.
+        a2, a1, a0 = self.decode_ms_coeffs
+        floor_ms = self.min_decode_ms
         now_s = start_s
         num_steps = 0
         while num_steps < max_steps and now_s < until_s:
-            now_s += self.forward_ms(0, num_sequences, context_tokens / capacity_tokens) / 1000.0
+            u = context_tokens / capacity_tokens
+            if u > 1.0:
+                u = 1.0
+            elif u < 0.0:
+                u = 0.0
+            duration_ms = a2 * u * u + a1 * u + a0
+            if duration_ms < floor_ms:  # noqa: PLR1730 (hot loop: cheaper than max())
+                duration_ms = floor_ms
+            now_s += duration_ms / 1000.0
             context_tokens += num_sequences
             num_steps += 1
         return num_steps, now_s
@@ -213,13 +224,25 @@ class SimRunner:
         """The dummy token after `last_token_id` when `num_output` tokens were generated."""
         if self.eos_after is not None and num_output + 1 == self.eos_after and self.eos_token_ids:
             return min(self.eos_token_ids)
+        return self.next_tokens(last_token_id, num_output, output_index, 1)[0]
+
+    def next_tokens(
+        self, last_token_id: int, num_output: int, output_index: int, count: int
+    ) -> list[int]:
+        """`count` consecutive dummy tokens (EOS via `eos_after` is the caller's business)."""
+        floor = self.token_id_floor
+        span = self.vocab_size - floor
+        eos = self._eos_token_ids
+        tokens: list[int] = []
         last = last_token_id
-        mixed = (last * 2654435761 + num_output * 40503 + output_index * 97) & 0xFFFFFFFF
-        span = self.vocab_size - self.token_id_floor
-        token_id = self.token_id_floor + mixed % span
-        while token_id in self.eos_token_ids:
-            token_id = self.token_id_floor + (token_id + 1 - self.token_id_floor) % span
-        return token_id
+        salt = output_index * 97
+        for step in range(num_output, num_output + count):
+            mixed = (last * 2654435761 + step * 40503 + salt) & 0xFFFFFFFF
+            last = floor + mixed % span
+            while last in eos:
+                last = floor + (last + 1 - floor) % span
+            tokens.append(last)
+        return tokens
 
     def _logprob(self, token_id: int) -> TokenLogprob:
         # A fixed, plausible figure: the simulator has no distribution to report.

@@ -30,6 +30,7 @@ from engine.core.api import (
     StepReport,
 )
 from engine.core.engine_core import EngineLoop, asyncio_sink
+from engine.core.errors import EngineStoppedError
 from engine.server.errors import DrainingError, RequestNotFoundError
 from engine.server.info import ServedModel
 from engine.server.kv_event_log import KvEventLog
@@ -39,6 +40,7 @@ from engine.server.runtime_events import RuntimeEventHub
 log = logging.getLogger(__name__)
 
 _FINISHED_MEMORY = 10_000  # finished request ids remembered for ALREADY_FINISHED
+_CLOSE_SLACK_S = 5.0
 
 
 class AbortOutcome(enum.Enum):
@@ -149,6 +151,8 @@ class EngineService:
         """
         if not self._accepting and not internal:
             raise DrainingError("the engine is draining and accepts no new requests")
+        if not self.engine_loop.running:
+            raise EngineStoppedError("the engine thread is not running")
         stream = RequestStream(request, self._on_stream_done)
         self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue))
         self._live[request.request_id] = stream
@@ -268,10 +272,17 @@ class EngineService:
         self._accepting = False
         self._draining = True
         if self._live:
-            async for _ in self.drain(
-                stop_accepting=True, deadline_s=grace_s, abort_after_deadline=True
-            ):
-                pass
+
+            async def drained() -> None:
+                async for _ in self.drain(
+                    stop_accepting=True, deadline_s=grace_s, abort_after_deadline=True
+                ):
+                    pass
+
+            # Cancelled requests end only once their streams are read; a client that stops
+            # reading must not hold the shutdown hostage.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(drained(), timeout=grace_s + _CLOSE_SLACK_S)
         await asyncio.to_thread(self.engine_loop.stop, 10.0)
         self.kv_log.close()
         self.runtime_events.close()

@@ -9,6 +9,9 @@ first and the keys in vLLM's order. vLLM 0.32 omits only fields whose default is
 
 protobuf (SubscribeKvEvents): `KvBlockHash{value: 8 bytes big-endian two's complement,
 encoding: "int64"}`; one `OpaqueKeyTuple` per block in `extra_keys` (empty for none).
+
+Extra keys on both wires follow vLLM 0.32's capture: a cache salt is the first block's
+`[salt]` (the core records it as `("cache_salt", salt)`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from openengine.v1 import openengine_pb2 as pb
 
 _U64 = (1 << 64) - 1
 _KV_CACHE_SPEC_KIND = "full_attention"
+_CACHE_SALT_TAG = "cache_salt"
 
 _PROTO_MEDIUM = {
     Medium.GPU: pb.STORAGE_MEDIUM_GPU,
@@ -58,10 +62,7 @@ def _event_map(event: KvEvent) -> dict[str, Any]:
             "lora_id": None,
             "medium": event.medium.value,
             "lora_name": event.lora_name,
-            "extra_keys": [
-                None if extra is None else list(extra)
-                for extra in _per_block(event.extra_keys, len(event.block_keys))
-            ],
+            "extra_keys": _per_block(event.extra_keys, len(event.block_keys)),
             "group_idx": 0,
             "kv_cache_spec_kind": _KV_CACHE_SPEC_KIND,
         }
@@ -77,10 +78,20 @@ def _event_map(event: KvEvent) -> dict[str, Any]:
 
 def _per_block(
     extra_keys: tuple[tuple[str, ...] | None, ...], num_blocks: int
-) -> list[tuple[str, ...] | None]:
-    padded = list(extra_keys[:num_blocks])
+) -> list[list[str] | None]:
+    """One entry per block, as vLLM 0.32 sends them: the core's `("cache_salt", salt)` goes
+    out as the plain `[salt]` (what the real capture shows for a salted prompt)."""
+    padded: list[list[str] | None] = [
+        None if extra is None else _wire_extra(extra) for extra in extra_keys[:num_blocks]
+    ]
     padded.extend([None] * (num_blocks - len(padded)))
     return padded
+
+
+def _wire_extra(extra: tuple[str, ...]) -> list[str]:
+    if len(extra) >= 2 and extra[0] == _CACHE_SALT_TAG:
+        return list(extra[1:])
+    return list(extra)
 
 
 def encode_msgpack_batch(batch: KvEventBatchRecord, data_parallel_rank: int) -> bytes:
@@ -113,7 +124,7 @@ def _proto_event(event: KvEvent) -> pb.KvEvent:
             lora_name=event.lora_name or "",
             medium=_PROTO_MEDIUM[event.medium],
             extra_keys=[
-                pb.OpaqueKeyTuple(values=list(extra or ()))
+                pb.OpaqueKeyTuple(values=extra or [])
                 for extra in _per_block(event.extra_keys, len(event.block_keys))
             ],
             group_idx=0,

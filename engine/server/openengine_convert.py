@@ -28,6 +28,7 @@ from engine.core.api import (
 from engine.core.errors import InvalidRequestError
 from engine.server.errors import (
     FeatureDisabledError,
+    ModelNotFoundError,
     RoleMismatchError,
     UnsupportedOptionError,
 )
@@ -139,8 +140,6 @@ def check_unsupported(request: pb.GenerateRequest, ctx: EngineContext) -> None:
 
 def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
     """Validate and translate; raises before anything is accepted."""
-    from engine.server.errors import ModelNotFoundError
-
     if not ctx.model.serves(request.model):
         raise ModelNotFoundError(f"model {request.model!r} is not served here")
     check_unsupported(request, ctx)
@@ -242,6 +241,7 @@ class GenerateStreamEncoder:
         self._finished: set[int] = set()
         self._prompt_sent = False
         self._last_usage: Usage | None = None
+        self._error_message: str | None = None
         self.done = False
 
     def encode(self, output: RequestOutput) -> list[pb.GenerateResponse]:
@@ -253,14 +253,16 @@ class GenerateStreamEncoder:
         if output.prompt_logprobs is not None and not self._prompt_sent:
             self._prompt_sent = True
             events.append(self._prompt_event(output.prompt_logprobs))
-        if output.finish_reason is FinishReason.ERROR:
-            self.done = True
-            events.append(self.error_event(pb.ERROR_CODE_INTERNAL, output.message or "failed"))
+        if output.finish_reason is FinishReason.ERROR or self._error_message is not None:
+            # The runner failed: every unfinished output ends with ERROR in the same step, the
+            # last one carrying usage. One EngineError (with that usage) stands for them all.
+            if self._error_message is None:
+                self._error_message = output.message or "generation failed"
+            if output.usage is not None:
+                events.append(self.error_event(pb.ERROR_CODE_INTERNAL, self._error_message))
             return events
         if output.new_token_ids or output.new_text:
-            lps: Sequence[TokenLogprob | None] = (
-                output.logprobs if output.logprobs is not None else [None] * 0
-            )
+            lps: Sequence[TokenLogprob] = output.logprobs or ()
             tokens = [
                 token_info(t, lps[i] if i < len(lps) else None, self._token_text)
                 for i, t in enumerate(output.new_token_ids)

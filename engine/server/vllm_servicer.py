@@ -39,7 +39,6 @@ from engine.server.engine_service import EngineService
 from engine.server.errors import ModelNotFoundError, RoleMismatchError, UnsupportedOptionError
 from engine.server.openengine_convert import EngineContext
 from engine.server.openengine_servicer import refuse
-from kvplane.errors import KvplaneError
 from kvplane.server import Service, abort_with
 from openengine.v1 import openengine_pb2 as oe
 from vllm_grpc import vllm_grpc_pb2 as pb
@@ -234,7 +233,7 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
             if single and engine_request.sampling.num_sequences > 1:
                 raise InvalidRequestError("unary Generate returns one sequence: use GenerateStream")
             stream = self._service.submit(engine_request)
-        except KvplaneError as exc:
+        except Exception as exc:
             await refuse(context, exc)
         encoder = VllmStreamEncoder(request, engine_request)
         try:

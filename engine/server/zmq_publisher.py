@@ -71,6 +71,9 @@ class ZmqKvPublisher:
         if self._replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
+            # A ROUTER silently drops replies to a peer whose pipe is full: a replay of the
+            # whole buffer must never be cut short, so its pipes are unbounded.
+            router.setsockopt(zmq.SNDHWM, 0)
             self.bound_replay_endpoint = _bind(router, self._replay_endpoint)
             self._router = router
             self._replay_task = asyncio.create_task(self._serve_replay(), name="zmq-kv-replay")

@@ -52,8 +52,8 @@ class EngineBenchSettings:
     num_blocks: int = 4096
     max_num_batched_tokens: int = 2048
     concurrency: tuple[int, ...] = (1, 8, 32)
-    prompt_tokens: tuple[int, int] = (32, 384)  # uniform range of prompt lengths
-    output_tokens: tuple[int, int] = (16, 96)  # uniform range of output lengths
+    prompt_tokens: tuple[int, int] = (32, 256)  # uniform range of prompt lengths
+    output_tokens: tuple[int, int] = (32, 128)  # uniform range of output lengths
     ttft_prompt_tokens: int = 1024
     ttft_rounds: int = 3
     threads: int | None = None

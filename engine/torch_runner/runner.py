@@ -164,7 +164,11 @@ class TorchModelRunner:
         if min(input_ids) < 0 or max(input_ids) >= vocab:
             raise InvalidBatchError(f"a token id is outside the vocabulary [0, {vocab})")
         metadata = AttentionMetadata.build(
-            chunks, block_size=self._block_size, num_blocks=self._num_blocks, device=device
+            chunks,
+            block_size=self._block_size,
+            num_blocks=self._num_blocks,
+            device=device,
+            dtype=model.dtype,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
         hidden = model.forward(ids, metadata, self.kv_cache, max_position)

@@ -106,6 +106,9 @@ class ZmqSource:
         self._duplicate_floor: int | None = None
         self._progress = asyncio.Condition()
         self.last_seq: int | None = None
+        # Set once the SUB socket is connected (or bound): for callers that must not publish
+        # before a binding source listens.
+        self.ready = asyncio.Event()
 
     @property
     def worker_id(self) -> str:
@@ -149,6 +152,7 @@ class ZmqSource:
             else:
                 sub.connect(self.settings.endpoint)
             log.info("zmq source %s -> worker %s", self.settings.endpoint, self.worker_id)
+            self.ready.set()
             while True:
                 frames = await sub.recv_multipart()
                 self.counters.num_messages += 1
@@ -262,7 +266,11 @@ class ZmqSource:
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.settings.replay_endpoint)
-            await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
+            # A DEALER with no connected peer blocks on send: bound that wait too.
+            await asyncio.wait_for(
+                dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")]),
+                self.settings.replay_timeout_s,
+            )
             while True:
                 frames = await asyncio.wait_for(
                     dealer.recv_multipart(), self.settings.replay_timeout_s
@@ -275,7 +283,8 @@ class ZmqSource:
                     continue
                 if reply is None:
                     break
-                if reply.topic.startswith(self.settings.topic):
+                # Older vLLM replies carry no topic frame (topic ""): accept those.
+                if not reply.topic or reply.topic.startswith(self.settings.topic):
                     replies.append(reply)
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1

@@ -3,6 +3,7 @@ the full decode, and no delta ever carries a partial UTF-8 character."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,14 @@ from engine.core.detokenizer import IncrementalDetokenizer
 TOKENIZER = Path(__file__).resolve().parents[2].parent / "shared/models/tiny-llama/tokenizer.json"
 
 
+@functools.cache
+def load_tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(TOKENIZER))
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_file(str(TOKENIZER))
+    return load_tokenizer()
 
 
 def stream(tokenizer: Tokenizer, prompt: list[int], output: list[int]) -> list[str]:
@@ -67,7 +73,7 @@ def test_an_invalid_byte_sequence_is_flushed_at_the_end(tokenizer: Tokenizer) ->
 @settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=40))
 def test_any_text_streams_back_exactly(text: str) -> None:
-    tokenizer = Tokenizer.from_file(str(TOKENIZER))
+    tokenizer = load_tokenizer()
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     deltas = stream(tokenizer, [], ids)
     assert "".join(deltas) == tokenizer.decode(ids)

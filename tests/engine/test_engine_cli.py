@@ -45,7 +45,10 @@ def _wait_for_port(port_file: Path, proc: subprocess.Popen[bytes], timeout_s: fl
 def test_serve_sim_answers_health_and_generate_then_stops_on_sigterm(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     config = tmp_path / "engine.yaml"
-    config.write_text("sim:\n  time_scale: 0\nblock_size: 4\nnum_kv_blocks: 64\n")
+    config.write_text(
+        "sim:\n  time_scale: 0.5\nblock_size: 4\nnum_kv_blocks: 2048\n"
+        "max_model_len: 8192\nshutdown_grace_s: 1.0\n"
+    )
     proc = subprocess.Popen(
         [
             *_kvplane(),
@@ -90,7 +93,21 @@ def test_serve_sim_answers_health_and_generate_then_stops_on_sigterm(tmp_path: P
                 )
             )
             assert responses[-1].usage.completion_tokens == 3
-        proc.send_signal(signal.SIGTERM)
+            # SIGTERM with a long request in flight: it gets the grace period, then is
+            # cancelled with a proper final event, and the process exits 0.
+            long_stream = stub.Generate(
+                pb.GenerateRequest(
+                    token_ids=pb.TokenIds(ids=list(range(1, 20))),
+                    stopping=pb.StoppingOptions(max_tokens=5000),
+                ),
+                timeout=30,
+            )
+            first = next(long_stream)
+            assert first.WhichOneof("event") == "token"
+            proc.send_signal(signal.SIGTERM)
+            rest = list(long_stream)
+            assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+            assert rest[-1].HasField("usage")
         assert proc.wait(timeout=30) == 0
         assert b"stopped" in (proc.stderr.read() if proc.stderr else b"")
     finally:

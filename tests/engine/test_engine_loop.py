@@ -13,7 +13,9 @@ from engine.core.api import (
     FinishReason,
     RequestOutput,
     SamplingParams,
+    ScheduledBatch,
     SchedulerConfig,
+    SequenceResult,
     StepReport,
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
@@ -112,3 +114,46 @@ async def test_abort_mid_stream_and_stop_cancel_everything() -> None:
     assert engine.num_live_requests() == 0
     with pytest.raises(EngineStoppedError):
         await asyncio.wrap_future(engine.call(lambda core: core.load()))
+
+
+class FlakyRunner(SimRunner):
+    """A sim runner whose next forward pass fails once when armed."""
+
+    armed = False
+
+    def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("device lost")
+        return super().execute(batch)
+
+
+@pytest.mark.timeout(30)
+async def test_a_failing_step_errors_its_requests_and_the_engine_carries_on() -> None:
+    runner = FlakyRunner(block_size=4, num_blocks=64, time_scale=0)
+    core = EngineCore(runner)
+
+    def broken_observer(report: StepReport) -> None:
+        raise ValueError("observer bug")
+
+    engine = EngineLoop(core, on_step=broken_observer)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    runner.armed = True
+    failed: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("a", (5, 6, 7), SamplingParams(max_tokens=4, num_sequences=2)),
+        asyncio_sink(loop, failed),
+    )
+    outputs = await collect(failed)
+    assert {o.finish_reason for o in outputs if o.finished} == {FinishReason.ERROR}
+    assert sorted(o.output_index for o in outputs if o.finished) == [0, 1]
+    used = await asyncio.wrap_future(engine.call(lambda c: c.load().num_used_blocks))
+    assert used == 0
+    ok: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(
+        EngineRequest("b", (5, 6, 7), SamplingParams(max_tokens=4)), asyncio_sink(loop, ok)
+    )
+    outputs = await collect(ok)
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    engine.stop(timeout_s=10)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from engine.core.api import (
     EngineRequest,
     FinishReason,
@@ -169,7 +172,12 @@ def test_abort_running_and_waiting_requests_frees_everything() -> None:
     core.add_request(request("running", 20, 50))
     core.add_request(request("waiting", 6, 5, base=300))
     core.step()
-    assert core.load().num_running == 1 and core.load().num_waiting == 1
+    load = core.load()
+    assert (load.num_running, load.num_waiting) == (1, 1)
+    assert (load.running_tokens, load.waiting_tokens) == (20, 6)
+    assert load.num_used_blocks == 2 and load.num_total_blocks == 64  # 8 tokens computed
+    assert load.kv_usage == 2 / 64
+    assert (load.prefill_batch_size, load.decode_batch_size) == (1, 0)
     (cancelled,) = core.abort("running")
     assert cancelled.finish_reason is FinishReason.CANCELLED
     assert cancelled.usage is not None and cancelled.usage.prompt_tokens == 20
@@ -180,3 +188,43 @@ def test_abort_running_and_waiting_requests_frees_everything() -> None:
     assert core.load().num_used_blocks == 0
     assert core.step().outputs == []
     core.block_manager.check_invariants()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 2), st.integers(0, 3)),
+        min_size=1,
+        max_size=8,
+    ),
+    num_blocks=st.integers(12, 40),
+    budget=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 6),
+)
+def test_any_workload_finishes_with_the_same_tokens_as_an_unconstrained_engine(
+    requests: list[tuple[int, int, int, int]],
+    num_blocks: int,
+    budget: int,
+    max_num_seqs: int,
+) -> None:
+    def run(core: EngineCore) -> dict[str, list[int]]:
+        for i, (num_prompt, max_tokens, priority, prefix) in enumerate(requests):
+            # A few shared prefixes so that prefix hits happen.
+            core.add_request(
+                request(f"r{i}", num_prompt, max_tokens, priority=priority, base=prefix)
+            )
+        outputs = run_to_end(core)
+        core.block_manager.check_invariants()
+        assert core.load().num_used_blocks == 0
+        assert not core.has_work()
+        return {rid: tokens_of(outs) for rid, outs in outputs.items()}
+
+    constrained = run(make_core(num_blocks=num_blocks, budget=budget, max_num_seqs=max_num_seqs))
+    reference = run(make_core(num_blocks=512, budget=512, max_num_seqs=64))
+    for i, (num_prompt, max_tokens, _, _) in enumerate(requests):
+        rid = f"r{i}"
+        if len(reference[rid]) == len(constrained[rid]):
+            assert constrained[rid] == reference[rid]
+        else:  # only a sequence too big for the whole pool may end early ("KV cache full")
+            assert -(-(num_prompt + max_tokens) // 4) > num_blocks
+            assert constrained[rid] == reference[rid][: len(constrained[rid])]

@@ -9,6 +9,9 @@ from typing import Any
 
 import grpc
 import pytest
+
+from engine.config import EngineConfig, SimTimingConfig
+from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
     generate_request,
@@ -18,9 +21,6 @@ from tests.engine.engine_server_harness import (
     stream_error,
     wait_for,
 )
-
-from engine.config import EngineConfig, SimTimingConfig
-from openengine.v1 import openengine_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,12 +175,12 @@ async def test_stop_token_and_eos_finish_with_stop_match() -> None:
 def _slow_config() -> EngineConfig:
     # Steps take real (sim) time, so a long request is still running when we act on it.
     return sim_config(
-        sim=SimTimingConfig(time_scale=0.2, vocab_size=1000), max_model_len=4096, num_kv_blocks=2048
+        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000), max_model_len=4096, num_kv_blocks=2048
     )
 
 
 async def _first_token(stream: Any) -> pb.GenerateResponse:
-    response: pb.GenerateResponse = await asyncio.wait_for(stream.read(), timeout=20)  # type: ignore[attr-defined]
+    response: pb.GenerateResponse = await asyncio.wait_for(stream.read(), timeout=20)
     assert response.WhichOneof("event") == "token"
     return response
 
@@ -251,7 +251,7 @@ async def test_drain_stops_admission_and_completes_when_work_ends() -> None:
         stream = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="d"))
         await _first_token(stream)
         drain = engine.stub.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
-        started = await asyncio.wait_for(drain.read(), timeout=10)
+        started: Any = await asyncio.wait_for(drain.read(), timeout=10)
         assert started.state == pb.DRAIN_STATE_STARTED
         assert started.HasField("in_flight_requests") and started.in_flight_requests == 1
 
@@ -293,3 +293,26 @@ async def test_drain_deadline_zero_aborts_at_once_or_fails_without_abort() -> No
         rest = await _rest(stream)
         assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED
         await wait_for(lambda: idle(engine), what="engine idle after drain")
+
+
+async def test_runner_failure_after_acceptance_is_one_terminal_engine_error() -> None:
+    async with running_engine() as engine:
+        runner = engine.app.service.engine_loop.core.runner
+        healthy = runner.execute
+
+        def broken(batch: object) -> list[object]:
+            raise RuntimeError("device lost")
+
+        runner.execute = broken  # type: ignore[method-assign,assignment]
+        responses = await collect(engine.stub, generate_request(PROMPT, n=2))
+        kinds = [r.WhichOneof("event") for r in responses]
+        assert kinds == ["error"]  # accepted, so an event and then OK; nothing after it
+        error = responses[-1].error
+        assert error.code == pb.ERROR_CODE_INTERNAL
+        assert "Traceback" not in error.message
+        assert responses[-1].HasField("usage")
+
+        runner.execute = healthy  # type: ignore[method-assign]
+        ok = await collect(engine.stub, generate_request(PROMPT))
+        assert ok[-1].WhichOneof("event") == "finished"
+        await wait_for(lambda: idle(engine), what="engine idle after a failed step")

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.config import AuthConfig
+from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
     generate_request,
@@ -13,10 +19,6 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
 )
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from kvplane.config import AuthConfig
-from openengine.v1 import openengine_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -159,3 +161,17 @@ async def test_bearer_token_guards_mutating_methods_only(tmp_path: Path) -> None
             )
         )
         assert with_token.code() == grpc.StatusCode.NOT_FOUND  # authorised, then a real answer
+
+
+async def test_prometheus_metrics_on_the_side_port() -> None:
+    async with running_engine(sim_config(metrics_listen="127.0.0.1:0")) as engine:
+        await collect(engine.stub, generate_request(list(range(12)), max_tokens=3))
+        port = engine.app.metrics_port
+        assert port is not None
+        body = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        )
+    text = body.decode()
+    assert 'kvplane_engine_requests_total{model="sim"} 1.0' in text
+    assert 'kvplane_engine_generation_tokens_total{model="sim"} 3.0' in text
+    assert "kvplane_engine_step_seconds_bucket" in text

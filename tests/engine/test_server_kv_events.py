@@ -12,6 +12,14 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+
+from engine.config import KvEventsConfig
+from engine.server.zmq_publisher import END_OF_REPLAY_SEQ
+from indexer.keys import block_keys
+from indexer.sources.openengine import decode_event
+from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
+from indexer.zmq_decode import decode_frames, decode_payload
+from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     Engine,
     collect,
@@ -21,10 +29,6 @@ from tests.engine.engine_server_harness import (
     sim_config,
     wait_for,
 )
-
-from engine.config import KvEventsConfig
-from engine.server.zmq_publisher import END_OF_REPLAY_SEQ
-from openengine.v1 import openengine_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,7 +144,7 @@ async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
         await collect(engine.stub, generate_request(list(range(40)), max_tokens=3))
         kinds: dict[int, pb.RuntimeEvent] = {}
         while len(kinds) < 3:
-            response = await asyncio.wait_for(everything.read(), timeout=10)
+            response: Any = await asyncio.wait_for(everything.read(), timeout=10)
             event = response.runtime_event
             kinds.setdefault(event.type, event)
         forward = kinds[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS].attributes
@@ -149,7 +153,7 @@ async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
         assert int(forward["num_cached_tokens"]) >= 0
         assert float(forward["duration_ms"]) >= 0.0
         assert "decode_sequences" in kinds[pb.RUNTIME_EVENT_TYPE_BATCH].attributes
-        queued = await asyncio.wait_for(only_queue.read(), timeout=10)
+        queued: Any = await asyncio.wait_for(only_queue.read(), timeout=10)
         assert queued.runtime_event.type == pb.RUNTIME_EVENT_TYPE_QUEUE
         assert "running_requests" in queued.runtime_event.attributes
         everything.cancel()
@@ -195,6 +199,8 @@ async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
                 start += 50
                 if await sub.poll(timeout=100):
                     live.append(await sub.recv_multipart())
+            salted = generate_request(list(range(10, 30)), kv=pb.KvOptions(cache_salt="tenant-a"))
+            await collect(engine.stub, salted)
             last_seq = engine.app.service.kv_log.last_sequence_number - 1
             while int.from_bytes(live[-1][1], "big") < last_seq:
                 assert await sub.poll(timeout=5000)
@@ -216,7 +222,75 @@ async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
             assert sorted(replayed) == list(range(last_seq + 1))
             for frames in live:
                 assert replayed[int.from_bytes(frames[1], "big")] == frames
+
+            # kvplane's own ZMQ decoder and translator consume it unchanged, and rebuild the
+            # engine's cached set (salted blocks included).
+            translator = WorkerTranslator(
+                TranslateOptions(worker_id="engine", hash_mode=HashMode.CANONICAL)
+            )
+            for seq in sorted(replayed):
+                message = decode_frames(replayed[seq])
+                assert (message.topic, message.seq) == (zmq_source.topic, seq)
+                batch = decode_payload(message.payload)
+                assert batch.num_bad_events == 0 and batch.num_unknown_events == 0
+                translator.translate(batch.events, seq=seq)
+            assert translator.counters.num_unresolved == 0
+            assert {_signed(k) for k in translator.live_keys()} == await _engine_cached_keys(engine)
         finally:
             sub.close(linger=0)
             dealer.close(linger=0)
             ctx.term()
+
+
+def _signed(key: int) -> int:
+    return key - 2**64 if key >= 2**63 else key
+
+
+async def test_kvplane_indexer_predicts_the_engines_own_prefix_hits() -> None:
+    """Events -> kvplane's indexer translator; at every point its live keys equal the block
+    manager's, and its prediction for the next prompt equals the engine's cached tokens."""
+    block_size = 4
+    translator = WorkerTranslator(
+        TranslateOptions(worker_id="engine", hash_mode=HashMode.CANONICAL)
+    )
+    base = list(range(10, 34))
+    workload: list[tuple[list[int], str | None]] = [
+        (base, None),
+        ([*base, 1, 2, 3, 4, 5], None),  # extends: all of base's blocks hit
+        (base[:13], None),  # a shorter prefix
+        (base, "tenant-a"),  # salted: a namespace of its own
+        (base, "tenant-a"),
+        *[(list(range(s, s + 28)), None) for s in (100, 200, 300)],  # evicts (16 blocks)
+        (base, None),
+        ([*base[:8], 999, 998, 997, 996, 995], None),  # diverges after two blocks
+    ]
+    async with running_engine(sim_config(num_kv_blocks=16)) as engine:
+        stream = engine.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+        next_seq = (await _next(stream)).batch.sequence_number + 1
+        predicted: list[int] = []
+        for prompt, salt in workload:
+            keys = block_keys(prompt, block_size, cache_salt=salt)
+            live = set(translator.live_keys())
+            hits = 0
+            for key in keys[: (len(prompt) - 1) // block_size]:
+                if key not in live:
+                    break
+                hits += 1
+            request = generate_request(prompt, max_tokens=3)
+            if salt is not None:
+                request.kv.cache_salt = salt
+            responses = await collect(engine.stub, request)
+            assert responses[-1].usage.cached_prompt_tokens == hits * block_size, prompt
+            predicted.append(hits)
+            while next_seq <= engine.app.service.kv_log.last_sequence_number:
+                batch = (await _next(stream)).batch
+                assert batch.sequence_number == next_seq
+                next_seq += 1
+                events = [e for e in map(decode_event, batch.events) if e is not None]
+                translator.translate(events, seq=batch.sequence_number)
+            assert {_signed(k) for k in translator.live_keys()} == await _engine_cached_keys(engine)
+        stream.cancel()
+        # The workload exercises hits, misses, a namespace and eviction.
+        assert predicted[:5] == [0, 6, 3, 0, 5]  # a prompt never hits on its last token
+        assert predicted[8] < 5  # base was evicted by the three unrelated prompts
+        assert predicted[9] > 0  # ...and then cached again

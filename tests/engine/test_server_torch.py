@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.engine.engine_server_harness import collect, running_engine
 from tokenizers import Tokenizer
 
 from openengine.v1 import openengine_pb2 as pb
+from tests.engine.engine_server_harness import collect, running_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -104,3 +104,33 @@ async def test_text_prompt_streams_deltas_that_join_to_the_decoded_output() -> N
     assert responses[-1].usage.prompt_tokens == len(
         tokenizer.encode("def parse(self, text: str) -> list[str]:\n    ").ids
     )
+
+
+async def test_stop_string_across_a_token_boundary() -> None:
+    prompt = "class Parser:\n    def feed(self, data):\n        "
+    base = pb.GenerateRequest(
+        prompt=prompt,
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingOptions(max_tokens=24, ignore_eos=True),
+    )
+    async with running_engine(_torch_config()) as engine:
+        full = await collect(engine.stub, base)
+        pieces = [r.token.text for r in full if r.WhichOneof("event") == "token"]
+        text = "".join(pieces)
+        # A stop string made of the end of one token's text and the start of the next one's.
+        k = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+        stop = pieces[k][-2:] + pieces[k + 1][:2]
+        cut = text.index(stop)
+        for include in (False, True):
+            request = pb.GenerateRequest()
+            request.CopyFrom(base)
+            request.stopping.conditions.append(pb.StopCondition(stop_text=stop))
+            request.stopping.include_stop_in_output = include
+            responses = await collect(engine.stub, request)
+            out = "".join(r.token.text for r in responses if r.WhichOneof("event") == "token")
+            finished = responses[-1].finished
+            assert finished.reason == pb.FINISH_REASON_STOP
+            assert finished.stop_match.stop_text == stop
+            assert out == (text[: cut + len(stop)] if include else text[:cut])
+        load = await engine.stub.GetLoad(pb.GetLoadRequest())
+        assert load.running_requests == 0 and load.used_kv_blocks == 0

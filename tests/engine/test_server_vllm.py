@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import grpc
 import pytest
-from tests.engine.engine_server_harness import collect, generate_request, rpc_error, running_engine
 
+from engine.config import SimTimingConfig
 from openengine.v1 import openengine_pb2 as oe
+from tests.engine.engine_server_harness import (
+    collect,
+    generate_request,
+    rpc_error,
+    running_engine,
+    sim_config,
+)
 from vllm_grpc import vllm_grpc_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,3 +90,24 @@ async def test_refusals_before_acceptance() -> None:
         assert (
             await rpc_error(engine.vllm.Generate(empty))
         ).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_an_aborted_stream_finishes_with_aborted() -> None:
+    config = sim_config(
+        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000), max_model_len=4096, num_kv_blocks=2048
+    )
+    async with running_engine(config) as engine:
+        request = _request()
+        request.request_id = "v1"
+        request.stopping.max_new_tokens = 3000
+        stream = engine.vllm.GenerateStream(request)
+        first: Any = await asyncio.wait_for(stream.read(), timeout=20)
+        assert first.HasField("prompt_info")
+        await engine.stub.Abort(oe.AbortRequest(request_id="v1"))
+        last = first
+        while True:
+            response: Any = await asyncio.wait_for(stream.read(), timeout=20)
+            if response is grpc.aio.EOF:
+                break
+            last = response
+        assert last.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED

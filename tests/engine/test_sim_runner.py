@@ -12,6 +12,7 @@ from engine.core.api import (
     BlockStored,
     EngineRequest,
     KvEvent,
+    LogprobRequest,
     RequestOutput,
     SamplingParams,
     SchedulerConfig,
@@ -168,3 +169,40 @@ def test_dummy_tokens_avoid_eos_unless_asked() -> None:
     while core.has_work():
         tokens += [t for o in core.step().outputs for t in o.new_token_ids]
     assert len(tokens) == 300 and 2 not in tokens
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_prompt_logprobs_are_assembled_across_chunks_once(start: int) -> None:
+    core = EngineCore(
+        SimRunner(block_size=4, num_blocks=64, time_scale=0),
+        SchedulerConfig(max_num_batched_tokens=8),
+    )
+    prompt = tuple(range(50, 80))
+    warm = EngineRequest("warm", prompt, SamplingParams(max_tokens=1))
+    sampling = SamplingParams(
+        max_tokens=3,
+        logprobs=LogprobRequest(top_n=1),
+        prompt_logprobs=LogprobRequest(top_n=1),
+        prompt_logprob_start=start,
+    )
+    outputs: list[RequestOutput] = []
+    for request in (warm, EngineRequest("r", prompt, sampling)):
+        core.add_request(request)
+        while core.has_work():
+            outputs += [o for o in core.step().outputs if o.request_id == "r"]
+    with_prompt = [o for o in outputs if o.prompt_logprobs is not None]
+    assert len(with_prompt) == 1 and with_prompt[0] is outputs[0]
+    entries = with_prompt[0].prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt) - start
+    for position, entry in enumerate(entries, start):
+        if position == 0:
+            assert entry is None  # the first prompt token has no conditional probability
+        else:
+            assert entry is not None and entry.token_id == prompt[position]
+    # Output logprobs align with the emitted tokens.
+    for out in outputs:
+        assert out.logprobs is not None
+        assert [lp.token_id for lp in out.logprobs] == list(out.new_token_ids)
+    # Prompt logprobs need every position computed: no prefix reuse for this request.
+    final = outputs[-1]
+    assert final.usage is not None and final.usage.cached_prompt_tokens == 0

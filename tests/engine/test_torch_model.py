@@ -350,26 +350,33 @@ def test_engine_core_end_to_end_reproduces_vllm_outputs() -> None:
     requests = vllm_requests()
     outputs: dict[str, list[int]] = {}
     texts: dict[str, str] = {}
+    cached: dict[str, int] = {}
+    num_preempted = 0
     # Requests submitted at the same instant in the capture were one concurrent batch.
     for submit_time in sorted({r["submit_time_unix"] for r in requests}):
-        for r in (r for r in requests if r["submit_time_unix"] == submit_time):
-            sampling = r["sampling"]
+        group = [r for r in requests if r["submit_time_unix"] == submit_time]
+        if group[0]["req_seq"] == 28:  # the capture reset the prefix cache before P7
+            assert core.reset_prefix_cache()
+        for r in group:
             core.add_request(
                 EngineRequest(
                     request_id=r["vllm_request_id"],
                     prompt_token_ids=tuple(r["prompt_token_ids"]),
                     sampling=SamplingParams(
                         temperature=0.0,
-                        max_tokens=sampling["max_tokens"],
-                        ignore_eos=sampling["ignore_eos"],
+                        max_tokens=r["sampling"]["max_tokens"],
+                        ignore_eos=r["sampling"]["ignore_eos"],
                     ),
                     cache_salt=r["cache_salt"],
                 )
             )
-        if r["phase"] == "P7_after_reset" and r["req_seq"] == 28:
-            assert core.reset_prefix_cache()
         while core.has_work():
-            for out in core.step().outputs:
+            step = core.step()
+            if step.stats is not None:
+                num_preempted += step.stats.num_preempted
+            for out in step.outputs:
+                if out.usage is not None:
+                    cached[out.request_id] = out.usage.cached_prompt_tokens
                 outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
                 texts[out.request_id] = texts.get(out.request_id, "") + out.new_text
                 assert out.finish_reason in (None, FinishReason.LENGTH)
@@ -377,3 +384,9 @@ def test_engine_core_end_to_end_reproduces_vllm_outputs() -> None:
     tokenizer = load_tokenizer(TINY_LLAMA)
     assert all(texts[k] == tokenizer.decode(v) for k, v in outputs.items())
     assert core.load().num_running == 0
+    # The workload exercised preemption (recomputed sequences still match) and prefix hits; a
+    # request run alone hits the cache exactly as much as in vLLM.
+    assert num_preempted >= 1
+    alone = [r for r in requests if r["batch_members"] == 1]
+    assert [cached[r["vllm_request_id"]] for r in alone] == [r["num_cached_tokens"] for r in alone]
+    assert sum(cached.values()) >= 1000

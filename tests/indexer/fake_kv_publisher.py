@@ -26,14 +26,19 @@ class FakeKvPublisher:
         replay_with_topic: bool = True,
         buffer_steps: int | None = None,
         endpoint: str = "tcp://127.0.0.1:*",
+        connect: bool = False,
     ) -> None:
         self.context = context
         self.pub = context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 0)
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
-        self.pub.bind(endpoint)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if connect:  # to a SUB that binds (vLLM with an endpoint without `*`)
+            self.pub.connect(endpoint)
+            self.endpoint = endpoint
+        else:
+            self.pub.bind(endpoint)
+            self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind("tcp://127.0.0.1:*")

@@ -102,7 +102,6 @@ async def _publish(
     source: ZmqSource,
     *,
     drop: range = range(0),
-    two_frames: bool = False,
     until: int | None = None,
 ) -> None:
     for message in messages:
@@ -111,7 +110,6 @@ async def _publish(
         await publisher.publish(
             message.frames,
             live=message.seq not in drop,
-            two_frames=two_frames,
             replay_frames=REPLAY[message.seq],
         )
     last = until if until is not None else live_messages()[-1].seq
@@ -158,21 +156,14 @@ async def test_a_gap_is_healed_by_replay(context: zmq.asyncio.Context, with_topi
     index = PrefixIndex()
     publisher = FakeKvPublisher(context, replay_with_topic=with_topic)
     publisher.start_replay()
-    source = _source(publisher, context, MemoryBackend(index), topic="kv@" if with_topic else "")
+    source = _source(publisher, context, MemoryBackend(index))
     try:
         async with running(source.run()):
             await publisher.wait_subscribed()
             messages = live_messages()
-            await _publish(
-                publisher,
-                messages,
-                source,
-                drop=range(20, 25),
-                two_frames=not with_topic,
-                until=CLEAR_SEQ - 1,
-            )
+            await _publish(publisher, messages, source, drop=range(20, 25), until=CLEAR_SEQ - 1)
             _assert_matches_vllm(source, index, CLEAR_SEQ - 1)
-            await _publish(publisher, messages[CLEAR_SEQ:], source, two_frames=not with_topic)
+            await _publish(publisher, messages[CLEAR_SEQ:], source)
     finally:
         await publisher.close()
     assert publisher.replay_requests == [20]
@@ -256,19 +247,23 @@ async def test_matching_each_prompt_before_it_was_sent_predicts_vllms_cached_tok
             kv_indexer = kv_grpc.KVIndexerStub(channel)
             sent = 0
             for request in requests():
-                batch = [m for m in messages[sent:] if m.recv_time_unix < request["submit_time_unix"]]
+                batch = [
+                    m for m in messages[sent:] if m.recv_time_unix < request["submit_time_unix"]
+                ]
                 for message in batch:
                     await publisher.publish(message.frames, replay_frames=REPLAY[message.seq])
                 sent += len(batch)
                 if batch:
                     last = batch[-1].seq
-                    await canonical.wait_until(lambda: canonical.last_seq == last, WAIT_S)
-                    await engine.wait_until(lambda: engine.last_seq == last, WAIT_S)
+                    await canonical.wait_until(lambda last=last: canonical.last_seq == last, WAIT_S)
+                    await engine.wait_until(lambda last=last: engine.last_seq == last, WAIT_S)
                 # vLLM never counts the last prompt token as cached.
                 prompt = request["prompt_token_ids"][:-1]
                 by_tokens = await kv_index.MatchTokens(
                     api.MatchTokensRequest(
-                        token_ids=prompt, block_size=BLOCK_SIZE, cache_salt=request["cache_salt"] or ""
+                        token_ids=prompt,
+                        block_size=BLOCK_SIZE,
+                        cache_salt=request["cache_salt"] or "",
                     )
                 )
                 vllm_hashes = [

@@ -175,7 +175,8 @@ class Model:
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.index = PrefixIndex()
+        # Purge removed workers one block per apply, so queries meet half-purged states.
+        self.index = PrefixIndex(purge_step_blocks=1)
         self.model = Model()
 
     def _apply(self, batch: Batch) -> None:
@@ -288,24 +289,40 @@ class IndexMachine(RuleBasedStateMachine):
         for key in range(-3, 6):
             assert rebuilt.block_size(key) == self.index.block_size(key)
 
-    @invariant()
-    def same_state(self) -> None:
+    @rule(budget=st.integers(0, 2))
+    def purge(self, budget: int) -> None:
+        self.index.purge(budget)
+
+    @rule()
+    def whole_index_views(self) -> None:
         got = {
             (p.worker_id, p.tier, p.key): [p.component_mask, p.copies]
             for p in self.index.placements()
         }
         assert got == self.model.placements
-        assert self.index.hit_counts(list(range(-3, 6))) == sorted(
-            self.model.hits.items(), key=lambda kv: kv[0]
-        )
-        for key in range(-3, 6):
-            assert self.index.block_size(key) == self.model.sizes.get(key, 0)
         stats = self.index.stats()
         assert stats.num_placements == len(self.model.placements)
-        assert {w.worker_id for w in stats.workers} == set(self.model.info)
+        assert stats.num_blocks == len({key for (_, _, key) in self.model.placements})
         for key in range(-3, 6):
             for child in self.index.children(key):
                 assert self.index.parent(child) == key
+
+    @invariant()
+    def same_state(self) -> None:
+        # Only views that never purge, so removed workers' leftovers must stay invisible.
+        every_key = list(range(-3, 6))
+        got = {
+            (wp.worker_id, tp.tier, k): m
+            for wp in self.index.match(every_key, False)
+            for tp in wp.by_tier
+            for k, m in zip(tp.hashes, tp.component_masks, strict=True)
+        }
+        assert got == {p: e[0] for p, e in self.model.placements.items()}
+        assert self.index.hit_counts(every_key) == sorted(self.model.hits.items())
+        for key in every_key:
+            assert self.index.block_size(key) == self.model.sizes.get(key, 0)
+        assert self.index.num_placements == len(self.model.placements)
+        assert set(self.index.worker_ids()) == set(self.model.info)
 
 
 IndexMachine.TestCase.settings = settings(

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
+import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -17,6 +24,8 @@ from indexer.backend import IndexBackend
 from indexer.batch import Action, ActionType, Batch, CacheSpec, Tier
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import IndexUnavailableError, RedisBackend, open_redis_backend
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 
 WORKERS = ("w0", "w1", "w2")
 SPECS = (
@@ -53,10 +62,12 @@ def actions(draw: st.DrawFn) -> Action:
 
 @st.composite
 def operations(draw: st.DrawFn) -> tuple[object, ...]:
-    what = draw(st.sampled_from(["apply", "apply", "apply", "apply", "remove", "hit"]))
+    what = draw(st.sampled_from(["apply", "apply", "apply", "apply", "remove", "hit", "sweep"]))
     worker = draw(st.sampled_from(WORKERS))
     if what == "remove":
         return ("remove", worker)
+    if what == "sweep":
+        return ("sweep",)
     if what == "hit":
         return ("hit", tuple(draw(st.lists(keys, min_size=1, max_size=6))))
     batch = Batch(
@@ -77,13 +88,16 @@ async def _observe(backend: IndexBackend, queries: Sequence[Sequence[int]]) -> l
             seen.append(await backend.match_prefix(hashes, max_blocks))
             seen.append(await backend.match_prefix_by_tier(hashes, max_blocks))
         seen.append(await backend.hit_counts(hashes))
-    # Snapshots order independent roots differently (memory: by insertion); compare the
-    # actions each worker's batches carry.
-    snapshot = [batch async for batch in backend.snapshot()]
+    # Snapshots may order independent chains differently: compare what they rebuild.
+    rebuilt = MemoryBackend()
+    async for batch in backend.snapshot():
+        await rebuilt.apply(batch)
+    index = rebuilt.index
     seen.append(
-        sorted(
-            (b.worker_id, b.worker_address, b.cache_spec, sorted(b.actions, key=repr))
-            for b in snapshot
+        (
+            list(index.placements()),
+            [(p.key, index.block_size(p.key)) for p in index.placements()],
+            [(w, index.worker_info(w)) for w in index.worker_ids()],
         )
     )
     return seen
@@ -91,7 +105,7 @@ async def _observe(backend: IndexBackend, queries: Sequence[Sequence[int]]) -> l
 
 @pytest.mark.timeout(300)
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     ops=st.lists(operations(), max_size=12),
@@ -110,6 +124,9 @@ def test_redis_answers_like_memory(
                     if op[0] == "apply":
                         assert isinstance(op[1], Batch)
                         await backend.apply(op[1])
+                    elif op[0] == "sweep":
+                        if isinstance(backend, RedisBackend):
+                            await backend.sweep()
                     elif op[0] == "remove":
                         assert isinstance(op[1], str)
                         await backend.remove_worker(op[1])
@@ -122,3 +139,206 @@ def test_redis_answers_like_memory(
 
     expected, actual = asyncio.run(run())
     assert actual == expected
+
+
+# ---------------------------------------------------------------- failures
+
+
+def _history(n: int) -> list[Batch]:
+    """A deterministic ingestion history: chains reported, revoked, cleared; w0 busier."""
+    rng = random.Random(7)
+    batches = []
+    for _ in range(n):
+        worker = "w0" if rng.random() < 0.8 else "w1"
+        start = rng.randrange(40)
+        chain = tuple(range(start, start + rng.randrange(1, 6)))
+        roll = rng.random()
+        if roll < 0.65:
+            action = Action(ActionType.REPORT, Tier.HBM, chain, block_sizes=(16,) * len(chain))
+        elif roll < 0.95:
+            action = Action(ActionType.REVOKE, Tier.HBM, chain)
+        else:
+            action = Action(ActionType.CLEAR_ALL_AT_TIER, Tier.HBM)
+        batches.append(Batch(worker, (action,), f"addr-{worker}"))
+    return batches
+
+
+async def _resync(backend: RedisBackend, truth: MemoryBackend) -> None:
+    """What a source does when asked: clear the worker, then send its snapshot."""
+    for worker_id in sorted(backend.take_resync_requests()):
+        await backend.remove_worker(worker_id)
+        async for batch in truth.snapshot(worker_id):
+            await backend.apply(batch)
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]], what: str, timeout_s: float) -> None:
+    """Poll a state another task or process reaches (every 20 ms, at most `timeout_s`)."""
+    async with asyncio.timeout(timeout_s):
+        while not await predicate():  # noqa: ASYNC110 - polled across processes, no event
+            await asyncio.sleep(0.02)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("outage", ["killed", "restarted with its data"])
+async def test_redis_outage_during_ingestion(tmp_path: Path, outage: str) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    backend = await open_redis_backend(
+        server.url, buckets=16, max_buffered_batches=40, maintenance_interval_s=0.05
+    )
+    truth = MemoryBackend()
+    errors: list[str] = []
+    asked: set[str] = set()
+    backend.add_resync_listener(asked.add)
+
+    async def settled() -> bool:
+        await _resync(backend, truth)
+        return backend.healthy
+
+    history = _history(300)
+    try:
+        for i, batch in enumerate(history):
+            if i == 100:
+                if outage == "killed":
+                    server.kill()
+                else:
+                    server.client().shutdown(save=True)
+                    server.stop()
+                with pytest.raises(IndexUnavailableError) as info:
+                    await backend.match_prefix([1, 2], 0)
+                errors.append(str(info.value))
+            if i == 200:
+                server.start()
+                await _until(settled, "the backend to recover", 30)
+            await truth.apply(batch)
+            try:
+                await backend.apply(batch)
+            except IndexUnavailableError as exc:
+                errors.append(str(exc))
+            await _resync(backend, truth)
+        await _until(settled, "the backend to settle", 30)
+        assert f"Redis at 127.0.0.1:{server.port}" in errors[0]
+        assert any("will be resynced" in e for e in errors), errors  # the buffer overflowed
+        # w0 overflowed the buffer; w1's batches waited in it, unless Redis lost them too.
+        assert asked == ({"w0", "w1"} if outage == "killed" else {"w0"})
+        for hashes in ([k] for k in range(48)):
+            assert await backend.match(hashes, False) == await truth.match(hashes, False)
+        expected = dataclasses.replace(await truth.stats(), backend="redis")
+        assert await backend.stats() == expected
+    finally:
+        await backend.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------- processes
+
+KVPLANE = str(Path(sys.executable).parent / "kvplane")
+
+
+class Indexer:
+    """A `kvplane indexer serve` child process on port 0 (the port comes from --port-file)."""
+
+    def __init__(self, config: Path, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    def spawn(self) -> None:
+        port_file = self.workdir / "port"
+        port_file.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with (self.workdir / "serve.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                [KVPLANE, "indexer", "serve", "--config", str(self.config), "--listen",
+                 "127.0.0.1:0", "--port-file", str(port_file)],
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+
+    async def start(self) -> None:
+        self.spawn()
+        port_file = self.workdir / "port"
+        process = self.process
+        assert process is not None
+
+        async def up() -> bool:
+            assert process.poll() is None, (self.workdir / "serve.log").read_text()
+            return port_file.exists()
+
+        await _until(up, "the indexer's port file", 30)
+        self.port = int(port_file.read_text())
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(20)
+        self.process = None
+
+    def stub(self, channel: grpc.aio.Channel) -> kv_grpc.KVIndexerAsyncStub:
+        return kv_grpc.KVIndexerStub(channel)
+
+
+def _report(worker: str, hashes: list[int]) -> kv.ApplyExternalKvBatchRequest:
+    action = kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=hashes)
+    return kv.ApplyExternalKvBatchRequest(
+        worker_id=worker, worker_address=f"addr-{worker}", actions=[action]
+    )
+
+
+async def _prefix(stub: kv_grpc.KVIndexerAsyncStub, hashes: list[int]) -> list[tuple[str, int]]:
+    reply = await stub.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=hashes))
+    return [(m.worker_id, m.matched_prefix_blocks) for m in reply.matches]
+
+
+@pytest.mark.timeout(120)
+async def test_indexer_processes_share_one_redis(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    config = tmp_path / "indexer.yaml"
+    config.write_text(f"backend: {server.url}\nredis:\n  buckets: 64\n  model: m1\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, b = Indexer(config, tmp_path / "a"), Indexer(config, tmp_path / "b")
+    try:
+        await a.start()
+        await b.start()
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as channel_a,
+            grpc.aio.insecure_channel(f"127.0.0.1:{b.port}") as channel_b,
+        ):
+            await a.stub(channel_a).ApplyExternalKvBatch(_report("w0", [11, 12, 13]))
+            assert await _prefix(b.stub(channel_b), [11, 12, 13, 14]) == [("w0", 3)]
+
+        # A restarted indexer process loses nothing that Redis holds.
+        a.stop()
+        await a.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as channel_a:
+            assert await _prefix(a.stub(channel_a), [11, 12]) == [("w0", 2)]
+
+        # Redis down: a clear UNAVAILABLE, no crash; Redis back: both recover by themselves.
+        server.kill()
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as channel_a,
+            grpc.aio.insecure_channel(f"127.0.0.1:{b.port}") as channel_b,
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _prefix(b.stub(channel_b), [11])
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"Redis at 127.0.0.1:{server.port}" in str(info.value.details())
+            server.start()
+
+            async def answers() -> bool:
+                try:
+                    await a.stub(channel_a).ApplyExternalKvBatch(_report("w1", [21, 22]))
+                    return await _prefix(b.stub(channel_b), [21, 22]) == [("w1", 2)]
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    return False
+
+            await _until(answers, "both indexers to answer again", 30)
+            assert a.process is not None and b.process is not None
+            assert a.process.poll() is None and b.process.poll() is None
+    finally:
+        a.stop()
+        b.stop()
+        server.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 from vllm_capture import BLOCK_SIZE, NUM_GPU_BLOCKS, LiveModel, live_messages, signed
 
 from indexer.batch import Action, ActionType, Batch, Tier
@@ -17,8 +18,6 @@ from indexer.translate import (
     split_actions,
 )
 from indexer.zmq_decode import decode_payload
-
-from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 
 REPORT, REVOKE, CLEAR = ActionType.REPORT, ActionType.REVOKE, ActionType.CLEAR_ALL_AT_TIER
 

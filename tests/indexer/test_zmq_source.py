@@ -3,6 +3,7 @@ keeps serving; reconnects; a publisher restart on the same port; a failing sink.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -53,13 +54,22 @@ def _message(seq: int, *events: object) -> list[bytes]:
 
 
 def _source(
-    endpoint: str, context: zmq.asyncio.Context, sink: object, replay: str | None = None
+    endpoint: str,
+    context: zmq.asyncio.Context,
+    sink: object,
+    *,
+    replay: str | None = None,
+    topic: str = "kv@",
+    bind: bool = False,
+    replay_timeout_s: float = 5.0,
 ) -> ZmqSource:
     translator = WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000"))
     settings = ZmqSourceSettings(
         endpoint=endpoint,
         replay_endpoint=replay,
-        topic="kv@",
+        topic=topic,
+        bind=bind,
+        replay_timeout_s=replay_timeout_s,
         backoff_initial_s=0.05,
         backoff_max_s=0.2,
     )
@@ -119,7 +129,7 @@ async def test_malformed_messages_are_counted_and_skipped_and_the_server_keeps_s
         await server.stop(None)
 
 
-async def test_reconnects_and_a_publisher_restart_on_the_same_port_clears_the_worker(
+async def test_a_binding_source_and_a_publisher_restart_clear_the_worker(
     context: zmq.asyncio.Context,
 ) -> None:
     probe = context.socket(zmq.PUB)
@@ -127,19 +137,23 @@ async def test_reconnects_and_a_publisher_restart_on_the_same_port_clears_the_wo
     endpoint = probe.getsockopt_string(zmq.LAST_ENDPOINT)
     probe.close(linger=0)
     index = PrefixIndex()
-    source = _source(endpoint, context, MemoryBackend(index))
+    source = _source(endpoint, context, MemoryBackend(index), bind=True)
     async with running(source.run()):
-        # The source starts first; the publisher appears later on that port.
-        first = FakeKvPublisher(context, endpoint=endpoint)
+        # Connecting before the bind could self-connect on loopback and steal the port.
+        await asyncio.wait_for(source.ready.wait(), WAIT_S)
+        # The publisher connects to the source (vLLM with a non-wildcard endpoint).
+        first = FakeKvPublisher(context, endpoint=endpoint, connect=True)
         try:
             await first.wait_subscribed()
             for seq in range(3):
-                await first.send(_message(seq, _stored(10 + seq, parent=None if not seq else 9 + seq)))
+                parent = None if seq == 0 else 9 + seq
+                await first.send(_message(seq, _stored(10 + seq, parent=parent)))
             await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
             assert _keys(index) == {10, 11, 12}
         finally:
             await first.close()
-        second = FakeKvPublisher(context, endpoint=endpoint)
+        # The engine restarts: a new publisher process, seq from 0 again.
+        second = FakeKvPublisher(context, endpoint=endpoint, connect=True)
         try:
             await second.wait_subscribed()
             await second.send(_message(0, _stored(20)))
@@ -187,3 +201,43 @@ async def test_a_failing_sink_restarts_the_source_and_rebuilds_from_replay(
     assert _keys(index) == {2}
     assert publisher.replay_requests == [0]
     assert source.counters.num_resets == 2
+
+
+async def test_two_frame_messages_without_a_topic(context: zmq.asyncio.Context) -> None:
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    source = _source(publisher.endpoint, context, MemoryBackend(index), topic="")
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_message(0, _stored(1))[1:])
+            await publisher.send(_message(1, _stored(2, parent=1))[1:])
+            await source.wait_until(lambda: source.last_seq == 1, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == {1, 2}
+
+
+async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(
+    context: zmq.asyncio.Context,
+) -> None:
+    probe = context.socket(zmq.ROUTER)
+    probe.bind("tcp://127.0.0.1:*")
+    nobody = probe.getsockopt_string(zmq.LAST_ENDPOINT)
+    probe.close(linger=0)
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    source = _source(
+        publisher.endpoint, context, MemoryBackend(index), replay=nobody, replay_timeout_s=0.2
+    )
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_message(0, _stored(1)))
+            await publisher.send(_message(3, _stored(2)))  # seqs 1 and 2 were lost
+            await source.wait_until(lambda: source.last_seq == 3, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_gaps == 1
+    assert source.counters.num_replay_failures == 2  # from seq 1, then from 0 to rebuild
+    assert _keys(index) == {2}  # cleared: block 1 may be stale after the lost batches

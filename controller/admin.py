@@ -1,0 +1,235 @@
+"""The admin API (`kvplane.v1.Admin`): the fleet's engines, cordons, drains, and the router's
+decision explained. A thin adapter over `Controller`; domain errors map to status codes in
+one table."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from controller.config import KvEventsMode
+from controller.registry import (
+    DuplicateEngineError,
+    EngineRecord,
+    EngineState,
+    UnknownEngineError,
+)
+from controller.router import Decision, NoEngineAvailableError
+from controller.service import Controller, Plan, PromptInput
+from kvplane.errors import KvplaneError
+from kvplane.server import abort_with
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2 as pb
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+_STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
+    (UnknownEngineError, grpc.StatusCode.NOT_FOUND),
+    (DuplicateEngineError, grpc.StatusCode.ALREADY_EXISTS),
+    (NoEngineAvailableError, grpc.StatusCode.UNAVAILABLE),
+    (KvplaneError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+MUTATING_METHODS = frozenset(
+    {"RegisterEngine", "RemoveEngine", "Cordon", "Uncordon", "DrainEngine"}
+)
+
+
+def status_of(exc: KvplaneError) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL  # pragma: no cover - KvplaneError is in the table
+
+
+class AdminServicer(apb_grpc.AdminServicer):
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    async def _indexed_blocks(self) -> dict[str, int]:
+        index = self.controller.index
+        if index is None:
+            return {}
+        stats = await index.stats()
+        return {w.worker_id: w.num_blocks for w in stats.workers}
+
+    def worker_info(self, record: EngineRecord, indexed: dict[str, int]) -> apb.WorkerInfo:
+        info = apb.WorkerInfo(
+            address=record.address,
+            instance_id=record.engine_id,
+            state=record.state.value,
+            cordoned=record.cordoned,
+            routable=record.routable,
+            kv_events=record.kv_events,
+            source=record.source,
+            indexed_blocks=indexed.get(record.address, 0),
+            inflight_requests=self.controller.router.inflight.of(record.address).requests,
+            last_error=record.last_error,
+        )
+        identity = record.identity
+        if identity is not None:
+            info.engine_name = identity.engine_name
+            info.engine_version = identity.engine_version
+            info.role = identity.role.value
+            info.models.extend(identity.models)
+            if identity.block_size is not None:
+                info.block_size = identity.block_size
+            if identity.total_kv_blocks is not None:
+                info.total_kv_blocks = identity.total_kv_blocks
+        else:
+            info.role = "unknown"
+        load = record.load
+        if load.running_requests is not None:
+            info.running_requests = load.running_requests
+        if load.queued_requests is not None:
+            info.queued_requests = load.queued_requests
+        if load.used_kv_blocks is not None:
+            info.used_kv_blocks = load.used_kv_blocks
+        return info
+
+    async def ListWorkers(
+        self, request: apb.ListWorkersRequest, context: Context
+    ) -> apb.ListWorkersResponse:
+        indexed = await self._indexed_blocks()
+        records = self.controller.fleet.registry.records()
+        return apb.ListWorkersResponse(
+            workers=[self.worker_info(r, indexed) for r in records],
+            policy=self.controller.router.policy.name,
+            index_blocks=sum(indexed.values()),
+        )
+
+    async def RegisterEngine(
+        self, request: apb.RegisterEngineRequest, context: Context
+    ) -> apb.WorkerInfo:
+        mode = request.kv_events or KvEventsMode.grpc.value
+        if mode not in {m.value for m in KvEventsMode}:
+            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, f"kv_events {mode!r}?")
+        try:
+            from kvplane.config import parse_host_port
+
+            parse_host_port(request.address)
+            record = await self.controller.fleet.add_engine(request.address, mode, source="admin")
+        except ValueError as exc:
+            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except KvplaneError as exc:
+            await abort_with(context, status_of(exc), str(exc))
+        return self.worker_info(record, {})
+
+    async def RemoveEngine(self, request: apb.EngineRef, context: Context) -> apb.WorkerInfo:
+        try:
+            record = await self.controller.fleet.remove_engine(request.engine)
+        except KvplaneError as exc:
+            await abort_with(context, status_of(exc), str(exc))
+        return self.worker_info(record, {})
+
+    async def _cordon(self, request: apb.EngineRef, context: Context, on: bool) -> apb.WorkerInfo:
+        try:
+            record = self.controller.fleet.registry.set_cordoned(request.engine, on)
+        except KvplaneError as exc:
+            await abort_with(context, status_of(exc), str(exc))
+        return self.worker_info(record, await self._indexed_blocks())
+
+    async def Cordon(self, request: apb.EngineRef, context: Context) -> apb.WorkerInfo:
+        return await self._cordon(request, context, True)
+
+    async def Uncordon(self, request: apb.EngineRef, context: Context) -> apb.WorkerInfo:
+        return await self._cordon(request, context, False)
+
+    async def DrainEngine(
+        self, request: apb.DrainEngineRequest, context: Context
+    ) -> AsyncIterator[pb.DrainResponse]:
+        fleet = self.controller.fleet
+        try:
+            record = fleet.registry.get(request.engine)
+        except KvplaneError as exc:
+            await abort_with(context, status_of(exc), str(exc))
+        # Out of routing now, not at the next health poll.
+        await fleet.mark_state(record.address, EngineState.DRAINING)
+        drain = pb.DrainRequest(
+            stop_accepting_new_requests=True, abort_after_deadline=request.abort_after_deadline
+        )
+        if request.HasField("deadline_ms"):
+            drain.deadline_ms = request.deadline_ms
+        try:
+            async for event in fleet.stub(record.address).Drain(drain):
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            await abort_with(context, exc.code(), exc.details() or exc.code().name)
+
+    async def _plan(self, request: apb.PromptQuery, context: Context) -> Plan:
+        which = request.WhichOneof("input")
+        if which is None:
+            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or tokens")
+        query = PromptInput(
+            request_id="admin-route",
+            prompt=request.prompt if which == "prompt" else None,
+            token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
+            model=request.model,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+            session_key=request.session_key or None,
+        )
+        return await self.controller.plan(query)
+
+    async def Route(self, request: apb.PromptQuery, context: Context) -> apb.RouteExplanation:
+        plan = await self._plan(request, context)
+        try:
+            decision = self.controller.explain(plan)
+        except KvplaneError as exc:
+            await abort_with(context, status_of(exc), str(exc))
+        return self._explanation(plan, decision)
+
+    def _instance(self, address: str) -> str:
+        record = self.controller.fleet.registry.by_engine_id(address)
+        return record.engine_id if record is not None else address
+
+    def _explanation(self, plan: Plan, decision: Decision) -> apb.RouteExplanation:
+        reply = apb.RouteExplanation(
+            engine=decision.engine_id,
+            instance_id=self._instance(decision.engine_id),
+            reason=decision.reason.value,
+            policy=decision.policy,
+            predicted_cached_tokens=decision.predicted_cached_tokens,
+            num_prompt_tokens=plan.request.num_prompt_tokens,
+            block_size=plan.request.block_size,
+            tokenized=plan.tokenized,
+        )
+        for row in decision.costs:
+            cost = apb.EngineCost(
+                engine=row.engine_id,
+                instance_id=self._instance(row.engine_id),
+                cached_tokens=row.cached_tokens,
+                host_cached_tokens=row.host_cached_tokens,
+                prefill_cost=row.prefill_cost,
+                queue_cost=row.queue_cost,
+                decode_cost=row.decode_cost,
+                busy=row.busy,
+            )
+            if row.total is not None:
+                cost.total = row.total
+            reply.costs.append(cost)
+        return reply
+
+    async def Match(self, request: apb.PromptQuery, context: Context) -> apb.MatchResponse:
+        plan = await self._plan(request, context)
+        reply = apb.MatchResponse(
+            num_prompt_tokens=plan.request.num_prompt_tokens,
+            block_size=plan.request.block_size,
+            num_blocks=len(plan.request.block_keys),
+            tokenized=plan.tokenized,
+        )
+        for c in plan.view.candidates:
+            device, host = plan.request.cached_tokens(c.hit)
+            reply.matches.append(
+                apb.EngineMatch(
+                    engine=c.engine_id,
+                    instance_id=self._instance(c.engine_id),
+                    device_blocks=c.hit.device_blocks,
+                    host_blocks=c.hit.host_blocks,
+                    cached_tokens=device + host,
+                )
+            )
+        return reply

@@ -1,0 +1,573 @@
+"""`kvplane admin ...`: operate a controller (or a single engine) over gRPC.
+
+`--target HOST:PORT` names the server (on the group or on each command). Commands that only
+need OpenEngine RPCs (health, load, info, abort, lora, drain without ENGINE) work against a
+controller and against any engine; the fleet commands (workers, match, route, cordon,
+uncordon, drain ENGINE) use the controller's admin API; `workers` against a bare engine shows
+that engine. Tables by default, `--output json` for scripts. The bearer token for mutating
+RPCs comes from `--token-file` or the KVPLANE_TOKEN environment variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import grpc
+import typer
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.errors import KvplaneError
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "127.0.0.1:8100"
+TIMEOUT_S = 10.0
+T = TypeVar("T")
+
+TargetOpt = Annotated[
+    str | None, typer.Option("--target", "-t", help="HOST:PORT of the controller or engine.")
+]
+TokenFileOpt = Annotated[
+    Path | None, typer.Option("--token-file", help="Bearer token file (else $KVPLANE_TOKEN).")
+]
+PromptOpt = Annotated[str | None, typer.Option("--prompt", help="Prompt text.")]
+TokensFileOpt = Annotated[
+    Path | None,
+    typer.Option("--tokens-file", help="Token ids: whitespace/comma separated or a JSON list."),
+]
+
+
+class AdminRpcError(KvplaneError):
+    """An admin RPC failed (unreachable, rejected)."""
+
+
+@contextmanager
+def _channel(target: str) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            yield channel
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            name = code.name if code is not None else "ERROR"
+            raise AdminRpcError(f"{target}: {name}: {details}") from None
+
+
+def _metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
+    token: str | None = None
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise KvplaneError(f"cannot read {token_file}: {exc.strerror}") from exc
+    else:
+        token = os.environ.get("KVPLANE_TOKEN")
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _target(target: str | None) -> str:
+    return target or DEFAULT_TARGET
+
+
+def _dict(message: Message) -> dict[str, Any]:
+    return MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def _call(target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:
+    with _channel(_target(target)) as channel:
+        return rpc(channel)
+
+
+def _is_unimplemented(exc: grpc.RpcError) -> bool:
+    return isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers, *[["-" if v is None or v == "" else str(v) for v in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> apb.PromptQuery:
+    if (prompt is None) == (tokens_file is None):
+        raise KvplaneError("give exactly one of --prompt and --tokens-file")
+    if prompt is not None:
+        return apb.PromptQuery(prompt=prompt, model=model)
+    assert tokens_file is not None
+    try:
+        text = tokens_file.read_text()
+    except OSError as exc:
+        raise KvplaneError(f"cannot read {tokens_file}: {exc.strerror}") from exc
+    try:
+        ids = [int(t) for t in text.replace("[", " ").replace("]", " ").replace(",", " ").split()]
+    except ValueError as exc:
+        raise KvplaneError(f"{tokens_file}: not a list of token ids") from exc
+    return apb.PromptQuery(token_ids=pb.TokenIds(ids=ids), model=model)
+
+
+# ---- fleet view ----
+
+
+def workers(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+    """The fleet's engines (or, against an engine, that engine)."""
+    with _channel(_target(target)) as channel:
+        try:
+            reply = apb_grpc.AdminStub(channel).ListWorkers(
+                apb.ListWorkersRequest(), timeout=TIMEOUT_S
+            )
+            data = _dict(reply)
+            data.setdefault("workers", [])
+        except grpc.RpcError as exc:
+            if not _is_unimplemented(exc):
+                raise
+            data = {"workers": [_engine_as_worker(channel, _target(target))]}
+    emit(data, output, _render_workers)
+
+
+def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
+    stub = pb_grpc.OpenEngineStub(channel)
+    info = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)
+    health = stub.Health(pb.HealthRequest(), timeout=TIMEOUT_S)
+    load = stub.GetLoad(pb.GetLoadRequest(), timeout=TIMEOUT_S)
+    row: dict[str, Any] = {
+        "address": address,
+        "instance_id": info.instance_id,
+        "engine_name": info.engine_name,
+        "role": pb.EngineRole.Name(info.role).removeprefix("ENGINE_ROLE_").lower(),
+        "models": list(info.supported_models),
+        "state": pb.HealthState.Name(health.state).removeprefix("HEALTH_STATE_").lower(),
+    }
+    for name in ("running_requests", "queued_requests", "used_kv_blocks", "total_kv_blocks"):
+        if load.HasField(name):
+            row[name] = getattr(load, name)
+    return row
+
+
+def _render_workers(data: dict[str, Any]) -> str:
+    rows = [
+        [
+            w.get("instance_id"),
+            w.get("address"),
+            w.get("role"),
+            w.get("state"),
+            "yes" if w.get("cordoned") else "",
+            w.get("running_requests", 0),
+            w.get("queued_requests", 0),
+            f"{w.get('used_kv_blocks', '?')}/{w.get('total_kv_blocks', '?')}",
+            w.get("indexed_blocks"),
+            w.get("inflight_requests"),
+            w.get("last_error"),
+        ]
+        for w in data["workers"]
+    ]
+    headers = [
+        "ENGINE",
+        "ADDRESS",
+        "ROLE",
+        "STATE",
+        "CORDONED",
+        "RUNNING",
+        "QUEUED",
+        "KV",
+        "INDEXED",
+        "INFLIGHT",
+        "ERROR",
+    ]
+    head = f"policy {data['policy']}\n" if data.get("policy") else ""
+    return head + _table(headers, rows)
+
+
+def health(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+    """Health of the target (a controller lists every engine as a check)."""
+    reply = _call(
+        target, lambda ch: pb_grpc.OpenEngineStub(ch).Health(pb.HealthRequest(), timeout=TIMEOUT_S)
+    )
+    data = _dict(reply)
+
+    def render(d: dict[str, Any]) -> str:
+        lines = [f"state {d.get('state', 'HEALTH_STATE_UNSPECIFIED')}"]
+        rows = [[c.get("name"), c.get("state"), c.get("message")] for c in d.get("checks", [])]
+        if rows:
+            lines.append(_table(["CHECK", "STATE", "MESSAGE"], rows))
+        return "\n".join(lines)
+
+    emit(data, output, render)
+
+
+def load(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+    """GetLoad of the target (a controller sums its fleet, with per-engine detail)."""
+    reply = _call(
+        target,
+        lambda ch: pb_grpc.OpenEngineStub(ch).GetLoad(pb.GetLoadRequest(), timeout=TIMEOUT_S),
+    )
+    data = _dict(reply)
+
+    def render(d: dict[str, Any]) -> str:
+        keys = [
+            "instance_id",
+            "running_requests",
+            "queued_requests",
+            "used_kv_blocks",
+            "total_kv_blocks",
+            "waiting_tokens",
+        ]
+        lines = [_table(["FIELD", "VALUE"], [[k, d.get(k)] for k in keys])]
+        attributes = d.get("attributes", {})
+        if attributes:
+            lines.append(
+                _table(["ATTRIBUTE", "VALUE"], sorted([k, v] for k, v in attributes.items()))
+            )
+        return "\n".join(lines)
+
+    emit(data, output, render)
+
+
+def info(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+    """GetEngineInfo and GetModelInfo of every served model."""
+
+    def rpc(ch: grpc.Channel) -> dict[str, Any]:
+        stub = pb_grpc.OpenEngineStub(ch)
+        engine = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)
+        models = [
+            _dict(stub.GetModelInfo(pb.GetModelInfoRequest(model=m), timeout=TIMEOUT_S))
+            for m in engine.supported_models
+        ]
+        return {"engine": _dict(engine), "models": models}
+
+    data = _call(target, rpc)
+
+    def render(d: dict[str, Any]) -> str:
+        e = d["engine"]
+        rows = [
+            [k, e.get(k)]
+            for k in (
+                "engine_name",
+                "engine_version",
+                "instance_id",
+                "role",
+                "schema_revision",
+                "minimum_client_revision",
+                "schema_release",
+            )
+        ]
+        lines = [_table(["FIELD", "VALUE"], rows)]
+        for m in d["models"]:
+            lines.append(
+                _table(
+                    ["MODEL", "BLOCK SIZE", "KV BLOCKS", "MAX CONTEXT"],
+                    [
+                        [
+                            m.get("model_id") or m.get("served_model_name"),
+                            m.get("kv_block_size"),
+                            m.get("total_kv_blocks"),
+                            m.get("max_context_length"),
+                        ]
+                    ],
+                )
+            )
+        return "\n\n".join(lines)
+
+    emit(data, output, render)
+
+
+def match(
+    prompt: PromptOpt = None,
+    tokens_file: TokensFileOpt = None,
+    model: Annotated[str, typer.Option(help="Model name.")] = "",
+    target: TargetOpt = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """How much of a prompt each engine holds (controller)."""
+    query = _prompt_query(prompt, tokens_file, model)
+    reply = _call(target, lambda ch: apb_grpc.AdminStub(ch).Match(query, timeout=TIMEOUT_S))
+    data = _dict(reply)
+    data.setdefault("matches", [])
+
+    def render(d: dict[str, Any]) -> str:
+        head = (
+            f"{d.get('num_prompt_tokens', 0)} prompt tokens, {d.get('num_blocks', 0)} full "
+            f"blocks of {d.get('block_size', 0)}"
+            + ("" if d.get("tokenized") else " (not tokenized)")
+        )
+        rows = [
+            [
+                m.get("instance_id"),
+                m.get("engine"),
+                m.get("device_blocks", 0),
+                m.get("host_blocks", 0),
+                m.get("cached_tokens", 0),
+            ]
+            for m in d["matches"]
+        ]
+        return (
+            head
+            + "\n"
+            + _table(["ENGINE", "ADDRESS", "DEVICE BLOCKS", "HOST BLOCKS", "CACHED TOKENS"], rows)
+        )
+
+    emit(data, output, render)
+
+
+def route(
+    prompt: PromptOpt = None,
+    tokens_file: TokensFileOpt = None,
+    model: Annotated[str, typer.Option(help="Model name.")] = "",
+    target: TargetOpt = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Where the router would send a prompt, and every engine's cost terms (controller)."""
+    query = _prompt_query(prompt, tokens_file, model)
+    reply = _call(target, lambda ch: apb_grpc.AdminStub(ch).Route(query, timeout=TIMEOUT_S))
+    data = _dict(reply)
+    data.setdefault("costs", [])
+
+    def render(d: dict[str, Any]) -> str:
+        head = (
+            f"-> {d.get('instance_id')} ({d.get('engine')}) reason {d.get('reason')}, policy "
+            f"{d.get('policy')}, predicted cached {d.get('predicted_cached_tokens', 0)} of "
+            f"{d.get('num_prompt_tokens', 0)} tokens"
+        )
+        rows = [
+            [
+                c.get("instance_id"),
+                c.get("cached_tokens", 0),
+                c.get("host_cached_tokens", 0),
+                _num(c.get("prefill_cost")),
+                _num(c.get("queue_cost")),
+                _num(c.get("decode_cost")),
+                _num(c.get("total")),
+                "busy" if c.get("busy") else "",
+            ]
+            for c in d["costs"]
+        ]
+        return (
+            head
+            + "\n"
+            + _table(["ENGINE", "CACHED", "HOST", "PREFILL", "QUEUE", "DECODE", "TOTAL", ""], rows)
+        )
+
+    emit(data, output, render)
+
+
+def _num(value: Any) -> str | None:
+    return None if value is None else f"{float(value):.1f}"
+
+
+# ---- actions ----
+
+
+def drain(
+    *,
+    engine: Annotated[
+        str | None,
+        typer.Argument(help="Engine instance id or address; omit to drain the target itself."),
+    ] = None,
+    deadline_ms: Annotated[int | None, typer.Option("--deadline-ms", min=0)] = None,
+    abort_after_deadline: Annotated[bool, typer.Option("--abort-after-deadline")] = False,
+    target: TargetOpt = None,
+    token_file: TokenFileOpt = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Drain an engine of the fleet (or the target itself); progress is shown until COMPLETE."""
+    metadata = _metadata(token_file)
+    events: list[dict[str, Any]] = []
+    with _channel(_target(target)) as channel:
+        if engine is not None:
+            req = apb.DrainEngineRequest(engine=engine, abort_after_deadline=abort_after_deadline)
+            if deadline_ms is not None:
+                req.deadline_ms = deadline_ms
+            stream = apb_grpc.AdminStub(channel).DrainEngine(req, metadata=metadata)
+        else:
+            dreq = pb.DrainRequest(
+                stop_accepting_new_requests=True, abort_after_deadline=abort_after_deadline
+            )
+            if deadline_ms is not None:
+                dreq.deadline_ms = deadline_ms
+            stream = pb_grpc.OpenEngineStub(channel).Drain(dreq, metadata=metadata)
+        for event in stream:
+            data = _dict(event)
+            events.append(data)
+            if output is OutputFormat.table:
+                typer.echo(_render_drain(data))
+    if output is OutputFormat.json:
+        emit({"events": events}, output, str)
+    last = events[-1] if events else {}
+    if "error" in last:
+        raise AdminRpcError(f"drain failed: {last['error'].get('message', '')}")
+
+
+def _render_drain(d: dict[str, Any]) -> str:
+    if "error" in d:
+        return f"error {d['error'].get('code')}: {d['error'].get('message', '')}"
+    state = str(d.get("state", "")).removeprefix("DRAIN_STATE_")
+    parts = [state]
+    if "in_flight_requests" in d:
+        parts.append(f"in flight {d['in_flight_requests']}")
+    if "open_kv_sessions" in d:
+        parts.append(f"kv sessions {d['open_kv_sessions']}")
+    if d.get("message"):
+        parts.append(d["message"])
+    return "  ".join(parts)
+
+
+def _cordon_command(on: bool) -> Callable[..., None]:
+    def command(
+        engine: Annotated[str, typer.Argument(help="Engine instance id or address.")],
+        target: TargetOpt = None,
+        token_file: TokenFileOpt = None,
+        output: OutputOption = OutputFormat.table,
+    ) -> None:
+        metadata = _metadata(token_file)
+        ref = apb.EngineRef(engine=engine)
+
+        def rpc(ch: grpc.Channel) -> apb.WorkerInfo:
+            stub = apb_grpc.AdminStub(ch)
+            call = stub.Cordon if on else stub.Uncordon
+            return call(ref, metadata=metadata, timeout=TIMEOUT_S)
+
+        data = _dict(_call(target, rpc))
+        verb = "cordoned" if on else "uncordoned"
+        emit(data, output, lambda d: f"{d.get('instance_id')} ({d.get('address')}) {verb}")
+
+    command.__doc__ = (
+        "Stop routing new requests to an engine." if on else "Route to a cordoned engine again."
+    )
+    return command
+
+
+def abort(
+    request_id: Annotated[str | None, typer.Argument(help="The request to abort.")] = None,
+    all_requests: Annotated[bool, typer.Option("--all", help="Abort every request.")] = False,
+    target: TargetOpt = None,
+    token_file: TokenFileOpt = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Abort a request (the controller forwards it to the engine holding it) or all."""
+    if (request_id is None) == (not all_requests):
+        raise KvplaneError("give a REQUEST_ID or --all")
+    req = (
+        pb.AbortRequest(all_requests=pb.AllRequests())
+        if request_id is None
+        else pb.AbortRequest(request_id=request_id)
+    )
+    metadata = _metadata(token_file)
+    reply = _call(
+        target,
+        lambda ch: pb_grpc.OpenEngineStub(ch).Abort(req, metadata=metadata, timeout=TIMEOUT_S),
+    )
+    data = _dict(reply)
+    emit(
+        data,
+        output,
+        lambda d: f"{d.get('status', 'ABORT_STATUS_UNSPECIFIED')} {d.get('message', '')}".rstrip(),
+    )
+
+
+lora_app = typer.Typer(no_args_is_help=True, help="LoRA adapters on the fleet or an engine.")
+
+
+def _engine_address(target: str, engine: str) -> str:
+    """The address of fleet member `engine` (instance id or address) behind a controller."""
+    reply = _call(
+        target,
+        lambda ch: apb_grpc.AdminStub(ch).ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S),
+    )
+    for w in reply.workers:
+        if engine in (w.address, w.instance_id):
+            return w.address
+    raise KvplaneError(f"no engine {engine!r} behind {target}")
+
+
+@lora_app.command("load")
+def lora_load(
+    *,
+    name: Annotated[str, typer.Argument(help="Adapter name.")],
+    path: Annotated[str, typer.Argument(help="Absolute adapter directory, as the engine sees it.")],
+    lora_id: Annotated[int, typer.Option("--id", min=1, help="Positive adapter id.")],
+    engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
+    target: TargetOpt = None,
+    token_file: TokenFileOpt = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Load an adapter on every engine (or one)."""
+    address = _engine_address(_target(target), engine) if engine else _target(target)
+    req = pb.LoadLoraRequest(
+        adapter=pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=path)
+    )
+    metadata = _metadata(token_file)
+    reply = _call(
+        address,
+        lambda ch: pb_grpc.OpenEngineStub(ch).LoadLora(req, metadata=metadata, timeout=TIMEOUT_S),
+    )
+    data = _dict(reply)
+    emit(
+        data,
+        output,
+        lambda d: f"{name} {'already loaded' if d.get('already_loaded') else 'loaded'}",
+    )
+
+
+@lora_app.command("unload")
+def lora_unload(
+    name: Annotated[str, typer.Argument(help="Adapter name.")],
+    target: TargetOpt = None,
+    token_file: TokenFileOpt = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Unload an adapter everywhere."""
+    metadata = _metadata(token_file)
+    req = pb.UnloadLoraRequest(lora_name=name)
+    reply = _call(
+        target,
+        lambda ch: pb_grpc.OpenEngineStub(ch).UnloadLora(req, metadata=metadata, timeout=TIMEOUT_S),
+    )
+    emit(_dict(reply), output, lambda d: f"{name} unloaded")
+
+
+@lora_app.command("list")
+def lora_list(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+    """Adapters loaded (on any engine of the fleet)."""
+    reply = _call(
+        target,
+        lambda ch: pb_grpc.OpenEngineStub(ch).ListLoras(pb.ListLorasRequest(), timeout=TIMEOUT_S),
+    )
+    data = _dict(reply)
+    data.setdefault("adapters", [])
+    emit(
+        data,
+        output,
+        lambda d: _table(
+            ["ID", "NAME", "PATH"],
+            [[a.get("lora_id"), a.get("lora_name"), a.get("source_path")] for a in d["adapters"]],
+        ),
+    )
+
+
+def register(app: typer.Typer) -> None:
+    """Add the admin commands to `kvplane admin`."""
+    for name, fn in (
+        ("workers", workers),
+        ("health", health),
+        ("load", load),
+        ("info", info),
+        ("match", match),
+        ("route", route),
+        ("drain", drain),
+        ("abort", abort),
+    ):
+        app.command(name)(fn)
+    app.command("cordon")(_cordon_command(True))
+    app.command("uncordon")(_cordon_command(False))
+    app.add_typer(lora_app, name="lora")

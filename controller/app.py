@@ -1,0 +1,92 @@
+"""Assemble and run the controller process: the Controller (fleet, router, index), the
+gateway (`openengine.v1.OpenEngine`) and the admin API (`kvplane.v1.Admin`) on one gRPC
+server, and Prometheus metrics on a side port when configured."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from controller.admin import MUTATING_METHODS as ADMIN_MUTATING
+from controller.admin import AdminServicer
+from controller.config import ControllerConfig
+from controller.gateway import GatewayServicer
+from controller.service import Controller
+from indexer.backend import IndexBackend
+from kvplane.metrics import start_metrics_server
+from kvplane.server import Service, create_server, serve_until_signal, write_port_file
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+GATEWAY_MUTATING = frozenset({"Abort", "Drain", "LoadLora", "UnloadLora"})
+
+
+@dataclass
+class ControllerApp:
+    controller: Controller
+    gateway: GatewayServicer
+    admin: AdminServicer
+    server: grpc.aio.Server
+    port: int
+    metrics_server: Any | None = None
+    metrics_port: int | None = None
+
+    async def close(self, grace_s: float = 1.0) -> None:
+        await self.server.stop(grace_s)
+        await self.close_controller()
+
+    async def close_controller(self) -> None:
+        await self.controller.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
+
+
+async def start_controller(
+    config: ControllerConfig, index: IndexBackend | None = None
+) -> ControllerApp:
+    controller = Controller(config, index)
+    await controller.start()
+    gateway = GatewayServicer(controller)
+    admin = AdminServicer(controller)
+    services = [
+        Service(
+            "openengine.v1.OpenEngine",
+            lambda s: pb_grpc.add_OpenEngineServicer_to_server(gateway, s),
+            GATEWAY_MUTATING,
+        ),
+        Service(
+            "kvplane.v1.Admin",
+            lambda s: apb_grpc.add_AdminServicer_to_server(admin, s),
+            ADMIN_MUTATING,
+        ),
+    ]
+    try:
+        server, port = await create_server(config, services)
+    except Exception:
+        await controller.close()
+        raise
+    app = ControllerApp(controller, gateway, admin, server, port)
+    if config.metrics_listen is not None:
+        app.metrics_server, app.metrics_port = start_metrics_server(
+            config.metrics_listen, controller.metrics.registry
+        )
+    return app
+
+
+async def run_controller(config: ControllerConfig, *, port_file: Path | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then stop cleanly."""
+    app = await start_controller(config)
+    try:
+        write_port_file(port_file, app.port)
+        await serve_until_signal(app.server, config.shutdown_grace_s)
+    finally:
+        await app.close_controller()
+    log.info("controller stopped")

@@ -1,0 +1,123 @@
+"""The controller's configuration (`kvplane controller serve --config FILE`).
+
+```yaml
+listen: 127.0.0.1:8100
+index: {backend: memory}           # or redis://..., or {remote: 127.0.0.1:50051}
+router: {policy: kvplane}
+engines:
+  - {address: 127.0.0.1:9001}
+  - {address: 127.0.0.1:9002, kv_events: zmq}
+```
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from controller.router import POLICY_NAMES, BusyThresholds, KvplaneWeights
+from kvplane.config import ServerConfig, StrictModel, parse_host_port
+
+_DEFAULT_WEIGHTS = KvplaneWeights()
+
+
+class KvEventsMode(enum.StrEnum):
+    grpc = "grpc"  # SubscribeKvEvents (falls back to an advertised ZMQ source)
+    zmq = "zmq"  # the ZMQ source GetKvEventSources advertises
+    none = "none"  # no events: the router is cache-blind for this engine
+
+
+class EngineEntry(StrictModel):
+    address: str
+    kv_events: KvEventsMode = KvEventsMode.grpc
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        parse_host_port(value)
+        return value
+
+
+class IndexConfig(StrictModel):
+    # `memory` (embedded), `redis://HOST:PORT[/DB]` or `redis+cluster://HOST:PORT`.
+    backend: str = "memory"
+    # A remote `kvplane indexer` (HOST:PORT): the controller asks it (MatchTokens) instead of
+    # keeping an index, and does not subscribe to KV events itself.
+    remote: str | None = None
+
+
+class RouterConfig(StrictModel):
+    policy: str = "kvplane"
+    # The `kvplane` cost (controller.router.policies.KvplaneWeights).
+    overlap_weight: float = Field(default=_DEFAULT_WEIGHTS.overlap_weight, ge=0)
+    host_weight: float = Field(default=_DEFAULT_WEIGHTS.host_weight, ge=0)
+    decode_weight: float = Field(default=_DEFAULT_WEIGHTS.decode_weight, ge=0)
+    tie_tokens: float = Field(default=_DEFAULT_WEIGHTS.tie_tokens, ge=0)
+    tie_ratio: float = Field(default=_DEFAULT_WEIGHTS.tie_ratio, ge=0)
+    temperature: float = Field(default=0.0, ge=0)
+    busy_kv_usage: float | None = Field(default=0.97, gt=0, le=1)
+    busy_queued_requests: int | None = Field(default=None, gt=0)
+    # Requests whose metadata has this key stick to the engine that served the same value.
+    session_metadata_key: str | None = None
+    # How long blocks just routed count as held before the engine's events arrive.
+    pending_ttl_s: float = Field(default=10.0, ge=0)
+    # Seed of the router's randomness (ties, power of two); None = from the OS.
+    seed: int | None = None
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, value: str) -> str:
+        if value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r}; choose from {', '.join(POLICY_NAMES)}")
+        return value
+
+    def weights(self) -> KvplaneWeights:
+        return KvplaneWeights(
+            overlap_weight=self.overlap_weight,
+            host_weight=self.host_weight,
+            decode_weight=self.decode_weight,
+            tie_tokens=self.tie_tokens,
+            tie_ratio=self.tie_ratio,
+            temperature=self.temperature,
+        )
+
+    def busy(self) -> BusyThresholds:
+        return BusyThresholds(self.busy_kv_usage, self.busy_queued_requests)
+
+
+class HealthConfig(StrictModel):
+    poll_interval_s: float = Field(default=1.0, gt=0)
+    load_poll_interval_s: float = Field(default=0.5, gt=0)
+    rpc_timeout_s: float = Field(default=2.0, gt=0)
+    # Unreachable engines are retried after backoff_initial_s, doubling up to backoff_max_s.
+    backoff_initial_s: float = Field(default=0.5, gt=0)
+    backoff_max_s: float = Field(default=30.0, gt=0)
+
+
+class ControllerConfig(ServerConfig):
+    listen: str = "127.0.0.1:8100"
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    engines: list[EngineEntry] = Field(default_factory=list)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    # tokenizer.json used to tokenise text prompts for routing; None: text prompts are routed
+    # by load only (token-id prompts always use the cache).
+    tokenizer: Path | None = None
+    # Tokens per block when engines do not report it (GetModelInfo.kv_block_size).
+    default_block_size: int = Field(default=16, gt=0)
+
+    @field_validator("index", mode="before")
+    @classmethod
+    def _index_shorthand(cls, value: Any) -> Any:
+        return {"backend": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_engines(self) -> ControllerConfig:
+        addresses = [e.address for e in self.engines]
+        duplicates = sorted({a for a in addresses if addresses.count(a) > 1})
+        if duplicates:
+            raise ValueError(f"engines listed twice: {', '.join(duplicates)}")
+        return self

@@ -1,0 +1,416 @@
+"""The fleet service: keeps the registry current and the index fed, and builds the router's
+candidates for a prompt.
+
+Per engine it owns one poll task (GetEngineInfo + GetModelInfo on first contact and whenever
+GetLoad reports a new instance id; Health every `poll_interval_s`; GetLoad every
+`load_poll_interval_s`; backoff while unreachable) and one KV-event task (SubscribeKvEvents, or
+the ZMQ source GetKvEventSources advertises) feeding the index under the engine's address as
+worker id. A new engine process (new instance id) has its old index entries dropped before
+anything else, so a restarted engine's old blocks never attract traffic; removal drops them
+too. Every task is owned here and cancelled by `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from controller.config import ControllerConfig, KvEventsMode
+from controller.registry import (
+    EngineIdentity,
+    EngineRecord,
+    EngineState,
+    IncompatibleEngineError,
+    Registry,
+    Role,
+    check_revision,
+)
+from controller.router import Candidate, LoadSnapshot, PrefixHit
+from indexer.backend import IndexBackend
+from indexer.batch import Tier
+from indexer.keys import block_keys
+from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
+from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
+from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
+from kvplane_api.v1 import index_pb2 as ipb
+from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_HEALTH = {
+    pb.HEALTH_STATE_UNSPECIFIED: EngineState.NOT_READY,
+    pb.HEALTH_STATE_STARTING: EngineState.STARTING,
+    pb.HEALTH_STATE_READY: EngineState.READY,
+    pb.HEALTH_STATE_DEGRADED: EngineState.DEGRADED,
+    pb.HEALTH_STATE_DRAINING: EngineState.DRAINING,
+    pb.HEALTH_STATE_NOT_READY: EngineState.NOT_READY,
+}
+_ROLE = {
+    pb.ENGINE_ROLE_AGGREGATED: Role.AGGREGATED,
+    pb.ENGINE_ROLE_PREFILL: Role.PREFILL,
+    pb.ENGINE_ROLE_DECODE: Role.DECODE,
+}
+
+
+def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
+    """GetLoad's scalars with their presence kept (absent = not reported)."""
+    return LoadSnapshot(
+        running_requests=load.running_requests if load.HasField("running_requests") else None,
+        queued_requests=load.queued_requests if load.HasField("queued_requests") else None,
+        used_kv_blocks=load.used_kv_blocks if load.HasField("used_kv_blocks") else None,
+        total_kv_blocks=load.total_kv_blocks if load.HasField("total_kv_blocks") else None,
+        waiting_tokens=load.waiting_tokens if load.HasField("waiting_tokens") else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PromptView:
+    """A prompt as the router sees it: its canonical keys and every routable engine."""
+
+    block_size: int
+    block_keys: tuple[int, ...]
+    candidates: tuple[Candidate, ...]
+
+
+class RemoteIndex:
+    """A remote `kvplane indexer` asked through its MatchTokens RPC (it hashes the prompt with
+    the same canonical keys and is fed by its own event sources). Its workers are matched to
+    fleet engines by worker address, else by worker id."""
+
+    def __init__(self, target: str, timeout_s: float) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = ipb_grpc.KvIndexStub(self._channel)
+        self._timeout_s = timeout_s
+
+    async def match(
+        self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
+    ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
+        reply = await self._stub.MatchTokens(
+            ipb.MatchTokensRequest(
+                token_ids=token_ids,
+                block_size=block_size,
+                lora_name=lora_name,
+                cache_salt=cache_salt,
+            ),
+            timeout=self._timeout_s,
+        )
+        hits: dict[str, PrefixHit] = {}
+        for m in reply.matches:
+            device = next((t.matched_blocks for t in m.tiers if int(t.tier) == int(Tier.HBM)), 0)
+            hit = PrefixHit(device, max(m.matched_blocks - device, 0))
+            hits[m.worker_address or m.worker_id] = hit
+            hits.setdefault(m.worker_id, hit)
+        return tuple(reply.block_keys), hits
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class _Engine:
+    """The live parts of one engine: its channel and tasks."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.OpenEngineStub(self.channel)
+        self.poll_task: asyncio.Task[None] | None = None
+        self.events_task: asyncio.Task[None] | None = None
+        self.source: OpenEngineSource | ZmqSource | None = None
+        self.wake = asyncio.Event()
+
+    async def close(self) -> None:
+        for task in (self.poll_task, self.events_task):
+            if task is not None:
+                task.cancel()
+        for task in (self.poll_task, self.events_task):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        await self.channel.close()
+
+
+class Fleet:
+    def __init__(
+        self,
+        config: ControllerConfig,
+        index: IndexBackend | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_engine_gone: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.index = index
+        self.registry = Registry(config.health.backoff_initial_s, config.health.backoff_max_s)
+        self._clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._on_engine_gone = on_engine_gone
+        self._changed = asyncio.Condition()
+        self.remote = (
+            RemoteIndex(config.index.remote, config.health.rpc_timeout_s)
+            if config.index.remote is not None
+            else None
+        )
+
+    # ---- membership ----
+
+    async def start(self) -> None:
+        for entry in self.config.engines:
+            await self.add_engine(entry.address, entry.kv_events.value, source="config")
+
+    async def add_engine(
+        self, address: str, kv_events: str = KvEventsMode.grpc.value, source: str = "admin"
+    ) -> EngineRecord:
+        record = self.registry.add(address, kv_events=kv_events, source=source)
+        engine = _Engine(address)
+        self._engines[address] = engine
+        engine.poll_task = asyncio.create_task(self._poll(engine), name=f"poll {address}")
+        return record
+
+    async def remove_engine(self, key: str) -> EngineRecord:
+        record = self.registry.remove(key)
+        engine = self._engines.pop(record.address, None)
+        if engine is not None:
+            await engine.close()
+        if self.index is not None:
+            await self.index.remove_worker(record.address)
+        if self._on_engine_gone is not None:
+            self._on_engine_gone(record.address)
+        await self._notify()
+        return record
+
+    def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
+        return self._engines[address].stub
+
+    def source_of(self, address: str) -> OpenEngineSource | ZmqSource | None:
+        engine = self._engines.get(address)
+        return engine.source if engine is not None else None
+
+    async def close(self) -> None:
+        engines = list(self._engines.values())
+        self._engines.clear()
+        for engine in engines:
+            await engine.close()
+        if self.remote is not None:
+            await self.remote.close()
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> None:
+        """Wait until `predicate()` holds after some registry change (tests, `kvplane up`)."""
+        async with asyncio.timeout(timeout_s), self._changed:
+            await self._changed.wait_for(predicate)
+
+    async def poll_now(self, key: str) -> None:
+        """Poll an engine at once (after a drain or an uncordon)."""
+        record = self.registry.get(key)
+        engine = self._engines.get(record.address)
+        if engine is not None:
+            engine.wake.set()
+
+    async def mark_state(self, key: str, state: EngineState) -> None:
+        """Record a state learnt outside the poll (a drain the controller started)."""
+        record = self.registry.get(key)
+        self.registry.on_health(record.address, state, self._clock())
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ---- routing view ----
+
+    def block_size(self) -> int:
+        for record in self.registry.records():
+            if record.identity is not None and record.identity.block_size:
+                return record.identity.block_size
+        return self.config.default_block_size
+
+    async def prompt_view(
+        self,
+        token_ids: Sequence[int] | None,
+        *,
+        model: str = "",
+        lora_name: str = "",
+        cache_salt: str = "",
+        role: Role | None = Role.AGGREGATED,
+    ) -> PromptView:
+        records = self.registry.routable(model or None, role)
+        size = self.block_size()
+        keys: tuple[int, ...] = ()
+        hits: dict[str, PrefixHit] = {}
+        lora, salt = lora_name or None, cache_salt or None
+        if token_ids and records and self.remote is not None:
+            try:
+                keys, hits = await self.remote.match(token_ids, size, lora_name, cache_salt)
+            except grpc.aio.AioRpcError as exc:
+                # Route without cache knowledge rather than fail the request.
+                log.warning("remote index: %s: %s", exc.code().name, exc.details())
+        elif token_ids:
+            keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
+            if keys and self.index is not None and records:
+                for match in await self.index.match_prefix_by_tier(keys, 0):
+                    device = next((t.matched_blocks for t in match.tiers if t.tier is Tier.HBM), 0)
+                    hits[match.worker_id] = PrefixHit(device, max(match.matched_blocks - device, 0))
+        candidates = tuple(
+            Candidate(
+                r.address,
+                hit=hits.get(r.address, PrefixHit()),
+                load=r.load,
+                total_kv_blocks=r.identity.total_kv_blocks if r.identity else None,
+            )
+            for r in records
+        )
+        return PromptView(size, keys, candidates)
+
+    # ---- polling ----
+
+    async def _poll(self, engine: _Engine) -> None:
+        health = self.config.health
+        address = engine.address
+        next_health = 0.0
+        need_identity = True
+        while True:
+            now = self._clock()
+            try:
+                if need_identity:
+                    await self._fetch_identity(engine)
+                    need_identity = False
+                if now >= next_health:
+                    reply = await engine.stub.Health(
+                        pb.HealthRequest(), timeout=health.rpc_timeout_s
+                    )
+                    message = "; ".join(c.message for c in reply.checks if c.message)
+                    self.registry.on_health(address, _HEALTH[reply.state], now, message)
+                    next_health = now + health.poll_interval_s
+                    await self._notify()
+                load = await engine.stub.GetLoad(pb.GetLoadRequest(), timeout=health.rpc_timeout_s)
+                record = self.registry.get(address)
+                if (
+                    record.identity is not None
+                    and load.instance_id
+                    and (load.instance_id != record.identity.instance_id)
+                ):
+                    log.info("engine %s restarted (instance %s)", address, load.instance_id)
+                    need_identity = True
+                    continue
+                self.registry.on_load(address, load_from_proto(load), now)
+                delay = health.load_poll_interval_s
+            except asyncio.CancelledError:
+                raise
+            except IncompatibleEngineError as exc:
+                self.registry.mark_incompatible(address, str(exc))
+                log.error("engine %s rejected: %s", address, exc)
+                await self._notify()
+                delay = health.backoff_max_s
+                need_identity = True
+            except grpc.aio.AioRpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+                delay = self.registry.on_unreachable(address, now, error)
+                log.warning("engine %s unreachable (%s); retry in %.1fs", address, error, delay)
+                need_identity = True
+                next_health = 0.0
+                await self._notify()
+            engine.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await engine.wake.wait()
+
+    async def _fetch_identity(self, engine: _Engine) -> None:
+        timeout = self.config.health.rpc_timeout_s
+        info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
+        identity = EngineIdentity(
+            instance_id=info.instance_id or engine.address,
+            engine_name=info.engine_name,
+            engine_version=info.engine_version,
+            role=_ROLE.get(info.role, Role.UNKNOWN),
+            models=tuple(info.supported_models),
+            block_size=None,
+            total_kv_blocks=None,
+            supports_lora=None,
+            schema_revision=info.schema_revision,
+            minimum_client_revision=info.minimum_client_revision,
+            schema_release=info.schema_release,
+        )
+        # Fail closed before asking anything else of an engine we cannot speak to.
+        check_revision(info.schema_revision, info.minimum_client_revision, info.schema_release)
+        if identity.models:
+            try:
+                model = await engine.stub.GetModelInfo(
+                    pb.GetModelInfoRequest(model=identity.models[0]), timeout=timeout
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+            else:
+                identity = dataclasses.replace(
+                    identity,
+                    block_size=model.kv_block_size if model.HasField("kv_block_size") else None,
+                    total_kv_blocks=(
+                        model.total_kv_blocks if model.HasField("total_kv_blocks") else None
+                    ),
+                    supports_lora=model.supports_lora if model.HasField("supports_lora") else None,
+                )
+        is_new = self.registry.on_identity(engine.address, identity, self._clock())
+        if is_new:
+            await self._restart_events(engine, identity)
+
+    async def _restart_events(self, engine: _Engine, identity: EngineIdentity) -> None:
+        """A new engine process: drop what the index knew of the address, resubscribe."""
+        if engine.events_task is not None:
+            engine.events_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await engine.events_task
+            engine.events_task = None
+        if self._on_engine_gone is not None:
+            self._on_engine_gone(engine.address)
+        if self.index is None:
+            return
+        await self.index.remove_worker(engine.address)
+        record = self.registry.get(engine.address)
+        if record.kv_events == KvEventsMode.none.value:
+            return
+        translator = WorkerTranslator(
+            TranslateOptions(
+                worker_id=engine.address,
+                worker_address=engine.address,
+                hash_mode=HashMode.CANONICAL,
+                default_block_size=identity.block_size or self.config.default_block_size,
+            )
+        )
+        source: OpenEngineSource | ZmqSource | None
+        if record.kv_events == KvEventsMode.zmq.value:
+            source = await self._zmq_source(engine, translator)
+        else:
+            source = OpenEngineSource(
+                OpenEngineSourceSettings(target=engine.address), translator, self.index
+            )
+        if source is None:
+            return
+        engine.source = source
+        engine.events_task = asyncio.create_task(source.run(), name=f"kv events {engine.address}")
+
+    async def _zmq_source(self, engine: _Engine, translator: WorkerTranslator) -> ZmqSource | None:
+        assert self.index is not None
+        reply = await engine.stub.GetKvEventSources(
+            pb.GetKvEventSourcesRequest(), timeout=self.config.health.rpc_timeout_s
+        )
+        for source in reply.sources:
+            if source.transport != "zmq":
+                continue
+            endpoint = f"tcp://{source.endpoint_addr.host}:{source.endpoint_addr.port}"
+            replay = source.replay_endpoint or None
+            if replay is not None and "://" not in replay:
+                replay = f"tcp://{replay}"
+            settings = ZmqSourceSettings(
+                endpoint=endpoint, replay_endpoint=replay, topic=source.topic
+            )
+            return ZmqSource(settings, translator, self.index)
+        log.warning("engine %s advertises no ZMQ KV-event source", engine.address)
+        return None

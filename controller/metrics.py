@@ -1,0 +1,117 @@
+"""The controller's Prometheus metrics: per-engine load (read from the registry at scrape
+time), routing decisions by policy and reason, predicted vs engine-reported cached tokens,
+index size, and gateway latency."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from controller.registry import Registry
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _EngineCollector:
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["engine", "instance_id"]
+        families = {
+            "running": GaugeMetricFamily(
+                "kvplane_controller_engine_running_requests",
+                "Running requests (GetLoad)",
+                labels=labels,
+            ),
+            "queued": GaugeMetricFamily(
+                "kvplane_controller_engine_queued_requests",
+                "Queued requests (GetLoad)",
+                labels=labels,
+            ),
+            "kv": GaugeMetricFamily(
+                "kvplane_controller_engine_kv_usage",
+                "Used / total KV blocks (GetLoad)",
+                labels=labels,
+            ),
+            "routable": GaugeMetricFamily(
+                "kvplane_controller_engine_routable",
+                "1 when the engine gets traffic",
+                labels=labels,
+            ),
+        }
+        for record in self._registry.records():
+            key = [record.address, record.engine_id]
+            load = record.load
+            families["routable"].add_metric(key, 1.0 if record.routable else 0.0)
+            if load.running_requests is not None:
+                families["running"].add_metric(key, float(load.running_requests))
+            if load.queued_requests is not None:
+                families["queued"].add_metric(key, float(load.queued_requests))
+            if load.used_kv_blocks is not None and load.total_kv_blocks:
+                families["kv"].add_metric(key, load.used_kv_blocks / load.total_kv_blocks)
+        yield from families.values()
+
+
+class ControllerMetrics:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(registry))
+        r = self.registry
+        self.decisions = Counter(
+            "kvplane_controller_route_decisions",
+            "Routing decisions",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.predicted_cached_tokens = Counter(
+            "kvplane_controller_predicted_cached_tokens",
+            "Prompt tokens the router predicted the chosen engine would serve from cache",
+            registry=r,
+        )
+        self.actual_cached_tokens = Counter(
+            "kvplane_controller_actual_cached_tokens",
+            "Prompt tokens engines reported served from cache (usage.cached_prompt_tokens)",
+            registry=r,
+        )
+        self.cached_tokens_abs_error = Counter(
+            "kvplane_controller_cached_tokens_abs_error",
+            "Sum of |predicted - reported| cached prompt tokens",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvplane_controller_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.requests = Counter(
+            "kvplane_controller_requests", "Gateway requests by outcome", ["outcome"], registry=r
+        )
+        self.retries = Counter(
+            "kvplane_controller_retries", "Requests retried on another engine", registry=r
+        )
+        self.index_blocks = Gauge(
+            "kvplane_controller_index_blocks", "Blocks in the index", registry=r
+        )
+        self.index_placements = Gauge(
+            "kvplane_controller_index_placements", "Placements in the index", registry=r
+        )
+        self.route_seconds = Histogram(
+            "kvplane_controller_route_seconds",
+            "Time to tokenise, match and choose an engine",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_response_seconds = Histogram(
+            "kvplane_controller_first_response_seconds",
+            "Gateway time from request to the first relayed response",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "kvplane_controller_request_seconds",
+            "Gateway time from request to the end of the stream",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )

@@ -1,0 +1,241 @@
+"""The fleet registry: every engine the controller knows, what it is and whether it may get
+traffic. Pure (no I/O): the fleet service feeds it what GetEngineInfo, GetModelInfo, Health
+and GetLoad answered, with the time, and asks it which engines are routable and which are due
+for a poll.
+
+Compatibility (seed 000, "Core identity and roles"): an engine is accepted only when its
+`schema_revision` is one this client was tested with, its `minimum_client_revision` does not
+exceed ours, and its `schema_release` names an immutable release (not a moving branch). It
+fails closed: an engine that does not pass is INCOMPATIBLE and never routed to.
+
+Routable = health READY or DEGRADED, compatible, not cordoned. DRAINING and NOT_READY leave
+routing the moment a health answer says so; an unreachable engine is retried with
+exponential backoff.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from controller.router import LoadSnapshot
+from kvplane.errors import KvplaneError
+
+CLIENT_REVISION = 1
+SUPPORTED_SERVER_REVISIONS = frozenset({1})
+_MOVING_RELEASES = frozenset({"", "main", "master", "head", "latest", "trunk", "develop"})
+
+
+class EngineState(enum.StrEnum):
+    UNKNOWN = "unknown"  # never reached yet
+    STARTING = "starting"
+    READY = "ready"
+    DEGRADED = "degraded"
+    DRAINING = "draining"
+    NOT_READY = "not_ready"
+    UNREACHABLE = "unreachable"
+    INCOMPATIBLE = "incompatible"
+
+
+ROUTABLE_STATES = frozenset({EngineState.READY, EngineState.DEGRADED})
+
+
+class Role(enum.StrEnum):
+    AGGREGATED = "aggregated"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    UNKNOWN = "unknown"
+
+
+class IncompatibleEngineError(KvplaneError):
+    """The engine speaks a contract revision this controller does not support."""
+
+
+class UnknownEngineError(KvplaneError):
+    """No engine with that instance id or address."""
+
+
+class DuplicateEngineError(KvplaneError):
+    """The engine is already registered."""
+
+
+def check_revision(schema_revision: int, minimum_client_revision: int, schema_release: str) -> None:
+    """Raise IncompatibleEngineError unless the engine's advertised contract is one we support."""
+    if schema_revision == 0:
+        raise IncompatibleEngineError("engine advertises schema_revision 0 (invalid)")
+    if schema_revision not in SUPPORTED_SERVER_REVISIONS:
+        supported = ", ".join(str(r) for r in sorted(SUPPORTED_SERVER_REVISIONS))
+        raise IncompatibleEngineError(
+            f"engine schema_revision {schema_revision} is outside the tested range ({supported})"
+        )
+    if minimum_client_revision > CLIENT_REVISION:
+        raise IncompatibleEngineError(
+            f"engine requires client revision >= {minimum_client_revision}; "
+            f"this controller is revision {CLIENT_REVISION}"
+        )
+    if schema_release.strip().lower() in _MOVING_RELEASES:
+        raise IncompatibleEngineError(
+            f"engine schema_release {schema_release!r} is not an immutable release"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """What GetEngineInfo and GetModelInfo told us."""
+
+    instance_id: str
+    engine_name: str
+    engine_version: str
+    role: Role
+    models: tuple[str, ...]
+    block_size: int | None
+    total_kv_blocks: int | None
+    supports_lora: bool | None
+    schema_revision: int
+    minimum_client_revision: int
+    schema_release: str
+
+
+@dataclass(slots=True)
+class EngineRecord:
+    address: str
+    kv_events: str = "grpc"
+    source: str = "config"  # config | admin
+    identity: EngineIdentity | None = None
+    state: EngineState = EngineState.UNKNOWN
+    cordoned: bool = False
+    last_error: str = ""
+    load: LoadSnapshot = field(default_factory=LoadSnapshot)
+    num_failures: int = 0
+    next_attempt_s: float = 0.0
+    last_seen_s: float | None = None
+    # Bumped whenever the engine turns out to be a new process (new instance id).
+    epoch: int = 0
+
+    @property
+    def engine_id(self) -> str:
+        """The engine's instance id once known, else its address."""
+        return self.identity.instance_id if self.identity is not None else self.address
+
+    @property
+    def routable(self) -> bool:
+        return self.state in ROUTABLE_STATES and not self.cordoned and self.identity is not None
+
+
+class Registry:
+    def __init__(self, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self._by_address: dict[str, EngineRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_address)
+
+    def records(self) -> list[EngineRecord]:
+        return sorted(self._by_address.values(), key=lambda r: r.address)
+
+    def add(self, address: str, kv_events: str = "grpc", source: str = "config") -> EngineRecord:
+        if address in self._by_address:
+            raise DuplicateEngineError(f"engine {address} is already registered")
+        record = EngineRecord(address, kv_events=kv_events, source=source)
+        self._by_address[address] = record
+        return record
+
+    def remove(self, key: str) -> EngineRecord:
+        record = self.get(key)
+        del self._by_address[record.address]
+        return record
+
+    def get(self, key: str) -> EngineRecord:
+        """By address or by instance id."""
+        record = self._by_address.get(key)
+        if record is not None:
+            return record
+        for candidate in self._by_address.values():
+            if candidate.identity is not None and candidate.identity.instance_id == key:
+                return candidate
+        raise UnknownEngineError(f"no engine {key!r} in the fleet")
+
+    def by_engine_id(self, engine_id: str) -> EngineRecord | None:
+        try:
+            return self.get(engine_id)
+        except UnknownEngineError:
+            return None
+
+    def routable(self, model: str | None = None, role: Role | None = None) -> list[EngineRecord]:
+        out = []
+        for record in self.records():
+            if not record.routable or record.identity is None:
+                continue
+            if role is not None and record.identity.role not in (role, Role.UNKNOWN):
+                continue
+            if model and record.identity.models and model not in record.identity.models:
+                continue
+            out.append(record)
+        return out
+
+    def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
+        record = self.get(key)
+        record.cordoned = cordoned
+        return record
+
+    # ---- what the pollers report ----
+
+    def on_identity(self, address: str, identity: EngineIdentity, now_s: float) -> bool:
+        """Record GetEngineInfo/GetModelInfo; returns True when this is a new engine process
+        (first contact or a changed instance id: its old index entries must go).
+        Raises IncompatibleEngineError (and marks the engine) when the revision check fails."""
+        record = self._by_address[address]
+        record.last_seen_s = now_s
+        try:
+            check_revision(
+                identity.schema_revision,
+                identity.minimum_client_revision,
+                identity.schema_release,
+            )
+        except IncompatibleEngineError as exc:
+            record.identity = identity
+            record.state = EngineState.INCOMPATIBLE
+            record.last_error = str(exc)
+            raise
+        is_new = record.identity is None or record.identity.instance_id != identity.instance_id
+        if is_new:
+            record.epoch += 1
+        record.identity = identity
+        return is_new
+
+    def mark_incompatible(self, address: str, error: str) -> None:
+        record = self._by_address.get(address)
+        if record is not None:
+            record.state = EngineState.INCOMPATIBLE
+            record.last_error = error
+
+    def on_health(self, address: str, state: EngineState, now_s: float, message: str = "") -> None:
+        record = self._by_address.get(address)
+        if record is None or record.state is EngineState.INCOMPATIBLE:
+            return
+        record.state = state
+        record.last_seen_s = now_s
+        record.num_failures = 0
+        record.next_attempt_s = now_s
+        record.last_error = message
+
+    def on_load(self, address: str, load: LoadSnapshot, now_s: float) -> None:
+        record = self._by_address.get(address)
+        if record is not None:
+            record.load = load
+            record.last_seen_s = now_s
+
+    def on_unreachable(self, address: str, now_s: float, error: str) -> float:
+        """The engine did not answer: out of routing at once, next attempt after backoff.
+        Returns the delay before the next attempt."""
+        record = self._by_address.get(address)
+        if record is None:
+            return self.backoff_max_s
+        if record.state is not EngineState.INCOMPATIBLE:
+            record.state = EngineState.UNREACHABLE
+        record.last_error = error
+        delay: float = min(self.backoff_initial_s * 2.0**record.num_failures, self.backoff_max_s)
+        record.num_failures += 1
+        record.next_attempt_s = now_s + delay
+        return delay

@@ -1,0 +1,284 @@
+"""EngineLoop: runs `EngineCore.step()` in one dedicated thread, for asyncio servers.
+
+Callers on any thread `submit(request, sink)`: validation happens at once in the caller's thread
+(so a server can fail before acceptance), then the request is queued to the engine thread,
+which calls `sink(output)` for each output, in order, ending with the one that carries `usage`.
+For asyncio consumers use `asyncio_sink(loop, queue)`: it hands each output to
+`loop.call_soon_threadsafe(queue.put_nowait, output)`, so the event loop never blocks on a
+step (this module itself imports no asyncio: the loop and queue are duck-typed). Commands
+(`abort`, `abort_all`, `call`) return `concurrent.futures.Future`s (`asyncio.wrap_future`).
+
+Failure handling: a failing step fails every live request (FinishReason.ERROR) and the loop
+carries on; a failing sink aborts its request; a failing `on_step` observer is logged; if the
+thread itself dies, every live request still gets a terminal ERROR output.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from engine.core.api import (
+    EngineRequest,
+    FinishReason,
+    LoadSnapshot,
+    RequestOutput,
+    StepReport,
+    StepResult,
+    Usage,
+)
+from engine.core.errors import DuplicateRequestError, EngineStoppedError
+
+if TYPE_CHECKING:
+    from engine.core.engine_core import EngineCore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+OutputSink = Callable[[RequestOutput], None]
+
+
+class _CallSoonThreadsafe(Protocol):
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any) -> object: ...
+
+
+class _PutNowait(Protocol):
+    def put_nowait(self, item: RequestOutput, /) -> None: ...
+
+
+def asyncio_sink(loop: _CallSoonThreadsafe, queue: _PutNowait) -> OutputSink:
+    """A sink that hands each output to an asyncio queue on `loop`, from any thread."""
+
+    def sink(output: RequestOutput) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, output)
+
+    return sink
+
+
+def _failed_outputs(request: EngineRequest, message: str) -> list[RequestOutput]:
+    """ERROR outputs ending every output of a request the core never finished."""
+    last = request.sampling.num_sequences - 1
+    return [
+        RequestOutput(
+            request_id=request.request_id,
+            output_index=index,
+            finish_reason=FinishReason.ERROR,
+            message=message,
+            usage=Usage(len(request.prompt_token_ids), 0, 0) if index == last else None,
+        )
+        for index in range(request.sampling.num_sequences)
+    ]
+
+
+class EngineLoop:
+    """Runs `EngineCore.step()` in one dedicated thread; see the module docstring.
+
+    `on_step(report)` runs in the engine thread after every step or command that changed
+    something, with the drained KV events and a fresh load snapshot: publishers forward them
+    from there (thread-safely). It must not block for long.
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        on_step: Callable[[StepReport], None] | None = None,
+        thread_name: str = "engine-step",
+    ) -> None:
+        self.core = core
+        self._on_step = on_step
+        self._thread_name = thread_name
+        self._cond = threading.Condition()
+        self._commands: deque[Callable[[], list[RequestOutput]]] = deque()
+        self._sinks: dict[str, tuple[OutputSink, EngineRequest]] = {}
+        self._stopping = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._load = core.load()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("EngineLoop already started")
+        self._thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Cancel every live request (their sinks get CANCELLED outputs) and end the thread."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def load(self) -> LoadSnapshot:
+        """The load measured after the last step (any thread)."""
+        return self._load
+
+    def num_live_requests(self) -> int:
+        with self._cond:
+            return len(self._sinks)
+
+    # ---------------------------------------------------------------- any thread
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Validate (raising before acceptance) and queue a request; outputs go to `sink`."""
+        self.core.check_request(request)
+        with self._cond:
+            if self._stopping:
+                raise EngineStoppedError("the engine is stopping")
+            if request.request_id in self._sinks:
+                raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+            self._sinks[request.request_id] = (sink, request)
+
+            def add() -> list[RequestOutput]:
+                try:
+                    self.core.add_request(request)
+                except Exception as exc:  # cannot happen after check_request; never hang
+                    logger.exception("could not add request %s", request.request_id)
+                    return _failed_outputs(request, str(exc))
+                return []
+
+            self._commands.append(add)
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> Future[bool]:
+        """Cancel a request; the future says whether it was still running."""
+        future: Future[bool] = Future()
+
+        def command() -> list[RequestOutput]:
+            outputs = self.core.abort(request_id)
+            future.set_result(bool(outputs))
+            return outputs
+
+        self._enqueue(command, future)
+        return future
+
+    def abort_all(self) -> Future[list[str]]:
+        future: Future[list[str]] = Future()
+
+        def command() -> list[RequestOutput]:
+            outputs = self.core.abort_all()
+            future.set_result(sorted({o.request_id for o in outputs}))
+            return outputs
+
+        self._enqueue(command, future)
+        return future
+
+    def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        """Run `fn(core)` in the engine thread between steps (snapshots, cache resets)."""
+        future: Future[T] = Future()
+
+        def command() -> list[RequestOutput]:
+            try:
+                result = fn(self.core)
+            except Exception as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            return []
+
+        self._enqueue(command, future)
+        return future
+
+    def _enqueue(self, command: Callable[[], list[RequestOutput]], future: Future[Any]) -> None:
+        with self._cond:
+            if self._stopped:
+                future.set_exception(EngineStoppedError("the engine has stopped"))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._commands and not self._stopping and not self.core.has_work():
+                        self._cond.wait()
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    stopping = self._stopping
+                outputs: list[RequestOutput] = []
+                for command in commands:
+                    outputs.extend(self._run_command(command))
+                if stopping:
+                    outputs.extend(self.core.abort_all())
+                    self._publish(StepResult(outputs, None))
+                    return
+                result = StepResult(outputs, None)
+                if self.core.has_work():
+                    result = self._step(outputs)
+                self._publish(result)
+        except Exception:
+            logger.exception("the engine thread failed; failing every live request")
+        finally:
+            with self._cond:
+                self._stopped = True
+                pending = list(self._commands)
+                self._commands.clear()
+            for command in pending:  # resolve futures of commands that raced the stop
+                self._run_command(command)
+            with self._cond:  # whatever is still live ends now, so no consumer waits forever
+                orphans = list(self._sinks.values())
+                self._sinks.clear()
+            for sink, request in orphans:
+                for output in _failed_outputs(request, "the engine stopped"):
+                    try:
+                        sink(output)
+                    except Exception:
+                        logger.warning("output sink of %s failed", request.request_id)
+
+    def _run_command(self, command: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
+        try:
+            return command()
+        except Exception as exc:  # a request that failed validation late, e.g. a duplicate
+            logger.warning("engine command failed: %s", exc)
+            return []
+
+    def _step(self, outputs: list[RequestOutput]) -> StepResult:
+        try:
+            result = self.core.step()
+        except Exception:
+            logger.exception("engine step failed; failing every running request")
+            outputs.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
+            return StepResult(outputs, None)
+        outputs.extend(result.outputs)
+        return StepResult(outputs, result.stats)
+
+    def _publish(self, result: StepResult) -> None:
+        self._load = self.core.load()
+        for output in result.outputs:
+            with self._cond:
+                live = self._sinks.get(output.request_id)
+                if output.usage is not None:
+                    self._sinks.pop(output.request_id, None)
+            if live is None:
+                continue
+            sink = live[0]
+            try:
+                sink(output)
+            except Exception:  # e.g. the consumer's event loop is closed: drop the request
+                logger.warning("output sink of %s failed; aborting it", output.request_id)
+                with self._cond:
+                    self._sinks.pop(output.request_id, None)
+                self.core.abort(output.request_id)
+        events = self.core.take_kv_events()
+        if self._on_step is not None and (result.outputs or result.stats or events):
+            try:
+                self._on_step(StepReport(result, events, self._load))
+            except Exception:  # a broken observer must not take the engine thread down
+                logger.exception("on_step observer failed")

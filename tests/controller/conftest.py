@@ -1,0 +1,120 @@
+"""Fixtures: in-process sim engines and a controller in front of them (real gRPC servers on
+127.0.0.1, port 0)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from controller.app import ControllerApp, start_controller
+from controller.config import ControllerConfig
+from engine.config import EngineConfig, SimTimingConfig
+from engine.server.service import EngineApp, start_engine
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+
+async def start_sim_engine(name: str, time_scale: float = 0.0) -> EngineApp:
+    return await start_engine(
+        EngineConfig(
+            model="sim",
+            listen="127.0.0.1:0",
+            instance_id=name,
+            num_kv_blocks=256,
+            shutdown_grace_s=0.5,
+            sim=SimTimingConfig(time_scale=time_scale),
+        )
+    )
+
+
+@dataclass
+class Fleet:
+    engines: list[EngineApp]
+    app: ControllerApp
+    channel: grpc.aio.Channel
+    closers: list[Callable[[], Any]] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.app.port}"
+
+    @property
+    def gateway(self) -> pb_grpc.OpenEngineAsyncStub:
+        return pb_grpc.OpenEngineStub(self.channel)
+
+    @property
+    def admin(self) -> apb_grpc.AdminAsyncStub:
+        return apb_grpc.AdminStub(self.channel)
+
+    def address(self, engine: EngineApp) -> str:
+        return f"127.0.0.1:{engine.port}"
+
+    def engine_at(self, address: str) -> EngineApp:
+        return next(e for e in self.engines if self.address(e) == address)
+
+    async def wait_routable(self, count: int, timeout_s: float = 15.0) -> None:
+        registry = self.app.controller.fleet.registry
+        await self.app.controller.fleet.wait_for(
+            lambda: len(registry.routable()) == count, timeout_s
+        )
+
+
+async def make_fleet(
+    num_engines: int = 3,
+    time_scale: float = 0.0,
+    engines: list[EngineApp] | None = None,
+    **controller: Any,
+) -> Fleet:
+    if engines is None:
+        engines = [await start_sim_engine(f"e{i}", time_scale) for i in range(num_engines)]
+    num_engines = len(engines)
+    health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1, "backoff_initial_s": 0.1,
+              "backoff_max_s": 1.0, **controller.pop("health", {})}  # fmt: skip
+    config = ControllerConfig.model_validate(
+        {
+            "listen": "127.0.0.1:0",
+            "engines": [{"address": f"127.0.0.1:{e.port}"} for e in engines],
+            "router": {"seed": 0, **controller.pop("router", {})},
+            "health": health,
+            "shutdown_grace_s": 0.5,
+            **controller,
+        }
+    )
+    app = await start_controller(config)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    fleet = Fleet(engines, app, channel)
+    await fleet.wait_routable(num_engines)
+    return fleet
+
+
+async def close_fleet(fleet: Fleet) -> None:
+    await fleet.channel.close()
+    await fleet.app.close(0.2)
+    for engine in fleet.engines:
+        await engine.close()
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[Fleet]:
+    f = await make_fleet()
+    try:
+        yield f
+    finally:
+        await close_fleet(f)
+
+
+def generate_request(
+    request_id: str, tokens: list[int], max_tokens: int = 4, **metadata: str
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        model="sim",
+        token_ids=pb.TokenIds(ids=tokens),
+        stopping=pb.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+        metadata=metadata,
+    )

@@ -1,0 +1,107 @@
+"""`kvplane admin ...` through CliRunner against a real controller and real engines (the
+synchronous CLI runs in a worker thread so the servers keep serving)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from kvplane.cli import app
+from tests.controller.conftest import Fleet, generate_request
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFIX = list(range(300, 364))
+
+
+async def cli(*args: str) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, app, ["admin", *args])
+
+
+async def cli_json(*args: str) -> Any:
+    result = await cli(*args, "--output", "json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) -> None:
+    t = ["--target", fleet.target]
+    [r async for r in fleet.gateway.Generate(generate_request("a", [*PREFIX, 1]))]
+
+    workers = await cli_json("workers", *t)
+    assert sorted(w["instance_id"] for w in workers["workers"]) == ["e0", "e1", "e2"]
+    assert workers["policy"] == "kvplane"
+    table = await cli("workers", *t)
+    assert table.exit_code == 0 and "e1" in table.output and "ready" in table.output
+
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
+
+    async def holder() -> str | None:
+        matched = await cli_json("match", "--tokens-file", str(tokens), *t)
+        full = [m for m in matched["matches"] if m.get("device_blocks", 0) >= 4]
+        return full[0]["instance_id"] if full else None
+
+    engine = None
+    async with asyncio.timeout(10):
+        for _ in itertools.count():
+            engine = await holder()
+            if engine is not None:
+                break
+            await asyncio.sleep(0.05)
+    assert engine is not None
+
+    route = await cli_json("route", "--tokens-file", str(tokens), *t)
+    assert (route["instance_id"], route["reason"]) == (engine, "cache")
+    assert len(route["costs"]) == 3
+    explained = await cli("route", "--tokens-file", str(tokens), *t)
+    assert f"-> {engine}" in explained.output and "PREFILL" in explained.output
+
+    health = await cli_json("health", *t)
+    assert health["state"] == "HEALTH_STATE_READY" and len(health["checks"]) == 3
+    load = await cli_json("load", *t)
+    assert load["attributes"]["routable_engines"] == "3"
+    info = await cli_json("info", *t)
+    assert info["engine"]["engine_name"] == "kvplane-controller"
+    assert info["models"][0]["kv_block_size"] == 16
+
+    cordoned = await cli("cordon", engine, *t)
+    assert cordoned.exit_code == 0 and "cordoned" in cordoned.output
+    assert not next(
+        w for w in (await cli_json("workers", *t))["workers"] if w["instance_id"] == engine
+    )["routable"]
+    assert (await cli("uncordon", engine, *t)).exit_code == 0
+
+    drained = await cli("drain", engine, "--deadline-ms", "1000", *t)
+    assert drained.exit_code == 0, drained.output
+    assert drained.output.strip().splitlines()[-1].startswith("COMPLETE")
+    state = next(
+        w for w in (await cli_json("workers", *t))["workers"] if w["instance_id"] == engine
+    )
+    assert state["state"] == "draining"
+
+    missing = await cli("abort", "nobody", *t)
+    assert missing.exit_code != 0 and "NOT_FOUND" in str(missing.exception or missing.output)
+    everything = await cli_json("abort", "--all", *t)
+    assert everything["status"] in ("ABORT_STATUS_ABORTED", "ABORT_STATUS_ALREADY_FINISHED")
+    assert (await cli_json("lora", "list", *t))["adapters"] == []
+    refused = await cli("lora", "load", "x", "/tmp", "--id", "1", *t)
+    assert refused.exit_code != 0 and "FAILED_PRECONDITION" in str(refused.exception)
+
+
+async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
+    t = ["--target", fleet.address(fleet.engines[0])]
+    workers = await cli_json("workers", *t)
+    assert [w["instance_id"] for w in workers["workers"]] == ["e0"]
+    assert workers["workers"][0]["state"] == "ready"
+    assert (await cli_json("health", *t))["state"] == "HEALTH_STATE_READY"
+    assert (await cli_json("load", *t))["instance_id"] == "e0"
+    assert (await cli_json("info", *t))["engine"]["instance_id"] == "e0"
+    drained = await cli("drain", *t)
+    assert drained.exit_code == 0 and "COMPLETE" in drained.output

@@ -1,0 +1,301 @@
+"""The controller end to end: real sim engines behind a real controller, real gRPC clients.
+Requests sharing a prefix land where it lives; drained, cordoned and dead engines get no
+traffic; failures before the first token are retried elsewhere; abort and LoRA fan out."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+
+from controller.registry import EngineState
+from engine.config import EngineConfig
+from engine.server.service import start_engine
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFIX = list(range(100, 164))  # 4 blocks of 16
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        for _ in itertools.count():
+            if await check():
+                return
+            await asyncio.sleep(0.02)
+
+
+async def generate(fleet: Fleet, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    return [r async for r in fleet.gateway.Generate(request)]
+
+
+async def holder_of(fleet: Fleet, tokens: list[int], blocks: int) -> str:
+    """Wait until the index places `blocks` blocks of `tokens` on one engine; its address."""
+    found: list[str] = []
+
+    async def check() -> bool:
+        reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=tokens)))
+        found[:] = [m.engine for m in reply.matches if m.device_blocks >= blocks]
+        return bool(found)
+
+    await eventually(check)
+    return found[0]
+
+
+async def test_shared_prefix_lands_where_it_lives(fleet: Fleet) -> None:
+    first = await generate(fleet, generate_request("a", [*PREFIX, 1, 2, 3]))
+    assert first[-1].WhichOneof("event") == "finished"
+    assert first[-1].usage.cached_prompt_tokens == 0
+    holder = await holder_of(fleet, PREFIX, 4)
+    explained = await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 9])))
+    assert (explained.engine, explained.reason) == (holder, "cache")
+    assert explained.predicted_cached_tokens == 64
+    assert len(explained.costs) == 3
+    for i in range(6):
+        reply = await generate(fleet, generate_request(f"b{i}", [*PREFIX, 50 + i, 7, 8]))
+        assert reply[-1].usage.cached_prompt_tokens == 64  # served from the holder's cache
+    metrics = fleet.app.controller.metrics
+    assert metrics.actual_cached_tokens._value.get() == 6 * 64
+    assert metrics.cached_tokens_abs_error._value.get() == 0
+
+
+async def test_draining_engine_gets_no_traffic(fleet: Fleet) -> None:
+    await generate(fleet, generate_request("a", [*PREFIX, 1]))
+    holder = await holder_of(fleet, PREFIX, 4)
+    events = [e async for e in fleet.admin.DrainEngine(apb.DrainEngineRequest(engine=holder))]
+    assert events[-1].state == pb.DRAIN_STATE_COMPLETE
+    record = fleet.app.controller.fleet.registry.get(holder)
+    assert record.state is EngineState.DRAINING and not record.routable
+    explained = await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 9])))
+    assert explained.engine != holder
+    assert holder not in {c.engine for c in explained.costs}
+    for i in range(4):
+        reply = await generate(fleet, generate_request(f"d{i}", [*PREFIX, 60 + i]))
+        assert reply[-1].WhichOneof("event") == "finished"
+    assert fleet.engine_at(holder).service is not None
+
+
+async def test_cordoned_engine_gets_no_traffic_until_uncordoned(fleet: Fleet) -> None:
+    await generate(fleet, generate_request("a", [*PREFIX, 1]))
+    holder = await holder_of(fleet, PREFIX, 4)
+    info = await fleet.admin.Cordon(apb.EngineRef(engine=holder))
+    assert info.cordoned and not info.routable
+    reply = await generate(fleet, generate_request("c1", [*PREFIX, 2]))
+    assert reply[-1].usage.cached_prompt_tokens == 0
+    await fleet.admin.Uncordon(
+        apb.EngineRef(engine=fleet.app.controller.fleet.registry.get(holder).engine_id)
+    )
+    reply = await generate(fleet, generate_request("c2", [*PREFIX, 3]))
+    assert reply[-1].usage.cached_prompt_tokens == 64
+
+
+async def test_dead_engine_before_first_token_is_retried_elsewhere() -> None:
+    # Slow polls: the controller still believes the killed engine is ready.
+    fleet = await make_fleet(2, health={"poll_interval_s": 60, "load_poll_interval_s": 60})
+    try:
+        await generate(fleet, generate_request("a", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        await fleet.engine_at(holder).server.stop(None)
+        reply = await generate(fleet, generate_request("b", [*PREFIX, 2]))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert reply[-1].usage.cached_prompt_tokens == 0  # recomputed on the other engine
+        assert fleet.app.controller.metrics.retries._value.get() == 1
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_engine_killed_mid_stream_ends_with_one_engine_error() -> None:
+    fleet = await make_fleet(
+        2, time_scale=1.0, health={"poll_interval_s": 60, "load_poll_interval_s": 60}
+    )
+    try:
+        responses: list[pb.GenerateResponse] = []
+        stream = fleet.gateway.Generate(generate_request("long", [*PREFIX, 1], max_tokens=2000))
+        async for response in stream:
+            responses.append(response)
+            if len(responses) == 1:
+                for engine in fleet.engines:
+                    await engine.server.stop(None)
+        assert responses[0].WhichOneof("event") == "token"
+        assert responses[-1].WhichOneof("event") == "error"
+        assert [r.WhichOneof("event") for r in responses].count("error") == 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_abort_goes_to_the_engine_holding_the_request() -> None:
+    fleet = await make_fleet(2, time_scale=1.0)
+    try:
+        stream = fleet.gateway.Generate(generate_request("long", [*PREFIX, 1], max_tokens=2000))
+        events: list[str] = []
+        async for response in stream:
+            events.append(str(response.WhichOneof("event")))
+            if len(events) == 1:
+                reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="long"))
+                assert reply.status == pb.ABORT_STATUS_ABORTED
+        assert events[-1] in ("finished", "error")
+        assert len(events) < 2000
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(request_id="nobody"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        everything = await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        assert everything.message.count(": ok") == 2
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_lora_fan_out_reports_every_engine(fleet: Fleet) -> None:
+    adapter = pb.LoraAdapter(lora_id=1, lora_name="x", source_path="/tmp")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    for engine in fleet.engines:
+        assert fleet.address(engine) in (err.value.details() or "")
+    listed = await fleet.gateway.ListLoras(pb.ListLorasRequest())
+    assert list(listed.adapters) == []
+
+
+async def test_fleet_views_load_health_info(fleet: Fleet) -> None:
+    await generate(fleet, generate_request("a", [*PREFIX, 1]))
+    load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+    assert load.total_kv_blocks == 3 * 256
+    assert load.attributes["routable_engines"] == "3"
+    assert sum(k.startswith("engine.") for k in load.attributes) == 3
+    health = await fleet.gateway.Health(pb.HealthRequest())
+    assert health.state == pb.HEALTH_STATE_READY and len(health.checks) == 3
+    info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+    assert (info.schema_revision, info.minimum_client_revision) == (1, 1)
+    assert list(info.supported_models) == ["sim"]
+    model = await fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+    assert model.kv_block_size == 16
+    workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+    assert sorted(w.instance_id for w in workers.workers) == ["e0", "e1", "e2"]
+    assert sum(w.indexed_blocks for w in workers.workers) >= 4
+
+
+async def test_engines_added_and_removed_at_run_time(fleet: Fleet) -> None:
+    extra = await start_sim_engine("e3")
+    try:
+        info = await fleet.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=f"127.0.0.1:{extra.port}")
+        )
+        assert info.source == "admin"
+        await fleet.wait_routable(4)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.admin.RegisterEngine(
+                apb.RegisterEngineRequest(address=f"127.0.0.1:{extra.port}")
+            )
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        await generate(fleet, generate_request("a", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=holder))
+        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
+        assert all(m.device_blocks == 0 for m in match.matches)  # its index entries are gone
+        assert holder not in {m.engine for m in match.matches}
+    finally:
+        await extra.close()
+
+
+async def test_restarted_engine_cold_cache_attracts_no_traffic() -> None:
+    fleet = await make_fleet(2)
+    try:
+        await generate(fleet, generate_request("a", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        old = fleet.engine_at(holder)
+        port = old.port
+        await old.close()
+        fresh = await start_engine(
+            EngineConfig(
+                model="sim", listen=f"127.0.0.1:{port}", instance_id="e-new", num_kv_blocks=256
+            )
+        )
+        fleet.engines[fleet.engines.index(old)] = fresh
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(holder).engine_id == "e-new" and registry.get(holder).routable, 15
+        )
+        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
+        assert all(m.device_blocks == 0 for m in match.matches)
+    finally:
+        await close_fleet(fleet)
+
+
+class _FutureEngine(pb_grpc.OpenEngineServicer):
+    """An engine advertising a contract revision this controller was not tested with."""
+
+    async def GetEngineInfo(
+        self, request: pb.GetEngineInfoRequest, context: object
+    ) -> pb.EngineInfo:
+        return pb.EngineInfo(
+            engine_name="future", instance_id="f0", supported_models=["sim"],
+            schema_revision=2, minimum_client_revision=2, schema_release="v2.0.0",
+        )  # fmt: skip
+
+    async def Health(self, request: pb.HealthRequest, context: object) -> pb.HealthResponse:
+        return pb.HealthResponse(state=pb.HEALTH_STATE_READY)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: object) -> pb.LoadInfo:
+        return pb.LoadInfo(instance_id="f0")
+
+
+async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) -> None:
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(_FutureEngine(), server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        await fleet.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=address, kv_events="none")
+        )
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).state is EngineState.INCOMPATIBLE, 10
+        )
+        assert "outside the tested range" in registry.get(address).last_error
+        for i in range(10):
+            explained = await fleet.admin.Route(
+                apb.PromptQuery(token_ids=pb.TokenIds(ids=[i] * 40))
+            )
+            assert explained.engine != address
+        health = await fleet.gateway.Health(pb.HealthRequest())
+        assert health.state == pb.HEALTH_STATE_DEGRADED
+    finally:
+        await server.stop(None)
+
+
+async def test_prometheus_metrics_are_exported() -> None:
+    import urllib.request
+
+    fleet = await make_fleet(2, metrics_listen="127.0.0.1:0")
+    try:
+        await generate(fleet, generate_request("a", [*PREFIX, 1]))
+        url = f"http://127.0.0.1:{fleet.app.metrics_port}/metrics"
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+        )
+        for name in (
+            "kvplane_controller_engine_running_requests",
+            'kvplane_controller_route_decisions_total{policy="kvplane"',
+            "kvplane_controller_predicted_cached_tokens_total",
+            "kvplane_controller_actual_cached_tokens_total",
+            "kvplane_controller_index_blocks",
+            "kvplane_controller_first_response_seconds_bucket",
+        ):
+            assert name in text, name
+    finally:
+        await close_fleet(fleet)

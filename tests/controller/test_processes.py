@@ -1,0 +1,160 @@
+"""End to end with real processes: two `kvplane engine serve --model sim` and one
+`kvplane controller serve`, driven through the gateway and `kvplane admin`."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
+
+KVPLANE = [sys.executable, "-m", "kvplane"]
+
+
+def _wait_port(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode}")
+        if path.exists() and path.read_text().strip():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"no port in {path}")
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in started:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(120)
+def test_controller_and_engines_as_processes(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ports = []
+    for i in range(2):
+        port_file = tmp_path / f"e{i}.port"
+        proc = subprocess.Popen(
+            [*KVPLANE, "engine", "serve", "--model", "sim", "--listen", "127.0.0.1:0",
+             "--instance-id", f"e{i}", "--port-file", str(port_file)],
+            stdout=subprocess.DEVNULL, stderr=(tmp_path / f"e{i}.log").open("wb"), env=env,
+        )  # fmt: skip
+        processes.append(proc)
+        ports.append(_wait_port(port_file, proc))
+    config = tmp_path / "controller.yaml"
+    config.write_text(
+        "listen: 127.0.0.1:0\nrouter: {policy: kvplane, seed: 1}\n"
+        "health: {poll_interval_s: 0.2, load_poll_interval_s: 0.1}\nengines:\n"
+        + "".join(f"  - {{address: 127.0.0.1:{p}}}\n" for p in ports)
+    )
+    port_file = tmp_path / "controller.port"
+    controller = subprocess.Popen(
+        [*KVPLANE, "controller", "serve", "--config", str(config), "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "controller.log").open("wb"), env=env,
+    )  # fmt: skip
+    processes.append(controller)
+    target = f"127.0.0.1:{_wait_port(port_file, controller)}"
+
+    deadline = time.monotonic() + 30
+    while True:
+        out = subprocess.run(
+            [*KVPLANE, "admin", "workers", "--target", target, "--output", "json"],
+            capture_output=True, check=True, env=env,
+        )  # fmt: skip
+        workers = json.loads(out.stdout)["workers"]
+        if sum(w["routable"] for w in workers) == 2:
+            break
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.1)
+    assert sorted(w["instance_id"] for w in workers) == ["e0", "e1"]
+
+    prefix = list(range(500, 1524))  # 64 blocks of 16
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.OpenEngineStub(channel)
+
+        def run(rid: str, tail: int) -> pb.GenerateResponse:
+            request = pb.GenerateRequest(
+                request_id=rid, model="sim", token_ids=pb.TokenIds(ids=[*prefix, tail]),
+                stopping=pb.StoppingOptions(max_tokens=3, ignore_eos=True),
+            )  # fmt: skip
+            return list(stub.Generate(request))[-1]
+
+        assert run("a", 1).usage.cached_prompt_tokens == 0
+        deadline = time.monotonic() + 10
+        while True:  # the KV events reach the controller's index
+            cached = run(f"b{time.monotonic_ns()}", 2).usage.cached_prompt_tokens
+            if cached == 1024:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert all(run(f"c{i}", 10 + i).usage.cached_prompt_tokens == 1024 for i in range(5))
+
+    controller.send_signal(signal.SIGTERM)
+    assert controller.wait(timeout=20) == 0
+
+
+@pytest.mark.timeout(120)
+async def test_remote_indexer_feeds_the_router(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """`index: {remote: ...}`: a `kvplane indexer` process follows the engines' KV events and
+    the controller asks it (MatchTokens) instead of keeping its own index."""
+    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    config = tmp_path / "indexer.yaml"
+    config.write_text(
+        "listen: 127.0.0.1:0\nblock_size: 16\nsources:\n"
+        + "".join(f"  - {{kind: openengine, target: '{a}', hash: canonical}}\n" for a in addresses)
+    )
+    port_file = tmp_path / "indexer.port"
+    indexer = await asyncio.to_thread(
+        subprocess.Popen,
+        [*KVPLANE, "indexer", "serve", "--config", str(config), "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "indexer.log").open("wb"),
+    )
+    processes.append(indexer)
+    remote = f"127.0.0.1:{await asyncio.to_thread(_wait_port, port_file, indexer)}"
+    fleet = await make_fleet(engines=engines, index={"remote": remote})
+    try:
+        assert fleet.app.controller.index is None
+        prefix = list(range(700, 764))
+        [r async for r in fleet.gateway.Generate(generate_request("a", [*prefix, 1]))]
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prefix, 2]))
+        async with asyncio.timeout(20):
+            for _ in itertools.count():
+                match = await fleet.admin.Match(query)
+                if any(m.device_blocks >= 4 for m in match.matches):
+                    break
+                await asyncio.sleep(0.05)
+        route = await fleet.admin.Route(query)
+        assert (route.reason, route.predicted_cached_tokens) == ("cache", 64)
+        reply = [r async for r in fleet.gateway.Generate(generate_request("b", [*prefix, 2]))]
+        assert reply[-1].usage.cached_prompt_tokens == 64
+    finally:
+        await close_fleet(fleet)

@@ -1,0 +1,127 @@
+"""The registry: the seed's revision check (fail closed), routability, backoff; and the
+controller's config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from controller.config import ControllerConfig
+from controller.registry import (
+    EngineIdentity,
+    EngineState,
+    IncompatibleEngineError,
+    Registry,
+    Role,
+    UnknownEngineError,
+    check_revision,
+)
+from kvplane.config import load_config
+from kvplane.errors import ConfigError
+
+
+def identity(
+    instance: str = "e0", revision: int = 1, minimum: int = 1, release: str = "v1.0.0"
+) -> EngineIdentity:
+    return EngineIdentity(
+        instance, "sim", "0", Role.AGGREGATED, ("m",), 16, 256, False, revision, minimum, release
+    )
+
+
+@pytest.mark.parametrize(
+    ("revision", "minimum", "release", "problem"),
+    [
+        (0, 1, "v1", "schema_revision 0"),
+        (2, 1, "v2", "outside the tested range"),
+        (1, 2, "v1", "requires client revision >= 2"),
+        (1, 1, "main", "not an immutable release"),
+        (1, 1, "", "not an immutable release"),
+    ],
+)
+def test_revision_check_fails_closed(
+    revision: int, minimum: int, release: str, problem: str
+) -> None:
+    with pytest.raises(IncompatibleEngineError, match=problem):
+        check_revision(revision, minimum, release)
+
+
+def test_incompatible_engine_is_never_routable() -> None:
+    registry = Registry()
+    registry.add("h:1")
+    with pytest.raises(IncompatibleEngineError):
+        registry.on_identity("h:1", identity(revision=2), 0.0)
+    registry.on_health("h:1", EngineState.READY, 1.0)
+    record = registry.get("h:1")
+    assert record.state is EngineState.INCOMPATIBLE and not record.routable
+    assert registry.routable() == []
+
+
+def test_health_states_and_cordon_decide_routability() -> None:
+    registry = Registry()
+    registry.add("h:1")
+    assert registry.on_identity("h:1", identity("e0"), 0.0) is True
+    assert registry.on_identity("h:1", identity("e0"), 1.0) is False
+    for state, routable in [
+        (EngineState.READY, True),
+        (EngineState.DEGRADED, True),
+        (EngineState.DRAINING, False),
+        (EngineState.NOT_READY, False),
+        (EngineState.STARTING, False),
+    ]:
+        registry.on_health("h:1", state, 2.0)
+        assert registry.get("e0").routable is routable, state
+    registry.on_health("h:1", EngineState.READY, 3.0)
+    registry.set_cordoned("e0", True)
+    assert registry.routable() == []
+    registry.set_cordoned("h:1", False)
+    assert [r.address for r in registry.routable(model="m")] == ["h:1"]
+    assert registry.routable(model="other") == []
+    assert registry.routable(role=Role.DECODE) == []
+    # A restart (new instance id) is a new engine.
+    assert registry.on_identity("h:1", identity("e1"), 4.0) is True
+    with pytest.raises(UnknownEngineError):
+        registry.get("e0")
+
+
+def test_unreachable_engines_back_off_exponentially() -> None:
+    registry = Registry(backoff_initial_s=0.5, backoff_max_s=3.0)
+    registry.add("h:1")
+    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    delays = [registry.on_unreachable("h:1", 10.0, "UNAVAILABLE") for _ in range(5)]
+    assert delays == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert registry.get("h:1").state is EngineState.UNREACHABLE and registry.routable() == []
+    registry.on_health("h:1", EngineState.READY, 11.0)
+    assert registry.on_unreachable("h:1", 12.0, "x") == 0.5
+
+
+def test_config_names_from_the_issue(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "listen: 127.0.0.1:8100\n"
+        "index: {backend: memory}\n"
+        "router: {policy: kvplane}\n"
+        "engines:\n"
+        "  - {address: 127.0.0.1:9001}\n"
+        "  - {address: 127.0.0.1:9002, kv_events: zmq}\n"
+    )
+    config = load_config(ControllerConfig, path)
+    assert [e.kv_events.value for e in config.engines] == ["grpc", "zmq"]
+    assert (
+        load_config(ControllerConfig, None, {"index": "redis://h:6379"}).index.backend
+        == "redis://h:6379"
+    )
+    assert load_config(ControllerConfig, None, {"index": {"remote": "h:1"}}).index.remote == "h:1"
+    path.write_text("router: {policy: fastest}\n")
+    with pytest.raises(ConfigError, match="unknown policy"):
+        load_config(ControllerConfig, path)
+    path.write_text("engines: [{address: 'h:1'}, {address: 'h:1'}]\n")
+    with pytest.raises(ConfigError, match="listed twice"):
+        load_config(ControllerConfig, path)
+
+
+def test_shipped_config_loads() -> None:
+    shipped = Path(__file__).resolve().parents[2] / "configs" / "controller.yaml"
+    config = load_config(ControllerConfig, shipped)
+    assert config.router.policy == "kvplane"

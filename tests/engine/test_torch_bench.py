@@ -1,0 +1,51 @@
+"""`kvplane bench engine` runs end to end on a small workload and reports every figure."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvplane.cli import app
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.timeout(300)
+def test_bench_engine_reports_throughput_and_ttft_on_a_random_checkpoint() -> None:
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "engine",
+            "--model",
+            "random-2x128",
+            "--concurrency",
+            "1,3",
+            "--threads",
+            "1",
+            "--ttft-prompt-tokens",
+            "96",
+            "--no-compare-hf",
+            "-o",
+            "json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["torch_threads"] == 1
+    for key in ("c1", "c3"):
+        assert doc["kvplane"][key]["output_tokens_per_s"] > 0
+    ttft = doc["kvplane"]["ttft"]
+    assert ttft["prompt_tokens"] == 96
+    assert math.isfinite(ttft["cold_ms"]) and math.isfinite(ttft["cached_ms"])
+    assert doc["hf_transformers"] == "not installed" or isinstance(doc["hf_transformers"], dict)

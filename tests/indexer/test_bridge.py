@@ -1,0 +1,213 @@
+"""The bridge on real sockets: ZMQ PUB -> bridge -> ApplyExternalKvBatch on a real KVIndexer
+server. The SGLang test vectors (WIRE.md section 1), medium policy, splitting, retries."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import msgpack
+import pytest
+import zmq.asyncio
+from fake_kv_publisher import FakeKvPublisher, running
+from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
+
+from indexer.batch import Tier
+from indexer.bridge import BridgeSettings, build_bridge
+from indexer.index import PrefixIndex
+from indexer.memory_backend import MemoryBackend
+from indexer.servicer import KvIndexerServicer, index_services
+from indexer.translate import MediumMap
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.config import ServerConfig
+from kvplane.server import Service, create_server
+
+pytestmark = pytest.mark.timeout(60)
+WAIT_S = 20.0
+HBM, DRAM, SSD = kv.TIER_HBM, kv.TIER_DRAM, kv.TIER_SSD
+CLEAR_ALL = [
+    kv.ExternalKvAction(type=kv.ACTION_CLEAR_ALL_AT_TIER, tier=t) for t in (HBM, DRAM, SSD)
+]
+
+
+class RecordingServicer(KvIndexerServicer):
+    """kvplane's KVIndexer, recording every ApplyExternalKvBatch it receives; the first
+    `unavailable` calls fail with UNAVAILABLE (an indexer that is briefly down)."""
+
+    def __init__(self, servicer: KvIndexerServicer, unavailable: int = 0) -> None:
+        super().__init__(servicer.backend, servicer.limiter)
+        self.received: list[kv.ApplyExternalKvBatchRequest] = []
+        self.unavailable = unavailable
+        self.arrived = asyncio.Condition()
+
+    async def ApplyExternalKvBatch(
+        self, request: kv.ApplyExternalKvBatchRequest, context: Any
+    ) -> kv.ApplyExternalKvBatchResponse:
+        if self.unavailable:
+            self.unavailable -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
+        response = await super().ApplyExternalKvBatch(request, context)
+        async with self.arrived:
+            self.received.append(request)
+            self.arrived.notify_all()
+        return response
+
+    async def wait_for(self, count: int) -> list[kv.ApplyExternalKvBatchRequest]:
+        async with asyncio.timeout(WAIT_S), self.arrived:
+            await self.arrived.wait_for(lambda: len(self.received) >= count)
+        return self.received
+
+
+@dataclass
+class Rig:
+    index: PrefixIndex
+    recorder: RecordingServicer
+    target: str
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+async def _rig(unavailable: int = 0) -> tuple[Rig, grpc.aio.Server]:
+    index = PrefixIndex()
+    _, servicer, _ = index_services(
+        MemoryBackend(index), default_block_size=16, max_concurrent_prefix_queries=4
+    )
+    recorder = RecordingServicer(servicer, unavailable)
+    service = Service(
+        "kv_indexer.v1.KVIndexer",
+        lambda server: kv_grpc.add_KVIndexerServicer_to_server(recorder, server),
+        frozenset({"ApplyExternalKvBatch"}),
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), [service])
+    return Rig(index, recorder, f"127.0.0.1:{port}"), server
+
+
+def _frames(seq: int, payload: bytes) -> list[bytes]:
+    return [b"sglang", seq.to_bytes(8, "big"), payload]
+
+
+def _request(seq: int, *actions: kv.ExternalKvAction) -> kv.ApplyExternalKvBatchRequest:
+    return kv.ApplyExternalKvBatchRequest(
+        worker_id="sgl-0", seq=seq, actions=actions, worker_address="10.0.0.9:30000"
+    )
+
+
+async def _bridge_run(
+    context: zmq.asyncio.Context, rig: Rig, publisher: FakeKvPublisher, **kwargs: Any
+) -> Any:
+    settings = BridgeSettings(
+        endpoint=publisher.endpoint,
+        target=rig.target,
+        worker_id="sgl-0",
+        worker_address="10.0.0.9:30000",
+        **kwargs,
+    )
+    return build_bridge(settings, context=context)
+
+
+async def test_sglang_vectors_through_the_bridge(context: zmq.asyncio.Context) -> None:
+    rig, server = await _rig()
+    publisher = FakeKvPublisher(context)
+    source, sink = await _bridge_run(context, rig, publisher)
+    marker = msgpack.packb([9.0, [["BlockRemoved", [555], "GPU"]], None])
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_frames(0, VECTOR_1))
+            await publisher.send(_frames(1, VECTOR_2))
+            await publisher.send(_frames(2, VECTOR_3))
+            await publisher.send(_frames(3, marker))
+            received = await rig.recorder.wait_for(4)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert received == [
+        _request(0, *CLEAR_ALL),  # the first message clears what an earlier run left
+        _request(
+            0,
+            kv.ExternalKvAction(
+                type=kv.ACTION_REPORT,
+                tier=HBM,
+                hashes=[1234567890123, -987654321],
+                block_sizes=[4, 4],
+                parent_block_hash=42,
+            ),
+            kv.ExternalKvAction(type=kv.ACTION_REVOKE, tier=SSD, hashes=[100, 200]),
+            *CLEAR_ALL,  # AllBlocksCleared: one CLEAR per configured tier, in place
+        ),
+        _request(
+            1, kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=HBM, hashes=[111], block_sizes=[2])
+        ),
+        # Vector 3 (nil media) produced no call at all; the next one is the marker.
+        _request(3, kv.ExternalKvAction(type=kv.ACTION_REVOKE, tier=HBM, hashes=[555])),
+    ]
+    assert {p.key for p in rig.index.placements("sgl-0")} == {111}
+    assert source.translator.counters.num_skipped_medium == 2
+
+
+async def test_configured_nil_medium_and_clear_tiers(context: zmq.asyncio.Context) -> None:
+    rig, server = await _rig()
+    publisher = FakeKvPublisher(context)
+    source, sink = await _bridge_run(
+        context, rig, publisher, media=MediumMap(nil=Tier.DRAM), clear_tiers=(Tier.HBM,)
+    )
+    cleared = msgpack.packb([1.0, [["AllBlocksCleared"]], None])
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_frames(0, VECTOR_3))
+            await publisher.send(_frames(1, cleared))
+            received = await rig.recorder.wait_for(3)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert received[1:] == [
+        _request(
+            0,
+            kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=DRAM, hashes=[1], block_sizes=[2]),
+            kv.ExternalKvAction(type=kv.ACTION_REVOKE, tier=DRAM, hashes=[2]),
+        ),
+        _request(1, kv.ExternalKvAction(type=kv.ACTION_CLEAR_ALL_AT_TIER, tier=HBM)),
+    ]
+
+
+async def test_oversized_batches_are_split_with_the_same_seq_and_retried_when_unavailable(
+    context: zmq.asyncio.Context,
+) -> None:
+    rig, server = await _rig(unavailable=2)
+    publisher = FakeKvPublisher(context)
+    source, sink = await _bridge_run(context, rig, publisher)
+    removals = [["BlockRemoved", [i + 1], "GPU" if i % 2 else "CPU"] for i in range(300)]
+    big_store = [["BlockStored", list(range(1, 20_001)), None, None, 16, None, "GPU"]]
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_frames(0, msgpack.packb([0.0, removals, None])))
+            await publisher.send(_frames(1, msgpack.packb([1.0, big_store, None])))
+            received = await rig.recorder.wait_for(5)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert [(r.seq, len(r.actions)) for r in received] == [
+        (0, 3),
+        (0, 256),
+        (0, 44),
+        (1, 1),
+        (1, 1),
+    ]
+    assert [len(r.actions[0].hashes) for r in received[3:]] == [16_384, 3_616]
+    assert received[4].actions[0].parent_block_hash == 16_384
+    assert sink.num_retries == 2 and sink.num_rejected == 0
+    assert len(list(rig.index.placements("sgl-0"))) == 20_000

@@ -1,0 +1,275 @@
+"""End to end: `kvplane indexer serve` and `kvplane indexer bridge` as real subprocesses, fed by
+a real ZMQ publisher replaying the vLLM capture, queried over gRPC, with `/metrics` and the
+`kvplane admin index` CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import msgpack
+import pytest
+import zmq.asyncio
+from fake_kv_publisher import FakeKvPublisher
+from typer.testing import CliRunner
+from vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
+
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.cli import app
+from kvplane_api.v1 import index_pb2 as api
+from kvplane_api.v1 import index_pb2_grpc as api_grpc
+
+pytestmark = pytest.mark.timeout(120)
+KVPLANE = [str(Path(sys.executable).parent / "kvplane")]
+WAIT_S = 30.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _until(predicate: Callable[[], Awaitable[bool] | bool]) -> None:
+    """Wait (at most WAIT_S) for another process to reach a state. The state lives in that
+    process, so there is no event to await: it is checked every 20 ms."""
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            result = predicate()
+            if await result if inspect.isawaitable(result) else result:
+                return
+            await asyncio.sleep(0.02)
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as out:
+        return subprocess.Popen([*KVPLANE, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> int:
+    process.send_signal(signal.SIGTERM)
+    return process.wait(timeout=20)
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+async def test_serve_ingests_zmq_answers_kvindexer_and_admin_cli(
+    tmp_path: Path, context: zmq.asyncio.Context
+) -> None:
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    metrics_port = _free_port()
+    config = tmp_path / "indexer.yaml"
+    config.write_text(
+        f"""
+listen: 127.0.0.1:50051
+metrics_listen: 127.0.0.1:{metrics_port}
+backend: memory
+block_size: {BLOCK_SIZE}
+sources:
+  - kind: zmq
+    worker_id: w0
+    worker_address: 10.0.0.1:8000
+    endpoint: {publisher.endpoint}
+    replay_endpoint: {publisher.replay_endpoint}
+    topic: "kv@"
+    hash: canonical
+"""
+    )
+    port_file = tmp_path / "port"
+    process = _spawn(
+        [
+            "indexer",
+            "serve",
+            "--config",
+            str(config),
+            "--listen",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+        ],
+        tmp_path / "serve.log",
+    )
+    try:
+        await _until(lambda: port_file.exists() or process.poll() is not None)
+        assert process.poll() is None, (tmp_path / "serve.log").read_text()
+        target = f"127.0.0.1:{int(port_file.read_text())}"
+        await publisher.wait_subscribed()
+        for message in live_messages():
+            await publisher.publish(message.frames)
+        async with grpc.aio.insecure_channel(target) as channel:
+            index = api_grpc.KvIndexStub(channel)
+            indexer = kv_grpc.KVIndexerStub(channel)
+            final_blocks = len(final_live().live())
+
+            async def indexed() -> int:
+                return (await index.GetIndexStats(api.GetIndexStatsRequest())).num_blocks
+
+            async def ingested() -> bool:
+                return await indexed() == final_blocks and _source_messages(metrics_port) == 60
+
+            await _until(ingested)
+
+            # The last request ran after the reset: all 5 full blocks of its prompt are live.
+            prompt = requests()[-1]["prompt_token_ids"]
+            match = await index.MatchTokens(api.MatchTokensRequest(token_ids=prompt))
+            assert match.matches[0].worker_address == "10.0.0.1:8000"
+            assert match.matches[0].matched_tokens == 5 * BLOCK_SIZE
+
+            prefix = await indexer.MatchExternalKvPrefix(
+                kv.MatchExternalKvPrefixRequest(hashes=list(match.block_keys))
+            )
+            assert prefix.best_prefix_blocks == 5
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await indexer.ApplyExternalKvBatch(kv.ApplyExternalKvBatchRequest(worker_id=""))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await indexer.ApplyExternalKvBatch(
+                kv.ApplyExternalKvBatchRequest(
+                    worker_id="ext",
+                    worker_address="10.0.0.2:8000",
+                    actions=[
+                        kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_DRAM, hashes=[5, 6])
+                    ],
+                )
+            )
+
+        runner = CliRunner()
+        stats = runner.invoke(app, ["admin", "index", "--target", target, "stats", "-o", "json"])
+        assert stats.exit_code == 0, stats.output
+        data = json.loads(stats.output)
+        assert data["num_blocks"] == final_blocks + 2
+        assert sorted(w["worker_id"] for w in data["workers"]) == ["ext", "w0"]
+
+        tokens_file = tmp_path / "prompt.json"
+        tokens_file.write_text(json.dumps(prompt))
+        matched = runner.invoke(
+            app,
+            [
+                "admin",
+                "index",
+                "match",
+                "--target",
+                target,
+                "--tokens-file",
+                str(tokens_file),
+                "--block-size",
+                str(BLOCK_SIZE),
+                "-o",
+                "json",
+            ],
+        )
+        assert matched.exit_code == 0, matched.output
+        assert json.loads(matched.output)["matches"][0]["matched_blocks"] == 5
+        table = runner.invoke(
+            app, ["admin", "index", "match", "-t", target, "--hashes", "5,6", "--hashes", "7"]
+        )
+        assert table.exit_code == 0, table.output
+        assert "best prefix 2 of 3 blocks" in table.output and "10.0.0.2:8000" in table.output
+        dumped = runner.invoke(
+            app, ["admin", "index", "dump", "-t", target, "--worker-id", "ext", "-o", "json"]
+        )
+        assert dumped.exit_code == 0, dumped.output
+        (batch,) = json.loads(dumped.output)
+        assert batch["actions"][0]["hashes"] == [5, 6]
+        assert batch["actions"][0]["tier"] == "TIER_DRAM"
+
+        assert _stop(process) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        await publisher.close()
+
+
+def _source_messages(metrics_port: int) -> float:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+            body = r.read().decode()
+    except OSError:
+        return 0.0
+    for line in body.splitlines():
+        if line.startswith('kvplane_indexer_source_messages_total{worker_id="w0"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_bridge_subprocess_feeds_a_serve_subprocess(
+    tmp_path: Path, context: zmq.asyncio.Context
+) -> None:
+    publisher = FakeKvPublisher(context)
+    port_file = tmp_path / "port"
+    serve = _spawn(
+        ["indexer", "serve", "--listen", "127.0.0.1:0", "--port-file", str(port_file)],
+        tmp_path / "serve.log",
+    )
+    bridge = None
+    try:
+        await _until(lambda: port_file.exists() or serve.poll() is not None)
+        target = f"127.0.0.1:{int(port_file.read_text())}"
+        bridge = _spawn(
+            [
+                "indexer",
+                "bridge",
+                "--endpoint",
+                publisher.endpoint,
+                "--target",
+                target,
+                "--worker-id",
+                "sgl-0",
+                "--worker-address",
+                "10.0.0.9:30000",
+                "--nil-medium",
+                "HBM",
+            ],
+            tmp_path / "bridge.log",
+        )
+        await publisher.wait_subscribed()
+        batch = [0.0, [["BlockStored", [11, 12], None, None, 4, None, None]], None]
+        await publisher.send([b"", (0).to_bytes(8, "big"), msgpack.packb(batch)])
+        async with grpc.aio.insecure_channel(target) as channel:
+            indexer = kv_grpc.KVIndexerStub(channel)
+            request = kv.MatchExternalKvPrefixRequest(hashes=[11, 12])
+
+            async def best() -> int:
+                return (await indexer.MatchExternalKvPrefix(request)).best_prefix_blocks
+
+            async def bridged() -> bool:
+                return await best() == 2
+
+            await _until(bridged)
+            response = await indexer.MatchExternalKvPrefix(request)
+            assert [m.worker_address for m in response.matches] == ["10.0.0.9:30000"]
+        assert _stop(bridge) == 0
+        assert _stop(serve) == 0
+    finally:
+        for process in (serve, bridge):
+            if process is not None and process.poll() is None:
+                process.kill()
+        await publisher.close()
+
+
+def test_a_bad_config_is_one_line_and_exit_code_1(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("sources:\n  - kind: zmq\n    worker_id: ''\n    endpoint: tcp://x:1\n")
+    result = subprocess.run(
+        [*KVPLANE, "indexer", "serve", "--config", str(config)], capture_output=True, timeout=60
+    )
+    assert result.returncode == 1
+    lines = result.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and "sources.0.zmq.worker_id" in lines[0]

@@ -1,0 +1,304 @@
+"""The OpenEngine SubscribeKvEvents source against a real in-test grpc.aio OpenEngine server
+that streams scripted responses: snapshots, resubscription from the next sequence number,
+terminal errors, unrecoverable jumps, and ZMQ discovery through GetKvEventSources."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import msgpack
+import pytest
+import zmq.asyncio
+from fake_kv_publisher import FakeKvPublisher, running
+
+from indexer.batch import Tier
+from indexer.index import PrefixIndex
+from indexer.keys import block_keys
+from indexer.memory_backend import MemoryBackend
+from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
+from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
+from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+WAIT_S = 20.0
+
+
+def _hash(value: int) -> pb.KvBlockHash:
+    return pb.KvBlockHash(value=(value & (2**64 - 1)).to_bytes(8, "big"), encoding="int64")
+
+
+def _stored(
+    *keys: int, parent: int | None = None, medium: int = pb.STORAGE_MEDIUM_GPU
+) -> pb.KvEvent:
+    stored = pb.BlockStored(block_hashes=[_hash(k) for k in keys], block_size=4, medium=medium)
+    if parent is not None:
+        stored.parent_block_hash.CopyFrom(_hash(parent))
+    return pb.KvEvent(block_stored=stored)
+
+
+def _removed(*keys: int) -> pb.KvEvent:
+    return pb.KvEvent(
+        block_removed=pb.BlockRemoved(
+            block_hashes=[_hash(k) for k in keys], medium=pb.STORAGE_MEDIUM_GPU
+        )
+    )
+
+
+CLEARED = pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared())
+
+
+def _batch(seq: int, *events: pb.KvEvent) -> pb.SubscribeKvEventsResponse:
+    return pb.SubscribeKvEventsResponse(batch=pb.KvEventBatch(sequence_number=seq, events=events))
+
+
+class ScriptedEngine(pb_grpc.OpenEngineServicer):
+    """Each SubscribeKvEvents call plays the next script; the last one stays open."""
+
+    def __init__(self, scripts: list[list[pb.SubscribeKvEventsResponse]]) -> None:
+        self.scripts = scripts
+        self.requests: list[pb.SubscribeKvEventsRequest] = []
+        self.hold = asyncio.Event()
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Any
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        self.requests.append(request)
+        index = len(self.requests) - 1
+        for response in self.scripts[index] if index < len(self.scripts) else []:
+            yield response
+        if index >= len(self.scripts) - 1:
+            await self.hold.wait()
+
+
+class ZmqOnlyEngine(pb_grpc.OpenEngineServicer):
+    """An engine without SubscribeKvEvents that advertises its ZMQ publisher."""
+
+    def __init__(self, publisher: FakeKvPublisher) -> None:
+        self.publisher = publisher
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: Any
+    ) -> pb.GetKvEventSourcesResponse:
+        host, port = self.publisher.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        return pb.GetKvEventSourcesResponse(
+            sources=[
+                pb.KvEventSource(
+                    transport="zmq",
+                    endpoint_addr=pb.KvEndpoint(host=host, port=int(port), protocol="tcp"),
+                    topic="kv@",
+                    replay_endpoint=self.publisher.replay_endpoint.removeprefix("tcp://"),
+                    encoding="msgpack",
+                )
+            ]
+        )
+
+
+async def _serve(servicer: pb_grpc.OpenEngineServicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _source(target: str, index: PrefixIndex) -> OpenEngineSource:
+    translator = WorkerTranslator(TranslateOptions(target, target))
+    settings = OpenEngineSourceSettings(target=target, backoff_initial_s=0.01, backoff_max_s=0.05)
+    return OpenEngineSource(settings, translator, MemoryBackend(index))
+
+
+def _keys(index: PrefixIndex, worker: str) -> dict[int, Tier]:
+    return {p.key: p.tier for p in index.placements(worker)}
+
+
+async def test_snapshot_then_resubscribe_from_the_next_sequence_number() -> None:
+    engine = ScriptedEngine(
+        [
+            # First subscription: a snapshot (seq 5), one live batch, then the stream ends.
+            [
+                _batch(5, CLEARED, _stored(1), _stored(2, parent=1)),
+                _batch(6, _removed(1), _stored(-3, parent=2, medium=pb.STORAGE_MEDIUM_CPU_PINNED)),
+            ],
+            # Second: a terminal EngineError.
+            [
+                pb.SubscribeKvEventsResponse(
+                    error=pb.EngineError(code=pb.ERROR_CODE_OVERLOADED, message="overrun")
+                )
+            ],
+            # Third: the engine replays from 7, as asked.
+            [_batch(7, _stored(4, parent=2))],
+        ]
+    )
+    server, target = await _serve(engine)
+    index = PrefixIndex()
+    source = _source(target, index)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.last_seq == 7, WAIT_S)
+    finally:
+        engine.hold.set()
+        await server.stop(None)
+    assert [(r.include_snapshot, r.start_sequence_number) for r in engine.requests] == [
+        (True, 0),
+        (True, 7),
+        (True, 7),
+    ]
+    assert _keys(index, target) == {2: Tier.HBM, -3: Tier.DRAM, 4: Tier.HBM}
+    prefix = index.match_prefix([2, 4], 0)
+    assert [(m.worker_address, m.matched_prefix_blocks) for m in prefix.matches] == [(target, 2)]
+    assert source.counters.num_resets == 1  # only the first batch (the snapshot)
+
+
+async def test_an_unexpected_sequence_number_clears_the_worker_before_applying() -> None:
+    engine = ScriptedEngine(
+        [
+            [_batch(1, _stored(10)), _batch(2, _stored(11, parent=10))],
+            # The engine restarted (or no longer buffers 3): a snapshot numbered 1 arrives.
+            [_batch(1, CLEARED, _stored(20))],
+        ]
+    )
+    server, target = await _serve(engine)
+    index = PrefixIndex()
+    source = _source(target, index)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.counters.num_resets == 2, WAIT_S)
+    finally:
+        engine.hold.set()
+        await server.stop(None)
+    assert engine.requests[1].start_sequence_number == 3
+    assert _keys(index, target) == {20: Tier.HBM}
+    assert source.counters.num_gaps == 1
+
+
+async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimplemented() -> None:
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    server, target = await _serve(ZmqOnlyEngine(publisher))
+    index = PrefixIndex()
+    source = _source(target, index)
+    payload = msgpack.packb([0.0, [["BlockStored", [77], None, None, None, None, "GPU"]], None])
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send([b"kv@x", (0).to_bytes(8, "big"), payload])
+            zmq_source = source.zmq_source
+            assert zmq_source is not None  # it subscribed above
+            await zmq_source.wait_until(lambda: zmq_source.last_seq == 0, WAIT_S)
+    finally:
+        await server.stop(None)
+        await publisher.close()
+        context.destroy(linger=0)
+    assert _keys(index, target) == {77: Tier.HBM}
+    assert zmq_source.settings.replay_endpoint == publisher.replay_endpoint
+
+
+async def test_against_a_real_sim_engine_subprocess(tmp_path: Path) -> None:
+    """`kvplane engine serve --model sim` publishes on SubscribeKvEvents and on its vLLM-style
+    ZMQ socket (found through GetKvEventSources); fed by either, the index (canonical keys
+    from the events' tokens) predicts the engine's own cached_prompt_tokens."""
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        "model: sim\nblock_size: 16\nnum_kv_blocks: 256\nsim:\n  time_scale: 0\n"
+        "kv_events:\n  zmq_enabled: true\n  endpoint: tcp://127.0.0.1:*\n"
+        "  replay_endpoint: tcp://127.0.0.1:*\n"
+    )
+    port_file = tmp_path / "port"
+    kvplane = str(Path(sys.executable).parent / "kvplane")
+    with (tmp_path / "engine.log").open("wb") as log:
+        engine = await asyncio.create_subprocess_exec(
+            kvplane,
+            "engine",
+            "serve",
+            "--config",
+            str(config),
+            "--listen",
+            "127.0.0.1:0",
+            "--port-file",
+            str(port_file),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not port_file.exists():  # another process: no event to await
+                assert engine.returncode is None, (tmp_path / "engine.log").read_text()
+                await asyncio.sleep(0.02)
+        target = f"127.0.0.1:{int(port_file.read_text())}"
+        index = PrefixIndex()
+        backend = MemoryBackend(index)
+        grpc_source = OpenEngineSource(
+            OpenEngineSourceSettings(target=target, backoff_initial_s=0.05),
+            _canonical("grpc"),
+            backend,
+        )
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+            advertised = await stub.GetKvEventSources(pb.GetKvEventSourcesRequest())
+        (zmq_advert,) = [s for s in advertised.sources if s.transport == "zmq"]
+        zmq_source = ZmqSource(
+            ZmqSourceSettings(
+                endpoint=f"tcp://{zmq_advert.endpoint_addr.host}:{zmq_advert.endpoint_addr.port}",
+                replay_endpoint=zmq_advert.replay_endpoint,
+                topic=zmq_advert.topic,
+            ),
+            _canonical("zmq"),
+            backend,
+        )
+        prompt_a = list(range(1, 101))  # 6 full blocks + 4 tokens
+        prompt_b = [*prompt_a, *range(500, 540)]
+        keys_b = block_keys(prompt_b[:-1], 16)
+
+        def predicted() -> dict[str, int]:
+            return {m.worker_id: m.matched_tokens for m in index.match_prefix_by_tier(keys_b, 0)}
+
+        async with (
+            running(grpc_source.run()),
+            running(zmq_source.run()),
+            grpc.aio.insecure_channel(target) as channel,
+        ):
+            await grpc_source.wait_until(lambda: grpc_source.last_seq is not None, WAIT_S)
+            stub = pb_grpc.OpenEngineStub(channel)
+            cached_a = await _generate(stub, "a", prompt_a)
+            await grpc_source.wait_until(lambda: predicted().get("grpc", 0) >= 96, WAIT_S)
+            await zmq_source.wait_until(lambda: predicted().get("zmq", 0) >= 96, WAIT_S)
+            prediction = predicted()
+            cached_b = await _generate(stub, "b", prompt_b)
+        assert cached_a == 0
+        assert prediction == {"grpc": cached_b, "zmq": cached_b} and cached_b == 96
+        for counters in (grpc_source.counters, zmq_source.counters):
+            assert counters.num_events > 0 and counters.num_bad_events == 0
+            assert counters.num_bad_messages == 0
+    finally:
+        engine.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(engine.wait(), 20)
+
+
+def _canonical(worker_id: str) -> WorkerTranslator:
+    options = TranslateOptions(worker_id, worker_id, hash_mode=HashMode.CANONICAL)
+    return WorkerTranslator(options)
+
+
+async def _generate(stub: pb_grpc.OpenEngineAsyncStub, request_id: str, prompt: list[int]) -> int:
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        model="sim",
+        token_ids=pb.TokenIds(ids=prompt),
+        stopping=pb.StoppingOptions(max_tokens=2),
+    )
+    cached = None
+    async for response in stub.Generate(request):
+        assert response.WhichOneof("event") != "error", response
+        if response.HasField("usage"):
+            cached = response.usage.cached_prompt_tokens
+    assert cached is not None
+    return cached

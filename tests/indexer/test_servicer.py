@@ -1,0 +1,344 @@
+"""kv_indexer.v1.KVIndexer and kvplane.v1.KvIndex over real gRPC: validation -> status codes,
+shedding, deadlines, auth, byte-level answers, token matching, stats and dump."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from indexer.backend import IndexStats, PrefixResult
+from indexer.batch import BlockKey
+from indexer.index import PrefixIndex
+from indexer.keys import block_keys
+from indexer.kv_wire import batch_from_proto
+from indexer.memory_backend import MemoryBackend
+from indexer.servicer import IngestCounters, PrefixQueryLimiter, index_services
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.config import AuthConfig, ServerConfig
+from kvplane.server import create_server
+from kvplane_api.v1 import index_pb2 as api
+from kvplane_api.v1 import index_pb2_grpc as api_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+HBM, DRAM, SSD = kv.TIER_HBM, kv.TIER_DRAM, kv.TIER_SSD
+REPORT, REVOKE, CLEAR = kv.ACTION_REPORT, kv.ACTION_REVOKE, kv.ACTION_CLEAR_ALL_AT_TIER
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class GatedBackend(MemoryBackend):
+    """Prefix queries wait for `release` (to hold them in flight); applies do not."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        super().__init__(index)
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+        self.gated = False
+
+    async def match_prefix(self, hashes: Sequence[BlockKey], max_blocks: int) -> PrefixResult:
+        if self.gated:
+            self.entered.set()
+            await self.release.wait()
+        return await super().match_prefix(hashes, max_blocks)
+
+
+@dataclass
+class Server:
+    index: PrefixIndex
+    backend: GatedBackend
+    kv: kv_grpc.KVIndexerAsyncStub
+    api: api_grpc.KvIndexAsyncStub
+    channel: grpc.aio.Channel
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Server]:
+    index = PrefixIndex()
+    backend = GatedBackend(index)
+    services, _, _ = index_services(
+        backend,
+        default_block_size=4,
+        max_concurrent_prefix_queries=1,
+        ingest_counters=lambda: IngestCounters(num_batches_applied=7, num_events_dropped=2),
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield Server(
+            index, backend, kv_grpc.KVIndexerStub(channel), api_grpc.KvIndexStub(channel), channel
+        )
+    await server.stop(None)
+
+
+def _batch(
+    *actions: kv.ExternalKvAction, worker_id: str = "w0", address: str = "a:1"
+) -> kv.ApplyExternalKvBatchRequest:
+    return kv.ApplyExternalKvBatchRequest(
+        worker_id=worker_id, seq=1, actions=actions, worker_address=address
+    )
+
+
+def _report(tier: int, hashes: list[int], **kwargs: object) -> kv.ExternalKvAction:
+    return kv.ExternalKvAction(type=REPORT, tier=tier, hashes=hashes, **kwargs)  # type: ignore[arg-type]
+
+
+async def _code(call: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    return info.value.code()
+
+
+@pytest.mark.parametrize(
+    ("request_", "code"),
+    [
+        (_batch(_report(HBM, [1]), worker_id=""), INVALID),
+        (_batch(*[_report(HBM, [i]) for i in range(257)]), EXHAUSTED),
+        (_batch(_report(HBM, list(range(10_000))), _report(DRAM, list(range(6_385)))), EXHAUSTED),
+        (_batch(_report(kv.TIER_UNKNOWN, [1])), INVALID),
+        (_batch(kv.ExternalKvAction(type=CLEAR, tier=kv.TIER_UNKNOWN)), INVALID),
+        (_batch(_report(7, [1])), INVALID),
+        (_batch(kv.ExternalKvAction(type=kv.ACTION_UNKNOWN, tier=HBM, hashes=[1])), INVALID),
+        (_batch(kv.ExternalKvAction(type=9, tier=HBM, hashes=[1])), INVALID),
+        (_batch(_report(HBM, [])), INVALID),
+        (_batch(kv.ExternalKvAction(type=REVOKE, tier=HBM)), INVALID),
+        (_batch(_report(HBM, [1, 2], component_masks=[1])), INVALID),
+        (_batch(_report(HBM, [1, 2], block_sizes=[4, 4, 4])), INVALID),
+    ],
+    ids=[
+        "empty-worker",
+        "257-actions",
+        "16385-hashes",
+        "tier-unknown",
+        "clear-tier-unknown",
+        "tier-7",
+        "action-unknown",
+        "action-9",
+        "report-no-hashes",
+        "revoke-no-hashes",
+        "masks-misaligned",
+        "sizes-misaligned",
+    ],
+)
+async def test_apply_validation_status_codes_and_nothing_changes(
+    served: Server, request_: kv.ApplyExternalKvBatchRequest, code: grpc.StatusCode
+) -> None:
+    # A valid action first: the whole batch must still be rejected atomically.
+    request_.actions.insert(0, _report(HBM, [424242]))
+    assert await _code(served.kv.ApplyExternalKvBatch(request_)) == code
+    assert list(served.index.placements()) == []
+
+
+async def test_limits_are_inclusive_and_an_empty_batch_refreshes_the_address(
+    served: Server,
+) -> None:
+    await served.kv.ApplyExternalKvBatch(_batch(*[_report(HBM, [i + 1]) for i in range(256)]))
+    await served.kv.ApplyExternalKvBatch(_batch(_report(SSD, list(range(1, 16_385)))))
+    await served.kv.ApplyExternalKvBatch(_batch(address="b:2"))
+    prefix = await served.kv.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1]))
+    assert [m.worker_address for m in prefix.matches] == ["b:2"]
+
+
+async def test_match_and_hit_count_validation(served: Server) -> None:
+    for rpc in (served.kv.MatchExternalKv, served.kv.GetExternalKvHitCounts):
+        request_type = (
+            kv.MatchExternalKvRequest
+            if rpc is served.kv.MatchExternalKv
+            else kv.GetExternalKvHitCountsRequest
+        )
+        assert await _code(rpc(request_type(hashes=[]))) == INVALID  # type: ignore[operator]
+        too_many = request_type(hashes=list(range(16_385)))
+        assert await _code(rpc(too_many)) == EXHAUSTED  # type: ignore[operator]
+        await rpc(request_type(hashes=list(range(16_384))))  # type: ignore[operator]
+    empty = kv.MatchExternalKvPrefixRequest(hashes=[])
+    assert await _code(served.kv.MatchExternalKvPrefix(empty)) == INVALID
+    # No length cap on prefix queries.
+    long = kv.MatchExternalKvPrefixRequest(hashes=list(range(40_000)))
+    assert (await served.kv.MatchExternalKvPrefix(long)).best_prefix_blocks == 0
+
+
+async def test_answers_are_byte_identical_to_the_seed_layout(served: Server) -> None:
+    await served.kv.ApplyExternalKvBatch(
+        _batch(
+            _report(DRAM, [-5, 6], component_masks=[1, 3], block_sizes=[16, 0]),
+            _report(HBM, [6], parent_block_hash=-5),
+        )
+    )
+    match = await served.kv.MatchExternalKv(
+        kv.MatchExternalKvRequest(hashes=[6, -5, 6, 99], count_as_hit=True)
+    )
+    expected = kv.MatchExternalKvResponse(
+        matches=[
+            kv.ExternalKvNodeMatch(
+                worker_id="w0",
+                address="a:1",
+                hashes_by_tier=[
+                    kv.TierHashes(tier=HBM, hashes=[6], component_masks=[0], block_sizes=[0]),
+                    kv.TierHashes(
+                        tier=DRAM, hashes=[6, -5], component_masks=[3, 1], block_sizes=[0, 16]
+                    ),
+                ],
+            )
+        ]
+    )
+    assert match.SerializeToString() == expected.SerializeToString()
+    hits = await served.kv.GetExternalKvHitCounts(
+        kv.GetExternalKvHitCountsRequest(hashes=[99, 6, -5, 6])
+    )
+    assert [(e.hash, e.hit_count_total) for e in hits.entries] == [(6, 1), (-5, 1)]
+    # w0 has component masks but no spec: it fails closed (prefix 0) and is left out.
+    await served.kv.ApplyExternalKvBatch(
+        _batch(_report(SSD, [-5, 6, 7]), worker_id="w1", address="b:2")
+    )
+    prefix = await served.kv.MatchExternalKvPrefix(
+        kv.MatchExternalKvPrefixRequest(hashes=[-5, 6, 7], max_blocks=2)
+    )
+    assert (
+        prefix.SerializeToString()
+        == kv.MatchExternalKvPrefixResponse(
+            matches=[
+                kv.ExternalKvPrefixMatch(
+                    worker_address="b:2", matched_prefix_blocks=2, worker_id="w1"
+                )
+            ],
+            best_prefix_blocks=2,
+            blocks_read=prefix.blocks_read,
+        ).SerializeToString()
+    )
+
+
+async def test_concurrent_prefix_queries_beyond_the_limit_are_shed_not_queued(
+    served: Server,
+) -> None:
+    await served.kv.ApplyExternalKvBatch(_batch(_report(HBM, [1])))
+    served.backend.gated = True
+    first = asyncio.ensure_future(
+        served.kv.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1]))
+    )
+    await asyncio.wait_for(served.backend.entered.wait(), 10)
+    shed = served.kv.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1]))
+    assert await _code(shed) == EXHAUSTED
+    tokens = served.api.MatchTokens(api.MatchTokensRequest(token_ids=list(range(8))))
+    assert await _code(tokens) == EXHAUSTED
+    # Applies are never shed.
+    await served.kv.ApplyExternalKvBatch(_batch(_report(HBM, [2], parent_block_hash=1)))
+    served.backend.release.set()
+    assert (await first).best_prefix_blocks == 1
+    again = await served.kv.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1, 2]))
+    assert again.best_prefix_blocks == 2
+
+
+async def test_an_expired_deadline_is_deadline_exceeded(served: Server) -> None:
+    for _ in range(20):
+        call = served.kv.MatchExternalKvPrefix(
+            kv.MatchExternalKvPrefixRequest(hashes=[1]), timeout=0
+        )
+        assert await _code(call) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ExpiredContext:
+    """Just enough of a servicer context: the deadline has passed; abort raises."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted = (code, details)
+        raise grpc.RpcError(details)
+
+
+async def test_the_limiter_answers_an_expired_query_before_counting_it() -> None:
+    limiter = PrefixQueryLimiter(1)
+    context = ExpiredContext()
+    with pytest.raises(grpc.RpcError):
+        await limiter.enter(context)  # type: ignore[arg-type]
+    assert context.aborted is not None
+    assert context.aborted[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert limiter.in_flight == 0
+
+
+async def test_match_tokens_stats_and_dump(served: Server) -> None:
+    tokens = list(range(100, 110))  # 2 full blocks of 4 + 2 tokens
+    keys = block_keys(tokens, 4)
+    salted = block_keys(tokens, 4, cache_salt="t")
+    await served.kv.ApplyExternalKvBatch(
+        _batch(_report(HBM, keys[:1], block_sizes=[4]), _report(DRAM, keys, block_sizes=[4, 4]))
+    )
+    response = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens))
+    assert list(response.block_keys) == keys and response.num_query_blocks == 2
+    (match,) = response.matches
+    assert (match.worker_id, match.matched_blocks, match.matched_tokens) == ("w0", 2, 8)
+    assert [(t.tier, t.matched_blocks) for t in match.tiers] == [(HBM, 1), (DRAM, 2)]
+    assert salted != keys
+    miss = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens, cache_salt="t"))
+    assert list(miss.block_keys) == salted and not miss.matches
+    capped = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens, max_blocks=1))
+    assert capped.matches[0].matched_blocks == 1
+    short = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=[1, 2], block_size=4))
+    assert short.num_query_blocks == 0 and not short.matches
+
+    stats = await served.api.GetIndexStats(api.GetIndexStatsRequest())
+    assert (stats.backend, stats.num_blocks, stats.num_placements, stats.num_workers) == (
+        "memory",
+        2,
+        3,
+        1,
+    )
+    assert (stats.num_batches_applied, stats.num_events_dropped) == (7, 2)
+
+    dumped = [b async for b in served.api.DumpIndex(api.DumpIndexRequest())]
+    rebuilt = PrefixIndex()
+    for request in dumped:
+        rebuilt.apply(batch_from_proto(request))
+    assert list(rebuilt.placements()) == list(served.index.placements())
+    assert [b async for b in served.api.DumpIndex(api.DumpIndexRequest(worker_id="nobody"))] == []
+
+
+async def test_apply_needs_the_bearer_token_when_auth_is_configured(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    services, _, _ = index_services(
+        MemoryBackend(), default_block_size=4, max_concurrent_prefix_queries=4
+    )
+    config = ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file))
+    server, port = await create_server(config, services)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = kv_grpc.KVIndexerStub(channel)
+            request = _batch(_report(HBM, [1]))
+            assert await _code(stub.ApplyExternalKvBatch(request)) == (
+                grpc.StatusCode.UNAUTHENTICATED
+            )
+            await stub.ApplyExternalKvBatch(request, metadata=(("authorization", "Bearer s3cret"),))
+            prefix = await stub.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1]))
+            assert prefix.best_prefix_blocks == 1
+    finally:
+        await server.stop(None)
+
+
+class BrokenBackend(MemoryBackend):
+    async def stats(self) -> IndexStats:
+        raise RuntimeError("secret internals")
+
+
+async def test_an_unexpected_backend_error_is_internal_without_details() -> None:
+    services, _, _ = index_services(
+        BrokenBackend(), default_block_size=4, max_concurrent_prefix_queries=4
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await api_grpc.KvIndexStub(channel).GetIndexStats(api.GetIndexStatsRequest())
+    finally:
+        await server.stop(None)
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret" not in (info.value.details() or "")
