@@ -16,11 +16,13 @@ from controller.admin import AdminServicer
 from controller.config import ControllerConfig
 from controller.gateway import GatewayServicer
 from controller.service import Controller
+from controller.vllm_gateway import VllmGatewayServicer
 from indexer.backend import IndexBackend
 from kvplane.metrics import start_metrics_server
 from kvplane.server import Service, create_server, serve_until_signal, write_port_file
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ class ControllerApp:
     controller: Controller
     gateway: GatewayServicer
     admin: AdminServicer
+    vllm: VllmGatewayServicer
     server: grpc.aio.Server
     port: int
     metrics_server: Any | None = None
@@ -42,6 +45,7 @@ class ControllerApp:
         await self.close_controller()
 
     async def close_controller(self) -> None:
+        await self.vllm.close()
         await self.controller.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
@@ -56,12 +60,14 @@ async def start_controller(
     await controller.start()
     gateway = GatewayServicer(controller)
     admin = AdminServicer(controller)
+    vllm = VllmGatewayServicer(controller)
     services = [
         Service(
             "openengine.v1.OpenEngine",
             lambda s: pb_grpc.add_OpenEngineServicer_to_server(gateway, s),
             GATEWAY_MUTATING,
         ),
+        Service("vllm.Generate", lambda s: vpb_grpc.add_GenerateServicer_to_server(vllm, s)),
         Service(
             "kvplane.v1.Admin",
             lambda s: apb_grpc.add_AdminServicer_to_server(admin, s),
@@ -73,7 +79,7 @@ async def start_controller(
     except Exception:
         await controller.close()
         raise
-    app = ControllerApp(controller, gateway, admin, server, port)
+    app = ControllerApp(controller, gateway, admin, vllm, server, port)
     if config.metrics_listen is not None:
         app.metrics_server, app.metrics_port = start_metrics_server(
             config.metrics_listen, controller.metrics.registry

@@ -198,6 +198,9 @@ class Registry:
             record.state = EngineState.INCOMPATIBLE
             record.last_error = str(exc)
             raise
+        if record.state is EngineState.INCOMPATIBLE:
+            record.state = EngineState.UNKNOWN  # upgraded: the next health answer decides
+            record.last_error = ""
         is_new = record.identity is None or record.identity.instance_id != identity.instance_id
         if is_new:
             record.epoch += 1

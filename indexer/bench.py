@@ -61,7 +61,7 @@ class Scale:
 
 
 FULL_SCALE = Scale()
-QUICK_SCALE = Scale(10_000, 200, 2_000, 10_000, 2_000, 100_000, 100_000, 2.0, 1)
+QUICK_SCALE = Scale(10_000, 200, 2_000, 10_000, 2_000, 100_000, 100_000, 2.0, 3)
 
 
 def key_of(*parts: int) -> BlockKey:

@@ -34,7 +34,7 @@ import enum
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from itertools import accumulate, repeat
+from itertools import accumulate, chain, islice, repeat
 from operator import and_
 
 from indexer.backend import (
@@ -60,6 +60,8 @@ _SLOTS_PER_WORKER = 3  # one placement bit per tier
 PURGE_STEP_BLOCKS = 1024
 # Blocks fetched per step of a legacy prefix scan (a miss stops the scan after its chunk).
 _SCAN_CHUNK = 64
+# Stale entries a worker's key log may hold beyond twice its live blocks before compaction.
+_LOG_SLACK = 4096
 # Component bits as plain ints (IntFlag arithmetic is slow on the hot path).
 _FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAMBA)
 
@@ -175,10 +177,13 @@ class _Worker:
         "address",
         "all_bits",
         "bit",
-        "blocks",
         "idx",
+        "log",
+        "log_len",
+        "num_blocks",
         "num_placements",
         "prefix_matches",
+        "purge_keys",
         "spec",
         "tier_bits",
         "wid",
@@ -194,7 +199,13 @@ class _Worker:
         self.all_bits = 7 << base
         self.address = ""
         self.spec: CacheSpec | None = None
-        self.blocks: set[BlockKey] = set()  # keys it holds on at least one tier
+        # Keys it was given, as the REPORTs' own hash tuples (appending one is O(1) where a set
+        # would take one insert per block); stale and repeated entries are filtered by the
+        # placement bits and compacted away when the log outgrows twice the live blocks.
+        self.log: list[Sequence[BlockKey]] = []
+        self.log_len = 0
+        self.num_blocks = 0  # keys it holds on at least one tier
+        self.purge_keys: Iterator[BlockKey] = iter(())  # after removal: what is left to purge
         # Immutable PrefixMatch answers by matched blocks, reused while the address holds.
         self.prefix_matches: dict[int, PrefixMatch] = {}
         self.num_placements = 0
@@ -259,6 +270,8 @@ class PrefixIndex:
                 self._revoke(worker, action)
             else:
                 self._clear_tier(worker, Tier(action.tier))
+        if worker.log_len > 2 * worker.num_blocks + _LOG_SLACK:
+            self._worker_keys(worker)
 
     def _worker(self, wid: str) -> _Worker:
         worker = self._workers.get(wid)
@@ -294,14 +307,17 @@ class PrefixIndex:
         tbit = worker.tier_bits[action.tier]
         wbits = worker.all_bits
         dead = self._dead
-        add_block = worker.blocks.add
+        added: list[BlockKey] = []
+        add_block = added.append
         parent = action.parent
         hashes = action.hashes
         if tiers.keys().isdisjoint(hashes):
             # Every block is new (the common case: a fresh chain): C-speed bulk inserts.
             before = len(tiers)
             tiers.update(zip(hashes, repeat(tbit)))
-            worker.blocks.update(hashes)
+            worker.log.append(hashes)
+            worker.log_len += len(hashes)
+            worker.num_blocks += len(tiers) - before
             if parent is not None:
                 parents[hashes[0]] = parent
             parents.update(zip(hashes[1:], hashes[:-1], strict=True))
@@ -328,6 +344,10 @@ class PrefixIndex:
             if parent is not None:
                 parents[key] = parent
             parent = key
+        if added:
+            worker.log.append(added)
+            worker.log_len += len(added)
+            worker.num_blocks += len(added)
         worker.num_placements += num_new
         self._num_placements += num_new
         if action.component_masks or action.block_sizes or self._component_masks:
@@ -396,7 +416,7 @@ class PrefixIndex:
         tbit = worker.tier_bits[tier]
         slot = tbit.bit_length() - 1
         tiers = self._tiers
-        for key in [k for k in worker.blocks if tiers[k] & tbit]:
+        for key in [k for k in self._worker_keys(worker) if tiers[k] & tbit]:
             if key in self._copies:
                 self._drop_side(self._copies, key, slot)
             self._drop_placement(worker, key, tiers[key], tbit)
@@ -407,7 +427,7 @@ class PrefixIndex:
         worker.num_placements -= 1
         self._num_placements -= 1
         if not t & worker.all_bits:
-            worker.blocks.discard(key)
+            worker.num_blocks -= 1
         if t & ~self._dead:
             self._tiers[key] = t
             if key in self._component_masks:
@@ -444,6 +464,15 @@ class PrefixIndex:
         if per_key is not None and per_key.pop(slot, None) is not None and not per_key:
             del table[key]
 
+    def _worker_keys(self, worker: _Worker) -> list[BlockKey]:
+        """The keys `worker` holds now (compacting its log as a side effect)."""
+        get = self._tiers.get
+        bits = worker.all_bits
+        keys = [k for k in dict.fromkeys(chain.from_iterable(worker.log)) if get(k, 0) & bits]
+        worker.log = [tuple(keys)]
+        worker.log_len = len(keys)
+        return keys
+
     # ------------------------------------------------------------------ workers
 
     def remove_worker(self, worker_id: str) -> int:
@@ -458,6 +487,7 @@ class PrefixIndex:
         removed = worker.num_placements
         self._num_placements -= removed
         self._dead |= worker.all_bits
+        worker.purge_keys = chain.from_iterable(worker.log)
         self._pending.append(worker)
         del self._by_idx[worker.idx]
         self._addressed &= ~worker.bit
@@ -471,20 +501,28 @@ class PrefixIndex:
         budget = max_blocks
         while self._pending:
             worker = self._pending[0]
-            blocks = worker.blocks
-            while blocks and (budget is None or budget > 0):
-                key = blocks.pop()
+            keys = worker.purge_keys if budget is None else islice(worker.purge_keys, budget)
+            for key in keys:
                 t = self._tiers.get(key)
                 if t is not None and t & worker.all_bits:
                     self._strip_worker(key, t, worker)
                 if budget is not None:
                     budget -= 1
-            if blocks:
+            if budget is not None and budget <= 0:
+                # Unknown whether keys remain: peek one (put back in front if so).
+                rest = next(worker.purge_keys, None)
+                if rest is None:
+                    self._finish_purge(worker)
+                    return not self._pending
+                worker.purge_keys = chain((rest,), worker.purge_keys)
                 return False
-            self._pending.pop(0)
-            self._dead &= ~worker.all_bits
-            self._free_idx.append(worker.idx)
+            self._finish_purge(worker)
         return True
+
+    def _finish_purge(self, worker: _Worker) -> None:
+        self._pending.remove(worker)
+        self._dead &= ~worker.all_bits
+        self._free_idx.append(worker.idx)
 
     def _strip_worker(self, key: BlockKey, t: int, worker: _Worker) -> None:
         for table in (self._component_masks, self._copies):
@@ -759,7 +797,7 @@ class PrefixIndex:
         for worker in sorted(self._workers.values(), key=lambda w: w.wid):
             if worker_id is not None and worker.wid != worker_id:
                 continue
-            for key in sorted(worker.blocks):
+            for key in sorted(self._worker_keys(worker)):
                 t = self._tiers[key]
                 masks = self._component_masks.get(key, {})
                 copies = self._copies.get(key, {})
@@ -821,7 +859,7 @@ class PrefixIndex:
             num_blocks=len(self._tiers),
             num_placements=self._num_placements,
             workers=tuple(
-                WorkerStats(w.wid, w.address, len(w.blocks), w.num_placements)
+                WorkerStats(w.wid, w.address, w.num_blocks, w.num_placements)
                 for w in sorted(self._workers.values(), key=lambda w: w.wid)
             ),
         )
@@ -875,7 +913,8 @@ class PrefixIndex:
         for tier in _TIERS:
             tbit = worker.tier_bits[tier]
             slot = tbit.bit_length() - 1
-            keys = sorted((k for k in worker.blocks if self._tiers[k] & tbit), key=rank.__getitem__)
+            held = [k for k in self._worker_keys(worker) if self._tiers[k] & tbit]
+            keys = sorted(held, key=rank.__getitem__)
             chain: list[BlockKey] = []
             for key in keys:
                 parent = self._parents.get(key)

@@ -57,7 +57,9 @@ local function p32(n)
 end
 
 local function new_ctx(keys, args)
-  return { base = string.sub(keys[1], 1, -3), nb = tonumber(args[1]), ep = {}, dn = {} }
+  local base = string.sub(keys[1], 1, -3)
+  return { base = base, b = base .. ':b:', h = base .. ':h:', nb = tonumber(args[1]),
+    ep = {}, dn = {} }
 end
 
 local function bucket_of(ctx, k)
@@ -175,7 +177,7 @@ end
 -- replaced only by a known one. `head` = the record's id, tier and epoch bytes.
 local function report(ctx, wid, tier, head, k, mask, tokens, parent, copies)
   local bucket = bucket_of(ctx, k)
-  local bkey = ctx.base .. ':b:' .. bucket
+  local bkey = ctx.b .. bucket
   local v = redis.call('HGET', bkey, k)
   local with_mask = head .. p32(mask)
   if v then
@@ -202,7 +204,7 @@ local function report(ctx, wid, tier, head, k, mask, tokens, parent, copies)
       return
     end
     -- Only dead placements: the block starts afresh, without its old hit count.
-    redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
+    redis.call('HDEL', ctx.h .. bucket, k)
   end
   add_delta(ctx, wid, tier, 1)
   redis.call('HSET', bkey, k, header(tokens, parent) .. with_mask .. '\0\1')
@@ -211,7 +213,7 @@ end
 -- REVOKE of one block: drops the placement, or with `copies` one physical copy of it.
 local function revoke(ctx, wid, tier, k, copies)
   local bucket = bucket_of(ctx, k)
-  local bkey = ctx.base .. ':b:' .. bucket
+  local bkey = ctx.b .. bucket
   local v = redis.call('HGET', bkey, k)
   if not v then return end
   local from = header_len(v) + 1
@@ -231,7 +233,7 @@ local function revoke(ctx, wid, tier, k, copies)
     return
   end
   redis.call('HDEL', bkey, k)
-  redis.call('HDEL', ctx.base .. ':h:' .. bucket, k)
+  redis.call('HDEL', ctx.h .. bucket, k)
 end
 
 local function clear_tier(ctx, wid, tier)
@@ -327,7 +329,7 @@ local function match(keys, args, count)
   for j = 1, n do
     local k = string.sub(hashes, j * 8 - 7, j * 8)
     local bucket = bucket_of(ctx, k)
-    local v = redis.call('HGET', ctx.base .. ':b:' .. bucket, k)
+    local v = redis.call('HGET', ctx.b .. bucket, k)
     local item = ''
     if v then
       local live = live_out(ctx, v)
@@ -340,7 +342,7 @@ local function match(keys, args, count)
             seen[#seen + 1] = wid
           end
         end
-        if count then redis.call('HINCRBY', ctx.base .. ':h:' .. bucket, k, 1) end
+        if count then redis.call('HINCRBY', ctx.h .. bucket, k, 1) end
       end
     end
     out[j] = item
@@ -359,10 +361,10 @@ local function kvp_hits(keys, args)
   for j = 1, #hashes / 8 do
     local k = string.sub(hashes, j * 8 - 7, j * 8)
     local bucket = bucket_of(ctx, k)
-    local hits = redis.call('HGET', ctx.base .. ':h:' .. bucket, k)
+    local hits = redis.call('HGET', ctx.h .. bucket, k)
     local result = -1
     if hits then
-      local v = redis.call('HGET', ctx.base .. ':b:' .. bucket, k)
+      local v = redis.call('HGET', ctx.b .. bucket, k)
       if v and #live_out(ctx, v) > 0 then result = tonumber(hits) end
     end
     out[j] = result
@@ -490,7 +492,7 @@ local function kvp_prefix(keys, args)
   local blocks_read = 0
   for i = 1, limit do
     local k = string.sub(hashes, i * 8 - 7, i * 8)
-    local v = redis.call('HGET', ctx.base .. ':b:' .. bucket_of(ctx, k), k)
+    local v = redis.call('HGET', ctx.b .. bucket_of(ctx, k), k)
     blocks_read = i
     if not v then break end
     if i == 1 then
@@ -537,7 +539,7 @@ local function kvp_scan(keys, args)
   local seen = {}
   for i = 1, limit do
     local k = string.sub(hashes, i * 8 - 7, i * 8)
-    local v = redis.call('HGET', ctx.base .. ':b:' .. bucket_of(ctx, k), k)
+    local v = redis.call('HGET', ctx.b .. bucket_of(ctx, k), k)
     if not v then break end
     local by, order = placements_by_worker(ctx, v)
     if active == nil then
@@ -609,7 +611,7 @@ local function kvp_dump(keys, args)
   local last = math.min(first + tonumber(args[3]), ctx.nb) - 1
   local out = {}
   for b = first, last do
-    local flat = redis.call('HGETALL', ctx.base .. ':b:' .. b)
+    local flat = redis.call('HGETALL', ctx.b .. b)
     for j = 1, #flat, 2 do
       local v = flat[j + 1]
       local live = live_out(ctx, v)
@@ -638,14 +640,14 @@ local function kvp_sweep(keys, args)
   end
   local last = math.min(cursor + tonumber(args[2]), ctx.nb) - 1
   for b = cursor, last do
-    local bkey = ctx.base .. ':b:' .. b
+    local bkey = ctx.b .. b
     local flat = redis.call('HGETALL', bkey)
     for j = 1, #flat, 2 do
       local k, v = flat[j], flat[j + 1]
       local parts, _, others = rewrite(ctx, v, -1, false)
       if others == 0 then
         redis.call('HDEL', bkey, k)
-        redis.call('HDEL', ctx.base .. ':h:' .. b, k)
+        redis.call('HDEL', ctx.h .. b, k)
       elseif others * REC + header_len(v) ~= #v then
         redis.call('HSET', bkey, k, string.sub(v, 1, header_len(v)) .. table.concat(parts))
       end

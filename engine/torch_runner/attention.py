@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from engine.torch_runner.errors import KvCacheError
 
 # A group is split when its padded score matrix exceeds this multiple of the useful one.
-_MAX_PADDING_FACTOR = 2.0
+_MAX_PADDING_FACTOR = 1.3
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,14 +193,13 @@ class ZmqSource:
             )
             await self._rebuild(message, reason="seq reset")
 
-    async def _apply(self, message: ZmqMessage) -> bool:
-        """Decode, translate and apply one message; False if it was dropped as malformed."""
+    async def _apply(self, message: ZmqMessage) -> None:
+        """Decode, translate and apply one message (a malformed payload is counted)."""
         try:
             batch = decode_payload(message.payload, array_tail=self.settings.array_tail)
         except KvEventDecodeError as exc:
             self.counters.num_bad_messages += 1
             log.warning("worker %s: dropping seq %d: %s", self.worker_id, message.seq, exc)
-            ok = False
         else:
             self.counters.num_events += len(batch.events)
             self.counters.num_bad_events += batch.num_bad_events
@@ -208,11 +207,9 @@ class ZmqSource:
             for index_batch in self.translator.translate(batch.events, seq=message.seq):
                 await self.sink.apply(index_batch)
                 self.counters.num_batches_applied += 1
-            ok = True
         # A malformed payload still consumes its seq: it is not a gap to heal.
         self._expected = message.seq + 1
         self.last_seq = message.seq
-        return ok
 
     async def _reset_worker(self, seq: int) -> None:
         self.counters.num_resets += 1

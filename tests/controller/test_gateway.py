@@ -299,3 +299,26 @@ async def test_prometheus_metrics_are_exported() -> None:
             assert name in text, name
     finally:
         await close_fleet(fleet)
+
+
+async def test_vllm_generate_is_routed_to_the_prefix_holder(fleet: Fleet) -> None:
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    stub = vpb_grpc.GenerateStub(fleet.channel)
+
+    def request(rid: str, tail: int) -> vpb.GenerateRequest:
+        return vpb.GenerateRequest(
+            request_id=rid, model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, tail]),
+            stopping=vpb.StoppingCriteria(max_new_tokens=3, ignore_eos=True),
+        )  # fmt: skip
+
+    chunks = [r async for r in stub.GenerateStream(request("v1", 1))]
+    assert chunks[-1].outputs.finish_info.num_output_tokens == 3
+    await holder_of(fleet, PREFIX, 4)
+    cache_decisions = fleet.app.controller.metrics.decisions.labels("kvplane", "cache")
+    before = cache_decisions._value.get()
+    reply = await stub.Generate(request("v2", 2))
+    assert reply.outputs.finish_info.finish_reason == vpb.FinishInfo.LENGTH
+    assert cache_decisions._value.get() == before + 1  # sent where the prefix lives
+    assert len(fleet.app.controller.router.inflight) == 0

@@ -236,7 +236,7 @@ async def test_concurrent_prefix_queries_beyond_the_limit_are_shed_not_queued(
 async def test_an_expired_deadline_is_deadline_exceeded(served: Server) -> None:
     for _ in range(20):
         call = served.kv.MatchExternalKvPrefix(
-            kv.MatchExternalKvPrefixRequest(hashes=[1]), timeout=0
+            kv.MatchExternalKvPrefixRequest(hashes=[1]), timeout=-1.0
         )
         assert await _code(call) == grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 from vllm_capture import BLOCK_SIZE, NUM_GPU_BLOCKS, LiveModel, live_messages, signed
 
@@ -228,3 +230,48 @@ def test_the_real_capture_in_canonical_mode_indexes_token_keys() -> None:
     assert {p.key for p in index.placements("w0")} == expected
     assert translator.counters.num_unresolved == 0
     assert signed(next(iter(model.live_unsigned()))) not in expected
+
+
+_MEDIA = {"GPU": Tier.HBM, "CPU": Tier.DRAM}
+_event = st.one_of(
+    st.builds(
+        lambda hashes, parent, medium: BlockStored(tuple(hashes), parent, medium=medium),
+        st.lists(st.integers(1, 6), min_size=1, max_size=3),
+        st.one_of(st.none(), st.integers(1, 6)),
+        st.sampled_from(sorted(_MEDIA)),
+    ),
+    st.builds(
+        lambda hashes, medium: BlockRemoved(tuple(hashes), medium=medium),
+        st.lists(st.integers(1, 6), min_size=1, max_size=3),
+        st.sampled_from(sorted(_MEDIA)),
+    ),
+    st.just(AllBlocksCleared()),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(_event, max_size=4), max_size=12))
+def test_copies_and_clears_match_a_naive_model(messages: list[list[object]]) -> None:
+    translator = _translator()
+    index = PrefixIndex()
+    copies: dict[tuple[Tier, int], int] = {}
+    for seq, events in enumerate(messages):
+        for batch in translator.translate(events, seq=seq):  # type: ignore[arg-type]
+            validate_batch(batch)
+            index.apply(batch)
+        for event in events:
+            if isinstance(event, BlockStored):
+                tier = _MEDIA[event.medium or ""]
+                for h in event.block_hashes:
+                    live = copies.get((tier, h), 0)
+                    if not (event.parent_block_hash is None and live):
+                        copies[(tier, h)] = live + 1
+            elif isinstance(event, BlockRemoved):
+                tier = _MEDIA[event.medium or ""]
+                for h in event.block_hashes:
+                    if copies.get((tier, h), 0) > 0:
+                        copies[(tier, h)] -= 1
+            else:
+                copies.clear()
+        expected = {key for key, n in copies.items() if n > 0}
+        assert {(p.tier, p.key) for p in index.placements("w0")} == expected
