@@ -18,6 +18,7 @@ from controller.registry import (
 )
 from controller.router import Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
+from kvplane.config import parse_host_port
 from kvplane.errors import KvplaneError
 from kvplane.server import abort_with
 from kvplane_api.v1 import admin_pb2 as apb
@@ -108,8 +109,6 @@ class AdminServicer(apb_grpc.AdminServicer):
         if mode not in {m.value for m in KvEventsMode}:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, f"kv_events {mode!r}?")
         try:
-            from kvplane.config import parse_host_port
-
             parse_host_port(request.address)
             record = await self.controller.fleet.add_engine(request.address, mode, source="admin")
         except ValueError as exc:

@@ -146,3 +146,177 @@ def bench_route(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     doc = run_route_bench(trace, settings, names, peer)
     emit(doc, output, render_table)
+
+
+async def _spawn(args: list[str], port_file: Path, log_path: Path) -> tuple[Any, int]:
+    import asyncio
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvplane",
+        *args,
+        "--port-file",
+        str(port_file),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=log_path.open("wb"),
+    )
+    deadline = time.monotonic() + 60
+    while not (text := await asyncio.to_thread(_read_port, port_file)):
+        if proc.returncode is not None or time.monotonic() > deadline:
+            raise KvplaneError(f"kvplane {args[0]} did not start (see {log_path})")
+        await asyncio.sleep(0.05)
+    return proc, int(text)
+
+
+def _read_port(path: Path) -> str:
+    return path.read_text().strip() if path.exists() else ""
+
+
+async def _gateway_overhead(
+    num_engines: int, num_requests: int, prompt_tokens: int
+) -> dict[str, Any]:
+    """Time to first response and to the end of the stream, calling a sim engine directly and
+    through the controller, sequentially (the difference is what the gateway adds). Engines
+    and controller run as their own processes, as deployed."""
+    import asyncio
+    import tempfile
+
+    procs: list[Any] = []
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        try:
+            ports = []
+            for i in range(num_engines):
+                cfg = work / f"e{i}.yaml"
+                cfg.write_text(
+                    f"listen: 127.0.0.1:0\ninstance_id: e{i}\nmodel: sim\n"
+                    "num_kv_blocks: 4096\nsim: {time_scale: 0}\n"
+                )
+                proc, port = await _spawn(
+                    ["engine", "serve", "--config", str(cfg)],
+                    work / f"e{i}.port",
+                    work / f"e{i}.log",
+                )
+                procs.append(proc)
+                ports.append(port)
+            cfg = work / "controller.yaml"
+            cfg.write_text(
+                "listen: 127.0.0.1:0\nengines:\n"
+                + "".join(f"  - {{address: 127.0.0.1:{p}}}\n" for p in ports)
+            )
+            proc, controller_port = await _spawn(
+                ["controller", "serve", "--config", str(cfg)], work / "c.port", work / "c.log"
+            )
+            procs.append(proc)
+            for name, target in (
+                ("direct", f"127.0.0.1:{ports[0]}"),
+                ("gateway", f"127.0.0.1:{controller_port}"),
+            ):
+                results[name] = await _time_requests(target, name, num_requests, prompt_tokens)
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.terminate()
+            for proc in procs:
+                await asyncio.wait_for(proc.wait(), 30)
+    results["added_ms"] = {
+        key: round(
+            results["gateway"]["first_response_ms"][key]
+            - results["direct"]["first_response_ms"][key],
+            3,
+        )
+        for key in ("p50", "p99")
+    }
+    return {
+        "engines": num_engines,
+        "requests": num_requests,
+        "prompt_tokens": prompt_tokens,
+        **results,
+    }
+
+
+async def _time_requests(
+    target: str, name: str, num_requests: int, prompt_tokens: int
+) -> dict[str, Any]:
+    import asyncio
+
+    import grpc
+
+    from openengine.v1 import openengine_pb2 as pb
+    from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.OpenEngineStub(channel)
+        first: list[float] = []
+        total: list[float] = []
+        attempts = 0
+        while len(total) < num_requests:
+            attempts += 1
+            i = attempts
+            request = pb.GenerateRequest(
+                request_id=f"{name}-{i}",
+                model="sim",
+                token_ids=pb.TokenIds(ids=[(i * 7 + j) % 30000 for j in range(prompt_tokens)]),
+                stopping=pb.StoppingOptions(max_tokens=4, ignore_eos=True),
+            )
+            started = time.perf_counter()
+            seen_first: float | None = None
+            try:
+                async for _ in stub.Generate(request):
+                    if seen_first is None:
+                        seen_first = time.perf_counter() - started
+            except grpc.aio.AioRpcError as exc:
+                # The controller may not have reached its engines yet.
+                if attempts > num_requests + 200:
+                    raise KvplaneError(f"{name}: {exc.code().name}: {exc.details()}") from exc
+                await asyncio.sleep(0.1)
+                continue
+            if attempts > 10:  # warm-up excluded
+                first.append((seen_first or 0.0) * 1000)
+                total.append((time.perf_counter() - started) * 1000)
+    return {"first_response_ms": _summary(first), "request_ms": _summary(total)}
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    ordered = sorted(values)
+    return {
+        "p50": round(ordered[len(ordered) // 2], 3),
+        "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
+        "mean": round(statistics.fmean(ordered), 3),
+    }
+
+
+def bench_gateway(
+    *,
+    engines: Annotated[int, typer.Option(min=1)] = 3,
+    requests: Annotated[int, typer.Option(min=10)] = 300,
+    prompt_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """What the controller adds to a request: sim engines (no compute time), sequential
+    requests, direct vs through the gateway."""
+    import asyncio
+
+    doc = asyncio.run(_gateway_overhead(engines, requests, prompt_tokens))
+
+    def render(d: dict[str, Any]) -> str:
+        lines = [
+            f"{d['requests']} sequential requests, {d['prompt_tokens']} prompt tokens, "
+            f"{d['engines']} sim engines"
+        ]
+        for name in ("direct", "gateway"):
+            f, t = d[name]["first_response_ms"], d[name]["request_ms"]
+            lines.append(
+                f"{name:<8} first response p50 {f['p50']:.2f} ms p99 {f['p99']:.2f} ms; "
+                f"request p50 {t['p50']:.2f} ms p99 {t['p99']:.2f} ms"
+            )
+        lines.append(
+            f"added    p50 {d['added_ms']['p50']:.2f} ms p99 {d['added_ms']['p99']:.2f} ms"
+        )
+        return "\n".join(lines)
+
+    emit(doc, output, render)

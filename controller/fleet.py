@@ -317,6 +317,10 @@ class Fleet:
                 need_identity = True
                 next_health = 0.0
                 await self._notify()
+            except Exception as exc:  # a bug or a malformed answer: keep polling, loudly
+                log.exception("engine %s: poll failed", address)
+                delay = self.registry.on_unreachable(address, now, f"poll failed: {exc}")
+                need_identity = True
             engine.wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):

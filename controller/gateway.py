@@ -100,7 +100,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else "",
             session_key=request.metadata.get(key) if key else None,
         )
-        plan = await c.plan(query)
+        try:
+            plan = await c.plan(query)
+        except Exception:
+            log.exception("request %s: routing failed", request.request_id)
+            await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
         tried: set[str] = set()
         for attempt in range(2):
             try:

@@ -14,18 +14,18 @@ Contract (WIRE.md section 2 is normative; this module implements it exactly):
 
 No I/O, no clock, no asyncio: backends and services wrap it.
 
-Layout, chosen for speed and memory (about 200 bytes per indexed (worker, block) placement):
-workers are interned to small integers `w`; each block is one slotted `_Node` in a key -> node
-dict, holding `workers` (bit `1 << w` set while worker w holds the block on any tier) and `tiers`
-(bit `1 << (3w + tier - 1)` per placement), so a prefix match for every legacy worker at once is
-an AND of `workers` along the chain. Rare data lives in sparse side tables keyed by block key:
-non-zero component masks, copy counts above one, hit counters, orphaned children. Each worker
-keeps the set of keys it holds (CLEAR and worker removal touch only its own blocks).
+Layout, chosen for speed and memory (about 150 bytes per indexed (worker, block) placement):
+workers are interned to small integers `w`; each block is one entry of a key -> int dict whose
+bit `3w + tier - 1` marks a placement, so a prefix match for every legacy worker at once is a
+running AND of those integers along the chain (at C speed, see `_legacy_prefix`). Rare data
+lives in sparse side tables keyed by block key: non-zero component masks, copy counts above
+one, hit counters; known parents and token counts in two more dicts. Each worker keeps a log
+of the keys it was given (CLEAR and removal touch only its own keys), compacted as it grows.
 
-Tree invariants: `node.parent` is the parent key last reported (None = root; a REPORT without a
-parent never erases a known one). A node is listed in its parent node's `children` when the
-parent is indexed, else in `_orphans[parent]`; a node whose last placement goes is deleted
-and its children become orphans (they keep their parent key, which may be reported again).
+Tree: `parent(key)` is the parent last reported for a block (a REPORT without a parent never
+erases a known one); children, subtrees and the parent-first order are derived on demand. A
+block whose last placement goes is forgotten with its parent, token count and hit counter.
+Removed workers are dropped from every answer at once and purged from the blocks lazily.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, chain, islice, repeat
-from operator import and_
+from operator import and_, attrgetter
 
 from indexer.backend import (
     IndexStats,
@@ -59,7 +59,8 @@ _SLOTS_PER_WORKER = 3  # one placement bit per tier
 # Removed workers' bits purged per apply call (the rest waits for later calls or `purge`).
 PURGE_STEP_BLOCKS = 1024
 # Blocks fetched per step of a legacy prefix scan (a miss stops the scan after its chunk).
-_SCAN_CHUNK = 64
+_FIRST_SCAN_CHUNK = 64
+_MAX_SCAN_CHUNK = 256
 # Stale entries a worker's key log may hold beyond twice its live blocks before compaction.
 _LOG_SLACK = 4096
 # Component bits as plain ints (IntFlag arithmetic is slow on the hot path).
@@ -69,6 +70,10 @@ _FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAM
 _ACTION_VALUES = frozenset(int(a) for a in ActionType)
 _TIER_VALUES = frozenset(int(t) for t in Tier)
 _REPORT, _REVOKE, _CLEAR = (int(a) for a in ActionType)
+
+
+_BY_WORKER_ID = attrgetter("worker_id")
+_BY_MATCHED_BLOCKS = attrgetter("matched_prefix_blocks")
 
 
 class ValidationKind(enum.Enum):
@@ -244,6 +249,9 @@ class PrefixIndex:
         self._addressed = 0  # HBM-slot bits of workers with a non-empty address
         self._legacy = 0  # HBM-slot bits of workers without a cache spec
         self._hbm_slots = 0  # HBM-slot bits of every live worker
+        # HBM-slot bits of workers that ever reported a DRAM or SSD placement (never cleared
+        # while the worker lives): only they need the per-tier walk in prefix scans.
+        self._lower_tier_slots = 0
         # Removed workers whose bits are still in `_tiers`, purged a slice per apply.
         self._dead = 0
         self._pending: list[_Worker] = []
@@ -305,6 +313,8 @@ class PrefixIndex:
         get = tiers.get
         parents = self._parents
         tbit = worker.tier_bits[action.tier]
+        if action.tier != Tier.HBM:
+            self._lower_tier_slots |= worker.bit
         wbits = worker.all_bits
         dead = self._dead
         added: list[BlockKey] = []
@@ -493,6 +503,7 @@ class PrefixIndex:
         self._addressed &= ~worker.bit
         self._legacy &= ~worker.bit
         self._hbm_slots &= ~worker.bit
+        self._lower_tier_slots &= ~worker.bit
         return removed
 
     def purge(self, max_blocks: int | None = None) -> bool:
@@ -632,8 +643,9 @@ class PrefixIndex:
             if match is None:
                 match = worker.prefix_matches[n] = PrefixMatch(worker.wid, worker.address, n)
             ranked.append(match)
-        if len(ranked) > 1:
-            ranked.sort(key=lambda m: (-m.matched_prefix_blocks, m.worker_id))
+        if len(ranked) > 1:  # two stable C-keyed sorts: blocks descending, then worker id
+            ranked.sort(key=_BY_WORKER_ID)
+            ranked.sort(key=_BY_MATCHED_BLOCKS, reverse=True)
         return PrefixResult(tuple(ranked), ranked[0].matched_prefix_blocks, blocks_read)
 
     def _legacy_prefix(
@@ -651,34 +663,38 @@ class PrefixIndex:
         ended: dict[int, int] = {}  # HBM slot -> leading blocks held on HBM
         survivors = alive
         base = 0
+        chunk = _FIRST_SCAN_CHUNK  # grows: most prefixes end early, some run long
         while survivors and base < limit:
-            end = min(limit, base + _SCAN_CHUNK)
-            acc = list(accumulate(map(get, hashes[base:end], repeat(0)), and_, initial=survivors))
-            ascending = acc[::-1]
-            n = end - base
-            current = survivors
-            while current:
-                below = bisect_left(ascending, current)  # entries that lost someone
-                if not below:
-                    break
-                k = n + 1 - below  # first position whose AND lost a worker
-                for slot in _bits(current & ~acc[k]):
-                    ended[slot] = base + k - 1
-                current = acc[k]
-            survivors = current
+            end = min(limit, base + chunk)
+            window = hashes if base == 0 and end == len(hashes) else hashes[base:end]
+            acc = list(accumulate(map(get, window, repeat(0)), and_, initial=survivors))
+            if acc[-1] != survivors:
+                ascending = acc[::-1]
+                n = end - base
+                current = survivors
+                while current:
+                    below = bisect_left(ascending, current)  # entries that lost someone
+                    if not below:
+                        break
+                    k = n + 1 - below  # first position whose AND lost a worker
+                    for slot in _bits(current & ~acc[k]):
+                        ended[slot] = base + k - 1
+                    current = acc[k]
+                survivors = current
             base = end
+            chunk = min(4 * chunk, _MAX_SCAN_CHUNK)
         for slot in _bits(survivors):
             ended[slot] = limit
-        blocks_read = 0
+        lower_tier = self._lower_tier_slots
         for slot, hbm_run in ended.items():
             held = hbm_run
-            if held < limit:  # maybe on other tiers beyond its HBM run
+            if held < limit and lower_tier >> slot & 1:  # maybe on DRAM/SSD beyond HBM
                 bits = 7 << slot
                 while held < limit and get(hashes[held], 0) & bits:
                     held += 1
                 ended[slot] = held
             found.append((slot, held))
-            blocks_read = max(blocks_read, min(limit, held + 1))
+        blocks_read = min(limit, max(ended.values()) + 1)
         poisoned = 0
         component_masks = self._component_masks
         if component_masks:

@@ -27,20 +27,19 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
     RedisError,
     ResponseError,
+    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -58,110 +57,31 @@ from indexer.backend import (
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
 from indexer.index import MAX_ACTIONS_PER_BATCH, PrefixIndex
+from indexer.redis_client import (
+    Client,
+    IndexBackendError,
+    IndexUnavailableError,
+    RedisOptions,
+    connect,
+)
 from kvplane.errors import ConfigError, KvplaneError
+
+__all__ = [
+    "IndexBackendError",
+    "IndexUnavailableError",
+    "RedisBackend",
+    "RedisOptions",
+    "open_redis_backend",
+]
 
 log = logging.getLogger(__name__)
 
 FUNCTIONS_FILE = Path(__file__).with_name("redis_functions.lua")
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException)
 _SERVABLE = (Tier.HBM, Tier.DRAM)
-
-
-class IndexUnavailableError(KvplaneError):
-    """The shared index cannot answer now (Redis down or failing); retry later."""
-
-
-@dataclass(frozen=True, slots=True)
-class RedisOptions:
-    """Options of `open_redis_backend` (the `redis:` block of the indexer config)."""
-
-    key_prefix: str = "kvplane"
-    # The partition: indexes of different models never share keys.
-    model: str = "default"
-    # Hashes per partition that hold the block records (fixed once a partition holds data).
-    buckets: int = 65536
-    password: str | None = None
-    password_file: Path | None = None
-    username: str | None = None
-    tls_ca_file: Path | None = None
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    timeout_s: float = 2.0
-    connect_timeout_s: float = 0.5
-    max_buffered_batches: int = 10_000
-    # Background upkeep: boot-token check and sweeping of dead placements.
-    maintenance_interval_s: float = 1.0
-    sweep_chunk_buckets: int = 256
-    dump_chunk_buckets: int = 1024
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.buckets <= 1 << 24:
-            raise ConfigError(f"redis buckets must be in 1..{1 << 24}, got {self.buckets}")
-        if not self.key_prefix or any(c in self.key_prefix + self.model for c in "{}"):
-            raise ConfigError("redis key_prefix must be non-empty; key_prefix and model no braces")
-        if self.max_buffered_batches < 0:
-            raise ConfigError("redis max_buffered_batches must be >= 0")
-
-    def read_password(self) -> str | None:
-        if self.password_file is None:
-            return self.password
-        try:
-            return self.password_file.read_text().strip()
-        except OSError as exc:
-            where = self.password_file
-            raise ConfigError(f"cannot read redis password_file {where}: {exc}") from exc
-
-
-class _FcallCluster(RedisCluster):
-    """RedisCluster that routes FCALL/FCALL_RO by their first key without asking the server
-    (redis-py otherwise sends COMMAND GETKEYS, a second round trip, before every call)."""
-
-    async def _determine_slot(self, command: str, *args: Any) -> int:
-        if command.upper() in ("FCALL", "FCALL_RO") and len(args) >= 3 and int(args[1]) > 0:
-            slot: int = self.keyslot(args[2])
-            return slot
-        slot = await super()._determine_slot(command, *args)
-        return slot
-
-
-Client = aioredis.Redis | RedisCluster
-
-
-def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
-    """A client for `redis://`, `rediss://`, `unix://` or `redis+cluster://h:p[,h:p...]`,
-    and the address to name in errors."""
-    common: dict[str, Any] = {
-        "password": options.read_password(),
-        "username": options.username,
-        "socket_timeout": options.timeout_s,
-        "socket_connect_timeout": options.connect_timeout_s,
-        # One quick retry heals a pooled connection that a Redis restart broke.
-        "retry": Retry(NoBackoff(), 1),
-    }
-    tls: dict[str, Any] = {}
-    if options.tls_ca_file or options.tls_cert_file:
-        tls = {
-            "ssl": True,
-            "ssl_ca_certs": str(options.tls_ca_file) if options.tls_ca_file else None,
-            "ssl_certfile": str(options.tls_cert_file) if options.tls_cert_file else None,
-            "ssl_keyfile": str(options.tls_key_file) if options.tls_key_file else None,
-        }
-    if url.startswith("redis+cluster://"):
-        rest = url.removeprefix("redis+cluster://").split("/", 1)[0]
-        nodes = []
-        for part in rest.split(","):
-            host, _, port = part.strip().rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"backend {url!r}: expected redis+cluster://HOST:PORT[,...]")
-            nodes.append(ClusterNode(host.strip("[]"), int(port)))
-        cluster = _FcallCluster(startup_nodes=nodes, **common, **tls)
-        return cluster, rest
-    try:
-        client = aioredis.Redis.from_url(url, **common, **tls)
-    except ValueError as exc:
-        raise ConfigError(f"backend {url!r}: {exc}") from exc
-    where = urlsplit(url).netloc.rpartition("@")[2] or url
-    return client, where
+# Refusals that pass: a replica being promoted, a slot moving, memory pressure, a busy script.
+_TRANSIENT = (OutOfMemoryError, ReadOnlyError, TryAgainError)
+_TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS", "OOM")
 
 
 async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
@@ -333,7 +253,11 @@ class RedisBackend:
                 if stale and attempt == 0:
                     self._ready = False
                     continue
-                raise IndexUnavailableError(
+                if isinstance(exc, _TRANSIENT) or text.startswith(_TRANSIENT_PREFIXES):
+                    raise IndexUnavailableError(
+                        f"shared index unavailable: Redis at {self._where}: {text}"
+                    ) from exc
+                raise IndexBackendError(
                     f"shared index error from Redis at {self._where}: {text}"
                 ) from exc
         raise AssertionError("unreachable")
@@ -391,8 +315,14 @@ class RedisBackend:
                     self._request_resync({worker_id})
                 while self._buffer:
                     # Left in the buffer until applied, so new batches queue behind it.
-                    await self._fcall("kvp_apply", codec.apply_args(self._buffer[0]), boot=True)
-                    self._buffer.popleft()
+                    batch = self._buffer[0]
+                    try:
+                        await self._fcall("kvp_apply", codec.apply_args(batch), boot=True)
+                    except IndexBackendError as exc:
+                        log.error("buffered batch of %s refused: %s", batch.worker_id, exc)
+                        self._request_resync({batch.worker_id})
+                    if self._buffer and self._buffer[0] is batch:  # not filtered meanwhile
+                        self._buffer.popleft()
                 if not self._dropping and not self._removals:
                     break
             except KvplaneError as exc:

@@ -408,14 +408,16 @@ local function placements_by_worker(ctx, v)
 end
 
 -- Candidate states from the first block: live holders with an address, in record order.
+-- Each carries its expected epochs per tier, so the scan checks liveness without lookups.
 local function candidates(ctx, v)
   local by, states = {}, {}
   for pos = header_len(v) + 1, #v, REC do
     local wid = u16(v, pos)
     if by[wid] == nil and is_live(ctx, v, pos) then
-      local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'n', 'a', 's')
+      local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'n', 'a', 's', 'e1', 'e2', 'e3')
       if row[2] and row[2] ~= '' then
         local st = { wid = wid, name = row[1] or '', addr = row[2], spec = spec_of(row[3]),
+          ep = { tonumber(row[4]) or 0, tonumber(row[5]) or 0, tonumber(row[6]) or 0 },
           best = 0, run = 0, broken = false, poisoned = false, seen = 0, f = 0, s = 0, m = 0 }
         st.on = st.spec == nil or spec_valid(st.spec)
         by[wid] = st
@@ -430,20 +432,24 @@ end
 
 -- Notes what block `i` holds for each scanning candidate: present (seen), component detail
 -- on a legacy worker (poisoned), FULL/SWA/MAMBA on a tier its spec serves them from.
-local function observe(ctx, by, v, i)
-  local byte, ep = string.byte, ctx.ep
+-- Legacy candidates advance here (best = i); returns how many distinct candidates it saw.
+local function observe(by, v, i)
+  local byte = string.byte
+  local seen = 0
   for pos = header_len(v) + 1, #v, REC do
     local a, b, t, e1, e2, e3, e4, m1, m2, m3, m4 = byte(v, pos, pos + 10)
-    local wid = a * 256 + b
-    local st = by[wid]
-    if st and st.on
-        and ((e1 * 256 + e2) * 256 + e3) * 256 + e4 == (ep[wid * 4 + t] or epoch_of(ctx, wid, t)) then
-      st.seen = i
-      local mask = ((m1 * 256 + m2) * 256 + m3) * 256 + m4
+    local st = by[a * 256 + b]
+    if st and st.on and st.ep[t] == ((e1 * 256 + e2) * 256 + e3) * 256 + e4 then
+      if st.seen ~= i then
+        st.seen = i
+        seen = seen + 1
+      end
       local sp = st.spec
       if sp == nil then
-        if mask ~= 0 then st.poisoned = true end
+        st.best = i
+        if m1 + m2 + m3 + m4 ~= 0 then st.poisoned = true end
       elseif t == 1 or t == 2 then
+        local mask = ((m1 * 256 + m2) * 256 + m3) * 256 + m4
         local tb = bit.lshift(1, t)
         if bit.band(mask, 1) ~= 0 and bit.band(sp.full, tb) ~= 0 then st.f = i end
         if bit.band(mask, 2) ~= 0 and bit.band(sp.swa, tb) ~= 0 then st.s = i end
@@ -451,18 +457,12 @@ local function observe(ctx, by, v, i)
       end
     end
   end
+  return seen
 end
 
--- Advances one candidate over block `i` (WIRE.md section 2's rules); false ends its scan.
--- A legacy worker with component detail on a scanned block fails closed (prefix 0) but is
--- scanned on, as the memory backend does (blocks_read agrees).
-local function step(st, i, tokens)
-  if st.seen ~= i then return false end
-  local sp = st.spec
-  if sp == nil then
-    st.best = i
-    return true
-  end
+-- Advances a spec'd candidate over block `i` (WIRE.md section 2's rules); false ends its
+-- scan. (Legacy candidates are advanced inline in kvp_prefix.)
+local function step_spec(st, sp, i, tokens)
   if st.f ~= i then return false end
   local ok = true
   if bit.band(sp.components, 2) ~= 0 then
@@ -483,12 +483,15 @@ end
 -- MatchExternalKvPrefix. ARGV: nb, hashes, limit. Candidates: workers with an address that
 -- hold the first block. Returns blocks_read, then per worker with a non-zero prefix (in
 -- first-block record order; the caller sorts): id, name, address, matched_prefix_blocks.
+-- A legacy worker with component detail on a scanned block fails closed (prefix 0) but is
+-- scanned on, as the memory backend does (so blocks_read agrees).
 local function kvp_prefix(keys, args)
   local ctx = new_ctx(keys, args)
   local hashes = args[2]
   local limit = tonumber(args[3])
   local by, states
   local active = {}
+  local num_spec = 0 -- spec'd candidates still scanning
   local blocks_read = 0
   for i = 1, limit do
     local k = string.sub(hashes, i * 8 - 7, i * 8)
@@ -498,21 +501,33 @@ local function kvp_prefix(keys, args)
     if i == 1 then
       by, states = candidates(ctx, v)
       for _, st in ipairs(states) do
-        if st.on then active[#active + 1] = st end
+        if st.on then
+          active[#active + 1] = st
+          if st.spec then num_spec = num_spec + 1 end
+        end
       end
+      if #active == 0 then break end
     end
-    observe(ctx, by, v, i)
-    local tokens = u32(v, 2)
-    local still = {}
-    for _, st in ipairs(active) do
-      if step(st, i, tokens) then
-        still[#still + 1] = st
-      else
-        st.on = false
+    -- Everyone still on and all legacy: nothing to decide beyond what observe did.
+    if observe(by, v, i) < #active or num_spec > 0 then
+      local tokens = u32(v, 2)
+      local kept = 0
+      for j = 1, #active do
+        local st = active[j]
+        local sp = st.spec
+        local on = st.seen == i
+        if on and sp then on = step_spec(st, sp, i, tokens) end
+        if on then
+          kept = kept + 1
+          active[kept] = st
+        else
+          st.on = false
+          if sp then num_spec = num_spec - 1 end
+        end
       end
+      for j = #active, kept + 1, -1 do active[j] = nil end
+      if kept == 0 then break end
     end
-    active = still
-    if #active == 0 then break end
   end
   local out = { blocks_read }
   for _, st in ipairs(states or {}) do

@@ -10,7 +10,6 @@ DEADLINE_EXCEEDED. Applies are never shed.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -218,12 +217,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         self, request: api.DumpIndexRequest, context: Context
     ) -> AsyncIterator[kv.ApplyExternalKvBatchRequest]:
         try:
-            # The protocol spells snapshot as `async def`; backends implement it as an async
-            # generator. Accept both shapes.
-            batches: Any = self.backend.snapshot(request.worker_id or None)
-            if inspect.isawaitable(batches):
-                batches = await batches
-            async for batch in batches:
+            async for batch in self.backend.snapshot(request.worker_id or None):
                 yield batch_to_proto(batch)
         except Exception as exc:
             await _fail(context, exc)

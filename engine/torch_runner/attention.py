@@ -18,8 +18,10 @@ block table) into tensors once per step; every layer then:
    that lets the query at position `p` see exactly the keys at positions `<= p` of its own
    sequence: causal within the new chunk, full over the cached context, nothing past the end.
 
-Groups keep padding bounded: decodes (one query each) share one group; prefill chunks are
-packed together only while the padded score matrix stays within twice the useful work.
+Groups keep padding bounded: sequences sorted by (new tokens, context) are packed together
+while the padded score matrix stays within 1.5x the useful work, so decodes of similar context
+share one group and a long prefill chunk gets its own. Padding is what the gather of each
+sequence's blocks pays for, and that gather is the memory-bound part of a CPU decode step.
 Padded query rows are given position 0 so that their softmax is never empty; their outputs are
 discarded. Invariant: every slot written in a step belongs to a block the caller owns, and a
 block table covers every position of its sequence up to the end of the step's chunk.
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from engine.torch_runner.errors import KvCacheError
 
 # A group is split when its padded score matrix exceeds this multiple of the useful one.
-_MAX_PADDING_FACTOR = 1.3
+_MAX_PADDING_FACTOR = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +103,10 @@ class AttentionMetadata:
             total += chunk.num_tokens
         max_table = max(len(c.block_table) for c in chunks)
         tables_list = [list(c.block_table) + [0] * (max_table - len(c.block_table)) for c in chunks]
-        if min(min(t) for t in tables_list) < 0 or max(max(t) for t in tables_list) >= num_blocks:
+        tables = torch.tensor(tables_list, dtype=torch.int64)
+        if int(tables.min()) < 0 or int(tables.max()) >= num_blocks:
             raise KvCacheError(f"a block table refers to a block outside [0, {num_blocks})")
-        cpu = torch.device("cpu")
-        tables = torch.tensor(tables_list, dtype=torch.int64, device=cpu)
-        counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64, device=cpu)
+        counts = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), counts)
         offset_of_token = torch.tensor(offsets, dtype=torch.int64)[seq_of_token]
         start_of_token = torch.tensor(starts, dtype=torch.int64)[seq_of_token]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -150,19 +151,13 @@ class TorchModelRunner:
     def _execute(self, sequences: Sequence[ScheduledSequence]) -> list[SequenceResult]:
         model = self.model
         device = model.device
-        input_ids: list[int] = []
-        chunks: list[SequenceChunk] = []
-        for seq in sequences:
-            input_ids.extend(seq.token_ids)
-            chunks.append(SequenceChunk(seq.start_position, len(seq.token_ids), seq.block_table))
+        input_ids = [t for seq in sequences for t in seq.token_ids]
+        chunks = [
+            SequenceChunk(seq.start_position, len(seq.token_ids), seq.block_table)
+            for seq in sequences
+        ]
         max_position = max(c.start + c.num_tokens for c in chunks) - 1
-        if max_position >= self._max_model_len:
-            raise InvalidBatchError(
-                f"position {max_position} is beyond max_model_len {self._max_model_len}"
-            )
-        vocab = model.config.vocab_size
-        if min(input_ids) < 0 or max(input_ids) >= vocab:
-            raise InvalidBatchError(f"a token id is outside the vocabulary [0, {vocab})")
+        self._check(input_ids, max_position)
         metadata = AttentionMetadata.build(
             chunks,
             block_size=self._block_size,
@@ -172,32 +167,14 @@ class TorchModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
         hidden = model.forward(ids, metadata, self.kv_cache, max_position)
-
-        # Which hidden rows need logits: prompt-logprob positions, then each sampling row.
-        rows: list[int] = []
-        prompt_rows: dict[int, tuple[int, list[int]]] = {}  # seq index -> (first row, targets)
-        sample_rows: list[int] = []
-        offset = 0
-        for i, seq in enumerate(sequences):
-            num_tokens = len(seq.token_ids)
-            if seq.prompt_logprobs is not None:
-                start = seq.start_position
-                end = min(start + num_tokens, len(seq.prompt_token_ids) - 1)
-                if end > start:
-                    prompt_rows[i] = (len(rows), list(seq.prompt_token_ids[start + 1 : end + 1]))
-                    rows.extend(range(offset, offset + end - start))
-            if seq.sample:
-                sample_rows.append(len(rows))
-                rows.append(offset + num_tokens - 1)
-            offset += num_tokens
-        if not rows:
+        plan = _LogitRows.plan(sequences)
+        if not plan.rows:
             return [SequenceResult(seq_id=seq.seq_id) for seq in sequences]
-        logits = model.compute_logits(hidden[torch.tensor(rows, device=device)])
-
+        logits = model.compute_logits(hidden[torch.tensor(plan.rows, device=device)])
         sampling_seqs = [seq for seq in sequences if seq.sample]
-        sampled = (
+        sampled = iter(
             self.sampler.sample(
-                logits[torch.tensor(sample_rows, device=device)],
+                logits[torch.tensor(plan.sample_rows, device=device)],
                 [
                     SamplingRow(
                         params=seq.sampling,
@@ -212,23 +189,58 @@ class TorchModelRunner:
             else []
         )
         results: list[SequenceResult] = []
-        next_sample = 0
         for i, seq in enumerate(sequences):
-            token_id = None
-            logprob = None
-            if seq.sample:
-                token_id = sampled[next_sample].token_id
-                logprob = sampled[next_sample].logprob
-                next_sample += 1
+            token = next(sampled) if seq.sample else None
             prompt: tuple[TokenLogprob, ...] = ()
-            if i in prompt_rows and seq.prompt_logprobs is not None:
-                first, targets = prompt_rows[i]
-                prompt = prompt_logprobs(
-                    logits[first : first + len(targets)], targets, seq.prompt_logprobs
-                )
+            if i in plan.prompt_rows and seq.prompt_logprobs is not None:
+                first, targets = plan.prompt_rows[i]
+                window = logits[first : first + len(targets)]
+                prompt = prompt_logprobs(window, targets, seq.prompt_logprobs)
             results.append(
                 SequenceResult(
-                    seq_id=seq.seq_id, token_id=token_id, logprob=logprob, prompt_logprobs=prompt
+                    seq_id=seq.seq_id,
+                    token_id=None if token is None else token.token_id,
+                    logprob=None if token is None else token.logprob,
+                    prompt_logprobs=prompt,
                 )
             )
         return results
+
+    def _check(self, input_ids: list[int], max_position: int) -> None:
+        if max_position >= self._max_model_len:
+            raise InvalidBatchError(
+                f"position {max_position} is beyond max_model_len {self._max_model_len}"
+            )
+        vocab = self.model.config.vocab_size
+        if min(input_ids) < 0 or max(input_ids) >= vocab:
+            raise InvalidBatchError(f"a token id is outside the vocabulary [0, {vocab})")
+
+
+@dataclass(slots=True)
+class _LogitRows:
+    """Which rows of the step's hidden states need logits, and what each is for."""
+
+    rows: list[int] = field(default_factory=list)  # indices into the flat tokens
+    # sequence index -> (first of its rows in `rows`, the prompt tokens those rows score)
+    prompt_rows: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
+    sample_rows: list[int] = field(default_factory=list)  # indices into `rows`
+
+    @classmethod
+    def plan(cls, sequences: Sequence[ScheduledSequence]) -> _LogitRows:
+        plan = cls()
+        offset = 0
+        for i, seq in enumerate(sequences):
+            num_tokens = len(seq.token_ids)
+            if seq.prompt_logprobs is not None:
+                # Position q scores prompt token q + 1, up to the last prompt token.
+                start = seq.start_position
+                end = min(start + num_tokens, len(seq.prompt_token_ids) - 1)
+                if end > start:
+                    targets = list(seq.prompt_token_ids[start + 1 : end + 1])
+                    plan.prompt_rows[i] = (len(plan.rows), targets)
+                    plan.rows.extend(range(offset, offset + end - start))
+            if seq.sample:
+                plan.sample_rows.append(len(plan.rows))
+                plan.rows.append(offset + num_tokens - 1)
+            offset += num_tokens
+        return plan

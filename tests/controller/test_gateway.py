@@ -322,3 +322,54 @@ async def test_vllm_generate_is_routed_to_the_prefix_holder(fleet: Fleet) -> Non
     assert reply.outputs.finish_info.finish_reason == vpb.FinishInfo.LENGTH
     assert cache_decisions._value.get() == before + 1  # sent where the prefix lives
     assert len(fleet.app.controller.router.inflight) == 0
+
+
+async def test_tasks_are_forwarded_with_the_engines_answer(fleet: Fleet) -> None:
+    request = pb.EmbedRequest(
+        context=pb.TaskRequestContext(request_id="emb", model="sim"),
+        inputs=[pb.TaskInput(item_id="x", token_ids=pb.TokenIds(ids=[1, 2, 3]))],
+    )
+    async with grpc.aio.insecure_channel(fleet.address(fleet.engines[0])) as direct:
+        try:
+            expected: object = await pb_grpc.OpenEngineStub(direct).Embed(request)
+        except grpc.aio.AioRpcError as exc:
+            expected = exc.code()
+    try:
+        got: object = await fleet.gateway.Embed(request)
+    except grpc.aio.AioRpcError as exc:
+        got = exc.code()
+    assert got == expected
+
+
+async def test_concurrent_requests_sharing_a_system_prompt_spread_over_the_fleet() -> None:
+    fleet = await make_fleet(3, time_scale=1.0)
+    try:
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        await holder_of(fleet, PREFIX, 4)
+        controller = fleet.app.controller
+        chosen: list[str] = []
+        route = controller.route
+
+        def recording_route(*args: object, **kwargs: object) -> object:
+            decision = route(*args, **kwargs)  # type: ignore[arg-type]
+            chosen.append(decision.engine_id)
+            return decision
+
+        controller.route = recording_route  # type: ignore[method-assign,assignment]
+        replies = await asyncio.gather(
+            *(
+                generate(
+                    fleet,
+                    generate_request(
+                        f"s{i}", [*PREFIX, *range(1000 + 40 * i, 1040 + 40 * i)], max_tokens=20
+                    ),
+                )
+                for i in range(30)
+            )
+        )
+        assert all(r[-1].WhichOneof("event") == "finished" for r in replies)
+        counts = {e: chosen.count(e) for e in set(chosen)}
+        assert len(counts) == 3, counts
+        assert max(counts.values()) <= 20, counts
+    finally:
+        await close_fleet(fleet)

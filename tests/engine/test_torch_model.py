@@ -8,6 +8,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ from engine.torch_runner.attention import (
     paged_attention,
 )
 from engine.torch_runner.config import Architecture, ModelConfig
-from engine.torch_runner.errors import CheckpointError, KvCacheError
+from engine.torch_runner.errors import CheckpointError, InvalidBatchError, KvCacheError
 from engine.torch_runner.loader import load_model
 from engine.torch_runner.runner import TorchModelRunner
 from engine.torch_runner.tokenizer import load_tokenizer
@@ -390,3 +391,63 @@ def test_engine_core_end_to_end_reproduces_vllm_outputs() -> None:
     alone = [r for r in requests if r["batch_members"] == 1]
     assert [cached[r["vllm_request_id"]] for r in alone] == [r["num_cached_tokens"] for r in alone]
     assert sum(cached.values()) >= 1000
+
+
+def test_runner_sizes_the_cache_and_refuses_impossible_steps() -> None:
+    runner = TorchModelRunner.from_pretrained(
+        TINY_LLAMA, block_size=8, kv_cache_bytes=64 * 16384 + 100, max_model_len=40
+    )
+    # 2 layers x (K, V) x 8 tokens x 2 heads x 64 dims x 4 bytes = 16 KiB per block.
+    assert runner.num_blocks == 64
+    assert runner.eos_token_ids == frozenset({2})
+    assert (runner.vocab_size, runner.max_model_len) == (1024, 40)
+    with pytest.raises(KvCacheError):
+        TorchModelRunner.from_pretrained(TINY_LLAMA, num_blocks=4, kv_cache_bytes=1 << 20)
+    with pytest.raises(KvCacheError, match="holds no block"):
+        TorchModelRunner.from_pretrained(TINY_LLAMA, kv_cache_bytes=100)
+    for prompt in ([5, 1024, 6], [5] * 41):  # a token outside the vocabulary; past the context
+        seq = DrivenSequence(seq_id=0, prompt=prompt, max_tokens=1)
+        with pytest.raises(InvalidBatchError):
+            drive(runner, [seq], chunk_tokens=64)
+
+
+def test_engine_core_seeded_sampling_with_logprobs_is_reproducible_in_any_batch() -> None:
+    prompts = [tuple(r["prompt_token_ids"][:60]) for r in vllm_requests()[12:15]]
+    sampling = SamplingParams(
+        temperature=0.9,
+        top_p=0.95,
+        seed=7,
+        num_sequences=2,
+        max_tokens=10,
+        ignore_eos=True,
+        logprobs=LogprobRequest(top_n=2),
+        prompt_logprobs=LogprobRequest(),
+    )
+
+    def run(with_others: bool) -> dict[str, list[Any]]:
+        runner = TorchModelRunner.from_pretrained(TINY_LLAMA, block_size=16, num_blocks=64)
+        core = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=64))
+        core.add_request(EngineRequest("x", prompts[0], sampling))
+        if with_others:
+            for i, prompt in enumerate(prompts[1:]):
+                core.add_request(EngineRequest(f"o{i}", prompt, SamplingParams(max_tokens=5)))
+        seen: dict[str, list[Any]] = {"0": [], "1": [], "logprobs": [], "prompt": []}
+        while core.has_work():
+            for out in core.step().outputs:
+                if out.request_id != "x":
+                    continue
+                seen[str(out.output_index)].extend(out.new_token_ids)
+                seen["logprobs"].extend(out.logprobs or ())
+                if out.prompt_logprobs is not None:
+                    seen["prompt"].append(out.prompt_logprobs)
+        return seen
+
+    alone, crowded = run(with_others=False), run(with_others=True)
+    assert alone["0"] == crowded["0"] and alone["1"] == crowded["1"]
+    assert alone["0"] != alone["1"]  # outputs sample with seed + output_index
+    assert len(alone["0"]) == len(alone["1"]) == 10
+    assert all(len(lp.candidates) == 2 for lp in alone["logprobs"])
+    [prompt_logprobs] = alone["prompt"]
+    assert len(prompt_logprobs) == len(prompts[0])
+    assert prompt_logprobs[0] is None
+    assert [lp.token_id for lp in prompt_logprobs[1:]] == list(prompts[0][1:])
