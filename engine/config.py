@@ -88,6 +88,9 @@ class EngineConfig(ServerConfig):
     max_model_len: int | None = Field(default=None, gt=0)
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
+    # torch intra-op threads for the torch runner; None keeps torch's default. On small
+    # machines shared with other processes, 1 is often several times faster for small steps.
+    num_threads: int | None = Field(default=None, ge=1)
     seed: int = 0
 
     sim: SimTimingConfig = Field(default_factory=SimTimingConfig)

@@ -105,6 +105,7 @@ def _build_torch(config: EngineConfig) -> _Model:
         kv_cache_bytes=config.kv_cache_bytes,
         max_model_len=config.max_model_len,
         seed=config.seed,
+        num_threads=config.num_threads,
     )
     tokenizer_file = model_dir / "tokenizer.json"
     tokenizer = HfTokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
