@@ -73,6 +73,8 @@ class SimRequest:
     num_computed: int = 0
     num_preemptions: int = 0
     blocks: list[int] = field(default_factory=list)
+    # Leading blocks already announced as computed (so each pass marks only new ones).
+    num_marked: int = 0
 
     @property
     def num_target_tokens(self) -> int:
@@ -196,11 +198,13 @@ class SimEngine:
             else:
                 del self._refs[key]
         req.blocks.clear()
+        req.num_marked = 0
 
     def _mark_ready(self, req: SimRequest) -> None:
         full = min(req.num_computed // self.config.block_size, len(req.blocks))
-        for key in req.blocks[:full]:
-            self._ready.add(key)
+        if full > req.num_marked:
+            self._ready.update(req.blocks[req.num_marked : full])
+            req.num_marked = full
 
     # ---- one forward pass ----
 
@@ -214,7 +218,7 @@ class SimEngine:
         req.num_computed = hit * self.config.block_size
         return req.num_computed
 
-    def _preempt_newest(self, scheduled: dict[int, int]) -> SimRequest:
+    def _preempt_newest(self, scheduled: dict[int, tuple[int, bool]]) -> SimRequest:
         victim = self.running.pop()
         scheduled.pop(id(victim), None)
         self._release(victim)
@@ -226,16 +230,18 @@ class SimEngine:
     def _step(self) -> None:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        scheduled: dict[int, int] = {}
+        # id(request) -> (tokens this pass, whether they are prompt tokens)
+        scheduled: dict[int, tuple[int, bool]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_target_tokens - req.num_computed, budget) if req.prefilling else 1
+            remaining = req.num_target_tokens - req.num_computed
+            n = min(remaining, budget) if remaining > 0 else 1
             while not self._grow(req, req.num_computed + n):
                 if self._preempt_newest(scheduled) is req:
                     break
             else:
-                scheduled[id(req)] = n
+                scheduled[id(req)] = (n, remaining > 0)
                 budget -= n
                 i += 1
                 continue
@@ -251,7 +257,7 @@ class SimEngine:
                 req.cached_tokens = cached
             self.waiting.popleft()
             self.running.append(req)
-            scheduled[id(req)] = n
+            scheduled[id(req)] = (n, True)
             budget -= n
         if not scheduled:
             # Nothing fits even in an empty cache: drop the head request rather than spin.
@@ -262,11 +268,11 @@ class SimEngine:
         prefill_tokens = 0
         decode_context = 0
         for req in self.running:
-            num_tokens = scheduled.get(id(req))
-            if num_tokens is None:
+            entry = scheduled.get(id(req))
+            if entry is None:
                 continue
-            if req.prefilling:
-                prefill_tokens += num_tokens
+            if entry[1]:
+                prefill_tokens += entry[0]
             else:
                 decode_context += req.num_computed + 1
         duration = 0.0
@@ -281,11 +287,11 @@ class SimEngine:
         self.num_passes += 1
         still_running = []
         for req in self.running:
-            done = scheduled.get(id(req))
-            if done is not None:
-                req.num_computed += done
+            entry = scheduled.get(id(req))
+            if entry is not None:
+                req.num_computed += entry[0]
                 self._mark_ready(req)
-                if not req.prefilling:
+                if req.num_computed >= req.num_target_tokens:
                     req.num_generated += 1
                     if req.first_token_ms is None:
                         req.first_token_ms = end

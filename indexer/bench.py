@@ -34,6 +34,7 @@ from indexer.backend import IndexBackend
 from indexer.backends import REDIS_SCHEMES, open_backend
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
 from indexer.index import PrefixIndex, validate_batch
+from indexer.kv_wire import batch_from_proto
 from indexer.memory_backend import MemoryBackend
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 
@@ -103,9 +104,6 @@ class KvplaneSide:
 
     def __init__(self, backend: IndexBackend) -> None:
         self.backend = backend
-        from indexer.kv_wire import batch_from_proto
-
-        self._from_proto = batch_from_proto
 
     @staticmethod
     def encode(events: Sequence[StoreEvent]) -> list[bytes]:
@@ -113,7 +111,7 @@ class KvplaneSide:
 
     async def apply_all(self, payloads: Sequence[bytes]) -> None:
         parse = kv.ApplyExternalKvBatchRequest.FromString
-        from_proto = self._from_proto
+        from_proto = batch_from_proto
         apply = self.backend.apply
         for payload in payloads:
             batch = from_proto(parse(payload))

@@ -30,7 +30,6 @@ Removed workers are dropped from every answer at once and purged from the blocks
 
 from __future__ import annotations
 
-import enum
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -48,10 +47,37 @@ from indexer.backend import (
     WorkerStats,
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Component, Tier
-from kvplane.errors import KvplaneError
+from indexer.validation import (
+    MAX_ACTIONS_PER_BATCH,
+    MAX_HASHES_PER_REQUEST,
+    IndexRequestError,
+    ValidationKind,
+    validate_action_type,
+    validate_batch,
+    validate_match,
+    validate_prefix_match,
+    validate_tier,
+)
 
-MAX_ACTIONS_PER_BATCH = 256
-MAX_HASHES_PER_REQUEST = 16_384
+# The validation rules live in indexer.validation; they are re-exported here, next to the
+# semantics they guard, for the adapters that import them from the index.
+__all__ = [
+    "MAX_ACTIONS_PER_BATCH",
+    "MAX_HASHES_PER_REQUEST",
+    "PURGE_STEP_BLOCKS",
+    "SERVABLE_TIER_MASK",
+    "IndexRequestError",
+    "Placement",
+    "PrefixIndex",
+    "ValidationKind",
+    "spec_is_valid",
+    "validate_action_type",
+    "validate_batch",
+    "validate_match",
+    "validate_prefix_match",
+    "validate_tier",
+]
+
 # Tiers a prefix may be served from, as a (1 << Tier) mask: HBM | DRAM (never SSD in v1).
 SERVABLE_TIER_MASK = (1 << Tier.HBM) | (1 << Tier.DRAM)
 _TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
@@ -67,96 +93,11 @@ _LOG_SLACK = 4096
 _FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAMBA)
 
 
-_ACTION_VALUES = frozenset(int(a) for a in ActionType)
-_TIER_VALUES = frozenset(int(t) for t in Tier)
-_REPORT, _REVOKE, _CLEAR = (int(a) for a in ActionType)
+_REPORT, _REVOKE = int(ActionType.REPORT), int(ActionType.REVOKE)
 
 
 _BY_WORKER_ID = attrgetter("worker_id")
 _BY_MATCHED_BLOCKS = attrgetter("matched_prefix_blocks")
-
-
-class ValidationKind(enum.Enum):
-    """How an adapter reports a rejected request: the gRPC code it maps to."""
-
-    INVALID_ARGUMENT = "invalid_argument"
-    RESOURCE_EXHAUSTED = "resource_exhausted"
-
-
-class IndexRequestError(KvplaneError):
-    """A request that breaks kv_indexer.v1's validation rules; nothing was changed."""
-
-    def __init__(self, kind: ValidationKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-def _invalid(message: str) -> IndexRequestError:
-    return IndexRequestError(ValidationKind.INVALID_ARGUMENT, message)
-
-
-def validate_tier(value: int) -> Tier:
-    """A wire tier as a `Tier`; TIER_UNKNOWN (0) and unknown values are INVALID_ARGUMENT."""
-    if value not in (1, 2, 3):
-        raise _invalid(f"tier must be HBM, DRAM or SSD, got {value}")
-    return Tier(value)
-
-
-def validate_action_type(value: int) -> ActionType:
-    """A wire action type; ACTION_UNKNOWN (0) and unknown values are INVALID_ARGUMENT."""
-    if value not in (1, 2, 3):
-        raise _invalid(f"action type must be REPORT, REVOKE or CLEAR_ALL_AT_TIER, got {value}")
-    return ActionType(value)
-
-
-def validate_batch(batch: Batch) -> None:
-    """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2)."""
-    if not batch.worker_id:
-        raise _invalid("worker_id must not be empty")
-    if len(batch.actions) > MAX_ACTIONS_PER_BATCH:
-        raise IndexRequestError(
-            ValidationKind.RESOURCE_EXHAUSTED,
-            f"{len(batch.actions)} actions in one batch; at most {MAX_ACTIONS_PER_BATCH}",
-        )
-    num_hashes = 0
-    for i, action in enumerate(batch.actions):
-        kind = action.type
-        if kind not in _ACTION_VALUES:
-            validate_action_type(kind)
-        if action.tier not in _TIER_VALUES:
-            validate_tier(action.tier)
-        if kind == _CLEAR:
-            continue
-        n = len(action.hashes)
-        if n == 0:
-            raise _invalid(f"action {i}: REPORT/REVOKE needs at least one hash")
-        if action.component_masks and len(action.component_masks) != n:
-            raise _invalid(f"action {i}: {len(action.component_masks)} component_masks for {n}")
-        if action.block_sizes and len(action.block_sizes) != n:
-            raise _invalid(f"action {i}: {len(action.block_sizes)} block_sizes for {n} hashes")
-        num_hashes += n
-    if num_hashes > MAX_HASHES_PER_REQUEST:
-        raise IndexRequestError(
-            ValidationKind.RESOURCE_EXHAUSTED,
-            f"{num_hashes} hashes in one batch; at most {MAX_HASHES_PER_REQUEST}",
-        )
-
-
-def validate_match(hashes: Sequence[BlockKey]) -> None:
-    """MatchExternalKv and GetExternalKvHitCounts: 1..16,384 hashes."""
-    if not hashes:
-        raise _invalid("hashes must not be empty")
-    if len(hashes) > MAX_HASHES_PER_REQUEST:
-        raise IndexRequestError(
-            ValidationKind.RESOURCE_EXHAUSTED,
-            f"{len(hashes)} hashes in one request; at most {MAX_HASHES_PER_REQUEST}",
-        )
-
-
-def validate_prefix_match(hashes: Sequence[BlockKey]) -> None:
-    """MatchExternalKvPrefix: at least one hash, no length cap (only `max_blocks`)."""
-    if not hashes:
-        raise _invalid("hashes must not be empty")
 
 
 def spec_is_valid(spec: CacheSpec) -> bool:
@@ -325,7 +266,7 @@ class PrefixIndex:
             # Every block is new (the common case: a fresh chain): C-speed bulk inserts.
             before = len(tiers)
             tiers.update(zip(hashes, repeat(tbit)))
-            worker.log.append(hashes)
+            worker.log.append(hashes if isinstance(hashes, tuple) else tuple(hashes))
             worker.log_len += len(hashes)
             worker.num_blocks += len(tiers) - before
             if parent is not None:
@@ -512,23 +453,31 @@ class PrefixIndex:
         budget = max_blocks
         while self._pending:
             worker = self._pending[0]
-            keys = worker.purge_keys if budget is None else islice(worker.purge_keys, budget)
-            for key in keys:
-                t = self._tiers.get(key)
-                if t is not None and t & worker.all_bits:
-                    self._strip_worker(key, t, worker)
-                if budget is not None:
-                    budget -= 1
-            if budget is not None and budget <= 0:
-                # Unknown whether keys remain: peek one (put back in front if so).
-                rest = next(worker.purge_keys, None)
-                if rest is None:
+            keys = worker.purge_keys
+            if budget is None:
+                for key in keys:
+                    self._purge_key(key, worker)
+            else:
+                done = 0
+                for key in islice(keys, budget):
+                    self._purge_key(key, worker)
+                    done += 1
+                budget -= done
+                if budget <= 0:
+                    # One key past the budget tells whether this worker is finished.
+                    extra = next(keys, None)
+                    if extra is not None:
+                        self._purge_key(extra, worker)
+                        return False
                     self._finish_purge(worker)
                     return not self._pending
-                worker.purge_keys = chain((rest,), worker.purge_keys)
-                return False
             self._finish_purge(worker)
         return True
+
+    def _purge_key(self, key: BlockKey, worker: _Worker) -> None:
+        t = self._tiers.get(key)
+        if t is not None and t & worker.all_bits:
+            self._strip_worker(key, t, worker)
 
     def _finish_purge(self, worker: _Worker) -> None:
         self._pending.remove(worker)
@@ -619,7 +568,8 @@ class PrefixIndex:
         first = self._tiers.get(hashes[0])
         if first is None:
             return PrefixResult((), 0, 1)
-        candidates = _any_tier(first) & self._addressed  # dead workers are never addressed
+        # Workers holding the first block on some tier; dead workers are never addressed.
+        candidates = (first | first >> 1 | first >> 2) & self._addressed
         found: list[tuple[int, int]] = []  # (HBM slot of the worker, matched blocks)
         blocks_read = 1
         legacy = candidates & self._legacy
@@ -627,7 +577,8 @@ class PrefixIndex:
             blocks_read, poisoned = self._legacy_prefix(hashes, limit, legacy, found)
             if poisoned:
                 found = [(slot, n) for slot, n in found if not poisoned >> slot & 1]
-        for slot in _bits(candidates & ~self._legacy):
+        with_spec = candidates & ~self._legacy
+        for slot in _bits(with_spec) if with_spec else ():
             worker = self._by_idx[slot // _SLOTS_PER_WORKER]
             matched, read = self._spec_prefix(worker, hashes, limit)
             blocks_read = max(blocks_read, read)
@@ -677,8 +628,12 @@ class PrefixIndex:
                     if not below:
                         break
                     k = n + 1 - below  # first position whose AND lost a worker
-                    for slot in _bits(current & ~acc[k]):
-                        ended[slot] = base + k - 1
+                    dropped = current & ~acc[k]
+                    if dropped & (dropped - 1):
+                        for slot in _bits(dropped):
+                            ended[slot] = base + k - 1
+                    else:  # one worker (the usual case): no generator
+                        ended[dropped.bit_length() - 1] = base + k - 1
                     current = acc[k]
                 survivors = current
             base = end

@@ -8,6 +8,10 @@ atomically with FCALL; a prefix lookup is one FCALL_RO that stops at the first m
 one partition share the hash tag `{model:0}`, so a partition sits in one cluster slot.
 docs/redis.md describes the layout, its memory per placement and the failure behaviour.
 
+Batches applied concurrently (several sources, several RPCs) share one function call (group
+commit, at most 64 batches): each batch still applies atomically and in order, with less
+per-call overhead.
+
 Failure behaviour. Queries fail fast with `IndexUnavailableError` (a KvplaneError; servicers map
 it to UNAVAILABLE). Applies that cannot reach Redis are buffered in order (at most
 `max_buffered_batches`); past that, the worker whose batch overflows loses its buffered batches
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import secrets
 from collections import deque
@@ -56,7 +61,7 @@ from indexer.backend import (
     WorkerStats,
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
-from indexer.index import MAX_ACTIONS_PER_BATCH, PrefixIndex
+from indexer.index import MAX_ACTIONS_PER_BATCH, PrefixIndex, validate_batch
 from indexer.redis_client import (
     Client,
     IndexBackendError,
@@ -79,6 +84,9 @@ log = logging.getLogger(__name__)
 FUNCTIONS_FILE = Path(__file__).with_name("redis_functions.lua")
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException)
 _SERVABLE = (Tier.HBM, Tier.DRAM)
+# One kvp_apply call carries at most this much (bounded time inside Redis).
+MAX_GROUP_BATCHES = 64
+MAX_GROUP_HASHES = 65_536
 # Refusals that pass: a replica being promoted, a slot moving, memory pressure, a busy script.
 _TRANSIENT = (OutOfMemoryError, ReadOnlyError, TryAgainError)
 _TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS", "OOM")
@@ -125,6 +133,9 @@ class RedisBackend:
         self._listeners: list[Callable[[str], None]] = []
         self._recovery: asyncio.Task[None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
+        # Group commit: batches waiting for the next kvp_apply call, and its task.
+        self._group: list[tuple[Batch, asyncio.Future[None]]] = []
+        self._grouper: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -134,12 +145,12 @@ class RedisBackend:
         await self._ensure_ready()
 
     async def close(self) -> None:
-        for task in (self._maintenance, self._recovery):
+        for task in (self._maintenance, self._recovery, self._grouper):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._maintenance = self._recovery = None
+        self._maintenance = self._recovery = self._grouper = None
         await self._client.aclose()
 
     @property
@@ -178,6 +189,7 @@ class RedisBackend:
             code = FUNCTIONS_FILE.read_text()
             try:
                 if isinstance(self._client, RedisCluster):
+                    await self._client.initialize()  # learn every primary, not just seeds
                     for node in self._client.get_primaries():
                         await self._client.execute_command(
                             "FUNCTION", "LOAD", "REPLACE", code, target_nodes=node
@@ -265,6 +277,9 @@ class RedisBackend:
     # ------------------------------------------------------------------ apply
 
     async def apply(self, batch: Batch) -> None:
+        # As the memory backend does: a bad batch is refused whole, before anything is sent
+        # (a script that failed half-way would leave its earlier writes in place).
+        validate_batch(batch)
         self._known_workers.add(batch.worker_id)
         if batch.worker_id in self._dropping:
             raise IndexUnavailableError(
@@ -275,12 +290,53 @@ class RedisBackend:
             self._enqueue(batch)
             return
         try:
-            await self._fcall("kvp_apply", codec.apply_args(batch), boot=True)
+            await self._apply_grouped(batch)
         except IndexUnavailableError as exc:
             log.warning("%s; buffering batches", exc)
             self._outage = True
             self._enqueue(batch)
             self._start_recovery()
+
+    async def _apply_batches(self, batches: Sequence[Batch]) -> list[str | None]:
+        """One atomic call applying `batches` in order: per batch None, or why Redis refused
+        it (then nothing of it was written)."""
+        statuses = await self._fcall("kvp_apply", codec.apply_args(batches), boot=True)
+        return [None if status == 1 else _text(status) for status in statuses]
+
+    async def _apply_grouped(self, batch: Batch) -> None:
+        """Group commit: batches applied concurrently (several sources, several RPCs) share
+        one function call; a batch waits only for the call in flight, if any."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._group.append((batch, done))
+        if self._grouper is None or self._grouper.done():
+            self._grouper = loop.create_task(self._apply_groups())
+        await done
+
+    async def _apply_groups(self) -> None:
+        group: list[tuple[Batch, asyncio.Future[None]]] = []
+        try:
+            while self._group:
+                group = _take_group(self._group)
+                try:
+                    statuses = await self._apply_batches([b for b, _ in group])
+                except KvplaneError as exc:
+                    for _, done in group:
+                        if not done.done():
+                            done.set_exception(type(exc)(str(exc)))
+                    continue
+                for (b, done), status in zip(group, statuses, strict=True):
+                    if done.done():
+                        continue
+                    if status is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(IndexBackendError(f"batch of {b.worker_id}: {status}"))
+        finally:
+            for _, done in [*group, *self._group]:
+                if not done.done():
+                    done.set_exception(IndexUnavailableError("shared index closed"))
+            self._group.clear()
 
     def _start_recovery(self) -> None:
         if self._recovery is None or self._recovery.done():
@@ -314,15 +370,14 @@ class RedisBackend:
                     self._dropping.discard(worker_id)
                     self._request_resync({worker_id})
                 while self._buffer:
-                    # Left in the buffer until applied, so new batches queue behind it.
-                    batch = self._buffer[0]
-                    try:
-                        await self._fcall("kvp_apply", codec.apply_args(batch), boot=True)
-                    except IndexBackendError as exc:
-                        log.error("buffered batch of %s refused: %s", batch.worker_id, exc)
-                        self._request_resync({batch.worker_id})
-                    if self._buffer and self._buffer[0] is batch:  # not filtered meanwhile
-                        self._buffer.popleft()
+                    # Left in the buffer until applied, so new batches queue behind them.
+                    head = list(itertools.islice(self._buffer, MAX_GROUP_BATCHES))
+                    for batch, status in zip(head, await self._apply_batches(head), strict=True):
+                        if status is not None:
+                            log.error("buffered batch of %s refused: %s", batch.worker_id, status)
+                            self._request_resync({batch.worker_id})
+                        if self._buffer and self._buffer[0] is batch:  # not filtered meanwhile
+                            self._buffer.popleft()
                 if not self._dropping and not self._removals:
                     break
             except KvplaneError as exc:
@@ -589,6 +644,22 @@ class RedisBackend:
                 index.apply(Batch(name, chunk, address, cache_spec=codec.unpack_spec(spec)))
         for batch in list(index.snapshot(worker_id)):
             yield batch
+
+
+def _take_group(
+    queue: list[tuple[Batch, asyncio.Future[None]]],
+) -> list[tuple[Batch, asyncio.Future[None]]]:
+    """The longest head of `queue` within one call's limits, removed from it."""
+    n = 0
+    num_hashes = 0
+    while n < len(queue) and n < MAX_GROUP_BATCHES:
+        num_hashes += sum(len(a.hashes) for a in queue[n][0].actions)
+        if n and num_hashes > MAX_GROUP_HASHES:
+            break
+        n += 1
+    group = queue[:n]
+    del queue[:n]
+    return group
 
 
 def _text(value: bytes | str) -> str:

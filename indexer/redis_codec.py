@@ -61,13 +61,21 @@ def unpack_spec(data: bytes) -> CacheSpec | None:
     return CacheSpec(*_SPEC.unpack(data))
 
 
-def apply_args(batch: Batch) -> list[bytes | str | int]:
-    """kvp_apply's arguments after (bucket count, boot token): worker, address, spec, then
-    seven per action."""
+def apply_args(batches: Sequence[Batch]) -> list[bytes | str | int]:
+    """kvp_apply's arguments after (bucket count, boot token): per batch its worker, address,
+    spec and number of actions, then seven per action."""
+    args: list[bytes | str | int] = []
+    for batch in batches:
+        args += _batch_args(batch)
+    return args
+
+
+def _batch_args(batch: Batch) -> list[bytes | str | int]:
     args: list[bytes | str | int] = [
         batch.worker_id,
         batch.worker_address,
         pack_spec(batch.cache_spec),
+        len(batch.actions),
     ]
     for action in batch.actions:
         args += _action_args(action)

@@ -252,7 +252,8 @@ local function intern(ctx, name)
   if wid then return tonumber(wid) end
   wid = redis.call('HINCRBY', ctx.base .. ':m', 'nw', 1)
   if wid > 65535 then
-    return redis.error_reply('KVP_WORKERS more than 65535 worker names in one partition')
+    redis.call('HINCRBY', ctx.base .. ':m', 'nw', -1)
+    return 'KVP_WORKERS more than 65535 worker names in one partition'
   end
   redis.call('HSET', ctx.base .. ':wi', name, wid)
   redis.call('HSET', ctx.base .. ':w:' .. wid, 'n', name)
@@ -267,26 +268,27 @@ local function check_boot(ctx, boot)
   return nil
 end
 
--- ARGV: nb, boot, worker, address, spec, then per action: type, tier, hashes, masks, sizes,
--- parent, copies (blobs of big-endian int64 / uint32; "" = absent; copies "1" or "0").
-local function kvp_apply(keys, args)
-  local ctx = new_ctx(keys, args)
-  local err = check_boot(ctx, args[2])
-  if err then return err end
-  local wid = intern(ctx, args[3])
-  if type(wid) == 'table' then return wid end
+-- Applies one batch whose arguments start at args[i]: worker, address, spec, number of
+-- actions, then seven per action: type, tier, hashes, masks, sizes, parent, copies (blobs of
+-- big-endian int64 / uint32; "" = absent; copies "1" or "0"). Returns the status (1, or an
+-- error message that nothing of this batch was written) and the index after the batch.
+local function apply_one(ctx, args, i)
+  local num_actions = tonumber(args[i + 3])
+  local after = i + 4 + 7 * num_actions
+  local wid = intern(ctx, args[i])
+  if type(wid) == 'string' then return wid, after end
   local wkey = ctx.base .. ':w:' .. wid
-  redis.call('HSET', wkey, 'a', args[4], 's', args[5])
+  redis.call('HSET', wkey, 'a', args[i + 1], 's', args[i + 2])
   redis.call('SADD', ctx.base .. ':ws', wid)
-  for i = 6, #args, 7 do
-    local kind = tonumber(args[i])
-    local tier = tonumber(args[i + 1])
-    local hashes = args[i + 2]
-    local copies = args[i + 6] == '1'
+  for a = i + 4, after - 1, 7 do
+    local kind = tonumber(args[a])
+    local tier = tonumber(args[a + 1])
+    local hashes = args[a + 2]
+    local copies = args[a + 6] == '1'
     if kind == 3 then
       clear_tier(ctx, wid, tier)
     elseif kind == 1 then
-      local masks, sizes, parent = args[i + 3], args[i + 4], args[i + 5]
+      local masks, sizes, parent = args[a + 3], args[a + 4], args[a + 5]
       local head = p16(wid) .. string.char(tier) .. p32(epoch_of(ctx, wid, tier))
       for j = 1, #hashes / 8 do
         local k = string.sub(hashes, j * 8 - 7, j * 8)
@@ -302,8 +304,24 @@ local function kvp_apply(keys, args)
       end
     end
   end
+  return 1, after
+end
+
+-- ARGV: nb, boot, then batches (see apply_one), applied in order, all in this one atomic
+-- call. Returns one status per batch.
+local function kvp_apply(keys, args)
+  local ctx = new_ctx(keys, args)
+  local err = check_boot(ctx, args[2])
+  if err then return err end
+  local statuses = {}
+  local i = 3
+  while i <= #args do
+    local status
+    status, i = apply_one(ctx, args, i)
+    statuses[#statuses + 1] = status
+  end
   flush_deltas(ctx)
-  return 1
+  return statuses
 end
 
 -- Worker table entries for the ids in `seen` (a list): id, name, address, spec.

@@ -58,9 +58,12 @@ def free_cluster_port() -> int:
 class RedisServer:
     """One redis-server child process; `kill` and `start` again keep its port."""
 
-    def __init__(self, workdir: Path, *, cluster: bool = False) -> None:
+    def __init__(
+        self, workdir: Path, *, cluster: bool = False, extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.workdir = workdir
         self.cluster = cluster
+        self.extra_args = extra_args
         self.port = free_cluster_port() if cluster else free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +73,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
+        password = None
+        if "--requirepass" in self.extra_args:
+            password = self.extra_args[self.extra_args.index("--requirepass") + 1]
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, password=password)
 
     def start(self) -> None:
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
@@ -79,6 +85,7 @@ class RedisServer:
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
             args += ["--cluster-node-timeout", "2000"]
+        args += self.extra_args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         wait_for(self.answers, 10, f"redis-server on port {self.port}")
 

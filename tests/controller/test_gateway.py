@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import grpc
 import pytest
@@ -24,6 +25,9 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+
+if TYPE_CHECKING:
+    from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -371,5 +375,23 @@ async def test_concurrent_requests_sharing_a_system_prompt_spread_over_the_fleet
         counts = {e: chosen.count(e) for e in set(chosen)}
         assert len(counts) == 3, counts
         assert max(counts.values()) <= 20, counts
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_redis_index_backend_routes_like_memory(redis_server: RedisServer) -> None:
+    redis_server.client().flushall()
+    fleet = await make_fleet(2, index={"backend": redis_server.url})
+    try:
+        assert fleet.app.controller.index is not None
+        assert fleet.app.controller.index.name != "memory"
+        await generate(fleet, generate_request("a", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        reply = await generate(fleet, generate_request("b", [*PREFIX, 2]))
+        assert reply[-1].usage.cached_prompt_tokens == 64
+        explained = await fleet.admin.Route(
+            apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 3]))
+        )
+        assert explained.engine == holder
     finally:
         await close_fleet(fleet)

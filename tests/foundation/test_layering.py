@@ -13,6 +13,7 @@ PACKAGES = ["kvplane", "indexer", "controller", "planner", "engine"]
 CORE_GLOBS = [
     "indexer/batch.py",
     "indexer/index.py",
+    "indexer/validation.py",
     "indexer/keys.py",
     "indexer/vllm_hash.py",
     "indexer/zmq_decode.py",

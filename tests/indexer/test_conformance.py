@@ -420,3 +420,19 @@ async def test_snapshot_round_trip(backend: IndexBackend) -> None:
     one = [batch async for batch in backend.snapshot("v")]
     assert [b.worker_id for b in one] == ["v"]
     assert all(a.parent is None or a.parent == 5 for b in one for a in b.actions)
+
+
+async def test_long_prefixes_across_scan_chunks(backend: IndexBackend) -> None:
+    keys = list(range(1000, 1300))
+    await apply(backend, "a", report(HBM, keys[:150]), report(HBM, keys[150:], parent=keys[149]))
+    await apply(backend, "b", report(HBM, keys[:100]), report(DRAM, keys[100:150]))
+    await apply(backend, "c", report(HBM, keys[:64]), report(HBM, keys[65:]))
+    await apply(backend, "d", report(HBM, keys[:257]), report(SSD, keys[257:270]))
+    result = await backend.match_prefix(keys, 0)
+    assert prefix_pairs(result) == [("a", 300), ("d", 270), ("b", 150), ("c", 64)]
+    assert prefix_pairs(await backend.match_prefix(keys, 200)) == [
+        ("a", 200),
+        ("d", 200),
+        ("b", 150),
+        ("c", 64),
+    ]

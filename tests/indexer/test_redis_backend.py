@@ -342,3 +342,72 @@ async def test_indexer_processes_share_one_redis(tmp_path: Path) -> None:
         a.stop()
         b.stop()
         server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_password_file(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", extra_args=("--requirepass", "s3cret"))
+    server.start()
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    good = await open_redis_backend(server.url, buckets=16, password_file=secret)
+    bad = await open_redis_backend(server.url, buckets=16)
+    try:
+        await good.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (1, 2)),), "a0"))
+        assert (await good.match_prefix([1, 2], 0)).best_prefix_blocks == 2
+        with pytest.raises(IndexUnavailableError, match=r"Redis at 127\.0\.0\.1.*[Aa]uth"):
+            await bad.match_prefix([1, 2], 0)
+    finally:
+        await good.close()
+        await bad.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_cleared_and_removed_placements_are_swept(redis_server: RedisServer) -> None:
+    """CLEAR and worker removal are O(1) epoch bumps; the sweeper (run in the background by
+    the maintenance task, here called directly) then deletes the dead records in bounded
+    chunks until no block key is left."""
+    redis_server.flushall()
+    backend = await open_redis_backend(
+        redis_server.url, buckets=64, sweep_chunk_buckets=4, maintenance_interval_s=3600
+    )
+    client = redis_server.client()
+
+    def block_fields() -> int:
+        return sum(int(client.hlen(k)) for k in client.scan_iter(match="*:b:*"))
+
+    async def swept() -> bool:
+        return block_fields() == 0 and not list(client.scan_iter(match="*:h:*"))
+
+    try:
+        keys = list(range(1, 301))
+        await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, tuple(keys)),), "a"))
+        await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.DRAM, (7, 8)),), "b"))
+        await backend.match(keys, True)  # hit counters for every block
+        await backend.apply(Batch("w1", (Action(ActionType.CLEAR_ALL_AT_TIER, Tier.DRAM),), "b"))
+        assert await backend.remove_worker("w0") == 300
+        assert block_fields() == 300  # nothing deleted yet: dead records wait for the sweeper
+        assert (await backend.stats()).num_blocks == 0
+        await backend.sweep()
+        assert await swept()
+    finally:
+        await backend.close()
+
+
+@pytest.mark.timeout(60)
+async def test_concurrent_applies_keep_their_order(redis_server: RedisServer) -> None:
+    """Batches applied concurrently share calls (group commit) yet apply in submission order."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16)
+    memory = MemoryBackend()
+    history = _history(400)
+    try:
+        await asyncio.gather(*(backend.apply(batch) for batch in history))
+        for batch in history:
+            await memory.apply(batch)
+        for key in range(48):
+            assert await backend.match([key], False) == await memory.match([key], False)
+        assert await backend.stats() == dataclasses.replace(await memory.stats(), backend="redis")
+    finally:
+        await backend.close()

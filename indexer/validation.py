@@ -1,0 +1,104 @@
+"""kv_indexer.v1's request validation (WIRE.md section 2), shared by every backend and adapter.
+
+Each check raises `IndexRequestError`, whose `kind` tells the servicer which status to send
+(INVALID_ARGUMENT or RESOURCE_EXHAUSTED); nothing here touches state, so a rejected request
+changes nothing. Values are checked as plain ints, so adapters may pass unconverted wire enums.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+from indexer.batch import ActionType, Batch, BlockKey, Tier
+from kvplane.errors import KvplaneError
+
+MAX_ACTIONS_PER_BATCH = 256
+MAX_HASHES_PER_REQUEST = 16_384
+
+_ACTION_VALUES = frozenset(int(a) for a in ActionType)
+_TIER_VALUES = frozenset(int(t) for t in Tier)
+_CLEAR = int(ActionType.CLEAR_ALL_AT_TIER)
+
+
+class ValidationKind(enum.Enum):
+    """How an adapter reports a rejected request: the gRPC code it maps to."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+
+
+class IndexRequestError(KvplaneError):
+    """A request that breaks kv_indexer.v1's validation rules; nothing was changed."""
+
+    def __init__(self, kind: ValidationKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _invalid(message: str) -> IndexRequestError:
+    return IndexRequestError(ValidationKind.INVALID_ARGUMENT, message)
+
+
+def validate_tier(value: int) -> Tier:
+    """A wire tier as a `Tier`; TIER_UNKNOWN (0) and unknown values are INVALID_ARGUMENT."""
+    if value not in (1, 2, 3):
+        raise _invalid(f"tier must be HBM, DRAM or SSD, got {value}")
+    return Tier(value)
+
+
+def validate_action_type(value: int) -> ActionType:
+    """A wire action type; ACTION_UNKNOWN (0) and unknown values are INVALID_ARGUMENT."""
+    if value not in (1, 2, 3):
+        raise _invalid(f"action type must be REPORT, REVOKE or CLEAR_ALL_AT_TIER, got {value}")
+    return ActionType(value)
+
+
+def validate_batch(batch: Batch) -> None:
+    """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2)."""
+    if not batch.worker_id:
+        raise _invalid("worker_id must not be empty")
+    if len(batch.actions) > MAX_ACTIONS_PER_BATCH:
+        raise IndexRequestError(
+            ValidationKind.RESOURCE_EXHAUSTED,
+            f"{len(batch.actions)} actions in one batch; at most {MAX_ACTIONS_PER_BATCH}",
+        )
+    num_hashes = 0
+    for i, action in enumerate(batch.actions):
+        kind = action.type
+        if kind not in _ACTION_VALUES:
+            validate_action_type(kind)
+        if action.tier not in _TIER_VALUES:
+            validate_tier(action.tier)
+        if kind == _CLEAR:
+            continue
+        n = len(action.hashes)
+        if n == 0:
+            raise _invalid(f"action {i}: REPORT/REVOKE needs at least one hash")
+        if action.component_masks and len(action.component_masks) != n:
+            raise _invalid(f"action {i}: {len(action.component_masks)} component_masks for {n}")
+        if action.block_sizes and len(action.block_sizes) != n:
+            raise _invalid(f"action {i}: {len(action.block_sizes)} block_sizes for {n} hashes")
+        num_hashes += n
+    if num_hashes > MAX_HASHES_PER_REQUEST:
+        raise IndexRequestError(
+            ValidationKind.RESOURCE_EXHAUSTED,
+            f"{num_hashes} hashes in one batch; at most {MAX_HASHES_PER_REQUEST}",
+        )
+
+
+def validate_match(hashes: Sequence[BlockKey]) -> None:
+    """MatchExternalKv and GetExternalKvHitCounts: 1..16,384 hashes."""
+    if not hashes:
+        raise _invalid("hashes must not be empty")
+    if len(hashes) > MAX_HASHES_PER_REQUEST:
+        raise IndexRequestError(
+            ValidationKind.RESOURCE_EXHAUSTED,
+            f"{len(hashes)} hashes in one request; at most {MAX_HASHES_PER_REQUEST}",
+        )
+
+
+def validate_prefix_match(hashes: Sequence[BlockKey]) -> None:
+    """MatchExternalKvPrefix: at least one hash, no length cap (only `max_blocks`)."""
+    if not hashes:
+        raise _invalid("hashes must not be empty")
