@@ -570,25 +570,23 @@ class PrefixIndex:
             return PrefixResult((), 0, 1)
         # Workers holding the first block on some tier; dead workers are never addressed.
         candidates = (first | first >> 1 | first >> 2) & self._addressed
-        found: list[tuple[int, int]] = []  # (HBM slot of the worker, matched blocks)
+        found: dict[int, int] = {}  # HBM slot of the worker -> matched blocks
         blocks_read = 1
         legacy = candidates & self._legacy
         if legacy:
-            blocks_read, poisoned = self._legacy_prefix(hashes, limit, legacy, found)
-            if poisoned:
-                found = [(slot, n) for slot, n in found if not poisoned >> slot & 1]
+            found, blocks_read = self._legacy_prefix(hashes, limit, legacy)
         with_spec = candidates & ~self._legacy
         for slot in _bits(with_spec) if with_spec else ():
             worker = self._by_idx[slot // _SLOTS_PER_WORKER]
             matched, read = self._spec_prefix(worker, hashes, limit)
             blocks_read = max(blocks_read, read)
             if matched:
-                found.append((slot, matched))
+                found[slot] = matched
         if not found:
             return PrefixResult((), 0, blocks_read)
         by_idx = self._by_idx
         ranked = []
-        for slot, n in found:
+        for slot, n in found.items():
             worker = by_idx[slot // _SLOTS_PER_WORKER]
             match = worker.prefix_matches.get(n)
             if match is None:
@@ -600,11 +598,11 @@ class PrefixIndex:
         return PrefixResult(tuple(ranked), ranked[0].matched_prefix_blocks, blocks_read)
 
     def _legacy_prefix(
-        self, hashes: Sequence[BlockKey], limit: int, alive: int, found: list[tuple[int, int]]
-    ) -> tuple[int, int]:
-        """The legacy rule for every worker in `alive` (HBM-slot bits) at once. Appends
-        (slot, blocks) for prefixes > 0; returns (blocks read, slots of workers failed closed
-        by a non-zero component mask).
+        self, hashes: Sequence[BlockKey], limit: int, alive: int
+    ) -> tuple[dict[int, int], int]:
+        """The legacy rule for every worker in `alive` (HBM-slot bits) at once: returns
+        ({HBM slot: prefix blocks} for prefixes > 0, blocks read). Workers failed closed by a
+        non-zero component mask are left out.
 
         Fast path at C speed: a running AND of the blocks' placement bits (`accumulate`)
         gives, per worker, how far it holds the chain on HBM; the running AND only shrinks,
@@ -638,19 +636,18 @@ class PrefixIndex:
                 survivors = current
             base = end
             chunk = min(4 * chunk, _MAX_SCAN_CHUNK)
-        for slot in _bits(survivors):
-            ended[slot] = limit
-        lower_tier = self._lower_tier_slots
-        for slot, hbm_run in ended.items():
-            held = hbm_run
-            if held < limit and lower_tier >> slot & 1:  # maybe on DRAM/SSD beyond HBM
-                bits = 7 << slot
-                while held < limit and get(hashes[held], 0) & bits:
-                    held += 1
-                ended[slot] = held
-            found.append((slot, held))
+        if survivors:
+            for slot in _bits(survivors):
+                ended[slot] = limit
+        if alive & self._lower_tier_slots:
+            for slot, hbm_run in ended.items():
+                held = hbm_run
+                if held < limit and self._lower_tier_slots >> slot & 1:  # DRAM/SSD beyond HBM?
+                    bits = 7 << slot
+                    while held < limit and get(hashes[held], 0) & bits:
+                        held += 1
+                    ended[slot] = held
         blocks_read = min(limit, max(ended.values()) + 1)
-        poisoned = 0
         component_masks = self._component_masks
         if component_masks:
             window = hashes[:limit]
@@ -659,8 +656,9 @@ class PrefixIndex:
                 for slot, mask in component_masks[key].items():
                     hbm_slot = slot - slot % _SLOTS_PER_WORKER
                     if mask and ended.get(hbm_slot, 0) > position:
-                        poisoned |= 1 << hbm_slot
-        return blocks_read, poisoned
+                        ended[hbm_slot] = 0  # scanned a block with component data: fail closed
+            ended = {slot: n for slot, n in ended.items() if n}
+        return ended, blocks_read
 
     def _available(self, worker: _Worker, key: BlockKey, t: int, tier_mask: int, c: int) -> bool:
         """Component `c` resident on block `key` at a tier in the (1 << Tier) mask."""

@@ -61,7 +61,7 @@ from indexer.backend import (
     WorkerStats,
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
-from indexer.index import MAX_ACTIONS_PER_BATCH, PrefixIndex, validate_batch
+from indexer.index import PrefixIndex
 from indexer.redis_client import (
     Client,
     IndexBackendError,
@@ -69,6 +69,7 @@ from indexer.redis_client import (
     RedisOptions,
     connect,
 )
+from indexer.validation import MAX_ACTIONS_PER_BATCH, validate_batch
 from kvplane.errors import ConfigError, KvplaneError
 
 __all__ = [
