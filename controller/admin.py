@@ -13,7 +13,6 @@ from controller.config import KvEventsMode
 from controller.registry import (
     DuplicateEngineError,
     EngineRecord,
-    EngineState,
     UnknownEngineError,
 )
 from controller.router import Decision, NoEngineAvailableError
@@ -146,7 +145,7 @@ class AdminServicer(apb_grpc.AdminServicer):
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
         # Out of routing now, not at the next health poll.
-        await fleet.mark_state(record.address, EngineState.DRAINING)
+        await fleet.request_drain(record.address)
         drain = pb.DrainRequest(
             stop_accepting_new_requests=True, abort_after_deadline=request.abort_after_deadline
         )

@@ -154,6 +154,9 @@ class Fleet:
         self._engines: dict[str, _Engine] = {}
         self._on_engine_gone = on_engine_gone
         self._changed = asyncio.Condition()
+        # Blocks the index places on each engine (refreshed by the controller's stats task);
+        # the router's cache-pressure term reads them.
+        self.indexed_blocks: dict[str, int] = {}
         self.remote = (
             RemoteIndex(config.index.remote, config.health.rpc_timeout_s)
             if config.index.remote is not None
@@ -214,11 +217,11 @@ class Fleet:
         if engine is not None:
             engine.wake.set()
 
-    async def mark_state(self, key: str, state: EngineState) -> None:
-        """Record a state learnt outside the poll (a drain the controller started)."""
-        record = self.registry.get(key)
-        self.registry.on_health(record.address, state, self._clock())
+    async def request_drain(self, key: str) -> EngineRecord:
+        """The controller is draining this engine: out of routing now, not at the next poll."""
+        record = self.registry.request_drain(key, self._clock())
         await self._notify()
+        return record
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -264,6 +267,7 @@ class Fleet:
                 hit=hits.get(r.address, PrefixHit()),
                 load=r.load,
                 total_kv_blocks=r.identity.total_kv_blocks if r.identity else None,
+                cached_blocks=self.indexed_blocks.get(r.address),
             )
             for r in records
         )

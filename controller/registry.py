@@ -111,6 +111,9 @@ class EngineRecord:
     last_seen_s: float | None = None
     # Bumped whenever the engine turns out to be a new process (new instance id).
     epoch: int = 0
+    # The controller told this engine process to drain: it stays out of routing even if a
+    # health answer sent before the drain still says READY (cleared by a new process).
+    drain_requested: bool = False
 
     @property
     def engine_id(self) -> str:
@@ -174,6 +177,13 @@ class Registry:
             out.append(record)
         return out
 
+    def request_drain(self, key: str, now_s: float) -> EngineRecord:
+        """Out of routing at once, and for good (until the engine is a new process)."""
+        record = self.get(key)
+        record.drain_requested = True
+        self.on_health(record.address, EngineState.DRAINING, now_s)
+        return record
+
     def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
         record = self.get(key)
         record.cordoned = cordoned
@@ -204,6 +214,7 @@ class Registry:
         is_new = record.identity is None or record.identity.instance_id != identity.instance_id
         if is_new:
             record.epoch += 1
+            record.drain_requested = False
         record.identity = identity
         return is_new
 
@@ -217,6 +228,8 @@ class Registry:
         record = self._by_address.get(address)
         if record is None or record.state is EngineState.INCOMPATIBLE:
             return
+        if record.drain_requested and state in ROUTABLE_STATES:
+            state = EngineState.DRAINING
         record.state = state
         record.last_seen_s = now_s
         record.num_failures = 0

@@ -148,6 +148,7 @@ def replay(
     )
     engines = [SimEngine(f"w{i}", engine_config) for i in range(settings.workers)]
     loads: dict[str, LoadSnapshot] = {}
+    cached: dict[str, int] = {}
     last_poll_ms: float | None = None
     requests: list[SimRequest] = []
     decisions: Counter[str] = Counter()
@@ -164,6 +165,8 @@ def replay(
         if last_poll_ms is None or now_ms - last_poll_ms >= settings.load_poll_ms:
             last_poll_ms = now_ms
             loads = {e.engine_id: _load_of(e) for e in engines}
+            # What the index would tell: blocks placed on each engine (same poll cadence).
+            cached = {e.engine_id: e.cached_blocks for e in engines}
         keys = full_block_keys(row, settings.block_size)
         candidates = [
             Candidate(
@@ -171,6 +174,7 @@ def replay(
                 hit=PrefixHit(device_blocks=e.prefix_blocks(keys)),
                 load=loads[e.engine_id],
                 total_kv_blocks=settings.blocks_per_worker,
+                cached_blocks=cached[e.engine_id],
             )
             for e in engines
         ]

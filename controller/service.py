@@ -8,7 +8,6 @@ refreshes the index-size metrics; `close()` cancels all of it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -28,6 +27,7 @@ from kvplane.errors import ConfigError
 log = logging.getLogger(__name__)
 
 INDEX_STATS_INTERVAL_S = 5.0
+STATS_CANCEL_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +90,8 @@ class Controller:
     async def close(self) -> None:
         if self._stats_task is not None:
             self._stats_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._stats_task
+            # A shared backend may finish its current command before it sees the cancel.
+            await asyncio.wait([self._stats_task], timeout=STATS_CANCEL_WAIT_S)
         await self.fleet.close()
         if self._own_index and self.index is not None:
             await self.index.close()
@@ -135,6 +135,7 @@ class Controller:
 
     async def _refresh_index_stats(self) -> None:
         while True:
+            await asyncio.sleep(INDEX_STATS_INTERVAL_S)
             if self.index is not None:
                 try:
                     stats = await self.index.stats()
@@ -143,4 +144,4 @@ class Controller:
                 else:
                     self.metrics.index_blocks.set(stats.num_blocks)
                     self.metrics.index_placements.set(stats.num_placements)
-            await asyncio.sleep(INDEX_STATS_INTERVAL_S)
+                    self.fleet.indexed_blocks = {w.worker_id: w.num_blocks for w in stats.workers}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import json
 import logging
 import multiprocessing
@@ -296,7 +297,7 @@ class IndexBench:
         self.with_dynamo = with_dynamo
 
     async def _fresh(self) -> IndexBackend:
-        return await open_backend(self.backend_url)
+        return await open_bench_backend(self.backend_url)
 
     async def store(self, events: list[StoreEvent], unit: str) -> Figures:
         kv_payloads = KvplaneSide.encode(events)
@@ -318,7 +319,7 @@ class IndexBench:
                     else:
                         target.append(await _time_async(partial(side.apply_batches, batches)))
                 finally:
-                    await backend.close()
+                    await discard(backend)
             if self.with_dynamo:
                 dyn = DynamoSide()
                 dyn_times.append(_time_sync(partial(dyn.apply_all, dyn_payloads)))
@@ -349,7 +350,7 @@ class IndexBench:
                 if dyn is not None:
                     dyn_times.append(_time_sync(partial(dyn.match_all, queries)))
         finally:
-            await backend.close()
+            await discard(backend)
         return _figures(len(queries), unit, kv_times, dyn_times)
 
     async def remove(self, setup: list[StoreEvent]) -> Figures:
@@ -366,7 +367,7 @@ class IndexBench:
                 if isinstance(backend, MemoryBackend):
                     purge_times.append(_time_sync(backend.index.purge))
             finally:
-                await backend.close()
+                await discard(backend)
             if self.with_dynamo:
                 dyn = DynamoSide()
                 dyn.apply_all(DynamoSide.encode(setup))
@@ -397,6 +398,26 @@ class IndexBench:
         out["mooncake_store"] = await self.store(events, "events")
         out["mooncake_match"] = await self.match(events, trace_queries, "queries")
         return out
+
+
+_bench_partitions = itertools.count()
+
+
+async def open_bench_backend(url: str) -> IndexBackend:
+    """A fresh, empty backend. A shared (Redis) backend gets a partition of its own, so the
+    benchmark never reads or overwrites an index someone uses."""
+    if url.startswith(REDIS_SCHEMES):
+        model = f"kvplane-bench-{os.getpid()}-{next(_bench_partitions)}"
+        return await open_backend(url, model=model)
+    return await open_backend(url)
+
+
+async def discard(backend: IndexBackend) -> None:
+    """Empty a benchmark backend (a shared one keeps no benchmark data) and close it."""
+    if not isinstance(backend, MemoryBackend):
+        for worker in (await backend.stats()).workers:
+            await backend.remove_worker(worker.worker_id)
+    await backend.close()
 
 
 def _figures(ops: int, unit: str, kv_times: list[float], dyn_times: list[float]) -> Figures:
@@ -452,7 +473,7 @@ async def service_figures(
     from kvplane.config import ServerConfig
     from kvplane.server import create_server
 
-    backend = await open_backend(backend_url)
+    backend = await open_bench_backend(backend_url)
     server = None
     try:
         chains: list[list[BlockKey]] = []
@@ -471,7 +492,7 @@ async def service_figures(
     finally:
         if server is not None:
             await server.stop(None)
-        await backend.close()
+        await discard(backend)
     return {**figures, "offered_qps": qps, "indexed_blocks": num_blocks}
 
 

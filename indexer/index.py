@@ -14,7 +14,7 @@ Contract (WIRE.md section 2 is normative; this module implements it exactly):
 
 No I/O, no clock, no asyncio: backends and services wrap it.
 
-Layout, chosen for speed and memory (about 150 bytes per indexed (worker, block) placement):
+Layout, chosen for speed and memory (about 130 bytes per indexed (worker, block) placement):
 workers are interned to small integers `w`; each block is one entry of a key -> int dict whose
 bit `3w + tier - 1` marks a placement, so a prefix match for every legacy worker at once is a
 running AND of those integers along the chain (at C speed, see `_legacy_prefix`). Rare data

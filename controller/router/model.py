@@ -67,6 +67,8 @@ class Candidate:
     inflight: InFlight = InFlight()
     # Capacity in blocks (GetModelInfo.total_kv_blocks); None when unknown.
     total_kv_blocks: int | None = None
+    # Blocks the index places on the engine (cached, in use or not); None when unknown.
+    cached_blocks: int | None = None
 
     @property
     def active_requests(self) -> int:
@@ -82,6 +84,15 @@ class Candidate:
     @property
     def pending_prefill_tokens(self) -> int:
         return max(self.load.waiting_tokens or 0, self.inflight.prefill_tokens)
+
+    @property
+    def cache_pressure(self) -> float:
+        """How full the engine's cache is with data (1.0 when unknown): storing a prefix twice
+        only costs room that something else would have used when the cache is full."""
+        total = self.total_kv_blocks or self.load.total_kv_blocks
+        if not total or self.cached_blocks is None:
+            return 1.0
+        return min(1.0, self.cached_blocks / total)
 
     @property
     def kv_usage(self) -> float | None:

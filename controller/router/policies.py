@@ -156,13 +156,16 @@ class PowerOfTwo(_Stateless):
 class KvplaneWeights:
     """The `kvplane` cost, in prompt-token equivalents of prefill work (lower is better):
 
-        total = overlap_weight * (uncached + host_weight * host_cached)
+        total = overlap * (uncached + host_weight * host_cached)
               + pending prefill tokens queued on the engine
               + decode_weight * active requests
+        overlap = 1 + (overlap_weight - 1) * mean cache pressure of the candidates
 
-    `overlap_weight` > 1 makes recomputing a prefix that another engine holds cost more than
-    the queueing it would save: with limited caches, a prefix stored twice halves the room for
-    everything else (tuned on the Mooncake traces, docs/benchmarks/routing.md).
+    `overlap` > 1 makes recomputing a prefix that another engine holds cost more than the
+    queueing it would save: with full caches, a prefix stored twice evicts something else
+    (tuned on the Mooncake traces, docs/benchmarks/routing.md). Cache pressure is how full an
+    engine's cache is with data (1 when unknown); with room to spare a repeated prefill costs
+    just its compute, and tail latency wins.
     Engines within `tie_tokens` + `tie_ratio` * best of the best cost are ties, picked at
     random (or by softmax when `temperature` > 0), so equal engines share a hot prefix.
     """
@@ -183,11 +186,15 @@ class KvplanePolicy(_Stateless):
 
     def costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[EngineCost]:
         w = self.weights
+        # Storing a prefix twice only costs room when the caches are full; with room to spare
+        # a repeated prefill costs just its compute.
+        pressure = sum(c.cache_pressure for c in candidates) / max(len(candidates), 1)
+        overlap = 1.0 + (w.overlap_weight - 1.0) * pressure
         rows = []
         for c in candidates:
             device, host = request.cached_tokens(c.hit)
             uncached = request.num_prompt_tokens - device - host
-            prefill = w.overlap_weight * (uncached + w.host_weight * host)
+            prefill = overlap * (uncached + w.host_weight * host)
             queue = float(c.pending_prefill_tokens)
             decode = w.decode_weight * c.active_requests
             rows.append(

@@ -395,3 +395,26 @@ async def test_redis_index_backend_routes_like_memory(redis_server: RedisServer)
         assert explained.engine == holder
     finally:
         await close_fleet(fleet)
+
+
+async def test_session_affinity_by_metadata_key() -> None:
+    fleet = await make_fleet(3, router={"session_metadata_key": "session", "policy": "round_robin"})
+    try:
+        chosen: list[str] = []
+        controller = fleet.app.controller
+        route = controller.route
+
+        def recording_route(*args: object, **kwargs: object) -> object:
+            decision = route(*args, **kwargs)  # type: ignore[arg-type]
+            chosen.append(decision.engine_id)
+            return decision
+
+        controller.route = recording_route  # type: ignore[method-assign,assignment]
+        for i in range(6):
+            await generate(fleet, generate_request(f"s{i}", [i] * 40, session="alice"))
+        assert len(set(chosen)) == 1  # round robin would have used all three
+        for i in range(3):
+            await generate(fleet, generate_request(f"n{i}", [i] * 40))
+        assert len(set(chosen[6:])) == 3
+    finally:
+        await close_fleet(fleet)

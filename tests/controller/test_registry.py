@@ -125,3 +125,19 @@ def test_shipped_config_loads() -> None:
     shipped = Path(__file__).resolve().parents[2] / "configs" / "controller.yaml"
     config = load_config(ControllerConfig, shipped)
     assert config.router.policy == "kvplane"
+
+
+def test_a_drain_the_controller_started_sticks_until_the_engine_restarts() -> None:
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    registry.request_drain("e0", 1.0)
+    assert registry.routable() == []
+    # A health answer sent before the drain arrives late: still draining.
+    registry.on_health("h:1", EngineState.READY, 1.1)
+    assert registry.get("h:1").state is EngineState.DRAINING
+    # A new process on the same address starts fresh.
+    registry.on_identity("h:1", identity("e1"), 2.0)
+    registry.on_health("h:1", EngineState.READY, 2.0)
+    assert [r.engine_id for r in registry.routable()] == ["e1"]

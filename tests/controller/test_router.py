@@ -57,6 +57,17 @@ def test_kvplane_cost_terms_are_prefill_queue_and_decode() -> None:
     assert b.prefill_cost == 2.0 * (4 * BS + 5)
 
 
+def test_recomputing_a_prefix_weighs_less_while_caches_have_room() -> None:
+    policy = KvplanePolicy(KvplaneWeights(overlap_weight=5.0))
+    req = request(blocks=8, extra=1)
+    full = [Candidate(e, total_kv_blocks=100, cached_blocks=100) for e in "ab"]
+    roomy = [Candidate(e, total_kv_blocks=100, cached_blocks=25) for e in "ab"]
+    assert policy.costs(req, full)[0].prefill_cost == pytest.approx(5.0 * (8 * BS + 1))
+    assert policy.costs(req, roomy)[0].prefill_cost == pytest.approx(2.0 * (8 * BS + 1))
+    unknown = [Candidate(e) for e in "ab"]
+    assert policy.costs(req, unknown)[0].prefill_cost == pytest.approx(5.0 * (8 * BS + 1))
+
+
 def test_at_least_one_token_is_recomputed() -> None:
     req = RouteRequest("r", 4 * BS, BS, (1, 2, 3, 4))  # exactly 4 full blocks
     assert req.max_cacheable_blocks == 3
