@@ -73,8 +73,18 @@ def _metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+# `kvplane admin --target HOST:PORT <command>`: the group-level target, set by the admin
+# group's callback for this one CLI invocation; a command's own --target wins over it.
+_group_target: str | None = None
+
+
+def set_group_target(target: str | None) -> None:
+    global _group_target  # noqa: PLW0603 - one CLI invocation per process
+    _group_target = target
+
+
 def _target(target: str | None) -> str:
-    return target or DEFAULT_TARGET
+    return target or _group_target or DEFAULT_TARGET
 
 
 def _dict(message: Message) -> dict[str, Any]:

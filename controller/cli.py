@@ -5,11 +5,21 @@ from __future__ import annotations
 import typer
 
 from indexer.admin_cli import index_app
-from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption
+from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption, TargetOption
 
 controller_app = typer.Typer(no_args_is_help=True)
 admin_app = typer.Typer(no_args_is_help=True)
 admin_app.add_typer(index_app, name="index")
+
+
+@admin_app.callback()
+def _admin_group(ctx: typer.Context, target: TargetOption = "") -> None:
+    """Admin CLI for a controller, an engine or an indexer (`--target HOST:PORT`)."""
+    from controller.admin_cli import set_group_target
+
+    set_group_target(target or None)  # reset on every invocation (CliRunner reuses the process)
+    if target:
+        ctx.obj = {**(ctx.obj or {}), "target": target}
 
 
 @controller_app.command()

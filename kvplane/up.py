@@ -75,7 +75,7 @@ DEFAULT_FLEET: dict[str, Any] = {
             "name": "controller",
             "kind": "controller",
             "config": {
-                "listen": "127.0.0.1:50050",
+                "listen": "127.0.0.1:8100",
                 "engines": [{"address": "${engine-0}"}, {"address": "${engine-1}"}],
             },
         },

@@ -37,6 +37,11 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     workers = await cli_json("workers", *t)
     assert sorted(w["instance_id"] for w in workers["workers"]) == ["e0", "e1", "e2"]
     assert workers["policy"] == "kvplane"
+    # The form: --target on the admin group applies to every command under it.
+    group_level = await cli(*t, "workers", "--output", "json")
+    assert group_level.exit_code == 0, group_level.output
+    group_ids = sorted(w["instance_id"] for w in json.loads(group_level.output)["workers"])
+    assert group_ids == ["e0", "e1", "e2"]
     table = await cli("workers", *t)
     assert table.exit_code == 0 and "e1" in table.output and "ready" in table.output
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -60,6 +61,56 @@ def test_up_starts_members_and_stops_them_on_sigint(tmp_path: Path) -> None:
         for address in addresses.values():
             with pytest.raises(grpc.RpcError):
                 _health(address)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.timeout(180)
+def test_up_runs_a_routed_fleet_of_sim_engines(tmp_path: Path) -> None:
+    # The main job's shape (the embedded defaults, with the controller on a free port).
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n"
+        "  - {name: engine-0, kind: engine, config: {model: sim}}\n"
+        "  - {name: engine-1, kind: engine, config: {model: sim}}\n"
+        "  - name: controller\n"
+        "    kind: controller\n"
+        "    config: {engines: [{address: '${engine-0}'}, {address: '${engine-1}'}]}\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stderr is not None
+        controller = None
+        deadline = time.monotonic() + 150
+        while controller is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            match = re.search(r"fleet member controller \(controller\) on (\S+)", line)
+            if match:
+                controller = match.group(1)
+        assert controller, "the controller never came up"
+        ready: list[str] = []
+        while len(ready) < 2 and time.monotonic() < deadline:
+            result = subprocess.run(
+                [sys.executable, "-m", "kvplane", "admin", "--target", controller,
+                 "workers", "--output", "json"],
+                capture_output=True, text=True, cwd=REPO, timeout=60,
+            )  # fmt: skip
+            assert result.returncode == 0, result.stderr
+            workers = json.loads(result.stdout)["workers"]
+            ready = [w["address"] for w in workers if w["state"] == "ready"]
+        assert len(ready) == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
