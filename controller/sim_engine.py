@@ -27,20 +27,8 @@ import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True, slots=True)
-class TimingModel:
-    prefill_coefs: tuple[float, float, float] = (16.50142, 0.01518344, 4.209989e-7)
-    decode_coefs: tuple[float, float, float] = (5.74, 54.01, -25.74)
-
-    def prefill_ms(self, tokens: int) -> float:
-        a, b, c = self.prefill_coefs
-        return a + b * tokens + c * tokens * tokens
-
-    def decode_ms(self, utilisation: float) -> float:
-        a, b, c = self.decode_coefs
-        u = min(utilisation, 1.0)
-        return max(1.0, a + b * u + c * u * u)
+# The one timing model of the field (Dynamo's mocker), shared with the engine's sim runner.
+from engine.core.sim_runner import TimingModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +37,7 @@ class SimEngineConfig:
     block_size: int = 512
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    timing: TimingModel = TimingModel()
+    timing: TimingModel = field(default_factory=TimingModel)
 
 
 class Note(enum.Enum):
