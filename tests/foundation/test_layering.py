@@ -20,6 +20,9 @@ CORE_GLOBS = [
     "indexer/translate.py",
     "engine/core/*.py",
     "controller/router/*.py",
+    "controller/registry.py",
+    "controller/sim_engine.py",
+    "controller/replay.py",
     "planner/core/*.py",
 ]
 FORBIDDEN_IN_CORE = {"grpc", "zmq", "redis", "asyncio", "torch"}
