@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/kvplane up
+	$(VENV)/bin/kvplane up configs/local.yaml
 
 test: $(STAMP) redis lint typecheck pytest
 

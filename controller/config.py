@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from controller.router import POLICY_NAMES, BusyThresholds, KvplaneWeights
+from indexer.config import RedisBackendConfig
 from kvplane.config import ServerConfig, StrictModel, parse_host_port
 
 _DEFAULT_WEIGHTS = KvplaneWeights()
@@ -47,6 +48,12 @@ class IndexConfig(StrictModel):
     # A remote `kvplane indexer` (HOST:PORT): the controller asks it (MatchTokens) instead of
     # keeping an index, and does not subscribe to KV events itself.
     remote: str | None = None
+    # Options of a Redis backend, the indexer's `redis:` block (docs/redis.md).
+    redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
+
+    def backend_options(self) -> dict[str, Any]:
+        """Keyword options for `indexer.backends.open_backend(self.backend, ...)`."""
+        return {} if self.backend == "memory" else self.redis.backend_options()
 
 
 class RouterConfig(StrictModel):

@@ -22,6 +22,7 @@ from controller.registry import Role
 from controller.router import Decision, Router, RouteRequest, make_policy
 from indexer.backend import IndexBackend
 from indexer.backends import open_backend
+from indexer.sources.resync import connect_resync
 from kvplane.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,11 @@ class Controller:
             except Exception as exc:
                 raise ConfigError(f"cannot load tokenizer {self.config.tokenizer}: {exc}") from exc
         if self.index is None and self.config.index.remote is None:
-            self.index = await open_backend(self.config.index.backend)
+            index = self.config.index
+            self.index = await open_backend(index.backend, **index.backend_options())
             self.fleet.index = self.index
+            # A shared index that dropped or lost an engine's entries: its source rebuilds them.
+            connect_resync(self.index, self.fleet.source_of)
         await self.fleet.start()
         self._stats_task = asyncio.create_task(self._refresh_index_stats(), name="index stats")
 

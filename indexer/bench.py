@@ -34,7 +34,7 @@ import xxhash
 from indexer.backend import IndexBackend
 from indexer.backends import REDIS_SCHEMES, open_backend
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
-from indexer.index import PrefixIndex, validate_batch
+from indexer.index import PrefixIndex
 from indexer.kv_wire import batch_from_proto
 from indexer.memory_backend import MemoryBackend
 from kv_indexer.v1 import kv_indexer_pb2 as kv
@@ -114,10 +114,8 @@ class KvplaneSide:
         parse = kv.ApplyExternalKvBatchRequest.FromString
         from_proto = batch_from_proto
         apply = self.backend.apply
-        for payload in payloads:
-            batch = from_proto(parse(payload))
-            validate_batch(batch)
-            await apply(batch)
+        for payload in payloads:  # as the servicer does: apply validates
+            await apply(from_proto(parse(payload)))
 
     async def apply_batches(self, batches: Sequence[Batch]) -> None:
         apply = self.backend.apply

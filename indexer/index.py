@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate, chain, islice, repeat
 from operator import and_, attrgetter
 
@@ -316,7 +316,7 @@ class PrefixIndex:
                 t = self._strip_dead(key, t)
             existing.append(key in seen or (t is not None and bool(t >> slot & 1)))
             seen.add(key)
-        self._report(worker, replace(action, copies=False))
+        self._report(worker, action._replace(copies=False))
         for key, had in zip(action.hashes, existing, strict=True):
             if had:
                 per_key = self._copies.setdefault(key, {})

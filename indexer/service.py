@@ -3,7 +3,9 @@ owned task, serves `kv_indexer.v1.KVIndexer` and `kvplane.v1.KvIndex` (plus heal
 reflection) until SIGTERM/SIGINT, and exports Prometheus metrics on `metrics_listen`.
 
 Sources run in one `asyncio.TaskGroup`: a source never ends on its own (it retries with
-backoff), and all of them are cancelled when the server stops.
+backoff), and all of them are cancelled when the server stops. When the backend asks for a
+worker's resync (the Redis backend after a buffer overflow or a Redis that lost its data), the
+source feeding that worker clears and rebuilds it (`indexer.sources.resync`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from indexer.backends import open_backend
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
 from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
+from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import SourceCounters, ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
 from kvplane.metrics import start_metrics_server
@@ -135,6 +138,9 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
     backend = await open_backend(config.backend, **config.backend_options())
     try:
         sources = [build_source(s, backend, config.block_size) for s in config.sources]
+        # A backend that dropped or lost a worker's entries asks its source to rebuild them.
+        by_worker = {s.worker_id: s for s in sources}
+        connect_resync(backend, by_worker.get)
         servicer_box: list[KvIndexerServicer] = []
 
         def ingest_counters() -> IngestCounters:

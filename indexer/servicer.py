@@ -1,7 +1,8 @@
 """gRPC servicers over an `IndexBackend`: the seed's `kv_indexer.v1.KVIndexer`
 (byte-compatible) and kvplane's own `kvplane.v1.KvIndex` (token-level matching, stats, dump).
 
-Thin: convert (`indexer.kv_wire`), validate with the core's rules (`indexer.index`), call the
+Thin: convert (`indexer.kv_wire`), validate with the core's rules (`indexer.index`; a batch is
+validated by the backend's `apply`, which refuses a bad one before changing anything), call the
 backend, convert back. Errors map to status codes through one table (`_status_of`); prefix
 queries (MatchExternalKvPrefix, MatchTokens) beyond `max_concurrent_prefix_queries` are shed
 with RESOURCE_EXHAUSTED, never queued, and one whose deadline already passed gets
@@ -22,7 +23,6 @@ from indexer.backend import IndexBackend
 from indexer.index import (
     IndexRequestError,
     ValidationKind,
-    validate_batch,
     validate_match,
     validate_prefix_match,
 )
@@ -110,7 +110,7 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
     ) -> kv.ApplyExternalKvBatchResponse:
         batch = batch_from_proto(request)
         try:
-            validate_batch(batch)
+            # Validated once, by the backend's apply (both backends check before any change).
             await self.backend.apply(batch)
         except Exception as exc:
             await _fail(context, exc)

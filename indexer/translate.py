@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from indexer import keys
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier, to_sfixed64
@@ -362,8 +362,7 @@ def _split_action(action: Action, max_hashes: int) -> list[Action]:
         end = start + max_hashes
         parent = action.parent if start == 0 else action.hashes[start - 1]
         parts.append(
-            replace(
-                action,
+            action._replace(
                 hashes=action.hashes[start:end],
                 component_masks=action.component_masks[start:end],
                 block_sizes=action.block_sizes[start:end],

@@ -52,13 +52,22 @@ def up(
         Path | None, typer.Argument(help="Fleet YAML; embedded defaults when omitted.")
     ] = None,
     live: Annotated[bool, typer.Option(help="Show a live status table on a terminal.")] = True,
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Start the fleet, send requests with shared prefixes through the controller, "
+            "verify answers and prefix routing, stop, and exit 0 (passed) or 1.",
+        ),
+    ] = False,
 ) -> None:
     """Start a whole local fleet (engines, controller, planner) until Ctrl-C."""
     import asyncio
 
     from kvplane.up import load_fleet, run_fleet
 
-    asyncio.run(run_fleet(load_fleet(config), live))
+    if not asyncio.run(run_fleet(load_fleet(config), live, check)):
+        raise KvplaneError("kvplane up --check failed (see the log above)")
 
 
 def _register_groups() -> None:

@@ -66,17 +66,23 @@ class FleetConfig(StrictModel):
         return self
 
 
-# The embedded defaults: two simulated engines behind a controller.
+# The embedded defaults (configs/local.yaml spells out the same fleet): three simulated
+# engines behind a controller with the embedded in-memory index.
+NUM_DEFAULT_ENGINES = 3
 DEFAULT_FLEET: dict[str, Any] = {
     "members": [
-        {"name": "engine-0", "kind": "engine", "config": {"model": "sim"}},
-        {"name": "engine-1", "kind": "engine", "config": {"model": "sim"}},
+        *(
+            {"name": f"engine-{i}", "kind": "engine", "config": {"model": "sim"}}
+            for i in range(NUM_DEFAULT_ENGINES)
+        ),
         {
             "name": "controller",
             "kind": "controller",
             "config": {
                 "listen": "127.0.0.1:8100",
-                "engines": [{"address": "${engine-0}"}, {"address": "${engine-1}"}],
+                "index": {"backend": "memory"},
+                "router": {"policy": "kvplane"},
+                "engines": [{"address": f"${{engine-{i}}}"} for i in range(NUM_DEFAULT_ENGINES)],
             },
         },
     ]
@@ -206,26 +212,47 @@ def _status_table(fleet: Fleet) -> Any:
     return table
 
 
-async def run_fleet(config: FleetConfig, live: bool) -> None:
+async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> bool:
+    """Run the fleet until Ctrl-C (or, with `check`, through the smoke test); returns whether
+    the check passed (always True without one)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     with tempfile.TemporaryDirectory(prefix="kvplane-up-") as tmp:
         fleet = Fleet(config, Path(tmp))
+        passed = True
         try:
             starting = asyncio.ensure_future(fleet.start())
             stopper = asyncio.ensure_future(stop.wait())
             await asyncio.wait([starting, stopper], return_when=asyncio.FIRST_COMPLETED)
             if starting.done():
                 starting.result()  # raise start-up errors
-                await _show_until(fleet, stop, live)
+                if check:
+                    passed = await _check(fleet)
+                else:
+                    await _show_until(fleet, stop, live)
             else:
                 starting.cancel()
             stopper.cancel()
         finally:
             await fleet.stop()
             log.info("fleet stopped")
+        return passed
+
+
+async def _check(fleet: Fleet) -> bool:
+    from kvplane.up_check import check_fleet
+
+    controllers = [m for m in fleet.members if m.config.kind == "controller"]
+    if not controllers or controllers[0].address is None:
+        raise KvplaneError("--check needs a controller in the fleet")
+    problems = await check_fleet(controllers[0].address)
+    for problem in problems:
+        log.error("check failed: %s", problem)
+    if not problems:
+        log.info("check passed: answers complete, repeated prefixes routed to their holders")
+    return not problems
 
 
 async def _show_until(fleet: Fleet, stop: asyncio.Event, live: bool) -> None:

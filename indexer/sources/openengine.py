@@ -11,6 +11,12 @@ A terminal `EngineError` on the stream, a broken stream or an unreachable engine
 resubscription with exponential backoff. When the engine does not implement SubscribeKvEvents
 (UNIMPLEMENTED) and `discover_zmq` is set, `GetKvEventSources` is asked for a ZMQ/msgpack
 source and a `ZmqSource` follows it instead.
+
+A resync request (`request_resync`: the index backend dropped or lost this worker's entries,
+e.g. Redis restarted empty) ends the current subscription at once and resubscribes from
+sequence number 0 with `include_snapshot`: the engine answers with a snapshot (or a replay
+from its first batch), whose sequence number is not the one expected, so the worker is
+cleared and rebuilt.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -123,6 +130,8 @@ class OpenEngineSource:
         self.zmq_source: ZmqSource | None = None
         self._channel_options = channel_options
         self._progress = asyncio.Condition()
+        self._resync_wanted = False
+        self._call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
 
     @property
     def worker_id(self) -> str:
@@ -132,6 +141,16 @@ class OpenEngineSource:
         """Wait (at most `timeout_s`) until `predicate()` holds after some batch was handled."""
         async with asyncio.timeout(timeout_s), self._progress:
             await self._progress.wait_for(predicate)
+
+    def request_resync(self) -> None:
+        """The index dropped or lost this worker's entries: resubscribe with a snapshot now.
+        Synchronous, for index-backend callbacks."""
+        if self.zmq_source is not None:
+            self.zmq_source.request_resync()
+            return
+        self._resync_wanted = True
+        if self._call is not None:
+            self._call.cancel()
 
     async def run(self) -> None:
         backoff = self.settings.backoff_initial_s
@@ -160,12 +179,19 @@ class OpenEngineSource:
                 )
             except Exception:
                 log.exception("openengine source %s failed", self.settings.target)
+            if self._resync_wanted:
+                continue  # resubscribe at once
             self.counters.num_restarts += 1
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     async def _subscribe(self, stub: pb_grpc.OpenEngineAsyncStub) -> bool:
         """Follow one subscription until it ends; True if it delivered anything."""
+        if self._resync_wanted:
+            self._resync_wanted = False
+            self.counters.num_resyncs += 1
+            log.warning("worker %s: the index asked for a resync; resubscribing", self.worker_id)
+            self.last_seq = None  # the snapshot (or replay from 0) clears and rebuilds
         start = 0 if self.last_seq is None else self.last_seq + 1
         request = pb.SubscribeKvEventsRequest(
             data_parallel_ranks=self.settings.data_parallel_ranks,
@@ -173,20 +199,32 @@ class OpenEngineSource:
             start_sequence_number=start,
         )
         delivered = False
-        async for response in stub.SubscribeKvEvents(request):
-            if response.WhichOneof("event") == "error":
-                log.warning(
-                    "openengine source %s: stream ended with %s: %s",
-                    self.settings.target,
-                    pb.ErrorCode.Name(response.error.code),
-                    response.error.message,
-                )
-                break
-            if response.WhichOneof("event") == "batch":
-                await self._on_batch(response.batch)
-                delivered = True
-                async with self._progress:
-                    self._progress.notify_all()
+        call = self._call = stub.SubscribeKvEvents(request)
+        try:
+            async for response in call:
+                if response.WhichOneof("event") == "error":
+                    log.warning(
+                        "openengine source %s: stream ended with %s: %s",
+                        self.settings.target,
+                        pb.ErrorCode.Name(response.error.code),
+                        response.error.message,
+                    )
+                    break
+                if response.WhichOneof("event") == "batch":
+                    await self._on_batch(response.batch)
+                    delivered = True
+                    async with self._progress:
+                        self._progress.notify_all()
+                if self._resync_wanted:
+                    break
+        except asyncio.CancelledError:
+            # request_resync cancelled the call; a cancelled task must stay cancelled.
+            task = asyncio.current_task()
+            if not self._resync_wanted or (task is not None and task.cancelling()):
+                raise
+        finally:
+            self._call = None
+            call.cancel()
         return delivered
 
     async def _on_batch(self, batch: pb.KvEventBatch) -> None:

@@ -14,7 +14,12 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
 - seq < expected: a duplicate of a batch just replayed is dropped; anything else is an engine
   restart (seq reset), so the worker is cleared and rebuilt as on a first message;
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
-  message rebuilds the worker as on a first message.
+  message rebuilds the worker as on a first message;
+- a resync request (`request_resync`: the index backend dropped or lost this worker's entries,
+  e.g. Redis restarted empty) clears the worker and rebuilds it from a replay from seq 0 at
+  once, between two messages, without waiting for the next one; live messages the replay
+  already covered are then dropped as duplicates. Without a replay endpoint the next message
+  clears and rebuilds as on a first message (older blocks stay missing, never stale).
 
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
 """
@@ -22,6 +27,7 @@ Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop neve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Callable
@@ -68,6 +74,7 @@ class SourceCounters:
     num_duplicates: int = 0
     num_resets: int = 0
     num_restarts: int = 0  # loop restarts after an error (reconnect with backoff)
+    num_resyncs: int = 0  # rebuilds the index asked for (request_resync)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,8 @@ class ZmqSource:
         # After a replay, live messages in [floor, expected) are duplicates of replayed ones.
         self._duplicate_floor: int | None = None
         self._progress = asyncio.Condition()
+        # Set by request_resync; handled between two messages.
+        self._resync_wanted = asyncio.Event()
         self.last_seq: int | None = None
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
@@ -118,6 +127,11 @@ class ZmqSource:
         """Wait (at most `timeout_s`) until `predicate()` holds after some message was handled."""
         async with asyncio.timeout(timeout_s), self._progress:
             await self._progress.wait_for(predicate)
+
+    def request_resync(self) -> None:
+        """The index dropped or lost this worker's entries: clear and rebuild it (from a replay
+        from seq 0) before the next message. Synchronous, for index-backend callbacks."""
+        self._resync_wanted.set()
 
     async def run(self) -> None:
         """Follow the publisher until cancelled; restart with backoff after any error."""
@@ -136,11 +150,15 @@ class ZmqSource:
                     self.worker_id,
                     backoff,
                 )
-                await asyncio.sleep(backoff)
+                # A resync request (the index is back) ends the wait early.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._resync_wanted.wait(), backoff)
                 backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     async def _follow(self) -> None:
         sub = self._context.socket(zmq.SUB)
+        recv: asyncio.Future[list[bytes]] | None = None
+        waker = asyncio.ensure_future(self._resync_wanted.wait())
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
@@ -154,7 +172,26 @@ class ZmqSource:
             log.info("zmq source %s -> worker %s", self.settings.endpoint, self.worker_id)
             self.ready.set()
             while True:
-                frames = await sub.recv_multipart()
+                if self._resync_wanted.is_set():
+                    self._resync_wanted.clear()
+                    try:
+                        await self._resync()
+                    except BaseException:
+                        self._resync_wanted.set()  # retried after the restart
+                        raise
+                    async with self._progress:
+                        self._progress.notify_all()
+                    continue
+                if recv is None:
+                    recv = asyncio.ensure_future(sub.recv_multipart())
+                if not recv.done():  # (it is already done when a message was queued)
+                    await asyncio.wait((recv, waker), return_when=asyncio.FIRST_COMPLETED)
+                    if waker.done():
+                        waker = asyncio.ensure_future(self._resync_wanted.wait())
+                    if not recv.done():
+                        continue
+                frames = recv.result()
+                recv = None
                 self.counters.num_messages += 1
                 try:
                     message = decode_frames(frames)
@@ -166,7 +203,35 @@ class ZmqSource:
                 async with self._progress:
                     self._progress.notify_all()
         finally:
+            waker.cancel()
+            if recv is not None:
+                recv.cancel()
             sub.close(linger=0)
+
+    async def _resync(self) -> None:
+        """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring)."""
+        floor = self._expected
+        if floor is None and not self.settings.replay_endpoint:
+            return  # the next message clears and rebuilds the worker anyway
+        self.counters.num_resyncs += 1
+        log.warning(
+            "worker %s: the index asked for a resync; clearing and rebuilding", self.worker_id
+        )
+        await self._reset_worker(self.last_seq or 0)
+        self._expected = None
+        self._duplicate_floor = None
+        replies = await self._replay(0)
+        if replies is None:  # no replay: carry on from the next live message
+            self._expected = floor
+            return
+        for reply in replies:
+            await self._apply(reply)
+        if not replies:
+            self._expected = floor
+        else:
+            # Live messages still queued were replayed: drop them as duplicates. (A replay
+            # that ends before `floor` is healed as a gap by the next message.)
+            self._duplicate_floor = replies[0].seq if floor is None else floor
 
     async def _on_message(self, message: ZmqMessage) -> None:
         expected = self._expected

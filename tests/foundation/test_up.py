@@ -128,6 +128,35 @@ def test_fleet_refers_only_to_earlier_members(tmp_path: Path) -> None:
         load_fleet(fleet)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("policy", "exit_code"), [("kvplane", 0), ("round_robin", 1)])
+def test_up_check_passes_only_when_prefixes_reach_their_holders(
+    tmp_path: Path, policy: str, exit_code: int
+) -> None:
+    # The smoke test must be able to fail: prefix-blind routing sends each repeat elsewhere.
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n"
+        "  - {name: engine-0, kind: engine, config: {model: sim}}\n"
+        "  - {name: engine-1, kind: engine, config: {model: sim}}\n"
+        "  - name: controller\n"
+        "    kind: controller\n"
+        f"    config: {{router: {{policy: {policy}}},\n"
+        "             engines: [{address: '${engine-0}'}, {address: '${engine-1}'}]}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
+        capture_output=True, text=True, cwd=REPO, timeout=200,
+    )  # fmt: skip
+    assert result.returncode == exit_code, result.stderr
+    assert ("check passed" in result.stderr) == (exit_code == 0)
+    assert "fleet stopped" in result.stderr
+
+
+def test_configs_local_is_the_embedded_default() -> None:
+    assert load_fleet(REPO / "configs" / "local.yaml").members == load_fleet(None).members
+
+
 def test_embedded_defaults_are_a_valid_fleet() -> None:
     kinds = [m.kind for m in load_fleet(None).members]
     assert kinds.count("engine") >= 2
