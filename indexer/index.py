@@ -94,6 +94,7 @@ _FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAM
 
 
 _REPORT, _REVOKE = int(ActionType.REPORT), int(ActionType.REVOKE)
+_HBM = int(Tier.HBM)
 
 
 _BY_WORKER_ID = attrgetter("worker_id")
@@ -206,9 +207,11 @@ class PrefixIndex:
         validate_batch(batch)
         if self._pending:
             self.purge(self._purge_step_blocks)
-        worker = self._worker(batch.worker_id)
-        self._set_worker_info(worker, batch.worker_address, batch.cache_spec)
-        for action in batch.actions:
+        worker_id, actions, address, _seq, spec = batch
+        worker = self._workers.get(worker_id) or self._worker(worker_id)
+        if address != worker.address or spec is not worker.spec:
+            self._set_worker_info(worker, address, spec)
+        for action in actions:
             kind = action.type
             if kind == _REPORT:
                 if action.copies:
@@ -249,35 +252,36 @@ class PrefixIndex:
         self._legacy = self._legacy | bit if spec is None else self._legacy & ~bit
 
     def _report(self, worker: _Worker, action: Action) -> None:
-        """REPORT without copy counting: set each placement (a replace)."""
+        """REPORT without copy counting (`action.copies` is not read): set each placement
+        (a replace)."""
+        _kind, tier, hashes, masks, sizes, parent, _copies = action
         tiers = self._tiers
-        get = tiers.get
         parents = self._parents
-        tbit = worker.tier_bits[action.tier]
-        if action.tier != Tier.HBM:
+        tbit = worker.tier_bits[tier]
+        if tier != _HBM:
             self._lower_tier_slots |= worker.bit
-        wbits = worker.all_bits
-        dead = self._dead
-        added: list[BlockKey] = []
-        add_block = added.append
-        parent = action.parent
-        hashes = action.hashes
         if tiers.keys().isdisjoint(hashes):
             # Every block is new (the common case: a fresh chain): C-speed bulk inserts.
             before = len(tiers)
             tiers.update(zip(hashes, repeat(tbit)))
+            num_new = len(tiers) - before
             worker.log.append(hashes if isinstance(hashes, tuple) else tuple(hashes))
             worker.log_len += len(hashes)
-            worker.num_blocks += len(tiers) - before
+            worker.num_blocks += num_new
             if parent is not None:
                 parents[hashes[0]] = parent
-            parents.update(zip(hashes[1:], hashes[:-1], strict=True))
-            num_new = len(tiers) - before
+            if len(hashes) > 1:
+                parents.update(zip(hashes[1:], hashes[:-1], strict=True))
             worker.num_placements += num_new
             self._num_placements += num_new
-            if action.component_masks or action.block_sizes or self._component_masks:
-                self._set_details(action, tbit.bit_length() - 1)
+            if masks or sizes or self._component_masks:
+                self._set_details(hashes, masks, sizes, tbit.bit_length() - 1)
             return
+        get = tiers.get
+        wbits = worker.all_bits
+        dead = self._dead
+        added: list[BlockKey] = []
+        add_block = added.append
         num_new = 0
         for key in hashes:
             t = get(key)
@@ -301,8 +305,8 @@ class PrefixIndex:
             worker.num_blocks += len(added)
         worker.num_placements += num_new
         self._num_placements += num_new
-        if action.component_masks or action.block_sizes or self._component_masks:
-            self._set_details(action, tbit.bit_length() - 1)
+        if masks or sizes or self._component_masks:
+            self._set_details(hashes, masks, sizes, tbit.bit_length() - 1)
 
     def _report_copies(self, worker: _Worker, action: Action) -> None:
         """REPORT of new physical copies: a new placement has one copy, an existing one
@@ -316,32 +320,33 @@ class PrefixIndex:
                 t = self._strip_dead(key, t)
             existing.append(key in seen or (t is not None and bool(t >> slot & 1)))
             seen.add(key)
-        self._report(worker, action._replace(copies=False))
+        self._report(worker, action)  # counted as new copies below
         for key, had in zip(action.hashes, existing, strict=True):
             if had:
                 per_key = self._copies.setdefault(key, {})
                 per_key[slot] = per_key.get(slot, 1) + 1
 
-    def _set_details(self, action: Action, slot: int) -> None:
+    def _set_details(
+        self, hashes: Sequence[BlockKey], masks: Sequence[int], sizes: Sequence[int], slot: int
+    ) -> None:
         """The REPORT's component masks (a replace: absent = 0) and known token counts."""
-        masks = action.component_masks
         table = self._component_masks
         if masks:
-            for key, mask in zip(action.hashes, masks, strict=True):
+            for key, mask in zip(hashes, masks, strict=True):
                 if mask:
                     table.setdefault(key, {})[slot] = mask
                 elif key in table:
                     self._drop_side(table, key, slot)
         elif table:
-            for key in action.hashes:
+            for key in hashes:
                 if key in table:
                     self._drop_side(table, key, slot)
-        if action.block_sizes:
-            sizes = self._sizes
+        if sizes:
+            known = self._sizes
             interned = self._size_values
-            for key, size in zip(action.hashes, action.block_sizes, strict=True):
+            for key, size in zip(hashes, sizes, strict=True):
                 if size:
-                    sizes[key] = interned.setdefault(size, size)
+                    known[key] = interned.setdefault(size, size)
 
     def _revoke(self, worker: _Worker, action: Action) -> None:
         get = self._tiers.get

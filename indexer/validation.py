@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import NoReturn
 
 from indexer.batch import ActionType, Batch, BlockKey, Tier
 from kvplane.errors import KvplaneError
@@ -55,36 +56,43 @@ def validate_action_type(value: int) -> ActionType:
 
 
 def validate_batch(batch: Batch) -> None:
-    """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2)."""
-    if not batch.worker_id:
+    """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2).
+
+    On every apply's path: one pass, each action unpacked once, the error message (and the
+    action's position in it) worked out only for a batch that fails."""
+    worker_id, actions = batch[0], batch[1]
+    if not worker_id:
         raise _invalid("worker_id must not be empty")
-    if len(batch.actions) > MAX_ACTIONS_PER_BATCH:
+    if len(actions) > MAX_ACTIONS_PER_BATCH:
         raise IndexRequestError(
             ValidationKind.RESOURCE_EXHAUSTED,
-            f"{len(batch.actions)} actions in one batch; at most {MAX_ACTIONS_PER_BATCH}",
+            f"{len(actions)} actions in one batch; at most {MAX_ACTIONS_PER_BATCH}",
         )
     num_hashes = 0
-    for i, action in enumerate(batch.actions):
-        kind = action.type
+    for i, (kind, tier, hashes, masks, sizes, _parent, _copies) in enumerate(actions):
         if kind not in _ACTION_VALUES:
             validate_action_type(kind)
-        if action.tier not in _TIER_VALUES:
-            validate_tier(action.tier)
+        if tier not in _TIER_VALUES:
+            validate_tier(tier)
         if kind == _CLEAR:
             continue
-        n = len(action.hashes)
-        if n == 0:
-            raise _invalid(f"action {i}: REPORT/REVOKE needs at least one hash")
-        if action.component_masks and len(action.component_masks) != n:
-            raise _invalid(f"action {i}: {len(action.component_masks)} component_masks for {n}")
-        if action.block_sizes and len(action.block_sizes) != n:
-            raise _invalid(f"action {i}: {len(action.block_sizes)} block_sizes for {n} hashes")
+        n = len(hashes)
+        if not n or (masks and len(masks) != n) or (sizes and len(sizes) != n):
+            _shape_error(i, n, len(masks), len(sizes))
         num_hashes += n
     if num_hashes > MAX_HASHES_PER_REQUEST:
         raise IndexRequestError(
             ValidationKind.RESOURCE_EXHAUSTED,
             f"{num_hashes} hashes in one batch; at most {MAX_HASHES_PER_REQUEST}",
         )
+
+
+def _shape_error(i: int, n: int, num_masks: int, num_sizes: int) -> NoReturn:
+    if n == 0:
+        raise _invalid(f"action {i}: REPORT/REVOKE needs at least one hash")
+    if num_masks and num_masks != n:
+        raise _invalid(f"action {i}: {num_masks} component_masks for {n}")
+    raise _invalid(f"action {i}: {num_sizes} block_sizes for {n} hashes")
 
 
 def validate_match(hashes: Sequence[BlockKey]) -> None:

@@ -1,0 +1,310 @@
+"""End to end: a `kvplane indexer serve` process on a real redis-server follows a real ZMQ
+publisher (the vLLM 0.32.0 capture, with a replay ROUTER); redis-server is killed during
+ingestion and comes back, and the indexer, never restarted, serves exactly the publisher's
+live blocks again: its source rebuilt the worker from the replay when the backend asked.
+
+The oracle is `vllm_capture.LiveModel` (written from the capture's documented facts, not from
+the translator). Checkpoints stop before the capture's AllBlocksCleared (seq 56), which would
+otherwise hide a missing rebuild.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import zmq.asyncio
+from fake_kv_publisher import FakeKvPublisher, running
+from redis_servers import RedisServer
+from vllm_capture import LiveModel, live_messages, signed
+
+from controller.config import ControllerConfig
+from controller.service import Controller
+from indexer.backend import PrefixMatch, PrefixResult
+from indexer.batch import Action, ActionType, Batch, Tier
+from indexer.redis_backend import open_redis_backend
+from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
+from indexer.sources.resync import connect_resync
+from indexer.translate import TranslateOptions, WorkerTranslator
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.config import load_config
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+KVPLANE = str(Path(sys.executable).parent / "kvplane")
+MESSAGES = {m.seq: m for m in live_messages()}
+ALL_HASHES = sorted(
+    {signed(h) for m in MESSAGES.values() for e in m.events for h in e.get("block_hashes", ())}
+)
+WAIT_S = 20.0
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Poll a state the indexer process reaches (every 20 ms, at most WAIT_S)."""
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not await predicate():  # noqa: ASYNC110 - another process: no event
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {WAIT_S} s waiting for {what}") from None
+
+
+def _model_through(seq: int) -> set[int]:
+    model = LiveModel()
+    for s in range(seq + 1):
+        model.apply(MESSAGES[s].events)
+    return set(model.live())
+
+
+async def _indexed(stub: kv_grpc.KVIndexerAsyncStub) -> set[int] | None:
+    """Every block the index places on w0 (None while the index is unavailable)."""
+    try:
+        reply = await stub.MatchExternalKv(kv.MatchExternalKvRequest(hashes=ALL_HASHES))
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        return None
+    assert {m.worker_id for m in reply.matches} <= {"w0"}
+    return {h for m in reply.matches for t in m.hashes_by_tier for h in t.hashes}
+
+
+class Run:
+    """One indexer process following one publisher, on one redis-server."""
+
+    def __init__(self, tmp_path: Path, publisher: FakeKvPublisher, max_buffered: int) -> None:
+        self.redis = RedisServer(tmp_path / "redis")
+        self.publisher = publisher
+        self.workdir = tmp_path
+        self.max_buffered = max_buffered
+        self.process: subprocess.Popen[bytes] | None = None
+        self.published = -1
+
+    @property
+    def log(self) -> str:
+        return (self.workdir / "serve.log").read_text()
+
+    async def start(self) -> int:
+        self.redis.start()
+        config = self.workdir / "indexer.yaml"
+        config.write_text(
+            f"backend: {self.redis.url}\n"
+            f"redis: {{buckets: 64, max_buffered_batches: {self.max_buffered}}}\n"
+            "sources:\n"
+            "  - {kind: zmq, worker_id: w0, worker_address: 10.0.0.1:8000, topic: 'kv@',"
+            f" endpoint: '{self.publisher.endpoint}',"
+            f" replay_endpoint: '{self.publisher.replay_endpoint}'}}\n"
+        )
+        port_file = self.workdir / "port"
+        process = self.spawn(config, port_file)
+
+        async def up() -> bool:
+            assert process.poll() is None, self.log
+            return port_file.exists()
+
+        await _until(up, "the indexer's port file")
+        await self.publisher.wait_subscribed()
+        return int(port_file.read_text())
+
+    def spawn(self, config: Path, port_file: Path) -> subprocess.Popen[bytes]:
+        with (self.workdir / "serve.log").open("ab") as log:
+            self.process = subprocess.Popen(
+                [KVPLANE, "indexer", "serve", "--config", str(config), "--listen",
+                 "127.0.0.1:0", "--port-file", str(port_file)],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+        return self.process
+
+    async def publish_through(self, seq: int) -> None:
+        for s in range(self.published + 1, seq + 1):
+            await self.publisher.publish(MESSAGES[s].frames)
+        self.published = seq
+
+    async def expect(self, stub: kv_grpc.KVIndexerAsyncStub, seq: int, what: str) -> None:
+        """Wait until the index holds exactly the publisher's live blocks after `seq`."""
+        expected = _model_through(seq)
+
+        async def exact() -> bool:
+            assert self.process is not None and self.process.poll() is None, self.log
+            return await _indexed(stub) == expected
+
+        await _until(exact, what)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(20)
+        self.redis.stop()
+
+
+async def _scenario(
+    tmp_path: Path, context: zmq.asyncio.Context, *, max_buffered: int, keep_data: bool
+) -> str:
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    run = Run(tmp_path, publisher, max_buffered)
+    try:
+        port = await run.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = kv_grpc.KVIndexerStub(channel)
+            await run.publish_through(19)
+            await run.expect(stub, 19, "the first 20 batches")
+
+            if keep_data:
+                run.redis.client().shutdown(save=True)
+                run.redis.stop()
+            else:
+                run.redis.kill()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1]))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"Redis at 127.0.0.1:{run.redis.port}" in str(info.value.details())
+
+            # Ingestion goes on while Redis is down: the backend buffers (or overflows).
+            await run.publish_through(34)
+            sign = "will be resynced" if max_buffered < 10 else "buffering batches"
+
+            async def noticed() -> bool:
+                return sign in run.log
+
+            await _until(noticed, f"the indexer's log to say {sign!r}")
+            run.redis.start()  # without its data unless keep_data
+            # No further message: the source rebuilds the worker as soon as it is asked.
+            await run.expect(stub, 34, "the resync after Redis came back")
+            await run.publish_through(55)
+            await run.expect(stub, 55, "live ingestion after the resync")
+        return run.log
+    finally:
+        run.stop()
+        await publisher.close()
+
+
+@pytest.mark.timeout(90)
+async def test_redis_restarted_empty_during_ingestion(
+    tmp_path: Path, context: zmq.asyncio.Context
+) -> None:
+    log = await _scenario(tmp_path, context, max_buffered=10_000, keep_data=False)
+    assert "lost the index; resyncing 1 worker(s)" in log
+    assert "worker w0: the index asked for a resync" in log
+
+
+@pytest.mark.timeout(90)
+async def test_buffer_overflow_during_an_outage(
+    tmp_path: Path, context: zmq.asyncio.Context
+) -> None:
+    log = await _scenario(tmp_path, context, max_buffered=2, keep_data=True)
+    assert "lost the index" not in log  # Redis kept its data: only the overflow resyncs w0
+    assert "worker w0: the index asked for a resync" in log
+
+
+@pytest.mark.timeout(60)
+async def test_controller_opens_redis_with_the_indexers_options(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The controller's `index.redis` block is the indexer's `redis:` block."""
+    redis_server.flushall()
+    config = load_config(
+        ControllerConfig,
+        None,
+        {"index": {"backend": redis_server.url, "redis": {"key_prefix": "ctl", "model": "m7"}}},
+    )
+    controller = Controller(config)
+    await controller.start()
+    try:
+        assert controller.index is not None
+        await controller.index.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (5,)),)))
+    finally:
+        await controller.close()
+    keys = [k.decode() for k in redis_server.client().scan_iter()]
+    assert keys and all(k.startswith("ctl:{m7:0}:") for k in keys), keys
+
+
+def _stored(key: int, parent: int | None = None) -> pb.KvEvent:
+    stored = pb.BlockStored(
+        block_hashes=[pb.KvBlockHash(value=key.to_bytes(8, "big"), encoding="int64")],
+        block_size=4,
+        medium=pb.STORAGE_MEDIUM_GPU,
+    )
+    if parent is not None:
+        stored.parent_block_hash.CopyFrom(
+            pb.KvBlockHash(value=parent.to_bytes(8, "big"), encoding="int64")
+        )
+    return pb.KvEvent(block_stored=stored)
+
+
+def _batch(seq: int, *events: pb.KvEvent) -> pb.SubscribeKvEventsResponse:
+    return pb.SubscribeKvEventsResponse(batch=pb.KvEventBatch(sequence_number=seq, events=events))
+
+
+class IdleEngine(pb_grpc.OpenEngineServicer):
+    """Subscription i streams scripts[i], then stays open with nothing more to say."""
+
+    def __init__(self, scripts: list[list[pb.SubscribeKvEventsResponse]]) -> None:
+        self.scripts = scripts
+        self.requests: list[tuple[bool, int]] = []
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Any
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        self.requests.append((request.include_snapshot, request.start_sequence_number))
+        for response in self.scripts[min(len(self.requests), len(self.scripts)) - 1]:
+            yield response
+        await asyncio.Event().wait()  # idle until the client cancels
+
+
+@pytest.mark.timeout(60)
+async def test_openengine_source_resubscribes_with_a_snapshot_when_redis_loses_the_index(
+    redis_server: RedisServer,
+) -> None:
+    """Redis flushed under an idle engine's worker: the backend notices (boot token), asks for
+    a resync, and the source resubscribes from 0 with include_snapshot; the snapshot restores
+    exactly the engine's blocks without any new event."""
+    redis_server.flushall()
+    snapshot = [_batch(2, pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared()), _stored(10),
+                       _stored(11, parent=10))]  # fmt: skip
+    first = [_batch(1, _stored(10)), _batch(2, _stored(11, parent=10))]
+    engine = IdleEngine([first, snapshot])  # type: ignore[abstract]
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(engine, server)
+    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=0.05)
+    source = OpenEngineSource(
+        OpenEngineSourceSettings(target=target),
+        WorkerTranslator(TranslateOptions(target, target)),
+        backend,
+    )
+    assert connect_resync(backend, {target: source}.get)
+
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+            assert await backend.match_prefix([10, 11], 0) == PrefixResult(
+                (PrefixMatch(target, target, 2),), 2, 2
+            )
+            redis_server.flushall()  # Redis lost the index
+            await source.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+
+            async def restored() -> bool:
+                return (await backend.match_prefix([10, 11], 0)).best_prefix_blocks == 2
+
+            await _until(restored, "the snapshot to restore the worker")
+    finally:
+        await backend.close()
+        await server.stop(None)
+    assert engine.requests == [(True, 0), (True, 0)]
+    assert source.counters.num_resets == 2  # the first batch, then the snapshot
