@@ -1,27 +1,38 @@
-"""Trace replay: the real router core over simulated engines in virtual time.
+"""Trace replay: the real router core over the engine's simulated fleet, in virtual time.
 
 `replay(trace, policy_name, settings)` feeds a Mooncake-format trace (one JSON object a line:
 timestamp ms, input_length, output_length, hash_ids of 512-token chained blocks) open loop at
-trace time / speedup through `controller.router.Router` and N `SimEngine`s (sim_engine.py has
-the engine model and its timing). The router sees what it would see live: each engine's
-computed blocks (what its KV events announce), a GetLoad snapshot refreshed every
-`load_poll_ms`, and its own in-flight accounting, released at first token and at finish.
+trace time / speedup through `controller.router.Router` and N engines of
+`engine.core.sim_fleet.SimFleet`: the engine's own block manager, scheduler and sim runner
+(timing model = Dynamo's mocker), each on a virtual clock. There is one engine model in
+kvplane; this module only turns trace rows into requests and gives the router its live view.
 
-Before routing a request that arrives at t, every engine runs the passes that start before t
-(their effects become visible up to one pass early; the same for every policy).
+Trace rows become token ids by `sim_fleet.trace_prompt_tokens`: hash id h is a block of
+`block_size` tokens all equal to h (the last block cut to input_length), so equal hash-id
+prefixes give equal canonical block keys, and the engine's prefix cache hits exactly where the
+trace says blocks are shared.
+
+The router sees what it would see live: each engine's cached blocks as its KV events announce
+them (BlockStored / BlockRemoved, applied after the step that made them), a GetLoad snapshot
+(`EngineCore.load()`) refreshed every `load_poll_ms`, and its own in-flight accounting,
+released at first token and at finish. Before a request arriving at t is routed, every engine
+has run the passes that start before t (their effects become visible up to one pass early;
+the same for every policy).
 
 Metrics follow the issue's definitions: reuse = prompt tokens served from cache / all prompt
-tokens (full blocks only, at least one token recomputed), TTFT = first token - arrival, ITL =
-(finish - first token) / (output tokens - 1), imbalance = max / mean engine busy time.
+tokens (the engine's `cached_prompt_tokens`: full blocks only, at least one token recomputed),
+TTFT = first token - arrival, ITL = (finish - first token) / (output tokens - 1), imbalance =
+max / mean engine busy time (virtual time in forward passes).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +46,30 @@ from controller.router import (
     RouteRequest,
     make_policy,
 )
-from controller.sim_engine import Note, SimEngine, SimEngineConfig, SimRequest
+from engine.core.api import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineRequest,
+    KvEvent,
+    SamplingParams,
+    SchedulerConfig,
+)
+from engine.core.sim_fleet import (
+    Progress,
+    RequestRecord,
+    SimEngine,
+    SimFleet,
+    TimedRequest,
+    trace_prompt_tokens,
+)
+from indexer.keys import block_keys
 from kvplane.errors import KvplaneError
+
+log = logging.getLogger(__name__)
+
+# Token id of the filler for prompt tokens a trace row has no hash id for (never shared).
+_FILLER_TOKEN_BASE = 1 << 31
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +115,9 @@ class ReplaySettings:
     seed: int = 0
     load_poll_ms: float = 500.0
     kvplane_weights: KvplaneWeights | None = None
+    # The engine's defaults, which are Dynamo's mocker's (vLLM-style scheduling).
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,84 +173,147 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
+class _RouterView:
+    """What the controller knows about the fleet: KV events, polled loads, in-flight."""
+
+    def __init__(self, fleet: SimFleet, router: Router, settings: ReplaySettings) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.settings = settings
+        self.rng = random.Random(settings.seed)
+        self.keys: list[set[int]] = [set() for _ in fleet.engines]
+        self.loads: list[LoadSnapshot] = []
+        self.cached: list[int] = []
+        self.last_poll_s: float | None = None
+        self.decisions: Counter[str] = Counter()
+        self.request_keys: dict[str, list[int]] = {}
+
+    def on_kv_events(self, index: int, now_s: float, events: list[KvEvent]) -> None:
+        keys = self.keys[index]
+        for event in events:
+            if isinstance(event, BlockStored):
+                keys.update(event.block_keys)
+            elif isinstance(event, BlockRemoved):
+                keys.difference_update(event.block_keys)
+            elif isinstance(event, AllBlocksCleared):
+                keys.clear()
+
+    def on_progress(self, index: int, request_id: str, what: Progress, now_s: float) -> None:
+        if what is Progress.FIRST_TOKEN:
+            self.router.first_token(request_id)
+        else:
+            self.router.finish(request_id)
+
+    def _poll(self, now_s: float) -> None:
+        poll_s = self.settings.load_poll_ms / 1000.0
+        if self.last_poll_s is not None and now_s - self.last_poll_s < poll_s:
+            return
+        self.last_poll_s = now_s
+        self.loads = []
+        for engine in self.fleet.engines:
+            load = engine.core.load()
+            self.loads.append(
+                LoadSnapshot(
+                    running_requests=load.num_running,
+                    queued_requests=load.num_waiting,
+                    used_kv_blocks=load.num_used_blocks,
+                    total_kv_blocks=load.num_total_blocks,
+                    waiting_tokens=load.waiting_tokens,
+                )
+            )
+        # What the index tells about each engine's cache size (same poll cadence).
+        self.cached = [len(keys) for keys in self.keys]
+
+    def route(self, request: EngineRequest, engines: Sequence[SimEngine]) -> int:
+        now_s = self.fleet.now_s
+        self._poll(now_s)
+        keys = self.request_keys.pop(request.request_id)
+        candidates = []
+        for engine in engines:
+            cached = self.keys[engine.index]
+            n = 0
+            for key in keys:
+                if key not in cached:
+                    break
+                n += 1
+            candidates.append(
+                Candidate(
+                    f"w{engine.index}",
+                    hit=PrefixHit(device_blocks=n),
+                    load=self.loads[engine.index],
+                    total_kv_blocks=self.settings.blocks_per_worker,
+                    cached_blocks=self.cached[engine.index],
+                )
+            )
+        route = RouteRequest(
+            request.request_id,
+            len(request.prompt_token_ids),
+            self.settings.block_size,
+            tuple(keys),
+        )
+        decision = self.router.route(route, candidates, self.rng, now_s)
+        self.decisions[decision.reason.value] += 1
+        return int(decision.engine_id[1:])
+
+
 def replay(
     trace: Sequence[TraceRequest], policy_name: str, settings: ReplaySettings
 ) -> PolicyResult:
-    rng = random.Random(settings.seed)
     weights = settings.kvplane_weights if policy_name == "kvplane" else None
     router = Router(make_policy(policy_name, weights))
-    engine_config = SimEngineConfig(
-        num_blocks=settings.blocks_per_worker, block_size=settings.block_size
+    fleet = SimFleet(
+        settings.workers,
+        block_size=settings.block_size,
+        num_blocks=settings.blocks_per_worker,
+        max_model_len=1 << 30,
+        config=SchedulerConfig(
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+        ),
     )
-    engines = [SimEngine(f"w{i}", engine_config) for i in range(settings.workers)]
-    loads: dict[str, LoadSnapshot] = {}
-    cached: dict[str, int] = {}
-    last_poll_ms: float | None = None
-    requests: list[SimRequest] = []
-    decisions: Counter[str] = Counter()
-    for number, row in enumerate(trace):
-        now_ms = row.arrival_ms / settings.speedup
-        for engine in engines:
-            engine.advance_until(now_ms)
-            for note, request_id, _t in engine.notes:
-                if note is Note.FIRST_TOKEN:
-                    router.first_token(request_id)
-                else:
-                    router.finish(request_id)
-            engine.notes.clear()
-        if last_poll_ms is None or now_ms - last_poll_ms >= settings.load_poll_ms:
-            last_poll_ms = now_ms
-            loads = {e.engine_id: _load_of(e) for e in engines}
-            # What the index would tell: blocks placed on each engine (same poll cadence).
-            cached = {e.engine_id: e.cached_blocks for e in engines}
-        keys = full_block_keys(row, settings.block_size)
-        candidates = [
-            Candidate(
-                e.engine_id,
-                hit=PrefixHit(device_blocks=e.prefix_blocks(keys)),
-                load=loads[e.engine_id],
-                total_kv_blocks=settings.blocks_per_worker,
-                cached_blocks=cached[e.engine_id],
+    view = _RouterView(fleet, router, settings)
+    size = settings.block_size
+    capacity_tokens = settings.blocks_per_worker * size
+    dropped = 0
+
+    def requests() -> Iterator[TimedRequest]:
+        nonlocal dropped
+        for number, row in enumerate(trace):
+            if row.input_length + 1 > capacity_tokens:
+                dropped += 1  # no engine could ever hold it
+                continue
+            request_id = f"r{number}"
+            tokens = trace_prompt_tokens(
+                row.hash_ids, row.input_length, size, _FILLER_TOKEN_BASE + number
             )
-            for e in engines
-        ]
-        request_id = f"r{number}"
-        route = RouteRequest(request_id, row.input_length, settings.block_size, keys)
-        decision = router.route(route, candidates, rng, now_ms / 1000.0)
-        decisions[decision.reason.value] += 1
-        sim = SimRequest(request_id, now_ms, row.input_length, row.output_length, keys)
-        requests.append(sim)
-        engines[int(decision.engine_id[1:])].add(sim, now_ms)
-    for engine in engines:
-        engine.run_to_completion()
-    return _summarise(policy_name, requests, engines, decisions)
+            view.request_keys[request_id] = block_keys(tokens, size)
+            sampling = SamplingParams(max_tokens=row.output_length, ignore_eos=True)
+            arrival_s = row.arrival_ms / settings.speedup / 1000.0
+            yield TimedRequest(arrival_s, EngineRequest(request_id, tokens, sampling))
 
-
-def _load_of(engine: SimEngine) -> LoadSnapshot:
-    return LoadSnapshot(
-        running_requests=len(engine.running),
-        queued_requests=len(engine.waiting),
-        used_kv_blocks=engine.used_blocks,
-        total_kv_blocks=engine.config.num_blocks,
-        waiting_tokens=engine.waiting_tokens(),
+    records = fleet.replay(
+        requests(), view.route, on_kv_events=view.on_kv_events, on_progress=view.on_progress
     )
+    if dropped:
+        log.warning("%d requests longer than one engine's KV cache were left out", dropped)
+    return _summarise(policy_name, records, fleet, view.decisions)
 
 
 def _summarise(
-    policy: str, requests: list[SimRequest], engines: list[SimEngine], decisions: Counter[str]
+    policy: str, records: list[RequestRecord], fleet: SimFleet, decisions: Counter[str]
 ) -> PolicyResult:
-    total_prompt = sum(r.num_prompt_tokens for r in requests)
-    cached = sum(r.cached_tokens or 0 for r in requests)
-    ttfts = [r.first_token_ms - r.arrival_ms for r in requests if r.first_token_ms is not None]
+    total_prompt = sum(r.num_prompt_tokens for r in records)
+    cached = sum(r.num_cached_tokens for r in records)
+    ttfts = [(r.ttft_s or 0.0) * 1000.0 for r in records if r.first_token_s is not None]
     itls = [
-        (r.finish_ms - r.first_token_ms) / (r.num_output_tokens - 1)
-        for r in requests
-        if r.finish_ms is not None and r.first_token_ms is not None and r.num_output_tokens > 1
+        (r.finish_s - r.first_token_s) * 1000.0 / (r.num_output_tokens - 1)
+        for r in records
+        if r.finish_s is not None and r.first_token_s is not None and r.num_output_tokens > 1
     ]
-    busy = [e.busy_ms for e in engines]
+    busy = [e.busy_s for e in fleet.engines]
     mean_busy = statistics.fmean(busy) if busy else 0.0
-    start = min((r.arrival_ms for r in requests), default=0.0)
-    end = max((r.finish_ms or 0.0 for r in requests), default=0.0)
+    start = min((r.arrival_s for r in records), default=0.0)
+    end = max((r.finish_s or 0.0 for r in records), default=0.0)
     return PolicyResult(
         policy=policy,
         hit_ratio=cached / total_prompt if total_prompt else 0.0,
@@ -225,8 +324,8 @@ def _summarise(
         },
         itl_ms={"mean": statistics.fmean(itls) if itls else 0.0},
         imbalance=max(busy) / mean_busy if mean_busy else 1.0,
-        throughput_rps=len(requests) / ((end - start) / 1000.0) if end > start else 0.0,
-        num_requests=len(requests),
-        num_preemptions=sum(r.num_preemptions for r in requests),
+        throughput_rps=len(records) / (end - start) if end > start else 0.0,
+        num_requests=len(records),
+        num_preemptions=sum(e.num_preemptions for e in fleet.engines),
         decisions=dict(decisions),
     )

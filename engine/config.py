@@ -1,10 +1,12 @@
 """The engine server's configuration (`kvplane engine serve --config FILE`).
 
-One pydantic model for the whole process. `model` is `sim` (the timing-model runner, no torch)
-or the path of an HF model directory (the torch runner). KV capacity is given either as a
-number of blocks or as a byte budget (the torch runner turns bytes into blocks from the
-model's shape; the sim runner needs blocks). KV events always go to `SubscribeKvEvents`; the
-vLLM-compatible ZMQ publisher is optional.
+One pydantic model for the whole process. `model` is `sim` (the timing-model runner, no torch),
+`builtin` (the torch runner on a tiny deterministic random Llama that kvplane builds on first
+use under ~/.cache/kvplane/models, or $KVPLANE_CACHE_DIR/models: see
+engine.torch_runner.builtin_model) or the path of an HF model directory (the torch runner).
+KV capacity is given either as a number of blocks or as a byte budget (the torch runner turns
+bytes into blocks from the model's shape; the sim runner needs blocks). KV events always go to
+`SubscribeKvEvents`; the vLLM-compatible ZMQ publisher is optional.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import Field, model_validator
 from kvplane.config import ServerConfig, StrictModel
 
 SIM_MODEL = "sim"
+BUILTIN_MODEL = "builtin"
 
 
 class EngineRoleName(enum.StrEnum):
@@ -69,7 +72,8 @@ class KvEventsConfig(StrictModel):
 
 class EngineConfig(ServerConfig):
     listen: str = "127.0.0.1:50061"
-    # `sim` or the path of an HF model directory (config.json, safetensors, tokenizer.json).
+    # `sim`, `builtin` or the path of an HF model directory (config.json, safetensors,
+    # tokenizer.json).
     model: str = SIM_MODEL
     # The name clients put in `GenerateRequest.model`; None -> `sim` or the directory's name.
     served_model_name: str | None = None
@@ -107,6 +111,10 @@ class EngineConfig(ServerConfig):
     @property
     def is_sim(self) -> bool:
         return self.model == SIM_MODEL
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.model == BUILTIN_MODEL
 
     def model_name(self) -> str:
         """The served model name: explicit, else `sim`, else the model directory's name."""

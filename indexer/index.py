@@ -260,18 +260,23 @@ class PrefixIndex:
         tbit = worker.tier_bits[tier]
         if tier != _HBM:
             self._lower_tier_slots |= worker.bit
-        if tiers.keys().isdisjoint(hashes):
-            # Every block is new (the common case: a fresh chain): C-speed bulk inserts.
-            before = len(tiers)
-            tiers.update(zip(hashes, repeat(tbit)))
-            num_new = len(tiers) - before
-            worker.log.append(hashes if isinstance(hashes, tuple) else tuple(hashes))
-            worker.log_len += len(hashes)
-            worker.num_blocks += num_new
+        n = len(hashes)
+        if (hashes[0] not in tiers) if n == 1 else tiers.keys().isdisjoint(hashes):
+            # Every block is new (the common cases: a fresh chain, one block extending a
+            # chain): bulk inserts at C speed, no per-block Python work.
             if parent is not None:
                 parents[hashes[0]] = parent
-            if len(hashes) > 1:
+            if n == 1:
+                tiers[hashes[0]] = tbit
+                num_new = 1
+            else:
+                before = len(tiers)
+                tiers.update(zip(hashes, repeat(tbit)))
+                num_new = len(tiers) - before  # duplicates within `hashes` count once
                 parents.update(zip(hashes[1:], hashes[:-1], strict=True))
+            worker.log.append(hashes if isinstance(hashes, tuple) else tuple(hashes))
+            worker.log_len += n
+            worker.num_blocks += num_new
             worker.num_placements += num_new
             self._num_placements += num_new
             if masks or sizes or self._component_masks:

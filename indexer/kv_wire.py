@@ -25,6 +25,19 @@ from kvplane_api.v1 import index_pb2 as api
 # validate_batch rejects them. Dict lookups: an Enum call costs several times more.
 _action_type = cast(Callable[[int, int], ActionType], {int(a): a for a in ActionType}.get)
 _tier = cast(Callable[[int, int], Tier], {int(t): t for t in Tier}.get)
+# Action and Batch are named tuples: `tuple.__new__` builds one from all of its fields in order
+# without the Python-level `__new__` (a third of the cost). The field lists are checked here.
+_new = tuple.__new__
+if Action._fields != (
+    "type",
+    "tier",
+    "hashes",
+    "component_masks",
+    "block_sizes",
+    "parent",
+    "copies",
+) or Batch._fields != ("worker_id", "actions", "worker_address", "seq", "cache_spec"):
+    raise ImportError("indexer.kv_wire.batch_from_proto does not know Action's or Batch's fields")
 
 
 def spec_from_proto(spec: kv.WorkerCacheSpec) -> CacheSpec:
@@ -55,7 +68,7 @@ def batch_from_proto(request: kv.ApplyExternalKvBatchRequest) -> Batch:
 
     Hot path (ApplyExternalKvBatch): each repeated field is read once and copied by slicing
     (a C-level copy; iterating a repeated field costs twice as much), empty ones not at all;
-    the enum lookups are dict lookups."""
+    the enum lookups are dict lookups; the named tuples are built without keyword handling."""
     action_type = _action_type
     tier_of = _tier
     actions: list[Action] = []
@@ -65,23 +78,24 @@ def batch_from_proto(request: kv.ApplyExternalKvBatchRequest) -> Batch:
         tier = a.tier
         masks = a.component_masks
         sizes = a.block_sizes
-        append(
-            Action(
-                action_type(kind, kind),
-                tier_of(tier, tier),
-                tuple(a.hashes[:]),
-                tuple(masks[:]) if masks else (),
-                tuple(sizes[:]) if sizes else (),
-                a.parent_block_hash if a.HasField("parent_block_hash") else None,
-            )
+        action = (
+            action_type(kind, kind),
+            tier_of(tier, tier),
+            tuple(a.hashes[:]),
+            tuple(masks[:]) if masks else (),
+            tuple(sizes[:]) if sizes else (),
+            a.parent_block_hash if a.HasField("parent_block_hash") else None,
+            False,
         )
-    return Batch(
+        append(_new(Action, action))
+    batch = (
         request.worker_id,
         tuple(actions),
         request.worker_address,
         request.seq,
         spec_from_proto(request.cache_spec) if request.HasField("cache_spec") else None,
     )
+    return _new(Batch, batch)
 
 
 def batch_to_proto(batch: Batch) -> kv.ApplyExternalKvBatchRequest:

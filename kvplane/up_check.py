@@ -19,12 +19,25 @@ log = logging.getLogger(__name__)
 
 NUM_PREFIXES = 3
 PREFIX_TOKENS = 256  # a multiple of every block size the bundled engine defaults to
+# Prompt ids are drawn from [FIRST_ID, FIRST_ID + ID_RANGE): inside every bundled model's
+# vocabulary (the builtin model's byte tokens; the sim runner's dummy vocabulary) and clear
+# of the builtin model's special tokens (0-2).
+FIRST_ID = 3
+ID_RANGE = 256
 MAX_TOKENS = 4
 TIMEOUT_S = 60.0
 
 
-def _prefix(index: int) -> list[int]:
-    return [(index * 7919 + position) % 1000 + 1 for position in range(PREFIX_TOKENS)]
+def _prefix(index: int, length: int = PREFIX_TOKENS) -> list[int]:
+    return [FIRST_ID + (index * 7919 + position * 31) % ID_RANGE for position in range(length)]
+
+
+async def _block_size(stub: pb_grpc.OpenEngineAsyncStub, model: str) -> int:
+    try:
+        info = await stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        return 1
+    return info.kv_block_size if info.HasField("kv_block_size") and info.kv_block_size else 1
 
 
 async def _generate(
@@ -62,14 +75,21 @@ async def check_fleet(controller: str) -> list[str]:
         stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
         info = await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)
         model = info.supported_models[0] if info.supported_models else ""
+        # The prefix is whole blocks: only full blocks are cached.
+        block = await _block_size(stub, model)
+        length = -(-PREFIX_TOKENS // block) * block
         for index in range(NUM_PREFIXES):
-            prefix = _prefix(index)
-            _, _, first = await _generate(stub, model, f"check-{index}-a", [*prefix, 1, 2, 3])
-            _, cached, repeat = await _generate(stub, model, f"check-{index}-b", [*prefix, 4, 5])
+            prefix = _prefix(index, length)
+            _, _, first = await _generate(
+                stub, model, f"check-{index}-a", [*prefix, FIRST_ID, FIRST_ID + 1, FIRST_ID + 2]
+            )
+            _, cached, repeat = await _generate(
+                stub, model, f"check-{index}-b", [*prefix, FIRST_ID + 3, FIRST_ID + 4]
+            )
             problems += first + repeat
-            if cached is None or cached < PREFIX_TOKENS:
+            if cached is None or cached < length:
                 problems.append(
-                    f"check-{index}-b: {cached} of its {PREFIX_TOKENS} prefix tokens were cached"
+                    f"check-{index}-b: {cached} of its {length} prefix tokens were cached"
                     " where it was served: the repeated prefix was not routed to its holder"
                 )
             else:

@@ -10,6 +10,13 @@ repeatedly takes the earliest of (next arrival, earliest busy engine's clock):
 A request that arrives while its engine is mid-step joins the next step, as in a live engine.
 Arrivals at the same instant as a step end are handled first.
 
+Observers. `route` may read `fleet.now_s` (the arrival's time) and each engine's state (its
+`core.load()`, `runner.total_forward_ms`); `on_kv_events` gets each engine's KV events after
+the step that made them, `on_progress` each request's first token and finish, stamped with the
+step's end time. Both are called before any later arrival is routed, so a router callback sees
+what a live router would have seen by then (a step's effects become visible when it is
+scheduled, i.e. up to one pass early, the same for every router).
+
 Speed. Long stretches of pure decode (nothing waiting, no block filling, nobody finishing) are
 run by `EngineCore.fast_forward_decode` in one call up to the next arrival: same tokens, same
 timing, same block state, far fewer Python calls (`fast_forward=False` disables it).
@@ -17,6 +24,7 @@ timing, same block state, far fewer Python calls (`fast_forward=False` disables 
 
 from __future__ import annotations
 
+import enum
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -58,10 +66,23 @@ class SimEngine:
     core: EngineCore
     clock: VirtualClock
     runner: SimRunner
+    num_preemptions: int = 0
+
+    @property
+    def busy_s(self) -> float:
+        """Virtual time spent in forward passes so far."""
+        return self.runner.total_forward_ms / 1000.0
+
+
+class Progress(enum.Enum):
+    FIRST_TOKEN = "first_token"
+    FINISHED = "finished"
 
 
 Router = Callable[[EngineRequest, Sequence[SimEngine]], int]
 KvEventSink = Callable[[int, float, list[KvEvent]], None]
+ProgressSink = Callable[[int, str, Progress, float], None]
+""" `on_progress(engine index, request id, what, virtual time)`."""
 
 
 def round_robin() -> Router:
@@ -88,6 +109,7 @@ class SimFleet:
         fast_forward: bool = True,
     ) -> None:
         self.fast_forward = fast_forward
+        self.now_s = 0.0  # virtual time of the event being handled (arrival or step)
         self.engines: list[SimEngine] = []
         for index in range(num_engines):
             clock = VirtualClock()
@@ -107,6 +129,7 @@ class SimFleet:
         route: Router,
         *,
         on_kv_events: KvEventSink | None = None,
+        on_progress: ProgressSink | None = None,
     ) -> list[RequestRecord]:
         """Run every request to completion; records are in arrival order.
 
@@ -122,6 +145,7 @@ class SimFleet:
                 if timed.arrival_s < last_arrival_s:
                     raise ValueError("requests must be sorted by arrival time")
                 last_arrival_s = timed.arrival_s
+                self.now_s = timed.arrival_s
                 engine = self.engines[route(timed.request, self.engines)]
                 idle = not engine.core.has_work()
                 if idle:
@@ -140,7 +164,8 @@ class SimFleet:
             _, index = heapq.heappop(busy)
             engine = self.engines[index]
             until_s = float("inf") if timed is None else timed.arrival_s
-            self._step(engine, records, on_kv_events, until_s)
+            self.now_s = engine.clock.now()
+            self._step(engine, records, on_kv_events, on_progress, until_s)
             if engine.core.has_work():
                 heapq.heappush(busy, (engine.clock.now(), index))
         return list(records.values())
@@ -150,6 +175,7 @@ class SimFleet:
         engine: SimEngine,
         records: dict[str, RequestRecord],
         on_kv_events: KvEventSink | None,
+        on_progress: ProgressSink | None,
         until_s: float,
     ) -> None:
         if self.fast_forward:
@@ -161,18 +187,42 @@ class SimFleet:
         result = engine.core.step()
         if result.stats is None and not result.outputs:
             raise RuntimeError(f"sim engine {engine.index} has work but scheduled nothing")
+        if result.stats is not None:
+            engine.num_preemptions += result.stats.num_preempted
         now_s = engine.clock.now()
         for output in result.outputs:
             record = records[output.request_id]
             if record.first_token_s is None and (output.new_token_ids or output.finished):
                 record.first_token_s = now_s
+                if on_progress is not None:
+                    on_progress(engine.index, output.request_id, Progress.FIRST_TOKEN, now_s)
             record.num_output_tokens += len(output.new_token_ids)
             if output.usage is not None:
                 record.finish_s = now_s
                 record.num_cached_tokens = output.usage.cached_prompt_tokens
+                if on_progress is not None:
+                    on_progress(engine.index, output.request_id, Progress.FINISHED, now_s)
         if on_kv_events is not None:
             events = engine.core.take_kv_events()
             if events:
                 on_kv_events(engine.index, now_s, events)
         else:
             engine.core.block_manager.take_events()  # nobody listens: do not accumulate
+
+
+def trace_prompt_tokens(
+    hash_ids: Sequence[int], input_length: int, block_size: int, filler: int
+) -> tuple[int, ...]:
+    """Token ids for a Mooncake-format trace row (its hash ids are chained block ids): hash id
+    h becomes a block of `block_size` tokens all equal to h, the last block cut to
+    `input_length`, so equal hash-id prefixes get equal canonical block keys and the prefix
+    cache hits exactly where the trace shares blocks. Prompt tokens past the row's hash ids
+    (a malformed row) are `filler` (give each request its own, above any hash id)."""
+    tokens: list[int] = []
+    for h in hash_ids:
+        if len(tokens) >= input_length:
+            break
+        tokens.extend((h,) * block_size)
+    if len(tokens) < input_length:
+        tokens.extend((filler,) * (input_length - len(tokens)))
+    return tuple(tokens[:input_length])

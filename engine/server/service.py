@@ -7,7 +7,8 @@ attached, so no KV event batch is ever missing from the ZMQ stream. `run_engine`
 SIGTERM/SIGINT, then drains: no new requests, in-flight ones get `shutdown_grace_s`, the rest
 are cancelled, subscriptions end, the thread stops.
 
-torch is imported only when `config.model` is a model directory (never for `sim`).
+torch is imported only when `config.model` is a model directory or `builtin` (never for
+`sim`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def _build_sim(config: EngineConfig) -> _Model:
 
 def _build_torch(config: EngineConfig) -> _Model:
     model_dir = Path(config.model)
+    if config.is_builtin:
+        from engine.torch_runner.builtin_model import ensure_builtin_model
+
+        model_dir = ensure_builtin_model()
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model {config.model!r} is neither 'sim' nor an HF model directory")
     from tokenizers import Tokenizer as HfTokenizer

@@ -25,6 +25,9 @@ from engine.torch_runner.config import ModelConfig, RopeConfig, RopeType
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        # One fused op, the same arithmetic as below in float32.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     variance = x32.pow(2).mean(-1, keepdim=True)
     return weight * (x32 * torch.rsqrt(variance + eps)).to(dtype)
@@ -138,16 +141,20 @@ class DecoderModel:
     ) -> torch.Tensor:
         """[T] token ids -> [T, hidden] final hidden states (after the final norm)."""
         cfg = self.config
+        # Once per step, shared by every layer: rotary tables, the gather workspace's size.
         cos, sin = self.rotary.tables(metadata.positions, max_position)
+        kv_cache.workspace.reserve(metadata.max_group_blocks)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         hidden = F.embedding(input_ids, self.weights.embed_tokens)
         for index, layer in enumerate(self.weights.layers):
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-            q, k, v = torch.split(qkv, [self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = apply_rotary(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rotary(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            # q and k heads rotate together (one rotation, then views of its result).
+            qk = qkv[:, : self._q_size + self._kv_size].view(-1, num_qk_heads, cfg.head_dim)
+            qk = apply_rotary(qk, cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, self._q_size + self._kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(
                 q,
                 k,
@@ -156,6 +163,7 @@ class DecoderModel:
                 value_cache=kv_cache.values[index],
                 metadata=metadata,
                 scale=self._scale,
+                workspace=kv_cache.workspace,
             )
             hidden = residual + F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
             residual = hidden

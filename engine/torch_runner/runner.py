@@ -64,6 +64,8 @@ class TorchModelRunner:
             device=model.device,
         )
         self.sampler = Sampler(self._eos_token_ids, seed)
+        element_bytes = torch.empty((), dtype=model.dtype).element_size()
+        self._key_bytes = cfg.num_kv_heads * cfg.head_dim * element_bytes
 
     @classmethod
     def from_pretrained(
@@ -164,6 +166,7 @@ class TorchModelRunner:
             num_blocks=self._num_blocks,
             device=device,
             dtype=model.dtype,
+            key_bytes=self._key_bytes,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
         hidden = model.forward(ids, metadata, self.kv_cache, max_position)

@@ -150,9 +150,11 @@ class ZmqSource:
                     self.worker_id,
                     backoff,
                 )
-                # A resync request (the index is back) ends the wait early.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._resync_wanted.wait(), backoff)
+                if self._resync_wanted.is_set():  # pending from before: no shortcut
+                    await asyncio.sleep(backoff)
+                else:  # a resync request (the index is back) ends the wait early
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._resync_wanted.wait(), backoff)
                 backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     async def _follow(self) -> None:
@@ -221,8 +223,7 @@ class ZmqSource:
         self._expected = None
         self._duplicate_floor = None
         replies = await self._replay(0)
-        if replies is None:  # no replay: carry on from the next live message
-            self._expected = floor
+        if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
             return
         for reply in replies:
             await self._apply(reply)

@@ -1,5 +1,5 @@
-"""The trace replay: the simulated engine's timing and cache, the replay's metrics, and the
-`kvplane bench route` command."""
+"""The trace replay (the router core over the engine's SimFleet): trace blocks as cache keys,
+fidelity to Dynamo's mocker, the replay's metrics, and the `kvplane bench route` command."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from controller.replay import ReplaySettings, load_trace, oracle_hit_ratio, replay
-from controller.sim_engine import Note, SimEngine, SimEngineConfig, SimRequest, TimingModel
+from controller.replay import ReplaySettings, TraceRequest, load_trace, oracle_hit_ratio, replay
+from engine.core.sim_runner import TimingModel
 from kvplane.cli import app
 
 TRACES = (
@@ -19,75 +19,34 @@ TRACES = (
 TIMING = TimingModel()
 
 
-def sim_request(
-    rid: str, keys: tuple[int, ...], prompt: int, output: int, at: float = 0.0
-) -> SimRequest:
-    return SimRequest(rid, at, prompt, output, keys)
+def _row(at_ms: float, hash_ids: list[int], input_length: int, output: int = 4) -> TraceRequest:
+    return TraceRequest(at_ms, input_length, output, tuple(hash_ids))
 
 
-def test_one_request_takes_prefill_then_decode_passes() -> None:
-    engine = SimEngine("w", SimEngineConfig(num_blocks=64, block_size=16))
-    req = sim_request("a", tuple(range(62)), 1000, 3)
-    engine.add(req, 0.0)
-    engine.run_to_completion()
-    assert req.first_token_ms == pytest.approx(TIMING.prefill_ms(1000))
-    # Two decode passes; u = context tokens / (64 blocks x 16 tokens).
-    decode = TIMING.decode_ms(1001 / 1024) + TIMING.decode_ms(1002 / 1024)
-    assert req.finish_ms == pytest.approx(TIMING.prefill_ms(1000) + decode)
-    assert [n for n, _, _ in engine.notes] == [Note.FIRST_TOKEN, Note.FINISHED]
-    assert req.cached_tokens == 0
+def test_trace_blocks_hit_where_the_trace_shares_them() -> None:
+    """One worker: a repeated prefix is served from the engine's cache, full blocks only, the
+    last prompt token always recomputed; a different first block shares nothing."""
+    trace = [
+        _row(0, [1, 2, 3], 1300),
+        _row(10_000, [1, 2, 4], 1100),  # shares blocks 1, 2
+        _row(20_000, [1, 2], 1024),  # block-aligned: its last block is recomputed
+        _row(30_000, [9, 2], 1000),  # chained ids: same 2, other parent -> no hit
+    ]
+    result = replay(trace, "round_robin", ReplaySettings(workers=1, blocks_per_worker=64))
+    cached = 2 * 512 + 512
+    assert result.hit_ratio == pytest.approx(cached / (1300 + 1100 + 1024 + 1000))
+    assert result.num_requests == 4
+    # Alone on the engine: TTFT is one prefill pass over the uncached tokens.
+    uncached = [1300, 1100 - 1024, 1024 - 512, 1000]
+    expected = sum(TIMING.prefill_ms(n) for n in uncached) / 4
+    assert result.ttft_ms["mean"] == pytest.approx(expected)
+    assert result.ttft_ms["p99"] == pytest.approx(TIMING.prefill_ms(1300))
 
 
-def test_long_prompt_is_prefilled_in_chunks() -> None:
-    engine = SimEngine("w", SimEngineConfig(num_blocks=2048, block_size=16))
-    req = sim_request("a", (), 20_000, 1)
-    engine.add(req, 0.0)
-    engine.run_to_completion()
-    expected = 2 * TIMING.prefill_ms(8192) + TIMING.prefill_ms(20_000 - 2 * 8192)
-    assert req.first_token_ms == pytest.approx(expected)
-    assert engine.num_passes == 3
-
-
-def test_prefix_cache_full_blocks_and_one_token_recomputed() -> None:
-    engine = SimEngine("w", SimEngineConfig(num_blocks=64, block_size=16))
-    first = sim_request("a", (1, 2, 3, 4), 64, 2)
-    engine.add(first, 0.0)
-    engine.run_to_completion()
-    assert engine.prefix_blocks((1, 2, 3, 4)) == 4
-    again = sim_request("b", (1, 2, 3, 4), 64, 2, at=1000.0)  # all 4 blocks cached
-    engine.add(again, 1000.0)
-    engine.run_to_completion()
-    assert again.cached_tokens == 48  # the last block is recomputed
-    longer = sim_request("c", (1, 2, 9), 50, 2, at=2000.0)
-    engine.add(longer, 2000.0)
-    engine.run_to_completion()
-    assert longer.cached_tokens == 32
-
-
-def test_lru_evicts_the_oldest_unreferenced_blocks_tail_first() -> None:
-    engine = SimEngine("w", SimEngineConfig(num_blocks=8, block_size=16))
-    for i, keys in enumerate([(1, 2, 3), (4, 5, 6)]):
-        req = sim_request(f"r{i}", keys, 49, 1, at=float(i))
-        engine.add(req, float(i))
-        engine.run_to_completion()
-    # 2 x 4 blocks (3 full + 1 partial each) fill the cache; the partial ones were freed.
-    assert engine.cached_blocks == 6
-    third = sim_request("r2", (7, 8, 9), 49, 1, at=10.0)
-    engine.add(third, 10.0)
-    engine.run_to_completion()
-    # Room for 4 blocks: 2 were free, then the oldest request's tail (3, then 2) went.
-    assert engine.prefix_blocks((1, 2, 3)) == 1
-    assert engine.prefix_blocks((4, 5, 6)) == 3
-
-
-def test_preemption_by_recompute_when_the_cache_runs_out() -> None:
-    engine = SimEngine("w", SimEngineConfig(num_blocks=10, block_size=16))
-    reqs = [sim_request(f"r{i}", (), 60, 40) for i in range(2)]
-    for req in reqs:
-        engine.add(req, 0.0)
-    engine.run_to_completion()
-    assert all(r.finish_ms is not None and r.num_generated == 40 for r in reqs)
-    assert sum(r.num_preemptions for r in reqs) >= 1
+def test_requests_too_long_for_one_engine_are_left_out() -> None:
+    trace = [_row(0, [1], 100), _row(1, list(range(10, 30)), 20 * 512)]
+    result = replay(trace, "round_robin", ReplaySettings(workers=2, blocks_per_worker=8))
+    assert result.num_requests == 1
 
 
 def test_oracle_bounds_match_the_published_figures() -> None:

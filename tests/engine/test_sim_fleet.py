@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from engine.core.api import (
     BlockRemoved,
@@ -16,8 +19,17 @@ from engine.core.api import (
     SamplingParams,
     SchedulerConfig,
 )
-from engine.core.sim_fleet import RequestRecord, SimEngine, SimFleet, TimedRequest, round_robin
+from engine.core.sim_fleet import (
+    Progress,
+    RequestRecord,
+    SimEngine,
+    SimFleet,
+    TimedRequest,
+    round_robin,
+    trace_prompt_tokens,
+)
 from engine.core.sim_runner import TimingModel
+from kvplane.cli import app
 
 
 def workload(num_requests: int, seed: int = 3) -> list[TimedRequest]:
@@ -105,3 +117,89 @@ def test_unsorted_arrivals_are_refused() -> None:
     requests = workload(3)
     with pytest.raises(ValueError, match="sorted"):
         make_fleet().replay(list(reversed(requests)), round_robin())
+
+
+def test_progress_notes_reach_the_router_before_later_arrivals() -> None:
+    """A router callback sees each first token and finish that happened before the arrival it
+    routes (what a live router's in-flight accounting would have seen), stamped like the
+    records; `fleet.now_s` is the arrival time."""
+    fleet = make_fleet()
+    notes: list[tuple[str, Progress, float]] = []
+    seen_at_route: dict[str, int] = {}
+    route_times: list[float] = []
+    rr = round_robin()
+
+    def on_progress(index: int, request_id: str, what: Progress, now_s: float) -> None:
+        notes.append((request_id, what, now_s))
+
+    def route(request: EngineRequest, engines: Sequence[SimEngine]) -> int:
+        seen_at_route[request.request_id] = len(notes)
+        route_times.append(fleet.now_s)
+        return rr(request, engines)
+
+    requests = workload(60)
+    records = fleet.replay(requests, route, on_progress=on_progress)
+    assert route_times == [r.arrival_s for r in requests]
+    by_id = {r.request_id: r for r in records}
+    assert len(notes) == 2 * len(records)
+    for request_id, what, now_s in notes:
+        record = by_id[request_id]
+        expected = record.first_token_s if what is Progress.FIRST_TOKEN else record.finish_s
+        assert now_s == expected
+    for request in requests:
+        # Every note delivered before this arrival was routed is from a step that started
+        # before it; every step that ended at or before it had been delivered.
+        before = notes[: seen_at_route[request.request.request_id]]
+        ended = [n for n in notes if n[2] <= request.arrival_s]
+        assert set(ended) <= set(before)
+    firsts = [n[0] for n in notes if n[1] is Progress.FIRST_TOKEN]
+    assert sorted(firsts) == sorted(by_id)
+    assert sum(e.busy_s for e in fleet.engines) > 0
+
+
+def test_preemptions_are_counted_per_engine() -> None:
+    fleet = SimFleet(
+        1,
+        block_size=16,
+        num_blocks=10,
+        config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
+    )
+    sampling = SamplingParams(max_tokens=40, ignore_eos=True)
+    requests = [
+        TimedRequest(0.0, EngineRequest(f"r{i}", tuple(range(10 + i, 70 + i)), sampling))
+        for i in range(2)
+    ]
+    records = fleet.replay(requests, round_robin())
+    assert all(r.num_output_tokens == 40 for r in records)
+    assert fleet.engines[0].num_preemptions >= 1
+
+
+def test_trace_rows_become_blocks_of_their_hash_ids() -> None:
+    tokens = trace_prompt_tokens([7, 8, 9], 10, 4, filler=1000)
+    assert tokens == (7, 7, 7, 7, 8, 8, 8, 8, 9, 9)
+    assert trace_prompt_tokens([7], 6, 4, filler=1000) == (7, 7, 7, 7, 1000, 1000)
+
+
+def test_bench_sim_cli_replays_the_first_requests_of_a_trace(tmp_path: Path) -> None:
+    rows = [
+        {
+            "timestamp": 100 * i,
+            "input_length": 2 * 512 + 10,
+            "output_length": 5,
+            "hash_ids": [1, 2, 100 + i],  # a shared two-block prefix, a private tail
+        }
+        for i in range(12)
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["bench", "sim", "--trace", str(trace), "--requests", "10", "--engines", "2"]
+    result = CliRunner().invoke(app, [*args, "--output", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["requests"] == 10 and doc["engines"] == 2
+    assert doc["output_tokens"] == 50
+    # Each engine computes the prefix once; later requests hit its two blocks.
+    assert doc["hit_ratio"] == pytest.approx(8 * 1024 / (10 * 1034), abs=1e-4)
+    assert doc["ttft_ms"]["p99"] > 0 and doc["wall_s"] >= 0
+    table = CliRunner().invoke(app, [*args, "--output", "table"])
+    assert table.exit_code == 0 and "10 requests" in table.output

@@ -121,10 +121,16 @@ def test_paged_attention_equals_dense_attention(
         for j, i in enumerate(members):
             size = min(chunk_sizes[(step + j) % len(chunk_sizes)], lengths[i] - done[i])
             chunks.append(SequenceChunk(done[i], size, tables[i]))
+        # Groups split by padding only, into one sequence each, or by gathered bytes.
+        key_bytes = (None, 1 << 30, 2 * block_size * head_dim)[step % 3]
         metadata = AttentionMetadata.build(
-            chunks, block_size=block_size, num_blocks=num_blocks, device=CPU
+            chunks, block_size=block_size, num_blocks=num_blocks, device=CPU, key_bytes=key_bytes
         )
         sl = [slice(c.start, c.start + c.num_tokens) for c in chunks]
+        # Odd steps gather into the cache's reused workspace, even ones into fresh tensors.
+        workspace = cache.workspace if step % 2 else None
+        if workspace is not None:
+            workspace.reserve(metadata.max_group_blocks)
         out = paged_attention(
             torch.cat([qs[i][s] for i, s in zip(members, sl, strict=True)]),
             torch.cat([ks[i][s] for i, s in zip(members, sl, strict=True)]),
@@ -133,6 +139,7 @@ def test_paged_attention_equals_dense_attention(
             value_cache=cache.values[0],
             metadata=metadata,
             scale=head_dim**-0.5,
+            workspace=workspace,
         )
         offset = 0
         for i, c in zip(members, chunks, strict=True):

@@ -1,24 +1,35 @@
-"""`kvplane up` starts a fleet of real processes and stops all of them on Ctrl-C."""
+"""`kvplane up` starts a fleet of real processes, shows its status, checks it, and on Ctrl-C
+drains and stops all of them."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rich.console import Console
 
 from kvplane.errors import ConfigError
-from kvplane.up import load_fleet
+from kvplane.up import DEFAULT_FLEET, Fleet, FleetConfig, collect_status, load_fleet, render_status
+from kvplane.up_check import check_fleet
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
+MEMBER_LINE = re.compile(r"fleet member (\S+) \((\w+)\) on (\S+) pid (\d+)")
 
 
 def _health(address: str) -> int:
@@ -29,47 +40,106 @@ def _health(address: str) -> int:
     return int(reply.status)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _default_fleet_on_free_ports() -> dict[str, Any]:
+    fleet = yaml.safe_load(yaml.safe_dump(DEFAULT_FLEET))
+    for member in fleet["members"]:
+        member["config"]["listen"] = "127.0.0.1:0"
+    return dict(fleet)
+
+
+def _env(cache: Path) -> dict[str, str]:
+    # A fresh model cache: the builtin model is built on first use, as on a fresh clone.
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "KVPLANE_CACHE_DIR": str(cache)}
+
+
 @pytest.mark.timeout(120)
-def test_up_starts_members_and_stops_them_on_sigint(tmp_path: Path) -> None:
+def test_ctrl_c_drains_in_flight_work_and_leaves_no_process(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
-        "members:\n  - {name: idx-a, kind: indexer}\n  - {name: idx-b, kind: indexer}\n"
+        "drain_deadline_s: 0.5\n"
+        "members:\n"
+        "  - {name: idx, kind: indexer}\n"
+        "  - {name: engine-0, kind: engine, config: {model: sim}}\n"
+        "  - name: controller\n"
+        "    kind: controller\n"
+        "    config: {engines: [{address: '${engine-0}'}]}\n"
     )
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=_env(tmp_path / "cache"),
     )
     try:
         assert proc.stderr is not None
-        addresses: dict[str, str] = {}
+        members: dict[str, tuple[str, int]] = {}
         deadline = time.monotonic() + 90
-        while len(addresses) < 2 and time.monotonic() < deadline:
+        while len(members) < 3 and time.monotonic() < deadline:
             line = proc.stderr.readline()
             if not line and proc.poll() is not None:
                 break
-            match = re.search(r"fleet member (\S+) \(indexer\) on (\S+)", line)
+            match = MEMBER_LINE.search(line)
             if match:
-                addresses[match.group(1)] = match.group(2)
-        assert set(addresses) == {"idx-a", "idx-b"}
-        for address in addresses.values():
+                members[match.group(1)] = (match.group(3), int(match.group(4)))
+        assert set(members) == {"idx", "engine-0", "controller"}
+        for address, pid in members.values():
             assert _health(address) == health_pb2.HealthCheckResponse.SERVING
+            assert _alive(pid)
+
+        # A long generation through the controller is in flight when Ctrl-C comes.
+        events: list[str] = []
+        first_token = threading.Event()
+
+        def generate() -> None:
+            with grpc.insecure_channel(members["controller"][0]) as channel:
+                request = pb.GenerateRequest(
+                    request_id="long",
+                    model="sim",
+                    token_ids=pb.TokenIds(ids=list(range(1, 33))),
+                    stopping=pb.StoppingOptions(max_tokens=3000, ignore_eos=True),
+                )
+                try:
+                    for response in pb_grpc.OpenEngineStub(channel).Generate(request, timeout=60):
+                        events.append(response.WhichOneof("event") or "")
+                        first_token.set()
+                except grpc.RpcError as exc:
+                    events.append(f"rpc error {exc.code().name}")
+                finally:
+                    first_token.set()
+
+        client = threading.Thread(target=generate)
+        client.start()
+        assert first_token.wait(30)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
-        for address in addresses.values():
+        client.join(timeout=30)
+        assert not client.is_alive()
+        assert events and events[0] == "token"
+        # Cut short by the drain deadline (aborted), and the stream still ends properly.
+        assert events.count("token") < 3000
+        assert events[-1] == "finished"
+        for address, pid in members.values():
+            assert not _alive(pid)
             with pytest.raises(grpc.RpcError):
                 _health(address)
+        assert "fleet stopped" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-@pytest.mark.timeout(180)
-def test_up_runs_a_routed_fleet_of_sim_engines(tmp_path: Path) -> None:
-    # The main job's shape (the embedded defaults, with the controller on a free port).
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_start_up_leaves_no_process(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
         "members:\n"
@@ -84,37 +154,123 @@ def test_up_runs_a_routed_fleet_of_sim_engines(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=_env(tmp_path / "cache"),
     )
     try:
         assert proc.stderr is not None
-        controller = None
-        deadline = time.monotonic() + 150
-        while controller is None and time.monotonic() < deadline:
+        pids: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline:
             line = proc.stderr.readline()
             if not line and proc.poll() is not None:
                 break
-            match = re.search(r"fleet member controller \(controller\) on (\S+)", line)
+            match = re.search(r"engine-\d started \(pid (\d+)\)", line)
             if match:
-                controller = match.group(1)
-        assert controller, "the controller never came up"
-        ready: list[str] = []
-        while len(ready) < 2 and time.monotonic() < deadline:
-            result = subprocess.run(
-                [sys.executable, "-m", "kvplane", "admin", "--target", controller,
-                 "workers", "--output", "json"],
-                capture_output=True, text=True, cwd=REPO, timeout=60,
-            )  # fmt: skip
-            assert result.returncode == 0, result.stderr
-            workers = json.loads(result.stdout)["workers"]
-            ready = [w["address"] for w in workers if w["state"] == "ready"]
-        assert len(ready) == 2
-        proc.send_signal(signal.SIGINT)
+                pids.append(int(match.group(1)))
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGINT)  # the engines are starting; the controller is not
         assert proc.wait(timeout=60) == 0
+        rest = proc.stderr.read()
+        assert "fleet stopped" in rest
+        pids += [int(p) for p in re.findall(r"started \(pid (\d+)\)", rest)]
+        assert not any(_alive(pid) for pid in pids)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.timeout(120)
+async def test_status_shows_load_cache_and_routing_of_a_running_fleet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path / "cache"))
+    config = FleetConfig.model_validate(
+        {
+            "members": [
+                {"name": "engine-0", "kind": "engine", "config": {"model": "sim"}},
+                {"name": "engine-1", "kind": "engine", "config": {"model": "sim"}},
+                {
+                    "name": "controller",
+                    "kind": "controller",
+                    "config": {
+                        "tokenizer": "builtin",
+                        "engines": [{"address": "${engine-0}"}, {"address": "${engine-1}"}],
+                    },
+                },
+            ]
+        }
+    )
+    fleet = Fleet(config, tmp_path)
+    try:
+        await fleet.start()
+        assert await check_fleet(fleet.member("controller").address or "") == []
+        # Six routed requests, each repeat served from cache; the index holds their blocks.
+        deadline = time.monotonic() + 30
+        status = await collect_status(fleet)
+        while time.monotonic() < deadline and not (
+            sum(status.decisions.values()) == 6
+            and (status.index_blocks or 0) > 0
+            and all(e.state == "ready" for e in status.engines)
+        ):
+            await asyncio.sleep(0.2)
+            status = await collect_status(fleet)
+        assert sum(status.decisions.values()) == 6
+        assert status.policy == "kvplane"
+        assert (status.index_blocks or 0) >= 3 * 256 // 16
+        assert status.hit_ratio is not None and status.hit_ratio > 0.4
+        engines = {e.name: e for e in status.engines}
+        assert set(engines) == {"engine-0", "engine-1"}
+        assert all(e.state == "ready" and e.total_kv_blocks for e in engines.values())
+        assert sum(e.cached_blocks or 0 for e in engines.values()) >= 3 * 256 // 16
+        assert sum(e.indexed_blocks or 0 for e in engines.values()) == status.index_blocks
+        console = Console(record=True, width=200)
+        console.print(render_status(status))
+        text = console.export_text()
+        for member in fleet.members:
+            assert member.address is not None and member.address in text
+        assert "hit ratio" in text and "kvplane" in text
+        # `tokenizer: builtin`: the controller tokenises text prompts for routing.
+        async with grpc.aio.insecure_channel(fleet.member("controller").address or "") as ch:
+            route = await apb_grpc.AdminStub(ch).Route(apb.PromptQuery(prompt="Hello, world"))
+        assert route.tokenized and route.num_prompt_tokens > 0
+    finally:
+        await fleet.drain_engines()
+        await fleet.stop()
+    pids = [m.pid for m in fleet.members]
+    assert all(pid is not None and not _alive(pid) for pid in pids)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("fleet_name", "exit_code"), [("default", 0), ("round_robin", 1)])
+def test_up_check_passes_only_when_prefixes_reach_their_holders(
+    tmp_path: Path, fleet_name: str, exit_code: int
+) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    if fleet_name == "default":
+        # The embedded defaults (three engines on the builtin model), on free ports.
+        fleet.write_text(yaml.safe_dump(_default_fleet_on_free_ports()))
+    else:
+        # The smoke test must be able to fail: prefix-blind routing sends repeats elsewhere.
+        fleet.write_text(
+            "members:\n"
+            "  - {name: engine-0, kind: engine, config: {model: sim}}\n"
+            "  - {name: engine-1, kind: engine, config: {model: sim}}\n"
+            "  - name: controller\n"
+            "    kind: controller\n"
+            "    config: {router: {policy: round_robin},\n"
+            "             engines: [{address: '${engine-0}'}, {address: '${engine-1}'}]}\n"
+        )
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
+        capture_output=True, text=True, cwd=REPO, timeout=170, env=_env(tmp_path / "cache"),
+    )  # fmt: skip
+    assert result.returncode == exit_code, result.stderr
+    assert ("check passed" in result.stderr) == (exit_code == 0)
+    assert "fleet stopped" in result.stderr
+    pids = [int(m.group(4)) for m in MEMBER_LINE.finditer(result.stderr)]
+    assert len(pids) == (4 if fleet_name == "default" else 3)
+    assert not any(_alive(pid) for pid in pids)
 
 
 def test_fleet_refers_only_to_earlier_members(tmp_path: Path) -> None:
@@ -128,36 +284,13 @@ def test_fleet_refers_only_to_earlier_members(tmp_path: Path) -> None:
         load_fleet(fleet)
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize(("policy", "exit_code"), [("kvplane", 0), ("round_robin", 1)])
-def test_up_check_passes_only_when_prefixes_reach_their_holders(
-    tmp_path: Path, policy: str, exit_code: int
-) -> None:
-    # The smoke test must be able to fail: prefix-blind routing sends each repeat elsewhere.
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(
-        "members:\n"
-        "  - {name: engine-0, kind: engine, config: {model: sim}}\n"
-        "  - {name: engine-1, kind: engine, config: {model: sim}}\n"
-        "  - name: controller\n"
-        "    kind: controller\n"
-        f"    config: {{router: {{policy: {policy}}},\n"
-        "             engines: [{address: '${engine-0}'}, {address: '${engine-1}'}]}\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
-        capture_output=True, text=True, cwd=REPO, timeout=200,
-    )  # fmt: skip
-    assert result.returncode == exit_code, result.stderr
-    assert ("check passed" in result.stderr) == (exit_code == 0)
-    assert "fleet stopped" in result.stderr
-
-
 def test_configs_local_is_the_embedded_default() -> None:
     assert load_fleet(REPO / "configs" / "local.yaml").members == load_fleet(None).members
 
 
-def test_embedded_defaults_are_a_valid_fleet() -> None:
-    kinds = [m.kind for m in load_fleet(None).members]
-    assert kinds.count("engine") >= 2
-    assert "controller" in kinds
+def test_embedded_defaults_are_three_builtin_engines_and_a_controller() -> None:
+    members = load_fleet(None).members
+    engines = [m for m in members if m.kind == "engine"]
+    assert len(engines) == 3
+    assert all(m.config["model"] == "builtin" for m in engines)
+    assert [m.kind for m in members].count("controller") == 1

@@ -30,9 +30,12 @@ from controller.config import ControllerConfig
 from controller.service import Controller
 from indexer.backend import PrefixMatch, PrefixResult
 from indexer.batch import Action, ActionType, Batch, Tier
+from indexer.index import PrefixIndex
+from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import open_redis_backend
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
 from indexer.sources.resync import connect_resync
+from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
@@ -45,7 +48,7 @@ MESSAGES = {m.seq: m for m in live_messages()}
 ALL_HASHES = sorted(
     {signed(h) for m in MESSAGES.values() for e in m.events for h in e.get("block_hashes", ())}
 )
-WAIT_S = 20.0
+WAIT_S = 30.0
 
 
 @pytest.fixture
@@ -203,11 +206,13 @@ async def test_redis_restarted_empty_during_ingestion(
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("keep_data", [True, False], ids=["with-data", "empty"])
 async def test_buffer_overflow_during_an_outage(
-    tmp_path: Path, context: zmq.asyncio.Context
+    tmp_path: Path, context: zmq.asyncio.Context, keep_data: bool
 ) -> None:
-    log = await _scenario(tmp_path, context, max_buffered=2, keep_data=True)
-    assert "lost the index" not in log  # Redis kept its data: only the overflow resyncs w0
+    log = await _scenario(tmp_path, context, max_buffered=2, keep_data=keep_data)
+    # With its data kept, only the overflow resyncs w0.
+    assert ("lost the index" in log) is not keep_data
     assert "worker w0: the index asked for a resync" in log
 
 
@@ -308,3 +313,43 @@ async def test_openengine_source_resubscribes_with_a_snapshot_when_redis_loses_t
         await server.stop(None)
     assert engine.requests == [(True, 0), (True, 0)]
     assert source.counters.num_resets == 2  # the first batch, then the snapshot
+
+
+@pytest.mark.timeout(60)
+async def test_zmq_source_rebuilds_from_replay_on_request(context: zmq.asyncio.Context) -> None:
+    """A resync request rebuilds an idle worker from the replay at once; the live messages
+    the replay covered are then dropped as duplicates, and ingestion goes on exactly."""
+    index = PrefixIndex()
+    backend = MemoryBackend(index)
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source = ZmqSource(
+        ZmqSourceSettings(
+            endpoint=publisher.endpoint, replay_endpoint=publisher.replay_endpoint, topic="kv@"
+        ),
+        WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000")),
+        backend,
+        context=context,
+    )
+
+    def indexed() -> set[int]:
+        return {p.key for p in index.placements("w0")}
+
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            for seq in range(20):
+                await publisher.publish(MESSAGES[seq].frames)
+            await source.wait_until(lambda: source.last_seq == 19, WAIT_S)
+            await backend.remove_worker("w0")  # the index lost the worker
+            source.request_resync()
+            await source.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+            assert indexed() == _model_through(19)
+            assert publisher.replay_requests == [0]
+            for seq in range(20, 40):
+                await publisher.publish(MESSAGES[seq].frames)
+            await source.wait_until(lambda: source.last_seq == 39, WAIT_S)
+            assert indexed() == _model_through(39)
+            assert source.counters.num_gaps == source.counters.num_duplicates == 0
+    finally:
+        await publisher.close()
