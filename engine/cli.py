@@ -20,7 +20,12 @@ def serve(
     listen: ListenOption = None,
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help="'sim' or an HF model directory (overrides config)."),
+        typer.Option(
+            "--model",
+            "-m",
+            help="'sim', 'builtin' (a tiny random Llama built on first use) or an HF model "
+            "directory (overrides config).",
+        ),
     ] = None,
     role: Annotated[
         str | None, typer.Option("--role", help="aggregated, prefill or decode.")
