@@ -141,7 +141,7 @@ def render_table(doc: dict[str, Any]) -> str:
             f"sim runner: {doc['requests']} requests of {doc['trace']} through {doc['engines']} "
             f"engines x {doc['blocks_per_engine']} blocks of {doc['block_size']} tokens "
             f"(round robin, speedup {doc['speedup']})",
-            f"wall {doc['wall_s']:.1f} s (CPU {doc['cpu_s']:.1f} s) for "
+            f"wall {doc['wall_s']:.2f} s (CPU {doc['cpu_s']:.2f} s) for "
             f"{doc['virtual_s']:.0f} s of virtual time "
             f"({doc['requests_per_wall_s']} requests/s, {doc['forward_passes']} passes)",
             f"TTFT mean {ttft['mean']:.1f} ms, p50 {ttft['p50']:.1f} ms, p99 {ttft['p99']:.1f} "

@@ -1,10 +1,13 @@
 """`kvplane bench index`: kvplane's index against NVIDIA Dynamo's Rust RadixTree, the KVIndexer
 gRPC service, and memory per placement (BENCHMARKS.md section 1).
 
-Both indexes run in this process on the same data. Dynamo gets its cheapest input (events
-pre-serialised as JSON bytes); kvplane gets its real ingestion path: pre-serialised
-`ApplyExternalKvBatchRequest` bytes, parsed, converted, validated and applied through the
-`IndexBackend` interface, as the servicer does. Dynamo hands work to a Rust thread, so every
+Both indexes run in this process on the same data, and both start from bytes. Dynamo gets its
+cheapest input: events pre-serialised as JSON bytes, which `apply_event` parses in Rust.
+kvplane gets its real ingestion path, exactly as the ApplyExternalKvBatch servicer runs it:
+pre-serialised `ApplyExternalKvBatchRequest` bytes parsed by protobuf (`FromString`),
+converted by `indexer.kv_wire.batch_from_proto`, then `IndexBackend.apply` (which validates
+before changing anything). The `core` figures apply the same events as already-built `Batch`
+objects (the index alone). Dynamo hands work to a Rust thread, so every
 timed Dynamo region ends with a `find_matches` call that waits for the queue to drain. Block
 hashes are content-derived and equal on both sides (`block_hash == tokens_hash`), the setting
 in which Dynamo 1.6.1 accepts the same block on several workers. Dynamo is optional: when

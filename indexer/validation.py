@@ -58,10 +58,10 @@ def validate_action_type(value: int) -> ActionType:
 def validate_batch(batch: Batch) -> None:
     """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2).
 
-    On every apply's path: one pass, each action unpacked once, the error message (and the
-    action's position in it) worked out only for a batch that fails."""
-    worker_id, actions = batch[0], batch[1]
-    if not worker_id:
+    On every apply's path: one pass, each action unpacked once; the error message (and the
+    action's position in it) is worked out only for a batch that fails."""
+    actions = batch.actions
+    if not batch.worker_id:
         raise _invalid("worker_id must not be empty")
     if len(actions) > MAX_ACTIONS_PER_BATCH:
         raise IndexRequestError(
@@ -69,7 +69,8 @@ def validate_batch(batch: Batch) -> None:
             f"{len(actions)} actions in one batch; at most {MAX_ACTIONS_PER_BATCH}",
         )
     num_hashes = 0
-    for i, (kind, tier, hashes, masks, sizes, _parent, _copies) in enumerate(actions):
+    for action in actions:
+        kind, tier, hashes, masks, sizes, _parent, _copies = action
         if kind not in _ACTION_VALUES:
             validate_action_type(kind)
         if tier not in _TIER_VALUES:
@@ -78,7 +79,8 @@ def validate_batch(batch: Batch) -> None:
             continue
         n = len(hashes)
         if not n or (masks and len(masks) != n) or (sizes and len(sizes) != n):
-            _shape_error(i, n, len(masks), len(sizes))
+            # The first equal action is this one: an equal one before it would have failed.
+            _shape_error(actions.index(action), n, len(masks), len(sizes))
         num_hashes += n
     if num_hashes > MAX_HASHES_PER_REQUEST:
         raise IndexRequestError(

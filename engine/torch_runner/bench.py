@@ -6,7 +6,7 @@ Measured through EngineCore (scheduler, block manager, prefix cache, runner), in
   once until `2c` have run), prompts and outputs of mixed lengths, greedy, EOS ignored;
 - TTFT of a long prompt on an empty cache (cold) and again once its blocks are cached.
 
-Side by side, when `transformers` is installed (never a dependency), HF `generate` on the same
+Side by side, when `transformers` is installed (a dev dependency only), HF `generate` on the same
 checkpoint, same prompts, in batches of `c` (left padding, KV cache on), counting only the
 tokens each request asked for. Without it the document says so and reports kvplane alone.
 
@@ -208,7 +208,7 @@ def _kvplane_ttft(
 def _hf_throughput(
     model_dir: Path, workloads: dict[int, list[_Job]], settings: EngineBenchSettings
 ) -> dict[str, Any] | None:
-    try:  # optional peer, never a dependency (imported by name: no stubs needed)
+    try:  # a dev dependency, not a runtime one (imported by name: mypy stays off it)
         transformers = importlib.import_module("transformers")
     except ImportError:
         return None
