@@ -83,7 +83,8 @@ class IndexStats:
 
 class IndexBackend(Protocol):
     """The index as the services see it. Every method validates nothing about the wire:
-    the adapters validate (WIRE.md section 2) before calling; `apply` is atomic to readers."""
+    `apply` validates the batch (WIRE.md section 2, `indexer.validation`) before changing
+    anything and is atomic to readers."""
 
     name: str
 

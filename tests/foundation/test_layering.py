@@ -21,7 +21,6 @@ CORE_GLOBS = [
     "engine/core/*.py",
     "controller/router/*.py",
     "controller/registry.py",
-    "controller/sim_engine.py",
     "controller/replay.py",
     "planner/core/*.py",
 ]
