@@ -82,9 +82,9 @@ class IndexStats:
 
 
 class IndexBackend(Protocol):
-    """The index as the services see it. Every method validates nothing about the wire:
-    `apply` validates the batch (WIRE.md section 2, `indexer.validation`) before changing
-    anything and is atomic to readers."""
+    """The index as the services see it. Queries trust their adapters' checks; `apply`
+    validates the batch (WIRE.md section 2, `indexer.validation`) before changing anything
+    and is atomic to readers."""
 
     name: str
 
