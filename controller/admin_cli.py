@@ -11,8 +11,7 @@ RPCs comes from `--token-file` or the KVPLANE_TOKEN environment variable.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -21,7 +20,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, RpcCallError, emit, rpc_channel
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -43,22 +42,6 @@ TokensFileOpt = Annotated[
     Path | None,
     typer.Option("--tokens-file", help="Token ids: whitespace/comma separated or a JSON list."),
 ]
-
-
-class AdminRpcError(KvplaneError):
-    """An admin RPC failed (unreachable, rejected)."""
-
-
-@contextmanager
-def _channel(target: str) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(target) as channel:
-        try:
-            yield channel
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            name = code.name if code is not None else "ERROR"
-            raise AdminRpcError(f"{target}: {name}: {details}") from None
 
 
 def _metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
@@ -94,7 +77,7 @@ def _dict(message: Message) -> dict[str, Any]:
 
 
 def _call(target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:
-    with _channel(_target(target)) as channel:
+    with rpc_channel(_target(target)) as channel:
         return rpc(channel)
 
 
@@ -132,7 +115,7 @@ def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> a
 
 def workers(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
     """The fleet's engines (or, against an engine, that engine)."""
-    with _channel(_target(target)) as channel:
+    with rpc_channel(_target(target)) as channel:
         try:
             reply = apb_grpc.AdminStub(channel).ListWorkers(
                 apb.ListWorkersRequest(), timeout=TIMEOUT_S
@@ -393,7 +376,7 @@ def drain(
     """Drain an engine of the fleet (or the target itself); progress is shown until COMPLETE."""
     metadata = _metadata(token_file)
     events: list[dict[str, Any]] = []
-    with _channel(_target(target)) as channel:
+    with rpc_channel(_target(target)) as channel:
         if engine is not None:
             req = apb.DrainEngineRequest(engine=engine, abort_after_deadline=abort_after_deadline)
             if deadline_ms is not None:
@@ -415,7 +398,7 @@ def drain(
         emit({"events": events}, output, str)
     last = events[-1] if events else {}
     if "error" in last:
-        raise AdminRpcError(f"drain failed: {last['error'].get('message', '')}")
+        raise RpcCallError(f"drain failed: {last['error'].get('message', '')}")
 
 
 def _render_drain(d: dict[str, Any]) -> str:

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -18,7 +17,7 @@ import typer
 
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, emit, rpc_channel
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
@@ -32,10 +31,6 @@ IndexTargetOption = Annotated[
     str | None, typer.Option("--target", "-t", help="HOST:PORT of the indexer.")
 ]
 T = TypeVar("T")
-
-
-class IndexRpcError(KvplaneError):
-    """An indexer RPC failed (unreachable, rejected)."""
 
 
 @index_app.callback()
@@ -54,20 +49,8 @@ def _target(ctx: typer.Context, target: str | None) -> str:
     return DEFAULT_TARGET
 
 
-@contextmanager
-def _channel(target: str) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(target) as channel:
-        try:
-            yield channel
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            name = code.name if code is not None else "ERROR"
-            raise IndexRpcError(f"{target}: {name}: {details}") from None
-
-
 def _call(target: str, rpc: Callable[[grpc.Channel], T]) -> T:
-    with _channel(target) as channel:
+    with rpc_channel(target) as channel:
         return rpc(channel)
 
 

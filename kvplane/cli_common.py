@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
+import grpc
 import typer
 
-from kvplane.errors import NotImplementedYetError
+from kvplane.errors import KvplaneError, NotImplementedYetError
 
 
 class OutputFormat(enum.StrEnum):
@@ -37,6 +39,23 @@ PortFileOption = Annotated[
 TargetOption = Annotated[
     str, typer.Option("--target", "-t", help="HOST:PORT of the server to talk to.")
 ]
+
+
+class RpcCallError(KvplaneError):
+    """A CLI's RPC failed (unreachable target, rejected call): shown as one line."""
+
+
+@contextmanager
+def rpc_channel(target: str) -> Iterator[grpc.Channel]:
+    """An insecure channel to `target` whose gRPC errors become one-line RpcCallErrors."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            yield channel
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            name = code.name if code is not None else "ERROR"
+            raise RpcCallError(f"{target}: {name}: {details}") from None
 
 
 def emit(data: Any, output: OutputFormat, render: Callable[[Any], str]) -> None:
