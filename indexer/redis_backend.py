@@ -131,6 +131,7 @@ class RedisBackend:
         self._dropping: set[str] = set()
         self._removals: set[str] = set()
         self._resync: set[str] = set()
+        self._unannounced: set[str] = set()
         self._listeners: list[Callable[[str], None]] = []
         self._recovery: asyncio.Task[None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
@@ -225,8 +226,17 @@ class RedisBackend:
         self._request_resync(workers)
 
     def _request_resync(self, workers: set[str]) -> None:
-        for worker_id in sorted(workers):
-            self._resync.add(worker_id)
+        """Marks workers for resync. Listeners hear of them once Redis takes writes again: a
+        source that resyncs while Redis is still recovering would only be buffered (or
+        dropped and asked again)."""
+        self._resync |= workers
+        self._unannounced |= workers
+        if not self._outage:
+            self._announce_resyncs()
+
+    def _announce_resyncs(self) -> None:
+        workers, self._unannounced = sorted(self._unannounced), set()
+        for worker_id in workers:
             for callback in self._listeners:
                 try:
                     callback(worker_id)
@@ -388,6 +398,7 @@ class RedisBackend:
         self._outage = False
         self._recovery = None
         log.info("Redis at %s is back; buffered batches applied", self._where)
+        self._announce_resyncs()
 
     async def _maintain(self) -> None:
         """Notices a Redis that lost its data (boot token) and sweeps dead placements."""
@@ -560,6 +571,7 @@ class RedisBackend:
         self._buffer = deque(b for b in self._buffer if b.worker_id != worker_id)
         self._dropping.discard(worker_id)
         self._resync.discard(worker_id)
+        self._unannounced.discard(worker_id)
         try:
             removed: int = await self._fcall("kvp_remove", [worker_id], boot=True)
         except IndexUnavailableError:

@@ -189,7 +189,14 @@ async def test_redis_outage_during_ingestion(tmp_path: Path, outage: str) -> Non
     truth = MemoryBackend()
     errors: list[str] = []
     asked: set[str] = set()
-    backend.add_resync_listener(asked.add)
+    asked_while_down: list[str] = []
+
+    def on_resync(worker_id: str) -> None:
+        asked.add(worker_id)
+        if not backend.healthy:  # a resync then would only be buffered again
+            asked_while_down.append(worker_id)
+
+    backend.add_resync_listener(on_resync)
 
     async def settled() -> bool:
         await _resync(backend, truth)
@@ -221,6 +228,7 @@ async def test_redis_outage_during_ingestion(tmp_path: Path, outage: str) -> Non
         assert any("will be resynced" in e for e in errors), errors  # the buffer overflowed
         # w0 overflowed the buffer; w1's batches waited in it, unless Redis lost them too.
         assert asked == ({"w0", "w1"} if outage == "killed" else {"w0"})
+        assert asked_while_down == []
         for hashes in ([k] for k in range(48)):
             assert await backend.match(hashes, False) == await truth.match(hashes, False)
         expected = dataclasses.replace(await truth.stats(), backend="redis")
