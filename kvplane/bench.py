@@ -30,11 +30,13 @@ def bench_index(
 
 def _register_component_benchmarks() -> None:
     from controller.bench import bench_gateway, bench_route
+    from controller.e2e_bench import bench_e2e
     from engine.sim_bench import bench_sim
     from engine.torch_runner.bench import bench_engine  # imports torch only when run
 
     bench_app.command("route")(bench_route)
     bench_app.command("gateway")(bench_gateway)
+    bench_app.command("e2e")(bench_e2e)
     bench_app.command("engine")(bench_engine)
     bench_app.command("sim")(bench_sim)
 

@@ -157,20 +157,37 @@ class KvplaneWeights:
     """The `kvplane` cost, in prompt-token equivalents of prefill work (lower is better):
 
         total = overlap * (uncached + host_weight * host_cached)
-              + pending prefill tokens queued on the engine
-              + decode_weight * active requests
-        overlap = 1 + (overlap_weight - 1) * mean cache pressure of the candidates
+              + waiting * (1 + (1 - pressure) * waiting / queue_knee)
+              + decode_weight * (active + decoding * (waiting + uncached) / pass_tokens)
+        overlap = idle_overlap_weight + (overlap_weight - idle_overlap_weight) * pressure
 
-    `overlap` > 1 makes recomputing a prefix that another engine holds cost more than the
-    queueing it would save: with full caches, a prefix stored twice evicts something else
-    (tuned on the Mooncake traces, docs/benchmarks/routing.md). Cache pressure is how full an
-    engine's cache is with data (1 when unknown); with room to spare a repeated prefill costs
-    just its compute, and tail latency wins.
-    Engines within `tie_tokens` + `tie_ratio` * best of the best cost are ties, picked at
-    random (or by softmax when `temperature` > 0), so equal engines share a hot prefix.
+    `waiting` = prefill tokens queued on the engine; `active` = its requests; `decoding` = its
+    running requests (polled), at most `pass_decodes`; `pressure` = the candidates' mean cache
+    pressure (how full their caches are with data, 1 when unknown).
+
+    - `overlap` > 1 makes recomputing a prefix that another engine holds cost more than the
+      queueing it would save. With full caches (`overlap_weight`) a prefix stored twice evicts
+      something else; with room to spare (`idle_overlap_weight`) a prefix stays where it is for
+      every later turn of its conversation, and leaving it only buys a shorter queue.
+    - The queue costs more than its length while caches have room (`queue_knee` tokens double
+      it): a request must not wait behind a huge prefill for the sake of its cache. With full
+      caches the knee fades out (moving would evict, and reuse comes first).
+    - Each forward pass that also decodes is slower, so decode load weighs by the passes the
+      queue and the prompt need (`pass_tokens` per pass; 0 = a flat `decode_weight` per
+      request): a long prompt avoids engines that decode, a short one barely minds them. A
+      pass's decode cost stops growing with the batch (`pass_decodes`), and queued requests do
+      not decode, so an overloaded engine's queue is not counted twice.
+
+    All tuned on the Mooncake traces (docs/benchmarks/routing.md). Engines within `tie_tokens`
+    + `tie_ratio` * best of the best cost are ties, picked at random (or by softmax when
+    `temperature` > 0), so equal engines share a hot prefix.
     """
 
     overlap_weight: float = 12.0
+    idle_overlap_weight: float = 30.0
+    queue_knee: float = 50_000.0
+    pass_tokens: float = 8192.0
+    pass_decodes: int = 4
     host_weight: float = 0.25
     decode_weight: float = 256.0
     tie_tokens: float = 64.0
@@ -186,17 +203,26 @@ class KvplanePolicy(_Stateless):
 
     def costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[EngineCost]:
         w = self.weights
-        # Storing a prefix twice only costs room when the caches are full; with room to spare
-        # a repeated prefill costs just its compute.
         pressure = sum(c.cache_pressure for c in candidates) / max(len(candidates), 1)
-        overlap = 1.0 + (w.overlap_weight - 1.0) * pressure
+        overlap = w.idle_overlap_weight + (w.overlap_weight - w.idle_overlap_weight) * pressure
         rows = []
         for c in candidates:
             device, host = request.cached_tokens(c.hit)
             uncached = request.num_prompt_tokens - device - host
+            waiting = float(c.pending_prefill_tokens)
             prefill = overlap * (uncached + w.host_weight * host)
-            queue = float(c.pending_prefill_tokens)
+            queue = waiting
+            if w.queue_knee > 0:
+                queue *= 1.0 + (1.0 - pressure) * waiting / w.queue_knee
             decode = w.decode_weight * c.active_requests
+            if w.pass_tokens > 0:
+                # Every pass of the queue ahead and of this prompt's prefill also decodes.
+                decoding = c.active_requests - c.queued_requests
+                if c.load.running_requests is not None:
+                    decoding = c.load.running_requests
+                decoding = min(max(decoding, 0), w.pass_decodes)
+                passes = (waiting + uncached) / w.pass_tokens
+                decode += w.decode_weight * decoding * passes
             rows.append(
                 EngineCost(
                     c.engine_id, device, host, prefill, queue, decode, prefill + queue + decode

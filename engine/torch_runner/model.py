@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.torch_runner.attention import AttentionMetadata, PagedKvCache, paged_attention
+from engine.torch_runner.attention import (
+    AttentionMetadata,
+    DecodeKernel,
+    PagedKvCache,
+    paged_attention,
+)
 from engine.torch_runner.config import ModelConfig, RopeConfig, RopeType
 
 
@@ -77,22 +82,27 @@ class RotaryEmbedding:
         if self._rope.type is RopeType.LINEAR:
             t = t / self._rope.factor
         freqs = torch.outer(t, self._inv_freq)
-        self._cos = freqs.cos().to(self._dtype).to(self._device)
-        self._sin = freqs.sin().to(self._dtype).to(self._device)
+        cos = freqs.cos().to(self._dtype)
+        sin = freqs.sin().to(self._dtype)
+        # Full width, the sine signed for the first half: see `apply_rotary`.
+        self._cos = torch.cat((cos, cos), dim=-1).to(self._device)
+        self._sin = torch.cat((-sin, sin), dim=-1).to(self._device)
 
     def tables(
         self, positions: torch.Tensor, max_position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, head_dim / 2]."""
+        """[T] positions -> cos, signed sin of shape [T, 1, head_dim] for `apply_rotary`."""
         if max_position >= self._cos.shape[0]:
             self._build(max(2 * self._cos.shape[0], max_position + 1))
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half (GPT-NeoX) layout: pairs (i, i + D/2) rotate together."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate-half (GPT-NeoX) layout: pairs (i, i + D/2) rotate together,
+    `(x1 cos - x2 sin, x2 cos + x1 sin)`, computed as `x * cos + swap_halves(x) * sin` with
+    `cos = (cos, cos)` and `sin = (-sin, sin)` (bit-identical: a - b == a + (-b)); four ops
+    instead of eight, once per layer and step."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +148,13 @@ class DecoderModel:
         metadata: AttentionMetadata,
         kv_cache: PagedKvCache,
         max_position: int,
+        *,
+        decode_kernel: DecodeKernel | None = None,
     ) -> torch.Tensor:
-        """[T] token ids -> [T, hidden] final hidden states (after the final norm)."""
+        """[T] token ids -> [T, hidden] final hidden states (after the final norm).
+
+        With `decode_kernel`, `metadata` must be built with `kernel_decodes` (and vice versa).
+        """
         cfg = self.config
         # Once per step, shared by every layer: rotary tables, the gather workspace's size.
         cos, sin = self.rotary.tables(metadata.positions, max_position)
@@ -164,13 +179,15 @@ class DecoderModel:
                 metadata=metadata,
                 scale=self._scale,
                 workspace=kv_cache.workspace,
+                kernel=decode_kernel,
             )
             hidden = residual + F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
             residual = hidden
             x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
             gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            act = F.silu(gate).mul_(up)  # in place into silu's fresh output: one allocation
+            hidden = residual + F.linear(act, layer.down_weight, layer.down_bias)
         return rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

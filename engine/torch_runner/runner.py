@@ -20,10 +20,16 @@ from pathlib import Path
 import torch
 
 from engine.core.api import ScheduledBatch, ScheduledSequence, SequenceResult, TokenLogprob
-from engine.torch_runner.attention import AttentionMetadata, PagedKvCache, SequenceChunk
+from engine.torch_runner.attention import (
+    AttentionMetadata,
+    PagedKvCache,
+    SequenceChunk,
+    int64_tensor,
+)
 from engine.torch_runner.errors import InvalidBatchError, KvCacheError
 from engine.torch_runner.loader import load_model
 from engine.torch_runner.model import DecoderModel
+from engine.torch_runner.native import DecodeAttentionKernel, load_kernel
 from engine.torch_runner.sampler import Sampler, SamplingRow, prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -41,7 +47,13 @@ class TorchModelRunner:
         max_model_len: int | None = None,
         seed: int | None = None,
         num_threads: int | None = None,
+        decode_kernel: bool | None = None,
     ) -> None:
+        """`decode_kernel`: compute decode attention with the native kernel (`native.py`),
+        which reads the paged blocks in place. None: when torch runs on one intra-op thread
+        (the kernel is single-threaded; with more, torch's attention parallelises), the model
+        is float32 on CPU and the kernel builds; True: always (KvCacheError if it cannot);
+        False: never (torch gathers the blocks)."""
         if num_threads is not None:
             # Process-wide: the engine process owns torch. Small decode steps of small models
             # run fastest on one thread; OpenMP barriers on oversubscribed cores cost 10x.
@@ -64,6 +76,15 @@ class TorchModelRunner:
             device=model.device,
         )
         self.sampler = Sampler(self._eos_token_ids, seed)
+        self.decode_kernel: DecodeAttentionKernel | None = None
+        wanted = decode_kernel or (decode_kernel is None and torch.get_num_threads() == 1)
+        if wanted and model.dtype == torch.float32 and model.device.type == "cpu":
+            self.decode_kernel = load_kernel()
+        if decode_kernel and self.decode_kernel is None:
+            raise KvCacheError(
+                "the decode attention kernel is not available here (it needs float32 on CPU "
+                "and a C compiler)"
+            )
         element_bytes = torch.empty((), dtype=model.dtype).element_size()
         self._key_bytes = cfg.num_kv_heads * cfg.head_dim * element_bytes
 
@@ -80,6 +101,7 @@ class TorchModelRunner:
         max_model_len: int | None = None,
         seed: int | None = None,
         num_threads: int | None = None,
+        decode_kernel: bool | None = None,
     ) -> TorchModelRunner:
         """Load a checkpoint and size the KV cache by `num_blocks` or by `kv_cache_bytes`."""
         if num_blocks is not None and kv_cache_bytes is not None:
@@ -117,6 +139,7 @@ class TorchModelRunner:
             max_model_len=max_model_len,
             seed=seed,
             num_threads=num_threads,
+            decode_kernel=decode_kernel,
         )
 
     @property
@@ -167,17 +190,26 @@ class TorchModelRunner:
             device=device,
             dtype=model.dtype,
             key_bytes=self._key_bytes,
+            kernel_decodes=self.decode_kernel is not None,
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
-        hidden = model.forward(ids, metadata, self.kv_cache, max_position)
+        ids = int64_tensor(input_ids, device)
+        hidden = model.forward(
+            ids, metadata, self.kv_cache, max_position, decode_kernel=self.decode_kernel
+        )
         plan = _LogitRows.plan(sequences)
         if not plan.rows:
             return [SequenceResult(seq_id=seq.seq_id) for seq in sequences]
-        logits = model.compute_logits(hidden[torch.tensor(plan.rows, device=device)])
+        # Rows are increasing: as many as the tokens means every token (a decode-only step).
+        if len(plan.rows) != len(input_ids):
+            hidden = hidden[torch.tensor(plan.rows, dtype=torch.int64, device=device)]
+        logits = model.compute_logits(hidden)
         sampling_seqs = [seq for seq in sequences if seq.sample]
+        sample_logits = logits
+        if len(plan.sample_rows) != len(plan.rows):
+            sample_logits = logits[torch.tensor(plan.sample_rows, dtype=torch.int64, device=device)]
         sampled = iter(
             self.sampler.sample(
-                logits[torch.tensor(plan.sample_rows, device=device)],
+                sample_logits,
                 [
                     SamplingRow(
                         params=seq.sampling,

@@ -69,6 +69,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """logits [N, V] float32 (one row per entry of `rows`) -> one token per row."""
+        if all(_plain_greedy(row) for row in rows):
+            # Nothing to adjust or report: the argmax of the raw logits, as below.
+            return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
         raw = logits.float()
         processed = apply_penalties(raw, rows)
         processed = self._mask_min_tokens(processed, rows)
@@ -124,6 +127,18 @@ class Sampler:
             own = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
             draws[i] = own.to(probs.device)
         return draws
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    params = row.params
+    return (
+        params.greedy
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and len(row.output_token_ids) >= params.min_tokens
+    )
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

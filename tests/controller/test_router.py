@@ -3,6 +3,7 @@ in-flight accounting and the shared-system-prompt spread."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -38,7 +39,9 @@ def cand(eid: str, device: int = 0, host: int = 0, **load: int) -> Candidate:
 
 
 def test_kvplane_cost_terms_are_prefill_queue_and_decode() -> None:
-    weights = KvplaneWeights(overlap_weight=2.0, host_weight=0.25, decode_weight=10.0)
+    weights = KvplaneWeights(
+        overlap_weight=2.0, host_weight=0.25, decode_weight=10.0, queue_knee=0, pass_tokens=0
+    )
     policy = KvplanePolicy(weights)
     req = request(blocks=4, extra=5)  # 69 tokens, at most 4 cacheable blocks
     rows = policy.costs(
@@ -57,15 +60,69 @@ def test_kvplane_cost_terms_are_prefill_queue_and_decode() -> None:
     assert b.prefill_cost == 2.0 * (4 * BS + 5)
 
 
-def test_recomputing_a_prefix_weighs_less_while_caches_have_room() -> None:
-    policy = KvplanePolicy(KvplaneWeights(overlap_weight=5.0))
+def test_overlap_weight_follows_cache_pressure() -> None:
+    """From `idle_overlap_weight` with empty caches to `overlap_weight` with full ones."""
+    policy = KvplanePolicy(KvplaneWeights(overlap_weight=5.0, idle_overlap_weight=9.0))
     req = request(blocks=8, extra=1)
     full = [Candidate(e, total_kv_blocks=100, cached_blocks=100) for e in "ab"]
     roomy = [Candidate(e, total_kv_blocks=100, cached_blocks=25) for e in "ab"]
     assert policy.costs(req, full)[0].prefill_cost == pytest.approx(5.0 * (8 * BS + 1))
-    assert policy.costs(req, roomy)[0].prefill_cost == pytest.approx(2.0 * (8 * BS + 1))
+    assert policy.costs(req, roomy)[0].prefill_cost == pytest.approx(8.0 * (8 * BS + 1))
     unknown = [Candidate(e) for e in "ab"]
     assert policy.costs(req, unknown)[0].prefill_cost == pytest.approx(5.0 * (8 * BS + 1))
+
+
+def roomy(eid: str, device: int = 0, **load: int) -> Candidate:
+    """An engine whose cache is empty of data (cache pressure 0)."""
+    return Candidate(
+        eid, hit=PrefixHit(device), load=LoadSnapshot(**load), total_kv_blocks=10_000,
+        cached_blocks=0,
+    )  # fmt: skip
+
+
+def test_a_long_queue_costs_more_than_its_length_while_caches_have_room() -> None:
+    policy = KvplanePolicy(KvplaneWeights(queue_knee=1000, pass_tokens=0))
+    rows = policy.costs(request(), [roomy("a", waiting_tokens=1000), roomy("b", waiting_tokens=10)])
+    assert rows[0].queue_cost == pytest.approx(2000.0)
+    assert rows[1].queue_cost == pytest.approx(10.1)
+    # With full caches (unknown = full) the queue costs its length.
+    rows = policy.costs(request(), [cand("a", waiting_tokens=1000), cand("b")])
+    assert rows[0].queue_cost == pytest.approx(1000.0)
+
+
+def test_a_request_behind_a_huge_prefill_leaves_its_prefix() -> None:
+    """Queueing behind a prompt of 100k tokens costs more than recomputing an 8k-token prefix
+    on an idle engine (with a linear queue cost it would stay and wait)."""
+    req = RouteRequest("r", 64 * BS + 5, BS, tuple(range(64)))
+    holder = roomy("a", 64, queued_requests=1, waiting_tokens=100_000)
+    idle = roomy("b")
+    weights = KvplaneWeights(idle_overlap_weight=30.0, queue_knee=50_000)
+    linear = Router(KvplanePolicy(dataclasses.replace(weights, queue_knee=0)))
+    assert linear.explain(req, [holder, idle], random.Random(0), 0).engine_id == "a"
+    knee = Router(KvplanePolicy(weights))
+    assert knee.explain(req, [holder, idle], random.Random(0), 0).engine_id == "b"
+
+
+def test_decode_load_weighs_by_the_passes_a_prompt_needs() -> None:
+    """Every forward pass that also decodes is slower: a long prompt (many passes) avoids an
+    engine with decodes running, a short one does not mind them."""
+    router = Router(KvplanePolicy(KvplaneWeights(decode_weight=256, pass_tokens=8192)))
+    decoding = cand("a", running_requests=1)
+    queued = cand("b", waiting_tokens=400)
+    long_prompt = RouteRequest("long", 40_000, BS, ())
+    short_prompt = RouteRequest("short", 100, BS, ())
+    assert router.explain(long_prompt, [decoding, queued], random.Random(0), 0).engine_id == "b"
+    assert router.explain(short_prompt, [decoding, queued], random.Random(0), 0).engine_id == "a"
+
+
+def test_queued_requests_do_not_count_as_decoding() -> None:
+    """Only running requests (at most `pass_decodes`) slow the passes; an overloaded engine's
+    queue is already in its waiting tokens."""
+    policy = KvplanePolicy(KvplaneWeights(decode_weight=1, pass_tokens=1000, pass_decodes=4))
+    req = RouteRequest("r", 1000, BS, ())
+    overloaded = cand("a", running_requests=256, queued_requests=5000, waiting_tokens=9000)
+    (row,) = policy.costs(req, [overloaded])
+    assert row.decode_cost == pytest.approx(5256 + 4 * (9000 + 1000) / 1000)
 
 
 def test_at_least_one_token_is_recomputed() -> None:

@@ -45,6 +45,8 @@ def test_bench_engine_reports_throughput_and_ttft_on_a_random_checkpoint() -> No
     assert doc["torch_threads"] == 1
     for key in ("c1", "c3"):
         assert doc["kvplane"][key]["output_tokens_per_s"] > 0
+        assert doc["kvplane"][key]["output_tokens_per_cpu_s"] > 0
+        assert doc["kvplane"][key]["cpu_seconds"] > 0
     ttft = doc["kvplane"]["ttft"]
     assert ttft["prompt_tokens"] == 96
     assert math.isfinite(ttft["cold_ms"]) and math.isfinite(ttft["cached_ms"])

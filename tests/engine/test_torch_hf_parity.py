@@ -78,11 +78,14 @@ def kvplane_greedy(
     *,
     block_size: int,
     max_num_batched_tokens: int,
+    decode_kernel: bool | None = None,
 ) -> tuple[list[Greedy], list[int]]:
     """Each wave's prompts run concurrently through one EngineCore (chunked prefill, batched
     decodes, prefix caching across waves). Returns results in prompt order and the cached
     prompt tokens of each request."""
-    runner = TorchModelRunner.from_pretrained(model_dir, block_size=block_size, num_blocks=256)
+    runner = TorchModelRunner.from_pretrained(
+        model_dir, block_size=block_size, num_blocks=256, decode_kernel=decode_kernel
+    )
     core = EngineCore(
         runner, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens)
     )
@@ -116,7 +119,9 @@ def assert_same_greedy(ours: list[Greedy], theirs: list[Greedy], max_tokens: int
         assert a.logprobs == pytest.approx(b.logprobs, abs=LOGPROB_TOLERANCE), index
 
 
-def test_qwen2_greedy_matches_hf_generate(tmp_path: Path) -> None:
+# Decode attention by the native kernel where it builds (None), and by torch (False).
+@pytest.mark.parametrize("decode_kernel", [None, False], ids=["kernel-if-built", "torch"])
+def test_qwen2_greedy_matches_hf_generate(tmp_path: Path, decode_kernel: bool | None) -> None:
     model_dir = write_random_qwen2(tmp_path / "qwen2")
     config = ModelConfig.from_dir(model_dir)
     assert config.architecture is Architecture.QWEN2
@@ -128,7 +133,12 @@ def test_qwen2_greedy_matches_hf_generate(tmp_path: Path) -> None:
     second = [[*first[3], 7, 8, 9], [*first[2][:20], 250, 251, 252, 253, 254]]
     max_tokens = 16
     ours, cached = kvplane_greedy(
-        model_dir, [first, second], max_tokens, block_size=4, max_num_batched_tokens=24
+        model_dir,
+        [first, second],
+        max_tokens,
+        block_size=4,
+        max_num_batched_tokens=24,
+        decode_kernel=decode_kernel,
     )
     assert_same_greedy(ours, hf_greedy(model_dir, first + second, max_tokens), max_tokens)
     assert cached[4:] == [40, 20]
@@ -136,11 +146,17 @@ def test_qwen2_greedy_matches_hf_generate(tmp_path: Path) -> None:
     assert len({tuple(r.tokens) for r in ours}) == len(ours)
 
 
-def test_tiny_llama_greedy_matches_hf_generate() -> None:
+@pytest.mark.parametrize("decode_kernel", [None, False], ids=["kernel-if-built", "torch"])
+def test_tiny_llama_greedy_matches_hf_generate(decode_kernel: bool | None) -> None:
     requests = vllm_requests()
     prompts = [requests[i]["prompt_token_ids"] for i in (0, 5, 11, 20, 27)]
     max_tokens = 24
     ours, _ = kvplane_greedy(
-        TINY_LLAMA, [prompts], max_tokens, block_size=16, max_num_batched_tokens=96
+        TINY_LLAMA,
+        [prompts],
+        max_tokens,
+        block_size=16,
+        max_num_batched_tokens=96,
+        decode_kernel=decode_kernel,
     )
     assert_same_greedy(ours, hf_greedy(TINY_LLAMA, prompts, max_tokens), max_tokens)

@@ -20,6 +20,7 @@ from torch_reference import (
     dense_logits,
     drive,
     vllm_requests,
+    vllm_sequences,
     write_random_qwen2,
 )
 
@@ -40,6 +41,7 @@ from engine.torch_runner.attention import (
 from engine.torch_runner.config import Architecture, ModelConfig
 from engine.torch_runner.errors import CheckpointError, InvalidBatchError, KvCacheError
 from engine.torch_runner.loader import load_model
+from engine.torch_runner.native import compiler_available, load_kernel
 from engine.torch_runner.runner import TorchModelRunner
 from engine.torch_runner.tokenizer import load_tokenizer
 
@@ -72,11 +74,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 @given(
     num_kv_heads=st.integers(1, 3),
     queries_per_kv=st.integers(1, 3),
-    head_dim=st.sampled_from([8, 16]),
+    head_dim=st.sampled_from([8, 12, 16]),
     block_size=st.sampled_from([1, 3, 4, 16]),
     lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
     chunk_sizes=st.lists(st.integers(1, 17), min_size=1, max_size=8),
     seed=st.integers(0, 2**16),
+    use_kernel=st.booleans(),
 )
 def test_paged_attention_equals_dense_attention(
     *,
@@ -87,7 +90,11 @@ def test_paged_attention_equals_dense_attention(
     lengths: list[int],
     chunk_sizes: list[int],
     seed: int,
+    use_kernel: bool,
 ) -> None:
+    # With the native kernel (where it builds), decodes read the blocks in place and prefill
+    # chunks of the same step still gather: both halves of a mixed step are checked.
+    kernel = load_kernel() if use_kernel else None
     g = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * queries_per_kv
     blocks_needed = [-(-n // block_size) for n in lengths]
@@ -124,7 +131,12 @@ def test_paged_attention_equals_dense_attention(
         # Groups split by padding only, into one sequence each, or by gathered bytes.
         key_bytes = (None, 1 << 30, 2 * block_size * head_dim)[step % 3]
         metadata = AttentionMetadata.build(
-            chunks, block_size=block_size, num_blocks=num_blocks, device=CPU, key_bytes=key_bytes
+            chunks,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            device=CPU,
+            key_bytes=key_bytes,
+            kernel_decodes=kernel is not None,
         )
         sl = [slice(c.start, c.start + c.num_tokens) for c in chunks]
         # Odd steps gather into the cache's reused workspace, even ones into fresh tensors.
@@ -140,6 +152,7 @@ def test_paged_attention_equals_dense_attention(
             metadata=metadata,
             scale=head_dim**-0.5,
             workspace=workspace,
+            kernel=kernel,
         )
         offset = 0
         for i, c in zip(members, chunks, strict=True):
@@ -207,21 +220,18 @@ def test_paged_model_logits_equal_a_dense_float64_forward(family: str, tmp_path:
     )
 
 
-def test_greedy_decoding_reproduces_vllm_outputs_for_every_request() -> None:
+@pytest.mark.parametrize("decode_kernel", [None, False], ids=["kernel-if-built", "torch"])
+def test_greedy_decoding_reproduces_vllm_outputs_for_every_request(
+    decode_kernel: bool | None,
+) -> None:
     requests = vllm_requests()
     assert len(requests) == 30
     assert all(r["sampling"]["temperature"] == 0.0 for r in requests)
-    runner = TorchModelRunner.from_pretrained(TINY_LLAMA, block_size=16, num_blocks=30 * 21)
-    greedy = SamplingParams(temperature=0.0, logprobs=LogprobRequest())
-    sequences = [
-        DrivenSequence(
-            seq_id=i,
-            prompt=r["prompt_token_ids"],
-            max_tokens=len(r["output_token_ids"]),
-            sampling=greedy,
-        )
-        for i, r in enumerate(requests)
-    ]
+    runner = TorchModelRunner.from_pretrained(
+        TINY_LLAMA, block_size=16, num_blocks=30 * 21, decode_kernel=decode_kernel
+    )
+    assert (runner.decode_kernel is not None) == (decode_kernel is None and compiler_available())
+    sequences = vllm_sequences(requests, logprobs=LogprobRequest())
     # All 30 together: mixed prompt lengths, chunked prefill, batched decodes.
     drive(runner, sequences, chunk_tokens=64)
     mismatches = [

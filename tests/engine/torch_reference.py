@@ -167,6 +167,22 @@ class DrivenSequence:
         return len(self.outputs) >= self.max_tokens
 
 
+def vllm_sequences(
+    requests: list[dict[str, Any]], logprobs: LogprobRequest | None = None
+) -> list[DrivenSequence]:
+    """One greedy DrivenSequence per recorded vLLM request, as long as vLLM's output."""
+    greedy = SamplingParams(temperature=0.0, logprobs=logprobs)
+    return [
+        DrivenSequence(
+            seq_id=i,
+            prompt=r["prompt_token_ids"],
+            max_tokens=len(r["output_token_ids"]),
+            sampling=greedy,
+        )
+        for i, r in enumerate(requests)
+    ]
+
+
 def drive(
     runner: TorchModelRunner, sequences: list[DrivenSequence], chunk_tokens: int = 64
 ) -> None:

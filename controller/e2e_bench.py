@@ -1,0 +1,591 @@
+"""`kvplane bench e2e`: a real local fleet, end to end, KV-aware routing against round robin.
+
+For each router policy a fresh fleet is started as child processes (`kvplane.up.Fleet`):
+`--engines` torch engines (`kvplane engine serve`, one torch thread each) behind
+`kvplane controller serve`, so every run starts with cold caches. Each engine gets two tiny
+requests directly (first-call warm-up, kept out of the figures); then the workload
+(`controller.e2e_workload`: the conversation trace scaled to this fleet) is sent through the
+controller open loop, every request at its arrival time whatever the fleet is doing. Per
+policy: TTFT (first token event - scheduled arrival) mean/p50/p99, the engine-reported
+`usage.cached_prompt_tokens` against all prompt tokens, and per engine (its `/metrics`):
+requests, prompt and cached tokens, busy seconds (sum of step times), imbalance.
+
+On the first policy's fleet, after the workload (engines idle), the gateway's added latency:
+`--gateway-requests` pairs of tiny requests (unique prompts, one output token), each pair one
+call straight to an engine (rotating) and one through the controller, alternated so that load
+drift hits both alike; the first 10 pairs are warm-up. Added = gateway percentile - direct
+percentile of the time to the first response, plus the median of the per-pair differences and
+the controller's own planning and routing time (`kvplane_controller_route_seconds`).
+
+`--model`: `random-LxH` (a random Llama written to a temporary directory by
+`engine.torch_runner.bench.write_random_llama`), `builtin` (the tiny builtin checkpoint) or a
+model directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import statistics
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import grpc
+import typer
+
+from controller.e2e_workload import (
+    FIRST_TOKEN_ID,
+    WorkloadRequest,
+    WorkloadSettings,
+    build_workload,
+    describe,
+)
+from controller.replay import load_trace
+from controller.router import POLICY_NAMES
+from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.errors import KvplaneError
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvplane.up import Fleet, FleetConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[2]
+    / "shared/data/traces/mooncake-fast25/conversation_trace.jsonl"
+)
+GATEWAY_WARMUP_PAIRS = 10
+REQUEST_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class E2eSettings:
+    workload: WorkloadSettings
+    model: str = "random-8x512"
+    engines: int = 4
+    policies: tuple[str, ...] = ("kvplane", "round_robin")
+    engine_block_size: int = 16
+    num_kv_blocks: int = 2048
+    max_num_batched_tokens: int = 2048  # the engine's token budget per forward pass
+    torch_threads: int = 1
+    gateway_requests: int = 300
+    gateway_prompt_tokens: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    ok: bool
+    ttft_ms: float | None
+    latency_ms: float
+    prompt_tokens: int
+    cached_prompt_tokens: int | None
+
+
+# ---- the fleet ----
+
+
+def _fleet_config(model_dir: Path, policy: str, settings: E2eSettings) -> FleetConfig:
+    from kvplane.up import FleetConfig  # the fleet launcher, loaded when a run starts
+
+    engines = [
+        {
+            "name": f"engine-{i}",
+            "kind": "engine",
+            "config": {
+                "model": str(model_dir),
+                "instance_id": f"e2e-engine-{i}",
+                "num_threads": settings.torch_threads,
+                "block_size": settings.engine_block_size,
+                "num_kv_blocks": settings.num_kv_blocks,
+                "max_num_batched_tokens": settings.max_num_batched_tokens,
+                "shutdown_grace_s": 1.0,
+                "metrics_listen": "127.0.0.1:0",  # per-engine work, read after the run
+            },
+        }
+        for i in range(settings.engines)
+    ]
+    controller = {
+        "name": "controller",
+        "kind": "controller",
+        "config": {
+            "router": {"policy": policy, "seed": settings.workload.seed},
+            "engines": [{"address": f"${{engine-{i}}}"} for i in range(settings.engines)],
+            "shutdown_grace_s": 1.0,
+        },
+    }
+    return FleetConfig.model_validate({"members": [*engines, controller]})
+
+
+async def _wait_routable(target: str, num_engines: int) -> None:
+    """Until the controller's Health is READY with every engine in it."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
+        while True:
+            try:
+                reply = await stub.Health(pb.HealthRequest(), timeout=2.0)
+                if reply.state == pb.HEALTH_STATE_READY and len(reply.checks) == num_engines:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise KvplaneError(f"the controller at {target} never saw its engines ready")
+            await asyncio.sleep(0.1)
+
+
+def _request(
+    request_id: str, model: str, tokens: Sequence[int], max_tokens: int
+) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        model=model,
+        token_ids=pb.TokenIds(ids=tokens),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+async def _call(
+    stub: pb_grpc.OpenEngineAsyncStub, request: pb.GenerateRequest, started: float
+) -> Outcome:
+    """One Generate; times from `started` (perf_counter seconds)."""
+    first: float | None = None
+    usage: pb.Usage | None = None
+    ok = True
+    try:
+        async for response in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
+            kind = response.WhichOneof("event")
+            if kind == "error":
+                ok = False
+                log.warning("request %s: %s", request.request_id, response.error.message)
+            elif first is None and kind in ("token", "finished"):
+                first = time.perf_counter()
+            if response.HasField("usage"):
+                usage = response.usage
+    except grpc.aio.AioRpcError as exc:
+        log.warning("request %s: %s: %s", request.request_id, exc.code().name, exc.details())
+        ok = False
+    end = time.perf_counter()
+    cached = None
+    if usage is not None and usage.HasField("cached_prompt_tokens"):
+        cached = usage.cached_prompt_tokens
+    return Outcome(
+        ok=ok and first is not None,
+        ttft_ms=(first - started) * 1000 if first is not None else None,
+        latency_ms=(end - started) * 1000,
+        prompt_tokens=len(request.token_ids.ids),
+        cached_prompt_tokens=cached,
+    )
+
+
+async def _warm_up(addresses: Sequence[str], model: str, vocab_size: int) -> None:
+    rng = random.Random(-1)
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
+            for i in range(2):
+                tokens = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(64)]
+                outcome = await _call(
+                    stub, _request(f"warmup-{address}-{i}", model, tokens, 2), time.perf_counter()
+                )
+                if not outcome.ok:
+                    raise KvplaneError(f"warm-up request to {address} failed")
+
+
+# ---- the workload ----
+
+
+async def _drive(
+    target: str, model: str, workload: Sequence[WorkloadRequest], policy: str
+) -> list[Outcome]:
+    """Send every request at its arrival time (open loop); wait for all of them."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
+        start = time.perf_counter()
+        tasks = []
+        for request in workload:
+            due = start + request.arrival_s
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            message = _request(
+                f"e2e-{policy}-{request.index}", model, request.token_ids, request.max_tokens
+            )
+            # TTFT counts from the scheduled arrival: a late send is the client's queueing.
+            tasks.append(asyncio.ensure_future(_call(stub, message, due)))
+        return list(await asyncio.gather(*tasks))
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    return {
+        "mean": round(statistics.fmean(ordered), 3),
+        "p50": round(ordered[len(ordered) // 2], 3),
+        "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
+    }
+
+
+def _rounded(values: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 1) for k, v in values.items()}
+
+
+def _summarise(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
+    done = [o for o in outcomes if o.ok]
+    prompt = sum(o.prompt_tokens for o in done)
+    cached = sum(o.cached_prompt_tokens or 0 for o in done)
+    return {
+        "requests": len(outcomes),
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "ttft_ms": {
+            k: round(v, 1) for k, v in _percentiles([o.ttft_ms or 0 for o in done]).items()
+        },
+        "latency_ms": {
+            k: round(v, 1) for k, v in _percentiles([o.latency_ms for o in done]).items()
+        },
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": cached,
+        "cached_ratio": round(cached / prompt, 4) if prompt else 0.0,
+        "reported_cached_tokens": sum(o.cached_prompt_tokens is not None for o in done),
+        "wall_s": round(wall_s, 2),
+    }
+
+
+_ENGINE_TOTALS = {
+    "kvplane_engine_requests_total": "requests",
+    "kvplane_engine_prompt_tokens_total": "prompt_tokens",
+    "kvplane_engine_cached_prompt_tokens_total": "cached_prompt_tokens",
+    "kvplane_engine_step_seconds_sum": "busy_s",
+}
+_CONTROLLER_TOTALS = {
+    "kvplane_controller_route_seconds_sum": "route_s",
+    "kvplane_controller_route_seconds_count": "routed",
+}
+
+
+def _scrape(address: str, wanted: dict[str, str]) -> dict[str, float]:
+    """Sums of the `wanted` samples (name -> key) on a process's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5.0) as reply:
+        text = reply.read().decode()
+    totals = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                totals[wanted[sample.name]] += sample.value
+    return totals
+
+
+async def _engine_stats(fleet: Fleet) -> dict[str, Any]:
+    """Per engine (warm-up included): requests, prompt/cached tokens, busy seconds; and the
+    imbalance, max / mean busy time."""
+    rows: dict[str, Any] = {}
+    for member in fleet.members:
+        address = member.find_metrics_address() if member.kind == "engine" else None
+        if address is None:
+            continue
+        try:
+            totals = await asyncio.to_thread(_scrape, address, _ENGINE_TOTALS)
+        except OSError as exc:
+            log.warning("metrics of %s: %s", member.name, exc)
+            continue
+        rows[member.name] = {k: round(v, 2) for k, v in totals.items()}
+    busy = [r["busy_s"] for r in rows.values()]
+    mean_busy = statistics.fmean(busy) if busy else 0.0
+    return {
+        "engines": rows,
+        "imbalance": round(max(busy) / mean_busy, 3) if mean_busy > 0 else None,
+    }
+
+
+async def _controller_totals(metrics_address: str | None) -> dict[str, float]:
+    if metrics_address is None:
+        return {}
+    try:
+        return await asyncio.to_thread(_scrape, metrics_address, _CONTROLLER_TOTALS)
+    except OSError as exc:
+        log.warning("controller metrics: %s", exc)
+        return {}
+
+
+# ---- the gateway's added latency ----
+
+
+async def _gateway_overhead(
+    controller: str, engines: Sequence[str], model: str, vocab_size: int, settings: E2eSettings
+) -> dict[str, Any]:
+    rng = random.Random(settings.workload.seed + 1)
+    channels = [grpc.aio.insecure_channel(a) for a in (controller, *engines)]
+    try:
+        gateway_stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channels[0])
+        engine_stubs: list[pb_grpc.OpenEngineAsyncStub] = [
+            pb_grpc.OpenEngineStub(c) for c in channels[1:]
+        ]
+        samples: dict[str, list[Outcome]] = {"direct": [], "gateway": []}
+        for i in range(settings.gateway_requests + GATEWAY_WARMUP_PAIRS):
+            for name in ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct"):
+                stub = gateway_stub if name == "gateway" else engine_stubs[i % len(engine_stubs)]
+                tokens = [
+                    rng.randrange(FIRST_TOKEN_ID, vocab_size)
+                    for _ in range(settings.gateway_prompt_tokens)
+                ]
+                outcome = await _call(
+                    stub, _request(f"gw-{name}-{i}", model, tokens, 1), time.perf_counter()
+                )
+                if not outcome.ok:
+                    raise KvplaneError(f"gateway phase: a {name} request failed")
+                if i >= GATEWAY_WARMUP_PAIRS:
+                    samples[name].append(outcome)
+    finally:
+        for channel in channels:
+            await channel.close()
+    doc: dict[str, Any] = {
+        "pairs": settings.gateway_requests,
+        "prompt_tokens": settings.gateway_prompt_tokens,
+    }
+    for name, outcomes in samples.items():
+        doc[name] = {
+            "first_response_ms": _percentiles([o.ttft_ms or 0.0 for o in outcomes]),
+            "request_ms": _percentiles([o.latency_ms for o in outcomes]),
+        }
+    doc["added_ms"] = {
+        key: round(
+            doc["gateway"]["first_response_ms"][key] - doc["direct"]["first_response_ms"][key], 3
+        )
+        for key in ("p50", "p99")
+    }
+    # Within a pair the two calls run back to back, so slow drift (other processes' load)
+    # cancels out of their difference.
+    paired = sorted(
+        (g.ttft_ms or 0.0) - (d.ttft_ms or 0.0)
+        for d, g in zip(samples["direct"], samples["gateway"], strict=True)
+    )
+    doc["added_ms"]["paired_median"] = round(paired[len(paired) // 2], 3) if paired else 0.0
+    return doc
+
+
+# ---- one policy, the whole run ----
+
+
+async def _run_policy(
+    policy: str,
+    *,
+    model_dir: Path,
+    vocab_size: int,
+    workload: Sequence[WorkloadRequest],
+    settings: E2eSettings,
+    measure_gateway: bool,
+) -> dict[str, Any]:
+    from kvplane.up import Fleet
+
+    model = model_dir.name
+    with tempfile.TemporaryDirectory(prefix="kvplane-e2e-") as tmp:
+        fleet = Fleet(_fleet_config(model_dir, policy, settings), Path(tmp))
+        try:
+            started = time.monotonic()
+            await fleet.start()
+            controller = fleet.member("controller").address
+            engines = [m.address for m in fleet.members if m.kind == "engine"]
+            assert controller is not None and all(engines)  # start() waited for them
+            await _wait_routable(controller, len(engines))
+            await _warm_up([a for a in engines if a], model, vocab_size)
+            log.info("%s: fleet ready in %.1fs", policy, time.monotonic() - started)
+            load_before = os.getloadavg()
+            started = time.monotonic()
+            outcomes = await _drive(controller, model, workload, policy)
+            row = _summarise(outcomes, time.monotonic() - started)
+            row["load_average"] = {
+                "before": [round(x, 2) for x in load_before],
+                "after": [round(x, 2) for x in os.getloadavg()],
+            }
+            row["per_engine"] = await _engine_stats(fleet)
+            log.info("%s: %s", policy, json.dumps(row))
+            if measure_gateway and settings.gateway_requests > 0:
+                metrics = fleet.member("controller").find_metrics_address()
+                before = await _controller_totals(metrics)
+                gateway = await _gateway_overhead(
+                    controller, [a for a in engines if a], model, vocab_size, settings
+                )
+                after = await _controller_totals(metrics)
+                routed = after.get("routed", 0.0) - before.get("routed", 0.0)
+                if routed > 0:  # the controller's own time to plan and route one request
+                    route_ms = (after["route_s"] - before["route_s"]) / routed * 1000
+                    gateway["controller_route_ms_mean"] = round(route_ms, 3)
+                gateway["load_average"] = [round(x, 2) for x in os.getloadavg()]
+                row["gateway"] = gateway
+            return row
+        finally:
+            await fleet.stop()
+
+
+def _resolve_model(model: str, scratch: Path) -> Path:
+    if model == "builtin":
+        from engine.torch_runner.builtin_model import ensure_builtin_model  # torch-free
+
+        return ensure_builtin_model()
+    if model.startswith("random-"):
+        from engine.torch_runner.bench import write_random_llama  # imports torch when run
+
+        try:
+            layers, hidden = (int(x) for x in model.removeprefix("random-").split("x"))
+        except ValueError:
+            raise KvplaneError(f"expected random-LAYERSxHIDDEN, got {model!r}") from None
+        return write_random_llama(scratch / model, num_layers=layers, hidden_size=hidden)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise KvplaneError(f"{model!r} is not a model directory (no config.json)")
+    return path
+
+
+async def run_e2e_bench(trace_path: Path, settings: E2eSettings) -> dict[str, Any]:
+    """The benchmark's JSON document."""
+    unknown = [p for p in settings.policies if p not in POLICY_NAMES]
+    if unknown:
+        raise KvplaneError(f"unknown policies: {', '.join(unknown)}")
+    trace = load_trace(trace_path)
+    with tempfile.TemporaryDirectory(prefix="kvplane-e2e-model-") as scratch:
+        model_dir = await asyncio.to_thread(_resolve_model, settings.model, Path(scratch))
+        config = json.loads((model_dir / "config.json").read_text())
+        vocab_size = int(config["vocab_size"])
+        workload = build_workload(trace, settings.workload, vocab_size)
+        doc: dict[str, Any] = {
+            "model": settings.model,
+            "model_shape": {
+                "layers": config.get("num_hidden_layers"),
+                "hidden_size": config.get("hidden_size"),
+                "vocab_size": vocab_size,
+            },
+            "engines": settings.engines,
+            "torch_threads": settings.torch_threads,
+            "engine_block_size": settings.engine_block_size,
+            "num_kv_blocks": settings.num_kv_blocks,
+            "max_num_batched_tokens": settings.max_num_batched_tokens,
+            "rate_rps": settings.workload.rate_rps,
+            "trace": trace_path.name,
+            "workload": {
+                **asdict(settings.workload),
+                **describe(workload, settings.engine_block_size),
+            },
+            "cpus": os.cpu_count(),
+            "policies": {},
+        }
+        for i, policy in enumerate(settings.policies):
+            doc["policies"][policy] = await _run_policy(
+                policy,
+                model_dir=model_dir,
+                vocab_size=vocab_size,
+                workload=workload,
+                settings=settings,
+                measure_gateway=i == 0,
+            )
+    rows = doc["policies"]
+    if "kvplane" in rows and "round_robin" in rows and rows["kvplane"]["ttft_ms"]["mean"]:
+        doc["ttft_mean_ratio_round_robin_to_kvplane"] = round(
+            rows["round_robin"]["ttft_ms"]["mean"] / rows["kvplane"]["ttft_ms"]["mean"], 2
+        )
+    gateway = next((r["gateway"] for r in rows.values() if "gateway" in r), None)
+    if gateway is not None:
+        doc["gateway"] = gateway
+    return doc
+
+
+def render_table(doc: dict[str, Any]) -> str:
+    w = doc["workload"]
+    lines = [
+        f"{doc['engines']} engines ({doc['model']}, {doc['torch_threads']} torch thread each), "
+        f"{w['requests']} requests from {doc['trace']} ({w['conversations']} conversations, "
+        f"prompts mean {w['prompt_tokens']['mean']:.0f} tokens) at {doc['rate_rps']} req/s, "
+        f"oracle cached ratio {w['oracle_cached_ratio']:.3f}",
+        f"{'policy':<14}{'done':>6}{'ttft mean':>11}{'p50':>9}{'p99':>9}"
+        f"{'cached tokens':>15}{'ratio':>8}{'imbal.':>8}{'load avg':>10}",
+    ]
+    for name, row in doc["policies"].items():
+        t = row["ttft_ms"]
+        lines.append(
+            f"{name:<14}{row['completed']:>6}{t['mean']:>11.1f}{t['p50']:>9.1f}{t['p99']:>9.1f}"
+            f"{row['cached_prompt_tokens']:>15}{row['cached_ratio']:>8.3f}"
+            f"{_cell(row['per_engine'].get('imbalance'))}"
+            f"{row['load_average']['after'][0]:>10.2f}"
+        )
+    if "ttft_mean_ratio_round_robin_to_kvplane" in doc:
+        ratio = doc["ttft_mean_ratio_round_robin_to_kvplane"]
+        lines.append(f"mean TTFT round_robin / kvplane: x{ratio:.2f}")
+    if "gateway" in doc:
+        g = doc["gateway"]
+        d, gw = g["direct"]["first_response_ms"], g["gateway"]["first_response_ms"]
+        lines.append(
+            f"gateway, {g['pairs']} pairs of {g['prompt_tokens']}-token requests: first response "
+            f"direct p50 {d['p50']:.2f} ms p99 {d['p99']:.2f} ms, through the controller "
+            f"p50 {gw['p50']:.2f} ms p99 {gw['p99']:.2f} ms; added p50 "
+            f"{g['added_ms']['p50']:.2f} ms p99 {g['added_ms']['p99']:.2f} ms "
+            f"(median of paired differences {g['added_ms']['paired_median']:.2f} ms; "
+            f"routing inside the controller {g.get('controller_route_ms_mean', 0):.2f} ms; "
+            f"load average {g['load_average'][0]:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return f"{'-':>8}" if value is None else f"{value:>8.2f}"
+
+
+def bench_e2e(
+    *,
+    requests: Annotated[int, typer.Option("--requests", min=1)] = 240,
+    rate: Annotated[float, typer.Option("--rate", min=0.01, help="Mean arrivals per s.")] = 4.0,
+    engines: Annotated[int, typer.Option(min=1)] = 4,
+    model: Annotated[
+        str, typer.Option(help="random-LxH (e.g. random-8x512), builtin, or a model directory.")
+    ] = "random-8x512",
+    trace: Annotated[Path, typer.Option(help="Mooncake-format JSONL trace.")] = DEFAULT_TRACE,
+    policies: Annotated[str, typer.Option(help="Comma-separated router policies.")] = (
+        "kvplane,round_robin"
+    ),
+    block_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens per trace hash id (a 512-token trace block).")
+    ] = 16,
+    max_prompt_tokens: Annotated[int, typer.Option(min=1)] = 1024,
+    output_tokens: Annotated[int, typer.Option(min=1)] = 2,
+    kv_blocks: Annotated[int, typer.Option(min=1, help="KV blocks per engine.")] = 2048,
+    max_batched_tokens: Annotated[
+        int, typer.Option(min=1, help="Engines' token budget per forward pass.")
+    ] = 2048,
+    gateway_requests: Annotated[
+        int, typer.Option(min=0, help="Direct/gateway pairs for the added latency (0: skip).")
+    ] = 300,
+    seed: Annotated[int, typer.Option()] = 0,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """A real local fleet end to end: TTFT and cached tokens per router policy on a workload
+    from the conversation trace, and the gateway's added latency."""
+    settings = E2eSettings(
+        model=model,
+        engines=engines,
+        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        workload=WorkloadSettings(
+            num_requests=requests,
+            rate_rps=rate,
+            block_tokens=block_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+            output_tokens=output_tokens,
+            seed=seed,
+        ),
+        num_kv_blocks=kv_blocks,
+        max_num_batched_tokens=max_batched_tokens,
+        gateway_requests=gateway_requests,
+    )
+    emit(asyncio.run(run_e2e_bench(trace, settings)), output, render_table)

@@ -1,0 +1,60 @@
+"""`kvplane bench e2e` end to end at a tiny size: real engine and controller processes, every
+request completed, the document's shape. No timing is asserted (that is the benchmark's job)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvplane.cli import app
+
+TRACE = (
+    Path(__file__).resolve().parents[2].parent
+    / "shared/data/traces/mooncake-fast25/conversation_trace.jsonl"
+)
+
+
+@pytest.mark.timeout(180)
+def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
+    num_requests = 6
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench", "e2e",
+            "--model", "builtin",
+            "--engines", "2",
+            "--trace", str(TRACE),
+            "--requests", str(num_requests),
+            "--rate", "5",
+            "--block-tokens", "4",
+            "--max-prompt-tokens", "96",
+            "--kv-blocks", "128",
+            "--gateway-requests", "3",
+            "-o", "json",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["engines"] == 2
+    assert doc["workload"]["requests"] == num_requests
+    assert set(doc["policies"]) == {"kvplane", "round_robin"}
+    for row in doc["policies"].values():
+        assert row["completed"] == num_requests and row["failed"] == 0
+        assert row["reported_cached_tokens"] == num_requests  # usage came with every stream
+        assert row["prompt_tokens"] > 0
+        assert 0 <= row["cached_prompt_tokens"] <= row["prompt_tokens"]
+        assert set(row["ttft_ms"]) == {"mean", "p50", "p99"}
+        assert row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
+        engines = row["per_engine"]["engines"]
+        assert len(engines) == 2
+        # Every request reached an engine (the warm-up adds two per engine).
+        assert sum(e["requests"] for e in engines.values()) == num_requests + 2 * 2
+    assert doc["ttft_mean_ratio_round_robin_to_kvplane"] > 0
+    gateway = doc["gateway"]
+    assert gateway["pairs"] == 3
+    assert set(gateway["added_ms"]) == {"p50", "p99", "paired_median"}
+    for side in ("direct", "gateway"):
+        assert gateway[side]["first_response_ms"]["p50"] > 0
