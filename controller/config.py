@@ -60,16 +60,23 @@ class RouterConfig(StrictModel):
     policy: str = "kvplane"
     # The `kvplane` cost (controller.router.policies.KvplaneWeights).
     overlap_weight: float = Field(default=_DEFAULT_WEIGHTS.overlap_weight, ge=0)
+    idle_overlap_weight: float = Field(default=_DEFAULT_WEIGHTS.idle_overlap_weight, ge=0)
+    # 0 disables the knee (the queue costs its length).
+    queue_knee: float = Field(default=_DEFAULT_WEIGHTS.queue_knee, ge=0)
+    # 0 = a flat decode_weight per active request.
+    pass_tokens: float = Field(default=_DEFAULT_WEIGHTS.pass_tokens, ge=0)
+    pass_decodes: int = Field(default=_DEFAULT_WEIGHTS.pass_decodes, ge=0)
     host_weight: float = Field(default=_DEFAULT_WEIGHTS.host_weight, ge=0)
     decode_weight: float = Field(default=_DEFAULT_WEIGHTS.decode_weight, ge=0)
     tie_tokens: float = Field(default=_DEFAULT_WEIGHTS.tie_tokens, ge=0)
     tie_ratio: float = Field(default=_DEFAULT_WEIGHTS.tie_ratio, ge=0)
-    temperature: float = Field(default=0.0, ge=0)
+    temperature: float = Field(default=_DEFAULT_WEIGHTS.temperature, ge=0)
     busy_kv_usage: float | None = Field(default=0.97, gt=0, le=1)
     busy_queued_requests: int | None = Field(default=None, gt=0)
     # Requests whose metadata has this key stick to the engine that served the same value.
     session_metadata_key: str | None = None
-    # How long blocks just routed count as held before the engine's events arrive.
+    # How long blocks just routed count as held before the engine's events arrive (and in any
+    # case until the request's first token).
     pending_ttl_s: float = Field(default=10.0, ge=0)
     # Seed of the router's randomness (ties, power of two); None = from the OS.
     seed: int | None = None
@@ -84,6 +91,10 @@ class RouterConfig(StrictModel):
     def weights(self) -> KvplaneWeights:
         return KvplaneWeights(
             overlap_weight=self.overlap_weight,
+            idle_overlap_weight=self.idle_overlap_weight,
+            queue_knee=self.queue_knee,
+            pass_tokens=self.pass_tokens,
+            pass_decodes=self.pass_decodes,
             host_weight=self.host_weight,
             decode_weight=self.decode_weight,
             tie_tokens=self.tie_tokens,

@@ -175,8 +175,11 @@ class KvplaneWeights:
     - Each forward pass that also decodes is slower, so decode load weighs by the passes the
       queue and the prompt need (`pass_tokens` per pass; 0 = a flat `decode_weight` per
       request): a long prompt avoids engines that decode, a short one barely minds them. A
-      pass's decode cost stops growing with the batch (`pass_decodes`), and queued requests do
-      not decode, so an overloaded engine's queue is not counted twice.
+      pass pays its decode step once, however many sequences decode (the step reads the KV
+      cache in one batch; its time follows the KV it reads, not the count), so by default only
+      whether the engine decodes counts (`pass_decodes` 1; `decode_weight` 256 is about one
+      decode step in prefill tokens). Queued requests do not decode, so an overloaded engine's
+      queue is not counted twice.
 
     All tuned on the Mooncake traces (docs/benchmarks/routing.md). Engines within `tie_tokens`
     + `tie_ratio` * best of the best cost are ties, picked at random (or by softmax when
@@ -187,7 +190,7 @@ class KvplaneWeights:
     idle_overlap_weight: float = 30.0
     queue_knee: float = 50_000.0
     pass_tokens: float = 8192.0
-    pass_decodes: int = 4
+    pass_decodes: int = 1
     host_weight: float = 0.25
     decode_weight: float = 256.0
     tie_tokens: float = 64.0

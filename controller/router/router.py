@@ -62,36 +62,68 @@ class PendingPrefixes:
     The index learns a prompt's blocks only after the engine computed them, so a burst of
     prompts sharing a new prefix would otherwise be spread over several engines and computed
     (and stored) several times. Each routed prompt's blocks count as held by its engine for
-    `ttl_s`; by then the engine's KV events tell the truth.
+    `ttl_s`, and in any case until the request's first token: before it the engine cannot
+    have announced them (behind a long queue that is minutes, and the next turn of a
+    conversation must still find its prefix), after it the engine's KV events tell the truth.
     """
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._expiry: dict[str, dict[int, float]] = {}
+        # Claims of requests still waiting for their first token: engine -> key -> count.
+        self._held: dict[str, dict[int, int]] = {}
+        self._open: dict[str, tuple[str, Sequence[int]]] = {}
         self._next_purge_s = 0.0
 
-    def add(self, engine_id: str, block_keys: Sequence[int], now_s: float) -> None:
+    def add(self, engine_id: str, request_id: str, block_keys: Sequence[int], now_s: float) -> None:
         if self.ttl_s <= 0 or not block_keys:
             return
         table = self._expiry.setdefault(engine_id, {})
         expiry = now_s + self.ttl_s
         for key in block_keys:
             table[key] = expiry
+        self.release(request_id)
+        self._open[request_id] = (engine_id, block_keys)
+        held = self._held.setdefault(engine_id, {})
+        for key in block_keys:
+            held[key] = held.get(key, 0) + 1
         if now_s >= self._next_purge_s:
             self._purge(now_s)
 
+    def release(self, request_id: str) -> None:
+        """The request's first token (or its end): its blocks are computed, or never will be."""
+        claim = self._open.pop(request_id, None)
+        if claim is None:
+            return
+        engine_id, block_keys = claim
+        held = self._held.get(engine_id)
+        if held is None:
+            return
+        for key in block_keys:
+            count = held.get(key, 0) - 1
+            if count > 0:
+                held[key] = count
+            else:
+                held.pop(key, None)
+        if not held:
+            del self._held[engine_id]
+
     def extend(self, engine_id: str, block_keys: Sequence[int], start: int, now_s: float) -> int:
         """How far the held prefix reaches past `start` blocks with pending blocks."""
-        table = self._expiry.get(engine_id)
+        table = self._expiry.get(engine_id) or {}
+        held = self._held.get(engine_id) or {}
         n = start
-        if not table:
-            return n
-        while n < len(block_keys) and table.get(block_keys[n], -1.0) >= now_s:
+        while n < len(block_keys) and (
+            block_keys[n] in held or table.get(block_keys[n], -1.0) >= now_s
+        ):
             n += 1
         return n
 
     def forget(self, engine_id: str) -> None:
         self._expiry.pop(engine_id, None)
+        self._held.pop(engine_id, None)
+        for request_id in [r for r, (e, _) in self._open.items() if e == engine_id]:
+            del self._open[request_id]
 
     def _purge(self, now_s: float) -> None:
         self._next_purge_s = now_s + self.ttl_s
@@ -163,7 +195,7 @@ class Router:
         prefill = max(request.num_prompt_tokens - decision.predicted_cached_tokens, 0)
         blocks = math.ceil(request.num_prompt_tokens / max(request.block_size, 1))
         self.inflight.begin(request.request_id, decision.engine_id, prefill, blocks)
-        self.pending.add(decision.engine_id, request.block_keys, now_s)
+        self.pending.add(decision.engine_id, request.request_id, request.block_keys, now_s)
         self.policy.observe(request, decision.engine_id, now_s)
         if request.session_key:
             self._sessions[request.session_key] = decision.engine_id
@@ -174,9 +206,11 @@ class Router:
 
     def first_token(self, request_id: str) -> None:
         self.inflight.first_token(request_id)
+        self.pending.release(request_id)
 
     def finish(self, request_id: str) -> None:
         self.inflight.finish(request_id)
+        self.pending.release(request_id)
 
     def forget_engine(self, engine_id: str) -> list[str]:
         """The engine left the fleet: drop its accounting, sessions and policy state."""

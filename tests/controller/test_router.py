@@ -198,6 +198,31 @@ def test_inflight_accounting_charges_at_once_and_releases() -> None:
     assert router.inflight.engine_of("x") is None
 
 
+def test_pending_blocks_are_held_for_the_ttl_and_until_the_first_token() -> None:
+    """Blocks just routed count as held before the engine announces them: for `pending_ttl_s`,
+    and however long the request waits for its first token (behind a long queue)."""
+    router = Router(make_policy("kvplane"), pending_ttl_s=10.0)
+    rng = random.Random(0)
+    assert router.route(request("x", blocks=4), [cand("a"), cand("b", 1)], rng, 0).engine_id == "b"
+    router.route(request("y", blocks=2), [cand("a"), cand("b", 1)], rng, 1)
+
+    def held(now_s: float) -> int:
+        view = router.with_inflight([cand("a"), cand("b")], request("probe", blocks=4), now_s)
+        return next(c.hit.device_blocks for c in view if c.engine_id == "b")
+
+    assert held(5.0) == 4
+    assert held(60.0) == 4  # both still queued: no event can have announced the blocks
+    router.first_token("x")
+    assert held(9.0) == 4  # within the ttl regardless
+    assert held(60.0) == 2  # y, still queued, holds its two blocks
+    router.finish("y")
+    assert held(60.0) == 0  # from here the engine's KV events tell the truth
+    router.route(request("z", blocks=4), [cand("a", 4), cand("b")], rng, 100)
+    router.forget_engine("a")
+    view = router.with_inflight([cand("a")], request("probe", blocks=4), 200.0)
+    assert view[0].hit.device_blocks == 0
+
+
 def test_a_burst_is_spread_before_any_poll() -> None:
     """The polled load says every engine is idle; the router's own accounting spreads a burst."""
     router = Router(make_policy("kvplane"))

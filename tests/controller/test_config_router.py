@@ -1,0 +1,58 @@
+"""The controller's router settings reach the router that decides."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from controller.config import ControllerConfig, RouterConfig
+from controller.router import KvplanePolicy, KvplaneWeights
+from controller.service import Controller
+from kvplane.config import load_config
+from kvplane.errors import ConfigError
+
+
+def test_every_kvplane_weight_is_a_router_setting() -> None:
+    """A new cost term must be configurable, with the policy's default as its default."""
+    defaults = RouterConfig()
+    for field in dataclasses.fields(KvplaneWeights):
+        assert getattr(defaults, field.name) == field.default, field.name
+    assert defaults.weights() == KvplaneWeights()
+
+
+def test_configured_weights_reach_the_controllers_policy(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "router:\n"
+        "  policy: kvplane\n"
+        "  overlap_weight: 7\n"
+        "  idle_overlap_weight: 21\n"
+        "  queue_knee: 0\n"
+        "  pass_tokens: 4096\n"
+        "  pass_decodes: 2\n"
+        "  tie_tokens: 16\n"
+    )
+    controller = Controller(load_config(ControllerConfig, path))
+    policy = controller.router.policy
+    assert isinstance(policy, KvplanePolicy)
+    assert policy.weights == dataclasses.replace(
+        KvplaneWeights(),
+        overlap_weight=7.0,
+        idle_overlap_weight=21.0,
+        queue_knee=0.0,
+        pass_tokens=4096.0,
+        pass_decodes=2,
+        tie_tokens=16.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "setting", ["idle_overlap_weight: -1", "queue_knee: -5", "pass_tokens: -1", "pass_decodes: -1"]
+)
+def test_negative_weights_are_rejected(tmp_path: Path, setting: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"router: {{{setting}}}\n")
+    with pytest.raises(ConfigError, match=setting.split(":", maxsplit=1)[0]):
+        load_config(ControllerConfig, path)
