@@ -21,11 +21,11 @@ import torch.nn.functional as F
 
 from engine.torch_runner.attention import (
     AttentionMetadata,
-    DecodeKernel,
     PagedKvCache,
     paged_attention,
 )
 from engine.torch_runner.config import ModelConfig, RopeConfig, RopeType
+from engine.torch_runner.native import NativeKernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,13 +88,18 @@ class RotaryEmbedding:
         self._cos = torch.cat((cos, cos), dim=-1).to(self._device)
         self._sin = torch.cat((-sin, sin), dim=-1).to(self._device)
 
+    def full_tables(self, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [P, head_dim] for every position up to at least `max_position`."""
+        if max_position >= self._cos.shape[0]:
+            self._build(max(2 * self._cos.shape[0], max_position + 1))
+        return self._cos, self._sin
+
     def tables(
         self, positions: torch.Tensor, max_position: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] positions -> cos, signed sin of shape [T, 1, head_dim] for `apply_rotary`."""
-        if max_position >= self._cos.shape[0]:
-            self._build(max(2 * self._cos.shape[0], max_position + 1))
-        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+        cos, sin = self.full_tables(max_position)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,12 +154,15 @@ class DecoderModel:
         kv_cache: PagedKvCache,
         max_position: int,
         *,
-        decode_kernel: DecodeKernel | None = None,
+        native: NativeKernels | None = None,
     ) -> torch.Tensor:
         """[T] token ids -> [T, hidden] final hidden states (after the final norm).
 
-        With `decode_kernel`, `metadata` must be built with `kernel_decodes` (and vice versa).
+        With `native` (float32 on CPU), `metadata` must be built with `kernel_rows` (and
+        vice versa): the small per-layer ops run as native kernels (see `_native_forward`).
         """
+        if native is not None:
+            return self._native_forward(input_ids, metadata, kv_cache, max_position, native)
         cfg = self.config
         # Once per step, shared by every layer: rotary tables, the gather workspace's size.
         cos, sin = self.rotary.tables(metadata.positions, max_position)
@@ -179,7 +187,6 @@ class DecoderModel:
                 metadata=metadata,
                 scale=self._scale,
                 workspace=kv_cache.workspace,
-                kernel=decode_kernel,
             )
             hidden = residual + F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
             residual = hidden
@@ -189,6 +196,60 @@ class DecoderModel:
             act = F.silu(gate).mul_(up)  # in place into silu's fresh output: one allocation
             hidden = residual + F.linear(act, layer.down_weight, layer.down_bias)
         return rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps)
+
+    def _native_forward(
+        self,
+        input_ids: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKvCache,
+        max_position: int,
+        native: NativeKernels,
+    ) -> torch.Tensor:
+        """The same forward with 4 matmuls and 4 native calls per layer instead of ~25 torch
+        ops: RMSNorm fused with the residual add before it (the next layer's input norm, or the
+        final norm, closes each layer), rotary in place on the fused q/k/v projection fused
+        with the KV-cache write, SiLU x up in one pass, attention on the blocks in place.
+        On tiny models each torch op's dispatch costs more than its arithmetic."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        cos, sin = self.rotary.full_tables(max_position)
+        kv_cache.workspace.reserve(metadata.max_group_blocks)
+        layers = self.weights.layers
+        hidden = F.embedding(input_ids, self.weights.embed_tokens)  # the residual stream
+        x = native.rms_norm(hidden, layers[0].input_norm, eps)
+        for index, layer in enumerate(layers):
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            native.rope_store(
+                qkv,
+                positions=metadata.positions,
+                slots=metadata.slot_mapping,
+                cos=cos,
+                sin=sin,
+                key_cache=kv_cache.keys[index],
+                value_cache=kv_cache.values[index],
+                num_heads=cfg.num_heads,
+            )
+            q = qkv[:, : self._q_size].view(-1, cfg.num_heads, cfg.head_dim)
+            attn = paged_attention(
+                q,
+                None,
+                None,
+                key_cache=kv_cache.keys[index],
+                value_cache=kv_cache.values[index],
+                metadata=metadata,
+                scale=self._scale,
+                workspace=kv_cache.workspace,
+                kernel=native,
+            )
+            o = F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
+            x = native.rms_norm(hidden, layer.post_attention_norm, eps, add=o)
+            gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            down = F.linear(native.silu_mul(gate_up), layer.down_weight, layer.down_bias)
+            next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else None
+            x = native.rms_norm(
+                hidden, self.weights.final_norm if next_norm is None else next_norm, eps, add=down
+            )
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""

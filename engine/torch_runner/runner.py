@@ -29,8 +29,8 @@ from engine.torch_runner.attention import (
 from engine.torch_runner.errors import InvalidBatchError, KvCacheError
 from engine.torch_runner.loader import load_model
 from engine.torch_runner.model import DecoderModel
-from engine.torch_runner.native import DecodeAttentionKernel, load_kernel
-from engine.torch_runner.sampler import Sampler, SamplingRow, prompt_logprobs
+from engine.torch_runner.native import NativeKernels, load_kernels
+from engine.torch_runner.sampler import Sampler, SamplingRow, plain_greedy, prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,13 @@ class TorchModelRunner:
         max_model_len: int | None = None,
         seed: int | None = None,
         num_threads: int | None = None,
-        decode_kernel: bool | None = None,
+        native_kernels: bool | None = None,
     ) -> None:
-        """`decode_kernel`: compute decode attention with the native kernel (`native.py`),
-        which reads the paged blocks in place. None: when torch runs on one intra-op thread
-        (the kernel is single-threaded; with more, torch's attention parallelises), the model
-        is float32 on CPU and the kernel builds; True: always (KvCacheError if it cannot);
-        False: never (torch gathers the blocks)."""
+        """`native_kernels`: run decode attention (on the paged blocks in place) and the small
+        per-layer ops with the native kernels (`native.py`). None: when torch runs on one
+        intra-op thread (the kernels are single-threaded; with more, torch parallelises), the
+        model is float32 on CPU and the kernels build; True: always (KvCacheError if they
+        cannot); False: never (torch ops throughout, the blocks gathered)."""
         if num_threads is not None:
             # Process-wide: the engine process owns torch. Small decode steps of small models
             # run fastest on one thread; OpenMP barriers on oversubscribed cores cost 10x.
@@ -76,14 +76,14 @@ class TorchModelRunner:
             device=model.device,
         )
         self.sampler = Sampler(self._eos_token_ids, seed)
-        self.decode_kernel: DecodeAttentionKernel | None = None
-        wanted = decode_kernel or (decode_kernel is None and torch.get_num_threads() == 1)
+        self.native_kernels: NativeKernels | None = None
+        wanted = native_kernels or (native_kernels is None and torch.get_num_threads() == 1)
         if wanted and model.dtype == torch.float32 and model.device.type == "cpu":
-            self.decode_kernel = load_kernel()
-        if decode_kernel and self.decode_kernel is None:
+            self.native_kernels = load_kernels()
+        if native_kernels and self.native_kernels is None:
             raise KvCacheError(
-                "the decode attention kernel is not available here (it needs float32 on CPU "
-                "and a C compiler)"
+                "the native kernels are not available here (they need float32 on CPU and a C "
+                "compiler)"
             )
         element_bytes = torch.empty((), dtype=model.dtype).element_size()
         self._key_bytes = cfg.num_kv_heads * cfg.head_dim * element_bytes
@@ -101,7 +101,7 @@ class TorchModelRunner:
         max_model_len: int | None = None,
         seed: int | None = None,
         num_threads: int | None = None,
-        decode_kernel: bool | None = None,
+        native_kernels: bool | None = None,
     ) -> TorchModelRunner:
         """Load a checkpoint and size the KV cache by `num_blocks` or by `kv_cache_bytes`."""
         if num_blocks is not None and kv_cache_bytes is not None:
@@ -139,7 +139,7 @@ class TorchModelRunner:
             max_model_len=max_model_len,
             seed=seed,
             num_threads=num_threads,
-            decode_kernel=decode_kernel,
+            native_kernels=native_kernels,
         )
 
     @property
@@ -190,11 +190,11 @@ class TorchModelRunner:
             device=device,
             dtype=model.dtype,
             key_bytes=self._key_bytes,
-            kernel_decodes=self.decode_kernel is not None,
+            kernel_rows=self.native_kernels is not None,
         )
         ids = int64_tensor(input_ids, device)
         hidden = model.forward(
-            ids, metadata, self.kv_cache, max_position, decode_kernel=self.decode_kernel
+            ids, metadata, self.kv_cache, max_position, native=self.native_kernels
         )
         plan = _LogitRows.plan(sequences)
         if not plan.rows:
@@ -207,8 +207,14 @@ class TorchModelRunner:
         sample_logits = logits
         if len(plan.sample_rows) != len(plan.rows):
             sample_logits = logits[torch.tensor(plan.sample_rows, dtype=torch.int64, device=device)]
-        sampled = iter(
-            self.sampler.sample(
+        tokens: list[int] = []
+        token_logprobs: list[TokenLogprob | None] = []
+        if all(plain_greedy(seq.sampling, len(seq.output_token_ids)) for seq in sampling_seqs):
+            # What the sampler computes for such rows, without a row object per sequence.
+            tokens = sample_logits.argmax(dim=-1).tolist() if sampling_seqs else []
+            token_logprobs = [None] * len(tokens)
+        else:
+            for token in self.sampler.sample(
                 sample_logits,
                 [
                     SamplingRow(
@@ -219,26 +225,28 @@ class TorchModelRunner:
                     )
                     for seq in sampling_seqs
                 ],
-            )
-            if sampling_seqs
-            else []
-        )
+            ):
+                tokens.append(token.token_id)
+                token_logprobs.append(token.logprob)
         results: list[SequenceResult] = []
+        sampled = 0
         for i, seq in enumerate(sequences):
-            token = next(sampled) if seq.sample else None
             prompt: tuple[TokenLogprob, ...] = ()
             if i in plan.prompt_rows and seq.prompt_logprobs is not None:
                 first, targets = plan.prompt_rows[i]
                 window = logits[first : first + len(targets)]
                 prompt = prompt_logprobs(window, targets, seq.prompt_logprobs)
-            results.append(
-                SequenceResult(
+            if seq.sample:
+                result = SequenceResult(
                     seq_id=seq.seq_id,
-                    token_id=None if token is None else token.token_id,
-                    logprob=None if token is None else token.logprob,
+                    token_id=tokens[sampled],
+                    logprob=token_logprobs[sampled],
                     prompt_logprobs=prompt,
                 )
-            )
+                sampled += 1
+            else:
+                result = SequenceResult(seq_id=seq.seq_id, prompt_logprobs=prompt)
+            results.append(result)
         return results
 
     def _check(self, input_ids: list[int], max_position: int) -> None:

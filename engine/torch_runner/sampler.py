@@ -69,7 +69,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """logits [N, V] float32 (one row per entry of `rows`) -> one token per row."""
-        if all(_plain_greedy(row) for row in rows):
+        if all(plain_greedy(row.params, len(row.output_token_ids)) for row in rows):
             # Nothing to adjust or report: the argmax of the raw logits, as below.
             return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
         raw = logits.float()
@@ -129,15 +129,16 @@ class Sampler:
         return draws
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
-    params = row.params
+def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether the pipeline reduces to the argmax of the raw logits for this row: greedy, no
+    penalty, no min-tokens mask left, no logprobs to report."""
     return (
         params.greedy
         and params.logprobs is None
         and params.repetition_penalty == 1.0
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
-        and len(row.output_token_ids) >= params.min_tokens
+        and num_output_tokens >= params.min_tokens
     )
 
 

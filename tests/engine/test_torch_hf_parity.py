@@ -78,13 +78,13 @@ def kvplane_greedy(
     *,
     block_size: int,
     max_num_batched_tokens: int,
-    decode_kernel: bool | None = None,
+    native_kernels: bool | None = None,
 ) -> tuple[list[Greedy], list[int]]:
     """Each wave's prompts run concurrently through one EngineCore (chunked prefill, batched
     decodes, prefix caching across waves). Returns results in prompt order and the cached
     prompt tokens of each request."""
     runner = TorchModelRunner.from_pretrained(
-        model_dir, block_size=block_size, num_blocks=256, decode_kernel=decode_kernel
+        model_dir, block_size=block_size, num_blocks=256, native_kernels=native_kernels
     )
     core = EngineCore(
         runner, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens)
@@ -120,8 +120,8 @@ def assert_same_greedy(ours: list[Greedy], theirs: list[Greedy], max_tokens: int
 
 
 # Decode attention by the native kernel where it builds (None), and by torch (False).
-@pytest.mark.parametrize("decode_kernel", [None, False], ids=["kernel-if-built", "torch"])
-def test_qwen2_greedy_matches_hf_generate(tmp_path: Path, decode_kernel: bool | None) -> None:
+@pytest.mark.parametrize("native_kernels", [None, False], ids=["kernel-if-built", "torch"])
+def test_qwen2_greedy_matches_hf_generate(tmp_path: Path, native_kernels: bool | None) -> None:
     model_dir = write_random_qwen2(tmp_path / "qwen2")
     config = ModelConfig.from_dir(model_dir)
     assert config.architecture is Architecture.QWEN2
@@ -138,7 +138,7 @@ def test_qwen2_greedy_matches_hf_generate(tmp_path: Path, decode_kernel: bool | 
         max_tokens,
         block_size=4,
         max_num_batched_tokens=24,
-        decode_kernel=decode_kernel,
+        native_kernels=native_kernels,
     )
     assert_same_greedy(ours, hf_greedy(model_dir, first + second, max_tokens), max_tokens)
     assert cached[4:] == [40, 20]
@@ -146,8 +146,8 @@ def test_qwen2_greedy_matches_hf_generate(tmp_path: Path, decode_kernel: bool | 
     assert len({tuple(r.tokens) for r in ours}) == len(ours)
 
 
-@pytest.mark.parametrize("decode_kernel", [None, False], ids=["kernel-if-built", "torch"])
-def test_tiny_llama_greedy_matches_hf_generate(decode_kernel: bool | None) -> None:
+@pytest.mark.parametrize("native_kernels", [None, False], ids=["kernel-if-built", "torch"])
+def test_tiny_llama_greedy_matches_hf_generate(native_kernels: bool | None) -> None:
     requests = vllm_requests()
     prompts = [requests[i]["prompt_token_ids"] for i in (0, 5, 11, 20, 27)]
     max_tokens = 24
@@ -157,6 +157,6 @@ def test_tiny_llama_greedy_matches_hf_generate(decode_kernel: bool | None) -> No
         max_tokens,
         block_size=16,
         max_num_batched_tokens=96,
-        decode_kernel=decode_kernel,
+        native_kernels=native_kernels,
     )
     assert_same_greedy(ours, hf_greedy(TINY_LLAMA, prompts, max_tokens), max_tokens)

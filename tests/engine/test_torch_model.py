@@ -41,7 +41,7 @@ from engine.torch_runner.attention import (
 from engine.torch_runner.config import Architecture, ModelConfig
 from engine.torch_runner.errors import CheckpointError, InvalidBatchError, KvCacheError
 from engine.torch_runner.loader import load_model
-from engine.torch_runner.native import compiler_available, load_kernel
+from engine.torch_runner.native import compiler_available, load_kernels
 from engine.torch_runner.runner import TorchModelRunner
 from engine.torch_runner.tokenizer import load_tokenizer
 
@@ -80,6 +80,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     chunk_sizes=st.lists(st.integers(1, 17), min_size=1, max_size=8),
     seed=st.integers(0, 2**16),
     use_kernel=st.booleans(),
+    kernel_max_chunk_keys=st.sampled_from([0, 20, 1 << 15]),
 )
 def test_paged_attention_equals_dense_attention(
     *,
@@ -91,10 +92,12 @@ def test_paged_attention_equals_dense_attention(
     chunk_sizes: list[int],
     seed: int,
     use_kernel: bool,
+    kernel_max_chunk_keys: int,
 ) -> None:
-    # With the native kernel (where it builds), decodes read the blocks in place and prefill
-    # chunks of the same step still gather: both halves of a mixed step are checked.
-    kernel = load_kernel() if use_kernel else None
+    # With the native kernel (where it builds), decodes and the prefill chunks ending within
+    # `kernel_max_chunk_keys` read the blocks in place, longer chunks of the same step gather
+    # (0: every prefill chunk, 1 << 15: none here); without it, every chunk gathers.
+    kernel = load_kernels() if use_kernel else None
     g = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * queries_per_kv
     blocks_needed = [-(-n // block_size) for n in lengths]
@@ -136,7 +139,8 @@ def test_paged_attention_equals_dense_attention(
             num_blocks=num_blocks,
             device=CPU,
             key_bytes=key_bytes,
-            kernel_decodes=kernel is not None,
+            kernel_rows=kernel is not None,
+            kernel_max_chunk_keys=kernel_max_chunk_keys,
         )
         sl = [slice(c.start, c.start + c.num_tokens) for c in chunks]
         # Odd steps gather into the cache's reused workspace, even ones into fresh tensors.
@@ -171,8 +175,12 @@ def test_attention_metadata_rejects_a_block_table_too_short_or_out_of_range() ->
         AttentionMetadata.build([SequenceChunk(0, 3, [8])], block_size=4, num_blocks=8, device=CPU)
 
 
-def paged_logits_in_chunks(model_dir: Path, tokens: list[int], chunks: list[int]) -> torch.Tensor:
+def paged_logits_in_chunks(
+    model_dir: Path, tokens: list[int], chunks: list[int], *, native: bool = False
+) -> torch.Tensor:
+    """With `native`, the forward runs its native kernels (where they build)."""
     model = load_model(model_dir)
+    kernels = load_kernels() if native else None
     cfg = model.config
     block_size = 5
     table = list(range(-(-len(tokens) // block_size)))[::-1]  # reversed: non-trivial layout
@@ -194,16 +202,20 @@ def paged_logits_in_chunks(model_dir: Path, tokens: list[int], chunks: list[int]
                 block_size=block_size,
                 num_blocks=len(table),
                 device=CPU,
+                kernel_rows=kernels is not None,
             )
             ids = torch.tensor(tokens[start : start + size])
-            hidden = model.forward(ids, metadata, cache, start + size - 1)
+            hidden = model.forward(ids, metadata, cache, start + size - 1, native=kernels)
             pieces.append(model.compute_logits(hidden))
             start += size
     return torch.cat(pieces)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-if-built", "torch"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_paged_model_logits_equal_a_dense_float64_forward(family: str, tmp_path: Path) -> None:
+def test_paged_model_logits_equal_a_dense_float64_forward(
+    family: str, native: bool, tmp_path: Path
+) -> None:
     if family == "llama":
         model_dir = TINY_LLAMA
         tokens = vllm_requests()[0]["prompt_token_ids"][:90]
@@ -211,7 +223,7 @@ def test_paged_model_logits_equal_a_dense_float64_forward(family: str, tmp_path:
         model_dir = write_random_qwen2(tmp_path / "qwen2")
         tokens = torch.randint(0, 300, (90,), generator=torch.Generator().manual_seed(7)).tolist()
     # Chunked prefill (37 + 40) then 13 single-token decode steps.
-    paged = paged_logits_in_chunks(model_dir, tokens, [37, 40] + [1] * 13)
+    paged = paged_logits_in_chunks(model_dir, tokens, [37, 40] + [1] * 13, native=native)
     dense = dense_logits(model_dir, tokens)
     assert paged.dtype == torch.float32
     torch.testing.assert_close(paged.double(), dense, atol=1e-4, rtol=1e-5)
@@ -220,17 +232,17 @@ def test_paged_model_logits_equal_a_dense_float64_forward(family: str, tmp_path:
     )
 
 
-@pytest.mark.parametrize("decode_kernel", [None, False], ids=["kernel-if-built", "torch"])
+@pytest.mark.parametrize("native_kernels", [None, False], ids=["kernel-if-built", "torch"])
 def test_greedy_decoding_reproduces_vllm_outputs_for_every_request(
-    decode_kernel: bool | None,
+    native_kernels: bool | None,
 ) -> None:
     requests = vllm_requests()
     assert len(requests) == 30
     assert all(r["sampling"]["temperature"] == 0.0 for r in requests)
     runner = TorchModelRunner.from_pretrained(
-        TINY_LLAMA, block_size=16, num_blocks=30 * 21, decode_kernel=decode_kernel
+        TINY_LLAMA, block_size=16, num_blocks=30 * 21, native_kernels=native_kernels
     )
-    assert (runner.decode_kernel is not None) == (decode_kernel is None and compiler_available())
+    assert (runner.native_kernels is not None) == (native_kernels is None and compiler_available())
     sequences = vllm_sequences(requests, logprobs=LogprobRequest())
     # All 30 together: mixed prompt lengths, chunked prefill, batched decodes.
     drive(runner, sequences, chunk_tokens=64)

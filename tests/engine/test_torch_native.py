@@ -1,6 +1,7 @@
-"""The optional native decode-attention kernel: it builds where a C compiler exists, computes
-what dense attention computes, and when it cannot be built the runner falls back to torch and
-still reproduces vLLM's greedy outputs."""
+"""The optional native kernels: they build where a C compiler exists, compute what dense
+attention and the torch ops they replace compute, refuse what would make the C code read
+outside its tensors, and when they cannot be built the runner falls back to torch and still
+reproduces vLLM's greedy outputs."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch_reference import TINY_LLAMA, drive, vllm_requests, vllm_sequences
 
 from engine.torch_runner import native
 from engine.torch_runner.errors import KvCacheError
+from engine.torch_runner.model import apply_rotary, rms_norm
 from engine.torch_runner.runner import TorchModelRunner
 
 
@@ -29,9 +31,9 @@ def one_torch_thread() -> Iterator[None]:
 def fresh_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty build cache and a forgotten per-process kernel (restored afterwards)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    native.load_kernel.cache_clear()
+    native.load_kernels.cache_clear()
     yield tmp_path / "kvplane" / "native"
-    native.load_kernel.cache_clear()
+    native.load_kernels.cache_clear()
 
 
 def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -45,12 +47,13 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
 
 @pytest.mark.parametrize(
     ("num_kv_heads", "group", "head_dim", "block_size"),
-    [(2, 1, 64, 16), (4, 2, 64, 16), (1, 3, 12, 5), (3, 1, 8, 1)],
+    # head_dim 64 and 128 take the register-accumulator paths, 160 the one in memory.
+    [(2, 1, 64, 16), (4, 2, 64, 16), (2, 2, 128, 16), (1, 3, 12, 5), (3, 1, 8, 1), (1, 2, 160, 4)],
 )
 def test_kernel_builds_with_a_compiler_and_equals_dense_attention(
     fresh_kernel_cache: Path, num_kv_heads: int, group: int, head_dim: int, block_size: int
 ) -> None:
-    kernel = native.load_kernel()
+    kernel = native.load_kernels()
     assert (kernel is not None) == native.compiler_available()
     if kernel is None:  # no compiler here: nothing is built, the runner uses torch
         assert not fresh_kernel_cache.exists() or not any(fresh_kernel_cache.iterdir())
@@ -68,18 +71,23 @@ def test_kernel_builds_with_a_compiler_and_equals_dense_attention(
         used = -(-n // block_size)
         tables.append(pool[:used] + [0] * (width - used))
         pool = pool[used:]
+    # Two more rows read sequence 3's table with shorter lengths: a prefill chunk's causal
+    # window over its own blocks.
+    table_rows = [0, 1, 2, 3, 4, 3, 3]
+    row_lengths = [*lengths, 1, 2 * block_size + 1]
     num_heads = num_kv_heads * group
-    query = torch.randn(len(lengths), num_heads, head_dim, generator=g)
-    out = kernel(
+    query = torch.randn(len(row_lengths), num_heads, head_dim, generator=g)
+    out = kernel.paged_attention(
         query,
         key_cache,
         value_cache,
         block_tables=torch.tensor(tables),
-        lengths=torch.tensor(lengths),
+        table_rows=torch.tensor(table_rows),
+        lengths=torch.tensor(row_lengths),
         scale=head_dim**-0.5,
     )
-    for b, n in enumerate(lengths):
-        rows = key_cache[tables[b]].flatten(0, 1)[:n], value_cache[tables[b]].flatten(0, 1)[:n]
+    for b, (t, n) in enumerate(zip(table_rows, row_lengths, strict=True)):
+        rows = key_cache[tables[t]].flatten(0, 1)[:n], value_cache[tables[t]].flatten(0, 1)[:n]
         expected = dense_decode(query[b], *rows)
         torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
     # The second load in another process would find the cached library: same file, no rebuild.
@@ -88,34 +96,139 @@ def test_kernel_builds_with_a_compiler_and_equals_dense_attention(
     # What would make the C code read outside the tensors is refused before it runs.
     bad_block = [list(row) for row in tables]
     bad_block[0][0] = num_blocks
-    good_tables, good_lengths = torch.tensor(tables), torch.tensor(lengths)
-    for bad_query, bad_tables, bad_lengths, match in (
-        (query.double(), good_tables, good_lengths, "float32"),
-        (query, good_tables, torch.tensor([*lengths[:-1], width * block_size + 1]), "range"),
-        (query, good_tables, torch.tensor([0, *lengths[1:]]), "range"),
-        (query, torch.tensor(bad_block), good_lengths, "range"),
+    good_tables, good_lengths = torch.tensor(tables), torch.tensor(row_lengths)
+    good_rows = torch.tensor(table_rows)
+    too_long = [*row_lengths[:-1], width * block_size + 1]
+    for bad_query, bad_tables, bad_rows, bad_lengths, match in (
+        (query.double(), good_tables, good_rows, good_lengths, "float32"),
+        (query, good_tables, good_rows, torch.tensor(too_long), "range"),
+        (query, good_tables, good_rows, torch.tensor([0, *row_lengths[1:]]), "range"),
+        (query, torch.tensor(bad_block), good_rows, good_lengths, "range"),
+        (query, good_tables, torch.tensor([*table_rows[:-1], len(tables)]), good_lengths, "range"),
+        (query, good_tables, good_rows[:-1], good_lengths, "shapes"),
     ):
         with pytest.raises(ValueError, match=match):
-            kernel(
+            kernel.paged_attention(
                 bad_query,
                 key_cache,
                 value_cache,
                 block_tables=bad_tables,
+                table_rows=bad_rows,
                 lengths=bad_lengths,
                 scale=1.0,
             )
+
+
+@pytest.fixture
+def kernels() -> native.NativeKernels:
+    built = native.load_kernels()
+    if built is None:  # the fallback is covered by the tests below
+        assert not native.compiler_available()
+        pytest.skip("no C compiler here")
+    return built
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_equals_the_torch_norm_and_adds_the_residual_in_place(
+    kernels: native.NativeKernels, with_residual: bool
+) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 96, generator=g) * 3
+    delta = torch.randn(37, 96, generator=g)
+    weight = torch.randn(96, generator=g)
+    expected_stream = x + delta if with_residual else x.clone()
+    out = kernels.rms_norm(x, weight, 1e-6, add=delta if with_residual else None)
+    torch.testing.assert_close(out, rms_norm(expected_stream, weight, 1e-6), atol=1e-6, rtol=1e-6)
+    assert torch.equal(x, expected_stream)
+    with pytest.raises(ValueError, match="rms_norm"):
+        kernels.rms_norm(x, weight[:-1], 1e-6)
+    with pytest.raises(ValueError, match="rms_norm"):
+        kernels.rms_norm(x.t(), torch.ones(37), 1e-6)
+
+
+def test_rope_store_rotates_in_place_like_torch_and_writes_the_slots(
+    kernels: native.NativeKernels,
+) -> None:
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 16, 4, 6
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(7, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    positions = torch.tensor([0, 1, 2, 9, 30, 31, 3])
+    slots = torch.tensor([20, 21, 22, 5, 0, 1, 23])
+    angles = torch.rand(32, head_dim // 2, generator=g) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
+    heads = qkv.view(7, -1, head_dim)
+    qk = heads[:, : num_heads + num_kv_heads]
+    expected_qk = apply_rotary(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    expected_v = heads[:, num_heads + num_kv_heads :].clone()
+    kernels.rope_store(
+        qkv,
+        positions=positions,
+        slots=slots,
+        cos=cos,
+        sin=sin,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        num_heads=num_heads,
+    )
+    assert torch.equal(qk, expected_qk)  # the same arithmetic: bit-identical
+    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat_keys[slots], expected_qk[:, num_heads:])
+    assert torch.equal(flat_values[slots], expected_v)
+    untouched = [s for s in range(num_blocks * block_size) if s not in slots.tolist()]
+    assert not flat_keys[untouched].any() and not flat_values[untouched].any()
+    for bad_positions, bad_slots in (
+        (torch.tensor([0, 1, 2, 9, 32, 31, 3]), slots),
+        (positions, torch.tensor([20, 21, 22, 5, 0, 1, 24])),
+        (positions, torch.tensor([20, 21, 22, -1, 0, 1, 23])),
+    ):
+        with pytest.raises(ValueError, match="out of range"):
+            kernels.rope_store(
+                qkv,
+                positions=bad_positions,
+                slots=bad_slots,
+                cos=cos,
+                sin=sin,
+                key_cache=key_cache,
+                value_cache=value_cache,
+                num_heads=num_heads,
+            )
+    with pytest.raises(ValueError, match="shapes"):
+        kernels.rope_store(
+            qkv,
+            positions=positions,
+            slots=slots,
+            cos=cos,
+            sin=sin,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            num_heads=num_heads + 1,
+        )
+
+
+def test_silu_mul_equals_torch(kernels: native.NativeKernels) -> None:
+    g = torch.Generator().manual_seed(7)
+    gate_up = torch.randn(19, 2 * 40, generator=g) * 8  # saturated tails on both sides
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(kernels.silu_mul(gate_up), expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="silu_mul"):
+        kernels.silu_mul(gate_up[:, :-1])
 
 
 def test_a_source_that_does_not_compile_leaves_the_torch_path(
     fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(native, "_SOURCE", "this is not C;")
-    assert native.load_kernel() is None
+    assert native.load_kernels() is None
     runner = TorchModelRunner.from_pretrained(TINY_LLAMA, block_size=16, num_blocks=64)
-    assert runner.decode_kernel is None
+    assert runner.native_kernels is None
     with pytest.raises(KvCacheError, match="not available"):
         TorchModelRunner.from_pretrained(
-            TINY_LLAMA, block_size=16, num_blocks=64, decode_kernel=True
+            TINY_LLAMA, block_size=16, num_blocks=64, native_kernels=True
         )
     # The fallback runner still decodes what vLLM decoded.
     requests = vllm_requests()[:4]
@@ -129,16 +242,16 @@ def test_no_compiler_on_path_leaves_the_torch_path(
 ) -> None:
     monkeypatch.setenv("PATH", str(fresh_kernel_cache.parent / "empty-bin"))
     assert not native.compiler_available()
-    assert native.load_kernel() is None
+    assert native.load_kernels() is None
     runner = TorchModelRunner.from_pretrained(TINY_LLAMA, block_size=16, num_blocks=64)
-    assert runner.decode_kernel is None
+    assert runner.native_kernels is None
 
 
 def test_bfloat16_runs_without_the_kernel() -> None:
     runner = TorchModelRunner.from_pretrained(
         TINY_LLAMA, dtype="bfloat16", block_size=16, num_blocks=64
     )
-    assert runner.decode_kernel is None
+    assert runner.native_kernels is None
 
 
 def test_an_unwritable_cache_directory_falls_back_to_the_temp_directory(
@@ -150,11 +263,11 @@ def test_an_unwritable_cache_directory_falls_back_to_the_temp_directory(
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    native.load_kernel.cache_clear()
+    native.load_kernels.cache_clear()
     try:
-        kernel = native.load_kernel()
+        kernel = native.load_kernels()
         assert (kernel is not None) == native.compiler_available()
         if kernel is not None:
             assert native._build().parent.parent == tmp_path / "tmp"
     finally:
-        native.load_kernel.cache_clear()
+        native.load_kernels.cache_clear()
