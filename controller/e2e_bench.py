@@ -546,7 +546,7 @@ def _cell(value: float | None) -> str:
 def bench_e2e(
     *,
     requests: Annotated[int, typer.Option("--requests", min=1)] = 240,
-    rate: Annotated[float, typer.Option("--rate", min=0.01, help="Mean arrivals per s.")] = 4.0,
+    rate: Annotated[float, typer.Option("--rate", min=0.01, help="Mean arrivals per s.")] = 8.0,
     engines: Annotated[int, typer.Option(min=1)] = 4,
     model: Annotated[
         str, typer.Option(help="random-LxH (e.g. random-8x512), builtin, or a model directory.")
