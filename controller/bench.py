@@ -179,7 +179,7 @@ async def _gateway_overhead(
     num_engines: int, num_requests: int, prompt_tokens: int
 ) -> dict[str, Any]:
     """Time to first response and to the end of the stream, calling a sim engine directly and
-    through the controller, sequentially (the difference is what the gateway adds). Engines
+    through the controller, one request at a time (the difference is what the gateway adds). Engines
     and controller run as their own processes, as deployed."""
     import asyncio
     import tempfile
@@ -212,11 +212,12 @@ async def _gateway_overhead(
                 ["controller", "serve", "--config", str(cfg)], work / "c.port", work / "c.log"
             )
             procs.append(proc)
-            for name, target in (
-                ("direct", f"127.0.0.1:{ports[0]}"),
-                ("gateway", f"127.0.0.1:{controller_port}"),
-            ):
-                results[name] = await _time_requests(target, name, num_requests, prompt_tokens)
+            results = await _time_requests(
+                {"direct": f"127.0.0.1:{ports[0]}", "gateway": f"127.0.0.1:{controller_port}"},
+                proc.pid,
+                num_requests,
+                prompt_tokens,
+            )
         finally:
             for proc in procs:
                 if proc.returncode is None:
@@ -239,9 +240,18 @@ async def _gateway_overhead(
     }
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def _time_requests(
-    target: str, name: str, num_requests: int, prompt_tokens: int
+    targets: dict[str, str], controller_pid: int, num_requests: int, prompt_tokens: int
 ) -> dict[str, Any]:
+    """`num_requests` pairs, one direct and one through the gateway, in alternating order, each
+    side on its own channel with default settings: slow drift in the machine's load hits both
+    sides alike, and the difference within a pair is the gateway's cost."""
     import asyncio
 
     import grpc
@@ -249,36 +259,62 @@ async def _time_requests(
     from openengine.v1 import openengine_pb2 as pb
     from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.OpenEngineStub(channel)
-        first: list[float] = []
-        total: list[float] = []
+    channels = {name: grpc.aio.insecure_channel(target) for name, target in targets.items()}
+    stubs = {name: pb_grpc.OpenEngineStub(channel) for name, channel in channels.items()}
+    first: dict[str, list[float]] = {name: [] for name in targets}
+    total: dict[str, list[float]] = {name: [] for name in targets}
+    cpu_started = 0.0
+    try:
         attempts = 0
-        while len(total) < num_requests:
+        warm_up = 10
+        while len(total["gateway"]) < num_requests:
             attempts += 1
             i = attempts
-            request = pb.GenerateRequest(
-                request_id=f"{name}-{i}",
-                model="sim",
-                token_ids=pb.TokenIds(ids=[(i * 7 + j) % 30000 for j in range(prompt_tokens)]),
-                stopping=pb.StoppingOptions(max_tokens=4, ignore_eos=True),
-            )
-            started = time.perf_counter()
-            seen_first: float | None = None
-            try:
-                async for _ in stub.Generate(request):
-                    if seen_first is None:
-                        seen_first = time.perf_counter() - started
-            except grpc.aio.AioRpcError as exc:
-                # The controller may not have reached its engines yet.
-                if attempts > num_requests + 200:
-                    raise KvplaneError(f"{name}: {exc.code().name}: {exc.details()}") from exc
-                await asyncio.sleep(0.1)
+            if i == warm_up + 1:
+                cpu_started = _cpu_seconds(controller_pid)
+            order = ("direct", "gateway") if i % 2 else ("gateway", "direct")
+            timings: dict[str, tuple[float, float]] = {}
+            for name in order:
+                request = pb.GenerateRequest(
+                    request_id=f"{name}-{i}",
+                    model="sim",
+                    token_ids=pb.TokenIds(ids=[(i * 7 + j) % 30000 for j in range(prompt_tokens)]),
+                    stopping=pb.StoppingOptions(max_tokens=4, ignore_eos=True),
+                )
+                started = time.perf_counter()
+                seen_first: float | None = None
+                try:
+                    async for _ in stubs[name].Generate(request):
+                        if seen_first is None:
+                            seen_first = time.perf_counter() - started
+                except grpc.aio.AioRpcError as exc:
+                    # The controller may not have reached its engines yet.
+                    if attempts > num_requests + 200:
+                        raise KvplaneError(f"{name}: {exc.code().name}: {exc.details()}") from exc
+                    await asyncio.sleep(0.1)
+                    break
+                timings[name] = (seen_first or 0.0, time.perf_counter() - started)
+            if len(timings) < len(order):
+                warm_up = max(warm_up, attempts + 10)
                 continue
-            if attempts > 10:  # warm-up excluded
-                first.append((seen_first or 0.0) * 1000)
-                total.append((time.perf_counter() - started) * 1000)
-    return {"first_response_ms": _summary(first), "request_ms": _summary(total)}
+            if attempts > warm_up:
+                for name, (seen, whole) in timings.items():
+                    first[name].append(seen * 1000)
+                    total[name].append(whole * 1000)
+        cpu = _cpu_seconds(controller_pid) - cpu_started
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    doc: dict[str, Any] = {
+        name: {"first_response_ms": _summary(first[name]), "request_ms": _summary(total[name])}
+        for name in targets
+    }
+    paired = sorted(g - d for d, g in zip(first["direct"], first["gateway"], strict=True))
+    doc["added_paired_median_ms"] = round(paired[len(paired) // 2], 3)
+    # The controller's CPU over the measured pairs, per gateway request (its background
+    # polling included, a small share).
+    doc["controller_cpu_ms_per_request"] = round(cpu * 1000 / num_requests, 3)
+    return doc
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -298,14 +334,14 @@ def bench_gateway(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """What the controller adds to a request: sim engines (no compute time), sequential
-    requests, direct vs through the gateway."""
+    requests, direct and through the gateway alternated."""
     import asyncio
 
     doc = asyncio.run(_gateway_overhead(engines, requests, prompt_tokens))
 
     def render(d: dict[str, Any]) -> str:
         lines = [
-            f"{d['requests']} sequential requests, {d['prompt_tokens']} prompt tokens, "
+            f"{d['requests']} sequential request pairs, {d['prompt_tokens']} prompt tokens, "
             f"{d['engines']} sim engines"
         ]
         for name in ("direct", "gateway"):
@@ -315,8 +351,10 @@ def bench_gateway(
                 f"request p50 {t['p50']:.2f} ms p99 {t['p99']:.2f} ms"
             )
         lines.append(
-            f"added    p50 {d['added_ms']['p50']:.2f} ms p99 {d['added_ms']['p99']:.2f} ms"
+            f"added    p50 {d['added_ms']['p50']:.2f} ms p99 {d['added_ms']['p99']:.2f} ms; "
+            f"paired median {d['added_paired_median_ms']:.2f} ms"
         )
+        lines.append(f"controller CPU {d['controller_cpu_ms_per_request']:.3f} ms a request")
         return "\n".join(lines)
 
     emit(doc, output, render)
