@@ -42,12 +42,12 @@ from __future__ import annotations
 import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.torch_runner.errors import KvCacheError
+from engine.torch_runner.native import NativeKernels
 
 # A group is split when its padded score matrix exceeds this multiple of the useful one.
 _MAX_PADDING_FACTOR = 1.5
@@ -61,22 +61,6 @@ _MAX_GROUP_GATHER_BYTES = 2 << 20
 # cold and prefix-cached): SDPA 10-25% / 4-9% faster / even; at <= 256 keys the kernel is faster
 # on both benchmark models.
 _MAX_KERNEL_CHUNK_KEYS = 512
-
-
-class PagedKernel(Protocol):
-    """`native.NativeKernels.paged_attention`: attention reading the blocks in place."""
-
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        *,
-        block_tables: torch.Tensor,
-        table_rows: torch.Tensor,
-        lengths: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,7 +409,7 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     workspace: GatherWorkspace | None = None,
-    kernel: PagedKernel | None = None,
+    kernel: NativeKernels | None = None,
 ) -> torch.Tensor:
     """query [T, H, D], key/value [T, KVH, D] -> attention output [T, H, D].
 
