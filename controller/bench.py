@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from controller.gateway_timing import time_gateway_pairs, wait_routable
 from controller.replay import ReplaySettings, load_trace, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
 from kvplane.cli_common import OutputFormat, OutputOption, emit
@@ -212,11 +213,16 @@ async def _gateway_overhead(
                 ["controller", "serve", "--config", str(cfg)], work / "c.port", work / "c.log"
             )
             procs.append(proc)
-            results = await _time_requests(
-                {"direct": f"127.0.0.1:{ports[0]}", "gateway": f"127.0.0.1:{controller_port}"},
-                proc.pid,
-                num_requests,
-                prompt_tokens,
+            gateway = f"127.0.0.1:{controller_port}"
+            await wait_routable(gateway, num_engines)
+            results = await time_gateway_pairs(
+                gateway,
+                [f"127.0.0.1:{ports[0]}"],
+                model="sim",
+                prompt=lambda i: [(i * 7 + j) % 30000 for j in range(prompt_tokens)],
+                num_pairs=num_requests,
+                max_tokens=4,
+                controller_pid=proc.pid,
             )
         finally:
             for proc in procs:
@@ -224,105 +230,11 @@ async def _gateway_overhead(
                     proc.terminate()
             for proc in procs:
                 await asyncio.wait_for(proc.wait(), 30)
-    results["added_ms"] = {
-        key: round(
-            results["gateway"]["first_response_ms"][key]
-            - results["direct"]["first_response_ms"][key],
-            3,
-        )
-        for key in ("p50", "p99")
-    }
     return {
         "engines": num_engines,
         "requests": num_requests,
         "prompt_tokens": prompt_tokens,
         **results,
-    }
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _time_requests(
-    targets: dict[str, str], controller_pid: int, num_requests: int, prompt_tokens: int
-) -> dict[str, Any]:
-    """`num_requests` pairs, one direct and one through the gateway, in alternating order, each
-    side on its own channel with default settings: slow drift in the machine's load hits both
-    sides alike, and the difference within a pair is the gateway's cost."""
-    import asyncio
-
-    import grpc
-
-    from openengine.v1 import openengine_pb2 as pb
-    from openengine.v1 import openengine_pb2_grpc as pb_grpc
-
-    channels = {name: grpc.aio.insecure_channel(target) for name, target in targets.items()}
-    stubs = {name: pb_grpc.OpenEngineStub(channel) for name, channel in channels.items()}
-    first: dict[str, list[float]] = {name: [] for name in targets}
-    total: dict[str, list[float]] = {name: [] for name in targets}
-    cpu_started = 0.0
-    try:
-        attempts = 0
-        warm_up = 10
-        while len(total["gateway"]) < num_requests:
-            attempts += 1
-            i = attempts
-            if i == warm_up + 1:
-                cpu_started = _cpu_seconds(controller_pid)
-            order = ("direct", "gateway") if i % 2 else ("gateway", "direct")
-            timings: dict[str, tuple[float, float]] = {}
-            for name in order:
-                request = pb.GenerateRequest(
-                    request_id=f"{name}-{i}",
-                    model="sim",
-                    token_ids=pb.TokenIds(ids=[(i * 7 + j) % 30000 for j in range(prompt_tokens)]),
-                    stopping=pb.StoppingOptions(max_tokens=4, ignore_eos=True),
-                )
-                started = time.perf_counter()
-                seen_first: float | None = None
-                try:
-                    async for _ in stubs[name].Generate(request):
-                        if seen_first is None:
-                            seen_first = time.perf_counter() - started
-                except grpc.aio.AioRpcError as exc:
-                    # The controller may not have reached its engines yet.
-                    if attempts > num_requests + 200:
-                        raise KvplaneError(f"{name}: {exc.code().name}: {exc.details()}") from exc
-                    await asyncio.sleep(0.1)
-                    break
-                timings[name] = (seen_first or 0.0, time.perf_counter() - started)
-            if len(timings) < len(order):
-                warm_up = max(warm_up, attempts + 10)
-                continue
-            if attempts > warm_up:
-                for name, (seen, whole) in timings.items():
-                    first[name].append(seen * 1000)
-                    total[name].append(whole * 1000)
-        cpu = _cpu_seconds(controller_pid) - cpu_started
-    finally:
-        for channel in channels.values():
-            await channel.close()
-    doc: dict[str, Any] = {
-        name: {"first_response_ms": _summary(first[name]), "request_ms": _summary(total[name])}
-        for name in targets
-    }
-    paired = sorted(g - d for d, g in zip(first["direct"], first["gateway"], strict=True))
-    doc["added_paired_median_ms"] = round(paired[len(paired) // 2], 3)
-    # The controller's CPU over the measured pairs, per gateway request (its background
-    # polling included, a small share).
-    doc["controller_cpu_ms_per_request"] = round(cpu * 1000 / num_requests, 3)
-    return doc
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    return {
-        "p50": round(ordered[len(ordered) // 2], 3),
-        "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
-        "mean": round(statistics.fmean(ordered), 3),
     }
 
 
@@ -350,9 +262,10 @@ def bench_gateway(
                 f"{name:<8} first response p50 {f['p50']:.2f} ms p99 {f['p99']:.2f} ms; "
                 f"request p50 {t['p50']:.2f} ms p99 {t['p99']:.2f} ms"
             )
+        added = d["added_ms"]
         lines.append(
-            f"added    p50 {d['added_ms']['p50']:.2f} ms p99 {d['added_ms']['p99']:.2f} ms; "
-            f"paired median {d['added_paired_median_ms']:.2f} ms"
+            f"added    p50 {added['p50']:.2f} ms p99 {added['p99']:.2f} ms; "
+            f"paired median {added['paired_median']:.2f} ms"
         )
         lines.append(f"controller CPU {d['controller_cpu_ms_per_request']:.3f} ms a request")
         return "\n".join(lines)

@@ -48,11 +48,18 @@ from controller.e2e_workload import (
     build_workload,
     describe,
 )
+from controller.gateway_timing import (
+    Outcome,
+    generate_request,
+    latency_summary,
+    time_gateway_pairs,
+    timed_generate,
+    wait_routable,
+)
 from controller.replay import load_trace
 from controller.router import POLICY_NAMES
 from kvplane.cli_common import OutputFormat, OutputOption, emit
 from kvplane.errors import KvplaneError
-from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -64,9 +71,6 @@ DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2]
     / "shared/data/traces/mooncake-fast25/conversation_trace.jsonl"
 )
-GATEWAY_WARMUP_PAIRS = 10
-REQUEST_TIMEOUT_S = 300.0
-READY_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,15 +85,6 @@ class E2eSettings:
     torch_threads: int = 1
     gateway_requests: int = 300
     gateway_prompt_tokens: int = 16
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    ok: bool
-    ttft_ms: float | None
-    latency_ms: float
-    prompt_tokens: int
-    cached_prompt_tokens: int | None
 
 
 # ---- the fleet ----
@@ -127,68 +122,6 @@ def _fleet_config(model_dir: Path, policy: str, settings: E2eSettings) -> FleetC
     return FleetConfig.model_validate({"members": [*engines, controller]})
 
 
-async def _wait_routable(target: str, num_engines: int) -> None:
-    """Until the controller's Health is READY with every engine in it."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
-        while True:
-            try:
-                reply = await stub.Health(pb.HealthRequest(), timeout=2.0)
-                if reply.state == pb.HEALTH_STATE_READY and len(reply.checks) == num_engines:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise KvplaneError(f"the controller at {target} never saw its engines ready")
-            await asyncio.sleep(0.1)
-
-
-def _request(
-    request_id: str, model: str, tokens: Sequence[int], max_tokens: int
-) -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        request_id=request_id,
-        model=model,
-        token_ids=pb.TokenIds(ids=tokens),
-        sampling=pb.SamplingParams(temperature=0.0),
-        stopping=pb.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
-    )
-
-
-async def _call(
-    stub: pb_grpc.OpenEngineAsyncStub, request: pb.GenerateRequest, started: float
-) -> Outcome:
-    """One Generate; times from `started` (perf_counter seconds)."""
-    first: float | None = None
-    usage: pb.Usage | None = None
-    ok = True
-    try:
-        async for response in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-            kind = response.WhichOneof("event")
-            if kind == "error":
-                ok = False
-                log.warning("request %s: %s", request.request_id, response.error.message)
-            elif first is None and kind in ("token", "finished"):
-                first = time.perf_counter()
-            if response.HasField("usage"):
-                usage = response.usage
-    except grpc.aio.AioRpcError as exc:
-        log.warning("request %s: %s: %s", request.request_id, exc.code().name, exc.details())
-        ok = False
-    end = time.perf_counter()
-    cached = None
-    if usage is not None and usage.HasField("cached_prompt_tokens"):
-        cached = usage.cached_prompt_tokens
-    return Outcome(
-        ok=ok and first is not None,
-        ttft_ms=(first - started) * 1000 if first is not None else None,
-        latency_ms=(end - started) * 1000,
-        prompt_tokens=len(request.token_ids.ids),
-        cached_prompt_tokens=cached,
-    )
-
-
 async def _warm_up(addresses: Sequence[str], model: str, vocab_size: int) -> None:
     rng = random.Random(-1)
     for address in addresses:
@@ -196,8 +129,10 @@ async def _warm_up(addresses: Sequence[str], model: str, vocab_size: int) -> Non
             stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
             for i in range(2):
                 tokens = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(64)]
-                outcome = await _call(
-                    stub, _request(f"warmup-{address}-{i}", model, tokens, 2), time.perf_counter()
+                outcome = await timed_generate(
+                    stub,
+                    generate_request(f"warmup-{address}-{i}", model, tokens, 2),
+                    time.perf_counter(),
                 )
                 if not outcome.ok:
                     raise KvplaneError(f"warm-up request to {address} failed")
@@ -219,27 +154,12 @@ async def _drive(
             delay = due - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            message = _request(
+            message = generate_request(
                 f"e2e-{policy}-{request.index}", model, request.token_ids, request.max_tokens
             )
             # TTFT counts from the scheduled arrival: a late send is the client's queueing.
-            tasks.append(asyncio.ensure_future(_call(stub, message, due)))
+            tasks.append(asyncio.ensure_future(timed_generate(stub, message, due)))
         return list(await asyncio.gather(*tasks))
-
-
-def _percentiles(values: Sequence[float]) -> dict[str, float]:
-    if not values:
-        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-    return {
-        "mean": round(statistics.fmean(ordered), 3),
-        "p50": round(ordered[len(ordered) // 2], 3),
-        "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3),
-    }
-
-
-def _rounded(values: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 1) for k, v in values.items()}
 
 
 def _summarise(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
@@ -251,10 +171,10 @@ def _summarise(outcomes: Sequence[Outcome], wall_s: float) -> dict[str, Any]:
         "completed": len(done),
         "failed": len(outcomes) - len(done),
         "ttft_ms": {
-            k: round(v, 1) for k, v in _percentiles([o.ttft_ms or 0 for o in done]).items()
+            k: round(v, 1) for k, v in latency_summary([o.ttft_ms or 0 for o in done]).items()
         },
         "latency_ms": {
-            k: round(v, 1) for k, v in _percentiles([o.latency_ms for o in done]).items()
+            k: round(v, 1) for k, v in latency_summary([o.latency_ms for o in done]).items()
         },
         "prompt_tokens": prompt,
         "cached_prompt_tokens": cached,
@@ -328,53 +248,19 @@ async def _controller_totals(metrics_address: str | None) -> dict[str, float]:
 async def _gateway_overhead(
     controller: str, engines: Sequence[str], model: str, vocab_size: int, settings: E2eSettings
 ) -> dict[str, Any]:
+    """`--gateway-requests` pairs of unique random prompts, one output token each."""
     rng = random.Random(settings.workload.seed + 1)
-    channels = [grpc.aio.insecure_channel(a) for a in (controller, *engines)]
-    try:
-        gateway_stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channels[0])
-        engine_stubs: list[pb_grpc.OpenEngineAsyncStub] = [
-            pb_grpc.OpenEngineStub(c) for c in channels[1:]
-        ]
-        samples: dict[str, list[Outcome]] = {"direct": [], "gateway": []}
-        for i in range(settings.gateway_requests + GATEWAY_WARMUP_PAIRS):
-            for name in ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct"):
-                stub = gateway_stub if name == "gateway" else engine_stubs[i % len(engine_stubs)]
-                tokens = [
-                    rng.randrange(FIRST_TOKEN_ID, vocab_size)
-                    for _ in range(settings.gateway_prompt_tokens)
-                ]
-                outcome = await _call(
-                    stub, _request(f"gw-{name}-{i}", model, tokens, 1), time.perf_counter()
-                )
-                if not outcome.ok:
-                    raise KvplaneError(f"gateway phase: a {name} request failed")
-                if i >= GATEWAY_WARMUP_PAIRS:
-                    samples[name].append(outcome)
-    finally:
-        for channel in channels:
-            await channel.close()
-    doc: dict[str, Any] = {
-        "pairs": settings.gateway_requests,
-        "prompt_tokens": settings.gateway_prompt_tokens,
-    }
-    for name, outcomes in samples.items():
-        doc[name] = {
-            "first_response_ms": _percentiles([o.ttft_ms or 0.0 for o in outcomes]),
-            "request_ms": _percentiles([o.latency_ms for o in outcomes]),
-        }
-    doc["added_ms"] = {
-        key: round(
-            doc["gateway"]["first_response_ms"][key] - doc["direct"]["first_response_ms"][key], 3
-        )
-        for key in ("p50", "p99")
-    }
-    # Within a pair the two calls run back to back, so slow drift (other processes' load)
-    # cancels out of their difference.
-    paired = sorted(
-        (g.ttft_ms or 0.0) - (d.ttft_ms or 0.0)
-        for d, g in zip(samples["direct"], samples["gateway"], strict=True)
+    doc = await time_gateway_pairs(
+        controller,
+        engines,
+        model=model,
+        prompt=lambda _: [
+            rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(settings.gateway_prompt_tokens)
+        ],
+        num_pairs=settings.gateway_requests,
+        max_tokens=1,
     )
-    doc["added_ms"]["paired_median"] = round(paired[len(paired) // 2], 3) if paired else 0.0
+    doc["prompt_tokens"] = settings.gateway_prompt_tokens
     return doc
 
 
@@ -401,7 +287,7 @@ async def _run_policy(
             controller = fleet.member("controller").address
             engines = [m.address for m in fleet.members if m.kind == "engine"]
             assert controller is not None and all(engines)  # start() waited for them
-            await _wait_routable(controller, len(engines))
+            await wait_routable(controller, len(engines))
             await _warm_up([a for a in engines if a], model, vocab_size)
             log.info("%s: fleet ready in %.1fs", policy, time.monotonic() - started)
             load_before = os.getloadavg()
