@@ -86,15 +86,23 @@ def _dynamo_rows(trace_path: Path, settings: ReplaySettings) -> dict[str, Any]:
                 arrival_speedup_ratio=settings.speedup,
             )
             runs.append(dict(report.summary))
+        # Like for like: our reuse counts each request's cache hits at its first admission.
+        # Dynamo's `prefix_cache_reused_ratio` also counts the hits of every re-admission
+        # after a preemption, so it exceeds ours wherever requests are preempted.
         rows[f"dynamo_{mode}"] = {
-            "hit_ratio": round(statistics.fmean(r["prefix_cache_reused_ratio"] for r in runs), 4),
+            "hit_ratio": _mean_of(runs, "first_admission_prefix_cache_reused_ratio"),
+            "prefix_cache_reused_ratio": _mean_of(runs, "prefix_cache_reused_ratio"),
             "ttft_ms": {
-                "mean": round(statistics.fmean(r["mean_ttft_ms"] for r in runs), 1),
-                "p99": round(statistics.fmean(r["p99_ttft_ms"] for r in runs), 1),
+                "mean": _mean_of(runs, "mean_ttft_ms", 1),
+                "p99": _mean_of(runs, "p99_ttft_ms", 1),
             },
             "runs": len(runs),
         }
     return rows
+
+
+def _mean_of(runs: list[dict[str, float]], field: str, digits: int = 4) -> float:
+    return round(statistics.fmean(run[field] for run in runs), digits)
 
 
 def render_table(doc: dict[str, Any]) -> str:
@@ -149,14 +157,16 @@ def bench_route(
     emit(doc, output, render_table)
 
 
-async def _spawn(args: list[str], port_file: Path, log_path: Path) -> tuple[Any, int]:
+async def _spawn(
+    args: list[str], port_file: Path, log_path: Path, module: str = "kvplane"
+) -> tuple[Any, int]:
     import asyncio
     import sys
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "kvplane",
+        module,
         *args,
         "--port-file",
         str(port_file),
@@ -167,7 +177,7 @@ async def _spawn(args: list[str], port_file: Path, log_path: Path) -> tuple[Any,
     deadline = time.monotonic() + 60
     while not (text := await asyncio.to_thread(_read_port, port_file)):
         if proc.returncode is not None or time.monotonic() > deadline:
-            raise KvplaneError(f"kvplane {args[0]} did not start (see {log_path})")
+            raise KvplaneError(f"{module} {args[0]} did not start (see {log_path})")
         await asyncio.sleep(0.05)
     return proc, int(text)
 
@@ -177,11 +187,13 @@ def _read_port(path: Path) -> str:
 
 
 async def _gateway_overhead(
-    num_engines: int, num_requests: int, prompt_tokens: int
+    num_engines: int, num_requests: int, prompt_tokens: int, relay_floor: bool
 ) -> dict[str, Any]:
     """Time to first response and to the end of the stream, calling a sim engine directly and
     through the controller, one request at a time (the difference is what the gateway adds). Engines
-    and controller run as their own processes, as deployed."""
+    and controller run as their own processes, as deployed. With `relay_floor`, a bare relay
+    (controller.relay_floor, its own process too) to an engine of its own is timed in the
+    same rounds: the floor of a Python gRPC hop on this machine."""
     import asyncio
     import tempfile
 
@@ -191,7 +203,9 @@ async def _gateway_overhead(
         work = Path(tmp)
         try:
             ports = []
-            for i in range(num_engines):
+            # The bare relay's engine is one more like the others, outside the controller's
+            # fleet: the controller sees none of the relay's traffic (nor its KV events).
+            for i in range(num_engines + (1 if relay_floor else 0)):
                 cfg = work / f"e{i}.yaml"
                 cfg.write_text(
                     f"listen: 127.0.0.1:0\ninstance_id: e{i}\nmodel: sim\n"
@@ -207,12 +221,23 @@ async def _gateway_overhead(
             cfg = work / "controller.yaml"
             cfg.write_text(
                 "listen: 127.0.0.1:0\nengines:\n"
-                + "".join(f"  - {{address: 127.0.0.1:{p}}}\n" for p in ports)
+                + "".join(f"  - {{address: 127.0.0.1:{p}}}\n" for p in ports[:num_engines])
             )
             proc, controller_port = await _spawn(
                 ["controller", "serve", "--config", str(cfg)], work / "c.port", work / "c.log"
             )
             procs.append(proc)
+            controller_pid = proc.pid
+            relay = relay_pid = None
+            if relay_floor:
+                proc, relay_port = await _spawn(
+                    ["--target", f"127.0.0.1:{ports[num_engines]}"],
+                    work / "relay.port",
+                    work / "relay.log",
+                    module="controller.relay_floor",
+                )
+                procs.append(proc)
+                relay, relay_pid = f"127.0.0.1:{relay_port}", proc.pid
             gateway = f"127.0.0.1:{controller_port}"
             await wait_routable(gateway, num_engines)
             results = await time_gateway_pairs(
@@ -222,7 +247,9 @@ async def _gateway_overhead(
                 prompt=lambda i: [(i * 7 + j) % 30000 for j in range(prompt_tokens)],
                 num_pairs=num_requests,
                 max_tokens=4,
-                controller_pid=proc.pid,
+                controller_pid=controller_pid,
+                relay=relay,
+                relay_pid=relay_pid,
             )
         finally:
             for proc in procs:
@@ -243,31 +270,41 @@ def bench_gateway(
     engines: Annotated[int, typer.Option(min=1)] = 3,
     requests: Annotated[int, typer.Option(min=10)] = 300,
     prompt_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    relay_floor: Annotated[
+        bool, typer.Option(help="Also time a bare gRPC relay: the floor of any Python hop.")
+    ] = True,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """What the controller adds to a request: sim engines (no compute time), sequential
-    requests, direct and through the gateway alternated."""
+    requests, direct and through the gateway (and a bare relay) in rotating order."""
     import asyncio
 
-    doc = asyncio.run(_gateway_overhead(engines, requests, prompt_tokens))
+    doc = asyncio.run(_gateway_overhead(engines, requests, prompt_tokens, relay_floor))
 
     def render(d: dict[str, Any]) -> str:
         lines = [
             f"{d['requests']} sequential request pairs, {d['prompt_tokens']} prompt tokens, "
             f"{d['engines']} sim engines"
         ]
-        for name in ("direct", "gateway"):
+        for name in ("direct", "gateway", "relay"):
+            if name not in d:
+                continue
             f, t = d[name]["first_response_ms"], d[name]["request_ms"]
             lines.append(
                 f"{name:<8} first response p50 {f['p50']:.2f} ms p99 {f['p99']:.2f} ms; "
                 f"request p50 {t['p50']:.2f} ms p99 {t['p99']:.2f} ms"
             )
-        added = d["added_ms"]
-        lines.append(
-            f"added    p50 {added['p50']:.2f} ms p99 {added['p99']:.2f} ms; "
-            f"paired median {added['paired_median']:.2f} ms"
-        )
-        lines.append(f"controller CPU {d['controller_cpu_ms_per_request']:.3f} ms a request")
+        for label, key in (("added", "added_ms"), ("relay added", "relay_added_ms")):
+            if key in d:
+                added = d[key]
+                lines.append(
+                    f"{label:<8} p50 {added['p50']:.2f} ms p99 {added['p99']:.2f} ms; "
+                    f"paired median {added['paired_median']:.2f} ms"
+                )
+        cpu = f"controller CPU {d['controller_cpu_ms_per_request']:.3f} ms a request"
+        if "relay_cpu_ms_per_request" in d:
+            cpu += f"; bare relay {d['relay_cpu_ms_per_request']:.3f} ms"
+        lines.append(cpu)
         return "\n".join(lines)
 
     emit(doc, output, render)

@@ -27,14 +27,12 @@ def serve(
     config: ConfigOption = None, listen: ListenOption = None, port_file: PortFileOption = None
 ) -> None:
     """Serve the fleet gateway (openengine.v1.OpenEngine) and the admin API."""
-    import asyncio
-
-    from controller.app import run_controller
+    from controller.app import serve_controller
     from controller.config import ControllerConfig
     from kvplane.config import load_config
 
     cfg = load_config(ControllerConfig, config, {"listen": listen})
-    asyncio.run(run_controller(cfg, port_file=port_file))
+    serve_controller(cfg, port_file=port_file)
 
 
 def _register_admin_commands() -> None:

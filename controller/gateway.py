@@ -110,7 +110,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             try:
                 decision = c.route(plan, frozenset(tried))
             except NoEngineAvailableError as exc:
-                c.metrics.requests.labels("no_engine").inc()
+                c.metrics.count_request("no_engine")
                 await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
             if attempt == 0:
                 c.metrics.route_seconds.observe(time.perf_counter() - started)
@@ -138,7 +138,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         self._record_usage(decision.predicted_cached_tokens, response.usage)
                     relayed = True
                     yield response
-                c.metrics.requests.labels("ok").inc()
+                c.metrics.count_request("ok")
                 c.metrics.request_seconds.observe(time.perf_counter() - started)
                 return
             except _Retry as exc:
@@ -159,7 +159,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         exc.code().name,
                     )
                     continue
-                c.metrics.requests.labels("engine_error").inc()
+                c.metrics.count_request("engine_error")
                 if not relayed:
                     await abort_with(context, exc.code(), exc.details() or exc.code().name)
                 yield pb.GenerateResponse(
@@ -178,7 +178,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 c.router.finish(request.request_id)
                 if self._holding.get(request.request_id) == decision.engine_id:
                     del self._holding[request.request_id]
-        c.metrics.requests.labels("engine_error").inc()
+        c.metrics.count_request("engine_error")
         await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine could take the request")
 
     def _record_usage(self, predicted: int, usage: pb.Usage) -> None:

@@ -3,8 +3,10 @@ controller's gateway: what `kvplane bench gateway` and `kvplane bench e2e` both 
 
 A pair is one call to an engine and one through the gateway, back to back, in alternating
 order, so slow drift in the machine's load hits both sides alike and the difference within a
-pair is the gateway's cost. The time to the first response is the first token (or finished)
-event of the stream.
+pair is the gateway's cost. Optionally each round also calls a bare relay
+(controller.relay_floor), the three calls in rotating order: what any Python gRPC hop costs
+on the machine, so that the gateway's cost can be split into that floor and its own work.
+The time to the first response is the first token (or finished) event of the stream.
 """
 
 from __future__ import annotations
@@ -131,51 +133,74 @@ async def time_gateway_pairs(
     num_pairs: int,
     max_tokens: int,
     controller_pid: int | None = None,
+    relay: str | None = None,
+    relay_pid: int | None = None,
 ) -> dict[str, Any]:
     """`num_pairs` measured pairs after `WARM_UP_PAIRS`; pair i calls engine i mod
     len(engines) directly and the gateway, each with a fresh `prompt(i)` (unique prompts: no
     cache hits). With `controller_pid`, also the controller's CPU per measured gateway
-    request (its background polling included, a small share)."""
-    channels = [grpc.aio.insecure_channel(a) for a in (gateway, *engines)]
-    samples: dict[str, list[Outcome]] = {"direct": [], "gateway": []}
-    cpu_started = 0.0
+    request (its background polling included, a small share). With `relay` (a bare relay,
+    controller.relay_floor, to an engine like these), each round also calls it, the three
+    calls in rotating order, and the relay's added latency (and with `relay_pid` its CPU) is
+    reported beside the gateway's."""
+    targets = {"direct": list(engines), "gateway": [gateway]}
+    if relay is not None:
+        targets["relay"] = [relay]
+    channels = {
+        side: [grpc.aio.insecure_channel(a) for a in addresses]
+        for side, addresses in targets.items()
+    }
+    stubs: dict[str, list[pb_grpc.OpenEngineAsyncStub]] = {
+        side: [pb_grpc.OpenEngineStub(c) for c in side_channels]
+        for side, side_channels in channels.items()
+    }
+    sides = list(stubs)
+    samples: dict[str, list[Outcome]] = {side: [] for side in sides}
+    pids = {
+        name: pid
+        for name, pid in (("controller", controller_pid), ("relay", relay_pid))
+        if pid is not None
+    }
+    cpu_started: dict[str, float] = {}
     try:
-        gateway_stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channels[0])
-        engine_stubs: list[pb_grpc.OpenEngineAsyncStub] = [
-            pb_grpc.OpenEngineStub(c) for c in channels[1:]
-        ]
         for i in range(num_pairs + WARM_UP_PAIRS):
-            if i == WARM_UP_PAIRS and controller_pid is not None:
-                cpu_started = cpu_seconds(controller_pid)
-            for side in ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct"):
-                stub = gateway_stub if side == "gateway" else engine_stubs[i % len(engine_stubs)]
+            if i == WARM_UP_PAIRS:
+                cpu_started = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            for side in sides[i % len(sides) :] + sides[: i % len(sides)]:
+                stub = stubs[side][i % len(stubs[side])]
                 request = generate_request(f"gw-{side}-{i}", model, prompt(i), max_tokens)
                 outcome = await timed_generate(stub, request, time.perf_counter())
                 if not outcome.ok:
                     raise KvplaneError(f"gateway timing: a {side} request failed")
                 if i >= WARM_UP_PAIRS:
                     samples[side].append(outcome)
-        cpu = cpu_seconds(controller_pid) - cpu_started if controller_pid is not None else None
+        cpu = {name: cpu_seconds(pids[name]) - started for name, started in cpu_started.items()}
     finally:
-        for channel in channels:
-            await channel.close()
+        for side_channels in channels.values():
+            for channel in side_channels:
+                await channel.close()
     doc: dict[str, Any] = {"pairs": num_pairs}
     for side, outcomes in samples.items():
         doc[side] = {
             "first_response_ms": latency_summary([o.ttft_ms or 0.0 for o in outcomes]),
             "request_ms": latency_summary([o.latency_ms for o in outcomes]),
         }
-    doc["added_ms"] = {
-        key: round(
-            doc["gateway"]["first_response_ms"][key] - doc["direct"]["first_response_ms"][key], 3
-        )
-        for key in ("p50", "p99")
-    }
-    paired = sorted(
-        (g.ttft_ms or 0.0) - (d.ttft_ms or 0.0)
-        for d, g in zip(samples["direct"], samples["gateway"], strict=True)
-    )
-    doc["added_ms"]["paired_median"] = round(paired[len(paired) // 2], 3) if paired else 0.0
-    if cpu is not None:
-        doc["controller_cpu_ms_per_request"] = round(cpu * 1000 / max(1, num_pairs), 3)
+    doc["added_ms"] = _added(doc, samples, "gateway")
+    if relay is not None:
+        doc["relay_added_ms"] = _added(doc, samples, "relay")
+    for name, seconds in cpu.items():
+        doc[f"{name}_cpu_ms_per_request"] = round(seconds * 1000 / max(1, num_pairs), 3)
     return doc
+
+
+def _added(doc: dict[str, Any], samples: dict[str, list[Outcome]], side: str) -> dict[str, float]:
+    """What `side` adds to the time to the first response over calling the engine directly:
+    the difference of the p50s and p99s, and the median of the per-round differences."""
+    first = {name: doc[name]["first_response_ms"] for name in ("direct", side)}
+    added = {key: round(first[side][key] - first["direct"][key], 3) for key in ("p50", "p99")}
+    paired = sorted(
+        (s.ttft_ms or 0.0) - (d.ttft_ms or 0.0)
+        for d, s in zip(samples["direct"], samples[side], strict=True)
+    )
+    added["paired_median"] = round(paired[len(paired) // 2], 3) if paired else 0.0
+    return added

@@ -5,13 +5,14 @@ index size, and gateway latency."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from controller.registry import Registry
 
+RequestOutcome = Literal["ok", "no_engine", "engine_error"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -88,6 +89,10 @@ class ControllerMetrics:
         self.requests = Counter(
             "kvplane_controller_requests", "Gateway requests by outcome", ["outcome"], registry=r
         )
+        # Labelled children looked up once: `labels()` takes a lock and builds its key on every
+        # call, a few times the cost of the increment itself, on every routed request.
+        self._outcomes = {o: self.requests.labels(o) for o in get_args(RequestOutcome)}
+        self._decisions: dict[tuple[str, str], Counter] = {}
         self.retries = Counter(
             "kvplane_controller_retries", "Requests retried on another engine", registry=r
         )
@@ -115,3 +120,12 @@ class ControllerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def count_request(self, outcome: RequestOutcome) -> None:
+        self._outcomes[outcome].inc()
+
+    def count_decision(self, policy: str, reason: str) -> None:
+        child = self._decisions.get((policy, reason))
+        if child is None:
+            child = self._decisions[policy, reason] = self.decisions.labels(policy, reason)
+        child.inc()

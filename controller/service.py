@@ -131,7 +131,7 @@ class Controller:
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
         candidates = [c for c in plan.view.candidates if c.engine_id not in exclude]
         decision = self.router.route(plan.request, candidates, self.rng, self.clock())
-        self.metrics.decisions.labels(decision.policy, decision.reason.value).inc()
+        self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision
 
     def explain(self, plan: Plan) -> Decision:
