@@ -267,6 +267,7 @@ class Fleet:
                 hit=hits.get(r.address, PrefixHit()),
                 load=r.load,
                 total_kv_blocks=r.identity.total_kv_blocks if r.identity else None,
+                block_size=r.identity.block_size if r.identity else None,
                 cached_blocks=self.indexed_blocks.get(r.address),
             )
             for r in records

@@ -242,6 +242,7 @@ class _RouterView:
                     hit=PrefixHit(device_blocks=n),
                     load=self.loads[engine.index],
                     total_kv_blocks=self.settings.blocks_per_worker,
+                    block_size=self.settings.block_size,
                     cached_blocks=self.cached[engine.index],
                 )
             )

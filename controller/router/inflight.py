@@ -2,9 +2,11 @@
 
 Routers that only learn load from a periodic poll send a whole burst to the engine that looked
 idle at the last poll. Here `begin` charges the engine at once with the request and its
-uncached prefill work; `first_token` releases the prefill work (the engine reported its first
-token, so the prompt is computed); `finish` releases the request. Every call is idempotent per
-request id, so a retried or duplicated notification never drives a counter negative.
+uncached prefill work (and notes the cached rest of its prompt, which the engine's polled queue
+still counts: `Candidate.pending_prefill_tokens`); `first_token` releases the prefill work (the
+engine reported its first token, so the prompt is computed); `finish` releases the request.
+Every call is idempotent per request id, so a retried or duplicated notification never drives a
+counter negative.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from controller.router.model import InFlight
 class _Entry:
     engine_id: str
     prefill_tokens: int
+    cached_tokens: int
     context_blocks: int
     prefilling: bool = True
 
@@ -45,28 +48,46 @@ class InFlightTracker:
         return self._by_engine.get(engine_id, InFlight())
 
     def begin(
-        self, request_id: str, engine_id: str, prefill_tokens: int, context_blocks: int
+        self,
+        request_id: str,
+        engine_id: str,
+        prefill_tokens: int,
+        context_blocks: int,
+        cached_tokens: int = 0,
     ) -> None:
-        """Charge `engine_id` with a request; a request id already in flight is moved."""
+        """Charge `engine_id` with a request (`prefill_tokens` to compute, `cached_tokens` of
+        its prompt expected from the engine's cache); a request id already in flight is
+        moved."""
         if request_id in self._entries:
             self.finish(request_id)
-        self._entries[request_id] = _Entry(engine_id, prefill_tokens, context_blocks)
-        self._add(engine_id, 1, 1, prefill_tokens, context_blocks)
+        self._entries[request_id] = _Entry(engine_id, prefill_tokens, cached_tokens, context_blocks)
+        charge = InFlight(
+            requests=1,
+            prefilling=1,
+            prefill_tokens=prefill_tokens,
+            prefill_cached_tokens=cached_tokens,
+            context_blocks=context_blocks,
+        )
+        self._add(engine_id, charge)
 
     def first_token(self, request_id: str) -> None:
         entry = self._entries.get(request_id)
         if entry is None or not entry.prefilling:
             return
         entry.prefilling = False
-        self._add(entry.engine_id, 0, -1, -entry.prefill_tokens, 0)
+        release = InFlight(
+            prefilling=-1,
+            prefill_tokens=-entry.prefill_tokens,
+            prefill_cached_tokens=-entry.cached_tokens,
+        )
+        self._add(entry.engine_id, release)
 
     def finish(self, request_id: str) -> None:
+        self.first_token(request_id)  # ended before its first token: its prefill is off too
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
-        prefilling = 1 if entry.prefilling else 0
-        prefill = entry.prefill_tokens if entry.prefilling else 0
-        self._add(entry.engine_id, -1, -prefilling, -prefill, -entry.context_blocks)
+        self._add(entry.engine_id, InFlight(requests=-1, context_blocks=-entry.context_blocks))
 
     def drop_engine(self, engine_id: str) -> list[str]:
         """Forget every request on `engine_id` (it died or was removed); returns their ids."""
@@ -76,15 +97,14 @@ class InFlightTracker:
         self._by_engine.pop(engine_id, None)
         return dropped
 
-    def _add(
-        self, engine_id: str, requests: int, prefilling: int, prefill_tokens: int, blocks: int
-    ) -> None:
+    def _add(self, engine_id: str, delta: InFlight) -> None:
         old = self._by_engine.get(engine_id, InFlight())
         new = InFlight(
-            requests=old.requests + requests,
-            prefilling=old.prefilling + prefilling,
-            prefill_tokens=old.prefill_tokens + prefill_tokens,
-            context_blocks=old.context_blocks + blocks,
+            requests=old.requests + delta.requests,
+            prefilling=old.prefilling + delta.prefilling,
+            prefill_tokens=old.prefill_tokens + delta.prefill_tokens,
+            prefill_cached_tokens=old.prefill_cached_tokens + delta.prefill_cached_tokens,
+            context_blocks=old.context_blocks + delta.context_blocks,
         )
         if new.requests == 0:
             self._by_engine.pop(engine_id, None)

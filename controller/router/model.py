@@ -38,13 +38,15 @@ class InFlight:
     """The router's own accounting for one engine, updated the instant it routes.
 
     `prefill_tokens`: uncached prompt tokens of requests still waiting for their first token
-    (the prefill queue this router put there); `context_blocks`: KV blocks its active
-    requests' prompts occupy.
+    (the prefill queue this router put there); `prefill_cached_tokens`: the prompt tokens of
+    those same requests that the router expects the engine to serve from its cache;
+    `context_blocks`: KV blocks its active requests' prompts occupy.
     """
 
     requests: int = 0
     prefilling: int = 0
     prefill_tokens: int = 0
+    prefill_cached_tokens: int = 0
     context_blocks: int = 0
 
 
@@ -65,8 +67,9 @@ class Candidate:
     hit: PrefixHit = PrefixHit()
     load: LoadSnapshot = LoadSnapshot()
     inflight: InFlight = InFlight()
-    # Capacity in blocks (GetModelInfo.total_kv_blocks); None when unknown.
+    # Capacity in blocks (GetModelInfo.total_kv_blocks) and tokens per block; None when unknown.
     total_kv_blocks: int | None = None
+    block_size: int | None = None
     # Blocks the index places on the engine (cached, in use or not); None when unknown.
     cached_blocks: int | None = None
 
@@ -83,7 +86,30 @@ class Candidate:
 
     @property
     def pending_prefill_tokens(self) -> int:
-        return max(self.load.waiting_tokens or 0, self.inflight.prefill_tokens)
+        """Prompt tokens the engine still has to prefill before a new request's.
+
+        GetLoad's `waiting_tokens` counts every waiting prompt whole: the engine looks up its
+        cache only when it admits a request, so a follow-up turn queued behind others counts
+        its cached conversation too. The router knows how much of each request it sent should
+        be cached, so that part comes out of the polled figure, as far as it will still be
+        cached at admission (`cache_survival`). The router's own uncached in-flight prefill
+        is the floor (the poll lags, and the correction may also take out requests already
+        running or sent after the poll, which the polled figure does not hold)."""
+        cached = self.cache_survival * self.inflight.prefill_cached_tokens
+        polled = (self.load.waiting_tokens or 0) - round(cached)
+        return max(polled, self.inflight.prefill_tokens)
+
+    @property
+    def cache_survival(self) -> float:
+        """The share of a queued request's cached prefix the engine should still hold when it
+        admits the request (1.0 when the cache size is unknown). Everything queued ahead is
+        computed first and passes through the cache, evicting the least recently used blocks:
+        a prefix outlives a queue that is short against the cache, not one that fills it (under
+        overload most predicted hits are gone by admission)."""
+        total = self.total_kv_blocks or self.load.total_kv_blocks
+        if not total or not self.block_size:
+            return 1.0
+        return max(0.0, 1.0 - self.inflight.prefill_tokens / (total * self.block_size))
 
     @property
     def cache_pressure(self) -> float:

@@ -192,9 +192,15 @@ class Router:
         now_s: float,
     ) -> Decision:
         decision = self._decide(request, candidates, rng, now_s)
-        prefill = max(request.num_prompt_tokens - decision.predicted_cached_tokens, 0)
+        cached = min(decision.predicted_cached_tokens, request.num_prompt_tokens)
         blocks = math.ceil(request.num_prompt_tokens / max(request.block_size, 1))
-        self.inflight.begin(request.request_id, decision.engine_id, prefill, blocks)
+        self.inflight.begin(
+            request.request_id,
+            decision.engine_id,
+            request.num_prompt_tokens - cached,
+            blocks,
+            cached,
+        )
         self.pending.add(decision.engine_id, request.request_id, request.block_keys, now_s)
         self.policy.observe(request, decision.engine_id, now_s)
         if request.session_key:
@@ -249,6 +255,7 @@ class Router:
                 chosen.engine_id,
                 request.num_prompt_tokens - device - host,
                 math.ceil(request.num_prompt_tokens / request.block_size),
+                device + host,
             )
             return DisaggDecision(None, decode)
         prefill = self.route(request, prefill_candidates, rng, now_s)

@@ -30,7 +30,8 @@ ops = st.lists(
 def test_inflight_matches_a_naive_model(steps: list[tuple[str, int, int, str]]) -> None:
     router = Router(make_policy("kvplane"), pending_ttl_s=0)
     rng = random.Random(0)
-    model: dict[str, tuple[str, int, int, bool]] = {}  # rid -> engine, prefill, blocks, prefilling
+    # rid -> engine, prefill, cached, blocks, prefilling
+    model: dict[str, tuple[str, int, int, int, bool]] = {}
     for op, n, tokens, engine in steps:
         rid = f"r{n}"
         if op == "route":
@@ -40,14 +41,15 @@ def test_inflight_matches_a_naive_model(steps: list[tuple[str, int, int, str]]) 
             model[rid] = (
                 d.engine_id,
                 tokens - d.predicted_cached_tokens,
+                d.predicted_cached_tokens,
                 math.ceil(tokens / BS),
                 True,
             )
         elif op == "first":
             router.first_token(rid)
             if rid in model:
-                e, p, b, _ = model[rid]
-                model[rid] = (e, p, b, False)
+                e, p, c, b, _ = model[rid]
+                model[rid] = (e, p, c, b, False)
         elif op == "finish":
             router.finish(rid)
             model.pop(rid, None)
@@ -58,9 +60,10 @@ def test_inflight_matches_a_naive_model(steps: list[tuple[str, int, int, str]]) 
             mine = [v for v in model.values() if v[0] == e]
             expected = InFlight(
                 requests=len(mine),
-                prefilling=sum(v[3] for v in mine),
-                prefill_tokens=sum(v[1] for v in mine if v[3]),
-                context_blocks=sum(v[2] for v in mine),
+                prefilling=sum(v[4] for v in mine),
+                prefill_tokens=sum(v[1] for v in mine if v[4]),
+                prefill_cached_tokens=sum(v[2] for v in mine if v[4]),
+                context_blocks=sum(v[3] for v in mine),
             )
             assert router.inflight.of(e) == expected
     assert len(router.inflight) == len(model)

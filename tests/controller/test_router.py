@@ -150,6 +150,54 @@ def test_kvplane_leaves_a_cached_engine_whose_queue_is_long() -> None:
     assert (d.engine_id, d.reason) == ("b", Reason.LOAD)
 
 
+def test_the_polled_queue_leaves_out_what_the_router_knows_is_cached() -> None:
+    """GetLoad's waiting tokens count each waiting prompt whole; the cached part of the
+    router's own waiting requests comes out, down to its own uncached prefill at least."""
+    known = InFlight(requests=2, prefilling=2, prefill_tokens=1_000, prefill_cached_tokens=8_000)
+    polled = Candidate("a", load=LoadSnapshot(waiting_tokens=10_000), inflight=known)
+    assert polled.pending_prefill_tokens == 2_000
+    # Requests already running, or sent since the poll, are not in the polled figure.
+    stale = Candidate("a", load=LoadSnapshot(waiting_tokens=3_000), inflight=known)
+    assert stale.pending_prefill_tokens == 1_000
+    assert Candidate("a", inflight=known).pending_prefill_tokens == 1_000
+    assert Candidate("a", load=LoadSnapshot(waiting_tokens=500)).pending_prefill_tokens == 500
+
+
+def test_predicted_hits_count_as_far_as_they_outlive_the_queue() -> None:
+    """A queued request's cached prefix comes out of the polled queue in the share the cache
+    keeps while the work ahead passes through it: none once that work fills the cache."""
+    known = InFlight(requests=2, prefilling=2, prefill_tokens=1_000, prefill_cached_tokens=8_000)
+    polled = LoadSnapshot(waiting_tokens=10_000)
+    # A cache of 4 blocks of 1,000 tokens.
+    short_queue = Candidate("a", load=polled, inflight=known, total_kv_blocks=4, block_size=1_000)
+    assert short_queue.cache_survival == pytest.approx(0.75)
+    assert short_queue.pending_prefill_tokens == 10_000 - 6_000
+    overloaded = dataclasses.replace(
+        short_queue, inflight=dataclasses.replace(known, prefill_tokens=5_000)
+    )
+    assert overloaded.cache_survival == 0.0
+    assert overloaded.pending_prefill_tokens == 10_000
+    assert Candidate("a", load=polled, inflight=known).cache_survival == 1.0  # size unknown
+
+
+def test_queued_turns_of_cached_conversations_do_not_push_a_request_off_its_prefix() -> None:
+    """Two follow-up turns queued on `a` are mostly cached there: the poll shows their whole
+    prompts (16k tokens), the real prefill queue is 1k. A third request with an 8-block prefix
+    on `a` stays (counting the whole prompts, recomputing its prefix on idle `b` would win)."""
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(0)
+    for rid, first_key in (("t1", 1000), ("t2", 2000)):
+        turn = request(rid, blocks=64, keys_from=first_key)
+        d = router.route(turn, [cand("a", 60), cand("b")], rng, 0)
+        assert d.engine_id == "a"
+    polled_queue = 2 * (64 * BS + 5)
+    holder = cand("a", 8, queued_requests=2, waiting_tokens=polled_queue)
+    d = router.explain(request("t3", blocks=64), [holder, cand("b")], rng, 0)
+    assert (d.engine_id, d.reason) == ("a", Reason.CACHE)
+    (row_a,) = [r for r in d.costs if r.engine_id == "a"]
+    assert row_a.queue_cost == 2 * (4 * BS + 5)
+
+
 def test_ties_are_spread_at_random() -> None:
     router = Router(make_policy("kvplane"))
     rng = random.Random(1)
@@ -185,7 +233,11 @@ def test_inflight_accounting_charges_at_once_and_releases() -> None:
     d = router.route(req, [cand("a", 2), cand("b")], rng, 0)
     assert d.engine_id == "a"
     assert router.inflight.of("a") == InFlight(
-        requests=1, prefilling=1, prefill_tokens=2 * BS + 5, context_blocks=5
+        requests=1,
+        prefilling=1,
+        prefill_tokens=2 * BS + 5,
+        prefill_cached_tokens=2 * BS,
+        context_blocks=5,
     )
     router.first_token("x")
     router.first_token("x")
