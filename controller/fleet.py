@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 
@@ -33,7 +33,7 @@ from controller.registry import (
     check_revision,
 )
 from controller.router import Candidate, LoadSnapshot, PrefixHit
-from indexer.backend import IndexBackend
+from indexer.backend import IndexBackend, TierPrefix
 from indexer.batch import Tier
 from indexer.keys import block_keys
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
@@ -72,9 +72,20 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class PromptView:
-    """A prompt as the router sees it: its canonical keys and every routable engine."""
+_NO_HIT = PrefixHit()
+
+
+def _device_blocks(tiers: Sequence[TierPrefix]) -> int:
+    """Leading blocks of a match held on the device (HBM) tier."""
+    for tier in tiers:
+        if tier.tier is Tier.HBM:
+            return tier.matched_blocks
+    return 0
+
+
+class PromptView(NamedTuple):
+    """A prompt as the router sees it: its canonical keys and every routable engine (a named
+    tuple, as the router's vocabulary is: one is built on every routed request)."""
 
     block_size: int
     block_keys: tuple[int, ...]
@@ -259,20 +270,22 @@ class Fleet:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and records:
                 for match in await self.index.match_prefix_by_tier(keys, 0):
-                    device = next((t.matched_blocks for t in match.tiers if t.tier is Tier.HBM), 0)
+                    device = _device_blocks(match.tiers)
                     hits[match.worker_id] = PrefixHit(device, max(match.matched_blocks - device, 0))
-        candidates = tuple(
-            Candidate(
-                r.address,
-                hit=hits.get(r.address, PrefixHit()),
-                load=r.load,
-                total_kv_blocks=r.identity.total_kv_blocks if r.identity else None,
-                block_size=r.identity.block_size if r.identity else None,
-                cached_blocks=self.indexed_blocks.get(r.address),
+        candidates = []
+        for r in records:
+            identity = r.identity
+            candidates.append(
+                Candidate(
+                    r.address,
+                    hit=hits.get(r.address, _NO_HIT),
+                    load=r.load,
+                    total_kv_blocks=identity.total_kv_blocks if identity else None,
+                    block_size=identity.block_size if identity else None,
+                    cached_blocks=self.indexed_blocks.get(r.address),
+                )
             )
-            for r in records
-        )
-        return PromptView(size, keys, candidates)
+        return PromptView(size, keys, tuple(candidates))
 
     # ---- polling ----
 

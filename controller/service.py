@@ -12,8 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from controller.config import ControllerConfig
 from controller.fleet import Fleet, PromptView
@@ -31,8 +30,10 @@ INDEX_STATS_INTERVAL_S = 5.0
 STATS_CANCEL_WAIT_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class PromptInput:
+class PromptInput(NamedTuple):
+    """A request's prompt and routing context, as the gateways hand it over (a named tuple:
+    one is built on every routed request)."""
+
     request_id: str
     prompt: str | None = None
     token_ids: tuple[int, ...] | None = None
@@ -42,8 +43,9 @@ class PromptInput:
     session_key: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(NamedTuple):
+    """A prompt ready to route (a named tuple: one is built on every routed request)."""
+
     request: RouteRequest
     view: PromptView
     # False: a text prompt and no tokenizer, so the router could not see the cache.
@@ -129,7 +131,9 @@ class Controller:
         return Plan(request, view, tokenized)
 
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
-        candidates = [c for c in plan.view.candidates if c.engine_id not in exclude]
+        candidates = plan.view.candidates
+        if exclude:  # a retry: not the engines that already failed it
+            candidates = tuple(c for c in candidates if c.engine_id not in exclude)
         decision = self.router.route(plan.request, candidates, self.rng, self.clock())
         self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision

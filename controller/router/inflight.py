@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from controller.router.model import InFlight
 
+# An engine with nothing in flight (InFlight is immutable, so one instance serves them all).
+_IDLE = InFlight()
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -45,7 +48,7 @@ class InFlightTracker:
         ]
 
     def of(self, engine_id: str) -> InFlight:
-        return self._by_engine.get(engine_id, InFlight())
+        return self._by_engine.get(engine_id, _IDLE)
 
     def begin(
         self,
@@ -61,33 +64,33 @@ class InFlightTracker:
         if request_id in self._entries:
             self.finish(request_id)
         self._entries[request_id] = _Entry(engine_id, prefill_tokens, cached_tokens, context_blocks)
-        charge = InFlight(
+        self._add(
+            engine_id,
             requests=1,
             prefilling=1,
             prefill_tokens=prefill_tokens,
             prefill_cached_tokens=cached_tokens,
             context_blocks=context_blocks,
         )
-        self._add(engine_id, charge)
 
     def first_token(self, request_id: str) -> None:
         entry = self._entries.get(request_id)
         if entry is None or not entry.prefilling:
             return
         entry.prefilling = False
-        release = InFlight(
+        self._add(
+            entry.engine_id,
             prefilling=-1,
             prefill_tokens=-entry.prefill_tokens,
             prefill_cached_tokens=-entry.cached_tokens,
         )
-        self._add(entry.engine_id, release)
 
     def finish(self, request_id: str) -> None:
         self.first_token(request_id)  # ended before its first token: its prefill is off too
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
-        self._add(entry.engine_id, InFlight(requests=-1, context_blocks=-entry.context_blocks))
+        self._add(entry.engine_id, requests=-1, context_blocks=-entry.context_blocks)
 
     def drop_engine(self, engine_id: str) -> list[str]:
         """Forget every request on `engine_id` (it died or was removed); returns their ids."""
@@ -97,14 +100,25 @@ class InFlightTracker:
         self._by_engine.pop(engine_id, None)
         return dropped
 
-    def _add(self, engine_id: str, delta: InFlight) -> None:
-        old = self._by_engine.get(engine_id, InFlight())
+    def _add(
+        self,
+        engine_id: str,
+        *,
+        requests: int = 0,
+        prefilling: int = 0,
+        prefill_tokens: int = 0,
+        prefill_cached_tokens: int = 0,
+        context_blocks: int = 0,
+    ) -> None:
+        """Apply a change to the engine's totals (a new snapshot: candidates already built keep
+        the one they were given)."""
+        old = self._by_engine.get(engine_id, _IDLE)
         new = InFlight(
-            requests=old.requests + delta.requests,
-            prefilling=old.prefilling + delta.prefilling,
-            prefill_tokens=old.prefill_tokens + delta.prefill_tokens,
-            prefill_cached_tokens=old.prefill_cached_tokens + delta.prefill_cached_tokens,
-            context_blocks=old.context_blocks + delta.context_blocks,
+            old.requests + requests,
+            old.prefilling + prefilling,
+            old.prefill_tokens + prefill_tokens,
+            old.prefill_cached_tokens + prefill_cached_tokens,
+            old.context_blocks + context_blocks,
         )
         if new.requests == 0:
             self._by_engine.pop(engine_id, None)

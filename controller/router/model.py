@@ -1,12 +1,20 @@
 """The router core's vocabulary: what it is asked, what it knows about each engine, and what
-it answers. Frozen, slotted dataclasses; proto types never reach this far (the gateway and the
-replay build these from GetLoad, the index and their own bookkeeping).
+it answers. All immutable; proto types never reach this far (the gateway and the replay build
+these from GetLoad, the index and their own bookkeeping).
+
+What a routed request builds (`RouteRequest`, and per engine `PrefixHit`, `InFlight`,
+`Candidate`, `EngineCost`, then the `Decision`) are named tuples rather than frozen
+dataclasses: a request builds a dozen of them before the engine is called, and a tuple is
+built about three times faster (a frozen dataclass sets each field through
+`object.__setattr__`). Use `value._replace(...)` for an altered copy. `LoadSnapshot`, built
+once per poll, stays a frozen, slotted dataclass.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class Reason(enum.StrEnum):
@@ -33,8 +41,7 @@ class LoadSnapshot:
     waiting_tokens: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class InFlight:
+class InFlight(NamedTuple):
     """The router's own accounting for one engine, updated the instant it routes.
 
     `prefill_tokens`: uncached prompt tokens of requests still waiting for their first token
@@ -50,8 +57,7 @@ class InFlight:
     context_blocks: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
+class PrefixHit(NamedTuple):
     """How many leading blocks of the prompt an engine holds: contiguously on the device tier,
     and how many more follow on a host tier (DRAM) before the first miss."""
 
@@ -59,8 +65,7 @@ class PrefixHit:
     host_blocks: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     """One routable engine as the router sees it at decision time."""
 
     engine_id: str
@@ -128,8 +133,7 @@ class Candidate:
         return self.load.used_kv_blocks / total
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
+class RouteRequest(NamedTuple):
     """A request to place: its prompt length, its canonical block keys (full blocks only) and
     optionally a session key for affinity."""
 
@@ -154,8 +158,7 @@ class RouteRequest:
         return device * self.block_size, host * self.block_size
 
 
-@dataclass(frozen=True, slots=True)
-class EngineCost:
+class EngineCost(NamedTuple):
     """One engine's terms in a decision (lower total is better; `None` for cache-blind
     policies that compute no cost)."""
 
@@ -169,11 +172,10 @@ class EngineCost:
     busy: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     engine_id: str
     reason: Reason
     policy: str
     # Prompt tokens the chosen engine is expected to serve from its cache (device + host).
     predicted_cached_tokens: int
-    costs: tuple[EngineCost, ...] = field(default=())
+    costs: tuple[EngineCost, ...] = ()

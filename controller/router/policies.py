@@ -213,16 +213,16 @@ class KvplanePolicy(_Stateless):
             device, host = request.cached_tokens(c.hit)
             uncached = request.num_prompt_tokens - device - host
             waiting = float(c.pending_prefill_tokens)
+            active = c.active_requests  # a property: read once
             prefill = overlap * (uncached + w.host_weight * host)
             queue = waiting
             if w.queue_knee > 0:
                 queue *= 1.0 + (1.0 - pressure) * waiting / w.queue_knee
-            decode = w.decode_weight * c.active_requests
+            decode = w.decode_weight * active
             if w.pass_tokens > 0:
                 # Every pass of the queue ahead and of this prompt's prefill also decodes.
-                decoding = c.active_requests - c.queued_requests
-                if c.load.running_requests is not None:
-                    decoding = c.load.running_requests
+                running = c.load.running_requests
+                decoding = running if running is not None else active - c.queued_requests
                 decoding = min(max(decoding, 0), w.pass_decodes)
                 passes = (waiting + uncached) / w.pass_tokens
                 decode += w.decode_weight * decoding * passes
@@ -252,17 +252,17 @@ class KvplanePolicy(_Stateless):
             near = [i for i, t in enumerate(totals) if t <= limit]
             tied = len(near)
             index = near[0] if tied == 1 else rng.choice(near)
-        chosen = candidates[index]
-        device, host = request.cached_tokens(chosen.hit)
+        row = rows[index]
+        cached = row.cached_tokens + row.host_cached_tokens
         if len(candidates) == 1:
             reason = Reason.ONLY
         elif tied > 1:
             reason = Reason.TIE
-        elif device + host > 0:
+        elif cached > 0:
             reason = Reason.CACHE
         else:
             reason = Reason.LOAD
-        return Decision(chosen.engine_id, reason, self.name, device + host, tuple(rows))
+        return Decision(row.engine_id, reason, self.name, cached, tuple(rows))
 
 
 def _softmax_pick(totals: Sequence[float], temperature: float, rng: random.Random) -> int:

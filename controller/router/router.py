@@ -9,7 +9,6 @@ affinity, lets the policy choose, and charges the chosen engine at once. The cal
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections import OrderedDict
@@ -78,14 +77,13 @@ class PendingPrefixes:
     def add(self, engine_id: str, request_id: str, block_keys: Sequence[int], now_s: float) -> None:
         if self.ttl_s <= 0 or not block_keys:
             return
+        self.release(request_id)
+        self._open[request_id] = (engine_id, block_keys)
         table = self._expiry.setdefault(engine_id, {})
+        held = self._held.setdefault(engine_id, {})
         expiry = now_s + self.ttl_s
         for key in block_keys:
             table[key] = expiry
-        self.release(request_id)
-        self._open[request_id] = (engine_id, block_keys)
-        held = self._held.setdefault(engine_id, {})
-        for key in block_keys:
             held[key] = held.get(key, 0) + 1
         if now_s >= self._next_purge_s:
             self._purge(now_s)
@@ -110,12 +108,16 @@ class PendingPrefixes:
 
     def extend(self, engine_id: str, block_keys: Sequence[int], start: int, now_s: float) -> int:
         """How far the held prefix reaches past `start` blocks with pending blocks."""
-        table = self._expiry.get(engine_id) or {}
-        held = self._held.get(engine_id) or {}
+        table = self._expiry.get(engine_id)
+        held = self._held.get(engine_id)
+        if not table and not held:
+            return start  # the common case: nothing pending on this engine
+        table = table or {}
+        held = held or {}
         n = start
-        while n < len(block_keys) and (
-            block_keys[n] in held or table.get(block_keys[n], -1.0) >= now_s
-        ):
+        for key in block_keys[start:]:
+            if key not in held and table.get(key, -1.0) < now_s:
+                break
             n += 1
         return n
 
@@ -165,12 +167,24 @@ class Router:
         for c in candidates:
             hit = c.hit
             if request is not None:
-                held = c.hit.device_blocks + c.hit.host_blocks
+                held = hit.device_blocks + hit.host_blocks
                 reach = self.pending.extend(c.engine_id, request.block_keys, held, now_s)
                 if reach > held:
                     # Pending blocks will be on the device once computed.
-                    hit = PrefixHit(c.hit.device_blocks + reach - held, c.hit.host_blocks)
-            out.append(dataclasses.replace(c, hit=hit, inflight=self.inflight.of(c.engine_id)))
+                    hit = PrefixHit(hit.device_blocks + reach - held, hit.host_blocks)
+            # Built directly rather than by `_replace` (which maps over every field by name):
+            # this runs for every engine on every request.
+            out.append(
+                Candidate(
+                    c.engine_id,
+                    hit,
+                    c.load,
+                    self.inflight.of(c.engine_id),
+                    c.total_kv_blocks,
+                    c.block_size,
+                    c.cached_blocks,
+                )
+            )
         return out
 
     def explain(
@@ -271,8 +285,13 @@ class Router:
         if not candidates:
             raise NoEngineAvailableError("no engine available to route to")
         view = self.with_inflight(candidates, request, now_s)
-        free = [c for c in view if not self.busy.is_busy(c)]
-        busy_ids = {c.engine_id for c in view} - {c.engine_id for c in free}
+        free: list[Candidate] = []
+        busy_ids: set[str] = set()
+        for c in view:
+            if self.busy.is_busy(c):
+                busy_ids.add(c.engine_id)
+            else:
+                free.append(c)
         if not free:
             chosen = least_loaded_of(view, rng)
             device, host = request.cached_tokens(chosen.hit)
@@ -309,10 +328,8 @@ class Router:
         if not busy_ids:
             return decision
         busy_rows = [r for r in blind_costs(request, view) if r.engine_id in busy_ids]
-        return dataclasses.replace(
-            decision, costs=decision.costs + _mark_busy(tuple(busy_rows), busy_ids)
-        )
+        return decision._replace(costs=decision.costs + _mark_busy(tuple(busy_rows), busy_ids))
 
 
 def _mark_busy(rows: tuple[EngineCost, ...], busy_ids: set[str]) -> tuple[EngineCost, ...]:
-    return tuple(dataclasses.replace(r, busy=r.engine_id in busy_ids) for r in rows)
+    return tuple(r._replace(busy=r.engine_id in busy_ids) for r in rows)

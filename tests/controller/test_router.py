@@ -172,9 +172,7 @@ def test_predicted_hits_count_as_far_as_they_outlive_the_queue() -> None:
     short_queue = Candidate("a", load=polled, inflight=known, total_kv_blocks=4, block_size=1_000)
     assert short_queue.cache_survival == pytest.approx(0.75)
     assert short_queue.pending_prefill_tokens == 10_000 - 6_000
-    overloaded = dataclasses.replace(
-        short_queue, inflight=dataclasses.replace(known, prefill_tokens=5_000)
-    )
+    overloaded = short_queue._replace(inflight=known._replace(prefill_tokens=5_000))
     assert overloaded.cache_survival == 0.0
     assert overloaded.pending_prefill_tokens == 10_000
     assert Candidate("a", load=polled, inflight=known).cache_survival == 1.0  # size unknown
