@@ -114,11 +114,11 @@ class InFlightTracker:
         the one they were given)."""
         old = self._by_engine.get(engine_id, _IDLE)
         new = InFlight(
-            old.requests + requests,
-            old.prefilling + prefilling,
-            old.prefill_tokens + prefill_tokens,
-            old.prefill_cached_tokens + prefill_cached_tokens,
-            old.context_blocks + context_blocks,
+            requests=old.requests + requests,
+            prefilling=old.prefilling + prefilling,
+            prefill_tokens=old.prefill_tokens + prefill_tokens,
+            prefill_cached_tokens=old.prefill_cached_tokens + prefill_cached_tokens,
+            context_blocks=old.context_blocks + context_blocks,
         )
         if new.requests == 0:
             self._by_engine.pop(engine_id, None)

@@ -172,19 +172,7 @@ class Router:
                 if reach > held:
                     # Pending blocks will be on the device once computed.
                     hit = PrefixHit(hit.device_blocks + reach - held, hit.host_blocks)
-            # Built directly rather than by `_replace` (which maps over every field by name):
-            # this runs for every engine on every request.
-            out.append(
-                Candidate(
-                    c.engine_id,
-                    hit,
-                    c.load,
-                    self.inflight.of(c.engine_id),
-                    c.total_kv_blocks,
-                    c.block_size,
-                    c.cached_blocks,
-                )
-            )
+            out.append(c._replace(hit=hit, inflight=self.inflight.of(c.engine_id)))
         return out
 
     def explain(
