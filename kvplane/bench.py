@@ -29,8 +29,9 @@ def bench_index(
 
 
 def _register_component_benchmarks() -> None:
-    from controller.bench import bench_gateway, bench_route
+    from controller.bench import bench_route
     from controller.e2e_bench import bench_e2e
+    from controller.gateway_bench import bench_gateway
     from engine.sim_bench import bench_sim
     from engine.torch_runner.bench import bench_engine  # imports torch only when run
 
