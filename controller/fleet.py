@@ -378,6 +378,11 @@ class Fleet:
                         model.total_kv_blocks if model.HasField("total_kv_blocks") else None
                     ),
                     supports_lora=model.supports_lora if model.HasField("supports_lora") else None,
+                    tasks=frozenset(
+                        name
+                        for name in ("embed", "classify", "score")
+                        if getattr(model.tasks, name).supported
+                    ),
                 )
         is_new = self.registry.on_identity(engine.address, identity, self._clock())
         if is_new:

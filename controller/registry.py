@@ -94,6 +94,9 @@ class EngineIdentity:
     schema_revision: int
     minimum_client_revision: int
     schema_release: str
+    # Tasks besides Generate that GetModelInfo says are supported ("embed", "classify",
+    # "score"); empty when it says none or was not asked.
+    tasks: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)

@@ -546,7 +546,9 @@ async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> boo
                 fleet.kill_all()
             stop.set()
 
-        signals = (signal.SIGINT, signal.SIGTERM)
+        # SIGHUP too: the members run in sessions of their own, so a closed terminal reaches
+        # only us, and we must stop them.
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         for sig in signals:
             loop.add_signal_handler(sig, on_signal)
         main = asyncio.ensure_future(_main(fleet, stop, live, check))

@@ -139,7 +139,12 @@ def test_ctrl_c_drains_in_flight_work_and_leaves_no_process(tmp_path: Path) -> N
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_during_start_up_leaves_no_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("interrupt", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
+def test_interrupt_during_start_up_leaves_no_process(
+    tmp_path: Path, interrupt: signal.Signals
+) -> None:
+    """Ctrl-C, or the terminal going away (SIGHUP), stops every member: they run in sessions
+    of their own, so nothing else would reach them."""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
         "members:\n"
@@ -168,7 +173,7 @@ def test_ctrl_c_during_start_up_leaves_no_process(tmp_path: Path) -> None:
             if match:
                 pids.append(int(match.group(1)))
         assert len(pids) == 2
-        proc.send_signal(signal.SIGINT)  # the engines are starting; the controller is not
+        proc.send_signal(interrupt)  # the engines are starting; the controller is not
         assert proc.wait(timeout=60) == 0
         rest = proc.stderr.read()
         assert "fleet stopped" in rest
