@@ -6,6 +6,7 @@ prints machine-readable results. RPC failures become one-line errors (exit code 
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 import grpc
 import typer
 
+from indexer.batch import to_sfixed64
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli_common import OutputFormat, OutputOption, emit, rpc_channel
@@ -159,15 +161,47 @@ def _read_tokens(path: Path) -> list[int]:
 
 
 def _parse_hashes(values: list[str]) -> list[int]:
+    """Block hashes as engines print them (signed or unsigned 64-bit, decimal or 0x...), in
+    the seed's sfixed64 space (`to_sfixed64`: 2**64 - 1 -> -1)."""
     out = []
     for value in values:
         for part in re.split(r"[\s,]+", value.strip()):
             if part:
                 try:
-                    out.append(int(part, 0))
+                    out.append(to_sfixed64(int(part, 0)))
                 except ValueError:
-                    raise typer.BadParameter(f"not an integer hash: {part!r}") from None
+                    raise typer.BadParameter(
+                        f"not a 64-bit integer hash: {part!r}", param_hint="--hashes"
+                    ) from None
     return out
+
+
+class HashChoice(enum.StrEnum):
+    """`--hash`: the key space MatchTokens hashes the prompt into."""
+
+    canonical = "canonical"
+    sha256 = "sha256"
+    sha256_cbor = "sha256_cbor"
+
+
+_KEY_SPACES = {
+    HashChoice.canonical: api.KEY_SPACE_CANONICAL,
+    HashChoice.sha256: api.KEY_SPACE_VLLM_SHA256,
+    HashChoice.sha256_cbor: api.KEY_SPACE_VLLM_SHA256_CBOR,
+}
+
+
+def _parse_mm_item(value: str) -> api.MultimodalItem:
+    item_id, sep, span = value.rpartition(":")
+    item_id, sep2, offset = item_id.rpartition(":")
+    try:
+        if not (sep and sep2 and item_id):
+            raise ValueError
+        return api.MultimodalItem(id=item_id, offset=int(offset), length=int(span))
+    except ValueError:
+        raise typer.BadParameter(
+            f"expected ID:OFFSET:LENGTH, got {value!r}", param_hint="--mm-item"
+        ) from None
 
 
 @index_app.command()
@@ -180,6 +214,25 @@ def match(
     block_size: Annotated[int, typer.Option(help="Tokens per block (0: server default).")] = 0,
     lora_name: Annotated[str, typer.Option(help="LoRA adapter name.")] = "",
     cache_salt: Annotated[str, typer.Option(help="Cache salt.")] = "",
+    hash_kind: Annotated[
+        HashChoice,
+        typer.Option(
+            "--hash",
+            help="Key space of --tokens-file: canonical (kvplane's keys), or vLLM's own "
+            "block hashes (sha256 or sha256_cbor) for workers indexed with `hash: engine`.",
+        ),
+    ] = HashChoice.canonical,
+    hash_seed: Annotated[
+        str | None,
+        typer.Option(help="vLLM's PYTHONHASHSEED value (default: vLLM's default seed)."),
+    ] = None,
+    mm_item: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A multimodal item of the prompt as ID:OFFSET:LENGTH (placeholder tokens "
+            "[OFFSET, OFFSET+LENGTH)); repeat in prompt order."
+        ),
+    ] = None,
     hashes: Annotated[
         list[str] | None,
         typer.Option(help="Block hashes in prompt order (repeat, or comma-separated)."),
@@ -198,6 +251,9 @@ def match(
             block_size=block_size,
             lora_name=lora_name,
             cache_salt=cache_salt,
+            key_space=_KEY_SPACES[hash_kind],
+            hash_seed=hash_seed,
+            mm_items=[_parse_mm_item(v) for v in mm_item or []],
         )
         response: Any = _call(
             address, lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(request, timeout=TIMEOUT_S)

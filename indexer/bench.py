@@ -63,6 +63,8 @@ class Scale:
     service_blocks: int = 1_000_000
     service_seconds: float = 10.0
     repeats: int = 3
+    # 64-block chains the prefix-match workload is set up with (its queries cycle over them).
+    match_chains: int = 1_000
 
 
 FULL_SCALE = Scale()
@@ -391,7 +393,7 @@ class IndexBench:
             one_block_events(s.one_block_events), "events"
         )
         out["store_64_block_events"] = await self.store(chain_events(s.chain_events), "events")
-        setup, chains = shared_chain_setup(1_000)
+        setup, chains = shared_chain_setup(s.match_chains)
         queries = [chains[i % len(chains)] for i in range(s.match_queries)]
         out["match_64_block_prefixes"] = await self.match(setup, queries, "queries")
         out["remove_worker"] = await self.remove(remove_setup(s.remove_blocks))
@@ -592,9 +594,13 @@ async def _closed_loop(stub: Any, requests: list[Any], seconds: float, callers: 
 # ---------------------------------------------------------------------- entry point
 
 
-async def run_index_bench(backend_url: str = "memory", quick: bool = False) -> dict[str, Any]:
-    """Every figure of `kvplane bench index`, as the JSON document the CLI prints."""
-    scale = QUICK_SCALE if quick else FULL_SCALE
+async def run_index_bench(
+    backend_url: str = "memory", quick: bool = False, scale: Scale | None = None
+) -> dict[str, Any]:
+    """Every figure of `kvplane bench index`, as the JSON document the CLI prints. `scale`
+    overrides the full or quick sizes (the smoke test runs a tiny one)."""
+    if scale is None:
+        scale = QUICK_SCALE if quick else FULL_SCALE
     with_dynamo = dynamo_available()
     bench = IndexBench(backend_url, scale, with_dynamo)
     workloads = await bench.workloads()

@@ -41,7 +41,8 @@ def _all_tier_names() -> list[TierName]:
 
 
 class _SourceCommon(StrictModel):
-    # Which key space this worker is indexed in.
+    # Which key space this worker is indexed in; MatchTokens finds it with the matching
+    # `key_space` (engine, from vLLM: KEY_SPACE_VLLM_SHA256[_CBOR]; canonical: the default).
     hash: HashMode = HashMode.ENGINE
     # Block size for events that carry tokens but no block_size; default: the top-level one.
     block_size: int | None = Field(default=None, gt=0)

@@ -39,8 +39,12 @@ def _encode_text(value: str | None) -> bytes:
 
 
 def root_seed(lora_name: str | None = None, cache_salt: str | None = None) -> int:
-    """The unsigned seed of a sequence's first block: its namespace (LoRA, cache salt)."""
-    return xxhash.xxh3_64_intdigest(_ROOT_TAG + _encode_text(lora_name) + _encode_text(cache_salt))
+    """The unsigned seed of a sequence's first block: its namespace (LoRA, cache salt). An
+    empty name or salt is none at all (engines and the wire use "" for unset), so "" and None
+    give the same keys."""
+    return xxhash.xxh3_64_intdigest(
+        _ROOT_TAG + _encode_text(lora_name or None) + _encode_text(cache_salt or None)
+    )
 
 
 def _pack_tokens(token_ids: Sequence[int]) -> bytes:
@@ -67,9 +71,9 @@ def block_keys(
     """Canonical keys of the full blocks of `token_ids` (a trailing partial block has none).
 
     `mm_hashes[i]`, when given, lists the multimodal item ids whose placeholder tokens overlap
-    block i; they enter that block's key. `parent` continues an existing chain: the first block
-    is then seeded by `parent` and the namespace (`lora_name`, `cache_salt`) is not applied
-    again, since the parent key already carries it.
+    block i (`indexer.multimodal.block_item_ids`); they enter that block's key. `parent`
+    continues an existing chain: the first block is then seeded by `parent` and the namespace
+    (`lora_name`, `cache_salt`) is not applied again, since the parent key already carries it.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

@@ -18,8 +18,9 @@ from typing import Any, NoReturn
 
 import grpc
 
-from indexer import keys
-from indexer.backend import IndexBackend
+from indexer import keys, vllm_hash
+from indexer.backend import IndexBackend, TierPrefix, TokenPrefixMatch
+from indexer.batch import BlockKey, to_sfixed64
 from indexer.index import (
     IndexRequestError,
     ValidationKind,
@@ -34,6 +35,8 @@ from indexer.kv_wire import (
     stats_to_proto,
     token_matches_to_proto,
 )
+from indexer.multimodal import MultimodalItem, block_item_ids, block_items
+from indexer.vllm_hash import VllmHashAlgo
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.errors import KvplaneError
@@ -178,16 +181,10 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         self, request: api.MatchTokensRequest, context: Context
     ) -> api.MatchTokensResponse:
         block_size = request.block_size or self.default_block_size
-        tokens = list(request.token_ids)
-        num_blocks = len(tokens) // block_size
-        if request.max_blocks:
-            num_blocks = min(num_blocks, request.max_blocks)
-        block_keys = keys.block_keys(
-            tokens[: num_blocks * block_size],
-            block_size,
-            lora_name=request.lora_name or None,
-            cache_salt=request.cache_salt or None,
-        )
+        try:
+            block_keys = prompt_block_keys(request, block_size)
+        except Exception as exc:
+            await _fail(context, exc)
         if not block_keys:
             return token_matches_to_proto([], [])
         await self.limiter.enter(context)
@@ -197,7 +194,9 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
             await _fail(context, exc)
         finally:
             self.limiter.leave()
-        return token_matches_to_proto(matches, block_keys)
+        # Like MatchExternalKvPrefix, a worker without an address is no routing answer.
+        served = [_in_request_tokens(m, block_size) for m in matches if m.worker_address]
+        return token_matches_to_proto(served, block_keys)
 
     async def GetIndexStats(
         self, request: api.GetIndexStatsRequest, context: Context
@@ -221,6 +220,70 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
                 yield batch_to_proto(batch)
         except Exception as exc:
             await _fail(context, exc)
+
+
+_VLLM_ALGOS = {
+    api.KEY_SPACE_VLLM_SHA256: VllmHashAlgo.SHA256,
+    api.KEY_SPACE_VLLM_SHA256_CBOR: VllmHashAlgo.SHA256_CBOR,
+}
+
+
+def prompt_block_keys(request: api.MatchTokensRequest, block_size: int) -> list[BlockKey]:
+    """The keys of the prompt's full blocks (at most `max_blocks`) in the requested key space:
+    kvplane's canonical keys, or vLLM's own block hashes in sfixed64 (for workers indexed with
+    `hash: engine` from vLLM). Raises IndexRequestError (INVALID_ARGUMENT) for a request that
+    cannot be hashed."""
+    num_blocks = len(request.token_ids) // block_size
+    if request.max_blocks:
+        num_blocks = min(num_blocks, request.max_blocks)
+    tokens = request.token_ids[: num_blocks * block_size]  # one copy, as a list
+    items = [MultimodalItem(i.id, i.offset, i.length) for i in request.mm_items]
+    try:
+        per_block = block_items(items, num_blocks, block_size) if items else None
+    except ValueError as exc:
+        raise IndexRequestError(ValidationKind.INVALID_ARGUMENT, str(exc)) from None
+    if request.key_space == api.KEY_SPACE_CANONICAL:
+        return keys.block_keys(
+            tokens,
+            block_size,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+            mm_hashes=None if per_block is None else block_item_ids(per_block),
+        )
+    algo = _VLLM_ALGOS.get(request.key_space)
+    if algo is None:
+        raise IndexRequestError(
+            ValidationKind.INVALID_ARGUMENT, f"unknown key_space {request.key_space}"
+        )
+    hashes = vllm_hash.block_hashes(
+        tokens,
+        block_size,
+        algo=algo,
+        python_hash_seed=request.hash_seed if request.HasField("hash_seed") else None,
+        cache_salt=request.cache_salt,
+        lora_name=request.lora_name,
+        mm_items=items,
+    )
+    return [to_sfixed64(h) for h in hashes]
+
+
+def _in_request_tokens(match: TokenPrefixMatch, block_size: int) -> TokenPrefixMatch:
+    """Token counts from the request's block size: every query block holds exactly
+    `block_size` tokens (its key hashes them), whether or not the index knows the block's size
+    (a REPORT may omit block_sizes)."""
+    if match.matched_tokens == match.matched_blocks * block_size and all(
+        t.matched_tokens == t.matched_blocks * block_size for t in match.tiers
+    ):
+        return match  # the usual case: the sources reported the sizes
+    return TokenPrefixMatch(
+        match.worker_id,
+        match.worker_address,
+        match.matched_blocks,
+        match.matched_blocks * block_size,
+        tuple(
+            TierPrefix(t.tier, t.matched_blocks, t.matched_blocks * block_size) for t in match.tiers
+        ),
+    )
 
 
 def index_services(

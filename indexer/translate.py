@@ -198,7 +198,8 @@ class WorkerTranslator:
             if parent_live is None:
                 return None
             parent = parent_live.key
-        salt = event.cache_salt or _salt_from_extra_keys(event)
+        lora_name = event.lora_name or None
+        salt, mm_ids = read_extra_keys(event)
         out: list[BlockKey] = []
         for i, live in enumerate(known):
             if live is not None:
@@ -208,9 +209,9 @@ class WorkerTranslator:
                 (key,) = keys.block_keys(
                     tokens,
                     block_size,
-                    lora_name=event.lora_name,
+                    lora_name=lora_name,
                     cache_salt=salt if parent is None else None,
-                    mm_hashes=[_mm_ids(event, i, salt)],
+                    mm_hashes=[mm_ids[i] if i < len(mm_ids) else None],
                     parent=parent,
                 )
             out.append(key)
@@ -282,32 +283,82 @@ class WorkerTranslator:
         return [self._batch(chunk, seq) for chunk in split_actions(actions)]
 
 
-def _salt_from_extra_keys(event: BlockStored) -> str | None:
-    """vLLM puts the cache salt in the first block's extra keys: as ("cache_salt", salt) in
-    the typed form, else as the last plain string that is not the LoRA name."""
-    if not event.extra_keys or event.extra_keys[0] is None:
-        return None
-    salt: str | None = None
-    for item in event.extra_keys[0]:
-        if isinstance(item, tuple) and len(item) == 2 and item[0] == "cache_salt":
-            return str(item[1])
-        if isinstance(item, str) and item != event.lora_name:
-            salt = item
-    return salt
+def read_extra_keys(event: BlockStored) -> tuple[str | None, list[list[str] | None]]:
+    """The cache salt and, per block, the multimodal item ids in a BlockStored's extra keys.
+
+    vLLM publishes each block's extra keys in the order it hashes them: the LoRA name, one
+    entry per multimodal item overlapping the block, the cache salt (first block only), then
+    prompt-embedding digests. The shapes tell them apart:
+    - typed keys (vLLM's tagged schema, decoded as a map with a "type"): `cache_salt`, `lora`,
+      `mm` (its `hash` is the item id); anything else is kept as an opaque id;
+    - `("cache_salt", salt)` / `("lora", name)`: tagged pairs;
+    - `(item id, offset in block)`: a multimodal item (the offset is dropped: the tokens
+      already fix where an item starts);
+    - a bare string equal to the event's `lora_name`: the LoRA name (not a key of its own);
+    - other bare strings: on the first block, the last one is vLLM 0.32's bare salt (the real
+      capture's `["tenant-A"]`) unless the salt came explicitly or the string recurs on the
+      second block, which a salt never does (older vLLM published multimodal ids bare, and an
+      item that starts in the first block continues into the next); the rest are multimodal
+      ids;
+    - anything else (prompt-embedding bytes, unknown shapes): an opaque id, so the block
+      keeps a key of its own that a token-only query cannot produce.
+    A salt sent as a field (SGLang's `cache_salt`) wins. "" is no salt.
+    """
+    lora_name = event.lora_name or None
+    blocks = [[_extra_key(item) for item in block or ()] for block in event.extra_keys]
+    first = blocks[0] if blocks else []
+    salt = event.cache_salt or next((v for kind, v in first if kind == "salt"), None) or None
+    if salt is None:  # vLLM 0.32's bare salt: the last bare string of block 0 not on block 1
+        recurring = {v for kind, v in blocks[1] if kind == "bare"} if len(blocks) > 1 else set()
+        bare = [v for kind, v in first if kind == "bare" and v != lora_name and v not in recurring]
+        salt = bare[-1] if bare else None
+    per_block: list[list[str] | None] = []
+    for i, block in enumerate(blocks):
+        ids = [
+            value
+            for kind, value in block
+            if kind not in ("salt", "lora")
+            and not (kind == "bare" and (value == lora_name or (i == 0 and value == salt)))
+        ]
+        per_block.append(ids or None)
+    return salt or None, per_block
 
 
-def _mm_ids(event: BlockStored, i: int, salt: str | None) -> list[str] | None:
-    """Block i's extra keys other than the LoRA name and the cache salt (multimodal ids)."""
-    if i >= len(event.extra_keys) or event.extra_keys[i] is None:
+def _extra_key(item: object) -> tuple[str, str]:
+    """(kind, value) of one extra key: kind is "salt", "lora", "mm" (value: the item id),
+    "bare" (a plain string, read by position) or "opaque" (value: its repr)."""
+    if isinstance(item, str):
+        return "bare", item
+    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+        tag, value = item
+        if tag == "cache_salt" and isinstance(value, str):
+            return "salt", value
+        if tag == "lora" and isinstance(value, str):
+            return "lora", value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return "mm", tag  # (item id, offset in block)
+    typed = _typed_key(item)
+    if typed is not None:
+        tag, fields = typed
+        if tag == "cache_salt" and isinstance(fields.get("salt"), str):
+            return "salt", str(fields["salt"])
+        if tag == "lora":
+            return "lora", str(fields.get("name"))
+        if tag == "mm" and isinstance(fields.get("hash"), str):
+            return "mm", str(fields["hash"])
+    return "opaque", repr(item)
+
+
+def _typed_key(item: object) -> tuple[str, dict[object, object]] | None:
+    """A typed extra key (a msgpack map with a "type" tag, decoded as sorted (name, value)
+    pairs by `indexer.zmq_decode`) as (tag, fields); None for any other shape."""
+    if not isinstance(item, tuple) or not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in item
+    ):
         return None
-    out = []
-    for item in event.extra_keys[i] or ():
-        if isinstance(item, tuple) and len(item) == 2 and item[0] == "cache_salt":
-            continue
-        if item == event.lora_name or (i == 0 and item == salt):
-            continue
-        out.append(item if isinstance(item, str) else repr(item))
-    return out or None
+    fields: dict[object, object] = dict(item)
+    tag = fields.get("type")
+    return (tag, fields) if isinstance(tag, str) else None
 
 
 @dataclass(slots=True)

@@ -12,7 +12,10 @@ environment. The KV events carry `int.from_bytes(digest[-8:], "big")` (unsigned)
 Extra keys: a request's cache salt enters the first block's hash input as the pair
 `("cache_salt", salt)` (verified on the real vLLM 0.32.0 capture), although the BlockStored
 event's `extra_keys` shows only the bare salt (`["tenant-A"]`): a consumer that rebuilds a hash
-from an event must turn that back into the pair.
+from an event must turn that back into the pair. Before the salt, vLLM puts the LoRA name and,
+per block, one `(item id, item offset - block start)` pair for each multimodal item overlapping
+the block (`block_hashes(lora_name=, mm_items=)` builds them so). The capture has neither LoRA
+nor multimodal requests, so those two follow vLLM's published source, not a capture.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import cbor2
+
+from indexer.multimodal import MultimodalItem, block_items
 
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 
@@ -91,8 +96,15 @@ def block_hashes(
     algo: VllmHashAlgo = VllmHashAlgo.SHA256,
     python_hash_seed: str | None = None,
     cache_salt: str | None = None,
+    lora_name: str | None = None,
+    mm_items: Sequence[MultimodalItem] = (),
 ) -> list[int]:
-    """vLLM's published (unsigned 64-bit) block hashes of the full blocks of `token_ids`."""
+    """vLLM's published (unsigned 64-bit) block hashes of the full blocks of `token_ids`, for a
+    request with that LoRA adapter, cache salt and multimodal items ("" means none)."""
+    num_blocks = len(token_ids) // block_size if block_size > 0 else 0
+    per_block = block_items(mm_items, num_blocks, block_size) if mm_items else [None] * num_blocks
+    lora: tuple[Any, ...] = (lora_name,) if lora_name else ()
+    extra_keys = [lora + (items or ()) or None for items in per_block]
     return [
         digest_to_int(d)
         for d in block_digests(
@@ -100,6 +112,7 @@ def block_hashes(
             block_size,
             algo=algo,
             python_hash_seed=python_hash_seed,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt or None,
+            extra_keys=extra_keys,
         )
     ]

@@ -1,4 +1,5 @@
-"""An OpenEngine KV-event source: `SubscribeKvEvents` on one engine, one worker.
+"""An OpenEngine KV-event source: `SubscribeKvEvents` on one engine, one worker (or the
+engine's advertised ZMQ sources, one worker per data-parallel rank).
 
 Resync protocol (seed 000, "KV connector and KV events"): every subscription asks for
 `include_snapshot` and, after the first, `start_sequence_number = last + 1`. The engine then
@@ -9,8 +10,13 @@ keeps stale entries; a snapshot starts with AllBlocksCleared and lists every cac
 
 A terminal `EngineError` on the stream, a broken stream or an unreachable engine all end in a
 resubscription with exponential backoff. When the engine does not implement SubscribeKvEvents
-(UNIMPLEMENTED) and `discover_zmq` is set, `GetKvEventSources` is asked for a ZMQ/msgpack
-source and a `ZmqSource` follows it instead.
+(UNIMPLEMENTED) and `discover_zmq` is set, `GetKvEventSources` is asked for its ZMQ/msgpack
+sources and one `ZmqSource` follows each. An engine advertises one per data-parallel rank, and
+ranks cache and number their batches independently, so each rank is a worker of its own: with
+one source the worker keeps the source's worker id; with several, rank r feeds
+`rank_worker_id(worker_id, r)` (`<worker_id>/dp<r>`), every rank with the engine's
+router-facing address, and the engine's own worker id, which nothing feeds any more, is
+cleared. The counters are the engine's, summed over its ranks.
 
 A resync request (`request_resync`: the index backend dropped or lost this worker's entries,
 e.g. Redis restarted empty) ends the current subscription at once and resubscribes from
@@ -24,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -36,7 +42,13 @@ from indexer.engine_events import (
     EngineEvent,
     EngineHash,
 )
-from indexer.sources.zmq import BatchSink, SourceCounters, ZmqSource, ZmqSourceSettings
+from indexer.sources.zmq import (
+    BatchSink,
+    BatchTimeObserver,
+    SourceCounters,
+    ZmqSource,
+    ZmqSourceSettings,
+)
 from indexer.translate import WorkerTranslator
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -120,14 +132,17 @@ class OpenEngineSource:
         sink: BatchSink,
         *,
         channel_options: tuple[tuple[str, object], ...] = (),
+        on_batch_time: BatchTimeObserver | None = None,
     ) -> None:
         self.settings = settings
         self.translator = translator
         self.sink = sink
         self.counters = SourceCounters()
+        self.on_batch_time = on_batch_time
         self.last_seq: int | None = None
-        # Set when the engine lacks SubscribeKvEvents and a discovered ZMQ source is used.
-        self.zmq_source: ZmqSource | None = None
+        # Set when the engine lacks SubscribeKvEvents and its advertised ZMQ sources are
+        # followed instead (one per data-parallel rank).
+        self.zmq_sources: tuple[ZmqSource, ...] = ()
         self._channel_options = channel_options
         self._progress = asyncio.Condition()
         self._resync_wanted = False
@@ -142,11 +157,14 @@ class OpenEngineSource:
         async with asyncio.timeout(timeout_s), self._progress:
             await self._progress.wait_for(predicate)
 
-    def request_resync(self) -> None:
+    def request_resync(self, worker_id: str | None = None) -> None:
         """The index dropped or lost this worker's entries: resubscribe with a snapshot now.
-        Synchronous, for index-backend callbacks."""
-        if self.zmq_source is not None:
-            self.zmq_source.request_resync()
+        Synchronous, for index-backend callbacks. Following ZMQ sources, only the rank that
+        feeds `worker_id` is rebuilt (every rank when it names none of them)."""
+        if self.zmq_sources:
+            ranks = [s for s in self.zmq_sources if s.worker_id == worker_id]
+            for source in ranks or self.zmq_sources:
+                source.request_resync()
             return
         self._resync_wanted = True
         if self._call is not None:
@@ -155,6 +173,7 @@ class OpenEngineSource:
     async def run(self) -> None:
         backoff = self.settings.backoff_initial_s
         while True:
+            follow_zmq = False
             try:
                 async with grpc.aio.insecure_channel(
                     self.settings.target, options=list(self._channel_options)
@@ -165,20 +184,27 @@ class OpenEngineSource:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.settings.discover_zmq:
-                    zmq_source = await self._discover_zmq()
-                    if zmq_source is not None:
-                        self.zmq_source = zmq_source
-                        await zmq_source.run()
-                        return
-                log.warning(
-                    "openengine source %s: %s: %s",
-                    self.settings.target,
-                    exc.code().name,
-                    exc.details(),
+                follow_zmq = (
+                    exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.settings.discover_zmq
                 )
+                if not follow_zmq:
+                    log.warning(
+                        "openengine source %s: %s: %s",
+                        self.settings.target,
+                        exc.code().name,
+                        exc.details(),
+                    )
             except Exception:
                 log.exception("openengine source %s failed", self.settings.target)
+            if follow_zmq:
+                try:
+                    await self._follow_advertised_zmq()  # until cancelled, unless none follows
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception(
+                        "openengine source %s: ZMQ discovery failed", self.settings.target
+                    )
             if self._resync_wanted:
                 continue  # resubscribe at once
             self.counters.num_restarts += 1
@@ -259,30 +285,89 @@ class OpenEngineSource:
             await self.sink.apply(index_batch)
             self.counters.num_batches_applied += 1
         self.last_seq = seq
+        # 0: the engine did not stamp the batch.
+        if self.on_batch_time is not None and batch.timestamp_unix_nanos:
+            self.on_batch_time(batch.timestamp_unix_nanos / 1e9)
 
-    async def _discover_zmq(self) -> ZmqSource | None:
-        async with grpc.aio.insecure_channel(self.settings.target) as channel:
+    async def _follow_advertised_zmq(self) -> None:
+        """Follow every ZMQ/msgpack source the engine advertises until cancelled; returns when
+        it advertises none (to be asked again after a backoff)."""
+        sources = await self._discover_zmq()
+        if not sources:
+            log.warning(
+                "openengine source %s: SubscribeKvEvents unimplemented and no ZMQ/msgpack "
+                "KV-event source advertised",
+                self.settings.target,
+            )
+            return
+        if len(sources) > 1:  # each rank is its own worker: nothing feeds this one any more
+            self.counters.num_resets += 1
+            await self.sink.apply(self.translator.reset())
+            self.counters.num_batches_applied += 1
+        self.zmq_sources = tuple(sources)
+        async with asyncio.TaskGroup() as group:
+            for source in sources:
+                group.create_task(source.run(), name=f"source:{source.worker_id}")
+
+    async def _discover_zmq(self) -> list[ZmqSource]:
+        """One `ZmqSource` per advertised ZMQ/msgpack source, each feeding its own worker
+        (see the module docstring)."""
+        async with grpc.aio.insecure_channel(
+            self.settings.target, options=list(self._channel_options)
+        ) as channel:
             stub = pb_grpc.OpenEngineStub(channel)
             response = await stub.GetKvEventSources(
                 pb.GetKvEventSourcesRequest(data_parallel_ranks=self.settings.data_parallel_ranks)
             )
-        for source in response.sources:
-            if source.transport != "zmq" or source.encoding not in ("", "msgpack"):
-                continue
-            endpoint = f"tcp://{source.endpoint_addr.host}:{source.endpoint_addr.port}"
-            replay = source.replay_endpoint or None
-            if replay is not None and "://" not in replay:
-                replay = f"tcp://{replay}"
+        adverts = [
+            s for s in response.sources if s.transport == "zmq" and s.encoding in ("", "msgpack")
+        ]
+        sources: list[ZmqSource] = []
+        for position, advert in enumerate(adverts):
+            translator = self.translator
+            if len(adverts) > 1:
+                rank = (
+                    advert.data_parallel_rank if advert.HasField("data_parallel_rank") else position
+                )
+                worker_id = rank_worker_id(self.worker_id, rank)
+                if any(s.worker_id == worker_id for s in sources):
+                    log.warning(
+                        "openengine source %s advertises rank %d twice; following the first",
+                        self.settings.target,
+                        rank,
+                    )
+                    continue
+                translator = WorkerTranslator(replace(self.translator.options, worker_id=worker_id))
+                translator.counters = self.translator.counters
+            settings = zmq_source_settings(advert)
             log.info(
                 "worker %s: SubscribeKvEvents unimplemented; following ZMQ %s (replay %s)",
-                self.worker_id,
-                endpoint,
-                replay,
+                translator.options.worker_id,
+                settings.endpoint,
+                settings.replay_endpoint,
             )
-            settings = ZmqSourceSettings(
-                endpoint=endpoint, replay_endpoint=replay, topic=source.topic
-            )
-            zmq_source = ZmqSource(settings, self.translator, self.sink)
-            zmq_source.counters = self.counters
-            return zmq_source
-        return None
+            source = ZmqSource(settings, translator, self.sink, on_batch_time=self.on_batch_time)
+            source.counters = self.counters
+            sources.append(source)
+        return sources
+
+
+def rank_worker_id(worker_id: str, rank: int) -> str:
+    """The worker id of data-parallel rank `rank` of the engine followed as `worker_id`."""
+    return f"{worker_id}/dp{rank}"
+
+
+def engine_worker_id(worker_id: str) -> str:
+    """The engine's worker id for a rank's worker id (`rank_worker_id`'s inverse); any other
+    id is returned as it is."""
+    engine, separator, rank = worker_id.rpartition("/dp")
+    return engine if separator and rank.isascii() and rank.isdigit() else worker_id
+
+
+def zmq_source_settings(advert: pb.KvEventSource) -> ZmqSourceSettings:
+    """How to follow one advertised ZMQ source (its replay endpoint may lack the scheme)."""
+    endpoint = f"tcp://{advert.endpoint_addr.host}:{advert.endpoint_addr.port}"
+    replay = advert.replay_endpoint or None
+    if replay is not None and "://" not in replay:
+        replay = f"tcp://{replay}"
+    return ZmqSourceSettings(endpoint=endpoint, replay_endpoint=replay, topic=advert.topic)

@@ -8,11 +8,20 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
 
 - first message after start: the worker is cleared (entries left by an earlier run are stale)
   and rebuilt from a replay from seq 0 when a replay endpoint is configured;
-- seq == expected: applied;
-- seq > expected (a gap): replay from the first missing seq; if the replay does not cover the
+- seq == expected: applied, unless it is the first message since the SUB made or accepted a
+  new connection (an engine restart is a new connection; the SUB may have missed the new
+  process's first messages, exactly as many as the old one had sent): then it is checked as
+  a gap is;
+- seq > expected (a gap): replay from the last applied seq. A gap may hide an engine restart
+  (the new process's seq already passed the old one while the SUB missed its first messages),
+  so the replayed batch at the last applied seq must be byte for byte the one applied: vLLM and
+  SGLang replay the very bytes they published, and every batch carries its own timestamp. If it
+  differs or is no longer buffered (or there is no replay), or the replay does not cover the
   gap contiguously, the worker is cleared and rebuilt from whatever the replay buffer holds;
-- seq < expected: a duplicate of a batch just replayed is dropped; anything else is an engine
-  restart (seq reset), so the worker is cleared and rebuilt as on a first message;
+  otherwise the replayed batches heal the gap;
+- seq < expected: a live copy of a batch the last replay applied (same seq, same bytes) is
+  dropped as a duplicate; anything else is an engine restart (seq reset), so the worker is
+  cleared and rebuilt as on a first message;
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
   message rebuilds the worker as on a first message;
 - a resync request (`request_resync`: the index backend dropped or lost this worker's entries,
@@ -22,6 +31,7 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   clears and rebuilds as on a first message (older blocks stay missing, never stale).
 
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
+What these rules cannot see is listed in docs/indexer.md ("Sequence tracking").
 """
 
 from __future__ import annotations
@@ -57,6 +67,11 @@ class BatchSink(Protocol):
     """Where translated batches go: an `IndexBackend`, or a KVIndexer client."""
 
     async def apply(self, batch: Batch) -> None: ...
+
+
+# Told each engine batch's own timestamp (unix seconds, the engine's clock) once the batch is
+# in the sink: how the controller measures its event lag.
+BatchTimeObserver = Callable[[float], None]
 
 
 @dataclass(slots=True)
@@ -101,16 +116,25 @@ class ZmqSource:
         sink: BatchSink,
         *,
         context: zmq.asyncio.Context | None = None,
+        on_batch_time: BatchTimeObserver | None = None,
     ) -> None:
         self.settings = settings
         self.translator = translator
         self.sink = sink
         self.counters = SourceCounters()
+        self.on_batch_time = on_batch_time
         self._context = context or zmq.asyncio.Context.instance()
         # Next seq expected; None until the first message (then the worker is rebuilt).
         self._expected: int | None = None
-        # After a replay, live messages in [floor, expected) are duplicates of replayed ones.
-        self._duplicate_floor: int | None = None
+        # The payload of the last applied message (seq expected - 1), to tell on a gap whether
+        # the publisher is still the process that sent it.
+        self._last_payload: bytes | None = None
+        # Payloads of the batches the last replay applied that may still arrive live (seq ->
+        # payload); a live message matching one is a duplicate, not a seq reset.
+        self._replayed: dict[int, bytes] = {}
+        # A connection was made or accepted since the last message: the next one must prove
+        # that it continues the stream applied so far.
+        self._new_connection = False
         self._progress = asyncio.Condition()
         # Set by request_resync; handled between two messages.
         self._resync_wanted = asyncio.Event()
@@ -128,9 +152,10 @@ class ZmqSource:
         async with asyncio.timeout(timeout_s), self._progress:
             await self._progress.wait_for(predicate)
 
-    def request_resync(self) -> None:
+    def request_resync(self, worker_id: str | None = None) -> None:
         """The index dropped or lost this worker's entries: clear and rebuild it (from a replay
-        from seq 0) before the next message. Synchronous, for index-backend callbacks."""
+        from seq 0) before the next message. Synchronous, for index-backend callbacks.
+        (`worker_id` matters to sources feeding several workers; this one feeds one.)"""
         self._resync_wanted.set()
 
     async def run(self) -> None:
@@ -159,6 +184,8 @@ class ZmqSource:
 
     async def _follow(self) -> None:
         sub = self._context.socket(zmq.SUB)
+        # Reports each connection before any message can arrive on it.
+        connections = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
         recv: asyncio.Future[list[bytes]] | None = None
         waker = asyncio.ensure_future(self._resync_wanted.wait())
         try:
@@ -195,6 +222,9 @@ class ZmqSource:
                 frames = recv.result()
                 recv = None
                 self.counters.num_messages += 1
+                while int(connections.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    await connections.recv_multipart()
+                    self._new_connection = True
                 try:
                     message = decode_frames(frames)
                 except KvEventDecodeError as exc:
@@ -208,6 +238,9 @@ class ZmqSource:
             waker.cancel()
             if recv is not None:
                 recv.cancel()
+            if not sub.closed:  # (a destroyed context closed it already)
+                sub.disable_monitor()
+            connections.close(linger=0)
             sub.close(linger=0)
 
     async def _resync(self) -> None:
@@ -221,7 +254,7 @@ class ZmqSource:
         )
         await self._reset_worker(self.last_seq or 0)
         self._expected = None
-        self._duplicate_floor = None
+        self._replayed = {}
         replies = await self._replay(0)
         if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
             return
@@ -230,25 +263,31 @@ class ZmqSource:
         if not replies:
             self._expected = floor
         else:
-            # Live messages still queued were replayed: drop them as duplicates. (A replay
-            # that ends before `floor` is healed as a gap by the next message.)
-            self._duplicate_floor = replies[0].seq if floor is None else floor
+            # Live messages still queued (seq >= floor) were replayed: drop them as duplicates.
+            # (A replay that ends before `floor` is healed as a gap by the next message.)
+            self._replayed = {r.seq: r.payload for r in replies if floor is None or r.seq >= floor}
 
     async def _on_message(self, message: ZmqMessage) -> None:
         expected = self._expected
+        new_connection, self._new_connection = self._new_connection, False
         if expected is None:
             await self._rebuild(message, reason=None)
-        elif message.seq == expected:
-            self._duplicate_floor = None  # past any replayed range
+        elif message.seq == expected and not new_connection:
+            self._replayed = {}  # past any replayed range
             await self._apply(message)
-        elif message.seq > expected:
-            self._duplicate_floor = None
-            self.counters.num_gaps += 1
-            log.warning(
-                "worker %s: gap, expected seq %d, got %d", self.worker_id, expected, message.seq
-            )
+        elif message.seq >= expected:
+            if message.seq > expected:
+                self.counters.num_gaps += 1
+                log.warning(
+                    "worker %s: gap, expected seq %d, got %d",
+                    self.worker_id,
+                    expected,
+                    message.seq,
+                )
+            else:
+                log.info("worker %s: new connection; checking the stream goes on", self.worker_id)
             await self._heal_gap(expected, message)
-        elif self._duplicate_floor is not None and message.seq >= self._duplicate_floor:
+        elif self._replayed.get(message.seq) == message.payload:
             self.counters.num_duplicates += 1
         else:
             log.warning(
@@ -273,9 +312,12 @@ class ZmqSource:
             for index_batch in self.translator.translate(batch.events, seq=message.seq):
                 await self.sink.apply(index_batch)
                 self.counters.num_batches_applied += 1
+            if self.on_batch_time is not None:
+                self.on_batch_time(batch.ts)
         # A malformed payload still consumes its seq: it is not a gap to heal.
         self._expected = message.seq + 1
         self.last_seq = message.seq
+        self._last_payload = message.payload
 
     async def _reset_worker(self, seq: int) -> None:
         self.counters.num_resets += 1
@@ -288,7 +330,7 @@ class ZmqSource:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         await self._reset_worker(trigger.seq)
         self._expected = None
-        self._duplicate_floor = None
+        self._replayed = {}
         if trigger.seq > 0:
             # Whatever the buffer holds before the trigger, contiguous or not: after the
             # clear, a partial rebuild only misses blocks, it never keeps stale ones.
@@ -299,20 +341,34 @@ class ZmqSource:
         await self._apply(trigger)
 
     async def _heal_gap(self, expected: int, trigger: ZmqMessage) -> None:
-        replies = await self._replay(expected)
+        """Heal the gap (possibly empty, after a new connection) before `trigger` from one
+        replay from the last applied seq, or clear and rebuild the worker when the replay shows
+        another publisher process (see the module docstring) or cannot cover the gap."""
+        last = expected - 1
+        replies = await self._replay(last)
+        if replies is None:
+            await self._rebuild(trigger, reason="no replay to check the stream against")
+            return
+        if not replies or replies[0].seq != last:
+            await self._rebuild(
+                trigger,
+                reason=f"the replay no longer holds seq {last} (buffer trimmed, or a restart)",
+            )
+            return
+        if replies[0].payload != self._last_payload:
+            await self._rebuild(trigger, reason=f"seq {last} changed: the engine restarted")
+            return
         covered = (
-            replies is not None
-            and bool(replies)
-            and replies[0].seq == expected
-            and all(b.seq == a.seq + 1 for a, b in itertools.pairwise(replies))
+            all(b.seq == a.seq + 1 for a, b in itertools.pairwise(replies))
             and replies[-1].seq + 1 >= trigger.seq
         )
-        if not covered or replies is None:
+        if not covered:
             await self._rebuild(trigger, reason="replay cannot cover the gap")
             return
-        for reply in replies:
+        for reply in replies[1:]:
             await self._apply(reply)
-        self._duplicate_floor = expected
+        # Live messages after the trigger that the replay already applied are duplicates.
+        self._replayed = {r.seq: r.payload for r in replies if r.seq > trigger.seq}
         if trigger.seq >= (self._expected or 0):
             await self._apply(trigger)
         else:

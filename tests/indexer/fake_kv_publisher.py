@@ -3,7 +3,8 @@
 An XPUB socket (a PUB that also reports subscriptions, so a test can wait until the SUB is
 connected instead of sleeping) and a ROUTER speaking vLLM 0.32's legacy replay protocol:
 `[b"", start_seq]` in, `[b"", topic, seq, payload]` per buffered batch (or without the topic,
-like older vLLM) out, then the end marker `[b"", b"", ff*8, b""]`.
+like older vLLM) out, then the end marker `[b"", b"", ff*8, b""]`. `restart` stands for a new
+engine process on the same endpoints.
 """
 
 from __future__ import annotations
@@ -29,16 +30,9 @@ class FakeKvPublisher:
         connect: bool = False,
     ) -> None:
         self.context = context
-        self.pub = context.socket(zmq.XPUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.setsockopt(zmq.SNDHWM, 0)
-        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
-        if connect:  # to a SUB that binds (vLLM with an endpoint without `*`)
-            self.pub.connect(endpoint)
-            self.endpoint = endpoint
-        else:
-            self.pub.bind(endpoint)
-            self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.connect = connect
+        self.pub = self._open_pub(endpoint)
+        self.endpoint = endpoint if connect else self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.bind("tcp://127.0.0.1:*")
@@ -50,6 +44,32 @@ class FakeKvPublisher:
         self.buffer_steps = buffer_steps
         self.replay_requests: list[int] = []
         self._replay_task: asyncio.Task[None] | None = None
+
+    def _open_pub(self, endpoint: str) -> zmq.asyncio.Socket:
+        pub = self.context.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
+        if self.connect:  # to a SUB that binds (vLLM with an endpoint without `*`)
+            pub.connect(endpoint)
+        else:
+            pub.bind(endpoint)
+        return pub
+
+    async def restart(self) -> None:
+        """A new engine process: a new PUB on the same endpoint (so new connections) and an
+        empty replay buffer, served on the same replay endpoint."""
+        self.pub.close(linger=0)
+        self.buffer.clear()
+        for _ in range(100):  # the old listener is closed by ZMQ's I/O thread, soon
+            try:
+                self.pub = self._open_pub(self.endpoint)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.01)
+        raise RuntimeError(f"{self.endpoint} still in use after the old PUB closed")
 
     async def wait_subscribed(self, timeout_s: float = 10.0) -> bytes:
         """Wait for a SUB to subscribe (unsubscriptions are skipped); returns the topic."""

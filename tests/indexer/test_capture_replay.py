@@ -166,7 +166,8 @@ async def test_a_gap_is_healed_by_replay(context: zmq.asyncio.Context, with_topi
             await _publish(publisher, messages[CLEAR_SEQ:], source)
     finally:
         await publisher.close()
-    assert publisher.replay_requests == [20]
+    # One replay, from the last applied seq (19, checked byte for byte) through the gap.
+    assert publisher.replay_requests == [19]
     assert source.counters.num_gaps == 1
     assert source.counters.num_resets == 1  # only the first message's clear: no rebuild
     assert source.counters.num_replayed_messages >= 5
@@ -191,7 +192,7 @@ async def test_a_gap_replay_cannot_cover_clears_and_rebuilds_without_stale_entri
             await _publish(publisher, messages[CLEAR_SEQ:], source)
     finally:
         await publisher.close()
-    assert publisher.replay_requests == [20, 0]
+    assert publisher.replay_requests == [19, 0]  # seq 19 is no longer buffered: rebuild
     assert source.counters.num_resets == 2  # the first message's clear, then the rebuild
     assert set(_indexed(index)) == set(final_live().live())
 
@@ -220,7 +221,8 @@ async def test_an_engine_restart_seq_reset_clears_the_worker(context: zmq.asynci
 async def test_matching_each_prompt_before_it_was_sent_predicts_vllms_cached_tokens(
     context: zmq.asyncio.Context,
 ) -> None:
-    """Token-level matching in both key spaces, each request's prompt just before it was
+    """Token-level matching in both key spaces (MatchTokens canonical and vLLM sha256, and
+    MatchExternalKvPrefix with vLLM's hashes), each request's prompt just before it was
     sent, against the `num_cached_tokens` vLLM reported. docs/indexer.md explains the
     misses: requests submitted together whose shared prefix was computed by a sibling in the
     same engine step (the events come after the submission)."""
@@ -266,23 +268,40 @@ async def test_matching_each_prompt_before_it_was_sent_predicts_vllms_cached_tok
                         cache_salt=request["cache_salt"] or "",
                     )
                 )
+                # The same prompt in vLLM's own key space (sha256, default seed: the capture's
+                # settings) finds the worker indexed with `hash: engine`.
+                by_vllm_tokens = await kv_index.MatchTokens(
+                    api.MatchTokensRequest(
+                        token_ids=prompt,
+                        block_size=BLOCK_SIZE,
+                        cache_salt=request["cache_salt"] or "",
+                        key_space=api.KEY_SPACE_VLLM_SHA256,
+                    )
+                )
                 vllm_hashes = [
                     to_sfixed64(h)
                     for h in block_hashes(prompt, BLOCK_SIZE, cache_salt=request["cache_salt"])
                 ]
+                assert list(by_vllm_tokens.block_keys) == vllm_hashes
                 by_hashes = await kv_indexer.MatchExternalKvPrefix(
                     kv.MatchExternalKvPrefixRequest(hashes=vllm_hashes)
                 )
                 tokens = by_tokens.matches[0].matched_tokens if by_tokens.matches else 0
+                engine_tokens = (
+                    by_vllm_tokens.matches[0].matched_tokens if by_vllm_tokens.matches else 0
+                )
                 blocks = by_hashes.best_prefix_blocks
                 assert [m.worker_id for m in by_tokens.matches] in ([], ["canon"])
+                assert [m.worker_id for m in by_vllm_tokens.matches] in ([], ["engine"])
                 assert [m.worker_id for m in by_hashes.matches] in ([], ["engine"])
-                outcomes.append((request, tokens, blocks * BLOCK_SIZE))
+                assert engine_tokens == blocks * BLOCK_SIZE
+                outcomes.append((request, tokens, engine_tokens))
     finally:
         await publisher.close()
         await server.stop(None)
     agree = [r for r, tokens, _ in outcomes if tokens == r["num_cached_tokens"]]
-    assert all(tokens == by_hash for _, tokens, by_hash in outcomes)  # both key spaces agree
+    # Both key spaces agree on every request (so the hits below hold for the engine worker too).
+    assert all(tokens == by_engine for _, tokens, by_engine in outcomes)
     assert len(outcomes) == 30
     assert len(agree) / len(outcomes) >= 25 / 30
     for request, tokens, _ in outcomes:

@@ -20,13 +20,21 @@ import grpc
 import msgpack
 import pytest
 import zmq.asyncio
+from click.testing import Result
 from fake_kv_publisher import FakeKvPublisher
 from typer.testing import CliRunner
 from vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
 
+from indexer.batch import Action, ActionType, Batch, Tier, to_sfixed64
+from indexer.index import PrefixIndex
+from indexer.memory_backend import MemoryBackend
+from indexer.servicer import index_services
+from indexer.vllm_hash import VllmHashAlgo, block_hashes
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli import app
+from kvplane.config import ServerConfig
+from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
 
@@ -273,3 +281,65 @@ def test_a_bad_config_is_one_line_and_exit_code_1(tmp_path: Path) -> None:
     assert result.returncode == 1
     lines = result.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "sources.0.zmq.worker_id" in lines[0]
+
+
+async def test_admin_match_takes_unsigned_hashes_and_vllms_key_space(tmp_path: Path) -> None:
+    backend = MemoryBackend(PrefixIndex())
+    services, _, _ = index_services(backend, default_block_size=4, max_concurrent_prefix_queries=4)
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    target = f"127.0.0.1:{port}"
+    tokens = list(range(10, 22))  # 3 blocks of 4
+    vllm = block_hashes(tokens, 4, algo=VllmHashAlgo.SHA256_CBOR, python_hash_seed="0")
+    try:
+        await backend.apply(
+            Batch(
+                "vllm-0",
+                (Action(ActionType.REPORT, Tier.HBM, tuple(to_sfixed64(h) for h in vllm)),),
+                worker_address="10.0.0.3:8000",
+            )
+        )
+        await backend.apply(
+            Batch(
+                "unsigned",
+                (Action(ActionType.REPORT, Tier.HBM, (-1, -(1 << 63))),),
+                worker_address="10.0.0.4:8000",
+            )
+        )
+        runner = CliRunner()
+
+        def match(*args: str) -> Result:
+            return runner.invoke(app, ["admin", "index", "match", "-t", target, *args])
+
+        # Engines print unsigned 64-bit hashes: 2**64 - 1 is -1 and 2**63 is -2**63 in sfixed64.
+        unsigned = await asyncio.to_thread(
+            match, "--hashes", f"{(1 << 64) - 1},{1 << 63}", "-o", "json"
+        )
+        assert unsigned.exit_code == 0, unsigned.output
+        assert json.loads(unsigned.output)["best_prefix_blocks"] == 2
+        for bad in ("x1", str(1 << 64)):
+            rejected = await asyncio.to_thread(match, "--hashes", bad)
+            assert rejected.exit_code == 2  # a usage error: no traceback, no RPC
+            assert "Invalid value for --hashes" in rejected.output
+            assert "Traceback" not in rejected.output
+
+        tokens_file = tmp_path / "prompt.json"
+        tokens_file.write_text(json.dumps(tokens))
+        by_tokens = ["--tokens-file", str(tokens_file), "--block-size", "4", "-o", "json"]
+        found = await asyncio.to_thread(
+            match, *by_tokens, "--hash", "sha256_cbor", "--hash-seed", "0"
+        )
+        assert found.exit_code == 0, found.output
+        (worker,) = json.loads(found.output)["matches"]
+        assert (worker["worker_id"], worker["matched_blocks"], worker["matched_tokens"]) == (
+            "vllm-0",
+            3,
+            12,
+        )
+        canonical = await asyncio.to_thread(match, *by_tokens)
+        assert json.loads(canonical.output)["matches"] == []
+        image = await asyncio.to_thread(match, *by_tokens, "--mm-item", "img:0:4:2")
+        assert json.loads(image.output)["num_query_blocks"] == 3
+        malformed = await asyncio.to_thread(match, *by_tokens, "--mm-item", "img:0")
+        assert malformed.exit_code == 2 and "ID:OFFSET:LENGTH" in malformed.output
+    finally:
+        await server.stop(None)

@@ -41,16 +41,22 @@ def test_continuing_from_a_parent_equals_hashing_the_whole_sequence() -> None:
     assert block_keys(TOKENS[48:], 16, parent=keys[2], lora_name="other") == keys[3:]
 
 
-@pytest.mark.parametrize(
-    "namespace",
-    [{"lora_name": "ada"}, {"cache_salt": "tenant-a"}, {"lora_name": "", "cache_salt": None}],
-)
+@pytest.mark.parametrize("namespace", [{"lora_name": "ada"}, {"cache_salt": "tenant-a"}])
 def test_namespaces_never_share_keys(namespace: dict[str, str | None]) -> None:
     plain = block_keys(TOKENS, 16)
     other = block_keys(TOKENS, 16, **namespace)  # type: ignore[arg-type]
     assert not set(plain) & set(other)
     assert block_keys(TOKENS, 16, lora_name="a", cache_salt="b") != block_keys(
         TOKENS, 16, lora_name="ab"
+    )
+
+
+def test_an_empty_lora_name_or_salt_is_none() -> None:
+    # The wire's "" means unset: events and MatchTokens must meet in one key space.
+    plain = block_keys(TOKENS, 16)
+    assert block_keys(TOKENS, 16, lora_name="", cache_salt="") == plain
+    assert block_keys(TOKENS, 16, lora_name="ada", cache_salt="") == block_keys(
+        TOKENS, 16, lora_name="ada"
     )
 
 

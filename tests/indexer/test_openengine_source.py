@@ -1,14 +1,16 @@
 """The OpenEngine SubscribeKvEvents source against a real in-test grpc.aio OpenEngine server
 that streams scripted responses: snapshots, resubscription from the next sequence number,
-terminal errors, unrecoverable jumps, and ZMQ discovery through GetKvEventSources."""
+terminal errors, unrecoverable jumps, and ZMQ discovery through GetKvEventSources (one worker
+per advertised data-parallel rank)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,12 @@ import zmq.asyncio
 from fake_kv_publisher import FakeKvPublisher, running
 
 from indexer.batch import Tier
+from indexer.engine_events import BlockStored
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
+from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from openengine.v1 import openengine_pb2 as pb
@@ -80,26 +84,32 @@ class ScriptedEngine(pb_grpc.OpenEngineServicer):
 
 
 class ZmqOnlyEngine(pb_grpc.OpenEngineServicer):
-    """An engine without SubscribeKvEvents that advertises its ZMQ publisher."""
+    """An engine without SubscribeKvEvents that advertises its ZMQ publishers: one, or one per
+    data-parallel rank (rank -> publisher), after its (unusable) gRPC source."""
 
-    def __init__(self, publisher: FakeKvPublisher) -> None:
-        self.publisher = publisher
+    def __init__(self, publishers: FakeKvPublisher | dict[int, FakeKvPublisher]) -> None:
+        self.publishers = publishers
 
     async def GetKvEventSources(
         self, request: pb.GetKvEventSourcesRequest, context: Any
     ) -> pb.GetKvEventSourcesResponse:
-        host, port = self.publisher.endpoint.removeprefix("tcp://").rsplit(":", 1)
-        return pb.GetKvEventSourcesResponse(
-            sources=[
-                pb.KvEventSource(
-                    transport="zmq",
-                    endpoint_addr=pb.KvEndpoint(host=host, port=int(port), protocol="tcp"),
-                    topic="kv@",
-                    replay_endpoint=self.publisher.replay_endpoint.removeprefix("tcp://"),
-                    encoding="msgpack",
-                )
-            ]
-        )
+        grpc_source = pb.KvEventSource(transport="grpc", encoding="protobuf")
+        if isinstance(self.publishers, FakeKvPublisher):
+            return pb.GetKvEventSourcesResponse(sources=[_advert(self.publishers)])
+        ranks = [_advert(p, rank) for rank, p in self.publishers.items()]
+        return pb.GetKvEventSourcesResponse(sources=[grpc_source, *ranks])
+
+
+def _advert(publisher: FakeKvPublisher, rank: int | None = None) -> pb.KvEventSource:
+    host, port = publisher.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return pb.KvEventSource(
+        transport="zmq",
+        endpoint_addr=pb.KvEndpoint(host=host, port=int(port), protocol="tcp"),
+        topic="kv@",
+        replay_endpoint=publisher.replay_endpoint.removeprefix("tcp://"),
+        data_parallel_rank=rank,
+        encoding="msgpack",
+    )
 
 
 async def _serve(servicer: pb_grpc.OpenEngineServicer) -> tuple[grpc.aio.Server, str]:
@@ -191,8 +201,7 @@ async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimpleme
         async with running(source.run()):
             await publisher.wait_subscribed()
             await publisher.send([b"kv@x", (0).to_bytes(8, "big"), payload])
-            zmq_source = source.zmq_source
-            assert zmq_source is not None  # it subscribed above
+            (zmq_source,) = source.zmq_sources  # it subscribed above
             await zmq_source.wait_until(lambda: zmq_source.last_seq == 0, WAIT_S)
     finally:
         await server.stop(None)
@@ -200,6 +209,74 @@ async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimpleme
         context.destroy(linger=0)
     assert _keys(index, target) == {77: Tier.HBM}
     assert zmq_source.settings.replay_endpoint == publisher.replay_endpoint
+    assert zmq_source.worker_id == target  # a single source keeps the engine's worker id
+
+
+def _zmq_batch(seq: int, *stored: int) -> list[bytes]:
+    events = [["BlockStored", [key], None, None, None, None, "GPU"] for key in stored]
+    return [b"kv@x", seq.to_bytes(8, "big"), msgpack.packb([float(seq), events, None])]
+
+
+class ResyncRecorder:
+    """An index backend's resync hook, fired by hand (as the Redis backend would)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[str], None]] = []
+
+    def add_resync_listener(self, callback: Callable[[str], None]) -> None:
+        self.listeners.append(callback)
+
+
+async def test_follows_every_advertised_rank_as_a_worker_of_its_own() -> None:
+    """Two data-parallel ranks, two sequence streams: each feeds `<target>/dp<rank>` with the
+    engine's address, a restart of one clears only its own worker, and a resync request for
+    one rank's worker replays only that rank."""
+    context = zmq.asyncio.Context()
+    rank0, rank1 = FakeKvPublisher(context), FakeKvPublisher(context)
+    rank0.start_replay()
+    rank1.start_replay()
+    server, target = await _serve(ZmqOnlyEngine({0: rank0, 1: rank1}))
+    index = PrefixIndex()
+    source = _source(target, index)
+    # An earlier run indexed this engine as one worker: nothing feeds that id any more.
+    stale = WorkerTranslator(TranslateOptions(target, target))
+    for batch in stale.translate([BlockStored(block_hashes=(5,), medium="GPU")]):
+        await source.sink.apply(batch)
+    resync = ResyncRecorder()
+    assert connect_resync(resync, {target: source}.get)
+    try:
+        async with running(source.run()):
+            await rank0.wait_subscribed()
+            await rank1.wait_subscribed()
+            ranks = {s.worker_id: s for s in source.zmq_sources}
+            dp0, dp1 = ranks[f"{target}/dp0"], ranks[f"{target}/dp1"]
+            await rank0.publish(_zmq_batch(0, 10))
+            await rank1.publish(_zmq_batch(0, 20))
+            await rank1.publish(_zmq_batch(1, 21))
+            await dp0.wait_until(lambda: dp0.last_seq == 0, WAIT_S)
+            await dp1.wait_until(lambda: dp1.last_seq == 1, WAIT_S)
+            assert _keys(index, f"{target}/dp0") == {10: Tier.HBM}
+            assert _keys(index, f"{target}/dp1") == {20: Tier.HBM, 21: Tier.HBM}
+            assert _keys(index, target) == {}
+            # Rank 1 restarts (its seq starts at 0 again); rank 0 goes on.
+            rank1.buffer.clear()
+            await rank1.publish(_zmq_batch(0, 30))
+            await rank0.publish(_zmq_batch(1, 11))
+            await dp1.wait_until(lambda: dp1.last_seq == 0, WAIT_S)
+            await dp0.wait_until(lambda: dp0.last_seq == 1, WAIT_S)
+            (fire,) = resync.listeners
+            fire(f"{target}/dp1")  # the backend lost rank 1's entries
+            await dp1.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+    finally:
+        await server.stop(None)
+        await rank0.close()
+        await rank1.close()
+        context.destroy(linger=0)
+    assert _keys(index, f"{target}/dp0") == {10: Tier.HBM, 11: Tier.HBM}
+    assert _keys(index, f"{target}/dp1") == {30: Tier.HBM}
+    assert (rank0.replay_requests, rank1.replay_requests) == ([], [0])
+    prefix = index.match_prefix([10, 11], 0)
+    assert [(m.worker_id, m.worker_address) for m in prefix.matches] == [(f"{target}/dp0", target)]
 
 
 async def test_against_a_real_sim_engine_subprocess(tmp_path: Path) -> None:
@@ -268,6 +345,7 @@ async def test_against_a_real_sim_engine_subprocess(tmp_path: Path) -> None:
         ):
             await grpc_source.wait_until(lambda: grpc_source.last_seq is not None, WAIT_S)
             stub = pb_grpc.OpenEngineStub(channel)
+            await _until_subscribed(stub, zmq_source)
             cached_a = await _generate(stub, "a", prompt_a)
             await grpc_source.wait_until(lambda: predicted().get("grpc", 0) >= 96, WAIT_S)
             await zmq_source.wait_until(lambda: predicted().get("zmq", 0) >= 96, WAIT_S)
@@ -281,6 +359,19 @@ async def test_against_a_real_sim_engine_subprocess(tmp_path: Path) -> None:
     finally:
         engine.send_signal(signal.SIGTERM)
         await asyncio.wait_for(engine.wait(), 20)
+
+
+async def _until_subscribed(stub: pb_grpc.OpenEngineAsyncStub, source: ZmqSource) -> None:
+    """A SUB misses what is published before its subscription reaches the PUB: send prompts
+    sharing no block with the test's until the source has seen a batch."""
+    for attempt in range(20):
+        await _generate(
+            stub, f"warm-up-{attempt}", list(range(2000 + 32 * attempt, 2032 + 32 * attempt))
+        )
+        with contextlib.suppress(TimeoutError):
+            await source.wait_until(lambda: source.last_seq is not None, 1.0)
+            return
+    raise AssertionError("the ZMQ source never received a batch")
 
 
 def _canonical(worker_id: str) -> WorkerTranslator:

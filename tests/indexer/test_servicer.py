@@ -12,12 +12,13 @@ import grpc
 import pytest
 
 from indexer.backend import IndexStats, PrefixResult
-from indexer.batch import BlockKey
+from indexer.batch import BlockKey, to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.kv_wire import batch_from_proto
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import IngestCounters, PrefixQueryLimiter, index_services
+from indexer.vllm_hash import VllmHashAlgo, block_digests, block_hashes, digest_to_int
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import AuthConfig, ServerConfig
@@ -342,3 +343,94 @@ async def test_an_unexpected_backend_error_is_internal_without_details() -> None
         await server.stop(None)
     assert info.value.code() == grpc.StatusCode.INTERNAL
     assert "secret" not in (info.value.details() or "")
+
+
+async def test_match_tokens_counts_tokens_by_the_request_block_size_and_skips_no_address(
+    served: Server,
+) -> None:
+    tokens = list(range(200, 212))  # 3 full blocks of 4
+    keys = block_keys(tokens, 4)
+    # Reported without block_sizes: the index knows no token counts for these blocks.
+    await served.kv.ApplyExternalKvBatch(_batch(_report(HBM, keys)))
+    # A worker with an empty address holds a longer prefix but is no routing answer.
+    await served.kv.ApplyExternalKvBatch(_batch(_report(HBM, keys), worker_id="hidden", address=""))
+    (match,) = (await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens))).matches
+    assert (match.worker_id, match.matched_blocks, match.matched_tokens) == ("w0", 3, 12)
+    assert [(t.tier, t.matched_blocks, t.matched_tokens) for t in match.tiers] == [(HBM, 3, 12)]
+    prefix = await served.kv.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=keys))
+    assert [m.worker_id for m in prefix.matches] == ["w0"]  # the same rule
+
+
+@pytest.mark.parametrize(
+    ("key_space", "algo"),
+    [
+        (api.KEY_SPACE_VLLM_SHA256, VllmHashAlgo.SHA256),
+        (api.KEY_SPACE_VLLM_SHA256_CBOR, VllmHashAlgo.SHA256_CBOR),
+    ],
+)
+async def test_match_tokens_in_vllms_key_space(
+    served: Server, key_space: int, algo: VllmHashAlgo
+) -> None:
+    tokens = list(range(400, 412))
+    seeded = [to_sfixed64(h) for h in block_hashes(tokens, 4, algo=algo, python_hash_seed="7")]
+    await served.kv.ApplyExternalKvBatch(_batch(_report(HBM, seeded[:2]), worker_id="vllm"))
+    request = api.MatchTokensRequest(token_ids=tokens, key_space=key_space, hash_seed="7")  # type: ignore[arg-type]
+    response = await served.api.MatchTokens(request)
+    assert list(response.block_keys) == seeded
+    assert [(m.worker_id, m.matched_blocks) for m in response.matches] == [("vllm", 2)]
+    default_seed = await served.api.MatchTokens(
+        api.MatchTokensRequest(token_ids=tokens, key_space=key_space)  # type: ignore[arg-type]
+    )
+    assert list(default_seed.block_keys) == [
+        to_sfixed64(h) for h in block_hashes(tokens, 4, algo=algo)
+    ]
+    assert not default_seed.matches
+    canonical = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens))
+    assert list(canonical.block_keys) == block_keys(tokens, 4) and not canonical.matches
+
+
+async def test_match_tokens_with_multimodal_items(served: Server) -> None:
+    # Blocks of 4; an image on tokens [2, 7) overlaps blocks 0 and 1, another on [9, 12) block 2.
+    tokens = [1, 2, 0, 0, 0, 0, 0, 3, 4, 0, 0, 0]
+    items = [api.MultimodalItem(id="img-a", offset=2, length=5)]
+    items.append(api.MultimodalItem(id="img-b", offset=9, length=3))
+    keys = block_keys(tokens, 4, mm_hashes=[["img-a"], ["img-a"], ["img-b"]])
+    await served.kv.ApplyExternalKvBatch(_batch(_report(HBM, keys)))
+    hit = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens, mm_items=items))
+    assert list(hit.block_keys) == keys and hit.matches[0].matched_blocks == 3
+    other = [items[0], api.MultimodalItem(id="img-c", offset=9, length=3)]
+    partial = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens, mm_items=other))
+    assert partial.matches[0].matched_blocks == 2  # same first image, another second one
+    text_only = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=tokens))
+    assert not text_only.matches
+    # vLLM's key space takes (id, offset in block) pairs, as vLLM hashes them.
+    vllm = await served.api.MatchTokens(
+        api.MatchTokensRequest(
+            token_ids=tokens, mm_items=items, key_space=api.KEY_SPACE_VLLM_SHA256
+        )
+    )
+    expected = block_digests(
+        tokens, 4, extra_keys=[(("img-a", 2),), (("img-a", -2),), (("img-b", 1),)]
+    )
+    assert list(vllm.block_keys) == [to_sfixed64(digest_to_int(d)) for d in expected]
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        api.MatchTokensRequest(token_ids=[1] * 8, mm_items=[api.MultimodalItem(id="x", length=0)]),
+        api.MatchTokensRequest(
+            token_ids=[1] * 8,
+            mm_items=[
+                api.MultimodalItem(id="x", offset=4, length=1),
+                api.MultimodalItem(id="y", offset=0, length=1),
+            ],
+        ),
+        api.MatchTokensRequest(token_ids=[1] * 8, key_space=9),  # type: ignore[arg-type]
+    ],
+    ids=["empty-item", "out-of-order", "unknown-key-space"],
+)
+async def test_match_tokens_rejects_what_it_cannot_hash(
+    served: Server, request_: api.MatchTokensRequest
+) -> None:
+    assert await _code(served.api.MatchTokens(request_)) == INVALID

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
@@ -189,6 +190,95 @@ def test_canonical_mode_keys_tokens_and_resolves_removals_by_engine_hash() -> No
     assert translator.counters.num_unresolved == 3
     translator.translate([AllBlocksCleared()])
     assert translator.num_live_blocks == 0
+
+
+def _canonical_keys(*events: BlockStored) -> list[int]:
+    batches = _translator(hash_mode=HashMode.CANONICAL, default_block_size=2).translate(events)
+    return [k for a in _actions(batches) for k in a.hashes]
+
+
+TOKENS = (5, 6, 7, 8, 9, 10)
+
+
+def test_lora_name_enters_the_namespace_and_an_empty_one_is_none() -> None:
+    lora = block_keys(TOKENS, 2, lora_name="ada")
+    # vLLM lists the LoRA name among each block's extra keys too: not a key of its own.
+    extra = (("ada",), ("ada",), ("ada",))
+    assert _canonical_keys(BlockStored((1, 2, 3), token_ids=TOKENS, lora_name="ada")) == lora
+    assert (
+        _canonical_keys(BlockStored((1, 2, 3), token_ids=TOKENS, lora_name="ada", extra_keys=extra))
+        == lora
+    )
+    # "" on the wire means no LoRA, the same as MatchTokens' "" (never a namespace of its own).
+    plain = block_keys(TOKENS, 2)
+    assert _canonical_keys(BlockStored((1, 2, 3), token_ids=TOKENS, lora_name="")) == plain
+
+
+def test_a_multimodal_id_is_never_taken_for_the_cache_salt() -> None:
+    # vLLM's (item id, offset in block) pairs, an item on block 0 of an unsalted request.
+    stored = BlockStored(
+        (1, 2, 3), token_ids=TOKENS, extra_keys=((("img", 1),), (("img", -1),), None)
+    )
+    expected = block_keys(TOKENS, 2, mm_hashes=[["img"], ["img"], None])
+    assert _canonical_keys(stored) == expected
+    # Older vLLM published item ids bare: one that starts in block 0 continues into block 1,
+    # which a salt never does.
+    bare = BlockStored((1, 2, 3), token_ids=TOKENS, extra_keys=(("img",), ("img",), None))
+    assert _canonical_keys(bare) == expected
+    # Salted (vLLM 0.32's bare salt after the item's pair), with a LoRA name in front.
+    salted = BlockStored(
+        (1, 2, 3),
+        token_ids=TOKENS,
+        lora_name="ada",
+        extra_keys=(("ada", ("img", 1), "tenant-A"), ("ada", ("img", -1)), ("ada",)),
+    )
+    assert _canonical_keys(salted) == block_keys(
+        TOKENS, 2, lora_name="ada", cache_salt="tenant-A", mm_hashes=[["img"], ["img"], None]
+    )
+
+
+def test_typed_and_tagged_extra_keys_over_the_wire() -> None:
+    typed = [
+        [
+            {"type": "lora", "name": "ada"},
+            {"type": "mm", "modality": "image", "hash": "img", "block_offset": 1},
+            {"type": "cache_salt", "salt": "s"},
+        ],
+        [
+            {"type": "lora", "name": "ada"},
+            {"type": "mm", "modality": "image", "hash": "img", "block_offset": -1},
+        ],
+        None,
+    ]
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2, 3],
+        "parent_block_hash": None,
+        "token_ids": list(TOKENS),
+        "block_size": 2,
+        "lora_name": "ada",
+        "extra_keys": typed,
+    }
+    (stored,) = decode_payload(msgpack.packb([0.0, [event], None])).events
+    assert isinstance(stored, BlockStored)
+    expected = block_keys(
+        TOKENS, 2, lora_name="ada", cache_salt="s", mm_hashes=[["img"], ["img"], None]
+    )
+    assert _canonical_keys(stored) == expected
+    tagged = BlockStored(
+        (1, 2, 3), token_ids=TOKENS, extra_keys=((("cache_salt", "s"),), None, None)
+    )
+    assert _canonical_keys(tagged) == block_keys(TOKENS, 2, cache_salt="s")
+    # An explicit salt leaves a bare (older vLLM) multimodal id on block 0 a multimodal id.
+    both = BlockStored((1, 2, 3), token_ids=TOKENS, extra_keys=(("img", ("cache_salt", "s")),))
+    mm_salted = block_keys(TOKENS, 2, cache_salt="s", mm_hashes=[["img"], None, None])
+    assert _canonical_keys(both) == mm_salted
+    # SGLang sends the salt as a field; prompt-embedding digests keep a key no token query makes.
+    assert _canonical_keys(BlockStored((1, 2, 3), token_ids=TOKENS, cache_salt="s")) == block_keys(
+        TOKENS, 2, cache_salt="s"
+    )
+    embeds = BlockStored((1, 2, 3), token_ids=TOKENS, extra_keys=((b"\x01",), None, None))
+    assert _canonical_keys(embeds)[0] not in block_keys(TOKENS, 2)
 
 
 def _replay_capture(mode: HashMode) -> tuple[WorkerTranslator, PrefixIndex, LiveModel]:

@@ -1,5 +1,6 @@
 """The ZMQ source on real sockets: malformed input is counted and skipped while the server
-keeps serving; reconnects; a publisher restart on the same port; a failing sink."""
+keeps serving; reconnects; a publisher restart on the same port, or hidden behind a gap or a
+replayed range; a failing sink."""
 
 from __future__ import annotations
 
@@ -239,5 +240,105 @@ async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(
     finally:
         await publisher.close()
     assert source.counters.num_gaps == 1
-    assert source.counters.num_replay_failures == 2  # from seq 1, then from 0 to rebuild
+    # From seq 0 (the last applied, to check the gap), then from 0 again to rebuild.
+    assert source.counters.num_replay_failures == 2
     assert _keys(index) == {2}  # cleared: block 1 may be stale after the lost batches
+
+
+async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The SUB misses a restarted engine's first batches and the new process's seq has
+    already passed the old expected one: it looks like a gap the replay covers, but the
+    replayed batch at the last applied seq is not the one applied."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source = _source(
+        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
+    )
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            for seq in range(3):  # the old process
+                await publisher.publish(_message(seq, _stored(100 + seq)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+            assert _keys(index) == {100, 101, 102}
+            # A new process, a new replay buffer, seq from 0; the SUB misses seqs 0-4.
+            publisher.buffer.clear()
+            for seq in range(5):
+                await publisher.publish(_message(seq, _stored(200 + seq)), live=False)
+            await publisher.publish(_message(5, _stored(205)))
+            await source.wait_until(lambda: source.last_seq == 5, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == {200, 201, 202, 203, 204, 205}
+    assert source.counters.num_gaps == 1
+    assert source.counters.num_resets == 2  # the first message's clear, then the restart's
+    assert publisher.replay_requests == [2, 0]  # the check of seq 2, then the rebuild
+
+
+async def test_a_restart_inside_a_just_replayed_range_is_not_taken_for_a_duplicate(
+    context: zmq.asyncio.Context,
+) -> None:
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source = _source(
+        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
+    )
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(100)))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+            # Seq 1 is lost and seq 3 is buffered before seq 2 arrives: the gap's replay
+            # applies 1 to 3, and a live seq 3 would then be a duplicate.
+            await publisher.publish(_message(1, _stored(101)), live=False)
+            publisher.buffer[3] = _message(3, _stored(103))
+            await publisher.publish(_message(2, _stored(102)))
+            await source.wait_until(lambda: source.last_seq == 3, WAIT_S)
+            assert _keys(index) == {100, 101, 102, 103}
+            # The engine restarts before sending seq 3 live; the SUB misses the new 0-2.
+            publisher.buffer.clear()
+            for seq in range(3):
+                await publisher.publish(_message(seq, _stored(200 + seq)), live=False)
+            await publisher.publish(_message(3, _stored(203)))
+            await source.wait_until(lambda: source.counters.num_resets == 2, WAIT_S)
+            await publisher.publish(_message(4, _stored(204)))
+            await source.wait_until(lambda: source.last_seq == 4, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == {200, 201, 202, 203, 204}
+    assert source.counters.num_duplicates == 1  # only seq 2, which the replay applied
+    assert publisher.replay_requests == [0, 0]
+
+
+async def test_a_restart_that_resumes_at_the_expected_seq_is_told_by_the_new_connection(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The first seq the SUB gets from the new process is exactly the one the old process
+    would have sent next: neither a gap nor a seq reset, only the new connection tells."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source = _source(
+        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
+    )
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            for seq in range(3):
+                await publisher.publish(_message(seq, _stored(100 + seq)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+            await publisher.restart()
+            await publisher.wait_subscribed()  # the SUB reconnected
+            for seq in range(3):  # missed: sent before the SUB was back
+                await publisher.publish(_message(seq, _stored(200 + seq)), live=False)
+            await publisher.publish(_message(3, _stored(203)))
+            await source.wait_until(lambda: source.last_seq == 3, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == {200, 201, 202, 203}
+    assert source.counters.num_gaps == 0
+    assert publisher.replay_requests == [2, 0]  # the check of seq 2, then the rebuild

@@ -9,6 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from kv_indexer.v1 import kv_indexer_pb2 as _kv_indexer_pb2
 import builtins as _builtins
 import sys
@@ -21,6 +22,33 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _KeySpace:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _KeySpaceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KeySpace.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    KEY_SPACE_CANONICAL: _KeySpace.ValueType  # 0
+    """kvplane's canonical chained keys (sources with `hash: canonical`, kvplane engines)."""
+    KEY_SPACE_VLLM_SHA256: _KeySpace.ValueType  # 1
+    """vLLM's own block hashes, `sha256` (pickle) algorithm, in sfixed64 (sources with
+    `hash: engine` fed by vLLM with its default prefix_caching_hash_algo).
+    """
+    KEY_SPACE_VLLM_SHA256_CBOR: _KeySpace.ValueType  # 2
+    """vLLM's own block hashes, `sha256_cbor` algorithm, in sfixed64."""
+
+class KeySpace(_KeySpace, metaclass=_KeySpaceEnumTypeWrapper): ...
+
+KEY_SPACE_CANONICAL: KeySpace.ValueType  # 0
+"""kvplane's canonical chained keys (sources with `hash: canonical`, kvplane engines)."""
+KEY_SPACE_VLLM_SHA256: KeySpace.ValueType  # 1
+"""vLLM's own block hashes, `sha256` (pickle) algorithm, in sfixed64 (sources with
+`hash: engine` fed by vLLM with its default prefix_caching_hash_algo).
+"""
+KEY_SPACE_VLLM_SHA256_CBOR: KeySpace.ValueType  # 2
+"""vLLM's own block hashes, `sha256_cbor` algorithm, in sfixed64."""
+Global___KeySpace: _TypeAlias = KeySpace  # noqa: Y015
+
 @_typing.final
 class MatchTokensRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -30,14 +58,29 @@ class MatchTokensRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_FIELD_NUMBER: _builtins.int
+    KEY_SPACE_FIELD_NUMBER: _builtins.int
+    HASH_SEED_FIELD_NUMBER: _builtins.int
+    MM_ITEMS_FIELD_NUMBER: _builtins.int
     block_size: _builtins.int
     """Tokens per block; 0 means the server's configured default."""
     lora_name: _builtins.str
+    """Empty: no LoRA adapter (the same as unset)."""
     cache_salt: _builtins.str
+    """Empty: no cache salt (the same as unset)."""
     max_blocks: _builtins.int
     """Consider at most this many leading blocks; 0 means all full blocks."""
+    key_space: Global___KeySpace.ValueType
+    """Which key space the prompt is hashed into: the one the wanted workers are indexed in."""
+    hash_seed: _builtins.str
+    """vLLM key spaces: the engine's PYTHONHASHSEED value; unset means vLLM's default seed
+    ("vllm-none-hash"). Ignored in the canonical key space.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def mm_items(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultimodalItem]:
+        """Multimodal items of the prompt (their placeholder token ranges), in prompt order."""
+
     def __init__(
         self,
         *,
@@ -46,14 +89,48 @@ class MatchTokensRequest(_message.Message):
         lora_name: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
         max_blocks: _builtins.int = ...,
+        key_space: Global___KeySpace.ValueType = ...,
+        hash_seed: _builtins.str | None = ...,
+        mm_items: _abc.Iterable[Global___MultimodalItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed", "hash_seed", b"hash_seed"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed", "block_size", b"block_size", "cache_salt", b"cache_salt", "hash_seed", b"hash_seed", "key_space", b"key_space", "lora_name", b"lora_name", "max_blocks", b"max_blocks", "mm_items", b"mm_items", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__hash_seed: _TypeAlias = _typing.Literal["hash_seed"]  # noqa: Y015
+    _WhichOneofArgType__hash_seed: _TypeAlias = _typing.Literal["_hash_seed", b"_hash_seed"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__hash_seed) -> _WhichOneofReturnType__hash_seed | None: ...
+
+Global___MatchTokensRequest: _TypeAlias = MatchTokensRequest  # noqa: Y015
+
+@_typing.final
+class MultimodalItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The item's identifier as the engine reports it in BlockStored extra_keys (vLLM: the
+    multimodal hash or the caller's UUID).
+    """
+    offset: _builtins.int
+    """First placeholder token of the item in the prompt, and how many tokens it covers (> 0)."""
+    length: _builtins.int
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_salt", b"cache_salt", "lora_name", b"lora_name", "max_blocks", b"max_blocks", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "length", b"length", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___MatchTokensRequest: _TypeAlias = MatchTokensRequest  # noqa: Y015
+Global___MultimodalItem: _TypeAlias = MultimodalItem  # noqa: Y015
 
 @_typing.final
 class TierMatch(_message.Message):
@@ -125,11 +202,13 @@ class MatchTokensResponse(_message.Message):
     """Full blocks in the prompt (the query length in blocks)."""
     @_builtins.property
     def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerTokenMatch]:
-        """Sorted by matched_blocks, descending."""
+        """Sorted by matched_blocks, descending. Workers without an address are left out (as in
+        MatchExternalKvPrefix); matched_tokens = matched_blocks * the request's block size.
+        """
 
     @_builtins.property
     def block_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The canonical block keys of the prompt, in order."""
+        """The prompt's block keys in the requested key space, in order."""
 
     def __init__(
         self,

@@ -56,7 +56,7 @@ class KvIndexServicer:
     """Missing associated documentation comment in .proto file."""
 
     def MatchTokens(self, request, context):
-        """Hashes `token_ids` into kvplane's canonical chained block keys and answers,
+        """Hashes `token_ids` into block keys (canonical, or vLLM's own hashes) and answers,
         per worker, how many leading blocks (and tokens) it holds, per tier.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -35,7 +35,7 @@ class KvIndexStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvIndexAsyncStub: ...
     MatchTokens: _grpc.UnaryUnaryMultiCallable[_index_pb2.MatchTokensRequest, _index_pb2.MatchTokensResponse]
-    """Hashes `token_ids` into kvplane's canonical chained block keys and answers,
+    """Hashes `token_ids` into block keys (canonical, or vLLM's own hashes) and answers,
     per worker, how many leading blocks (and tokens) it holds, per tier.
     """
     GetIndexStats: _grpc.UnaryUnaryMultiCallable[_index_pb2.GetIndexStatsRequest, _index_pb2.IndexStats]
@@ -47,7 +47,7 @@ class KvIndexStub:
 class KvIndexAsyncStub(KvIndexStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     MatchTokens: _aio.UnaryUnaryMultiCallable[_index_pb2.MatchTokensRequest, _index_pb2.MatchTokensResponse]  # type: ignore[assignment]
-    """Hashes `token_ids` into kvplane's canonical chained block keys and answers,
+    """Hashes `token_ids` into block keys (canonical, or vLLM's own hashes) and answers,
     per worker, how many leading blocks (and tokens) it holds, per tier.
     """
     GetIndexStats: _aio.UnaryUnaryMultiCallable[_index_pb2.GetIndexStatsRequest, _index_pb2.IndexStats]  # type: ignore[assignment]
@@ -62,7 +62,7 @@ class KvIndexServicer(metaclass=_abc_1.ABCMeta):
         request: _index_pb2.MatchTokensRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_index_pb2.MatchTokensResponse, _abc.Awaitable[_index_pb2.MatchTokensResponse]]:
-        """Hashes `token_ids` into kvplane's canonical chained block keys and answers,
+        """Hashes `token_ids` into block keys (canonical, or vLLM's own hashes) and answers,
         per worker, how many leading blocks (and tokens) it holds, per tier.
         """
 

@@ -1,0 +1,63 @@
+"""`kvplane bench index` at a tiny scale: every workload runs, and the JSON document has the
+figures docs/benchmarks cite, with and without Dynamo's RadixTree installed."""
+
+from __future__ import annotations
+
+import pytest
+
+from indexer import bench
+from indexer.bench import Scale, run_index_bench
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY = Scale(
+    one_block_events=200,
+    chain_events=20,
+    match_queries=100,
+    remove_blocks=640,
+    mooncake_requests=20,
+    memory_blocks=6_400,
+    service_blocks=6_400,
+    service_seconds=0.2,
+    repeats=1,
+    match_chains=20,
+)
+WORKLOADS = {
+    "store_1_block_events",
+    "store_64_block_events",
+    "match_64_block_prefixes",
+    "remove_worker",
+    "mooncake_store",
+    "mooncake_match",
+}
+
+
+@pytest.mark.parametrize("dynamo", ["hidden", "as-installed"])
+async def test_bench_index_reports_every_figure(
+    dynamo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    installed = bench.dynamo_available()
+    if dynamo == "hidden":  # the figures without ai-dynamo-runtime, whether or not it is here
+        monkeypatch.setattr(bench, "dynamo_available", lambda: False)
+    with_dynamo = dynamo == "as-installed" and installed
+    result = await run_index_bench("memory", scale=TINY)
+
+    assert set(result["workloads"]) == WORKLOADS
+    for name, figures in result["workloads"].items():
+        assert figures["kvplane_ops_s"] > 0, name
+        if with_dynamo:
+            assert figures["dynamo_ops_s"] > 0, name
+            ratio = figures["kvplane_ops_s"] / figures["dynamo_ops_s"]
+            assert figures["ratio"] == pytest.approx(ratio, rel=1e-2), name
+        else:
+            assert figures["dynamo_ops_s"] is None and figures["ratio"] is None, name
+    assert result["dynamo"] == ("ai-dynamo-runtime 1.6.1" if with_dynamo else "absent")
+
+    service = result["service"]
+    assert service["indexed_blocks"] == TINY.service_blocks
+    assert 0 < service["match_p50_ms"] <= service["match_p99_ms"]
+    assert service["match_qps"] > 0 and service["match_failed"] == 0
+    assert result["memory"]["bytes_per_placement"] > 0
+    assert result["memory"]["placements"] == TINY.memory_blocks
+    rendered = bench.render_table(result)
+    assert "memory:" in rendered and "service MatchExternalKvPrefix" in rendered
