@@ -13,6 +13,7 @@ from controller.config import KvEventsMode
 from controller.registry import (
     DuplicateEngineError,
     EngineRecord,
+    Role,
     UnknownEngineError,
 )
 from controller.router import Decision, NoEngineAvailableError
@@ -157,7 +158,9 @@ class AdminServicer(apb_grpc.AdminServicer):
         except grpc.aio.AioRpcError as exc:
             await abort_with(context, exc.code(), exc.details() or exc.code().name)
 
-    async def _plan(self, request: apb.PromptQuery, context: Context) -> Plan:
+    async def _plan(
+        self, request: apb.PromptQuery, context: Context, role: Role | None = Role.AGGREGATED
+    ) -> Plan:
         which = request.WhichOneof("input")
         if which is None:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or tokens")
@@ -170,12 +173,15 @@ class AdminServicer(apb_grpc.AdminServicer):
             cache_salt=request.cache_salt,
             session_key=request.session_key or None,
         )
-        return await self.controller.plan(query)
+        return await self.controller.plan(query, role)
 
     async def Route(self, request: apb.PromptQuery, context: Context) -> apb.RouteExplanation:
-        plan = await self._plan(request, context)
+        """The decision a request would get; in a disaggregated fleet, its first hop: the
+        prefill engine (the decode engine is chosen by load at the handoff)."""
+        disaggregated = self.controller.disaggregated(request.model)
+        plan = await self._plan(request, context, None if disaggregated else Role.AGGREGATED)
         try:
-            decision = self.controller.explain(plan)
+            decision = self.controller.explain(plan, Role.PREFILL if disaggregated else None)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
         return self._explanation(plan, decision)
@@ -212,7 +218,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         return reply
 
     async def Match(self, request: apb.PromptQuery, context: Context) -> apb.MatchResponse:
-        plan = await self._plan(request, context)
+        """Every engine's cached prefix, whatever its role."""
+        plan = await self._plan(request, context, role=None)
         reply = apb.MatchResponse(
             num_prompt_tokens=plan.request.num_prompt_tokens,
             block_size=plan.request.block_size,

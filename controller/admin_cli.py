@@ -2,16 +2,17 @@
 
 `--target HOST:PORT` names the server (on the group or on each command). Commands that only
 need OpenEngine RPCs (health, load, info, abort, lora, drain without ENGINE) work against a
-controller and against any engine; the fleet commands (workers, match, route, cordon,
-uncordon, drain ENGINE) use the controller's admin API; `workers` against a bare engine shows
-that engine. Tables by default, `--output json` for scripts. The bearer token for mutating
-RPCs comes from `--token-file` or the KVPLANE_TOKEN environment variable.
+controller and against any engine; the fleet commands (workers, match, route, cordon, uncordon,
+drain ENGINE, lora load --engine) use the controller's admin API: against a bare engine they
+fail with one line saying they need a controller (exit 1), except `workers`, which shows that
+engine. Tables by default, `--output json` for scripts. The bearer token for mutating RPCs
+comes from `--token-file` or the KVPLANE_TOKEN environment variable.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -83,6 +84,26 @@ def _call(target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:
 
 def _is_unimplemented(exc: grpc.RpcError) -> bool:
     return isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+class ControllerRequiredError(KvplaneError):
+    """A fleet command was sent to a target without the controller's admin API (an engine)."""
+
+
+def _admin_call(command: str, target: str | None, rpc: Callable[[apb_grpc.AdminStub], T]) -> T:
+    """Call the controller's admin API; a target that lacks it (a bare engine answers
+    UNIMPLEMENTED) fails with one line saying so rather than gRPC's "Method not found!"."""
+    address = _target(target)
+    with rpc_channel(address) as channel:
+        try:
+            return rpc(apb_grpc.AdminStub(channel))
+        except grpc.RpcError as exc:
+            if not _is_unimplemented(exc):
+                raise
+            raise ControllerRequiredError(
+                f"`{command}` needs a controller: {address} serves no kvplane admin API "
+                "(an engine?); give the controller's --target"
+            ) from None
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
@@ -284,7 +305,7 @@ def match(
 ) -> None:
     """How much of a prompt each engine holds (controller)."""
     query = _prompt_query(prompt, tokens_file, model)
-    reply = _call(target, lambda ch: apb_grpc.AdminStub(ch).Match(query, timeout=TIMEOUT_S))
+    reply = _admin_call("match", target, lambda stub: stub.Match(query, timeout=TIMEOUT_S))
     data = _dict(reply)
     data.setdefault("matches", [])
 
@@ -292,8 +313,7 @@ def match(
         head = (
             f"{d.get('num_prompt_tokens', 0)} prompt tokens, {d.get('num_blocks', 0)} full "
             f"blocks of {d.get('block_size', 0)}"
-            + ("" if d.get("tokenized") else " (not tokenized)")
-        )
+        ) + ("" if d.get("tokenized") else f"\n{_untokenized(model)}")
         rows = [
             [
                 m.get("instance_id"),
@@ -322,7 +342,7 @@ def route(
 ) -> None:
     """Where the router would send a prompt, and every engine's cost terms (controller)."""
     query = _prompt_query(prompt, tokens_file, model)
-    reply = _call(target, lambda ch: apb_grpc.AdminStub(ch).Route(query, timeout=TIMEOUT_S))
+    reply = _admin_call("route", target, lambda stub: stub.Route(query, timeout=TIMEOUT_S))
     data = _dict(reply)
     data.setdefault("costs", [])
 
@@ -331,7 +351,7 @@ def route(
             f"-> {d.get('instance_id')} ({d.get('engine')}) reason {d.get('reason')}, policy "
             f"{d.get('policy')}, predicted cached {d.get('predicted_cached_tokens', 0)} of "
             f"{d.get('num_prompt_tokens', 0)} tokens"
-        )
+        ) + ("" if d.get("tokenized") else f"\n{_untokenized(model)}")
         rows = [
             [
                 c.get("instance_id"),
@@ -352,6 +372,15 @@ def route(
         )
 
     emit(data, output, render)
+
+
+def _untokenized(model: str) -> str:
+    """Why a text prompt's cached prefix is unknown (the controller has no tokenizer for it)."""
+    which = f"model {model!r}" if model else "the default model"
+    return (
+        f"not tokenized: no tokenizer configured for {which}, so the prompt is routed "
+        "without prefix knowledge (token counts estimated at 4 characters a token)"
+    )
 
 
 def _num(value: Any) -> str | None:
@@ -376,24 +405,28 @@ def drain(
     """Drain an engine of the fleet (or the target itself); progress is shown until COMPLETE."""
     metadata = _metadata(token_file)
     events: list[dict[str, Any]] = []
-    with rpc_channel(_target(target)) as channel:
-        if engine is not None:
-            req = apb.DrainEngineRequest(engine=engine, abort_after_deadline=abort_after_deadline)
-            if deadline_ms is not None:
-                req.deadline_ms = deadline_ms
-            stream = apb_grpc.AdminStub(channel).DrainEngine(req, metadata=metadata)
-        else:
-            dreq = pb.DrainRequest(
-                stop_accepting_new_requests=True, abort_after_deadline=abort_after_deadline
-            )
-            if deadline_ms is not None:
-                dreq.deadline_ms = deadline_ms
-            stream = pb_grpc.OpenEngineStub(channel).Drain(dreq, metadata=metadata)
+
+    def follow(stream: Iterable[pb.DrainResponse]) -> None:
         for event in stream:
             data = _dict(event)
             events.append(data)
             if output is OutputFormat.table:
                 typer.echo(_render_drain(data))
+
+    if engine is not None:
+        req = apb.DrainEngineRequest(engine=engine, abort_after_deadline=abort_after_deadline)
+        if deadline_ms is not None:
+            req.deadline_ms = deadline_ms
+        _admin_call(
+            "drain ENGINE", target, lambda stub: follow(stub.DrainEngine(req, metadata=metadata))
+        )
+    else:
+        dreq = pb.DrainRequest(
+            stop_accepting_new_requests=True, abort_after_deadline=abort_after_deadline
+        )
+        if deadline_ms is not None:
+            dreq.deadline_ms = deadline_ms
+        _call(target, lambda ch: follow(pb_grpc.OpenEngineStub(ch).Drain(dreq, metadata=metadata)))
     if output is OutputFormat.json:
         emit({"events": events}, output, str)
     last = events[-1] if events else {}
@@ -425,14 +458,13 @@ def _cordon_command(on: bool) -> Callable[..., None]:
         metadata = _metadata(token_file)
         ref = apb.EngineRef(engine=engine)
 
-        def rpc(ch: grpc.Channel) -> apb.WorkerInfo:
-            stub = apb_grpc.AdminStub(ch)
+        def rpc(stub: apb_grpc.AdminStub) -> apb.WorkerInfo:
             call = stub.Cordon if on else stub.Uncordon
             return call(ref, metadata=metadata, timeout=TIMEOUT_S)
 
-        data = _dict(_call(target, rpc))
-        verb = "cordoned" if on else "uncordoned"
-        emit(data, output, lambda d: f"{d.get('instance_id')} ({d.get('address')}) {verb}")
+        name = "cordon" if on else "uncordon"
+        data = _dict(_admin_call(name, target, rpc))
+        emit(data, output, lambda d: f"{d.get('instance_id')} ({d.get('address')}) {name}ed")
 
     command.__doc__ = (
         "Stop routing new requests to an engine." if on else "Route to a cordoned engine again."
@@ -473,9 +505,10 @@ lora_app = typer.Typer(no_args_is_help=True, help="LoRA adapters on the fleet or
 
 def _engine_address(target: str, engine: str) -> str:
     """The address of fleet member `engine` (instance id or address) behind a controller."""
-    reply = _call(
+    reply = _admin_call(
+        "lora load --engine",
         target,
-        lambda ch: apb_grpc.AdminStub(ch).ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S),
+        lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S),
     )
     for w in reply.workers:
         if engine in (w.address, w.instance_id):

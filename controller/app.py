@@ -66,7 +66,7 @@ async def start_controller(
     await controller.start()
     gateway = GatewayServicer(controller)
     admin = AdminServicer(controller)
-    vllm = VllmGatewayServicer(controller)
+    vllm = VllmGatewayServicer(controller, gateway.relay)
     services = [
         Service(
             "openengine.v1.OpenEngine",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -48,6 +48,12 @@ class IndexConfig(StrictModel):
     # A remote `kvplane indexer` (HOST:PORT): the controller asks it (MatchTokens) instead of
     # keeping an index, and does not subscribe to KV events itself.
     remote: str | None = None
+    # The key space the remote indexer's workers are in (its sources' `hash:`): `canonical`
+    # (kvplane engines, `hash: canonical` sources), or vLLM's own block hashes for `hash:
+    # engine` sources fed by vLLM: `sha256` (vLLM's default) or `sha256_cbor`, with
+    # `remote_hash_seed` the engines' PYTHONHASHSEED (unset: vLLM's default seed).
+    remote_key_space: Literal["canonical", "sha256", "sha256_cbor"] = "canonical"
+    remote_hash_seed: str | None = None
     # Options of a Redis backend, the indexer's `redis:` block (docs/redis.md).
     redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
 
@@ -78,6 +84,11 @@ class RouterConfig(StrictModel):
     # How long blocks just routed count as held before the engine's events arrive (and in any
     # case until the request's first token).
     pending_ttl_s: float = Field(default=10.0, ge=0)
+    # Disaggregated fleets: a decode engine that already holds this fraction of a prompt
+    # prefills it itself, skipping the prefill hop. None (default): always hop, since the
+    # seed's DECODE engines take requests that carry a KV session; set it (e.g. 0.9) for decode
+    # engines that also prefill locally.
+    skip_prefill_ratio: float | None = Field(default=None, gt=0, le=1)
     # Seed of the router's randomness (ties, power of two); None = from the OS.
     seed: int | None = None
 
@@ -121,8 +132,11 @@ class ControllerConfig(ServerConfig):
     router: RouterConfig = Field(default_factory=RouterConfig)
     engines: list[EngineEntry] = Field(default_factory=list)
     health: HealthConfig = Field(default_factory=HealthConfig)
-    # tokenizer.json used to tokenise text prompts for routing; None: text prompts are routed
-    # by load only (token-id prompts always use the cache).
+    # tokenizer.json of each model (by the model name requests carry), used to tokenise its
+    # text prompts for routing (controller/tokenizers.py).
+    tokenizers: dict[str, Path] = Field(default_factory=dict)
+    # The tokenizer.json for text prompts of every model not in `tokenizers`; None: those are
+    # routed by load only (token-id prompts always use the cache).
     tokenizer: Path | None = None
     # Tokens per block when engines do not report it (GetModelInfo.kv_block_size).
     default_block_size: int = Field(default=16, gt=0)
@@ -131,6 +145,13 @@ class ControllerConfig(ServerConfig):
     @classmethod
     def _index_shorthand(cls, value: Any) -> Any:
         return {"backend": value} if isinstance(value, str) else value
+
+    @field_validator("tokenizers")
+    @classmethod
+    def _check_tokenizer_models(cls, value: dict[str, Path]) -> dict[str, Path]:
+        if "" in value:
+            raise ValueError("tokenizers: name a model (the default tokenizer is `tokenizer`)")
+        return value
 
     @model_validator(mode="after")
     def _check_engines(self) -> ControllerConfig:

@@ -5,9 +5,10 @@ Per engine it owns one poll task (GetEngineInfo + GetModelInfo on first contact 
 GetLoad reports a new instance id; Health every `poll_interval_s`; GetLoad every
 `load_poll_interval_s`; backoff while unreachable) and one KV-event task (SubscribeKvEvents, or
 the ZMQ source GetKvEventSources advertises) feeding the index under the engine's address as
-worker id. A new engine process (new instance id) has its old index entries dropped before
-anything else, so a restarted engine's old blocks never attract traffic; removal drops them
-too. Every task is owned here and cancelled by `close()`.
+worker id, and measures each batch's event lag (the controller's wall clock when the batch is
+in the index minus the engine's timestamp on it). A new engine process (new instance id) has
+its old index entries dropped before anything else, so a restarted engine's old blocks never
+attract traffic; removal drops them too. Every task is owned here and cancelled by `close()`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -75,6 +77,16 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
 _NO_HIT = PrefixHit()
 
 
+def _failing_checks(reply: pb.HealthResponse) -> str:
+    """What the checks that are not READY say (a READY check's message is information, such
+    as the model's name, not a problem)."""
+    return "; ".join(
+        f"{c.name}: {c.message}" if c.name else c.message
+        for c in reply.checks
+        if c.message and c.state != pb.HEALTH_STATE_READY
+    )
+
+
 def _device_blocks(tiers: Sequence[TierPrefix]) -> int:
     """Leading blocks of a match held on the device (HBM) tier."""
     for tier in tiers:
@@ -92,15 +104,31 @@ class PromptView(NamedTuple):
     candidates: tuple[Candidate, ...]
 
 
+_KEY_SPACES = {
+    "canonical": ipb.KEY_SPACE_CANONICAL,
+    "sha256": ipb.KEY_SPACE_VLLM_SHA256,
+    "sha256_cbor": ipb.KEY_SPACE_VLLM_SHA256_CBOR,
+}
+
+
 class RemoteIndex:
     """A remote `kvplane indexer` asked through its MatchTokens RPC (it hashes the prompt with
     the same canonical keys and is fed by its own event sources). Its workers are matched to
-    fleet engines by worker address, else by worker id."""
+    fleet engines by worker address, else by worker id. The prompt is hashed in the key space
+    its workers are in (`IndexConfig.remote_key_space`)."""
 
-    def __init__(self, target: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float,
+        key_space: str = "canonical",
+        hash_seed: str | None = None,
+    ) -> None:
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = ipb_grpc.KvIndexStub(self._channel)
         self._timeout_s = timeout_s
+        self._key_space = _KEY_SPACES[key_space]
+        self._hash_seed = hash_seed
 
     async def match(
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
@@ -111,6 +139,8 @@ class RemoteIndex:
                 block_size=block_size,
                 lora_name=lora_name,
                 cache_salt=cache_salt,
+                key_space=self._key_space,
+                hash_seed=self._hash_seed,
             ),
             timeout=self._timeout_s,
         )
@@ -157,6 +187,7 @@ class Fleet:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_engine_gone: Callable[[str], None] | None = None,
+        on_event_lag: Callable[[str, float], None] | None = None,
     ) -> None:
         self.config = config
         self.index = index
@@ -164,12 +195,18 @@ class Fleet:
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
         self._on_engine_gone = on_engine_gone
+        self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
         self.remote = (
-            RemoteIndex(config.index.remote, config.health.rpc_timeout_s)
+            RemoteIndex(
+                config.index.remote,
+                config.health.rpc_timeout_s,
+                config.index.remote_key_space,
+                config.index.remote_hash_seed,
+            )
             if config.index.remote is not None
             else None
         )
@@ -304,7 +341,7 @@ class Fleet:
                     reply = await engine.stub.Health(
                         pb.HealthRequest(), timeout=health.rpc_timeout_s
                     )
-                    message = "; ".join(c.message for c in reply.checks if c.message)
+                    message = _failing_checks(reply)
                     self.registry.on_health(address, _HEALTH[reply.state], now, message)
                     next_health = now + health.poll_interval_s
                     await self._notify()
@@ -411,19 +448,36 @@ class Fleet:
                 default_block_size=identity.block_size or self.config.default_block_size,
             )
         )
+        on_batch_time = functools.partial(self._event_applied, engine.address)
         source: OpenEngineSource | ZmqSource | None
         if record.kv_events == KvEventsMode.zmq.value:
-            source = await self._zmq_source(engine, translator)
+            source = await self._zmq_source(engine, translator, on_batch_time)
         else:
             source = OpenEngineSource(
-                OpenEngineSourceSettings(target=engine.address), translator, self.index
+                OpenEngineSourceSettings(target=engine.address),
+                translator,
+                self.index,
+                on_batch_time=on_batch_time,
             )
         if source is None:
             return
         engine.source = source
         engine.events_task = asyncio.create_task(source.run(), name=f"kv events {engine.address}")
 
-    async def _zmq_source(self, engine: _Engine, translator: WorkerTranslator) -> ZmqSource | None:
+    def _event_applied(self, address: str, stamped_unix_s: float) -> None:
+        """A KV-event batch the engine stamped at `stamped_unix_s` is in the index."""
+        # Two hosts' clocks: a skew that puts the stamp in our future reads as no lag.
+        lag_s = max(0.0, time.time() - stamped_unix_s)
+        self.registry.on_event_lag(address, lag_s)
+        if self._on_event_lag is not None:
+            self._on_event_lag(address, lag_s)
+
+    async def _zmq_source(
+        self,
+        engine: _Engine,
+        translator: WorkerTranslator,
+        on_batch_time: Callable[[float], None],
+    ) -> ZmqSource | None:
         assert self.index is not None
         reply = await engine.stub.GetKvEventSources(
             pb.GetKvEventSourcesRequest(), timeout=self.config.health.rpc_timeout_s
@@ -438,6 +492,6 @@ class Fleet:
             settings = ZmqSourceSettings(
                 endpoint=endpoint, replay_endpoint=replay, topic=source.topic
             )
-            return ZmqSource(settings, translator, self.index)
+            return ZmqSource(settings, translator, self.index, on_batch_time=on_batch_time)
         log.warning("engine %s advertises no ZMQ KV-event source", engine.address)
         return None

@@ -1,15 +1,22 @@
 """The gateway: `openengine.v1.OpenEngine` served for the whole fleet.
 
-- Generate: routed; the chosen engine's stream is relayed unchanged. If the engine fails
-  before anything was relayed (a non-OK status such as UNAVAILABLE, or a retryable terminal
+- Generate: routed and relayed by the Relay (controller/relay.py), the path vllm.Generate
+  shares: the chosen engine's stream is relayed unchanged; if the engine fails before
+  anything was relayed (a retryable status such as UNAVAILABLE, or a retryable terminal
   EngineError), the request is retried once on another engine; a failure after that is one
-  terminal EngineError (seed: no event may follow it). First token and end of stream release
-  the router's in-flight accounting; the engine-reported `cached_prompt_tokens` is recorded
-  against the router's prediction.
-- Embed / Classify / Score: sent to the least loaded routable engine serving the model.
-- Abort: a request id goes to the engine holding it; `all_requests` and KV sessions fan out.
-- LoadLora / UnloadLora / ListLoras: fan out to every reachable engine; a failure anywhere is
-  reported with every engine's outcome.
+  terminal EngineError (seed: no event may follow it).
+- Embed / Classify / Score: the least loaded routable engine serving the model whose
+  GetModelInfo says it supports the task; none: FAILED_PRECONDITION (the seed's UNSUPPORTED
+  task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
+  no traffic.
+- Abort: a request id (from either front end) goes to the engine holding it; `all_requests`
+  and KV sessions fan out; UNAVAILABLE when no engine could be reached.
+- LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
+  `supports_lora: false` (the others are reported as skipped); the call succeeds only if
+  every asked engine did (UnloadLora: NOT_FOUND from an engine means it never had the
+  adapter; NOT_FOUND only when none had it); FAILED_PRECONDITION when no engine supports
+  LoRA. Every engine's outcome, and the adapters it holds, ride in the trailing metadata
+  (EngineOutcome) and in the message of a failure.
 - GetLoad: the fleet's sums, with per-engine detail in `attributes`.
 - Health, GetEngineInfo, GetModelInfo: the fleet's view.
 """
@@ -17,21 +24,25 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
 
-from controller.registry import EngineRecord, EngineState
-from controller.router import NoEngineAvailableError
+from controller.registry import EngineIdentity, EngineRecord, EngineState
+from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
 from kvplane import __version__
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from controller.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +50,13 @@ DRAIN_PROGRESS_INTERVAL_S = 0.5
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
 SCHEMA_RELEASE = "openengine-v1-r1+seed.94b72b7dabd1ee94"
+# Trailing metadata key of the per-engine outcomes of a fanned-out call (one JSON object per
+# engine: engine, instance_id, outcome, detail, adapters).
+OUTCOME_METADATA_KEY = "kvplane-engine-outcome"
 
-# Statuses after which the same request may succeed on another engine.
-_RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.ABORTED,
-    }
-)
+_ABORT_ALL = pb.AbortRequest(all_requests=pb.AllRequests())
+# Events that carry output: the prefill is over.
+_OUTPUT_EVENTS = frozenset({"token", "finished", "prefill_ready"})
 _HEALTH_PB = {
     EngineState.UNKNOWN: pb.HEALTH_STATE_NOT_READY,
     EngineState.STARTING: pb.HEALTH_STATE_STARTING,
@@ -66,31 +72,123 @@ T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-class _Retry(Exception):
-    """The engine failed before anything was relayed; try another one."""
+class _OpenEngineGenerate:
+    """OpenEngine Generate as the relay sees it: an accepted request that fails says so with
+    one terminal EngineError (an in-band error), and a failure after output ends the stream
+    with an EngineError of the gateway's own."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+
+    def call(
+        self, engine: str, request: pb.GenerateRequest
+    ) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
+        return self._fleet.stub(engine).Generate(request)
+
+    def error(self, response: pb.GenerateResponse) -> InBandError | None:
+        if response.WhichOneof("event") != "error":
+            return None
+        error = response.error
+        return InBandError(error.message or pb.ErrorCode.Name(error.code), error.retryable)
+
+    def has_output(self, response: pb.GenerateResponse) -> bool:
+        return response.WhichOneof("event") in _OUTPUT_EVENTS
+
+    def usage(self, response: pb.GenerateResponse) -> Usage | None:
+        if not response.HasField("usage"):
+            return None
+        usage = response.usage
+        cached = usage.cached_prompt_tokens if usage.HasField("cached_prompt_tokens") else None
+        return Usage(usage.prompt_tokens, cached)
+
+    def failed(
+        self, request: pb.GenerateRequest, engine: str, error: grpc.aio.AioRpcError
+    ) -> pb.GenerateResponse:
+        return self.no_session(
+            request,
+            f"engine {engine} failed mid-stream: {error.code().name}: {error.details()}",
+        )
+
+    # The handoff of a disaggregated fleet (seed: "Disaggregated serving and KV API").
+
+    def session(self, response: pb.GenerateResponse) -> pb.KvSessionRef | None:
+        if response.WhichOneof("event") != "prefill_ready":
+            return None
+        return response.prefill_ready.kv_session
+
+    def with_session(
+        self, request: pb.GenerateRequest, session: pb.KvSessionRef
+    ) -> pb.GenerateRequest:
+        decode = pb.GenerateRequest()
+        decode.CopyFrom(request)
+        decode.kv.session.CopyFrom(session)
+        return decode
+
+    def no_session(self, request: pb.GenerateRequest, message: str) -> pb.GenerateResponse:
+        """A terminal EngineError of the gateway's own."""
+        return pb.GenerateResponse(
+            request_id=request.request_id,
+            error=pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message=message, retryable=False),
+        )
+
+
+class EngineOutcome(NamedTuple):
+    """What one engine answered to a fanned-out call (Abort, LoRA), as the gateway reports
+    it: in the message text and, one JSON object per engine, in the trailing metadata under
+    OUTCOME_METADATA_KEY (the seed's replies have no per-engine field)."""
+
+    record: EngineRecord
+    # "ok", "skipped" (not asked), "not_loaded" (UnloadLora: NOT_FOUND there), or the
+    # engine's gRPC status name.
+    outcome: str
+    detail: str = ""
+    # LoRA: the adapters the engine holds (ListLoras) or loaded (LoadLora).
+    adapters: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, record: EngineRecord, result: object) -> EngineOutcome:
+        if isinstance(result, grpc.aio.AioRpcError):
+            return cls(record, result.code().name, result.details() or "")
+        return cls(record, "ok")
+
+    def text(self) -> str:
+        out = f"{self.record.address}: {self.outcome}"
+        if self.detail:
+            out += f" ({self.detail})"
+        if self.adapters is not None:
+            out += f" [{', '.join(self.adapters)}]"
+        return out
+
+    def metadata(self) -> tuple[str, str]:
+        entry: dict[str, object] = {
+            "engine": self.record.address,
+            "instance_id": self.record.engine_id,
+            "outcome": self.outcome,
+        }
+        if self.detail:
+            entry["detail"] = self.detail
+        if self.adapters is not None:
+            entry["adapters"] = list(self.adapters)
+        return OUTCOME_METADATA_KEY, json.dumps(entry, sort_keys=True)
 
 
 class GatewayServicer(pb_grpc.OpenEngineServicer):
     def __init__(self, controller: Controller, instance_id: str | None = None) -> None:
         self.controller = controller
         self.instance_id = instance_id or f"controller-{uuid.uuid4().hex[:8]}"
-        # request id -> address of the engine serving it now.
-        self._holding: dict[str, str] = {}
-        self.draining = False
+        # Shared with the vllm.Generate front end (app.py): one set of in-flight requests.
+        self.relay = Relay(controller)
+        self._generate = _OpenEngineGenerate(controller.fleet)
 
     # ---- generation ----
 
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        c = self.controller
-        started = time.perf_counter()
         if not request.request_id:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        if self.draining:
-            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         which = request.WhichOneof("input")
-        key = c.config.router.session_metadata_key
+        key = self.controller.config.router.session_metadata_key
         query = PromptInput(
             request_id=request.request_id,
             prompt=request.prompt if which == "prompt" else None,
@@ -102,126 +200,72 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else "",
             session_key=request.metadata.get(key) if key else None,
         )
-        try:
-            plan = await c.plan(query)
-        except Exception:
-            log.exception("request %s: routing failed", request.request_id)
-            await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
-        tried: set[str] = set()
-        for attempt in range(2):
-            try:
-                decision = c.route(plan, frozenset(tried))
-            except NoEngineAvailableError as exc:
-                c.metrics.count_request("no_engine")
-                await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-            if attempt == 0:
-                c.metrics.route_seconds.observe(time.perf_counter() - started)
-            else:
-                c.metrics.retries.inc()
-            tried.add(decision.engine_id)
-            self._holding[request.request_id] = decision.engine_id
-            relayed = False
-            call = c.fleet.stub(decision.engine_id).Generate(request)
-            try:
-                async for response in call:
-                    kind = response.WhichOneof("event")
-                    if (
-                        not relayed
-                        and kind == "error"
-                        and response.error.retryable
-                        and attempt == 0
-                    ):
-                        raise _Retry(response.error.message)
-                    if not relayed:
-                        c.metrics.first_response_seconds.observe(time.perf_counter() - started)
-                    if kind in ("token", "finished", "prefill_ready"):
-                        c.router.first_token(request.request_id)
-                    if response.HasField("usage"):
-                        self._record_usage(decision.predicted_cached_tokens, response.usage)
-                    relayed = True
-                    yield response
-                c.metrics.count_request("ok")
-                c.metrics.request_seconds.observe(time.perf_counter() - started)
-                return
-            except _Retry as exc:
-                log.info(
-                    "request %s: engine %s refused (%s); retrying",
-                    request.request_id,
-                    decision.engine_id,
-                    exc,
-                )
-                continue
-            except grpc.aio.AioRpcError as exc:
-                if not relayed and attempt == 0 and exc.code() in _RETRYABLE:
-                    log.info(
-                        "request %s: engine %s failed before the first response (%s); "
-                        "retrying elsewhere",
-                        request.request_id,
-                        decision.engine_id,
-                        exc.code().name,
-                    )
-                    continue
-                c.metrics.count_request("engine_error")
-                if not relayed:
-                    await abort_with(context, exc.code(), exc.details() or exc.code().name)
-                yield pb.GenerateResponse(
-                    request_id=request.request_id,
-                    error=pb.EngineError(
-                        code=pb.ERROR_CODE_INTERNAL,
-                        message=f"engine {decision.engine_id} failed mid-stream: "
-                        f"{exc.code().name}: {exc.details()}",
-                        retryable=False,
-                    ),
-                )
-                return
-            finally:
-                if not call.done():
-                    call.cancel()
-                c.router.finish(request.request_id)
-                if self._holding.get(request.request_id) == decision.engine_id:
-                    del self._holding[request.request_id]
-        c.metrics.count_request("engine_error")
-        await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine could take the request")
-
-    def _record_usage(self, predicted: int, usage: pb.Usage) -> None:
-        m = self.controller.metrics
-        m.prompt_tokens.inc(usage.prompt_tokens)
-        m.predicted_cached_tokens.inc(predicted)
-        if usage.HasField("cached_prompt_tokens"):
-            m.actual_cached_tokens.inc(usage.cached_prompt_tokens)
-            m.cached_tokens_abs_error.inc(abs(predicted - usage.cached_prompt_tokens))
+        stream = self.relay.generate(
+            self._generate, request, query, context, handoff=self._generate
+        )
+        async for response in stream:
+            yield response
 
     # ---- non-generative tasks ----
 
     async def _task(
         self,
+        task: str,
         task_context: pb.TaskRequestContext,
         call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
         context: Context,
     ) -> T:
-        c = self.controller
-        records = c.fleet.registry.routable(task_context.model or None)
-        if not records:
-            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine serves this model")
-        record = min(
-            records, key=lambda r: (r.load.running_requests or 0) + (r.load.queued_requests or 0)
-        )
-        self._holding[task_context.request_id] = record.address
+        record = await self._task_engine(task, task_context.model, context)
+        holding = self.relay.holding
+        request_id = task_context.request_id
+        if request_id:
+            holding[request_id] = record.address
         try:
-            return await call(c.fleet.stub(record.address))
+            return await call(self.controller.fleet.stub(record.address))
         except grpc.aio.AioRpcError as exc:
             await abort_with(context, exc.code(), exc.details() or exc.code().name)
         finally:
-            self._holding.pop(task_context.request_id, None)
+            if request_id and holding.get(request_id) == record.address:
+                del holding[request_id]
+
+    async def _task_engine(self, task: str, model: str, context: Context) -> EngineRecord:
+        """The least loaded routable engine serving `model` whose GetModelInfo says it
+        supports `task`. None: UNAVAILABLE while a capable engine exists but takes no
+        traffic, FAILED_PRECONDITION when engines serve the model but none has the task
+        (seed: UNSUPPORTED task), NOT_FOUND when no engine serves the model."""
+        registry = self.controller.fleet.registry
+        capable = [r for r in registry.routable(model or None) if _has_task(r, task)]
+        if capable:
+            return min(capable, key=_queue_depth)
+        serving = [
+            r
+            for r in registry.records()
+            if r.identity is not None
+            and r.state is not EngineState.INCOMPATIBLE
+            and _serves(r.identity, model)
+        ]
+        if any(_has_task(r, task) for r in serving):
+            await abort_with(
+                context, grpc.StatusCode.UNAVAILABLE, f"no {task} engine takes traffic now"
+            )
+        if serving:
+            await abort_with(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no engine serving {model or 'the default model'} supports {task}",
+            )
+        if not model:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine is known yet")
+        await abort_with(context, grpc.StatusCode.NOT_FOUND, f"no engine serves {model!r}")
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
-        return await self._task(request.context, lambda s: s.Embed(request), context)
+        return await self._task("embed", request.context, lambda s: s.Embed(request), context)
 
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
-        return await self._task(request.context, lambda s: s.Classify(request), context)
+        return await self._task("classify", request.context, lambda s: s.Classify(request), context)
 
     async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
-        return await self._task(request.context, lambda s: s.Score(request), context)
+        return await self._task("score", request.context, lambda s: s.Score(request), context)
 
     # ---- lifecycle ----
 
@@ -234,10 +278,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         ]
 
     async def _fan_out(
-        self, call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]]
+        self,
+        records: list[EngineRecord],
+        call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
     ) -> list[tuple[EngineRecord, T | grpc.aio.AioRpcError]]:
-        records = self._reachable()
-
         async def one(record: EngineRecord) -> T | grpc.aio.AioRpcError:
             try:
                 return await call(self.controller.fleet.stub(record.address))
@@ -252,7 +296,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if target is None:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "set one abort target")
         if target == "request_id":
-            address = self._holding.get(request.request_id)
+            address = self.relay.holding.get(request.request_id)
             if address is None:
                 await abort_with(
                     context,
@@ -264,49 +308,104 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             except grpc.aio.AioRpcError as exc:
                 await abort_with(context, exc.code(), exc.details() or exc.code().name)
             return reply
-        results = await self._fan_out(lambda s: s.Abort(request))
-        ok = [r for _, r in results if isinstance(r, pb.AbortResponse)]
-        aborted = [r for r in ok if r.status == pb.ABORT_STATUS_ABORTED]
-        if target == "kv_session" and not ok:
-            await abort_with(context, grpc.StatusCode.NOT_FOUND, "no engine holds that KV session")
-        status = pb.ABORT_STATUS_ABORTED if aborted or not ok else pb.ABORT_STATUS_ALREADY_FINISHED
-        return pb.AbortResponse(status=status, message=_outcomes(results))
+        results = await self._fan_out(self._reachable(), lambda s: s.Abort(request))
+        outcomes = [EngineOutcome.of(record, result) for record, result in results]
+        context.set_trailing_metadata([o.metadata() for o in outcomes])
+        summary = _summary(outcomes)
+        answered = [r for _, r in results if isinstance(r, pb.AbortResponse)]
+        if not answered:
+            # No engine holds that KV session only if every engine said so.
+            if outcomes and all(o.outcome == grpc.StatusCode.NOT_FOUND.name for o in outcomes):
+                await abort_with(context, grpc.StatusCode.NOT_FOUND, summary)
+            await abort_with(
+                context, grpc.StatusCode.UNAVAILABLE, f"no engine could be reached: {summary}"
+            )
+        aborted = any(r.status == pb.ABORT_STATUS_ABORTED for r in answered)
+        status = pb.ABORT_STATUS_ABORTED if aborted else pb.ABORT_STATUS_ALREADY_FINISHED
+        return pb.AbortResponse(status=status, message=summary)
+
+    async def _lora_fan_out(
+        self,
+        context: Context,
+        call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
+        held: Callable[[T], tuple[str, ...] | None],
+        *,
+        not_found_is_absent: bool = False,
+    ) -> list[T]:
+        """Call every reachable engine that may support LoRA (GetModelInfo did not say
+        `supports_lora: false`); report every engine's outcome (EngineOutcome) and fail
+        unless all asked engines succeeded. `held` names the adapters a reply shows on its
+        engine. With `not_found_is_absent` (UnloadLora), NOT_FOUND means the engine never had
+        the adapter: NOT_FOUND only when no asked engine had it."""
+        reachable = self._reachable()
+        if not reachable:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine is reachable")
+        asked = [
+            r for r in reachable if r.identity is None or r.identity.supports_lora is not False
+        ]
+        outcomes = {
+            r.address: EngineOutcome(r, "skipped", "supports_lora is false")
+            for r in reachable
+            if r not in asked
+        }
+        replies: list[T] = []
+        failures: list[grpc.aio.AioRpcError] = []
+        for record, result in await self._fan_out(asked, call):
+            if isinstance(result, grpc.aio.AioRpcError):
+                absent = not_found_is_absent and result.code() == grpc.StatusCode.NOT_FOUND
+                outcome = EngineOutcome.of(record, result)
+                if absent:
+                    outcome = outcome._replace(outcome="not_loaded")
+                else:
+                    failures.append(result)
+                outcomes[record.address] = outcome
+            else:
+                replies.append(result)
+                outcomes[record.address] = EngineOutcome(record, "ok", adapters=held(result))
+        ordered = [outcomes[r.address] for r in reachable]
+        context.set_trailing_metadata([o.metadata() for o in ordered])
+        summary = _summary(ordered)
+        if not asked:
+            await abort_with(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no engine in the fleet supports LoRA: {summary}",
+            )
+        if failures:
+            await abort_with(context, failures[0].code(), summary)
+        if not replies:
+            await abort_with(context, grpc.StatusCode.NOT_FOUND, summary)
+        return replies
 
     async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> pb.LoadLoraResponse:
-        results = await self._fan_out(lambda s: s.LoadLora(request))
-        await self._fail_if_any(results, context)
-        replies = [r for _, r in results if isinstance(r, pb.LoadLoraResponse)]
+        replies = await self._lora_fan_out(
+            context, lambda s: s.LoadLora(request), lambda r: (r.adapter.lora_name,)
+        )
         return pb.LoadLoraResponse(
-            adapter=request.adapter,
-            already_loaded=bool(replies) and all(r.already_loaded for r in replies),
+            adapter=replies[0].adapter, already_loaded=all(r.already_loaded for r in replies)
         )
 
     async def UnloadLora(
         self, request: pb.UnloadLoraRequest, context: Context
     ) -> pb.UnloadLoraResponse:
-        results = await self._fan_out(lambda s: s.UnloadLora(request))
-        await self._fail_if_any(results, context)
-        replies = [r for _, r in results if isinstance(r, pb.UnloadLoraResponse)]
-        adapter = replies[0].adapter if replies else pb.LoraAdapter(lora_name=request.lora_name)
-        return pb.UnloadLoraResponse(adapter=adapter)
+        replies = await self._lora_fan_out(
+            context, lambda s: s.UnloadLora(request), lambda r: None, not_found_is_absent=True
+        )
+        return pb.UnloadLoraResponse(adapter=replies[0].adapter)
 
     async def ListLoras(
         self, request: pb.ListLorasRequest, context: Context
     ) -> pb.ListLorasResponse:
-        results = await self._fan_out(lambda s: s.ListLoras(request))
-        seen: dict[tuple[int, str, str], pb.LoraAdapter] = {}
-        for _, reply in results:
-            if isinstance(reply, pb.ListLorasResponse):
-                for a in reply.adapters:
-                    seen.setdefault((a.lora_id, a.lora_name, a.source_path), a)
-        return pb.ListLorasResponse(adapters=sorted(seen.values(), key=lambda a: a.lora_id))
-
-    async def _fail_if_any(self, results: list[tuple[EngineRecord, Any]], context: Context) -> None:
-        if not results:
-            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine is reachable")
-        errors = [r for _, r in results if isinstance(r, grpc.aio.AioRpcError)]
-        if errors:
-            await abort_with(context, errors[0].code(), _outcomes(results))
+        replies = await self._lora_fan_out(
+            context,
+            lambda s: s.ListLoras(request),
+            lambda r: tuple(a.lora_name for a in r.adapters),
+        )
+        union: dict[tuple[int, str, str], pb.LoraAdapter] = {}
+        for reply in replies:
+            for a in reply.adapters:
+                union.setdefault((a.lora_id, a.lora_name, a.source_path), a)
+        return pb.ListLorasResponse(adapters=sorted(union.values(), key=lambda a: a.lora_id))
 
     async def Drain(
         self, request: pb.DrainRequest, context: Context
@@ -314,25 +413,24 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         """Drain the gateway itself: refuse new requests, report the requests it relays until
         none is left (or the deadline passes; then abort them if asked). Engines keep running;
         drain an engine with the admin API."""
-        self.draining = self.draining or request.stop_accepting_new_requests
+        relay = self.relay
+        relay.draining = relay.draining or request.stop_accepting_new_requests
         deadline_s = (
             time.monotonic() + request.deadline_ms / 1000.0
             if request.HasField("deadline_ms")
             else None
         )
-        yield pb.DrainResponse(state=pb.DRAIN_STATE_STARTED, in_flight_requests=len(self._holding))
-        while self._holding:
+        yield pb.DrainResponse(state=pb.DRAIN_STATE_STARTED, in_flight_requests=len(relay.holding))
+        while relay.holding:
             if deadline_s is not None and time.monotonic() >= deadline_s:
                 if request.abort_after_deadline:
-                    await self._fan_out(
-                        lambda s: s.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
-                    )
+                    await self._fan_out(self._reachable(), lambda s: s.Abort(_ABORT_ALL))
                 break
             yield pb.DrainResponse(
-                state=pb.DRAIN_STATE_IN_PROGRESS, in_flight_requests=len(self._holding)
+                state=pb.DRAIN_STATE_IN_PROGRESS, in_flight_requests=len(relay.holding)
             )
             await asyncio.sleep(DRAIN_PROGRESS_INTERVAL_S)
-        yield pb.DrainResponse(state=pb.DRAIN_STATE_COMPLETE, in_flight_requests=len(self._holding))
+        yield pb.DrainResponse(state=pb.DRAIN_STATE_COMPLETE, in_flight_requests=len(relay.holding))
 
     async def GetKvConnectorInfo(
         self, request: pb.GetKvConnectorInfoRequest, context: Context
@@ -442,11 +540,18 @@ def _text(value: int | None) -> str:
     return "?" if value is None else str(value)
 
 
-def _outcomes(results: list[tuple[EngineRecord, Any]]) -> str:
-    parts = []
-    for record, result in results:
-        if isinstance(result, grpc.aio.AioRpcError):
-            parts.append(f"{record.address}: {result.code().name}: {result.details()}")
-        else:
-            parts.append(f"{record.address}: ok")
-    return "; ".join(parts)
+def _summary(outcomes: list[EngineOutcome]) -> str:
+    return "; ".join(o.text() for o in outcomes)
+
+
+def _serves(identity: EngineIdentity, model: str) -> bool:
+    """As Registry.routable reads it: no model named, or an engine that names none, match."""
+    return not model or not identity.models or model in identity.models
+
+
+def _queue_depth(record: EngineRecord) -> int:
+    return (record.load.running_requests or 0) + (record.load.queued_requests or 0)
+
+
+def _has_task(record: EngineRecord, task: str) -> bool:
+    return record.identity is not None and task in record.identity.tasks

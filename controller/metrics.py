@@ -1,9 +1,12 @@
 """The controller's Prometheus metrics: per-engine load (read from the registry at scrape
 time), routing decisions by policy and reason, predicted vs engine-reported cached tokens,
-index size, and gateway latency."""
+index size, KV-event lag (per engine: the controller's wall clock when a batch is in the index
+minus the engine's timestamp on it; engine and controller clocks must agree), and gateway
+latency."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any, Literal, get_args
 
@@ -14,6 +17,8 @@ from controller.registry import Registry
 
 RequestOutcome = Literal["ok", "no_engine", "engine_error"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Event lag reaches seconds when a source replays a backlog after a reconnect.
+_EVENT_LAG_BUCKETS = (*_LATENCY_BUCKETS[1:], 30, 60)
 
 
 class _EngineCollector:
@@ -43,6 +48,11 @@ class _EngineCollector:
                 "1 when the engine gets traffic",
                 labels=labels,
             ),
+            "event_lag": GaugeMetricFamily(
+                "kvplane_controller_engine_event_lag_seconds",
+                "Event lag of the engine's last KV-event batch (in the index minus stamped)",
+                labels=labels,
+            ),
         }
         for record in self._registry.records():
             key = [record.address, record.engine_id]
@@ -54,6 +64,8 @@ class _EngineCollector:
                 families["queued"].add_metric(key, float(load.queued_requests))
             if load.used_kv_blocks is not None and load.total_kv_blocks:
                 families["kv"].add_metric(key, load.used_kv_blocks / load.total_kv_blocks)
+            if record.event_lag_s is not None:
+                families["event_lag"].add_metric(key, record.event_lag_s)
         yield from families.values()
 
 
@@ -102,6 +114,13 @@ class ControllerMetrics:
         self.index_placements = Gauge(
             "kvplane_controller_index_placements", "Placements in the index", registry=r
         )
+        self.event_lag_seconds = Histogram(
+            "kvplane_controller_event_lag_seconds",
+            "KV-event batches by lag: in the index minus the engine's timestamp on the batch",
+            ["engine"],
+            buckets=_EVENT_LAG_BUCKETS,
+            registry=r,
+        )
         self.route_seconds = Histogram(
             "kvplane_controller_route_seconds",
             "Time to tokenise, match and choose an engine",
@@ -123,6 +142,14 @@ class ControllerMetrics:
 
     def count_request(self, outcome: RequestOutcome) -> None:
         self._outcomes[outcome].inc()
+
+    def observe_event_lag(self, engine: str, lag_s: float) -> None:
+        self.event_lag_seconds.labels(engine).observe(lag_s)
+
+    def forget_engine(self, engine: str) -> None:
+        """Drop an engine's event-lag series (it left the fleet or is a new process)."""
+        with contextlib.suppress(KeyError):
+            self.event_lag_seconds.remove(engine)
 
     def count_decision(self, policy: str, reason: str) -> None:
         child = self._decisions.get((policy, reason))

@@ -117,6 +117,9 @@ class EngineRecord:
     # The controller told this engine process to drain: it stays out of routing even if a
     # health answer sent before the drain still says READY (cleared by a new process).
     drain_requested: bool = False
+    # Seconds from the engine stamping its last KV-event batch to the batch being in the
+    # index (None until one arrives from this process).
+    event_lag_s: float | None = None
 
     @property
     def engine_id(self) -> str:
@@ -218,6 +221,7 @@ class Registry:
         if is_new:
             record.epoch += 1
             record.drain_requested = False
+            record.event_lag_s = None
         record.identity = identity
         return is_new
 
@@ -228,6 +232,9 @@ class Registry:
             record.last_error = error
 
     def on_health(self, address: str, state: EngineState, now_s: float, message: str = "") -> None:
+        """Record a health answer. `message` (what the failing checks said) is kept as the
+        engine's error only when the state keeps it out of routing: a healthy engine's checks
+        carry informational messages (the model's name), which are no error."""
         record = self._by_address.get(address)
         if record is None or record.state is EngineState.INCOMPATIBLE:
             return
@@ -237,13 +244,18 @@ class Registry:
         record.last_seen_s = now_s
         record.num_failures = 0
         record.next_attempt_s = now_s
-        record.last_error = message
+        record.last_error = "" if state in ROUTABLE_STATES else message
 
     def on_load(self, address: str, load: LoadSnapshot, now_s: float) -> None:
         record = self._by_address.get(address)
         if record is not None:
             record.load = load
             record.last_seen_s = now_s
+
+    def on_event_lag(self, address: str, lag_s: float) -> None:
+        record = self._by_address.get(address)
+        if record is not None:
+            record.event_lag_s = lag_s
 
     def on_unreachable(self, address: str, now_s: float, error: str) -> float:
         """The engine did not answer: out of routing at once, next attempt after backoff.

@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from controller.config import ControllerConfig
 from controller.fleet import Fleet, PromptView
 from controller.metrics import ControllerMetrics
 from controller.registry import Role
-from controller.router import Decision, Router, RouteRequest, make_policy
+from controller.router import (
+    Candidate,
+    Decision,
+    DisaggDecision,
+    Router,
+    RouteRequest,
+    make_policy,
+)
+from controller.tokenizers import ModelTokenizers
 from indexer.backend import IndexBackend
 from indexer.backends import open_backend
 from indexer.sources.resync import connect_resync
-from kvplane.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +56,8 @@ class Plan(NamedTuple):
 
     request: RouteRequest
     view: PromptView
-    # False: a text prompt and no tokenizer, so the router could not see the cache.
+    # False: a text prompt and no tokenizer for its model, so the router could not see the
+    # cache.
     tokenized: bool
 
 
@@ -70,20 +79,25 @@ class Controller:
             make_policy(config.router.policy, config.router.weights()),
             busy=config.router.busy(),
             pending_ttl_s=config.router.pending_ttl_s,
+            skip_prefill_ratio=(
+                math.inf
+                if config.router.skip_prefill_ratio is None
+                else config.router.skip_prefill_ratio
+            ),
         )
-        self.fleet = Fleet(config, index, clock=clock, on_engine_gone=self._engine_gone)
+        self.fleet = Fleet(
+            config,
+            index,
+            clock=clock,
+            on_engine_gone=self._engine_gone,
+            on_event_lag=self._event_lag,
+        )
         self.metrics = ControllerMetrics(self.fleet.registry)
-        self._tokenizer: Any | None = None
+        self._tokenizers = ModelTokenizers({})
         self._stats_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        if self.config.tokenizer is not None:
-            from tokenizers import Tokenizer
-
-            try:
-                self._tokenizer = Tokenizer.from_file(str(self.config.tokenizer))
-            except Exception as exc:
-                raise ConfigError(f"cannot load tokenizer {self.config.tokenizer}: {exc}") from exc
+        self._tokenizers = ModelTokenizers.load(self.config.tokenizers, self.config.tokenizer)
         if self.index is None and self.config.index.remote is None:
             index = self.config.index
             self.index = await open_backend(index.backend, **index.backend_options())
@@ -104,17 +118,20 @@ class Controller:
 
     def _engine_gone(self, address: str) -> None:
         self.router.forget_engine(address)
+        self.metrics.forget_engine(address)
 
-    def tokenize(self, prompt: str) -> list[int] | None:
-        if self._tokenizer is None:
-            return None
-        return list(self._tokenizer.encode(prompt).ids)
+    def _event_lag(self, address: str, lag_s: float) -> None:
+        self.metrics.observe_event_lag(address, lag_s)
+
+    def tokenize(self, prompt: str, model: str = "") -> list[int] | None:
+        """`prompt` in `model`'s tokens; None when no tokenizer is configured for it."""
+        return self._tokenizers.encode(prompt, model)
 
     async def plan(self, query: PromptInput, role: Role | None = Role.AGGREGATED) -> Plan:
         tokens: Sequence[int] | None = query.token_ids
         tokenized = tokens is not None
         if tokens is None and query.prompt is not None:
-            tokens = self.tokenize(query.prompt)
+            tokens = self.tokenize(query.prompt, query.model)
             tokenized = tokens is not None
         view = await self.fleet.prompt_view(
             tokens,
@@ -138,8 +155,59 @@ class Controller:
         self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision
 
-    def explain(self, plan: Plan) -> Decision:
-        return self.router.explain(plan.request, plan.view.candidates, self.rng, self.clock())
+    # ---- disaggregated fleets (prefill and decode engines) ----
+
+    def disaggregated(self, model: str) -> bool:
+        """Whether requests for `model` take the prefill -> decode path: no aggregated engine
+        can take them and a decode engine can (plan those with `role=None`)."""
+        registry = self.fleet.registry
+        return not registry.routable(model or None, Role.AGGREGATED) and bool(
+            registry.routable(model or None, Role.DECODE)
+        )
+
+    def route_disaggregated(self, plan: Plan) -> DisaggDecision:
+        """The first hop: a prefill engine by the policy, or the decode engine when it holds
+        `router.skip_prefill_ratio` of the prompt (or no prefill engine is up)."""
+        placement = self.router.route_disaggregated(
+            plan.request,
+            self._of_role(plan, Role.PREFILL),
+            self._of_role(plan, Role.DECODE),
+            self.rng,
+            self.clock(),
+        )
+        for decision in placement.prefill, placement.decode:
+            if decision is not None:
+                self.metrics.count_decision(decision.policy, decision.reason.value)
+        return placement
+
+    def route_prefill(self, plan: Plan, exclude: frozenset[str]) -> Decision:
+        """Another prefill engine (a retry), not one in `exclude`."""
+        candidates = [c for c in self._of_role(plan, Role.PREFILL) if c.engine_id not in exclude]
+        decision = self.router.route(plan.request, candidates, self.rng, self.clock())
+        self.metrics.count_decision(decision.policy, decision.reason.value)
+        return decision
+
+    def route_decode(self, plan: Plan, exclude: frozenset[str], prefilled: bool) -> Decision:
+        """A decode engine by load, not one in `exclude`: at the handoff (`prefilled`: the KV
+        comes from the prefill engine), or a retry of a decode engine prefilling itself."""
+        candidates = [c for c in self._of_role(plan, Role.DECODE) if c.engine_id not in exclude]
+        decision = self.router.route_decode(plan.request, candidates, self.rng, prefilled)
+        self.metrics.count_decision(decision.policy, decision.reason.value)
+        return decision
+
+    def _of_role(self, plan: Plan, role: Role) -> tuple[Candidate, ...]:
+        registry = self.fleet.registry
+        out = []
+        for candidate in plan.view.candidates:
+            record = registry.by_engine_id(candidate.engine_id)
+            if record is not None and record.identity is not None and record.identity.role is role:
+                out.append(candidate)
+        return tuple(out)
+
+    def explain(self, plan: Plan, role: Role | None = None) -> Decision:
+        """What `route` would decide (among the engines of `role`, or all), charging no one."""
+        candidates = plan.view.candidates if role is None else self._of_role(plan, role)
+        return self.router.explain(plan.request, candidates, self.rng, self.clock())
 
     async def _refresh_index_stats(self) -> None:
         while True:

@@ -1,35 +1,95 @@
-"""The gateway's `vllm.Generate` surface: the same routing as OpenEngine Generate, for
-clients of vLLM's gRPC front end. The chosen engine's own `vllm.Generate` service (served on
-the same port as its OpenEngine service) answers; the response is relayed unchanged. A failure
-before anything was relayed is retried once on another engine; later, the status passes
-through (this API has no in-band error event)."""
+"""The gateway's `vllm.Generate` surface, for clients of vLLM's gRPC front end: the same
+path as OpenEngine Generate (controller/relay.py: routing, the one retry, Abort by request id
+through OpenEngine, Drain, metrics). The chosen engine's own `vllm.Generate` service (served
+on the same port as its OpenEngine service) answers; the response is relayed unchanged.
+
+What this API changes on the way:
+- It has no in-band error event: after something was relayed, an engine failure passes
+  through as the engine's status.
+- A request without `request_id` gets one (`vllm-<hex>`) before routing, so that the router's
+  in-flight accounting and Abort can tell it from other requests.
+- The session key (config `router.session_metadata_key`) is read from the call's gRPC
+  metadata: the request has no metadata map.
+- The response has no cached-token count: usage records the prompt tokens only
+  (`prompt_info.num_prompt_tokens`), not the router's prediction against the engine's.
+"""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from controller.router import NoEngineAvailableError
+from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
-from kvplane.server import abort_with
 from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
-log = logging.getLogger(__name__)
-
 Context = grpc.aio.ServicerContext[Any, Any]
-_RETRYABLE = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN}
-)
+
+
+class _UnaryCall:
+    """A unary call seen as a stream of one response, the shape the relay iterates."""
+
+    def __init__(self, call: grpc.aio.UnaryUnaryCall[Any, vpb.GenerateResponse]) -> None:
+        self._call = call
+
+    def __aiter__(self) -> AsyncIterator[vpb.GenerateResponse]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[vpb.GenerateResponse]:
+        yield await self._call
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    def done(self) -> bool:
+        return self._call.done()
+
+
+class _VllmGenerate:
+    """vllm.Generate (unary) or GenerateStream as the relay sees it."""
+
+    def __init__(self, stub: Callable[[str], vpb_grpc.GenerateAsyncStub], unary: bool) -> None:
+        self._stub = stub
+        self._unary = unary
+
+    def call(
+        self, engine: str, request: vpb.GenerateRequest
+    ) -> _UnaryCall | grpc.aio.UnaryStreamCall[vpb.GenerateRequest, vpb.GenerateResponse]:
+        stub = self._stub(engine)
+        if self._unary:
+            return _UnaryCall(stub.Generate(request))
+        return stub.GenerateStream(request)
+
+    def error(self, response: vpb.GenerateResponse) -> InBandError | None:
+        return None  # no error event: every failure is a status
+
+    def has_output(self, response: vpb.GenerateResponse) -> bool:
+        return response.HasField("outputs")
+
+    def usage(self, response: vpb.GenerateResponse) -> Usage | None:
+        if not response.HasField("prompt_info"):
+            return None
+        return Usage(response.prompt_info.num_prompt_tokens, None)
+
+    def failed(
+        self, request: vpb.GenerateRequest, engine: str, error: grpc.aio.AioRpcError
+    ) -> vpb.GenerateResponse | None:
+        return None
 
 
 class VllmGatewayServicer(vpb_grpc.GenerateServicer):
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller: Controller, relay: Relay) -> None:
+        """`relay`: the OpenEngine gateway's (GatewayServicer.relay), so that both front ends
+        share one set of in-flight requests."""
         self.controller = controller
+        self.relay = relay
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._unary = _VllmGenerate(self._stub, unary=True)
+        self._stream = _VllmGenerate(self._stub, unary=False)
 
     def _stub(self, address: str) -> vpb_grpc.GenerateAsyncStub:
         channel = self._channels.get(address)
@@ -45,58 +105,42 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
     async def Generate(
         self, request: vpb.GenerateRequest, context: Context
     ) -> vpb.GenerateResponse:
+        request, query = self._query(request, context)
         last: vpb.GenerateResponse | None = None
-        async for response in self._relay(request, context, unary=True):
+        async for response in self.relay.generate(self._unary, request, query, context):
             last = response
-        assert last is not None
+        assert last is not None  # the relay yields the reply or aborts the call
         return last
 
     async def GenerateStream(
         self, request: vpb.GenerateRequest, context: Context
     ) -> AsyncIterator[vpb.GenerateResponse]:
-        async for response in self._relay(request, context, unary=False):
+        request, query = self._query(request, context)
+        async for response in self.relay.generate(self._stream, request, query, context):
             yield response
 
-    async def _relay(
-        self, request: vpb.GenerateRequest, context: Context, *, unary: bool
-    ) -> AsyncIterator[vpb.GenerateResponse]:
-        c = self.controller
+    def _query(
+        self, request: vpb.GenerateRequest, context: Context
+    ) -> tuple[vpb.GenerateRequest, PromptInput]:
+        """The request as it goes to the engine (with a request id) and its routing input."""
+        if not request.request_id:
+            named = vpb.GenerateRequest()
+            named.CopyFrom(request)
+            named.request_id = f"vllm-{uuid.uuid4().hex}"
+            request = named
+        key = self.controller.config.router.session_metadata_key
+        session_key = None
+        if key:
+            wanted = key.lower()  # gRPC metadata keys are lower case
+            session_key = next(
+                (str(v) for k, v in context.invocation_metadata() or () if k == wanted), None
+            )
         which = request.WhichOneof("prompt")
-        query = PromptInput(
+        return request, PromptInput(
             request_id=request.request_id,
             prompt=request.text if which == "text" else None,
-            token_ids=tuple(request.token_ids.ids) if which == "token_ids" else None,
+            token_ids=tuple(request.token_ids.ids[:]) if which == "token_ids" else None,
             model=request.model,
             cache_salt=request.kv.cache_salt,
+            session_key=session_key,
         )
-        plan = await c.plan(query)
-        tried: set[str] = set()
-        for attempt in range(2):
-            try:
-                decision = c.route(plan, frozenset(tried))
-            except NoEngineAvailableError as exc:
-                await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-            tried.add(decision.engine_id)
-            relayed = False
-            try:
-                stub = self._stub(decision.engine_id)
-                if unary:
-                    reply = await stub.Generate(request)
-                    relayed = True
-                    yield reply
-                else:
-                    async for response in stub.GenerateStream(request):
-                        if not relayed:
-                            c.router.first_token(request.request_id)
-                        relayed = True
-                        yield response
-                return
-            except grpc.aio.AioRpcError as exc:
-                if not relayed and attempt == 0 and exc.code() in _RETRYABLE:
-                    log.info("vllm request %s: %s failed (%s); retrying elsewhere",
-                             request.request_id, decision.engine_id, exc.code().name)  # fmt: skip
-                    continue
-                await abort_with(context, exc.code(), exc.details() or exc.code().name)
-            finally:
-                c.router.finish(request.request_id)
-        await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine could take the request")

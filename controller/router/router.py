@@ -49,10 +49,11 @@ class BusyThresholds:
 
 @dataclass(frozen=True, slots=True)
 class DisaggDecision:
-    """Disaggregated placement: `prefill` is None when the decode engine prefills itself."""
+    """The first hop of a disaggregated request: a prefill engine, or (exactly one of the
+    two) the decode engine when it prefills the prompt itself."""
 
     prefill: Decision | None
-    decode: Decision
+    decode: Decision | None
 
 
 class PendingPrefixes:
@@ -236,32 +237,56 @@ class Router:
         rng: random.Random,
         now_s: float,
     ) -> DisaggDecision:
-        """Decode engine by load; prefill engine by the policy (overlap + load). When the
-        decode engine already holds `skip_prefill_ratio` of the prompt, it prefills itself."""
+        """The first hop of a request to a disaggregated fleet. The decode engine it would get
+        (by load) prefills the prompt itself when it already holds `skip_prefill_ratio` of it,
+        or when no prefill engine is up: then `decode` is that decision and `prefill` None.
+        Otherwise `prefill` is a prefill engine chosen by the policy (overlap + load) and
+        `decode` None: the decode engine is chosen when the prefill hands over
+        (`route_decode`), by the load then. The engine of the hop is charged in flight."""
         if not decode_candidates:
             raise NoEngineAvailableError("no decode engine available")
         decode_view = self.with_inflight(decode_candidates)
         chosen = least_loaded_of(decode_view, rng)
         device, host = request.cached_tokens(chosen.hit)
         cached_fraction = (device + host) / max(request.num_prompt_tokens, 1)
-        decode = Decision(
+        if prefill_candidates and cached_fraction < self.skip_prefill_ratio:
+            return DisaggDecision(self.route(request, prefill_candidates, rng, now_s), None)
+        return DisaggDecision(None, self._charge_decode(request, chosen, decode_view, False))
+
+    def route_decode(
+        self,
+        request: RouteRequest,
+        decode_candidates: Sequence[Candidate],
+        rng: random.Random,
+        prefilled: bool = True,
+    ) -> Decision:
+        """The decode engine, by load (own in-flight included), charged with the request: its
+        decode only when the KV comes from a prefill engine (`prefilled`), else the prefill of
+        what it lacks too."""
+        if not decode_candidates:
+            raise NoEngineAvailableError("no decode engine available")
+        view = self.with_inflight(decode_candidates)
+        return self._charge_decode(request, least_loaded_of(view, rng), view, prefilled)
+
+    def _charge_decode(
+        self,
+        request: RouteRequest,
+        chosen: Candidate,
+        view: Sequence[Candidate],
+        prefilled: bool,
+    ) -> Decision:
+        device, host = request.cached_tokens(chosen.hit)
+        cached = request.num_prompt_tokens if prefilled else device + host
+        self.inflight.begin(
+            request.request_id,
             chosen.engine_id,
-            Reason.LOAD,
-            "least_loaded",
-            device + host,
-            blind_costs(request, decode_view),
+            request.num_prompt_tokens - cached,
+            math.ceil(request.num_prompt_tokens / request.block_size),
+            cached,
         )
-        if not prefill_candidates or cached_fraction >= self.skip_prefill_ratio:
-            self.inflight.begin(
-                request.request_id,
-                chosen.engine_id,
-                request.num_prompt_tokens - device - host,
-                math.ceil(request.num_prompt_tokens / request.block_size),
-                device + host,
-            )
-            return DisaggDecision(None, decode)
-        prefill = self.route(request, prefill_candidates, rng, now_s)
-        return DisaggDecision(prefill, decode)
+        return Decision(
+            chosen.engine_id, Reason.LOAD, "least_loaded", cached, blind_costs(request, view)
+        )
 
     def _decide(
         self,

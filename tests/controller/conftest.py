@@ -19,7 +19,8 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 
-async def start_sim_engine(name: str, time_scale: float = 0.0) -> EngineApp:
+async def start_sim_engine(name: str, time_scale: float = 0.0, **config: Any) -> EngineApp:
+    """An in-process sim engine on a free port (`config`: more EngineConfig fields)."""
     return await start_engine(
         EngineConfig(
             model="sim",
@@ -28,6 +29,7 @@ async def start_sim_engine(name: str, time_scale: float = 0.0) -> EngineApp:
             num_kv_blocks=256,
             shutdown_grace_s=0.5,
             sim=SimTimingConfig(time_scale=time_scale),
+            **config,
         )
     )
 

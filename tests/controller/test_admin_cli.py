@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner, Result
 
+from controller.admin_cli import ControllerRequiredError
 from kvplane.cli import app
 from tests.controller.conftest import Fleet, generate_request
 
@@ -44,6 +45,9 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     assert group_ids == ["e0", "e1", "e2"]
     table = await cli("workers", *t)
     assert table.exit_code == 0 and "e1" in table.output and "ready" in table.output
+    # The engines' health checks name their model ("sim"): information, not an ERROR.
+    assert [w["last_error"] for w in workers["workers"]] == ["", "", ""]
+    assert not any(line.rstrip().endswith("sim") for line in table.output.splitlines())
 
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
@@ -95,9 +99,10 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     assert missing.exit_code != 0 and "NOT_FOUND" in str(missing.exception or missing.output)
     everything = await cli_json("abort", "--all", *t)
     assert everything["status"] in ("ABORT_STATUS_ABORTED", "ABORT_STATUS_ALREADY_FINISHED")
-    assert (await cli_json("lora", "list", *t))["adapters"] == []
-    refused = await cli("lora", "load", "x", "/tmp", "--id", "1", *t)
-    assert refused.exit_code != 0 and "FAILED_PRECONDITION" in str(refused.exception)
+    # The sim engines say supports_lora: false, so the fleet refuses every LoRA call.
+    for lora in (["list"], ["load", "x", "/tmp", "--id", "1"]):
+        refused = await cli("lora", *lora, *t)
+        assert refused.exit_code != 0 and "FAILED_PRECONDITION" in str(refused.exception)
 
 
 async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
@@ -110,3 +115,25 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     assert (await cli_json("info", *t))["engine"]["instance_id"] == "e0"
     drained = await cli("drain", *t)
     assert drained.exit_code == 0 and "COMPLETE" in drained.output
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["match", "--prompt", "hello"],
+        ["route", "--prompt", "hello"],
+        ["cordon", "e0"],
+        ["uncordon", "e0"],
+        ["drain", "e0"],
+        ["lora", "load", "x", "/tmp/x", "--id", "1", "--engine", "e0"],
+    ],
+)
+async def test_fleet_commands_against_an_engine_say_they_need_a_controller(
+    fleet: Fleet, command: list[str]
+) -> None:
+    engine = fleet.address(fleet.engines[0])
+    result = await cli("--target", engine, *command)
+    assert isinstance(result.exception, ControllerRequiredError), result.exception
+    message = str(result.exception)
+    assert message.startswith(f"`{command[0]}") and f"needs a controller: {engine}" in message
+    assert "\n" not in message and "Method not found" not in message

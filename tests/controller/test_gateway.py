@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
+from controller.gateway import OUTCOME_METADATA_KEY
 from controller.registry import EngineState
 from engine.config import EngineConfig
 from engine.server.service import start_engine
@@ -44,6 +45,21 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10
 
 async def generate(fleet: Fleet, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     return [r async for r in fleet.gateway.Generate(request)]
+
+
+def record_routes(fleet: Fleet) -> list[str]:
+    """The engines the controller chooses from now on, one entry per routing decision."""
+    controller = fleet.app.controller
+    chosen: list[str] = []
+    route = controller.route
+
+    def recording_route(*args: object, **kwargs: object) -> object:
+        decision = route(*args, **kwargs)  # type: ignore[arg-type]
+        chosen.append(decision.engine_id)
+        return decision
+
+    controller.route = recording_route  # type: ignore[method-assign,assignment]
+    return chosen
 
 
 async def holder_of(fleet: Fleet, tokens: list[int], blocks: int) -> str:
@@ -162,15 +178,22 @@ async def test_abort_goes_to_the_engine_holding_the_request() -> None:
         await close_fleet(fleet)
 
 
-async def test_lora_fan_out_reports_every_engine(fleet: Fleet) -> None:
+async def test_lora_on_a_fleet_without_lora_is_refused_naming_every_engine(fleet: Fleet) -> None:
+    # The sim engine says supports_lora: false; tests/controller/test_gateway_scripted.py
+    # covers engines that serve LoRA.
     adapter = pb.LoraAdapter(lora_id=1, lora_name="x", source_path="/tmp")
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    for engine in fleet.engines:
-        assert fleet.address(engine) in (err.value.details() or "")
-    listed = await fleet.gateway.ListLoras(pb.ListLorasRequest())
-    assert list(listed.adapters) == []
+    for call in (
+        fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter)),
+        fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x")),
+        fleet.gateway.ListLoras(pb.ListLorasRequest()),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        for engine in fleet.engines:
+            assert f"{fleet.address(engine)}: skipped" in (err.value.details() or "")
+        reported = [v for k, v in err.value.trailing_metadata() or () if k == OUTCOME_METADATA_KEY]
+        assert len(reported) == 3 and all('"outcome": "skipped"' in str(v) for v in reported)
 
 
 async def test_fleet_views_load_health_info(fleet: Fleet) -> None:
@@ -328,7 +351,86 @@ async def test_vllm_generate_is_routed_to_the_prefix_holder(fleet: Fleet) -> Non
     assert len(fleet.app.controller.router.inflight) == 0
 
 
-async def test_tasks_are_forwarded_with_the_engines_answer(fleet: Fleet) -> None:
+async def test_generate_stream_is_relayed_exactly() -> None:
+    """The engine's responses byte for byte: a fresh engine called directly and its twin
+    behind the controller answer the same sampled request (seeded, with prompt and output
+    logprobs and candidates, so every kind of event is in the stream)."""
+    twin = await start_sim_engine("e0")
+    fleet = await make_fleet(1)
+    try:
+        request = generate_request("exact", list(range(40)), max_tokens=8)
+        request.sampling.CopyFrom(pb.SamplingParams(temperature=0.9, top_p=0.95, seed=1234))
+        request.response.CopyFrom(
+            pb.ResponseOptions(
+                return_prompt_logprobs=True,
+                return_output_logprobs=True,
+                output_candidates=pb.CandidateTokenSelection(top_n=2),
+            )
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{twin.port}") as channel:
+            direct = [
+                r.SerializeToString()
+                async for r in pb_grpc.OpenEngineStub(channel).Generate(request)
+            ]
+        relayed = [r.SerializeToString() async for r in fleet.gateway.Generate(request)]
+    finally:
+        await close_fleet(fleet)
+        await twin.close()
+    kinds = [pb.GenerateResponse.FromString(m).WhichOneof("event") for m in relayed]
+    assert kinds == ["prompt"] + ["token"] * 8 + ["finished"]
+    assert relayed == direct
+
+
+async def test_vllm_generate_takes_the_gateways_path() -> None:
+    """vllm.Generate is held like OpenEngine Generate (Abort by id reaches a live
+    GenerateStream), counted in the metrics, and honours the session key (call metadata)."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    fleet = await make_fleet(
+        2, time_scale=1.0, router={"session_metadata_key": "session", "policy": "round_robin"}
+    )
+    try:
+        stub = vpb_grpc.GenerateStub(fleet.channel)
+        metrics = fleet.app.controller.metrics
+
+        def request(rid: str, max_new_tokens: int) -> vpb.GenerateRequest:
+            return vpb.GenerateRequest(
+                request_id=rid, model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 1]),
+                stopping=vpb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+            )  # fmt: skip
+
+        chunks: list[vpb.GenerateResponse] = []
+        async for chunk in stub.GenerateStream(request("long", 2000)):
+            chunks.append(chunk)
+            if len(chunks) == 1:
+                assert "long" in fleet.app.gateway.relay.holding
+                reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="long"))
+                assert reply.status == pb.ABORT_STATUS_ABORTED
+        assert chunks[-1].outputs.finish_info.finish_reason == vpb.FinishInfo.ABORTED
+        assert sum(c.outputs.num_tokens for c in chunks) < 2000
+        assert fleet.app.gateway.relay.holding == {}
+        assert metrics.requests.labels("ok")._value.get() == 1
+        assert metrics.prompt_tokens._value.get() == len(PREFIX) + 1
+        registry = metrics.registry
+        for histogram in ("route", "first_response", "request"):
+            name = f"kvplane_controller_{histogram}_seconds_count"
+            assert registry.get_sample_value(name) == 1, name
+
+        chosen = record_routes(fleet)
+        for _ in range(4):
+            unary = await stub.Generate(request("", 2), metadata=(("session", "alice"),))
+            assert unary.outputs.finish_info.finish_reason == vpb.FinishInfo.LENGTH
+        assert len(chosen) == 4 and len(set(chosen)) == 1  # round robin would alternate
+        assert metrics.requests.labels("ok")._value.get() == 5
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_task_no_engine_supports_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> None:
+    # The sim engine has no Embed; tests/controller/test_gateway_scripted.py routes tasks to
+    # engines that have it.
     request = pb.EmbedRequest(
         context=pb.TaskRequestContext(request_id="emb", model="sim"),
         inputs=[pb.TaskInput(item_id="x", token_ids=pb.TokenIds(ids=[1, 2, 3]))],
@@ -350,16 +452,7 @@ async def test_concurrent_requests_sharing_a_system_prompt_spread_over_the_fleet
     try:
         await generate(fleet, generate_request("warm", [*PREFIX, 1]))
         await holder_of(fleet, PREFIX, 4)
-        controller = fleet.app.controller
-        chosen: list[str] = []
-        route = controller.route
-
-        def recording_route(*args: object, **kwargs: object) -> object:
-            decision = route(*args, **kwargs)  # type: ignore[arg-type]
-            chosen.append(decision.engine_id)
-            return decision
-
-        controller.route = recording_route  # type: ignore[method-assign,assignment]
+        chosen = record_routes(fleet)
         replies = await asyncio.gather(
             *(
                 generate(
@@ -400,16 +493,7 @@ async def test_redis_index_backend_routes_like_memory(redis_server: RedisServer)
 async def test_session_affinity_by_metadata_key() -> None:
     fleet = await make_fleet(3, router={"session_metadata_key": "session", "policy": "round_robin"})
     try:
-        chosen: list[str] = []
-        controller = fleet.app.controller
-        route = controller.route
-
-        def recording_route(*args: object, **kwargs: object) -> object:
-            decision = route(*args, **kwargs)  # type: ignore[arg-type]
-            chosen.append(decision.engine_id)
-            return decision
-
-        controller.route = recording_route  # type: ignore[method-assign,assignment]
+        chosen = record_routes(fleet)
         for i in range(6):
             await generate(fleet, generate_request(f"s{i}", [i] * 40, session="alice"))
         assert len(set(chosen)) == 1  # round robin would have used all three

@@ -92,6 +92,19 @@ def test_controller_and_engines_as_processes(
         assert time.monotonic() < deadline, workers
         time.sleep(0.1)
     assert sorted(w["instance_id"] for w in workers) == ["e0", "e1"]
+    # Healthy engines show no error (their health checks' messages are information).
+    assert [w["last_error"] for w in workers] == ["", ""]
+
+    # A fleet command sent to an engine: one line that says so, exit 1 (README, exit codes).
+    engine = f"127.0.0.1:{ports[0]}"
+    for command in (["match", "--prompt", "hi"], ["route", "--prompt", "hi"], ["cordon", "e0"]):
+        out = subprocess.run(
+            [*KVPLANE, "admin", "--target", engine, *command], capture_output=True, env=env
+        )
+        message = out.stderr.decode()
+        assert out.returncode == 1, message
+        assert message.count("\n") == 1 and "Method not found" not in message, message
+        assert f"`{command[0]}` needs a controller: {engine}" in message, message
 
     prefix = list(range(500, 1524))  # 64 blocks of 16
     with grpc.insecure_channel(target) as channel:

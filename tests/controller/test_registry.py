@@ -84,6 +84,22 @@ def test_health_states_and_cordon_decide_routability() -> None:
         registry.get("e0")
 
 
+def test_health_messages_are_errors_only_for_engines_out_of_routing() -> None:
+    """A READY engine's checks carry information (the model's name): not an error to show."""
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_unreachable("h:1", 1.0, "UNAVAILABLE: connection refused")
+    registry.on_health("h:1", EngineState.READY, 2.0, "builtin")
+    assert registry.get("h:1").last_error == ""
+    registry.on_health("h:1", EngineState.DEGRADED, 3.0, "kv: host tier offline")
+    assert registry.get("h:1").last_error == ""
+    registry.on_health("h:1", EngineState.NOT_READY, 4.0, "scheduler: not running")
+    assert registry.get("h:1").last_error == "scheduler: not running"
+    registry.on_health("h:1", EngineState.READY, 5.0, "builtin")
+    assert registry.get("h:1").last_error == ""
+
+
 def test_unreachable_engines_back_off_exponentially() -> None:
     registry = Registry(backoff_initial_s=0.5, backoff_max_s=3.0)
     registry.add("h:1")
@@ -118,6 +134,15 @@ def test_config_names_from_the_issue(tmp_path: Path) -> None:
         load_config(ControllerConfig, path)
     path.write_text("engines: [{address: 'h:1'}, {address: 'h:1'}]\n")
     with pytest.raises(ConfigError, match="listed twice"):
+        load_config(ControllerConfig, path)
+    path.write_text("tokenizer: /t/default.json\ntokenizers: {m1: /t/m1.json}\n")
+    config = load_config(ControllerConfig, path)
+    assert (config.tokenizer, config.tokenizers) == (
+        Path("/t/default.json"),
+        {"m1": Path("/t/m1.json")},
+    )
+    path.write_text("tokenizers: {'': /t/m1.json}\n")
+    with pytest.raises(ConfigError, match="name a model"):
         load_config(ControllerConfig, path)
 
 

@@ -4,6 +4,7 @@ in-flight accounting and the shared-system-prompt spread."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections import Counter
 
@@ -402,8 +403,22 @@ def test_disaggregated_prefill_then_decode_or_skip() -> None:
     prefill = [cand("p0"), cand("p1", 4)]
     decode = [cand("d0", running_requests=4), cand("d1", running_requests=1)]
     d = router.route_disaggregated(request("x", blocks=10), prefill, decode, rng, 0)
-    assert d.prefill is not None and d.prefill.engine_id == "p1"
-    assert d.decode.engine_id == "d1"
+    assert d.prefill is not None and d.prefill.engine_id == "p1"  # overlap + load
+    assert d.decode is None  # chosen at the handoff
+    assert router.inflight.engine_of("x") == "p1"
+    # The handoff: the decode engine by load, owing no prefill (the KV comes with the session).
+    handoff = router.route_decode(request("x", blocks=10), decode, rng)
+    assert handoff.engine_id == "d1"
+    assert router.inflight.engine_of("x") == "d1"
+    assert router.inflight.of("d1").prefill_tokens == 0
     cached = [cand("d0", 10, running_requests=4), cand("d1", 10, running_requests=1)]
     d = router.route_disaggregated(request("y", blocks=10, extra=1), prefill, cached, rng, 0)
-    assert d.prefill is None and d.decode.engine_id == "d1"
+    assert d.prefill is None and d.decode is not None and d.decode.engine_id == "d1"
+    assert d.decode.predicted_cached_tokens == 10 * BS
+    # No prefill engine up: the decode engine prefills, whatever it holds.
+    d = router.route_disaggregated(request("z", blocks=10), [], decode, rng, 0)
+    assert d.prefill is None and d.decode is not None
+    # A router that never skips the hop (engines that decode only with a session).
+    strict = Router(make_policy("kvplane"), skip_prefill_ratio=math.inf)
+    d = strict.route_disaggregated(request("y", blocks=10, extra=1), prefill, cached, rng, 0)
+    assert d.prefill is not None

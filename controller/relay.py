@@ -1,0 +1,383 @@
+"""The one path a generation takes through the gateway, whichever API the client speaks
+(OpenEngine Generate or `vllm.Generate`).
+
+A front end describes its API with a `Surface` (how to call an engine, what in a response is
+output, usage or a refusal worth retrying, how a failure after output ends the stream); the
+`Relay` does everything else, the same way for every front end:
+
+- refuse new requests while the gateway drains;
+- plan and route the request; a retry never goes back to an engine that already failed it;
+- hold request id -> engine while the request runs, so that OpenEngine Abort finds it and
+  Drain counts it whatever API started it;
+- relay the engine's responses unchanged; the first output releases the router's prefill
+  accounting, the end of the attempt all of it;
+- retry once on another engine when the engine failed before anything was relayed (a status
+  in RETRYABLE, or a retryable in-band error as its first response); if no other engine can
+  take it, the client gets the engine's own failure;
+- metrics: route time, time to the first relayed response, request time, outcome, retries,
+  and the engine-reported usage against the router's prediction. A stream relayed to its end
+  counts as "ok" unless its last response was an in-band error ("engine_error").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
+
+import grpc
+
+from controller.registry import Role
+from controller.router import Decision, NoEngineAvailableError
+from controller.service import Controller, Plan, PromptInput
+from kvplane.server import abort_with
+
+log = logging.getLogger(__name__)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Request_contra = TypeVar("Request_contra", contravariant=True)
+Response_co = TypeVar("Response_co", covariant=True)
+
+# Statuses after which the same request may succeed on another engine.
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+    }
+)
+
+
+class Usage(NamedTuple):
+    """What an engine reported of a request's prompt; `cached_prompt_tokens` None when the
+    engine did not say (absent, not zero)."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int | None
+
+
+class InBandError(NamedTuple):
+    """A terminal error the engine sent as a response (OpenEngine's EngineError)."""
+
+    message: str
+    retryable: bool
+
+
+class EngineCall(Protocol[Response_co]):
+    """A started engine call: its responses, and a way to stop it (grpc.aio calls are)."""
+
+    def __aiter__(self) -> AsyncIterator[Response_co]: ...
+
+    def cancel(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+
+class Surface(Protocol[Request_contra, Response]):
+    """One client API, as the relay needs to see it."""
+
+    def call(self, engine: str, request: Request_contra) -> EngineCall[Response]:
+        """Start the request on the engine at this address."""
+        ...
+
+    def error(self, response: Response) -> InBandError | None:
+        """The terminal error this response reports, if the API has such events."""
+        ...
+
+    def has_output(self, response: Response) -> bool:
+        """Whether the response carries generated output (the prefill is over)."""
+        ...
+
+    def usage(self, response: Response) -> Usage | None: ...
+
+    def failed(
+        self, request: Request_contra, engine: str, error: grpc.aio.AioRpcError
+    ) -> Response | None:
+        """The response that ends the stream when the engine failed after something was
+        relayed, or None when the API has no such event (the status passes through)."""
+        ...
+
+
+class Handoff(Protocol[Request, Response]):
+    """How an API moves a request from a prefill engine to a decode engine (OpenEngine: the
+    prefill stream ends with PrefillReady carrying a KV session; the decode request carries
+    it in `kv.session`)."""
+
+    def session(self, response: Response) -> Any | None:
+        """The KV session this response hands over, if it is the prefill's handoff event."""
+        ...
+
+    def with_session(self, request: Request, session: Any) -> Request:
+        """The request for the decode engine."""
+        ...
+
+    def no_session(self, request: Request, message: str) -> Response:
+        """The terminal error response for a prefill that ended without a handoff."""
+        ...
+
+
+class _Stage(NamedTuple):
+    """How one engine hop of a request counts in the metrics."""
+
+    first: bool = True  # times the routing and the first response
+    last: bool = True  # counts the request's outcome and its time
+    usage: bool = True  # records the engine's usage against the router's prediction
+
+
+_WHOLE_REQUEST = _Stage()
+
+
+class _Retry(Exception):
+    """The engine failed before anything was relayed; try another one."""
+
+    def __init__(self, reason: str, failure: Any) -> None:
+        super().__init__(reason)
+        # What the client gets if no other engine can take the request: the refusing
+        # response or the AioRpcError.
+        self.failure = failure
+
+
+class Relay:
+    """The gateway's in-flight requests and the path that runs each (see the module doc).
+    One per gateway, shared by its front ends."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        # request id -> address of the engine serving it now.
+        self.holding: dict[str, str] = {}
+        self.draining = False
+
+    async def generate(
+        self,
+        surface: Surface[Request, Response],
+        request: Request,
+        query: PromptInput,
+        context: Context,
+        handoff: Handoff[Request, Response] | None = None,
+    ) -> AsyncIterator[Response]:
+        """Run one request (see the module doc). `handoff`: how this API moves a request
+        from a prefill engine to a decode engine; without one, a model served only by a
+        disaggregated fleet is UNAVAILABLE through this front end."""
+        c = self.controller
+        started = time.perf_counter()
+        if self.draining:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
+        disaggregated = c.disaggregated(query.model)
+        try:
+            plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
+        except Exception:
+            log.exception("request %s: routing failed", query.request_id)
+            await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
+        if not disaggregated:
+            stream = self._attempts(
+                surface,
+                request,
+                plan,
+                lambda tried: c.route(plan, tried),
+                context=context,
+                started=started,
+            )
+        elif handoff is None:
+            c.metrics.count_request("no_engine")
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "this model is served by prefill and decode engines only: use "
+                "openengine.v1.OpenEngine/Generate, which hands requests over between them",
+            )
+        else:
+            stream = self._disaggregated(
+                surface, handoff, request, plan, context=context, started=started
+            )
+        async with aclosing(stream):
+            async for response in stream:
+                yield response
+
+    async def _disaggregated(
+        self,
+        surface: Surface[Request, Response],
+        handoff: Handoff[Request, Response],
+        request: Request,
+        plan: Plan,
+        *,
+        context: Context,
+        started: float,
+    ) -> AsyncGenerator[Response]:
+        """Prefill on a prefill engine, then decode on a decode engine with the KV session
+        the prefill ended with; or, when the decode engine already holds most of the prompt
+        (`router.skip_prefill_ratio`), the decode engine alone. The client sees one stream:
+        the prefill's request-scoped output (prompt logprobs), never its handoff event, then
+        the decode's."""
+        c = self.controller
+        try:
+            placement = c.route_disaggregated(plan)
+        except NoEngineAvailableError as exc:
+            c.metrics.count_request("no_engine")
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        if placement.decode is not None:  # it prefills the prompt itself
+            local = placement.decode
+
+            def decode_locally(tried: frozenset[str]) -> Decision:
+                return c.route_decode(plan, tried, prefilled=False) if tried else local
+
+            stream = self._attempts(
+                surface, request, plan, decode_locally, context=context, started=started
+            )
+            async with aclosing(stream):
+                async for response in stream:
+                    yield response
+            return
+        assert placement.prefill is not None
+        first = placement.prefill
+
+        def prefill_engine(tried: frozenset[str]) -> Decision:
+            return c.route_prefill(plan, tried) if tried else first
+
+        session: Any = None
+        relayed = ended = False
+        stream = self._attempts(
+            surface,
+            request,
+            plan,
+            prefill_engine,
+            context=context,
+            started=started,
+            stage=_Stage(last=False),
+        )
+        async with aclosing(stream):
+            async for response in stream:
+                found = handoff.session(response)
+                if found is not None:
+                    session = found
+                    continue
+                ended = surface.error(response) is not None  # terminal: it ends the request
+                relayed = True
+                yield response
+        if session is None:
+            if ended:
+                return
+            c.metrics.count_request("engine_error")
+            message = "the prefill engine ended without handing over a KV session"
+            if not relayed:
+                await abort_with(context, grpc.StatusCode.INTERNAL, message)
+            yield handoff.no_session(request, message)
+            return
+        stream = self._attempts(
+            surface,
+            handoff.with_session(request, session),
+            plan,
+            lambda tried: c.route_decode(plan, tried, prefilled=True),
+            context=context,
+            started=started,
+            stage=_Stage(first=False, usage=False),
+        )
+        async with aclosing(stream):
+            async for response in stream:
+                yield response
+
+    async def _attempts(
+        self,
+        surface: Surface[Request, Response],
+        request: Request,
+        plan: Plan,
+        route: Callable[[frozenset[str]], Decision],
+        *,
+        context: Context,
+        started: float,
+        stage: _Stage = _WHOLE_REQUEST,
+    ) -> AsyncGenerator[Response]:
+        """One engine hop of a request: `route` (given the engines that already failed it)
+        picks the engine; retried once elsewhere when the engine failed before anything was
+        relayed."""
+        c = self.controller
+        request_id = plan.request.request_id
+        tried: set[str] = set()
+        retry: _Retry | None = None
+        while True:
+            try:
+                decision = route(frozenset(tried))
+            except NoEngineAvailableError as exc:
+                if retry is None:
+                    c.metrics.count_request("no_engine")
+                    await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+                # Nowhere else to go: the engine's own failure is the answer.
+                c.metrics.count_request("engine_error")
+                if isinstance(retry.failure, grpc.aio.AioRpcError):
+                    await _pass_status(context, retry.failure)
+                yield retry.failure
+                return
+            if retry is not None:
+                c.metrics.retries.inc()
+            elif stage.first:
+                c.metrics.route_seconds.observe(time.perf_counter() - started)
+            engine = decision.engine_id
+            tried.add(engine)
+            self.holding[request_id] = engine
+            relayed = False
+            usage: Usage | None = None
+            error: InBandError | None = None
+            call = surface.call(engine, request)
+            try:
+                async for response in call:
+                    error = surface.error(response)
+                    if not relayed:
+                        if error is not None and error.retryable and retry is None:
+                            raise _Retry(error.message, response)
+                        if stage.first:
+                            elapsed = time.perf_counter() - started
+                            c.metrics.first_response_seconds.observe(elapsed)
+                        relayed = True
+                    if surface.has_output(response):
+                        c.router.first_token(request_id)
+                    usage = surface.usage(response) or usage
+                    yield response
+                if stage.last or error is not None:
+                    c.metrics.count_request("ok" if error is None else "engine_error")
+                if stage.last:
+                    c.metrics.request_seconds.observe(time.perf_counter() - started)
+                if usage is not None and stage.usage:
+                    self._record_usage(decision.predicted_cached_tokens, usage)
+                return
+            except _Retry as exc:
+                log.info("request %s: engine %s refused (%s); retrying elsewhere",
+                         request_id, engine, exc)  # fmt: skip
+                retry = exc
+            except grpc.aio.AioRpcError as exc:
+                if not relayed and retry is None and exc.code() in RETRYABLE:
+                    log.info("request %s: engine %s failed before the first response (%s); "
+                             "retrying elsewhere", request_id, engine, exc.code().name)  # fmt: skip
+                    retry = _Retry(exc.code().name, exc)
+                    continue
+                c.metrics.count_request("engine_error")
+                ending = surface.failed(request, engine, exc) if relayed else None
+                if ending is None:
+                    await _pass_status(context, exc)
+                yield ending
+                return
+            finally:
+                if not call.done():
+                    call.cancel()
+                c.router.finish(request_id)
+                if self.holding.get(request_id) == engine:
+                    del self.holding[request_id]
+
+    def _record_usage(self, predicted: int, usage: Usage) -> None:
+        """Prompt tokens always; the router's prediction only beside an engine-reported
+        cached count, so that the two totals compare the same requests."""
+        m = self.controller.metrics
+        m.prompt_tokens.inc(usage.prompt_tokens)
+        if usage.cached_prompt_tokens is not None:
+            m.predicted_cached_tokens.inc(predicted)
+            m.actual_cached_tokens.inc(usage.cached_prompt_tokens)
+            m.cached_tokens_abs_error.inc(abs(predicted - usage.cached_prompt_tokens))
+
+
+async def _pass_status(context: Context, error: grpc.aio.AioRpcError) -> NoReturn:
+    await abort_with(context, error.code(), error.details() or error.code().name)

@@ -1,0 +1,146 @@
+"""Prefill and decode engines for the gateway's disaggregated tests.
+
+The bundled engine does not move KV between engines yet (a PREFILL or DECODE engine refuses
+every request before acceptance), so each of these is a real sim engine behind a thin OpenEngine
+server that plays the seed's roles ("Disaggregated serving and KV API"):
+
+- PREFILL: takes no `kv.session`; prefills (the sim engine computes the prompt and one token,
+  which is dropped) and ends with the terminal PrefillReady carrying a `KvSessionRef`; Usage
+  rides on it.
+- DECODE: needs `kv.session` naming a session a prefill engine opened and nobody attached yet
+  (else FAILED_PRECONDITION for none, NOT_FOUND for an unknown one: before acceptance); the
+  "transfer" is the sim engine computing the prompt itself, then it decodes. With
+  `accept_local_prefill` it also takes requests without a session and prefills them itself,
+  as engines that can prefill locally do.
+
+Everything else (info with the role, model info, health, load, KV events) is the real sim
+engine's answer, so the controller indexes and polls them exactly as it does any engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+
+Context = grpc.aio.ServicerContext[Any, Any]
+RoleEngine = FrontedEngine["RoleServicer"]
+
+
+@dataclass
+class Sessions:
+    """KV sessions opened by prefill engines and not yet attached by a decode engine."""
+
+    open: dict[str, str] = field(default_factory=dict)  # session id -> prefill engine
+    ids: itertools.count[int] = field(default_factory=itertools.count)
+
+
+class RoleServicer(Forwarding):
+    def __init__(
+        self,
+        name: str,
+        role: pb.EngineRole.ValueType,
+        inner: pb_grpc.OpenEngineAsyncStub,
+        sessions: Sessions,
+        accept_local_prefill: bool,
+    ) -> None:
+        super().__init__(inner)
+        self.name = name
+        self.role = role
+        self.sessions = sessions
+        self.accept_local_prefill = accept_local_prefill
+        self.port = 0  # set once the front server listens
+        # (request id, whether it carried a KV session), in arrival order.
+        self.generated: list[tuple[str, bool]] = []
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        info = await self.inner.GetEngineInfo(request)
+        info.role = self.role
+        return info
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        if request.WhichOneof("target") == "kv_session":
+            if self.sessions.open.pop(request.kv_session.session_id, None) is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "no such KV session here")
+            return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED)
+        return await self.inner.Abort(request)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        has_session = request.kv.HasField("session")
+        self.generated.append((request.request_id, has_session))
+        if self.role == pb.ENGINE_ROLE_PREFILL:
+            if has_session:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, "a PREFILL engine takes no kv.session"
+                )
+            async for response in self._prefill(request):
+                yield response
+            return
+        if has_session:
+            session_id = request.kv.session.session_id
+            if self.sessions.open.pop(session_id, None) is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV session {session_id!r}")
+        elif not self.accept_local_prefill:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "role mismatch: a DECODE engine needs kv.session from a prefill engine",
+            )
+        local = pb.GenerateRequest()
+        local.CopyFrom(request)
+        local.kv.ClearField("session")
+        async for response in self.inner.Generate(local):
+            yield response
+
+    async def _prefill(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        local = pb.GenerateRequest()
+        local.CopyFrom(request)
+        local.stopping.max_tokens = 1
+        usage = pb.Usage()
+        async for response in self.inner.Generate(local):
+            kind = response.WhichOneof("event")
+            if kind == "error":
+                yield response  # terminal
+                return
+            if kind == "prompt":
+                yield response
+            if response.HasField("usage"):
+                usage.CopyFrom(response.usage)
+        session_id = f"{self.name}-{next(self.sessions.ids)}"
+        self.sessions.open[session_id] = self.name
+        usage.completion_tokens = 0
+        usage.total_tokens = usage.prompt_tokens
+        yield pb.GenerateResponse(
+            request_id=request.request_id,
+            prefill_ready=pb.PrefillReady(
+                kv_session=pb.KvSessionRef(
+                    session_id=session_id,
+                    transfer_backend="test",
+                    endpoints=[pb.KvEndpoint(host="127.0.0.1", port=self.port, protocol="grpc")],
+                )
+            ),
+            usage=usage,
+        )
+
+
+async def start_role_engine(
+    name: str,
+    role: pb.EngineRole.ValueType,
+    sessions: Sessions,
+    accept_local_prefill: bool = False,
+) -> RoleEngine:
+    """A sim engine playing `role`; its front server's port is what the controller sees."""
+    engine = await start_fronted_engine(
+        f"{name}-inner",
+        lambda inner: RoleServicer(name, role, inner, sessions, accept_local_prefill),
+    )
+    engine.servicer.port = engine.port  # the endpoint its KV sessions name
+    return engine

@@ -1,0 +1,87 @@
+"""A test OpenEngine server in front of a real sim engine, for what the bundled engine cannot
+do on demand (LoRA, Embed, scripted failures, the PREFILL and DECODE roles). `Forwarding`
+answers every RPC the controller uses with the sim engine's own answer; a test's servicer
+overrides what it plays. The controller sees the front server's address, so it polls,
+indexes and routes to it exactly as to any engine."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from engine.server.service import EngineApp
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import start_sim_engine
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class Forwarding(pb_grpc.OpenEngineServicer):
+    """Every RPC the controller and the tests use, passed to the sim engine behind."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        self.inner = inner
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        return await self.inner.GetEngineInfo(request)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        return await self.inner.GetModelInfo(request)
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
+        return await self.inner.Health(request)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
+        return await self.inner.GetLoad(request)
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        return await self.inner.Abort(request)
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        async for reply in self.inner.SubscribeKvEvents(request):
+            yield reply
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        async for response in self.inner.Generate(request):
+            yield response
+
+
+S = TypeVar("S", bound=Forwarding)
+
+
+@dataclass
+class FrontedEngine(Generic[S]):
+    """The front server (its `port` is what the controller dials) and the sim engine."""
+
+    servicer: S
+    server: grpc.aio.Server
+    port: int
+    inner: EngineApp
+    channel: grpc.aio.Channel
+
+    async def close(self) -> None:
+        await self.server.stop(None)
+        await self.channel.close()
+        await self.inner.close()
+
+
+async def start_fronted_engine(
+    name: str, servicer_for: Callable[[pb_grpc.OpenEngineAsyncStub], S]
+) -> FrontedEngine[S]:
+    """A sim engine named `name` behind `servicer_for(stub of the sim engine)`."""
+    inner = await start_sim_engine(name)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{inner.port}")
+    servicer = servicer_for(pb_grpc.OpenEngineStub(channel))
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return FrontedEngine(servicer, server, port, inner, channel)

@@ -1,0 +1,158 @@
+"""The controller's KV-event paths through real servers: `kv_events: zmq` (the engine's
+vLLM-style ZMQ publisher found through GetKvEventSources) feeds the router, and both paths
+export each engine's event lag on /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from controller.app import start_controller
+from controller.config import ControllerConfig
+from engine.config import KvEventsConfig
+from engine.server.service import EngineApp
+from indexer.sources.zmq import ZmqSource
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT_S = 15.0
+BLOCK = 16
+
+
+async def start_zmq_engine(name: str) -> EngineApp:
+    """A sim engine that also publishes its KV events on ZMQ, on free ports."""
+    return await start_sim_engine(
+        name,
+        kv_events=KvEventsConfig(
+            zmq_enabled=True,
+            endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+        ),
+    )
+
+
+async def zmq_fleet() -> Fleet:
+    engines = [await start_zmq_engine(f"z{i}") for i in range(2)]
+    config = ControllerConfig.model_validate(
+        {
+            "listen": "127.0.0.1:0",
+            "metrics_listen": "127.0.0.1:0",
+            "engines": [{"address": f"127.0.0.1:{e.port}", "kv_events": "zmq"} for e in engines],
+            "router": {"seed": 0},
+            "health": {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1},
+            "shutdown_grace_s": 0.5,
+        }
+    )
+    app = await start_controller(config)
+    fleet = Fleet(engines, app, grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
+    await fleet.wait_routable(len(engines))
+    return fleet
+
+
+async def scrape(fleet: Fleet) -> str:
+    url = f"http://127.0.0.1:{fleet.app.metrics_port}/metrics"
+    return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+
+
+def sample(text: str, name: str, engine: str) -> float | None:
+    """The value of metric `name` whose `engine` label is `engine` (None when absent)."""
+    match = re.search(rf'^{name}{{engine="{re.escape(engine)}"[^}}]*}} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else None
+
+
+async def index_holder(fleet: Fleet, tokens: list[int], blocks: int) -> str | None:
+    reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=tokens)))
+    full = [m.engine for m in reply.matches if m.device_blocks >= blocks]
+    return full[0] if full else None
+
+
+async def generate(fleet: Fleet, request: pb.GenerateRequest) -> pb.GenerateResponse:
+    responses = [r async for r in fleet.gateway.Generate(request)]
+    assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+    return responses[-1]
+
+
+async def test_zmq_kv_events_feed_the_router_and_report_their_lag() -> None:
+    fleet = await zmq_fleet()
+    try:
+        sources = [fleet.app.controller.fleet.source_of(fleet.address(e)) for e in fleet.engines]
+        assert all(isinstance(s, ZmqSource) for s in sources), sources
+        prefix: list[int] = []
+        holder = None
+        started = time.time()
+        # A SUB socket joins its publisher asynchronously: a batch published before it joined
+        # is missed, and the next one rebuilds the worker from the replay socket. Send fresh
+        # prompts until the first reaches the index through ZMQ.
+        async with asyncio.timeout(WAIT_S):
+            for attempt in itertools.count():
+                prefix = list(range(1000 * (attempt + 1), 1000 * (attempt + 1) + 4 * BLOCK))
+                await generate(fleet, generate_request(f"a{attempt}", [*prefix, 1]))
+                for _ in range(20):
+                    holder = await index_holder(fleet, [*prefix, 2], 4)
+                    if holder is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                if holder is not None:
+                    break
+        assert holder is not None
+        held_by = fleet.app.controller.fleet.source_of(holder)
+        assert isinstance(held_by, ZmqSource) and held_by.counters.num_events > 0
+
+        route = await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prefix, 3])))
+        assert (route.engine, route.reason) == (holder, "cache")
+        finished = await generate(fleet, generate_request("b", [*prefix, 3]))
+        assert finished.usage.cached_prompt_tokens == 4 * BLOCK
+
+        text = await scrape(fleet)
+        elapsed = time.time() - started
+        lag = sample(text, "kvplane_controller_engine_event_lag_seconds", holder)
+        assert lag is not None and 0.0 <= lag <= elapsed, (lag, elapsed)
+        batches = sample(text, "kvplane_controller_event_lag_seconds_count", holder)
+        assert batches is not None and batches >= 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_openengine_event_lag_is_exported_per_engine_and_dropped_with_it() -> None:
+    """SubscribeKvEvents batches carry the engine's timestamp_unix_nanos: the lag of a batch
+    stamped after `started` and in the index before the scrape lies between 0 and the time
+    elapsed (engine and controller share this machine's clock)."""
+    fleet = await make_fleet(2, metrics_listen="127.0.0.1:0")
+    try:
+        prefix = list(range(2000, 2000 + 4 * BLOCK))
+        started = time.time()
+        await generate(fleet, generate_request("a", [*prefix, 1]))
+        holder = None
+        async with asyncio.timeout(WAIT_S):
+            while holder is None:
+                holder = await index_holder(fleet, [*prefix, 2], 4)
+                await asyncio.sleep(0.02)
+        text = await scrape(fleet)
+        elapsed = time.time() - started
+        lag = sample(text, "kvplane_controller_engine_event_lag_seconds", holder)
+        assert lag is not None and 0.0 <= lag <= elapsed, (lag, elapsed)
+        batches = sample(text, "kvplane_controller_event_lag_seconds_count", holder)
+        assert batches is not None and batches >= 1
+        assert f'kvplane_controller_event_lag_seconds_bucket{{engine="{holder}",le="0.01"}}' in text
+
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=holder))
+        text = await scrape(fleet)
+        assert sample(text, "kvplane_controller_engine_event_lag_seconds", holder) is None
+        assert sample(text, "kvplane_controller_event_lag_seconds_count", holder) is None
+    finally:
+        await close_fleet(fleet)

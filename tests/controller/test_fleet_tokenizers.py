@@ -1,0 +1,82 @@
+"""Text prompts are tokenised with their model's tokenizer (`tokenizers:`), else the default
+(`tokenizer:`), else not at all: then they are routed without prefix knowledge, and the admin
+explanation says so. Real engines and controller; tokenizers built here (no model files)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from typer.testing import CliRunner
+
+from kvplane.cli import app
+from kvplane_api.v1 import admin_pb2 as apb
+from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+
+pytestmark = pytest.mark.timeout(60)
+
+WORDS = [f"w{i}" for i in range(64)]  # 64 tokens for the word tokenizer: 4 blocks of 16
+TEXT = " ".join([*WORDS, "w99"])
+
+
+def word_tokenizer(path: Path) -> Path:
+    """One token per word `wN` (id N)."""
+    vocab = {f"w{i}": i for i in range(100)} | {"[UNK]": 100}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return path
+
+
+def char_tokenizer(path: Path) -> Path:
+    """One token per character: the same text, other tokens."""
+    vocab = {c: 200 + i for i, c in enumerate("w0123456789")} | {"[UNK]": 199}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.save(str(path))
+    return path
+
+
+async def test_each_model_uses_its_own_tokenizer(tmp_path: Path) -> None:
+    fleet = await make_fleet(
+        2,
+        tokenizers={"sim": str(word_tokenizer(tmp_path / "sim.json"))},
+        tokenizer=str(char_tokenizer(tmp_path / "default.json")),
+    )
+    try:
+        word_ids = list(range(64))
+        [r async for r in fleet.gateway.Generate(generate_request("a", [*word_ids, 1]))]
+
+        async def match(model: str) -> apb.MatchResponse:
+            return await fleet.admin.Match(apb.PromptQuery(prompt=TEXT, model=model))
+
+        async with asyncio.timeout(10):
+            for _ in itertools.count():  # until the KV events reach the index
+                sim = await match("sim")
+                if any(m.device_blocks == 4 for m in sim.matches):
+                    break
+                await asyncio.sleep(0.02)
+        assert sim.tokenized and sim.num_prompt_tokens == 65 and sim.num_blocks == 4
+
+        # No model named: the default tokenizer, one token per character; nothing cached.
+        default = await match("")
+        assert default.tokenized and default.num_prompt_tokens == len(TEXT)
+        assert all(m.device_blocks == 0 for m in default.matches)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_without_a_tokenizer_text_is_routed_blind_and_route_says_so(fleet: Fleet) -> None:
+    reply = await fleet.admin.Route(apb.PromptQuery(prompt=TEXT, model="sim"))
+    assert not reply.tokenized and reply.predicted_cached_tokens == 0
+    result = await asyncio.to_thread(
+        CliRunner().invoke,
+        app,
+        ["admin", "route", "--prompt", TEXT, "--model", "sim", "--target", fleet.target],
+    )
+    assert result.exit_code == 0, result.output
+    assert "not tokenized: no tokenizer configured for model 'sim'" in result.output
+    assert "routed without prefix knowledge" in result.output

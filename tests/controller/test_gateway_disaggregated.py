@@ -1,0 +1,192 @@
+"""The gateway in front of a disaggregated fleet (prefill and decode engines, no aggregated
+one): each request is prefilled on a prefill engine chosen by overlap and load, handed to a
+decode engine chosen by load through the KV session the prefill engine returned, and the
+client sees one ordinary stream. See tests/controller/disagg_engines.py for the engines."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.disagg_engines import RoleEngine, Sessions, start_role_engine
+from tests.controller.test_gateway import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFIX = list(range(300, 364))  # 4 blocks of 16
+
+
+async def _fleet(
+    num_prefill: int, num_decode: int, accept_local_prefill: bool = False, **controller: object
+) -> tuple[Fleet, list[RoleEngine], list[RoleEngine], Sessions]:
+    sessions = Sessions()
+    prefill = [
+        await start_role_engine(f"p{i}", pb.ENGINE_ROLE_PREFILL, sessions)
+        for i in range(num_prefill)
+    ]
+    decode = [
+        await start_role_engine(f"d{i}", pb.ENGINE_ROLE_DECODE, sessions, accept_local_prefill)
+        for i in range(num_decode)
+    ]
+    fleet = await make_fleet(engines=[*prefill, *decode], **controller)  # type: ignore[list-item]
+    return fleet, prefill, decode, sessions
+
+
+async def _generate(fleet: Fleet, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    return [r async for r in fleet.gateway.Generate(request)]
+
+
+async def _prefix_indexed(fleet: Fleet) -> None:
+    """Until the index places PREFIX's 4 blocks on some engine."""
+
+    async def indexed() -> bool:
+        reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
+        return any(m.device_blocks >= 4 for m in reply.matches)
+
+    await eventually(indexed)
+
+
+async def _decode_engine_holding_a_prompt(fleet: Fleet, decode: RoleEngine) -> list[int]:
+    """A prompt of 8 full blocks, sent once (so the decode engine computed it): returned
+    when the index shows the decode engine holding all of it."""
+    prompt = [*PREFIX, *range(900, 964)]
+    await _generate(fleet, generate_request("a", [*prompt, 1]))
+
+    async def held() -> bool:
+        reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=prompt)))
+        return any(
+            m.engine == f"127.0.0.1:{decode.port}" and m.device_blocks >= 8 for m in reply.matches
+        )
+
+    await eventually(held)
+    return prompt
+
+
+def _calls(engines: list[RoleEngine], request_id: str) -> list[tuple[str, bool]]:
+    """(engine, carried a KV session) for every Generate `request_id` reached."""
+    return [
+        (e.servicer.name, with_session)
+        for e in engines
+        for rid, with_session in e.servicer.generated
+        if rid == request_id
+    ]
+
+
+async def test_prefill_then_decode_through_the_session() -> None:
+    fleet, prefill, decode, sessions = await _fleet(2, 2)
+    try:
+        reply = await _generate(fleet, generate_request("r1", [*PREFIX, 1, 2], max_tokens=5))
+        kinds = [r.WhichOneof("event") for r in reply]
+        assert "prefill_ready" not in kinds  # the handoff stays between gateway and engines
+        assert kinds[-1] == "finished"
+        assert sum(len(r.token.tokens) for r in reply if r.HasField("token")) == 5
+        assert reply[-1].usage.completion_tokens == 5
+        calls = _calls(prefill + decode, "r1")
+        assert len(calls) == 2
+        (first, first_session), (second, second_session) = calls
+        assert first.startswith("p") and not first_session
+        assert second.startswith("d") and second_session
+        assert sessions.open == {}  # the decode engine attached the session
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_prefill_goes_where_the_prefix_lives() -> None:
+    fleet, prefill, decode, _ = await _fleet(3, 1)
+    try:
+        await _generate(fleet, generate_request("a", [*PREFIX, 1]))
+        (holder, _), _ = _calls(prefill + decode, "a")
+        await _prefix_indexed(fleet)
+        for i in range(4):
+            await _generate(fleet, generate_request(f"b{i}", [*PREFIX, 50 + i]))
+            (engine, _), _ = _calls(prefill + decode, f"b{i}")
+            assert engine == holder
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_decode_engine_holding_the_prompt_prefills_it_itself() -> None:
+    fleet, prefill, decode, _ = await _fleet(
+        1, 1, accept_local_prefill=True, router={"skip_prefill_ratio": 0.9}
+    )
+    try:
+        prompt = await _decode_engine_holding_a_prompt(fleet, decode[0])
+        reply = await _generate(fleet, generate_request("b", [*prompt, 2]))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert _calls(prefill + decode, "b") == [("d0", False)]  # no prefill hop
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_by_default_decode_engines_always_get_a_session() -> None:
+    """The seed's DECODE engines take requests that carry a KV session: unless
+    `router.skip_prefill_ratio` says they also prefill, every request takes the hop, even
+    when the decode engine holds the whole prompt."""
+    fleet, prefill, decode, _ = await _fleet(1, 1)
+    try:
+        prompt = await _decode_engine_holding_a_prompt(fleet, decode[0])
+        reply = await _generate(fleet, generate_request("b", [*prompt, 2]))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert _calls(prefill + decode, "b") == [("p0", False), ("d0", True)]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_no_decode_engine_is_unavailable() -> None:
+    fleet, _, _, _ = await _fleet(2, 0)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(fleet, generate_request("a", [*PREFIX, 1]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_dead_prefill_engine_is_retried_on_another() -> None:
+    fleet, prefill, decode, sessions = await _fleet(
+        2, 1, health={"poll_interval_s": 60, "load_poll_interval_s": 60}
+    )
+    try:
+        await _generate(fleet, generate_request("a", [*PREFIX, 1]))
+        (holder, _), _ = _calls(prefill + decode, "a")
+        await _prefix_indexed(fleet)
+        dead = next(e for e in prefill if e.servicer.name == holder)
+        await dead.server.stop(None)  # the controller still believes it is ready
+        reply = await _generate(fleet, generate_request("b", [*PREFIX, 2]))
+        assert reply[-1].WhichOneof("event") == "finished"
+        calls = _calls(prefill + decode, "b")
+        assert [name for name, _ in calls] == [
+            next(e.servicer.name for e in prefill if e is not dead),
+            "d0",
+        ]
+        assert fleet.app.controller.metrics.retries._value.get() == 1
+        assert sessions.open == {}
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_vllm_generate_cannot_hand_over_and_says_so() -> None:
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    fleet, _, _, _ = await _fleet(1, 1)
+    try:
+        stub = vpb_grpc.GenerateStub(fleet.channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(
+                vpb.GenerateRequest(
+                    request_id="v",
+                    model="sim",
+                    token_ids=vpb.TokenIds(ids=PREFIX),
+                    stopping=vpb.StoppingCriteria(max_new_tokens=3, ignore_eos=True),
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "prefill and decode engines" in (info.value.details() or "")
+    finally:
+        await close_fleet(fleet)

@@ -1,0 +1,509 @@
+"""The gateway against engines that do what the bundled sim engine cannot on demand: serve
+LoRA adapters, serve Embed, fail a Generate at a chosen point. Real gRPC all the way: a real
+controller in front of `ScriptedEngine`s, each a real sim engine behind a thin OpenEngine
+server (see ScriptedServicer). Covers LoRA fan-out results, task routing by capability,
+retries before the first token and the single terminal error after it, and Abort of every
+request when no engine can be reached."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from typer.testing import CliRunner, Result
+
+from controller.gateway import OUTCOME_METADATA_KEY
+from kvplane.cli import app as kvplane_cli
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+
+pytestmark = pytest.mark.timeout(60)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+EMBED_DIMENSION = 4
+
+
+@dataclass
+class GenerateFaults:
+    """Failures the next Generate calls take, whichever engine receives them (shared by the
+    engines of a fleet, so a test needs not know where the router sends a request):
+    - "unavailable": refused before acceptance with UNAVAILABLE (no event);
+    - "overloaded": accepted, then one retryable terminal EngineError (OVERLOADED);
+    - "invalid": accepted, then one non-retryable terminal EngineError;
+    - "token_then_error": the first token, then one retryable terminal EngineError;
+    - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE.
+    """
+
+    pending: list[str] = field(default_factory=list)
+
+
+class ScriptedServicer(Forwarding):
+    """A sim engine with the capabilities the test gives it, faithful to the seed's rules
+    where it answers itself (WIRE.md section 3):
+
+    - GetModelInfo is the sim engine's, with `supports_lora` set as asked (None: absent) and
+      `tasks.embed.supported` when `embed` is on.
+    - LoRA (`lora_enabled`): a positive id, a non-empty name and an absolute directory, else
+      INVALID_ARGUMENT; the same triple twice is idempotent (`already_loaded`); a conflicting
+      id, name or path is ALREADY_EXISTS; unloading an unknown name is NOT_FOUND; with LoRA
+      disabled every LoRA call is FAILED_PRECONDITION.
+    - Embed (`embed`): one dense output per input, in request order, `input_index` present
+      even for 0; an unknown model is NOT_FOUND. Classify and Score are unsupported:
+      FAILED_PRECONDITION. Without `embed`, Embed is FAILED_PRECONDITION too.
+    - Generate takes the next of the shared GenerateFaults, else is the sim engine's.
+
+    Everything else (info, health, load, KV events, abort) is the sim engine's answer.
+    """
+
+    def __init__(
+        self,
+        inner: pb_grpc.OpenEngineAsyncStub,
+        faults: GenerateFaults,
+        *,
+        advertise_lora: bool | None,
+        lora_enabled: bool,
+        embed: bool,
+    ) -> None:
+        super().__init__(inner)
+        self.faults = faults
+        self.advertise_lora = advertise_lora
+        self.lora_enabled = lora_enabled
+        self.embed = embed
+        self.adapters: dict[str, pb.LoraAdapter] = {}
+        self.generate_calls: list[str] = []
+        self.task_calls: list[str] = []
+
+    # ---- what the test gives it ----
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        info = await self.inner.GetModelInfo(request)
+        if self.advertise_lora is None:
+            info.ClearField("supports_lora")
+        else:
+            info.supports_lora = self.advertise_lora
+        info.tasks.embed.supported = self.embed
+        if self.embed:
+            info.tasks.embed.dimension = EMBED_DIMENSION
+        return info
+
+    # ---- Generate, with faults ----
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.generate_calls.append(request.request_id)
+        fault = self.faults.pending.pop(0) if self.faults.pending else None
+        if fault == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: not now")
+        if fault in ("overloaded", "invalid"):
+            code = pb.ERROR_CODE_OVERLOADED if fault == "overloaded" else pb.ERROR_CODE_INTERNAL
+            yield pb.GenerateResponse(
+                request_id=request.request_id,
+                error=pb.EngineError(
+                    code=code, message=f"scripted: {fault}", retryable=fault == "overloaded"
+                ),
+            )
+            return
+        call = self.inner.Generate(request)
+        try:
+            async for response in call:
+                yield response
+                if fault == "token_then_error":
+                    yield pb.GenerateResponse(
+                        request_id=request.request_id,
+                        error=pb.EngineError(
+                            code=pb.ERROR_CODE_OVERLOADED,
+                            message="scripted: token_then_error",
+                            retryable=True,
+                        ),
+                    )
+                    return
+                if fault == "token_then_unavailable":
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: gone")
+        finally:
+            call.cancel()
+
+    # ---- LoRA ----
+
+    async def _lora_allowed(self, context: Context) -> None:
+        if not self.lora_enabled:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is disabled")
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> Any:
+        await self._lora_allowed(context)
+        a = request.adapter
+        if a.lora_id <= 0 or not a.lora_name or not Path(a.source_path).is_absolute():
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a positive lora_id, a name and an absolute source_path are required",
+            )
+        same = self.adapters.get(a.lora_name)
+        if same == a:
+            return pb.LoadLoraResponse(adapter=a, already_loaded=True)
+        if same is not None or any(
+            b.lora_id == a.lora_id or b.source_path == a.source_path for b in self.adapters.values()
+        ):
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, "conflicts with a loaded adapter")
+        self.adapters[a.lora_name] = a
+        return pb.LoadLoraResponse(adapter=a, already_loaded=False)
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Context) -> Any:
+        await self._lora_allowed(context)
+        adapter = self.adapters.pop(request.lora_name, None)
+        if adapter is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no adapter {request.lora_name!r}")
+        return pb.UnloadLoraResponse(adapter=adapter)
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context: Context) -> Any:
+        await self._lora_allowed(context)
+        return pb.ListLorasResponse(
+            adapters=sorted(self.adapters.values(), key=lambda a: a.lora_id)
+        )
+
+    # ---- tasks ----
+
+    async def Embed(self, request: pb.EmbedRequest, context: Context) -> Any:
+        self.task_calls.append("embed")
+        if not self.embed:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "embed is unsupported")
+        if request.context.model not in ("", "sim"):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request.context.model!r}")
+        outputs = []
+        for index, item in enumerate(request.inputs):
+            ids = list(item.token_ids.ids)
+            values = [float(sum(ids) % (k + 7)) for k in range(EMBED_DIMENSION)]
+            outputs.append(
+                pb.EmbeddingOutput(
+                    item_id=item.item_id,
+                    input_index=index,
+                    granularity=pb.TASK_OUTPUT_GRANULARITY_SEQUENCE,
+                    dense=pb.DenseFloatTensor(shape=[EMBED_DIMENSION], values=values),
+                )
+            )
+        usage = pb.TaskUsage(input_tokens=sum(len(i.token_ids.ids) for i in request.inputs))
+        return pb.EmbedResponse(request_id=request.context.request_id, outputs=outputs, usage=usage)
+
+    async def Classify(self, request: pb.ClassifyRequest, context: Context) -> Any:
+        self.task_calls.append("classify")
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "classify is unsupported")
+
+    async def Score(self, request: pb.ScoreRequest, context: Context) -> Any:
+        self.task_calls.append("score")
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "score is unsupported")
+
+
+ScriptedEngine = FrontedEngine[ScriptedServicer]
+
+
+async def start_scripted_engine(
+    name: str,
+    faults: GenerateFaults | None = None,
+    *,
+    advertise_lora: bool | None = False,
+    lora_enabled: bool = False,
+    embed: bool = False,
+) -> ScriptedEngine:
+    return await start_fronted_engine(
+        name,
+        lambda inner: ScriptedServicer(
+            inner,
+            faults or GenerateFaults(),
+            advertise_lora=advertise_lora,
+            lora_enabled=lora_enabled,
+            embed=embed,
+        ),
+    )
+
+
+async def scripted_fleet(*engines: ScriptedEngine, **controller: Any) -> Fleet:
+    # make_fleet needs only `port` and `close()` of an engine.
+    return await make_fleet(engines=list(engines), **controller)  # type: ignore[arg-type]
+
+
+def address(engine: ScriptedEngine) -> str:
+    return f"127.0.0.1:{engine.port}"
+
+
+def outcomes(metadata: Any) -> dict[str, dict[str, Any]]:
+    """The gateway's per-engine outcomes in a call's trailing metadata, by instance id."""
+    entries = [json.loads(v) for k, v in metadata or () if k == OUTCOME_METADATA_KEY]
+    return {e["instance_id"]: e for e in entries}
+
+
+async def cli(*args: str) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, kvplane_cli, ["admin", *args])
+
+
+# ---- LoRA ----
+
+
+async def test_lora_fan_out_aggregates_every_engines_result(tmp_path: Path) -> None:
+    """e0, e1 serve LoRA; e2 says supports_lora false and is never asked."""
+    engines = [
+        await start_scripted_engine("e0", advertise_lora=True, lora_enabled=True),
+        await start_scripted_engine("e1", advertise_lora=True, lora_enabled=True),
+        await start_scripted_engine("e2", advertise_lora=False),
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+        call = fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        loaded = await call
+        assert (loaded.adapter, loaded.already_loaded) == (x, False)
+        report = outcomes(await call.trailing_metadata())
+        assert {k: v["outcome"] for k, v in report.items()} == {
+            "e0": "ok", "e1": "ok", "e2": "skipped",
+        }  # fmt: skip
+        assert report["e0"]["adapters"] == ["x"]
+        assert all(e.servicer.adapters == {"x": x} for e in engines[:2])
+        assert engines[2].servicer.adapters == {}
+        again = await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        assert again.already_loaded
+
+        conflicting = pb.LoraAdapter(lora_id=2, lora_name="x", source_path=x.source_path)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=conflicting))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert {
+            v["outcome"] for k, v in outcomes(err.value.trailing_metadata()).items() if k != "e2"
+        } == {"ALREADY_EXISTS"}
+
+        # Loaded on one engine only (`lora load ... --engine e0` goes straight to it).
+        y = pb.LoraAdapter(lora_id=3, lora_name="y", source_path=str(tmp_path / "y"))
+        async with grpc.aio.insecure_channel(address(engines[0])) as direct:
+            await pb_grpc.OpenEngineStub(direct).LoadLora(pb.LoadLoraRequest(adapter=y))
+        listing = fleet.gateway.ListLoras(pb.ListLorasRequest())
+        listed = await listing
+        assert [a.lora_name for a in listed.adapters] == ["x", "y"]
+        held = {
+            k: v.get("adapters") for k, v in outcomes(await listing.trailing_metadata()).items()
+        }
+        assert held == {"e0": ["x", "y"], "e1": ["x"], "e2": None}
+
+        unload = fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="y"))
+        assert (await unload).adapter == y
+        assert {k: v["outcome"] for k, v in outcomes(await unload.trailing_metadata()).items()} == {
+            "e0": "ok", "e1": "not_loaded", "e2": "skipped",
+        }  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="y"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND  # loaded nowhere now
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_lora_cli_load_on_one_engine_then_unload_from_the_fleet(tmp_path: Path) -> None:
+    """The issue's sequence: `lora load x ... --engine e0`, then `lora unload x` on the
+    controller succeeds though e1 never had x."""
+    engines = [
+        await start_scripted_engine("e0", advertise_lora=True, lora_enabled=True),
+        await start_scripted_engine("e1", advertise_lora=True, lora_enabled=True),
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        t = ["--target", fleet.target]
+        path = str(tmp_path / "x")
+        loaded = await cli("lora", "load", "x", path, "--id", "1", "--engine", "e0", *t)
+        assert loaded.exit_code == 0, loaded.output
+        assert list(engines[0].servicer.adapters) == ["x"] and not engines[1].servicer.adapters
+        listed = await cli("lora", "list", *t, "--output", "json")
+        assert listed.exit_code == 0, listed.output
+        assert [a["lora_name"] for a in json.loads(listed.output)["adapters"]] == ["x"]
+        unloaded = await cli("lora", "unload", "x", *t)
+        assert unloaded.exit_code == 0, unloaded.output
+        assert not engines[0].servicer.adapters
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_lora_list_fails_with_the_engines_status() -> None:
+    """e0 does not say whether it supports LoRA (so it is asked) and has it disabled: the
+    fleet's list is not an empty success but the engine's FAILED_PRECONDITION, by name."""
+    engines = [
+        await start_scripted_engine("e0", advertise_lora=None, lora_enabled=False),
+        await start_scripted_engine("e1", advertise_lora=True, lora_enabled=True),
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.ListLoras(pb.ListLorasRequest())
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"{address(engines[0])}: FAILED_PRECONDITION" in (err.value.details() or "")
+        report = outcomes(err.value.trailing_metadata())
+        assert (report["e0"]["outcome"], report["e1"]["outcome"]) == ("FAILED_PRECONDITION", "ok")
+        listed = await cli("lora", "list", "--target", fleet.target)
+        assert listed.exit_code != 0
+        assert "FAILED_PRECONDITION" in str(listed.exception)
+    finally:
+        await close_fleet(fleet)
+
+
+# ---- tasks ----
+
+
+async def test_tasks_go_only_to_engines_that_support_them() -> None:
+    engines = [
+        await start_scripted_engine("e0"),
+        await start_scripted_engine("e1", embed=True),
+        await start_scripted_engine("e2"),
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        inputs = [
+            pb.TaskInput(item_id=f"i{k}", token_ids=pb.TokenIds(ids=[k, 5])) for k in range(3)
+        ]
+
+        def embed(request_id: str, model: str = "sim") -> pb.EmbedRequest:
+            context = pb.TaskRequestContext(request_id=request_id, model=model)
+            return pb.EmbedRequest(context=context, inputs=inputs)
+
+        async with grpc.aio.insecure_channel(address(engines[1])) as direct:
+            expected = await pb_grpc.OpenEngineStub(direct).Embed(embed("r0"))
+        for i in range(5):
+            got = await fleet.gateway.Embed(embed(f"r{i}"))
+            expected.request_id = f"r{i}"
+            assert got == expected
+            assert [o.input_index for o in got.outputs] == [0, 1, 2]
+            assert got.outputs[0].HasField("input_index")
+        assert engines[1].servicer.task_calls == ["embed"] * 6
+        assert engines[0].servicer.task_calls == engines[2].servicer.task_calls == []
+
+        for rpc in (
+            fleet.gateway.Classify(
+                pb.ClassifyRequest(context=pb.TaskRequestContext(model="sim"), inputs=inputs)
+            ),
+            fleet.gateway.Score(pb.ScoreRequest(context=pb.TaskRequestContext(model="sim"))),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await rpc
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Embed(embed("unknown", model="no-such-model"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert all("classify" not in e.servicer.task_calls for e in engines)
+
+        # The only embed engine takes no traffic: unavailable, not unsupported.
+        await fleet.admin.Cordon(apb.EngineRef(engine="e1"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Embed(embed("cordoned"))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await close_fleet(fleet)
+
+
+# ---- Generate: retries and terminal errors ----
+
+
+async def two_engine_fleet(faults: GenerateFaults) -> tuple[Fleet, list[ScriptedEngine]]:
+    engines = [
+        await start_scripted_engine("e0", faults),
+        await start_scripted_engine("e1", faults),
+    ]
+    return await scripted_fleet(*engines), engines
+
+
+def calls(engines: list[ScriptedEngine], request_id: str) -> int:
+    return sum(e.servicer.generate_calls.count(request_id) for e in engines)
+
+
+@pytest.mark.parametrize("fault", ["unavailable", "overloaded"])
+async def test_failure_before_the_first_token_is_retried_once_elsewhere(fault: str) -> None:
+    faults = GenerateFaults([fault])
+    fleet, engines = await two_engine_fleet(faults)
+    try:
+        reply = [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
+        kinds = [r.WhichOneof("event") for r in reply]
+        assert kinds == ["token"] * 4 + ["finished"]  # nothing of the failed attempt leaks
+        assert [e.servicer.generate_calls for e in engines] == [["r"], ["r"]]
+        metrics = fleet.app.controller.metrics
+        assert metrics.retries._value.get() == 1
+        assert metrics.requests.labels("ok")._value.get() == 1
+        assert len(fleet.app.controller.router.inflight) == 0
+        assert fleet.app.gateway.relay.holding == {}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_second_failure_before_the_first_token_is_the_engines_own() -> None:
+    """Retried once only: the second engine's refusal reaches the client as it came."""
+    faults = GenerateFaults(["unavailable", "overloaded"])
+    fleet, engines = await two_engine_fleet(faults)
+    try:
+        reply = [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
+        assert [r.WhichOneof("event") for r in reply] == ["error"]
+        assert reply[0].error.message == "scripted: overloaded" and reply[0].error.retryable
+        assert calls(engines, "r") == 2
+        assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_retry_with_no_other_engine_returns_the_engines_failure() -> None:
+    faults = GenerateFaults(["unavailable"])
+    engine = await start_scripted_engine("e0", faults)
+    fleet = await scripted_fleet(engine)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details() == "scripted: not now"
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("fault", ["token_then_error", "token_then_unavailable", "invalid"])
+async def test_failure_after_acceptance_is_one_terminal_error_and_no_retry(fault: str) -> None:
+    faults = GenerateFaults([fault])
+    fleet, engines = await two_engine_fleet(faults)
+    try:
+        reply = [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 50))]
+        kinds = [r.WhichOneof("event") for r in reply]
+        expected = ["error"] if fault == "invalid" else ["token", "error"]
+        assert kinds == expected
+        error = reply[-1].error
+        if fault == "token_then_unavailable":  # the gateway's own terminal error
+            assert (error.code, error.retryable) == (pb.ERROR_CODE_INTERNAL, False)
+            assert "UNAVAILABLE" in error.message
+        else:  # the engine's, unchanged
+            assert error.message == f"scripted: {fault}"
+        assert calls(engines, "r") == 1
+        metrics = fleet.app.controller.metrics
+        assert metrics.retries._value.get() == 0
+        assert metrics.requests.labels("engine_error")._value.get() == 1
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+# ---- Abort ----
+
+
+async def test_abort_everything_with_no_engine_reachable_is_unavailable() -> None:
+    engines = [await start_scripted_engine("e0"), await start_scripted_engine("e1")]
+    # Slow polls: the controller still believes both engines are up when they are gone.
+    fleet = await scripted_fleet(
+        *engines, health={"poll_interval_s": 60, "load_poll_interval_s": 60}
+    )
+    try:
+        everything = pb.AbortRequest(all_requests=pb.AllRequests())
+        reply = await fleet.gateway.Abort(everything)
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        for engine in engines:
+            await engine.server.stop(None)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(everything)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Engines the poller already found gone are not asked; the others answer UNAVAILABLE.
+        reported = {v["outcome"] for v in outcomes(err.value.trailing_metadata()).values()}
+        assert reported <= {"UNAVAILABLE"}
+    finally:
+        await close_fleet(fleet)

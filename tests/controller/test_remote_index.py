@@ -1,0 +1,77 @@
+"""The controller's remote index (`index: {remote: HOST:PORT}`) against a real `kvplane indexer`
+gRPC server: a worker indexed in vLLM's own hash space (a `hash: engine` source fed by vLLM)
+is found only when the controller hashes prompts in that space (`remote_key_space`)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from controller.config import ControllerConfig
+from controller.fleet import RemoteIndex
+from indexer.batch import to_sfixed64
+from indexer.index import PrefixIndex
+from indexer.memory_backend import MemoryBackend
+from indexer.servicer import index_services
+from indexer.vllm_hash import VllmHashAlgo, block_hashes
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.config import ServerConfig
+from kvplane.server import create_server
+
+pytestmark = pytest.mark.timeout(30)
+
+TOKENS = list(range(1000, 1070))  # 4 full blocks of 16, then 6 more tokens
+ENGINE = "10.0.0.7:8000"
+
+
+@pytest.mark.parametrize(
+    ("algo", "key_space", "seed"),
+    [
+        (VllmHashAlgo.SHA256, "sha256", None),
+        (VllmHashAlgo.SHA256_CBOR, "sha256_cbor", None),
+        (VllmHashAlgo.SHA256, "sha256", "42"),
+    ],
+)
+async def test_vllm_hashed_worker_is_matched_in_its_key_space(
+    algo: VllmHashAlgo, key_space: str, seed: str | None
+) -> None:
+    services, _, _ = index_services(
+        MemoryBackend(PrefixIndex()), default_block_size=16, max_concurrent_prefix_queries=8
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    target = f"127.0.0.1:{port}"
+    vllm_keys = [to_sfixed64(h) for h in block_hashes(TOKENS, 16, algo=algo, python_hash_seed=seed)]
+    canonical = RemoteIndex(target, 5.0)
+    vllm = RemoteIndex(target, 5.0, key_space, seed)
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
+                kv.ApplyExternalKvBatchRequest(
+                    worker_id="vllm-0",
+                    worker_address=ENGINE,
+                    actions=[
+                        kv.ExternalKvAction(
+                            type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=vllm_keys
+                        )
+                    ],
+                )
+            )
+        keys, hits = await vllm.match(TOKENS, 16, "", "")
+        assert list(keys) == vllm_keys
+        assert hits[ENGINE].device_blocks == 4
+        _, hits = await canonical.match(TOKENS, 16, "", "")
+        assert ENGINE not in hits  # the canonical keys never meet vLLM's
+    finally:
+        await canonical.close()
+        await vllm.close()
+        await server.stop(None)
+
+
+def test_remote_key_space_is_a_config_choice() -> None:
+    config = ControllerConfig.model_validate(
+        {"index": {"remote": "h:1", "remote_key_space": "sha256_cbor", "remote_hash_seed": "7"}}
+    )
+    assert (config.index.remote_key_space, config.index.remote_hash_seed) == ("sha256_cbor", "7")
+    with pytest.raises(ValueError, match="remote_key_space"):
+        ControllerConfig.model_validate({"index": {"remote_key_space": "md5"}})
