@@ -4,6 +4,7 @@ drains and stops all of them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -161,9 +162,9 @@ def test_interrupt_during_start_up_leaves_no_process(
         cwd=REPO,
         env=_env(tmp_path / "cache"),
     )
+    pids: list[int] = []
     try:
         assert proc.stderr is not None
-        pids: list[int] = []
         deadline = time.monotonic() + 60
         while len(pids) < 2 and time.monotonic() < deadline:
             line = proc.stderr.readline()
@@ -183,6 +184,9 @@ def test_interrupt_during_start_up_leaves_no_process(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid in pids:  # a failed run must not leave members behind either
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)
