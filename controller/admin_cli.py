@@ -21,6 +21,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from controller.outcomes import read_outcomes
 from kvplane.cli_common import OutputFormat, OutputOption, RpcCallError, emit, rpc_channel
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
@@ -516,6 +517,32 @@ def _engine_address(target: str, engine: str) -> str:
     raise KvplaneError(f"no engine {engine!r} behind {target}")
 
 
+def _lora_call(
+    target: str | None, rpc: Callable[[pb_grpc.OpenEngineStub], tuple[Message, grpc.Call]]
+) -> dict[str, Any]:
+    """The reply as a dict, with `engines`: the controller's per-engine outcomes (its
+    trailing metadata, controller.outcomes); absent against a single engine."""
+    reply, call = _call(target, lambda ch: rpc(pb_grpc.OpenEngineStub(ch)))
+    data = _dict(reply)
+    engines = read_outcomes(call.trailing_metadata())
+    if engines:
+        data["engines"] = engines
+    return data
+
+
+def _with_engines(summary: str, data: dict[str, Any]) -> str:
+    """A one-line summary, then one line per engine of the fleet (when behind a controller)."""
+    lines = [summary]
+    for e in data.get("engines", ()):
+        line = f"  {e.get('instance_id') or e['engine']} ({e['engine']}): {e['outcome']}"
+        if e.get("detail"):
+            line += f", {e['detail']}"
+        if e.get("adapters") is not None:
+            line += f" [{', '.join(e['adapters'])}]"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 @lora_app.command("load")
 def lora_load(
     *,
@@ -527,22 +554,18 @@ def lora_load(
     token_file: TokenFileOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Load an adapter on every engine (or one)."""
+    """Load an adapter on every engine (or one); behind a controller, each engine's outcome."""
     address = _engine_address(_target(target), engine) if engine else _target(target)
     req = pb.LoadLoraRequest(
         adapter=pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=path)
     )
     metadata = _metadata(token_file)
-    reply = _call(
+    data = _lora_call(
         address,
-        lambda ch: pb_grpc.OpenEngineStub(ch).LoadLora(req, metadata=metadata, timeout=TIMEOUT_S),
+        lambda stub: stub.LoadLora.with_call(req, metadata=metadata, timeout=TIMEOUT_S),
     )
-    data = _dict(reply)
-    emit(
-        data,
-        output,
-        lambda d: f"{name} {'already loaded' if d.get('already_loaded') else 'loaded'}",
-    )
+    state = "already loaded" if data.get("already_loaded") else "loaded"
+    emit(data, output, lambda d: _with_engines(f"{name} {state}", d))
 
 
 @lora_app.command("unload")
@@ -552,33 +575,41 @@ def lora_unload(
     token_file: TokenFileOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Unload an adapter everywhere."""
+    """Unload an adapter everywhere; behind a controller, each engine's outcome."""
     metadata = _metadata(token_file)
     req = pb.UnloadLoraRequest(lora_name=name)
-    reply = _call(
+    data = _lora_call(
         target,
-        lambda ch: pb_grpc.OpenEngineStub(ch).UnloadLora(req, metadata=metadata, timeout=TIMEOUT_S),
+        lambda stub: stub.UnloadLora.with_call(req, metadata=metadata, timeout=TIMEOUT_S),
     )
-    emit(_dict(reply), output, lambda d: f"{name} unloaded")
+    emit(data, output, lambda d: _with_engines(f"{name} unloaded", d))
 
 
 @lora_app.command("list")
 def lora_list(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
-    """Adapters loaded (on any engine of the fleet)."""
-    reply = _call(
+    """Adapters loaded on any engine of the fleet, and behind a controller which engines hold
+    each (ENGINES)."""
+    data = _lora_call(
         target,
-        lambda ch: pb_grpc.OpenEngineStub(ch).ListLoras(pb.ListLorasRequest(), timeout=TIMEOUT_S),
+        lambda stub: stub.ListLoras.with_call(pb.ListLorasRequest(), timeout=TIMEOUT_S),
     )
-    data = _dict(reply)
     data.setdefault("adapters", [])
-    emit(
-        data,
-        output,
-        lambda d: _table(
-            ["ID", "NAME", "PATH"],
-            [[a.get("lora_id"), a.get("lora_name"), a.get("source_path")] for a in d["adapters"]],
-        ),
-    )
+    holders: dict[str, list[str]] = {}
+    for e in data.get("engines", ()):
+        for adapter in e.get("adapters") or ():
+            holders.setdefault(adapter, []).append(e.get("instance_id") or e["engine"])
+
+    def render(d: dict[str, Any]) -> str:
+        headers = ["ID", "NAME", "PATH"] + (["ENGINES"] if "engines" in d else [])
+        rows = []
+        for a in d["adapters"]:
+            row = [a.get("lora_id"), a.get("lora_name"), a.get("source_path")]
+            if "engines" in d:
+                row.append(",".join(holders.get(a.get("lora_name", ""), [])))
+            rows.append(row)
+        return _table(headers, rows)
+
+    emit(data, output, render)
 
 
 def register(app: typer.Typer) -> None:

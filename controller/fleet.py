@@ -38,8 +38,13 @@ from controller.router import Candidate, LoadSnapshot, PrefixHit
 from indexer.backend import IndexBackend, TierPrefix
 from indexer.batch import Tier
 from indexer.keys import block_keys
-from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
-from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
+from indexer.sources.openengine import (
+    OpenEngineSource,
+    OpenEngineSourceSettings,
+    engine_worker_id,
+    zmq_source_settings,
+)
+from indexer.sources.zmq import ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
@@ -231,12 +236,22 @@ class Fleet:
         engine = self._engines.pop(record.address, None)
         if engine is not None:
             await engine.close()
-        if self.index is not None:
-            await self.index.remove_worker(record.address)
+        await self._drop_indexed(record.address)
         if self._on_engine_gone is not None:
             self._on_engine_gone(record.address)
         await self._notify()
         return record
+
+    async def _drop_indexed(self, address: str) -> None:
+        """Remove the engine's entries from the index: its worker and, when its events come
+        from several data-parallel ZMQ ranks, each rank's (`<address>/dp<r>`)."""
+        if self.index is None:
+            return
+        await self.index.remove_worker(address)
+        stats = await self.index.stats()
+        for worker in stats.workers:
+            if worker.worker_id != address and engine_worker_id(worker.worker_id) == address:
+                await self.index.remove_worker(worker.worker_id)
 
     def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
         return self._engines[address].stub
@@ -308,7 +323,11 @@ class Fleet:
             if keys and self.index is not None and records:
                 for match in await self.index.match_prefix_by_tier(keys, 0):
                     device = _device_blocks(match.tiers)
-                    hits[match.worker_id] = PrefixHit(device, max(match.matched_blocks - device, 0))
+                    hit = PrefixHit(device, max(match.matched_blocks - device, 0))
+                    # An engine followed rank by rank: the best rank is what it holds.
+                    engine = engine_worker_id(match.worker_id)
+                    if engine not in hits or hit > hits[engine]:
+                        hits[engine] = hit
         candidates = []
         for r in records:
             identity = r.identity
@@ -436,7 +455,7 @@ class Fleet:
             self._on_engine_gone(engine.address)
         if self.index is None:
             return
-        await self.index.remove_worker(engine.address)
+        await self._drop_indexed(engine.address)
         record = self.registry.get(engine.address)
         if record.kv_events == KvEventsMode.none.value:
             return
@@ -482,16 +501,11 @@ class Fleet:
         reply = await engine.stub.GetKvEventSources(
             pb.GetKvEventSourcesRequest(), timeout=self.config.health.rpc_timeout_s
         )
-        for source in reply.sources:
-            if source.transport != "zmq":
-                continue
-            endpoint = f"tcp://{source.endpoint_addr.host}:{source.endpoint_addr.port}"
-            replay = source.replay_endpoint or None
-            if replay is not None and "://" not in replay:
-                replay = f"tcp://{replay}"
-            settings = ZmqSourceSettings(
-                endpoint=endpoint, replay_endpoint=replay, topic=source.topic
-            )
-            return ZmqSource(settings, translator, self.index, on_batch_time=on_batch_time)
+        # One worker per engine address: the first advertised ZMQ source (data-parallel
+        # ranks beyond it are not followed; `kvplane indexer` follows every rank).
+        for advert in reply.sources:
+            if advert.transport == "zmq":
+                settings = zmq_source_settings(advert)
+                return ZmqSource(settings, translator, self.index, on_batch_time=on_batch_time)
         log.warning("engine %s advertises no ZMQ KV-event source", engine.address)
         return None

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
 
-from controller.registry import EngineIdentity, EngineRecord, EngineState
+from controller.outcomes import OUTCOME_METADATA_KEY
+from controller.registry import EngineRecord, EngineState
 from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
 from kvplane import __version__
@@ -52,7 +53,6 @@ MINIMUM_CLIENT_REVISION = 1
 SCHEMA_RELEASE = "openengine-v1-r1+seed.94b72b7dabd1ee94"
 # Trailing metadata key of the per-engine outcomes of a fanned-out call (one JSON object per
 # engine: engine, instance_id, outcome, detail, adapters).
-OUTCOME_METADATA_KEY = "kvplane-engine-outcome"
 
 _ABORT_ALL = pb.AbortRequest(all_requests=pb.AllRequests())
 # Events that carry output: the prefill is over.
@@ -242,7 +242,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             for r in registry.records()
             if r.identity is not None
             and r.state is not EngineState.INCOMPATIBLE
-            and _serves(r.identity, model)
+            and r.identity.serves(model)
         ]
         if any(_has_task(r, task) for r in serving):
             await abort_with(
@@ -542,11 +542,6 @@ def _text(value: int | None) -> str:
 
 def _summary(outcomes: list[EngineOutcome]) -> str:
     return "; ".join(o.text() for o in outcomes)
-
-
-def _serves(identity: EngineIdentity, model: str) -> bool:
-    """As Registry.routable reads it: no model named, or an engine that names none, match."""
-    return not model or not identity.models or model in identity.models
 
 
 def _queue_depth(record: EngineRecord) -> int:

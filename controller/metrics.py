@@ -82,7 +82,8 @@ class ControllerMetrics:
         )
         self.predicted_cached_tokens = Counter(
             "kvplane_controller_predicted_cached_tokens",
-            "Prompt tokens the router predicted the chosen engine would serve from cache",
+            "Prompt tokens the router predicted the chosen engine would serve from cache, "
+            "over the requests whose engine reported usage.cached_prompt_tokens",
             registry=r,
         )
         self.actual_cached_tokens = Counter(

@@ -98,6 +98,10 @@ class EngineIdentity:
     # "score"); empty when it says none or was not asked.
     tasks: frozenset[str] = frozenset()
 
+    def serves(self, model: str | None) -> bool:
+        """No model named, or an engine that names none, match."""
+        return not model or not self.models or model in self.models
+
 
 @dataclass(slots=True)
 class EngineRecord:
@@ -178,7 +182,7 @@ class Registry:
                 continue
             if role is not None and record.identity.role not in (role, Role.UNKNOWN):
                 continue
-            if model and record.identity.models and model not in record.identity.models:
+            if not record.identity.serves(model):
                 continue
             out.append(record)
         return out

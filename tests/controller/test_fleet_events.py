@@ -9,9 +9,13 @@ import itertools
 import re
 import time
 import urllib.request
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
+import msgpack
 import pytest
+import zmq.asyncio
 
 from controller.app import start_controller
 from controller.config import ControllerConfig
@@ -20,6 +24,7 @@ from engine.server.service import EngineApp
 from indexer.sources.zmq import ZmqSource
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
     Fleet,
     close_fleet,
@@ -27,6 +32,9 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+from tests.controller.fronted_engine import Forwarding, start_fronted_engine
+from tests.controller.test_gateway import eventually
+from tests.indexer.fake_kv_publisher import FakeKvPublisher
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -156,3 +164,70 @@ async def test_openengine_event_lag_is_exported_per_engine_and_dropped_with_it()
         assert sample(text, "kvplane_controller_event_lag_seconds_count", holder) is None
     finally:
         await close_fleet(fleet)
+
+
+class RankedZmqEngine(Forwarding):
+    """A sim engine without SubscribeKvEvents whose KV events come from one ZMQ publisher per
+    data-parallel rank (as a vLLM engine with data parallelism advertises them)."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub, ranks: list[FakeKvPublisher]) -> None:
+        super().__init__(inner)
+        self.ranks = ranks
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no gRPC KV events here")
+        yield pb.SubscribeKvEventsResponse()  # unreachable: makes this a stream handler
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetKvEventSourcesResponse:
+        sources = []
+        for rank, publisher in enumerate(self.ranks):
+            host, port = publisher.endpoint.removeprefix("tcp://").rsplit(":", 1)
+            sources.append(
+                pb.KvEventSource(
+                    transport="zmq",
+                    endpoint_addr=pb.KvEndpoint(host=host, port=int(port), protocol="tcp"),
+                    replay_endpoint=publisher.replay_endpoint,
+                    data_parallel_rank=rank,
+                    encoding="msgpack",
+                )
+            )
+        return pb.GetKvEventSourcesResponse(sources=sources)
+
+
+async def test_an_engine_followed_rank_by_rank_is_routed_by_its_best_rank() -> None:
+    """Each rank is a worker of its own in the index (`<address>/dp<r>`); the router sees the
+    engine holding what its best rank holds, and removing the engine removes every rank."""
+    context = zmq.asyncio.Context()
+    ranks = [FakeKvPublisher(context), FakeKvPublisher(context)]
+    for publisher in ranks:
+        publisher.start_replay()
+    engine = await start_fronted_engine("ranked", lambda inner: RankedZmqEngine(inner, ranks))
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    address = f"127.0.0.1:{engine.port}"
+    prefix = list(range(5000, 5000 + 4 * BLOCK))
+    try:
+        for publisher in ranks:
+            await publisher.wait_subscribed()
+        stored = ["BlockStored", [11, 12, 13, 14], None, prefix, BLOCK, None, "GPU"]
+        await ranks[1].publish(
+            [b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [stored], 1])]
+        )
+
+        async def held() -> bool:
+            return await index_holder(fleet, [*prefix, 1], 4) == address
+
+        await eventually(held, WAIT_S)
+        index = fleet.app.controller.index
+        assert index is not None
+        assert f"{address}/dp1" in {w.worker_id for w in (await index.stats()).workers}
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=address))
+        assert not [w for w in (await index.stats()).workers if w.worker_id.startswith(address)]
+    finally:
+        await close_fleet(fleet)
+        for publisher in ranks:
+            await publisher.close()
+        context.term()

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
-from controller.gateway import OUTCOME_METADATA_KEY
+from controller.outcomes import OUTCOME_METADATA_KEY
 from controller.registry import EngineState
 from engine.config import EngineConfig
 from engine.server.service import start_engine

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from typer.testing import CliRunner, Result
 
-from controller.gateway import OUTCOME_METADATA_KEY
+from controller.outcomes import read_outcomes
 from kvplane.cli import app as kvplane_cli
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
@@ -235,8 +235,7 @@ def address(engine: ScriptedEngine) -> str:
 
 def outcomes(metadata: Any) -> dict[str, dict[str, Any]]:
     """The gateway's per-engine outcomes in a call's trailing metadata, by instance id."""
-    entries = [json.loads(v) for k, v in metadata or () if k == OUTCOME_METADATA_KEY]
-    return {e["instance_id"]: e for e in entries}
+    return {e["instance_id"]: e for e in read_outcomes(metadata)}
 
 
 async def cli(*args: str) -> Result:
@@ -317,10 +316,23 @@ async def test_lora_cli_load_on_one_engine_then_unload_from_the_fleet(tmp_path: 
         assert list(engines[0].servicer.adapters) == ["x"] and not engines[1].servicer.adapters
         listed = await cli("lora", "list", *t, "--output", "json")
         assert listed.exit_code == 0, listed.output
-        assert [a["lora_name"] for a in json.loads(listed.output)["adapters"]] == ["x"]
+        doc = json.loads(listed.output)
+        assert [a["lora_name"] for a in doc["adapters"]] == ["x"]
+        held = {e["instance_id"]: e["adapters"] for e in doc["engines"]}
+        assert held == {"e0": ["x"], "e1": []}  # which engine holds what
+        table = await cli("lora", "list", *t)
+        assert table.exit_code == 0, table.output
+        header, row = table.output.splitlines()
+        assert header.split() == ["ID", "NAME", "PATH", "ENGINES"]
+        assert row.split() == ["1", "x", path, "e0"]
         unloaded = await cli("lora", "unload", "x", *t)
         assert unloaded.exit_code == 0, unloaded.output
         assert not engines[0].servicer.adapters
+        lines = unloaded.output.splitlines()
+        assert lines[0] == "x unloaded"
+        # "  e1 (127.0.0.1:PORT): not_loaded, no adapter 'x'": one line per engine.
+        outcome = {line.split()[0]: line.split("): ")[1].split(",")[0] for line in lines[1:]}
+        assert outcome == {"e0": "ok", "e1": "not_loaded"}
     finally:
         await close_fleet(fleet)
 
