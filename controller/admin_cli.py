@@ -534,6 +534,9 @@ def _with_engines(summary: str, data: dict[str, Any]) -> str:
     """A one-line summary, then one line per engine of the fleet (when behind a controller)."""
     lines = [summary]
     for e in data.get("engines", ()):
+        if "truncated" in e:
+            lines.append(f"  ... {e['truncated']} more engines (their outcomes did not fit)")
+            continue
         line = f"  {e.get('instance_id') or e['engine']} ({e['engine']}): {e['outcome']}"
         if e.get("detail"):
             line += f", {e['detail']}"
@@ -596,7 +599,7 @@ def lora_list(target: TargetOpt = None, output: OutputOption = OutputFormat.tabl
     data.setdefault("adapters", [])
     holders: dict[str, list[str]] = {}
     for e in data.get("engines", ()):
-        for adapter in e.get("adapters") or ():
+        for adapter in e.get("adapters") or ():  # a {"truncated": N} entry names none
             holders.setdefault(adapter, []).append(e.get("instance_id") or e["engine"])
 
     def render(d: dict[str, Any]) -> str:

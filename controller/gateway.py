@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -33,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
 
-from controller.outcomes import OUTCOME_METADATA_KEY
+from controller.outcomes import outcome_metadata
 from controller.registry import EngineRecord, EngineState
 from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
@@ -101,12 +100,11 @@ class _OpenEngineGenerate:
         cached = usage.cached_prompt_tokens if usage.HasField("cached_prompt_tokens") else None
         return Usage(usage.prompt_tokens, cached)
 
-    def failed(
-        self, request: pb.GenerateRequest, engine: str, error: grpc.aio.AioRpcError
-    ) -> pb.GenerateResponse:
-        return self.no_session(
-            request,
-            f"engine {engine} failed mid-stream: {error.code().name}: {error.details()}",
+    def error_response(self, request: pb.GenerateRequest, message: str) -> pb.GenerateResponse:
+        """A terminal EngineError of the gateway's own."""
+        return pb.GenerateResponse(
+            request_id=request.request_id,
+            error=pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message=message, retryable=False),
         )
 
     # The handoff of a disaggregated fleet (seed: "Disaggregated serving and KV API").
@@ -124,18 +122,11 @@ class _OpenEngineGenerate:
         decode.kv.session.CopyFrom(session)
         return decode
 
-    def no_session(self, request: pb.GenerateRequest, message: str) -> pb.GenerateResponse:
-        """A terminal EngineError of the gateway's own."""
-        return pb.GenerateResponse(
-            request_id=request.request_id,
-            error=pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message=message, retryable=False),
-        )
-
 
 class EngineOutcome(NamedTuple):
     """What one engine answered to a fanned-out call (Abort, LoRA), as the gateway reports
     it: in the message text and, one JSON object per engine, in the trailing metadata under
-    OUTCOME_METADATA_KEY (the seed's replies have no per-engine field)."""
+    controller.outcomes (the seed's replies have no per-engine field)."""
 
     record: EngineRecord
     # "ok", "skipped" (not asked), "not_loaded" (UnloadLora: NOT_FOUND there), or the
@@ -159,8 +150,9 @@ class EngineOutcome(NamedTuple):
             out += f" [{', '.join(self.adapters)}]"
         return out
 
-    def metadata(self) -> tuple[str, str]:
-        entry: dict[str, object] = {
+    def entry(self) -> dict[str, Any]:
+        """The engine's entry in the trailing metadata (controller.outcomes)."""
+        entry: dict[str, Any] = {
             "engine": self.record.address,
             "instance_id": self.record.engine_id,
             "outcome": self.outcome,
@@ -169,7 +161,7 @@ class EngineOutcome(NamedTuple):
             entry["detail"] = self.detail
         if self.adapters is not None:
             entry["adapters"] = list(self.adapters)
-        return OUTCOME_METADATA_KEY, json.dumps(entry, sort_keys=True)
+        return entry
 
 
 class GatewayServicer(pb_grpc.OpenEngineServicer):
@@ -310,7 +302,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             return reply
         results = await self._fan_out(self._reachable(), lambda s: s.Abort(request))
         outcomes = [EngineOutcome.of(record, result) for record, result in results]
-        context.set_trailing_metadata([o.metadata() for o in outcomes])
+        context.set_trailing_metadata(outcome_metadata([o.entry() for o in outcomes]))
         summary = _summary(outcomes)
         answered = [r for _, r in results if isinstance(r, pb.AbortResponse)]
         if not answered:
@@ -363,7 +355,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 replies.append(result)
                 outcomes[record.address] = EngineOutcome(record, "ok", adapters=held(result))
         ordered = [outcomes[r.address] for r in reachable]
-        context.set_trailing_metadata([o.metadata() for o in ordered])
+        context.set_trailing_metadata(outcome_metadata([o.entry() for o in ordered]))
         summary = _summary(ordered)
         if not asked:
             await abort_with(

@@ -3,7 +3,9 @@ ListLoras). The seed's replies have no per-engine field, so the gateway sends th
 call's trailing metadata, success or failure: one `kvplane-engine-outcome` entry per engine,
 a JSON object `{"engine": ADDRESS, "instance_id": ID, "outcome": "ok" | "skipped" |
 "not_loaded" | STATUS, "detail": TEXT, "adapters": [NAMES]}` ("detail" and "adapters" only
-when there is something to say)."""
+when there is something to say). gRPC clients refuse trailing metadata beyond 8-16 KB, so a
+large fleet's entries are capped (`outcome_metadata`): failures first, and a last entry
+`{"truncated": N}` counting the engines left out."""
 
 from __future__ import annotations
 
@@ -12,6 +14,27 @@ from collections.abc import Iterable
 from typing import Any
 
 OUTCOME_METADATA_KEY = "kvplane-engine-outcome"
+# Bytes of outcome entries one call carries (gRPC's default client limit is 8 KiB soft, 16 KiB
+# hard, for all the metadata together).
+MAX_OUTCOME_BYTES = 6_000
+
+
+def outcome_metadata(entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The trailing metadata for `entries` (one per engine, in fleet order), within
+    MAX_OUTCOME_BYTES: entries whose outcome is not "ok" go first, then the rest in order,
+    as long as they fit; the count of those left out ends the list."""
+    ordered = [e for e in entries if e.get("outcome") != "ok"]
+    ordered += [e for e in entries if e.get("outcome") == "ok"]
+    out: list[tuple[str, str]] = []
+    size = 0
+    for i, entry in enumerate(ordered):
+        value = json.dumps(entry, sort_keys=True)
+        size += len(OUTCOME_METADATA_KEY) + len(value)
+        if size > MAX_OUTCOME_BYTES:
+            out.append((OUTCOME_METADATA_KEY, json.dumps({"truncated": len(ordered) - i})))
+            break
+        out.append((OUTCOME_METADATA_KEY, value))
+    return out
 
 
 def read_outcomes(metadata: Iterable[tuple[str, str | bytes]] | None) -> list[dict[str, Any]]:

@@ -41,6 +41,7 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 Request_contra = TypeVar("Request_contra", contravariant=True)
 Response_co = TypeVar("Response_co", covariant=True)
+Response_contra = TypeVar("Response_contra", contravariant=True)
 
 # Statuses after which the same request may succeed on another engine.
 RETRYABLE = frozenset(
@@ -97,20 +98,18 @@ class Surface(Protocol[Request_contra, Response]):
 
     def usage(self, response: Response) -> Usage | None: ...
 
-    def failed(
-        self, request: Request_contra, engine: str, error: grpc.aio.AioRpcError
-    ) -> Response | None:
-        """The response that ends the stream when the engine failed after something was
-        relayed, or None when the API has no such event (the status passes through)."""
+    def error_response(self, request: Request_contra, message: str) -> Response | None:
+        """The terminal in-band error that ends a stream after output was relayed, or None
+        when the API has no such event (the failure then passes as a status)."""
         ...
 
 
-class Handoff(Protocol[Request, Response]):
+class Handoff(Protocol[Request, Response_contra]):
     """How an API moves a request from a prefill engine to a decode engine (OpenEngine: the
     prefill stream ends with PrefillReady carrying a KV session; the decode request carries
     it in `kv.session`)."""
 
-    def session(self, response: Response) -> Any | None:
+    def session(self, response: Response_contra) -> Any | None:
         """The KV session this response hands over, if it is the prefill's handoff event."""
         ...
 
@@ -118,17 +117,17 @@ class Handoff(Protocol[Request, Response]):
         """The request for the decode engine."""
         ...
 
-    def no_session(self, request: Request, message: str) -> Response:
-        """The terminal error response for a prefill that ended without a handoff."""
-        ...
-
 
 class _Stage(NamedTuple):
-    """How one engine hop of a request counts in the metrics."""
+    """One engine hop of a request: how it counts in the metrics, and how it ends."""
 
-    first: bool = True  # times the routing and the first response
+    times_route: bool = True  # observes the time to route
+    times_first_response: bool = True  # observes the time to its first relayed response
     last: bool = True  # counts the request's outcome and its time
     usage: bool = True  # records the engine's usage against the router's prediction
+    # The client already has output from an earlier hop: any failure ends the stream with an
+    # in-band error, never a status.
+    after_output: bool = False
 
 
 _WHOLE_REQUEST = _Stage()
@@ -241,7 +240,7 @@ class Relay:
             return c.route_prefill(plan, tried) if tried else first
 
         session: Any = None
-        relayed = ended = False
+        shown = ended = False
         stream = self._attempts(
             surface,
             request,
@@ -249,7 +248,7 @@ class Relay:
             prefill_engine,
             context=context,
             started=started,
-            stage=_Stage(last=False),
+            stage=_Stage(times_first_response=False, last=False),
         )
         async with aclosing(stream):
             async for response in stream:
@@ -258,16 +257,19 @@ class Relay:
                     session = found
                     continue
                 ended = surface.error(response) is not None  # terminal: it ends the request
-                relayed = True
+                if not shown:
+                    c.metrics.first_response_seconds.observe(time.perf_counter() - started)
+                    shown = True
                 yield response
         if session is None:
             if ended:
                 return
             c.metrics.count_request("engine_error")
             message = "the prefill engine ended without handing over a KV session"
-            if not relayed:
+            ending = surface.error_response(request, message) if shown else None
+            if ending is None:
                 await abort_with(context, grpc.StatusCode.INTERNAL, message)
-            yield handoff.no_session(request, message)
+            yield ending
             return
         stream = self._attempts(
             surface,
@@ -276,7 +278,9 @@ class Relay:
             lambda tried: c.route_decode(plan, tried, prefilled=True),
             context=context,
             started=started,
-            stage=_Stage(first=False, usage=False),
+            stage=_Stage(
+                times_route=False, times_first_response=not shown, usage=False, after_output=shown
+            ),
         )
         async with aclosing(stream):
             async for response in stream:
@@ -304,33 +308,38 @@ class Relay:
             try:
                 decision = route(frozenset(tried))
             except NoEngineAvailableError as exc:
-                if retry is None:
-                    c.metrics.count_request("no_engine")
-                    await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-                # Nowhere else to go: the engine's own failure is the answer.
-                c.metrics.count_request("engine_error")
-                if isinstance(retry.failure, grpc.aio.AioRpcError):
-                    await _pass_status(context, retry.failure)
-                yield retry.failure
+                failure: Any = retry.failure if retry is not None else None
+                c.metrics.count_request("no_engine" if retry is None else "engine_error")
+                if failure is None or isinstance(failure, grpc.aio.AioRpcError):
+                    # No engine at all, or the failed engine's status is the answer.
+                    status = failure or _status(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    failure = self._ending(surface, request, stage, status, relayed=False)
+                    if failure is None:
+                        await _pass_status(context, status)
+                yield failure  # an in-band error: the refusing response, or the gateway's
                 return
             if retry is not None:
                 c.metrics.retries.inc()
-            elif stage.first:
+            elif stage.times_route:
                 c.metrics.route_seconds.observe(time.perf_counter() - started)
             engine = decision.engine_id
             tried.add(engine)
-            self.holding[request_id] = engine
             relayed = False
             usage: Usage | None = None
             error: InBandError | None = None
-            call = surface.call(engine, request)
+            call: EngineCall[Response] | None = None
             try:
+                self.holding[request_id] = engine
+                try:
+                    call = surface.call(engine, request)
+                except KeyError:  # it left the fleet after the request was planned
+                    raise _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left") from None
                 async for response in call:
                     error = surface.error(response)
                     if not relayed:
                         if error is not None and error.retryable and retry is None:
                             raise _Retry(error.message, response)
-                        if stage.first:
+                        if stage.times_first_response:
                             elapsed = time.perf_counter() - started
                             c.metrics.first_response_seconds.observe(elapsed)
                         relayed = True
@@ -356,17 +365,36 @@ class Relay:
                     retry = _Retry(exc.code().name, exc)
                     continue
                 c.metrics.count_request("engine_error")
-                ending = surface.failed(request, engine, exc) if relayed else None
+                failed = _status(
+                    exc.code(), f"engine {engine} failed mid-stream: {exc.code().name}: "
+                    f"{exc.details()}"
+                )  # fmt: skip
+                ending = self._ending(surface, request, stage, failed, relayed=relayed)
                 if ending is None:
                     await _pass_status(context, exc)
                 yield ending
                 return
             finally:
-                if not call.done():
+                if call is not None and not call.done():
                     call.cancel()
                 c.router.finish(request_id)
                 if self.holding.get(request_id) == engine:
                     del self.holding[request_id]
+
+    @staticmethod
+    def _ending(
+        surface: Surface[Request, Response],
+        request: Request,
+        stage: _Stage,
+        error: grpc.aio.AioRpcError,
+        *,
+        relayed: bool,
+    ) -> Response | None:
+        """How a failed hop ends the client's stream: an in-band error once the client has
+        output (from this hop or an earlier one), else None (the status passes)."""
+        if not (relayed or stage.after_output):
+            return None
+        return surface.error_response(request, error.details() or error.code().name)
 
     def _record_usage(self, predicted: int, usage: Usage) -> None:
         """Prompt tokens always; the router's prediction only beside an engine-reported
@@ -377,6 +405,11 @@ class Relay:
             m.predicted_cached_tokens.inc(predicted)
             m.actual_cached_tokens.inc(usage.cached_prompt_tokens)
             m.cached_tokens_abs_error.inc(abs(predicted - usage.cached_prompt_tokens))
+
+
+def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """A failure of the gateway's own, shaped like an engine's."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
 async def _pass_status(context: Context, error: grpc.aio.AioRpcError) -> NoReturn:

@@ -149,8 +149,10 @@ class Controller:
 
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
         candidates = plan.view.candidates
-        if exclude:  # a retry: not the engines that already failed it
-            candidates = tuple(c for c in candidates if c.engine_id not in exclude)
+        if exclude:  # a retry: not the engines that already failed it, nor gone since
+            candidates = tuple(
+                c for c in candidates if c.engine_id not in exclude and self._routable(c)
+            )
         decision = self.router.route(plan.request, candidates, self.rng, self.clock())
         self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision
@@ -196,13 +198,24 @@ class Controller:
         return decision
 
     def _of_role(self, plan: Plan, role: Role) -> tuple[Candidate, ...]:
+        """The plan's candidates of `role` that are still routable now (a later hop of a
+        request runs after the plan: an engine may have been drained or removed since)."""
         registry = self.fleet.registry
         out = []
         for candidate in plan.view.candidates:
             record = registry.by_engine_id(candidate.engine_id)
-            if record is not None and record.identity is not None and record.identity.role is role:
+            if (
+                record is not None
+                and record.routable
+                and record.identity is not None
+                and record.identity.role is role
+            ):
                 out.append(candidate)
         return tuple(out)
+
+    def _routable(self, candidate: Candidate) -> bool:
+        record = self.fleet.registry.by_engine_id(candidate.engine_id)
+        return record is not None and record.routable
 
     def explain(self, plan: Plan, role: Role | None = None) -> Decision:
         """What `route` would decide (among the engines of `role`, or all), charging no one."""

@@ -75,9 +75,8 @@ class _VllmGenerate:
             return None
         return Usage(response.prompt_info.num_prompt_tokens, None)
 
-    def failed(
-        self, request: vpb.GenerateRequest, engine: str, error: grpc.aio.AioRpcError
-    ) -> vpb.GenerateResponse | None:
+    def error_response(self, request: vpb.GenerateRequest, message: str) -> None:
+        """vllm.Generate has no in-band error event: a failure passes as a status."""
         return None
 
 

@@ -295,11 +295,11 @@ def read_extra_keys(event: BlockStored) -> tuple[str | None, list[list[str] | No
     - `(item id, offset in block)`: a multimodal item (the offset is dropped: the tokens
       already fix where an item starts);
     - a bare string equal to the event's `lora_name`: the LoRA name (not a key of its own);
-    - other bare strings: on the first block, the last one is vLLM 0.32's bare salt (the real
-      capture's `["tenant-A"]`) unless the salt came explicitly or the string recurs on the
-      second block, which a salt never does (older vLLM published multimodal ids bare, and an
-      item that starts in the first block continues into the next); the rest are multimodal
-      ids;
+    - other bare strings: on the first block of an event without a parent, the last one is
+      vLLM 0.32's bare salt (the real capture's `["tenant-A"]`) unless the salt came
+      explicitly or the string recurs on the second block, which a salt never does (older
+      vLLM published multimodal ids bare, and an item that starts in the first block
+      continues into the next); the rest are multimodal ids;
     - anything else (prompt-embedding bytes, unknown shapes): an opaque id, so the block
       keeps a key of its own that a token-only query cannot produce.
     A salt sent as a field (SGLang's `cache_salt`) wins. "" is no salt.
@@ -308,7 +308,9 @@ def read_extra_keys(event: BlockStored) -> tuple[str | None, list[list[str] | No
     blocks = [[_extra_key(item) for item in block or ()] for block in event.extra_keys]
     first = blocks[0] if blocks else []
     salt = event.cache_salt or next((v for kind, v in first if kind == "salt"), None) or None
-    if salt is None:  # vLLM 0.32's bare salt: the last bare string of block 0 not on block 1
+    # vLLM 0.32's bare salt: the last bare string of block 0 not on block 1, and only when
+    # block 0 starts the request (no parent): the salt is hashed into a request's first block.
+    if salt is None and event.parent_block_hash is None:
         recurring = {v for kind, v in blocks[1] if kind == "bare"} if len(blocks) > 1 else set()
         bare = [v for kind, v in first if kind == "bare" and v != lora_name and v not in recurring]
         salt = bare[-1] if bare else None

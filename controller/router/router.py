@@ -239,18 +239,22 @@ class Router:
     ) -> DisaggDecision:
         """The first hop of a request to a disaggregated fleet. The decode engine it would get
         (by load) prefills the prompt itself when it already holds `skip_prefill_ratio` of it,
-        or when no prefill engine is up: then `decode` is that decision and `prefill` None.
-        Otherwise `prefill` is a prefill engine chosen by the policy (overlap + load) and
-        `decode` None: the decode engine is chosen when the prefill hands over
-        (`route_decode`), by the load then. The engine of the hop is charged in flight."""
+        or when no prefill engine is up and decode engines may prefill (`skip_prefill_ratio`
+        at most 1): then `decode` is that decision and `prefill` None. Otherwise `prefill` is
+        a prefill engine chosen by the policy (overlap + load) and `decode` None: the decode
+        engine is chosen when the prefill hands over (`route_decode`), by the load then. The
+        engine of the hop is charged in flight."""
         if not decode_candidates:
             raise NoEngineAvailableError("no decode engine available")
         decode_view = self.with_inflight(decode_candidates)
         chosen = least_loaded_of(decode_view, rng)
         device, host = request.cached_tokens(chosen.hit)
         cached_fraction = (device + host) / max(request.num_prompt_tokens, 1)
-        if prefill_candidates and cached_fraction < self.skip_prefill_ratio:
-            return DisaggDecision(self.route(request, prefill_candidates, rng, now_s), None)
+        if cached_fraction < self.skip_prefill_ratio:
+            if prefill_candidates:
+                return DisaggDecision(self.route(request, prefill_candidates, rng, now_s), None)
+            if self.skip_prefill_ratio > 1:  # decode engines that only take a KV session
+                raise NoEngineAvailableError("no prefill engine available")
         return DisaggDecision(None, self._charge_decode(request, chosen, decode_view, False))
 
     def route_decode(

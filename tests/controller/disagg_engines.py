@@ -20,7 +20,7 @@ engine's answer, so the controller indexes and polls them exactly as it does any
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,10 @@ class Sessions:
 
     open: dict[str, str] = field(default_factory=dict)  # session id -> prefill engine
     ids: itertools.count[int] = field(default_factory=itertools.count)
+    # Called when a prefill engine opens a session (a test's hook into the handoff).
+    on_open: Callable[[], None] | None = None
+    # Every session is lost before a decode engine attaches (a failed transfer).
+    lost: bool = False
 
 
 class RoleServicer(Forwarding):
@@ -87,7 +91,7 @@ class RoleServicer(Forwarding):
             return
         if has_session:
             session_id = request.kv.session.session_id
-            if self.sessions.open.pop(session_id, None) is None:
+            if self.sessions.open.pop(session_id, None) is None or self.sessions.lost:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV session {session_id!r}")
         elif not self.accept_local_prefill:
             await context.abort(
@@ -116,6 +120,8 @@ class RoleServicer(Forwarding):
                 usage.CopyFrom(response.usage)
         session_id = f"{self.name}-{next(self.sessions.ids)}"
         self.sessions.open[session_id] = self.name
+        if self.sessions.on_open is not None:
+            self.sessions.on_open()
         usage.completion_tokens = 0
         usage.total_tokens = usage.prompt_tokens
         yield pb.GenerateResponse(

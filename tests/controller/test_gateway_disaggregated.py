@@ -190,3 +190,47 @@ async def test_vllm_generate_cannot_hand_over_and_says_so() -> None:
         assert "prefill and decode engines" in (info.value.details() or "")
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_decode_failure_after_prompt_output_is_one_terminal_engine_error() -> None:
+    """The client has the prefill's prompt logprobs: the decode engine refusing the session
+    ends the stream with one EngineError, not a status (WIRE.md section 3)."""
+    fleet, _, _, sessions = await _fleet(1, 1)
+    try:
+        sessions.lost = True
+        request = generate_request("r", [*PREFIX, 1])
+        request.response.return_prompt_logprobs = True
+        reply = await _generate(fleet, request)
+        assert [r.WhichOneof("event") for r in reply] == ["prompt", "error"]
+        assert "no KV session" in reply[-1].error.message
+        assert not fleet.app.gateway.relay.holding
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_decode_engine_cordoned_during_the_prefill_gets_no_decode() -> None:
+    fleet, prefill, decode, sessions = await _fleet(1, 2)
+    try:
+        registry = fleet.app.controller.fleet.registry
+        # The least loaded decode engine at the handoff would be either; cordon d0 then.
+        sessions.on_open = lambda: registry.set_cordoned(fleet.address(decode[0]), True)
+        reply = await _generate(fleet, generate_request("r", [*PREFIX, 1]))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert [name for name, _ in _calls(prefill + decode, "r")] == ["p0", "d1"]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_no_prefill_engine_up_is_unavailable_by_default() -> None:
+    """Decode engines that only take a KV session are never sent a request without one."""
+    fleet, prefill, decode, _ = await _fleet(1, 1)
+    try:
+        fleet.app.controller.fleet.registry.set_cordoned(fleet.address(prefill[0]), True)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(fleet, generate_request("r", [*PREFIX, 1]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no prefill engine" in (info.value.details() or "")
+        assert _calls(prefill + decode, "r") == []
+    finally:
+        await close_fleet(fleet)

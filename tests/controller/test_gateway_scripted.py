@@ -519,3 +519,40 @@ async def test_abort_everything_with_no_engine_reachable_is_unavailable() -> Non
         assert reported <= {"UNAVAILABLE"}
     finally:
         await close_fleet(fleet)
+
+
+class RemovesTheOthers(Forwarding):
+    """Refuses Generate with UNAVAILABLE after removing every other engine from the fleet:
+    the retry finds no engine the request was planned with still there."""
+
+    fleet: Fleet | None = None
+    address = ""  # its own, as the controller dials it
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        assert self.fleet is not None
+        controller = self.fleet.app.controller
+        for record in controller.fleet.registry.records():
+            if record.address != self.address:
+                await controller.fleet.remove_engine(record.address)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: not now")
+        yield pb.GenerateResponse()  # unreachable: makes this a stream handler
+
+
+async def test_a_retry_never_goes_to_an_engine_that_left_the_fleet() -> None:
+    engines = [await start_fronted_engine(f"f{i}", RemovesTheOthers) for i in range(2)]
+    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    for engine in engines:
+        engine.servicer.fleet, engine.servicer.address = fleet, f"127.0.0.1:{engine.port}"
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [r async for r in fleet.gateway.Generate(generate_request("r", list(range(40))))]
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # the engine's own refusal
+        assert "scripted" in (info.value.details() or "")
+        assert not fleet.app.gateway.relay.holding
+        assert len(fleet.app.controller.router.inflight) == 0
+        drain = [r async for r in fleet.gateway.Drain(pb.DrainRequest())]
+        assert drain[-1].state == pb.DRAIN_STATE_COMPLETE
+    finally:
+        await close_fleet(fleet)

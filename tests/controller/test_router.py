@@ -422,3 +422,5 @@ def test_disaggregated_prefill_then_decode_or_skip() -> None:
     strict = Router(make_policy("kvplane"), skip_prefill_ratio=math.inf)
     d = strict.route_disaggregated(request("y", blocks=10, extra=1), prefill, cached, rng, 0)
     assert d.prefill is not None
+    with pytest.raises(NoEngineAvailableError, match="no prefill engine"):
+        strict.route_disaggregated(request("w", blocks=10), [], cached, rng, 0)

@@ -18,6 +18,7 @@ from indexer.translate import (
     MediumMap,
     TranslateOptions,
     WorkerTranslator,
+    read_extra_keys,
     split_actions,
 )
 from indexer.zmq_decode import decode_payload
@@ -235,6 +236,17 @@ def test_a_multimodal_id_is_never_taken_for_the_cache_salt() -> None:
     assert _canonical_keys(salted) == block_keys(
         TOKENS, 2, lora_name="ada", cache_salt="tenant-A", mm_hashes=[["img"], ["img"], None]
     )
+
+
+def test_a_bare_string_is_a_salt_only_where_a_request_starts() -> None:
+    """A salt is hashed into a request's first block only: on an event continuing a chain
+    (a parent), a bare string alone on its first block is a multimodal id."""
+    continuing = BlockStored(
+        (2,), parent_block_hash=1, token_ids=TOKENS[:2], extra_keys=(("img",),)
+    )
+    assert read_extra_keys(continuing) == (None, [["img"]])
+    starting = BlockStored((1,), token_ids=TOKENS[:2], extra_keys=(("tenant-A",),))
+    assert read_extra_keys(starting) == ("tenant-A", [None])
 
 
 def test_typed_and_tagged_extra_keys_over_the_wire() -> None:
