@@ -15,9 +15,11 @@ from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
     generate_request,
+    idle,
     rpc_error,
     running_engine,
     sim_config,
+    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,6 +72,8 @@ async def test_model_info_says_exactly_what_is_supported() -> None:
 async def test_load_reports_every_scalar() -> None:
     async with running_engine() as engine:
         await collect(engine.stub, generate_request(list(range(12)), max_tokens=2))
+        # The last response leaves before the engine's loop frees the request.
+        await wait_for(lambda: idle(engine), what="the engine to free the request")
         load = await engine.stub.GetLoad(pb.GetLoadRequest(include_per_rank=True))
     for name in (
         "timestamp_unix_nanos",
