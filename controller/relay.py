@@ -16,7 +16,10 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   take it, the client gets the engine's own failure;
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
-  counts as "ok" unless its last response was an in-band error ("engine_error").
+  counts as "ok" unless its last response was an in-band error ("engine_error");
+- a model served only by prefill and decode engines takes two hops (`_disaggregated`), each
+  one of the above, joined by the API's `Handoff` (OpenEngine's KV session); once the client
+  has output from the first hop, any failure ends the stream with one in-band error.
 """
 
 from __future__ import annotations
