@@ -100,6 +100,13 @@ def _device_blocks(tiers: Sequence[TierPrefix]) -> int:
     return 0
 
 
+def _keep_best(hits: dict[str, PrefixHit], engine: str, hit: PrefixHit) -> None:
+    """Record `hit` for `engine` unless it already has a better one: an engine followed rank
+    by rank (one worker per data-parallel rank) holds what its best rank holds."""
+    if engine not in hits or hit > hits[engine]:
+        hits[engine] = hit
+
+
 class PromptView(NamedTuple):
     """A prompt as the router sees it: its canonical keys and every routable engine (a named
     tuple, as the router's vocabulary is: one is built on every routed request)."""
@@ -153,7 +160,7 @@ class RemoteIndex:
         for m in reply.matches:
             device = next((t.matched_blocks for t in m.tiers if int(t.tier) == int(Tier.HBM)), 0)
             hit = PrefixHit(device, max(m.matched_blocks - device, 0))
-            hits[m.worker_address or m.worker_id] = hit
+            _keep_best(hits, m.worker_address or m.worker_id, hit)
             hits.setdefault(m.worker_id, hit)
         return tuple(reply.block_keys), hits
 
@@ -324,10 +331,7 @@ class Fleet:
                 for match in await self.index.match_prefix_by_tier(keys, 0):
                     device = _device_blocks(match.tiers)
                     hit = PrefixHit(device, max(match.matched_blocks - device, 0))
-                    # An engine followed rank by rank: the best rank is what it holds.
-                    engine = engine_worker_id(match.worker_id)
-                    if engine not in hits or hit > hits[engine]:
-                        hits[engine] = hit
+                    _keep_best(hits, engine_worker_id(match.worker_id), hit)
         candidates = []
         for r in records:
             identity = r.identity

@@ -75,3 +75,35 @@ def test_remote_key_space_is_a_config_choice() -> None:
     assert (config.index.remote_key_space, config.index.remote_hash_seed) == ("sha256_cbor", "7")
     with pytest.raises(ValueError, match="remote_key_space"):
         ControllerConfig.model_validate({"index": {"remote_key_space": "md5"}})
+
+
+async def test_an_engine_indexed_rank_by_rank_holds_its_best_rank() -> None:
+    """Two workers (data-parallel ranks) with one engine address: the engine's hit is the
+    longer prefix, whichever order the indexer lists them in."""
+    services, _, _ = index_services(
+        MemoryBackend(PrefixIndex()), default_block_size=16, max_concurrent_prefix_queries=8
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    target = f"127.0.0.1:{port}"
+    keys = [to_sfixed64(h) for h in block_hashes(TOKENS, 16, algo=VllmHashAlgo.SHA256)]
+    remote = RemoteIndex(target, 5.0, "sha256")
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = kv_grpc.KVIndexerStub(channel)
+            for rank, held in ((0, keys[:2]), (1, keys)):
+                await stub.ApplyExternalKvBatch(
+                    kv.ApplyExternalKvBatchRequest(
+                        worker_id=f"vllm-0/dp{rank}",
+                        worker_address=ENGINE,
+                        actions=[
+                            kv.ExternalKvAction(
+                                type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=held
+                            )
+                        ],
+                    )
+                )
+        _, hits = await remote.match(TOKENS, 16, "", "")
+        assert hits[ENGINE].device_blocks == 4
+    finally:
+        await remote.close()
+        await server.stop(None)
