@@ -77,6 +77,17 @@ def _source(
     return ZmqSource(settings, translator, sink, context=context)  # type: ignore[arg-type]
 
 
+def _replaying(context: zmq.asyncio.Context) -> tuple[PrefixIndex, FakeKvPublisher, ZmqSource]:
+    """A publisher with a replay socket, and a source following it into a fresh index."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source = _source(
+        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
+    )
+    return index, publisher, source
+
+
 def _keys(index: PrefixIndex) -> set[int]:
     return {p.key for p in index.placements("w0")}
 
@@ -251,12 +262,7 @@ async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     """The SUB misses a restarted engine's first batches and the new process's seq has
     already passed the old expected one: it looks like a gap the replay covers, but the
     replayed batch at the last applied seq is not the one applied."""
-    index = PrefixIndex()
-    publisher = FakeKvPublisher(context)
-    publisher.start_replay()
-    source = _source(
-        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
-    )
+    index, publisher, source = _replaying(context)
     try:
         async with running(source.run()):
             await publisher.wait_subscribed()
@@ -281,12 +287,7 @@ async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
 async def test_a_restart_inside_a_just_replayed_range_is_not_taken_for_a_duplicate(
     context: zmq.asyncio.Context,
 ) -> None:
-    index = PrefixIndex()
-    publisher = FakeKvPublisher(context)
-    publisher.start_replay()
-    source = _source(
-        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
-    )
+    index, publisher, source = _replaying(context)
     try:
         async with running(source.run()):
             await publisher.wait_subscribed()
@@ -319,12 +320,7 @@ async def test_a_restart_that_resumes_at_the_expected_seq_is_told_by_the_new_con
 ) -> None:
     """The first seq the SUB gets from the new process is exactly the one the old process
     would have sent next: neither a gap nor a seq reset, only the new connection tells."""
-    index = PrefixIndex()
-    publisher = FakeKvPublisher(context)
-    publisher.start_replay()
-    source = _source(
-        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
-    )
+    index, publisher, source = _replaying(context)
     try:
         async with running(source.run()):
             await publisher.wait_subscribed()
