@@ -16,25 +16,30 @@ No I/O, no clock, no asyncio: backends and services wrap it.
 
 Layout, chosen for speed and memory (about 130 bytes per indexed (worker, block) placement):
 workers are interned to small integers `w`; each block is one entry of a key -> int dict whose
-bit `3w + tier - 1` marks a placement, so a prefix match for every legacy worker at once is a
-running AND of those integers along the chain (at C speed, see `_legacy_prefix`). Rare data
+bit `3w + tier - 1` marks a placement, so a prefix match for every legacy worker at once reads
+those integers along the chain and visits only where they change (see `_legacy_prefix`). Rare data
 lives in sparse side tables keyed by block key: non-zero component masks, copy counts above
-one, hit counters; known parents and token counts in two more dicts. Each worker keeps a log
-of the keys it was given (CLEAR and removal touch only its own keys), compacted as it grows.
+one, hit counters, known token counts. Each worker keeps a log of its REPORTs' hash tuples
+with their parents (CLEAR and removal touch only its own keys), compacted as it grows.
 
-Tree: `parent(key)` is the parent last reported for a block (a REPORT without a parent never
-erases a known one); children, subtrees and the parent-first order are derived on demand. A
-block whose last placement goes is forgotten with its parent, token count and hit counter.
+Tree: the parent links are not stored per block (a second per-block table would cost as much
+as the index itself on every store); they are the chain order of the REPORTs in the workers'
+logs. `parent(key)` is the parent stated by the latest REPORT of the block, by a worker that
+holds it, that stated one (a REPORT without a parent never erases a known one; where holders
+disagree, which only inconsistent reports can cause since a chained key determines its
+parent, the smallest worker id wins). Parents, children, subtrees and the parent-first order
+are views derived on demand (O(blocks)). A block whose last placement goes is forgotten with
+its token count and hit counter.
 Removed workers are dropped from every answer at once and purged from the blocks lazily.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, islice, repeat
-from operator import and_, attrgetter
+from itertools import chain, groupby, islice, repeat
+from operator import attrgetter
 
 from indexer.backend import (
     IndexStats,
@@ -98,6 +103,7 @@ _HBM = int(Tier.HBM)
 
 
 _BY_WORKER_ID = attrgetter("worker_id")
+_BY_WID = attrgetter("wid")
 _BY_MATCHED_BLOCKS = attrgetter("matched_prefix_blocks")
 
 
@@ -117,6 +123,19 @@ class Placement:
     key: BlockKey
     component_mask: int
     copies: int
+
+
+class _Keep(enum.Enum):
+    """A log entry's parent when its REPORT stated none for a block the worker already held:
+    the block keeps the parent stated before. (None: no parent known, for a block new to the
+    worker, so a statement from before it last lost the block does not come back.)"""
+
+    KEEP = "keep"
+
+
+_KEEP = _Keep.KEEP
+# One entry of a worker's log: (parent of keys[0], keys in chain order).
+_Run = tuple[BlockKey | _Keep | None, Sequence[BlockKey]]
 
 
 class _Worker:
@@ -146,10 +165,11 @@ class _Worker:
         self.all_bits = 7 << base
         self.address = ""
         self.spec: CacheSpec | None = None
-        # Keys it was given, as the REPORTs' own hash tuples (appending one is O(1) where a set
-        # would take one insert per block); stale and repeated entries are filtered by the
-        # placement bits and compacted away when the log outgrows twice the live blocks.
-        self.log: list[Sequence[BlockKey]] = []
+        # Its REPORTs in order, as (parent, the REPORT's own hash tuple): appending one is O(1)
+        # where a set would take one insert per block, and the chain order in each entry is
+        # the parent links, kept for nothing more. Stale and repeated entries are filtered by
+        # the placement bits and compacted away when the log outgrows twice the live blocks.
+        self.log: list[_Run] = []
         self.log_len = 0
         self.num_blocks = 0  # keys it holds on at least one tier
         self.purge_keys: Iterator[BlockKey] = iter(())  # after removal: what is left to purge
@@ -171,6 +191,39 @@ def _any_tier(tiers: int) -> int:
     return tiers | tiers >> 1 | tiers >> 2
 
 
+def _stated_parents(log: list[_Run]) -> dict[BlockKey, BlockKey | None]:
+    """Every key of a log -> the parent the latest entry gave it (None: unknown), in order of
+    first appearance."""
+    stated: dict[BlockKey, BlockKey | None] = {}
+    for parent, keys in log:
+        if parent is _KEEP:
+            stated.setdefault(keys[0], None)
+        else:
+            stated[keys[0]] = parent
+        if len(keys) > 1:
+            stated.update(zip(keys[1:], keys, strict=False))  # (child, parent) pairs
+    return stated
+
+
+def _runs(keys: list[BlockKey], stated: dict[BlockKey, BlockKey | None]) -> list[_Run]:
+    """`keys` as log entries: maximal runs of consecutive keys each stated to be the child
+    of the key before it."""
+    runs: list[_Run] = []
+    run: list[BlockKey] = []
+    head: BlockKey | None = None
+    for key in keys:
+        parent = stated[key]
+        if run and parent == run[-1]:
+            run.append(key)
+            continue
+        if run:
+            runs.append((head, tuple(run)))
+        head, run = parent, [key]
+    if run:
+        runs.append((head, tuple(run)))
+    return runs
+
+
 class PrefixIndex:
     """The index. Not thread-safe: one owner (a backend) serialises calls."""
 
@@ -178,7 +231,6 @@ class PrefixIndex:
         self._purge_step_blocks = purge_step_blocks
         # key -> placement bits (bit 3w + tier - 1 per placement): the only per-block record.
         self._tiers: dict[BlockKey, int] = {}
-        self._parents: dict[BlockKey, BlockKey] = {}  # blocks with a known parent
         self._sizes: dict[BlockKey, int] = {}  # blocks with a known token count
         # Sparse side tables: block key -> {placement slot: value}.
         self._component_masks: dict[BlockKey, dict[int, int]] = {}
@@ -256,7 +308,6 @@ class PrefixIndex:
         (a replace)."""
         _kind, tier, hashes, masks, sizes, parent, _copies = action
         tiers = self._tiers
-        parents = self._parents
         tbit = worker.tier_bits[tier]
         if tier != _HBM:
             self._lower_tier_slots |= worker.bit
@@ -264,8 +315,6 @@ class PrefixIndex:
         if (hashes[0] not in tiers) if n == 1 else tiers.keys().isdisjoint(hashes):
             # Every block is new (the common cases: a fresh chain, one block extending a
             # chain): bulk inserts at C speed, no per-block Python work.
-            if parent is not None:
-                parents[hashes[0]] = parent
             if n == 1:
                 tiers[hashes[0]] = tbit
                 num_new = 1
@@ -273,8 +322,7 @@ class PrefixIndex:
                 before = len(tiers)
                 tiers.update(zip(hashes, repeat(tbit)))
                 num_new = len(tiers) - before  # duplicates within `hashes` count once
-                parents.update(zip(hashes[1:], hashes[:-1], strict=True))
-            worker.log.append(hashes if isinstance(hashes, tuple) else tuple(hashes))
+            worker.log.append((parent, hashes if isinstance(hashes, tuple) else tuple(hashes)))
             worker.log_len += n
             worker.num_blocks += num_new
             worker.num_placements += num_new
@@ -285,29 +333,27 @@ class PrefixIndex:
         get = tiers.get
         wbits = worker.all_bits
         dead = self._dead
-        added: list[BlockKey] = []
-        add_block = added.append
-        num_new = 0
+        # No parent stated for a first block the worker holds already: it keeps its parent.
+        head = parent if parent is not None or not get(hashes[0], 0) & wbits else _KEEP
+        num_added = 0  # blocks new to the worker (on any tier)
+        num_new = 0  # new placements
         for key in hashes:
             t = get(key)
             if t is not None and t & dead:
                 t = self._strip_dead(key, t)
             if t is None:
                 tiers[key] = tbit
-                add_block(key)
+                num_added += 1
                 num_new += 1
             elif not t & tbit:
                 tiers[key] = t | tbit
                 if not t & wbits:
-                    add_block(key)
+                    num_added += 1
                 num_new += 1
-            if parent is not None:
-                parents[key] = parent
-            parent = key
-        if added:
-            worker.log.append(added)
-            worker.log_len += len(added)
-            worker.num_blocks += len(added)
+        # The whole REPORT is logged: it restates the parents of blocks the worker held.
+        worker.log.append((head, hashes if isinstance(hashes, tuple) else tuple(hashes)))
+        worker.log_len += n
+        worker.num_blocks += num_added
         worker.num_placements += num_new
         self._num_placements += num_new
         if masks or sizes or self._component_masks:
@@ -398,7 +444,6 @@ class PrefixIndex:
 
     def _delete_block(self, key: BlockKey) -> None:
         del self._tiers[key]
-        self._parents.pop(key, None)
         self._sizes.pop(key, None)
         self._hits.pop(key, None)
         self._component_masks.pop(key, None)
@@ -426,11 +471,13 @@ class PrefixIndex:
             del table[key]
 
     def _worker_keys(self, worker: _Worker) -> list[BlockKey]:
-        """The keys `worker` holds now (compacting its log as a side effect)."""
+        """The keys `worker` holds now, in log order (compacting its log as a side effect:
+        the held keys as chain runs that keep the parent each was last stated to have)."""
         get = self._tiers.get
         bits = worker.all_bits
-        keys = [k for k in dict.fromkeys(chain.from_iterable(worker.log)) if get(k, 0) & bits]
-        worker.log = [tuple(keys)]
+        stated = _stated_parents(worker.log)
+        keys = [k for k in stated if get(k, 0) & bits]
+        worker.log = _runs(keys, stated)
         worker.log_len = len(keys)
         return keys
 
@@ -448,7 +495,7 @@ class PrefixIndex:
         removed = worker.num_placements
         self._num_placements -= removed
         self._dead |= worker.all_bits
-        worker.purge_keys = chain.from_iterable(worker.log)
+        worker.purge_keys = chain.from_iterable(keys for _parent, keys in worker.log)
         self._pending.append(worker)
         del self._by_idx[worker.idx]
         self._addressed &= ~worker.bit
@@ -614,10 +661,11 @@ class PrefixIndex:
         ({HBM slot: prefix blocks} for prefixes > 0, blocks read). Workers failed closed by a
         non-zero component mask are left out.
 
-        Fast path at C speed: a running AND of the blocks' placement bits (`accumulate`)
-        gives, per worker, how far it holds the chain on HBM; the running AND only shrinks,
-        so the points where workers drop out are found by bisection. A worker that drops out
-        is then followed block by block over any tier (DRAM, SSD) from where it left HBM."""
+        Fast path at C speed: the blocks' placement bits are read in one pass (`map`), and
+        along a chain they come in a few runs of equal values (the set of holders changes
+        where a worker stops), so only each run is visited, in order: the workers its value
+        lacks stop at its start. A worker that stops is then followed block by block over
+        any tier (DRAM, SSD) from where it left HBM."""
         get = self._tiers.get
         ended: dict[int, int] = {}  # HBM slot -> leading blocks held on HBM
         survivors = alive
@@ -626,24 +674,24 @@ class PrefixIndex:
         while survivors and base < limit:
             end = min(limit, base + chunk)
             window = hashes if base == 0 and end == len(hashes) else hashes[base:end]
-            acc = list(accumulate(map(get, window, repeat(0)), and_, initial=survivors))
-            if acc[-1] != survivors:
-                ascending = acc[::-1]
-                n = end - base
-                current = survivors
-                while current:
-                    below = bisect_left(ascending, current)  # entries that lost someone
-                    if not below:
-                        break
-                    k = n + 1 - below  # first position whose AND lost a worker
-                    dropped = current & ~acc[k]
-                    if dropped & (dropped - 1):
-                        for slot in _bits(dropped):
-                            ended[slot] = base + k - 1
-                    else:  # one worker (the usual case): no generator
-                        ended[dropped.bit_length() - 1] = base + k - 1
-                    current = acc[k]
-                survivors = current
+            placed = list(map(get, window))  # None: not indexed
+            start = 0
+            for value, _run in groupby(placed):  # runs of equal values, in order
+                lost = survivors & ~value if value is not None else survivors
+                if not lost:
+                    continue
+                # A value that loses a survivor has not occurred before (it would have lost
+                # it there), so its first occurrence is this run's start.
+                start = placed.index(value, start)
+                position = base + start
+                if lost & (lost - 1):
+                    for slot in _bits(lost):
+                        ended[slot] = position
+                else:  # one worker (the usual case): no generator
+                    ended[lost.bit_length() - 1] = position
+                survivors ^= lost
+                if not survivors:
+                    break
             base = end
             chunk = min(4 * chunk, _MAX_SCAN_CHUNK)
         if survivors:
@@ -797,26 +845,38 @@ class PrefixIndex:
         return self._sizes.get(key, 0) if self._live(key) else 0
 
     def parent(self, key: BlockKey) -> BlockKey | None:
-        return self._parents.get(key) if self._live(key) else None
+        """The block's parent, None when unknown or not indexed (O(blocks): a view)."""
+        return self._parent_map().get(key) if self._live(key) else None
 
-    def _children_map(self) -> dict[BlockKey, list[BlockKey]]:
-        """Indexed parent -> its indexed children (built on demand: O(blocks))."""
-        self.purge()
-        tiers = self._tiers
+    def _parent_map(self) -> dict[BlockKey, BlockKey]:
+        """Every indexed block with a known parent -> that parent, from its holders' logs:
+        each holder's latest REPORT that stated one. Holders disagree only after
+        inconsistent reports (a chained key determines its parent); then the smallest
+        worker id's statement wins."""
+        get = self._tiers.get
+        parents: dict[BlockKey, BlockKey] = {}
+        for worker in sorted(self._workers.values(), key=_BY_WID, reverse=True):
+            bits = worker.all_bits
+            stated = _stated_parents(worker.log)
+            parents.update((k, p) for k, p in stated.items() if p is not None and get(k, 0) & bits)
+        return parents
+
+    def _children_map(self, parents: dict[BlockKey, BlockKey]) -> dict[BlockKey, list[BlockKey]]:
+        """Indexed parent -> its indexed children."""
         children: dict[BlockKey, list[BlockKey]] = {}
-        for key, parent in self._parents.items():
-            if parent in tiers:
+        for key, parent in parents.items():
+            if self._live(parent):
                 children.setdefault(parent, []).append(key)
         return children
 
     def children(self, key: BlockKey) -> list[BlockKey]:
-        return sorted(self._children_map().get(key, ()))
+        return sorted(self._children_map(self._parent_map()).get(key, ()))
 
     def subtree_blocks(self, key: BlockKey) -> int:
         """Indexed blocks in the subtree rooted at `key` (itself included)."""
         if not self._live(key):
             return 0
-        children = self._children_map()
+        children = self._children_map(self._parent_map())
         seen: set[BlockKey] = set()
         stack = [key]
         while stack:
@@ -857,9 +917,10 @@ class PrefixIndex:
     def parent_first_order(self) -> list[BlockKey]:
         """Every indexed key, each after its indexed parent (pre-order from the roots, so a
         chain's blocks are adjacent)."""
-        children = self._children_map()
+        self.purge()
+        parents = self._parent_map()
+        children = self._children_map(parents)
         tiers = self._tiers
-        parents = self._parents
         order: list[BlockKey] = []
         visited: set[BlockKey] = set()
         roots = [k for k in tiers if parents.get(k) not in tiers]
@@ -882,23 +943,24 @@ class PrefixIndex:
         per worker (by id), REPORT chains in parent-first order within the wire limits, then
         one REPORT(copies) per extra physical copy. Hit counters are not part of it."""
         rank = {key: i for i, key in enumerate(self.parent_first_order())}
-        for worker in sorted(self._workers.values(), key=lambda w: w.wid):
+        for worker in sorted(self._workers.values(), key=_BY_WID):
             if worker_id is None or worker.wid == worker_id:
                 yield from self._worker_snapshot(worker, rank)
 
     def _worker_snapshot(self, worker: _Worker, rank: dict[BlockKey, int]) -> Iterator[Batch]:
         actions: list[Action] = []
         extra_copies: list[Action] = []
+        held = self._worker_keys(worker)
+        stated = _stated_parents(worker.log)  # of the log just compacted: one run per chain
         for tier in _TIERS:
             tbit = worker.tier_bits[tier]
             slot = tbit.bit_length() - 1
-            held = [k for k in self._worker_keys(worker) if self._tiers[k] & tbit]
-            keys = sorted(held, key=rank.__getitem__)
+            keys = sorted((k for k in held if self._tiers[k] & tbit), key=rank.__getitem__)
             chain: list[BlockKey] = []
             for key in keys:
-                parent = self._parents.get(key)
+                parent = stated[key]
                 if chain and (parent != chain[-1] or len(chain) >= MAX_HASHES_PER_REQUEST):
-                    actions.append(self._report_action(tier, slot, chain))
+                    actions.append(self._report_action(tier, slot, chain, stated[chain[0]]))
                     chain = []
                 chain.append(key)
                 count = self._copies.get(key, {}).get(slot, 1)
@@ -907,11 +969,13 @@ class PrefixIndex:
                     copy = Action(ActionType.REPORT, tier, (key,), (mask,), copies=True)
                     extra_copies.extend([copy] * (count - 1))
             if chain:
-                actions.append(self._report_action(tier, slot, chain))
+                actions.append(self._report_action(tier, slot, chain, stated[chain[0]]))
         actions.extend(extra_copies)
         yield from _chunk_batch(worker.wid, worker.address, worker.spec, actions)
 
-    def _report_action(self, tier: Tier, slot: int, chain: list[BlockKey]) -> Action:
+    def _report_action(
+        self, tier: Tier, slot: int, chain: list[BlockKey], parent: BlockKey | None
+    ) -> Action:
         masks = tuple(self._component_masks.get(k, {}).get(slot, 0) for k in chain)
         sizes = tuple(self._sizes.get(k, 0) for k in chain)
         return Action(
@@ -920,7 +984,7 @@ class PrefixIndex:
             tuple(chain),
             component_masks=masks if any(masks) else (),
             block_sizes=sizes if any(sizes) else (),
-            parent=self._parents.get(chain[0]),
+            parent=parent,
         )
 
 

@@ -48,6 +48,8 @@ class Model:
     sizes: dict[BlockKey, int] = field(default_factory=dict)
     hits: dict[BlockKey, int] = field(default_factory=dict)
     info: dict[str, tuple[str, CacheSpec | None]] = field(default_factory=dict)
+    # Per worker: block -> the parent its REPORTs last stated while the worker held it.
+    stated: dict[str, dict[BlockKey, BlockKey]] = field(default_factory=dict)
 
     def holds(self, key: BlockKey) -> bool:
         return any(k == key for (_, _, k) in self.placements)
@@ -62,7 +64,14 @@ class Model:
         self.info[wid] = (batch.worker_address, batch.cache_spec)
         for a in batch.actions:
             if a.type == ActionType.REPORT:
+                held = {k for (w, _, k) in self.placements if w == wid}
+                stated = self.stated.setdefault(wid, {})
                 for i, key in enumerate(a.hashes):
+                    parent = a.hashes[i - 1] if i else a.parent
+                    if parent is not None:
+                        stated[key] = parent
+                    elif key not in held:  # new to the worker: nothing stated before counts
+                        stated.pop(key, None)
                     mask = a.component_masks[i] if a.component_masks else 0
                     entry = self.placements.get((wid, a.tier, key))
                     if entry is None:
@@ -94,7 +103,16 @@ class Model:
             del self.placements[p]
             self.forget_if_gone(p[2])
         self.info.pop(wid, None)
+        self.stated.pop(wid, None)
         return len(gone)
+
+    def parent(self, key: BlockKey) -> BlockKey | None:
+        """The parent stated by the holders; where they disagree, the smallest worker id's."""
+        for wid in sorted({w for (w, _, k) in self.placements if k == key}):
+            parent = self.stated.get(wid, {}).get(key)
+            if parent is not None:
+                return parent
+        return None
 
     def tiers_of(self, wid: str, key: BlockKey) -> dict[Tier, int]:
         return {
@@ -288,6 +306,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert rebuilt.stats() == self.index.stats()
         for key in range(-3, 6):
             assert rebuilt.block_size(key) == self.index.block_size(key)
+            assert rebuilt.parent(key) == self.index.parent(key)
 
     @rule(budget=st.integers(0, 2))
     def purge(self, budget: int) -> None:
@@ -304,6 +323,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert stats.num_placements == len(self.model.placements)
         assert stats.num_blocks == len({key for (_, _, key) in self.model.placements})
         for key in range(-3, 6):
+            assert self.index.parent(key) == self.model.parent(key)
             for child in self.index.children(key):
                 assert self.index.parent(child) == key
 
@@ -321,6 +341,7 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.index.hit_counts(every_key) == sorted(self.model.hits.items())
         for key in every_key:
             assert self.index.block_size(key) == self.model.sizes.get(key, 0)
+            assert self.index.parent(key) == self.model.parent(key)
         assert self.index.num_placements == len(self.model.placements)
         assert set(self.index.worker_ids()) == set(self.model.info)
 

@@ -1,0 +1,90 @@
+"""Parent links: derived from the chain order of each worker's REPORTs (not stored per block),
+with the rules the index module states."""
+
+from __future__ import annotations
+
+from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
+from indexer.index import PrefixIndex
+
+
+def report(
+    index: PrefixIndex, worker: str, keys: list[BlockKey], parent: BlockKey | None = None
+) -> None:
+    action = Action(ActionType.REPORT, Tier.HBM, tuple(keys), parent=parent)
+    index.apply(Batch(worker, (action,), f"{worker}:1"))
+
+
+def revoke(index: PrefixIndex, worker: str, keys: list[BlockKey]) -> None:
+    index.apply(Batch(worker, (Action(ActionType.REVOKE, Tier.HBM, tuple(keys)),), f"{worker}:1"))
+
+
+def test_a_chain_links_each_block_to_the_one_before_and_its_head_to_the_stated_parent() -> None:
+    index = PrefixIndex()
+    report(index, "w", [1, 2, 3])
+    report(index, "w", [4, 5], parent=2)
+    assert [index.parent(k) for k in (1, 2, 3, 4, 5)] == [None, 1, 2, 2, 4]
+    assert index.children(2) == [3, 4]
+    assert index.subtree_blocks(2) == 4
+    assert index.parent_first_order() == [1, 2, 3, 4, 5]
+
+
+def test_a_report_without_a_parent_keeps_the_one_stated_while_the_worker_held_the_block() -> None:
+    index = PrefixIndex()
+    report(index, "w", [1, 2])
+    report(index, "w", [2, 9])  # restates block 2 without its parent
+    assert index.parent(2) == 1
+    assert index.parent(9) == 2
+
+
+def test_a_parent_stated_before_the_worker_lost_the_block_does_not_come_back() -> None:
+    index = PrefixIndex()
+    report(index, "w", [1, 2])
+    revoke(index, "w", [2])  # block 2 leaves the index
+    report(index, "w", [2])  # new again, stored with no parent
+    assert index.parent(2) is None
+    report(index, "v", [1, 2])
+    revoke(index, "w", [2])
+    report(index, "w", [2])  # back on w (v still holds it and states parent 1)
+    assert index.parent(2) == 1
+    revoke(index, "v", [2])  # only w's statement is left: none
+    assert index.parent(2) is None
+    report(index, "x", [1, 2])
+    report(index, "y", [2, 3])
+    revoke(index, "x", [2])  # y holds block 2 (and stated no parent for it)
+    report(index, "x", [2])  # x stores it again, with no parent
+    assert index.parent(2) is None
+
+
+def test_holders_that_disagree_give_the_smallest_worker_ids_parent() -> None:
+    index = PrefixIndex()
+    report(index, "b", [7], parent=1)
+    report(index, "a", [7], parent=2)
+    assert index.parent(7) == 2
+    revoke(index, "a", [7])
+    assert index.parent(7) == 1
+
+
+def test_log_compaction_keeps_every_parent_and_bounds_the_log() -> None:
+    index = PrefixIndex()
+    chains = [list(range(100 * c + 1, 100 * c + 65)) for c in range(4)]
+    for c, keys in enumerate(chains):
+        report(index, "w", keys, parent=None if c == 0 else chains[c - 1][-1])
+    before = {k: index.parent(k) for keys in chains for k in keys}
+    for _ in range(200):  # re-announcements grow the log until it is compacted
+        report(index, "w", chains[1][:40], parent=chains[0][-1])
+    worker = index._workers["w"]
+    assert worker.log_len <= 2 * worker.num_blocks + 4096
+    assert len(worker.log) < 200
+    assert {k: index.parent(k) for keys in chains for k in keys} == before
+
+
+def test_snapshot_rebuilds_the_parents() -> None:
+    index = PrefixIndex()
+    report(index, "w", [1, 2, 3])
+    report(index, "w", [4], parent=2)
+    report(index, "v", [4, 5], parent=8)
+    rebuilt = PrefixIndex()
+    for batch in index.snapshot():
+        rebuilt.apply(batch)
+    assert [rebuilt.parent(k) for k in range(1, 6)] == [index.parent(k) for k in range(1, 6)]
+    assert [index.parent(k) for k in range(1, 6)] == [None, 1, 2, 8, 4]
