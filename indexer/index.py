@@ -89,9 +89,6 @@ _TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
 _SLOTS_PER_WORKER = 3  # one placement bit per tier
 # Removed workers' bits purged per apply call (the rest waits for later calls or `purge`).
 PURGE_STEP_BLOCKS = 1024
-# Blocks fetched per step of a legacy prefix scan (a miss stops the scan after its chunk).
-_FIRST_SCAN_CHUNK = 64
-_MAX_SCAN_CHUNK = 256
 # Stale entries a worker's key log may hold beyond twice its live blocks before compaction.
 _LOG_SLACK = 4096
 # Component bits as plain ints (IntFlag arithmetic is slow on the hot path).
@@ -661,29 +658,20 @@ class PrefixIndex:
         ({HBM slot: prefix blocks} for prefixes > 0, blocks read). Workers failed closed by a
         non-zero component mask are left out.
 
-        Fast path at C speed: the blocks' placement bits are read in one pass (`map`), and
-        along a chain they come in a few runs of equal values (the set of holders changes
-        where a worker stops), so only each run is visited, in order: the workers its value
-        lacks stop at its start. A worker that stops is then followed block by block over
-        any tier (DRAM, SSD) from where it left HBM."""
+        Fast path at C speed: the blocks' placement bits are read (`map`) and grouped into runs
+        of equal values (`groupby`) in C; along a chain there are few runs (the holders change
+        only where one stops), so only each run is visited, in order: the workers its value
+        lacks stop at its start, and the scan ends with the last of them. A worker that stops
+        is then followed block by block over any tier (DRAM, SSD) from where it left HBM."""
         get = self._tiers.get
         ended: dict[int, int] = {}  # HBM slot -> leading blocks held on HBM
         survivors = alive
-        base = 0
-        chunk = _FIRST_SCAN_CHUNK  # grows: most prefixes end early, some run long
-        while survivors and base < limit:
-            end = min(limit, base + chunk)
-            window = hashes if base == 0 and end == len(hashes) else hashes[base:end]
-            placed = list(map(get, window))  # None: not indexed
-            start = 0
-            for value, _run in groupby(placed):  # runs of equal values, in order
-                lost = survivors & ~value if value is not None else survivors
-                if not lost:
-                    continue
-                # A value that loses a survivor has not occurred before (it would have lost
-                # it there), so its first occurrence is this run's start.
-                start = placed.index(value, start)
-                position = base + start
+        position = 0
+        window = hashes if limit == len(hashes) else hashes[:limit]
+        # Lazily, so the scan stops where the last worker does. None: not indexed.
+        for value, run in groupby(map(get, window)):  # runs of equal values, in order
+            lost = survivors & ~value if value is not None else survivors
+            if lost:
                 if lost & (lost - 1):
                     for slot in _bits(lost):
                         ended[slot] = position
@@ -692,8 +680,7 @@ class PrefixIndex:
                 survivors ^= lost
                 if not survivors:
                     break
-            base = end
-            chunk = min(4 * chunk, _MAX_SCAN_CHUNK)
+            position += len(list(run))
         if survivors:
             for slot in _bits(survivors):
                 ended[slot] = limit
