@@ -14,22 +14,25 @@ Contract (WIRE.md section 2 is normative; this module implements it exactly):
 
 No I/O, no clock, no asyncio: backends and services wrap it.
 
-Layout, chosen for speed and memory (about 130 bytes per indexed (worker, block) placement):
+Layout, chosen for speed and memory (about 90 bytes per indexed (worker, block) placement):
 workers are interned to small integers `w`; each block is one entry of a key -> int dict whose
 bit `3w + tier - 1` marks a placement, so a prefix match for every legacy worker at once reads
-those integers along the chain and visits only where they change (see `_legacy_prefix`). Rare data
-lives in sparse side tables keyed by block key: non-zero component masks, copy counts above
-one, hit counters, known token counts. Each worker keeps a log of its REPORTs' hash tuples
-with their parents (CLEAR and removal touch only its own keys), compacted as it grows.
+those integers along the chain and visits only where they change (see `_legacy_prefix`). Rare
+data lives in sparse side tables keyed by block key: non-zero component masks, copy counts
+above one, hit counters, known token counts. Each worker keeps a log of its REPORTs' hash
+tuples with their parents (CLEAR and removal touch only its own keys), compacted when it
+outgrows twice the worker's blocks plus `_LOG_SLACK` (and by CLEAR and snapshots).
 
 Tree: the parent links are not stored per block (a second per-block table would cost as much
 as the index itself on every store); they are the chain order of the REPORTs in the workers'
-logs. `parent(key)` is the parent stated by the latest REPORT of the block, by a worker that
-holds it, that stated one (a REPORT without a parent never erases a known one; where holders
-disagree, which only inconsistent reports can cause since a chained key determines its
-parent, the smallest worker id wins). Parents, children, subtrees and the parent-first order
-are views derived on demand (O(blocks)). A block whose last placement goes is forgotten with
-its token count and hit counter.
+logs. Each worker's statement of a block's parent is the latest of its REPORTs of the block
+that stated one (inside a REPORT a block's parent is the block before it; a REPORT without a
+parent never erases a known one, and a worker's statements go with the block when it loses
+it). `parent(key)` is the statement of a worker holding the block; where holders disagree,
+which only inconsistent reports can cause since a chained key determines its parent, the
+smallest worker id's. Parents, children, subtrees and the parent-first order are views
+derived on demand (O(blocks)). A block whose last placement goes is forgotten with its token
+count and hit counter.
 Removed workers are dropped from every answer at once and purged from the blocks lazily.
 """
 
@@ -38,8 +41,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, groupby, islice, repeat
-from operator import attrgetter
+from itertools import accumulate, chain, groupby, islice, repeat
+from operator import and_, attrgetter
 
 from indexer.backend import (
     IndexStats,
@@ -89,6 +92,9 @@ _TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
 _SLOTS_PER_WORKER = 3  # one placement bit per tier
 # Removed workers' bits purged per apply call (the rest waits for later calls or `purge`).
 PURGE_STEP_BLOCKS = 1024
+# Runs of placement values that stop no worker before a prefix scan switches to a running AND
+# (see `PrefixIndex._legacy_prefix`).
+_QUIET_RUN_LIMIT = 16
 # Stale entries a worker's key log may hold beyond twice its live blocks before compaction.
 _LOG_SLACK = 4096
 # Component bits as plain ints (IntFlag arithmetic is slow on the hot path).
@@ -183,6 +189,15 @@ def _bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
+def _stop(ended: dict[int, int], slots: int, position: int) -> None:
+    """Record that the workers whose HBM-slot bits are in `slots` hold `position` blocks."""
+    if slots & (slots - 1):
+        for slot in _bits(slots):
+            ended[slot] = position
+    else:  # one worker (the usual case): no generator
+        ended[slots.bit_length() - 1] = position
+
+
 def _any_tier(tiers: int) -> int:
     """Placement bits folded onto each worker's HBM slot: "holds it on some tier"."""
     return tiers | tiers >> 1 | tiers >> 2
@@ -203,22 +218,23 @@ def _stated_parents(log: list[_Run]) -> dict[BlockKey, BlockKey | None]:
 
 
 def _runs(keys: list[BlockKey], stated: dict[BlockKey, BlockKey | None]) -> list[_Run]:
-    """`keys` as log entries: maximal runs of consecutive keys each stated to be the child
-    of the key before it."""
-    runs: list[_Run] = []
-    run: list[BlockKey] = []
-    head: BlockKey | None = None
+    """`keys` as log entries that state the same parents: chains, each key appended to the
+    run that ends with its parent (so chains stored a block at a time, interleaved with
+    other requests' chains, still compact into one entry each)."""
+    heads: list[BlockKey | None] = []
+    chains: list[list[BlockKey]] = []
+    open_runs: dict[BlockKey, list[BlockKey]] = {}  # last key of a run -> the run
     for key in keys:
         parent = stated[key]
-        if run and parent == run[-1]:
+        run = open_runs.pop(parent, None) if parent is not None else None
+        if run is None:
+            run = [key]
+            heads.append(parent)
+            chains.append(run)
+        else:
             run.append(key)
-            continue
-        if run:
-            runs.append((head, tuple(run)))
-        head, run = parent, [key]
-    if run:
-        runs.append((head, tuple(run)))
-    return runs
+        open_runs[key] = run
+    return [(head, tuple(run)) for head, run in zip(heads, chains, strict=True)]
 
 
 class PrefixIndex:
@@ -667,20 +683,36 @@ class PrefixIndex:
         ended: dict[int, int] = {}  # HBM slot -> leading blocks held on HBM
         survivors = alive
         position = 0
+        quiet_runs = 0  # runs that stopped nobody
         window = hashes if limit == len(hashes) else hashes[:limit]
         # Lazily, so the scan stops where the last worker does. None: not indexed.
         for value, run in groupby(map(get, window)):  # runs of equal values, in order
             lost = survivors & ~value if value is not None else survivors
             if lost:
-                if lost & (lost - 1):
-                    for slot in _bits(lost):
-                        ended[slot] = position
-                else:  # one worker (the usual case): no generator
-                    ended[lost.bit_length() - 1] = position
+                _stop(ended, lost, position)
                 survivors ^= lost
                 if not survivors:
                     break
+            else:
+                quiet_runs += 1
+                if quiet_runs > _QUIET_RUN_LIMIT:
+                    break
             position += len(list(run))
+        if survivors and quiet_runs > _QUIET_RUN_LIMIT:
+            # Values fragmented by bits the scan ignores (other tiers, other workers): from
+            # here a running AND, whose runs are one per stop, costs less than one per change.
+            position -= 1  # the AND's first value is `survivors`, before any block
+            running = accumulate(
+                map(get, islice(window, position + 1, None), repeat(0)), and_, initial=survivors
+            )
+            for value, run in groupby(running):
+                lost = survivors & ~value
+                if lost:
+                    _stop(ended, lost, position)
+                    survivors = value
+                    if not survivors:
+                        break
+                position += len(list(run))
         if survivors:
             for slot in _bits(survivors):
                 ended[slot] = limit

@@ -422,6 +422,22 @@ async def test_snapshot_round_trip(backend: IndexBackend) -> None:
     assert all(a.parent is None or a.parent == 5 for b in one for a in b.actions)
 
 
+async def test_prefixes_through_fragmented_placements(backend: IndexBackend) -> None:
+    # Block by block the placements keep changing (b holds every other block, a has DRAM
+    # copies of every third), so a scan sees a new value at almost every block.
+    keys = list(range(5000, 5300))
+    await apply(backend, "a", report(HBM, keys[:250]), report(HBM, keys[251:]))
+    await apply(backend, "a", report(DRAM, keys[::3]))
+    await apply(backend, "b", *(report(HBM, [k]) for k in keys[::2][:150]))
+    await apply(backend, "c", report(HBM, keys[:200]))
+    result = await backend.match_prefix(keys, 0)
+    assert prefix_pairs(result) == [("a", 250), ("c", 200), ("b", 1)]
+    assert result.blocks_read == 251
+    # a lacks block 250 on every tier; with a DRAM copy of it, a holds the whole chain.
+    await apply(backend, "a", report(DRAM, [keys[250]]))
+    assert prefix_pairs(await backend.match_prefix(keys, 0)) == [("a", 300), ("c", 200), ("b", 1)]
+
+
 async def test_long_prefixes_across_scan_chunks(backend: IndexBackend) -> None:
     keys = list(range(1000, 1300))
     await apply(backend, "a", report(HBM, keys[:150]), report(HBM, keys[150:], parent=keys[149]))

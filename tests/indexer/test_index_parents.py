@@ -88,3 +88,14 @@ def test_snapshot_rebuilds_the_parents() -> None:
         rebuilt.apply(batch)
     assert [rebuilt.parent(k) for k in range(1, 6)] == [index.parent(k) for k in range(1, 6)]
     assert [index.parent(k) for k in range(1, 6)] == [None, 1, 2, 8, 4]
+
+
+def test_chains_stored_a_block_at_a_time_compact_into_one_log_entry_each() -> None:
+    index = PrefixIndex()
+    chains = [[1000 * c + i for i in range(1, 51)] for c in range(8)]
+    for i in range(50):  # eight requests' chains, interleaved block by block
+        for keys in chains:
+            report(index, "w", [keys[i]], parent=keys[i - 1] if i else None)
+    list(index.snapshot())  # compacts the log
+    assert len(index._workers["w"].log) == 8
+    assert [index.parent(keys[-1]) for keys in chains] == [keys[-2] for keys in chains]
