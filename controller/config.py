@@ -23,6 +23,7 @@ from indexer.config import RedisBackendConfig
 from kvplane.config import ServerConfig, StrictModel, parse_host_port
 
 _DEFAULT_WEIGHTS = KvplaneWeights()
+_DEFAULT_BUSY = BusyThresholds()
 
 
 class KvEventsMode(enum.StrEnum):
@@ -77,8 +78,11 @@ class RouterConfig(StrictModel):
     tie_tokens: float = Field(default=_DEFAULT_WEIGHTS.tie_tokens, ge=0)
     tie_ratio: float = Field(default=_DEFAULT_WEIGHTS.tie_ratio, ge=0)
     temperature: float = Field(default=_DEFAULT_WEIGHTS.temperature, ge=0)
-    busy_kv_usage: float | None = Field(default=0.97, gt=0, le=1)
-    busy_queued_requests: int | None = Field(default=None, gt=0)
+    # `kvplane` skips busy engines (controller.router.router.BusyThresholds): KV usage or
+    # queued requests at these thresholds, while at most busy_max_fraction of them are busy.
+    busy_kv_usage: float | None = Field(default=_DEFAULT_BUSY.kv_usage, gt=0, le=1)
+    busy_queued_requests: int | None = Field(default=_DEFAULT_BUSY.queued_requests, gt=0)
+    busy_max_fraction: float = Field(default=_DEFAULT_BUSY.max_busy_fraction, ge=0, le=1)
     # Requests whose metadata has this key stick to the engine that served the same value.
     session_metadata_key: str | None = None
     # How long blocks just routed count as held before the engine's events arrive (and in any
@@ -114,7 +118,7 @@ class RouterConfig(StrictModel):
         )
 
     def busy(self) -> BusyThresholds:
-        return BusyThresholds(self.busy_kv_usage, self.busy_queued_requests)
+        return BusyThresholds(self.busy_kv_usage, self.busy_queued_requests, self.busy_max_fraction)
 
 
 class HealthConfig(StrictModel):

@@ -169,7 +169,7 @@ class EngineCost(NamedTuple):
     queue_cost: float
     decode_cost: float
     total: float | None
-    busy: bool = False
+    busy: bool = False  # skipped as busy (the policy did not consider it)
 
 
 class Decision(NamedTuple):

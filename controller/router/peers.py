@@ -61,6 +61,7 @@ class _ApproxTree:
 
 class SglangCacheAware:
     name = "sglang_cache_aware"
+    filters_busy = False  # its real system has no such filter
 
     def __init__(self, settings: SglangSettings | None = None) -> None:
         self.settings = settings or SglangSettings()
@@ -113,6 +114,7 @@ class SglangCacheAware:
 
 class DynamoCost:
     name = "dynamo_cost"
+    filters_busy = False  # its real system has no such filter
 
     def __init__(self, overlap_weight: float = 1.0) -> None:
         self.overlap_weight = overlap_weight
@@ -160,6 +162,7 @@ class DynamoCost:
 
 class LlmdLongestPrefix:
     name = "llmd_longest_prefix"
+    filters_busy = False  # its real system has no such filter
 
     def __init__(self, device_weight: float = 1.0, host_weight: float = 0.8) -> None:
         self.device_weight = device_weight

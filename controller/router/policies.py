@@ -5,7 +5,8 @@ its queue and its decode load; the cache-blind baselines (`round_robin`, `random
 `least_loaded`, `power_of_two`) are here for comparison and for fleets without KV events. The
 peers' documented policies live in `controller.router.peers`.
 
-A policy only chooses; the `Router` filters busy engines and applies session affinity first.
+A policy only chooses; the `Router` applies session affinity first and, for a policy whose
+`filters_busy` is true (only `kvplane`), skips busy engines.
 Randomness is always the `random.Random` passed in, so a seeded run is reproducible.
 """
 
@@ -22,6 +23,9 @@ from controller.router.model import Candidate, Decision, EngineCost, Reason, Rou
 
 class Policy(Protocol):
     name: str
+    # Whether the Router skips busy engines (`BusyThresholds`) before this policy chooses. A
+    # re-implementation of another system's policy says False unless that system filters so.
+    filters_busy: bool
 
     def choose(
         self,
@@ -41,6 +45,8 @@ class Policy(Protocol):
 
 
 class _Stateless:
+    filters_busy = False  # the blind baselines see every engine, as in their real systems
+
     def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
         return None
 
@@ -200,6 +206,7 @@ class KvplaneWeights:
 
 class KvplanePolicy(_Stateless):
     name = "kvplane"
+    filters_busy = True  # a lone engine whose KV is full is skipped (`BusyThresholds`)
 
     def __init__(self, weights: KvplaneWeights | None = None) -> None:
         self.weights = weights or KvplaneWeights()

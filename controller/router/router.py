@@ -2,9 +2,10 @@
 
 `Router.route(request, candidates, rng, now_s)` takes the routable engines (the caller has
 already dropped unhealthy, draining and cordoned ones and filled in each engine's cached prefix
-and last polled load), adds its own in-flight accounting, filters busy engines, honours session
-affinity, lets the policy choose, and charges the chosen engine at once. The caller reports
-`first_token` and `finish` as the stream progresses.
+and last polled load), adds its own in-flight accounting, filters busy engines for the policies
+that ask for it (`Policy.filters_busy`), honours session affinity, lets the policy choose, and
+charges the chosen engine at once. The caller reports `first_token` and `finish` as the stream
+progresses.
 """
 
 from __future__ import annotations
@@ -34,17 +35,36 @@ class NoEngineAvailableError(KvplaneError):
 
 @dataclass(frozen=True, slots=True)
 class BusyThresholds:
-    """An engine is busy (skipped while any engine is not) when its KV cache is this full or
-    this many requests are queued on it. None disables a check."""
+    """When an engine counts as busy, and when skipping busy engines is worth it (only the
+    `kvplane` policy has them skipped: `Policy.filters_busy`).
+
+    An engine is busy when its KV cache is `kv_usage` full (blocks held by running requests:
+    a new request would wait for memory, or preempt one) or `queued_requests` requests are
+    queued on it; None disables a check. Busy engines are skipped only while at most
+    `max_busy_fraction` of the candidates are busy (at least one engine may always be): a lone
+    full engine is a hot spot worth avoiding, but when several are full the fullness is the
+    fleet's state under a backlog, not the engine's. Skipping whichever engines happened to be
+    full at their last poll then only scatters conversations away from their cached prefixes,
+    so the policy's cost (queue included) chooses among them all. (Measured on the Mooncake
+    traces, docs/benchmarks/routing.md: one engine in eight keeps the filter's gain where a
+    single engine fills up and removes its loss under overload.)"""
 
     kv_usage: float | None = 0.97
     queued_requests: int | None = None
+    max_busy_fraction: float = 0.125
 
     def is_busy(self, c: Candidate) -> bool:
         usage = c.kv_usage
         if self.kv_usage is not None and usage is not None and usage >= self.kv_usage:
             return True
         return self.queued_requests is not None and c.queued_requests >= self.queued_requests
+
+    def busy_ids(self, candidates: Sequence[Candidate]) -> set[str]:
+        """The engines to skip: the busy ones, unless too many are busy (then none)."""
+        busy = {c.engine_id for c in candidates if self.is_busy(c)}
+        if len(busy) > max(1, math.floor(self.max_busy_fraction * len(candidates))):
+            return set()
+        return busy
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,13 +322,10 @@ class Router:
         if not candidates:
             raise NoEngineAvailableError("no engine available to route to")
         view = self.with_inflight(candidates, request, now_s)
-        free: list[Candidate] = []
-        busy_ids: set[str] = set()
-        for c in view:
-            if self.busy.is_busy(c):
-                busy_ids.add(c.engine_id)
-            else:
-                free.append(c)
+        # Only policies that include the filter in their behaviour get it: the peers' and the
+        # blind baselines' real systems have none, and their rows must be theirs.
+        busy_ids = self.busy.busy_ids(view) if self.policy.filters_busy else set()
+        free = [c for c in view if c.engine_id not in busy_ids]
         if not free:
             chosen = least_loaded_of(view, rng)
             device, host = request.cached_tokens(chosen.hit)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from controller.config import ControllerConfig, RouterConfig
-from controller.router import KvplanePolicy, KvplaneWeights
+from controller.router import BusyThresholds, KvplanePolicy, KvplaneWeights
 from controller.service import Controller
 from kvplane.config import load_config
 from kvplane.errors import ConfigError
@@ -55,4 +55,21 @@ def test_negative_weights_are_rejected(tmp_path: Path, setting: str) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(f"router: {{{setting}}}\n")
     with pytest.raises(ConfigError, match=setting.split(":", maxsplit=1)[0]):
+        load_config(ControllerConfig, path)
+
+
+def test_busy_settings_reach_the_router(tmp_path: Path) -> None:
+    assert RouterConfig().busy() == BusyThresholds()  # the router's defaults are the config's
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "router: {busy_kv_usage: 0.9, busy_queued_requests: 4, busy_max_fraction: 0.5}\n"
+    )
+    controller = Controller(load_config(ControllerConfig, path))
+    assert controller.router.busy == BusyThresholds(0.9, 4, 0.5)
+
+
+def test_a_busy_fraction_above_one_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("router: {busy_max_fraction: 1.5}\n")
+    with pytest.raises(ConfigError, match="busy_max_fraction"):
         load_config(ControllerConfig, path)

@@ -287,7 +287,8 @@ def test_a_burst_is_spread_before_any_poll() -> None:
 
 
 def test_busy_engines_are_filtered_unless_all_are_busy() -> None:
-    router = Router(make_policy("kvplane"), busy=BusyThresholds(kv_usage=0.95, queued_requests=8))
+    busy = BusyThresholds(kv_usage=0.95, queued_requests=8, max_busy_fraction=1.0)
+    router = Router(make_policy("kvplane"), busy=busy)
     rng = random.Random(0)
     full = cand("full", 4, used_kv_blocks=99, total_kv_blocks=100)
     queued = cand("queued", 4, queued_requests=8)
@@ -296,6 +297,49 @@ def test_busy_engines_are_filtered_unless_all_are_busy() -> None:
     assert {r.engine_id for r in d.costs if r.busy} == {"full", "queued"}
     d = router.explain(request(), [full, queued], rng, 0)
     assert (d.engine_id, d.reason) == ("full", Reason.ALL_BUSY)
+
+
+def test_busy_engines_are_skipped_only_while_few_of_them_are_busy() -> None:
+    """A lone full engine is skipped; when more of the fleet is full (a backlog everywhere)
+    the cost chooses among all, and the cached engine keeps its conversation."""
+    router = Router(make_policy("kvplane"))  # default: one busy engine in eight may be skipped
+    rng = random.Random(0)
+    cached = cand("cached", 4, used_kv_blocks=100, total_kv_blocks=100)
+
+    def fleet(full: int) -> list[Candidate]:
+        engines = [cached]
+        engines += [
+            cand(f"full{i}", used_kv_blocks=99, total_kv_blocks=100) for i in range(full - 1)
+        ]
+        return engines + [
+            cand(f"room{i}", used_kv_blocks=10, total_kv_blocks=100) for i in range(8 - full)
+        ]
+
+    d = router.explain(request(), fleet(1), rng, 0)
+    assert d.engine_id.startswith("room")
+    assert {r.engine_id for r in d.costs if r.busy} == {"cached"}
+    d = router.explain(request(), fleet(2), rng, 0)
+    assert (d.engine_id, d.reason) == ("cached", Reason.CACHE)
+    assert not any(r.busy for r in d.costs)
+    quarter = Router(make_policy("kvplane"), busy=BusyThresholds(max_busy_fraction=0.25))
+    assert quarter.explain(request(), fleet(2), rng, 0).engine_id.startswith("room")
+    assert quarter.explain(request(), fleet(3), rng, 0).engine_id == "cached"
+    d = router.explain(request(), [cached, cand("room")], rng, 0)
+    assert d.engine_id == "room"  # in a small fleet one busy engine may still be skipped
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_only_the_kvplane_policy_skips_busy_engines(name: str) -> None:
+    """The peers' and the baselines' real systems have no such filter: they see every engine,
+    and the explanation marks none busy."""
+    router = Router(make_policy(name), busy=BusyThresholds(kv_usage=0.5, max_busy_fraction=1.0))
+    full = cand("full", 4, used_kv_blocks=99, total_kv_blocks=100)
+    d = router.explain(request(), [full], random.Random(0), 0)
+    skips = name == "kvplane"
+    assert router.policy.filters_busy is skips
+    assert d.reason == (Reason.ALL_BUSY if skips else Reason.ONLY)
+    d = router.explain(request(), [full, cand("cold")], random.Random(0), 0)
+    assert any(r.busy for r in d.costs) is skips
 
 
 def test_no_candidates_is_an_error() -> None:
