@@ -689,7 +689,10 @@ class PrefixIndex:
         for value, run in groupby(map(get, window)):  # runs of equal values, in order
             lost = survivors & ~value if value is not None else survivors
             if lost:
-                _stop(ended, lost, position)
+                if lost & (lost - 1):
+                    _stop(ended, lost, position)
+                else:  # one worker (the usual case): no call
+                    ended[lost.bit_length() - 1] = position
                 survivors ^= lost
                 if not survivors:
                     break
