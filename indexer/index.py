@@ -217,15 +217,14 @@ def _stated_parents(log: list[_Run]) -> dict[BlockKey, BlockKey | None]:
     return stated
 
 
-def _runs(keys: list[BlockKey], stated: dict[BlockKey, BlockKey | None]) -> list[_Run]:
-    """`keys` as log entries that state the same parents: chains, each key appended to the
-    run that ends with its parent (so chains stored a block at a time, interleaved with
-    other requests' chains, still compact into one entry each)."""
+def _runs(stated: dict[BlockKey, BlockKey | None]) -> list[_Run]:
+    """Log entries that state these parents: chains, each key appended to the run that ends
+    with its parent (so chains stored a block at a time, interleaved with other requests'
+    chains, still compact into one entry each)."""
     heads: list[BlockKey | None] = []
     chains: list[list[BlockKey]] = []
     open_runs: dict[BlockKey, list[BlockKey]] = {}  # last key of a run -> the run
-    for key in keys:
-        parent = stated[key]
+    for key, parent in stated.items():
         run = open_runs.pop(parent, None) if parent is not None else None
         if run is None:
             run = [key]
@@ -484,15 +483,18 @@ class PrefixIndex:
             del table[key]
 
     def _worker_keys(self, worker: _Worker) -> list[BlockKey]:
-        """The keys `worker` holds now, in log order (compacting its log as a side effect:
-        the held keys as chain runs that keep the parent each was last stated to have)."""
+        """The keys `worker` holds now, in log order (compacting its log)."""
+        return list(self._held_parents(worker))
+
+    def _held_parents(self, worker: _Worker) -> dict[BlockKey, BlockKey | None]:
+        """The keys `worker` holds now, in log order, with the parent it stated for each
+        (None: unknown); compacts its log as a side effect, into chain runs that keep them."""
         get = self._tiers.get
         bits = worker.all_bits
-        stated = _stated_parents(worker.log)
-        keys = [k for k in stated if get(k, 0) & bits]
-        worker.log = _runs(keys, stated)
-        worker.log_len = len(keys)
-        return keys
+        held = {k: p for k, p in _stated_parents(worker.log).items() if get(k, 0) & bits}
+        worker.log = _runs(held)
+        worker.log_len = len(held)
+        return held
 
     # ------------------------------------------------------------------ workers
 
@@ -875,12 +877,10 @@ class PrefixIndex:
         each holder's latest REPORT that stated one. Holders disagree only after
         inconsistent reports (a chained key determines its parent); then the smallest
         worker id's statement wins."""
-        get = self._tiers.get
         parents: dict[BlockKey, BlockKey] = {}
         for worker in sorted(self._workers.values(), key=_BY_WID, reverse=True):
-            bits = worker.all_bits
-            stated = _stated_parents(worker.log)
-            parents.update((k, p) for k, p in stated.items() if p is not None and get(k, 0) & bits)
+            held = self._held_parents(worker)
+            parents.update((k, p) for k, p in held.items() if p is not None)
         return parents
 
     def _children_map(self, parents: dict[BlockKey, BlockKey]) -> dict[BlockKey, list[BlockKey]]:
@@ -972,12 +972,11 @@ class PrefixIndex:
     def _worker_snapshot(self, worker: _Worker, rank: dict[BlockKey, int]) -> Iterator[Batch]:
         actions: list[Action] = []
         extra_copies: list[Action] = []
-        held = self._worker_keys(worker)
-        stated = _stated_parents(worker.log)  # of the log just compacted: one run per chain
+        stated = self._held_parents(worker)  # held keys -> parents
         for tier in _TIERS:
             tbit = worker.tier_bits[tier]
             slot = tbit.bit_length() - 1
-            keys = sorted((k for k in held if self._tiers[k] & tbit), key=rank.__getitem__)
+            keys = sorted((k for k in stated if self._tiers[k] & tbit), key=rank.__getitem__)
             chain: list[BlockKey] = []
             for key in keys:
                 parent = stated[key]
