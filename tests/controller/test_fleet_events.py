@@ -83,6 +83,15 @@ def sample(text: str, name: str, engine: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
+def assert_event_lag_exported(text: str, engine: str, elapsed: float) -> None:
+    """The engine's last event lag lies between 0 and the time elapsed since its events were
+    caused, and its lag histogram counted at least one batch."""
+    lag = sample(text, "kvplane_controller_engine_event_lag_seconds", engine)
+    assert lag is not None and 0.0 <= lag <= elapsed, (lag, elapsed)
+    batches = sample(text, "kvplane_controller_event_lag_seconds_count", engine)
+    assert batches is not None and batches >= 1
+
+
 async def index_holder(fleet: Fleet, tokens: list[int], blocks: int) -> str | None:
     reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=tokens)))
     full = [m.engine for m in reply.matches if m.device_blocks >= blocks]
@@ -128,10 +137,7 @@ async def test_zmq_kv_events_feed_the_router_and_report_their_lag() -> None:
 
         text = await scrape(fleet)
         elapsed = time.time() - started
-        lag = sample(text, "kvplane_controller_engine_event_lag_seconds", holder)
-        assert lag is not None and 0.0 <= lag <= elapsed, (lag, elapsed)
-        batches = sample(text, "kvplane_controller_event_lag_seconds_count", holder)
-        assert batches is not None and batches >= 1
+        assert_event_lag_exported(text, holder, elapsed)
     finally:
         await close_fleet(fleet)
 
@@ -152,10 +158,7 @@ async def test_openengine_event_lag_is_exported_per_engine_and_dropped_with_it()
                 await asyncio.sleep(0.02)
         text = await scrape(fleet)
         elapsed = time.time() - started
-        lag = sample(text, "kvplane_controller_engine_event_lag_seconds", holder)
-        assert lag is not None and 0.0 <= lag <= elapsed, (lag, elapsed)
-        batches = sample(text, "kvplane_controller_event_lag_seconds_count", holder)
-        assert batches is not None and batches >= 1
+        assert_event_lag_exported(text, holder, elapsed)
         assert f'kvplane_controller_event_lag_seconds_bucket{{engine="{holder}",le="0.01"}}' in text
 
         await fleet.admin.RemoveEngine(apb.EngineRef(engine=holder))
