@@ -32,6 +32,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import uvloop
 import xxhash
 
 from indexer.backend import IndexBackend
@@ -517,7 +518,7 @@ def _client_main(
     others = cpus - os.sched_getaffinity(0)
     if others:
         os.sched_setaffinity(0, others)
-    return asyncio.run(_client(port, chains, seconds, qps))
+    return uvloop.run(_client(port, chains, seconds, qps))
 
 
 async def _client(
