@@ -7,10 +7,16 @@ still counts: `Candidate.pending_prefill_tokens`); `first_token` releases the pr
 engine reported its first token, so the prompt is computed); `finish` releases the request.
 Every call is idempotent per request id, so a retried or duplicated notification never drives a
 counter negative.
+
+A tracker built with `count_blocks` also refcounts each engine's active block keys, from
+`begin` to `finish`: blocks that several active requests share (a common prefix) count once
+(`InFlight.active_blocks`), and `active_overlap` says how many of a new prompt's blocks are
+already active there. Only policies that read them pay for it (`Policy.counts_active_blocks`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.router.model import InFlight
@@ -24,14 +30,17 @@ class _Entry:
     engine_id: str
     prefill_tokens: int
     cached_tokens: int
-    context_blocks: int
+    block_keys: Sequence[int]
     prefilling: bool = True
 
 
 class InFlightTracker:
-    def __init__(self) -> None:
+    def __init__(self, count_blocks: bool = False) -> None:
+        self.count_blocks = count_blocks
         self._entries: dict[str, _Entry] = {}
         self._by_engine: dict[str, InFlight] = {}
+        # Per engine, how many active requests hold each block key (count_blocks only).
+        self._block_refs: dict[str, dict[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -50,27 +59,35 @@ class InFlightTracker:
     def of(self, engine_id: str) -> InFlight:
         return self._by_engine.get(engine_id, _IDLE)
 
+    def active_overlap(self, engine_id: str, block_keys: Sequence[int]) -> int:
+        """How many of `block_keys` the engine's active requests hold (0 unless counting)."""
+        refs = self._block_refs.get(engine_id)
+        if not refs:
+            return 0
+        return sum(1 for key in block_keys if key in refs)
+
     def begin(
         self,
         request_id: str,
         engine_id: str,
         prefill_tokens: int,
-        context_blocks: int,
         cached_tokens: int = 0,
+        block_keys: Sequence[int] = (),
     ) -> None:
         """Charge `engine_id` with a request (`prefill_tokens` to compute, `cached_tokens` of
-        its prompt expected from the engine's cache); a request id already in flight is
-        moved."""
+        its prompt expected from the engine's cache, the prompt's `block_keys`); a request id
+        already in flight is moved."""
         if request_id in self._entries:
             self.finish(request_id)
-        self._entries[request_id] = _Entry(engine_id, prefill_tokens, cached_tokens, context_blocks)
+        keys = block_keys if self.count_blocks else ()
+        self._entries[request_id] = _Entry(engine_id, prefill_tokens, cached_tokens, keys)
         self._add(
             engine_id,
             requests=1,
             prefilling=1,
             prefill_tokens=prefill_tokens,
             prefill_cached_tokens=cached_tokens,
-            context_blocks=context_blocks,
+            active_blocks=self._hold(engine_id, keys),
         )
 
     def first_token(self, request_id: str) -> None:
@@ -90,7 +107,8 @@ class InFlightTracker:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return
-        self._add(entry.engine_id, requests=-1, context_blocks=-entry.context_blocks)
+        released = self._release(entry.engine_id, entry.block_keys)
+        self._add(entry.engine_id, requests=-1, active_blocks=-released)
 
     def drop_engine(self, engine_id: str) -> list[str]:
         """Forget every request on `engine_id` (it died or was removed); returns their ids."""
@@ -98,7 +116,38 @@ class InFlightTracker:
         for rid in dropped:
             del self._entries[rid]
         self._by_engine.pop(engine_id, None)
+        self._block_refs.pop(engine_id, None)
         return dropped
+
+    def _hold(self, engine_id: str, block_keys: Sequence[int]) -> int:
+        """Take a reference on each key; returns how many keys were not active before."""
+        if not block_keys:
+            return 0
+        refs = self._block_refs.setdefault(engine_id, {})
+        new = 0
+        for key in block_keys:
+            count = refs.get(key, 0)
+            if count == 0:
+                new += 1
+            refs[key] = count + 1
+        return new
+
+    def _release(self, engine_id: str, block_keys: Sequence[int]) -> int:
+        """Drop a reference on each key; returns how many keys are no longer active."""
+        refs = self._block_refs.get(engine_id)
+        if refs is None or not block_keys:
+            return 0
+        gone = 0
+        for key in block_keys:
+            count = refs.get(key, 0) - 1
+            if count > 0:
+                refs[key] = count
+            elif key in refs:
+                del refs[key]
+                gone += 1
+        if not refs:
+            del self._block_refs[engine_id]
+        return gone
 
     def _add(
         self,
@@ -108,7 +157,7 @@ class InFlightTracker:
         prefilling: int = 0,
         prefill_tokens: int = 0,
         prefill_cached_tokens: int = 0,
-        context_blocks: int = 0,
+        active_blocks: int = 0,
     ) -> None:
         """Apply a change to the engine's totals (a new snapshot: candidates already built keep
         the one they were given)."""
@@ -118,7 +167,7 @@ class InFlightTracker:
             prefilling=old.prefilling + prefilling,
             prefill_tokens=old.prefill_tokens + prefill_tokens,
             prefill_cached_tokens=old.prefill_cached_tokens + prefill_cached_tokens,
-            context_blocks=old.context_blocks + context_blocks,
+            active_blocks=old.active_blocks + active_blocks,
         )
         if new.requests == 0:
             self._by_engine.pop(engine_id, None)

@@ -47,14 +47,16 @@ class InFlight(NamedTuple):
     `prefill_tokens`: uncached prompt tokens of requests still waiting for their first token
     (the prefill queue this router put there); `prefill_cached_tokens`: the prompt tokens of
     those same requests that the router expects the engine to serve from its cache;
-    `context_blocks`: KV blocks its active requests' prompts occupy.
+    `active_blocks`: distinct full prompt blocks its active requests hold (a block that several
+    share counts once), counted only when the policy reads it (`Policy.counts_active_blocks`),
+    else 0.
     """
 
     requests: int = 0
     prefilling: int = 0
     prefill_tokens: int = 0
     prefill_cached_tokens: int = 0
-    context_blocks: int = 0
+    active_blocks: int = 0
 
 
 class PrefixHit(NamedTuple):
@@ -77,6 +79,9 @@ class Candidate(NamedTuple):
     block_size: int | None = None
     # Blocks the index places on the engine (cached, in use or not); None when unknown.
     cached_blocks: int | None = None
+    # How many of the request's blocks the engine's active requests already hold (see
+    # `InFlight.active_blocks`); None unless the policy counts active blocks.
+    active_overlap_blocks: int | None = None
 
     @property
     def active_requests(self) -> int:

@@ -1,6 +1,7 @@
 """Faithful re-implementations of the peers' documented routing policies, for side-by-side
 comparison with `kvplane` on the same traces and fleets (written from their documentation
-and descriptions, not their code).
+and descriptions; for details the documentation leaves open, Dynamo's source was read, not
+copied: docs/benchmarks/routing.md names the files).
 
 - `sglang_cache_aware` (SGLang's router, cache-aware policy): the router keeps its own
   approximate prefix tree per worker from the prompts it routed (not engine events). If the
@@ -8,15 +9,18 @@ and descriptions, not their code).
   requests) it takes the least loaded worker; otherwise the worker with the longest match if
   the match covers more than 30% of the prompt, else the worker with the smallest tree.
 - `dynamo_cost` (NVIDIA Dynamo's KV router, default selector): cost = overlap_weight x
-  (prompt blocks not cached on the worker + prefill blocks already queued there) + the
-  worker's active blocks; temperature 0: the minimum, ties at random.
+  potential prefill blocks + potential decode blocks; temperature 0: the minimum, ties at
+  random. Potential prefill blocks = (the worker's in-flight prefill tokens + the prompt's
+  tokens not cached there) / block size, the cache as the engines' KV events show it (no credit
+  for blocks still being computed: `credits_pending_prefixes` False); potential decode blocks =
+  the distinct full blocks of the worker's active requests (each shared block once) + the
+  prompt's full blocks not already active there.
 - `llmd_longest_prefix` (llm-d's precise prefix-cache scorer): the longest consecutive cached
   prefix, each block weighted by where it lives (device 1.0, host 0.8); ties at random.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -62,6 +66,8 @@ class _ApproxTree:
 class SglangCacheAware:
     name = "sglang_cache_aware"
     filters_busy = False  # its real system has no such filter
+    credits_pending_prefixes = True  # only the decision's predicted cache reads it
+    counts_active_blocks = False
 
     def __init__(self, settings: SglangSettings | None = None) -> None:
         self.settings = settings or SglangSettings()
@@ -115,6 +121,8 @@ class SglangCacheAware:
 class DynamoCost:
     name = "dynamo_cost"
     filters_busy = False  # its real system has no such filter
+    credits_pending_prefixes = False  # its overlap comes from KV events alone
+    counts_active_blocks = True  # its decode term refcounts active blocks by hash
 
     def __init__(self, overlap_weight: float = 1.0) -> None:
         self.overlap_weight = overlap_weight
@@ -126,32 +134,31 @@ class DynamoCost:
         rng: random.Random,
         now_s: float,
     ) -> Decision:
+        """Rows: `prefill_cost` = weighted uncached prompt blocks, `queue_cost` = weighted
+        in-flight prefill blocks, `decode_cost` = potential decode blocks. The new prompt's
+        uncached tokens are its tokens less every device block the index matched (Dynamo
+        subtracts the whole overlap, without keeping a last token to compute), and blocks are
+        fractional (tokens / block size)."""
         bs = request.block_size
-        request_blocks = math.ceil(request.num_prompt_tokens / bs)
+        w = self.overlap_weight
+        prompt_blocks = len(request.block_keys)
         rows = []
         for c in candidates:
+            uncached = max(request.num_prompt_tokens - c.hit.device_blocks * bs, 0)
+            prefill = w * uncached / bs
+            queue = w * c.inflight.prefill_tokens / bs
+            already_active = c.active_overlap_blocks or 0
+            decode = float(c.inflight.active_blocks + prompt_blocks - already_active)
             device, _host = request.cached_tokens(c.hit)
-            prefill_blocks = request_blocks - device // bs + c.inflight.prefill_tokens / bs
-            decode_blocks = float(c.inflight.context_blocks + request_blocks)
-            total = self.overlap_weight * prefill_blocks + decode_blocks
             rows.append(
-                EngineCost(
-                    c.engine_id,
-                    device,
-                    0,
-                    self.overlap_weight * (request_blocks - device // bs),
-                    self.overlap_weight * c.inflight.prefill_tokens / bs,
-                    decode_blocks,
-                    total,
-                )
+                EngineCost(c.engine_id, device, 0, prefill, queue, decode, prefill + queue + decode)
             )
         best = min(r.total or 0.0 for r in rows)
         tied = [i for i, r in enumerate(rows) if r.total == best]
         index = tied[0] if len(tied) == 1 else rng.choice(tied)
-        chosen = candidates[index]
-        device, _ = request.cached_tokens(chosen.hit)
-        reason = Reason.CACHE if device > 0 else Reason.LOAD
-        return Decision(chosen.engine_id, reason, self.name, device, tuple(rows))
+        chosen = rows[index]
+        reason = Reason.CACHE if chosen.cached_tokens > 0 else Reason.LOAD
+        return Decision(chosen.engine_id, reason, self.name, chosen.cached_tokens, tuple(rows))
 
     def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
         return None
@@ -163,6 +170,8 @@ class DynamoCost:
 class LlmdLongestPrefix:
     name = "llmd_longest_prefix"
     filters_busy = False  # its real system has no such filter
+    credits_pending_prefixes = True  # as in every row measured for it so far
+    counts_active_blocks = False
 
     def __init__(self, device_weight: float = 1.0, host_weight: float = 0.8) -> None:
         self.device_weight = device_weight

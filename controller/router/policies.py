@@ -6,7 +6,10 @@ its queue and its decode load; the cache-blind baselines (`round_robin`, `random
 peers' documented policies live in `controller.router.peers`.
 
 A policy only chooses; the `Router` applies session affinity first and, for a policy whose
-`filters_busy` is true (only `kvplane`), skips busy engines.
+`filters_busy` is true (only `kvplane`), skips busy engines. Two more attributes say what the
+router adds to the candidates: `credits_pending_prefixes` (blocks just routed count as cached;
+every policy but `dynamo_cost`) and `counts_active_blocks` (refcounted active blocks; only
+`dynamo_cost`).
 Randomness is always the `random.Random` passed in, so a seeded run is reproducible.
 """
 
@@ -26,6 +29,13 @@ class Policy(Protocol):
     # Whether the Router skips busy engines (`BusyThresholds`) before this policy chooses. A
     # re-implementation of another system's policy says False unless that system filters so.
     filters_busy: bool
+    # Whether blocks the router has just sent to an engine, which its KV events have not
+    # announced yet, count as cached there (`PendingPrefixes`). A system whose overlap comes
+    # from engine events alone (Dynamo's radix tree) says False.
+    credits_pending_prefixes: bool
+    # Whether the router refcounts each engine's active block keys for this policy
+    # (`InFlight.active_blocks`, `Candidate.active_overlap_blocks`); others do not pay for it.
+    counts_active_blocks: bool
 
     def choose(
         self,
@@ -46,6 +56,8 @@ class Policy(Protocol):
 
 class _Stateless:
     filters_busy = False  # the blind baselines see every engine, as in their real systems
+    credits_pending_prefixes = True  # it sets the predicted cache (and the queue figure)
+    counts_active_blocks = False
 
     def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
         return None
@@ -207,6 +219,7 @@ class KvplaneWeights:
 class KvplanePolicy(_Stateless):
     name = "kvplane"
     filters_busy = True  # a lone engine whose KV is full is skipped (`BusyThresholds`)
+    credits_pending_prefixes = True  # a burst sharing a new prefix stays together
 
     def __init__(self, weights: KvplaneWeights | None = None) -> None:
         self.weights = weights or KvplaneWeights()

@@ -2,9 +2,11 @@
 
 `Router.route(request, candidates, rng, now_s)` takes the routable engines (the caller has
 already dropped unhealthy, draining and cordoned ones and filled in each engine's cached prefix
-and last polled load), adds its own in-flight accounting, filters busy engines for the policies
-that ask for it (`Policy.filters_busy`), honours session affinity, lets the policy choose, and
-charges the chosen engine at once. The caller reports `first_token` and `finish` as the stream
+and last polled load), adds its own in-flight accounting (and, for the policies that take them,
+pending prefixes and active blocks: `Policy.credits_pending_prefixes`,
+`Policy.counts_active_blocks`), filters busy engines for the policies that ask for it
+(`Policy.filters_busy`), honours session affinity, lets the policy choose, and charges the
+chosen engine at once. The caller reports `first_token` and `finish` as the stream
 progresses.
 """
 
@@ -85,6 +87,7 @@ class PendingPrefixes:
     `ttl_s`, and in any case until the request's first token: before it the engine cannot
     have announced them (behind a long queue that is minutes, and the next turn of a
     conversation must still find its prefix), after it the engine's KV events tell the truth.
+    Only policies whose `credits_pending_prefixes` is true are given (and charge) these claims.
     """
 
     def __init__(self, ttl_s: float) -> None:
@@ -170,7 +173,7 @@ class Router:
     ) -> None:
         self.policy = policy
         self.busy = busy or BusyThresholds()
-        self.inflight = InFlightTracker()
+        self.inflight = InFlightTracker(count_blocks=policy.counts_active_blocks)
         self.pending = PendingPrefixes(pending_ttl_s)
         self.skip_prefill_ratio = skip_prefill_ratio
         self._session_capacity = session_capacity
@@ -183,17 +186,29 @@ class Router:
         now_s: float = 0.0,
     ) -> list[Candidate]:
         """Candidates with the router's own knowledge added: in-flight accounting, and (given
-        the request) blocks it sent there that the index does not show yet."""
+        the request) blocks it sent there that the index does not show yet (for policies that
+        credit them) and how many of its blocks are active there (for policies that count
+        them)."""
+        if request is None:
+            return [c._replace(inflight=self.inflight.of(c.engine_id)) for c in candidates]
+        keys = request.block_keys
+        credit = self.policy.credits_pending_prefixes
+        count = self.inflight.count_blocks
         out = []
         for c in candidates:
             hit = c.hit
-            if request is not None:
+            if credit:
                 held = hit.device_blocks + hit.host_blocks
-                reach = self.pending.extend(c.engine_id, request.block_keys, held, now_s)
+                reach = self.pending.extend(c.engine_id, keys, held, now_s)
                 if reach > held:
                     # Pending blocks will be on the device once computed.
                     hit = PrefixHit(hit.device_blocks + reach - held, hit.host_blocks)
-            out.append(c._replace(hit=hit, inflight=self.inflight.of(c.engine_id)))
+            inflight = self.inflight.of(c.engine_id)
+            if count:
+                overlap = self.inflight.active_overlap(c.engine_id, keys)
+                out.append(c._replace(hit=hit, inflight=inflight, active_overlap_blocks=overlap))
+            else:
+                out.append(c._replace(hit=hit, inflight=inflight))
         return out
 
     def explain(
@@ -216,15 +231,15 @@ class Router:
     ) -> Decision:
         decision = self._decide(request, candidates, rng, now_s)
         cached = min(decision.predicted_cached_tokens, request.num_prompt_tokens)
-        blocks = math.ceil(request.num_prompt_tokens / max(request.block_size, 1))
         self.inflight.begin(
             request.request_id,
             decision.engine_id,
             request.num_prompt_tokens - cached,
-            blocks,
             cached,
+            request.block_keys,
         )
-        self.pending.add(decision.engine_id, request.request_id, request.block_keys, now_s)
+        if self.policy.credits_pending_prefixes:
+            self.pending.add(decision.engine_id, request.request_id, request.block_keys, now_s)
         self.policy.observe(request, decision.engine_id, now_s)
         if request.session_key:
             self._sessions[request.session_key] = decision.engine_id
@@ -305,8 +320,8 @@ class Router:
             request.request_id,
             chosen.engine_id,
             request.num_prompt_tokens - cached,
-            math.ceil(request.num_prompt_tokens / request.block_size),
             cached,
+            request.block_keys,
         )
         return Decision(
             chosen.engine_id, Reason.LOAD, "least_loaded", cached, blind_costs(request, view)

@@ -1,11 +1,12 @@
 """In-flight accounting against a naive model, under any order of route / first token /
-finish / engine removal (including duplicates and unknown ids)."""
+finish / engine removal (including duplicates and unknown ids); with `dynamo_cost`, whose
+router refcounts active blocks, the distinct active blocks too."""
 
 from __future__ import annotations
 
-import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,13 +26,17 @@ ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("policy", ["kvplane", "dynamo_cost"])
 @settings(max_examples=150, deadline=None)
-@given(ops)
-def test_inflight_matches_a_naive_model(steps: list[tuple[str, int, int, str]]) -> None:
-    router = Router(make_policy("kvplane"), pending_ttl_s=0)
+@given(steps=ops)
+def test_inflight_matches_a_naive_model(
+    policy: str, steps: list[tuple[str, int, int, str]]
+) -> None:
+    router = Router(make_policy(policy), pending_ttl_s=0)
+    counts_blocks = router.policy.counts_active_blocks
     rng = random.Random(0)
-    # rid -> engine, prefill, cached, blocks, prefilling
-    model: dict[str, tuple[str, int, int, int, bool]] = {}
+    # rid -> engine, prefill, cached, block keys, prefilling (prompts share leading keys)
+    model: dict[str, tuple[str, int, int, tuple[int, ...], bool]] = {}
     for op, n, tokens, engine in steps:
         rid = f"r{n}"
         if op == "route":
@@ -42,7 +47,7 @@ def test_inflight_matches_a_naive_model(steps: list[tuple[str, int, int, str]]) 
                 d.engine_id,
                 tokens - d.predicted_cached_tokens,
                 d.predicted_cached_tokens,
-                math.ceil(tokens / BS),
+                req.block_keys,
                 True,
             )
         elif op == "first":
@@ -63,7 +68,10 @@ def test_inflight_matches_a_naive_model(steps: list[tuple[str, int, int, str]]) 
                 prefilling=sum(v[4] for v in mine),
                 prefill_tokens=sum(v[1] for v in mine if v[4]),
                 prefill_cached_tokens=sum(v[2] for v in mine if v[4]),
-                context_blocks=sum(v[3] for v in mine),
+                active_blocks=len({k for v in mine for k in v[3]}) if counts_blocks else 0,
             )
             assert router.inflight.of(e) == expected
+            probe = tuple(range(8))
+            active = {k for v in mine for k in v[3]} if counts_blocks else set()
+            assert router.inflight.active_overlap(e, probe) == len(active & set(probe))
     assert len(router.inflight) == len(model)

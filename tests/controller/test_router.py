@@ -232,17 +232,11 @@ def test_inflight_accounting_charges_at_once_and_releases() -> None:
     d = router.route(req, [cand("a", 2), cand("b")], rng, 0)
     assert d.engine_id == "a"
     assert router.inflight.of("a") == InFlight(
-        requests=1,
-        prefilling=1,
-        prefill_tokens=2 * BS + 5,
-        prefill_cached_tokens=2 * BS,
-        context_blocks=5,
+        requests=1, prefilling=1, prefill_tokens=2 * BS + 5, prefill_cached_tokens=2 * BS
     )
     router.first_token("x")
     router.first_token("x")
-    assert router.inflight.of("a") == InFlight(
-        requests=1, prefilling=0, prefill_tokens=0, context_blocks=5
-    )
+    assert router.inflight.of("a") == InFlight(requests=1, prefilling=0, prefill_tokens=0)
     router.finish("x")
     router.finish("x")
     assert router.inflight.of("a") == InFlight()
@@ -422,15 +416,81 @@ def test_sglang_cache_aware_branches() -> None:
     )
 
 
-def test_dynamo_cost_is_overlap_weighted_prefill_plus_active_blocks() -> None:
-    policy = DynamoCost()
-    req = request(blocks=4, extra=5)  # 5 blocks of prompt (ceil)
-    a = Candidate("a", hit=PrefixHit(4, 0), inflight=InFlight(requests=3, context_blocks=6))
-    b = Candidate("b", inflight=InFlight(requests=1, prefill_tokens=2 * BS, context_blocks=1))
-    d = policy.choose(req, [a, b], random.Random(0), 0)
-    totals = {r.engine_id: r.total for r in d.costs}
-    assert totals == {"a": (5 - 4) + (6 + 5), "b": (5 + 2) + (1 + 5)}
-    assert d.engine_id == "a"
+def test_active_blocks_are_refcounted_from_route_to_finish() -> None:
+    """Two requests sharing a prefix on one engine hold the shared blocks once; each finish
+    releases only what no other active request holds; a dropped engine forgets its blocks."""
+    router = Router(make_policy("dynamo_cost"))
+    rng = random.Random(0)
+    router.route(request("x", blocks=4), [cand("a")], rng, 0)  # keys 0..3
+    router.route(request("y", blocks=6), [cand("a")], rng, 0)  # keys 0..5
+    assert router.inflight.of("a").active_blocks == 6
+    assert router.inflight.active_overlap("a", (0, 1, 2, 7, 8)) == 3
+    router.first_token("y")  # the prefill ends, the blocks stay active until the finish
+    assert router.inflight.of("a").active_blocks == 6
+    router.finish("y")
+    assert router.inflight.of("a").active_blocks == 4  # x still holds 0..3
+    router.finish("y")
+    assert router.inflight.of("a").active_blocks == 4
+    router.finish("x")
+    assert router.inflight.of("a") == InFlight()
+    assert router.inflight.active_overlap("a", (0, 1, 2, 3)) == 0
+    router.route(request("z", blocks=3), [cand("b")], rng, 0)
+    router.forget_engine("b")
+    assert router.inflight.of("b") == InFlight()
+    assert router.inflight.active_overlap("b", (0, 1, 2)) == 0
+    router.route(request("w", blocks=2), [cand("b")], rng, 0)
+    assert router.inflight.of("b").active_blocks == 2
+
+
+def test_only_policies_that_read_active_blocks_pay_for_them() -> None:
+    router = Router(make_policy("kvplane"))
+    rng = random.Random(0)
+    router.route(request("x", blocks=4), [cand("a")], rng, 0)
+    assert router.inflight.of("a").active_blocks == 0
+    assert router.inflight.active_overlap("a", (0, 1, 2, 3)) == 0
+    view = router.with_inflight([cand("a")], request("probe"), 0)
+    assert view[0].active_overlap_blocks is None
+    assert [n for n in POLICY_NAMES if make_policy(n).counts_active_blocks] == ["dynamo_cost"]
+
+
+def test_dynamo_cost_terms_on_a_worked_example() -> None:
+    """cost = overlap_weight x (in-flight prefill + uncached prompt tokens) / block size
+    + (distinct active blocks + the prompt's full blocks not active there)."""
+    router = Router(make_policy("dynamo_cost"))
+    rng = random.Random(0)
+    router.route(request("x", blocks=4), [cand("a")], rng, 0)  # keys 0..3, 4 x 128 + 5 tokens
+    router.route(request("y", blocks=6), [cand("a")], rng, 0)  # keys 0..5, 6 x 128 + 5 tokens
+    router.first_token("x")  # only y's 773 tokens still prefill on a
+    z = RouteRequest("z", 5 * BS + 5, BS, (0, 1, 2, 7, 8))  # 645 tokens
+    d = router.explain(z, [cand("a", 3), cand("b")], rng, 0)
+    rows = {r.engine_id: r for r in d.costs}
+    a, b = rows["a"], rows["b"]
+    assert a.prefill_cost == pytest.approx((645 - 3 * BS) / BS)  # 2.039 blocks uncached
+    assert a.queue_cost == pytest.approx(773 / BS)
+    assert a.decode_cost == 6 + (5 - 3)  # 0..5 active once each; 7 and 8 are new there
+    assert a.total == pytest.approx(261 / BS + 773 / BS + 8)  # 16.08
+    assert (b.prefill_cost, b.queue_cost, b.decode_cost) == (645 / BS, 0.0, 5.0)
+    assert b.total == pytest.approx(10.039, abs=1e-3)
+    assert (d.engine_id, d.reason, d.predicted_cached_tokens) == ("b", Reason.LOAD, 0)
+    assert a.cached_tokens == 3 * BS
+    heavy = Router(DynamoCost(overlap_weight=4.0))
+    rows = {r.engine_id: r for r in heavy.explain(z, [cand("a", 3), cand("b")], rng, 0).costs}
+    assert rows["a"].total == pytest.approx(4.0 * 261 / BS + 5)
+    assert rows["b"].total == pytest.approx(4.0 * 645 / BS + 5)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_only_dynamo_cost_goes_without_the_pending_prefix_credit(name: str) -> None:
+    """Dynamo's overlap comes from the engines' KV events alone: blocks routed to an engine
+    and not yet announced count as cached there for every other policy, not for it."""
+    router = Router(make_policy(name), pending_ttl_s=10.0)
+    rng = random.Random(0)
+    router.route(request("x", blocks=4), [cand("a")], rng, 0)
+    view = router.with_inflight([cand("a"), cand("b")], request("probe", blocks=4), 1.0)
+    credited = name != "dynamo_cost"
+    assert router.policy.credits_pending_prefixes is credited
+    assert view[0].hit.device_blocks == (4 if credited else 0)
+    assert view[1].hit.device_blocks == 0
 
 
 def test_llmd_longest_prefix_weights_host_blocks_at_0_8() -> None:
