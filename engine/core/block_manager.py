@@ -18,8 +18,9 @@ freed last-first, so a prefix's tail is evicted before its head.
 
 Keys. Full blocks get kvplane's canonical chained key `indexer.keys.block_keys(tokens,
 block_size, lora_name=, cache_salt=, parent=)`, so the engine and the index agree on what a block
-is. A hit is re-checked against the stored token ids, parent key and namespace, so a key
-collision can never serve the wrong KV.
+is. A hit is checked against the stored token ids, parent key and namespace, so a key
+collision can never serve the wrong KV; the check is made once per stored block and token list
+(`_Lookup`: admission asks about the same list repeatedly, and a waiting head at every step).
 
 Full prompt hits. The runner needs the logits of the last prompt token, so a hit never covers
 it: at most `(num_prompt_tokens - 1) // block_size` blocks are reused (a block-aligned prompt
@@ -47,8 +48,6 @@ from engine.core.api import (
 )
 from indexer.keys import block_keys
 
-_KeysMemo = tuple[Sequence[int], int, tuple[str | None, str | None, int | None], tuple[int, ...]]
-
 
 @dataclass(frozen=True, slots=True)
 class _Namespace:
@@ -58,11 +57,30 @@ class _Namespace:
 
 @dataclass(frozen=True, slots=True)
 class _CachedBlock:
-    """What a cached block holds, re-checked on every hit."""
+    """What a cached block holds, checked before its first hit by a token list (`_Lookup`)."""
 
     parent_key: BlockKey | None
     token_ids: tuple[int, ...]
     namespace: _Namespace
+
+
+@dataclass(slots=True, eq=False)
+class _Lookup:
+    """The last token list admission asked about (see `BlockManager._lookup_for`).
+
+    `keys`: its full blocks' keys. `verified[i]`: the content object of a cached block already
+    found to hold block i (tokens, parent key, namespace). Contents are immutable and made
+    anew whenever a block is stored, so `contents[block] is verified[i]` proves the match
+    without comparing tokens again. `hits`: the last answer, valid while the prefix cache is
+    at version `hits_version` and the list has `hits_num_tokens` tokens."""
+
+    token_ids: Sequence[int]
+    namespace: _Namespace
+    keys: list[BlockKey]
+    verified: list[_CachedBlock] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+    hits_version: int = -1
+    hits_num_tokens: int = -1
 
 
 @dataclass(slots=True)
@@ -99,7 +117,8 @@ class BlockManager:
         self._cached: dict[BlockKey, int] = {}
         self._tables: dict[int, _Table] = {}
         self._events: list[KvEvent] = []
-        self._keys_memo: _KeysMemo | None = None
+        self._lookup: _Lookup | None = None
+        self._cache_version = 0  # bumped whenever a key enters or leaves `_cached`
         # Doubly linked free list; index `num_blocks` is the sentinel.
         sentinel = num_blocks
         self._next: list[int] = [*range(1, num_blocks + 1), 0]
@@ -144,6 +163,7 @@ class BlockManager:
         key = self._keys[block_id]
         if key is not None:  # evict the least recently used cached block
             del self._cached[key]
+            self._cache_version += 1
             self._keys[block_id] = None
             self._contents[block_id] = None
             evicted.append(key)
@@ -166,47 +186,64 @@ class BlockManager:
         parent: BlockKey | None = None,
     ) -> list[BlockKey]:
         """Canonical keys of the full blocks of `token_ids` (continuing a chain from `parent`)."""
-        num_full = len(token_ids) // self.block_size
-        if num_full == 0:
+        if len(token_ids) < self.block_size:
             return []
-        # One-entry memo: admission asks for the same token list's keys up to three times
-        # (count hits, can_allocate, allocate). Token lists are append-only, so the same list
-        # with the same number of full blocks has the same keys.
-        memo = self._keys_memo
-        if (
-            memo is not None
-            and memo[0] is token_ids
-            and memo[1] == num_full
-            and memo[2] == (lora_name, cache_salt, parent)
-        ):
-            return list(memo[3])
-        keys = block_keys(
+        return block_keys(
             token_ids,  # block_keys hashes whole blocks only
             self.block_size,
             lora_name=lora_name,
             cache_salt=cache_salt,
             parent=parent,
         )
-        self._keys_memo = (token_ids, num_full, (lora_name, cache_salt, parent), tuple(keys))
-        return keys
 
-    def _find_hits(
-        self, token_ids: Sequence[int], keys: Sequence[BlockKey], namespace: _Namespace
-    ) -> list[int]:
-        max_blocks = min(len(keys), (len(token_ids) - 1) // self.block_size)
-        hits: list[int] = []
-        parent: BlockKey | None = None
+    def _lookup_for(self, token_ids: Sequence[int], namespace: _Namespace) -> _Lookup:
+        """The memo of `token_ids` (made anew for another list or namespace). Admission asks
+        about the same list up to three times per attempt (count hits, can_allocate, allocate)
+        and a waiting head again at every step until it fits. Token lists are append-only, so
+        the same list with the same number of full blocks has the same keys, and its verified
+        blocks stay verified as it grows."""
+        num_full = len(token_ids) // self.block_size
+        memo = self._lookup
+        if memo is None or memo.token_ids is not token_ids or memo.namespace != namespace:
+            keys = self.compute_keys(token_ids, namespace.lora_name, namespace.cache_salt)
+            memo = self._lookup = _Lookup(token_ids, namespace, keys)
+        elif len(memo.keys) != num_full:
+            memo.keys = self.compute_keys(token_ids, namespace.lora_name, namespace.cache_salt)
+        return memo
+
+    def _find_hits(self, lookup: _Lookup) -> list[int]:
+        """Block ids of the leading cached blocks of the lookup's token list (read only). A hit
+        is served only if the cached block holds these very tokens, parent key and namespace
+        (compared in full once per stored block, see `_Lookup`), so a key collision never
+        serves someone else's KV. Asked again while the cache has not changed, the answer is
+        the last one."""
+        token_ids, keys, verified = lookup.token_ids, lookup.keys, lookup.verified
+        if lookup.hits_version == self._cache_version and lookup.hits_num_tokens == len(token_ids):
+            return lookup.hits
         size = self.block_size
+        max_blocks = min(len(keys), (len(token_ids) - 1) // size)
+        cached, contents = self._cached, self._contents
+        hits: list[int] = []
         for i in range(max_blocks):
-            block_id = self._cached.get(keys[i])
+            block_id = cached.get(keys[i])
             if block_id is None:
                 break
-            content = self._contents[block_id]
-            tokens = tuple(token_ids[i * size : (i + 1) * size])
-            if content != _CachedBlock(parent, tokens, namespace):
-                break  # a key collision: never serve someone else's KV
+            content = contents[block_id]
+            assert content is not None  # a cached block always has its content
+            if i >= len(verified) or verified[i] is not content:
+                if (
+                    content.parent_key != (keys[i - 1] if i else None)
+                    or content.namespace != lookup.namespace
+                    or content.token_ids != tuple(token_ids[i * size : (i + 1) * size])
+                ):
+                    break  # a key collision: never serve someone else's KV
+                if i < len(verified):
+                    verified[i] = content
+                else:
+                    verified.append(content)
             hits.append(block_id)
-            parent = keys[i]
+        lookup.hits, lookup.hits_version = hits, self._cache_version
+        lookup.hits_num_tokens = len(token_ids)
         return hits
 
     def count_hit_tokens(
@@ -219,9 +256,8 @@ class BlockManager:
         """How many prompt tokens a new sequence would find cached (no side effects)."""
         if not self.enable_prefix_caching:
             return 0
-        namespace = _Namespace(lora_name, cache_salt)
-        keys = self.compute_keys(token_ids, lora_name, cache_salt)
-        return len(self._find_hits(token_ids, keys, namespace)) * self.block_size
+        lookup = self._lookup_for(token_ids, _Namespace(lora_name, cache_salt))
+        return len(self._find_hits(lookup)) * self.block_size
 
     # ---------------------------------------------------------------- paired verbs
 
@@ -250,10 +286,8 @@ class BlockManager:
     ) -> tuple[list[BlockKey], list[int]]:
         if not self.enable_prefix_caching:
             return [], []
-        keys = self.compute_keys(token_ids, lora_name, cache_salt)
-        if not use_cache:
-            return keys, []
-        return keys, self._find_hits(token_ids, keys, _Namespace(lora_name, cache_salt))
+        lookup = self._lookup_for(token_ids, _Namespace(lora_name, cache_salt))
+        return lookup.keys, self._find_hits(lookup) if use_cache else []
 
     def allocate(
         self,
@@ -274,7 +308,8 @@ class BlockManager:
         num_hit_free = sum(1 for b in hits if self._ref_counts[b] == 0)
         if max(0, self.blocks_for(num_tokens) - len(hits)) + num_hit_free > self._num_free:
             raise MemoryError("not enough free KV blocks")
-        table = _Table(_Namespace(lora_name, cache_salt), block_keys=keys)
+        # A copy: the table's keys grow as its blocks fill, the memo's must not.
+        table = _Table(_Namespace(lora_name, cache_salt), block_keys=list(keys))
         for block_id in hits:
             if self._ref_counts[block_id] == 0:
                 self._unlink(block_id)
@@ -350,6 +385,7 @@ class BlockManager:
             parent = table.block_keys[i - 1] if i > 0 else None
             tokens = tuple(token_ids[i * size : (i + 1) * size])
             self._cached[key] = block_id
+            self._cache_version += 1
             self._keys[block_id] = key
             self._contents[block_id] = _CachedBlock(parent, tokens, table.namespace)
             stored.append(i)
@@ -400,6 +436,7 @@ class BlockManager:
         if self.num_used_blocks:
             return False
         self._cached.clear()
+        self._cache_version += 1
         self._keys = [None] * self.num_blocks
         self._contents = [None] * self.num_blocks
         self._events.append(AllBlocksCleared(self.medium))

@@ -363,14 +363,13 @@ class EngineCore:
                 decode_context += seq.num_tokens
             else:
                 num_prefill += work.num_new_tokens
-            state = self._requests[seq.request_id]
+            sampling = seq.request.sampling
             want_prompt_logprobs = (
-                state.prompt_logprobs is not None
+                sampling.prompt_logprobs is not None
                 and seq.output_index == 0
-                and not state.prompt_logprobs_sent
+                and not self._requests[seq.request_id].prompt_logprobs_sent
                 and start < seq.num_prompt_tokens - 1
             )
-            sampling = seq.request.sampling
             sequences.append(
                 ScheduledSequence(
                     seq_id=seq.seq_id,

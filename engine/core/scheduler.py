@@ -124,9 +124,9 @@ class Scheduler:
         bm = self.block_manager
         self.running.sort(key=lambda s: (-self._effective_priority(s, now_s), s.arrival_order))
         kept: list[Sequence] = []
-        pending = list(self.running)  # not yet given work this step, best first
+        pending = deque(self.running)  # not yet given work this step, best first
         while pending and budget > 0:
-            seq = pending.pop(0)
+            seq = pending.popleft()
             num_new = min(seq.num_uncomputed_tokens, budget)
             target = seq.num_computed_tokens + num_new
             while not bm.can_append(seq.seq_id, target):
@@ -145,7 +145,7 @@ class Scheduler:
                 budget -= num_new
         # Sequences left in `pending` ran out of budget; they stay running, unscheduled.
         # Out-of-capacity sequences stay listed until the core finishes them (`remove`).
-        self.running = kept + pending + out.out_of_capacity
+        self.running = [*kept, *pending, *out.out_of_capacity]
         if not out.preempted:
             budget = self._admit(now_s, budget, out)
         return out

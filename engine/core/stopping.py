@@ -28,6 +28,11 @@ class StopDecision:
     stop_match: StopMatch | None = None
 
 
+# The decision for most tokens without a tokenizer (the simulator's), made once: decisions are
+# immutable values, and building a frozen dataclass per token is a visible cost in replays.
+_EMIT_WITHOUT_TEXT = StopDecision(True, "")
+
+
 class StopChecker:
     """Stop state of one output. `max_new_tokens` already includes the context limit."""
 
@@ -99,7 +104,7 @@ class StopChecker:
         safe_end = max(self._num_emitted_chars, len(self._text) - self._holdback)
         delta = self._text[self._num_emitted_chars : safe_end]
         self._num_emitted_chars = safe_end
-        return StopDecision(True, delta)
+        return StopDecision(True, delta) if delta else _EMIT_WITHOUT_TEXT
 
     def finish(self, tail: str = "") -> str:
         """End the output (abort, or a detokenizer flush): the rest of the held-back text."""

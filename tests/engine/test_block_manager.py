@@ -3,6 +3,8 @@ against a naive model (a fake KV store that records which tokens each physical s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -15,6 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from engine.core import block_manager
 from engine.core.api import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, Medium
 from engine.core.block_manager import BlockManager
 from indexer.keys import block_keys
@@ -118,6 +121,51 @@ def test_lru_evicts_least_recently_freed_and_records_removal() -> None:
     bm.check_invariants()
 
 
+def test_a_lookup_remembered_across_evictions_serves_only_what_is_cached_now() -> None:
+    # The scheduler asks about a waiting head's token list at every step until it fits; what
+    # the block manager remembers of that list must follow the evictions and stores made in
+    # between by running sequences (growing, computing), which ask about no other list.
+    bm = BlockManager(6, 2)
+    bm.allocate(2, [7] * 8, 2)  # runs; grows later
+    computing = [1, 2, 3, 4, 6]
+    bm.allocate(4, computing, 4)  # runs; computes the shared prefix later
+    bm.allocate(1, [1, 2, 3, 4, 5], 5)
+    bm.cache_blocks(1, [1, 2, 3, 4, 5], 5)
+    bm.free(1)  # its two full blocks stay cached, evictable
+    waiting = [1, 2, 3, 4, 9]  # one list object throughout, as a waiting sequence's
+    assert bm.count_hit_tokens(waiting) == 4
+    bm.append(2, 8)  # takes every free block: both cached ones are evicted
+    assert bm.count_hit_tokens(waiting) == 0
+    assert not bm.can_allocate(waiting, 5)
+    bm.cache_blocks(4, computing, 4)  # the same prefix stored again, in other blocks
+    assert bm.count_hit_tokens(waiting) == 4
+    stored = list(bm.block_table(4))
+    bm.free(4)
+    bm.free(2)
+    assert bm.allocate(5, waiting, 5) == 4
+    assert bm.block_table(5)[:2] == stored
+    bm.check_invariants()
+
+
+def test_a_key_collision_never_serves_another_prompts_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Keys made to collide: every prompt's block i gets the same key.
+    def colliding_keys(tokens: Sequence[int], size: int, **_: object) -> list[int]:
+        return list(range(1, len(tokens) // size + 1))
+
+    monkeypatch.setattr(block_manager, "block_keys", colliding_keys)
+    bm = BlockManager(8, 2)
+    bm.allocate(1, [1, 2, 3, 4, 5], 5)
+    bm.cache_blocks(1, [1, 2, 3, 4, 5], 5)
+    bm.free(1)
+    other = [1, 2, 6, 6, 5]  # block 0 really matches, block 1 only by its colliding key
+    assert bm.count_hit_tokens(other) == 2
+    assert bm.count_hit_tokens([1, 2, 3, 4, 5], cache_salt="s") == 0  # namespace differs
+    assert bm.allocate(2, other, 5) == 2
+    bm.check_invariants()
+
+
 def test_reset_prefix_cache_refused_while_blocks_are_used() -> None:
     bm = BlockManager(4, 2)
     bm.allocate(1, [1, 2, 3], 3)
@@ -161,6 +209,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.computed: dict[int, int] = {}
         self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token written there
         self.replayed: set[int] = set()
+        # The last token list refused for lack of blocks: retried like a waiting head, with the
+        # same list object, after the cache changed under it.
+        self.refused: tuple[list[int], str | None] | None = None
 
     def _write(self, seq_id: int, start: int, end: int) -> None:
         table = self.bm.block_table(seq_id)
@@ -177,16 +228,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         salt=st.sampled_from([None, None, "s"]),
         use_cache=st.booleans(),
         chunk=st.integers(1, 12),
+        retry=st.booleans(),
     )
     def new_sequence(
         self,
+        *,
         prefix: list[int],
         suffix: list[int],
         salt: str | None,
         use_cache: bool,
         chunk: int,
+        retry: bool,
     ) -> int | None:
         tokens = prefix + suffix
+        if retry and self.refused is not None:
+            tokens, salt = self.refused
         seq_id = self.next_id
         self.next_id += 1
         # The naive model of a hit: leading full blocks whose keys are cached (never the one
@@ -205,7 +261,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_allocate(tokens, num, cache_salt=salt, use_cache=use_cache):
             with pytest.raises(MemoryError):
                 self.bm.allocate(seq_id, tokens, num, cache_salt=salt, use_cache=use_cache)
+            self.refused = (tokens, salt)
             return None
+        if self.refused is not None and self.refused[0] is tokens:
+            self.refused = None
         hit = self.bm.allocate(seq_id, tokens, num, cache_salt=salt, use_cache=use_cache)
         assert hit == expected
         self.tokens[seq_id] = tokens
