@@ -253,7 +253,8 @@ class BlockManager:
         lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> int:
-        """How many prompt tokens a new sequence would find cached (no side effects)."""
+        """How many prompt tokens a new sequence would find cached (the cache is left as it is;
+        only the lookup memo is refreshed)."""
         if not self.enable_prefix_caching:
             return 0
         lookup = self._lookup_for(token_ids, _Namespace(lora_name, cache_salt))
