@@ -1,7 +1,8 @@
 """The engine core's public types: requests in, outputs and KV events out, and the runner contract.
 
-Everything here is a frozen, slotted dataclass, an Enum or a Protocol; proto types stop at the
-servers (`engine/server/`), torch stays in the runners. The flow of one step:
+Everything here is immutable: a frozen, slotted dataclass, a named tuple, an Enum or a Protocol;
+proto types stop at the servers (`engine/server/`), torch stays in the runners. The flow of one
+step:
 
     EngineCore.step()
       scheduler picks a ScheduledBatch  ->  ModelRunner.execute(batch) -> list[SequenceResult]
@@ -10,6 +11,13 @@ servers (`engine/server/`), torch stays in the runners. The flow of one step:
 
 Conventions: token ids are ints; positions are 0-based; `None` means "not set / unknown", never
 `-1`; block keys are kvplane's canonical chained keys (`indexer.keys.block_keys`).
+
+What every step builds once per scheduled sequence (`ScheduledSequence`, `SequenceResult`,
+`RequestOutput`) are named tuples rather than frozen dataclasses: a frozen dataclass sets each
+field through `object.__setattr__`, and building these three took about a tenth of a saturated
+simulated replay (docs/benchmarks/routing.md); a named tuple is built two to three times
+faster. Read them by field name only (their tuple behaviour, such as unpacking or comparing
+with a plain tuple, is not part of the API); use `value._replace(...)` for an altered copy.
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.core.errors import InvalidRequestError
 
@@ -197,8 +205,7 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
+class RequestOutput(NamedTuple):
     """What one step produced for one output (`output_index`) of a request: deltas only.
 
     `new_token_ids` are the tokens emitted this step; `new_text` is the text delta (text may lag
@@ -277,8 +284,7 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
+class ScheduledSequence(NamedTuple):
     """One sequence's work in a step.
 
     Compute `token_ids` at positions `start_position ..`; their KV goes into the slots
@@ -315,8 +321,7 @@ class ScheduledBatch:
     num_decode_context_tokens: int  # context length summed over the decoding sequences
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceResult:
+class SequenceResult(NamedTuple):
     """A runner's answer for one scheduled sequence.
 
     `token_id` (and `logprob` when `sampling.logprobs`) only when the sequence sampled.

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.core.api import SchedulerConfig
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledWork:
+class ScheduledWork(NamedTuple):
+    """One sequence's share of a step (a named tuple: built for every sequence of every step;
+    see `engine.core.api`)."""
+
     sequence: Sequence
     num_new_tokens: int
 
