@@ -78,6 +78,10 @@ class RouterConfig(StrictModel):
     tie_tokens: float = Field(default=_DEFAULT_WEIGHTS.tie_tokens, ge=0)
     tie_ratio: float = Field(default=_DEFAULT_WEIGHTS.tie_ratio, ge=0)
     temperature: float = Field(default=_DEFAULT_WEIGHTS.temperature, ge=0)
+    # A backlogged fleet (every queue at least backlog_tokens prefill tokens) keeps prefixes
+    # at backlog_overlap_weight; 0 turns it off.
+    backlog_tokens: float = Field(default=_DEFAULT_WEIGHTS.backlog_tokens, ge=0)
+    backlog_overlap_weight: float = Field(default=_DEFAULT_WEIGHTS.backlog_overlap_weight, ge=0)
     # `kvplane` skips busy engines (controller.router.router.BusyThresholds): KV usage or
     # queued requests at these thresholds, while at most busy_max_fraction of them are busy.
     busy_kv_usage: float | None = Field(default=_DEFAULT_BUSY.kv_usage, gt=0, le=1)
@@ -115,6 +119,8 @@ class RouterConfig(StrictModel):
             tie_tokens=self.tie_tokens,
             tie_ratio=self.tie_ratio,
             temperature=self.temperature,
+            backlog_tokens=self.backlog_tokens,
+            backlog_overlap_weight=self.backlog_overlap_weight,
         )
 
     def busy(self) -> BusyThresholds:

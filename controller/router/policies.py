@@ -177,7 +177,8 @@ class KvplaneWeights:
         total = overlap * (uncached + host_weight * host_cached)
               + waiting * (1 + (1 - pressure) * waiting / queue_knee)
               + decode_weight * (active + decoding * (waiting + uncached) / pass_tokens)
-        overlap = idle_overlap_weight + (overlap_weight - idle_overlap_weight) * pressure
+        overlap = idle_overlap_weight + (overlap_weight - idle_overlap_weight) * pressure,
+                  at least backlog_overlap_weight once the shortest queue reaches backlog_tokens
 
     `waiting` = prefill tokens queued on the engine; `active` = its requests; `decoding` = its
     running requests (polled), at most `pass_decodes`; `pressure` = the candidates' mean cache
@@ -199,6 +200,13 @@ class KvplaneWeights:
       decode step in prefill tokens). Queued requests do not decode, so an overloaded engine's
       queue is not counted twice.
 
+    - When every engine has a long prefill queue (the shortest at least `backlog_tokens`),
+      the fleet is backlogged: requests wait minutes whatever the choice, and what shortens
+      every wait is less work. The overlap is then at least `backlog_overlap_weight`, so a
+      conversation stays with its cached prefix rather than recompute it for a slightly
+      shorter queue (0 = off). A switch, not a ramp: below it the cost is exactly as without
+      it.
+
     All tuned on the Mooncake traces (docs/benchmarks/routing.md). Engines within `tie_tokens`
     + `tie_ratio` * best of the best cost are ties, picked at random (or by softmax when
     `temperature` > 0), so equal engines share a hot prefix.
@@ -214,6 +222,8 @@ class KvplaneWeights:
     tie_tokens: float = 64.0
     tie_ratio: float = 0.0
     temperature: float = 0.0
+    backlog_tokens: float = 200_000.0
+    backlog_overlap_weight: float = 36.0
 
 
 class KvplanePolicy(_Stateless):
@@ -228,6 +238,10 @@ class KvplanePolicy(_Stateless):
         w = self.weights
         pressure = sum(c.cache_pressure for c in candidates) / max(len(candidates), 1)
         overlap = w.idle_overlap_weight + (w.overlap_weight - w.idle_overlap_weight) * pressure
+        if candidates and 0 < w.backlog_tokens <= min(c.pending_prefill_tokens for c in candidates):
+            # Even the shortest queue is long: the fleet is backlogged, and recomputing a
+            # cached prefix only adds to everyone's wait.
+            overlap = max(overlap, w.backlog_overlap_weight)
         rows = []
         for c in candidates:
             device, host = request.cached_tokens(c.hit)

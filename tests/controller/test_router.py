@@ -41,7 +41,12 @@ def cand(eid: str, device: int = 0, host: int = 0, **load: int) -> Candidate:
 
 def test_kvplane_cost_terms_are_prefill_queue_and_decode() -> None:
     weights = KvplaneWeights(
-        overlap_weight=2.0, host_weight=0.25, decode_weight=10.0, queue_knee=0, pass_tokens=0
+        overlap_weight=2.0,
+        host_weight=0.25,
+        decode_weight=10.0,
+        queue_knee=0,
+        pass_tokens=0,
+        backlog_tokens=0,
     )
     policy = KvplanePolicy(weights)
     req = request(blocks=4, extra=5)  # 69 tokens, at most 4 cacheable blocks
@@ -149,6 +154,24 @@ def test_kvplane_leaves_a_cached_engine_whose_queue_is_long() -> None:
     busy_with_cache = cand("a", 4, queued_requests=3, waiting_tokens=100_000)
     d = router.explain(request(blocks=4), [busy_with_cache, cand("b")], random.Random(0), 0)
     assert (d.engine_id, d.reason) == ("b", Reason.LOAD)
+
+
+def test_kvplane_keeps_prefixes_harder_when_the_whole_fleet_is_backlogged() -> None:
+    """The same difference in queue length moves a request off its cached prefix when
+    another engine is idle, not when even the shortest queue is a backlog."""
+    req = RouteRequest("r", 40 * BS, BS, tuple(range(40)))  # 39 cacheable blocks
+    policy = KvplanePolicy(KvplaneWeights(queue_knee=0, pass_tokens=0, decode_weight=0))
+
+    def choice(base_queue: int) -> str:
+        holder = cand("holder", 39, waiting_tokens=base_queue + 100_000)
+        other = cand("other", waiting_tokens=base_queue)
+        return policy.choose(req, [holder, other], random.Random(0), 0).engine_id
+
+    assert choice(0) == "other"  # overlap 12: 12 x 4,992 recomputed < 100,000 more queued
+    assert choice(200_000) == "holder"  # backlogged: overlap 36 makes it 179,712
+    off = KvplanePolicy(KvplaneWeights(queue_knee=0, pass_tokens=0, backlog_tokens=0))
+    backlogged = [cand("holder", 39, waiting_tokens=300_000), cand("other", waiting_tokens=200_000)]
+    assert off.choose(req, backlogged, random.Random(0), 0).engine_id == "other"
 
 
 def test_the_polled_queue_leaves_out_what_the_router_knows_is_cached() -> None:
