@@ -238,15 +238,15 @@ class KvplanePolicy(_Stateless):
         w = self.weights
         pressure = sum(c.cache_pressure for c in candidates) / max(len(candidates), 1)
         overlap = w.idle_overlap_weight + (w.overlap_weight - w.idle_overlap_weight) * pressure
-        if candidates and 0 < w.backlog_tokens <= min(c.pending_prefill_tokens for c in candidates):
+        queues = [float(c.pending_prefill_tokens) for c in candidates]  # a property: once each
+        if queues and 0 < w.backlog_tokens <= min(queues):
             # Even the shortest queue is long: the fleet is backlogged, and recomputing a
             # cached prefix only adds to everyone's wait.
             overlap = max(overlap, w.backlog_overlap_weight)
         rows = []
-        for c in candidates:
+        for c, waiting in zip(candidates, queues, strict=True):
             device, host = request.cached_tokens(c.hit)
             uncached = request.num_prompt_tokens - device - host
-            waiting = float(c.pending_prefill_tokens)
             active = c.active_requests  # a property: read once
             prefill = overlap * (uncached + w.host_weight * host)
             queue = waiting

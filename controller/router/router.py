@@ -203,12 +203,12 @@ class Router:
                 if reach > held:
                     # Pending blocks will be on the device once computed.
                     hit = PrefixHit(hit.device_blocks + reach - held, hit.host_blocks)
-            inflight = self.inflight.of(c.engine_id)
-            if count:
-                overlap = self.inflight.active_overlap(c.engine_id, keys)
-                out.append(c._replace(hit=hit, inflight=inflight, active_overlap_blocks=overlap))
-            else:
-                out.append(c._replace(hit=hit, inflight=inflight))
+            overlap = self.inflight.active_overlap(c.engine_id, keys) if count else None
+            out.append(
+                c._replace(
+                    hit=hit, inflight=self.inflight.of(c.engine_id), active_overlap_blocks=overlap
+                )
+            )
         return out
 
     def explain(
