@@ -85,6 +85,9 @@ class E2eSettings:
     torch_threads: int = 1
     gateway_requests: int = 300
     gateway_prompt_tokens: int = 16
+    # Rounds of the whole policy list, each on fresh fleets, the order reversed every other
+    # round: one round's ratio moves with the machine (engines time-share its CPUs).
+    rounds: int = 1
 
 
 # ---- the fleet ----
@@ -369,24 +372,44 @@ async def run_e2e_bench(trace_path: Path, settings: E2eSettings) -> dict[str, An
             "cpus": os.cpu_count(),
             "policies": {},
         }
-        for i, policy in enumerate(settings.policies):
-            doc["policies"][policy] = await _run_policy(
-                policy,
-                model_dir=model_dir,
-                vocab_size=vocab_size,
-                workload=workload,
-                settings=settings,
-                measure_gateway=i == 0,
+        rounds: list[dict[str, Any]] = []
+        for number in range(settings.rounds):
+            order = settings.policies if number % 2 == 0 else settings.policies[::-1]
+            rows: dict[str, Any] = {}
+            for i, policy in enumerate(order):
+                rows[policy] = await _run_policy(
+                    policy,
+                    model_dir=model_dir,
+                    vocab_size=vocab_size,
+                    workload=workload,
+                    settings=settings,
+                    measure_gateway=number == 0 and i == 0,
+                )
+            rounds.append(
+                {
+                    "order": list(order),
+                    "policies": {p: rows[p] for p in settings.policies},
+                    "ttft_mean_ratio_round_robin_to_kvplane": _ttft_ratio(rows),
+                }
             )
-    rows = doc["policies"]
-    if "kvplane" in rows and "round_robin" in rows and rows["kvplane"]["ttft_ms"]["mean"]:
-        doc["ttft_mean_ratio_round_robin_to_kvplane"] = round(
-            rows["round_robin"]["ttft_ms"]["mean"] / rows["kvplane"]["ttft_ms"]["mean"], 2
-        )
-    gateway = next((r["gateway"] for r in rows.values() if "gateway" in r), None)
+    doc["policies"] = rounds[0]["policies"]
+    ratios = [r["ttft_mean_ratio_round_robin_to_kvplane"] for r in rounds]
+    if all(r is not None for r in ratios):
+        doc["ttft_mean_ratio_round_robin_to_kvplane"] = statistics.median(ratios)
+    if settings.rounds > 1:
+        doc["rounds"] = rounds
+    gateway = next((r["gateway"] for r in doc["policies"].values() if "gateway" in r), None)
     if gateway is not None:
         doc["gateway"] = gateway
     return doc
+
+
+def _ttft_ratio(rows: dict[str, Any]) -> float | None:
+    """Round robin's mean TTFT over kvplane's in one round (None without both)."""
+    if "kvplane" not in rows or "round_robin" not in rows or not rows["kvplane"]["ttft_ms"]["mean"]:
+        return None
+    ratio: float = rows["round_robin"]["ttft_ms"]["mean"] / rows["kvplane"]["ttft_ms"]["mean"]
+    return round(ratio, 2)
 
 
 def render_table(doc: dict[str, Any]) -> str:
@@ -396,20 +419,28 @@ def render_table(doc: dict[str, Any]) -> str:
         f"{w['requests']} requests from {doc['trace']} ({w['conversations']} conversations, "
         f"prompts mean {w['prompt_tokens']['mean']:.0f} tokens) at {doc['rate_rps']} req/s, "
         f"oracle cached ratio {w['oracle_cached_ratio']:.3f}",
-        f"{'policy':<14}{'done':>6}{'ttft mean':>11}{'p50':>9}{'p99':>9}"
+        f"{'round':<7}{'policy':<14}{'done':>6}{'ttft mean':>11}{'p50':>9}{'p99':>9}"
         f"{'cached tokens':>15}{'ratio':>8}{'imbal.':>8}{'load avg':>10}",
     ]
-    for name, row in doc["policies"].items():
-        t = row["ttft_ms"]
-        lines.append(
-            f"{name:<14}{row['completed']:>6}{t['mean']:>11.1f}{t['p50']:>9.1f}{t['p99']:>9.1f}"
-            f"{row['cached_prompt_tokens']:>15}{row['cached_ratio']:>8.3f}"
-            f"{_cell(row['per_engine'].get('imbalance'))}"
-            f"{row['load_average']['after'][0]:>10.2f}"
-        )
+    rounds = doc.get("rounds") or [{"order": list(doc["policies"]), "policies": doc["policies"]}]
+    for number, one in enumerate(rounds, 1):
+        for name in one["order"]:
+            row = one["policies"][name]
+            t = row["ttft_ms"]
+            lines.append(
+                f"{number:<7}{name:<14}{row['completed']:>6}{t['mean']:>11.1f}{t['p50']:>9.1f}"
+                f"{t['p99']:>9.1f}{row['cached_prompt_tokens']:>15}{row['cached_ratio']:>8.3f}"
+                f"{_cell(row['per_engine'].get('imbalance'))}"
+                f"{row['load_average']['after'][0]:>10.2f}"
+            )
     if "ttft_mean_ratio_round_robin_to_kvplane" in doc:
-        ratio = doc["ttft_mean_ratio_round_robin_to_kvplane"]
-        lines.append(f"mean TTFT round_robin / kvplane: x{ratio:.2f}")
+        line = (
+            f"mean TTFT round_robin / kvplane: x{doc['ttft_mean_ratio_round_robin_to_kvplane']:.2f}"
+        )
+        if len(rounds) > 1:
+            each = ", ".join(f"x{r['ttft_mean_ratio_round_robin_to_kvplane']:.2f}" for r in rounds)
+            line += f" (the median of the rounds' {each})"
+        lines.append(line)
     if "gateway" in doc:
         g = doc["gateway"]
         d, gw = g["direct"]["first_response_ms"], g["gateway"]["first_response_ms"]
@@ -454,6 +485,12 @@ def bench_e2e(
         int, typer.Option(min=0, help="Direct/gateway pairs for the added latency (0: skip).")
     ] = 300,
     seed: Annotated[int, typer.Option()] = 0,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Rounds of every policy on fresh fleets (order reversed every other)."
+        ),
+    ] = 1,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """A real local fleet end to end: TTFT and cached tokens per router policy on a workload
@@ -473,5 +510,6 @@ def bench_e2e(
         num_kv_blocks=kv_blocks,
         max_num_batched_tokens=max_batched_tokens,
         gateway_requests=gateway_requests,
+        rounds=rounds,
     )
     emit(asyncio.run(run_e2e_bench(trace, settings)), output, render_table)

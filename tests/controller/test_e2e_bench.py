@@ -19,6 +19,7 @@ TRACE = (
 
 @pytest.mark.timeout(180)
 def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
+    """Two rounds, the second in the other order: each round's ratio, their median."""
     num_requests = 6
     result = CliRunner().invoke(
         app,
@@ -33,6 +34,7 @@ def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
             "--max-prompt-tokens", "96",
             "--kv-blocks", "128",
             "--gateway-requests", "3",
+            "--rounds", "2",
             "-o", "json",
         ],
     )  # fmt: skip
@@ -41,7 +43,21 @@ def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
     assert doc["engines"] == 2
     assert doc["workload"]["requests"] == num_requests
     assert set(doc["policies"]) == {"kvplane", "round_robin"}
-    for row in doc["policies"].values():
+    rounds = doc["rounds"]
+    assert [r["order"] for r in rounds] == [
+        ["kvplane", "round_robin"],
+        ["round_robin", "kvplane"],
+    ]
+    assert rounds[0]["policies"] == doc["policies"]  # the first round's rows, gateway included
+    assert "gateway" not in rounds[1]["policies"]["round_robin"]  # measured once
+    ratios = []
+    for one in rounds:
+        rows = one["policies"]
+        ratio = rows["round_robin"]["ttft_ms"]["mean"] / rows["kvplane"]["ttft_ms"]["mean"]
+        assert one["ttft_mean_ratio_round_robin_to_kvplane"] == round(ratio, 2)
+        ratios.append(one["ttft_mean_ratio_round_robin_to_kvplane"])
+    assert doc["ttft_mean_ratio_round_robin_to_kvplane"] == pytest.approx(sum(ratios) / 2)
+    for row in (r for one in rounds for r in one["policies"].values()):
         assert row["completed"] == num_requests and row["failed"] == 0
         assert row["reported_cached_tokens"] == num_requests  # usage came with every stream
         assert row["prompt_tokens"] > 0
@@ -52,7 +68,6 @@ def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
         assert len(engines) == 2
         # Every request reached an engine (the warm-up adds two per engine).
         assert sum(e["requests"] for e in engines.values()) == num_requests + 2 * 2
-    assert doc["ttft_mean_ratio_round_robin_to_kvplane"] > 0
     gateway = doc["gateway"]
     assert gateway["pairs"] == 3
     assert set(gateway["added_ms"]) == {"p50", "p99", "paired_median"}
