@@ -192,6 +192,7 @@ _ENGINE_TOTALS = {
     "kvplane_engine_prompt_tokens_total": "prompt_tokens",
     "kvplane_engine_cached_prompt_tokens_total": "cached_prompt_tokens",
     "kvplane_engine_step_seconds_sum": "busy_s",
+    "kvplane_engine_step_seconds_count": "steps",
 }
 _CONTROLLER_TOTALS = {
     "kvplane_controller_route_seconds_sum": "route_s",
@@ -214,8 +215,8 @@ def _scrape(address: str, wanted: dict[str, str]) -> dict[str, float]:
 
 
 async def _engine_stats(fleet: Fleet) -> dict[str, Any]:
-    """Per engine (warm-up included): requests, prompt/cached tokens, busy seconds; and the
-    imbalance, max / mean busy time."""
+    """Per engine (warm-up included): requests, prompt/cached tokens, busy seconds, steps; and
+    the imbalance, max / mean busy time."""
     rows: dict[str, Any] = {}
     for member in fleet.members:
         address = member.find_metrics_address() if member.kind == "engine" else None

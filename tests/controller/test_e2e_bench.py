@@ -68,6 +68,7 @@ def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
         assert len(engines) == 2
         # Every request reached an engine (the warm-up adds two per engine).
         assert sum(e["requests"] for e in engines.values()) == num_requests + 2 * 2
+        assert all(e["steps"] > 0 and e["busy_s"] > 0 for e in engines.values())
     gateway = doc["gateway"]
     assert gateway["pairs"] == 3
     assert set(gateway["added_ms"]) == {"p50", "p99", "paired_median"}
