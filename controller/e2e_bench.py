@@ -396,7 +396,7 @@ async def run_e2e_bench(trace_path: Path, settings: E2eSettings) -> dict[str, An
     doc["policies"] = rounds[0]["policies"]
     ratios = [r["ttft_mean_ratio_round_robin_to_kvplane"] for r in rounds]
     if all(r is not None for r in ratios):
-        doc["ttft_mean_ratio_round_robin_to_kvplane"] = statistics.median(ratios)
+        doc["ttft_mean_ratio_round_robin_to_kvplane"] = round(statistics.median(ratios), 3)
     if settings.rounds > 1:
         doc["rounds"] = rounds
     gateway = next((r["gateway"] for r in doc["policies"].values() if "gateway" in r), None)
