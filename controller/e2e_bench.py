@@ -2,7 +2,12 @@
 
 For each router policy a fresh fleet is started as child processes (`kvplane.up.Fleet`):
 `--engines` torch engines (`kvplane engine serve`, one torch thread each) behind
-`kvplane controller serve`, so every run starts with cold caches. Each engine gets two tiny
+`kvplane controller serve`, so every run starts with cold caches. By default the policies'
+fleets run side by side: all at once, each pinned to its own equal share of the machine's
+CPUs (two CPUs, two policies: a core each), their workloads sent by one client at the same
+instants, so that the machine's drift (other tenants, frequency) hits every policy alike;
+which fleet gets which CPUs rotates with the round. `--sequential` runs one fleet after the
+other on every CPU instead (the order reversed every other round). Each engine gets two tiny
 requests directly (first-call warm-up, kept out of the figures); then the workload
 (`controller.e2e_workload`: the conversation trace scaled to this fleet) is sent through the
 controller open loop, every request at its arrival time whatever the fleet is doing. Per
@@ -10,7 +15,8 @@ policy: TTFT (first token event - scheduled arrival) mean/p50/p99, the engine-re
 `usage.cached_prompt_tokens` against all prompt tokens, and per engine (its `/metrics`):
 requests, prompt and cached tokens, busy seconds (sum of step times), imbalance.
 
-On the first policy's fleet, after the workload (engines idle), the gateway's added latency:
+On the first policy's fleet of the first round, after every workload (engines idle), the
+gateway's added latency:
 `--gateway-requests` pairs of tiny requests (unique prompts, one output token), each pair one
 call straight to an engine (rotating) and one through the controller, alternated so that load
 drift hits both alike; the first 10 pairs are warm-up. Added = gateway percentile - direct
@@ -25,6 +31,7 @@ model directory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +40,7 @@ import statistics
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -88,12 +95,18 @@ class E2eSettings:
     # Rounds of the whole policy list, each on fresh fleets, the order reversed every other
     # round: one round's ratio moves with the machine (engines time-share its CPUs).
     rounds: int = 1
+    # Every policy's fleet at once, each pinned to its own share of the CPUs, driven by one
+    # client: the machine's drift hits all policies alike (the rate is each fleet's). Off:
+    # one fleet after the other, each on every CPU.
+    side_by_side: bool = True
 
 
 # ---- the fleet ----
 
 
-def _fleet_config(model_dir: Path, policy: str, settings: E2eSettings) -> FleetConfig:
+def _fleet_config(
+    model_dir: Path, policy: str, settings: E2eSettings, cpus: list[int] | None
+) -> FleetConfig:
     from kvplane.up import FleetConfig  # the fleet launcher, loaded when a run starts
 
     engines = [
@@ -110,6 +123,7 @@ def _fleet_config(model_dir: Path, policy: str, settings: E2eSettings) -> FleetC
                 "shutdown_grace_s": 1.0,
                 "metrics_listen": "127.0.0.1:0",  # per-engine work, read after the run
             },
+            "cpus": cpus,
         }
         for i in range(settings.engines)
     ]
@@ -121,6 +135,7 @@ def _fleet_config(model_dir: Path, policy: str, settings: E2eSettings) -> FleetC
             "engines": [{"address": f"${{engine-{i}}}"} for i in range(settings.engines)],
             "shutdown_grace_s": 1.0,
         },
+        "cpus": cpus,
     }
     return FleetConfig.model_validate({"members": [*engines, controller]})
 
@@ -268,58 +283,141 @@ async def _gateway_overhead(
     return doc
 
 
-# ---- one policy, the whole run ----
+# ---- one round: each policy on a fresh fleet ----
 
 
-async def _run_policy(
-    policy: str,
-    *,
-    model_dir: Path,
-    vocab_size: int,
-    workload: Sequence[WorkloadRequest],
-    settings: E2eSettings,
-    measure_gateway: bool,
-) -> dict[str, Any]:
+@dataclass(slots=True)
+class _RunningFleet:
+    policy: str
+    fleet: Fleet
+    controller: str
+    engines: list[str]
+    cpus: list[int] | None  # None: every CPU
+
+
+@contextlib.asynccontextmanager
+async def _fleet_for(
+    policy: str, *, model_dir: Path, vocab_size: int, settings: E2eSettings, cpus: list[int] | None
+) -> AsyncIterator[_RunningFleet]:
+    """A fresh fleet routing by `policy` (pinned to `cpus` when given), warmed up; stopped on
+    exit."""
     from kvplane.up import Fleet
 
-    model = model_dir.name
     with tempfile.TemporaryDirectory(prefix="kvplane-e2e-") as tmp:
-        fleet = Fleet(_fleet_config(model_dir, policy, settings), Path(tmp))
+        fleet = Fleet(_fleet_config(model_dir, policy, settings, cpus), Path(tmp))
         try:
             started = time.monotonic()
             await fleet.start()
             controller = fleet.member("controller").address
             engines = [m.address for m in fleet.members if m.kind == "engine"]
-            assert controller is not None and all(engines)  # start() waited for them
+            assert controller is not None  # start() waited for every member
+            running = _RunningFleet(policy, fleet, controller, [a for a in engines if a], cpus)
             await wait_routable(controller, len(engines))
-            await _warm_up([a for a in engines if a], model, vocab_size)
-            log.info("%s: fleet ready in %.1fs", policy, time.monotonic() - started)
-            load_before = os.getloadavg()
-            started = time.monotonic()
-            outcomes = await _drive(controller, model, workload, policy)
-            row = _summarise(outcomes, time.monotonic() - started)
-            row["load_average"] = {
-                "before": [round(x, 2) for x in load_before],
-                "after": [round(x, 2) for x in os.getloadavg()],
-            }
-            row["per_engine"] = await _engine_stats(fleet)
-            log.info("%s: %s", policy, json.dumps(row))
-            if measure_gateway and settings.gateway_requests > 0:
-                metrics = fleet.member("controller").find_metrics_address()
-                before = await _controller_totals(metrics)
-                gateway = await _gateway_overhead(
-                    controller, [a for a in engines if a], model, vocab_size, settings
-                )
-                after = await _controller_totals(metrics)
-                routed = after.get("routed", 0.0) - before.get("routed", 0.0)
-                if routed > 0:  # the controller's own time to plan and route one request
-                    route_ms = (after["route_s"] - before["route_s"]) / routed * 1000
-                    gateway["controller_route_ms_mean"] = round(route_ms, 3)
-                gateway["load_average"] = [round(x, 2) for x in os.getloadavg()]
-                row["gateway"] = gateway
-            return row
+            await _warm_up(running.engines, model_dir.name, vocab_size)
+            log.info("%s: fleet ready in %.1fs (cpus %s)", policy, time.monotonic() - started, cpus)
+            yield running
         finally:
             await fleet.stop()
+
+
+async def _run_workload(
+    running: _RunningFleet, model: str, workload: Sequence[WorkloadRequest]
+) -> dict[str, Any]:
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    outcomes = await _drive(running.controller, model, workload, running.policy)
+    row = _summarise(outcomes, time.monotonic() - started)
+    row["cpus"] = running.cpus
+    row["load_average"] = {
+        "before": [round(x, 2) for x in load_before],
+        "after": [round(x, 2) for x in os.getloadavg()],
+    }
+    row["per_engine"] = await _engine_stats(running.fleet)
+    log.info("%s: %s", running.policy, json.dumps(row))
+    return row
+
+
+async def _measure_gateway(
+    running: _RunningFleet, model: str, vocab_size: int, settings: E2eSettings
+) -> dict[str, Any]:
+    metrics = running.fleet.member("controller").find_metrics_address()
+    before = await _controller_totals(metrics)
+    gateway = await _gateway_overhead(
+        running.controller, running.engines, model, vocab_size, settings
+    )
+    after = await _controller_totals(metrics)
+    routed = after.get("routed", 0.0) - before.get("routed", 0.0)
+    if routed > 0:  # the controller's own time to plan and route one request
+        route_ms = (after["route_s"] - before["route_s"]) / routed * 1000
+        gateway["controller_route_ms_mean"] = round(route_ms, 3)
+    gateway["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    return gateway
+
+
+def _cpu_groups(count: int) -> list[list[int]]:
+    """This process's CPUs split into `count` equal groups (side by side: one per policy)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < count:
+        raise KvplaneError(
+            f"side by side needs a CPU per policy ({count} policies, {len(cpus)} CPUs); "
+            "use --sequential"
+        )
+    size = len(cpus) // count
+    return [cpus[i * size : (i + 1) * size] for i in range(count)]
+
+
+async def _run_round(
+    number: int,
+    *,
+    model_dir: Path,
+    vocab_size: int,
+    workload: Sequence[WorkloadRequest],
+    settings: E2eSettings,
+) -> dict[str, Any]:
+    """One round: every policy on a fresh fleet, one after the other (the order reversed
+    every other round) or, side by side, all at once, each fleet on its own CPUs (which fleet
+    gets which CPUs rotates with the round). The gateway is timed in round 0 on the first
+    policy's fleet once every workload is done."""
+    turn = number % len(settings.policies)
+    order = settings.policies if number % 2 == 0 else settings.policies[::-1]
+    measure_gateway = number == 0 and settings.gateway_requests > 0
+    model = model_dir.name
+    rows: dict[str, Any] = {}
+    if settings.side_by_side:
+        groups = _cpu_groups(len(settings.policies))
+        cpus = {p: groups[(i + turn) % len(groups)] for i, p in enumerate(settings.policies)}
+        order = settings.policies
+        async with contextlib.AsyncExitStack() as stack:
+            fleets = [
+                await stack.enter_async_context(
+                    _fleet_for(
+                        p, model_dir=model_dir, vocab_size=vocab_size, settings=settings,
+                        cpus=cpus[p],
+                    )
+                )
+                for p in order
+            ]  # fmt: skip
+            results = await asyncio.gather(*(_run_workload(f, model, workload) for f in fleets))
+            rows = {running.policy: row for running, row in zip(fleets, results, strict=True)}
+            if measure_gateway:
+                rows[order[0]]["gateway"] = await _measure_gateway(
+                    fleets[0], model, vocab_size, settings
+                )
+    else:
+        for i, policy in enumerate(order):
+            async with _fleet_for(
+                policy, model_dir=model_dir, vocab_size=vocab_size, settings=settings, cpus=None
+            ) as running:
+                rows[policy] = await _run_workload(running, model, workload)
+                if measure_gateway and i == 0:
+                    rows[policy]["gateway"] = await _measure_gateway(
+                        running, model, vocab_size, settings
+                    )
+    return {
+        "order": list(order),
+        "policies": {p: rows[p] for p in settings.policies},
+        "ttft_mean_ratio_round_robin_to_kvplane": _ttft_ratio(rows),
+    }
 
 
 def _resolve_model(model: str, scratch: Path) -> Path:
@@ -365,6 +463,7 @@ async def run_e2e_bench(trace_path: Path, settings: E2eSettings) -> dict[str, An
             "num_kv_blocks": settings.num_kv_blocks,
             "max_num_batched_tokens": settings.max_num_batched_tokens,
             "rate_rps": settings.workload.rate_rps,
+            "side_by_side": settings.side_by_side,
             "trace": trace_path.name,
             "workload": {
                 **asdict(settings.workload),
@@ -373,26 +472,16 @@ async def run_e2e_bench(trace_path: Path, settings: E2eSettings) -> dict[str, An
             "cpus": os.cpu_count(),
             "policies": {},
         }
-        rounds: list[dict[str, Any]] = []
-        for number in range(settings.rounds):
-            order = settings.policies if number % 2 == 0 else settings.policies[::-1]
-            rows: dict[str, Any] = {}
-            for i, policy in enumerate(order):
-                rows[policy] = await _run_policy(
-                    policy,
-                    model_dir=model_dir,
-                    vocab_size=vocab_size,
-                    workload=workload,
-                    settings=settings,
-                    measure_gateway=number == 0 and i == 0,
-                )
-            rounds.append(
-                {
-                    "order": list(order),
-                    "policies": {p: rows[p] for p in settings.policies},
-                    "ttft_mean_ratio_round_robin_to_kvplane": _ttft_ratio(rows),
-                }
+        rounds = [
+            await _run_round(
+                number,
+                model_dir=model_dir,
+                vocab_size=vocab_size,
+                workload=workload,
+                settings=settings,
             )
+            for number in range(settings.rounds)
+        ]
     doc["policies"] = rounds[0]["policies"]
     ratios = [r["ttft_mean_ratio_round_robin_to_kvplane"] for r in rounds]
     if all(r is not None for r in ratios):
@@ -418,9 +507,10 @@ def render_table(doc: dict[str, Any]) -> str:
     lines = [
         f"{doc['engines']} engines ({doc['model']}, {doc['torch_threads']} torch thread each), "
         f"{w['requests']} requests from {doc['trace']} ({w['conversations']} conversations, "
-        f"prompts mean {w['prompt_tokens']['mean']:.0f} tokens) at {doc['rate_rps']} req/s, "
-        f"oracle cached ratio {w['oracle_cached_ratio']:.3f}",
-        f"{'round':<7}{'policy':<14}{'done':>6}{'ttft mean':>11}{'p50':>9}{'p99':>9}"
+        f"prompts mean {w['prompt_tokens']['mean']:.0f} tokens) at {doc['rate_rps']} req/s "
+        f"to each fleet, oracle cached ratio {w['oracle_cached_ratio']:.3f}; fleets "
+        + ("side by side, each on its own CPUs" if doc["side_by_side"] else "one after the other"),
+        f"{'round':<7}{'policy':<14}{'cpus':>6}{'done':>6}{'ttft mean':>11}{'p50':>9}{'p99':>9}"
         f"{'cached tokens':>15}{'ratio':>8}{'imbal.':>8}{'load avg':>10}",
     ]
     rounds = doc.get("rounds") or [{"order": list(doc["policies"]), "policies": doc["policies"]}]
@@ -429,7 +519,8 @@ def render_table(doc: dict[str, Any]) -> str:
             row = one["policies"][name]
             t = row["ttft_ms"]
             lines.append(
-                f"{number:<7}{name:<14}{row['completed']:>6}{t['mean']:>11.1f}{t['p50']:>9.1f}"
+                f"{number:<7}{name:<14}{_cpus(row.get('cpus')):>6}{row['completed']:>6}"
+                f"{t['mean']:>11.1f}{t['p50']:>9.1f}"
                 f"{t['p99']:>9.1f}{row['cached_prompt_tokens']:>15}{row['cached_ratio']:>8.3f}"
                 f"{_cell(row['per_engine'].get('imbalance'))}"
                 f"{row['load_average']['after'][0]:>10.2f}"
@@ -457,6 +548,10 @@ def render_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cpus(cpus: list[int] | None) -> str:
+    return "all" if cpus is None else ",".join(map(str, cpus))
+
+
 def _cell(value: float | None) -> str:
     return f"{'-':>8}" if value is None else f"{value:>8.2f}"
 
@@ -464,7 +559,9 @@ def _cell(value: float | None) -> str:
 def bench_e2e(
     *,
     requests: Annotated[int, typer.Option("--requests", min=1)] = 240,
-    rate: Annotated[float, typer.Option("--rate", min=0.01, help="Mean arrivals per s.")] = 8.0,
+    rate: Annotated[
+        float, typer.Option("--rate", min=0.01, help="Mean arrivals per s (to each fleet).")
+    ] = 3.5,
     engines: Annotated[int, typer.Option(min=1)] = 4,
     model: Annotated[
         str, typer.Option(help="random-LxH (e.g. random-8x512), builtin, or a model directory.")
@@ -492,6 +589,14 @@ def bench_e2e(
             min=1, help="Rounds of every policy on fresh fleets (order reversed every other)."
         ),
     ] = 1,
+    side_by_side: Annotated[
+        bool,
+        typer.Option(
+            "--side-by-side/--sequential",
+            help="Every policy's fleet at once, each pinned to its own share of the CPUs; "
+            "or one after the other on all of them.",
+        ),
+    ] = True,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """A real local fleet end to end: TTFT and cached tokens per router policy on a workload
@@ -512,5 +617,6 @@ def bench_e2e(
         max_num_batched_tokens=max_batched_tokens,
         gateway_requests=gateway_requests,
         rounds=rounds,
+        side_by_side=side_by_side,
     )
     emit(asyncio.run(run_e2e_bench(trace, settings)), output, render_table)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +58,9 @@ class MemberConfig(StrictModel):
     # The member's own config file content (its server's YAML schema); `listen` defaults to
     # 127.0.0.1:0. Strings may refer to earlier members' addresses as ${name}.
     config: dict[str, Any] = Field(default_factory=dict)
+    # The CPUs the member's process may run on (Linux CPU affinity), e.g. one core per
+    # engine; unset: every CPU this process may use.
+    cpus: list[int] | None = Field(default=None, min_length=1)
 
     def refers_to(self) -> set[str]:
         return set(_PLACEHOLDER.findall(yaml.safe_dump(self.config)))
@@ -112,6 +116,20 @@ DEFAULT_FLEET: dict[str, Any] = {
         },
     ]
 }
+
+
+def _pinning(name: str, cpus: list[int] | None) -> Callable[[], None] | None:
+    """What the member's child runs before exec to keep to `cpus` (None: no pinning)."""
+    if cpus is None:
+        return None
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - available)
+    if missing:
+        raise KvplaneError(
+            f"{name}: cpus {missing} are not among this process's CPUs {sorted(available)}"
+        )
+    wanted = set(cpus)
+    return lambda: os.sched_setaffinity(0, wanted)
 
 
 def load_fleet(path: Path | None) -> FleetConfig:
@@ -225,6 +243,7 @@ class Fleet:
             sys.executable, "-m", "kvplane", member.kind, verb,
             "--config", str(config_path), "--port-file", str(port_file),
         ]  # fmt: skip
+        pin = _pinning(name, member.config.cpus)
         with log_path.open("wb") as log_file:
             member.process = await asyncio.create_subprocess_exec(
                 *command,
@@ -232,6 +251,7 @@ class Fleet:
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches us only; we stop children in order.
+                preexec_fn=pin,
             )
         member.state = "starting"
         log.info("%s started (pid %d)", name, member.process.pid)

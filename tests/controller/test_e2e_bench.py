@@ -18,8 +18,10 @@ TRACE = (
 
 
 @pytest.mark.timeout(180)
-def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
-    """Two rounds, the second in the other order: each round's ratio, their median."""
+@pytest.mark.parametrize("mode", ["--sequential", "--side-by-side"])
+def test_bench_e2e_runs_both_policies_on_a_real_fleet(mode: str) -> None:
+    """Two rounds: sequential, the second in the other order; side by side, both fleets at
+    once on their own CPUs, swapped in the second. Each round's ratio, their median."""
     num_requests = 6
     result = CliRunner().invoke(
         app,
@@ -35,6 +37,7 @@ def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
             "--kv-blocks", "128",
             "--gateway-requests", "3",
             "--rounds", "2",
+            mode,
             "-o", "json",
         ],
     )  # fmt: skip
@@ -44,10 +47,20 @@ def test_bench_e2e_runs_both_policies_on_a_real_fleet() -> None:
     assert doc["workload"]["requests"] == num_requests
     assert set(doc["policies"]) == {"kvplane", "round_robin"}
     rounds = doc["rounds"]
-    assert [r["order"] for r in rounds] == [
-        ["kvplane", "round_robin"],
-        ["round_robin", "kvplane"],
-    ]
+    cpus = [{p: row["cpus"] for p, row in r["policies"].items()} for r in rounds]
+    if mode == "--sequential":
+        assert not doc["side_by_side"]
+        assert [r["order"] for r in rounds] == [
+            ["kvplane", "round_robin"],
+            ["round_robin", "kvplane"],
+        ]
+        assert cpus == [{"kvplane": None, "round_robin": None}] * 2  # every CPU
+    else:
+        assert doc["side_by_side"]
+        kvplane_cpus, round_robin_cpus = cpus[0]["kvplane"], cpus[0]["round_robin"]
+        assert kvplane_cpus and round_robin_cpus
+        assert not set(kvplane_cpus) & set(round_robin_cpus)
+        assert cpus[1] == {"kvplane": round_robin_cpus, "round_robin": kvplane_cpus}
     assert rounds[0]["policies"] == doc["policies"]  # the first round's rows, gateway included
     assert "gateway" not in rounds[1]["policies"]["round_robin"]  # measured once
     ratios = []

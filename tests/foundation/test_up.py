@@ -21,7 +21,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
-from kvplane.errors import ConfigError
+from kvplane.errors import ConfigError, KvplaneError
 from kvplane.up import DEFAULT_FLEET, Fleet, FleetConfig, collect_status, load_fleet, render_status
 from kvplane.up_check import check_fleet
 from kvplane_api.v1 import admin_pb2 as apb
@@ -303,3 +303,44 @@ def test_embedded_defaults_are_three_builtin_engines_and_a_controller() -> None:
     assert len(engines) == 3
     assert all(m.config["model"] == "builtin" for m in engines)
     assert [m.kind for m in members].count("controller") == 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_member_with_cpus_runs_only_on_them(tmp_path: Path) -> None:
+    """`cpus` pins the member's process (every thread it starts) to those CPUs."""
+    cpu = max(os.sched_getaffinity(0))
+    config = FleetConfig.model_validate(
+        {
+            "members": [
+                {"name": "engine-0", "kind": "engine", "config": {"model": "sim"}, "cpus": [cpu]}
+            ]
+        }
+    )
+    fleet = Fleet(config, tmp_path)
+    try:
+        await fleet.start()
+        pid = fleet.member("engine-0").pid
+        assert pid is not None
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert len(threads) > 1  # the gRPC server's threads too
+        for thread in threads:
+            assert os.sched_getaffinity(int(thread)) == {cpu}
+    finally:
+        await fleet.stop()
+
+
+async def test_a_member_pinned_to_a_missing_cpu_is_refused_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    missing = max(os.sched_getaffinity(0)) + 1
+    config = FleetConfig.model_validate(
+        {"members": [{"name": "engine-0", "kind": "engine", "cpus": [missing]}]}
+    )
+    fleet = Fleet(config, tmp_path)
+    with pytest.raises(KvplaneError, match=rf"engine-0: cpus \[{missing}\] are not among"):
+        await fleet.start()
+    assert fleet.member("engine-0").pid is None
+    empty = tmp_path / "fleet.yaml"
+    empty.write_text("members: [{name: e, kind: engine, cpus: []}]\n")
+    with pytest.raises(ConfigError, match="cpus"):
+        load_fleet(empty)
