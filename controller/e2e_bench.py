@@ -310,7 +310,7 @@ async def _fleet_for(
             await fleet.start()
             controller = fleet.member("controller").address
             engines = [m.address for m in fleet.members if m.kind == "engine"]
-            assert controller is not None  # start() waited for every member
+            assert controller is not None and all(engines)  # start() waited for them
             running = _RunningFleet(policy, fleet, controller, [a for a in engines if a], cpus)
             await wait_routable(controller, len(engines))
             await _warm_up(running.engines, model_dir.name, vocab_size)
@@ -378,15 +378,13 @@ async def _run_round(
     every other round) or, side by side, all at once, each fleet on its own CPUs (which fleet
     gets which CPUs rotates with the round). The gateway is timed in round 0 on the first
     policy's fleet once every workload is done."""
-    turn = number % len(settings.policies)
-    order = settings.policies if number % 2 == 0 else settings.policies[::-1]
     measure_gateway = number == 0 and settings.gateway_requests > 0
     model = model_dir.name
     rows: dict[str, Any] = {}
     if settings.side_by_side:
-        groups = _cpu_groups(len(settings.policies))
-        cpus = {p: groups[(i + turn) % len(groups)] for i, p in enumerate(settings.policies)}
         order = settings.policies
+        groups = _cpu_groups(len(order))
+        cpus = {p: groups[(i + number) % len(groups)] for i, p in enumerate(order)}
         async with contextlib.AsyncExitStack() as stack:
             fleets = [
                 await stack.enter_async_context(
@@ -404,6 +402,7 @@ async def _run_round(
                     fleets[0], model, vocab_size, settings
                 )
     else:
+        order = settings.policies if number % 2 == 0 else settings.policies[::-1]
         for i, policy in enumerate(order):
             async with _fleet_for(
                 policy, model_dir=model_dir, vocab_size=vocab_size, settings=settings, cpus=None
