@@ -61,7 +61,7 @@ def up(
         ),
     ] = False,
 ) -> None:
-    """Start a whole local fleet (engines, controller, planner) until Ctrl-C."""
+    """Start a whole local fleet (engines, an optional indexer, the controller) until Ctrl-C."""
     import asyncio
 
     from kvplane.up import load_fleet, run_fleet

@@ -44,7 +44,8 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-MemberKind = Literal["engine", "indexer", "controller", "planner"]
+# The planner is not a member kind yet: `kvplane planner run` is not implemented.
+MemberKind = Literal["engine", "indexer", "controller"]
 _PLACEHOLDER = re.compile(r"\$\{([A-Za-z0-9_.-]+)\}")
 _METRICS_LINE = re.compile(r"metrics on http://(\S+)/metrics")
 BUILTIN = "builtin"
@@ -237,10 +238,9 @@ class Fleet:
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config))
         port_file = self.workdir / f"{name}.port"
-        verb = "run" if member.kind == "planner" else "serve"
         log_path = member.log_path = self.workdir / f"{name}.log"
         command = [
-            sys.executable, "-m", "kvplane", member.kind, verb,
+            sys.executable, "-m", "kvplane", member.kind, "serve",
             "--config", str(config_path), "--port-file", str(port_file),
         ]  # fmt: skip
         pin = _pinning(name, member.config.cpus)

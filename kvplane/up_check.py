@@ -1,9 +1,11 @@
 """`kvplane up --check`: a smoke test of a running fleet through its controller.
 
-Sends requests that share prefixes through the controller's OpenEngine gateway, checks each
-answer (a complete stream: tokens, exactly one GenerationFinished, final Usage), and checks
-that a repeated prefix was routed to the engine holding it: the engine that served the repeat
-reports the whole prefix as cached (`Usage.cached_prompt_tokens`).
+Sends greedy requests that share prefixes through the controller's OpenEngine gateway and
+checks each answer: a complete stream (the tokens asked for, exactly one GenerationFinished),
+and the same tokens when the same prompt comes again (then served from the prefix cache: an
+answer from cached KV must be the answer computed from scratch). It also checks that every
+repeated prefix was routed to the engine holding it: the engine that served the repeat reports
+the whole prefix as cached (`Usage.cached_prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -42,30 +44,32 @@ async def _block_size(stub: pb_grpc.OpenEngineAsyncStub, model: str) -> int:
 
 async def _generate(
     stub: pb_grpc.OpenEngineAsyncStub, model: str, request_id: str, tokens: list[int]
-) -> tuple[int, int | None, list[str]]:
-    """(output tokens, cached prompt tokens, problems) of one request."""
+) -> tuple[list[int], int | None, list[str]]:
+    """(output token ids, cached prompt tokens, problems) of one greedy request."""
     request = pb.GenerateRequest(
         request_id=request_id,
         model=model,
         token_ids=pb.TokenIds(ids=tokens),
+        sampling=pb.SamplingParams(temperature=0.0),
         stopping=pb.StoppingOptions(max_tokens=MAX_TOKENS, ignore_eos=True),
     )
-    num_tokens, num_finished, cached, problems = 0, 0, None, []
+    output: list[int] = []
+    num_finished, cached, problems = 0, None, []
     async for response in stub.Generate(request, timeout=TIMEOUT_S):
         kind = response.WhichOneof("event")
         if kind == "token":
-            num_tokens += len(response.token.tokens)
+            output += [token.token_id for token in response.token.tokens]
         elif kind == "finished":
             num_finished += 1
         elif kind == "error":
             problems.append(f"{request_id}: engine error {response.error.message}")
         if response.HasField("usage") and response.usage.HasField("cached_prompt_tokens"):
             cached = response.usage.cached_prompt_tokens
-    if num_tokens != MAX_TOKENS:
-        problems.append(f"{request_id}: {num_tokens} tokens, expected {MAX_TOKENS}")
+    if len(output) != MAX_TOKENS:
+        problems.append(f"{request_id}: {len(output)} tokens, expected {MAX_TOKENS}")
     if num_finished != 1:
         problems.append(f"{request_id}: {num_finished} GenerationFinished events, expected 1")
-    return num_tokens, cached, problems
+    return output, cached, problems
 
 
 async def check_fleet(controller: str) -> list[str]:
@@ -80,18 +84,26 @@ async def check_fleet(controller: str) -> list[str]:
         length = -(-PREFIX_TOKENS // block) * block
         for index in range(NUM_PREFIXES):
             prefix = _prefix(index, length)
-            _, _, first = await _generate(
-                stub, model, f"check-{index}-a", [*prefix, FIRST_ID, FIRST_ID + 1, FIRST_ID + 2]
-            )
-            _, cached, repeat = await _generate(
+            prompt = [*prefix, FIRST_ID, FIRST_ID + 1, FIRST_ID + 2]
+            answer, _, first = await _generate(stub, model, f"check-{index}-a", prompt)
+            _, cached, extended = await _generate(
                 stub, model, f"check-{index}-b", [*prefix, FIRST_ID + 3, FIRST_ID + 4]
             )
-            problems += first + repeat
-            if cached is None or cached < length:
+            again, cached_again, repeated = await _generate(stub, model, f"check-{index}-c", prompt)
+            problems += first + extended + repeated
+            if answer != again:
                 problems.append(
-                    f"check-{index}-b: {cached} of its {length} prefix tokens were cached"
-                    " where it was served: the repeated prefix was not routed to its holder"
+                    f"check-{index}-c: the same greedy prompt answered {again}, first {answer}"
                 )
-            else:
-                log.info("prefix %d: repeat served with %d cached tokens", index, cached)
+            for request_id, hit in (("b", cached), ("c", cached_again)):
+                if hit is None or hit < length:
+                    problems.append(
+                        f"check-{index}-{request_id}: {hit} of its {length} prefix tokens were"
+                        " cached where it was served: the repeated prefix was not routed to"
+                        " its holder"
+                    )
+            log.info(
+                "prefix %d: repeats served with %s and %s cached tokens, same answer: %s",
+                index, cached, cached_again, answer == again,
+            )  # fmt: skip
     return problems

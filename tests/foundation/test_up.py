@@ -23,7 +23,7 @@ from rich.console import Console
 
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.up import DEFAULT_FLEET, Fleet, FleetConfig, collect_status, load_fleet, render_status
-from kvplane.up_check import check_fleet
+from kvplane.up_check import NUM_PREFIXES, check_fleet
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -214,17 +214,18 @@ async def test_status_shows_load_cache_and_routing_of_a_running_fleet(
     try:
         await fleet.start()
         assert await check_fleet(fleet.member("controller").address or "") == []
-        # Six routed requests, each repeat served from cache; the index holds their blocks.
+        # Nine routed requests (three per prefix), each repeat served from cache; the index
+        # holds their blocks.
         deadline = time.monotonic() + 30
         status = await collect_status(fleet)
         while time.monotonic() < deadline and not (
-            sum(status.decisions.values()) == 6
+            sum(status.decisions.values()) == 3 * NUM_PREFIXES
             and (status.index_blocks or 0) > 0
             and all(e.state == "ready" for e in status.engines)
         ):
             await asyncio.sleep(0.2)
             status = await collect_status(fleet)
-        assert sum(status.decisions.values()) == 6
+        assert sum(status.decisions.values()) == 3 * NUM_PREFIXES
         assert status.policy == "kvplane"
         assert (status.index_blocks or 0) >= 3 * 256 // 16
         assert status.hit_ratio is not None and status.hit_ratio > 0.4
@@ -290,6 +291,13 @@ def test_fleet_refers_only_to_earlier_members(tmp_path: Path) -> None:
         "  - {name: e, kind: engine}\n"
     )
     with pytest.raises(ConfigError, match="before it is defined"):
+        load_fleet(fleet)
+
+
+def test_fleet_refuses_a_planner_member_until_the_planner_exists(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("members:\n  - {name: p, kind: planner}\n")
+    with pytest.raises(ConfigError, match="kind"):
         load_fleet(fleet)
 
 
