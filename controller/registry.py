@@ -218,6 +218,15 @@ class Registry:
             record.state = EngineState.INCOMPATIBLE
             record.last_error = str(exc)
             raise
+        twin = self._reachable_twin(address, identity.instance_id)
+        if twin is not None:
+            # One engine process under two addresses (localhost and 127.0.0.1, say) would be
+            # counted and routed to twice, and cordoned or drained only half.
+            record.state = EngineState.INCOMPATIBLE
+            record.last_error = (
+                f"the same engine (instance {identity.instance_id}) as {twin.address}"
+            )
+            raise IncompatibleEngineError(record.last_error)
         if record.state is EngineState.INCOMPATIBLE:
             record.state = EngineState.UNKNOWN  # upgraded: the next health answer decides
             record.last_error = ""
@@ -228,6 +237,19 @@ class Registry:
             record.event_lag_s = None
         record.identity = identity
         return is_new
+
+    def _reachable_twin(self, address: str, instance_id: str) -> EngineRecord | None:
+        """Another record of the same engine process that is answering now (an unreachable
+        one may be the engine's old address: the new one takes over)."""
+        for other in self._by_address.values():
+            if (
+                other.address != address
+                and other.identity is not None
+                and other.identity.instance_id == instance_id
+                and other.state not in (EngineState.UNREACHABLE, EngineState.INCOMPATIBLE)
+            ):
+                return other
+        return None
 
     def mark_incompatible(self, address: str, error: str) -> None:
         record = self._by_address.get(address)

@@ -237,6 +237,27 @@ async def test_engines_added_and_removed_at_run_time(fleet: Fleet) -> None:
         await extra.close()
 
 
+async def test_one_engine_under_two_addresses_is_counted_once(fleet: Fleet) -> None:
+    engine = fleet.engines[0]
+    twin = f"localhost:{engine.port}"
+    await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=twin, kv_events="none"))
+    registry = fleet.app.controller.fleet.registry
+    await fleet.app.controller.fleet.wait_for(
+        lambda: registry.get(twin).state is EngineState.INCOMPATIBLE, 15
+    )
+    assert "the same engine" in registry.get(twin).last_error
+    workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+    routable = [w.instance_id for w in workers.workers if w.address != twin]
+    assert sorted(routable) == ["e0", "e1", "e2"]
+    load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+    assert registry.get(twin).load.total_kv_blocks is None  # never polled
+    assert load.total_kv_blocks == sum(
+        r.load.total_kv_blocks or 0 for r in registry.records() if r.address != twin
+    )
+    assert load.attributes["routable_engines"] == "3"
+    assert len(registry.routable()) == 3
+
+
 async def test_restarted_engine_cold_cache_attracts_no_traffic() -> None:
     fleet = await make_fleet(2)
     try:

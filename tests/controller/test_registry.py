@@ -57,6 +57,24 @@ def test_incompatible_engine_is_never_routable() -> None:
     assert registry.routable() == []
 
 
+def test_one_engine_under_a_second_address_is_refused_while_the_first_answers() -> None:
+    registry = Registry()
+    registry.add("127.0.0.1:1")
+    registry.add("localhost:1")
+    registry.on_identity("127.0.0.1:1", identity("e0"), 0.0)
+    registry.on_health("127.0.0.1:1", EngineState.READY, 0.0)
+    same = r"the same engine \(instance e0\) as 127\.0\.0\.1:1"
+    with pytest.raises(IncompatibleEngineError, match=same):
+        registry.on_identity("localhost:1", identity("e0"), 1.0)
+    assert registry.get("localhost:1").state is EngineState.INCOMPATIBLE
+    assert registry.get("e0").address == "127.0.0.1:1"
+    # The first address stops answering (the engine moved): the second one takes over.
+    registry.on_unreachable("127.0.0.1:1", 2.0, "gone")
+    registry.on_identity("localhost:1", identity("e0"), 3.0)
+    registry.on_health("localhost:1", EngineState.READY, 3.0)
+    assert [r.address for r in registry.routable()] == ["localhost:1"]
+
+
 def test_health_states_and_cordon_decide_routability() -> None:
     registry = Registry()
     registry.add("h:1")
