@@ -4,6 +4,7 @@ one table."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,13 +18,15 @@ from controller.registry import (
     UnknownEngineError,
 )
 from controller.router import Decision, NoEngineAvailableError
-from controller.service import Controller, Plan, PromptInput
+from controller.service import Controller, Plan, PromptInput, blocks_by_engine
 from kvplane.config import parse_host_port
 from kvplane.errors import KvplaneError
 from kvplane.server import abort_with
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -51,11 +54,11 @@ class AdminServicer(apb_grpc.AdminServicer):
         self.controller = controller
 
     async def _indexed_blocks(self) -> dict[str, int]:
-        index = self.controller.index
-        if index is None:
+        try:
+            return blocks_by_engine(await self.controller.index_stats())
+        except Exception as exc:  # the workers are still worth listing without the index
+            log.warning("index stats failed: %s", exc)
             return {}
-        stats = await index.stats()
-        return {w.worker_id: w.num_blocks for w in stats.workers}
 
     def worker_info(self, record: EngineRecord, indexed: dict[str, int]) -> apb.WorkerInfo:
         info = apb.WorkerInfo(

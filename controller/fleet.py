@@ -35,7 +35,7 @@ from controller.registry import (
     check_revision,
 )
 from controller.router import Candidate, LoadSnapshot, PrefixHit
-from indexer.backend import IndexBackend, TierPrefix
+from indexer.backend import IndexBackend, IndexStats, TierPrefix, WorkerStats
 from indexer.batch import Tier
 from indexer.keys import block_keys
 from indexer.sources.openengine import (
@@ -163,6 +163,18 @@ class RemoteIndex:
             _keep_best(hits, m.worker_address or m.worker_id, hit)
             hits.setdefault(m.worker_id, hit)
         return tuple(reply.block_keys), hits
+
+    async def stats(self) -> IndexStats:
+        """The remote index's size; each worker named as the fleet knows its engine (its
+        address when the indexer has one, else its worker id), as `match` does."""
+        reply = await self._stub.GetIndexStats(ipb.GetIndexStatsRequest(), timeout=self._timeout_s)
+        workers = tuple(
+            WorkerStats(
+                w.worker_address or w.worker_id, w.worker_address, w.num_blocks, w.num_placements
+            )
+            for w in reply.workers
+        )
+        return IndexStats(reply.backend, reply.num_blocks, reply.num_placements, workers)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -28,7 +28,7 @@ from controller.router import (
     make_policy,
 )
 from controller.tokenizers import ModelTokenizers
-from indexer.backend import IndexBackend
+from indexer.backend import IndexBackend, IndexStats
 from indexer.backends import open_backend
 from indexer.sources.resync import connect_resync
 
@@ -225,12 +225,26 @@ class Controller:
     async def _refresh_index_stats(self) -> None:
         while True:
             await asyncio.sleep(INDEX_STATS_INTERVAL_S)
-            if self.index is not None:
-                try:
-                    stats = await self.index.stats()
-                except Exception:
-                    log.exception("index stats failed")
-                else:
-                    self.metrics.index_blocks.set(stats.num_blocks)
-                    self.metrics.index_placements.set(stats.num_placements)
-                    self.fleet.indexed_blocks = {w.worker_id: w.num_blocks for w in stats.workers}
+            try:
+                stats = await self.index_stats()
+            except Exception as exc:  # a shared or remote index may be down: try again later
+                log.warning("index stats failed: %s", exc)
+                continue
+            if stats is not None:
+                self.metrics.index_blocks.set(stats.num_blocks)
+                self.metrics.index_placements.set(stats.num_placements)
+                self.fleet.indexed_blocks = blocks_by_engine(stats)
+
+    async def index_stats(self) -> IndexStats | None:
+        """The size of the index the router asks: the embedded or shared one, else the remote
+        indexer (its workers named as the fleet's engines); None without either."""
+        index = self.index if self.index is not None else self.fleet.remote
+        return None if index is None else await index.stats()
+
+
+def blocks_by_engine(stats: IndexStats | None) -> dict[str, int]:
+    """Indexed blocks per engine (an engine indexed rank by rank counts all its ranks)."""
+    out: dict[str, int] = {}
+    for worker in stats.workers if stats is not None else ():
+        out[worker.worker_id] = out.get(worker.worker_id, 0) + worker.num_blocks
+    return out

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import controller.service
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -133,7 +134,7 @@ def test_controller_and_engines_as_processes(
 
 @pytest.mark.timeout(120)
 async def test_remote_indexer_feeds_the_router(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`index: {remote: ...}`: a `kvplane indexer` process follows the engines' KV events and
     the controller asks it (MatchTokens) instead of keeping its own index."""
@@ -153,6 +154,7 @@ async def test_remote_indexer_feeds_the_router(
     )
     processes.append(indexer)
     remote = f"127.0.0.1:{await asyncio.to_thread(_wait_port, port_file, indexer)}"
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.05)
     fleet = await make_fleet(engines=engines, index={"remote": remote})
     try:
         assert fleet.app.controller.index is None
@@ -169,5 +171,17 @@ async def test_remote_indexer_feeds_the_router(
         assert (route.reason, route.predicted_cached_tokens) == ("cache", 64)
         reply = [r async for r in fleet.gateway.Generate(generate_request("b", [*prefix, 2]))]
         assert reply[-1].usage.cached_prompt_tokens == 64
+        # The index's size reaches the controller too: per engine (ListWorkers, the router's
+        # cache pressure) and in its metrics.
+        workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+        indexed = {w.address: w.indexed_blocks for w in workers.workers}
+        assert set(indexed) == set(addresses) and indexed[route.engine] >= 4
+        stats = await fleet.app.controller.index_stats()
+        assert stats is not None and stats.num_blocks >= 4
+        controller_fleet = fleet.app.controller.fleet
+        await controller_fleet.wait_for(
+            lambda: controller_fleet.indexed_blocks.get(route.engine, 0) >= 4, 20
+        )
+        assert fleet.app.controller.metrics.index_blocks._value.get() >= 4
     finally:
         await close_fleet(fleet)
