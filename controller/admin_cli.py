@@ -1,7 +1,7 @@
 """`kvplane admin ...`: operate a controller (or a single engine) over gRPC.
 
 `--target HOST:PORT` names the server (on the group or on each command). Commands that only
-need OpenEngine RPCs (health, load, info, abort, lora, drain without ENGINE) work against a
+need OpenEngine RPCs (health, load, info, abort, lora, drain --self) work against a
 controller and against any engine; the fleet commands (workers, match, route, cordon, uncordon,
 drain ENGINE, lora load --engine) use the controller's admin API: against a bare engine they
 fail with one line saying they need a controller (exit 1), except `workers`, which shows that
@@ -31,6 +31,10 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:8100"
 TIMEOUT_S = 10.0
+# The proto fields' ranges: ids and deadlines are uint32 (a larger value makes protobuf
+# raise ValueError), LoRA ids int64.
+UINT32_MAX = 2**32 - 1
+INT64_MAX = 2**63 - 1
 T = TypeVar("T")
 
 TargetOpt = Annotated[
@@ -129,6 +133,11 @@ def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> a
         ids = [int(t) for t in text.replace("[", " ").replace("]", " ").replace(",", " ").split()]
     except ValueError as exc:
         raise KvplaneError(f"{tokens_file}: not a list of token ids") from exc
+    out_of_range = next((i for i in ids if not 0 <= i <= UINT32_MAX), None)
+    if out_of_range is not None:
+        raise KvplaneError(
+            f"{tokens_file}: token id {out_of_range} is out of range (0 to {UINT32_MAX})"
+        )
     return apb.PromptQuery(token_ids=pb.TokenIds(ids=ids), model=model)
 
 
@@ -394,16 +403,26 @@ def _num(value: Any) -> str | None:
 def drain(
     *,
     engine: Annotated[
-        str | None,
-        typer.Argument(help="Engine instance id or address; omit to drain the target itself."),
+        str | None, typer.Argument(help="Engine instance id or address (or give --self).")
     ] = None,
-    deadline_ms: Annotated[int | None, typer.Option("--deadline-ms", min=0)] = None,
+    drain_self: Annotated[
+        bool,
+        typer.Option(
+            "--self",
+            help="Drain the target itself instead of one engine. A controller then refuses "
+            "every new request, the whole fleet's, until it is restarted.",
+        ),
+    ] = False,
+    deadline_ms: Annotated[int | None, typer.Option("--deadline-ms", min=0, max=UINT32_MAX)] = None,
     abort_after_deadline: Annotated[bool, typer.Option("--abort-after-deadline")] = False,
     target: TargetOpt = None,
     token_file: TokenFileOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Drain an engine of the fleet (or the target itself); progress is shown until COMPLETE."""
+    """Drain an engine of the fleet (or with --self the target itself); progress is shown
+    until COMPLETE. A deadline that passes with requests in flight ends it with an error."""
+    if (engine is None) == (not drain_self):
+        raise KvplaneError("give the ENGINE to drain, or --self to drain the target itself")
     metadata = _metadata(token_file)
     events: list[dict[str, Any]] = []
 
@@ -551,7 +570,9 @@ def lora_load(
     *,
     name: Annotated[str, typer.Argument(help="Adapter name.")],
     path: Annotated[str, typer.Argument(help="Absolute adapter directory, as the engine sees it.")],
-    lora_id: Annotated[int, typer.Option("--id", min=1, help="Positive adapter id.")],
+    lora_id: Annotated[
+        int, typer.Option("--id", min=1, max=INT64_MAX, help="Positive adapter id.")
+    ],
     engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
     target: TargetOpt = None,
     token_file: TokenFileOpt = None,

@@ -47,13 +47,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DRAIN_PROGRESS_INTERVAL_S = 0.5
+# How often a drain looks at the in-flight requests (a change is reported at once).
+DRAIN_POLL_S = 0.05
+# How long a drain past its deadline waits for the requests it aborted to end.
+DRAIN_ABORT_GRACE_S = 5.0
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
 SCHEMA_RELEASE = "openengine-v1-r1+seed.94b72b7dabd1ee94"
 # Trailing metadata key of the per-engine outcomes of a fanned-out call (one JSON object per
 # engine: engine, instance_id, outcome, detail, adapters).
 
-_ABORT_ALL = pb.AbortRequest(all_requests=pb.AllRequests())
 # Events that carry output: the prefill is over.
 _OUTPUT_EVENTS = frozenset({"token", "finished", "prefill_ready"})
 _HEALTH_PB = {
@@ -402,27 +405,63 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def Drain(
         self, request: pb.DrainRequest, context: Context
     ) -> AsyncIterator[pb.DrainResponse]:
-        """Drain the gateway itself: refuse new requests, report the requests it relays until
-        none is left (or the deadline passes; then abort them if asked). Engines keep running;
-        drain an engine with the admin API."""
-        relay = self.relay
-        relay.draining = relay.draining or request.stop_accepting_new_requests
-        deadline_s = (
-            time.monotonic() + request.deadline_ms / 1000.0
-            if request.HasField("deadline_ms")
-            else None
-        )
-        yield pb.DrainResponse(state=pb.DRAIN_STATE_STARTED, in_flight_requests=len(relay.holding))
-        while relay.holding:
-            if deadline_s is not None and time.monotonic() >= deadline_s:
-                if request.abort_after_deadline:
-                    await self._fan_out(self._reachable(), lambda s: s.Abort(_ABORT_ALL))
-                break
-            yield pb.DrainResponse(
-                state=pb.DRAIN_STATE_IN_PROGRESS, in_flight_requests=len(relay.holding)
-            )
-            await asyncio.sleep(DRAIN_PROGRESS_INTERVAL_S)
-        yield pb.DrainResponse(state=pb.DRAIN_STATE_COMPLETE, in_flight_requests=len(relay.holding))
+        """Drain the gateway itself, as an engine drains: refuse new requests (until the
+        controller restarts: nothing undoes a drain), report the requests it relays (on every
+        change, and every progress interval) until none is left, then COMPLETE. Past the
+        deadline, without `abort_after_deadline`: one terminal EngineError (DRAINING), the
+        requests keep running; with it: abort the requests this gateway relays, then COMPLETE
+        once they have ended (the same error if some outlive DRAIN_ABORT_GRACE_S). Engines
+        keep running; drain an engine with the admin API."""
+        holding = self.relay.holding
+        self.relay.draining = self.relay.draining or request.stop_accepting_new_requests
+        now = time.monotonic()
+        deadline = now + request.deadline_ms / 1000.0 if request.HasField("deadline_ms") else None
+        yield _drain_state(pb.DRAIN_STATE_STARTED, len(holding))
+        reported, reported_at = len(holding), now
+        aborted: set[tuple[str, str]] = set()  # (request id, engine) told to abort
+        aborts_end: float | None = None  # when waiting for the aborted requests gives up
+        while holding:
+            now, in_flight = time.monotonic(), len(holding)
+            if deadline is not None and now >= deadline:
+                if not request.abort_after_deadline:
+                    message = f"deadline passed with {in_flight} requests in flight"
+                    yield _drain_failed(in_flight, message)
+                    return
+                if aborts_end is None:
+                    aborts_end = now + DRAIN_ABORT_GRACE_S
+                elif now >= aborts_end:
+                    message = (
+                        f"{in_flight} requests still in flight {DRAIN_ABORT_GRACE_S:g} s after "
+                        "they were aborted"
+                    )
+                    yield _drain_failed(in_flight, message)
+                    return
+                await self._abort_relayed(aborted)
+            if in_flight != reported or now - reported_at >= DRAIN_PROGRESS_INTERVAL_S:
+                reported, reported_at = in_flight, now
+                yield _drain_state(pb.DRAIN_STATE_IN_PROGRESS, in_flight)
+            await asyncio.sleep(DRAIN_POLL_S)
+        yield _drain_state(pb.DRAIN_STATE_COMPLETE, 0)
+
+    async def _abort_relayed(self, aborted: set[tuple[str, str]]) -> None:
+        """Abort each request this gateway relays at the engine serving it, unless `aborted`
+        says it was already told (a retry may move a request to another engine). Only these:
+        Abort(all_requests) would also end other clients' requests sent straight to the
+        engines."""
+        fresh = set(self.relay.holding.items()) - aborted
+        aborted |= fresh
+        await asyncio.gather(*(self._abort_at(engine, rid) for rid, engine in fresh))
+
+    async def _abort_at(self, engine: str, request_id: str) -> None:
+        try:
+            stub = self.controller.fleet.stub(engine)
+        except KeyError:  # the engine left the fleet: the request fails with it
+            return
+        try:
+            await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=DRAIN_ABORT_GRACE_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("drain: aborting request %s on %s failed: %s: %s",
+                        request_id, engine, exc.code().name, exc.details())  # fmt: skip
 
     async def GetKvConnectorInfo(
         self, request: pb.GetKvConnectorInfoRequest, context: Context
@@ -489,14 +528,19 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
             for r in records
         ]
+        return pb.HealthResponse(state=self._health_state(records), checks=checks)
+
+    def _health_state(self, records: list[EngineRecord]) -> pb.HealthState.ValueType:
+        """DRAINING once the gateway drains (it refuses every new request, whatever its
+        engines' state); else READY when every engine is routable, DEGRADED when some are."""
+        if self.relay.draining:
+            return pb.HEALTH_STATE_DRAINING
         routable = sum(r.routable for r in records)
         if routable == 0:
-            state = pb.HEALTH_STATE_NOT_READY
-        elif routable < len(records):
-            state = pb.HEALTH_STATE_DEGRADED
-        else:
-            state = pb.HEALTH_STATE_READY
-        return pb.HealthResponse(state=state, checks=checks)
+            return pb.HEALTH_STATE_NOT_READY
+        if routable < len(records):
+            return pb.HEALTH_STATE_DEGRADED
+        return pb.HEALTH_STATE_READY
 
     async def GetEngineInfo(
         self, request: pb.GetEngineInfoRequest, context: Context
@@ -526,6 +570,17 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 continue
             return reply
         await abort_with(context, grpc.StatusCode.NOT_FOUND, f"no engine serves {request.model!r}")
+
+
+def _drain_state(state: pb.DrainState.ValueType, in_flight: int) -> pb.DrainResponse:
+    return pb.DrainResponse(state=state, in_flight_requests=in_flight)
+
+
+def _drain_failed(in_flight: int, message: str) -> pb.DrainResponse:
+    """The terminal EngineError of a drain the deadline ended, as an engine's (seed: a
+    failure after the drain is accepted is one terminal EngineError)."""
+    error = pb.EngineError(code=pb.ERROR_CODE_DRAINING, message=message, retryable=True)
+    return pb.DrainResponse(error=error, in_flight_requests=in_flight, message=message)
 
 
 def _text(value: int | None) -> str:

@@ -154,6 +154,8 @@ class Relay:
         self.controller = controller
         # request id -> address of the engine serving it now.
         self.holding: dict[str, str] = {}
+        # Set by the gateway's Drain and never cleared: a drained controller refuses new
+        # requests until it restarts, as a drained engine does.
         self.draining = False
 
     async def generate(

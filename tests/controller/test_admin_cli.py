@@ -113,7 +113,7 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     assert (await cli_json("health", *t))["state"] == "HEALTH_STATE_READY"
     assert (await cli_json("load", *t))["instance_id"] == "e0"
     assert (await cli_json("info", *t))["engine"]["instance_id"] == "e0"
-    drained = await cli("drain", *t)
+    drained = await cli("drain", "--self", *t)
     assert drained.exit_code == 0 and "COMPLETE" in drained.output
 
 

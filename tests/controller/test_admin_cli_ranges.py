@@ -1,0 +1,51 @@
+"""`kvplane admin` numbers outside their proto fields' ranges (uint32 deadlines and token ids,
+int64 LoRA ids) fail before anything is sent: a usage error (exit 2) for an option, one line
+(KvplaneError, exit 1) for a token id read from a file; never protobuf's ValueError. No
+server is needed: nothing is sent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from kvplane.cli import app
+from kvplane.errors import KvplaneError
+
+UINT32_LIMIT = 2**32
+
+
+def admin(*args: str) -> Result:
+    return CliRunner().invoke(app, ["admin", *args])
+
+
+@pytest.mark.parametrize(
+    ("command", "option"),
+    [
+        (["drain", "e0", "--deadline-ms", "99999999999"], "--deadline-ms"),
+        (["drain", "--self", "--deadline-ms", str(UINT32_LIMIT)], "--deadline-ms"),
+        (["lora", "load", "x", "/tmp/x", "--id", str(2**63)], "--id"),
+    ],
+)
+def test_an_option_out_of_range_is_a_usage_error(command: list[str], option: str) -> None:
+    result = admin(*command)
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}'" in result.output
+    assert not isinstance(result.exception, ValueError)
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["match", "route"])
+@pytest.mark.parametrize(("ids", "bad"), [("1 2 -3", -3), ("[1, 99999999999]", 99999999999)])
+def test_a_token_id_out_of_range_is_one_line(
+    tmp_path: Path, command: str, ids: str, bad: int
+) -> None:
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(ids)
+    result = admin(command, "--tokens-file", str(tokens))
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        f"{tokens}: token id {bad} is out of range (0 to {UINT32_LIMIT - 1})"
+    )

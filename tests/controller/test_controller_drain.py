@@ -1,0 +1,172 @@
+"""Draining the controller itself (the gateway's Drain, `kvplane admin drain --self`): a real
+controller in front of real sim engines (time_scale 1, so that a 2,000-token request is still
+running when the drain's deadline passes), real gRPC clients, the admin CLI through CliRunner.
+The controller drains as an engine does: a deadline that passes with requests in flight ends
+the drain with one terminal DRAINING error; `abort_after_deadline` aborts only the requests
+the controller relays, and COMPLETE comes once they have ended."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from kvplane.cli_common import RpcCallError
+from kvplane.errors import KvplaneError
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.test_admin_cli import cli
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFIX = list(range(500, 564))
+LONG = 2000  # tokens: about 12 s of sim decoding, far longer than any drain here
+
+
+@pytest.fixture
+async def slow_fleet() -> AsyncIterator[Fleet]:
+    fleet = await make_fleet(2, time_scale=1.0)
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def start_long(
+    stub: pb_grpc.OpenEngineAsyncStub, request_id: str
+) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
+    """A long request, once its first token came back (it is running)."""
+    call = stub.Generate(generate_request(request_id, [*PREFIX, 1], max_tokens=LONG))
+    first = await call.read()
+    assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
+    return call
+
+
+async def health(fleet: Fleet) -> pb.HealthState.ValueType:
+    return (await fleet.gateway.Health(pb.HealthRequest())).state
+
+
+async def test_a_deadline_passing_with_a_request_in_flight_ends_with_a_draining_error(
+    slow_fleet: Fleet,
+) -> None:
+    fleet = slow_fleet
+    assert await health(fleet) == pb.HEALTH_STATE_READY
+    long = await start_long(fleet.gateway, "long")
+
+    request = pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=200)
+    events = [e async for e in fleet.gateway.Drain(request)]
+
+    assert events[0].state == pb.DRAIN_STATE_STARTED
+    assert pb.DRAIN_STATE_COMPLETE not in [e.state for e in events]
+    last = events[-1]
+    assert last.WhichOneof("event") == "error"
+    assert last.error.code == pb.ERROR_CODE_DRAINING
+    assert last.in_flight_requests == 1
+    assert "deadline passed with 1 requests in flight" in last.error.message
+    # The request was left running, as an engine leaves it.
+    more = await long.read()
+    assert isinstance(more, pb.GenerateResponse) and more.WhichOneof("event") == "token"
+    # Draining: Health says so, and new requests are refused.
+    assert await health(fleet) == pb.HEALTH_STATE_DRAINING
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        _ = [r async for r in fleet.gateway.Generate(generate_request("new", [1, 2, 3]))]
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "draining" in (refused.value.details() or "")
+    long.cancel()
+
+
+async def follow(
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+    events: list[str],
+) -> None:
+    """Record each event's kind until the stream ends (read(): the first was read so)."""
+    while isinstance(response := await call.read(), pb.GenerateResponse):
+        events.append(str(response.WhichOneof("event")))
+
+
+async def test_abort_after_deadline_aborts_only_the_controllers_requests_then_completes(
+    slow_fleet: Fleet,
+) -> None:
+    fleet = slow_fleet
+    relay = fleet.app.gateway.relay
+    mine = await start_long(fleet.gateway, "mine")
+    # Another client's request, sent straight to the engine serving the controller's.
+    engine = relay.holding["mine"]
+    async with grpc.aio.insecure_channel(engine) as direct:
+        theirs = await start_long(pb_grpc.OpenEngineStub(direct), "theirs")
+        mine_events: list[str] = []
+        theirs_events: list[str] = []
+        following = [
+            asyncio.create_task(follow(mine, mine_events)),
+            asyncio.create_task(follow(theirs, theirs_events)),
+        ]
+
+        request = pb.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=100, abort_after_deadline=True
+        )
+        events: list[pb.DrainResponse] = []
+        in_flight_at_complete: int | None = None
+        async for event in fleet.gateway.Drain(request):
+            events.append(event)
+            if event.state == pb.DRAIN_STATE_COMPLETE:
+                in_flight_at_complete = len(relay.holding)
+
+        # COMPLETE, once the controller's request was gone (not right after the abort).
+        assert [e.WhichOneof("event") for e in events].count("error") == 0
+        assert events[-1].state == pb.DRAIN_STATE_COMPLETE
+        assert events[-1].in_flight_requests == 0 and in_flight_at_complete == 0
+        async with asyncio.timeout(5):
+            await following[0]
+        assert mine_events[-1] in ("finished", "error") and len(mine_events) < LONG
+        # The other client's request on the same engine keeps running.
+        seen = len(theirs_events)
+        await asyncio.sleep(0.3)
+        assert len(theirs_events) > seen
+        assert not following[1].done()
+        assert set(theirs_events) == {"token"}
+        reply = await pb_grpc.OpenEngineStub(direct).Abort(pb.AbortRequest(request_id="theirs"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        async with asyncio.timeout(5):
+            await following[1]
+
+
+async def test_admin_drain_needs_engine_or_self_and_reports_a_passed_deadline(
+    slow_fleet: Fleet,
+) -> None:
+    fleet = slow_fleet
+    t = ["--target", fleet.target]
+
+    for args in ([], ["e0", "--self"]):
+        refused = await cli("drain", *args, *t)
+        assert refused.exit_code == 1
+        assert isinstance(refused.exception, KvplaneError)
+        assert str(refused.exception) == (
+            "give the ENGINE to drain, or --self to drain the target itself"
+        )
+    assert await health(fleet) == pb.HEALTH_STATE_READY  # nothing was drained
+
+    long = await start_long(fleet.gateway, "long")
+    late = await cli("drain", "--self", "--deadline-ms", "0", *t)
+    assert late.exit_code == 1
+    assert late.output.strip().splitlines()[-1] == (
+        "error ERROR_CODE_DRAINING: deadline passed with 1 requests in flight"
+    )
+    assert isinstance(late.exception, RpcCallError)
+    assert str(late.exception) == "drain failed: deadline passed with 1 requests in flight"
+    assert await health(fleet) == pb.HEALTH_STATE_DRAINING
+
+    await fleet.gateway.Abort(pb.AbortRequest(request_id="long"))
+    long.cancel()
+    drained = await cli("drain", "--self", *t)
+    assert drained.exit_code == 0, drained.output
+    assert drained.output.strip().splitlines()[-1].startswith("COMPLETE")
+
+
+async def test_admin_drain_self_drains_the_controller(fleet: Fleet) -> None:
+    drained = await cli("drain", "--self", "--target", fleet.target)
+    assert drained.exit_code == 0, drained.output
+    assert drained.output.strip().splitlines()[-1] == "COMPLETE  in flight 0"
+    assert await health(fleet) == pb.HEALTH_STATE_DRAINING
