@@ -16,6 +16,7 @@ from controller.registry import (
     EngineRecord,
     Role,
     UnknownEngineError,
+    UnknownModelError,
 )
 from controller.router import Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput, blocks_by_engine
@@ -32,6 +33,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 _STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
     (UnknownEngineError, grpc.StatusCode.NOT_FOUND),
+    (UnknownModelError, grpc.StatusCode.NOT_FOUND),
     (DuplicateEngineError, grpc.StatusCode.ALREADY_EXISTS),
     (NoEngineAvailableError, grpc.StatusCode.UNAVAILABLE),
     (KvplaneError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -180,10 +182,13 @@ class AdminServicer(apb_grpc.AdminServicer):
 
     async def Route(self, request: apb.PromptQuery, context: Context) -> apb.RouteExplanation:
         """The decision a request would get; in a disaggregated fleet, its first hop: the
-        prefill engine (the decode engine is chosen by load at the handoff)."""
+        prefill engine (the decode engine is chosen by load at the handoff). Refused as
+        Generate is: NOT_FOUND for a model no engine serves, UNAVAILABLE while none of those
+        that serve it takes traffic."""
         disaggregated = self.controller.disaggregated(request.model)
-        plan = await self._plan(request, context, None if disaggregated else Role.AGGREGATED)
         try:
+            self.controller.check_model(request.model)
+            plan = await self._plan(request, context, None if disaggregated else Role.AGGREGATED)
             decision = self.controller.explain(plan, Role.PREFILL if disaggregated else None)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))

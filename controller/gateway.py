@@ -1,16 +1,19 @@
 """The gateway: `openengine.v1.OpenEngine` served for the whole fleet.
 
 - Generate: routed and relayed by the Relay (controller/relay.py), the path vllm.Generate
-  shares: the chosen engine's stream is relayed unchanged; if the engine fails before
-  anything was relayed (a retryable status such as UNAVAILABLE, or a retryable terminal
-  EngineError), the request is retried once on another engine; a failure after that is one
-  terminal EngineError (seed: no event may follow it).
+  shares: NOT_FOUND for a model no engine serves, ALREADY_EXISTS for the id of a request
+  running through the gateway; the chosen engine's stream is relayed unchanged; if the
+  engine fails before anything was relayed (a retryable status such as UNAVAILABLE, or a
+  retryable terminal EngineError), the request is retried once on another engine; a failure
+  after that is one terminal EngineError (seed: no event may follow it).
 - Embed / Classify / Score: the least loaded routable engine serving the model whose
   GetModelInfo says it supports the task; none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic.
-- Abort: a request id (from either front end) goes to the engine holding it; `all_requests`
-  and KV sessions fan out; UNAVAILABLE when no engine could be reached.
+- Abort: a request id (from either front end) goes to the engine holding it; one of the
+  last requests that ended is ALREADY_FINISHED (as an engine answers), an id never seen
+  NOT_FOUND; `all_requests` and KV sessions fan out; UNAVAILABLE when no engine could be
+  reached.
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped); the call succeeds only if
   every asked engine did (UnloadLora: NOT_FOUND from an engine means it never had the
@@ -18,7 +21,10 @@
   LoRA. Every engine's outcome, and the adapters it holds, ride in the trailing metadata
   (EngineOutcome) and in the message of a failure.
 - GetLoad: the fleet's sums, with per-engine detail in `attributes`.
-- Health, GetEngineInfo, GetModelInfo: the fleet's view.
+- Health, GetEngineInfo: the fleet's view. GetModelInfo: a routable engine serving the model
+  answers (its refusal passes, unless it is one another engine may not have, such as
+  UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND for a model no engine serves,
+  UNAVAILABLE while no engine serving it can answer.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import grpc
 
 from controller.outcomes import outcome_metadata
-from controller.registry import EngineRecord, EngineState
-from controller.relay import InBandError, Relay, Usage
+from controller.registry import EngineRecord, EngineState, UnknownModelError
+from controller.relay import RETRYABLE, InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
 from kvplane import __version__
 from kvplane.server import abort_with
@@ -181,6 +187,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         if not request.request_id:
+            self.controller.metrics.count_request("invalid")
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         which = request.WhichOneof("input")
         key = self.controller.config.router.session_metadata_key
@@ -211,17 +218,22 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         context: Context,
     ) -> T:
         record = await self._task_engine(task, task_context.model, context)
-        holding = self.relay.holding
+        relay = self.relay
         request_id = task_context.request_id
         if request_id:
-            holding[request_id] = record.address
+            if not relay.admit(request_id):
+                await abort_with(
+                    context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
+                )
+            relay.holding[request_id] = record.address
         try:
             return await call(self.controller.fleet.stub(record.address))
         except grpc.aio.AioRpcError as exc:
             await abort_with(context, exc.code(), exc.details() or exc.code().name)
         finally:
-            if request_id and holding.get(request_id) == record.address:
-                del holding[request_id]
+            if request_id:
+                relay.holding.pop(request_id, None)
+                relay.release(request_id)
 
     async def _task_engine(self, task: str, model: str, context: Context) -> EngineRecord:
         """The least loaded routable engine serving `model` whose GetModelInfo says it
@@ -249,9 +261,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"no engine serving {model or 'the default model'} supports {task}",
             )
-        if not model:
-            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine is known yet")
-        await abort_with(context, grpc.StatusCode.NOT_FOUND, f"no engine serves {model!r}")
+        await _require_model(self.controller, model, context)
+        await abort_with(
+            context,
+            grpc.StatusCode.UNAVAILABLE,
+            f"no engine serving {model or 'the default model'} is known yet",
+        )
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         return await self._task("embed", request.context, lambda s: s.Embed(request), context)
@@ -293,6 +308,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if target == "request_id":
             address = self.relay.holding.get(request.request_id)
             if address is None:
+                if request.request_id in self.relay.finished:
+                    return pb.AbortResponse(
+                        status=pb.ABORT_STATUS_ALREADY_FINISHED, message="the request ended"
+                    )
                 await abort_with(
                     context,
                     grpc.StatusCode.NOT_FOUND,
@@ -561,15 +580,32 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         )
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> pb.ModelInfo:
-        for r in self.controller.fleet.registry.routable(request.model or None):
+        if not request.model:  # as an engine answers
+            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "model is required")
+        await _require_model(self.controller, request.model, context)
+        for r in self.controller.fleet.registry.routable(request.model):
             try:
                 reply: pb.ModelInfo = await self.controller.fleet.stub(r.address).GetModelInfo(
                     request, timeout=self.controller.config.health.rpc_timeout_s
                 )
-            except grpc.aio.AioRpcError:
-                continue
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in RETRYABLE:  # this engine cannot answer now; the next may
+                    continue
+                await abort_with(context, exc.code(), exc.details() or exc.code().name)
             return reply
-        await abort_with(context, grpc.StatusCode.NOT_FOUND, f"no engine serves {request.model!r}")
+        await abort_with(
+            context,
+            grpc.StatusCode.UNAVAILABLE,
+            f"no engine serving {request.model!r} can answer now",
+        )
+
+
+async def _require_model(controller: Controller, model: str, context: Context) -> None:
+    """NOT_FOUND for a model no engine of the fleet serves (Controller.check_model)."""
+    try:
+        controller.check_model(model)
+    except UnknownModelError as exc:
+        await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
 
 
 def _drain_state(state: pb.DrainState.ValueType, in_flight: int) -> pb.DrainResponse:

@@ -59,6 +59,11 @@ class DuplicateEngineError(KvplaneError):
     """The engine is already registered."""
 
 
+class UnknownModelError(KvplaneError):
+    """No engine of the fleet serves the model, whatever its health (an engine answers
+    NOT_FOUND for a model it does not serve)."""
+
+
 def check_revision(schema_revision: int, minimum_client_revision: int, schema_release: str) -> None:
     """Raise IncompatibleEngineError unless the engine's advertised contract is one we support."""
     if schema_revision == 0:
@@ -186,6 +191,16 @@ class Registry:
                 continue
             out.append(record)
         return out
+
+    def may_serve(self, model: str) -> bool:
+        """Whether an engine serves `model` whatever its health, or may: one not reached yet,
+        whose models are unknown (a request before the first poll is not for an unknown
+        model). An incompatible engine never serves."""
+        return any(
+            r.state is not EngineState.INCOMPATIBLE
+            and (r.identity is None or r.identity.serves(model))
+            for r in self._by_address.values()
+        )
 
     def request_drain(self, key: str, now_s: float) -> EngineRecord:
         """Out of routing at once, and for good (until the engine is a new process)."""

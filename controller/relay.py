@@ -5,10 +5,14 @@ A front end describes its API with a `Surface` (how to call an engine, what in a
 output, usage or a refusal worth retrying, how a failure after output ends the stream); the
 `Relay` does everything else, the same way for every front end:
 
-- refuse new requests while the gateway drains;
+- refuse new requests while the gateway drains, a model no engine serves (NOT_FOUND, as an
+  engine answers), and a request id already running through this gateway (ALREADY_EXISTS, as
+  an engine answers a duplicate: a second copy would land on another engine, out of Abort's
+  reach);
 - plan and route the request; a retry never goes back to an engine that already failed it;
 - hold request id -> engine while the request runs, so that OpenEngine Abort finds it and
-  Drain counts it whatever API started it;
+  Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
+  engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
 - retry once on another engine when the engine failed before anything was relayed (a status
@@ -16,7 +20,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   take it, the client gets the engine's own failure;
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
-  counts as "ok" unless its last response was an in-band error ("engine_error");
+  counts as "ok" unless its last response was an in-band error ("engine_error"); a request
+  refused for itself (a status in CLIENT_ERRORS, from the gateway or the engine) counts as
+  "invalid";
 - a model served only by prefill and decode engines takes two hops (`_disaggregated`), each
   one of the above, joined by the API's `Handoff` (OpenEngine's KV session); once the client
   has output from the first hop, any failure ends the stream with one in-band error.
@@ -32,7 +38,8 @@ from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 
 import grpc
 
-from controller.registry import Role
+from controller.metrics import RequestOutcome
+from controller.registry import Role, UnknownModelError
 from controller.router import Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
 from kvplane.server import abort_with
@@ -57,6 +64,20 @@ RETRYABLE = frozenset(
         grpc.StatusCode.ABORTED,
     }
 )
+# Statuses that refuse the request itself: no engine would take it as it is.
+CLIENT_ERRORS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+# Finished request ids remembered for Abort's ALREADY_FINISHED (the engine remembers as many).
+FINISHED_MEMORY = 10_000
 
 
 class Usage(NamedTuple):
@@ -146,6 +167,29 @@ class _Retry(Exception):
         self.failure = failure
 
 
+class RecentIds:
+    """The last `capacity` ids added, the oldest forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ids: dict[str, None] = {}  # in insertion order: the oldest first
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)  # added again: now the newest
+        self._ids[request_id] = None
+        if len(self._ids) > self.capacity:
+            del self._ids[next(iter(self._ids))]
+
+    def discard(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)
+
+
 class Relay:
     """The gateway's in-flight requests and the path that runs each (see the module doc).
     One per gateway, shared by its front ends."""
@@ -154,9 +198,26 @@ class Relay:
         self.controller = controller
         # request id -> address of the engine serving it now.
         self.holding: dict[str, str] = {}
+        # Ids of the requests running through the gateway, from admission to their end (a
+        # superset of `holding`: planning, between two engines).
+        self.running: set[str] = set()
+        # Ids of requests an engine ran, once they ended (Abort: ALREADY_FINISHED).
+        self.finished = RecentIds(FINISHED_MEMORY)
         # Set by the gateway's Drain and never cleared: a drained controller refuses new
         # requests until it restarts, as a drained engine does.
         self.draining = False
+
+    def admit(self, request_id: str) -> bool:
+        """Take `request_id` for a new request; False while one with that id runs here."""
+        if request_id in self.running:
+            return False
+        self.running.add(request_id)
+        self.finished.discard(request_id)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """The admitted request ended."""
+        self.running.discard(request_id)
 
     async def generate(
         self,
@@ -173,6 +234,37 @@ class Relay:
         started = time.perf_counter()
         if self.draining:
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
+        try:
+            c.check_model(query.model)
+        except UnknownModelError as exc:
+            c.metrics.count_request("invalid")
+            await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        request_id = query.request_id
+        if not self.admit(request_id):
+            c.metrics.count_request("invalid")
+            await abort_with(
+                context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
+            )
+        try:
+            stream = self._run(surface, request, query, context, handoff, started=started)
+            async with aclosing(stream):
+                async for response in stream:
+                    yield response
+        finally:
+            self.release(request_id)
+
+    async def _run(
+        self,
+        surface: Surface[Request, Response],
+        request: Request,
+        query: PromptInput,
+        context: Context,
+        handoff: Handoff[Request, Response] | None,
+        *,
+        started: float,
+    ) -> AsyncGenerator[Response]:
+        """An admitted request: planned, then one or two engine hops."""
+        c = self.controller
         disaggregated = c.disaggregated(query.model)
         try:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
@@ -369,7 +461,7 @@ class Relay:
                              "retrying elsewhere", request_id, engine, exc.code().name)  # fmt: skip
                     retry = _Retry(exc.code().name, exc)
                     continue
-                c.metrics.count_request("engine_error")
+                c.metrics.count_request(_failure_outcome(exc.code()))
                 failed = _status(
                     exc.code(), f"engine {engine} failed mid-stream: {exc.code().name}: "
                     f"{exc.details()}"
@@ -385,6 +477,7 @@ class Relay:
                 c.router.finish(request_id)
                 if self.holding.get(request_id) == engine:
                     del self.holding[request_id]
+                    self.finished.add(request_id)
 
     @staticmethod
     def _ending(
@@ -410,6 +503,10 @@ class Relay:
             m.predicted_cached_tokens.inc(predicted)
             m.actual_cached_tokens.inc(usage.cached_prompt_tokens)
             m.cached_tokens_abs_error.inc(abs(predicted - usage.cached_prompt_tokens))
+
+
+def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:
+    return "invalid" if code in CLIENT_ERRORS else "engine_error"
 
 
 def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 from controller.config import ControllerConfig
 from controller.fleet import Fleet, PromptView
 from controller.metrics import ControllerMetrics
-from controller.registry import Role
+from controller.registry import Role, UnknownModelError
 from controller.router import (
     Candidate,
     Decision,
@@ -146,6 +146,14 @@ class Controller:
             query.request_id, num_tokens, view.block_size, view.block_keys, query.session_key
         )
         return Plan(request, view, tokenized)
+
+    def check_model(self, model: str) -> None:
+        """Raise UnknownModelError when no engine of the fleet serves `model`, whatever its
+        health: NOT_FOUND, as an engine answers, where routing would say only that no engine
+        is available now (UNAVAILABLE: worth retrying). No model named is the default model,
+        which an empty fleet may still get."""
+        if model and not self.fleet.registry.may_serve(model):
+            raise UnknownModelError(f"no engine serves model {model!r}")
 
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
         candidates = plan.view.candidates

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
 
 from controller.outcomes import OUTCOME_METADATA_KEY
 from controller.registry import EngineState
+from controller.relay import RecentIds
 from engine.config import EngineConfig
 from engine.server.service import start_engine
 from kvplane_api.v1 import admin_pb2 as apb
@@ -174,6 +175,181 @@ async def test_abort_goes_to_the_engine_holding_the_request() -> None:
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         everything = await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
         assert everything.message.count(": ok") == 2
+    finally:
+        await close_fleet(fleet)
+
+
+# ---- statuses as an engine answers them (WIRE.md section 3) ----
+
+
+async def engine_answer(address: str, method: str, request: Any) -> object:
+    """What the engine at `address` itself answers: its reply (Generate: its responses), or
+    its status code."""
+    async with grpc.aio.insecure_channel(address) as direct:
+        rpc = getattr(pb_grpc.OpenEngineStub(direct), method)
+        try:
+            if method == "Generate":
+                return [r async for r in rpc(request)]
+            return await rpc(request)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+
+
+async def status_of(call: Awaitable[object]) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code()
+
+
+async def test_a_running_request_id_is_refused_as_an_engine_refuses_a_duplicate() -> None:
+    """A second Generate with the id of a running one is ALREADY_EXISTS and reaches no
+    engine: the first keeps streaming on its engine, charged once, and Abort stops it."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    fleet = await make_fleet(2, time_scale=1.0, router={"policy": "round_robin"})
+    try:
+        controller = fleet.app.controller
+        inflight = controller.router.inflight
+        stream = fleet.gateway.Generate(generate_request("X", [*PREFIX, 1], max_tokens=2000))
+        events: list[str] = []
+        async for response in stream:
+            events.append(str(response.WhichOneof("event")))
+            if len(events) == 1:
+                first_engine = inflight.engine_of("X")
+                assert first_engine is not None
+                duplicate = generate_request("X", [*PREFIX, 2], max_tokens=2000)
+                expected = await engine_answer(first_engine, "Generate", duplicate)
+                assert expected == grpc.StatusCode.ALREADY_EXISTS  # what the engine says
+                # Round robin would send the duplicate to the other engine.
+                assert await status_of(generate(fleet, duplicate)) == expected
+                assert inflight.engine_of("X") == first_engine
+                assert len(inflight) == 1
+                assert fleet.app.gateway.relay.holding == {"X": first_engine}
+            if len(events) == 3:
+                reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="X"))
+                assert reply.status == pb.ABORT_STATUS_ABORTED
+        assert events[:3] == ["token"] * 3
+        assert events[-1] == "finished" and len(events) < 2000
+        assert len(inflight) == 0
+        assert controller.metrics.requests.labels("invalid")._value.get() == 1
+
+        # The id may be used again once its request ended; requests without an id (vLLM's
+        # API) are each given their own.
+        again = await generate(fleet, generate_request("X", [*PREFIX, 3]))
+        assert again[-1].WhichOneof("event") == "finished"
+        stub = vpb_grpc.GenerateStub(fleet.channel)
+        unnamed = vpb.GenerateRequest(
+            model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 4]),
+            stopping=vpb.StoppingCriteria(max_new_tokens=3, ignore_eos=True),
+        )  # fmt: skip
+        replies = await asyncio.gather(stub.Generate(unnamed), stub.Generate(unnamed))
+        assert [r.outputs.finish_info.finish_reason for r in replies] == [vpb.FinishInfo.LENGTH] * 2
+        assert controller.metrics.requests.labels("invalid")._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_unknown_model_is_not_found_and_a_known_one_unavailable_while_unroutable(
+    fleet: Fleet,
+) -> None:
+    """NOT_FOUND (as an engine answers: not worth retrying) for a model no engine serves,
+    whatever the engines' health; UNAVAILABLE for one served by engines that take no
+    traffic now. Generate and admin Route agree."""
+    nosuch = generate_request("n", [1, 2, 3])
+    nosuch.model = "nosuch"
+    engine = fleet.address(fleet.engines[0])
+    assert await engine_answer(engine, "Generate", nosuch) == grpc.StatusCode.NOT_FOUND
+    route = apb.PromptQuery(token_ids=pb.TokenIds(ids=[1, 2, 3]), model="nosuch")
+    assert await status_of(generate(fleet, nosuch)) == grpc.StatusCode.NOT_FOUND
+    assert await status_of(fleet.admin.Route(route)) == grpc.StatusCode.NOT_FOUND
+
+    for e in fleet.engines:
+        await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(e)))
+    sim = generate_request("s", [1, 2, 3])
+    assert await status_of(generate(fleet, sim)) == grpc.StatusCode.UNAVAILABLE
+    route.model = "sim"
+    assert await status_of(fleet.admin.Route(route)) == grpc.StatusCode.UNAVAILABLE
+    assert await status_of(generate(fleet, nosuch)) == grpc.StatusCode.NOT_FOUND
+    route.model = "nosuch"
+    assert await status_of(fleet.admin.Route(route)) == grpc.StatusCode.NOT_FOUND
+    metrics = fleet.app.controller.metrics
+    assert metrics.requests.labels("invalid")._value.get() == 2
+    assert metrics.requests.labels("no_engine")._value.get() == 1
+
+
+async def test_model_info_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> None:
+    engine = fleet.address(fleet.engines[0])
+    for model in ("", "nosuch"):
+        request = pb.GetModelInfoRequest(model=model)
+        expected = await engine_answer(engine, "GetModelInfo", request)
+        assert expected == (
+            grpc.StatusCode.INVALID_ARGUMENT if model == "" else grpc.StatusCode.NOT_FOUND
+        )
+        assert await status_of(fleet.gateway.GetModelInfo(request)) == expected
+    sim = pb.GetModelInfoRequest(model="sim")
+    assert await fleet.gateway.GetModelInfo(sim) == await engine_answer(engine, "GetModelInfo", sim)
+    for e in fleet.engines:
+        await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(e)))
+    assert await status_of(fleet.gateway.GetModelInfo(sim)) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -> None:
+    """As an engine answers: ALREADY_FINISHED (a success) for a request that ended, NOT_FOUND
+    for an id never seen."""
+    chosen = record_routes(fleet)
+    done = await generate(fleet, generate_request("done", [*PREFIX, 1]))
+    assert done[-1].WhichOneof("event") == "finished"
+    assert fleet.app.gateway.relay.holding == {}
+    abort = pb.AbortRequest(request_id="done")
+    expected = await engine_answer(chosen[0], "Abort", abort)
+    assert isinstance(expected, pb.AbortResponse)
+    assert expected.status == pb.ABORT_STATUS_ALREADY_FINISHED
+    reply = await fleet.gateway.Abort(abort)
+    assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+    never = pb.AbortRequest(request_id="never")
+    assert await engine_answer(chosen[0], "Abort", never) == grpc.StatusCode.NOT_FOUND
+    assert await status_of(fleet.gateway.Abort(never)) == grpc.StatusCode.NOT_FOUND
+
+
+def test_finished_ids_are_remembered_up_to_the_bound() -> None:
+    recent = RecentIds(3)
+    for rid in ("a", "b", "c", "a", "d"):  # "a" again: the newest, "b" the oldest
+        recent.add(rid)
+    assert [rid in recent for rid in "abcd"] == [True, False, True, True]
+    assert len(recent) == 3
+
+
+async def test_client_errors_count_as_invalid_not_engine_errors() -> None:
+    """requests_total{outcome="invalid"} on /metrics for requests refused for themselves,
+    whether the engine refused them (an empty prompt, a token out of the vocabulary) or the
+    gateway (a duplicate id, an unknown model)."""
+    import urllib.request
+
+    fleet = await make_fleet(2, time_scale=1.0, metrics_listen="127.0.0.1:0")
+    try:
+        empty = generate_request("empty", [])
+        oov = generate_request("oov", [1, 10**9])
+        engine = fleet.address(fleet.engines[0])
+        for request in (empty, oov):
+            status = await engine_answer(engine, "Generate", request)
+            assert status == grpc.StatusCode.INVALID_ARGUMENT
+            assert await status_of(generate(fleet, request)) == status
+        nosuch = generate_request("nosuch", [1, 2])
+        nosuch.model = "nosuch"
+        assert await status_of(generate(fleet, nosuch)) == grpc.StatusCode.NOT_FOUND
+        long = fleet.gateway.Generate(generate_request("long", [1, 2], max_tokens=2000))
+        await long.read()
+        duplicate = generate_request("long", [1, 2])
+        assert await status_of(generate(fleet, duplicate)) == grpc.StatusCode.ALREADY_EXISTS
+        long.cancel()
+
+        url = f"http://127.0.0.1:{fleet.app.metrics_port}/metrics"
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+        )
+        assert 'kvplane_controller_requests_total{outcome="invalid"} 4.0' in text
+        assert 'kvplane_controller_requests_total{outcome="engine_error"} 0.0' in text
     finally:
         await close_fleet(fleet)
 

@@ -496,6 +496,43 @@ async def test_failure_after_acceptance_is_one_terminal_error_and_no_retry(fault
         await close_fleet(fleet)
 
 
+# ---- GetModelInfo ----
+
+
+class RefusesModelInfo(Forwarding):
+    """GetModelInfo refused with `refusal` once set (the controller reads the model's info
+    when it first reaches the engine, before the test sets it)."""
+
+    refusal: grpc.StatusCode | None = None
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        if self.refusal is not None:
+            await context.abort(self.refusal, f"scripted: {self.refusal.name}")
+        return await self.inner.GetModelInfo(request)
+
+
+async def test_model_info_passes_an_engines_refusal_and_skips_one_that_cannot_answer() -> None:
+    """An engine that cannot answer now (UNAVAILABLE) leaves the question to the next; any
+    other refusal is the answer; UNAVAILABLE when no engine could answer."""
+    engines = [await start_fronted_engine(f"m{i}", RefusesModelInfo) for i in range(2)]
+    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    request = pb.GetModelInfoRequest(model="sim")
+    try:
+        engines[0].servicer.refusal = grpc.StatusCode.UNAVAILABLE
+        assert (await fleet.gateway.GetModelInfo(request)).HasField("kv_block_size")
+        engines[1].servicer.refusal = grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.GetModelInfo(request)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.value.details() == "scripted: FAILED_PRECONDITION"
+        engines[1].servicer.refusal = grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.GetModelInfo(request)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- Abort ----
 
 
