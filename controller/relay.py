@@ -7,6 +7,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 
 - refuse new requests while the gateway drains;
 - plan and route the request; a retry never goes back to an engine that already failed it;
+  a request naming a LoRA adapter goes only to engines holding it (NOT_FOUND when none has
+  it loaded, FAILED_PRECONDITION when no engine supports LoRA, UNAVAILABLE when the holders
+  take no traffic);
 - hold request id -> engine while the request runs, so that OpenEngine Abort finds it and
   Drain counts it whatever API started it;
 - relay the engine's responses unchanged; the first output releases the router's prefill
@@ -32,9 +35,10 @@ from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 
 import grpc
 
-from controller.registry import Role
+from controller.registry import LoraRoutingError, Role
 from controller.router import Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
+from controller.statuses import status_of
 from kvplane.server import abort_with
 
 log = logging.getLogger(__name__)
@@ -174,6 +178,9 @@ class Relay:
         disaggregated = c.disaggregated(query.model)
         try:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
+        except LoraRoutingError as exc:  # no routable engine holds the request's LoRA adapter
+            c.metrics.count_request("no_engine")
+            await abort_with(context, status_of(exc), str(exc))
         except Exception:
             log.exception("request %s: routing failed", query.request_id)
             await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
