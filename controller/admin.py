@@ -1,6 +1,6 @@
 """The admin API (`kvplane.v1.Admin`): the fleet's engines, cordons, drains, and the router's
 decision explained. A thin adapter over `Controller`; domain errors map to status codes in
-one table."""
+one table (controller/statuses.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,10 @@ from typing import Any
 import grpc
 
 from controller.config import KvEventsMode
-from controller.registry import (
-    DuplicateEngineError,
-    EngineRecord,
-    Role,
-    UnknownEngineError,
-    UnknownModelError,
-)
-from controller.router import Decision, NoEngineAvailableError
+from controller.registry import EngineRecord, Role
+from controller.router import Decision
 from controller.service import Controller, Plan, PromptInput, blocks_by_engine
+from controller.statuses import status_of
 from kvplane.config import parse_host_port
 from kvplane.errors import KvplaneError
 from kvplane.server import abort_with
@@ -31,24 +26,9 @@ log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
-_STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
-    (UnknownEngineError, grpc.StatusCode.NOT_FOUND),
-    (UnknownModelError, grpc.StatusCode.NOT_FOUND),
-    (DuplicateEngineError, grpc.StatusCode.ALREADY_EXISTS),
-    (NoEngineAvailableError, grpc.StatusCode.UNAVAILABLE),
-    (KvplaneError, grpc.StatusCode.FAILED_PRECONDITION),
-)
-
 MUTATING_METHODS = frozenset(
     {"RegisterEngine", "RemoveEngine", "Cordon", "Uncordon", "DrainEngine"}
 )
-
-
-def status_of(exc: KvplaneError) -> grpc.StatusCode:
-    for kind, code in _STATUS:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL  # pragma: no cover - KvplaneError is in the table
 
 
 class AdminServicer(apb_grpc.AdminServicer):
@@ -178,7 +158,10 @@ class AdminServicer(apb_grpc.AdminServicer):
             cache_salt=request.cache_salt,
             session_key=request.session_key or None,
         )
-        return await self.controller.plan(query, role)
+        try:
+            return await self.controller.plan(query, role)
+        except KvplaneError as exc:  # a LoRA adapter no routable engine holds
+            await abort_with(context, status_of(exc), str(exc))
 
     async def Route(self, request: apb.PromptQuery, context: Context) -> apb.RouteExplanation:
         """The decision a request would get; in a disaggregated fleet, its first hop: the

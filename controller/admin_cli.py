@@ -3,9 +3,9 @@
 `--target HOST:PORT` names the server (on the group or on each command). Commands that only
 need OpenEngine RPCs (health, load, info, abort, lora, drain --self) work against a
 controller and against any engine; the fleet commands (workers, match, route, cordon, uncordon,
-drain ENGINE, lora load --engine) use the controller's admin API: against a bare engine they
-fail with one line saying they need a controller (exit 1), except `workers`, which shows that
-engine. Tables by default, `--output json` for scripts. The bearer token for mutating RPCs
+drain ENGINE, lora load/unload --engine) use the controller's admin API: against a bare engine
+they fail with one line saying they need a controller (exit 1), except `workers`, which shows
+that engine. Tables by default, `--output json` for scripts. The bearer token for mutating RPCs
 comes from `--token-file` or the KVPLANE_TOKEN environment variable.
 """
 
@@ -21,7 +21,7 @@ import typer
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
-from controller.outcomes import read_outcomes
+from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
 from kvplane.cli_common import OutputFormat, OutputOption, RpcCallError, emit, rpc_channel
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
@@ -523,17 +523,19 @@ def abort(
 lora_app = typer.Typer(no_args_is_help=True, help="LoRA adapters on the fleet or an engine.")
 
 
-def _engine_address(target: str, engine: str) -> str:
-    """The address of fleet member `engine` (instance id or address) behind a controller."""
-    reply = _admin_call(
-        "lora load --engine",
-        target,
-        lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S),
+def _engine_metadata(
+    command: str, target: str | None, engine: str | None
+) -> tuple[tuple[str, str], ...]:
+    """The request metadata that has the controller at `target` forward a LoRA call to fleet
+    engine `engine` only (controller.outcomes); none without `engine`. The target must be a
+    controller: an engine ignores metadata it does not know and would act on itself,
+    whatever `engine` names."""
+    if engine is None:
+        return ()
+    _admin_call(
+        command, target, lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S)
     )
-    for w in reply.workers:
-        if engine in (w.address, w.instance_id):
-            return w.address
-    raise KvplaneError(f"no engine {engine!r} behind {target}")
+    return ((ENGINE_METADATA_KEY, engine),)
 
 
 def _lora_call(
@@ -578,14 +580,14 @@ def lora_load(
     token_file: TokenFileOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Load an adapter on every engine (or one); behind a controller, each engine's outcome."""
-    address = _engine_address(_target(target), engine) if engine else _target(target)
+    """Load an adapter on every engine (or, through the controller, one); behind a controller,
+    each engine's outcome."""
+    metadata = _metadata(token_file) + _engine_metadata("lora load --engine", target, engine)
     req = pb.LoadLoraRequest(
         adapter=pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=path)
     )
-    metadata = _metadata(token_file)
     data = _lora_call(
-        address,
+        target,
         lambda stub: stub.LoadLora.with_call(req, metadata=metadata, timeout=TIMEOUT_S),
     )
     state = "already loaded" if data.get("already_loaded") else "loaded"
@@ -595,12 +597,14 @@ def lora_load(
 @lora_app.command("unload")
 def lora_unload(
     name: Annotated[str, typer.Argument(help="Adapter name.")],
+    engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
     target: TargetOpt = None,
     token_file: TokenFileOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Unload an adapter everywhere; behind a controller, each engine's outcome."""
-    metadata = _metadata(token_file)
+    """Unload an adapter everywhere (or, through the controller, from one engine); behind a
+    controller, each engine's outcome."""
+    metadata = _metadata(token_file) + _engine_metadata("lora unload --engine", target, engine)
     req = pb.UnloadLoraRequest(lora_name=name)
     data = _lora_call(
         target,

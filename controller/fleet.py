@@ -1,14 +1,16 @@
 """The fleet service: keeps the registry current and the index fed, and builds the router's
 candidates for a prompt.
 
-Per engine it owns one poll task (GetEngineInfo + GetModelInfo on first contact and whenever
-GetLoad reports a new instance id; Health every `poll_interval_s`; GetLoad every
-`load_poll_interval_s`; backoff while unreachable) and one KV-event task (SubscribeKvEvents, or
-the ZMQ source GetKvEventSources advertises) feeding the index under the engine's address as
-worker id, and measures each batch's event lag (the controller's wall clock when the batch is
-in the index minus the engine's timestamp on it). A new engine process (new instance id) has
-its old index entries dropped before anything else, so a restarted engine's old blocks never
-attract traffic; removal drops them too. Every task is owned here and cancelled by `close()`.
+Per engine it owns one poll task (GetEngineInfo + GetModelInfo + ListLoras on first contact,
+after the engine was unreachable, and whenever GetLoad reports a new instance id; Health every
+`poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while unreachable) and one
+KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
+index under the engine's address as worker id, and measures each batch's event lag (the
+controller's wall clock when the batch is in the index minus the engine's timestamp on it). A
+new engine process (new instance id) has its old index entries dropped before anything else,
+so a restarted engine's old blocks never attract traffic; removal drops them too. Every task
+is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as candidates
+only the engines holding it (registry.check_lora says why there is none).
 """
 
 from __future__ import annotations
@@ -108,8 +110,9 @@ def _keep_best(hits: dict[str, PrefixHit], engine: str, hit: PrefixHit) -> None:
 
 
 class PromptView(NamedTuple):
-    """A prompt as the router sees it: its canonical keys and every routable engine (a named
-    tuple, as the router's vocabulary is: one is built on every routed request)."""
+    """A prompt as the router sees it: its canonical keys and every routable engine that may
+    take it (holding its LoRA adapter, when it names one); a named tuple, as the router's
+    vocabulary is: one is built on every routed request."""
 
     block_size: int
     block_keys: tuple[int, ...]
@@ -326,7 +329,10 @@ class Fleet:
         cache_salt: str = "",
         role: Role | None = Role.AGGREGATED,
     ) -> PromptView:
-        records = self.registry.routable(model or None, role)
+        records = self.registry.routable(model or None, role, lora_name)
+        if lora_name and not records:
+            # Only engines holding the adapter may take the request: say why there is none.
+            self.registry.check_lora(lora_name, model or None)
         size = self.block_size()
         keys: tuple[int, ...] = ()
         hits: dict[str, PrefixHit] = {}
@@ -456,9 +462,26 @@ class Fleet:
                         if getattr(model.tasks, name).supported
                     ),
                 )
+        adapters = await self._list_loras(engine, identity)
         is_new = self.registry.on_identity(engine.address, identity, self._clock())
+        self.registry.on_loras(engine.address, adapters)
         if is_new:
             await self._restart_events(engine, identity)
+
+    async def _list_loras(self, engine: _Engine, identity: EngineIdentity) -> frozenset[str] | None:
+        """The LoRA adapters the engine holds; None when it serves no LoRA (says
+        `supports_lora: false`, or answers ListLoras FAILED_PRECONDITION or UNIMPLEMENTED)."""
+        if identity.supports_lora is False:
+            return None
+        try:
+            reply = await engine.stub.ListLoras(
+                pb.ListLorasRequest(), timeout=self.config.health.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                return None
+            raise
+        return frozenset(a.lora_name for a in reply.adapters)
 
     async def _restart_events(self, engine: _Engine, identity: EngineIdentity) -> None:
         """A new engine process: drop what the index knew of the address, resubscribe."""

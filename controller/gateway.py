@@ -15,11 +15,13 @@
   NOT_FOUND; `all_requests` and KV sessions fan out; UNAVAILABLE when no engine could be
   reached.
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
-  `supports_lora: false` (the others are reported as skipped); the call succeeds only if
-  every asked engine did (UnloadLora: NOT_FOUND from an engine means it never had the
-  adapter; NOT_FOUND only when none had it); FAILED_PRECONDITION when no engine supports
-  LoRA. Every engine's outcome, and the adapters it holds, ride in the trailing metadata
-  (EngineOutcome) and in the message of a failure.
+  `supports_lora: false` (the others are reported as skipped), or to the one engine the
+  request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
+  (UnloadLora: NOT_FOUND from an engine means it never had the adapter; NOT_FOUND only when
+  none had it); FAILED_PRECONDITION when no engine supports LoRA. Every engine's outcome,
+  and the adapters it holds, ride in the trailing metadata (EngineOutcome) and in the
+  message of a failure. What each engine answered updates the registry's record of the
+  adapters it holds, which routing of LoRA requests reads.
 - GetLoad: the fleet's sums, with per-engine detail in `attributes`.
 - Health, GetEngineInfo: the fleet's view. GetModelInfo: a routable engine serving the model
   answers (its refusal passes, unless it is one another engine may not have, such as
@@ -38,8 +40,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import grpc
 
-from controller.outcomes import outcome_metadata
-from controller.registry import EngineRecord, EngineState, UnknownModelError
+from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
+from controller.registry import EngineRecord, EngineState, UnknownEngineError, UnknownModelError
 from controller.relay import RETRYABLE, InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
 from kvplane import __version__
@@ -338,45 +340,67 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         status = pb.ABORT_STATUS_ABORTED if aborted else pb.ABORT_STATUS_ALREADY_FINISHED
         return pb.AbortResponse(status=status, message=summary)
 
+    async def _lora_engines(self, context: Context) -> list[EngineRecord]:
+        """The engines a LoRA call is for: the one its request metadata names
+        (`kvplane-engine`, controller.outcomes), else every reachable engine."""
+        reachable = self._reachable()
+        wanted = _metadata_value(context, ENGINE_METADATA_KEY)
+        if wanted is None:
+            if not reachable:
+                await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine is reachable")
+            return reachable
+        try:
+            record = self.controller.fleet.registry.get(wanted)
+        except UnknownEngineError as exc:
+            await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        if not any(r is record for r in reachable):
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"engine {wanted} cannot be reached now ({record.state.value})",
+            )
+        return [record]
+
     async def _lora_fan_out(
         self,
         context: Context,
         call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
         held: Callable[[T], tuple[str, ...] | None],
+        learn: Callable[[str, T], None],
         *,
-        not_found_is_absent: bool = False,
+        on_absent: Callable[[str], None] | None = None,
     ) -> list[T]:
-        """Call every reachable engine that may support LoRA (GetModelInfo did not say
-        `supports_lora: false`); report every engine's outcome (EngineOutcome) and fail
-        unless all asked engines succeeded. `held` names the adapters a reply shows on its
-        engine. With `not_found_is_absent` (UnloadLora), NOT_FOUND means the engine never had
-        the adapter: NOT_FOUND only when no asked engine had it."""
-        reachable = self._reachable()
-        if not reachable:
-            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine is reachable")
-        asked = [
-            r for r in reachable if r.identity is None or r.identity.supports_lora is not False
-        ]
+        """Call every engine the call is for (`_lora_engines`) that may support LoRA
+        (GetModelInfo did not say `supports_lora: false`); report every engine's outcome
+        (EngineOutcome) and fail unless all asked engines succeeded. `held` names the
+        adapters a reply shows on its engine; `learn(address, reply)` records in the
+        registry what a successful reply changed there (the router sends a LoRA request only
+        to engines holding its adapter), before any failure ends the call. With `on_absent`
+        (UnloadLora), NOT_FOUND means the engine does not have the adapter: `on_absent` is
+        told, and the call is NOT_FOUND only when no asked engine had it."""
+        engines = await self._lora_engines(context)
+        asked = [r for r in engines if r.identity is None or r.identity.supports_lora is not False]
         outcomes = {
             r.address: EngineOutcome(r, "skipped", "supports_lora is false")
-            for r in reachable
+            for r in engines
             if r not in asked
         }
         replies: list[T] = []
         failures: list[grpc.aio.AioRpcError] = []
         for record, result in await self._fan_out(asked, call):
             if isinstance(result, grpc.aio.AioRpcError):
-                absent = not_found_is_absent and result.code() == grpc.StatusCode.NOT_FOUND
                 outcome = EngineOutcome.of(record, result)
-                if absent:
+                if on_absent is not None and result.code() == grpc.StatusCode.NOT_FOUND:
+                    on_absent(record.address)
                     outcome = outcome._replace(outcome="not_loaded")
                 else:
                     failures.append(result)
                 outcomes[record.address] = outcome
             else:
+                learn(record.address, result)
                 replies.append(result)
                 outcomes[record.address] = EngineOutcome(record, "ok", adapters=held(result))
-        ordered = [outcomes[r.address] for r in reachable]
+        ordered = [outcomes[r.address] for r in engines]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in ordered]))
         summary = _summary(ordered)
         if not asked:
@@ -392,8 +416,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         return replies
 
     async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> pb.LoadLoraResponse:
+        registry = self.controller.fleet.registry
         replies = await self._lora_fan_out(
-            context, lambda s: s.LoadLora(request), lambda r: (r.adapter.lora_name,)
+            context,
+            lambda s: s.LoadLora(request),
+            lambda r: (r.adapter.lora_name,),
+            lambda address, r: registry.on_lora_loaded(address, r.adapter.lora_name),
         )
         return pb.LoadLoraResponse(
             adapter=replies[0].adapter, already_loaded=all(r.already_loaded for r in replies)
@@ -402,18 +430,27 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def UnloadLora(
         self, request: pb.UnloadLoraRequest, context: Context
     ) -> pb.UnloadLoraResponse:
+        registry = self.controller.fleet.registry
+
+        def unloaded(address: str, *_: object) -> None:
+            registry.on_lora_unloaded(address, request.lora_name)
+
         replies = await self._lora_fan_out(
-            context, lambda s: s.UnloadLora(request), lambda r: None, not_found_is_absent=True
+            context, lambda s: s.UnloadLora(request), lambda r: None, unloaded, on_absent=unloaded
         )
         return pb.UnloadLoraResponse(adapter=replies[0].adapter)
 
     async def ListLoras(
         self, request: pb.ListLorasRequest, context: Context
     ) -> pb.ListLorasResponse:
+        registry = self.controller.fleet.registry
         replies = await self._lora_fan_out(
             context,
             lambda s: s.ListLoras(request),
             lambda r: tuple(a.lora_name for a in r.adapters),
+            lambda address, r: registry.on_loras(
+                address, frozenset(a.lora_name for a in r.adapters)
+            ),
         )
         union: dict[tuple[int, str, str], pb.LoraAdapter] = {}
         for reply in replies:
@@ -633,3 +670,11 @@ def _queue_depth(record: EngineRecord) -> int:
 
 def _has_task(record: EngineRecord, task: str) -> bool:
     return record.identity is not None and task in record.identity.tasks
+
+
+def _metadata_value(context: Context, key: str) -> str | None:
+    """The value of request metadata `key` (gRPC metadata keys are lower case), if sent."""
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return v if isinstance(v, str) else v.decode()
+    return None

@@ -5,7 +5,11 @@ a JSON object `{"engine": ADDRESS, "instance_id": ID, "outcome": "ok" | "skipped
 "not_loaded" | STATUS, "detail": TEXT, "adapters": [NAMES]}` ("detail" and "adapters" only
 when there is something to say). gRPC clients refuse trailing metadata beyond 8-16 KB, so a
 large fleet's entries are capped (`outcome_metadata`): failures first, and a last entry
-`{"truncated": N}` counting the engines left out."""
+`{"truncated": N}` counting the engines left out.
+
+The other way round, a LoRA call (LoadLora, UnloadLora, ListLoras) may name the one engine
+it is for in its request metadata: `kvplane-engine: ENGINE` (an instance id or an address of
+the fleet); the gateway then asks that engine only and reports its outcome alone."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 OUTCOME_METADATA_KEY = "kvplane-engine-outcome"
+ENGINE_METADATA_KEY = "kvplane-engine"
 # Bytes of outcome entries one call carries (gRPC's default client limit is 8 KiB soft, 16 KiB
 # hard, for all the metadata together).
 MAX_OUTCOME_BYTES = 6_000

@@ -11,6 +11,12 @@ fails closed: an engine that does not pass is INCOMPATIBLE and never routed to.
 Routable = health READY or DEGRADED, compatible, not cordoned. DRAINING and NOT_READY leave
 routing the moment a health answer says so; an unreachable engine is retried with
 exponential backoff.
+
+LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
+(ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
+gateway's own LoadLora/UnloadLora/ListLoras); a new engine process starts with none. A request
+naming an adapter is routable only to the engines holding it (`routable(lora_name=...)`), and
+`check_lora` says why none can take it.
 """
 
 from __future__ import annotations
@@ -62,6 +68,22 @@ class DuplicateEngineError(KvplaneError):
 class UnknownModelError(KvplaneError):
     """No engine of the fleet serves the model, whatever its health (an engine answers
     NOT_FOUND for a model it does not serve)."""
+
+
+class LoraRoutingError(KvplaneError):
+    """A request names a LoRA adapter that no routable engine holds."""
+
+
+class LoraUnsupportedError(LoraRoutingError):
+    """No engine serving the model supports LoRA at all (seed: FAILED_PRECONDITION)."""
+
+
+class LoraNotLoadedError(LoraRoutingError):
+    """No engine has the adapter loaded (seed: unknown adapter, NOT_FOUND)."""
+
+
+class LoraUnavailableError(LoraRoutingError):
+    """Engines hold the adapter but none takes traffic now (UNAVAILABLE)."""
 
 
 def check_revision(schema_revision: int, minimum_client_revision: int, schema_release: str) -> None:
@@ -129,6 +151,9 @@ class EngineRecord:
     # Seconds from the engine stamping its last KV-event batch to the batch being in the
     # index (None until one arrives from this process).
     event_lag_s: float | None = None
+    # The LoRA adapters (names) the engine holds; None: it serves no LoRA (says
+    # `supports_lora: false` or refuses ListLoras), or is not known yet.
+    lora_adapters: frozenset[str] | None = None
 
     @property
     def engine_id(self) -> str:
@@ -138,6 +163,9 @@ class EngineRecord:
     @property
     def routable(self) -> bool:
         return self.state in ROUTABLE_STATES and not self.cordoned and self.identity is not None
+
+    def holds_lora(self, lora_name: str) -> bool:
+        return self.lora_adapters is not None and lora_name in self.lora_adapters
 
 
 class Registry:
@@ -180,7 +208,11 @@ class Registry:
         except UnknownEngineError:
             return None
 
-    def routable(self, model: str | None = None, role: Role | None = None) -> list[EngineRecord]:
+    def routable(
+        self, model: str | None = None, role: Role | None = None, lora_name: str = ""
+    ) -> list[EngineRecord]:
+        """Engines that may take a request for `model` now, of `role` (or any), holding the
+        LoRA adapter `lora_name` when one is named."""
         out = []
         for record in self.records():
             if not record.routable or record.identity is None:
@@ -188,6 +220,8 @@ class Registry:
             if role is not None and record.identity.role not in (role, Role.UNKNOWN):
                 continue
             if not record.identity.serves(model):
+                continue
+            if lora_name and not record.holds_lora(lora_name):
                 continue
             out.append(record)
         return out
@@ -201,6 +235,33 @@ class Registry:
             and (r.identity is None or r.identity.serves(model))
             for r in self._by_address.values()
         )
+
+    def check_lora(self, lora_name: str, model: str | None = None) -> None:
+        """Raise why no routable engine holds `lora_name` for `model` (call it when
+        `routable(..., lora_name=lora_name)` is empty): LoraUnavailableError when some engine
+        holds it, LoraUnsupportedError when no engine serving the model supports LoRA, else
+        LoraNotLoadedError. Returns when no engine serves the model at all (the request
+        fails as any request for it does)."""
+        serving = [
+            r
+            for r in self.records()
+            if r.identity is not None
+            and r.state is not EngineState.INCOMPATIBLE
+            and r.identity.serves(model)
+        ]
+        if not serving:
+            return  # nothing to say about LoRA: no engine serves the model
+        holders = [r.engine_id for r in serving if r.holds_lora(lora_name)]
+        if holders:
+            raise LoraUnavailableError(
+                f"the engines with LoRA adapter {lora_name!r} loaded take no traffic now: "
+                + ", ".join(holders)
+            )
+        if all(r.lora_adapters is None for r in serving):
+            raise LoraUnsupportedError(
+                f"no engine serving {model or 'the default model'} supports LoRA"
+            )
+        raise LoraNotLoadedError(f"no engine has LoRA adapter {lora_name!r} loaded")
 
     def request_drain(self, key: str, now_s: float) -> EngineRecord:
         """Out of routing at once, and for good (until the engine is a new process)."""
@@ -250,6 +311,7 @@ class Registry:
             record.epoch += 1
             record.drain_requested = False
             record.event_lag_s = None
+            record.lora_adapters = None  # a new process has loaded nothing we know of
         record.identity = identity
         return is_new
 
@@ -265,6 +327,22 @@ class Registry:
             ):
                 return other
         return None
+
+    def on_loras(self, address: str, adapters: frozenset[str] | None) -> None:
+        """Record every adapter the engine holds (ListLoras; None: it serves no LoRA)."""
+        record = self._by_address.get(address)
+        if record is not None:
+            record.lora_adapters = adapters
+
+    def on_lora_loaded(self, address: str, lora_name: str) -> None:
+        record = self._by_address.get(address)
+        if record is not None:
+            record.lora_adapters = (record.lora_adapters or frozenset()) | {lora_name}
+
+    def on_lora_unloaded(self, address: str, lora_name: str) -> None:
+        record = self._by_address.get(address)
+        if record is not None and record.lora_adapters is not None:
+            record.lora_adapters = record.lora_adapters - {lora_name}
 
     def mark_incompatible(self, address: str, error: str) -> None:
         record = self._by_address.get(address)

@@ -10,6 +10,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   an engine answers a duplicate: a second copy would land on another engine, out of Abort's
   reach);
 - plan and route the request; a retry never goes back to an engine that already failed it;
+  a request naming a LoRA adapter goes only to engines holding it (NOT_FOUND when none has
+  it loaded, FAILED_PRECONDITION when no engine supports LoRA, UNAVAILABLE when the holders
+  take no traffic);
 - hold request id -> engine while the request runs, so that OpenEngine Abort finds it and
   Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would;
@@ -39,9 +42,10 @@ from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 import grpc
 
 from controller.metrics import RequestOutcome
-from controller.registry import Role, UnknownModelError
+from controller.registry import LoraRoutingError, Role, UnknownModelError
 from controller.router import Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
+from controller.statuses import status_of
 from kvplane.server import abort_with
 
 log = logging.getLogger(__name__)
@@ -268,6 +272,10 @@ class Relay:
         disaggregated = c.disaggregated(query.model)
         try:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
+        except LoraRoutingError as exc:  # no routable engine holds the request's LoRA adapter
+            status = status_of(exc)
+            c.metrics.count_request("invalid" if status in CLIENT_ERRORS else "no_engine")
+            await abort_with(context, status, str(exc))
         except Exception:
             log.exception("request %s: routing failed", query.request_id)
             await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")

@@ -59,7 +59,10 @@ class ScriptedServicer(Forwarding):
     - Embed (`embed`): one dense output per input, in request order, `input_index` present
       even for 0; an unknown model is NOT_FOUND. Classify and Score are unsupported:
       FAILED_PRECONDITION. Without `embed`, Embed is FAILED_PRECONDITION too.
-    - Generate takes the next of the shared GenerateFaults, else is the sim engine's.
+    - Generate takes the next of the shared GenerateFaults, else is the sim engine's. One
+      naming a LoRA adapter is refused as the seed says (LoRA disabled: FAILED_PRECONDITION;
+      an adapter not loaded here: NOT_FOUND), else runs as the sim engine's without it (the
+      sim's dummy weights have nothing for an adapter to change).
 
     Everything else (info, health, load, KV events, abort) is the sim engine's answer.
     """
@@ -101,6 +104,8 @@ class ScriptedServicer(Forwarding):
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.generate_calls.append(request.request_id)
+        if request.lora_name:
+            request = await self._without_lora(request, context)
         fault = self.faults.pending.pop(0) if self.faults.pending else None
         if fault == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: not now")
@@ -137,6 +142,17 @@ class ScriptedServicer(Forwarding):
     async def _lora_allowed(self, context: Context) -> None:
         if not self.lora_enabled:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "LoRA is disabled")
+
+    async def _without_lora(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> pb.GenerateRequest:
+        await self._lora_allowed(context)
+        if request.lora_name not in self.adapters:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no adapter {request.lora_name!r}")
+        plain = pb.GenerateRequest()
+        plain.CopyFrom(request)
+        plain.lora_name = ""
+        return plain
 
     async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> Any:
         await self._lora_allowed(context)
@@ -211,6 +227,7 @@ async def start_scripted_engine(
     advertise_lora: bool | None = False,
     lora_enabled: bool = False,
     embed: bool = False,
+    time_scale: float = 0.0,
 ) -> ScriptedEngine:
     return await start_fronted_engine(
         name,
@@ -221,6 +238,7 @@ async def start_scripted_engine(
             lora_enabled=lora_enabled,
             embed=embed,
         ),
+        time_scale,
     )
 
 
@@ -276,7 +294,7 @@ async def test_lora_fan_out_aggregates_every_engines_result(tmp_path: Path) -> N
             v["outcome"] for k, v in outcomes(err.value.trailing_metadata()).items() if k != "e2"
         } == {"ALREADY_EXISTS"}
 
-        # Loaded on one engine only (`lora load ... --engine e0` goes straight to it).
+        # Loaded on one engine only, behind the controller's back (another client of e0).
         y = pb.LoraAdapter(lora_id=3, lora_name="y", source_path=str(tmp_path / "y"))
         async with grpc.aio.insecure_channel(address(engines[0])) as direct:
             await pb_grpc.OpenEngineStub(direct).LoadLora(pb.LoadLoraRequest(adapter=y))

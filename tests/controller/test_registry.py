@@ -12,6 +12,9 @@ from controller.registry import (
     EngineIdentity,
     EngineState,
     IncompatibleEngineError,
+    LoraNotLoadedError,
+    LoraUnavailableError,
+    LoraUnsupportedError,
     Registry,
     Role,
     UnknownEngineError,
@@ -73,6 +76,34 @@ def test_one_engine_under_a_second_address_is_refused_while_the_first_answers() 
     registry.on_identity("localhost:1", identity("e0"), 3.0)
     registry.on_health("localhost:1", EngineState.READY, 3.0)
     assert [r.address for r in registry.routable()] == ["localhost:1"]
+
+
+def test_lora_requests_are_routable_only_to_engines_holding_the_adapter() -> None:
+    registry = Registry()
+    for i in range(2):
+        registry.add(f"h:{i}")
+        registry.on_identity(f"h:{i}", identity(f"e{i}"), 0.0)
+        registry.on_health(f"h:{i}", EngineState.READY, 0.0)
+    with pytest.raises(LoraUnsupportedError):  # neither engine serves LoRA
+        registry.check_lora("x", "m")
+    registry.on_loras("h:0", frozenset())
+    registry.on_loras("h:1", frozenset({"y"}))
+    with pytest.raises(LoraNotLoadedError, match="no engine has LoRA adapter 'x' loaded"):
+        registry.check_lora("x", "m")
+    registry.on_lora_loaded("h:0", "x")
+    assert [r.address for r in registry.routable("m", lora_name="x")] == ["h:0"]
+    assert [r.address for r in registry.routable("m", lora_name="y")] == ["h:1"]
+    assert len(registry.routable("m")) == 2
+    registry.set_cordoned("h:0", True)
+    assert registry.routable("m", lora_name="x") == []
+    with pytest.raises(LoraUnavailableError, match="e0"):
+        registry.check_lora("x", "m")
+    registry.on_lora_unloaded("h:0", "x")
+    with pytest.raises(LoraNotLoadedError):
+        registry.check_lora("x", "m")
+    # A new engine process has loaded nothing the controller knows of.
+    registry.on_identity("h:1", identity("e1-restarted"), 1.0)
+    assert registry.routable("m", lora_name="y") == []
 
 
 def test_health_states_and_cordon_decide_routability() -> None:

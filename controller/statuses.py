@@ -1,0 +1,36 @@
+"""The one table from the controller's domain errors to gRPC status codes, for every adapter
+that serves them (the admin API, the gateway's routing)."""
+
+from __future__ import annotations
+
+import grpc
+
+from controller.registry import (
+    DuplicateEngineError,
+    LoraNotLoadedError,
+    LoraUnavailableError,
+    UnknownEngineError,
+    UnknownModelError,
+)
+from controller.router import NoEngineAvailableError
+from kvplane.errors import KvplaneError
+
+# First match wins: subclasses before their bases. A KvplaneError not named otherwise is a
+# precondition the caller can fix (LoraUnsupportedError among them: the seed's "LoRA
+# disabled").
+_STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
+    (UnknownEngineError, grpc.StatusCode.NOT_FOUND),
+    (UnknownModelError, grpc.StatusCode.NOT_FOUND),
+    (DuplicateEngineError, grpc.StatusCode.ALREADY_EXISTS),
+    (NoEngineAvailableError, grpc.StatusCode.UNAVAILABLE),
+    (LoraNotLoadedError, grpc.StatusCode.NOT_FOUND),
+    (LoraUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (KvplaneError, grpc.StatusCode.FAILED_PRECONDITION),
+)
+
+
+def status_of(exc: KvplaneError) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL  # pragma: no cover - KvplaneError is in the table
