@@ -617,7 +617,10 @@ async def _check(fleet: Fleet) -> bool:
     for problem in problems:
         log.error("check failed: %s", problem)
     if not problems:
-        log.info("check passed: answers complete, repeated prefixes routed to their holders")
+        log.info(
+            "check passed: answers complete and the same from cache, repeated prefixes routed"
+            " to their holders"
+        )
     return not problems
 
 
