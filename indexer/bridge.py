@@ -10,6 +10,9 @@ Copies are counted here, since the KVIndexer API has no notion of them.
 An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with
 backoff, blocking the stream (ZMQ buffers meanwhile; an
 overflow shows up as a gap and is replayed); any other status drops that batch and is logged.
+A batch is validated with the seed's rules before it is converted and sent: one that breaks
+them (a value out of its wire field's range) raises `IndexRequestError`, which the source
+counts as a bad message.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from indexer.translate import (
     TranslateOptions,
     WorkerTranslator,
 )
+from indexer.validation import validate_batch
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.server import AUTH_METADATA_KEY
 
@@ -66,6 +70,7 @@ class KvIndexerSink:
         self.num_rejected = 0
 
     async def apply(self, batch: Batch) -> None:
+        validate_batch(batch)  # the receiver's rules; batch_to_proto needs in-range values
         request = batch_to_proto(batch)
         backoff = self._backoff_initial_s
         while True:

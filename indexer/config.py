@@ -144,6 +144,9 @@ class IndexerConfig(ServerConfig):
     block_size: int = Field(default=16, gt=0)
     # Concurrent MatchExternalKvPrefix calls beyond this are shed with RESOURCE_EXHAUSTED.
     max_concurrent_prefix_queries: int = Field(default=64, gt=0)
+    # Largest request the server accepts (gRPC's default is 4 MiB). MatchExternalKvPrefix has
+    # no length cap in the seed; this one (about 8 bytes a hash) is the effective one.
+    max_request_bytes: int = Field(default=64 << 20, gt=0)
     # Options of a Redis backend (ignored by `memory`).
     redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
 

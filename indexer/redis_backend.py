@@ -299,6 +299,7 @@ class RedisBackend:
             )
         if self._outage:
             self._enqueue(batch)
+            self._start_recovery()  # (running already, unless it ended without clearing it)
             return
         try:
             await self._apply_grouped(batch)
@@ -309,10 +310,25 @@ class RedisBackend:
             self._start_recovery()
 
     async def _apply_batches(self, batches: Sequence[Batch]) -> list[str | None]:
-        """One atomic call applying `batches` in order: per batch None, or why Redis refused
-        it (then nothing of it was written)."""
-        statuses = await self._fcall("kvp_apply", codec.apply_args(batches), boot=True)
-        return [None if status == 1 else _text(status) for status in statuses]
+        """One atomic call applying `batches` in order: per batch None, or why it was refused
+        (then nothing of it was written): by Redis, or here when it cannot be encoded, which
+        validation should have made impossible; such a batch fails alone, never its group."""
+        statuses: list[str | None] = [None] * len(batches)
+        args: list[bytes | str | int] = []
+        sent: list[int] = []
+        for i, batch in enumerate(batches):
+            try:
+                args += codec.batch_args(batch)
+            except Exception as exc:
+                log.exception("batch of %s cannot be encoded for Redis", batch.worker_id)
+                statuses[i] = f"cannot be encoded for Redis: {type(exc).__name__}: {exc}"
+            else:
+                sent.append(i)
+        if sent:
+            replies = await self._fcall("kvp_apply", args, boot=True)
+            for i, status in zip(sent, replies, strict=True):
+                statuses[i] = None if status == 1 else _text(status)
+        return statuses
 
     async def _apply_grouped(self, batch: Batch) -> None:
         """Group commit: batches applied concurrently (several sources, several RPCs) share
@@ -335,6 +351,15 @@ class RedisBackend:
                     for _, done in group:
                         if not done.done():
                             done.set_exception(type(exc)(str(exc)))
+                    continue
+                except Exception as exc:
+                    # Not Redis being away (that is a KvplaneError): a bug, or a reply this code
+                    # does not understand. These batches fail (not buffered: they would fail
+                    # again); the task goes on with the next group.
+                    log.exception("applying %d batches failed", len(group))
+                    for _, done in group:
+                        if not done.done():
+                            done.set_exception(IndexBackendError(f"shared index error: {exc!r}"))
                     continue
                 for (b, done), status in zip(group, statuses, strict=True):
                     if done.done():
@@ -383,7 +408,7 @@ class RedisBackend:
                 while self._buffer:
                     # Left in the buffer until applied, so new batches queue behind them.
                     head = list(itertools.islice(self._buffer, MAX_GROUP_BATCHES))
-                    for batch, status in zip(head, await self._apply_batches(head), strict=True):
+                    for batch, status in zip(head, await self._replay_head(head), strict=True):
                         if status is not None:
                             log.error("buffered batch of %s refused: %s", batch.worker_id, status)
                             self._request_resync({batch.worker_id})
@@ -395,10 +420,25 @@ class RedisBackend:
                 log.debug("Redis recovery: %s", exc)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
+            except Exception:  # never ends the task: the outage would never end either
+                log.exception("Redis recovery failed; retrying")
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
         self._outage = False
         self._recovery = None
         log.info("Redis at %s is back; buffered batches applied", self._where)
         self._announce_resyncs()
+
+    async def _replay_head(self, head: list[Batch]) -> list[str | None]:
+        """`_apply_batches` for buffered batches; an unexpected failure (not Redis being away)
+        refuses them, since retrying them would keep the outage going forever."""
+        try:
+            return await self._apply_batches(head)
+        except KvplaneError:
+            raise
+        except Exception as exc:
+            log.exception("replaying %d buffered batches failed", len(head))
+            return [f"{type(exc).__name__}: {exc}"] * len(head)
 
     async def _maintain(self) -> None:
         """Notices a Redis that lost its data (boot token) and sweeps dead placements."""

@@ -61,19 +61,14 @@ def unpack_spec(data: bytes) -> CacheSpec | None:
     return CacheSpec(*_SPEC.unpack(data))
 
 
-def apply_args(batches: Sequence[Batch]) -> list[bytes | str | int]:
-    """kvp_apply's arguments after (bucket count, boot token): per batch its worker, address,
-    spec and number of actions, then seven per action."""
-    args: list[bytes | str | int] = []
-    for batch in batches:
-        args += _batch_args(batch)
-    return args
-
-
-def _batch_args(batch: Batch) -> list[bytes | str | int]:
+def batch_args(batch: Batch) -> list[bytes | str | int]:
+    """One batch's part of kvp_apply's arguments (which follow the bucket count and the boot
+    token, batch after batch): its worker, address, spec and number of actions, then seven
+    per action."""
     args: list[bytes | str | int] = [
-        batch.worker_id,
-        batch.worker_address,
+        # Encoded here (strictly), so that a string Redis cannot take fails this batch alone.
+        batch.worker_id.encode(),
+        batch.worker_address.encode(),
         pack_spec(batch.cache_spec),
         len(batch.actions),
     ]

@@ -156,7 +156,11 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
             ingest_counters=ingest_counters,
         )
         servicer_box.append(kv_indexer)
-        server, port = await create_server(config, services)
+        server, port = await create_server(
+            config,
+            services,
+            options=[("grpc.max_receive_message_length", config.max_request_bytes)],
+        )
         metrics_server = None
         if config.metrics_listen is not None:
             registry = CollectorRegistry()

@@ -3,10 +3,11 @@
 
 Thin: convert (`indexer.kv_wire`), validate with the core's rules (`indexer.index`; a batch is
 validated by the backend's `apply`, which refuses a bad one before changing anything), call the
-backend, convert back. Errors map to status codes through one table (`_status_of`); prefix
-queries (MatchExternalKvPrefix, MatchTokens) beyond `max_concurrent_prefix_queries` are shed
-with RESOURCE_EXHAUSTED, never queued, and one whose deadline already passed gets
-DEADLINE_EXCEEDED. Applies are never shed.
+backend, convert back, all inside each handler's error mapping (a conversion that fails is a
+status, never an unhandled exception). Errors map to status codes through one table
+(`_status_of`); prefix queries (MatchExternalKvPrefix, MatchTokens) beyond
+`max_concurrent_prefix_queries` in flight are shed with RESOURCE_EXHAUSTED, and one whose
+deadline already passed gets DEADLINE_EXCEEDED. Applies are never shed.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
     async def ApplyExternalKvBatch(
         self, request: kv.ApplyExternalKvBatchRequest, context: Context
     ) -> kv.ApplyExternalKvBatchResponse:
-        batch = batch_from_proto(request)
         try:
+            batch = batch_from_proto(request)
             # Validated once, by the backend's apply (both backends check before any change).
             await self.backend.apply(batch)
         except Exception as exc:
@@ -127,9 +128,9 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
         try:
             validate_match(hashes)
             placements = await self.backend.match(hashes, request.count_as_hit)
+            return match_to_proto(placements)
         except Exception as exc:
             await _fail(context, exc)
-        return match_to_proto(placements)
 
     async def MatchExternalKvPrefix(
         self, request: kv.MatchExternalKvPrefixRequest, context: Context
@@ -142,11 +143,11 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
         await self.limiter.enter(context)
         try:
             result = await self.backend.match_prefix(hashes, request.max_blocks)
+            return prefix_to_proto(result)
         except Exception as exc:
             await _fail(context, exc)
         finally:
             self.limiter.leave()
-        return prefix_to_proto(result)
 
     async def GetExternalKvHitCounts(
         self, request: kv.GetExternalKvHitCountsRequest, context: Context
@@ -155,12 +156,12 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
         try:
             validate_match(hashes)
             counts = await self.backend.hit_counts(hashes)
+            response = kv.GetExternalKvHitCountsResponse()
+            for key, count in counts:
+                response.entries.add(hash=key, hit_count_total=count)
+            return response
         except Exception as exc:
             await _fail(context, exc)
-        response = kv.GetExternalKvHitCountsResponse()
-        for key, count in counts:
-            response.entries.add(hash=key, hit_count_total=count)
-        return response
 
 
 class KvIndexServicer(api_grpc.KvIndexServicer):
@@ -190,27 +191,27 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         await self.limiter.enter(context)
         try:
             matches = await self.backend.match_prefix_by_tier(block_keys, 0)
+            # Like MatchExternalKvPrefix, a worker without an address is no routing answer.
+            served = [_in_request_tokens(m, block_size) for m in matches if m.worker_address]
+            return token_matches_to_proto(served, block_keys)
         except Exception as exc:
             await _fail(context, exc)
         finally:
             self.limiter.leave()
-        # Like MatchExternalKvPrefix, a worker without an address is no routing answer.
-        served = [_in_request_tokens(m, block_size) for m in matches if m.worker_address]
-        return token_matches_to_proto(served, block_keys)
 
     async def GetIndexStats(
         self, request: api.GetIndexStatsRequest, context: Context
     ) -> api.IndexStats:
         try:
             stats = await self.backend.stats()
+            counters = self.ingest_counters()
+            return stats_to_proto(
+                stats,
+                num_batches_applied=counters.num_batches_applied,
+                num_events_dropped=counters.num_events_dropped,
+            )
         except Exception as exc:
             await _fail(context, exc)
-        counters = self.ingest_counters()
-        return stats_to_proto(
-            stats,
-            num_batches_applied=counters.num_batches_applied,
-            num_events_dropped=counters.num_events_dropped,
-        )
 
     async def DumpIndex(
         self, request: api.DumpIndexRequest, context: Context

@@ -11,11 +11,15 @@ import enum
 from collections.abc import Sequence
 from typing import NoReturn
 
-from indexer.batch import ActionType, Batch, BlockKey, Tier
+from indexer.batch import ActionType, Batch, BlockKey, CacheSpec, Tier
 from kvplane.errors import KvplaneError
 
 MAX_ACTIONS_PER_BATCH = 256
 MAX_HASHES_PER_REQUEST = 16_384
+# The wire's width of masks, token counts and cache-spec fields (and of the Redis backend's
+# records). Values from adapters that do not go through the proto (ZMQ) are checked against it
+# here, so that nothing out of range reaches a backend or an encoder.
+MAX_UINT32 = (1 << 32) - 1
 
 _ACTION_VALUES = frozenset(int(a) for a in ActionType)
 _TIER_VALUES = frozenset(int(t) for t in Tier)
@@ -63,6 +67,8 @@ def validate_batch(batch: Batch) -> None:
     actions = batch.actions
     if not batch.worker_id:
         raise _invalid("worker_id must not be empty")
+    if batch.cache_spec is not None:
+        _check_spec(batch.cache_spec)
     if len(actions) > MAX_ACTIONS_PER_BATCH:
         raise IndexRequestError(
             ValidationKind.RESOURCE_EXHAUSTED,
@@ -81,6 +87,11 @@ def validate_batch(batch: Batch) -> None:
         if not n or (masks and len(masks) != n) or (sizes and len(sizes) != n):
             # The first equal action is this one: an equal one before it would have failed.
             _shape_error(actions.index(action), n, len(masks), len(sizes))
+        # (Keys need no check: every adapter makes them sfixed64, `to_sfixed64` or the proto.)
+        if (masks and (min(masks) < 0 or max(masks) > MAX_UINT32)) or (
+            sizes and (min(sizes) < 0 or max(sizes) > MAX_UINT32)
+        ):
+            _range_error(actions.index(action))
         num_hashes += n
     if num_hashes > MAX_HASHES_PER_REQUEST:
         raise IndexRequestError(
@@ -95,6 +106,17 @@ def _shape_error(i: int, n: int, num_masks: int, num_sizes: int) -> NoReturn:
     if num_masks and num_masks != n:
         raise _invalid(f"action {i}: {num_masks} component_masks for {n}")
     raise _invalid(f"action {i}: {num_sizes} block_sizes for {n} hashes")
+
+
+def _range_error(i: int) -> NoReturn:
+    raise _invalid(f"action {i}: component_masks and block_sizes must be uint32 values")
+
+
+def _check_spec(spec: CacheSpec) -> None:
+    for name in spec.__slots__:
+        value = getattr(spec, name)
+        if not 0 <= value <= MAX_UINT32:
+            raise _invalid(f"cache_spec.{name} must be a uint32, got {value}")
 
 
 def validate_match(hashes: Sequence[BlockKey]) -> None:

@@ -10,7 +10,9 @@ Pure: bytes in, `indexer.engine_events` out. The contract:
   payload that does not decode to that envelope is a `PayloadError` (the message is dropped);
 - each event is a map with a `"type"` tag or an array with the tag first; unknown tags and
   unknown fields are ignored; an event with a malformed field is skipped and counted, its
-  siblings are kept;
+  siblings are kept; a value too large for the index's fields (a block_size above uint32)
+  makes the event malformed; decoding never raises anything but a `KvEventDecodeError`,
+  whatever the input (deep nesting included);
 - hashes are ints in [-2**63, 2**64) or non-empty bytes, kept as sent; token ids are flat or
   nested pairs (SGLang's bigram keys: a pair's first element is the block's token).
 
@@ -36,6 +38,7 @@ from indexer.engine_events import (
     EngineHash,
     EventBatch,
 )
+from indexer.validation import MAX_UINT32
 from kvplane.errors import KvplaneError
 
 ArrayTail = Literal["ignore", "vllm"]
@@ -45,7 +48,9 @@ END_MARKER_SEQ = (1 << 64) - 1  # ff * 8: the replay end marker's seq
 MAX_PAYLOAD_BYTES = 64 << 20
 _U64 = 1 << 64
 _I64_MIN = -(1 << 63)
-_MAX_TOKEN_ID = (1 << 32) - 1
+_MAX_TOKEN_ID = MAX_UINT32
+# Extra keys nested deeper than this are malformed (real ones are a few levels deep).
+MAX_EXTRA_KEY_DEPTH = 16
 
 
 class KvEventDecodeError(KvplaneError):
@@ -116,7 +121,12 @@ def decode_payload(payload: bytes, *, array_tail: ArrayTail = "ignore") -> Event
         )
     except Exception as exc:  # msgpack raises ValueError, FormatError, StackError, ...
         raise PayloadError(f"payload is not msgpack: {type(exc).__name__}: {exc}") from exc
-    ts, raw_events, dp_rank = _envelope(raw)
+    try:
+        ts, raw_events, dp_rank = _envelope(raw)
+    except PayloadError:
+        raise
+    except Exception as exc:  # whatever the input: a bad message, never a source failure
+        raise PayloadError(f"unusable EventBatch: {type(exc).__name__}: {exc}") from exc
     events: list[EngineEvent] = []
     num_bad = num_unknown = 0
     for raw_event in raw_events:
@@ -170,7 +180,16 @@ _SHARED_POSITIONS = 7
 
 
 def decode_event(raw: object, *, array_tail: ArrayTail = "ignore") -> EngineEvent | None:
-    """One event; None for an unknown tag; raises EventDecodeError when malformed."""
+    """One event; None for an unknown tag; raises EventDecodeError (only) when malformed."""
+    try:
+        return _decode_event(raw, array_tail)
+    except EventDecodeError:
+        raise
+    except Exception as exc:  # whatever the input: a bad event, its siblings are kept
+        raise EventDecodeError(f"malformed event: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode_event(raw: object, array_tail: ArrayTail) -> EngineEvent | None:
     if isinstance(raw, Mapping):
         tag = raw.get("type")
         fields: Mapping[Any, Any] = raw
@@ -190,14 +209,14 @@ def decode_event(raw: object, *, array_tail: ArrayTail = "ignore") -> EngineEven
         fields = dict(zip(layout[:limit], raw[:limit], strict=False))
     try:
         return decode(fields)
-    except (TypeError, ValueError) as exc:
-        raise EventDecodeError(f"malformed {tag}: {exc}") from exc
+    except Exception as exc:
+        raise EventDecodeError(f"malformed {tag}: {type(exc).__name__}: {exc}") from exc
 
 
 def _stored(f: Mapping[Any, Any]) -> BlockStored:
     hashes = _hashes(f.get("block_hashes"))
     parent = f.get("parent_block_hash")
-    block_size = _opt_int(f.get("block_size"), "block_size", minimum=1)
+    block_size = _opt_int(f.get("block_size"), "block_size", minimum=1, maximum=MAX_UINT32)
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=None if parent is None else _hash(parent),
@@ -288,19 +307,30 @@ def _opt_str(value: object, name: str) -> str | None:
     raise TypeError(f"{name} must be a string or nil, got {type(value).__name__}")
 
 
-def _opt_int(value: object, name: str, *, minimum: int) -> int | None:
+def _opt_int(value: object, name: str, *, minimum: int, maximum: int | None = None) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r:.40}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        upto = "" if maximum is None else f" and <= {maximum}"
+        raise ValueError(f"{name} must be an int >= {minimum}{upto}, got {value!r:.40}")
     return value
 
 
-def _frozen(value: object) -> object:
+def _frozen(value: object, depth: int = 0) -> object:
+    """`value` with its lists and maps as (sorted) tuples, hashable; depth-limited, so that a
+    hostile nesting is a malformed event rather than a RecursionError."""
+    if depth > MAX_EXTRA_KEY_DEPTH:
+        raise ValueError(f"extra_keys nested deeper than {MAX_EXTRA_KEY_DEPTH} levels")
     if isinstance(value, list | tuple):
-        return tuple(_frozen(v) for v in value)
+        return tuple(_frozen(v, depth + 1) for v in value)
     if isinstance(value, Mapping):
-        return tuple(sorted(((str(k), _frozen(v)) for k, v in value.items()), key=repr))
+        items = ((str(k), _frozen(v, depth + 1)) for k, v in value.items())
+        return tuple(sorted(items, key=repr))
     return value
 
 

@@ -31,6 +31,8 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   clears and rebuilds as on a first message (older blocks stay missing, never stale).
 
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
+A message whose content the translator or the index refuses (validation) counts as bad too:
+its refused batch is dropped (a missing block, never a stale one) and the stream goes on.
 What these rules cannot see is listed in docs/indexer.md ("Sequence tracking").
 """
 
@@ -48,7 +50,9 @@ import zmq
 import zmq.asyncio
 
 from indexer.batch import Batch
+from indexer.engine_events import EventBatch
 from indexer.translate import WorkerTranslator
+from indexer.validation import IndexRequestError
 from indexer.zmq_decode import (
     ArrayTail,
     KvEventDecodeError,
@@ -309,15 +313,37 @@ class ZmqSource:
             self.counters.num_events += len(batch.events)
             self.counters.num_bad_events += batch.num_bad_events
             self.counters.num_unknown_events += batch.num_unknown_events
-            for index_batch in self.translator.translate(batch.events, seq=message.seq):
-                await self.sink.apply(index_batch)
-                self.counters.num_batches_applied += 1
+            await self._index(batch, message.seq)
             if self.on_batch_time is not None:
                 self.on_batch_time(batch.ts)
         # A malformed payload still consumes its seq: it is not a gap to heal.
         self._expected = message.seq + 1
         self.last_seq = message.seq
         self._last_payload = message.payload
+
+    async def _index(self, batch: EventBatch, seq: int) -> None:
+        """Translate and apply one decoded message. What its content causes (a translation
+        error, a batch the index refuses as invalid) makes it a bad message: it would fail
+        again on every rebuild, so it must not restart the loop. Any other sink failure
+        (e.g. Redis down) raises: the index is in doubt."""
+        try:
+            index_batches = self.translator.translate(batch.events, seq=seq)
+        except Exception:
+            self.counters.num_bad_messages += 1
+            log.exception("worker %s: dropping seq %d: translation failed", self.worker_id, seq)
+            return
+        refused = False
+        for index_batch in index_batches:
+            try:
+                await self.sink.apply(index_batch)
+            except IndexRequestError as exc:
+                refused = True
+                log.warning(
+                    "worker %s: index refused a batch of seq %d: %s", self.worker_id, seq, exc
+                )
+                continue
+            self.counters.num_batches_applied += 1
+        self.counters.num_bad_messages += refused
 
     async def _reset_worker(self, seq: int) -> None:
         self.counters.num_resets += 1

@@ -99,3 +99,27 @@ def test_match_limits() -> None:
         with pytest.raises(IndexRequestError) as info:
             check(hashes)
         assert info.value.kind is kind
+
+
+U32, I64 = 1 << 32, 1 << 63
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        Batch("w", (report((1,), block_sizes=(U32,)),)),
+        Batch("w", (report((1, 2), component_masks=(1, -1)),)),
+        Batch("w", (), cache_spec=CacheSpec(swa_window_tokens=U32)),
+    ],
+)
+def test_values_beyond_their_wire_width_are_invalid(batch: Batch) -> None:
+    """Values from adapters that do not go through the proto (ZMQ) get the proto's ranges:
+    uint32 masks, sizes and spec fields (the Redis records' widths too)."""
+    assert kind_of(batch) is INVALID
+    validate_batch(
+        Batch(
+            "w",
+            (report((I64 - 1, -I64), component_masks=(0, U32 - 1), block_sizes=(U32 - 1, 0)),),
+            cache_spec=CacheSpec(version=U32 - 1),
+        )
+    )

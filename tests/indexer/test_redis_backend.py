@@ -23,7 +23,12 @@ from redis_servers import RedisServer
 from indexer.backend import IndexBackend
 from indexer.batch import Action, ActionType, Batch, CacheSpec, Tier
 from indexer.memory_backend import MemoryBackend
-from indexer.redis_backend import IndexUnavailableError, RedisBackend, open_redis_backend
+from indexer.redis_backend import (
+    IndexBackendError,
+    IndexUnavailableError,
+    RedisBackend,
+    open_redis_backend,
+)
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 
@@ -419,3 +424,69 @@ async def test_concurrent_applies_keep_their_order(redis_server: RedisServer) ->
         assert await backend.stats() == dataclasses.replace(await memory.stats(), backend="redis")
     finally:
         await backend.close()
+
+
+# A batch that passes validation yet cannot be sent to Redis (a worker id that is not UTF-8:
+# the wire cannot carry one, an in-process caller can): it must fail alone, never the batches
+# sharing its call, the group-commit task or the recovery after an outage.
+UNSENDABLE = Batch("bad\udc80", (Action(ActionType.REPORT, Tier.HBM, (7,)),))
+
+
+def _stored_batch(worker: str, key: int) -> Batch:
+    return Batch(worker, (Action(ActionType.REPORT, Tier.HBM, (key,)),), f"addr-{worker}")
+
+
+async def _holders(backend: IndexBackend, key: int) -> list[str]:
+    return [w.worker_id for w in await backend.match([key], False)]
+
+
+@pytest.mark.timeout(60)
+async def test_a_batch_redis_cannot_take_fails_alone(redis_server: RedisServer) -> None:
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16)
+    try:
+        results = await asyncio.gather(
+            backend.apply(_stored_batch("w0", 1)),
+            backend.apply(UNSENDABLE),
+            backend.apply(_stored_batch("w1", 2)),
+            return_exceptions=True,
+        )
+        assert results[0] is None and results[2] is None
+        assert isinstance(results[1], IndexBackendError)
+        assert backend.healthy
+        await backend.apply(_stored_batch("w2", 3))  # later writes land
+        assert [await _holders(backend, k) for k in (1, 2, 3, 7)] == [["w0"], ["w1"], ["w2"], []]
+    finally:
+        await backend.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_buffered_batch_redis_cannot_take_does_not_stall_the_recovery(
+    tmp_path: Path,
+) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    backend = await open_redis_backend(server.url, buckets=16, maintenance_interval_s=0.05)
+    asked: list[str] = []
+    backend.add_resync_listener(asked.append)
+    try:
+        await backend.apply(_stored_batch("w0", 1))
+        server.client().shutdown(save=True)  # comes back with its data: the buffer is replayed
+        server.stop()
+        await backend.apply(_stored_batch("w0", 2))  # Redis down: buffered
+        await backend.apply(UNSENDABLE)
+        await backend.apply(_stored_batch("w1", 3))
+        assert backend.num_buffered_batches == 3
+        server.start()
+
+        async def recovered() -> bool:
+            return backend.healthy
+
+        await _until(recovered, "the backend to recover", 30)
+        await backend.apply(_stored_batch("w2", 4))
+        holders = [await _holders(backend, k) for k in (1, 2, 3, 4, 7)]
+        assert holders == [["w0"], ["w0"], ["w1"], ["w2"], []]
+        assert asked == [UNSENDABLE.worker_id]  # its source must rebuild what was refused
+    finally:
+        await backend.close()
+        server.stop()

@@ -4,6 +4,7 @@ shedding, deadlines, auth, byte-level answers, token matching, stats and dump.""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +14,12 @@ import pytest
 
 from indexer.backend import IndexStats, PrefixResult
 from indexer.batch import BlockKey, to_sfixed64
+from indexer.config import IndexerConfig
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.kv_wire import batch_from_proto
 from indexer.memory_backend import MemoryBackend
+from indexer.service import run_indexer
 from indexer.servicer import IngestCounters, PrefixQueryLimiter, index_services
 from indexer.vllm_hash import VllmHashAlgo, block_digests, block_hashes, digest_to_int
 from kv_indexer.v1 import kv_indexer_pb2 as kv
@@ -434,3 +437,32 @@ async def test_match_tokens_rejects_what_it_cannot_hash(
     served: Server, request_: api.MatchTokensRequest
 ) -> None:
     assert await _code(served.api.MatchTokens(request_)) == INVALID
+
+
+async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(tmp_path: Path) -> None:
+    """MatchExternalKvPrefix has no length cap in the seed: 1M hashes (8 MiB, twice gRPC's
+    default 4 MiB receive limit) are answered by `kvplane indexer serve`'s server."""
+    port_file = tmp_path / "port"
+    indexer = asyncio.create_task(
+        run_indexer(IndexerConfig(listen="127.0.0.1:0"), port_file=port_file)
+    )
+    try:
+        async with asyncio.timeout(20):
+            while not port_file.exists():  # noqa: ASYNC110 - a file, no event to await
+                await asyncio.sleep(0.02)
+        target = f"127.0.0.1:{int(port_file.read_text())}"
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = kv_grpc.KVIndexerStub(channel)
+            report = kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[0, 1, 2])
+            await stub.ApplyExternalKvBatch(
+                kv.ApplyExternalKvBatchRequest(
+                    worker_id="w0", worker_address="a:1", actions=[report]
+                )
+            )
+            query = kv.MatchExternalKvPrefixRequest(hashes=range(1_000_000))
+            assert query.ByteSize() > 4 << 20
+            reply = await stub.MatchExternalKvPrefix(query)
+            assert reply.best_prefix_blocks == 3
+    finally:
+        signal.raise_signal(signal.SIGTERM)  # the indexer's own graceful stop
+        await asyncio.wait_for(indexer, 20)

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from backend_factories import FACTORIES
 from fake_kv_publisher import FakeKvPublisher, running
 
 from indexer.batch import Batch
@@ -24,6 +25,8 @@ from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import ServerConfig
 from kvplane.server import create_server
+from kvplane_api.v1 import index_pb2 as api
+from kvplane_api.v1 import index_pb2_grpc as api_grpc
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0
@@ -338,3 +341,59 @@ async def test_a_restart_that_resumes_at_the_expected_seq_is_told_by_the_new_con
     assert _keys(index) == {200, 201, 202, 203}
     assert source.counters.num_gaps == 0
     assert publisher.replay_requests == [2, 0]  # the check of seq 2, then the rebuild
+
+
+def _poisoned_message(seq: int) -> list[bytes]:
+    """Three events: extra_keys nested 900 deep (valid msgpack, beyond Python's recursion
+    limit if walked recursively), a block_size beyond uint32, and a good sibling (201)."""
+    deep = msgpack.packb({**_stored(200), "extra_keys": None})[:-1] + b"\x91" * 900 + b"\xc0"
+    too_big = {**_stored(100), "block_size": 1 << 33}
+    events = b"\x93" + deep + msgpack.packb(too_big) + msgpack.packb(_stored(201))
+    payload = b"\x93" + msgpack.packb(float(seq)) + events + b"\xc0"
+    assert len(msgpack.unpackb(payload)[1]) == 3
+    return [TOPIC, _seq(seq), payload]
+
+
+@pytest.mark.parametrize("backend_name", ["memory", "redis"])
+async def test_poison_events_are_skipped_and_the_source_and_index_keep_working(
+    context: zmq.asyncio.Context, backend_name: str, request: pytest.FixtureRequest
+) -> None:
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    async with FACTORIES[backend_name](request) as backend:
+        services, _, _ = index_services(
+            backend, default_block_size=16, max_concurrent_prefix_queries=4
+        )
+        server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+        source = _source(publisher.endpoint, context, backend, replay=publisher.replay_endpoint)
+        try:
+            async with running(source.run()), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await publisher.wait_subscribed()
+                await publisher.publish(_message(0, _stored(1)))
+                await publisher.publish(_poisoned_message(1))
+                await publisher.publish(_message(2, _stored(300)))
+                await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+                assert source.counters.num_bad_events == 2
+                assert source.counters.num_restarts == 0
+                assert source.counters.num_resets == 1  # only the first message's clear
+                stub = kv_grpc.KVIndexerStub(ch)
+                # Later writes, of another worker too, land and are answered.
+                report = kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[9])
+                await stub.ApplyExternalKvBatch(
+                    kv.ApplyExternalKvBatchRequest(worker_id="w9", actions=[report])
+                )
+                reply = await stub.MatchExternalKv(
+                    kv.MatchExternalKvRequest(hashes=[1, 100, 200, 201, 300, 9])
+                )
+                held = {
+                    (m.worker_id, h)
+                    for m in reply.matches
+                    for t in m.hashes_by_tier
+                    for h in t.hashes
+                }
+                assert held == {("w0", 1), ("w0", 201), ("w0", 300), ("w9", 9)}
+                dump = api_grpc.KvIndexStub(ch).DumpIndex(api.DumpIndexRequest())
+                assert {b.worker_id async for b in dump} == {"w0", "w9"}
+        finally:
+            await publisher.close()
+            await server.stop(None)
