@@ -22,6 +22,7 @@ with a plain tuple, is not part of the API); use `value._replace(...)` for an al
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -96,7 +97,19 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InvalidRequestError on a malformed combination (checked before acceptance)."""
-        if self.temperature < 0 or self.temperature != self.temperature:
+        # NaN passes every comparison below as false (NaN <= 0 is false): refuse it, and the
+        # infinities, first.
+        for name, value in (
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("min_p", self.min_p),
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+            ("repetition_penalty", self.repetition_penalty),
+        ):
+            if not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, not {value}")
+        if self.temperature < 0:
             raise InvalidRequestError("temperature must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p must be in (0, 1]")

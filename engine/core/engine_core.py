@@ -123,6 +123,13 @@ class EngineCore:
         except (OverflowError, TypeError):
             raise InvalidRequestError("token ids must be integers in [0, 2**32)") from None
         request.sampling.validate()
+        if request.sampling.num_sequences > self.config.max_num_seqs:
+            # One sequence per output, built at once on the engine thread: bounded by the seats
+            # (what ModelInfo advertises as max_num_sequences).
+            raise InvalidRequestError(
+                f"num_sequences {request.sampling.num_sequences} is more than this engine's "
+                f"max_num_seqs {self.config.max_num_seqs}"
+            )
         if request.sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
         num_prompt = len(request.prompt_token_ids)

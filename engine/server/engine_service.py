@@ -80,6 +80,15 @@ class RequestStream:
             yield output
 
 
+async def _count_probe_tokens(stream: RequestStream) -> int:
+    tokens = 0
+    async for output in stream.outputs():
+        tokens += len(output.new_token_ids)
+        if output.message and output.finish_reason is not None and not tokens:
+            raise RuntimeError(output.message)
+    return tokens
+
+
 class EngineService:
     """Owns the EngineLoop's asyncio side. Create inside the running event loop."""
 
@@ -100,6 +109,8 @@ class EngineService:
         self.metrics = metrics
         self._aio_loop = asyncio.get_running_loop()
         self._live: dict[str, RequestStream] = {}
+        # The health probes among them: the engine's own work, not counted as in flight.
+        self._live_internal: set[str] = set()
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._accepting = True
         self._draining = False
@@ -137,7 +148,12 @@ class EngineService:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._live)
+        """Requests clients sent that have not ended (what Drain counts and waits for).
+
+        Health probes are left out: they are allowed while draining, so counting them would
+        let Health calls hold a drain open; each lasts one token and never outlives its call.
+        """
+        return len(self._live) - len(self._live_internal)
 
     def load(self) -> LoadSnapshot:
         return self._load
@@ -156,6 +172,8 @@ class EngineService:
         stream = RequestStream(request, self._on_stream_done)
         self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue))
         self._live[request.request_id] = stream
+        if internal:
+            self._live_internal.add(request.request_id)
         self._finished.pop(request.request_id, None)
         self._in_flight_changed.set()
         if self.metrics is not None:
@@ -166,6 +184,7 @@ class EngineService:
         request_id = stream.request.request_id
         if self._live.get(request_id) is stream:
             del self._live[request_id]
+            self._live_internal.discard(request_id)
         self._finished[request_id] = None
         while len(self._finished) > _FINISHED_MEMORY:
             self._finished.popitem(last=False)
@@ -176,6 +195,7 @@ class EngineService:
         stream = self._live.pop(request_id, None)
         if stream is None:
             return
+        self._live_internal.discard(request_id)
         stream.done = True
         self._finished[request_id] = None
         self._in_flight_changed.set()
@@ -194,7 +214,11 @@ class EngineService:
         return await asyncio.wrap_future(self.engine_loop.abort_all())
 
     async def probe(self, timeout_s: float) -> str:
-        """Generate one greedy token end to end; returns "" or what went wrong."""
+        """Generate one greedy token end to end; returns "" or what went wrong.
+
+        The probe request never outlives this call: timed out, failed, or cancelled with the
+        Health RPC that asked for it (its deadline, the client going away), it is cancelled.
+        """
         request = EngineRequest(
             request_id=f"health-probe-{time.monotonic_ns()}",
             prompt_token_ids=(0,),
@@ -203,21 +227,17 @@ class EngineService:
         )
         try:
             stream = self.submit(request, internal=True)
-
-            async def run() -> int:
-                tokens = 0
-                async for output in stream.outputs():
-                    tokens += len(output.new_token_ids)
-                    if output.message and output.finish_reason is not None and not tokens:
-                        raise RuntimeError(output.message)
-                return tokens
-
-            tokens = await asyncio.wait_for(run(), timeout=timeout_s)
-        except TimeoutError:
-            self.cancel_nowait(request.request_id)
-            return f"no token within {timeout_s:.1f}s"
         except Exception as exc:  # the probe reports, it never raises
             return f"probe failed: {exc}"
+        try:
+            tokens = await asyncio.wait_for(_count_probe_tokens(stream), timeout=timeout_s)
+        except TimeoutError:
+            return f"no token within {timeout_s:.1f}s"
+        except Exception as exc:
+            return f"probe failed: {exc}"
+        finally:  # CancelledError included
+            if not stream.done:
+                self.cancel_nowait(request.request_id)
         return "" if tokens == 1 else f"probe produced {tokens} tokens, expected 1"
 
     # ---------------------------------------------------------------- drain
@@ -271,7 +291,7 @@ class EngineService:
         """Stop accepting, give requests `grace_s` to finish, then stop the engine thread."""
         self._accepting = False
         self._draining = True
-        if self._live:
+        if self.num_in_flight:
 
             async def drained() -> None:
                 async for _ in self.drain(

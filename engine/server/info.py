@@ -2,14 +2,17 @@
 
 Capabilities advertise exactly what this engine implements: a capability it has is `true`
 with its limits, one it lacks is an explicit `false` (never absent), and a value it cannot
-measure is left absent (proto3 presence).
+measure is left absent (proto3 presence). `ServedModel.check_request` holds every request to
+the vocabulary limits advertised here, for both front ends.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.core.api import LoadSnapshot
+from engine.core.api import EngineRequest, LoadSnapshot
+from engine.core.errors import InvalidRequestError
 from kvplane import __version__
 from openengine.v1 import openengine_pb2 as pb
 
@@ -46,9 +49,40 @@ class ServedModel:
     def names(self) -> list[str]:
         return [self.name, *self.aliases]
 
+    @property
+    def max_top_n(self) -> int:
+        """Candidates per position, advertised in ModelInfo: the whole vocabulary at most."""
+        return self.vocab_size
+
     def serves(self, requested: str) -> bool:
         """Empty means the default (only) model."""
         return not requested or requested in self.names
+
+    def check_request(self, request: EngineRequest) -> None:
+        """Refuse (InvalidRequestError) what exceeds this model's advertised limits: a token id
+        outside the vocabulary (prompt, stop ids, candidate ids) or top_n above max_top_n.
+
+        The engine core knows no vocabulary, so both front ends call this before submitting.
+        """
+        sampling = request.sampling
+        self._check_token_ids(request.prompt_token_ids, "prompt")
+        self._check_token_ids(sampling.stop_token_ids, "stop token ids")
+        for logprobs, what in (
+            (sampling.prompt_logprobs, "prompt candidates"),
+            (sampling.logprobs, "output candidates"),
+        ):
+            if logprobs is None:
+                continue
+            self._check_token_ids(logprobs.token_ids, what)
+            if logprobs.top_n > self.max_top_n:
+                raise InvalidRequestError(
+                    f"{what}: top_n {logprobs.top_n} is more than max_top_n {self.max_top_n}"
+                )
+
+    def _check_token_ids(self, ids: Sequence[int], what: str) -> None:
+        largest = max(ids, default=-1)
+        if largest >= self.vocab_size:
+            raise InvalidRequestError(f"{what}: token id {largest} >= vocab size {self.vocab_size}")
 
 
 def engine_info(
@@ -91,7 +125,7 @@ def kv_connector_info() -> pb.KvConnectorInfo:
 
 def _logprob_caps(model: ServedModel) -> pb.LogprobCapabilities:
     return pb.LogprobCapabilities(
-        supported=True, candidate_selection_modes=_ALL_MODES, max_top_n=model.vocab_size
+        supported=True, candidate_selection_modes=_ALL_MODES, max_top_n=model.max_top_n
     )
 
 

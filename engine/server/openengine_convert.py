@@ -73,13 +73,7 @@ def _logprob_request(
     return _candidates(selection) if has_selection else LogprobRequest()
 
 
-def _check_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
-    for token_id in ids:
-        if token_id >= vocab_size:
-            raise InvalidRequestError(f"{what}: token id {token_id} >= vocab size {vocab_size}")
-
-
-def _sampling(request: pb.GenerateRequest, vocab_size: int) -> SamplingParams:
+def _sampling(request: pb.GenerateRequest) -> SamplingParams:
     s, stop, resp = request.sampling, request.stopping, request.response
     stop_texts = tuple(c.stop_text for c in stop.conditions if c.HasField("stop_text"))
     stop_ids = tuple(c.stop_token_id for c in stop.conditions if c.HasField("stop_token_id"))
@@ -94,9 +88,6 @@ def _sampling(request: pb.GenerateRequest, vocab_size: int) -> SamplingParams:
     output_lp = _logprob_request(
         resp.return_output_logprobs, resp.HasField("output_candidates"), resp.output_candidates
     )
-    for lp, what in ((prompt_lp, "prompt candidates"), (output_lp, "output candidates")):
-        if lp is not None:
-            _check_token_ids(lp.token_ids, vocab_size, what)
     params = SamplingParams(
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
@@ -154,17 +145,16 @@ def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -
         raise InvalidRequestError("set prompt or token_ids")
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
-    _check_token_ids(prompt, ctx.model.vocab_size, "prompt")
     kv = request.kv
     if kv.HasField("data_parallel_rank") and kv.data_parallel_rank != ctx.data_parallel_rank:
         raise InvalidRequestError(
             f"kv.data_parallel_rank {kv.data_parallel_rank} is not served here "
             f"(rank {ctx.data_parallel_rank})"
         )
-    sampling = _sampling(request, ctx.model.vocab_size)
+    sampling = _sampling(request)
     if sampling.prompt_logprob_start >= len(prompt) and sampling.prompt_logprobs is not None:
         raise InvalidRequestError("prompt_logprob_start is past the end of the prompt")
-    return EngineRequest(
+    engine_request = EngineRequest(
         request_id=request.request_id or f"req-{uuid.uuid4().hex}",
         prompt_token_ids=tuple(prompt),
         sampling=sampling,
@@ -172,6 +162,8 @@ def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -
         cache_salt=kv.cache_salt if kv.HasField("cache_salt") else None,
         bypass_prefix_cache=kv.bypass_prefix_cache,
     )
+    ctx.model.check_request(engine_request)
+    return engine_request
 
 
 # ------------------------------------------------------------------------------------------

@@ -4,8 +4,9 @@ Error phases (seed, "Standard errors"): anything wrong before acceptance is a no
 from `engine.server.errors`' table and no event; once a Generate, Drain or subscription is
 accepted, a failure is exactly one terminal `EngineError` event and the stream ends OK.
 Features this engine lacks are refused before acceptance and advertised as unsupported:
-Embed/Classify/Score and LoRA -> FAILED_PRECONDITION, guided decoding and media ->
-INVALID_ARGUMENT (unsupported explicit options), KV sessions -> FAILED_PRECONDITION.
+Embed/Classify/Score (once their required context fields are there) and LoRA ->
+FAILED_PRECONDITION, guided decoding and media -> INVALID_ARGUMENT (unsupported explicit
+options), KV sessions -> FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from engine.core.errors import InvalidRequestError
 from engine.server.engine_service import AbortOutcome, DrainPhase, EngineService
 from engine.server.errors import (
     FeatureDisabledError,
@@ -133,6 +135,10 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         self, task_context: pb.TaskRequestContext, what: str, context: Context
     ) -> NoReturn:
         try:
+            # The seed: request_id and model are required and non-empty (malformed input,
+            # INVALID_ARGUMENT, whatever the task's support).
+            if not task_context.request_id or not task_context.model:
+                raise InvalidRequestError("context.request_id and context.model are required")
             self._check_model(task_context.model)
             raise FeatureDisabledError(f"{what} is not supported by this engine's model")
         except KvplaneError as exc:

@@ -99,8 +99,6 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         prompt = prompt[-request.truncate_prompt_tokens :]
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
-    if any(t >= ctx.model.vocab_size for t in prompt):
-        raise InvalidRequestError(f"prompt token ids must be < {ctx.model.vocab_size}")
     s, stop, resp = request.sampling, request.stopping, request.response
     params = SamplingParams(
         temperature=request.temperature if request.HasField("temperature") else 0.0,
@@ -126,7 +124,7 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         ),
     )
     params.validate()
-    return EngineRequest(
+    engine_request = EngineRequest(
         request_id=request.request_id or f"vllm-{uuid.uuid4().hex}",
         prompt_token_ids=tuple(prompt),
         sampling=params,
@@ -134,6 +132,8 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         cache_salt=request.kv.cache_salt or None,
         bypass_prefix_cache=request.kv.bypass_prefix_cache,
     )
+    ctx.model.check_request(engine_request)
+    return engine_request
 
 
 def _candidate_info(candidates: Sequence[Candidate]) -> pb.CandidateTokenInfo:

@@ -4,6 +4,7 @@ client cancellation and drain (sim runner)."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
 from typing import Any
 
@@ -16,6 +17,7 @@ from tests.engine.engine_server_harness import (
     collect,
     generate_request,
     idle,
+    rpc_error,
     running_engine,
     sim_config,
     stream_error,
@@ -316,3 +318,100 @@ async def test_runner_failure_after_acceptance_is_one_terminal_engine_error() ->
         ok = await collect(engine.stub, generate_request(PROMPT))
         assert ok[-1].WhichOneof("event") == "finished"
         await wait_for(lambda: idle(engine), what="engine idle after a failed step")
+
+
+async def test_health_probes_cancelled_by_the_client_deadline_leave_nothing_in_flight() -> None:
+    # One seat, taken by a long request: each probe waits in the queue until its Health
+    # call's deadline cancels the call.
+    config = sim_config(
+        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
+        max_model_len=4096,
+        num_kv_blocks=2048,
+        max_num_seqs=1,
+    )
+    async with running_engine(config) as engine:
+        busy = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="busy"))
+        await _first_token(busy)
+        probe = pb.HealthRequest(include_inference_probe=True)
+        for _ in range(3):
+            error = await rpc_error(engine.stub.Health(probe, timeout=0.2))
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        async def probes_left_the_queue() -> bool:
+            load = await engine.stub.GetLoad(pb.GetLoadRequest())
+            return load.queued_requests == 0
+
+        # `busy` has seconds to run: only cancelling the probes empties the queue this soon.
+        await wait_for(probes_left_the_queue, timeout_s=3, what="cancelled probes dequeued")
+        busy.cancel()
+        drain = [
+            r
+            async for r in engine.stub.Drain(
+                pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=5000)
+            )
+        ]
+        assert drain[-1].WhichOneof("event") == "state", drain[-1]
+        assert drain[-1].state == pb.DRAIN_STATE_COMPLETE
+        assert drain[-1].in_flight_requests == 0
+        await wait_for(lambda: idle(engine), what="engine idle after the drain")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pb.GenerateRequest(sampling=pb.SamplingParams(temperature=math.inf)),
+        pb.GenerateRequest(sampling=pb.SamplingParams(temperature=math.nan)),
+        pb.GenerateRequest(sampling=pb.SamplingParams(repetition_penalty=math.nan)),
+        pb.GenerateRequest(sampling=pb.SamplingParams(repetition_penalty=math.inf)),
+        pb.GenerateRequest(sampling=pb.SamplingParams(presence_penalty=math.nan)),
+        pb.GenerateRequest(sampling=pb.SamplingParams(num_sequences=9)),  # max_num_seqs 8
+        pb.GenerateRequest(
+            stopping=pb.StoppingOptions(conditions=[pb.StopCondition(stop_token_id=1000)])
+        ),
+        pb.GenerateRequest(  # max_top_n is the vocabulary: 1000
+            response=pb.ResponseOptions(output_candidates=pb.CandidateTokenSelection(top_n=1001))
+        ),
+        pb.GenerateRequest(
+            response=pb.ResponseOptions(
+                prompt_candidates=pb.CandidateTokenSelection(top_n=4_000_000_000)
+            )
+        ),
+        pb.GenerateRequest(
+            response=pb.ResponseOptions(
+                output_candidates=pb.CandidateTokenSelection(token_ids=pb.TokenIds(ids=[1000]))
+            )
+        ),
+    ],
+    ids=[
+        "temperature_inf",
+        "temperature_nan",
+        "repetition_penalty_nan",
+        "repetition_penalty_inf",
+        "presence_penalty_nan",
+        "num_sequences_above_max",
+        "stop_token_id_outside_vocab",
+        "output_top_n_above_max_top_n",
+        "prompt_top_n_huge",
+        "candidate_id_outside_vocab",
+    ],
+)
+async def test_out_of_range_options_are_invalid_argument(options: pb.GenerateRequest) -> None:
+    async with running_engine() as engine:
+        request = generate_request(PROMPT)
+        request.MergeFrom(options)
+        events, error = await stream_error(engine.stub.Generate(request))
+        assert events == []
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert await idle(engine)
+
+
+async def test_options_at_the_advertised_limits_are_accepted() -> None:
+    async with running_engine() as engine:
+        info = await engine.stub.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+        limits = info.generation
+        request = generate_request(PROMPT, max_tokens=2, n=limits.max_num_sequences)
+        request.stopping.conditions.append(pb.StopCondition(stop_token_id=999))
+        request.response.output_candidates.top_n = limits.output_logprobs.max_top_n
+        responses = await collect(engine.stub, request)
+    finished = [r for r in responses if r.WhichOneof("event") == "finished"]
+    assert len(finished) == limits.max_num_sequences == 8

@@ -133,6 +133,24 @@ async def test_unsupported_features_fail_before_acceptance() -> None:
         assert connector.HasField("enabled") and not connector.enabled
 
 
+async def test_tasks_without_request_id_or_model_are_invalid_argument() -> None:
+    # The seed: TaskRequestContext.request_id and model are required and non-empty; a
+    # malformed request is INVALID_ARGUMENT even where the task itself is unsupported.
+    async with running_engine() as engine:
+        stub = engine.stub
+        text = [pb.TaskInput(item_id="a", text="x")]
+        for ctx in (
+            pb.TaskRequestContext(request_id="", model="sim"),
+            pb.TaskRequestContext(request_id="t", model=""),
+        ):
+            for call in (
+                stub.Embed(pb.EmbedRequest(context=ctx, inputs=text)),
+                stub.Classify(pb.ClassifyRequest(context=ctx, inputs=text)),
+                stub.Score(pb.ScoreRequest(context=ctx)),
+            ):
+                assert (await rpc_error(call)).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_decode_role_requires_a_session_and_refuses_without_one() -> None:
     async with running_engine(sim_config(role="decode")) as engine:
         info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest())

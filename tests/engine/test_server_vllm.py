@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import grpc
@@ -13,9 +14,11 @@ from openengine.v1 import openengine_pb2 as oe
 from tests.engine.engine_server_harness import (
     collect,
     generate_request,
+    idle,
     rpc_error,
     running_engine,
     sim_config,
+    stream_error,
 )
 from vllm_grpc import vllm_grpc_pb2 as pb
 
@@ -111,3 +114,40 @@ async def test_an_aborted_stream_finishes_with_aborted() -> None:
                 break
             last = response
         assert last.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pb.GenerateRequest(temperature=math.inf),
+        pb.GenerateRequest(decoding=pb.DecodingParameters(repetition_penalty=math.nan)),
+        pb.GenerateRequest(decoding=pb.DecodingParameters(frequency_penalty=math.inf)),
+        pb.GenerateRequest(sampling=pb.RandomSampling(num_sequences=9)),  # max_num_seqs 8
+        pb.GenerateRequest(stopping=pb.StoppingCriteria(stop_token_ids=[1000])),  # vocab 1000
+        pb.GenerateRequest(
+            response=pb.ResponseOptions(
+                output_candidates=pb.CandidateTokens(token_ids=pb.TokenIds(ids=[1000]))
+            )
+        ),
+        pb.GenerateRequest(
+            response=pb.ResponseOptions(prompt_candidates=pb.CandidateTokens(top_n=1001))
+        ),
+    ],
+    ids=[
+        "temperature_inf",
+        "repetition_penalty_nan",
+        "frequency_penalty_inf",
+        "num_sequences_above_max",
+        "stop_token_id_outside_vocab",
+        "candidate_id_outside_vocab",
+        "top_n_above_max_top_n",
+    ],
+)
+async def test_out_of_range_options_are_invalid_argument(options: pb.GenerateRequest) -> None:
+    async with running_engine() as engine:
+        request = _request()
+        request.MergeFrom(options)
+        events, error = await stream_error(engine.vllm.GenerateStream(request))
+        assert events == []  # refused before acceptance
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert await idle(engine)
