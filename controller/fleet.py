@@ -11,6 +11,11 @@ new engine process (new instance id) has its old index entries dropped before an
 so a restarted engine's old blocks never attract traffic; removal drops them too. Every task
 is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as candidates
 only the engines holding it (registry.check_lora says why there is none).
+
+An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
+request or an engine: prompts are routed by load (a warning at most every
+`_BLIND_WARNING_INTERVAL_S`), and a restarted engine's events are followed all the same (its
+old entries go when Redis is back, see `_drop_indexed`).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from indexer.sources.openengine import (
 )
 from indexer.sources.zmq import ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
+from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -82,6 +88,8 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
 
 
 _NO_HIT = PrefixHit()
+# While an index cannot answer, every routed request meets the failure: warn this often.
+_BLIND_WARNING_INTERVAL_S = 10.0
 
 
 def _failing_checks(reply: pb.HealthResponse) -> str:
@@ -107,6 +115,26 @@ def _keep_best(hits: dict[str, PrefixHit], engine: str, hit: PrefixHit) -> None:
     by rank (one worker per data-parallel rank) holds what its best rank holds."""
     if engine not in hits or hit > hits[engine]:
         hits[engine] = hit
+
+
+class _ThrottledWarning:
+    """A warning logged at most once per `interval_s`, saying how many were held back."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._next_s = float("-inf")
+        self._held = 0
+
+    def warn(self, message: str) -> None:
+        now = self._clock()
+        if now < self._next_s:
+            self._held += 1
+            return
+        held = f" ({self._held} more since the last warning)" if self._held else ""
+        log.warning("%s%s", message, held)
+        self._next_s = now + self._interval_s
+        self._held = 0
 
 
 class PromptView(NamedTuple):
@@ -193,6 +221,10 @@ class _Engine:
         self.poll_task: asyncio.Task[None] | None = None
         self.events_task: asyncio.Task[None] | None = None
         self.source: OpenEngineSource | ZmqSource | None = None
+        # A new engine process whose KV events are not followed yet: set until they are, so
+        # that a failure on the way (the engine gone again, GetKvEventSources failing) is
+        # retried at the next identity fetch, which sees the same instance id again.
+        self.events_pending = False
         self.wake = asyncio.Event()
 
     async def close(self) -> None:
@@ -224,6 +256,7 @@ class Fleet:
         self._on_engine_gone = on_engine_gone
         self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
+        self._routing_blind = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
@@ -266,14 +299,24 @@ class Fleet:
 
     async def _drop_indexed(self, address: str) -> None:
         """Remove the engine's entries from the index: its worker and, when its events come
-        from several data-parallel ZMQ ranks, each rank's (`<address>/dp<r>`)."""
+        from several data-parallel ZMQ ranks, each rank's (`<address>/dp<r>`).
+
+        An index that cannot answer (a shared Redis that is down) does not stop a removal or
+        a restart: the Redis backend queues the worker's removal and applies it before any
+        later batch of that worker (`RedisBackend.remove_worker`), and the engine's next
+        subscription starts from a snapshot, which clears each worker it feeds. Only the
+        ranks of a removed engine, which cannot be listed then, stay in the shared index
+        (unrouted: no engine of the fleet has their address)."""
         if self.index is None:
             return
-        await self.index.remove_worker(address)
-        stats = await self.index.stats()
-        for worker in stats.workers:
-            if worker.worker_id != address and engine_worker_id(worker.worker_id) == address:
-                await self.index.remove_worker(worker.worker_id)
+        try:
+            await self.index.remove_worker(address)
+            stats = await self.index.stats()
+            for worker in stats.workers:
+                if worker.worker_id != address and engine_worker_id(worker.worker_id) == address:
+                    await self.index.remove_worker(worker.worker_id)
+        except KvplaneError as exc:
+            log.warning("engine %s: index entries not removed yet: %s", address, exc)
 
     def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
         return self._engines[address].stub
@@ -337,19 +380,21 @@ class Fleet:
         keys: tuple[int, ...] = ()
         hits: dict[str, PrefixHit] = {}
         lora, salt = lora_name or None, cache_salt or None
+        # An index that cannot answer: route without cache knowledge rather than fail.
         if token_ids and records and self.remote is not None:
             try:
                 keys, hits = await self.remote.match(token_ids, size, lora_name, cache_salt)
             except grpc.aio.AioRpcError as exc:
-                # Route without cache knowledge rather than fail the request.
-                log.warning("remote index: %s: %s", exc.code().name, exc.details())
+                self._routing_blind.warn(
+                    f"remote index: {exc.code().name}: {exc.details()}; routing by load"
+                )
         elif token_ids:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and records:
-                for match in await self.index.match_prefix_by_tier(keys, 0):
-                    device = _device_blocks(match.tiers)
-                    hit = PrefixHit(device, max(match.matched_blocks - device, 0))
-                    _keep_best(hits, engine_worker_id(match.worker_id), hit)
+                try:
+                    hits = await self._indexed_hits(self.index, keys)
+                except KvplaneError as exc:  # the shared Redis is down, loading or refusing
+                    self._routing_blind.warn(f"{exc}; routing by load")
         candidates = []
         for r in records:
             identity = r.identity
@@ -364,6 +409,16 @@ class Fleet:
                 )
             )
         return PromptView(size, keys, tuple(candidates))
+
+    @staticmethod
+    async def _indexed_hits(index: IndexBackend, keys: Sequence[int]) -> dict[str, PrefixHit]:
+        """Each engine's cached prefix of `keys` in the controller's own index."""
+        hits: dict[str, PrefixHit] = {}
+        for match in await index.match_prefix_by_tier(keys, 0):
+            device = _device_blocks(match.tiers)
+            hit = PrefixHit(device, max(match.matched_blocks - device, 0))
+            _keep_best(hits, engine_worker_id(match.worker_id), hit)
+        return hits
 
     # ---- polling ----
 
@@ -466,7 +521,11 @@ class Fleet:
         is_new = self.registry.on_identity(engine.address, identity, self._clock())
         self.registry.on_loras(engine.address, adapters)
         if is_new:
-            await self._restart_events(engine, identity)
+            engine.events_pending = True
+            await self._forget_old_process(engine)
+        if engine.events_pending:
+            await self._follow_events(engine, identity)
+            engine.events_pending = False
 
     async def _list_loras(self, engine: _Engine, identity: EngineIdentity) -> frozenset[str] | None:
         """The LoRA adapters the engine holds; None when it serves no LoRA (says
@@ -483,20 +542,23 @@ class Fleet:
             raise
         return frozenset(a.lora_name for a in reply.adapters)
 
-    async def _restart_events(self, engine: _Engine, identity: EngineIdentity) -> None:
-        """A new engine process: drop what the index knew of the address, resubscribe."""
+    async def _forget_old_process(self, engine: _Engine) -> None:
+        """A new engine process: stop following the old one's events, drop what the router
+        and the index knew of the address."""
         if engine.events_task is not None:
             engine.events_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await engine.events_task
             engine.events_task = None
+            engine.source = None
         if self._on_engine_gone is not None:
             self._on_engine_gone(engine.address)
-        if self.index is None:
-            return
         await self._drop_indexed(engine.address)
+
+    async def _follow_events(self, engine: _Engine, identity: EngineIdentity) -> None:
+        """Subscribe to the engine process's KV events into the index (as configured)."""
         record = self.registry.get(engine.address)
-        if record.kv_events == KvEventsMode.none.value:
+        if self.index is None or record.kv_events == KvEventsMode.none.value:
             return
         translator = WorkerTranslator(
             TranslateOptions(

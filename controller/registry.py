@@ -10,7 +10,7 @@ fails closed: an engine that does not pass is INCOMPATIBLE and never routed to.
 
 Routable = health READY or DEGRADED, compatible, not cordoned. DRAINING and NOT_READY leave
 routing the moment a health answer says so; an unreachable engine is retried with
-exponential backoff.
+exponential backoff and reports no load until it answers again.
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -377,14 +377,16 @@ class Registry:
             record.event_lag_s = lag_s
 
     def on_unreachable(self, address: str, now_s: float, error: str) -> float:
-        """The engine did not answer: out of routing at once, next attempt after backoff.
-        Returns the delay before the next attempt."""
+        """The engine did not answer: out of routing at once, next attempt after backoff, and
+        no load reported (its last GetLoad described a process that may be gone; the fleet's
+        totals must not keep counting it). Returns the delay before the next attempt."""
         record = self._by_address.get(address)
         if record is None:
             return self.backoff_max_s
         if record.state is not EngineState.INCOMPATIBLE:
             record.state = EngineState.UNREACHABLE
         record.last_error = error
+        record.load = LoadSnapshot()
         delay: float = min(self.backoff_initial_s * 2.0**record.num_failures, self.backoff_max_s)
         record.num_failures += 1
         record.next_attempt_s = now_s + delay

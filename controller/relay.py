@@ -19,8 +19,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
 - retry once on another engine when the engine failed before anything was relayed (a status
-  in RETRYABLE, or a retryable in-band error as its first response); if no other engine can
-  take it, the client gets the engine's own failure;
+  in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
+  the fleet mid-request fails as UNAVAILABLE); if no other engine can take it, the client
+  gets the engine's own failure;
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
@@ -33,6 +34,7 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -463,20 +465,22 @@ class Relay:
                 log.info("request %s: engine %s refused (%s); retrying elsewhere",
                          request_id, engine, exc)  # fmt: skip
                 retry = exc
-            except grpc.aio.AioRpcError as exc:
-                if not relayed and retry is None and exc.code() in RETRYABLE:
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+                cause = _engine_failure(caught, engine)
+                if not relayed and retry is None and cause.code() in RETRYABLE:
                     log.info("request %s: engine %s failed before the first response (%s); "
-                             "retrying elsewhere", request_id, engine, exc.code().name)  # fmt: skip
-                    retry = _Retry(exc.code().name, exc)
+                             "retrying elsewhere", request_id, engine,
+                             cause.code().name)  # fmt: skip
+                    retry = _Retry(cause.code().name, cause)
                     continue
-                c.metrics.count_request(_failure_outcome(exc.code()))
+                c.metrics.count_request(_failure_outcome(cause.code()))
                 failed = _status(
-                    exc.code(), f"engine {engine} failed mid-stream: {exc.code().name}: "
-                    f"{exc.details()}"
+                    cause.code(), f"engine {engine} failed mid-stream: {cause.code().name}: "
+                    f"{cause.details()}"
                 )  # fmt: skip
                 ending = self._ending(surface, request, stage, failed, relayed=relayed)
                 if ending is None:
-                    await _pass_status(context, exc)
+                    await _pass_status(context, cause)
                 yield ending
                 return
             finally:
@@ -511,6 +515,24 @@ class Relay:
             m.predicted_cached_tokens.inc(predicted)
             m.actual_cached_tokens.inc(usage.cached_prompt_tokens)
             m.cached_tokens_abs_error.inc(abs(predicted - usage.cached_prompt_tokens))
+
+
+def _engine_failure(
+    caught: grpc.aio.AioRpcError | asyncio.CancelledError, engine: str
+) -> grpc.aio.AioRpcError:
+    """How an engine call failed. A call cancelled while this request is not (its handler's
+    task has no cancellation pending) was cancelled by the fleet closing the engine's
+    channel: the engine left (RemoveEngine), so it fails as an unreachable engine does
+    (retried elsewhere before output, one terminal EngineError after). Handled here rather
+    than by closing a removed engine's channel late: the fleet would have to know the
+    relay's requests, and a grace period would only delay the hang of the longest streams.
+    The request's own cancellation (the client left, the server stops) goes on."""
+    if isinstance(caught, grpc.aio.AioRpcError):
+        return caught
+    task = asyncio.current_task()
+    if task is None or task.cancelling():
+        raise caught
+    return _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left")
 
 
 def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:

@@ -20,6 +20,7 @@ from controller.registry import (
     UnknownEngineError,
     check_revision,
 )
+from controller.router import LoadSnapshot
 from kvplane.config import load_config
 from kvplane.errors import ConfigError
 
@@ -159,6 +160,16 @@ def test_unreachable_engines_back_off_exponentially() -> None:
     assert registry.get("h:1").state is EngineState.UNREACHABLE and registry.routable() == []
     registry.on_health("h:1", EngineState.READY, 11.0)
     assert registry.on_unreachable("h:1", 12.0, "x") == 0.5
+
+
+def test_an_unreachable_engine_reports_no_load() -> None:
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_load("h:1", LoadSnapshot(running_requests=7, total_kv_blocks=256), 1.0)
+    registry.on_unreachable("h:1", 2.0, "UNAVAILABLE: connection refused")
+    # Its last answer described a process that may be gone: the fleet's totals drop it.
+    assert registry.get("h:1").load == LoadSnapshot()
 
 
 def test_config_names_from_the_issue(tmp_path: Path) -> None:
