@@ -67,7 +67,8 @@ def up(
     from kvplane.up import load_fleet, run_fleet
 
     if not asyncio.run(run_fleet(load_fleet(config), live, check)):
-        raise KvplaneError("kvplane up --check failed (see the log above)")
+        what = "kvplane up --check failed" if check else "kvplane up stopped: a member exited"
+        raise KvplaneError(f"{what} (see the log above)")
 
 
 def _register_groups() -> None:

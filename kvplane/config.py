@@ -83,6 +83,15 @@ class ServerConfig(StrictModel):
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what is wrong and where (PyYAML's own message spans several lines)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        what = exc.problem or exc.context or "syntax error"
+        return f"{what} (line {mark.line + 1}, column {mark.column + 1})"
+    return " ".join(str(exc).split())
+
+
 def load_config(
     model: type[ConfigT], path: Path | None, overrides: dict[str, object] | None = None
 ) -> ConfigT:
@@ -98,7 +107,7 @@ def load_config(
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+            raise ConfigError(f"config {path} is not valid YAML: {_yaml_problem(exc)}") from exc
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

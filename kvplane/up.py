@@ -10,13 +10,17 @@ builtin model's tokenizer, and a controller without `metrics_listen` gets one on
 status (engines' health, load, KV usage, cached and indexed blocks; the index size; the
 routing hit ratio and decisions) is refreshed every second until Ctrl-C (or SIGTERM), which
 drains the engines (a short deadline, then what is left is aborted), stops every member in
-reverse order with SIGTERM, and kills what is still running after a grace period.
+reverse order with SIGTERM, and kills what is still running (with its process group) after a
+grace period. A member that exits on its own is reported (its log's last lines) and the rest
+are stopped the same way: up then exits 1. On Linux the members get SIGTERM when up dies, even
+by SIGKILL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -33,7 +37,7 @@ from typing import Any, Literal
 import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvplane.config import StrictModel, load_config
 from kvplane.errors import KvplaneError
@@ -46,7 +50,9 @@ log = logging.getLogger(__name__)
 
 # The planner is not a member kind yet: `kvplane planner run` is not implemented.
 MemberKind = Literal["engine", "indexer", "controller"]
-_PLACEHOLDER = re.compile(r"\$\{([A-Za-z0-9_.-]+)\}")
+# A member's name is a file name in the fleet's folder and is referred to as ${name}.
+_NAME = r"[A-Za-z0-9_.-]+"
+_PLACEHOLDER = re.compile(rf"\$\{{({_NAME})\}}")
 _METRICS_LINE = re.compile(r"metrics on http://(\S+)/metrics")
 BUILTIN = "builtin"
 STATUS_INTERVAL_S = 1.0
@@ -54,7 +60,7 @@ STATUS_RPC_TIMEOUT_S = 1.0
 
 
 class MemberConfig(StrictModel):
-    name: str
+    name: str  # letters, digits, '_', '.', '-' (not '.' or '..')
     kind: MemberKind
     # The member's own config file content (its server's YAML schema); `listen` defaults to
     # 127.0.0.1:0. Strings may refer to earlier members' addresses as ${name}.
@@ -63,15 +69,24 @@ class MemberConfig(StrictModel):
     # engine; unset: every CPU this process may use.
     cpus: list[int] | None = Field(default=None, min_length=1)
 
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not re.fullmatch(_NAME, value) or value in (".", ".."):
+            raise ValueError(
+                f"{value!r} is not a member name: use letters, digits, '_', '.' and '-'"
+            )
+        return value
+
     def refers_to(self) -> set[str]:
         return set(_PLACEHOLDER.findall(yaml.safe_dump(self.config)))
 
 
 class FleetConfig(StrictModel):
-    members: list[MemberConfig]
+    members: list[MemberConfig] = Field(min_length=1)
     # Seconds each member gets to become healthy, and to stop after SIGTERM.
-    start_timeout_s: float = 120.0
-    stop_timeout_s: float = 15.0
+    start_timeout_s: float = Field(default=120.0, gt=0)
+    stop_timeout_s: float = Field(default=15.0, gt=0)
     # On Ctrl-C engines finish what they run for this long; what is left is then aborted.
     drain_deadline_s: float = Field(default=3.0, ge=0)
 
@@ -119,18 +134,59 @@ DEFAULT_FLEET: dict[str, Any] = {
 }
 
 
-def _pinning(name: str, cpus: list[int] | None) -> Callable[[], None] | None:
-    """What the member's child runs before exec to keep to `cpus` (None: no pinning)."""
-    if cpus is None:
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl (Linux), loaded here: a forked child must not load libraries."""
+    if not sys.platform.startswith("linux"):
         return None
-    available = os.sched_getaffinity(0)
-    missing = sorted(set(cpus) - available)
-    if missing:
-        raise KvplaneError(
-            f"{name}: cpus {missing} are not among this process's CPUs {sorted(available)}"
-        )
-    wanted = set(cpus)
-    return lambda: os.sched_setaffinity(0, wanted)
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _child_setup(name: str, cpus: list[int] | None) -> Callable[[], None]:
+    """What the member's child runs before exec: die with us, keep to `cpus` (if given).
+
+    The members lead sessions of their own (Ctrl-C reaches only us), so without this a
+    SIGKILLed `kvplane up` would leave the fleet running. The kernel sends SIGTERM when the
+    thread that forked the child ends: the event loop's, which runs until the fleet stops."""
+    wanted: set[int] | None = None
+    if cpus is not None:
+        available = os.sched_getaffinity(0)
+        missing = sorted(set(cpus) - available)
+        if missing:
+            raise KvplaneError(
+                f"{name}: cpus {missing} are not among this process's CPUs {sorted(available)}"
+            )
+        wanted = set(cpus)
+    prctl = _prctl()
+    parent = os.getpid()
+
+    def setup() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+            if os.getppid() != parent:  # up died between the fork and prctl
+                os._exit(1)
+        if wanted is not None:
+            os.sched_setaffinity(0, wanted)
+
+    return setup
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL the member and whatever it started (it leads its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _log_tail(path: Path, lines: int = 3) -> str:
+    """The last lines of a member's log, on one line."""
+    with contextlib.suppress(OSError):
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    return ""
 
 
 def load_fleet(path: Path | None) -> FleetConfig:
@@ -243,7 +299,7 @@ class Fleet:
             sys.executable, "-m", "kvplane", member.kind, "serve",
             "--config", str(config_path), "--port-file", str(port_file),
         ]  # fmt: skip
-        pin = _pinning(name, member.config.cpus)
+        setup = _child_setup(name, member.config.cpus)
         with log_path.open("wb") as log_file:
             member.process = await asyncio.create_subprocess_exec(
                 *command,
@@ -251,7 +307,7 @@ class Fleet:
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches us only; we stop children in order.
-                preexec_fn=pin,
+                preexec_fn=setup,
             )
         member.state = "starting"
         log.info("%s started (pid %d)", name, member.process.pid)
@@ -259,8 +315,7 @@ class Fleet:
         while time.monotonic() < deadline:
             if member.process.returncode is not None:
                 member.state = f"exited {member.process.returncode}"
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-                raise KvplaneError(f"{name} exited during start-up: {' | '.join(tail)}")
+                raise KvplaneError(f"{name} exited during start-up: {_log_tail(log_path)}")
             if member.address is None and port_file.exists() and port_file.read_text().strip():
                 host = str(config["listen"]).rpartition(":")[0] or "127.0.0.1"
                 member.address = f"{host}:{port_file.read_text().strip()}"
@@ -285,8 +340,21 @@ class Fleet:
         """SIGKILL every running member (a second Ctrl-C); `stop` then reaps them."""
         for member in self.members:
             if member.process is not None and member.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    member.process.kill()
+                _kill_group(member.process)
+
+    async def first_exit(self) -> Member:
+        """The first started member whose process ends."""
+        waits = {
+            asyncio.ensure_future(m.process.wait()): m
+            for m in self.members
+            if m.process is not None
+        }
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return waits[done.pop()]
 
     async def drain_engines(self) -> None:
         """Drain every running engine at once: in-flight requests get the drain deadline,
@@ -347,8 +415,7 @@ class Fleet:
             await asyncio.wait_for(process.wait(), self.config.stop_timeout_s)
         except TimeoutError:
             log.warning("%s did not stop in time; killing it", member.name)
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            _kill_group(process)
             await process.wait()
         member.state = f"stopped ({process.returncode})"
         log.debug("%s stopped (%s)", member.name, process.returncode)
@@ -553,8 +620,9 @@ def render_status(status: FleetStatus) -> Any:
 
 
 async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> bool:
-    """Run the fleet until Ctrl-C (or, with `check`, through the smoke test); returns whether
-    the check passed (always True without one). A second Ctrl-C kills every member at once."""
+    """Run the fleet until Ctrl-C (or, with `check`, through the smoke test); returns False
+    when the check failed or a member exited on its own (the rest are then stopped: a local
+    fleet missing a member is broken). A second Ctrl-C kills every member at once."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     with tempfile.TemporaryDirectory(prefix="kvplane-up-") as tmp:
@@ -594,10 +662,40 @@ async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> boo
 async def _main(fleet: Fleet, stop: asyncio.Event, live: bool, check: bool) -> bool:
     await fleet.start()
     _announce(fleet)
+    serving = asyncio.ensure_future(_serve(fleet, stop, live, check))
+    exited = asyncio.ensure_future(fleet.first_exit())
+    try:
+        await asyncio.wait([serving, exited], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (serving, exited):
+            task.cancel()
+        await asyncio.gather(serving, exited, return_exceptions=True)
+    if exited.done() and not exited.cancelled():
+        _report_exit(exited.result())
+        return False
+    return serving.result()
+
+
+async def _serve(fleet: Fleet, stop: asyncio.Event, live: bool, check: bool) -> bool:
+    """Run the check (whether it passed), or show the fleet until stopped (True)."""
     if check:
         return await _check(fleet)
     await _show_until(fleet, stop, live)
     return True
+
+
+def _report_exit(member: Member) -> None:
+    process, log_path = member.process, member.log_path
+    assert process is not None and process.returncode is not None and log_path is not None
+    code = process.returncode
+    how = f"code {code}"
+    if code < 0:  # killed by a signal
+        with contextlib.suppress(ValueError):
+            how += f" ({signal.Signals(-code).name})"
+    log.error(
+        "%s exited unexpectedly with %s; its log %s ends: %s",
+        member.name, how, log_path, _log_tail(log_path),
+    )  # fmt: skip
 
 
 def _announce(fleet: Fleet) -> None:

@@ -5,12 +5,14 @@ checks each answer: a complete stream (the tokens asked for, exactly one Generat
 and the same tokens when the same prompt comes again (then served from the prefix cache: an
 answer from cached KV must be the answer computed from scratch). It also checks that every
 repeated prefix was routed to the engine holding it: the engine that served the repeat reports
-the whole prefix as cached (`Usage.cached_prompt_tokens`).
+the whole prefix as cached (`Usage.cached_prompt_tokens`). A failed RPC (no engine to route
+to, an engine dying, the controller gone) is a problem of the check, like a wrong answer.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import grpc
 
@@ -42,10 +44,23 @@ async def _block_size(stub: pb_grpc.OpenEngineAsyncStub, model: str) -> int:
     return info.kv_block_size if info.HasField("kv_block_size") and info.kv_block_size else 1
 
 
+def _rpc_problem(what: str, exc: grpc.aio.AioRpcError) -> str:
+    return f"{what}: {exc.code().name} {exc.details()}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    tokens: list[int]
+    cached: int | None  # the prompt tokens the serving engine had cached
+    problems: list[str]
+    completed: bool  # the stream ended without an RPC error
+
+
 async def _generate(
     stub: pb_grpc.OpenEngineAsyncStub, model: str, request_id: str, tokens: list[int]
-) -> tuple[list[int], int | None, list[str]]:
-    """(output token ids, cached prompt tokens, problems) of one greedy request."""
+) -> _Answer:
+    """One greedy request; an RPC error (no engine to route to, an engine dying) is a
+    problem like any other."""
     request = pb.GenerateRequest(
         request_id=request_id,
         model=model,
@@ -55,21 +70,24 @@ async def _generate(
     )
     output: list[int] = []
     num_finished, cached, problems = 0, None, []
-    async for response in stub.Generate(request, timeout=TIMEOUT_S):
-        kind = response.WhichOneof("event")
-        if kind == "token":
-            output += [token.token_id for token in response.token.tokens]
-        elif kind == "finished":
-            num_finished += 1
-        elif kind == "error":
-            problems.append(f"{request_id}: engine error {response.error.message}")
-        if response.HasField("usage") and response.usage.HasField("cached_prompt_tokens"):
-            cached = response.usage.cached_prompt_tokens
+    try:
+        async for response in stub.Generate(request, timeout=TIMEOUT_S):
+            kind = response.WhichOneof("event")
+            if kind == "token":
+                output += [token.token_id for token in response.token.tokens]
+            elif kind == "finished":
+                num_finished += 1
+            elif kind == "error":
+                problems.append(f"{request_id}: engine error {response.error.message}")
+            if response.HasField("usage") and response.usage.HasField("cached_prompt_tokens"):
+                cached = response.usage.cached_prompt_tokens
+    except grpc.aio.AioRpcError as exc:
+        return _Answer(output, cached, [*problems, _rpc_problem(request_id, exc)], False)
     if len(output) != MAX_TOKENS:
         problems.append(f"{request_id}: {len(output)} tokens, expected {MAX_TOKENS}")
     if num_finished != 1:
         problems.append(f"{request_id}: {num_finished} GenerationFinished events, expected 1")
-    return output, cached, problems
+    return _Answer(output, cached, problems, True)
 
 
 async def check_fleet(controller: str) -> list[str]:
@@ -77,7 +95,10 @@ async def check_fleet(controller: str) -> list[str]:
     problems: list[str] = []
     async with grpc.aio.insecure_channel(controller) as channel:
         stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
-        info = await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)
+        try:
+            info = await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            return [_rpc_problem("GetEngineInfo", exc)]
         model = info.supported_models[0] if info.supported_models else ""
         # The prefix is whole blocks: only full blocks are cached.
         block = await _block_size(stub, model)
@@ -85,17 +106,20 @@ async def check_fleet(controller: str) -> list[str]:
         for index in range(NUM_PREFIXES):
             prefix = _prefix(index, length)
             prompt = [*prefix, FIRST_ID, FIRST_ID + 1, FIRST_ID + 2]
-            answer, _, first = await _generate(stub, model, f"check-{index}-a", prompt)
-            _, cached, extended = await _generate(
+            first = await _generate(stub, model, f"check-{index}-a", prompt)
+            extended = await _generate(
                 stub, model, f"check-{index}-b", [*prefix, FIRST_ID + 3, FIRST_ID + 4]
             )
-            again, cached_again, repeated = await _generate(stub, model, f"check-{index}-c", prompt)
-            problems += first + extended + repeated
-            if answer != again:
+            again = await _generate(stub, model, f"check-{index}-c", prompt)
+            problems += first.problems + extended.problems + again.problems
+            if not (first.completed and extended.completed and again.completed):
+                continue  # nothing to compare
+            if first.tokens != again.tokens:
                 problems.append(
-                    f"check-{index}-c: the same greedy prompt answered {again}, first {answer}"
+                    f"check-{index}-c: the same greedy prompt answered {again.tokens},"
+                    f" first {first.tokens}"
                 )
-            for request_id, hit in (("b", cached), ("c", cached_again)):
+            for request_id, hit in (("b", extended.cached), ("c", again.cached)):
                 if hit is None or hit < length:
                     problems.append(
                         f"check-{index}-{request_id}: {hit} of its {length} prefix tokens were"
@@ -104,6 +128,6 @@ async def check_fleet(controller: str) -> list[str]:
                     )
             log.info(
                 "prefix %d: repeats served with %s and %s cached tokens, same answer: %s",
-                index, cached, cached_again, answer == again,
+                index, extended.cached, again.cached, first.tokens == again.tokens,
             )  # fmt: skip
     return problems

@@ -40,6 +40,21 @@ def test_invalid_configs_name_the_problem(tmp_path: Path, text: str, message: st
         load_config(ServerConfig, path)
 
 
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [("key: [unclosed\n", "line 2, column 1"), ("a: b: c\n", "line 1, column 5")],
+)
+def test_invalid_yaml_is_one_line_with_its_place(tmp_path: Path, text: str, where: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(ServerConfig, path)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"config {path} is not valid YAML: ")
+    assert message.endswith(f"({where})")
+
+
 def test_empty_file_means_defaults(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("")

@@ -49,6 +49,59 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan waits for init to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """The pids still running after up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if _running(pid)]
+
+
+SIM_FLEET = (
+    "members:\n"
+    "  - {name: engine-0, kind: engine, config: {model: sim}}\n"
+    "  - {name: engine-1, kind: engine, config: {model: sim}}\n"
+    "  - name: controller\n"
+    "    kind: controller\n"
+    "    config: {engines: [{address: '${engine-0}'}, {address: '${engine-1}'}]}\n"
+)
+
+
+def _up(fleet: Path, tmp_path: Path) -> subprocess.Popen[str]:
+    """`kvplane up FLEET --no-live` (this checkout's code), its log on a pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=_env(tmp_path / "cache"),
+    )
+
+
+def _serving_members(proc: subprocess.Popen[str], count: int) -> dict[str, tuple[str, int]]:
+    """Name -> (address, pid) of the members, read from up's log once all `count` serve."""
+    assert proc.stderr is not None
+    members: dict[str, tuple[str, int]] = {}
+    deadline = time.monotonic() + 90
+    while len(members) < count and time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        match = MEMBER_LINE.search(line)
+        if match:
+            members[match.group(1)] = (match.group(3), int(match.group(4)))
+    return members
+
+
 def _default_fleet_on_free_ports() -> dict[str, Any]:
     fleet = yaml.safe_load(yaml.safe_dump(DEFAULT_FLEET))
     for member in fleet["members"]:
@@ -58,7 +111,13 @@ def _default_fleet_on_free_ports() -> dict[str, Any]:
 
 def _env(cache: Path) -> dict[str, str]:
     # A fresh model cache: the builtin model is built on first use, as on a fresh clone.
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "KVPLANE_CACHE_DIR": str(cache)}
+    # Up's own folder there too: a SIGKILLed up cannot remove it.
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "KVPLANE_CACHE_DIR": str(cache),
+        "TMPDIR": str(cache.parent),
+    }
 
 
 @pytest.mark.timeout(120)
@@ -73,24 +132,10 @@ def test_ctrl_c_drains_in_flight_work_and_leaves_no_process(tmp_path: Path) -> N
         "    kind: controller\n"
         "    config: {engines: [{address: '${engine-0}'}]}\n"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=_env(tmp_path / "cache"),
-    )
+    proc = _up(fleet, tmp_path)
     try:
         assert proc.stderr is not None
-        members: dict[str, tuple[str, int]] = {}
-        deadline = time.monotonic() + 90
-        while len(members) < 3 and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None:
-                break
-            match = MEMBER_LINE.search(line)
-            if match:
-                members[match.group(1)] = (match.group(3), int(match.group(4)))
+        members = _serving_members(proc, 3)
         assert set(members) == {"idx", "engine-0", "controller"}
         for address, pid in members.values():
             assert _health(address) == health_pb2.HealthCheckResponse.SERVING
@@ -137,6 +182,62 @@ def test_ctrl_c_drains_in_flight_work_and_leaves_no_process(tmp_path: Path) -> N
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.timeout(120)
+def test_sigkill_of_up_takes_every_member_with_it(tmp_path: Path) -> None:
+    """Nothing can catch SIGKILL: the members (in sessions of their own) must notice that
+    their parent is gone, or they keep their ports (the default fleet's 127.0.0.1:8100)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(SIM_FLEET)
+    proc = _up(fleet, tmp_path)
+    pids: list[int] = []
+    try:
+        pids = [pid for _, pid in _serving_members(proc, 3).values()]
+        assert len(pids) == 3 and all(_running(pid) for pid in pids)
+        proc.kill()
+        proc.wait(timeout=10)
+        assert _wait_gone(pids, 15) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in pids:  # a failed run must not leave members behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_dies_stops_the_fleet_and_fails_up(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(SIM_FLEET)
+    proc = _up(fleet, tmp_path)
+    pids: list[int] = []
+    try:
+        assert proc.stderr is not None
+        members = _serving_members(proc, 3)
+        pids = [pid for _, pid in members.values()]
+        assert len(pids) == 3
+        os.kill(members["engine-1"][1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        rest = proc.stderr.read()
+        assert re.search(
+            r"ERROR .* engine-1 exited unexpectedly with code -9 \(SIGKILL\); "
+            r"its log \S+engine-1\.log ends: .*serving",
+            rest,
+        ), rest
+        assert "fleet stopped" in rest
+        assert "a member exited" in rest.splitlines()[-1]
+        assert "Traceback" not in rest
+        assert _wait_gone(pids, 5) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)
@@ -281,6 +382,52 @@ def test_up_check_passes_only_when_prefixes_reach_their_holders(
     pids = [int(m.group(4)) for m in MEMBER_LINE.finditer(result.stderr)]
     assert len(pids) == (4 if fleet_name == "default" else 3)
     assert not any(_alive(pid) for pid in pids)
+
+
+@pytest.mark.timeout(120)
+def test_up_check_reports_failed_requests_as_a_failed_check(tmp_path: Path) -> None:
+    """A controller with no engine answers UNAVAILABLE: a failed check, not a traceback."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("members:\n  - {name: controller, kind: controller}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
+        capture_output=True, text=True, cwd=REPO, timeout=110, env=_env(tmp_path / "cache"),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "check failed: check-0-a: UNAVAILABLE" in result.stderr
+    assert "check passed" not in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "fleet stopped" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("members: [{name: ../../x, kind: engine}]", "not a member name"),
+        ("members: [{name: a/b, kind: engine}]", "not a member name"),
+        ("members: [{name: 'a b', kind: engine}]", "not a member name"),
+        ("members: [{name: '..', kind: engine}]", "not a member name"),
+        ("members: [{name: '', kind: engine}]", "not a member name"),
+        ("members: []", "members: List should have at least 1 item"),
+        ("start_timeout_s: -1\nmembers: [{name: e, kind: engine}]", "start_timeout_s"),
+        ("stop_timeout_s: 0\nmembers: [{name: e, kind: engine}]", "stop_timeout_s"),
+    ],
+)
+def test_fleet_file_refuses(tmp_path: Path, text: str, message: str) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_fleet(fleet)
+
+
+def test_member_names_may_use_what_a_placeholder_can_name(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n"
+        "  - {name: engine_0.a-1, kind: engine}\n"
+        "  - {name: c, kind: controller, config: {engines: [{address: '${engine_0.a-1}'}]}}\n"
+    )
+    assert [m.name for m in load_fleet(fleet).members] == ["engine_0.a-1", "c"]
 
 
 def test_fleet_refers_only_to_earlier_members(tmp_path: Path) -> None:
