@@ -106,6 +106,10 @@ def load_config(
             loaded = yaml.safe_load(path.read_text())
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+            ) from exc
         except yaml.YAMLError as exc:
             raise ConfigError(f"config {path} is not valid YAML: {_yaml_problem(exc)}") from exc
         if loaded is None:

@@ -55,6 +55,13 @@ def test_invalid_yaml_is_one_line_with_its_place(tmp_path: Path, text: str, wher
     assert message.endswith(f"({where})")
 
 
+def test_a_config_that_is_not_utf8_text_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"listen: 127.0.0.1:1\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"is not UTF-8 text \(byte 25"):
+        load_config(ServerConfig, path)
+
+
 def test_empty_file_means_defaults(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("")
