@@ -385,11 +385,12 @@ def route(
 
 
 def _untokenized(model: str) -> str:
-    """Why a text prompt's cached prefix is unknown (the controller has no tokenizer for it)."""
+    """Why a text prompt's cached prefix is unknown (no tokenizer for it, or too long)."""
     which = f"model {model!r}" if model else "the default model"
     return (
-        f"not tokenized: no tokenizer configured for {which}, so the prompt is routed "
-        "without prefix knowledge (token counts estimated at 4 characters a token)"
+        f"not tokenized: no tokenizer configured for {which} (or the prompt is longer than "
+        "tokenize_max_chars), so the prompt is routed without prefix knowledge (token "
+        "counts estimated at 4 characters a token)"
     )
 
 

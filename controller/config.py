@@ -148,6 +148,10 @@ class ControllerConfig(ServerConfig):
     # The tokenizer.json for text prompts of every model not in `tokenizers`; None: those are
     # routed by load only (token-id prompts always use the cache).
     tokenizer: Path | None = None
+    # Text prompts longer than this many characters are routed by load without tokenising
+    # them (the engine still gets the whole prompt): tokenising megabytes takes seconds of
+    # CPU, and a prefix that long is rarely what decides where a request is cached.
+    tokenize_max_chars: int = Field(default=1 << 20, ge=0)
     # Tokens per block when engines do not report it (GetModelInfo.kv_block_size).
     default_block_size: int = Field(default=16, gt=0)
 

@@ -56,8 +56,8 @@ class Plan(NamedTuple):
 
     request: RouteRequest
     view: PromptView
-    # False: a text prompt and no tokenizer for its model, so the router could not see the
-    # cache.
+    # False: a text prompt with no tokenizer for its model, or longer than
+    # `tokenize_max_chars`, so the router could not see the cache.
     tokenized: bool
 
 
@@ -123,15 +123,20 @@ class Controller:
     def _event_lag(self, address: str, lag_s: float) -> None:
         self.metrics.observe_event_lag(address, lag_s)
 
-    def tokenize(self, prompt: str, model: str = "") -> list[int] | None:
-        """`prompt` in `model`'s tokens; None when no tokenizer is configured for it."""
-        return self._tokenizers.encode(prompt, model)
+    async def tokenize(self, prompt: str, model: str = "") -> list[int] | None:
+        """`prompt` in `model`'s tokens; None when no tokenizer is configured for it or the
+        prompt is longer than `tokenize_max_chars` (routed by load only). Tokenised in a
+        worker thread (the tokenizer releases the GIL): a long prompt takes a second or more,
+        which on the event loop would stall every other request, poll and Abort."""
+        if len(prompt) > self.config.tokenize_max_chars:
+            return None
+        return await asyncio.to_thread(self._tokenizers.encode, prompt, model)
 
     async def plan(self, query: PromptInput, role: Role | None = Role.AGGREGATED) -> Plan:
         tokens: Sequence[int] | None = query.token_ids
         tokenized = tokens is not None
         if tokens is None and query.prompt is not None:
-            tokens = self.tokenize(query.prompt, query.model)
+            tokens = await self.tokenize(query.prompt, query.model)
             tokenized = tokens is not None
         view = await self.fleet.prompt_view(
             tokens,

@@ -8,12 +8,14 @@ import asyncio
 import itertools
 from pathlib import Path
 
+import grpc
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from typer.testing import CliRunner
 
 from kvplane.cli import app
 from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,3 +82,62 @@ async def test_without_a_tokenizer_text_is_routed_blind_and_route_says_so(fleet:
     assert result.exit_code == 0, result.output
     assert "not tokenized: no tokenizer configured for model 'sim'" in result.output
     assert "routed without prefix knowledge" in result.output
+
+
+async def _largest_loop_gap_while(work: asyncio.Future[str]) -> tuple[float, str]:
+    """The longest the event loop went without running a 10 ms ticker while `work` ran."""
+    gaps = [0.0]
+
+    async def ticker() -> None:
+        last = asyncio.get_running_loop().time()
+        while True:
+            await asyncio.sleep(0.01)
+            now = asyncio.get_running_loop().time()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        result = await work
+    finally:
+        ticking.cancel()
+    return max(gaps), result
+
+
+def _text_request(request_id: str, text: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        model="sim",
+        prompt=text,
+        stopping=pb.StoppingOptions(max_tokens=2, ignore_eos=True),
+    )
+
+
+async def test_a_huge_text_prompt_is_routed_without_stalling_the_controller(
+    tmp_path: Path,
+) -> None:
+    """Over `tokenize_max_chars` (1 MiB by default) a text prompt is routed by load without
+    tokenising it, so the event loop (other requests, polls, Aborts) keeps running; the
+    engine still gets the whole prompt and answers (the sim engine has no tokenizer: it
+    refuses the text)."""
+    fleet = await make_fleet(
+        1,
+        tokenizers={"sim": str(char_tokenizer(tmp_path / "sim.json"))},
+    )
+    try:
+        text = "w1" * 750_000  # 1.5 M characters, one token each
+        route = await fleet.admin.Route(apb.PromptQuery(prompt=text, model="sim"))
+        assert not route.tokenized
+
+        async def generate() -> str:
+            try:
+                [r async for r in fleet.gateway.Generate(_text_request("big", text))]
+            except grpc.aio.AioRpcError as exc:
+                return f"{exc.code().name}: {exc.details()}"
+            return "answered"
+
+        gap, answer = await _largest_loop_gap_while(asyncio.ensure_future(generate()))
+        assert answer == "INVALID_ARGUMENT: this engine has no tokenizer: send token_ids"
+        assert gap < 0.5, f"the event loop stalled {gap:.2f} s"
+    finally:
+        await close_fleet(fleet)
