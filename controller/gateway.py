@@ -133,6 +133,12 @@ class _OpenEngineGenerate:
         decode.kv.session.CopyFrom(session)
         return decode
 
+    def finished(self, response: pb.GenerateResponse) -> bool:
+        return response.WhichOneof("event") == "finished"
+
+    async def release(self, engine: str, session: pb.KvSessionRef) -> None:
+        await self._fleet.stub(engine).Abort(pb.AbortRequest(kv_session=session))
+
 
 class EngineOutcome(NamedTuple):
     """What one engine answered to a fanned-out call (Abort, LoRA), as the gateway reports

@@ -82,6 +82,9 @@ CLIENT_ERRORS = frozenset(
         grpc.StatusCode.UNAUTHENTICATED,
     }
 )
+# What a decode engine answers when it cannot attach the request's KV session (an unknown or
+# expired session, a failed transfer): the session failed, not the client's request.
+SESSION_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
 # Finished request ids remembered for Abort's ALREADY_FINISHED (the engine remembers as many).
 FINISHED_MEMORY = 10_000
 
@@ -143,6 +146,16 @@ class Handoff(Protocol[Request, Response_contra]):
         """The KV session this response hands over, if it is the prefill's handoff event."""
         ...
 
+    def finished(self, response: Response_contra) -> bool:
+        """Whether this response ends the request normally (on a prefill engine: it was
+        aborted before the handoff, so there is no decode hop)."""
+        ...
+
+    async def release(self, engine: str, session: Any) -> None:
+        """Ask `engine` to free the KV session it handed over (no decode engine attached
+        it); raises what the engine answered on failure."""
+        ...
+
     def with_session(self, request: Request, session: Any) -> Request:
         """The request for the decode engine."""
         ...
@@ -158,6 +171,9 @@ class _Stage(NamedTuple):
     # The client already has output from an earlier hop: any failure ends the stream with an
     # in-band error, never a status.
     after_output: bool = False
+    # The request carries a prefill engine's KV session: an engine refusing it (a status in
+    # SESSION_REFUSALS) failed, as an unreachable engine does, rather than the client.
+    carries_session: bool = False
 
 
 _WHOLE_REQUEST = _Stage()
@@ -212,6 +228,8 @@ class Relay:
         # Set by the gateway's Drain and never cleared: a drained controller refuses new
         # requests until it restarts, as a drained engine does.
         self.draining = False
+        # KV sessions being released in the background (a reference keeps each task alive).
+        self._releases: set[asyncio.Task[None]] = set()
 
     def admit(self, request_id: str) -> bool:
         """Take `request_id` for a new request; False while one with that id runs here."""
@@ -342,12 +360,16 @@ class Relay:
             return
         assert placement.prefill is not None
         first = placement.prefill
+        prefilled_on = first.engine_id  # the engine of the last prefill attempt
 
         def prefill_engine(tried: frozenset[str]) -> Decision:
-            return c.route_prefill(plan, tried) if tried else first
+            nonlocal prefilled_on
+            decision = c.route_prefill(plan, tried) if tried else first
+            prefilled_on = decision.engine_id
+            return decision
 
         session: Any = None
-        shown = ended = False
+        shown = ended = finished = False
         stream = self._attempts(
             surface,
             request,
@@ -363,12 +385,17 @@ class Relay:
                 if found is not None:
                     session = found
                     continue
-                ended = surface.error(response) is not None  # terminal: it ends the request
+                # Terminal: it ends the request (an aborted prefill ends finished, no handoff).
+                finished = handoff.finished(response)
+                ended = finished or surface.error(response) is not None
                 if not shown:
                     c.metrics.first_response_seconds.observe(time.perf_counter() - started)
                     shown = True
                 yield response
         if session is None:
+            if finished:  # counted as any request that ended (aborted) on its engine
+                c.metrics.count_request("ok")
+                c.metrics.request_seconds.observe(time.perf_counter() - started)
             if ended:
                 return
             c.metrics.count_request("engine_error")
@@ -386,12 +413,45 @@ class Relay:
             context=context,
             started=started,
             stage=_Stage(
-                times_route=False, times_first_response=not shown, usage=False, after_output=shown
+                times_route=False,
+                times_first_response=not shown,
+                usage=False,
+                after_output=shown,
+                carries_session=True,
             ),
         )
-        async with aclosing(stream):
-            async for response in stream:
-                yield response
+        decoded = False
+        try:
+            async with aclosing(stream):
+                async for response in stream:
+                    decoded = surface.error(response) is None
+                    yield response
+        finally:
+            if not decoded:  # no decode engine took the session (or the client left)
+                self._release_session(handoff, prefilled_on, session, plan.request.request_id)
+
+    def _release_session(
+        self, handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
+    ) -> None:
+        """Free a KV session no decode engine attached on the prefill engine that holds it,
+        in the background: the client's answer does not wait for it. An engine that no
+        longer has it (a decode engine attached it before failing) answers NOT_FOUND."""
+
+        async def release() -> None:
+            try:
+                await handoff.release(engine, session)
+            except grpc.aio.AioRpcError as exc:
+                level = (
+                    logging.DEBUG if exc.code() == grpc.StatusCode.NOT_FOUND else logging.WARNING
+                )
+                log.log(level, "request %s: releasing its KV session on %s failed: %s: %s",
+                        request_id, engine, exc.code().name, exc.details())  # fmt: skip
+            except KeyError:  # the engine left the fleet, and its sessions with it
+                pass
+
+        task = asyncio.create_task(release(), name=f"release KV session of {request_id}")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _attempts(
         self,
@@ -467,6 +527,12 @@ class Relay:
                 retry = exc
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = _engine_failure(caught, engine)
+                if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
+                    cause = _status(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"engine {engine} refused the KV session: {cause.code().name}: "
+                        f"{cause.details()}",
+                    )
                 if not relayed and retry is None and cause.code() in RETRYABLE:
                     log.info("request %s: engine %s failed before the first response (%s); "
                              "retrying elsewhere", request_id, engine,

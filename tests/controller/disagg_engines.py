@@ -6,7 +6,9 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
 
 - PREFILL: takes no `kv.session`; prefills (the sim engine computes the prompt and one token,
   which is dropped) and ends with the terminal PrefillReady carrying a `KvSessionRef`; Usage
-  rides on it.
+  rides on it. A prefill aborted (Abort by request id) ends with finished(CANCELLED) and no
+  PrefillReady; Abort(kv_session) frees a session no decode engine attached. `prefill_gate`
+  holds every prefill until it is set (a test's window to act mid-prefill).
 - DECODE: needs `kv.session` naming a session a prefill engine opened and nobody attached yet
   (else FAILED_PRECONDITION for none, NOT_FOUND for an unknown one: before acceptance); the
   "transfer" is the sim engine computing the prompt itself, then it decodes. With
@@ -19,6 +21,8 @@ engine's answer, so the controller indexes and polls them exactly as it does any
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -63,6 +67,9 @@ class RoleServicer(Forwarding):
         self.port = 0  # set once the front server listens
         # (request id, whether it carried a KV session), in arrival order.
         self.generated: list[tuple[str, bool]] = []
+        # request id -> set when it is aborted, for the prefills running here.
+        self.prefilling: dict[str, asyncio.Event] = {}
+        self.prefill_gate: asyncio.Event | None = None
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
         info = await self.inner.GetEngineInfo(request)
@@ -74,7 +81,14 @@ class RoleServicer(Forwarding):
             if self.sessions.open.pop(request.kv_session.session_id, None) is None:
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such KV session here")
             return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED)
-        return await self.inner.Abort(request)
+        aborted = self.prefilling.get(request.request_id)
+        if aborted is None:
+            return await self.inner.Abort(request)
+        aborted.set()
+        # The sim engine may not have the request yet (held at the gate).
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.inner.Abort(request)
+        return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
@@ -105,6 +119,27 @@ class RoleServicer(Forwarding):
             yield response
 
     async def _prefill(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        aborted = self.prefilling[request.request_id] = asyncio.Event()
+        try:
+            async for response in self._prefill_unless_aborted(request, aborted):
+                yield response
+        finally:
+            del self.prefilling[request.request_id]
+
+    async def _prefill_unless_aborted(
+        self, request: pb.GenerateRequest, aborted: asyncio.Event
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        cancelled = pb.GenerateResponse(
+            request_id=request.request_id,
+            finished=pb.GenerationFinished(reason=pb.FINISH_REASON_CANCELLED),
+        )
+        while self.prefill_gate is not None and not self.prefill_gate.is_set():
+            if aborted.is_set():
+                break
+            await asyncio.sleep(0.01)
+        if aborted.is_set():
+            yield cancelled
+            return
         local = pb.GenerateRequest()
         local.CopyFrom(request)
         local.stopping.max_tokens = 1
@@ -113,6 +148,9 @@ class RoleServicer(Forwarding):
             kind = response.WhichOneof("event")
             if kind == "error":
                 yield response  # terminal
+                return
+            if aborted.is_set():  # the sim engine's own end of the aborted request
+                yield cancelled
                 return
             if kind == "prompt":
                 yield response

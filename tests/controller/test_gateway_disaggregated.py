@@ -5,6 +5,8 @@ client sees one ordinary stream. See tests/controller/disagg_engines.py for the 
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -232,5 +234,78 @@ async def test_no_prefill_engine_up_is_unavailable_by_default() -> None:
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "no prefill engine" in (info.value.details() or "")
         assert _calls(prefill + decode, "r") == []
+    finally:
+        await close_fleet(fleet)
+
+
+def _outcomes(fleet: Fleet) -> dict[str, float]:
+    requests = fleet.app.controller.metrics.requests
+    outcomes = ("ok", "no_engine", "engine_error", "invalid")
+    counts = {o: requests.labels(o)._value.get() for o in outcomes}
+    return {o: n for o, n in counts.items() if n}
+
+
+async def test_an_abort_during_the_prefill_ends_the_request_once() -> None:
+    """The aborted prefill engine ends the request with finished(CANCELLED): the client gets
+    that one terminal event, no decode engine is called, and it counts as any aborted
+    request does."""
+    fleet, prefill, decode, sessions = await _fleet(1, 1)
+    try:
+        prefill[0].servicer.prefill_gate = asyncio.Event()  # never set: the prefill waits
+        running = asyncio.ensure_future(_generate(fleet, generate_request("r", [*PREFIX, 1])))
+
+        async def prefilling() -> bool:
+            return bool(prefill[0].servicer.prefilling)
+
+        await eventually(prefilling)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        events = await running
+        assert [r.WhichOneof("event") for r in events] == ["finished"]
+        assert events[0].finished.reason == pb.FINISH_REASON_CANCELLED
+        assert _calls(prefill + decode, "r") == [("p0", False)]
+        assert _outcomes(fleet) == {"ok": 1}
+        assert sessions.open == {}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_session_no_decode_engine_took_is_released_on_the_prefill_engine() -> None:
+    """The only decode engine is cordoned once the prefill engine opened the session: the
+    client gets UNAVAILABLE, and the gateway frees the session (Abort(kv_session))."""
+    fleet, prefill, decode, sessions = await _fleet(1, 1)
+    try:
+        registry = fleet.app.controller.fleet.registry
+
+        def cordon_the_decode_engine() -> None:
+            registry.set_cordoned(f"127.0.0.1:{decode[0].port}", True)
+
+        sessions.on_open = cordon_the_decode_engine
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(fleet, generate_request("r", [*PREFIX, 1]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert _calls(prefill + decode, "r") == [("p0", False)]
+
+        async def released() -> bool:
+            return sessions.open == {}
+
+        await eventually(released)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_decode_engine_refusing_the_session_is_an_engine_failure() -> None:
+    """Not the client's NOT_FOUND for a session it never named: another decode engine is
+    tried, then the request is UNAVAILABLE, counted as an engine error."""
+    fleet, _, decode, sessions = await _fleet(1, 2)
+    try:
+        sessions.lost = True
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(fleet, generate_request("r", [*PREFIX, 1]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "refused the KV session" in (info.value.details() or "")
+        assert sorted(_calls(decode, "r")) == [("d0", True), ("d1", True)]
+        assert _outcomes(fleet) == {"engine_error": 1}
+        assert fleet.app.controller.metrics.retries._value.get() == 1
     finally:
         await close_fleet(fleet)
