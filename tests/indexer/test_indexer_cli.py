@@ -343,3 +343,45 @@ async def test_admin_match_takes_unsigned_hashes_and_vllms_key_space(tmp_path: P
         assert malformed.exit_code == 2 and "ID:OFFSET:LENGTH" in malformed.output
     finally:
         await server.stop(None)
+
+
+BRIDGE = ["indexer", "bridge", "--target", "127.0.0.1:1", "--endpoint", "tcp://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--endpoint", "bogus", "expected a ZMQ endpoint like tcp://HOST:PORT, got 'bogus'"),
+        ("--replay-endpoint", "127.0.0.1:5558", "expected a ZMQ endpoint"),
+        ("--worker-id", "", "must not be empty"),
+        ("--block-size", "0", "must be between 1 and 4294967295, got 0"),
+        ("--block-size", str(1 << 32), f"must be between 1 and 4294967295, got {1 << 32}"),
+    ],
+)
+def test_bridge_rejects_bad_options_before_starting(option: str, value: str, message: str) -> None:
+    # (Wide enough that Typer's error box does not wrap the message.)
+    runner = CliRunner(env={"COLUMNS": "200"})
+    result = runner.invoke(app, [*BRIDGE, "--worker-id", "w0", option, value])
+    assert result.exit_code == 2
+    assert f"Invalid value for {option}: {message}" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "reason"),
+    [("tcp://no-port", "Invalid argument"), ("nope://x", "Protocol not supported")],
+)
+def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str) -> None:
+    # `python -m` from the repository root runs this checkout's code.
+    bridge = subprocess.run(
+        [sys.executable, "-m", "kvplane", *BRIDGE, "--worker-id", "w0", "--endpoint", endpoint],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bridge.returncode == 1
+    assert bridge.stderr.splitlines()[-1] == (
+        f"kvplane: error: cannot connect ZMQ endpoint {endpoint!r}: {reason}"
+    )
+    assert "Traceback" not in bridge.stderr
