@@ -17,6 +17,7 @@ import grpc
 import typer
 
 from indexer.batch import to_sfixed64
+from indexer.validation import MAX_UINT32
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli_common import OutputFormat, OutputOption, emit, rpc_channel
@@ -149,14 +150,23 @@ def _read_tokens(path: Path) -> list[int]:
         text = path.read_text()
     except OSError as exc:
         raise KvplaneError(f"cannot read --tokens-file {path}: {exc.strerror}") from exc
+    invalid = KvplaneError(
+        f"--tokens-file {path} must hold a JSON array (or a whitespace list) of token ids, "
+        f"integers in 0..{MAX_UINT32}"
+    )
     try:
         loaded = json.loads(text)
     except json.JSONDecodeError:
-        loaded = [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+        try:
+            loaded = [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+        except ValueError:
+            raise invalid from None
     if isinstance(loaded, dict):
         loaded = loaded.get("token_ids", loaded.get("prompt_token_ids"))
-    if not isinstance(loaded, list) or not all(isinstance(t, int) for t in loaded):
-        raise KvplaneError(f"--tokens-file {path} must hold a JSON array of token ids")
+    if not isinstance(loaded, list) or not all(
+        type(t) is int and 0 <= t <= MAX_UINT32 for t in loaded
+    ):
+        raise invalid
     return loaded
 
 
@@ -211,7 +221,9 @@ def match(
     tokens_file: Annotated[
         Path | None, typer.Option(help="JSON array (or whitespace list) of prompt token ids.")
     ] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per block (0: server default).")] = 0,
+    block_size: Annotated[
+        int, typer.Option(min=0, max=MAX_UINT32, help="Tokens per block (0: server default).")
+    ] = 0,
     lora_name: Annotated[str, typer.Option(help="LoRA adapter name.")] = "",
     cache_salt: Annotated[str, typer.Option(help="Cache salt.")] = "",
     hash_kind: Annotated[

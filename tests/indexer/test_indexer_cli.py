@@ -34,6 +34,7 @@ from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli import app
 from kvplane.config import ServerConfig
+from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
@@ -385,3 +386,35 @@ def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str
         f"kvplane: error: cannot connect ZMQ endpoint {endpoint!r}: {reason}"
     )
     assert "Traceback" not in bridge.stderr
+
+
+@pytest.mark.parametrize("content", ["1 2 x", "[-1, 5]", "[4294967296]", "[1, true]"])
+def test_admin_match_refuses_a_tokens_file_without_uint32_ids(tmp_path: Path, content: str) -> None:
+    tokens_file = tmp_path / "prompt.txt"
+    tokens_file.write_text(content)
+    result = CliRunner().invoke(
+        app, ["admin", "index", "match", "-t", "127.0.0.1:1", "--tokens-file", str(tokens_file)]
+    )
+    # A KvplaneError: `kvplane` prints its message as one line and exits 1.
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        f"--tokens-file {tokens_file} must hold a JSON array (or a whitespace list) of "
+        "token ids, integers in 0..4294967295"
+    )
+
+
+@pytest.mark.parametrize(
+    ("block_size", "message"),
+    [("-1", "greater than or equal to 0"), (str(1 << 32), "less than or equal to 4294967295")],
+)
+def test_admin_match_refuses_a_block_size_out_of_uint32(
+    tmp_path: Path, block_size: str, message: str
+) -> None:
+    tokens_file = tmp_path / "prompt.json"
+    tokens_file.write_text("[1, 2, 3, 4]")
+    runner = CliRunner(env={"COLUMNS": "200"})
+    match = ["admin", "index", "match", "-t", "127.0.0.1:1", "--tokens-file", str(tokens_file)]
+    result = runner.invoke(app, [*match, "--block-size", block_size])
+    assert result.exit_code == 2
+    assert f"Invalid value for '--block-size': Input should be {message}" in result.output
