@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -120,29 +121,40 @@ def dump(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """The index as parent-first ApplyExternalKvBatch requests (replayable)."""
+    with rpc_channel(_target(ctx, target)) as channel:
+        # Printed batch by batch as they arrive, with no deadline: a large index takes as long
+        # as it takes, and is never held in memory whole.
+        stream = api_grpc.KvIndexStub(channel).DumpIndex(api.DumpIndexRequest(worker_id=worker_id))
+        batches = (_as_dict(batch) for batch in stream)
+        if output is OutputFormat.json:
+            _echo_json_array(batches)
+        else:
+            _echo_dump_table(batches)
 
-    def rpc(ch: grpc.Channel) -> list[dict[str, Any]]:
-        stream = api_grpc.KvIndexStub(ch).DumpIndex(
-            api.DumpIndexRequest(worker_id=worker_id), timeout=TIMEOUT_S * 6
-        )
-        return [_as_dict(batch) for batch in stream]
 
-    batches = _call(_target(ctx, target), rpc)
+def _echo_json_array(items: Iterable[dict[str, Any]]) -> None:
+    """Print `items` one by one as the same JSON array `emit` prints for a list."""
+    opening = "["
+    for item in items:
+        text = json.dumps(item, indent=2, sort_keys=True, default=str)
+        typer.echo(f"{opening}\n{textwrap.indent(text, '  ')}", nl=False)
+        opening = ","
+    typer.echo("[]" if opening == "[" else "\n]")
 
-    def render(data: list[dict[str, Any]]) -> str:
-        lines = []
-        for batch in data:
-            lines.append(f"worker {batch['worker_id']} ({batch['worker_address'] or '-'})")
-            for action in batch["actions"]:
-                parent = action.get("parent_block_hash")
-                lines.append(
-                    f"  {action['type']:<26} {action['tier']:<9} "
-                    f"{len(action['hashes'])} hashes"
-                    + (f" parent {parent}" if parent is not None else "")
-                )
-        return "\n".join(lines) or "(empty index)"
 
-    emit(batches, output, render)
+def _echo_dump_table(batches: Iterable[dict[str, Any]]) -> None:
+    empty = True
+    for batch in batches:
+        empty = False
+        typer.echo(f"worker {batch['worker_id']} ({batch['worker_address'] or '-'})")
+        for action in batch["actions"]:
+            parent = action.get("parent_block_hash")
+            typer.echo(
+                f"  {action['type']:<26} {action['tier']:<9} {len(action['hashes'])} hashes"
+                + (f" parent {parent}" if parent is not None else "")
+            )
+    if empty:
+        typer.echo("(empty index)")
 
 
 def _read_tokens(path: Path) -> list[int]:

@@ -418,3 +418,35 @@ def test_admin_match_refuses_a_block_size_out_of_uint32(
     result = runner.invoke(app, [*match, "--block-size", block_size])
     assert result.exit_code == 2
     assert f"Invalid value for '--block-size': Input should be {message}" in result.output
+
+
+async def test_admin_dump_streams_the_same_json_array_and_table(tmp_path: Path) -> None:
+    backend = MemoryBackend(PrefixIndex())
+    services, _, _ = index_services(backend, default_block_size=4, max_concurrent_prefix_queries=4)
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    runner = CliRunner()
+
+    def dump(*args: str) -> Result:
+        return runner.invoke(app, ["admin", "index", "dump", "-t", f"127.0.0.1:{port}", *args])
+
+    try:
+        empty_json = await asyncio.to_thread(dump, "-o", "json")
+        empty_table = await asyncio.to_thread(dump)
+        for worker, hashes in (("w-a", (1, 2, 3)), ("w-b", (7,))):
+            await backend.apply(
+                Batch(worker, (Action(ActionType.REPORT, Tier.HBM, hashes),), worker_address="a:1")
+            )
+        full_json = await asyncio.to_thread(dump, "-o", "json")
+        full_table = await asyncio.to_thread(dump)
+    finally:
+        await server.stop(None)
+    assert (empty_json.exit_code, empty_json.output) == (0, "[]\n")
+    assert (empty_table.exit_code, empty_table.output) == (0, "(empty index)\n")
+    assert full_json.exit_code == 0, full_json.output
+    batches = json.loads(full_json.output)
+    # Byte for byte what printing the collected list prints (the format before streaming).
+    assert full_json.output == json.dumps(batches, indent=2, sort_keys=True) + "\n"
+    held = {(b["worker_id"], h) for b in batches for a in b["actions"] for h in a["hashes"]}
+    assert held == {("w-a", 1), ("w-a", 2), ("w-a", 3), ("w-b", 7)}
+    assert full_table.exit_code == 0
+    assert "worker w-a (a:1)" in full_table.output and "worker w-b (a:1)" in full_table.output
