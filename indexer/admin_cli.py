@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -17,6 +18,7 @@ import grpc
 import typer
 
 from indexer.batch import to_sfixed64
+from indexer.validation import MAX_UINT32
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli_common import OutputFormat, OutputOption, emit, rpc_channel
@@ -119,29 +121,40 @@ def dump(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """The index as parent-first ApplyExternalKvBatch requests (replayable)."""
+    with rpc_channel(_target(ctx, target)) as channel:
+        # Printed batch by batch as they arrive, with no deadline: a large index takes as long
+        # as it takes, and is never held in memory whole.
+        stream = api_grpc.KvIndexStub(channel).DumpIndex(api.DumpIndexRequest(worker_id=worker_id))
+        batches = (_as_dict(batch) for batch in stream)
+        if output is OutputFormat.json:
+            _echo_json_array(batches)
+        else:
+            _echo_dump_table(batches)
 
-    def rpc(ch: grpc.Channel) -> list[dict[str, Any]]:
-        stream = api_grpc.KvIndexStub(ch).DumpIndex(
-            api.DumpIndexRequest(worker_id=worker_id), timeout=TIMEOUT_S * 6
-        )
-        return [_as_dict(batch) for batch in stream]
 
-    batches = _call(_target(ctx, target), rpc)
+def _echo_json_array(items: Iterable[dict[str, Any]]) -> None:
+    """Print `items` one by one as the same JSON array `emit` prints for a list."""
+    opening = "["
+    for item in items:
+        text = json.dumps(item, indent=2, sort_keys=True, default=str)
+        typer.echo(f"{opening}\n{textwrap.indent(text, '  ')}", nl=False)
+        opening = ","
+    typer.echo("[]" if opening == "[" else "\n]")
 
-    def render(data: list[dict[str, Any]]) -> str:
-        lines = []
-        for batch in data:
-            lines.append(f"worker {batch['worker_id']} ({batch['worker_address'] or '-'})")
-            for action in batch["actions"]:
-                parent = action.get("parent_block_hash")
-                lines.append(
-                    f"  {action['type']:<26} {action['tier']:<9} "
-                    f"{len(action['hashes'])} hashes"
-                    + (f" parent {parent}" if parent is not None else "")
-                )
-        return "\n".join(lines) or "(empty index)"
 
-    emit(batches, output, render)
+def _echo_dump_table(batches: Iterable[dict[str, Any]]) -> None:
+    empty = True
+    for batch in batches:
+        empty = False
+        typer.echo(f"worker {batch['worker_id']} ({batch['worker_address'] or '-'})")
+        for action in batch["actions"]:
+            parent = action.get("parent_block_hash")
+            typer.echo(
+                f"  {action['type']:<26} {action['tier']:<9} {len(action['hashes'])} hashes"
+                + (f" parent {parent}" if parent is not None else "")
+            )
+    if empty:
+        typer.echo("(empty index)")
 
 
 def _read_tokens(path: Path) -> list[int]:
@@ -149,14 +162,23 @@ def _read_tokens(path: Path) -> list[int]:
         text = path.read_text()
     except OSError as exc:
         raise KvplaneError(f"cannot read --tokens-file {path}: {exc.strerror}") from exc
+    invalid = KvplaneError(
+        f"--tokens-file {path} must hold a JSON array (or a whitespace list) of token ids, "
+        f"integers in 0..{MAX_UINT32}"
+    )
     try:
         loaded = json.loads(text)
     except json.JSONDecodeError:
-        loaded = [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+        try:
+            loaded = [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+        except ValueError:
+            raise invalid from None
     if isinstance(loaded, dict):
         loaded = loaded.get("token_ids", loaded.get("prompt_token_ids"))
-    if not isinstance(loaded, list) or not all(isinstance(t, int) for t in loaded):
-        raise KvplaneError(f"--tokens-file {path} must hold a JSON array of token ids")
+    if not isinstance(loaded, list) or not all(
+        type(t) is int and 0 <= t <= MAX_UINT32 for t in loaded
+    ):
+        raise invalid
     return loaded
 
 
@@ -211,7 +233,9 @@ def match(
     tokens_file: Annotated[
         Path | None, typer.Option(help="JSON array (or whitespace list) of prompt token ids.")
     ] = None,
-    block_size: Annotated[int, typer.Option(help="Tokens per block (0: server default).")] = 0,
+    block_size: Annotated[
+        int, typer.Option(min=0, max=MAX_UINT32, help="Tokens per block (0: server default).")
+    ] = 0,
     lora_name: Annotated[str, typer.Option(help="LoRA adapter name.")] = "",
     cache_salt: Annotated[str, typer.Option(help="Cache salt.")] = "",
     hash_kind: Annotated[

@@ -10,6 +10,9 @@ Copies are counted here, since the KVIndexer API has no notion of them.
 An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with
 backoff, blocking the stream (ZMQ buffers meanwhile; an
 overflow shows up as a gap and is replayed); any other status drops that batch and is logged.
+An apply that gets through after UNAVAILABLE, once something was delivered before, asks the
+source to resync the worker (`on_target_back`): the target was unreachable and may have
+restarted empty (kvplane's memory indexer does), losing every block indexed before.
 A batch is validated with the seed's rules before it is converted and sent: one that breaks
 them (a value out of its wire field's range) raises `IndexRequestError`, which the source
 counts as a bad message.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,7 +51,10 @@ _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 
 
 class KvIndexerSink:
-    """Sends batches with ApplyExternalKvBatch; retries transient failures."""
+    """Sends batches with ApplyExternalKvBatch; retries transient failures.
+
+    `on_target_back` is called when an apply succeeds after UNAVAILABLE while an earlier batch
+    had been delivered: those earlier batches may be gone (the target restarted empty)."""
 
     def __init__(
         self,
@@ -68,17 +75,20 @@ class KvIndexerSink:
         self.num_sent = 0
         self.num_retries = 0
         self.num_rejected = 0
+        self.on_target_back: Callable[[], None] | None = None
 
     async def apply(self, batch: Batch) -> None:
         validate_batch(batch)  # the receiver's rules; batch_to_proto needs in-range values
         request = batch_to_proto(batch)
         backoff = self._backoff_initial_s
+        unreachable = False
         while True:
             try:
                 await self._stub.ApplyExternalKvBatch(
                     request, timeout=self._timeout_s, metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as exc:
+                unreachable |= exc.code() == grpc.StatusCode.UNAVAILABLE
                 if exc.code() not in _TRANSIENT:
                     self.num_rejected += 1
                     log.error(
@@ -95,6 +105,9 @@ class KvIndexerSink:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._backoff_max_s)
             else:
+                if unreachable and self.num_sent and self.on_target_back is not None:
+                    log.warning("%s is back after being unreachable: resyncing", self.target)
+                    self.on_target_back()
                 self.num_sent += 1
                 return
 
@@ -145,6 +158,7 @@ def build_bridge(
         sink,
         context=context,
     )
+    sink.on_target_back = source.request_resync
     return source, sink
 
 

@@ -45,6 +45,16 @@ def _medium(value: str) -> Any:
     return Tier[upper]
 
 
+def _check_endpoint(option: str, endpoint: str) -> None:
+    """The shape ZMQ needs, `transport://address`; what it cannot parse beyond that, the source
+    reports when it connects (or binds)."""
+    transport, sep, address = endpoint.partition("://")
+    if not (transport and sep and address):
+        raise typer.BadParameter(
+            f"expected a ZMQ endpoint like tcp://HOST:PORT, got {endpoint!r}", param_hint=option
+        )
+
+
 async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
     """Run `main` until it ends or SIGTERM/SIGINT arrives (then cancel it)."""
     loop = asyncio.get_running_loop()
@@ -98,6 +108,7 @@ def bridge(
     from indexer.batch import Tier
     from indexer.bridge import BridgeSettings, run_bridge
     from indexer.translate import ALL_TIERS, HashMode, MediumMap
+    from indexer.validation import MAX_UINT32
     from kvplane.config import parse_host_port
 
     try:
@@ -105,6 +116,15 @@ def bridge(
         mode = HashMode(hash_mode)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    _check_endpoint("--endpoint", endpoint)
+    if replay_endpoint is not None:
+        _check_endpoint("--replay-endpoint", replay_endpoint)
+    if not worker_id:
+        raise typer.BadParameter("must not be empty", param_hint="--worker-id")
+    if block_size is not None and not 0 < block_size <= MAX_UINT32:
+        raise typer.BadParameter(
+            f"must be between 1 and {MAX_UINT32}, got {block_size}", param_hint="--block-size"
+        )
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
     if clear_tier:
         tiers = [_medium(t) for t in clear_tier]

@@ -20,6 +20,7 @@ MAX_HASHES_PER_REQUEST = 16_384
 # records). Values from adapters that do not go through the proto (ZMQ) are checked against it
 # here, so that nothing out of range reaches a backend or an encoder.
 MAX_UINT32 = (1 << 32) - 1
+_MIN_KEY, _MAX_KEY = -(1 << 63), (1 << 63) - 1  # sfixed64
 
 _ACTION_VALUES = frozenset(int(a) for a in ActionType)
 _TIER_VALUES = frozenset(int(t) for t in Tier)
@@ -65,8 +66,8 @@ def validate_batch(batch: Batch) -> None:
     On every apply's path: one pass, each action unpacked once; the error message (and the
     action's position in it) is worked out only for a batch that fails."""
     actions = batch.actions
-    if not batch.worker_id:
-        raise _invalid("worker_id must not be empty")
+    if not batch.worker_id or type(batch.worker_id) is not str:
+        raise _invalid("worker_id must be a non-empty string")
     if batch.cache_spec is not None:
         _check_spec(batch.cache_spec)
     if len(actions) > MAX_ACTIONS_PER_BATCH:
@@ -87,11 +88,19 @@ def validate_batch(batch: Batch) -> None:
         if not n or (masks and len(masks) != n) or (sizes and len(sizes) != n):
             # The first equal action is this one: an equal one before it would have failed.
             _shape_error(actions.index(action), n, len(masks), len(sizes))
-        # (Keys need no check: every adapter makes them sfixed64, `to_sfixed64` or the proto.)
+        # Keys as sfixed64 (in-process callers, e.g. tests, may pass anything): min / max
+        # over the tuple is the cheap check; a non-int key fails it with a TypeError.
+        try:
+            keys_ok = min(hashes) >= _MIN_KEY and max(hashes) <= _MAX_KEY
+            keys_ok = keys_ok and (_parent is None or _MIN_KEY <= _parent <= _MAX_KEY)
+        except TypeError:
+            keys_ok = False
+        if not keys_ok:
+            _range_error(actions.index(action), "hashes and parent_block_hash must be sfixed64")
         if (masks and (min(masks) < 0 or max(masks) > MAX_UINT32)) or (
             sizes and (min(sizes) < 0 or max(sizes) > MAX_UINT32)
         ):
-            _range_error(actions.index(action))
+            _range_error(actions.index(action), "component_masks and block_sizes must be uint32")
         num_hashes += n
     if num_hashes > MAX_HASHES_PER_REQUEST:
         raise IndexRequestError(
@@ -108,8 +117,8 @@ def _shape_error(i: int, n: int, num_masks: int, num_sizes: int) -> NoReturn:
     raise _invalid(f"action {i}: {num_sizes} block_sizes for {n} hashes")
 
 
-def _range_error(i: int) -> NoReturn:
-    raise _invalid(f"action {i}: component_masks and block_sizes must be uint32 values")
+def _range_error(i: int, rule: str) -> NoReturn:
+    raise _invalid(f"action {i}: {rule} values")
 
 
 def _check_spec(spec: CacheSpec) -> None:

@@ -23,7 +23,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   dropped as a duplicate; anything else is an engine restart (seq reset), so the worker is
   cleared and rebuilt as on a first message;
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
-  message rebuilds the worker as on a first message;
+  message rebuilds the worker as on a first message; an endpoint ZMQ cannot parse (EINVAL,
+  EPROTONOSUPPORT from connect / bind) would fail again on every restart, so it ends `run`
+  with a `ConfigError` instead;
 - a resync request (`request_resync`: the index backend dropped or lost this worker's entries,
   e.g. Redis restarted empty) clears the worker and rebuilds it from a replay from seq 0 at
   once, between two messages, without waiting for the next one; live messages the replay
@@ -61,10 +63,13 @@ from indexer.zmq_decode import (
     decode_payload,
     decode_replay_reply,
 )
+from kvplane.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 SEQ_BYTES = 8
+# connect / bind errors that no retry can cure: the endpoint itself is malformed.
+_BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
 
 
 class BatchSink(Protocol):
@@ -168,7 +173,7 @@ class ZmqSource:
         while True:
             try:
                 await self._follow()
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, ConfigError):
                 raise
             except Exception:
                 self.counters.num_restarts += 1
@@ -198,10 +203,7 @@ class ZmqSource:
             sub.setsockopt(zmq.RECONNECT_IVL, int(self.settings.backoff_initial_s * 1000))
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.backoff_max_s * 1000))
             sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
-            if self.settings.bind:
-                sub.bind(self.settings.endpoint)
-            else:
-                sub.connect(self.settings.endpoint)
+            self._attach(sub)
             log.info("zmq source %s -> worker %s", self.settings.endpoint, self.worker_id)
             self.ready.set()
             while True:
@@ -246,6 +248,21 @@ class ZmqSource:
                 sub.disable_monitor()
             connections.close(linger=0)
             sub.close(linger=0)
+
+    def _attach(self, sub: zmq.asyncio.Socket) -> None:
+        """Connect (or bind) the SUB; a malformed endpoint is a `ConfigError`, not retried."""
+        try:
+            if self.settings.bind:
+                sub.bind(self.settings.endpoint)
+            else:
+                sub.connect(self.settings.endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno in _BAD_ENDPOINT_ERRNOS:
+                raise ConfigError(
+                    f"cannot {'bind' if self.settings.bind else 'connect'} ZMQ endpoint "
+                    f"{self.settings.endpoint!r}: {zmq.strerror(exc.errno)}"
+                ) from exc
+            raise
 
     async def _resync(self) -> None:
         """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring)."""

@@ -76,7 +76,7 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx.destroy(linger=0)
 
 
-async def _rig(unavailable: int = 0) -> tuple[Rig, grpc.aio.Server]:
+async def _rig(unavailable: int = 0, listen: str = "127.0.0.1:0") -> tuple[Rig, grpc.aio.Server]:
     index = PrefixIndex()
     _, servicer, _ = index_services(
         MemoryBackend(index), default_block_size=16, max_concurrent_prefix_queries=4
@@ -87,7 +87,7 @@ async def _rig(unavailable: int = 0) -> tuple[Rig, grpc.aio.Server]:
         lambda server: kv_grpc.add_KVIndexerServicer_to_server(recorder, server),
         frozenset({"ApplyExternalKvBatch"}),
     )
-    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), [service])
+    server, port = await create_server(ServerConfig(listen=listen), [service])
     return Rig(index, recorder, f"127.0.0.1:{port}"), server
 
 
@@ -211,3 +211,48 @@ async def test_oversized_batches_are_split_with_the_same_seq_and_retried_when_un
     assert received[4].actions[0].parent_block_hash == 16_384
     assert sink.num_retries == 2 and sink.num_rejected == 0
     assert len(list(rig.index.placements("sgl-0"))) == 20_000
+
+
+async def _best_prefix(target: str, hashes: list[int]) -> int:
+    async with grpc.aio.insecure_channel(target) as channel:
+        response = await kv_grpc.KVIndexerStub(channel).MatchExternalKvPrefix(
+            kv.MatchExternalKvPrefixRequest(hashes=hashes), timeout=5, wait_for_ready=True
+        )
+    return response.best_prefix_blocks
+
+
+def _stored(seq: int, hashes: list[int], parent: int | None) -> list[bytes]:
+    event = ["BlockStored", hashes, parent, [1] * 4 * len(hashes), 4, None, "GPU"]
+    return _frames(seq, msgpack.packb([float(seq), [event], None]))
+
+
+async def test_a_target_that_restarts_empty_is_rebuilt_from_the_replay(
+    context: zmq.asyncio.Context,
+) -> None:
+    rig, server = await _rig()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source, sink = await _bridge_run(
+        context, rig, publisher, replay_endpoint=publisher.replay_endpoint
+    )
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_stored(0, [11, 12], None))
+            await rig.recorder.wait_for(2)  # the first message's clear, then its blocks
+            await server.stop(None)  # the indexer goes down ...
+            await publisher.publish(_stored(1, [13], 12))  # ... while the engine goes on
+            await asyncio.sleep(0.5)  # (the bridge retries it)
+            # ... and comes back on the same address, empty.
+            rig, server = await _rig(listen=rig.target)
+            # The held seq 1, then the resync: a clear and the replay of seqs 0 and 1.
+            received = await rig.recorder.wait_for(4)
+            best = await _best_prefix(rig.target, [11, 12, 13])
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert [r.seq for r in received] == [1, 1, 0, 1]
+    assert received[1].actions == CLEAR_ALL
+    assert best == 3  # the blocks indexed before the restart are back
+    assert source.counters.num_resyncs == 1

@@ -123,3 +123,17 @@ def test_values_beyond_their_wire_width_are_invalid(batch: Batch) -> None:
             cache_spec=CacheSpec(version=U32 - 1),
         )
     )
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        Batch("w", (Action(ActionType.REPORT, Tier.HBM, (1 << 63,)),)),
+        Batch("w", (Action(ActionType.REPORT, Tier.HBM, (1,), parent=-(1 << 63) - 1),)),
+        Batch("w", (Action(ActionType.REPORT, Tier.HBM, ("x",)),)),  # type: ignore[arg-type]
+        Batch(5, (Action(ActionType.REPORT, Tier.HBM, (1,)),)),  # type: ignore[arg-type]
+    ],
+)
+def test_keys_outside_sfixed64_and_non_string_worker_ids_are_invalid(batch: Batch) -> None:
+    with pytest.raises(IndexRequestError):
+        validate_batch(batch)

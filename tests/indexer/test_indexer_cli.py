@@ -34,6 +34,7 @@ from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli import app
 from kvplane.config import ServerConfig
+from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
@@ -343,3 +344,109 @@ async def test_admin_match_takes_unsigned_hashes_and_vllms_key_space(tmp_path: P
         assert malformed.exit_code == 2 and "ID:OFFSET:LENGTH" in malformed.output
     finally:
         await server.stop(None)
+
+
+BRIDGE = ["indexer", "bridge", "--target", "127.0.0.1:1", "--endpoint", "tcp://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--endpoint", "bogus", "expected a ZMQ endpoint like tcp://HOST:PORT, got 'bogus'"),
+        ("--replay-endpoint", "127.0.0.1:5558", "expected a ZMQ endpoint"),
+        ("--worker-id", "", "must not be empty"),
+        ("--block-size", "0", "must be between 1 and 4294967295, got 0"),
+        ("--block-size", str(1 << 32), f"must be between 1 and 4294967295, got {1 << 32}"),
+    ],
+)
+def test_bridge_rejects_bad_options_before_starting(option: str, value: str, message: str) -> None:
+    # (Wide enough that Typer's error box does not wrap the message.)
+    runner = CliRunner(env={"COLUMNS": "200"})
+    result = runner.invoke(app, [*BRIDGE, "--worker-id", "w0", option, value])
+    assert result.exit_code == 2
+    assert f"Invalid value for {option}: {message}" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "reason"),
+    [("tcp://no-port", "Invalid argument"), ("nope://x", "Protocol not supported")],
+)
+def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str) -> None:
+    # `python -m` from the repository root runs this checkout's code.
+    bridge = subprocess.run(
+        [sys.executable, "-m", "kvplane", *BRIDGE, "--worker-id", "w0", "--endpoint", endpoint],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert bridge.returncode == 1
+    assert bridge.stderr.splitlines()[-1] == (
+        f"kvplane: error: cannot connect ZMQ endpoint {endpoint!r}: {reason}"
+    )
+    assert "Traceback" not in bridge.stderr
+
+
+@pytest.mark.parametrize("content", ["1 2 x", "[-1, 5]", "[4294967296]", "[1, true]"])
+def test_admin_match_refuses_a_tokens_file_without_uint32_ids(tmp_path: Path, content: str) -> None:
+    tokens_file = tmp_path / "prompt.txt"
+    tokens_file.write_text(content)
+    result = CliRunner().invoke(
+        app, ["admin", "index", "match", "-t", "127.0.0.1:1", "--tokens-file", str(tokens_file)]
+    )
+    # A KvplaneError: `kvplane` prints its message as one line and exits 1.
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        f"--tokens-file {tokens_file} must hold a JSON array (or a whitespace list) of "
+        "token ids, integers in 0..4294967295"
+    )
+
+
+@pytest.mark.parametrize(
+    ("block_size", "message"),
+    [("-1", "greater than or equal to 0"), (str(1 << 32), "less than or equal to 4294967295")],
+)
+def test_admin_match_refuses_a_block_size_out_of_uint32(
+    tmp_path: Path, block_size: str, message: str
+) -> None:
+    tokens_file = tmp_path / "prompt.json"
+    tokens_file.write_text("[1, 2, 3, 4]")
+    runner = CliRunner(env={"COLUMNS": "200"})
+    match = ["admin", "index", "match", "-t", "127.0.0.1:1", "--tokens-file", str(tokens_file)]
+    result = runner.invoke(app, [*match, "--block-size", block_size])
+    assert result.exit_code == 2
+    assert f"Invalid value for '--block-size': Input should be {message}" in result.output
+
+
+async def test_admin_dump_streams_the_same_json_array_and_table(tmp_path: Path) -> None:
+    backend = MemoryBackend(PrefixIndex())
+    services, _, _ = index_services(backend, default_block_size=4, max_concurrent_prefix_queries=4)
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    runner = CliRunner()
+
+    def dump(*args: str) -> Result:
+        return runner.invoke(app, ["admin", "index", "dump", "-t", f"127.0.0.1:{port}", *args])
+
+    try:
+        empty_json = await asyncio.to_thread(dump, "-o", "json")
+        empty_table = await asyncio.to_thread(dump)
+        for worker, hashes in (("w-a", (1, 2, 3)), ("w-b", (7,))):
+            await backend.apply(
+                Batch(worker, (Action(ActionType.REPORT, Tier.HBM, hashes),), worker_address="a:1")
+            )
+        full_json = await asyncio.to_thread(dump, "-o", "json")
+        full_table = await asyncio.to_thread(dump)
+    finally:
+        await server.stop(None)
+    assert (empty_json.exit_code, empty_json.output) == (0, "[]\n")
+    assert (empty_table.exit_code, empty_table.output) == (0, "(empty index)\n")
+    assert full_json.exit_code == 0, full_json.output
+    batches = json.loads(full_json.output)
+    # Byte for byte what printing the collected list prints (the format before streaming).
+    assert full_json.output == json.dumps(batches, indent=2, sort_keys=True) + "\n"
+    held = {(b["worker_id"], h) for b in batches for a in b["actions"] for h in a["hashes"]}
+    assert held == {("w-a", 1), ("w-a", 2), ("w-a", 3), ("w-b", 7)}
+    assert full_table.exit_code == 0
+    assert "worker w-a (a:1)" in full_table.output and "worker w-b (a:1)" in full_table.output
