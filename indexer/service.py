@@ -28,6 +28,7 @@ from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSetting
 from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import SourceCounters, ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
+from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
 from kvplane.server import create_server, serve_until_signal
 
@@ -175,6 +176,11 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
                 await serve_until_signal(server, config.shutdown_grace_s)
                 for task in tasks:
                     task.cancel()
+        except* KvplaneError as failed:
+            # A source that cannot run at all (an endpoint ZMQ cannot connect to): the process
+            # stops with its one-line error, as for any bad config.
+            await server.stop(None)
+            raise failed.exceptions[0] from None
         finally:
             if metrics_server is not None:
                 metrics_server.shutdown()

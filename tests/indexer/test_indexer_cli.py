@@ -388,6 +388,26 @@ def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str
     assert "Traceback" not in bridge.stderr
 
 
+def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_path: Path) -> None:
+    config = tmp_path / "indexer.yaml"
+    config.write_text(
+        "listen: 127.0.0.1:0\nsources:\n"
+        "  - {kind: zmq, worker_id: w0, endpoint: 'tcp://no-port', block_size: 16}\n"
+    )
+    serve = subprocess.run(
+        [sys.executable, "-m", "kvplane", "indexer", "serve", "--config", str(config)],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert serve.returncode == 1
+    assert serve.stderr.splitlines()[-1] == (
+        "kvplane: error: cannot connect ZMQ endpoint 'tcp://no-port': Invalid argument"
+    )
+    assert "Traceback" not in serve.stderr
+
+
 @pytest.mark.parametrize("content", ["1 2 x", "[-1, 5]", "[4294967296]", "[1, true]"])
 def test_admin_match_refuses_a_tokens_file_without_uint32_ids(tmp_path: Path, content: str) -> None:
     tokens_file = tmp_path / "prompt.txt"
