@@ -316,6 +316,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if target == "request_id":
             address = self.relay.holding.get(request.request_id)
             if address is None:
+                if self.relay.abort_unrouted(request.request_id):
+                    return pb.AbortResponse(
+                        status=pb.ABORT_STATUS_ABORTED, message="aborted before it was routed"
+                    )
                 if request.request_id in self.relay.finished:
                     return pb.AbortResponse(
                         status=pb.ABORT_STATUS_ALREADY_FINISHED, message="the request ended"

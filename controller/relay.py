@@ -228,6 +228,8 @@ class Relay:
         # Set by the gateway's Drain and never cleared: a drained controller refuses new
         # requests until it restarts, as a drained engine does.
         self.draining = False
+        # Ids aborted while still being planned, before any engine had them: they end there.
+        self.aborted_unrouted: set[str] = set()
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -242,6 +244,15 @@ class Relay:
     def release(self, request_id: str) -> None:
         """The admitted request ended."""
         self.running.discard(request_id)
+        self.aborted_unrouted.discard(request_id)
+
+    def abort_unrouted(self, request_id: str) -> bool:
+        """Abort a request admitted here that no engine holds yet (it is being planned); False
+        when there is none. It ends before any engine is called."""
+        if request_id not in self.running or request_id in self.holding:
+            return False
+        self.aborted_unrouted.add(request_id)
+        return True
 
     async def generate(
         self,
@@ -299,6 +310,9 @@ class Relay:
         except Exception:
             log.exception("request %s: routing failed", query.request_id)
             await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
+        if query.request_id in self.aborted_unrouted:
+            # Aborted while it was planned: no engine has seen it, so the gateway ends it.
+            await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before it was routed")
         if not disaggregated:
             stream = self._attempts(
                 surface,

@@ -312,6 +312,38 @@ async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -
     assert await status_of(fleet.gateway.Abort(never)) == grpc.StatusCode.NOT_FOUND
 
 
+async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Abort that arrives while the request is being planned (tokenising a long prompt,
+    asking the index) is ABORTED, and the request ends there: no engine ever runs it."""
+    controller = fleet.app.controller
+    planning, go_on = asyncio.Event(), asyncio.Event()
+    plan = controller.plan
+
+    async def slow_plan(*args: Any, **kwargs: Any) -> Any:
+        planning.set()
+        await go_on.wait()
+        return await plan(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "plan", slow_plan)
+    chosen = record_routes(fleet)
+    request = asyncio.ensure_future(generate(fleet, generate_request("early", [*PREFIX, 1])))
+    await asyncio.wait_for(planning.wait(), 10)
+    reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
+    assert reply.status == pb.ABORT_STATUS_ABORTED
+    go_on.set()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await request
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert chosen == []  # never routed
+    assert fleet.app.gateway.relay.running == set()
+    assert fleet.app.gateway.relay.aborted_unrouted == set()
+    # The id is free again, and a request with it runs as usual.
+    done = await generate(fleet, generate_request("early", [*PREFIX, 2]))
+    assert done[-1].WhichOneof("event") == "finished"
+
+
 def test_finished_ids_are_remembered_up_to_the_bound() -> None:
     recent = RecentIds(3)
     for rid in ("a", "b", "c", "a", "d"):  # "a" again: the newest, "b" the oldest
