@@ -248,14 +248,7 @@ def test_interrupt_during_start_up_leaves_no_process(
     """Ctrl-C, or the terminal going away (SIGHUP), stops every member: they run in sessions
     of their own, so nothing else would reach them."""
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(
-        "members:\n"
-        "  - {name: engine-0, kind: engine, config: {model: sim}}\n"
-        "  - {name: engine-1, kind: engine, config: {model: sim}}\n"
-        "  - name: controller\n"
-        "    kind: controller\n"
-        "    config: {engines: [{address: '${engine-0}'}, {address: '${engine-1}'}]}\n"
-    )
+    fleet.write_text(SIM_FLEET)
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
         stderr=subprocess.PIPE,

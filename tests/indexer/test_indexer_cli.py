@@ -373,19 +373,10 @@ def test_bridge_rejects_bad_options_before_starting(option: str, value: str, mes
     [("tcp://no-port", "Invalid argument"), ("nope://x", "Protocol not supported")],
 )
 def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str) -> None:
-    # `python -m` from the repository root runs this checkout's code.
-    bridge = subprocess.run(
-        [sys.executable, "-m", "kvplane", *BRIDGE, "--worker-id", "w0", "--endpoint", endpoint],
-        cwd=Path(__file__).parents[2],
-        capture_output=True,
-        text=True,
-        timeout=30,
+    _assert_fails_with_one_line(
+        [*BRIDGE, "--worker-id", "w0", "--endpoint", endpoint],
+        f"kvplane: error: cannot connect ZMQ endpoint {endpoint!r}: {reason}",
     )
-    assert bridge.returncode == 1
-    assert bridge.stderr.splitlines()[-1] == (
-        f"kvplane: error: cannot connect ZMQ endpoint {endpoint!r}: {reason}"
-    )
-    assert "Traceback" not in bridge.stderr
 
 
 def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_path: Path) -> None:
@@ -394,18 +385,25 @@ def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_pat
         "listen: 127.0.0.1:0\nsources:\n"
         "  - {kind: zmq, worker_id: w0, endpoint: 'tcp://no-port', block_size: 16}\n"
     )
-    serve = subprocess.run(
-        [sys.executable, "-m", "kvplane", "indexer", "serve", "--config", str(config)],
+    _assert_fails_with_one_line(
+        ["indexer", "serve", "--config", str(config)],
+        "kvplane: error: cannot connect ZMQ endpoint 'tcp://no-port': Invalid argument",
+    )
+
+
+def _assert_fails_with_one_line(args: list[str], last_line: str) -> None:
+    """`kvplane ARGS` exits 1 with `last_line` last on stderr and no traceback. (`python -m`
+    from the repository root runs this checkout's code.)"""
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane", *args],
         cwd=Path(__file__).parents[2],
         capture_output=True,
         text=True,
         timeout=30,
     )
-    assert serve.returncode == 1
-    assert serve.stderr.splitlines()[-1] == (
-        "kvplane: error: cannot connect ZMQ endpoint 'tcp://no-port': Invalid argument"
-    )
-    assert "Traceback" not in serve.stderr
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == last_line
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("content", ["1 2 x", "[-1, 5]", "[4294967296]", "[1, true]"])
