@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from typer.testing import CliRunner
 
+from controller.service import INLINE_TOKENIZE_MAX_CHARS
 from kvplane.cli import app
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
@@ -67,6 +68,13 @@ async def test_each_model_uses_its_own_tokenizer(tmp_path: Path) -> None:
         default = await match("")
         assert default.tokenized and default.num_prompt_tokens == len(TEXT)
         assert all(m.device_blocks == 0 for m in default.matches)
+
+        # A prompt over the inline limit is tokenised in a worker thread, with the same result.
+        long_text = " ".join([TEXT] * 10)
+        assert len(long_text) > INLINE_TOKENIZE_MAX_CHARS
+        long = await fleet.admin.Match(apb.PromptQuery(prompt=long_text, model="sim"))
+        assert long.tokenized and long.num_prompt_tokens == 650
+        assert any(m.device_blocks == 4 for m in long.matches)
     finally:
         await close_fleet(fleet)
 
