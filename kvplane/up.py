@@ -13,7 +13,7 @@ drains the engines (a short deadline, then what is left is aborted), stops every
 reverse order with SIGTERM, and kills what is still running (with its process group) after a
 grace period. A member that exits on its own is reported (its log's last lines) and the rest
 are stopped the same way: up then exits 1. On Linux the members get SIGTERM when up dies, even
-by SIGKILL.
+by SIGKILL; the folder such a run leaves behind is removed by the next `kvplane up`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import ctypes
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -57,6 +58,8 @@ _METRICS_LINE = re.compile(r"metrics on http://(\S+)/metrics")
 BUILTIN = "builtin"
 STATUS_INTERVAL_S = 1.0
 STATUS_RPC_TIMEOUT_S = 1.0
+# Each run's private folder is named after its pid, so a later run can tell a dead run's.
+WORKDIR_PREFIX = "kvplane-up-"
 
 
 class MemberConfig(StrictModel):
@@ -619,13 +622,32 @@ def render_status(status: FleetStatus) -> Any:
 # ---- the command ----
 
 
+def remove_stale_workdirs(parent: Path) -> list[Path]:
+    """Remove the folders (member configs and logs) of earlier `kvplane up` runs that were
+    killed (SIGKILL) before they could clean up: those whose process is gone. Returns them."""
+    removed = []
+    for path in parent.glob(f"{WORKDIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(WORKDIR_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or not path.is_dir() or path.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except PermissionError:  # alive, someone else's
+            pass
+    return removed
+
+
 async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> bool:
     """Run the fleet until Ctrl-C (or, with `check`, through the smoke test); returns False
     when the check failed or a member exited on its own (the rest are then stopped: a local
     fleet missing a member is broken). A second Ctrl-C kills every member at once."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    with tempfile.TemporaryDirectory(prefix="kvplane-up-") as tmp:
+    remove_stale_workdirs(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as tmp:
         fleet = Fleet(config, Path(tmp))
 
         def on_signal() -> None:

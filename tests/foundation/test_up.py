@@ -22,7 +22,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
 from kvplane.errors import ConfigError, KvplaneError
-from kvplane.up import DEFAULT_FLEET, Fleet, FleetConfig, collect_status, load_fleet, render_status
+from kvplane.up import (
+    DEFAULT_FLEET,
+    WORKDIR_PREFIX,
+    Fleet,
+    FleetConfig,
+    collect_status,
+    load_fleet,
+    remove_stale_workdirs,
+    render_status,
+)
 from kvplane.up_check import NUM_PREFIXES, check_fleet
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -196,9 +205,14 @@ def test_sigkill_of_up_takes_every_member_with_it(tmp_path: Path) -> None:
     try:
         pids = [pid for _, pid in _serving_members(proc, 3).values()]
         assert len(pids) == 3 and all(_running(pid) for pid in pids)
+        assert remove_stale_workdirs(tmp_path) == []  # a running fleet's folder is kept
         proc.kill()
         proc.wait(timeout=10)
         assert _wait_gone(pids, 15) == []
+        # Its folder (member configs and logs) stays behind, for the next run to remove.
+        [stale] = tmp_path.glob(f"{WORKDIR_PREFIX}{proc.pid}-*")
+        assert (stale / "controller.log").exists()
+        assert remove_stale_workdirs(tmp_path) == [stale] and not stale.exists()
     finally:
         if proc.poll() is None:
             proc.kill()
