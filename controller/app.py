@@ -87,9 +87,13 @@ async def start_controller(
         raise
     app = ControllerApp(controller, gateway, admin, vllm, server, port)
     if config.metrics_listen is not None:
-        app.metrics_server, app.metrics_port = start_metrics_server(
-            config.metrics_listen, controller.metrics.registry
-        )
+        try:
+            app.metrics_server, app.metrics_port = start_metrics_server(
+                config.metrics_listen, controller.metrics.registry
+            )
+        except Exception:
+            await app.close(0)
+            raise
     return app
 
 

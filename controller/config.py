@@ -58,6 +58,21 @@ class IndexConfig(StrictModel):
     # Options of a Redis backend, the indexer's `redis:` block (docs/redis.md).
     redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
 
+    @field_validator("remote")
+    @classmethod
+    def _check_remote(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+    @model_validator(mode="after")
+    def _one_index(self) -> IndexConfig:
+        if self.remote is not None and "backend" in self.model_fields_set:
+            raise ValueError(
+                f"set either remote (a kvplane indexer) or backend {self.backend!r}, not both"
+            )
+        return self
+
     def backend_options(self) -> dict[str, Any]:
         """Keyword options for `indexer.backends.open_backend(self.backend, ...)`."""
         return {} if self.backend == "memory" else self.redis.backend_options()

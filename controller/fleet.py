@@ -197,8 +197,14 @@ class RemoteIndex:
 
     async def stats(self) -> IndexStats:
         """The remote index's size; each worker named as the fleet knows its engine (its
-        address when the indexer has one, else its worker id), as `match` does."""
-        reply = await self._stub.GetIndexStats(ipb.GetIndexStatsRequest(), timeout=self._timeout_s)
+        address when the indexer has one, else its worker id), as `match` does. A failed call
+        is a KvplaneError of one line (callers log it)."""
+        try:
+            reply = await self._stub.GetIndexStats(
+                ipb.GetIndexStatsRequest(), timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise KvplaneError(f"remote index: {exc.code().name}: {exc.details()}") from None
         workers = tuple(
             WorkerStats(
                 w.worker_address or w.worker_id, w.worker_address, w.num_blocks, w.num_placements

@@ -268,6 +268,7 @@ class Relay:
         c = self.controller
         started = time.perf_counter()
         if self.draining:
+            c.metrics.count_request("no_engine")
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         try:
             c.check_model(query.model)

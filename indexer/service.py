@@ -166,7 +166,11 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
         if config.metrics_listen is not None:
             registry = CollectorRegistry()
             registry.register(IndexerCollector(sources, kv_indexer, kv_indexer.limiter))
-            metrics_server, _ = start_metrics_server(config.metrics_listen, registry)
+            try:
+                metrics_server, _ = start_metrics_server(config.metrics_listen, registry)
+            except KvplaneError:
+                await server.stop(None)
+                raise
         if port_file is not None:
             _write_port_file(port_file, port)
         log.info("indexer on port %d: backend %s, %d sources", port, backend.name, len(sources))

@@ -7,29 +7,35 @@ overrides the file. Environment variables are read only by the CLI, never here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvplane.errors import ConfigError
 
 
 class StrictModel(BaseModel):
-    """Base of every config model: unknown keys are errors, instances are immutable."""
+    """Base of every config model: unknown keys are errors, numbers are finite (YAML's .inf
+    and .nan are refused), instances are immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
     """Split "HOST:PORT" ("[::1]:50051" for IPv6); raises ValueError on anything else."""
     host, sep, port_text = value.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    elif any(c in host for c in "[]:"):  # "::1:80", "[::1:80": an IPv6 host needs brackets
+        host = ""
     if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
+        raise ValueError(f"expected HOST:PORT ([ADDRESS]:PORT for IPv6), got {value!r}")
     port = int(port_text)
     if port > 65535:
         raise ValueError(f"port out of range in {value!r}")
-    return host.strip("[]"), port
+    return host, port
 
 
 class TlsConfig(StrictModel):
@@ -64,7 +70,7 @@ class ServerConfig(StrictModel):
     # Prometheus /metrics on a side port; None disables it.
     metrics_listen: str | None = None
     # Seconds in-flight RPCs get to finish on SIGTERM/SIGINT.
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = Field(default=5.0, ge=0)
 
     @field_validator("listen")
     @classmethod
@@ -81,6 +87,28 @@ class ServerConfig(StrictModel):
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping, which PyYAML would
+    silently resolve by keeping the last (a second `engines:` list replacing the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -103,7 +131,7 @@ def load_config(
     data: dict[str, object] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
         except OSError as exc:
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
         except UnicodeDecodeError as exc:

@@ -75,6 +75,7 @@ async def test_a_deadline_passing_with_a_request_in_flight_ends_with_a_draining_
         _ = [r async for r in fleet.gateway.Generate(generate_request("new", [1, 2, 3]))]
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "draining" in (refused.value.details() or "")
+    assert fleet.app.controller.metrics.requests.labels("no_engine")._value.get() == 1
     long.cancel()
 
 

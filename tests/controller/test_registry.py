@@ -192,6 +192,13 @@ def test_config_names_from_the_issue(tmp_path: Path) -> None:
     path.write_text("router: {policy: fastest}\n")
     with pytest.raises(ConfigError, match="unknown policy"):
         load_config(ControllerConfig, path)
+    path.write_text("index: {remote: indexer}\n")
+    with pytest.raises(ConfigError, match=r"index\.remote: Value error, expected HOST:PORT"):
+        load_config(ControllerConfig, path)
+    for backend in ("memory", "'redis://h:6379'"):
+        path.write_text(f"index: {{backend: {backend}, remote: 'h:1'}}\n")
+        with pytest.raises(ConfigError, match=r"set either remote .* or backend .*, not both"):
+            load_config(ControllerConfig, path)
     path.write_text("engines: [{address: 'h:1'}, {address: 'h:1'}]\n")
     with pytest.raises(ConfigError, match="listed twice"):
         load_config(ControllerConfig, path)

@@ -17,6 +17,7 @@ from indexer.vllm_hash import VllmHashAlgo, block_hashes
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import ServerConfig
+from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 
 pytestmark = pytest.mark.timeout(30)
@@ -75,6 +76,18 @@ def test_remote_key_space_is_a_config_choice() -> None:
     assert (config.index.remote_key_space, config.index.remote_hash_seed) == ("sha256_cbor", "7")
     with pytest.raises(ValueError, match="remote_key_space"):
         ControllerConfig.model_validate({"index": {"remote_key_space": "md5"}})
+
+
+async def test_stats_of_a_remote_index_that_does_not_answer_fail_in_one_line() -> None:
+    """The controller logs this every few seconds while the indexer is down (index-size
+    metrics, admin `workers`): one line, not the gRPC error's multi-line repr."""
+    remote = RemoteIndex("127.0.0.1:1", 5.0)
+    try:
+        with pytest.raises(KvplaneError, match=r"^remote index: UNAVAILABLE: ") as caught:
+            await remote.stats()
+        assert "\n" not in str(caught.value)
+    finally:
+        await remote.close()
 
 
 async def test_an_engine_indexed_rank_by_rank_holds_its_best_rank() -> None:

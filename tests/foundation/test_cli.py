@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -76,6 +77,28 @@ def test_bad_listen_address_is_rejected() -> None:
     result = run("indexer", "serve", "--listen", "nonsense")
     assert result.returncode == 1
     assert "HOST:PORT" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("group", "config"),
+    [
+        ("indexer", ""),
+        ("controller", ""),
+        ("engine", "model: sim\n"),
+    ],
+)
+def test_a_metrics_address_in_use_is_one_line(tmp_path: Path, group: str, config: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        metrics = f"127.0.0.1:{busy.getsockname()[1]}"
+        path = tmp_path / "c.yaml"
+        path.write_text(f"listen: 127.0.0.1:0\nmetrics_listen: {metrics}\n{config}")
+        result = run(group, "serve", "--config", str(path))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"kvplane: error: cannot serve metrics on {metrics}: Address already in use"
 
 
 @pytest.mark.timeout(60)

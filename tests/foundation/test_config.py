@@ -31,6 +31,10 @@ def test_cli_listen_overrides_the_file(tmp_path: Path) -> None:
         ("- a\n- b\n", "mapping"),
         ("listen: '127.0.0.1:99999'\n", "port out of range"),
         ("key: [unclosed\n", "not valid YAML"),
+        ("listen: 127.0.0.1:1\nlisten: 127.0.0.1:2\n", "duplicate key 'listen'"),
+        ("shutdown_grace_s: .inf\n", "shutdown_grace_s: Input should be a finite number"),
+        ("shutdown_grace_s: .nan\n", "shutdown_grace_s: Input should be a finite number"),
+        ("shutdown_grace_s: -1\n", "shutdown_grace_s: Input should be greater than or equal"),
     ],
 )
 def test_invalid_configs_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
@@ -42,7 +46,11 @@ def test_invalid_configs_name_the_problem(tmp_path: Path, text: str, message: st
 
 @pytest.mark.parametrize(
     ("text", "where"),
-    [("key: [unclosed\n", "line 2, column 1"), ("a: b: c\n", "line 1, column 5")],
+    [
+        ("key: [unclosed\n", "line 2, column 1"),
+        ("a: b: c\n", "line 1, column 5"),
+        ("auth:\n  token_file: t\n  token_file: u\n", "line 3, column 3"),
+    ],
 )
 def test_invalid_yaml_is_one_line_with_its_place(tmp_path: Path, text: str, where: str) -> None:
     path = tmp_path / "c.yaml"
@@ -76,7 +84,17 @@ def test_parse_host_port(text: str, expected: tuple[str, int]) -> None:
     assert parse_host_port(text) == expected
 
 
-@pytest.mark.parametrize("text", ["nohost", ":80", "host:", "host:x", "host:70000"])
+def test_a_merge_key_may_be_overridden_in_its_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("auth: {<<: {token_file: t, protect_reads: false}, protect_reads: true}\n")
+    auth = load_config(ServerConfig, path).auth
+    assert auth is not None and auth.protect_reads
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["nohost", ":80", "host:", "host:x", "host:70000", "::1:80", "[::1:80", "::1]:80", "[]:80"],
+)
 def test_parse_host_port_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_host_port(text)
