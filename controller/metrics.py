@@ -16,8 +16,9 @@ from prometheus_client.core import GaugeMetricFamily
 from controller.registry import Registry
 
 # "invalid": refused for the request itself (a client error such as INVALID_ARGUMENT,
-# NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures.
-RequestOutcome = Literal["ok", "no_engine", "engine_error", "invalid"]
+# NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures; "aborted":
+# ended by an Abort before any engine was called; "internal": the controller failed to route.
+RequestOutcome = Literal["ok", "no_engine", "engine_error", "invalid", "aborted", "internal"]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # Event lag reaches seconds when a source replays a backlog after a reconnect.
 _EVENT_LAG_BUCKETS = (*_LATENCY_BUCKETS[1:], 30, 60)
@@ -98,6 +99,17 @@ class ControllerMetrics:
             "Sum of |predicted - reported| cached prompt tokens",
             registry=r,
         )
+        # Accuracy = 1 - sum |predicted - reported| / sum max(predicted, reported), over the
+        # same requests: 1 when every prediction was exact (and before any), 0 when none
+        # overlapped what the engine reported.
+        self._cached_tokens_error_sum = 0
+        self._cached_tokens_max_sum = 0
+        self.cached_tokens_accuracy = Gauge(
+            "kvplane_controller_cached_tokens_prediction_accuracy",
+            "1 - sum |predicted - reported| / sum max(predicted, reported) cached prompt tokens",
+            registry=r,
+        )
+        self.cached_tokens_accuracy.set_function(self._cached_tokens_accuracy)
         self.prompt_tokens = Counter(
             "kvplane_controller_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
@@ -142,6 +154,21 @@ class ControllerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def record_cache_prediction(self, predicted: int, reported: int) -> None:
+        """The router predicted `predicted` cached prompt tokens; the engine reported
+        `reported` (usage.cached_prompt_tokens)."""
+        self.predicted_cached_tokens.inc(predicted)
+        self.actual_cached_tokens.inc(reported)
+        error = abs(predicted - reported)
+        self.cached_tokens_abs_error.inc(error)
+        self._cached_tokens_error_sum += error
+        self._cached_tokens_max_sum += max(predicted, reported)
+
+    def _cached_tokens_accuracy(self) -> float:
+        if not self._cached_tokens_max_sum:
+            return 1.0
+        return 1.0 - self._cached_tokens_error_sum / self._cached_tokens_max_sum
 
     def count_request(self, outcome: RequestOutcome) -> None:
         self._outcomes[outcome].inc()

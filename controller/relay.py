@@ -310,9 +310,11 @@ class Relay:
             await abort_with(context, status, str(exc))
         except Exception:
             log.exception("request %s: routing failed", query.request_id)
+            c.metrics.count_request("internal")
             await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
         if query.request_id in self.aborted_unrouted:
             # Aborted while it was planned: no engine has seen it, so the gateway ends it.
+            c.metrics.count_request("aborted")
             await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before it was routed")
         if not disaggregated:
             stream = self._attempts(
@@ -593,9 +595,7 @@ class Relay:
         m = self.controller.metrics
         m.prompt_tokens.inc(usage.prompt_tokens)
         if usage.cached_prompt_tokens is not None:
-            m.predicted_cached_tokens.inc(predicted)
-            m.actual_cached_tokens.inc(usage.cached_prompt_tokens)
-            m.cached_tokens_abs_error.inc(abs(predicted - usage.cached_prompt_tokens))
+            m.record_cache_prediction(predicted, usage.cached_prompt_tokens)
 
 
 def _engine_failure(

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
+from controller.metrics import ControllerMetrics
 from controller.outcomes import OUTCOME_METADATA_KEY
-from controller.registry import EngineState
+from controller.registry import EngineState, Registry
 from controller.relay import RecentIds
 from engine.config import EngineConfig
 from engine.server.service import start_engine
@@ -91,6 +92,16 @@ async def test_shared_prefix_lands_where_it_lives(fleet: Fleet) -> None:
     metrics = fleet.app.controller.metrics
     assert metrics.actual_cached_tokens._value.get() == 6 * 64
     assert metrics.cached_tokens_abs_error._value.get() == 0
+    assert metrics._cached_tokens_accuracy() == 1.0
+
+
+def test_cached_token_prediction_accuracy_weighs_errors_by_size() -> None:
+    metrics = ControllerMetrics(Registry())
+    assert metrics._cached_tokens_accuracy() == 1.0  # nothing predicted yet
+    for predicted, reported in ((64, 64), (64, 0), (0, 32)):
+        metrics.record_cache_prediction(predicted, reported)
+    # errors 0 + 64 + 32 over max sums 64 + 64 + 32
+    assert metrics._cached_tokens_accuracy() == pytest.approx(1 - 96 / 160)
 
 
 async def test_draining_engine_gets_no_traffic(fleet: Fleet) -> None:
@@ -312,6 +323,29 @@ async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -
     assert await status_of(fleet.gateway.Abort(never)) == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_routing_bug_is_internal_for_that_request_only(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    controller = fleet.app.controller
+    plan = controller.plan
+
+    async def broken_plan(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(controller, "plan", broken_plan)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(fleet, generate_request("bug", [*PREFIX, 1]))
+    assert (err.value.code(), err.value.details()) == (
+        grpc.StatusCode.INTERNAL,
+        "routing failed; see the log",
+    )
+    assert controller.metrics._outcomes["internal"]._value.get() == 1
+    assert fleet.app.gateway.relay.running == set()
+    monkeypatch.setattr(controller, "plan", plan)
+    done = await generate(fleet, generate_request("bug", [*PREFIX, 2]))
+    assert done[-1].WhichOneof("event") == "finished"
+
+
 async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
     fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -337,6 +371,7 @@ async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
         await request
     assert err.value.code() == grpc.StatusCode.CANCELLED
     assert chosen == []  # never routed
+    assert controller.metrics._outcomes["aborted"]._value.get() == 1
     assert fleet.app.gateway.relay.running == set()
     assert fleet.app.gateway.relay.aborted_unrouted == set()
     # The id is free again, and a request with it runs as usual.
@@ -549,6 +584,7 @@ async def test_prometheus_metrics_are_exported() -> None:
             'kvplane_controller_route_decisions_total{policy="kvplane"',
             "kvplane_controller_predicted_cached_tokens_total",
             "kvplane_controller_actual_cached_tokens_total",
+            "kvplane_controller_cached_tokens_prediction_accuracy 1.0",
             "kvplane_controller_index_blocks",
             "kvplane_controller_first_response_seconds_bucket",
         ):
