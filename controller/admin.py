@@ -15,7 +15,7 @@ from controller.registry import EngineRecord, Role
 from controller.router import Decision
 from controller.service import Controller, Plan, PromptInput, blocks_by_engine
 from controller.statuses import status_of
-from kvplane.config import parse_host_port
+from kvplane.config import parse_dial_target
 from kvplane.errors import KvplaneError
 from kvplane.server import abort_with
 from kvplane_api.v1 import admin_pb2 as apb
@@ -94,7 +94,7 @@ class AdminServicer(apb_grpc.AdminServicer):
         if mode not in {m.value for m in KvEventsMode}:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, f"kv_events {mode!r}?")
         try:
-            parse_host_port(request.address)
+            parse_dial_target(request.address)
             record = await self.controller.fleet.add_engine(request.address, mode, source="admin")
         except ValueError as exc:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -20,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 
 from controller.router import POLICY_NAMES, BusyThresholds, KvplaneWeights
 from indexer.config import RedisBackendConfig
-from kvplane.config import ServerConfig, StrictModel, parse_host_port
+from kvplane.config import ServerConfig, StrictModel, parse_dial_target
 
 _DEFAULT_WEIGHTS = KvplaneWeights()
 _DEFAULT_BUSY = BusyThresholds()
@@ -39,7 +39,7 @@ class EngineEntry(StrictModel):
     @field_validator("address")
     @classmethod
     def _check_address(cls, value: str) -> str:
-        parse_host_port(value)
+        parse_dial_target(value)
         return value
 
 
@@ -62,7 +62,7 @@ class IndexConfig(StrictModel):
     @classmethod
     def _check_remote(cls, value: str | None) -> str | None:
         if value is not None:
-            parse_host_port(value)
+            parse_dial_target(value)
         return value
 
     @model_validator(mode="after")

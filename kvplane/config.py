@@ -23,18 +23,34 @@ class StrictModel(BaseModel):
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
-    """Split "HOST:PORT" ("[::1]:50051" for IPv6); raises ValueError on anything else."""
+    """Split "HOST:PORT" ("[::1]:50051" for IPv6); raises ValueError on anything else: a
+    scheme or path, whitespace, an IPv6 address without brackets, a port that is not ASCII
+    digits or is above 65535."""
     host, sep, port_text = value.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
     if bracketed:
         host = host[1:-1]
     elif any(c in host for c in "[]:"):  # "::1:80", "[::1:80": an IPv6 host needs brackets
         host = ""
-    if not sep or not host or not port_text.isdigit():
+    if (
+        not sep
+        or not host
+        or not (port_text.isascii() and port_text.isdigit())
+        or any(c.isspace() or c == "/" for c in host)  # "a b:80", "http://h:80"
+    ):
         raise ValueError(f"expected HOST:PORT ([ADDRESS]:PORT for IPv6), got {value!r}")
     port = int(port_text)
     if port > 65535:
         raise ValueError(f"port out of range in {value!r}")
+    return host, port
+
+
+def parse_dial_target(value: str) -> tuple[str, int]:
+    """`parse_host_port` for an address to connect to: port 0 (any free port, for a listen
+    address) names no server."""
+    host, port = parse_host_port(value)
+    if port == 0:
+        raise ValueError(f"port 0 in {value!r}: give the port the server listens on")
     return host, port
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.config import ServerConfig, load_config, parse_host_port
+from kvplane.config import ServerConfig, load_config, parse_dial_target, parse_host_port
 from kvplane.errors import ConfigError
 
 
@@ -93,8 +93,28 @@ def test_a_merge_key_may_be_overridden_in_its_mapping(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["nohost", ":80", "host:", "host:x", "host:70000", "::1:80", "[::1:80", "::1]:80", "[]:80"],
+    [
+        "nohost",
+        ":80",
+        "host:",
+        "host:x",
+        "host:70000",
+        "host:\u0663",  # a digit, but not an ASCII one
+        "a b:80",
+        " host:80",
+        "http://host:80",
+        "::1:80",
+        "[::1:80",
+        "::1]:80",
+        "[]:80",
+    ],
 )
 def test_parse_host_port_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         parse_host_port(text)
+
+
+def test_a_dial_target_names_a_port() -> None:
+    assert parse_dial_target("[::1]:5") == ("::1", 5)
+    with pytest.raises(ValueError, match="port 0"):
+        parse_dial_target("127.0.0.1:0")
