@@ -7,8 +7,9 @@ after the engine was unreachable, and whenever GetLoad reports a new instance id
 KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
 index under the engine's address as worker id, and measures each batch's event lag (the
 controller's wall clock when the batch is in the index minus the engine's timestamp on it). A
-new engine process (new instance id) has its old index entries dropped before anything else,
-so a restarted engine's old blocks never attract traffic; removal drops them too. Every task
+new engine process (`Registry.on_identity`: a new instance id, or an engine answering again
+after it was unreachable) has its old index entries dropped before anything else, so a
+restarted engine's old blocks never attract traffic; removal drops them too. Every task
 is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as candidates
 only the engines holding it (registry.check_lora says why there is none).
 
@@ -433,12 +434,16 @@ class Fleet:
         address = engine.address
         next_health = 0.0
         need_identity = True
+        # GetLoad's instance id since the identity was fetched; "" until it names one.
+        load_instance = ""
+        restarted = False  # GetLoad named a new instance: the identity fetch is a new process
         while True:
             now = self._clock()
             try:
                 if need_identity:
-                    await self._fetch_identity(engine)
-                    need_identity = False
+                    await self._fetch_identity(engine, restarted)
+                    need_identity = restarted = False
+                    load_instance = ""
                 if now >= next_health:
                     reply = await engine.stub.Health(
                         pb.HealthRequest(), timeout=health.rpc_timeout_s
@@ -448,15 +453,14 @@ class Fleet:
                     next_health = now + health.poll_interval_s
                     await self._notify()
                 load = await engine.stub.GetLoad(pb.GetLoadRequest(), timeout=health.rpc_timeout_s)
-                record = self.registry.get(address)
-                if (
-                    record.identity is not None
-                    and load.instance_id
-                    and (load.instance_id != record.identity.instance_id)
-                ):
+                # Compared with GetLoad's own earlier answers, not with GetEngineInfo's
+                # instance id: an engine may leave that one empty or name itself otherwise
+                # there, which would read as a restart at every poll.
+                if load_instance and load.instance_id and load.instance_id != load_instance:
                     log.info("engine %s restarted (instance %s)", address, load.instance_id)
-                    need_identity = True
+                    need_identity = restarted = True
                     continue
+                load_instance = load.instance_id or load_instance
                 self.registry.on_load(address, load_from_proto(load), now)
                 delay = health.load_poll_interval_s
             except asyncio.CancelledError:
@@ -483,7 +487,7 @@ class Fleet:
                 async with asyncio.timeout(delay):
                     await engine.wake.wait()
 
-    async def _fetch_identity(self, engine: _Engine) -> None:
+    async def _fetch_identity(self, engine: _Engine, restarted: bool = False) -> None:
         timeout = self.config.health.rpc_timeout_s
         info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
         identity = EngineIdentity(
@@ -524,7 +528,7 @@ class Fleet:
                     ),
                 )
         adapters = await self._list_loras(engine, identity)
-        is_new = self.registry.on_identity(engine.address, identity, self._clock())
+        is_new = self.registry.on_identity(engine.address, identity, self._clock(), restarted)
         self.registry.on_loras(engine.address, adapters)
         if is_new:
             engine.events_pending = True

@@ -277,11 +277,17 @@ class Registry:
 
     # ---- what the pollers report ----
 
-    def on_identity(self, address: str, identity: EngineIdentity, now_s: float) -> bool:
-        """Record GetEngineInfo/GetModelInfo; returns True when this is a new engine process
-        (first contact or a changed instance id: its old index entries must go).
+    def on_identity(
+        self, address: str, identity: EngineIdentity, now_s: float, restarted: bool = False
+    ) -> bool:
+        """Record GetEngineInfo/GetModelInfo; returns True when this may be a new engine
+        process, whose old index entries must go: first contact, a changed instance id, an
+        engine answering again after it was unreachable (a process restarted with an
+        `instance_id` set in its config keeps it), or `restarted` (the caller saw another
+        sign of a new process: GetLoad naming a new instance).
         Raises IncompatibleEngineError (and marks the engine) when the revision check fails."""
         record = self._by_address[address]
+        came_back = record.state is EngineState.UNREACHABLE
         record.last_seen_s = now_s
         try:
             check_revision(
@@ -306,7 +312,12 @@ class Registry:
         if record.state is EngineState.INCOMPATIBLE:
             record.state = EngineState.UNKNOWN  # upgraded: the next health answer decides
             record.last_error = ""
-        is_new = record.identity is None or record.identity.instance_id != identity.instance_id
+        is_new = (
+            record.identity is None
+            or record.identity.instance_id != identity.instance_id
+            or came_back
+            or restarted
+        )
         if is_new:
             record.epoch += 1
             record.drain_requested = False

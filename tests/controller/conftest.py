@@ -19,12 +19,15 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 
-async def start_sim_engine(name: str, time_scale: float = 0.0, **config: Any) -> EngineApp:
-    """An in-process sim engine on a free port (`config`: more EngineConfig fields)."""
+async def start_sim_engine(
+    name: str, time_scale: float = 0.0, port: int = 0, **config: Any
+) -> EngineApp:
+    """An in-process sim engine on `port` (0: a free one; `config`: more EngineConfig
+    fields)."""
     return await start_engine(
         EngineConfig(
             model="sim",
-            listen="127.0.0.1:0",
+            listen=f"127.0.0.1:{port}",
             instance_id=name,
             num_kv_blocks=256,
             shutdown_grace_s=0.5,

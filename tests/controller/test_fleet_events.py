@@ -42,10 +42,12 @@ WAIT_S = 15.0
 BLOCK = 16
 
 
-async def start_zmq_engine(name: str) -> EngineApp:
-    """A sim engine that also publishes its KV events on ZMQ, on free ports."""
+async def start_zmq_engine(name: str, port: int = 0) -> EngineApp:
+    """A sim engine on `port` (0: a free one) that also publishes its KV events on ZMQ, on
+    free ports."""
     return await start_sim_engine(
         name,
+        port=port,
         kv_events=KvEventsConfig(
             zmq_enabled=True,
             endpoint="tcp://127.0.0.1:*",
@@ -62,7 +64,12 @@ async def zmq_fleet() -> Fleet:
             "metrics_listen": "127.0.0.1:0",
             "engines": [{"address": f"127.0.0.1:{e.port}", "kv_events": "zmq"} for e in engines],
             "router": {"seed": 0},
-            "health": {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1},
+            "health": {
+                "poll_interval_s": 0.2,
+                "load_poll_interval_s": 0.1,
+                "backoff_initial_s": 0.1,
+                "backoff_max_s": 1.0,
+            },
             "shutdown_grace_s": 0.5,
         }
     )
@@ -104,29 +111,31 @@ async def generate(fleet: Fleet, request: pb.GenerateRequest) -> pb.GenerateResp
     return responses[-1]
 
 
+async def index_through_zmq(fleet: Fleet, base: int) -> tuple[list[int], str]:
+    """A prompt's 4-block prefix, from token id `base` on, and the engine the index places it
+    on, once it is there. A SUB socket joins its publisher asynchronously: a batch published
+    before it joined is missed, and the next one rebuilds the worker from the replay socket.
+    So fresh prompts are sent until the first reaches the index through ZMQ."""
+    async with asyncio.timeout(WAIT_S):
+        for attempt in itertools.count():
+            start = base + 1000 * attempt
+            prefix = list(range(start, start + 4 * BLOCK))
+            await generate(fleet, generate_request(f"z{start}", [*prefix, 1]))
+            for _ in range(20):
+                holder = await index_holder(fleet, [*prefix, 2], 4)
+                if holder is not None:
+                    return prefix, holder
+                await asyncio.sleep(0.05)
+    raise AssertionError("unreachable")
+
+
 async def test_zmq_kv_events_feed_the_router_and_report_their_lag() -> None:
     fleet = await zmq_fleet()
     try:
         sources = [fleet.app.controller.fleet.source_of(fleet.address(e)) for e in fleet.engines]
         assert all(isinstance(s, ZmqSource) for s in sources), sources
-        prefix: list[int] = []
-        holder = None
         started = time.time()
-        # A SUB socket joins its publisher asynchronously: a batch published before it joined
-        # is missed, and the next one rebuilds the worker from the replay socket. Send fresh
-        # prompts until the first reaches the index through ZMQ.
-        async with asyncio.timeout(WAIT_S):
-            for attempt in itertools.count():
-                prefix = list(range(1000 * (attempt + 1), 1000 * (attempt + 1) + 4 * BLOCK))
-                await generate(fleet, generate_request(f"a{attempt}", [*prefix, 1]))
-                for _ in range(20):
-                    holder = await index_holder(fleet, [*prefix, 2], 4)
-                    if holder is not None:
-                        break
-                    await asyncio.sleep(0.05)
-                if holder is not None:
-                    break
-        assert holder is not None
+        prefix, holder = await index_through_zmq(fleet, 1000)
         held_by = fleet.app.controller.fleet.source_of(holder)
         assert isinstance(held_by, ZmqSource) and held_by.counters.num_events > 0
 

@@ -233,3 +233,20 @@ def test_a_drain_the_controller_started_sticks_until_the_engine_restarts() -> No
     registry.on_identity("h:1", identity("e1"), 2.0)
     registry.on_health("h:1", EngineState.READY, 2.0)
     assert [r.engine_id for r in registry.routable()] == ["e1"]
+
+
+def test_an_engine_answering_again_after_it_was_unreachable_is_a_new_process() -> None:
+    """A process restarted with an instance id set in its config keeps it: the registry
+    cannot tell it from the old one, so it is new (its drain, its index entries go)."""
+    registry = Registry()
+    registry.add("h:1")
+    assert registry.on_identity("h:1", identity("e0"), 0.0) is True
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    registry.request_drain("e0", 1.0)
+    registry.on_unreachable("h:1", 2.0, "UNAVAILABLE: connection refused")
+    assert registry.on_identity("h:1", identity("e0"), 3.0) is True
+    registry.on_health("h:1", EngineState.READY, 3.0)
+    assert [r.engine_id for r in registry.routable()] == ["e0"]
+    assert registry.on_identity("h:1", identity("e0"), 4.0) is False
+    # The fleet saw GetLoad name a new instance (GetEngineInfo may name none).
+    assert registry.on_identity("h:1", identity("e0"), 5.0, restarted=True) is True
