@@ -103,6 +103,13 @@ def _failing_checks(reply: pb.HealthResponse) -> str:
     )
 
 
+def _events_ended(address: str, task: asyncio.Task[None]) -> None:
+    """A KV-event source ended by itself (a ZMQ endpoint the engine advertised that ZMQ
+    cannot parse): the engine is routed cache-blind until it restarts. Say so."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("engine %s: KV events not followed: %s", address, task.exception())
+
+
 def _device_blocks(tiers: Sequence[TierPrefix]) -> int:
     """Leading blocks of a match held on the device (HBM) tier."""
     for tier in tiers:
@@ -557,8 +564,10 @@ class Fleet:
         and the index knew of the address."""
         if engine.events_task is not None:
             engine.events_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await engine.events_task
+            # Not `await` under a suppress of CancelledError: that would swallow this poll
+            # task's own cancellation (RemoveEngine, close) arriving meanwhile, and the poll
+            # would go on and follow the events again, out of anyone's reach.
+            await asyncio.wait([engine.events_task])
             engine.events_task = None
             engine.source = None
         if self._on_engine_gone is not None:
@@ -583,8 +592,14 @@ class Fleet:
         if record.kv_events == KvEventsMode.zmq.value:
             source = await self._zmq_source(engine, translator, on_batch_time)
         else:
+            health = self.config.health
             source = OpenEngineSource(
-                OpenEngineSourceSettings(target=engine.address),
+                # The engine's retries back off as its polls do (one warning per attempt).
+                OpenEngineSourceSettings(
+                    target=engine.address,
+                    backoff_initial_s=health.backoff_initial_s,
+                    backoff_max_s=health.backoff_max_s,
+                ),
                 translator,
                 self.index,
                 on_batch_time=on_batch_time,
@@ -593,6 +608,7 @@ class Fleet:
             return
         engine.source = source
         engine.events_task = asyncio.create_task(source.run(), name=f"kv events {engine.address}")
+        engine.events_task.add_done_callback(functools.partial(_events_ended, engine.address))
 
     def _event_applied(self, address: str, stamped_unix_s: float) -> None:
         """A KV-event batch the engine stamped at `stamped_unix_s` is in the index."""

@@ -1,16 +1,22 @@
 """The fleet's view of engine processes through real servers: an engine restarted under the
 instance id set in its config is a new process all the same; an engine that names its process
-only in GetLoad is polled at its pace, not spun on."""
+only in GetLoad is polled at its pace, not spun on; a KV-event source that cannot run is said
+so; and a removal that meets the handling of a restart still ends."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import grpc
 import pytest
 
+from controller.config import ControllerConfig
+from controller.fleet import Fleet as ControllerFleet
+from controller.fleet import _Engine
 from controller.registry import EngineState
+from indexer.sources.openengine import OpenEngineSource
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -23,6 +29,7 @@ from tests.controller.test_fleet_events import (
     start_zmq_engine,
     zmq_fleet,
 )
+from tests.controller.test_gateway import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,3 +117,74 @@ async def test_an_engine_named_only_by_get_load_is_no_restart_at_every_poll() ->
         assert fleet.app.controller.fleet.registry.routable()
     finally:
         await close_fleet(fleet)
+
+
+class UnparsableZmq(Forwarding):
+    """An engine advertising a ZMQ KV-event source whose endpoint ZMQ cannot parse."""
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: Context
+    ) -> pb.GetKvEventSourcesResponse:
+        endpoint = pb.KvEndpoint(host="not a host", port=5557, protocol="tcp")
+        return pb.GetKvEventSourcesResponse(
+            sources=[pb.KvEventSource(transport="zmq", endpoint_addr=endpoint)]
+        )
+
+
+async def test_a_kv_event_source_that_cannot_run_is_an_error_in_the_log(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = await start_fronted_engine("bad-zmq", UnparsableZmq)
+    try:
+        address = f"127.0.0.1:{engine.port}"
+        register = apb.RegisterEngineRequest(address=address, kv_events="zmq")
+        await fleet.admin.RegisterEngine(register)
+
+        async def said() -> bool:
+            return any(
+                r.levelno == logging.ERROR
+                and f"engine {address}: KV events not followed" in r.getMessage()
+                and "not a host" in r.getMessage()
+                for r in caplog.records
+            )
+
+        await eventually(said, WAIT_S)
+    finally:
+        await engine.close()
+
+
+async def test_kv_event_subscriptions_back_off_as_the_polls_do(fleet: Fleet) -> None:
+    """One warning per failed attempt: at most one per `health.backoff_max_s` per engine."""
+    health = fleet.app.controller.config.health
+    for engine in fleet.engines:
+        source = fleet.app.controller.fleet.source_of(fleet.address(engine))
+        assert isinstance(source, OpenEngineSource)
+        assert source.settings.backoff_initial_s == health.backoff_initial_s
+        assert source.settings.backoff_max_s == health.backoff_max_s
+
+
+async def test_a_poll_cancelled_while_it_stops_an_old_processs_events_stays_cancelled() -> None:
+    """RemoveEngine (or close) cancels an engine's poll task, maybe while it waits for the
+    KV-event task of the engine's old process to stop: the poll must end there, not go on
+    to follow the events again, out of anyone's reach (close would wait for it forever)."""
+    fleet = ControllerFleet(ControllerConfig(), None)
+    engine = _Engine("127.0.0.1:9")
+    started, stopping, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            stopping.set()
+            await release.wait()
+
+    engine.events_task = asyncio.create_task(slow_to_stop())
+    await started.wait()
+    forget = asyncio.create_task(fleet._forget_old_process(engine))
+    await stopping.wait()  # the poll waits for the events task to stop
+    forget.cancel()
+    release.set()
+    await asyncio.wait([forget])
+    assert forget.cancelled()
+    await engine.close()
