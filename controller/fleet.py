@@ -625,9 +625,14 @@ class Fleet:
         on_batch_time: Callable[[float], None],
     ) -> ZmqSource | None:
         assert self.index is not None
-        reply = await engine.stub.GetKvEventSources(
-            pb.GetKvEventSourcesRequest(), timeout=self.config.health.rpc_timeout_s
-        )
+        try:
+            reply = await engine.stub.GetKvEventSources(
+                pb.GetKvEventSourcesRequest(), timeout=self.config.health.rpc_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise  # the engine may be gone: the next poll tries again
+            reply = pb.GetKvEventSourcesResponse()  # advertises none, for good
         # One worker per engine address: the first advertised ZMQ source (data-parallel
         # ranks beyond it are not followed; `kvplane indexer` follows every rank).
         for advert in reply.sources:

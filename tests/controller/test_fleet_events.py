@@ -243,3 +243,21 @@ async def test_an_engine_followed_rank_by_rank_is_routed_by_its_best_rank() -> N
         for publisher in ranks:
             await publisher.close()
         context.term()
+
+
+async def test_zmq_events_of_an_engine_without_get_kv_event_sources_are_none(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kv_events: zmq` on an engine that does not implement GetKvEventSources (UNIMPLEMENTED):
+    as one advertising no ZMQ source, it is routed without cache knowledge, with a warning;
+    it is not taken for unreachable."""
+    engine = await start_fronted_engine("no-sources", Forwarding)
+    try:
+        address = f"127.0.0.1:{engine.port}"
+        register = apb.RegisterEngineRequest(address=address, kv_events="zmq")
+        await fleet.admin.RegisterEngine(register)
+        await fleet.wait_routable(len(fleet.engines) + 1)
+        assert fleet.app.controller.fleet.source_of(address) is None
+        assert f"engine {address} advertises no ZMQ KV-event source" in caplog.text
+    finally:
+        await engine.close()
