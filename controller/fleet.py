@@ -8,7 +8,7 @@ KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises
 index under the engine's address as worker id, and measures each batch's event lag (the
 controller's wall clock when the batch is in the index minus the engine's timestamp on it). A
 new engine process (`Registry.on_identity`: a new instance id, or an engine answering again
-after it was unreachable) has its old index entries dropped before anything else, so a
+after its connection was lost) has its old index entries dropped before anything else, so a
 restarted engine's old blocks never attract traffic; removal drops them too. Every task
 is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as candidates
 only the engines holding it (registry.check_lora says why there is none).
@@ -480,14 +480,18 @@ class Fleet:
                 need_identity = True
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
-                delay = self.registry.on_unreachable(address, now, error)
+                delay = self.registry.on_unreachable(
+                    address, now, error, exc.code() is grpc.StatusCode.UNAVAILABLE
+                )
                 log.warning("engine %s unreachable (%s); retry in %.1fs", address, error, delay)
                 need_identity = True
                 next_health = 0.0
                 await self._notify()
             except Exception as exc:  # a bug or a malformed answer: keep polling, loudly
                 log.exception("engine %s: poll failed", address)
-                delay = self.registry.on_unreachable(address, now, f"poll failed: {exc}")
+                delay = self.registry.on_unreachable(
+                    address, now, f"poll failed: {exc}", connection_lost=False
+                )
                 need_identity = True
             engine.wake.clear()
             with contextlib.suppress(TimeoutError):

@@ -141,6 +141,8 @@ class EngineRecord:
     last_error: str = ""
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     num_failures: int = 0
+    # Unreachable since a poll that could not connect (not one that only timed out).
+    connection_lost: bool = False
     next_attempt_s: float = 0.0
     last_seen_s: float | None = None
     # Bumped whenever the engine turns out to be a new process (new instance id).
@@ -282,12 +284,14 @@ class Registry:
     ) -> bool:
         """Record GetEngineInfo/GetModelInfo; returns True when this may be a new engine
         process, whose old index entries must go: first contact, a changed instance id, an
-        engine answering again after it was unreachable (a process restarted with an
-        `instance_id` set in its config keeps it), or `restarted` (the caller saw another
-        sign of a new process: GetLoad naming a new instance).
+        engine answering again after its connection was lost (a process restarted with an
+        `instance_id` set in its config keeps it; an engine that was only too busy to answer
+        in time is the same process, and keeps its entries and in-flight accounting), or
+        `restarted` (the caller saw another sign of a new process: GetLoad naming a new
+        instance).
         Raises IncompatibleEngineError (and marks the engine) when the revision check fails."""
         record = self._by_address[address]
-        came_back = record.state is EngineState.UNREACHABLE
+        came_back = record.state is EngineState.UNREACHABLE and record.connection_lost
         record.last_seen_s = now_s
         try:
             check_revision(
@@ -387,15 +391,23 @@ class Registry:
         if record is not None:
             record.event_lag_s = lag_s
 
-    def on_unreachable(self, address: str, now_s: float, error: str) -> float:
+    def on_unreachable(
+        self, address: str, now_s: float, error: str, connection_lost: bool = True
+    ) -> float:
         """The engine did not answer: out of routing at once, next attempt after backoff, and
         no load reported (its last GetLoad described a process that may be gone; the fleet's
-        totals must not keep counting it). Returns the delay before the next attempt."""
+        totals must not keep counting it). `connection_lost`: the engine could not be reached
+        at all (UNAVAILABLE), so its process may have been replaced by the time it answers;
+        False for one that was too slow (DEADLINE_EXCEEDED). Returns the delay before the next
+        attempt."""
         record = self._by_address.get(address)
         if record is None:
             return self.backoff_max_s
         if record.state is not EngineState.INCOMPATIBLE:
+            if record.state is not EngineState.UNREACHABLE:
+                record.connection_lost = False
             record.state = EngineState.UNREACHABLE
+        record.connection_lost = record.connection_lost or connection_lost
         record.last_error = error
         record.load = LoadSnapshot()
         delay: float = min(self.backoff_initial_s * 2.0**record.num_failures, self.backoff_max_s)

@@ -248,5 +248,11 @@ def test_an_engine_answering_again_after_it_was_unreachable_is_a_new_process() -
     registry.on_health("h:1", EngineState.READY, 3.0)
     assert [r.engine_id for r in registry.routable()] == ["e0"]
     assert registry.on_identity("h:1", identity("e0"), 4.0) is False
+    # Too busy to answer in time is the same process: its drain (and index entries) stay.
+    registry.request_drain("e0", 4.5)
+    registry.on_unreachable("h:1", 5.0, "DEADLINE_EXCEEDED", connection_lost=False)
+    assert registry.on_identity("h:1", identity("e0"), 5.5) is False
+    registry.on_health("h:1", EngineState.READY, 5.5)
+    assert registry.routable() == []
     # The fleet saw GetLoad name a new instance (GetEngineInfo may name none).
     assert registry.on_identity("h:1", identity("e0"), 5.0, restarted=True) is True
