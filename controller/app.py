@@ -51,7 +51,6 @@ class ControllerApp:
         await self.close_controller()
 
     async def close_controller(self) -> None:
-        await self.vllm.close()
         await self.controller.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()

@@ -335,6 +335,11 @@ class Fleet:
     def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
         return self._engines[address].stub
 
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """The engine's channel, for its other services (`vllm.Generate`); closed when the
+        engine leaves the fleet, which ends the calls on it. KeyError once it left."""
+        return self._engines[address].channel
+
     def source_of(self, address: str) -> OpenEngineSource | ZmqSource | None:
         engine = self._engines.get(address)
         return engine.source if engine is not None else None

@@ -86,20 +86,13 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
         share one set of in-flight requests."""
         self.controller = controller
         self.relay = relay
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self._unary = _VllmGenerate(self._stub, unary=True)
         self._stream = _VllmGenerate(self._stub, unary=False)
 
     def _stub(self, address: str) -> vpb_grpc.GenerateAsyncStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
-        return vpb_grpc.GenerateStub(channel)
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        """Over the fleet's channel to the engine: an engine that left the fleet is a
+        KeyError (the relay's "engine left"), and its calls end when the fleet closes it."""
+        return vpb_grpc.GenerateStub(self.controller.fleet.channel(address))
 
     async def Generate(
         self, request: vpb.GenerateRequest, context: Context

@@ -148,6 +148,35 @@ async def test_streams_on_a_removed_engine_end_instead_of_hanging() -> None:
         await close_fleet(fleet)
 
 
+async def test_a_vllm_stream_on_a_removed_engine_ends_as_engine_left() -> None:
+    """vllm.Generate goes to engines over the fleet's own channels, so a removed engine's
+    vLLM streams end as its OpenEngine ones do (UNAVAILABLE, "engine ... left": vLLM has no
+    in-band error) rather than running on outside the fleet, where Abort cannot reach them."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    fleet = await make_fleet(2, time_scale=1.0)
+    try:
+        relay = fleet.app.gateway.relay
+        request = vpb.GenerateRequest(
+            request_id="v", model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 1]),
+            stopping=vpb.StoppingCriteria(max_new_tokens=2000, ignore_eos=True),
+        )  # fmt: skip
+        chunks: list[vpb.GenerateResponse] = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for chunk in vpb_grpc.GenerateStub(fleet.channel).GenerateStream(request):
+                chunks.append(chunk)
+                if len(chunks) == 1:
+                    removed = relay.holding["v"]
+                    await fleet.admin.RemoveEngine(apb.EngineRef(engine=removed))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details() == f"engine {removed} left"
+        assert not any(c.outputs.HasField("finish_info") for c in chunks)
+        assert not relay.holding and not relay.running
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_a_killed_engine_leaves_the_fleets_load() -> None:
     fleet = await make_fleet(2, time_scale=1.0)
     try:
