@@ -137,10 +137,14 @@ class AdminServicer(apb_grpc.AdminServicer):
         )
         if request.HasField("deadline_ms"):
             drain.deadline_ms = request.deadline_ms
+        started = False
         try:
             async for event in fleet.stub(record.address).Drain(drain):
+                started = True
                 yield event
         except grpc.aio.AioRpcError as exc:
+            if not started:  # the engine did not take it: its next health answer decides
+                fleet.registry.withdraw_drain(record.address)
             await abort_with(context, exc.code(), exc.details() or exc.code().name)
 
     async def _plan(

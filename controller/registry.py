@@ -148,7 +148,10 @@ class EngineRecord:
     # Bumped whenever the engine turns out to be a new process (new instance id).
     epoch: int = 0
     # The controller told this engine process to drain: it stays out of routing even if a
-    # health answer sent before the drain still says READY (cleared by a new process).
+    # health answer sent before the drain still says READY. Cleared once the engine itself
+    # says DRAINING (from then on its health decides: a process restarted under the same
+    # instance id faster than a poll answers READY), by a new process, and by a drain the
+    # engine refused (`withdraw_drain`).
     drain_requested: bool = False
     # Seconds from the engine stamping its last KV-event batch to the batch being in the
     # index (None until one arrives from this process).
@@ -266,11 +269,19 @@ class Registry:
         raise LoraNotLoadedError(f"no engine has LoRA adapter {lora_name!r} loaded")
 
     def request_drain(self, key: str, now_s: float) -> EngineRecord:
-        """Out of routing at once, and for good (until the engine is a new process)."""
+        """Out of routing at once, until the engine's own health takes over (it says
+        DRAINING) or `withdraw_drain`."""
         record = self.get(key)
-        record.drain_requested = True
         self.on_health(record.address, EngineState.DRAINING, now_s)
+        record.drain_requested = True  # after: the engine has not said DRAINING itself yet
         return record
+
+    def withdraw_drain(self, address: str) -> None:
+        """The engine did not take the drain asked of it (its Drain failed before any
+        progress): its next health answer decides again."""
+        record = self._by_address.get(address)
+        if record is not None:
+            record.drain_requested = False
 
     def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
         record = self.get(key)
@@ -374,6 +385,8 @@ class Registry:
             return
         if record.drain_requested and state in ROUTABLE_STATES:
             state = EngineState.DRAINING
+        elif state is EngineState.DRAINING:
+            record.drain_requested = False  # the engine drains: its own health decides now
         record.state = state
         record.last_seen_s = now_s
         record.num_failures = 0

@@ -14,7 +14,14 @@ from typer.testing import CliRunner, Result
 
 from controller.admin_cli import ControllerRequiredError
 from kvplane.cli import app
-from tests.controller.conftest import Fleet, generate_request
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,3 +144,21 @@ async def test_fleet_commands_against_an_engine_say_they_need_a_controller(
     message = str(result.exception)
     assert message.startswith(f"`{command[0]}") and f"needs a controller: {engine}" in message
     assert "\n" not in message and "Method not found" not in message
+
+
+async def test_a_drain_the_engine_refuses_leaves_it_in_routing(tmp_path: Path) -> None:
+    """The engine answers the controller's Drain UNAUTHENTICATED (it wants a token the
+    controller does not have): `drain ENGINE` fails with one line, and the engine, which
+    never drained, takes traffic again instead of staying out of routing for good."""
+    token = tmp_path / "token"
+    token.write_text("engine-only")
+    guarded = await start_sim_engine("e0", auth={"token_file": token})
+    fleet = await make_fleet(engines=[guarded, await start_sim_engine("e1")])
+    try:
+        refused = await cli("drain", "e0", "--target", fleet.target)
+        assert refused.exit_code == 1
+        assert "UNAUTHENTICATED" in str(refused.exception)
+        await fleet.wait_routable(2)
+        assert (await fleet.gateway.Health(pb.HealthRequest())).state == pb.HEALTH_STATE_READY
+    finally:
+        await close_fleet(fleet)

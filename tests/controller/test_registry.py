@@ -256,3 +256,26 @@ def test_an_engine_answering_again_after_it_was_unreachable_is_a_new_process() -
     assert registry.routable() == []
     # The fleet saw GetLoad name a new instance (GetEngineInfo may name none).
     assert registry.on_identity("h:1", identity("e0"), 5.0, restarted=True) is True
+
+
+def test_once_the_engine_says_draining_its_own_health_decides() -> None:
+    """An engine restarted under the same (configured) instance id faster than a poll, so
+    never seen unreachable nor under a new id, answers READY: routed again."""
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    registry.request_drain("e0", 1.0)
+    registry.on_health("h:1", EngineState.DRAINING, 1.2)  # the engine drains
+    registry.on_health("h:1", EngineState.READY, 3.0)  # a new process, the same id
+    assert [r.engine_id for r in registry.routable()] == ["e0"]
+
+
+def test_a_drain_the_engine_did_not_take_is_withdrawn() -> None:
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.request_drain("e0", 1.0)
+    registry.withdraw_drain("h:1")  # its Drain failed: UNAUTHENTICATED, unreachable, ...
+    registry.on_health("h:1", EngineState.READY, 1.5)
+    assert [r.engine_id for r in registry.routable()] == ["e0"]
