@@ -18,6 +18,7 @@ from typing import Annotated, Any, TypeVar
 
 import grpc
 import typer
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
@@ -77,9 +78,38 @@ def _target(target: str | None) -> str:
 
 
 def _dict(message: Message) -> dict[str, Any]:
-    return MessageToDict(
+    data = MessageToDict(
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    _unquote_int64(message.DESCRIPTOR, data)
+    return data
+
+
+_INT64 = frozenset({FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64})
+
+
+def _unquote_int64(descriptor: Any, data: dict[str, Any]) -> None:
+    """64-bit integers as JSON numbers, as every other integer (protobuf's JSON mapping
+    quotes them): `total_kv_blocks` is the same type whether a controller or an engine
+    answered, and `kvplane admin index` prints them the same way. `descriptor`: the
+    message's (protobuf types it as its Python or its upb Descriptor)."""
+    for field in descriptor.fields:
+        value = data.get(field.name)
+        kind = field.message_type
+        if value is None or (kind is not None and kind.full_name.startswith("google.")):
+            continue  # absent, or a well-known type with a JSON form of its own
+        if kind is not None and kind.GetOptions().map_entry:
+            entry = kind.fields_by_name["value"]
+            for key, item in value.items():
+                if entry.cpp_type in _INT64:
+                    value[key] = int(item)
+                elif entry.message_type is not None:
+                    _unquote_int64(entry.message_type, item)
+        elif kind is not None:
+            for item in value if field.is_repeated else [value]:
+                _unquote_int64(kind, item)
+        elif field.cpp_type in _INT64:
+            data[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
 
 
 def _call(target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:

@@ -45,6 +45,9 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     workers = await cli_json("workers", *t)
     assert sorted(w["instance_id"] for w in workers["workers"]) == ["e0", "e1", "e2"]
     assert workers["policy"] == "kvplane"
+    # 64-bit fields are numbers, as every other integer (protobuf's JSON would quote them).
+    assert [w["total_kv_blocks"] for w in workers["workers"]] == [256, 256, 256]
+    assert type(workers["index_blocks"]) is int
     # The form: --target on the admin group applies to every command under it.
     group_level = await cli(*t, "workers", "--output", "json")
     assert group_level.exit_code == 0, group_level.output
@@ -83,6 +86,7 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     assert health["state"] == "HEALTH_STATE_READY" and len(health["checks"]) == 3
     load = await cli_json("load", *t)
     assert load["attributes"]["routable_engines"] == "3"
+    assert load["total_kv_blocks"] == 768
     info = await cli_json("info", *t)
     assert info["engine"]["engine_name"] == "kvplane-controller"
     assert info["models"][0]["kv_block_size"] == 16
@@ -117,6 +121,8 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     workers = await cli_json("workers", *t)
     assert [w["instance_id"] for w in workers["workers"]] == ["e0"]
     assert workers["workers"][0]["state"] == "ready"
+    assert workers["workers"][0]["total_kv_blocks"] == 256  # a number, as from a controller
+    assert (await cli_json("load", *t))["total_kv_blocks"] == 256
     assert (await cli_json("health", *t))["state"] == "HEALTH_STATE_READY"
     assert (await cli_json("load", *t))["instance_id"] == "e0"
     assert (await cli_json("info", *t))["engine"]["instance_id"] == "e0"
