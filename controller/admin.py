@@ -213,7 +213,12 @@ class AdminServicer(apb_grpc.AdminServicer):
         return reply
 
     async def Match(self, request: apb.PromptQuery, context: Context) -> apb.MatchResponse:
-        """Every engine's cached prefix, whatever its role."""
+        """Every engine's cached prefix, whatever its role; NOT_FOUND for a model no engine
+        serves, as Route (rather than no engine holding anything of it)."""
+        try:
+            self.controller.check_model(request.model)
+        except KvplaneError as exc:
+            await abort_with(context, status_of(exc), str(exc))
         plan = await self._plan(request, context, role=None)
         reply = apb.MatchResponse(
             num_prompt_tokens=plan.request.num_prompt_tokens,

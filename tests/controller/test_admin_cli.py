@@ -76,6 +76,14 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
             await asyncio.sleep(0.05)
     assert engine is not None
 
+    # A model no engine serves: NOT_FOUND from both, not an empty table from `match`.
+    for command in ("match", "route"):
+        unknown = await cli(command, "--tokens-file", str(tokens), "--model", "nope", *t)
+        assert unknown.exit_code == 1
+        assert str(unknown.exception) == (
+            f"{fleet.target}: NOT_FOUND: no engine serves model 'nope'"
+        ), command
+
     route = await cli_json("route", "--tokens-file", str(tokens), *t)
     assert (route["instance_id"], route["reason"]) == (engine, "cache")
     assert len(route["costs"]) == 3
