@@ -31,6 +31,8 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:8100"
+# What --target must be for the commands of openengine.v1.OpenEngine (rpc_channel).
+TARGET_KIND = "a controller or an engine"
 TIMEOUT_S = 10.0
 # The proto fields' ranges: ids and deadlines are uint32 (a larger value makes protobuf
 # raise ValueError), LoRA ids int64.
@@ -113,7 +115,7 @@ def _unquote_int64(descriptor: Any, data: dict[str, Any]) -> None:
 
 
 def _call(target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:
-    with rpc_channel(_target(target)) as channel:
+    with rpc_channel(_target(target), TARGET_KIND) as channel:
         return rpc(channel)
 
 
@@ -176,7 +178,7 @@ def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> a
 
 def workers(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
     """The fleet's engines (or, against an engine, that engine)."""
-    with rpc_channel(_target(target)) as channel:
+    with rpc_channel(_target(target), TARGET_KIND) as channel:
         try:
             reply = apb_grpc.AdminStub(channel).ListWorkers(
                 apb.ListWorkersRequest(), timeout=TIMEOUT_S

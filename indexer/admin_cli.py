@@ -27,6 +27,7 @@ from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+TARGET_KIND = "a kvplane indexer"  # what --target must be (rpc_channel)
 TIMEOUT_S = 10.0
 
 index_app = typer.Typer(no_args_is_help=True, help="Inspect a kvplane indexer.")
@@ -54,7 +55,7 @@ def _target(ctx: typer.Context, target: str | None) -> str:
 
 
 def _call(target: str, rpc: Callable[[grpc.Channel], T]) -> T:
-    with rpc_channel(target) as channel:
+    with rpc_channel(target, TARGET_KIND) as channel:
         return rpc(channel)
 
 
@@ -121,7 +122,7 @@ def dump(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """The index as parent-first ApplyExternalKvBatch requests (replayable)."""
-    with rpc_channel(_target(ctx, target)) as channel:
+    with rpc_channel(_target(ctx, target), TARGET_KIND) as channel:
         # Printed batch by batch as they arrive, with no deadline: a large index takes as long
         # as it takes, and is never held in memory whole.
         stream = api_grpc.KvIndexStub(channel).DumpIndex(api.DumpIndexRequest(worker_id=worker_id))

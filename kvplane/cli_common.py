@@ -45,15 +45,26 @@ class RpcCallError(KvplaneError):
     """A CLI's RPC failed (unreachable target, rejected call): shown as one line."""
 
 
+# What a gRPC server (grpcio, as every kvplane server) answers for a method it does not have.
+METHOD_NOT_FOUND = "Method not found!"
+
+
 @contextmanager
-def rpc_channel(target: str) -> Iterator[grpc.Channel]:
-    """An insecure channel to `target` whose gRPC errors become one-line RpcCallErrors."""
+def rpc_channel(target: str, expects: str | None = None) -> Iterator[grpc.Channel]:
+    """An insecure channel to `target` whose gRPC errors become one-line RpcCallErrors.
+    `expects`: what the target should be ("a kvplane indexer"); a server without the method
+    called (another kind of server) is then said to be something else, rather than gRPC's
+    "UNIMPLEMENTED: Method not found!"."""
     with grpc.insecure_channel(target) as channel:
         try:
             yield channel
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            if expects and code == grpc.StatusCode.UNIMPLEMENTED and details == METHOD_NOT_FOUND:
+                raise RpcCallError(
+                    f"{target} is not {expects}: it does not serve this call"
+                ) from None
             name = code.name if code is not None else "ERROR"
             raise RpcCallError(f"{target}: {name}: {details}") from None
 

@@ -13,7 +13,11 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from controller.admin_cli import ControllerRequiredError
+from indexer.backends import open_backend
+from indexer.config import IndexerConfig
+from indexer.servicer import index_services
 from kvplane.cli import app
+from kvplane.server import create_server
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
     Fleet,
@@ -176,3 +180,34 @@ async def test_a_drain_the_engine_refuses_leaves_it_in_routing(tmp_path: Path) -
         assert (await fleet.gateway.Health(pb.HealthRequest())).state == pb.HEALTH_STATE_READY
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> None:
+    """An indexer given to the engine commands, a controller or an engine given to `admin
+    index`: one line naming what the target is not, not gRPC's "Method not found!"."""
+    config = IndexerConfig(listen="127.0.0.1:0")
+    backend = await open_backend("memory")
+    services, _, _ = index_services(
+        backend,
+        default_block_size=config.block_size,
+        max_concurrent_prefix_queries=config.max_concurrent_prefix_queries,
+    )
+    server, port = await create_server(config, services)
+    indexer, engine = f"127.0.0.1:{port}", fleet.address(fleet.engines[0])
+    try:
+        for target, command, kind in (
+            (indexer, ["workers"], "a controller or an engine"),
+            (indexer, ["health"], "a controller or an engine"),
+            (indexer, ["lora", "list"], "a controller or an engine"),
+            (indexer, ["abort", "--all"], "a controller or an engine"),
+            (fleet.target, ["index", "stats"], "a kvplane indexer"),
+            (engine, ["index", "match", "--hashes", "1"], "a kvplane indexer"),
+        ):
+            result = await cli("--target", target, *command)
+            assert result.exit_code == 1, (command, result.output)
+            assert str(result.exception) == (
+                f"{target} is not {kind}: it does not serve this call"
+            ), command
+    finally:
+        await server.stop(None)
+        await backend.close()
