@@ -314,6 +314,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if target is None:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "set one abort target")
         if target == "request_id":
+            if not request.request_id:
+                await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
             address = self.relay.holding.get(request.request_id)
             if address is None:
                 if self.relay.abort_unrouted(request.request_id):

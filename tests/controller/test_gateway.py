@@ -307,7 +307,7 @@ async def test_model_info_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> No
 
 async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -> None:
     """As an engine answers: ALREADY_FINISHED (a success) for a request that ended, NOT_FOUND
-    for an id never seen."""
+    for an id never seen, INVALID_ARGUMENT for an empty one."""
     chosen = record_routes(fleet)
     done = await generate(fleet, generate_request("done", [*PREFIX, 1]))
     assert done[-1].WhichOneof("event") == "finished"
@@ -321,6 +321,9 @@ async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -
     never = pb.AbortRequest(request_id="never")
     assert await engine_answer(chosen[0], "Abort", never) == grpc.StatusCode.NOT_FOUND
     assert await status_of(fleet.gateway.Abort(never)) == grpc.StatusCode.NOT_FOUND
+    empty = pb.AbortRequest(request_id="")  # the target set, to an empty id
+    assert await engine_answer(chosen[0], "Abort", empty) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await status_of(fleet.gateway.Abort(empty)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_a_routing_bug_is_internal_for_that_request_only(
