@@ -153,7 +153,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> apb.PromptQuery:
     if (prompt is None) == (tokens_file is None):
-        raise KvplaneError("give exactly one of --prompt and --tokens-file")
+        raise typer.BadParameter("give exactly one of --prompt and --tokens-file")
     if prompt is not None:
         return apb.PromptQuery(prompt=prompt, model=model)
     assert tokens_file is not None
@@ -455,7 +455,7 @@ def drain(
     """Drain an engine of the fleet (or with --self the target itself); progress is shown
     until COMPLETE. A deadline that passes with requests in flight ends it with an error."""
     if (engine is None) == (not drain_self):
-        raise KvplaneError("give the ENGINE to drain, or --self to drain the target itself")
+        raise typer.BadParameter("give the ENGINE to drain, or --self to drain the target itself")
     metadata = _metadata(token_file)
     events: list[dict[str, Any]] = []
 
@@ -534,7 +534,7 @@ def abort(
 ) -> None:
     """Abort a request (the controller forwards it to the engine holding it) or all."""
     if (request_id is None) == (not all_requests):
-        raise KvplaneError("give a REQUEST_ID or --all")
+        raise typer.BadParameter("give a REQUEST_ID or --all")
     req = (
         pb.AbortRequest(all_requests=pb.AllRequests())
         if request_id is None

@@ -1,7 +1,7 @@
 """`kvplane admin` numbers outside their proto fields' ranges (uint32 deadlines and token ids,
 int64 LoRA ids) fail before anything is sent: a usage error (exit 2) for an option, one line
-(KvplaneError, exit 1) for a token id read from a file; never protobuf's ValueError. No
-server is needed: nothing is sent."""
+(KvplaneError, exit 1) for a token id read from a file; never protobuf's ValueError. Options
+that do not go together are usage errors too. No server is needed: nothing is sent."""
 
 from __future__ import annotations
 
@@ -49,3 +49,21 @@ def test_a_token_id_out_of_range_is_one_line(
     assert str(result.exception) == (
         f"{tokens}: token id {bad} is out of range (0 to {UINT32_LIMIT - 1})"
     )
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["match"], "give exactly one of --prompt and --tokens-file"),
+        (["route", "--prompt", "a", "--tokens-file", "t"], "give exactly one of --prompt"),
+        (["drain"], "give the ENGINE to drain, or --self"),
+        (["abort", "r1", "--all"], "give a REQUEST_ID or --all"),
+    ],
+)
+def test_arguments_that_do_not_go_together_are_a_usage_error(
+    command: list[str], message: str
+) -> None:
+    """As typer's own (a missing argument) and `admin index match`'s: exit 2 (README)."""
+    result = admin(*command)
+    assert result.exit_code == 2
+    assert message in result.output
