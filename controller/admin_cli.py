@@ -23,6 +23,8 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
+from indexer.admin_cli import read_token_ids
+from indexer.validation import MAX_UINT32
 from kvplane.cli_common import OutputFormat, OutputOption, RpcCallError, emit, rpc_channel
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
@@ -34,9 +36,8 @@ DEFAULT_TARGET = "127.0.0.1:8100"
 # What --target must be for the commands of openengine.v1.OpenEngine (rpc_channel).
 TARGET_KIND = "a controller or an engine"
 TIMEOUT_S = 10.0
-# The proto fields' ranges: ids and deadlines are uint32 (a larger value makes protobuf
+# The proto fields' ranges: deadlines are uint32 (MAX_UINT32; a larger value makes protobuf
 # raise ValueError), LoRA ids int64.
-UINT32_MAX = 2**32 - 1
 INT64_MAX = 2**63 - 1
 T = TypeVar("T")
 
@@ -157,19 +158,7 @@ def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> a
     if prompt is not None:
         return apb.PromptQuery(prompt=prompt, model=model)
     assert tokens_file is not None
-    try:
-        text = tokens_file.read_text()
-    except OSError as exc:
-        raise KvplaneError(f"cannot read {tokens_file}: {exc.strerror}") from exc
-    try:
-        ids = [int(t) for t in text.replace("[", " ").replace("]", " ").replace(",", " ").split()]
-    except ValueError as exc:
-        raise KvplaneError(f"{tokens_file}: not a list of token ids") from exc
-    out_of_range = next((i for i in ids if not 0 <= i <= UINT32_MAX), None)
-    if out_of_range is not None:
-        raise KvplaneError(
-            f"{tokens_file}: token id {out_of_range} is out of range (0 to {UINT32_MAX})"
-        )
+    ids = read_token_ids(tokens_file)
     return apb.PromptQuery(token_ids=pb.TokenIds(ids=ids), model=model)
 
 
@@ -446,7 +435,7 @@ def drain(
             "every new request, the whole fleet's, until it is restarted.",
         ),
     ] = False,
-    deadline_ms: Annotated[int | None, typer.Option("--deadline-ms", min=0, max=UINT32_MAX)] = None,
+    deadline_ms: Annotated[int | None, typer.Option("--deadline-ms", min=0, max=MAX_UINT32)] = None,
     abort_after_deadline: Annotated[bool, typer.Option("--abort-after-deadline")] = False,
     target: TargetOpt = None,
     token_file: TokenFileOpt = None,

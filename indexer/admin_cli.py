@@ -158,11 +158,15 @@ def _echo_dump_table(batches: Iterable[dict[str, Any]]) -> None:
         typer.echo("(empty index)")
 
 
-def _read_tokens(path: Path) -> list[int]:
+def read_token_ids(path: Path) -> list[int]:
+    """The token ids of a `--tokens-file` (both admin CLIs): a JSON array, a JSON object with
+    `token_ids` or `prompt_token_ids` (as vLLM logs requests), or ids separated by spaces,
+    commas or newlines; each an integer in the proto's uint32 range. One-line errors."""
     try:
         text = path.read_text()
-    except OSError as exc:
-        raise KvplaneError(f"cannot read --tokens-file {path}: {exc.strerror}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise KvplaneError(f"cannot read --tokens-file {path}: {reason}") from exc
     invalid = KvplaneError(
         f"--tokens-file {path} must hold a JSON array (or a whitespace list) of token ids, "
         f"integers in 0..{MAX_UINT32}"
@@ -176,10 +180,13 @@ def _read_tokens(path: Path) -> list[int]:
             raise invalid from None
     if isinstance(loaded, dict):
         loaded = loaded.get("token_ids", loaded.get("prompt_token_ids"))
-    if not isinstance(loaded, list) or not all(
-        type(t) is int and 0 <= t <= MAX_UINT32 for t in loaded
-    ):
+    if not isinstance(loaded, list) or not all(type(t) is int for t in loaded):
         raise invalid
+    bad = next((t for t in loaded if not 0 <= t <= MAX_UINT32), None)
+    if bad is not None:
+        raise KvplaneError(
+            f"--tokens-file {path}: token id {bad} is out of range (0 to {MAX_UINT32})"
+        )
     return loaded
 
 
@@ -272,7 +279,7 @@ def match(
         raise typer.BadParameter("give exactly one of --tokens-file or --hashes")
     if tokens_file is not None:
         request = api.MatchTokensRequest(
-            token_ids=_read_tokens(tokens_file),
+            token_ids=read_token_ids(tokens_file),
             block_size=block_size,
             lora_name=lora_name,
             cache_salt=cache_salt,

@@ -47,7 +47,7 @@ def test_a_token_id_out_of_range_is_one_line(
     assert result.exit_code == 1
     assert isinstance(result.exception, KvplaneError)
     assert str(result.exception) == (
-        f"{tokens}: token id {bad} is out of range (0 to {UINT32_LIMIT - 1})"
+        f"--tokens-file {tokens}: token id {bad} is out of range (0 to {UINT32_LIMIT - 1})"
     )
 
 

@@ -25,6 +25,7 @@ from fake_kv_publisher import FakeKvPublisher
 from typer.testing import CliRunner
 from vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
 
+from indexer.admin_cli import read_token_ids
 from indexer.batch import Action, ActionType, Batch, Tier, to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
@@ -406,20 +407,48 @@ def _assert_fails_with_one_line(args: list[str], last_line: str) -> None:
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("content", ["1 2 x", "[-1, 5]", "[4294967296]", "[1, true]"])
-def test_admin_match_refuses_a_tokens_file_without_uint32_ids(tmp_path: Path, content: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "bad"),
+    [
+        ("1 2 x", None),
+        ('{"ids": [1]}', None),
+        ("[1, true]", None),
+        ("[-1, 5]", -1),
+        ("[4294967296]", 4294967296),
+        ("7 4294967296", 4294967296),
+    ],
+)
+@pytest.mark.parametrize("command", [["admin", "index", "match"], ["admin", "match"]])
+def test_both_admin_clis_refuse_a_tokens_file_without_uint32_ids(
+    tmp_path: Path, content: str, bad: int | None, command: list[str]
+) -> None:
+    """`admin match` (controller) and `admin index match` read --tokens-file alike."""
     tokens_file = tmp_path / "prompt.txt"
     tokens_file.write_text(content)
     result = CliRunner().invoke(
-        app, ["admin", "index", "match", "-t", "127.0.0.1:1", "--tokens-file", str(tokens_file)]
+        app, [*command, "-t", "127.0.0.1:1", "--tokens-file", str(tokens_file)]
     )
     # A KvplaneError: `kvplane` prints its message as one line and exits 1.
     assert result.exit_code == 1
     assert isinstance(result.exception, KvplaneError)
-    assert str(result.exception) == (
-        f"--tokens-file {tokens_file} must hold a JSON array (or a whitespace list) of "
-        "token ids, integers in 0..4294967295"
-    )
+    if bad is None:
+        assert str(result.exception) == (
+            f"--tokens-file {tokens_file} must hold a JSON array (or a whitespace list) of "
+            "token ids, integers in 0..4294967295"
+        )
+    else:
+        assert str(result.exception) == (
+            f"--tokens-file {tokens_file}: token id {bad} is out of range (0 to 4294967295)"
+        )
+
+
+def test_both_admin_clis_read_a_vllm_style_request_object(tmp_path: Path) -> None:
+    tokens_file = tmp_path / "request.json"
+    tokens_file.write_text('{"prompt_token_ids": [5, 6, 7]}')
+    assert read_token_ids(tokens_file) == [5, 6, 7]
+    tokens_file.write_bytes(b"\xff\xfe")
+    with pytest.raises(KvplaneError, match=r"cannot read --tokens-file .*: not UTF-8 text"):
+        read_token_ids(tokens_file)
 
 
 @pytest.mark.parametrize(
