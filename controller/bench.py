@@ -13,8 +13,9 @@ from typing import Annotated, Any
 
 import typer
 
-from controller.replay import ReplaySettings, load_trace, oracle_hit_ratio, replay
+from controller.replay import ReplaySettings, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
+from engine.core.mooncake_trace import load_trace
 from kvplane.cli_common import OutputFormat, OutputOption, emit
 from kvplane.errors import KvplaneError
 

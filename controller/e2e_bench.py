@@ -63,8 +63,8 @@ from controller.gateway_timing import (
     timed_generate,
     wait_routable,
 )
-from controller.replay import load_trace
 from controller.router import POLICY_NAMES
+from engine.core.mooncake_trace import load_trace
 from kvplane.cli_common import OutputFormat, OutputOption, emit
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
