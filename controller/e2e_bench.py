@@ -424,14 +424,12 @@ def _resolve_model(model: str, scratch: Path) -> Path:
         from engine.torch_runner.builtin_model import ensure_builtin_model  # torch-free
 
         return ensure_builtin_model()
-    if model.startswith("random-"):
-        from engine.torch_runner.bench import write_random_llama  # imports torch when run
+    # torch-free at import; write_random_llama imports torch when run
+    from engine.torch_runner.bench import random_llama_shape, write_random_llama
 
-        try:
-            layers, hidden = (int(x) for x in model.removeprefix("random-").split("x"))
-        except ValueError:
-            raise KvplaneError(f"expected random-LAYERSxHIDDEN, got {model!r}") from None
-        return write_random_llama(scratch / model, num_layers=layers, hidden_size=hidden)
+    shape = random_llama_shape(model)
+    if shape is not None:
+        return write_random_llama(scratch / model, num_layers=shape[0], hidden_size=shape[1])
     path = Path(model)
     if not (path / "config.json").is_file():
         raise KvplaneError(f"{model!r} is not a model directory (no config.json)")

@@ -1,4 +1,4 @@
-"""`kvplane bench route|e2e` with bad arguments: a usage error (exit 2) or one line
+"""`kvplane bench route|e2e|engine` with bad arguments: a usage error (exit 2) or one line
 (KvplaneError, exit 1) before any replay, model or fleet; never a traceback or a hang. And
 `bench route --output json` prints exactly one JSON document, of the issue's shape, on stdout
 (logs on stderr). Nothing here starts a fleet or loads a model."""
@@ -85,6 +85,35 @@ def test_e2e_side_by_side_without_a_cpu_per_policy_fails_before_the_model(trace:
     assert result.exit_code == 1
     assert isinstance(result.exception, KvplaneError)
     assert str(result.exception).startswith("side by side needs a CPU per policy")
+
+
+@pytest.mark.parametrize("concurrency", ["abc", "0", "1,-2", ""])
+def test_engine_bad_concurrency_is_a_usage_error(concurrency: str) -> None:
+    """Was a ValueError traceback ("abc"), and for 0 a loop that never admitted a request."""
+    result = bench("engine", "--model", "/absent", "--concurrency", concurrency)
+    assert result.exit_code == 2
+    assert "Invalid value for --concurrency: expected comma-separated positive integers" in (
+        result.output
+    )
+
+
+def test_engine_threads_below_one_is_a_usage_error() -> None:
+    result = bench("engine", "--model", "/absent", "--threads", "0")
+    assert result.exit_code == 2
+    assert "Invalid value for '--threads'" in result.output
+
+
+@pytest.mark.parametrize("command", ["engine", "e2e"])
+@pytest.mark.parametrize("model", ["random-1x-64", "random-0x64", "random-8"])
+def test_a_bad_random_model_shape_is_one_line(trace: Path, command: str, model: str) -> None:
+    """random-1x-64 was torch's RuntimeError (a negative dimension) as a traceback."""
+    args = ["--trace", str(trace), "--sequential"] if command == "e2e" else []
+    result = bench(command, "--model", model, *args)
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        f"expected random-LAYERSxHIDDEN (positive integers), got {model!r}"
+    )
 
 
 def test_route_json_is_one_document_of_the_issues_shape(trace: Path, tmp_path: Path) -> None:
