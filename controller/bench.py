@@ -4,6 +4,7 @@ replay as peer rows (`--peer dynamo`, needs `pip install ai-dynamo-runtime==1.6.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import statistics
@@ -13,8 +14,9 @@ from typing import Annotated, Any
 
 import typer
 
-from controller.replay import ReplaySettings, load_trace, oracle_hit_ratio, replay
+from controller.replay import ReplaySettings, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
+from engine.core.mooncake_trace import load_trace
 from kvplane.cli_common import OutputFormat, OutputOption, emit
 from kvplane.errors import KvplaneError
 
@@ -23,16 +25,32 @@ log = logging.getLogger(__name__)
 DYNAMO_RUNS = 3  # its kv_router breaks ties at random: average three runs
 
 
+class Peer(enum.StrEnum):
+    dynamo = "dynamo"
+
+
+def policy_names(text: str) -> list[str]:
+    """`--policies`: comma-separated names of router policies, at least one; anything else is
+    a usage error."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICY_NAMES]
+    if unknown or not names:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no policy given"
+        raise typer.BadParameter(
+            f"{what}; choose from {', '.join(POLICY_NAMES)}", param_hint="--policies"
+        )
+    return names
+
+
 def run_route_bench(
     trace_path: Path,
     settings: ReplaySettings,
     policies: list[str],
-    peer: str | None = None,
+    peer: Peer | None = None,
 ) -> dict[str, Any]:
     """The benchmark's JSON document (see the issue for its shape)."""
-    unknown = [p for p in policies if p not in POLICY_NAMES]
-    if unknown:
-        raise KvplaneError(f"unknown policies: {', '.join(unknown)}")
+    # A missing peer fails now, not after minutes of replays.
+    dynamo = _dynamo_core() if peer is Peer.dynamo else None
     trace = load_trace(trace_path)
     result: dict[str, Any] = {
         "trace": trace_path.name,
@@ -49,14 +67,12 @@ def run_route_bench(
         outcome = replay(trace, name, settings)
         log.debug("%s replayed in %.1fs", name, time.monotonic() - started)
         result["policies"][name] = outcome.to_json()
-    if peer == "dynamo":
-        result["policies"].update(_dynamo_rows(trace_path, settings))
-    elif peer is not None:
-        raise KvplaneError(f"unknown peer {peer!r} (supported: dynamo)")
+    if dynamo is not None:
+        result["policies"].update(_dynamo_rows(dynamo, trace_path, settings))
     return result
 
 
-def _dynamo_rows(trace_path: Path, settings: ReplaySettings) -> dict[str, Any]:
+def _dynamo_core() -> Any:
     # Dynamo logs every routing decision at INFO unless told otherwise.
     os.environ.setdefault("DYN_LOG", "error")
     try:
@@ -65,11 +81,15 @@ def _dynamo_rows(trace_path: Path, settings: ReplaySettings) -> dict[str, Any]:
         raise KvplaneError(
             "--peer dynamo needs Dynamo's mocker: pip install ai-dynamo-runtime==1.6.1"
         ) from exc
+    return _core
+
+
+def _dynamo_rows(core: Any, trace_path: Path, settings: ReplaySettings) -> dict[str, Any]:
     rows: dict[str, Any] = {}
     for mode in ("kv_router", "round_robin"):
         runs = []
         for _ in range(DYNAMO_RUNS if mode == "kv_router" else 1):
-            report = _core.run_mocker_trace_replay(
+            report = core.run_mocker_trace_replay(
                 [str(trace_path)],
                 extra_engine_args={
                     "engine": {
@@ -139,7 +159,7 @@ def bench_route(
     policies: Annotated[
         str, typer.Option(help="Comma-separated policies (default: all).")
     ] = ",".join(POLICY_NAMES),
-    peer: Annotated[str | None, typer.Option(help="Also run a peer's own replay: dynamo.")] = None,
+    peer: Annotated[Peer | None, typer.Option(help="Also run a peer's own replay.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the router's randomness.")] = 0,
     output: OutputOption = OutputFormat.table,
 ) -> None:
@@ -151,6 +171,5 @@ def bench_route(
         speedup=speedup,
         seed=seed,
     )
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    doc = run_route_bench(trace, settings, names, peer)
+    doc = run_route_bench(trace, settings, policy_names(policies), peer)
     emit(doc, output, render_table)

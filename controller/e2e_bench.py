@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import grpc
 import typer
 
+from controller.bench import policy_names
 from controller.e2e_workload import (
     FIRST_TOKEN_ID,
     WorkloadRequest,
@@ -63,8 +64,7 @@ from controller.gateway_timing import (
     timed_generate,
     wait_routable,
 )
-from controller.replay import load_trace
-from controller.router import POLICY_NAMES
+from engine.core.mooncake_trace import load_trace
 from kvplane.cli_common import OutputFormat, OutputOption, emit
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -424,14 +424,12 @@ def _resolve_model(model: str, scratch: Path) -> Path:
         from engine.torch_runner.builtin_model import ensure_builtin_model  # torch-free
 
         return ensure_builtin_model()
-    if model.startswith("random-"):
-        from engine.torch_runner.bench import write_random_llama  # imports torch when run
+    # torch-free at import; write_random_llama imports torch when run
+    from engine.torch_runner.bench import random_llama_shape, write_random_llama
 
-        try:
-            layers, hidden = (int(x) for x in model.removeprefix("random-").split("x"))
-        except ValueError:
-            raise KvplaneError(f"expected random-LAYERSxHIDDEN, got {model!r}") from None
-        return write_random_llama(scratch / model, num_layers=layers, hidden_size=hidden)
+    shape = random_llama_shape(model)
+    if shape is not None:
+        return write_random_llama(scratch / model, num_layers=shape[0], hidden_size=shape[1])
     path = Path(model)
     if not (path / "config.json").is_file():
         raise KvplaneError(f"{model!r} is not a model directory (no config.json)")
@@ -440,9 +438,8 @@ def _resolve_model(model: str, scratch: Path) -> Path:
 
 async def run_e2e_bench(trace_path: Path, settings: E2eSettings) -> dict[str, Any]:
     """The benchmark's JSON document."""
-    unknown = [p for p in settings.policies if p not in POLICY_NAMES]
-    if unknown:
-        raise KvplaneError(f"unknown policies: {', '.join(unknown)}")
+    if settings.side_by_side:
+        _cpu_groups(len(settings.policies))  # enough CPUs? Said before a model is built.
     trace = load_trace(trace_path)
     with tempfile.TemporaryDirectory(prefix="kvplane-e2e-model-") as scratch:
         model_dir = await asyncio.to_thread(_resolve_model, settings.model, Path(scratch))
@@ -603,7 +600,7 @@ def bench_e2e(
     settings = E2eSettings(
         model=model,
         engines=engines,
-        policies=tuple(p.strip() for p in policies.split(",") if p.strip()),
+        policies=tuple(policy_names(policies)),
         workload=WorkloadSettings(
             num_requests=requests,
             rate_rps=rate,

@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from controller.replay import TraceRequest
+from engine.core.mooncake_trace import TraceRequest
 from kvplane.errors import KvplaneError
 
 TRACE_BLOCK_TOKENS = 512

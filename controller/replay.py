@@ -1,7 +1,8 @@
 """Trace replay: the real router core over the engine's simulated fleet, in virtual time.
 
 `replay(trace, policy_name, settings)` feeds a Mooncake-format trace (one JSON object a line:
-timestamp ms, input_length, output_length, hash_ids of 512-token chained blocks) open loop at
+timestamp ms, input_length, output_length, hash_ids of 512-token chained blocks; parsed by
+`engine.core.mooncake_trace`) open loop at
 trace time / speedup through `controller.router.Router` and N engines of
 `engine.core.sim_fleet.SimFleet`: the engine's own block manager, scheduler and sim runner
 (timing model = Dynamo's mocker), each on a virtual clock. There is one engine model in
@@ -27,14 +28,12 @@ max / mean engine busy time (virtual time in forward passes).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import statistics
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from controller.router import (
@@ -55,6 +54,7 @@ from engine.core.api import (
     SamplingParams,
     SchedulerConfig,
 )
+from engine.core.mooncake_trace import FILLER_TOKEN_BASE, TraceRequest
 from engine.core.sim_fleet import (
     Progress,
     RequestRecord,
@@ -64,46 +64,8 @@ from engine.core.sim_fleet import (
     trace_prompt_tokens,
 )
 from indexer.keys import block_keys
-from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
-
-# Token id of the filler for prompt tokens a trace row has no hash id for (never shared).
-_FILLER_TOKEN_BASE = 1 << 31
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    arrival_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def load_trace(path: Path) -> list[TraceRequest]:
-    """Parse a Mooncake-format JSONL trace; raises KvplaneError on a malformed line."""
-    requests = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise KvplaneError(f"cannot read trace {path}: {exc.strerror}") from exc
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            requests.append(
-                TraceRequest(
-                    float(row["timestamp"]),
-                    int(row["input_length"]),
-                    max(int(row["output_length"]), 1),
-                    tuple(int(h) for h in row["hash_ids"]),
-                )
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise KvplaneError(f"{path}:{number}: not a Mooncake trace row ({exc})") from exc
-    requests.sort(key=lambda r: r.arrival_ms)
-    return requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +247,7 @@ def replay(
                 continue
             request_id = f"r{number}"
             tokens = trace_prompt_tokens(
-                row.hash_ids, row.input_length, size, _FILLER_TOKEN_BASE + number
+                row.hash_ids, row.input_length, size, FILLER_TOKEN_BASE + number
             )
             view.request_keys[request_id] = block_keys(tokens, size)
             sampling = SamplingParams(max_tokens=row.output_length, ignore_eos=True)

@@ -12,8 +12,6 @@ tokens). Hash id h becomes a block of `block_size` tokens equal to h
 
 from __future__ import annotations
 
-import itertools
-import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,9 +21,9 @@ from typing import Annotated, Any
 import typer
 
 from engine.core.api import EngineRequest, SamplingParams, SchedulerConfig
+from engine.core.mooncake_trace import FILLER_TOKEN_BASE, load_trace
 from engine.core.sim_fleet import SimFleet, TimedRequest, round_robin, trace_prompt_tokens
 from kvplane.cli_common import OutputFormat, OutputOption, emit
-from kvplane.errors import KvplaneError
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent
@@ -35,7 +33,6 @@ DEFAULT_TRACE = (
     / "mooncake-fast25"
     / "conversation_trace.jsonl"
 )
-_FILLER_TOKEN_BASE = 1 << 31
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,29 +49,14 @@ class SimBenchSettings:
 
 def load_requests(path: Path, settings: SimBenchSettings) -> list[TimedRequest]:
     """The first `num_requests` rows of the trace as timed engine requests."""
-    requests: list[TimedRequest] = []
-    try:
-        with path.open() as lines:
-            for number, line in enumerate(itertools.islice(lines, settings.num_requests)):
-                row = json.loads(line)
-                tokens = trace_prompt_tokens(
-                    [int(h) for h in row["hash_ids"]],
-                    int(row["input_length"]),
-                    settings.block_size,
-                    _FILLER_TOKEN_BASE + number,
-                )
-                sampling = SamplingParams(
-                    max_tokens=max(1, int(row["output_length"])), ignore_eos=True
-                )
-                arrival_s = float(row["timestamp"]) / 1000.0 / settings.speedup
-                requests.append(
-                    TimedRequest(arrival_s, EngineRequest(f"r{number}", tokens, sampling))
-                )
-    except OSError as exc:
-        raise KvplaneError(f"cannot read trace {path}: {exc.strerror}") from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise KvplaneError(f"{path}: not a Mooncake trace ({exc})") from exc
-    requests.sort(key=lambda r: r.arrival_s)
+    requests = []
+    for number, row in enumerate(load_trace(path, limit=settings.num_requests)):
+        tokens = trace_prompt_tokens(
+            row.hash_ids, row.input_length, settings.block_size, FILLER_TOKEN_BASE + number
+        )
+        sampling = SamplingParams(max_tokens=row.output_length, ignore_eos=True)
+        arrival_s = row.arrival_ms / 1000.0 / settings.speedup
+        requests.append(TimedRequest(arrival_s, EngineRequest(f"r{number}", tokens, sampling)))
     return requests
 
 

@@ -262,14 +262,24 @@ def _hf_throughput(
     return result
 
 
+def random_llama_shape(model: str) -> tuple[int, int] | None:
+    """(layers, hidden size) of a `random-LxH` model name, None for any other name; raises
+    KvplaneError when L or H is not a positive integer."""
+    if not model.startswith("random-"):
+        return None
+    try:
+        layers, hidden = (int(x) for x in model.removeprefix("random-").split("x"))
+    except ValueError:
+        layers = hidden = 0
+    if layers < 1 or hidden < 1:
+        raise KvplaneError(f"expected random-LAYERSxHIDDEN (positive integers), got {model!r}")
+    return layers, hidden
+
+
 def _resolve_model(model: str, scratch: Path) -> Path:
-    if model.startswith("random-"):
-        try:
-            layers_text, hidden_text = model.removeprefix("random-").split("x")
-            layers, hidden = int(layers_text), int(hidden_text)
-        except ValueError:
-            raise KvplaneError(f"expected random-LAYERSxHIDDEN, got {model!r}") from None
-        return write_random_llama(scratch / model, num_layers=layers, hidden_size=hidden)
+    shape = random_llama_shape(model)
+    if shape is not None:
+        return write_random_llama(scratch / model, num_layers=shape[0], hidden_size=shape[1])
     return Path(model)
 
 
@@ -374,6 +384,20 @@ def render_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _concurrency_levels(text: str) -> tuple[int, ...]:
+    """`--concurrency`: comma-separated positive integers, at least one (a usage error
+    otherwise: a count of 0 would never admit a request)."""
+    try:
+        levels = tuple(int(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        levels = ()
+    if not levels or min(levels) < 1:
+        raise typer.BadParameter(
+            f"expected comma-separated positive integers, got {text!r}", param_hint="--concurrency"
+        )
+    return levels
+
+
 def bench_engine(
     *,
     model: Annotated[
@@ -383,7 +407,7 @@ def bench_engine(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     concurrency: Annotated[str, typer.Option(help="Comma-separated in-flight counts.")] = "1,8,32",
     threads: Annotated[
-        int | None, typer.Option(help="torch intra-op threads (default: torch's).")
+        int | None, typer.Option(min=1, help="torch intra-op threads (default: torch's).")
     ] = None,
     ttft_prompt_tokens: Annotated[int, typer.Option(min=1)] = 1024,
     compare_hf: Annotated[bool, typer.Option(help="Also run HF generate if installed.")] = True,
@@ -393,7 +417,7 @@ def bench_engine(
     settings = EngineBenchSettings(
         dtype=dtype,
         device=device,
-        concurrency=tuple(int(c) for c in concurrency.split(",") if c.strip()),
+        concurrency=_concurrency_levels(concurrency),
         threads=threads,
         ttft_prompt_tokens=ttft_prompt_tokens,
         compare_hf=compare_hf,

@@ -11,7 +11,7 @@ from controller.e2e_workload import (
     conversation_ids,
     oracle_cached_ratio,
 )
-from controller.replay import TraceRequest
+from engine.core.mooncake_trace import TraceRequest
 
 
 def _row(t_ms: float, *hash_ids: int, length: int | None = None) -> TraceRequest:

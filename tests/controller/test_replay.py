@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from controller.replay import ReplaySettings, TraceRequest, load_trace, oracle_hit_ratio, replay
+from controller.replay import ReplaySettings, oracle_hit_ratio, replay
+from engine.core.mooncake_trace import TraceRequest, load_trace
 from engine.core.sim_runner import TimingModel
 from kvplane.cli import app
 

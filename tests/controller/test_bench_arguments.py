@@ -1,0 +1,143 @@
+"""`kvplane bench route|e2e|engine` with bad arguments: a usage error (exit 2) or one line
+(KvplaneError, exit 1) before any replay, model or fleet; never a traceback or a hang. And
+`bench route --output json` prints exactly one JSON document, of the issue's shape, on stdout
+(logs on stderr). Nothing here starts a fleet or loads a model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from controller.router import POLICY_NAMES
+from kvplane.cli import app
+from kvplane.errors import KvplaneError
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = [
+    {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]},
+    {"timestamp": 10, "input_length": 1200, "output_length": 3, "hash_ids": [1, 2, 3]},
+    {"timestamp": 20, "input_length": 600, "output_length": 4, "hash_ids": [1, 4]},
+]
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return path
+
+
+def bench(*args: str) -> Result:
+    return CliRunner().invoke(app, ["bench", *args])
+
+
+@pytest.mark.parametrize("command", ["route", "e2e"])
+@pytest.mark.parametrize(
+    ("policies", "says"),
+    [("kvplane,bogus", "unknown 'bogus'"), ("", "no policy given"), (",", "no policy given")],
+)
+def test_bad_policies_are_a_usage_error(
+    trace: Path, command: str, policies: str, says: str
+) -> None:
+    """Unknown names were exit 1 (a KvplaneError); none at all was an empty result (route,
+    exit 0) or a ZeroDivisionError once the model was built (e2e)."""
+    model = ["--model", "/absent"] if command == "e2e" else []  # never a fleet, old code too
+    result = bench(command, "--trace", str(trace), "--policies", policies, *model)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for --policies: {says}; choose from kvplane," in result.output
+    assert "Traceback" not in result.output
+
+
+def test_an_unknown_peer_is_a_usage_error(trace: Path) -> None:
+    result = bench("route", "--trace", str(trace), "--peer", "vllm")
+    assert result.exit_code == 2
+    assert "Invalid value for '--peer'" in result.output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("dynamo") is not None, reason="Dynamo installed")
+def test_a_missing_peer_fails_before_any_replay(tmp_path: Path) -> None:
+    """Was reported only after every policy had been replayed (minutes on a real trace): the
+    peer is now checked before the trace is even read."""
+    result = bench("route", "--trace", str(tmp_path / "absent.jsonl"), "--peer", "dynamo")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        "--peer dynamo needs Dynamo's mocker: pip install ai-dynamo-runtime==1.6.1"
+    )
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) >= len(POLICY_NAMES), reason="a CPU for every policy"
+)
+def test_e2e_side_by_side_without_a_cpu_per_policy_fails_before_the_model(trace: Path) -> None:
+    """Was said only after the model had been written (a 56 M-parameter checkpoint by
+    default); here the model does not exist, which was the error the old order gave."""
+    result = bench(
+        "e2e", "--trace", str(trace), "--model", "/absent", "--policies", ",".join(POLICY_NAMES)
+    )
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception).startswith("side by side needs a CPU per policy")
+
+
+@pytest.mark.parametrize("concurrency", ["abc", "0", "1,-2", ""])
+def test_engine_bad_concurrency_is_a_usage_error(concurrency: str) -> None:
+    """Was a ValueError traceback ("abc"), and for 0 a loop that never admitted a request."""
+    result = bench("engine", "--model", "/absent", "--concurrency", concurrency)
+    assert result.exit_code == 2
+    assert "Invalid value for --concurrency: expected comma-separated positive integers" in (
+        result.output
+    )
+
+
+def test_engine_threads_below_one_is_a_usage_error() -> None:
+    result = bench("engine", "--model", "/absent", "--threads", "0")
+    assert result.exit_code == 2
+    assert "Invalid value for '--threads'" in result.output
+
+
+@pytest.mark.parametrize("command", ["engine", "e2e"])
+@pytest.mark.parametrize("model", ["random-1x-64", "random-0x64", "random-8"])
+def test_a_bad_random_model_shape_is_one_line(trace: Path, command: str, model: str) -> None:
+    """random-1x-64 was torch's RuntimeError (a negative dimension) as a traceback."""
+    args = ["--trace", str(trace), "--sequential"] if command == "e2e" else []
+    result = bench(command, "--model", model, *args)
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        f"expected random-LAYERSxHIDDEN (positive integers), got {model!r}"
+    )
+
+
+def test_route_json_is_one_document_of_the_issues_shape(trace: Path, tmp_path: Path) -> None:
+    """The real command line: stdout is exactly the JSON document, the log (here: a request
+    too long for 2-block engines, left out) on stderr."""
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "kvplane", "bench", "route", "--trace", str(trace),
+            "--workers", "2", "--blocks-per-worker", "2", "--policies", "kvplane,random",
+            "--output", "json",
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "longer than one engine's KV cache were left out" in result.stderr
+    doc = json.loads(result.stdout)
+    assert {
+        "trace", "workers", "blocks_per_worker", "block_size", "speedup", "oracle_hit_ratio",
+        "policies",
+    } <= set(doc)  # fmt: skip
+    assert (doc["trace"], doc["workers"], doc["blocks_per_worker"]) == ("trace.jsonl", 2, 2)
+    assert (doc["block_size"], doc["speedup"]) == (512, 1.0)
+    assert list(doc["policies"]) == ["kvplane", "random"]
+    for row in doc["policies"].values():
+        assert {"hit_ratio", "ttft_ms", "itl_ms", "imbalance", "throughput_rps"} <= set(row)
+        assert set(row["ttft_ms"]) == {"mean", "p50", "p99"}
+        assert set(row["itl_ms"]) == {"mean"}
