@@ -6,7 +6,8 @@ controller and against any engine; the fleet commands (workers, match, route, co
 drain ENGINE, lora load/unload --engine) use the controller's admin API: against a bare engine
 they fail with one line saying they need a controller (exit 1), except `workers`, which shows
 that engine. Tables by default, `--output json` for scripts. The bearer token for mutating RPCs
-comes from `--token-file` or the KVPLANE_TOKEN environment variable.
+comes from `--token-file` or the KVPLANE_TOKEN environment variable. A TLS server is dialled
+with the admin group's `--tls-ca` (and `--tls-cert`/`--tls-key` for mutual TLS).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from google.protobuf.message import Message
 from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
 from indexer.admin_cli import read_token_ids
 from indexer.validation import MAX_UINT32
+from kvplane.channels import INSECURE, ClientChannels
 from kvplane.cli_common import OutputFormat, OutputOption, RpcCallError, emit, rpc_channel
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
@@ -66,14 +68,17 @@ def _metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-# `kvplane admin --target HOST:PORT <command>`: the group-level target, set by the admin
-# group's callback for this one CLI invocation; a command's own --target wins over it.
+# `kvplane admin --target HOST:PORT [--tls-ca F ...] <command>`: the group-level target and
+# channel security, set by the admin group's callback for this one CLI invocation; a
+# command's own --target wins over the group's.
 _group_target: str | None = None
+_group_channels: ClientChannels = INSECURE
 
 
-def set_group_target(target: str | None) -> None:
-    global _group_target  # noqa: PLW0603 - one CLI invocation per process
+def set_group(target: str | None, channels: ClientChannels | None) -> None:
+    global _group_target, _group_channels  # noqa: PLW0603 - one CLI invocation per process
     _group_target = target
+    _group_channels = channels or INSECURE
 
 
 def _target(target: str | None) -> str:
@@ -116,7 +121,7 @@ def _unquote_int64(descriptor: Any, data: dict[str, Any]) -> None:
 
 
 def _call(target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:
-    with rpc_channel(_target(target), TARGET_KIND) as channel:
+    with rpc_channel(_target(target), TARGET_KIND, _group_channels) as channel:
         return rpc(channel)
 
 
@@ -132,7 +137,7 @@ def _admin_call(command: str, target: str | None, rpc: Callable[[apb_grpc.AdminS
     """Call the controller's admin API; a target that lacks it (a bare engine answers
     UNIMPLEMENTED) fails with one line saying so rather than gRPC's "Method not found!"."""
     address = _target(target)
-    with rpc_channel(address) as channel:
+    with rpc_channel(address, channels=_group_channels) as channel:
         try:
             return rpc(apb_grpc.AdminStub(channel))
         except grpc.RpcError as exc:
@@ -167,7 +172,7 @@ def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> a
 
 def workers(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
     """The fleet's engines (or, against an engine, that engine)."""
-    with rpc_channel(_target(target), TARGET_KIND) as channel:
+    with rpc_channel(_target(target), TARGET_KIND, _group_channels) as channel:
         try:
             reply = apb_grpc.AdminStub(channel).ListWorkers(
                 apb.ListWorkersRequest(), timeout=TIMEOUT_S

@@ -5,7 +5,17 @@ from __future__ import annotations
 import typer
 
 from indexer.admin_cli import index_app
-from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption, TargetOption
+from kvplane.cli_common import (
+    ConfigOption,
+    ListenOption,
+    PortFileOption,
+    TargetOption,
+    TlsCaOption,
+    TlsCertOption,
+    TlsKeyOption,
+    TlsServerNameOption,
+    client_channels,
+)
 
 controller_app = typer.Typer(no_args_is_help=True)
 admin_app = typer.Typer(no_args_is_help=True)
@@ -13,13 +23,26 @@ admin_app.add_typer(index_app, name="index")
 
 
 @admin_app.callback()
-def _admin_group(ctx: typer.Context, target: TargetOption = "") -> None:
-    """Admin CLI for a controller, an engine or an indexer (`--target HOST:PORT`)."""
-    from controller.admin_cli import set_group_target
+def _admin_group(
+    ctx: typer.Context,
+    *,
+    target: TargetOption = "",
+    tls_ca: TlsCaOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_server_name: TlsServerNameOption = None,
+) -> None:
+    """Admin CLI for a controller, an engine or an indexer (`--target HOST:PORT`; `--tls-ca`
+    for a TLS server, with `--tls-cert`/`--tls-key` when it requires a client certificate)."""
+    from controller.admin_cli import set_group
 
-    set_group_target(target or None)  # reset on every invocation (CliRunner reuses the process)
-    if target:
-        ctx.obj = {**(ctx.obj or {}), "target": target}
+    channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
+    set_group(target or None, channels)  # reset on every invocation (CliRunner reuses it)
+    ctx.obj = {
+        **(ctx.obj or {}),
+        **({"target": target} if target else {}),
+        **({"channels": channels} if channels else {}),
+    }
 
 
 @controller_app.command()

@@ -7,6 +7,7 @@ router: {policy: kvplane}
 engines:
   - {address: 127.0.0.1:9001}
   - {address: 127.0.0.1:9002, kv_events: zmq}
+engine_tls: {ca_file: ca.pem}      # optional: engines serve TLS (add cert_file/key_file for mTLS)
 ```
 """
 
@@ -20,7 +21,7 @@ from pydantic import Field, field_validator, model_validator
 
 from controller.router import POLICY_NAMES, BusyThresholds, KvplaneWeights
 from indexer.config import RedisBackendConfig
-from kvplane.config import ServerConfig, StrictModel, parse_dial_target
+from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_dial_target
 
 _DEFAULT_WEIGHTS = KvplaneWeights()
 _DEFAULT_BUSY = BusyThresholds()
@@ -55,6 +56,9 @@ class IndexConfig(StrictModel):
     # `remote_hash_seed` the engines' PYTHONHASHSEED (unset: vLLM's default seed).
     remote_key_space: Literal["canonical", "sha256", "sha256_cbor"] = "canonical"
     remote_hash_seed: str | None = None
+    # Dial the remote indexer with TLS ({ca_file, cert_file, key_file, server_name}; see
+    # kvplane.config.ClientTlsConfig); None: insecure.
+    remote_tls: ClientTlsConfig | None = None
     # Options of a Redis backend, the indexer's `redis:` block (docs/redis.md).
     redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
 
@@ -156,6 +160,10 @@ class ControllerConfig(ServerConfig):
     index: IndexConfig = Field(default_factory=IndexConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     engines: list[EngineEntry] = Field(default_factory=list)
+    # Dial every engine (the configured ones and those added through the admin API) with TLS:
+    # {ca_file, cert_file, key_file, server_name} (kvplane.config.ClientTlsConfig); None:
+    # insecure.
+    engine_tls: ClientTlsConfig | None = None
     health: HealthConfig = Field(default_factory=HealthConfig)
     # tokenizer.json of each model (by the model name requests carry), used to tokenise its
     # text prompts for routing (controller/tokenizers.py).

@@ -54,6 +54,7 @@ from indexer.sources.openengine import (
 )
 from indexer.sources.zmq import ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
+from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
@@ -174,8 +175,9 @@ class RemoteIndex:
         timeout_s: float,
         key_space: str = "canonical",
         hash_seed: str | None = None,
+        channels: ClientChannels = INSECURE,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = channels.aio_channel(target)
         self._stub = ipb_grpc.KvIndexStub(self._channel)
         self._timeout_s = timeout_s
         self._key_space = _KEY_SPACES[key_space]
@@ -228,9 +230,9 @@ class RemoteIndex:
 class _Engine:
     """The live parts of one engine: its channel and tasks."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, channels: ClientChannels = INSECURE) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = channels.aio_channel(address)
         self.stub = pb_grpc.OpenEngineStub(self.channel)
         self.poll_task: asyncio.Task[None] | None = None
         self.events_task: asyncio.Task[None] | None = None
@@ -274,12 +276,15 @@ class Fleet:
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
+        # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions).
+        self._engine_channels = ClientChannels.load(config.engine_tls, "engine_tls")
         self.remote = (
             RemoteIndex(
                 config.index.remote,
                 config.health.rpc_timeout_s,
                 config.index.remote_key_space,
                 config.index.remote_hash_seed,
+                ClientChannels.load(config.index.remote_tls, "index.remote_tls"),
             )
             if config.index.remote is not None
             else None
@@ -295,7 +300,7 @@ class Fleet:
         self, address: str, kv_events: str = KvEventsMode.grpc.value, source: str = "admin"
     ) -> EngineRecord:
         record = self.registry.add(address, kv_events=kv_events, source=source)
-        engine = _Engine(address)
+        engine = _Engine(address, self._engine_channels)
         self._engines[address] = engine
         engine.poll_task = asyncio.create_task(self._poll(engine), name=f"poll {address}")
         return record
@@ -611,6 +616,7 @@ class Fleet:
                 ),
                 translator,
                 self.index,
+                channels=self._engine_channels,
                 on_batch_time=on_batch_time,
             )
         if source is None:

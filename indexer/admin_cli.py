@@ -1,7 +1,8 @@
 """`kvplane admin index ...`: inspect a running indexer (stats, dump, match) over gRPC.
 
-`--target HOST:PORT` names the indexer (on the group or on each command); `--output json`
-prints machine-readable results. RPC failures become one-line errors (exit code 1).
+`--target HOST:PORT` names the indexer (on the group or on each command); `--tls-ca` and
+friends (on this group or on `admin`) dial it with TLS; `--output json` prints
+machine-readable results. RPC failures become one-line errors (exit code 1).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import re
 import textwrap
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -21,7 +23,18 @@ from indexer.batch import to_sfixed64
 from indexer.validation import MAX_UINT32
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
-from kvplane.cli_common import OutputFormat, OutputOption, emit, rpc_channel
+from kvplane.channels import INSECURE
+from kvplane.cli_common import (
+    OutputFormat,
+    OutputOption,
+    TlsCaOption,
+    TlsCertOption,
+    TlsKeyOption,
+    TlsServerNameOption,
+    client_channels,
+    emit,
+    rpc_channel,
+)
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
@@ -39,23 +52,42 @@ T = TypeVar("T")
 
 
 @index_app.callback()
-def _group(ctx: typer.Context, target: IndexTargetOption = None) -> None:
-    ctx.obj = {**(ctx.obj or {}), **({"target": target} if target else {})}
+def _group(
+    ctx: typer.Context,
+    *,
+    target: IndexTargetOption = None,
+    tls_ca: TlsCaOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_server_name: TlsServerNameOption = None,
+) -> None:
+    channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
+    ctx.obj = {
+        **(ctx.obj or {}),
+        **({"target": target} if target else {}),
+        **({"channels": channels} if channels else {}),
+    }
 
 
-def _target(ctx: typer.Context, target: str | None) -> str:
-    if target:
-        return target
+def _group_setting(ctx: typer.Context, key: str) -> Any:
+    """A setting of this group or of the `admin` group above it (the nearest wins)."""
     node: Any = ctx
     while node is not None:
-        if isinstance(node.obj, dict) and node.obj.get("target"):
-            return str(node.obj["target"])
+        if isinstance(node.obj, dict) and node.obj.get(key):
+            return node.obj[key]
         node = node.parent
-    return DEFAULT_TARGET
+    return None
 
 
-def _call(target: str, rpc: Callable[[grpc.Channel], T]) -> T:
-    with rpc_channel(target, TARGET_KIND) as channel:
+def _channel(ctx: typer.Context, target: str | None) -> AbstractContextManager[grpc.Channel]:
+    """A channel to the command's --target, else the group's, else DEFAULT_TARGET, with the
+    groups' --tls-* options."""
+    address = target or _group_setting(ctx, "target") or DEFAULT_TARGET
+    return rpc_channel(address, TARGET_KIND, _group_setting(ctx, "channels") or INSECURE)
+
+
+def _call(ctx: typer.Context, target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:
+    with _channel(ctx, target) as channel:
         return rpc(channel)
 
 
@@ -91,7 +123,8 @@ def stats(
 ) -> None:
     """Blocks, placements and workers in the index."""
     response = _call(
-        _target(ctx, target),
+        ctx,
+        target,
         lambda ch: api_grpc.KvIndexStub(ch).GetIndexStats(
             api.GetIndexStatsRequest(), timeout=TIMEOUT_S
         ),
@@ -122,7 +155,7 @@ def dump(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """The index as parent-first ApplyExternalKvBatch requests (replayable)."""
-    with rpc_channel(_target(ctx, target), TARGET_KIND) as channel:
+    with _channel(ctx, target) as channel:
         # Printed batch by batch as they arrive, with no deadline: a large index takes as long
         # as it takes, and is never held in memory whole.
         stream = api_grpc.KvIndexStub(channel).DumpIndex(api.DumpIndexRequest(worker_id=worker_id))
@@ -274,7 +307,6 @@ def match(
 ) -> None:
     """Which workers hold a prompt's prefix: by tokens (MatchTokens) or by block hashes
     (MatchExternalKvPrefix)."""
-    address = _target(ctx, target)
     if (tokens_file is None) == (not hashes):
         raise typer.BadParameter("give exactly one of --tokens-file or --hashes")
     if tokens_file is not None:
@@ -288,7 +320,7 @@ def match(
             mm_items=[_parse_mm_item(v) for v in mm_item or []],
         )
         response: Any = _call(
-            address, lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(request, timeout=TIMEOUT_S)
+            ctx, target, lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(request, timeout=TIMEOUT_S)
         )
 
         def render_tokens(data: dict[str, Any]) -> str:
@@ -308,7 +340,8 @@ def match(
         raise typer.BadParameter("--hashes is empty")
     prefix_request = kv.MatchExternalKvPrefixRequest(hashes=keys)
     response = _call(
-        address,
+        ctx,
+        target,
         lambda ch: kv_grpc.KVIndexerStub(ch).MatchExternalKvPrefix(
             prefix_request, timeout=TIMEOUT_S
         ),

@@ -26,7 +26,7 @@ from pydantic import Field, field_validator, model_validator
 
 from indexer.batch import Tier
 from indexer.translate import HashMode, MediumMap
-from kvplane.config import ServerConfig, StrictModel, parse_host_port
+from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_host_port
 
 TierName = Literal["HBM", "DRAM", "SSD"]
 MediumTarget = Literal["HBM", "DRAM", "SSD", "skip"]
@@ -82,6 +82,8 @@ class OpenEngineSourceConfig(_SourceCommon):
     data_parallel_ranks: list[int] = Field(default_factory=list)
     # When SubscribeKvEvents is unimplemented, follow a ZMQ source from GetKvEventSources.
     discover_zmq: bool = True
+    # Dial the engine with TLS ({ca_file, cert_file, key_file, server_name}); None: insecure.
+    tls: ClientTlsConfig | None = None
 
     @field_validator("target")
     @classmethod

@@ -28,6 +28,7 @@ from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSetting
 from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import SourceCounters, ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
+from kvplane.channels import ClientChannels
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
 from kvplane.server import create_server, serve_until_signal
@@ -74,6 +75,7 @@ def build_source(
         ),
         translator,
         backend,
+        channels=ClientChannels.load(config.tls, f"source {config.target}: tls"),
     )
 
 

@@ -12,6 +12,8 @@ from typing import Annotated, Any, NoReturn
 import grpc
 import typer
 
+from kvplane.channels import INSECURE, ClientChannels
+from kvplane.config import ClientTlsConfig
 from kvplane.errors import KvplaneError, NotImplementedYetError
 
 
@@ -41,21 +43,65 @@ TargetOption = Annotated[
 ]
 
 
+TlsCaOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tls-ca",
+        help="Dial with TLS, verifying the server with this CA (PEM).",
+        show_default=False,
+    ),
+]
+TlsCertOption = Annotated[
+    Path | None,
+    typer.Option("--tls-cert", help="Client certificate (PEM) for mutual TLS; with --tls-key."),
+]
+TlsKeyOption = Annotated[
+    Path | None, typer.Option("--tls-key", help="Private key (PEM) of --tls-cert.")
+]
+TlsServerNameOption = Annotated[
+    str | None,
+    typer.Option(
+        "--tls-server-name", help="Name to check in the server's certificate (default: its host)."
+    ),
+]
+
+
+def client_channels(
+    ca: Path | None, cert: Path | None, key: Path | None, server_name: str | None
+) -> ClientChannels | None:
+    """The --tls-* options as ClientChannels; None when none is given (the caller's default).
+    Any of them turns TLS on (without --tls-ca the system's trusted roots verify the server)."""
+    if ca is None and cert is None and key is None and server_name is None:
+        return None
+    if (cert is None) != (key is None):
+        raise typer.BadParameter("--tls-cert and --tls-key go together")
+    if server_name == "":
+        raise typer.BadParameter("--tls-server-name is empty")
+    tls = ClientTlsConfig(ca_file=ca, cert_file=cert, key_file=key, server_name=server_name)
+    return ClientChannels.load(tls)
+
+
 class RpcCallError(KvplaneError):
     """A CLI's RPC failed (unreachable target, rejected call): shown as one line."""
 
 
 # What a gRPC server (grpcio, as every kvplane server) answers for a method it does not have.
 METHOD_NOT_FOUND = "Method not found!"
+# What a channel reports when the server hangs up on it, as a TLS server does on plaintext and
+# a mutual-TLS server on a client without a certificate.
+HUNG_UP = "Socket closed"
 
 
 @contextmanager
-def rpc_channel(target: str, expects: str | None = None) -> Iterator[grpc.Channel]:
-    """An insecure channel to `target` whose gRPC errors become one-line RpcCallErrors.
-    `expects`: what the target should be ("a kvplane indexer"); a server without the method
-    called (another kind of server) is then said to be something else, rather than gRPC's
-    "UNIMPLEMENTED: Method not found!"."""
-    with grpc.insecure_channel(target) as channel:
+def rpc_channel(
+    target: str, expects: str | None = None, channels: ClientChannels = INSECURE
+) -> Iterator[grpc.Channel]:
+    """A channel to `target` (insecure, or TLS per `channels`) whose gRPC errors become
+    one-line RpcCallErrors. `expects`: what the target should be ("a kvplane indexer"); a
+    server without the method called (another kind of server) is then said to be something
+    else, rather than gRPC's "UNIMPLEMENTED: Method not found!". A server that hangs up on
+    the connection most likely wants TLS or a client certificate: the error says so."""
+    with channels.channel(target) as channel:
         try:
             yield channel
         except grpc.RpcError as exc:
@@ -66,7 +112,18 @@ def rpc_channel(target: str, expects: str | None = None) -> Iterator[grpc.Channe
                     f"{target} is not {expects}: it does not serve this call"
                 ) from None
             name = code.name if code is not None else "ERROR"
-            raise RpcCallError(f"{target}: {name}: {details}") from None
+            raise RpcCallError(f"{target}: {name}: {details}{_hint(channels, details)}") from None
+
+
+def _hint(channels: ClientChannels, details: str) -> str:
+    """What a server that hung up on the connection most likely wants."""
+    if HUNG_UP not in details:
+        return ""
+    if not channels.tls:
+        return " (a TLS server? give --tls-ca)"
+    if not channels.client_certificate:
+        return " (a server requiring a client certificate? give --tls-cert and --tls-key)"
+    return ""
 
 
 def emit(data: Any, output: OutputFormat, render: Callable[[Any], str]) -> None:

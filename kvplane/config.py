@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvplane.errors import ConfigError
 
@@ -59,6 +66,24 @@ class TlsConfig(StrictModel):
     key_file: Path
     # Set -> mutual TLS: clients must present a certificate signed by this CA.
     client_ca_file: Path | None = None
+
+
+class ClientTlsConfig(StrictModel):
+    """TLS for a client's connections (kvplane.channels): `ca_file` verifies the server
+    (None: the system's trusted roots), `cert_file` + `key_file` are a client certificate for
+    servers that require mutual TLS, `server_name` overrides the name checked in the server's
+    certificate (default: the host of the address dialled). Files are PEM."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    server_name: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> ClientTlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (a client certificate)")
+        return self
 
 
 class AuthConfig(StrictModel):

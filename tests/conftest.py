@@ -1,9 +1,11 @@
 """Fixtures shared by every component's tests: private redis-server processes (session-scoped;
-tests flush what they use)."""
+tests flush what they use) and a test PKI made by openssl."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from redis_servers import RedisClusterNodes, RedisServer
@@ -29,3 +31,35 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.stop()
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA (ca.pem), a server certificate for localhost and 127.0.0.1 (server.pem/.key) and a
+    client certificate (client.pem/.key) it signed, and another CA (other-ca.pem) that signed
+    nothing here; made by openssl."""
+    d = tmp_path_factory.mktemp("pki")
+    for ca in ("ca", "other-ca"):
+        _openssl(
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={ca}",
+            "-keyout", str(d / f"{ca}.key"), "-out", str(d / f"{ca}.pem"),
+        )  # fmt: skip
+    for name, ext in [
+        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ]:
+        _openssl(
+            "req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+            "-keyout", str(d / f"{name}.key"), "-out", str(d / f"{name}.csr"),
+        )  # fmt: skip
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl(
+            "x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"),
+            "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "2",
+            "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"),
+        )  # fmt: skip
+    return d

@@ -8,6 +8,7 @@ restarted), sends a snapshot batch. A batch whose sequence number is not the nex
 (a snapshot, an engine restart) clears the worker before it is applied, so the index never
 keeps stale entries; a snapshot starts with AllBlocksCleared and lists every cached block.
 
+The engine is dialled as `channels` says (insecure by default; TLS from a `ClientTlsConfig`).
 A terminal `EngineError` on the stream, a broken stream or an unreachable engine all end in a
 resubscription with exponential backoff. When the engine does not implement SubscribeKvEvents
 (UNIMPLEMENTED) and `discover_zmq` is set, `GetKvEventSources` is asked for its ZMQ/msgpack
@@ -50,6 +51,7 @@ from indexer.sources.zmq import (
     ZmqSourceSettings,
 )
 from indexer.translate import WorkerTranslator
+from kvplane.channels import INSECURE, ClientChannels
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -131,7 +133,7 @@ class OpenEngineSource:
         translator: WorkerTranslator,
         sink: BatchSink,
         *,
-        channel_options: tuple[tuple[str, object], ...] = (),
+        channels: ClientChannels = INSECURE,
         on_batch_time: BatchTimeObserver | None = None,
     ) -> None:
         self.settings = settings
@@ -143,7 +145,7 @@ class OpenEngineSource:
         # Set when the engine lacks SubscribeKvEvents and its advertised ZMQ sources are
         # followed instead (one per data-parallel rank).
         self.zmq_sources: tuple[ZmqSource, ...] = ()
-        self._channel_options = channel_options
+        self._channels = channels
         self._progress = asyncio.Condition()
         self._resync_wanted = False
         self._call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
@@ -175,9 +177,7 @@ class OpenEngineSource:
         while True:
             follow_zmq = False
             try:
-                async with grpc.aio.insecure_channel(
-                    self.settings.target, options=list(self._channel_options)
-                ) as channel:
+                async with self._channels.aio_channel(self.settings.target) as channel:
                     stub = pb_grpc.OpenEngineStub(channel)
                     if await self._subscribe(stub):
                         backoff = self.settings.backoff_initial_s
@@ -312,9 +312,7 @@ class OpenEngineSource:
     async def _discover_zmq(self) -> list[ZmqSource]:
         """One `ZmqSource` per advertised ZMQ/msgpack source, each feeding its own worker
         (see the module docstring)."""
-        async with grpc.aio.insecure_channel(
-            self.settings.target, options=list(self._channel_options)
-        ) as channel:
+        async with self._channels.aio_channel(self.settings.target) as channel:
             stub = pb_grpc.OpenEngineStub(channel)
             response = await stub.GetKvEventSources(
                 pb.GetKvEventSourcesRequest(data_parallel_ranks=self.settings.data_parallel_ranks)

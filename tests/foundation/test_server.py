@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -107,66 +106,6 @@ async def test_protect_reads_guards_every_rpc(tmp_path: Path) -> None:
             assert await _call(channel, "Read", "s3cret") == b"hi"
     finally:
         await server.stop(None)
-
-
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, a server certificate for localhost and a client certificate, made by openssl."""
-    d = tmp_path_factory.mktemp("pki")
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=test-ca",
-        "-keyout",
-        str(d / "ca.key"),
-        "-out",
-        str(d / "ca.pem"),
-    )
-    for name, ext in [
-        ("server", "subjectAltName=DNS:localhost,IP:127.0.0.1"),
-        ("client", "extendedKeyUsage=clientAuth"),
-    ]:
-        _openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            f"/CN={name}",
-            "-keyout",
-            str(d / f"{name}.key"),
-            "-out",
-            str(d / f"{name}.csr"),
-        )
-        (d / f"{name}.ext").write_text(ext + "\n")
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            str(d / f"{name}.csr"),
-            "-CA",
-            str(d / "ca.pem"),
-            "-CAkey",
-            str(d / "ca.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            str(d / f"{name}.ext"),
-            "-out",
-            str(d / f"{name}.pem"),
-        )
-    return d
 
 
 async def test_tls_and_mutual_tls(pki: Path) -> None:

@@ -1,0 +1,101 @@
+"""How every kvplane client dials a server: insecure, or TLS (mutual TLS with a client
+certificate) from a `ClientTlsConfig`. The admin CLIs, the controller's channels to its
+engines and to a remote indexer, and the OpenEngine KV-event sources all open their channels
+here, so the credentials are built in one place.
+
+`ClientChannels.load` reads and checks the PEM files once (a missing or unusable file is a
+one-line ConfigError); the channels it opens share the credentials.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvplane.config import ClientTlsConfig
+from kvplane.errors import ConfigError
+
+# What each file must hold, and the PEM header that shows it does.
+_CERTIFICATE = ("a certificate", b"-----BEGIN CERTIFICATE-----")
+_PRIVATE_KEY = ("a private key", b"PRIVATE KEY-----")  # PRIVATE KEY, RSA/EC PRIVATE KEY
+ChannelOptions = tuple[tuple[str, Any], ...]
+
+
+def _read_pem(path: Path, holds: tuple[str, bytes], what: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from exc
+    noun, header = holds
+    if header not in data:
+        raise ConfigError(f"{what} {path} does not hold {noun} in PEM")
+    return data
+
+
+@dataclass(frozen=True)
+class ClientChannels:
+    """Credentials (None: insecure) and channel options for dialling servers."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    options: ChannelOptions = ()
+    # A client certificate is presented (mutual TLS).
+    client_certificate: bool = False
+
+    @classmethod
+    def load(cls, tls: ClientTlsConfig | None, where: str = "") -> ClientChannels:
+        """Insecure for None; else TLS from `tls`'s files. `where` ("engine_tls") prefixes
+        the error of a missing or unusable file."""
+        if tls is None:
+            return cls()
+        prefix = f"{where}: " if where else ""
+        try:
+            root = (
+                _read_pem(tls.ca_file, _CERTIFICATE, "TLS CA file")
+                if tls.ca_file is not None
+                else None
+            )
+            key = chain = None
+            if tls.cert_file is not None and tls.key_file is not None:
+                chain = _read_pem(tls.cert_file, _CERTIFICATE, "TLS certificate file")
+                key = _read_pem(tls.key_file, _PRIVATE_KEY, "TLS key file")
+                try:
+                    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                    context.load_cert_chain(tls.cert_file, tls.key_file, password=b"")
+                except ssl.SSLError as exc:
+                    why = "not its key" if exc.reason == "KEY_VALUES_MISMATCH" else str(exc)
+                    raise ConfigError(
+                        f"TLS key file {tls.key_file} cannot be used with certificate "
+                        f"{tls.cert_file}: {why}"
+                    ) from exc
+        except ConfigError as exc:
+            raise ConfigError(f"{prefix}{exc}") from exc
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=root, private_key=key, certificate_chain=chain
+        )
+        options: ChannelOptions = ()
+        if tls.server_name is not None:
+            options = (("grpc.ssl_target_name_override", tls.server_name),)
+        return cls(credentials, options, client_certificate=chain is not None)
+
+    @property
+    def tls(self) -> bool:
+        return self.credentials is not None
+
+    def aio_channel(self, target: str) -> grpc.aio.Channel:
+        """A grpc.aio channel to `target` (HOST:PORT)."""
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(target, options=list(self.options))
+        return grpc.aio.secure_channel(target, self.credentials, options=list(self.options))
+
+    def channel(self, target: str) -> grpc.Channel:
+        """A synchronous channel to `target` (the CLIs)."""
+        if self.credentials is None:
+            return grpc.insecure_channel(target, options=list(self.options))
+        return grpc.secure_channel(target, self.credentials, options=list(self.options))
+
+
+INSECURE = ClientChannels()

@@ -1,0 +1,231 @@
+"""Clients dialling TLS servers: the admin CLIs (`--tls-ca`, `--tls-cert`/`--tls-key`,
+`--tls-server-name`), and the controller's own channels (`engine_tls` for its engines and their
+KV events, `index.remote_tls` for a remote indexer). Real servers on 127.0.0.1 with
+openssl-made certificates (the `pki` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from controller.app import start_controller
+from controller.config import ControllerConfig
+from controller.fleet import RemoteIndex
+from indexer.backends import open_backend
+from indexer.config import IndexerConfig
+from indexer.service import build_source
+from indexer.servicer import index_services
+from kvplane.channels import ClientChannels
+from kvplane.cli import app
+from kvplane.config import ClientTlsConfig, ServerConfig, TlsConfig
+from kvplane.errors import ConfigError, KvplaneError
+from kvplane.server import create_server
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import Fleet, close_fleet, generate_request, start_sim_engine
+from tests.controller.test_gateway import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFIX = list(range(500, 564))  # 4 blocks of 16
+
+
+def server_tls(pki: Path, *, mutual: bool = False) -> TlsConfig:
+    return TlsConfig(
+        cert_file=pki / "server.pem",
+        key_file=pki / "server.key",
+        client_ca_file=pki / "ca.pem" if mutual else None,
+    )
+
+
+def client_tls(pki: Path) -> dict[str, Any]:
+    """A client's TLS: the CA and the client certificate (mutual TLS)."""
+    return {
+        "ca_file": pki / "ca.pem",
+        "cert_file": pki / "client.pem",
+        "key_file": pki / "client.key",
+    }
+
+
+async def cli(*args: str | Path) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, app, ["admin", *map(str, args)])
+
+
+def one_line_error(result: Result) -> str:
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, KvplaneError), result.exception
+    message = str(result.exception)
+    assert "\n" not in message
+    return message
+
+
+async def test_admin_cli_dials_a_tls_engine(pki: Path) -> None:
+    engine = await start_sim_engine("e0", tls=server_tls(pki))
+    target = f"127.0.0.1:{engine.port}"
+    try:
+        ok = await cli("--tls-ca", pki / "ca.pem", "--target", target, "health", "-o", "json")
+        assert ok.exit_code == 0, ok.output
+        assert '"HEALTH_STATE_READY"' in ok.output
+        workers = await cli("--tls-ca", pki / "ca.pem", "-t", target, "workers")
+        assert workers.exit_code == 0 and "e0" in workers.output, workers.output
+        # The name checked in the server's certificate: the target's host unless overridden.
+        named = await cli(
+            "--tls-ca", pki / "ca.pem", "--tls-server-name", "localhost", "-t", target, "load"
+        )
+        assert named.exit_code == 0, named.output
+
+        plain = one_line_error(await cli("-t", target, "health"))
+        assert plain.startswith(f"{target}: UNAVAILABLE: ")
+        assert plain.endswith("(a TLS server? give --tls-ca)")
+        wrong_ca = one_line_error(await cli("--tls-ca", pki / "other-ca.pem", "-t", target, "info"))
+        assert wrong_ca.startswith(f"{target}: UNAVAILABLE: ")
+        assert "CERTIFICATE_VERIFY_FAILED" in wrong_ca
+        wrong_name = await cli(
+            "--tls-ca", pki / "ca.pem", "--tls-server-name", "elsewhere", "-t", target, "load"
+        )
+        assert "UNAVAILABLE" in one_line_error(wrong_name)
+
+        # Unusable files are one line before any call; a half client certificate is a usage
+        # error.
+        missing = one_line_error(await cli("--tls-ca", pki / "nope.pem", "-t", target, "health"))
+        assert missing == f"cannot read TLS CA file {pki / 'nope.pem'}: No such file or directory"
+        not_pem = one_line_error(await cli("--tls-ca", pki / "ca.key", "-t", target, "health"))
+        assert not_pem == f"TLS CA file {pki / 'ca.key'} does not hold a certificate in PEM"
+        half = await cli("--tls-ca", pki / "ca.pem", "--tls-cert", pki / "client.pem", "health")
+        assert half.exit_code == 2 and "--tls-cert and --tls-key go together" in half.output
+    finally:
+        await engine.close()
+
+
+async def test_admin_cli_mutual_tls(pki: Path) -> None:
+    engine = await start_sim_engine("e0", tls=server_tls(pki, mutual=True))
+    target = f"127.0.0.1:{engine.port}"
+    ca = ("--tls-ca", pki / "ca.pem")
+    try:
+        anonymous = one_line_error(await cli(*ca, "-t", target, "health"))
+        assert anonymous.startswith(f"{target}: UNAVAILABLE: ")
+        assert anonymous.endswith("(a server requiring a client certificate? give --tls-cert "
+                                  "and --tls-key)")  # fmt: skip
+        with_cert = await cli(
+            *ca, "--tls-cert", pki / "client.pem", "--tls-key", pki / "client.key",
+            "-t", target, "health",
+        )  # fmt: skip
+        assert with_cert.exit_code == 0 and "HEALTH_STATE_READY" in with_cert.output
+        mismatched = await cli(
+            *ca, "--tls-cert", pki / "client.pem", "--tls-key", pki / "server.key",
+            "-t", target, "health",
+        )  # fmt: skip
+        assert one_line_error(mismatched) == (
+            f"TLS key file {pki / 'server.key'} cannot be used with certificate "
+            f"{pki / 'client.pem'}: not its key"
+        )
+    finally:
+        await engine.close()
+
+
+async def test_admin_index_dials_a_mutual_tls_indexer(pki: Path) -> None:
+    services, _, _ = index_services(
+        await open_backend("memory"), default_block_size=16, max_concurrent_prefix_queries=8
+    )
+    config = ServerConfig(listen="127.0.0.1:0", tls=server_tls(pki, mutual=True))
+    server, port = await create_server(config, services)
+    target = f"127.0.0.1:{port}"
+    tls = ["--tls-ca", pki / "ca.pem", "--tls-cert", pki / "client.pem"]
+    tls += ["--tls-key", pki / "client.key"]
+    try:
+        # On the `admin` group (as --target) or on `admin index` itself.
+        for args in ([*tls, "index", "-t", target], ["index", *tls, "-t", target]):
+            stats = await cli(*args, "stats", "-o", "json")
+            assert stats.exit_code == 0 and '"num_blocks": 0' in stats.output, stats.output
+        plain = one_line_error(await cli("index", "-t", target, "stats"))
+        assert plain.endswith("(a TLS server? give --tls-ca)")
+    finally:
+        await server.stop(None)
+
+
+async def test_controller_routes_to_mutual_tls_engines_and_follows_their_kv_events(
+    pki: Path,
+) -> None:
+    """Engines that require a client certificate; the controller, itself serving TLS, dials
+    them with `engine_tls`: health and load polls, the relayed Generate and the
+    SubscribeKvEvents that feeds the index all go through TLS."""
+    engines = [await start_sim_engine(f"e{i}", tls=server_tls(pki, mutual=True)) for i in (0, 1)]
+    config = ControllerConfig.model_validate(
+        {
+            "listen": "127.0.0.1:0",
+            "tls": server_tls(pki).model_dump(),
+            "engines": [{"address": f"127.0.0.1:{e.port}"} for e in engines],
+            "engine_tls": client_tls(pki),
+            "router": {"seed": 0},
+            "health": {"poll_interval_s": 0.2, "backoff_initial_s": 0.1, "backoff_max_s": 1.0},
+            "shutdown_grace_s": 0.5,
+        }
+    )
+    controller = await start_controller(config)
+    channels = ClientChannels.load(ClientTlsConfig(ca_file=pki / "ca.pem"))
+    fleet = Fleet(engines, controller, channels.aio_channel(f"localhost:{controller.port}"))
+    try:
+        await fleet.wait_routable(2)
+        responses = [r async for r in fleet.gateway.Generate(generate_request("a", [*PREFIX, 1]))]
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+
+        holder: list[str] = []
+
+        async def indexed() -> bool:
+            reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
+            holder[:] = [m.engine for m in reply.matches if m.device_blocks >= 4]
+            return bool(holder)
+
+        await eventually(indexed)
+        route = await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 2])))
+        assert (route.engine, route.reason) == (holder[0], "cache")
+
+        workers = await cli("--tls-ca", pki / "ca.pem", "-t", fleet.target, "workers")
+        assert workers.exit_code == 0 and "e0" in workers.output and "e1" in workers.output
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_remote_index_over_tls(pki: Path) -> None:
+    services, _, _ = index_services(
+        await open_backend("memory"), default_block_size=16, max_concurrent_prefix_queries=8
+    )
+    config = ServerConfig(listen="127.0.0.1:0", tls=server_tls(pki, mutual=True))
+    server, port = await create_server(config, services)
+    secure = RemoteIndex(
+        f"127.0.0.1:{port}",
+        5.0,
+        channels=ClientChannels.load(ClientTlsConfig.model_validate(client_tls(pki))),
+    )
+    plain = RemoteIndex(f"127.0.0.1:{port}", 5.0)
+    try:
+        assert (await secure.stats()).num_blocks == 0
+        with pytest.raises(KvplaneError, match="UNAVAILABLE"):
+            await plain.stats()
+    finally:
+        await secure.close()
+        await plain.close()
+        await server.stop(None)
+
+
+async def test_unusable_client_tls_files_are_config_errors(pki: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.pem"
+    with pytest.raises(ConfigError) as err:
+        await start_controller(ControllerConfig(engine_tls=ClientTlsConfig(ca_file=missing)))
+    assert str(err.value) == (
+        f"engine_tls: cannot read TLS CA file {missing}: No such file or directory"
+    )
+    remote = {"remote": "127.0.0.1:1", "remote_tls": {"ca_file": pki / "client.key"}}
+    with pytest.raises(ConfigError, match=r"^index.remote_tls: TLS CA file .* a certificate"):
+        await start_controller(ControllerConfig.model_validate({"index": remote}))
+    with pytest.raises(ValueError, match="cert_file and key_file go together"):
+        ControllerConfig.model_validate({"engine_tls": {"cert_file": pki / "client.pem"}})
+    indexer = IndexerConfig.model_validate(
+        {"sources": [{"kind": "openengine", "target": "127.0.0.1:1", "tls": {"ca_file": missing}}]}
+    )
+    with pytest.raises(ConfigError, match=r"^source 127.0.0.1:1: tls: cannot read TLS CA file"):
+        build_source(indexer.sources[0], await open_backend("memory"), 16)
