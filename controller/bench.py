@@ -113,8 +113,14 @@ def _dynamo_rows(core: Any, trace_path: Path, settings: ReplaySettings) -> dict[
             "prefix_cache_reused_ratio": _mean_of(runs, "prefix_cache_reused_ratio"),
             "ttft_ms": {
                 "mean": _mean_of(runs, "mean_ttft_ms", 1),
+                "p50": _mean_of(runs, "median_ttft_ms", 1),
                 "p99": _mean_of(runs, "p99_ttft_ms", 1),
             },
+            # Ours is each request's (finish - first token) / (output tokens - 1), averaged
+            # over requests: Dynamo's TPOT (its `mean_itl_ms` averages every token gap).
+            "itl_ms": {"mean": _mean_of(runs, "mean_tpot_ms", 2)},
+            "throughput_rps": _mean_of(runs, "request_throughput_rps", 3),
+            # Dynamo's summary has no per-worker busy time: no "imbalance".
             "runs": len(runs),
         }
     return rows
