@@ -22,7 +22,7 @@ from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
 
-DYNAMO_RUNS = 3  # its kv_router breaks ties at random: average three runs
+DYNAMO_RUNS = 10  # its kv_router breaks ties at random: average ten runs
 
 
 class Peer(enum.StrEnum):
