@@ -241,7 +241,6 @@ class _Engine:
         # that a failure on the way (the engine gone again, GetKvEventSources failing) is
         # retried at the next identity fetch, which sees the same instance id again.
         self.events_pending = False
-        self.wake = asyncio.Event()
 
     async def close(self) -> None:
         for task in (self.poll_task, self.events_task):
@@ -361,13 +360,6 @@ class Fleet:
         """Wait until `predicate()` holds after some registry change (tests, `kvplane up`)."""
         async with asyncio.timeout(timeout_s), self._changed:
             await self._changed.wait_for(predicate)
-
-    async def poll_now(self, key: str) -> None:
-        """Poll an engine at once (after a drain or an uncordon)."""
-        record = self.registry.get(key)
-        engine = self._engines.get(record.address)
-        if engine is not None:
-            engine.wake.set()
 
     async def request_drain(self, key: str) -> EngineRecord:
         """The controller is draining this engine: out of routing now, not at the next poll."""
@@ -503,10 +495,7 @@ class Fleet:
                     address, now, f"poll failed: {exc}", connection_lost=False
                 )
                 need_identity = True
-            engine.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await engine.wake.wait()
+            await asyncio.sleep(delay)
 
     async def _fetch_identity(self, engine: _Engine, restarted: bool = False) -> None:
         timeout = self.config.health.rpc_timeout_s
