@@ -2,9 +2,10 @@
 `kv_indexer.v1.KVIndexer` (kvplane's or SGLang's), like SGLang's own bridge.
 
 It is a `ZmqSource` (seq tracking, replay, rebuild on restart) whose sink is a KVIndexer
-client. Translation (`indexer.translate`) coalesces adjacent REPORTs / REVOKEs to one tier,
-splits at 256 actions / 16,384 hashes with the same seq, turns AllBlocksCleared into one CLEAR
-per configured tier in place, and by default skips nil and EXTERNAL media (configurable).
+client (an insecure channel, or TLS per `channels`). Translation (`indexer.translate`)
+coalesces adjacent REPORTs / REVOKEs to one tier, splits at 256 actions / 16,384 hashes with
+the same seq, turns AllBlocksCleared into one CLEAR per configured tier in place, and by
+default skips nil and EXTERNAL media (configurable).
 Copies are counted here, since the KVIndexer API has no notion of them.
 
 An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with
@@ -41,6 +42,7 @@ from indexer.translate import (
 )
 from indexer.validation import validate_batch
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane.channels import INSECURE, ClientChannels
 from kvplane.server import AUTH_METADATA_KEY
 
 log = logging.getLogger(__name__)
@@ -61,11 +63,12 @@ class KvIndexerSink:
         target: str,
         *,
         token: str | None = None,
+        channels: ClientChannels = INSECURE,
         timeout_s: float = 5.0,
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+        self._channel = channels.aio_channel(target)
         self._stub = kv_grpc.KVIndexerStub(self._channel)
         self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
         self._timeout_s = timeout_s
@@ -130,12 +133,13 @@ class BridgeSettings:
     block_size: int | None = None
     cache_spec: CacheSpec | None = None
     token: str | None = field(default=None, repr=False)
+    channels: ClientChannels = INSECURE
 
 
 def build_bridge(
     settings: BridgeSettings, *, context: zmq.asyncio.Context | None = None
 ) -> tuple[ZmqSource, KvIndexerSink]:
-    sink = KvIndexerSink(settings.target, token=settings.token)
+    sink = KvIndexerSink(settings.target, token=settings.token, channels=settings.channels)
     translator = WorkerTranslator(
         TranslateOptions(
             worker_id=settings.worker_id,

@@ -12,7 +12,16 @@ from typing import Annotated, Any
 import typer
 
 from indexer.config import IndexerConfig
-from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption
+from kvplane.cli_common import (
+    ConfigOption,
+    ListenOption,
+    PortFileOption,
+    TlsCaOption,
+    TlsCertOption,
+    TlsKeyOption,
+    TlsServerNameOption,
+    client_channels,
+)
 from kvplane.config import load_config
 from kvplane.errors import ConfigError
 
@@ -103,12 +112,17 @@ def bridge(
     token_file: Annotated[
         Path | None, typer.Option(help="File with the bearer token for ApplyExternalKvBatch.")
     ] = None,
+    tls_ca: TlsCaOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_server_name: TlsServerNameOption = None,
 ) -> None:
     """Bridge a vLLM/SGLang ZMQ KV-event stream into ApplyExternalKvBatch calls."""
     from indexer.batch import Tier
     from indexer.bridge import BridgeSettings, run_bridge
     from indexer.translate import ALL_TIERS, HashMode, MediumMap
     from indexer.validation import MAX_UINT32
+    from kvplane.channels import INSECURE
     from kvplane.config import parse_host_port
 
     try:
@@ -137,6 +151,7 @@ def bridge(
             token = token_file.read_text().strip()
         except OSError as exc:
             raise ConfigError(f"cannot read --token-file {token_file}: {exc}") from exc
+    channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name) or INSECURE
     settings = BridgeSettings(
         endpoint=endpoint,
         target=target,
@@ -150,5 +165,6 @@ def bridge(
         clear_tiers=clear_tiers,
         block_size=block_size,
         token=token,
+        channels=channels,
     )
     asyncio.run(_until_signal(run_bridge(settings)))

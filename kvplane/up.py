@@ -4,9 +4,11 @@ Each member is one `kvplane <group> serve` process with its own config (written 
 temporary folder) listening on a port it picks; a member's config may name another member's
 address as `${name}`, filled in once that member is listening. A member starts as soon as the
 members it names are healthy (the engines all at once, then the controller) and is waited for
-until its health service answers SERVING. A controller's `tokenizer: builtin` names the
-builtin model's tokenizer, and a controller without `metrics_listen` gets one on a free port
-(the live status reads its routing counters there). Then every address is printed and a live
+until its health service answers SERVING. Every channel up opens to a member (readiness, the
+live status, the drain, the check) is insecure, or TLS per the fleet's `client_tls`. A
+controller's `tokenizer: builtin` names the builtin model's tokenizer, and a controller
+without `metrics_listen` gets one on a free port (the live status reads its routing counters
+there). Then every address is printed and a live
 status (engines' health, load, KV usage, cached and indexed blocks; the index size; the
 routing hit ratio and decisions) is refreshed every second until Ctrl-C (or SIGTERM), which
 drains the engines (a short deadline, then what is left is aborted), stops every member in
@@ -40,7 +42,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import Field, field_validator, model_validator
 
-from kvplane.config import StrictModel, load_config
+from kvplane.channels import ClientChannels
+from kvplane.config import ClientTlsConfig, StrictModel, load_config
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -92,6 +95,9 @@ class FleetConfig(StrictModel):
     stop_timeout_s: float = Field(default=15.0, gt=0)
     # On Ctrl-C engines finish what they run for this long; what is left is then aborted.
     drain_deadline_s: float = Field(default=3.0, ge=0)
+    # How up dials its members (readiness, status, drain, --check): members serving `tls:`
+    # need it; unset: insecure.
+    client_tls: ClientTlsConfig | None = None
 
     @model_validator(mode="after")
     def _check_names(self) -> FleetConfig:
@@ -241,9 +247,9 @@ def _substitute(value: Any, addresses: dict[str, str]) -> Any:
     return value
 
 
-async def _healthy(address: str) -> bool:
+async def _healthy(channels: ClientChannels, address: str) -> bool:
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with channels.aio_channel(address) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=1.0
             )
@@ -264,6 +270,8 @@ class Fleet:
         self.config = config
         self.workdir = workdir
         self.members = [Member(m) for m in config.members]
+        # Loaded (its files read and checked) before any member starts.
+        self.channels = ClientChannels.load(config.client_tls, "client_tls")
 
     def member(self, name: str) -> Member:
         return next(m for m in self.members if m.name == name)
@@ -322,7 +330,7 @@ class Fleet:
             if member.address is None and port_file.exists() and port_file.read_text().strip():
                 host = str(config["listen"]).rpartition(":")[0] or "127.0.0.1"
                 member.address = f"{host}:{port_file.read_text().strip()}"
-            if member.address is not None and await _healthy(member.address):
+            if member.address is not None and await _healthy(self.channels, member.address):
                 member.state = "serving"
                 member.find_metrics_address()
                 log.info("%s serving on %s (log %s)", name, member.address, log_path)
@@ -337,7 +345,8 @@ class Fleet:
             if member.process.returncode is not None:
                 member.state = f"exited {member.process.returncode}"
             elif member.address is not None:
-                member.state = "serving" if await _healthy(member.address) else "unhealthy"
+                healthy = await _healthy(self.channels, member.address)
+                member.state = "serving" if healthy else "unhealthy"
 
     def kill_all(self) -> None:
         """SIGKILL every running member (a second Ctrl-C); `stop` then reaps them."""
@@ -382,7 +391,7 @@ class Fleet:
             abort_after_deadline=True,
         )
         try:
-            async with grpc.aio.insecure_channel(member.address) as channel:
+            async with self.channels.aio_channel(member.address) as channel:
                 stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
                 async for reply in stub.Drain(request, timeout=deadline_s + 5.0):
                     if reply.state == pb.DRAIN_STATE_COMPLETE:
@@ -492,18 +501,18 @@ def _opt(message: Any, name: str) -> int | None:
     return int(getattr(message, name)) if message.HasField(name) else None
 
 
-async def _engine_load(address: str) -> pb.LoadInfo | None:
+async def _engine_load(channels: ClientChannels, address: str) -> pb.LoadInfo | None:
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with channels.aio_channel(address) as channel:
             stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
             return await stub.GetLoad(pb.GetLoadRequest(), timeout=STATUS_RPC_TIMEOUT_S)
     except grpc.aio.AioRpcError:
         return None
 
 
-async def _workers(address: str) -> apb.ListWorkersResponse | None:
+async def _workers(channels: ClientChannels, address: str) -> apb.ListWorkersResponse | None:
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with channels.aio_channel(address) as channel:
             stub: apb_grpc.AdminAsyncStub = apb_grpc.AdminStub(channel)
             return await stub.ListWorkers(apb.ListWorkersRequest(), timeout=STATUS_RPC_TIMEOUT_S)
     except grpc.aio.AioRpcError:
@@ -518,7 +527,11 @@ async def collect_status(fleet: Fleet) -> FleetStatus:
     controller = next(
         (m for m in fleet.members if m.kind == "controller" and m.address is not None), None
     )
-    workers = await _workers(controller.address) if controller and controller.address else None
+    workers = (
+        await _workers(fleet.channels, controller.address)
+        if controller and controller.address
+        else None
+    )
     rows: list[tuple[str, str, str, apb.WorkerInfo | None]]
     if workers is not None:
         rows = [
@@ -531,7 +544,7 @@ async def collect_status(fleet: Fleet) -> FleetStatus:
             for m in fleet.members
             if m.kind == "engine" and m.address is not None
         ]
-    loads = await asyncio.gather(*(_engine_load(address) for address, *_ in rows))
+    loads = await asyncio.gather(*(_engine_load(fleet.channels, address) for address, *_ in rows))
     engines = []
     for (address, engine_id, state, worker), load in zip(rows, loads, strict=True):
         source: Any = worker if worker is not None else load
@@ -733,7 +746,7 @@ async def _check(fleet: Fleet) -> bool:
     controllers = [m for m in fleet.members if m.kind == "controller"]
     if not controllers or controllers[0].address is None:
         raise KvplaneError("--check needs a controller in the fleet")
-    problems = await check_fleet(controllers[0].address)
+    problems = await check_fleet(controllers[0].address, fleet.channels)
     for problem in problems:
         log.error("check failed: %s", problem)
     if not problems:

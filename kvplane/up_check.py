@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvplane.channels import INSECURE, ClientChannels
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -90,10 +91,11 @@ async def _generate(
     return _Answer(output, cached, problems, True)
 
 
-async def check_fleet(controller: str) -> list[str]:
-    """Run the smoke test against the controller at `controller`; returns the problems."""
+async def check_fleet(controller: str, channels: ClientChannels = INSECURE) -> list[str]:
+    """Run the smoke test against the controller at `controller` (dialled per `channels`);
+    returns the problems."""
     problems: list[str] = []
-    async with grpc.aio.insecure_channel(controller) as channel:
+    async with channels.aio_channel(controller) as channel:
         stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
         try:
             info = await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)

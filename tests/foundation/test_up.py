@@ -407,6 +407,71 @@ def test_up_check_reports_failed_requests_as_a_failed_check(tmp_path: Path) -> N
     assert "fleet stopped" in result.stderr
 
 
+def _tls_fleet(pki: Path, client_tls: dict[str, Any]) -> str:
+    """An engine and a controller serving mutual TLS (the controller dials the engine with
+    `engine_tls`), and up's own `client_tls`."""
+    mutual = {
+        "cert_file": str(pki / "server.pem"),
+        "key_file": str(pki / "server.key"),
+        "client_ca_file": str(pki / "ca.pem"),
+    }
+    client = {
+        "ca_file": str(pki / "ca.pem"),
+        "cert_file": str(pki / "client.pem"),
+        "key_file": str(pki / "client.key"),
+    }
+    return yaml.safe_dump(
+        {
+            "client_tls": {**client, **client_tls},
+            "members": [
+                {"name": "engine-0", "kind": "engine", "config": {"model": "sim", "tls": mutual}},
+                {
+                    "name": "controller",
+                    "kind": "controller",
+                    "config": {
+                        "tls": mutual,
+                        "engine_tls": client,
+                        "engines": [{"address": "${engine-0}"}],
+                    },
+                },
+            ],
+        }
+    )
+
+
+@pytest.mark.timeout(120)
+def test_up_check_dials_members_serving_tls_with_client_tls(tmp_path: Path, pki: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(_tls_fleet(pki, {}))
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
+        capture_output=True, text=True, cwd=REPO, timeout=110, env=_env(tmp_path / "cache"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "check passed" in result.stderr
+    assert "drain failed" not in result.stderr  # the engine was drained over TLS too
+    assert "fleet stopped" in result.stderr
+    pids = [int(m.group(4)) for m in MEMBER_LINE.finditer(result.stderr)]
+    assert len(pids) == 2
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_up_refuses_an_unreadable_client_tls_file_before_starting_members(
+    tmp_path: Path, pki: Path
+) -> None:
+    missing = tmp_path / "missing-ca.pem"
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(_tls_fleet(pki, {"ca_file": str(missing)}))
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
+        capture_output=True, text=True, cwd=REPO, timeout=60, env=_env(tmp_path / "cache"),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: client_tls: cannot read TLS CA file {missing}: No such file or directory"
+    ]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

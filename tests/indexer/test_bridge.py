@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,7 +24,8 @@ from indexer.servicer import KvIndexerServicer, index_services
 from indexer.translate import MediumMap
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
-from kvplane.config import ServerConfig
+from kvplane.channels import ClientChannels
+from kvplane.config import ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.server import Service, create_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,7 +78,9 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx.destroy(linger=0)
 
 
-async def _rig(unavailable: int = 0, listen: str = "127.0.0.1:0") -> tuple[Rig, grpc.aio.Server]:
+async def _rig(
+    unavailable: int = 0, listen: str = "127.0.0.1:0", tls: TlsConfig | None = None
+) -> tuple[Rig, grpc.aio.Server]:
     index = PrefixIndex()
     _, servicer, _ = index_services(
         MemoryBackend(index), default_block_size=16, max_concurrent_prefix_queries=4
@@ -87,7 +91,7 @@ async def _rig(unavailable: int = 0, listen: str = "127.0.0.1:0") -> tuple[Rig, 
         lambda server: kv_grpc.add_KVIndexerServicer_to_server(recorder, server),
         frozenset({"ApplyExternalKvBatch"}),
     )
-    server, port = await create_server(ServerConfig(listen=listen), [service])
+    server, port = await create_server(ServerConfig(listen=listen, tls=tls), [service])
     return Rig(index, recorder, f"127.0.0.1:{port}"), server
 
 
@@ -153,6 +157,35 @@ async def test_sglang_vectors_through_the_bridge(context: zmq.asyncio.Context) -
     ]
     assert {p.key for p in rig.index.placements("sgl-0")} == {111}
     assert source.translator.counters.num_skipped_medium == 2
+
+
+async def test_the_bridge_dials_an_indexer_serving_mutual_tls(
+    context: zmq.asyncio.Context, pki: Path
+) -> None:
+    tls = TlsConfig(
+        cert_file=pki / "server.pem", key_file=pki / "server.key", client_ca_file=pki / "ca.pem"
+    )
+    rig, server = await _rig(tls=tls)
+    channels = ClientChannels.load(
+        ClientTlsConfig(
+            ca_file=pki / "ca.pem", cert_file=pki / "client.pem", key_file=pki / "client.key"
+        )
+    )
+    publisher = FakeKvPublisher(context)
+    source, sink = await _bridge_run(context, rig, publisher, channels=channels)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_frames(0, VECTOR_2))
+            received = await rig.recorder.wait_for(2)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert received[1] == _request(
+        0, kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=HBM, hashes=[111], block_sizes=[2])
+    )
+    assert sink.num_retries == 0 and sink.num_rejected == 0
 
 
 async def test_configured_nil_medium_and_clear_tiers(context: zmq.asyncio.Context) -> None:

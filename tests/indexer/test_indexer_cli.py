@@ -380,6 +380,14 @@ def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str
     )
 
 
+def test_bridge_refuses_an_unreadable_tls_file_before_starting(tmp_path: Path) -> None:
+    missing = tmp_path / "ca.pem"
+    _assert_fails_with_one_line(
+        [*BRIDGE, "--worker-id", "w0", "--tls-ca", str(missing)],
+        f"kvplane: error: cannot read TLS CA file {missing}: No such file or directory",
+    )
+
+
 def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_path: Path) -> None:
     config = tmp_path / "indexer.yaml"
     config.write_text(
