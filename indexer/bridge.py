@@ -104,7 +104,12 @@ class KvIndexerSink:
                     )
                     return
                 self.num_retries += 1
-                log.warning("apply to %s failed (%s); retrying", self.target, exc.code().name)
+                log.warning(
+                    "apply to %s failed (%s: %s); retrying",
+                    self.target,
+                    exc.code().name,
+                    exc.details(),
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._backoff_max_s)
             else:
