@@ -61,6 +61,10 @@ class UnknownEngineError(KvplaneError):
     """No engine with that instance id or address."""
 
 
+class EmptyEngineRefError(KvplaneError):
+    """An engine reference that names nothing (an engine may leave its instance id empty)."""
+
+
 class DuplicateEngineError(KvplaneError):
     """The engine is already registered."""
 
@@ -199,6 +203,8 @@ class Registry:
 
     def get(self, key: str) -> EngineRecord:
         """By address or by instance id."""
+        if not key:
+            raise EmptyEngineRefError("name the engine by its address or instance id")
         record = self._by_address.get(key)
         if record is not None:
             return record

@@ -7,6 +7,7 @@ import grpc
 
 from controller.registry import (
     DuplicateEngineError,
+    EmptyEngineRefError,
     LoraNotLoadedError,
     LoraUnavailableError,
     UnknownEngineError,
@@ -20,6 +21,7 @@ from kvplane.errors import KvplaneError
 # disabled").
 _STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
     (UnknownEngineError, grpc.StatusCode.NOT_FOUND),
+    (EmptyEngineRefError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownModelError, grpc.StatusCode.NOT_FOUND),
     (DuplicateEngineError, grpc.StatusCode.ALREADY_EXISTS),
     (NoEngineAvailableError, grpc.StatusCode.UNAVAILABLE),

@@ -4,6 +4,8 @@ RemoveEngine of an engine the fleet does not have."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import pytest
 
@@ -55,10 +57,26 @@ async def test_register_engine_refuses_an_engine_registered_already(fleet: Fleet
     assert (record.source, record.kv_events) == ("config", "grpc")
 
 
-@pytest.mark.parametrize("engine", ["nope", "", "127.0.0.1:1"])
+@pytest.mark.parametrize("engine", ["nope", "127.0.0.1:1"])
 async def test_remove_engine_of_an_unknown_engine_is_not_found(fleet: Fleet, engine: str) -> None:
     before = await workers(fleet)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await fleet.admin.RemoveEngine(apb.EngineRef(engine=engine))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert await workers(fleet) == before
+
+
+@pytest.mark.parametrize("rpc", ["RemoveEngine", "Cordon", "Uncordon"])
+async def test_an_empty_engine_reference_is_invalid_even_where_an_engine_has_no_id(
+    fleet: Fleet, rpc: str
+) -> None:
+    """An engine may leave its instance id empty: "" must not name it."""
+    registry = fleet.app.controller.fleet.registry
+    record = registry.get(fleet.address(fleet.engines[0]))
+    assert record.identity is not None
+    record.identity = dataclasses.replace(record.identity, instance_id="")
+    before = await workers(fleet)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await getattr(fleet.admin, rpc)(apb.EngineRef(engine=""))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert await workers(fleet) == before
