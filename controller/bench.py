@@ -52,6 +52,12 @@ def run_route_bench(
     # A missing peer fails now, not after minutes of replays.
     dynamo = _dynamo_core() if peer is Peer.dynamo else None
     trace = load_trace(trace_path)
+    capacity = settings.blocks_per_worker * settings.block_size
+    if all(row.input_length + 1 > capacity for row in trace):
+        raise KvplaneError(
+            f"no request of {trace_path} fits one engine's KV cache "
+            f"({settings.blocks_per_worker} blocks of {settings.block_size} tokens)"
+        )
     result: dict[str, Any] = {
         "trace": trace_path.name,
         "workers": settings.workers,

@@ -55,6 +55,16 @@ def test_bad_policies_are_a_usage_error(
     assert "Traceback" not in result.output
 
 
+def test_a_capacity_no_request_fits_is_one_line(trace: Path) -> None:
+    """It used to print all-zero rows and exit 0 (a warning per policy on stderr)."""
+    result = bench("route", "--trace", str(trace), "--blocks-per-worker", "1", "--block-size", "8")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        f"no request of {trace} fits one engine's KV cache (1 blocks of 8 tokens)"
+    )
+
+
 def test_an_unknown_peer_is_a_usage_error(trace: Path) -> None:
     result = bench("route", "--trace", str(trace), "--peer", "vllm")
     assert result.exit_code == 2
