@@ -757,6 +757,19 @@ async def _check(fleet: Fleet) -> bool:
     return not problems
 
 
+def admin_tls_flags(tls: ClientTlsConfig | None) -> str:
+    """The `kvplane admin` options that dial the fleet as up does (" --tls-ca F ...")."""
+    if tls is None:
+        return ""
+    flags = [
+        ("--tls-ca", tls.ca_file),
+        ("--tls-cert", tls.cert_file),
+        ("--tls-key", tls.key_file),
+        ("--tls-server-name", tls.server_name),
+    ]
+    return "".join(f" {flag} {value}" for flag, value in flags if value is not None)
+
+
 async def _show_until(fleet: Fleet, stop: asyncio.Event, live: bool) -> None:
     if not live or not os.isatty(sys.stdout.fileno()):
         await stop.wait()
@@ -769,7 +782,8 @@ async def _show_until(fleet: Fleet, stop: asyncio.Event, live: bool) -> None:
         if m.kind == "controller":
             console.print(
                 f"controller on {m.address}: send OpenEngine requests there; "
-                f"`kvplane admin --target {m.address} workers` shows the fleet",
+                f"`kvplane admin --target {m.address}{admin_tls_flags(fleet.config.client_tls)}"
+                " workers` shows the fleet",
                 highlight=False,
             )
     with Live(render_status(await collect_status(fleet)), console=console) as view:

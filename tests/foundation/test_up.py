@@ -21,12 +21,14 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
+from kvplane.config import ClientTlsConfig
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.up import (
     DEFAULT_FLEET,
     WORKDIR_PREFIX,
     Fleet,
     FleetConfig,
+    admin_tls_flags,
     collect_status,
     load_fleet,
     remove_stale_workdirs,
@@ -571,3 +573,20 @@ async def test_a_member_pinned_to_a_missing_cpu_is_refused_before_it_starts(
     empty.write_text("members: [{name: e, kind: engine, cpus: []}]\n")
     with pytest.raises(ConfigError, match="cpus"):
         load_fleet(empty)
+
+
+def test_the_admin_hint_dials_the_fleet_as_up_does(tmp_path: Path) -> None:
+    """On a terminal, up names the `kvplane admin` command that shows the fleet: with the
+    fleet's client_tls it must carry the same files, or it could not connect."""
+    assert admin_tls_flags(None) == ""
+    tls = ClientTlsConfig(
+        ca_file=tmp_path / "ca.pem",
+        cert_file=tmp_path / "client.pem",
+        key_file=tmp_path / "client.key",
+    )
+    assert admin_tls_flags(tls) == (
+        f" --tls-ca {tmp_path}/ca.pem --tls-cert {tmp_path}/client.pem"
+        f" --tls-key {tmp_path}/client.key"
+    )
+    named = ClientTlsConfig(ca_file=tmp_path / "ca.pem", server_name="engine.test")
+    assert admin_tls_flags(named) == f" --tls-ca {tmp_path}/ca.pem --tls-server-name engine.test"
