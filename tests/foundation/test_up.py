@@ -98,6 +98,14 @@ def _up(fleet: Path, tmp_path: Path) -> subprocess.Popen[str]:
     )
 
 
+def _up_check(fleet: Path, tmp_path: Path, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`kvplane up FLEET --check` (this checkout's code) to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
+        capture_output=True, text=True, cwd=REPO, timeout=timeout_s, env=_env(tmp_path / "cache"),
+    )  # fmt: skip
+
+
 def _serving_members(proc: subprocess.Popen[str], count: int) -> dict[str, tuple[str, int]]:
     """Name -> (address, pid) of the members, read from up's log once all `count` serve."""
     assert proc.stderr is not None
@@ -381,10 +389,7 @@ def test_up_check_passes_only_when_prefixes_reach_their_holders(
             "    config: {router: {policy: round_robin},\n"
             "             engines: [{address: '${engine-0}'}, {address: '${engine-1}'}]}\n"
         )
-    result = subprocess.run(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
-        capture_output=True, text=True, cwd=REPO, timeout=170, env=_env(tmp_path / "cache"),
-    )  # fmt: skip
+    result = _up_check(fleet, tmp_path, timeout_s=170)
     assert result.returncode == exit_code, result.stderr
     assert ("check passed" in result.stderr) == (exit_code == 0)
     assert "fleet stopped" in result.stderr
@@ -398,10 +403,7 @@ def test_up_check_reports_failed_requests_as_a_failed_check(tmp_path: Path) -> N
     """A controller with no engine answers UNAVAILABLE: a failed check, not a traceback."""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text("members:\n  - {name: controller, kind: controller}\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
-        capture_output=True, text=True, cwd=REPO, timeout=110, env=_env(tmp_path / "cache"),
-    )  # fmt: skip
+    result = _up_check(fleet, tmp_path, timeout_s=110)
     assert result.returncode == 1, result.stderr
     assert "check failed: check-0-a: UNAVAILABLE" in result.stderr
     assert "check passed" not in result.stderr
@@ -445,10 +447,7 @@ def _tls_fleet(pki: Path, client_tls: dict[str, Any]) -> str:
 def test_up_check_dials_members_serving_tls_with_client_tls(tmp_path: Path, pki: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(_tls_fleet(pki, {}))
-    result = subprocess.run(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
-        capture_output=True, text=True, cwd=REPO, timeout=110, env=_env(tmp_path / "cache"),
-    )  # fmt: skip
+    result = _up_check(fleet, tmp_path, timeout_s=110)
     assert result.returncode == 0, result.stderr
     assert "check passed" in result.stderr
     assert "drain failed" not in result.stderr  # the engine was drained over TLS too
@@ -464,10 +463,7 @@ def test_up_refuses_an_unreadable_client_tls_file_before_starting_members(
     missing = tmp_path / "missing-ca.pem"
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(_tls_fleet(pki, {"ca_file": str(missing)}))
-    result = subprocess.run(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check"],
-        capture_output=True, text=True, cwd=REPO, timeout=60, env=_env(tmp_path / "cache"),
-    )  # fmt: skip
+    result = _up_check(fleet, tmp_path, timeout_s=60)
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"kvplane: error: client_tls: cannot read TLS CA file {missing}: No such file or directory"
