@@ -26,8 +26,14 @@ from google.protobuf.message import Message
 from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
 from indexer.admin_cli import read_token_ids
 from indexer.validation import MAX_UINT32
-from kvplane.channels import INSECURE, ClientChannels
-from kvplane.cli_common import OutputFormat, OutputOption, RpcCallError, emit, rpc_channel
+from kvplane.cli_common import (
+    ClientTarget,
+    OutputFormat,
+    OutputOption,
+    RpcCallError,
+    emit,
+    target_option,
+)
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -43,9 +49,7 @@ TIMEOUT_S = 10.0
 INT64_MAX = 2**63 - 1
 T = TypeVar("T")
 
-TargetOpt = Annotated[
-    str | None, typer.Option("--target", "-t", help="HOST:PORT of the controller or engine.")
-]
+TargetOpt = Annotated[str | None, target_option("HOST:PORT of the controller or engine.")]
 TokenFileOpt = Annotated[
     Path | None, typer.Option("--token-file", help="Bearer token file (else $KVPLANE_TOKEN).")
 ]
@@ -68,21 +72,8 @@ def _metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-# `kvplane admin --target HOST:PORT [--tls-ca F ...] <command>`: the group-level target and
-# channel security, set by the admin group's callback for this one CLI invocation; a
-# command's own --target wins over the group's.
-_group_target: str | None = None
-_group_channels: ClientChannels = INSECURE
-
-
-def set_group(target: str | None, channels: ClientChannels | None) -> None:
-    global _group_target, _group_channels  # noqa: PLW0603 - one CLI invocation per process
-    _group_target = target
-    _group_channels = channels or INSECURE
-
-
-def _target(target: str | None) -> str:
-    return target or _group_target or DEFAULT_TARGET
+def _server(ctx: typer.Context, target: str | None) -> ClientTarget:
+    return ClientTarget.of(ctx, target, DEFAULT_TARGET)
 
 
 def _dict(message: Message) -> dict[str, Any]:
@@ -120,8 +111,8 @@ def _unquote_int64(descriptor: Any, data: dict[str, Any]) -> None:
             data[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
 
 
-def _call(target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:
-    with rpc_channel(_target(target), TARGET_KIND, _group_channels) as channel:
+def _call(server: ClientTarget, rpc: Callable[[grpc.Channel], T]) -> T:
+    with server.channel(TARGET_KIND) as channel:
         return rpc(channel)
 
 
@@ -133,18 +124,17 @@ class ControllerRequiredError(KvplaneError):
     """A fleet command was sent to a target without the controller's admin API (an engine)."""
 
 
-def _admin_call(command: str, target: str | None, rpc: Callable[[apb_grpc.AdminStub], T]) -> T:
+def _admin_call(command: str, server: ClientTarget, rpc: Callable[[apb_grpc.AdminStub], T]) -> T:
     """Call the controller's admin API; a target that lacks it (a bare engine answers
     UNIMPLEMENTED) fails with one line saying so rather than gRPC's "Method not found!"."""
-    address = _target(target)
-    with rpc_channel(address, channels=_group_channels) as channel:
+    with server.channel() as channel:
         try:
             return rpc(apb_grpc.AdminStub(channel))
         except grpc.RpcError as exc:
             if not _is_unimplemented(exc):
                 raise
             raise ControllerRequiredError(
-                f"`{command}` needs a controller: {address} serves no kvplane admin API "
+                f"`{command}` needs a controller: {server.address} serves no kvplane admin API "
                 "(an engine?); give the controller's --target"
             ) from None
 
@@ -170,9 +160,12 @@ def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> a
 # ---- fleet view ----
 
 
-def workers(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+def workers(
+    ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
+) -> None:
     """The fleet's engines (or, against an engine, that engine)."""
-    with rpc_channel(_target(target), TARGET_KIND, _group_channels) as channel:
+    server = _server(ctx, target)
+    with server.channel(TARGET_KIND) as channel:
         try:
             reply = apb_grpc.AdminStub(channel).ListWorkers(
                 apb.ListWorkersRequest(), timeout=TIMEOUT_S
@@ -182,7 +175,7 @@ def workers(target: TargetOpt = None, output: OutputOption = OutputFormat.table)
         except grpc.RpcError as exc:
             if not _is_unimplemented(exc):
                 raise
-            data = {"workers": [_engine_as_worker(channel, _target(target))]}
+            data = {"workers": [_engine_as_worker(channel, server.address)]}
     emit(data, output, _render_workers)
 
 
@@ -239,10 +232,13 @@ def _render_workers(data: dict[str, Any]) -> str:
     return head + _table(headers, rows)
 
 
-def health(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+def health(
+    ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
+) -> None:
     """Health of the target (a controller lists every engine as a check)."""
     reply = _call(
-        target, lambda ch: pb_grpc.OpenEngineStub(ch).Health(pb.HealthRequest(), timeout=TIMEOUT_S)
+        _server(ctx, target),
+        lambda ch: pb_grpc.OpenEngineStub(ch).Health(pb.HealthRequest(), timeout=TIMEOUT_S),
     )
     data = _dict(reply)
 
@@ -256,10 +252,12 @@ def health(target: TargetOpt = None, output: OutputOption = OutputFormat.table) 
     emit(data, output, render)
 
 
-def load(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+def load(
+    ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
+) -> None:
     """GetLoad of the target (a controller sums its fleet, with per-engine detail)."""
     reply = _call(
-        target,
+        _server(ctx, target),
         lambda ch: pb_grpc.OpenEngineStub(ch).GetLoad(pb.GetLoadRequest(), timeout=TIMEOUT_S),
     )
     data = _dict(reply)
@@ -284,7 +282,9 @@ def load(target: TargetOpt = None, output: OutputOption = OutputFormat.table) ->
     emit(data, output, render)
 
 
-def info(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+def info(
+    ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
+) -> None:
     """GetEngineInfo and GetModelInfo of every served model."""
 
     def rpc(ch: grpc.Channel) -> dict[str, Any]:
@@ -296,7 +296,7 @@ def info(target: TargetOpt = None, output: OutputOption = OutputFormat.table) ->
         ]
         return {"engine": _dict(engine), "models": models}
 
-    data = _call(target, rpc)
+    data = _call(_server(ctx, target), rpc)
 
     def render(d: dict[str, Any]) -> str:
         e = d["engine"]
@@ -333,6 +333,8 @@ def info(target: TargetOpt = None, output: OutputOption = OutputFormat.table) ->
 
 
 def match(
+    ctx: typer.Context,
+    *,
     prompt: PromptOpt = None,
     tokens_file: TokensFileOpt = None,
     model: Annotated[str, typer.Option(help="Model name.")] = "",
@@ -341,7 +343,9 @@ def match(
 ) -> None:
     """How much of a prompt each engine holds (controller)."""
     query = _prompt_query(prompt, tokens_file, model)
-    reply = _admin_call("match", target, lambda stub: stub.Match(query, timeout=TIMEOUT_S))
+    reply = _admin_call(
+        "match", _server(ctx, target), lambda stub: stub.Match(query, timeout=TIMEOUT_S)
+    )
     data = _dict(reply)
     data.setdefault("matches", [])
 
@@ -370,6 +374,8 @@ def match(
 
 
 def route(
+    ctx: typer.Context,
+    *,
     prompt: PromptOpt = None,
     tokens_file: TokensFileOpt = None,
     model: Annotated[str, typer.Option(help="Model name.")] = "",
@@ -378,7 +384,9 @@ def route(
 ) -> None:
     """Where the router would send a prompt, and every engine's cost terms (controller)."""
     query = _prompt_query(prompt, tokens_file, model)
-    reply = _admin_call("route", target, lambda stub: stub.Route(query, timeout=TIMEOUT_S))
+    reply = _admin_call(
+        "route", _server(ctx, target), lambda stub: stub.Route(query, timeout=TIMEOUT_S)
+    )
     data = _dict(reply)
     data.setdefault("costs", [])
 
@@ -428,6 +436,7 @@ def _num(value: Any) -> str | None:
 
 
 def drain(
+    ctx: typer.Context,
     *,
     engine: Annotated[
         str | None, typer.Argument(help="Engine instance id or address (or give --self).")
@@ -450,6 +459,7 @@ def drain(
     until COMPLETE. A deadline that passes with requests in flight ends it with an error."""
     if (engine is None) == (not drain_self):
         raise typer.BadParameter("give the ENGINE to drain, or --self to drain the target itself")
+    server = _server(ctx, target)
     metadata = _metadata(token_file)
     events: list[dict[str, Any]] = []
 
@@ -465,7 +475,7 @@ def drain(
         if deadline_ms is not None:
             req.deadline_ms = deadline_ms
         _admin_call(
-            "drain ENGINE", target, lambda stub: follow(stub.DrainEngine(req, metadata=metadata))
+            "drain ENGINE", server, lambda stub: follow(stub.DrainEngine(req, metadata=metadata))
         )
     else:
         dreq = pb.DrainRequest(
@@ -473,7 +483,7 @@ def drain(
         )
         if deadline_ms is not None:
             dreq.deadline_ms = deadline_ms
-        _call(target, lambda ch: follow(pb_grpc.OpenEngineStub(ch).Drain(dreq, metadata=metadata)))
+        _call(server, lambda ch: follow(pb_grpc.OpenEngineStub(ch).Drain(dreq, metadata=metadata)))
     if output is OutputFormat.json:
         emit({"events": events}, output, str)
     last = events[-1] if events else {}
@@ -497,6 +507,7 @@ def _render_drain(d: dict[str, Any]) -> str:
 
 def _cordon_command(on: bool) -> Callable[..., None]:
     def command(
+        ctx: typer.Context,
         engine: Annotated[str, typer.Argument(help="Engine instance id or address.")],
         target: TargetOpt = None,
         token_file: TokenFileOpt = None,
@@ -510,7 +521,7 @@ def _cordon_command(on: bool) -> Callable[..., None]:
             return call(ref, metadata=metadata, timeout=TIMEOUT_S)
 
         name = "cordon" if on else "uncordon"
-        data = _dict(_admin_call(name, target, rpc))
+        data = _dict(_admin_call(name, _server(ctx, target), rpc))
         emit(data, output, lambda d: f"{d.get('instance_id')} ({d.get('address')}) {name}ed")
 
     command.__doc__ = (
@@ -520,6 +531,8 @@ def _cordon_command(on: bool) -> Callable[..., None]:
 
 
 def abort(
+    ctx: typer.Context,
+    *,
     request_id: Annotated[str | None, typer.Argument(help="The request to abort.")] = None,
     all_requests: Annotated[bool, typer.Option("--all", help="Abort every request.")] = False,
     target: TargetOpt = None,
@@ -536,7 +549,7 @@ def abort(
     )
     metadata = _metadata(token_file)
     reply = _call(
-        target,
+        _server(ctx, target),
         lambda ch: pb_grpc.OpenEngineStub(ch).Abort(req, metadata=metadata, timeout=TIMEOUT_S),
     )
     data = _dict(reply)
@@ -551,26 +564,26 @@ lora_app = typer.Typer(no_args_is_help=True, help="LoRA adapters on the fleet or
 
 
 def _engine_metadata(
-    command: str, target: str | None, engine: str | None
+    command: str, server: ClientTarget, engine: str | None
 ) -> tuple[tuple[str, str], ...]:
-    """The request metadata that has the controller at `target` forward a LoRA call to fleet
+    """The request metadata that has the controller `server` forward a LoRA call to fleet
     engine `engine` only (controller.outcomes); none without `engine`. The target must be a
     controller: an engine ignores metadata it does not know and would act on itself,
     whatever `engine` names."""
     if engine is None:
         return ()
     _admin_call(
-        command, target, lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S)
+        command, server, lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S)
     )
     return ((ENGINE_METADATA_KEY, engine),)
 
 
 def _lora_call(
-    target: str | None, rpc: Callable[[pb_grpc.OpenEngineStub], tuple[Message, grpc.Call]]
+    server: ClientTarget, rpc: Callable[[pb_grpc.OpenEngineStub], tuple[Message, grpc.Call]]
 ) -> dict[str, Any]:
     """The reply as a dict, with `engines`: the controller's per-engine outcomes (its
     trailing metadata, controller.outcomes); absent against a single engine."""
-    reply, call = _call(target, lambda ch: rpc(pb_grpc.OpenEngineStub(ch)))
+    reply, call = _call(server, lambda ch: rpc(pb_grpc.OpenEngineStub(ch)))
     data = _dict(reply)
     engines = read_outcomes(call.trailing_metadata())
     if engines:
@@ -596,6 +609,7 @@ def _with_engines(summary: str, data: dict[str, Any]) -> str:
 
 @lora_app.command("load")
 def lora_load(
+    ctx: typer.Context,
     *,
     name: Annotated[str, typer.Argument(help="Adapter name.")],
     path: Annotated[str, typer.Argument(help="Absolute adapter directory, as the engine sees it.")],
@@ -609,12 +623,13 @@ def lora_load(
 ) -> None:
     """Load an adapter on every engine (or, through the controller, one); behind a controller,
     each engine's outcome."""
-    metadata = _metadata(token_file) + _engine_metadata("lora load --engine", target, engine)
+    server = _server(ctx, target)
+    metadata = _metadata(token_file) + _engine_metadata("lora load --engine", server, engine)
     req = pb.LoadLoraRequest(
         adapter=pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=path)
     )
     data = _lora_call(
-        target,
+        _server(ctx, target),
         lambda stub: stub.LoadLora.with_call(req, metadata=metadata, timeout=TIMEOUT_S),
     )
     state = "already loaded" if data.get("already_loaded") else "loaded"
@@ -623,6 +638,8 @@ def lora_load(
 
 @lora_app.command("unload")
 def lora_unload(
+    ctx: typer.Context,
+    *,
     name: Annotated[str, typer.Argument(help="Adapter name.")],
     engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
     target: TargetOpt = None,
@@ -631,21 +648,24 @@ def lora_unload(
 ) -> None:
     """Unload an adapter everywhere (or, through the controller, from one engine); behind a
     controller, each engine's outcome."""
-    metadata = _metadata(token_file) + _engine_metadata("lora unload --engine", target, engine)
+    server = _server(ctx, target)
+    metadata = _metadata(token_file) + _engine_metadata("lora unload --engine", server, engine)
     req = pb.UnloadLoraRequest(lora_name=name)
     data = _lora_call(
-        target,
+        _server(ctx, target),
         lambda stub: stub.UnloadLora.with_call(req, metadata=metadata, timeout=TIMEOUT_S),
     )
     emit(data, output, lambda d: _with_engines(f"{name} unloaded", d))
 
 
 @lora_app.command("list")
-def lora_list(target: TargetOpt = None, output: OutputOption = OutputFormat.table) -> None:
+def lora_list(
+    ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
+) -> None:
     """Adapters loaded on any engine of the fleet, and behind a controller which engines hold
     each (ENGINES)."""
     data = _lora_call(
-        target,
+        _server(ctx, target),
         lambda stub: stub.ListLoras.with_call(pb.ListLorasRequest(), timeout=TIMEOUT_S),
     )
     data.setdefault("adapters", [])

@@ -15,6 +15,7 @@ from kvplane.cli_common import (
     TlsKeyOption,
     TlsServerNameOption,
     client_channels,
+    remember_group_client,
 )
 
 controller_app = typer.Typer(no_args_is_help=True)
@@ -26,7 +27,7 @@ admin_app.add_typer(index_app, name="index")
 def _admin_group(
     ctx: typer.Context,
     *,
-    target: TargetOption = "",
+    target: TargetOption = None,
     tls_ca: TlsCaOption = None,
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
@@ -34,15 +35,8 @@ def _admin_group(
 ) -> None:
     """Admin CLI for a controller, an engine or an indexer (`--target HOST:PORT`; `--tls-ca`
     for a TLS server, with `--tls-cert`/`--tls-key` when it requires a client certificate)."""
-    from controller.admin_cli import set_group
-
     channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
-    set_group(target or None, channels)  # reset on every invocation (CliRunner reuses it)
-    ctx.obj = {
-        **(ctx.obj or {}),
-        **({"target": target} if target else {}),
-        **({"channels": channels} if channels else {}),
-    }
+    remember_group_client(ctx, target, channels)
 
 
 @controller_app.command()

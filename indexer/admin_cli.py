@@ -23,8 +23,8 @@ from indexer.batch import to_sfixed64
 from indexer.validation import MAX_UINT32
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
-from kvplane.channels import INSECURE
 from kvplane.cli_common import (
+    ClientTarget,
     OutputFormat,
     OutputOption,
     TlsCaOption,
@@ -33,7 +33,8 @@ from kvplane.cli_common import (
     TlsServerNameOption,
     client_channels,
     emit,
-    rpc_channel,
+    remember_group_client,
+    target_option,
 )
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as api
@@ -45,9 +46,7 @@ TIMEOUT_S = 10.0
 
 index_app = typer.Typer(no_args_is_help=True, help="Inspect a kvplane indexer.")
 
-IndexTargetOption = Annotated[
-    str | None, typer.Option("--target", "-t", help="HOST:PORT of the indexer.")
-]
+IndexTargetOption = Annotated[str | None, target_option("HOST:PORT of the indexer.")]
 T = TypeVar("T")
 
 
@@ -61,29 +60,13 @@ def _group(
     tls_key: TlsKeyOption = None,
     tls_server_name: TlsServerNameOption = None,
 ) -> None:
-    channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
-    ctx.obj = {
-        **(ctx.obj or {}),
-        **({"target": target} if target else {}),
-        **({"channels": channels} if channels else {}),
-    }
-
-
-def _group_setting(ctx: typer.Context, key: str) -> Any:
-    """A setting of this group or of the `admin` group above it (the nearest wins)."""
-    node: Any = ctx
-    while node is not None:
-        if isinstance(node.obj, dict) and node.obj.get(key):
-            return node.obj[key]
-        node = node.parent
-    return None
+    remember_group_client(ctx, target, client_channels(tls_ca, tls_cert, tls_key, tls_server_name))
 
 
 def _channel(ctx: typer.Context, target: str | None) -> AbstractContextManager[grpc.Channel]:
-    """A channel to the command's --target, else the group's, else DEFAULT_TARGET, with the
+    """A channel to the command's --target, else the groups', else DEFAULT_TARGET, with the
     groups' --tls-* options."""
-    address = target or _group_setting(ctx, "target") or DEFAULT_TARGET
-    return rpc_channel(address, TARGET_KIND, _group_setting(ctx, "channels") or INSECURE)
+    return ClientTarget.of(ctx, target, DEFAULT_TARGET).channel(TARGET_KIND)
 
 
 def _call(ctx: typer.Context, target: str | None, rpc: Callable[[grpc.Channel], T]) -> T:

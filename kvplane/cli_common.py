@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -38,9 +39,21 @@ PortFileOption = Annotated[
         "--port-file", help="Write the bound port here once listening (for port 0 and scripts)."
     ),
 ]
-TargetOption = Annotated[
-    str, typer.Option("--target", "-t", help="HOST:PORT of the server to talk to.")
-]
+
+
+def _nonempty_target(value: str | None) -> str | None:
+    """An empty --target is a mistake (an unset shell variable), not "the default"."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("is empty: give HOST:PORT")
+    return value
+
+
+def target_option(help_text: str) -> Any:
+    """The --target/-t option of a client command or group (None: not given)."""
+    return typer.Option("--target", "-t", help=help_text, callback=_nonempty_target)
+
+
+TargetOption = Annotated[str | None, target_option("HOST:PORT of the server to talk to.")]
 
 
 TlsCaOption = Annotated[
@@ -79,6 +92,42 @@ def client_channels(
         raise typer.BadParameter("--tls-server-name is empty")
     tls = ClientTlsConfig(ca_file=ca, cert_file=cert, key_file=key, server_name=server_name)
     return ClientChannels.load(tls)
+
+
+# `kvplane admin [--target T] [--tls-* ...] [index [--target T] ...] COMMAND`: what the groups
+# were given for this invocation, kept in the context's `meta`, one dict shared by all the
+# nested contexts of an invocation. An inner group's callback runs after the outer one's, so
+# the nearest group wins; a command's own --target wins over every group's.
+_GROUP_TARGET = "kvplane.client.target"
+_GROUP_CHANNELS = "kvplane.client.channels"
+
+
+def remember_group_client(
+    ctx: typer.Context, target: str | None, channels: ClientChannels | None
+) -> None:
+    """Called by a command group's callback with its --target and --tls-* options."""
+    if target:
+        ctx.meta[_GROUP_TARGET] = target
+    if channels is not None:
+        ctx.meta[_GROUP_CHANNELS] = channels
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTarget:
+    """The server a client command talks to, and how (plaintext or the groups' TLS)."""
+
+    address: str
+    channels: ClientChannels
+
+    @classmethod
+    def of(cls, ctx: typer.Context, target: str | None, default: str) -> ClientTarget:
+        """The command's --target, else its groups', else `default`."""
+        address = target or ctx.meta.get(_GROUP_TARGET) or default
+        return cls(address, ctx.meta.get(_GROUP_CHANNELS, INSECURE))
+
+    def channel(self, expects: str | None = None) -> AbstractContextManager[grpc.Channel]:
+        """`rpc_channel` to this server."""
+        return rpc_channel(self.address, expects, self.channels)
 
 
 class RpcCallError(KvplaneError):

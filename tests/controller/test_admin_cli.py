@@ -142,6 +142,16 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     assert drained.exit_code == 0 and "COMPLETE" in drained.output
 
 
+async def test_the_group_target_lasts_one_invocation(fleet: Fleet) -> None:
+    """`admin --target T` reaches T for that command only; the next invocation in the same
+    process (the group settings once lived in module globals) goes to the default target."""
+    engine = fleet.address(fleet.engines[0])
+    assert (await cli("--target", engine, "health")).exit_code == 0
+    later = await cli("health")
+    assert later.exit_code == 1
+    assert str(later.exception).startswith("127.0.0.1:8100: UNAVAILABLE")
+
+
 @pytest.mark.parametrize(
     "command",
     [

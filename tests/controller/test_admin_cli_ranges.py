@@ -67,3 +67,20 @@ def test_arguments_that_do_not_go_together_are_a_usage_error(
     result = admin(*command)
     assert result.exit_code == 2
     assert message in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--target", "", "health"],
+        ["health", "--target", " "],
+        ["lora", "list", "-t", ""],
+        ["index", "--target", "", "stats"],
+        ["index", "stats", "-t", ""],
+    ],
+)
+def test_an_empty_target_is_a_usage_error(args: list[str]) -> None:
+    """`--target "$UNSET"` names no server; it must not quietly mean the default one."""
+    result = admin(*args)
+    assert result.exit_code == 2
+    assert "Invalid value for '--target' / '-t': is empty: give HOST:PORT" in result.output
