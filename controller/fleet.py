@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -272,6 +273,7 @@ class Fleet:
         self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
         self._routing_blind = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
+        self._mixed_block_sizes = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
@@ -373,11 +375,21 @@ class Fleet:
 
     # ---- routing view ----
 
-    def block_size(self) -> int:
-        for record in self.registry.records():
-            if record.identity is not None and record.identity.block_size:
-                return record.identity.block_size
-        return self.config.default_block_size
+    def block_size(self, records: Sequence[EngineRecord]) -> int:
+        """The block size a prompt for `records` is hashed in: theirs (a fleet may serve
+        models of different block sizes), the most common one if they disagree (an engine
+        of another size then has no cache the router can see), else the config's default."""
+        sizes = Counter(
+            r.identity.block_size for r in records if r.identity and r.identity.block_size
+        )
+        if not sizes:
+            return self.config.default_block_size
+        if len(sizes) > 1:
+            self._mixed_block_sizes.warn(
+                f"engines of one model have block sizes {sorted(sizes)}: prompts are matched "
+                "in the most common one; the others are routed without cache knowledge"
+            )
+        return sizes.most_common(1)[0][0]
 
     async def prompt_view(
         self,
@@ -392,7 +404,7 @@ class Fleet:
         if lora_name and not records:
             # Only engines holding the adapter may take the request: say why there is none.
             self.registry.check_lora(lora_name, model or None)
-        size = self.block_size()
+        size = self.block_size(records)
         keys: tuple[int, ...] = ()
         hits: dict[str, PrefixHit] = {}
         lora, salt = lora_name or None, cache_salt or None

@@ -95,6 +95,38 @@ async def test_shared_prefix_lands_where_it_lives(fleet: Fleet) -> None:
     assert metrics._cached_tokens_accuracy() == 1.0
 
 
+async def test_each_model_is_matched_in_its_own_block_size() -> None:
+    """A fleet serving two models of different block sizes: a prompt is hashed in the block
+    size of its model's engines. (It was hashed in the first engine's, whichever model that
+    served, so the other model's cache was invisible to the router.)"""
+    small = await start_sim_engine("e0", served_model_name="small", block_size=16)
+    big = [await start_sim_engine(f"e{i}", served_model_name="big", block_size=32) for i in (1, 2)]
+    fleet = await make_fleet(engines=[small, *big])
+    prompt = [*PREFIX, *range(900, 964)]  # 128 tokens: eight blocks of 16, four of 32
+    try:
+        for model, block_size, reason in (("small", 16, "only"), ("big", 32, "cache")):
+            first = generate_request(f"{model}-a", [*prompt, 1])
+            first.model = model
+            await generate(fleet, first)
+            query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prompt, 2]), model=model)
+
+            async def indexed(
+                query: apb.PromptQuery = query, blocks: int = 128 // block_size
+            ) -> bool:
+                reply = await fleet.admin.Match(query)
+                return any(m.device_blocks == blocks for m in reply.matches)
+
+            await eventually(indexed)
+            assert (await fleet.admin.Match(query)).block_size == block_size
+            explained = await fleet.admin.Route(query)
+            assert explained.reason == reason and explained.predicted_cached_tokens == 128
+            again = generate_request(f"{model}-b", [*prompt, 3])
+            again.model = model
+            assert (await generate(fleet, again))[-1].usage.cached_prompt_tokens == 128
+    finally:
+        await close_fleet(fleet)
+
+
 def test_cached_token_prediction_accuracy_weighs_errors_by_size() -> None:
     metrics = ControllerMetrics(Registry())
     assert metrics._cached_tokens_accuracy() == 1.0  # nothing predicted yet
