@@ -587,6 +587,7 @@ def _text(value: object) -> str:
 
 def render_status(status: FleetStatus) -> Any:
     """The live view: members, engines, routing (a rich renderable)."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
 
@@ -596,17 +597,19 @@ def render_status(status: FleetStatus) -> Any:
     for name, kind, address, pid, state in status.members:
         members.add_row(name, kind, address, _text(pid), state)
 
-    engines = Table(title="engines", title_justify="left")
-    for column in ("engine", "address", "health", "running", "queued", "kv usage"):
-        engines.add_column(column)
-    for column in ("cached blocks", "indexed blocks", "in flight"):
-        engines.add_column(column, justify="right")
+    # Fits an 80-column terminal: the addresses are in the members table above.
+    engines = Table(
+        title="engines", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False
+    )
+    engines.add_column("engine", no_wrap=True)
+    engines.add_column("health", min_width=len("unreachable"))
+    for column in ("run", "queue", "kv used", "cached", "indexed", "in flight"):
+        engines.add_column(column, justify="right", no_wrap=True, min_width=len(column))
     for e in status.engines:
         usage = e.kv_usage
-        kv = "-" if usage is None else f"{usage:.1%} ({e.used_kv_blocks}/{e.total_kv_blocks})"
+        kv = "-" if usage is None else f"{usage:.0%}"
         engines.add_row(
             e.name,
-            e.address,
             e.state,
             _text(e.running),
             _text(e.queued),
@@ -615,6 +618,9 @@ def render_status(status: FleetStatus) -> Any:
             _text(e.indexed_blocks),
             _text(e.inflight),
         )
+    caption = "run/queue: its requests running and queued; kv used: of its KV blocks; cached: "
+    engines.caption = caption + "blocks in its prefix cache; indexed: in the controller's index"
+    engines.caption_justify = "left"
 
     ratio = status.hit_ratio
     decisions = ", ".join(f"{k} {v}" for k, v in sorted(status.decisions.items())) or "none yet"

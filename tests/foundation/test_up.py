@@ -352,11 +352,14 @@ async def test_status_shows_load_cache_and_routing_of_a_running_fleet(
         assert all(e.state == "ready" and e.total_kv_blocks for e in engines.values())
         assert sum(e.cached_blocks or 0 for e in engines.values()) >= 3 * 256 // 16
         assert sum(e.indexed_blocks or 0 for e in engines.values()) == status.index_blocks
-        console = Console(record=True, width=200)
+        console = Console(record=True, width=80)  # a plain terminal's width
         console.print(render_status(status))
         text = console.export_text()
         for member in fleet.members:
             assert member.address is not None and member.address in text
+        for name, engine in engines.items():
+            row = next(line.split() for line in text.splitlines() if line.split()[:1] == [name])
+            assert row[1:3] == ["ready", str(engine.running)], text  # nothing cut short
         assert "hit ratio" in text and "kvplane" in text
         # `tokenizer: builtin`: the controller tokenises text prompts for routing.
         async with grpc.aio.insecure_channel(fleet.member("controller").address or "") as ch:
