@@ -202,15 +202,30 @@ async def test_engine_killed_mid_stream_ends_with_one_engine_error() -> None:
 
 
 async def test_abort_goes_to_the_engine_holding_the_request() -> None:
+    """Only there: another client's request of the same id, sent straight to the other
+    engine, keeps running."""
     fleet = await make_fleet(2, time_scale=1.0)
     try:
         stream = fleet.gateway.Generate(generate_request("long", [*PREFIX, 1], max_tokens=2000))
-        events: list[str] = []
-        async for response in stream:
-            events.append(str(response.WhichOneof("event")))
-            if len(events) == 1:
-                reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="long"))
-                assert reply.status == pb.ABORT_STATUS_ABORTED
+        first = await stream.read()
+        assert isinstance(first, pb.GenerateResponse)
+        events = [str(first.WhichOneof("event"))]
+        holder = fleet.app.gateway.relay.holding["long"]
+        other = next(fleet.address(e) for e in fleet.engines if fleet.address(e) != holder)
+        async with grpc.aio.insecure_channel(other) as channel:
+            direct = pb_grpc.OpenEngineStub(channel)
+            twin = direct.Generate(generate_request("long", [*PREFIX, 2], max_tokens=2000))
+            running = await twin.read()
+            assert isinstance(running, pb.GenerateResponse)
+            assert running.WhichOneof("event") == "token"
+            reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="long"))
+            assert reply.status == pb.ABORT_STATUS_ABORTED
+            while isinstance(response := await stream.read(), pb.GenerateResponse):
+                events.append(str(response.WhichOneof("event")))
+            # The twin runs until its own client aborts it.
+            mine = await direct.Abort(pb.AbortRequest(request_id="long"))
+            assert mine.status == pb.ABORT_STATUS_ABORTED
+            twin.cancel()
         assert events[-1] in ("finished", "error")
         assert len(events) < 2000
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -509,8 +524,12 @@ async def test_engines_added_and_removed_at_run_time(fleet: Fleet) -> None:
         holder = await holder_of(fleet, PREFIX, 4)
         await fleet.admin.RemoveEngine(apb.EngineRef(engine=holder))
         match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
-        assert all(m.device_blocks == 0 for m in match.matches)  # its index entries are gone
+        assert all(m.device_blocks == 0 for m in match.matches)
         assert holder not in {m.engine for m in match.matches}
+        # Match lists only the fleet's engines: the index itself has dropped the entries.
+        index = fleet.app.controller.index
+        assert index is not None
+        assert holder not in {w.worker_id for w in (await index.stats()).workers}
     finally:
         await extra.close()
 

@@ -1,9 +1,10 @@
 """The gateway against engines that do what the bundled sim engine cannot on demand: serve
-LoRA adapters, serve Embed, fail a Generate at a chosen point. Real gRPC all the way: a real
-controller in front of `ScriptedEngine`s, each a real sim engine behind a thin OpenEngine
-server (see ScriptedServicer). Covers LoRA fan-out results, task routing by capability,
-retries before the first token and the single terminal error after it, and Abort of every
-request when no engine can be reached."""
+LoRA adapters, serve Embed, Classify and Score, fail a Generate at a chosen point, report a
+chosen load. Real gRPC all the way: a real controller in front of `ScriptedEngine`s, each a
+real sim engine behind a thin OpenEngine server (see ScriptedServicer). Covers LoRA fan-out
+results, task routing by capability, retries before the first token and the single terminal
+error after it, GetLoad's sums and per-engine detail, and Abort of every request when no
+engine can be reached."""
 
 from __future__ import annotations
 
@@ -51,14 +52,14 @@ class ScriptedServicer(Forwarding):
     where it answers itself (WIRE.md section 3):
 
     - GetModelInfo is the sim engine's, with `supports_lora` set as asked (None: absent) and
-      `tasks.embed.supported` when `embed` is on.
+      `tasks.<task>.supported` for each of `tasks` ("embed", "classify", "score").
     - LoRA (`lora_enabled`): a positive id, a non-empty name and an absolute directory, else
       INVALID_ARGUMENT; the same triple twice is idempotent (`already_loaded`); a conflicting
       id, name or path is ALREADY_EXISTS; unloading an unknown name is NOT_FOUND; with LoRA
       disabled every LoRA call is FAILED_PRECONDITION.
-    - Embed (`embed`): one dense output per input, in request order, `input_index` present
-      even for 0; an unknown model is NOT_FOUND. Classify and Score are unsupported:
-      FAILED_PRECONDITION. Without `embed`, Embed is FAILED_PRECONDITION too.
+    - Embed, Classify, Score (each when in `tasks`, else FAILED_PRECONDITION): one output per
+      input (Score: per group, one per candidate), in request order, the index present even
+      for 0; an unknown model is NOT_FOUND.
     - Generate takes the next of the shared GenerateFaults, else is the sim engine's. One
       naming a LoRA adapter is refused as the seed says (LoRA disabled: FAILED_PRECONDITION;
       an adapter not loaded here: NOT_FOUND), else runs as the sim engine's without it (the
@@ -74,13 +75,13 @@ class ScriptedServicer(Forwarding):
         *,
         advertise_lora: bool | None,
         lora_enabled: bool,
-        embed: bool,
+        tasks: frozenset[str],
     ) -> None:
         super().__init__(inner)
         self.faults = faults
         self.advertise_lora = advertise_lora
         self.lora_enabled = lora_enabled
-        self.embed = embed
+        self.tasks = tasks
         self.adapters: dict[str, pb.LoraAdapter] = {}
         self.generate_calls: list[str] = []
         self.task_calls: list[str] = []
@@ -93,9 +94,11 @@ class ScriptedServicer(Forwarding):
             info.ClearField("supports_lora")
         else:
             info.supports_lora = self.advertise_lora
-        info.tasks.embed.supported = self.embed
-        if self.embed:
+        info.tasks.embed.supported = "embed" in self.tasks
+        if "embed" in self.tasks:
             info.tasks.embed.dimension = EMBED_DIMENSION
+        info.tasks.classify.supported = "classify" in self.tasks
+        info.tasks.score.supported = "score" in self.tasks
         return info
 
     # ---- Generate, with faults ----
@@ -187,12 +190,17 @@ class ScriptedServicer(Forwarding):
 
     # ---- tasks ----
 
+    async def _task(
+        self, task: str, request_context: pb.TaskRequestContext, context: Context
+    ) -> None:
+        self.task_calls.append(task)
+        if task not in self.tasks:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{task} is unsupported")
+        if request_context.model not in ("", "sim"):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request_context.model!r}")
+
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> Any:
-        self.task_calls.append("embed")
-        if not self.embed:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "embed is unsupported")
-        if request.context.model not in ("", "sim"):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request.context.model!r}")
+        await self._task("embed", request.context, context)
         outputs = []
         for index, item in enumerate(request.inputs):
             ids = list(item.token_ids.ids)
@@ -209,12 +217,36 @@ class ScriptedServicer(Forwarding):
         return pb.EmbedResponse(request_id=request.context.request_id, outputs=outputs, usage=usage)
 
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> Any:
-        self.task_calls.append("classify")
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "classify is unsupported")
+        await self._task("classify", request.context, context)
+        outputs = [
+            pb.ClassificationOutput(
+                item_id=item.item_id,
+                input_index=index,
+                granularity=pb.TASK_OUTPUT_GRANULARITY_SEQUENCE,
+                scores=pb.DenseFloatTensor(shape=[1], values=[float(len(item.token_ids.ids))]),
+            )
+            for index, item in enumerate(request.inputs)
+        ]
+        return pb.ClassifyResponse(request_id=request.context.request_id, outputs=outputs)
 
     async def Score(self, request: pb.ScoreRequest, context: Context) -> Any:
-        self.task_calls.append("score")
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "score is unsupported")
+        await self._task("score", request.context, context)
+        groups = [
+            pb.ScoreGroupOutput(
+                group_id=group.group_id,
+                group_index=g,
+                candidates=[
+                    pb.ScoreCandidateOutput(
+                        candidate_id=c.item_id,
+                        candidate_index=k,
+                        scores=pb.DenseFloatTensor(shape=[1], values=[float(k)]),
+                    )
+                    for k, c in enumerate(group.candidates)
+                ],
+            )
+            for g, group in enumerate(request.groups)
+        ]
+        return pb.ScoreResponse(request_id=request.context.request_id, groups=groups)
 
 
 ScriptedEngine = FrontedEngine[ScriptedServicer]
@@ -226,7 +258,7 @@ async def start_scripted_engine(
     *,
     advertise_lora: bool | None = False,
     lora_enabled: bool = False,
-    embed: bool = False,
+    tasks: frozenset[str] = frozenset(),
     time_scale: float = 0.0,
 ) -> ScriptedEngine:
     return await start_fronted_engine(
@@ -236,7 +268,7 @@ async def start_scripted_engine(
             faults or GenerateFaults(),
             advertise_lora=advertise_lora,
             lora_enabled=lora_enabled,
-            embed=embed,
+            tasks=tasks,
         ),
         time_scale,
     )
@@ -383,7 +415,7 @@ async def test_lora_list_fails_with_the_engines_status() -> None:
 async def test_tasks_go_only_to_engines_that_support_them() -> None:
     engines = [
         await start_scripted_engine("e0"),
-        await start_scripted_engine("e1", embed=True),
+        await start_scripted_engine("e1", tasks=frozenset({"embed"})),
         await start_scripted_engine("e2"),
     ]
     fleet = await scripted_fleet(*engines)
@@ -426,6 +458,39 @@ async def test_tasks_go_only_to_engines_that_support_them() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await fleet.gateway.Embed(embed("cordoned"))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_classify_and_score_go_to_the_engines_that_support_them() -> None:
+    """e0 classifies, e1 scores, e2 does neither: each task reaches only its engine, and the
+    engine's reply comes back unchanged."""
+    engines = [
+        await start_scripted_engine("e0", tasks=frozenset({"classify"})),
+        await start_scripted_engine("e1", tasks=frozenset({"score"})),
+        await start_scripted_engine("e2"),
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        inputs = [pb.TaskInput(item_id=f"i{k}", token_ids=pb.TokenIds(ids=[5] * k)) for k in (1, 3)]
+        classify = pb.ClassifyRequest(
+            context=pb.TaskRequestContext(request_id="c", model="sim"), inputs=inputs
+        )
+        score = pb.ScoreRequest(
+            context=pb.TaskRequestContext(request_id="s", model="sim"),
+            groups=[pb.ScoreGroup(group_id="g", query=inputs[0], candidates=inputs)],
+        )
+        async with grpc.aio.insecure_channel(address(engines[0])) as direct:
+            classified = await pb_grpc.OpenEngineStub(direct).Classify(classify)
+        async with grpc.aio.insecure_channel(address(engines[1])) as direct:
+            scored = await pb_grpc.OpenEngineStub(direct).Score(score)
+        for _ in range(3):
+            assert await fleet.gateway.Classify(classify) == classified
+            assert await fleet.gateway.Score(score) == scored
+        assert [o.scores.values[0] for o in classified.outputs] == [1.0, 3.0]
+        assert [c.candidate_id for c in scored.groups[0].candidates] == ["i1", "i3"]
+        calls = [e.servicer.task_calls for e in engines]
+        assert calls == [["classify"] * 4, ["score"] * 4, []]
     finally:
         await close_fleet(fleet)
 
@@ -510,6 +575,70 @@ async def test_failure_after_acceptance_is_one_terminal_error_and_no_retry(fault
         assert metrics.retries._value.get() == 0
         assert metrics.requests.labels("engine_error")._value.get() == 1
         assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+# ---- GetLoad ----
+
+
+class ReportsLoad(Forwarding):
+    """GetLoad is the sim engine's with the figures in `load` (None: the field absent)."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.load: dict[str, int | None] = {}
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
+        reply = await self.inner.GetLoad(request)
+        for name, value in self.load.items():
+            if value is None:
+                reply.ClearField(name)  # type: ignore[arg-type]
+            else:
+                setattr(reply, name, value)
+        return reply
+
+
+async def test_get_load_sums_the_engines_and_details_each() -> None:
+    """The fleet's figures are the sums of what each engine reported (a field an engine
+    leaves out counts as nothing); every engine has a line of detail, '?' for what it did not
+    report."""
+    engines = [await start_fronted_engine(f"l{i}", ReportsLoad) for i in range(2)]
+    engines[0].servicer.load = {
+        "running_requests": 2, "queued_requests": 3, "used_kv_blocks": 10,
+        "total_kv_blocks": 100, "waiting_tokens": 70,
+    }  # fmt: skip
+    engines[1].servicer.load = {
+        "running_requests": 5, "queued_requests": None, "used_kv_blocks": 1,
+        "total_kv_blocks": 50, "waiting_tokens": 8,
+    }  # fmt: skip
+    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    registry = fleet.app.controller.fleet.registry
+    try:
+        await fleet.app.controller.fleet.wait_for(
+            lambda: (
+                [r.load.total_kv_blocks for r in registry.records()]
+                == [e.servicer.load["total_kv_blocks"] for e in sorted(engines, key=address)]
+            ),
+            15,
+        )
+        await fleet.admin.Cordon(apb.EngineRef(engine="l1"))
+        load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        assert (
+            load.running_requests, load.queued_requests, load.used_kv_blocks,
+            load.total_kv_blocks, load.waiting_tokens,
+        ) == (7, 3, 11, 150, 78)  # fmt: skip
+        assert (
+            load.instance_id
+            == (await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())).instance_id
+        )
+        assert (load.attributes["engines"], load.attributes["routable_engines"]) == ("2", "1")
+        assert load.attributes[f"engine.{address(engines[0])}"] == (
+            "instance=l0 state=ready cordoned=False running=2 queued=3 kv=10/100 inflight=0"
+        )
+        assert load.attributes[f"engine.{address(engines[1])}"] == (
+            "instance=l1 state=ready cordoned=True running=5 queued=? kv=1/50 inflight=0"
+        )
     finally:
         await close_fleet(fleet)
 
