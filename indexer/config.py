@@ -144,7 +144,8 @@ class IndexerConfig(ServerConfig):
     sources: list[SourceConfig] = Field(default_factory=list)
     # Default tokens per block: MatchTokens with block_size 0, canonical-mode sources.
     block_size: int = Field(default=16, gt=0)
-    # Concurrent MatchExternalKvPrefix calls beyond this are shed with RESOURCE_EXHAUSTED.
+    # Prefix queries (MatchExternalKvPrefix, MatchTokens) in flight beyond this are shed with
+    # RESOURCE_EXHAUSTED.
     max_concurrent_prefix_queries: int = Field(default=64, gt=0)
     # Largest request the server accepts (gRPC's default is 4 MiB). MatchExternalKvPrefix has
     # no length cap in the seed; this one (about 8 bytes a hash) is the effective one.

@@ -326,7 +326,9 @@ class Fleet:
         while time.monotonic() < deadline:
             if member.process.returncode is not None:
                 member.state = f"exited {member.process.returncode}"
-                raise KvplaneError(f"{name} exited during start-up: {_log_tail(log_path)}")
+                how = _exit_how(member.process.returncode)
+                tail = _log_tail(log_path)
+                raise KvplaneError(f"{name} exited during start-up with {how}: {tail}")
             if member.address is None and port_file.exists() and port_file.read_text().strip():
                 host = str(config["listen"]).rpartition(":")[0] or "127.0.0.1"
                 member.address = f"{host}:{port_file.read_text().strip()}"
@@ -725,17 +727,21 @@ async def _serve(fleet: Fleet, stop: asyncio.Event, live: bool, check: bool) -> 
     return True
 
 
-def _report_exit(member: Member) -> None:
-    process, log_path = member.process, member.log_path
-    assert process is not None and process.returncode is not None and log_path is not None
-    code = process.returncode
+def _exit_how(code: int) -> str:
+    """A member's exit status in words: "code 1", "code -9 (SIGKILL)"."""
     how = f"code {code}"
     if code < 0:  # killed by a signal
         with contextlib.suppress(ValueError):
             how += f" ({signal.Signals(-code).name})"
+    return how
+
+
+def _report_exit(member: Member) -> None:
+    process, log_path = member.process, member.log_path
+    assert process is not None and process.returncode is not None and log_path is not None
     log.error(
         "%s exited unexpectedly with %s; its log %s ends: %s",
-        member.name, how, log_path, _log_tail(log_path),
+        member.name, _exit_how(process.returncode), log_path, _log_tail(log_path),
     )  # fmt: skip
 
 

@@ -213,12 +213,6 @@ def test_config_names_from_the_issue(tmp_path: Path) -> None:
         load_config(ControllerConfig, path)
 
 
-def test_shipped_config_loads() -> None:
-    shipped = Path(__file__).resolve().parents[2] / "configs" / "controller.yaml"
-    config = load_config(ControllerConfig, shipped)
-    assert config.router.policy == "kvplane"
-
-
 def test_a_drain_the_controller_started_sticks_until_the_engine_restarts() -> None:
     registry = Registry()
     registry.add("h:1")

@@ -574,6 +574,23 @@ async def test_a_member_pinned_to_a_missing_cpu_is_refused_before_it_starts(
         load_fleet(empty)
 
 
+async def test_a_member_exiting_during_start_up_is_reported_with_its_exit_code(
+    tmp_path: Path,
+) -> None:
+    config = FleetConfig.model_validate(
+        {"members": [{"name": "engine-0", "kind": "engine", "config": {"nosuch": 1}}]}
+    )
+    fleet = Fleet(config, tmp_path)
+    try:
+        with pytest.raises(
+            KvplaneError,
+            match=r"engine-0 exited during start-up with code 1: .*nosuch: Extra inputs",
+        ):
+            await fleet.start()
+    finally:
+        await fleet.stop()
+
+
 def test_the_admin_hint_dials_the_fleet_as_up_does(tmp_path: Path) -> None:
     """On a terminal, up names the `kvplane admin` command that shows the fleet: with the
     fleet's client_tls it must carry the same files, or it could not connect."""

@@ -1,0 +1,52 @@
+"""Every example config in configs/ loads with the model of the server it is for."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from controller.config import ControllerConfig
+from engine.config import EngineConfig
+from indexer.config import IndexerConfig
+from kvplane.config import load_config
+from kvplane.up import FleetConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# A config's name starts with the kind of server it configures; `local` is a `kvplane up` fleet.
+MODELS: dict[str, type[BaseModel]] = {
+    "controller": ControllerConfig,
+    "engine": EngineConfig,
+    "indexer": IndexerConfig,
+    "local": FleetConfig,
+}
+
+
+def _model(path: Path) -> type[BaseModel]:
+    kind = path.stem.split("-")[0]
+    assert kind in MODELS, f"{path.name}: no config model for a config named {kind}-*"
+    return MODELS[kind]
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_config_loads(path: Path) -> None:
+    load_config(_model(path), path)
+
+
+def test_every_member_config_of_the_local_fleet_loads(tmp_path: Path) -> None:
+    """Each member's `config` is its server's own YAML (checked by the member's process only
+    once `kvplane up` starts it)."""
+    fleet = load_config(FleetConfig, CONFIGS / "local.yaml")
+    ports = {member.name: 9000 + i for i, member in enumerate(fleet.members)}
+    for member in fleet.members:
+        text = re.sub(
+            r"\$\{([^}]+)\}",
+            lambda ref: f"127.0.0.1:{ports[ref.group(1)]}",
+            yaml.safe_dump(member.config),
+        )
+        path = tmp_path / f"{member.name}.yaml"
+        path.write_text(text)
+        load_config(MODELS[member.kind], path)
