@@ -16,6 +16,7 @@ import typer
 from kvplane import __version__
 from kvplane.cli_common import OutputFormat, emit
 from kvplane.errors import KvplaneError, NotImplementedYetError
+from kvplane.fleet_member import join_fleet
 from kvplane.logs import LogFormat, configure_logging
 
 app = typer.Typer(
@@ -91,6 +92,7 @@ _register_groups()
 
 
 def main() -> None:
+    join_fleet()  # a member of a `kvplane up` fleet: die with it, keep to its CPUs
     try:
         app(standalone_mode=False)
     except NotImplementedYetError as exc:

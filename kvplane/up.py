@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -32,7 +31,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +43,7 @@ from pydantic import Field, field_validator, model_validator
 from kvplane.channels import ClientChannels
 from kvplane.config import ClientTlsConfig, StrictModel, load_config
 from kvplane.errors import KvplaneError
+from kvplane.fleet_member import member_environment
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -143,26 +142,9 @@ DEFAULT_FLEET: dict[str, Any] = {
 }
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _prctl() -> Callable[..., int] | None:
-    """libc's prctl (Linux), loaded here: a forked child must not load libraries."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-def _child_setup(name: str, cpus: list[int] | None) -> Callable[[], None]:
-    """What the member's child runs before exec: die with us, keep to `cpus` (if given).
-
-    The members lead sessions of their own (Ctrl-C reaches only us), so without this a
-    SIGKILLed `kvplane up` would leave the fleet running. The kernel sends SIGTERM when the
-    thread that forked the child ends: the event loop's, which runs until the fleet stops."""
-    wanted: set[int] | None = None
+def _member_environment(name: str, cpus: list[int] | None) -> dict[str, str]:
+    """The member's environment: ours, and that it dies with us and keeps to `cpus` (if
+    given), which it applies itself (`kvplane.fleet_member`)."""
     if cpus is not None:
         available = os.sched_getaffinity(0)
         missing = sorted(set(cpus) - available)
@@ -170,19 +152,7 @@ def _child_setup(name: str, cpus: list[int] | None) -> Callable[[], None]:
             raise KvplaneError(
                 f"{name}: cpus {missing} are not among this process's CPUs {sorted(available)}"
             )
-        wanted = set(cpus)
-    prctl = _prctl()
-    parent = os.getpid()
-
-    def setup() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-            if os.getppid() != parent:  # up died between the fork and prctl
-                os._exit(1)
-        if wanted is not None:
-            os.sched_setaffinity(0, wanted)
-
-    return setup
+    return {**os.environ, **member_environment(cpus)}
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:
@@ -310,7 +280,7 @@ class Fleet:
             sys.executable, "-m", "kvplane", member.kind, "serve",
             "--config", str(config_path), "--port-file", str(port_file),
         ]  # fmt: skip
-        setup = _child_setup(name, member.config.cpus)
+        env = _member_environment(name, member.config.cpus)
         with log_path.open("wb") as log_file:
             member.process = await asyncio.create_subprocess_exec(
                 *command,
@@ -318,7 +288,7 @@ class Fleet:
                 stdout=log_file,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches us only; we stop children in order.
-                preexec_fn=setup,
+                env=env,
             )
         member.state = "starting"
         log.info("%s started (pid %d)", name, member.process.pid)

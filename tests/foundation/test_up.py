@@ -23,6 +23,7 @@ from rich.console import Console
 
 from kvplane.config import ClientTlsConfig
 from kvplane.errors import ConfigError, KvplaneError
+from kvplane.fleet_member import PARENT_ENV, member_environment
 from kvplane.up import (
     DEFAULT_FLEET,
     WORKDIR_PREFIX,
@@ -606,3 +607,23 @@ def test_the_admin_hint_dials_the_fleet_as_up_does(tmp_path: Path) -> None:
     )
     named = ClientTlsConfig(ca_file=tmp_path / "ca.pem", server_name="engine.test")
     assert admin_tls_flags(named) == f" --tls-ca {tmp_path}/ca.pem --tls-server-name engine.test"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_member_whose_up_is_already_gone_exits_at_once() -> None:
+    """A member sets its parent-death signal itself, after exec; `up` dying before that is
+    caught by comparing the parent it was given with its real one. The variables are not
+    passed on to the member's own children."""
+    script = (
+        "import os; from kvplane.fleet_member import join_fleet; join_fleet(); "
+        "print(sorted(os.sched_getaffinity(0)), "
+        "[k for k in os.environ if k.startswith('KVPLANE_UP_')])"
+    )
+    cpu = max(os.sched_getaffinity(0))
+    ours = {**os.environ, **member_environment([cpu])}  # this process is the parent
+    alive = subprocess.run([sys.executable, "-c", script], env=ours, capture_output=True)
+    assert alive.returncode == 0, alive.stderr
+    assert alive.stdout.decode().strip() == f"[{cpu}] []"
+    orphan = {**ours, PARENT_ENV: str(os.getpid() + 1_000_000)}
+    gone = subprocess.run([sys.executable, "-c", script], env=orphan, capture_output=True)
+    assert (gone.returncode, gone.stdout) == (1, b"")

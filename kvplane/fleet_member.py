@@ -1,0 +1,45 @@
+"""What a process that `kvplane up` starts does first: die with `up`, keep to its CPUs.
+
+`up` says both through the environment (`member_environment`), and the member acts on them
+as the CLI starts (`join_fleet`), before it starts a thread or loads torch. They are not done
+in the forked child before exec (a `preexec_fn`): a fork that runs Python code also runs
+gRPC's fork handlers, and while `up`'s own channels poll the members those are skipped and
+leave the child a broken copy of gRPC's state (one member's start-up died with gRPC's epoll
+poller reporting a bad file descriptor). Without a `preexec_fn` no fork handler runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PARENT_ENV = "KVPLANE_UP_PARENT"  # the pid of `up`: the member dies with it
+CPUS_ENV = "KVPLANE_UP_CPUS"  # comma-separated CPUs the member keeps to
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def member_environment(cpus: list[int] | None) -> dict[str, str]:
+    """The variables `up` adds to a member's environment."""
+    env = {PARENT_ENV: str(os.getpid())}
+    if cpus is not None:
+        env[CPUS_ENV] = ",".join(str(cpu) for cpu in cpus)
+    return env
+
+
+def join_fleet() -> None:
+    """Act on `member_environment`'s variables, if this process has them, and drop them so
+    that the member's own children do not act on them too."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    cpus = os.environ.pop(CPUS_ENV, None)
+    if cpus:
+        os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
+    if parent and sys.platform.startswith("linux"):
+        # The members lead sessions of their own (Ctrl-C reaches only `up`), so without this
+        # a SIGKILLed `up` would leave the fleet running. The kernel sends SIGTERM when the
+        # thread that started this process ends: `up`'s event loop, which runs until the
+        # fleet stops.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != int(parent):  # `up` died before the prctl
+            os._exit(1)
