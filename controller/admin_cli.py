@@ -316,10 +316,12 @@ def info(
         for m in d["models"]:
             lines.append(
                 _table(
-                    ["MODEL", "BLOCK SIZE", "KV BLOCKS", "MAX CONTEXT"],
+                    ["MODEL", "SOURCE", "BLOCK SIZE", "KV BLOCKS", "MAX CONTEXT"],
                     [
                         [
-                            m.get("model_id") or m.get("served_model_name"),
+                            # The name requests must carry, then where the weights come from.
+                            m.get("served_model_name") or m.get("model_id"),
+                            m.get("model_id"),
                             m.get("kv_block_size"),
                             m.get("total_kv_blocks"),
                             m.get("max_context_length"),

@@ -142,6 +142,18 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     assert drained.exit_code == 0 and "COMPLETE" in drained.output
 
 
+async def test_info_names_the_model_as_requests_must() -> None:
+    """MODEL is the served name a GenerateRequest carries; SOURCE, where it was loaded from."""
+    engine = await start_sim_engine("e0", served_model_name="chat")
+    try:
+        info = await cli("info", "--target", f"127.0.0.1:{engine.port}")
+        assert info.exit_code == 0, info.output
+        model_row = info.output.splitlines()[-1].split()
+        assert model_row[:2] == ["chat", "sim"]
+    finally:
+        await engine.close()
+
+
 async def test_the_group_target_lasts_one_invocation(fleet: Fleet) -> None:
     """`admin --target T` reaches T for that command only; the next invocation in the same
     process (the group settings once lived in module globals) goes to the default target."""
