@@ -1,6 +1,6 @@
 """`kvplane bench e2e`: a real local fleet, end to end, KV-aware routing against round robin.
 
-For each router policy a fresh fleet is started as child processes (`kvplane.up.Fleet`):
+For each router policy a fresh fleet is started as child processes (`kvplane.up.fleet.Fleet`):
 `--engines` torch engines (`kvplane engine serve`, one torch thread each) behind
 `kvplane controller serve`, so every run starts with cold caches. By default the policies'
 fleets run side by side: all at once, each pinned to its own equal share of the machine's
@@ -70,7 +70,8 @@ from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from kvplane.up import Fleet, FleetConfig
+    from kvplane.up.config import FleetConfig
+    from kvplane.up.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ class E2eSettings:
 def _fleet_config(
     model_dir: Path, policy: str, settings: E2eSettings, cpus: list[int] | None
 ) -> FleetConfig:
-    from kvplane.up import FleetConfig  # the fleet launcher, loaded when a run starts
+    from kvplane.up.config import FleetConfig  # the fleet launcher, loaded when a run starts
 
     engines = [
         {
@@ -301,7 +302,7 @@ async def _fleet_for(
 ) -> AsyncIterator[_RunningFleet]:
     """A fresh fleet routing by `policy` (pinned to `cpus` when given), warmed up; stopped on
     exit."""
-    from kvplane.up import Fleet
+    from kvplane.up.fleet import Fleet
 
     with tempfile.TemporaryDirectory(prefix="kvplane-e2e-") as tmp:
         fleet = Fleet(_fleet_config(model_dir, policy, settings, cpus), Path(tmp))

@@ -1,7 +1,7 @@
 """`kvplane bench gateway`: what the controller adds to one request.
 
 Sim engines (no compute time) and the controller run as their own processes, started by the
-same launcher as `kvplane up` (`kvplane.up.Fleet`); requests go one at a time, directly to an
+same launcher as `kvplane up` (`kvplane.up.fleet.Fleet`); requests go one at a time, directly to an
 engine and through the gateway, in rotating order (controller.gateway_timing), so the
 difference is the gateway's hop. With the relay floor on, a bare relay
 (controller.relay_floor, its own process, in front of one more engine outside the
@@ -28,7 +28,7 @@ RELAY_START_TIMEOUT_S = 60.0
 def _fleet(num_engines: int, relay_floor: bool) -> Any:
     """Sim engines e0..e{n-1} behind a controller; with the relay floor, e{n} too: the bare
     relay's engine (the controller sees none of the relay's traffic, nor its KV events)."""
-    from kvplane.up import FleetConfig
+    from kvplane.up.config import FleetConfig
 
     engines = [
         {
@@ -74,7 +74,7 @@ async def _start_relay(target: str, workdir: Path) -> tuple[asyncio.subprocess.P
 async def _gateway_overhead(
     num_engines: int, num_requests: int, prompt_tokens: int, relay_floor: bool
 ) -> dict[str, Any]:
-    from kvplane.up import Fleet
+    from kvplane.up.fleet import Fleet
 
     with tempfile.TemporaryDirectory(prefix="kvplane-gateway-") as tmp:
         fleet = Fleet(_fleet(num_engines, relay_floor), Path(tmp))

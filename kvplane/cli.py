@@ -16,8 +16,8 @@ import typer
 from kvplane import __version__
 from kvplane.cli_common import OutputFormat, emit
 from kvplane.errors import KvplaneError, NotImplementedYetError
-from kvplane.fleet_member import join_fleet
 from kvplane.logs import LogFormat, configure_logging
+from kvplane.up.member import join_fleet
 
 app = typer.Typer(
     name="kvplane",
@@ -65,7 +65,8 @@ def up(
     """Start a whole local fleet (engines, an optional indexer, the controller) until Ctrl-C."""
     import asyncio
 
-    from kvplane.up import load_fleet, run_fleet
+    from kvplane.up.command import run_fleet
+    from kvplane.up.config import load_fleet
 
     if not asyncio.run(run_fleet(load_fleet(config), live, check)):
         what = "kvplane up --check failed" if check else "kvplane up stopped: a member exited"

@@ -13,7 +13,7 @@ from controller.config import ControllerConfig
 from engine.config import EngineConfig
 from indexer.config import IndexerConfig
 from kvplane.config import load_config
-from kvplane.up import FleetConfig
+from kvplane.up.config import FleetConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # A config's name starts with the kind of server it configures; `local` is a `kvplane up` fleet.

@@ -23,19 +23,12 @@ from rich.console import Console
 
 from kvplane.config import ClientTlsConfig
 from kvplane.errors import ConfigError, KvplaneError
-from kvplane.fleet_member import PARENT_ENV, member_environment
-from kvplane.up import (
-    DEFAULT_FLEET,
-    WORKDIR_PREFIX,
-    Fleet,
-    FleetConfig,
-    admin_tls_flags,
-    collect_status,
-    load_fleet,
-    remove_stale_workdirs,
-    render_status,
-)
-from kvplane.up_check import NUM_PREFIXES, check_fleet
+from kvplane.up.check import NUM_PREFIXES, check_fleet
+from kvplane.up.command import admin_tls_flags
+from kvplane.up.config import DEFAULT_FLEET, FleetConfig, load_fleet
+from kvplane.up.fleet import WORKDIR_PREFIX, Fleet, remove_stale_workdirs
+from kvplane.up.member import PARENT_ENV, member_environment
+from kvplane.up.status import collect_status, render_status
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -615,7 +608,7 @@ def test_a_member_whose_up_is_already_gone_exits_at_once() -> None:
     caught by comparing the parent it was given with its real one. The variables are not
     passed on to the member's own children."""
     script = (
-        "import os; from kvplane.fleet_member import join_fleet; join_fleet(); "
+        "import os; from kvplane.up.member import join_fleet; join_fleet(); "
         "print(sorted(os.sched_getaffinity(0)), "
         "[k for k in os.environ if k.startswith('KVPLANE_UP_')])"
     )

@@ -1,0 +1,166 @@
+"""The `kvplane up` command: start the fleet, then show it until Ctrl-C or run `--check`;
+signals, a member's own exit, and stopping everything."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+from kvplane.config import ClientTlsConfig
+from kvplane.errors import KvplaneError
+from kvplane.up.config import FleetConfig
+from kvplane.up.fleet import (
+    WORKDIR_PREFIX,
+    Fleet,
+    Member,
+    exit_how,
+    log_tail,
+    remove_stale_workdirs,
+)
+from kvplane.up.status import collect_status, render_status
+
+log = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 1.0
+
+
+async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> bool:
+    """Run the fleet until Ctrl-C (or, with `check`, through the smoke test); returns False
+    when the check failed or a member exited on its own (the rest are then stopped: a local
+    fleet missing a member is broken). A second Ctrl-C kills every member at once."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    remove_stale_workdirs(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as tmp:
+        fleet = Fleet(config, Path(tmp))
+
+        def on_signal() -> None:
+            if stop.is_set():
+                log.warning("interrupted again: killing every member now")
+                fleet.kill_all()
+            stop.set()
+
+        # SIGHUP too: the members run in sessions of their own, so a closed terminal reaches
+        # only us, and we must stop them.
+        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal)
+        main = asyncio.ensure_future(_main(fleet, stop, live, check))
+        stopper = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait([main, stopper], return_when=asyncio.FIRST_COMPLETED)
+            if not main.done():  # interrupted during start-up or the check
+                main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await main
+                return not check
+            return main.result()
+        finally:
+            stopper.cancel()
+            log.info("stopping the fleet: draining engines, then stopping every member")
+            await fleet.drain_engines()
+            await fleet.stop()
+            log.info("fleet stopped")
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+
+async def _main(fleet: Fleet, stop: asyncio.Event, live: bool, check: bool) -> bool:
+    await fleet.start()
+    _announce(fleet)
+    serving = asyncio.ensure_future(_serve(fleet, stop, live, check))
+    exited = asyncio.ensure_future(fleet.first_exit())
+    try:
+        await asyncio.wait([serving, exited], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (serving, exited):
+            task.cancel()
+        await asyncio.gather(serving, exited, return_exceptions=True)
+    if exited.done() and not exited.cancelled():
+        _report_exit(exited.result())
+        return False
+    return serving.result()
+
+
+async def _serve(fleet: Fleet, stop: asyncio.Event, live: bool, check: bool) -> bool:
+    """Run the check (whether it passed), or show the fleet until stopped (True)."""
+    if check:
+        return await _check(fleet)
+    await _show_until(fleet, stop, live)
+    return True
+
+
+def _report_exit(member: Member) -> None:
+    process, log_path = member.process, member.log_path
+    assert process is not None and process.returncode is not None and log_path is not None
+    log.error(
+        "%s exited unexpectedly with %s; its log %s ends: %s",
+        member.name, exit_how(process.returncode), log_path, log_tail(log_path),
+    )  # fmt: skip
+
+
+def _announce(fleet: Fleet) -> None:
+    for m in fleet.members:
+        log.info("fleet member %s (%s) on %s pid %s", m.name, m.kind, m.address, m.pid)
+        if m.metrics_address is not None:
+            log.info("fleet member %s metrics on http://%s/metrics", m.name, m.metrics_address)
+
+
+async def _check(fleet: Fleet) -> bool:
+    from kvplane.up.check import check_fleet
+
+    controllers = [m for m in fleet.members if m.kind == "controller"]
+    if not controllers or controllers[0].address is None:
+        raise KvplaneError("--check needs a controller in the fleet")
+    problems = await check_fleet(controllers[0].address, fleet.channels)
+    for problem in problems:
+        log.error("check failed: %s", problem)
+    if not problems:
+        log.info(
+            "check passed: answers complete and the same from cache, repeated prefixes routed"
+            " to their holders"
+        )
+    return not problems
+
+
+def admin_tls_flags(tls: ClientTlsConfig | None) -> str:
+    """The `kvplane admin` options that dial the fleet as up does (" --tls-ca F ...")."""
+    if tls is None:
+        return ""
+    flags = [
+        ("--tls-ca", tls.ca_file),
+        ("--tls-cert", tls.cert_file),
+        ("--tls-key", tls.key_file),
+        ("--tls-server-name", tls.server_name),
+    ]
+    return "".join(f" {flag} {value}" for flag, value in flags if value is not None)
+
+
+async def _show_until(fleet: Fleet, stop: asyncio.Event, live: bool) -> None:
+    if not live or not os.isatty(sys.stdout.fileno()):
+        await stop.wait()
+        return
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    for m in fleet.members:
+        if m.kind == "controller":
+            console.print(
+                f"controller on {m.address}: send OpenEngine requests there; "
+                f"`kvplane admin --target {m.address}{admin_tls_flags(fleet.config.client_tls)}"
+                " workers` shows the fleet",
+                highlight=False,
+            )
+    with Live(render_status(await collect_status(fleet)), console=console) as view:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), STATUS_INTERVAL_S)
+            await fleet.refresh()
+            view.update(render_status(await collect_status(fleet)))

@@ -1,0 +1,319 @@
+"""The member processes of a local fleet: each started once the members it names are up (its
+config written to the fleet's folder, its port read back from a port file, its health
+awaited), then watched, drained and stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.channels import ClientChannels
+from kvplane.errors import KvplaneError
+from kvplane.up.config import BUILTIN, PLACEHOLDER, FleetConfig, MemberConfig
+from kvplane.up.member import member_environment
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_METRICS_LINE = re.compile(r"metrics on http://(\S+)/metrics")
+# Each run's private folder is named after its pid, so a later run can tell a dead run's.
+WORKDIR_PREFIX = "kvplane-up-"
+
+
+def _member_environment(name: str, cpus: list[int] | None) -> dict[str, str]:
+    """The member's environment: ours, and that it dies with us and keeps to `cpus` (if
+    given), which it applies itself (`kvplane.up.member`)."""
+    if cpus is not None:
+        available = os.sched_getaffinity(0)
+        missing = sorted(set(cpus) - available)
+        if missing:
+            raise KvplaneError(
+                f"{name}: cpus {missing} are not among this process's CPUs {sorted(available)}"
+            )
+    return {**os.environ, **member_environment(cpus)}
+
+
+def _kill_group(process: asyncio.subprocess.Process) -> None:
+    """SIGKILL the member and whatever it started (it leads its own process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def log_tail(path: Path, lines: int = 3) -> str:
+    """The last lines of a member's log, on one line."""
+    with contextlib.suppress(OSError):
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+    return ""
+
+
+def exit_how(code: int) -> str:
+    """A member's exit status in words: "code 1", "code -9 (SIGKILL)"."""
+    how = f"code {code}"
+    if code < 0:  # killed by a signal
+        with contextlib.suppress(ValueError):
+            how += f" ({signal.Signals(-code).name})"
+    return how
+
+
+@dataclass
+class Member:
+    config: MemberConfig
+    process: asyncio.subprocess.Process | None = None
+    address: str | None = None
+    metrics_address: str | None = None
+    log_path: Path | None = None
+    state: str = "pending"
+    started_at: float = field(default_factory=time.monotonic)
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def find_metrics_address(self) -> str | None:
+        """Where the member serves /metrics, from its log's start-up line (the port may be
+        picked at run time)."""
+        if self.metrics_address is None and self.log_path is not None:
+            with contextlib.suppress(OSError):
+                found = _METRICS_LINE.search(self.log_path.read_text(errors="replace"))
+                self.metrics_address = found.group(1) if found else None
+        return self.metrics_address
+
+
+def _substitute(value: Any, addresses: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return PLACEHOLDER.sub(lambda m: addresses[m.group(1)], value)
+    if isinstance(value, list):
+        return [_substitute(v, addresses) for v in value]
+    if isinstance(value, dict):
+        return {k: _substitute(v, addresses) for k, v in value.items()}
+    return value
+
+
+async def _healthy(channels: ClientChannels, address: str) -> bool:
+    try:
+        async with channels.aio_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1.0
+            )
+    except grpc.aio.AioRpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+async def _builtin_tokenizer() -> str:
+    from engine.torch_runner.builtin_model import ensure_builtin_model  # torch-free
+
+    model_dir = await asyncio.to_thread(ensure_builtin_model)
+    return str(model_dir / "tokenizer.json")
+
+
+class Fleet:
+    def __init__(self, config: FleetConfig, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.members = [Member(m) for m in config.members]
+        # Loaded (its files read and checked) before any member starts.
+        self.channels = ClientChannels.load(config.client_tls, "client_tls")
+
+    def member(self, name: str) -> Member:
+        return next(m for m in self.members if m.name == name)
+
+    async def start(self) -> None:
+        """Start every member as soon as the members it names are up; raise if one fails."""
+        tasks = [asyncio.ensure_future(self._start_when_ready(member)) for member in self.members]
+        try:
+            for task in asyncio.as_completed(tasks):
+                await task
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _start_when_ready(self, member: Member) -> None:
+        refs = member.config.refers_to()
+        for ref in sorted(refs):
+            await self.member(ref).up.wait()
+        addresses = {ref: self.member(ref).address or "" for ref in refs}
+        await self._start_member(member, addresses)
+        member.up.set()
+
+    async def _start_member(self, member: Member, addresses: dict[str, str]) -> None:
+        name = member.name
+        config = {"listen": "127.0.0.1:0", **_substitute(member.config.config, addresses)}
+        if member.kind == "controller":
+            config.setdefault("metrics_listen", "127.0.0.1:0")
+            if config.get("tokenizer") == BUILTIN:
+                config["tokenizer"] = await _builtin_tokenizer()
+        config_path = self.workdir / f"{name}.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        port_file = self.workdir / f"{name}.port"
+        log_path = member.log_path = self.workdir / f"{name}.log"
+        command = [
+            sys.executable, "-m", "kvplane", member.kind, "serve",
+            "--config", str(config_path), "--port-file", str(port_file),
+        ]  # fmt: skip
+        env = _member_environment(name, member.config.cpus)
+        with log_path.open("wb") as log_file:
+            member.process = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches us only; we stop children in order.
+                env=env,
+            )
+        member.state = "starting"
+        log.info("%s started (pid %d)", name, member.process.pid)
+        deadline = time.monotonic() + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            if member.process.returncode is not None:
+                member.state = f"exited {member.process.returncode}"
+                how = exit_how(member.process.returncode)
+                tail = log_tail(log_path)
+                raise KvplaneError(f"{name} exited during start-up with {how}: {tail}")
+            if member.address is None and port_file.exists() and port_file.read_text().strip():
+                host = str(config["listen"]).rpartition(":")[0] or "127.0.0.1"
+                member.address = f"{host}:{port_file.read_text().strip()}"
+            if member.address is not None and await _healthy(self.channels, member.address):
+                member.state = "serving"
+                member.find_metrics_address()
+                log.info("%s serving on %s (log %s)", name, member.address, log_path)
+                return
+            await asyncio.sleep(0.1)
+        raise KvplaneError(f"{name} did not become healthy in {self.config.start_timeout_s}s")
+
+    async def refresh(self) -> None:
+        for member in self.members:
+            if member.process is None:
+                continue
+            if member.process.returncode is not None:
+                member.state = f"exited {member.process.returncode}"
+            elif member.address is not None:
+                healthy = await _healthy(self.channels, member.address)
+                member.state = "serving" if healthy else "unhealthy"
+
+    def kill_all(self) -> None:
+        """SIGKILL every running member (a second Ctrl-C); `stop` then reaps them."""
+        for member in self.members:
+            if member.process is not None and member.process.returncode is None:
+                _kill_group(member.process)
+
+    async def first_exit(self) -> Member:
+        """The first started member whose process ends."""
+        waits = {
+            asyncio.ensure_future(m.process.wait()): m
+            for m in self.members
+            if m.process is not None
+        }
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return waits[done.pop()]
+
+    async def drain_engines(self) -> None:
+        """Drain every running engine at once: in-flight requests get the drain deadline,
+        then the rest are aborted. Errors are logged, never raised (stopping goes on)."""
+        engines = [
+            m
+            for m in self.members
+            if m.kind == "engine"
+            and m.address is not None
+            and m.process is not None
+            and m.process.returncode is None
+        ]
+        if engines:
+            await asyncio.gather(*(self._drain(m) for m in engines))
+
+    async def _drain(self, member: Member) -> None:
+        assert member.address is not None
+        deadline_s = self.config.drain_deadline_s
+        request = pb.DrainRequest(
+            stop_accepting_new_requests=True,
+            deadline_ms=int(deadline_s * 1000),
+            abort_after_deadline=True,
+        )
+        try:
+            async with self.channels.aio_channel(member.address) as channel:
+                stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
+                async for reply in stub.Drain(request, timeout=deadline_s + 5.0):
+                    if reply.state == pb.DRAIN_STATE_COMPLETE:
+                        member.state = "drained"
+                        log.debug("%s drained", member.name)
+                        return
+        except grpc.aio.AioRpcError as exc:
+            log.warning("%s: drain failed (%s); stopping it anyway", member.name, exc.code().name)
+
+    def _depths(self) -> dict[str, int]:
+        """How far each member is from the members that name no one (0): the start order."""
+        depths: dict[str, int] = {}
+        for member in self.members:  # a member names only earlier members
+            refs = member.config.refers_to()
+            depths[member.name] = 1 + max((depths[r] for r in refs), default=-1)
+        return depths
+
+    async def stop(self) -> None:
+        """SIGTERM members in reverse start order (those that name others first), each
+        level at once; kill what is still running after `stop_timeout_s`."""
+        depths = self._depths()
+        for depth in sorted(set(depths.values()), reverse=True):
+            level = [m for m in self.members if depths[m.name] == depth]
+            await asyncio.gather(*(self._stop_member(m) for m in level))
+
+    async def _stop_member(self, member: Member) -> None:
+        process = member.process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), self.config.stop_timeout_s)
+        except TimeoutError:
+            log.warning("%s did not stop in time; killing it", member.name)
+            _kill_group(process)
+            await process.wait()
+        member.state = f"stopped ({process.returncode})"
+        log.debug("%s stopped (%s)", member.name, process.returncode)
+
+
+def remove_stale_workdirs(parent: Path) -> list[Path]:
+    """Remove the folders (member configs and logs) of earlier `kvplane up` runs that were
+    killed (SIGKILL) before they could clean up: those whose process is gone. Returns them."""
+    removed = []
+    for path in parent.glob(f"{WORKDIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(WORKDIR_PREFIX).split("-", 1)[0]
+        if not pid.isdigit() or not path.is_dir() or path.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except PermissionError:  # alive, someone else's
+            pass
+    return removed
