@@ -178,6 +178,7 @@ class RemoteIndex:
         hash_seed: str | None = None,
         channels: ClientChannels = INSECURE,
     ) -> None:
+        self.channels = channels
         self._channel = channels.aio_channel(target)
         self._stub = ipb_grpc.KvIndexStub(self._channel)
         self._timeout_s = timeout_s
@@ -277,15 +278,22 @@ class Fleet:
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
-        # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions).
-        self._engine_channels = ClientChannels.load(config.engine_tls, "engine_tls")
+        # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions)
+        # and the remote index: reconnecting as an unreachable engine is retried, so that a
+        # server back after a long outage is reached within `backoff_max_s`.
+        health = config.health
+        self._engine_channels = ClientChannels.load(config.engine_tls, "engine_tls").reconnecting(
+            health.backoff_initial_s, health.backoff_max_s
+        )
         self.remote = (
             RemoteIndex(
                 config.index.remote,
-                config.health.rpc_timeout_s,
+                health.rpc_timeout_s,
                 config.index.remote_key_space,
                 config.index.remote_hash_seed,
-                ClientChannels.load(config.index.remote_tls, "index.remote_tls"),
+                ClientChannels.load(config.index.remote_tls, "index.remote_tls").reconnecting(
+                    health.backoff_initial_s, health.backoff_max_s
+                ),
             )
             if config.index.remote is not None
             else None

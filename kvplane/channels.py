@@ -10,7 +10,7 @@ one-line ConfigError); the channels it opens share the credentials.
 from __future__ import annotations
 
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,17 @@ class ClientChannels:
     @property
     def tls(self) -> bool:
         return self.credentials is not None
+
+    def reconnecting(self, initial_s: float, max_s: float) -> ClientChannels:
+        """The same, with gRPC's reconnect backoff from `initial_s` up to `max_s`. gRPC's own
+        grows to 120 s, and a channel in backoff fails every call at once: a server back after
+        an outage of a few minutes stayed unreachable for up to two minutes more."""
+        initial_ms, max_ms = max(1, round(initial_s * 1000)), max(1, round(max_s * 1000))
+        backoff = (
+            ("grpc.initial_reconnect_backoff_ms", min(initial_ms, max_ms)),
+            ("grpc.max_reconnect_backoff_ms", max_ms),
+        )
+        return replace(self, options=(*self.options, *backoff))
 
     def aio_channel(self, target: str) -> grpc.aio.Channel:
         """A grpc.aio channel to `target` (HOST:PORT)."""

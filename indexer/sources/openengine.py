@@ -6,7 +6,11 @@ Resync protocol (seed 000, "KV connector and KV events"): every subscription ask
 either replays from there (no batch lost) or, when it no longer buffers that far back (or it
 restarted), sends a snapshot batch. A batch whose sequence number is not the next one expected
 (a snapshot, an engine restart) clears the worker before it is applied, so the index never
-keeps stale entries; a snapshot starts with AllBlocksCleared and lists every cached block.
+keeps stale entries; a snapshot starts with AllBlocksCleared and lists every cached block. Any
+other batch out of sequence (batches went missing from the stream: an adapter that lost
+messages of the engine's own feed) is applied after the clear too, and the source then
+resubscribes from sequence number 0 with `include_snapshot`, so that what the clear dropped
+and what the missing batches held come back.
 
 The engine is dialled as `channels` says (insecure by default; TLS from a `ClientTlsConfig`).
 A terminal `EngineError` on the stream, a broken stream or an unreachable engine all end in a
@@ -147,7 +151,8 @@ class OpenEngineSource:
         self.zmq_sources: tuple[ZmqSource, ...] = ()
         self._channels = channels
         self._progress = asyncio.Condition()
-        self._resync_wanted = False
+        # Why the next subscription starts from a snapshot (None: it resumes).
+        self._resync_wanted: str | None = None
         self._call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
 
     @property
@@ -168,7 +173,7 @@ class OpenEngineSource:
             for source in ranks or self.zmq_sources:
                 source.request_resync()
             return
-        self._resync_wanted = True
+        self._resync_wanted = "the index asked for a resync"
         if self._call is not None:
             self._call.cancel()
 
@@ -205,7 +210,7 @@ class OpenEngineSource:
                     log.exception(
                         "openengine source %s: ZMQ discovery failed", self.settings.target
                     )
-            if self._resync_wanted:
+            if self._resync_wanted is not None:
                 continue  # resubscribe at once
             self.counters.num_restarts += 1
             await asyncio.sleep(backoff)
@@ -213,10 +218,10 @@ class OpenEngineSource:
 
     async def _subscribe(self, stub: pb_grpc.OpenEngineAsyncStub) -> bool:
         """Follow one subscription until it ends; True if it delivered anything."""
-        if self._resync_wanted:
-            self._resync_wanted = False
+        if self._resync_wanted is not None:
             self.counters.num_resyncs += 1
-            log.warning("worker %s: the index asked for a resync; resubscribing", self.worker_id)
+            log.warning("worker %s: %s; resubscribing", self.worker_id, self._resync_wanted)
+            self._resync_wanted = None
             self.last_seq = None  # the snapshot (or replay from 0) clears and rebuilds
         start = 0 if self.last_seq is None else self.last_seq + 1
         request = pb.SubscribeKvEventsRequest(
@@ -241,12 +246,12 @@ class OpenEngineSource:
                     delivered = True
                     async with self._progress:
                         self._progress.notify_all()
-                if self._resync_wanted:
+                if self._resync_wanted is not None:
                     break
         except asyncio.CancelledError:
             # request_resync cancelled the call; a cancelled task must stay cancelled.
             task = asyncio.current_task()
-            if not self._resync_wanted or (task is not None and task.cancelling()):
+            if self._resync_wanted is None or (task is not None and task.cancelling()):
                 raise
         finally:
             self._call = None
@@ -285,6 +290,8 @@ class OpenEngineSource:
             await self.sink.apply(index_batch)
             self.counters.num_batches_applied += 1
         self.last_seq = seq
+        if expected is not None and seq != expected and not _is_snapshot(batch):
+            self._resync_wanted = "batches went missing from the stream"
         # 0: the engine did not stamp the batch.
         if self.on_batch_time is not None and batch.timestamp_unix_nanos:
             self.on_batch_time(batch.timestamp_unix_nanos / 1e9)
@@ -348,6 +355,11 @@ class OpenEngineSource:
             source.counters = self.counters
             sources.append(source)
         return sources
+
+
+def _is_snapshot(batch: pb.KvEventBatch) -> bool:
+    """A snapshot lists every cached block after an AllBlocksCleared."""
+    return bool(batch.events) and batch.events[0].WhichOneof("event") == "all_blocks_cleared"
 
 
 def rank_worker_id(worker_id: str, rank: int) -> str:

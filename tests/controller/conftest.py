@@ -29,10 +29,8 @@ async def start_sim_engine(
             model="sim",
             listen=f"127.0.0.1:{port}",
             instance_id=name,
-            num_kv_blocks=256,
-            shutdown_grace_s=0.5,
             sim=SimTimingConfig(time_scale=time_scale),
-            **config,
+            **{"num_kv_blocks": 256, "shutdown_grace_s": 0.5, **config},
         )
     )
 

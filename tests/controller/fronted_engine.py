@@ -77,10 +77,11 @@ async def start_fronted_engine(
     name: str,
     servicer_for: Callable[[pb_grpc.OpenEngineAsyncStub], S],
     time_scale: float = 0.0,
+    **config: Any,
 ) -> FrontedEngine[S]:
-    """A sim engine named `name` (`time_scale`: its sim's) behind `servicer_for(stub of the
-    sim engine)`."""
-    inner = await start_sim_engine(name, time_scale)
+    """A sim engine named `name` (`time_scale`: its sim's; `config`: more EngineConfig
+    fields) behind `servicer_for(stub of the sim engine)`."""
+    inner = await start_sim_engine(name, time_scale, **config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{inner.port}")
     servicer = servicer_for(pb_grpc.OpenEngineStub(channel))
     server = grpc.aio.server()

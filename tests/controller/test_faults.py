@@ -1,6 +1,7 @@
 """The controller under faults: a shared Redis index going away and coming back (with an
-engine restarting meanwhile), an engine removed with streams in flight, an engine killed while
-it runs requests."""
+engine restarting meanwhile, or without its data), a remote indexer stopped and started again
+empty, an engine's KV-event stream ended by the engine or missing batches, an engine removed
+with streams in flight, an engine killed while it runs requests."""
 
 from __future__ import annotations
 
@@ -8,17 +9,39 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from controller.config import ControllerConfig
+from controller.fleet import Fleet as ControllerFleet
 from controller.registry import EngineState
 from controller.router import LoadSnapshot
-from engine.config import EngineConfig
-from engine.server.service import start_engine
+from engine.config import EngineConfig, KvEventsConfig
+from engine.core.api import BlockStored
+from engine.server.service import EngineApp, start_engine
+from indexer.batch import ActionType
+from indexer.config import OpenEngineSourceConfig
+from indexer.index import PrefixIndex
+from indexer.keys import block_keys
+from indexer.memory_backend import MemoryBackend
+from indexer.service import build_source
+from indexer.servicer import index_services
+from indexer.sources.openengine import OpenEngineSource
+from kvplane.config import ServerConfig
+from kvplane.server import create_server
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
-from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.controller.test_gateway import PREFIX, eventually, generate, holder_of
 from tests.redis_servers import RedisServer
 
@@ -201,5 +224,306 @@ async def test_a_killed_engine_leaves_the_fleets_load() -> None:
         assert load.total_kv_blocks == 256  # the live engine's only
         assert "running=? " in load.attributes[f"engine.{address}"]
         await asyncio.gather(*streams, return_exceptions=True)
+    finally:
+        await close_fleet(fleet)
+
+
+class Indexer:
+    """`kvplane indexer serve`'s parts in this process (an empty memory index, one OpenEngine
+    source per engine, the gRPC server), to stop and start again, empty, on its port."""
+
+    def __init__(self, engines: list[str]) -> None:
+        self.engines = engines
+        self.port = 0
+        self.server: grpc.aio.Server | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        backend = MemoryBackend(PrefixIndex())
+        sources = [
+            build_source(OpenEngineSourceConfig(kind="openengine", target=e), backend, 16)
+            for e in self.engines
+        ]
+        services, _, _ = index_services(
+            backend, default_block_size=16, max_concurrent_prefix_queries=8
+        )
+        self.server, self.port = await create_server(
+            ServerConfig(listen=f"127.0.0.1:{self.port}"), services
+        )
+        self.tasks = [asyncio.create_task(s.run()) for s in sources]
+
+    async def stop(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.server is not None:
+            await self.server.stop(None)
+            self.server = None
+
+
+async def test_a_remote_indexer_that_stops_costs_cache_knowledge_until_it_is_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`index: {remote: ...}`: while the indexer is down, requests are routed by load and admin
+    `route`/`match`/`workers` answer without the index (one warning); once it is back, empty,
+    its sources resubscribe with a snapshot and the router finds the prefix where it lives,
+    without any engine sending an event for it again."""
+    engines = [await start_sim_engine(f"e{i}") for i in range(2)]
+    indexer = Indexer([f"127.0.0.1:{e.port}" for e in engines])
+    await indexer.start()
+    fleet = await make_fleet(engines=engines, index={"remote": indexer.target})
+    try:
+        await finished(fleet, generate_request("warm", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        await indexer.stop()
+        for i in range(4):  # prompts of their own: only the warm one's prefix is on `holder`
+            await finished(fleet, generate_request(f"down{i}", [2000 + i] * 40))
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 99]))
+        explained = await fleet.admin.Route(query)
+        assert explained.engine in {fleet.address(e) for e in fleet.engines}
+        match = await fleet.admin.Match(query)
+        assert [m.device_blocks for m in match.matches] == [0, 0]
+        workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+        assert sum(w.routable for w in workers.workers) == 2
+        blind = [r for r in caplog.records if "routing by load" in r.getMessage()]
+        assert len(blind) == 1 and blind[0].levelno == logging.WARNING
+        assert "remote index: UNAVAILABLE" in blind[0].getMessage()
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+        await indexer.start()  # empty: rebuilt from the engines' snapshots alone
+        assert await holder_of(fleet, PREFIX, 4) == holder
+        match = await fleet.admin.Match(query)
+        assert {m.engine: m.device_blocks for m in match.matches if m.engine != holder} == {
+            fleet.address(e): 0 for e in engines if fleet.address(e) != holder
+        }
+        explained = await fleet.admin.Route(query)
+        assert (explained.engine, explained.reason) == (holder, "cache")
+        reply = await finished(fleet, generate_request("back", [*PREFIX, 3]))
+        assert reply.usage.cached_prompt_tokens == 64
+    finally:
+        await close_fleet(fleet)
+        await indexer.stop()
+
+
+async def test_the_controllers_channels_reconnect_within_the_health_backoff() -> None:
+    """The channels to engines and to a remote indexer retry a lost connection as the polls
+    retry an unreachable engine (`health.backoff_initial_s` doubling to `backoff_max_s`), not
+    at gRPC's own pace (up to 120 s: an indexer back after a minute's outage was asked in
+    vain for 15 s more, every prompt routed by load meanwhile)."""
+    config = ControllerConfig.model_validate(
+        {"health": {"backoff_initial_s": 0.25, "backoff_max_s": 3.0}, "index": {"remote": "h:1"}}
+    )
+    fleet = ControllerFleet(config, None)
+    backoff = {
+        "grpc.initial_reconnect_backoff_ms": 250,
+        "grpc.max_reconnect_backoff_ms": 3000,
+    }
+    assert fleet.remote is not None
+    try:
+        for channels in (fleet._engine_channels, fleet.remote.channels):
+            assert {k: v for k, v in channels.options if k in backoff} == backoff
+    finally:
+        await fleet.close()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def index(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[dict[str, str]]:
+    """The controller's own index: embedded, or in a private redis-server."""
+    if request.param == "memory":
+        yield {"backend": "memory"}
+        return
+    server = RedisServer(tmp_path / "redis")
+    await asyncio.to_thread(server.start)
+    try:
+        yield {"backend": server.url}
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def indexed_keys(fleet: Fleet, worker: str) -> set[int]:
+    """The block keys the controller's index places on `worker`."""
+    index = fleet.app.controller.index
+    assert index is not None
+    keys: set[int] = set()
+    async for batch in index.snapshot(worker):
+        for action in batch.actions:
+            if action.type is ActionType.REPORT:
+                keys.update(action.hashes)
+    return keys
+
+
+def cached_keys(engine: EngineApp) -> set[int]:
+    """The block keys the engine holds (its KV-event log's snapshot: what it announced)."""
+    return {
+        key
+        for event in engine.service.kv_log.snapshot().events
+        if isinstance(event, BlockStored)
+        for key in event.block_keys
+    }
+
+
+async def index_follows(fleet: Fleet, address: str, engine: EngineApp) -> None:
+    """Wait until the controller's source for `address` has applied the engine's last batch;
+    then the index holds exactly the engine's blocks (none lost, none stale)."""
+    source = fleet.app.controller.fleet.source_of(address)
+    assert isinstance(source, OpenEngineSource)
+    log = engine.service.kv_log
+    await source.wait_until(lambda: source.last_seq == log.last_sequence_number, 20)
+    assert await indexed_keys(fleet, address) == cached_keys(engine)
+
+
+async def test_a_shared_redis_that_lost_its_data_is_rebuilt_from_the_engines(
+    redis: RedisServer,
+) -> None:
+    """redis-server restarted without its data and no request since: the controller's
+    subscriptions resubscribe with a snapshot (the backend asks them to), and the index holds
+    each engine's blocks again, exactly, without any engine restarting or storing anything."""
+    fleet = await make_fleet(2, index={"backend": redis.url})
+    try:
+        await finished(fleet, generate_request("a", [*PREFIX, 1]))
+        await finished(fleet, generate_request("b", [*range(3000, 3064), 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        for engine in fleet.engines:
+            await index_follows(fleet, fleet.address(engine), engine)
+        await asyncio.to_thread(redis.kill)
+        await asyncio.to_thread(redis.start)
+        assert await holder_of(fleet, PREFIX, 4) == holder
+        for engine in fleet.engines:
+            address = fleet.address(engine)
+            source = fleet.app.controller.fleet.source_of(address)
+            assert isinstance(source, OpenEngineSource)
+            await source.wait_until(lambda s=source: s.counters.num_resyncs == 1, 20)
+            await index_follows(fleet, address, engine)
+    finally:
+        await close_fleet(fleet)
+
+
+class CutEvents(Forwarding):
+    """Relays the engine's KV-event stream until `cut()`, which ends it as an engine does
+    (one terminal EngineError, as for a subscriber that fell behind) and holds the next
+    subscription until `resume` is set."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.resume = asyncio.Event()
+        self.resume.set()
+        self.held = asyncio.Event()  # a subscription waits for `resume`
+        self.requests: list[pb.SubscribeKvEventsRequest] = []
+        self._calls: list[Any] = []
+        self._cut = False
+
+    def cut(self) -> None:
+        self.resume.clear()
+        self._cut = True
+        for call in self._calls:
+            call.cancel()
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        if not self.resume.is_set():
+            self.held.set()
+            await self.resume.wait()
+        self.requests.append(request)
+        self._cut = False
+        call = self.inner.SubscribeKvEvents(request)
+        self._calls.append(call)
+        try:
+            async for reply in call:
+                yield reply
+        except asyncio.CancelledError:
+            if not self._cut:
+                raise
+            yield pb.SubscribeKvEventsResponse(
+                error=pb.EngineError(code=pb.ERROR_CODE_OVERLOADED, message="cut by the test")
+            )
+
+
+@pytest.mark.parametrize("buffer_steps", [10_000, 1], ids=["replayed", "snapshot"])
+async def test_a_kv_event_stream_the_engine_ends_is_followed_again_exactly(
+    index: dict[str, str], buffer_steps: int
+) -> None:
+    """The engine ends a SubscribeKvEvents stream (a terminal EngineError) and its cache turns
+    over before the controller subscribes again (the old prompt evicted, new ones stored):
+    the controller resubscribes from the next sequence number, and from the engine's replay
+    (`replayed`) or, when the engine no longer buffers that far back, its snapshot
+    (`snapshot`), the index holds exactly the engine's blocks again."""
+    engine = await start_fronted_engine(
+        "cut", CutEvents, num_kv_blocks=16, kv_events=KvEventsConfig(buffer_steps=buffer_steps)
+    )
+    address = f"127.0.0.1:{engine.port}"
+    fleet = await make_fleet(engines=[engine], index=index)  # type: ignore[list-item]
+    try:
+        await finished(fleet, generate_request("old", [*PREFIX, 1]))
+        await holder_of(fleet, PREFIX, 4)
+        await index_follows(fleet, address, engine.inner)
+        engine.servicer.cut()
+        await engine.servicer.held.wait()  # the controller subscribes again: held for now
+        direct = pb_grpc.OpenEngineStub(engine.channel)
+        for i in range(5):  # 20 full blocks through a 16-block cache
+            request = generate_request(f"new{i}", [*range(4000 + 100 * i, 4064 + 100 * i), 1])
+            [r async for r in direct.Generate(request)]
+        assert block_keys(PREFIX, 16)[0] not in cached_keys(engine.inner)  # evicted
+        engine.servicer.resume.set()
+        await index_follows(fleet, address, engine.inner)
+        last = engine.servicer.requests[-1]
+        assert last.include_snapshot and last.start_sequence_number > 1  # from where it was
+        source = fleet.app.controller.fleet.source_of(address)
+        assert isinstance(source, OpenEngineSource)
+        # Replayed: no clear since the first batch; a snapshot: one clear, for its gap.
+        resets = 1 if buffer_steps > 1 else 2
+        assert (source.counters.num_resets, source.counters.num_resyncs) == (resets, 0)
+        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
+        assert [m.device_blocks for m in match.matches] == [0]
+    finally:
+        await close_fleet(fleet)
+
+
+class DropsABatch(Forwarding):
+    """Relays the engine's KV-event stream, leaving out one batch when `drop` is set (as an
+    adapter whose feed lost a message would): the stream goes on with a sequence gap."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.drop = False
+        self.requests: list[pb.SubscribeKvEventsRequest] = []
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        self.requests.append(request)
+        async for reply in self.inner.SubscribeKvEvents(request):
+            if self.drop and reply.WhichOneof("event") == "batch":
+                self.drop = False
+                continue
+            yield reply
+
+
+async def test_a_sequence_gap_in_a_kv_event_stream_is_rebuilt_from_a_snapshot(
+    index: dict[str, str],
+) -> None:
+    """A batch the controller never got (the next one skips its number): the worker is
+    cleared and rebuilt from a fresh snapshot subscription, so the blocks stored before the
+    gap are not lost and those in the missing batch are indexed too."""
+    engine = await start_fronted_engine("gap", DropsABatch)
+    address = f"127.0.0.1:{engine.port}"
+    fleet = await make_fleet(engines=[engine], index=index)  # type: ignore[list-item]
+    try:
+        await finished(fleet, generate_request("before", [*PREFIX, 1]))
+        await index_follows(fleet, address, engine.inner)
+        engine.servicer.drop = True
+        await finished(fleet, generate_request("dropped", [*range(5000, 5064), 1]))
+        await finished(fleet, generate_request("after", [*range(6000, 6064), 1]))
+        source = fleet.app.controller.fleet.source_of(address)
+        assert isinstance(source, OpenEngineSource)
+        await source.wait_until(lambda: source.counters.num_resyncs == 1, 20)
+        await index_follows(fleet, address, engine.inner)
+        last = engine.servicer.requests[-1]
+        assert (last.include_snapshot, last.start_sequence_number) == (True, 0)
+        assert source.counters.num_gaps == 1
     finally:
         await close_fleet(fleet)

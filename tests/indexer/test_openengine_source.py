@@ -190,6 +190,33 @@ async def test_an_unexpected_sequence_number_clears_the_worker_before_applying()
     assert source.counters.num_gaps == 1
 
 
+async def test_a_live_batch_after_a_gap_is_followed_by_a_snapshot_subscription() -> None:
+    """Batch 3 never came (not a snapshot: no AllBlocksCleared first): the worker is cleared
+    and batch 4 applied, never stale, then the source resubscribes from 0 with a snapshot,
+    which brings back what the clear dropped."""
+    engine = ScriptedEngine(
+        [
+            [_batch(1, _stored(10)), _batch(2, _stored(11, parent=10)), _batch(4, _stored(13))],
+            [_batch(4, CLEARED, _stored(10), _stored(11, parent=10), _stored(12), _stored(13))],
+        ]
+    )
+    server, target = await _serve(engine)
+    index = PrefixIndex()
+    source = _source(target, index)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.counters.num_resets == 3, WAIT_S)
+    finally:
+        engine.hold.set()
+        await server.stop(None)
+    assert [(r.include_snapshot, r.start_sequence_number) for r in engine.requests] == [
+        (True, 0),
+        (True, 0),
+    ]
+    assert _keys(index, target) == {10: Tier.HBM, 11: Tier.HBM, 12: Tier.HBM, 13: Tier.HBM}
+    assert (source.counters.num_gaps, source.counters.num_resyncs) == (1, 1)
+
+
 async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimplemented() -> None:
     context = zmq.asyncio.Context()
     publisher = FakeKvPublisher(context)
