@@ -17,8 +17,8 @@ import matplotlib.pyplot as plt
 
 HERE = Path(__file__).resolve().parent
 POLICIES = [
-    "kvplane", "dynamo_kv_router", "dynamo_cost", "sglang_cache_aware", "llmd_longest_prefix",
-    "least_loaded", "round_robin",
+    "kvplane", "dynamo_kv_router", "dynamo_kv_router_tuned", "dynamo_cost", "sglang_cache_aware",
+    "llmd_longest_prefix", "least_loaded", "round_robin",
 ]  # fmt: skip
 RATIO_CAP = 1.6  # TTFT ratios above this are clipped (and labelled)
 
