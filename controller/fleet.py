@@ -53,7 +53,7 @@ from indexer.sources.openengine import (
     engine_worker_id,
     zmq_source_settings,
 )
-from indexer.sources.zmq import ZmqSource
+from indexer.sources.zmq import SourceCounters, ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import KvplaneError
@@ -357,6 +357,11 @@ class Fleet:
     def source_of(self, address: str) -> OpenEngineSource | ZmqSource | None:
         engine = self._engines.get(address)
         return engine.source if engine is not None else None
+
+    def event_counters(self, address: str) -> SourceCounters | None:
+        """The counters of the engine's KV-event source (None while it has none)."""
+        source = self.source_of(address)
+        return source.counters if source is not None else None
 
     async def close(self) -> None:
         engines = list(self._engines.values())

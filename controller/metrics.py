@@ -1,19 +1,31 @@
 """The controller's Prometheus metrics: per-engine load (read from the registry at scrape
 time), routing decisions by policy and reason, predicted vs engine-reported cached tokens,
 index size, KV-event lag (per engine: the controller's wall clock when a batch is in the index
-minus the engine's timestamp on it; engine and controller clocks must agree), and gateway
-latency."""
+minus the engine's timestamp on it; engine and controller clocks must agree), what each
+engine's KV-event source went through (resyncs, gaps, reconnects), and gateway latency."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controller.registry import Registry
+from indexer.sources.zmq import SourceCounters
+
+# An engine's KV-event source counters, by engine address (None: it has no source now).
+EventCounters = Callable[[str], SourceCounters | None]
+# What each engine's source counter says, as a Prometheus counter: a rebuild of the engine's
+# index entries (the index lost them, or the stream went out of sequence), a stream or
+# message sequence that skipped, and a reconnect after the stream failed.
+_SOURCE_COUNTERS = {
+    "resyncs": ("num_resyncs", "KV-event resubscriptions with a snapshot (index lost data, gap)"),
+    "gaps": ("num_gaps", "KV-event batches or messages that skipped sequence numbers"),
+    "restarts": ("num_restarts", "KV-event subscriptions restarted after an error"),
+}
 
 # "invalid": refused for the request itself (a client error such as INVALID_ARGUMENT,
 # NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures; "aborted":
@@ -25,8 +37,9 @@ _EVENT_LAG_BUCKETS = (*_LATENCY_BUCKETS[1:], 30, 60)
 
 
 class _EngineCollector:
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, event_counters: EventCounters | None) -> None:
         self._registry = registry
+        self._event_counters = event_counters
 
     def collect(self) -> Iterator[Any]:
         labels = ["engine", "instance_id"]
@@ -70,12 +83,29 @@ class _EngineCollector:
             if record.event_lag_s is not None:
                 families["event_lag"].add_metric(key, record.event_lag_s)
         yield from families.values()
+        yield from self._source_counters()
+
+    def _source_counters(self) -> Iterator[CounterMetricFamily]:
+        families = {
+            name: CounterMetricFamily(
+                f"kvplane_controller_engine_kv_event_{name}", text, labels=["engine"]
+            )
+            for name, (_, text) in _SOURCE_COUNTERS.items()
+        }
+        if self._event_counters is not None:
+            for record in self._registry.records():
+                counters = self._event_counters(record.address)
+                if counters is None:
+                    continue
+                for name, (field, _) in _SOURCE_COUNTERS.items():
+                    families[name].add_metric([record.address], getattr(counters, field))
+        yield from families.values()
 
 
 class ControllerMetrics:
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, event_counters: EventCounters | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(registry))
+        self.registry.register(_EngineCollector(registry, event_counters))
         r = self.registry
         self.decisions = Counter(
             "kvplane_controller_route_decisions",

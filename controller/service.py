@@ -95,7 +95,7 @@ class Controller:
             on_engine_gone=self._engine_gone,
             on_event_lag=self._event_lag,
         )
-        self.metrics = ControllerMetrics(self.fleet.registry)
+        self.metrics = ControllerMetrics(self.fleet.registry, self.fleet.event_counters)
         self._tokenizers = ModelTokenizers({})
         self._stats_task: asyncio.Task[None] | None = None
 

@@ -525,5 +525,10 @@ async def test_a_sequence_gap_in_a_kv_event_stream_is_rebuilt_from_a_snapshot(
         last = engine.servicer.requests[-1]
         assert (last.include_snapshot, last.start_sequence_number) == (True, 0)
         assert source.counters.num_gaps == 1
+        # Scraped as Prometheus counters, per engine.
+        metrics = fleet.app.controller.metrics.registry
+        for name, value in (("resyncs", 1), ("gaps", 1), ("restarts", 0)):
+            sample = f"kvplane_controller_engine_kv_event_{name}_total"
+            assert metrics.get_sample_value(sample, {"engine": address}) == value
     finally:
         await close_fleet(fleet)
