@@ -399,8 +399,8 @@ class Fleet:
             return self.config.default_block_size
         if len(sizes) > 1:
             self._mixed_block_sizes.warn(
-                f"engines of one model have block sizes {sorted(sizes)}: prompts are matched "
-                "in the most common one; the others are routed without cache knowledge"
+                f"the engines a prompt may go to have block sizes {sorted(sizes)}: it is "
+                "matched in the most common one; the others are routed without cache knowledge"
             )
         return sizes.most_common(1)[0][0]
 
