@@ -84,6 +84,18 @@ log = logging.getLogger(__name__)
 
 FUNCTIONS_FILE = Path(__file__).with_name("redis_functions.lua")
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException)
+
+
+def _stop_requested() -> None:
+    """Raise CancelledError if this task was cancelled. redis-py can turn a cancellation that
+    lands inside a command into a connection error, which the background loops below catch
+    and retry: without this check such a loop outlived its cancellation and `close()` waited
+    for it forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 _SERVABLE = (Tier.HBM, Tier.DRAM)
 # One kvp_apply call carries at most this much (bounded time inside Redis).
 MAX_GROUP_BATCHES = 64
@@ -417,10 +429,12 @@ class RedisBackend:
                 if not self._dropping and not self._removals:
                     break
             except KvplaneError as exc:
+                _stop_requested()
                 log.debug("Redis recovery: %s", exc)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
             except Exception:  # never ends the task: the outage would never end either
+                _stop_requested()
                 log.exception("Redis recovery failed; retrying")
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
@@ -443,6 +457,7 @@ class RedisBackend:
     async def _maintain(self) -> None:
         """Notices a Redis that lost its data (boot token) and sweeps dead placements."""
         while True:
+            _stop_requested()
             await asyncio.sleep(self._options.maintenance_interval_s)
             try:
                 if self._ready and not self._outage:

@@ -18,6 +18,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_servers import RedisServer
 
 from indexer.backend import IndexBackend
@@ -490,3 +491,25 @@ async def test_a_buffered_batch_redis_cannot_take_does_not_stall_the_recovery(
     finally:
         await backend.close()
         server.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_close_ends_maintenance_cancelled_inside_a_redis_call(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py can turn a cancellation that lands inside a command into a ConnectionError
+    (seen under load: close() then waited for the maintenance task forever, the loop having
+    caught the error and gone back to sleep). Here a sweep does the same, as redis-py did."""
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=0.01)
+    in_sweep = asyncio.Event()
+
+    async def sweep_turning_cancellation_into_a_connection_error() -> None:
+        in_sweep.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise RedisConnectionError("Connection closed by server.") from None
+
+    monkeypatch.setattr(backend, "sweep", sweep_turning_cancellation_into_a_connection_error)
+    await asyncio.wait_for(in_sweep.wait(), 10)
+    await asyncio.wait_for(backend.close(), 10)
