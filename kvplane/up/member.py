@@ -3,9 +3,10 @@
 `up` says both through the environment (`member_environment`), and the member acts on them
 as the CLI starts (`join_fleet`), before it starts a thread or loads torch. They are not done
 in the forked child before exec (a `preexec_fn`): a fork that runs Python code also runs
-gRPC's fork handlers, and while `up`'s own channels poll the members those are skipped and
-leave the child a broken copy of gRPC's state (one member's start-up died with gRPC's epoll
-poller reporting a bad file descriptor). Without a `preexec_fn` no fork handler runs.
+gRPC's fork handlers, and while `up`'s own channels poll the members those are skipped,
+which can leave the child a broken copy of gRPC's state (one member's start-up once died in
+gRPC's epoll poller, "Bad file descriptor", right after `up` logged that it skipped them).
+Without a `preexec_fn` CPython spawns with vfork and no fork handler runs.
 """
 
 from __future__ import annotations
