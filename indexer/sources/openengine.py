@@ -271,6 +271,8 @@ class OpenEngineSource:
                     seq,
                     expected,
                 )
+                if not _is_snapshot(batch):  # what the clear drops comes back with a snapshot
+                    self._resync_wanted = "batches went missing from the stream"
             self.counters.num_resets += 1
             await self.sink.apply(self.translator.reset(seq=seq))
             self.counters.num_batches_applied += 1
@@ -290,8 +292,6 @@ class OpenEngineSource:
             await self.sink.apply(index_batch)
             self.counters.num_batches_applied += 1
         self.last_seq = seq
-        if expected is not None and seq != expected and not _is_snapshot(batch):
-            self._resync_wanted = "batches went missing from the stream"
         # 0: the engine did not stamp the batch.
         if self.on_batch_time is not None and batch.timestamp_unix_nanos:
             self.on_batch_time(batch.timestamp_unix_nanos / 1e9)
