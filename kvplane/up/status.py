@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -21,6 +22,8 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 STATUS_RPC_TIMEOUT_S = 1.0
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,20 +91,13 @@ def _opt(message: Any, name: str) -> int | None:
     return int(getattr(message, name)) if message.HasField(name) else None
 
 
-async def _engine_load(channels: ClientChannels, address: str) -> pb.LoadInfo | None:
+async def _ask(
+    channels: ClientChannels, address: str, call: Callable[[grpc.aio.Channel], Awaitable[_T]]
+) -> _T | None:
+    """One RPC to `address` with the status deadline: its reply, or None if it failed."""
     try:
         async with channels.aio_channel(address) as channel:
-            stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
-            return await stub.GetLoad(pb.GetLoadRequest(), timeout=STATUS_RPC_TIMEOUT_S)
-    except grpc.aio.AioRpcError:
-        return None
-
-
-async def _workers(channels: ClientChannels, address: str) -> apb.ListWorkersResponse | None:
-    try:
-        async with channels.aio_channel(address) as channel:
-            stub: apb_grpc.AdminAsyncStub = apb_grpc.AdminStub(channel)
-            return await stub.ListWorkers(apb.ListWorkersRequest(), timeout=STATUS_RPC_TIMEOUT_S)
+            return await call(channel)
     except grpc.aio.AioRpcError:
         return None
 
@@ -115,7 +111,13 @@ async def collect_status(fleet: Fleet) -> FleetStatus:
         (m for m in fleet.members if m.kind == "controller" and m.address is not None), None
     )
     workers = (
-        await _workers(fleet.channels, controller.address)
+        await _ask(
+            fleet.channels,
+            controller.address,
+            lambda channel: apb_grpc.AdminStub(channel).ListWorkers(
+                apb.ListWorkersRequest(), timeout=STATUS_RPC_TIMEOUT_S
+            ),
+        )
         if controller and controller.address
         else None
     )
@@ -131,7 +133,18 @@ async def collect_status(fleet: Fleet) -> FleetStatus:
             for m in fleet.members
             if m.kind == "engine" and m.address is not None
         ]
-    loads = await asyncio.gather(*(_engine_load(fleet.channels, address) for address, *_ in rows))
+    loads = await asyncio.gather(
+        *(
+            _ask(
+                fleet.channels,
+                address,
+                lambda channel: pb_grpc.OpenEngineStub(channel).GetLoad(
+                    pb.GetLoadRequest(), timeout=STATUS_RPC_TIMEOUT_S
+                ),
+            )
+            for address, *_ in rows
+        )
+    )
     engines = []
     for (address, engine_id, state, worker), load in zip(rows, loads, strict=True):
         source: Any = worker if worker is not None else load
