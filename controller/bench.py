@@ -14,10 +14,12 @@ from typing import Annotated, Any
 
 import typer
 
+from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
 from engine.core.mooncake_trace import load_trace
 from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
@@ -187,15 +189,24 @@ def bench_route(
     ] = ",".join(POLICY_NAMES),
     peer: Annotated[Peer | None, typer.Option(help="Also run a peer's own replay.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the router's randomness.")] = 0,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="A controller config file: the kvplane policy uses its router settings.",
+        ),
+    ] = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Routing quality on a real trace: reuse, TTFT, ITL, imbalance per policy."""
+    weights = load_config(ControllerConfig, config).router.weights() if config else None
     settings = ReplaySettings(
         workers=workers,
         blocks_per_worker=blocks_per_worker,
         block_size=block_size,
         speedup=speedup,
         seed=seed,
+        kvplane_weights=weights,
     )
     doc = run_route_bench(trace, settings, policy_names(policies), peer)
     emit(doc, output, render_table)

@@ -101,6 +101,9 @@ class RouterConfig(StrictModel):
     # at backlog_overlap_weight; 0 turns it off.
     backlog_tokens: float = Field(default=_DEFAULT_WEIGHTS.backlog_tokens, ge=0)
     backlog_overlap_weight: float = Field(default=_DEFAULT_WEIGHTS.backlog_overlap_weight, ge=0)
+    # An engine whose prefill wait is more than this many tokens longer than the quickest
+    # engine's is not chosen, whatever it holds; 0 turns it off.
+    patience_tokens: float = Field(default=_DEFAULT_WEIGHTS.patience_tokens, ge=0)
     # `kvplane` skips busy engines (controller.router.router.BusyThresholds): KV usage or
     # queued requests at these thresholds, while at most busy_max_fraction of them are busy.
     busy_kv_usage: float | None = Field(default=_DEFAULT_BUSY.kv_usage, gt=0, le=1)
@@ -140,6 +143,7 @@ class RouterConfig(StrictModel):
             temperature=self.temperature,
             backlog_tokens=self.backlog_tokens,
             backlog_overlap_weight=self.backlog_overlap_weight,
+            patience_tokens=self.patience_tokens,
         )
 
     def busy(self) -> BusyThresholds:

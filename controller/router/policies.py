@@ -207,6 +207,16 @@ class KvplaneWeights:
       shorter queue (0 = off). A switch, not a ramp: below it the cost is exactly as without
       it.
 
+    - No cached prefix is worth a long wait: an engine whose prefill wait for the request
+      (`waiting` + `uncached`, in tokens) is more than `patience_tokens` longer than the
+      quickest engine's is not chosen (0 = off, the default). The overlap weight keeps a
+      conversation where its prefix is under ordinary queues; this bounds the rare collision
+      with a huge cold prefill just sent to the same engine, which sets the TTFT p99. It
+      trades reuse for tail latency (60,000 tokens on the Mooncake traces: p99 0.3-3.9%
+      lower, reuse 0.1-0.5% lower at trace speed and up to 1.8% at 4x;
+      docs/benchmarks/routing.md), so it is the operator's choice. Not while the fleet is
+      backlogged (see below).
+
     All tuned on the Mooncake traces (docs/benchmarks/routing.md). Engines within `tie_tokens`
     + `tie_ratio` * best of the best cost are ties, picked at random (or by softmax when
     `temperature` > 0), so equal engines share a hot prefix.
@@ -224,6 +234,7 @@ class KvplaneWeights:
     temperature: float = 0.0
     backlog_tokens: float = 200_000.0
     backlog_overlap_weight: float = 36.0
+    patience_tokens: float = 0.0
 
 
 class KvplanePolicy(_Stateless):
@@ -239,7 +250,7 @@ class KvplanePolicy(_Stateless):
         pressure = sum(c.cache_pressure for c in candidates) / max(len(candidates), 1)
         overlap = w.idle_overlap_weight + (w.overlap_weight - w.idle_overlap_weight) * pressure
         queues = [float(c.pending_prefill_tokens) for c in candidates]  # a property: once each
-        if queues and 0 < w.backlog_tokens <= min(queues):
+        if self._backlogged(queues):
             # Even the shortest queue is long: the fleet is backlogged, and recomputing a
             # cached prefix only adds to everyone's wait.
             overlap = max(overlap, w.backlog_overlap_weight)
@@ -277,19 +288,22 @@ class KvplanePolicy(_Stateless):
         w = self.weights
         rows = self.costs(request, candidates)
         totals = [r.total or 0.0 for r in rows]
-        best = min(totals)
+        allowed = self._patient(request, candidates, rows)
+        best = min(totals[i] for i in allowed)
         if w.temperature > 0:
-            index = _softmax_pick(totals, w.temperature, rng)
+            index = allowed[_softmax_pick([totals[i] for i in allowed], w.temperature, rng)]
             tied = 2
         else:
             limit = best + w.tie_tokens + w.tie_ratio * best
-            near = [i for i, t in enumerate(totals) if t <= limit]
+            near = [i for i in allowed if totals[i] <= limit]
             tied = len(near)
             index = near[0] if tied == 1 else rng.choice(near)
         row = rows[index]
         cached = row.cached_tokens + row.host_cached_tokens
         if len(candidates) == 1:
             reason = Reason.ONLY
+        elif len(allowed) < len(rows) and totals[index] > min(totals):
+            reason = Reason.LOAD  # the cheapest engine's wait was past patience
         elif tied > 1:
             reason = Reason.TIE
         elif cached > 0:
@@ -297,6 +311,29 @@ class KvplanePolicy(_Stateless):
         else:
             reason = Reason.LOAD
         return Decision(row.engine_id, reason, self.name, cached, tuple(rows))
+
+    def _backlogged(self, queues: Sequence[float]) -> bool:
+        """Even the shortest prefill queue is at least `backlog_tokens` long."""
+        return bool(queues) and 0 < self.weights.backlog_tokens <= min(queues)
+
+    def _patient(
+        self, request: RouteRequest, candidates: Sequence[Candidate], rows: Sequence[EngineCost]
+    ) -> list[int]:
+        """Indices of the engines whose prefill wait for the request (queue + uncached prompt
+        tokens) is within `patience_tokens` of the quickest engine's (all of them when the
+        fleet is backlogged: then every wait is long, and recomputing only adds to it)."""
+        patience = self.weights.patience_tokens
+        if patience <= 0:
+            return list(range(len(rows)))
+        queues = [c.pending_prefill_tokens for c in candidates]
+        if self._backlogged(queues):
+            return list(range(len(rows)))
+        waits = [
+            queue + request.num_prompt_tokens - r.cached_tokens - r.host_cached_tokens
+            for queue, r in zip(queues, rows, strict=True)
+        ]
+        limit = min(waits) + patience
+        return [i for i, wait in enumerate(waits) if wait <= limit]
 
 
 def _softmax_pick(totals: Sequence[float], temperature: float, rng: random.Random) -> int:

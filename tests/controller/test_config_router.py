@@ -33,6 +33,7 @@ def test_configured_weights_reach_the_controllers_policy(tmp_path: Path) -> None
         "  pass_tokens: 4096\n"
         "  pass_decodes: 2\n"
         "  tie_tokens: 16\n"
+        "  patience_tokens: 60000\n"
     )
     controller = Controller(load_config(ControllerConfig, path))
     policy = controller.router.policy
@@ -45,11 +46,19 @@ def test_configured_weights_reach_the_controllers_policy(tmp_path: Path) -> None
         pass_tokens=4096.0,
         pass_decodes=2,
         tie_tokens=16.0,
+        patience_tokens=60_000.0,
     )
 
 
 @pytest.mark.parametrize(
-    "setting", ["idle_overlap_weight: -1", "queue_knee: -5", "pass_tokens: -1", "pass_decodes: -1"]
+    "setting",
+    [
+        "idle_overlap_weight: -1",
+        "queue_knee: -5",
+        "pass_tokens: -1",
+        "pass_decodes: -1",
+        "patience_tokens: -1",
+    ],
 )
 def test_negative_weights_are_rejected(tmp_path: Path, setting: str) -> None:
     path = tmp_path / "c.yaml"

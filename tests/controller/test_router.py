@@ -109,6 +109,28 @@ def test_a_request_behind_a_huge_prefill_leaves_its_prefix() -> None:
     assert knee.explain(req, [holder, idle], random.Random(0), 0).engine_id == "b"
 
 
+def test_no_cached_prefix_is_worth_a_wait_past_patience() -> None:
+    """A conversation with a 40k-token prefix cached stays on its engine behind a long queue,
+    until the wait there (queue + uncached tokens) is more than `patience_tokens` longer than
+    recomputing the whole prompt on an idle engine; the overlap weight alone would keep it."""
+    req = RouteRequest("r", 320 * BS + 5, BS, tuple(range(320)))  # all but 5 tokens cached
+    idle = roomy("b")
+    patient = Router(KvplanePolicy(KvplaneWeights(patience_tokens=60_000)))
+    unbounded = Router(KvplanePolicy(KvplaneWeights(patience_tokens=0)))
+    within = [roomy("a", 320, queued_requests=1, waiting_tokens=100_000), idle]
+    assert patient.explain(req, within, random.Random(0), 0).engine_id == "a"
+    past = [roomy("a", 320, queued_requests=1, waiting_tokens=101_000), idle]
+    d = patient.explain(req, past, random.Random(0), 0)
+    assert (d.engine_id, d.reason) == ("b", Reason.LOAD)
+    assert d.costs[0].total is not None and d.costs[1].total is not None
+    assert d.costs[0].total < d.costs[1].total  # the cost alone still prefers the holder
+    assert unbounded.explain(req, past, random.Random(0), 0).engine_id == "a"
+    # A backlogged fleet (every queue at least backlog_tokens) waits whatever the choice, and
+    # recomputing a prefix only adds to it: patience does not apply.
+    backlogged = [cand("a", 320, waiting_tokens=400_000), cand("b", waiting_tokens=250_000)]
+    assert patient.explain(req, backlogged, random.Random(0), 0).engine_id == "a"
+
+
 def test_decode_load_weighs_by_the_passes_a_prompt_needs() -> None:
     """Every forward pass that also decodes is slower: a long prompt (many passes) avoids an
     engine with decodes running, a short one does not mind them."""
