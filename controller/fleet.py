@@ -164,11 +164,21 @@ _KEY_SPACES = {
 }
 
 
+# A remote index that fails with these is not answering at all (down, hung, unreachable).
+_NOT_ANSWERING = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+
+
 class RemoteIndex:
     """A remote `kvplane indexer` asked through its MatchTokens RPC (it hashes the prompt with
     the same canonical keys and is fed by its own event sources). Its workers are matched to
     fleet engines by worker address, else by worker id. The prompt is hashed in the key space
-    its workers are in (`IndexConfig.remote_key_space`)."""
+    its workers are in (`IndexConfig.remote_key_space`).
+
+    An indexer that does not answer (a deadline or UNAVAILABLE) is not asked again for
+    `backoff_initial_s`, doubling up to `backoff_max_s` while it stays silent: until then
+    `match` fails at once, so a hung indexer costs one request the deadline per backoff, not
+    every request. After the pause one request asks it again (the others still fail at once);
+    an answer ends the pause."""
 
     def __init__(
         self,
@@ -177,6 +187,9 @@ class RemoteIndex:
         key_space: str = "canonical",
         hash_seed: str | None = None,
         channels: ClientChannels = INSECURE,
+        *,
+        backoff_s: tuple[float, float] = (0.5, 30.0),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.channels = channels
         self._channel = channels.aio_channel(target)
@@ -184,21 +197,44 @@ class RemoteIndex:
         self._timeout_s = timeout_s
         self._key_space = _KEY_SPACES[key_space]
         self._hash_seed = hash_seed
+        self._backoff_s = backoff_s
+        self._clock = clock
+        self._pause_s = 0.0  # 0: the indexer answers
+        self._ask_again_at = 0.0
+        self._asking_again = False
 
     async def match(
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
     ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
-        reply = await self._stub.MatchTokens(
-            ipb.MatchTokensRequest(
-                token_ids=token_ids,
-                block_size=block_size,
-                lora_name=lora_name,
-                cache_salt=cache_salt,
-                key_space=self._key_space,
-                hash_seed=self._hash_seed,
-            ),
-            timeout=self._timeout_s,
-        )
+        """The prompt's block keys and each worker's cached prefix; a KvplaneError of one line
+        when the indexer fails or is paused as not answering."""
+        paused = self._pause_s > 0
+        if paused and (self._asking_again or self._clock() < self._ask_again_at):
+            raise KvplaneError(
+                f"remote index: not answering; asked again within {self._pause_s:g} s"
+            )
+        self._asking_again = paused
+        try:
+            reply = await self._stub.MatchTokens(
+                ipb.MatchTokensRequest(
+                    token_ids=token_ids,
+                    block_size=block_size,
+                    lora_name=lora_name,
+                    cache_salt=cache_salt,
+                    key_space=self._key_space,
+                    hash_seed=self._hash_seed,
+                ),
+                timeout=self._timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in _NOT_ANSWERING:
+                initial, most = self._backoff_s
+                self._pause_s = min(max(2 * self._pause_s, initial), most)
+                self._ask_again_at = self._clock() + self._pause_s
+            raise KvplaneError(f"remote index: {exc.code().name}: {exc.details()}") from None
+        finally:
+            self._asking_again = False
+        self._pause_s = 0.0
         hits: dict[str, PrefixHit] = {}
         for m in reply.matches:
             device = next((t.matched_blocks for t in m.tiers if int(t.tier) == int(Tier.HBM)), 0)
@@ -294,6 +330,7 @@ class Fleet:
                 ClientChannels.load(config.index.remote_tls, "index.remote_tls").reconnecting(
                     health.backoff_initial_s, health.backoff_max_s
                 ),
+                backoff_s=(health.backoff_initial_s, health.backoff_max_s),
             )
             if config.index.remote is not None
             else None
@@ -425,10 +462,8 @@ class Fleet:
         if token_ids and records and self.remote is not None:
             try:
                 keys, hits = await self.remote.match(token_ids, size, lora_name, cache_salt)
-            except grpc.aio.AioRpcError as exc:
-                self._routing_blind.warn(
-                    f"remote index: {exc.code().name}: {exc.details()}; routing by load"
-                )
+            except KvplaneError as exc:
+                self._routing_blind.warn(f"{exc}; routing by load")
         elif token_ids:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and records:

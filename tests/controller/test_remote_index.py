@@ -4,6 +4,8 @@ is found only when the controller hashes prompts in that space (`remote_key_spac
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -19,6 +21,8 @@ from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import ServerConfig
 from kvplane.errors import KvplaneError
 from kvplane.server import create_server
+from kvplane_api.v1 import index_pb2 as ipb
+from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -117,6 +121,62 @@ async def test_an_engine_indexed_rank_by_rank_holds_its_best_rank() -> None:
                 )
         _, hits = await remote.match(TOKENS, 16, "", "")
         assert hits[ENGINE].device_blocks == 4
+    finally:
+        await remote.close()
+        await server.stop(None)
+
+
+class _HungIndex(ipb_grpc.KvIndexServicer):
+    """A KvIndex whose MatchTokens hangs (a stopped or stuck indexer) until released."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.released = asyncio.Event()
+
+    async def MatchTokens(
+        self, request: ipb.MatchTokensRequest, context: grpc.aio.ServicerContext
+    ) -> ipb.MatchTokensResponse:
+        self.calls += 1
+        await self.released.wait()
+        return ipb.MatchTokensResponse()
+
+
+async def test_a_hung_remote_index_is_asked_again_only_after_a_backoff() -> None:
+    """A hung indexer used to cost every request the RPC deadline; now one request per
+    backoff: between, `match` fails at once and the indexer is not asked."""
+    servicer = _HungIndex()
+    server = grpc.aio.server()
+    ipb_grpc.add_KvIndexServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    now = [0.0]
+    remote = RemoteIndex(f"127.0.0.1:{port}", 0.2, backoff_s=(1.0, 4.0), clock=lambda: now[0])
+
+    async def match() -> None:
+        await remote.match(TOKENS, 16, "", "")
+
+    try:
+        with pytest.raises(KvplaneError, match=r"^remote index: DEADLINE_EXCEEDED: "):
+            await match()
+        for _ in range(5):
+            with pytest.raises(KvplaneError, match=r"not answering; asked again within 1 s$"):
+                await match()
+        assert servicer.calls == 1
+        now[0] = 1.0  # the pause is over: one request asks again, the others still fail at once
+        outcomes = await asyncio.gather(match(), match(), return_exceptions=True)
+        assert sorted(str(o).split(":")[1].strip() for o in outcomes) == [
+            "DEADLINE_EXCEEDED",
+            "not answering; asked again within 1 s",
+        ]
+        assert servicer.calls == 2
+        now[0] = 2.5  # still hung at 1.0: the pause doubled
+        with pytest.raises(KvplaneError, match=r"within 2 s$"):
+            await match()
+        servicer.released.set()
+        now[0] = 3.0
+        await match()  # it answers: the pause ends
+        await match()
+        assert servicer.calls == 4
     finally:
         await remote.close()
         await server.stop(None)
