@@ -4,6 +4,7 @@ replay as peer rows (`--peer dynamo`, needs `pip install ai-dynamo-runtime==1.6.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import os
@@ -70,6 +71,8 @@ def run_route_bench(
         "oracle_hit_ratio": round(oracle_hit_ratio(trace, settings.block_size), 4),
         "policies": {},
     }
+    if settings.kvplane_weights is not None and "kvplane" in policies:
+        result["kvplane_weights"] = dataclasses.asdict(settings.kvplane_weights)
     for name in policies:
         started = time.monotonic()
         outcome = replay(trace, name, settings)

@@ -5,18 +5,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from typer.testing import CliRunner, Result
 
-from controller.router import POLICY_NAMES
+from controller.router import POLICY_NAMES, KvplaneWeights
 from kvplane.cli import app
 from kvplane.errors import KvplaneError
 
@@ -148,32 +148,25 @@ def test_route_json_is_one_document_of_the_issues_shape(trace: Path, tmp_path: P
     assert (doc["trace"], doc["workers"], doc["blocks_per_worker"]) == ("trace.jsonl", 2, 2)
     assert (doc["block_size"], doc["speedup"]) == (512, 1.0)
     assert list(doc["policies"]) == ["kvplane", "random"]
+    assert "kvplane_weights" not in doc  # the defaults: no --config
     for row in doc["policies"].values():
         assert {"hit_ratio", "ttft_ms", "itl_ms", "imbalance", "throughput_rps"} <= set(row)
         assert set(row["ttft_ms"]) == {"mean", "p50", "p99"}
         assert set(row["itl_ms"]) == {"mean"}
 
 
-def test_route_takes_the_kvplane_weights_from_a_controller_config(
-    trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_route_replays_kvplane_with_a_controller_configs_router_settings(
+    trace: Path, tmp_path: Path
 ) -> None:
-    import controller.bench as bench_module
-    from controller.router import KvplaneWeights
-
-    seen: list[KvplaneWeights | None] = []
-
-    def capture(trace_path: Path, settings: Any, policies: list[str], peer: Any) -> dict:
-        seen.append(settings.kvplane_weights)
-        return {"policies": {}}
-
-    monkeypatch.setattr(bench_module, "run_route_bench", capture)
     config = tmp_path / "controller.yaml"
     config.write_text("router: {patience_tokens: 60000, overlap_weight: 9}\n")
-    result = bench("route", "--trace", str(trace), "--config", str(config), "--output", "json")
+    args = ["route", "--trace", str(trace), "--policies", "kvplane,random", "--output", "json"]
+    result = bench(*args, "--config", str(config))
     assert result.exit_code == 0, result.output
-    assert seen == [KvplaneWeights(patience_tokens=60_000.0, overlap_weight=9.0)]
-    assert bench("route", "--trace", str(trace), "--output", "json").exit_code == 0
-    assert seen[1] is None  # without --config: the policy's defaults
+    doc = json.loads(result.stdout)
+    weights = dataclasses.asdict(KvplaneWeights(patience_tokens=60_000.0, overlap_weight=9.0))
+    assert doc["kvplane_weights"] == weights
+    assert set(doc["policies"]) == {"kvplane", "random"}
 
 
 def test_route_with_a_bad_controller_config_is_one_line(trace: Path, tmp_path: Path) -> None:
