@@ -164,21 +164,18 @@ _KEY_SPACES = {
 }
 
 
-# A remote index that fails with these is not answering at all (down, hung, unreachable).
-_NOT_ANSWERING = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
-
-
 class RemoteIndex:
     """A remote `kvplane indexer` asked through its MatchTokens RPC (it hashes the prompt with
     the same canonical keys and is fed by its own event sources). Its workers are matched to
     fleet engines by worker address, else by worker id. The prompt is hashed in the key space
     its workers are in (`IndexConfig.remote_key_space`).
 
-    An indexer that does not answer (a deadline or UNAVAILABLE) is not asked again for
+    An indexer that lets the deadline pass (hung, stopped, overloaded) is not asked again for
     `backoff_initial_s`, doubling up to `backoff_max_s` while it stays silent: until then
-    `match` fails at once, so a hung indexer costs one request the deadline per backoff, not
-    every request. After the pause one request asks it again (the others still fail at once);
-    an answer ends the pause."""
+    `match` fails at once, so it costs one request the deadline per pause, not every request.
+    After the pause one request asks it again (the others still fail at once); an answer ends
+    the pause. One that is down fails at once by itself (UNAVAILABLE) and is asked every
+    time, so it is used again as soon as it is back."""
 
     def __init__(
         self,
@@ -227,7 +224,7 @@ class RemoteIndex:
                 timeout=self._timeout_s,
             )
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in _NOT_ANSWERING:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s

@@ -180,3 +180,15 @@ async def test_a_hung_remote_index_is_asked_again_only_after_a_backoff() -> None
     finally:
         await remote.close()
         await server.stop(None)
+
+
+async def test_a_remote_index_that_is_down_is_asked_every_time() -> None:
+    """Nothing listening fails at once by itself: no pause, so an indexer back after an
+    outage is used by the next request."""
+    remote = RemoteIndex("127.0.0.1:1", 5.0, backoff_s=(60.0, 60.0))
+    try:
+        for _ in range(3):
+            with pytest.raises(KvplaneError, match=r"^remote index: UNAVAILABLE: "):
+                await remote.match(TOKENS, 16, "", "")
+    finally:
+        await remote.close()
