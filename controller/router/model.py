@@ -28,6 +28,7 @@ class Reason(enum.StrEnum):
     POLICY = "policy"  # a cache-blind policy (round robin, random, ...)
     ONLY = "only"  # one candidate
     ALL_BUSY = "all_busy"  # every engine was busy; the least loaded was taken
+    PATIENCE = "patience"  # the cheapest engine's wait was past `patience_tokens`
 
 
 @dataclass(frozen=True, slots=True)

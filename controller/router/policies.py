@@ -303,7 +303,7 @@ class KvplanePolicy(_Stateless):
         if len(candidates) == 1:
             reason = Reason.ONLY
         elif len(allowed) < len(rows) and totals[index] > min(totals):
-            reason = Reason.LOAD  # the cheapest engine's wait was past patience
+            reason = Reason.PATIENCE
         elif tied > 1:
             reason = Reason.TIE
         elif cached > 0:

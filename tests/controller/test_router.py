@@ -121,7 +121,7 @@ def test_no_cached_prefix_is_worth_a_wait_past_patience() -> None:
     assert patient.explain(req, within, random.Random(0), 0).engine_id == "a"
     past = [roomy("a", 320, queued_requests=1, waiting_tokens=101_000), idle]
     d = patient.explain(req, past, random.Random(0), 0)
-    assert (d.engine_id, d.reason) == ("b", Reason.LOAD)
+    assert (d.engine_id, d.reason) == ("b", Reason.PATIENCE)
     assert d.costs[0].total is not None and d.costs[1].total is not None
     assert d.costs[0].total < d.costs[1].total  # the cost alone still prefers the holder
     assert unbounded.explain(req, past, random.Random(0), 0).engine_id == "a"
