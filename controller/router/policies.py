@@ -213,9 +213,9 @@ class KvplaneWeights:
       conversation where its prefix is under ordinary queues; this bounds the rare collision
       with a huge cold prefill just sent to the same engine, which sets the TTFT p99. It
       trades reuse for tail latency (60,000 tokens on the Mooncake traces: p99 0.3-3.9%
-      lower, reuse 0.1-0.5% lower at trace speed and up to 1.8% at 4x;
-      docs/benchmarks/routing.md), so it is the operator's choice. Not while the fleet is
-      backlogged (see below).
+      lower in ten of eleven configurations, reuse 0.1-0.5% lower at trace speed and up to
+      1.8% at 4x; docs/benchmarks/routing.md), so it is the operator's choice. Not while the
+      fleet is backlogged (see below).
 
     All tuned on the Mooncake traces (docs/benchmarks/routing.md). Engines within `tie_tokens`
     + `tie_ratio` * best of the best cost are ties, picked at random (or by softmax when
