@@ -130,6 +130,23 @@ def _keys(index: PrefixIndex, worker: str) -> dict[int, Tier]:
     return {p.key: p.tier for p in index.placements(worker)}
 
 
+async def _follow(
+    engine: ScriptedEngine, until: Callable[[OpenEngineSource], bool]
+) -> tuple[OpenEngineSource, PrefixIndex, str]:
+    """Serve `engine`, follow it into a fresh index until `until(source)`, stop; returns the
+    source, the index and the engine's address (its worker)."""
+    server, target = await _serve(engine)
+    index = PrefixIndex()
+    source = _source(target, index)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: until(source), WAIT_S)
+    finally:
+        engine.hold.set()
+        await server.stop(None)
+    return source, index, target
+
+
 async def test_snapshot_then_resubscribe_from_the_next_sequence_number() -> None:
     engine = ScriptedEngine(
         [
@@ -148,15 +165,7 @@ async def test_snapshot_then_resubscribe_from_the_next_sequence_number() -> None
             [_batch(7, _stored(4, parent=2))],
         ]
     )
-    server, target = await _serve(engine)
-    index = PrefixIndex()
-    source = _source(target, index)
-    try:
-        async with running(source.run()):
-            await source.wait_until(lambda: source.last_seq == 7, WAIT_S)
-    finally:
-        engine.hold.set()
-        await server.stop(None)
+    source, index, target = await _follow(engine, lambda source: source.last_seq == 7)
     assert [(r.include_snapshot, r.start_sequence_number) for r in engine.requests] == [
         (True, 0),
         (True, 7),
@@ -176,15 +185,7 @@ async def test_an_unexpected_sequence_number_clears_the_worker_before_applying()
             [_batch(1, CLEARED, _stored(20))],
         ]
     )
-    server, target = await _serve(engine)
-    index = PrefixIndex()
-    source = _source(target, index)
-    try:
-        async with running(source.run()):
-            await source.wait_until(lambda: source.counters.num_resets == 2, WAIT_S)
-    finally:
-        engine.hold.set()
-        await server.stop(None)
+    source, index, target = await _follow(engine, lambda source: source.counters.num_resets == 2)
     assert engine.requests[1].start_sequence_number == 3
     assert _keys(index, target) == {20: Tier.HBM}
     assert source.counters.num_gaps == 1
@@ -200,15 +201,7 @@ async def test_a_live_batch_after_a_gap_is_followed_by_a_snapshot_subscription()
             [_batch(4, CLEARED, _stored(10), _stored(11, parent=10), _stored(12), _stored(13))],
         ]
     )
-    server, target = await _serve(engine)
-    index = PrefixIndex()
-    source = _source(target, index)
-    try:
-        async with running(source.run()):
-            await source.wait_until(lambda: source.counters.num_resets == 3, WAIT_S)
-    finally:
-        engine.hold.set()
-        await server.stop(None)
+    source, index, target = await _follow(engine, lambda source: source.counters.num_resets == 3)
     assert [(r.include_snapshot, r.start_sequence_number) for r in engine.requests] == [
         (True, 0),
         (True, 0),
