@@ -21,7 +21,8 @@ block table) into tensors once per step; every layer then:
 Groups keep padding bounded: sequences sorted by (new tokens, context) are packed together
 while the padded score matrix stays within 1.5x the useful work, so decodes of similar context
 share one group and a long prefill chunk gets its own. Padding is what the gather of each
-sequence's blocks pays for, and that gather is the memory-bound part of a CPU decode step.
+sequence's blocks pays for, and that gather is the memory-bound part of a CPU decode step. On
+a GPU the launches of each group cost more than padding does, so groups may pad up to 8x.
 Padded query rows are given position 0 so that their softmax is never empty; their outputs are
 discarded.
 
@@ -51,6 +52,10 @@ from engine.torch_runner.native import NativeKernels
 
 # A group is split when its padded score matrix exceeds this multiple of the useful one.
 _MAX_PADDING_FACTOR = 1.5
+# ... on a GPU, where each group's dozen kernel launches cost more than its padded arithmetic:
+# a decode step of 32 sequences split into groups of one or two spent ~75 ms of launches per
+# step on an 886 M-parameter model (H200, docs/benchmarks/engine.md "On a GPU").
+_MAX_PADDING_FACTOR_GPU = 8.0
 # ... and when the keys and values it gathers would exceed this many bytes: a group's gathered
 # blocks are then still in the core's cache when attention reads them (measured on a 1 MiB L2
 # core: decode steps of 32 sequences 1.3-2x faster than one big group read back from L3/DRAM).
@@ -130,7 +135,9 @@ class AttentionMetadata:
         kernel_max_chunk_keys: int = _MAX_KERNEL_CHUNK_KEYS,
     ) -> AttentionMetadata:
         """`key_bytes`: the bytes of one token's key in one layer (num_kv_heads * head_dim *
-        element size); given, groups are also split to bound the bytes they gather. With
+        element size); given on CPU, groups are also split to bound the bytes they gather (a
+        core's cache); on other devices groups are bounded by padding alone, and a looser one
+        (`_MAX_PADDING_FACTOR_GPU`). With
         `kernel_rows`, decodes and the prefill chunks that end within `kernel_max_chunk_keys`
         positions are described in `kernel_rows` instead, for the native kernel; only longer
         chunks go to the groups.
@@ -200,7 +207,11 @@ class AttentionMetadata:
         else:
             packed = int64_tensor(flat, device)
         members: Sequence[int] = grouped if kernel_rows else range(len(chunks))
-        max_keys = _MAX_GROUP_GATHER_BYTES // (2 * key_bytes) if key_bytes else total + 2**62
+        on_cpu = device.type == "cpu"
+        max_keys = total + 2**62
+        if key_bytes and on_cpu:
+            max_keys = _MAX_GROUP_GATHER_BYTES // (2 * key_bytes)
+        padding = _MAX_PADDING_FACTOR if on_cpu else _MAX_PADDING_FACTOR_GPU
         groups = tuple(
             _build_group(
                 chunks,
@@ -211,7 +222,7 @@ class AttentionMetadata:
                 device=device,
                 dtype=dtype,
             )
-            for group in _partition(chunks, members, max_keys)
+            for group in _partition(chunks, members, max_keys, padding)
         )
         return cls(
             positions=packed[:total],
@@ -233,10 +244,10 @@ def int64_tensor(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def _partition(
-    chunks: Sequence[SequenceChunk], members: Sequence[int], max_keys: int
+    chunks: Sequence[SequenceChunk], members: Sequence[int], max_keys: int, max_padding: float
 ) -> list[list[int]]:
-    """Split sequence indices (`members`) into groups whose padded attention stays near the
-    useful work and whose padded keys stay within `max_keys`."""
+    """Split sequence indices (`members`) into groups whose padded attention stays within
+    `max_padding` times the useful work and whose padded keys stay within `max_keys`."""
     if not members:
         return []
     order = sorted(members, key=lambda i: (chunks[i].num_tokens, chunks[i].start))
@@ -251,7 +262,7 @@ def _partition(
         new_useful = useful + q * kv
         new_padded = (len(current) + 1) * max(max_q, q) * max(max_kv, kv)
         too_big = (len(current) + 1) * max(max_kv, kv) > max_keys
-        if current and (new_padded > _MAX_PADDING_FACTOR * new_useful or too_big):
+        if current and (new_padded > max_padding * new_useful or too_big):
             groups.append(current)
             current, useful, max_q, max_kv = [], 0, 0, 0
             new_useful = q * kv

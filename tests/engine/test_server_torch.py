@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import collect, idle, running_engine, wait_for
+from tests.engine.torch_reference import TEST_DEVICE
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,6 +39,7 @@ def _torch_config() -> Any:
         max_num_seqs=8,
         max_num_batched_tokens=1024,
         shutdown_grace_s=1.0,
+        device=TEST_DEVICE,
     )
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch_reference import TINY_LLAMA, vllm_requests, write_random_qwen2
+from torch_reference import TEST_DEVICE, TINY_LLAMA, vllm_requests, write_random_qwen2
 
 from engine.core.api import EngineRequest, LogprobRequest, SamplingParams, SchedulerConfig
 from engine.core.engine_core import EngineCore
@@ -48,13 +48,13 @@ def hf_greedy(model_dir: Path, prompts: Sequence[Sequence[int]], max_tokens: int
     )
     # Every tensor of the checkpoint was used and none was made up.
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    model.eval()
+    model.to(TEST_DEVICE).eval()
     model.generation_config.eos_token_id = None
     results = []
     with torch.inference_mode():
         for prompt in prompts:
             out = model.generate(
-                input_ids=torch.tensor([list(prompt)]),
+                input_ids=torch.tensor([list(prompt)], device=TEST_DEVICE),
                 max_new_tokens=max_tokens,
                 do_sample=False,
                 use_cache=True,
@@ -84,7 +84,11 @@ def kvplane_greedy(
     decodes, prefix caching across waves). Returns results in prompt order and the cached
     prompt tokens of each request."""
     runner = TorchModelRunner.from_pretrained(
-        model_dir, block_size=block_size, num_blocks=256, native_kernels=native_kernels
+        model_dir,
+        device=TEST_DEVICE,
+        block_size=block_size,
+        num_blocks=256,
+        native_kernels=native_kernels,
     )
     core = EngineCore(
         runner, SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens)

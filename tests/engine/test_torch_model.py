@@ -168,6 +168,32 @@ def test_paged_attention_equals_dense_attention(
         torch.testing.assert_close(out.double(), dense_attention(q, k, v), atol=2e-5, rtol=1e-5)
 
 
+def test_decodes_share_one_group_on_a_gpu_but_split_by_cache_bytes_on_cpu() -> None:
+    """32 decodes of contexts 40-300 tokens: on CPU the gathered bytes split them (a core's
+    cache); on any other device ("meta" stands for a GPU here: same code, no memory) they are
+    one group, since each group costs a dozen kernel launches per layer."""
+    block_size = 16
+    tables = [list(range(i * 20, i * 20 + 20)) for i in range(32)]
+    chunks = [SequenceChunk(40 + 8 * i, 1, tables[i]) for i in range(32)]
+    key_bytes = 4 * 256 * 4  # 4 KV heads of 256 floats
+
+    def groups(device: torch.device) -> list[int]:
+        metadata = AttentionMetadata.build(
+            chunks, block_size=block_size, num_blocks=640, device=device, key_bytes=key_bytes
+        )
+        return [g.token_index.shape[0] for g in metadata.groups]
+
+    assert len(groups(CPU)) > 8
+    assert groups(torch.device("meta")) == [32]
+    # A long prefill chunk still gets a group of its own on a GPU: padding 32 decodes to its
+    # 2,048 queries would cost far more than its launches.
+    chunks.append(SequenceChunk(0, 2048, list(range(128))))
+    metadata = AttentionMetadata.build(
+        chunks, block_size=block_size, num_blocks=640, device=torch.device("meta")
+    )
+    assert sorted(g.token_index.shape for g in metadata.groups) == [(1, 2048), (32, 1)]
+
+
 def test_attention_metadata_rejects_a_block_table_too_short_or_out_of_range() -> None:
     with pytest.raises(KvCacheError):
         AttentionMetadata.build([SequenceChunk(0, 5, [0])], block_size=4, num_blocks=8, device=CPU)

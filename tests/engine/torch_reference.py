@@ -5,6 +5,7 @@ minimal driver that feeds a TorchModelRunner scheduled batches the way the engin
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 TINY_LLAMA = SHARED / "models" / "tiny-llama"
 VLLM_REQUESTS = SHARED / "data" / "vllm-0.32.0-kv-events" / "requests.jsonl"
+# Where the tests that name it run the model: "cpu" here and in CI; KVPLANE_TEST_DEVICE=cuda runs
+# them on a GPU (docs/benchmarks/engine.md, "On a GPU").
+TEST_DEVICE = os.environ.get("KVPLANE_TEST_DEVICE", "cpu")
 
 
 def vllm_requests() -> list[dict[str, Any]]:
