@@ -59,6 +59,9 @@ class IndexConfig(StrictModel):
     # Dial the remote indexer with TLS ({ca_file, cert_file, key_file, server_name}; see
     # kvplane.config.ClientTlsConfig); None: insecure.
     remote_tls: ClientTlsConfig | None = None
+    # A file holding the bearer token of a remote indexer run with `auth` (sent on every call:
+    # it needs it for ResyncEngine, and for MatchTokens too with `protect_reads`).
+    remote_token_file: Path | None = None
     # Options of a Redis backend, the indexer's `redis:` block (docs/redis.md).
     redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
 

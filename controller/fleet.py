@@ -28,8 +28,8 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -53,9 +53,11 @@ from indexer.sources.openengine import (
     engine_worker_id,
     zmq_source_settings,
 )
+from indexer.sources.resync import drop_engine
 from indexer.sources.zmq import SourceCounters, ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kvplane.channels import INSECURE, ClientChannels
+from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
@@ -157,6 +159,8 @@ class PromptView(NamedTuple):
     candidates: tuple[Candidate, ...]
 
 
+_Reply = TypeVar("_Reply")
+
 _KEY_SPACES = {
     "canonical": ipb.KEY_SPACE_CANONICAL,
     "sha256": ipb.KEY_SPACE_VLLM_SHA256,
@@ -164,18 +168,30 @@ _KEY_SPACES = {
 }
 
 
+class RemoteIndexError(KvplaneError):
+    """A remote index call that failed, with its gRPC status (None: not asked, paused)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class RemoteIndex:
-    """A remote `kvplane indexer` asked through its MatchTokens RPC (it hashes the prompt with
+    """A remote `kvplane indexer` asked through its KvIndex RPCs (it hashes the prompt with
     the same canonical keys and is fed by its own event sources). Its workers are matched to
     fleet engines by worker address, else by worker id. The prompt is hashed in the key space
     its workers are in (`IndexConfig.remote_key_space`).
 
     An indexer that lets the deadline pass (hung, stopped, overloaded) is not asked again for
     `backoff_initial_s`, doubling up to `backoff_max_s` while it stays silent: until then
-    `match` fails at once, so it costs one request the deadline per pause, not every request.
-    After the pause one request asks it again (the others still fail at once); an answer ends
-    the pause. One that is down fails at once by itself (UNAVAILABLE) and is asked every
-    time, so it is used again as soon as it is back."""
+    every call fails at once, so it costs one request the deadline per pause, not every
+    request. After the pause one call asks it again (the others still fail at once); an
+    answer ends the pause. One that is down fails at once by itself (UNAVAILABLE) and is asked
+    every time, so it is used again as soon as it is back.
+
+    An engine the controller saw restart (`resync_engine`) has its hits ignored until the
+    indexer has dropped what it held of the old process: its sources may still be waiting out
+    a reconnect backoff, and the old blocks must not attract traffic meanwhile."""
 
     def __init__(
         self,
@@ -187,11 +203,13 @@ class RemoteIndex:
         *,
         backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.monotonic,
+        token: str | None = None,
     ) -> None:
         self.channels = channels
         self._channel = channels.aio_channel(target)
         self._stub = ipb_grpc.KvIndexStub(self._channel)
         self._timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._key_space = _KEY_SPACES[key_space]
         self._hash_seed = hash_seed
         self._backoff_s = backoff_s
@@ -199,57 +217,88 @@ class RemoteIndex:
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0
         self._asking_again = False
+        # Engines restarted since the indexer last confirmed dropping their entries.
+        self.restarted: set[str] = set()
 
-    async def match(
-        self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
-    ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
-        """The prompt's block keys and each worker's cached prefix; a KvplaneError of one line
-        when the indexer fails or is paused as not answering."""
+    async def _ask(self, call: Callable[[], Awaitable[_Reply]]) -> _Reply:
+        """One RPC under the pause; a RemoteIndexError of one line when it fails or is not
+        asked (paused as not answering)."""
         paused = self._pause_s > 0
         if paused and (self._asking_again or self._clock() < self._ask_again_at):
-            raise KvplaneError(
+            raise RemoteIndexError(
                 f"remote index: not answering; asked again within {self._pause_s:g} s"
             )
         self._asking_again = paused
         try:
-            reply = await self._stub.MatchTokens(
-                ipb.MatchTokensRequest(
-                    token_ids=token_ids,
-                    block_size=block_size,
-                    lora_name=lora_name,
-                    cache_salt=cache_salt,
-                    key_space=self._key_space,
-                    hash_seed=self._hash_seed,
-                ),
-                timeout=self._timeout_s,
-            )
+            reply = await call()
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s
-            raise KvplaneError(f"remote index: {exc.code().name}: {exc.details()}") from None
+            raise RemoteIndexError(
+                f"remote index: {exc.code().name}: {exc.details()}", exc.code()
+            ) from None
         finally:
             self._asking_again = False
         self._pause_s = 0.0
+        return reply
+
+    async def match(
+        self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
+    ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
+        """The prompt's block keys and each worker's cached prefix (none for an engine in
+        `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
+        request = ipb.MatchTokensRequest(
+            token_ids=token_ids,
+            block_size=block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            key_space=self._key_space,
+            hash_seed=self._hash_seed,
+        )
+        reply = await self._ask(
+            lambda: self._stub.MatchTokens(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
+        )
         hits: dict[str, PrefixHit] = {}
         for m in reply.matches:
+            if (m.worker_address or m.worker_id) in self.restarted:
+                continue
             device = next((t.matched_blocks for t in m.tiers if int(t.tier) == int(Tier.HBM)), 0)
             hit = PrefixHit(device, max(m.matched_blocks - device, 0))
             _keep_best(hits, m.worker_address or m.worker_id, hit)
             hits.setdefault(m.worker_id, hit)
         return tuple(reply.block_keys), hits
 
+    async def resync_engine(self, engine: str) -> None:
+        """A new process of `engine`: ignore its hits from now until the indexer has dropped
+        its entries and resubscribed its sources (ResyncEngine). A RemoteIndexError when the
+        indexer did not answer: the hits stay ignored until a later call succeeds. An indexer
+        without the RPC (UNIMPLEMENTED, an older kvplane) is left to find the restart itself."""
+        self.restarted.add(engine)
+        request = ipb.ResyncEngineRequest(engine=engine)
+        try:
+            await self._ask(
+                lambda: self._stub.ResyncEngine(
+                    request, timeout=self._timeout_s, metadata=self._metadata
+                )
+            )
+        except RemoteIndexError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        self.restarted.discard(engine)
+
     async def stats(self) -> IndexStats:
         """The remote index's size; each worker named as the fleet knows its engine (its
         address when the indexer has one, else its worker id), as `match` does. A failed call
         is a KvplaneError of one line (callers log it)."""
-        try:
-            reply = await self._stub.GetIndexStats(
-                ipb.GetIndexStatsRequest(), timeout=self._timeout_s
+        reply = await self._ask(
+            lambda: self._stub.GetIndexStats(
+                ipb.GetIndexStatsRequest(), timeout=self._timeout_s, metadata=self._metadata
             )
-        except grpc.aio.AioRpcError as exc:
-            raise KvplaneError(f"remote index: {exc.code().name}: {exc.details()}") from None
+        )
         workers = tuple(
             WorkerStats(
                 w.worker_address or w.worker_id, w.worker_address, w.num_blocks, w.num_placements
@@ -276,6 +325,8 @@ class _Engine:
         # that a failure on the way (the engine gone again, GetKvEventSources failing) is
         # retried at the next identity fetch, which sees the same instance id again.
         self.events_pending = False
+        # A restart the remote index has not confirmed dropping yet: asked again each poll.
+        self.remote_resync_pending = False
 
     async def close(self) -> None:
         for task in (self.poll_task, self.events_task):
@@ -308,6 +359,7 @@ class Fleet:
         self._changed = asyncio.Condition()
         self._routing_blind = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
         self._mixed_block_sizes = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
+        self._remote_resync_failed = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
@@ -328,6 +380,11 @@ class Fleet:
                     health.backoff_initial_s, health.backoff_max_s
                 ),
                 backoff_s=(health.backoff_initial_s, health.backoff_max_s),
+                token=(
+                    read_token_file(config.index.remote_token_file, "index.remote_token_file")
+                    if config.index.remote_token_file is not None
+                    else None
+                ),
             )
             if config.index.remote is not None
             else None
@@ -354,6 +411,8 @@ class Fleet:
         if engine is not None:
             await engine.close()
         await self._drop_indexed(record.address)
+        if self.remote is not None:  # added again later, it is a first contact
+            self.remote.restarted.discard(record.address)
         if self._on_engine_gone is not None:
             self._on_engine_gone(record.address)
         await self._notify()
@@ -372,13 +431,24 @@ class Fleet:
         if self.index is None:
             return
         try:
-            await self.index.remove_worker(address)
-            stats = await self.index.stats()
-            for worker in stats.workers:
-                if worker.worker_id != address and engine_worker_id(worker.worker_id) == address:
-                    await self.index.remove_worker(worker.worker_id)
+            await drop_engine(self.index, address)
         except KvplaneError as exc:
             log.warning("engine %s: index entries not removed yet: %s", address, exc)
+
+    async def _resync_remote(self, engine: _Engine) -> None:
+        """Tell the remote indexer that the engine restarted; until it confirms, the engine's
+        hits from it are ignored (`RemoteIndex.resync_engine`) and each poll asks again."""
+        assert self.remote is not None
+        engine.remote_resync_pending = True
+        try:
+            await self.remote.resync_engine(engine.address)
+        except KvplaneError as exc:
+            self._remote_resync_failed.warn(
+                f"engine {engine.address} restarted; the remote index is not told yet, its "
+                f"cache is ignored meanwhile: {exc}"
+            )
+            return
+        engine.remote_resync_pending = False
 
     def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
         return self._engines[address].stub
@@ -510,6 +580,8 @@ class Fleet:
                     await self._fetch_identity(engine, restarted)
                     need_identity = restarted = False
                     load_instance = ""
+                elif engine.remote_resync_pending:
+                    await self._resync_remote(engine)
                 if now >= next_health:
                     reply = await engine.stub.Health(
                         pb.HealthRequest(), timeout=health.rpc_timeout_s
@@ -595,11 +667,12 @@ class Fleet:
                     ),
                 )
         adapters = await self._list_loras(engine, identity)
+        first_contact = self.registry.get(engine.address).identity is None
         is_new = self.registry.on_identity(engine.address, identity, self._clock(), restarted)
         self.registry.on_loras(engine.address, adapters)
         if is_new:
             engine.events_pending = True
-            await self._forget_old_process(engine)
+            await self._forget_old_process(engine, first_contact)
         if engine.events_pending:
             await self._follow_events(engine, identity)
             engine.events_pending = False
@@ -619,9 +692,12 @@ class Fleet:
             raise
         return frozenset(a.lora_name for a in reply.adapters)
 
-    async def _forget_old_process(self, engine: _Engine) -> None:
+    async def _forget_old_process(self, engine: _Engine, first_contact: bool = False) -> None:
         """A new engine process: stop following the old one's events, drop what the router
-        and the index knew of the address."""
+        and the index knew of the address. A remote index is told of a restart (not of a
+        first contact: it follows the engine by itself, and what it holds is the process's)."""
+        if self.remote is not None and not first_contact:
+            await self._resync_remote(engine)  # first of all: its hits are ignored from now
         if engine.events_task is not None:
             engine.events_task.cancel()
             # Not `await` under a suppress of CancelledError: that would swallow this poll

@@ -157,6 +157,7 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
             default_block_size=config.block_size,
             max_concurrent_prefix_queries=config.max_concurrent_prefix_queries,
             ingest_counters=ingest_counters,
+            source_of=by_worker.get,
         )
         servicer_box.append(kv_indexer)
         server, port = await create_server(

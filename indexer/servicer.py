@@ -37,6 +37,7 @@ from indexer.kv_wire import (
     token_matches_to_proto,
 )
 from indexer.multimodal import MultimodalItem, block_item_ids, block_items
+from indexer.sources.resync import Resyncable, resync_engine
 from indexer.vllm_hash import VllmHashAlgo
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
@@ -172,11 +173,14 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         *,
         default_block_size: int,
         ingest_counters: Callable[[], IngestCounters] = IngestCounters,
+        source_of: Callable[[str], Resyncable | None] = lambda worker_id: None,
     ) -> None:
         self.backend = backend
         self.limiter = limiter
         self.default_block_size = default_block_size
         self.ingest_counters = ingest_counters
+        # The source of this process that feeds a worker (ResyncEngine); None: fed from outside.
+        self.source_of = source_of
 
     async def MatchTokens(
         self, request: api.MatchTokensRequest, context: Context
@@ -212,6 +216,27 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
             )
         except Exception as exc:
             await _fail(context, exc)
+
+    async def ResyncEngine(
+        self, request: api.ResyncEngineRequest, context: Context
+    ) -> api.ResyncEngineResponse:
+        if not request.engine:
+            await abort_with(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "engine is required: the engine's address or worker id",
+            )
+        try:
+            dropped, asked = await resync_engine(self.backend, request.engine, self.source_of)
+        except Exception as exc:
+            await _fail(context, exc)
+        log.info(
+            "engine %s restarted (a router says): dropped workers %s, %d source(s) resubscribing",
+            request.engine,
+            dropped,
+            asked,
+        )
+        return api.ResyncEngineResponse(dropped_worker_ids=dropped, sources_resubscribed=asked)
 
     async def DumpIndex(
         self, request: api.DumpIndexRequest, context: Context
@@ -293,12 +318,18 @@ def index_services(
     default_block_size: int,
     max_concurrent_prefix_queries: int,
     ingest_counters: Callable[[], IngestCounters] = IngestCounters,
+    source_of: Callable[[str], Resyncable | None] = lambda worker_id: None,
 ) -> tuple[list[Service], KvIndexerServicer, KvIndexServicer]:
-    """Both servicers over one backend, as `kvplane.server.Service`s for `create_server`."""
+    """Both servicers over one backend, as `kvplane.server.Service`s for `create_server`;
+    `source_of(worker_id)`: the source of this process that feeds a worker, if any."""
     limiter = PrefixQueryLimiter(max_concurrent_prefix_queries)
     kv_indexer = KvIndexerServicer(backend, limiter)
     kv_index = KvIndexServicer(
-        backend, limiter, default_block_size=default_block_size, ingest_counters=ingest_counters
+        backend,
+        limiter,
+        default_block_size=default_block_size,
+        ingest_counters=ingest_counters,
+        source_of=source_of,
     )
     services = [
         Service(
@@ -309,6 +340,7 @@ def index_services(
         Service(
             KV_INDEX_SERVICE,
             lambda server: api_grpc.add_KvIndexServicer_to_server(kv_index, server),
+            frozenset({"ResyncEngine"}),
         ),
     ]
     return services, kv_indexer, kv_index

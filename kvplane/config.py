@@ -93,13 +93,19 @@ class AuthConfig(StrictModel):
     protect_reads: bool = False
 
     def read_token(self) -> str:
-        try:
-            token = self.token_file.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read auth.token_file {self.token_file}: {exc}") from exc
-        if not token:
-            raise ConfigError(f"auth.token_file {self.token_file} is empty")
-        return token
+        return read_token_file(self.token_file, "auth.token_file")
+
+
+def read_token_file(path: Path, setting: str) -> str:
+    """The bearer token a file holds (surrounding whitespace ignored); a ConfigError naming
+    `setting` when it cannot be read or is empty."""
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {setting} {path}: {exc}") from exc
+    if not token:
+        raise ConfigError(f"{setting} {path} is empty")
+    return token
 
 
 class ServerConfig(StrictModel):

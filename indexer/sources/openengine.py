@@ -24,7 +24,8 @@ router-facing address, and the engine's own worker id, which nothing feeds any m
 cleared. The counters are the engine's, summed over its ranks.
 
 A resync request (`request_resync`: the index backend dropped or lost this worker's entries,
-e.g. Redis restarted empty) ends the current subscription at once and resubscribes from
+e.g. Redis restarted empty, or a router saw the engine restart) ends the current subscription,
+or the reconnect backoff, at once and resubscribes from
 sequence number 0 with `include_snapshot`: the engine answers with a snapshot (or a replay
 from its first batch), whose sequence number is not the one expected, so the worker is
 cleared and rebuilt.
@@ -33,6 +34,7 @@ cleared and rebuilt.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -154,6 +156,8 @@ class OpenEngineSource:
         # Why the next subscription starts from a snapshot (None: it resumes).
         self._resync_wanted: str | None = None
         self._call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
+        # Set by a resync request: ends a reconnect backoff at once.
+        self._wake = asyncio.Event()
 
     @property
     def worker_id(self) -> str:
@@ -174,6 +178,7 @@ class OpenEngineSource:
                 source.request_resync()
             return
         self._resync_wanted = "the index asked for a resync"
+        self._wake.set()
         if self._call is not None:
             self._call.cancel()
 
@@ -213,7 +218,9 @@ class OpenEngineSource:
             if self._resync_wanted is not None:
                 continue  # resubscribe at once
             self.counters.num_restarts += 1
-            await asyncio.sleep(backoff)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):  # a resync request ends the wait
+                await asyncio.wait_for(self._wake.wait(), backoff)
             backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     async def _subscribe(self, stub: pb_grpc.OpenEngineAsyncStub) -> bool:

@@ -6,6 +6,7 @@ with streams in flight, an engine killed while it runs requests."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -230,10 +231,12 @@ async def test_a_killed_engine_leaves_the_fleets_load() -> None:
 
 class Indexer:
     """`kvplane indexer serve`'s parts in this process (an empty memory index, one OpenEngine
-    source per engine, the gRPC server), to stop and start again, empty, on its port."""
+    source per engine, the gRPC server), to stop and start again, empty, on its port.
+    `source_backoff_s`: its sources' reconnect backoff, fixed (default: the sources' own)."""
 
-    def __init__(self, engines: list[str]) -> None:
+    def __init__(self, engines: list[str], source_backoff_s: float | None = None) -> None:
         self.engines = engines
+        self.source_backoff_s = source_backoff_s
         self.port = 0
         self.server: grpc.aio.Server | None = None
         self.tasks: list[asyncio.Task[None]] = []
@@ -248,8 +251,19 @@ class Indexer:
             build_source(OpenEngineSourceConfig(kind="openengine", target=e), backend, 16)
             for e in self.engines
         ]
+        for source in sources:
+            if self.source_backoff_s is not None:
+                assert isinstance(source, OpenEngineSource)
+                source.settings = dataclasses.replace(
+                    source.settings,
+                    backoff_initial_s=self.source_backoff_s,
+                    backoff_max_s=self.source_backoff_s,
+                )
         services, _, _ = index_services(
-            backend, default_block_size=16, max_concurrent_prefix_queries=8
+            backend,
+            default_block_size=16,
+            max_concurrent_prefix_queries=8,
+            source_of={s.worker_id: s for s in sources}.get,
         )
         self.server, self.port = await create_server(
             ServerConfig(listen=f"127.0.0.1:{self.port}"), services
@@ -304,6 +318,54 @@ async def test_a_remote_indexer_that_stops_costs_cache_knowledge_until_it_is_bac
         assert (explained.engine, explained.reason) == (holder, "cache")
         reply = await finished(fleet, generate_request("back", [*PREFIX, 3]))
         assert reply.usage.cached_prompt_tokens == 64
+    finally:
+        await close_fleet(fleet)
+        await indexer.stop()
+
+
+async def test_a_restarted_engines_old_blocks_attract_no_traffic_with_a_remote_indexer() -> None:
+    """`index: {remote: ...}`: after an engine dies, the indexer's source for it waits out
+    its reconnect backoff (30 s here) still holding the old process's blocks. The controller
+    tells the indexer as soon as it sees the new process (ResyncEngine): the old blocks are
+    gone before the engine takes traffic, and the source resubscribes at once, so what the
+    new process caches is found within seconds, not after the backoff."""
+    engines = [await start_sim_engine(f"e{i}") for i in range(2)]
+    indexer = Indexer([f"127.0.0.1:{e.port}" for e in engines], source_backoff_s=30.0)
+    await indexer.start()
+    fleet = await make_fleet(engines=engines, index={"remote": indexer.target})
+    try:
+        await finished(fleet, generate_request("warm", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        old = fleet.engine_at(holder)
+        await old.close()
+        fresh = await start_engine(
+            EngineConfig(model="sim", listen=holder, instance_id="e-new", num_kv_blocks=256)
+        )
+        fleet.engines[fleet.engines.index(old)] = fresh
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(holder).engine_id == "e-new" and registry.get(holder).routable,
+            15,
+        )
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 99]))
+        match = await fleet.admin.Match(query)
+        assert [m.device_blocks for m in match.matches] == [0, 0]
+        explained = await fleet.admin.Route(query)
+        assert explained.reason != "cache"
+
+        fresh_prompt = [7000 + i for i in range(64)]
+        async with grpc.aio.insecure_channel(holder) as channel:
+            replies = pb_grpc.OpenEngineStub(channel).Generate(
+                generate_request("direct", [*fresh_prompt, 1])
+            )
+            assert [r async for r in replies][-1].WhichOneof("event") == "finished"
+
+        async def found_on_holder() -> bool:
+            query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*fresh_prompt, 2]))
+            match = await fleet.admin.Match(query)
+            return {m.engine: m.device_blocks for m in match.matches}.get(holder) == 4
+
+        await eventually(found_on_holder, timeout_s=10)
     finally:
         await close_fleet(fleet)
         await indexer.stop()

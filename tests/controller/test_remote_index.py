@@ -5,20 +5,22 @@ is found only when the controller hashes prompts in that space (`remote_key_spac
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import grpc
 import pytest
 
 from controller.config import ControllerConfig
-from controller.fleet import RemoteIndex
+from controller.fleet import Fleet, RemoteIndex
 from indexer.batch import to_sfixed64
 from indexer.index import PrefixIndex
+from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
 from indexer.vllm_hash import VllmHashAlgo, block_hashes
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
-from kvplane.config import ServerConfig
+from kvplane.config import AuthConfig, ServerConfig
 from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as ipb
@@ -192,3 +194,139 @@ async def test_a_remote_index_that_is_down_is_asked_every_time() -> None:
                 await remote.match(TOKENS, 16, "", "")
     finally:
         await remote.close()
+
+
+class _Source:
+    """Records resync requests, as `connect_resync`'s sources receive them."""
+
+    def __init__(self) -> None:
+        self.requests: list[str | None] = []
+
+    def request_resync(self, worker_id: str | None = None) -> None:
+        self.requests.append(worker_id)
+
+
+def _report(worker_id: str, address: str, keys: list[int]) -> kv.ApplyExternalKvBatchRequest:
+    action = kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=keys)
+    return kv.ApplyExternalKvBatchRequest(
+        worker_id=worker_id, worker_address=address, actions=[action]
+    )
+
+
+async def test_resync_engine_drops_every_worker_of_the_engine_and_wakes_its_source() -> None:
+    """ResyncEngine, the RPC a controller calls when it sees an engine restart: the engine's
+    worker, its data-parallel ranks and any worker addressed as it lose their entries before
+    the answer, and the source following it is asked to resubscribe; other engines keep
+    theirs. Until the indexer confirms, the controller ignores the engine's hits; an empty
+    engine name is INVALID_ARGUMENT."""
+    source = _Source()
+    sources = {ENGINE: source}
+    services, _, _ = index_services(
+        MemoryBackend(PrefixIndex()),
+        default_block_size=16,
+        max_concurrent_prefix_queries=8,
+        source_of=sources.get,
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    target = f"127.0.0.1:{port}"
+    keys = [to_sfixed64(k) for k in block_keys(TOKENS, 16)]
+    remote = RemoteIndex(target, 5.0)
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            kv_stub = kv_grpc.KVIndexerStub(channel)
+            for worker_id, address in [
+                (ENGINE, ENGINE),
+                (f"{ENGINE}/dp1", ENGINE),
+                ("named-otherwise", ENGINE),
+                ("10.0.0.8:8000", "10.0.0.8:8000"),
+            ]:
+                await kv_stub.ApplyExternalKvBatch(_report(worker_id, address, keys))
+            _, hits = await remote.match(TOKENS, 16, "", "")
+            assert hits[ENGINE].device_blocks == 4
+
+            remote.restarted.add(ENGINE)  # seen restarting: ignored from that moment
+            _, hits = await remote.match(TOKENS, 16, "", "")
+            assert ENGINE not in hits and hits["10.0.0.8:8000"].device_blocks == 4
+            await remote.resync_engine(ENGINE)
+            assert remote.restarted == set()
+            _, hits = await remote.match(TOKENS, 16, "", "")
+            assert list(hits) == ["10.0.0.8:8000"]
+            assert source.requests == [None]  # every rank it follows
+
+            index_stub = ipb_grpc.KvIndexStub(channel)
+            again = await index_stub.ResyncEngine(ipb.ResyncEngineRequest(engine=ENGINE))
+            assert (list(again.dropped_worker_ids), again.sources_resubscribed) == ([], 1)
+            stats = await index_stub.GetIndexStats(ipb.GetIndexStatsRequest())
+            assert [w.worker_id for w in stats.workers] == ["10.0.0.8:8000"]
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await index_stub.ResyncEngine(ipb.ResyncEngineRequest())
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "engine is required" in (error.value.details() or "")
+    finally:
+        await remote.close()
+        await server.stop(None)
+
+
+async def test_a_restarted_engine_stays_ignored_until_the_indexer_confirms() -> None:
+    """An indexer that cannot be told (down) keeps the restarted engine's hits ignored: the
+    call fails, and the controller asks again at its next poll. One without the RPC (an older
+    kvplane indexer, UNIMPLEMENTED) is left to see the restart itself, as before."""
+    remote = RemoteIndex("127.0.0.1:1", 5.0)
+    try:
+        with pytest.raises(KvplaneError, match=r"^remote index: UNAVAILABLE: "):
+            await remote.resync_engine(ENGINE)
+        assert remote.restarted == {ENGINE}
+    finally:
+        await remote.close()
+    server = grpc.aio.server()
+    ipb_grpc.add_KvIndexServicer_to_server(ipb_grpc.KvIndexServicer(), server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    older = RemoteIndex(f"127.0.0.1:{port}", 5.0)
+    try:
+        await older.resync_engine(ENGINE)
+        assert older.restarted == set()
+    finally:
+        await older.close()
+        await server.stop(None)
+
+
+async def test_resync_engine_needs_the_indexers_token(tmp_path: Path) -> None:
+    """ResyncEngine drops entries: with `auth` it needs the bearer token, as
+    ApplyExternalKvBatch does. Without it (UNAUTHENTICATED) the engine stays ignored and the
+    controller keeps asking; `index.remote_token_file` gives the controller the token."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    services, _, _ = index_services(
+        MemoryBackend(PrefixIndex()), default_block_size=16, max_concurrent_prefix_queries=8
+    )
+    server, port = await create_server(
+        ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file)), services
+    )
+    target = f"127.0.0.1:{port}"
+    config = ControllerConfig.model_validate(
+        {"index": {"remote": target, "remote_token_file": str(token_file)}}
+    )
+    fleet = Fleet(config, None)
+    anonymous = RemoteIndex(target, 5.0)
+    try:
+        with pytest.raises(KvplaneError, match=r"^remote index: UNAUTHENTICATED: "):
+            await anonymous.resync_engine(ENGINE)
+        assert anonymous.restarted == {ENGINE}
+        await anonymous.match(TOKENS, 16, "", "")  # reads stay open without protect_reads
+        assert fleet.remote is not None
+        await fleet.remote.resync_engine(ENGINE)
+        assert fleet.remote.restarted == set()
+    finally:
+        await anonymous.close()
+        await fleet.close()
+        await server.stop(None)
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    with pytest.raises(KvplaneError, match=r"index.remote_token_file .*empty"):
+        Fleet(
+            ControllerConfig.model_validate(
+                {"index": {"remote": target, "remote_token_file": str(empty)}}
+            ),
+            None,
+        )

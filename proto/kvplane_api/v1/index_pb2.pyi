@@ -325,3 +325,53 @@ class DumpIndexRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DumpIndexRequest: _TypeAlias = DumpIndexRequest  # noqa: Y015
+
+@_typing.final
+class ResyncEngineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """The engine as routers name it: its workers are those with this worker_address, or this
+    worker_id, and its data-parallel ranks (`<worker_id>/dp<r>`). Required.
+    """
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResyncEngineRequest: _TypeAlias = ResyncEngineRequest  # noqa: Y015
+
+@_typing.final
+class ResyncEngineResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DROPPED_WORKER_IDS_FIELD_NUMBER: _builtins.int
+    SOURCES_RESUBSCRIBED_FIELD_NUMBER: _builtins.int
+    sources_resubscribed: _builtins.int
+    """Sources of this indexer asked to resubscribe from a snapshot (0: its workers are fed
+    from outside, through ApplyExternalKvBatch, whose client resends what they hold).
+    """
+    @_builtins.property
+    def dropped_worker_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The workers whose entries were dropped (none when the index held nothing of it)."""
+
+    def __init__(
+        self,
+        *,
+        dropped_worker_ids: _abc.Iterable[_builtins.str] | None = ...,
+        sources_resubscribed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_worker_ids", b"dropped_worker_ids", "sources_resubscribed", b"sources_resubscribed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResyncEngineResponse: _TypeAlias = ResyncEngineResponse  # noqa: Y015

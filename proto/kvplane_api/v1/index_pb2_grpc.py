@@ -50,6 +50,11 @@ class KvIndexStub:
                 request_serializer=kvplane__api_dot_v1_dot_index__pb2.DumpIndexRequest.SerializeToString,
                 response_deserializer=kv__indexer_dot_v1_dot_kv__indexer__pb2.ApplyExternalKvBatchRequest.FromString,
                 _registered_method=True)
+        self.ResyncEngine = channel.unary_unary(
+                '/kvplane.v1.KvIndex/ResyncEngine',
+                request_serializer=kvplane__api_dot_v1_dot_index__pb2.ResyncEngineRequest.SerializeToString,
+                response_deserializer=kvplane__api_dot_v1_dot_index__pb2.ResyncEngineResponse.FromString,
+                _registered_method=True)
 
 
 class KvIndexServicer:
@@ -77,6 +82,15 @@ class KvIndexServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResyncEngine(self, request, context):
+        """A router saw a new process of this engine (a restart): drop every entry the index holds
+        for it before answering, and have each source of this indexer that follows it
+        resubscribe now, from a snapshot of the new process. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvIndexServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_KvIndexServicer_to_server(servicer, server):
                     servicer.DumpIndex,
                     request_deserializer=kvplane__api_dot_v1_dot_index__pb2.DumpIndexRequest.FromString,
                     response_serializer=kv__indexer_dot_v1_dot_kv__indexer__pb2.ApplyExternalKvBatchRequest.SerializeToString,
+            ),
+            'ResyncEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResyncEngine,
+                    request_deserializer=kvplane__api_dot_v1_dot_index__pb2.ResyncEngineRequest.FromString,
+                    response_serializer=kvplane__api_dot_v1_dot_index__pb2.ResyncEngineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class KvIndex:
             '/kvplane.v1.KvIndex/DumpIndex',
             kvplane__api_dot_v1_dot_index__pb2.DumpIndexRequest.SerializeToString,
             kv__indexer_dot_v1_dot_kv__indexer__pb2.ApplyExternalKvBatchRequest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResyncEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplane.v1.KvIndex/ResyncEngine',
+            kvplane__api_dot_v1_dot_index__pb2.ResyncEngineRequest.SerializeToString,
+            kvplane__api_dot_v1_dot_index__pb2.ResyncEngineResponse.FromString,
             options,
             channel_credentials,
             insecure,

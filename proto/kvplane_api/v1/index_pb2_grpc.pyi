@@ -42,6 +42,11 @@ class KvIndexStub:
     """Size and structure of the index."""
     DumpIndex: _grpc.UnaryStreamMultiCallable[_index_pb2.DumpIndexRequest, _kv_indexer_pb2.ApplyExternalKvBatchRequest]
     """Parent-first snapshot of the index as batches, one worker at a time."""
+    ResyncEngine: _grpc.UnaryUnaryMultiCallable[_index_pb2.ResyncEngineRequest, _index_pb2.ResyncEngineResponse]
+    """A router saw a new process of this engine (a restart): drop every entry the index holds
+    for it before answering, and have each source of this indexer that follows it
+    resubscribe now, from a snapshot of the new process. Idempotent.
+    """
 
 @_typing.type_check_only
 class KvIndexAsyncStub(KvIndexStub):
@@ -54,6 +59,11 @@ class KvIndexAsyncStub(KvIndexStub):
     """Size and structure of the index."""
     DumpIndex: _aio.UnaryStreamMultiCallable[_index_pb2.DumpIndexRequest, _kv_indexer_pb2.ApplyExternalKvBatchRequest]  # type: ignore[assignment]
     """Parent-first snapshot of the index as batches, one worker at a time."""
+    ResyncEngine: _aio.UnaryUnaryMultiCallable[_index_pb2.ResyncEngineRequest, _index_pb2.ResyncEngineResponse]  # type: ignore[assignment]
+    """A router saw a new process of this engine (a restart): drop every entry the index holds
+    for it before answering, and have each source of this indexer that follows it
+    resubscribe now, from a snapshot of the new process. Idempotent.
+    """
 
 class KvIndexServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -81,5 +91,16 @@ class KvIndexServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kv_indexer_pb2.ApplyExternalKvBatchRequest], _abc.AsyncIterator[_kv_indexer_pb2.ApplyExternalKvBatchRequest]]:
         """Parent-first snapshot of the index as batches, one worker at a time."""
+
+    @_abc_1.abstractmethod
+    def ResyncEngine(
+        self,
+        request: _index_pb2.ResyncEngineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_index_pb2.ResyncEngineResponse, _abc.Awaitable[_index_pb2.ResyncEngineResponse]]:
+        """A router saw a new process of this engine (a restart): drop every entry the index holds
+        for it before answering, and have each source of this indexer that follows it
+        resubscribe now, from a snapshot of the new process. Idempotent.
+        """
 
 def add_KvIndexServicer_to_server(servicer: KvIndexServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
