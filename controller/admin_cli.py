@@ -12,7 +12,6 @@ with the admin group's `--tls-ca` (and `--tls-cert`/`--tls-key` for mutual TLS).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -31,6 +30,8 @@ from kvplane.cli_common import (
     OutputFormat,
     OutputOption,
     RpcCallError,
+    TokenFileOption,
+    bearer_metadata,
     emit,
     target_option,
 )
@@ -50,26 +51,11 @@ INT64_MAX = 2**63 - 1
 T = TypeVar("T")
 
 TargetOpt = Annotated[str | None, target_option("HOST:PORT of the controller or engine.")]
-TokenFileOpt = Annotated[
-    Path | None, typer.Option("--token-file", help="Bearer token file (else $KVPLANE_TOKEN).")
-]
 PromptOpt = Annotated[str | None, typer.Option("--prompt", help="Prompt text.")]
 TokensFileOpt = Annotated[
     Path | None,
     typer.Option("--tokens-file", help="Token ids: whitespace/comma separated or a JSON list."),
 ]
-
-
-def _metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
-    token: str | None = None
-    if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as exc:
-            raise KvplaneError(f"cannot read {token_file}: {exc.strerror}") from exc
-    else:
-        token = os.environ.get("KVPLANE_TOKEN")
-    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def _server(ctx: typer.Context, target: str | None) -> ClientTarget:
@@ -454,7 +440,7 @@ def drain(
     deadline_ms: Annotated[int | None, typer.Option("--deadline-ms", min=0, max=MAX_UINT32)] = None,
     abort_after_deadline: Annotated[bool, typer.Option("--abort-after-deadline")] = False,
     target: TargetOpt = None,
-    token_file: TokenFileOpt = None,
+    token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Drain an engine of the fleet (or with --self the target itself); progress is shown
@@ -462,7 +448,7 @@ def drain(
     if (engine is None) == (not drain_self):
         raise typer.BadParameter("give the ENGINE to drain, or --self to drain the target itself")
     server = _server(ctx, target)
-    metadata = _metadata(token_file)
+    metadata = bearer_metadata(token_file)
     events: list[dict[str, Any]] = []
 
     def follow(stream: Iterable[pb.DrainResponse]) -> None:
@@ -512,10 +498,10 @@ def _cordon_command(on: bool) -> Callable[..., None]:
         ctx: typer.Context,
         engine: Annotated[str, typer.Argument(help="Engine instance id or address.")],
         target: TargetOpt = None,
-        token_file: TokenFileOpt = None,
+        token_file: TokenFileOption = None,
         output: OutputOption = OutputFormat.table,
     ) -> None:
-        metadata = _metadata(token_file)
+        metadata = bearer_metadata(token_file)
         ref = apb.EngineRef(engine=engine)
 
         def rpc(stub: apb_grpc.AdminStub) -> apb.WorkerInfo:
@@ -538,7 +524,7 @@ def abort(
     request_id: Annotated[str | None, typer.Argument(help="The request to abort.")] = None,
     all_requests: Annotated[bool, typer.Option("--all", help="Abort every request.")] = False,
     target: TargetOpt = None,
-    token_file: TokenFileOpt = None,
+    token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Abort a request (the controller forwards it to the engine holding it) or all."""
@@ -549,7 +535,7 @@ def abort(
         if request_id is None
         else pb.AbortRequest(request_id=request_id)
     )
-    metadata = _metadata(token_file)
+    metadata = bearer_metadata(token_file)
     reply = _call(
         _server(ctx, target),
         lambda ch: pb_grpc.OpenEngineStub(ch).Abort(req, metadata=metadata, timeout=TIMEOUT_S),
@@ -620,13 +606,14 @@ def lora_load(
     ],
     engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
     target: TargetOpt = None,
-    token_file: TokenFileOpt = None,
+    token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Load an adapter on every engine (or, through the controller, one); behind a controller,
     each engine's outcome."""
     server = _server(ctx, target)
-    metadata = _metadata(token_file) + _engine_metadata("lora load --engine", server, engine)
+    metadata = bearer_metadata(token_file)
+    metadata += _engine_metadata("lora load --engine", server, engine)
     req = pb.LoadLoraRequest(
         adapter=pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=path)
     )
@@ -645,13 +632,15 @@ def lora_unload(
     name: Annotated[str, typer.Argument(help="Adapter name.")],
     engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
     target: TargetOpt = None,
-    token_file: TokenFileOpt = None,
+    token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Unload an adapter everywhere (or, through the controller, from one engine); behind a
     controller, each engine's outcome."""
     server = _server(ctx, target)
-    metadata = _metadata(token_file) + _engine_metadata("lora unload --engine", server, engine)
+    metadata = bearer_metadata(token_file) + _engine_metadata(
+        "lora unload --engine", server, engine
+    )
     req = pb.UnloadLoraRequest(lora_name=name)
     data = _lora_call(
         _server(ctx, target),

@@ -1,4 +1,5 @@
-"""`kvplane admin index ...`: inspect a running indexer (stats, dump, match) over gRPC.
+"""`kvplane admin index ...`: inspect a running indexer (stats, dump, match) over gRPC, and
+have it rebuild an engine's entries (resync).
 
 `--target HOST:PORT` names the indexer (on the group or on each command); `--tls-ca` and
 friends (on this group or on `admin`) dial it with TLS; `--output json` prints
@@ -31,6 +32,8 @@ from kvplane.cli_common import (
     TlsCertOption,
     TlsKeyOption,
     TlsServerNameOption,
+    TokenFileOption,
+    bearer_metadata,
     client_channels,
     emit,
     remember_group_client,
@@ -126,6 +129,38 @@ def stats(
                 f"{w['num_blocks']:>10} blocks {w['num_placements']:>10} placements"
             )
         return "\n".join(lines)
+
+    emit(_as_dict(response), output, render)
+
+
+@index_app.command()
+def resync(
+    ctx: typer.Context,
+    engine: Annotated[str, typer.Argument(help="The engine's address (or its worker id).")],
+    target: IndexTargetOption = None,
+    token_file: TokenFileOption = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Drop every entry of ENGINE now and have the indexer's sources that follow it
+    resubscribe from a snapshot (what a controller does when it sees the engine restart)."""
+    if not engine.strip():
+        raise typer.BadParameter("must name an engine", param_hint="ENGINE")
+    metadata = bearer_metadata(token_file)
+    response = _call(
+        ctx,
+        target,
+        lambda ch: api_grpc.KvIndexStub(ch).ResyncEngine(
+            api.ResyncEngineRequest(engine=engine), timeout=TIMEOUT_S, metadata=metadata
+        ),
+    )
+
+    def render(data: dict[str, Any]) -> str:
+        dropped = data["dropped_worker_ids"]
+        return (
+            f"{engine}: {len(dropped)} worker(s) dropped"
+            + (f" ({', '.join(dropped)})" if dropped else "")
+            + f", {data['sources_resubscribed']} source(s) resubscribing"
+        )
 
     emit(_as_dict(response), output, render)
 

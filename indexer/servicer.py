@@ -231,7 +231,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         except Exception as exc:
             await _fail(context, exc)
         log.info(
-            "engine %s restarted (a router says): dropped workers %s, %d source(s) resubscribing",
+            "engine %s: resync asked; dropped workers %s, %d source(s) resubscribing",
             request.engine,
             dropped,
             asked,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -77,6 +78,25 @@ TlsServerNameOption = Annotated[
         "--tls-server-name", help="Name to check in the server's certificate (default: its host)."
     ),
 ]
+
+
+TokenFileOption = Annotated[
+    Path | None, typer.Option("--token-file", help="Bearer token file (else $KVPLANE_TOKEN).")
+]
+
+
+def bearer_metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the bearer token of `--token-file`, else of $KVPLANE_TOKEN;
+    empty when there is none."""
+    token: str | None = None
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise KvplaneError(f"cannot read {token_file}: {exc.strerror}") from exc
+    else:
+        token = os.environ.get("KVPLANE_TOKEN")
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def client_channels(

@@ -34,7 +34,7 @@ from indexer.vllm_hash import VllmHashAlgo, block_hashes
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli import app
-from kvplane.config import ServerConfig
+from kvplane.config import AuthConfig, ServerConfig
 from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
@@ -505,3 +505,49 @@ async def test_admin_dump_streams_the_same_json_array_and_table(tmp_path: Path) 
     assert held == {("w-a", 1), ("w-a", 2), ("w-a", 3), ("w-b", 7)}
     assert full_table.exit_code == 0
     assert "worker w-a (a:1)" in full_table.output and "worker w-b (a:1)" in full_table.output
+
+
+async def test_admin_resync_drops_an_engines_entries_with_the_token(tmp_path: Path) -> None:
+    """`kvplane admin index resync ENGINE`: the engine's workers (its own, its ranks) lose
+    their entries, others keep theirs; the RPC needs the indexer's token (UNAUTHENTICATED
+    without it, one line, exit 1); an empty ENGINE is a usage error."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    backend = MemoryBackend(PrefixIndex())
+    services, _, _ = index_services(backend, default_block_size=4, max_concurrent_prefix_queries=4)
+    server, port = await create_server(
+        ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=token_file)), services
+    )
+    runner = CliRunner()
+    env = {"KVPLANE_TOKEN": ""}
+
+    def resync(*args: str) -> Result:
+        command = ["admin", "index", "resync", "-t", f"127.0.0.1:{port}", *args]
+        return runner.invoke(app, command, env=env)
+
+    try:
+        for worker in ("a:1", "a:1/dp1", "b:1"):
+            address = worker.split("/")[0]
+            await backend.apply(
+                Batch(
+                    worker, (Action(ActionType.REPORT, Tier.HBM, (1, 2)),), worker_address=address
+                )
+            )
+        refused = await asyncio.to_thread(resync, "a:1")
+        table = await asyncio.to_thread(resync, "a:1", "--token-file", str(token_file))
+        again = await asyncio.to_thread(
+            resync, "a:1", "--token-file", str(token_file), "-o", "json"
+        )
+        blank = await asyncio.to_thread(resync, " ")
+        left = [w.worker_id for w in (await backend.stats()).workers]
+    finally:
+        await server.stop(None)
+    # A KvplaneError: `kvplane` prints its message as one line and exits 1.
+    assert refused.exit_code == 1 and isinstance(refused.exception, KvplaneError)
+    assert ": UNAUTHENTICATED: missing or invalid bearer token" in str(refused.exception)
+    assert table.exit_code == 0, table.output
+    assert table.stdout == ("a:1: 2 worker(s) dropped (a:1, a:1/dp1), 0 source(s) resubscribing\n")
+    assert again.exit_code == 0
+    assert json.loads(again.stdout) == {"dropped_worker_ids": [], "sources_resubscribed": 0}
+    assert blank.exit_code == 2 and "must name an engine" in blank.output
+    assert left == ["b:1"]
