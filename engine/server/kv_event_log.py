@@ -1,16 +1,28 @@
 """The engine's KV event log: numbered batches in a bounded ring, snapshots, fan-out.
 
 Every non-empty list of KV events the core records in one step becomes one batch with the
-next sequence number. Sequence numbers start at 1 and never repeat within a process, so
-`SubscribeKvEventsRequest.start_sequence_number = 0` (the proto3 default) means "no replay".
-The ZMQ publisher numbers the same batches from 0 (seq - 1), as vLLM does.
+next sequence number. Numbering starts at a per-process base, by default the wall-clock time
+in microseconds when the log is created, not at 1. The OpenEngine stream has no field that
+names the publishing process, so a subscriber resumes after a broken stream with the last
+number it applied + 1 without knowing whether the engine behind the same address restarted.
+Were every process to count from 1, a restarted engine that had already published that many
+batches would replay its own batches as the continuation of the old process's stream: the
+old process's blocks would stay in the index and the new one's first batches would be lost.
+With the base, a later process's numbers are all above an earlier one's (a process
+publishes at most one batch per engine step, far fewer than one a microsecond; this holds
+unless the wall clock steps back across the restart), so the old process's last + 1 is never
+buffered by the new one and the subscriber gets a snapshot, whose number is not the one it
+expects, and rebuilds. Numbers are at least 1, so
+`SubscribeKvEventsRequest.start_sequence_number = 0` (the proto3 default) still means "no
+replay". The ZMQ publisher numbers the same batches from 0 (seq - base), as vLLM does.
 
 Subscriptions (`subscribe`) are checked before acceptance, so a bad request is a plain
 error the servicer turns into a non-OK status:
 
 - `include_snapshot`: first one batch that describes the whole cached set as of the latest
   sequence number N (AllBlocksCleared, then one BlockStored per cached block, parents before
-  children), carrying sequence number N; then live batches N+1, ...
+  children), carrying sequence number N (base - 1 before the first batch); then live batches
+  N+1, ...
 - `start_sequence_number = S > 0` without a snapshot: replay S, S+1, ... from the ring, then
   live. S older than the ring (no longer covered) or beyond N+1 raises ReplayNotCoveredError;
   the client resubscribes with `include_snapshot`. With a snapshot, S is served from the ring
@@ -138,16 +150,34 @@ class CachedBlockMirror:
 
 BatchListener = Callable[[KvEventBatchRecord], None]
 
+# Sequence numbers are uint64 on the wire; a base below 2**63 leaves room for any process.
+_MAX_FIRST_SEQUENCE_NUMBER = 2**63
+
 
 class KvEventLog:
     """Numbers batches, keeps the last `buffer_steps` of them, and fans them out."""
 
-    def __init__(self, buffer_steps: int, clock_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(
+        self,
+        buffer_steps: int,
+        clock_ns: Callable[[], int] = time.time_ns,
+        *,
+        first_sequence_number: int | None = None,
+    ) -> None:
+        """`first_sequence_number`: the first batch's number; None: the wall-clock time in
+        microseconds now (see the module docstring)."""
         if buffer_steps < 1:
             raise ValueError("buffer_steps must be >= 1")
+        if first_sequence_number is None:
+            first_sequence_number = time.time_ns() // 1000
+        if not 1 <= first_sequence_number < _MAX_FIRST_SEQUENCE_NUMBER:
+            raise ValueError(
+                f"first_sequence_number must be in 1..{_MAX_FIRST_SEQUENCE_NUMBER - 1}"
+            )
         self._ring: deque[KvEventBatchRecord] = deque(maxlen=buffer_steps)
         self._clock_ns = clock_ns
-        self._last_seq = 0
+        self.first_sequence_number = first_sequence_number
+        self._last_seq = first_sequence_number - 1
         self._mirror = CachedBlockMirror()
         self._listeners: list[BatchListener] = []
         self._appended = asyncio.Event()
@@ -156,7 +186,7 @@ class KvEventLog:
 
     @property
     def last_sequence_number(self) -> int:
-        """The newest batch's number; 0 before the first batch."""
+        """The newest batch's number; first_sequence_number - 1 before the first batch."""
         return self._last_seq
 
     @property
@@ -189,7 +219,8 @@ class KvEventLog:
         return batch
 
     def snapshot(self) -> KvEventBatchRecord:
-        """The cached set as one batch numbered with the latest sequence number."""
+        """The cached set as one batch numbered with the latest sequence number (base - 1
+        before the first batch)."""
         return KvEventBatchRecord(self._last_seq, self._clock_ns(), tuple(self._mirror.snapshot()))
 
     def close(self) -> None:

@@ -249,6 +249,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
                 topic=topic,
                 hwm=kv_config.hwm,
                 buffer_steps=kv_config.buffer_steps,
+                first_sequence_number=kv_log.first_sequence_number,
                 data_parallel_rank=kv_config.data_parallel_rank,
             )
             await publisher.start()

@@ -1,8 +1,10 @@
 """A vLLM-compatible ZMQ KV-event publisher: PUB for the live stream, ROUTER for replay.
 
 Live: every batch goes out as `[topic, seq (8-byte big-endian), payload]` on a PUB socket,
-`seq` counting from 0 per process like vLLM's. PUB never blocks: at the high-water mark ZMQ
-drops, and a subscriber that sees a gap asks the replay socket.
+`seq` counting from 0 per process like vLLM's (the KV event log's number minus the log's
+first number: a vLLM-style consumer detects a restart by the seq going back). PUB never
+blocks: at the high-water mark ZMQ drops, and a subscriber that sees a gap asks the replay
+socket.
 
 Replay (vLLM 0.32's legacy protocol): a DEALER sends `[b"", start_seq]`; the ROUTER answers
 `[b"", topic, seq, payload]` for every buffered batch with `seq >= start_seq`, oldest first,
@@ -47,8 +49,12 @@ class ZmqKvPublisher:
         topic: str,
         hwm: int,
         buffer_steps: int,
+        first_sequence_number: int,
         data_parallel_rank: int = 0,
     ) -> None:
+        """`first_sequence_number`: the KV event log's (`KvEventLog.first_sequence_number`),
+        the batch published as ZMQ seq 0."""
+        self._first_seq = first_sequence_number
         self._dp_rank = data_parallel_rank
         self._endpoint = endpoint
         self._replay_endpoint = replay_endpoint
@@ -85,8 +91,10 @@ class ZmqKvPublisher:
         )
 
     def publish_batch(self, batch: KvEventBatchRecord) -> None:
-        """A KvEventLog listener: log batch N goes out as ZMQ seq N - 1 (vLLM counts from 0)."""
-        self.publish(batch.sequence_number - 1, encode_msgpack_batch(batch, self._dp_rank))
+        """A KvEventLog listener: log batch N goes out as ZMQ seq N - first_sequence_number
+        (vLLM counts from 0)."""
+        seq = batch.sequence_number - self._first_seq
+        self.publish(seq, encode_msgpack_batch(batch, self._dp_rank))
 
     def publish(self, seq: int, payload: bytes) -> None:
         """Send one batch live and keep it for replay. Never blocks."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -35,18 +36,49 @@ async def _take(stream: AsyncIterator[KvEventBatchRecord], n: int) -> list[KvEve
     return out
 
 
-def test_numbers_batches_from_one_and_skips_empty_steps() -> None:
-    log = KvEventLog(buffer_steps=4)
-    assert log.last_sequence_number == 0
+def test_numbers_batches_from_the_base_and_skips_empty_steps() -> None:
+    log = KvEventLog(buffer_steps=4, first_sequence_number=1000)
+    assert log.first_sequence_number == 1000
+    assert log.last_sequence_number == 999
+    assert log.oldest_sequence_number == 1000  # empty ring: last + 1
     assert log.append([]) is None
     first = log.append([_chain([1])])
-    assert first is not None and first.sequence_number == 1
+    assert first is not None and first.sequence_number == 1000
     second = log.append([_chain([2], parent=1)])
-    assert second is not None and second.sequence_number == 2
+    assert second is not None and second.sequence_number == 1001
+    assert (log.oldest_sequence_number, log.last_sequence_number) == (1000, 1001)
+
+
+def test_the_default_base_is_the_wall_clock_in_microseconds() -> None:
+    before = time.time_ns() // 1000
+    log = KvEventLog(buffer_steps=4)
+    after = time.time_ns() // 1000
+    assert before <= log.first_sequence_number <= after
+    assert log.last_sequence_number == log.first_sequence_number - 1
+    batch = log.append([_chain([1])])
+    assert batch is not None and batch.sequence_number == log.first_sequence_number
+
+
+def test_a_base_below_one_is_refused() -> None:
+    # 0 is the proto3 default of start_sequence_number: "no replay", never a batch.
+    with pytest.raises(ValueError, match="first_sequence_number"):
+        KvEventLog(buffer_steps=4, first_sequence_number=0)
+    with pytest.raises(ValueError, match="first_sequence_number"):
+        KvEventLog(buffer_steps=4, first_sequence_number=2**63)
+
+
+async def test_a_snapshot_before_the_first_batch_is_numbered_base_minus_one() -> None:
+    log = KvEventLog(buffer_steps=4, first_sequence_number=50)
+    stream = log.subscribe(include_snapshot=True)
+    (snap,) = await _take(stream, 1)
+    assert snap.sequence_number == 49 and snap.events == (AllBlocksCleared(),)
+    log.append([_chain([1])])
+    (live,) = await _take(stream, 1)
+    assert live.sequence_number == 50
 
 
 async def test_replay_from_a_buffered_sequence_then_live() -> None:
-    log = KvEventLog(buffer_steps=4)
+    log = KvEventLog(buffer_steps=4, first_sequence_number=1)
     for k in range(1, 4):
         log.append([_chain([k])])
     stream = log.subscribe(start_sequence_number=2)
@@ -58,22 +90,24 @@ async def test_replay_from_a_buffered_sequence_then_live() -> None:
 
 
 async def test_start_outside_the_buffer_is_refused_before_acceptance() -> None:
-    log = KvEventLog(buffer_steps=2)
+    log = KvEventLog(buffer_steps=2, first_sequence_number=101)
     for k in range(1, 6):
         log.append([_chain([k])])
     with pytest.raises(ReplayNotCoveredError):
-        log.subscribe(start_sequence_number=2)  # evicted: oldest is 4
+        log.subscribe(start_sequence_number=102)  # evicted: oldest is 104
     with pytest.raises(ReplayNotCoveredError):
-        log.subscribe(start_sequence_number=9)  # not yet produced
+        log.subscribe(start_sequence_number=2)  # below the base: another process's number
+    with pytest.raises(ReplayNotCoveredError):
+        log.subscribe(start_sequence_number=109)  # not yet produced
     # One past the newest is "live from the next batch".
-    stream = log.subscribe(start_sequence_number=6)
+    stream = log.subscribe(start_sequence_number=106)
     log.append([AllBlocksCleared()])
     (batch,) = await _take(stream, 1)
-    assert batch.sequence_number == 6
+    assert batch.sequence_number == 106
 
 
 async def test_snapshot_stands_in_for_an_uncovered_start() -> None:
-    log = KvEventLog(buffer_steps=2)
+    log = KvEventLog(buffer_steps=2, first_sequence_number=1)
     log.append([_chain([1, 2, 3])])
     log.append([_chain([4], parent=2)])
     log.append([BlockRemoved(block_keys=(BlockKey(3),))])
@@ -88,6 +122,34 @@ async def test_snapshot_stands_in_for_an_uncovered_start() -> None:
     log.append([AllBlocksCleared()])
     (live,) = await _take(stream, 1)
     assert live.sequence_number == 4
+
+
+async def test_a_restarted_process_never_replays_its_batches_as_the_old_ones() -> None:
+    """A subscriber of an earlier process resumes from its last + 1 with a snapshot on the
+    next process, which has meanwhile published more batches than the earlier one: it gets
+    the snapshot, numbered otherwise than it expects, never the new process's batches as the
+    continuation of the old stream (with numbering from 1 in every process it got those)."""
+    old = KvEventLog(buffer_steps=16)
+    stream = old.subscribe(include_snapshot=True)
+    for k in range(1, 4):
+        old.append([_chain([k])])
+    got = await _take(stream, 4)
+    old.close()
+    resume_from = got[-1].sequence_number + 1
+    await asyncio.sleep(0.002)  # a restart takes far longer than three batches' microseconds
+    new = KvEventLog(buffer_steps=16)
+    assert new.first_sequence_number > old.last_sequence_number + 1
+    for k in range(100, 110):
+        new.append([_chain([k])])
+    resumed = new.subscribe(start_sequence_number=resume_from, include_snapshot=True)
+    (snap,) = await _take(resumed, 1)
+    assert snap.sequence_number == new.last_sequence_number != resume_from
+    assert isinstance(snap.events[0], AllBlocksCleared)
+    assert {e.block_keys[0] for e in snap.events[1:] if isinstance(e, BlockStored)} == set(
+        range(100, 110)
+    )
+    with pytest.raises(ReplayNotCoveredError):  # and no replay without a snapshot
+        new.subscribe(start_sequence_number=resume_from)
 
 
 async def test_a_slow_subscriber_ends_with_overrun() -> None:

@@ -20,6 +20,8 @@ import pytest
 import zmq.asyncio
 from fake_kv_publisher import FakeKvPublisher, running
 
+from engine.core.api import BlockStored as EngineBlockStored
+from engine.server.service import EngineApp, start_engine
 from indexer.batch import Tier
 from indexer.engine_events import BlockStored
 from indexer.index import PrefixIndex
@@ -31,6 +33,7 @@ from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.engine.engine_server_harness import sim_config
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0
@@ -379,6 +382,74 @@ async def test_against_a_real_sim_engine_subprocess(tmp_path: Path) -> None:
     finally:
         engine.send_signal(signal.SIGTERM)
         await asyncio.wait_for(engine.wait(), 20)
+
+
+async def test_follows_a_real_engine_restarted_under_the_same_instance_id() -> None:
+    """A real engine restarted on the same address with the same configured instance_id has
+    published more KV-event batches than the old process by the time the source comes back
+    and resubscribes from the old process's last + 1 (with a snapshot). Every process numbers
+    from its own base, so the new process never buffers that number: the source gets the
+    snapshot, clears the worker, and ends with exactly the new process's blocks. (Were both
+    to number from 1, the new process would replay its own batches from there as the old
+    stream's continuation: the old blocks would stay and the new first batches be lost.)"""
+    old = await start_engine(sim_config(instance_id="e-1", num_kv_blocks=256))
+    port = old.port
+    target = f"127.0.0.1:{port}"
+    index = PrefixIndex()
+    source = _source(target, index)
+    engines = [old]  # those still to close
+    try:
+        async with running(source.run()), grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+            for i in range(2):
+                await _generate(stub, f"old-{i}", list(range(100 * i + 1, 100 * i + 41)))
+            old_log = old.service.kv_log
+            await source.wait_until(lambda: source.last_seq == old_log.last_sequence_number, WAIT_S)
+        old_keys = _engine_keys(old)
+        assert old_keys and set(_keys(index, target)) == old_keys
+        old_batches = old_log.last_sequence_number - old_log.first_sequence_number + 1
+        resume_from = old_log.last_sequence_number + 1
+        engines.remove(old)
+        await old.close()
+
+        # The source is away (cancelled above, its last_seq kept) while the engine restarts
+        # and publishes more batches than the old process did.
+        new = await start_engine(
+            sim_config(listen=f"127.0.0.1:{port}", instance_id="e-1", num_kv_blocks=256)
+        )
+        engines.append(new)
+        new_log = new.service.kv_log
+        assert new_log.first_sequence_number > resume_from
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+            i = 0
+            while new_log.last_sequence_number - new_log.first_sequence_number < old_batches:
+                # A first token of its own: no block shared with the old or another prompt.
+                await _generate(stub, f"new-{i}", [900 + i, *range(500, 539)])
+                i += 1
+        new_keys = _engine_keys(new)
+        assert new_keys and not new_keys & old_keys
+
+        gaps, resets = source.counters.num_gaps, source.counters.num_resets
+        async with running(source.run()):
+            await source.wait_until(lambda: source.last_seq == new_log.last_sequence_number, WAIT_S)
+        assert set(_keys(index, target)) == new_keys
+        # One snapshot, out of sequence: cleared and rebuilt, no resync for missing batches.
+        assert (source.counters.num_gaps, source.counters.num_resets) == (gaps + 1, resets + 1)
+        assert source.counters.num_resyncs == 0
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+def _engine_keys(engine: EngineApp) -> set[int]:
+    """The block keys the engine has announced as cached, as the index holds them (signed)."""
+    return {
+        key if key < 2**63 else key - 2**64
+        for event in engine.service.kv_log.snapshot().events
+        if isinstance(event, EngineBlockStored)
+        for key in event.block_keys
+    }
 
 
 async def _until_subscribed(stub: pb_grpc.OpenEngineAsyncStub, source: ZmqSource) -> None:
