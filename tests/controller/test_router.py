@@ -98,11 +98,12 @@ def test_a_long_queue_costs_more_than_its_length_while_caches_have_room() -> Non
 
 def test_a_request_behind_a_huge_prefill_leaves_its_prefix() -> None:
     """Queueing behind a prompt of 100k tokens costs more than recomputing an 8k-token prefix
-    on an idle engine (with a linear queue cost it would stay and wait)."""
+    on an idle engine (with a linear queue cost it would stay and wait). Patience off: this
+    is the cost alone."""
     req = RouteRequest("r", 64 * BS + 5, BS, tuple(range(64)))
     holder = roomy("a", 64, queued_requests=1, waiting_tokens=100_000)
     idle = roomy("b")
-    weights = KvplaneWeights(idle_overlap_weight=30.0, queue_knee=50_000)
+    weights = KvplaneWeights(idle_overlap_weight=30.0, queue_knee=50_000, patience_tokens=0)
     linear = Router(KvplanePolicy(dataclasses.replace(weights, queue_knee=0)))
     assert linear.explain(req, [holder, idle], random.Random(0), 0).engine_id == "a"
     knee = Router(KvplanePolicy(weights))
