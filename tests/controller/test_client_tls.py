@@ -6,6 +6,9 @@ openssl-made certificates (the `pki` fixture)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +102,31 @@ async def test_admin_cli_dials_a_tls_engine(pki: Path) -> None:
         assert half.exit_code == 2 and "--tls-cert and --tls-key go together" in half.output
     finally:
         await engine.close()
+
+
+async def test_a_refused_tls_handshake_is_one_line_from_the_kvplane_process(pki: Path) -> None:
+    """The `kvplane` process itself (not CliRunner, whose process imported gRPC long before):
+    a server certificate the CA does not verify is the CLI's one error line on stderr, without
+    gRPC core's own INFO line about the handshake."""
+    engine = await start_sim_engine("e0", tls=server_tls(pki))
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    target = f"127.0.0.1:{engine.port}"
+    command = [sys.executable, "-m", "kvplane", "admin", "--tls-ca", str(pki / "other-ca.pem")]
+    try:
+        result = await asyncio.to_thread(
+            subprocess.run,
+            [*command, "-t", target, "info"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    finally:
+        await engine.close()
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"kvplane: error: {target}: UNAVAILABLE: ")
+    assert "CERTIFICATE_VERIFY_FAILED" in result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
 
 
 async def test_admin_cli_mutual_tls(pki: Path) -> None:
