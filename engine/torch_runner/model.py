@@ -29,13 +29,11 @@ from engine.torch_runner.native import NativeKernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    if dtype == torch.float32 and weight.dtype == torch.float32:
-        # One fused op, the same arithmetic as below in float32.
+    """x / sqrt(mean(x^2) + eps) in float32, cast back to x's dtype, times the weight (HF's
+    order). Fused ops: in float32 one, in bfloat16 four (a GPU step pays per launch)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    variance = x32.pow(2).mean(-1, keepdim=True)
-    return weight * (x32 * torch.rsqrt(variance + eps)).to(dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -41,6 +41,7 @@ from engine.torch_runner.attention import (
 from engine.torch_runner.config import Architecture, ModelConfig
 from engine.torch_runner.errors import CheckpointError, InvalidBatchError, KvCacheError
 from engine.torch_runner.loader import load_model
+from engine.torch_runner.model import rms_norm
 from engine.torch_runner.native import compiler_available, load_kernels
 from engine.torch_runner.runner import TorchModelRunner
 from engine.torch_runner.tokenizer import load_tokenizer
@@ -333,6 +334,17 @@ def test_prompt_logprobs_across_chunks_equal_the_reference() -> None:
     for p, lp in enumerate(got, start=1):
         assert lp.rank == int((dense[p - 1] > dense[p - 1, prompt[p]]).sum()) + 1
         assert [c.token_id for c in lp.candidates] == dense[p - 1].topk(3).indices.tolist()
+
+
+def test_bfloat16_rms_norm_is_the_reference_arithmetic_bit_for_bit() -> None:
+    """In bfloat16 the norm is one fused float32 op plus casts: the same values as the
+    reference's normalise-in-float32, cast back, then scale by the weight."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(33, 256, generator=g) * 4).to(torch.bfloat16)
+    weight = torch.randn(256, generator=g).to(torch.bfloat16)
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(rms_norm(x, weight, 1e-5), weight * normed.to(torch.bfloat16))
 
 
 def test_bfloat16_loads_and_generates_close_to_float32() -> None:
