@@ -18,10 +18,13 @@ import grpc
 import pytest
 
 import controller.service
+from engine.config import EngineConfig
+from engine.server.service import start_engine
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
+from tests.controller.test_gateway import holder_of
 
 KVPLANE = [sys.executable, "-m", "kvplane"]
 
@@ -132,18 +135,15 @@ def test_controller_and_engines_as_processes(
     assert controller.wait(timeout=20) == 0
 
 
-@pytest.mark.timeout(120)
-async def test_remote_indexer_feeds_the_router(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`index: {remote: ...}`: a `kvplane indexer` process follows the engines' KV events and
-    the controller asks it (MatchTokens) instead of keeping its own index."""
-    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
-    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+async def _indexer_process(
+    tmp_path: Path, engines: list[str], processes: list[subprocess.Popen[bytes]]
+) -> str:
+    """A `kvplane indexer serve` process following `engines` (OpenEngine sources); its
+    address."""
     config = tmp_path / "indexer.yaml"
     config.write_text(
         "listen: 127.0.0.1:0\nblock_size: 16\nsources:\n"
-        + "".join(f"  - {{kind: openengine, target: '{a}', hash: canonical}}\n" for a in addresses)
+        + "".join(f"  - {{kind: openengine, target: '{a}', hash: canonical}}\n" for a in engines)
     )
     port_file = tmp_path / "indexer.port"
     indexer = await asyncio.to_thread(
@@ -153,7 +153,18 @@ async def test_remote_indexer_feeds_the_router(
         stderr=(tmp_path / "indexer.log").open("wb"),
     )
     processes.append(indexer)
-    remote = f"127.0.0.1:{await asyncio.to_thread(_wait_port, port_file, indexer)}"
+    return f"127.0.0.1:{await asyncio.to_thread(_wait_port, port_file, indexer)}"
+
+
+@pytest.mark.timeout(120)
+async def test_remote_indexer_feeds_the_router(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`index: {remote: ...}`: a `kvplane indexer` process follows the engines' KV events and
+    the controller asks it (MatchTokens) instead of keeping its own index."""
+    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    remote = await _indexer_process(tmp_path, addresses, processes)
     monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.05)
     fleet = await make_fleet(engines=engines, index={"remote": remote})
     try:
@@ -183,5 +194,46 @@ async def test_remote_indexer_feeds_the_router(
             lambda: controller_fleet.indexed_blocks.get(route.engine, 0) >= 4, 20
         )
         assert fleet.app.controller.metrics.index_blocks._value.get() >= 4
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.timeout(120)
+async def test_a_remote_indexer_process_drops_a_restarted_engines_blocks_at_once(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """The `kvplane indexer` process wires ResyncEngine to its sources: an engine down long
+    enough for the indexer's reconnect backoff to grow comes back as a new process, and the
+    moment the controller routes to it again the indexer holds none of the old blocks; what the
+    new process caches is indexed again within seconds."""
+    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
+    remote = await _indexer_process(tmp_path, [f"127.0.0.1:{e.port}" for e in engines], processes)
+    fleet = await make_fleet(engines=engines, index={"remote": remote})
+    try:
+        prefix = list(range(900, 964))
+        [r async for r in fleet.gateway.Generate(generate_request("a", [*prefix, 1]))]
+        holder = await holder_of(fleet, prefix, 4)
+        old = fleet.engine_at(holder)
+        await old.close()
+        # Down long enough for the indexer's source to wait its longest (5 s) between tries,
+        # while the controller (backoff at most 1 s here) is back within a second.
+        await asyncio.sleep(6.5)
+        fresh = await start_engine(
+            EngineConfig(model="sim", listen=holder, instance_id="r-new", num_kv_blocks=256)
+        )
+        fleet.engines[fleet.engines.index(old)] = fresh
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(holder).engine_id == "r-new" and registry.get(holder).routable,
+            20,
+        )
+        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=prefix)))
+        assert [m.device_blocks for m in match.matches] == [0, 0]
+
+        fresh_prompt = list(range(2000, 2064))
+        async with grpc.aio.insecure_channel(holder) as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+            [r async for r in stub.Generate(generate_request("direct", [*fresh_prompt, 1]))]
+        assert await holder_of(fleet, fresh_prompt, 4) == holder
     finally:
         await close_fleet(fleet)
