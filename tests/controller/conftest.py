@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,27 @@ class Fleet:
         await self.app.controller.fleet.wait_for(
             lambda: len(registry.routable()) == count, timeout_s
         )
+
+    async def restart_engine(
+        self, address: str, instance_id: str, *, down_s: float = 0.0, timeout_s: float = 20.0
+    ) -> EngineApp:
+        """Stop the sim engine at `address`, wait `down_s`, start a new process there (an
+        empty cache, `instance_id`) and wait until the controller routes to it."""
+        old = self.engine_at(address)
+        await old.close()
+        await asyncio.sleep(down_s)
+        fresh = await start_engine(
+            EngineConfig(model="sim", listen=address, instance_id=instance_id, num_kv_blocks=256)
+        )
+        self.engines[self.engines.index(old)] = fresh
+        registry = self.app.controller.fleet.registry
+        await self.app.controller.fleet.wait_for(
+            lambda: (
+                registry.get(address).engine_id == instance_id and registry.get(address).routable
+            ),
+            timeout_s,
+        )
+        return fresh
 
 
 async def make_fleet(

@@ -336,17 +336,7 @@ async def test_a_restarted_engines_old_blocks_attract_no_traffic_with_a_remote_i
     try:
         await finished(fleet, generate_request("warm", [*PREFIX, 1]))
         holder = await holder_of(fleet, PREFIX, 4)
-        old = fleet.engine_at(holder)
-        await old.close()
-        fresh = await start_engine(
-            EngineConfig(model="sim", listen=holder, instance_id="e-new", num_kv_blocks=256)
-        )
-        fleet.engines[fleet.engines.index(old)] = fresh
-        registry = fleet.app.controller.fleet.registry
-        await fleet.app.controller.fleet.wait_for(
-            lambda: registry.get(holder).engine_id == "e-new" and registry.get(holder).routable,
-            15,
-        )
+        await fleet.restart_engine(holder, "e-new")
         query = apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 99]))
         match = await fleet.admin.Match(query)
         assert [m.device_blocks for m in match.matches] == [0, 0]

@@ -16,8 +16,6 @@ from controller.metrics import ControllerMetrics
 from controller.outcomes import OUTCOME_METADATA_KEY
 from controller.registry import EngineState, Registry
 from controller.relay import RecentIds
-from engine.config import EngineConfig
-from engine.server.service import start_engine
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -560,19 +558,7 @@ async def test_restarted_engine_cold_cache_attracts_no_traffic() -> None:
     try:
         await generate(fleet, generate_request("a", [*PREFIX, 1]))
         holder = await holder_of(fleet, PREFIX, 4)
-        old = fleet.engine_at(holder)
-        port = old.port
-        await old.close()
-        fresh = await start_engine(
-            EngineConfig(
-                model="sim", listen=f"127.0.0.1:{port}", instance_id="e-new", num_kv_blocks=256
-            )
-        )
-        fleet.engines[fleet.engines.index(old)] = fresh
-        registry = fleet.app.controller.fleet.registry
-        await fleet.app.controller.fleet.wait_for(
-            lambda: registry.get(holder).engine_id == "e-new" and registry.get(holder).routable, 15
-        )
+        await fleet.restart_engine(holder, "e-new")
         match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
         assert all(m.device_blocks == 0 for m in match.matches)
     finally:

@@ -18,8 +18,6 @@ import grpc
 import pytest
 
 import controller.service
-from engine.config import EngineConfig
-from engine.server.service import start_engine
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -213,20 +211,9 @@ async def test_a_remote_indexer_process_drops_a_restarted_engines_blocks_at_once
         prefix = list(range(900, 964))
         [r async for r in fleet.gateway.Generate(generate_request("a", [*prefix, 1]))]
         holder = await holder_of(fleet, prefix, 4)
-        old = fleet.engine_at(holder)
-        await old.close()
         # Down long enough for the indexer's source to wait its longest (5 s) between tries,
         # while the controller (backoff at most 1 s here) is back within a second.
-        await asyncio.sleep(6.5)
-        fresh = await start_engine(
-            EngineConfig(model="sim", listen=holder, instance_id="r-new", num_kv_blocks=256)
-        )
-        fleet.engines[fleet.engines.index(old)] = fresh
-        registry = fleet.app.controller.fleet.registry
-        await fleet.app.controller.fleet.wait_for(
-            lambda: registry.get(holder).engine_id == "r-new" and registry.get(holder).routable,
-            20,
-        )
+        await fleet.restart_engine(holder, "r-new", down_s=6.5)
         match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=prefix)))
         assert [m.device_blocks for m in match.matches] == [0, 0]
 
