@@ -246,10 +246,19 @@ class KvplanePolicy(_Stateless):
         self.weights = weights or KvplaneWeights()
 
     def costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[EngineCost]:
+        return self._costs(request, candidates, self._queues(candidates))
+
+    @staticmethod
+    def _queues(candidates: Sequence[Candidate]) -> list[float]:
+        """Each candidate's prefill queue (a property that computes: read once a decision)."""
+        return [float(c.pending_prefill_tokens) for c in candidates]
+
+    def _costs(
+        self, request: RouteRequest, candidates: Sequence[Candidate], queues: Sequence[float]
+    ) -> list[EngineCost]:
         w = self.weights
         pressure = sum(c.cache_pressure for c in candidates) / max(len(candidates), 1)
         overlap = w.idle_overlap_weight + (w.overlap_weight - w.idle_overlap_weight) * pressure
-        queues = [float(c.pending_prefill_tokens) for c in candidates]  # a property: once each
         if self._backlogged(queues):
             # Even the shortest queue is long: the fleet is backlogged, and recomputing a
             # cached prefix only adds to everyone's wait.
@@ -286,9 +295,10 @@ class KvplanePolicy(_Stateless):
         now_s: float,
     ) -> Decision:
         w = self.weights
-        rows = self.costs(request, candidates)
+        queues = self._queues(candidates)
+        rows = self._costs(request, candidates, queues)
         totals = [r.total or 0.0 for r in rows]
-        allowed = self._patient(request, candidates, rows)
+        allowed = self._patient(request, queues, rows)
         best = min(totals[i] for i in allowed)
         if w.temperature > 0:
             index = allowed[_softmax_pick([totals[i] for i in allowed], w.temperature, rng)]
@@ -317,7 +327,7 @@ class KvplanePolicy(_Stateless):
         return bool(queues) and 0 < self.weights.backlog_tokens <= min(queues)
 
     def _patient(
-        self, request: RouteRequest, candidates: Sequence[Candidate], rows: Sequence[EngineCost]
+        self, request: RouteRequest, queues: Sequence[float], rows: Sequence[EngineCost]
     ) -> list[int]:
         """Indices of the engines whose prefill wait for the request (queue + uncached prompt
         tokens) is within `patience_tokens` of the quickest engine's (all of them when the
@@ -325,7 +335,6 @@ class KvplanePolicy(_Stateless):
         patience = self.weights.patience_tokens
         if patience <= 0:
             return list(range(len(rows)))
-        queues = [c.pending_prefill_tokens for c in candidates]
         if self._backlogged(queues):
             return list(range(len(rows)))
         waits = [
