@@ -209,13 +209,13 @@ class KvplaneWeights:
 
     - No cached prefix is worth a long wait: an engine whose prefill wait for the request
       (`waiting` + `uncached`, in tokens) is more than `patience_tokens` longer than the
-      quickest engine's is not chosen (0 = off, the default). The overlap weight keeps a
-      conversation where its prefix is under ordinary queues; this bounds the rare collision
-      with a huge cold prefill just sent to the same engine, which sets the TTFT p99. It
-      trades reuse for tail latency (60,000 tokens on the Mooncake traces: p99 0.3-3.9%
-      lower in ten of eleven configurations, reuse 0.1-0.5% lower at trace speed and up to
-      1.8% at 4x; docs/benchmarks/routing.md), so it is the operator's choice. Not while the
-      fleet is backlogged (see below).
+      quickest engine's is not chosen (0 = off). The overlap weight keeps a conversation
+      where its prefix is under ordinary queues; this bounds the rare collision with a huge
+      cold prefill just sent to the same engine, which sets the TTFT p99. It trades reuse
+      for tail latency, the more the tighter it is: at 60,000 tokens reuse fell below the
+      never-leave policies' at 4x; at 100,000 (the default) reuse stays the best and fewer
+      cells trail the best other row on the Mooncake traces (docs/benchmarks/routing.md).
+      Not while the fleet is backlogged (see below).
 
     All tuned on the Mooncake traces (docs/benchmarks/routing.md). Engines within `tie_tokens`
     + `tie_ratio` * best of the best cost are ties, picked at random (or by softmax when
@@ -234,7 +234,7 @@ class KvplaneWeights:
     temperature: float = 0.0
     backlog_tokens: float = 200_000.0
     backlog_overlap_weight: float = 36.0
-    patience_tokens: float = 0.0
+    patience_tokens: float = 100_000.0
 
 
 class KvplanePolicy(_Stateless):
