@@ -638,9 +638,8 @@ def lora_unload(
     """Unload an adapter everywhere (or, through the controller, from one engine); behind a
     controller, each engine's outcome."""
     server = _server(ctx, target)
-    metadata = bearer_metadata(token_file) + _engine_metadata(
-        "lora unload --engine", server, engine
-    )
+    metadata = bearer_metadata(token_file)
+    metadata += _engine_metadata("lora unload --engine", server, engine)
     req = pb.UnloadLoraRequest(lora_name=name)
     data = _lora_call(
         _server(ctx, target),
