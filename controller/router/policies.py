@@ -213,9 +213,10 @@ class KvplaneWeights:
       where its prefix is under ordinary queues; this bounds the rare collision with a huge
       cold prefill just sent to the same engine, which sets the TTFT p99. It trades reuse
       for tail latency, the more the tighter it is: at 60,000 tokens reuse fell below the
-      never-leave policies' at 4x; at 100,000 (the default) reuse stays the best, p99 is
-      lower in nine of eleven configurations over ten seeds, and fewer cells trail the best
-      other row at seed 0 and over four seeds (as many over ten; docs/benchmarks/routing.md).
+      never-leave policies' at 4x; at 100,000 (the default) p99 is lower in nine of eleven
+      configurations over ten seeds and reuse at most 0.0015 lower, and fewer cells trail the
+      best other row at seed 0 and over four seeds (as many over ten, where one reuse cell
+      slips; docs/benchmarks/routing.md).
       Not while the fleet is backlogged (see below).
 
     All tuned on the Mooncake traces (docs/benchmarks/routing.md). Engines within `tie_tokens`
