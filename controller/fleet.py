@@ -59,6 +59,7 @@ from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
+from kvplane.server import bearer_token_metadata
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -209,7 +210,7 @@ class RemoteIndex:
         self._channel = channels.aio_channel(target)
         self._stub = ipb_grpc.KvIndexStub(self._channel)
         self._timeout_s = timeout_s
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._metadata = bearer_token_metadata(token)
         self._key_space = _KEY_SPACES[key_space]
         self._hash_seed = hash_seed
         self._backoff_s = backoff_s

@@ -43,7 +43,7 @@ from indexer.translate import (
 from indexer.validation import validate_batch
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.channels import INSECURE, ClientChannels
-from kvplane.server import AUTH_METADATA_KEY
+from kvplane.server import bearer_token_metadata
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class KvIndexerSink:
     ) -> None:
         self._channel = channels.aio_channel(target)
         self._stub = kv_grpc.KVIndexerStub(self._channel)
-        self._metadata = ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+        self._metadata = bearer_token_metadata(token)
         self._timeout_s = timeout_s
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s

@@ -17,6 +17,7 @@ import typer
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import ClientTlsConfig
 from kvplane.errors import KvplaneError, NotImplementedYetError
+from kvplane.server import bearer_token_metadata
 
 
 class OutputFormat(enum.StrEnum):
@@ -96,7 +97,7 @@ def bearer_metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
             raise KvplaneError(f"cannot read {token_file}: {exc.strerror}") from exc
     else:
         token = os.environ.get("KVPLANE_TOKEN")
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    return bearer_token_metadata(token)
 
 
 def client_channels(

@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 AUTH_METADATA_KEY = "authorization"
 
 
+def bearer_token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata a client sends for `BearerTokenInterceptor`; empty without a token."""
+    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
 @dataclass(frozen=True)
 class Service:
     """One servicer to register: its full name (for health and reflection), the function
