@@ -326,8 +326,6 @@ class _Engine:
         # that a failure on the way (the engine gone again, GetKvEventSources failing) is
         # retried at the next identity fetch, which sees the same instance id again.
         self.events_pending = False
-        # A restart the remote index has not confirmed dropping yet: asked again each poll.
-        self.remote_resync_pending = False
 
     async def close(self) -> None:
         for task in (self.poll_task, self.events_task):
@@ -438,9 +436,8 @@ class Fleet:
 
     async def _resync_remote(self, engine: _Engine) -> None:
         """Tell the remote indexer that the engine restarted; until it confirms, the engine's
-        hits from it are ignored (`RemoteIndex.resync_engine`) and each poll asks again."""
+        hits from it are ignored (`RemoteIndex.restarted`) and each poll asks again."""
         assert self.remote is not None
-        engine.remote_resync_pending = True
         try:
             await self.remote.resync_engine(engine.address)
         except KvplaneError as exc:
@@ -448,8 +445,6 @@ class Fleet:
                 f"engine {engine.address} restarted; the remote index is not told yet, its "
                 f"cache is ignored meanwhile: {exc}"
             )
-            return
-        engine.remote_resync_pending = False
 
     def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
         return self._engines[address].stub
@@ -581,7 +576,7 @@ class Fleet:
                     await self._fetch_identity(engine, restarted)
                     need_identity = restarted = False
                     load_instance = ""
-                elif engine.remote_resync_pending:
+                elif self.remote is not None and engine.address in self.remote.restarted:
                     await self._resync_remote(engine)
                 if now >= next_health:
                     reply = await engine.stub.Health(
