@@ -24,7 +24,9 @@ share one group and a long prefill chunk gets its own. Padding is what the gathe
 sequence's blocks pays for, and that gather is the memory-bound part of a CPU decode step. On
 a GPU the launches of each group cost more than padding does, so groups may pad up to 8x.
 Padded query rows are given position 0 so that their softmax is never empty; their outputs are
-discarded.
+discarded. On CUDA, SDPA runs without its cuDNN backend (`sdpa_backends`): cuDNN builds an
+execution plan for every new shape, and a serving step's shapes change all the time (the
+context grows a block at a time, groups come and go).
 
 With the native kernel (`native.py`, metadata built with `kernel_rows`) decodes and prefill
 chunks ending within 512 keys skip the groups: each of their tokens is one row of the kernel,
@@ -41,11 +43,13 @@ covers every position of its sequence up to the end of the step's chunk.
 from __future__ import annotations
 
 import array
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.torch_runner.errors import KvCacheError
 from engine.torch_runner.native import NativeKernels
@@ -66,6 +70,22 @@ _MAX_GROUP_GATHER_BYTES = 2 << 20
 # cold and prefix-cached): SDPA 10-25% / 4-9% faster / even; at <= 256 keys the kernel is faster
 # on both benchmark models.
 _MAX_KERNEL_CHUNK_KEYS = 512
+# SDPA's backends on CUDA: all but cuDNN. For bfloat16 with a mask SDPA prefers cuDNN, which
+# plans each new shape anew (hundreds of ms for a prefill step's); at 32 requests in flight the
+# engine made 1,038 tokens/s with it and 1,877 without (16 x 2048 model, H200,
+# docs/benchmarks/engine.md "On a GPU").
+_CUDA_SDPA_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The scope of a step's attention calls: on CUDA, SDPA without cuDNN; elsewhere, as is."""
+    if device.type == "cuda":
+        return sdpa_kernel(_CUDA_SDPA_BACKENDS)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True, slots=True)

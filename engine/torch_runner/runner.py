@@ -25,6 +25,7 @@ from engine.torch_runner.attention import (
     PagedKvCache,
     SequenceChunk,
     int64_tensor,
+    sdpa_backends,
 )
 from engine.torch_runner.errors import InvalidBatchError, KvCacheError
 from engine.torch_runner.loader import load_model
@@ -170,7 +171,7 @@ class TorchModelRunner:
         sequences = batch.sequences
         if not sequences:
             return []
-        with torch.inference_mode():
+        with torch.inference_mode(), sdpa_backends(self.model.device):
             return self._execute(sequences)
 
     def _execute(self, sequences: Sequence[ScheduledSequence]) -> list[SequenceResult]:

@@ -37,6 +37,7 @@ from engine.torch_runner.attention import (
     PagedKvCache,
     SequenceChunk,
     paged_attention,
+    sdpa_backends,
 )
 from engine.torch_runner.config import Architecture, ModelConfig
 from engine.torch_runner.errors import CheckpointError, InvalidBatchError, KvCacheError
@@ -193,6 +194,24 @@ def test_decodes_share_one_group_on_a_gpu_but_split_by_cache_bytes_on_cpu() -> N
         chunks, block_size=block_size, num_blocks=640, device=torch.device("meta")
     )
     assert sorted(g.token_index.shape for g in metadata.groups) == [(1, 2048), (32, 1)]
+
+
+def test_attention_on_cuda_runs_without_cudnn_and_leaves_the_choice_as_it_was() -> None:
+    """cuDNN plans every new shape anew, and a serving step's shapes keep changing: the
+    runner's steps on CUDA leave it out of SDPA's choice; on CPU (no cuDNN) nothing changes.
+    The flags are process-wide, so both are restored after the step."""
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
+    with sdpa_backends(torch.device("cuda")):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+    with sdpa_backends(CPU):
+        assert cuda.cudnn_sdp_enabled() == before[0]
+    assert (
+        cuda.cudnn_sdp_enabled(),
+        cuda.mem_efficient_sdp_enabled(),
+        cuda.math_sdp_enabled(),
+    ) == before
 
 
 def test_attention_metadata_rejects_a_block_table_too_short_or_out_of_range() -> None:
