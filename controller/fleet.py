@@ -273,13 +273,19 @@ class RemoteIndex:
             hits.setdefault(m.worker_id, hit)
         return tuple(reply.block_keys), hits
 
-    async def resync_engine(self, engine: str) -> None:
+    async def resync_engine(self, engine: str, *, first_contact: bool = False) -> None:
         """A new process of `engine`: ignore its hits from now until the indexer has dropped
         its entries and resubscribed its sources (ResyncEngine). A RemoteIndexError when the
         indexer did not answer: the hits stay ignored until a later call succeeds. An indexer
-        without the RPC (UNIMPLEMENTED, an older kvplane) is left to find the restart itself."""
+        without the RPC (UNIMPLEMENTED, an older kvplane) is left to find the restart itself.
+
+        `first_contact`: the controller meets the engine for the first time, so it cannot
+        tell whether the process is new. The indexer drops the entries only if its source of
+        the engine has lost its stream (the engine may have restarted while no router
+        watched it); one that follows the live process keeps them. The hits are ignored
+        while the call lasts only: a failed call is not repeated."""
         self.restarted.add(engine)
-        request = ipb.ResyncEngineRequest(engine=engine)
+        request = ipb.ResyncEngineRequest(engine=engine, only_if_stream_lost=first_contact)
         try:
             await self._ask(
                 lambda: self._stub.ResyncEngine(
@@ -288,6 +294,8 @@ class RemoteIndex:
             )
         except RemoteIndexError as exc:
             if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                if first_contact:
+                    self.restarted.discard(engine)
                 raise
         self.restarted.discard(engine)
 
@@ -434,17 +442,24 @@ class Fleet:
         except KvplaneError as exc:
             log.warning("engine %s: index entries not removed yet: %s", address, exc)
 
-    async def _resync_remote(self, engine: _Engine) -> None:
+    async def _resync_remote(self, engine: _Engine, first_contact: bool = False) -> None:
         """Tell the remote indexer that the engine restarted; until it confirms, the engine's
-        hits from it are ignored (`RemoteIndex.restarted`) and each poll asks again."""
+        hits from it are ignored (`RemoteIndex.restarted`) and each poll asks again. On a
+        first contact, ask it to resync only a source that lost its stream, once."""
         assert self.remote is not None
         try:
-            await self.remote.resync_engine(engine.address)
+            await self.remote.resync_engine(engine.address, first_contact=first_contact)
         except KvplaneError as exc:
-            self._remote_resync_failed.warn(
-                f"engine {engine.address} restarted; the remote index is not told yet, its "
-                f"cache is ignored meanwhile: {exc}"
-            )
+            if first_contact:
+                self._remote_resync_failed.warn(
+                    f"engine {engine.address}: the remote index could not be asked to drop "
+                    f"blocks of an earlier process of it: {exc}"
+                )
+            else:
+                self._remote_resync_failed.warn(
+                    f"engine {engine.address} restarted; the remote index is not told yet, "
+                    f"its cache is ignored meanwhile: {exc}"
+                )
 
     def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
         return self._engines[address].stub
@@ -690,10 +705,12 @@ class Fleet:
 
     async def _forget_old_process(self, engine: _Engine, first_contact: bool = False) -> None:
         """A new engine process: stop following the old one's events, drop what the router
-        and the index knew of the address. A remote index is told of a restart (not of a
-        first contact: it follows the engine by itself, and what it holds is the process's)."""
-        if self.remote is not None and not first_contact:
-            await self._resync_remote(engine)  # first of all: its hits are ignored from now
+        and the index knew of the address. A remote index is told of a restart; on a first
+        contact it is asked to resync only a source of the engine that lost its stream (it
+        follows the engine by itself, and while subscribed what it holds is the process's)."""
+        if self.remote is not None:
+            # First of all: the engine's hits are ignored from now until the indexer answers.
+            await self._resync_remote(engine, first_contact)
         if engine.events_task is not None:
             engine.events_task.cancel()
             # Not `await` under a suppress of CancelledError: that would swallow this poll

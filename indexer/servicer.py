@@ -227,7 +227,12 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
                 "engine is required: the engine's address or worker id",
             )
         try:
-            dropped, asked = await resync_engine(self.backend, request.engine, self.source_of)
+            dropped, asked = await resync_engine(
+                self.backend,
+                request.engine,
+                self.source_of,
+                only_if_stream_lost=request.only_if_stream_lost,
+            )
         except Exception as exc:
             await _fail(context, exc)
         log.info(

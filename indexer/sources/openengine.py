@@ -163,6 +163,13 @@ class OpenEngineSource:
     def worker_id(self) -> str:
         return self.translator.options.worker_id
 
+    @property
+    def stream_lost(self) -> bool:
+        """No SubscribeKvEvents call is open (the source waits to reconnect, or has not
+        subscribed yet): its worker may hold an earlier process's blocks. Following advertised
+        ZMQ sources, never (they find a restarted publisher by its sequence numbers)."""
+        return self._call is None and not self.zmq_sources
+
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until `predicate()` holds after some batch was handled."""
         async with asyncio.timeout(timeout_s), self._progress:

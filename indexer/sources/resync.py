@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 class Resyncable(Protocol):
     """A source that can rebuild its worker on request (ZmqSource, OpenEngineSource)."""
 
+    @property
+    def stream_lost(self) -> bool:
+        """The source has no live stream from the engine (it waits to reconnect): what its
+        worker holds may be an earlier process's."""
+        ...
+
     def request_resync(self, worker_id: str | None = None) -> None: ...
 
 
@@ -65,34 +71,55 @@ def feeds(worker_id: str, worker_address: str, engine: str) -> bool:
     return engine in (worker_id, worker_address, engine_worker_id(worker_id))
 
 
+async def engine_workers(backend: IndexBackend, engine: str) -> list[str]:
+    """The workers of the index that hold `engine`'s entries (each that `feeds` it)."""
+    stats = await backend.stats()
+    return [w.worker_id for w in stats.workers if feeds(w.worker_id, w.worker_address, engine)]
+
+
 async def drop_engine(backend: IndexBackend, engine: str) -> list[str]:
     """Remove every entry of `engine` (each worker that `feeds` it); returns the workers the
     index listed. A backend that cannot list its workers (a Redis that is down) still has the
     worker named `engine` removed (the Redis backend queues it) before the error."""
     try:
-        stats = await backend.stats()
+        workers = await engine_workers(backend, engine)
     except Exception:
         await backend.remove_worker(engine)
         raise
-    workers = [w.worker_id for w in stats.workers if feeds(w.worker_id, w.worker_address, engine)]
     for worker_id in dict.fromkeys([engine, *workers]):
         await backend.remove_worker(worker_id)
     return workers
+
+
+def _sources_of(
+    engine: str, workers: list[str], source_of: Callable[[str], Resyncable | None]
+) -> list[Resyncable]:
+    """The sources that feed `engine`'s workers (or the worker named after it), once each."""
+    found: dict[int, Resyncable] = {}
+    for worker_id in dict.fromkeys([engine, *workers]):
+        source = source_of(worker_id) or source_of(engine_worker_id(worker_id))
+        if source is not None:
+            found.setdefault(id(source), source)
+    return list(found.values())
 
 
 async def resync_engine(
     backend: IndexBackend,
     engine: str,
     source_of: Callable[[str], Resyncable | None],
+    *,
+    only_if_stream_lost: bool = False,
 ) -> tuple[list[str], int]:
     """A new process of `engine`: drop its entries now, then have each source that follows it
     resubscribe now, from a snapshot (not after its reconnect backoff). Returns the workers
-    dropped and how many sources were asked."""
+    dropped and how many sources were asked. `only_if_stream_lost`: only when one of those
+    sources has lost its stream (nothing is done while they all follow the live process)."""
+    if only_if_stream_lost:
+        sources = _sources_of(engine, await engine_workers(backend, engine), source_of)
+        if not any(source.stream_lost for source in sources):
+            return [], 0
     dropped = await drop_engine(backend, engine)
-    asked: dict[int, Resyncable] = {}
-    for worker_id in dict.fromkeys([engine, *dropped]):
-        source = source_of(worker_id) or source_of(engine_worker_id(worker_id))
-        if source is not None and id(source) not in asked:
-            asked[id(source)] = source
-            source.request_resync(None)  # every rank it follows: all of them were dropped
-    return dropped, len(asked)
+    sources = _sources_of(engine, dropped, source_of)
+    for source in sources:
+        source.request_resync(None)  # every rank it follows: all of them were dropped
+    return dropped, len(sources)

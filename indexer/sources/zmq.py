@@ -156,6 +156,12 @@ class ZmqSource:
     def worker_id(self) -> str:
         return self.translator.options.worker_id
 
+    @property
+    def stream_lost(self) -> bool:
+        """Never: a SUB socket reconnects by itself, and a restarted publisher is found by its
+        sequence numbers (`Resyncable.stream_lost`)."""
+        return False
+
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until `predicate()` holds after some message was handled."""
         async with asyncio.timeout(timeout_s), self._progress:

@@ -239,14 +239,20 @@ class Indexer:
         self.source_backoff_s = source_backoff_s
         self.port = 0
         self.server: grpc.aio.Server | None = None
+        self.backend: MemoryBackend | None = None
         self.tasks: list[asyncio.Task[None]] = []
+
+    async def blocks_of(self) -> dict[str, int]:
+        """Blocks per worker in its index."""
+        assert self.backend is not None
+        return {w.worker_id: w.num_blocks for w in (await self.backend.stats()).workers}
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        backend = MemoryBackend(PrefixIndex())
+        backend = self.backend = MemoryBackend(PrefixIndex())
         sources = [
             build_source(OpenEngineSourceConfig(kind="openengine", target=e), backend, 16)
             for e in self.engines
@@ -358,6 +364,68 @@ async def test_a_restarted_engines_old_blocks_attract_no_traffic_with_a_remote_i
         await eventually(found_on_holder, timeout_s=10)
     finally:
         await close_fleet(fleet)
+        await indexer.stop()
+
+
+async def test_an_engine_restarted_while_no_controller_watched_is_resynced_at_first_contact() -> (
+    None
+):
+    """`index: {remote: ...}`: an engine restarts while no controller runs; the indexer's
+    source for it waits out its reconnect backoff (30 s), still holding the old process's
+    blocks. A controller that starts then meets the engine for the first time and cannot tell
+    a new process from the one the indexer followed; it asks the indexer to resync the engine
+    if its source lost its stream: the old blocks are gone before the engine takes traffic,
+    and the other engine's, whose source follows the live process, are kept."""
+    engines = [await start_sim_engine(f"e{i}") for i in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    indexer = Indexer(addresses, source_backoff_s=30.0)
+    await indexer.start()
+    fleet: Fleet | None = None
+    try:
+        prompts = {
+            a: [[*PREFIX, 1], [5000 + i for i in range(65)]][i] for i, a in enumerate(addresses)
+        }
+        for address, prompt in prompts.items():
+            async with grpc.aio.insecure_channel(address) as channel:
+                replies = pb_grpc.OpenEngineStub(channel).Generate(
+                    generate_request(f"warm {address}", prompt)
+                )
+                assert [r async for r in replies][-1].WhichOneof("event") == "finished"
+
+        async def indexed() -> bool:
+            blocks = await indexer.blocks_of()
+            return all(blocks.get(a, 0) >= 4 for a in addresses)
+
+        await eventually(indexed, timeout_s=10)
+        restarted, other = addresses
+        await engines[0].close()
+        engines[0] = await start_sim_engine("e0-new", port=int(restarted.rsplit(":", 1)[1]))
+        assert (await indexer.blocks_of()).get(restarted, 0) >= 4  # the old process's
+
+        fleet = await make_fleet(engines=engines, index={"remote": indexer.target})
+        match = await fleet.admin.Match(
+            apb.PromptQuery(token_ids=pb.TokenIds(ids=prompts[restarted]))
+        )
+        assert {m.engine: m.device_blocks for m in match.matches}.get(restarted, 0) == 0
+        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=prompts[other])))
+        assert {m.engine: m.device_blocks for m in match.matches}.get(other) == 4
+
+        # The source was woken out of its backoff: what the new process caches is found.
+        fresh = [7000 + i for i in range(65)]
+        await finished(fleet, generate_request("fresh", fresh))
+
+        async def found() -> bool:
+            query = apb.PromptQuery(token_ids=pb.TokenIds(ids=fresh))
+            match = await fleet.admin.Match(query)
+            return max(m.device_blocks for m in match.matches) == 4
+
+        await eventually(found, timeout_s=10)
+    finally:
+        if fleet is not None:
+            await close_fleet(fleet)
+        else:
+            for engine in engines:
+                await engine.close()
         await indexer.stop()
 
 

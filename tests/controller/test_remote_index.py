@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(30)
 
 TOKENS = list(range(1000, 1070))  # 4 full blocks of 16, then 6 more tokens
 ENGINE = "10.0.0.7:8000"
+CANONICAL_KEYS = [to_sfixed64(k) for k in block_keys(TOKENS, 16)]
 
 
 @pytest.mark.parametrize(
@@ -201,6 +202,7 @@ class _Source:
 
     def __init__(self) -> None:
         self.requests: list[str | None] = []
+        self.stream_lost = False
 
     def request_resync(self, worker_id: str | None = None) -> None:
         self.requests.append(worker_id)
@@ -213,6 +215,18 @@ def _report(worker_id: str, address: str, keys: list[int]) -> kv.ApplyExternalKv
     )
 
 
+async def _indexer_fed_by(source: _Source) -> tuple[grpc.aio.Server, str]:
+    """An indexer's gRPC server on a memory index whose worker ENGINE `source` follows."""
+    services, _, _ = index_services(
+        MemoryBackend(PrefixIndex()),
+        default_block_size=16,
+        max_concurrent_prefix_queries=8,
+        source_of={ENGINE: source}.get,
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    return server, f"127.0.0.1:{port}"
+
+
 async def test_resync_engine_drops_every_worker_of_the_engine_and_wakes_its_source() -> None:
     """ResyncEngine, the RPC a controller calls when it sees an engine restart: the engine's
     worker, its data-parallel ranks and any worker addressed as it lose their entries before
@@ -220,16 +234,7 @@ async def test_resync_engine_drops_every_worker_of_the_engine_and_wakes_its_sour
     theirs. Until the indexer confirms, the controller ignores the engine's hits; an empty
     engine name is INVALID_ARGUMENT."""
     source = _Source()
-    sources = {ENGINE: source}
-    services, _, _ = index_services(
-        MemoryBackend(PrefixIndex()),
-        default_block_size=16,
-        max_concurrent_prefix_queries=8,
-        source_of=sources.get,
-    )
-    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
-    target = f"127.0.0.1:{port}"
-    keys = [to_sfixed64(k) for k in block_keys(TOKENS, 16)]
+    server, target = await _indexer_fed_by(source)
     remote = RemoteIndex(target, 5.0)
     try:
         async with grpc.aio.insecure_channel(target) as channel:
@@ -240,7 +245,7 @@ async def test_resync_engine_drops_every_worker_of_the_engine_and_wakes_its_sour
                 ("named-otherwise", ENGINE),
                 ("10.0.0.8:8000", "10.0.0.8:8000"),
             ]:
-                await kv_stub.ApplyExternalKvBatch(_report(worker_id, address, keys))
+                await kv_stub.ApplyExternalKvBatch(_report(worker_id, address, CANONICAL_KEYS))
             _, hits = await remote.match(TOKENS, 16, "", "")
             assert hits[ENGINE].device_blocks == 4
 
@@ -267,12 +272,44 @@ async def test_resync_engine_drops_every_worker_of_the_engine_and_wakes_its_sour
         await server.stop(None)
 
 
+async def test_at_first_contact_only_an_engine_whose_source_lost_its_stream_is_dropped() -> None:
+    """A controller meeting an engine for the first time asks ResyncEngine with
+    `only_if_stream_lost`: while the indexer's source follows the live process, its entries
+    stay (and nothing resubscribes); once the source has lost its stream (waiting out a
+    reconnect backoff: the engine may have restarted unseen), they are dropped as on a
+    restart and the source is woken."""
+    source = _Source()
+    server, target = await _indexer_fed_by(source)
+    remote = RemoteIndex(target, 5.0)
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
+                _report(ENGINE, ENGINE, CANONICAL_KEYS)
+            )
+        await remote.resync_engine(ENGINE, first_contact=True)
+        _, hits = await remote.match(TOKENS, 16, "", "")
+        assert hits[ENGINE].device_blocks == 4 and source.requests == []
+        assert remote.restarted == set()
+
+        source.stream_lost = True
+        await remote.resync_engine(ENGINE, first_contact=True)
+        _, hits = await remote.match(TOKENS, 16, "", "")
+        assert ENGINE not in hits and source.requests == [None]
+    finally:
+        await remote.close()
+        await server.stop(None)
+
+
 async def test_a_restarted_engine_stays_ignored_until_the_indexer_confirms() -> None:
     """An indexer that cannot be told (down) keeps the restarted engine's hits ignored: the
-    call fails, and the controller asks again at its next poll. One without the RPC (an older
+    call fails, and the controller asks again at its next poll (a first contact is not a
+    known restart: its hits count again). One without the RPC (an older
     kvplane indexer, UNIMPLEMENTED) is left to see the restart itself, as before."""
     remote = RemoteIndex("127.0.0.1:1", 5.0)
     try:
+        with pytest.raises(KvplaneError, match=r"^remote index: UNAVAILABLE: "):
+            await remote.resync_engine(ENGINE, first_contact=True)
+        assert remote.restarted == set()  # a first contact is asked once, not held
         with pytest.raises(KvplaneError, match=r"^remote index: UNAVAILABLE: "):
             await remote.resync_engine(ENGINE)
         assert remote.restarted == {ENGINE}

@@ -331,18 +331,27 @@ class ResyncEngineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENGINE_FIELD_NUMBER: _builtins.int
+    ONLY_IF_STREAM_LOST_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     """The engine as routers name it: its workers are those with this worker_address, or this
     worker_id, and its data-parallel ranks (`<worker_id>/dp<r>`). Required.
+    """
+    only_if_stream_lost: _builtins.bool
+    """Only if a source of this indexer that follows the engine has lost its stream (it waits
+    to reconnect), so that what it fed may be an earlier process's: then as without it.
+    Otherwise nothing is dropped. A router that meets an engine for the first time asks
+    this: the engine may have restarted while no router watched it. ZMQ sources never count
+    as lost (a restarted publisher is found by its sequence numbers).
     """
     def __init__(
         self,
         *,
         engine: _builtins.str = ...,
+        only_if_stream_lost: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "only_if_stream_lost", b"only_if_stream_lost"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
