@@ -17,7 +17,7 @@ from typer.testing import CliRunner, Result
 
 from controller.app import start_controller
 from controller.config import ControllerConfig
-from controller.fleet import RemoteIndex
+from controller.remote_index import RemoteIndex
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig
 from indexer.service import build_source

@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from controller.config import ControllerConfig
-from controller.fleet import Fleet, RemoteIndex
+from controller.fleet import Fleet
+from controller.remote_index import RemoteIndex
 from indexer.batch import to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys

@@ -1,0 +1,186 @@
+"""The controller's remote index (`index: {remote: HOST:PORT}`): a `kvplane indexer` asked
+through its KvIndex RPCs instead of an index in the controller's process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import grpc
+
+from controller.router import PrefixHit
+from indexer.backend import IndexStats, WorkerStats
+from indexer.batch import Tier
+from kvplane.channels import INSECURE, ClientChannels
+from kvplane.errors import KvplaneError
+from kvplane.server import bearer_token_metadata
+from kvplane_api.v1 import index_pb2 as ipb
+from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
+
+
+def keep_best_hit(hits: dict[str, PrefixHit], engine: str, hit: PrefixHit) -> None:
+    """Record `hit` for `engine` unless it already has a better one: an engine followed rank
+    by rank (one worker per data-parallel rank) holds what its best rank holds."""
+    if engine not in hits or hit > hits[engine]:
+        hits[engine] = hit
+
+
+_Reply = TypeVar("_Reply")
+
+_KEY_SPACES = {
+    "canonical": ipb.KEY_SPACE_CANONICAL,
+    "sha256": ipb.KEY_SPACE_VLLM_SHA256,
+    "sha256_cbor": ipb.KEY_SPACE_VLLM_SHA256_CBOR,
+}
+
+
+class RemoteIndexError(KvplaneError):
+    """A remote index call that failed, with its gRPC status (None: not asked, paused)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RemoteIndex:
+    """A remote `kvplane indexer` asked through its KvIndex RPCs (it hashes the prompt with
+    the same canonical keys and is fed by its own event sources). Its workers are matched to
+    fleet engines by worker address, else by worker id. The prompt is hashed in the key space
+    its workers are in (`IndexConfig.remote_key_space`).
+
+    An indexer that lets the deadline pass (hung, stopped, overloaded) is not asked again for
+    `backoff_initial_s`, doubling up to `backoff_max_s` while it stays silent: until then
+    every call fails at once, so it costs one request the deadline per pause, not every
+    request. After the pause one call asks it again (the others still fail at once); an
+    answer ends the pause. One that is down fails at once by itself (UNAVAILABLE) and is asked
+    every time, so it is used again as soon as it is back.
+
+    An engine the controller saw restart (`resync_engine`) has its hits ignored until the
+    indexer has dropped what it held of the old process: its sources may still be waiting out
+    a reconnect backoff, and the old blocks must not attract traffic meanwhile."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout_s: float,
+        key_space: str = "canonical",
+        hash_seed: str | None = None,
+        channels: ClientChannels = INSECURE,
+        *,
+        backoff_s: tuple[float, float] = (0.5, 30.0),
+        clock: Callable[[], float] = time.monotonic,
+        token: str | None = None,
+    ) -> None:
+        self.channels = channels
+        self._channel = channels.aio_channel(target)
+        self._stub = ipb_grpc.KvIndexStub(self._channel)
+        self._timeout_s = timeout_s
+        self._metadata = bearer_token_metadata(token)
+        self._key_space = _KEY_SPACES[key_space]
+        self._hash_seed = hash_seed
+        self._backoff_s = backoff_s
+        self._clock = clock
+        self._pause_s = 0.0  # 0: the indexer answers
+        self._ask_again_at = 0.0
+        self._asking_again = False
+        # Engines restarted since the indexer last confirmed dropping their entries.
+        self.restarted: set[str] = set()
+
+    async def _ask(self, call: Callable[[], Awaitable[_Reply]]) -> _Reply:
+        """One RPC under the pause; a RemoteIndexError of one line when it fails or is not
+        asked (paused as not answering)."""
+        paused = self._pause_s > 0
+        if paused and (self._asking_again or self._clock() < self._ask_again_at):
+            raise RemoteIndexError(
+                f"remote index: not answering; asked again within {self._pause_s:g} s"
+            )
+        self._asking_again = paused
+        try:
+            reply = await call()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                initial, most = self._backoff_s
+                self._pause_s = min(max(2 * self._pause_s, initial), most)
+                self._ask_again_at = self._clock() + self._pause_s
+            raise RemoteIndexError(
+                f"remote index: {exc.code().name}: {exc.details()}", exc.code()
+            ) from None
+        finally:
+            self._asking_again = False
+        self._pause_s = 0.0
+        return reply
+
+    async def match(
+        self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str
+    ) -> tuple[tuple[int, ...], dict[str, PrefixHit]]:
+        """The prompt's block keys and each worker's cached prefix (none for an engine in
+        `restarted`); a KvplaneError of one line when the indexer fails or is paused."""
+        request = ipb.MatchTokensRequest(
+            token_ids=token_ids,
+            block_size=block_size,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            key_space=self._key_space,
+            hash_seed=self._hash_seed,
+        )
+        reply = await self._ask(
+            lambda: self._stub.MatchTokens(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
+        )
+        hits: dict[str, PrefixHit] = {}
+        for m in reply.matches:
+            if (m.worker_address or m.worker_id) in self.restarted:
+                continue
+            device = next((t.matched_blocks for t in m.tiers if int(t.tier) == int(Tier.HBM)), 0)
+            hit = PrefixHit(device, max(m.matched_blocks - device, 0))
+            keep_best_hit(hits, m.worker_address or m.worker_id, hit)
+            hits.setdefault(m.worker_id, hit)
+        return tuple(reply.block_keys), hits
+
+    async def resync_engine(self, engine: str, *, first_contact: bool = False) -> None:
+        """A new process of `engine`: ignore its hits from now until the indexer has dropped
+        its entries and resubscribed its sources (ResyncEngine). A RemoteIndexError when the
+        indexer did not answer: the hits stay ignored until a later call succeeds. An indexer
+        without the RPC (UNIMPLEMENTED, an older kvplane) is left to find the restart itself.
+
+        `first_contact`: the controller meets the engine for the first time, so it cannot
+        tell whether the process is new. The indexer drops the entries only if its source of
+        the engine has lost its stream (the engine may have restarted while no router
+        watched it); one that follows the live process keeps them. The hits are ignored
+        while the call lasts only: a failed call is not repeated."""
+        self.restarted.add(engine)
+        request = ipb.ResyncEngineRequest(engine=engine, only_if_stream_lost=first_contact)
+        try:
+            await self._ask(
+                lambda: self._stub.ResyncEngine(
+                    request, timeout=self._timeout_s, metadata=self._metadata
+                )
+            )
+        except RemoteIndexError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                if first_contact:
+                    self.restarted.discard(engine)
+                raise
+        self.restarted.discard(engine)
+
+    async def stats(self) -> IndexStats:
+        """The remote index's size; each worker named as the fleet knows its engine (its
+        address when the indexer has one, else its worker id), as `match` does. A failed call
+        is a KvplaneError of one line (callers log it)."""
+        reply = await self._ask(
+            lambda: self._stub.GetIndexStats(
+                ipb.GetIndexStatsRequest(), timeout=self._timeout_s, metadata=self._metadata
+            )
+        )
+        workers = tuple(
+            WorkerStats(
+                w.worker_address or w.worker_id, w.worker_address, w.num_blocks, w.num_placements
+            )
+            for w in reply.workers
+        )
+        return IndexStats(reply.backend, reply.num_blocks, reply.num_placements, workers)
+
+    async def close(self) -> None:
+        await self._channel.close()
