@@ -153,6 +153,9 @@ class AdminServicer(apb_grpc.AdminServicer):
         which = request.WhichOneof("input")
         if which is None:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or tokens")
+        if not (request.prompt if which == "prompt" else request.token_ids.ids):
+            # As Generate refuses it: an empty prompt has nothing to place.
+            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         query = PromptInput(
             request_id="admin-route",
             prompt=request.prompt if which == "prompt" else None,

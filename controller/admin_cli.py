@@ -23,7 +23,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
-from indexer.admin_cli import read_token_ids
+from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
 from kvplane.cli_common import (
     ClientTarget,
@@ -54,7 +54,7 @@ TargetOpt = Annotated[str | None, target_option("HOST:PORT of the controller or 
 PromptOpt = Annotated[str | None, typer.Option("--prompt", help="Prompt text.")]
 TokensFileOpt = Annotated[
     Path | None,
-    typer.Option("--tokens-file", help="Token ids: whitespace/comma separated or a JSON list."),
+    typer.Option("--tokens-file", help=f"Prompt token ids: {TOKENS_FILE_FORMATS}."),
 ]
 
 
@@ -393,14 +393,16 @@ def route(
                 _num(c.get("queue_cost")),
                 _num(c.get("decode_cost")),
                 _num(c.get("total")),
-                "busy" if c.get("busy") else "",
+                "busy" if c.get("busy") else "-",
             ]
             for c in d["costs"]
         ]
         return (
             head
             + "\n"
-            + _table(["ENGINE", "CACHED", "HOST", "PREFILL", "QUEUE", "DECODE", "TOTAL", ""], rows)
+            + _table(
+                ["ENGINE", "CACHED", "HOST", "PREFILL", "QUEUE", "DECODE", "TOTAL", "BUSY"], rows
+            )
         )
 
     emit(data, output, render)
@@ -437,8 +439,23 @@ def drain(
             "every new request, the whole fleet's, until it is restarted.",
         ),
     ] = False,
-    deadline_ms: Annotated[int | None, typer.Option("--deadline-ms", min=0, max=MAX_UINT32)] = None,
-    abort_after_deadline: Annotated[bool, typer.Option("--abort-after-deadline")] = False,
+    deadline_ms: Annotated[
+        int | None,
+        typer.Option(
+            "--deadline-ms",
+            min=0,
+            max=MAX_UINT32,
+            help="Fail the drain if requests are still in flight after this many ms "
+            "(default: wait for them all).",
+        ),
+    ] = None,
+    abort_after_deadline: Annotated[
+        bool,
+        typer.Option(
+            "--abort-after-deadline",
+            help="At the deadline, abort what is still in flight and complete the drain.",
+        ),
+    ] = False,
     target: TargetOpt = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
@@ -446,7 +463,11 @@ def drain(
     """Drain an engine of the fleet (or with --self the target itself); progress is shown
     until COMPLETE. A deadline that passes with requests in flight ends it with an error."""
     if (engine is None) == (not drain_self):
-        raise typer.BadParameter("give the ENGINE to drain, or --self to drain the target itself")
+        raise typer.BadParameter(
+            "give the ENGINE to drain or --self, not both"
+            if drain_self
+            else "give the ENGINE to drain, or --self to drain the target itself"
+        )
     server = _server(ctx, target)
     metadata = bearer_metadata(token_file)
     events: list[dict[str, Any]] = []
@@ -529,7 +550,9 @@ def abort(
 ) -> None:
     """Abort a request (the controller forwards it to the engine holding it) or all."""
     if (request_id is None) == (not all_requests):
-        raise typer.BadParameter("give a REQUEST_ID or --all")
+        raise typer.BadParameter(
+            "give a REQUEST_ID or --all" + (", not both" if all_requests else "")
+        )
     req = (
         pb.AbortRequest(all_requests=pb.AllRequests())
         if request_id is None

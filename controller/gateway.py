@@ -492,15 +492,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             now, in_flight = time.monotonic(), len(holding)
             if deadline is not None and now >= deadline:
                 if not request.abort_after_deadline:
-                    message = f"deadline passed with {in_flight} requests in flight"
+                    message = f"deadline passed, requests in flight: {in_flight}"
                     yield _drain_failed(in_flight, message)
                     return
                 if aborts_end is None:
                     aborts_end = now + DRAIN_ABORT_GRACE_S
                 elif now >= aborts_end:
                     message = (
-                        f"{in_flight} requests still in flight {DRAIN_ABORT_GRACE_S:g} s after "
-                        "they were aborted"
+                        f"requests still in flight {DRAIN_ABORT_GRACE_S:g} s after they were "
+                        f"aborted: {in_flight}"
                     )
                     yield _drain_failed(in_flight, message)
                     return

@@ -181,7 +181,7 @@ def dump(
         if output is OutputFormat.json:
             _echo_json_array(batches)
         else:
-            _echo_dump_table(batches)
+            _echo_dump_table(batches, worker_id)
 
 
 def _echo_json_array(items: Iterable[dict[str, Any]]) -> None:
@@ -194,7 +194,7 @@ def _echo_json_array(items: Iterable[dict[str, Any]]) -> None:
     typer.echo("[]" if opening == "[" else "\n]")
 
 
-def _echo_dump_table(batches: Iterable[dict[str, Any]]) -> None:
+def _echo_dump_table(batches: Iterable[dict[str, Any]], worker_id: str) -> None:
     empty = True
     for batch in batches:
         empty = False
@@ -206,7 +206,14 @@ def _echo_dump_table(batches: Iterable[dict[str, Any]]) -> None:
                 + (f" parent {parent}" if parent is not None else "")
             )
     if empty:
-        typer.echo("(empty index)")
+        typer.echo(f"(no entries of worker {worker_id})" if worker_id else "(empty index)")
+
+
+# What a --tokens-file may hold (both admin CLIs' help and errors say the same).
+TOKENS_FILE_FORMATS = (
+    'a JSON array, a JSON object with "token_ids" or "prompt_token_ids", '
+    "or ids separated by spaces, commas or newlines"
+)
 
 
 def read_token_ids(path: Path) -> list[int]:
@@ -219,7 +226,7 @@ def read_token_ids(path: Path) -> list[int]:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise KvplaneError(f"cannot read --tokens-file {path}: {reason}") from exc
     invalid = KvplaneError(
-        f"--tokens-file {path} must hold a JSON array (or a whitespace list) of token ids, "
+        f"--tokens-file {path} must hold token ids ({TOKENS_FILE_FORMATS}), "
         f"integers in 0..{MAX_UINT32}"
     )
     try:
@@ -290,7 +297,7 @@ def match(
     ctx: typer.Context,
     *,
     tokens_file: Annotated[
-        Path | None, typer.Option(help="JSON array (or whitespace list) of prompt token ids.")
+        Path | None, typer.Option(help=f"Prompt token ids: {TOKENS_FILE_FORMATS}.")
     ] = None,
     block_size: Annotated[
         int, typer.Option(min=0, max=MAX_UINT32, help="Tokens per block (0: server default).")

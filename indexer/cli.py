@@ -21,6 +21,7 @@ from kvplane.cli_common import (
     TlsKeyOption,
     TlsServerNameOption,
     client_channels,
+    target_option,
 )
 from kvplane.config import load_config
 from kvplane.errors import ConfigError
@@ -83,7 +84,7 @@ async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
 def bridge(
     *,
     endpoint: Annotated[str, typer.Option(help="ZMQ PUB endpoint, e.g. tcp://HOST:5557.")],
-    target: Annotated[str, typer.Option("--target", "-t", help="KVIndexer HOST:PORT.")],
+    target: Annotated[str, target_option("KVIndexer HOST:PORT.")],
     worker_id: Annotated[str, typer.Option(help="worker_id sent with every batch.")],
     worker_address: Annotated[
         str, typer.Option(help="Router-facing address reported in prefix matches.")
@@ -123,13 +124,12 @@ def bridge(
     from indexer.translate import ALL_TIERS, HashMode, MediumMap
     from indexer.validation import MAX_UINT32
     from kvplane.channels import INSECURE
-    from kvplane.config import parse_host_port
 
-    try:
-        parse_host_port(target)
-        mode = HashMode(hash_mode)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    if hash_mode not in {m.value for m in HashMode}:
+        raise typer.BadParameter(
+            f"must be engine or canonical, got {hash_mode!r}", param_hint="--hash"
+        )
+    mode = HashMode(hash_mode)
     _check_endpoint("--endpoint", endpoint)
     if replay_endpoint is not None:
         _check_endpoint("--replay-endpoint", replay_endpoint)

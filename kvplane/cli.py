@@ -16,7 +16,7 @@ import typer
 from kvplane import __version__
 from kvplane.cli_common import OutputFormat, emit
 from kvplane.errors import KvplaneError, NotImplementedYetError
-from kvplane.logs import LogFormat, configure_logging
+from kvplane.logs import LogFormat, LogLevel, configure_logging
 from kvplane.up.member import join_fleet
 
 app = typer.Typer(
@@ -30,13 +30,14 @@ app = typer.Typer(
 
 @app.callback()
 def _root(
-    log_level: Annotated[str, typer.Option(help="Log level: DEBUG, INFO, WARNING, ERROR.")] = (
-        "INFO"
-    ),
-    log_format: Annotated[str, typer.Option(help="Log format: text or json.")] = "text",
+    log_level: Annotated[
+        LogLevel, typer.Option(case_sensitive=False, help="Log level.")
+    ] = LogLevel.INFO,
+    log_format: Annotated[
+        LogFormat, typer.Option(case_sensitive=False, help="Log format.")
+    ] = LogFormat.TEXT,
 ) -> None:
-    fmt: LogFormat = "json" if log_format == "json" else "text"
-    configure_logging(log_level, fmt)
+    configure_logging(log_level, log_format)
 
 
 @app.command()

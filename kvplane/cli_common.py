@@ -15,7 +15,7 @@ import grpc
 import typer
 
 from kvplane.channels import INSECURE, ClientChannels
-from kvplane.config import ClientTlsConfig
+from kvplane.config import ClientTlsConfig, parse_dial_target
 from kvplane.errors import KvplaneError, NotImplementedYetError
 from kvplane.server import bearer_token_metadata
 
@@ -43,16 +43,25 @@ PortFileOption = Annotated[
 ]
 
 
-def _nonempty_target(value: str | None) -> str | None:
-    """An empty --target is a mistake (an unset shell variable), not "the default"."""
-    if value is not None and not value.strip():
+def _dial_target(value: str | None) -> str | None:
+    """A --target must name one server: an empty one is a mistake (an unset shell variable),
+    not "the default", and a port left out or out of range is refused here rather than
+    handed to gRPC (which dials :443 for a missing port and wraps 73636 round to 8100, a
+    different server, maybe the one a drain was not meant for)."""
+    if value is None:
+        return None
+    if not value.strip():
         raise typer.BadParameter("is empty: give HOST:PORT")
+    try:
+        parse_dial_target(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     return value
 
 
 def target_option(help_text: str) -> Any:
     """The --target/-t option of a client command or group (None: not given)."""
-    return typer.Option("--target", "-t", help=help_text, callback=_nonempty_target)
+    return typer.Option("--target", "-t", help=help_text, callback=_dial_target)
 
 
 TargetOption = Annotated[str | None, target_option("HOST:PORT of the server to talk to.")]

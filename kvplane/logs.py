@@ -7,12 +7,22 @@ object per line (`--log-format json`) for log pipelines. Extra fields passed wit
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import sys
-from typing import Literal
 
-LogFormat = Literal["text", "json"]
+
+class LogLevel(enum.StrEnum):
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+
+
+class LogFormat(enum.StrEnum):
+    TEXT = "text"
+    JSON = "json"
 
 
 class _TextFormatter(logging.Formatter):
@@ -45,12 +55,12 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
-def configure_logging(level: str = "INFO", fmt: LogFormat = "text") -> None:
+def configure_logging(level: LogLevel = LogLevel.INFO, fmt: LogFormat = LogFormat.TEXT) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
+    handler.setFormatter(_JsonFormatter() if fmt is LogFormat.JSON else _TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(level.value)
     # grpc's and asyncio's own chatter stays at WARNING unless asked for.
     for noisy in ("asyncio", "grpc"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

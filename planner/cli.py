@@ -11,5 +11,6 @@ planner_app = typer.Typer(no_args_is_help=True)
 
 @planner_app.command()
 def run(config: ConfigOption = None, listen: ListenOption = None) -> None:
-    """Run the planner: observe the fleet, scale pools and drain engines."""
+    """Not implemented yet (exits 2): the planner, which would observe the fleet, scale pools
+    and drain engines (../shared/ARCHITECTURE.md, the planner section)."""
     fail_not_implemented("kvplane planner run")

@@ -266,7 +266,7 @@ class EngineService:
                     yield DrainProgress(
                         DrainPhase.DEADLINE_EXCEEDED,
                         self.num_in_flight,
-                        f"deadline passed with {self.num_in_flight} requests in flight",
+                        f"deadline passed, requests in flight: {self.num_in_flight}",
                     )
                     return
                 aborted = True

@@ -92,7 +92,9 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     assert (route["instance_id"], route["reason"]) == (engine, "cache")
     assert len(route["costs"]) == 3
     explained = await cli("route", "--tokens-file", str(tokens), *t)
-    assert f"-> {engine}" in explained.output and "PREFILL" in explained.output
+    assert f"-> {engine}" in explained.output
+    header = explained.output.splitlines()[1].split()
+    assert header == ["ENGINE", "CACHED", "HOST", "PREFILL", "QUEUE", "DECODE", "TOTAL", "BUSY"]
 
     health = await cli_json("health", *t)
     assert health["state"] == "HEALTH_STATE_READY" and len(health["checks"]) == 3

@@ -57,7 +57,9 @@ def test_a_token_id_out_of_range_is_one_line(
         (["match"], "give exactly one of --prompt and --tokens-file"),
         (["route", "--prompt", "a", "--tokens-file", "t"], "give exactly one of --prompt"),
         (["drain"], "give the ENGINE to drain, or --self"),
-        (["abort", "r1", "--all"], "give a REQUEST_ID or --all"),
+        (["drain", "e0", "--self"], "give the ENGINE to drain or --self, not both"),
+        (["abort"], "give a REQUEST_ID or --all"),
+        (["abort", "r1", "--all"], "give a REQUEST_ID or --all, not both"),
     ],
 )
 def test_arguments_that_do_not_go_together_are_a_usage_error(
@@ -84,3 +86,25 @@ def test_an_empty_target_is_a_usage_error(args: list[str]) -> None:
     result = admin(*args)
     assert result.exit_code == 2
     assert "Invalid value for '--target' / '-t': is empty: give HOST:PORT" in result.output
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("127.0.0.1:73636", "port out of range in '127.0.0.1:73636'"),  # gRPC: 73636 - 65536
+        ("127.0.0.1:-57436", "expected HOST:PORT"),
+        ("127.0.0.1", "expected HOST:PORT"),  # gRPC would dial :443
+        ("127.0.0.1:0", "port 0 in '127.0.0.1:0'"),
+        ("http://127.0.0.1:8100", "expected HOST:PORT"),
+    ],
+)
+@pytest.mark.parametrize("command", [["health"], ["index", "stats"], ["drain", "e0"]])
+def test_a_target_that_names_no_single_server_is_a_usage_error(
+    target: str, message: str, command: list[str]
+) -> None:
+    """A mistyped port is refused before anything is dialled: gRPC itself would wrap an
+    out-of-range port round to another one (73636 reaches 8100) and send a drain there."""
+    result = admin(*command[:1], "--target", target, *command[1:])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--target' / '-t'" in result.output
+    assert message in result.output

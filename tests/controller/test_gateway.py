@@ -334,6 +334,22 @@ async def test_an_unknown_model_is_not_found_and_a_known_one_unavailable_while_u
     assert metrics.requests.labels("no_engine")._value.get() == 1
 
 
+async def test_an_empty_prompt_is_refused_by_route_and_match_as_by_generate(
+    fleet: Fleet,
+) -> None:
+    """An empty prompt (no text, or no token ids) has nothing to place: Generate gets
+    INVALID_ARGUMENT "the prompt is empty" (from the engine), and admin Route and Match,
+    which explain what Generate would do, refuse it alike rather than name an engine."""
+    empty = generate_request("e", [])
+    assert await status_of(generate(fleet, empty)) == grpc.StatusCode.INVALID_ARGUMENT
+    for query in (apb.PromptQuery(prompt=""), apb.PromptQuery(token_ids=pb.TokenIds(ids=[]))):
+        for call in (fleet.admin.Route, fleet.admin.Match):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(query)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details() == "the prompt is empty"
+
+
 async def test_model_info_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> None:
     engine = fleet.address(fleet.engines[0])
     for model in ("", "nosuch"):

@@ -57,6 +57,25 @@ def test_usage_error_exits_2() -> None:
     assert result.returncode == 2
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "choices"),
+    [("--log-level", "bogus", "'debug', 'info'"), ("--log-format", "JSONL", "'text', 'json'")],
+)
+def test_an_unknown_log_level_or_format_is_a_usage_error(
+    option: str, value: str, choices: str
+) -> None:
+    """Not a traceback (an unknown level once reached `logging`), nor silently plain text."""
+    result = run(option, value, "version")
+    assert result.returncode == 2
+    assert f"Invalid value for '{option}'" in result.stderr and choices in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_log_level_and_format_ignore_case() -> None:
+    result = run("--log-level", "debug", "--log-format", "JSON", "version")
+    assert result.returncode == 0 and result.stdout.startswith("kvplane ")
+
+
 def test_missing_config_file_is_one_line_and_exit_1(tmp_path: Path) -> None:
     result = run("indexer", "serve", "--config", str(tmp_path / "absent.yaml"))
     assert result.returncode == 1

@@ -358,6 +358,9 @@ BRIDGE = ["indexer", "bridge", "--target", "127.0.0.1:1", "--endpoint", "tcp://1
         ("--worker-id", "", "must not be empty"),
         ("--block-size", "0", "must be between 1 and 4294967295, got 0"),
         ("--block-size", str(1 << 32), f"must be between 1 and 4294967295, got {1 << 32}"),
+        ("--hash", "bogus", "must be engine or canonical, got 'bogus'"),
+        ("--target", "", "is empty: give HOST:PORT"),
+        ("--target", "127.0.0.1:73636", "port out of range in '127.0.0.1:73636'"),
     ],
 )
 def test_bridge_rejects_bad_options_before_starting(option: str, value: str, message: str) -> None:
@@ -365,7 +368,8 @@ def test_bridge_rejects_bad_options_before_starting(option: str, value: str, mes
     runner = CliRunner(env={"COLUMNS": "200"})
     result = runner.invoke(app, [*BRIDGE, "--worker-id", "w0", option, value])
     assert result.exit_code == 2
-    assert f"Invalid value for {option}: {message}" in result.output
+    label = "'--target' / '-t'" if option == "--target" else option
+    assert f"Invalid value for {label}: {message}" in result.output
     assert "Traceback" not in result.output
 
 
@@ -441,8 +445,9 @@ def test_both_admin_clis_refuse_a_tokens_file_without_uint32_ids(
     assert isinstance(result.exception, KvplaneError)
     if bad is None:
         assert str(result.exception) == (
-            f"--tokens-file {tokens_file} must hold a JSON array (or a whitespace list) of "
-            "token ids, integers in 0..4294967295"
+            f"--tokens-file {tokens_file} must hold token ids (a JSON array, a JSON object "
+            'with "token_ids" or "prompt_token_ids", or ids separated by spaces, commas or '
+            "newlines), integers in 0..4294967295"
         )
     else:
         assert str(result.exception) == (
@@ -493,10 +498,16 @@ async def test_admin_dump_streams_the_same_json_array_and_table(tmp_path: Path) 
             )
         full_json = await asyncio.to_thread(dump, "-o", "json")
         full_table = await asyncio.to_thread(dump)
+        unknown_worker = await asyncio.to_thread(dump, "--worker-id", "w-nope")
     finally:
         await server.stop(None)
     assert (empty_json.exit_code, empty_json.output) == (0, "[]\n")
     assert (empty_table.exit_code, empty_table.output) == (0, "(empty index)\n")
+    # Not "(empty index)": the index holds blocks, only not that worker's.
+    assert (unknown_worker.exit_code, unknown_worker.output) == (
+        0,
+        "(no entries of worker w-nope)\n",
+    )
     assert full_json.exit_code == 0, full_json.output
     batches = json.loads(full_json.output)
     # Byte for byte what printing the collected list prints (the format before streaming).
