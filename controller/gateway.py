@@ -416,11 +416,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in ordered]))
         summary = _summary(ordered)
         if not asked:
-            await abort_with(
-                context,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"no engine in the fleet supports LoRA: {summary}",
+            named = _metadata_value(context, ENGINE_METADATA_KEY) is not None
+            refusal = (
+                "the engine named does not support LoRA"
+                if named
+                else "no engine in the fleet supports LoRA"
             )
+            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"{refusal}: {summary}")
         if failures:
             await abort_with(context, failures[0].code(), summary)
         if not replies:

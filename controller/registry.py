@@ -177,6 +177,12 @@ class EngineRecord:
         return self.lora_adapters is not None and lora_name in self.lora_adapters
 
 
+def _why_not_routable(record: EngineRecord) -> str:
+    if record.cordoned and record.state in ROUTABLE_STATES:
+        return "cordoned"
+    return record.state.value
+
+
 class Registry:
     def __init__(self, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
         self.backoff_initial_s = backoff_initial_s
@@ -246,6 +252,18 @@ class Registry:
             and (r.identity is None or r.identity.serves(model))
             for r in self._by_address.values()
         )
+
+    def why_unavailable(self, model: str) -> str:
+        """Why no engine takes a request for `model` ("": the default model) now: each engine
+        that serves it, or may (not reached yet), with its state."""
+        engines = [
+            f"{r.engine_id} {_why_not_routable(r)}"
+            for r in self.records()
+            if r.state is not EngineState.INCOMPATIBLE
+            and (r.identity is None or r.identity.serves(model))
+        ]
+        what = f"model {model!r}" if model else "the default model"
+        return f"no engine available for {what}: " + (", ".join(engines) or "none serves it")
 
     def check_lora(self, lora_name: str, model: str | None = None) -> None:
         """Raise why no routable engine holds `lora_name` for `model` (call it when

@@ -23,6 +23,7 @@ from controller.router import (
     Candidate,
     Decision,
     DisaggDecision,
+    NoEngineAvailableError,
     Router,
     RouteRequest,
     make_policy,
@@ -62,6 +63,7 @@ class Plan(NamedTuple):
     # False: a text prompt with no tokenizer for its model, or longer than
     # `tokenize_max_chars`, so the router could not see the cache.
     tokenized: bool
+    model: str = ""  # as the request named it ("": the default model)
 
 
 class Controller:
@@ -156,7 +158,7 @@ class Controller:
         request = RouteRequest(
             query.request_id, num_tokens, view.block_size, view.block_keys, query.session_key
         )
-        return Plan(request, view, tokenized)
+        return Plan(request, view, tokenized, query.model)
 
     def check_model(self, model: str) -> None:
         """Raise UnknownModelError when no engine of the fleet serves `model`, whatever its
@@ -168,6 +170,8 @@ class Controller:
 
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
         candidates = plan.view.candidates
+        if not candidates:
+            raise NoEngineAvailableError(self.fleet.registry.why_unavailable(plan.model))
         if exclude:  # a retry: not the engines that already failed it, nor gone since
             candidates = tuple(
                 c for c in candidates if c.engine_id not in exclude and self._routable(c)

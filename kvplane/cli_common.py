@@ -195,7 +195,10 @@ def rpc_channel(
 
 
 def _hint(channels: ClientChannels, details: str) -> str:
-    """What a server that hung up on the connection most likely wants."""
+    """What a server that hung up on the connection most likely wants, or why a TLS handshake
+    failed on a record that is not TLS (a plaintext server)."""
+    if channels.tls and "WRONG_VERSION_NUMBER" in details:
+        return " (a plaintext server? leave out --tls-ca)"
     if HUNG_UP not in details:
         return ""
     if not channels.tls:

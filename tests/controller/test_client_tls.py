@@ -104,6 +104,17 @@ async def test_admin_cli_dials_a_tls_engine(pki: Path) -> None:
         await engine.close()
 
 
+async def test_tls_to_a_plaintext_server_says_the_server_is_plaintext(pki: Path) -> None:
+    engine = await start_sim_engine("e0")
+    target = f"127.0.0.1:{engine.port}"
+    try:
+        tls = one_line_error(await cli("--tls-ca", pki / "ca.pem", "-t", target, "health"))
+        assert tls.startswith(f"{target}: UNAVAILABLE: ")
+        assert tls.endswith("(a plaintext server? leave out --tls-ca)")
+    finally:
+        await engine.close()
+
+
 async def test_a_refused_tls_handshake_is_one_line_from_the_kvplane_process(pki: Path) -> None:
     """The `kvplane` process itself (not CliRunner, whose process imported gRPC long before):
     a server certificate the CA does not verify is the CLI's one error line on stderr, without

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from controller.metrics import ControllerMetrics
-from controller.outcomes import OUTCOME_METADATA_KEY
+from controller.outcomes import ENGINE_METADATA_KEY, OUTCOME_METADATA_KEY
 from controller.registry import EngineState, Registry
 from controller.relay import RecentIds
 from kvplane_api.v1 import admin_pb2 as apb
@@ -323,7 +323,13 @@ async def test_an_unknown_model_is_not_found_and_a_known_one_unavailable_while_u
     for e in fleet.engines:
         await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(e)))
     sim = generate_request("s", [1, 2, 3])
-    assert await status_of(generate(fleet, sim)) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.aio.AioRpcError) as unavailable:
+        await generate(fleet, sim)
+    assert unavailable.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Which engines serve it, and why none takes it.
+    reason, engines = (unavailable.value.details() or "").split(": ")
+    assert reason == "no engine available for model 'sim'"
+    assert sorted(engines.split(", ")) == [f"e{i} cordoned" for i in range(3)]
     route.model = "sim"
     assert await status_of(fleet.admin.Route(route)) == grpc.StatusCode.UNAVAILABLE
     assert await status_of(generate(fleet, nosuch)) == grpc.StatusCode.NOT_FOUND
@@ -501,6 +507,16 @@ async def test_lora_on_a_fleet_without_lora_is_refused_naming_every_engine(fleet
             assert f"{fleet.address(engine)}: skipped" in (err.value.details() or "")
         reported = [v for k, v in err.value.trailing_metadata() or () if k == OUTCOME_METADATA_KEY]
         assert len(reported) == 3 and all('"outcome": "skipped"' in str(v) for v in reported)
+        assert (err.value.details() or "").startswith("no engine in the fleet supports LoRA: ")
+    named = fleet.address(fleet.engines[0])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await fleet.gateway.ListLoras(
+            pb.ListLorasRequest(), metadata=((ENGINE_METADATA_KEY, named),)
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == f"the engine named does not support LoRA: {named}: skipped" + (
+        " (supports_lora is false)"
+    )
 
 
 async def test_fleet_views_load_health_info(fleet: Fleet) -> None:
