@@ -324,7 +324,7 @@ class Fleet:
 
     async def request_drain(self, key: str) -> EngineRecord:
         """The controller is draining this engine: out of routing now, not at the next poll."""
-        record = self.registry.request_drain(key, self._clock())
+        record = self.registry.request_drain(key)
         await self._notify()
         return record
 

@@ -292,12 +292,14 @@ class Registry:
             )
         raise LoraNotLoadedError(f"no engine has LoRA adapter {lora_name!r} loaded")
 
-    def request_drain(self, key: str, now_s: float) -> EngineRecord:
+    def request_drain(self, key: str) -> EngineRecord:
         """Out of routing at once, until the engine's own health takes over (it says
-        DRAINING) or `withdraw_drain`."""
+        DRAINING) or `withdraw_drain`. Not a health answer: an engine that is unreachable or
+        not ready keeps its state and error (a drain it cannot be sent fails, and says why)."""
         record = self.get(key)
-        self.on_health(record.address, EngineState.DRAINING, now_s)
-        record.drain_requested = True  # after: the engine has not said DRAINING itself yet
+        record.drain_requested = True
+        if record.state in ROUTABLE_STATES:
+            record.state = EngineState.DRAINING
         return record
 
     def withdraw_drain(self, address: str) -> None:

@@ -218,7 +218,7 @@ def test_a_drain_the_controller_started_sticks_until_the_engine_restarts() -> No
     registry.add("h:1")
     registry.on_identity("h:1", identity("e0"), 0.0)
     registry.on_health("h:1", EngineState.READY, 0.0)
-    registry.request_drain("e0", 1.0)
+    registry.request_drain("e0")
     assert registry.routable() == []
     # A health answer sent before the drain arrives late: still draining.
     registry.on_health("h:1", EngineState.READY, 1.1)
@@ -236,14 +236,14 @@ def test_an_engine_answering_again_after_it_was_unreachable_is_a_new_process() -
     registry.add("h:1")
     assert registry.on_identity("h:1", identity("e0"), 0.0) is True
     registry.on_health("h:1", EngineState.READY, 0.0)
-    registry.request_drain("e0", 1.0)
+    registry.request_drain("e0")
     registry.on_unreachable("h:1", 2.0, "UNAVAILABLE: connection refused")
     assert registry.on_identity("h:1", identity("e0"), 3.0) is True
     registry.on_health("h:1", EngineState.READY, 3.0)
     assert [r.engine_id for r in registry.routable()] == ["e0"]
     assert registry.on_identity("h:1", identity("e0"), 4.0) is False
     # Too busy to answer in time is the same process: its drain (and index entries) stay.
-    registry.request_drain("e0", 4.5)
+    registry.request_drain("e0")
     registry.on_unreachable("h:1", 5.0, "DEADLINE_EXCEEDED", connection_lost=False)
     assert registry.on_identity("h:1", identity("e0"), 5.5) is False
     registry.on_health("h:1", EngineState.READY, 5.5)
@@ -259,17 +259,35 @@ def test_once_the_engine_says_draining_its_own_health_decides() -> None:
     registry.add("h:1")
     registry.on_identity("h:1", identity("e0"), 0.0)
     registry.on_health("h:1", EngineState.READY, 0.0)
-    registry.request_drain("e0", 1.0)
+    registry.request_drain("e0")
     registry.on_health("h:1", EngineState.DRAINING, 1.2)  # the engine drains
     registry.on_health("h:1", EngineState.READY, 3.0)  # a new process, the same id
     assert [r.engine_id for r in registry.routable()] == ["e0"]
+
+
+def test_a_drain_of_an_unreachable_engine_leaves_it_unreachable_with_its_error() -> None:
+    """Asking to drain is no health answer: the engine stays unreachable, its error and its
+    backoff kept, while the drain that cannot reach it fails and is withdrawn."""
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    registry.on_unreachable("h:1", 1.0, "UNAVAILABLE: connection refused")
+    before = registry.get("h:1")
+    retry_at = before.next_attempt_s
+    registry.request_drain("e0")
+    registry.withdraw_drain("h:1")
+    record = registry.get("h:1")
+    assert record.state is EngineState.UNREACHABLE
+    assert record.last_error == "UNAVAILABLE: connection refused"
+    assert (record.num_failures, record.next_attempt_s) == (1, retry_at)
 
 
 def test_a_drain_the_engine_did_not_take_is_withdrawn() -> None:
     registry = Registry()
     registry.add("h:1")
     registry.on_identity("h:1", identity("e0"), 0.0)
-    registry.request_drain("e0", 1.0)
+    registry.request_drain("e0")
     registry.withdraw_drain("h:1")  # its Drain failed: UNAUTHENTICATED, unreachable, ...
     registry.on_health("h:1", EngineState.READY, 1.5)
     assert [r.engine_id for r in registry.routable()] == ["e0"]
