@@ -174,7 +174,9 @@ class AdminServicer(apb_grpc.AdminServicer):
         """The decision a request would get; in a disaggregated fleet, its first hop: the
         prefill engine (the decode engine is chosen by load at the handoff). Refused as
         Generate is: NOT_FOUND for a model no engine serves, UNAVAILABLE while none of those
-        that serve it takes traffic."""
+        that serve it takes traffic, and while the controller drains."""
+        if self.controller.draining:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         disaggregated = self.controller.disaggregated(request.model)
         try:
             self.controller.check_model(request.model)

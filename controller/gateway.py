@@ -483,7 +483,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         once they have ended (the same error if some outlive DRAIN_ABORT_GRACE_S). Engines
         keep running; drain an engine with the admin API."""
         holding = self.relay.holding
-        self.relay.draining = self.relay.draining or request.stop_accepting_new_requests
+        self.controller.draining = self.controller.draining or request.stop_accepting_new_requests
         now = time.monotonic()
         deadline = now + request.deadline_ms / 1000.0 if request.HasField("deadline_ms") else None
         yield _drain_state(pb.DRAIN_STATE_STARTED, len(holding))
@@ -603,7 +603,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     def _health_state(self, records: list[EngineRecord]) -> pb.HealthState.ValueType:
         """DRAINING once the gateway drains (it refuses every new request, whatever its
         engines' state); else READY when every engine is routable, DEGRADED when some are."""
-        if self.relay.draining:
+        if self.controller.draining:
             return pb.HEALTH_STATE_DRAINING
         routable = sum(r.routable for r in records)
         if routable == 0:

@@ -225,9 +225,6 @@ class Relay:
         self.running: set[str] = set()
         # Ids of requests an engine ran, once they ended (Abort: ALREADY_FINISHED).
         self.finished = RecentIds(FINISHED_MEMORY)
-        # Set by the gateway's Drain and never cleared: a drained controller refuses new
-        # requests until it restarts, as a drained engine does.
-        self.draining = False
         # Ids aborted while still being planned, before any engine had them: they end there.
         self.aborted_unrouted: set[str] = set()
         # KV sessions being released in the background (a reference keeps each task alive).
@@ -267,7 +264,7 @@ class Relay:
         disaggregated fleet is UNAVAILABLE through this front end."""
         c = self.controller
         started = time.perf_counter()
-        if self.draining:
+        if c.draining:
             c.metrics.count_request("no_engine")
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         try:

@@ -100,6 +100,9 @@ class Controller:
         self.metrics = ControllerMetrics(self.fleet.registry, self.fleet.event_counters)
         self._tokenizers = ModelTokenizers({})
         self._stats_task: asyncio.Task[None] | None = None
+        # Set by the gateway's Drain and never cleared: a drained controller refuses new
+        # requests (and admin Route explains none) until it restarts, as a drained engine does.
+        self.draining = False
 
     async def start(self) -> None:
         self._tokenizers = ModelTokenizers.load(self.config.tokenizers, self.config.tokenizer)

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from kvplane.cli_common import RpcCallError
+from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
@@ -74,6 +75,11 @@ async def test_a_deadline_passing_with_a_request_in_flight_ends_with_a_draining_
         _ = [r async for r in fleet.gateway.Generate(generate_request("new", [1, 2, 3]))]
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "draining" in (refused.value.details() or "")
+    # Admin Route explains what Generate would do: nothing is placed.
+    with pytest.raises(grpc.aio.AioRpcError) as unexplained:
+        await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=[1, 2, 3])))
+    assert unexplained.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert unexplained.value.details() == "the controller is draining"
     assert fleet.app.controller.metrics.requests.labels("no_engine")._value.get() == 1
     long.cancel()
 
