@@ -1,7 +1,8 @@
 """Configuration shared by every kvplane server: listen address, TLS, bearer-token auth.
 
 Each process has one pydantic model (extra="forbid") loaded from YAML; `--listen` on the CLI
-overrides the file. Environment variables are read only by the CLI, never here.
+overrides the file, and an invalid value is reported against the flag or the file it came
+from. Environment variables are read only by the CLI, never here.
 """
 
 from __future__ import annotations
@@ -168,37 +169,70 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def load_config(
-    model: type[ConfigT], path: Path | None, overrides: dict[str, object] | None = None
+    model: type[ConfigT], path: Path | None, flags: dict[str, object] | None = None
 ) -> ConfigT:
-    """Load and validate `path` (YAML) as `model`, with CLI `overrides` applied on top.
+    """Load and validate `path` (YAML) as `model`, with command-line `flags` applied on top.
 
-    No file means the model's embedded defaults. Every problem is a ConfigError whose message
-    names the file and the offending key.
+    No file means the model's embedded defaults. `flags` maps a top-level field to the value
+    of the flag that sets it, `--field-name` (None: the flag was not given). Every problem is
+    a ConfigError naming where its value came from (see `validate_config`).
     """
-    data: dict[str, object] = {}
-    if path is not None:
-        try:
-            loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"config {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
-            ) from exc
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config {path} is not valid YAML: {_yaml_problem(exc)}") from exc
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config {path} must be a YAML mapping at the top level")
-        data = loaded
-    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    data = _read_yaml(path) if path is not None else {}
+    given = {field: value for field, value in (flags or {}).items() if value is not None}
+    where = str(path) if path is not None else "the embedded defaults"
+    return validate_config(model, {**data, **given}, where, frozenset(given))
+
+
+def _read_yaml(path: Path) -> dict[str, object]:
+    """The top-level mapping of a YAML file (empty for an empty file)."""
+    try:
+        loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {_yaml_problem(exc)}") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config {path} must be a YAML mapping at the top level")
+    return loaded
+
+
+def _flag_name(field: str) -> str:
+    """The command-line flag that sets a top-level config field: `instance_id` is
+    `--instance-id`."""
+    return "--" + field.replace("_", "-")
+
+
+def validate_config(
+    model: type[ConfigT],
+    data: dict[str, object],
+    where: str,
+    flag_fields: frozenset[str] = frozenset(),
+) -> ConfigT:
+    """Validate `data` as `model`. On failure, one ConfigError listing every problem by where
+    its value came from: a field in `flag_fields` from its flag (`invalid --role: ...`), any
+    other from `where` (`invalid config in FILE: key: ...`); a check across fields, from
+    both (`invalid config in FILE with --model: ...`)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        where = str(path) if path is not None else "the embedded defaults"
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise ConfigError(f"invalid config in {where}: {problems}") from exc
+        by_source: dict[str, list[str]] = {}
+        for err in exc.errors():
+            loc = [str(part) for part in err["loc"]]
+            if loc and loc[0] in flag_fields:
+                source, loc = f"invalid {_flag_name(loc[0])}", loc[1:]
+            elif loc or not flag_fields:
+                source = f"invalid config in {where}"
+            else:
+                flags = ", ".join(_flag_name(field) for field in sorted(flag_fields))
+                source = f"invalid config in {where} with {flags}"
+            problem = f"{'.'.join(loc)}: {err['msg']}" if loc else err["msg"]
+            by_source.setdefault(source, []).append(problem)
+        raise ConfigError(
+            "; ".join(f"{source}: {'; '.join(problems)}" for source, problems in by_source.items())
+        ) from exc

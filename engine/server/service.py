@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from engine.config import EngineConfig, EngineRoleName
+from engine.config import BUILTIN_MODEL, SIM_MODEL, EngineConfig, EngineRoleName
 from engine.core.api import ModelRunner, SchedulerConfig, StepReport
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.server.engine_service import EngineService
@@ -94,7 +94,10 @@ def _build_torch(config: EngineConfig) -> _Model:
 
         model_dir = ensure_builtin_model()
     if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"model {config.model!r} is neither 'sim' nor an HF model directory")
+        raise ConfigError(
+            f"model {config.model!r} is not {SIM_MODEL!r}, {BUILTIN_MODEL!r} or an HF model"
+            " directory (one holding config.json)"
+        )
     from tokenizers import Tokenizer as HfTokenizer
 
     from engine.torch_runner.runner import TorchModelRunner  # imports torch

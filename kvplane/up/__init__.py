@@ -1,8 +1,9 @@
 """`kvplane up`: a whole local fleet as child processes, from YAML or embedded defaults.
 
-Each member is one `kvplane <group> serve` process with its own config (written to a private
-temporary folder) listening on a port it picks; a member's config may name another member's
-address as `${name}`, filled in once that member is listening. A member starts as soon as the
+Each member is one `kvplane <group> serve` process with its own config (checked when the
+fleet file is loaded, then written to a private temporary folder) listening on a port it
+picks; a member's config may name another member's address as `${name}`, filled in once that
+member is listening. A member starts as soon as the
 members it names are healthy (the engines all at once, then the controller) and is waited for
 until its health service answers SERVING. Every channel up opens to a member (readiness, the
 live status, the drain, the check) is insecure, or TLS per the fleet's `client_tls`. A
@@ -15,7 +16,9 @@ drains the engines (a short deadline, then what is left is aborted), stops every
 reverse order with SIGTERM, and kills what is still running (with its process group) after a
 grace period. A member that exits on its own is reported (its log's last lines) and the rest
 are stopped the same way: up then exits 1. On Linux the members get SIGTERM when up dies, even
-by SIGKILL; the folder such a run leaves behind is removed by the next `kvplane up`.
+by SIGKILL. The folder (member configs and logs) is removed at the end, except after a
+failure once a member has started (kept for its logs, its path logged); the folder a failed or
+SIGKILLed run leaves behind is removed by the next `kvplane up`.
 
 The modules: `config` (the fleet file and the embedded defaults), `fleet` (starting, watching,
 draining and stopping the member processes), `member` (what a member does first when it

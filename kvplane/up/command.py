@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -33,42 +34,67 @@ STATUS_INTERVAL_S = 1.0
 async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> bool:
     """Run the fleet until Ctrl-C (or, with `check`, through the smoke test); returns False
     when the check failed or a member exited on its own (the rest are then stopped: a local
-    fleet missing a member is broken). A second Ctrl-C kills every member at once."""
+    fleet missing a member is broken). A second Ctrl-C kills every member at once.
+
+    The members' configs and logs live in a private temporary folder, removed at the end,
+    except after a failure (False or an error) once a member has started: then it is kept for
+    its logs (the errors quote only their last lines), and its path is logged; the next
+    `kvplane up` removes it."""
+    remove_stale_workdirs(Path(tempfile.gettempdir()))
+    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
+    ok = False
+    try:
+        ok = await _run_in(workdir, config, live, check)
+        return ok
+    finally:
+        _remove_or_keep(workdir, failed=not ok)
+
+
+def _remove_or_keep(workdir: Path, failed: bool) -> None:
+    """Remove the fleet's folder, or keep it (and say where) for the logs of a failed run."""
+    if failed and any(workdir.glob("*.log")):
+        log.warning(
+            "the members' configs and logs are kept in %s (the next kvplane up removes it)",
+            workdir,
+        )
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -> bool:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    remove_stale_workdirs(Path(tempfile.gettempdir()))
-    with tempfile.TemporaryDirectory(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-") as tmp:
-        fleet = Fleet(config, Path(tmp))
+    fleet = Fleet(config, workdir)
 
-        def on_signal() -> None:
-            if stop.is_set():
-                log.warning("interrupted again: killing every member now")
-                fleet.kill_all()
-            stop.set()
+    def on_signal() -> None:
+        if stop.is_set():
+            log.warning("interrupted again: killing every member now")
+            fleet.kill_all()
+        stop.set()
 
-        # SIGHUP too: the members run in sessions of their own, so a closed terminal reaches
-        # only us, and we must stop them.
-        signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # SIGHUP too: the members run in sessions of their own, so a closed terminal reaches
+    # only us, and we must stop them.
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for sig in signals:
+        loop.add_signal_handler(sig, on_signal)
+    main = asyncio.ensure_future(_main(fleet, stop, live, check))
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([main, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not main.done():  # interrupted during start-up or the check
+            main.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await main
+            return not check
+        return main.result()
+    finally:
+        stopper.cancel()
+        log.info("stopping the fleet: draining engines, then stopping every member")
+        await fleet.drain_engines()
+        await fleet.stop()
+        log.info("fleet stopped")
         for sig in signals:
-            loop.add_signal_handler(sig, on_signal)
-        main = asyncio.ensure_future(_main(fleet, stop, live, check))
-        stopper = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait([main, stopper], return_when=asyncio.FIRST_COMPLETED)
-            if not main.done():  # interrupted during start-up or the check
-                main.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await main
-                return not check
-            return main.result()
-        finally:
-            stopper.cancel()
-            log.info("stopping the fleet: draining engines, then stopping every member")
-            await fleet.drain_engines()
-            await fleet.stop()
-            log.info("fleet stopped")
-            for sig in signals:
-                loop.remove_signal_handler(sig)
+            loop.remove_signal_handler(sig)
 
 
 async def _main(fleet: Fleet, stop: asyncio.Event, live: bool, check: bool) -> bool:

@@ -1,4 +1,6 @@
-"""A `kvplane up` fleet file (`FleetConfig`) and the embedded default fleet."""
+"""A `kvplane up` fleet file (`FleetConfig`) and the embedded default fleet; `load_fleet` also
+checks each member's own server config, and reports a bad one against the fleet file and the
+member (not the copy `up` writes for the member's process)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from kvplane.config import ClientTlsConfig, StrictModel, load_config
+from controller.config import ControllerConfig
+from engine.config import EngineConfig
+from indexer.config import IndexerConfig
+from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, load_config, validate_config
 
 # The planner is not a member kind yet: `kvplane planner run` is not implemented.
 MemberKind = Literal["engine", "indexer", "controller"]
@@ -18,6 +23,12 @@ _NAME = r"[A-Za-z0-9_.-]+"
 PLACEHOLDER = re.compile(rf"\$\{{({_NAME})\}}")
 # The model (engines) and tokenizer (controllers) kvplane builds on first use.
 BUILTIN = "builtin"
+# The config model of each kind's server (what `kvplane KIND serve --config` loads).
+SERVER_CONFIGS: dict[MemberKind, type[ServerConfig]] = {
+    "engine": EngineConfig,
+    "indexer": IndexerConfig,
+    "controller": ControllerConfig,
+}
 
 
 class MemberConfig(StrictModel):
@@ -41,6 +52,25 @@ class MemberConfig(StrictModel):
 
     def refers_to(self) -> set[str]:
         return set(PLACEHOLDER.findall(yaml.safe_dump(self.config)))
+
+    def server_config(self, addresses: dict[str, str]) -> dict[str, Any]:
+        """The YAML `up` gives the member's server: `config` with each ${name} replaced by
+        `addresses[name]`, `listen` defaulting to 127.0.0.1:0, and a controller's
+        `metrics_listen` too (the live status reads its routing counters there)."""
+        config = {"listen": "127.0.0.1:0", **_substitute(self.config, addresses)}
+        if self.kind == "controller":
+            config.setdefault("metrics_listen", "127.0.0.1:0")
+        return config
+
+
+def _substitute(value: Any, addresses: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return PLACEHOLDER.sub(lambda m: addresses[m.group(1)], value)
+    if isinstance(value, list):
+        return [_substitute(v, addresses) for v in value]
+    if isinstance(value, dict):
+        return {k: _substitute(v, addresses) for k, v in value.items()}
+    return value
 
 
 class FleetConfig(StrictModel):
@@ -99,6 +129,20 @@ DEFAULT_FLEET: dict[str, Any] = {
 
 
 def load_fleet(path: Path | None) -> FleetConfig:
+    """The fleet file at `path` (None: the embedded defaults), with every member's server
+    config checked before any member starts: a ConfigError names the file and the member."""
     if path is None:
-        return FleetConfig.model_validate(DEFAULT_FLEET)
-    return load_config(FleetConfig, path)
+        fleet = FleetConfig.model_validate(DEFAULT_FLEET)
+    else:
+        fleet = load_config(FleetConfig, path)
+    where = str(path) if path is not None else "the embedded default fleet"
+    # The members' addresses are known only once they listen: each has a stand-in of the
+    # same shape, distinct from the others' (a controller refuses an engine listed twice).
+    stand_ins = {m.name: f"127.0.0.1:{i}" for i, m in enumerate(fleet.members, start=1)}
+    for member in fleet.members:
+        validate_config(
+            SERVER_CONFIGS[member.kind],
+            member.server_config(stand_ins),
+            f"{where}, member {member.name}",
+        )
+    return fleet

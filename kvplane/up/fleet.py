@@ -15,7 +15,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import yaml
@@ -23,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.channels import ClientChannels
 from kvplane.errors import KvplaneError
-from kvplane.up.config import BUILTIN, PLACEHOLDER, FleetConfig, MemberConfig
+from kvplane.up.config import BUILTIN, FleetConfig, MemberConfig
 from kvplane.up.member import member_environment
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -103,16 +102,6 @@ class Member:
         return self.metrics_address
 
 
-def _substitute(value: Any, addresses: dict[str, str]) -> Any:
-    if isinstance(value, str):
-        return PLACEHOLDER.sub(lambda m: addresses[m.group(1)], value)
-    if isinstance(value, list):
-        return [_substitute(v, addresses) for v in value]
-    if isinstance(value, dict):
-        return {k: _substitute(v, addresses) for k, v in value.items()}
-    return value
-
-
 async def _healthy(channels: ClientChannels, address: str) -> bool:
     try:
         async with channels.aio_channel(address) as channel:
@@ -163,11 +152,9 @@ class Fleet:
 
     async def _start_member(self, member: Member, addresses: dict[str, str]) -> None:
         name = member.name
-        config = {"listen": "127.0.0.1:0", **_substitute(member.config.config, addresses)}
-        if member.kind == "controller":
-            config.setdefault("metrics_listen", "127.0.0.1:0")
-            if config.get("tokenizer") == BUILTIN:
-                config["tokenizer"] = await _builtin_tokenizer()
+        config = member.config.server_config(addresses)
+        if member.kind == "controller" and config.get("tokenizer") == BUILTIN:
+            config["tokenizer"] = await _builtin_tokenizer()
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config))
         port_file = self.workdir / f"{name}.port"
@@ -303,7 +290,8 @@ class Fleet:
 
 def remove_stale_workdirs(parent: Path) -> list[Path]:
     """Remove the folders (member configs and logs) of earlier `kvplane up` runs that were
-    killed (SIGKILL) before they could clean up: those whose process is gone. Returns them."""
+    killed (SIGKILL) before they could clean up, or kept for the logs of a failure: those
+    whose process is gone. Returns them."""
     removed = []
     for path in parent.glob(f"{WORKDIR_PREFIX}*-*"):
         pid = path.name.removeprefix(WORKDIR_PREFIX).split("-", 1)[0]

@@ -125,5 +125,8 @@ def test_serve_refuses_a_bad_model_with_one_line(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 1
-    assert b"neither 'sim' nor an HF model directory" in result.stderr
+    assert (
+        b"is not 'sim', 'builtin' or an HF model directory (one holding config.json)"
+        in result.stderr
+    )
     assert b"Traceback" not in result.stderr

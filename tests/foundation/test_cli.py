@@ -99,6 +99,33 @@ def test_bad_listen_address_is_rejected() -> None:
 
 
 @pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["engine", "serve", "--role", "bogus"], "invalid --role: Input should be 'aggregated'"),
+        (["engine", "serve", "--listen", "nonsense"], "invalid --listen: Value error, expected"),
+        (["controller", "serve", "--listen", "h:x"], "invalid --listen: Value error, expected"),
+        (["indexer", "serve", "--listen", "h:99999"], "invalid --listen: Value error, port out"),
+    ],
+)
+def test_a_bad_flag_value_is_blamed_on_the_flag(args: list[str], message: str) -> None:
+    result = run(*args)
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"kvplane: error: {message}"), line
+    assert "embedded defaults" not in line
+
+
+def test_bad_values_from_a_file_and_a_flag_each_name_their_source(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("model: sim\nblock_size: 0\n")
+    result = run("engine", "serve", "--config", str(config), "--role", "bogus")
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert f"invalid config in {config}: block_size: Input should be greater than 0" in line
+    assert "invalid --role: Input should be 'aggregated'" in line
+
+
+@pytest.mark.parametrize(
     ("group", "config"),
     [
         ("indexer", ""),

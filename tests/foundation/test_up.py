@@ -191,6 +191,7 @@ def test_ctrl_c_drains_in_flight_work_and_leaves_no_process(tmp_path: Path) -> N
             with pytest.raises(grpc.RpcError):
                 _health(address)
         assert "fleet stopped" in proc.stderr.read()
+        assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # a run that went well
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -240,12 +241,17 @@ def test_a_member_that_dies_stops_the_fleet_and_fails_up(tmp_path: Path) -> None
         os.kill(members["engine-1"][1], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         rest = proc.stderr.read()
-        assert re.search(
+        exit_line = re.search(
             r"ERROR .* engine-1 exited unexpectedly with code -9 \(SIGKILL\); "
-            r"its log \S+engine-1\.log ends: .*serving",
+            r"its log (\S+engine-1\.log) ends: .*serving",
             rest,
-        ), rest
+        )
+        assert exit_line, rest
         assert "fleet stopped" in rest
+        # The log named is still there: a failed run keeps its folder, and says where.
+        log_path = Path(exit_line.group(1))
+        assert "serving" in log_path.read_text()
+        assert f"configs and logs are kept in {log_path.parent} (the next kvplane up" in rest
         assert "a member exited" in rest.splitlines()[-1]
         assert "Traceback" not in rest
         assert _wait_gone(pids, 5) == []
@@ -485,6 +491,42 @@ def test_fleet_file_refuses(tmp_path: Path, text: str, message: str) -> None:
     fleet.write_text(text + "\n")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_fleet(fleet)
+
+
+@pytest.mark.parametrize(
+    ("kind", "config", "problem"),
+    [
+        ("engine", "{num_threads: 0}", "num_threads: Input should be greater than or equal to 1"),
+        ("engine", "{nosuch: 1}", "nosuch: Extra inputs are not permitted"),
+        ("indexer", "{listen: nonsense}", "listen: Value error, expected HOST:PORT"),
+        ("controller", "{engines: [{address: '${e0}:1'}]}", "engines.0.address: Value error"),
+    ],
+)
+def test_a_bad_member_config_is_reported_against_the_fleet_file_and_the_member(
+    tmp_path: Path, kind: str, config: str, problem: str
+) -> None:
+    """Checked before any member starts (a member would report the copy up wrote for it)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n"
+        "  - {name: e0, kind: engine, config: {model: sim}}\n"
+        f"  - {{name: m1, kind: {kind}, config: {config}}}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_fleet(fleet)
+    assert str(caught.value).startswith(f"invalid config in {fleet}, member m1: {problem}")
+
+
+def test_up_with_a_bad_member_config_is_one_line_naming_the_fleet_file(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("members: [{name: e0, kind: engine, config: {model: sim, num_threads: 0}}]\n")
+    result = _up_check(fleet, tmp_path, timeout_s=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {fleet}, member e0: num_threads: Input should be"
+        " greater than or equal to 1"
+    ]
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
 
 
 def test_member_names_may_use_what_a_placeholder_can_name(tmp_path: Path) -> None:
