@@ -28,7 +28,6 @@ max / mean engine busy time (virtual time in forward passes).
 
 from __future__ import annotations
 
-import logging
 import random
 import statistics
 from collections import Counter
@@ -64,8 +63,6 @@ from engine.core.sim_fleet import (
     trace_prompt_tokens,
 )
 from indexer.keys import block_keys
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +106,13 @@ class PolicyResult:
 
 def full_block_keys(request: TraceRequest, block_size: int) -> tuple[int, ...]:
     return request.hash_ids[: request.input_length // block_size]
+
+
+def fits(row: TraceRequest, settings: ReplaySettings) -> bool:
+    """Whether one engine's KV cache can hold the row (its prompt and one output token): no
+    engine could ever admit one that does not, so the replay leaves it out, and so must any
+    bound compared with the replay (`oracle_hit_ratio`)."""
+    return row.input_length + 1 <= settings.blocks_per_worker * settings.block_size
 
 
 def oracle_hit_ratio(trace: Sequence[TraceRequest], block_size: int) -> float:
@@ -236,14 +240,10 @@ def replay(
     )
     view = _RouterView(fleet, router, settings)
     size = settings.block_size
-    capacity_tokens = settings.blocks_per_worker * size
-    dropped = 0
 
     def requests() -> Iterator[TimedRequest]:
-        nonlocal dropped
         for number, row in enumerate(trace):
-            if row.input_length + 1 > capacity_tokens:
-                dropped += 1  # no engine could ever hold it
+            if not fits(row, settings):
                 continue
             request_id = f"r{number}"
             tokens = trace_prompt_tokens(
@@ -257,8 +257,6 @@ def replay(
     records = fleet.replay(
         requests(), view.route, on_kv_events=view.on_kv_events, on_progress=view.on_progress
     )
-    if dropped:
-        log.warning("%d requests longer than one engine's KV cache were left out", dropped)
     return _summarise(policy_name, records, fleet, view.decisions)
 
 

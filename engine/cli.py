@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from kvplane.cli_common import ConfigOption, ListenOption
+from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption
 
 engine_app = typer.Typer(no_args_is_help=True)
 
@@ -33,10 +32,7 @@ def serve(
     instance_id: Annotated[
         str | None, typer.Option("--instance-id", help="This engine's id in EngineInfo/GetLoad.")
     ] = None,
-    port_file: Annotated[
-        Path | None,
-        typer.Option("--port-file", help="Write the bound gRPC port here once listening."),
-    ] = None,
+    port_file: PortFileOption = None,
 ) -> None:
     """Serve openengine.v1.OpenEngine and vllm.Generate over the bundled engine."""
     from engine.config import EngineConfig

@@ -24,6 +24,7 @@ from engine.core.api import EngineRequest, SamplingParams, SchedulerConfig
 from engine.core.mooncake_trace import FILLER_TOKEN_BASE, load_trace
 from engine.core.sim_fleet import SimFleet, TimedRequest, round_robin, trace_prompt_tokens
 from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.errors import KvplaneError
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent
@@ -71,6 +72,11 @@ def run_sim_bench(trace: Path, settings: SimBenchSettings) -> dict[str, Any]:
     requests = load_requests(trace, settings)
     capacity = settings.blocks_per_engine * settings.block_size
     fits = [r for r in requests if len(r.request.prompt_token_ids) + 1 <= capacity]
+    if not fits:
+        raise KvplaneError(
+            f"no request of {trace} fits one engine's KV cache "
+            f"({settings.blocks_per_engine} blocks of {settings.block_size} tokens)"
+        )
     fleet = SimFleet(
         settings.num_engines,
         block_size=settings.block_size,
@@ -122,7 +128,12 @@ def render_table(doc: dict[str, Any]) -> str:
         [
             f"sim runner: {doc['requests']} requests of {doc['trace']} through {doc['engines']} "
             f"engines x {doc['blocks_per_engine']} blocks of {doc['block_size']} tokens "
-            f"(round robin, speedup {doc['speedup']})",
+            f"(round robin, speedup {doc['speedup']})"
+            + (
+                f"; {doc['left_out']} longer than one engine's KV cache left out"
+                if doc["left_out"]
+                else ""
+            ),
             f"wall {doc['wall_s']:.2f} s (CPU {doc['cpu_s']:.2f} s) for "
             f"{doc['virtual_s']:.0f} s of virtual time "
             f"({doc['requests_per_wall_s']} requests/s, {doc['forward_passes']} passes)",

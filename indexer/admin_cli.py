@@ -105,14 +105,18 @@ def _as_dict(message: Any) -> dict[str, Any]:
 
 @index_app.command()
 def stats(
-    ctx: typer.Context, target: IndexTargetOption = None, output: OutputOption = OutputFormat.table
+    ctx: typer.Context,
+    target: IndexTargetOption = None,
+    token_file: TokenFileOption = None,
+    output: OutputOption = OutputFormat.table,
 ) -> None:
     """Blocks, placements and workers in the index."""
+    metadata = bearer_metadata(token_file)
     response = _call(
         ctx,
         target,
         lambda ch: api_grpc.KvIndexStub(ch).GetIndexStats(
-            api.GetIndexStatsRequest(), timeout=TIMEOUT_S
+            api.GetIndexStatsRequest(), timeout=TIMEOUT_S, metadata=metadata
         ),
     )
 
@@ -170,13 +174,17 @@ def dump(
     ctx: typer.Context,
     worker_id: Annotated[str, typer.Option(help="Only this worker (default: all).")] = "",
     target: IndexTargetOption = None,
+    token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """The index as parent-first ApplyExternalKvBatch requests (replayable)."""
+    metadata = bearer_metadata(token_file)
     with _channel(ctx, target) as channel:
         # Printed batch by batch as they arrive, with no deadline: a large index takes as long
         # as it takes, and is never held in memory whole.
-        stream = api_grpc.KvIndexStub(channel).DumpIndex(api.DumpIndexRequest(worker_id=worker_id))
+        stream = api_grpc.KvIndexStub(channel).DumpIndex(
+            api.DumpIndexRequest(worker_id=worker_id), metadata=metadata
+        )
         batches = (_as_dict(batch) for batch in stream)
         if output is OutputFormat.json:
             _echo_json_array(batches)
@@ -328,12 +336,14 @@ def match(
         typer.Option(help="Block hashes in prompt order (repeat, or comma-separated)."),
     ] = None,
     target: IndexTargetOption = None,
+    token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Which workers hold a prompt's prefix: by tokens (MatchTokens) or by block hashes
     (MatchExternalKvPrefix)."""
     if (tokens_file is None) == (not hashes):
         raise typer.BadParameter("give exactly one of --tokens-file or --hashes")
+    metadata = bearer_metadata(token_file)
     if tokens_file is not None:
         request = api.MatchTokensRequest(
             token_ids=read_token_ids(tokens_file),
@@ -345,7 +355,11 @@ def match(
             mm_items=[_parse_mm_item(v) for v in mm_item or []],
         )
         response: Any = _call(
-            ctx, target, lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(request, timeout=TIMEOUT_S)
+            ctx,
+            target,
+            lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(
+                request, timeout=TIMEOUT_S, metadata=metadata
+            ),
         )
 
         def render_tokens(data: dict[str, Any]) -> str:
@@ -368,7 +382,7 @@ def match(
         ctx,
         target,
         lambda ch: kv_grpc.KVIndexerStub(ch).MatchExternalKvPrefix(
-            prefix_request, timeout=TIMEOUT_S
+            prefix_request, timeout=TIMEOUT_S, metadata=metadata
         ),
     )
 

@@ -10,7 +10,9 @@ Copies are counted here, since the KVIndexer API has no notion of them.
 
 An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with
 backoff, blocking the stream (ZMQ buffers meanwhile; an
-overflow shows up as a gap and is replayed); any other status drops that batch and is logged.
+overflow shows up as a gap and is replayed); UNAUTHENTICATED and PERMISSION_DENIED stop the
+bridge (a ConfigError: every later batch would be refused alike, so running on would only drop
+them); any other status drops that batch and is logged.
 An apply that gets through after UNAVAILABLE, once something was delivered before, asks the
 source to resync the worker (`on_target_back`): the target was unreachable and may have
 restarted empty (kvplane's memory indexer does), losing every block indexed before.
@@ -43,6 +45,7 @@ from indexer.translate import (
 from indexer.validation import validate_batch
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.channels import INSECURE, ClientChannels
+from kvplane.errors import ConfigError
 from kvplane.server import bearer_token_metadata
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,8 @@ log = logging.getLogger(__name__)
 # RESOURCE_EXHAUSTED is not among them: applies are never shed, so on an apply it means the
 # batch broke a size limit and would fail again.
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# The target refuses the bridge itself, not one batch.
+_REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
 class KvIndexerSink:
@@ -92,6 +97,11 @@ class KvIndexerSink:
                 )
             except grpc.aio.AioRpcError as exc:
                 unreachable |= exc.code() == grpc.StatusCode.UNAVAILABLE
+                if exc.code() in _REFUSED:
+                    raise ConfigError(
+                        f"{self.target} refuses the bridge: {exc.code().name}: "
+                        f"{exc.details()} (check --token-file)"
+                    ) from None
                 if exc.code() not in _TRANSIENT:
                     self.num_rejected += 1
                     log.error(

@@ -23,8 +23,7 @@ from kvplane.cli_common import (
     client_channels,
     target_option,
 )
-from kvplane.config import load_config
-from kvplane.errors import ConfigError
+from kvplane.config import load_config, read_token_file
 
 indexer_app = typer.Typer(no_args_is_help=True)
 
@@ -44,14 +43,16 @@ def serve(
     uvloop.run(run_indexer(cfg, port_file=port_file))
 
 
-def _medium(value: str) -> Any:
+def _medium(option: str, value: str, *, skip: bool = True) -> Any:
+    """The tier an option names (None for "skip", where the option takes it)."""
     from indexer.batch import Tier
 
     upper = value.upper()
-    if upper == "SKIP":
+    if skip and upper == "SKIP":
         return None
     if upper not in ("HBM", "DRAM", "SSD"):
-        raise typer.BadParameter(f"expected HBM, DRAM, SSD or skip, got {value!r}")
+        choices = "HBM, DRAM, SSD or skip" if skip else "HBM, DRAM or SSD"
+        raise typer.BadParameter(f"expected {choices}, got {value!r}", param_hint=option)
     return Tier[upper]
 
 
@@ -141,16 +142,8 @@ def bridge(
         )
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
     if clear_tier:
-        tiers = [_medium(t) for t in clear_tier]
-        if any(t is None for t in tiers):
-            raise typer.BadParameter("--clear-tier takes HBM, DRAM or SSD")
-        clear_tiers = tuple(Tier(t) for t in tiers)
-    token = None
-    if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read --token-file {token_file}: {exc}") from exc
+        clear_tiers = tuple(_medium("--clear-tier", t, skip=False) for t in clear_tier)
+    token = read_token_file(token_file, "--token-file") if token_file is not None else None
     channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name) or INSECURE
     settings = BridgeSettings(
         endpoint=endpoint,
@@ -161,7 +154,10 @@ def bridge(
         topic=topic,
         bind=bind,
         hash_mode=mode,
-        media=MediumMap(nil=_medium(nil_medium), external=_medium(external_medium)),
+        media=MediumMap(
+            nil=_medium("--nil-medium", nil_medium),
+            external=_medium("--external-medium", external_medium),
+        ),
         clear_tiers=clear_tiers,
         block_size=block_size,
         token=token,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ from indexer.translate import TranslateOptions, WorkerTranslator
 from kvplane.channels import ClientChannels
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
-from kvplane.server import create_server, serve_until_signal
+from kvplane.server import create_server, serve_until_signal, write_port_file
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +129,6 @@ class IndexerCollector:
         )
 
 
-def _write_port_file(path: Path, port: int) -> None:
-    # Atomic: a reader never sees a half-written number.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    tmp.replace(path)
-
-
 async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -> None:
     backend = await open_backend(config.backend, **config.backend_options())
     try:
@@ -174,8 +166,7 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
             except KvplaneError:
                 await server.stop(None)
                 raise
-        if port_file is not None:
-            _write_port_file(port_file, port)
+        write_port_file(port_file, port)
         log.info("indexer on port %d: backend %s, %d sources", port, backend.name, len(sources))
         try:
             async with asyncio.TaskGroup() as group:

@@ -15,7 +15,7 @@ import grpc
 import typer
 
 from kvplane.channels import INSECURE, ClientChannels
-from kvplane.config import ClientTlsConfig, parse_dial_target
+from kvplane.config import ClientTlsConfig, parse_dial_target, read_token_file
 from kvplane.errors import KvplaneError, NotImplementedYetError
 from kvplane.server import bearer_token_metadata
 
@@ -35,10 +35,21 @@ ConfigOption = Annotated[
 ListenOption = Annotated[
     str | None, typer.Option("--listen", help="HOST:PORT to listen on (overrides the config).")
 ]
+
+
+def _port_file_in_a_folder(value: Path | None) -> Path | None:
+    """Refused before the server starts, not once it serves (the port is written then)."""
+    if value is not None and not value.parent.is_dir():
+        raise typer.BadParameter(f"folder {value.parent} does not exist")
+    return value
+
+
 PortFileOption = Annotated[
     Path | None,
     typer.Option(
-        "--port-file", help="Write the bound port here once listening (for port 0 and scripts)."
+        "--port-file",
+        help="Write the bound port here once listening (for port 0 and scripts).",
+        callback=_port_file_in_a_folder,
     ),
 ]
 
@@ -98,15 +109,9 @@ TokenFileOption = Annotated[
 def bearer_metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
     """gRPC metadata carrying the bearer token of `--token-file`, else of $KVPLANE_TOKEN;
     empty when there is none."""
-    token: str | None = None
     if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as exc:
-            raise KvplaneError(f"cannot read {token_file}: {exc.strerror}") from exc
-    else:
-        token = os.environ.get("KVPLANE_TOKEN")
-    return bearer_token_metadata(token)
+        return bearer_token_metadata(read_token_file(token_file, "--token-file"))
+    return bearer_token_metadata(os.environ.get("KVPLANE_TOKEN"))
 
 
 def client_channels(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -168,12 +169,17 @@ async def create_server(
 
 
 def write_port_file(path: Path | None, port: int) -> None:
-    """Publish the bound port atomically (readers never see a partial file)."""
+    """Publish the bound port atomically (readers, such as `kvplane up` and tests, never see
+    a partial file). The CLI checked the folder before serving (`PortFileOption`); one that
+    went away since is a ConfigError of one line."""
     if path is None:
         return
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(f"{port}\n")
-    partial.replace(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(f"{port}\n")
+        partial.replace(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot write --port-file {path}: {exc.strerror}") from exc
 
 
 async def serve_until_signal(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import socket
 import uuid
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from engine.server.zmq_publisher import ZmqKvPublisher, routable_host_port
 from kvplane.config import parse_host_port
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
-from kvplane.server import create_server, serve_until_signal
+from kvplane.server import create_server, serve_until_signal, write_port_file
 from openengine.v1 import openengine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -312,19 +311,11 @@ def _zmq_source(
     return source
 
 
-def write_port_file(path: Path, port: int) -> None:
-    """Atomically write the bound port (tests and `kvplane up` wait for this file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(f"{port}\n")
-    tmp.replace(path)
-
-
 async def run_engine(config: EngineConfig, *, port_file: Path | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop cleanly."""
     app = await start_engine(config)
     try:
-        if port_file is not None:
-            write_port_file(port_file, app.port)
+        write_port_file(port_file, app.port)
         await serve_until_signal(app.server, config.shutdown_grace_s, on_stop=app.close_engine)
     finally:
         with contextlib.suppress(Exception):

@@ -141,6 +141,11 @@ def test_route_json_is_one_document_of_the_issues_shape(trace: Path, tmp_path: P
     assert result.returncode == 0, result.stderr
     assert "longer than one engine's KV cache were left out" in result.stderr
     doc = json.loads(result.stdout)
+    # The oracle is over the requests replayed, as the policies' reuse is.
+    assert (
+        doc["num_left_out"] == 1 and doc["num_requests"] == len(trace.read_text().splitlines()) - 1
+    )
+    assert all(row["hit_ratio"] <= doc["oracle_hit_ratio"] for row in doc["policies"].values())
     assert {
         "trace", "workers", "blocks_per_worker", "block_size", "speedup", "oracle_hit_ratio",
         "policies",

@@ -203,3 +203,22 @@ def test_bench_sim_cli_replays_the_first_requests_of_a_trace(tmp_path: Path) -> 
     assert doc["ttft_ms"]["p99"] > 0 and doc["wall_s"] >= 0
     table = CliRunner().invoke(app, [*args, "--output", "table"])
     assert table.exit_code == 0 and "10 requests" in table.output
+
+
+def test_bench_sim_says_what_it_left_out_and_refuses_when_nothing_fits(tmp_path: Path) -> None:
+    """A request longer than one engine's cache cannot run: the table says how many were
+    left out, and when none is left the command fails (it reported zeros, exit 0)."""
+    rows = [
+        {"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]},
+        {"timestamp": 10, "input_length": 100, "output_length": 2, "hash_ids": [3]},
+    ]
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    args = ["bench", "sim", "--trace", str(trace), "--engines", "1"]
+    one_block = CliRunner().invoke(app, [*args, "--blocks-per-engine", "1"])
+    assert one_block.exit_code == 0, one_block.output
+    assert "1 requests of trace.jsonl" in one_block.output
+    assert "1 longer than one engine's KV cache left out" in one_block.output
+    tiny = CliRunner().invoke(app, [*args, "--blocks-per-engine", "1", "--block-size", "16"])
+    assert tiny.exit_code == 1
+    assert str(tiny.exception).startswith(f"no request of {trace} fits one engine's KV cache")

@@ -179,3 +179,18 @@ def test_server_started_by_cli_answers_health_and_stops_on_sigint() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize(
+    "serve", [["engine", "serve", "--model", "sim"], ["controller", "serve"], ["indexer", "serve"]]
+)
+def test_a_port_file_in_a_missing_folder_is_refused_before_serving(
+    serve: list[str], tmp_path: Path
+) -> None:
+    """Once the server listens it is too late: the write failed with a traceback and left a
+    server half started."""
+    missing = tmp_path / "absent" / "port"
+    result = run(*serve, "--listen", "127.0.0.1:0", "--port-file", str(missing))
+    assert result.returncode == 2
+    assert f"folder {missing.parent} does not exist" in result.stderr
+    assert "Traceback" not in result.stderr and "serving" not in result.stderr

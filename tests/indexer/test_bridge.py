@@ -25,7 +25,8 @@ from indexer.translate import MediumMap
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.channels import ClientChannels
-from kvplane.config import ClientTlsConfig, ServerConfig, TlsConfig
+from kvplane.config import AuthConfig, ClientTlsConfig, ServerConfig, TlsConfig
+from kvplane.errors import ConfigError
 from kvplane.server import Service, create_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,7 +80,10 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 async def _rig(
-    unavailable: int = 0, listen: str = "127.0.0.1:0", tls: TlsConfig | None = None
+    unavailable: int = 0,
+    listen: str = "127.0.0.1:0",
+    tls: TlsConfig | None = None,
+    auth: AuthConfig | None = None,
 ) -> tuple[Rig, grpc.aio.Server]:
     index = PrefixIndex()
     _, servicer, _ = index_services(
@@ -91,7 +95,7 @@ async def _rig(
         lambda server: kv_grpc.add_KVIndexerServicer_to_server(recorder, server),
         frozenset({"ApplyExternalKvBatch"}),
     )
-    server, port = await create_server(ServerConfig(listen=listen, tls=tls), [service])
+    server, port = await create_server(ServerConfig(listen=listen, tls=tls, auth=auth), [service])
     return Rig(index, recorder, f"127.0.0.1:{port}"), server
 
 
@@ -186,6 +190,31 @@ async def test_the_bridge_dials_an_indexer_serving_mutual_tls(
         0, kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=HBM, hashes=[111], block_sizes=[2])
     )
     assert sink.num_retries == 0 and sink.num_rejected == 0
+
+
+async def test_a_bridge_whose_token_the_indexer_refuses_stops(
+    context: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    """Every batch would be refused alike: the bridge stops with one error (the CLI exits 1)
+    rather than run on dropping each batch."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret")
+    rig, server = await _rig(auth=AuthConfig(token_file=token_file))
+    publisher = FakeKvPublisher(context)
+    source, sink = await _bridge_run(context, rig, publisher, token="wrong")
+    try:
+        run = asyncio.ensure_future(source.run())
+        await publisher.wait_subscribed()
+        await publisher.send(_frames(0, VECTOR_2))
+        with pytest.raises(
+            ConfigError, match=r"refuses the bridge: UNAUTHENTICATED: .*--token-file"
+        ):
+            await asyncio.wait_for(run, WAIT_S)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert rig.recorder.received == []
 
 
 async def test_configured_nil_medium_and_clear_tiers(context: zmq.asyncio.Context) -> None:

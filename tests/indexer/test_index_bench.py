@@ -7,6 +7,7 @@ import pytest
 
 from indexer import bench
 from indexer.bench import Scale, run_index_bench
+from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,3 +62,15 @@ async def test_bench_index_reports_every_figure(
     assert result["memory"]["placements"] == TINY.memory_blocks
     rendered = bench.render_table(result)
     assert "memory:" in rendered and "service MatchExternalKvPrefix" in rendered
+
+
+async def test_bench_index_on_redis_leaves_no_key_behind(redis_server: RedisServer) -> None:
+    """The benchmark writes into partitions of its own and deletes them: a shared Redis keeps
+    no benchmark data (removing the workers alone left the block keys: ~476k a run)."""
+    client = redis_server.client()
+    client.set("someone-elses-key", "kept")
+    before = client.dbsize()
+    result = await run_index_bench(redis_server.url, quick=True, scale=TINY)
+    assert result["workloads"]["mooncake_store"]["kvplane_ops_s"] > 0
+    assert client.dbsize() == before
+    assert client.get("someone-elses-key") == b"kept"

@@ -359,6 +359,8 @@ BRIDGE = ["indexer", "bridge", "--target", "127.0.0.1:1", "--endpoint", "tcp://1
         ("--block-size", "0", "must be between 1 and 4294967295, got 0"),
         ("--block-size", str(1 << 32), f"must be between 1 and 4294967295, got {1 << 32}"),
         ("--hash", "bogus", "must be engine or canonical, got 'bogus'"),
+        ("--clear-tier", "skip", "expected HBM, DRAM or SSD, got 'skip'"),
+        ("--nil-medium", "GPU", "expected HBM, DRAM, SSD or skip, got 'GPU'"),
         ("--target", "", "is empty: give HOST:PORT"),
         ("--target", "127.0.0.1:73636", "port out of range in '127.0.0.1:73636'"),
     ],
@@ -381,6 +383,15 @@ def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str
     _assert_fails_with_one_line(
         [*BRIDGE, "--worker-id", "w0", "--endpoint", endpoint],
         f"kvplane: error: cannot connect ZMQ endpoint {endpoint!r}: {reason}",
+    )
+
+
+def test_bridge_refuses_an_empty_token_file_before_starting(tmp_path: Path) -> None:
+    empty = tmp_path / "token"
+    empty.write_text("  \n")
+    _assert_fails_with_one_line(
+        [*BRIDGE, "--worker-id", "w0", "--token-file", str(empty)],
+        f"kvplane: error: --token-file {empty} is empty",
     )
 
 
@@ -562,3 +573,44 @@ async def test_admin_resync_drops_an_engines_entries_with_the_token(tmp_path: Pa
     assert json.loads(again.stdout) == {"dropped_worker_ids": [], "sources_resubscribed": 0}
     assert blank.exit_code == 2 and "must name an engine" in blank.output
     assert left == ["b:1"]
+
+
+async def test_admin_index_reads_a_read_protected_indexer_with_the_token(tmp_path: Path) -> None:
+    """With `auth.protect_reads` every RPC needs the token: each `admin index` command sends
+    the one of `--token-file`, else of $KVPLANE_TOKEN (the token resync already took). An
+    empty token file is refused before any call, as the server refuses one in its config."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    backend = MemoryBackend(PrefixIndex())
+    await backend.apply(Batch("w-a", (Action(ActionType.REPORT, Tier.HBM, (1, 2)),), "a:1"))
+    services, _, _ = index_services(backend, default_block_size=4, max_concurrent_prefix_queries=4)
+    auth = AuthConfig(token_file=token_file, protect_reads=True)
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0", auth=auth), services)
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text("[1, 2, 3, 4, 5]")
+    commands = [
+        ["stats"],
+        ["dump"],
+        ["match", "--tokens-file", str(prompt), "--block-size", "4"],
+        ["match", "--hashes", "1,2"],
+    ]
+
+    def index(*args: str, env: dict[str, str] | None = None) -> Result:
+        runner = CliRunner(env={"KVPLANE_TOKEN": "", **(env or {})})
+        return runner.invoke(app, ["admin", "index", "-t", f"127.0.0.1:{port}", *args])
+
+    try:
+        for command in commands:
+            anonymous = await asyncio.to_thread(index, *command)
+            assert anonymous.exit_code == 1 and "UNAUTHENTICATED" in str(anonymous.exception)
+            with_file = await asyncio.to_thread(index, *command, "--token-file", str(token_file))
+            assert with_file.exit_code == 0, with_file.output
+            with_env = await asyncio.to_thread(index, *command, env={"KVPLANE_TOKEN": "s3cret"})
+            assert with_env.exit_code == 0, with_env.output
+        empty = tmp_path / "empty"
+        empty.write_text("\n")
+        refused = await asyncio.to_thread(index, "stats", "--token-file", str(empty))
+        assert refused.exit_code == 1
+        assert str(refused.exception) == f"--token-file {empty} is empty"
+    finally:
+        await server.stop(None)
