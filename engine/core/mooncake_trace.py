@@ -63,4 +63,8 @@ def _parse_row(row: Any) -> TraceRequest:
     bad = next((h for h in hash_ids if not 0 <= h < FILLER_TOKEN_BASE), None)
     if bad is not None:
         raise ValueError(f"hash id {bad} is outside 0 to {FILLER_TOKEN_BASE - 1}")
-    return TraceRequest(arrival_ms, input_length, max(int(row["output_length"]), 1), hash_ids)
+    output_length = int(row["output_length"])
+    if output_length < 0:
+        raise ValueError(f"output_length {output_length} is negative")
+    # 0 (a row that only prefilled) still makes its first token: the replay times TTFT.
+    return TraceRequest(arrival_ms, input_length, max(output_length, 1), hash_ids)

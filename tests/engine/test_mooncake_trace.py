@@ -45,6 +45,7 @@ def test_rows_are_parsed_sorted_and_limited(tmp_path: Path) -> None:
         ('{"timestamp": 0, "input_length": 1e400, "output_length": 3, "hash_ids": [1]}',
          "cannot convert float infinity to integer"),
         (json.dumps({**GOOD, "input_length": 0}), "input_length 0 is not positive"),
+        (json.dumps({**GOOD, "output_length": -5}), "output_length -5 is negative"),
         (json.dumps({**GOOD, "hash_ids": [1, -1]}), "hash id -1 is outside 0 to 2147483647"),
         (json.dumps({**GOOD, "hash_ids": [2**31]}),
          "hash id 2147483648 is outside 0 to 2147483647"),
