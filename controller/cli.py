@@ -7,6 +7,7 @@ import typer
 from indexer.admin_cli import index_app
 from kvplane.cli_common import (
     ConfigOption,
+    GroupTokenFileOption,
     ListenOption,
     PortFileOption,
     TargetOption,
@@ -32,11 +33,13 @@ def _admin_group(
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_server_name: TlsServerNameOption = None,
+    token_file: GroupTokenFileOption = None,
 ) -> None:
     """Admin CLI for a controller, an engine or an indexer (`--target HOST:PORT`; `--tls-ca`
-    for a TLS server, with `--tls-cert`/`--tls-key` when it requires a client certificate)."""
+    for a TLS server, with `--tls-cert`/`--tls-key` when it requires a client certificate;
+    `--token-file` or $KVPLANE_TOKEN for one with `auth`)."""
     channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
-    remember_group_client(ctx, target, channels)
+    remember_group_client(ctx, target, channels, token_file)
 
 
 @controller_app.command()

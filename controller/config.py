@@ -171,6 +171,10 @@ class ControllerConfig(ServerConfig):
     # {ca_file, cert_file, key_file, server_name} (kvplane.config.ClientTlsConfig); None:
     # insecure.
     engine_tls: ClientTlsConfig | None = None
+    # A file holding the bearer token of engines run with `auth`, sent on every call to an
+    # engine (its polls, KV-event subscription and the gateway's calls): engines need it for
+    # Drain, Abort and LoRA calls, and for every call with `protect_reads`. None: no token.
+    engine_token_file: Path | None = None
     health: HealthConfig = Field(default_factory=HealthConfig)
     # tokenizer.json of each model (by the model name requests carry), used to tokenise its
     # text prompts for routing (controller/tokenizers.py).

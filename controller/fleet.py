@@ -60,6 +60,7 @@ from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
+from kvplane.server import bearer_token_metadata
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -208,6 +209,11 @@ class Fleet:
         self._engine_channels = ClientChannels.load(config.engine_tls, "engine_tls").reconnecting(
             health.backoff_initial_s, health.backoff_max_s
         )
+        if config.engine_token_file is not None:
+            token = read_token_file(config.engine_token_file, "engine_token_file")
+            self._engine_channels = self._engine_channels.with_metadata(
+                bearer_token_metadata(token)
+            )
         self.remote = (
             RemoteIndex(
                 config.index.remote,

@@ -26,6 +26,7 @@ from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli_common import (
     ClientTarget,
+    GroupTokenFileOption,
     OutputFormat,
     OutputOption,
     TlsCaOption,
@@ -62,8 +63,10 @@ def _group(
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_server_name: TlsServerNameOption = None,
+    token_file: GroupTokenFileOption = None,
 ) -> None:
-    remember_group_client(ctx, target, client_channels(tls_ca, tls_cert, tls_key, tls_server_name))
+    channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
+    remember_group_client(ctx, target, channels, token_file)
 
 
 def _channel(ctx: typer.Context, target: str | None) -> AbstractContextManager[grpc.Channel]:

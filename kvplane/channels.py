@@ -4,7 +4,9 @@ engines and to a remote indexer, and the OpenEngine KV-event sources all open th
 here, so the credentials are built in one place.
 
 `ClientChannels.load` reads and checks the PEM files once (a missing or unusable file is a
-one-line ConfigError); the channels it opens share the credentials.
+one-line ConfigError); the channels it opens share the credentials. `with_metadata` adds
+metadata (a bearer token) to every call of its channels that brings no `authorization` of
+its own (an interceptor, installed only then).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -23,6 +25,7 @@ from kvplane.errors import ConfigError
 _CERTIFICATE = ("a certificate", b"-----BEGIN CERTIFICATE-----")
 _PRIVATE_KEY = ("a private key", b"PRIVATE KEY-----")  # PRIVATE KEY, RSA/EC PRIVATE KEY
 ChannelOptions = tuple[tuple[str, Any], ...]
+Metadata = tuple[tuple[str, str], ...]
 
 
 def _read_pem(path: Path, holds: tuple[str, bytes], what: str) -> bytes:
@@ -44,6 +47,8 @@ class ClientChannels:
     options: ChannelOptions = ()
     # A client certificate is presented (mutual TLS).
     client_certificate: bool = False
+    # Sent with every call that has no authorization of its own (a bearer token).
+    metadata: Metadata = ()
 
     @classmethod
     def load(cls, tls: ClientTlsConfig | None, where: str = "") -> ClientChannels:
@@ -96,17 +101,126 @@ class ClientChannels:
         )
         return replace(self, options=(*self.options, *backoff))
 
+    def with_metadata(self, metadata: Metadata) -> ClientChannels:
+        """The same, every call carrying `metadata` unless it brings an authorization."""
+        return replace(self, metadata=metadata)
+
     def aio_channel(self, target: str) -> grpc.aio.Channel:
         """A grpc.aio channel to `target` (HOST:PORT)."""
+        interceptors = [_AioDefaultMetadata(self.metadata)] if self.metadata else None
         if self.credentials is None:
-            return grpc.aio.insecure_channel(target, options=list(self.options))
-        return grpc.aio.secure_channel(target, self.credentials, options=list(self.options))
+            return grpc.aio.insecure_channel(
+                target, options=list(self.options), interceptors=interceptors
+            )
+        return grpc.aio.secure_channel(
+            target, self.credentials, options=list(self.options), interceptors=interceptors
+        )
 
     def channel(self, target: str) -> grpc.Channel:
         """A synchronous channel to `target` (the CLIs)."""
         if self.credentials is None:
-            return grpc.insecure_channel(target, options=list(self.options))
-        return grpc.secure_channel(target, self.credentials, options=list(self.options))
+            channel = grpc.insecure_channel(target, options=list(self.options))
+        else:
+            channel = grpc.secure_channel(target, self.credentials, options=list(self.options))
+        if not self.metadata:
+            return channel
+        return grpc.intercept_channel(channel, _DefaultMetadata(self.metadata))
+
+
+def _with_default(given: Any, default: Metadata) -> Metadata | None:
+    """`default` appended to a call's metadata, unless it has an authorization of its own
+    (None: leave the call as it is)."""
+    pairs = tuple((key, value) for key, value in (given or ()))
+    if any(key == "authorization" for key, _ in pairs):
+        return None
+    return pairs + default
+
+
+class _CallDetails(
+    NamedTuple(
+        "_CallDetails",
+        [
+            ("method", str),
+            ("timeout", float | None),
+            ("metadata", Any),
+            ("credentials", Any),
+            ("wait_for_ready", bool | None),
+            ("compression", Any),
+        ],
+    ),
+    grpc.ClientCallDetails,
+):
+    """A synchronous call's details with other metadata (grpc.ClientCallDetails is
+    abstract)."""
+
+
+class _DefaultMetadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    def __init__(self, metadata: Metadata) -> None:
+        self._metadata = metadata
+
+    def _details(self, details: Any) -> Any:
+        metadata = _with_default(details.metadata, self._metadata)
+        if metadata is None:
+            return details
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+class _AioDefaultMetadata(
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+):
+    def __init__(self, metadata: Metadata) -> None:
+        self._metadata = metadata
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = _with_default(details.metadata, self._metadata)
+        if metadata is None:
+            return details
+        return grpc.aio.ClientCallDetails(
+            details.method,
+            details.timeout,
+            grpc.aio.Metadata(*metadata),
+            details.credentials,
+            details.wait_for_ready,
+        )
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(self._details(details), requests)
 
 
 INSECURE = ClientChannels()

@@ -14,7 +14,7 @@ from typing import Annotated, Any, NoReturn
 import grpc
 import typer
 
-from kvplane.channels import INSECURE, ClientChannels
+from kvplane.channels import INSECURE, ClientChannels, Metadata
 from kvplane.config import ClientTlsConfig, parse_dial_target, read_token_file
 from kvplane.errors import KvplaneError, NotImplementedYetError
 from kvplane.server import bearer_token_metadata
@@ -102,15 +102,33 @@ TlsServerNameOption = Annotated[
 
 
 TokenFileOption = Annotated[
-    Path | None, typer.Option("--token-file", help="Bearer token file (else $KVPLANE_TOKEN).")
+    Path | None,
+    typer.Option(
+        "--token-file", help="Bearer token file (else the group's --token-file, $KVPLANE_TOKEN)."
+    ),
+]
+
+GroupTokenFileOption = Annotated[
+    Path | None,
+    typer.Option("--token-file", help="Bearer token file for every call (else $KVPLANE_TOKEN)."),
 ]
 
 
-def bearer_metadata(token_file: Path | None) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata carrying the bearer token of `--token-file`, else of $KVPLANE_TOKEN;
-    empty when there is none."""
-    if token_file is not None:
-        return bearer_token_metadata(read_token_file(token_file, "--token-file"))
+def bearer_metadata(token_file: Path | None) -> Metadata:
+    """gRPC metadata carrying the bearer token of a command's own `--token-file`; empty
+    without one, and then every call on a `ClientTarget`'s channel carries the default token
+    (the group's `--token-file`, else $KVPLANE_TOKEN)."""
+    if token_file is None:
+        return ()
+    return bearer_token_metadata(read_token_file(token_file, "--token-file"))
+
+
+def default_token_metadata(group_token_file: Path | None) -> Metadata:
+    """The token every call of a client command carries unless the command names its own:
+    the group's --token-file, else $KVPLANE_TOKEN (a server without auth ignores it; one
+    with `protect_reads` needs it on reads too)."""
+    if group_token_file is not None:
+        return bearer_metadata(group_token_file)
     return bearer_token_metadata(os.environ.get("KVPLANE_TOKEN"))
 
 
@@ -135,16 +153,23 @@ def client_channels(
 # the nearest group wins; a command's own --target wins over every group's.
 _GROUP_TARGET = "kvplane.client.target"
 _GROUP_CHANNELS = "kvplane.client.channels"
+_GROUP_TOKEN_FILE = "kvplane.client.token_file"
 
 
 def remember_group_client(
-    ctx: typer.Context, target: str | None, channels: ClientChannels | None
+    ctx: typer.Context,
+    target: str | None,
+    channels: ClientChannels | None,
+    token_file: Path | None = None,
 ) -> None:
-    """Called by a command group's callback with its --target and --tls-* options."""
+    """Called by a command group's callback with its --target, --tls-* and --token-file
+    options."""
     if target:
         ctx.meta[_GROUP_TARGET] = target
     if channels is not None:
         ctx.meta[_GROUP_CHANNELS] = channels
+    if token_file is not None:
+        ctx.meta[_GROUP_TOKEN_FILE] = token_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,16 +178,20 @@ class ClientTarget:
 
     address: str
     channels: ClientChannels
+    token_file: Path | None = None  # the groups' --token-file
 
     @classmethod
     def of(cls, ctx: typer.Context, target: str | None, default: str) -> ClientTarget:
         """The command's --target, else its groups', else `default`."""
         address = target or ctx.meta.get(_GROUP_TARGET) or default
-        return cls(address, ctx.meta.get(_GROUP_CHANNELS, INSECURE))
+        return cls(
+            address, ctx.meta.get(_GROUP_CHANNELS, INSECURE), ctx.meta.get(_GROUP_TOKEN_FILE)
+        )
 
     def channel(self, expects: str | None = None) -> AbstractContextManager[grpc.Channel]:
-        """`rpc_channel` to this server."""
-        return rpc_channel(self.address, expects, self.channels)
+        """`rpc_channel` to this server, every call carrying the default token."""
+        metadata = default_token_metadata(self.token_file)
+        return rpc_channel(self.address, expects, self.channels.with_metadata(metadata))
 
 
 class RpcCallError(KvplaneError):

@@ -206,6 +206,59 @@ async def test_a_drain_the_engine_refuses_leaves_it_in_routing(tmp_path: Path) -
         await close_fleet(fleet)
 
 
+async def test_every_command_carries_the_token_to_a_read_protected_server(
+    tmp_path: Path,
+) -> None:
+    """With `auth.protect_reads` even reads need the token: every admin command sends the
+    group's --token-file, else $KVPLANE_TOKEN (it once went only with drain, abort and
+    LoRA calls, so `workers` could not read such a controller). A command's own
+    --token-file wins over both. The controller reaches such an engine with
+    `engine_token_file`."""
+    token = tmp_path / "token"
+    token.write_text("s3cret")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope")
+    auth = {"token_file": token, "protect_reads": True}
+    engine = await start_sim_engine("e0", auth=auth)
+    fleet = await make_fleet(engines=[engine], auth=auth, engine_token_file=token)
+    tokens = tmp_path / "prompt.json"
+    tokens.write_text(json.dumps(PREFIX))
+
+    def admin(*args: str, env: dict[str, str] | None = None) -> Result:
+        runner = CliRunner(env={"KVPLANE_TOKEN": "", **(env or {})})
+        return runner.invoke(app, ["admin", *args])
+
+    try:
+        for target in (fleet.target, fleet.address(engine)):
+            for command in (["workers"], ["health"], ["load"], ["info"]):
+                anonymous = await asyncio.to_thread(admin, "-t", target, *command)
+                assert "UNAUTHENTICATED" in str(anonymous.exception), (target, command)
+                group = await asyncio.to_thread(
+                    admin, "--token-file", str(token), "-t", target, *command
+                )
+                assert group.exit_code == 0, (target, command, group.output)
+                env = await asyncio.to_thread(
+                    admin, "-t", target, *command, env={"KVPLANE_TOKEN": "s3cret"}
+                )
+                assert env.exit_code == 0, (target, command, env.output)
+        route = ["route", "--tokens-file", str(tokens), "-t", fleet.target]
+        assert (await asyncio.to_thread(admin, "--token-file", str(token), *route)).exit_code == 0
+        # The command's own --token-file wins over the group's.
+        cordon = ["cordon", "e0", "-t", fleet.target]
+        overridden = await asyncio.to_thread(
+            admin, "--token-file", str(token), *cordon, "--token-file", str(wrong)
+        )
+        assert "UNAUTHENTICATED" in str(overridden.exception)
+        # The controller's own calls to the engine carry `engine_token_file`: its polls (it
+        # is routable), and a mutating Abort fanned out to the engine.
+        aborted = await asyncio.to_thread(
+            admin, "--token-file", str(token), "abort", "--all", "-t", fleet.target
+        )
+        assert aborted.exit_code == 0, aborted.output
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> None:
     """An indexer given to the engine commands, a controller or an engine given to `admin
     index`: one line naming what the target is not, not gRPC's "Method not found!"."""
