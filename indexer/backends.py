@@ -1,9 +1,12 @@
-"""Opens an index backend from its URL: `memory`, `redis://...` or `redis+cluster://...`."""
+"""Opens an index backend from its URL: `memory`, `redis://...` or `redis+cluster://...`;
+`check_backend_url` is the URL's shape alone, for config models to check before anything
+opens."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from indexer.backend import IndexBackend
 from indexer.memory_backend import MemoryBackend
@@ -12,26 +15,48 @@ from kvplane.errors import ConfigError
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+cluster://", "unix://")
 
 
+def check_backend_url(url: str) -> None:
+    """Raises ValueError for a URL that names no backend: an unknown scheme, or a DB that is
+    not a number (redis-py would silently use DB 0 for `redis://h:p/abc`) or, on a cluster,
+    not 0 (a cluster has DB 0 only). Whether the server has that DB, it tells at start-up."""
+    if url == "memory":
+        return
+    if not url.startswith(REDIS_SCHEMES):
+        raise ValueError(
+            f"unknown index backend {url!r}: use 'memory', 'redis://HOST:PORT[/DB]' or "
+            "'redis+cluster://HOST:PORT'"
+        )
+    parts = urlsplit(url)
+    # A unix:// path is the socket's: its DB can only come as ?db=N.
+    dbs = parse_qs(parts.query).get("db", [])
+    if parts.scheme != "unix" and parts.path.strip("/"):
+        dbs.append(parts.path.strip("/"))
+    for db in dbs:
+        if not (db.isascii() and db.isdigit()):
+            raise ValueError(f"backend {url!r}: the DB must be a number, got {db!r}")
+        if parts.scheme == "redis+cluster" and int(db) != 0:
+            raise ValueError(f"backend {url!r}: a Redis Cluster has DB 0 only")
+
+
 async def open_backend(url: str, **options: Any) -> IndexBackend:
     """The backend named by `url`; options go to the Redis backend (memory takes none).
 
-    Raises ConfigError for an unknown URL, for options the memory backend cannot take, and
-    when the Redis backend is not available in this build.
+    Raises ConfigError for a URL `check_backend_url` refuses, for options the memory backend
+    cannot take, and when the Redis backend is not available in this build.
     """
+    try:
+        check_backend_url(url)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if url == "memory":
         if options:
             raise ConfigError(f"the memory backend takes no options, got {sorted(options)}")
         return MemoryBackend()
-    if url.startswith(REDIS_SCHEMES):
-        try:
-            module = importlib.import_module("indexer.redis_backend")
-        except ModuleNotFoundError as exc:
-            if exc.name != "indexer.redis_backend":
-                raise
-            raise ConfigError(f"backend {url!r}: the Redis backend is not available") from None
-        backend: IndexBackend = await module.open_redis_backend(url, **options)
-        return backend
-    raise ConfigError(
-        f"unknown index backend {url!r}: use 'memory', 'redis://HOST:PORT[/DB]' or "
-        "'redis+cluster://HOST:PORT'"
-    )
+    try:
+        module = importlib.import_module("indexer.redis_backend")
+    except ModuleNotFoundError as exc:
+        if exc.name != "indexer.redis_backend":
+            raise
+        raise ConfigError(f"backend {url!r}: the Redis backend is not available") from None
+    backend: IndexBackend = await module.open_redis_backend(url, **options)
+    return backend

@@ -15,6 +15,10 @@ sources:
   - kind: openengine               # SubscribeKvEvents on an OpenEngine engine
     target: 127.0.0.1:9000
 ```
+
+Booleans and numbers are strict: `bind: "yes"` or `block_size: true` is an error, not a
+coercion (YAML's own `true` and `16` are what these fields take). Numbers that reach C (gRPC's
+channel arguments, uint32 wire fields) are bounded here, so that a config that loads also runs.
 """
 
 from __future__ import annotations
@@ -22,14 +26,54 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import (
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from indexer.backends import check_backend_url
 from indexer.batch import Tier
 from indexer.translate import HashMode, MediumMap
+from indexer.validation import MAX_UINT32, worker_name_problem
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_host_port
 
 TierName = Literal["HBM", "DRAM", "SSD"]
 MediumTarget = Literal["HBM", "DRAM", "SSD", "skip"]
+# gRPC channel arguments are C ints.
+MAX_C_INT = (1 << 31) - 1
+# A float setting: an int is fine (YAML's `5`), a bool or a string is a mistake.
+StrictFloat = Annotated[float, Field(strict=True)]
+BlockSize = Annotated[StrictInt, Field(gt=0, le=MAX_UINT32)]
+# The transports libzmq knows (`zmq_bind`/`zmq_connect`); which ones this build supports,
+# connect / bind tells (EPROTONOSUPPORT).
+_ZMQ_TRANSPORTS = frozenset(
+    {"tcp", "ipc", "inproc", "pgm", "epgm", "tipc", "vmci", "udp", "ws", "wss", "norm"}
+)
+
+
+def check_zmq_endpoint(endpoint: str, *, bind: bool = False) -> str:
+    """`transport://address` with a transport libzmq knows; for tcp, the address is
+    `HOST:PORT`, where `*` (any interface, any port) is for binding only. Raises ValueError
+    otherwise. What it cannot see (a host name that does not resolve, a transport this build
+    lacks) the source reports when it connects or binds."""
+    transport, sep, address = endpoint.partition("://")
+    if not (transport and sep and address):
+        raise ValueError(f"expected a ZMQ endpoint like tcp://HOST:PORT, got {endpoint!r}")
+    if transport not in _ZMQ_TRANSPORTS:
+        raise ValueError(f"unknown ZMQ transport {transport!r} in {endpoint!r}")
+    if transport == "tcp":
+        host, sep, port = address.rpartition(":")
+        if not (host and sep and (port == "*" or (port.isascii() and port.isdigit()))):
+            raise ValueError(f"expected tcp://HOST:PORT, got {endpoint!r}")
+        if port != "*" and int(port) > 65535:
+            raise ValueError(f"port out of range in {endpoint!r}")
+        if not bind and "*" in (host, port):
+            raise ValueError(f"'*' in {endpoint!r} is for binding (bind: true): give the address")
+    return endpoint
 
 
 def _tier(name: MediumTarget) -> Tier | None:
@@ -45,12 +89,26 @@ class _SourceCommon(StrictModel):
     # `key_space` (engine, from vLLM: KEY_SPACE_VLLM_SHA256[_CBOR]; canonical: the default).
     hash: HashMode = HashMode.ENGINE
     # Block size for events that carry tokens but no block_size; default: the top-level one.
-    block_size: int | None = Field(default=None, gt=0)
+    block_size: BlockSize | None = None
     # Where events with a nil medium, and with medium EXTERNAL, go ("skip" drops them).
     nil_medium: MediumTarget = "HBM"
     external_medium: MediumTarget = "skip"
     # Tiers an AllBlocksCleared (without a medium) clears.
     clear_tiers: list[TierName] = Field(default_factory=_all_tier_names)
+
+    @field_validator("worker_id", "worker_address", check_fields=False)
+    @classmethod
+    def _check_worker_name(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Names the index takes (None: OpenEngine's default, the target)."""
+        if value is None:
+            return None
+        field = str(info.field_name)
+        problem = worker_name_problem(field, value)
+        if not value and field == "worker_id":
+            problem = "worker_id must not be empty"
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     def medium_map(self) -> MediumMap:
         return MediumMap(nil=_tier(self.nil_medium), external=_tier(self.external_medium))
@@ -61,16 +119,30 @@ class _SourceCommon(StrictModel):
 
 class ZmqSourceConfig(_SourceCommon):
     kind: Literal["zmq"]
-    worker_id: str = Field(min_length=1)
+    worker_id: str
     worker_address: str = ""
-    endpoint: str = Field(min_length=1)
+    endpoint: str
     replay_endpoint: str | None = None
     topic: str = ""
     # Bind the SUB socket instead of connecting (for publishers that connect).
-    bind: bool = False
+    bind: StrictBool = False
     # Positional (array) events: read fields at index >= 7 as vLLM's ("vllm") or ignore them.
     array_tail: Literal["ignore", "vllm"] = "ignore"
-    replay_timeout_s: float = Field(default=5.0, gt=0)
+    replay_timeout_s: StrictFloat = Field(default=5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_endpoints(self) -> ZmqSourceConfig:
+        # (The replay endpoint is always connected to: the source's DEALER.)
+        for field, endpoint, bind in (
+            ("endpoint", self.endpoint, self.bind),
+            ("replay_endpoint", self.replay_endpoint, False),
+        ):
+            try:
+                if endpoint is not None:
+                    check_zmq_endpoint(endpoint, bind=bind)
+            except ValueError as exc:
+                raise ValueError(f"{field}: {exc}") from None
+        return self
 
 
 class OpenEngineSourceConfig(_SourceCommon):
@@ -79,9 +151,12 @@ class OpenEngineSourceConfig(_SourceCommon):
     # Defaults: the target (the address routers dial is the engine's OpenEngine address).
     worker_id: str | None = None
     worker_address: str | None = None
-    data_parallel_ranks: list[int] = Field(default_factory=list)
+    # The wire's uint32.
+    data_parallel_ranks: list[Annotated[StrictInt, Field(ge=0, le=MAX_UINT32)]] = Field(
+        default_factory=list
+    )
     # When SubscribeKvEvents is unimplemented, follow a ZMQ source from GetKvEventSources.
-    discover_zmq: bool = True
+    discover_zmq: StrictBool = True
     # Dial the engine with TLS ({ca_file, cert_file, key_file, server_name}); None: insecure.
     tls: ClientTlsConfig | None = None
 
@@ -111,15 +186,15 @@ class RedisBackendConfig(StrictModel):
     key_prefix: str = Field(default="kvplane", min_length=1)
     model: str = Field(default="default", min_length=1)
     # Hashes holding a partition's block records; fixed once the partition holds data.
-    buckets: int = Field(default=65536, ge=1, le=1 << 24)
+    buckets: StrictInt = Field(default=65536, ge=1, le=1 << 24)
     username: str | None = None
     # A file holding the password (surrounding whitespace ignored).
     password_file: Path | None = None
     tls: RedisTlsConfig | None = None
-    timeout_s: float = Field(default=2.0, gt=0)
-    connect_timeout_s: float = Field(default=0.5, gt=0)
+    timeout_s: StrictFloat = Field(default=2.0, gt=0)
+    connect_timeout_s: StrictFloat = Field(default=0.5, gt=0)
     # Batches kept in order while Redis is down; past that, overflowing workers are resynced.
-    max_buffered_batches: int = Field(default=10_000, ge=0)
+    max_buffered_batches: StrictInt = Field(default=10_000, ge=0)
 
     def backend_options(self) -> dict[str, Any]:
         tls = self.tls or RedisTlsConfig()
@@ -143,19 +218,41 @@ class IndexerConfig(ServerConfig):
     backend: str = "memory"
     sources: list[SourceConfig] = Field(default_factory=list)
     # Default tokens per block: MatchTokens with block_size 0, canonical-mode sources.
-    block_size: int = Field(default=16, gt=0)
+    block_size: BlockSize = 16
     # Prefix queries (MatchExternalKvPrefix, MatchTokens) in flight beyond this are shed with
     # RESOURCE_EXHAUSTED.
-    max_concurrent_prefix_queries: int = Field(default=64, gt=0)
+    max_concurrent_prefix_queries: StrictInt = Field(default=64, gt=0)
     # Largest request the server accepts (gRPC's default is 4 MiB). MatchExternalKvPrefix has
     # no length cap in the seed; this one (about 8 bytes a hash) is the effective one.
-    max_request_bytes: int = Field(default=64 << 20, gt=0)
-    # Options of a Redis backend (ignored by `memory`).
+    max_request_bytes: StrictInt = Field(default=64 << 20, gt=0)
+    # Options of a Redis backend; an error with `memory`, which has none.
     redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
 
     def backend_options(self) -> dict[str, Any]:
         """Keyword options for `indexer.backends.open_backend(self.backend, ...)`."""
         return {} if self.backend == "memory" else self.redis.backend_options()
+
+    @field_validator("max_request_bytes")
+    @classmethod
+    def _check_max_request_bytes(cls, value: int) -> int:
+        if value > MAX_C_INT:  # gRPC's channel arguments are C ints
+            raise ValueError(f"must be at most {MAX_C_INT} (2 GiB - 1, gRPC's limit), got {value}")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: str) -> str:
+        check_backend_url(value)
+        return value
+
+    @model_validator(mode="after")
+    def _redis_needs_a_redis_backend(self) -> IndexerConfig:
+        if self.backend == "memory" and "redis" in self.model_fields_set:
+            raise ValueError(
+                "redis: options are for a Redis backend, but backend is memory: "
+                "remove the redis: block or set backend to redis://HOST:PORT/DB"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_workers(self) -> IndexerConfig:

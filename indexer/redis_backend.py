@@ -12,15 +12,18 @@ Batches applied concurrently (several sources, several RPCs) share one function 
 commit, at most 64 batches): each batch still applies atomically and in order, with less
 per-call overhead.
 
-Failure behaviour. Queries fail fast with `IndexUnavailableError` (a KvplaneError; servicers map
-it to UNAVAILABLE). Applies that cannot reach Redis are buffered in order (at most
-`max_buffered_batches`); past that, the worker whose batch overflows loses its buffered batches
-and is marked for resync. A background task brings the backend back by itself: it reloads the
-functions, detects a Redis that lost its data (the partition's boot token changed), removes
-the workers marked for resync (so nothing stale stays), replays the buffer in order, then asks
-the sources to resync those workers (`take_resync_requests` / `add_resync_listener`). A batch
-is never half-applied: each is one atomic function call, and re-applying one is idempotent.
-Snapshots and stats read the partition in several bounded calls, not one atomic cut.
+Failure behaviour. A backend URL that names no usable Redis (not a Redis server, a DB it does
+not have, cluster mode it lacks: `RedisMisconfiguredError`) is a ConfigError at start-up; a
+Redis that is merely down is not. Queries fail fast with `IndexUnavailableError` (a
+KvplaneError; servicers map it to UNAVAILABLE). Applies that cannot reach Redis are buffered in
+order (at most `max_buffered_batches`); past that, the worker whose batch overflows loses its
+buffered batches and is marked for resync. A background task brings the backend back by itself:
+it reloads the functions, detects a Redis that lost its data (the partition's boot token
+changed), removes the workers marked for resync (so nothing stale stays), replays the buffer in
+order, then asks the sources to resync those workers (`take_resync_requests` /
+`add_resync_listener`). A batch is never half-applied: each is one atomic function call, and
+re-applying one is idempotent. Snapshots and stats read the partition in several bounded calls, not
+one atomic cut.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     ClusterError,
+    InvalidResponse,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -66,6 +70,7 @@ from indexer.redis_client import (
     Client,
     IndexBackendError,
     IndexUnavailableError,
+    RedisMisconfiguredError,
     RedisOptions,
     connect,
 )
@@ -76,6 +81,7 @@ __all__ = [
     "IndexBackendError",
     "IndexUnavailableError",
     "RedisBackend",
+    "RedisMisconfiguredError",
     "RedisOptions",
     "open_redis_backend",
 ]
@@ -83,7 +89,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FUNCTIONS_FILE = Path(__file__).with_name("redis_functions.lua")
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException)
+# (InvalidResponse: the server does not speak Redis's protocol: no usable Redis is there.)
+_UNREACHABLE = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterError,
+    RedisClusterException,
+    InvalidResponse,
+)
 
 
 def _stop_requested() -> None:
@@ -107,7 +120,8 @@ _TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "NOREPLIC
 
 async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
     """Connect, load the functions and claim the partition. A Redis that is down at start-up
-    is not an error: the backend answers UNAVAILABLE until it comes back."""
+    is not an error: the backend answers UNAVAILABLE until it comes back. One that answers
+    in a way no retry cures (`RedisMisconfiguredError`) is a ConfigError."""
     known = {f.name for f in fields(RedisOptions)}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -117,6 +131,9 @@ async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
     backend = RedisBackend(client, opts, where)
     try:
         await backend.start()
+    except RedisMisconfiguredError as exc:
+        await backend.close()
+        raise ConfigError(f"index backend: {exc}") from None
     except IndexUnavailableError as exc:
         log.warning("%s; the indexer keeps trying", exc)
     return backend
@@ -194,6 +211,28 @@ class RedisBackend:
             f"shared index unavailable: Redis at {self._where} did not answer ({exc})"
         )
 
+    def _not_ready(self, exc: Exception) -> IndexUnavailableError:
+        """Why readying Redis failed: an answer no retry cures (`RedisMisconfiguredError`),
+        a refusal, or an outage."""
+        text = str(exc)
+        if any(isinstance(e, InvalidResponse) for e in _causes(exc)):
+            return RedisMisconfiguredError(
+                f"{self._where} is not a Redis server (its reply is not Redis's protocol)"
+            )
+        if "DB index is out of range" in text:
+            return RedisMisconfiguredError(
+                f"Redis at {self._where} has no such DB ({text}): the backend URL's DB must be "
+                "below its `databases` setting"
+            )
+        if "Cluster mode is not enabled" in text:
+            return RedisMisconfiguredError(
+                f"Redis at {self._where} is not a cluster node (cluster mode is not enabled): "
+                "use redis://HOST:PORT/DB for a single Redis"
+            )
+        if isinstance(exc, ResponseError):
+            return IndexUnavailableError(f"Redis at {self._where} refused: {exc}")
+        return self._unavailable(exc)
+
     async def _ensure_ready(self) -> None:
         if self._ready:
             return
@@ -213,10 +252,8 @@ class RedisBackend:
                 boot, nb = await self._client.execute_command(
                     "FCALL", "kvp_boot", 1, self._meta_key, self._nb, secrets.token_hex(8)
                 )
-            except (*_UNREACHABLE, OSError) as exc:
-                raise self._unavailable(exc) from exc
-            except ResponseError as exc:
-                raise IndexUnavailableError(f"Redis at {self._where} refused: {exc}") from exc
+            except (*_UNREACHABLE, OSError, ResponseError) as exc:
+                raise self._not_ready(exc) from exc
             if int(nb) != self._options.buckets:
                 raise ConfigError(
                     f"redis partition {self._meta_key[:-2]} holds data laid out in {nb} buckets,"
@@ -728,6 +765,17 @@ def _take_group(
     group = queue[:n]
     del queue[:n]
     return group
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or while handling (redis-py's cluster client
+    wraps what each node answered)."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
 
 
 def _text(value: bytes | str) -> str:

@@ -1,7 +1,7 @@
 """gRPC servicers over an `IndexBackend`: the seed's `kv_indexer.v1.KVIndexer`
 (byte-compatible) and kvplane's own `kvplane.v1.KvIndex` (token-level matching, stats, dump).
 
-Thin: convert (`indexer.kv_wire`), validate with the core's rules (`indexer.index`; a batch is
+Thin: convert (`indexer.kv_wire`), validate with the core's rules (`indexer.validation`; a batch is
 validated by the backend's `apply`, which refuses a bad one before changing anything), call the
 backend, convert back, all inside each handler's error mapping (a conversion that fails is a
 status, never an unhandled exception). Errors map to status codes through one table
@@ -22,12 +22,6 @@ import grpc
 from indexer import keys, vllm_hash
 from indexer.backend import IndexBackend, TierPrefix, TokenPrefixMatch
 from indexer.batch import BlockKey, to_sfixed64
-from indexer.index import (
-    IndexRequestError,
-    ValidationKind,
-    validate_match,
-    validate_prefix_match,
-)
 from indexer.kv_wire import (
     batch_from_proto,
     batch_to_proto,
@@ -38,6 +32,13 @@ from indexer.kv_wire import (
 )
 from indexer.multimodal import MultimodalItem, block_item_ids, block_items
 from indexer.sources.resync import Resyncable, resync_engine
+from indexer.validation import (
+    IndexRequestError,
+    ValidationKind,
+    validate_match,
+    validate_mm_items,
+    validate_prefix_match,
+)
 from indexer.vllm_hash import VllmHashAlgo
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
@@ -269,6 +270,7 @@ def prompt_block_keys(request: api.MatchTokensRequest, block_size: int) -> list[
         num_blocks = min(num_blocks, request.max_blocks)
     tokens = request.token_ids[: num_blocks * block_size]  # one copy, as a list
     items = [MultimodalItem(i.id, i.offset, i.length) for i in request.mm_items]
+    validate_mm_items(items, len(request.token_ids))
     try:
         per_block = block_items(items, num_blocks, block_size) if items else None
     except ValueError as exc:

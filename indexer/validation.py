@@ -12,10 +12,14 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from indexer.batch import ActionType, Batch, BlockKey, CacheSpec, Tier
+from indexer.multimodal import MultimodalItem
 from kvplane.errors import KvplaneError
 
 MAX_ACTIONS_PER_BATCH = 256
 MAX_HASHES_PER_REQUEST = 16_384
+# Worker ids and addresses are names, echoed in every answer and stored per worker (the Redis
+# backend interns them): bounded, printable text.
+MAX_WORKER_ID_CHARS = 256
 # The wire's width of masks, token counts and cache-spec fields (and of the Redis backend's
 # records). Values from adapters that do not go through the proto (ZMQ) are checked against it
 # here, so that nothing out of range reaches a backend or an encoder.
@@ -60,14 +64,32 @@ def validate_action_type(value: int) -> ActionType:
     return ActionType(value)
 
 
+def worker_name_problem(field: str, value: str) -> str | None:
+    """Why `value` cannot be a worker's id or address (`field`, named in the message): longer
+    than MAX_WORKER_ID_CHARS, or holding a character that is not printable (NUL, control
+    characters, line breaks); None when it can. An empty id is refused apart (an address may
+    be empty). For config models too, so that a source's names are ones the index takes."""
+    if len(value) > MAX_WORKER_ID_CHARS:
+        return f"{field} must be at most {MAX_WORKER_ID_CHARS} characters, got {len(value)}"
+    if not value.isprintable():
+        return f"{field} must be printable text, got {value!r}"
+    return None
+
+
 def validate_batch(batch: Batch) -> None:
-    """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2).
+    """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2),
+    plus kvplane's own on the worker's names (`worker_name_problem`).
 
     On every apply's path: one pass, each action unpacked once; the error message (and the
     action's position in it) is worked out only for a batch that fails."""
     actions = batch.actions
     if not batch.worker_id or type(batch.worker_id) is not str:
         raise _invalid("worker_id must be a non-empty string")
+    problem = worker_name_problem("worker_id", batch.worker_id) or worker_name_problem(
+        "worker_address", batch.worker_address
+    )
+    if problem is not None:
+        raise _invalid(problem)
     if batch.cache_spec is not None:
         _check_spec(batch.cache_spec)
     if len(actions) > MAX_ACTIONS_PER_BATCH:
@@ -143,3 +165,22 @@ def validate_prefix_match(hashes: Sequence[BlockKey]) -> None:
     """MatchExternalKvPrefix: at least one hash, no length cap (only `max_blocks`)."""
     if not hashes:
         raise _invalid("hashes must not be empty")
+
+
+def validate_mm_items(items: Sequence[MultimodalItem], num_tokens: int) -> None:
+    """MatchTokens' `mm_items` for a prompt of `num_tokens` tokens: each has an id and starts
+    inside the prompt, and its range `[offset, offset + length)` fits a uint32 (the wire's
+    width; a client computing the end in uint32 would wrap). Order and lengths are
+    `indexer.multimodal.block_items`' own preconditions."""
+    for i, item in enumerate(items):
+        if not item.id:
+            raise _invalid(f"mm_items[{i}]: id must not be empty")
+        if item.offset >= num_tokens:
+            raise _invalid(
+                f"mm_items[{i}]: offset {item.offset} is past the end of the prompt "
+                f"({num_tokens} tokens)"
+            )
+        if item.offset + item.length > MAX_UINT32:
+            raise _invalid(
+                f"mm_items[{i}]: offset {item.offset} + length {item.length} overflows a uint32"
+            )

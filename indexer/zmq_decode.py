@@ -150,8 +150,10 @@ def _envelope(raw: object) -> tuple[float, list[Any], int | None]:
         dp_rank = raw[2] if len(raw) == 3 else None
     else:
         raise PayloadError("payload is not an EventBatch [ts, events, data_parallel_rank]")
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+    if isinstance(ts, bool) or not isinstance(ts, int | float):
         raise PayloadError(f"EventBatch ts must be a number, got {type(ts).__name__}")
+    if not math.isfinite(ts):
+        raise PayloadError(f"EventBatch ts must be finite, got {ts}")
     if not isinstance(events, list):
         raise PayloadError(f"EventBatch events must be an array, got {type(events).__name__}")
     if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)):

@@ -16,9 +16,11 @@ The engine is dialled as `channels` says (insecure by default; TLS from a `Clien
 A terminal `EngineError` on the stream, a broken stream or an unreachable engine all end in a
 resubscription with exponential backoff. When the engine does not implement SubscribeKvEvents
 (UNIMPLEMENTED) and `discover_zmq` is set, `GetKvEventSources` is asked for its ZMQ/msgpack
-sources and one `ZmqSource` follows each. An engine advertises one per data-parallel rank, and
-ranks cache and number their batches independently, so each rank is a worker of its own: with
-one source the worker keeps the source's worker id; with several, rank r feeds
+sources and one `ZmqSource` follows each. A target implementing neither (no OpenEngine server)
+is logged in one line per attempt and retried with the same backoff: an engine may take its
+place. An engine advertises one source per data-parallel rank, and ranks cache and number
+their batches independently, so each rank is a worker of its own: with one source the worker
+keeps the source's worker id; with several, rank r feeds
 `rank_worker_id(worker_id, r)` (`<worker_id>/dp<r>`), every rank with the engine's
 router-facing address, and the engine's own worker id, which nothing feeds any more, is
 cleared. The counters are the engine's, summed over its ranks.
@@ -218,6 +220,8 @@ class OpenEngineSource:
                     await self._follow_advertised_zmq()  # until cancelled, unless none follows
                 except asyncio.CancelledError:
                     raise
+                except grpc.aio.AioRpcError as exc:  # one line each retry: no traceback
+                    self._log_discovery_failure(exc, backoff)
                 except Exception:
                     log.exception(
                         "openengine source %s: ZMQ discovery failed", self.settings.target
@@ -229,6 +233,26 @@ class OpenEngineSource:
             with contextlib.suppress(TimeoutError):  # a resync request ends the wait
                 await asyncio.wait_for(self._wake.wait(), backoff)
             backoff = min(backoff * 2, self.settings.backoff_max_s)
+
+    def _log_discovery_failure(self, exc: grpc.aio.AioRpcError, backoff_s: float) -> None:
+        """GetKvEventSources failed too. A target without either RPC is no OpenEngine server
+        (yet: an engine may take its place), so the source keeps retrying."""
+        target = self.settings.target
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            log.warning(
+                "openengine source %s serves neither SubscribeKvEvents nor GetKvEventSources; "
+                "retrying in %.1fs",
+                target,
+                backoff_s,
+            )
+        else:
+            log.warning(
+                "openengine source %s: GetKvEventSources: %s: %s; retrying in %.1fs",
+                target,
+                exc.code().name,
+                exc.details(),
+                backoff_s,
+            )
 
     async def _subscribe(self, stub: pb_grpc.OpenEngineAsyncStub) -> bool:
         """Follow one subscription until it ends; True if it delivered anything."""

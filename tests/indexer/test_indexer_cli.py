@@ -14,6 +14,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ import pytest
 import zmq.asyncio
 from click.testing import Result
 from fake_kv_publisher import FakeKvPublisher
+from redis_servers import RedisServer
 from typer.testing import CliRunner
 from vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
 
@@ -404,20 +406,113 @@ def test_bridge_refuses_an_unreadable_tls_file_before_starting(tmp_path: Path) -
 
 
 def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_path: Path) -> None:
+    # Well-formed for the config (a transport libzmq knows), not supported by this libzmq.
     config = tmp_path / "indexer.yaml"
     config.write_text(
         "listen: 127.0.0.1:0\nsources:\n"
-        "  - {kind: zmq, worker_id: w0, endpoint: 'tcp://no-port', block_size: 16}\n"
+        "  - {kind: zmq, worker_id: w0, endpoint: 'norm://x', block_size: 16}\n"
     )
     _assert_fails_with_one_line(
         ["indexer", "serve", "--config", str(config)],
-        "kvplane: error: cannot connect ZMQ endpoint 'tcp://no-port': Invalid argument",
+        "kvplane: error: cannot connect ZMQ endpoint 'norm://x': Protocol not supported",
     )
 
 
-def _assert_fails_with_one_line(args: list[str], last_line: str) -> None:
-    """`kvplane ARGS` exits 1 with `last_line` last on stderr and no traceback. (`python -m`
-    from the repository root runs this checkout's code.)"""
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (
+            "max_request_bytes: 99999999999\n",
+            "max_request_bytes: Value error, must be at most 2147483647 (2 GiB - 1, gRPC's "
+            "limit), got 99999999999",
+        ),
+        (
+            "sources:\n  - {kind: zmq, worker_id: w0, endpoint: '127.0.0.1:5557'}\n",
+            "sources.0.zmq: Value error, endpoint: expected a ZMQ endpoint like tcp://HOST:PORT, "
+            "got '127.0.0.1:5557'",
+        ),
+        (
+            "sources:\n  - {kind: zmq, worker_id: w0, endpoint: 'tcp://127.0.0.1'}\n",
+            "sources.0.zmq: Value error, endpoint: expected tcp://HOST:PORT, got 'tcp://127.0.0.1'",
+        ),
+        (
+            "sources:\n  - {kind: openengine, target: '127.0.0.1:9', data_parallel_ranks: [-1]}\n",
+            "sources.0.openengine.data_parallel_ranks.0: Input should be greater than or equal "
+            "to 0",
+        ),
+        (
+            "backend: redis://127.0.0.1:6379/abc\n",
+            "backend: Value error, backend 'redis://127.0.0.1:6379/abc': the DB must be a number, "
+            "got 'abc'",
+        ),
+        (
+            "redis: {buckets: 64}\n",
+            "Value error, redis: options are for a Redis backend, but backend is memory: remove "
+            "the redis: block or set backend to redis://HOST:PORT/DB",
+        ),
+    ],
+    ids=["max-request-bytes", "endpoint-no-scheme", "endpoint-no-port", "rank", "db", "redis"],
+)
+def test_serve_refuses_a_config_that_could_not_run(
+    tmp_path: Path, content: str, problem: str
+) -> None:
+    """Each of these once started serving and then failed: a gRPC OverflowError traceback, a
+    ZMQ source that ended the process, a source failing forever, a DB silently taken as 0."""
+    config = tmp_path / "indexer.yaml"
+    _assert_serve_says(config, content, f"invalid config in {config}: {problem}")
+
+
+def _assert_serve_says(config: Path, content: str, error: str) -> None:
+    """`kvplane indexer serve` on `content` writes `kvplane: error: ERROR`, only that, and
+    exits 1."""
+    config.write_text("listen: 127.0.0.1:0\n" + content)
+    args = ["indexer", "serve", "--config", str(config)]
+    assert len(_assert_fails_with_one_line(args, f"kvplane: error: {error}")) == 1
+
+
+def test_serve_stops_with_one_line_on_a_backend_that_is_not_redis(tmp_path: Path) -> None:
+    not_redis = grpc.server(ThreadPoolExecutor(max_workers=1))  # a gRPC port, say
+    port = not_redis.add_insecure_port("127.0.0.1:0")
+    not_redis.start()
+    try:
+        for url in (f"redis://127.0.0.1:{port}/0", f"redis+cluster://127.0.0.1:{port}"):
+            _assert_serve_says(
+                tmp_path / "indexer.yaml",
+                f"backend: {url}\n",
+                f"index backend: 127.0.0.1:{port} is not a Redis server (its reply is not "
+                "Redis's protocol)",
+            )
+    finally:
+        not_redis.stop(None)
+
+
+def test_serve_stops_with_one_line_on_what_a_redis_refuses_for_good(tmp_path: Path) -> None:
+    """A DB index out of range, cluster mode on a Redis without it: no retry cures those
+    (a Redis that is down at start-up is retried: test_redis_backend.py)."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    config = tmp_path / "indexer.yaml"
+    where = f"127.0.0.1:{server.port}"
+    try:
+        _assert_serve_says(
+            config,
+            f"backend: redis://{where}/99\n",
+            f"index backend: Redis at {where} has no such DB (DB index is out of range): the "
+            "backend URL's DB must be below its `databases` setting",
+        )
+        _assert_serve_says(
+            config,
+            f"backend: redis+cluster://{where}\n",
+            f"index backend: Redis at {where} is not a cluster node (cluster mode is not "
+            "enabled): use redis://HOST:PORT/DB for a single Redis",
+        )
+    finally:
+        server.stop()
+
+
+def _assert_fails_with_one_line(args: list[str], last_line: str) -> list[str]:
+    """`kvplane ARGS` exits 1 with `last_line` last on stderr and no traceback; returns the
+    lines of stderr. (`python -m` from the repository root runs this checkout's code.)"""
     result = subprocess.run(
         [sys.executable, "-m", "kvplane", *args],
         cwd=Path(__file__).parents[2],
@@ -428,6 +523,7 @@ def _assert_fails_with_one_line(args: list[str], last_line: str) -> None:
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == last_line
     assert "Traceback" not in result.stderr
+    return result.stderr.splitlines()
 
 
 @pytest.mark.parametrize(

@@ -235,6 +235,27 @@ async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimpleme
     assert zmq_source.worker_id == target  # a single source keeps the engine's worker id
 
 
+async def test_a_target_that_is_no_openengine_server_is_one_line_per_retry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """UNIMPLEMENTED for SubscribeKvEvents and GetKvEventSources alike (a server of something
+    else): a warning per attempt, no traceback, and the source keeps retrying (an engine may
+    take the address later)."""
+    server, target = await _serve(pb_grpc.OpenEngineServicer())  # implements nothing
+    source = _source(target, PrefixIndex())
+    try:
+        async with running(source.run()):
+            async with asyncio.timeout(WAIT_S):
+                while source.counters.num_restarts < 3:  # noqa: ASYNC110 - no event to await
+                    await asyncio.sleep(0.01)
+    finally:
+        await server.stop(None)
+    records = [r for r in caplog.records if r.name == "indexer.sources.openengine"]
+    assert records and all(r.exc_info is None for r in records)
+    neither = f"openengine source {target} serves neither SubscribeKvEvents nor GetKvEventSources"
+    assert sum(r.getMessage().startswith(neither) for r in records) >= 3
+
+
 def _zmq_batch(seq: int, *stored: int) -> list[bytes]:
     events = [["BlockStored", [key], None, None, None, None, "GPU"] for key in stored]
     return [b"kv@x", seq.to_bytes(8, "big"), msgpack.packb([float(seq), events, None])]

@@ -359,6 +359,37 @@ async def test_indexer_processes_share_one_redis(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+async def test_an_indexer_started_while_redis_is_down_serves_and_recovers(tmp_path: Path) -> None:
+    """Down is not misconfigured (those stop `serve`: test_indexer_cli.py): the indexer
+    serves, answers UNAVAILABLE, and takes batches once Redis is up."""
+    server = RedisServer(tmp_path / "redis")  # not started: nothing listens on its port yet
+    config = tmp_path / "indexer.yaml"
+    config.write_text(f"backend: {server.url}\nredis:\n  buckets: 64\n")
+    indexer = Indexer(config, tmp_path)
+    try:
+        await indexer.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{indexer.port}") as channel:
+            stub = indexer.stub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _prefix(stub, [11])
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            server.start()
+
+            async def answers() -> bool:
+                try:
+                    await stub.ApplyExternalKvBatch(_report("w0", [11, 12]))
+                    return await _prefix(stub, [11, 12]) == [("w0", 2)]
+                except grpc.aio.AioRpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    return False
+
+            await _until(answers, "the indexer to take batches", 30)
+    finally:
+        indexer.stop()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
 async def test_password_file(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis", extra_args=("--requirepass", "s3cret"))
     server.start()
@@ -427,10 +458,10 @@ async def test_concurrent_applies_keep_their_order(redis_server: RedisServer) ->
         await backend.close()
 
 
-# A batch that passes validation yet cannot be sent to Redis (a worker id that is not UTF-8:
-# the wire cannot carry one, an in-process caller can): it must fail alone, never the batches
+# A batch that passes validation yet cannot be sent to Redis (a hash that is not an int: the
+# wire cannot carry one, an in-process caller can): it must fail alone, never the batches
 # sharing its call, the group-commit task or the recovery after an outage.
-UNSENDABLE = Batch("bad\udc80", (Action(ActionType.REPORT, Tier.HBM, (7,)),))
+UNSENDABLE = Batch("bad", (Action(ActionType.REPORT, Tier.HBM, (7.5,)),))  # type: ignore[arg-type]
 
 
 def _stored_batch(worker: str, key: int) -> Batch:

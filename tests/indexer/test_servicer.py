@@ -138,6 +138,43 @@ async def test_apply_validation_status_codes_and_nothing_changes(
     assert list(served.index.placements()) == []
 
 
+@pytest.mark.parametrize(
+    ("request_", "details"),
+    [
+        (
+            _batch(_report(HBM, [1]), worker_id="w" * 100_000),
+            "worker_id must be at most 256 characters, got 100000",
+        ),
+        (_batch(_report(HBM, [1]), worker_id="w\x000"), "worker_id must be printable text"),
+        (_batch(_report(HBM, [1]), worker_id="w0\n"), "worker_id must be printable text"),
+        (_batch(_report(HBM, [1]), worker_id="w\x1b[2J"), "worker_id must be printable text"),
+        (
+            _batch(_report(HBM, [1]), address="a" * 257),
+            "worker_address must be at most 256 characters, got 257",
+        ),
+        (_batch(_report(HBM, [1]), address="a:1\x00"), "worker_address must be printable text"),
+    ],
+    ids=["long-id", "nul-id", "newline-id", "escape-id", "long-address", "nul-address"],
+)
+async def test_worker_names_are_bounded_printable_text(
+    served: Server, request_: kv.ApplyExternalKvBatchRequest, details: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.kv.ApplyExternalKvBatch(request_)
+    assert info.value.code() == INVALID
+    assert details in str(info.value.details())
+    assert list(served.index.placements()) == []
+
+
+async def test_the_longest_printable_worker_names_are_taken(served: Server) -> None:
+    worker_id, address = "wörker-" + "x" * 249, "[::1]:8000 zone a"
+    await served.kv.ApplyExternalKvBatch(
+        _batch(_report(HBM, [1]), worker_id=worker_id, address=address)
+    )
+    prefix = await served.kv.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1]))
+    assert [(m.worker_id, m.worker_address) for m in prefix.matches] == [(worker_id, address)]
+
+
 async def test_limits_are_inclusive_and_an_empty_batch_refreshes_the_address(
     served: Server,
 ) -> None:
@@ -437,6 +474,44 @@ async def test_match_tokens_rejects_what_it_cannot_hash(
     served: Server, request_: api.MatchTokensRequest
 ) -> None:
     assert await _code(served.api.MatchTokens(request_)) == INVALID
+
+
+@pytest.mark.parametrize(
+    ("item", "details"),
+    [
+        (api.MultimodalItem(id="", offset=0, length=4), "mm_items[0]: id must not be empty"),
+        (
+            api.MultimodalItem(id="img", offset=8, length=4),
+            "mm_items[0]: offset 8 is past the end of the prompt (8 tokens)",
+        ),
+        (
+            api.MultimodalItem(id="img", offset=4_000_000_000, length=1),
+            "mm_items[0]: offset 4000000000 is past the end of the prompt (8 tokens)",
+        ),
+        (
+            api.MultimodalItem(id="img", offset=4, length=(1 << 32) - 1),
+            "mm_items[0]: offset 4 + length 4294967295 overflows a uint32",
+        ),
+    ],
+    ids=["empty-id", "offset-at-end", "offset-far-past-end", "range-overflows"],
+)
+@pytest.mark.parametrize("key_space", [api.KEY_SPACE_CANONICAL, api.KEY_SPACE_VLLM_SHA256])
+async def test_match_tokens_rejects_multimodal_items_outside_the_prompt(
+    served: Server, item: api.MultimodalItem, details: str, key_space: api.KeySpace
+) -> None:
+    request_ = api.MatchTokensRequest(token_ids=[1] * 8, mm_items=[item], key_space=key_space)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.api.MatchTokens(request_)
+    assert info.value.code() == INVALID
+    assert info.value.details() == details
+
+
+async def test_match_tokens_takes_an_item_running_past_a_prompt_cut_short(served: Server) -> None:
+    """An item that starts in the prompt may run past its end (a client sending a prefix of
+    a long prompt): accepted, as before."""
+    item = api.MultimodalItem(id="img", offset=6, length=100)
+    reply = await served.api.MatchTokens(api.MatchTokensRequest(token_ids=[1] * 8, mm_items=[item]))
+    assert list(reply.block_keys) == block_keys([1] * 8, 4, mm_hashes=[None, ["img"]])
 
 
 async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(tmp_path: Path) -> None:

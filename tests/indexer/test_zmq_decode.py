@@ -192,6 +192,12 @@ def test_malformed_payloads_raise_payload_error(payload: bytes) -> None:
         decode_payload(payload)
 
 
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), -float("inf")])
+def test_a_timestamp_that_is_not_finite_is_named_so(ts: float) -> None:
+    with pytest.raises(PayloadError, match=f"EventBatch ts must be finite, got {ts}"):
+        decode_payload(_pack([ts, [], None]))
+
+
 def test_frames() -> None:
     assert decode_frames([b"kv@a", SEQ7, b"p"]).topic == "kv@a"
     message = decode_frames([SEQ7, b"p"])

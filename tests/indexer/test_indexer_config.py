@@ -1,0 +1,193 @@
+"""The indexer's config model: what loads is what runs. Numbers that reach C (gRPC channel
+arguments, uint32 wire fields) are bounded, ZMQ endpoints and backend URLs have their shape,
+names are ones the index takes, and a value of the wrong type is an error, not a coercion.
+(`test_indexer_cli.py` runs `kvplane indexer serve` on some of these: one line, exit 1.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from indexer.config import IndexerConfig
+from kvplane.config import load_config, validate_config
+from kvplane.errors import ConfigError
+
+
+def _error(data: dict[str, object]) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(IndexerConfig, data, "indexer.yaml")
+    return str(info.value)
+
+
+def _zmq(**fields: object) -> dict[str, object]:
+    source = {"kind": "zmq", "worker_id": "w0", "endpoint": "tcp://127.0.0.1:5557", **fields}
+    return {"sources": [source]}
+
+
+def _openengine(**fields: object) -> dict[str, object]:
+    return {"sources": [{"kind": "openengine", "target": "127.0.0.1:9000", **fields}]}
+
+
+def test_max_request_bytes_fits_grpcs_c_int() -> None:
+    assert IndexerConfig(max_request_bytes=(1 << 31) - 1).max_request_bytes == (1 << 31) - 1
+    for value in (1 << 31, 99_999_999_999):
+        assert _error({"max_request_bytes": value}) == (
+            "invalid config in indexer.yaml: max_request_bytes: Value error, must be at most "
+            f"2147483647 (2 GiB - 1, gRPC's limit), got {value}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"block_size": 1 << 32}, "block_size"),
+        (_zmq(block_size=1 << 32), "sources.0.zmq.block_size"),
+        (_openengine(data_parallel_ranks=[0, -1]), "sources.0.openengine.data_parallel_ranks.1"),
+        (_openengine(data_parallel_ranks=[1 << 32]), "sources.0.openengine.data_parallel_ranks.0"),
+    ],
+)
+def test_uint32_wire_fields_are_bounded(data: dict[str, object], where: str) -> None:
+    assert f"indexer.yaml: {where}: Input should be" in _error(data)
+
+
+def test_uint32_wire_fields_take_their_whole_range() -> None:
+    config = IndexerConfig.model_validate(_openengine(data_parallel_ranks=[0, (1 << 32) - 1]))
+    assert config.sources[0].data_parallel_ranks == [0, (1 << 32) - 1]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"endpoint": "127.0.0.1:5557"}, "expected a ZMQ endpoint like tcp://HOST:PORT"),
+        ({"endpoint": "tcp://127.0.0.1"}, "expected tcp://HOST:PORT, got 'tcp://127.0.0.1'"),
+        ({"endpoint": "tcp://no-port"}, "expected tcp://HOST:PORT"),
+        ({"endpoint": "tcp://h:5557x"}, "expected tcp://HOST:PORT"),
+        ({"endpoint": "tcp://h:65536"}, "port out of range in 'tcp://h:65536'"),
+        ({"endpoint": "tpc://h:5557"}, "unknown ZMQ transport 'tpc'"),
+        ({"endpoint": ""}, "expected a ZMQ endpoint"),
+        ({"endpoint": "tcp://*:5557"}, "'*' in 'tcp://*:5557' is for binding (bind: true)"),
+        ({"replay_endpoint": "127.0.0.1:5558"}, "replay_endpoint: expected a ZMQ endpoint"),
+        ({"replay_endpoint": "tcp://*:5558", "bind": True}, "replay_endpoint: '*' in"),
+    ],
+)
+def test_zmq_endpoints_have_zmqs_shape(fields: dict[str, object], message: str) -> None:
+    error = _error(_zmq(**fields))
+    assert error.startswith("invalid config in indexer.yaml: sources.0.zmq: Value error, ")
+    assert message in error
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"endpoint": "tcp://[::1]:5557"},
+        {"endpoint": "tcp://eth0:5557"},
+        {"endpoint": "tcp://*:5557", "bind": True},
+        {"endpoint": "tcp://127.0.0.1:*", "bind": True},
+        {"endpoint": "ipc:///tmp/kv.sock", "replay_endpoint": "tcp://127.0.0.1:5558"},
+        {"endpoint": "inproc://events"},
+    ],
+)
+def test_valid_zmq_endpoints_load(fields: dict[str, object]) -> None:
+    IndexerConfig.model_validate(_zmq(**fields))
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"auth": None, "block_size": True}, "block_size"),
+        ({"max_concurrent_prefix_queries": "64"}, "max_concurrent_prefix_queries"),
+        ({"max_request_bytes": 1.0}, "max_request_bytes"),
+        (_zmq(bind="yes"), "sources.0.zmq.bind"),
+        (_zmq(block_size=True), "sources.0.zmq.block_size"),
+        (_zmq(replay_timeout_s="5"), "sources.0.zmq.replay_timeout_s"),
+        (_openengine(discover_zmq="no"), "sources.0.openengine.discover_zmq"),
+        (_openengine(data_parallel_ranks=[True]), "sources.0.openengine.data_parallel_ranks.0"),
+        ({"backend": "redis://h:1/0", "redis": {"buckets": "16"}}, "redis.buckets"),
+        ({"backend": "redis://h:1/0", "redis": {"timeout_s": True}}, "redis.timeout_s"),
+        ({"backend": "redis://h:1/0", "redis": {"max_buffered_batches": True}}, "redis."),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_an_error_not_a_coercion(
+    data: dict[str, object], where: str
+) -> None:
+    assert f"indexer.yaml: {where}" in _error(data)
+
+
+def test_yamls_own_ints_bools_and_floats_load(tmp_path: Path) -> None:
+    config_file = tmp_path / "indexer.yaml"
+    config_file.write_text(
+        "backend: redis://127.0.0.1:6379/0\n"
+        "block_size: 32\n"
+        "max_request_bytes: 2147483647\n"
+        "redis: {buckets: 64, timeout_s: 2, connect_timeout_s: 0.25}\n"
+        "sources:\n"
+        "  - {kind: zmq, worker_id: w0, endpoint: 'tcp://*:5557', bind: true,\n"
+        "     replay_timeout_s: 3, block_size: 16}\n"
+        "  - {kind: openengine, target: '127.0.0.1:9000', discover_zmq: false,\n"
+        "     data_parallel_ranks: [0, 1]}\n"
+    )
+    config = load_config(IndexerConfig, config_file)
+    assert (config.block_size, config.redis.timeout_s, config.redis.buckets) == (32, 2.0, 64)
+    zmq_source, openengine_source = config.sources
+    assert zmq_source.bind is True and zmq_source.replay_timeout_s == 3.0  # type: ignore[union-attr]
+    assert openengine_source.discover_zmq is False  # type: ignore[union-attr]
+
+
+def test_a_redis_block_with_the_memory_backend_is_an_error() -> None:
+    assert _error({"redis": {"buckets": 64}}) == (
+        "invalid config in indexer.yaml: Value error, redis: options are for a Redis backend, "
+        "but backend is memory: remove the redis: block or set backend to redis://HOST:PORT/DB"
+    )
+    config = IndexerConfig.model_validate({"backend": "redis://h:1/0", "redis": {"buckets": 64}})
+    assert config.backend_options()["buckets"] == 64
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis://127.0.0.1:6379/abc", "the DB must be a number, got 'abc'"),
+        ("redis://127.0.0.1:6379/0?db=x", "the DB must be a number, got 'x'"),
+        ("unix:///run/redis.sock?db=-1", "the DB must be a number, got '-1'"),
+        ("redis+cluster://127.0.0.1:7000/1", "a Redis Cluster has DB 0 only"),
+        ("postgres://127.0.0.1:5432", "unknown index backend 'postgres://127.0.0.1:5432'"),
+    ],
+)
+def test_a_backend_url_without_a_usable_db_is_a_config_error(url: str, message: str) -> None:
+    assert message in _error({"backend": url})
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "memory",
+        "redis://127.0.0.1:6379",
+        "redis://127.0.0.1:6379/",
+        "redis://127.0.0.1:6379/15",
+        "rediss://user:pw@redis.example:6380/2",
+        "unix:///run/redis.sock?db=3",
+        "redis+cluster://127.0.0.1:7000,127.0.0.1:7001",
+    ],
+)
+def test_valid_backend_urls_load(url: str) -> None:
+    assert IndexerConfig(backend=url).backend == url
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"worker_id": ""}, "worker_id: Value error, worker_id must not be empty"),
+        ({"worker_id": "w" * 257}, "worker_id must be at most 256 characters, got 257"),
+        ({"worker_id": "w\x000"}, "worker_id must be printable text, got 'w\\x000'"),
+        ({"worker_address": "10.0.0.1:8000\n"}, "worker_address must be printable text"),
+    ],
+)
+def test_source_worker_names_are_ones_the_index_takes(
+    fields: dict[str, object], message: str
+) -> None:
+    assert message in _error(_zmq(**fields))
+    assert message in _error(_openengine(**fields))
+
+
+def test_the_longest_printable_worker_id_loads() -> None:
+    IndexerConfig.model_validate(_zmq(worker_id="w" * 256, worker_address="héte:1"))
