@@ -56,14 +56,15 @@ def _medium(option: str, value: str, *, skip: bool = True) -> Any:
     return Tier[upper]
 
 
-def _check_endpoint(option: str, endpoint: str) -> None:
-    """The shape ZMQ needs, `transport://address`; what it cannot parse beyond that, the source
-    reports when it connects (or binds)."""
-    transport, sep, address = endpoint.partition("://")
-    if not (transport and sep and address):
-        raise typer.BadParameter(
-            f"expected a ZMQ endpoint like tcp://HOST:PORT, got {endpoint!r}", param_hint=option
-        )
+def _check_endpoint(option: str, endpoint: str, *, bind: bool = False) -> None:
+    """The rules `indexer serve` applies to a source's endpoints (`check_zmq_endpoint`), as a
+    usage error naming the option."""
+    from indexer.config import check_zmq_endpoint
+
+    try:
+        check_zmq_endpoint(endpoint, bind=bind)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
 async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
@@ -131,7 +132,7 @@ def bridge(
             f"must be engine or canonical, got {hash_mode!r}", param_hint="--hash"
         )
     mode = HashMode(hash_mode)
-    _check_endpoint("--endpoint", endpoint)
+    _check_endpoint("--endpoint", endpoint, bind=bind)
     if replay_endpoint is not None:
         _check_endpoint("--replay-endpoint", replay_endpoint)
     if not worker_id:

@@ -15,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     ValidationError,
     field_validator,
     model_validator,
@@ -91,7 +92,7 @@ class AuthConfig(StrictModel):
     # A file holding the bearer token (surrounding whitespace ignored).
     token_file: Path
     # Also require the token on read-only RPCs.
-    protect_reads: bool = False
+    protect_reads: StrictBool = False  # YAML's true/false; "yes" is a mistake
 
     def read_token(self) -> str:
         return read_token_file(self.token_file, "auth.token_file")

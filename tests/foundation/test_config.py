@@ -60,6 +60,10 @@ def test_a_check_across_fields_names_the_file_and_the_flags(tmp_path: Path) -> N
         ("listen: [1, 2]\n", "listen"),
         ("tls: {cert_file: a.pem}\n", "tls.key_file"),
         ("auth: {token_file: t, extra: 1}\n", "auth.extra"),
+        (
+            'auth: {token_file: t, protect_reads: "yes"}\n',
+            "auth.protect_reads: Input should be a valid boolean",
+        ),
         ("- a\n- b\n", "mapping"),
         ("listen: '127.0.0.1:99999'\n", "port out of range"),
         ("key: [unclosed\n", "not valid YAML"),

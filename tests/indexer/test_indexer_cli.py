@@ -357,6 +357,8 @@ BRIDGE = ["indexer", "bridge", "--target", "127.0.0.1:1", "--endpoint", "tcp://1
     [
         ("--endpoint", "bogus", "expected a ZMQ endpoint like tcp://HOST:PORT, got 'bogus'"),
         ("--replay-endpoint", "127.0.0.1:5558", "expected a ZMQ endpoint"),
+        ("--endpoint", "tcp://no-port", "expected tcp://HOST:PORT, got 'tcp://no-port'"),
+        ("--endpoint", "nope://x", "unknown ZMQ transport 'nope' in 'nope://x'"),
         ("--worker-id", "", "must not be empty"),
         ("--block-size", "0", "must be between 1 and 4294967295, got 0"),
         ("--block-size", str(1 << 32), f"must be between 1 and 4294967295, got {1 << 32}"),
@@ -377,10 +379,7 @@ def test_bridge_rejects_bad_options_before_starting(option: str, value: str, mes
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize(
-    ("endpoint", "reason"),
-    [("tcp://no-port", "Invalid argument"), ("nope://x", "Protocol not supported")],
-)
+@pytest.mark.parametrize(("endpoint", "reason"), [("norm://x", "Protocol not supported")])
 def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str) -> None:
     _assert_fails_with_one_line(
         [*BRIDGE, "--worker-id", "w0", "--endpoint", endpoint],
