@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from controller.router import POLICY_NAMES, BusyThresholds, KvplaneWeights
+from indexer.backends import check_backend_url, check_redis_options
 from indexer.config import RedisBackendConfig
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_dial_target
 
@@ -72,12 +73,19 @@ class IndexConfig(StrictModel):
             parse_dial_target(value)
         return value
 
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: str) -> str:
+        check_backend_url(value)
+        return value
+
     @model_validator(mode="after")
     def _one_index(self) -> IndexConfig:
         if self.remote is not None and "backend" in self.model_fields_set:
             raise ValueError(
                 f"set either remote (a kvplane indexer) or backend {self.backend!r}, not both"
             )
+        check_redis_options(self.backend, "redis" in self.model_fields_set)
         return self
 
     def backend_options(self) -> dict[str, Any]:

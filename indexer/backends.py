@@ -38,6 +38,15 @@ def check_backend_url(url: str) -> None:
             raise ValueError(f"backend {url!r}: a Redis Cluster has DB 0 only")
 
 
+def check_redis_options(backend: str, given: bool) -> None:
+    """A `redis:` options block only goes with a Redis backend (it would be ignored)."""
+    if given and not backend.startswith(REDIS_SCHEMES):
+        raise ValueError(
+            f"redis: options are for a Redis backend, but backend is {backend}: "
+            "remove the redis: block or set backend to redis://HOST:PORT/DB"
+        )
+
+
 async def open_backend(url: str, **options: Any) -> IndexBackend:
     """The backend named by `url`; options go to the Redis backend (memory takes none).
 

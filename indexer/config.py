@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from indexer.backends import check_backend_url
+from indexer.backends import check_backend_url, check_redis_options
 from indexer.batch import Tier
 from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
@@ -247,11 +247,7 @@ class IndexerConfig(ServerConfig):
 
     @model_validator(mode="after")
     def _redis_needs_a_redis_backend(self) -> IndexerConfig:
-        if self.backend == "memory" and "redis" in self.model_fields_set:
-            raise ValueError(
-                "redis: options are for a Redis backend, but backend is memory: "
-                "remove the redis: block or set backend to redis://HOST:PORT/DB"
-            )
+        check_redis_options(self.backend, "redis" in self.model_fields_set)
         return self
 
     @model_validator(mode="after")

@@ -3,6 +3,7 @@ controller's config."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,15 @@ def test_config_names_from_the_issue(tmp_path: Path) -> None:
     for backend in ("memory", "'redis://h:6379'"):
         path.write_text(f"index: {{backend: {backend}, remote: 'h:1'}}\n")
         with pytest.raises(ConfigError, match=r"set either remote .* or backend .*, not both"):
+            load_config(ControllerConfig, path)
+    # As `kvplane indexer serve` checks its own index (indexer.backends).
+    for index, message in (
+        ("{backend: 'redis://h:6379/abc'}", "the DB must be a number, got 'abc'"),
+        ("{backend: 'mongodb://h:1'}", "unknown index backend 'mongodb://h:1'"),
+        ("{backend: memory, redis: {buckets: 8}}", "redis: options are for a Redis backend"),
+    ):
+        path.write_text(f"index: {index}\n")
+        with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(ControllerConfig, path)
     path.write_text("engines: [{address: 'h:1'}, {address: 'h:1'}]\n")
     with pytest.raises(ConfigError, match="listed twice"):
