@@ -153,9 +153,6 @@ class AdminServicer(apb_grpc.AdminServicer):
         which = request.WhichOneof("input")
         if which is None:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "give a prompt or tokens")
-        if not (request.prompt if which == "prompt" else request.token_ids.ids):
-            # As Generate refuses it: an empty prompt has nothing to place.
-            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
         query = PromptInput(
             request_id="admin-route",
             prompt=request.prompt if which == "prompt" else None,
@@ -166,9 +163,14 @@ class AdminServicer(apb_grpc.AdminServicer):
             session_key=request.session_key or None,
         )
         try:
-            return await self.controller.plan(query, role)
+            plan = await self.controller.plan(query, role)
         except KvplaneError as exc:  # a LoRA adapter no routable engine holds
             await abort_with(context, status_of(exc), str(exc))
+        if plan.tokenized and plan.request.num_prompt_tokens == 0:
+            # As an engine refuses it: no token ids, or a text that tokenizes to none (a
+            # tokenizer that adds a start token makes "" one token, which engines take).
+            await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        return plan
 
     async def Route(self, request: apb.PromptQuery, context: Context) -> apb.RouteExplanation:
         """The decision a request would get; in a disaggregated fleet, its first hop: the

@@ -193,6 +193,18 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             pb.HealthCheck(name="model", state=ready, message=self._ctx.model.name),
         ]
         healthy = running
+        if self._ctx.role in (pb.ENGINE_ROLE_PREFILL, pb.ENGINE_ROLE_DECODE):
+            # Every Generate is refused (check_unsupported): no router should count on it.
+            healthy = False
+            checks.append(
+                pb.HealthCheck(
+                    name="kv_transfer",
+                    state=not_ready,
+                    message=f"a {pb.EngineRole.Name(self._ctx.role)} engine needs KV transfer "
+                    "between engines, which this engine does not support yet: it takes no "
+                    "requests",
+                )
+            )
         if request.role != pb.ENGINE_ROLE_UNSPECIFIED:
             role_ok = request.role == self._ctx.role
             healthy = healthy and role_ok

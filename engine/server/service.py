@@ -120,12 +120,37 @@ def _build_torch(config: EngineConfig) -> _Model:
 
 
 def advertised_host(config: EngineConfig) -> str:
-    """A host others can dial: configured, else the listen host, else this machine's address."""
+    """A host others can dial: configured, else the listen host, else this machine's address:
+    that of the interface with the default route (no packet is sent), else what the host name
+    resolves to. A loopback result (no route, and a hosts file mapping the name to 127.0.x.x,
+    as Debian's does) reaches this machine only: a warning says to set the host."""
     if config.kv_events.advertised_host:
         return config.kv_events.advertised_host
     host, _ = parse_host_port(config.listen)
     if host not in _WILDCARDS:
         return host
+    found = _default_route_address() or _host_name_address()
+    if found.startswith("127."):
+        log.warning(
+            "KV events are advertised at %s, which only this machine can reach: set "
+            "kv_events.advertised_host to an address other machines can dial",
+            found,
+        )
+    return found
+
+
+def _default_route_address() -> str | None:
+    """The local address a UDP socket would send from to a public address (connecting a UDP
+    socket only picks the route); None without a route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: never sent to
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def _host_name_address() -> str:
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

@@ -66,6 +66,12 @@ class TorchModelRunner:
         self._max_model_len = max_model_len or cfg.max_position_embeddings
         if self._max_model_len <= 0:
             raise KvCacheError(f"max_model_len must be positive, got {self._max_model_len}")
+        if self._max_model_len > cfg.max_position_embeddings:
+            # As vLLM refuses it: positions past what the model was trained on give garbage.
+            raise KvCacheError(
+                f"max_model_len {self._max_model_len} is beyond the model's "
+                f"max_position_embeddings {cfg.max_position_embeddings}"
+            )
         self._eos_token_ids = frozenset(cfg.eos_token_ids)
         self.kv_cache = PagedKvCache(
             num_layers=cfg.num_layers,

@@ -343,12 +343,13 @@ async def test_an_unknown_model_is_not_found_and_a_known_one_unavailable_while_u
 async def test_an_empty_prompt_is_refused_by_route_and_match_as_by_generate(
     fleet: Fleet,
 ) -> None:
-    """An empty prompt (no text, or no token ids) has nothing to place: Generate gets
-    INVALID_ARGUMENT "the prompt is empty" (from the engine), and admin Route and Match,
-    which explain what Generate would do, refuse it alike rather than name an engine."""
+    """An empty prompt (no token ids) has nothing to place: Generate gets INVALID_ARGUMENT
+    "the prompt is empty" (from the engine), and admin Route and Match, which explain what
+    Generate would do, refuse it alike rather than name an engine. (A text "" is empty only
+    if it tokenizes to nothing: a tokenizer that adds a start token makes it one token.)"""
     empty = generate_request("e", [])
     assert await status_of(generate(fleet, empty)) == grpc.StatusCode.INVALID_ARGUMENT
-    for query in (apb.PromptQuery(prompt=""), apb.PromptQuery(token_ids=pb.TokenIds(ids=[]))):
+    for query in (apb.PromptQuery(token_ids=pb.TokenIds(ids=[])),):
         for call in (fleet.admin.Route, fleet.admin.Match):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await call(query)

@@ -158,6 +158,11 @@ async def test_decode_role_requires_a_session_and_refuses_without_one() -> None:
         events = engine.stub.Generate(generate_request([1, 2, 3]))
         error = await rpc_error(lambda: collect_all(events))
         assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # It takes no request at all (no KV transfer between engines yet): not ready, saying why.
+        health = await engine.stub.Health(pb.HealthRequest())
+        assert health.state == pb.HEALTH_STATE_NOT_READY
+        transfer = next(c for c in health.checks if c.name == "kv_transfer")
+        assert "needs KV transfer between engines" in transfer.message
 
 
 async def collect_all(stream: object) -> list[object]:

@@ -297,3 +297,25 @@ async def test_kvplane_indexer_predicts_the_engines_own_prefix_hits() -> None:
         assert predicted[:5] == [0, 6, 3, 0, 5]  # a prompt never hits on its last token
         assert predicted[8] < 5  # base was evicted by the three unrelated prompts
         assert predicted[9] > 0  # ...and then cached again
+
+
+def test_an_engine_on_every_interface_advertises_its_routed_address(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Listening on 0.0.0.0, the KV-event source is advertised at the address of the
+    interface with the default route, not what the host name resolves to (127.0.1.1 with
+    Debian's hosts file: unreachable from any other machine). With no route, the host name's
+    address, and a loopback one is warned about."""
+    from engine.server import service
+
+    config = sim_config(listen="0.0.0.0:0")
+    monkeypatch.setattr(service, "_default_route_address", lambda: "10.1.2.3")
+    monkeypatch.setattr(service, "_host_name_address", lambda: "127.0.1.1")
+    assert service.advertised_host(config) == "10.1.2.3"
+    assert not caplog.records
+    monkeypatch.setattr(service, "_default_route_address", lambda: None)
+    assert service.advertised_host(config) == "127.0.1.1"
+    assert "only this machine can reach" in caplog.text
+    assert "kv_events.advertised_host" in caplog.text
+    configured = sim_config(listen="0.0.0.0:0", kv_events=KvEventsConfig(advertised_host="h1"))
+    assert service.advertised_host(configured) == "h1"

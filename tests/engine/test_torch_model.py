@@ -489,6 +489,8 @@ def test_runner_sizes_the_cache_and_refuses_impossible_steps() -> None:
     assert (runner.vocab_size, runner.max_model_len) == (1024, 40)
     with pytest.raises(KvCacheError):
         TorchModelRunner.from_pretrained(TINY_LLAMA, num_blocks=4, kv_cache_bytes=1 << 20)
+    with pytest.raises(KvCacheError, match="max_model_len 100000 is beyond the model's "):
+        TorchModelRunner.from_pretrained(TINY_LLAMA, num_blocks=64, max_model_len=100_000)
     with pytest.raises(KvCacheError, match="holds no block"):
         TorchModelRunner.from_pretrained(TINY_LLAMA, kv_cache_bytes=100)
     for prompt in ([5, 1024, 6], [5] * 41):  # a token outside the vocabulary; past the context
