@@ -490,6 +490,8 @@ class EngineCore:
             num_total_blocks=bm.num_blocks,
             running_tokens=sum(s.num_tokens for s in running),
             waiting_tokens=sum(s.num_uncomputed_tokens for s in waiting),
-            prefill_batch_size=self._last_prefill_batch,
-            decode_batch_size=self._last_decode_batch,
+            # The last step's batch while it still runs; an engine that ran its last request
+            # out is idle, not still "batching" it (GetLoad is a point-in-time snapshot).
+            prefill_batch_size=self._last_prefill_batch if running else 0,
+            decode_batch_size=self._last_decode_batch if running else 0,
         )

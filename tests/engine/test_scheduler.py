@@ -186,6 +186,8 @@ def test_abort_running_and_waiting_requests_frees_everything() -> None:
     assert waiting.finish_reason is FinishReason.CANCELLED
     assert not core.has_work()
     assert core.load().num_used_blocks == 0
+    # Idle: no batch, although the last step's batch was one prefill.
+    assert (core.load().prefill_batch_size, core.load().decode_batch_size) == (0, 0)
     assert core.step().outputs == []
     core.block_manager.check_invariants()
 
