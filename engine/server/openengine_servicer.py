@@ -21,6 +21,7 @@ import grpc
 from engine.core.errors import InvalidRequestError
 from engine.server.engine_service import AbortOutcome, DrainPhase, EngineService
 from engine.server.errors import (
+    DrainingError,
     FeatureDisabledError,
     KvSessionNotFoundError,
     ModelNotFoundError,
@@ -360,6 +361,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         except Exception as exc:
             log.exception("KV event subscription failed")
             yield pb.SubscribeKvEventsResponse(error=engine_error_for(exc))
+        else:
+            # The log ends only when the engine shuts down: say so, so that a subscriber
+            # tells it from a stream cut short (retryable: a new process may follow).
+            shutting_down = DrainingError("the engine is shutting down")
+            yield pb.SubscribeKvEventsResponse(error=engine_error_for(shutting_down))
 
     async def SubscribeRuntimeEvents(
         self, request: pb.SubscribeRuntimeEventsRequest, context: Context

@@ -319,3 +319,19 @@ def test_an_engine_on_every_interface_advertises_its_routed_address(
     assert "kv_events.advertised_host" in caplog.text
     configured = sim_config(listen="0.0.0.0:0", kv_events=KvEventsConfig(advertised_host="h1"))
     assert service.advertised_host(configured) == "h1"
+
+
+async def test_a_subscription_ends_with_a_retryable_draining_error_at_shutdown() -> None:
+    """A subscriber tells the engine shutting down from a stream cut short: after what the
+    log gave it, a terminal DRAINING error, retryable (a new process may follow)."""
+    async with running_engine(sim_config(num_kv_blocks=16)) as engine:
+        stream = engine.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+        assert (await _next(stream)).HasField("batch")
+        await engine.app.close_engine()  # the gRPC server still serves the stream's end
+        rest = []
+        while (response := await asyncio.wait_for(stream.read(), timeout=10)) != grpc.aio.EOF:
+            rest.append(response)
+    assert rest and rest[-1].WhichOneof("event") == "error"
+    error = rest[-1].error
+    assert (error.code, error.retryable) == (pb.ERROR_CODE_DRAINING, True)
+    assert error.message == "the engine is shutting down"
