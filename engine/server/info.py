@@ -50,6 +50,12 @@ class ServedModel:
         return [self.name, *self.aliases]
 
     @property
+    def max_context_length(self) -> int:
+        """The longest sequence (prompt and outputs) it can hold: the model's length, or the
+        KV cache's when that is smaller (a request longer than the cache never runs)."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    @property
     def max_top_n(self) -> int:
         """Candidates per position, advertised in ModelInfo: the whole vocabulary at most."""
         return self.vocab_size
@@ -135,8 +141,8 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
         model_id=model.model_id,
         served_model_name=model.name,
         served_model_aliases=list(model.aliases),
-        max_context_length=model.max_model_len,
-        max_output_tokens=model.max_model_len - 1,
+        max_context_length=model.max_context_length,
+        max_output_tokens=model.max_context_length - 1,
         kv_block_size=model.block_size,
         total_kv_blocks=model.num_blocks,
         max_running_requests=model.max_num_seqs,
