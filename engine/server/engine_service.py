@@ -30,7 +30,7 @@ from engine.core.api import (
     StepReport,
 )
 from engine.core.engine_core import EngineLoop, asyncio_sink
-from engine.core.errors import EngineStoppedError
+from engine.core.errors import EngineStoppedError, InvalidRequestError
 from engine.server.errors import DrainingError, RequestNotFoundError
 from engine.server.info import ServedModel
 from engine.server.kv_event_log import KvEventLog
@@ -78,6 +78,15 @@ class RequestStream:
                 self.done = True
                 self._on_done(self)
             yield output
+
+
+# The health probe's request ids: the engine's own work, refused from clients and left out of
+# the request metrics (frequent probing is not load).
+PROBE_ID_PREFIX = "kvplane-health-probe-"
+
+
+def _not_a_probe(request_id: str) -> bool:
+    return not request_id.startswith(PROBE_ID_PREFIX)
 
 
 async def _count_probe_tokens(stream: RequestStream) -> int:
@@ -130,7 +139,7 @@ class EngineService:
         self.kv_log.append(report.kv_events)
         self.runtime_events.publish_step(report.result.stats, report.load)
         if self.metrics is not None:
-            self.metrics.on_report(report)
+            self.metrics.on_report(report, counted=_not_a_probe)
 
     # ---------------------------------------------------------------- state
 
@@ -167,6 +176,10 @@ class EngineService:
         """
         if not self._accepting and not internal:
             raise DrainingError("the engine is draining and accepts no new requests")
+        if not internal and request.request_id.startswith(PROBE_ID_PREFIX):
+            raise InvalidRequestError(
+                f"request ids starting with {PROBE_ID_PREFIX!r} are the engine's own"
+            )
         if not self.engine_loop.running:
             raise EngineStoppedError("the engine thread is not running")
         stream = RequestStream(request, self._on_stream_done)
@@ -176,7 +189,7 @@ class EngineService:
             self._live_internal.add(request.request_id)
         self._finished.pop(request.request_id, None)
         self._in_flight_changed.set()
-        if self.metrics is not None:
+        if self.metrics is not None and not internal:
             self.metrics.on_accept(request)
         return stream
 
@@ -220,7 +233,7 @@ class EngineService:
         Health RPC that asked for it (its deadline, the client going away), it is cancelled.
         """
         request = EngineRequest(
-            request_id=f"health-probe-{time.monotonic_ns()}",
+            request_id=f"{PROBE_ID_PREFIX}{time.monotonic_ns()}",
             prompt_token_ids=(0,),
             sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
             bypass_prefix_cache=True,

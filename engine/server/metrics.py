@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core.api import EngineRequest, StepReport
@@ -70,9 +72,15 @@ class EngineMetrics:
     def on_accept(self, _request: EngineRequest) -> None:
         self.requests.labels(self._model).inc()
 
-    def on_report(self, report: StepReport) -> None:
+    def on_report(
+        self, report: StepReport, counted: Callable[[str], bool] = lambda _request_id: True
+    ) -> None:
+        """Count a step; outputs of requests `counted` says no to (the health probe's) are
+        left out of the request figures."""
         m = self._model
         for output in report.result.outputs:
+            if not counted(output.request_id):
+                continue
             if output.new_token_ids:
                 self.generation_tokens.labels(m).inc(len(output.new_token_ids))
             if output.finish_reason is not None:

@@ -197,6 +197,14 @@ async def test_bearer_token_guards_mutating_methods_only(tmp_path: Path) -> None
 async def test_prometheus_metrics_on_the_side_port() -> None:
     async with running_engine(sim_config(metrics_listen="127.0.0.1:0")) as engine:
         await collect(engine.stub, generate_request(list(range(12)), max_tokens=3))
+        # Health probes are the engine's own work, not load: not counted.
+        for _ in range(3):
+            probed = await engine.stub.Health(pb.HealthRequest(include_inference_probe=True))
+            assert probed.state == pb.HEALTH_STATE_READY
+        # A client cannot pass for one.
+        posing = generate_request([1, 2], request_id="kvplane-health-probe-1")
+        refused = await rpc_error(lambda: collect(engine.stub, posing))
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
         port = engine.app.metrics_port
         assert port is not None
         body = await asyncio.to_thread(
