@@ -13,7 +13,8 @@ commit, at most 64 batches): each batch still applies atomically and in order, w
 per-call overhead.
 
 Failure behaviour. A backend URL that names no usable Redis (not a Redis server, a DB it does
-not have, cluster mode it lacks: `RedisMisconfiguredError`) is a ConfigError at start-up; a
+not have, cluster mode it lacks, credentials it refuses: `RedisMisconfiguredError`) is a
+ConfigError at start-up; a
 Redis that is merely down is not. Queries fail fast with `IndexUnavailableError` (a
 KvplaneError; servicers map it to UNAVAILABLE). Applies that cannot reach Redis are buffered in
 order (at most `max_buffered_batches`); past that, the worker whose batch overflows loses its
@@ -41,6 +42,7 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
+    AuthenticationError,
     ClusterError,
     InvalidResponse,
     OutOfMemoryError,
@@ -223,6 +225,11 @@ class RedisBackend:
             return RedisMisconfiguredError(
                 f"Redis at {self._where} has no such DB ({text}): the backend URL's DB must be "
                 "below its `databases` setting"
+            )
+        if any(isinstance(e, AuthenticationError) for e in _causes(exc)):
+            return RedisMisconfiguredError(
+                f"Redis at {self._where} refused the credentials ({text}): check "
+                "redis.username and redis.password_file"
             )
         if "Cluster mode is not enabled" in text:
             return RedisMisconfiguredError(

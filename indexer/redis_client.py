@@ -25,9 +25,9 @@ class IndexUnavailableError(KvplaneError):
 class RedisMisconfiguredError(IndexUnavailableError):
     """The backend URL names something no retry makes usable while the configuration stays
     as it is: a server that is not Redis, a DB the server does not have, a redis+cluster://
-    URL on a Redis without cluster mode. At start-up the indexer stops with it (a
-    configuration error); once the backend has run, it is an outage like any other (the
-    server was changed under it, and may be changed back)."""
+    URL on a Redis without cluster mode, credentials it refuses. At start-up the indexer
+    stops with it (a configuration error); once the backend has run, it is an outage like any
+    other (the server was changed under it, and may be changed back)."""
 
 
 class IndexBackendError(KvplaneError):

@@ -507,6 +507,21 @@ def test_serve_stops_with_one_line_on_what_a_redis_refuses_for_good(tmp_path: Pa
         )
     finally:
         server.stop()
+    guarded = RedisServer(tmp_path / "guarded", extra_args=("--requirepass", "s3cret"))
+    guarded.start()
+    wrong = tmp_path / "password"
+    wrong.write_text("nope")
+    where = f"127.0.0.1:{guarded.port}"
+    try:
+        _assert_serve_says(
+            config,
+            f"backend: redis://{where}/0\nredis: {{password_file: {wrong}}}\n",
+            f"index backend: Redis at {where} refused the credentials (invalid "
+            "username-password pair or user is disabled.): check redis.username and "
+            "redis.password_file",
+        )
+    finally:
+        guarded.stop()
 
 
 def _assert_fails_with_one_line(args: list[str], last_line: str) -> list[str]:
