@@ -107,7 +107,7 @@ class ClientChannels:
 
     def aio_channel(self, target: str) -> grpc.aio.Channel:
         """A grpc.aio channel to `target` (HOST:PORT)."""
-        interceptors = [_AioDefaultMetadata(self.metadata)] if self.metadata else None
+        interceptors = _AioDefaultMetadata.of(self.metadata) if self.metadata else None
         if self.credentials is None:
             return grpc.aio.insecure_channel(
                 target, options=list(self.options), interceptors=interceptors
@@ -189,14 +189,22 @@ class _DefaultMetadata(
         return continuation(self._details(details), requests)
 
 
-class _AioDefaultMetadata(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+class _AioDefaultMetadata:
+    """The aio half. grpc.aio files each interceptor under the first kind it is (an `elif`
+    chain), so one object of all four kinds would only see unary-unary calls: `of` makes one
+    of each."""
+
     def __init__(self, metadata: Metadata) -> None:
         self._metadata = metadata
+
+    @classmethod
+    def of(cls, metadata: Metadata) -> list[grpc.aio.ClientInterceptor]:
+        return [
+            _AioUnaryUnary(metadata),
+            _AioUnaryStream(metadata),
+            _AioStreamUnary(metadata),
+            _AioStreamStream(metadata),
+        ]
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = _with_default(details.metadata, self._metadata)
@@ -210,15 +218,23 @@ class _AioDefaultMetadata(
             details.wait_for_ready,
         )
 
+
+class _AioUnaryUnary(_AioDefaultMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStream(_AioDefaultMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnary(_AioDefaultMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
+
+class _AioStreamStream(_AioDefaultMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 

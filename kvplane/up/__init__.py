@@ -6,7 +6,8 @@ picks; a member's config may name another member's address as `${name}`, filled 
 member is listening. A member starts as soon as the
 members it names are healthy (the engines all at once, then the controller) and is waited for
 until its health service answers SERVING. Every channel up opens to a member (readiness, the
-live status, the drain, the check) is insecure, or TLS per the fleet's `client_tls`. A
+live status, the drain, the check) is insecure, or TLS per the fleet's `client_tls`, and
+carries the bearer token of `client_token_file` when the fleet names one. A
 controller's `tokenizer: builtin` names the builtin model's tokenizer, and a controller
 without `metrics_listen` gets one on a free port (the live status reads its routing counters
 there). Then every address is printed and a live

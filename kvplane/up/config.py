@@ -83,6 +83,9 @@ class FleetConfig(StrictModel):
     # How up dials its members (readiness, status, drain, --check): members serving `tls:`
     # need it; unset: insecure.
     client_tls: ClientTlsConfig | None = None
+    # The bearer token up sends its members (members run with `auth` ask for it on Drain and
+    # Abort, and on every call with `protect_reads`); unset: none.
+    client_token_file: Path | None = None
 
     @model_validator(mode="after")
     def _check_names(self) -> FleetConfig:

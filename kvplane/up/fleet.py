@@ -21,7 +21,9 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.channels import ClientChannels
+from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
+from kvplane.server import bearer_token_metadata
 from kvplane.up.config import BUILTIN, FleetConfig, MemberConfig
 from kvplane.up.member import member_environment
 from openengine.v1 import openengine_pb2 as pb
@@ -127,6 +129,9 @@ class Fleet:
         self.members = [Member(m) for m in config.members]
         # Loaded (its files read and checked) before any member starts.
         self.channels = ClientChannels.load(config.client_tls, "client_tls")
+        if config.client_token_file is not None:
+            token = read_token_file(config.client_token_file, "client_token_file")
+            self.channels = self.channels.with_metadata(bearer_token_metadata(token))
 
     def member(self, name: str) -> Member:
         return next(m for m in self.members if m.name == name)

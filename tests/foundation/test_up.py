@@ -460,6 +460,45 @@ def test_up_check_dials_members_serving_tls_with_client_tls(tmp_path: Path, pki:
     assert not any(_alive(pid) for pid in pids)
 
 
+@pytest.mark.timeout(120)
+def test_up_check_reaches_members_run_with_auth_with_client_token_file(tmp_path: Path) -> None:
+    """Members run with `auth` and `protect_reads` (every call needs the token): up sends
+    `client_token_file` on every call (readiness, status, --check, the drain at the end), and
+    the controller reaches its engine with `engine_token_file`."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    auth = {"token_file": str(token), "protect_reads": True}
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        yaml.safe_dump(
+            {
+                "client_token_file": str(token),
+                "members": [
+                    {
+                        "name": "engine-0",
+                        "kind": "engine",
+                        "config": {"model": "sim", "auth": auth},
+                    },
+                    {
+                        "name": "controller",
+                        "kind": "controller",
+                        "config": {
+                            "auth": auth,
+                            "engine_token_file": str(token),
+                            "engines": [{"address": "${engine-0}"}],
+                        },
+                    },
+                ],
+            }
+        )
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=110)
+    assert result.returncode == 0, result.stderr
+    assert "check passed" in result.stderr
+    assert "drain failed" not in result.stderr and "UNAUTHENTICATED" not in result.stderr
+    assert "fleet stopped" in result.stderr
+
+
 def test_up_refuses_an_unreadable_client_tls_file_before_starting_members(
     tmp_path: Path, pki: Path
 ) -> None:
