@@ -22,6 +22,7 @@ naming an adapter is routable only to the engines holding it (`routable(lora_nam
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from controller.router import LoadSnapshot
@@ -247,21 +248,21 @@ class Registry:
         """Whether an engine serves `model` whatever its health, or may: one not reached yet,
         whose models are unknown (a request before the first poll is not for an unknown
         model). An incompatible engine never serves."""
-        return any(
-            r.state is not EngineState.INCOMPATIBLE
-            and (r.identity is None or r.identity.serves(model))
-            for r in self._by_address.values()
-        )
+        return any(True for _ in self._may_serve(model))
+
+    def _may_serve(self, model: str | None) -> Iterator[EngineRecord]:
+        """The engines `may_serve` counts, in no particular order."""
+        for r in self._by_address.values():
+            if r.state is not EngineState.INCOMPATIBLE and (
+                r.identity is None or r.identity.serves(model)
+            ):
+                yield r
 
     def why_unavailable(self, model: str) -> str:
         """Why no engine takes a request for `model` ("": the default model) now: each engine
         that serves it, or may (not reached yet), with its state."""
-        engines = [
-            f"{r.engine_id} {_why_not_routable(r)}"
-            for r in self.records()
-            if r.state is not EngineState.INCOMPATIBLE
-            and (r.identity is None or r.identity.serves(model))
-        ]
+        serving = sorted(self._may_serve(model), key=lambda r: r.address)
+        engines = [f"{r.engine_id} {_why_not_routable(r)}" for r in serving]
         what = f"model {model!r}" if model else "the default model"
         return f"no engine available for {what}: " + (", ".join(engines) or "none serves it")
 
@@ -273,10 +274,8 @@ class Registry:
         fails as any request for it does)."""
         serving = [
             r
-            for r in self.records()
+            for r in sorted(self._may_serve(model), key=lambda r: r.address)
             if r.identity is not None
-            and r.state is not EngineState.INCOMPATIBLE
-            and r.identity.serves(model)
         ]
         if not serving:
             return  # nothing to say about LoRA: no engine serves the model
