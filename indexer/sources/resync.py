@@ -77,15 +77,19 @@ async def engine_workers(backend: IndexBackend, engine: str) -> list[str]:
     return [w.worker_id for w in stats.workers if feeds(w.worker_id, w.worker_address, engine)]
 
 
-async def drop_engine(backend: IndexBackend, engine: str) -> list[str]:
-    """Remove every entry of `engine` (each worker that `feeds` it); returns the workers the
-    index listed. A backend that cannot list its workers (a Redis that is down) still has the
-    worker named `engine` removed (the Redis backend queues it) before the error."""
-    try:
-        workers = await engine_workers(backend, engine)
-    except Exception:
-        await backend.remove_worker(engine)
-        raise
+async def drop_engine(
+    backend: IndexBackend, engine: str, workers: list[str] | None = None
+) -> list[str]:
+    """Remove every entry of `engine` (each worker that `feeds` it: `workers` when the caller
+    just listed them, else listed here); returns those workers. A backend that cannot list
+    its workers (a Redis that is down) still has the worker named `engine` removed (the Redis
+    backend queues it) before the error."""
+    if workers is None:
+        try:
+            workers = await engine_workers(backend, engine)
+        except Exception:
+            await backend.remove_worker(engine)
+            raise
     for worker_id in dict.fromkeys([engine, *workers]):
         await backend.remove_worker(worker_id)
     return workers
@@ -114,11 +118,12 @@ async def resync_engine(
     resubscribe now, from a snapshot (not after its reconnect backoff). Returns the workers
     dropped and how many sources were asked. `only_if_stream_lost`: only when one of those
     sources has lost its stream (nothing is done while they all follow the live process)."""
+    listed = None
     if only_if_stream_lost:
-        sources = _sources_of(engine, await engine_workers(backend, engine), source_of)
-        if not any(source.stream_lost for source in sources):
+        listed = await engine_workers(backend, engine)
+        if not any(source.stream_lost for source in _sources_of(engine, listed, source_of)):
             return [], 0
-    dropped = await drop_engine(backend, engine)
+    dropped = await drop_engine(backend, engine, listed)
     sources = _sources_of(engine, dropped, source_of)
     for source in sources:
         source.request_resync(None)  # every rank it follows: all of them were dropped
