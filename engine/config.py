@@ -6,17 +6,19 @@ use under ~/.cache/kvplane/models, or $KVPLANE_CACHE_DIR/models: see
 engine.torch_runner.builtin_model) or the path of an HF model directory (the torch runner).
 KV capacity is given either as a number of blocks or as a byte budget (the torch runner turns
 bytes into blocks from the model's shape; the sim runner needs blocks). KV events always go to
-`SubscribeKvEvents`; the vLLM-compatible ZMQ publisher is optional.
+`SubscribeKvEvents`; the vLLM-compatible ZMQ publisher is optional. `kv_transfer` sets the
+KV sessions of PREFILL and DECODE engines.
 """
 
 from __future__ import annotations
 
 import enum
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from kvplane.config import ServerConfig, StrictModel
+from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel
 
 SIM_MODEL = "sim"
 BUILTIN_MODEL = "builtin"
@@ -70,6 +72,21 @@ class KvEventsConfig(StrictModel):
         return self
 
 
+class KvTransferConfig(StrictModel):
+    """KV transfer between a PREFILL and a DECODE engine (`engine.server.kv_transfer`)."""
+
+    # A PREFILL engine releases a session no decode engine pulled (or aborted) this long after
+    # its PrefillReady.
+    session_ttl_s: float = Field(default=60.0, gt=0.0)
+    # A DECODE engine gives up a pull after this long (UNAVAILABLE).
+    pull_timeout_s: float = Field(default=30.0, gt=0.0)
+    # The bearer token a DECODE engine presents to prefill engines that have `auth:` (their
+    # token); None: none.
+    peer_token_file: Path | None = None
+    # TLS for a DECODE engine's connections to prefill engines that serve TLS; None: insecure.
+    peer_tls: ClientTlsConfig | None = None
+
+
 class EngineConfig(ServerConfig):
     listen: str = "127.0.0.1:50061"
     # `sim`, `builtin` or the path of an HF model directory (config.json, safetensors,
@@ -99,6 +116,7 @@ class EngineConfig(ServerConfig):
 
     sim: SimTimingConfig = Field(default_factory=SimTimingConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
+    kv_transfer: KvTransferConfig = Field(default_factory=KvTransferConfig)
 
     @model_validator(mode="after")
     def _check_capacity(self) -> EngineConfig:

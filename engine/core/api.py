@@ -148,7 +148,9 @@ class EngineRequest:
     `priority`: larger is scheduled first; FCFS within a priority. `cache_salt` and `lora_name`
     namespace prefix-cache keys. `bypass_prefix_cache` skips reuse of cached blocks but still
     caches the blocks it computes. Prompt logprobs imply no reuse for that request (every
-    position must be computed).
+    position must be computed). `kv_session_id` (a PREFILL engine's request): once the prompt
+    is computed, the blocks a decode engine can reuse stay held under this id after the request
+    ends (`EngineCore.release_kv_session`); the last output then says `held_kv_session`.
     """
 
     request_id: str
@@ -228,7 +230,9 @@ class RequestOutput(NamedTuple):
     position 0 (no conditional probability). `finish_reason` is set on the last output of this
     index; `usage` only on the request's very last output (the last index to finish).
     A matched stop token (caller stop id or EOS) is not in `new_token_ids` unless
-    `include_stop_in_output`; it is still counted in `completion_tokens`.
+    `include_stop_in_output`; it is still counted in `completion_tokens`. `held_kv_session`:
+    on the last output of a request with `kv_session_id`, whether its prompt's KV is now held
+    under that id (not when it was cancelled, failed or never computed its whole prompt).
     """
 
     request_id: str
@@ -241,6 +245,7 @@ class RequestOutput(NamedTuple):
     stop_match: StopMatch | None = None
     message: str = ""
     usage: Usage | None = None
+    held_kv_session: bool = False
 
     @property
     def finished(self) -> bool:
@@ -371,6 +376,28 @@ class ModelRunner(Protocol):
     def release(self, seq_ids: Sequence[int]) -> None:
         """Forget per-sequence state (seeded generators) of finished or aborted sequences;
         unknown ids are ignored."""
+        ...
+
+    # KV transfer between engines: whole blocks as bytes. Two engines exchange blocks only
+    # when their `kv_layout`s are equal (same engine kind, dtype and geometry).
+
+    @property
+    def kv_layout(self) -> str:
+        """What the bytes of a block mean, e.g. the torch runner's dtype and shape."""
+        ...
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """The size of one block's bytes (every layer's K and V)."""
+        ...
+
+    def read_kv_blocks(self, block_ids: Sequence[BlockId]) -> list[bytes]:
+        """A copy of these blocks' KV, one `kv_block_bytes` string per block, in order."""
+        ...
+
+    def write_kv_blocks(self, block_ids: Sequence[BlockId], blocks: Sequence[bytes]) -> None:
+        """Overwrite these blocks' KV with `blocks` (as `read_kv_blocks` returns them); raises
+        ValueError on a count or size mismatch before writing anything."""
         ...
 
 

@@ -7,6 +7,15 @@ re-exported here). A step: schedule -> `runner.execute(batch)` -> mark the compu
 (caching newly full blocks, which records KV events) -> for every sequence that sampled, stop
 checks and text deltas -> `RequestOutput`s. Time comes from the `clock` passed in (a virtual clock
 in replay), so the same core runs live and simulated.
+
+KV sessions (disaggregated serving). A PREFILL engine's request carries `kv_session_id`: when
+it ends normally with its prompt computed, the prompt blocks a decode engine can reuse (the
+full blocks before the one holding the last prompt token) are held under that id by a scratch
+block table (ref-counted, so never evicted) until `release_kv_session`; `read_kv_session`
+copies their bytes out. A DECODE engine puts pulled blocks into its prefix cache with
+`import_kv_blocks` just before adding the request they belong to, so that admission finds them
+as ordinary prefix hits. Both go through the block manager's own verbs (`allocate` of the
+cached prefix or new blocks, `cache_blocks`, `free`) under a scratch sequence id.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable
+from collections.abc import Sequence as PySequence
 from dataclasses import dataclass, field
 
 from engine.core.api import (
@@ -58,11 +68,20 @@ class _Output:
     finished: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _HeldSession:
+    """A KV session's blocks, held by a scratch block table (`seq_id`)."""
+
+    seq_id: int
+    token_ids: tuple[int, ...]  # the tokens whose KV the blocks hold: whole blocks
+
+
 @dataclass(slots=True, eq=False)
 class _RequestState:
     request: EngineRequest
     outputs: list[_Output] = field(default_factory=list)
     num_unfinished: int = 0
+    held_kv_session: bool = False
     # Logprob of the prompt token at each position (index = position; position 0 has none).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
@@ -101,6 +120,7 @@ class EngineCore:
         self.eos_token_ids = runner.eos_token_ids
         self._requests: dict[str, _RequestState] = {}
         self._outputs_by_seq: dict[int, _Output] = {}
+        self._kv_sessions: dict[str, _HeldSession] = {}
         self._next_seq_id = 0
         self._next_arrival = 0
         self._last_prefill_batch = 0
@@ -159,8 +179,7 @@ class EngineCore:
             state.prompt_logprobs = [None] * num_prompt
         now_s = self.clock()
         for index in range(sampling.num_sequences):
-            seq = Sequence(self._next_seq_id, request, index, self._next_arrival, now_s)
-            self._next_seq_id += 1
+            seq = Sequence(self._new_seq_id(), request, index, self._next_arrival, now_s)
             self._next_arrival += 1
             detok = None
             if self.tokenizer is not None:
@@ -170,6 +189,12 @@ class EngineCore:
             self._outputs_by_seq[seq.seq_id] = output
             self.scheduler.add(seq)
         self._requests[request.request_id] = state
+
+    def _new_seq_id(self) -> int:
+        """Sequences and the scratch tables of KV sessions share one id space."""
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
 
     def is_running(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -213,6 +238,13 @@ class EngineCore:
         logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> RequestOutput:
         out.finished = True
+        if (
+            state.request.kv_session_id is not None
+            and out.sequence.output_index == 0
+            and reason in (FinishReason.STOP, FinishReason.LENGTH)
+        ):
+            # Before `remove` frees the sequence's blocks: they must not become evictable.
+            state.held_kv_session = self._hold_kv_session(state.request, out.sequence)
         self.scheduler.remove(out.sequence)
         del self._outputs_by_seq[out.sequence.seq_id]
         state.num_unfinished -= 1
@@ -231,7 +263,98 @@ class EngineCore:
             stop_match=stop_match,
             message=message,
             usage=usage,
+            held_kv_session=usage is not None and state.held_kv_session,
         )
+
+    # ---------------------------------------------------------------- KV sessions
+
+    def _hold_kv_session(self, request: EngineRequest, seq: Sequence) -> bool:
+        """Hold the prompt's reusable blocks under `request.kv_session_id` (False when the
+        prompt was never computed in full, e.g. the KV cache was full, or the id is taken).
+
+        The sequence has just cached its full blocks, so they are the prompt's prefix hits;
+        a scratch table takes them (no new block: hits only), so they outlive the sequence.
+        Hits never cover the last prompt token, and neither does a session: a decode engine
+        computes that token itself."""
+        session_id = request.kv_session_id
+        if (
+            session_id is None
+            or session_id in self._kv_sessions
+            or seq.num_computed_tokens < seq.num_prompt_tokens
+        ):
+            return False
+        bm = self.block_manager
+        prompt = request.prompt_token_ids
+        lora_name, cache_salt = request.lora_name, request.cache_salt
+        num_tokens = bm.count_hit_tokens(prompt, lora_name=lora_name, cache_salt=cache_salt)
+        scratch = self._new_seq_id()
+        bm.allocate(scratch, prompt, num_tokens, lora_name=lora_name, cache_salt=cache_salt)
+        self._kv_sessions[session_id] = _HeldSession(scratch, prompt[:num_tokens])
+        return True
+
+    @property
+    def num_kv_sessions(self) -> int:
+        return len(self._kv_sessions)
+
+    def kv_session_tokens(self, session_id: str) -> tuple[int, ...] | None:
+        """The tokens whose KV a held session has (whole blocks); None if not held."""
+        held = self._kv_sessions.get(session_id)
+        return None if held is None else held.token_ids
+
+    def read_kv_session(self, session_id: str, first_block: int, num_blocks: int) -> list[bytes]:
+        """The bytes of `num_blocks` of a held session's blocks from `first_block` (KeyError
+        when the session is not held)."""
+        table = self.block_manager.block_table(self._kv_sessions[session_id].seq_id)
+        return self.runner.read_kv_blocks(table[first_block : first_block + num_blocks])
+
+    def release_kv_session(self, session_id: str) -> bool:
+        """Stop holding a session's blocks: they stay in the prefix cache, evictable as any
+        cached block. False when it was not held."""
+        held = self._kv_sessions.pop(session_id, None)
+        if held is None:
+            return False
+        self.block_manager.free(held.seq_id)
+        return True
+
+    def import_kv_blocks(
+        self,
+        token_ids: PySequence[int],
+        blocks: PySequence[bytes],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Put KV computed elsewhere into the prefix cache: `blocks[i]` holds the KV of full
+        block i of `token_ids` (a prompt about to be added). Blocks already cached here are
+        kept (allocate takes them as hits); the others get new blocks, written by the runner,
+        then cached (recording BlockStored) and freed, evictable as any cached prefix. Returns
+        how many blocks were written; 0 when the pool has no room (the request then simply
+        computes its prompt). Hits never cover the last prompt token: a block holding it is
+        neither used nor imported."""
+        bm = self.block_manager
+        size = bm.block_size
+        num_blocks = min(len(blocks), (len(token_ids) - 1) // size)
+        if num_blocks <= 0 or not bm.enable_prefix_caching:
+            return 0
+        num_tokens = num_blocks * size
+        if not bm.can_allocate(token_ids, num_tokens, lora_name=lora_name, cache_salt=cache_salt):
+            return 0
+        scratch = self._new_seq_id()
+        num_hit = (
+            bm.allocate(scratch, token_ids, num_tokens, lora_name=lora_name, cache_salt=cache_salt)
+            // size
+        )
+        try:
+            if num_hit >= num_blocks:
+                return 0
+            table = bm.block_table(scratch)
+            # The runner checks sizes before writing anything; a failure leaves the new
+            # blocks uncached, so `free` returns them with nothing recorded.
+            self.runner.write_kv_blocks(table[num_hit:num_blocks], blocks[num_hit:num_blocks])
+            bm.cache_blocks(scratch, token_ids, num_tokens)
+        finally:
+            bm.free(scratch)
+        return num_blocks - num_hit
 
     # ---------------------------------------------------------------- one step
 

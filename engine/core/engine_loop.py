@@ -79,8 +79,8 @@ class EngineLoop:
     """Runs `EngineCore.step()` in one dedicated thread; see the module docstring.
 
     `on_step(report)` runs in the engine thread after every step or command that changed
-    something, with the drained KV events and a fresh load snapshot: publishers forward them
-    from there (thread-safely). It must not block for long.
+    something (outputs, KV events or the load), with the drained KV events and a fresh load
+    snapshot: publishers forward them from there (thread-safely). It must not block for long.
     """
 
     def __init__(
@@ -133,8 +133,18 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- any thread
 
-    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
-        """Validate (raising before acceptance) and queue a request; outputs go to `sink`."""
+    def submit(
+        self,
+        request: EngineRequest,
+        sink: OutputSink,
+        *,
+        before: Callable[[EngineCore], object] | None = None,
+    ) -> None:
+        """Validate (raising before acceptance) and queue a request; outputs go to `sink`.
+
+        `before(core)` runs in the engine thread just before the request is added, in the same
+        command (nothing is scheduled in between): a DECODE engine imports the request's
+        pulled KV blocks there. It only prepares: if it fails, the request runs without it."""
         self.core.check_request(request)
         with self._cond:
             if self._stopping:
@@ -144,6 +154,11 @@ class EngineLoop:
             self._sinks[request.request_id] = (sink, request)
 
             def add() -> list[RequestOutput]:
+                if before is not None:
+                    try:
+                        before(self.core)
+                    except Exception:
+                        logger.exception("preparing request %s failed", request.request_id)
                 try:
                     self.core.add_request(request)
                 except Exception as exc:  # cannot happen after check_request; never hang
@@ -260,7 +275,7 @@ class EngineLoop:
         return StepResult(outputs, result.stats)
 
     def _publish(self, result: StepResult) -> None:
-        self._load = self.core.load()
+        previous, self._load = self._load, self.core.load()
         for output in result.outputs:
             with self._cond:
                 live = self._sinks.get(output.request_id)
@@ -277,7 +292,9 @@ class EngineLoop:
                     self._sinks.pop(output.request_id, None)
                 self.core.abort(output.request_id)
         events = self.core.take_kv_events()
-        if self._on_step is not None and (result.outputs or result.stats or events):
+        # A command may change the load alone (releasing a KV session frees blocks).
+        changed = result.outputs or result.stats or events or self._load != previous
+        if self._on_step is not None and changed:
             try:
                 self._on_step(StepReport(result, events, self._load))
             except Exception:  # a broken observer must not take the engine thread down

@@ -16,6 +16,8 @@ Time. `time_scale` multiplies the modelled duration: 1.0 sleeps in real time, 0 
 give the same clock to `EngineCore(clock=...)` and hundreds of engines replay a trace offline
 in one process, each at its own virtual time.
 
+KV transfer. No KV data: a block is zero bytes (`kv_layout` `sim:B<block_size>`).
+
 Tokens. Deterministic dummy tokens: a mix of the sequence's last token, position and output
 index, mapped into `[token_id_floor, vocab_size)` and never an EOS id, so equal prompts give
 equal outputs (like greedy). `eos_after` makes output token number `eos_after` (1-based) the
@@ -215,6 +217,24 @@ class SimRunner:
 
     def release(self, seq_ids: Sequence[int]) -> None:
         """Nothing to forget: dummy tokens depend only on the token history."""
+
+    # KV transfer: the simulator holds no KV data, so a block is zero bytes; the layout names
+    # the block size, so sim engines exchange sessions like real ones (tests, benchmarks).
+
+    @property
+    def kv_layout(self) -> str:
+        return f"sim:B{self._block_size}"
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return 0
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        return [b""] * len(block_ids)
+
+    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes]) -> None:
+        if len(blocks) != len(block_ids) or any(blocks):
+            raise ValueError("the sim runner's blocks are empty, one per block id")
 
     @property
     def may_emit_eos(self) -> bool:

@@ -9,6 +9,12 @@ the metrics. Nothing here blocks the event loop on a step.
 Acceptance: `submit` validates synchronously (raising the domain errors the servicers map to
 a status) and then commits the request; after that, the request's stream of outputs always
 ends with the output that carries `usage` (finished, cancelled or failed).
+
+A PREFILL engine's service also owns its KV sessions (`kv_sessions`,
+`engine.server.kv_transfer.KvSessionStore`): sessions handed over and not yet pulled are work
+a decode engine still needs, so Drain and shutdown wait for them as for requests in flight
+(each lasts at most `kv_transfer.session_ttl_s`), and release them at the deadline when told
+to abort.
 """
 
 from __future__ import annotations
@@ -29,11 +35,12 @@ from engine.core.api import (
     SamplingParams,
     StepReport,
 )
-from engine.core.engine_core import EngineLoop, asyncio_sink
-from engine.core.errors import EngineStoppedError, InvalidRequestError
+from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
+from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
 from engine.server.errors import DrainingError, RequestNotFoundError
 from engine.server.info import ServedModel
 from engine.server.kv_event_log import KvEventLog
+from engine.server.kv_transfer import KvSessionStore
 from engine.server.metrics import EngineMetrics
 from engine.server.runtime_events import RuntimeEventHub
 
@@ -59,6 +66,7 @@ class DrainPhase(enum.Enum):
 class DrainProgress:
     phase: DrainPhase
     in_flight_requests: int
+    open_kv_sessions: int = 0
     message: str = ""
 
 
@@ -109,8 +117,10 @@ class EngineService:
         runtime_events: RuntimeEventHub,
         metrics: EngineMetrics | None = None,
         *,
+        kv_session_ttl_s: float | None = None,
         drain_progress_interval_s: float = 1.0,
     ) -> None:
+        """`kv_session_ttl_s`: a PREFILL engine's (it holds KV sessions), else None."""
         self.engine_loop = engine_loop
         self.model = model
         self.kv_log = kv_log
@@ -126,6 +136,15 @@ class EngineService:
         self._in_flight_changed = asyncio.Event()
         self._progress_interval_s = drain_progress_interval_s
         self._load = engine_loop.load()
+        self.kv_sessions: KvSessionStore | None = None
+        if kv_session_ttl_s is not None:
+            self.kv_sessions = KvSessionStore(
+                engine_loop,
+                ttl_s=kv_session_ttl_s,
+                block_size=model.block_size,
+                kv_layout=engine_loop.core.runner.kv_layout,
+                on_change=self._in_flight_changed.set,
+            )
 
     # ---------------------------------------------------------------- engine thread -> loop
 
@@ -164,16 +183,17 @@ class EngineService:
         """
         return len(self._live) - len(self._live_internal)
 
+    @property
+    def num_open_kv_sessions(self) -> int:
+        """KV sessions handed over and not yet pulled (a PREFILL engine's)."""
+        return self.kv_sessions.num_open if self.kv_sessions is not None else 0
+
     def load(self) -> LoadSnapshot:
         return self._load
 
     # ---------------------------------------------------------------- requests
 
-    def submit(self, request: EngineRequest, *, internal: bool = False) -> RequestStream:
-        """Validate and accept `request` (raising before acceptance), or refuse while draining.
-
-        `internal` requests (the health probe) are accepted while draining.
-        """
+    def _check_accepting(self, request: EngineRequest, internal: bool) -> None:
         if not self._accepting and not internal:
             raise DrainingError("the engine is draining and accepts no new requests")
         if not internal and request.request_id.startswith(PROBE_ID_PREFIX):
@@ -182,8 +202,30 @@ class EngineService:
             )
         if not self.engine_loop.running:
             raise EngineStoppedError("the engine thread is not running")
+
+    def check(self, request: EngineRequest) -> None:
+        """Everything `submit` would refuse, without submitting: a DECODE engine asks before
+        it pulls the request's KV session (a refusal after the pull would waste it)."""
+        self._check_accepting(request, internal=False)
+        self.engine_loop.core.check_request(request)
+        if request.request_id in self._live:
+            raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+
+    def submit(
+        self,
+        request: EngineRequest,
+        *,
+        internal: bool = False,
+        before: Callable[[EngineCore], object] | None = None,
+    ) -> RequestStream:
+        """Validate and accept `request` (raising before acceptance), or refuse while draining.
+
+        `internal` requests (the health probe) are accepted while draining. `before(core)` runs
+        in the engine thread just before the request is added (`EngineLoop.submit`).
+        """
+        self._check_accepting(request, internal)
         stream = RequestStream(request, self._on_stream_done)
-        self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue))
+        self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue), before=before)
         self._live[request.request_id] = stream
         if internal:
             self._live_internal.add(request.request_id)
@@ -270,20 +312,29 @@ class EngineService:
         loop = asyncio.get_running_loop()
         deadline = None if deadline_s is None else loop.time() + deadline_s
         aborted = False
-        yield DrainProgress(DrainPhase.STARTED, self.num_in_flight)
-        last_reported = self.num_in_flight
-        while self.num_in_flight > 0:
+
+        def left() -> tuple[int, int]:
+            return self.num_in_flight, self.num_open_kv_sessions
+
+        yield DrainProgress(DrainPhase.STARTED, *left())
+        last_reported = left()
+        while any(left()):
             now = loop.time()
             if deadline is not None and now >= deadline and not aborted:
                 if not abort_after_deadline:
+                    requests, sessions = left()
                     yield DrainProgress(
                         DrainPhase.DEADLINE_EXCEEDED,
-                        self.num_in_flight,
-                        f"deadline passed, requests in flight: {self.num_in_flight}",
+                        requests,
+                        sessions,
+                        f"deadline passed, requests in flight: {requests}, "
+                        f"open KV sessions: {sessions}",
                     )
                     return
                 aborted = True
                 await self.abort_all()
+                if self.kv_sessions is not None:
+                    self.kv_sessions.release_all()
                 continue
             wait_s = self._progress_interval_s
             if deadline is not None and not aborted:
@@ -291,20 +342,21 @@ class EngineService:
             self._in_flight_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._in_flight_changed.wait(), timeout=wait_s)
-            if self.num_in_flight != last_reported or not self._in_flight_changed.is_set():
-                last_reported = self.num_in_flight
-                if last_reported > 0:
-                    yield DrainProgress(DrainPhase.IN_PROGRESS, last_reported)
-        message = "aborted the requests left at the deadline" if aborted else ""
-        yield DrainProgress(DrainPhase.COMPLETE, 0, message)
+            if left() != last_reported or not self._in_flight_changed.is_set():
+                last_reported = left()
+                if any(last_reported):
+                    yield DrainProgress(DrainPhase.IN_PROGRESS, *last_reported)
+        message = "aborted the requests and KV sessions left at the deadline" if aborted else ""
+        yield DrainProgress(DrainPhase.COMPLETE, 0, 0, message)
 
     # ---------------------------------------------------------------- shutdown
 
     async def close(self, grace_s: float) -> None:
-        """Stop accepting, give requests `grace_s` to finish, then stop the engine thread."""
+        """Stop accepting, give requests (and open KV sessions) `grace_s` to finish, then stop
+        the engine thread."""
         self._accepting = False
         self._draining = True
-        if self.num_in_flight:
+        if self.num_in_flight or self.num_open_kv_sessions:
 
             async def drained() -> None:
                 async for _ in self.drain(
@@ -316,6 +368,8 @@ class EngineService:
             # reading must not hold the shutdown hostage.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(drained(), timeout=grace_s + _CLOSE_SLACK_S)
+        if self.kv_sessions is not None:
+            await self.kv_sessions.close()
         await asyncio.to_thread(self.engine_loop.stop, 10.0)
         self.kv_log.close()
         self.runtime_events.close()

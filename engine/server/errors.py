@@ -50,7 +50,20 @@ class RequestNotFoundError(EngineServerError):
 
 
 class KvSessionNotFoundError(EngineServerError):
-    """Abort of a KV session this engine does not hold (NOT_FOUND)."""
+    """A KV session the engine asked does not hold: Abort or a pull of an unknown, expired,
+    released or already pulled session; a decode engine passes on its prefill engine's
+    answer (NOT_FOUND)."""
+
+
+class KvSessionRefusedError(EngineServerError):
+    """A DECODE engine cannot use this KV session: another transfer backend, no endpoint it
+    can pull from, another KV layout or block size, tokens that are not a prefix of the
+    prompt, or a prefill engine refusing its credentials (FAILED_PRECONDITION)."""
+
+
+class KvTransferError(EngineServerError):
+    """Pulling a KV session failed on the way: the prefill engine unreachable, too slow, or
+    the stream malformed (UNAVAILABLE, retryable)."""
 
 
 class OverloadedError(EngineServerError):
@@ -77,6 +90,13 @@ _TABLE: tuple[tuple[type[Exception], grpc.StatusCode, pb.ErrorCode.ValueType, bo
     (DrainingError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_DRAINING, True),
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_REQUEST_NOT_FOUND, False),
     (KvSessionNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_KV_SESSION_NOT_FOUND, False),
+    (
+        KvSessionRefusedError,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        pb.ERROR_CODE_KV_TRANSFER_FAILED,
+        False,
+    ),
+    (KvTransferError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_KV_TRANSFER_FAILED, True),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS, pb.ERROR_CODE_DUPLICATE_REQUEST, False),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, True),
     (ReplayNotCoveredError, grpc.StatusCode.OUT_OF_RANGE, pb.ERROR_CODE_INVALID_ARGUMENT, False),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from engine.core.api import EngineRequest, LoadSnapshot
 from engine.core.errors import InvalidRequestError
+from engine.server.kv_transfer import PROTOCOL, TRANSFER_BACKEND
 from kvplane import __version__
 from openengine.v1 import openengine_pb2 as pb
 
@@ -97,6 +98,7 @@ def engine_info(
     role: pb.EngineRole.ValueType,
     instance_id: str,
     data_parallel_rank: int,
+    kv_connector: pb.KvConnectorInfo,
 ) -> pb.EngineInfo:
     return pb.EngineInfo(
         engine_name=ENGINE_NAME,
@@ -111,21 +113,37 @@ def engine_info(
             data_parallel_rank=data_parallel_rank,
             data_parallel_start_rank=data_parallel_rank,
         ),
-        kv_connector=kv_connector_info(),
+        kv_connector=kv_connector,
         schema_revision=SCHEMA_REVISION,
         minimum_client_revision=MINIMUM_CLIENT_REVISION,
         schema_release=SCHEMA_RELEASE,
     )
 
 
-def kv_connector_info() -> pb.KvConnectorInfo:
-    """No KV transfer between engines yet: every capability an explicit false."""
+def kv_connector_info(
+    role: pb.EngineRole.ValueType, endpoints: Sequence[pb.KvEndpoint]
+) -> pb.KvConnectorInfo:
+    """A PREFILL or DECODE engine moves KV with `kvplane-pull` (the decode engine pulls over
+    gRPC from `endpoints`, the engine's own port); an AGGREGATED one moves none: every
+    capability an explicit false."""
+    if role not in (pb.ENGINE_ROLE_PREFILL, pb.ENGINE_ROLE_DECODE):
+        return pb.KvConnectorInfo(
+            enabled=False,
+            supports_remote_prefill=False,
+            supports_decode_pull=False,
+            supports_abort_cleanup=False,
+            supports_drain=False,
+        )
     return pb.KvConnectorInfo(
-        enabled=False,
-        supports_remote_prefill=False,
-        supports_decode_pull=False,
-        supports_abort_cleanup=False,
-        supports_drain=False,
+        enabled=True,
+        transfer_backend=TRANSFER_BACKEND,
+        local_endpoints=endpoints,
+        supported_protocols=[PROTOCOL],
+        supports_remote_prefill=role == pb.ENGINE_ROLE_PREFILL,
+        supports_decode_pull=role == pb.ENGINE_ROLE_DECODE,
+        supports_abort_cleanup=True,
+        supports_drain=True,
+        schema_version=1,
     )
 
 
@@ -177,13 +195,14 @@ def load_info(
     timestamp_unix_ns: int,
     data_parallel_rank: int,
     include_per_rank: bool,
+    active_kv_sessions: int = 0,
 ) -> pb.LoadInfo:
     info = pb.LoadInfo(
         instance_id=instance_id,
         timestamp_unix_nanos=timestamp_unix_ns,
         running_requests=load.num_running,
         queued_requests=load.num_waiting,
-        active_kv_sessions=0,
+        active_kv_sessions=active_kv_sessions,
         used_kv_blocks=load.num_used_blocks,
         total_kv_blocks=load.num_total_blocks,
         running_tokens=load.running_tokens,

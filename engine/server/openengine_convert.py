@@ -4,7 +4,8 @@
 acceptance and raises the domain errors of `engine.server.errors` (the servicer's table turns
 them into statuses). `GenerateStreamEncoder` turns the core's per-step `RequestOutput`
 deltas into GenerateResponse events with the seed's rules: `output_index` always present,
-deltas only, one GenerationFinished per output, Usage only on the final response.
+deltas only, one GenerationFinished per output, Usage only on the final response; on a PREFILL
+engine, no tokens and a terminal PrefillReady instead of GenerationFinished.
 """
 
 from __future__ import annotations
@@ -120,13 +121,11 @@ def check_unsupported(request: pb.GenerateRequest, ctx: EngineContext) -> None:
         raise UnsupportedOptionError("media inputs are not supported by this engine")
     if request.lora_name:
         raise FeatureDisabledError("LoRA is not enabled on this engine")
-    has_session = request.kv.HasField("session")
-    if ctx.role == pb.ENGINE_ROLE_AGGREGATED and has_session:
-        raise RoleMismatchError("kv.session is for a DECODE engine; this engine is AGGREGATED")
-    if ctx.role == pb.ENGINE_ROLE_DECODE and not has_session:
-        raise RoleMismatchError("a DECODE engine needs kv.session from a prefill engine")
-    if ctx.role in (pb.ENGINE_ROLE_PREFILL, pb.ENGINE_ROLE_DECODE):
-        raise FeatureDisabledError("KV transfer between engines is not supported yet")
+    # A DECODE engine takes requests with a session and, like vLLM's decode instances,
+    # without one (it prefills them itself).
+    if request.kv.HasField("session") and ctx.role != pb.ENGINE_ROLE_DECODE:
+        role = pb.EngineRole.Name(ctx.role).removeprefix("ENGINE_ROLE_")
+        raise RoleMismatchError(f"kv.session is for a DECODE engine; this engine is {role}")
 
 
 def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
@@ -224,8 +223,13 @@ class GenerateStreamEncoder:
         num_outputs: int,
         prompt_logprob_start: int,
         token_text: TokenText,
+        *,
+        kv_session: pb.KvSessionRef | None = None,
     ) -> None:
+        """`kv_session` (a PREFILL engine's request): tokens are not sent, and the request's
+        normal end is PrefillReady carrying this session (when the core holds it)."""
         self._request_id = request_id
+        self._kv_session = kv_session
         self._prompt = prompt_token_ids
         self._num_outputs = num_outputs
         self._prompt_start = prompt_logprob_start
@@ -252,6 +256,12 @@ class GenerateStreamEncoder:
                 self._error_message = output.message or "generation failed"
             if output.usage is not None:
                 events.append(self.error_event(pb.ERROR_CODE_INTERNAL, self._error_message))
+            return events
+        if self._kv_session is not None:
+            if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                events.append(self._prefill_ready_event(output))
+            elif output.finish_reason is not None:
+                events.append(self._finished_event(output))
             return events
         if output.new_token_ids or output.new_text:
             lps: Sequence[TokenLogprob] = output.logprobs or ()
@@ -296,6 +306,24 @@ class GenerateStreamEncoder:
             self.done = True
             if self._last_usage is not None:
                 response.usage.CopyFrom(usage_proto(self._last_usage))
+        return response
+
+    def _prefill_ready_event(self, output: RequestOutput) -> pb.GenerateResponse:
+        """The prefill's end: its KV session, with the Usage of the prompt (the token the pass
+        sampled is not the client's: completion_tokens 0)."""
+        assert self._kv_session is not None
+        if not output.held_kv_session:  # its prompt was never computed (the KV cache is full)
+            message = output.message or "the prompt's KV could not be held"
+            return self.error_event(pb.ERROR_CODE_KV_TRANSFER_FAILED, message, retryable=True)
+        self.done = True
+        usage = self._last_usage
+        response = pb.GenerateResponse(
+            request_id=self._request_id,
+            prefill_ready=pb.PrefillReady(kv_session=self._kv_session),
+        )
+        if usage is not None:
+            prompt_only = Usage(usage.prompt_tokens, 0, usage.cached_prompt_tokens)
+            response.usage.CopyFrom(usage_proto(prompt_only))
         return response
 
     def error_event(

@@ -6,7 +6,11 @@ accepted, a failure is exactly one terminal `EngineError` event and the stream e
 Features this engine lacks are refused before acceptance and advertised as unsupported:
 Embed/Classify/Score (once their required context fields are there) and LoRA ->
 FAILED_PRECONDITION, guided decoding and media -> INVALID_ARGUMENT (unsupported explicit
-options), KV sessions -> FAILED_PRECONDITION.
+options), a KV session on an engine that is not DECODE -> FAILED_PRECONDITION.
+
+Roles: a PREFILL engine's Generate ends with PrefillReady naming a KV session; a DECODE
+engine's Generate with `kv.session` pulls that session before acceptance
+(`engine.server.kv_transfer`); Abort(kv_session) releases a session.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any, NoReturn
 
 import grpc
 
+from engine.core.engine_core import EngineCore
 from engine.core.errors import InvalidRequestError
 from engine.server.engine_service import AbortOutcome, DrainPhase, EngineService
 from engine.server.errors import (
@@ -31,6 +36,11 @@ from engine.server.errors import (
 )
 from engine.server.info import engine_info, kv_connector_info, load_info, model_info
 from engine.server.kv_event_log import SubscriberOverrunError
+from engine.server.kv_transfer import (
+    KvSessionPuller,
+    decode_request,
+    prefill_request,
+)
 from engine.server.kv_wire import to_proto_batch
 from engine.server.openengine_convert import (
     EngineContext,
@@ -70,15 +80,19 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         *,
         instance_id: str,
         token_text: Callable[[int], str],
+        kv_puller: KvSessionPuller | None = None,
         probe_timeout_s: float = 30.0,
     ) -> None:
+        """`kv_puller`: a DECODE engine's; a PREFILL engine's sessions are the service's."""
         self._service = service
         self._ctx = ctx
         self._instance_id = instance_id
         self._token_text = token_text
+        self._kv_puller = kv_puller
         self._probe_timeout_s = probe_timeout_s
         # Filled in once the servers are bound (their real addresses are known only then).
         self.kv_event_sources: list[pb.KvEventSource] = []
+        self.kv_connector = kv_connector_info(ctx.role, [])
 
     def service(self) -> Service:
         return Service(
@@ -96,11 +110,30 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
     ) -> AsyncIterator[pb.GenerateResponse]:
+        sessions = self._service.kv_sessions
+        session_id: str | None = None
         try:
             engine_request = engine_request_from_proto(request, self._ctx)
-            stream = self._service.submit(engine_request)
+            before: Callable[[EngineCore], object] | None = None
+            if request.kv.HasField("session") and self._kv_puller is not None:
+                # Refuse what would be refused anyway before the pull consumes the session.
+                self._service.check(engine_request)
+                pulled = await self._kv_puller.pull(
+                    request.kv.session, engine_request.prompt_token_ids
+                )
+                engine_request = decode_request(engine_request)
+                before = pulled.importer(engine_request)
+            if sessions is not None:
+                session_id = sessions.open()
+                engine_request = prefill_request(engine_request, session_id)
+            stream = self._service.submit(engine_request, before=before)
         except Exception as exc:
+            if sessions is not None and session_id is not None:
+                sessions.discard(session_id)
             await refuse(context, exc)
+        kv_session = None
+        if sessions is not None and session_id is not None:
+            kv_session = sessions.session_ref(session_id, len(engine_request.prompt_token_ids))
         sampling = engine_request.sampling
         encoder = GenerateStreamEncoder(
             engine_request.request_id,
@@ -108,10 +141,14 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             sampling.num_sequences,
             sampling.prompt_logprob_start,
             self._token_text,
+            kv_session=kv_session,
         )
         try:
             async for output in stream.outputs():
                 for event in encoder.encode(output):
+                    if session_id is not None and event.HasField("prefill_ready"):
+                        assert sessions is not None
+                        sessions.ready(session_id)
                     yield event
                 if encoder.done:
                     break
@@ -122,6 +159,8 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         finally:
             if not stream.done:  # client gone or stream failed: stop the work
                 self._service.cancel_nowait(engine_request.request_id)
+            if sessions is not None and session_id is not None:
+                sessions.discard(session_id)  # a no-op once PrefillReady handed it over
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         await self._refuse_task(request.context, "embedding", context)
@@ -155,6 +194,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             role=self._ctx.role,
             instance_id=self._instance_id,
             data_parallel_rank=self._ctx.data_parallel_rank,
+            kv_connector=self.kv_connector,
         )
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> pb.ModelInfo:
@@ -173,6 +213,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             timestamp_unix_ns=time.time_ns(),
             data_parallel_rank=self._ctx.data_parallel_rank,
             include_per_rank=request.include_per_rank,
+            active_kv_sessions=self._service.num_open_kv_sessions,
         )
 
     # ---------------------------------------------------------------- health and lifecycle
@@ -194,16 +235,13 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             pb.HealthCheck(name="model", state=ready, message=self._ctx.model.name),
         ]
         healthy = running
-        if self._ctx.role in (pb.ENGINE_ROLE_PREFILL, pb.ENGINE_ROLE_DECODE):
-            # Every Generate is refused (check_unsupported): no router should count on it.
-            healthy = False
+        if self.kv_connector.enabled:
             checks.append(
                 pb.HealthCheck(
-                    name="kv_transfer",
-                    state=not_ready,
-                    message=f"a {pb.EngineRole.Name(self._ctx.role)} engine needs KV transfer "
-                    "between engines, which this engine does not support yet: it takes no "
-                    "requests",
+                    name="kv_connector",
+                    state=ready,
+                    message=f"{self.kv_connector.transfer_backend}, open KV sessions: "
+                    f"{self._service.num_open_kv_sessions}",
                 )
             )
         if request.role != pb.ENGINE_ROLE_UNSPECIFIED:
@@ -253,9 +291,13 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                     status=pb.ABORT_STATUS_ALREADY_FINISHED, message="already finished"
                 )
             if target == "kv_session":
-                raise KvSessionNotFoundError(
-                    f"no KV session {request.kv_session.session_id!r} on this engine"
-                )
+                session_id = request.kv_session.session_id
+                if self._service.kv_sessions is None:
+                    raise KvSessionNotFoundError(
+                        f"no KV session {session_id!r} on this engine (not a PREFILL engine)"
+                    )
+                self._service.kv_sessions.abort(session_id)
+                return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="released")
             if target == "all_requests":
                 aborted = await self._service.abort_all()
                 return pb.AbortResponse(
@@ -286,14 +328,14 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                             code=pb.ERROR_CODE_DRAINING, message=step.message, retryable=True
                         ),
                         in_flight_requests=step.in_flight_requests,
-                        open_kv_sessions=0,
+                        open_kv_sessions=step.open_kv_sessions,
                         message=step.message,
                     )
                     return
                 yield pb.DrainResponse(
                     state=_DRAIN_STATE[step.phase],
                     in_flight_requests=step.in_flight_requests,
-                    open_kv_sessions=0,
+                    open_kv_sessions=step.open_kv_sessions,
                     message=step.message,
                 )
         except Exception as exc:
@@ -323,7 +365,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
     async def GetKvConnectorInfo(
         self, request: pb.GetKvConnectorInfoRequest, context: Context
     ) -> pb.KvConnectorInfo:
-        return kv_connector_info()
+        return self.kv_connector
 
     async def GetKvEventSources(
         self, request: pb.GetKvEventSourcesRequest, context: Context

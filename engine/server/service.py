@@ -2,7 +2,8 @@
 
 `start_engine(config)` builds everything in the running event loop and returns an
 `EngineApp` whose gRPC server is bound and serving (port 0 picks a free port: tests and
-`kvplane up` read `app.port`). The engine thread starts last, after every publisher is
+`kvplane up` read `app.port`); `kvplane.v1.KvTransfer` (KV sessions of PREFILL engines) is
+served on the same port. The engine thread starts last, after every publisher is
 attached, so no KV event batch is ever missing from the ZMQ stream. `run_engine` serves until
 SIGTERM/SIGINT, then drains: no new requests, in-flight ones get `shutdown_grace_s`, the rest
 are cancelled, subscriptions end, the thread stops.
@@ -30,8 +31,9 @@ from engine.config import BUILTIN_MODEL, SIM_MODEL, EngineConfig, EngineRoleName
 from engine.core.api import ModelRunner, SchedulerConfig, StepReport
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.server.engine_service import EngineService
-from engine.server.info import ServedModel
+from engine.server.info import ServedModel, kv_connector_info
 from engine.server.kv_event_log import KvEventLog
+from engine.server.kv_transfer import PROTOCOL, KvSessionPuller, KvTransferServicer
 from engine.server.metrics import EngineMetrics
 from engine.server.openengine_convert import EngineContext
 from engine.server.openengine_servicer import OpenEngineServicer
@@ -171,10 +173,13 @@ class EngineApp:
     publisher: ZmqKvPublisher | None
     metrics_server: Any | None
     metrics_port: int | None
+    kv_puller: KvSessionPuller | None = None
 
     async def close_engine(self) -> None:
         """Drain and stop everything but the gRPC server (serve_until_signal stops that)."""
         await self.service.close(self.config.shutdown_grace_s)
+        if self.kv_puller is not None:
+            await self.kv_puller.close()
         if self.publisher is not None:
             await self.publisher.close()
         if self.metrics_server is not None:
@@ -232,8 +237,26 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         services[0].on_step_threadsafe(report)
 
     engine_loop = EngineLoop(core, on_step=on_step)
-    service = EngineService(engine_loop, served, kv_log, runtime, metrics)
+    role = _ROLE[config.role]
+    service = EngineService(
+        engine_loop,
+        served,
+        kv_log,
+        runtime,
+        metrics,
+        kv_session_ttl_s=config.kv_transfer.session_ttl_s
+        if role == pb.ENGINE_ROLE_PREFILL
+        else None,
+    )
     services.append(service)
+    kv_puller = None
+    if role == pb.ENGINE_ROLE_DECODE:
+        kv_puller = KvSessionPuller.from_config(
+            config.kv_transfer,
+            block_size=runner.block_size,
+            kv_layout=runner.kv_layout,
+            kv_block_bytes=runner.kv_block_bytes,
+        )
 
     encode: Callable[[str], list[int]] | None = None
     if tokenizer is not None:
@@ -244,15 +267,27 @@ async def start_engine(config: EngineConfig) -> EngineApp:
 
     ctx = EngineContext(
         model=served,
-        role=_ROLE[config.role],
+        role=role,
         data_parallel_rank=kv_config.data_parallel_rank,
         encode=encode,
     )
     openengine = OpenEngineServicer(
-        service, ctx, instance_id=instance_id, token_text=_token_text(tokenizer)
+        service,
+        ctx,
+        instance_id=instance_id,
+        token_text=_token_text(tokenizer),
+        kv_puller=kv_puller,
     )
     vllm = VllmGenerateServicer(service, ctx)
-    server, port = await create_server(config, [openengine.service(), vllm.service()])
+    kv_transfer = KvTransferServicer(
+        service.kv_sessions,
+        engine_loop,
+        block_size=runner.block_size,
+        kv_layout=runner.kv_layout,
+        kv_block_bytes=runner.kv_block_bytes,
+    )
+    services_to_serve = [openengine.service(), vllm.service(), kv_transfer.service()]
+    server, port = await create_server(config, services_to_serve)
     publisher: ZmqKvPublisher | None = None
     metrics_server: Any | None = None
     metrics_port: int | None = None
@@ -284,6 +319,11 @@ async def start_engine(config: EngineConfig) -> EngineApp:
             sources.append(_zmq_source(publisher, host, kv_config.buffer_steps, kv_config.hwm))
             sources[-1].data_parallel_rank = kv_config.data_parallel_rank
         openengine.kv_event_sources = sources
+        kv_endpoints = [pb.KvEndpoint(host=host, port=port, protocol=PROTOCOL)]
+        openengine.kv_connector = kv_connector_info(role, kv_endpoints)
+        if service.kv_sessions is not None:
+            service.kv_sessions.endpoints = kv_endpoints
+            service.kv_sessions.data_parallel_rank = kv_config.data_parallel_rank
         if metrics_registry is not None and config.metrics_listen:
             metrics_server, metrics_port = start_metrics_server(
                 config.metrics_listen, metrics_registry
@@ -291,6 +331,8 @@ async def start_engine(config: EngineConfig) -> EngineApp:
     except BaseException:
         if publisher is not None:
             await publisher.close()
+        if kv_puller is not None:
+            await kv_puller.close()
         await server.stop(0)
         raise
     engine_loop.start()
@@ -313,6 +355,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         publisher=publisher,
         metrics_server=metrics_server,
         metrics_port=metrics_port,
+        kv_puller=kv_puller,
     )
 
 

@@ -85,7 +85,10 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
     if dec.logit_bias or dec.allowed_token_ids:
         raise UnsupportedOptionError("logit_bias and allowed_token_ids are not supported")
     if request.kv.HasField("kv_transfer_params") and request.kv.kv_transfer_params.fields:
-        raise RoleMismatchError("KV transfer is not supported by this engine")
+        raise RoleMismatchError(
+            "vLLM's kv_transfer_params are not supported: KV moves between engines through "
+            "OpenEngine's kv.session"
+        )
     which = request.WhichOneof("prompt")
     if which == "token_ids":
         prompt = list(request.token_ids.ids)

@@ -416,6 +416,68 @@ class PagedKvCache:
         element_bytes = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element_bytes
 
+    # ---------------------------------------------------------------- whole blocks as bytes
+    # A block's bytes (KV transfer between engines): for each layer, its K block then its V
+    # block, each `[block_size, num_kv_heads, head_dim]` in the cache's dtype, native byte
+    # order; `layout` names all of it, so equal layouts mean interchangeable bytes.
+
+    @property
+    def layout(self) -> str:
+        _, block_size, num_kv_heads, head_dim = self.keys[0].shape
+        dtype = str(self.keys[0].dtype).removeprefix("torch.")
+        return (
+            f"kvplane-torch-v1:{dtype}:layers={len(self.keys)}:block={block_size}:"
+            f"kv_heads={num_kv_heads}:head_dim={head_dim}:layer(k,v)"
+        )
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * len(self.keys) * self.keys[0][0].numel() * self.keys[0].element_size()
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """A copy of the blocks' K and V, one bytes string per block (moved to the CPU)."""
+        if not block_ids:
+            return []
+        self._check_ids(block_ids)
+        with torch.inference_mode():
+            ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.keys[0].device)
+            # [blocks, layers, 2, block_size, kv_heads, head_dim]
+            data = torch.stack(
+                [
+                    torch.stack((k.index_select(0, ids), v.index_select(0, ids)), dim=1)
+                    for k, v in zip(self.keys, self.values, strict=True)
+                ],
+                dim=1,
+            )
+            raw = data.cpu().contiguous().view(torch.uint8).reshape(len(block_ids), -1)
+            return [row.numpy().tobytes() for row in raw]
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes]) -> None:
+        """Overwrite the blocks with bytes as `read_blocks` gives them; checks every count and
+        size before writing anything (ValueError)."""
+        if len(blocks) != len(block_ids):
+            raise ValueError(f"{len(blocks)} blocks of data for {len(block_ids)} block ids")
+        if not block_ids:
+            return
+        self._check_ids(block_ids)
+        expected = self.block_bytes
+        sizes = {len(b) for b in blocks}
+        if sizes != {expected}:
+            raise ValueError(f"a KV block is {expected} bytes here, got sizes {sorted(sizes)}")
+        key = self.keys[0]
+        with torch.inference_mode():
+            raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8)
+            data = raw.view(key.dtype).reshape(len(block_ids), len(self.keys), 2, *key.shape[1:])
+            data = data.to(key.device)
+            ids = torch.tensor(list(block_ids), dtype=torch.int64, device=key.device)
+            for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+                k.index_copy_(0, ids, data[:, layer, 0])
+                v.index_copy_(0, ids, data[:, layer, 1])
+
+    def _check_ids(self, block_ids: Sequence[int]) -> None:
+        if min(block_ids) < 0 or max(block_ids) >= self.num_blocks:
+            raise ValueError(f"a block id is outside [0, {self.num_blocks})")
+
 
 def write_paged(
     key_cache: torch.Tensor,

@@ -173,6 +173,20 @@ class TorchModelRunner:
     def release(self, seq_ids: Sequence[int]) -> None:
         """Nothing to release: the runner keeps no per-sequence state."""
 
+    @property
+    def kv_layout(self) -> str:
+        return self.kv_cache.layout
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self.kv_cache.block_bytes
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        return self.kv_cache.read_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes]) -> None:
+        self.kv_cache.write_blocks(block_ids, blocks)
+
     def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:
         sequences = batch.sequences
         if not sequences:

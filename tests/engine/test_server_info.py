@@ -155,18 +155,16 @@ async def test_tasks_without_request_id_or_model_are_invalid_argument() -> None:
                 assert (await rpc_error(call)).code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_decode_role_requires_a_session_and_refuses_without_one() -> None:
+async def test_decode_role_prefills_a_request_without_a_session_itself() -> None:
     async with running_engine(sim_config(role="decode")) as engine:
         info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest())
         assert info.role == pb.ENGINE_ROLE_DECODE
-        events = engine.stub.Generate(generate_request([1, 2, 3]))
-        error = await rpc_error(lambda: collect_all(events))
-        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-        # It takes no request at all (no KV transfer between engines yet): not ready, saying why.
-        health = await engine.stub.Health(pb.HealthRequest())
-        assert health.state == pb.HEALTH_STATE_NOT_READY
-        transfer = next(c for c in health.checks if c.name == "kv_transfer")
-        assert "needs KV transfer between engines" in transfer.message
+        # As vLLM's decode instances do (the gateway's `router.skip_prefill_ratio` relies on it).
+        responses = await collect_all(engine.stub.Generate(generate_request([1, 2, 3])))
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH  # type: ignore[attr-defined]
+        health = await engine.stub.Health(pb.HealthRequest(role=pb.ENGINE_ROLE_DECODE))
+        assert health.state == pb.HEALTH_STATE_READY
+        assert "kv_transfer" not in [c.name for c in health.checks]
 
 
 async def collect_all(stream: object) -> list[object]:

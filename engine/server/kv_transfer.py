@@ -1,0 +1,593 @@
+"""KV transfer between engines: kvplane's `kvplane-pull` backend (the DECODE engine pulls).
+
+The seed's handoff ("Disaggregated serving and KV API"): a PREFILL engine's Generate ends with
+PrefillReady carrying a `KvSessionRef`; the same request with `kv.session` set goes to a DECODE
+engine, which attaches the session and generates. Here:
+
+- PREFILL: `prefill_request` turns the request into a one-token pass whose sampled token is
+  dropped, under a fresh session id (`KvSessionStore.open`); when the prompt is computed the
+  engine core holds the session's blocks (ref-counted, never evicted) and the stream ends with
+  PrefillReady (`KvSessionStore.session_ref`). `KvTransferServicer` serves
+  `kvplane.v1.KvTransfer/PullKvSession` on the engine's gRPC port (behind the bearer token when
+  the engine has `auth:`: a pull consumes the session).
+- DECODE: `KvSessionPuller` checks the ref (backend, a `grpc` endpoint, block size and layout
+  when the ref's attributes name them), pulls the session and checks what arrives against the
+  request; the engine thread then imports the blocks into the prefix cache in the same command
+  that adds the request (`PulledSession.importer`, `EngineCore.import_kv_blocks`), so
+  admission finds them as ordinary prefix hits.
+
+Wire: one `KvSessionHeader` (the tokens the KV covers, whole blocks, never the block holding
+the prompt's last token; block size; `kv_layout`; number of blocks), then one `KvBlockData`
+per block in order, each the runner's `kv_block_bytes` (zero for the sim runner).
+
+Session lifetime (PREFILL engine): PREFILLING (its request runs: not pullable, no TTL) ->
+READY (PrefillReady sent; `session_ttl_s` starts) -> PULLING (one pull at a time, no TTL) ->
+released, the blocks left in the prefix cache, evictable as any. Released when a pull sent
+every block, on `Abort(kv_session)` (during a pull: once the pull ends), at the TTL, when a
+drain's deadline passes with `abort_after_deadline`, or with the engine. A pull cut short puts
+the session back to READY, so another decode engine may still pull it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import functools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from engine.config import KvTransferConfig
+from engine.core.api import EngineRequest, SamplingParams
+from engine.core.engine_loop import EngineLoop
+from engine.core.errors import EngineStoppedError, InvalidRequestError
+from engine.server.errors import (
+    KvSessionNotFoundError,
+    KvSessionRefusedError,
+    KvTransferError,
+    grpc_status_for,
+    public_message,
+)
+from kvplane.channels import ClientChannels
+from kvplane.config import read_token_file
+from kvplane.errors import KvplaneError
+from kvplane.server import Service, abort_with, bearer_token_metadata
+from kvplane_api.v1 import kv_transfer_pb2 as kt
+from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
+from openengine.v1 import openengine_pb2 as pb
+
+if TYPE_CHECKING:
+    from engine.core.engine_core import EngineCore
+
+log = logging.getLogger(__name__)
+
+TRANSFER_BACKEND = "kvplane-pull"
+PROTOCOL = "grpc"
+SERVICE_NAME = "kvplane.v1.KvTransfer"
+MUTATING_METHODS = frozenset({"PullKvSession"})
+# Blocks copied out per engine-thread command: a long session must not hold steps up.
+_READ_BATCH_BYTES = 16 << 20
+# gRPC refuses messages above 4 MiB by default; one block of a large model is bigger.
+_MIN_RECEIVE_BYTES = 4 << 20
+
+
+# ------------------------------------------------------------------------------------------
+# Requests of each role
+# ------------------------------------------------------------------------------------------
+
+
+def prefill_request(request: EngineRequest, session_id: str) -> EngineRequest:
+    """A PREFILL engine's pass: compute the prompt (and its prompt logprobs, if asked), sample
+    one greedy token that is never sent, and hold the KV under `session_id`. The client's
+    sampling is for the decode engine."""
+    sampling = request.sampling
+    return dataclasses.replace(
+        request,
+        sampling=SamplingParams(
+            temperature=0.0,
+            max_tokens=1,
+            ignore_eos=True,
+            prompt_logprobs=sampling.prompt_logprobs,
+            prompt_logprob_start=sampling.prompt_logprob_start,
+        ),
+        kv_session_id=session_id,
+    )
+
+
+def decode_request(request: EngineRequest) -> EngineRequest:
+    """A DECODE engine's request given a KV session: its prefill engine already returned the
+    prompt logprobs (the gateway relays them), and computing them again would forbid the very
+    prefix hits the session provides."""
+    if request.sampling.prompt_logprobs is None:
+        return request
+    sampling = dataclasses.replace(request.sampling, prompt_logprobs=None, prompt_logprob_start=0)
+    return dataclasses.replace(request, sampling=sampling)
+
+
+def check_fit(
+    *,
+    block_size: float | None,
+    kv_layout: str | None,
+    token_ids: Sequence[int] | None,
+    want_block_size: int,
+    want_layout: str,
+    prompt: Sequence[int],
+) -> None:
+    """Refuse (KvSessionRefusedError) a session whose blocks an engine with `want_block_size`
+    and `want_layout` cannot use for `prompt`; a None part is not known yet, not checked. The
+    prefill engine checks before it sends anything, the decode engine again on what it got."""
+    if block_size is not None and block_size != want_block_size:
+        raise KvSessionRefusedError(
+            f"the KV session has blocks of {block_size:g} tokens; the decode engine's are "
+            f"{want_block_size}"
+        )
+    if kv_layout is not None and kv_layout != want_layout:
+        raise KvSessionRefusedError(
+            f"the KV session's layout {kv_layout!r} differs from the decode engine's "
+            f"{want_layout!r}"
+        )
+    if token_ids is not None and (
+        len(token_ids) > len(prompt) or list(token_ids) != list(prompt[: len(token_ids)])
+    ):
+        raise KvSessionRefusedError(
+            f"the KV session holds the KV of {len(token_ids)} tokens that are not a prefix of "
+            f"the request's prompt ({len(prompt)} tokens)"
+        )
+
+
+# ------------------------------------------------------------------------------------------
+# PREFILL: the sessions and the pull service
+# ------------------------------------------------------------------------------------------
+
+
+class _State(enum.Enum):
+    PREFILLING = "prefilling"
+    READY = "ready"
+    PULLING = "pulling"
+
+
+@dataclass(slots=True)
+class _Session:
+    state: _State
+    deadline_s: float = 0.0  # READY: released at this time
+    aborted: bool = False  # PULLING: released when the pull ends
+    pull_ended: asyncio.Event | None = None  # PULLING: set when that pull ends
+
+
+class KvSessionStore:
+    """A PREFILL engine's sessions (the asyncio side; the core holds their blocks). Create
+    inside the running event loop; `close` ends its TTL sweeper."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        *,
+        ttl_s: float,
+        block_size: int,
+        kv_layout: str,
+        on_change: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine_loop = engine_loop
+        self._ttl_s = ttl_s
+        self._block_size = block_size
+        self._kv_layout = kv_layout
+        self._on_change = on_change
+        self._clock = clock
+        self._sessions: dict[str, _Session] = {}
+        # What PrefillReady names, filled in once the server is bound.
+        self.endpoints: list[pb.KvEndpoint] = []
+        self.data_parallel_rank = 0
+        self._sweeper = asyncio.create_task(self._sweep(), name="kv-session-ttl")
+
+    @property
+    def num_open(self) -> int:
+        """Sessions handed over (READY or PULLING): what Drain and GetLoad report."""
+        return sum(1 for s in self._sessions.values() if s.state is not _State.PREFILLING)
+
+    def open(self) -> str:
+        """A new session for a prefill about to be submitted."""
+        session_id = f"kvs-{uuid.uuid4().hex}"
+        self._sessions[session_id] = _Session(_State.PREFILLING)
+        return session_id
+
+    def session_ref(self, session_id: str, num_prompt_tokens: int) -> pb.KvSessionRef:
+        """What PrefillReady carries: where to pull the session from, and what it holds."""
+        ref = pb.KvSessionRef(
+            session_id=session_id,
+            transfer_backend=TRANSFER_BACKEND,
+            endpoints=self.endpoints,
+            dp_rank=self.data_parallel_rank,
+        )
+        ref.attributes_struct.update(
+            {
+                "block_size": self._block_size,
+                "num_prompt_tokens": num_prompt_tokens,
+                "kv_layout": self._kv_layout,
+            }
+        )
+        return ref
+
+    def ready(self, session_id: str) -> None:
+        """The core holds the session and PrefillReady is on its way: the TTL starts."""
+        session = self._sessions.get(session_id)
+        if session is not None and session.state is _State.PREFILLING:
+            session.state = _State.READY
+            session.deadline_s = self._clock() + self._ttl_s
+            self._on_change()
+
+    def discard(self, session_id: str) -> None:
+        """The prefill ended without handing the session over (cancelled, failed, the client
+        gone): release whatever the core may hold. A session already handed over is kept."""
+        session = self._sessions.get(session_id)
+        if session is not None and session.state is _State.PREFILLING:
+            del self._sessions[session_id]
+            self._release(session_id)
+
+    def abort(self, session_id: str) -> None:
+        """Abort(kv_session): release it (during a pull: once the pull ends)."""
+        session = self._sessions.get(session_id)
+        if session is None or session.state is _State.PREFILLING:
+            raise KvSessionNotFoundError(f"no KV session {session_id!r} on this engine")
+        if session.state is _State.PULLING:
+            session.aborted = True
+        else:
+            self._drop(session_id)
+
+    async def claim(self, session_id: str) -> None:
+        """Start a pull. A session being pulled is waited for: a pull that sent everything
+        released it (NOT_FOUND, as any second pull), one cut short (a decode engine that
+        refused it) left it to this one. NOT_FOUND unless it is then READY."""
+        session = self._sessions.get(session_id)
+        while session is not None and session.pull_ended is not None:
+            await session.pull_ended.wait()
+            session = self._sessions.get(session_id)
+        if session is None or session.state is not _State.READY:
+            raise KvSessionNotFoundError(
+                f"no KV session {session_id!r} ready to pull on this engine (unknown, "
+                "expired, released or already pulled)"
+            )
+        session.state = _State.PULLING
+        session.pull_ended = asyncio.Event()
+
+    def end_pull(self, session_id: str, *, complete: bool) -> None:
+        """A pull ended: released when it sent everything (or the session was aborted
+        meanwhile), else READY again for another attempt, within the same TTL."""
+        session = self._sessions.get(session_id)
+        if session is None or session.pull_ended is None:
+            return
+        session.pull_ended.set()
+        session.pull_ended = None
+        if complete or session.aborted or session.deadline_s <= self._clock():
+            self._drop(session_id)
+        else:
+            session.state = _State.READY
+
+    def release_all(self) -> None:
+        """A drain's deadline passed: let go of every session handed over."""
+        for session_id, session in list(self._sessions.items()):
+            if session.state is _State.READY:
+                self._drop(session_id)
+            elif session.state is _State.PULLING:
+                session.aborted = True
+
+    def expire(self) -> None:
+        now = self._clock()
+        for session_id, session in list(self._sessions.items()):
+            if session.state is _State.READY and session.deadline_s <= now:
+                log.info("KV session %s expired unpulled; releasing its blocks", session_id)
+                self._drop(session_id)
+
+    async def _sweep(self) -> None:
+        interval_s = min(1.0, self._ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            self.expire()
+
+    async def close(self) -> None:
+        self._sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._sweeper
+
+    def _drop(self, session_id: str) -> None:
+        del self._sessions[session_id]
+        self._release(session_id)
+        self._on_change()
+
+    def _release(self, session_id: str) -> None:
+        # Fire and forget: a stopped engine thread has let go of everything anyway.
+        self._engine_loop.call(functools.partial(_release_in_core, session_id=session_id))
+
+
+def _release_in_core(core: EngineCore, *, session_id: str) -> bool:
+    return core.release_kv_session(session_id)
+
+
+def _session_tokens(core: EngineCore, *, session_id: str) -> tuple[int, ...] | None:
+    return core.kv_session_tokens(session_id)
+
+
+def _read_blocks(core: EngineCore, *, session_id: str, first: int, count: int) -> list[bytes]:
+    return core.read_kv_session(session_id, first, count)
+
+
+class KvTransferServicer(kt_grpc.KvTransferServicer):
+    """`kvplane.v1.KvTransfer` on every engine's port; only a PREFILL engine holds sessions
+    (elsewhere every pull is NOT_FOUND)."""
+
+    def __init__(
+        self,
+        sessions: KvSessionStore | None,
+        engine_loop: EngineLoop,
+        *,
+        block_size: int,
+        kv_layout: str,
+        kv_block_bytes: int,
+    ) -> None:
+        self._sessions = sessions
+        self._engine_loop = engine_loop
+        self._block_size = block_size
+        self._kv_layout = kv_layout
+        self._blocks_per_read = max(1, _READ_BATCH_BYTES // max(1, kv_block_bytes))
+
+    def service(self) -> Service:
+        return Service(
+            SERVICE_NAME,
+            lambda server: kt_grpc.add_KvTransferServicer_to_server(self, server),
+            MUTATING_METHODS,
+        )
+
+    async def PullKvSession(
+        self, request: kt.PullKvSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[kt.KvSessionChunk]:
+        session_id, sessions = request.session_id, self._sessions
+        try:
+            if sessions is None:
+                raise KvSessionNotFoundError("only a PREFILL engine holds KV sessions")
+            await sessions.claim(session_id)
+        except KvplaneError as exc:
+            await abort_with(context, grpc_status_for(exc), public_message(exc))
+        complete = False
+        try:
+            tokens = await self._call(
+                context, functools.partial(_session_tokens, session_id=session_id)
+            )
+            if tokens is None:  # cannot happen while the store has it READY; never hang on it
+                complete = True  # forget it
+                await abort_with(context, grpc.StatusCode.NOT_FOUND, "the KV session is gone")
+            try:  # what the puller cannot use stays pullable: nothing was sent
+                check_fit(
+                    block_size=self._block_size,
+                    kv_layout=self._kv_layout,
+                    token_ids=tokens,
+                    want_block_size=request.block_size or self._block_size,
+                    want_layout=request.kv_layout or self._kv_layout,
+                    prompt=request.prompt_token_ids if request.prompt_token_ids else tokens,
+                )
+            except KvSessionRefusedError as exc:
+                await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            num_blocks = len(tokens) // self._block_size
+            yield kt.KvSessionChunk(
+                header=kt.KvSessionHeader(
+                    token_ids=tokens,
+                    block_size=self._block_size,
+                    kv_layout=self._kv_layout,
+                    num_blocks=num_blocks,
+                )
+            )
+            for first in range(0, num_blocks, self._blocks_per_read):
+                count = min(self._blocks_per_read, num_blocks - first)
+                read = functools.partial(
+                    _read_blocks, session_id=session_id, first=first, count=count
+                )
+                for offset, data in enumerate(await self._call(context, read)):
+                    yield kt.KvSessionChunk(block=kt.KvBlockData(index=first + offset, data=data))
+            complete = True
+        finally:  # the client gone or the stream failed: the session stays pullable
+            sessions.end_pull(session_id, complete=complete)
+
+    async def _call(
+        self, context: grpc.aio.ServicerContext[Any, Any], fn: Callable[[EngineCore], Any]
+    ) -> Any:
+        try:
+            return await asyncio.wrap_future(self._engine_loop.call(fn))
+        except EngineStoppedError as exc:
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+# ------------------------------------------------------------------------------------------
+# DECODE: pulling a session
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PulledSession:
+    """A session's KV as received: `blocks[i]` holds full block i of `token_ids`."""
+
+    token_ids: tuple[int, ...]
+    blocks: list[bytes]
+
+    def importer(self, request: EngineRequest) -> Callable[[EngineCore], object]:
+        """What the engine thread runs just before adding `request` (EngineLoop.submit's
+        `before`): the blocks enter the prefix cache under the request's namespace."""
+
+        def import_blocks(core: EngineCore) -> int:
+            return core.import_kv_blocks(
+                request.prompt_token_ids,
+                self.blocks,
+                lora_name=request.lora_name,
+                cache_salt=request.cache_salt,
+            )
+
+        return import_blocks
+
+
+class KvSessionPuller:
+    """A DECODE engine's side of the transfer: checks a `KvSessionRef` and pulls it. Channels
+    to prefill engines are kept per address and closed by `close`."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        kv_layout: str,
+        kv_block_bytes: int,
+        channels: ClientChannels,
+        timeout_s: float,
+    ) -> None:
+        self._block_size = block_size
+        self._kv_layout = kv_layout
+        self._block_bytes = kv_block_bytes
+        receive = max(_MIN_RECEIVE_BYTES, kv_block_bytes + (1 << 20))
+        self._channel_options = dataclasses.replace(
+            channels,
+            options=(*channels.options, ("grpc.max_receive_message_length", receive)),
+        )
+        self._timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    @classmethod
+    def from_config(
+        cls, config: KvTransferConfig, *, block_size: int, kv_layout: str, kv_block_bytes: int
+    ) -> KvSessionPuller:
+        channels = ClientChannels.load(config.peer_tls, "kv_transfer.peer_tls")
+        if config.peer_token_file is not None:
+            token = read_token_file(config.peer_token_file, "kv_transfer.peer_token_file")
+            channels = channels.with_metadata(bearer_token_metadata(token))
+        return cls(
+            block_size=block_size,
+            kv_layout=kv_layout,
+            kv_block_bytes=kv_block_bytes,
+            channels=channels,
+            timeout_s=config.pull_timeout_s,
+        )
+
+    def check(self, ref: pb.KvSessionRef) -> str:
+        """The address to pull `ref` from; refuses, before any transfer, a session this engine
+        cannot use."""
+        if ref.transfer_backend != TRANSFER_BACKEND:
+            raise KvSessionRefusedError(
+                f"this engine attaches KV sessions of transfer_backend {TRANSFER_BACKEND!r} "
+                f"only, not {ref.transfer_backend!r}"
+            )
+        if not ref.session_id:
+            raise InvalidRequestError("kv.session.session_id is empty")
+        endpoint = next((e for e in ref.endpoints if e.protocol == PROTOCOL), None)
+        if endpoint is None or not endpoint.host or not endpoint.port:
+            protocols = sorted({e.protocol for e in ref.endpoints})
+            raise KvSessionRefusedError(
+                f"the KV session names no {PROTOCOL!r} endpoint (host and port) to pull from; "
+                f"its endpoints' protocols: {protocols}"
+            )
+        attributes = ref.attributes_struct.fields
+        check_fit(
+            block_size=attributes["block_size"].number_value
+            if "block_size" in attributes
+            else None,
+            kv_layout=attributes["kv_layout"].string_value if "kv_layout" in attributes else None,
+            token_ids=None,
+            want_block_size=self._block_size,
+            want_layout=self._kv_layout,
+            prompt=(),
+        )
+        host = endpoint.host
+        return f"[{host}]:{endpoint.port}" if ":" in host else f"{host}:{endpoint.port}"
+
+    async def pull(self, ref: pb.KvSessionRef, prompt_token_ids: Sequence[int]) -> PulledSession:
+        """Pull the session; its tokens must be a prefix of `prompt_token_ids`."""
+        target = self.check(ref)
+        stub = kt_grpc.KvTransferStub(self._channel(target))
+        request = kt.PullKvSessionRequest(
+            session_id=ref.session_id,
+            block_size=self._block_size,
+            kv_layout=self._kv_layout,
+            prompt_token_ids=prompt_token_ids,
+        )
+        call = stub.PullKvSession(request, timeout=self._timeout_s)
+        where = f"KV session {ref.session_id!r} at {target}"
+        try:
+            return await self._receive(call, prompt_token_ids, where)
+        except grpc.aio.AioRpcError as exc:
+            raise _pull_error(exc, where) from None
+        finally:
+            call.cancel()  # a no-op once it ended; else the prefill engine keeps the session
+
+    async def _receive(
+        self, call: AsyncIterable[kt.KvSessionChunk], prompt: Sequence[int], where: str
+    ) -> PulledSession:
+        header: kt.KvSessionHeader | None = None
+        blocks: list[bytes] = []
+        async for chunk in call:
+            which = chunk.WhichOneof("chunk")
+            if header is None:
+                if which != "header":
+                    raise KvTransferError(f"{where}: the stream did not start with its header")
+                header = chunk.header
+                self._check_header(header, prompt, where)
+                continue
+            block = chunk.block
+            if which != "block" or block.index != len(blocks) or block.index >= header.num_blocks:
+                raise KvTransferError(f"{where}: unexpected chunk after {len(blocks)} blocks")
+            if len(block.data) != self._block_bytes:
+                raise KvTransferError(
+                    f"{where}: block {block.index} has {len(block.data)} bytes, expected "
+                    f"{self._block_bytes}"
+                )
+            blocks.append(block.data)
+        if header is None or len(blocks) != header.num_blocks:
+            expected = header.num_blocks if header is not None else "?"
+            raise KvTransferError(
+                f"{where}: the stream ended after {len(blocks)} of {expected} blocks"
+            )
+        return PulledSession(tuple(header.token_ids), blocks)
+
+    def _check_header(self, header: kt.KvSessionHeader, prompt: Sequence[int], where: str) -> None:
+        num_tokens = len(header.token_ids)
+        if num_tokens != header.num_blocks * header.block_size:
+            raise KvTransferError(
+                f"{where}: {num_tokens} tokens for {header.num_blocks} blocks of "
+                f"{header.block_size}"
+            )
+        try:
+            check_fit(
+                block_size=header.block_size,
+                kv_layout=header.kv_layout,
+                token_ids=header.token_ids,
+                want_block_size=self._block_size,
+                want_layout=self._kv_layout,
+                prompt=prompt,
+            )
+        except KvSessionRefusedError as exc:
+            raise KvSessionRefusedError(f"{where}: {exc}") from None
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = self._channels[target] = self._channel_options.aio_channel(target)
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+
+
+def _pull_error(exc: grpc.aio.AioRpcError, where: str) -> KvplaneError:
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.NOT_FOUND:
+        return KvSessionNotFoundError(f"{where}: not found ({details})")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:  # the prefill engine's check_fit
+        return KvSessionRefusedError(f"{where}: {details}")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return KvSessionRefusedError(
+            f"{where}: the prefill engine refused the pull, {code.name}: {details} "
+            "(kv_transfer.peer_token_file holds the token this engine presents)"
+        )
+    return KvTransferError(f"{where}: pull failed, {code.name}: {details}")

@@ -1,0 +1,86 @@
+"""The gateway in front of the bundled engine playing PREFILL and DECODE (sim runner, real KV
+sessions pulled over gRPC), where test_gateway_disaggregated.py runs the same flows on fakes:
+the client's stream is that of an aggregated engine, the decode engine reports the pulled
+prefix as cached, and no session stays open on the prefill engine."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_gateway import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = [*range(300, 364), 1]  # 4 blocks of 16 and one token
+
+
+def _tokens(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t.token_id for r in responses if r.HasField("token") for t in r.token.tokens]
+
+
+async def test_prefill_and_decode_engines_behind_the_gateway() -> None:
+    prefill = await start_sim_engine("p0", role="prefill")
+    decode = await start_sim_engine("d0", role="decode")
+    aggregated = await start_sim_engine("a0")
+    fleet = await make_fleet(engines=[prefill, decode])
+    try:
+        request = generate_request("r", PROMPT, max_tokens=6)
+        request.response.return_prompt_logprobs = True
+        reply = [r async for r in fleet.gateway.Generate(request)]
+        events = [r.WhichOneof("event") for r in reply]
+        assert events[0] == "prompt" and events.count("prompt") == 1
+        assert "prefill_ready" not in events and events[-1] == "finished"
+        assert reply[-1].usage.cached_prompt_tokens == 64  # the pulled blocks
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{aggregated.port}") as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+            alone = [r async for r in stub.Generate(generate_request("a", PROMPT, 6))]
+        assert _tokens(reply) == _tokens(alone)
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{prefill.port}") as channel:
+            stub = pb_grpc.OpenEngineStub(channel)
+
+            async def released() -> bool:
+                load = await stub.GetLoad(pb.GetLoadRequest())
+                return load.active_kv_sessions == 0 and load.used_kv_blocks == 0
+
+            await eventually(released)
+    finally:
+        await close_fleet(fleet)
+        await aggregated.close()
+
+
+async def test_a_decode_engine_holding_the_prompt_prefills_it_itself() -> None:
+    prefill = await start_sim_engine("p0", role="prefill")
+    decode = await start_sim_engine("d0", role="decode")
+    fleet = await make_fleet(engines=[prefill, decode], router={"skip_prefill_ratio": 0.5})
+    try:
+        first = [r async for r in fleet.gateway.Generate(generate_request("r1", PROMPT))]
+        assert first[-1].WhichOneof("event") == "finished"
+
+        async def decode_holds_it() -> bool:
+            return any(e.device_blocks >= 4 for e in await _matches(fleet, decode.port))
+
+        await eventually(decode_holds_it)
+        second = [r async for r in fleet.gateway.Generate(generate_request("r2", PROMPT))]
+        assert second[-1].usage.cached_prompt_tokens == 64
+        assert "r2" in decode.service._finished and "r2" not in prefill.service._finished
+
+    finally:
+        await close_fleet(fleet)
+
+
+async def _matches(fleet: Fleet, port: int) -> list[apb.EngineMatch]:
+    reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT)))
+    return [m for m in reply.matches if m.engine == f"127.0.0.1:{port}"]

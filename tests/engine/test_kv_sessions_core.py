@@ -1,0 +1,160 @@
+"""KV sessions in the engine core: a PREFILL request's blocks held under its session until
+released, and pulled blocks imported into a DECODE core's prefix cache (engine_core.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from engine.core.api import (
+    BlockStored,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+)
+from engine.core.engine_core import EngineCore
+from engine.core.sim_runner import SimRunner
+
+BLOCK = 4
+PROMPT = tuple(range(100, 110))  # 10 tokens: two full blocks reusable, the third holds the last
+
+
+class BytesRunner(SimRunner):
+    """A sim runner whose blocks hold bytes: what was written is what is read back."""
+
+    def __init__(self, num_blocks: int = 16) -> None:
+        super().__init__(block_size=BLOCK, num_blocks=num_blocks, vocab_size=1000, time_scale=0)
+        self.data: dict[int, bytes] = {}
+        self.fail_writes = False
+
+    @property
+    def kv_layout(self) -> str:
+        return "bytes"
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return 2
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        return [self.data.get(b, b"??") for b in block_ids]
+
+    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes]) -> None:
+        if self.fail_writes:
+            raise ValueError("bad block")
+        self.data.update(zip(block_ids, blocks, strict=True))
+
+
+def run(core: EngineCore, request: EngineRequest) -> list[RequestOutput]:
+    core.add_request(request)
+    outputs: list[RequestOutput] = []
+    while core.has_work():
+        outputs.extend(o for o in core.step().outputs if o.request_id == request.request_id)
+    return outputs
+
+
+def prefill(session_id: str | None = "s1", prompt: tuple[int, ...] = PROMPT) -> EngineRequest:
+    sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    return EngineRequest("p", prompt, sampling, kv_session_id=session_id)
+
+
+def test_a_prefill_holds_its_reusable_blocks_until_released() -> None:
+    core = EngineCore(BytesRunner())
+    bm = core.block_manager
+    last = run(core, prefill())[-1]
+    assert last.finish_reason is FinishReason.LENGTH and last.held_kv_session
+    assert core.kv_session_tokens("s1") == PROMPT[:8]
+    assert bm.num_used_blocks == 2 and core.num_kv_sessions == 1
+    # Held blocks are never evicted: fill the rest of the pool with other prompts.
+    for i in range(6):
+        other = tuple(range(500 + 8 * i, 508 + 8 * i))
+        run(core, EngineRequest(f"o{i}", other, SamplingParams(max_tokens=1)))
+    assert core.kv_session_tokens("s1") == PROMPT[:8]
+    assert core.block_manager.count_hit_tokens(PROMPT) == 8
+    assert core.release_kv_session("s1")
+    assert not core.release_kv_session("s1")
+    assert bm.num_used_blocks == 0 and core.kv_session_tokens("s1") is None
+    # Released, the blocks stay in the prefix cache.
+    assert core.block_manager.count_hit_tokens(PROMPT) == 8
+    bm.check_invariants()
+
+
+def test_a_request_without_a_session_or_aborted_holds_nothing() -> None:
+    core = EngineCore(BytesRunner())
+    assert not run(core, prefill(None))[-1].held_kv_session
+    core.add_request(prefill("s2"))
+    outputs = core.abort("p")
+    assert outputs[-1].finish_reason is FinishReason.CANCELLED
+    assert not outputs[-1].held_kv_session
+    assert core.kv_session_tokens("s2") is None and core.block_manager.num_used_blocks == 0
+
+
+def test_read_kv_session_copies_the_held_blocks_bytes() -> None:
+    runner = BytesRunner()
+    core = EngineCore(runner)
+    run(core, prefill())
+    # The sim computes nothing; give the held blocks recognisable bytes.
+    table = core.block_manager.block_table(core._kv_sessions["s1"].seq_id)
+    runner.write_kv_blocks(table, [b"k0", b"k1"])
+    assert core.read_kv_session("s1", 0, 2) == [b"k0", b"k1"]
+    assert core.read_kv_session("s1", 1, 5) == [b"k1"]
+    with pytest.raises(KeyError):
+        core.read_kv_session("nope", 0, 1)
+
+
+def test_imported_blocks_are_prefix_hits_of_the_request_and_stored_events() -> None:
+    runner = BytesRunner()
+    core = EngineCore(runner)
+    assert core.import_kv_blocks(PROMPT, [b"k0", b"k1"]) == 2
+    events = core.take_kv_events()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert len(stored) == 1 and stored[0].token_ids == PROMPT[:8]
+    assert core.block_manager.num_used_blocks == 0  # cached and evictable
+    assert sorted(runner.data.values()) == [b"k0", b"k1"]
+    outputs = run(core, EngineRequest("d", PROMPT, SamplingParams(max_tokens=3)))
+    assert outputs[-1].usage is not None and outputs[-1].usage.cached_prompt_tokens == 8
+    # Blocks already cached are not written again.
+    assert core.import_kv_blocks(PROMPT, [b"x0", b"x1"]) == 0
+    assert b"x0" not in runner.data.values()
+    core.block_manager.check_invariants()
+
+
+def test_an_import_never_covers_the_block_of_the_last_prompt_token() -> None:
+    core = EngineCore(BytesRunner())
+    aligned = PROMPT[:8]  # block 1 holds the last token: recomputed, not imported
+    assert core.import_kv_blocks(aligned, [b"k0", b"k1"]) == 1
+    assert core.block_manager.count_hit_tokens(aligned) == 4
+
+
+def test_an_import_without_room_or_with_a_failing_write_changes_nothing() -> None:
+    runner = BytesRunner(num_blocks=4)
+    core = EngineCore(runner)
+    core.add_request(EngineRequest("busy", tuple(range(500, 513)), SamplingParams(max_tokens=50)))
+    core.step()  # holds all 4 blocks
+    assert core.import_kv_blocks(PROMPT, [b"k0", b"k1"]) == 0
+    core.abort("busy")
+    core.take_kv_events()
+    runner.fail_writes = True
+    with pytest.raises(ValueError):
+        core.import_kv_blocks(PROMPT, [b"k0", b"k1"])
+    assert core.block_manager.count_hit_tokens(PROMPT) == 0
+    assert not [e for e in core.take_kv_events() if isinstance(e, BlockStored)]
+    assert core.block_manager.num_used_blocks == 0
+    core.block_manager.check_invariants()
+
+
+def test_a_session_moves_from_a_prefill_core_to_a_decode_core() -> None:
+    prefill_runner, decode_runner = BytesRunner(), BytesRunner()
+    prefill_core, decode_core = EngineCore(prefill_runner), EngineCore(decode_runner)
+    run(prefill_core, prefill())
+    table = prefill_core.block_manager.block_table(prefill_core._kv_sessions["s1"].seq_id)
+    prefill_runner.write_kv_blocks(table, [b"k0", b"k1"])
+    blocks = prefill_core.read_kv_session("s1", 0, 2)
+    decode_core.import_kv_blocks(PROMPT, blocks)
+    request = EngineRequest("d", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
+    decoded = run(decode_core, request)
+    alone = run(EngineCore(BytesRunner()), request)
+    assert [o.new_token_ids for o in decoded] == [o.new_token_ids for o in alone]
+    assert decoded[-1].usage is not None and decoded[-1].usage.cached_prompt_tokens == 8
+    assert sorted(decode_runner.data.values()) == [b"k0", b"k1"]

@@ -1,0 +1,349 @@
+"""PREFILL and DECODE engines over gRPC (sim runner): PrefillReady, the `kvplane-pull` handoff,
+session lifetime (pull, Abort, TTL, drain), the statuses of every refusal, auth, info and
+health. The torch handoff (real KV bytes) is in test_server_kv_transfer_torch.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.config import KvTransferConfig
+from kvplane.config import AuthConfig
+from kvplane_api.v1 import kv_transfer_pb2 as kt
+from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
+from openengine.v1 import openengine_pb2 as pb
+from tests.engine.engine_server_harness import (
+    Engine,
+    collect,
+    generate_request,
+    rpc_error,
+    running_engine,
+    sim_config,
+    stream_error,
+    wait_for,
+)
+from vllm_grpc import vllm_grpc_pb2 as vpb
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = list(range(10, 20))  # block size 4: blocks 0 and 1 transferred, block 2 holds the last
+
+
+@asynccontextmanager
+async def engines(*configs: Any) -> AsyncIterator[list[Engine]]:
+    async with AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(running_engine(c)) for c in configs]
+
+
+async def prefill(engine: Engine, prompt: list[int] = PROMPT, **fields: Any) -> pb.KvSessionRef:
+    responses = await collect(engine.stub, generate_request(prompt, **fields))
+    assert responses[-1].WhichOneof("event") == "prefill_ready", responses[-1]
+    return responses[-1].prefill_ready.kv_session
+
+
+def with_session(session: pb.KvSessionRef, prompt: list[int] = PROMPT) -> pb.GenerateRequest:
+    request = generate_request(prompt, max_tokens=5)
+    request.kv.session.CopyFrom(session)
+    return request
+
+
+def tokens(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t.token_id for r in responses if r.HasField("token") for t in r.token.tokens]
+
+
+async def used_blocks(engine: Engine) -> int:
+    return (await engine.stub.GetLoad(pb.GetLoadRequest())).used_kv_blocks
+
+
+async def test_prefill_ready_then_decode_with_the_session() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode"), sim_config()) as (
+        prefiller,
+        decoder,
+        aggregated,
+    ):
+        responses = await collect(prefiller.stub, generate_request(PROMPT, max_tokens=5))
+        # No tokens: one terminal PrefillReady carrying Usage of the prompt only.
+        assert [r.WhichOneof("event") for r in responses] == ["prefill_ready"]
+        usage = responses[-1].usage
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (10, 0, 10)
+        assert usage.cached_prompt_tokens == 0
+        session = responses[-1].prefill_ready.kv_session
+        assert session.session_id and session.transfer_backend == "kvplane-pull"
+        assert [(e.host, e.port, e.protocol) for e in session.endpoints] == [
+            ("127.0.0.1", prefiller.app.port, "grpc")
+        ]
+        assert session.dp_rank == 0
+        attributes = dict(session.attributes_struct.items())
+        assert attributes == {"block_size": 4, "num_prompt_tokens": 10, "kv_layout": "sim:B4"}
+        load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
+        assert (load.active_kv_sessions, load.used_kv_blocks) == (1, 2)  # held, not evictable
+
+        decoded = await collect(decoder.stub, with_session(session))
+        alone = await collect(aggregated.stub, generate_request(PROMPT, max_tokens=5))
+        assert tokens(decoded) == tokens(alone) and len(tokens(decoded)) == 5
+        assert decoded[-1].usage.cached_prompt_tokens == 8  # the two transferred blocks
+        assert alone[-1].usage.cached_prompt_tokens == 0
+        # A complete pull released the session: the blocks stay cached, no longer held.
+        await wait_for(lambda: _no_sessions(prefiller), what="the session released")
+        again = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
+        assert again.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def _no_sessions(engine: Engine) -> bool:
+    load = await engine.stub.GetLoad(pb.GetLoadRequest())
+    return load.active_kv_sessions == 0 and load.used_kv_blocks == 0
+
+
+async def test_a_second_pull_of_a_session_is_not_found() -> None:
+    async with engines(sim_config(role="prefill")) as (prefiller,):
+        session = await prefill(prefiller)
+        stub = kt_grpc.KvTransferStub(prefiller.channel)
+        chunks = [
+            c
+            async for c in stub.PullKvSession(
+                kt.PullKvSessionRequest(session_id=session.session_id)
+            )
+        ]
+        assert chunks[0].header.num_blocks == 2 and list(chunks[0].header.token_ids) == PROMPT[:8]
+        assert chunks[0].header.kv_layout == "sim:B4" and chunks[0].header.block_size == 4
+        assert [c.block.index for c in chunks[1:]] == [0, 1]
+        _, error = await stream_error(
+            stub.PullKvSession(kt.PullKvSessionRequest(session_id=session.session_id))
+        )
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_abort_of_a_session_releases_its_blocks() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        assert await used_blocks(prefiller) == 2
+        reply = await prefiller.stub.Abort(pb.AbortRequest(kv_session=session))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        await wait_for(lambda: _no_sessions(prefiller), what="the blocks released")
+        gone = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
+        assert gone.code() == grpc.StatusCode.NOT_FOUND
+        again = await rpc_error(prefiller.stub.Abort(pb.AbortRequest(kv_session=session)))
+        assert again.code() == grpc.StatusCode.NOT_FOUND
+        # Only a PREFILL engine holds sessions.
+        elsewhere = await rpc_error(decoder.stub.Abort(pb.AbortRequest(kv_session=session)))
+        assert elsewhere.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_an_unpulled_session_expires_after_its_ttl() -> None:
+    ttl = KvTransferConfig(session_ttl_s=0.3)
+    async with engines(sim_config(role="prefill", kv_transfer=ttl), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        assert await used_blocks(prefiller) == 2
+        await wait_for(lambda: _no_sessions(prefiller), what="the session expired")
+        gone = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
+        assert gone.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_sessions_the_decode_engine_cannot_use_are_refused_before_acceptance() -> None:
+    async with engines(
+        sim_config(role="prefill"),
+        sim_config(role="decode"),
+        sim_config(role="decode", block_size=8),
+    ) as (prefiller, decoder, other_blocks):
+        session = await prefill(prefiller)
+        cases: list[tuple[pb.KvSessionRef, list[int], str]] = []
+        wrong_backend = pb.KvSessionRef()
+        wrong_backend.CopyFrom(session)
+        wrong_backend.transfer_backend = "nixl"
+        cases.append((wrong_backend, PROMPT, "kvplane-pull"))
+        no_grpc = pb.KvSessionRef()
+        no_grpc.CopyFrom(session)
+        no_grpc.endpoints[0].protocol = "tcp"
+        cases.append((no_grpc, PROMPT, "'grpc' endpoint"))
+        other_prompt = [*PROMPT[:3], 999, *PROMPT[4:]]
+        cases.append((session, other_prompt, "not a prefix"))
+        for ref, prompt, why in cases:
+            error = await rpc_error(
+                lambda r=ref, p=prompt: collect(decoder.stub, with_session(r, p))
+            )
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, why
+            assert why in (error.details() or ""), error.details()
+        # Another block size: refused from the session's attributes, before any pull ...
+        error = await rpc_error(lambda: collect(other_blocks.stub, with_session(session)))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "blocks of 4 tokens" in (error.details() or "")
+        # ... and from the pulled header when the attributes do not say (layouts differ too).
+        bare = pb.KvSessionRef()
+        bare.CopyFrom(session)
+        bare.ClearField("attributes_struct")
+        error = await rpc_error(lambda: collect(other_blocks.stub, with_session(bare)))
+        assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # None of that consumed the session (a pull cut short leaves it pullable).
+        decoded = await collect(decoder.stub, with_session(session))
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+
+
+async def test_an_unreachable_prefill_engine_is_unavailable() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        await prefiller.app.server.stop(0)
+        error = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert session.session_id in (error.details() or "")
+
+
+async def test_roles_and_sessions_that_do_not_fit_are_failed_precondition() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode"), sim_config()) as (
+        prefiller,
+        decoder,
+        aggregated,
+    ):
+        session = await prefill(prefiller)
+        for engine in (prefiller, aggregated):
+            error = await rpc_error(lambda e=engine: collect(e.stub, with_session(session)))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "kv.session is for a DECODE engine" in (error.details() or "")
+        # A DECODE engine prefills a request without a session itself.
+        alone = await collect(decoder.stub, generate_request(PROMPT, max_tokens=3))
+        assert len(tokens(alone)) == 3 and alone[-1].WhichOneof("event") == "finished"
+        # vllm.Generate stays on AGGREGATED engines.
+        for engine in (prefiller, decoder):
+            vllm_request = vpb.GenerateRequest(request_id="v", token_ids=vpb.TokenIds(ids=PROMPT))
+            refused = await rpc_error(engine.vllm.Generate(vllm_request))
+            assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_prompt_logprobs_come_before_prefill_ready_and_not_again_from_decode() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        request = generate_request(PROMPT)
+        request.response.return_prompt_logprobs = True
+        responses = await collect(prefiller.stub, request)
+        assert [r.WhichOneof("event") for r in responses] == ["prompt", "prefill_ready"]
+        assert len(responses[0].prompt.tokens) == len(PROMPT)
+        decode = with_session(responses[-1].prefill_ready.kv_session)
+        decode.response.return_prompt_logprobs = True
+        decoded = await collect(decoder.stub, decode)
+        assert "prompt" not in [r.WhichOneof("event") for r in decoded]
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+
+
+async def test_a_prefill_aborted_midway_ends_cancelled_without_a_session() -> None:
+    slow = sim_config(
+        role="prefill",
+        max_num_batched_tokens=8,
+        sim={"time_scale": 1.0, "vocab_size": 1000},
+        max_model_len=512,
+        num_kv_blocks=128,
+    )
+    async with engines(slow) as (prefiller,):
+        stream = prefiller.stub.Generate(generate_request(list(range(300)), request_id="slow"))
+        responses: asyncio.Task[list[Any]] = asyncio.create_task(_read(stream))
+
+        async def running() -> bool:
+            load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
+            return load.running_requests == 1
+
+        await wait_for(running, what="the prefill running")
+        reply = await prefiller.stub.Abort(pb.AbortRequest(request_id="slow"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        events = await responses
+        assert [r.WhichOneof("event") for r in events] == ["finished"]
+        assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        await wait_for(lambda: _no_sessions(prefiller), what="nothing held")
+
+
+async def _read(stream: Any) -> list[Any]:
+    return [r async for r in stream]
+
+
+async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        drain = prefiller.stub.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
+        first = await drain.read()
+        assert first.state == pb.DRAIN_STATE_STARTED
+        assert (first.in_flight_requests, first.open_kv_sessions) == (0, 1)
+        # Draining, it still serves the pull of a session it handed over.
+        decoded = await collect(decoder.stub, with_session(session))
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+        last = first
+        while last.state != pb.DRAIN_STATE_COMPLETE:
+            last = await drain.read()
+        assert last.open_kv_sessions == 0 and last.in_flight_requests == 0
+
+    async with engines(sim_config(role="prefill")) as (prefiller,):
+        await prefill(prefiller)
+        drain = pb.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+        )
+        replies = [r async for r in prefiller.stub.Drain(drain)]
+        assert replies[-1].state == pb.DRAIN_STATE_COMPLETE
+        await wait_for(lambda: _no_sessions(prefiller), what="the session released")
+
+
+async def test_a_prefill_engine_with_auth_serves_pulls_to_its_token_only(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    auth = AuthConfig(token_file=token_file)
+    peer = KvTransferConfig(peer_token_file=token_file)
+    async with engines(
+        sim_config(role="prefill", auth=auth),
+        sim_config(role="decode"),
+        sim_config(role="decode", kv_transfer=peer),
+    ) as (prefiller, anonymous, trusted):
+        session = await prefill(prefiller)  # inference needs no token
+        stub = kt_grpc.KvTransferStub(prefiller.channel)
+        pull = stub.PullKvSession(kt.PullKvSessionRequest(session_id=session.session_id))
+        _, error = await stream_error(pull)
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+        refused = await rpc_error(lambda: collect(anonymous.stub, with_session(session)))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "peer_token_file" in (refused.details() or "")
+        decoded = await collect(trusted.stub, with_session(session))
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+
+
+async def test_prefill_and_decode_engines_are_ready_and_advertise_their_connector() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode"), sim_config()) as (
+        prefiller,
+        decoder,
+        aggregated,
+    ):
+        for engine, role in (
+            (prefiller, pb.ENGINE_ROLE_PREFILL),
+            (decoder, pb.ENGINE_ROLE_DECODE),
+        ):
+            health = await engine.stub.Health(pb.HealthRequest(role=role))
+            assert health.state == pb.HEALTH_STATE_READY, health
+            assert "kv_connector" in [c.name for c in health.checks]
+            connector = await engine.stub.GetKvConnectorInfo(pb.GetKvConnectorInfoRequest())
+            info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest())
+            assert info.kv_connector == connector
+            assert connector.enabled and connector.transfer_backend == "kvplane-pull"
+            assert [(e.host, e.port, e.protocol) for e in connector.local_endpoints] == [
+                ("127.0.0.1", engine.app.port, "grpc")
+            ]
+            assert list(connector.supported_protocols) == ["grpc"]
+            assert connector.supports_remote_prefill == (role == pb.ENGINE_ROLE_PREFILL)
+            assert connector.supports_decode_pull == (role == pb.ENGINE_ROLE_DECODE)
+            assert connector.supports_abort_cleanup and connector.supports_drain
+            probed = await engine.stub.Health(pb.HealthRequest(include_inference_probe=True))
+            assert probed.state == pb.HEALTH_STATE_READY
+        connector = await aggregated.stub.GetKvConnectorInfo(pb.GetKvConnectorInfoRequest())
+        assert connector.HasField("enabled") and not connector.enabled

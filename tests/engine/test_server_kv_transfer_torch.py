@@ -1,0 +1,109 @@
+"""The handoff with real KV: a PREFILL and a DECODE torch engine (tiny Llama, same weights)
+generate exactly what one AGGREGATED engine does, the decode computing only the prompt's last
+partial block on top of the blocks it pulled."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+
+from engine.config import EngineConfig
+from openengine.v1 import openengine_pb2 as pb
+from tests.engine.engine_server_harness import collect, running_engine
+from tests.engine.torch_reference import TEST_DEVICE, TINY_LLAMA
+
+pytestmark = pytest.mark.timeout(180)
+
+BLOCK = 16
+PROMPT = [(i * 37 + 11) % 900 + 5 for i in range(3 * BLOCK + 7)]  # 3 full blocks + 7 tokens
+
+
+def _config(role: str, dtype: str) -> EngineConfig:
+    return EngineConfig(
+        model=str(TINY_LLAMA),
+        listen="127.0.0.1:0",
+        served_model_name="tiny-llama",
+        role=role,
+        block_size=BLOCK,
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        shutdown_grace_s=1.0,
+        dtype=dtype,
+        device=TEST_DEVICE,
+        num_threads=1,
+    )
+
+
+def _greedy(**fields: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        model="tiny-llama",
+        token_ids=pb.TokenIds(ids=PROMPT),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingOptions(max_tokens=12, ignore_eos=True),
+        **fields,
+    )
+
+
+def _tokens(responses: list[pb.GenerateResponse]) -> list[int]:
+    return [t.token_id for r in responses if r.HasField("token") for t in r.token.tokens]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_decode_with_a_pulled_session_generates_what_an_aggregated_engine_does(
+    dtype: str,
+) -> None:
+    async with AsyncExitStack() as stack:
+        prefiller, decoder, aggregated = [
+            await stack.enter_async_context(running_engine(_config(role, dtype)))
+            for role in ("prefill", "decode", "aggregated")
+        ]
+        handoff = await collect(prefiller.stub, _greedy())
+        assert [r.WhichOneof("event") for r in handoff] == ["prefill_ready"]
+        session = handoff[-1].prefill_ready.kv_session
+        layout = session.attributes_struct["kv_layout"]
+        assert f"kvplane-torch-v1:{dtype}:layers=2:block={BLOCK}" in layout
+
+        decode = _greedy()
+        decode.kv.session.CopyFrom(session)
+        decoded = await collect(decoder.stub, decode)
+        alone = await collect(aggregated.stub, _greedy())
+
+        assert _tokens(decoded) == _tokens(alone) and len(_tokens(alone)) == 12
+        # The three full blocks came over the wire; the last 7 tokens were computed here.
+        assert decoded[-1].usage.cached_prompt_tokens == 3 * BLOCK
+        assert alone[-1].usage.cached_prompt_tokens == 0
+        # The imported blocks are the decode engine's own cached prefix now.
+        again = await collect(decoder.stub, _greedy())
+        assert _tokens(again) == _tokens(alone)
+        assert again[-1].usage.cached_prompt_tokens == 3 * BLOCK
+
+
+async def test_a_session_of_other_bytes_gives_other_tokens() -> None:
+    """The decode engine really computes on the pulled KV (the test above cannot pass by
+    recomputing): the same session's blocks, zeroed on the prefill engine before the pull,
+    change what the decode engine generates."""
+    async with AsyncExitStack() as stack:
+        prefiller, decoder, aggregated = [
+            await stack.enter_async_context(running_engine(_config(role, "float32")))
+            for role in ("prefill", "decode", "aggregated")
+        ]
+        handoff = await collect(prefiller.stub, _greedy())
+        session = handoff[-1].prefill_ready.kv_session
+
+        def zero_session_blocks(core: Any) -> None:
+            held = core._kv_sessions[session.session_id]
+            table = core.block_manager.block_table(held.seq_id)
+            empty = bytes(core.runner.kv_block_bytes)
+            core.runner.write_kv_blocks(table, [empty] * len(table))
+
+        await asyncio.wrap_future(prefiller.app.service.engine_loop.call(zero_session_blocks))
+        decode = _greedy()
+        decode.kv.session.CopyFrom(session)
+        decoded = await collect(decoder.stub, decode)
+        alone = await collect(aggregated.stub, _greedy())
+        assert decoded[-1].usage.cached_prompt_tokens == 3 * BLOCK
+        assert _tokens(decoded) != _tokens(alone)
