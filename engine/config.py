@@ -59,8 +59,9 @@ class KvEventsConfig(StrictModel):
     # None -> `kv@<advertised host:port>@<served model name>`, vLLM fleets' convention.
     topic: str | None = None
     hwm: int = Field(default=100_000, gt=0)
-    # Host put in GetKvEventSources when the bind host is a wildcard (`*`, 0.0.0.0, ::).
-    # None -> the gRPC listen host if it is specific, else this machine's address.
+    # Host put in GetKvEventSources (and in the KV session endpoints of PREFILL/DECODE engines)
+    # when the bind host is a wildcard (`*`, 0.0.0.0, ::). None -> the gRPC listen host if it is
+    # specific, else this machine's address.
     advertised_host: str | None = None
     data_parallel_rank: int = Field(default=0, ge=0)
 
