@@ -131,6 +131,10 @@ class _OpenEngineGenerate:
         decode = pb.GenerateRequest()
         decode.CopyFrom(request)
         decode.kv.session.CopyFrom(session)
+        # The prefill hop computed the prompt and relayed its logprobs: asked again, a decode
+        # engine would recompute the prompt, or send them twice.
+        decode.response.ClearField("return_prompt_logprobs")
+        decode.response.ClearField("prompt_candidates")
         return decode
 
     def finished(self, response: pb.GenerateResponse) -> bool:

@@ -97,6 +97,22 @@ async def test_prefill_then_decode_through_the_session() -> None:
         await close_fleet(fleet)
 
 
+async def test_prompt_logprobs_come_once_from_the_prefill_hop() -> None:
+    """The prefill engine computed the prompt and its logprobs were relayed: the decode hop
+    does not ask for them again (a decode engine would recompute the prompt for them, and the
+    client would get them twice)."""
+    fleet, _, _, _ = await _fleet(1, 1)
+    try:
+        request = generate_request("r1", [*PREFIX, 1, 2], max_tokens=3)
+        request.response.return_prompt_logprobs = True
+        reply = await _generate(fleet, request)
+        kinds = [r.WhichOneof("event") for r in reply]
+        assert kinds.count("prompt") == 1 and kinds[0] == "prompt"
+        assert kinds[-1] == "finished"
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_prefill_goes_where_the_prefix_lives() -> None:
     fleet, prefill, decode, _ = await _fleet(3, 1)
     try:

@@ -19,7 +19,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "controller": ControllerConfig,
     "engine": EngineConfig,
     "indexer": IndexerConfig,
-    "local": FleetConfig,
+    "local": FleetConfig,  # local.yaml, local-disagg.yaml
 }
 
 

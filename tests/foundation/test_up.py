@@ -401,6 +401,27 @@ def test_up_check_passes_only_when_prefixes_reach_their_holders(
     assert not any(_alive(pid) for pid in pids)
 
 
+@pytest.mark.timeout(180)
+def test_up_check_passes_on_the_shipped_disaggregated_fleet(tmp_path: Path) -> None:
+    """configs/local-disagg.yaml: a PREFILL and two DECODE engines on the builtin model, the
+    decode engines pulling each prompt's KV from the prefill engine; the answers are complete
+    and a repeated prompt gets the answer it got the first time."""
+    fleet_config = yaml.safe_load((REPO / "configs" / "local-disagg.yaml").read_text())
+    roles = {m["name"]: m["config"].get("role") for m in fleet_config["members"]}
+    assert sorted(filter(None, roles.values())) == ["decode", "decode", "prefill"]
+    for member in fleet_config["members"]:
+        member["config"]["listen"] = "127.0.0.1:0"
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(fleet_config))
+    result = _up_check(fleet, tmp_path, timeout_s=170)
+    assert result.returncode == 0, result.stderr
+    assert "check passed" in result.stderr
+    assert "drain failed" not in result.stderr
+    pids = [int(m.group(4)) for m in MEMBER_LINE.finditer(result.stderr)]
+    assert len(pids) == 4
+    assert not any(_alive(pid) for pid in pids)
+
+
 @pytest.mark.timeout(120)
 def test_up_check_reports_failed_requests_as_a_failed_check(tmp_path: Path) -> None:
     """A controller with no engine answers UNAVAILABLE: a failed check, not a traceback."""
