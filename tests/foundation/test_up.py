@@ -33,6 +33,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 
 REPO = Path(__file__).resolve().parents[2]
 MEMBER_LINE = re.compile(r"fleet member (\S+) \((\w+)\) on (\S+) pid (\d+)")
@@ -664,6 +665,33 @@ async def test_a_member_exiting_during_start_up_is_reported_with_its_exit_code(
             await fleet.start()
     finally:
         await fleet.stop()
+
+
+class _SlowFirstContact(Forwarding):
+    """An engine whose GetEngineInfo (the controller's first contact) takes a second."""
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        await asyncio.sleep(1.0)  # a slow answer, not a wait for anything
+        return await super().GetEngineInfo(request, context)
+
+
+@pytest.mark.timeout(60)
+async def test_a_controller_is_up_once_it_has_reached_its_engines(tmp_path: Path) -> None:
+    """A controller's health service serves before it has reached its engines, and until then
+    it routes nothing: `up` waits for that too, so the check (or an operator) that starts at
+    once finds the engines routable."""
+    engine = await start_fronted_engine("slow-0", _SlowFirstContact)
+    controller = {"engines": [{"address": f"127.0.0.1:{engine.port}"}]}
+    config = FleetConfig.model_validate(
+        {"members": [{"name": "controller", "kind": "controller", "config": controller}]}
+    )
+    fleet = Fleet(config, tmp_path)
+    try:
+        await fleet.start()
+        assert await check_fleet(fleet.member("controller").address or "") == []
+    finally:
+        await fleet.stop()
+        await engine.close()
 
 
 def test_the_admin_hint_dials_the_fleet_as_up_does(tmp_path: Path) -> None:
