@@ -415,6 +415,18 @@ def test_up_check_reports_failed_requests_as_a_failed_check(tmp_path: Path) -> N
     assert "fleet stopped" in result.stderr
 
 
+@pytest.mark.timeout(60)
+def test_up_check_of_a_fleet_without_a_controller_starts_nothing(tmp_path: Path) -> None:
+    """Nothing to check through: one error line before any member starts (an engine's model
+    may take minutes to load), not after."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("members:\n  - {name: engine-0, kind: engine, config: {model: sim}}\n")
+    result = _up_check(fleet, tmp_path, timeout_s=50)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == "kvplane: error: --check needs a controller in the fleet\n"
+    assert not list(tmp_path.glob(f"{WORKDIR_PREFIX}*"))
+
+
 def _tls_fleet(pki: Path, client_tls: dict[str, Any]) -> str:
     """An engine and a controller serving mutual TLS (the controller dials the engine with
     `engine_tls`), and up's own `client_tls`."""
