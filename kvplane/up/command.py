@@ -88,6 +88,8 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
             main.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await main
+            if check:  # the reason the check failed, or its error would point at nothing
+                log.error("check failed: interrupted before it finished")
             return not check
         return main.result()
     finally:

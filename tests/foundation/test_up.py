@@ -266,16 +266,21 @@ def test_a_member_that_dies_stops_the_fleet_and_fails_up(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("interrupt", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
+@pytest.mark.parametrize(
+    ("interrupt", "check"),
+    [(signal.SIGINT, False), (signal.SIGHUP, False), (signal.SIGINT, True)],
+    ids=["ctrl-c", "hangup", "ctrl-c-check"],
+)
 def test_interrupt_during_start_up_leaves_no_process(
-    tmp_path: Path, interrupt: signal.Signals
+    tmp_path: Path, interrupt: signal.Signals, check: bool
 ) -> None:
     """Ctrl-C, or the terminal going away (SIGHUP), stops every member: they run in sessions
-    of their own, so nothing else would reach them."""
+    of their own, so nothing else would reach them. A check interrupted has failed, and says
+    why."""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(SIM_FLEET)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check" if check else "--no-live"],
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
@@ -294,9 +299,10 @@ def test_interrupt_during_start_up_leaves_no_process(
                 pids.append(int(match.group(1)))
         assert len(pids) == 2
         proc.send_signal(interrupt)  # the engines are starting; the controller is not
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == (1 if check else 0)
         rest = proc.stderr.read()
         assert "fleet stopped" in rest
+        assert ("check failed: interrupted before it finished" in rest) == check, rest
         pids += [int(p) for p in re.findall(r"started \(pid (\d+)\)", rest)]
         assert not any(_alive(pid) for pid in pids)
     finally:
