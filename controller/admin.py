@@ -4,7 +4,6 @@ one table (controller/statuses.py)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,8 +21,6 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 
-log = logging.getLogger(__name__)
-
 Context = grpc.aio.ServicerContext[Any, Any]
 
 MUTATING_METHODS = frozenset(
@@ -36,11 +33,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         self.controller = controller
 
     async def _indexed_blocks(self) -> dict[str, int]:
-        try:
-            return blocks_by_engine(await self.controller.index_stats())
-        except Exception as exc:  # the workers are still worth listing without the index
-            log.warning("index stats failed: %s", exc)
-            return {}
+        # The workers are still worth listing without the index.
+        return blocks_by_engine(await self.controller.try_index_stats())
 
     def worker_info(self, record: EngineRecord, indexed: dict[str, int]) -> apb.WorkerInfo:
         info = apb.WorkerInfo(

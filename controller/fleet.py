@@ -15,7 +15,7 @@ only the engines holding it (registry.check_lora says why there is none).
 
 An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
 request or an engine: prompts are routed by load (a warning at most every
-`_BLIND_WARNING_INTERVAL_S`), and a restarted engine's events are followed all the same (its
+`BLIND_WARNING_INTERVAL_S`), and a restarted engine's events are followed all the same (its
 old entries go when Redis is back, see `_drop_indexed`).
 """
 
@@ -94,7 +94,7 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
 
 _NO_HIT = PrefixHit()
 # While an index cannot answer, every routed request meets the failure: warn this often.
-_BLIND_WARNING_INTERVAL_S = 10.0
+BLIND_WARNING_INTERVAL_S = 10.0
 
 
 def _failing_checks(reply: pb.HealthResponse) -> str:
@@ -122,12 +122,16 @@ def _device_blocks(tiers: Sequence[TierPrefix]) -> int:
     return 0
 
 
-class _ThrottledWarning:
-    """A warning logged at most once per `interval_s`, saying how many were held back."""
+class ThrottledWarning:
+    """A warning logged (to `logger`) at most once per `interval_s`, saying how many were held
+    back."""
 
-    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, interval_s: float, clock: Callable[[], float], logger: logging.Logger = log
+    ) -> None:
         self._interval_s = interval_s
         self._clock = clock
+        self._log = logger
         self._next_s = float("-inf")
         self._held = 0
 
@@ -137,7 +141,7 @@ class _ThrottledWarning:
             self._held += 1
             return
         held = f" ({self._held} more since the last warning)" if self._held else ""
-        log.warning("%s%s", message, held)
+        self._log.warning("%s%s", message, held)
         self._next_s = now + self._interval_s
         self._held = 0
 
@@ -196,9 +200,9 @@ class Fleet:
         self._on_engine_gone = on_engine_gone
         self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
-        self._routing_blind = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
-        self._mixed_block_sizes = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
-        self._remote_resync_failed = _ThrottledWarning(_BLIND_WARNING_INTERVAL_S, clock)
+        self._routing_blind = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
+        self._mixed_block_sizes = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
+        self._remote_resync_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}

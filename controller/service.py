@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from controller.config import ControllerConfig
-from controller.fleet import Fleet, PromptView
+from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, ThrottledWarning
 from controller.metrics import ControllerMetrics
 from controller.registry import Role, UnknownModelError
 from controller.router import (
@@ -100,6 +100,9 @@ class Controller:
         self.metrics = ControllerMetrics(self.fleet.registry, self.fleet.event_counters)
         self._tokenizers = ModelTokenizers({})
         self._stats_task: asyncio.Task[None] | None = None
+        # An index that cannot answer is asked every 5 s and at every ListWorkers (the live
+        # status of `kvplane up` lists them every second): one warning at most per interval.
+        self._stats_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock, log)
         # Set by the gateway's Drain and never cleared: a drained controller refuses new
         # requests (and admin Route explains none) until it restarts, as a drained engine does.
         self.draining = False
@@ -251,15 +254,20 @@ class Controller:
     async def _refresh_index_stats(self) -> None:
         while True:
             await asyncio.sleep(INDEX_STATS_INTERVAL_S)
-            try:
-                stats = await self.index_stats()
-            except Exception as exc:  # a shared or remote index may be down: try again later
-                log.warning("index stats failed: %s", exc)
-                continue
+            stats = await self.try_index_stats()
             if stats is not None:
                 self.metrics.index_blocks.set(stats.num_blocks)
                 self.metrics.index_placements.set(stats.num_placements)
                 self.fleet.indexed_blocks = blocks_by_engine(stats)
+
+    async def try_index_stats(self) -> IndexStats | None:
+        """`index_stats`, or None when the index cannot answer (a shared or remote index may
+        be down: asked again later), with a throttled warning."""
+        try:
+            return await self.index_stats()
+        except Exception as exc:
+            self._stats_failed.warn(f"index stats failed: {exc}")
+            return None
 
     async def index_stats(self) -> IndexStats | None:
         """The size of the index the router asks: the embedded or shared one, else the remote

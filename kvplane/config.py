@@ -104,7 +104,9 @@ def read_token_file(path: Path, setting: str) -> str:
     try:
         token = path.read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read {setting} {path}: {exc}") from exc
+        raise ConfigError(f"cannot read {setting} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{setting} {path} is not UTF-8 text (byte {exc.start})") from exc
     if not token:
         raise ConfigError(f"{setting} {path} is empty")
     return token

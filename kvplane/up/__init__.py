@@ -5,7 +5,8 @@ fleet file is loaded, then written to a private temporary folder) listening on a
 picks; a member's config may name another member's address as `${name}`, filled in once that
 member is listening. A member starts as soon as the
 members it names are healthy (the engines all at once, then the controller) and is waited for
-until its health service answers SERVING. Every channel up opens to a member (readiness, the
+until its health service answers SERVING (a controller, also until it has tried each of its
+engines once: before that it routes nothing). Every channel up opens to a member (readiness, the
 live status, the drain, the check) is insecure, or TLS per the fleet's `client_tls`, and
 carries the bearer token of `client_token_file` when the fleet names one. A
 controller's `tokenizer: builtin` names the builtin model's tokenizer, and a controller

@@ -39,7 +39,10 @@ async def run_fleet(config: FleetConfig, live: bool, check: bool = False) -> boo
     The members' configs and logs live in a private temporary folder, removed at the end,
     except after a failure (False or an error) once a member has started: then it is kept for
     its logs (the errors quote only their last lines), and its path is logged; the next
-    `kvplane up` removes it."""
+    `kvplane up` removes it. A check of a fleet without a controller is refused before any
+    member starts."""
+    if check and not any(m.kind == "controller" for m in config.members):
+        raise KvplaneError("--check needs a controller in the fleet")
     remove_stale_workdirs(Path(tempfile.gettempdir()))
     workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
     ok = False
@@ -85,6 +88,8 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
             main.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await main
+            if check:  # the reason the check failed, or its error would point at nothing
+                log.error("check failed: interrupted before it finished")
             return not check
         return main.result()
     finally:
@@ -141,10 +146,9 @@ def _announce(fleet: Fleet) -> None:
 async def _check(fleet: Fleet) -> bool:
     from kvplane.up.check import check_fleet
 
-    controllers = [m for m in fleet.members if m.kind == "controller"]
-    if not controllers or controllers[0].address is None:
-        raise KvplaneError("--check needs a controller in the fleet")
-    problems = await check_fleet(controllers[0].address, fleet.channels)
+    controller = next(m for m in fleet.members if m.kind == "controller")  # run_fleet checked
+    assert controller.address is not None  # it is up
+    problems = await check_fleet(controller.address, fleet.channels)
     for problem in problems:
         log.error("check failed: %s", problem)
     if not problems:

@@ -20,12 +20,15 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from controller.registry import EngineState
 from kvplane.channels import ClientChannels
 from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
 from kvplane.server import bearer_token_metadata
 from kvplane.up.config import BUILTIN, FleetConfig, MemberConfig
 from kvplane.up.member import member_environment
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -115,6 +118,22 @@ async def _healthy(channels: ClientChannels, address: str) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+async def _engines_reached(channels: ClientChannels, address: str) -> bool:
+    """Whether the controller at `address` has tried each of its engines once (none is still
+    `unknown`). Its health service serves before its first polls end, and until then it has
+    no engine to route to: a request sent at once (`--check`'s, an operator's) would fail.
+    A controller that will not say (its `protect_reads` wants a token up lacks) is taken as
+    it is."""
+    try:
+        async with channels.aio_channel(address) as channel:
+            reply = await apb_grpc.AdminStub(channel).ListWorkers(
+                apb.ListWorkersRequest(), timeout=1.0
+            )
+    except grpc.aio.AioRpcError as exc:
+        return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return all(worker.state != EngineState.UNKNOWN for worker in reply.workers)
+
+
 async def _builtin_tokenizer() -> str:
     from engine.torch_runner.builtin_model import ensure_builtin_model  # torch-free
 
@@ -190,13 +209,20 @@ class Fleet:
             if member.address is None and port_file.exists() and port_file.read_text().strip():
                 host = str(config["listen"]).rpartition(":")[0] or "127.0.0.1"
                 member.address = f"{host}:{port_file.read_text().strip()}"
-            if member.address is not None and await _healthy(self.channels, member.address):
+            if member.address is not None and await self._ready(member):
                 member.state = "serving"
                 member.find_metrics_address()
                 log.info("%s serving on %s (log %s)", name, member.address, log_path)
                 return
             await asyncio.sleep(0.1)
         raise KvplaneError(f"{name} did not become healthy in {self.config.start_timeout_s}s")
+
+    async def _ready(self, member: Member) -> bool:
+        """Serving, and for a controller, past its first contact with each engine."""
+        assert member.address is not None
+        if not await _healthy(self.channels, member.address):
+            return False
+        return member.kind != "controller" or await _engines_reached(self.channels, member.address)
 
     async def refresh(self) -> None:
         for member in self.members:

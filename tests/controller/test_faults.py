@@ -92,6 +92,23 @@ async def test_requests_are_routed_by_load_while_the_shared_index_is_down(
         await close_fleet(fleet)
 
 
+async def test_listing_workers_while_the_shared_index_is_down_warns_once(
+    redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ListWorkers asks the index for its size each time (`kvplane up`'s live status lists
+    them every second): an outage is one warning, not one per call."""
+    fleet = await make_fleet(2, index={"backend": redis.url})
+    try:
+        await asyncio.to_thread(redis.kill)
+        for _ in range(5):
+            workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+            assert len(workers.workers) == 2  # still listed, without their indexed blocks
+        failed = [r for r in caplog.records if "index stats failed" in r.getMessage()]
+        assert len(failed) == 1 and failed[0].levelno == logging.WARNING
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_an_engine_restarted_while_the_shared_index_is_down_is_indexed_again(
     redis: RedisServer,
 ) -> None:

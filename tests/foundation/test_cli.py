@@ -83,6 +83,23 @@ def test_missing_config_file_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert "absent.yaml" in result.stderr
 
 
+@pytest.mark.parametrize("content", [None, b"\x85\xff token"])
+def test_a_token_file_that_cannot_be_read_is_one_line_and_exit_1(
+    tmp_path: Path, content: bytes | None
+) -> None:
+    """Missing, or not text (a key file given by mistake): one line naming it, no traceback,
+    before anything is dialled."""
+    token = tmp_path / "token"
+    if content is not None:
+        token.write_bytes(content)
+    result = run("admin", "--token-file", str(token), "--target", "127.0.0.1:9", "health")
+    assert result.returncode == 1, result.stderr
+    why = "No such file or directory" if content is None else "is not UTF-8 text (byte 0)"
+    assert result.stderr.startswith("kvplane: error: ")
+    assert result.stderr.count("\n") == 1 and str(token) in result.stderr, result.stderr
+    assert why in result.stderr and "Errno" not in result.stderr, result.stderr
+
+
 def test_unknown_config_key_is_rejected(tmp_path: Path) -> None:
     config = tmp_path / "indexer.yaml"
     config.write_text("listen: 127.0.0.1:0\nlisten_port: 5\n")

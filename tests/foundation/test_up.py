@@ -33,6 +33,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 
 REPO = Path(__file__).resolve().parents[2]
 MEMBER_LINE = re.compile(r"fleet member (\S+) \((\w+)\) on (\S+) pid (\d+)")
@@ -265,16 +266,21 @@ def test_a_member_that_dies_stops_the_fleet_and_fails_up(tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("interrupt", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
+@pytest.mark.parametrize(
+    ("interrupt", "check"),
+    [(signal.SIGINT, False), (signal.SIGHUP, False), (signal.SIGINT, True)],
+    ids=["ctrl-c", "hangup", "ctrl-c-check"],
+)
 def test_interrupt_during_start_up_leaves_no_process(
-    tmp_path: Path, interrupt: signal.Signals
+    tmp_path: Path, interrupt: signal.Signals, check: bool
 ) -> None:
     """Ctrl-C, or the terminal going away (SIGHUP), stops every member: they run in sessions
-    of their own, so nothing else would reach them."""
+    of their own, so nothing else would reach them. A check interrupted has failed, and says
+    why."""
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(SIM_FLEET)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
+        [sys.executable, "-m", "kvplane", "up", str(fleet), "--check" if check else "--no-live"],
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
@@ -293,9 +299,10 @@ def test_interrupt_during_start_up_leaves_no_process(
                 pids.append(int(match.group(1)))
         assert len(pids) == 2
         proc.send_signal(interrupt)  # the engines are starting; the controller is not
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == (1 if check else 0)
         rest = proc.stderr.read()
         assert "fleet stopped" in rest
+        assert ("check failed: interrupted before it finished" in rest) == check, rest
         pids += [int(p) for p in re.findall(r"started \(pid (\d+)\)", rest)]
         assert not any(_alive(pid) for pid in pids)
     finally:
@@ -433,6 +440,18 @@ def test_up_check_reports_failed_requests_as_a_failed_check(tmp_path: Path) -> N
     assert "check passed" not in result.stderr
     assert "Traceback" not in result.stderr
     assert "fleet stopped" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_up_check_of_a_fleet_without_a_controller_starts_nothing(tmp_path: Path) -> None:
+    """Nothing to check through: one error line before any member starts (an engine's model
+    may take minutes to load), not after."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("members:\n  - {name: engine-0, kind: engine, config: {model: sim}}\n")
+    result = _up_check(fleet, tmp_path, timeout_s=50)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == "kvplane: error: --check needs a controller in the fleet\n"
+    assert not list(tmp_path.glob(f"{WORKDIR_PREFIX}*"))
 
 
 def _tls_fleet(pki: Path, client_tls: dict[str, Any]) -> str:
@@ -685,6 +704,33 @@ async def test_a_member_exiting_during_start_up_is_reported_with_its_exit_code(
             await fleet.start()
     finally:
         await fleet.stop()
+
+
+class _SlowFirstContact(Forwarding):
+    """An engine whose GetEngineInfo (the controller's first contact) takes a second."""
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        await asyncio.sleep(1.0)  # a slow answer, not a wait for anything
+        return await super().GetEngineInfo(request, context)
+
+
+@pytest.mark.timeout(60)
+async def test_a_controller_is_up_once_it_has_reached_its_engines(tmp_path: Path) -> None:
+    """A controller's health service serves before it has reached its engines, and until then
+    it routes nothing: `up` waits for that too, so the check (or an operator) that starts at
+    once finds the engines routable."""
+    engine = await start_fronted_engine("slow-0", _SlowFirstContact)
+    controller = {"engines": [{"address": f"127.0.0.1:{engine.port}"}]}
+    config = FleetConfig.model_validate(
+        {"members": [{"name": "controller", "kind": "controller", "config": controller}]}
+    )
+    fleet = Fleet(config, tmp_path)
+    try:
+        await fleet.start()
+        assert await check_fleet(fleet.member("controller").address or "") == []
+    finally:
+        await fleet.stop()
+        await engine.close()
 
 
 def test_the_admin_hint_dials_the_fleet_as_up_does(tmp_path: Path) -> None:
