@@ -146,6 +146,7 @@ def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
+        sock.close(linger=0)  # an open socket would keep the context's `term` waiting forever
         raise ConfigError(f"cannot bind ZMQ KV events to {endpoint}: {exc}") from exc
     last = sock.getsockopt(zmq.LAST_ENDPOINT)
     return last.decode() if isinstance(last, bytes) else str(last)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from openengine.v1 import openengine_pb2 as pb
@@ -129,4 +130,32 @@ def test_serve_refuses_a_bad_model_with_one_line(tmp_path: Path) -> None:
         b"is not 'sim', 'builtin' or an HF model directory (one holding config.json)"
         in result.stderr
     )
+    assert b"Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_serve_refuses_a_zmq_endpoint_in_use_with_one_line(tmp_path: Path) -> None:
+    """The KV-event PUB socket cannot bind: one line and exit 1, not a process that says it
+    serves and then hangs on its ZMQ context."""
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    try:
+        port = taken.bind_to_random_port("tcp://127.0.0.1")
+        config = tmp_path / "engine.yaml"
+        config.write_text(
+            "listen: 127.0.0.1:0\n"
+            f"kv_events: {{zmq_enabled: true, endpoint: 'tcp://127.0.0.1:{port}',"
+            " replay_endpoint: null}\n"
+        )
+        result = subprocess.run(
+            [*_kvplane(), "engine", "serve", "--config", str(config)],
+            cwd=REPO,
+            capture_output=True,
+            timeout=50,
+        )
+    finally:
+        taken.close(linger=0)
+        ctx.term()
+    assert result.returncode == 1, result.stderr
+    assert f"cannot bind ZMQ KV events to tcp://127.0.0.1:{port}".encode() in result.stderr
     assert b"Traceback" not in result.stderr
