@@ -14,7 +14,8 @@ without `metrics_listen` gets one on a free port (the live status reads its rout
 there). Then every address is printed and a live
 status (engines' health, load, KV usage, cached and indexed blocks; the index size; the
 routing hit ratio and decisions) is refreshed every second until Ctrl-C (or SIGTERM), which
-drains the engines (a short deadline, then what is left is aborted), stops every member in
+drains the controllers and engines at once (a short deadline, then what is left is aborted;
+a drained controller refuses new requests itself), stops every member in
 reverse order with SIGTERM, and kills what is still running (with its process group) after a
 grace period. A member that exits on its own is reported (its log's last lines) and the rest
 are stopped the same way: up then exits 1. On Linux the members get SIGTERM when up dies, even

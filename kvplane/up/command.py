@@ -94,8 +94,10 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
         return main.result()
     finally:
         stopper.cancel()
-        log.info("stopping the fleet: draining engines, then stopping every member")
-        await fleet.drain_engines()
+        log.info(
+            "stopping the fleet: draining the controller and engines, then stopping every member"
+        )
+        await fleet.drain()
         await fleet.stop()
         log.info("fleet stopped")
         for sig in signals:

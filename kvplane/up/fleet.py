@@ -254,19 +254,21 @@ class Fleet:
                 wait.cancel()
         return waits[done.pop()]
 
-    async def drain_engines(self) -> None:
-        """Drain every running engine at once: in-flight requests get the drain deadline,
-        then the rest are aborted. Errors are logged, never raised (stopping goes on)."""
-        engines = [
+    async def drain(self) -> None:
+        """Drain every running engine and controller at once: in-flight requests get the
+        drain deadline, then the rest are aborted. A controller drains its gateway, so that
+        clients are told the fleet is stopping (not that some engine drains) from the first
+        moment. Errors are logged, never raised (stopping goes on)."""
+        draining = [
             m
             for m in self.members
-            if m.kind == "engine"
+            if m.kind in ("engine", "controller")
             and m.address is not None
             and m.process is not None
             and m.process.returncode is None
         ]
-        if engines:
-            await asyncio.gather(*(self._drain(m) for m in engines))
+        if draining:
+            await asyncio.gather(*(self._drain(m) for m in draining))
 
     async def _drain(self, member: Member) -> None:
         assert member.address is not None

@@ -373,7 +373,7 @@ async def test_status_shows_load_cache_and_routing_of_a_running_fleet(
             route = await apb_grpc.AdminStub(ch).Route(apb.PromptQuery(prompt="Hello, world"))
         assert route.tokenized and route.num_prompt_tokens > 0
     finally:
-        await fleet.drain_engines()
+        await fleet.drain()
         await fleet.stop()
     pids = [m.pid for m in fleet.members]
     assert all(pid is not None and not _alive(pid) for pid in pids)
@@ -731,6 +731,29 @@ async def test_a_controller_is_up_once_it_has_reached_its_engines(tmp_path: Path
     finally:
         await fleet.stop()
         await engine.close()
+
+
+@pytest.mark.timeout(60)
+async def test_stopping_drains_the_controller_too(tmp_path: Path) -> None:
+    """While the fleet stops, a request reaching the controller is refused by the controller
+    itself (UNAVAILABLE, it drains), not routed to an engine that is draining."""
+    fleet = Fleet(FleetConfig.model_validate(yaml.safe_load(SIM_FLEET)), tmp_path)
+    try:
+        await fleet.start()
+        await fleet.drain()
+        engine = fleet.member("engine-0")
+        assert engine.state == "drained"
+        async with grpc.aio.insecure_channel(fleet.member("controller").address or "") as ch:
+            request = pb.GenerateRequest(
+                request_id="late", model="sim", token_ids=pb.TokenIds(ids=[1, 2, 3])
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in pb_grpc.OpenEngineStub(ch).Generate(request, timeout=10):
+                    pass
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details() == "the controller is draining"
+    finally:
+        await fleet.stop()
 
 
 def test_the_admin_hint_dials_the_fleet_as_up_does(tmp_path: Path) -> None:
