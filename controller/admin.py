@@ -196,6 +196,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             num_prompt_tokens=plan.request.num_prompt_tokens,
             block_size=plan.request.block_size,
             tokenized=plan.tokenized,
+            index_error=plan.view.index_error or "",
         )
         for row in decision.costs:
             cost = apb.EngineCost(
@@ -226,6 +227,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             block_size=plan.request.block_size,
             num_blocks=len(plan.request.block_keys),
             tokenized=plan.tokenized,
+            index_error=plan.view.index_error or "",
         )
         for c in plan.view.candidates:
             device, host = plan.request.cached_tokens(c.hit)

@@ -341,7 +341,7 @@ def match(
         head = (
             f"{d.get('num_prompt_tokens', 0)} prompt tokens, {d.get('num_blocks', 0)} full "
             f"blocks of {d.get('block_size', 0)}"
-        ) + ("" if d.get("tokenized") else f"\n{_untokenized(model)}")
+        ) + _prefix_unknown(d, model)
         rows = [
             [
                 m.get("instance_id"),
@@ -383,7 +383,7 @@ def route(
             f"-> {d.get('instance_id')} ({d.get('engine')}) reason {d.get('reason')}, policy "
             f"{d.get('policy')}, predicted cached {d.get('predicted_cached_tokens', 0)} of "
             f"{d.get('num_prompt_tokens', 0)} tokens"
-        ) + ("" if d.get("tokenized") else f"\n{_untokenized(model)}")
+        ) + _prefix_unknown(d, model)
         rows = [
             [
                 c.get("instance_id"),
@@ -408,14 +408,24 @@ def route(
     emit(data, output, render)
 
 
-def _untokenized(model: str) -> str:
-    """Why a text prompt's cached prefix is unknown (no tokenizer for it, or too long)."""
-    which = f"model {model!r}" if model else "the default model"
-    return (
-        f"not tokenized: no tokenizer configured for {which} (or the prompt is longer than "
-        "tokenize_max_chars), so the prompt is routed without prefix knowledge (token "
-        "counts estimated at 4 characters a token)"
-    )
+def _prefix_unknown(reply: dict[str, Any], model: str) -> str:
+    """The lines saying why the engines' cached prefixes of the prompt are unknown: a text
+    prompt that was not tokenized (no tokenizer for it, or too long), or an index that could
+    not answer; empty when they are known."""
+    lines = ""
+    if not reply.get("tokenized"):
+        which = f"model {model!r}" if model else "the default model"
+        lines += (
+            f"\nnot tokenized: no tokenizer configured for {which} (or the prompt is longer "
+            "than tokenize_max_chars), so the prompt is routed without prefix knowledge (token "
+            "counts estimated at 4 characters a token)"
+        )
+    if reply.get("index_error"):
+        lines += (
+            f"\nthe index could not answer ({reply['index_error']}): no engine's cached prefix "
+            "is known, so the prompt is routed by load alone"
+        )
+    return lines
 
 
 def _num(value: Any) -> str | None:

@@ -154,6 +154,7 @@ class PromptView(NamedTuple):
     block_size: int
     block_keys: tuple[int, ...]
     candidates: tuple[Candidate, ...]
+    index_error: str | None = None  # the index could not answer: no hits, routed by load
 
 
 class _Engine:
@@ -377,19 +378,22 @@ class Fleet:
         keys: tuple[int, ...] = ()
         hits: dict[str, PrefixHit] = {}
         lora, salt = lora_name or None, cache_salt or None
+        index_error: str | None = None
         # An index that cannot answer: route without cache knowledge rather than fail.
         if token_ids and records and self.remote is not None:
             try:
                 keys, hits = await self.remote.match(token_ids, size, lora_name, cache_salt)
             except KvplaneError as exc:
-                self._routing_blind.warn(f"{exc}; routing by load")
+                index_error = str(exc)
         elif token_ids:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and records:
                 try:
                     hits = await self._indexed_hits(self.index, keys)
                 except KvplaneError as exc:  # the shared Redis is down, loading or refusing
-                    self._routing_blind.warn(f"{exc}; routing by load")
+                    index_error = str(exc)
+        if index_error is not None:
+            self._routing_blind.warn(f"{index_error}; routing by load")
         candidates = []
         for r in records:
             identity = r.identity
@@ -403,7 +407,7 @@ class Fleet:
                     cached_blocks=self.indexed_blocks.get(r.address),
                 )
             )
-        return PromptView(size, keys, tuple(candidates))
+        return PromptView(size, keys, tuple(candidates), index_error)
 
     @staticmethod
     async def _indexed_hits(index: IndexBackend, keys: Sequence[int]) -> dict[str, PrefixHit]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +289,24 @@ async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> No
     finally:
         await server.stop(None)
         await backend.close()
+
+
+async def test_match_and_route_say_when_the_index_could_not_answer(tmp_path: Path) -> None:
+    """A remote index that is down: the tables say so, rather than pass for engines that hold
+    nothing of the prompt; `--output json` carries it as `index_error`."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    fleet = await make_fleet(2, index={"remote": dead})
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
+    try:
+        for command in ("match", "route"):
+            table = await cli(command, "--tokens-file", str(tokens), "--target", fleet.target)
+            assert table.exit_code == 0, table.output
+            assert "the index could not answer (remote index: UNAVAILABLE" in table.output
+            assert "routed by load alone" in table.output
+            data = await cli_json(command, "--tokens-file", str(tokens), "--target", fleet.target)
+            assert data["index_error"].startswith("remote index: UNAVAILABLE")
+    finally:
+        await close_fleet(fleet)

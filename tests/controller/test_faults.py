@@ -81,6 +81,8 @@ async def test_requests_are_routed_by_load_while_the_shared_index_is_down(
         assert explained.engine in {fleet.address(e) for e in fleet.engines}
         match = await fleet.admin.Match(query)
         assert all(m.device_blocks == 0 for m in match.matches)
+        # Said, so that an outage does not pass for an empty cache.
+        assert "Redis" in explained.index_error and "Redis" in match.index_error
         # One warning for the outage so far, not one (with a traceback) per request.
         blind = [r for r in caplog.records if "routing by load" in r.getMessage()]
         assert len(blind) == 1 and blind[0].levelno == logging.WARNING
@@ -88,6 +90,7 @@ async def test_requests_are_routed_by_load_while_the_shared_index_is_down(
         await asyncio.to_thread(redis.start)  # back empty: the engines' sources resync it
         await finished(fleet, generate_request("back", [*PREFIX, 2]))
         await holder_of(fleet, PREFIX, 4)
+        assert (await fleet.admin.Match(query)).index_error == ""
     finally:
         await close_fleet(fleet)
 
@@ -324,6 +327,8 @@ async def test_a_remote_indexer_that_stops_costs_cache_knowledge_until_it_is_bac
         assert explained.engine in {fleet.address(e) for e in fleet.engines}
         match = await fleet.admin.Match(query)
         assert [m.device_blocks for m in match.matches] == [0, 0]
+        assert match.index_error.startswith("remote index: UNAVAILABLE")
+        assert explained.index_error.startswith("remote index: UNAVAILABLE")
         workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
         assert sum(w.routable for w in workers.workers) == 2
         blind = [r for r in caplog.records if "routing by load" in r.getMessage()]
@@ -339,6 +344,7 @@ async def test_a_remote_indexer_that_stops_costs_cache_knowledge_until_it_is_bac
         }
         explained = await fleet.admin.Route(query)
         assert (explained.engine, explained.reason) == (holder, "cache")
+        assert explained.index_error == ""
         reply = await finished(fleet, generate_request("back", [*PREFIX, 3]))
         assert reply.usage.cached_prompt_tokens == 64
     finally:

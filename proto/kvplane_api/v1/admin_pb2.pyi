@@ -329,6 +329,7 @@ class RouteExplanation(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     COSTS_FIELD_NUMBER: _builtins.int
     TOKENIZED_FIELD_NUMBER: _builtins.int
+    INDEX_ERROR_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     reason: _builtins.str
@@ -338,6 +339,8 @@ class RouteExplanation(_message.Message):
     block_size: _builtins.int
     tokenized: _builtins.bool
     """false: a text prompt without a tokenizer (cache-blind)"""
+    index_error: _builtins.str
+    """set when the index could not answer: routed by load alone"""
     @_builtins.property
     def costs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineCost]: ...
     def __init__(
@@ -352,10 +355,11 @@ class RouteExplanation(_message.Message):
         block_size: _builtins.int = ...,
         costs: _abc.Iterable[Global___EngineCost] | None = ...,
         tokenized: _builtins.bool = ...,
+        index_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "costs", b"costs", "engine", b"engine", "instance_id", b"instance_id", "num_prompt_tokens", b"num_prompt_tokens", "policy", b"policy", "predicted_cached_tokens", b"predicted_cached_tokens", "reason", b"reason", "tokenized", b"tokenized"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "costs", b"costs", "engine", b"engine", "index_error", b"index_error", "instance_id", b"instance_id", "num_prompt_tokens", b"num_prompt_tokens", "policy", b"policy", "predicted_cached_tokens", b"predicted_cached_tokens", "reason", b"reason", "tokenized", b"tokenized"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -401,10 +405,13 @@ class MatchResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     MATCHES_FIELD_NUMBER: _builtins.int
     TOKENIZED_FIELD_NUMBER: _builtins.int
+    INDEX_ERROR_FIELD_NUMBER: _builtins.int
     num_prompt_tokens: _builtins.int
     block_size: _builtins.int
     num_blocks: _builtins.int
     tokenized: _builtins.bool
+    index_error: _builtins.str
+    """set when the index could not answer: no engine's hits known"""
     @_builtins.property
     def matches(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineMatch]: ...
     def __init__(
@@ -415,10 +422,11 @@ class MatchResponse(_message.Message):
         num_blocks: _builtins.int = ...,
         matches: _abc.Iterable[Global___EngineMatch] | None = ...,
         tokenized: _builtins.bool = ...,
+        index_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "matches", b"matches", "num_blocks", b"num_blocks", "num_prompt_tokens", b"num_prompt_tokens", "tokenized", b"tokenized"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "index_error", b"index_error", "matches", b"matches", "num_blocks", b"num_blocks", "num_prompt_tokens", b"num_prompt_tokens", "tokenized", b"tokenized"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
