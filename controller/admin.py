@@ -142,7 +142,12 @@ class AdminServicer(apb_grpc.AdminServicer):
             await abort_with(context, exc.code(), exc.details() or exc.code().name)
 
     async def _plan(
-        self, request: apb.PromptQuery, context: Context, role: Role | None = Role.AGGREGATED
+        self,
+        request: apb.PromptQuery,
+        context: Context,
+        role: Role | None = Role.AGGREGATED,
+        *,
+        cordoned: bool = False,
     ) -> Plan:
         which = request.WhichOneof("input")
         if which is None:
@@ -157,7 +162,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             session_key=request.session_key or None,
         )
         try:
-            plan = await self.controller.plan(query, role)
+            plan = await self.controller.plan(query, role, cordoned=cordoned)
         except KvplaneError as exc:  # a LoRA adapter no routable engine holds
             await abort_with(context, status_of(exc), str(exc))
         if plan.tokenized and plan.request.num_prompt_tokens == 0:
@@ -215,13 +220,14 @@ class AdminServicer(apb_grpc.AdminServicer):
         return reply
 
     async def Match(self, request: apb.PromptQuery, context: Context) -> apb.MatchResponse:
-        """Every engine's cached prefix, whatever its role; NOT_FOUND for a model no engine
-        serves, as Route (rather than no engine holding anything of it)."""
+        """Every engine's cached prefix, whatever its role, cordoned ones included (what an
+        operator checks before uncordoning); NOT_FOUND for a model no engine serves, as Route
+        (rather than no engine holding anything of it)."""
         try:
             self.controller.check_model(request.model)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
-        plan = await self._plan(request, context, role=None)
+        plan = await self._plan(request, context, role=None, cordoned=True)
         reply = apb.MatchResponse(
             num_prompt_tokens=plan.request.num_prompt_tokens,
             block_size=plan.request.block_size,

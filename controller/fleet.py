@@ -369,8 +369,10 @@ class Fleet:
         lora_name: str = "",
         cache_salt: str = "",
         role: Role | None = Role.AGGREGATED,
+        cordoned: bool = False,
     ) -> PromptView:
-        records = self.registry.routable(model or None, role, lora_name)
+        """The prompt's keys and its candidates (with `cordoned`, cordoned engines too)."""
+        records = self.registry.routable(model or None, role, lora_name, cordoned=cordoned)
         if lora_name and not records:
             # Only engines holding the adapter may take the request: say why there is none.
             self.registry.check_lora(lora_name, model or None)

@@ -227,13 +227,21 @@ class Registry:
             return None
 
     def routable(
-        self, model: str | None = None, role: Role | None = None, lora_name: str = ""
+        self,
+        model: str | None = None,
+        role: Role | None = None,
+        lora_name: str = "",
+        *,
+        cordoned: bool = False,
     ) -> list[EngineRecord]:
         """Engines that may take a request for `model` now, of `role` (or any), holding the
-        LoRA adapter `lora_name` when one is named."""
+        LoRA adapter `lora_name` when one is named; with `cordoned`, also those that would
+        but for a cordon (admin `match`: what an operator checks before uncordoning)."""
         out = []
         for record in self.records():
-            if not record.routable or record.identity is None:
+            if not (record.routable or (cordoned and record.cordoned)):
+                continue
+            if record.state not in ROUTABLE_STATES or record.identity is None:
                 continue
             if role is not None and record.identity.role not in (role, Role.UNKNOWN):
                 continue

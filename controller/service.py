@@ -146,7 +146,11 @@ class Controller:
             return self._tokenizers.encode(prompt, model)
         return await asyncio.to_thread(self._tokenizers.encode, prompt, model)
 
-    async def plan(self, query: PromptInput, role: Role | None = Role.AGGREGATED) -> Plan:
+    async def plan(
+        self, query: PromptInput, role: Role | None = Role.AGGREGATED, *, cordoned: bool = False
+    ) -> Plan:
+        """The prompt as the router sees it (with `cordoned`, cordoned engines among the
+        candidates: admin `match` only, never a routed request)."""
         tokens: Sequence[int] | None = query.token_ids
         tokenized = tokens is not None
         if tokens is None and query.prompt is not None:
@@ -158,6 +162,7 @@ class Controller:
             lora_name=query.lora_name,
             cache_salt=query.cache_salt,
             role=role,
+            cordoned=cordoned,
         )
         # No tokenizer: a rough size (4 characters a token) keeps the load terms meaningful.
         num_tokens = len(tokens) if tokens is not None else max(1, len(query.prompt or "") // 4)

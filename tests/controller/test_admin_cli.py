@@ -111,6 +111,10 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     assert not next(
         w for w in (await cli_json("workers", *t))["workers"] if w["instance_id"] == engine
     )["routable"]
+    # `match` still shows what the cordoned engine holds (to decide whether to uncordon it).
+    assert await holder() == engine
+    routed = await cli_json("route", "--tokens-file", str(tokens), *t)
+    assert engine not in [c["instance_id"] for c in routed["costs"]]
     assert (await cli("uncordon", engine, *t)).exit_code == 0
 
     drained = await cli("drain", engine, "--deadline-ms", "1000", *t)
