@@ -99,7 +99,7 @@ class PoolingTasks:
             dimensions=dimensions,
         )
         items = self._items(request.inputs, "inputs")
-        outputs = await self._accepted(request.context.request_id, items, params)
+        outputs = await self._accepted(request.context.request_id, "embed", items, params)
         response = pb.EmbedResponse(request_id=request.context.request_id, usage=_usage(items))
         for index, (item, output) in enumerate(zip(items, outputs, strict=True)):
             embedding = pb.EmbeddingOutput(
@@ -134,7 +134,7 @@ class PoolingTasks:
             PoolingTask.CLASSIFY, per_token=granularity == _TOKEN, activation=_SEMANTICS[semantics]
         )
         items = self._items(request.inputs, "inputs")
-        outputs = await self._accepted(request.context.request_id, items, params)
+        outputs = await self._accepted(request.context.request_id, "classify", items, params)
         response = pb.ClassifyResponse(request_id=request.context.request_id, usage=_usage(items))
         for index, (item, output) in enumerate(zip(items, outputs, strict=True)):
             result = pb.ClassificationOutput(
@@ -185,7 +185,7 @@ class PoolingTasks:
         )
         params = PoolingParams(PoolingTask.EMBED, normalize=True)
         vectors = await self._accepted(
-            request.context.request_id, [_Item("", t) for t in distinct], params
+            request.context.request_id, "score", [_Item("", t) for t in distinct], params
         )
         by_tokens = {t: v.values for t, v in zip(distinct, vectors, strict=True)}
         response = pb.ScoreResponse(
@@ -277,10 +277,12 @@ class PoolingTasks:
     # ---------------------------------------------------------------- running
 
     async def _accepted(
-        self, request_id: str, items: Sequence[_Item], params: PoolingParams
+        self, request_id: str, task: str, items: Sequence[_Item], params: PoolingParams
     ) -> list[PooledOutput]:
         """Accept (the last refusals: draining, a duplicate id) and run every batch."""
         handle = self._service.begin_task(request_id)
+        if self._service.metrics is not None:
+            self._service.metrics.on_task(task, sum(len(item.token_ids) for item in items))
         try:
             return await self._run(handle, [item.token_ids for item in items], params)
         finally:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -227,7 +228,8 @@ async def test_a_batch_split_over_forwards_equals_one_by_one(builtin_dir: Path) 
 
 async def test_score_is_the_cosine_of_the_embeddings(builtin_dir: Path) -> None:
     query, *candidates = prompts()
-    async with running_engine(engine_config(builtin_dir)) as engine:
+    config = engine_config(builtin_dir, metrics_listen="127.0.0.1:0")
+    async with running_engine(config) as engine:
         embeddings = await engine.stub.Embed(
             pb.EmbedRequest(
                 context=context("e"),
@@ -250,6 +252,16 @@ async def test_score_is_the_cosine_of_the_embeddings(builtin_dir: Path) -> None:
                 ],
             )
         )  # fmt: skip
+        url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
+        metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    text = metrics.decode()
+    assert 'kvplane_engine_pooling_requests_total{model="builtin",task="embed"} 1.0' in text
+    assert 'kvplane_engine_pooling_requests_total{model="builtin",task="score"} 1.0' in text
+    tokens = sum(map(len, prompts()))  # the score's distinct inputs: the same five
+    assert (
+        f'kvplane_engine_pooling_input_tokens_total{{model="builtin",task="score"}} {tokens}.0'
+        in text
+    )
     vectors = [values(output.dense) for output in embeddings.outputs]
     assert response.semantics == pb.TASK_VALUE_SEMANTICS_SIMILARITY
     assert response.granularity == pb.TASK_OUTPUT_GRANULARITY_SEQUENCE
