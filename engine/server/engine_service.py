@@ -10,6 +10,10 @@ Acceptance: `submit` validates synchronously (raising the domain errors the serv
 a status) and then commits the request; after that, the request's stream of outputs always
 ends with the output that carries `usage` (finished, cancelled or failed).
 
+Pooling tasks (Embed/Classify/Score, `engine.server.pooling_tasks`) are not engine requests:
+each runs as engine-thread commands (`run_task`), but shares the request ids' namespace,
+counts as in flight (Drain waits for it) and answers Abort like a request (`begin_task`).
+
 A PREFILL engine's service also owns its KV sessions (`kv_sessions`,
 `engine.server.kv_transfer.KvSessionStore`): sessions handed over and not yet pulled are work
 a decode engine still needs, so Drain and shutdown wait for them as for requests in flight
@@ -27,6 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.core.api import (
     EngineRequest,
@@ -37,7 +42,7 @@ from engine.core.api import (
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
-from engine.server.errors import DrainingError, RequestNotFoundError
+from engine.server.errors import DrainingError, RequestAbortedError, RequestNotFoundError
 from engine.server.info import ServedModel
 from engine.server.kv_event_log import KvEventLog
 from engine.server.kv_transfer import KvSessionStore
@@ -45,6 +50,8 @@ from engine.server.metrics import EngineMetrics
 from engine.server.runtime_events import RuntimeEventHub
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _FINISHED_MEMORY = 10_000  # finished request ids remembered for ALREADY_FINISHED
 _CLOSE_SLACK_S = 5.0
@@ -86,6 +93,14 @@ class RequestStream:
                 self.done = True
                 self._on_done(self)
             yield output
+
+
+class TaskHandle:
+    """One accepted pooling task: its id and whether Abort (or a drain's deadline) stopped it."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.aborted = asyncio.Event()
 
 
 # The health probe's request ids: the engine's own work, refused from clients and left out of
@@ -130,6 +145,7 @@ class EngineService:
         self._live: dict[str, RequestStream] = {}
         # The health probes among them: the engine's own work, not counted as in flight.
         self._live_internal: set[str] = set()
+        self._live_tasks: dict[str, TaskHandle] = {}  # pooling tasks (not engine requests)
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._accepting = True
         self._draining = False
@@ -181,7 +197,7 @@ class EngineService:
         Health probes are left out: they are allowed while draining, so counting them would
         let Health calls hold a drain open; each lasts one token and never outlives its call.
         """
-        return len(self._live) - len(self._live_internal)
+        return len(self._live) - len(self._live_internal) + len(self._live_tasks)
 
     @property
     def num_open_kv_sessions(self) -> int:
@@ -193,20 +209,22 @@ class EngineService:
 
     # ---------------------------------------------------------------- requests
 
-    def _check_accepting(self, request: EngineRequest, internal: bool) -> None:
+    def _check_accepting(self, request_id: str, internal: bool) -> None:
         if not self._accepting and not internal:
             raise DrainingError("the engine is draining and accepts no new requests")
-        if not internal and request.request_id.startswith(PROBE_ID_PREFIX):
+        if not internal and request_id.startswith(PROBE_ID_PREFIX):
             raise InvalidRequestError(
                 f"request ids starting with {PROBE_ID_PREFIX!r} are the engine's own"
             )
         if not self.engine_loop.running:
             raise EngineStoppedError("the engine thread is not running")
+        if request_id in self._live_tasks:
+            raise DuplicateRequestError(f"request {request_id!r} is already running")
 
     def check(self, request: EngineRequest) -> None:
         """Everything `submit` would refuse, without submitting: a DECODE engine asks before
         it pulls the request's KV session (a refusal after the pull would waste it)."""
-        self._check_accepting(request, internal=False)
+        self._check_accepting(request.request_id, internal=False)
         self.engine_loop.core.check_request(request)
         if request.request_id in self._live:
             raise DuplicateRequestError(f"request {request.request_id!r} is already running")
@@ -223,7 +241,7 @@ class EngineService:
         `internal` requests (the health probe) are accepted while draining. `before(core)` runs
         in the engine thread just before the request is added (`EngineLoop.submit`).
         """
-        self._check_accepting(request, internal)
+        self._check_accepting(request.request_id, internal)
         stream = RequestStream(request, self._on_stream_done)
         self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue), before=before)
         self._live[request.request_id] = stream
@@ -258,6 +276,10 @@ class EngineService:
             self.engine_loop.abort(request_id)
 
     async def abort(self, request_id: str) -> AbortOutcome:
+        task = self._live_tasks.get(request_id)
+        if task is not None:
+            task.aborted.set()
+            return AbortOutcome.ABORTED
         if request_id in self._live:
             stopped = await asyncio.wrap_future(self.engine_loop.abort(request_id))
             return AbortOutcome.ABORTED if stopped else AbortOutcome.ALREADY_FINISHED
@@ -266,7 +288,56 @@ class EngineService:
         raise RequestNotFoundError(f"no request {request_id!r} on this engine")
 
     async def abort_all(self) -> list[str]:
-        return await asyncio.wrap_future(self.engine_loop.abort_all())
+        tasks = list(self._live_tasks.values())
+        for task in tasks:
+            task.aborted.set()
+        requests = await asyncio.wrap_future(self.engine_loop.abort_all())
+        return sorted([*requests, *(t.request_id for t in tasks)])
+
+    # ---------------------------------------------------------------- pooling tasks
+
+    def begin_task(self, request_id: str) -> TaskHandle:
+        """Accept a pooling task (raising before acceptance, as `submit` does); the caller
+        ends it with `end_task`, whatever happens."""
+        self._check_accepting(request_id, internal=False)
+        if request_id in self._live:
+            raise DuplicateRequestError(f"request {request_id!r} is already running")
+        handle = TaskHandle(request_id)
+        self._live_tasks[request_id] = handle
+        self._finished.pop(request_id, None)
+        self._in_flight_changed.set()
+        return handle
+
+    def end_task(self, handle: TaskHandle) -> None:
+        if self._live_tasks.get(handle.request_id) is handle:
+            del self._live_tasks[handle.request_id]
+            self._finished[handle.request_id] = None
+            while len(self._finished) > _FINISHED_MEMORY:
+                self._finished.popitem(last=False)
+            self._in_flight_changed.set()
+
+    @property
+    def num_running_tasks(self) -> int:
+        return len(self._live_tasks)
+
+    async def run_task(self, handle: TaskHandle, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(core)` on the engine thread between steps (one pooling batch); raises
+        RequestAbortedError if the task is aborted first (a batch already running finishes,
+        its result dropped)."""
+        if handle.aborted.is_set():
+            raise RequestAbortedError(f"request {handle.request_id!r} was aborted")
+        work = asyncio.wrap_future(self.engine_loop.call(fn))
+        # Abandoned (aborted, or the client gone): the engine thread still runs it and nobody
+        # reads the result; retrieving it here keeps asyncio from logging it as lost.
+        work.add_done_callback(lambda done: done.cancelled() or done.exception())
+        aborted = asyncio.ensure_future(handle.aborted.wait())
+        try:
+            await asyncio.wait((work, aborted), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+        if not work.done():
+            raise RequestAbortedError(f"request {handle.request_id!r} was aborted")
+        return work.result()
 
     async def probe(self, timeout_s: float) -> str:
         """Generate one greedy token end to end; returns "" or what went wrong.

@@ -45,6 +45,11 @@ class DrainingError(EngineServerError):
     """The engine is draining and accepts no new requests (UNAVAILABLE)."""
 
 
+class RequestAbortedError(EngineServerError):
+    """An accepted unary task (Embed, Classify, Score) stopped by Abort or a drain (CANCELLED:
+    a unary RPC reports it as its status)."""
+
+
 class RequestNotFoundError(EngineServerError):
     """Abort of a request id never seen (NOT_FOUND)."""
 
@@ -88,6 +93,7 @@ _TABLE: tuple[tuple[type[Exception], grpc.StatusCode, pb.ErrorCode.ValueType, bo
     ),
     (RoleMismatchError, grpc.StatusCode.FAILED_PRECONDITION, pb.ERROR_CODE_ROLE_MISMATCH, False),
     (DrainingError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_DRAINING, True),
+    (RequestAbortedError, grpc.StatusCode.CANCELLED, pb.ERROR_CODE_CANCELLED, False),
     (RequestNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_REQUEST_NOT_FOUND, False),
     (KvSessionNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_KV_SESSION_NOT_FOUND, False),
     (

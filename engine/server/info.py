@@ -45,6 +45,10 @@ class ServedModel:
     max_batched_tokens: int
     vocab_size: int
     has_tokenizer: bool
+    # Pooling tasks (a torch model): the embedding dimension (None: no embed/score), the
+    # classification head's labels (None: no head, no classify).
+    embedding_dimension: int | None = None
+    classifier_labels: tuple[str, ...] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -180,10 +184,61 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
         ),
         supports_lora=False,
         supports_multimodal=False,
-        tasks=pb.TaskCapabilities(
+        tasks=task_capabilities(model),
+    )
+
+
+def task_capabilities(model: ServedModel) -> pb.TaskCapabilities:
+    """Embed and Score (cosine of the embeddings) where the model pools; Classify where it
+    also has a classification head (`engine.server.pooling_tasks` implements exactly this)."""
+    if model.embedding_dimension is None:
+        return pb.TaskCapabilities(
             embed=pb.EmbedCapabilities(supported=False),
             classify=pb.ClassifyCapabilities(supported=False),
             score=pb.ScoreCapabilities(supported=False),
+        )
+    inputs = [pb.TASK_INPUT_TYPE_TOKEN_IDS]
+    if model.has_tokenizer:
+        inputs.insert(0, pb.TASK_INPUT_TYPE_TEXT)
+    both = [pb.TASK_OUTPUT_GRANULARITY_SEQUENCE, pb.TASK_OUTPUT_GRANULARITY_TOKEN]
+    classify = pb.ClassifyCapabilities(supported=False)
+    if model.classifier_labels is not None:
+        classify = pb.ClassifyCapabilities(
+            supported=True,
+            input_types=inputs,
+            granularities=both,
+            semantics=[
+                pb.TASK_VALUE_SEMANTICS_PROBABILITIES,
+                pb.TASK_VALUE_SEMANTICS_LOGITS,
+                pb.TASK_VALUE_SEMANTICS_LOG_PROBABILITIES,
+            ],
+            supports_priority=False,
+            supports_lora=False,
+        )
+    return pb.TaskCapabilities(
+        embed=pb.EmbedCapabilities(
+            supported=True,
+            input_types=inputs,
+            granularities=both,
+            encodings=[pb.EMBEDDING_ENCODING_DENSE],
+            dimension=model.embedding_dimension,
+            supports_priority=False,
+            supports_lora=False,
+            supports_normalization=True,
+            supports_dimension_override=True,
+        ),
+        classify=classify,
+        score=pb.ScoreCapabilities(
+            supported=True,
+            input_types=inputs,
+            granularities=[pb.TASK_OUTPUT_GRANULARITY_SEQUENCE],
+            semantics=[pb.TASK_VALUE_SEMANTICS_SIMILARITY],
+            normalizations=[pb.SCORE_NORMALIZATION_NONE],
+            supports_label_token_scoring=False,
+            supports_instruction=False,
+            supports_priority=False,
+            supports_lora=False,
+            higher_is_better=True,
         ),
     )
 
@@ -196,11 +251,13 @@ def load_info(
     data_parallel_rank: int,
     include_per_rank: bool,
     active_kv_sessions: int = 0,
+    running_tasks: int = 0,
 ) -> pb.LoadInfo:
+    """`running_tasks`: pooling tasks in flight, counted as running requests."""
     info = pb.LoadInfo(
         instance_id=instance_id,
         timestamp_unix_nanos=timestamp_unix_ns,
-        running_requests=load.num_running,
+        running_requests=load.num_running + running_tasks,
         queued_requests=load.num_waiting,
         active_kv_sessions=active_kv_sessions,
         used_kv_blocks=load.num_used_blocks,

@@ -16,6 +16,18 @@ class EngineMetrics:
         self.requests = Counter(
             "kvplane_engine_requests", "Accepted generation requests.", labels, registry=registry
         )
+        self.pooling_requests = Counter(
+            "kvplane_engine_pooling_requests",
+            "Accepted Embed/Classify/Score requests.",
+            [*labels, "task"],
+            registry=registry,
+        )
+        self.pooling_input_tokens = Counter(
+            "kvplane_engine_pooling_input_tokens",
+            "Input tokens of accepted Embed/Classify/Score requests.",
+            [*labels, "task"],
+            registry=registry,
+        )
         self.finished = Counter(
             "kvplane_engine_finished_outputs",
             "Finished outputs by reason.",
@@ -71,6 +83,10 @@ class EngineMetrics:
 
     def on_accept(self, _request: EngineRequest) -> None:
         self.requests.labels(self._model).inc()
+
+    def on_task(self, task: str, input_tokens: int) -> None:
+        self.pooling_requests.labels(self._model, task).inc()
+        self.pooling_input_tokens.labels(self._model, task).inc(input_tokens)
 
     def on_report(
         self, report: StepReport, counted: Callable[[str], bool] = lambda _request_id: True

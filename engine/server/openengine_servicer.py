@@ -3,9 +3,11 @@
 Error phases (seed, "Standard errors"): anything wrong before acceptance is a non-OK status
 from `engine.server.errors`' table and no event; once a Generate, Drain or subscription is
 accepted, a failure is exactly one terminal `EngineError` event and the stream ends OK.
-Features this engine lacks are refused before acceptance and advertised as unsupported:
-Embed/Classify/Score (once their required context fields are there) and LoRA ->
-FAILED_PRECONDITION, guided decoding and media -> INVALID_ARGUMENT (unsupported explicit
+Embed/Classify/Score run on a torch model's pooler (`engine.server.pooling_tasks`); a unary
+task's failure, accepted or not, is its status. Features this engine lacks are refused before
+acceptance and advertised as unsupported: the tasks without a pooler (the sim runner) or
+Classify without a classification head (once their required context fields are there) and
+LoRA -> FAILED_PRECONDITION, guided decoding and media -> INVALID_ARGUMENT (unsupported explicit
 options), a KV session on an engine that is not DECODE -> FAILED_PRECONDITION.
 
 Roles: a PREFILL engine's Generate ends with PrefillReady naming a KV session; a DECODE
@@ -17,13 +19,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from engine.core.engine_core import EngineCore
-from engine.core.errors import InvalidRequestError
 from engine.server.engine_service import AbortOutcome, DrainPhase, EngineService
 from engine.server.errors import (
     DrainingError,
@@ -47,12 +48,15 @@ from engine.server.openengine_convert import (
     GenerateStreamEncoder,
     engine_request_from_proto,
 )
+from engine.server.pooling_tasks import PoolingTasks, check_task_context
 from kvplane.errors import KvplaneError
 from kvplane.server import Service, abort_with
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = "openengine.v1.OpenEngine"
@@ -82,14 +86,17 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         token_text: Callable[[int], str],
         kv_puller: KvSessionPuller | None = None,
         probe_timeout_s: float = 30.0,
+        tasks: PoolingTasks | None = None,
     ) -> None:
-        """`kv_puller`: a DECODE engine's; a PREFILL engine's sessions are the service's."""
+        """`kv_puller`: a DECODE engine's; a PREFILL engine's sessions are the service's.
+        `tasks`: Embed/Classify/Score (a torch model's); None refuses them."""
         self._service = service
         self._ctx = ctx
         self._instance_id = instance_id
         self._token_text = token_text
         self._kv_puller = kv_puller
         self._probe_timeout_s = probe_timeout_s
+        self._tasks = tasks
         # Filled in once the servers are bound (their real addresses are known only then).
         self.kv_event_sources: list[pb.KvEventSource] = []
         self.kv_connector = kv_connector_info(ctx.role, [])
@@ -163,25 +170,30 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                 sessions.discard(session_id)  # a no-op once PrefillReady handed it over
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
-        await self._refuse_task(request.context, "embedding", context)
+        return await self._task(request.context, "embedding", PoolingTasks.embed, request, context)
 
     async def Classify(self, request: pb.ClassifyRequest, context: Context) -> pb.ClassifyResponse:
-        await self._refuse_task(request.context, "classification", context)
+        return await self._task(
+            request.context, "classification", PoolingTasks.classify, request, context
+        )
 
     async def Score(self, request: pb.ScoreRequest, context: Context) -> pb.ScoreResponse:
-        await self._refuse_task(request.context, "scoring", context)
+        return await self._task(request.context, "scoring", PoolingTasks.score, request, context)
 
-    async def _refuse_task(
-        self, task_context: pb.TaskRequestContext, what: str, context: Context
-    ) -> NoReturn:
+    async def _task(
+        self,
+        task_context: pb.TaskRequestContext,
+        what: str,
+        run: Callable[[PoolingTasks, Any], Awaitable[R]],
+        request: Any,
+        context: Context,
+    ) -> R:
         try:
-            # The seed: request_id and model are required and non-empty (malformed input,
-            # INVALID_ARGUMENT, whatever the task's support).
-            if not task_context.request_id or not task_context.model:
-                raise InvalidRequestError("context.request_id and context.model are required")
-            self._check_model(task_context.model)
-            raise FeatureDisabledError(f"{what} is not supported by this engine's model")
-        except KvplaneError as exc:
+            check_task_context(task_context, self._ctx)
+            if self._tasks is None:
+                raise FeatureDisabledError(f"{what} is not supported by this engine's model")
+            return await run(self._tasks, request)
+        except Exception as exc:  # unary: accepted or not, a failure is the status
             await refuse(context, exc)
 
     # ---------------------------------------------------------------- metadata
@@ -214,6 +226,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             data_parallel_rank=self._ctx.data_parallel_rank,
             include_per_rank=request.include_per_rank,
             active_kv_sessions=self._service.num_open_kv_sessions,
+            running_tasks=self._service.num_running_tasks,
         )
 
     # ---------------------------------------------------------------- health and lifecycle

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from engine.config import BUILTIN_MODEL, SIM_MODEL, EngineConfig, EngineRoleName
 from engine.core.api import ModelRunner, SchedulerConfig, StepReport
 from engine.core.engine_core import EngineCore, EngineLoop
+from engine.core.pooling import Pooler
 from engine.server.engine_service import EngineService
 from engine.server.info import ServedModel, kv_connector_info
 from engine.server.kv_event_log import KvEventLog
@@ -37,6 +38,7 @@ from engine.server.kv_transfer import PROTOCOL, KvSessionPuller, KvTransferServi
 from engine.server.metrics import EngineMetrics
 from engine.server.openengine_convert import EngineContext
 from engine.server.openengine_servicer import OpenEngineServicer
+from engine.server.pooling_tasks import PoolingTasks
 from engine.server.runtime_events import RuntimeEventHub
 from engine.server.vllm_servicer import VllmGenerateServicer
 from engine.server.zmq_publisher import ZmqKvPublisher, routable_host_port
@@ -64,6 +66,7 @@ class _Model:
     runner: ModelRunner
     tokenizer: Any | None  # tokenizers.Tokenizer
     vocab_size: int
+    pooler: Pooler | None = None  # Embed/Classify/Score (a torch model's)
 
 
 def _build_sim(config: EngineConfig) -> _Model:
@@ -101,7 +104,8 @@ def _build_torch(config: EngineConfig) -> _Model:
         )
     from tokenizers import Tokenizer as HfTokenizer
 
-    from engine.torch_runner.runner import TorchModelRunner  # imports torch
+    from engine.torch_runner.pooling import TorchPooler  # imports torch
+    from engine.torch_runner.runner import TorchModelRunner
 
     runner = TorchModelRunner.from_pretrained(
         model_dir,
@@ -118,7 +122,8 @@ def _build_torch(config: EngineConfig) -> _Model:
     )
     tokenizer_file = model_dir / "tokenizer.json"
     tokenizer = HfTokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
-    return _Model(runner, tokenizer, runner.model.config.vocab_size)
+    pooler = TorchPooler.for_model_dir(runner, model_dir)
+    return _Model(runner, tokenizer, runner.model.config.vocab_size, pooler)
 
 
 def advertised_host(config: EngineConfig) -> str:
@@ -225,6 +230,8 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         max_batched_tokens=config.max_num_batched_tokens,
         vocab_size=model.vocab_size,
         has_tokenizer=tokenizer is not None,
+        embedding_dimension=model.pooler.hidden_size if model.pooler is not None else None,
+        classifier_labels=model.pooler.labels if model.pooler is not None else None,
     )
     kv_config = config.kv_events
     kv_log = KvEventLog(kv_config.buffer_steps)
@@ -277,6 +284,9 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         instance_id=instance_id,
         token_text=_token_text(tokenizer),
         kv_puller=kv_puller,
+        tasks=None
+        if model.pooler is None
+        else PoolingTasks(service, ctx, model.pooler, config.max_num_batched_tokens),
     )
     vllm = VllmGenerateServicer(service, ctx)
     kv_transfer = KvTransferServicer(

@@ -1,7 +1,9 @@
 """Read a Hugging Face `config.json` for the decoder families the torch runner implements.
 
 Contract: `ModelConfig.from_dir(path)` returns a frozen description of a `LlamaForCausalLM` or
-`Qwen2ForCausalLM` checkpoint, or raises `CheckpointError` naming what is missing or unsupported.
+`Qwen2ForCausalLM` checkpoint (or their `*ForSequenceClassification` variants: the same decoder
+with a classification head, `classifier_labels` from `id2label`), or raises `CheckpointError`
+naming what is missing or unsupported.
 Anything that would silently change the numerics (an activation other than SiLU, a RoPE scaling
 we do not implement, Qwen2's sliding window) is refused rather than ignored. torch-free.
 """
@@ -20,6 +22,13 @@ from engine.torch_runner.errors import CheckpointError
 class Architecture(Enum):
     LLAMA = "LlamaForCausalLM"
     QWEN2 = "Qwen2ForCausalLM"
+
+
+# The same decoders with a classification head (`score.weight`) instead of a causal LM's.
+_CLASSIFIERS = {
+    "LlamaForSequenceClassification": Architecture.LLAMA,
+    "Qwen2ForSequenceClassification": Architecture.QWEN2,
+}
 
 
 class RopeType(Enum):
@@ -62,6 +71,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # The checkpoint's own dtype name ("float32", "bfloat16", ...), informational.
     checkpoint_dtype: str | None
+    # A *ForSequenceClassification checkpoint's labels, in the head's row order; else None.
+    classifier_labels: tuple[str, ...] | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -79,7 +90,7 @@ class ModelConfig:
     def from_dict(
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
-        architecture = _architecture(raw)
+        architecture, is_classifier = _architecture(raw)
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise CheckpointError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -117,6 +128,7 @@ class ModelConfig:
             bos_token_id=_optional_int(raw.get("bos_token_id")),
             eos_token_ids=_eos_ids(raw, generation),
             checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            classifier_labels=_labels(raw) if is_classifier else None,
         )
 
 
@@ -138,19 +150,39 @@ def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
     return value
 
 
-def _architecture(raw: dict[str, Any]) -> Architecture:
+def _architecture(raw: dict[str, Any]) -> tuple[Architecture, bool]:
+    """The decoder family, and whether the checkpoint is a sequence classifier."""
     names = raw.get("architectures") or []
     for name in names:
         for arch in Architecture:
             if arch.value == name:
-                return arch
+                return arch, False
+        if name in _CLASSIFIERS:
+            return _CLASSIFIERS[name], True
     model_type = raw.get("model_type")
     if not names and model_type in ("llama", "qwen2"):
-        return Architecture.LLAMA if model_type == "llama" else Architecture.QWEN2
-    supported = ", ".join(a.value for a in Architecture)
+        return (Architecture.LLAMA if model_type == "llama" else Architecture.QWEN2), False
+    supported = ", ".join([*(a.value for a in Architecture), *_CLASSIFIERS])
     raise CheckpointError(
         f"unsupported architecture {names or model_type!r}; supported: {supported}"
     )
+
+
+def _labels(raw: dict[str, Any]) -> tuple[str, ...]:
+    """`id2label` in id order (HF's defaults `LABEL_i` when only `num_labels` is given)."""
+    id2label = raw.get("id2label")
+    if isinstance(id2label, dict) and id2label:
+        try:
+            by_id = {int(k): str(v) for k, v in id2label.items()}
+        except ValueError:
+            raise CheckpointError("config.json: id2label keys must be integers") from None
+        if sorted(by_id) != list(range(len(by_id))):
+            raise CheckpointError("config.json: id2label must number labels 0 .. n-1")
+        return tuple(by_id[i] for i in range(len(by_id)))
+    num_labels = raw.get("num_labels", 2)  # HF's PretrainedConfig default
+    if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels <= 0:
+        raise CheckpointError(f"config.json: num_labels must be positive, got {num_labels!r}")
+    return tuple(f"LABEL_{i}" for i in range(num_labels))
 
 
 def _int(raw: dict[str, Any], key: str) -> int:

@@ -158,12 +158,23 @@ def build_weights(
     if config.tie_word_embeddings:
         lm_head = embed
     else:
+        if config.classifier_labels is not None and not w.has("lm_head.weight"):
+            # The engine also generates (and its health probe does): a classifier needs a
+            # tied or shipped LM head until pooling-only engines exist.
+            raise CheckpointError(
+                "this sequence classifier has no lm_head.weight and does not tie its "
+                "embeddings: the engine cannot generate with it"
+            )
         lm_head = _matmul_layout(w.get("lm_head.weight", (config.vocab_size, hidden)))
+    classifier = None
+    if config.classifier_labels is not None:
+        classifier = w.get("score.weight", (len(config.classifier_labels), hidden))
     return ModelWeights(
         embed_tokens=embed,
         layers=tuple(layers),
         final_norm=w.get("model.norm.weight", (hidden,)),
         lm_head=lm_head,
+        classifier=classifier,
     )
 
 

@@ -128,6 +128,7 @@ class ModelWeights:
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor
     lm_head: torch.Tensor  # the embedding itself when tied
+    classifier: torch.Tensor | None = None  # [num_labels, hidden]: a classifier's `score`
 
 
 class DecoderModel:

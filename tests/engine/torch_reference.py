@@ -40,12 +40,27 @@ def vllm_requests() -> list[dict[str, Any]]:
 def dense_logits(model_dir: Path, token_ids: Sequence[int]) -> torch.Tensor:
     """float64 logits [T, V] of a whole sequence: full causal attention, no cache, no fusion."""
     config = json.loads((model_dir / "config.json").read_text())
+    w = _float64_state(model_dir)
+    head = (
+        w["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else w["lm_head.weight"]
+    )
+    return dense_hidden(model_dir, token_ids) @ head.T
+
+
+def _float64_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
     state: dict[str, torch.Tensor] = {}
     for file in model_dir.glob("*.safetensors"):
-        from safetensors.torch import load_file
-
         state.update(load_file(str(file)))
-    w = {k: v.double() for k, v in state.items()}
+    return {k: v.double() for k, v in state.items()}
+
+
+def dense_hidden(model_dir: Path, token_ids: Sequence[int]) -> torch.Tensor:
+    """float64 final hidden states [T, hidden] (after the final norm, before any head) of a
+    whole sequence: full causal attention, no cache, no fusion."""
+    config = json.loads((model_dir / "config.json").read_text())
+    w = _float64_state(model_dir)
     hidden_size = config["hidden_size"]
     n_heads = config["num_attention_heads"]
     n_kv = config.get("num_key_value_heads", n_heads)
@@ -88,11 +103,7 @@ def dense_logits(model_dir: Path, token_ids: Sequence[int]) -> torch.Tensor:
         x = x + linear(
             gate * torch.sigmoid(gate) * linear(h, p + "mlp.up_proj"), p + "mlp.down_proj"
         )
-    x = norm(x, w["model.norm.weight"])
-    head = (
-        w["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else w["lm_head.weight"]
-    )
-    return x @ head.T
+    return norm(x, w["model.norm.weight"])
 
 
 def write_random_qwen2(directory: Path, seed: int = 1234) -> Path:

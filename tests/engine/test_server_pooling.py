@@ -1,0 +1,512 @@
+"""Embed, Classify and Score on torch engines over gRPC: the values equal an independent
+float64 forward (`torch_reference.dense_hidden`), batches equal one-by-one, generation running
+meanwhile is unchanged, and every refusal has the seed's status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from engine.config import EngineConfig
+from engine.torch_runner.builtin_model import write_builtin_model
+from engine.torch_runner.config import ModelConfig
+from engine.torch_runner.errors import CheckpointError
+from engine.torch_runner.loader import load_model
+from openengine.v1 import openengine_pb2 as pb
+from tests.engine.engine_server_harness import (
+    collect,
+    generate_request,
+    rpc_error,
+    running_engine,
+    wait_for,
+)
+from tests.engine.torch_reference import TEST_DEVICE, dense_hidden
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "builtin"
+LABELS = ["negative", "neutral", "positive"]
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_builtin_model(tmp_path_factory.mktemp("builtin"))
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(builtin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The builtin decoder as a LlamaForSequenceClassification with a random 3-label head."""
+    directory = tmp_path_factory.mktemp("classifier")
+    for name in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(builtin_dir / name, directory / name)
+    state = load_file(str(builtin_dir / "model.safetensors"))
+    hidden = state["model.norm.weight"].shape[0]
+    generator = torch.Generator().manual_seed(7)
+    state["score.weight"] = torch.randn(len(LABELS), hidden, generator=generator)
+    save_file(state, str(directory / "model.safetensors"))
+    config = json.loads((builtin_dir / "config.json").read_text())
+    config["architectures"] = ["LlamaForSequenceClassification"]
+    config["id2label"] = {str(i): label for i, label in enumerate(LABELS)}
+    config["label2id"] = {label: i for i, label in enumerate(LABELS)}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def engine_config(model_dir: Path, **overrides: Any) -> EngineConfig:
+    values: dict[str, Any] = {
+        "model": str(model_dir),
+        "served_model_name": MODEL,
+        "listen": "127.0.0.1:0",
+        "block_size": 16,
+        "num_kv_blocks": 64,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+        "max_model_len": 512,
+        "num_threads": 1,
+        "shutdown_grace_s": 1.0,
+        "device": TEST_DEVICE,
+    }
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def context(request_id: str = "t", **fields: Any) -> pb.TaskRequestContext:
+    return pb.TaskRequestContext(request_id=request_id, model=MODEL, **fields)
+
+
+def ids_input(item_id: str, ids: list[int]) -> pb.TaskInput:
+    return pb.TaskInput(item_id=item_id, token_ids=pb.TokenIds(ids=ids))
+
+
+def prompts() -> list[list[int]]:
+    """Token ids of several lengths (one past a 16-token block, one long)."""
+    return [[5 + (7 * i + j) % 400 for j in range(n)] for i, n in enumerate((1, 9, 17, 40, 130))]
+
+
+def values(tensor: pb.DenseFloatTensor) -> torch.Tensor:
+    return torch.tensor(list(tensor.values), dtype=torch.float64).reshape(*tensor.shape)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = TOLERANCE) -> bool:
+    return got.shape == want.shape and float((got - want).abs().max()) <= tolerance
+
+
+def normalized(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Embed
+# ------------------------------------------------------------------------------------------
+
+
+async def test_embed_is_the_normalized_last_hidden_state_of_the_reference(
+    builtin_dir: Path,
+) -> None:
+    inputs = prompts()
+    async with running_engine(engine_config(builtin_dir)) as engine:
+        info = await engine.stub.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
+        response = await engine.stub.Embed(
+            pb.EmbedRequest(
+                context=context(),
+                inputs=[ids_input(f"i{n}", ids) for n, ids in enumerate(inputs)],
+            )
+        )
+    caps = info.tasks.embed
+    assert caps.supported and caps.dimension == 256 and caps.supports_dimension_override
+    assert list(caps.input_types) == [pb.TASK_INPUT_TYPE_TEXT, pb.TASK_INPUT_TYPE_TOKEN_IDS]
+    assert info.tasks.score.supported and info.tasks.score.higher_is_better
+    assert info.tasks.classify.HasField("supported") and not info.tasks.classify.supported
+    assert response.request_id == "t"
+    assert response.usage.input_tokens == sum(map(len, inputs))
+    assert response.usage.HasField("cached_input_tokens")
+    assert response.usage.cached_input_tokens == 0
+    for index, (ids, output) in enumerate(zip(inputs, response.outputs, strict=True)):
+        assert (output.item_id, output.input_index) == (f"i{index}", index)
+        assert output.HasField("input_index")
+        assert output.granularity == pb.TASK_OUTPUT_GRANULARITY_SEQUENCE
+        assert list(output.dense.shape) == [256] and not output.token_ids
+        want = normalized(dense_hidden(builtin_dir, ids)[-1])
+        assert close(values(output.dense), want), index
+
+
+async def test_embed_options_normalize_dimensions_tokens_and_text(builtin_dir: Path) -> None:
+    ids = prompts()[3]
+    text = "You are a helpful assistant."
+    tokenizer = Tokenizer.from_file(str(builtin_dir / "tokenizer.json"))
+    hidden = dense_hidden(builtin_dir, ids)
+    async with running_engine(engine_config(builtin_dir)) as engine:
+
+        async def embed(options: pb.EmbedOptions, item: pb.TaskInput) -> pb.EmbeddingOutput:
+            request = pb.EmbedRequest(context=context(), inputs=[item], options=options)
+            return (await engine.stub.Embed(request)).outputs[0]
+
+        raw = await embed(pb.EmbedOptions(normalize=False), ids_input("a", ids))
+        short = await embed(pb.EmbedOptions(dimensions=32), ids_input("a", ids))
+        short_raw = await embed(
+            pb.EmbedOptions(dimensions=32, normalize=False), ids_input("a", ids)
+        )
+        tokens = await embed(
+            pb.EmbedOptions(granularity=pb.TASK_OUTPUT_GRANULARITY_TOKEN), ids_input("a", ids)
+        )
+        by_text = await embed(pb.EmbedOptions(), pb.TaskInput(item_id="a", text=text))
+        by_ids = await embed(pb.EmbedOptions(), ids_input("a", tokenizer.encode(text).ids))
+    assert close(values(raw.dense), hidden[-1])
+    assert float(values(raw.dense).norm()) > 2.0  # really not normalized
+    assert close(values(short.dense), normalized(hidden[-1][:32]))
+    assert close(values(short_raw.dense), hidden[-1][:32])
+    assert tokens.granularity == pb.TASK_OUTPUT_GRANULARITY_TOKEN
+    assert list(tokens.token_ids) == ids
+    assert close(values(tokens.dense), normalized(hidden))
+    assert list(by_text.dense.values) == list(by_ids.dense.values)
+
+
+async def test_mean_pooling_from_a_sentence_transformers_config(
+    builtin_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "mean"
+    shutil.copytree(builtin_dir, model_dir)
+    modules = [
+        {"idx": 0, "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 256, "pooling_mode_mean_tokens": True})
+    )
+    inputs = prompts()[1:4]
+    async with running_engine(engine_config(model_dir)) as engine:
+        response = await engine.stub.Embed(
+            pb.EmbedRequest(
+                context=context(), inputs=[ids_input(f"i{n}", ids) for n, ids in enumerate(inputs)]
+            )
+        )
+    for ids, output in zip(inputs, response.outputs, strict=True):
+        want = normalized(dense_hidden(model_dir, ids).mean(dim=0))
+        assert close(values(output.dense), want)
+        assert not close(values(output.dense), normalized(dense_hidden(model_dir, ids)[-1]))
+
+
+async def test_a_batch_split_over_forwards_equals_one_by_one(builtin_dir: Path) -> None:
+    # A 64-token budget: the 130-token input runs alone, the others in several forwards.
+    inputs = prompts() * 2
+    async with running_engine(engine_config(builtin_dir, max_num_batched_tokens=64)) as engine:
+        batch = await engine.stub.Embed(
+            pb.EmbedRequest(
+                context=context(), inputs=[ids_input(f"i{n}", ids) for n, ids in enumerate(inputs)]
+            )
+        )
+        alone = [
+            (
+                await engine.stub.Embed(
+                    pb.EmbedRequest(context=context(f"r{n}"), inputs=[ids_input("x", ids)])
+                )
+            ).outputs[0]
+            for n, ids in enumerate(inputs)
+        ]
+    assert len(batch.outputs) == len(inputs)
+    for one, together in zip(alone, batch.outputs, strict=True):
+        assert close(values(one.dense), values(together.dense), 1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# Score
+# ------------------------------------------------------------------------------------------
+
+
+async def test_score_is_the_cosine_of_the_embeddings(builtin_dir: Path) -> None:
+    query, *candidates = prompts()
+    config = engine_config(builtin_dir, metrics_listen="127.0.0.1:0")
+    async with running_engine(config) as engine:
+        embeddings = await engine.stub.Embed(
+            pb.EmbedRequest(
+                context=context("e"),
+                inputs=[ids_input(f"i{n}", ids) for n, ids in enumerate([query, *candidates])],
+            )
+        )
+        response = await engine.stub.Score(
+            pb.ScoreRequest(
+                context=context("s"),
+                groups=[
+                    pb.ScoreGroup(
+                        group_id="g0",
+                        query=ids_input("q", query),
+                        candidates=[ids_input(f"c{n}", ids) for n, ids in enumerate(candidates)],
+                    ),
+                    pb.ScoreGroup(
+                        group_id="g1", query=ids_input("q", candidates[0]),
+                        candidates=[ids_input("c", query)],
+                    ),
+                ],
+            )
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
+        metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    text = metrics.decode()
+    assert 'kvplane_engine_pooling_requests_total{model="builtin",task="embed"} 1.0' in text
+    assert 'kvplane_engine_pooling_requests_total{model="builtin",task="score"} 1.0' in text
+    tokens = sum(map(len, prompts()))  # the score's distinct inputs: the same five
+    assert (
+        f'kvplane_engine_pooling_input_tokens_total{{model="builtin",task="score"}} {tokens}.0'
+        in text
+    )
+    vectors = [values(output.dense) for output in embeddings.outputs]
+    assert response.semantics == pb.TASK_VALUE_SEMANTICS_SIMILARITY
+    assert response.granularity == pb.TASK_OUTPUT_GRANULARITY_SEQUENCE
+    assert response.HasField("higher_is_better") and response.higher_is_better
+    assert response.normalization == pb.SCORE_NORMALIZATION_NONE
+    first, second = response.groups
+    assert (first.group_id, first.group_index, second.group_index) == ("g0", 0, 1)
+    assert first.HasField("group_index")
+    got = [float(c.scores.values[0]) for c in first.candidates]
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    assert got == pytest.approx(want, abs=1e-5)
+    assert len(set(round(g, 3) for g in got)) == len(got)  # different inputs, different scores
+    assert [c.candidate_id for c in first.candidates] == [f"c{n}" for n in range(4)]
+    assert [c.candidate_index for c in first.candidates] == list(range(4))
+    assert list(first.candidates[0].scores.shape) == [1]
+    assert float(second.candidates[0].scores.values[0]) == pytest.approx(got[0], abs=1e-5)
+    assert response.usage.input_tokens == sum(map(len, prompts())) + len(query) + len(candidates[0])
+
+
+# ------------------------------------------------------------------------------------------
+# Classify
+# ------------------------------------------------------------------------------------------
+
+
+async def test_classify_is_the_softmax_of_the_head_on_the_last_hidden_state(
+    classifier_dir: Path,
+) -> None:
+    inputs = prompts()
+    head = load_file(str(classifier_dir / "model.safetensors"))["score.weight"].double()
+    async with running_engine(engine_config(classifier_dir)) as engine:
+        info = await engine.stub.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
+        items = [ids_input(f"i{n}", ids) for n, ids in enumerate(inputs)]
+        probabilities = await engine.stub.Classify(
+            pb.ClassifyRequest(context=context("p"), inputs=items)
+        )
+        logits = await engine.stub.Classify(
+            pb.ClassifyRequest(
+                context=context("l"),
+                inputs=items[:2],
+                options=pb.ClassifyOptions(output_semantics=pb.TASK_VALUE_SEMANTICS_LOGITS),
+            )
+        )
+        per_token = await engine.stub.Classify(
+            pb.ClassifyRequest(
+                context=context("k"),
+                inputs=items[2:3],
+                options=pb.ClassifyOptions(granularity=pb.TASK_OUTPUT_GRANULARITY_TOKEN),
+            )
+        )
+        # A classifier still generates (its LM head is there).
+        generated = await collect(engine.stub, generate_request([5, 6, 7], model=MODEL))
+    assert info.tasks.classify.supported
+    assert pb.TASK_VALUE_SEMANTICS_PROBABILITIES in info.tasks.classify.semantics
+    for ids, output in zip(inputs, probabilities.outputs, strict=True):
+        assert list(output.labels) == LABELS
+        assert output.semantics == pb.TASK_VALUE_SEMANTICS_PROBABILITIES
+        assert list(output.scores.shape) == [3]
+        want = (dense_hidden(classifier_dir, ids)[-1] @ head.T).softmax(-1)
+        assert close(values(output.scores), want)
+    for ids, output in zip(inputs[:2], logits.outputs, strict=True):
+        assert output.semantics == pb.TASK_VALUE_SEMANTICS_LOGITS
+        assert close(values(output.scores), dense_hidden(classifier_dir, ids)[-1] @ head.T)
+    token_output = per_token.outputs[0]
+    assert list(token_output.scores.shape) == [len(inputs[2]), 3]
+    assert list(token_output.token_ids) == inputs[2]
+    want_rows = (dense_hidden(classifier_dir, inputs[2]) @ head.T).softmax(-1)
+    assert close(values(token_output.scores), want_rows)
+    assert generated[-1].finished.reason == pb.FINISH_REASON_LENGTH
+
+
+def test_a_classifier_without_an_lm_head_is_refused_at_load(
+    classifier_dir: Path, tmp_path: Path
+) -> None:
+    state = load_file(str(classifier_dir / "model.safetensors"))
+    del state["lm_head.weight"]
+    shutil.copy(classifier_dir / "config.json", tmp_path / "config.json")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    assert ModelConfig.from_dir(tmp_path).classifier_labels == tuple(LABELS)
+    with pytest.raises(CheckpointError, match="lm_head"):
+        load_model(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------
+# Running next to generation; refusals
+# ------------------------------------------------------------------------------------------
+
+
+async def test_generation_is_unchanged_by_embeds_running_meanwhile(builtin_dir: Path) -> None:
+    request = generate_request(
+        prompts()[3], max_tokens=48, model=MODEL, sampling=pb.SamplingParams(temperature=0.0)
+    )
+    request.stopping.ignore_eos = True
+
+    def tokens(responses: list[Any]) -> list[int]:
+        return [t.token_id for r in responses if r.HasField("token") for t in r.token.tokens]
+
+    embed = pb.EmbedRequest(
+        context=context("e"), inputs=[ids_input(f"i{n}", ids) for n, ids in enumerate(prompts())]
+    )
+    async with running_engine(engine_config(builtin_dir, max_num_batched_tokens=64)) as engine:
+        alone = tokens(await collect(engine.stub, request))
+        expected = await engine.stub.Embed(embed)
+        generation = asyncio.ensure_future(collect(engine.stub, request))
+        during: list[pb.EmbedResponse] = []
+        while not generation.done():
+            embed.context.request_id = f"e{len(during)}"
+            during.append(await engine.stub.Embed(embed))
+        together = tokens(await generation)
+    assert len(alone) == 48 and together == alone
+    assert len(during) >= 2  # the embeds really ran while it generated
+    for response in during:
+        assert [list(o.dense.values) for o in response.outputs] == [
+            list(o.dense.values) for o in expected.outputs
+        ]
+
+
+async def test_refusals_have_the_seeds_statuses(builtin_dir: Path, classifier_dir: Path) -> None:
+    invalid, failed = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    good = [ids_input("a", [5, 6, 7])]
+    async with running_engine(engine_config(builtin_dir)) as engine:
+        stub = engine.stub
+
+        async def embed_status(
+            inputs: list[pb.TaskInput] = good,
+            ctx: pb.TaskRequestContext | None = None,
+            **options: Any,
+        ) -> grpc.StatusCode:
+            request = pb.EmbedRequest(
+                context=ctx or context(), inputs=inputs, options=pb.EmbedOptions(**options)
+            )
+            return (await rpc_error(stub.Embed(request))).code()
+
+        async def score_status(
+            groups: list[pb.ScoreGroup] | None = None, **options: Any
+        ) -> grpc.StatusCode:
+            group = pb.ScoreGroup(group_id="g", query=good[0], candidates=[ids_input("b", [8])])
+            request = pb.ScoreRequest(
+                context=context(), groups=groups if groups is not None else [group],
+                options=pb.ScoreOptions(**options),
+            )  # fmt: skip
+            return (await rpc_error(stub.Score(request))).code()
+
+        assert await embed_status([]) == invalid
+        assert await embed_status([ids_input("a", [])]) == invalid
+        assert await embed_status([ids_input("", [5])]) == invalid
+        assert await embed_status([ids_input("a", [5]), ids_input("a", [6])]) == invalid
+        assert await embed_status([pb.TaskInput(item_id="a")]) == invalid
+        assert await embed_status([ids_input("a", [5] * 513)]) == invalid  # > max_model_len
+        assert await embed_status([ids_input("a", [100_000])]) == invalid
+        multimodal = pb.TaskInput(item_id="a", multimodal=pb.MultimodalTaskInput(text="x"))
+        assert await embed_status([multimodal]) == invalid
+        assert await embed_status(dimensions=0) == invalid
+        assert await embed_status(dimensions=257) == invalid
+        assert await embed_status(encoding=pb.EMBEDDING_ENCODING_SPARSE) == invalid
+        unknown = pb.TaskRequestContext(request_id="t", model="other")
+        assert await embed_status(ctx=unknown) == grpc.StatusCode.NOT_FOUND
+        assert await embed_status(ctx=context(lora_name="x")) == failed
+        assert await embed_status(ctx=context(priority=1)) == invalid
+        assert await score_status([]) == invalid
+        assert await score_status([pb.ScoreGroup(group_id="g", query=good[0])]) == invalid
+        assert await score_status(normalization=pb.SCORE_NORMALIZATION_SOFTMAX) == invalid
+        assert await score_status(label_token_ids=[5]) == invalid
+        assert await score_status(instruction="rank these") == invalid
+        assert await score_status(output_semantics=pb.TASK_VALUE_SEMANTICS_LOGITS) == invalid
+        classify = stub.Classify(pb.ClassifyRequest(context=context(), inputs=good))
+        assert (await rpc_error(classify)).code() == failed  # the builtin model has no head
+        # A request id already running (a generation): ALREADY_EXISTS.
+        running = stub.Generate(
+            generate_request([5, 6], max_tokens=10_000, request_id="busy", model=MODEL)
+        )
+        await running.read()
+        assert await embed_status(ctx=context("busy")) == grpc.StatusCode.ALREADY_EXISTS
+        running.cancel()
+        # Draining: UNAVAILABLE; the engine still works for what it had.
+        async for _ in stub.Drain(pb.DrainRequest(stop_accepting_new_requests=True)):
+            pass
+        assert await embed_status() == grpc.StatusCode.UNAVAILABLE
+        assert await score_status() == grpc.StatusCode.UNAVAILABLE
+    async with running_engine(engine_config(classifier_dir)) as engine:
+        request = pb.ClassifyRequest(
+            context=context(),
+            inputs=good,
+            options=pb.ClassifyOptions(output_semantics=pb.TASK_VALUE_SEMANTICS_SIMILARITY),
+        )
+        assert (await rpc_error(engine.stub.Classify(request))).code() == invalid
+
+
+async def test_text_without_a_tokenizer_is_invalid(builtin_dir: Path, tmp_path: Path) -> None:
+    model_dir = tmp_path / "no-tokenizer"
+    shutil.copytree(builtin_dir, model_dir)
+    (model_dir / "tokenizer.json").unlink()
+    async with running_engine(engine_config(model_dir)) as engine:
+        info = await engine.stub.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
+        request = pb.EmbedRequest(context=context(), inputs=[pb.TaskInput(item_id="a", text="x")])
+        error = await rpc_error(engine.stub.Embed(request))
+    assert list(info.tasks.embed.input_types) == [pb.TASK_INPUT_TYPE_TOKEN_IDS]
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_abort_stops_a_running_embed_between_batches(builtin_dir: Path) -> None:
+    # 300 forwards of one 60-token input each (a 64-token budget): long enough to abort.
+    inputs = [ids_input(f"i{n}", [5 + n % 50] * 60) for n in range(300)]
+    async with running_engine(engine_config(builtin_dir, max_num_batched_tokens=64)) as engine:
+        call = engine.stub.Embed(pb.EmbedRequest(context=context("long"), inputs=inputs))
+        service = engine.app.service
+
+        async def running() -> bool:
+            return service.num_running_tasks == 1
+
+        await wait_for(running, what="the embed to start")
+        load = await engine.stub.GetLoad(pb.GetLoadRequest())
+        assert load.running_requests == 1 and service.num_in_flight == 1
+        aborted = await engine.stub.Abort(pb.AbortRequest(request_id="long"))
+        error = await rpc_error(call)
+        again = await engine.stub.Abort(pb.AbortRequest(request_id="long"))
+        # The engine is fine afterwards.
+        after = await engine.stub.Embed(pb.EmbedRequest(context=context(), inputs=inputs[:2]))
+    assert aborted.status == pb.ABORT_STATUS_ABORTED
+    assert error.code() == grpc.StatusCode.CANCELLED
+    assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+    assert len(after.outputs) == 2
+
+
+async def test_classify_equals_hf_transformers_sequence_classification(
+    classifier_dir: Path,
+) -> None:
+    """HF's LlamaForSequenceClassification on the same checkpoint (its `score` head on the
+    last token) gives the probabilities the engine returns."""
+    import importlib
+
+    transformers: Any = importlib.import_module("transformers")
+    model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(classifier_dir), local_files_only=True, dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"]  # the head was loaded, not made up (lm_head is extra)
+    model.eval()
+    inputs = prompts()[1:4]
+    with torch.inference_mode():
+        want = [model(input_ids=torch.tensor([ids])).logits[0].softmax(-1) for ids in inputs]
+    async with running_engine(engine_config(classifier_dir)) as engine:
+        response = await engine.stub.Classify(
+            pb.ClassifyRequest(
+                context=context(), inputs=[ids_input(f"i{n}", ids) for n, ids in enumerate(inputs)]
+            )
+        )
+    assert [model.config.id2label[i] for i in range(3)] == LABELS
+    for output, expected in zip(response.outputs, want, strict=True):
+        assert close(values(output.scores), expected.double())
