@@ -45,6 +45,7 @@ class ServedModel:
     max_batched_tokens: int
     vocab_size: int
     has_tokenizer: bool
+    supports_lora: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -178,7 +179,7 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
             supports_cache_salt=True,
             supports_prefix_cache_bypass=True,
         ),
-        supports_lora=False,
+        supports_lora=model.supports_lora,
         supports_multimodal=False,
         tasks=pb.TaskCapabilities(
             embed=pb.EmbedCapabilities(supported=False),

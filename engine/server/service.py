@@ -34,6 +34,7 @@ from engine.server.engine_service import EngineService
 from engine.server.info import ServedModel, kv_connector_info
 from engine.server.kv_event_log import KvEventLog
 from engine.server.kv_transfer import PROTOCOL, KvSessionPuller, KvTransferServicer
+from engine.server.lora_service import LoraService
 from engine.server.metrics import EngineMetrics
 from engine.server.openengine_convert import EngineContext
 from engine.server.openengine_servicer import OpenEngineServicer
@@ -213,6 +214,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
             max_num_batched_tokens=config.max_num_batched_tokens,
         ),
         tokenizer=tokenizer if tokenizer is not None else None,
+        max_loras=config.lora.max_loras if config.lora.enabled else None,
     )
     served = ServedModel(
         model_id=config.model,
@@ -225,6 +227,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         max_batched_tokens=config.max_num_batched_tokens,
         vocab_size=model.vocab_size,
         has_tokenizer=tokenizer is not None,
+        supports_lora=config.lora.enabled,
     )
     kv_config = config.kv_events
     kv_log = KvEventLog(kv_config.buffer_steps)
@@ -277,6 +280,9 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         instance_id=instance_id,
         token_text=_token_text(tokenizer),
         kv_puller=kv_puller,
+        lora=LoraService(engine_loop, max_lora_rank=config.lora.max_lora_rank)
+        if config.lora.enabled
+        else None,
     )
     vllm = VllmGenerateServicer(service, ctx)
     kv_transfer = KvTransferServicer(
