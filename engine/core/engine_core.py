@@ -143,7 +143,8 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
 
     def check_request(self, request: EngineRequest) -> None:
-        """Validate without side effects; reads only immutable configuration (thread-safe)."""
+        """Validate without side effects; reads only immutable configuration and the LoRA
+        registry's immutable snapshot (thread-safe)."""
         if not request.request_id:
             raise InvalidRequestError("request_id must be non-empty")
         if not request.prompt_token_ids:
