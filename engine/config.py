@@ -7,7 +7,8 @@ engine.torch_runner.builtin_model) or the path of an HF model directory (the tor
 KV capacity is given either as a number of blocks or as a byte budget (the torch runner turns
 bytes into blocks from the model's shape; the sim runner needs blocks). KV events always go to
 `SubscribeKvEvents`; the vLLM-compatible ZMQ publisher is optional. `kv_transfer` sets the
-KV sessions of PREFILL and DECODE engines.
+KV sessions of PREFILL and DECODE engines. `lora` serves PEFT LoRA adapters (off by default, as
+vLLM's `--enable-lora`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,20 @@ class KvTransferConfig(StrictModel):
     peer_tls: ClientTlsConfig | None = None
 
 
+class LoraConfig(StrictModel):
+    """LoRA adapters (LoadLora/UnloadLora/ListLoras, `GenerateRequest.lora_name`)."""
+
+    # Off: every LoRA call and a Generate naming an adapter is FAILED_PRECONDITION and
+    # ModelInfo says supports_lora false (vLLM serves LoRA only with --enable-lora too).
+    enabled: bool = False
+    # Adapters loaded at once (LoadLora beyond: RESOURCE_EXHAUSTED). Unlike vLLM's max_loras
+    # (adapters per batch, default 1, the rest cached on the CPU), every loaded adapter is
+    # resident and any mix of them runs in one step.
+    max_loras: int = Field(default=8, gt=0)
+    # Highest adapter rank accepted (vLLM's default, 16); above: FAILED_PRECONDITION.
+    max_lora_rank: int = Field(default=16, gt=0)
+
+
 class EngineConfig(ServerConfig):
     listen: str = "127.0.0.1:50061"
     # `sim`, `builtin` or the path of an HF model directory (config.json, safetensors,
@@ -118,6 +133,7 @@ class EngineConfig(ServerConfig):
     sim: SimTimingConfig = Field(default_factory=SimTimingConfig)
     kv_events: KvEventsConfig = Field(default_factory=KvEventsConfig)
     kv_transfer: KvTransferConfig = Field(default_factory=KvTransferConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_validator(mode="after")
     def _check_capacity(self) -> EngineConfig:

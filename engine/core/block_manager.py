@@ -443,6 +443,29 @@ class BlockManager:
         self._events.append(AllBlocksCleared(self.medium))
         return True
 
+    def drop_lora_blocks(self, lora_name: str) -> int:
+        """Forget every cached block of the `lora_name` namespace (one BlockRemoved); returns
+        how many. For a LoRA name about to serve other weights: KV computed with the old
+        adapter must never be hit. The caller ensures no running sequence uses the name (it
+        would chain new blocks from dropped keys); a block still held (a KV session's scratch
+        table, which never grows) stays with its holder, uncached."""
+        dropped: list[BlockKey] = []
+        for key, block_id in list(self._cached.items()):
+            content = self._contents[block_id]
+            if content is None or content.namespace.lora_name != lora_name:
+                continue
+            del self._cached[key]
+            self._keys[block_id] = None
+            self._contents[block_id] = None
+            dropped.append(key)
+            if self._ref_counts[block_id] == 0:  # it holds nothing now: reused first
+                self._unlink(block_id)
+                self._link_after(self.num_blocks, block_id)
+        if dropped:
+            self._cache_version += 1
+            self._events.append(BlockRemoved(tuple(dropped), self.medium))
+        return len(dropped)
+
     def snapshot(self) -> list[BlockStored]:
         """The cached set as one-block BlockStored events, parents before children."""
         by_key: dict[BlockKey, BlockStored] = {}

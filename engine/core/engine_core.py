@@ -50,8 +50,10 @@ from engine.core.engine_loop import EngineLoop, OutputSink, asyncio_sink
 from engine.core.errors import (
     DuplicateRequestError,
     InvalidRequestError,
+    LoraNotFoundError,
     PromptTooLongError,
 )
+from engine.core.lora import LoraAdapter, LoraRegistry, LoraRunner
 from engine.core.scheduler import ScheduledWork, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.sim_runner import SimRunner
@@ -104,9 +106,17 @@ class EngineCore:
         *,
         tokenizer: Tokenizer | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int | None = None,
     ) -> None:
+        """`max_loras`: serve up to that many LoRA adapters at once (the runner must be a
+        `LoraRunner`); None: no LoRA, a request naming an adapter is refused."""
         self.config = config or SchedulerConfig()
         self.runner = runner
+        self.loras: LoraRegistry | None = None
+        if max_loras is not None:
+            if not isinstance(runner, LoraRunner):
+                raise ValueError(f"{type(runner).__name__} does not serve LoRA adapters")
+            self.loras = LoraRegistry(max_loras)
         self.tokenizer = tokenizer
         self.clock = clock
         self.block_manager = BlockManager(
@@ -133,7 +143,8 @@ class EngineCore:
     # ---------------------------------------------------------------- requests
 
     def check_request(self, request: EngineRequest) -> None:
-        """Validate without side effects; reads only immutable configuration (thread-safe)."""
+        """Validate without side effects; reads only immutable configuration and the LoRA
+        registry's immutable snapshot (thread-safe)."""
         if not request.request_id:
             raise InvalidRequestError("request_id must be non-empty")
         if not request.prompt_token_ids:
@@ -152,6 +163,11 @@ class EngineCore:
             )
         if request.sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+        if request.lora_name is not None:
+            # The registry's snapshot: the engine thread checks again when it adds the request.
+            if self.loras is None:
+                raise LoraNotFoundError("this engine serves no LoRA adapters")
+            self.loras.check_request(request.lora_name)
         num_prompt = len(request.prompt_token_ids)
         if num_prompt + 1 > self.max_model_len:
             raise PromptTooLongError(
@@ -170,6 +186,8 @@ class EngineCore:
         self.check_request(request)
         if request.request_id in self._requests:
             raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+        if request.lora_name is not None and self.loras is not None:
+            self.loras.acquire(request.lora_name)  # raises if unloaded since check_request
         sampling = request.sampling
         num_prompt = len(request.prompt_token_ids)
         room = self.max_model_len - num_prompt
@@ -252,6 +270,8 @@ class EngineCore:
         if state.num_unfinished == 0:
             usage = state.usage()
             del self._requests[state.request.request_id]
+            if state.request.lora_name is not None:
+                self._release_lora(state.request.lora_name)
         return RequestOutput(
             request_id=state.request.request_id,
             output_index=out.sequence.output_index,
@@ -265,6 +285,39 @@ class EngineCore:
             usage=usage,
             held_kv_session=usage is not None and state.held_kv_session,
         )
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    def _lora_runner(self) -> tuple[LoraRegistry, LoraRunner]:
+        if self.loras is None or not isinstance(self.runner, LoraRunner):
+            raise LoraNotFoundError("this engine serves no LoRA adapters")
+        return self.loras, self.runner
+
+    def load_lora(self, adapter: LoraAdapter, weights: object) -> bool:
+        """Serve `weights` (the runner's `read_lora`) as `adapter`; True when exactly this
+        adapter was loaded already. The name's cached blocks, computed with an earlier adapter
+        of that name, are dropped first (BlockRemoved): prefix hits never cross adapters."""
+        loras, runner = self._lora_runner()
+        if loras.check_load(adapter):
+            return True
+        self.block_manager.drop_lora_blocks(adapter.name)
+        runner.add_lora(adapter.name, weights)
+        loras.add(adapter)
+        return False
+
+    def unload_lora(self, name: str) -> LoraAdapter:
+        """Forget the name for new requests; the runner keeps the weights until the requests
+        already using them end (as vLLM)."""
+        loras, runner = self._lora_runner()
+        adapter = loras.remove(name)
+        if not loras.num_requests(name):
+            runner.remove_lora(name)
+        return adapter
+
+    def _release_lora(self, name: str) -> None:
+        loras, runner = self._lora_runner()
+        if loras.release(name):
+            runner.remove_lora(name)
 
     # ---------------------------------------------------------------- KV sessions
 

@@ -23,3 +23,27 @@ class DuplicateRequestError(EngineCoreError):
 
 class EngineStoppedError(EngineCoreError):
     """The engine loop has stopped (or failed) and accepts no more work (UNAVAILABLE)."""
+
+
+class InvalidLoraError(InvalidRequestError):
+    """A LoadLora request or the adapter it names is malformed: a non-positive id, an empty
+    name, a relative or missing directory, an unreadable or incomplete adapter_config.json or
+    safetensors file, or a PEFT option this engine does not implement (INVALID_ARGUMENT)."""
+
+
+class LoraMismatchError(EngineCoreError):
+    """A well-formed adapter this engine cannot serve: its modules, layers or shapes do not fit
+    the base model, its rank is above `max_lora_rank`, or requests of an earlier adapter of the
+    same name still run (FAILED_PRECONDITION)."""
+
+
+class LoraNotFoundError(EngineCoreError):
+    """No adapter of that name is loaded: UnloadLora, or a request naming it (NOT_FOUND)."""
+
+
+class LoraConflictError(EngineCoreError):
+    """Another loaded adapter has this name, id or path (ALREADY_EXISTS)."""
+
+
+class LoraCapacityError(EngineCoreError):
+    """`max_loras` adapters are loaded already (RESOURCE_EXHAUSTED)."""

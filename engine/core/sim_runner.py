@@ -23,6 +23,11 @@ index, mapped into `[token_id_floor, vocab_size)` and never an EOS id, so equal 
 equal outputs (like greedy). `eos_after` makes output token number `eos_after` (1-based) the
 EOS, for tests of EOS handling. Stop token ids, max/min tokens and stop strings apply as usual
 (the core owns them).
+
+LoRA. Bookkeeping only (`LoraRunner`): an adapter's directory must hold a valid PEFT
+`adapter_config.json` (rank within `max_lora_rank`, supported target modules); no weights are
+read and tokens do not depend on the adapter. Sim engines thus serve the LoRA lifecycle,
+routing and prefix-cache namespaces in tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.core.api import Candidate, ScheduledBatch, SequenceResult, TokenLogprob
+from engine.core.lora import AdapterConfig, read_adapter_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +159,7 @@ class SimRunner:
         self.last_forward_ms = 0.0
         self.total_forward_ms = 0.0
         self.num_forward_passes = 0
+        self.loras: dict[str, AdapterConfig] = {}
 
     @property
     def block_size(self) -> int:
@@ -217,6 +225,18 @@ class SimRunner:
 
     def release(self, seq_ids: Sequence[int]) -> None:
         """Nothing to forget: dummy tokens depend only on the token history."""
+
+    # LoRA: bookkeeping only (see the module docstring).
+
+    def read_lora(self, path: Path, *, max_rank: int) -> AdapterConfig:
+        return read_adapter_config(path, max_rank=max_rank)
+
+    def add_lora(self, name: str, weights: object) -> None:
+        assert isinstance(weights, AdapterConfig)
+        self.loras[name] = weights
+
+    def remove_lora(self, name: str) -> None:
+        self.loras.pop(name, None)
 
     # KV transfer: the simulator holds no KV data, so a block is zero bytes; the layout names
     # the block size, so sim engines exchange sessions like real ones (tests, benchmarks).

@@ -13,6 +13,10 @@ from engine.core.errors import (
     DuplicateRequestError,
     EngineStoppedError,
     InvalidRequestError,
+    LoraCapacityError,
+    LoraConflictError,
+    LoraMismatchError,
+    LoraNotFoundError,
 )
 from engine.server.kv_event_log import ReplayNotCoveredError, SubscriberOverrunError
 from kvplane.errors import KvplaneError
@@ -108,6 +112,16 @@ _TABLE: tuple[tuple[type[Exception], grpc.StatusCode, pb.ErrorCode.ValueType, bo
     (ReplayNotCoveredError, grpc.StatusCode.OUT_OF_RANGE, pb.ERROR_CODE_INVALID_ARGUMENT, False),
     (SubscriberOverrunError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, True),
     (EngineStoppedError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_INTERNAL, True),
+    # LoRA (the seed's lifecycle rules; InvalidLoraError is an InvalidRequestError above).
+    (LoraNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_MODEL_NOT_FOUND, False),
+    (LoraConflictError, grpc.StatusCode.ALREADY_EXISTS, pb.ERROR_CODE_INVALID_ARGUMENT, False),
+    (LoraCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, False),
+    (
+        LoraMismatchError,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        pb.ERROR_CODE_UNSUPPORTED_FEATURE,
+        False,
+    ),
 )
 
 

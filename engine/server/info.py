@@ -49,6 +49,7 @@ class ServedModel:
     # classification head's labels (None: no head, no classify).
     embedding_dimension: int | None = None
     classifier_labels: tuple[str, ...] | None = None
+    supports_lora: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -182,7 +183,7 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
             supports_cache_salt=True,
             supports_prefix_cache_bypass=True,
         ),
-        supports_lora=False,
+        supports_lora=model.supports_lora,
         supports_multimodal=False,
         tasks=task_capabilities(model),
     )

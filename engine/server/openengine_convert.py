@@ -119,7 +119,7 @@ def check_unsupported(request: pb.GenerateRequest, ctx: EngineContext) -> None:
         raise UnsupportedOptionError("guided decoding is not supported by this engine")
     if request.media:
         raise UnsupportedOptionError("media inputs are not supported by this engine")
-    if request.lora_name:
+    if request.lora_name and not ctx.model.supports_lora:
         raise FeatureDisabledError("LoRA is not enabled on this engine")
     # A DECODE engine takes requests with a session and, like vLLM's decode instances,
     # without one (it prefills them itself).
@@ -158,6 +158,7 @@ def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -
         prompt_token_ids=tuple(prompt),
         sampling=sampling,
         priority=request.priority if request.HasField("priority") else 0,
+        lora_name=request.lora_name or None,
         cache_salt=kv.cache_salt if kv.HasField("cache_salt") else None,
         bypass_prefix_cache=kv.bypass_prefix_cache,
     )

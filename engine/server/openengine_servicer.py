@@ -4,11 +4,12 @@ Error phases (seed, "Standard errors"): anything wrong before acceptance is a no
 from `engine.server.errors`' table and no event; once a Generate, Drain or subscription is
 accepted, a failure is exactly one terminal `EngineError` event and the stream ends OK.
 Embed/Classify/Score run on a torch model's pooler (`engine.server.pooling_tasks`); a unary
-task's failure, accepted or not, is its status. Features this engine lacks are refused before
-acceptance and advertised as unsupported: the tasks without a pooler (the sim runner) or
-Classify without a classification head (once their required context fields are there) and
-LoRA -> FAILED_PRECONDITION, guided decoding and media -> INVALID_ARGUMENT (unsupported explicit
-options), a KV session on an engine that is not DECODE -> FAILED_PRECONDITION.
+task's failure, accepted or not, is its status. LoRA adapters: `engine.server.lora_service`.
+Features this engine lacks are refused before acceptance and advertised as unsupported: the
+tasks without a pooler (the sim runner) or Classify without a classification head (once their
+required context fields are there) and LoRA when `lora.enabled` is off -> FAILED_PRECONDITION,
+guided decoding and media -> INVALID_ARGUMENT (unsupported explicit options), a KV session on
+an engine that is not DECODE -> FAILED_PRECONDITION.
 
 Roles: a PREFILL engine's Generate ends with PrefillReady naming a KV session; a DECODE
 engine's Generate with `kv.session` pulls that session before acceptance
@@ -25,6 +26,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from engine.core.engine_core import EngineCore
+from engine.core.lora import LoraAdapter
 from engine.server.engine_service import AbortOutcome, DrainPhase, EngineService
 from engine.server.errors import (
     DrainingError,
@@ -43,6 +45,7 @@ from engine.server.kv_transfer import (
     prefill_request,
 )
 from engine.server.kv_wire import to_proto_batch
+from engine.server.lora_service import LoraService
 from engine.server.openengine_convert import (
     EngineContext,
     GenerateStreamEncoder,
@@ -87,9 +90,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         kv_puller: KvSessionPuller | None = None,
         probe_timeout_s: float = 30.0,
         tasks: PoolingTasks | None = None,
+        lora: LoraService | None = None,
     ) -> None:
         """`kv_puller`: a DECODE engine's; a PREFILL engine's sessions are the service's.
-        `tasks`: Embed/Classify/Score (a torch model's); None refuses them."""
+        `tasks`: Embed/Classify/Score (a torch model's); None refuses them. `lora`: None when
+        LoRA is off."""
         self._service = service
         self._ctx = ctx
         self._instance_id = instance_id
@@ -97,6 +102,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         self._kv_puller = kv_puller
         self._probe_timeout_s = probe_timeout_s
         self._tasks = tasks
+        self._lora = lora
         # Filled in once the servers are bound (their real addresses are known only then).
         self.kv_event_sources: list[pb.KvEventSource] = []
         self.kv_connector = kv_connector_info(ctx.role, [])
@@ -355,23 +361,39 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             log.exception("drain failed")
             yield pb.DrainResponse(error=engine_error_for(exc))
 
-    # ---------------------------------------------------------------- LoRA (disabled)
+    # ---------------------------------------------------------------- LoRA
 
     async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> pb.LoadLoraResponse:
-        await self._lora_disabled(context)
+        a = request.adapter
+        try:
+            adapter = LoraAdapter(a.lora_id, a.lora_name, a.source_path)
+            already_loaded = await self._lora_service().load(adapter)
+        except Exception as exc:
+            await refuse(context, exc)
+        return pb.LoadLoraResponse(adapter=_lora_proto(adapter), already_loaded=already_loaded)
 
     async def UnloadLora(
         self, request: pb.UnloadLoraRequest, context: Context
     ) -> pb.UnloadLoraResponse:
-        await self._lora_disabled(context)
+        try:
+            adapter = await self._lora_service().unload(request.lora_name)
+        except Exception as exc:
+            await refuse(context, exc)
+        return pb.UnloadLoraResponse(adapter=_lora_proto(adapter))
 
     async def ListLoras(
         self, request: pb.ListLorasRequest, context: Context
     ) -> pb.ListLorasResponse:
-        await self._lora_disabled(context)
+        try:
+            adapters = self._lora_service().list()
+        except KvplaneError as exc:
+            await refuse(context, exc)
+        return pb.ListLorasResponse(adapters=[_lora_proto(a) for a in adapters])
 
-    async def _lora_disabled(self, context: Context) -> NoReturn:
-        await refuse(context, FeatureDisabledError("LoRA is not enabled on this engine"))
+    def _lora_service(self) -> LoraService:
+        if self._lora is None:
+            raise FeatureDisabledError("LoRA is not enabled on this engine")
+        return self._lora
 
     # ---------------------------------------------------------------- KV
 
@@ -437,3 +459,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             yield pb.SubscribeRuntimeEventsResponse(error=engine_error_for(exc))
         finally:
             await events.aclose()  # type: ignore[attr-defined]
+
+
+def _lora_proto(adapter: LoraAdapter) -> pb.LoraAdapter:
+    return pb.LoraAdapter(lora_id=adapter.lora_id, lora_name=adapter.name, source_path=adapter.path)

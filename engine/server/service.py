@@ -35,6 +35,7 @@ from engine.server.engine_service import EngineService
 from engine.server.info import ServedModel, kv_connector_info
 from engine.server.kv_event_log import KvEventLog
 from engine.server.kv_transfer import PROTOCOL, KvSessionPuller, KvTransferServicer
+from engine.server.lora_service import LoraService
 from engine.server.metrics import EngineMetrics
 from engine.server.openengine_convert import EngineContext
 from engine.server.openengine_servicer import OpenEngineServicer
@@ -218,6 +219,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
             max_num_batched_tokens=config.max_num_batched_tokens,
         ),
         tokenizer=tokenizer if tokenizer is not None else None,
+        max_loras=config.lora.max_loras if config.lora.enabled else None,
     )
     served = ServedModel(
         model_id=config.model,
@@ -232,6 +234,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         has_tokenizer=tokenizer is not None,
         embedding_dimension=model.pooler.hidden_size if model.pooler is not None else None,
         classifier_labels=model.pooler.labels if model.pooler is not None else None,
+        supports_lora=config.lora.enabled,
     )
     kv_config = config.kv_events
     kv_log = KvEventLog(kv_config.buffer_steps)
@@ -287,6 +290,9 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         tasks=None
         if model.pooler is None
         else PoolingTasks(service, ctx, model.pooler, config.max_num_batched_tokens),
+        lora=LoraService(engine_loop, max_lora_rank=config.lora.max_lora_rank)
+        if config.lora.enabled
+        else None,
     )
     vllm = VllmGenerateServicer(service, ctx)
     kv_transfer = KvTransferServicer(

@@ -9,6 +9,9 @@ stored fused (one matmul each), as in serving engines.
 Numerics follow the reference implementation: RMSNorm is computed in float32 and cast back
 before the weight multiply; cos/sin tables are computed in float32 and cast to the compute
 dtype; logits are returned in float32 whatever the compute dtype.
+
+LoRA: with a `LoraBatch`, each fused projection's output gets its rows' adapter deltas added in
+place right after the base matmul (`engine.torch_runner.lora`), in both forwards.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from engine.torch_runner.attention import (
     paged_attention,
 )
 from engine.torch_runner.config import ModelConfig, RopeConfig, RopeType
+from engine.torch_runner.lora import LoraBatch, Site
 from engine.torch_runner.native import NativeKernels
 
 
@@ -154,6 +158,7 @@ class DecoderModel:
         max_position: int,
         *,
         native: NativeKernels | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """[T] token ids -> [T, hidden] final hidden states (after the final norm).
 
@@ -161,7 +166,9 @@ class DecoderModel:
         vice versa): the small per-layer ops run as native kernels (see `_native_forward`).
         """
         if native is not None:
-            return self._native_forward(input_ids, metadata, kv_cache, max_position, native)
+            return self._native_forward(
+                input_ids, metadata, kv_cache, max_position, native, lora=lora
+            )
         cfg = self.config
         # Once per step, shared by every layer: rotary tables, the gather workspace's size.
         cos, sin = self.rotary.tables(metadata.positions, max_position)
@@ -172,6 +179,8 @@ class DecoderModel:
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            if lora is not None:
+                lora.apply(index, Site.QKV, x, qkv)
             # q and k heads rotate together (one rotation, then views of its result).
             qk = qkv[:, : self._q_size + self._kv_size].view(-1, num_qk_heads, cfg.head_dim)
             qk = apply_rotary(qk, cos, sin)
@@ -187,13 +196,21 @@ class DecoderModel:
                 scale=self._scale,
                 workspace=kv_cache.workspace,
             )
-            hidden = residual + F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
+            o = F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
+            if lora is not None:
+                lora.apply(index, Site.O_PROJ, attn.flatten(1), o)
+            hidden = residual + o
             residual = hidden
             x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
             gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
+            if lora is not None:
+                lora.apply(index, Site.GATE_UP, x, gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate).mul_(up)  # in place into silu's fresh output: one allocation
-            hidden = residual + F.linear(act, layer.down_weight, layer.down_bias)
+            down = F.linear(act, layer.down_weight, layer.down_bias)
+            if lora is not None:
+                lora.apply(index, Site.DOWN, act, down)
+            hidden = residual + down
         return rms_norm(hidden, self.weights.final_norm, cfg.rms_norm_eps)
 
     def _native_forward(
@@ -203,6 +220,8 @@ class DecoderModel:
         kv_cache: PagedKvCache,
         max_position: int,
         native: NativeKernels,
+        *,
+        lora: LoraBatch | None,
     ) -> torch.Tensor:
         """The same forward with 4 matmuls and 4 native calls per layer instead of ~25 torch
         ops: RMSNorm fused with the residual add before it (the next layer's input norm, or the
@@ -218,6 +237,8 @@ class DecoderModel:
         x = native.rms_norm(hidden, layers[0].input_norm, eps)
         for index, layer in enumerate(layers):
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            if lora is not None:
+                lora.apply(index, Site.QKV, x, qkv)
             native.rope_store(
                 qkv,
                 positions=metadata.positions,
@@ -241,9 +262,16 @@ class DecoderModel:
                 kernel=native,
             )
             o = F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
+            if lora is not None:
+                lora.apply(index, Site.O_PROJ, attn.flatten(1), o)
             x = native.rms_norm(hidden, layer.post_attention_norm, eps, add=o)
             gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-            down = F.linear(native.silu_mul(gate_up), layer.down_weight, layer.down_bias)
+            if lora is not None:
+                lora.apply(index, Site.GATE_UP, x, gate_up)
+            act = native.silu_mul(gate_up)
+            down = F.linear(act, layer.down_weight, layer.down_bias)
+            if lora is not None:
+                lora.apply(index, Site.DOWN, act, down)
             next_norm = layers[index + 1].input_norm if index + 1 < len(layers) else None
             x = native.rms_norm(
                 hidden, self.weights.final_norm if next_norm is None else next_norm, eps, add=down

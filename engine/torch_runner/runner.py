@@ -8,6 +8,10 @@ It is synchronous and holds no locks: the engine drives it from one dedicated th
 Block ids in the scheduled block tables are the block manager's; this runner only owns the
 memory behind them (`PagedKvCache`). It keeps no per-sequence state (seeded sampling derives
 each step's generator from the seed and the output length), so `release` has nothing to free.
+
+LoRA (`engine.core.lora.LoraRunner`): adapters read by `read_lora` (any thread) are served
+under their names once `add_lora` runs (the engine thread, between steps); each step applies
+every sequence's adapter to its own rows (`engine.torch_runner.lora.LoraBatch`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from engine.torch_runner.attention import (
 )
 from engine.torch_runner.errors import InvalidBatchError, KvCacheError
 from engine.torch_runner.loader import load_model
+from engine.torch_runner.lora import LoraBatch, LoraWeights, read_lora
 from engine.torch_runner.model import DecoderModel
 from engine.torch_runner.native import NativeKernels, load_kernels
 from engine.torch_runner.sampler import Sampler, SamplingRow, plain_greedy, prompt_logprobs
@@ -92,6 +97,7 @@ class TorchModelRunner:
                 "the native kernels are not available here (they need float32 on CPU and a C "
                 "compiler)"
             )
+        self._loras: dict[str, LoraWeights] = {}
         element_bytes = torch.empty((), dtype=model.dtype).element_size()
         self._key_bytes = cfg.num_kv_heads * cfg.head_dim * element_bytes
 
@@ -173,6 +179,21 @@ class TorchModelRunner:
     def release(self, seq_ids: Sequence[int]) -> None:
         """Nothing to release: the runner keeps no per-sequence state."""
 
+    # ---------------------------------------------------------------- LoRA
+
+    def read_lora(self, path: Path, *, max_rank: int) -> LoraWeights:
+        return read_lora(
+            path, self.model.config, self.model.dtype, self.model.device, max_rank=max_rank
+        )
+
+    def add_lora(self, name: str, weights: object) -> None:
+        if not isinstance(weights, LoraWeights):
+            raise TypeError("add_lora takes what read_lora returned")
+        self._loras[name] = weights
+
+    def remove_lora(self, name: str) -> None:
+        self._loras.pop(name, None)
+
     @property
     def kv_layout(self) -> str:
         return self.kv_cache.layout
@@ -214,8 +235,9 @@ class TorchModelRunner:
             kernel_rows=self.native_kernels is not None,
         )
         ids = int64_tensor(input_ids, device)
+        lora = LoraBatch.build(sequences, self._loras, device)
         hidden = model.forward(
-            ids, metadata, self.kv_cache, max_position, native=self.native_kernels
+            ids, metadata, self.kv_cache, max_position, native=self.native_kernels, lora=lora
         )
         plan = _LogitRows.plan(sequences)
         if not plan.rows:

@@ -99,6 +99,25 @@ def test_namespaces_and_bypass_do_not_share_blocks() -> None:
     assert bm.take_events() == []  # bypass still caches, but the keys were already cached
 
 
+def test_dropping_a_lora_namespace_forgets_its_blocks_only() -> None:
+    bm = BlockManager(16, 4)
+    prompt = list(range(9))
+    for seq_id, lora_name in ((1, "x"), (2, "y"), (3, None)):
+        bm.allocate(seq_id, prompt, 9, lora_name=lora_name)
+        bm.cache_blocks(seq_id, prompt, 9)
+        bm.free(seq_id)
+    x_keys = tuple(block_keys(prompt, 4, lora_name="x"))
+    bm.take_events()
+    assert bm.drop_lora_blocks("x") == 2
+    assert bm.take_events() == [BlockRemoved(x_keys, Medium.GPU)]
+    assert bm.count_hit_tokens(prompt, lora_name="x") == 0
+    assert bm.count_hit_tokens(prompt, lora_name="y") == 8
+    assert bm.count_hit_tokens(prompt) == 8
+    assert bm.drop_lora_blocks("x") == 0
+    assert bm.take_events() == []
+    bm.check_invariants()
+
+
 def test_lru_evicts_least_recently_freed_and_records_removal() -> None:
     bm = BlockManager(4, 2)
     a, b = [1, 2, 3, 4], [5, 6, 7, 8]

@@ -1,0 +1,239 @@
+"""LoRA adapters as the engine core sees them: what is loaded, under which name, id and path,
+and which names running requests use. No tensors: a runner that serves LoRA (`LoraRunner`)
+reads and applies the weights; the sim runner only checks the adapter's config.
+
+Contract (the OpenEngine seed, "LoRA lifecycle"): an adapter is (positive `lora_id`, non-empty
+`name`, absolute directory `path`); loading the same triple again is idempotent; another
+loaded adapter with the same name, id or path is a conflict (ALREADY_EXISTS); an unknown name
+is NOT_FOUND. At most `max_loras` adapters are loaded at once (RESOURCE_EXHAUSTED beyond).
+
+Unloading while requests use the adapter (vLLM's behaviour: its unload only forgets the name,
+requests already admitted keep their adapter): the name is gone at once for new requests, and
+the runner drops the weights when the last request using them ends. Until then the name cannot
+be loaded again (LoraMismatchError, FAILED_PRECONDITION): its running requests and the prefix
+cache must never mix the old adapter's KV with the new one's (`EngineCore.load_lora` drops the
+name's cached blocks when it loads).
+
+Threads: the engine thread mutates the registry; `adapters` is an immutable snapshot, replaced
+on every change, that any thread may read (servers check a request's adapter before
+acceptance, and again in the engine thread).
+
+`read_adapter_config` parses a PEFT `adapter_config.json` (stdlib only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Protocol, runtime_checkable
+
+from engine.core.errors import (
+    InvalidLoraError,
+    LoraCapacityError,
+    LoraConflictError,
+    LoraMismatchError,
+    LoraNotFoundError,
+)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The linear layers of a Llama/Qwen2 decoder layer that an adapter may target (PEFT's names).
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+SUPPORTED_MODULES = ATTENTION_MODULES + MLP_MODULES
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """One loaded adapter, as LoadLora names it and ListLoras reports it."""
+
+    lora_id: int
+    name: str
+    path: str
+
+    def validate(self) -> None:
+        if self.lora_id <= 0:
+            raise InvalidLoraError(f"lora_id must be positive, got {self.lora_id}")
+        if not self.name:
+            raise InvalidLoraError("lora_name must be non-empty")
+        if not Path(self.path).is_absolute():
+            raise InvalidLoraError(f"source_path must be an absolute directory, got {self.path!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    """What kvplane uses of a PEFT LoRA config."""
+
+    rank: int
+    alpha: float
+    target_modules: frozenset[str]
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def _target_modules(value: Any) -> frozenset[str]:
+    if value == "all-linear":
+        return frozenset(SUPPORTED_MODULES)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value):
+        raise InvalidLoraError(f"{ADAPTER_CONFIG}: target_modules must be a list of module names")
+    # PEFT allows suffixes such as "self_attn.q_proj": the last name is the module.
+    modules = frozenset(m.rsplit(".", 1)[-1] for m in value)
+    unsupported = sorted(modules - set(SUPPORTED_MODULES))
+    if unsupported:
+        raise LoraMismatchError(
+            f"{ADAPTER_CONFIG}: target module(s) {', '.join(unsupported)} not supported: this "
+            f"engine applies LoRA to {', '.join(SUPPORTED_MODULES)}"
+        )
+    return modules
+
+
+def read_adapter_config(directory: Path, *, max_rank: int) -> AdapterConfig:
+    """Parse and check `directory/adapter_config.json`. Malformed or an unimplemented PEFT
+    option: InvalidLoraError; a rank above `max_rank` or a module this engine does not adapt:
+    LoraMismatchError."""
+    if not directory.is_dir():
+        raise InvalidLoraError(f"LoRA directory {directory} does not exist or is not a directory")
+    file = directory / ADAPTER_CONFIG
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise InvalidLoraError(f"{file} does not exist (not a PEFT adapter directory)") from None
+    except (OSError, ValueError) as exc:
+        raise InvalidLoraError(f"cannot read {file}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise InvalidLoraError(f"{file}: not a JSON object")
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise InvalidLoraError(f"{file}: peft_type {raw['peft_type']!r} is not LORA")
+    rank, alpha = raw.get("r"), raw.get("lora_alpha")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise InvalidLoraError(f"{file}: r must be a positive integer, got {rank!r}")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
+        raise InvalidLoraError(f"{file}: lora_alpha must be a positive number, got {alpha!r}")
+    # Options that change the arithmetic, which this engine does not implement: refused, never
+    # silently ignored.
+    if raw.get("use_dora"):
+        raise InvalidLoraError(f"{file}: DoRA (use_dora) is not supported")
+    if raw.get("bias", "none") != "none":
+        raise InvalidLoraError(f"{file}: LoRA biases (bias {raw['bias']!r}) are not supported")
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+        if raw.get(key):
+            raise InvalidLoraError(f"{file}: {key} is not supported")
+    if raw.get("fan_in_fan_out"):
+        raise InvalidLoraError(f"{file}: fan_in_fan_out is not supported (Llama/Qwen2 are not)")
+    if rank > max_rank:
+        raise LoraMismatchError(
+            f"{file}: LoRA rank {rank} is above this engine's max_lora_rank {max_rank}"
+        )
+    return AdapterConfig(
+        rank=rank,
+        alpha=float(alpha),
+        target_modules=_target_modules(raw.get("target_modules")),
+        use_rslora=bool(raw.get("use_rslora", False)),
+    )
+
+
+@runtime_checkable
+class LoraRunner(Protocol):
+    """A `ModelRunner` that serves LoRA adapters. Scheduled sequences name theirs in
+    `ScheduledSequence.lora_name`."""
+
+    def read_lora(self, path: Path, *, max_rank: int) -> object:
+        """Read and check an adapter against the base model (any thread: file I/O). Raises
+        InvalidLoraError or LoraMismatchError; returns what `add_lora` takes."""
+        ...
+
+    def add_lora(self, name: str, weights: object) -> None:
+        """Serve `weights` (from `read_lora`) under `name` (engine thread, between steps)."""
+        ...
+
+    def remove_lora(self, name: str) -> None:
+        """Forget the adapter (engine thread; no running sequence uses it any more)."""
+        ...
+
+
+class LoraRegistry:
+    """The loaded adapters and the number of live requests per adapter name."""
+
+    def __init__(self, max_loras: int) -> None:
+        if max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        self.max_loras = max_loras
+        self._adapters: Mapping[str, LoraAdapter] = MappingProxyType({})
+        # Live requests per name, unloaded names included (their weights stay until 0).
+        self._num_requests: dict[str, int] = {}
+
+    @property
+    def adapters(self) -> Mapping[str, LoraAdapter]:
+        """An immutable snapshot, safe to read from any thread."""
+        return self._adapters
+
+    def num_requests(self, name: str) -> int:
+        return self._num_requests.get(name, 0)
+
+    def check_load(self, adapter: LoraAdapter) -> bool:
+        """True when exactly this adapter is loaded (idempotent); raises on a conflict, when
+        full, or while requests of an unloaded adapter of that name still run."""
+        adapter.validate()
+        if self._adapters.get(adapter.name) == adapter:
+            return True
+        for other in self._adapters.values():
+            if (
+                adapter.name == other.name
+                or adapter.lora_id == other.lora_id
+                or (adapter.path == other.path)
+            ):
+                raise LoraConflictError(
+                    f"LoRA adapter {adapter.name!r} (id {adapter.lora_id}, {adapter.path}) "
+                    f"conflicts with loaded adapter {other.name!r} (id {other.lora_id}, "
+                    f"{other.path})"
+                )
+        if len(self._adapters) >= self.max_loras:
+            raise LoraCapacityError(
+                f"{len(self._adapters)} LoRA adapters are loaded, this engine's max_loras: "
+                "unload one first"
+            )
+        if self.num_requests(adapter.name):
+            raise LoraMismatchError(
+                f"{self.num_requests(adapter.name)} requests of the unloaded LoRA adapter "
+                f"{adapter.name!r} still run: load it again once they finish"
+            )
+        return False
+
+    def add(self, adapter: LoraAdapter) -> None:
+        self._adapters = MappingProxyType({**self._adapters, adapter.name: adapter})
+
+    def remove(self, name: str) -> LoraAdapter:
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded")
+        self._adapters = MappingProxyType({k: v for k, v in self._adapters.items() if k != name})
+        return adapter
+
+    def check_request(self, name: str) -> None:
+        if name not in self._adapters:
+            raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded")
+
+    def acquire(self, name: str) -> None:
+        """A request using `name` starts (the adapter must be loaded)."""
+        self.check_request(name)
+        self._num_requests[name] = self.num_requests(name) + 1
+
+    def release(self, name: str) -> bool:
+        """A request using `name` ended; True when the adapter is unloaded and now unused (its
+        weights can go)."""
+        left = self._num_requests[name] - 1
+        if left:
+            self._num_requests[name] = left
+            return False
+        del self._num_requests[name]
+        return name not in self._adapters

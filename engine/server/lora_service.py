@@ -1,0 +1,50 @@
+"""The LoRA lifecycle of one engine, for the OpenEngine servicer (asyncio side).
+
+LoadLora: the request's triple is checked (`LoraAdapter.validate`), then against what is loaded
+(the seed: the same triple again is idempotent, a conflicting name, id or path ALREADY_EXISTS);
+the runner reads and checks the adapter in a worker thread (file I/O and tensor copies stay off
+both the event loop and the engine thread); the engine thread then installs it between steps
+(`EngineCore.load_lora`, which checks everything again: the registry belongs to that thread).
+LoRA calls run one at a time (a lock), so two loads never read the same adapter twice or race
+on a name. UnloadLora and ListLoras go to the registry (an unload through the engine thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from engine.core.engine_core import EngineLoop
+from engine.core.lora import LoraAdapter, LoraRegistry, LoraRunner
+
+
+class LoraService:
+    def __init__(self, engine_loop: EngineLoop, *, max_lora_rank: int) -> None:
+        core = engine_loop.core
+        if core.loras is None or not isinstance(core.runner, LoraRunner):
+            raise ValueError("the engine core was built without LoRA (max_loras)")
+        self._loop = engine_loop
+        self._registry: LoraRegistry = core.loras
+        self._runner: LoraRunner = core.runner
+        self.max_lora_rank = max_lora_rank
+        self._lock = asyncio.Lock()
+
+    async def load(self, adapter: LoraAdapter) -> bool:
+        """Load (False) or find exactly this adapter loaded already (True)."""
+        async with self._lock:
+            # From this thread the registry's answer is advisory; the engine thread decides.
+            if self._registry.check_load(adapter):
+                return True
+            weights = await asyncio.to_thread(
+                self._runner.read_lora, Path(adapter.path), max_rank=self.max_lora_rank
+            )
+            return await asyncio.wrap_future(
+                self._loop.call(lambda core: core.load_lora(adapter, weights))
+            )
+
+    async def unload(self, name: str) -> LoraAdapter:
+        async with self._lock:
+            return await asyncio.wrap_future(self._loop.call(lambda core: core.unload_lora(name)))
+
+    def list(self) -> list[LoraAdapter]:
+        return sorted(self._registry.adapters.values(), key=lambda a: a.lora_id)

@@ -1,0 +1,91 @@
+"""The controller in front of bundled sim engines that serve LoRA (`lora.enabled`): `kvplane
+admin lora load/list/unload` fan out to the engines that support LoRA and report each one's
+outcome, and requests naming an adapter run only on the engines that loaded it (their KV
+blocks are cached under the adapter's name there and nowhere else)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.config import LoraConfig
+from engine.core.api import BlockStored
+from engine.server.service import EngineApp
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
+from tests.controller.test_gateway_scripted import cli
+from tests.engine.lora_adapters import write_adapter_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def lora_blocks(engine: EngineApp, name: str) -> int:
+    """How many blocks the engine holds cached under adapter `name`."""
+    snapshot: list[BlockStored] = await asyncio.wrap_future(
+        engine.service.engine_loop.call(lambda core: core.kv_snapshot())
+    )
+    return sum(1 for event in snapshot if event.lora_name == name)
+
+
+def outcome_lines(output: str) -> dict[str, str]:
+    """`  e0 (127.0.0.1:PORT): ok [y]` lines -> {"e0": "ok"}."""
+    lines = output.splitlines()[1:]
+    return {line.split()[0]: line.split("): ")[1].split(",")[0].split(" [")[0] for line in lines}
+
+
+async def test_admin_lora_fan_out_and_routing_on_real_engines(tmp_path: Path) -> None:
+    lora = LoraConfig(enabled=True)
+    engines = [
+        await start_sim_engine("e0", lora=lora),
+        await start_sim_engine("e1", lora=lora),
+        await start_sim_engine("e2"),  # LoRA off: says supports_lora false
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        t = ["--target", fleet.target]
+        x = str(write_adapter_config(tmp_path / "x"))
+        y = str(write_adapter_config(tmp_path / "y", r=4))
+        loaded = await cli("lora", "load", "x", x, "--id", "1", "--engine", "e0", *t)
+        assert loaded.exit_code == 0, loaded.output
+        assert loaded.output.splitlines()[0] == "x loaded"
+        assert list(outcome_lines(loaded.output)) == ["e0"]
+        everywhere = await cli("lora", "load", "y", y, "--id", "2", *t)
+        assert everywhere.exit_code == 0, everywhere.output
+        assert outcome_lines(everywhere.output) == {"e0": "ok", "e1": "ok", "e2": "skipped"}
+        bad = await cli("lora", "load", "z", str(tmp_path / "nowhere"), "--id", "3", *t)
+        assert bad.exit_code != 0 and "INVALID_ARGUMENT" in str(bad.exception)
+
+        listed = await cli("lora", "list", *t, "--output", "json")
+        assert listed.exit_code == 0, listed.output
+        doc = json.loads(listed.output)
+        assert [a["lora_name"] for a in doc["adapters"]] == ["x", "y"]
+        held = {e["instance_id"]: e["adapters"] for e in doc["engines"] if "adapters" in e}
+        assert held["e0"] == ["x", "y"] and held["e1"] == ["y"]
+
+        for i in range(6):
+            request = generate_request(f"x{i}", list(range(100 * i, 100 * i + 40)))
+            request.lora_name = "x"
+            events = [r.WhichOneof("event") async for r in fleet.gateway.Generate(request)]
+            assert events[-1] == "finished"
+        # Every request naming x ran on e0, the one engine holding it (2 full blocks each).
+        assert [await lora_blocks(e, "x") for e in engines] == [12, 0, 0]
+
+        unloaded = await cli("lora", "unload", "x", *t)
+        assert unloaded.exit_code == 0, unloaded.output
+        assert outcome_lines(unloaded.output) == {
+            "e0": "ok", "e1": "not_loaded", "e2": "skipped",
+        }  # fmt: skip
+        request = generate_request("after", list(range(40)))
+        request.lora_name = "x"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in fleet.gateway.Generate(request):
+                pass
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        remaining = await fleet.gateway.ListLoras(pb.ListLorasRequest())
+        assert [a.lora_name for a in remaining.adapters] == ["y"]
+    finally:
+        await close_fleet(fleet)

@@ -1,0 +1,194 @@
+"""The LoRA lifecycle over gRPC on sim engines (bookkeeping only: the adapter's config is
+checked, no weights are read): LoadLora/UnloadLora/ListLoras statuses as the seed says, a
+Generate naming an adapter, prefix-cache namespaces, and unloading an adapter in use."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.config import LoraConfig, SimTimingConfig
+from indexer.keys import block_keys
+from openengine.v1 import openengine_pb2 as pb
+from tests.engine.engine_server_harness import (
+    Engine,
+    collect,
+    generate_request,
+    rpc_error,
+    running_engine,
+    sim_config,
+    stream_error,
+)
+from tests.engine.lora_adapters import write_adapter_config
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = list(range(10, 19))  # two full blocks of 4, and one token
+
+
+def lora_config(**lora: int) -> LoraConfig:
+    return LoraConfig(enabled=True, **lora)
+
+
+def load(engine: Engine, name: str, path: Path | str, lora_id: int) -> grpc.aio.UnaryUnaryCall:
+    adapter = pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=str(path))
+    return engine.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+
+
+async def names(engine: Engine) -> list[str]:
+    reply = await engine.stub.ListLoras(pb.ListLorasRequest())
+    return [a.lora_name for a in reply.adapters]
+
+
+def usage(responses: list[pb.GenerateResponse]) -> pb.Usage:
+    return next(r.usage for r in responses if r.HasField("usage"))
+
+
+async def test_load_list_unload_follow_the_seed(tmp_path: Path) -> None:
+    x = write_adapter_config(tmp_path / "x")
+    y = write_adapter_config(tmp_path / "y", r=4, use_rslora=True)
+    async with running_engine(sim_config(lora=lora_config(max_loras=2))) as engine:
+        info = await engine.stub.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+        assert info.HasField("supports_lora") and info.supports_lora
+        loaded = await load(engine, "x", x, 7)
+        assert not loaded.already_loaded
+        assert (loaded.adapter.lora_id, loaded.adapter.lora_name) == (7, "x")
+        assert loaded.adapter.source_path == str(x)
+        again = await load(engine, "x", x, 7)  # the same triple: idempotent
+        assert again.already_loaded and again.adapter == loaded.adapter
+        for name, path, lora_id in (("x", y, 7), ("x", x, 8), ("z", x, 9), ("z", y, 7)):
+            err = await rpc_error(load(engine, name, path, lora_id))
+            assert err.code() == grpc.StatusCode.ALREADY_EXISTS, (name, path, lora_id)
+            assert "conflicts with loaded adapter 'x'" in (err.details() or "")
+        await load(engine, "y", y, 3)
+        assert await names(engine) == ["y", "x"]  # by id
+        full = await rpc_error(load(engine, "z", write_adapter_config(tmp_path / "z"), 9))
+        assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_loras" in (full.details() or "")
+
+        gone = await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        assert gone.adapter == loaded.adapter
+        assert await names(engine) == ["y"]
+        unknown = await rpc_error(engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x")))
+        assert unknown.code() == grpc.StatusCode.NOT_FOUND
+        _, refused = await stream_error(
+            engine.stub.Generate(generate_request(PROMPT, lora_name="x"))
+        )
+        assert refused.code() == grpc.StatusCode.NOT_FOUND
+        assert refused.details() == "LoRA adapter 'x' is not loaded"
+        # Loaded again under a new id once unloaded.
+        assert not (await load(engine, "x", x, 8)).already_loaded
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "detail"),
+    [
+        ("id", grpc.StatusCode.INVALID_ARGUMENT, "lora_id must be positive"),
+        ("name", grpc.StatusCode.INVALID_ARGUMENT, "lora_name must be non-empty"),
+        ("relative", grpc.StatusCode.INVALID_ARGUMENT, "absolute directory"),
+        ("missing dir", grpc.StatusCode.INVALID_ARGUMENT, "does not exist or is not a directory"),
+        ("no config", grpc.StatusCode.INVALID_ARGUMENT, "not a PEFT adapter directory"),
+        ("bad json", grpc.StatusCode.INVALID_ARGUMENT, "cannot read"),
+        ("no rank", grpc.StatusCode.INVALID_ARGUMENT, "r must be a positive integer"),
+        ("dora", grpc.StatusCode.INVALID_ARGUMENT, "DoRA"),
+        ("rank", grpc.StatusCode.FAILED_PRECONDITION, "rank 32 is above"),
+        ("module", grpc.StatusCode.FAILED_PRECONDITION, "lm_head not supported"),
+    ],
+)
+async def test_bad_adapters_are_refused_naming_the_problem(
+    tmp_path: Path, fault: str, status: grpc.StatusCode, detail: str
+) -> None:
+    path, lora_id, name = tmp_path / "a", 1, "a"
+    write_adapter_config(path)
+    if fault == "id":
+        lora_id = 0
+    elif fault == "name":
+        name = ""
+    elif fault == "relative":
+        path = Path("a")
+    elif fault == "missing dir":
+        path = tmp_path / "nowhere"
+    elif fault == "no config":
+        (path / "adapter_config.json").unlink()
+    elif fault == "bad json":
+        (path / "adapter_config.json").write_text("{")
+    elif fault == "no rank":
+        write_adapter_config(path, r=None)
+    elif fault == "dora":
+        write_adapter_config(path, use_dora=True)
+    elif fault == "rank":
+        write_adapter_config(path, r=32)
+    elif fault == "module":
+        write_adapter_config(path, target_modules=["q_proj", "lm_head"])
+    async with running_engine(sim_config(lora=lora_config())) as engine:
+        err = await rpc_error(load(engine, name, path, lora_id))
+        assert err.code() == status
+        assert detail in (err.details() or "")
+        assert await names(engine) == []
+
+
+async def test_lora_disabled_by_default_refuses_every_lora_call(tmp_path: Path) -> None:
+    async with running_engine() as engine:
+        err = await rpc_error(load(engine, "x", write_adapter_config(tmp_path / "x"), 1))
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        list_err = await rpc_error(engine.stub.ListLoras(pb.ListLorasRequest()))
+        assert list_err.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_adapters_namespace_the_prefix_cache_and_kv_events(tmp_path: Path) -> None:
+    async with running_engine(sim_config(lora=lora_config())) as engine:
+        await load(engine, "x", write_adapter_config(tmp_path / "x"), 1)
+        await load(engine, "y", write_adapter_config(tmp_path / "y"), 2)
+        cached = {}
+        for label, lora in (("x", "x"), ("y", "y"), ("base", ""), ("x again", "x")):
+            responses = await collect(engine.stub, generate_request(PROMPT, lora_name=lora))
+            cached[label] = usage(responses).cached_prompt_tokens
+        assert cached == {"x": 0, "y": 0, "base": 0, "x again": 8}
+        snapshot = engine.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+        first = await anext(aiter(snapshot))
+        snapshot.cancel()
+        stored = [e.block_stored for e in first.batch.events if e.HasField("block_stored")]
+        by_name: dict[str, set[int]] = {}
+        for event in stored:
+            keys = {int.from_bytes(h.value, "big", signed=True) for h in event.block_hashes}
+            by_name.setdefault(event.lora_name, set()).update(keys)
+        # Each namespace's blocks carry its name and the index's keys for that name (the
+        # prompt's two blocks, then blocks of generated tokens); no block is shared.
+        assert set(by_name) == {"x", "y", ""}
+        for name, keys in by_name.items():
+            assert set(block_keys(PROMPT[:8], 4, lora_name=name or None)) <= keys
+        assert not (by_name["x"] & by_name["y"] or by_name["x"] & by_name[""])
+
+
+async def test_unloading_an_adapter_in_use_lets_its_requests_finish(tmp_path: Path) -> None:
+    """As vLLM: the name goes at once, the running request keeps its adapter to the end; the
+    name cannot be loaded again until then, and a new load drops the old adapter's blocks."""
+    x = write_adapter_config(tmp_path / "x")
+    config = sim_config(lora=lora_config(), sim=SimTimingConfig(time_scale=1.0, vocab_size=1000))
+    async with running_engine(config) as engine:
+        await load(engine, "x", x, 1)
+        await collect(engine.stub, generate_request(PROMPT, lora_name="x"))  # caches 2 blocks
+        long = generate_request(PROMPT, max_tokens=150, lora_name="x", request_id="long")
+        long.stopping.ignore_eos = True
+        stream = engine.stub.Generate(long)
+        responses = [await anext(aiter(stream))]
+        await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        assert await names(engine) == []
+        _, refused = await stream_error(
+            engine.stub.Generate(generate_request(PROMPT, lora_name="x"))
+        )
+        assert refused.code() == grpc.StatusCode.NOT_FOUND
+        busy = await rpc_error(load(engine, "x", x, 1))
+        assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "still run" in (busy.details() or "")
+        responses += [r async for r in stream]
+        finished = [r.finished for r in responses if r.HasField("finished")]
+        assert [f.reason for f in finished] == [pb.FINISH_REASON_LENGTH]
+        assert usage(responses).completion_tokens == 150
+        await asyncio.wait_for(load(engine, "x", x, 1), 10)
+        # The reloaded adapter may hold other weights: nothing cached under the old one is hit.
+        again = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
+        assert usage(again).cached_prompt_tokens == 0
