@@ -129,7 +129,8 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     assert missing.exit_code != 0 and "NOT_FOUND" in str(missing.exception or missing.output)
     everything = await cli_json("abort", "--all", *t)
     assert everything["status"] in ("ABORT_STATUS_ABORTED", "ABORT_STATUS_ALREADY_FINISHED")
-    # The sim engines say supports_lora: false, so the fleet refuses every LoRA call.
+    # The sim engines, with LoRA off (their default), say supports_lora: false, so the fleet
+    # refuses every LoRA call.
     for lora in (["list"], ["load", "x", "/tmp", "--id", "1"]):
         refused = await cli("lora", *lora, *t)
         assert refused.exit_code != 0 and "FAILED_PRECONDITION" in str(refused.exception)

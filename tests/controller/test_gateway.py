@@ -493,8 +493,8 @@ async def test_client_errors_count_as_invalid_not_engine_errors() -> None:
 
 
 async def test_lora_on_a_fleet_without_lora_is_refused_naming_every_engine(fleet: Fleet) -> None:
-    # The sim engine says supports_lora: false; tests/controller/test_gateway_scripted.py
-    # covers engines that serve LoRA.
+    # The sim engine with LoRA off (its default) says supports_lora: false; engines that
+    # serve LoRA: test_lora_routing.py (scripted) and test_lora_engines.py (the bundled one).
     adapter = pb.LoraAdapter(lora_id=1, lora_name="x", source_path="/tmp")
     for call in (
         fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter)),

@@ -2,10 +2,11 @@
 it: ListLoras when it finds an engine, then the outcomes of its own LoadLora/UnloadLora
 fan-outs (including `kvplane admin lora load --engine E`, which the controller forwards).
 
-The bundled engine has no LoRA (it says `supports_lora: false` and refuses every LoRA call),
-so the engines that serve adapters are ScriptedEngines (test_gateway_scripted.py): a real
+The engines that serve adapters here are ScriptedEngines (test_gateway_scripted.py): a real
 sim engine behind a thin OpenEngine server that keeps adapters as the seed says and refuses
-a Generate naming one it has not loaded with NOT_FOUND."""
+a Generate naming one it has not loaded with NOT_FOUND, so that each test can script what an
+engine answers. The same fan-out and routing on the bundled engine itself (`lora.enabled`):
+test_lora_engines.py."""
 
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ async def test_adapters_found_at_discovery_and_kept_after_a_partly_failed_load(
 
 
 async def test_lora_request_to_a_fleet_without_lora_is_failed_precondition(fleet: Fleet) -> None:
-    """The bundled sim engines say `supports_lora: false`."""
+    """The bundled sim engines, with LoRA off (their default), say `supports_lora: false`."""
     refused = await refusal(fleet, lora_request("r", "x"))
     assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "supports LoRA" in (refused.details() or "")
