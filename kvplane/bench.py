@@ -34,6 +34,7 @@ def _register_component_benchmarks() -> None:
     from controller.bench import bench_route
     from controller.e2e_bench import bench_e2e
     from controller.gateway_bench import bench_gateway
+    from engine.handoff_bench import bench_handoff
     from engine.sim_bench import bench_sim
     from engine.torch_runner.bench import bench_engine  # imports torch only when run
 
@@ -42,6 +43,7 @@ def _register_component_benchmarks() -> None:
     bench_app.command("e2e")(bench_e2e)
     bench_app.command("engine")(bench_engine)
     bench_app.command("sim")(bench_sim)
+    bench_app.command("handoff")(bench_handoff)
 
 
 _register_component_benchmarks()

@@ -1,0 +1,47 @@
+"""`kvplane bench handoff` runs end to end on a small checkpoint and reports every figure."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvplane.cli import app
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.timeout(120)
+def test_bench_handoff_moves_the_prompts_blocks_and_times_each_path() -> None:
+    result = CliRunner().invoke(
+        app,
+        ["bench", "handoff", "--model", "random-2x128", "--prompt-tokens", "40,97",
+         "--rounds", "1", "-o", "json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    # 2 layers x (K, V) x 16 tokens x 1 KV head x 64 dims x 4 bytes
+    assert doc["block_bytes"] == 2 * 2 * 16 * 1 * 64 * 4
+    rows = {row["prompt_tokens"]: row for row in doc["rows"]}
+    assert sorted(rows) == [40, 97]
+    # The full blocks before the one holding the prompt's last token.
+    assert rows[40]["moved_blocks"] == 2 and rows[97]["moved_blocks"] == 6
+    for row in rows.values():
+        assert row["moved_mib"] == row["moved_blocks"] * doc["block_bytes"] / 2**20
+        for key in ("aggregated_ttft_ms", "cached_ttft_ms", "prefill_ms", "handoff_ms"):
+            assert row[key] > 0, key
+        assert row["disaggregated_ttft_ms"] == row["prefill_ms"] + row["handoff_ms"]
+
+
+def test_bench_handoff_refuses_bad_lengths() -> None:
+    result = CliRunner().invoke(app, ["bench", "handoff", "--prompt-tokens", "64,x"])
+    assert result.exit_code == 2
+    assert "comma-separated integers" in result.output
