@@ -111,6 +111,20 @@ def decode_request(request: EngineRequest) -> EngineRequest:
     return dataclasses.replace(request, sampling=sampling)
 
 
+@dataclass(frozen=True, slots=True)
+class KvNamespace:
+    """What KV is computed under besides its tokens: the LoRA adapter and the cache salt
+    ("" for none), the namespace of the block keys. A session's KV serves only a request of
+    its own namespace: imported under another, it would be hit as that namespace's KV."""
+
+    lora_name: str = ""
+    cache_salt: str = ""
+
+    @classmethod
+    def of(cls, request: EngineRequest) -> KvNamespace:
+        return cls(request.lora_name or "", request.cache_salt or "")
+
+
 def check_fit(
     *,
     block_size: float | None,
@@ -119,10 +133,13 @@ def check_fit(
     want_block_size: int,
     want_layout: str,
     prompt: Sequence[int],
+    namespace: KvNamespace | None = None,
+    want_namespace: KvNamespace | None = None,
 ) -> None:
     """Refuse (KvSessionRefusedError) a session whose blocks an engine with `want_block_size`
-    and `want_layout` cannot use for `prompt`; a None part is not known yet, not checked. The
-    prefill engine checks before it sends anything, the decode engine again on what it got."""
+    and `want_layout` cannot use for `prompt` in `want_namespace`; a None part is not known
+    yet, not checked. The prefill engine checks before it sends anything (it alone knows the
+    session's namespace), the decode engine again on what it got."""
     if block_size is not None and block_size != want_block_size:
         raise KvSessionRefusedError(
             f"the KV session has blocks of {block_size:g} tokens; the decode engine's are "
@@ -140,6 +157,20 @@ def check_fit(
             f"the KV session holds the KV of {len(token_ids)} tokens that are not a prefix of "
             f"the request's prompt ({len(prompt)} tokens)"
         )
+    if namespace is not None and want_namespace is not None and namespace != want_namespace:
+        differences = []
+        if namespace.lora_name != want_namespace.lora_name:
+            differences.append(
+                f"LoRA adapter {namespace.lora_name or None!r} (the request's: "
+                f"{want_namespace.lora_name or None!r})"
+            )
+        if namespace.cache_salt != want_namespace.cache_salt:
+            differences.append("another cache salt than the request's")
+        raise KvSessionRefusedError(
+            "the KV session was computed with "
+            + " and ".join(differences)
+            + "; KV is reused only within its LoRA adapter and cache salt"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -156,6 +187,7 @@ class _State(enum.Enum):
 @dataclass(slots=True)
 class _Session:
     state: _State
+    namespace: KvNamespace
     deadline_s: float = 0.0  # READY: released at this time
     aborted: bool = False  # PULLING: released when the pull ends
     pull_ended: asyncio.Event | None = None  # PULLING: set when that pull ends
@@ -192,10 +224,10 @@ class KvSessionStore:
         """Sessions handed over (READY or PULLING): what Drain and GetLoad report."""
         return sum(1 for s in self._sessions.values() if s.state is not _State.PREFILLING)
 
-    def open(self) -> str:
-        """A new session for a prefill about to be submitted."""
+    def open(self, namespace: KvNamespace) -> str:
+        """A new session for a prefill about to be submitted in `namespace`."""
         session_id = f"kvs-{uuid.uuid4().hex}"
-        self._sessions[session_id] = _Session(_State.PREFILLING)
+        self._sessions[session_id] = _Session(_State.PREFILLING, namespace)
         return session_id
 
     def session_ref(self, session_id: str, num_prompt_tokens: int) -> pb.KvSessionRef:
@@ -241,10 +273,11 @@ class KvSessionStore:
         else:
             self._drop(session_id)
 
-    async def claim(self, session_id: str) -> None:
-        """Start a pull. A session being pulled is waited for: a pull that sent everything
-        released it (NOT_FOUND, as any second pull), one cut short (a decode engine that
-        refused it) left it to this one. NOT_FOUND unless it is then READY."""
+    async def claim(self, session_id: str) -> KvNamespace:
+        """Start a pull; returns the session's namespace. A session being pulled is waited
+        for: a pull that sent everything released it (NOT_FOUND, as any second pull), one cut
+        short (a decode engine that refused it) left it to this one. NOT_FOUND unless it is
+        then READY."""
         session = self._sessions.get(session_id)
         while session is not None and session.pull_ended is not None:
             await session.pull_ended.wait()
@@ -256,6 +289,7 @@ class KvSessionStore:
             )
         session.state = _State.PULLING
         session.pull_ended = asyncio.Event()
+        return session.namespace
 
     def end_pull(self, session_id: str, *, complete: bool) -> None:
         """A pull ended: released when it sent everything (or the session was aborted
@@ -351,7 +385,7 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
         try:
             if sessions is None:
                 raise KvSessionNotFoundError("only a PREFILL engine holds KV sessions")
-            await sessions.claim(session_id)
+            namespace = await sessions.claim(session_id)
         except KvplaneError as exc:
             await abort_with(context, grpc_status_for(exc), public_message(exc))
         complete = False
@@ -370,6 +404,8 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
                     want_block_size=request.block_size or self._block_size,
                     want_layout=request.kv_layout or self._kv_layout,
                     prompt=request.prompt_token_ids if request.prompt_token_ids else tokens,
+                    namespace=namespace,
+                    want_namespace=KvNamespace(request.lora_name, request.cache_salt),
                 )
             except KvSessionRefusedError as exc:
                 await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -500,17 +536,22 @@ class KvSessionPuller:
         host = endpoint.host
         return f"[{host}]:{endpoint.port}" if ":" in host else f"{host}:{endpoint.port}"
 
-    async def pull(self, ref: pb.KvSessionRef, prompt_token_ids: Sequence[int]) -> PulledSession:
-        """Pull the session; its tokens must be a prefix of `prompt_token_ids`."""
+    async def pull(self, ref: pb.KvSessionRef, request: EngineRequest) -> PulledSession:
+        """Pull the session for `request`: its tokens must be a prefix of the request's
+        prompt, its namespace the request's."""
         target = self.check(ref)
         stub = kt_grpc.KvTransferStub(self._channel(target))
-        request = kt.PullKvSessionRequest(
+        namespace = KvNamespace.of(request)
+        prompt_token_ids = request.prompt_token_ids
+        pull_request = kt.PullKvSessionRequest(
             session_id=ref.session_id,
             block_size=self._block_size,
             kv_layout=self._kv_layout,
             prompt_token_ids=prompt_token_ids,
+            lora_name=namespace.lora_name,
+            cache_salt=namespace.cache_salt,
         )
-        call = stub.PullKvSession(request, timeout=self._timeout_s)
+        call = stub.PullKvSession(pull_request, timeout=self._timeout_s)
         where = f"KV session {ref.session_id!r} at {target}"
         try:
             return await self._receive(call, prompt_token_ids, where)

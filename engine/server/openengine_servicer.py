@@ -40,6 +40,7 @@ from engine.server.errors import (
 from engine.server.info import engine_info, kv_connector_info, load_info, model_info
 from engine.server.kv_event_log import SubscriberOverrunError
 from engine.server.kv_transfer import (
+    KvNamespace,
     KvSessionPuller,
     decode_request,
     prefill_request,
@@ -131,13 +132,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             if request.kv.HasField("session") and self._kv_puller is not None:
                 # Refuse what would be refused anyway before the pull consumes the session.
                 self._service.check(engine_request)
-                pulled = await self._kv_puller.pull(
-                    request.kv.session, engine_request.prompt_token_ids
-                )
+                pulled = await self._kv_puller.pull(request.kv.session, engine_request)
                 engine_request = decode_request(engine_request)
                 before = pulled.importer(engine_request)
             if sessions is not None:
-                session_id = sessions.open()
+                session_id = sessions.open(KvNamespace.of(engine_request))
                 engine_request = prefill_request(engine_request, session_id)
             stream = self._service.submit(engine_request, before=before)
         except Exception as exc:

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from engine.config import KvTransferConfig
+from engine.config import KvTransferConfig, LoraConfig
 from kvplane.config import AuthConfig
 from kvplane_api.v1 import kv_transfer_pb2 as kt
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
@@ -28,6 +28,7 @@ from tests.engine.engine_server_harness import (
     stream_error,
     wait_for,
 )
+from tests.engine.lora_adapters import write_adapter_config
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
 pytestmark = pytest.mark.timeout(60)
@@ -188,6 +189,46 @@ async def test_sessions_the_decode_engine_cannot_use_are_refused_before_acceptan
         # None of that consumed the session (a pull cut short leaves it pullable).
         decoded = await collect(decoder.stub, with_session(session))
         assert decoded[-1].usage.cached_prompt_tokens == 8
+
+
+async def test_a_session_serves_only_the_lora_adapter_and_cache_salt_it_was_computed_with(
+    tmp_path: Path,
+) -> None:
+    lora = LoraConfig(enabled=True)
+    async with engines(
+        sim_config(role="prefill", lora=lora), sim_config(role="decode", lora=lora)
+    ) as (
+        prefiller,
+        decoder,
+    ):
+        adapter = pb.LoraAdapter(
+            lora_id=1, lora_name="a", source_path=str(write_adapter_config(tmp_path / "a"))
+        )
+        for engine in (prefiller, decoder):
+            await engine.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+        session = await prefill(prefiller, lora_name="a", kv=pb.KvOptions(cache_salt="s"))
+        # KV computed with adapter "a" and salt "s", imported under another namespace, would
+        # be served as that namespace's prefix: refused, nothing sent, the session kept.
+        for lora_name, salt, why in (
+            ("", "s", "LoRA adapter 'a' (the request's: None)"),
+            ("a", "t", "another cache salt"),
+            ("a", None, "another cache salt"),
+        ):
+            request = with_session(session)
+            request.lora_name = lora_name
+            if salt is not None:
+                request.kv.cache_salt = salt
+            error = await rpc_error(lambda r=request: collect(decoder.stub, r))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, why
+            assert why in (error.details() or ""), error.details()
+        plain = await collect(decoder.stub, generate_request(PROMPT, max_tokens=1))
+        assert plain[-1].usage.cached_prompt_tokens == 0
+        request = with_session(session)
+        request.lora_name = "a"
+        request.kv.cache_salt = "s"
+        decoded = await collect(decoder.stub, request)
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+        assert await used_blocks(prefiller) == 0
 
 
 async def test_an_unreachable_prefill_engine_is_unavailable() -> None:
