@@ -338,6 +338,86 @@ async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline()
         await wait_for(lambda: _no_sessions(prefiller), what="the session released")
 
 
+class _HeldPrefillEngine(kt_grpc.KvTransferServicer):
+    """A prefill engine's pull service that sends the header of PROMPT's session, then holds
+    the blocks until `release` is set: a pull in progress for as long as a test needs."""
+
+    def __init__(self) -> None:
+        self.pulling = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def PullKvSession(
+        self, request: kt.PullKvSessionRequest, context: Any
+    ) -> AsyncIterator[kt.KvSessionChunk]:
+        header = kt.KvSessionHeader(
+            token_ids=PROMPT[:8], block_size=4, kv_layout="sim:B4", num_blocks=2
+        )
+        yield kt.KvSessionChunk(header=header)
+        self.pulling.set()
+        await self.release.wait()
+        for index in range(2):
+            yield kt.KvSessionChunk(block=kt.KvBlockData(index=index))
+
+
+@asynccontextmanager
+async def held_prefill_engine() -> AsyncIterator[tuple[_HeldPrefillEngine, pb.KvSessionRef]]:
+    servicer = _HeldPrefillEngine()
+    server = grpc.aio.server()
+    kt_grpc.add_KvTransferServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    session = pb.KvSessionRef(session_id="held", transfer_backend="kvplane-pull")
+    session.endpoints.add(host="127.0.0.1", port=port, protocol="grpc")
+    try:
+        yield servicer, session
+    finally:
+        await server.stop(0)
+
+
+async def test_a_drain_waits_for_a_pull_in_progress_and_admits_its_request() -> None:
+    # The pull consumes the session: a request refused once it is pulled would be lost.
+    async with (
+        held_prefill_engine() as (held, session),
+        engines(sim_config(role="decode")) as (decoder,),
+    ):
+        generation = asyncio.create_task(collect(decoder.stub, with_session(session)))
+        await asyncio.wait_for(held.pulling.wait(), 10)
+        load = await decoder.stub.GetLoad(pb.GetLoadRequest())
+        assert load.running_requests == 1
+        drain = decoder.stub.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
+        first = await drain.read()
+        assert first.state == pb.DRAIN_STATE_STARTED and first.in_flight_requests == 1
+        held.release.set()
+        decoded = await generation
+        assert decoded[-1].WhichOneof("event") == "finished", decoded[-1]
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+        last = first
+        while last.state != pb.DRAIN_STATE_COMPLETE:
+            last = await drain.read()
+        assert last.in_flight_requests == 0
+
+
+async def test_an_abort_during_the_pull_cancels_the_request() -> None:
+    async with (
+        held_prefill_engine() as (held, session),
+        engines(sim_config(role="decode")) as (decoder,),
+    ):
+        request = with_session(session)
+        request.request_id = "pulling"
+        generation = asyncio.create_task(collect(decoder.stub, request))
+        await asyncio.wait_for(held.pulling.wait(), 10)
+        # Its id is taken while it pulls: a second request of that id would pull for nothing.
+        duplicate = await rpc_error(lambda: collect(decoder.stub, request))
+        assert duplicate.code() == grpc.StatusCode.ALREADY_EXISTS
+        reply = await decoder.stub.Abort(pb.AbortRequest(request_id="pulling"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        held.release.set()
+        error = await rpc_error(generation)
+        assert error.code() == grpc.StatusCode.CANCELLED
+        load = await decoder.stub.GetLoad(pb.GetLoadRequest())
+        assert load.running_requests == 0 and load.used_kv_blocks == 0
+
+
 async def test_a_prefill_engine_with_auth_serves_pulls_to_its_token_only(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
