@@ -38,11 +38,12 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
+from google.protobuf import struct_pb2
 
 from engine.config import KvTransferConfig
 from engine.core.api import EngineRequest, SamplingParams
@@ -76,6 +77,8 @@ MUTATING_METHODS = frozenset({"PullKvSession"})
 _READ_BATCH_BYTES = 16 << 20
 # gRPC refuses messages above 4 MiB by default; one block of a large model is bigger.
 _MIN_RECEIVE_BYTES = 4 << 20
+_MAX_SESSION_ID_CHARS = 1024
+_MAX_PORT = 65535
 
 
 # ------------------------------------------------------------------------------------------
@@ -515,8 +518,14 @@ class KvSessionPuller:
             )
         if not ref.session_id:
             raise InvalidRequestError("kv.session.session_id is empty")
+        if len(ref.session_id) > _MAX_SESSION_ID_CHARS:
+            # Statuses quote the id: a huge one would overflow gRPC's metadata limit.
+            raise InvalidRequestError(
+                f"kv.session.session_id has {len(ref.session_id)} characters, more than "
+                f"{_MAX_SESSION_ID_CHARS}"
+            )
         endpoint = next((e for e in ref.endpoints if e.protocol == PROTOCOL), None)
-        if endpoint is None or not endpoint.host or not endpoint.port:
+        if endpoint is None or not endpoint.host or not 0 < endpoint.port <= _MAX_PORT:
             protocols = sorted({e.protocol for e in ref.endpoints})
             raise KvSessionRefusedError(
                 f"the KV session names no {PROTOCOL!r} endpoint (host and port) to pull from; "
@@ -524,10 +533,8 @@ class KvSessionPuller:
             )
         attributes = ref.attributes_struct.fields
         check_fit(
-            block_size=attributes["block_size"].number_value
-            if "block_size" in attributes
-            else None,
-            kv_layout=attributes["kv_layout"].string_value if "kv_layout" in attributes else None,
+            block_size=_attribute(attributes, "block_size", "number_value"),
+            kv_layout=_attribute(attributes, "kv_layout", "string_value"),
             token_ids=None,
             want_block_size=self._block_size,
             want_layout=self._kv_layout,
@@ -618,6 +625,21 @@ class KvSessionPuller:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+
+
+def _attribute(
+    attributes: Mapping[str, struct_pb2.Value],
+    name: str,
+    kind: Literal["number_value", "string_value"],
+) -> Any:
+    """A session attribute of the kind it must have; None when absent."""
+    if name not in attributes:
+        return None
+    value = attributes[name]
+    if value.WhichOneof("kind") != kind:
+        expected = "a number" if kind == "number_value" else "a string"
+        raise InvalidRequestError(f"kv.session.attributes_struct.{name} must be {expected}")
+    return getattr(value, kind)
 
 
 def _pull_error(exc: grpc.aio.AioRpcError, where: str) -> KvplaneError:

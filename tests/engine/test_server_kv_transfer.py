@@ -231,6 +231,37 @@ async def test_a_session_serves_only_the_lora_adapter_and_cache_salt_it_was_comp
         assert await used_blocks(prefiller) == 0
 
 
+async def test_malformed_session_refs_are_refused_with_a_clear_status() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        cases: list[tuple[pb.KvSessionRef, grpc.StatusCode, str]] = []
+        huge_id = pb.KvSessionRef()
+        huge_id.CopyFrom(session)
+        huge_id.session_id = "x" * 100_000
+        cases.append((huge_id, grpc.StatusCode.INVALID_ARGUMENT, "100000 characters"))
+        bad_port = pb.KvSessionRef()
+        bad_port.CopyFrom(session)
+        bad_port.endpoints[0].port = prefiller.app.port + 65536  # not that port modulo 2**16
+        cases.append((bad_port, grpc.StatusCode.FAILED_PRECONDITION, "'grpc' endpoint"))
+        text_block_size = pb.KvSessionRef()
+        text_block_size.CopyFrom(session)
+        text_block_size.attributes_struct.update({"block_size": "4"})
+        cases.append((text_block_size, grpc.StatusCode.INVALID_ARGUMENT, "must be a number"))
+        number_layout = pb.KvSessionRef()
+        number_layout.CopyFrom(session)
+        number_layout.attributes_struct.update({"kv_layout": 4})
+        cases.append((number_layout, grpc.StatusCode.INVALID_ARGUMENT, "must be a string"))
+        for ref, code, why in cases:
+            error = await rpc_error(lambda r=ref: collect(decoder.stub, with_session(r)))
+            assert error.code() == code, (why, error.details())
+            assert why in (error.details() or ""), error.details()
+        decoded = await collect(decoder.stub, with_session(session))
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+
+
 async def test_an_unreachable_prefill_engine_is_unavailable() -> None:
     async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
         prefiller,
