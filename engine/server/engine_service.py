@@ -45,11 +45,17 @@ from engine.core.api import (
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
-from engine.server.errors import DrainingError, RequestAbortedError, RequestNotFoundError
+from engine.server.errors import (
+    DrainingError,
+    KvSessionNotFoundError,
+    KvSessionRefusedError,
+    RequestAbortedError,
+    RequestNotFoundError,
+)
 from engine.server.info import ServedModel
 from engine.server.kv_event_log import KvEventLog
 from engine.server.kv_transfer import KvSessionStore
-from engine.server.metrics import EngineMetrics
+from engine.server.metrics import EngineMetrics, PullOutcome
 from engine.server.runtime_events import RuntimeEventHub
 
 log = logging.getLogger(__name__)
@@ -125,6 +131,16 @@ async def _count_probe_tokens(stream: RequestStream) -> int:
     return tokens
 
 
+def _pull_outcome(error: BaseException) -> PullOutcome:
+    if isinstance(error, asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(error, KvSessionNotFoundError):
+        return "not_found"
+    if isinstance(error, KvSessionRefusedError | InvalidRequestError):
+        return "refused"
+    return "failed"
+
+
 class EngineService:
     """Owns the EngineLoop's asyncio side. Create inside the running event loop."""
 
@@ -165,6 +181,8 @@ class EngineService:
                 kv_layout=engine_loop.core.runner.kv_layout,
                 on_change=self._in_flight_changed.set,
             )
+            if metrics is not None:
+                metrics.watch_open_kv_sessions(lambda: self.num_open_kv_sessions)
 
     # ---------------------------------------------------------------- engine thread -> loop
 
@@ -245,17 +263,24 @@ class EngineService:
         handle: TaskHandle,
         request: EngineRequest,
         before: Callable[[EngineCore], object] | None,
+        *,
+        num_blocks: int,
     ) -> RequestStream:
-        """The pull is over: submit the request (`before` imports the blocks), even if a drain
-        began meanwhile; RequestAbortedError if Abort or a drain's deadline stopped it."""
+        """The pull of `num_blocks` is over: submit the request (`before` imports the blocks),
+        even if a drain began meanwhile; RequestAbortedError if Abort or a drain's deadline
+        stopped it."""
         self.end_task(handle)
+        if self.metrics is not None:
+            self.metrics.on_pull("ok", num_blocks)
         if handle.aborted.is_set():
             raise RequestAbortedError(f"request {request.request_id!r} was aborted")
         return self.submit(request, before=before, admitted=True)
 
-    def abandon_pull(self, handle: TaskHandle) -> None:
-        """The pull failed or the client left: the request was never submitted."""
+    def abandon_pull(self, handle: TaskHandle, error: BaseException) -> None:
+        """The pull failed (`error`) or the client left: the request was never submitted."""
         self.end_task(handle)
+        if self.metrics is not None:
+            self.metrics.on_pull(_pull_outcome(error))
 
     def submit(
         self,

@@ -182,11 +182,13 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         handle = self._service.begin_pull(engine_request)
         try:
             pulled = await puller.pull(session, engine_request)
-        except BaseException:
-            self._service.abandon_pull(handle)
+        except BaseException as exc:
+            self._service.abandon_pull(handle, exc)
             raise
         decoding = decode_request(engine_request)
-        return self._service.end_pull(handle, decoding, pulled.importer(decoding))
+        return self._service.end_pull(
+            handle, decoding, pulled.importer(decoding), num_blocks=len(pulled.blocks)
+        )
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         return await self._task(request.context, "embedding", PoolingTasks.embed, request, context)

@@ -5,6 +5,7 @@ health. The torch handoff (real KV bytes) is in test_server_kv_transfer_torch.py
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -447,6 +448,38 @@ async def test_an_abort_during_the_pull_cancels_the_request() -> None:
         assert error.code() == grpc.StatusCode.CANCELLED
         load = await decoder.stub.GetLoad(pb.GetLoadRequest())
         assert load.running_requests == 0 and load.used_kv_blocks == 0
+
+
+async def _metrics(engine: Engine) -> str:
+    url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    return body.decode()
+
+
+async def test_metrics_count_pulls_by_outcome_and_open_sessions() -> None:
+    metered = {"metrics_listen": "127.0.0.1:0"}
+    async with engines(
+        sim_config(role="prefill", **metered), sim_config(role="decode", **metered)
+    ) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        assert 'kvplane_engine_open_kv_sessions{model="sim"} 1.0' in await _metrics(prefiller)
+        await collect(decoder.stub, with_session(session))
+        gone = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
+        assert gone.code() == grpc.StatusCode.NOT_FOUND
+        nixl = pb.KvSessionRef()
+        nixl.CopyFrom(session)
+        nixl.transfer_backend = "nixl"
+        refused = await rpc_error(lambda: collect(decoder.stub, with_session(nixl)))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+        text = await _metrics(decoder)
+        for outcome, count in (("ok", 1), ("not_found", 1), ("refused", 1)):
+            line = f'kvplane_engine_kv_pulls_total{{model="sim",outcome="{outcome}"}} {count}.0'
+            assert line in text, outcome
+        assert 'kvplane_engine_kv_pulled_blocks_total{model="sim"} 2.0' in text
+        assert 'kvplane_engine_open_kv_sessions{model="sim"} 0.0' in await _metrics(prefiller)
 
 
 async def test_a_prefill_engine_with_auth_serves_pulls_to_its_token_only(tmp_path: Path) -> None:
