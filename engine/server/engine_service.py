@@ -254,7 +254,7 @@ class EngineService:
     def begin_pull(self, request: EngineRequest) -> TaskHandle:
         """Admit a DECODE engine's `request` whose KV session is about to be pulled: refuse
         now what `submit` would refuse (a refusal after the pull would waste the session);
-        from here it counts as in flight. End with `end_pull`, whatever happens."""
+        from here it counts as in flight. End with `end_pull` or `abandon_pull`."""
         self.check(request)
         return self.begin_task(request.request_id)
 
