@@ -52,6 +52,12 @@ T = TypeVar("T")
 
 TargetOpt = Annotated[str | None, target_option("HOST:PORT of the controller or engine.")]
 PromptOpt = Annotated[str | None, typer.Option("--prompt", help="Prompt text.")]
+LoraOpt = Annotated[
+    str, typer.Option("--lora", help="LoRA adapter the request names (its engines, its cache).")
+]
+CacheSaltOpt = Annotated[
+    str, typer.Option("--cache-salt", help="The request's cache salt (its own cached prefixes).")
+]
 TokensFileOpt = Annotated[
     Path | None,
     typer.Option("--tokens-file", help=f"Prompt token ids: {TOKENS_FILE_FORMATS}."),
@@ -133,14 +139,18 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     )
 
 
-def _prompt_query(prompt: str | None, tokens_file: Path | None, model: str) -> apb.PromptQuery:
+def _prompt_query(
+    prompt: str | None, tokens_file: Path | None, model: str, lora: str, cache_salt: str
+) -> apb.PromptQuery:
     if (prompt is None) == (tokens_file is None):
         raise typer.BadParameter("give exactly one of --prompt and --tokens-file")
+    query = apb.PromptQuery(model=model, lora_name=lora, cache_salt=cache_salt)
     if prompt is not None:
-        return apb.PromptQuery(prompt=prompt, model=model)
-    assert tokens_file is not None
-    ids = read_token_ids(tokens_file)
-    return apb.PromptQuery(token_ids=pb.TokenIds(ids=ids), model=model)
+        query.prompt = prompt
+    else:
+        assert tokens_file is not None
+        query.token_ids.ids.extend(read_token_ids(tokens_file))
+    return query
 
 
 # ---- fleet view ----
@@ -326,11 +336,13 @@ def match(
     prompt: PromptOpt = None,
     tokens_file: TokensFileOpt = None,
     model: Annotated[str, typer.Option(help="Model name.")] = "",
+    lora: LoraOpt = "",
+    cache_salt: CacheSaltOpt = "",
     target: TargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """How much of a prompt each engine holds (controller)."""
-    query = _prompt_query(prompt, tokens_file, model)
+    query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     reply = _admin_call(
         "match", _server(ctx, target), lambda stub: stub.Match(query, timeout=TIMEOUT_S)
     )
@@ -367,11 +379,13 @@ def route(
     prompt: PromptOpt = None,
     tokens_file: TokensFileOpt = None,
     model: Annotated[str, typer.Option(help="Model name.")] = "",
+    lora: LoraOpt = "",
+    cache_salt: CacheSaltOpt = "",
     target: TargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Where the router would send a prompt, and every engine's cost terms (controller)."""
-    query = _prompt_query(prompt, tokens_file, model)
+    query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     reply = _admin_call(
         "route", _server(ctx, target), lambda stub: stub.Route(query, timeout=TIMEOUT_S)
     )

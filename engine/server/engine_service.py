@@ -13,6 +13,9 @@ ends with the output that carries `usage` (finished, cancelled or failed).
 Pooling tasks (Embed/Classify/Score, `engine.server.pooling_tasks`) are not engine requests:
 each runs as engine-thread commands (`run_task`), but shares the request ids' namespace,
 counts as in flight (Drain waits for it) and answers Abort like a request (`begin_task`).
+A DECODE engine's request pulling its KV session is held the same way until it is submitted
+(`begin_pull`): the pull consumes the session, so once it starts the request counts as in
+flight, its id is taken, and a drain that begins meanwhile waits for it instead of refusing it.
 
 A PREFILL engine's service also owns its KV sessions (`kv_sessions`,
 `engine.server.kv_transfer.KvSessionStore`): sessions handed over and not yet pulled are work
@@ -42,11 +45,17 @@ from engine.core.api import (
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
-from engine.server.errors import DrainingError, RequestAbortedError, RequestNotFoundError
+from engine.server.errors import (
+    DrainingError,
+    KvSessionNotFoundError,
+    KvSessionRefusedError,
+    RequestAbortedError,
+    RequestNotFoundError,
+)
 from engine.server.info import ServedModel
 from engine.server.kv_event_log import KvEventLog
 from engine.server.kv_transfer import KvSessionStore
-from engine.server.metrics import EngineMetrics
+from engine.server.metrics import EngineMetrics, PullOutcome
 from engine.server.runtime_events import RuntimeEventHub
 
 log = logging.getLogger(__name__)
@@ -96,7 +105,8 @@ class RequestStream:
 
 
 class TaskHandle:
-    """One accepted pooling task: its id and whether Abort (or a drain's deadline) stopped it."""
+    """One accepted pooling task, or a request pulling its KV session: its id and whether
+    Abort (or a drain's deadline) stopped it."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -119,6 +129,16 @@ async def _count_probe_tokens(stream: RequestStream) -> int:
         if output.message and output.finish_reason is not None and not tokens:
             raise RuntimeError(output.message)
     return tokens
+
+
+def _pull_outcome(error: BaseException) -> PullOutcome:
+    if isinstance(error, asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(error, KvSessionNotFoundError):
+        return "not_found"
+    if isinstance(error, KvSessionRefusedError | InvalidRequestError):
+        return "refused"
+    return "failed"
 
 
 class EngineService:
@@ -161,6 +181,8 @@ class EngineService:
                 kv_layout=engine_loop.core.runner.kv_layout,
                 on_change=self._in_flight_changed.set,
             )
+            if metrics is not None:
+                metrics.watch_open_kv_sessions(lambda: self.num_open_kv_sessions)
 
     # ---------------------------------------------------------------- engine thread -> loop
 
@@ -209,8 +231,8 @@ class EngineService:
 
     # ---------------------------------------------------------------- requests
 
-    def _check_accepting(self, request_id: str, internal: bool) -> None:
-        if not self._accepting and not internal:
+    def _check_accepting(self, request_id: str, internal: bool, admitted: bool = False) -> None:
+        if not self._accepting and not (internal or admitted):
             raise DrainingError("the engine is draining and accepts no new requests")
         if not internal and request_id.startswith(PROBE_ID_PREFIX):
             raise InvalidRequestError(
@@ -229,19 +251,52 @@ class EngineService:
         if request.request_id in self._live:
             raise DuplicateRequestError(f"request {request.request_id!r} is already running")
 
+    def begin_pull(self, request: EngineRequest) -> TaskHandle:
+        """Admit a DECODE engine's `request` whose KV session is about to be pulled: refuse
+        now what `submit` would refuse (a refusal after the pull would waste the session);
+        from here it counts as in flight. End with `end_pull` or `abandon_pull`."""
+        self.check(request)
+        return self.begin_task(request.request_id)
+
+    def end_pull(
+        self,
+        handle: TaskHandle,
+        request: EngineRequest,
+        before: Callable[[EngineCore], object] | None,
+        *,
+        num_blocks: int,
+    ) -> RequestStream:
+        """The pull of `num_blocks` is over: submit the request (`before` imports the blocks),
+        even if a drain began meanwhile; RequestAbortedError if Abort or a drain's deadline
+        stopped it."""
+        self.end_task(handle)
+        if self.metrics is not None:
+            self.metrics.on_pull("ok", num_blocks)
+        if handle.aborted.is_set():
+            raise RequestAbortedError(f"request {request.request_id!r} was aborted")
+        return self.submit(request, before=before, admitted=True)
+
+    def abandon_pull(self, handle: TaskHandle, error: BaseException) -> None:
+        """The pull failed (`error`) or the client left: the request was never submitted."""
+        self.end_task(handle)
+        if self.metrics is not None:
+            self.metrics.on_pull(_pull_outcome(error))
+
     def submit(
         self,
         request: EngineRequest,
         *,
         internal: bool = False,
+        admitted: bool = False,
         before: Callable[[EngineCore], object] | None = None,
     ) -> RequestStream:
         """Validate and accept `request` (raising before acceptance), or refuse while draining.
 
-        `internal` requests (the health probe) are accepted while draining. `before(core)` runs
-        in the engine thread just before the request is added (`EngineLoop.submit`).
+        `internal` requests (the health probe) are accepted while draining, and so are those
+        `admitted` before the drain began (`end_pull`). `before(core)` runs in the engine thread
+        just before the request is added (`EngineLoop.submit`).
         """
-        self._check_accepting(request.request_id, internal)
+        self._check_accepting(request.request_id, internal, admitted)
         stream = RequestStream(request, self._on_stream_done)
         self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue), before=before)
         self._live[request.request_id] = stream

@@ -38,11 +38,12 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
+from google.protobuf import struct_pb2
 
 from engine.config import KvTransferConfig
 from engine.core.api import EngineRequest, SamplingParams
@@ -76,6 +77,8 @@ MUTATING_METHODS = frozenset({"PullKvSession"})
 _READ_BATCH_BYTES = 16 << 20
 # gRPC refuses messages above 4 MiB by default; one block of a large model is bigger.
 _MIN_RECEIVE_BYTES = 4 << 20
+_MAX_SESSION_ID_CHARS = 1024
+_MAX_PORT = 65535
 
 
 # ------------------------------------------------------------------------------------------
@@ -111,6 +114,20 @@ def decode_request(request: EngineRequest) -> EngineRequest:
     return dataclasses.replace(request, sampling=sampling)
 
 
+@dataclass(frozen=True, slots=True)
+class KvNamespace:
+    """What KV is computed under besides its tokens: the LoRA adapter and the cache salt
+    ("" for none), the namespace of the block keys. A session's KV serves only a request of
+    its own namespace: imported under another, it would be hit as that namespace's KV."""
+
+    lora_name: str = ""
+    cache_salt: str = ""
+
+    @classmethod
+    def of(cls, request: EngineRequest) -> KvNamespace:
+        return cls(request.lora_name or "", request.cache_salt or "")
+
+
 def check_fit(
     *,
     block_size: float | None,
@@ -119,10 +136,13 @@ def check_fit(
     want_block_size: int,
     want_layout: str,
     prompt: Sequence[int],
+    namespace: KvNamespace | None = None,
+    want_namespace: KvNamespace | None = None,
 ) -> None:
     """Refuse (KvSessionRefusedError) a session whose blocks an engine with `want_block_size`
-    and `want_layout` cannot use for `prompt`; a None part is not known yet, not checked. The
-    prefill engine checks before it sends anything, the decode engine again on what it got."""
+    and `want_layout` cannot use for `prompt` in `want_namespace`; a None part is not known
+    yet, not checked. The prefill engine checks before it sends anything (it alone knows the
+    session's namespace), the decode engine again on what it got."""
     if block_size is not None and block_size != want_block_size:
         raise KvSessionRefusedError(
             f"the KV session has blocks of {block_size:g} tokens; the decode engine's are "
@@ -140,6 +160,20 @@ def check_fit(
             f"the KV session holds the KV of {len(token_ids)} tokens that are not a prefix of "
             f"the request's prompt ({len(prompt)} tokens)"
         )
+    if namespace is not None and want_namespace is not None and namespace != want_namespace:
+        differences = []
+        if namespace.lora_name != want_namespace.lora_name:
+            differences.append(
+                f"LoRA adapter {namespace.lora_name or None!r} (the request's: "
+                f"{want_namespace.lora_name or None!r})"
+            )
+        if namespace.cache_salt != want_namespace.cache_salt:
+            differences.append("another cache salt than the request's")
+        raise KvSessionRefusedError(
+            "the KV session was computed with "
+            + " and ".join(differences)
+            + "; KV is reused only within its LoRA adapter and cache salt"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -156,6 +190,7 @@ class _State(enum.Enum):
 @dataclass(slots=True)
 class _Session:
     state: _State
+    namespace: KvNamespace
     deadline_s: float = 0.0  # READY: released at this time
     aborted: bool = False  # PULLING: released when the pull ends
     pull_ended: asyncio.Event | None = None  # PULLING: set when that pull ends
@@ -192,10 +227,10 @@ class KvSessionStore:
         """Sessions handed over (READY or PULLING): what Drain and GetLoad report."""
         return sum(1 for s in self._sessions.values() if s.state is not _State.PREFILLING)
 
-    def open(self) -> str:
-        """A new session for a prefill about to be submitted."""
+    def open(self, namespace: KvNamespace) -> str:
+        """A new session for a prefill about to be submitted in `namespace`."""
         session_id = f"kvs-{uuid.uuid4().hex}"
-        self._sessions[session_id] = _Session(_State.PREFILLING)
+        self._sessions[session_id] = _Session(_State.PREFILLING, namespace)
         return session_id
 
     def session_ref(self, session_id: str, num_prompt_tokens: int) -> pb.KvSessionRef:
@@ -241,10 +276,11 @@ class KvSessionStore:
         else:
             self._drop(session_id)
 
-    async def claim(self, session_id: str) -> None:
-        """Start a pull. A session being pulled is waited for: a pull that sent everything
-        released it (NOT_FOUND, as any second pull), one cut short (a decode engine that
-        refused it) left it to this one. NOT_FOUND unless it is then READY."""
+    async def claim(self, session_id: str) -> KvNamespace:
+        """Start a pull; returns the session's namespace. A session being pulled is waited
+        for: a pull that sent everything released it (NOT_FOUND, as any second pull), one cut
+        short (a decode engine that refused it) left it to this one. NOT_FOUND unless it is
+        then READY."""
         session = self._sessions.get(session_id)
         while session is not None and session.pull_ended is not None:
             await session.pull_ended.wait()
@@ -256,6 +292,7 @@ class KvSessionStore:
             )
         session.state = _State.PULLING
         session.pull_ended = asyncio.Event()
+        return session.namespace
 
     def end_pull(self, session_id: str, *, complete: bool) -> None:
         """A pull ended: released when it sent everything (or the session was aborted
@@ -351,7 +388,7 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
         try:
             if sessions is None:
                 raise KvSessionNotFoundError("only a PREFILL engine holds KV sessions")
-            await sessions.claim(session_id)
+            namespace = await sessions.claim(session_id)
         except KvplaneError as exc:
             await abort_with(context, grpc_status_for(exc), public_message(exc))
         complete = False
@@ -370,6 +407,8 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
                     want_block_size=request.block_size or self._block_size,
                     want_layout=request.kv_layout or self._kv_layout,
                     prompt=request.prompt_token_ids if request.prompt_token_ids else tokens,
+                    namespace=namespace,
+                    want_namespace=KvNamespace(request.lora_name, request.cache_salt),
                 )
             except KvSessionRefusedError as exc:
                 await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -479,8 +518,14 @@ class KvSessionPuller:
             )
         if not ref.session_id:
             raise InvalidRequestError("kv.session.session_id is empty")
+        if len(ref.session_id) > _MAX_SESSION_ID_CHARS:
+            # Statuses quote the id: a huge one would overflow gRPC's metadata limit.
+            raise InvalidRequestError(
+                f"kv.session.session_id has {len(ref.session_id)} characters, more than "
+                f"{_MAX_SESSION_ID_CHARS}"
+            )
         endpoint = next((e for e in ref.endpoints if e.protocol == PROTOCOL), None)
-        if endpoint is None or not endpoint.host or not endpoint.port:
+        if endpoint is None or not endpoint.host or not 0 < endpoint.port <= _MAX_PORT:
             protocols = sorted({e.protocol for e in ref.endpoints})
             raise KvSessionRefusedError(
                 f"the KV session names no {PROTOCOL!r} endpoint (host and port) to pull from; "
@@ -488,10 +533,8 @@ class KvSessionPuller:
             )
         attributes = ref.attributes_struct.fields
         check_fit(
-            block_size=attributes["block_size"].number_value
-            if "block_size" in attributes
-            else None,
-            kv_layout=attributes["kv_layout"].string_value if "kv_layout" in attributes else None,
+            block_size=_attribute(attributes, "block_size", "number_value"),
+            kv_layout=_attribute(attributes, "kv_layout", "string_value"),
             token_ids=None,
             want_block_size=self._block_size,
             want_layout=self._kv_layout,
@@ -500,17 +543,22 @@ class KvSessionPuller:
         host = endpoint.host
         return f"[{host}]:{endpoint.port}" if ":" in host else f"{host}:{endpoint.port}"
 
-    async def pull(self, ref: pb.KvSessionRef, prompt_token_ids: Sequence[int]) -> PulledSession:
-        """Pull the session; its tokens must be a prefix of `prompt_token_ids`."""
+    async def pull(self, ref: pb.KvSessionRef, request: EngineRequest) -> PulledSession:
+        """Pull the session for `request`: its tokens must be a prefix of the request's
+        prompt, its namespace the request's."""
         target = self.check(ref)
         stub = kt_grpc.KvTransferStub(self._channel(target))
-        request = kt.PullKvSessionRequest(
+        namespace = KvNamespace.of(request)
+        prompt_token_ids = request.prompt_token_ids
+        pull_request = kt.PullKvSessionRequest(
             session_id=ref.session_id,
             block_size=self._block_size,
             kv_layout=self._kv_layout,
             prompt_token_ids=prompt_token_ids,
+            lora_name=namespace.lora_name,
+            cache_salt=namespace.cache_salt,
         )
-        call = stub.PullKvSession(request, timeout=self._timeout_s)
+        call = stub.PullKvSession(pull_request, timeout=self._timeout_s)
         where = f"KV session {ref.session_id!r} at {target}"
         try:
             return await self._receive(call, prompt_token_ids, where)
@@ -577,6 +625,21 @@ class KvSessionPuller:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+
+
+def _attribute(
+    attributes: Mapping[str, struct_pb2.Value],
+    name: str,
+    kind: Literal["number_value", "string_value"],
+) -> Any:
+    """A session attribute of the kind it must have; None when absent."""
+    if name not in attributes:
+        return None
+    value = attributes[name]
+    if value.WhichOneof("kind") != kind:
+        expected = "a number" if kind == "number_value" else "a string"
+        raise InvalidRequestError(f"kv.session.attributes_struct.{name} must be {expected}")
+    return getattr(value, kind)
 
 
 def _pull_error(exc: grpc.aio.AioRpcError, where: str) -> KvplaneError:

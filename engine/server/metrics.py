@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.core.api import EngineRequest, StepReport
+
+# How a DECODE engine's pull of a KV session ended: `refused` is a session it cannot use (or a
+# malformed ref), `failed` the transfer itself (unreachable, too slow, malformed stream),
+# `cancelled` the client gone during the pull.
+PullOutcome = Literal["ok", "not_found", "refused", "failed", "cancelled"]
 
 
 class EngineMetrics:
@@ -61,6 +67,24 @@ class EngineMetrics:
             labels,
             registry=registry,
         )
+        self.kv_pulls = Counter(
+            "kvplane_engine_kv_pulls",
+            "KV session pulls of a DECODE engine, by outcome.",
+            [*labels, "outcome"],
+            registry=registry,
+        )
+        self.kv_pulled_blocks = Counter(
+            "kvplane_engine_kv_pulled_blocks",
+            "KV blocks a DECODE engine received in pulls that completed.",
+            labels,
+            registry=registry,
+        )
+        self.open_kv_sessions = Gauge(
+            "kvplane_engine_open_kv_sessions",
+            "A PREFILL engine's KV sessions handed over and not yet pulled (their blocks held).",
+            labels,
+            registry=registry,
+        )
         self.running = Gauge(
             "kvplane_engine_running_sequences", "Running sequences.", labels, registry=registry
         )
@@ -87,6 +111,15 @@ class EngineMetrics:
     def on_task(self, task: str, input_tokens: int) -> None:
         self.pooling_requests.labels(self._model, task).inc()
         self.pooling_input_tokens.labels(self._model, task).inc(input_tokens)
+
+    def on_pull(self, outcome: PullOutcome, num_blocks: int = 0) -> None:
+        self.kv_pulls.labels(self._model, outcome).inc()
+        if num_blocks:
+            self.kv_pulled_blocks.labels(self._model).inc(num_blocks)
+
+    def watch_open_kv_sessions(self, count: Callable[[], int]) -> None:
+        """The open-sessions gauge reads `count()` at every scrape."""
+        self.open_kv_sessions.labels(self._model).set_function(count)
 
     def on_report(
         self, report: StepReport, counted: Callable[[str], bool] = lambda _request_id: True

@@ -25,9 +25,9 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 
-from engine.core.engine_core import EngineCore
+from engine.core.api import EngineRequest
 from engine.core.lora import LoraAdapter
-from engine.server.engine_service import AbortOutcome, DrainPhase, EngineService
+from engine.server.engine_service import AbortOutcome, DrainPhase, EngineService, RequestStream
 from engine.server.errors import (
     DrainingError,
     FeatureDisabledError,
@@ -40,6 +40,7 @@ from engine.server.errors import (
 from engine.server.info import engine_info, kv_connector_info, load_info, model_info
 from engine.server.kv_event_log import SubscriberOverrunError
 from engine.server.kv_transfer import (
+    KvNamespace,
     KvSessionPuller,
     decode_request,
     prefill_request,
@@ -127,19 +128,16 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         session_id: str | None = None
         try:
             engine_request = engine_request_from_proto(request, self._ctx)
-            before: Callable[[EngineCore], object] | None = None
             if request.kv.HasField("session") and self._kv_puller is not None:
-                # Refuse what would be refused anyway before the pull consumes the session.
-                self._service.check(engine_request)
-                pulled = await self._kv_puller.pull(
-                    request.kv.session, engine_request.prompt_token_ids
+                stream = await self._pull_and_submit(
+                    self._kv_puller, request.kv.session, engine_request
                 )
-                engine_request = decode_request(engine_request)
-                before = pulled.importer(engine_request)
-            if sessions is not None:
-                session_id = sessions.open()
-                engine_request = prefill_request(engine_request, session_id)
-            stream = self._service.submit(engine_request, before=before)
+                engine_request = stream.request
+            else:
+                if sessions is not None:
+                    session_id = sessions.open(KvNamespace.of(engine_request))
+                    engine_request = prefill_request(engine_request, session_id)
+                stream = self._service.submit(engine_request)
         except Exception as exc:
             if sessions is not None and session_id is not None:
                 sessions.discard(session_id)
@@ -174,6 +172,23 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                 self._service.cancel_nowait(engine_request.request_id)
             if sessions is not None and session_id is not None:
                 sessions.discard(session_id)  # a no-op once PrefillReady handed it over
+
+    async def _pull_and_submit(
+        self, puller: KvSessionPuller, session: pb.KvSessionRef, engine_request: EngineRequest
+    ) -> RequestStream:
+        """A DECODE engine's request with a KV session: admitted first (everything `submit`
+        would refuse is refused before the pull consumes the session; from then on it is in
+        flight), then pulled, then submitted with the blocks imported just before it."""
+        handle = self._service.begin_pull(engine_request)
+        try:
+            pulled = await puller.pull(session, engine_request)
+        except BaseException as exc:
+            self._service.abandon_pull(handle, exc)
+            raise
+        decoding = decode_request(engine_request)
+        return self._service.end_pull(
+            handle, decoding, pulled.importer(decoding), num_blocks=len(pulled.blocks)
+        )
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         return await self._task(request.context, "embedding", PoolingTasks.embed, request, context)

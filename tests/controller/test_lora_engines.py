@@ -73,6 +73,19 @@ async def test_admin_lora_fan_out_and_routing_on_real_engines(tmp_path: Path) ->
             assert events[-1] == "finished"
         # Every request naming x ran on e0, the one engine holding it (2 full blocks each).
         assert [await lora_blocks(e, "x") for e in engines] == [12, 0, 0]
+        # `route` and `match --lora` see the adapter's engines and its cached prefixes.
+        tokens = tmp_path / "tokens.json"
+        tokens.write_text(json.dumps(list(range(40))))
+        query = ["--tokens-file", str(tokens), "--lora", "x", *t, "--output", "json"]
+        routed = await cli("route", *query)
+        assert routed.exit_code == 0, routed.output
+        assert json.loads(routed.output)["instance_id"] == "e0"
+        matched = await cli("match", *query)
+        assert matched.exit_code == 0, matched.output
+        by_engine = {m["instance_id"]: m for m in json.loads(matched.output)["matches"]}
+        assert by_engine["e0"].get("device_blocks") == 2
+        unknown = await cli("route", "--tokens-file", str(tokens), "--lora", "nope", *t)
+        assert unknown.exit_code != 0 and "NOT_FOUND" in str(unknown.exception)
 
         unloaded = await cli("lora", "unload", "x", *t)
         assert unloaded.exit_code == 0, unloaded.output

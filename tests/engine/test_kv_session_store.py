@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engine.server.errors import KvSessionNotFoundError
-from engine.server.kv_transfer import KvSessionStore
+from engine.server.kv_transfer import KvNamespace, KvSessionStore
 
 
 class FakeCore:
@@ -56,7 +56,7 @@ async def store(clock: Clock | None = None) -> tuple[KvSessionStore, FakeLoop]:
 
 async def test_a_session_is_pullable_only_once_handed_over_and_once_only() -> None:
     sessions, loop = await store()
-    session_id = sessions.open()
+    session_id = sessions.open(KvNamespace())
     assert sessions.num_open == 0  # prefilling: a request in flight, not a session yet
     with pytest.raises(KvSessionNotFoundError):
         await sessions.claim(session_id)
@@ -72,7 +72,7 @@ async def test_a_session_is_pullable_only_once_handed_over_and_once_only() -> No
 
 async def test_a_second_pull_waits_for_the_first_and_gets_it_if_that_one_was_cut_short() -> None:
     sessions, loop = await store()
-    session_id = sessions.open()
+    session_id = sessions.open(KvNamespace())
     sessions.ready(session_id)
     await sessions.claim(session_id)
     second = asyncio.create_task(sessions.claim(session_id))
@@ -92,7 +92,7 @@ async def test_a_second_pull_waits_for_the_first_and_gets_it_if_that_one_was_cut
 
 async def test_abort_releases_at_once_or_when_the_pull_ends() -> None:
     sessions, loop = await store()
-    idle, pulled = sessions.open(), sessions.open()
+    idle, pulled = sessions.open(KvNamespace()), sessions.open(KvNamespace())
     sessions.ready(idle)
     sessions.ready(pulled)
     sessions.abort(idle)
@@ -110,10 +110,10 @@ async def test_abort_releases_at_once_or_when_the_pull_ends() -> None:
 
 async def test_a_prefill_that_ends_without_handing_over_releases_what_the_core_holds() -> None:
     sessions, loop = await store()
-    session_id = sessions.open()
+    session_id = sessions.open(KvNamespace())
     sessions.discard(session_id)
     assert loop.core.released == [session_id]
-    kept = sessions.open()
+    kept = sessions.open(KvNamespace())
     sessions.ready(kept)
     sessions.discard(kept)  # handed over: not the prefill's to drop any more
     assert loop.core.released == [session_id] and sessions.num_open == 1
@@ -123,7 +123,11 @@ async def test_a_prefill_that_ends_without_handing_over_releases_what_the_core_h
 async def test_ttl_and_drain_release_only_sessions_handed_over() -> None:
     clock = Clock()
     sessions, loop = await store(clock)
-    prefilling, ready, pulling = sessions.open(), sessions.open(), sessions.open()
+    prefilling, ready, pulling = (
+        sessions.open(KvNamespace()),
+        sessions.open(KvNamespace()),
+        sessions.open(KvNamespace()),
+    )
     sessions.ready(ready)
     sessions.ready(pulling)
     await sessions.claim(pulling)
@@ -135,7 +139,7 @@ async def test_ttl_and_drain_release_only_sessions_handed_over() -> None:
     assert loop.core.released == [ready]  # a pull in progress is not cut by the TTL ...
     sessions.end_pull(pulling, complete=False)
     assert loop.core.released == [ready, pulling]  # ... but not put back past it either
-    other = sessions.open()
+    other = sessions.open(KvNamespace())
     sessions.ready(other)
     sessions.release_all()
     assert loop.core.released == [ready, pulling, other]

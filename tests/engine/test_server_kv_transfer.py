@@ -5,6 +5,7 @@ health. The torch handoff (real KV bytes) is in test_server_kv_transfer_torch.py
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from engine.config import KvTransferConfig
+from engine.config import KvTransferConfig, LoraConfig
 from kvplane.config import AuthConfig
 from kvplane_api.v1 import kv_transfer_pb2 as kt
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
@@ -28,6 +29,7 @@ from tests.engine.engine_server_harness import (
     stream_error,
     wait_for,
 )
+from tests.engine.lora_adapters import write_adapter_config
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
 pytestmark = pytest.mark.timeout(60)
@@ -190,6 +192,77 @@ async def test_sessions_the_decode_engine_cannot_use_are_refused_before_acceptan
         assert decoded[-1].usage.cached_prompt_tokens == 8
 
 
+async def test_a_session_serves_only_the_lora_adapter_and_cache_salt_it_was_computed_with(
+    tmp_path: Path,
+) -> None:
+    lora = LoraConfig(enabled=True)
+    async with engines(
+        sim_config(role="prefill", lora=lora), sim_config(role="decode", lora=lora)
+    ) as (
+        prefiller,
+        decoder,
+    ):
+        adapter = pb.LoraAdapter(
+            lora_id=1, lora_name="a", source_path=str(write_adapter_config(tmp_path / "a"))
+        )
+        for engine in (prefiller, decoder):
+            await engine.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+        session = await prefill(prefiller, lora_name="a", kv=pb.KvOptions(cache_salt="s"))
+        # KV computed with adapter "a" and salt "s", imported under another namespace, would
+        # be served as that namespace's prefix: refused, nothing sent, the session kept.
+        for lora_name, salt, why in (
+            ("", "s", "LoRA adapter 'a' (the request's: None)"),
+            ("a", "t", "another cache salt"),
+            ("a", None, "another cache salt"),
+        ):
+            request = with_session(session)
+            request.lora_name = lora_name
+            if salt is not None:
+                request.kv.cache_salt = salt
+            error = await rpc_error(lambda r=request: collect(decoder.stub, r))
+            assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, why
+            assert why in (error.details() or ""), error.details()
+        plain = await collect(decoder.stub, generate_request(PROMPT, max_tokens=1))
+        assert plain[-1].usage.cached_prompt_tokens == 0
+        request = with_session(session)
+        request.lora_name = "a"
+        request.kv.cache_salt = "s"
+        decoded = await collect(decoder.stub, request)
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+        assert await used_blocks(prefiller) == 0
+
+
+async def test_malformed_session_refs_are_refused_with_a_clear_status() -> None:
+    async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        cases: list[tuple[pb.KvSessionRef, grpc.StatusCode, str]] = []
+        huge_id = pb.KvSessionRef()
+        huge_id.CopyFrom(session)
+        huge_id.session_id = "x" * 100_000
+        cases.append((huge_id, grpc.StatusCode.INVALID_ARGUMENT, "100000 characters"))
+        bad_port = pb.KvSessionRef()
+        bad_port.CopyFrom(session)
+        bad_port.endpoints[0].port = prefiller.app.port + 65536  # not that port modulo 2**16
+        cases.append((bad_port, grpc.StatusCode.FAILED_PRECONDITION, "'grpc' endpoint"))
+        text_block_size = pb.KvSessionRef()
+        text_block_size.CopyFrom(session)
+        text_block_size.attributes_struct.update({"block_size": "4"})
+        cases.append((text_block_size, grpc.StatusCode.INVALID_ARGUMENT, "must be a number"))
+        number_layout = pb.KvSessionRef()
+        number_layout.CopyFrom(session)
+        number_layout.attributes_struct.update({"kv_layout": 4})
+        cases.append((number_layout, grpc.StatusCode.INVALID_ARGUMENT, "must be a string"))
+        for ref, code, why in cases:
+            error = await rpc_error(lambda r=ref: collect(decoder.stub, with_session(r)))
+            assert error.code() == code, (why, error.details())
+            assert why in (error.details() or ""), error.details()
+        decoded = await collect(decoder.stub, with_session(session))
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+
+
 async def test_an_unreachable_prefill_engine_is_unavailable() -> None:
     async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
         prefiller,
@@ -295,6 +368,118 @@ async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline()
         replies = [r async for r in prefiller.stub.Drain(drain)]
         assert replies[-1].state == pb.DRAIN_STATE_COMPLETE
         await wait_for(lambda: _no_sessions(prefiller), what="the session released")
+
+
+class _HeldPrefillEngine(kt_grpc.KvTransferServicer):
+    """A prefill engine's pull service that sends the header of PROMPT's session, then holds
+    the blocks until `release` is set: a pull in progress for as long as a test needs."""
+
+    def __init__(self) -> None:
+        self.pulling = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def PullKvSession(
+        self, request: kt.PullKvSessionRequest, context: Any
+    ) -> AsyncIterator[kt.KvSessionChunk]:
+        header = kt.KvSessionHeader(
+            token_ids=PROMPT[:8], block_size=4, kv_layout="sim:B4", num_blocks=2
+        )
+        yield kt.KvSessionChunk(header=header)
+        self.pulling.set()
+        await self.release.wait()
+        for index in range(2):
+            yield kt.KvSessionChunk(block=kt.KvBlockData(index=index))
+
+
+@asynccontextmanager
+async def held_prefill_engine() -> AsyncIterator[tuple[_HeldPrefillEngine, pb.KvSessionRef]]:
+    servicer = _HeldPrefillEngine()
+    server = grpc.aio.server()
+    kt_grpc.add_KvTransferServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    session = pb.KvSessionRef(session_id="held", transfer_backend="kvplane-pull")
+    session.endpoints.add(host="127.0.0.1", port=port, protocol="grpc")
+    try:
+        yield servicer, session
+    finally:
+        await server.stop(0)
+
+
+async def test_a_drain_waits_for_a_pull_in_progress_and_admits_its_request() -> None:
+    # The pull consumes the session: a request refused once it is pulled would be lost.
+    async with (
+        held_prefill_engine() as (held, session),
+        engines(sim_config(role="decode")) as (decoder,),
+    ):
+        generation = asyncio.create_task(collect(decoder.stub, with_session(session)))
+        await asyncio.wait_for(held.pulling.wait(), 10)
+        load = await decoder.stub.GetLoad(pb.GetLoadRequest())
+        assert load.running_requests == 1
+        drain = decoder.stub.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
+        first = await drain.read()
+        assert first.state == pb.DRAIN_STATE_STARTED and first.in_flight_requests == 1
+        held.release.set()
+        decoded = await generation
+        assert decoded[-1].WhichOneof("event") == "finished", decoded[-1]
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+        last = first
+        while last.state != pb.DRAIN_STATE_COMPLETE:
+            last = await drain.read()
+        assert last.in_flight_requests == 0
+
+
+async def test_an_abort_during_the_pull_cancels_the_request() -> None:
+    async with (
+        held_prefill_engine() as (held, session),
+        engines(sim_config(role="decode")) as (decoder,),
+    ):
+        request = with_session(session)
+        request.request_id = "pulling"
+        generation = asyncio.create_task(collect(decoder.stub, request))
+        await asyncio.wait_for(held.pulling.wait(), 10)
+        # Its id is taken while it pulls: a second request of that id would pull for nothing.
+        duplicate = await rpc_error(lambda: collect(decoder.stub, request))
+        assert duplicate.code() == grpc.StatusCode.ALREADY_EXISTS
+        reply = await decoder.stub.Abort(pb.AbortRequest(request_id="pulling"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        held.release.set()
+        error = await rpc_error(generation)
+        assert error.code() == grpc.StatusCode.CANCELLED
+        load = await decoder.stub.GetLoad(pb.GetLoadRequest())
+        assert load.running_requests == 0 and load.used_kv_blocks == 0
+
+
+async def _metrics(engine: Engine) -> str:
+    url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    return body.decode()
+
+
+async def test_metrics_count_pulls_by_outcome_and_open_sessions() -> None:
+    metered = {"metrics_listen": "127.0.0.1:0"}
+    async with engines(
+        sim_config(role="prefill", **metered), sim_config(role="decode", **metered)
+    ) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        assert 'kvplane_engine_open_kv_sessions{model="sim"} 1.0' in await _metrics(prefiller)
+        await collect(decoder.stub, with_session(session))
+        gone = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
+        assert gone.code() == grpc.StatusCode.NOT_FOUND
+        nixl = pb.KvSessionRef()
+        nixl.CopyFrom(session)
+        nixl.transfer_backend = "nixl"
+        refused = await rpc_error(lambda: collect(decoder.stub, with_session(nixl)))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+        text = await _metrics(decoder)
+        for outcome, count in (("ok", 1), ("not_found", 1), ("refused", 1)):
+            line = f'kvplane_engine_kv_pulls_total{{model="sim",outcome="{outcome}"}} {count}.0'
+            assert line in text, outcome
+        assert 'kvplane_engine_kv_pulled_blocks_total{model="sim"} 2.0' in text
+        assert 'kvplane_engine_open_kv_sessions{model="sim"} 0.0' in await _metrics(prefiller)
 
 
 async def test_a_prefill_engine_with_auth_serves_pulls_to_its_token_only(tmp_path: Path) -> None:

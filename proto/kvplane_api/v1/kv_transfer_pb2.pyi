@@ -32,6 +32,8 @@ class PullKvSessionRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     KV_LAYOUT_FIELD_NUMBER: _builtins.int
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """KvSessionRef.session_id from the prefill engine's PrefillReady."""
     block_size: _builtins.int
@@ -40,6 +42,13 @@ class PullKvSessionRequest(_message.Message):
     this many tokens and this layout, and its tokens must be a prefix of `prompt_token_ids`.
     """
     kv_layout: _builtins.str
+    lora_name: _builtins.str
+    """The namespace the puller's request runs under (empty: none), always compared: KV is
+    reused only within the LoRA adapter and cache salt it was computed with (the block keys'
+    namespace), so a session computed under another one is refused with FAILED_PRECONDITION
+    before anything is sent, and stays pullable.
+    """
+    cache_salt: _builtins.str
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -49,10 +58,12 @@ class PullKvSessionRequest(_message.Message):
         block_size: _builtins.int = ...,
         kv_layout: _builtins.str = ...,
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        lora_name: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "kv_layout", b"kv_layout", "prompt_token_ids", b"prompt_token_ids", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_salt", b"cache_salt", "kv_layout", b"kv_layout", "lora_name", b"lora_name", "prompt_token_ids", b"prompt_token_ids", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
