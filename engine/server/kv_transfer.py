@@ -323,7 +323,8 @@ class KvSessionStore:
                 self._drop(session_id)
 
     async def _sweep(self) -> None:
-        interval_s = min(1.0, self._ttl_s / 4)
+        # A quarter of the TTL, between 10 ms (a tiny TTL must not spin the loop) and 1 s.
+        interval_s = min(1.0, max(0.01, self._ttl_s / 4))
         while True:
             await asyncio.sleep(interval_s)
             self.expire()
