@@ -14,8 +14,8 @@ Pooling tasks (Embed/Classify/Score, `engine.server.pooling_tasks`) are not engi
 each runs as engine-thread commands (`run_task`), but shares the request ids' namespace,
 counts as in flight (Drain waits for it) and answers Abort like a request (`begin_task`).
 A DECODE engine's request pulling its KV session is held the same way until it is submitted
-(`begin_pull`): the pull consumes the session, so once it starts the request counts as in
-flight, its id is taken, and a drain that begins meanwhile waits for it instead of refusing it.
+(`begin_pull`): once the pull starts the request counts as in flight, its id is taken, and a
+drain that begins meanwhile waits for it instead of refusing it after the pull.
 
 A PREFILL engine's service also owns its KV sessions (`kv_sessions`,
 `engine.server.kv_transfer.KvSessionStore`): sessions handed over and not yet pulled are work

@@ -9,7 +9,7 @@ engine, which attaches the session and generates. Here:
   engine core holds the session's blocks (ref-counted, never evicted) and the stream ends with
   PrefillReady (`KvSessionStore.session_ref`). `KvTransferServicer` serves
   `kvplane.v1.KvTransfer/PullKvSession` on the engine's gRPC port (behind the bearer token when
-  the engine has `auth:`: a pull consumes the session).
+  the engine has `auth:`: pulls hand the session's KV over) and `ReleaseKvSession`.
 - DECODE: `KvSessionPuller` checks the ref (backend, a `grpc` endpoint, block size and layout
   when the ref's attributes name them), pulls the session and checks what arrives against the
   request; the engine thread then imports the blocks into the prefix cache in the same command
@@ -22,10 +22,13 @@ per block in order, each the runner's `kv_block_bytes` (zero for the sim runner)
 
 Session lifetime (PREFILL engine): PREFILLING (its request runs: not pullable, no TTL) ->
 READY (PrefillReady sent; `session_ttl_s` starts) -> PULLING (one pull at a time, no TTL) ->
-released, the blocks left in the prefix cache, evictable as any. Released when a pull sent
-every block, on `Abort(kv_session)` (during a pull: once the pull ends), at the TTL, when a
-drain's deadline passes with `abort_after_deadline`, or with the engine. A pull cut short puts
-the session back to READY, so another decode engine may still pull it.
+READY again -> released, the blocks left in the prefix cache, evictable as any. Released when
+the puller says it has what it needs (`ReleaseKvSession`, which a DECODE engine sends once its
+request is accepted), on `Abort(kv_session)` (during a pull: once the pull ends), at the TTL,
+`PULLED_GRACE_S` after a pull that sent every block, when a drain's deadline passes with
+`abort_after_deadline`, or with the engine. A pull does not consume the session: a decode
+engine that fails or dies after pulling, before its request is accepted, leaves it to the
+gateway's retry on another decode engine.
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ log = logging.getLogger(__name__)
 TRANSFER_BACKEND = "kvplane-pull"
 PROTOCOL = "grpc"
 SERVICE_NAME = "kvplane.v1.KvTransfer"
-MUTATING_METHODS = frozenset({"PullKvSession"})
+MUTATING_METHODS = frozenset({"PullKvSession", "ReleaseKvSession"})
+# How long a session whose blocks were all sent waits for its puller's ReleaseKvSession (or a
+# retry's pull) before it is released anyway (never longer than the TTL would have).
+PULLED_GRACE_S = 10.0
 # Blocks copied out per engine-thread command: a long session must not hold steps up.
 _READ_BATCH_BYTES = 16 << 20
 # gRPC refuses messages above 4 MiB by default; one block of a large model is bigger.
@@ -267,7 +273,8 @@ class KvSessionStore:
             self._release(session_id)
 
     def abort(self, session_id: str) -> None:
-        """Abort(kv_session): release it (during a pull: once the pull ends)."""
+        """Abort(kv_session), or the puller's ReleaseKvSession: release it (during a pull:
+        once the pull ends)."""
         session = self._sessions.get(session_id)
         if session is None or session.state is _State.PREFILLING:
             raise KvSessionNotFoundError(f"no KV session {session_id!r} on this engine")
@@ -278,8 +285,7 @@ class KvSessionStore:
 
     async def claim(self, session_id: str) -> KvNamespace:
         """Start a pull; returns the session's namespace. A session being pulled is waited
-        for: a pull that sent everything released it (NOT_FOUND, as any second pull), one cut
-        short (a decode engine that refused it) left it to this one. NOT_FOUND unless it is
+        for (then pulled again unless that pull's puller released it). NOT_FOUND unless it is
         then READY."""
         session = self._sessions.get(session_id)
         while session is not None and session.pull_ended is not None:
@@ -295,17 +301,21 @@ class KvSessionStore:
         return session.namespace
 
     def end_pull(self, session_id: str, *, complete: bool) -> None:
-        """A pull ended: released when it sent everything (or the session was aborted
-        meanwhile), else READY again for another attempt, within the same TTL."""
+        """A pull ended: released when the session was aborted or released meanwhile (or
+        its TTL passed), else READY again: for its puller's ReleaseKvSession or another
+        attempt, within the TTL, and within `PULLED_GRACE_S` when it sent everything."""
         session = self._sessions.get(session_id)
         if session is None or session.pull_ended is None:
             return
         session.pull_ended.set()
         session.pull_ended = None
-        if complete or session.aborted or session.deadline_s <= self._clock():
+        now = self._clock()
+        if session.aborted or session.deadline_s <= now:
             self._drop(session_id)
-        else:
-            session.state = _State.READY
+            return
+        session.state = _State.READY
+        if complete:
+            session.deadline_s = min(session.deadline_s, now + PULLED_GRACE_S)
 
     def release_all(self) -> None:
         """A drain's deadline passed: let go of every session handed over."""
@@ -319,7 +329,7 @@ class KvSessionStore:
         now = self._clock()
         for session_id, session in list(self._sessions.items()):
             if session.state is _State.READY and session.deadline_s <= now:
-                log.info("KV session %s expired unpulled; releasing its blocks", session_id)
+                log.info("KV session %s expired unreleased; releasing its blocks", session_id)
                 self._drop(session_id)
 
     async def _sweep(self) -> None:
@@ -398,7 +408,7 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
                 context, functools.partial(_session_tokens, session_id=session_id)
             )
             if tokens is None:  # cannot happen while the store has it READY; never hang on it
-                complete = True  # forget it
+                sessions.abort(session_id)  # forget it when this pull ends
                 await abort_with(context, grpc.StatusCode.NOT_FOUND, "the KV session is gone")
             try:  # what the puller cannot use stays pullable: nothing was sent
                 check_fit(
@@ -432,6 +442,17 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
             complete = True
         finally:  # the client gone or the stream failed: the session stays pullable
             sessions.end_pull(session_id, complete=complete)
+
+    async def ReleaseKvSession(
+        self, request: kt.ReleaseKvSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> kt.ReleaseKvSessionResponse:
+        try:
+            if self._sessions is None:
+                raise KvSessionNotFoundError("only a PREFILL engine holds KV sessions")
+            self._sessions.abort(request.session_id)
+        except KvplaneError as exc:
+            await abort_with(context, grpc_status_for(exc), public_message(exc))
+        return kt.ReleaseKvSessionResponse()
 
     async def _call(
         self, context: grpc.aio.ServicerContext[Any, Any], fn: Callable[[EngineCore], Any]
@@ -492,6 +513,7 @@ class KvSessionPuller:
         )
         self._timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_config(
@@ -616,6 +638,26 @@ class KvSessionPuller:
         except KvSessionRefusedError as exc:
             raise KvSessionRefusedError(f"{where}: {exc}") from None
 
+    def release(self, ref: pb.KvSessionRef) -> None:
+        """Tell the prefill engine, in the background, that the session's request was
+        accepted here: it releases the session at once rather than after `PULLED_GRACE_S`.
+        A failure only costs the prefill engine that wait (logged at debug level)."""
+        target = self.check(ref)
+        stub = kt_grpc.KvTransferStub(self._channel(target))
+
+        async def release() -> None:
+            try:
+                await stub.ReleaseKvSession(
+                    kt.ReleaseKvSessionRequest(session_id=ref.session_id), timeout=self._timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.debug("releasing KV session %s at %s failed: %s: %s", ref.session_id,
+                          target, exc.code().name, exc.details())  # fmt: skip
+
+        task = asyncio.create_task(release(), name=f"release KV session {ref.session_id}")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
     def _channel(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
@@ -623,6 +665,8 @@ class KvSessionPuller:
         return channel
 
     async def close(self) -> None:
+        if self._releases:  # the prefill engines' sessions would otherwise wait out their grace
+            await asyncio.wait(set(self._releases), timeout=1.0)
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()

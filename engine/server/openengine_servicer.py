@@ -177,8 +177,9 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         self, puller: KvSessionPuller, session: pb.KvSessionRef, engine_request: EngineRequest
     ) -> RequestStream:
         """A DECODE engine's request with a KV session: admitted first (everything `submit`
-        would refuse is refused before the pull consumes the session; from then on it is in
-        flight), then pulled, then submitted with the blocks imported just before it."""
+        would refuse is refused before the pull; from then on it is in flight), then pulled,
+        then submitted with the blocks imported just before it; once it is accepted, the
+        prefill engine is told to release the session."""
         handle = self._service.begin_pull(engine_request)
         try:
             pulled = await puller.pull(session, engine_request)
@@ -186,9 +187,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             self._service.abandon_pull(handle, exc)
             raise
         decoding = decode_request(engine_request)
-        return self._service.end_pull(
+        stream = self._service.end_pull(
             handle, decoding, pulled.importer(decoding), num_blocks=len(pulled.blocks)
         )
+        puller.release(session)  # accepted: the prefill engine need not keep it any longer
+        return stream
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         return await self._task(request.context, "embedding", PoolingTasks.embed, request, context)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from engine.server.errors import KvSessionNotFoundError
-from engine.server.kv_transfer import KvNamespace, KvSessionStore
+from engine.server.kv_transfer import PULLED_GRACE_S, KvNamespace, KvSessionStore
 
 
 class FakeCore:
@@ -54,8 +54,9 @@ async def store(clock: Clock | None = None) -> tuple[KvSessionStore, FakeLoop]:
     return sessions, loop
 
 
-async def test_a_session_is_pullable_only_once_handed_over_and_once_only() -> None:
-    sessions, loop = await store()
+async def test_a_session_is_pullable_once_handed_over_until_its_puller_releases_it() -> None:
+    clock = Clock()
+    sessions, loop = await store(clock)
     session_id = sessions.open(KvNamespace())
     assert sessions.num_open == 0  # prefilling: a request in flight, not a session yet
     with pytest.raises(KvSessionNotFoundError):
@@ -64,9 +65,36 @@ async def test_a_session_is_pullable_only_once_handed_over_and_once_only() -> No
     assert sessions.num_open == 1
     await sessions.claim(session_id)
     sessions.end_pull(session_id, complete=True)
+    # Kept for a retry (the puller may fail before its request is accepted) ...
+    assert loop.core.released == [] and sessions.num_open == 1
+    await sessions.claim(session_id)
+    sessions.end_pull(session_id, complete=True)
+    sessions.abort(session_id)  # ... until its puller releases it (ReleaseKvSession)
     assert loop.core.released == [session_id] and sessions.num_open == 0
     with pytest.raises(KvSessionNotFoundError):
         await sessions.claim(session_id)
+    await sessions.close()
+
+
+async def test_a_session_pulled_in_full_waits_for_its_release_a_short_grace_only() -> None:
+    clock = Clock()
+    sessions, loop = await store(clock)  # TTL 10 s
+    short, whole = sessions.open(KvNamespace()), sessions.open(KvNamespace())
+    sessions.ready(short)
+    clock.now_s = 9.0
+    sessions.ready(whole)
+    for session_id in (short, whole):
+        await sessions.claim(session_id)
+        sessions.end_pull(session_id, complete=True)
+    clock.now_s = 10.0  # `short`'s TTL is shorter than the grace: it ends there
+    sessions.expire()
+    assert loop.core.released == [short]
+    clock.now_s = 9.0 + PULLED_GRACE_S - 0.1  # `whole`'s TTL (19 s) is past the grace (19 s)
+    sessions.expire()
+    assert loop.core.released == [short]
+    clock.now_s = 9.0 + PULLED_GRACE_S
+    sessions.expire()
+    assert loop.core.released == [short, whole]
     await sessions.close()
 
 
@@ -83,7 +111,8 @@ async def test_a_second_pull_waits_for_the_first_and_gets_it_if_that_one_was_cut
     await asyncio.wait_for(second, timeout=5)
     third = asyncio.create_task(sessions.claim(session_id))
     await asyncio.sleep(0)
-    sessions.end_pull(session_id, complete=True)
+    sessions.abort(session_id)  # the second puller's request was accepted: released ...
+    sessions.end_pull(session_id, complete=True)  # ... when its pull ends
     with pytest.raises(KvSessionNotFoundError):
         await asyncio.wait_for(third, timeout=5)
     assert loop.core.released == [session_id]

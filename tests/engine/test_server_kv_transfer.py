@@ -92,7 +92,7 @@ async def test_prefill_ready_then_decode_with_the_session() -> None:
         assert decoded[-1].usage.cached_prompt_tokens == 8  # the two transferred blocks
         assert alone[-1].usage.cached_prompt_tokens == 0
         # A complete pull released the session: the blocks stay cached, no longer held.
-        await wait_for(lambda: _no_sessions(prefiller), what="the session released")
+        await wait_for(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
         again = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
         assert again.code() == grpc.StatusCode.NOT_FOUND
 
@@ -102,23 +102,47 @@ async def _no_sessions(engine: Engine) -> bool:
     return load.active_kv_sessions == 0 and load.used_kv_blocks == 0
 
 
-async def test_a_second_pull_of_a_session_is_not_found() -> None:
+async def test_a_pulled_session_stays_for_a_retry_until_it_is_released() -> None:
+    """A pull does not consume the session: a decode engine that dies after pulling leaves it
+    to the gateway's retry on another decode engine. ReleaseKvSession (a decode engine sends
+    it once its request is accepted) ends it."""
     async with engines(sim_config(role="prefill")) as (prefiller,):
         session = await prefill(prefiller)
         stub = kt_grpc.KvTransferStub(prefiller.channel)
-        chunks = [
-            c
-            async for c in stub.PullKvSession(
-                kt.PullKvSessionRequest(session_id=session.session_id)
-            )
-        ]
-        assert chunks[0].header.num_blocks == 2 and list(chunks[0].header.token_ids) == PROMPT[:8]
-        assert chunks[0].header.kv_layout == "sim:B4" and chunks[0].header.block_size == 4
-        assert [c.block.index for c in chunks[1:]] == [0, 1]
-        _, error = await stream_error(
-            stub.PullKvSession(kt.PullKvSessionRequest(session_id=session.session_id))
-        )
+        pull = kt.PullKvSessionRequest(session_id=session.session_id)
+        for _ in range(2):
+            chunks = [c async for c in stub.PullKvSession(pull)]
+            header = chunks[0].header
+            assert header.num_blocks == 2 and list(header.token_ids) == PROMPT[:8]
+            assert header.kv_layout == "sim:B4" and header.block_size == 4
+            assert [c.block.index for c in chunks[1:]] == [0, 1]
+        await stub.ReleaseKvSession(kt.ReleaseKvSessionRequest(session_id=session.session_id))
+        await wait_for(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
+        _, error = await stream_error(stub.PullKvSession(pull))
         assert error.code() == grpc.StatusCode.NOT_FOUND
+        again = await rpc_error(
+            lambda: stub.ReleaseKvSession(kt.ReleaseKvSessionRequest(session_id="unknown"))
+        )
+        assert again.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_decode_engine_takes_a_session_another_puller_left_and_releases_it() -> None:
+    """The retry after a decode engine that pulled everything and then failed: the session is
+    still there for the next decode engine, which releases it once its request runs."""
+    async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        session = await prefill(prefiller)
+        stub = kt_grpc.KvTransferStub(prefiller.channel)
+        pull = kt.PullKvSessionRequest(session_id=session.session_id)
+        assert len([c async for c in stub.PullKvSession(pull)]) == 3  # a puller that left
+        decoded = await collect(decoder.stub, with_session(session))
+        assert decoded[-1].WhichOneof("event") == "finished"
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+        await wait_for(
+            lambda: _no_sessions(prefiller), timeout_s=5, what="the decode engine's release"
+        )
 
 
 async def test_abort_of_a_session_releases_its_blocks() -> None:
@@ -367,7 +391,7 @@ async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline()
         )
         replies = [r async for r in prefiller.stub.Drain(drain)]
         assert replies[-1].state == pb.DRAIN_STATE_COMPLETE
-        await wait_for(lambda: _no_sessions(prefiller), what="the session released")
+        await wait_for(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
 
 
 class _HeldPrefillEngine(kt_grpc.KvTransferServicer):

@@ -39,17 +39,33 @@ class KvTransferStub:
                 request_serializer=kvplane__api_dot_v1_dot_kv__transfer__pb2.PullKvSessionRequest.SerializeToString,
                 response_deserializer=kvplane__api_dot_v1_dot_kv__transfer__pb2.KvSessionChunk.FromString,
                 _registered_method=True)
+        self.ReleaseKvSession = channel.unary_unary(
+                '/kvplane.v1.KvTransfer/ReleaseKvSession',
+                request_serializer=kvplane__api_dot_v1_dot_kv__transfer__pb2.ReleaseKvSessionRequest.SerializeToString,
+                response_deserializer=kvplane__api_dot_v1_dot_kv__transfer__pb2.ReleaseKvSessionResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PullKvSession(self, request, context):
-        """Streams a session's KV: one header, then one chunk per block, in block order. A session
-        is pulled once: a pull that ends (all chunks sent) releases it; a pull cut short or refused
-        leaves it open for another attempt until its TTL (a pull of a session being pulled waits
-        for that pull to end). Unknown, expired or released sessions: NOT_FOUND. Needs the bearer
-        token when the engine has auth (a pull consumes the session).
+        """Streams a session's KV: one header, then one chunk per block, in block order. The session
+        stays open after a pull, so that a puller that fails before its request is accepted (or
+        dies) leaves it to another puller: a pull that sent everything leaves it for at most a
+        short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
+        pull of a session being pulled waits for that pull to end). Unknown, expired or released
+        sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKvSession(self, request, context):
+        """The puller has what it needs (its request was accepted): release the session; its blocks
+        stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
+        Unknown, expired or released sessions: NOT_FOUND. Needs the bearer token when the engine
+        has auth.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -62,6 +78,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.PullKvSession,
                     request_deserializer=kvplane__api_dot_v1_dot_kv__transfer__pb2.PullKvSessionRequest.FromString,
                     response_serializer=kvplane__api_dot_v1_dot_kv__transfer__pb2.KvSessionChunk.SerializeToString,
+            ),
+            'ReleaseKvSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKvSession,
+                    request_deserializer=kvplane__api_dot_v1_dot_kv__transfer__pb2.ReleaseKvSessionRequest.FromString,
+                    response_serializer=kvplane__api_dot_v1_dot_kv__transfer__pb2.ReleaseKvSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +112,33 @@ class KvTransfer:
             '/kvplane.v1.KvTransfer/PullKvSession',
             kvplane__api_dot_v1_dot_kv__transfer__pb2.PullKvSessionRequest.SerializeToString,
             kvplane__api_dot_v1_dot_kv__transfer__pb2.KvSessionChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKvSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplane.v1.KvTransfer/ReleaseKvSession',
+            kvplane__api_dot_v1_dot_kv__transfer__pb2.ReleaseKvSessionRequest.SerializeToString,
+            kvplane__api_dot_v1_dot_kv__transfer__pb2.ReleaseKvSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,22 +38,36 @@ class KvTransferStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvTransferAsyncStub: ...
     PullKvSession: _grpc.UnaryStreamMultiCallable[_kv_transfer_pb2.PullKvSessionRequest, _kv_transfer_pb2.KvSessionChunk]
-    """Streams a session's KV: one header, then one chunk per block, in block order. A session
-    is pulled once: a pull that ends (all chunks sent) releases it; a pull cut short or refused
-    leaves it open for another attempt until its TTL (a pull of a session being pulled waits
-    for that pull to end). Unknown, expired or released sessions: NOT_FOUND. Needs the bearer
-    token when the engine has auth (a pull consumes the session).
+    """Streams a session's KV: one header, then one chunk per block, in block order. The session
+    stays open after a pull, so that a puller that fails before its request is accepted (or
+    dies) leaves it to another puller: a pull that sent everything leaves it for at most a
+    short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
+    pull of a session being pulled waits for that pull to end). Unknown, expired or released
+    sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+    """
+    ReleaseKvSession: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseKvSessionRequest, _kv_transfer_pb2.ReleaseKvSessionResponse]
+    """The puller has what it needs (its request was accepted): release the session; its blocks
+    stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
+    Unknown, expired or released sessions: NOT_FOUND. Needs the bearer token when the engine
+    has auth.
     """
 
 @_typing.type_check_only
 class KvTransferAsyncStub(KvTransferStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     PullKvSession: _aio.UnaryStreamMultiCallable[_kv_transfer_pb2.PullKvSessionRequest, _kv_transfer_pb2.KvSessionChunk]  # type: ignore[assignment]
-    """Streams a session's KV: one header, then one chunk per block, in block order. A session
-    is pulled once: a pull that ends (all chunks sent) releases it; a pull cut short or refused
-    leaves it open for another attempt until its TTL (a pull of a session being pulled waits
-    for that pull to end). Unknown, expired or released sessions: NOT_FOUND. Needs the bearer
-    token when the engine has auth (a pull consumes the session).
+    """Streams a session's KV: one header, then one chunk per block, in block order. The session
+    stays open after a pull, so that a puller that fails before its request is accepted (or
+    dies) leaves it to another puller: a pull that sent everything leaves it for at most a
+    short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
+    pull of a session being pulled waits for that pull to end). Unknown, expired or released
+    sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+    """
+    ReleaseKvSession: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseKvSessionRequest, _kv_transfer_pb2.ReleaseKvSessionResponse]  # type: ignore[assignment]
+    """The puller has what it needs (its request was accepted): release the session; its blocks
+    stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
+    Unknown, expired or released sessions: NOT_FOUND. Needs the bearer token when the engine
+    has auth.
     """
 
 class KvTransferServicer(metaclass=_abc_1.ABCMeta):
@@ -63,11 +77,24 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_transfer_pb2.PullKvSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kv_transfer_pb2.KvSessionChunk], _abc.AsyncIterator[_kv_transfer_pb2.KvSessionChunk]]:
-        """Streams a session's KV: one header, then one chunk per block, in block order. A session
-        is pulled once: a pull that ends (all chunks sent) releases it; a pull cut short or refused
-        leaves it open for another attempt until its TTL (a pull of a session being pulled waits
-        for that pull to end). Unknown, expired or released sessions: NOT_FOUND. Needs the bearer
-        token when the engine has auth (a pull consumes the session).
+        """Streams a session's KV: one header, then one chunk per block, in block order. The session
+        stays open after a pull, so that a puller that fails before its request is accepted (or
+        dies) leaves it to another puller: a pull that sent everything leaves it for at most a
+        short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
+        pull of a session being pulled waits for that pull to end). Unknown, expired or released
+        sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+        """
+
+    @_abc_1.abstractmethod
+    def ReleaseKvSession(
+        self,
+        request: _kv_transfer_pb2.ReleaseKvSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_transfer_pb2.ReleaseKvSessionResponse, _abc.Awaitable[_kv_transfer_pb2.ReleaseKvSessionResponse]]:
+        """The puller has what it needs (its request was accepted): release the session; its blocks
+        stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
+        Unknown, expired or released sessions: NOT_FOUND. Needs the bearer token when the engine
+        has auth.
         """
 
 def add_KvTransferServicer_to_server(servicer: KvTransferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
