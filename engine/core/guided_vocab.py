@@ -145,8 +145,8 @@ class TokenMasker:
 
     def __init__(self, guide: Guide, trie: VocabTrie, vocabulary: Sequence[bytes | None]) -> None:
         self.guide = guide
-        self._trie = trie
-        self._vocabulary = vocabulary
+        self.trie = trie
+        self.vocabulary = vocabulary
         self._memo: dict[GuidedState, tuple[tuple[int, ...], bool]] | None = (
             {} if guide.memoise_states else None
         )
@@ -159,7 +159,7 @@ class TokenMasker:
 
     def advance(self, state: GuidedState, token_id: int) -> GuidedState | None:
         """The state after a sampled token; None when the guide refuses it."""
-        data = self._vocabulary[token_id] if token_id < len(self._vocabulary) else None
+        data = self.vocabulary[token_id] if token_id < len(self.vocabulary) else None
         if not data:
             return None
         guide_state, pending = state.guide_state, state.pending
@@ -189,7 +189,7 @@ class TokenMasker:
     def _walk(self, state: GuidedState) -> Iterable[int]:
         guide = self.guide
         allowed: list[int] = []
-        stack = [(self._trie.root, state.guide_state, state.pending)]
+        stack = [(self.trie.root, state.guide_state, state.pending)]
         while stack:
             node, guide_state, pending = stack.pop()
             for byte, child in node.edges:
