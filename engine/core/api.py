@@ -141,6 +141,25 @@ class SamplingParams:
             self.prompt_logprobs.validate("prompt candidates")
 
 
+class GuideKind(Enum):
+    """Guided decoding modes this engine implements (`engine.core.guided`)."""
+
+    REGEX = "regex"
+    CHOICE = "choice"
+    JSON_OBJECT = "json_object"
+    JSON_SCHEMA = "json_schema"
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecoding:
+    """A constraint on the output text: `value` is the pattern (REGEX) or the schema's JSON
+    text (JSON_SCHEMA); `choices` the strings of CHOICE; JSON_OBJECT takes neither."""
+
+    kind: GuideKind
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One generation request, already tokenised.
@@ -151,6 +170,7 @@ class EngineRequest:
     position must be computed). `kv_session_id` (a PREFILL engine's request): once the prompt
     is computed, the blocks a decode engine can reuse stay held under this id after the request
     ends (`EngineCore.release_kv_session`); the last output then says `held_kv_session`.
+    `guided`: every output's text is constrained (`engine.core.guided`; needs a tokenizer).
     """
 
     request_id: str
@@ -161,6 +181,7 @@ class EngineRequest:
     cache_salt: str | None = None
     bypass_prefix_cache: bool = False
     kv_session_id: str | None = None
+    guided: GuidedDecoding | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +333,9 @@ class ScheduledSequence(NamedTuple):
     `prompt_token_ids` and `output_token_ids`; `seed` is already per output). When
     `prompt_logprobs` is set, return the logprob of each prompt token at positions
     `start_position + 1 .. min(start_position + len(token_ids), len(prompt_token_ids) - 1)`.
-    The sequences passed here are views valid during the call only: do not keep them.
+    `allowed_token_ids` (guided decoding, sampling sequences only): sample among these ids
+    alone (never empty); None: the whole vocabulary. The sequences passed here are views
+    valid during the call only: do not keep them.
     """
 
     seq_id: int
@@ -328,6 +351,7 @@ class ScheduledSequence(NamedTuple):
     output_token_ids: Sequence[int]
     prompt_logprobs: LogprobRequest | None = None
     lora_name: str | None = None
+    allowed_token_ids: Sequence[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

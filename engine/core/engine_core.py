@@ -16,6 +16,12 @@ copies their bytes out. A DECODE engine puts pulled blocks into its prefix cache
 `import_kv_blocks` just before adding the request they belong to, so that admission finds them
 as ordinary prefix hits. Both go through the block manager's own verbs (`allocate` of the
 cached prefix or new blocks, `cache_blocks`, `free`) under a scratch sequence id.
+
+Guided decoding (`engine.core.guided`, `guided_vocab`): each guided output carries its guide
+state; when it samples, the batch gives the runner the token ids its guide allows (EOS only
+once the text is complete, and not before `min_tokens`), and the sampled token advances the
+state. An output whose guide allows nothing fails its request (FinishReason.ERROR, which the
+servers turn into a terminal EngineError). Unguided sequences pay one attribute test a step.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from engine.core.errors import (
     LoraNotFoundError,
     PromptTooLongError,
 )
+from engine.core.guided import compile_guide
+from engine.core.guided_vocab import GuidedState, GuideRegistry, TokenMasker
 from engine.core.lora import LoraAdapter, LoraRegistry, LoraRunner
 from engine.core.scheduler import ScheduledWork, Scheduler
 from engine.core.sequence import Sequence
@@ -68,6 +76,8 @@ class _Output:
     stop: StopChecker
     detokenizer: IncrementalDetokenizer | None
     finished: bool = False
+    masker: TokenMasker | None = None  # guided decoding: the guide and its token masks
+    guided: GuidedState | None = None  # ... and where this output is in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +128,7 @@ class EngineCore:
                 raise ValueError(f"{type(runner).__name__} does not serve LoRA adapters")
             self.loras = LoraRegistry(max_loras)
         self.tokenizer = tokenizer
+        self._guides = GuideRegistry(tokenizer) if tokenizer is not None else None
         self.clock = clock
         self.block_manager = BlockManager(
             runner.num_blocks,
@@ -163,6 +174,13 @@ class EngineCore:
             )
         if request.sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this engine has none")
+        if request.guided is not None:
+            if self.tokenizer is None or isinstance(self.runner, SimRunner):
+                raise InvalidRequestError(
+                    "guided decoding needs a tokenizer and a model's logits; this engine "
+                    "(sim runner or no tokenizer) has none"
+                )
+            compile_guide(request.guided)  # memoised: add_request's masker reuses it
         if request.lora_name is not None:
             # The registry's snapshot: the engine thread checks again when it adds the request.
             if self.loras is None:
@@ -203,6 +221,9 @@ class EngineCore:
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
             output = _Output(seq, StopChecker(sampling, self.eos_token_ids, max_new), detok)
+            if request.guided is not None and self._guides is not None:
+                output.masker = self._guides.masker(request.guided)
+                output.guided = output.masker.start()
             state.outputs.append(output)
             self._outputs_by_seq[seq.seq_id] = output
             self.scheduler.add(seq)
@@ -435,11 +456,16 @@ class EngineCore:
         if not sched.scheduled:
             self._last_prefill_batch = self._last_decode_batch = 0
             return StepResult(outputs, None)
-        batch = self._build_batch(sched.scheduled)
+        batch, dead_ends = self._build_batch(sched.scheduled)
         results = {r.seq_id: r for r in self.runner.execute(batch)}
         duration_s = self.clock() - started_s
         released: list[int] = []
         for work, scheduled in zip(sched.scheduled, batch.sequences, strict=True):
+            if work.sequence.seq_id not in self._outputs_by_seq:
+                continue  # its request failed earlier in this loop (a guide's dead end)
+            if work.sequence.seq_id in dead_ends:
+                outputs.extend(self._fail_guided(work.sequence, dead_ends[work.sequence.seq_id]))
+                continue
             output = self._on_computed(work, scheduled, results.get(work.sequence.seq_id))
             if output is not None:
                 outputs.append(output)
@@ -533,8 +559,11 @@ class EngineCore:
         self._last_prefill_batch, self._last_decode_batch = 0, len(running)
         return outputs
 
-    def _build_batch(self, scheduled: list[ScheduledWork]) -> ScheduledBatch:
+    def _build_batch(self, scheduled: list[ScheduledWork]) -> tuple[ScheduledBatch, dict[int, str]]:
+        """The runner's batch, and the guided sequences whose guide allows no token (seq id ->
+        why): they compute this step, but what they sample is dropped."""
         sequences: list[ScheduledSequence] = []
+        dead_ends: dict[int, str] = {}
         num_prefill = num_decode = decode_context = 0
         for work in scheduled:
             seq = work.sequence
@@ -553,6 +582,13 @@ class EngineCore:
                 and not self._requests[seq.request_id].prompt_logprobs_sent
                 and start < seq.num_prompt_tokens - 1
             )
+            allowed: tuple[int, ...] | None = None
+            if seq.request.guided is not None and end == seq.num_tokens:
+                found = self._allowed_tokens(self._outputs_by_seq[seq.seq_id])
+                if isinstance(found, str):
+                    dead_ends[seq.seq_id] = found
+                else:
+                    allowed = found
             sequences.append(
                 ScheduledSequence(
                     seq_id=seq.seq_id,
@@ -568,15 +604,41 @@ class EngineCore:
                     output_token_ids=seq.output_token_ids,
                     prompt_logprobs=sampling.prompt_logprobs if want_prompt_logprobs else None,
                     lora_name=seq.request.lora_name,
+                    allowed_token_ids=allowed,
                 )
             )
-        return ScheduledBatch(
+        batch = ScheduledBatch(
             sequences=tuple(sequences),
             num_scheduled_tokens=sum(w.num_new_tokens for w in scheduled),
             num_prefill_tokens=num_prefill,
             num_decode_sequences=num_decode,
             num_decode_context_tokens=decode_context,
         )
+        return batch, dead_ends
+
+    def _allowed_tokens(self, out: _Output) -> tuple[int, ...] | str:
+        """The ids a guided output may sample next, or why there are none."""
+        assert out.masker is not None and out.guided is not None  # a guided request's output
+        allowed, complete = out.masker.allowed(out.guided)
+        sampling = out.sequence.request.sampling
+        early = len(out.sequence.output_token_ids) < sampling.min_tokens
+        if early and sampling.stop_token_ids:
+            stops = set(sampling.stop_token_ids)
+            allowed = tuple(t for t in allowed if t not in stops)
+        if complete and not early and not sampling.ignore_eos:
+            allowed += tuple(sorted(self.eos_token_ids))
+        if allowed:
+            return allowed
+        if complete:
+            return (
+                "guided decoding: the output is complete and cannot be extended, but "
+                "min_tokens or ignore_eos forbid ending it"
+            )
+        return "guided decoding: no token of the vocabulary continues the constrained output"
+
+    def _fail_guided(self, seq: Sequence, why: str) -> list[RequestOutput]:
+        """End the whole request: an application failure is one terminal error (the seed)."""
+        return self._finish_request(seq.request_id, FinishReason.ERROR, why)
 
     def _on_computed(
         self, work: ScheduledWork, scheduled: ScheduledSequence, result: SequenceResult | None
@@ -597,6 +659,11 @@ class EngineCore:
         if result.token_id is None:
             raise RuntimeError(f"runner sampled no token for sequence {seq.seq_id}")
         token_id = result.token_id
+        if out.masker is not None and out.guided is not None and token_id not in self.eos_token_ids:
+            guided = out.masker.advance(out.guided, token_id)
+            if guided is None:  # the runner sampled outside the mask: a runner bug
+                raise RuntimeError(f"sequence {seq.seq_id} sampled {token_id} against its guide")
+            out.guided = guided
         seq.append_token(token_id)
         delta = out.detokenizer.add(token_id) if out.detokenizer is not None else ""
         decision = out.stop.on_token(token_id, delta)

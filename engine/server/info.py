@@ -158,6 +158,22 @@ def _logprob_caps(model: ServedModel) -> pb.LogprobCapabilities:
     )
 
 
+# The guided decoding modes the engine implements (engine/core/guided.py), the proto's order.
+GUIDED_MODES = (
+    pb.GUIDED_DECODING_MODE_JSON_SCHEMA,
+    pb.GUIDED_DECODING_MODE_REGEX,
+    pb.GUIDED_DECODING_MODE_CHOICE,
+    pb.GUIDED_DECODING_MODE_JSON_OBJECT,
+)
+
+
+def _guided_caps(model: ServedModel) -> pb.GuidedDecodingCapabilities:
+    """Guided decoding needs a tokenizer (the torch runner's; the sim runner has none)."""
+    if not model.has_tokenizer:
+        return pb.GuidedDecodingCapabilities(supported=False)
+    return pb.GuidedDecodingCapabilities(supported=True, modes=GUIDED_MODES)
+
+
 def model_info(model: ServedModel) -> pb.ModelInfo:
     text_input = model.has_tokenizer
     return pb.ModelInfo(
@@ -176,7 +192,7 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
         generation=pb.GenerationCapabilities(
             prompt_logprobs=_logprob_caps(model),
             output_logprobs=_logprob_caps(model),
-            guided_decoding=pb.GuidedDecodingCapabilities(supported=False),
+            guided_decoding=_guided_caps(model),
             max_num_sequences=model.max_num_seqs,
             supports_priority=True,
             supports_stop_in_output=True,

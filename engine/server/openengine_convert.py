@@ -18,6 +18,8 @@ from engine.core.api import (
     Candidate,
     EngineRequest,
     FinishReason,
+    GuidedDecoding,
+    GuideKind,
     LogprobRequest,
     RequestOutput,
     SamplingParams,
@@ -115,8 +117,6 @@ def _sampling(request: pb.GenerateRequest) -> SamplingParams:
 
 def check_unsupported(request: pb.GenerateRequest, ctx: EngineContext) -> None:
     """Refuse, before acceptance, what this engine does not implement yet."""
-    if request.HasField("guided"):
-        raise UnsupportedOptionError("guided decoding is not supported by this engine")
     if request.media:
         raise UnsupportedOptionError("media inputs are not supported by this engine")
     if request.lora_name and not ctx.model.supports_lora:
@@ -126,6 +126,35 @@ def check_unsupported(request: pb.GenerateRequest, ctx: EngineContext) -> None:
     if request.kv.HasField("session") and ctx.role != pb.ENGINE_ROLE_DECODE:
         role = pb.EngineRole.Name(ctx.role).removeprefix("ENGINE_ROLE_")
         raise RoleMismatchError(f"kv.session is for a DECODE engine; this engine is {role}")
+
+
+_GUIDED_BACKENDS = ("", "kvplane")
+
+
+def guided_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> GuidedDecoding | None:
+    """The request's constraint; the core validates its content (pattern, schema, choices)."""
+    if not request.HasField("guided"):
+        return None
+    guided = request.guided
+    if not ctx.model.has_tokenizer:
+        raise UnsupportedOptionError("guided decoding needs a tokenizer; this engine has none")
+    if guided.backend not in _GUIDED_BACKENDS:
+        raise UnsupportedOptionError(
+            f"guided backend {guided.backend!r}: this engine has only 'kvplane' (or leave it empty)"
+        )
+    which = guided.WhichOneof("guide")
+    if which == "regex":
+        return GuidedDecoding(GuideKind.REGEX, guided.regex)
+    if which == "json_schema":
+        return GuidedDecoding(GuideKind.JSON_SCHEMA, guided.json_schema)
+    if which == "choice":
+        return GuidedDecoding(GuideKind.CHOICE, choices=tuple(guided.choice.choices))
+    if which == "json_object":
+        return GuidedDecoding(GuideKind.JSON_OBJECT)
+    supported = "json_schema, regex, choice, json_object"
+    if which is None:
+        raise InvalidRequestError(f"guided: set one of {supported}")
+    raise UnsupportedOptionError(f"guided {which} is not supported; supported modes: {supported}")
 
 
 def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
@@ -161,6 +190,7 @@ def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -
         lora_name=request.lora_name or None,
         cache_salt=kv.cache_salt if kv.HasField("cache_salt") else None,
         bypass_prefix_cache=kv.bypass_prefix_cache,
+        guided=guided_from_proto(request, ctx),
     )
     ctx.model.check_request(engine_request)
     return engine_request

@@ -3,10 +3,12 @@
 Both RPCs run the request exactly like OpenEngine's Generate. The proto's own defaults
 apply: `temperature` absent -> 0 (greedy; the model has no default of its own), `max_new_tokens`
 0 -> 20, `num_sequences` 0 -> 1, 0 for top_k/top_p/min_p/repetition_penalty -> "off".
-Unsupported options (structured output, logit bias, allowed token ids, KV transfer params)
-are refused before acceptance like in OpenEngine. This proto has no error event: a failure
-after acceptance ends the stream with gRPC INTERNAL. A prompt position without a logprob
-(the first prompt token) reports NaN so that the arrays stay aligned with `token_ids`.
+Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
+is a JSON schema; `grammar` and `structural_tag` are refused, INVALID_ARGUMENT).
+Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
+acceptance like in OpenEngine. This proto has no error event: a failure after acceptance ends
+the stream with gRPC INTERNAL. A prompt position without a logprob (the first prompt token)
+reports NaN so that the arrays stay aligned with `token_ids`.
 
 Streaming: the first response carries `prompt_info`; each response carries one
 SequenceOutput delta; a sequence's last one carries `finish_info`. Unary Generate collects
@@ -28,6 +30,7 @@ from engine.core.api import (
     Candidate,
     EngineRequest,
     FinishReason,
+    GuidedDecoding,
     LogprobRequest,
     RequestOutput,
     SamplingParams,
@@ -37,7 +40,7 @@ from engine.core.api import (
 from engine.core.errors import InvalidRequestError
 from engine.server.engine_service import EngineService
 from engine.server.errors import ModelNotFoundError, RoleMismatchError, UnsupportedOptionError
-from engine.server.openengine_convert import EngineContext
+from engine.server.openengine_convert import EngineContext, guided_from_proto
 from engine.server.openengine_servicer import refuse
 from kvplane.server import Service, abort_with
 from openengine.v1 import openengine_pb2 as oe
@@ -74,14 +77,33 @@ def _logprobs(wanted: bool, has_select: bool, select: pb.CandidateTokens) -> Log
     return _candidates(select) if has_select else LogprobRequest()
 
 
+def _structured_output(dec: pb.DecodingParameters, ctx: EngineContext) -> GuidedDecoding | None:
+    """vLLM's structured output as OpenEngine's `guided` (the same checks and refusals)."""
+    which = dec.WhichOneof("structured_output")
+    if which is None:
+        return None
+    guided = oe.GuidedDecoding()
+    if which == "json":
+        guided.json_schema = dec.json
+    elif which == "choice":
+        guided.choice.choices.extend(dec.choice.choices)
+    elif which == "json_object" and dec.json_object:
+        guided.json_object.SetInParent()
+    elif which == "json_object":
+        return None  # json_object = false: no constraint
+    elif which == "grammar":
+        guided.ebnf_grammar = dec.grammar
+    else:
+        setattr(guided, which, getattr(dec, which))  # regex, structural_tag: same names
+    return guided_from_proto(oe.GenerateRequest(guided=guided), ctx)
+
+
 def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
     if not ctx.model.serves(request.model):
         raise ModelNotFoundError(f"model {request.model!r} is not served here")
     if ctx.role != oe.ENGINE_ROLE_AGGREGATED:
         raise RoleMismatchError("vllm.Generate runs on an AGGREGATED engine only")
     dec = request.decoding
-    if dec.WhichOneof("structured_output") is not None:
-        raise UnsupportedOptionError("structured output is not supported by this engine")
     if dec.logit_bias or dec.allowed_token_ids:
         raise UnsupportedOptionError("logit_bias and allowed_token_ids are not supported")
     if request.kv.HasField("kv_transfer_params") and request.kv.kv_transfer_params.fields:
@@ -134,6 +156,7 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         priority=request.priority,
         cache_salt=request.kv.cache_salt or None,
         bypass_prefix_cache=request.kv.bypass_prefix_cache,
+        guided=_structured_output(dec, ctx),
     )
     ctx.model.check_request(engine_request)
     return engine_request

@@ -252,7 +252,10 @@ class TorchModelRunner:
             sample_logits = logits[torch.tensor(plan.sample_rows, dtype=torch.int64, device=device)]
         tokens: list[int] = []
         token_logprobs: list[TokenLogprob | None] = []
-        if all(plain_greedy(seq.sampling, len(seq.output_token_ids)) for seq in sampling_seqs):
+        if all(
+            plain_greedy(seq.sampling, len(seq.output_token_ids)) and seq.allowed_token_ids is None
+            for seq in sampling_seqs
+        ):
             # What the sampler computes for such rows, without a row object per sequence.
             tokens = sample_logits.argmax(dim=-1).tolist() if sampling_seqs else []
             token_logprobs = [None] * len(tokens)
@@ -265,6 +268,7 @@ class TorchModelRunner:
                         seed=seq.seed,
                         prompt_token_ids=seq.prompt_token_ids,
                         output_token_ids=seq.output_token_ids,
+                        allowed_token_ids=seq.allowed_token_ids,
                     )
                     for seq in sampling_seqs
                 ],

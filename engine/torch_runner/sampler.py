@@ -6,7 +6,9 @@ Pipeline per row, in this order (the order vLLM and the OpenAI API define):
    multiply a negative one), then frequency (minus `f * count` over output tokens) and presence
    (minus `p` for each token present in the output);
 2. `min_tokens`: while fewer outputs exist, stop token ids and EOS (unless `ignore_eos`) are
-   masked out;
+   masked out; guided decoding: every token outside the row's `allowed_token_ids` too (before
+   temperature, min-p, top-k and top-p, so those act on the constrained distribution and
+   greedy is the argmax of the allowed tokens);
 3. greedy rows (temperature 0) take the argmax here (lowest id on an exact tie);
 4. the rest divide by the temperature, drop tokens under `min_p * max_prob`, keep the `top_k`
    most likely, keep the smallest most-likely set reaching mass `top_p` (renormalised after
@@ -42,6 +44,7 @@ class SamplingRow:
     seed: int | None
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    allowed_token_ids: Sequence[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +72,16 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
         """logits [N, V] float32 (one row per entry of `rows`) -> one token per row."""
-        if all(plain_greedy(row.params, len(row.output_token_ids)) for row in rows):
+        if all(
+            plain_greedy(row.params, len(row.output_token_ids)) and row.allowed_token_ids is None
+            for row in rows
+        ):
             # Nothing to adjust or report: the argmax of the raw logits, as below.
             return [SampledToken(t, None) for t in logits.argmax(dim=-1).tolist()]
         raw = logits.float()
         processed = apply_penalties(raw, rows)
         processed = self._mask_min_tokens(processed, rows)
+        processed = mask_disallowed(processed, rows)
         token_ids = processed.argmax(dim=-1)
         random_rows = [i for i, row in enumerate(rows) if not row.params.greedy]
         if random_rows:
@@ -127,6 +134,22 @@ class Sampler:
             own = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=generator)
             draws[i] = own.to(probs.device)
         return draws
+
+
+def mask_disallowed(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """-inf outside each guided row's allowed ids; returns `logits` itself if no row is guided."""
+    guided = [i for i, row in enumerate(rows) if row.allowed_token_ids]
+    if not guided:
+        return logits
+    vocab = logits.shape[1]
+    keep = torch.zeros((len(guided), vocab), dtype=torch.bool)
+    for j, i in enumerate(guided):
+        ids = torch.tensor(rows[i].allowed_token_ids, dtype=torch.int64)
+        keep[j, ids[ids < vocab]] = True
+    index = torch.tensor(guided, device=logits.device)
+    masked = logits.clone()
+    masked[index] = logits[index].masked_fill(~keep.to(logits.device), float("-inf"))
+    return masked
 
 
 def plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:

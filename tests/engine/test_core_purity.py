@@ -13,6 +13,7 @@ def test_core_imports_no_io_or_torch() -> None:
     code = (
         "import sys\n"
         "import engine.core.api, engine.core.engine_core, engine.core.sim_fleet\n"
+        "import engine.core.guided, engine.core.guided_json, engine.core.guided_vocab\n"
         "bad = [m for m in ('torch', 'grpc', 'zmq', 'redis', 'asyncio') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

@@ -1,0 +1,119 @@
+"""Guided (structured) decoding: the constraints, as guides over the text generated so far.
+
+A `Guide` is a small automaton over characters: `start()` gives the state before any output,
+`advance(state, char)` the state after one more character (None when no string of the language
+starts with the text so far plus that character: the character is refused), and
+`is_complete(state)` whether the text so far is a whole string of the language. States are
+immutable and hashable, so a caller can branch from one state many times (the vocabulary walk
+in `engine.core.guided_vocab` does, once per trie edge) and memoise per state.
+
+The modes (`GuideKind`):
+
+- REGEX: the text must match the pattern in full (Python `regex` syntax, which has the partial
+  matching this needs: `fullmatch(text, partial=True)` says whether `text` can still be
+  extended to a match). The state is the text itself, so each step re-matches from the start:
+  O(length) per character tried.
+- CHOICE: the text must be one of the choices exactly (a sorted list and a binary search for
+  "some choice starts with the text").
+- JSON_OBJECT: any JSON object (`engine.core.guided_json.JsonObjectGuide`, a pushdown parser).
+- JSON_SCHEMA: a subset of JSON Schema compiled to a regex, as outlines does
+  (`engine.core.guided_json.schema_to_regex`).
+
+`compile_guide(spec)` validates and builds a guide, raising InvalidRequestError on a bad
+pattern, schema or choice list; it is memoised, so validating a request before acceptance and
+building its outputs' guides after costs one compilation.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Hashable
+from functools import lru_cache
+from typing import Any, Protocol
+
+from engine.core.api import GuidedDecoding, GuideKind
+from engine.core.errors import InvalidRequestError
+
+GuideState = Hashable
+
+
+class Guide(Protocol):
+    def start(self) -> GuideState: ...
+
+    def advance(self, state: GuideState, char: str) -> GuideState | None:
+        """The state after `char`, or None when no string of the language continues so."""
+        ...
+
+    def is_complete(self, state: GuideState) -> bool: ...
+
+    @property
+    def memoise_states(self) -> bool:
+        """Whether states recur across steps (worth memoising the allowed tokens per state)."""
+        ...
+
+
+class RegexGuide:
+    """A full match of a pattern; the state is the text so far."""
+
+    memoise_states = False
+
+    def __init__(self, pattern: str) -> None:
+        import regex  # the engine extra's dependency; only guided requests need it
+
+        try:
+            self._pattern: Any = regex.compile(pattern)
+        except (regex.error, ValueError, OverflowError, RecursionError) as exc:
+            raise InvalidRequestError(f"guided regex: invalid pattern: {exc}") from None
+        if self._pattern.fullmatch("", partial=True) is None:
+            raise InvalidRequestError("guided regex: the pattern matches no string")
+
+    def start(self) -> GuideState:
+        return ""
+
+    def advance(self, state: GuideState, char: str) -> GuideState | None:
+        text = f"{state}{char}"
+        return text if self._pattern.fullmatch(text, partial=True) is not None else None
+
+    def is_complete(self, state: GuideState) -> bool:
+        match = self._pattern.fullmatch(state, partial=False)
+        return match is not None
+
+
+class ChoiceGuide:
+    """Exactly one of the choices; the state is the text so far."""
+
+    memoise_states = True  # few states (the choices' prefixes), each visited by every output
+
+    def __init__(self, choices: tuple[str, ...]) -> None:
+        if not choices:
+            raise InvalidRequestError("guided choice: the list of choices is empty")
+        if any(not c for c in choices):
+            raise InvalidRequestError("guided choice: a choice is the empty string")
+        self._choices = sorted(set(choices))
+        self._set = frozenset(choices)
+
+    def start(self) -> GuideState:
+        return ""
+
+    def advance(self, state: GuideState, char: str) -> GuideState | None:
+        text = f"{state}{char}"
+        # The first choice not below `text` is the only candidate that can start with it.
+        i = bisect_left(self._choices, text)
+        return text if i < len(self._choices) and self._choices[i].startswith(text) else None
+
+    def is_complete(self, state: GuideState) -> bool:
+        return state in self._set
+
+
+@lru_cache(maxsize=64)
+def compile_guide(spec: GuidedDecoding) -> Guide:
+    """Validate `spec` and build its guide (InvalidRequestError when it is malformed)."""
+    from engine.core.guided_json import JsonObjectGuide, schema_to_regex
+
+    if spec.kind is GuideKind.REGEX:
+        return RegexGuide(spec.value)
+    if spec.kind is GuideKind.CHOICE:
+        return ChoiceGuide(spec.choices)
+    if spec.kind is GuideKind.JSON_OBJECT:
+        return JsonObjectGuide()
+    return RegexGuide(schema_to_regex(spec.value))

@@ -1,0 +1,259 @@
+"""Guides and token masks against naive models (no torch): the JSON prefix parser against
+"some completion parses", the schema subset's regex, and the trie walk against every token
+tried one at a time."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from engine.core.api import GuidedDecoding, GuideKind
+from engine.core.errors import InvalidRequestError
+from engine.core.guided import ChoiceGuide, Guide, GuideState, RegexGuide, compile_guide
+from engine.core.guided_json import JsonObjectGuide, schema_to_regex
+from engine.core.guided_vocab import GuidedState, TokenMasker, VocabTrie, token_bytes
+from engine.torch_runner.builtin_model import build_tokenizer
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared"
+BOUNDED = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _run(guide: Guide, text: str) -> GuideState | None:
+    state: GuideState | None = guide.start()
+    for char in text:
+        if state is None:
+            return None
+        state = guide.advance(state, char)
+    return state
+
+
+# ---------------------------------------------------------------- JSON object: naive model
+
+# Short strings over a small alphabet, and every completion of up to five characters that a
+# prefix of at most five of them can need (close a string, a value, a container).
+_ALPHABET = '{}[]":,01-.e'
+_COMPLETIONS = ["".join(c) for n in range(6) for c in itertools.product('"0:}]', repeat=n)]
+
+
+@cache
+def _some_completion_is_an_object(prefix: str) -> bool:
+    for rest in _COMPLETIONS:
+        try:
+            if isinstance(json.loads(prefix + rest), dict):
+                return True
+        except json.JSONDecodeError:
+            continue
+    return False
+
+
+@BOUNDED
+@given(st.text(alphabet=_ALPHABET, max_size=5))
+def test_json_prefix_parser_agrees_with_some_completion_parses(text: str) -> None:
+    if not text or text[0] != "{":  # mostly objects (the completions never open one)
+        text = "{" + text[1:]
+    guide = JsonObjectGuide()
+    state = _run(guide, text)
+    assert (state is not None) == _some_completion_is_an_object(text), text
+    if state is not None:
+        try:
+            complete = isinstance(json.loads(text), dict)
+        except json.JSONDecodeError:
+            complete = False
+        assert guide.is_complete(state) == complete, text
+
+
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@BOUNDED
+@given(st.dictionaries(st.text(max_size=3), _JSON, max_size=4), st.booleans(), st.booleans())
+def test_every_prefix_of_an_object_is_accepted(
+    value: dict[str, Any], spaced: bool, ascii_only: bool
+) -> None:
+    separators = (", ", ": ") if spaced else (",", ":")
+    text = json.dumps(value, separators=separators, ensure_ascii=ascii_only)
+    guide = JsonObjectGuide()
+    state = guide.start()
+    for i, char in enumerate(text):
+        assert not guide.is_complete(state)
+        state = guide.advance(state, char)
+        assert state is not None, (text, i)
+    assert guide.is_complete(state)
+    assert guide.advance(state, " ") is None and guide.advance(state, "{") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ('{"a": true, "b": [null, false]}', True),
+        ('{"a":  1}', False),  # two spaces: the whitespace policy
+        ('{\n"a": 1}', False),
+        (' {"a": 1}', False),
+        ('{"a": tru', True),
+        ('{"a": trux', False),
+        ('{"a": "\\u00e9\\n"}', True),
+        ('{"a": "\\x"}', False),
+        ('{"a": "\x01"}', False),
+        ('{"a": 01}', False),
+        ('{"a": -0.5e+3}', True),
+        ("[1]", False),
+    ],
+)
+def test_json_object_examples(text: str, ok: bool) -> None:
+    assert (_run(JsonObjectGuide(), text) is not None) == ok
+
+
+# ---------------------------------------------------------------- regex, choice, schema
+
+
+def test_regex_and_choice_guides() -> None:
+    guide = RegexGuide("[0-9]{3}-[a-z]+")
+    assert _run(guide, "12") is not None and _run(guide, "12a") is None
+    assert not guide.is_complete(_run(guide, "123-"))
+    assert guide.is_complete(_run(guide, "123-ab"))
+    choice = ChoiceGuide(("apple", "apricot", "b"))
+    assert _run(choice, "ap") is not None and _run(choice, "apx") is None
+    assert choice.is_complete(_run(choice, "b")) and not choice.is_complete(_run(choice, "ap"))
+    with pytest.raises(InvalidRequestError, match="invalid pattern"):
+        RegexGuide("(")
+    with pytest.raises(InvalidRequestError, match="empty"):
+        ChoiceGuide(())
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "a": {"type": "integer"},
+        "b": {"type": "array", "items": {"enum": ["x", 1, None]}, "minItems": 1, "maxItems": 2},
+        "c": {"type": "object", "properties": {"d": {"type": ["string", "null"]}}},
+        "e": {"const": "k"},
+    },
+    "required": ["a", "e"],
+}
+
+
+@pytest.mark.parametrize(
+    ("value", "ok"),
+    [
+        ({"a": 1, "e": "k"}, True),
+        ({"a": -12, "b": ["x", None], "c": {"d": "é"}, "e": "k"}, True),
+        ({"a": 1, "c": {}, "e": "k"}, True),
+        ({"e": "k", "a": 1}, False),  # schema order
+        ({"a": 1}, False),  # e is required
+        ({"a": 1.5, "e": "k"}, False),
+        ({"a": 1, "b": [], "e": "k"}, False),  # minItems
+        ({"a": 1, "b": ["x", 1, 1], "e": "k"}, False),  # maxItems
+        ({"a": 1, "e": "k", "z": 1}, False),  # no additional properties
+    ],
+)
+def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool) -> None:
+    pattern = schema_to_regex(json.dumps(SCHEMA))
+    for separators in ((",", ":"), (", ", ": ")):
+        text = json.dumps(value, separators=separators, ensure_ascii=False)
+        assert (re.fullmatch(pattern, text) is not None) == ok, text
+
+
+@pytest.mark.parametrize(
+    ("schema", "needle"),
+    [
+        ({"type": "string", "format": "date"}, "'format'"),
+        ({"type": "object", "additionalProperties": True}, "additionalProperties"),
+        ({"$ref": "#/x"}, "without type"),
+        ({"type": "integer", "minimum": 0}, "'minimum'"),
+        ({"type": "array"}, "without items"),
+        ({"enum": []}, "empty"),
+        ({"type": "object", "properties": {}, "required": ["q"]}, "not in properties"),
+        (
+            {"type": "object", "properties": {str(i): {"type": "null"} for i in range(30)}},
+            "too many",
+        ),
+    ],
+)
+def test_schema_refusals_name_the_keyword(schema: dict[str, Any], needle: str) -> None:
+    with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+        compile_guide(GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(schema)))
+
+
+# ---------------------------------------------------------------- token masks
+
+
+def test_unfinished_utf8_fragments_are_allowed_only_when_a_completion_fits() -> None:
+    # "é" is C3 A9, "ĩ" is C4 A9: a lone C3 may start "é", a lone C4 cannot.
+    vocabulary = [b"\xc3", b"\xa9", b"\xc3\xa9", b"e", b"\xc4", None]
+    masker = TokenMasker(RegexGuide("é+"), VocabTrie(vocabulary), vocabulary)
+    start = masker.start()
+    assert masker.allowed(start) == ((0, 2), False)
+    half = masker.advance(start, 0)
+    assert half == GuidedState("", b"\xc3")
+    assert masker.allowed(half) == ((1,), False)
+    assert masker.allowed(masker.advance(half, 1)) == ((0, 2), True)
+
+
+def _tokenizers() -> list[Any]:
+    tokenizers = [build_tokenizer()]
+    path = SHARED / "models/tiny-llama/tokenizer.json"
+    if path.is_file():
+        tokenizers.append(Tokenizer.from_file(str(path)))
+    return tokenizers
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=lambda t: str(t.get_vocab_size()))
+def test_token_bytes_concatenate_to_the_decoded_text(tokenizer: Any) -> None:
+    table = token_bytes(tokenizer)
+    ids = [t for t, data in enumerate(table) if data]
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.lists(st.sampled_from(ids), max_size=12))
+    def check(sequence: list[int]) -> None:
+        data = b"".join(table[t] or b"" for t in sequence)
+        assert data.decode(errors="replace") == tokenizer.decode(sequence)
+
+    check()
+
+
+GUIDES = [
+    GuidedDecoding(GuideKind.REGEX, r"[0-9]{2}(-[a-zé]+)?"),
+    GuidedDecoding(GuideKind.CHOICE, choices=("yes", "no", "ñandú", "yesterday")),
+    GuidedDecoding(GuideKind.JSON_OBJECT),
+    GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+]
+
+
+@pytest.mark.parametrize("tokenizer", _tokenizers(), ids=lambda t: str(t.get_vocab_size()))
+@pytest.mark.parametrize("spec", GUIDES, ids=lambda g: g.kind.value)
+def test_trie_walk_equals_every_token_tried_alone(tokenizer: Any, spec: GuidedDecoding) -> None:
+    vocabulary = token_bytes(tokenizer)
+    masker = TokenMasker(compile_guide(spec), VocabTrie(vocabulary), vocabulary)
+
+    @settings(max_examples=8, deadline=None)
+    @given(st.randoms(use_true_random=False))
+    def check(rng: Any) -> None:
+        state = masker.start()
+        for _ in range(6):  # a random walk through allowed tokens, checking every state
+            allowed, _complete = masker.allowed(state)
+            brute = [t for t in range(len(vocabulary)) if masker.advance(state, t) is not None]
+            assert list(allowed) == brute
+            if not allowed:
+                break
+            state = masker.advance(state, rng.choice(allowed))
+
+    check()

@@ -1,0 +1,262 @@
+"""Guided decoding over gRPC on the torch runner (the builtin random model, real sampler): every
+output of a random model matches its constraint, greedy and sampled; unguided requests in the
+same batch are unaffected; refusals and capabilities."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from engine.core.guided_json import JsonObjectGuide
+from engine.torch_runner.builtin_model import ensure_builtin_model
+from openengine.v1 import openengine_pb2 as pb
+from tests.engine.engine_server_harness import (
+    Engine,
+    collect,
+    rpc_error,
+    running_engine,
+    sim_config,
+    stream_error,
+)
+from tests.engine.torch_reference import TEST_DEVICE
+from vllm_grpc import vllm_grpc_pb2 as vpb
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = list(range(20, 44))
+SEEDS = (1, 2, 3)
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 6},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        "point": {
+            "type": "object",
+            "properties": {"x": {"type": "number"}, "ok": {"type": "null"}},
+            "required": ["x"],
+        },
+    },
+    "required": ["id", "color", "point"],
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_builtin_model(tmp_path_factory.mktemp("models"))
+
+
+def _config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir),
+        listen="127.0.0.1:0",
+        served_model_name="m",
+        block_size=16,
+        num_kv_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
+        num_threads=1,
+        shutdown_grace_s=1.0,
+        device=TEST_DEVICE,
+    )
+
+
+def _request(
+    guided: pb.GuidedDecoding | None,
+    *,
+    seed: int | None = None,
+    max_tokens: int = 200,
+    rid: str = "",
+) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        request_id=rid,
+        model="m",
+        token_ids=pb.TokenIds(ids=PROMPT),
+        sampling=pb.SamplingParams(temperature=0.0 if seed is None else 1.0),
+        stopping=pb.StoppingOptions(max_tokens=max_tokens),
+    )
+    if seed is not None:
+        request.sampling.seed = seed
+    if guided is not None:
+        request.guided.CopyFrom(guided)
+    return request
+
+
+def _result(responses: list[pb.GenerateResponse]) -> tuple[str, list[int], pb.GenerationFinished]:
+    text = "".join(r.token.text for r in responses if r.WhichOneof("event") == "token")
+    tokens = [r.token for r in responses if r.WhichOneof("event") == "token"]
+    ids = [t.token_id for token in tokens for t in token.tokens]
+    finished = [r.finished for r in responses if r.WhichOneof("event") == "finished"]
+    assert len(finished) == 1, responses[-1]
+    return text, ids, finished[0]
+
+
+async def _outputs(engine: Engine, guided: pb.GuidedDecoding, **kw: Any) -> list[str]:
+    """Greedy and sampled (several seeds) outputs, all ended by EOS."""
+    requests = [_request(guided, **kw)] + [_request(guided, seed=s, **kw) for s in SEEDS]
+    texts = []
+    for responses in await asyncio.gather(*(collect(engine.stub, r) for r in requests)):
+        text, _, finished = _result(responses)
+        assert finished.reason == pb.FINISH_REASON_STOP, (text, finished)
+        assert finished.stop_match.WhichOneof("match") == "eos_token_id"
+        texts.append(text)
+    return texts
+
+
+def _check_schema(value: Any) -> None:
+    """SCHEMA, by hand."""
+    assert isinstance(value, dict)
+    assert set(value) <= set(SCHEMA["properties"]) and {"id", "color", "point"} <= set(value)
+    assert list(value) == [k for k in SCHEMA["properties"] if k in value]  # schema order
+    assert type(value["id"]) is int
+    assert value["color"] in ("red", "green", "blue")
+    if "name" in value:
+        assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    if "tags" in value:
+        assert len(value["tags"]) <= 3 and all(type(t) is bool for t in value["tags"])
+    point = value["point"]
+    assert isinstance(point, dict) and set(point) <= {"x", "ok"} and "x" in point
+    assert type(point["x"]) in (int, float) and point.get("ok") is None
+
+
+async def test_outputs_match_each_constraint_greedy_and_sampled(model_dir: Path) -> None:
+    async with running_engine(_config(model_dir)) as engine:
+        pattern = r"[0-9]{3}-[a-z]{1,4}"
+        texts = await _outputs(engine, pb.GuidedDecoding(regex=pattern))
+        assert all(re.fullmatch(pattern, t) for t in texts), texts
+
+        choices = ["apple", "apricot", "banana", "ü-ber"]
+        choice = pb.GuidedDecoding(choice=pb.ChoiceConstraint(choices=choices))
+        texts = await _outputs(engine, choice)
+        assert all(t in choices for t in texts), texts
+
+        schema = pb.GuidedDecoding(json_schema=json.dumps(SCHEMA), backend="kvplane")
+        for text in await _outputs(engine, schema, max_tokens=400):
+            _check_schema(json.loads(text))
+
+
+async def test_json_object_outputs_are_objects_or_cut_prefixes(model_dir: Path) -> None:
+    """A random model rarely closes a JSON string (a quote is a few tokens of the vocabulary),
+    so a near-uniform temperature lets it finish; greedy is cut by max_tokens."""
+    guide = JsonObjectGuide()
+    json_object = pb.GuidedDecoding(json_object=pb.JsonObjectConstraint())
+    requests = [_request(json_object, max_tokens=60)]
+    for seed in range(1, 7):
+        requests.append(_request(json_object, seed=seed, max_tokens=1000))
+        requests[-1].sampling.temperature = 1000.0
+    async with running_engine(_config(model_dir)) as engine:
+        results = await asyncio.gather(*(collect(engine.stub, r) for r in requests))
+    num_complete = 0
+    for responses in results:
+        text, _, finished = _result(responses)
+        if finished.reason == pb.FINISH_REASON_STOP:
+            assert isinstance(json.loads(text), dict), text
+            num_complete += 1
+        else:
+            assert finished.reason == pb.FINISH_REASON_LENGTH
+            state = guide.start()
+            for char in text:
+                state = guide.advance(state, char)
+                assert state is not None, text
+    assert num_complete >= 2
+
+
+async def test_unguided_requests_in_the_batch_are_unaffected(model_dir: Path) -> None:
+    async with running_engine(_config(model_dir)) as engine:
+        plain = [_request(None, max_tokens=24, rid="p0"), _request(None, seed=7, rid="p1")]
+        plain[1].stopping.max_tokens = 24
+        alone = [_result(await collect(engine.stub, r))[1] for r in plain]
+        guided = _request(pb.GuidedDecoding(regex="[a-z ]+"), seed=3, max_tokens=24, rid="g")
+        mixed = await asyncio.gather(*(collect(engine.stub, r) for r in [guided, *plain]))
+        assert [_result(m)[1] for m in mixed[1:]] == alone
+        text, _, _ = _result(mixed[0])
+        assert re.fullmatch("[a-z ]*", text)
+
+
+async def test_max_tokens_cuts_a_guided_output_with_length(model_dir: Path) -> None:
+    async with running_engine(_config(model_dir)) as engine:
+        guided = pb.GuidedDecoding(regex="[0-9]{3}-[a-z]+")
+        text, ids, finished = _result(await collect(engine.stub, _request(guided, max_tokens=2)))
+        assert finished.reason == pb.FINISH_REASON_LENGTH and len(ids) == 2
+        assert re.fullmatch(r"[0-9]{0,3}-?[a-z]*", text)
+
+
+async def test_a_guide_that_cannot_continue_ends_with_one_engine_error(model_dir: Path) -> None:
+    async with running_engine(_config(model_dir)) as engine:
+        # Partial matching accepts "a" followed by an assertion that never holds: after "a"
+        # no character is accepted and the text is never complete.
+        guided = pb.GuidedDecoding(regex="a(?=b)")
+        responses = await collect(engine.stub, _request(guided, max_tokens=8, rid="dead"))
+        assert [r.WhichOneof("event") for r in responses][-1] == "error"
+        assert "guided decoding" in responses[-1].error.message
+        assert responses[-1].HasField("usage")
+
+
+@pytest.mark.parametrize(
+    ("guided", "needle"),
+    [
+        (pb.GuidedDecoding(ebnf_grammar="root ::= 'a'"), "json_schema, regex, choice"),
+        (pb.GuidedDecoding(structural_tag="{}"), "not supported"),
+        (pb.GuidedDecoding(regex="[a-", backend=""), "invalid pattern"),
+        (pb.GuidedDecoding(regex="a", backend="xgrammar"), "backend"),
+        (pb.GuidedDecoding(choice=pb.ChoiceConstraint()), "empty"),
+        (pb.GuidedDecoding(json_schema="{"), "not valid JSON"),
+        (pb.GuidedDecoding(json_schema='{"type": "string", "pattern": "a"}'), "'pattern'"),
+        (pb.GuidedDecoding(json_schema='{"anyOf": []}'), "without type"),
+        (pb.GuidedDecoding(), "set one of"),
+    ],
+)
+async def test_refusals_are_invalid_argument(
+    model_dir: Path, guided: pb.GuidedDecoding, needle: str
+) -> None:
+    async with running_engine(_config(model_dir)) as engine:
+        request = _request(guided)
+        request.guided.CopyFrom(guided)  # an empty GuidedDecoding still sets the field
+        _, error = await stream_error(engine.stub.Generate(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in (error.details() or ""), error.details()
+
+
+async def test_vllm_structured_output_maps_to_the_same_guides(model_dir: Path) -> None:
+    async with running_engine(_config(model_dir)) as engine:
+        request = vpb.GenerateRequest(
+            model="m",
+            token_ids=vpb.TokenIds(ids=PROMPT),
+            decoding=vpb.DecodingParameters(regex="[0-9]{2}x"),
+            stopping=vpb.StoppingCriteria(max_new_tokens=16),
+        )
+        response = await engine.vllm.Generate(request)
+        assert re.fullmatch("[0-9]{2}x", response.outputs.text), response
+        request.decoding.grammar = "root ::= 'a'"
+        error = await rpc_error(engine.vllm.Generate(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_capabilities_advertise_exactly_the_modes(model_dir: Path) -> None:
+    async with running_engine(_config(model_dir)) as engine:
+        caps = (await engine.stub.GetModelInfo(pb.GetModelInfoRequest(model="m"))).generation
+        assert caps.guided_decoding.supported
+        assert sorted(caps.guided_decoding.modes) == sorted(
+            [
+                pb.GUIDED_DECODING_MODE_JSON_SCHEMA,
+                pb.GUIDED_DECODING_MODE_REGEX,
+                pb.GUIDED_DECODING_MODE_CHOICE,
+                pb.GUIDED_DECODING_MODE_JSON_OBJECT,
+            ]
+        )
+    async with running_engine(sim_config()) as sim:
+        caps = (await sim.stub.GetModelInfo(pb.GetModelInfoRequest(model="sim"))).generation
+        assert not caps.guided_decoding.supported and not caps.guided_decoding.modes
+        request = _request(pb.GuidedDecoding(regex="a"))
+        request.model = "sim"
+        _, error = await stream_error(sim.stub.Generate(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "tokenizer" in (error.details() or "")
