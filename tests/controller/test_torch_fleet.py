@@ -1,10 +1,12 @@
-"""Embed and Score through the controller to a fleet of real torch engines (the builtin
-model): the controller learns from GetModelInfo that they support the tasks, and the answers
-it relays are the engines' own. Classify, which the builtin model lacks (no classification
-head), is FAILED_PRECONDITION at the gateway."""
+"""What the torch engines of a fleet offer, through the controller (real torch engines on the
+builtin model): Embed and Score (the controller learns from GetModelInfo that they support the
+tasks, and the answers it relays are the engines' own; Classify, which the builtin model lacks,
+is FAILED_PRECONDITION at the gateway), and guided decoding (the constraint reaches the engine
+the request is routed to)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -98,3 +100,22 @@ async def test_classify_without_a_head_in_the_fleet_is_failed_precondition(
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await torch_fleet.gateway.Classify(request)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_guided_decoding_through_the_controller(torch_fleet: Fleet) -> None:
+    pattern = "[0-9]{3}-[a-z]{1,4}"
+    async with grpc.aio.insecure_channel(torch_fleet.target) as channel:
+        stub = pb_grpc.OpenEngineStub(channel)
+        for seed in range(3):
+            request = pb.GenerateRequest(
+                request_id=f"g{seed}",
+                model=MODEL,
+                prompt="Call me at",
+                sampling=pb.SamplingParams(temperature=1.0, seed=seed),
+                stopping=pb.StoppingOptions(max_tokens=16),
+                guided=pb.GuidedDecoding(regex=pattern),
+            )
+            responses = [r async for r in stub.Generate(request)]
+            text = "".join(r.token.text for r in responses if r.HasField("token"))
+            assert re.fullmatch(pattern, text), text
+            assert responses[-1].finished.reason == pb.FINISH_REASON_STOP
