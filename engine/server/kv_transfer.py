@@ -10,11 +10,14 @@ engine, which attaches the session and generates. Here:
   PrefillReady (`KvSessionStore.session_ref`). `KvTransferServicer` serves
   `kvplane.v1.KvTransfer/PullKvSession` on the engine's gRPC port (behind the bearer token when
   the engine has `auth:`: pulls hand the session's KV over) and `ReleaseKvSession`.
-- DECODE: `KvSessionPuller` checks the ref (backend, a `grpc` endpoint, block size and layout
-  when the ref's attributes name them), pulls the session and checks what arrives against the
-  request; the engine thread then imports the blocks into the prefix cache in the same command
-  that adds the request (`PulledSession.importer`, `EngineCore.import_kv_blocks`), so
-  admission finds them as ordinary prefix hits.
+- DECODE (engine/server/kv_pull.py): `KvSessionPuller` checks the ref (backend, a `grpc`
+  endpoint, block size and layout when the ref's attributes name them), pulls the session and
+  checks what arrives against the request; the engine thread then imports the blocks into the
+  prefix cache in the same command that adds the request (`PulledSession.importer`,
+  `EngineCore.import_kv_blocks`), so admission finds them as ordinary prefix hits.
+
+This module holds the protocol's shared parts (`KvNamespace`, `check_fit`) and the PREFILL
+side.
 
 Wire: one `KvSessionHeader` (the tokens the KV covers, whole blocks, never the block holding
 the prompt's last token; block size; `kv_layout`; number of blocks), then one `KvBlockData`
@@ -41,28 +44,23 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf import struct_pb2
 
-from engine.config import KvTransferConfig
 from engine.core.api import EngineRequest, SamplingParams
 from engine.core.engine_loop import EngineLoop
-from engine.core.errors import EngineStoppedError, InvalidRequestError
+from engine.core.errors import EngineStoppedError
 from engine.server.errors import (
     KvSessionNotFoundError,
     KvSessionRefusedError,
-    KvTransferError,
     grpc_status_for,
     public_message,
 )
-from kvplane.channels import ClientChannels
-from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
-from kvplane.server import Service, abort_with, bearer_token_metadata
+from kvplane.server import Service, abort_with
 from kvplane_api.v1 import kv_transfer_pb2 as kt
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -81,10 +79,6 @@ MUTATING_METHODS = frozenset({"PullKvSession", "ReleaseKvSession"})
 PULLED_GRACE_S = 10.0
 # Blocks copied out per engine-thread command: a long session must not hold steps up.
 _READ_BATCH_BYTES = 16 << 20
-# gRPC refuses messages above 4 MiB by default; one block of a large model is bigger.
-_MIN_RECEIVE_BYTES = 4 << 20
-_MAX_SESSION_ID_CHARS = 1024
-_MAX_PORT = 65535
 
 
 # ------------------------------------------------------------------------------------------
@@ -108,16 +102,6 @@ def prefill_request(request: EngineRequest, session_id: str) -> EngineRequest:
         ),
         kv_session_id=session_id,
     )
-
-
-def decode_request(request: EngineRequest) -> EngineRequest:
-    """A DECODE engine's request given a KV session: its prefill engine already returned the
-    prompt logprobs (the gateway relays them), and computing them again would forbid the very
-    prefix hits the session provides."""
-    if request.sampling.prompt_logprobs is None:
-        return request
-    sampling = dataclasses.replace(request.sampling, prompt_logprobs=None, prompt_logprob_start=0)
-    return dataclasses.replace(request, sampling=sampling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,241 +445,3 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
             return await asyncio.wrap_future(self._engine_loop.call(fn))
         except EngineStoppedError as exc:
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-
-
-# ------------------------------------------------------------------------------------------
-# DECODE: pulling a session
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PulledSession:
-    """A session's KV as received: `blocks[i]` holds full block i of `token_ids`."""
-
-    token_ids: tuple[int, ...]
-    blocks: list[bytes]
-
-    def importer(self, request: EngineRequest) -> Callable[[EngineCore], object]:
-        """What the engine thread runs just before adding `request` (EngineLoop.submit's
-        `before`): the blocks enter the prefix cache under the request's namespace."""
-
-        def import_blocks(core: EngineCore) -> int:
-            return core.import_kv_blocks(
-                request.prompt_token_ids,
-                self.blocks,
-                lora_name=request.lora_name,
-                cache_salt=request.cache_salt,
-            )
-
-        return import_blocks
-
-
-class KvSessionPuller:
-    """A DECODE engine's side of the transfer: checks a `KvSessionRef` and pulls it. Channels
-    to prefill engines are kept per address and closed by `close`."""
-
-    def __init__(
-        self,
-        *,
-        block_size: int,
-        kv_layout: str,
-        kv_block_bytes: int,
-        channels: ClientChannels,
-        timeout_s: float,
-    ) -> None:
-        self._block_size = block_size
-        self._kv_layout = kv_layout
-        self._block_bytes = kv_block_bytes
-        receive = max(_MIN_RECEIVE_BYTES, kv_block_bytes + (1 << 20))
-        self._channel_options = dataclasses.replace(
-            channels,
-            options=(*channels.options, ("grpc.max_receive_message_length", receive)),
-        )
-        self._timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._releases: set[asyncio.Task[None]] = set()
-
-    @classmethod
-    def from_config(
-        cls, config: KvTransferConfig, *, block_size: int, kv_layout: str, kv_block_bytes: int
-    ) -> KvSessionPuller:
-        channels = ClientChannels.load(config.peer_tls, "kv_transfer.peer_tls")
-        if config.peer_token_file is not None:
-            token = read_token_file(config.peer_token_file, "kv_transfer.peer_token_file")
-            channels = channels.with_metadata(bearer_token_metadata(token))
-        return cls(
-            block_size=block_size,
-            kv_layout=kv_layout,
-            kv_block_bytes=kv_block_bytes,
-            channels=channels,
-            timeout_s=config.pull_timeout_s,
-        )
-
-    def check(self, ref: pb.KvSessionRef) -> str:
-        """The address to pull `ref` from; refuses, before any transfer, a session this engine
-        cannot use."""
-        if ref.transfer_backend != TRANSFER_BACKEND:
-            raise KvSessionRefusedError(
-                f"this engine attaches KV sessions of transfer_backend {TRANSFER_BACKEND!r} "
-                f"only, not {ref.transfer_backend!r}"
-            )
-        if not ref.session_id:
-            raise InvalidRequestError("kv.session.session_id is empty")
-        if len(ref.session_id) > _MAX_SESSION_ID_CHARS:
-            # Statuses quote the id: a huge one would overflow gRPC's metadata limit.
-            raise InvalidRequestError(
-                f"kv.session.session_id has {len(ref.session_id)} characters, more than "
-                f"{_MAX_SESSION_ID_CHARS}"
-            )
-        endpoint = next((e for e in ref.endpoints if e.protocol == PROTOCOL), None)
-        if endpoint is None or not endpoint.host or not 0 < endpoint.port <= _MAX_PORT:
-            protocols = sorted({e.protocol for e in ref.endpoints})
-            raise KvSessionRefusedError(
-                f"the KV session names no {PROTOCOL!r} endpoint (host and port) to pull from; "
-                f"its endpoints' protocols: {protocols}"
-            )
-        attributes = ref.attributes_struct.fields
-        check_fit(
-            block_size=_attribute(attributes, "block_size", "number_value"),
-            kv_layout=_attribute(attributes, "kv_layout", "string_value"),
-            token_ids=None,
-            want_block_size=self._block_size,
-            want_layout=self._kv_layout,
-            prompt=(),
-        )
-        host = endpoint.host
-        return f"[{host}]:{endpoint.port}" if ":" in host else f"{host}:{endpoint.port}"
-
-    async def pull(self, ref: pb.KvSessionRef, request: EngineRequest) -> PulledSession:
-        """Pull the session for `request`: its tokens must be a prefix of the request's
-        prompt, its namespace the request's."""
-        target = self.check(ref)
-        stub = kt_grpc.KvTransferStub(self._channel(target))
-        namespace = KvNamespace.of(request)
-        prompt_token_ids = request.prompt_token_ids
-        pull_request = kt.PullKvSessionRequest(
-            session_id=ref.session_id,
-            block_size=self._block_size,
-            kv_layout=self._kv_layout,
-            prompt_token_ids=prompt_token_ids,
-            lora_name=namespace.lora_name,
-            cache_salt=namespace.cache_salt,
-        )
-        call = stub.PullKvSession(pull_request, timeout=self._timeout_s)
-        where = f"KV session {ref.session_id!r} at {target}"
-        try:
-            return await self._receive(call, prompt_token_ids, where)
-        except grpc.aio.AioRpcError as exc:
-            raise _pull_error(exc, where) from None
-        finally:
-            call.cancel()  # a no-op once it ended; else the prefill engine keeps the session
-
-    async def _receive(
-        self, call: AsyncIterable[kt.KvSessionChunk], prompt: Sequence[int], where: str
-    ) -> PulledSession:
-        header: kt.KvSessionHeader | None = None
-        blocks: list[bytes] = []
-        async for chunk in call:
-            which = chunk.WhichOneof("chunk")
-            if header is None:
-                if which != "header":
-                    raise KvTransferError(f"{where}: the stream did not start with its header")
-                header = chunk.header
-                self._check_header(header, prompt, where)
-                continue
-            block = chunk.block
-            if which != "block" or block.index != len(blocks) or block.index >= header.num_blocks:
-                raise KvTransferError(f"{where}: unexpected chunk after {len(blocks)} blocks")
-            if len(block.data) != self._block_bytes:
-                raise KvTransferError(
-                    f"{where}: block {block.index} has {len(block.data)} bytes, expected "
-                    f"{self._block_bytes}"
-                )
-            blocks.append(block.data)
-        if header is None or len(blocks) != header.num_blocks:
-            expected = header.num_blocks if header is not None else "?"
-            raise KvTransferError(
-                f"{where}: the stream ended after {len(blocks)} of {expected} blocks"
-            )
-        return PulledSession(tuple(header.token_ids), blocks)
-
-    def _check_header(self, header: kt.KvSessionHeader, prompt: Sequence[int], where: str) -> None:
-        num_tokens = len(header.token_ids)
-        if num_tokens != header.num_blocks * header.block_size:
-            raise KvTransferError(
-                f"{where}: {num_tokens} tokens for {header.num_blocks} blocks of "
-                f"{header.block_size}"
-            )
-        try:
-            check_fit(
-                block_size=header.block_size,
-                kv_layout=header.kv_layout,
-                token_ids=header.token_ids,
-                want_block_size=self._block_size,
-                want_layout=self._kv_layout,
-                prompt=prompt,
-            )
-        except KvSessionRefusedError as exc:
-            raise KvSessionRefusedError(f"{where}: {exc}") from None
-
-    def release(self, ref: pb.KvSessionRef) -> None:
-        """Tell the prefill engine, in the background, that the session's request was
-        accepted here: it releases the session at once rather than after `PULLED_GRACE_S`.
-        A failure only costs the prefill engine that wait (logged at debug level)."""
-        target = self.check(ref)
-        stub = kt_grpc.KvTransferStub(self._channel(target))
-
-        async def release() -> None:
-            try:
-                await stub.ReleaseKvSession(
-                    kt.ReleaseKvSessionRequest(session_id=ref.session_id), timeout=self._timeout_s
-                )
-            except grpc.aio.AioRpcError as exc:
-                log.debug("releasing KV session %s at %s failed: %s: %s", ref.session_id,
-                          target, exc.code().name, exc.details())  # fmt: skip
-
-        task = asyncio.create_task(release(), name=f"release KV session {ref.session_id}")
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    def _channel(self, target: str) -> grpc.aio.Channel:
-        channel = self._channels.get(target)
-        if channel is None:
-            channel = self._channels[target] = self._channel_options.aio_channel(target)
-        return channel
-
-    async def close(self) -> None:
-        if self._releases:  # the prefill engines' sessions would otherwise wait out their grace
-            await asyncio.wait(set(self._releases), timeout=1.0)
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
-
-
-def _attribute(
-    attributes: Mapping[str, struct_pb2.Value],
-    name: str,
-    kind: Literal["number_value", "string_value"],
-) -> Any:
-    """A session attribute of the kind it must have; None when absent."""
-    if name not in attributes:
-        return None
-    value = attributes[name]
-    if value.WhichOneof("kind") != kind:
-        expected = "a number" if kind == "number_value" else "a string"
-        raise InvalidRequestError(f"kv.session.attributes_struct.{name} must be {expected}")
-    return getattr(value, kind)
-
-
-def _pull_error(exc: grpc.aio.AioRpcError, where: str) -> KvplaneError:
-    code, details = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.NOT_FOUND:
-        return KvSessionNotFoundError(f"{where}: not found ({details})")
-    if code == grpc.StatusCode.FAILED_PRECONDITION:  # the prefill engine's check_fit
-        return KvSessionRefusedError(f"{where}: {details}")
-    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return KvSessionRefusedError(
-            f"{where}: the prefill engine refused the pull, {code.name}: {details} "
-            "(kv_transfer.peer_token_file holds the token this engine presents)"
-        )
-    return KvTransferError(f"{where}: pull failed, {code.name}: {details}")

@@ -39,12 +39,8 @@ from engine.server.errors import (
 )
 from engine.server.info import engine_info, kv_connector_info, load_info, model_info
 from engine.server.kv_event_log import SubscriberOverrunError
-from engine.server.kv_transfer import (
-    KvNamespace,
-    KvSessionPuller,
-    decode_request,
-    prefill_request,
-)
+from engine.server.kv_pull import KvSessionPuller, decode_request
+from engine.server.kv_transfer import KvNamespace, prefill_request
 from engine.server.kv_wire import to_proto_batch
 from engine.server.lora_service import LoraService
 from engine.server.openengine_convert import (

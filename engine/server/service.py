@@ -34,7 +34,8 @@ from engine.core.pooling import Pooler
 from engine.server.engine_service import EngineService
 from engine.server.info import ServedModel, kv_connector_info
 from engine.server.kv_event_log import KvEventLog
-from engine.server.kv_transfer import PROTOCOL, KvSessionPuller, KvTransferServicer
+from engine.server.kv_pull import KvSessionPuller
+from engine.server.kv_transfer import PROTOCOL, KvTransferServicer
 from engine.server.lora_service import LoraService
 from engine.server.metrics import EngineMetrics
 from engine.server.openengine_convert import EngineContext
