@@ -86,6 +86,7 @@ class _HeldSession:
 
     seq_id: int
     token_ids: tuple[int, ...]  # the tokens whose KV the blocks hold: whole blocks
+    lora_name: str | None  # the adapter the KV was computed with
 
 
 @dataclass(slots=True, eq=False)
@@ -317,10 +318,14 @@ class EngineCore:
     def load_lora(self, adapter: LoraAdapter, weights: object) -> bool:
         """Serve `weights` (the runner's `read_lora`) as `adapter`; True when exactly this
         adapter was loaded already. The name's cached blocks, computed with an earlier adapter
-        of that name, are dropped first (BlockRemoved): prefix hits never cross adapters."""
+        of that name, are dropped first (BlockRemoved), and so are the KV sessions held with
+        it (a later pull of one is NOT_FOUND): prefix hits never cross adapters."""
         loras, runner = self._lora_runner()
         if loras.check_load(adapter):
             return True
+        stale = [sid for sid, held in self._kv_sessions.items() if held.lora_name == adapter.name]
+        for session_id in stale:
+            self.release_kv_session(session_id)
         self.block_manager.drop_lora_blocks(adapter.name)
         runner.add_lora(adapter.name, weights)
         loras.add(adapter)
@@ -363,7 +368,7 @@ class EngineCore:
         num_tokens = bm.count_hit_tokens(prompt, lora_name=lora_name, cache_salt=cache_salt)
         scratch = self._new_seq_id()
         bm.allocate(scratch, prompt, num_tokens, lora_name=lora_name, cache_salt=cache_salt)
-        self._kv_sessions[session_id] = _HeldSession(scratch, prompt[:num_tokens])
+        self._kv_sessions[session_id] = _HeldSession(scratch, prompt[:num_tokens], lora_name)
         return True
 
     @property

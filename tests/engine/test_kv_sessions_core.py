@@ -15,6 +15,7 @@ from engine.core.api import (
     SamplingParams,
 )
 from engine.core.engine_core import EngineCore
+from engine.core.lora import AdapterConfig, LoraAdapter
 from engine.core.sim_runner import SimRunner
 
 BLOCK = 4
@@ -158,3 +159,22 @@ def test_a_session_moves_from_a_prefill_core_to_a_decode_core() -> None:
     assert [o.new_token_ids for o in decoded] == [o.new_token_ids for o in alone]
     assert decoded[-1].usage is not None and decoded[-1].usage.cached_prompt_tokens == 8
     assert sorted(decode_runner.data.values()) == [b"k0", b"k1"]
+
+
+def test_reloading_an_adapter_drops_the_sessions_held_with_its_old_weights() -> None:
+    """A session's KV was computed with the adapter of that name at the time: once another
+    adapter is loaded under the name, that KV must not be handed over (as the name's cached
+    blocks are dropped). Sessions of other adapters and of the base model stay."""
+    core = EngineCore(BytesRunner(num_blocks=32), max_loras=2)
+    weights = AdapterConfig(rank=4, alpha=8.0, target_modules=frozenset({"q_proj"}))
+    core.load_lora(LoraAdapter(1, "ad", "/v1"), weights)
+    sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    run(core, EngineRequest("a", PROMPT, sampling, lora_name="ad", kv_session_id="with-ad"))
+    run(core, EngineRequest("b", PROMPT, sampling, kv_session_id="base"))
+    assert core.kv_session_tokens("with-ad") == core.kv_session_tokens("base") == PROMPT[:8]
+    core.unload_lora("ad")
+    core.load_lora(LoraAdapter(2, "ad", "/v2"), weights)
+    assert core.kv_session_tokens("with-ad") is None
+    assert core.kv_session_tokens("base") == PROMPT[:8]
+    assert core.block_manager.count_hit_tokens(PROMPT, lora_name="ad") == 0
+    core.block_manager.check_invariants()
