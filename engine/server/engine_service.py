@@ -385,6 +385,11 @@ class EngineService:
         # Abandoned (aborted, or the client gone): the engine thread still runs it and nobody
         # reads the result; retrieving it here keeps asyncio from logging it as lost.
         work.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return await self.unless_aborted(handle, work)
+
+    async def unless_aborted(self, handle: TaskHandle, work: asyncio.Future[T]) -> T:
+        """`work`'s result, or RequestAbortedError as soon as Abort (or a drain's deadline)
+        stops the task first; `work` is then left to finish unread (cancel it if it can be)."""
         aborted = asyncio.ensure_future(handle.aborted.wait())
         try:
             await asyncio.wait((work, aborted), return_when=asyncio.FIRST_COMPLETED)

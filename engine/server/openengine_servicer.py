@@ -18,6 +18,7 @@ engine's Generate with `kv.session` pulls that session before acceptance
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -177,9 +178,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         then submitted with the blocks imported just before it; once it is accepted, the
         prefill engine is told to release the session."""
         handle = self._service.begin_pull(engine_request)
+        pull = asyncio.ensure_future(puller.pull(session, engine_request))
         try:
-            pulled = await puller.pull(session, engine_request)
+            pulled = await self._service.unless_aborted(handle, pull)
         except BaseException as exc:
+            pull.cancel()  # aborted (or the client gone): stop the transfer at once
             self._service.abandon_pull(handle, exc)
             raise
         decoding = decode_request(engine_request)

@@ -467,9 +467,10 @@ async def test_an_abort_during_the_pull_cancels_the_request() -> None:
         assert duplicate.code() == grpc.StatusCode.ALREADY_EXISTS
         reply = await decoder.stub.Abort(pb.AbortRequest(request_id="pulling"))
         assert reply.status == pb.ABORT_STATUS_ABORTED
-        held.release.set()
-        error = await rpc_error(generation)
+        # At once, not when the (held) pull ends: the transfer is cancelled.
+        error = await rpc_error(lambda: asyncio.wait_for(generation, 5))
         assert error.code() == grpc.StatusCode.CANCELLED
+        held.release.set()
         load = await decoder.stub.GetLoad(pb.GetLoadRequest())
         assert load.running_requests == 0 and load.used_kv_blocks == 0
 
