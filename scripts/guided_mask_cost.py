@@ -1,6 +1,7 @@
-"""What a guided decoding step costs: the trie walk (`TokenMasker.allowed`) per state, on the
-builtin tokenizer, tiny-llama's and a 32000-token byte-level BPE trained here on the Python
-standard library's sources (no download), and the sampler's mask on a 32000-wide row.
+"""What a guided decoding step costs: the trie walk (`TokenMasker.allowed`) per state, the first
+time ("walk") and again (the per-state memo), on the builtin tokenizer, tiny-llama's and a
+32000-token byte-level BPE trained here on the Python standard library's sources (no download);
+compiling the regex and schema guides to their DFAs; and the sampler's mask on a 32000-wide row.
 
     python scripts/guided_mask_cost.py        # prints one line per case (docs/engine.md)
 """
@@ -16,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.api import GuidedDecoding, GuideKind
-from engine.core.guided import compile_guide
+from engine.core.guided import RegexGuide, compile_guide
+from engine.core.guided_json import schema_to_regex
 from engine.core.guided_vocab import GuidedState, TokenMasker, VocabTrie, token_bytes
 
 SCHEMA = {
@@ -83,6 +85,7 @@ def _case(label: str, masker: TokenMasker, text: str) -> None:
 
 
 SCHEMA_TEXT = json.dumps(SCHEMA)
+MANY_OPTIONAL = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(30)}}
 CHOICES = ("yes", "no", "maybe", "never")
 CASES = [
     ("regex after '123-ab'", GuidedDecoding(GuideKind.REGEX, r"[0-9]{3}-[a-z]+"), "123-ab"),
@@ -91,6 +94,19 @@ CASES = [
     ("json_object after a comma", GuidedDecoding(GuideKind.JSON_OBJECT), '{"a": 1,'),
     ("json_schema in a string", GuidedDecoding(GuideKind.JSON_SCHEMA, SCHEMA_TEXT), '{"name": "Jo'),
 ]  # fmt: skip
+
+
+def _compile_cost() -> None:
+    RegexGuide("a")  # the one-off table of every code point the character sets are cut from
+    patterns = {
+        "regex [0-9]{3}-[a-z]+": r"[0-9]{3}-[a-z]+",
+        "json_schema (3 properties)": schema_to_regex(SCHEMA_TEXT),
+        "json_schema (30 optional strings)": schema_to_regex(json.dumps(MANY_OPTIONAL)),
+    }
+    for label, pattern in patterns.items():
+        cost = _ms(lambda pattern=pattern: RegexGuide(pattern), repeat=3)  # type: ignore[misc]
+        states = RegexGuide(pattern).num_states
+        _say(f"compile {label}: {states} DFA states, {cost:.1f} ms")
 
 
 def main() -> None:
@@ -113,6 +129,7 @@ def main() -> None:
         )
         for label, spec, text in CASES:
             _case(label, TokenMasker(compile_guide(spec), trie, vocabulary), text)
+    _compile_cost()
     _sampler_cost()
 
 

@@ -9,15 +9,15 @@ in `engine.core.guided_vocab` does, once per trie edge) and memoise per state.
 
 The modes (`GuideKind`):
 
-- REGEX: the text must match the pattern in full (Python `regex` syntax, which has the partial
-  matching this needs: `fullmatch(text, partial=True)` says whether `text` can still be
-  extended to a match). The state is the text itself, so each step re-matches from the start:
-  O(length) per character tried.
+- REGEX: the text must match the pattern in full (`regex.fullmatch`), for the subset of the
+  `regex` module's syntax a finite automaton expresses (`engine.core.guided_regex` lists it and
+  refuses the rest). The pattern is compiled to a DFA over characters
+  (`engine.core.guided_dfa`), bounded in size; the state is the DFA's, a step one lookup.
 - CHOICE: the text must be one of the choices exactly (a sorted list and a binary search for
   "some choice starts with the text").
 - JSON_OBJECT: any JSON object (`engine.core.guided_json.JsonObjectGuide`, a pushdown parser).
 - JSON_SCHEMA: a subset of JSON Schema compiled to a regex, as outlines does
-  (`engine.core.guided_json.schema_to_regex`).
+  (`engine.core.guided_json.schema_to_regex`), then to a DFA as REGEX.
 
 `compile_guide(spec)` validates and builds a guide, raising InvalidRequestError on a bad
 pattern, schema or choice list; it is memoised, so validating a request before acceptance and
@@ -29,7 +29,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Hashable
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 from engine.core.api import GuidedDecoding, GuideKind
 from engine.core.errors import InvalidRequestError
@@ -46,43 +46,43 @@ class Guide(Protocol):
 
     def is_complete(self, state: GuideState) -> bool: ...
 
-    @property
-    def memoise_states(self) -> bool:
-        """Whether states recur across steps (worth memoising the allowed tokens per state)."""
-        ...
-
 
 class RegexGuide:
-    """A full match of a pattern; the state is the text so far."""
+    """A full match of a pattern, as a DFA over characters; the state is the DFA's (an int)."""
 
-    memoise_states = False
-
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, what: str = "guided regex") -> None:
         import regex  # the engine extra's dependency; only guided requests need it
 
+        from engine.core.guided_dfa import compile_dfa
+        from engine.core.guided_regex import parse
+
         try:
-            self._pattern: Any = regex.compile(pattern)
+            regex.compile(pattern)  # the syntax check, with `regex`'s messages
         except (regex.error, ValueError, OverflowError, RecursionError) as exc:
-            raise InvalidRequestError(f"guided regex: invalid pattern: {exc}") from None
-        if self._pattern.fullmatch("", partial=True) is None:
-            raise InvalidRequestError("guided regex: the pattern matches no string")
+            raise InvalidRequestError(f"{what}: invalid pattern: {exc}") from None
+        try:
+            self._dfa = compile_dfa(parse(pattern))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{what}: {exc}") from None
+        except RecursionError:
+            raise InvalidRequestError(f"{what}: the pattern nests too deeply") from None
+
+    @property
+    def num_states(self) -> int:
+        return self._dfa.num_states
 
     def start(self) -> GuideState:
-        return ""
+        return 0
 
     def advance(self, state: GuideState, char: str) -> GuideState | None:
-        text = f"{state}{char}"
-        return text if self._pattern.fullmatch(text, partial=True) is not None else None
+        return self._dfa.step(cast(int, state), char)
 
     def is_complete(self, state: GuideState) -> bool:
-        match = self._pattern.fullmatch(state, partial=False)
-        return match is not None
+        return self._dfa.accepting[cast(int, state)]
 
 
 class ChoiceGuide:
     """Exactly one of the choices; the state is the text so far."""
-
-    memoise_states = True  # few states (the choices' prefixes), each visited by every output
 
     def __init__(self, choices: tuple[str, ...]) -> None:
         if not choices:
@@ -116,4 +116,4 @@ def compile_guide(spec: GuidedDecoding) -> Guide:
         return ChoiceGuide(spec.choices)
     if spec.kind is GuideKind.JSON_OBJECT:
         return JsonObjectGuide()
-    return RegexGuide(schema_to_regex(spec.value))
+    return RegexGuide(schema_to_regex(spec.value), "guided json_schema")

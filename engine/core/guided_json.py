@@ -53,8 +53,6 @@ _NUMBER_ENDS = frozenset(("num_zero", "num_int", "num_frac", "num_exp"))
 class JsonObjectGuide:
     """Any JSON object under the whitespace policy (see the module docstring)."""
 
-    memoise_states = True  # a string's or number's inner state recurs at every character
-
     def start(self) -> GuideState:
         return _START
 
@@ -180,7 +178,8 @@ _KEYWORDS = {
     "object": frozenset(("type", "properties", "required", "additionalProperties")),
     "array": frozenset(("type", "items", "minItems", "maxItems")),
 }
-# Optional properties double the pattern (every subset of them, in order): bound its size.
+# An object's pattern grows as the square of its properties before the first required one (a
+# branch per possible first member): bound its size. The DFA's state bound usually binds first.
 _MAX_PATTERN_CHARS = 200_000
 
 
@@ -280,20 +279,25 @@ def _object(schema: dict[str, Any], where: str) -> str:
         )
         for name, sub in properties.items()
     ]
-    # after[i][c]: the members from i on, `c` = whether a member was already written (so the
-    # next one needs a comma). An optional member is either written or skipped.
-    after: list[tuple[str, str]] = [("", "")]
-    for text, is_required in reversed(members):
-        rest_first, rest_more = after[0]
-        first = f"{text}{rest_more}"
-        more = f"{_WS},{_WS}{text}{rest_more}"
-        if not is_required:
-            first = f"(?:{first}|{rest_first})"
-            more = f"(?:{more}|{rest_more})"
-        after.insert(0, (first, more))
-        if len(first) > _MAX_PATTERN_CHARS:
+    # The first member written is any one up to the first required; after it, each later
+    # member follows its comma, required or optional. One branch per possible first member:
+    # O(n^2) pattern, O(n^2) automaton states (a nested "written or skipped" pattern per
+    # member would be O(2^n)).
+    first_required = next((i for i, (_, is_required) in enumerate(members) if is_required), None)
+    last_first = len(members) - 1 if first_required is None else first_required
+    branches = []
+    for first in range(last_first + 1):
+        rest = (
+            f"{_WS},{_WS}{text}" if is_required else f"(?:{_WS},{_WS}{text})?"
+            for text, is_required in members[first + 1 :]
+        )
+        branches.append(members[first][0] + "".join(rest))
+        if sum(map(len, branches)) > _MAX_PATTERN_CHARS:
             raise InvalidRequestError(
                 f"guided json_schema: too many optional properties at {where}; make some "
                 "of them required"
             )
-    return rf"\{{{_WS}{after[0][0]}{_WS}\}}"
+    body = "(?:" + "|".join(branches) + ")" if branches else ""
+    if first_required is None and branches:
+        body += "?"
+    return rf"\{{{_WS}{body}{_WS}\}}"

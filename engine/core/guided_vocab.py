@@ -16,9 +16,11 @@ never allows one that no completion fits (continuation bytes are tokens of every
 vocabulary, so the witness can be finished). EOS is allowed exactly when the text is complete.
 
 Cost: one guide step per trie node visited (nodes under a refused prefix are never visited), so
-a guide that allows most of the vocabulary (inside a JSON string) visits most of the trie. Guides
-whose states recur across steps (choice, JSON object) memoise the allowed ids per state, so a
-step in a state already seen costs a dictionary lookup. docs/engine.md has the measured costs.
+a guide that allows most of the vocabulary (inside a JSON string) visits most of the trie, the
+first time. Every guide's states recur across steps (a regex or schema guide's state is a DFA
+state, a choice's is a prefix of a choice, a JSON object's inner state repeats along a string),
+so the allowed ids are memoised per state: a step in a state already seen costs a dict lookup.
+docs/engine.md has the measured costs.
 """
 
 from __future__ import annotations
@@ -147,9 +149,9 @@ class TokenMasker:
         self.guide = guide
         self.trie = trie
         self.vocabulary = vocabulary
-        self._memo: dict[GuidedState, tuple[tuple[int, ...], bool]] | None = (
-            {} if guide.memoise_states else None
-        )
+        # Every guide's states recur (a DFA state, a choice's prefix, a JSON string's inner
+        # state), so the allowed ids are kept per state, up to _MEMO_MAX_STATES.
+        self._memo: dict[GuidedState, tuple[tuple[int, ...], bool]] = {}
 
     def start(self) -> GuidedState:
         return GuidedState(self.guide.start())
@@ -175,15 +177,13 @@ class TokenMasker:
     def allowed(self, state: GuidedState) -> tuple[tuple[int, ...], bool]:
         """(the token ids that keep the text a valid prefix, sorted; whether it is complete)."""
         memo = self._memo
-        if memo is not None:
-            hit = memo.get(state)
-            if hit is not None:
-                return hit
+        hit = memo.get(state)
+        if hit is not None:
+            return hit
         result = (tuple(sorted(self._walk(state))), self.is_complete(state))
-        if memo is not None:
-            if len(memo) >= _MEMO_MAX_STATES:
-                memo.clear()
-            memo[state] = result
+        if len(memo) >= _MEMO_MAX_STATES:
+            memo.clear()
+        memo[state] = result
         return result
 
     def _walk(self, state: GuidedState) -> Iterable[int]:

@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from engine.core.api import GuidedDecoding, GuideKind
 from engine.core.errors import InvalidRequestError
 from engine.core.guided import ChoiceGuide, Guide, GuideState, RegexGuide, compile_guide
+from engine.core.guided_dfa import MAX_DFA_STATES
 from engine.core.guided_json import JsonObjectGuide, schema_to_regex
 from engine.core.guided_vocab import GuidedState, TokenMasker, VocabTrie, token_bytes
 from engine.torch_runner.builtin_model import build_tokenizer
@@ -182,8 +183,8 @@ def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool
         ({"type": "array"}, "without items"),
         ({"enum": []}, "empty"),
         ({"type": "object", "properties": {}, "required": ["q"]}, "not in properties"),
-        (
-            {"type": "object", "properties": {str(i): {"type": "null"} for i in range(30)}},
+        (  # the pattern grows as n^2: 30 optional properties fit the state bound, 60 do not
+            {"type": "object", "properties": {str(i): {"type": "null"} for i in range(60)}},
             "too many",
         ),
     ],
@@ -191,6 +192,156 @@ def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool
 def test_schema_refusals_name_the_keyword(schema: dict[str, Any], needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=re.escape(needle)):
         compile_guide(GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(schema)))
+
+
+# ---------------------------------------------------------------- regex -> DFA
+
+# Patterns over the alphabet below, covering each construct the DFA compiles.
+DFA_PATTERNS = [
+    r"[0-9]{3}-[a-z]+",
+    r"a|b*c",
+    r"(ab|a)*b?",
+    r"(?:x|y){2,4}z?",
+    r"a{,3}b{2,}",
+    r"(a|)*c",
+    r"(?P<word>\w+)\s(?<n>\d{1,2})",
+    r"[^\"\\]*x",
+    r"[]a-c]+|[^]\n]",
+    r"\d+\.\w*",
+    r"é+|[à-ÿ]{2}",
+    r"\x41\u00e9\101\0?\.",
+    r".*a.{2}",
+    r"[[:alpha:]][[:digit:]]*",
+    r"\p{L}\S\P{Nd}",
+    r"a{}b",
+    r"(?#comment)ab",
+    r"^a$|\Ab\Z|c\z",
+    r"a$\n?",
+    r"^$\n",
+    r"(?:a|b$)+\n",
+    r"\{\"a\": [0-9]+\}",
+]
+_DFA_ALPHABET = 'abcxyz019-. \n"\\\\AéàÿZ{}]'
+
+
+@pytest.mark.parametrize("pattern", DFA_PATTERNS)
+def test_dfa_agrees_with_regex_partial_and_full_matches(pattern: str) -> None:
+    import regex
+
+    guide = RegexGuide(pattern)
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.text(alphabet=_DFA_ALPHABET, max_size=7))
+    def check(text: str) -> None:
+        state = _run(guide, text)
+        partial = regex.fullmatch(pattern, text, partial=True) is not None
+        assert (state is not None) == partial, text
+        if state is not None:
+            assert guide.is_complete(state) == (regex.fullmatch(pattern, text) is not None), text
+
+    check()
+
+
+def test_lazy_quantifiers_have_the_greedy_language() -> None:
+    """Under a full match laziness does not change the language. (`regex`'s partial matching
+    gets lazy quantifiers wrong: it says "a0" can still match `a*?b`.)"""
+    import regex
+
+    lazy, greedy = RegexGuide(r"a*?b+?c??"), regex.compile(r"a*b+c?")
+    assert _run(lazy, "a0") is None
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.text(alphabet="abc0", max_size=7))
+    def check(text: str) -> None:
+        state = _run(lazy, text)
+        full = greedy.fullmatch(text) is not None
+        assert (state is not None and lazy.is_complete(state)) == full, text
+        assert (state is not None) == (greedy.fullmatch(text, partial=True) is not None), text
+
+    check()
+
+
+@BOUNDED
+@given(
+    st.dictionaries(st.sampled_from("abcez"), _JSON, max_size=5),
+    st.booleans(),
+    st.integers(min_value=0, max_value=40),
+)
+def test_schema_regex_through_the_dfa_agrees_with_regex(
+    value: dict[str, Any], spaced: bool, cut: int
+) -> None:
+    """Schema-shaped texts, whole and cut: the DFA against `regex` (full and partial)."""
+    import regex
+
+    pattern = schema_to_regex(json.dumps(SCHEMA))
+    guide = compile_guide(GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA)))
+    separators = (", ", ": ") if spaced else (",", ":")
+    text = json.dumps(value, separators=separators, ensure_ascii=False)
+    for candidate in (text, text[: len(text) - cut]):
+        state = _run(guide, candidate)
+        partial = regex.fullmatch(pattern, candidate, partial=True) is not None
+        assert (state is not None) == partial, candidate
+        if state is not None:
+            full = regex.fullmatch(pattern, candidate) is not None
+            assert guide.is_complete(state) == full, candidate
+
+
+def test_optional_properties_are_each_written_or_skipped_in_order() -> None:
+    props = {name: {"type": "integer"} for name in "abcd"}
+    subsets = [c for r in range(5) for c in itertools.combinations("abcd", r)]
+    for required in subsets:
+        schema = {"type": "object", "properties": props, "required": list(required)}
+        guide = compile_guide(GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(schema)))
+        for keys in subsets:
+            state = _run(guide, json.dumps(dict.fromkeys(keys, 1)))
+            ok = set(required) <= set(keys)
+            assert (state is not None and guide.is_complete(state)) == ok, (required, keys)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "needle"),
+    [
+        (r"(a)\1", "backreference"),
+        (r"(?P<x>a)(?P=x)", "backreference"),
+        ("a(?=b)", "lookahead"),
+        ("a(?!b)", "lookahead"),
+        ("(?<=a)b", "lookbehind"),
+        ("(?<!a)b", "lookbehind"),
+        (r"\bword\b", "word boundary"),
+        ("(?>a*)a", "atomic group"),
+        ("a*+a", "possessive"),
+        ("(?i)abc", "inline flag"),
+        ("(a)?(?(1)b|c)", "conditional"),
+        ("x{e<=1}", "'{'"),
+        (r"\X", "grapheme"),
+    ],
+)
+def test_syntax_outside_the_dfa_subset_is_refused(pattern: str, needle: str) -> None:
+    with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+        compile_guide(GuidedDecoding(GuideKind.REGEX, pattern))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "needle"),
+    [
+        ("[ab]{20000}", f"more than {MAX_DFA_STATES}"),
+        ("(a|b)*a(a|b){14}", f"more than {MAX_DFA_STATES}"),  # 2^15 subsets
+        ("(?:a?){3000}a{3000}", "too complex"),
+        ("(?:x{1000}){1000}", "too large"),
+        ("[a-c](?!)", "lookahead"),
+        (r"a\Zb", "matches no string"),
+    ],
+)
+def test_pathological_patterns_are_refused_before_acceptance(pattern: str, needle: str) -> None:
+    with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+        RegexGuide(pattern)
+
+
+def test_dfa_state_count_is_bounded() -> None:
+    guide = RegexGuide("(a|b)*a(a|b){12}")  # the last 13 characters: 2^13 states, in bounds
+    assert guide.num_states <= MAX_DFA_STATES
+    assert guide.is_complete(_run(guide, "ba" + "b" * 12))
+    assert not guide.is_complete(_run(guide, "ab" + "b" * 12))
 
 
 # ---------------------------------------------------------------- token masks
@@ -203,9 +354,20 @@ def test_unfinished_utf8_fragments_are_allowed_only_when_a_completion_fits() -> 
     start = masker.start()
     assert masker.allowed(start) == ((0, 2), False)
     half = masker.advance(start, 0)
-    assert half == GuidedState("", b"\xc3")
+    assert half == GuidedState(start.guide_state, b"\xc3")
     assert masker.allowed(half) == ((1,), False)
     assert masker.allowed(masker.advance(half, 1)) == ((0, 2), True)
+
+
+def test_regex_masks_are_memoised_per_dfa_state() -> None:
+    vocabulary = [b"1", b"12", b"-", b"-a", b"ab", b"x", None]
+    masker = TokenMasker(RegexGuide("[0-9]{3}-[a-z]+"), VocabTrie(vocabulary), vocabulary)
+    state = masker.advance(masker.advance(masker.start(), 1), 0)  # "121"
+    assert masker.allowed(state) == ((2, 3), False)
+    assert masker.allowed(state) is masker.allowed(state)  # the memo's entry
+    after = masker.advance(masker.advance(state, 3), 4)  # "121-aab": the DFA state of "121-a"
+    assert after == masker.advance(state, 3)
+    assert masker.allowed(after) == ((4, 5), True)
 
 
 def _tokenizers() -> list[Any]:

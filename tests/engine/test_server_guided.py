@@ -191,10 +191,11 @@ async def test_max_tokens_cuts_a_guided_output_with_length(model_dir: Path) -> N
 
 async def test_a_guide_that_cannot_continue_ends_with_one_engine_error(model_dir: Path) -> None:
     async with running_engine(_config(model_dir)) as engine:
-        # Partial matching accepts "a" followed by an assertion that never holds: after "a"
-        # no character is accepted and the text is never complete.
-        guided = pb.GuidedDecoding(regex="a(?=b)")
-        responses = await collect(engine.stub, _request(guided, max_tokens=8, rid="dead"))
+        # "a" is complete and nothing extends it, but ignore_eos forbids EOS: after "a" no
+        # token is allowed.
+        request = _request(pb.GuidedDecoding(regex="a"), max_tokens=8, rid="dead")
+        request.stopping.ignore_eos = True
+        responses = await collect(engine.stub, request)
         assert [r.WhichOneof("event") for r in responses][-1] == "error"
         assert "guided decoding" in responses[-1].error.message
         assert responses[-1].HasField("usage")
@@ -206,6 +207,9 @@ async def test_a_guide_that_cannot_continue_ends_with_one_engine_error(model_dir
         (pb.GuidedDecoding(ebnf_grammar="root ::= 'a'"), "json_schema, regex, choice"),
         (pb.GuidedDecoding(structural_tag="{}"), "not supported"),
         (pb.GuidedDecoding(regex="[a-", backend=""), "invalid pattern"),
+        (pb.GuidedDecoding(regex="a(?=b)"), "lookahead"),
+        (pb.GuidedDecoding(regex=r"(a)\1"), "backreference"),
+        (pb.GuidedDecoding(regex="[ab]{20000}"), "too many states"),
         (pb.GuidedDecoding(regex="a", backend="xgrammar"), "backend"),
         (pb.GuidedDecoding(choice=pb.ChoiceConstraint()), "empty"),
         (pb.GuidedDecoding(json_schema="{"), "not valid JSON"),
