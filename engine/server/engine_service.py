@@ -45,6 +45,7 @@ from engine.core.api import (
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
+from engine.core.guided import compile_guide
 from engine.server.errors import (
     DrainingError,
     KvSessionNotFoundError,
@@ -250,6 +251,13 @@ class EngineService:
         self.engine_loop.core.check_request(request)
         if request.request_id in self._live:
             raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+
+    async def compile_guide(self, request: EngineRequest) -> None:
+        """Build a guided request's guide in a worker thread (memoised, so `check` finds it
+        built): a large JSON schema takes a few hundred ms, and the event loop serves every
+        other call of this engine meanwhile. Raises as `check` would for a malformed one."""
+        if request.guided is not None:
+            await asyncio.to_thread(compile_guide, request.guided)
 
     def begin_pull(self, request: EngineRequest) -> TaskHandle:
         """Admit a DECODE engine's `request` whose KV session is about to be pulled: refuse

@@ -258,6 +258,7 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
             engine_request = engine_request_from_vllm(request, self._ctx)
             if single and engine_request.sampling.num_sequences > 1:
                 raise InvalidRequestError("unary Generate returns one sequence: use GenerateStream")
+            await self._service.compile_guide(engine_request)
             stream = self._service.submit(engine_request)
         except Exception as exc:
             await refuse(context, exc)

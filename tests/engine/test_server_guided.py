@@ -264,3 +264,32 @@ async def test_capabilities_advertise_exactly_the_modes(model_dir: Path) -> None
         _, error = await stream_error(sim.stub.Generate(request))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "tokenizer" in (error.details() or "")
+
+
+async def test_guides_are_built_off_the_event_loop(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large schema takes a few hundred ms to compile: not on the loop that serves every
+    other call of the engine (both front ends)."""
+    import threading
+
+    from engine.server import engine_service
+
+    threads: list[threading.Thread] = []
+    compile_guide = engine_service.compile_guide
+
+    def recording(spec: Any) -> Any:
+        threads.append(threading.current_thread())
+        return compile_guide(spec)
+
+    monkeypatch.setattr(engine_service, "compile_guide", recording)
+    async with running_engine(_config(model_dir)) as engine:
+        guided = pb.GuidedDecoding(regex="[0-9]{2}")
+        text, _, _ = _result(await collect(engine.stub, _request(guided, max_tokens=4)))
+        assert re.fullmatch("[0-9]{2}", text)
+        bad = await rpc_error(
+            lambda: collect(engine.stub, _request(pb.GuidedDecoding(regex="(?<=a)b")))
+        )
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(threads) == 2
+    assert all(t is not threading.main_thread() for t in threads)
