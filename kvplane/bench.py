@@ -34,6 +34,7 @@ def _register_component_benchmarks() -> None:
     from controller.bench import bench_route
     from controller.e2e_bench import bench_e2e
     from controller.gateway_bench import bench_gateway
+    from engine.guided_bench import bench_guided
     from engine.handoff_bench import bench_handoff
     from engine.sim_bench import bench_sim
     from engine.torch_runner.bench import bench_engine  # imports torch only when run
@@ -44,6 +45,7 @@ def _register_component_benchmarks() -> None:
     bench_app.command("engine")(bench_engine)
     bench_app.command("sim")(bench_sim)
     bench_app.command("handoff")(bench_handoff)
+    bench_app.command("guided")(bench_guided)
 
 
 _register_component_benchmarks()

@@ -1,25 +1,31 @@
-"""What a guided decoding step costs: the trie walk (`TokenMasker.allowed`) per state, the first
-time ("walk") and again (the per-state memo), on the builtin tokenizer, tiny-llama's and a
-32000-token byte-level BPE trained here on the Python standard library's sources (no download);
-compiling the regex and schema guides to their DFAs; and the sampler's mask on a 32000-wide row.
+"""`kvplane bench guided`: what a guided decoding step costs.
 
-    python scripts/guided_mask_cost.py        # prints one line per case (docs/engine.md)
+The trie walk (`TokenMasker.allowed`) per state, the first time ("walk") and again (the
+per-state memo), on the builtin tokenizer, tiny-llama's (when ../shared is there) and a
+32000-token byte-level BPE trained here on the Python standard library's sources (no download;
+`--quick` leaves it out); compiling the regex and schema guides to their DFAs; and the
+sampler's mask on a 32000-wide row. Best of several runs each. Importing this module does not
+import torch.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import sysconfig
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from engine.core.api import GuidedDecoding, GuideKind
 from engine.core.guided import RegexGuide, compile_guide
 from engine.core.guided_json import schema_to_regex
 from engine.core.guided_vocab import GuidedState, TokenMasker, VocabTrie, token_bytes
+from kvplane.cli_common import OutputFormat, OutputOption, emit
+
+TINY_LLAMA = Path(__file__).resolve().parents[2] / "shared/models/tiny-llama/tokenizer.json"
 
 SCHEMA = {
     "type": "object",
@@ -71,17 +77,13 @@ def _state(masker: TokenMasker, text: str) -> GuidedState:
     return GuidedState(guide_state)
 
 
-def _say(line: str) -> None:
-    sys.stdout.write(line + "\n")
-
-
-def _case(label: str, masker: TokenMasker, text: str) -> None:
+def _case(masker: TokenMasker, text: str) -> dict[str, Any]:
     state = _state(masker, text)
     fresh = TokenMasker(masker.guide, masker.trie, masker.vocabulary)
     walk = _ms(lambda: TokenMasker(masker.guide, masker.trie, masker.vocabulary).allowed(state))
     allowed, _ = fresh.allowed(state)
     again = _ms(lambda: fresh.allowed(state), repeat=50)
-    _say(f"  {label}: {len(allowed)} allowed, walk {walk:.2f} ms, same state {again:.3f} ms")
+    return {"allowed": len(allowed), "first_visit_ms": walk, "repeat_visit_ms": again}
 
 
 SCHEMA_TEXT = json.dumps(SCHEMA)
@@ -96,44 +98,54 @@ CASES = [
 ]  # fmt: skip
 
 
-def _compile_cost() -> None:
+def _compile_cost() -> list[dict[str, Any]]:
     RegexGuide("a")  # the one-off table of every code point the character sets are cut from
     patterns = {
         "regex [0-9]{3}-[a-z]+": r"[0-9]{3}-[a-z]+",
         "json_schema (3 properties)": schema_to_regex(SCHEMA_TEXT),
         "json_schema (30 optional strings)": schema_to_regex(json.dumps(MANY_OPTIONAL)),
     }
+    rows = []
     for label, pattern in patterns.items():
         cost = _ms(lambda pattern=pattern: RegexGuide(pattern), repeat=3)  # type: ignore[misc]
-        states = RegexGuide(pattern).num_states
-        _say(f"compile {label}: {states} DFA states, {cost:.1f} ms")
+        rows.append({"guide": label, "dfa_states": RegexGuide(pattern).num_states, "ms": cost})
+    return rows
 
 
-def main() -> None:
+def run_guided_bench(*, quick: bool = False) -> dict[str, Any]:
+    """The benchmark's JSON document."""
     from tokenizers import Tokenizer
 
     from engine.torch_runner.builtin_model import build_tokenizer
 
     tokenizers = {"builtin": build_tokenizer()}
-    tiny = Path(__file__).resolve().parents[2] / "shared/models/tiny-llama/tokenizer.json"
-    if tiny.is_file():
-        tokenizers["tiny-llama"] = Tokenizer.from_file(str(tiny))
-    tokenizers["bpe-32k"] = _bpe_32k()
+    if TINY_LLAMA.is_file():
+        tokenizers["tiny-llama"] = Tokenizer.from_file(str(TINY_LLAMA))
+    if not quick:
+        tokenizers["bpe-32k"] = _bpe_32k()
+    vocabularies = []
     for name, tokenizer in tokenizers.items():
         start = time.perf_counter()
         vocabulary = token_bytes(tokenizer)
         trie = VocabTrie(vocabulary)
         build_ms = (time.perf_counter() - start) * 1e3
-        _say(
-            f"{name}: {len(vocabulary)} tokens, {trie.num_nodes} nodes, built in {build_ms:.0f} ms"
+        cases = [
+            {"case": label, **_case(TokenMasker(compile_guide(spec), trie, vocabulary), text)}
+            for label, spec, text in CASES
+        ]
+        vocabularies.append(
+            {
+                "name": name,
+                "tokens": len(vocabulary),
+                "trie_nodes": trie.num_nodes,
+                "build_ms": build_ms,
+                "cases": cases,
+            }
         )
-        for label, spec, text in CASES:
-            _case(label, TokenMasker(compile_guide(spec), trie, vocabulary), text)
-    _compile_cost()
-    _sampler_cost()
+    return {"vocabularies": vocabularies, "compile": _compile_cost(), "sampler": _sampler_cost()}
 
 
-def _sampler_cost() -> None:
+def _sampler_cost() -> list[dict[str, Any]]:
     import torch
 
     from engine.core.api import SamplingParams
@@ -143,13 +155,41 @@ def _sampler_cost() -> None:
     logits = torch.randn(8, vocab)
     sampler = Sampler(frozenset({2}), seed=0)
     params = SamplingParams(temperature=1.0)
+    rows_out = []
     for allowed_count in (None, 10, 16000):
         allowed = None if allowed_count is None else tuple(range(allowed_count))
         rows = [SamplingRow(params, 1, (), (), allowed) for _ in range(8)]
         cost = _ms(lambda rows=rows: sampler.sample(logits, rows), repeat=20)  # type: ignore[misc]
-        what = "unguided" if allowed_count is None else f"{allowed_count} allowed"
-        _say(f"sampler, 8 rows x {vocab}, {what}: {cost:.2f} ms")
+        rows_out.append({"rows": 8, "vocab": vocab, "allowed": allowed_count, "ms": cost})
+    return rows_out
 
 
-if __name__ == "__main__":
-    main()
+def render_table(result: dict[str, Any]) -> str:
+    lines = []
+    for v in result["vocabularies"]:
+        lines.append(
+            f"{v['name']}: {v['tokens']} tokens, {v['trie_nodes']} trie nodes, "
+            f"built in {v['build_ms']:.0f} ms"
+        )
+        for c in v["cases"]:
+            lines.append(
+                f"  {c['case']}: {c['allowed']} allowed, first visit {c['first_visit_ms']:.2f} "
+                f"ms, repeat visit {c['repeat_visit_ms']:.3f} ms"
+            )
+    for c in result["compile"]:
+        lines.append(f"compile {c['guide']}: {c['dfa_states']} DFA states, {c['ms']:.1f} ms")
+    for r in result["sampler"]:
+        what = "unguided" if r["allowed"] is None else f"{r['allowed']} allowed"
+        lines.append(f"sampler, {r['rows']} rows x {r['vocab']}, {what}: {r['ms']:.2f} ms")
+    return "\n".join(lines)
+
+
+def bench_guided(
+    *,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Leave out the 32k BPE (trained here, ~a minute).")
+    ] = False,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Guided decoding: the token mask's cost per step, the guides' compilation, the sampler."""
+    emit(run_guided_bench(quick=quick), output, render_table)
