@@ -59,6 +59,10 @@ class JsonObjectGuide:
     def is_complete(self, state: GuideState) -> bool:
         return cast(_JsonState, state)[1] == "done"
 
+    def accepts_any(self, state: GuideState, first: int, last: int) -> bool:
+        # Beyond ASCII (first >= 0x80) only a string's inside accepts characters, all alike.
+        return self.advance(state, chr(first)) is not None
+
     def advance(self, state: GuideState, char: str) -> GuideState | None:
         stack, mode, arg, space = cast(_JsonState, state)
         if char == " " and mode in _SPACED:

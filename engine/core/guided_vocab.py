@@ -9,11 +9,11 @@ Once per tokenizer, a byte trie of the vocabulary (`VocabTrie`). At each step th
 from the output's state: an edge appends one byte; when the bytes so far end a character, the
 guide advances by it and the subtree is pruned when it refuses; while they are an unfinished
 character the walk goes on without asking the guide. A token ending on an unfinished character
-is allowed only when some character it can start is accepted by the guide: tried on a few
-witnesses (the fragment completed by fixed continuation bytes), so this errs on the side of
-refusal: it may refuse a fragment whose only accepted completions are not among the witnesses,
-never allows one that no completion fits (continuation bytes are tokens of every byte-level
-vocabulary, so the witness can be finished). EOS is allowed exactly when the text is complete.
+is allowed exactly when some character it can start is accepted by the guide: the characters
+whose UTF-8 encoding starts with given bytes are one code point interval, and the guide says
+whether it accepts any of them (`Guide.accepts_any`); continuation bytes are tokens of every
+byte-level vocabulary, so such a character can be finished. EOS is allowed exactly when the
+text is complete.
 
 Cost: one guide step per trie node visited (nodes under a refused prefix are never visited), so
 a guide that allows most of the vocabulary (inside a JSON string) visits most of the trie, the
@@ -33,8 +33,10 @@ from typing import Any
 from engine.core.api import GuidedDecoding
 from engine.core.guided import Guide, GuideState, compile_guide
 
-# Continuation bytes that complete a fragment into a witness character (each tried in turn).
-_WITNESS_FILLS = (0x80, 0xA0, 0xA9, 0x8F, 0xBF, 0x9F, 0xB0)
+# The code points of a UTF-8 character of each length (surrogates apart: never characters).
+_UTF8_FIRST = {2: 0x80, 3: 0x800, 4: 0x10000}
+_UTF8_LAST = {2: 0x7FF, 3: 0xFFFF, 4: 0x10FFFF}
+_SURROGATES_FIRST = 0xD800
 _MEMO_MAX_STATES = 4096
 
 
@@ -121,16 +123,18 @@ def _next_char(guide: Guide, state: GuideState, pending: bytes) -> tuple[GuideSt
 
 
 def _fragment_fits(guide: Guide, state: GuideState, pending: bytes) -> bool:
-    """Whether some witness character starting with the unfinished `pending` is accepted."""
-    need = (2 if pending[0] < 0xE0 else 3 if pending[0] < 0xF0 else 4) - len(pending)
-    for fill in _WITNESS_FILLS:
-        try:
-            char = (pending + bytes([fill]) * need).decode()
-        except UnicodeDecodeError:
-            continue
-        if guide.advance(state, char) is not None:
-            return True
-    return False
+    """Whether the guide accepts some character whose UTF-8 encoding starts with `pending`
+    (an unfinished character that `_next_char` let through: a valid prefix)."""
+    size = 2 if pending[0] < 0xE0 else 3 if pending[0] < 0xF0 else 4
+    value = pending[0] & (0x7F >> size)
+    for byte in pending[1:]:
+        value = value << 6 | byte & 0x3F
+    num_missing_bits = 6 * (size - len(pending))
+    first = max(value << num_missing_bits, _UTF8_FIRST[size])
+    last = min(((value + 1) << num_missing_bits) - 1, _UTF8_LAST[size])
+    if first < _SURROGATES_FIRST <= last:  # a lone ED: U+D000..U+D7FF, then surrogates
+        last = _SURROGATES_FIRST - 1
+    return guide.accepts_any(state, first, last)
 
 
 @dataclass(frozen=True, slots=True)

@@ -359,6 +359,50 @@ def test_unfinished_utf8_fragments_are_allowed_only_when_a_completion_fits() -> 
     assert masker.allowed(masker.advance(half, 1)) == ((0, 2), True)
 
 
+@pytest.mark.parametrize(
+    "guide",
+    [
+        RegexGuide("[à-ÿ]日本?|ü|\U0001f600x|[\ud000-\ud7ff]|\\w+"),
+        ChoiceGuide(("ü", "日本", "\U0001f600", "\uffff")),
+        JsonObjectGuide(),
+    ],
+    ids=["regex", "choice", "json_object"],
+)
+def test_a_fragment_is_allowed_exactly_when_some_character_it_starts_is(guide: Guide) -> None:
+    """Every prefix of the characters below (and their neighbours): a token of that prefix is
+    allowed exactly when one of its completions (all of them tried) is accepted."""
+    states = [guide.start()]
+    if isinstance(guide, JsonObjectGuide):
+        states = [_run(guide, '{"'), _run(guide, '{"a":1')]
+    chars = "üà日本\U0001f600\uffff\ud7ff\ue000\u0080\u07ff\u0800\U0010ffff"
+    points = {p + d for p in map(ord, chars) for d in (-1, 0, 1) if 0x80 <= p + d < 0x110000}
+    prefixes = {
+        char.encode()[:n]
+        for char in map(chr, points)
+        if not 0xD800 <= ord(char) < 0xE000
+        for n in range(1, len(char.encode()))
+    }
+    for state in states:
+        for prefix in prefixes:
+            size = 2 if prefix[0] < 0xE0 else 3 if prefix[0] < 0xF0 else 4
+            if size - len(prefix) > 2:
+                continue  # 262144 completions: too many to try here
+            completions = itertools.product(range(0x80, 0xC0), repeat=size - len(prefix))
+            expected = False
+            for rest in completions:
+                try:
+                    char = (prefix + bytes(rest)).decode()
+                except UnicodeDecodeError:
+                    continue
+                if guide.advance(state, char) is not None:
+                    expected = True
+                    break
+            vocabulary = [prefix]
+            masker = TokenMasker(guide, VocabTrie(vocabulary), vocabulary)
+            allowed = masker.allowed(GuidedState(state))[0] == (0,)
+            assert allowed == expected, (state, prefix)
+
+
 def test_regex_masks_are_memoised_per_dfa_state() -> None:
     vocabulary = [b"1", b"12", b"-", b"-a", b"ab", b"x", None]
     masker = TokenMasker(RegexGuide("[0-9]{3}-[a-z]+"), VocabTrie(vocabulary), vocabulary)
