@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,46 @@ def test_schema_regex_accepts_exactly_the_schema(value: dict[str, Any], ok: bool
 def test_schema_refusals_name_the_keyword(schema: dict[str, Any], needle: str) -> None:
     with pytest.raises(InvalidRequestError, match=re.escape(needle)):
         compile_guide(GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(schema)))
+
+
+def _nested(outer: str, inner: str, depth: int) -> str:
+    """`outer` (with one `{}` where the next level goes) `depth` times around `inner`."""
+    before, after = outer.split("{}")
+    return before * depth + inner + after * depth
+
+
+@pytest.mark.parametrize(
+    ("schema_json", "needle"),
+    [
+        # Each array level writes its item twice: the pattern doubles per level, so it is
+        # bounded as it is built (40 levels would be 2^40 times the item).
+        (_nested('{"type": "array", "items": {}}', '{"type": "null"}', 40), "is too large"),
+        (_nested('{"type": "array", "items": {}}', '{"type": "null"}', 19), "is too large"),
+        (
+            _nested('{"type": "object", "properties": {"a": {}}, "required": ["a"]}', "{}", 350),
+            "nests too deeply",
+        ),
+    ],
+)
+def test_large_and_deep_schemas_are_refused_quickly(schema_json: str, needle: str) -> None:
+    started_s = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=re.escape(needle)):
+        schema_to_regex(schema_json)
+    assert time.monotonic() - started_s < 1.0
+
+
+@pytest.mark.parametrize(
+    ("schema", "empty"),
+    [
+        ({"type": "object"}, "{}"),
+        ({"type": "object", "properties": {"a": {"type": "null"}}}, "{}"),
+        ({"type": "array", "items": {"type": "null"}}, "[]"),
+    ],
+)
+def test_an_empty_container_holds_at_most_one_space(schema: dict[str, Any], empty: str) -> None:
+    pattern = schema_to_regex(json.dumps(schema))
+    assert re.fullmatch(pattern, empty) and re.fullmatch(pattern, f"{empty[0]} {empty[1]}")
+    assert not re.fullmatch(pattern, f"{empty[0]}  {empty[1]}")
 
 
 # ---------------------------------------------------------------- regex -> DFA

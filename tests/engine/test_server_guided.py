@@ -228,6 +228,20 @@ async def test_a_guide_that_cannot_continue_ends_with_one_engine_error(model_dir
         (pb.GuidedDecoding(json_schema="{"), "not valid JSON"),
         (pb.GuidedDecoding(json_schema='{"type": "string", "pattern": "a"}'), "'pattern'"),
         (pb.GuidedDecoding(json_schema='{"anyOf": []}'), "without type"),
+        (  # nested arrays double the pattern per level (2^19 times the item)
+            pb.GuidedDecoding(
+                json_schema='{"type": "array", "items": ' * 19 + '{"type": "null"}' + "}" * 19
+            ),
+            "is too large",
+        ),
+        (
+            pb.GuidedDecoding(
+                json_schema='{"type": "object", "properties": {"a": ' * 350
+                + '{"type": "null"}'
+                + '}, "required": ["a"]}' * 350
+            ),
+            "nests too deeply",
+        ),
         (pb.GuidedDecoding(), "set one of"),
     ],
 )
