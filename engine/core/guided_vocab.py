@@ -26,6 +26,7 @@ docs/engine.md has the measured costs.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ _UTF8_FIRST = {2: 0x80, 3: 0x800, 4: 0x10000}
 _UTF8_LAST = {2: 0x7FF, 3: 0xFFFF, 4: 0x10FFFF}
 _SURROGATES_FIRST = 0xD800
 _MEMO_MAX_STATES = 4096
+_METASPACE = "\u2581"  # SentencePiece's stand-in for a space
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -56,11 +59,20 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 def token_bytes(tokenizer: Any) -> list[bytes | None]:
     """The bytes each token id adds to decoded text (None for special tokens, never allowed by
     a guide). ByteLevel BPE (GPT-2, Llama 3, Qwen2, the builtin model): the vocabulary's
-    stand-in characters mapped back to bytes. Otherwise each token decoded alone, encoded as
-    UTF-8 (a tokenizer whose decoding depends on neighbours is then approximated)."""
+    stand-in characters mapped back to bytes. SentencePiece style (Llama 2, Mistral: a
+    Metaspace or "▁" -> " " decoder, byte fallback): "▁" is a space and `<0xHH>` the byte HH
+    (decoding such a token alone would drop its leading space, or give U+FFFD). Otherwise each
+    token decoded alone, encoded as UTF-8 (a tokenizer whose decoding depends on neighbours is
+    then approximated)."""
     spec = json.loads(tokenizer.to_str())
     decoder = spec.get("decoder") or {}
-    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+    steps = [decoder, *(decoder.get("decoders") or ())]
+    kinds = {d.get("type") for d in steps}
+    metaspace = "Metaspace" in kinds or any(
+        d.get("type") == "Replace" and d.get("pattern", {}).get("String") == _METASPACE
+        for d in steps
+    )
+    byte_fallback = "ByteFallback" in kinds
     vocab: dict[str, int] = tokenizer.get_vocab(with_added_tokens=True)
     table: list[bytes | None] = [None] * (max(vocab.values(), default=-1) + 1)
     special = {t["content"] for t in spec.get("added_tokens", ()) if t.get("special")}
@@ -70,6 +82,10 @@ def token_bytes(tokenizer: Any) -> list[bytes | None]:
             continue
         if byte_of is not None and all(c in byte_of for c in text):
             table[token_id] = bytes(byte_of[c] for c in text)
+        elif byte_fallback and (byte := _BYTE_TOKEN.fullmatch(text)) is not None:
+            table[token_id] = bytes((int(byte[1], 16),))
+        elif metaspace:
+            table[token_id] = text.replace(_METASPACE, " ").encode()
         else:
             table[token_id] = tokenizer.decode([token_id], skip_special_tokens=True).encode()
     return table
