@@ -3,7 +3,10 @@
 A `Guide` is a small automaton over characters: `start()` gives the state before any output,
 `advance(state, char)` the state after one more character (None when no string of the language
 starts with the text so far plus that character: the character is refused), and
-`is_complete(state)` whether the text so far is a whole string of the language. States are
+`is_complete(state)` whether the text so far is a whole string of the language;
+`accepts_any(state, first, last)` whether some character with a code point in [first, last]
+would be accepted (the vocabulary walk asks it for a token that ends inside a UTF-8 character:
+the characters such a fragment can start are one code point interval). States are
 immutable and hashable, so a caller can branch from one state many times (the vocabulary walk
 in `engine.core.guided_vocab` does, once per trie edge) and memoise per state.
 
@@ -46,6 +49,11 @@ class Guide(Protocol):
 
     def is_complete(self, state: GuideState) -> bool: ...
 
+    def accepts_any(self, state: GuideState, first: int, last: int) -> bool:
+        """Whether `advance` accepts some character with a code point in [first, last]
+        (0x80 <= first: the vocabulary walk asks only about multi-byte characters)."""
+        ...
+
 
 class RegexGuide:
     """A full match of a pattern, as a DFA over characters; the state is the DFA's (an int)."""
@@ -80,6 +88,9 @@ class RegexGuide:
     def is_complete(self, state: GuideState) -> bool:
         return self._dfa.accepting[cast(int, state)]
 
+    def accepts_any(self, state: GuideState, first: int, last: int) -> bool:
+        return self._dfa.accepts_any(cast(int, state), first, last)
+
 
 class ChoiceGuide:
     """Exactly one of the choices; the state is the text so far."""
@@ -103,6 +114,15 @@ class ChoiceGuide:
 
     def is_complete(self, state: GuideState) -> bool:
         return state in self._set
+
+    def accepts_any(self, state: GuideState, first: int, last: int) -> bool:
+        # The first choice not below text + chr(first): if any choice continues the text with
+        # a character in [first, last], this one does (it sorts between the two).
+        text = cast(str, state)
+        i = bisect_left(self._choices, text + chr(first))
+        if i == len(self._choices) or not self._choices[i].startswith(text):
+            return False
+        return ord(self._choices[i][len(text)]) <= last
 
 
 @lru_cache(maxsize=64)

@@ -74,6 +74,13 @@ class Dfa:
             atom = self.interval_atoms[bisect_right(self.interval_starts, point) - 1]
         return self.moves[state].get(atom)
 
+    def accepts_any(self, state: int, first: int, last: int) -> bool:
+        """Whether some code point in [first, last] has a move from `state`."""
+        starts, moves = self.interval_starts, self.moves[state]
+        low = bisect_right(starts, first) - 1
+        high = bisect_right(starts, last)
+        return any(atom in moves for atom in self.interval_atoms[low:high])
+
 
 def compile_dfa(node: Node) -> Dfa:
     """The DFA of `node`'s full matches (InvalidRequestError past a bound, or when it matches

@@ -59,6 +59,10 @@ class JsonObjectGuide:
     def is_complete(self, state: GuideState) -> bool:
         return cast(_JsonState, state)[1] == "done"
 
+    def accepts_any(self, state: GuideState, first: int, last: int) -> bool:
+        # Beyond ASCII (first >= 0x80) only a string's inside accepts characters, all alike.
+        return self.advance(state, chr(first)) is not None
+
     def advance(self, state: GuideState, char: str) -> GuideState | None:
         stack, mode, arg, space = cast(_JsonState, state)
         if char == " " and mode in _SPACED:
@@ -178,8 +182,10 @@ _KEYWORDS = {
     "object": frozenset(("type", "properties", "required", "additionalProperties")),
     "array": frozenset(("type", "items", "minItems", "maxItems")),
 }
-# An object's pattern grows as the square of its properties before the first required one (a
-# branch per possible first member): bound its size. The DFA's state bound usually binds first.
+# The pattern's size is bounded as it is built, at every node of the schema: an array writes
+# its item's pattern twice (so nested arrays double it at each level) and an object's pattern
+# grows as the square of its properties before the first required one (a branch per possible
+# first member). The DFA's state bound usually binds first.
 _MAX_PATTERN_CHARS = 200_000
 
 
@@ -190,13 +196,10 @@ def schema_to_regex(schema_json: str) -> str:
         schema = json.loads(schema_json)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequestError(f"guided json_schema: not valid JSON: {exc}") from None
-    pattern = _value(schema, "#")
-    if len(pattern) > _MAX_PATTERN_CHARS:
-        raise InvalidRequestError(
-            "guided json_schema: too many optional properties (the pattern would exceed "
-            f"{_MAX_PATTERN_CHARS} characters); make some of them required"
-        )
-    return pattern
+    try:
+        return _value(schema, "#")
+    except RecursionError:
+        raise InvalidRequestError("guided json_schema: the schema nests too deeply") from None
 
 
 def _refuse(where: str, what: str) -> InvalidRequestError:
@@ -204,6 +207,21 @@ def _refuse(where: str, what: str) -> InvalidRequestError:
 
 
 def _value(schema: Any, where: str) -> str:
+    pattern = _unbounded_value(schema, where)
+    _check_size(len(pattern), where)
+    return pattern
+
+
+def _check_size(num_chars: int, where: str) -> None:
+    if num_chars > _MAX_PATTERN_CHARS:
+        raise InvalidRequestError(
+            f"guided json_schema: the schema at {where} is too large (its pattern would exceed "
+            f"{_MAX_PATTERN_CHARS} characters)"
+        )
+
+
+def _unbounded_value(schema: Any, where: str) -> str:
+    """`schema`'s pattern, its parts bounded (`_value` bounds the whole)."""
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"guided json_schema: the schema at {where} is not an object")
     if "enum" in schema or "const" in schema:
@@ -256,8 +274,8 @@ def _array(schema: dict[str, Any], where: str) -> str:
         return rf"\[{_WS}\]"
     more_high = "" if not high else str(int(high) - 1)
     items = f"{item}(?:{_WS},{_WS}{item}){{{max(low - 1, 0)},{more_high}}}"
-    if low == 0:
-        items = f"(?:{items})?"
+    if low == 0:  # may be empty: one policy space at most, "[ ]"
+        return rf"\[{_WS}(?:{items}{_WS})?\]"
     return rf"\[{_WS}{items}{_WS}\]"
 
 
@@ -270,15 +288,14 @@ def _object(schema: dict[str, Any], where: str) -> str:
         raise InvalidRequestError(f"guided json_schema: malformed properties at {where}")
     if unknown := [r for r in required if r not in properties]:
         raise InvalidRequestError(f"guided json_schema: required {unknown} not in properties")
-    members = [
-        (
-            re.escape(json.dumps(name, ensure_ascii=False))
-            + f"{_WS}:{_WS}"
-            + _value(sub, f"{where}/properties/{name}"),
-            name in required,
-        )
-        for name, sub in properties.items()
-    ]
+    members: list[tuple[str, bool]] = []
+    num_chars = 0
+    for name, sub in properties.items():
+        key = re.escape(json.dumps(name, ensure_ascii=False))
+        text = f"{key}{_WS}:{_WS}{_value(sub, f'{where}/properties/{name}')}"
+        num_chars += len(text)
+        _check_size(num_chars, where)  # many large members: stop before joining them
+        members.append((text, name in required))
     # The first member written is any one up to the first required; after it, each later
     # member follows its comma, required or optional. One branch per possible first member:
     # O(n^2) pattern, O(n^2) automaton states (a nested "written or skipped" pattern per
@@ -297,7 +314,9 @@ def _object(schema: dict[str, Any], where: str) -> str:
                 f"guided json_schema: too many optional properties at {where}; make some "
                 "of them required"
             )
-    body = "(?:" + "|".join(branches) + ")" if branches else ""
-    if first_required is None and branches:
-        body += "?"
+    if not branches:
+        return rf"\{{{_WS}\}}"
+    body = "(?:" + "|".join(branches) + ")"
+    if first_required is None:  # may be empty: one policy space at most, "{ }"
+        return rf"\{{{_WS}(?:{body}{_WS})?\}}"
     return rf"\{{{_WS}{body}{_WS}\}}"

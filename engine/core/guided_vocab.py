@@ -9,11 +9,11 @@ Once per tokenizer, a byte trie of the vocabulary (`VocabTrie`). At each step th
 from the output's state: an edge appends one byte; when the bytes so far end a character, the
 guide advances by it and the subtree is pruned when it refuses; while they are an unfinished
 character the walk goes on without asking the guide. A token ending on an unfinished character
-is allowed only when some character it can start is accepted by the guide: tried on a few
-witnesses (the fragment completed by fixed continuation bytes), so this errs on the side of
-refusal: it may refuse a fragment whose only accepted completions are not among the witnesses,
-never allows one that no completion fits (continuation bytes are tokens of every byte-level
-vocabulary, so the witness can be finished). EOS is allowed exactly when the text is complete.
+is allowed exactly when some character it can start is accepted by the guide: the characters
+whose UTF-8 encoding starts with given bytes are one code point interval, and the guide says
+whether it accepts any of them (`Guide.accepts_any`); continuation bytes are tokens of every
+byte-level vocabulary, so such a character can be finished. EOS is allowed exactly when the
+text is complete.
 
 Cost: one guide step per trie node visited (nodes under a refused prefix are never visited), so
 a guide that allows most of the vocabulary (inside a JSON string) visits most of the trie, the
@@ -26,6 +26,7 @@ docs/engine.md has the measured costs.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +34,13 @@ from typing import Any
 from engine.core.api import GuidedDecoding
 from engine.core.guided import Guide, GuideState, compile_guide
 
-# Continuation bytes that complete a fragment into a witness character (each tried in turn).
-_WITNESS_FILLS = (0x80, 0xA0, 0xA9, 0x8F, 0xBF, 0x9F, 0xB0)
+# The code points of a UTF-8 character of each length (surrogates apart: never characters).
+_UTF8_FIRST = {2: 0x80, 3: 0x800, 4: 0x10000}
+_UTF8_LAST = {2: 0x7FF, 3: 0xFFFF, 4: 0x10FFFF}
+_SURROGATES_FIRST = 0xD800
 _MEMO_MAX_STATES = 4096
+_METASPACE = "\u2581"  # SentencePiece's stand-in for a space
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -54,11 +59,20 @@ def _gpt2_byte_decoder() -> dict[str, int]:
 def token_bytes(tokenizer: Any) -> list[bytes | None]:
     """The bytes each token id adds to decoded text (None for special tokens, never allowed by
     a guide). ByteLevel BPE (GPT-2, Llama 3, Qwen2, the builtin model): the vocabulary's
-    stand-in characters mapped back to bytes. Otherwise each token decoded alone, encoded as
-    UTF-8 (a tokenizer whose decoding depends on neighbours is then approximated)."""
+    stand-in characters mapped back to bytes. SentencePiece style (Llama 2, Mistral: a
+    Metaspace or "▁" -> " " decoder, byte fallback): "▁" is a space and `<0xHH>` the byte HH
+    (decoding such a token alone would drop its leading space, or give U+FFFD). Otherwise each
+    token decoded alone, encoded as UTF-8 (a tokenizer whose decoding depends on neighbours is
+    then approximated)."""
     spec = json.loads(tokenizer.to_str())
     decoder = spec.get("decoder") or {}
-    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+    steps = [decoder, *(decoder.get("decoders") or ())]
+    kinds = {d.get("type") for d in steps}
+    metaspace = "Metaspace" in kinds or any(
+        d.get("type") == "Replace" and d.get("pattern", {}).get("String") == _METASPACE
+        for d in steps
+    )
+    byte_fallback = "ByteFallback" in kinds
     vocab: dict[str, int] = tokenizer.get_vocab(with_added_tokens=True)
     table: list[bytes | None] = [None] * (max(vocab.values(), default=-1) + 1)
     special = {t["content"] for t in spec.get("added_tokens", ()) if t.get("special")}
@@ -68,6 +82,10 @@ def token_bytes(tokenizer: Any) -> list[bytes | None]:
             continue
         if byte_of is not None and all(c in byte_of for c in text):
             table[token_id] = bytes(byte_of[c] for c in text)
+        elif byte_fallback and (byte := _BYTE_TOKEN.fullmatch(text)) is not None:
+            table[token_id] = bytes((int(byte[1], 16),))
+        elif metaspace:
+            table[token_id] = text.replace(_METASPACE, " ").encode()
         else:
             table[token_id] = tokenizer.decode([token_id], skip_special_tokens=True).encode()
     return table
@@ -121,16 +139,18 @@ def _next_char(guide: Guide, state: GuideState, pending: bytes) -> tuple[GuideSt
 
 
 def _fragment_fits(guide: Guide, state: GuideState, pending: bytes) -> bool:
-    """Whether some witness character starting with the unfinished `pending` is accepted."""
-    need = (2 if pending[0] < 0xE0 else 3 if pending[0] < 0xF0 else 4) - len(pending)
-    for fill in _WITNESS_FILLS:
-        try:
-            char = (pending + bytes([fill]) * need).decode()
-        except UnicodeDecodeError:
-            continue
-        if guide.advance(state, char) is not None:
-            return True
-    return False
+    """Whether the guide accepts some character whose UTF-8 encoding starts with `pending`
+    (an unfinished character that `_next_char` let through: a valid prefix)."""
+    size = 2 if pending[0] < 0xE0 else 3 if pending[0] < 0xF0 else 4
+    value = pending[0] & (0x7F >> size)
+    for byte in pending[1:]:
+        value = value << 6 | byte & 0x3F
+    num_missing_bits = 6 * (size - len(pending))
+    first = max(value << num_missing_bits, _UTF8_FIRST[size])
+    last = min(((value + 1) << num_missing_bits) - 1, _UTF8_LAST[size])
+    if first < _SURROGATES_FIRST <= last:  # a lone ED: U+D000..U+D7FF, then surrogates
+        last = _SURROGATES_FIRST - 1
+    return guide.accepts_any(state, first, last)
 
 
 @dataclass(frozen=True, slots=True)

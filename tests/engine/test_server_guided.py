@@ -143,6 +143,19 @@ async def test_outputs_match_each_constraint_greedy_and_sampled(model_dir: Path)
             _check_schema(json.loads(text))
 
 
+async def test_unicode_characters_split_across_byte_tokens_are_allowed(model_dir: Path) -> None:
+    """The builtin vocabulary spells most non-ASCII characters with one token per byte: a
+    token that ends inside a character is allowed when some character it starts continues
+    the text ("ü" is C3 BC, "日" E6 97 A5: no fixed list of completions names them)."""
+    choices = ["ü", "日本", "ñandú"]
+    pattern = "[à-ÿ]{2}日本?"
+    async with running_engine(_config(model_dir)) as engine:
+        choice = pb.GuidedDecoding(choice=pb.ChoiceConstraint(choices=choices))
+        assert all(t in choices for t in await _outputs(engine, choice, max_tokens=40))
+        texts = await _outputs(engine, pb.GuidedDecoding(regex=pattern), max_tokens=40)
+        assert all(re.fullmatch(pattern, t) for t in texts), texts
+
+
 async def test_json_object_outputs_are_objects_or_cut_prefixes(model_dir: Path) -> None:
     """A random model rarely closes a JSON string (a quote is a few tokens of the vocabulary),
     so a near-uniform temperature lets it finish; greedy is cut by max_tokens."""
@@ -215,6 +228,20 @@ async def test_a_guide_that_cannot_continue_ends_with_one_engine_error(model_dir
         (pb.GuidedDecoding(json_schema="{"), "not valid JSON"),
         (pb.GuidedDecoding(json_schema='{"type": "string", "pattern": "a"}'), "'pattern'"),
         (pb.GuidedDecoding(json_schema='{"anyOf": []}'), "without type"),
+        (  # nested arrays double the pattern per level (2^19 times the item)
+            pb.GuidedDecoding(
+                json_schema='{"type": "array", "items": ' * 19 + '{"type": "null"}' + "}" * 19
+            ),
+            "is too large",
+        ),
+        (
+            pb.GuidedDecoding(
+                json_schema='{"type": "object", "properties": {"a": ' * 350
+                + '{"type": "null"}'
+                + '}, "required": ["a"]}' * 350
+            ),
+            "nests too deeply",
+        ),
         (pb.GuidedDecoding(), "set one of"),
     ],
 )
