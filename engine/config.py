@@ -77,8 +77,8 @@ class KvEventsConfig(StrictModel):
 class KvTransferConfig(StrictModel):
     """KV transfer between a PREFILL and a DECODE engine (`engine.server.kv_transfer`)."""
 
-    # A PREFILL engine releases a session no decode engine pulled (or aborted) this long after
-    # its PrefillReady.
+    # A PREFILL engine releases a session that no decode engine released (nor Abort) this long
+    # after its PrefillReady at the latest (10 s after a pull that sent every block).
     session_ttl_s: float = Field(default=60.0, gt=0.0)
     # A DECODE engine gives up a pull after this long (UNAVAILABLE).
     pull_timeout_s: float = Field(default=30.0, gt=0.0)
