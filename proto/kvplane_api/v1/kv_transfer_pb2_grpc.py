@@ -50,7 +50,8 @@ class KvTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PullKvSession(self, request, context):
-        """Streams a session's KV: one header, then one chunk per block, in block order. The session
+        """Streams a session's KV: one header, then its blocks in order, in runs of consecutive
+        blocks (one block per chunk unless the puller asks for more, `max_blocks_per_chunk`). The session
         stays open after a pull, so that a puller that fails before its request is accepted (or
         dies) leaves it to another puller: a pull that sent everything leaves it for at most a
         short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a

@@ -38,7 +38,8 @@ class KvTransferStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvTransferAsyncStub: ...
     PullKvSession: _grpc.UnaryStreamMultiCallable[_kv_transfer_pb2.PullKvSessionRequest, _kv_transfer_pb2.KvSessionChunk]
-    """Streams a session's KV: one header, then one chunk per block, in block order. The session
+    """Streams a session's KV: one header, then its blocks in order, in runs of consecutive
+    blocks (one block per chunk unless the puller asks for more, `max_blocks_per_chunk`). The session
     stays open after a pull, so that a puller that fails before its request is accepted (or
     dies) leaves it to another puller: a pull that sent everything leaves it for at most a
     short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
@@ -56,7 +57,8 @@ class KvTransferStub:
 class KvTransferAsyncStub(KvTransferStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     PullKvSession: _aio.UnaryStreamMultiCallable[_kv_transfer_pb2.PullKvSessionRequest, _kv_transfer_pb2.KvSessionChunk]  # type: ignore[assignment]
-    """Streams a session's KV: one header, then one chunk per block, in block order. The session
+    """Streams a session's KV: one header, then its blocks in order, in runs of consecutive
+    blocks (one block per chunk unless the puller asks for more, `max_blocks_per_chunk`). The session
     stays open after a pull, so that a puller that fails before its request is accepted (or
     dies) leaves it to another puller: a pull that sent everything leaves it for at most a
     short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
@@ -77,7 +79,8 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_transfer_pb2.PullKvSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kv_transfer_pb2.KvSessionChunk], _abc.AsyncIterator[_kv_transfer_pb2.KvSessionChunk]]:
-        """Streams a session's KV: one header, then one chunk per block, in block order. The session
+        """Streams a session's KV: one header, then its blocks in order, in runs of consecutive
+        blocks (one block per chunk unless the puller asks for more, `max_blocks_per_chunk`). The session
         stays open after a pull, so that a puller that fails before its request is accepted (or
         dies) leaves it to another puller: a pull that sent everything leaves it for at most a
         short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
