@@ -24,7 +24,7 @@ the prompt's last token; block size; `kv_layout`; number of blocks), then the bl
 as runs: each `KvBlockData` holds `num_blocks` consecutive blocks from `index`, each the
 runner's `kv_block_bytes` (zero for the sim runner), the runs adjacent, none past the header's
 count. A run holds at most what the puller asked for (`max_blocks_per_chunk`; 0, as pullers
-before runs send: one block a message). Runs of about `CHUNK_BYTES` move KV ~3x faster than a
+before runs send: one block a message). Runs of about `CHUNK_BYTES` stream faster than a
 message per block (docs/benchmarks/engine.md, "Prefill/decode handoff").
 
 Session lifetime (PREFILL engine): PREFILLING (its request runs: not pullable, no TTL) ->

@@ -179,16 +179,18 @@ Global___KvSessionHeader: _TypeAlias = KvSessionHeader  # noqa: Y015
 
 @_typing.final
 class KvBlockData(_message.Message):
+    """A run of consecutive blocks: `index`, `index + 1`, .. `index + num_blocks - 1`. Each run
+    starts where the previous one ended (the first at 0) and ends at the header's `num_blocks`
+    at most; runs never overlap or leave gaps. (The name is from when a chunk was one block.)
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INDEX_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
-    """A run of consecutive blocks: `index`, `index + 1`, .. `index + num_blocks - 1`. Each run
-    starts where the previous one ended (the first at 0) and ends at the header's
-    `num_blocks` at most; runs never overlap or leave gaps.
-    0-based index of the run's first block within the session (block i holds tokens
+    """0-based index of the run's first block within the session (block i holds tokens
     i*block_size ..).
     """
     data: _builtins.bytes
