@@ -34,6 +34,9 @@ BlockKey = int
 """kvplane's canonical chained key of one full block, signed 64-bit (`indexer.keys.block_keys`)."""
 
 BlockId = int
+# One block's KV as the runner's `write_kv_blocks` takes it: its own bytes, or a zero-copy view
+# into a larger message holding a run of blocks (KV transfer).
+KvBlockBytes = bytes | memoryview
 """Index of a physical KV block in the runner's cache, 0 <= id < num_blocks."""
 
 
@@ -415,13 +418,16 @@ class ModelRunner(Protocol):
         """The size of one block's bytes (every layer's K and V)."""
         ...
 
-    def read_kv_blocks(self, block_ids: Sequence[BlockId]) -> list[bytes]:
-        """A copy of these blocks' KV, one `kv_block_bytes` string per block, in order."""
+    def read_kv_blocks(self, block_ids: Sequence[BlockId]) -> bytes:
+        """A copy of these blocks' KV as one string: each block's `kv_block_bytes` in turn,
+        in order (one string, not one per block: the transfer sends runs of blocks as one
+        message, and a copy per block cost as much as the stream)."""
         ...
 
-    def write_kv_blocks(self, block_ids: Sequence[BlockId], blocks: Sequence[bytes]) -> None:
-        """Overwrite these blocks' KV with `blocks` (as `read_kv_blocks` returns them); raises
-        ValueError on a count or size mismatch before writing anything."""
+    def write_kv_blocks(self, block_ids: Sequence[BlockId], blocks: Sequence[KvBlockBytes]) -> None:
+        """Overwrite these blocks' KV with `blocks`, one `kv_block_bytes` buffer per block (a
+        slice of what `read_kv_blocks` returns); raises ValueError on a count or size mismatch
+        before writing anything."""
         ...
 
 

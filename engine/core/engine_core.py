@@ -37,6 +37,7 @@ from engine.core.api import (
     EngineRequest,
     FinishReason,
     ForwardPassStats,
+    KvBlockBytes,
     KvEvent,
     LoadSnapshot,
     ModelRunner,
@@ -380,9 +381,9 @@ class EngineCore:
         held = self._kv_sessions.get(session_id)
         return None if held is None else held.token_ids
 
-    def read_kv_session(self, session_id: str, first_block: int, num_blocks: int) -> list[bytes]:
-        """The bytes of `num_blocks` of a held session's blocks from `first_block` (KeyError
-        when the session is not held)."""
+    def read_kv_session(self, session_id: str, first_block: int, num_blocks: int) -> bytes:
+        """The bytes of `num_blocks` of a held session's blocks from `first_block`, one block
+        after another (KeyError when the session is not held)."""
         table = self.block_manager.block_table(self._kv_sessions[session_id].seq_id)
         return self.runner.read_kv_blocks(table[first_block : first_block + num_blocks])
 
@@ -398,7 +399,7 @@ class EngineCore:
     def import_kv_blocks(
         self,
         token_ids: PySequence[int],
-        blocks: PySequence[bytes],
+        blocks: PySequence[KvBlockBytes],
         *,
         lora_name: str | None = None,
         cache_salt: str | None = None,

@@ -37,7 +37,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.core.api import Candidate, ScheduledBatch, SequenceResult, TokenLogprob
+from engine.core.api import (
+    Candidate,
+    KvBlockBytes,
+    ScheduledBatch,
+    SequenceResult,
+    TokenLogprob,
+)
 from engine.core.lora import AdapterConfig, read_adapter_config
 
 
@@ -249,10 +255,10 @@ class SimRunner:
     def kv_block_bytes(self) -> int:
         return 0
 
-    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        return [b""] * len(block_ids)
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> bytes:
+        return b""
 
-    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes]) -> None:
+    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[KvBlockBytes]) -> None:
         if len(blocks) != len(block_ids) or any(blocks):
             raise ValueError("the sim runner's blocks are empty, one per block id")
 

@@ -19,10 +19,16 @@ import grpc
 from google.protobuf import struct_pb2
 
 from engine.config import KvTransferConfig
-from engine.core.api import EngineRequest
+from engine.core.api import EngineRequest, KvBlockBytes
 from engine.core.errors import InvalidRequestError
 from engine.server.errors import KvSessionNotFoundError, KvSessionRefusedError, KvTransferError
-from engine.server.kv_transfer import PROTOCOL, TRANSFER_BACKEND, KvNamespace, check_fit
+from engine.server.kv_transfer import (
+    PROTOCOL,
+    TRANSFER_BACKEND,
+    KvNamespace,
+    blocks_per_chunk,
+    check_fit,
+)
 from kvplane.channels import ClientChannels
 from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
@@ -36,7 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# gRPC refuses messages above 4 MiB by default; one block of a large model is bigger.
+# gRPC refuses messages above 4 MiB by default; one run of blocks (or one block of a large
+# model) may be bigger.
 _MIN_RECEIVE_BYTES = 4 << 20
 _MAX_SESSION_ID_CHARS = 1024
 _MAX_PORT = 65535
@@ -54,10 +61,11 @@ def decode_request(request: EngineRequest) -> EngineRequest:
 
 @dataclass(frozen=True, slots=True)
 class PulledSession:
-    """A session's KV as received: `blocks[i]` holds full block i of `token_ids`."""
+    """A session's KV as received: `blocks[i]` holds full block i of `token_ids` (a view into
+    the message that brought it: the blocks are copied once, into the cache)."""
 
     token_ids: tuple[int, ...]
-    blocks: list[bytes]
+    blocks: list[KvBlockBytes]
 
     def importer(self, request: EngineRequest) -> Callable[[EngineCore], object]:
         """What the engine thread runs just before adding `request` (EngineLoop.submit's
@@ -90,7 +98,8 @@ class KvSessionPuller:
         self._block_size = block_size
         self._kv_layout = kv_layout
         self._block_bytes = kv_block_bytes
-        receive = max(_MIN_RECEIVE_BYTES, kv_block_bytes + (1 << 20))
+        self._blocks_per_chunk = blocks_per_chunk(kv_block_bytes)
+        receive = max(_MIN_RECEIVE_BYTES, self._blocks_per_chunk * kv_block_bytes + (1 << 20))
         self._channel_options = dataclasses.replace(
             channels,
             options=(*channels.options, ("grpc.max_receive_message_length", receive)),
@@ -164,6 +173,7 @@ class KvSessionPuller:
             prompt_token_ids=prompt_token_ids,
             lora_name=namespace.lora_name,
             cache_salt=namespace.cache_salt,
+            max_blocks_per_chunk=self._blocks_per_chunk,
         )
         call = stub.PullKvSession(pull_request, timeout=self._timeout_s)
         where = f"KV session {ref.session_id!r} at {target}"
@@ -178,7 +188,8 @@ class KvSessionPuller:
         self, call: AsyncIterable[kt.KvSessionChunk], prompt: Sequence[int], where: str
     ) -> PulledSession:
         header: kt.KvSessionHeader | None = None
-        blocks: list[bytes] = []
+        blocks: list[KvBlockBytes] = []
+        block_bytes = self._block_bytes
         async for chunk in call:
             which = chunk.WhichOneof("chunk")
             if header is None:
@@ -187,15 +198,24 @@ class KvSessionPuller:
                 header = chunk.header
                 self._check_header(header, prompt, where)
                 continue
-            block = chunk.block
-            if which != "block" or block.index != len(blocks) or block.index >= header.num_blocks:
+            run = chunk.block
+            num_blocks = run.num_blocks or 1  # 0: a prefill engine before runs, one block
+            if which != "block" or run.index != len(blocks):
                 raise KvTransferError(f"{where}: unexpected chunk after {len(blocks)} blocks")
-            if len(block.data) != self._block_bytes:
+            if num_blocks > self._blocks_per_chunk or run.index + num_blocks > header.num_blocks:
                 raise KvTransferError(
-                    f"{where}: block {block.index} has {len(block.data)} bytes, expected "
-                    f"{self._block_bytes}"
+                    f"{where}: a run of {num_blocks} blocks from block {run.index}, past the "
+                    f"session's {header.num_blocks} blocks or more than the "
+                    f"{self._blocks_per_chunk} asked for"
                 )
-            blocks.append(block.data)
+            data = run.data  # each read of the field copies it
+            if len(data) != num_blocks * block_bytes:
+                raise KvTransferError(
+                    f"{where}: blocks {run.index}..{run.index + num_blocks - 1} have "
+                    f"{len(data)} bytes, expected {num_blocks} x {block_bytes}"
+                )
+            view = memoryview(data)
+            blocks.extend(view[i * block_bytes : (i + 1) * block_bytes] for i in range(num_blocks))
         if header is None or len(blocks) != header.num_blocks:
             expected = header.num_blocks if header is not None else "?"
             raise KvTransferError(

@@ -54,6 +54,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.torch_runner.errors import KvCacheError
 from engine.torch_runner.native import NativeKernels
 
+# write_blocks stages this many bytes of blocks (at least one block) before scattering them.
+_STAGING_BYTES = 16 << 20
 # A group is split when its padded score matrix exceeds this multiple of the useful one.
 _MAX_PADDING_FACTOR = 1.5
 # ... on a GPU, where each group's dozen kernel launches cost more than its padded arithmetic:
@@ -408,6 +410,8 @@ class PagedKvCache:
         self.keys = [_resident(shape, dtype, device) for _ in range(num_layers)]
         self.values = [_resident(shape, dtype, device) for _ in range(num_layers)]
         self.workspace = GatherWorkspace(block_size * num_kv_heads * head_dim, dtype, device)
+        # write_blocks' staging buffer on the CPU, [blocks, block_bytes] of uint8 (lazy).
+        self._staging: torch.Tensor | None = None
 
     @staticmethod
     def bytes_per_block(
@@ -434,10 +438,12 @@ class PagedKvCache:
     def block_bytes(self) -> int:
         return 2 * len(self.keys) * self.keys[0][0].numel() * self.keys[0].element_size()
 
-    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        """A copy of the blocks' K and V, one bytes string per block (moved to the CPU)."""
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+        """A copy of the blocks' K and V as one bytes string (moved to the CPU), each block's
+        `block_bytes` in turn. One string for all of them: a `tobytes` per block cost more
+        than the gather, and the transfer sends a run of blocks per message anyway."""
         if not block_ids:
-            return []
+            return b""
         self._check_ids(block_ids)
         with torch.inference_mode():
             ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.keys[0].device)
@@ -449,30 +455,48 @@ class PagedKvCache:
                 ],
                 dim=1,
             )
-            raw = data.cpu().contiguous().view(torch.uint8).reshape(len(block_ids), -1)
-            return [row.numpy().tobytes() for row in raw]
+            return data.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
-    def write_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes]) -> None:
-        """Overwrite the blocks with bytes as `read_blocks` gives them; checks every count and
-        size before writing anything (ValueError)."""
+    def write_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes | memoryview]) -> None:
+        """Overwrite the blocks with bytes as `read_blocks` gives them, one buffer per block
+        (its own bytes or a view into a larger message); checks every count and size before
+        writing anything (ValueError).
+
+        The blocks are copied into a resident staging buffer, `_STAGING_BYTES` at a time, and
+        scattered from there, a dozen or so `index_copy_` per batch: one scatter per block cost
+        ~4x more, and joining the blocks into one fresh buffer page-faulted through all of
+        it (measured: 65 ms for 191 blocks of 256 KiB; 12 ms staged). The staging buffer is
+        allocated on the first write (an engine that never imports KV never pays for it)."""
         if len(blocks) != len(block_ids):
             raise ValueError(f"{len(blocks)} blocks of data for {len(block_ids)} block ids")
         if not block_ids:
             return
         self._check_ids(block_ids)
         expected = self.block_bytes
-        sizes = {len(b) for b in blocks}
+        sizes = {memoryview(b).nbytes for b in blocks}
         if sizes != {expected}:
             raise ValueError(f"a KV block is {expected} bytes here, got sizes {sorted(sizes)}")
+        if self._staging is None:
+            num_staged = max(1, min(self.num_blocks, _STAGING_BYTES // expected))
+            self._staging = _resident((num_staged, expected), torch.uint8, torch.device("cpu"))
+        staging = self._staging
+        staged = staging.numpy().data.cast("B")  # a view of the tensor's memory
         key = self.keys[0]
         with torch.inference_mode():
-            raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8)
-            data = raw.view(key.dtype).reshape(len(block_ids), len(self.keys), 2, *key.shape[1:])
-            data = data.to(key.device)
-            ids = torch.tensor(list(block_ids), dtype=torch.int64, device=key.device)
-            for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-                k.index_copy_(0, ids, data[:, layer, 0])
-                v.index_copy_(0, ids, data[:, layer, 1])
+            for start in range(0, len(block_ids), len(staging)):
+                batch = blocks[start : start + len(staging)]
+                for row, block in enumerate(batch):
+                    staged[row * expected : (row + 1) * expected] = block
+                data = staging[: len(batch)].view(key.dtype)
+                data = data.reshape(len(batch), len(self.keys), 2, *key.shape[1:]).to(key.device)
+                ids = torch.tensor(
+                    list(block_ids[start : start + len(batch)]),
+                    dtype=torch.int64,
+                    device=key.device,
+                )
+                for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+                    k.index_copy_(0, ids, data[:, layer, 0])
+                    v.index_copy_(0, ids, data[:, layer, 1])
 
     def _check_ids(self, block_ids: Sequence[int]) -> None:
         if min(block_ids) < 0 or max(block_ids) >= self.num_blocks:

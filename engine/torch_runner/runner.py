@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-from engine.core.api import ScheduledBatch, ScheduledSequence, SequenceResult, TokenLogprob
+from engine.core.api import (
+    KvBlockBytes,
+    ScheduledBatch,
+    ScheduledSequence,
+    SequenceResult,
+    TokenLogprob,
+)
 from engine.torch_runner.attention import (
     AttentionMetadata,
     PagedKvCache,
@@ -202,10 +208,10 @@ class TorchModelRunner:
     def kv_block_bytes(self) -> int:
         return self.kv_cache.block_bytes
 
-    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> bytes:
         return self.kv_cache.read_blocks(block_ids)
 
-    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes]) -> None:
+    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[KvBlockBytes]) -> None:
         self.kv_cache.write_blocks(block_ids, blocks)
 
     def execute(self, batch: ScheduledBatch) -> list[SequenceResult]:

@@ -11,6 +11,7 @@ from engine.core.api import (
     BlockStored,
     EngineRequest,
     FinishReason,
+    KvBlockBytes,
     RequestOutput,
     SamplingParams,
 )
@@ -38,13 +39,13 @@ class BytesRunner(SimRunner):
     def kv_block_bytes(self) -> int:
         return 2
 
-    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
-        return [self.data.get(b, b"??") for b in block_ids]
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> bytes:
+        return b"".join(self.data.get(b, b"??") for b in block_ids)
 
-    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[bytes]) -> None:
+    def write_kv_blocks(self, block_ids: Sequence[int], blocks: Sequence[KvBlockBytes]) -> None:
         if self.fail_writes:
             raise ValueError("bad block")
-        self.data.update(zip(block_ids, blocks, strict=True))
+        self.data.update(zip(block_ids, map(bytes, blocks), strict=True))
 
 
 def run(core: EngineCore, request: EngineRequest) -> list[RequestOutput]:
@@ -98,8 +99,8 @@ def test_read_kv_session_copies_the_held_blocks_bytes() -> None:
     # The sim computes nothing; give the held blocks recognisable bytes.
     table = core.block_manager.block_table(core._kv_sessions["s1"].seq_id)
     runner.write_kv_blocks(table, [b"k0", b"k1"])
-    assert core.read_kv_session("s1", 0, 2) == [b"k0", b"k1"]
-    assert core.read_kv_session("s1", 1, 5) == [b"k1"]
+    assert core.read_kv_session("s1", 0, 2) == b"k0k1"
+    assert core.read_kv_session("s1", 1, 5) == b"k1"
     with pytest.raises(KeyError):
         core.read_kv_session("nope", 0, 1)
 
@@ -151,8 +152,8 @@ def test_a_session_moves_from_a_prefill_core_to_a_decode_core() -> None:
     run(prefill_core, prefill())
     table = prefill_core.block_manager.block_table(prefill_core._kv_sessions["s1"].seq_id)
     prefill_runner.write_kv_blocks(table, [b"k0", b"k1"])
-    blocks = prefill_core.read_kv_session("s1", 0, 2)
-    decode_core.import_kv_blocks(PROMPT, blocks)
+    data = memoryview(prefill_core.read_kv_session("s1", 0, 2))
+    decode_core.import_kv_blocks(PROMPT, [data[:2], data[2:]])  # as the puller passes them
     request = EngineRequest("d", PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))
     decoded = run(decode_core, request)
     alone = run(EngineCore(BytesRunner()), request)

@@ -11,6 +11,9 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
+from engine.server import kv_pull
+from kvplane_api.v1 import kv_transfer_pb2 as kt
+from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import collect, running_engine
 from tests.engine.torch_reference import TEST_DEVICE, TINY_LLAMA
@@ -107,3 +110,41 @@ async def test_a_session_of_other_bytes_gives_other_tokens() -> None:
         alone = await collect(aggregated.stub, _greedy())
         assert decoded[-1].usage.cached_prompt_tokens == 3 * BLOCK
         assert _tokens(decoded) != _tokens(alone)
+
+
+async def test_a_session_in_runs_over_several_messages_decodes_as_aggregated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode engine asks for runs of 2 blocks: the 3 blocks come as a run of 2 and a run
+    of 1, and it still generates what the aggregated engine does. A puller from before runs
+    (`max_blocks_per_chunk` unset) gets the same bytes one block a message."""
+    monkeypatch.setattr(kv_pull, "blocks_per_chunk", lambda kv_block_bytes: 2)
+    async with AsyncExitStack() as stack:
+        prefiller, decoder, aggregated = [
+            await stack.enter_async_context(running_engine(_config(role, "float32")))
+            for role in ("prefill", "decode", "aggregated")
+        ]
+        handoff = await collect(prefiller.stub, _greedy())
+        session = handoff[-1].prefill_ready.kv_session
+        stub = kt_grpc.KvTransferStub(prefiller.channel)
+
+        async def wire(max_blocks_per_chunk: int) -> list[tuple[int, int, bytes]]:
+            request = kt.PullKvSessionRequest(
+                session_id=session.session_id, max_blocks_per_chunk=max_blocks_per_chunk
+            )
+            chunks = [c async for c in stub.PullKvSession(request)]
+            assert chunks[0].WhichOneof("chunk") == "header"
+            return [(c.block.index, c.block.num_blocks, c.block.data) for c in chunks[1:]]
+
+        runs = await wire(2)
+        assert [(index, count) for index, count, _ in runs] == [(0, 2), (2, 1)]
+        one_a_message = await wire(0)
+        assert [(index, count) for index, count, _ in one_a_message] == [(0, 1), (1, 1), (2, 1)]
+        assert b"".join(d for *_, d in runs) == b"".join(d for *_, d in one_a_message)
+
+        decode = _greedy()
+        decode.kv.session.CopyFrom(session)
+        decoded = await collect(decoder.stub, decode)
+        alone = await collect(aggregated.stub, _greedy())
+        assert decoded[-1].usage.cached_prompt_tokens == 3 * BLOCK
+        assert _tokens(decoded) == _tokens(alone) and len(_tokens(alone)) == 12

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvplane_api/v1/kv_transfer.proto\x12\nkvplane.v1\"-\n\x17ReleaseKvSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1a\n\x18ReleaseKvSessionResponse\"\x96\x01\n\x14PullKvSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\tkv_layout\x18\x03 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x04 \x03(\rB\x02\x10\x01\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"r\n\x0eKvSessionChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvplane.v1.KvSessionHeaderH\x00\x12(\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x17.kvplane.v1.KvBlockDataH\x00\x42\x07\n\x05\x63hunk\"c\n\x0fKvSessionHeader\x12\x15\n\ttoken_ids\x18\x01 \x03(\rB\x02\x10\x01\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\tkv_layout\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\"*\n\x0bKvBlockData\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xbc\x01\n\nKvTransfer\x12O\n\rPullKvSession\x12 .kvplane.v1.PullKvSessionRequest\x1a\x1a.kvplane.v1.KvSessionChunk0\x01\x12]\n\x10ReleaseKvSession\x12#.kvplane.v1.ReleaseKvSessionRequest\x1a$.kvplane.v1.ReleaseKvSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvplane_api/v1/kv_transfer.proto\x12\nkvplane.v1\"-\n\x17ReleaseKvSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1a\n\x18ReleaseKvSessionResponse\"\xb4\x01\n\x14PullKvSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\tkv_layout\x18\x03 \x01(\t\x12\x1c\n\x10prompt_token_ids\x18\x04 \x03(\rB\x02\x10\x01\x12\x11\n\tlora_name\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x1c\n\x14max_blocks_per_chunk\x18\x07 \x01(\r\"r\n\x0eKvSessionChunk\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvplane.v1.KvSessionHeaderH\x00\x12(\n\x05\x62lock\x18\x02 \x01(\x0b\x32\x17.kvplane.v1.KvBlockDataH\x00\x42\x07\n\x05\x63hunk\"c\n\x0fKvSessionHeader\x12\x15\n\ttoken_ids\x18\x01 \x03(\rB\x02\x10\x01\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x11\n\tkv_layout\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\">\n\x0bKvBlockData\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x03 \x01(\r2\xbc\x01\n\nKvTransfer\x12O\n\rPullKvSession\x12 .kvplane.v1.PullKvSessionRequest\x1a\x1a.kvplane.v1.KvSessionChunk0\x01\x12]\n\x10ReleaseKvSession\x12#.kvplane.v1.ReleaseKvSessionRequest\x1a$.kvplane.v1.ReleaseKvSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,13 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEKVSESSIONRESPONSE']._serialized_start=95
   _globals['_RELEASEKVSESSIONRESPONSE']._serialized_end=121
   _globals['_PULLKVSESSIONREQUEST']._serialized_start=124
-  _globals['_PULLKVSESSIONREQUEST']._serialized_end=274
-  _globals['_KVSESSIONCHUNK']._serialized_start=276
-  _globals['_KVSESSIONCHUNK']._serialized_end=390
-  _globals['_KVSESSIONHEADER']._serialized_start=392
-  _globals['_KVSESSIONHEADER']._serialized_end=491
-  _globals['_KVBLOCKDATA']._serialized_start=493
-  _globals['_KVBLOCKDATA']._serialized_end=535
-  _globals['_KVTRANSFER']._serialized_start=538
-  _globals['_KVTRANSFER']._serialized_end=726
+  _globals['_PULLKVSESSIONREQUEST']._serialized_end=304
+  _globals['_KVSESSIONCHUNK']._serialized_start=306
+  _globals['_KVSESSIONCHUNK']._serialized_end=420
+  _globals['_KVSESSIONHEADER']._serialized_start=422
+  _globals['_KVSESSIONHEADER']._serialized_end=521
+  _globals['_KVBLOCKDATA']._serialized_start=523
+  _globals['_KVBLOCKDATA']._serialized_end=585
+  _globals['_KVTRANSFER']._serialized_start=588
+  _globals['_KVTRANSFER']._serialized_end=776
 # @@protoc_insertion_point(module_scope)

@@ -68,6 +68,7 @@ class PullKvSessionRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_PER_CHUNK_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """KvSessionRef.session_id from the prefill engine's PrefillReady."""
     block_size: _builtins.int
@@ -83,6 +84,11 @@ class PullKvSessionRequest(_message.Message):
     before anything is sent, and stays pullable.
     """
     cache_salt: _builtins.str
+    max_blocks_per_chunk: _builtins.int
+    """The most blocks one `KvBlockData` may carry (0: one, as pullers before runs asked; a
+    prefill engine before runs sends one a chunk whatever this says). The puller accepts
+    messages of that many blocks (plus slack); fewer, larger messages move KV faster.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -94,10 +100,11 @@ class PullKvSessionRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         lora_name: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
+        max_blocks_per_chunk: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_salt", b"cache_salt", "kv_layout", b"kv_layout", "lora_name", b"lora_name", "prompt_token_ids", b"prompt_token_ids", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "cache_salt", b"cache_salt", "kv_layout", b"kv_layout", "lora_name", b"lora_name", "max_blocks_per_chunk", b"max_blocks_per_chunk", "prompt_token_ids", b"prompt_token_ids", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -115,7 +122,7 @@ class KvSessionChunk(_message.Message):
 
     @_builtins.property
     def block(self) -> Global___KvBlockData:
-        """then `num_blocks` of these, index 0, 1, ..."""
+        """then runs covering blocks 0 .. num_blocks - 1 in order"""
 
     def __init__(
         self,
@@ -172,23 +179,38 @@ Global___KvSessionHeader: _TypeAlias = KvSessionHeader  # noqa: Y015
 
 @_typing.final
 class KvBlockData(_message.Message):
+    """A run of consecutive blocks: `index`, `index + 1`, .. `index + num_blocks - 1`. Each run
+    starts where the previous one ended (the first at 0) and ends at the header's `num_blocks`
+    at most; runs never overlap or leave gaps. (The name is from when a chunk was one block.)
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INDEX_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
-    """0-based block index within the session (block i holds tokens i*block_size ..)."""
+    """0-based index of the run's first block within the session (block i holds tokens
+    i*block_size ..).
+    """
     data: _builtins.bytes
-    """Every layer's K and V of the block, as `kv_layout` says (empty for the sim runner)."""
+    """Every layer's K and V of each block of the run in turn, as `kv_layout` says: exactly
+    `num_blocks` times the layout's bytes per block (empty for the sim runner).
+    """
+    num_blocks: _builtins.int
+    """How many blocks the run holds, at most the request's `max_blocks_per_chunk`; 0 means 1
+    (a prefill engine before runs sends one block per chunk and leaves it unset).
+    """
     def __init__(
         self,
         *,
         index: _builtins.int = ...,
         data: _builtins.bytes = ...,
+        num_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "index", b"index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "index", b"index", "num_blocks", b"num_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,12 +50,13 @@ class KvTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def PullKvSession(self, request, context):
-        """Streams a session's KV: one header, then one chunk per block, in block order. The session
-        stays open after a pull, so that a puller that fails before its request is accepted (or
-        dies) leaves it to another puller: a pull that sent everything leaves it for at most a
-        short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
-        pull of a session being pulled waits for that pull to end). Unknown, expired or released
-        sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+        """Streams a session's KV: one header, then its blocks in order, in runs of consecutive
+        blocks (one block a chunk unless the puller asks for more, `max_blocks_per_chunk`). The
+        session stays open after a pull, so that a puller that fails before its request is
+        accepted (or dies) leaves it to another puller: a pull that sent everything leaves it for
+        at most a short grace (10 s, or the TTL if shorter), a pull cut short or refused until its
+        TTL (a pull of a session being pulled waits for that pull to end). Unknown, expired or
+        released sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

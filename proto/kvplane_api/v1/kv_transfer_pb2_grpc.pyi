@@ -38,12 +38,13 @@ class KvTransferStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvTransferAsyncStub: ...
     PullKvSession: _grpc.UnaryStreamMultiCallable[_kv_transfer_pb2.PullKvSessionRequest, _kv_transfer_pb2.KvSessionChunk]
-    """Streams a session's KV: one header, then one chunk per block, in block order. The session
-    stays open after a pull, so that a puller that fails before its request is accepted (or
-    dies) leaves it to another puller: a pull that sent everything leaves it for at most a
-    short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
-    pull of a session being pulled waits for that pull to end). Unknown, expired or released
-    sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+    """Streams a session's KV: one header, then its blocks in order, in runs of consecutive
+    blocks (one block a chunk unless the puller asks for more, `max_blocks_per_chunk`). The
+    session stays open after a pull, so that a puller that fails before its request is
+    accepted (or dies) leaves it to another puller: a pull that sent everything leaves it for
+    at most a short grace (10 s, or the TTL if shorter), a pull cut short or refused until its
+    TTL (a pull of a session being pulled waits for that pull to end). Unknown, expired or
+    released sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
     """
     ReleaseKvSession: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseKvSessionRequest, _kv_transfer_pb2.ReleaseKvSessionResponse]
     """The puller has what it needs (its request was accepted): release the session; its blocks
@@ -56,12 +57,13 @@ class KvTransferStub:
 class KvTransferAsyncStub(KvTransferStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     PullKvSession: _aio.UnaryStreamMultiCallable[_kv_transfer_pb2.PullKvSessionRequest, _kv_transfer_pb2.KvSessionChunk]  # type: ignore[assignment]
-    """Streams a session's KV: one header, then one chunk per block, in block order. The session
-    stays open after a pull, so that a puller that fails before its request is accepted (or
-    dies) leaves it to another puller: a pull that sent everything leaves it for at most a
-    short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
-    pull of a session being pulled waits for that pull to end). Unknown, expired or released
-    sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+    """Streams a session's KV: one header, then its blocks in order, in runs of consecutive
+    blocks (one block a chunk unless the puller asks for more, `max_blocks_per_chunk`). The
+    session stays open after a pull, so that a puller that fails before its request is
+    accepted (or dies) leaves it to another puller: a pull that sent everything leaves it for
+    at most a short grace (10 s, or the TTL if shorter), a pull cut short or refused until its
+    TTL (a pull of a session being pulled waits for that pull to end). Unknown, expired or
+    released sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
     """
     ReleaseKvSession: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseKvSessionRequest, _kv_transfer_pb2.ReleaseKvSessionResponse]  # type: ignore[assignment]
     """The puller has what it needs (its request was accepted): release the session; its blocks
@@ -77,12 +79,13 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         request: _kv_transfer_pb2.PullKvSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kv_transfer_pb2.KvSessionChunk], _abc.AsyncIterator[_kv_transfer_pb2.KvSessionChunk]]:
-        """Streams a session's KV: one header, then one chunk per block, in block order. The session
-        stays open after a pull, so that a puller that fails before its request is accepted (or
-        dies) leaves it to another puller: a pull that sent everything leaves it for at most a
-        short grace (10 s, or the TTL if shorter), a pull cut short or refused until its TTL (a
-        pull of a session being pulled waits for that pull to end). Unknown, expired or released
-        sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+        """Streams a session's KV: one header, then its blocks in order, in runs of consecutive
+        blocks (one block a chunk unless the puller asks for more, `max_blocks_per_chunk`). The
+        session stays open after a pull, so that a puller that fails before its request is
+        accepted (or dies) leaves it to another puller: a pull that sent everything leaves it for
+        at most a short grace (10 s, or the TTL if shorter), a pull cut short or refused until its
+        TTL (a pull of a session being pulled waits for that pull to end). Unknown, expired or
+        released sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
         """
 
     @_abc_1.abstractmethod
