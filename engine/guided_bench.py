@@ -156,11 +156,18 @@ def _sampler_cost() -> list[dict[str, Any]]:
     sampler = Sampler(frozenset({2}), seed=0)
     params = SamplingParams(temperature=1.0)
     rows_out = []
-    for allowed_count in (None, 10, 16000):
-        allowed = None if allowed_count is None else tuple(range(allowed_count))
-        rows = [SamplingRow(params, 1, (), (), allowed) for _ in range(8)]
-        cost = _ms(lambda rows=rows: sampler.sample(logits, rows), repeat=20)  # type: ignore[misc]
-        rows_out.append({"rows": 8, "vocab": vocab, "allowed": allowed_count, "ms": cost})
+    # One torch thread, as the engine configs run (`num_threads: 1`): torch's own pool, beside
+    # the tokenizer's worker threads the vocabularies above started, measures contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for allowed_count in (None, 10, 16000):
+            allowed = None if allowed_count is None else tuple(range(allowed_count))
+            rows = [SamplingRow(params, 1, (), (), allowed) for _ in range(8)]
+            cost = _ms(lambda rows=rows: sampler.sample(logits, rows), repeat=20)  # type: ignore[misc]
+            rows_out.append({"rows": 8, "vocab": vocab, "allowed": allowed_count, "ms": cost})
+    finally:
+        torch.set_num_threads(threads)
     return rows_out
 
 
