@@ -3,9 +3,9 @@
 The trie walk (`TokenMasker.allowed`) per state, the first time ("walk") and again (the
 per-state memo), on the builtin tokenizer, tiny-llama's (when ../shared is there) and a
 32000-token byte-level BPE trained here on the Python standard library's sources (no download;
-`--quick` leaves it out); compiling the regex and schema guides to their DFAs; and the
-sampler's mask on a 32000-wide row. Best of several runs each. Importing this module does not
-import torch.
+`--quick` leaves it out); compiling the regex and schema guides to their DFAs and the EBNF
+guide (llama.cpp's JSON grammar); and the sampler's mask on a 32000-wide row. Best of several
+runs each. Importing this module does not import torch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import typer
 
 from engine.core.api import GuidedDecoding, GuideKind
 from engine.core.guided import RegexGuide, compile_guide
+from engine.core.guided_ebnf import EbnfGuide
 from engine.core.guided_json import schema_to_regex
 from engine.core.guided_vocab import GuidedState, TokenMasker, VocabTrie, token_bytes
 from kvplane.cli_common import OutputFormat, OutputOption, emit
@@ -83,18 +84,44 @@ def _case(masker: TokenMasker, text: str) -> dict[str, Any]:
     walk = _ms(lambda: TokenMasker(masker.guide, masker.trie, masker.vocabulary).allowed(state))
     allowed, _ = fresh.allowed(state)
     again = _ms(lambda: fresh.allowed(state), repeat=50)
-    return {"allowed": len(allowed), "first_visit_ms": walk, "repeat_visit_ms": again}
+    result = {"allowed": len(allowed), "first_visit_ms": walk, "repeat_visit_ms": again}
+    if isinstance(masker.guide, EbnfGuide):
+        result["first_visit_cold_ms"] = _ebnf_cold_ms(masker, text)
+    return result
+
+
+def _ebnf_cold_ms(masker: TokenMasker, text: str) -> float:
+    """The first visit with a new guide: its cache of Earley steps empty (the first visit
+    above reuses the guide, so it measures the walk over cached steps)."""
+    best = float("inf")
+    for _ in range(5):
+        cold = TokenMasker(EbnfGuide(EBNF_JSON), masker.trie, masker.vocabulary)
+        state = _state(cold, text)
+        start = time.perf_counter()
+        cold.allowed(state)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 SCHEMA_TEXT = json.dumps(SCHEMA)
 MANY_OPTIONAL = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(30)}}
 CHOICES = ("yes", "no", "maybe", "never")
+# llama.cpp's json.gbnf, its whitespace cut to at most one space (as the JSON guides).
+EBNF_JSON = r"""root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [0-9]{0,15})? ws
+ws ::= " "?
+"""
 CASES = [
     ("regex after '123-ab'", GuidedDecoding(GuideKind.REGEX, r"[0-9]{3}-[a-z]+"), "123-ab"),
     ("choice of 4 at the start", GuidedDecoding(GuideKind.CHOICE, choices=CHOICES), ""),
     ("json_object in a string", GuidedDecoding(GuideKind.JSON_OBJECT), '{"key": "val'),
     ("json_object after a comma", GuidedDecoding(GuideKind.JSON_OBJECT), '{"a": 1,'),
     ("json_schema in a string", GuidedDecoding(GuideKind.JSON_SCHEMA, SCHEMA_TEXT), '{"name": "Jo'),
+    ("ebnf json in a string", GuidedDecoding(GuideKind.EBNF_GRAMMAR, EBNF_JSON), '{"key": ["val'),
 ]  # fmt: skip
 
 
@@ -105,10 +132,13 @@ def _compile_cost() -> list[dict[str, Any]]:
         "json_schema (3 properties)": schema_to_regex(SCHEMA_TEXT),
         "json_schema (30 optional strings)": schema_to_regex(json.dumps(MANY_OPTIONAL)),
     }
-    rows = []
+    rows: list[dict[str, Any]] = []
     for label, pattern in patterns.items():
         cost = _ms(lambda pattern=pattern: RegexGuide(pattern), repeat=3)  # type: ignore[misc]
         rows.append({"guide": label, "dfa_states": RegexGuide(pattern).num_states, "ms": cost})
+    cost = _ms(lambda: EbnfGuide(EBNF_JSON), repeat=3)
+    productions = EbnfGuide(EBNF_JSON).num_productions
+    rows.append({"guide": "ebnf_grammar (json)", "bnf_productions": productions, "ms": cost})
     return rows
 
 
@@ -179,12 +209,19 @@ def render_table(result: dict[str, Any]) -> str:
             f"built in {v['build_ms']:.0f} ms"
         )
         for c in v["cases"]:
+            cold = c.get("first_visit_cold_ms")
             lines.append(
                 f"  {c['case']}: {c['allowed']} allowed, first visit {c['first_visit_ms']:.2f} "
-                f"ms, repeat visit {c['repeat_visit_ms']:.3f} ms"
+                f"ms{'' if cold is None else f' (new guide {cold:.2f} ms)'}, "
+                f"repeat visit {c['repeat_visit_ms']:.3f} ms"
             )
     for c in result["compile"]:
-        lines.append(f"compile {c['guide']}: {c['dfa_states']} DFA states, {c['ms']:.1f} ms")
+        size = (
+            f"{c['dfa_states']} DFA states"
+            if "dfa_states" in c
+            else f"{c['bnf_productions']} BNF productions"
+        )
+        lines.append(f"compile {c['guide']}: {size}, {c['ms']:.1f} ms")
     for r in result["sampler"]:
         what = "unguided" if r["allowed"] is None else f"{r['allowed']} allowed"
         lines.append(f"sampler, {r['rows']} rows x {r['vocab']}, {what}: {r['ms']:.2f} ms")

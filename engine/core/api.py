@@ -151,12 +151,14 @@ class GuideKind(Enum):
     CHOICE = "choice"
     JSON_OBJECT = "json_object"
     JSON_SCHEMA = "json_schema"
+    EBNF_GRAMMAR = "ebnf_grammar"
 
 
 @dataclass(frozen=True, slots=True)
 class GuidedDecoding:
-    """A constraint on the output text: `value` is the pattern (REGEX) or the schema's JSON
-    text (JSON_SCHEMA); `choices` the strings of CHOICE; JSON_OBJECT takes neither."""
+    """A constraint on the output text: `value` is the pattern (REGEX), the schema's JSON
+    text (JSON_SCHEMA) or the grammar (EBNF_GRAMMAR); `choices` the strings of CHOICE;
+    JSON_OBJECT takes neither."""
 
     kind: GuideKind
     value: str = ""

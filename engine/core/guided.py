@@ -21,10 +21,12 @@ The modes (`GuideKind`):
 - JSON_OBJECT: any JSON object (`engine.core.guided_json.JsonObjectGuide`, a pushdown parser).
 - JSON_SCHEMA: a subset of JSON Schema compiled to a regex, as outlines does
   (`engine.core.guided_json.schema_to_regex`), then to a DFA as REGEX.
+- EBNF_GRAMMAR: a GBNF grammar from `root` (`engine.core.guided_ebnf.EbnfGuide`, an Earley
+  recognizer whose state is one interned column).
 
 `compile_guide(spec)` validates and builds a guide, raising InvalidRequestError on a bad
-pattern, schema or choice list; it is memoised, so validating a request before acceptance and
-building its outputs' guides after costs one compilation.
+pattern, schema, grammar or choice list; it is memoised, so validating a request before
+acceptance and building its outputs' guides after costs one compilation.
 """
 
 from __future__ import annotations
@@ -136,4 +138,8 @@ def compile_guide(spec: GuidedDecoding) -> Guide:
         return ChoiceGuide(spec.choices)
     if spec.kind is GuideKind.JSON_OBJECT:
         return JsonObjectGuide()
+    if spec.kind is GuideKind.EBNF_GRAMMAR:
+        from engine.core.guided_ebnf import EbnfGuide
+
+        return EbnfGuide(spec.value)
     return RegexGuide(schema_to_regex(spec.value), "guided json_schema")

@@ -151,7 +151,9 @@ def guided_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -> Guided
         return GuidedDecoding(GuideKind.CHOICE, choices=tuple(guided.choice.choices))
     if which == "json_object":
         return GuidedDecoding(GuideKind.JSON_OBJECT)
-    supported = "json_schema, regex, choice, json_object"
+    if which == "ebnf_grammar":
+        return GuidedDecoding(GuideKind.EBNF_GRAMMAR, guided.ebnf_grammar)
+    supported = "json_schema, regex, choice, json_object, ebnf_grammar"
     if which is None:
         raise InvalidRequestError(f"guided: set one of {supported}")
     raise UnsupportedOptionError(f"guided {which} is not supported; supported modes: {supported}")

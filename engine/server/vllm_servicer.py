@@ -4,7 +4,7 @@ Both RPCs run the request exactly like OpenEngine's Generate. The proto's own de
 apply: `temperature` absent -> 0 (greedy; the model has no default of its own), `max_new_tokens`
 0 -> 20, `num_sequences` 0 -> 1, 0 for top_k/top_p/min_p/repetition_penalty -> "off".
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
-is a JSON schema; `grammar` and `structural_tag` are refused, INVALID_ARGUMENT).
+is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
 Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
 acceptance like in OpenEngine. This proto has no error event: a failure after acceptance ends
 the stream with gRPC INTERNAL. A prompt position without a logprob (the first prompt token)

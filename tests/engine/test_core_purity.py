@@ -14,7 +14,7 @@ def test_core_imports_no_io_or_torch() -> None:
         "import sys\n"
         "import engine.core.api, engine.core.engine_core, engine.core.sim_fleet\n"
         "import engine.core.guided, engine.core.guided_json, engine.core.guided_vocab\n"
-        "import engine.core.guided_regex, engine.core.guided_dfa\n"
+        "import engine.core.guided_regex, engine.core.guided_dfa, engine.core.guided_ebnf\n"
         "bad = [m for m in ('torch', 'grpc', 'zmq', 'redis', 'asyncio') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

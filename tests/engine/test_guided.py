@@ -21,6 +21,7 @@ from engine.core.api import GuidedDecoding, GuideKind
 from engine.core.errors import InvalidRequestError
 from engine.core.guided import ChoiceGuide, Guide, GuideState, RegexGuide, compile_guide
 from engine.core.guided_dfa import MAX_DFA_STATES
+from engine.core.guided_ebnf import EbnfGuide
 from engine.core.guided_json import JsonObjectGuide, schema_to_regex
 from engine.core.guided_vocab import GuidedState, TokenMasker, VocabTrie, token_bytes
 from engine.torch_runner.builtin_model import build_tokenizer
@@ -406,8 +407,11 @@ def test_unfinished_utf8_fragments_are_allowed_only_when_a_completion_fits() -> 
         RegexGuide("[à-ÿ]日本?|ü|\U0001f600x|[\ud000-\ud7ff]|\\w+"),
         ChoiceGuide(("ü", "日本", "\U0001f600", "\uffff")),
         JsonObjectGuide(),
+        EbnfGuide(
+            'root ::= ([à-ÿ] "日" "本"? | "ü" | "\U0001f600x" | [\ud000-\ud7ff] | [^\x00-\x7f]+)'
+        ),
     ],
-    ids=["regex", "choice", "json_object"],
+    ids=["regex", "choice", "json_object", "ebnf_grammar"],
 )
 def test_a_fragment_is_allowed_exactly_when_some_character_it_starts_is(guide: Guide) -> None:
     """Every prefix of the characters below (and their neighbours): a token of that prefix is
@@ -502,11 +506,19 @@ def test_token_bytes_concatenate_to_the_decoded_text(tokenizer: Any) -> None:
     check()
 
 
+# Nested parentheses (not regular) and non-ASCII digits-to-be, over a left-recursive rule.
+EBNF_ARITHMETIC = r"""root ::= expr
+expr ::= expr [-+] term | term
+term ::= factor ("*" factor)*
+factor ::= [0-9é]+ | "(" " "? expr " "? ")"
+"""
+
 GUIDES = [
     GuidedDecoding(GuideKind.REGEX, r"[0-9]{2}(-[a-zé]+)?"),
     GuidedDecoding(GuideKind.CHOICE, choices=("yes", "no", "ñandú", "yesterday")),
     GuidedDecoding(GuideKind.JSON_OBJECT),
     GuidedDecoding(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA)),
+    GuidedDecoding(GuideKind.EBNF_GRAMMAR, EBNF_ARITHMETIC),
 ]
 
 

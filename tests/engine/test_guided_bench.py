@@ -25,6 +25,8 @@ def test_bench_guided_reports_mask_compile_and_sampler_costs() -> None:
     assert cases["choice of 4 at the start"]["allowed"] >= 3  # y, n, m (or longer tokens)
     for case in cases.values():
         assert case["first_visit_ms"] > 0 and case["repeat_visit_ms"] >= 0
-    states = {c["guide"]: c["dfa_states"] for c in doc["compile"]}
-    assert states["regex [0-9]{3}-[a-z]+"] > 3
+    assert cases["ebnf json in a string"]["first_visit_cold_ms"] > 0
+    compiled = {c["guide"]: c for c in doc["compile"]}
+    assert compiled["regex [0-9]{3}-[a-z]+"]["dfa_states"] > 3
+    assert compiled["ebnf_grammar (json)"]["bnf_productions"] > 7
     assert [r["allowed"] for r in doc["sampler"]] == [None, 10, 16000]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.api import GuidedDecoding, GuideKind
+from engine.core.guided import Guide, GuideState, compile_guide
 from engine.core.guided_json import JsonObjectGuide
 from engine.torch_runner.builtin_model import ensure_builtin_model
 from openengine.v1 import openengine_pb2 as pb
@@ -156,30 +159,109 @@ async def test_unicode_characters_split_across_byte_tokens_are_allowed(model_dir
         assert all(re.fullmatch(pattern, t) for t in texts), texts
 
 
-async def test_json_object_outputs_are_objects_or_cut_prefixes(model_dir: Path) -> None:
-    """A random model rarely closes a JSON string (a quote is a few tokens of the vocabulary),
-    so a near-uniform temperature lets it finish; greedy is cut by max_tokens."""
-    guide = JsonObjectGuide()
-    json_object = pb.GuidedDecoding(json_object=pb.JsonObjectConstraint())
-    requests = [_request(json_object, max_tokens=60)]
-    for seed in range(1, 7):
-        requests.append(_request(json_object, seed=seed, max_tokens=1000))
-        requests[-1].sampling.temperature = 1000.0
+async def _ended_or_cut(
+    model_dir: Path,
+    guided: pb.GuidedDecoding,
+    guide: Guide,
+    check: Callable[[str], object],
+    *,
+    temperatures: list[float],
+    max_tokens: int,
+) -> int:
+    """A greedy request cut at 60 tokens and one sampled request per temperature (seeds 1,
+    2, ...): an output that ends STOP (by EOS) passes `check`, one cut by max_tokens (LENGTH)
+    is a prefix the guide accepts. Returns how many ended STOP."""
+    requests = [_request(guided, max_tokens=60)]
+    for seed, temperature in enumerate(temperatures, start=1):
+        requests.append(_request(guided, seed=seed, max_tokens=max_tokens))
+        requests[-1].sampling.temperature = temperature
     async with running_engine(_config(model_dir)) as engine:
         results = await asyncio.gather(*(collect(engine.stub, r) for r in requests))
     num_complete = 0
     for responses in results:
         text, _, finished = _result(responses)
         if finished.reason == pb.FINISH_REASON_STOP:
-            assert isinstance(json.loads(text), dict), text
+            assert finished.stop_match.WhichOneof("match") == "eos_token_id"
+            assert check(text) is not False, text
             num_complete += 1
         else:
-            assert finished.reason == pb.FINISH_REASON_LENGTH
-            state = guide.start()
+            assert finished.reason == pb.FINISH_REASON_LENGTH, (text, finished)
+            state: GuideState | None = guide.start()
             for char in text:
-                state = guide.advance(state, char)
                 assert state is not None, text
+                state = guide.advance(state, char)
+            assert state is not None, text
+    return num_complete
+
+
+async def test_json_object_outputs_are_objects_or_cut_prefixes(model_dir: Path) -> None:
+    """A random model rarely closes a JSON string (a quote is a few tokens of the vocabulary),
+    so a near-uniform temperature lets it finish; greedy is cut by max_tokens."""
+    json_object = pb.GuidedDecoding(json_object=pb.JsonObjectConstraint())
+    num_complete = await _ended_or_cut(
+        model_dir,
+        json_object,
+        JsonObjectGuide(),
+        lambda text: isinstance(json.loads(text), dict),
+        temperatures=[1000.0] * 6,
+        max_tokens=1000,
+    )
     assert num_complete >= 2
+
+
+EBNF_GRAMMARS = {
+    # Nested parentheses: not a regular language.
+    "arithmetic": """root ::= expr
+        expr ::= term (("+" | "-") term)*
+        term ::= factor ("*" factor)*
+        factor ::= [0-9]{1,3} | "(" expr ")" """,
+    "json-like": r"""root ::= object
+        value ::= object | array | string | [0-9]+ | "true" | "false" | "null"
+        object ::= "{" ( pair ("," pair)* )? "}"
+        pair ::= string ":" value
+        array ::= "[" ( value ("," value)* )? "]"
+        string ::= "\"" [a-z]{0,4} "\"" """,
+    "yes/no list": 'root ::= answer ("," " "? answer)* "."\nanswer ::= "yes" | "no"',
+}
+
+
+def _check_ebnf(name: str, text: str) -> None:
+    """Each grammar's language, by hand (independently of the guide)."""
+    if name == "arithmetic":
+        assert re.fullmatch(r"[0-9()+\-*]+", text), text
+        depth = 0
+        for char in text:
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            assert depth >= 0, text
+        assert depth == 0, text
+        flat = text
+        while "(" in flat:  # innermost groups, each a flat expression, become a number
+            flat, n = re.subn(r"\((?:[0-9]+[+\-*])*[0-9]+\)", "0", flat)
+            assert n, text
+        assert re.fullmatch(r"(?:[0-9]+[+\-*])*[0-9]+", flat), text
+    elif name == "json-like":
+        value = json.loads(text)
+        assert isinstance(value, dict), text
+        assert ": " not in text and ", " not in text  # no whitespace in this grammar
+    else:
+        assert re.fullmatch(r"(?:yes|no)(?:, ?(?:yes|no))*\.", text), text
+
+
+@pytest.mark.parametrize("name", list(EBNF_GRAMMARS))
+async def test_ebnf_outputs_are_in_the_grammar_or_cut_prefixes(model_dir: Path, name: str) -> None:
+    """Greedy and sampled (a near-uniform temperature lets a random model close what it
+    opens): outputs that end STOP are in the language, those cut by max_tokens (LENGTH) are
+    prefixes the guide accepts."""
+    grammar = EBNF_GRAMMARS[name]
+    num_complete = await _ended_or_cut(
+        model_dir,
+        pb.GuidedDecoding(ebnf_grammar=grammar),
+        compile_guide(GuidedDecoding(GuideKind.EBNF_GRAMMAR, grammar)),
+        lambda text: _check_ebnf(name, text),
+        temperatures=[1.0] * 3 + [1000.0] * 3,
+        max_tokens=300,
+    )
+    assert num_complete >= 2, name
 
 
 async def test_unguided_requests_in_the_batch_are_unaffected(model_dir: Path) -> None:
@@ -217,7 +299,9 @@ async def test_a_guide_that_cannot_continue_ends_with_one_engine_error(model_dir
 @pytest.mark.parametrize(
     ("guided", "needle"),
     [
-        (pb.GuidedDecoding(ebnf_grammar="root ::= 'a'"), "json_schema, regex, choice"),
+        (pb.GuidedDecoding(ebnf_grammar="root ::= 'a'"), 'unexpected "\'" at line 1'),
+        (pb.GuidedDecoding(ebnf_grammar='root ::= "a" b'), "undefined rule 'b'"),
+        (pb.GuidedDecoding(ebnf_grammar='item ::= "a"'), "no rule named 'root'"),
         (pb.GuidedDecoding(structural_tag="{}"), "not supported"),
         (pb.GuidedDecoding(regex="[a-", backend=""), "invalid pattern"),
         (pb.GuidedDecoding(regex="a(?=b)"), "lookahead"),
@@ -266,7 +350,13 @@ async def test_vllm_structured_output_maps_to_the_same_guides(model_dir: Path) -
         )
         response = await engine.vllm.Generate(request)
         assert re.fullmatch("[0-9]{2}x", response.outputs.text), response
+        request.decoding.grammar = 'root ::= [0-9] [0-9] "x"'
+        response = await engine.vllm.Generate(request)
+        assert re.fullmatch("[0-9]{2}x", response.outputs.text), response
         request.decoding.grammar = "root ::= 'a'"
+        error = await rpc_error(engine.vllm.Generate(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        request.decoding.structural_tag = "{}"
         error = await rpc_error(engine.vllm.Generate(request))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
 
@@ -279,6 +369,7 @@ async def test_capabilities_advertise_exactly_the_modes(model_dir: Path) -> None
             [
                 pb.GUIDED_DECODING_MODE_JSON_SCHEMA,
                 pb.GUIDED_DECODING_MODE_REGEX,
+                pb.GUIDED_DECODING_MODE_EBNF_GRAMMAR,
                 pb.GUIDED_DECODING_MODE_CHOICE,
                 pb.GUIDED_DECODING_MODE_JSON_OBJECT,
             ]
