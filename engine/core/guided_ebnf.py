@@ -7,7 +7,8 @@ The dialect (docs/engine.md lists it with the statuses):
     expr   ::= [0-9]+ ("+" [0-9]+)?      # literals "..", classes [a-z] [^"\\], ( ) | * + ?
     item   ::= .{2,3} "\\n"              # `.` any character, counts {m} {m,} {m,n}
 
-Names are `[A-Za-z0-9_-]+`; a rule runs until the next `name ::=` (newlines are plain space);
+Names are `[A-Za-z0-9_-]+`; a rule runs until the next `name ::=` (newlines are plain space,
+and space may come before a quantifier);
 `#` comments to the end of the line. Escapes in literals and classes: `\\n \\r \\t \\\\ \\"
 \\[ \\] \\- \\^ \\xHH \\uHHHH \\UHHHHHHHH`. In a class `a-z` is a range, a `-` first or last is
 itself, `^` first negates. Rules may be recursive, left recursion included.
@@ -216,6 +217,7 @@ class _Parser:
             if not char or char in "|)" or _RULE_START.match(self.text, self.pos):
                 return symbols
             term = self.term(nesting)
+            self.skip()  # `"a" *`: llama.cpp allows space between a term and its quantifier
             symbols.extend(self.quantified(term))
 
     def term(self, nesting: int) -> list[int]:

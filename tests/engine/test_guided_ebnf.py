@@ -228,6 +228,17 @@ def test_the_dialect() -> None:
             assert state is not None and guide.is_complete(state) == full, text
 
 
+def test_space_may_come_between_a_term_and_its_quantifier() -> None:
+    # llama.cpp's parser skips space after every term, so grammars written for it do this.
+    guide = EbnfGuide('root ::= "a" *  ("b" | "c") +\n  [0-9] {2}  # two digits\n')
+    for text, full in [("bc12", True), ("aab12", True), ("ab1", False), ("a1", None)]:
+        state = _run(guide, text)
+        if full is None:
+            assert state is None, text
+        else:
+            assert state is not None and guide.is_complete(state) == full, text
+
+
 @pytest.mark.parametrize(
     ("grammar", "needle"),
     [
