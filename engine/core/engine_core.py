@@ -61,7 +61,7 @@ from engine.core.errors import (
     PromptTooLongError,
 )
 from engine.core.guided import compile_guide
-from engine.core.guided_vocab import GuidedState, GuideRegistry, TokenMasker
+from engine.core.guided_vocab import GuidedState, GuideRegistry, GuideTooCostlyError, TokenMasker
 from engine.core.lora import LoraAdapter, LoraRegistry, LoraRunner
 from engine.core.scheduler import ScheduledWork, Scheduler
 from engine.core.sequence import Sequence
@@ -625,7 +625,10 @@ class EngineCore:
     def _allowed_tokens(self, out: _Output) -> tuple[int, ...] | str:
         """The ids a guided output may sample next, or why there are none."""
         assert out.masker is not None and out.guided is not None  # a guided request's output
-        allowed, complete = out.masker.allowed(out.guided)
+        try:
+            allowed, complete = out.masker.allowed(out.guided)
+        except GuideTooCostlyError as exc:
+            return str(exc)
         sampling = out.sequence.request.sampling
         early = len(out.sequence.output_token_ids) < sampling.min_tokens
         if early and sampling.stop_token_ids:

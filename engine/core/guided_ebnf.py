@@ -443,6 +443,9 @@ class EbnfGuide:
         # and again (inside a string): the steps are cached, up to MAX_CACHED_TRANSITIONS
         # (then dropped: the cache keeps its columns alive).
         self._transitions: dict[tuple[_Column, str], _Column | None] = {}
+        # Earley steps done so far: a vocabulary walk bounds its own share
+        # (guided_vocab.MAX_WALK_WORK), since one walk may step thousands of columns.
+        self.work = 0
         start = self._close(None, [(_START_PRODUCTION, 0, None)])
         if start is None:
             raise InvalidRequestError(
@@ -517,6 +520,7 @@ class EbnfGuide:
             item = work.pop()
             num_steps += 1
             if num_steps > MAX_STEP_WORK:
+                self.work += num_steps
                 return None
             if item in seen:
                 continue
@@ -541,6 +545,8 @@ class EbnfGuide:
             if symbol not in predicted:
                 predicted.add(symbol)
                 work.extend((r, 0, None) for r in self._productions_of.get(symbol, ()))
+        # Each step, and each item the new column holds (trimmed and interned below).
+        self.work += num_steps + len(scans) + len(waiting)
         if len(scans) + len(waiting) > MAX_ITEMS:
             return None
         if any(

@@ -39,6 +39,17 @@ _UTF8_FIRST = {2: 0x80, 3: 0x800, 4: 0x10000}
 _UTF8_LAST = {2: 0x7FF, 3: 0xFFFF, 4: 0x10FFFF}
 _SURROGATES_FIRST = 0xD800
 _MEMO_MAX_STATES = 4096
+# A guide whose steps cost more than a table lookup (an EBNF guide: Earley columns) counts
+# them in `work`. One vocabulary walk may do at most this much of it (about 25-150 ms here),
+# so that a grammar whose states never recur cannot hold the engine thread for seconds on one
+# token: the request fails instead (GuideTooCostlyError). A JSON string takes about 2,000.
+MAX_WALK_WORK = 100_000
+
+
+class GuideTooCostlyError(Exception):
+    """A vocabulary walk needed more than MAX_WALK_WORK of its guide's work."""
+
+
 _METASPACE = "\u2581"  # SentencePiece's stand-in for a space
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token
 
@@ -208,9 +219,17 @@ class TokenMasker:
 
     def _walk(self, state: GuidedState) -> Iterable[int]:
         guide = self.guide
+        work: int | None = getattr(guide, "work", None)
+        limit = None if work is None else work + MAX_WALK_WORK
         allowed: list[int] = []
         stack = [(self.trie.root, state.guide_state, state.pending)]
         while stack:
+            if limit is not None and getattr(guide, "work", 0) > limit:
+                raise GuideTooCostlyError(
+                    f"guided decoding: the grammar needs more than {MAX_WALK_WORK} steps of "
+                    "work to find the tokens that may come next (its states do not recur; "
+                    "bound repetitions or nesting)"
+                )
             node, guide_state, pending = stack.pop()
             for byte, child in node.edges:
                 if not pending and byte < 0x80:  # the common case, inline

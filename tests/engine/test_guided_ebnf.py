@@ -15,6 +15,13 @@ from engine.core.api import GuidedDecoding, GuideKind
 from engine.core.errors import InvalidRequestError
 from engine.core.guided import GuideState, compile_guide
 from engine.core.guided_ebnf import MAX_DEPTH, MAX_ITEMS, EbnfGuide
+from engine.core.guided_vocab import (
+    MAX_WALK_WORK,
+    GuidedState,
+    GuideTooCostlyError,
+    TokenMasker,
+    VocabTrie,
+)
 
 
 def _run(guide: EbnfGuide, text: str) -> GuideState | None:
@@ -310,3 +317,29 @@ def test_a_state_beyond_the_item_bound_is_refused_and_each_step_is_bounded() -> 
         EbnfGuide(
             "root ::= any\nany ::= " + " | ".join(f'"{chr(0x100 + i)}"' for i in range(MAX_ITEMS))
         )
+
+
+def test_a_vocabulary_walk_is_bounded_in_work_not_only_each_step() -> None:
+    """Each character's step is bounded, but a mask steps once per trie node: a grammar whose
+    states never recur (nested palindromes of 60 letters) would make one token's mask take
+    seconds on a large vocabulary. The walk stops at MAX_WALK_WORK and says why; a JSON
+    string's mask on the same vocabulary stays far below it."""
+    printable = [chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"\\[]']
+    vocabulary: list[bytes | None] = [
+        (a + b).encode() for a in printable for b in printable
+    ]  # 8,100 two-character tokens
+    trie = VocabTrie(vocabulary)
+    alternatives = " | ".join(f'"{c}" root "{c}"' for c in printable[:60])
+    costly = EbnfGuide(f'root ::= {alternatives} | ""')
+    state = costly.start()
+    for char in printable[:2]:
+        state = costly.advance(state, char)
+    with pytest.raises(GuideTooCostlyError, match="more than 100000 steps"):
+        TokenMasker(costly, trie, vocabulary).allowed(GuidedState(state))
+
+    json_string = EbnfGuide('root ::= "\\"" [^"\\\\]* "\\""')
+    state = json_string.advance(json_string.start(), '"')
+    before = json_string.work
+    allowed, complete = TokenMasker(json_string, trie, vocabulary).allowed(GuidedState(state))
+    assert len(allowed) > 7000 and not complete
+    assert json_string.work - before < MAX_WALK_WORK // 10
