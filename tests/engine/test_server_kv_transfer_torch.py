@@ -5,7 +5,8 @@ partial block on top of the blocks it pulled."""
 from __future__ import annotations
 
 import asyncio
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from engine.server import kv_pull
 from kvplane_api.v1 import kv_transfer_pb2 as kt
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
-from tests.engine.engine_server_harness import collect, running_engine
+from tests.engine.engine_server_harness import Engine, collect, running_engine
 from tests.engine.torch_reference import TEST_DEVICE, TINY_LLAMA
 
 pytestmark = pytest.mark.timeout(180)
@@ -41,6 +42,16 @@ def _config(role: str, dtype: str) -> EngineConfig:
     )
 
 
+@asynccontextmanager
+async def role_engines(dtype: str) -> AsyncIterator[list[Engine]]:
+    """A PREFILL, a DECODE and an AGGREGATED engine on the same weights."""
+    async with AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(running_engine(_config(role, dtype)))
+            for role in ("prefill", "decode", "aggregated")
+        ]
+
+
 def _greedy(**fields: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         model="tiny-llama",
@@ -59,11 +70,7 @@ def _tokens(responses: list[pb.GenerateResponse]) -> list[int]:
 async def test_decode_with_a_pulled_session_generates_what_an_aggregated_engine_does(
     dtype: str,
 ) -> None:
-    async with AsyncExitStack() as stack:
-        prefiller, decoder, aggregated = [
-            await stack.enter_async_context(running_engine(_config(role, dtype)))
-            for role in ("prefill", "decode", "aggregated")
-        ]
+    async with role_engines(dtype) as (prefiller, decoder, aggregated):
         handoff = await collect(prefiller.stub, _greedy())
         assert [r.WhichOneof("event") for r in handoff] == ["prefill_ready"]
         session = handoff[-1].prefill_ready.kv_session
@@ -89,11 +96,7 @@ async def test_a_session_of_other_bytes_gives_other_tokens() -> None:
     """The decode engine really computes on the pulled KV (the test above cannot pass by
     recomputing): the same session's blocks, zeroed on the prefill engine before the pull,
     change what the decode engine generates."""
-    async with AsyncExitStack() as stack:
-        prefiller, decoder, aggregated = [
-            await stack.enter_async_context(running_engine(_config(role, "float32")))
-            for role in ("prefill", "decode", "aggregated")
-        ]
+    async with role_engines("float32") as (prefiller, decoder, aggregated):
         handoff = await collect(prefiller.stub, _greedy())
         session = handoff[-1].prefill_ready.kv_session
 
@@ -119,11 +122,7 @@ async def test_a_session_in_runs_over_several_messages_decodes_as_aggregated(
     of 1, and it still generates what the aggregated engine does. A puller from before runs
     (`max_blocks_per_chunk` unset) gets the same bytes one block a message."""
     monkeypatch.setattr(kv_pull, "blocks_per_chunk", lambda kv_block_bytes: 2)
-    async with AsyncExitStack() as stack:
-        prefiller, decoder, aggregated = [
-            await stack.enter_async_context(running_engine(_config(role, "float32")))
-            for role in ("prefill", "decode", "aggregated")
-        ]
+    async with role_engines("float32") as (prefiller, decoder, aggregated):
         handoff = await collect(prefiller.stub, _greedy())
         session = handoff[-1].prefill_ready.kv_session
         stub = kt_grpc.KvTransferStub(prefiller.channel)
