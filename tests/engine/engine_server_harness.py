@@ -13,6 +13,7 @@ import grpc
 
 from engine.config import EngineConfig, SimTimingConfig
 from engine.server.service import EngineApp, start_engine
+from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from vllm_grpc import vllm_grpc_pb2_grpc as vllm_grpc
@@ -117,3 +118,21 @@ async def idle(engine: Engine) -> bool:
         and load.used_kv_blocks == 0
         and engine.app.service.num_in_flight == 0
     )
+
+
+@asynccontextmanager
+async def fake_prefill_engine(
+    servicer: kt_grpc.KvTransferServicer, session_id: str
+) -> AsyncIterator[pb.KvSessionRef]:
+    """A bare `kvplane.v1.KvTransfer` server on loopback that answers as `servicer` scripts
+    it, and the KV session ref (backend `kvplane-pull`) that names it."""
+    server = grpc.aio.server()
+    kt_grpc.add_KvTransferServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    session = pb.KvSessionRef(session_id=session_id, transfer_backend="kvplane-pull")
+    session.endpoints.add(host="127.0.0.1", port=port, protocol="grpc")
+    try:
+        yield session
+    finally:
+        await server.stop(0)

@@ -22,6 +22,7 @@ from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
+    fake_prefill_engine,
     generate_request,
     rpc_error,
     running_engine,
@@ -71,16 +72,8 @@ async def scripted_prefill_engine(
     runs: Sequence[Run], *, block_size: int = 4, kv_layout: str = "test"
 ) -> AsyncIterator[tuple[_ScriptedPrefillEngine, pb.KvSessionRef]]:
     servicer = _ScriptedPrefillEngine(runs, block_size=block_size, kv_layout=kv_layout)
-    server = grpc.aio.server()
-    kt_grpc.add_KvTransferServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    session = pb.KvSessionRef(session_id="scripted", transfer_backend="kvplane-pull")
-    session.endpoints.add(host="127.0.0.1", port=port, protocol="grpc")
-    try:
+    async with fake_prefill_engine(servicer, "scripted") as session:
         yield servicer, session
-    finally:
-        await server.stop(0)
 
 
 @asynccontextmanager

@@ -22,6 +22,7 @@ from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     Engine,
     collect,
+    fake_prefill_engine,
     generate_request,
     rpc_error,
     running_engine,
@@ -418,16 +419,8 @@ class _HeldPrefillEngine(kt_grpc.KvTransferServicer):
 @asynccontextmanager
 async def held_prefill_engine() -> AsyncIterator[tuple[_HeldPrefillEngine, pb.KvSessionRef]]:
     servicer = _HeldPrefillEngine()
-    server = grpc.aio.server()
-    kt_grpc.add_KvTransferServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    session = pb.KvSessionRef(session_id="held", transfer_backend="kvplane-pull")
-    session.endpoints.add(host="127.0.0.1", port=port, protocol="grpc")
-    try:
+    async with fake_prefill_engine(servicer, "held") as session:
         yield servicer, session
-    finally:
-        await server.stop(0)
 
 
 async def test_a_drain_waits_for_a_pull_in_progress_and_admits_its_request() -> None:
