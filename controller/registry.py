@@ -239,9 +239,10 @@ class Registry:
         but for a cordon (admin `match`: what an operator checks before uncordoning)."""
         out = []
         for record in self.records():
-            if not (record.routable or (cordoned and record.cordoned)):
-                continue
+            # `record.routable`, with a cordon allowed when asked
             if record.state not in ROUTABLE_STATES or record.identity is None:
+                continue
+            if record.cordoned and not cordoned:
                 continue
             if role is not None and record.identity.role not in (role, Role.UNKNOWN):
                 continue
