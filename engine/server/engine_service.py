@@ -244,18 +244,11 @@ class EngineService:
         if request_id in self._live_tasks:
             raise DuplicateRequestError(f"request {request_id!r} is already running")
 
-    def check(self, request: EngineRequest) -> None:
-        """Everything `submit` would refuse, without submitting: a DECODE engine asks before
-        it pulls the request's KV session (a refusal after the pull would waste it)."""
-        self._check_accepting(request.request_id, internal=False)
-        self.engine_loop.core.check_request(request)
-        if request.request_id in self._live:
-            raise DuplicateRequestError(f"request {request.request_id!r} is already running")
-
     async def compile_guide(self, request: EngineRequest) -> None:
-        """Build a guided request's guide in a worker thread (memoised, so `check` finds it
-        built): a large JSON schema takes a few hundred ms, and the event loop serves every
-        other call of this engine meanwhile. Raises as `check` would for a malformed one."""
+        """Build a guided request's guide in a worker thread (memoised, so the core's
+        `check_request` finds it built): a large JSON schema takes a few hundred ms, and the
+        event loop serves every other call of this engine meanwhile. Raises as that check
+        would for a malformed one."""
         if request.guided is not None:
             await asyncio.to_thread(compile_guide, request.guided)
 
@@ -263,8 +256,7 @@ class EngineService:
         """Admit a DECODE engine's `request` whose KV session is about to be pulled: refuse
         now what `submit` would refuse (a refusal after the pull would waste the session);
         from here it counts as in flight. End with `end_pull` or `abandon_pull`."""
-        self.check(request)
-        return self.begin_task(request.request_id)
+        return self.begin_task(request.request_id, request)
 
     def end_pull(
         self,
@@ -359,10 +351,14 @@ class EngineService:
 
     # ---------------------------------------------------------------- pooling tasks
 
-    def begin_task(self, request_id: str) -> TaskHandle:
-        """Accept a pooling task (raising before acceptance, as `submit` does); the caller
-        ends it with `end_task`, whatever happens."""
+    def begin_task(self, request_id: str, request: EngineRequest | None = None) -> TaskHandle:
+        """Accept a pooling task, or the `request` a DECODE engine is about to pull a KV
+        session for (checked by the core as `submit` would: a refusal after the pull would
+        waste the session), raising before acceptance as `submit` does; the caller ends it
+        with `end_task`, whatever happens."""
         self._check_accepting(request_id, internal=False)
+        if request is not None:
+            self.engine_loop.core.check_request(request)
         if request_id in self._live:
             raise DuplicateRequestError(f"request {request_id!r} is already running")
         handle = TaskHandle(request_id)
