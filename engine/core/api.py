@@ -217,7 +217,14 @@ class FinishReason(Enum):
     STOP = "stop"  # stop token, stop string or EOS: see StopMatch
     LENGTH = "length"  # max_tokens or the context limit
     CANCELLED = "cancelled"  # aborted
-    ERROR = "error"  # the runner failed; `RequestOutput.message` says why
+    ERROR = "error"  # the request failed; `RequestOutput.message` and `.error` say why
+
+
+class ErrorKind(Enum):
+    """Whose failure a FinishReason.ERROR is."""
+
+    ENGINE = "engine"  # the runner or the engine failed
+    REQUEST = "request"  # the request cannot go on as asked (its guide allows no token)
 
 
 class StopKind(Enum):
@@ -270,6 +277,7 @@ class RequestOutput(NamedTuple):
     finish_reason: FinishReason | None = None
     stop_match: StopMatch | None = None
     message: str = ""
+    error: ErrorKind = ErrorKind.ENGINE  # with FinishReason.ERROR only
     usage: Usage | None = None
     held_kv_session: bool = False
 

@@ -20,8 +20,9 @@ cached prefix or new blocks, `cache_blocks`, `free`) under a scratch sequence id
 Guided decoding (`engine.core.guided`, `guided_vocab`): each guided output carries its guide
 state; when it samples, the batch gives the runner the token ids its guide allows (EOS only
 once the text is complete, and not before `min_tokens`), and the sampled token advances the
-state. An output whose guide allows nothing fails its request (FinishReason.ERROR, which the
-servers turn into a terminal EngineError). Unguided sequences pay one attribute test a step.
+state. An output whose guide allows nothing fails its request (FinishReason.ERROR with
+ErrorKind.REQUEST, which the servers turn into a terminal INVALID_ARGUMENT error). Unguided
+sequences pay one attribute test a step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from engine.core.api import (
     BlockStored,
     EngineRequest,
+    ErrorKind,
     FinishReason,
     ForwardPassStats,
     KvBlockBytes,
@@ -253,14 +255,18 @@ class EngineCore:
         return outputs
 
     def _finish_request(
-        self, request_id: str, reason: FinishReason, message: str
+        self,
+        request_id: str,
+        reason: FinishReason,
+        message: str,
+        error: ErrorKind = ErrorKind.ENGINE,
     ) -> list[RequestOutput]:
         state = self._requests.get(request_id)
         if state is None:
             return []
         unfinished = [out for out in state.outputs if not out.finished]
         outputs = [
-            self._finish(state, out, reason, None, out.stop.finish(), message=message)
+            self._finish(state, out, reason, None, out.stop.finish(), message=message, error=error)
             for out in unfinished
         ]
         self.runner.release([out.sequence.seq_id for out in unfinished])
@@ -275,6 +281,7 @@ class EngineCore:
         text: str,
         *,
         message: str = "",
+        error: ErrorKind = ErrorKind.ENGINE,
         new_token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] | None = None,
     ) -> RequestOutput:
@@ -305,6 +312,7 @@ class EngineCore:
             finish_reason=reason,
             stop_match=stop_match,
             message=message,
+            error=error,
             usage=usage,
             held_kv_session=usage is not None and state.held_kv_session,
         )
@@ -646,8 +654,10 @@ class EngineCore:
         return "guided decoding: no token of the vocabulary continues the constrained output"
 
     def _fail_guided(self, seq: Sequence, why: str) -> list[RequestOutput]:
-        """End the whole request: an application failure is one terminal error (the seed)."""
-        return self._finish_request(seq.request_id, FinishReason.ERROR, why)
+        """End the whole request: an application failure is one terminal error (the seed). Its
+        guide, not the engine, failed: the constraint cannot be met with this vocabulary (or
+        within the work bound), so it is the request's error."""
+        return self._finish_request(seq.request_id, FinishReason.ERROR, why, ErrorKind.REQUEST)
 
     def _on_computed(
         self, work: ScheduledWork, scheduled: ScheduledSequence, result: SequenceResult | None

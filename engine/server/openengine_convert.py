@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from engine.core.api import (
     Candidate,
     EngineRequest,
+    ErrorKind,
     FinishReason,
     GuidedDecoding,
     GuideKind,
@@ -207,6 +208,10 @@ _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
+_ERROR_CODES = {
+    ErrorKind.ENGINE: pb.ERROR_CODE_INTERNAL,
+    ErrorKind.REQUEST: pb.ERROR_CODE_INVALID_ARGUMENT,
+}
 
 
 def _candidate_proto(c: Candidate, token_text: TokenText) -> pb.LogProb:
@@ -271,6 +276,7 @@ class GenerateStreamEncoder:
         self._prompt_sent = False
         self._last_usage: Usage | None = None
         self._error_message: str | None = None
+        self._error_code: pb.ErrorCode.ValueType = pb.ERROR_CODE_INTERNAL
         self.done = False
 
     def encode(self, output: RequestOutput) -> list[pb.GenerateResponse]:
@@ -287,8 +293,9 @@ class GenerateStreamEncoder:
             # last one carrying usage. One EngineError (with that usage) stands for them all.
             if self._error_message is None:
                 self._error_message = output.message or "generation failed"
+                self._error_code = _ERROR_CODES[output.error]
             if output.usage is not None:
-                events.append(self.error_event(pb.ERROR_CODE_INTERNAL, self._error_message))
+                events.append(self.error_event(self._error_code, self._error_message))
             return events
         if self._kv_session is not None:
             if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):

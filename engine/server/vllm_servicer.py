@@ -29,6 +29,7 @@ import grpc
 from engine.core.api import (
     Candidate,
     EngineRequest,
+    ErrorKind,
     FinishReason,
     GuidedDecoding,
     LogprobRequest,
@@ -57,6 +58,10 @@ _FINISH = {
     FinishReason.STOP: pb.FinishInfo.STOP,
     FinishReason.LENGTH: pb.FinishInfo.LENGTH,
     FinishReason.CANCELLED: pb.FinishInfo.ABORTED,
+}
+_ERROR_STATUS = {
+    ErrorKind.ENGINE: grpc.StatusCode.INTERNAL,
+    ErrorKind.REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 
@@ -267,7 +272,7 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
             async for output in stream.outputs():
                 if output.finish_reason is FinishReason.ERROR:
                     await abort_with(
-                        context, grpc.StatusCode.INTERNAL, output.message or "generation failed"
+                        context, _ERROR_STATUS[output.error], output.message or "generation failed"
                     )
                 yield encoder.encode(output)
         finally:

@@ -284,7 +284,7 @@ async def test_max_tokens_cuts_a_guided_output_with_length(model_dir: Path) -> N
         assert re.fullmatch(r"[0-9]{0,3}-?[a-z]*", text)
 
 
-async def test_a_guide_that_cannot_continue_ends_with_one_engine_error(model_dir: Path) -> None:
+async def test_a_guide_that_cannot_continue_ends_with_one_invalid_argument(model_dir: Path) -> None:
     async with running_engine(_config(model_dir)) as engine:
         # "a" is complete and nothing extends it, but ignore_eos forbids EOS: after "a" no
         # token is allowed.
@@ -293,6 +293,9 @@ async def test_a_guide_that_cannot_continue_ends_with_one_engine_error(model_dir
         responses = await collect(engine.stub, request)
         assert [r.WhichOneof("event") for r in responses][-1] == "error"
         assert "guided decoding" in responses[-1].error.message
+        # The request's constraint failed, not the engine: the client's error, not retryable.
+        assert responses[-1].error.code == pb.ERROR_CODE_INVALID_ARGUMENT
+        assert not responses[-1].error.retryable
         assert responses[-1].HasField("usage")
 
 
@@ -359,6 +362,12 @@ async def test_vllm_structured_output_maps_to_the_same_guides(model_dir: Path) -
         request.decoding.structural_tag = "{}"
         error = await rpc_error(engine.vllm.Generate(request))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # A guide with no possible token fails the request, not the engine.
+        request.decoding.regex = "a"
+        request.stopping.ignore_eos = True
+        error = await rpc_error(engine.vllm.Generate(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "guided decoding" in (error.details() or "")
 
 
 async def test_capabilities_advertise_exactly_the_modes(model_dir: Path) -> None:
