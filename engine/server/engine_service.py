@@ -33,6 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -170,6 +171,10 @@ class EngineService:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._accepting = True
         self._draining = False
+        # One compile at a time: compiling is pure Python and holds the GIL, so threads that
+        # compile side by side finish no sooner, and each takes a share of the GIL from the
+        # event loop that answers Health and GetLoad.
+        self._guide_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guide")
         self._in_flight_changed = asyncio.Event()
         self._progress_interval_s = drain_progress_interval_s
         self._load = engine_loop.load()
@@ -250,7 +255,8 @@ class EngineService:
         event loop serves every other call of this engine meanwhile. Raises as that check
         would for a malformed one."""
         if request.guided is not None:
-            await asyncio.to_thread(compile_guide, request.guided)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._guide_compiler, compile_guide, request.guided)
 
     def begin_pull(self, request: EngineRequest) -> TaskHandle:
         """Admit a DECODE engine's `request` whose KV session is about to be pulled: refuse
@@ -506,5 +512,6 @@ class EngineService:
         if self.kv_sessions is not None:
             await self.kv_sessions.close()
         await asyncio.to_thread(self.engine_loop.stop, 10.0)
+        self._guide_compiler.shutdown(wait=False, cancel_futures=True)
         self.kv_log.close()
         self.runtime_events.close()

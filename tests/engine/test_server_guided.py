@@ -393,30 +393,47 @@ async def test_capabilities_advertise_exactly_the_modes(model_dir: Path) -> None
         assert "tokenizer" in (error.details() or "")
 
 
-async def test_guides_are_built_off_the_event_loop(
+async def test_guides_are_built_off_the_event_loop_one_at_a_time(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A large schema takes a few hundred ms to compile: not on the loop that serves every
-    other call of the engine (both front ends)."""
+    other call of the engine (both front ends), and one at a time (compiling holds the GIL, so
+    compiles side by side would only take more of it from that loop)."""
     import threading
+    import time
 
     from engine.server import engine_service
 
     threads: list[threading.Thread] = []
+    running = [0]
+    most_at_once = [0]
+    lock = threading.Lock()
     compile_guide = engine_service.compile_guide
 
     def recording(spec: Any) -> Any:
-        threads.append(threading.current_thread())
-        return compile_guide(spec)
+        with lock:
+            threads.append(threading.current_thread())
+            running[0] += 1
+            most_at_once[0] = max(most_at_once[0], running[0])
+        try:
+            time.sleep(0.05)  # long enough for the other requests' compiles to be asked for
+            return compile_guide(spec)
+        finally:
+            with lock:
+                running[0] -= 1
 
     monkeypatch.setattr(engine_service, "compile_guide", recording)
     async with running_engine(_config(model_dir)) as engine:
-        guided = pb.GuidedDecoding(regex="[0-9]{2}")
-        text, _, _ = _result(await collect(engine.stub, _request(guided, max_tokens=4)))
-        assert re.fullmatch("[0-9]{2}", text)
+        guides = [pb.GuidedDecoding(regex=f"[0-9]{{{n}}}") for n in (2, 3, 4)]
+        results = await asyncio.gather(
+            *(collect(engine.stub, _request(g, max_tokens=5)) for g in guides)
+        )
+        for n, responses in zip((2, 3, 4), results, strict=True):
+            assert re.fullmatch(f"[0-9]{{{n}}}", _result(responses)[0])
         bad = await rpc_error(
             lambda: collect(engine.stub, _request(pb.GuidedDecoding(regex="(?<=a)b")))
         )
         assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert len(threads) == 2
+    assert len(threads) == 4
     assert all(t is not threading.main_thread() for t in threads)
+    assert most_at_once[0] == 1
