@@ -7,8 +7,8 @@ engine.torch_runner.builtin_model) or the path of an HF model directory (the tor
 KV capacity is given either as a number of blocks or as a byte budget (the torch runner turns
 bytes into blocks from the model's shape; the sim runner needs blocks). KV events always go to
 `SubscribeKvEvents`; the vLLM-compatible ZMQ publisher is optional. `kv_transfer` sets the
-KV sessions of PREFILL and DECODE engines. `lora` serves PEFT LoRA adapters (off by default, as
-vLLM's `--enable-lora`).
+KV sessions of PREFILL and DECODE engines (on an AGGREGATED engine it is refused, never
+ignored). `lora` serves PEFT LoRA adapters (off by default, as vLLM's `--enable-lora`).
 
 `runner` (vLLM's `--runner`): `generate` serves Generate and the pooling tasks, `pooling` only
 Embed/Classify/Score (no LM head needed, a one-block KV cache, the health probe pools instead
@@ -157,6 +157,19 @@ class EngineConfig(ServerConfig):
             raise ValueError("set num_kv_blocks or kv_cache_bytes, not both")
         if self.model == SIM_MODEL and self.kv_cache_bytes is not None:
             raise ValueError("the sim runner needs num_kv_blocks, not kv_cache_bytes")
+        return self
+
+    @model_validator(mode="after")
+    def _check_kv_transfer(self) -> EngineConfig:
+        # Only PREFILL and DECODE engines move KV: on an AGGREGATED one these keys would do
+        # nothing, and a user who set them expects them to (a fleet config meant for a
+        # disaggregated engine, a mistyped role).
+        if self.role is EngineRoleName.aggregated and self.kv_transfer.model_fields_set:
+            key = sorted(self.kv_transfer.model_fields_set)[0]
+            raise ValueError(
+                f"kv_transfer.{key} applies to PREFILL and DECODE engines only: set "
+                "role: prefill or role: decode, or remove kv_transfer"
+            )
         return self
 
     @model_validator(mode="after")

@@ -166,6 +166,11 @@ def test_serve_refuses_a_zmq_endpoint_in_use_with_one_line(tmp_path: Path) -> No
     ("config", "flags", "line"),
     [
         ("", ["--model", "sim", "--runner", "pooling"], b"runner: pooling needs a torch model"),
+        (
+            "kv_transfer: {session_ttl_s: 5}\n",
+            ["--role", "aggregated"],
+            b"kv_transfer.session_ttl_s applies to PREFILL and DECODE engines only",
+        ),
     ],
 )
 def test_serve_refuses_contradictory_config_with_one_line(
