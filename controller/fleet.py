@@ -372,7 +372,9 @@ class Fleet:
         cordoned: bool = False,
     ) -> PromptView:
         """The prompt's keys and its candidates (with `cordoned`, cordoned engines too)."""
-        records = self.registry.routable(model or None, role, lora_name, cordoned=cordoned)
+        records = self.registry.routable(
+            model or None, role, lora_name, cordoned=cordoned, generating=True
+        )
         if lora_name and not records:
             # Only engines holding the adapter may take the request: say why there is none.
             self.registry.check_lora(lora_name, model or None)
@@ -523,6 +525,12 @@ class Fleet:
                         for name in ("embed", "classify", "score")
                         if getattr(model.tasks, name).supported
                     ),
+                )
+                # The seed's GenerationCapabilities has no `supported` flag: an engine that
+                # advertises tasks and leaves `generation` out says it does not generate (a
+                # kvplane engine with `runner: pooling`). Advertising neither: unknown, routed.
+                identity = dataclasses.replace(
+                    identity, generates=model.HasField("generation") or not identity.tasks
                 )
         adapters = await self._list_loras(engine, identity)
         first_contact = self.registry.get(engine.address).identity is None

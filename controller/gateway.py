@@ -1,11 +1,12 @@
 """The gateway: `openengine.v1.OpenEngine` served for the whole fleet.
 
 - Generate: routed and relayed by the Relay (controller/relay.py), the path vllm.Generate
-  shares: NOT_FOUND for a model no engine serves, ALREADY_EXISTS for the id of a request
-  running through the gateway; the chosen engine's stream is relayed unchanged; if the
-  engine fails before anything was relayed (a retryable status such as UNAVAILABLE, or a
-  retryable terminal EngineError), the request is retried once on another engine; a failure
-  after that is one terminal EngineError (seed: no event may follow it).
+  shares, never to a pooling-only engine (`EngineIdentity.generates`): NOT_FOUND for a model
+  no engine serves, ALREADY_EXISTS for the id of a request running through the gateway; the
+  chosen engine's stream is relayed unchanged; if the engine fails before anything was
+  relayed (a retryable status such as UNAVAILABLE, or a retryable terminal EngineError), the
+  request is retried once on another engine; a failure after that is one terminal
+  EngineError (seed: no event may follow it).
 - Embed / Classify / Score: the least loaded routable engine serving the model whose
   GetModelInfo says it supports the task; none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
@@ -638,7 +639,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if not request.model:  # as an engine answers
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "model is required")
         await _require_model(self.controller, request.model, context)
-        for r in self.controller.fleet.registry.routable(request.model):
+        # A generating engine answers first: a pooling-only one's answer has no `generation`.
+        records = self.controller.fleet.registry.routable(request.model)
+        for r in sorted(records, key=lambda r: r.identity is not None and not r.identity.generates):
             try:
                 reply: pb.ModelInfo = await self.controller.fleet.stub(r.address).GetModelInfo(
                     request, timeout=self.controller.config.health.rpc_timeout_s

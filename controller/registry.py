@@ -17,6 +17,10 @@ LoRA: each record keeps the adapters its engine holds, as the controller last le
 gateway's own LoadLora/UnloadLora/ListLoras); a new engine process starts with none. A request
 naming an adapter is routable only to the engines holding it (`routable(lora_name=...)`), and
 `check_lora` says why none can take it.
+
+Pooling-only engines (`EngineIdentity.generates` false: GetModelInfo advertises tasks and no
+`generation`) serve Embed/Classify/Score only: `routable(generating=True)`, what every
+Generate path asks for, leaves them out.
 """
 
 from __future__ import annotations
@@ -129,6 +133,9 @@ class EngineIdentity:
     # Tasks besides Generate that GetModelInfo says are supported ("embed", "classify",
     # "score"); empty when it says none or was not asked.
     tasks: frozenset[str] = frozenset()
+    # False: a pooling-only engine (ModelInfo with tasks and without `generation`), which
+    # never gets Generate traffic. True when unknown (not asked, or nothing advertised).
+    generates: bool = True
 
     def serves(self, model: str | None) -> bool:
         """No model named, or an engine that names none, match."""
@@ -233,10 +240,12 @@ class Registry:
         lora_name: str = "",
         *,
         cordoned: bool = False,
+        generating: bool = False,
     ) -> list[EngineRecord]:
         """Engines that may take a request for `model` now, of `role` (or any), holding the
         LoRA adapter `lora_name` when one is named; with `cordoned`, also those that would
-        but for a cordon (admin `match`: what an operator checks before uncordoning)."""
+        but for a cordon (admin `match`: what an operator checks before uncordoning); with
+        `generating`, only those that generate (a Generate: not pooling-only engines)."""
         out = []
         for record in self.records():
             # `record.routable`, with a cordon allowed when asked
@@ -247,6 +256,8 @@ class Registry:
             if role is not None and record.identity.role not in (role, Role.UNKNOWN):
                 continue
             if not record.identity.serves(model):
+                continue
+            if generating and not record.identity.generates:
                 continue
             if lora_name and not record.holds_lora(lora_name):
                 continue
@@ -268,10 +279,15 @@ class Registry:
                 yield r
 
     def why_unavailable(self, model: str) -> str:
-        """Why no engine takes a request for `model` ("": the default model) now: each engine
-        that serves it, or may (not reached yet), with its state."""
+        """Why no engine takes a Generate for `model` ("": the default model) now: each engine
+        that serves it, or may (not reached yet), with its state (or "pooling only")."""
         serving = sorted(self._may_serve(model), key=lambda r: r.address)
-        engines = [f"{r.engine_id} {_why_not_routable(r)}" for r in serving]
+        engines = [
+            f"{r.engine_id} {_why_not_routable(r)}"
+            if r.identity is None or r.identity.generates
+            else f"{r.engine_id} pooling only"
+            for r in serving
+        ]
         what = f"model {model!r}" if model else "the default model"
         return f"no engine available for {what}: " + (", ".join(engines) or "none serves it")
 

@@ -197,8 +197,8 @@ class Controller:
         """Whether requests for `model` take the prefill -> decode path: no aggregated engine
         can take them and a decode engine can (plan those with `role=None`)."""
         registry = self.fleet.registry
-        return not registry.routable(model or None, Role.AGGREGATED) and bool(
-            registry.routable(model or None, Role.DECODE)
+        return not registry.routable(model or None, Role.AGGREGATED, generating=True) and bool(
+            registry.routable(model or None, Role.DECODE, generating=True)
         )
 
     def route_disaggregated(self, plan: Plan) -> DisaggDecision:

@@ -29,6 +29,14 @@ def serve(
     role: Annotated[
         str | None, typer.Option("--role", help="aggregated, prefill or decode.")
     ] = None,
+    runner: Annotated[
+        str | None,
+        typer.Option(
+            "--runner",
+            help="generate, pooling (Embed/Classify/Score only) or auto (pooling for a "
+            "classifier without an LM head).",
+        ),
+    ] = None,
     instance_id: Annotated[
         str | None, typer.Option("--instance-id", help="This engine's id in EngineInfo/GetLoad.")
     ] = None,
@@ -42,6 +50,12 @@ def serve(
     engine_config = load_config(
         EngineConfig,
         config,
-        {"listen": listen, "model": model, "role": role, "instance_id": instance_id},
+        {
+            "listen": listen,
+            "model": model,
+            "role": role,
+            "runner": runner,
+            "instance_id": instance_id,
+        },
     )
     asyncio.run(run_engine(engine_config, port_file=port_file))

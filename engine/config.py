@@ -7,8 +7,15 @@ engine.torch_runner.builtin_model) or the path of an HF model directory (the tor
 KV capacity is given either as a number of blocks or as a byte budget (the torch runner turns
 bytes into blocks from the model's shape; the sim runner needs blocks). KV events always go to
 `SubscribeKvEvents`; the vLLM-compatible ZMQ publisher is optional. `kv_transfer` sets the
-KV sessions of PREFILL and DECODE engines. `lora` serves PEFT LoRA adapters (off by default, as
-vLLM's `--enable-lora`).
+KV sessions of PREFILL and DECODE engines (on an AGGREGATED engine it is refused, never
+ignored). `lora` serves PEFT LoRA adapters (off by default, as vLLM's `--enable-lora`).
+
+`runner` (vLLM's `--runner`): `generate` serves Generate and the pooling tasks, `pooling` only
+Embed/Classify/Score (no LM head needed, a one-block KV cache, the health probe pools instead
+of generating), `auto` picks pooling for a `*ForSequenceClassification` checkpoint without an
+LM head and generate otherwise (it needs the checkpoint, so the service resolves it at load).
+`pooling_conflicts` names what a pooling engine cannot have: checked here for an explicit
+`runner: pooling`, by the service for `auto` once it has picked pooling.
 """
 
 from __future__ import annotations
@@ -29,6 +36,14 @@ class EngineRoleName(enum.StrEnum):
     aggregated = "aggregated"
     prefill = "prefill"
     decode = "decode"
+
+
+class RunnerName(enum.StrEnum):
+    """What the engine serves: vLLM's `--runner` (`generate`, `pooling`, `auto`)."""
+
+    generate = "generate"  # Generate (and the pooling tasks the model supports)
+    pooling = "pooling"  # Embed, Classify, Score only
+    auto = "auto"  # pooling for a classifier without an LM head, else generate
 
 
 class SimTimingConfig(StrictModel):
@@ -112,6 +127,7 @@ class EngineConfig(ServerConfig):
     served_model_name: str | None = None
     served_model_aliases: list[str] = Field(default_factory=list)
     role: EngineRoleName = EngineRoleName.aggregated
+    runner: RunnerName = RunnerName.auto
     # None -> a fresh id per process (`engine-<hex>`).
     instance_id: str | None = None
 
@@ -142,6 +158,43 @@ class EngineConfig(ServerConfig):
         if self.model == SIM_MODEL and self.kv_cache_bytes is not None:
             raise ValueError("the sim runner needs num_kv_blocks, not kv_cache_bytes")
         return self
+
+    @model_validator(mode="after")
+    def _check_kv_transfer(self) -> EngineConfig:
+        # Only PREFILL and DECODE engines move KV: on an AGGREGATED one these keys would do
+        # nothing, and a user who set them expects them to (a fleet config meant for a
+        # disaggregated engine, a mistyped role).
+        if self.role is EngineRoleName.aggregated and self.kv_transfer.model_fields_set:
+            key = sorted(self.kv_transfer.model_fields_set)[0]
+            raise ValueError(
+                f"kv_transfer.{key} applies to PREFILL and DECODE engines only: set "
+                "role: prefill or role: decode, or remove kv_transfer"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_runner(self) -> EngineConfig:
+        if self.runner is RunnerName.pooling:
+            conflict = self.pooling_conflicts()
+            if conflict is not None:
+                raise ValueError(f"runner: pooling {conflict}")
+        return self
+
+    def pooling_conflicts(self) -> str | None:
+        """What in this config a pooling-only engine cannot honour (the rest of the sentence
+        after "runner: pooling"), or None."""
+        if self.is_sim:
+            return "needs a torch model: the sim runner has no hidden states to pool"
+        if self.role is not EngineRoleName.aggregated:
+            return (
+                f"serves Embed/Classify/Score only: role {self.role.value} is for engines "
+                "that generate (use role: aggregated)"
+            )
+        if self.lora.enabled:
+            return "takes no LoRA adapter (pooling tasks refuse lora_name): unset lora.enabled"
+        if self.kv_events.zmq_enabled:
+            return "has no KV cache and publishes no KV events: unset kv_events.zmq_enabled"
+        return None
 
     @property
     def is_sim(self) -> bool:

@@ -17,6 +17,10 @@ A DECODE engine's request pulling its KV session is held the same way until it i
 (`begin_pull`): once the pull starts the request counts as in flight, its id is taken, and a
 drain that begins meanwhile waits for it instead of refusing it after the pull.
 
+A pooling-only engine (`runner: pooling`, `ServedModel.generates` false) refuses every
+generation request in `submit` (FAILED_PRECONDITION: the front ends refuse them earlier, this
+is the backstop), and its health probe runs one pooling forward instead of generating.
+
 A PREFILL engine's service also owns its KV sessions (`kv_sessions`,
 `engine.server.kv_transfer.KvSessionStore`): sessions handed over and not yet pulled are work
 a decode engine still needs, so Drain and shutdown wait for them as for requests in flight
@@ -47,14 +51,16 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
 from engine.core.guided import compile_guide
+from engine.core.pooling import Pooler, PoolingParams, PoolingTask
 from engine.server.errors import (
     DrainingError,
+    FeatureDisabledError,
     KvSessionNotFoundError,
     KvSessionRefusedError,
     RequestAbortedError,
     RequestNotFoundError,
 )
-from engine.server.info import ServedModel
+from engine.server.info import POOLING_ONLY_MESSAGE, ServedModel
 from engine.server.kv_event_log import KvEventLog
 from engine.server.kv_transfer import KvSessionStore
 from engine.server.metrics import EngineMetrics, PullOutcome
@@ -156,10 +162,15 @@ class EngineService:
         *,
         kv_session_ttl_s: float | None = None,
         drain_progress_interval_s: float = 1.0,
+        pooler: Pooler | None = None,
     ) -> None:
-        """`kv_session_ttl_s`: a PREFILL engine's (it holds KV sessions), else None."""
+        """`kv_session_ttl_s`: a PREFILL engine's (it holds KV sessions), else None.
+        `pooler`: a pooling-only engine's (`model.generates` false), which its probe runs."""
+        if not model.generates and pooler is None:
+            raise ValueError("an engine that does not generate needs a pooler to probe")
         self.engine_loop = engine_loop
         self.model = model
+        self._pooler = pooler
         self.kv_log = kv_log
         self.runtime_events = runtime_events
         self.metrics = metrics
@@ -302,6 +313,8 @@ class EngineService:
         `admitted` before the drain began (`end_pull`). `before(core)` runs in the engine thread
         just before the request is added (`EngineLoop.submit`).
         """
+        if not self.model.generates:
+            raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
         self._check_accepting(request.request_id, internal, admitted)
         stream = RequestStream(request, self._on_stream_done)
         self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue), before=before)
@@ -410,11 +423,14 @@ class EngineService:
         return work.result()
 
     async def probe(self, timeout_s: float) -> str:
-        """Generate one greedy token end to end; returns "" or what went wrong.
+        """Generate one greedy token end to end (a pooling-only engine: embed one token);
+        returns "" or what went wrong.
 
         The probe request never outlives this call: timed out, failed, or cancelled with the
         Health RPC that asked for it (its deadline, the client going away), it is cancelled.
         """
+        if self._pooler is not None and not self.model.generates:
+            return await self._pooling_probe(self._pooler, timeout_s)
         request = EngineRequest(
             request_id=f"{PROBE_ID_PREFIX}{time.monotonic_ns()}",
             prompt_token_ids=(0,),
@@ -435,6 +451,24 @@ class EngineService:
             if not stream.done:
                 self.cancel_nowait(request.request_id)
         return "" if tokens == 1 else f"probe produced {tokens} tokens, expected 1"
+
+    async def _pooling_probe(self, pooler: Pooler, timeout_s: float) -> str:
+        """One forward of one token (token id 0) through the model on the engine thread, as
+        an Embed runs: no request id, no seat, nothing counted. A forward already started when
+        the deadline passes finishes on the engine thread and its result is dropped (one
+        token: milliseconds)."""
+        params = PoolingParams(task=PoolingTask.EMBED)
+        work = asyncio.wrap_future(self.engine_loop.call(lambda _core: pooler.pool([(0,)], params)))
+        work.add_done_callback(lambda done: done.cancelled() or done.exception())
+        try:
+            outputs = await asyncio.wait_for(asyncio.shield(work), timeout=timeout_s)
+        except TimeoutError:
+            return f"no pooled output within {timeout_s:.1f}s"
+        except Exception as exc:  # the probe reports, it never raises
+            return f"probe failed: {exc}"
+        if len(outputs) != 1 or outputs[0].shape != (pooler.hidden_size,):
+            return f"probe pooled {[o.shape for o in outputs]}, expected one [{pooler.hidden_size}]"
+        return ""
 
     # ---------------------------------------------------------------- drain
 

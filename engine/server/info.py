@@ -24,6 +24,11 @@ MINIMUM_CLIENT_REVISION = 1
 # seed document 000_94b72b7dabd1ee94 (never a moving branch name).
 SCHEMA_RELEASE = "openengine-v1-r1+seed.94b72b7dabd1ee94"
 
+# Why a pooling-only engine refuses generation (FAILED_PRECONDITION, both front ends).
+POOLING_ONLY_MESSAGE = (
+    "this engine serves Embed, Classify and Score only (runner: pooling): it does not generate"
+)
+
 _ALL_MODES = [
     pb.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N,
     pb.CANDIDATE_TOKEN_SELECTION_MODE_TOKEN_IDS,
@@ -50,6 +55,8 @@ class ServedModel:
     embedding_dimension: int | None = None
     classifier_labels: tuple[str, ...] | None = None
     supports_lora: bool = False
+    # False: a pooling-only engine (`runner: pooling`): no Generate, no KV cache to speak of.
+    generates: bool = True
 
     @property
     def names(self) -> list[str]:
@@ -58,7 +65,10 @@ class ServedModel:
     @property
     def max_context_length(self) -> int:
         """The longest sequence (prompt and outputs) it can hold: the model's length, or the
-        KV cache's when that is smaller (a request longer than the cache never runs)."""
+        KV cache's when that is smaller (a request longer than the cache never runs). A
+        pooling-only engine's inputs never enter its KV cache: the model's length."""
+        if not self.generates:
+            return self.max_model_len
         return min(self.max_model_len, self.num_blocks * self.block_size)
 
     @property
@@ -176,6 +186,8 @@ def _guided_caps(model: ServedModel) -> pb.GuidedDecodingCapabilities:
 
 
 def model_info(model: ServedModel) -> pb.ModelInfo:
+    if not model.generates:
+        return _pooling_model_info(model)
     text_input = model.has_tokenizer
     return pb.ModelInfo(
         model_id=model.model_id,
@@ -201,6 +213,28 @@ def model_info(model: ServedModel) -> pb.ModelInfo:
             supports_prefix_cache_bypass=True,
         ),
         supports_lora=model.supports_lora,
+        supports_multimodal=False,
+        tasks=task_capabilities(model),
+    )
+
+
+def _pooling_model_info(model: ServedModel) -> pb.ModelInfo:
+    """A pooling-only engine advertises its tasks and no generation: `generation`,
+    `max_output_tokens`, `max_running_requests` (generation seats) and the KV geometry
+    (`kv_block_size`, `total_kv_blocks`: it keeps no KV cache to route by) are absent. The
+    seed's GenerationCapabilities has no `supported` flag, so an absent `generation` next to
+    supported tasks is how an engine says it does not generate (`controller.fleet` reads it
+    so)."""
+    return pb.ModelInfo(
+        model_id=model.model_id,
+        served_model_name=model.name,
+        served_model_aliases=list(model.aliases),
+        max_context_length=model.max_context_length,
+        max_batched_tokens=model.max_batched_tokens,  # a pooling forward's token budget
+        tokenizer_modes=["hf_tokenizer_json"] if model.has_tokenizer else [],
+        supports_text_input=model.has_tokenizer,
+        supports_token_ids_input=True,
+        supports_lora=False,
         supports_multimodal=False,
         tasks=task_capabilities(model),
     )

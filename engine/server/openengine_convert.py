@@ -36,7 +36,7 @@ from engine.server.errors import (
     RoleMismatchError,
     UnsupportedOptionError,
 )
-from engine.server.info import ServedModel
+from engine.server.info import POOLING_ONLY_MESSAGE, ServedModel
 from openengine.v1 import openengine_pb2 as pb
 
 TokenText = Callable[[int], str]
@@ -118,6 +118,8 @@ def _sampling(request: pb.GenerateRequest) -> SamplingParams:
 
 def check_unsupported(request: pb.GenerateRequest, ctx: EngineContext) -> None:
     """Refuse, before acceptance, what this engine does not implement yet."""
+    if not ctx.model.generates:  # first: nothing else matters on a pooling-only engine
+        raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
     if request.media:
         raise UnsupportedOptionError("media inputs are not supported by this engine")
     if request.lora_name and not ctx.model.supports_lora:

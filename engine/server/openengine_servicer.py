@@ -302,7 +302,8 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                 pb.HealthCheck(
                     name="inference_probe",
                     state=not_ready if problem else ready,
-                    message=problem or "generated 1 token",
+                    message=problem
+                    or ("generated 1 token" if self._ctx.model.generates else "pooled 1 token"),
                 )
             )
         if not healthy:

@@ -10,6 +10,11 @@ are cancelled, subscriptions end, the thread stops.
 
 torch is imported only when `config.model` is a model directory or `builtin` (never for
 `sim`).
+
+`runner` is resolved here, against the checkpoint (`_generates`): a pooling-only engine loads
+no LM head and sizes its KV cache at one block (the block manager needs a pool; pooling
+forwards run on the pooler's own scratch cache and nothing else ever runs), whatever
+`num_kv_blocks`/`kv_cache_bytes` say.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from engine.config import BUILTIN_MODEL, SIM_MODEL, EngineConfig, EngineRoleName
+from engine.config import BUILTIN_MODEL, SIM_MODEL, EngineConfig, EngineRoleName, RunnerName
 from engine.core.api import ModelRunner, SchedulerConfig, StepReport
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.pooling import Pooler
@@ -53,6 +58,8 @@ from openengine.v1 import openengine_pb2 as pb
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_KV_BLOCKS = 1024
+# A pooling-only engine's KV cache: the least the block manager accepts, never written.
+POOLING_NUM_KV_BLOCKS = 1
 DEFAULT_SIM_MAX_MODEL_LEN = 4096
 _WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 
@@ -69,6 +76,7 @@ class _Model:
     tokenizer: Any | None  # tokenizers.Tokenizer
     vocab_size: int
     pooler: Pooler | None = None  # Embed/Classify/Score (a torch model's)
+    generates: bool = True  # False: runner pooling (then `pooler` is set)
 
 
 def _build_sim(config: EngineConfig) -> _Model:
@@ -109,23 +117,59 @@ def _build_torch(config: EngineConfig) -> _Model:
     from engine.torch_runner.pooling import TorchPooler  # imports torch
     from engine.torch_runner.runner import TorchModelRunner
 
+    generates = _generates(config, model_dir)
+    num_blocks: int | None = POOLING_NUM_KV_BLOCKS
+    kv_cache_bytes = None
+    if generates:
+        kv_cache_bytes = config.kv_cache_bytes
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None and kv_cache_bytes is None:
+            num_blocks = DEFAULT_NUM_KV_BLOCKS
+    elif config.num_kv_blocks is not None or config.kv_cache_bytes is not None:
+        log.warning(
+            "runner pooling keeps no KV cache: num_kv_blocks and kv_cache_bytes are ignored"
+        )
     runner = TorchModelRunner.from_pretrained(
         model_dir,
         dtype=config.dtype,
         device=config.device,
         block_size=config.block_size,
-        num_blocks=config.num_kv_blocks
-        if config.num_kv_blocks is not None or config.kv_cache_bytes is not None
-        else DEFAULT_NUM_KV_BLOCKS,
-        kv_cache_bytes=config.kv_cache_bytes,
+        num_blocks=num_blocks,
+        kv_cache_bytes=kv_cache_bytes,
         max_model_len=config.max_model_len,
         seed=config.seed,
         num_threads=config.num_threads,
+        with_lm_head=generates,
     )
     tokenizer_file = model_dir / "tokenizer.json"
     tokenizer = HfTokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
     pooler = TorchPooler.for_model_dir(runner, model_dir)
-    return _Model(runner, tokenizer, runner.model.config.vocab_size, pooler)
+    return _Model(runner, tokenizer, runner.model.config.vocab_size, pooler, generates)
+
+
+def _generates(config: EngineConfig, model_dir: Path) -> bool:
+    """`runner` resolved for this checkpoint: `auto` generates unless the checkpoint is a
+    sequence classifier without an LM head (untied, no `lm_head.weight`), which it serves for
+    pooling only, after the same config checks an explicit `runner: pooling` passed at load.
+    (vLLM's `auto` pools every classifier; here one with a head keeps generating, as it did
+    before the runner setting existed: `runner: pooling` gives vLLM's behaviour.)"""
+    if config.runner is RunnerName.generate:
+        return True
+    if config.runner is RunnerName.pooling:
+        return False
+    from engine.torch_runner.config import ModelConfig
+    from engine.torch_runner.loader import ships_lm_head
+
+    if ModelConfig.from_dir(model_dir).classifier_labels is None or ships_lm_head(model_dir):
+        return True
+    conflict = config.pooling_conflicts()
+    if conflict is not None:
+        raise ConfigError(
+            f"{model_dir} is a sequence classifier without an LM head, so runner auto serves "
+            f"it for pooling only, and runner: pooling {conflict}"
+        )
+    log.info("runner auto: %s has no LM head, serving Embed/Classify/Score only", model_dir)
+    return False
 
 
 def advertised_host(config: EngineConfig) -> str:
@@ -236,6 +280,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         embedding_dimension=model.pooler.hidden_size if model.pooler is not None else None,
         classifier_labels=model.pooler.labels if model.pooler is not None else None,
         supports_lora=config.lora.enabled,
+        generates=model.generates,
     )
     kv_config = config.kv_events
     kv_log = KvEventLog(kv_config.buffer_steps)
@@ -258,6 +303,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         kv_session_ttl_s=config.kv_transfer.session_ttl_s
         if role == pb.ENGINE_ROLE_PREFILL
         else None,
+        pooler=model.pooler,
     )
     services.append(service)
     kv_puller = None
@@ -354,11 +400,12 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         raise
     engine_loop.start()
     log.info(
-        "engine %s serving %s (%s, role %s) on port %d",
+        "engine %s serving %s (%s, role %s, runner %s) on port %d",
         instance_id,
         served.name,
         "sim" if config.is_sim else config.model,
         config.role.value,
+        "generate" if model.generates else "pooling",
         port,
     )
     return EngineApp(

@@ -40,7 +40,13 @@ from engine.core.api import (
 )
 from engine.core.errors import InvalidRequestError
 from engine.server.engine_service import EngineService
-from engine.server.errors import ModelNotFoundError, RoleMismatchError, UnsupportedOptionError
+from engine.server.errors import (
+    FeatureDisabledError,
+    ModelNotFoundError,
+    RoleMismatchError,
+    UnsupportedOptionError,
+)
+from engine.server.info import POOLING_ONLY_MESSAGE
 from engine.server.openengine_convert import EngineContext, guided_from_proto
 from engine.server.openengine_servicer import refuse
 from kvplane.server import Service, abort_with
@@ -106,6 +112,8 @@ def _structured_output(dec: pb.DecodingParameters, ctx: EngineContext) -> Guided
 def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) -> EngineRequest:
     if not ctx.model.serves(request.model):
         raise ModelNotFoundError(f"model {request.model!r} is not served here")
+    if not ctx.model.generates:
+        raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
     if ctx.role != oe.ENGINE_ROLE_AGGREGATED:
         raise RoleMismatchError("vllm.Generate runs on an AGGREGATED engine only")
     dec = request.decoding

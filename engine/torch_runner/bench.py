@@ -337,7 +337,7 @@ def run_engine_bench(model: str, settings: EngineBenchSettings) -> dict[str, Any
 def _weights(runner: TorchModelRunner) -> list[Any]:
     w = runner.model.weights
     tensors = [w.embed_tokens, w.final_norm]
-    if w.lm_head is not w.embed_tokens:
+    if w.lm_head is not None and w.lm_head is not w.embed_tokens:
         tensors.append(w.lm_head)
     for layer in w.layers:
         tensors.extend(

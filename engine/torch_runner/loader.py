@@ -4,6 +4,10 @@ Contract: `load_model(path, dtype, device)` returns a ready model or raises `Che
 naming the missing file, the missing or misshapen tensor, or the unsupported dtype/device.
 Tensors are checked against the shapes `config.json` implies before anything is built, so a
 mismatched checkpoint fails at load time rather than producing wrong text.
+
+`with_lm_head=False` (a pooling-only engine) loads no LM head: the model cannot produce logits
+and `lm_head.weight` need not exist. `ships_lm_head(path)` says, from the config and the
+safetensors headers alone (no tensor read), whether the checkpoint has one to load.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from engine.torch_runner.config import ModelConfig
@@ -101,8 +105,28 @@ def _matmul_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.t().contiguous().t()
 
 
+def ships_lm_head(model_dir: Path | str) -> bool:
+    """Whether the checkpoint can generate: it ties its embeddings or ships `lm_head.weight`."""
+    path = Path(model_dir)
+    if ModelConfig.from_dir(path).tie_word_embeddings:
+        return True
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                if "lm_head.weight" in weights.keys():  # noqa: SIM118 (not a dict)
+                    return True
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {file}: {exc}") from exc
+    return False
+
+
 def build_weights(
-    config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    config: ModelConfig,
+    state: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    with_lm_head: bool = True,
 ) -> ModelWeights:
     w = _Weights(state, dtype, device)
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -155,15 +179,17 @@ def build_weights(
         )
     embed = w.get("model.embed_tokens.weight", (config.vocab_size, hidden))
     # Some tied checkpoints still ship lm_head.weight; tie_word_embeddings decides.
-    if config.tie_word_embeddings:
+    lm_head: torch.Tensor | None = None
+    if not with_lm_head:
+        pass  # pooling only: never produces logits
+    elif config.tie_word_embeddings:
         lm_head = embed
     else:
         if config.classifier_labels is not None and not w.has("lm_head.weight"):
-            # The engine also generates (and its health probe does): a classifier needs a
-            # tied or shipped LM head until pooling-only engines exist.
             raise CheckpointError(
                 "this sequence classifier has no lm_head.weight and does not tie its "
-                "embeddings: the engine cannot generate with it"
+                "embeddings: it cannot generate; serve it with runner: pooling (or auto) "
+                "for Embed/Classify/Score"
             )
         lm_head = _matmul_layout(w.get("lm_head.weight", (config.vocab_size, hidden)))
     classifier = None
@@ -178,7 +204,13 @@ def build_weights(
     )
 
 
-def load_model(model_dir: Path | str, dtype: str = "float32", device: str = "cpu") -> DecoderModel:
+def load_model(
+    model_dir: Path | str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    *,
+    with_lm_head: bool = True,
+) -> DecoderModel:
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"model directory {path} does not exist")
@@ -186,5 +218,5 @@ def load_model(model_dir: Path | str, dtype: str = "float32", device: str = "cpu
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
     state = read_state_dict(path)
-    weights = build_weights(config, state, torch_dtype, torch_device)
+    weights = build_weights(config, state, torch_dtype, torch_device, with_lm_head=with_lm_head)
     return DecoderModel(config, weights, torch_dtype, torch_device)

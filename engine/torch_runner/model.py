@@ -28,6 +28,7 @@ from engine.torch_runner.attention import (
     paged_attention,
 )
 from engine.torch_runner.config import ModelConfig, RopeConfig, RopeType
+from engine.torch_runner.errors import InvalidBatchError
 from engine.torch_runner.lora import LoraBatch, Site
 from engine.torch_runner.native import NativeKernels
 
@@ -131,7 +132,7 @@ class ModelWeights:
     embed_tokens: torch.Tensor
     layers: tuple[LayerWeights, ...]
     final_norm: torch.Tensor
-    lm_head: torch.Tensor  # the embedding itself when tied
+    lm_head: torch.Tensor | None  # the embedding itself when tied; None: pooling only
     classifier: torch.Tensor | None = None  # [num_labels, hidden]: a classifier's `score`
 
 
@@ -280,4 +281,6 @@ class DecoderModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
+        if self.weights.lm_head is None:
+            raise InvalidBatchError("this model was loaded without an LM head (pooling only)")
         return F.linear(hidden, self.weights.lm_head).float()

@@ -121,13 +121,15 @@ class TorchModelRunner:
         seed: int | None = None,
         num_threads: int | None = None,
         native_kernels: bool | None = None,
+        with_lm_head: bool = True,
     ) -> TorchModelRunner:
-        """Load a checkpoint and size the KV cache by `num_blocks` or by `kv_cache_bytes`."""
+        """Load a checkpoint and size the KV cache by `num_blocks` or by `kv_cache_bytes`.
+        `with_lm_head=False`: no LM head (a pooling-only engine: `execute` cannot sample)."""
         if num_blocks is not None and kv_cache_bytes is not None:
             raise KvCacheError("give num_blocks or kv_cache_bytes, not both")
         if block_size <= 0:
             raise KvCacheError(f"block_size must be positive, got {block_size}")
-        model = load_model(model_dir, dtype, device)
+        model = load_model(model_dir, dtype, device, with_lm_head=with_lm_head)
         if num_blocks is None:
             cfg = model.config
             per_block = PagedKvCache.bytes_per_block(

@@ -159,3 +159,32 @@ def test_serve_refuses_a_zmq_endpoint_in_use_with_one_line(tmp_path: Path) -> No
     assert result.returncode == 1, result.stderr
     assert f"cannot bind ZMQ KV events to tcp://127.0.0.1:{port}".encode() in result.stderr
     assert b"Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("config", "flags", "line"),
+    [
+        ("", ["--model", "sim", "--runner", "pooling"], b"runner: pooling needs a torch model"),
+        (
+            "kv_transfer: {session_ttl_s: 5}\n",
+            ["--role", "aggregated"],
+            b"kv_transfer.session_ttl_s applies to PREFILL and DECODE engines only",
+        ),
+    ],
+)
+def test_serve_refuses_contradictory_config_with_one_line(
+    tmp_path: Path, config: str, flags: list[str], line: bytes
+) -> None:
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text(config)
+    result = subprocess.run(
+        [*_kvplane(), "engine", "serve", "--config", str(config_file), *flags],
+        cwd=REPO,
+        capture_output=True,
+        timeout=50,
+    )
+    assert result.returncode == 1, result.stderr
+    assert line in result.stderr
+    assert b"Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -1,0 +1,89 @@
+"""A pooling-only engine (`runner: pooling`: a classifier without an LM head) next to a
+generating engine, both serving the same model name behind the controller: the controller
+learns from GetModelInfo (tasks advertised, no `generation`) that it does not generate, so
+every Generate goes to the generating engine, Classify to the pooling engine, and with the
+generating engine out of routing a Generate says why ("pooling only") instead of reaching an
+engine that would refuse it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from engine.server.service import start_engine
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import Fleet, close_fleet, make_fleet
+from tests.controller.test_gateway import record_routes
+from tests.engine.test_server_pooling_runner import LABELS, write_headless_classifier
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "builtin"
+
+
+@pytest.fixture
+async def mixed_fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
+    headless = write_headless_classifier(tmp_path)
+    common = {
+        "served_model_name": MODEL,
+        "listen": "127.0.0.1:0",
+        "num_kv_blocks": 64,  # the pooling engine ignores it (one block)
+        "max_num_batched_tokens": 128,
+        "num_threads": 1,
+        "shutdown_grace_s": 0.5,
+    }
+    builtin = str(tmp_path / "builtin")
+    engines = [
+        await start_engine(EngineConfig(model=builtin, instance_id="gen", **common)),
+        await start_engine(EngineConfig(model=str(headless), instance_id="pool", **common)),
+    ]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_pooling_only_engine_gets_pooling_traffic_only(mixed_fleet: Fleet) -> None:
+    chosen = record_routes(mixed_fleet)
+    for n in range(6):  # round robin would alternate between two generating engines
+        request = pb.GenerateRequest(
+            request_id=f"g{n}",
+            model=MODEL,
+            token_ids=pb.TokenIds(ids=[5 + n, 6, 7]),
+            stopping=pb.StoppingOptions(max_tokens=2, ignore_eos=True),
+        )
+        responses = [r async for r in mixed_fleet.gateway.Generate(request)]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+    gen_address = mixed_fleet.address(mixed_fleet.engines[0])
+    assert chosen == [gen_address] * 6
+    registry = mixed_fleet.app.controller.fleet.registry
+    identities = {r.engine_id: r.identity for r in registry.records()}
+    assert identities["pool"] is not None and not identities["pool"].generates
+    assert identities["pool"].tasks == {"embed", "classify", "score"}
+    assert identities["gen"] is not None and identities["gen"].generates
+    classified = await mixed_fleet.gateway.Classify(
+        pb.ClassifyRequest(
+            context=pb.TaskRequestContext(request_id="c", model=MODEL),
+            inputs=[pb.TaskInput(item_id="a", token_ids=pb.TokenIds(ids=[5, 6, 7]))],
+        )
+    )
+    assert list(classified.outputs[0].labels) == LABELS
+    # The gateway's ModelInfo is a generating engine's (the pooling one's has no generation).
+    info = await mixed_fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model=MODEL))
+    assert info.HasField("generation")
+
+
+async def test_generate_with_only_a_pooling_engine_routable_names_it(mixed_fleet: Fleet) -> None:
+    registry = mixed_fleet.app.controller.fleet.registry
+    registry.get("gen").cordoned = True
+    request = pb.GenerateRequest(request_id="g", model=MODEL, token_ids=pb.TokenIds(ids=[5, 6, 7]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [r async for r in mixed_fleet.gateway.Generate(request)]
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "pool pooling only" in (err.value.details() or "")
+    assert "gen cordoned" in (err.value.details() or "")
