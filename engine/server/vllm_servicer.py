@@ -11,8 +11,9 @@ the stream with gRPC INTERNAL. A prompt position without a logprob (the first pr
 reports NaN so that the arrays stay aligned with `token_ids`.
 
 Streaming: the first response carries `prompt_info`; each response carries one
-SequenceOutput delta; a sequence's last one carries `finish_info`. Unary Generate collects
-everything into one response and so supports one sequence only.
+SequenceOutput delta; a sequence's last one carries `finish_info`. A matched stop token that
+is not emitted (EOS, a stop id) still counts in `finish_info.num_output_tokens`. Unary
+Generate collects everything into one response and so supports one sequence only.
 """
 
 from __future__ import annotations
@@ -218,11 +219,19 @@ class VllmStreamEncoder:
                     _candidate_info(lp.candidates) for lp in output.logprobs
                 )
         if output.finish_reason is not None and output.finish_reason is not FinishReason.ERROR:
+            match = output.stop_match
+            if (
+                match is not None
+                and match.kind is not StopKind.STOP_TEXT
+                and not self.engine_request.sampling.include_stop_in_output
+            ):
+                # The matched stop token (EOS or a stop id) was generated but not emitted:
+                # it counts, as in OpenEngine's completion_tokens and vLLM's output.
+                state.num_output_tokens += 1
             finish = pb.FinishInfo(
                 num_output_tokens=state.num_output_tokens,
                 finish_reason=_FINISH[output.finish_reason],
             )
-            match = output.stop_match
             if match is not None and output.finish_reason is FinishReason.STOP:
                 if match.kind is StopKind.STOP_TEXT:
                     finish.stop_string = match.text or ""

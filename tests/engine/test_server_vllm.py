@@ -151,3 +151,37 @@ async def test_out_of_range_options_are_invalid_argument(options: pb.GenerateReq
         assert events == []  # refused before acceptance
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert await idle(engine)
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+async def test_num_output_tokens_counts_the_matched_stop_token(include_stop: bool) -> None:
+    """A stop token (EOS or a stop id) was generated: FinishInfo counts it, as OpenEngine's
+    completion_tokens does, whether or not it is emitted (include_stop_strings)."""
+    config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
+    async with running_engine(config) as engine:
+        greedy = await engine.vllm.Generate(_request())  # two tokens, then the EOS
+        assert greedy.outputs.finish_info.HasField("eos_token_id")
+        for stop_ids, generated in (((), 3), ((greedy.outputs.token_ids[1],), 2)):
+            request = _request(
+                stopping=pb.StoppingCriteria(
+                    max_new_tokens=5, stop_token_ids=stop_ids, include_stop_strings=include_stop
+                )
+            )
+            unary = await engine.vllm.Generate(request)
+            emitted = generated if include_stop else generated - 1
+            assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.STOP
+            assert len(unary.outputs.token_ids) == unary.outputs.num_tokens == emitted
+            assert unary.outputs.finish_info.num_output_tokens == generated
+            openengine = await collect(
+                engine.stub,
+                oe.GenerateRequest(
+                    token_ids=oe.TokenIds(ids=PROMPT),
+                    sampling=oe.SamplingParams(temperature=0),
+                    stopping=oe.StoppingOptions(
+                        max_tokens=5,
+                        conditions=[oe.StopCondition(stop_token_id=t) for t in stop_ids],
+                        include_stop_in_output=include_stop,
+                    ),
+                ),
+            )
+            assert openengine[-1].usage.completion_tokens == generated
