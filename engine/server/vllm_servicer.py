@@ -10,7 +10,9 @@ acceptance like in OpenEngine. This proto has no error event: a failure after ac
 the stream with gRPC INTERNAL. A prompt position without a logprob (the first prompt token)
 reports NaN so that the arrays stay aligned with `token_ids`.
 
-Streaming: the first response carries `prompt_info`; each response carries one
+Streaming: the first response carries `prompt_info` (with prompt logprobs asked for, the
+first one that has them, or the first to end a sequence: a request aborted before its prefill
+has none); each response carries one
 SequenceOutput delta; a sequence's last one carries `finish_info`. A matched stop token that
 is not emitted (EOS, a stop id) still counts in `finish_info.num_output_tokens`. Unary
 Generate collects everything into one response and so supports one sequence only.
@@ -244,6 +246,7 @@ class VllmStreamEncoder:
         if not self.prompt_sent and (
             self.engine_request.sampling.prompt_logprobs is None
             or output.prompt_logprobs is not None
+            or output.finish_reason is not None  # ended (aborted) before its prefill
         ):
             self.prompt_sent = True
             response.prompt_info.CopyFrom(self.prompt_info(output.prompt_logprobs))

@@ -19,6 +19,7 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
     stream_error,
+    wait_for,
 )
 from vllm_grpc import vllm_grpc_pb2 as pb
 
@@ -114,6 +115,38 @@ async def test_an_aborted_stream_finishes_with_aborted() -> None:
                 break
             last = response
         assert last.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+
+
+async def test_a_request_aborted_before_its_prefill_still_sends_prompt_info() -> None:
+    """With prompt logprobs asked for, prompt_info waits for them; a request aborted while
+    queued never computes them, and its one response still carries prompt_info."""
+    config = sim_config(
+        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
+        max_model_len=4096,
+        num_kv_blocks=2048,
+        max_num_seqs=1,
+    )
+    async with running_engine(config) as engine:
+        running = _request()
+        running.request_id = "running"
+        running.stopping.max_new_tokens = 3000
+        first = engine.vllm.GenerateStream(running)
+        assert (await asyncio.wait_for(first.read(), timeout=20)).HasField("prompt_info")
+        queued = _request(response=pb.ResponseOptions(prompt_logprobs=True))
+        queued.request_id = "queued"
+        stream = engine.vllm.GenerateStream(queued)
+
+        async def is_queued() -> bool:
+            return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 1
+
+        await wait_for(is_queued)
+        await engine.stub.Abort(oe.AbortRequest(request_id="queued"))
+        responses = [r async for r in stream]
+        first.cancel()
+    assert len(responses) == 1
+    assert responses[0].outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+    assert responses[0].prompt_info.num_prompt_tokens == len(PROMPT)
+    assert list(responses[0].prompt_info.logprobs) == []
 
 
 @pytest.mark.parametrize(
