@@ -3,6 +3,7 @@
 Both RPCs run the request exactly like OpenEngine's Generate. The proto's own defaults
 apply: `temperature` absent -> 0 (greedy; the model has no default of its own), `max_new_tokens`
 0 -> 20, `num_sequences` 0 -> 1, 0 for top_k/top_p/min_p/repetition_penalty -> "off".
+`priority` is vLLM's (a lower value is handled earlier), the opposite of OpenEngine's.
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
 Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
@@ -156,7 +157,7 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         request_id=request.request_id or f"vllm-{uuid.uuid4().hex}",
         prompt_token_ids=tuple(prompt),
         sampling=params,
-        priority=request.priority,
+        priority=-request.priority,  # vLLM's: lower is handled earlier; the core's: larger
         cache_salt=request.kv.cache_salt or None,
         bypass_prefix_cache=request.kv.bypass_prefix_cache,
         guided=_structured_output(dec, ctx),

@@ -149,6 +149,41 @@ async def test_a_request_aborted_before_its_prefill_still_sends_prompt_info() ->
     assert list(responses[0].prompt_info.logprobs) == []
 
 
+async def test_a_lower_priority_value_is_handled_first_as_in_vllm() -> None:
+    """vLLM's priority: lower means earlier handling (OpenEngine's is the opposite). With one
+    seat taken, the queued request with priority -5 starts before the one with priority 5."""
+    config = sim_config(
+        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
+        max_model_len=4096,
+        num_kv_blocks=2048,
+        max_num_seqs=1,
+    )
+    async with running_engine(config) as engine:
+        running = _request()
+        running.request_id = "running"
+        running.stopping.max_new_tokens = 3000
+        first = engine.vllm.GenerateStream(running)
+        await asyncio.wait_for(first.read(), timeout=20)
+        finished: list[str] = []
+
+        async def run(request_id: str, priority: int) -> None:
+            request = _request()
+            request.request_id, request.priority = request_id, priority
+            await engine.vllm.Generate(request)
+            finished.append(request_id)
+
+        tasks = [asyncio.create_task(run("later", 5)), asyncio.create_task(run("earlier", -5))]
+
+        async def both_queued() -> bool:
+            return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 2
+
+        await wait_for(both_queued)
+        await engine.stub.Abort(oe.AbortRequest(request_id="running"))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=20)
+        first.cancel()
+    assert finished == ["earlier", "later"]
+
+
 @pytest.mark.parametrize(
     "options",
     [
