@@ -53,6 +53,9 @@ class PromptInput(NamedTuple):
     lora_name: str = ""
     cache_salt: str = ""
     session_key: str | None = None
+    # vllm.Generate's truncate_prompt_tokens: the engine keeps the last N prompt tokens (0: all),
+    # so the router matches those, not the prompt as sent.
+    truncate_prompt_tokens: int = 0
 
 
 class Plan(NamedTuple):
@@ -156,6 +159,8 @@ class Controller:
         if tokens is None and query.prompt is not None:
             tokens = await self.tokenize(query.prompt, query.model)
             tokenized = tokens is not None
+        if tokens is not None and query.truncate_prompt_tokens:
+            tokens = tokens[-query.truncate_prompt_tokens :]
         view = await self.fleet.prompt_view(
             tokens,
             model=query.model,

@@ -10,6 +10,8 @@ What this API changes on the way:
   in-flight accounting and Abort can tell it from other requests.
 - The session key (config `router.session_metadata_key`) is read from the call's gRPC
   metadata: the request has no metadata map.
+- `truncate_prompt_tokens`: the engine keeps the prompt's last N tokens, so the router
+  matches those against the index (a prompt as sent would share no prefix with them).
 - The response has no cached-token count: usage records the prompt tokens only
   (`prompt_info.num_prompt_tokens`), not the router's prediction against the engine's.
 """
@@ -135,4 +137,5 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
             model=request.model,
             cache_salt=request.kv.cache_salt,
             session_key=session_key,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
         )

@@ -3,6 +3,7 @@
 Both RPCs run the request exactly like OpenEngine's Generate. The proto's own defaults
 apply: `temperature` absent -> 0 (greedy; the model has no default of its own), `max_new_tokens`
 0 -> 20, `num_sequences` 0 -> 1, 0 for top_k/top_p/min_p/repetition_penalty -> "off".
+`priority` is vLLM's (a lower value is handled earlier), the opposite of OpenEngine's.
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
 Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
@@ -10,9 +11,12 @@ acceptance like in OpenEngine. This proto has no error event: a failure after ac
 the stream with gRPC INTERNAL. A prompt position without a logprob (the first prompt token)
 reports NaN so that the arrays stay aligned with `token_ids`.
 
-Streaming: the first response carries `prompt_info`; each response carries one
-SequenceOutput delta; a sequence's last one carries `finish_info`. Unary Generate collects
-everything into one response and so supports one sequence only.
+Streaming: the first response carries `prompt_info` (with prompt logprobs asked for, the
+first one that has them, or the first to end a sequence: a request aborted before its prefill
+has none); each response carries one
+SequenceOutput delta; a sequence's last one carries `finish_info`. A matched stop token that
+is not emitted (EOS, a stop id) still counts in `finish_info.num_output_tokens`. Unary
+Generate collects everything into one response and so supports one sequence only.
 """
 
 from __future__ import annotations
@@ -166,7 +170,7 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         request_id=request.request_id or f"vllm-{uuid.uuid4().hex}",
         prompt_token_ids=tuple(prompt),
         sampling=params,
-        priority=request.priority,
+        priority=-request.priority,  # vLLM's: lower is handled earlier; the core's: larger
         cache_salt=request.kv.cache_salt or None,
         bypass_prefix_cache=request.kv.bypass_prefix_cache,
         guided=_structured_output(dec, ctx),
@@ -231,11 +235,19 @@ class VllmStreamEncoder:
                     _candidate_info(lp.candidates) for lp in output.logprobs
                 )
         if output.finish_reason is not None and output.finish_reason is not FinishReason.ERROR:
+            match = output.stop_match
+            if (
+                match is not None
+                and match.kind is not StopKind.STOP_TEXT
+                and not self.engine_request.sampling.include_stop_in_output
+            ):
+                # The matched stop token (EOS or a stop id) was generated but not emitted:
+                # it counts, as in OpenEngine's completion_tokens and vLLM's output.
+                state.num_output_tokens += 1
             finish = pb.FinishInfo(
                 num_output_tokens=state.num_output_tokens,
                 finish_reason=_FINISH[output.finish_reason],
             )
-            match = output.stop_match
             if match is not None and output.finish_reason is FinishReason.STOP:
                 if match.kind is StopKind.STOP_TEXT:
                     finish.stop_string = match.text or ""
@@ -248,6 +260,7 @@ class VllmStreamEncoder:
         if not self.prompt_sent and (
             self.engine_request.sampling.prompt_logprobs is None
             or output.prompt_logprobs is not None
+            or output.finish_reason is not None  # ended (aborted) before its prefill
         ):
             self.prompt_sent = True
             response.prompt_info.CopyFrom(self.prompt_info(output.prompt_logprobs))

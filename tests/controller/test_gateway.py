@@ -689,6 +689,34 @@ async def test_vllm_generate_is_routed_to_the_prefix_holder(fleet: Fleet) -> Non
     assert len(fleet.app.controller.router.inflight) == 0
 
 
+async def test_vllm_truncated_prompt_is_routed_by_the_tokens_the_engine_keeps(
+    fleet: Fleet,
+) -> None:
+    """truncate_prompt_tokens: the engine keeps the last N tokens, so those are what the router
+    matches (the untruncated prompt starts with tokens no engine holds)."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    stub = vpb_grpc.GenerateStub(fleet.channel)
+    kept = [*PREFIX, 2]
+    warm = vpb.GenerateRequest(
+        model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 1]),
+        stopping=vpb.StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+    )  # fmt: skip
+    await stub.Generate(warm)
+    await holder_of(fleet, PREFIX, 4)
+    cache_decisions = fleet.app.controller.metrics.decisions.labels("kvplane", "cache")
+    before = cache_decisions._value.get()
+    truncated = vpb.GenerateRequest(
+        model="sim", token_ids=vpb.TokenIds(ids=[*range(500, 540), *kept]),
+        truncate_prompt_tokens=len(kept),
+        stopping=vpb.StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+    )  # fmt: skip
+    reply = await stub.Generate(truncated)
+    assert reply.prompt_info.num_prompt_tokens == len(kept)
+    assert cache_decisions._value.get() == before + 1  # sent where the kept prefix lives
+
+
 async def test_generate_stream_is_relayed_exactly() -> None:
     """The engine's responses byte for byte: a fresh engine called directly and its twin
     behind the controller answer the same sampled request (seeded, with prompt and output

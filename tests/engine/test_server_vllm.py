@@ -19,6 +19,7 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
     stream_error,
+    wait_for,
 )
 from vllm_grpc import vllm_grpc_pb2 as pb
 
@@ -116,6 +117,73 @@ async def test_an_aborted_stream_finishes_with_aborted() -> None:
         assert last.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
 
 
+async def test_a_request_aborted_before_its_prefill_still_sends_prompt_info() -> None:
+    """With prompt logprobs asked for, prompt_info waits for them; a request aborted while
+    queued never computes them, and its one response still carries prompt_info."""
+    config = sim_config(
+        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
+        max_model_len=4096,
+        num_kv_blocks=2048,
+        max_num_seqs=1,
+    )
+    async with running_engine(config) as engine:
+        running = _request()
+        running.request_id = "running"
+        running.stopping.max_new_tokens = 3000
+        first = engine.vllm.GenerateStream(running)
+        assert (await asyncio.wait_for(first.read(), timeout=20)).HasField("prompt_info")
+        queued = _request(response=pb.ResponseOptions(prompt_logprobs=True))
+        queued.request_id = "queued"
+        stream = engine.vllm.GenerateStream(queued)
+
+        async def is_queued() -> bool:
+            return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 1
+
+        await wait_for(is_queued)
+        await engine.stub.Abort(oe.AbortRequest(request_id="queued"))
+        responses = [r async for r in stream]
+        first.cancel()
+    assert len(responses) == 1
+    assert responses[0].outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+    assert responses[0].prompt_info.num_prompt_tokens == len(PROMPT)
+    assert list(responses[0].prompt_info.logprobs) == []
+
+
+async def test_a_lower_priority_value_is_handled_first_as_in_vllm() -> None:
+    """vLLM's priority: lower means earlier handling (OpenEngine's is the opposite). With one
+    seat taken, the queued request with priority -5 starts before the one with priority 5."""
+    config = sim_config(
+        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
+        max_model_len=4096,
+        num_kv_blocks=2048,
+        max_num_seqs=1,
+    )
+    async with running_engine(config) as engine:
+        running = _request()
+        running.request_id = "running"
+        running.stopping.max_new_tokens = 3000
+        first = engine.vllm.GenerateStream(running)
+        await asyncio.wait_for(first.read(), timeout=20)
+        finished: list[str] = []
+
+        async def run(request_id: str, priority: int) -> None:
+            request = _request()
+            request.request_id, request.priority = request_id, priority
+            await engine.vllm.Generate(request)
+            finished.append(request_id)
+
+        tasks = [asyncio.create_task(run("later", 5)), asyncio.create_task(run("earlier", -5))]
+
+        async def both_queued() -> bool:
+            return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 2
+
+        await wait_for(both_queued)
+        await engine.stub.Abort(oe.AbortRequest(request_id="running"))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=20)
+        first.cancel()
+    assert finished == ["earlier", "later"]
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -151,3 +219,37 @@ async def test_out_of_range_options_are_invalid_argument(options: pb.GenerateReq
         assert events == []  # refused before acceptance
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert await idle(engine)
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+async def test_num_output_tokens_counts_the_matched_stop_token(include_stop: bool) -> None:
+    """A stop token (EOS or a stop id) was generated: FinishInfo counts it, as OpenEngine's
+    completion_tokens does, whether or not it is emitted (include_stop_strings)."""
+    config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
+    async with running_engine(config) as engine:
+        greedy = await engine.vllm.Generate(_request())  # two tokens, then the EOS
+        assert greedy.outputs.finish_info.HasField("eos_token_id")
+        for stop_ids, generated in (((), 3), ((greedy.outputs.token_ids[1],), 2)):
+            request = _request(
+                stopping=pb.StoppingCriteria(
+                    max_new_tokens=5, stop_token_ids=stop_ids, include_stop_strings=include_stop
+                )
+            )
+            unary = await engine.vllm.Generate(request)
+            emitted = generated if include_stop else generated - 1
+            assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.STOP
+            assert len(unary.outputs.token_ids) == unary.outputs.num_tokens == emitted
+            assert unary.outputs.finish_info.num_output_tokens == generated
+            openengine = await collect(
+                engine.stub,
+                oe.GenerateRequest(
+                    token_ids=oe.TokenIds(ids=PROMPT),
+                    sampling=oe.SamplingParams(temperature=0),
+                    stopping=oe.StoppingOptions(
+                        max_tokens=5,
+                        conditions=[oe.StopCondition(stop_token_id=t) for t in stop_ids],
+                        include_stop_in_output=include_stop,
+                    ),
+                ),
+            )
+            assert openengine[-1].usage.completion_tokens == generated
