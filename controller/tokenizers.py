@@ -1,8 +1,10 @@
 """Which tokenizer turns a text prompt into the tokens the router hashes: its model's own
 (`tokenizers: {MODEL: tokenizer.json}`), else the controller-wide default (`tokenizer:`), else
-none. Engines do not hand out their tokenizer (OpenEngine's GetModelInfo says whether a model
-takes text, not how it splits it), so a text prompt of a model with no tokenizer configured is
-routed without prefix knowledge, by load only; token-id prompts never need one.
+none. `builtin` names the builtin model's tokenizer (what engines serving `model: builtin` use;
+the model is built on first use, as engines do). Engines do not hand out their tokenizer
+(OpenEngine's GetModelInfo says whether a model takes text, not how it splits it), so a text
+prompt of a model with no tokenizer configured is routed without prefix knowledge, by load
+only; token-id prompts never need one.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from typing import Any
 
 from kvplane.errors import ConfigError
 
+BUILTIN = "builtin"
+
 
 def _load(path: Path) -> Any:
     from tokenizers import Tokenizer
 
+    if str(path) == BUILTIN:
+        path = _builtin_tokenizer_file()
     try:
         return Tokenizer.from_file(str(path))
     except Exception as exc:
@@ -44,3 +50,13 @@ class ModelTokenizers:
         if tokenizer is None:
             return None
         return list(tokenizer.encode(prompt).ids)
+
+
+def _builtin_tokenizer_file() -> Path:
+    from engine.torch_runner.builtin_model import ensure_builtin_model  # torch-free
+    from engine.torch_runner.errors import CheckpointError
+
+    try:
+        return ensure_builtin_model() / "tokenizer.json"
+    except CheckpointError as exc:
+        raise ConfigError(f"cannot load tokenizer builtin: {exc}") from exc

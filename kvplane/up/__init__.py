@@ -8,8 +8,7 @@ members it names are healthy (the engines all at once, then the controller) and 
 until its health service answers SERVING (a controller, also until it has tried each of its
 engines once: before that it routes nothing). Every channel up opens to a member (readiness, the
 live status, the drain, the check) is insecure, or TLS per the fleet's `client_tls`, and
-carries the bearer token of `client_token_file` when the fleet names one. A
-controller's `tokenizer: builtin` names the builtin model's tokenizer, and a controller
+carries the bearer token of `client_token_file` when the fleet names one. A controller
 without `metrics_listen` gets one on a free port (the live status reads its routing counters
 there). Then every address is printed and a live
 status (engines' health, load, KV usage, cached and indexed blocks; the index size; the

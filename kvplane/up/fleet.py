@@ -25,7 +25,7 @@ from kvplane.channels import ClientChannels
 from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
 from kvplane.server import bearer_token_metadata
-from kvplane.up.config import BUILTIN, FleetConfig, MemberConfig
+from kvplane.up.config import FleetConfig, MemberConfig
 from kvplane.up.member import member_environment
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -134,13 +134,6 @@ async def _engines_reached(channels: ClientChannels, address: str) -> bool:
     return all(worker.state != EngineState.UNKNOWN for worker in reply.workers)
 
 
-async def _builtin_tokenizer() -> str:
-    from engine.torch_runner.builtin_model import ensure_builtin_model  # torch-free
-
-    model_dir = await asyncio.to_thread(ensure_builtin_model)
-    return str(model_dir / "tokenizer.json")
-
-
 class Fleet:
     def __init__(self, config: FleetConfig, workdir: Path) -> None:
         self.config = config
@@ -177,8 +170,6 @@ class Fleet:
     async def _start_member(self, member: Member, addresses: dict[str, str]) -> None:
         name = member.name
         config = member.config.server_config(addresses)
-        if member.kind == "controller" and config.get("tokenizer") == BUILTIN:
-            config["tokenizer"] = await _builtin_tokenizer()
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config))
         port_file = self.workdir / f"{name}.port"

@@ -79,6 +79,23 @@ async def test_each_model_uses_its_own_tokenizer(tmp_path: Path) -> None:
         await close_fleet(fleet)
 
 
+async def test_tokenizer_builtin_is_the_builtin_models_tokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tokenizer: builtin` in a controller's own config (not only through `kvplane up`)."""
+    from engine.torch_runner.builtin_model import ensure_builtin_model
+
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
+    fleet = await make_fleet(1, tokenizer="builtin")
+    try:
+        reply = await fleet.admin.Match(apb.PromptQuery(prompt=TEXT, model="sim"))
+    finally:
+        await close_fleet(fleet)
+    builtin = Tokenizer.from_file(str(ensure_builtin_model(tmp_path) / "tokenizer.json"))
+    assert reply.tokenized
+    assert reply.num_prompt_tokens == len(builtin.encode(TEXT).ids)
+
+
 async def test_without_a_tokenizer_text_is_routed_blind_and_route_says_so(fleet: Fleet) -> None:
     reply = await fleet.admin.Route(apb.PromptQuery(prompt=TEXT, model="sim"))
     assert not reply.tokenized and reply.predicted_cached_tokens == 0
