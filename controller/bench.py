@@ -19,7 +19,7 @@ from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, fits, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
 from engine.core.mooncake_trace import load_trace
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number
 from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 
@@ -41,6 +41,12 @@ def policy_names(text: str) -> list[str]:
         what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no policy given"
         raise typer.BadParameter(
             f"{what}; choose from {', '.join(POLICY_NAMES)}", param_hint="--policies"
+        )
+    # Results are keyed by name: a repeated one would be run twice and shown once.
+    repeated = sorted({p for p in names if names.count(p) > 1}, key=names.index)
+    if repeated:
+        raise typer.BadParameter(
+            f"{', '.join(map(repr, repeated))} given more than once", param_hint="--policies"
         )
     return names
 
@@ -200,7 +206,7 @@ def bench_route(
     workers: Annotated[int, typer.Option(min=1)] = 8,
     blocks_per_worker: Annotated[int, typer.Option(min=1)] = 2048,
     block_size: Annotated[int, typer.Option(min=1)] = 512,
-    speedup: Annotated[float, typer.Option(min=0.001)] = 1.0,
+    speedup: Annotated[float, typer.Option(min=0.001, callback=finite_number)] = 1.0,
     policies: Annotated[
         str, typer.Option(help="Comma-separated policies (default: all).")
     ] = ",".join(POLICY_NAMES),
