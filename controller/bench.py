@@ -80,6 +80,7 @@ def run_route_bench(
         "blocks_per_worker": settings.blocks_per_worker,
         "block_size": settings.block_size,
         "speedup": settings.speedup,
+        "seed": settings.seed,
         "num_requests": len(replayed),
         "num_left_out": left_out,
         # Over the requests replayed: a bound on what the policies reach.
@@ -173,7 +174,7 @@ def _mean_of(runs: list[dict[str, float]], field: str, digits: int = 4) -> float
 def render_table(doc: dict[str, Any]) -> str:
     lines = [
         f"trace {doc['trace']}: {doc['workers']} workers x {doc['blocks_per_worker']} blocks "
-        f"of {doc['block_size']} tokens, speedup {doc['speedup']}, "
+        f"of {doc['block_size']} tokens, speedup {doc['speedup']}, seed {doc['seed']}, "
         f"oracle reuse {doc['oracle_hit_ratio']:.3f}"
         + (
             f" ({doc['num_left_out']} requests longer than one engine's KV cache left out)"

@@ -172,13 +172,22 @@ def test_route_json_is_one_document_of_the_issues_shape(trace: Path, tmp_path: P
         "policies",
     } <= set(doc)  # fmt: skip
     assert (doc["trace"], doc["workers"], doc["blocks_per_worker"]) == ("trace.jsonl", 2, 2)
-    assert (doc["block_size"], doc["speedup"]) == (512, 1.0)
+    assert (doc["block_size"], doc["speedup"], doc["seed"]) == (512, 1.0, 0)
     assert list(doc["policies"]) == ["kvplane", "random"]
     assert "kvplane_weights" not in doc  # the defaults: no --config
     for row in doc["policies"].values():
         assert {"hit_ratio", "ttft_ms", "itl_ms", "imbalance", "throughput_rps"} <= set(row)
         assert set(row["ttft_ms"]) == {"mean", "p50", "p99"}
         assert set(row["itl_ms"]) == {"mean"}
+
+
+def test_route_output_names_its_seed(trace: Path) -> None:
+    """--seed changes the random policies' figures, but neither the JSON nor the table said
+    which seed made them."""
+    args = ["route", "--trace", str(trace), "--policies", "random", "--seed", "7"]
+    doc = json.loads(bench(*args, "--output", "json").stdout)
+    assert doc["seed"] == 7
+    assert ", seed 7, oracle reuse" in bench(*args).stdout
 
 
 def test_route_replays_kvplane_with_a_controller_configs_router_settings(
