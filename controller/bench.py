@@ -204,10 +204,15 @@ def _cell(value: float | None, width: int, digits: int) -> str:
 def bench_route(
     *,
     trace: Annotated[Path, typer.Option("--trace", help="Mooncake-format JSONL trace.")],
-    workers: Annotated[int, typer.Option(min=1)] = 8,
-    blocks_per_worker: Annotated[int, typer.Option(min=1)] = 2048,
-    block_size: Annotated[int, typer.Option(min=1)] = 512,
-    speedup: Annotated[float, typer.Option(min=0.001, callback=finite_number)] = 1.0,
+    workers: Annotated[int, typer.Option(min=1, help="Simulated engines.")] = 8,
+    blocks_per_worker: Annotated[int, typer.Option(min=1, help="KV blocks per engine.")] = 2048,
+    block_size: Annotated[
+        int, typer.Option(min=1, help="Tokens per KV block and per trace hash id.")
+    ] = 512,
+    speedup: Annotated[
+        float,
+        typer.Option(min=0.001, callback=finite_number, help="Arrivals at trace time / speedup."),
+    ] = 1.0,
     policies: Annotated[
         str, typer.Option(help="Comma-separated policies (default: all).")
     ] = ",".join(POLICY_NAMES),
