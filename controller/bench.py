@@ -19,7 +19,7 @@ from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, fits, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
 from engine.core.mooncake_trace import load_trace
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number
 from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 
@@ -41,6 +41,12 @@ def policy_names(text: str) -> list[str]:
         what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no policy given"
         raise typer.BadParameter(
             f"{what}; choose from {', '.join(POLICY_NAMES)}", param_hint="--policies"
+        )
+    # Results are keyed by name: a repeated one would be run twice and shown once.
+    repeated = sorted({p for p in names if names.count(p) > 1}, key=names.index)
+    if repeated:
+        raise typer.BadParameter(
+            f"{', '.join(map(repr, repeated))} given more than once", param_hint="--policies"
         )
     return names
 
@@ -74,6 +80,7 @@ def run_route_bench(
         "blocks_per_worker": settings.blocks_per_worker,
         "block_size": settings.block_size,
         "speedup": settings.speedup,
+        "seed": settings.seed,
         "num_requests": len(replayed),
         "num_left_out": left_out,
         # Over the requests replayed: a bound on what the policies reach.
@@ -167,7 +174,7 @@ def _mean_of(runs: list[dict[str, float]], field: str, digits: int = 4) -> float
 def render_table(doc: dict[str, Any]) -> str:
     lines = [
         f"trace {doc['trace']}: {doc['workers']} workers x {doc['blocks_per_worker']} blocks "
-        f"of {doc['block_size']} tokens, speedup {doc['speedup']}, "
+        f"of {doc['block_size']} tokens, speedup {doc['speedup']}, seed {doc['seed']}, "
         f"oracle reuse {doc['oracle_hit_ratio']:.3f}"
         + (
             f" ({doc['num_left_out']} requests longer than one engine's KV cache left out)"
@@ -197,10 +204,15 @@ def _cell(value: float | None, width: int, digits: int) -> str:
 def bench_route(
     *,
     trace: Annotated[Path, typer.Option("--trace", help="Mooncake-format JSONL trace.")],
-    workers: Annotated[int, typer.Option(min=1)] = 8,
-    blocks_per_worker: Annotated[int, typer.Option(min=1)] = 2048,
-    block_size: Annotated[int, typer.Option(min=1)] = 512,
-    speedup: Annotated[float, typer.Option(min=0.001)] = 1.0,
+    workers: Annotated[int, typer.Option(min=1, help="Simulated engines.")] = 8,
+    blocks_per_worker: Annotated[int, typer.Option(min=1, help="KV blocks per engine.")] = 2048,
+    block_size: Annotated[
+        int, typer.Option(min=1, help="Tokens per KV block and per trace hash id.")
+    ] = 512,
+    speedup: Annotated[
+        float,
+        typer.Option(min=0.001, callback=finite_number, help="Arrivals at trace time / speedup."),
+    ] = 1.0,
     policies: Annotated[
         str, typer.Option(help="Comma-separated policies (default: all).")
     ] = ",".join(POLICY_NAMES),

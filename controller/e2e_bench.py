@@ -65,7 +65,7 @@ from controller.gateway_timing import (
     wait_routable,
 )
 from engine.core.mooncake_trace import load_trace
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -557,7 +557,13 @@ def bench_e2e(
     *,
     requests: Annotated[int, typer.Option("--requests", min=1)] = 240,
     rate: Annotated[
-        float, typer.Option("--rate", min=0.01, help="Mean arrivals per s (to each fleet).")
+        float,
+        typer.Option(
+            "--rate",
+            min=0.01,
+            callback=finite_number,
+            help="Mean arrivals per s (to each fleet).",
+        ),
     ] = 3.5,
     engines: Annotated[int, typer.Option(min=1)] = 4,
     model: Annotated[

@@ -42,6 +42,7 @@ from indexer.index import PrefixIndex
 from indexer.kv_wire import batch_from_proto
 from indexer.memory_backend import MemoryBackend
 from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
 
@@ -411,8 +412,16 @@ async def open_bench_backend(url: str) -> IndexBackend:
     """A fresh, empty backend. A shared (Redis) backend gets a partition of its own, so the
     benchmark never reads or overwrites an index someone uses."""
     if url.startswith(REDIS_SCHEMES):
+        from indexer.redis_backend import RedisBackend
+
         model = f"kvplane-bench-{os.getpid()}-{next(_bench_partitions)}"
-        return await open_backend(url, model=model)
+        backend = await open_backend(url, model=model)
+        # The backend waits out a Redis that does not answer (buffering what it is sent): a
+        # benchmark would time that buffer, then fail deleting its partition (a traceback).
+        if isinstance(backend, RedisBackend) and not backend.healthy:
+            await backend.close()
+            raise KvplaneError(f"cannot benchmark {url}: Redis does not answer there")
+        return backend
     return await open_backend(url)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -52,6 +53,14 @@ PortFileOption = Annotated[
         callback=_port_file_in_a_folder,
     ),
 ]
+
+
+def finite_number(value: float | None) -> float | None:
+    """A callback for float options: click's FloatRange lets `inf` through a `min=` (and the
+    JSON output would then carry `Infinity`, which is not JSON)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def _dial_target(value: str | None) -> str | None:

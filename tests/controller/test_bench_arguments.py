@@ -56,6 +56,27 @@ def test_bad_policies_are_a_usage_error(
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("command", ["route", "e2e"])
+def test_a_policy_named_twice_is_a_usage_error(trace: Path, command: str) -> None:
+    """Was run twice (route: replayed twice; e2e: two fleets, a CPU each side by side) and
+    shown once, the results being keyed by name."""
+    model = ["--model", "/absent"] if command == "e2e" else []
+    policies = "kvplane,round_robin,kvplane"
+    result = bench(command, "--trace", str(trace), "--policies", policies, *model)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --policies: 'kvplane' given more than once" in result.output
+
+
+@pytest.mark.parametrize(("command", "flag"), [("route", "--speedup"), ("e2e", "--rate")])
+def test_an_infinite_speed_is_a_usage_error(trace: Path, command: str, flag: str) -> None:
+    """`inf` passed the options' minimum: route replayed every request at once and its JSON
+    said `"speedup": Infinity` (not JSON); e2e went on to build the model and fleets."""
+    model = ["--model", "/absent"] if command == "e2e" else []
+    result = bench(command, "--trace", str(trace), "--policies", "round_robin", flag, "inf", *model)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{flag}': inf is not a finite number" in result.output
+
+
 def test_a_capacity_no_request_fits_is_one_line(trace: Path) -> None:
     """It used to print all-zero rows and exit 0 (a warning per policy on stderr)."""
     result = bench("route", "--trace", str(trace), "--blocks-per-worker", "1", "--block-size", "8")
@@ -151,13 +172,22 @@ def test_route_json_is_one_document_of_the_issues_shape(trace: Path, tmp_path: P
         "policies",
     } <= set(doc)  # fmt: skip
     assert (doc["trace"], doc["workers"], doc["blocks_per_worker"]) == ("trace.jsonl", 2, 2)
-    assert (doc["block_size"], doc["speedup"]) == (512, 1.0)
+    assert (doc["block_size"], doc["speedup"], doc["seed"]) == (512, 1.0, 0)
     assert list(doc["policies"]) == ["kvplane", "random"]
     assert "kvplane_weights" not in doc  # the defaults: no --config
     for row in doc["policies"].values():
         assert {"hit_ratio", "ttft_ms", "itl_ms", "imbalance", "throughput_rps"} <= set(row)
         assert set(row["ttft_ms"]) == {"mean", "p50", "p99"}
         assert set(row["itl_ms"]) == {"mean"}
+
+
+def test_route_output_names_its_seed(trace: Path) -> None:
+    """--seed changes the random policies' figures, but neither the JSON nor the table said
+    which seed made them."""
+    args = ["route", "--trace", str(trace), "--policies", "random", "--seed", "7"]
+    doc = json.loads(bench(*args, "--output", "json").stdout)
+    assert doc["seed"] == 7
+    assert ", seed 7, oracle reuse" in bench(*args).stdout
 
 
 def test_route_replays_kvplane_with_a_controller_configs_router_settings(

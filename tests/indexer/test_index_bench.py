@@ -4,10 +4,13 @@ figures docs/benchmarks cite, with and without Dynamo's RadixTree installed."""
 from __future__ import annotations
 
 import pytest
+from typer.testing import CliRunner
 
 from indexer import bench
 from indexer.bench import Scale, run_index_bench
-from tests.redis_servers import RedisServer
+from kvplane.cli import app
+from kvplane.errors import KvplaneError
+from tests.redis_servers import RedisServer, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,3 +77,13 @@ async def test_bench_index_on_redis_leaves_no_key_behind(redis_server: RedisServ
     assert result["workloads"]["mooncake_store"]["kvplane_ops_s"] > 0
     assert client.dbsize() == before
     assert client.get("someone-elses-key") == b"kept"
+
+
+def test_bench_index_on_a_redis_that_does_not_answer_is_one_line() -> None:
+    """Was a redis ConnectionError traceback: the backend buffered what the first workload
+    sent, then failed deleting its partition."""
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    result = CliRunner().invoke(app, ["bench", "index", "--quick", "--backend", url])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == f"cannot benchmark {url}: Redis does not answer there"
