@@ -13,9 +13,23 @@ backoff, blocking the stream (ZMQ buffers meanwhile; an
 overflow shows up as a gap and is replayed); UNAUTHENTICATED and PERMISSION_DENIED stop the
 bridge (a ConfigError: every later batch would be refused alike, so running on would only drop
 them); any other status drops that batch and is logged.
-An apply that gets through after UNAVAILABLE, once something was delivered before, asks the
-source to resync the worker (`on_target_back`): the target was unreachable and may have
-restarted empty (kvplane's memory indexer does), losing every block indexed before.
+The target may lose the worker's blocks (kvplane's memory indexer restarts empty) without the
+bridge seeing a failed apply, e.g. while the engine publishes nothing. Two signs make the sink
+ask the source to resync the worker (`on_worker_lost`: clear it on the target, rebuild it from
+the publisher's replay from seq 0):
+- an apply gets through after UNAVAILABLE, once something was delivered before;
+- the canary probe (`follow` runs it beside the source): the sink remembers one delivered
+  block that the target still holds as far as the bridge knows (`Canary`, its key exactly as
+  sent, engine or canonical), and every `probe_interval_s` asks the target for it with
+  MatchExternalKv (count_as_hit false; the seed's API only, so any KVIndexer and any backend
+  will do). Two answers in a row that do not list the worker for that key mean the target lost
+  the worker's state (one could be a read lagging an acknowledged apply). The probe holds the
+  apply lock, so it never reads a state an apply is changing; a probe that fails (UNAVAILABLE,
+  DEADLINE_EXCEEDED, ...) tells nothing and is only logged (the apply path handles an
+  unreachable target); a confirmed loss forgets the canary, so one loss is reported once, and
+  without a canary (nothing delivered yet, or all revoked / cleared) nothing is probed.
+  Without a replay endpoint the resync only clears the worker: the next message rebuilds it
+  from then on (blocks from before stay missing, never stale).
 A batch is validated with the seed's rules before it is converted and sent: one that breaks
 them (a value out of its wire field's range) raises `IndexRequestError`, which the source
 counts as a bad message.
@@ -31,7 +45,7 @@ from dataclasses import dataclass, field
 import grpc
 import zmq.asyncio
 
-from indexer.batch import Batch, CacheSpec, Tier
+from indexer.batch import ActionType, Batch, BlockKey, CacheSpec, Tier
 from indexer.kv_wire import batch_to_proto
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import (
@@ -43,9 +57,10 @@ from indexer.translate import (
     WorkerTranslator,
 )
 from indexer.validation import validate_batch
+from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.channels import INSECURE, ClientChannels
-from kvplane.errors import ConfigError
+from kvplane.errors import ConfigError, KvplaneError
 from kvplane.server import bearer_token_metadata
 
 log = logging.getLogger(__name__)
@@ -57,11 +72,43 @@ _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
-class KvIndexerSink:
-    """Sends batches with ApplyExternalKvBatch; retries transient failures.
+@dataclass(frozen=True, slots=True)
+class Canary:
+    """A block the bridge delivered that the target holds as far as the bridge knows: its key
+    exactly as sent (engine or canonical), at `tier`, for `worker_id`."""
 
-    `on_target_back` is called when an apply succeeds after UNAVAILABLE while an earlier batch
-    had been delivered: those earlier batches may be gone (the target restarted empty)."""
+    worker_id: str
+    tier: Tier
+    key: BlockKey
+
+
+def next_canary(canary: Canary | None, batch: Batch) -> Canary | None:
+    """The canary once the target applied `batch`, action by action in order.
+
+    It is kept until a REVOKE of its key at its tier or a CLEAR_ALL_AT_TIER of its tier, rather
+    than moved to each newer block: a target that restarted empty and then took newer batches
+    still misses it. (A REVOKE at another tier leaves the placement at its tier; the bridge's
+    REPORTs and REVOKEs are the seed's plain ones, never copy counts.) With none, the first block
+    of the next REPORT becomes it: vLLM frees a request's blocks tail first, so the head of a
+    chain tends to be evicted last."""
+    for action in batch.actions:
+        if canary is None:
+            if action.type is ActionType.REPORT and action.hashes:
+                canary = Canary(batch.worker_id, action.tier, action.hashes[0])
+        elif action.tier is canary.tier and (
+            action.type is ActionType.CLEAR_ALL_AT_TIER
+            or (action.type is ActionType.REVOKE and canary.key in action.hashes)
+        ):
+            canary = None
+    return canary
+
+
+class KvIndexerSink:
+    """Sends batches with ApplyExternalKvBatch; retries transient failures; probes the canary.
+
+    `on_worker_lost` is called when the target may have lost the blocks delivered so far: an
+    apply succeeds after UNAVAILABLE while an earlier batch had been delivered (the target
+    restarted, maybe empty), or two probes in a row find the canary missing."""
 
     def __init__(
         self,
@@ -83,11 +130,26 @@ class KvIndexerSink:
         self.num_sent = 0
         self.num_retries = 0
         self.num_rejected = 0
-        self.on_target_back: Callable[[], None] | None = None
+        self.num_probes = 0
+        self.num_canary_misses = 0  # confirmed ones: the target lost the worker's state
+        self.on_worker_lost: Callable[[], None] | None = None
+        self._canary: Canary | None = None
+        # Held by each apply (with its retries) and each probe: a probe never reads a state an
+        # apply is changing, and the canary always describes what the target last applied.
+        self._lock = asyncio.Lock()
+        # The status of the last probe's failure (None: it answered), so a target refusing
+        # probes is logged once, not every interval.
+        self._probe_failure: grpc.StatusCode | None = None
+        # The canary as the last probe found it missing, awaiting confirmation.
+        self._suspect: Canary | None = None
 
     async def apply(self, batch: Batch) -> None:
         validate_batch(batch)  # the receiver's rules; batch_to_proto needs in-range values
         request = batch_to_proto(batch)
+        async with self._lock:
+            await self._send(batch, request)
+
+    async def _send(self, batch: Batch, request: kv.ApplyExternalKvBatchRequest) -> None:
         backoff = self._backoff_initial_s
         unreachable = False
         while True:
@@ -123,11 +185,70 @@ class KvIndexerSink:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._backoff_max_s)
             else:
-                if unreachable and self.num_sent and self.on_target_back is not None:
+                if unreachable and self.num_sent and self.on_worker_lost is not None:
                     log.warning("%s is back after being unreachable: resyncing", self.target)
-                    self.on_target_back()
+                    self.on_worker_lost()
                 self.num_sent += 1
+                self._canary = next_canary(self._canary, batch)
                 return
+
+    async def probe_every(self, interval_s: float) -> None:
+        """Probe the canary every `interval_s` until cancelled; once the target lost it,
+        `on_worker_lost`."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if await self.canary_missing() and self.on_worker_lost is not None:
+                self.on_worker_lost()
+
+    async def canary_missing(self) -> bool:
+        """Whether the target lost the canary: two probes in a row found it missing (then it is
+        forgotten). One miss is not enough: a target's reads may lag the applies it
+        acknowledged (kvplane's Redis backend answers while it still replays the batches it
+        buffered in an outage). False without a canary, or when a probe failed."""
+        async with self._lock:
+            canary = self._canary
+            if canary is None:
+                return False
+            held = await self._holds(canary)
+            if held is None:  # unknown: neither confirms nor clears a first miss
+                return False
+            if held:
+                self._suspect = None
+                return False
+            if self._suspect != canary:
+                self._suspect = canary  # the next probe confirms it
+                return False
+            self._canary = self._suspect = None
+            self.num_canary_misses += 1
+            log.warning(
+                "%s no longer holds block %d of worker %s: it lost the worker's state; resyncing",
+                self.target,
+                canary.key,
+                canary.worker_id,
+            )
+            return True
+
+    async def _holds(self, canary: Canary) -> bool | None:
+        """Whether the target lists the canary's worker for its key; None when the probe failed
+        (logged once per run of failures with one status)."""
+        self.num_probes += 1
+        request = kv.MatchExternalKvRequest(hashes=[canary.key], count_as_hit=False)
+        try:
+            response = await self._stub.MatchExternalKv(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != self._probe_failure:
+                log.warning(
+                    "probe of %s failed (%s: %s); trying again in a while",
+                    self.target,
+                    exc.code().name,
+                    exc.details(),
+                )
+            self._probe_failure = exc.code()
+            return None
+        self._probe_failure = None
+        return any(match.worker_id == canary.worker_id for match in response.matches)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -149,6 +270,8 @@ class BridgeSettings:
     cache_spec: CacheSpec | None = None
     token: str | None = field(default=None, repr=False)
     channels: ClientChannels = INSECURE
+    # How often the canary is probed; 0 = never.
+    probe_interval_s: float = 2.0
 
 
 def build_bridge(
@@ -177,8 +300,21 @@ def build_bridge(
         sink,
         context=context,
     )
-    sink.on_target_back = source.request_resync
+    sink.on_worker_lost = source.request_resync
     return source, sink
+
+
+async def follow(source: ZmqSource, sink: KvIndexerSink, *, probe_interval_s: float) -> None:
+    """Follow the publisher into the sink and probe the target every `probe_interval_s` (0:
+    never) until cancelled. A `KvplaneError` that stops the source (a target refusing the
+    bridge, an endpoint ZMQ cannot parse) is raised as it is."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(source.run())
+            if probe_interval_s > 0:
+                group.create_task(sink.probe_every(probe_interval_s))
+    except* KvplaneError as failed:
+        raise failed.exceptions[0] from None
 
 
 async def run_bridge(settings: BridgeSettings) -> None:
@@ -188,6 +324,6 @@ async def run_bridge(settings: BridgeSettings) -> None:
         "bridging %s -> %s as worker %s", settings.endpoint, settings.target, settings.worker_id
     )
     try:
-        await source.run()
+        await follow(source, sink, probe_interval_s=settings.probe_interval_s)
     finally:
         await sink.close()

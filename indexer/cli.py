@@ -4,6 +4,7 @@ stream -> ApplyExternalKvBatch against any KVIndexer)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 from collections.abc import Coroutine
 from pathlib import Path
@@ -119,6 +120,12 @@ def bridge(
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
     tls_server_name: TlsServerNameOption = None,
+    probe_interval_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds between probes that the target still holds the worker (0: off)."
+        ),
+    ] = 2.0,
 ) -> None:
     """Bridge a vLLM/SGLang ZMQ KV-event stream into ApplyExternalKvBatch calls."""
     from indexer.batch import Tier
@@ -140,6 +147,11 @@ def bridge(
     if block_size is not None and not 0 < block_size <= MAX_UINT32:
         raise typer.BadParameter(
             f"must be between 1 and {MAX_UINT32}, got {block_size}", param_hint="--block-size"
+        )
+    if not 0 <= probe_interval_s < math.inf:
+        raise typer.BadParameter(
+            f"must be 0 (off) or a positive, finite number of seconds, got {probe_interval_s}",
+            param_hint="--probe-interval-s",
         )
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
     if clear_tier:
@@ -163,5 +175,6 @@ def bridge(
         block_size=block_size,
         token=token,
         channels=channels,
+        probe_interval_s=probe_interval_s,
     )
     asyncio.run(_until_signal(run_bridge(settings)))

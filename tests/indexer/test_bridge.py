@@ -1,10 +1,11 @@
 """The bridge on real sockets: ZMQ PUB -> bridge -> ApplyExternalKvBatch on a real KVIndexer
-server. The SGLang test vectors (WIRE.md section 1), medium policy, splitting, retries."""
+server. The SGLang test vectors (WIRE.md section 1), medium policy, splitting, retries, and the
+canary probe that finds a target that lost the worker's blocks."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ import zmq.asyncio
 from fake_kv_publisher import FakeKvPublisher, running
 from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 
-from indexer.batch import Tier
-from indexer.bridge import BridgeSettings, build_bridge
+from indexer.batch import Action, ActionType, Batch, Tier
+from indexer.bridge import BridgeSettings, Canary, build_bridge, follow, next_canary
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import KvIndexerServicer, index_services
@@ -39,13 +40,36 @@ CLEAR_ALL = [
 
 class RecordingServicer(KvIndexerServicer):
     """kvplane's KVIndexer, recording every ApplyExternalKvBatch it receives; the first
-    `unavailable` calls fail with UNAVAILABLE (an indexer that is briefly down)."""
+    `unavailable` calls fail with UNAVAILABLE (an indexer that is briefly down). MatchExternalKv
+    calls (the bridge's probes) are counted; the first ones go as `probe_answers` says: a status
+    to fail with (an indexer too slow to answer, or unreachable), or None to answer that
+    nothing is held (a read lagging the applies), while the state stays intact. An apply is
+    answered `apply_delay_s` after it changed the index (a target slow to answer)."""
 
-    def __init__(self, servicer: KvIndexerServicer, unavailable: int = 0) -> None:
+    def __init__(
+        self,
+        servicer: KvIndexerServicer,
+        unavailable: int = 0,
+        probe_answers: tuple[grpc.StatusCode | None, ...] = (),
+    ) -> None:
         super().__init__(servicer.backend, servicer.limiter)
         self.received: list[kv.ApplyExternalKvBatchRequest] = []
         self.unavailable = unavailable
         self.arrived = asyncio.Condition()
+        self.num_matches = 0
+        self.apply_delay_s = 0.0
+        self.probe_answers = list(probe_answers)
+
+    async def MatchExternalKv(
+        self, request: kv.MatchExternalKvRequest, context: Any
+    ) -> kv.MatchExternalKvResponse:
+        self.num_matches += 1
+        if self.probe_answers:
+            code = self.probe_answers.pop(0)
+            if code is None:
+                return kv.MatchExternalKvResponse()
+            await context.abort(code, "not now")
+        return await super().MatchExternalKv(request, context)
 
     async def ApplyExternalKvBatch(
         self, request: kv.ApplyExternalKvBatchRequest, context: Any
@@ -57,6 +81,7 @@ class RecordingServicer(KvIndexerServicer):
         async with self.arrived:
             self.received.append(request)
             self.arrived.notify_all()
+        await asyncio.sleep(self.apply_delay_s)
         return response
 
     async def wait_for(self, count: int) -> list[kv.ApplyExternalKvBatchRequest]:
@@ -80,16 +105,20 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 async def _rig(
+    *,
     unavailable: int = 0,
     listen: str = "127.0.0.1:0",
     tls: TlsConfig | None = None,
     auth: AuthConfig | None = None,
+    index: PrefixIndex | None = None,
+    probe_answers: tuple[grpc.StatusCode | None, ...] = (),
 ) -> tuple[Rig, grpc.aio.Server]:
-    index = PrefixIndex()
+    """A KVIndexer server over `index` (a new, empty one by default)."""
+    index = PrefixIndex() if index is None else index
     _, servicer, _ = index_services(
         MemoryBackend(index), default_block_size=16, max_concurrent_prefix_queries=4
     )
-    recorder = RecordingServicer(servicer, unavailable)
+    recorder = RecordingServicer(servicer, unavailable, probe_answers)
     service = Service(
         "kv_indexer.v1.KVIndexer",
         lambda server: kv_grpc.add_KVIndexerServicer_to_server(recorder, server),
@@ -324,3 +353,177 @@ async def test_a_target_that_restarts_empty_is_rebuilt_from_the_replay(
     assert clears and [r.seq for r in received[clears[-1] + 1 :]][:2] == [0, 1]
     assert best == 3  # the blocks indexed before the restart are back
     assert source.counters.num_resyncs == 1
+
+
+# -- the canary probe ----------------------------------------------------------------------------
+
+PROBE_S = 0.05
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    """Poll until `predicate()` holds, failing only after a generous deadline. (The sink's
+    counters and a stopped server's index have no event to await.)"""
+    async with asyncio.timeout(WAIT_S):
+        while not predicate():  # noqa: ASYNC110 - no event to await
+            await asyncio.sleep(0.01)
+
+
+def _keys(index: PrefixIndex) -> set[int]:
+    return {p.key for p in index.placements("sgl-0")}
+
+
+def _removed(seq: int, hashes: list[int]) -> list[bytes]:
+    return _frames(seq, msgpack.packb([float(seq), [["BlockRemoved", hashes, "GPU"]], None]))
+
+
+def _batch(*actions: Action) -> Batch:
+    return Batch("w0", actions)
+
+
+def test_the_canary_is_a_delivered_block_until_revoked_or_cleared_at_its_tier() -> None:
+    report = Action(ActionType.REPORT, Tier.HBM, (11, 12))
+    canary = next_canary(None, _batch(report))
+    assert canary == Canary("w0", Tier.HBM, 11)
+    # Newer blocks do not move it; removals elsewhere do not touch it.
+    kept = [
+        Action(ActionType.REPORT, Tier.HBM, (13,), parent=12),
+        Action(ActionType.REVOKE, Tier.HBM, (12,)),
+        Action(ActionType.REVOKE, Tier.DRAM, (11,)),
+        Action(ActionType.CLEAR_ALL_AT_TIER, Tier.SSD),
+    ]
+    assert next_canary(canary, _batch(*kept)) == canary
+    assert next_canary(canary, _batch(Action(ActionType.REVOKE, Tier.HBM, (5, 11)))) is None
+    assert next_canary(canary, _batch(Action(ActionType.CLEAR_ALL_AT_TIER, Tier.HBM))) is None
+    # In order within a batch: revoked after it was reported, or replaced once revoked.
+    assert next_canary(None, _batch(report, Action(ActionType.REVOKE, Tier.HBM, (11,)))) is None
+    replaced = next_canary(canary, _batch(Action(ActionType.REVOKE, Tier.HBM, (11,)), kept[0]))
+    assert replaced == Canary("w0", Tier.HBM, 13)
+
+
+async def test_a_target_that_restarts_empty_while_the_engine_is_idle_is_rebuilt(
+    context: zmq.asyncio.Context,
+) -> None:
+    """No apply fails (nothing is published), yet the probe finds the canary missing and the
+    worker is rebuilt from the publisher's replay."""
+    rig, server = await _rig()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source, sink = await _bridge_run(
+        context, rig, publisher, replay_endpoint=publisher.replay_endpoint
+    )
+    try:
+        async with running(follow(source, sink, probe_interval_s=PROBE_S)):
+            await publisher.wait_subscribed()
+            await publisher.publish(_stored(0, [11, 12], None))
+            await publisher.publish(_stored(1, [13], 12))
+            await _until(lambda: _keys(rig.index) == {11, 12, 13})
+            await server.stop(None)
+            rig, server = await _rig(listen=rig.target)  # back on the same address, empty
+            await _until(lambda: _keys(rig.index) == {11, 12, 13})
+            best = await _best_prefix(rig.target, [11, 12, 13])
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert best == 3
+    assert sink.num_canary_misses == 1 and source.counters.num_resyncs == 1
+    assert publisher.replay_requests == [0]
+    assert [r.seq for r in rig.recorder.received] == [1, 0, 1]  # a clear, then the replay
+    assert rig.recorder.received[0].actions == CLEAR_ALL
+
+
+async def test_without_a_replay_a_lost_worker_is_cleared_and_rebuilt_by_the_next_event(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The documented behaviour without --replay-endpoint: the probe finds the loss and clears
+    the worker once; the next event rebuilds it from that event on (older blocks stay missing,
+    never stale)."""
+    rig, server = await _rig()
+    publisher = FakeKvPublisher(context)
+    source, sink = await _bridge_run(context, rig, publisher)
+    try:
+        async with running(follow(source, sink, probe_interval_s=PROBE_S)):
+            await publisher.wait_subscribed()
+            await publisher.publish(_stored(0, [11, 12], None))
+            await _until(lambda: _keys(rig.index) == {11, 12})
+            await server.stop(None)
+            rig, server = await _rig(listen=rig.target)
+            cleared = list(await rig.recorder.wait_for(1))
+            await publisher.publish(_stored(1, [13], 12))
+            await _until(lambda: _keys(rig.index) == {13})
+            probes = rig.recorder.num_matches
+            await _until(lambda: rig.recorder.num_matches >= probes + 3)  # 13 is the canary
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert cleared == [_request(0, *CLEAR_ALL)]
+    assert sink.num_canary_misses == 1 and source.counters.num_resyncs == 1
+
+
+async def test_a_slow_lagging_or_unreachable_target_that_kept_its_state_is_not_resynced(
+    context: zmq.asyncio.Context,
+) -> None:
+    """Probes that fail (DEADLINE_EXCEEDED, UNAVAILABLE, the server down) tell nothing, and one
+    miss that the next answer contradicts is a lagging read: no resync, however many intervals
+    they last."""
+    index = PrefixIndex()
+    late, down = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE
+    codes = (late, down, None, late, down, late)
+    rig, server = await _rig(index=index, probe_answers=codes)
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source, sink = await _bridge_run(
+        context, rig, publisher, replay_endpoint=publisher.replay_endpoint
+    )
+    try:
+        async with running(follow(source, sink, probe_interval_s=PROBE_S)):
+            await publisher.wait_subscribed()
+            await publisher.publish(_stored(0, [11, 12], None))
+            await _until(lambda: _keys(index) == {11, 12})
+            await _until(lambda: rig.recorder.num_matches >= len(codes) + 2)
+            await server.stop(None)
+            probes = sink.num_probes
+            await _until(lambda: sink.num_probes >= probes + 3)  # each fails: nobody listens
+            rig, server = await _rig(listen=rig.target, index=index)  # back, state intact
+            await _until(lambda: rig.recorder.num_matches >= 3)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert sink.num_canary_misses == 0 and source.counters.num_resyncs == 0
+    assert rig.recorder.received == []  # no clear, no replay
+    assert publisher.replay_requests == []
+
+
+async def test_a_revoked_canary_is_not_taken_for_a_lost_worker(
+    context: zmq.asyncio.Context,
+) -> None:
+    """Not even while the target is slow to answer the REVOKE it applied: the probe waits for
+    the apply in flight instead of asking for a block the target just dropped."""
+    rig, server = await _rig()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    source, sink = await _bridge_run(
+        context, rig, publisher, replay_endpoint=publisher.replay_endpoint
+    )
+    try:
+        async with running(follow(source, sink, probe_interval_s=PROBE_S)):
+            await publisher.wait_subscribed()
+            await publisher.publish(_stored(0, [11, 12], None))  # 11 becomes the canary
+            await _until(lambda: _keys(rig.index) == {11, 12})
+            rig.recorder.apply_delay_s = 20 * PROBE_S
+            await publisher.publish(_removed(1, [11]))  # ... and goes
+            await rig.recorder.wait_for(3)
+            rig.recorder.apply_delay_s = 0.0
+            await publisher.publish(_stored(2, [13], None))  # 13 is the next one
+            await _until(lambda: _keys(rig.index) == {12, 13})
+            probes = rig.recorder.num_matches
+            await _until(lambda: rig.recorder.num_matches >= probes + 3)
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert sink.num_canary_misses == 0 and source.counters.num_resyncs == 0
+    assert [r.seq for r in rig.recorder.received] == [0, 0, 1, 2]
+    assert publisher.replay_requests == []

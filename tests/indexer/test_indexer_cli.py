@@ -350,6 +350,7 @@ async def test_admin_match_takes_unsigned_hashes_and_vllms_key_space(tmp_path: P
 
 
 BRIDGE = ["indexer", "bridge", "--target", "127.0.0.1:1", "--endpoint", "tcp://127.0.0.1:1"]
+PROBE_INTERVAL_RULE = "must be 0 (off) or a positive, finite number of seconds"
 
 
 @pytest.mark.parametrize(
@@ -367,6 +368,8 @@ BRIDGE = ["indexer", "bridge", "--target", "127.0.0.1:1", "--endpoint", "tcp://1
         ("--nil-medium", "GPU", "expected HBM, DRAM, SSD or skip, got 'GPU'"),
         ("--target", "", "is empty: give HOST:PORT"),
         ("--target", "127.0.0.1:73636", "port out of range in '127.0.0.1:73636'"),
+        ("--probe-interval-s", "-1", f"{PROBE_INTERVAL_RULE}, got -1.0"),
+        ("--probe-interval-s", "inf", f"{PROBE_INTERVAL_RULE}, got inf"),
     ],
 )
 def test_bridge_rejects_bad_options_before_starting(option: str, value: str, message: str) -> None:
