@@ -14,17 +14,17 @@ per-call overhead.
 
 Failure behaviour. A backend URL that names no usable Redis (not a Redis server, a DB it does
 not have, cluster mode it lacks, credentials it refuses: `RedisMisconfiguredError`) is a
-ConfigError at start-up; a
-Redis that is merely down is not. Queries fail fast with `IndexUnavailableError` (a
-KvplaneError; servicers map it to UNAVAILABLE). Applies that cannot reach Redis are buffered in
-order (at most `max_buffered_batches`); past that, the worker whose batch overflows loses its
-buffered batches and is marked for resync. A background task brings the backend back by itself:
-it reloads the functions, detects a Redis that lost its data (the partition's boot token
-changed), removes the workers marked for resync (so nothing stale stays), replays the buffer in
-order, then asks the sources to resync those workers (`take_resync_requests` /
-`add_resync_listener`). A batch is never half-applied: each is one atomic function call, and
-re-applying one is idempotent. Snapshots and stats read the partition in several bounded calls, not
-one atomic cut.
+ConfigError at start-up; a Redis that is merely down is not. Queries fail fast with
+`IndexUnavailableError` (a KvplaneError; servicers map it to UNAVAILABLE), and go on failing
+until the batches buffered in the outage are applied (an answer without them would miss
+acknowledged placements). Applies that cannot reach Redis are buffered in order (at most
+`max_buffered_batches`); past that, the worker whose batch overflows loses its buffered batches
+and is marked for resync. A background task brings the backend back by itself: it reloads the
+functions, detects a Redis that lost its data (the partition's boot token changed), removes the
+workers marked for resync (so nothing stale stays), replays the buffer in order, then asks the
+sources to resync those workers (`take_resync_requests` / `add_resync_listener`). A batch is
+never half-applied: each is one atomic function call, and re-applying one is idempotent.
+Snapshots and stats read the partition in several bounded calls, not one atomic cut.
 """
 
 from __future__ import annotations
@@ -212,6 +212,17 @@ class RedisBackend:
         return IndexUnavailableError(
             f"shared index unavailable: Redis at {self._where} did not answer ({exc})"
         )
+
+    def _check_readable(self) -> None:
+        """Queries wait for the batches buffered in an outage: an answer without them would
+        miss placements whose applies were already acknowledged (a router would take a cached
+        prefix for a cold one). Until the recovery has replayed them, a query is UNAVAILABLE,
+        as during the outage itself."""
+        if self._outage:
+            raise IndexUnavailableError(
+                f"shared index unavailable: Redis at {self._where} is recovering "
+                f"({len(self._buffer)} buffered batches not applied yet)"
+            )
 
     def _not_ready(self, exc: Exception) -> IndexUnavailableError:
         """Why readying Redis failed: an answer no retry cures (`RedisMisconfiguredError`),
@@ -576,6 +587,7 @@ class RedisBackend:
     # ------------------------------------------------------------------ queries
 
     async def match(self, hashes: Sequence[BlockKey], count_as_hit: bool) -> list[WorkerPlacements]:
+        self._check_readable()
         distinct = list(dict.fromkeys(hashes))
         reply = await self._fcall(
             "kvp_match" if count_as_hit else "kvp_match_ro",
@@ -614,6 +626,7 @@ class RedisBackend:
         ]
 
     async def match_prefix(self, hashes: Sequence[BlockKey], max_blocks: int) -> PrefixResult:
+        self._check_readable()
         limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
         if limit == 0:
             return PrefixResult((), 0, 0)
@@ -631,6 +644,7 @@ class RedisBackend:
     async def match_prefix_by_tier(
         self, hashes: Sequence[BlockKey], max_blocks: int
     ) -> list[TokenPrefixMatch]:
+        self._check_readable()
         limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
         if limit == 0:
             return []
@@ -660,6 +674,7 @@ class RedisBackend:
         return out
 
     async def hit_counts(self, hashes: Sequence[BlockKey]) -> list[tuple[BlockKey, int]]:
+        self._check_readable()
         distinct = list(dict.fromkeys(hashes))
         reply = await self._fcall("kvp_hits", [codec.pack_keys(distinct)], readonly=True)
         return [(k, int(n)) for k, n in zip(distinct, reply, strict=True) if int(n) >= 0]

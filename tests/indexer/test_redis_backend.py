@@ -526,6 +526,54 @@ async def test_a_buffered_batch_redis_cannot_take_does_not_stall_the_recovery(
 
 
 @pytest.mark.timeout(60)
+async def test_queries_wait_for_the_batches_buffered_in_an_outage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis is back but the buffer is not replayed yet: a query then would miss placements
+    whose applies were acknowledged, so it is UNAVAILABLE until the replay is done."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    backend = await open_redis_backend(server.url, buckets=16, maintenance_interval_s=0.05)
+    replaying = asyncio.Event()
+    release = asyncio.Event()
+    replay_head = backend._replay_head
+
+    async def held_replay(head: list[Batch]) -> list[str | None]:
+        replaying.set()
+        await release.wait()
+        return await replay_head(head)
+
+    monkeypatch.setattr(backend, "_replay_head", held_replay)
+    try:
+        await backend.apply(_stored_batch("w0", 1))
+        server.client().shutdown(save=True)  # comes back with its data
+        server.stop()
+        await backend.apply(_stored_batch("w0", 2))  # acknowledged, buffered
+        server.start()
+        async with asyncio.timeout(30):
+            await replaying.wait()  # Redis answers; the buffered batch is not applied yet
+        for query in (
+            backend.match([2], False),
+            backend.match_prefix([1, 2], 0),
+            backend.match_prefix_by_tier([1, 2], 0),
+            backend.hit_counts([2]),
+        ):
+            with pytest.raises(IndexUnavailableError, match="1 buffered batches not applied"):
+                await query
+        release.set()
+
+        async def recovered() -> bool:
+            return backend.healthy
+
+        await _until(recovered, "the backend to recover", 30)
+        assert [await _holders(backend, k) for k in (1, 2)] == [["w0"], ["w0"]]
+    finally:
+        release.set()
+        await backend.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
 async def test_close_ends_maintenance_cancelled_inside_a_redis_call(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
