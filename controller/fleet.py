@@ -209,10 +209,14 @@ class Fleet:
         self.indexed_blocks: dict[str, int] = {}
         # How engines are dialled (their polls, the gateway's calls, KV-event subscriptions)
         # and the remote index: reconnecting as an unreachable engine is retried, so that a
-        # server back after a long outage is reached within `backoff_max_s`.
+        # server back after a long outage is reached within `backoff_max_s`. Engines' replies
+        # of any size are taken: the gateway relays them unchanged (a stream with every
+        # candidate's logprob can pass 4 MiB a message), and its client sets its own limit.
         health = config.health
-        self._engine_channels = ClientChannels.load(config.engine_tls, "engine_tls").reconnecting(
-            health.backoff_initial_s, health.backoff_max_s
+        self._engine_channels = (
+            ClientChannels.load(config.engine_tls, "engine_tls")
+            .reconnecting(health.backoff_initial_s, health.backoff_max_s)
+            .receiving_any_size()
         )
         if config.engine_token_file is not None:
             token = read_token_file(config.engine_token_file, "engine_token_file")

@@ -101,6 +101,11 @@ class ClientChannels:
         )
         return replace(self, options=(*self.options, *backoff))
 
+    def receiving_any_size(self) -> ClientChannels:
+        """The same, taking replies of any size (gRPC's default stops at 4 MiB): a relay passes
+        on whatever its servers send, and the clients it relays to set their own limits."""
+        return replace(self, options=(*self.options, ("grpc.max_receive_message_length", -1)))
+
     def with_metadata(self, metadata: Metadata) -> ClientChannels:
         """The same, every call carrying `metadata` unless it brings an authorization."""
         return replace(self, metadata=metadata)

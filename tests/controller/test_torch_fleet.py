@@ -1,8 +1,8 @@
 """What the torch engines of a fleet offer, through the controller (real torch engines on the
 builtin model): Embed and Score (the controller learns from GetModelInfo that they support the
 tasks, and the answers it relays are the engines' own; Classify, which the builtin model lacks,
-is FAILED_PRECONDITION at the gateway), and guided decoding (the constraint reaches the engine
-the request is routed to)."""
+is FAILED_PRECONDITION at the gateway), guided decoding (the constraint reaches the engine
+the request is routed to), and replies over gRPC's default 4 MiB relayed unchanged."""
 
 from __future__ import annotations
 
@@ -119,3 +119,50 @@ async def test_guided_decoding_through_the_controller(torch_fleet: Fleet) -> Non
             text = "".join(r.token.text for r in responses if r.HasField("token"))
             assert re.fullmatch(pattern, text), text
             assert responses[-1].finished.reason == pb.FINISH_REASON_STOP
+
+
+async def test_a_reply_over_4_mib_is_relayed_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every candidate's logprob at 2,000 prompt positions makes one ~6 MiB message: the
+    gateway takes it from the engine (gRPC's default limit is 4 MiB) and relays it; the size
+    a client takes is that client's setting."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
+    engine = await start_engine(
+        EngineConfig(
+            model=MODEL,
+            listen="127.0.0.1:0",
+            num_kv_blocks=160,
+            max_num_batched_tokens=512,
+            num_threads=1,
+            shutdown_grace_s=0.5,
+        )
+    )
+    fleet = await make_fleet(engines=[engine])
+    request = vpb.GenerateRequest(
+        request_id="big",
+        model=MODEL,
+        token_ids=vpb.TokenIds(ids=[3 + i % 300 for i in range(2000)]),
+        stopping=vpb.StoppingCriteria(max_new_tokens=1),
+        response=vpb.ResponseOptions(
+            prompt_logprobs=True, prompt_candidates=vpb.CandidateTokens(all=True)
+        ),
+    )
+    large = [("grpc.max_receive_message_length", 64 << 20)]
+    try:
+        replies = {}
+        for name, address in [("engine", fleet.address(engine)), ("gateway", fleet.target)]:
+            async with grpc.aio.insecure_channel(address, options=large) as channel:
+                stub = vpb_grpc.GenerateStub(channel)
+                replies[name] = [r async for r in stub.GenerateStream(request)]
+    finally:
+        await close_fleet(fleet)
+    first = replies["engine"][0]
+    assert first.ByteSize() > 4 << 20
+    assert len(first.prompt_info.candidate_tokens) == 2000
+    assert [r.SerializeToString() for r in replies["gateway"]] == [
+        r.SerializeToString() for r in replies["engine"]
+    ]
