@@ -169,7 +169,9 @@ async def _measure(model_dir: Path, settings: HandoffBenchSettings) -> dict[str,
 def run_handoff_bench(model: str, settings: HandoffBenchSettings) -> dict[str, Any]:
     """The benchmark's JSON document."""
     from engine.torch_runner.bench import _resolve_model
+    from engine.torch_runner.loader import resolve_dtype
 
+    resolve_dtype(settings.dtype)  # an unknown one: one line, before any engine starts
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-") as scratch:
         model_dir = _resolve_model(model, Path(scratch))
         measured = asyncio.run(_measure(model_dir, settings))

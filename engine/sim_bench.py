@@ -23,7 +23,7 @@ import typer
 from engine.core.api import EngineRequest, SamplingParams, SchedulerConfig
 from engine.core.mooncake_trace import FILLER_TOKEN_BASE, load_trace
 from engine.core.sim_fleet import SimFleet, TimedRequest, round_robin, trace_prompt_tokens
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number
 from kvplane.errors import KvplaneError
 
 DEFAULT_TRACE = (
@@ -150,7 +150,7 @@ def bench_sim(
     engines: Annotated[int, typer.Option(min=1)] = 16,
     blocks_per_engine: Annotated[int, typer.Option(min=1)] = 2048,
     block_size: Annotated[int, typer.Option(min=1)] = 512,
-    speedup: Annotated[float, typer.Option(min=0.001)] = 1.0,
+    speedup: Annotated[float, typer.Option(min=0.001, callback=finite_number)] = 1.0,
     fast_forward: Annotated[
         bool, typer.Option(help="Run pure-decode stretches in one call (same results).")
     ] = True,

@@ -56,15 +56,25 @@ def _parse_row(row: Any) -> TraceRequest:
     arrival_ms = float(row["timestamp"])
     if not math.isfinite(arrival_ms):
         raise ValueError(f"timestamp {row['timestamp']} is not a finite number")
-    input_length = int(row["input_length"])
+    input_length = _integer(row["input_length"], "input_length")
     if input_length < 1:
         raise ValueError(f"input_length {input_length} is not positive")
-    hash_ids = tuple(int(h) for h in row["hash_ids"])
+    hash_ids = tuple(_integer(h, "hash id") for h in row["hash_ids"])
     bad = next((h for h in hash_ids if not 0 <= h < FILLER_TOKEN_BASE), None)
     if bad is not None:
         raise ValueError(f"hash id {bad} is outside 0 to {FILLER_TOKEN_BASE - 1}")
-    output_length = int(row["output_length"])
+    output_length = _integer(row["output_length"], "output_length")
     if output_length < 0:
         raise ValueError(f"output_length {output_length} is negative")
     # 0 (a row that only prefilled) still makes its first token: the replay times TTFT.
     return TraceRequest(arrival_ms, input_length, max(output_length, 1), hash_ids)
+
+
+def _integer(value: Any, what: str) -> int:
+    """A JSON integer (an integral float such as 512.0 too): not a bool, a string or 1.5,
+    which `int()` would quietly turn into one."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{what} {json.dumps(value)} is not an integer")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{what} {value} is not an integer")
+    return int(value)

@@ -301,6 +301,9 @@ def run_engine_bench(model: str, settings: EngineBenchSettings) -> dict[str, Any
         import torch
 
         cfg = runner.model.config
+        # The TTFT prompt must fit the model, said before minutes of throughput runs.
+        ttft_job = _Job(prompt=(4,) * settings.ttft_prompt_tokens, max_tokens=1)
+        _new_core(runner, settings, max_seqs=1).check_request(_request("ttft-check", ttft_job))
         rng = random.Random(settings.seed)
         workloads = {
             c: _jobs(max(4, 2 * c), cfg.vocab_size, settings, rng) for c in settings.concurrency

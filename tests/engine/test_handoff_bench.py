@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kvplane.cli import app
+from kvplane.errors import KvplaneError
 
 
 @pytest.fixture(autouse=True)
@@ -45,3 +46,13 @@ def test_bench_handoff_refuses_bad_lengths() -> None:
     result = CliRunner().invoke(app, ["bench", "handoff", "--prompt-tokens", "64,x"])
     assert result.exit_code == 2
     assert "comma-separated integers" in result.output
+
+
+def test_bench_handoff_refuses_an_unknown_dtype_before_starting_engines() -> None:
+    """A KvplaneError (one line from `kvplane`), not a pydantic traceback from an engine."""
+    result = CliRunner().invoke(app, ["bench", "handoff", "--dtype", "float64"])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        "dtype 'float64' is not supported; choose one of ['bfloat16', 'float32']"
+    )

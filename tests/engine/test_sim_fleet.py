@@ -222,3 +222,12 @@ def test_bench_sim_says_what_it_left_out_and_refuses_when_nothing_fits(tmp_path:
     tiny = CliRunner().invoke(app, [*args, "--blocks-per-engine", "1", "--block-size", "16"])
     assert tiny.exit_code == 1
     assert str(tiny.exception).startswith(f"no request of {trace} fits one engine's KV cache")
+
+
+def test_bench_sim_refuses_an_infinite_speedup(tmp_path: Path) -> None:
+    """click's `min=` lets `inf` through, and the JSON would then carry `Infinity`."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 2}))
+    result = CliRunner().invoke(app, ["bench", "sim", "--trace", str(trace), "--speedup", "inf"])
+    assert result.exit_code == 2
+    assert "inf is not a finite number" in result.output

@@ -51,3 +51,21 @@ def test_bench_engine_reports_throughput_and_ttft_on_a_random_checkpoint() -> No
     assert ttft["prompt_tokens"] == 96
     assert math.isfinite(ttft["cold_ms"]) and math.isfinite(ttft["cached_ms"])
     assert doc["hf_transformers"] == "not installed" or isinstance(doc["hf_transformers"], dict)
+
+
+def test_a_ttft_prompt_the_model_cannot_take_is_refused_before_the_throughput_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.torch_runner import bench
+
+    def not_yet(*args: object) -> None:
+        raise AssertionError("throughput measured before the TTFT prompt was checked")
+
+    monkeypatch.setattr(bench, "_kvplane_throughput", not_yet)
+    result = CliRunner().invoke(
+        app,
+        ["bench", "engine", "--model", "random-2x64", "--ttft-prompt-tokens", "100000",
+         "--no-compare-hf"],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "prompt of 100000 tokens leaves no room for output" in str(result.exception)
