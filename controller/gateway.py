@@ -2,11 +2,12 @@
 
 - Generate: routed and relayed by the Relay (controller/relay.py), the path vllm.Generate
   shares, never to a pooling-only engine (`EngineIdentity.generates`): NOT_FOUND for a model
-  no engine serves, ALREADY_EXISTS for the id of a request running through the gateway; the
-  chosen engine's stream is relayed unchanged; if the engine fails before anything was
-  relayed (a retryable status such as UNAVAILABLE, or a retryable terminal EngineError), the
-  request is retried once on another engine; a failure after that is one terminal
-  EngineError (seed: no event may follow it).
+  no engine serves, FAILED_PRECONDITION for one only pooling-only engines serve,
+  ALREADY_EXISTS for the id of a request running through the gateway; the chosen engine's
+  stream is relayed unchanged; if the engine fails before anything was relayed (a retryable
+  status such as UNAVAILABLE, or a retryable terminal EngineError), the request is retried
+  once on another engine; a failure after that is one terminal EngineError (seed: no event
+  may follow it).
 - Embed / Classify / Score: the least loaded routable engine serving the model whose
   GetModelInfo says it supports the task; none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take

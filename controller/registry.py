@@ -79,6 +79,11 @@ class UnknownModelError(KvplaneError):
     NOT_FOUND for a model it does not serve)."""
 
 
+class GenerationUnsupportedError(KvplaneError):
+    """Every engine serving the model is pooling-only: a Generate can never be served there
+    (the seed's unsupported task, FAILED_PRECONDITION), not merely not now."""
+
+
 class LoraRoutingError(KvplaneError):
     """A request names a LoRA adapter that no routable engine holds."""
 
@@ -277,6 +282,17 @@ class Registry:
                 r.identity is None or r.identity.serves(model)
             ):
                 yield r
+
+    def check_generates(self, model: str) -> None:
+        """Raise GenerationUnsupportedError when every engine that serves `model` ("": the
+        default model) is known to be pooling-only; an engine not reached yet may generate."""
+        serving = list(self._may_serve(model))
+        if serving and all(r.identity is not None and not r.identity.generates for r in serving):
+            what = f"model {model!r}" if model else "the default model"
+            raise GenerationUnsupportedError(
+                f"{what} is served for Embed, Classify and Score only: every engine serving "
+                "it is pooling-only (runner: pooling)"
+            )
 
     def why_unavailable(self, model: str) -> str:
         """Why no engine takes a Generate for `model` ("": the default model) now: each engine

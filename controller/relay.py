@@ -44,7 +44,12 @@ from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 import grpc
 
 from controller.metrics import RequestOutcome
-from controller.registry import LoraRoutingError, Role, UnknownModelError
+from controller.registry import (
+    GenerationUnsupportedError,
+    LoraRoutingError,
+    Role,
+    UnknownModelError,
+)
 from controller.router import Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
 from controller.statuses import status_of
@@ -269,9 +274,10 @@ class Relay:
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         try:
             c.check_model(query.model)
-        except UnknownModelError as exc:
+            c.fleet.registry.check_generates(query.model)
+        except (UnknownModelError, GenerationUnsupportedError) as exc:
             c.metrics.count_request("invalid")
-            await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
+            await abort_with(context, status_of(exc), str(exc))
         request_id = query.request_id
         if not self.admit(request_id):
             c.metrics.count_request("invalid")

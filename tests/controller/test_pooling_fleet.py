@@ -15,6 +15,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.server.service import start_engine
+from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet
 from tests.controller.test_gateway import record_routes
@@ -87,3 +88,15 @@ async def test_generate_with_only_a_pooling_engine_routable_names_it(mixed_fleet
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "pool pooling only" in (err.value.details() or "")
     assert "gen cordoned" in (err.value.details() or "")
+
+
+async def test_generate_where_only_pooling_engines_serve_the_model_is_failed_precondition(
+    mixed_fleet: Fleet,
+) -> None:
+    """Not UNAVAILABLE, which a client would retry: no engine will ever generate there."""
+    await mixed_fleet.admin.RemoveEngine(apb.EngineRef(engine="gen"))
+    request = pb.GenerateRequest(request_id="g", model=MODEL, token_ids=pb.TokenIds(ids=[5, 6, 7]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [r async for r in mixed_fleet.gateway.Generate(request)]
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "pooling-only" in (err.value.details() or "")
