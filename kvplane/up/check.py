@@ -37,12 +37,44 @@ def _prefix(index: int, length: int = PREFIX_TOKENS) -> list[int]:
     return [FIRST_ID + (index * 7919 + position * 31) % ID_RANGE for position in range(length)]
 
 
-async def _block_size(stub: pb_grpc.OpenEngineAsyncStub, model: str) -> int:
+async def _model_info(stub: pb_grpc.OpenEngineAsyncStub, model: str) -> pb.ModelInfo | None:
     try:
-        info = await stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=TIMEOUT_S)
+        info: pb.ModelInfo = await stub.GetModelInfo(
+            pb.GetModelInfoRequest(model=model), timeout=TIMEOUT_S
+        )
     except grpc.aio.AioRpcError:
-        return 1
-    return info.kv_block_size if info.HasField("kv_block_size") and info.kv_block_size else 1
+        return None  # the check's own requests will say what is wrong
+    return info
+
+
+def _generates(info: pb.ModelInfo) -> bool:
+    """As the controller reads ModelInfo: tasks advertised without `generation` is a
+    pooling-only engine (`runner: pooling`); advertising neither is taken to generate."""
+    tasks = info.tasks
+    pools = tasks.embed.supported or tasks.classify.supported or tasks.score.supported
+    return info.HasField("generation") or not pools
+
+
+async def _model_to_check(
+    stub: pb_grpc.OpenEngineAsyncStub, models: list[str]
+) -> tuple[str, int] | str:
+    """The first of the fleet's models that generates and its KV block size (1 unknown), or
+    the problem when every model is served for pooling only. The controller answers a
+    model's ModelInfo from a generating engine when one serves it, so a model whose answer
+    does not generate is served by pooling-only engines alone: Generate would be refused."""
+    if not models:
+        return "", 1  # the requests will say why (no engine answered yet)
+    for model in models:
+        info = await _model_info(stub, model)
+        if info is None:
+            return model, 1
+        if _generates(info):
+            block = info.kv_block_size if info.HasField("kv_block_size") else 0
+            return model, block or 1
+    return (
+        f"no model generates: {', '.join(models)} served by pooling-only engines"
+        " (runner: pooling) alone, and the check sends Generate requests"
+    )
 
 
 def _rpc_problem(what: str, exc: grpc.aio.AioRpcError) -> str:
@@ -101,9 +133,13 @@ async def check_fleet(controller: str, channels: ClientChannels = INSECURE) -> l
             info = await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             return [_rpc_problem("GetEngineInfo", exc)]
-        model = info.supported_models[0] if info.supported_models else ""
+        # A pooling-only engine's model (a classifier beside generating engines) is not
+        # one to send Generate to: the first model that generates is checked.
+        chosen = await _model_to_check(stub, list(info.supported_models))
+        if isinstance(chosen, str):
+            return [chosen]
+        model, block = chosen
         # The prefix is whole blocks: only full blocks are cached.
-        block = await _block_size(stub, model)
         length = -(-PREFIX_TOKENS // block) * block
         for index in range(NUM_PREFIXES):
             prefix = _prefix(index, length)

@@ -34,6 +34,7 @@ from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
+from tests.engine.test_server_pooling_runner import write_headless_classifier
 
 REPO = Path(__file__).resolve().parents[2]
 MEMBER_LINE = re.compile(r"fleet member (\S+) \((\w+)\) on (\S+) pid (\d+)")
@@ -452,6 +453,50 @@ def test_up_check_of_a_fleet_without_a_controller_starts_nothing(tmp_path: Path)
     assert result.returncode == 1, result.stderr
     assert result.stderr == "kvplane: error: --check needs a controller in the fleet\n"
     assert not list(tmp_path.glob(f"{WORKDIR_PREFIX}*"))
+
+
+def _pooling_fleet(tmp_path: Path, with_generating_engine: bool) -> Path:
+    """A pooling-only engine (a classifier without an LM head, serving `a-classifier`) and,
+    optionally, a sim engine (serving `sim`) behind a controller. The controller lists its
+    models in the order of its engines' addresses: the pooling engine on 127.0.0.1 and the
+    sim engine on 127.0.0.2 (loopback too) put `a-classifier` first."""
+    classifier = write_headless_classifier(tmp_path / "models")
+    pooling = {"model": str(classifier), "served_model_name": "a-classifier", "num_threads": 1}
+    members: list[dict[str, Any]] = [{"name": "pool-0", "kind": "engine", "config": pooling}]
+    if with_generating_engine:
+        sim = {"model": "sim", "listen": "127.0.0.2:0"}
+        members.append({"name": "gen-0", "kind": "engine", "config": sim})
+    engines = [{"address": f"${{{m['name']}}}"} for m in members]
+    members.append({"name": "controller", "kind": "controller", "config": {"engines": engines}})
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({"members": members}))
+    return fleet
+
+
+@pytest.mark.timeout(180)
+def test_up_check_sends_generate_to_a_model_that_generates_beside_a_pooling_engine(
+    tmp_path: Path,
+) -> None:
+    """A healthy fleet with a pooling-only engine passes: the check generates on a model a
+    generating engine serves, not on the first model the controller lists (the classifier's,
+    where every Generate is FAILED_PRECONDITION)."""
+    result = _up_check(_pooling_fleet(tmp_path, True), tmp_path, timeout_s=170)
+    assert result.returncode == 0, result.stderr
+    assert "check passed" in result.stderr
+    assert "FAILED_PRECONDITION" not in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_up_check_of_a_pooling_only_fleet_is_one_problem_naming_why(tmp_path: Path) -> None:
+    result = _up_check(_pooling_fleet(tmp_path, False), tmp_path, timeout_s=170)
+    assert result.returncode == 1, result.stderr
+    failed = [line for line in result.stderr.splitlines() if "check failed: " in line]
+    assert len(failed) == 1, result.stderr
+    assert failed[0].endswith(
+        "check failed: no model generates: a-classifier served by pooling-only engines"
+        " (runner: pooling) alone, and the check sends Generate requests"
+    )
+    assert "fleet stopped" in result.stderr
 
 
 def _tls_fleet(pki: Path, client_tls: dict[str, Any]) -> str:
