@@ -15,7 +15,8 @@ Embed/Classify/Score (no LM head needed, a one-block KV cache, the health probe 
 of generating), `auto` picks pooling for a `*ForSequenceClassification` checkpoint without an
 LM head and generate otherwise (it needs the checkpoint, so the service resolves it at load).
 `pooling_conflicts` names what a pooling engine cannot have: checked here for an explicit
-`runner: pooling`, by the service for `auto` once it has picked pooling.
+`runner: pooling`, for `auto` by `auto_pooling_refusal` on the checkpoint (by the service at
+load, and by `kvplane up` before any member starts).
 """
 
 from __future__ import annotations
@@ -203,6 +204,27 @@ class EngineConfig(ServerConfig):
     @property
     def is_builtin(self) -> bool:
         return self.model == BUILTIN_MODEL
+
+    def auto_pooling_refusal(self, model_dir: Path) -> str | None:
+        """Why `runner: auto` cannot serve `model_dir` with this config, or None: a sequence
+        classifier without an LM head is served for pooling only, and a conflict of
+        `pooling_conflicts` rules that out. Reads the checkpoint (config.json, then the
+        safetensors headers of a classifier; no tensor) only when there is a conflict.
+        Raises CheckpointError for a checkpoint it cannot read."""
+        if self.runner is not RunnerName.auto:
+            return None
+        conflict = self.pooling_conflicts()
+        if conflict is None:
+            return None
+        from engine.torch_runner.config import ModelConfig
+        from engine.torch_runner.loader import ships_lm_head  # imports torch
+
+        if ModelConfig.from_dir(model_dir).classifier_labels is None or ships_lm_head(model_dir):
+            return None
+        return (
+            f"{model_dir} is a sequence classifier without an LM head, so runner auto serves "
+            f"it for pooling only, and runner: pooling {conflict}"
+        )
 
     def model_name(self) -> str:
         """The served model name: explicit, else `sim`, else the model directory's name."""

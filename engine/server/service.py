@@ -162,12 +162,9 @@ def _generates(config: EngineConfig, model_dir: Path) -> bool:
 
     if ModelConfig.from_dir(model_dir).classifier_labels is None or ships_lm_head(model_dir):
         return True
-    conflict = config.pooling_conflicts()
-    if conflict is not None:
-        raise ConfigError(
-            f"{model_dir} is a sequence classifier without an LM head, so runner auto serves "
-            f"it for pooling only, and runner: pooling {conflict}"
-        )
+    refusal = config.auto_pooling_refusal(model_dir)
+    if refusal is not None:
+        raise ConfigError(refusal)
     log.info("runner auto: %s has no LM head, serving Embed/Classify/Score only", model_dir)
     return False
 

@@ -15,6 +15,7 @@ from controller.config import ControllerConfig
 from engine.config import EngineConfig
 from indexer.config import IndexerConfig
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, load_config, validate_config
+from kvplane.errors import ConfigError
 
 # The planner is not a member kind yet: `kvplane planner run` is not implemented.
 MemberKind = Literal["engine", "indexer", "controller"]
@@ -143,9 +144,28 @@ def load_fleet(path: Path | None) -> FleetConfig:
     # same shape, distinct from the others' (a controller refuses an engine listed twice).
     stand_ins = {m.name: f"127.0.0.1:{i}" for i, m in enumerate(fleet.members, start=1)}
     for member in fleet.members:
-        validate_config(
+        server = validate_config(
             SERVER_CONFIGS[member.kind],
             member.server_config(stand_ins),
             f"{where}, member {member.name}",
         )
+        if isinstance(server, EngineConfig):
+            _check_engine_checkpoint(server, f"{where}, member {member.name}")
     return fleet
+
+
+def _check_engine_checkpoint(config: EngineConfig, where: str) -> None:
+    """An engine whose `runner: auto` would serve its checkpoint for pooling only (a
+    classifier without an LM head) with a config a pooling engine refuses (a role, LoRA, ZMQ
+    events) is refused here, as a bad config, rather than by its process once the other
+    members run. A checkpoint that cannot be read is left to the engine to report."""
+    if config.is_sim or config.is_builtin or config.pooling_conflicts() is None:
+        return  # nothing to read: no checkpoint, or nothing a pooling engine refuses
+    from engine.torch_runner.errors import CheckpointError
+
+    try:
+        refusal = config.auto_pooling_refusal(Path(config.model))
+    except CheckpointError:
+        return
+    if refusal is not None:
+        raise ConfigError(f"invalid config in {where}: {refusal}")

@@ -653,6 +653,53 @@ def test_up_with_a_bad_member_config_is_one_line_naming_the_fleet_file(tmp_path:
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
 
 
+@pytest.mark.parametrize(
+    ("setting", "conflict"),
+    [
+        (
+            "role: decode",
+            "serves Embed/Classify/Score only: role decode is for engines that generate"
+            " (use role: aggregated)",
+        ),
+        (
+            "lora: {enabled: true}",
+            "takes no LoRA adapter (pooling tasks refuse lora_name): unset lora.enabled",
+        ),
+    ],
+)
+def test_up_refuses_a_headless_classifier_with_a_generating_setting_before_starting(
+    tmp_path: Path, setting: str, conflict: str
+) -> None:
+    """`runner: auto` serves a classifier without an LM head for pooling only: a config it
+    then refuses is one line naming the fleet file and the member before any member starts,
+    as for an explicit `runner: pooling`, not an engine failing once the others run."""
+    classifier = write_headless_classifier(tmp_path / "models")
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members:\n"
+        "  - {name: gen-0, kind: engine, config: {model: sim}}\n"
+        f"  - {{name: pool-0, kind: engine, config: {{model: '{classifier}', {setting}}}}}\n"
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {fleet}, member pool-0: {classifier} is a sequence"
+        f" classifier without an LM head, so runner auto serves it for pooling only, and"
+        f" runner: pooling {conflict}"
+    ]
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member started
+
+
+def test_up_leaves_an_unreadable_checkpoint_to_the_engine(tmp_path: Path) -> None:
+    """A model directory up cannot read (here: none) is not a config error: the engine
+    reports it when it starts, as for every engine."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "members: [{name: e0, kind: engine, config: {model: /nonexistent/model, role: decode}}]\n"
+    )
+    assert [m.name for m in load_fleet(fleet).members] == ["e0"]
+
+
 def test_member_names_may_use_what_a_placeholder_can_name(tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
