@@ -182,6 +182,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         try:
             self.controller.check_model(request.model)
             plan = await self._plan(request, context, None if disaggregated else Role.AGGREGATED)
+            if disaggregated:  # a LoRA adapter no decode engine holds: refused as Generate is
+                self.controller.check_disaggregated_lora(plan)
             decision = self.controller.explain(plan, Role.PREFILL if disaggregated else None)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))

@@ -307,30 +307,33 @@ class Registry:
         what = f"model {model!r}" if model else "the default model"
         return f"no engine available for {what}: " + (", ".join(engines) or "none serves it")
 
-    def check_lora(self, lora_name: str, model: str | None = None) -> None:
-        """Raise why no routable engine holds `lora_name` for `model` (call it when
-        `routable(..., lora_name=lora_name)` is empty): LoraUnavailableError when some engine
-        holds it, LoraUnsupportedError when no engine serving the model supports LoRA, else
-        LoraNotLoadedError. Returns when no engine serves the model at all (the request
-        fails as any request for it does)."""
+    def check_lora(
+        self, lora_name: str, model: str | None = None, role: Role | None = None
+    ) -> None:
+        """Raise why no routable engine (of `role`, or any) holds `lora_name` for `model`
+        (call it when `routable(..., lora_name=lora_name)` is empty): LoraUnavailableError
+        when some engine holds it, LoraUnsupportedError when no engine serving the model
+        supports LoRA, else LoraNotLoadedError. Returns when no engine serves the model at all
+        (the request fails as any request for it does)."""
         serving = [
             r
             for r in sorted(self._may_serve(model), key=lambda r: r.address)
-            if r.identity is not None
+            if r.identity is not None and (role is None or r.identity.role in (role, Role.UNKNOWN))
         ]
         if not serving:
             return  # nothing to say about LoRA: no engine serves the model
+        kind = "engine" if role is None else f"{role.value} engine"
         holders = [r.engine_id for r in serving if r.holds_lora(lora_name)]
         if holders:
             raise LoraUnavailableError(
-                f"the engines with LoRA adapter {lora_name!r} loaded take no traffic now: "
+                f"the {kind}s with LoRA adapter {lora_name!r} loaded take no traffic now: "
                 + ", ".join(holders)
             )
         if all(r.lora_adapters is None for r in serving):
             raise LoraUnsupportedError(
-                f"no engine serving {model or 'the default model'} supports LoRA"
+                f"no {kind} serving {model or 'the default model'} supports LoRA"
             )
-        raise LoraNotLoadedError(f"no engine has LoRA adapter {lora_name!r} loaded")
+        raise LoraNotLoadedError(f"no {kind} has LoRA adapter {lora_name!r} loaded")
 
     def request_drain(self, key: str) -> EngineRecord:
         """Out of routing at once, until the engine's own health takes over (it says

@@ -362,6 +362,10 @@ class Relay:
         c = self.controller
         try:
             placement = c.route_disaggregated(plan)
+        except LoraRoutingError as exc:  # no decode (or prefill) engine holds the adapter
+            status = status_of(exc)
+            c.metrics.count_request("invalid" if status in CLIENT_ERRORS else "no_engine")
+            await abort_with(context, status, str(exc))
         except NoEngineAvailableError as exc:
             c.metrics.count_request("no_engine")
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))

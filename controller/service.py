@@ -67,6 +67,7 @@ class Plan(NamedTuple):
     # `tokenize_max_chars`, so the router could not see the cache.
     tokenized: bool
     model: str = ""  # as the request named it ("": the default model)
+    lora_name: str = ""  # the LoRA adapter it names ("": none)
 
 
 class Controller:
@@ -174,7 +175,7 @@ class Controller:
         request = RouteRequest(
             query.request_id, num_tokens, view.block_size, view.block_keys, query.session_key
         )
-        return Plan(request, view, tokenized, query.model)
+        return Plan(request, view, tokenized, query.model, query.lora_name)
 
     def check_model(self, model: str) -> None:
         """Raise UnknownModelError when no engine of the fleet serves `model`, whatever its
@@ -206,9 +207,24 @@ class Controller:
             registry.routable(model or None, Role.DECODE, generating=True)
         )
 
+    def check_disaggregated_lora(self, plan: Plan) -> None:
+        """Raise the LoraRoutingError of a request naming a LoRA adapter that no routable
+        decode engine holds (its decode runs with the adapter), or no prefill engine when
+        decode engines never prefill (no `skip_prefill_ratio`): said before any hop runs, as
+        for an aggregated request (NOT_FOUND, FAILED_PRECONDITION or UNAVAILABLE), not as
+        "no decode engine available" while decode engines without the adapter are idle."""
+        if not plan.lora_name:
+            return
+        roles = [Role.DECODE] + ([Role.PREFILL] if self.router.skip_prefill_ratio > 1 else [])
+        for role in roles:
+            if not self._of_role(plan, role):
+                self.fleet.registry.check_lora(plan.lora_name, plan.model or None, role)
+
     def route_disaggregated(self, plan: Plan) -> DisaggDecision:
         """The first hop: a prefill engine by the policy, or the decode engine when it holds
-        `router.skip_prefill_ratio` of the prompt (or no prefill engine is up)."""
+        `router.skip_prefill_ratio` of the prompt (or no prefill engine is up). A LoRA
+        adapter no engine of a needed role holds raises (`check_disaggregated_lora`)."""
+        self.check_disaggregated_lora(plan)
         placement = self.router.route_disaggregated(
             plan.request,
             self._of_role(plan, Role.PREFILL),

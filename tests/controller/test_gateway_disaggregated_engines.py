@@ -5,9 +5,12 @@ prefix as cached, and no session stays open on the prefill engine."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
+from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -19,6 +22,8 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.test_gateway import eventually
+from tests.controller.test_gateway_scripted import cli
+from tests.engine.lora_adapters import write_adapter_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,3 +89,42 @@ async def test_a_decode_engine_holding_the_prompt_prefills_it_itself() -> None:
 async def _matches(fleet: Fleet, port: int) -> list[apb.EngineMatch]:
     reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT)))
     return [m for m in reply.matches if m.engine == f"127.0.0.1:{port}"]
+
+
+async def test_a_lora_adapter_no_decode_engine_holds_is_refused_before_the_prefill(
+    tmp_path: Path,
+) -> None:
+    """The adapter loaded on the prefill engine only: Generate and admin `route` naming it
+    are NOT_FOUND, saying no decode engine has it, and no prefill runs (it was UNAVAILABLE,
+    "no decode engine available", with an idle decode engine there). Once the decode engine
+    loads it the request runs."""
+    lora = LoraConfig(enabled=True)
+    prefill = await start_sim_engine("p0", role="prefill", lora=lora)
+    decode = await start_sim_engine("d0", role="decode", lora=lora)
+    fleet = await make_fleet(engines=[prefill, decode])
+    try:
+        adapter = str(write_adapter_config(tmp_path / "x"))
+        target = ["--target", fleet.target]
+        loaded = await cli("lora", "load", "x", adapter, "--id", "1", "--engine", "p0", *target)
+        assert loaded.exit_code == 0, loaded.output
+        request = generate_request("r1", PROMPT)
+        request.lora_name = "x"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in fleet.gateway.Generate(request)]
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details() == "no decode engine has LoRA adapter 'x' loaded"
+        assert "r1" not in prefill.service._finished
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT), lora_name="x")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.admin.Route(query)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "no decode engine has LoRA adapter 'x'" in (err.value.details() or "")
+
+        loaded = await cli("lora", "load", "x", adapter, "--id", "1", "--engine", "d0", *target)
+        assert loaded.exit_code == 0, loaded.output
+        request.request_id = "r2"
+        reply = [r async for r in fleet.gateway.Generate(request)]
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert "r2" in prefill.service._finished and "r2" in decode.service._finished
+    finally:
+        await close_fleet(fleet)
