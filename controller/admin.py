@@ -174,13 +174,15 @@ class AdminServicer(apb_grpc.AdminServicer):
     async def Route(self, request: apb.PromptQuery, context: Context) -> apb.RouteExplanation:
         """The decision a request would get; in a disaggregated fleet, its first hop: the
         prefill engine (the decode engine is chosen by load at the handoff). Refused as
-        Generate is: NOT_FOUND for a model no engine serves, UNAVAILABLE while none of those
-        that serve it takes traffic, and while the controller drains."""
+        Generate is: NOT_FOUND for a model no engine serves, FAILED_PRECONDITION for one
+        only pooling-only engines serve, UNAVAILABLE while none of those that serve it takes
+        traffic, and while the controller drains."""
         if self.controller.draining:
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         disaggregated = self.controller.disaggregated(request.model)
         try:
             self.controller.check_model(request.model)
+            self.controller.fleet.registry.check_generates(request.model)
             plan = await self._plan(request, context, None if disaggregated else Role.AGGREGATED)
             if disaggregated:  # a LoRA adapter no decode engine holds: refused as Generate is
                 self.controller.check_disaggregated_lora(plan)
@@ -223,10 +225,12 @@ class AdminServicer(apb_grpc.AdminServicer):
 
     async def Match(self, request: apb.PromptQuery, context: Context) -> apb.MatchResponse:
         """Every engine's cached prefix, whatever its role, cordoned ones included (what an
-        operator checks before uncordoning); NOT_FOUND for a model no engine serves, as Route
-        (rather than no engine holding anything of it)."""
+        operator checks before uncordoning); NOT_FOUND for a model no engine serves and
+        FAILED_PRECONDITION for one only pooling-only engines serve (which cache no prompt),
+        as Route (rather than no engine holding anything of it)."""
         try:
             self.controller.check_model(request.model)
+            self.controller.fleet.registry.check_generates(request.model)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
         plan = await self._plan(request, context, role=None, cordoned=True)

@@ -100,3 +100,17 @@ async def test_generate_where_only_pooling_engines_serve_the_model_is_failed_pre
         [r async for r in mixed_fleet.gateway.Generate(request)]
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "pooling-only" in (err.value.details() or "")
+
+
+@pytest.mark.parametrize("rpc", ["Route", "Match"])
+async def test_admin_route_and_match_for_a_pooling_only_model_are_failed_precondition(
+    mixed_fleet: Fleet, rpc: str
+) -> None:
+    """As Generate: a model only pooling-only engines serve is FAILED_PRECONDITION, not
+    UNAVAILABLE ("no engine available to route to", Route) or an empty table (Match)."""
+    await mixed_fleet.admin.RemoveEngine(apb.EngineRef(engine="gen"))
+    query = apb.PromptQuery(model=MODEL, token_ids=pb.TokenIds(ids=[5, 6, 7]))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await getattr(mixed_fleet.admin, rpc)(query)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "pooling-only" in (err.value.details() or "")
