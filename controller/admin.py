@@ -54,6 +54,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             info.engine_name = identity.engine_name
             info.engine_version = identity.engine_version
             info.role = identity.role.value
+            info.pooling_only = not identity.generates
             info.models.extend(identity.models)
             if identity.block_size is not None:
                 info.block_size = identity.block_size

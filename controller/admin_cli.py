@@ -195,16 +195,20 @@ def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
 
 
 def _render_workers(data: dict[str, Any]) -> str:
+    # A pooling-only engine (`runner: pooling`) gets no Generate and caches no prompt: its
+    # role says so, and it has no KV figure (its one-block cache is a placeholder).
     rows = [
         [
             w.get("instance_id"),
             w.get("address"),
-            w.get("role"),
+            f"{w.get('role')} (pooling only)" if w.get("pooling_only") else w.get("role"),
             w.get("state"),
             "yes" if w.get("cordoned") else "",
             w.get("running_requests", 0),
             w.get("queued_requests", 0),
-            f"{w.get('used_kv_blocks', '?')}/{w.get('total_kv_blocks', '?')}",
+            "-"
+            if w.get("pooling_only")
+            else f"{w.get('used_kv_blocks', '?')}/{w.get('total_kv_blocks', '?')}",
             w.get("indexed_blocks"),
             w.get("inflight_requests"),
             w.get("last_error"),

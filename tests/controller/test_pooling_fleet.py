@@ -7,6 +7,7 @@ engine that would refuse it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet
 from tests.controller.test_gateway import record_routes
+from tests.controller.test_gateway_scripted import cli
 from tests.engine.test_server_pooling_runner import LABELS, write_headless_classifier
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,3 +116,19 @@ async def test_admin_route_and_match_for_a_pooling_only_model_are_failed_precond
         await getattr(mixed_fleet.admin, rpc)(query)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "pooling-only" in (err.value.details() or "")
+
+
+async def test_admin_workers_says_which_engine_is_pooling_only(mixed_fleet: Fleet) -> None:
+    """`kvplane admin workers`: the pooling engine's role says "pooling only" (it was shown
+    as a plain aggregated engine, with a KV of "0/?"), and the JSON has `pooling_only`."""
+    result = await cli("workers", "--target", mixed_fleet.target)
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.output.splitlines()[2:]}
+    assert "aggregated (pooling only)" in rows["pool"] and "0/?" not in rows["pool"]
+    assert "pooling only" not in rows["gen"] and "/64" in rows["gen"]
+    as_json = await cli("workers", "--target", mixed_fleet.target, "--output", "json")
+    pooling = {
+        w["instance_id"]: w.get("pooling_only", False)
+        for w in json.loads(as_json.output)["workers"]
+    }
+    assert pooling == {"pool": True, "gen": False}

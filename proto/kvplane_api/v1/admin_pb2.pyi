@@ -60,6 +60,7 @@ class WorkerInfo(_message.Message):
     INDEXED_BLOCKS_FIELD_NUMBER: _builtins.int
     INFLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
+    POOLING_ONLY_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     instance_id: _builtins.str
     engine_name: _builtins.str
@@ -85,6 +86,10 @@ class WorkerInfo(_message.Message):
     inflight_requests: _builtins.int
     """the router's own count"""
     last_error: _builtins.str
+    pooling_only: _builtins.bool
+    """The engine serves Embed/Classify/Score only (`runner: pooling`: its ModelInfo advertises
+    tasks and no generation): no Generate is routed to it.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -109,10 +114,11 @@ class WorkerInfo(_message.Message):
         indexed_blocks: _builtins.int = ...,
         inflight_requests: _builtins.int = ...,
         last_error: _builtins.str = ...,
+        pooling_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "block_size", b"block_size", "queued_requests", b"queued_requests", "running_requests", b"running_requests", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "address", b"address", "block_size", b"block_size", "cordoned", b"cordoned", "engine_name", b"engine_name", "engine_version", b"engine_version", "indexed_blocks", b"indexed_blocks", "inflight_requests", b"inflight_requests", "instance_id", b"instance_id", "kv_events", b"kv_events", "last_error", b"last_error", "models", b"models", "queued_requests", b"queued_requests", "role", b"role", "routable", b"routable", "running_requests", b"running_requests", "source", b"source", "state", b"state", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "address", b"address", "block_size", b"block_size", "cordoned", b"cordoned", "engine_name", b"engine_name", "engine_version", b"engine_version", "indexed_blocks", b"indexed_blocks", "inflight_requests", b"inflight_requests", "instance_id", b"instance_id", "kv_events", b"kv_events", "last_error", b"last_error", "models", b"models", "pooling_only", b"pooling_only", "queued_requests", b"queued_requests", "role", b"role", "routable", b"routable", "running_requests", b"running_requests", "source", b"source", "state", b"state", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
