@@ -231,6 +231,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
         context: Context,
     ) -> T:
+        if self.controller.draining:  # as a draining engine refuses a pooling task
+            await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         record = await self._task_engine(task, task_context.model, context)
         relay = self.relay
         request_id = task_context.request_id

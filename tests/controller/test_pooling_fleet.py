@@ -132,3 +132,24 @@ async def test_admin_workers_says_which_engine_is_pooling_only(mixed_fleet: Flee
         for w in json.loads(as_json.output)["workers"]
     }
     assert pooling == {"pool": True, "gen": False}
+
+
+async def test_a_drained_controller_refuses_pooling_tasks_too(mixed_fleet: Fleet) -> None:
+    """`kvplane admin drain --self`: the controller refuses every new request, Embed,
+    Classify and Score as Generate (they were still relayed to the engines)."""
+    drain = mixed_fleet.gateway.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
+    assert [r.state async for r in drain][-1] == pb.DRAIN_STATE_COMPLETE
+    item = pb.TaskInput(item_id="a", token_ids=pb.TokenIds(ids=[5, 6, 7]))
+    gateway = mixed_fleet.gateway
+    group = pb.ScoreGroup(group_id="g", query=item, candidates=[item])
+    for task in ("embed", "classify", "score"):
+        task_context = pb.TaskRequestContext(request_id=task, model=MODEL)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            if task == "embed":
+                await gateway.Embed(pb.EmbedRequest(context=task_context, inputs=[item]))
+            elif task == "classify":
+                await gateway.Classify(pb.ClassifyRequest(context=task_context, inputs=[item]))
+            else:
+                await gateway.Score(pb.ScoreRequest(context=task_context, groups=[group]))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, task
+        assert err.value.details() == "the controller is draining"
