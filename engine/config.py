@@ -15,8 +15,8 @@ Embed/Classify/Score (no LM head needed, a one-block KV cache, the health probe 
 of generating), `auto` picks pooling for a `*ForSequenceClassification` checkpoint without an
 LM head and generate otherwise (it needs the checkpoint, so the service resolves it at load).
 `pooling_conflicts` names what a pooling engine cannot have: checked here for an explicit
-`runner: pooling`, for `auto` by `auto_pooling_refusal` on the checkpoint (by the service at
-load, and by `kvplane up` before any member starts).
+`runner: pooling`, for `auto` by `pools_only` on the checkpoint (by the service at load, and
+by `kvplane up` before any member starts).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel
+from kvplane.errors import ConfigError
 
 SIM_MODEL = "sim"
 BUILTIN_MODEL = "builtin"
@@ -205,26 +206,28 @@ class EngineConfig(ServerConfig):
     def is_builtin(self) -> bool:
         return self.model == BUILTIN_MODEL
 
-    def auto_pooling_refusal(self, model_dir: Path) -> str | None:
-        """Why `runner: auto` cannot serve `model_dir` with this config, or None: a sequence
-        classifier without an LM head is served for pooling only, and a conflict of
-        `pooling_conflicts` rules that out. Reads the checkpoint (config.json, then the
-        safetensors headers of a classifier; no tensor) only when there is a conflict.
-        Raises CheckpointError for a checkpoint it cannot read."""
+    def pools_only(self, model_dir: Path) -> bool:
+        """`runner` resolved for the checkpoint in `model_dir`: whether the engine serves
+        Embed/Classify/Score only. `auto` does so for a sequence classifier without an LM head
+        (untied, no `lm_head.weight`; it reads config.json and the safetensors headers, no
+        tensor) and then refuses what `pooling_conflicts` names, as `runner: pooling` is
+        refused at load (ConfigError). (vLLM's `auto` pools every classifier; here one with a
+        head keeps generating: `runner: pooling` gives vLLM's behaviour.) Raises
+        CheckpointError for a checkpoint it cannot read."""
         if self.runner is not RunnerName.auto:
-            return None
-        conflict = self.pooling_conflicts()
-        if conflict is None:
-            return None
+            return self.runner is RunnerName.pooling
         from engine.torch_runner.config import ModelConfig
         from engine.torch_runner.loader import ships_lm_head  # imports torch
 
         if ModelConfig.from_dir(model_dir).classifier_labels is None or ships_lm_head(model_dir):
-            return None
-        return (
-            f"{model_dir} is a sequence classifier without an LM head, so runner auto serves "
-            f"it for pooling only, and runner: pooling {conflict}"
-        )
+            return False
+        conflict = self.pooling_conflicts()
+        if conflict is not None:
+            raise ConfigError(
+                f"{model_dir} is a sequence classifier without an LM head, so runner auto "
+                f"serves it for pooling only, and runner: pooling {conflict}"
+            )
+        return True
 
     def model_name(self) -> str:
         """The served model name: explicit, else `sim`, else the model directory's name."""

@@ -148,24 +148,11 @@ def _build_torch(config: EngineConfig) -> _Model:
 
 
 def _generates(config: EngineConfig, model_dir: Path) -> bool:
-    """`runner` resolved for this checkpoint: `auto` generates unless the checkpoint is a
-    sequence classifier without an LM head (untied, no `lm_head.weight`), which it serves for
-    pooling only, after the same config checks an explicit `runner: pooling` passed at load.
-    (vLLM's `auto` pools every classifier; here one with a head keeps generating, as it did
-    before the runner setting existed: `runner: pooling` gives vLLM's behaviour.)"""
-    if config.runner is RunnerName.generate:
+    """`runner` resolved for this checkpoint (`EngineConfig.pools_only`)."""
+    if not config.pools_only(model_dir):
         return True
-    if config.runner is RunnerName.pooling:
-        return False
-    from engine.torch_runner.config import ModelConfig
-    from engine.torch_runner.loader import ships_lm_head
-
-    if ModelConfig.from_dir(model_dir).classifier_labels is None or ships_lm_head(model_dir):
-        return True
-    refusal = config.auto_pooling_refusal(model_dir)
-    if refusal is not None:
-        raise ConfigError(refusal)
-    log.info("runner auto: %s has no LM head, serving Embed/Classify/Score only", model_dir)
+    if config.runner is RunnerName.auto:
+        log.info("runner auto: %s has no LM head, serving Embed/Classify/Score only", model_dir)
     return False
 
 

@@ -164,8 +164,8 @@ def _check_engine_checkpoint(config: EngineConfig, where: str) -> None:
     from engine.torch_runner.errors import CheckpointError
 
     try:
-        refusal = config.auto_pooling_refusal(Path(config.model))
+        config.pools_only(Path(config.model))
     except CheckpointError:
         return
-    if refusal is not None:
-        raise ConfigError(f"invalid config in {where}: {refusal}")
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config in {where}: {exc}") from None
