@@ -266,7 +266,7 @@ class Relay:
     ) -> AsyncIterator[Response]:
         """Run one request (see the module doc). `handoff`: how this API moves a request
         from a prefill engine to a decode engine; without one, a model served only by a
-        disaggregated fleet is UNAVAILABLE through this front end."""
+        disaggregated fleet is FAILED_PRECONDITION through this front end."""
         c = self.controller
         started = time.perf_counter()
         if c.draining:
@@ -328,11 +328,11 @@ class Relay:
                 context=context,
                 started=started,
             )
-        elif handoff is None:
-            c.metrics.count_request("no_engine")
+        elif handoff is None:  # this API cannot take the prefill -> decode path at all
+            c.metrics.count_request("invalid")
             await abort_with(
                 context,
-                grpc.StatusCode.UNAVAILABLE,
+                grpc.StatusCode.FAILED_PRECONDITION,
                 "this model is served by prefill and decode engines only: use "
                 "openengine.v1.OpenEngine/Generate, which hands requests over between them",
             )

@@ -204,7 +204,7 @@ async def test_vllm_generate_cannot_hand_over_and_says_so() -> None:
                     stopping=vpb.StoppingCriteria(max_new_tokens=3, ignore_eos=True),
                 )
             )
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "prefill and decode engines" in (info.value.details() or "")
     finally:
         await close_fleet(fleet)
