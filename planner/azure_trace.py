@@ -10,7 +10,7 @@ column, a timestamp that is not ISO 8601, a length that is not a positive intege
 from __future__ import annotations
 
 import csv
-import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,30 +35,37 @@ def load_azure_trace(path: Path, limit: int | None = None) -> list[TraceRow]:
     """The first `limit` rows (all when None), sorted by arrival, times relative to the
     earliest."""
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        with path.open(encoding="utf-8-sig", newline="") as lines:
+            stamped = _read_rows(path, csv.reader(lines), limit)
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from exc
     except UnicodeDecodeError:
         raise TraceError(f"cannot read trace {path}: not UTF-8 text") from None
-    reader = csv.reader(io.StringIO(text))
-    header = next(reader, None)
-    if header is None or tuple(h.strip() for h in header) != COLUMNS:
-        raise TraceError(f"{path}:1: expected the header {','.join(COLUMNS)}")
-    stamped: list[tuple[datetime, int, int]] = []
-    for row in reader:
-        if limit is not None and len(stamped) >= limit:
-            break
-        if not row or not any(cell.strip() for cell in row):
-            continue
-        try:
-            stamped.append(_parse_row(row))
-        except ValueError as exc:
-            raise TraceError(f"{path}:{reader.line_num}: {exc}") from None
+    except csv.Error as exc:
+        raise TraceError(f"{path}: not CSV ({exc})") from None
     if not stamped:
         raise TraceError(f"trace {path} has no requests")
     stamped.sort(key=lambda r: r[0])
     start = stamped[0][0]
     return [TraceRow((t - start).total_seconds(), p, o) for t, p, o in stamped]
+
+
+def _read_rows(
+    path: Path, reader: Iterator[list[str]], limit: int | None
+) -> list[tuple[datetime, int, int]]:
+    header = next(reader, None)
+    if header is None or tuple(h.strip() for h in header) != COLUMNS:
+        raise TraceError(f"{path}:1: expected the header {','.join(COLUMNS)}")
+    stamped: list[tuple[datetime, int, int]] = []
+    for number, row in enumerate(reader, 2):
+        if limit is not None and len(stamped) >= limit:
+            break
+        if any(cell.strip() for cell in row):
+            try:
+                stamped.append(_parse_row(row))
+            except ValueError as exc:
+                raise TraceError(f"{path}:{number}: {exc}") from None
+    return stamped
 
 
 def _parse_row(row: list[str]) -> tuple[datetime, int, int]:

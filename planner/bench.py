@@ -186,17 +186,26 @@ def render_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _positive(name: str, value: float, *, allow_zero: bool = False) -> None:
-    ok = math.isfinite(value) and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        raise BadInputError(
-            f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, got {value}"
-        )
+def _check_positive(flags: dict[str, float | None], *, zero_ok: frozenset[str]) -> None:
+    """Every given flag is a finite number above 0 (or at least 0, for those in `zero_ok`)."""
+    for name, value in flags.items():
+        if value is None:
+            continue
+        low_ok = value >= 0 if name in zero_ok else value > 0
+        if not (math.isfinite(value) and low_ok):
+            kind = "non-negative" if name in zero_ok else "positive"
+            raise BadInputError(f"{name} must be a {kind} number, got {value}")
 
 
-def _check(settings: dict[str, float]) -> None:
-    for name, value in settings.items():
-        _positive(name, value, allow_zero=name in ("--startup-s",))
+def _planner_config(path: Path | None, startup_s: float, tick_s: float) -> PlannerConfig:
+    """The kvplane policy's knobs: a config file's, or the defaults with the forecast horizon
+    set to the engines' start-up time (how long capacity asked for now takes to serve)."""
+    config = load_config(PlannerConfig, path) if path else PlannerConfig()
+    capacity = config.capacity
+    if path is None:
+        capacity = capacity.model_copy(update={"forecast_horizon_s": startup_s})
+    scaling = config.scaling.model_copy(update={"tick_s": tick_s})
+    return config.model_copy(update={"capacity": capacity, "scaling": scaling})
 
 
 def _bad_input(run: Callable[[], None]) -> None:
@@ -243,7 +252,7 @@ def bench_planner(
 
     def run() -> None:
         names = policy_names(policies)
-        _check(
+        _check_positive(
             {
                 "--speedup": speedup,
                 "--ttft-ms": ttft_ms,
@@ -251,46 +260,31 @@ def bench_planner(
                 "--startup-s": startup_s,
                 "--tick-s": tick_s,
                 "--queue-target": queue_target,
-            }
+                "--blocks-per-engine": blocks_per_engine,
+                "--block-size": block_size,
+                "--max-num-batched-tokens": max_num_batched_tokens,
+                "--min-engines": min_engines,
+                "--max-engines": max_engines,
+                "--limit": limit,
+                "--initial-engines": initial_engines,
+            },
+            zero_ok=frozenset({"--startup-s"}),
         )
-        for name, value in (
-            ("--blocks-per-engine", blocks_per_engine),
-            ("--block-size", block_size),
-            ("--max-num-batched-tokens", max_num_batched_tokens),
-            ("--min-engines", min_engines),
-            ("--max-engines", max_engines),
-            ("--limit", limit if limit is not None else 1),
-            ("--initial-engines", initial_engines if initial_engines is not None else 1),
-        ):
-            _positive(name, value)
         if not 0 < goal <= 1:
             raise BadInputError(f"--goal must be in (0, 1], got {goal}")
         if max_engines < min_engines:
             raise BadInputError(f"--max-engines {max_engines} is below --min-engines {min_engines}")
-        planner_config = load_config(PlannerConfig, config) if config else PlannerConfig()
-        if config is None:  # the planner forecasts as far ahead as engines take to start
-            capacity = planner_config.capacity.model_copy(update={"forecast_horizon_s": startup_s})
-            planner_config = planner_config.model_copy(update={"capacity": capacity})
-        planner_config = planner_config.model_copy(
-            update={"scaling": planner_config.scaling.model_copy(update={"tick_s": tick_s})}
-        )
-        fleet = FleetSettings(
-            block_size=block_size,
-            blocks_per_engine=blocks_per_engine,
-            max_num_batched_tokens=max_num_batched_tokens,
-            startup_s=startup_s,
-            speedup=speedup,
-        )
+        engine = FleetSettings(block_size, blocks_per_engine, 256, max_num_batched_tokens)
         settings = BenchSettings(
-            fleet=fleet,
+            fleet=replace(engine, startup_s=startup_s, speedup=speedup),
             sla=SlaTargets(ttft_ms=ttft_ms, itl_ms=itl_ms),
-            planner=planner_config,
+            planner=_planner_config(config, startup_s, tick_s),
             min_engines=min_engines,
             max_engines=max_engines,
             initial_engines=initial_engines,
             goal=goal,
             tick_s=tick_s,
-            threshold=replace(ThresholdSettings(), target_queued_per_engine=queue_target),
+            threshold=ThresholdSettings(target_queued_per_engine=queue_target),
         )
         try:
             rows = load_azure_trace(trace, limit)

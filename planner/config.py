@@ -46,16 +46,18 @@ class PoolConfig(StrictModel):
 
 
 class ScalingConfig(StrictModel):
-    tick_s: float = Field(default=5.0, gt=0)
-    # No second scale-up this soon after one (on top of: never while engines are starting).
-    scale_up_cooldown_s: float = Field(default=15.0, ge=0)
-    # No scale-down this soon after any scaling decision.
-    scale_down_cooldown_s: float = Field(default=60.0, ge=0)
-    # Scale down only to the largest size asked for over this window (HPA's rule).
-    scale_down_stabilisation_s: float = Field(default=120.0, ge=0)
-    # Hysteresis: scale up when the need exceeds the engines there are; scale down only when
-    # the need with this much extra room fits in fewer.
-    scale_down_headroom: float = Field(default=0.2, ge=0)
+    """The decision rules' timing and hysteresis (planner.core)."""
+
+    tick_s: float = Field(default=5.0, gt=0)  # decide() every tick_s
+    # Cooldowns (seconds): after a scale-up before another one (on top of: never while
+    # engines are starting); after any scaling decision before a scale-down.
+    scale_up_cooldown_s: float = Field(default=15.0, ge=0)  # after a scale-up
+    scale_down_cooldown_s: float = Field(default=60.0, ge=0)  # after any decision
+    # Hysteresis: scale up when the need exceeds the engines there are; scale down only to
+    # the largest size asked for over the stabilisation window (HPA's rule), computed with
+    # `scale_down_headroom` extra room.
+    scale_down_stabilisation_s: float = Field(default=120.0, ge=0)  # the window
+    scale_down_headroom: float = Field(default=0.2, ge=0)  # 0.2: 20% more than the need
     # A draining engine gets this long to finish its requests before they may be aborted.
     drain_deadline_s: float = Field(default=300.0, gt=0)
 
@@ -66,14 +68,15 @@ class CapacityConfig(StrictModel):
     # How far ahead the load is forecast: capacity asked for now serves after start-up.
     forecast_horizon_s: float = Field(default=30.0, ge=0)
     # Holt's smoothing of the prompt-token arrival rate: level and trend weights per tick.
-    level_alpha: float = Field(default=0.5, gt=0, le=1)
-    trend_beta: float = Field(default=0.2, ge=0, le=1)
+    level_alpha: float = Field(default=0.2, gt=0, le=1)
+    trend_beta: float = Field(default=0.02, ge=0, le=1)
     # Size so that a forward pass fits this share of the ITL target, and a request's prefill
     # this share of the TTFT target (the rest is room for bursts and the model's error).
     itl_margin: float = Field(default=0.8, gt=0, le=1)
     ttft_margin: float = Field(default=0.5, gt=0, le=1)
-    # Engines' KV caches are kept at most this full (beyond, requests get preempted).
-    max_kv_usage: float = Field(default=0.85, gt=0, le=1)
+    # Engines' KV caches are sized to be at most this full on average: room for requests'
+    # growth, bursts and uneven spread over engines (calibrated in docs/planner.md).
+    max_kv_usage: float = Field(default=0.6, gt=0, le=1)
     # The cost model forgets old passes with this half-life.
     half_life_s: float = Field(default=300.0, gt=0)
     # Priors of the cost model (pass ms = fixed + per prefill token + per KV usage), worth

@@ -36,8 +36,6 @@ from planner.decisions import Decision, Reason
 from planner.forecast import HoltForecast
 from planner.observations import EngineObservation, EngineState, ForwardPasses, Observations
 
-# A forecast is trusted to multiply today's KV usage by at most this much.
-_MAX_KV_GROWTH = 4.0
 # Weight of a tick's measured mean prompt length in its running mean.
 _PROMPT_ALPHA = 0.2
 
@@ -45,7 +43,8 @@ _PROMPT_ALPHA = 0.2
 @dataclass(slots=True)
 class _PoolState:
     cost: CostModel
-    forecast: HoltForecast
+    forecast: HoltForecast  # prompt tokens arriving per second
+    kv_forecast: HoltForecast  # KV demand summed over the engines (in engines' caches)
     last_tick_s: float | None = None
     last_backlog_tokens: int = 0
     mean_prompt_tokens: float | None = None
@@ -61,7 +60,11 @@ class Planner:
         self.config = config
         cap = config.capacity
         self._pools = {
-            pool.name: _PoolState(CostModel(cap), HoltForecast(cap.level_alpha, cap.trend_beta))
+            pool.name: _PoolState(
+                CostModel(cap),
+                HoltForecast(cap.level_alpha, cap.trend_beta),
+                HoltForecast(cap.level_alpha, cap.trend_beta),
+            )
             for pool in config.pools
         }
 
@@ -189,15 +192,13 @@ class Planner:
             return None
         arrivals = max(0.0, (computed_tokens + backlog - last_backlog) / (now_s - last_s))
         state.forecast.update(arrivals, now_s)
+        state.kv_forecast.update(sum(e.load.kv_demand for e in active), now_s)
         cap = self.config.capacity
-        load = max(arrivals, state.forecast.forecast(cap.forecast_horizon_s))
-        level = state.forecast.level or 0.0
-        growth = min(_MAX_KV_GROWTH, load / level) if level > 0 else 1.0
-        kv_usage = sum(e.load.kv_demand for e in active) * max(1.0, growth)
+        horizon_s = cap.forecast_horizon_s
         need = engines_needed(
             state.cost.cost(),
-            prompt_tokens_per_s=load,
-            kv_usage_sum=kv_usage,
+            prompt_tokens_per_s=state.forecast.forecast(horizon_s),
+            kv_usage_sum=state.kv_forecast.forecast(horizon_s),
             mean_prompt_tokens=state.mean_prompt_tokens or 0.0,
             sla=self.config.sla,
             config=cap,

@@ -26,21 +26,27 @@ class Reason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ScalePool:
+    """Start engines until the pool counts `num_engines` (starting and serving)."""
+
     pool: str
-    num_engines: int
+    num_engines: int  # the pool's size asked for, not a number to add
     reason: Reason
 
 
 @dataclass(frozen=True, slots=True)
 class DrainEngine:
+    """Stop routing to the engine; what still runs at `deadline_s` may be aborted."""
+
     engine_id: str
     pool: str
-    deadline_s: float
+    deadline_s: float  # on the caller's clock, like the `now_s` given to decide()
     reason: Reason
 
 
 @dataclass(frozen=True, slots=True)
 class RemoveEngine:
+    """Stop the engine: it is drained (DRAINING, no request left)."""
+
     engine_id: str
     pool: str
     reason: Reason

@@ -23,7 +23,6 @@ removal or the end of the replay (the last request's end), draining included.
 
 from __future__ import annotations
 
-import enum
 import math
 import statistics
 from collections.abc import Iterator, Sequence
@@ -34,7 +33,6 @@ from engine.core.api import EngineRequest, SamplingParams, ScheduledBatch, Sched
 from engine.core.mooncake_trace import FILLER_TOKEN_BASE
 from engine.core.sim_fleet import Progress, RequestRecord, SimEngine, SimFleet, TimedRequest
 from engine.core.sim_runner import SimRunner
-from planner.actions import provisioned
 from planner.azure_trace import TraceRow
 from planner.config import SlaTargets
 from planner.decisions import Decision, DrainEngine, RemoveEngine, ScalePool
@@ -64,12 +62,12 @@ class NoScaling:
 class FleetSettings:
     """The simulated engine and the replay's timing."""
 
-    block_size: int = 16
-    blocks_per_engine: int = 1024
-    max_num_seqs: int = 256
+    block_size: int = 16  # tokens per KV block
+    blocks_per_engine: int = 1024  # one engine's KV cache: 16,384 tokens
+    max_num_seqs: int = 256  # the scheduler's batch limits (vLLM's defaults for seqs)
     max_num_batched_tokens: int = 2048
-    startup_s: float = 30.0
-    speedup: float = 1.0
+    startup_s: float = 30.0  # from ScalePool to serving
+    speedup: float = 1.0  # trace time runs this much faster
 
     @property
     def kv_tokens(self) -> int:
@@ -90,35 +88,31 @@ class MeteredSimRunner(SimRunner):
         self.num_prefill_sequences += len(batch.sequences) - batch.num_decode_sequences
         return super().execute(batch)
 
-
-class _State(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-_OBSERVED = {
-    _State.STARTING: EngineState.STARTING,
-    _State.SERVING: EngineState.SERVING,
-    _State.DRAINING: EngineState.DRAINING,
-}
+    def totals(self, engine_id: str) -> ForwardPasses:
+        """Every pass so far, as one `ForwardPasses`."""
+        return ForwardPasses(
+            engine_id,
+            self.num_forward_passes,
+            self.total_forward_ms / 1000.0,
+            self.num_prefill_tokens,
+            self.num_prefill_sequences,
+        )
 
 
 @dataclass(slots=True, eq=False)
 class _Member:
     engine: SimEngine
-    state: _State
-    asked_s: float
-    ready_s: float
-    stopped_s: float | None = None
-    deadline_s: float | None = None
-    in_flight: int = 0
-    # Runner counters at the last tick (passes are reported as deltas).
-    seen_passes: int = 0
-    seen_ms: float = 0.0
-    seen_prefill_tokens: int = 0
-    seen_prefill_seqs: int = 0
+    state: EngineState
+    asked_s: float  # cost counts from here: start-up is paid for
+    ready_s: float  # serving from here
+    stopped_s: float | None = None  # None: still running (cost counts to the replay's end)
+    deadline_s: float | None = None  # of its drain: what is left then is aborted
+    in_flight: int = 0  # the router's count of requests sent and not finished
+    seen: ForwardPasses | None = None  # the runner's totals at the last tick
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.stopped_s is not None
 
     @property
     def engine_id(self) -> str:
@@ -136,7 +130,6 @@ class _Counters:
     num_drains: int = 0
     max_engines: int = 0
     aborted: set[str] = field(default_factory=set)
-    decisions: list[tuple[float, Decision]] = field(default_factory=list)
 
 
 class _Actuator:
@@ -160,17 +153,21 @@ class _Actuator:
     def next_s(self) -> float | None:
         due = [self._next_tick_s]
         for m in self.members:
-            if m.state is _State.STARTING:
+            if m.state is EngineState.STARTING:
                 due.append(m.ready_s)
-            elif m.state is _State.DRAINING and m.deadline_s is not None:
+            elif m.state is EngineState.DRAINING and m.deadline_s is not None:
                 due.append(m.deadline_s)
         return min(due)
 
     def fire(self, now_s: float) -> None:
         for m in self.members:
-            if m.state is _State.STARTING and m.ready_s <= now_s:
-                m.state = _State.SERVING
-            elif m.state is _State.DRAINING and m.deadline_s is not None and m.deadline_s <= now_s:
+            if m.state is EngineState.STARTING and m.ready_s <= now_s:
+                m.state = EngineState.SERVING
+            elif (
+                m.state is EngineState.DRAINING
+                and m.deadline_s is not None
+                and m.deadline_s <= now_s
+            ):
                 self._abort(m)
         if self._next_tick_s <= now_s:
             self._next_tick_s = now_s + self.tick_s
@@ -179,7 +176,7 @@ class _Actuator:
     # ---------------------------------------------------------------- routing
 
     def route(self, request: EngineRequest, engines: Sequence[SimEngine]) -> int:
-        serving = [m for m in self.members if m.state is _State.SERVING]
+        serving = [m for m in self.members if m.state is EngineState.SERVING]
         if not serving:  # the policies keep one engine serving; a bug otherwise
             raise RuntimeError("no serving engine to route to")
         chosen = min(serving, key=lambda m: (m.in_flight, m.engine.index))
@@ -194,9 +191,9 @@ class _Actuator:
 
     def _start(self, now_s: float, ready_s: float) -> None:
         engine = self.fleet.add_engine(MeteredSimRunner)
-        state = _State.SERVING if ready_s <= now_s else _State.STARTING
+        state = EngineState.SERVING if ready_s <= now_s else EngineState.STARTING
         self.members.append(_Member(engine, state, now_s, ready_s))
-        alive = sum(1 for m in self.members if m.state is not _State.STOPPED)
+        alive = sum(1 for m in self.members if not m.is_stopped)
         self.counters.max_engines = max(self.counters.max_engines, alive)
 
     def _abort(self, member: _Member) -> None:
@@ -208,47 +205,35 @@ class _Actuator:
     def _apply(self, decisions: list[Decision], now_s: float) -> None:
         by_id = {m.engine_id: m for m in self.members}
         for decision in decisions:
-            self.counters.decisions.append((now_s, decision))
             if isinstance(decision, ScalePool):
-                alive = [m for m in self.members if m.state in _OBSERVED]
-                missing = decision.num_engines - provisioned(self._observe_members(alive))
+                current = sum(1 for m in self.members if m.state is not EngineState.DRAINING)
+                missing = decision.num_engines - current
                 for _ in range(missing):
                     self._start(now_s, now_s + self.settings.startup_s)
                 self.counters.num_scale_ups += 1 if missing > 0 else 0
             elif isinstance(decision, DrainEngine):
                 member = by_id[decision.engine_id]
-                if member.state is _State.SERVING:
-                    member.state = _State.DRAINING
+                if member.state is EngineState.SERVING:
+                    member.state = EngineState.DRAINING
                     member.deadline_s = decision.deadline_s
                     self.counters.num_drains += 1
             elif isinstance(decision, RemoveEngine):
                 member = by_id[decision.engine_id]
-                if member.state is not _State.DRAINING or member.engine.core.has_work():
+                if member.state is not EngineState.DRAINING or member.engine.core.has_work():
                     raise RuntimeError(f"policy removed {member.engine_id}, not drained")
-                member.state = _State.STOPPED
                 member.stopped_s = now_s
+                member.deadline_s = None
 
     # ---------------------------------------------------------------- observing
 
     def _observe(self, now_s: float) -> Observations:
-        alive = [m for m in self.members if m.state in _OBSERVED]
+        alive = [m for m in self.members if not m.is_stopped]
         passes = []
         for m in alive:
-            runner = m.runner
-            delta = runner.num_forward_passes - m.seen_passes
-            if delta:
-                passes.append(
-                    ForwardPasses(
-                        m.engine_id,
-                        delta,
-                        (runner.total_forward_ms - m.seen_ms) / 1000.0,
-                        runner.num_prefill_tokens - m.seen_prefill_tokens,
-                        runner.num_prefill_sequences - m.seen_prefill_seqs,
-                    )
-                )
-            m.seen_passes, m.seen_ms = runner.num_forward_passes, runner.total_forward_ms
-            m.seen_prefill_tokens = runner.num_prefill_tokens
-            m.seen_prefill_seqs = runner.num_prefill_sequences
+            totals = m.runner.totals(m.engine_id)
+            if m.seen is None or totals.num_passes > m.seen.num_passes:
+                passes.append(_since(totals, m.seen))
+            m.seen = totals
         return Observations(self._observe_members(alive), tuple(passes))
 
     def _observe_members(self, members: list[_Member]) -> tuple[EngineObservation, ...]:
@@ -259,7 +244,7 @@ class _Actuator:
                 EngineObservation(
                     m.engine_id,
                     POOL,
-                    _OBSERVED[m.state],
+                    m.state,
                     EngineLoad(
                         load.num_running,
                         load.num_waiting,
@@ -273,15 +258,29 @@ class _Actuator:
         return tuple(observed)
 
 
+def _since(totals: ForwardPasses, seen: ForwardPasses | None) -> ForwardPasses:
+    if seen is None:
+        return totals
+    return ForwardPasses(
+        totals.engine_id,
+        totals.num_passes - seen.num_passes,
+        totals.duration_s - seen.duration_s,
+        totals.num_prefill_tokens - seen.num_prefill_tokens,
+        totals.num_prefill_sequences - seen.num_prefill_sequences,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyResult:
     policy: str
     num_requests: int
+    # Shares of all requests (a failed one misses both targets).
     ttft_attainment: float
-    itl_attainment: float
+    itl_attainment: float  # its mean ITL within the target
     sla_attainment: float  # both targets met
-    ttft_ms: dict[str, float]
-    itl_ms: dict[str, float]
+    ttft_ms: dict[str, float]  # p50, p99 over requests that got a first token
+    itl_ms: dict[str, float]  # mean, p99 of requests' mean ITL
+    # Cost: every engine from its start request to its removal (or the end).
     engine_seconds: float
     max_engines: int
     num_scale_ups: int
@@ -325,15 +324,10 @@ def replay(
 ) -> PolicyResult:
     """Replay `rows` (sorted by arrival; rows that do not fit are skipped) with `engines`
     serving at time 0 and `policy` deciding every `tick_s`."""
+    scheduler = SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens)
+    block_size, num_blocks = settings.block_size, settings.blocks_per_engine
     fleet = SimFleet(
-        0,
-        block_size=settings.block_size,
-        num_blocks=settings.blocks_per_engine,
-        max_model_len=1 << 30,
-        config=SchedulerConfig(
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-        ),
+        0, block_size=block_size, num_blocks=num_blocks, max_model_len=1 << 30, config=scheduler
     )
     actuator = _Actuator(fleet, policy, settings, tick_s, engines)
 

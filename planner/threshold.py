@@ -22,10 +22,10 @@ from planner.observations import EngineObservation, EngineState, Observations
 
 @dataclass(frozen=True, slots=True)
 class ThresholdSettings:
-    target_queued_per_engine: float = 2.0
-    tolerance: float = 0.1
-    scale_down_stabilisation_s: float = 300.0
-    drain_deadline_s: float = 300.0
+    target_queued_per_engine: float = 2.0  # the HPA metric's target (average value)
+    tolerance: float = 0.1  # HPA's default: no change within 10% of the target
+    scale_down_stabilisation_s: float = 300.0  # HPA's default scale-down window
+    drain_deadline_s: float = 300.0  # as the kvplane core's default
 
 
 class ThresholdAutoscaler:

@@ -15,10 +15,10 @@ FLEET = FleetSettings(blocks_per_engine=256, startup_s=10)
 
 
 def step_trace() -> list[TraceRow]:
-    """60 s at 1 request/s, then 60 s at 6 requests/s, then 120 s at 1 request/s."""
+    """60 s at 1 request/s, then 60 s at 6 requests/s, then 300 s at 1 request/s."""
     rows: list[TraceRow] = []
     t = 0.0
-    for duration_s, rate in ((60, 1.0), (60, 6.0), (120, 1.0)):
+    for duration_s, rate in ((60, 1.0), (60, 6.0), (300, 1.0)):
         end = t + duration_s
         while t < end:
             rows.append(TraceRow(t, 500 + len(rows) % 7 * 100, 60 + len(rows) % 5 * 20))
