@@ -56,7 +56,7 @@ class ScalingConfig(StrictModel):
     # Hysteresis: scale up when the need exceeds the engines there are; scale down only to
     # the largest size asked for over the stabilisation window (HPA's rule), computed with
     # `scale_down_headroom` extra room.
-    scale_down_stabilisation_s: float = Field(default=120.0, ge=0)  # the window
+    scale_down_stabilisation_s: float = Field(default=300.0, ge=0)  # the window
     scale_down_headroom: float = Field(default=0.2, ge=0)  # 0.2: 20% more than the need
     # A draining engine gets this long to finish its requests before they may be aborted.
     drain_deadline_s: float = Field(default=300.0, gt=0)
