@@ -5,7 +5,7 @@ result, figure for figure."""
 from __future__ import annotations
 
 from planner.azure_trace import TraceRow
-from planner.config import PlannerConfig, PoolConfig, SlaTargets
+from planner.config import PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
 from planner.core import Planner
 from planner.replay import FleetSettings, NoScaling, replay
 from planner.threshold import ThresholdAutoscaler, ThresholdSettings
@@ -27,7 +27,10 @@ def step_trace() -> list[TraceRow]:
 
 
 def planner() -> Planner:
-    return Planner(PlannerConfig(sla=SLA, pools=(PoolConfig(min_engines=1, max_engines=8),)))
+    # A short window, so that the 300 s tail sees the scale-down too.
+    scaling = ScalingConfig(scale_down_stabilisation_s=60)
+    pools = (PoolConfig(min_engines=1, max_engines=8),)
+    return Planner(PlannerConfig(sla=SLA, pools=pools, scaling=scaling))
 
 
 def run_kvplane() -> dict[str, object]:
