@@ -11,6 +11,7 @@ planner_app = typer.Typer(no_args_is_help=True)
 
 @planner_app.command()
 def run(config: ConfigOption = None, listen: ListenOption = None) -> None:
-    """Not implemented yet (exits 2): the planner, which would observe the fleet, scale pools
-    and drain engines (../shared/ARCHITECTURE.md, the planner section)."""
+    """Not implemented yet (exits 2): the live planner, which would observe the fleet and act
+    through an actuator. Its decision core is built and measured offline (`kvplane bench
+    planner`; docs/planner.md)."""
     fail_not_implemented("kvplane planner run")
