@@ -18,7 +18,8 @@ Each tick, per configured pool (engines of other pools are left alone):
    scale-up is younger than `scale_up_cooldown_s`. The reason is SLA_AT_RISK when some engine's
    queued prefill work already exceeds the TTFT target, else FORECAST_NEEDS_MORE.
 6. Scale down (hysteresis) only to the largest size asked for during the last
-   `scale_down_stabilisation_s`, computed with `scale_down_headroom` extra room, when nothing
+   `scale_down_stabilisation_s` (a scale-up's target included), computed with
+   `scale_down_headroom` extra room, when nothing
    is starting, no SLA is at risk and no scaling decision is younger than
    `scale_down_cooldown_s`; the least loaded serving engines are drained (OVERPROVISIONED).
 """
@@ -123,7 +124,7 @@ class Planner:
             if pending or cooling:
                 return decisions
             state.last_up_s = state.last_scale_s = now_s
-            state.wanted.clear()  # sizes asked for before the rise no longer count
+            state.wanted.append((now_s, up))  # the window remembers the size asked for
             reason = Reason.SLA_AT_RISK if at_risk else Reason.FORECAST_NEEDS_MORE
             return [*decisions, *self._resize(pool, engines, up, reason, now_s)]
         # Scale-down: the largest size (with headroom) asked for over the window.
