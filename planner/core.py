@@ -19,9 +19,9 @@ Each tick, per configured pool (engines of other pools are left alone):
    queued prefill work already exceeds the TTFT target, else FORECAST_NEEDS_MORE.
 6. Scale down (hysteresis) only to the largest size asked for during the last
    `scale_down_stabilisation_s` (a scale-up's target included), computed with
-   `scale_down_headroom` extra room, when nothing
-   is starting, no SLA is at risk and no scaling decision is younger than
-   `scale_down_cooldown_s`; the least loaded serving engines are drained (OVERPROVISIONED).
+   `scale_down_headroom` extra room, when nothing is starting, no SLA is at risk and no
+   scaling decision is younger than `scale_down_cooldown_s`; the least loaded serving engines
+   are drained (OVERPROVISIONED).
 """
 
 from __future__ import annotations

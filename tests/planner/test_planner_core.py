@@ -141,6 +141,20 @@ def test_scale_down_cooldown_after_a_scale_up() -> None:
     assert tick(planner, 105, *quiet) == [DrainEngine("a", "default", 405, Reason.OVERPROVISIONED)]
 
 
+def test_a_scale_up_holds_its_size_for_the_whole_window() -> None:
+    planner = make_planner(
+        scale_down_stabilisation_s=100, scale_down_cooldown_s=10, scale_up_cooldown_s=0
+    )
+    tick(planner, 0, busy("a"))
+    (up,) = tick(planner, 5, busy("a"))
+    assert isinstance(up, ScalePool)
+    quiet = [idle(f"e{i}") for i in range(up.num_engines)]
+    # The load is gone at once; the cooldown passes, the window has not.
+    assert all(tick(planner, t, *quiet) == [] for t in range(10, 105, 5))
+    (first, *_) = tick(planner, 110, *quiet)
+    assert isinstance(first, DrainEngine) and first.reason is Reason.OVERPROVISIONED
+
+
 def test_no_scale_down_while_capacity_is_starting() -> None:
     planner = make_planner(scale_down_stabilisation_s=0, scale_down_cooldown_s=0)
     engines = [idle("a"), idle("b"), idle("c", STARTING)]
