@@ -6,7 +6,7 @@ Policies, all over the same trace, engines, SLA targets and start-up delay:
   SLA for `goal` of the requests (found by replaying: doubling, then bisection).
 - `kvplane`: the planner core (planner.core) deciding every `tick_s`.
 - `threshold`: HPA-style scaling on queued requests per engine with a 300 s scale-down
-  stabilisation (planner.threshold).
+  stabilisation (planner.core.threshold).
 The autoscaled fleets start at `initial_engines` (by default the static size when `static`
 runs: autoscaling switched on over a fleet provisioned for the peak; else `min_engines`).
 
@@ -31,9 +31,9 @@ from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 from planner.azure_trace import TraceRow, load_azure_trace
 from planner.config import PlannerConfig, PoolConfig, SlaTargets
-from planner.core import Planner
+from planner.core.planner import Planner
+from planner.core.threshold import ThresholdAutoscaler, ThresholdSettings
 from planner.replay import FleetSettings, NoScaling, Policy, PolicyResult, fits, replay
-from planner.threshold import ThresholdAutoscaler, ThresholdSettings
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ class ScalingConfig(StrictModel):
 
 
 class CapacityConfig(StrictModel):
-    """The load forecast and the learned cost model (planner.capacity, planner.forecast)."""
+    """The load forecast and the learned cost model (planner/core: capacity, forecast)."""
 
     # How far ahead the load is forecast: capacity asked for now serves after start-up.
     forecast_horizon_s: float = Field(default=30.0, ge=0)

@@ -35,8 +35,8 @@ from engine.core.sim_fleet import Progress, RequestRecord, SimEngine, SimFleet, 
 from engine.core.sim_runner import SimRunner
 from planner.azure_trace import TraceRow
 from planner.config import SlaTargets
-from planner.decisions import Decision, DrainEngine, RemoveEngine, ScalePool
-from planner.observations import (
+from planner.core.decisions import Decision, DrainEngine, RemoveEngine, ScalePool
+from planner.core.observations import (
     EngineLoad,
     EngineObservation,
     EngineState,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planner.observations import EngineLoad, EngineObservation, EngineState, ForwardPasses
+from planner.core.observations import EngineLoad, EngineObservation, EngineState, ForwardPasses
 
 TOTAL_BLOCKS = 1000
 BLOCK_SIZE = 16

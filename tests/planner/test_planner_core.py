@@ -7,9 +7,9 @@ import pytest
 from planner_obs import engine, passes
 
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
-from planner.core import Planner
-from planner.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
-from planner.observations import EngineState, Observations
+from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.observations import EngineState, Observations
+from planner.core.planner import Planner
 
 STARTING, SERVING, DRAINING = EngineState.STARTING, EngineState.SERVING, EngineState.DRAINING
 

@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_obs import TOTAL_BLOCKS, engine, passes
 
-from planner.actions import provisioned
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
-from planner.core import Planner
-from planner.decisions import DrainEngine, RemoveEngine, ScalePool
-from planner.observations import EngineObservation, EngineState, Observations
-from planner.threshold import ThresholdAutoscaler, ThresholdSettings
+from planner.core.actions import provisioned
+from planner.core.decisions import DrainEngine, RemoveEngine, ScalePool
+from planner.core.observations import EngineObservation, EngineState, Observations
+from planner.core.planner import Planner
+from planner.core.threshold import ThresholdAutoscaler, ThresholdSettings
 
 
 @dataclass

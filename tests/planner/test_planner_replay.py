@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from planner.azure_trace import TraceRow
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
-from planner.core import Planner
+from planner.core.planner import Planner
+from planner.core.threshold import ThresholdAutoscaler, ThresholdSettings
 from planner.replay import FleetSettings, NoScaling, replay
-from planner.threshold import ThresholdAutoscaler, ThresholdSettings
 
 SLA = SlaTargets(ttft_ms=1000, itl_ms=40)
 FLEET = FleetSettings(blocks_per_engine=256, startup_s=10)
@@ -75,8 +75,8 @@ def test_threshold_peer_runs_through_the_same_actuator() -> None:
 def test_a_drain_deadline_aborts_what_is_left() -> None:
     """A policy that drains the only long request's engine with a deadline it cannot meet:
     the request is aborted and counted as failed; the engine is removed once empty."""
-    from planner.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
-    from planner.observations import EngineState, Observations
+    from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
+    from planner.core.observations import EngineState, Observations
 
     class DrainFirst:
         def decide(self, observations: Observations, now_s: float) -> list[Decision]:

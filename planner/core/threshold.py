@@ -4,7 +4,7 @@ It scales on the fleet's queued (waiting) requests against a target per engine, 
 rules: desired = ceil(queued / target) (unready engines count as holding none), no change
 while queued / (engines x target) is within `tolerance` of 1, scale-up at once, scale-down
 only to the largest size recommended during the last `scale_down_stabilisation_s` (300 s, HPA's
-default). It acts through `planner.actions` like the kvplane core (drain the least loaded,
+default). It acts through `planner.core.actions` like the kvplane core (drain the least loaded,
 remove once drained), so the two differ only in how they size.
 """
 
@@ -14,10 +14,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from planner.actions import provisioned, removals, resize
 from planner.config import PoolConfig
-from planner.decisions import Decision, Reason
-from planner.observations import EngineObservation, EngineState, Observations
+from planner.core.actions import provisioned, removals, resize
+from planner.core.decisions import Decision, Reason
+from planner.core.observations import EngineObservation, EngineState, Observations
 
 
 @dataclass(frozen=True, slots=True)

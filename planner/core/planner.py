@@ -6,13 +6,13 @@ ticks (the load forecast, the learned cost model, cooldown times, the scale-down
 
 Each tick, per configured pool (engines of other pools are left alone):
 1. Remove every engine seen drained (DRAINING, no request left): never one that still holds a
-   request; scale-down is always Drain first (`planner.actions`).
+   request; scale-down is always Drain first (`planner.core.actions`).
 2. Bounds: fewer engines than `min_engines` (starting + serving) -> scale up to it
    (BELOW_MIN); more than `max_engines` -> drain the least loaded excess (ABOVE_MAX).
 3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
    per second) and feed the forecast.
-4. Size (`planner.capacity`): engines needed for the forecast load at the SLA targets.
+4. Size (`planner.core.capacity`): engines needed for the forecast load at the SLA targets.
 5. Scale up when the need exceeds the engines provisioned, unless engines are still starting
    (their capacity is pending: asking again would double-count the same need) or the last
    scale-up is younger than `scale_up_cooldown_s`. The reason is SLA_AT_RISK when some engine's
@@ -30,12 +30,12 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from planner.actions import has_pending, provisioned, removals, resize
-from planner.capacity import CostModel, Need, engines_needed
 from planner.config import PlannerConfig, PoolConfig
-from planner.decisions import Decision, Reason
-from planner.forecast import HoltForecast
-from planner.observations import EngineObservation, EngineState, ForwardPasses, Observations
+from planner.core.actions import has_pending, provisioned, removals, resize
+from planner.core.capacity import CostModel, Need, engines_needed
+from planner.core.decisions import Decision, Reason
+from planner.core.forecast import HoltForecast
+from planner.core.observations import EngineObservation, EngineState, ForwardPasses, Observations
 
 # Weight of a tick's measured mean prompt length in its running mean.
 _PROMPT_ALPHA = 0.2

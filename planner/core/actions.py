@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from planner.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
-from planner.observations import EngineObservation, EngineState
+from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.observations import EngineObservation, EngineState
 
 
 def provisioned(engines: Iterable[EngineObservation]) -> int:
