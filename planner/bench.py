@@ -31,9 +31,10 @@ from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 from planner.azure_trace import TraceRow, load_azure_trace
 from planner.config import PlannerConfig, PoolConfig, SlaTargets
+from planner.core.decisions import Policy
 from planner.core.planner import Planner
 from planner.core.threshold import ThresholdAutoscaler, ThresholdSettings
-from planner.replay import FleetSettings, NoScaling, Policy, PolicyResult, fits, replay
+from planner.replay import FleetSettings, NoScaling, PolicyResult, fits, replay
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,12 @@ this file (`kvplane planner run --config FILE`) is not built yet; the offline re
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pathlib import Path
+from typing import Annotated
 
-from kvplane.config import StrictModel
+from pydantic import AfterValidator, Field, model_validator
+
+from kvplane.config import StrictModel, parse_dial_target
 
 
 class SlaTargets(StrictModel):
@@ -87,11 +90,33 @@ class CapacityConfig(StrictModel):
     prior_weight: float = Field(default=20.0, gt=0)
 
 
+def _dial_target(value: str) -> str:
+    parse_dial_target(value)  # raises ValueError: pydantic reports it against the key
+    return value
+
+
+class LiveConfig(StrictModel):
+    """What `kvplane planner run` acts on: a controller, and how to start engines."""
+
+    # The controller's admin API (HOST:PORT): engines are registered there and drained
+    # through it (it stops routing to them at once).
+    controller: Annotated[str, AfterValidator(_dial_target)]
+    # `kvplane engine serve` arguments of a new engine (the actuator adds --listen and
+    # --port-file).
+    engine_args: tuple[str, ...] = ("--model", "sim")
+    # Engines' port files and logs (default: a temporary folder, removed at the end).
+    workdir: Path | None = None
+    start_timeout_s: float = Field(default=120.0, gt=0)
+    load_timeout_s: float = Field(default=2.0, gt=0)
+
+
 class PlannerConfig(StrictModel):
     sla: SlaTargets = Field(default_factory=SlaTargets)
     pools: tuple[PoolConfig, ...] = (PoolConfig(),)
     scaling: ScalingConfig = Field(default_factory=ScalingConfig)
     capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    # Only for the live mode (`kvplane planner run`); the offline replay ignores it.
+    live: LiveConfig | None = None
 
     @model_validator(mode="after")
     def _check_pools(self) -> PlannerConfig:

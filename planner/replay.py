@@ -27,7 +27,7 @@ import math
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from engine.core.api import EngineRequest, SamplingParams, ScheduledBatch, SchedulerConfig
 from engine.core.mooncake_trace import FILLER_TOKEN_BASE
@@ -35,7 +35,7 @@ from engine.core.sim_fleet import Progress, RequestRecord, SimEngine, SimFleet, 
 from engine.core.sim_runner import SimRunner
 from planner.azure_trace import TraceRow
 from planner.config import SlaTargets
-from planner.core.decisions import Decision, DrainEngine, RemoveEngine, ScalePool
+from planner.core.decisions import Decision, DrainEngine, Policy, RemoveEngine, ScalePool
 from planner.core.observations import (
     EngineLoad,
     EngineObservation,
@@ -45,10 +45,6 @@ from planner.core.observations import (
 )
 
 POOL = "default"
-
-
-class Policy(Protocol):
-    def decide(self, observations: Observations, now_s: float) -> list[Decision]: ...
 
 
 class NoScaling:

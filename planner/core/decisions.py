@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol
+
+from planner.core.observations import Observations
 
 
 class Reason(enum.StrEnum):
@@ -53,3 +56,10 @@ class RemoveEngine:
 
 
 Decision = ScalePool | DrainEngine | RemoveEngine
+
+
+class Policy(Protocol):
+    """Anything that decides: the kvplane core (`planner.core.planner.Planner`), the
+    benchmark's peers."""
+
+    def decide(self, observations: Observations, now_s: float) -> list[Decision]: ...
