@@ -67,12 +67,17 @@ class LocalProcesses:
         self._channel = channels.aio_channel(controller)
         self._admin = apb_grpc.AdminStub(self._channel)
         self._numbers = itertools.count()
-        self._processes: dict[str, asyncio.subprocess.Process] = {}
+        self._processes: dict[str, asyncio.subprocess.Process] = {}  # by address, serving
+        self._spawned: list[asyncio.subprocess.Process] = []  # every child, for `num_alive`
         self._drains: set[asyncio.Task[None]] = set()
 
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
         return sorted(self._processes)
+
+    def num_alive(self) -> int:
+        """Child processes not reaped yet, registered or not."""
+        return sum(1 for process in self._spawned if process.returncode is None)
 
     async def start(self, pool: str) -> str:
         number = next(self._numbers)
@@ -83,12 +88,16 @@ class LocalProcesses:
                 "--listen", "127.0.0.1:0", "--port-file", str(port_file),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
             )  # fmt: skip
+        self._spawned.append(process)
         try:
             address = f"127.0.0.1:{await self._port(port_file, process)}"
             await self._admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
             await _terminate(process)
             raise KvplaneError(f"engine {pool}-{number} did not start: {exc}") from exc
+        except asyncio.CancelledError:  # the planner is closing: leave no child behind
+            await _terminate(process)
+            raise
         self._processes[address] = process
         return address
 

@@ -100,7 +100,9 @@ class LivePlanner:
             task.cancel()
         await asyncio.gather(*self._starts, return_exceptions=True)
         for engine in list(self.engines.values()):
-            if engine.state is not EngineState.STARTING:
+            if engine.state is EngineState.STARTING:  # its start was cancelled
+                del self.engines[engine.engine_id]
+            else:
                 await self._remove(engine)
         await self.actuator.close()
 

@@ -66,4 +66,22 @@ async def test_live_planner_starts_drains_and_removes_engines(tmp_path: Path) ->
         await live.close()
         await app.close(0.2)
     assert not live.engines
-    assert not actuator.running()
+    assert not actuator.running() and actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_closing_while_engines_start_leaves_no_process(tmp_path: Path) -> None:
+    app = await start_controller(ControllerConfig.model_validate({"listen": "127.0.0.1:0"}))
+    actuator = LocalProcesses(
+        controller=f"127.0.0.1:{app.port}",
+        engine_args=("--model", "sim"),
+        workdir=tmp_path,
+        start_timeout_s=120,
+    )
+    live = LivePlanner(planner(3, 3), actuator)
+    try:
+        assert await live.tick() == [ScalePool("default", 3, Reason.BELOW_MIN)]
+    finally:
+        await live.close()
+        await app.close(0.2)
+    assert actuator.num_alive() == 0 and not live.engines
