@@ -38,6 +38,7 @@ def _register_component_benchmarks() -> None:
     from engine.handoff_bench import bench_handoff
     from engine.sim_bench import bench_sim
     from engine.torch_runner.bench import bench_engine  # imports torch only when run
+    from planner.bench import bench_planner
 
     bench_app.command("route")(bench_route)
     bench_app.command("gateway")(bench_gateway)
@@ -46,6 +47,7 @@ def _register_component_benchmarks() -> None:
     bench_app.command("sim")(bench_sim)
     bench_app.command("handoff")(bench_handoff)
     bench_app.command("guided")(bench_guided)
+    bench_app.command("planner")(bench_planner)
 
 
 _register_component_benchmarks()

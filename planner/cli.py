@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import typer
 
-from kvplane.cli_common import ConfigOption, ListenOption, fail_not_implemented
+from kvplane.cli_common import ConfigOption
+from kvplane.config import load_config
 
 planner_app = typer.Typer(no_args_is_help=True)
 
 
 @planner_app.command()
-def run(config: ConfigOption = None, listen: ListenOption = None) -> None:
-    """Not implemented yet (exits 2): the planner, which would observe the fleet, scale pools
-    and drain engines (../shared/ARCHITECTURE.md, the planner section)."""
-    fail_not_implemented("kvplane planner run")
+def run(config: ConfigOption = None) -> None:
+    """Observe the fleet, scale pools and drain engines (docs/planner.md): engines run as local
+    `kvplane engine serve` processes registered with the controller the config's `live:`
+    section names. Ctrl-C stops the planner and the engines it started."""
+    from planner.config import PlannerConfig
+    from planner.live import run_live
+
+    asyncio.run(run_live(load_config(PlannerConfig, config)))

@@ -28,6 +28,7 @@ import enum
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.core.api import EngineRequest, KvEvent, SchedulerConfig
 from engine.core.engine_core import EngineCore
@@ -85,6 +86,16 @@ ProgressSink = Callable[[int, str, Progress, float], None]
 """ `on_progress(engine index, request id, what, virtual time)`."""
 
 
+class Timer(Protocol):
+    """Events at times of its own (a planner's ticks, engines becoming ready): `next_s` is the
+    next one (None: none), `fire(now_s)` handles it and must move `next_s` past `now_s`. It
+    may add engines (`SimFleet.add_engine`) and abort requests (`engine.core.abort`)."""
+
+    def next_s(self) -> float | None: ...
+
+    def fire(self, now_s: float) -> None: ...
+
+
 def round_robin() -> Router:
     counter = iter(range(1 << 62))
 
@@ -109,19 +120,31 @@ class SimFleet:
         fast_forward: bool = True,
     ) -> None:
         self.fast_forward = fast_forward
-        self.now_s = 0.0  # virtual time of the event being handled (arrival or step)
+        self.now_s = 0.0  # virtual time of the event being handled (arrival, step or timer)
         self.engines: list[SimEngine] = []
-        for index in range(num_engines):
-            clock = VirtualClock()
-            runner = SimRunner(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                max_model_len=max_model_len,
-                timing=timing,
-                clock=clock,
-            )
-            core = EngineCore(runner, config, clock=clock)
-            self.engines.append(SimEngine(index, core, clock, runner))
+        self._block_size = block_size
+        self._num_blocks = num_blocks
+        self._max_model_len = max_model_len
+        self._config = config
+        self._timing = timing
+        for _ in range(num_engines):
+            self.add_engine()
+
+    def add_engine(self, runner_type: type[SimRunner] = SimRunner) -> SimEngine:
+        """One more engine like the others (index = its position), idle; it gets work when
+        `route` picks it. A `Timer` may call this mid-replay (a planner's scale-up)."""
+        clock = VirtualClock()
+        runner = runner_type(
+            block_size=self._block_size,
+            num_blocks=self._num_blocks,
+            max_model_len=self._max_model_len,
+            timing=self._timing,
+            clock=clock,
+        )
+        core = EngineCore(runner, self._config, clock=clock)
+        engine = SimEngine(len(self.engines), core, clock, runner)
+        self.engines.append(engine)
+        return engine
 
     def replay(
         self,
@@ -130,17 +153,21 @@ class SimFleet:
         *,
         on_kv_events: KvEventSink | None = None,
         on_progress: ProgressSink | None = None,
+        timer: Timer | None = None,
     ) -> list[RequestRecord]:
         """Run every request to completion; records are in arrival order.
 
         `requests` must come in arrival order; it is consumed lazily (a trace of long prompts
-        need not be in memory at once)."""
+        need not be in memory at once). `timer` fires at its times while work remains, before
+        an arrival or a step at the same instant (see `Timer`)."""
         pending = iter(requests)
         timed: TimedRequest | None = next(pending, None)
         records: dict[str, RequestRecord] = {}
         busy: list[tuple[float, int]] = []  # (step start time, engine index), engines with work
         last_arrival_s = float("-inf")
         while timed is not None or busy:
+            if timer is not None and self._fire_timer(timer, timed, busy):
+                continue
             if timed is not None and (not busy or timed.arrival_s <= busy[0][0]):
                 if timed.arrival_s < last_arrival_s:
                     raise ValueError("requests must be sorted by arrival time")
@@ -163,12 +190,31 @@ class SimFleet:
                 continue
             _, index = heapq.heappop(busy)
             engine = self.engines[index]
+            if not engine.core.has_work():
+                continue  # a timer aborted its requests
             until_s = float("inf") if timed is None else timed.arrival_s
+            due_s = None if timer is None else timer.next_s()
+            if due_s is not None:
+                until_s = min(until_s, due_s)  # a timer sees passes up to its time, not later
             self.now_s = engine.clock.now()
             self._step(engine, records, on_kv_events, on_progress, until_s)
             if engine.core.has_work():
                 heapq.heappush(busy, (engine.clock.now(), index))
         return list(records.values())
+
+    def _fire_timer(
+        self, timer: Timer, timed: TimedRequest | None, busy: list[tuple[float, int]]
+    ) -> bool:
+        due_s = timer.next_s()
+        if due_s is None:
+            return False
+        if timed is not None and timed.arrival_s < due_s:
+            return False
+        if busy and busy[0][0] < due_s:
+            return False
+        self.now_s = due_s
+        timer.fire(due_s)
+        return True
 
     def _step(
         self,

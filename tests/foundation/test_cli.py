@@ -46,10 +46,12 @@ def test_version_json() -> None:
     assert json.loads(result.stdout)["version"]
 
 
-def test_command_not_built_yet_exits_2() -> None:
+def test_planner_run_without_a_live_section_is_one_line() -> None:
     result = run("planner", "run")
-    assert result.returncode == 2
-    assert "not implemented yet" in result.stderr
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "kvplane: error: the live planner needs a `live:` section (the controller's address)"
+    )
 
 
 def test_usage_error_exits_2() -> None:

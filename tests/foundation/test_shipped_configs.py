@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from indexer.config import IndexerConfig
 from kvplane.config import load_config
 from kvplane.up.config import FleetConfig, load_fleet
+from planner.config import PlannerConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # A config's name starts with the kind of server it configures; `local` is a `kvplane up` fleet.
@@ -20,6 +21,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "engine": EngineConfig,
     "indexer": IndexerConfig,
     "local": FleetConfig,  # local.yaml, local-disagg.yaml
+    "planner": PlannerConfig,
 }
 
 

@@ -1,0 +1,132 @@
+"""The planner's configuration: SLA targets, pools and the scaling rules' knobs.
+
+```yaml
+sla: {ttft_ms: 1000, itl_ms: 40}
+pools:
+  - {name: default, min_engines: 1, max_engines: 16}
+scaling:
+  tick_s: 5                      # how often decide() runs
+  scale_down_stabilisation_s: 120
+capacity:
+  forecast_horizon_s: 30         # about an engine's start-up time
+```
+
+Every knob is documented in docs/planner.md (the decision rules). The live mode that would read
+this file (`kvplane planner run --config FILE`) is not built yet; the offline replay
+(`kvplane bench planner`) builds it from its flags.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import AfterValidator, Field, model_validator
+
+from kvplane.config import StrictModel, parse_dial_target
+
+
+class SlaTargets(StrictModel):
+    ttft_ms: float = Field(default=1000.0, gt=0)
+    itl_ms: float = Field(default=40.0, gt=0)
+
+
+class PoolConfig(StrictModel):
+    name: str = Field(default="default", min_length=1)
+    # At least one engine: with none, requests would have nowhere to wait (the controller does
+    # not buffer them), so scale-to-zero is not offered.
+    min_engines: int = Field(default=1, ge=1)
+    max_engines: int = Field(default=16, ge=1)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> PoolConfig:
+        if self.max_engines < self.min_engines:
+            raise ValueError(
+                f"pool {self.name!r}: max_engines ({self.max_engines}) is below "
+                f"min_engines ({self.min_engines})"
+            )
+        return self
+
+
+class ScalingConfig(StrictModel):
+    """The decision rules' timing and hysteresis (planner.core)."""
+
+    tick_s: float = Field(default=5.0, gt=0)  # decide() every tick_s
+    # Cooldowns (seconds): after a scale-up before another one (on top of: never while
+    # engines are starting); after any scaling decision before a scale-down.
+    scale_up_cooldown_s: float = Field(default=15.0, ge=0)  # after a scale-up
+    scale_down_cooldown_s: float = Field(default=60.0, ge=0)  # after any decision
+    # Hysteresis: scale up when the need exceeds the engines there are; scale down only to
+    # the largest size asked for over the stabilisation window (HPA's rule), computed with
+    # `scale_down_headroom` extra room.
+    scale_down_stabilisation_s: float = Field(default=300.0, ge=0)  # the window
+    scale_down_headroom: float = Field(default=0.2, ge=0)  # 0.2: 20% more than the need
+    # A draining engine gets this long to finish its requests before they may be aborted.
+    drain_deadline_s: float = Field(default=300.0, gt=0)
+
+
+class CapacityConfig(StrictModel):
+    """The load forecast and the learned cost model (planner/core: capacity, forecast)."""
+
+    # How far ahead the load is forecast: capacity asked for now serves after start-up.
+    forecast_horizon_s: float = Field(default=30.0, ge=0)
+    # Holt's smoothing of the prompt-token arrival rate: level and trend weights per tick.
+    level_alpha: float = Field(default=0.2, gt=0, le=1)
+    trend_beta: float = Field(default=0.02, ge=0, le=1)
+    # Size so that a forward pass fits this share of the ITL target, and a request's prefill
+    # this share of the TTFT target (the rest is room for bursts and the model's error).
+    itl_margin: float = Field(default=0.8, gt=0, le=1)
+    ttft_margin: float = Field(default=0.5, gt=0, le=1)
+    # Engines' KV caches are sized to be at most this full on average: room for requests'
+    # growth, bursts and uneven spread over engines (calibrated in docs/planner.md).
+    max_kv_usage: float = Field(default=0.6, gt=0, le=1)
+    # The cost model forgets old passes with this half-life.
+    half_life_s: float = Field(default=300.0, gt=0)
+    # Priors of the cost model (pass ms = fixed + per prefill token + per KV usage), worth
+    # `prior_weight` passes: the model starts there and learns the fleet's real costs.
+    prior_pass_ms: float = Field(default=15.0, ge=0)
+    prior_prefill_ms_per_token: float = Field(default=0.02, ge=0)
+    prior_kv_ms: float = Field(default=40.0, ge=0)  # per pass, at a full KV cache
+    prior_weight: float = Field(default=20.0, gt=0)
+
+
+def _dial_target(value: str) -> str:
+    parse_dial_target(value)  # raises ValueError: pydantic reports it against the key
+    return value
+
+
+class LiveConfig(StrictModel):
+    """What `kvplane planner run` acts on: a controller, and how to start engines."""
+
+    # The controller's admin API (HOST:PORT): engines are registered there and drained
+    # through it (it stops routing to them at once).
+    controller: Annotated[str, AfterValidator(_dial_target)]
+    # `kvplane engine serve` arguments of a new engine (the actuator adds --listen and
+    # --port-file).
+    engine_args: tuple[str, ...] = ("--model", "sim")
+    # Engines' port files and logs (default: a temporary folder, removed at the end).
+    workdir: Path | None = None
+    start_timeout_s: float = Field(default=120.0, gt=0)
+    load_timeout_s: float = Field(default=2.0, gt=0)
+
+
+class PlannerConfig(StrictModel):
+    sla: SlaTargets = Field(default_factory=SlaTargets)
+    pools: tuple[PoolConfig, ...] = (PoolConfig(),)
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig)
+    capacity: CapacityConfig = Field(default_factory=CapacityConfig)
+    # Only for the live mode (`kvplane planner run`); the offline replay ignores it.
+    live: LiveConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> PlannerConfig:
+        if not self.pools:
+            raise ValueError("pools: name at least one pool")
+        names = [p.name for p in self.pools]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"pools listed twice: {', '.join(twice)}")
+        return self
+
+    def pool(self, name: str) -> PoolConfig | None:
+        return next((p for p in self.pools if p.name == name), None)

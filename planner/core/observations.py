@@ -1,0 +1,90 @@
+"""What the planner core sees: the fleet's engines and the work they did since the last tick.
+
+Frozen, slotted dataclasses, free of protobuf: the adapters fill them from `GetLoad`
+(`EngineLoad`) and `SubscribeRuntimeEvents` (`ForwardPasses` from FORWARD_PASS events; QUEUE
+events refresh `EngineLoad` between polls), the offline replay from the simulated engines.
+Times are seconds on the caller's clock (wall or virtual): the core never reads one.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"  # asked for, not serving yet: capacity still pending
+    SERVING = "serving"
+    DRAINING = "draining"  # takes no new requests; removed once it holds none
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One engine's GetLoad (or latest QUEUE event)."""
+
+    running_requests: int
+    queued_requests: int
+    waiting_prefill_tokens: int  # prompt tokens of queued requests not computed yet
+    used_kv_blocks: int
+    total_kv_blocks: int
+    kv_block_size: int = 16  # tokens per block (GetInfo's kv_block_size)
+
+    @property
+    def num_requests(self) -> int:
+        return self.running_requests + self.queued_requests
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_kv_blocks / self.total_kv_blocks if self.total_kv_blocks else 0.0
+
+    @property
+    def kv_demand(self) -> float:
+        """KV in use plus what the queued prompts will need, in this engine's caches (can
+        exceed 1: a saturated engine's usage stops at 1, its demand does not)."""
+        if not self.total_kv_blocks:
+            return 0.0
+        capacity_tokens = self.total_kv_blocks * self.kv_block_size
+        return (self.used_kv_blocks * self.kv_block_size + self.waiting_prefill_tokens) / (
+            capacity_tokens
+        )
+
+
+IDLE = EngineLoad(0, 0, 0, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineObservation:
+    engine_id: str
+    pool: str
+    state: EngineState
+    load: EngineLoad = IDLE  # IDLE while starting (nothing to poll yet)
+
+    @property
+    def is_drained(self) -> bool:
+        return self.state is EngineState.DRAINING and self.load.num_requests == 0
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardPasses:
+    """Forward passes of one engine: one FORWARD_PASS event (num_passes=1), or the sum of
+    several (a cost model that is linear in its inputs fits sums as well as single passes)."""
+
+    engine_id: str
+    num_passes: int
+    duration_s: float
+    num_prefill_tokens: int
+    # Sequences that computed prompt tokens, summed over the passes (batch_size minus
+    # num_decode_sequences of each event): a prompt split into chunks counts once per chunk.
+    num_prefill_sequences: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Observations:
+    """One tick's input: every engine the actuator knows (its pool and state), and the passes
+    they reported since the previous tick."""
+
+    engines: tuple[EngineObservation, ...]
+    passes: tuple[ForwardPasses, ...] = ()
+
+    def in_pool(self, pool: str) -> list[EngineObservation]:
+        return [e for e in self.engines if e.pool == pool]

@@ -1,0 +1,224 @@
+"""The planner's pure core: `Planner.decide(observations, now_s) -> [Decision]`.
+
+No I/O, no clock, no randomness: the caller passes the time (wall in live mode, virtual in the
+replay), so one core runs live, in dry-run and offline. The core keeps a little state between
+ticks (the load forecast, the learned cost model, cooldown times, the scale-down window).
+
+Each tick, per configured pool (engines of other pools are left alone):
+1. Remove every engine seen drained (DRAINING, no request left): never one that still holds a
+   request; scale-down is always Drain first (`planner.core.actions`).
+2. Bounds: fewer engines than `min_engines` (starting + serving) -> scale up to it
+   (BELOW_MIN); more than `max_engines` -> drain the least loaded excess (ABOVE_MAX).
+3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
+   prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
+   per second) and feed the forecast.
+4. Size (`planner.core.capacity`): engines needed for the forecast load at the SLA targets.
+5. Scale up when the need exceeds the engines provisioned, unless engines are still starting
+   (their capacity is pending: asking again would double-count the same need) or the last
+   scale-up is younger than `scale_up_cooldown_s`. The reason is SLA_AT_RISK when some engine's
+   queued prefill work already exceeds the TTFT target, else FORECAST_NEEDS_MORE.
+6. Scale down (hysteresis) only to the largest size asked for during the last
+   `scale_down_stabilisation_s` (a scale-up's target included), computed with
+   `scale_down_headroom` extra room, when nothing is starting, no SLA is at risk and no
+   scaling decision is younger than `scale_down_cooldown_s`; the least loaded serving engines
+   are drained (OVERPROVISIONED).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from planner.config import PlannerConfig, PoolConfig
+from planner.core.actions import has_pending, provisioned, removals, resize
+from planner.core.capacity import CostModel, Need, engines_needed
+from planner.core.decisions import Decision, Reason
+from planner.core.forecast import HoltForecast
+from planner.core.observations import EngineObservation, EngineState, ForwardPasses, Observations
+
+# Weight of a tick's measured mean prompt length in its running mean.
+_PROMPT_ALPHA = 0.2
+
+
+@dataclass(slots=True)
+class _PoolState:
+    cost: CostModel
+    forecast: HoltForecast  # prompt tokens arriving per second
+    kv_forecast: HoltForecast  # KV demand summed over the engines (in engines' caches)
+    last_tick_s: float | None = None
+    last_backlog_tokens: int = 0
+    mean_prompt_tokens: float | None = None
+    last_up_s: float | None = None
+    last_scale_s: float | None = None
+    # (time, engines wanted with the scale-down headroom) over the stabilisation window.
+    wanted: deque[tuple[float, int]] = field(default_factory=deque)
+    last_need: Need | None = None
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig) -> None:
+        self.config = config
+        cap = config.capacity
+        self._pools = {
+            pool.name: _PoolState(
+                CostModel(cap),
+                HoltForecast(cap.level_alpha, cap.trend_beta),
+                HoltForecast(cap.level_alpha, cap.trend_beta),
+            )
+            for pool in config.pools
+        }
+
+    def need(self, pool: str) -> Need | None:
+        """The last tick's sizing of `pool` (for the decision log and tests)."""
+        return self._pools[pool].last_need
+
+    def decide(self, observations: Observations, now_s: float) -> list[Decision]:
+        passes_by_engine: dict[str, list[ForwardPasses]] = {}
+        for batch in observations.passes:
+            passes_by_engine.setdefault(batch.engine_id, []).append(batch)
+        decisions: list[Decision] = []
+        for pool in self.config.pools:
+            engines = observations.in_pool(pool.name)
+            passes = [b for e in engines for b in passes_by_engine.get(e.engine_id, ())]
+            decisions.extend(self._decide_pool(pool, engines, passes, now_s))
+        return decisions
+
+    def _decide_pool(
+        self,
+        pool: PoolConfig,
+        engines: list[EngineObservation],
+        passes: list[ForwardPasses],
+        now_s: float,
+    ) -> list[Decision]:
+        state = self._pools[pool.name]
+        scaling = self.config.scaling
+        decisions = removals(engines)
+        current = provisioned(engines)
+        if current < pool.min_engines:
+            state.last_up_s = state.last_scale_s = now_s
+            return [
+                *decisions,
+                *self._resize(pool, engines, pool.min_engines, Reason.BELOW_MIN, now_s),
+            ]
+        if current > pool.max_engines:
+            state.last_scale_s = now_s
+            return [
+                *decisions,
+                *self._resize(pool, engines, pool.max_engines, Reason.ABOVE_MAX, now_s),
+            ]
+        need = self._learn_and_size(state, engines, passes, now_s)
+        if need is None:
+            # The first tick: the planner takes over the fleet as it is; the cooldown and
+            # the window start now (no scale-down before they have seen it).
+            state.last_scale_s = now_s
+            state.wanted.append((now_s, current))
+            return decisions
+        pending = has_pending(engines)
+        at_risk = self._sla_at_risk(state, engines)
+        up = _clamp(need.engines, pool)
+        if up > current:
+            cooling = state.last_up_s is not None and now_s - state.last_up_s < (
+                scaling.scale_up_cooldown_s
+            )
+            if pending or cooling:
+                return decisions
+            state.last_up_s = state.last_scale_s = now_s
+            state.wanted.append((now_s, up))  # the window remembers the size asked for
+            reason = Reason.SLA_AT_RISK if at_risk else Reason.FORECAST_NEEDS_MORE
+            return [*decisions, *self._resize(pool, engines, up, reason, now_s)]
+        # Scale-down: the largest size (with headroom) asked for over the window.
+        window = state.wanted
+        window.append((now_s, _clamp(need.engines * (1.0 + scaling.scale_down_headroom), pool)))
+        while window and window[0][0] < now_s - scaling.scale_down_stabilisation_s:
+            window.popleft()
+        down = max(wanted for _, wanted in window)
+        recently = state.last_scale_s is not None and now_s - state.last_scale_s < (
+            scaling.scale_down_cooldown_s
+        )
+        if down < current and not pending and not at_risk and not recently:
+            state.last_scale_s = now_s
+            return [*decisions, *self._resize(pool, engines, down, Reason.OVERPROVISIONED, now_s)]
+        return decisions
+
+    def _resize(
+        self,
+        pool: PoolConfig,
+        engines: list[EngineObservation],
+        target: int,
+        reason: Reason,
+        now_s: float,
+    ) -> list[Decision]:
+        deadline_s = self.config.scaling.drain_deadline_s
+        return resize(
+            pool.name,
+            engines,
+            target=target,
+            reason=reason,
+            now_s=now_s,
+            drain_deadline_s=deadline_s,
+        )
+
+    def _learn_and_size(
+        self,
+        state: _PoolState,
+        engines: list[EngineObservation],
+        passes: list[ForwardPasses],
+        now_s: float,
+    ) -> Need | None:
+        """Steps 3 and 4 of the module docstring; None on the first tick (no rate yet)."""
+        usage = {e.engine_id: e.load.kv_usage for e in engines}
+        computed_tokens = prefill_seqs = 0
+        for batch in passes:
+            state.cost.observe(
+                now_s,
+                batch.num_passes,
+                batch.duration_s * 1000.0,
+                batch.num_prefill_tokens,
+                usage.get(batch.engine_id, 0.0),
+            )
+            computed_tokens += batch.num_prefill_tokens
+            prefill_seqs += batch.num_prefill_sequences
+        if prefill_seqs:
+            sample = computed_tokens / prefill_seqs
+            previous = state.mean_prompt_tokens
+            state.mean_prompt_tokens = (
+                sample if previous is None else previous + _PROMPT_ALPHA * (sample - previous)
+            )
+        active = [e for e in engines if e.state is not EngineState.STARTING]
+        backlog = sum(e.load.waiting_prefill_tokens for e in active)
+        last_s, state.last_tick_s = state.last_tick_s, now_s
+        last_backlog, state.last_backlog_tokens = state.last_backlog_tokens, backlog
+        if last_s is None or now_s <= last_s:
+            return None
+        arrivals = max(0.0, (computed_tokens + backlog - last_backlog) / (now_s - last_s))
+        state.forecast.update(arrivals, now_s)
+        state.kv_forecast.update(sum(e.load.kv_demand for e in active), now_s)
+        cap = self.config.capacity
+        horizon_s = cap.forecast_horizon_s
+        need = engines_needed(
+            state.cost.cost(),
+            prompt_tokens_per_s=state.forecast.forecast(horizon_s),
+            kv_usage_sum=state.kv_forecast.forecast(horizon_s),
+            mean_prompt_tokens=state.mean_prompt_tokens or 0.0,
+            sla=self.config.sla,
+            config=cap,
+        )
+        state.last_need = need
+        return need
+
+    def _sla_at_risk(self, state: _PoolState, engines: list[EngineObservation]) -> bool:
+        """Some serving engine's queued prefill alone would take longer than the TTFT target."""
+        per_token_ms = state.cost.cost().prefill_ms_per_token
+        limit_ms = self.config.sla.ttft_ms
+        return any(
+            e.load.waiting_prefill_tokens * per_token_ms > limit_ms
+            for e in engines
+            if e.state is EngineState.SERVING
+        )
+
+
+def _clamp(engines: float, pool: PoolConfig) -> int:
+    if math.isinf(engines):
+        return pool.max_engines
+    return max(pool.min_engines, min(pool.max_engines, math.ceil(engines - 1e-9)))

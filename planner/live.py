@@ -1,0 +1,241 @@
+"""The live planner (`kvplane planner run`): observe the engines, run the core, act.
+
+Every `tick_s`: the GetLoad of every serving or draining engine (concurrently, each bounded by
+`load_timeout_s`; one that does not answer keeps its last load), the FORWARD_PASS events each
+engine sent since the last tick (one SubscribeRuntimeEvents stream per engine, summed into
+`ForwardPasses`), then `decide(observations, now)` on the monotonic clock, then each decision
+in order through the actuator, logged with its reason (the decision log). Engines the
+actuator is still starting are observed as STARTING (under a placeholder id), so the core
+sees its pending capacity. Only engines this planner started are managed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kvplane.channels import INSECURE, ClientChannels
+from kvplane.errors import ConfigError
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.actuator import Actuator, LocalProcesses
+from planner.config import PlannerConfig
+from planner.core.actions import provisioned
+from planner.core.decisions import Decision, DrainEngine, Policy, RemoveEngine, ScalePool
+from planner.core.observations import (
+    IDLE,
+    EngineLoad,
+    EngineObservation,
+    EngineState,
+    ForwardPasses,
+    Observations,
+)
+from planner.core.planner import Planner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class _Engine:
+    engine_id: str  # its address once started; a placeholder while starting
+    pool: str
+    state: EngineState
+    load: EngineLoad = IDLE
+    channel: grpc.aio.Channel | None = None
+    passes: list[ForwardPasses] = field(default_factory=list)  # since the last tick
+    events: asyncio.Task[None] | None = None
+
+    def observation(self) -> EngineObservation:
+        return EngineObservation(self.engine_id, self.pool, self.state, self.load)
+
+
+class LivePlanner:
+    def __init__(
+        self,
+        policy: Policy,
+        actuator: Actuator,
+        *,
+        load_timeout_s: float = 2.0,
+        channels: ClientChannels = INSECURE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.actuator = actuator
+        self.engines: dict[str, _Engine] = {}
+        self._load_timeout_s = load_timeout_s
+        self._channels = channels
+        self._clock = clock
+        self._placeholders = itertools.count()
+        self._starts: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event, tick_s: float) -> None:
+        """Tick until `stop` is set."""
+        while not stop.is_set():
+            await self.tick()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), tick_s)
+
+    async def tick(self) -> list[Decision]:
+        now_s = self._clock()
+        observations = await self._observe()
+        decisions = self.policy.decide(observations, now_s)
+        for decision in decisions:
+            log.info("decision: %s", _describe(decision))
+            await self._apply(decision, now_s)
+        return decisions
+
+    async def close(self) -> None:
+        """Stop every engine this planner started (the fleet ends with the planner)."""
+        for task in list(self._starts):
+            task.cancel()
+        await asyncio.gather(*self._starts, return_exceptions=True)
+        for engine in list(self.engines.values()):
+            if engine.state is EngineState.STARTING:  # its start was cancelled
+                del self.engines[engine.engine_id]
+            else:
+                await self._remove(engine)
+        await self.actuator.close()
+
+    # ---------------------------------------------------------------- observing
+
+    async def _observe(self) -> Observations:
+        running = [e for e in self.engines.values() if e.channel is not None]
+        await asyncio.gather(*(self._poll(e) for e in running))
+        passes: list[ForwardPasses] = []
+        for engine in running:
+            passes.extend(engine.passes)
+            engine.passes = []
+        engines = tuple(e.observation() for e in self.engines.values())
+        return Observations(engines, tuple(passes))
+
+    async def _poll(self, engine: _Engine) -> None:
+        assert engine.channel is not None
+        stub = pb_grpc.OpenEngineStub(engine.channel)
+        try:
+            info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("GetLoad %s: %s", engine.engine_id, exc.details() or exc.code().name)
+            return
+        engine.load = EngineLoad(
+            info.running_requests,
+            info.queued_requests,
+            info.waiting_tokens,
+            info.used_kv_blocks,
+            info.total_kv_blocks,
+        )
+
+    async def _follow_passes(self, engine: _Engine) -> None:
+        """Sum FORWARD_PASS events until the stream ends (the engine stops, or falls behind)."""
+        assert engine.channel is not None
+        stub = pb_grpc.OpenEngineStub(engine.channel)
+        request = pb.SubscribeRuntimeEventsRequest(types=[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS])
+        try:
+            async for response in stub.SubscribeRuntimeEvents(request):
+                if response.WhichOneof("event") != "runtime_event":
+                    continue
+                attrs = response.runtime_event.attributes
+                engine.passes.append(
+                    ForwardPasses(
+                        engine.engine_id,
+                        1,
+                        float(attrs.get("duration_ms", "0")) / 1000.0,
+                        int(attrs.get("num_prefill_tokens", "0")),
+                        int(attrs.get("batch_size", "0"))
+                        - int(attrs.get("num_decode_sequences", "0")),
+                    )
+                )
+        except grpc.aio.AioRpcError as exc:
+            log.info("runtime events of %s ended: %s", engine.engine_id, exc.code().name)
+
+    # ---------------------------------------------------------------- acting
+
+    async def _apply(self, decision: Decision, now_s: float) -> None:
+        if isinstance(decision, ScalePool):
+            pool = [e.observation() for e in self.engines.values() if e.pool == decision.pool]
+            for _ in range(decision.num_engines - provisioned(pool)):
+                placeholder = _Engine(
+                    f"{decision.pool}-starting-{next(self._placeholders)}",
+                    decision.pool,
+                    EngineState.STARTING,
+                )
+                self.engines[placeholder.engine_id] = placeholder
+                task = asyncio.create_task(self._start(placeholder))
+                self._starts.add(task)
+                task.add_done_callback(self._starts.discard)
+        elif isinstance(decision, DrainEngine):
+            engine = self.engines[decision.engine_id]
+            engine.state = EngineState.DRAINING
+            await self.actuator.drain(engine.engine_id, decision.deadline_s - now_s)
+        elif isinstance(decision, RemoveEngine):
+            await self._remove(self.engines[decision.engine_id])
+
+    async def _start(self, placeholder: _Engine) -> None:
+        try:
+            address = await self.actuator.start(placeholder.pool)
+        except Exception as exc:  # any failure: the core will ask again
+            log.error("starting an engine of %s failed: %s", placeholder.pool, exc)
+            del self.engines[placeholder.engine_id]
+            return
+        del self.engines[placeholder.engine_id]
+        engine = _Engine(address, placeholder.pool, EngineState.SERVING)
+        engine.channel = self._channels.aio_channel(address)
+        engine.events = asyncio.create_task(self._follow_passes(engine))
+        self.engines[address] = engine
+        log.info("engine %s serves in pool %s", address, engine.pool)
+
+    async def _remove(self, engine: _Engine) -> None:
+        if engine.events is not None:
+            engine.events.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await engine.events
+        if engine.channel is not None:
+            await engine.channel.close()
+        await self.actuator.stop(engine.engine_id)
+        self.engines.pop(engine.engine_id, None)
+
+
+def _describe(decision: Decision) -> str:
+    """One line of the decision log."""
+    if isinstance(decision, ScalePool):
+        what = f"scale pool {decision.pool} to {decision.num_engines}"
+    elif isinstance(decision, DrainEngine):
+        what = f"drain {decision.engine_id} of pool {decision.pool}"
+    else:
+        what = f"remove {decision.engine_id} of pool {decision.pool}"
+    return f"{what} ({decision.reason.value})"
+
+
+async def run_live(config: PlannerConfig) -> None:
+    """`kvplane planner run`: the core over local engine processes until SIGTERM/SIGINT; the
+    engines it started are drained out of the controller and stopped at the end."""
+    live = config.live
+    if live is None:
+        raise ConfigError("the live planner needs a `live:` section (the controller's address)")
+    with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
+        workdir = live.workdir or Path(scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        actuator = LocalProcesses(
+            controller=live.controller,
+            engine_args=live.engine_args,
+            workdir=workdir,
+            start_timeout_s=live.start_timeout_s,
+        )
+        planner = LivePlanner(Planner(config), actuator, load_timeout_s=live.load_timeout_s)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            await planner.run(stop, config.scaling.tick_s)
+        finally:
+            await planner.close()

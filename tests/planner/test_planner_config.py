@@ -1,0 +1,52 @@
+"""The planner's config: cross-field checks raise with a clear message, and `kvplane planner
+run` refuses a bad file with a ConfigError (which `kvplane`'s main prints as one line, exit 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from kvplane.cli import app
+from kvplane.errors import ConfigError
+from planner.config import LiveConfig, PlannerConfig, PoolConfig
+
+
+def test_max_below_min_is_refused() -> None:
+    with pytest.raises(ValidationError, match=r"max_engines \(1\) is below min_engines \(2\)"):
+        PoolConfig(name="p", min_engines=2, max_engines=1)
+
+
+def test_pools_are_named_once() -> None:
+    with pytest.raises(ValidationError, match="pools listed twice: a"):
+        PlannerConfig(pools=(PoolConfig(name="a"), PoolConfig(name="a")))
+
+
+def test_scale_to_zero_is_not_offered() -> None:
+    with pytest.raises(ValidationError):
+        PoolConfig(min_engines=0)
+
+
+def test_live_controller_must_be_host_port() -> None:
+    with pytest.raises(ValidationError, match="HOST:PORT"):
+        LiveConfig(controller="http://controller")
+
+
+BAD_CONFIGS = {
+    "pools: [{name: a, min_engines: 3, max_engines: 2}]\n": "below min_engines",
+    "sla: {ttft_ms: -1}\n": "ttft_ms",
+    "scaling: {tick_s: 5, typo: 1}\n": "typo",
+    "live: {controller: 'localhost'}\n": "HOST:PORT",
+}
+
+
+@pytest.mark.parametrize("text", BAD_CONFIGS)
+def test_planner_run_refuses_a_bad_config(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "planner.yaml"
+    path.write_text(text)
+    result = CliRunner().invoke(app, ["planner", "run", "--config", str(path)])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ConfigError)
+    assert BAD_CONFIGS[text] in str(result.exception)

@@ -1,0 +1,185 @@
+"""The planner core's rules, one scenario each: bounds, scale-up, pending capacity, cooldown,
+hysteresis and stabilised scale-down, drain before remove, least loaded drained first."""
+
+from __future__ import annotations
+
+import pytest
+from planner_obs import engine, passes
+
+from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
+from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.observations import EngineState, Observations
+from planner.core.planner import Planner
+
+STARTING, SERVING, DRAINING = EngineState.STARTING, EngineState.SERVING, EngineState.DRAINING
+
+
+# The rules are tested on the load as measured (no smoothing, no trend): what a tick sees is
+# what the planner sizes for.
+AS_MEASURED = CapacityConfig(level_alpha=1.0, trend_beta=0.0)
+
+
+def make_planner(
+    min_engines: int = 1, max_engines: int = 10, itl_ms: float = 40, **scaling: float
+) -> Planner:
+    return Planner(
+        PlannerConfig(
+            sla=SlaTargets(ttft_ms=1000, itl_ms=itl_ms),
+            pools=(PoolConfig(min_engines=min_engines, max_engines=max_engines),),
+            scaling=ScalingConfig(**scaling),
+            capacity=AS_MEASURED,
+        )
+    )
+
+
+def busy(engine_id: str, state: EngineState = SERVING, waiting: int = 16_000):
+    """An engine whose KV cache is 90% used with a cache's worth of prompts queued."""
+    return engine(engine_id, state, running=20, queued=10, waiting_tokens=waiting, used_blocks=900)
+
+
+def idle(engine_id: str, state: EngineState = SERVING, running: int = 0):
+    return engine(engine_id, state, running=running, used_blocks=10 * running)
+
+
+def tick(planner: Planner, now_s: float, *engines, with_passes: bool = True):
+    batches = tuple(passes(e.engine_id) for e in engines if with_passes and e.state is SERVING)
+    return planner.decide(Observations(tuple(engines), batches), now_s)
+
+
+def test_below_min_scales_up_to_min() -> None:
+    planner = make_planner(min_engines=2)
+    assert tick(planner, 0, idle("a")) == [ScalePool("default", 2, Reason.BELOW_MIN)]
+
+
+def test_above_max_drains_the_least_loaded_excess() -> None:
+    planner = make_planner(max_engines=2)
+    engines = (idle("a", running=5), idle("b", running=1), idle("c", running=3))
+    assert tick(planner, 100, *engines) == [
+        DrainEngine("b", "default", 100 + 300, Reason.ABOVE_MAX)
+    ]
+
+
+def test_first_tick_only_observes() -> None:
+    planner = make_planner()
+    assert tick(planner, 0, busy("a")) == []
+
+
+def test_heavy_load_scales_up_at_once_to_the_sized_need() -> None:
+    planner = make_planner()
+    tick(planner, 0, busy("a"), busy("b"))
+    decisions = tick(planner, 5, busy("a"), busy("b"))
+    assert len(decisions) == 1
+    (up,) = decisions
+    assert isinstance(up, ScalePool) and up.reason is Reason.FORECAST_NEEDS_MORE
+    # KV demand alone: 2 x (0.9 used + 1.0 queued) / 0.6 = 6.3 engines.
+    assert up.num_engines >= 7
+    need = planner.need("default")
+    assert need is not None and need.kv == pytest.approx(2 * 1.9 / 0.6)
+
+
+def test_queued_prefill_beyond_the_ttft_target_is_an_sla_risk() -> None:
+    planner = make_planner()
+    tick(planner, 0, busy("a", waiting=80_000))
+    (up,) = tick(planner, 5, busy("a", waiting=80_000))
+    assert isinstance(up, ScalePool) and up.reason is Reason.SLA_AT_RISK
+
+
+def test_no_scale_up_while_earlier_capacity_is_starting() -> None:
+    planner = make_planner()
+    tick(planner, 0, busy("a"), busy("b"), idle("c", STARTING))
+    assert tick(planner, 5, busy("a"), busy("b"), idle("c", STARTING)) == []
+    # Once it serves, the same load does scale up.
+    (up,) = tick(planner, 10, busy("a"), busy("b"), busy("c"))
+    assert isinstance(up, ScalePool) and up.num_engines > 3
+
+
+def test_scale_up_cooldown() -> None:
+    planner = make_planner(scale_up_cooldown_s=30)
+    tick(planner, 0, busy("a"))
+    (up,) = tick(planner, 5, busy("a"))
+    assert isinstance(up, ScalePool)
+    serving = [busy(f"e{i}") for i in range(up.num_engines)]
+    # Ready within the cooldown and still overloaded: held back until it has passed.
+    assert tick(planner, 20, *serving) == []
+    assert isinstance(tick(planner, 40, *serving)[0], ScalePool)
+
+
+def test_hysteresis_keeps_a_fleet_whose_need_is_just_below_its_size() -> None:
+    # A lax ITL target: the KV need decides. 3 engines at 55% KV: need = 3 x 0.55 / 0.6
+    # = 2.75 -> 3 (no scale-up); with 20% headroom 3.3 -> 4 (no scale-down either).
+    planner = make_planner(itl_ms=1000, scale_down_stabilisation_s=0, scale_down_cooldown_s=0)
+    engines = [engine(f"e{i}", running=10, used_blocks=550) for i in range(3)]
+    for now_s in (0, 5, 10, 15, 20):
+        assert tick(planner, now_s, *engines) == []
+    need = planner.need("default")
+    assert need is not None and need.engines == pytest.approx(2.75)
+
+
+def test_scale_down_waits_for_the_stabilisation_window() -> None:
+    planner = make_planner(scale_down_stabilisation_s=60, scale_down_cooldown_s=0)
+    engines = [idle("a", running=3), idle("b", running=1), idle("c", running=2)]
+    decisions = {}
+    for now_s in range(0, 70, 5):
+        decisions[now_s] = tick(planner, now_s, *engines)
+    # The window starts with the fleet as found (3 engines): nothing until it has rolled.
+    assert all(not d for t, d in decisions.items() if t < 65)
+    assert decisions[65] == [
+        DrainEngine("b", "default", 65 + 300, Reason.OVERPROVISIONED),
+        DrainEngine("c", "default", 65 + 300, Reason.OVERPROVISIONED),
+    ]
+
+
+def test_scale_down_cooldown_after_a_scale_up() -> None:
+    planner = make_planner(
+        scale_down_stabilisation_s=0, scale_down_cooldown_s=100, scale_up_cooldown_s=0
+    )
+    tick(planner, 0, busy("a"))
+    assert isinstance(tick(planner, 5, busy("a"))[0], ScalePool)
+    quiet = [idle("a"), idle("b")]
+    assert tick(planner, 50, *quiet) == []
+    assert tick(planner, 104, *quiet) == []
+    assert tick(planner, 105, *quiet) == [DrainEngine("a", "default", 405, Reason.OVERPROVISIONED)]
+
+
+def test_a_scale_up_holds_its_size_for_the_whole_window() -> None:
+    planner = make_planner(
+        scale_down_stabilisation_s=100, scale_down_cooldown_s=10, scale_up_cooldown_s=0
+    )
+    tick(planner, 0, busy("a"))
+    (up,) = tick(planner, 5, busy("a"))
+    assert isinstance(up, ScalePool)
+    quiet = [idle(f"e{i}") for i in range(up.num_engines)]
+    # The load is gone at once; the cooldown passes, the window has not.
+    assert all(tick(planner, t, *quiet) == [] for t in range(10, 105, 5))
+    (first, *_) = tick(planner, 110, *quiet)
+    assert isinstance(first, DrainEngine) and first.reason is Reason.OVERPROVISIONED
+
+
+def test_no_scale_down_while_capacity_is_starting() -> None:
+    planner = make_planner(scale_down_stabilisation_s=0, scale_down_cooldown_s=0)
+    engines = [idle("a"), idle("b"), idle("c", STARTING)]
+    for now_s in (0, 5, 10):
+        assert tick(planner, now_s, *engines) == []
+
+
+def test_drain_then_remove_only_once_drained() -> None:
+    planner = make_planner(min_engines=1)
+    assert tick(planner, 0, idle("a"), idle("b", DRAINING, running=2)) == []
+    assert tick(planner, 5, idle("a"), idle("b", DRAINING, running=1)) == []
+    assert tick(planner, 10, idle("a"), idle("b", DRAINING)) == [
+        RemoveEngine("b", "default", Reason.DRAINED)
+    ]
+
+
+def test_draining_engines_do_not_count_towards_the_pool() -> None:
+    planner = make_planner(min_engines=2)
+    assert tick(planner, 0, idle("a"), idle("b", DRAINING, running=1)) == [
+        ScalePool("default", 2, Reason.BELOW_MIN)
+    ]
+
+
+def test_engines_of_unconfigured_pools_are_left_alone() -> None:
+    planner = make_planner(max_engines=1)
+    engines = [engine("x", pool="other"), engine("y", pool="other"), idle("a")]
+    assert tick(planner, 0, *engines) == []
+    assert tick(planner, 5, engine("x", DRAINING, pool="other"), idle("a")) == []

@@ -1,0 +1,90 @@
+"""End to end: the live planner over real `kvplane engine serve --model sim` processes and an
+in-process controller. It starts the pool's minimum (and asks once while they start), the
+controller routes to them; lowered to one engine, it drains the least loaded through the
+controller, removes it once drained, and stops its process; closing stops the rest, also
+engines still starting."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from controller.app import ControllerApp, start_controller
+from controller.config import ControllerConfig
+from planner.actuator import LocalProcesses
+from planner.config import PlannerConfig, PoolConfig, ScalingConfig
+from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.observations import EngineState
+from planner.core.planner import Planner
+from planner.live import LivePlanner
+
+
+def planner(min_engines: int, max_engines: int) -> Planner:
+    pool = PoolConfig(min_engines=min_engines, max_engines=max_engines)
+    return Planner(PlannerConfig(pools=(pool,), scaling=ScalingConfig(tick_s=0.2)))
+
+
+@dataclass
+class Setup:
+    app: ControllerApp
+    actuator: LocalProcesses
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
+    config = {"listen": "127.0.0.1:0", "health": health, "shutdown_grace_s": 0.5}
+    app = await start_controller(ControllerConfig.model_validate(config))
+    actuator = LocalProcesses(
+        controller=f"127.0.0.1:{app.port}",
+        engine_args=("--model", "sim"),
+        workdir=tmp_path,
+        start_timeout_s=120,
+    )
+    try:
+        yield Setup(app, actuator)
+    finally:
+        await actuator.close()  # idempotent: the planner's close already closed it
+        await app.close(0.2)
+
+
+@pytest.mark.timeout(180)
+async def test_live_planner_starts_drains_and_removes_engines(setup: Setup) -> None:
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    live = LivePlanner(planner(2, 2), actuator)
+    try:
+        assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        # While they start, the pool counts them: no second ask.
+        assert await live.tick() == []
+        assert [e.state for e in live.engines.values()] == [EngineState.STARTING] * 2
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        addresses = sorted(live.engines)
+        assert {r.address for r in fleet.registry.records()} == set(addresses)
+
+        live.policy = planner(1, 1)
+        (drain,) = await live.tick()
+        assert isinstance(drain, DrainEngine) and drain.reason is Reason.ABOVE_MAX
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 30)
+        # The next tick sees it draining and empty (it served nothing): removed, stopped.
+        assert await live.tick() == [RemoveEngine(drain.engine_id, "default", Reason.DRAINED)]
+        assert drain.engine_id not in actuator.running()
+        assert sorted(live.engines) == sorted(set(addresses) - {drain.engine_id})
+        assert [r.address for r in fleet.registry.records()] == sorted(live.engines)
+    finally:
+        await live.close()
+    assert not live.engines
+    assert not actuator.running() and actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_closing_while_engines_start_leaves_no_process(setup: Setup) -> None:
+    live = LivePlanner(planner(3, 3), setup.actuator)
+    try:
+        assert await live.tick() == [ScalePool("default", 3, Reason.BELOW_MIN)]
+    finally:
+        await live.close()
+    assert setup.actuator.num_alive() == 0 and not live.engines
