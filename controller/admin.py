@@ -182,8 +182,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         disaggregated = self.controller.disaggregated(request.model)
         try:
-            self.controller.check_model(request.model)
-            self.controller.fleet.registry.check_generates(request.model)
+            self.controller.check_model(request.model, generating=True)
             plan = await self._plan(request, context, None if disaggregated else Role.AGGREGATED)
             if disaggregated:  # a LoRA adapter no decode engine holds: refused as Generate is
                 self.controller.check_disaggregated_lora(plan)
@@ -230,8 +229,7 @@ class AdminServicer(apb_grpc.AdminServicer):
         FAILED_PRECONDITION for one only pooling-only engines serve (which cache no prompt),
         as Route (rather than no engine holding anything of it)."""
         try:
-            self.controller.check_model(request.model)
-            self.controller.fleet.registry.check_generates(request.model)
+            self.controller.check_model(request.model, generating=True)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
         plan = await self._plan(request, context, role=None, cordoned=True)

@@ -273,8 +273,7 @@ class Relay:
             c.metrics.count_request("no_engine")
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         try:
-            c.check_model(query.model)
-            c.fleet.registry.check_generates(query.model)
+            c.check_model(query.model, generating=True)
         except (UnknownModelError, GenerationUnsupportedError) as exc:
             c.metrics.count_request("invalid")
             await abort_with(context, status_of(exc), str(exc))

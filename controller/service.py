@@ -177,13 +177,17 @@ class Controller:
         )
         return Plan(request, view, tokenized, query.model, query.lora_name)
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str, *, generating: bool = False) -> None:
         """Raise UnknownModelError when no engine of the fleet serves `model`, whatever its
         health: NOT_FOUND, as an engine answers, where routing would say only that no engine
         is available now (UNAVAILABLE: worth retrying). No model named is the default model,
-        which an empty fleet may still get."""
+        which an empty fleet may still get. With `generating` (a Generate, or admin
+        route/match), also GenerationUnsupportedError when every engine serving it is
+        pooling-only: FAILED_PRECONDITION, it will never generate there."""
         if model and not self.fleet.registry.may_serve(model):
             raise UnknownModelError(f"no engine serves model {model!r}")
+        if generating:
+            self.fleet.registry.check_generates(model)
 
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
         candidates = plan.view.candidates
