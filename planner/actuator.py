@@ -37,6 +37,11 @@ class Actuator(Protocol):
         """Start one engine of `pool`; its address once the controller has it."""
         ...
 
+    def exited(self) -> list[str]:
+        """Addresses of started engines that are gone on their own (crashed, killed): not
+        stopped through `stop`."""
+        ...
+
     async def drain(self, address: str, within_s: float) -> None:
         """Ask for a drain; requests still running after `within_s` are aborted."""
         ...
@@ -74,6 +79,9 @@ class LocalProcesses:
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
         return sorted(self._processes)
+
+    def exited(self) -> list[str]:
+        return sorted(a for a, process in self._processes.items() if process.returncode is not None)
 
     def num_alive(self) -> int:
         """Child processes not reaped yet, registered or not."""

@@ -6,7 +6,9 @@ engine sent since the last tick (one SubscribeRuntimeEvents stream per engine, s
 `ForwardPasses`), then `decide(observations, now)` on the monotonic clock, then each decision
 in order through the actuator, logged with its reason (the decision log). Engines the
 actuator is still starting are observed as STARTING (under a placeholder id), so the core
-sees its pending capacity. Only engines this planner started are managed.
+sees its pending capacity. An engine whose process exited on its own is removed (from the
+controller too) before the tick observes, so the core does not count it. Only engines this
+planner started are managed.
 """
 
 from __future__ import annotations
@@ -109,6 +111,11 @@ class LivePlanner:
     # ---------------------------------------------------------------- observing
 
     async def _observe(self) -> Observations:
+        for address in self.actuator.exited():  # the core must not count a dead engine
+            engine = self.engines.get(address)
+            if engine is not None:
+                log.warning("engine %s exited on its own: removed", address)
+                await self._remove(engine)
         running = [e for e in self.engines.values() if e.channel is not None]
         await asyncio.gather(*(self._poll(e) for e in running))
         passes: list[ForwardPasses] = []

@@ -6,6 +6,8 @@ engines still starting."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,3 +90,26 @@ async def test_closing_while_engines_start_leaves_no_process(setup: Setup) -> No
     finally:
         await live.close()
     assert setup.actuator.num_alive() == 0 and not live.engines
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    live = LivePlanner(planner(2, 2), actuator)
+    try:
+        await live.tick()
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        victim = sorted(live.engines)[0]
+        process = actuator._processes[victim]
+        os.kill(process.pid, signal.SIGKILL)
+        await process.wait()
+        # The next tick forgets it (and takes it out of the controller): the pool is below
+        # its minimum again, rather than counting a dead engine as serving.
+        assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        assert victim not in live.engines and victim not in actuator.running()
+        assert victim not in {r.address for r in fleet.registry.records()}
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
+    finally:
+        await live.close()
+    assert actuator.num_alive() == 0
