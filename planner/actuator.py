@@ -90,6 +90,7 @@ class LocalProcesses:
     async def start(self, pool: str) -> str:
         number = next(self._numbers)
         port_file = self._workdir / f"{pool}-{number}.port"
+        port_file.unlink(missing_ok=True)  # a previous run's, in a reused workdir: a stale port
         with (self._workdir / f"{pool}-{number}.log").open("wb") as log_file:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,

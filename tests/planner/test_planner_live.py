@@ -113,3 +113,13 @@ async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
     finally:
         await live.close()
     assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_reused_workdir_does_not_give_a_stale_address(setup: Setup, tmp_path: Path) -> None:
+    # A previous run's port file for the same pool and number (the workdir is the fixture's).
+    (tmp_path / "default-0.port").write_text("1")
+    address = await setup.actuator.start("default")
+    assert address != "127.0.0.1:1"
+    fleet = setup.app.controller.fleet
+    await fleet.wait_for(lambda: [r.address for r in fleet.registry.routable()] == [address], 60)
