@@ -30,11 +30,17 @@ log = logging.getLogger(__name__)
 # How often a starting engine's port file is looked at (the wait itself is bounded).
 _PORT_POLL_S = 0.05
 _STOP_GRACE_S = 20.0
+# The longest an admin call of the reconciliation may take (the tick waits for it).
+_ADMIN_TIMEOUT_S = 5.0
 
 
 class Actuator(Protocol):
     async def start(self, pool: str) -> str:
         """Start one engine of `pool`; its address once the controller has it."""
+        ...
+
+    async def register_missing(self, addresses: Sequence[str]) -> None:
+        """Register again those of `addresses` the controller does not list (it restarted)."""
         ...
 
     def exited(self) -> list[str]:
@@ -79,6 +85,24 @@ class LocalProcesses:
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
         return sorted(self._processes)
+
+    async def register_missing(self, addresses: Sequence[str]) -> None:
+        if not addresses:
+            return
+        try:
+            listed = await self._admin.ListWorkers(
+                apb.ListWorkersRequest(), timeout=_ADMIN_TIMEOUT_S
+            )
+            known = {worker.address for worker in listed.workers}
+            for address in addresses:
+                if address not in known:
+                    log.warning(
+                        "engine %s is not in the controller (restarted?): registered", address
+                    )
+                    request = apb.RegisterEngineRequest(address=address)
+                    await self._admin.RegisterEngine(request, timeout=_ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("controller: %s", exc.details() or exc.code().name)
 
     def exited(self) -> list[str]:
         return sorted(a for a, process in self._processes.items() if process.returncode is not None)

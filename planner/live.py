@@ -7,8 +7,9 @@ engine sent since the last tick (one SubscribeRuntimeEvents stream per engine, s
 in order through the actuator, logged with its reason (the decision log). Engines the
 actuator is still starting are observed as STARTING (under a placeholder id), so the core
 sees its pending capacity. An engine whose process exited on its own is removed (from the
-controller too) before the tick observes, so the core does not count it. Only engines this
-planner started are managed.
+controller too) before the tick observes, so the core does not count it; a serving engine the
+controller does not list (it restarted) is registered again. Only engines this planner started
+are managed.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class LivePlanner:
                 log.warning("engine %s exited on its own: removed", address)
                 await self._remove(engine)
         running = [e for e in self.engines.values() if e.channel is not None]
+        serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
+        await self.actuator.register_missing(serving)
         await asyncio.gather(*(self._poll(e) for e in running))
         passes: list[ForwardPasses] = []
         for engine in running:

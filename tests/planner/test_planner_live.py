@@ -123,3 +123,23 @@ async def test_a_reused_workdir_does_not_give_a_stale_address(setup: Setup, tmp_
     assert address != "127.0.0.1:1"
     fleet = setup.app.controller.fleet
     await fleet.wait_for(lambda: [r.address for r in fleet.registry.routable()] == [address], 60)
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_the_controller_forgot_is_registered_again(setup: Setup) -> None:
+    fleet = setup.app.controller.fleet
+    live = LivePlanner(planner(1, 1), setup.actuator)
+    try:
+        await live.tick()
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        (address,) = live.engines
+        # What a controller restarted with no engines in its config knows of the fleet.
+        await fleet.remove_engine(address)
+        assert not fleet.registry.records()
+        await live.tick()
+        await fleet.wait_for(
+            lambda: [r.address for r in fleet.registry.routable()] == [address], 60
+        )
+    finally:
+        await live.close()
