@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ import grpc
 
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import KvplaneError
+from kvplane.up.member import member_environment
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 
@@ -120,6 +122,7 @@ class LocalProcesses:
                 sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,
                 "--listen", "127.0.0.1:0", "--port-file", str(port_file),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
+                env={**os.environ, **member_environment(None)},  # it dies with the planner
             )  # fmt: skip
         self._spawned.append(process)
         try:

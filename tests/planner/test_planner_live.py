@@ -6,8 +6,11 @@ engines still starting."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,3 +146,26 @@ async def test_an_engine_the_controller_forgot_is_registered_again(setup: Setup)
         )
     finally:
         await live.close()
+
+
+@pytest.mark.timeout(120)
+async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -> None:
+    # The real command: SIGKILL gives it no chance to stop its engines; they must not outlive it.
+    config = tmp_path / "planner.yaml"
+    live = {"controller": f"127.0.0.1:{setup.app.port}", "workdir": str(tmp_path / "work")}
+    config.write_text(json.dumps({"pools": [{"min_engines": 1, "max_engines": 1}], "live": live}))
+    fleet = setup.app.controller.fleet
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
+        (address,) = (r.address for r in fleet.registry.routable())
+    finally:
+        process.kill()
+        await process.wait()
+    await fleet.wait_for(lambda: not fleet.registry.routable(), 30)
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection(host, int(port))
