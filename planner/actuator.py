@@ -104,7 +104,7 @@ class LocalProcesses:
                     request = apb.RegisterEngineRequest(address=address)
                     await self._admin.RegisterEngine(request, timeout=_ADMIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            log.warning("controller: %s", exc.details() or exc.code().name)
+            log.warning("controller: %s", _rpc_error(exc))
 
     def exited(self) -> list[str]:
         return sorted(a for a, process in self._processes.items() if process.returncode is not None)
@@ -130,7 +130,13 @@ class LocalProcesses:
             await self._admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
             await _terminate(process)
-            raise KvplaneError(f"engine {pool}-{number} did not start: {exc}") from exc
+            if isinstance(exc, grpc.aio.AioRpcError):
+                why = _rpc_error(exc)
+            elif isinstance(exc, TimeoutError):  # its str is empty
+                why = f"no port after start_timeout_s ({self._start_timeout_s:g} s)"
+            else:
+                why = str(exc)
+            raise KvplaneError(f"engine {pool}-{number} did not start: {why}") from exc
         except asyncio.CancelledError:  # the planner is closing: leave no child behind
             await _terminate(process)
             raise
@@ -175,6 +181,11 @@ class LocalProcesses:
         for address in list(self._processes):
             await self.stop(address)
         await self._channel.close()
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError) -> str:
+    """One line (an AioRpcError's str is several, with a debug string)."""
+    return f"{exc.code().name}: {exc.details()}" if exc.details() else exc.code().name
 
 
 def _read_port(path: Path) -> int | None:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import pytest
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
+from kvplane.errors import KvplaneError
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
@@ -169,3 +171,23 @@ async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -
     host, port = address.rsplit(":", 1)
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection(host, int(port))
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_without_a_controller_fails_in_one_line(tmp_path: Path) -> None:
+    with socket.socket() as unused:  # bound, not listening: connections are refused
+        unused.bind(("127.0.0.1", 0))
+        actuator = LocalProcesses(
+            controller=f"127.0.0.1:{unused.getsockname()[1]}",
+            engine_args=("--model", "sim"),
+            workdir=tmp_path,
+            start_timeout_s=60,
+        )
+        try:
+            with pytest.raises(KvplaneError) as failed:
+                await actuator.start("default")
+        finally:
+            await actuator.close()
+    assert str(failed.value).startswith("engine default-0 did not start: UNAVAILABLE: ")
+    assert "\n" not in str(failed.value)
+    assert actuator.num_alive() == 0
