@@ -227,7 +227,7 @@ def _describe(decision: Decision) -> str:
 
 async def run_live(config: PlannerConfig) -> None:
     """`kvplane planner run`: the core over local engine processes until SIGTERM/SIGINT; the
-    engines it started are drained out of the controller and stopped at the end."""
+    engines it started are removed from the controller and stopped (SIGTERM) at the end."""
     live = config.live
     if live is None:
         raise ConfigError("the live planner needs a `live:` section (the controller's address)")
