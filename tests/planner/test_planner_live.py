@@ -40,17 +40,21 @@ class Setup:
     actuator: LocalProcesses
 
 
+def local_processes(controller_port: int, workdir: Path) -> LocalProcesses:
+    return LocalProcesses(
+        controller=f"127.0.0.1:{controller_port}",
+        engine_args=("--model", "sim"),
+        workdir=workdir,
+        start_timeout_s=120,
+    )
+
+
 @pytest.fixture
 async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
     config = {"listen": "127.0.0.1:0", "health": health, "shutdown_grace_s": 0.5}
     app = await start_controller(ControllerConfig.model_validate(config))
-    actuator = LocalProcesses(
-        controller=f"127.0.0.1:{app.port}",
-        engine_args=("--model", "sim"),
-        workdir=tmp_path,
-        start_timeout_s=120,
-    )
+    actuator = local_processes(app.port, tmp_path)
     try:
         yield Setup(app, actuator)
     finally:
@@ -177,12 +181,7 @@ async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -
 async def test_a_start_without_a_controller_fails_in_one_line(tmp_path: Path) -> None:
     with socket.socket() as unused:  # bound, not listening: connections are refused
         unused.bind(("127.0.0.1", 0))
-        actuator = LocalProcesses(
-            controller=f"127.0.0.1:{unused.getsockname()[1]}",
-            engine_args=("--model", "sim"),
-            workdir=tmp_path,
-            start_timeout_s=60,
-        )
+        actuator = local_processes(unused.getsockname()[1], tmp_path)
         try:
             with pytest.raises(KvplaneError) as failed:
                 await actuator.start("default")
