@@ -41,8 +41,9 @@ class Actuator(Protocol):
         """Start one engine of `pool`; its address once the controller has it."""
         ...
 
-    async def register_missing(self, addresses: Sequence[str]) -> None:
-        """Register again those of `addresses` the controller does not list (it restarted)."""
+    async def sync(self, serving: Sequence[str]) -> list[str]:
+        """Register again those of `serving` the controller does not list (it restarted); return
+        those it lists as draining (drained by hand, not by the planner)."""
         ...
 
     def exited(self) -> list[str]:
@@ -88,16 +89,16 @@ class LocalProcesses:
         """Addresses of the engines started and not stopped yet."""
         return sorted(self._processes)
 
-    async def register_missing(self, addresses: Sequence[str]) -> None:
-        if not addresses:
-            return
+    async def sync(self, serving: Sequence[str]) -> list[str]:
+        if not serving:
+            return []
         try:
             listed = await self._admin.ListWorkers(
                 apb.ListWorkersRequest(), timeout=_ADMIN_TIMEOUT_S
             )
-            known = {worker.address for worker in listed.workers}
-            for address in addresses:
-                if address not in known:
+            states = {worker.address: worker.state for worker in listed.workers}
+            for address in serving:
+                if address not in states:
                     log.warning(
                         "engine %s is not in the controller (restarted?): registered", address
                     )
@@ -105,6 +106,8 @@ class LocalProcesses:
                     await self._admin.RegisterEngine(request, timeout=_ADMIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             log.warning("controller: %s", _rpc_error(exc))
+            return []
+        return [address for address in serving if states.get(address) == "draining"]
 
     def exited(self) -> list[str]:
         return sorted(a for a, process in self._processes.items() if process.returncode is not None)

@@ -8,8 +8,9 @@ in order through the actuator, logged with its reason (the decision log). Engine
 actuator is still starting are observed as STARTING (under a placeholder id), so the core
 sees its pending capacity. An engine whose process exited on its own is removed (from the
 controller too) before the tick observes, so the core does not count it; a serving engine the
-controller does not list (it restarted) is registered again. Only engines this planner started
-are managed.
+controller does not list (it restarted) is registered again, one it lists as draining (drained
+by hand) is observed as DRAINING: the core replaces it and removes it once empty. Only engines
+this planner started are managed.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ class LivePlanner:
                 await self._remove(engine)
         running = [e for e in self.engines.values() if e.channel is not None]
         serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
-        await self.actuator.register_missing(serving)
+        for address in await self.actuator.sync(serving):
+            log.warning("engine %s was drained through the controller: leaving", address)
+            self.engines[address].state = EngineState.DRAINING
         await asyncio.gather(*(self._poll(e) for e in running))
         passes: list[ForwardPasses] = []
         for engine in running:

@@ -7,6 +7,7 @@ engines still starting."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -16,11 +17,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from kvplane.errors import KvplaneError
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
@@ -60,6 +64,20 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     finally:
         await actuator.close()  # idempotent: the planner's close already closed it
         await app.close(0.2)
+
+
+@contextlib.asynccontextmanager
+async def serving(setup: Setup, count: int) -> AsyncIterator[tuple[LivePlanner, list[str]]]:
+    """A live planner with `count` engines serving (their addresses), closed at the end."""
+    fleet = setup.app.controller.fleet
+    live = LivePlanner(planner(count, count), setup.actuator)
+    try:
+        await live.tick()
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == count, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        yield live, sorted(live.engines)
+    finally:
+        await live.close()
 
 
 @pytest.mark.timeout(180)
@@ -104,12 +122,7 @@ async def test_closing_while_engines_start_leaves_no_process(setup: Setup) -> No
 @pytest.mark.timeout(180)
 async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
     fleet, actuator = setup.app.controller.fleet, setup.actuator
-    live = LivePlanner(planner(2, 2), actuator)
-    try:
-        await live.tick()
-        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
-        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
-        victim = sorted(live.engines)[0]
+    async with serving(setup, 2) as (live, (victim, _)):
         process = actuator._processes[victim]
         os.kill(process.pid, signal.SIGKILL)
         await process.wait()
@@ -119,8 +132,6 @@ async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
         assert victim not in live.engines and victim not in actuator.running()
         assert victim not in {r.address for r in fleet.registry.records()}
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
-    finally:
-        await live.close()
     assert actuator.num_alive() == 0
 
 
@@ -137,12 +148,7 @@ async def test_a_reused_workdir_does_not_give_a_stale_address(setup: Setup, tmp_
 @pytest.mark.timeout(120)
 async def test_an_engine_the_controller_forgot_is_registered_again(setup: Setup) -> None:
     fleet = setup.app.controller.fleet
-    live = LivePlanner(planner(1, 1), setup.actuator)
-    try:
-        await live.tick()
-        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 120)
-        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
-        (address,) = live.engines
+    async with serving(setup, 1) as (live, (address,)):
         # What a controller restarted with no engines in its config knows of the fleet.
         await fleet.remove_engine(address)
         assert not fleet.registry.records()
@@ -150,8 +156,6 @@ async def test_an_engine_the_controller_forgot_is_registered_again(setup: Setup)
         await fleet.wait_for(
             lambda: [r.address for r in fleet.registry.routable()] == [address], 60
         )
-    finally:
-        await live.close()
 
 
 @pytest.mark.timeout(120)
@@ -190,3 +194,20 @@ async def test_a_start_without_a_controller_fails_in_one_line(tmp_path: Path) ->
     assert str(failed.value).startswith("engine default-0 did not start: UNAVAILABLE: ")
     assert "\n" not in str(failed.value)
     assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_drained_by_hand_is_replaced_and_removed(setup: Setup) -> None:
+    fleet = setup.app.controller.fleet
+    async with serving(setup, 1) as (live, (address,)):
+        # `kvplane admin drain ADDRESS`: the controller stops routing to it, for good.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel:
+            drain = apb.DrainEngineRequest(engine=address)
+            async for _ in apb_grpc.AdminStub(channel).DrainEngine(drain):
+                pass
+        assert await live.tick() == [
+            RemoveEngine(address, "default", Reason.DRAINED),
+            ScalePool("default", 1, Reason.BELOW_MIN),
+        ]
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 120)
+        assert address not in {r.address for r in fleet.registry.records()}
