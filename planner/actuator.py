@@ -117,6 +117,12 @@ class LocalProcesses:
         return sum(1 for process in self._spawned if process.returncode is None)
 
     async def start(self, pool: str) -> str:
+        try:  # no engine (with a real model, minutes of loading) for a controller that is down
+            await self._admin.ListWorkers(apb.ListWorkersRequest(), timeout=_ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise KvplaneError(
+                f"no engine of {pool} started: controller {_rpc_error(exc)}"
+            ) from exc
         number = next(self._numbers)
         port_file = self._workdir / f"{pool}-{number}.port"
         port_file.unlink(missing_ok=True)  # a previous run's, in a reused workdir: a stale port
