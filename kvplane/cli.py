@@ -96,7 +96,8 @@ _register_groups()
 def main() -> None:
     join_fleet()  # a member of a `kvplane up` fleet: die with it, keep to its CPUs
     try:
-        app(standalone_mode=False)
+        # Outside standalone mode click returns a `typer.Exit`'s code instead of exiting.
+        code = app(standalone_mode=False)
     except NotImplementedYetError as exc:
         typer.echo(f"kvplane: {exc}", err=True)
         sys.exit(2)
@@ -119,3 +120,5 @@ def main() -> None:
         if show is not None:
             show()
         sys.exit(int(getattr(exc, "exit_code", 2)))
+    if isinstance(code, int) and code:
+        sys.exit(code)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ import grpc
 
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import KvplaneError
+from kvplane.up.member import member_environment
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 
@@ -30,11 +32,23 @@ log = logging.getLogger(__name__)
 # How often a starting engine's port file is looked at (the wait itself is bounded).
 _PORT_POLL_S = 0.05
 _STOP_GRACE_S = 20.0
+# The longest an admin call of the reconciliation may take (the tick waits for it).
+_ADMIN_TIMEOUT_S = 5.0
 
 
 class Actuator(Protocol):
     async def start(self, pool: str) -> str:
         """Start one engine of `pool`; its address once the controller has it."""
+        ...
+
+    async def sync(self, serving: Sequence[str]) -> list[str]:
+        """Register again those of `serving` the controller does not list (it restarted); return
+        those it lists as draining (drained by hand, not by the planner)."""
+        ...
+
+    def exited(self) -> list[str]:
+        """Addresses of started engines that are gone on their own (crashed, killed): not
+        stopped through `stop`."""
         ...
 
     async def drain(self, address: str, within_s: float) -> None:
@@ -75,18 +89,49 @@ class LocalProcesses:
         """Addresses of the engines started and not stopped yet."""
         return sorted(self._processes)
 
+    async def sync(self, serving: Sequence[str]) -> list[str]:
+        if not serving:
+            return []
+        try:
+            listed = await self._admin.ListWorkers(
+                apb.ListWorkersRequest(), timeout=_ADMIN_TIMEOUT_S
+            )
+            states = {worker.address: worker.state for worker in listed.workers}
+            for address in serving:
+                if address not in states:
+                    log.warning(
+                        "engine %s is not in the controller (restarted?): registered", address
+                    )
+                    request = apb.RegisterEngineRequest(address=address)
+                    await self._admin.RegisterEngine(request, timeout=_ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("controller: %s", _rpc_error(exc))
+            return []
+        return [address for address in serving if states.get(address) == "draining"]
+
+    def exited(self) -> list[str]:
+        return sorted(a for a, process in self._processes.items() if process.returncode is not None)
+
     def num_alive(self) -> int:
         """Child processes not reaped yet, registered or not."""
         return sum(1 for process in self._spawned if process.returncode is None)
 
     async def start(self, pool: str) -> str:
+        try:  # no engine (with a real model, minutes of loading) for a controller that is down
+            await self._admin.ListWorkers(apb.ListWorkersRequest(), timeout=_ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            raise KvplaneError(
+                f"no engine of {pool} started: controller {_rpc_error(exc)}"
+            ) from exc
         number = next(self._numbers)
         port_file = self._workdir / f"{pool}-{number}.port"
+        port_file.unlink(missing_ok=True)  # a previous run's, in a reused workdir: a stale port
         with (self._workdir / f"{pool}-{number}.log").open("wb") as log_file:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,
                 "--listen", "127.0.0.1:0", "--port-file", str(port_file),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
+                env={**os.environ, **member_environment(None)},  # it dies with the planner
             )  # fmt: skip
         self._spawned.append(process)
         try:
@@ -94,7 +139,13 @@ class LocalProcesses:
             await self._admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
             await _terminate(process)
-            raise KvplaneError(f"engine {pool}-{number} did not start: {exc}") from exc
+            if isinstance(exc, grpc.aio.AioRpcError):
+                why = _rpc_error(exc)
+            elif isinstance(exc, TimeoutError):  # its str is empty
+                why = f"no port after start_timeout_s ({self._start_timeout_s:g} s)"
+            else:
+                why = str(exc)
+            raise KvplaneError(f"engine {pool}-{number} did not start: {why}") from exc
         except asyncio.CancelledError:  # the planner is closing: leave no child behind
             await _terminate(process)
             raise
@@ -139,6 +190,11 @@ class LocalProcesses:
         for address in list(self._processes):
             await self.stop(address)
         await self._channel.close()
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError) -> str:
+    """One line (an AioRpcError's str is several, with a debug string)."""
+    return f"{exc.code().name}: {exc.details()}" if exc.details() else exc.code().name
 
 
 def _read_port(path: Path) -> int | None:

@@ -6,14 +6,16 @@ pools:
   - {name: default, min_engines: 1, max_engines: 16}
 scaling:
   tick_s: 5                      # how often decide() runs
-  scale_down_stabilisation_s: 120
+  scale_down_stabilisation_s: 300
 capacity:
   forecast_horizon_s: 30         # about an engine's start-up time
+live:                            # only for `kvplane planner run`
+  controller: 127.0.0.1:8100
 ```
 
-Every knob is documented in docs/planner.md (the decision rules). The live mode that would read
-this file (`kvplane planner run --config FILE`) is not built yet; the offline replay
-(`kvplane bench planner`) builds it from its flags.
+Every knob is documented in docs/planner.md (the decision rules, the configuration). The live
+mode (`kvplane planner run --config FILE`) reads this file; the offline replay (`kvplane bench
+planner`) builds it from its flags, or takes one with `--config`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,11 @@ engine sent since the last tick (one SubscribeRuntimeEvents stream per engine, s
 `ForwardPasses`), then `decide(observations, now)` on the monotonic clock, then each decision
 in order through the actuator, logged with its reason (the decision log). Engines the
 actuator is still starting are observed as STARTING (under a placeholder id), so the core
-sees its pending capacity. Only engines this planner started are managed.
+sees its pending capacity. An engine whose process exited on its own is removed (from the
+controller too) before the tick observes, so the core does not count it; a serving engine the
+controller does not list (it restarted) is registered again, one it lists as draining (drained
+by hand) is observed as DRAINING: the core replaces it and removes it once empty. Only engines
+this planner started are managed.
 """
 
 from __future__ import annotations
@@ -109,7 +113,16 @@ class LivePlanner:
     # ---------------------------------------------------------------- observing
 
     async def _observe(self) -> Observations:
+        for address in self.actuator.exited():  # the core must not count a dead engine
+            engine = self.engines.get(address)
+            if engine is not None:
+                log.warning("engine %s exited on its own: removed", address)
+                await self._remove(engine)
         running = [e for e in self.engines.values() if e.channel is not None]
+        serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
+        for address in await self.actuator.sync(serving):
+            log.warning("engine %s was drained through the controller: leaving", address)
+            self.engines[address].state = EngineState.DRAINING
         await asyncio.gather(*(self._poll(e) for e in running))
         passes: list[ForwardPasses] = []
         for engine in running:
@@ -217,7 +230,7 @@ def _describe(decision: Decision) -> str:
 
 async def run_live(config: PlannerConfig) -> None:
     """`kvplane planner run`: the core over local engine processes until SIGTERM/SIGINT; the
-    engines it started are drained out of the controller and stopped at the end."""
+    engines it started are removed from the controller and stopped (SIGTERM) at the end."""
     live = config.live
     if live is None:
         raise ConfigError("the live planner needs a `live:` section (the controller's address)")

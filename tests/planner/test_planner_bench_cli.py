@@ -4,6 +4,8 @@ small run prints one row per policy."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,19 @@ def assert_one_line_error(code: int, output: str, needle: str) -> None:
 
 def test_missing_trace(tmp_path: Path) -> None:
     assert_one_line_error(*invoke("--trace", str(tmp_path / "nope.csv")), "cannot read trace")
+
+
+def test_the_kvplane_command_exits_2_on_bad_input(tmp_path: Path) -> None:
+    # The real entry point, not CliRunner: `kvplane.cli.main` runs click outside standalone
+    # mode, where a `typer.Exit(2)` is returned rather than raised.
+    trace = str(tmp_path / "nope.csv")
+    done = subprocess.run(
+        [sys.executable, "-m", "kvplane", "bench", "planner", "--trace", trace],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert_one_line_error(done.returncode, done.stderr, "cannot read trace")
 
 
 @pytest.mark.parametrize(

@@ -6,14 +6,25 @@ engines still starting."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
+from kvplane.errors import KvplaneError
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
@@ -33,22 +44,40 @@ class Setup:
     actuator: LocalProcesses
 
 
+def local_processes(controller_port: int, workdir: Path) -> LocalProcesses:
+    return LocalProcesses(
+        controller=f"127.0.0.1:{controller_port}",
+        engine_args=("--model", "sim"),
+        workdir=workdir,
+        start_timeout_s=120,
+    )
+
+
 @pytest.fixture
 async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
     health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
     config = {"listen": "127.0.0.1:0", "health": health, "shutdown_grace_s": 0.5}
     app = await start_controller(ControllerConfig.model_validate(config))
-    actuator = LocalProcesses(
-        controller=f"127.0.0.1:{app.port}",
-        engine_args=("--model", "sim"),
-        workdir=tmp_path,
-        start_timeout_s=120,
-    )
+    actuator = local_processes(app.port, tmp_path)
     try:
         yield Setup(app, actuator)
     finally:
         await actuator.close()  # idempotent: the planner's close already closed it
         await app.close(0.2)
+
+
+@contextlib.asynccontextmanager
+async def serving(setup: Setup, count: int) -> AsyncIterator[tuple[LivePlanner, list[str]]]:
+    """A live planner with `count` engines serving (their addresses), closed at the end."""
+    fleet = setup.app.controller.fleet
+    live = LivePlanner(planner(count, count), setup.actuator)
+    try:
+        await live.tick()
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == count, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        yield live, sorted(live.engines)
+    finally:
+        await live.close()
 
 
 @pytest.mark.timeout(180)
@@ -88,3 +117,99 @@ async def test_closing_while_engines_start_leaves_no_process(setup: Setup) -> No
     finally:
         await live.close()
     assert setup.actuator.num_alive() == 0 and not live.engines
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    async with serving(setup, 2) as (live, (victim, _)):
+        process = actuator._processes[victim]
+        os.kill(process.pid, signal.SIGKILL)
+        await process.wait()
+        # The next tick forgets it (and takes it out of the controller): the pool is below
+        # its minimum again, rather than counting a dead engine as serving.
+        assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        assert victim not in live.engines and victim not in actuator.running()
+        assert victim not in {r.address for r in fleet.registry.records()}
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_reused_workdir_does_not_give_a_stale_address(setup: Setup, tmp_path: Path) -> None:
+    # A previous run's port file for the same pool and number (the workdir is the fixture's).
+    (tmp_path / "default-0.port").write_text("1")
+    address = await setup.actuator.start("default")
+    assert address != "127.0.0.1:1"
+    fleet = setup.app.controller.fleet
+    await fleet.wait_for(lambda: [r.address for r in fleet.registry.routable()] == [address], 60)
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_the_controller_forgot_is_registered_again(setup: Setup) -> None:
+    fleet = setup.app.controller.fleet
+    async with serving(setup, 1) as (live, (address,)):
+        # What a controller restarted with no engines in its config knows of the fleet.
+        await fleet.remove_engine(address)
+        assert not fleet.registry.records()
+        await live.tick()
+        await fleet.wait_for(
+            lambda: [r.address for r in fleet.registry.routable()] == [address], 60
+        )
+
+
+@pytest.mark.timeout(120)
+async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -> None:
+    # The real command: SIGKILL gives it no chance to stop its engines; they must not outlive it.
+    config = tmp_path / "planner.yaml"
+    live = {"controller": f"127.0.0.1:{setup.app.port}", "workdir": str(tmp_path / "work")}
+    config.write_text(json.dumps({"pools": [{"min_engines": 1, "max_engines": 1}], "live": live}))
+    fleet = setup.app.controller.fleet
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
+        (address,) = (r.address for r in fleet.registry.routable())
+    finally:
+        process.kill()
+        await process.wait()
+    await fleet.wait_for(lambda: not fleet.registry.routable(), 30)
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError):
+        await asyncio.open_connection(host, int(port))
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_without_a_controller_spawns_nothing_and_says_so_in_one_line(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as unused:  # bound, not listening: connections are refused
+        unused.bind(("127.0.0.1", 0))
+        actuator = local_processes(unused.getsockname()[1], tmp_path)
+        try:
+            with pytest.raises(KvplaneError) as failed:
+                await actuator.start("default")
+        finally:
+            await actuator.close()
+    assert str(failed.value).startswith("no engine of default started: controller UNAVAILABLE: ")
+    assert "\n" not in str(failed.value)
+    assert not actuator._spawned  # no process (with a real model, minutes of loading)
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_drained_by_hand_is_replaced_and_removed(setup: Setup) -> None:
+    fleet = setup.app.controller.fleet
+    async with serving(setup, 1) as (live, (address,)):
+        # `kvplane admin drain ADDRESS`: the controller stops routing to it, for good.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel:
+            drain = apb.DrainEngineRequest(engine=address)
+            async for _ in apb_grpc.AdminStub(channel).DrainEngine(drain):
+                pass
+        assert await live.tick() == [
+            RemoveEngine(address, "default", Reason.DRAINED),
+            ScalePool("default", 1, Reason.BELOW_MIN),
+        ]
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 120)
+        assert address not in {r.address for r in fleet.registry.records()}
