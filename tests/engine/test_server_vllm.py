@@ -12,6 +12,7 @@ import pytest
 from engine.config import SimTimingConfig
 from openengine.v1 import openengine_pb2 as oe
 from tests.engine.engine_server_harness import (
+    Engine,
     collect,
     generate_request,
     idle,
@@ -117,21 +118,31 @@ async def test_an_aborted_stream_finishes_with_aborted() -> None:
         assert last.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
 
 
+# One seat (max_num_seqs 1) and slow passes: a second request waits in the queue.
+ONE_SEAT = sim_config(
+    sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
+    max_model_len=4096,
+    num_kv_blocks=2048,
+    max_num_seqs=1,
+)
+
+
+async def _take_the_seat(engine: Engine) -> Any:
+    """Start request "running" (3,000 tokens to go) and wait for its first response: the
+    seat is taken. Returns its stream (cancel it, or abort "running", to free the seat)."""
+    running = _request()
+    running.request_id = "running"
+    running.stopping.max_new_tokens = 3000
+    stream = engine.vllm.GenerateStream(running)
+    assert (await asyncio.wait_for(stream.read(), timeout=20)).HasField("prompt_info")
+    return stream
+
+
 async def test_a_request_aborted_before_its_prefill_still_sends_prompt_info() -> None:
     """With prompt logprobs asked for, prompt_info waits for them; a request aborted while
     queued never computes them, and its one response still carries prompt_info."""
-    config = sim_config(
-        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
-        max_model_len=4096,
-        num_kv_blocks=2048,
-        max_num_seqs=1,
-    )
-    async with running_engine(config) as engine:
-        running = _request()
-        running.request_id = "running"
-        running.stopping.max_new_tokens = 3000
-        first = engine.vllm.GenerateStream(running)
-        assert (await asyncio.wait_for(first.read(), timeout=20)).HasField("prompt_info")
+    async with running_engine(ONE_SEAT) as engine:
+        first = await _take_the_seat(engine)
         queued = _request(response=pb.ResponseOptions(prompt_logprobs=True))
         queued.request_id = "queued"
         stream = engine.vllm.GenerateStream(queued)
@@ -152,18 +163,8 @@ async def test_a_request_aborted_before_its_prefill_still_sends_prompt_info() ->
 async def test_a_lower_priority_value_is_handled_first_as_in_vllm() -> None:
     """vLLM's priority: lower means earlier handling (OpenEngine's is the opposite). With one
     seat taken, the queued request with priority -5 starts before the one with priority 5."""
-    config = sim_config(
-        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
-        max_model_len=4096,
-        num_kv_blocks=2048,
-        max_num_seqs=1,
-    )
-    async with running_engine(config) as engine:
-        running = _request()
-        running.request_id = "running"
-        running.stopping.max_new_tokens = 3000
-        first = engine.vllm.GenerateStream(running)
-        await asyncio.wait_for(first.read(), timeout=20)
+    async with running_engine(ONE_SEAT) as engine:
+        first = await _take_the_seat(engine)
         finished: list[str] = []
 
         async def run(request_id: str, priority: int) -> None:
