@@ -48,6 +48,9 @@ from planner.core.planner import Planner
 
 log = logging.getLogger(__name__)
 
+# How long after a runtime-event stream ends the planner subscribes again.
+RESUBSCRIBE_S = 1.0
+
 
 @dataclass(slots=True, eq=False)
 class _Engine:
@@ -148,27 +151,34 @@ class LivePlanner:
         )
 
     async def _follow_passes(self, engine: _Engine) -> None:
-        """Sum FORWARD_PASS events until the stream ends (the engine stops, or falls behind)."""
+        """Sum FORWARD_PASS events until the engine is removed (this task is cancelled then).
+        A stream that ends is subscribed again after `RESUBSCRIBE_S`: an engine ends it when
+        the planner falls too far behind (RESOURCE_EXHAUSTED), and every pass missed after
+        that would make the fleet look idler than it is."""
         assert engine.channel is not None
         stub = pb_grpc.OpenEngineStub(engine.channel)
         request = pb.SubscribeRuntimeEventsRequest(types=[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS])
-        try:
-            async for response in stub.SubscribeRuntimeEvents(request):
-                if response.WhichOneof("event") != "runtime_event":
-                    continue
-                attrs = response.runtime_event.attributes
-                engine.passes.append(
-                    ForwardPasses(
-                        engine.engine_id,
-                        1,
-                        float(attrs.get("duration_ms", "0")) / 1000.0,
-                        int(attrs.get("num_prefill_tokens", "0")),
-                        int(attrs.get("batch_size", "0"))
-                        - int(attrs.get("num_decode_sequences", "0")),
+        while True:
+            try:
+                async for response in stub.SubscribeRuntimeEvents(request):
+                    if response.WhichOneof("event") != "runtime_event":
+                        continue
+                    attrs = response.runtime_event.attributes
+                    engine.passes.append(
+                        ForwardPasses(
+                            engine.engine_id,
+                            1,
+                            float(attrs.get("duration_ms", "0")) / 1000.0,
+                            int(attrs.get("num_prefill_tokens", "0")),
+                            int(attrs.get("batch_size", "0"))
+                            - int(attrs.get("num_decode_sequences", "0")),
+                        )
                     )
-                )
-        except grpc.aio.AioRpcError as exc:
-            log.info("runtime events of %s ended: %s", engine.engine_id, exc.code().name)
+                why = "ended"
+            except grpc.aio.AioRpcError as exc:
+                why = f"ended ({exc.code().name})"
+            log.info("runtime events of %s %s; subscribing again", engine.engine_id, why)
+            await asyncio.sleep(RESUBSCRIBE_S)
 
     # ---------------------------------------------------------------- acting
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -213,3 +214,62 @@ async def test_an_engine_drained_by_hand_is_replaced_and_removed(setup: Setup) -
         ]
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 120)
         assert address not in {r.address for r in fleet.registry.records()}
+
+
+async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine ends a subscriber that fell too far behind (one EngineError event, then the
+    end, as engine.server's SubscribeRuntimeEvents does): the planner subscribes again, so
+    later passes still reach the core. A real gRPC server playing the engine's part."""
+    from openengine.v1 import openengine_pb2 as pb
+    from openengine.v1 import openengine_pb2_grpc as pb_grpc
+    from planner import live
+
+    monkeypatch.setattr(live, "RESUBSCRIBE_S", 0.01)
+    subscriptions = 0
+
+    def forward_pass(duration_ms: str) -> pb.SubscribeRuntimeEventsResponse:
+        event = pb.RuntimeEvent(
+            type=pb.RUNTIME_EVENT_TYPE_FORWARD_PASS,
+            attributes={"duration_ms": duration_ms, "batch_size": "1"},
+        )
+        return pb.SubscribeRuntimeEventsResponse(runtime_event=event)
+
+    class OverrunEngine(pb_grpc.OpenEngineServicer):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: object
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            nonlocal subscriptions
+            subscriptions += 1
+            if subscriptions == 1:
+                yield forward_pass("10")
+                overrun = pb.EngineError(code=pb.ERROR_CODE_OVERLOADED, message="fell behind")
+                yield pb.SubscribeRuntimeEventsResponse(error=overrun)
+                return
+            yield forward_pass("20")
+            await asyncio.Event().wait()  # open until cancelled
+
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(OverrunEngine(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    engine = live._Engine(f"127.0.0.1:{port}", "default", EngineState.SERVING)
+    engine.channel = grpc.aio.insecure_channel(engine.engine_id)
+    follower = asyncio.create_task(
+        LivePlanner(planner(1, 1), local_processes(1, Path("/nonexistent")))._follow_passes(engine)
+    )
+    try:
+        async with asyncio.timeout(10):
+            for _ in itertools.count():  # until the second subscription's pass arrives
+                if len(engine.passes) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        await engine.channel.close()
+        await server.stop(None)
+    assert [p.duration_s for p in engine.passes] == [0.01, 0.02]
+    assert subscriptions == 2
