@@ -19,7 +19,7 @@ from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, fits, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
 from engine.core.mooncake_trace import load_trace
-from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number
+from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number, policy_list
 from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 
@@ -33,22 +33,11 @@ class Peer(enum.StrEnum):
 
 
 def policy_names(text: str) -> list[str]:
-    """`--policies`: comma-separated names of router policies, at least one; anything else is
-    a usage error."""
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in POLICY_NAMES]
-    if unknown or not names:
-        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no policy given"
-        raise typer.BadParameter(
-            f"{what}; choose from {', '.join(POLICY_NAMES)}", param_hint="--policies"
-        )
-    # Results are keyed by name: a repeated one would be run twice and shown once.
-    repeated = sorted({p for p in names if names.count(p) > 1}, key=names.index)
-    if repeated:
-        raise typer.BadParameter(
-            f"{', '.join(map(repr, repeated))} given more than once", param_hint="--policies"
-        )
-    return names
+    """`--policies`: router policies (`policy_list`); anything else is a usage error."""
+    try:
+        return policy_list(text, POLICY_NAMES)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--policies") from None
 
 
 def run_route_bench(

@@ -6,7 +6,7 @@ import enum
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +53,21 @@ PortFileOption = Annotated[
         callback=_port_file_in_a_folder,
     ),
 ]
+
+
+def policy_list(text: str, choices: Sequence[str]) -> list[str]:
+    """A `--policies` value: comma-separated names, at least one, each one of `choices`, none
+    twice (results are keyed by name: a repeated one would run twice and show once). Raises
+    ValueError saying what is wrong (each command reports it in its own way)."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in choices]
+    if unknown or not names:
+        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no policy given"
+        raise ValueError(f"{what}; choose from {', '.join(choices)}")
+    repeated = sorted({p for p in names if names.count(p) > 1}, key=names.index)
+    if repeated:
+        raise ValueError(f"{', '.join(map(repr, repeated))} given more than once")
+    return names
 
 
 def finite_number(value: float | None) -> float | None:

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, emit, policy_list
 from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 from planner.azure_trace import TraceRow, load_azure_trace
@@ -61,12 +61,10 @@ class BenchSettings:
 
 
 def policy_names(text: str) -> list[str]:
-    names = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in names if p not in POLICY_NAMES]
-    if unknown or not names:
-        what = f"unknown {', '.join(map(repr, unknown))}" if unknown else "no policy given"
-        raise BadInputError(f"--policies: {what}; choose from {', '.join(POLICY_NAMES)}")
-    return names
+    try:
+        return policy_list(text, POLICY_NAMES)
+    except ValueError as exc:
+        raise BadInputError(f"--policies: {exc}") from None
 
 
 def run_planner_bench(

@@ -96,6 +96,7 @@ def test_header_only(tmp_path: Path) -> None:
         (["--min-engines", "4", "--max-engines", "2"], "--max-engines 2 is below"),
         (["--policies", "kvplane,hpa"], "unknown 'hpa'"),
         (["--policies", ","], "no policy given"),
+        (["--policies", "static,static"], "'static' given more than once"),
     ],
 )
 def test_bad_numbers_and_names(tmp_path: Path, args: list[str], needle: str) -> None:
