@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -105,6 +105,14 @@ class KvTransferConfig(StrictModel):
     # TLS for a DECODE engine's connections to prefill engines that serve TLS; None: insecure.
     peer_tls: ClientTlsConfig | None = None
 
+    # The role whose engines read each key (`EngineConfig` refuses it on any other).
+    ROLE_OF_KEY: ClassVar[dict[str, EngineRoleName]] = {
+        "session_ttl_s": EngineRoleName.prefill,
+        "pull_timeout_s": EngineRoleName.decode,
+        "peer_token_file": EngineRoleName.decode,
+        "peer_tls": EngineRoleName.decode,
+    }
+
 
 class LoraConfig(StrictModel):
     """LoRA adapters (LoadLora/UnloadLora/ListLoras, `GenerateRequest.lora_name`)."""
@@ -163,15 +171,16 @@ class EngineConfig(ServerConfig):
 
     @model_validator(mode="after")
     def _check_kv_transfer(self) -> EngineConfig:
-        # Only PREFILL and DECODE engines move KV: on an AGGREGATED one these keys would do
-        # nothing, and a user who set them expects them to (a fleet config meant for a
-        # disaggregated engine, a mistyped role).
-        if self.role is EngineRoleName.aggregated and self.kv_transfer.model_fields_set:
-            key = sorted(self.kv_transfer.model_fields_set)[0]
-            raise ValueError(
-                f"kv_transfer.{key} applies to PREFILL and DECODE engines only: set "
-                "role: prefill or role: decode, or remove kv_transfer"
-            )
+        # Each key is read by one role only (a PREFILL engine holds sessions, a DECODE engine
+        # pulls them): elsewhere it would do nothing, and a user who set it expects it to (a
+        # fleet config meant for another engine, a mistyped role).
+        for key in sorted(self.kv_transfer.model_fields_set):
+            role = KvTransferConfig.ROLE_OF_KEY[key]
+            if self.role is not role:
+                raise ValueError(
+                    f"kv_transfer.{key} applies to {role.value.upper()} engines only: set "
+                    f"role: {role.value}, or remove kv_transfer.{key}"
+                )
         return self
 
     @model_validator(mode="after")

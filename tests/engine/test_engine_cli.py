@@ -169,7 +169,7 @@ def test_serve_refuses_a_zmq_endpoint_in_use_with_one_line(tmp_path: Path) -> No
         (
             "kv_transfer: {session_ttl_s: 5}\n",
             ["--role", "aggregated"],
-            b"kv_transfer.session_ttl_s applies to PREFILL and DECODE engines only",
+            b"kv_transfer.session_ttl_s applies to PREFILL engines only",
         ),
     ],
 )
