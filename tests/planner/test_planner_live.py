@@ -402,7 +402,7 @@ async def answers(address: str) -> None:
 
 @pytest.mark.timeout(180)
 async def test_an_engine_slow_for_one_tick_is_kept(setup: Setup) -> None:
-    async with serving(setup, 1, load_timeout_s=0.5, lost_after_failed_polls=2) as (
+    async with serving(setup, 1, lost_after_failed_polls=2) as (
         live,
         (address,),
     ):
