@@ -3,8 +3,9 @@
 `Actuator` is the seam (a Protocol, like Dynamo's planner connectors): start one engine of a
 pool and return its address once the controller routes to it; drain one through the
 controller (which stops routing to it at once and relays the engine's Drain); stop a drained
-one. `LocalProcesses` runs `kvplane engine serve` children on this machine and registers them
-with the controller's admin API; a Kubernetes actuator (patching a scale) is not built yet.
+one, or kill one that stopped answering. `LocalProcesses` runs `kvplane engine serve` children
+on this machine and registers them with the controller's admin API; a Kubernetes actuator
+(patching a scale) is not built yet.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class Actuator(Protocol):
 
     async def stop(self, address: str) -> None:
         """Take a drained engine out of the controller and stop it."""
+        ...
+
+    async def kill(self, address: str) -> None:
+        """Take an engine that stopped answering out of the controller and stop it at once
+        (it cannot finish anything; a graceful stop would wait for nothing)."""
         ...
 
     async def close(self) -> None: ...
@@ -178,11 +184,23 @@ class LocalProcesses:
             log.warning("drain of %s: %s", request.engine, exc.details() or exc.code().name)
 
     async def stop(self, address: str) -> None:
-        with contextlib.suppress(grpc.aio.AioRpcError):  # already gone from the controller
-            await self._admin.RemoveEngine(apb.EngineRef(engine=address))
-        process = self._processes.pop(address, None)
+        process = await self._forget(address)
         if process is not None:
             await _terminate(process)
+
+    async def kill(self, address: str) -> None:
+        # SIGKILL: a hung process may never handle SIGTERM (a SIGSTOPped one holds it pending).
+        process = await self._forget(address)
+        if process is not None:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+
+    async def _forget(self, address: str) -> asyncio.subprocess.Process | None:
+        """Take `address` out of the controller and of the engines started; its process."""
+        with contextlib.suppress(grpc.aio.AioRpcError):  # already gone from the controller
+            await self._admin.RemoveEngine(apb.EngineRef(engine=address), timeout=_ADMIN_TIMEOUT_S)
+        return self._processes.pop(address, None)
 
     async def close(self) -> None:
         for task in list(self._drains):

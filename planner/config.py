@@ -25,7 +25,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, model_validator
 
-from kvplane.config import StrictModel, parse_dial_target
+from kvplane.config import StrictModel, parse_dial_target, parse_host_port
 
 
 class SlaTargets(StrictModel):
@@ -97,6 +97,11 @@ def _dial_target(value: str) -> str:
     return value
 
 
+def _host_port(value: str) -> str:
+    parse_host_port(value)  # raises ValueError: pydantic reports it against the key
+    return value
+
+
 class LiveConfig(StrictModel):
     """What `kvplane planner run` acts on: a controller, and how to start engines."""
 
@@ -110,6 +115,11 @@ class LiveConfig(StrictModel):
     workdir: Path | None = None
     start_timeout_s: float = Field(default=120.0, gt=0)
     load_timeout_s: float = Field(default=2.0, gt=0)
+    # An engine whose GetLoad failed or timed out this many ticks in a row (alive but hung)
+    # is lost: taken out of the controller and killed, and the core replaces it.
+    lost_after_failed_polls: int = Field(default=3, ge=1)
+    # Prometheus /metrics on a side port (HOST:PORT); None disables it.
+    metrics_listen: Annotated[str, AfterValidator(_host_port)] | None = None
 
 
 class PlannerConfig(StrictModel):

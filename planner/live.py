@@ -1,16 +1,18 @@
 """The live planner (`kvplane planner run`): observe the engines, run the core, act.
 
 Every `tick_s`: the GetLoad of every serving or draining engine (concurrently, each bounded by
-`load_timeout_s`; one that does not answer keeps its last load), the FORWARD_PASS events each
-engine sent since the last tick (one SubscribeRuntimeEvents stream per engine, summed into
-`ForwardPasses`), then `decide(observations, now)` on the monotonic clock, then each decision
-in order through the actuator, logged with its reason (the decision log). Engines the
-actuator is still starting are observed as STARTING (under a placeholder id), so the core
-sees its pending capacity. An engine whose process exited on its own is removed (from the
-controller too) before the tick observes, so the core does not count it; a serving engine the
-controller does not list (it restarted) is registered again, one it lists as draining (drained
-by hand) is observed as DRAINING: the core replaces it and removes it once empty. Only engines
-this planner started are managed.
+`load_timeout_s`; one that does not answer keeps its last load, and one that has not answered
+`lost_after_failed_polls` ticks in a row is lost: taken out of the controller and killed, so
+the core replaces it), the FORWARD_PASS events each engine sent since the last tick (one
+SubscribeRuntimeEvents stream per engine, summed into `ForwardPasses`), then
+`decide(observations, now)` on the monotonic clock, then each decision in order through the
+actuator, logged with its reason (the decision log). Engines the actuator is still starting are
+observed as STARTING (under a placeholder id), so the core sees its pending capacity. An engine
+whose process exited on its own is removed (from the controller too) before the tick observes,
+so the core does not count it; a serving engine the controller does not list (it restarted) is
+registered again, one it lists as draining (drained by hand) is observed as DRAINING: the core
+replaces it and removes it once empty. Only engines this planner started are managed. Each tick
+updates the metrics (`planner.metrics`), served on `live.metrics_listen` when set.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import grpc
 
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import ConfigError
+from kvplane.metrics import start_metrics_server
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import Actuator, LocalProcesses
@@ -45,6 +48,7 @@ from planner.core.observations import (
     Observations,
 )
 from planner.core.planner import Planner
+from planner.metrics import LossCause, Operation, PlannerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,7 @@ class _Engine:
     channel: grpc.aio.Channel | None = None
     passes: list[ForwardPasses] = field(default_factory=list)  # since the last tick
     events: asyncio.Task[None] | None = None
+    failed_polls: int = 0  # GetLoads in a row that failed or timed out
 
     def observation(self) -> EngineObservation:
         return EngineObservation(self.engine_id, self.pool, self.state, self.load)
@@ -73,13 +78,17 @@ class LivePlanner:
         actuator: Actuator,
         *,
         load_timeout_s: float = 2.0,
+        lost_after_failed_polls: int = 3,
         channels: ClientChannels = INSECURE,
         clock: Callable[[], float] = time.monotonic,
+        metrics: PlannerMetrics | None = None,
     ) -> None:
         self.policy = policy
         self.actuator = actuator
         self.engines: dict[str, _Engine] = {}
         self._load_timeout_s = load_timeout_s
+        self._lost_after_failed_polls = lost_after_failed_polls
+        self.metrics = metrics if metrics is not None else PlannerMetrics()
         self._channels = channels
         self._clock = clock
         self._placeholders = itertools.count()
@@ -98,8 +107,19 @@ class LivePlanner:
         decisions = self.policy.decide(observations, now_s)
         for decision in decisions:
             log.info("decision: %s", _describe(decision))
+            self.metrics.on_decision(decision)
             await self._apply(decision, now_s)
+        self._update_metrics()
+        self.metrics.tick_seconds.observe(self._clock() - now_s)
         return decisions
+
+    def _update_metrics(self) -> None:
+        self.metrics.on_engines(e.observation() for e in self.engines.values())
+        if isinstance(self.policy, Planner):  # the benchmark's peers have no estimates
+            for pool in self.policy.config.pools:
+                estimate = self.policy.estimate(pool.name)
+                if estimate is not None:
+                    self.metrics.on_estimate(pool.name, estimate)
 
     async def close(self) -> None:
         """Stop every engine this planner started (the fleet ends with the planner)."""
@@ -120,15 +140,34 @@ class LivePlanner:
             engine = self.engines.get(address)
             if engine is not None:
                 log.warning("engine %s exited on its own: removed", address)
-                await self._remove(engine)
+                await self._lose(engine, "exited")
         running = [e for e in self.engines.values() if e.channel is not None]
         serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
-        for address in await self.actuator.sync(serving):
+        try:
+            drained_by_hand = await self.actuator.sync(serving)
+        except Exception as exc:  # any failure: the next tick reconciles again
+            self._failed("sync", "reconciling with the controller failed: %s", exc)
+            drained_by_hand = []
+        for address in drained_by_hand:
             log.warning("engine %s was drained through the controller: leaving", address)
             self.engines[address].state = EngineState.DRAINING
         await asyncio.gather(*(self._poll(e) for e in running))
+        # Alive to the OS but not answering (hung, SIGSTOPped): serving nothing, yet the core
+        # would count it forever. One slow answer is not enough to lose it.
+        lost = [e for e in running if e.failed_polls >= self._lost_after_failed_polls]
+        for engine in lost:
+            log.warning(
+                "engine %s did not answer GetLoad %d ticks in a row: lost, killed",
+                engine.engine_id,
+                engine.failed_polls,
+            )
+            await self._lose(engine, "unresponsive")
+        running = [e for e in running if e not in lost]
         passes: list[ForwardPasses] = []
         for engine in running:
+            self.metrics.forward_passes.labels(engine.pool).inc(
+                sum(p.num_passes for p in engine.passes)
+            )
             passes.extend(engine.passes)
             engine.passes = []
         engines = tuple(e.observation() for e in self.engines.values())
@@ -141,7 +180,9 @@ class LivePlanner:
             info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.warning("GetLoad %s: %s", engine.engine_id, exc.details() or exc.code().name)
+            engine.failed_polls += 1
             return
+        engine.failed_polls = 0
         engine.load = EngineLoad(
             info.running_requests,
             info.queued_requests,
@@ -198,7 +239,10 @@ class LivePlanner:
         elif isinstance(decision, DrainEngine):
             engine = self.engines[decision.engine_id]
             engine.state = EngineState.DRAINING
-            await self.actuator.drain(engine.engine_id, decision.deadline_s - now_s)
+            try:
+                await self.actuator.drain(engine.engine_id, decision.deadline_s - now_s)
+            except Exception as exc:  # any failure: it stays draining, removed once empty
+                self._failed("drain", "draining %s failed: %s", engine.engine_id, exc)
         elif isinstance(decision, RemoveEngine):
             await self._remove(self.engines[decision.engine_id])
 
@@ -206,7 +250,7 @@ class LivePlanner:
         try:
             address = await self.actuator.start(placeholder.pool)
         except Exception as exc:  # any failure: the core will ask again
-            log.error("starting an engine of %s failed: %s", placeholder.pool, exc)
+            self._failed("start", "starting an engine of %s failed: %s", placeholder.pool, exc)
             del self.engines[placeholder.engine_id]
             return
         del self.engines[placeholder.engine_id]
@@ -216,15 +260,28 @@ class LivePlanner:
         self.engines[address] = engine
         log.info("engine %s serves in pool %s", address, engine.pool)
 
-    async def _remove(self, engine: _Engine) -> None:
+    async def _lose(self, engine: _Engine, cause: LossCause) -> None:
+        self.metrics.on_lost(engine.pool, cause)
+        await self._remove(engine, kill=cause == "unresponsive")
+
+    async def _remove(self, engine: _Engine, *, kill: bool = False) -> None:
         if engine.events is not None:
             engine.events.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await engine.events
         if engine.channel is not None:
             await engine.channel.close()
-        await self.actuator.stop(engine.engine_id)
+        operation: Operation = "kill" if kill else "stop"
+        try:
+            await (self.actuator.kill if kill else self.actuator.stop)(engine.engine_id)
+        except Exception as exc:  # forgotten all the same: its channel is closed
+            self._failed(operation, "stopping %s failed (it may run on): %s", engine.engine_id, exc)
         self.engines.pop(engine.engine_id, None)
+
+    def _failed(self, operation: Operation, message: str, *args: object) -> None:
+        """One log line (`message % args`) and the failure counted."""
+        log.error(message, *args)
+        self.metrics.on_failure(operation)
 
 
 def _describe(decision: Decision) -> str:
@@ -247,13 +304,23 @@ async def run_live(config: PlannerConfig) -> None:
     with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
         workdir = live.workdir or Path(scratch)
         workdir.mkdir(parents=True, exist_ok=True)
+        metrics = PlannerMetrics()
+        metrics_server = None
+        if live.metrics_listen is not None:  # before any engine starts: a bad address stops it
+            metrics_server, _ = start_metrics_server(live.metrics_listen, metrics.registry)
         actuator = LocalProcesses(
             controller=live.controller,
             engine_args=live.engine_args,
             workdir=workdir,
             start_timeout_s=live.start_timeout_s,
         )
-        planner = LivePlanner(Planner(config), actuator, load_timeout_s=live.load_timeout_s)
+        planner = LivePlanner(
+            Planner(config),
+            actuator,
+            load_timeout_s=live.load_timeout_s,
+            lost_after_failed_polls=live.lost_after_failed_polls,
+            metrics=metrics,
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -262,3 +329,5 @@ async def run_live(config: PlannerConfig) -> None:
             await planner.run(stop, config.scaling.tick_s)
         finally:
             await planner.close()
+            if metrics_server is not None:
+                metrics_server.shutdown()

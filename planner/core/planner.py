@@ -32,13 +32,29 @@ from dataclasses import dataclass, field
 
 from planner.config import PlannerConfig, PoolConfig
 from planner.core.actions import has_pending, provisioned, removals, resize
-from planner.core.capacity import CostModel, Need, engines_needed
+from planner.core.capacity import CostModel, Need, PassCost, engines_needed
 from planner.core.decisions import Decision, Reason
 from planner.core.forecast import HoltForecast
 from planner.core.observations import EngineObservation, EngineState, ForwardPasses, Observations
 
 # Weight of a tick's measured mean prompt length in its running mean.
 _PROMPT_ALPHA = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class PoolEstimate:
+    """What a tick's sizing of one pool saw and concluded (for the decision log and metrics)."""
+
+    prompt_tokens_per_s: float  # measured since the previous tick
+    kv_demand: float  # summed over the engines, in engines' worth of cache
+    forecast_prompt_tokens_per_s: float  # `forecast_horizon_s` ahead
+    forecast_kv_demand: float
+    mean_prompt_tokens: float
+    cost: PassCost  # the learned pass-cost model
+    need: Need
+    # The need rounded up within the pool's bounds: the size a scale-up asks for (a
+    # scale-down goes no lower than the largest such size, with headroom, over its window).
+    engines_wanted: int
 
 
 @dataclass(slots=True)
@@ -53,7 +69,7 @@ class _PoolState:
     last_scale_s: float | None = None
     # (time, engines wanted with the scale-down headroom) over the stabilisation window.
     wanted: deque[tuple[float, int]] = field(default_factory=deque)
-    last_need: Need | None = None
+    last_estimate: PoolEstimate | None = None
 
 
 class Planner:
@@ -71,7 +87,13 @@ class Planner:
 
     def need(self, pool: str) -> Need | None:
         """The last tick's sizing of `pool` (for the decision log and tests)."""
-        return self._pools[pool].last_need
+        estimate = self._pools[pool].last_estimate
+        return None if estimate is None else estimate.need
+
+    def estimate(self, pool: str) -> PoolEstimate | None:
+        """The last sizing of `pool`: its inputs and the need; None before the second tick
+        (no rate yet), and kept while the pool is outside its bounds (no sizing then)."""
+        return self._pools[pool].last_estimate
 
     def decide(self, observations: Observations, now_s: float) -> list[Decision]:
         passes_by_engine: dict[str, list[ForwardPasses]] = {}
@@ -107,8 +129,8 @@ class Planner:
                 *decisions,
                 *self._resize(pool, engines, pool.max_engines, Reason.ABOVE_MAX, now_s),
             ]
-        need = self._learn_and_size(state, engines, passes, now_s)
-        if need is None:
+        estimate = self._learn_and_size(pool, state, engines, passes, now_s)
+        if estimate is None:
             # The first tick: the planner takes over the fleet as it is; the cooldown and
             # the window start now (no scale-down before they have seen it).
             state.last_scale_s = now_s
@@ -116,7 +138,7 @@ class Planner:
             return decisions
         pending = has_pending(engines)
         at_risk = self._sla_at_risk(state, engines)
-        up = _clamp(need.engines, pool)
+        up = estimate.engines_wanted
         if up > current:
             cooling = state.last_up_s is not None and now_s - state.last_up_s < (
                 scaling.scale_up_cooldown_s
@@ -129,7 +151,8 @@ class Planner:
             return [*decisions, *self._resize(pool, engines, up, reason, now_s)]
         # Scale-down: the largest size (with headroom) asked for over the window.
         window = state.wanted
-        window.append((now_s, _clamp(need.engines * (1.0 + scaling.scale_down_headroom), pool)))
+        with_headroom = estimate.need.engines * (1.0 + scaling.scale_down_headroom)
+        window.append((now_s, _clamp(with_headroom, pool)))
         while window and window[0][0] < now_s - scaling.scale_down_stabilisation_s:
             window.popleft()
         down = max(wanted for _, wanted in window)
@@ -161,11 +184,12 @@ class Planner:
 
     def _learn_and_size(
         self,
+        pool: PoolConfig,
         state: _PoolState,
         engines: list[EngineObservation],
         passes: list[ForwardPasses],
         now_s: float,
-    ) -> Need | None:
+    ) -> PoolEstimate | None:
         """Steps 3 and 4 of the module docstring; None on the first tick (no rate yet)."""
         usage = {e.engine_id: e.load.kv_usage for e in engines}
         computed_tokens = prefill_seqs = 0
@@ -192,20 +216,35 @@ class Planner:
         if last_s is None or now_s <= last_s:
             return None
         arrivals = max(0.0, (computed_tokens + backlog - last_backlog) / (now_s - last_s))
+        kv_demand = sum(e.load.kv_demand for e in active)
         state.forecast.update(arrivals, now_s)
-        state.kv_forecast.update(sum(e.load.kv_demand for e in active), now_s)
+        state.kv_forecast.update(kv_demand, now_s)
         cap = self.config.capacity
         horizon_s = cap.forecast_horizon_s
+        cost = state.cost.cost()
+        forecast_rate = state.forecast.forecast(horizon_s)
+        forecast_kv = state.kv_forecast.forecast(horizon_s)
+        mean_prompt_tokens = state.mean_prompt_tokens or 0.0
         need = engines_needed(
-            state.cost.cost(),
-            prompt_tokens_per_s=state.forecast.forecast(horizon_s),
-            kv_usage_sum=state.kv_forecast.forecast(horizon_s),
-            mean_prompt_tokens=state.mean_prompt_tokens or 0.0,
+            cost,
+            prompt_tokens_per_s=forecast_rate,
+            kv_usage_sum=forecast_kv,
+            mean_prompt_tokens=mean_prompt_tokens,
             sla=self.config.sla,
             config=cap,
         )
-        state.last_need = need
-        return need
+        estimate = PoolEstimate(
+            prompt_tokens_per_s=arrivals,
+            kv_demand=kv_demand,
+            forecast_prompt_tokens_per_s=forecast_rate,
+            forecast_kv_demand=forecast_kv,
+            mean_prompt_tokens=mean_prompt_tokens,
+            cost=cost,
+            need=need,
+            engines_wanted=_clamp(need.engines, pool),
+        )
+        state.last_estimate = estimate
+        return estimate
 
     def _sla_at_risk(self, state: _PoolState, engines: list[EngineObservation]) -> bool:
         """Some serving engine's queued prefill alone would take longer than the TTFT target."""

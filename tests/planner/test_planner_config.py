@@ -3,6 +3,7 @@ run` refuses a bad file with a ConfigError (which `kvplane`'s main prints as one
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,8 @@ BAD_CONFIGS = {
     "sla: {ttft_ms: -1}\n": "ttft_ms",
     "scaling: {tick_s: 5, typo: 1}\n": "typo",
     "live: {controller: 'localhost'}\n": "HOST:PORT",
+    "live: {controller: '127.0.0.1:1', metrics_listen: 'http://h:1'}\n": "metrics_listen",
+    "live: {controller: '127.0.0.1:1', lost_after_failed_polls: 0}\n": "lost_after_failed_polls",
 }
 
 
@@ -50,3 +53,19 @@ def test_planner_run_refuses_a_bad_config(tmp_path: Path, text: str) -> None:
     assert result.exit_code == 1
     assert isinstance(result.exception, ConfigError)
     assert BAD_CONFIGS[text] in str(result.exception)
+
+
+def test_a_metrics_address_in_use_is_one_line_before_any_engine_starts(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        metrics = f"127.0.0.1:{busy.getsockname()[1]}"
+        path = tmp_path / "planner.yaml"
+        work = tmp_path / "work"
+        live = f"{{controller: '127.0.0.1:1', metrics_listen: '{metrics}', workdir: '{work}'}}"
+        path.write_text(f"live: {live}\n")
+        result = CliRunner().invoke(app, ["planner", "run", "--config", str(path)])
+    assert result.exit_code == 1
+    assert isinstance(result.exception, ConfigError)
+    assert str(result.exception) == f"cannot serve metrics on {metrics}: Address already in use"
+    assert not list(work.iterdir())  # no engine's port file or log

@@ -2,7 +2,8 @@
 in-process controller. It starts the pool's minimum (and asks once while they start), the
 controller routes to them; lowered to one engine, it drains the least loaded through the
 controller, removes it once drained, and stops its process; closing stops the rest, also
-engines still starting."""
+engines still starting. An engine that stops answering (SIGSTOP) is killed and replaced after
+`lost_after_failed_polls` ticks in a row, not after one. /metrics is scraped over HTTP."""
 
 from __future__ import annotations
 
@@ -14,24 +15,32 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from kvplane.errors import KvplaneError
+from kvplane.metrics import start_metrics_server
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import EngineState
 from planner.core.planner import Planner
 from planner.live import LivePlanner
+from planner.metrics import PlannerMetrics
+from tests.controller.conftest import generate_request
 
 
 def planner(min_engines: int, max_engines: int) -> Planner:
@@ -68,10 +77,13 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
 
 
 @contextlib.asynccontextmanager
-async def serving(setup: Setup, count: int) -> AsyncIterator[tuple[LivePlanner, list[str]]]:
-    """A live planner with `count` engines serving (their addresses), closed at the end."""
+async def serving(
+    setup: Setup, count: int, **options: Any
+) -> AsyncIterator[tuple[LivePlanner, list[str]]]:
+    """A live planner (LivePlanner `options`) with `count` engines serving (their addresses),
+    closed at the end."""
     fleet = setup.app.controller.fleet
-    live = LivePlanner(planner(count, count), setup.actuator)
+    live = LivePlanner(planner(count, count), setup.actuator, **options)
     try:
         await live.tick()
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == count, 120)
@@ -123,7 +135,8 @@ async def test_closing_while_engines_start_leaves_no_process(setup: Setup) -> No
 @pytest.mark.timeout(180)
 async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
     fleet, actuator = setup.app.controller.fleet, setup.actuator
-    async with serving(setup, 2) as (live, (victim, _)):
+    metrics = PlannerMetrics()
+    async with serving(setup, 2, metrics=metrics) as (live, (victim, _)):
         process = actuator._processes[victim]
         os.kill(process.pid, signal.SIGKILL)
         await process.wait()
@@ -132,6 +145,8 @@ async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
         assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
         assert victim not in live.engines and victim not in actuator.running()
         assert victim not in {r.address for r in fleet.registry.records()}
+        lost = {"pool": "default", "cause": "exited"}
+        assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
     assert actuator.num_alive() == 0
 
@@ -273,3 +288,163 @@ async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
         await server.stop(None)
     assert [p.duration_s for p in engine.passes] == [0.01, 0.02]
     assert subscriptions == 2
+
+
+@contextlib.asynccontextmanager
+async def metrics_endpoint(metrics: PlannerMetrics) -> AsyncIterator[int]:
+    """`metrics` served as `kvplane planner run` serves them; the port."""
+    server, port = start_metrics_server("127.0.0.1:0", metrics.registry)
+    try:
+        yield port
+    finally:
+        server.shutdown()
+
+
+async def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of http://127.0.0.1:port/metrics, by name and labels."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float | None:
+    return samples.get((name, frozenset(labels.items())))
+
+
+@pytest.mark.timeout(180)
+async def test_metrics_show_the_fleet_the_decisions_and_the_sizing(setup: Setup) -> None:
+    metrics = PlannerMetrics()
+    async with (
+        metrics_endpoint(metrics) as port,
+        serving(setup, 1, metrics=metrics) as (
+            live,
+            (address,),
+        ),
+    ):
+        # The pool's first tick within its bounds only observes (no rate yet).
+        await live.tick()
+        # A prompt through the controller: its forward passes reach the planner.
+        prompt_tokens = 300
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel:
+            request = generate_request("r1", list(range(1, prompt_tokens + 1)))
+            async for _ in pb_grpc.OpenEngineStub(channel).Generate(request):
+                pass
+        engine = live.engines[address]
+        await setup.app.controller.fleet.wait_for(
+            lambda: sum(p.num_prefill_tokens for p in engine.passes) >= prompt_tokens, 30
+        )
+        await live.tick()  # a rate: the core sizes the pool
+        samples = await scrape(port)
+    pool = {"pool": "default"}
+    assert value(samples, "kvplane_planner_engines", **pool, state="serving") == 1
+    assert value(samples, "kvplane_planner_engines", **pool, state="starting") == 0
+    assert value(samples, "kvplane_planner_engines", **pool, state="draining") == 0
+    decisions = "kvplane_planner_decisions_total"
+    assert value(samples, decisions, **pool, kind="scale_pool", reason="below_min") == 1
+    assert value(samples, "kvplane_planner_tick_seconds_count") == 3
+    assert value(samples, "kvplane_planner_forward_passes_total", **pool) >= 1
+    assert value(samples, "kvplane_planner_prompt_tokens_per_second", **pool) > 0
+    assert value(samples, "kvplane_planner_forecast_prompt_tokens_per_second", **pool) > 0
+    assert value(samples, "kvplane_planner_mean_prompt_tokens", **pool) > 0
+    assert value(samples, "kvplane_planner_kv_demand", **pool) is not None
+    assert value(samples, "kvplane_planner_pass_cost_fixed_seconds", **pool) > 0
+    assert value(samples, "kvplane_planner_pass_cost_prefill_seconds_per_token", **pool) > 0
+    assert value(samples, "kvplane_planner_pass_cost_kv_seconds", **pool) is not None
+    assert value(samples, "kvplane_planner_engines_wanted", **pool) == 1  # min = max = 1
+    needed = "kvplane_planner_engines_needed"
+    assert value(samples, needed, **pool, constraint="itl") > 0  # the prompts arriving
+    assert value(samples, needed, **pool, constraint="ttft") > 0
+    assert value(samples, needed, **pool, constraint="kv") is not None  # finished: none held
+
+
+@pytest.mark.timeout(60)
+async def test_a_failed_start_is_counted(tmp_path: Path) -> None:
+    with socket.socket() as unused:  # bound, not listening: the controller refuses
+        unused.bind(("127.0.0.1", 0))
+        metrics = PlannerMetrics()
+        live = LivePlanner(
+            planner(1, 1), local_processes(unused.getsockname()[1], tmp_path), metrics=metrics
+        )
+        async with metrics_endpoint(metrics) as port:
+            try:
+                assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+                await asyncio.gather(*live._starts)  # the start fails (no controller)
+                samples = await scrape(port)
+            finally:
+                await live.close()
+    assert value(samples, "kvplane_planner_actuator_failures_total", operation="start") == 1
+
+
+@contextlib.contextmanager
+def stop_process(pid: int) -> Iterator[None]:
+    """SIGSTOP `pid` (alive to the OS, answering nothing) until the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed meanwhile
+            os.kill(pid, signal.SIGCONT)
+
+
+async def answers(address: str) -> None:
+    """Wait until the engine at `address` answers GetLoad again."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        await pb_grpc.OpenEngineStub(channel).GetLoad(
+            pb.GetLoadRequest(), timeout=30, wait_for_ready=True
+        )
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_slow_for_one_tick_is_kept(setup: Setup) -> None:
+    async with serving(setup, 1, lost_after_failed_polls=2) as (
+        live,
+        (address,),
+    ):
+        process = setup.actuator._processes[address]
+        with stop_process(process.pid):
+            assert await live.tick() == []  # one GetLoad unanswered
+        await answers(address)
+        assert await live.tick() == []  # answered: its count starts over
+        with stop_process(process.pid):
+            assert await live.tick() == []  # one more unanswered, not two in a row
+        assert list(live.engines) == [address]
+        assert live.engines[address].state is EngineState.SERVING
+        assert process.returncode is None
+
+
+@pytest.mark.timeout(180)
+async def test_a_hung_engine_is_killed_and_replaced(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from planner import actuator as actuator_module
+
+    # A graceful stop would wait for ever on a stopped process (its SIGTERM stays pending):
+    # the tick must kill it instead.
+    monkeypatch.setattr(actuator_module, "_STOP_GRACE_S", 3600.0)
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    metrics = PlannerMetrics()
+    async with serving(setup, 2, lost_after_failed_polls=2, metrics=metrics) as (
+        live,
+        (victim, _),
+    ):
+        process = actuator._processes[victim]
+        with stop_process(process.pid):
+            assert await live.tick() == []
+            # The second tick in a row without an answer: lost. Killed (a stopped process
+            # holds SIGTERM pending), out of the controller, and the pool is short again.
+            assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+            assert process.returncode == -signal.SIGKILL
+        assert victim not in live.engines and victim not in actuator.running()
+        assert victim not in {r.address for r in fleet.registry.records()}
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
+        lost = metrics.registry.get_sample_value(
+            "kvplane_planner_engines_lost_total", {"pool": "default", "cause": "unresponsive"}
+        )
+        assert lost == 1
+    assert actuator.num_alive() == 0

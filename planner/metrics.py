@@ -1,0 +1,177 @@
+"""The live planner's Prometheus metrics, served on the side port (`live.metrics_listen`).
+
+Updated by the tick loop (`planner.live`), so a scrape reads the fleet as of the last tick:
+engines per pool and state, the core's sizing of each pool (its inputs, the learned pass-cost
+model, the engines needed by each SLA constraint), the decisions by kind and reason, engines
+lost (exited, or not answering), the actuator's failures by operation, and the tick's
+duration. Label values come from the config (pools), the core's vocabularies (states, kinds,
+reasons) or this module's (causes, operations): never from an engine's address.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from planner.core.decisions import Decision, DrainEngine, ScalePool
+from planner.core.observations import EngineObservation, EngineState
+from planner.core.planner import PoolEstimate
+
+# Why an engine was lost: its process exited on its own, or it stopped answering GetLoad.
+LossCause = Literal["exited", "unresponsive"]
+# What the live planner asked of its actuator.
+Operation = Literal["start", "sync", "drain", "stop", "kill"]
+
+# Ticks take a few ms (one GetLoad round) up to seconds (an engine stopped in the tick, a
+# GetLoad that times out).
+_TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def decision_kind(decision: Decision) -> str:
+    if isinstance(decision, ScalePool):
+        return "scale_pool"
+    if isinstance(decision, DrainEngine):
+        return "drain"
+    return "remove"
+
+
+class PlannerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self._pools: set[str] = set()  # every pool seen, so an emptied one reads 0
+        self.engines = Gauge(
+            "kvplane_planner_engines",
+            "Engines of the pool by state (starting, serving, draining)",
+            ["pool", "state"],
+            registry=r,
+        )
+        self.engines_wanted = Gauge(
+            "kvplane_planner_engines_wanted",
+            "The core's sizing of the pool rounded up within its bounds (what a scale-up asks)",
+            ["pool"],
+            registry=r,
+        )
+        self.engines_needed = Gauge(
+            "kvplane_planner_engines_needed",
+            "Engines (fractional) each SLA constraint needs for the forecast load (itl, ttft, kv)",
+            ["pool", "constraint"],
+            registry=r,
+        )
+        self.prompt_tokens_per_second = Gauge(
+            "kvplane_planner_prompt_tokens_per_second",
+            "Prompt tokens arriving per second, measured over the last tick",
+            ["pool"],
+            registry=r,
+        )
+        self.forecast_prompt_tokens_per_second = Gauge(
+            "kvplane_planner_forecast_prompt_tokens_per_second",
+            "Prompt tokens arriving per second, forecast capacity.forecast_horizon_s ahead",
+            ["pool"],
+            registry=r,
+        )
+        self.kv_demand = Gauge(
+            "kvplane_planner_kv_demand",
+            "KV in use plus queued prompts, summed over engines, in engines' worth of cache",
+            ["pool"],
+            registry=r,
+        )
+        self.forecast_kv_demand = Gauge(
+            "kvplane_planner_forecast_kv_demand",
+            "KV demand forecast capacity.forecast_horizon_s ahead",
+            ["pool"],
+            registry=r,
+        )
+        self.mean_prompt_tokens = Gauge(
+            "kvplane_planner_mean_prompt_tokens",
+            "Running mean of the prompt tokens per prefill sequence",
+            ["pool"],
+            registry=r,
+        )
+        self.pass_fixed_seconds = Gauge(
+            "kvplane_planner_pass_cost_fixed_seconds",
+            "Learned pass-cost model: the fixed time of a forward pass",
+            ["pool"],
+            registry=r,
+        )
+        self.pass_prefill_seconds_per_token = Gauge(
+            "kvplane_planner_pass_cost_prefill_seconds_per_token",
+            "Learned pass-cost model: the time a prompt token adds to a pass",
+            ["pool"],
+            registry=r,
+        )
+        self.pass_kv_seconds = Gauge(
+            "kvplane_planner_pass_cost_kv_seconds",
+            "Learned pass-cost model: the time a full KV cache adds to a pass",
+            ["pool"],
+            registry=r,
+        )
+        self.forward_passes = Counter(
+            "kvplane_planner_forward_passes",
+            "FORWARD_PASS runtime events received from the pool's engines",
+            ["pool"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvplane_planner_decisions",
+            "Decisions of the core by kind (scale_pool, drain, remove) and reason",
+            ["pool", "kind", "reason"],
+            registry=r,
+        )
+        self.engines_lost = Counter(
+            "kvplane_planner_engines_lost",
+            "Engines taken out because their process exited or they stopped answering GetLoad",
+            ["pool", "cause"],
+            registry=r,
+        )
+        self.actuator_failures = Counter(
+            "kvplane_planner_actuator_failures",
+            "Actuator calls that failed, by operation",
+            ["operation"],
+            registry=r,
+        )
+        self.tick_seconds = Histogram(
+            "kvplane_planner_tick_seconds",
+            "Duration of one tick: observe, decide, act",
+            buckets=_TICK_BUCKETS,
+            registry=r,
+        )
+
+    def on_engines(self, engines: Iterable[EngineObservation]) -> None:
+        counts: dict[tuple[str, EngineState], int] = {}
+        for engine in engines:
+            self._pools.add(engine.pool)
+            key = (engine.pool, engine.state)
+            counts[key] = counts.get(key, 0) + 1
+        for pool in self._pools:
+            for state in EngineState:
+                self.engines.labels(pool, state.value).set(counts.get((pool, state), 0))
+
+    def on_estimate(self, pool: str, estimate: PoolEstimate) -> None:
+        self.engines_wanted.labels(pool).set(estimate.engines_wanted)
+        need = estimate.need
+        for constraint, engines in (("itl", need.itl), ("ttft", need.ttft), ("kv", need.kv)):
+            self.engines_needed.labels(pool, constraint).set(engines)
+        self.prompt_tokens_per_second.labels(pool).set(estimate.prompt_tokens_per_s)
+        self.forecast_prompt_tokens_per_second.labels(pool).set(
+            estimate.forecast_prompt_tokens_per_s
+        )
+        self.kv_demand.labels(pool).set(estimate.kv_demand)
+        self.forecast_kv_demand.labels(pool).set(estimate.forecast_kv_demand)
+        self.mean_prompt_tokens.labels(pool).set(estimate.mean_prompt_tokens)
+        cost = estimate.cost
+        self.pass_fixed_seconds.labels(pool).set(cost.fixed_ms / 1000.0)
+        self.pass_prefill_seconds_per_token.labels(pool).set(cost.prefill_ms_per_token / 1000.0)
+        self.pass_kv_seconds.labels(pool).set(cost.kv_ms / 1000.0)
+
+    def on_decision(self, decision: Decision) -> None:
+        kind = decision_kind(decision)
+        self.decisions.labels(decision.pool, kind, decision.reason.value).inc()
+
+    def on_lost(self, pool: str, cause: LossCause) -> None:
+        self.engines_lost.labels(pool, cause).inc()
+
+    def on_failure(self, operation: Operation) -> None:
+        self.actuator_failures.labels(operation).inc()
