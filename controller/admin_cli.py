@@ -36,6 +36,7 @@ from kvplane.cli_common import (
     TokenFileOption,
     bearer_metadata,
     emit,
+    finite_number,
     target_option,
 )
 from kvplane.config import parse_dial_target
@@ -595,6 +596,7 @@ def register_engine(
         typer.Option(
             "--wait-s",
             min=0,
+            callback=finite_number,
             help="Wait this long for the controller to reach the engine; one that it has not "
             "reached by then (or that it rejects) fails the command. 0: return at once.",
         ),

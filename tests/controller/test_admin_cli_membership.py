@@ -96,6 +96,7 @@ async def test_refusals_are_one_line(fleet: Fleet) -> None:
         (["register", "127.0.0.1:0"], "port 0"),
         (["register", "127.0.0.1:9001", "--kv-events", "redis"], "--kv-events"),
         (["register", "127.0.0.1:9001", "--wait-s", "-1"], "--wait-s"),
+        (["register", "127.0.0.1:9001", "--wait-s", "inf"], "not a finite number"),
     ],
 )
 async def test_bad_arguments_are_usage_errors(
