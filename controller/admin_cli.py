@@ -2,16 +2,18 @@
 
 `--target HOST:PORT` names the server (on the group or on each command). Commands that only
 need OpenEngine RPCs (health, load, info, abort, lora, drain --self) work against a
-controller and against any engine; the fleet commands (workers, match, route, cordon, uncordon,
-drain ENGINE, lora load/unload --engine) use the controller's admin API: against a bare engine
-they fail with one line saying they need a controller (exit 1), except `workers`, which shows
-that engine. Tables by default, `--output json` for scripts. The bearer token for mutating RPCs
-comes from `--token-file` or the KVPLANE_TOKEN environment variable. A TLS server is dialled
-with the admin group's `--tls-ca` (and `--tls-cert`/`--tls-key` for mutual TLS).
+controller and against any engine; the fleet commands (workers, match, route, register,
+remove, cordon, uncordon, drain ENGINE, lora load/unload --engine) use the controller's admin
+API: against a bare engine they fail with one line saying they need a controller (exit 1),
+except `workers`, which shows that engine. Tables by default, `--output json` for scripts. The
+bearer token for mutating RPCs comes from `--token-file` or the KVPLANE_TOKEN environment
+variable. A TLS server is dialled with the admin group's `--tls-ca` (and
+`--tls-cert`/`--tls-key` for mutual TLS).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
@@ -22,6 +24,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from controller.config import KvEventsMode
 from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
@@ -33,8 +36,10 @@ from kvplane.cli_common import (
     TokenFileOption,
     bearer_metadata,
     emit,
+    finite_number,
     target_option,
 )
+from kvplane.config import parse_dial_target
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -567,6 +572,111 @@ def _cordon_command(on: bool) -> Callable[..., None]:
     return command
 
 
+# States in which the controller has not had an answer from an engine (yet).
+_NOT_REACHED = frozenset({"unknown", "unreachable"})
+REGISTER_POLL_S = 0.1
+
+
+def register_engine(
+    ctx: typer.Context,
+    *,
+    address: Annotated[
+        str, typer.Argument(help="HOST:PORT of the engine, as the controller dials it.")
+    ],
+    kv_events: Annotated[
+        KvEventsMode,
+        typer.Option(
+            "--kv-events",
+            help="Where the controller takes the engine's KV events from (none: routed "
+            "cache-blind).",
+        ),
+    ] = KvEventsMode.grpc,
+    wait_s: Annotated[
+        float,
+        typer.Option(
+            "--wait-s",
+            min=0,
+            callback=finite_number,
+            help="Wait this long for the controller to reach the engine; one that it has not "
+            "reached by then (or that it rejects) fails the command. 0: return at once.",
+        ),
+    ] = 10.0,
+    target: TargetOpt = None,
+    token_file: TokenFileOption = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Add an engine to the fleet at run time (it stays until `remove`; a controller restart
+    keeps only its config's engines)."""
+    try:
+        parse_dial_target(address)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="ADDRESS") from None
+    server = _server(ctx, target)
+    metadata = bearer_metadata(token_file)
+    req = apb.RegisterEngineRequest(address=address, kv_events=kv_events.value)
+    reply = _admin_call(
+        "register",
+        server,
+        lambda stub: stub.RegisterEngine(req, metadata=metadata, timeout=TIMEOUT_S),
+    )
+    data = _dict(reply)
+    if wait_s > 0:
+        data = _wait_until_reached(server, address, wait_s)
+    emit(data, output, lambda d: _render_workers({"workers": [d]}))
+
+
+def _wait_until_reached(server: ClientTarget, address: str, wait_s: float) -> dict[str, Any]:
+    """The engine's row once the controller has an answer from it (its identity and health);
+    RpcCallError, naming the controller's last error, if it is rejected or still not reached
+    after `wait_s`. The engine stays registered either way: the controller keeps retrying."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        listed = _admin_call(
+            "register",
+            server,
+            lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S),
+        )
+        row = next((w for w in listed.workers if w.address == address), None)
+        if row is None:
+            raise RpcCallError(f"engine {address} left the fleet while it was being registered")
+        if row.state == "incompatible":
+            raise RpcCallError(
+                f"engine {address} registered, but the controller rejects it: {row.last_error}"
+                f" (remove it: kvplane admin remove {address})"
+            )
+        if row.state not in _NOT_REACHED:
+            return _dict(row)
+        if time.monotonic() >= deadline:
+            why = row.last_error or "no answer yet"
+            raise RpcCallError(
+                f"engine {address} registered, but the controller has not reached it in "
+                f"{wait_s:g}s ({why}); it keeps retrying (remove it: kvplane admin remove "
+                f"{address})"
+            )
+        time.sleep(REGISTER_POLL_S)
+
+
+def remove_engine(
+    ctx: typer.Context,
+    engine: Annotated[str, typer.Argument(help="Engine instance id or address.")],
+    target: TargetOpt = None,
+    token_file: TokenFileOption = None,
+    output: OutputOption = OutputFormat.table,
+) -> None:
+    """Take an engine out of the fleet at once (requests running on it are not waited for:
+    `drain` it first) and forget what the index holds for it. The engine process goes on."""
+    metadata = bearer_metadata(token_file)
+    ref = apb.EngineRef(engine=engine)
+    data = _dict(
+        _admin_call(
+            "remove",
+            _server(ctx, target),
+            lambda stub: stub.RemoveEngine(ref, metadata=metadata, timeout=TIMEOUT_S),
+        )
+    )
+    emit(data, output, lambda d: f"{d.get('instance_id') or '-'} ({d.get('address')}) removed")
+
+
 def abort(
     ctx: typer.Context,
     *,
@@ -741,6 +851,8 @@ def register(app: typer.Typer) -> None:
         ("abort", abort),
     ):
         app.command(name)(fn)
+    app.command("register")(register_engine)
+    app.command("remove")(remove_engine)
     app.command("cordon")(_cordon_command(True))
     app.command("uncordon")(_cordon_command(False))
     app.add_typer(lora_app, name="lora")

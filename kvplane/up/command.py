@@ -97,6 +97,7 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
         log.info(
             "stopping the fleet: draining the controller and engines, then stopping every member"
         )
+        await fleet.stop_planners()
         await fleet.drain()
         await fleet.stop()
         log.info("fleet stopped")
@@ -140,7 +141,7 @@ def _report_exit(member: Member) -> None:
 
 def _announce(fleet: Fleet) -> None:
     for m in fleet.members:
-        log.info("fleet member %s (%s) on %s pid %s", m.name, m.kind, m.address, m.pid)
+        log.info("fleet member %s (%s) on %s pid %s", m.name, m.kind, m.address or "-", m.pid)
         if m.metrics_address is not None:
             log.info("fleet member %s metrics on http://%s/metrics", m.name, m.metrics_address)
 

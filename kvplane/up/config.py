@@ -1,10 +1,16 @@
 """A `kvplane up` fleet file (`FleetConfig`) and the embedded default fleet; `load_fleet` also
-checks each member's own server config, and reports a bad one against the fleet file and the
-member (not the copy `up` writes for the member's process)."""
+checks each member's own config, and reports a bad one against the fleet file and the member
+(not the copy `up` writes for the member's process).
+
+Members of the server kinds (engine, indexer, controller) run `kvplane KIND serve`; a
+planner runs `kvplane planner run`: it serves nothing, and starts (and stops) engines of its
+own, which it registers with the controller its `live.controller` names, by default the
+fleet's controller."""
 
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,19 +22,21 @@ from engine.config import EngineConfig
 from indexer.config import IndexerConfig
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, load_config, validate_config
 from kvplane.errors import ConfigError
+from planner.config import PlannerConfig
 
-# The planner is not a member kind yet: `kvplane planner run` is not implemented.
-MemberKind = Literal["engine", "indexer", "controller"]
+MemberKind = Literal["engine", "indexer", "controller", "planner"]
 # A member's name is a file name in the fleet's folder and is referred to as ${name}.
 _NAME = r"[A-Za-z0-9_.-]+"
 PLACEHOLDER = re.compile(rf"\$\{{({_NAME})\}}")
 # The model (engines) and tokenizer (controllers) kvplane builds on first use.
 BUILTIN = "builtin"
-# The config model of each kind's server (what `kvplane KIND serve --config` loads).
-SERVER_CONFIGS: dict[MemberKind, type[ServerConfig]] = {
+# The config model of each kind's process (what `kvplane KIND serve --config`, or `kvplane
+# planner run --config`, loads).
+CONFIG_MODELS: dict[MemberKind, type[ServerConfig] | type[PlannerConfig]] = {
     "engine": EngineConfig,
     "indexer": IndexerConfig,
     "controller": ControllerConfig,
+    "planner": PlannerConfig,
 }
 
 
@@ -51,17 +59,52 @@ class MemberConfig(StrictModel):
             )
         return value
 
+    @property
+    def serves(self) -> bool:
+        """A server (it listens, writes its port, answers health checks); not a planner."""
+        return self.kind != "planner"
+
     def refers_to(self) -> set[str]:
         return set(PLACEHOLDER.findall(yaml.safe_dump(self.config)))
 
-    def server_config(self, addresses: dict[str, str]) -> dict[str, Any]:
-        """The YAML `up` gives the member's server: `config` with each ${name} replaced by
-        `addresses[name]`, `listen` defaulting to 127.0.0.1:0, and a controller's
-        `metrics_listen` too (the live status reads its routing counters there)."""
-        config = {"listen": "127.0.0.1:0", **_substitute(self.config, addresses)}
+    def command(self, config_path: Path, port_file: Path) -> list[str]:
+        """The `kvplane` arguments that run the member."""
+        if not self.serves:
+            return ["planner", "run", "--config", str(config_path)]
+        return [self.kind, "serve", "--config", str(config_path), "--port-file", str(port_file)]
+
+    def server_config(self, addresses: dict[str, str], folder: Path) -> dict[str, Any]:
+        """The YAML `up` gives the member's process: `config` with each ${name} replaced by
+        `addresses[name]`, a server's `listen` defaulting to 127.0.0.1:0, a controller's
+        `metrics_listen` too (the live status reads its routing counters there), and a
+        planner's `live.workdir` (its engines' logs) defaulting to a folder in `folder`, the
+        fleet's, where up keeps the members' logs."""
+        config: dict[str, Any] = _substitute(self.config, addresses)
+        if self.kind == "planner":
+            live = config.get("live")
+            if isinstance(live, dict):  # anything else is the planner config's to refuse
+                live.setdefault("workdir", str(folder / f"{self.name}-engines"))
+            return config
+        config = {"listen": "127.0.0.1:0", **config}
         if self.kind == "controller":
             config.setdefault("metrics_listen", "127.0.0.1:0")
         return config
+
+    def planned_controller(self, controllers: list[str]) -> None:
+        """Fill in a planner's `live.controller`, when it names none, as the address of the
+        fleet's controller (`controllers`: those listed before it), as ${name}."""
+        if self.config.get("live") is None:
+            self.config["live"] = {}
+        live = self.config["live"]
+        if not isinstance(live, dict) or "controller" in live:
+            return  # given (or not a section: the planner config refuses it)
+        if len(controllers) != 1:
+            which = "no controller" if not controllers else f"controllers {', '.join(controllers)}"
+            raise ValueError(
+                f"member {self.name!r}: {which} listed before it, so live.controller (the "
+                "controller its engines are registered with) must be given"
+            )
+        live["controller"] = f"${{{controllers[0]}}}"
 
 
 def _substitute(value: Any, addresses: dict[str, str]) -> Any:
@@ -91,9 +134,14 @@ class FleetConfig(StrictModel):
     @model_validator(mode="after")
     def _check_names(self) -> FleetConfig:
         seen: set[str] = set()
+        controllers: list[str] = []
         for member in self.members:
             if member.name in seen:
                 raise ValueError(f"duplicate member name {member.name!r}")
+            if member.kind == "planner":
+                member.planned_controller(controllers)
+            elif member.kind == "controller":
+                controllers.append(member.name)
             for ref in sorted(member.refers_to()):
                 if ref not in seen:
                     raise ValueError(
@@ -143,15 +191,32 @@ def load_fleet(path: Path | None) -> FleetConfig:
     # The members' addresses are known only once they listen: each has a stand-in of the
     # same shape, distinct from the others' (a controller refuses an engine listed twice).
     stand_ins = {m.name: f"127.0.0.1:{i}" for i, m in enumerate(fleet.members, start=1)}
+    folder = Path(tempfile.gettempdir())  # a stand-in too: the fleet's folder is made at start
+    secured: dict[str, str] = {}  # controller members a planner cannot reach: what they ask for
     for member in fleet.members:
         server = validate_config(
-            SERVER_CONFIGS[member.kind],
-            member.server_config(stand_ins),
+            CONFIG_MODELS[member.kind],
+            member.server_config(stand_ins, folder),
             f"{where}, member {member.name}",
         )
         if isinstance(server, EngineConfig):
             _check_engine_checkpoint(server, f"{where}, member {member.name}")
+        if isinstance(server, ControllerConfig) and (server.tls or server.auth):
+            secured[member.name] = "tls" if server.tls else "auth"
+        if isinstance(server, PlannerConfig):
+            _check_planner_reaches(member, secured, f"{where}, member {member.name}")
     return fleet
+
+
+def _check_planner_reaches(member: MemberConfig, secured: dict[str, str], where: str) -> None:
+    """A planner dials its controller insecurely and without a token (planner.actuator): one
+    that names a controller member serving `tls` or asking for `auth` is refused here rather
+    than failing to register an engine once the fleet runs."""
+    for name in sorted(member.refers_to() & secured.keys()):
+        raise ConfigError(
+            f"invalid config in {where}: the planner dials its controller without TLS or a "
+            f"token, and controller {name} has `{secured[name]}`"
+        )
 
 
 def _check_engine_checkpoint(config: EngineConfig, where: str) -> None:

@@ -13,8 +13,10 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import yaml
@@ -31,6 +33,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.config import PlannerConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +137,28 @@ async def _engines_reached(channels: ClientChannels, address: str) -> bool:
     return all(worker.state != EngineState.UNKNOWN for worker in reply.workers)
 
 
+async def _registered_engines_routable(
+    channels: ClientChannels, address: str, minimum: int
+) -> bool:
+    """Whether the controller at `address` routes to at least `minimum` engines registered
+    through its admin API (`source: admin`, as a planner registers its engines)."""
+    try:
+        async with channels.aio_channel(address) as channel:
+            reply = await apb_grpc.AdminStub(channel).ListWorkers(
+                apb.ListWorkersRequest(), timeout=1.0
+            )
+    except grpc.aio.AioRpcError:
+        return False
+    registered = [w for w in reply.workers if w.source == "admin" and w.routable]
+    return len(registered) >= minimum
+
+
+def _ready_what(member: Member) -> str:
+    if member.config.serves:
+        return f"serving on {member.address}"
+    return "running with its pools' minimum of engines routed to"
+
+
 class Fleet:
     def __init__(self, config: FleetConfig, workdir: Path) -> None:
         self.config = config
@@ -169,15 +194,13 @@ class Fleet:
 
     async def _start_member(self, member: Member, addresses: dict[str, str]) -> None:
         name = member.name
-        config = member.config.server_config(addresses)
+        config = member.config.server_config(addresses, self.workdir)
         config_path = self.workdir / f"{name}.yaml"
         config_path.write_text(yaml.safe_dump(config))
         port_file = self.workdir / f"{name}.port"
         log_path = member.log_path = self.workdir / f"{name}.log"
-        command = [
-            sys.executable, "-m", "kvplane", member.kind, "serve",
-            "--config", str(config_path), "--port-file", str(port_file),
-        ]  # fmt: skip
+        command = [sys.executable, "-m", "kvplane", *member.config.command(config_path, port_file)]
+        ready = self._readiness(member, config)
         env = _member_environment(name, member.config.cpus)
         with log_path.open("wb") as log_file:
             member.process = await asyncio.create_subprocess_exec(
@@ -200,20 +223,37 @@ class Fleet:
             if member.address is None and port_file.exists() and port_file.read_text().strip():
                 host = str(config["listen"]).rpartition(":")[0] or "127.0.0.1"
                 member.address = f"{host}:{port_file.read_text().strip()}"
-            if member.address is not None and await self._ready(member):
-                member.state = "serving"
+            if await ready():
+                member.state = "serving" if member.config.serves else "running"
                 member.find_metrics_address()
-                log.info("%s serving on %s (log %s)", name, member.address, log_path)
+                log.info("%s %s (log %s)", name, _ready_what(member), log_path)
                 return
             await asyncio.sleep(0.1)
-        raise KvplaneError(f"{name} did not become healthy in {self.config.start_timeout_s}s")
+        raise KvplaneError(
+            f"{name} did not become ready in {self.config.start_timeout_s}s (not "
+            f"{_ready_what(member)}); its log ends: {log_tail(log_path)}"
+        )
 
-    async def _ready(self, member: Member) -> bool:
-        """Serving, and for a controller, past its first contact with each engine."""
-        assert member.address is not None
-        if not await _healthy(self.channels, member.address):
-            return False
-        return member.kind != "controller" or await _engines_reached(self.channels, member.address)
+    def _readiness(self, member: Member, config: dict[str, Any]) -> Callable[[], Awaitable[bool]]:
+        """Whether the member is ready: a server serving (a controller, also past its first
+        contact with each engine); a planner once the controller routes to its pools'
+        minimum of engines (before that the fleet is smaller than configured, and a request
+        sent at once, --check's, may find no engine)."""
+        if not member.config.serves:
+            planner = PlannerConfig.model_validate(config)  # load_fleet checked it
+            assert planner.live is not None  # FleetConfig fills in live.controller
+            controller = planner.live.controller
+            minimum = sum(pool.min_engines for pool in planner.pools)
+            return lambda: _registered_engines_routable(self.channels, controller, minimum)
+
+        async def serving() -> bool:
+            if member.address is None or not await _healthy(self.channels, member.address):
+                return False
+            return member.kind != "controller" or await _engines_reached(
+                self.channels, member.address
+            )
+
+        return serving
 
     async def refresh(self) -> None:
         for member in self.members:
@@ -244,6 +284,18 @@ class Fleet:
             for wait in waits:
                 wait.cancel()
         return waits[done.pop()]
+
+    async def stop_planners(self) -> None:
+        """Stop the planners first, before the rest is drained: a planner still running would
+        replace the engines it sees draining. Each takes its engines out of the controller
+        and stops them as it exits (a planner that does not exit in time is killed with its
+        process group, its engines too)."""
+        planners = [m for m in self.members if not m.config.serves and m.process is not None]
+        if planners:
+            log.info(
+                "stopping %s first (each stops its engines)", ", ".join(m.name for m in planners)
+            )
+        await asyncio.gather(*(self._stop_member(m) for m in planners))
 
     async def drain(self) -> None:
         """Drain every running engine and controller at once: in-flight requests get the

@@ -177,6 +177,8 @@ async def test_the_group_target_lasts_one_invocation(fleet: Fleet) -> None:
     [
         ["match", "--prompt", "hello"],
         ["route", "--prompt", "hello"],
+        ["register", "127.0.0.1:9001"],
+        ["remove", "e0"],
         ["cordon", "e0"],
         ["uncordon", "e0"],
         ["drain", "e0"],

@@ -20,7 +20,7 @@ MODELS: dict[str, type[BaseModel]] = {
     "controller": ControllerConfig,
     "engine": EngineConfig,
     "indexer": IndexerConfig,
-    "local": FleetConfig,  # local.yaml, local-disagg.yaml
+    "local": FleetConfig,  # local.yaml, local-disagg.yaml, local-planner.yaml
     "planner": PlannerConfig,
 }
 
@@ -40,3 +40,8 @@ def test_every_member_config_of_the_local_fleet_loads() -> None:
     """Each member's `config` is its server's own YAML, which `load_fleet` checks."""
     fleet = load_fleet(CONFIGS / "local.yaml")
     assert {member.kind for member in fleet.members} == {"engine", "controller"}
+
+
+def test_every_member_config_of_the_planner_fleet_loads() -> None:
+    fleet = load_fleet(CONFIGS / "local-planner.yaml")
+    assert [member.kind for member in fleet.members] == ["engine", "controller", "planner"]

@@ -1,0 +1,217 @@
+"""A `kvplane up` fleet with a planner member: the planner's engines count as the fleet's
+(up waits for its pools' minimum, the status shows them, --check routes to them), and
+stopping stops the planner first, which takes its engines along, leaving no process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvplane.errors import ConfigError
+from kvplane.up.config import FleetConfig, load_fleet
+from kvplane.up.fleet import WORKDIR_PREFIX, Fleet
+from kvplane.up.status import collect_status
+from tests.foundation.test_up import MEMBER_LINE, REPO, _running, _up_check, _wait_gone
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (its planner engines), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # it ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _naming(folder: Path) -> list[int]:
+    """Running processes whose command line names `folder` (members and their children)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(folder) in text and _running(int(cmdline.parent.name)):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+PLANNER_FLEET = {
+    "members": [
+        {"name": "controller", "kind": "controller"},
+        {
+            "name": "planner",
+            "kind": "planner",
+            "config": {
+                "pools": [{"name": "default", "min_engines": 2, "max_engines": 3}],
+                "scaling": {"tick_s": 1},
+            },
+        },
+    ]
+}
+
+
+@pytest.mark.timeout(90)
+async def test_the_planners_engines_are_the_fleets_until_the_planner_stops_first(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(FleetConfig.model_validate(PLANNER_FLEET), tmp_path)
+    planner = fleet.member("planner")
+    engines: list[int] = []
+    try:
+        await fleet.start()
+        # Started means the pool's minimum is routed to: both engines, in the live status.
+        status = await collect_status(fleet)
+        assert [e.state for e in status.engines] == ["ready", "ready"]
+        assert all(e.total_kv_blocks for e in status.engines)
+        assert ("planner", "planner", "-", planner.pid, "running") in status.members
+        assert planner.pid is not None
+        engines = _children(planner.pid)
+        assert len(engines) == 2
+        # Their logs are kept with the members' (up's folder).
+        assert len(list((tmp_path / "planner-engines").glob("default-*.log"))) == 2
+
+        await fleet.stop_planners()
+        assert planner.state == "stopped (0)"
+        assert _wait_gone(engines, 0) == []  # the planner stopped them before it exited
+        # It took them out of the controller, which was still up: no stale engine is left.
+        after = await collect_status(fleet)
+        assert after.engines == []
+        assert fleet.member("controller").state == "serving"
+    finally:
+        await fleet.drain()
+        await fleet.stop()
+        assert _wait_gone(engines, 10) == []
+
+
+@pytest.mark.timeout(90)
+def test_up_check_passes_on_the_shipped_planner_fleet_and_leaves_no_process(
+    tmp_path: Path,
+) -> None:
+    """configs/local-planner.yaml: a fixed engine and a planner keeping one more; --check runs
+    once the planner's engine is routed to, and the planner's engines, which are not members,
+    are stopped too (every process naming up's folder, under TMPDIR=tmp_path, is gone)."""
+    config = yaml.safe_load((REPO / "configs" / "local-planner.yaml").read_text())
+    config["members"][1]["config"]["listen"] = "127.0.0.1:0"
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(config))
+    result = _up_check(fleet, tmp_path, timeout_s=80)
+    assert result.returncode == 0, result.stderr
+    assert "planner running with its pools' minimum of engines routed to" in result.stderr
+    assert "check passed" in result.stderr
+    log = result.stderr
+    assert log.index("stopping planner first") < log.index("fleet stopped")
+    kinds = {m.group(1): m.group(2) for m in MEMBER_LINE.finditer(log)}
+    assert kinds == {"engine-0": "engine", "controller": "controller", "planner": "planner"}
+    assert _naming(tmp_path) == []
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []
+
+
+def _fleet_file(tmp_path: Path, members: str) -> Path:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("members:\n" + members)
+    return fleet
+
+
+def test_a_planner_is_registered_with_the_fleets_controller_by_default(tmp_path: Path) -> None:
+    fleet = _fleet_file(
+        tmp_path,
+        "  - {name: ctl, kind: controller}\n"
+        "  - {name: p, kind: planner, config: {live: {engine_args: [--model, sim]}}}\n"
+        "  - {name: q, kind: planner, config: {live: {controller: '127.0.0.1:9'}}}\n",
+    )
+    members = {m.name: m for m in load_fleet(fleet).members}
+    given = {"controller": "${ctl}", "engine_args": ["--model", "sim"]}
+    assert members["p"].config["live"] == given
+    assert members["p"].refers_to() == {"ctl"}  # started after it, stopped before it
+    assert members["q"].config["live"] == {"controller": "127.0.0.1:9"}  # as given
+
+
+@pytest.mark.parametrize(
+    ("members", "problem"),
+    [
+        (
+            "  - {name: ctl, kind: controller}\n"
+            "  - {name: p, kind: planner, config: {pools: [{min_engines: 3, max_engines: 2}]}}\n",
+            "member p: pools.0: Value error, pool 'default': max_engines (2) is below "
+            "min_engines (3)",
+        ),
+        # A planner listens nowhere: no `listen` is added to its config, nor taken.
+        (
+            "  - {name: ctl, kind: controller}\n"
+            "  - {name: p, kind: planner, config: {listen: '127.0.0.1:0'}}\n",
+            "member p: listen: Extra inputs are not permitted",
+        ),
+        (
+            "  - {name: p, kind: planner}\n  - {name: ctl, kind: controller}\n",
+            "Value error, member 'p': no controller listed before it, so live.controller",
+        ),
+        (
+            "  - {name: c1, kind: controller}\n  - {name: c2, kind: controller}\n"
+            "  - {name: p, kind: planner}\n",
+            "Value error, member 'p': controllers c1, c2 listed before it, so live.controller",
+        ),
+        (
+            "  - {name: ctl, kind: controller, config: {auth: {token_file: /tmp/t}}}\n"
+            "  - {name: p, kind: planner}\n",
+            "member p: the planner dials its controller without TLS or a token, and "
+            "controller ctl has `auth`",
+        ),
+    ],
+    ids=["bad-pool", "listen", "controller-after", "two-controllers", "controller-auth"],
+)
+def test_a_bad_planner_member_is_one_line_naming_the_file_and_the_member(
+    tmp_path: Path, members: str, problem: str
+) -> None:
+    fleet = _fleet_file(tmp_path, members)
+    with pytest.raises(ConfigError) as caught:
+        load_fleet(fleet)
+    message = str(caught.value)
+    assert re.match(rf"invalid config in {re.escape(str(fleet))}\b", message), message
+    assert problem in message and "\n" not in message
+
+
+def test_up_with_a_bad_planner_member_starts_nothing(tmp_path: Path) -> None:
+    fleet = _fleet_file(
+        tmp_path,
+        "  - {name: ctl, kind: controller}\n"
+        "  - {name: p, kind: planner, config: {scaling: {tick_s: 0}}}\n",
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {fleet}, member p: scaling.tick_s: Input should be"
+        " greater than 0"
+    ]
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_planner_whose_engines_never_serve_fails_up_in_one_line(tmp_path: Path) -> None:
+    """Its engines exit at start (an unknown option): the planner keeps trying, up gives up
+    after start_timeout_s, names why from the planner's log, and leaves no process."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "start_timeout_s: 4\n"
+        "members:\n"
+        "  - {name: ctl, kind: controller}\n"
+        "  - name: p\n"
+        "    kind: planner\n"
+        "    config: {scaling: {tick_s: 1}, live: {engine_args: [--nosuch]}}\n"
+    )
+    result = _up_check(fleet, tmp_path, timeout_s=50)
+    assert result.returncode == 1, result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(
+        "kvplane: error: p did not become ready in 4.0s (not running with its pools' minimum"
+        " of engines routed to); its log ends: "
+    )
+    assert "starting an engine of default failed" in error
+    assert _naming(tmp_path) == []
