@@ -10,7 +10,8 @@ sees its pending capacity. An engine whose process exited on its own is removed 
 controller too) before the tick observes, so the core does not count it; a serving engine the
 controller does not list (it restarted) is registered again, one it lists as draining (drained
 by hand) is observed as DRAINING: the core replaces it and removes it once empty. Only engines
-this planner started are managed.
+this planner started, or the actuator adopted (found serving: a Deployment's pods a previous
+planner scaled), are managed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from kvplane.errors import ConfigError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import Actuator, LocalProcesses
-from planner.config import PlannerConfig
+from planner.config import KubernetesConfig, LiveConfig, PlannerConfig
 from planner.core.actions import provisioned
 from planner.core.decisions import Decision, DrainEngine, Policy, RemoveEngine, ScalePool
 from planner.core.observations import (
@@ -45,6 +46,8 @@ from planner.core.observations import (
     Observations,
 )
 from planner.core.planner import Planner
+from planner.kube_api import KubeApi, in_cluster
+from planner.kubernetes import KubernetesDeployments
 
 log = logging.getLogger(__name__)
 
@@ -102,20 +105,21 @@ class LivePlanner:
         return decisions
 
     async def close(self) -> None:
-        """Stop every engine this planner started (the fleet ends with the planner)."""
+        """Stop observing, then close the actuator, which decides the engines' fate: local
+        ones end with the planner, a Deployment's pods keep serving."""
         for task in list(self._starts):
             task.cancel()
         await asyncio.gather(*self._starts, return_exceptions=True)
         for engine in list(self.engines.values()):
-            if engine.state is EngineState.STARTING:  # its start was cancelled
-                del self.engines[engine.engine_id]
-            else:
-                await self._remove(engine)
+            await self._forget(engine)
         await self.actuator.close()
 
     # ---------------------------------------------------------------- observing
 
     async def _observe(self) -> Observations:
+        for address, pool in await self.actuator.adopt():
+            if address not in self.engines:
+                self._serve(address, pool)
         for address in self.actuator.exited():  # the core must not count a dead engine
             engine = self.engines.get(address)
             if engine is not None:
@@ -210,20 +214,28 @@ class LivePlanner:
             del self.engines[placeholder.engine_id]
             return
         del self.engines[placeholder.engine_id]
-        engine = _Engine(address, placeholder.pool, EngineState.SERVING)
+        self._serve(address, placeholder.pool)
+
+    def _serve(self, address: str, pool: str) -> None:
+        """Observe a serving engine (started, or adopted by the actuator)."""
+        engine = _Engine(address, pool, EngineState.SERVING)
         engine.channel = self._channels.aio_channel(address)
         engine.events = asyncio.create_task(self._follow_passes(engine))
         self.engines[address] = engine
-        log.info("engine %s serves in pool %s", address, engine.pool)
+        log.info("engine %s serves in pool %s", address, pool)
 
     async def _remove(self, engine: _Engine) -> None:
+        await self._forget(engine)
+        await self.actuator.stop(engine.engine_id)
+
+    async def _forget(self, engine: _Engine) -> None:
+        """Stop observing `engine` (the actuator still has it)."""
         if engine.events is not None:
             engine.events.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await engine.events
         if engine.channel is not None:
             await engine.channel.close()
-        await self.actuator.stop(engine.engine_id)
         self.engines.pop(engine.engine_id, None)
 
 
@@ -238,21 +250,27 @@ def _describe(decision: Decision) -> str:
     return f"{what} ({decision.reason.value})"
 
 
-async def run_live(config: PlannerConfig) -> None:
-    """`kvplane planner run`: the core over local engine processes until SIGTERM/SIGINT; the
-    engines it started are removed from the controller and stopped (SIGTERM) at the end."""
+async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
+    """`kvplane planner run`: the core over the actuator `live:` chooses (local engine
+    processes, or Deployments' pods) until SIGTERM/SIGINT. Local engines are removed from the
+    controller and stopped (SIGTERM) at the end; pods keep serving. `environ` gives a
+    Kubernetes actuator its in-cluster defaults."""
     live = config.live
     if live is None:
         raise ConfigError("the live planner needs a `live:` section (the controller's address)")
     with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
-        workdir = live.workdir or Path(scratch)
-        workdir.mkdir(parents=True, exist_ok=True)
-        actuator = LocalProcesses(
-            controller=live.controller,
-            engine_args=live.engine_args,
-            workdir=workdir,
-            start_timeout_s=live.start_timeout_s,
-        )
+        actuator: Actuator
+        if live.kubernetes is not None:
+            actuator = await _kubernetes_actuator(live, live.kubernetes, environ)
+        else:
+            workdir = live.workdir or Path(scratch)
+            workdir.mkdir(parents=True, exist_ok=True)
+            actuator = LocalProcesses(
+                controller=live.controller,
+                engine_args=live.engine_args,
+                workdir=workdir,
+                start_timeout_s=live.start_timeout_s,
+            )
         planner = LivePlanner(Planner(config), actuator, load_timeout_s=live.load_timeout_s)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -262,3 +280,30 @@ async def run_live(config: PlannerConfig) -> None:
             await planner.run(stop, config.scaling.tick_s)
         finally:
             await planner.close()
+
+
+async def _kubernetes_actuator(
+    live: LiveConfig, kubernetes: KubernetesConfig, environ: Mapping[str, str]
+) -> KubernetesDeployments:
+    """The actuator, once the API has shown it serves each Deployment (else a ConfigError)."""
+    connection = in_cluster(
+        environ,
+        server=kubernetes.api_server,
+        namespace=kubernetes.namespace,
+        token_file=kubernetes.token_file,
+        ca_file=kubernetes.ca_file,
+    )
+    actuator = KubernetesDeployments(
+        controller=live.controller,
+        api=KubeApi(connection),
+        deployments=kubernetes.deployments,
+        engine_port=kubernetes.engine_port,
+        start_timeout_s=live.start_timeout_s,
+        poll_s=kubernetes.poll_s,
+    )
+    try:
+        await actuator.check()
+    except ConfigError:
+        await actuator.close()
+        raise
+    return actuator

@@ -39,6 +39,15 @@ BAD_CONFIGS = {
     "sla: {ttft_ms: -1}\n": "ttft_ms",
     "scaling: {tick_s: 5, typo: 1}\n": "typo",
     "live: {controller: 'localhost'}\n": "HOST:PORT",
+    "pools: [{name: a}, {name: b}]\n"
+    "live: {controller: 'c:1', kubernetes: {deployments: {a: engine}}}\n": "no Deployment for "
+    "pool(s) b",
+    "live: {controller: 'c:1', kubernetes: {deployments: {default: e, other: e}}}\n": "pools "
+    "share a Deployment: e",
+    "live: {controller: 'c:1', engine_args: [], kubernetes: {deployments: {default: e}}}\n": (
+        "engine_args start local engines"
+    ),
+    "live: {controller: 'c:1', kubernetes: {deployments: {default: Engine_1}}}\n": "pattern",
 }
 
 
