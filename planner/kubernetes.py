@@ -171,7 +171,7 @@ class KubernetesDeployments:
             self._waiting[pool] -= 1
         try:
             async with asyncio.timeout(self._start_timeout_s):
-                await self._admin.register(engine.address)
+                await self._admin.register(engine.address, existing_ok=True)
                 await self._admin.wait_routed(engine.address)
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             # Free again (or exited meanwhile): the next `adopt` takes it if it is Ready.
@@ -211,13 +211,19 @@ class KubernetesDeployments:
             await asyncio.sleep(self._poll_s)
 
     def _free(self, pool: str, pods: Sequence[Pod]) -> list[Pod]:
-        """Ready pods, oldest first, that are no engine and not on their way out."""
+        """Ready pods, oldest first, that are no engine and not on their way out. A pod at
+        the address of an exited engine waits until the planner has removed that one (pod
+        IPs are reused): one address, one engine."""
         taken = {e.uid for e in self._engines.values()} | set(self._leaving) | set(self._unscaled)
         return sorted(
             (
                 pod
                 for pod in pods
-                if pod.ready and not pod.deleting and pod.ip and pod.uid not in taken
+                if pod.ready
+                and not pod.deleting
+                and pod.ip
+                and pod.uid not in taken
+                and f"{pod.ip}:{self._engine_port}" not in self._exited
             ),
             key=lambda pod: (pod.created, pod.name),
         )

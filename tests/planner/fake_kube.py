@@ -124,6 +124,7 @@ class FakeKube:
         self.pods: dict[str, Pod] = {}
         self.deleted: list[str] = []  # pods the ReplicaSet part deleted to scale down, in order
         self.forbidden: set[tuple[str, str]] = set()  # (verb, resource) refused with 403
+        self.requests: set[tuple[str, str, str]] = set()  # (API group, resource, verb) asked
         self._closing = threading.Event()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -260,6 +261,7 @@ class FakeKube:
             return 200, self._pod_object(pod)
 
     def _check_allowed(self, verb: str, resource: str, what: str, group: str = "") -> None:
+        self.requests.add((group, resource, verb))
         if (verb, resource) in self.forbidden:
             raise ApiError(
                 403,

@@ -22,22 +22,25 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from fake_kube import FakeKube
 from typer.testing import CliRunner
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from kvplane.cli import app as kvplane_app
+from kvplane.config import load_config
 from kvplane.errors import ConfigError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.planner import Planner
-from planner.kube_api import KubeApi, KubeConnection
+from planner.kube_api import KubeApi, KubeConnection, Scale
 from planner.kubernetes import KubernetesDeployments
 from planner.live import LivePlanner
 
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEPLOYMENT = "kvplane-engine"
 LABELS = {"app": "kvplane-engine", "pool": "default"}
 
@@ -169,6 +172,32 @@ async def test_a_start_scales_up_and_registers_the_ready_pod(empty: Cluster) -> 
 
 
 @pytest.mark.timeout(120)
+async def test_a_start_does_not_overwrite_a_scale_changed_meanwhile(empty: Cluster) -> None:
+    class OperatorScalesMeanwhile(KubeApi):
+        """`kubectl scale --replicas=2` between the actuator's read of the scale and its
+        PATCH: the PATCH, conditional on the version read, is refused (409 Conflict)."""
+
+        scaled = False
+
+        def get_scale(self, deployment: str) -> Scale:
+            scale = super().get_scale(deployment)
+            if not self.scaled:
+                self.scaled = True
+                super().patch_scale(deployment, 2, scale.resource_version)
+            return scale
+
+    actuator = empty.actuator(OperatorScalesMeanwhile(empty.api().connection))
+    try:
+        address = await actuator.start("default")
+    finally:
+        await actuator.close()
+    # Read again, the Deployment has replicas no engine is: the start takes one of them.
+    assert empty.kube.deployments[DEPLOYMENT].replicas == 2
+    await empty.wait(lambda: len(empty.kube.ready_pods(DEPLOYMENT)) == 2)
+    assert address in {empty.kube.address(p) for p in empty.kube.ready_pods(DEPLOYMENT)}
+
+
+@pytest.mark.timeout(120)
 async def test_a_removal_deletes_the_drained_pod_not_another(two_pods: Cluster) -> None:
     kube = two_pods.kube
     # Draining the pod Ready first: one replica fewer alone would delete the other one
@@ -265,9 +294,13 @@ async def test_api_errors_at_start_are_one_line(empty: Cluster, tmp_path: Path) 
         unreachable = KubeApi(
             KubeConnection(f"https://127.0.0.1:{unused.getsockname()[1]}", "serving", None, None)
         )
+        untrusted = KubeApi(  # the system's roots do not hold the fake's certificate
+            KubeConnection(empty.kube.url, "serving", empty.token_file, None)
+        )
         cases: list[tuple[KubeApi, str]] = [
             (empty.api(wrong_token), "401 Unauthorized: Unauthorized"),
             (unreachable, "Connection refused"),
+            (untrusted, "TLS: self-signed certificate"),
         ]
         messages = [await check(empty, api) for api, _ in cases]
     empty.kube.forbidden.add(("list", "pods"))
@@ -368,6 +401,31 @@ async def test_load_scales_the_deployment_up_and_its_end_down_deleting_the_drain
     assert kube.deployments[DEPLOYMENT].replicas == 1
     (serving,) = (kube.address(p) for p in kube.ready_pods(DEPLOYMENT))
     assert serving != drained and empty.registered() == [serving]
+    assert kube.requests <= shipped_role()  # the shipped RBAC Role allows all it asked
+
+
+def shipped_role() -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) the Role of configs/k8s/planner-rbac.yaml grants."""
+    documents = yaml.safe_load_all((CONFIGS / "k8s" / "planner-rbac.yaml").read_text())
+    (role,) = (d for d in documents if d["kind"] == "Role")
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_the_shipped_manifest_fits_the_shipped_config() -> None:
+    config = load_config(PlannerConfig, CONFIGS / "planner-k8s.yaml")
+    assert config.live is not None and config.live.kubernetes is not None
+    (deployment,) = yaml.safe_load_all((CONFIGS / "k8s" / "engine-deployment.yaml").read_text())
+    assert config.live.kubernetes.deployments == {"default": deployment["metadata"]["name"]}
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert [p["containerPort"] for p in container["ports"]] == [config.live.kubernetes.engine_port]
+    assert container["readinessProbe"]["grpc"]["port"] == config.live.kubernetes.engine_port
+    assert f"0.0.0.0:{config.live.kubernetes.engine_port}" in container["command"]
 
 
 async def ticks_until(live: LivePlanner, wanted: Callable[[object], bool]) -> list[object]:
