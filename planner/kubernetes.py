@@ -121,14 +121,17 @@ class KubernetesDeployments:
             await self._retry_removals(pool)
             if self._waiting[pool]:  # its starts take the Ready pods first
                 continue
-            for pod in self._free(pool, pods):
+            for pod in self._free(pods):
+                if any(e.uid == pod.uid for e in self._engines.values()):
+                    continue  # a start that began during a registration below took it
                 engine = _Engine(pool, pod.name, pod.uid, f"{pod.ip}:{self._engine_port}")
+                self._engines[engine.address] = engine  # taken before the wait: starts look
                 try:
                     await self._admin.register(engine.address, existing_ok=True)
                 except grpc.aio.AioRpcError as exc:
+                    del self._engines[engine.address]
                     log.warning("pod %s not adopted yet: controller %s", pod.name, rpc_error(exc))
                     break
-                self._engines[engine.address] = engine
                 adopted.append((engine.address, pool))
                 log.info("pod %s of Deployment %s adopted", pod.name, self._deployments[pool])
         return adopted
@@ -203,14 +206,14 @@ class KubernetesDeployments:
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 pods = []
-            for pod in self._free(pool, pods):
+            for pod in self._free(pods):
                 engine = _Engine(pool, pod.name, pod.uid, f"{pod.ip}:{self._engine_port}")
                 self._engines[engine.address] = engine
                 log.info("pod %s of pool %s is Ready at %s", pod.name, pool, engine.address)
                 return engine
             await asyncio.sleep(self._poll_s)
 
-    def _free(self, pool: str, pods: Sequence[Pod]) -> list[Pod]:
+    def _free(self, pods: Sequence[Pod]) -> list[Pod]:
         """Ready pods, oldest first, that are no engine and not on their way out. A pod at
         the address of an exited engine waits until the planner has removed that one (pod
         IPs are reused): one address, one engine."""

@@ -13,9 +13,11 @@ import contextlib
 import http.client
 import itertools
 import json
+import signal
 import socket
 import ssl
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,18 +262,20 @@ async def test_pods_that_vanish_or_crash_are_reported_and_leave_the_controller(
         delete_pod(two_pods, deleted.name)  # `kubectl delete pod`: the ReplicaSet replaces it
         kube.kill_container(crashed.name)
         await two_pods.wait(lambda: not kube.pods[crashed.name].ready)
-        assert await actuator.adopt() == []
+        adopted = await actuator.adopt()  # the replacement, if it is Ready already
         gone = sorted(kube.address(pod) for pod in (deleted, crashed))
         assert actuator.exited() == gone
         for address in gone:
             await actuator.stop(address)
-        assert two_pods.registered() == []
         assert kube.deployments[DEPLOYMENT].replicas == 2  # refilled by Kubernetes, not by us
-        # The replacement serves: adopted at a later tick.
+        assert not set(gone) & set(two_pods.registered())
+        # The ReplicaSet's replacement serves: adopted.
         await two_pods.wait(lambda: len(kube.ready_pods(DEPLOYMENT)) == 1)
         (replacement,) = kube.ready_pods(DEPLOYMENT)
-        assert await actuator.adopt() == [(kube.address(replacement), "default")]
+        adopted += await actuator.adopt()
+        assert adopted == [(kube.address(replacement), "default")]
         assert actuator.exited() == []
+        assert two_pods.registered() == [kube.address(replacement)]
     finally:
         await actuator.close()
 
@@ -348,6 +352,37 @@ def test_planner_run_names_a_missing_deployment_in_one_line(
     assert "is Deployment missing in namespace serving?" in line
 
 
+@pytest.mark.timeout(120)
+async def test_planner_run_scales_the_deployment_and_leaves_its_pods_when_stopped(
+    empty: Cluster, tmp_path: Path
+) -> None:
+    kubernetes = {
+        "api_server": empty.kube.url,
+        "namespace": empty.kube.namespace,
+        "token_file": str(empty.token_file),
+        "ca_file": str(empty.ca_file),
+        "engine_port": empty.kube.engine_port,
+        "deployments": {"default": DEPLOYMENT},
+        "poll_s": 0.1,
+    }
+    live = {"controller": f"127.0.0.1:{empty.app.port}", "kubernetes": kubernetes}
+    config = tmp_path / "planner.yaml"
+    config.write_text(json.dumps({"pools": [{"min_engines": 2, "max_engines": 2}], "live": live}))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await empty.wait_routable(2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0
+    # The Deployment outlives the planner: its pods serve on, registered, for the next one.
+    assert empty.kube.deployments[DEPLOYMENT].replicas == 2
+    addresses = sorted(empty.kube.address(p) for p in empty.kube.ready_pods(DEPLOYMENT))
+    assert len(addresses) == 2 and empty.registered() == addresses
+
+
 @pytest.mark.timeout(60)
 async def test_api_errors_mid_run_do_not_stop_the_planner(empty: Cluster) -> None:
     live = LivePlanner(planner(1, 1), empty.actuator())
@@ -356,8 +391,8 @@ async def test_api_errors_mid_run_do_not_stop_the_planner(empty: Cluster) -> Non
         assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
         await asyncio.gather(*live._starts)  # the start failed (logged)
         assert not live.engines
-        assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]  # asked again
         empty.kube.forbidden.clear()
+        assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]  # asked again
         await empty.wait_routable(1)
     finally:
         await live.close()
