@@ -52,8 +52,8 @@ class Actuator(Protocol):
         ...
 
     def exited(self) -> list[str]:
-        """Addresses of started engines that are gone on their own (crashed, killed): not
-        stopped through `stop`."""
+        """Addresses of started or adopted engines that are gone on their own (crashed,
+        killed, their pod deleted): not stopped through `stop`."""
         ...
 
     async def drain(self, address: str, within_s: float) -> None:

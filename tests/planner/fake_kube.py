@@ -158,14 +158,15 @@ class FakeKube:
                 raise TimeoutError("the fake cluster did not get there")
 
     def ready_pods(self, deployment: str) -> list[Pod]:
-        return sorted(
-            (
-                p
-                for p in self.pods.values()
-                if p.deployment == deployment and p.ready and p.deletion_timestamp is None
-            ),
-            key=lambda p: p.number,
-        )
+        with self._changed:  # the kubelet thread changes the dict (the lock is re-entrant)
+            return sorted(
+                (
+                    p
+                    for p in self.pods.values()
+                    if p.deployment == deployment and p.ready and p.deletion_timestamp is None
+                ),
+                key=lambda p: p.number,
+            )
 
     def address(self, pod: Pod) -> str:
         return f"{pod.ip}:{self.engine_port}"

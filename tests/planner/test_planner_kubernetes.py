@@ -38,7 +38,7 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.planner import Planner
-from planner.kube_api import KubeApi, KubeConnection, Scale
+from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Scale, in_cluster
 from planner.kubernetes import KubernetesDeployments
 from planner.live import LivePlanner
 
@@ -327,6 +327,36 @@ async def check(cluster: Cluster, api: KubeApi) -> str:
     finally:
         await actuator.close()
     return str(refused.value)
+
+
+def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
+    tmp_path: Path,
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    environ = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "6443"}
+
+    def connect(
+        env: dict[str, str], namespace: str | None = "serving", token_file: Path = token
+    ) -> KubeConnection:
+        return in_cluster(
+            env, server=None, namespace=namespace, token_file=token_file, ca_file=None
+        )
+
+    assert connect(environ).server == "https://10.96.0.1:6443"
+    assert connect({"KUBERNETES_SERVICE_HOST": "fd00::1"}).server == "https://[fd00::1]:443"
+    refusals: dict[str, Callable[[], KubeConnection]] = {
+        "KUBERNETES_SERVICE_HOST is not in the environment": lambda: connect({}),
+        "token_file /nonexistent is not a file": lambda: connect(
+            environ, token_file=Path("/nonexistent")
+        ),
+    }
+    if not SERVICE_ACCOUNT_DIR.exists():  # outside a pod: no namespace file to default to
+        refusals["namespace is not set"] = lambda: connect(environ, namespace=None)
+    for expected, call in refusals.items():
+        with pytest.raises(ConfigError, match=expected) as refused:
+            call()
+        assert "\n" not in str(refused.value)
 
 
 def test_planner_run_names_a_missing_deployment_in_one_line(
