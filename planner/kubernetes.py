@@ -13,7 +13,8 @@
   controller, then the pod gets `controller.kubernetes.io/pod-deletion-cost` set to the
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
   not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
-  refuses is retried at every later `adopt` (each tick) until it is done.
+  refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
+  ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod).
 - **Adoption**: every `adopt` (each tick) lists each Deployment's pods; Ready pods no engine is
   yet are registered with the controller (one it already lists is fine) and reported, unless a
   start of that pool is waiting for a pod. So a restarted planner takes over the fleet as it
@@ -88,7 +89,8 @@ class KubernetesDeployments:
         self._waiting = collections.Counter[str]()  # starts of a pool waiting for a pod
         self._exited: dict[str, _Engine] = {}  # by address, reported by `exited`
         self._unscaled: dict[str, _Engine] = {}  # by uid: removals the API refused so far
-        self._leaving: dict[str, str] = {}  # pools of pods scaled away by uid, until gone
+        self._leaving: dict[str, _Engine] = {}  # by uid: pods scaled away, until gone
+        self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
         self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
 
     async def check(self) -> None:
@@ -138,7 +140,7 @@ class KubernetesDeployments:
 
     def _note_exits(self, pool: str, pods: Sequence[Pod]) -> None:
         by_uid = {pod.uid: pod for pod in pods}
-        self._leaving = {u: p for u, p in self._leaving.items() if p != pool or u in by_uid}
+        self._check_leaving(pool, by_uid)
         for engine in [e for e in self._engines.values() if e.pool == pool]:
             pod = by_uid.get(engine.uid)
             if pod is None or pod.deleting:
@@ -149,6 +151,22 @@ class KubernetesDeployments:
                 continue
             log.warning("pod %s (engine %s) %s", engine.pod, engine.address, why)
             self._exited[engine.address] = self._engines.pop(engine.address)
+
+    def _check_leaving(self, pool: str, by_uid: Mapping[str, Pod]) -> None:
+        """Forget pods scaled away once they are gone. One still there, not terminating, while
+        the Deployment has no more pods than replicas was spared: the ReplicaSet deleted
+        another (it reads the deletion cost from a cache that may lag the annotation; the
+        other is then reported as exited). Its removal is done again."""
+        active = sum(1 for pod in by_uid.values() if not pod.deleting)
+        for uid, engine in list(self._leaving.items()):
+            pod = by_uid.get(uid)
+            if engine.pool != pool or (pod is not None and pod.deleting):
+                continue  # another pool's, or terminating: gone soon
+            if pod is None:
+                del self._leaving[uid]
+            elif active <= self._replicas.get(pool, active):
+                log.warning("pod %s was spared by the scale-down: removing it again", pod.name)
+                self._unscaled[uid] = self._leaving.pop(uid)
 
     def exited(self) -> list[str]:
         return sorted(self._exited)
@@ -254,7 +272,7 @@ class KubernetesDeployments:
                 log.warning("pod %s not removed yet (tried again next tick): %s", engine.pod, exc)
                 return
             del self._unscaled[engine.uid]
-            self._leaving[engine.uid] = pool
+            self._leaving[engine.uid] = engine
 
     async def _scale_away(self, engine: _Engine) -> None:
         """The pod first to go (lowest deletion cost), then one replica fewer."""
@@ -274,6 +292,7 @@ class KubernetesDeployments:
     async def _scale(self, pool: str) -> Scale:
         scale = await asyncio.to_thread(self._api.get_scale, self._deployments[pool])
         self._selectors[pool] = scale.selector
+        self._replicas[pool] = scale.replicas
         return scale
 
     async def _rescale(self, pool: str, replicas: Callable[[Scale], int | None]) -> None:
@@ -295,6 +314,7 @@ class KubernetesDeployments:
                     if exc.status != 409 or attempt == _SCALE_ATTEMPTS - 1:
                         raise
                     continue
+                self._replicas[pool] = wanted
                 log.info("Deployment %s scaled from %d to %d", deployment, scale.replicas, wanted)
                 return
 

@@ -19,7 +19,8 @@ What it implements (namespaced, one namespace):
 - The ReplicaSet part keeps as many non-terminating pods as replicas. Scaling down, it deletes
   pods in Kubernetes' order (`ActivePodsWithRanks`): Pending before Running, not Ready before
   Ready, lower `controller.kubernetes.io/pod-deletion-cost` first, then the more recently
-  Ready, then the newer.
+  Ready, then the newer. `stale_deletion_cost` makes the next scale-down ignore the costs, as
+  a ReplicaSet controller whose cache has not seen an annotation yet does.
 - The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
   do not collide; Linux routes all of 127.0.0.0/8 to lo), starts `python -m kvplane engine
   serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a cluster), and
@@ -125,6 +126,9 @@ class FakeKube:
         self.deleted: list[str] = []  # pods the ReplicaSet part deleted to scale down, in order
         self.forbidden: set[tuple[str, str]] = set()  # (verb, resource) refused with 403
         self.requests: set[tuple[str, str, str]] = set()  # (API group, resource, verb) asked
+        # Set: the next scale-down ranks pods without their deletion cost, as a ReplicaSet
+        # controller does whose informer cache has not seen the annotation yet.
+        self.stale_deletion_cost = False
         self._closing = threading.Event()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -388,7 +392,9 @@ class FakeKube:
             )
         surplus = len(active) - deployment.replicas
         if surplus > 0:
-            for pod in sorted(active, key=_deletion_rank)[:surplus]:
+            stale, self.stale_deletion_cost = self.stale_deletion_cost, False
+            rank = _stale_deletion_rank if stale else _deletion_rank
+            for pod in sorted(active, key=rank)[:surplus]:
                 self.deleted.append(pod.name)
                 self._delete(pod)
 
@@ -429,6 +435,10 @@ def _deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:
     cost = int(pod.annotations.get(DELETION_COST, "0"))
     ready_since = pod.ready_since or 0.0
     return (pod.process is not None, pod.ready, cost, -ready_since, -pod.number)
+
+
+def _stale_deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:
+    return (*_deletion_rank(pod)[:2], 0, *_deletion_rank(pod)[3:])
 
 
 def _probe_due(pod: Pod) -> bool:

@@ -229,6 +229,29 @@ async def test_a_removal_deletes_the_drained_pod_not_another(two_pods: Cluster) 
 
 
 @pytest.mark.timeout(120)
+async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cluster) -> None:
+    """The ReplicaSet controller ranks pods from a cache that may not hold the deletion cost
+    yet: it deletes the other pod. That one is reported as exited, and the drained pod is
+    scaled away again, rather than left serving nothing and counting as a replica."""
+    kube = two_pods.kube
+    drained, other = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    actuator = two_pods.actuator()
+    try:
+        await actuator.adopt()
+        await actuator.drain(kube.address(drained), 5)
+        kube.stale_deletion_cost = True
+        await actuator.stop(kube.address(drained))
+        await two_pods.wait(lambda: other.deletion_timestamp is not None)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == [kube.address(other)]
+        await two_pods.wait(lambda: drained.name not in kube.pods)
+    finally:
+        await actuator.close()
+    assert kube.deleted == [other.name, drained.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 0  # the core starts the one it needs
+
+
+@pytest.mark.timeout(120)
 async def test_a_restarted_planner_adopts_the_pods_instead_of_doubling_them(
     two_pods: Cluster,
 ) -> None:
