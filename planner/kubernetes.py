@@ -41,8 +41,9 @@ import grpc
 
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import ConfigError, KvplaneError
+from planner.config import KubernetesConfig, LiveConfig
 from planner.controller_admin import ControllerAdmin, rpc_error
-from planner.kube_api import KubeApi, KubeApiError, Pod, Scale
+from planner.kube_api import KubeApi, KubeApiError, Pod, Scale, in_cluster
 
 log = logging.getLogger(__name__)
 
@@ -328,3 +329,31 @@ class KubernetesDeployments:
 
     async def _pods(self, pool: str) -> list[Pod]:
         return await asyncio.to_thread(self._api.list_pods, await self._selector(pool))
+
+
+async def connect_deployments(
+    live: LiveConfig, kubernetes: KubernetesConfig, environ: Mapping[str, str]
+) -> KubernetesDeployments:
+    """The actuator `live.kubernetes` describes (`environ` gives the in-cluster defaults),
+    once the API has shown it serves each Deployment; else a ConfigError (one line)."""
+    connection = in_cluster(
+        environ,
+        server=kubernetes.api_server,
+        namespace=kubernetes.namespace,
+        token_file=kubernetes.token_file,
+        ca_file=kubernetes.ca_file,
+    )
+    actuator = KubernetesDeployments(
+        controller=live.controller,
+        api=KubeApi(connection),
+        deployments=kubernetes.deployments,
+        engine_port=kubernetes.engine_port,
+        start_timeout_s=live.start_timeout_s,
+        poll_s=kubernetes.poll_s,
+    )
+    try:
+        await actuator.check()
+    except ConfigError:
+        await actuator.close()
+        raise
+    return actuator

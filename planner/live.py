@@ -34,7 +34,7 @@ from kvplane.errors import ConfigError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import Actuator, LocalProcesses
-from planner.config import KubernetesConfig, LiveConfig, PlannerConfig
+from planner.config import PlannerConfig
 from planner.core.actions import provisioned
 from planner.core.decisions import Decision, DrainEngine, Policy, RemoveEngine, ScalePool
 from planner.core.observations import (
@@ -46,8 +46,7 @@ from planner.core.observations import (
     Observations,
 )
 from planner.core.planner import Planner
-from planner.kube_api import KubeApi, in_cluster
-from planner.kubernetes import KubernetesDeployments
+from planner.kubernetes import connect_deployments
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +260,7 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
     with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
         actuator: Actuator
         if live.kubernetes is not None:
-            actuator = await _kubernetes_actuator(live, live.kubernetes, environ)
+            actuator = await connect_deployments(live, live.kubernetes, environ)
         else:
             workdir = live.workdir or Path(scratch)
             workdir.mkdir(parents=True, exist_ok=True)
@@ -280,30 +279,3 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             await planner.run(stop, config.scaling.tick_s)
         finally:
             await planner.close()
-
-
-async def _kubernetes_actuator(
-    live: LiveConfig, kubernetes: KubernetesConfig, environ: Mapping[str, str]
-) -> KubernetesDeployments:
-    """The actuator, once the API has shown it serves each Deployment (else a ConfigError)."""
-    connection = in_cluster(
-        environ,
-        server=kubernetes.api_server,
-        namespace=kubernetes.namespace,
-        token_file=kubernetes.token_file,
-        ca_file=kubernetes.ca_file,
-    )
-    actuator = KubernetesDeployments(
-        controller=live.controller,
-        api=KubeApi(connection),
-        deployments=kubernetes.deployments,
-        engine_port=kubernetes.engine_port,
-        start_timeout_s=live.start_timeout_s,
-        poll_s=kubernetes.poll_s,
-    )
-    try:
-        await actuator.check()
-    except ConfigError:
-        await actuator.close()
-        raise
-    return actuator
