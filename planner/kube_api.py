@@ -100,6 +100,8 @@ def in_cluster(
                 f"live.kubernetes.namespace is not set and {namespace_file} cannot be read "
                 f"({exc.strerror}): give the namespace"
             ) from exc
+    if not server.startswith("https://"):
+        ca_file = None  # plain HTTP (a `kubectl proxy`): no certificate to verify
     for what, path in (("token_file", token_file), ("ca_file", ca_file)):
         if path is not None and not path.is_file():
             raise ConfigError(f"live.kubernetes.{what} {path} is not a file")

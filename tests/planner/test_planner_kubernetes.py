@@ -107,7 +107,9 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def fake_kube(tmp_path: Path, tls_files: tuple[Path, Path], **options: float) -> Iterator[FakeKube]:
+def fake_kube(
+    tmp_path: Path, tls_files: tuple[Path, Path] | None, **options: float
+) -> Iterator[FakeKube]:
     kube = FakeKube(tmp_path, engine_port=free_port(), tls=tls_files, **options)
     try:
         yield kube
@@ -368,6 +370,15 @@ def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
 
     assert connect(environ).server == "https://10.96.0.1:6443"
     assert connect({"KUBERNETES_SERVICE_HOST": "fd00::1"}).server == "https://[fd00::1]:443"
+    # `kubectl proxy`: plain HTTP, no token; the default CA file (absent here) is not needed.
+    proxy = in_cluster(
+        {},
+        server="http://127.0.0.1:8001",
+        namespace="serving",
+        token_file=None,
+        ca_file=SERVICE_ACCOUNT_DIR / "ca.crt",
+    )
+    assert proxy == KubeConnection("http://127.0.0.1:8001", "serving", None, None)
     refusals: dict[str, Callable[[], KubeConnection]] = {
         "KUBERNETES_SERVICE_HOST is not in the environment": lambda: connect({}),
         "token_file /nonexistent is not a file": lambda: connect(
@@ -382,17 +393,14 @@ def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
         assert "\n" not in str(refused.value)
 
 
-def test_planner_run_names_a_missing_deployment_in_one_line(
-    tmp_path: Path, tls_files: tuple[Path, Path]
-) -> None:
-    with fake_kube(tmp_path, tls_files) as kube:
+def test_planner_run_names_a_missing_deployment_in_one_line(tmp_path: Path) -> None:
+    with fake_kube(tmp_path, None) as kube:  # plain HTTP, as through a `kubectl proxy`
         token_file = tmp_path / "token"
         token_file.write_text(kube.token)
         kubernetes = {
             "api_server": kube.url,
             "namespace": kube.namespace,
-            "token_file": str(token_file),
-            "ca_file": str(tls_files[0]),
+            "token_file": str(token_file),  # the default ca_file (absent here) is not needed
             "deployments": {"default": "missing"},
         }
         config = tmp_path / "planner.yaml"
