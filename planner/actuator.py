@@ -1,17 +1,19 @@
 """Actuators: how the live planner's decisions reach the fleet.
 
 `Actuator` is the seam (a Protocol, like Dynamo's planner connectors): start one engine of a
-pool and return its address once the controller routes to it; drain one through the
-controller (which stops routing to it at once and relays the engine's Drain); stop a drained
-one, or kill one that stopped answering. `LocalProcesses` runs `kvplane engine serve` children
-on this machine and registers them with the controller's admin API; a Kubernetes actuator
-(patching a scale) is not built yet.
+pool and return its address once the controller routes to it; report engines that serve
+without the planner having started them (adopted); drain one through the controller (which
+stops routing to it at once and relays the engine's Drain); stop a drained one, or kill one
+that stopped answering. Both actuators speak to the controller through
+`planner.controller_admin.ControllerAdmin`.
+`LocalProcesses` runs `kvplane engine serve` children on this machine (they end with the
+planner, so it adopts nothing); `planner.kubernetes.KubernetesDeployments` scales one
+Deployment per pool.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
@@ -25,19 +27,22 @@ import grpc
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import KvplaneError
 from kvplane.up.member import member_environment
-from kvplane_api.v1 import admin_pb2 as apb
-from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from planner.controller_admin import ControllerAdmin, rpc_error
 
 log = logging.getLogger(__name__)
 
 # How often a starting engine's port file is looked at (the wait itself is bounded).
 _PORT_POLL_S = 0.05
 _STOP_GRACE_S = 20.0
-# The longest an admin call of the reconciliation may take (the tick waits for it).
-_ADMIN_TIMEOUT_S = 5.0
 
 
 class Actuator(Protocol):
+    async def adopt(self) -> list[tuple[str, str]]:
+        """Look at the fleet (once a tick, before `exited`); return the engines (address,
+        pool) found serving that no `start` returned and no earlier `adopt` reported: those a
+        previous planner left running. They are then the planner's like engines it started."""
+        ...
+
     async def start(self, pool: str) -> str:
         """Start one engine of `pool`; its address once the controller has it."""
         ...
@@ -48,8 +53,8 @@ class Actuator(Protocol):
         ...
 
     def exited(self) -> list[str]:
-        """Addresses of started engines that are gone on their own (crashed, killed): not
-        stopped through `stop`."""
+        """Addresses of started or adopted engines that are gone on their own (crashed,
+        killed, their pod deleted): not stopped through `stop`."""
         ...
 
     async def drain(self, address: str, within_s: float) -> None:
@@ -65,7 +70,9 @@ class Actuator(Protocol):
         (it cannot finish anything; a graceful stop would wait for nothing)."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release what the actuator holds; engines that end with the planner are stopped."""
+        ...
 
 
 class LocalProcesses:
@@ -84,36 +91,20 @@ class LocalProcesses:
         self._engine_args = tuple(engine_args)
         self._workdir = workdir
         self._start_timeout_s = start_timeout_s
-        self._channel = channels.aio_channel(controller)
-        self._admin = apb_grpc.AdminStub(self._channel)
+        self._admin = ControllerAdmin(controller, channels)
         self._numbers = itertools.count()
         self._processes: dict[str, asyncio.subprocess.Process] = {}  # by address, serving
         self._spawned: list[asyncio.subprocess.Process] = []  # every child, for `num_alive`
-        self._drains: set[asyncio.Task[None]] = set()
 
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
         return sorted(self._processes)
 
+    async def adopt(self) -> list[tuple[str, str]]:
+        return []  # a previous planner's children died with it
+
     async def sync(self, serving: Sequence[str]) -> list[str]:
-        if not serving:
-            return []
-        try:
-            listed = await self._admin.ListWorkers(
-                apb.ListWorkersRequest(), timeout=_ADMIN_TIMEOUT_S
-            )
-            states = {worker.address: worker.state for worker in listed.workers}
-            for address in serving:
-                if address not in states:
-                    log.warning(
-                        "engine %s is not in the controller (restarted?): registered", address
-                    )
-                    request = apb.RegisterEngineRequest(address=address)
-                    await self._admin.RegisterEngine(request, timeout=_ADMIN_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("controller: %s", _rpc_error(exc))
-            return []
-        return [address for address in serving if states.get(address) == "draining"]
+        return await self._admin.sync(serving)
 
     def exited(self) -> list[str]:
         return sorted(a for a, process in self._processes.items() if process.returncode is not None)
@@ -123,12 +114,7 @@ class LocalProcesses:
         return sum(1 for process in self._spawned if process.returncode is None)
 
     async def start(self, pool: str) -> str:
-        try:  # no engine (with a real model, minutes of loading) for a controller that is down
-            await self._admin.ListWorkers(apb.ListWorkersRequest(), timeout=_ADMIN_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:
-            raise KvplaneError(
-                f"no engine of {pool} started: controller {_rpc_error(exc)}"
-            ) from exc
+        await self._admin.check_reachable(pool)
         number = next(self._numbers)
         port_file = self._workdir / f"{pool}-{number}.port"
         port_file.unlink(missing_ok=True)  # a previous run's, in a reused workdir: a stale port
@@ -142,11 +128,11 @@ class LocalProcesses:
         self._spawned.append(process)
         try:
             address = f"127.0.0.1:{await self._port(port_file, process)}"
-            await self._admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+            await self._admin.register(address)
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
             await _terminate(process)
             if isinstance(exc, grpc.aio.AioRpcError):
-                why = _rpc_error(exc)
+                why = rpc_error(exc)
             elif isinstance(exc, TimeoutError):  # its str is empty
                 why = f"no port after start_timeout_s ({self._start_timeout_s:g} s)"
             else:
@@ -169,19 +155,7 @@ class LocalProcesses:
                 await asyncio.sleep(_PORT_POLL_S)
 
     async def drain(self, address: str, within_s: float) -> None:
-        request = apb.DrainEngineRequest(
-            engine=address, deadline_ms=max(0, int(within_s * 1000)), abort_after_deadline=True
-        )
-        task = asyncio.create_task(self._follow_drain(request))
-        self._drains.add(task)
-        task.add_done_callback(self._drains.discard)
-
-    async def _follow_drain(self, request: apb.DrainEngineRequest) -> None:
-        try:
-            async for event in self._admin.DrainEngine(request):
-                log.debug("drain %s: %s", request.engine, event.message or event.state)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("drain of %s: %s", request.engine, exc.details() or exc.code().name)
+        await self._admin.drain(address, within_s)
 
     async def stop(self, address: str) -> None:
         process = await self._forget(address)
@@ -198,21 +172,14 @@ class LocalProcesses:
 
     async def _forget(self, address: str) -> asyncio.subprocess.Process | None:
         """Take `address` out of the controller and of the engines started; its process."""
-        with contextlib.suppress(grpc.aio.AioRpcError):  # already gone from the controller
-            await self._admin.RemoveEngine(apb.EngineRef(engine=address), timeout=_ADMIN_TIMEOUT_S)
+        await self._admin.remove(address)
         return self._processes.pop(address, None)
 
     async def close(self) -> None:
-        for task in list(self._drains):
-            task.cancel()
+        """Stop every engine started (the fleet ends with the planner)."""
         for address in list(self._processes):
             await self.stop(address)
-        await self._channel.close()
-
-
-def _rpc_error(exc: grpc.aio.AioRpcError) -> str:
-    """One line (an AioRpcError's str is several, with a debug string)."""
-    return f"{exc.code().name}: {exc.details()}" if exc.details() else exc.code().name
+        await self._admin.close()
 
 
 def _read_port(path: Path) -> int | None:

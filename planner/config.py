@@ -11,6 +11,7 @@ capacity:
   forecast_horizon_s: 30         # about an engine's start-up time
 live:                            # only for `kvplane planner run`
   controller: 127.0.0.1:8100
+  # kubernetes: {engine_port: 9000, deployments: {default: kvplane-engine}}
 ```
 
 Every knob is documented in docs/planner.md (the decision rules, the configuration). The live
@@ -102,8 +103,45 @@ def _host_port(value: str) -> str:
     return value
 
 
+# Kubernetes names in API paths: a namespace is a DNS label, a Deployment a DNS subdomain.
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+_DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+_SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+class KubernetesConfig(StrictModel):
+    """Engines as the pods of one Deployment per pool (planner/kubernetes.py). Unset
+    `api_server` and `namespace` are those of the pod the planner runs in."""
+
+    # https://HOST:PORT (default: from KUBERNETES_SERVICE_HOST/PORT), or http:// for a
+    # `kubectl proxy`.
+    api_server: str | None = Field(default=None, pattern=r"^https?://[^/\s]+/?$")
+    namespace: str | None = Field(default=None, pattern=_DNS_LABEL)
+    # The bearer token (read at every call: it is rotated) and the API server's CA; null:
+    # no token (a `kubectl proxy` adds its own) / the system's trusted roots.
+    token_file: Path | None = Path(f"{_SERVICE_ACCOUNT}/token")
+    ca_file: Path | None = Path(f"{_SERVICE_ACCOUNT}/ca.crt")
+    # The port the engine containers serve on: an engine's address is podIP:engine_port.
+    engine_port: int = Field(default=9000, ge=1, le=65535)
+    # The Deployment of each pool (every pool needs one; two pools cannot share one).
+    deployments: dict[str, Annotated[str, Field(max_length=253, pattern=_DNS_SUBDOMAIN)]] = Field(
+        min_length=1
+    )
+    # How often a start looks for its Ready pod.
+    poll_s: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_deployments(self) -> KubernetesConfig:
+        names = list(self.deployments.values())
+        shared = sorted({n for n in names if names.count(n) > 1})
+        if shared:
+            raise ValueError(f"pools share a Deployment: {', '.join(shared)}")
+        return self
+
+
 class LiveConfig(StrictModel):
-    """What `kvplane planner run` acts on: a controller, and how to start engines."""
+    """What `kvplane planner run` acts on: a controller, and how to start engines (local
+    processes, or with `kubernetes`, a Deployment's pods)."""
 
     # The controller's admin API (HOST:PORT): engines are registered there and drained
     # through it (it stops routing to them at once).
@@ -113,6 +151,8 @@ class LiveConfig(StrictModel):
     engine_args: tuple[str, ...] = ("--model", "sim")
     # Engines' port files and logs (default: a temporary folder, removed at the end).
     workdir: Path | None = None
+    # Set: scale Deployments instead of starting local processes.
+    kubernetes: KubernetesConfig | None = None
     start_timeout_s: float = Field(default=120.0, gt=0)
     load_timeout_s: float = Field(default=2.0, gt=0)
     # An engine whose GetLoad failed or timed out this many ticks in a row (alive but hung)
@@ -120,6 +160,16 @@ class LiveConfig(StrictModel):
     lost_after_failed_polls: int = Field(default=3, ge=1)
     # Prometheus /metrics on a side port (HOST:PORT); None disables it.
     metrics_listen: Annotated[str, AfterValidator(_host_port)] | None = None
+
+    @model_validator(mode="after")
+    def _check_actuator(self) -> LiveConfig:
+        local = sorted({"engine_args", "workdir"} & self.model_fields_set)
+        if self.kubernetes is not None and local:
+            raise ValueError(
+                f"{' and '.join(local)} start local engines: with kubernetes, the engines' "
+                "arguments are in the Deployment's manifest"
+            )
+        return self
 
 
 class PlannerConfig(StrictModel):
@@ -138,6 +188,16 @@ class PlannerConfig(StrictModel):
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"pools listed twice: {', '.join(twice)}")
+        kubernetes = self.live.kubernetes if self.live is not None else None
+        if kubernetes is not None:
+            missing = sorted(set(names) - set(kubernetes.deployments))
+            unknown = sorted(set(kubernetes.deployments) - set(names))
+            if missing:
+                raise ValueError(
+                    f"live.kubernetes.deployments: no Deployment for pool(s) {', '.join(missing)}"
+                )
+            if unknown:
+                raise ValueError(f"live.kubernetes.deployments: no pool named {', '.join(unknown)}")
         return self
 
     def pool(self, name: str) -> PoolConfig | None:

@@ -11,7 +11,8 @@ observed as STARTING (under a placeholder id), so the core sees its pending capa
 whose process exited on its own is removed (from the controller too) before the tick observes,
 so the core does not count it; a serving engine the controller does not list (it restarted) is
 registered again, one it lists as draining (drained by hand) is observed as DRAINING: the core
-replaces it and removes it once empty. Only engines this planner started are managed. Each tick
+replaces it and removes it once empty. Only engines this planner started, or the actuator
+adopted (found serving: a Deployment's pods a previous planner scaled), are managed. Each tick
 updates the metrics (`planner.metrics`), served on `live.metrics_listen` when set.
 """
 
@@ -24,7 +25,7 @@ import logging
 import signal
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from planner.core.observations import (
     Observations,
 )
 from planner.core.planner import Planner
+from planner.kubernetes import connect_deployments
 from planner.metrics import LossCause, Operation, PlannerMetrics
 
 log = logging.getLogger(__name__)
@@ -122,20 +124,21 @@ class LivePlanner:
                     self.metrics.on_estimate(pool.name, estimate)
 
     async def close(self) -> None:
-        """Stop every engine this planner started (the fleet ends with the planner)."""
+        """Stop observing, then close the actuator, which decides the engines' fate: local
+        ones end with the planner, a Deployment's pods keep serving."""
         for task in list(self._starts):
             task.cancel()
         await asyncio.gather(*self._starts, return_exceptions=True)
         for engine in list(self.engines.values()):
-            if engine.state is EngineState.STARTING:  # its start was cancelled
-                del self.engines[engine.engine_id]
-            else:
-                await self._remove(engine)
+            await self._forget(engine)
         await self.actuator.close()
 
     # ---------------------------------------------------------------- observing
 
     async def _observe(self) -> Observations:
+        for address, pool in await self.actuator.adopt():
+            if address not in self.engines:
+                self._serve(address, pool)
         for address in self.actuator.exited():  # the core must not count a dead engine
             engine = self.engines.get(address)
             if engine is not None:
@@ -254,28 +257,36 @@ class LivePlanner:
             del self.engines[placeholder.engine_id]
             return
         del self.engines[placeholder.engine_id]
-        engine = _Engine(address, placeholder.pool, EngineState.SERVING)
+        self._serve(address, placeholder.pool)
+
+    def _serve(self, address: str, pool: str) -> None:
+        """Observe a serving engine (started, or adopted by the actuator)."""
+        engine = _Engine(address, pool, EngineState.SERVING)
         engine.channel = self._channels.aio_channel(address)
         engine.events = asyncio.create_task(self._follow_passes(engine))
         self.engines[address] = engine
-        log.info("engine %s serves in pool %s", address, engine.pool)
+        log.info("engine %s serves in pool %s", address, pool)
 
     async def _lose(self, engine: _Engine, cause: LossCause) -> None:
         self.metrics.on_lost(engine.pool, cause)
         await self._remove(engine, kill=cause == "unresponsive")
 
     async def _remove(self, engine: _Engine, *, kill: bool = False) -> None:
+        await self._forget(engine)
+        operation: Operation = "kill" if kill else "stop"
+        try:
+            await (self.actuator.kill if kill else self.actuator.stop)(engine.engine_id)
+        except Exception as exc:  # forgotten all the same: its channel is closed
+            self._failed(operation, "stopping %s failed (it may run on): %s", engine.engine_id, exc)
+
+    async def _forget(self, engine: _Engine) -> None:
+        """Stop observing `engine` (the actuator still has it)."""
         if engine.events is not None:
             engine.events.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await engine.events
         if engine.channel is not None:
             await engine.channel.close()
-        operation: Operation = "kill" if kill else "stop"
-        try:
-            await (self.actuator.kill if kill else self.actuator.stop)(engine.engine_id)
-        except Exception as exc:  # forgotten all the same: its channel is closed
-            self._failed(operation, "stopping %s failed (it may run on): %s", engine.engine_id, exc)
         self.engines.pop(engine.engine_id, None)
 
     def _failed(self, operation: Operation, message: str, *args: object) -> None:
@@ -295,25 +306,31 @@ def _describe(decision: Decision) -> str:
     return f"{what} ({decision.reason.value})"
 
 
-async def run_live(config: PlannerConfig) -> None:
-    """`kvplane planner run`: the core over local engine processes until SIGTERM/SIGINT; the
-    engines it started are removed from the controller and stopped (SIGTERM) at the end."""
+async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
+    """`kvplane planner run`: the core over the actuator `live:` chooses (local engine
+    processes, or Deployments' pods) until SIGTERM/SIGINT. Local engines are removed from the
+    controller and stopped (SIGTERM) at the end; pods keep serving. `environ` gives a
+    Kubernetes actuator its in-cluster defaults."""
     live = config.live
     if live is None:
         raise ConfigError("the live planner needs a `live:` section (the controller's address)")
     with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
-        workdir = live.workdir or Path(scratch)
-        workdir.mkdir(parents=True, exist_ok=True)
         metrics = PlannerMetrics()
         metrics_server = None
         if live.metrics_listen is not None:  # before any engine starts: a bad address stops it
             metrics_server, _ = start_metrics_server(live.metrics_listen, metrics.registry)
-        actuator = LocalProcesses(
-            controller=live.controller,
-            engine_args=live.engine_args,
-            workdir=workdir,
-            start_timeout_s=live.start_timeout_s,
-        )
+        actuator: Actuator
+        if live.kubernetes is not None:
+            actuator = await connect_deployments(live, live.kubernetes, environ)
+        else:
+            workdir = live.workdir or Path(scratch)
+            workdir.mkdir(parents=True, exist_ok=True)
+            actuator = LocalProcesses(
+                controller=live.controller,
+                engine_args=live.engine_args,
+                workdir=workdir,
+                start_timeout_s=live.start_timeout_s,
+            )
         planner = LivePlanner(
             Planner(config),
             actuator,

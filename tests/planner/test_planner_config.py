@@ -42,6 +42,15 @@ BAD_CONFIGS = {
     "live: {controller: 'localhost'}\n": "HOST:PORT",
     "live: {controller: '127.0.0.1:1', metrics_listen: 'http://h:1'}\n": "metrics_listen",
     "live: {controller: '127.0.0.1:1', lost_after_failed_polls: 0}\n": "lost_after_failed_polls",
+    "pools: [{name: a}, {name: b}]\n"
+    "live: {controller: 'c:1', kubernetes: {deployments: {a: engine}}}\n": "no Deployment for "
+    "pool(s) b",
+    "live: {controller: 'c:1', kubernetes: {deployments: {default: e, other: e}}}\n": "pools "
+    "share a Deployment: e",
+    "live: {controller: 'c:1', engine_args: [], kubernetes: {deployments: {default: e}}}\n": (
+        "engine_args start local engines"
+    ),
+    "live: {controller: 'c:1', kubernetes: {deployments: {default: Engine_1}}}\n": "pattern",
 }
 
 
@@ -68,4 +77,4 @@ def test_a_metrics_address_in_use_is_one_line_before_any_engine_starts(tmp_path:
     assert result.exit_code == 1
     assert isinstance(result.exception, ConfigError)
     assert str(result.exception) == f"cannot serve metrics on {metrics}: Address already in use"
-    assert not list(work.iterdir())  # no engine's port file or log
+    assert not work.exists()  # refused before the engines' folder (port files, logs) is made

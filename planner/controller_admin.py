@@ -1,0 +1,121 @@
+"""The planner's side of the controller's admin API, shared by every actuator.
+
+Engines enter routing by `register` (RegisterEngine), leave it by `drain` (DrainEngine: the
+controller stops routing at once and relays the engine's Drain, followed in a background task
+whose events are logged) and `remove` (RemoveEngine). `sync` is the per-tick reconciliation:
+serving engines the controller does not list (it restarted, or someone removed them by hand)
+are registered again, and those it lists as draining are returned. Every call is bounded by
+`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from kvplane.channels import INSECURE, ClientChannels
+from kvplane.errors import KvplaneError
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+
+log = logging.getLogger(__name__)
+
+# The longest an admin call may take (the tick waits for the reconciliation's).
+ADMIN_TIMEOUT_S = 5.0
+# How often `wait_routed` lists the controller's engines.
+_ROUTED_POLL_S = 0.2
+
+
+class ControllerAdmin:
+    """The admin API of the controller at `controller` (HOST:PORT)."""
+
+    def __init__(self, controller: str, channels: ClientChannels = INSECURE) -> None:
+        self._channel = channels.aio_channel(controller)
+        self._stub = apb_grpc.AdminStub(self._channel)
+        self._drains: set[asyncio.Task[None]] = set()
+
+    async def check_reachable(self, pool: str) -> None:
+        """Raise, in one line, unless the controller answers: no engine is started (with a
+        real model, minutes of loading) for a controller that is down."""
+        try:
+            await self._list()
+        except grpc.aio.AioRpcError as exc:
+            raise KvplaneError(f"no engine of {pool} started: controller {rpc_error(exc)}") from exc
+
+    async def register(self, address: str, *, existing_ok: bool = False) -> None:
+        """RegisterEngine; with `existing_ok`, an engine the controller already lists (one a
+        previous planner registered) is not an error."""
+        try:
+            await self._stub.RegisterEngine(
+                apb.RegisterEngineRequest(address=address), timeout=ADMIN_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            if not (existing_ok and exc.code() is grpc.StatusCode.ALREADY_EXISTS):
+                raise
+
+    async def wait_routed(self, address: str) -> None:
+        """Until the controller lists `address` as routable (its first health poll answered);
+        the caller bounds the wait."""
+        while True:
+            listed = await self._list()
+            if any(w.address == address and w.routable for w in listed.workers):
+                return
+            await asyncio.sleep(_ROUTED_POLL_S)
+
+    async def sync(self, serving: Sequence[str]) -> list[str]:
+        """Register again those of `serving` the controller does not list; return those it
+        lists as draining. A controller that does not answer: one warning, nothing returned."""
+        if not serving:
+            return []
+        try:
+            listed = await self._list()
+            states = {worker.address: worker.state for worker in listed.workers}
+            for address in serving:
+                if address not in states:
+                    log.warning(
+                        "engine %s is not in the controller (restarted?): registered", address
+                    )
+                    await self.register(address)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("controller: %s", rpc_error(exc))
+            return []
+        return [address for address in serving if states.get(address) == "draining"]
+
+    async def drain(self, address: str, within_s: float) -> None:
+        """Ask the controller to drain `address`; requests still running after `within_s` are
+        aborted. Returns at once: the drain's stream is followed in the background."""
+        request = apb.DrainEngineRequest(
+            engine=address, deadline_ms=max(0, int(within_s * 1000)), abort_after_deadline=True
+        )
+        task = asyncio.create_task(self._follow_drain(request))
+        self._drains.add(task)
+        task.add_done_callback(self._drains.discard)
+
+    async def _follow_drain(self, request: apb.DrainEngineRequest) -> None:
+        try:
+            async for event in self._stub.DrainEngine(request):
+                log.debug("drain %s: %s", request.engine, event.message or event.state)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("drain of %s: %s", request.engine, exc.details() or exc.code().name)
+
+    async def remove(self, address: str) -> None:
+        """RemoveEngine; an engine the controller no longer lists is not an error."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self._stub.RemoveEngine(apb.EngineRef(engine=address), timeout=ADMIN_TIMEOUT_S)
+
+    async def close(self) -> None:
+        for task in list(self._drains):
+            task.cancel()
+        await self._channel.close()
+
+    async def _list(self) -> apb.ListWorkersResponse:
+        return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=ADMIN_TIMEOUT_S)
+
+
+def rpc_error(exc: grpc.aio.AioRpcError) -> str:
+    """One line (an AioRpcError's str is several, with a debug string)."""
+    return f"{exc.code().name}: {exc.details()}" if exc.details() else exc.code().name

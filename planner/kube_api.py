@@ -1,0 +1,242 @@
+"""The few Kubernetes API calls the planner makes, over the standard library only (the control
+plane gains no dependency): a Deployment's scale subresource (GET; PATCH of spec.replicas), its
+pods by label selector (LIST), and a pod's annotations (merge PATCH).
+
+Calls are blocking (`http.client`); the actuator runs them in a thread (`asyncio.to_thread`).
+Each opens its own connection, so calls from several threads share nothing. The bearer token
+is read from its file at every call: the kubelet rotates projected service-account tokens in
+place. Every failure, an HTTP error (the API's Status object gives its reason and message) or
+a server that cannot be reached, is one `KubeApiError` whose message is one line.
+
+`in_cluster` resolves the defaults a pod has: the API server from KUBERNETES_SERVICE_HOST and
+KUBERNETES_SERVICE_PORT (the environment is passed in: only the CLI reads it), the service
+account's token, CA and namespace files.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvplane.errors import ConfigError, KvplaneError
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+MERGE_PATCH = "application/merge-patch+json"
+# Long enough for a loaded API server; a tick waits for the calls it makes.
+_REQUEST_TIMEOUT_S = 10.0
+
+
+class KubeApiError(KvplaneError):
+    """A call the API server refused (`status` is the HTTP code) or that did not reach it
+    (`status` is None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Scale:
+    """A Deployment's autoscaling/v1 Scale: its replicas, the selector of its pods (the
+    Deployment's spec.selector, serialized by the API server) and the version a PATCH may
+    be conditional on."""
+
+    replicas: int
+    selector: str
+    resource_version: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pod:
+    name: str
+    uid: str
+    ip: str | None  # status.podIP, once the pod has one
+    ready: bool  # status.conditions[type=Ready] is "True"
+    deleting: bool  # metadata.deletionTimestamp is set: terminating
+    created: str  # metadata.creationTimestamp (RFC 3339: sorts as time does)
+
+
+@dataclass(frozen=True, slots=True)
+class KubeConnection:
+    """Where the API server is and how to authenticate to it."""
+
+    server: str  # https://HOST:PORT, or http:// (e.g. `kubectl proxy`, which authenticates)
+    namespace: str
+    token_file: Path | None  # None: no Authorization header
+    ca_file: Path | None  # None: the system's trusted roots
+
+
+def in_cluster(
+    environ: Mapping[str, str],
+    *,
+    server: str | None,
+    namespace: str | None,
+    token_file: Path | None,
+    ca_file: Path | None,
+) -> KubeConnection:
+    """The connection with each default that is not given taken from the pod the planner runs
+    in; raises ConfigError (one line) when one is needed and the pod does not have it."""
+    if server is None:
+        host = environ.get("KUBERNETES_SERVICE_HOST")
+        port = environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise ConfigError(
+                "live.kubernetes.api_server is not set and KUBERNETES_SERVICE_HOST is not in "
+                "the environment (not in a pod): give the API server's URL"
+            )
+        server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+    if namespace is None:
+        namespace_file = SERVICE_ACCOUNT_DIR / "namespace"
+        try:
+            namespace = namespace_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"live.kubernetes.namespace is not set and {namespace_file} cannot be read "
+                f"({exc.strerror}): give the namespace"
+            ) from exc
+    if not server.startswith("https://"):
+        ca_file = None  # plain HTTP (a `kubectl proxy`): no certificate to verify
+    for what, path in (("token_file", token_file), ("ca_file", ca_file)):
+        if path is not None and not path.is_file():
+            raise ConfigError(f"live.kubernetes.{what} {path} is not a file")
+    return KubeConnection(server.rstrip("/"), namespace, token_file, ca_file)
+
+
+class KubeApi:
+    """Blocking calls to the API server of `connection`, in its namespace."""
+
+    def __init__(self, connection: KubeConnection) -> None:
+        self.connection = connection
+        url = urllib.parse.urlsplit(connection.server)
+        if url.scheme not in {"http", "https"} or not url.hostname:
+            raise ConfigError(f"live.kubernetes.api_server {connection.server!r}: not a URL")
+        self._https = url.scheme == "https"
+        self._netloc = url.netloc
+        self._ssl: ssl.SSLContext | None = None
+        if self._https:
+            ca_file = connection.ca_file
+            try:
+                self._ssl = ssl.create_default_context(
+                    cafile=str(ca_file) if ca_file is not None else None
+                )
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"live.kubernetes.ca_file {ca_file}: {exc}") from exc
+
+    def get_scale(self, deployment: str) -> Scale:
+        return _scale(self._call("GET", self._scale_path(deployment)))
+
+    def patch_scale(self, deployment: str, replicas: int, resource_version: str) -> Scale:
+        """Set spec.replicas if the scale is still at `resource_version`: a scale someone else
+        changed since it was read is a KubeApiError with status 409 (Conflict)."""
+        patch = {"metadata": {"resourceVersion": resource_version}, "spec": {"replicas": replicas}}
+        return _scale(self._call("PATCH", self._scale_path(deployment), patch))
+
+    def list_pods(self, selector: str) -> list[Pod]:
+        query = urllib.parse.urlencode({"labelSelector": selector})
+        listed = self._call("GET", f"/api/v1/namespaces/{self._namespace}/pods?{query}")
+        return [_pod(item) for item in listed.get("items") or []]
+
+    def annotate_pod(self, name: str, annotations: Mapping[str, str]) -> None:
+        path = f"/api/v1/namespaces/{self._namespace}/pods/{_segment(name)}"
+        self._call("PATCH", path, {"metadata": {"annotations": dict(annotations)}})
+
+    @property
+    def _namespace(self) -> str:
+        return _segment(self.connection.namespace)
+
+    def _scale_path(self, deployment: str) -> str:
+        deployments = f"/apis/apps/v1/namespaces/{self._namespace}/deployments"
+        return f"{deployments}/{_segment(deployment)}/scale"
+
+    def _call(self, method: str, path: str, patch: object | None = None) -> dict[str, Any]:
+        what = f"{method} {self.connection.server}{path.split('?', maxsplit=1)[0]}"
+        headers = {"Accept": "application/json"}
+        body = None
+        if patch is not None:
+            body = json.dumps(patch).encode()
+            headers["Content-Type"] = MERGE_PATCH
+        token_file = self.connection.token_file
+        if token_file is not None:
+            try:
+                headers["Authorization"] = f"Bearer {token_file.read_text().strip()}"
+            except OSError as exc:
+                raise KubeApiError(f"{what}: token_file {token_file}: {exc.strerror}") from exc
+        connection: http.client.HTTPConnection
+        if self._https:
+            connection = http.client.HTTPSConnection(
+                self._netloc, timeout=_REQUEST_TIMEOUT_S, context=self._ssl
+            )
+        else:
+            connection = http.client.HTTPConnection(self._netloc, timeout=_REQUEST_TIMEOUT_S)
+        try:
+            connection.request(method, path, body, headers)
+            response = connection.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException) as exc:  # refused, TLS, timeout, reset
+            raise KubeApiError(f"{what}: {_reason(exc)}") from exc
+        finally:
+            connection.close()
+        if response.status >= 300:
+            raise KubeApiError(f"{what}: {_status_line(response.status, data)}", response.status)
+        try:
+            decoded = json.loads(data)
+        except ValueError as exc:
+            raise KubeApiError(f"{what}: the answer is not JSON") from exc
+        if not isinstance(decoded, dict):
+            raise KubeApiError(f"{what}: the answer is not a JSON object")
+        return decoded
+
+
+def _segment(name: str) -> str:
+    """A name as one path segment (config validation already keeps names to DNS labels)."""
+    return urllib.parse.quote(name, safe="")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: {exc.verify_message}"
+    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def _status_line(code: int, data: bytes) -> str:
+    """`code Reason: message` from the API's Status object, or the code alone."""
+    try:
+        status = json.loads(data)
+    except ValueError:
+        status = None
+    if not isinstance(status, dict):
+        return f"HTTP {code}"
+    reason = status.get("reason") or http.client.responses.get(code, "")
+    message = " ".join(str(status.get("message", "")).split())
+    return f"{code} {reason}: {message}" if message else f"{code} {reason}"
+
+
+def _scale(scale: dict[str, Any]) -> Scale:
+    return Scale(
+        int(scale.get("spec", {}).get("replicas", 0)),
+        str(scale.get("status", {}).get("selector", "")),
+        str(scale.get("metadata", {}).get("resourceVersion", "")),
+    )
+
+
+def _pod(pod: dict[str, Any]) -> Pod:
+    metadata, status = pod.get("metadata", {}), pod.get("status", {})
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    return Pod(
+        name=str(metadata.get("name", "")),
+        uid=str(metadata.get("uid", "")),
+        ip=status.get("podIP") or None,
+        ready=ready,
+        deleting=metadata.get("deletionTimestamp") is not None,
+        created=str(metadata.get("creationTimestamp", "")),
+    )

@@ -1,0 +1,365 @@
+"""The Kubernetes actuator: one Deployment per pool, scaled through its scale subresource.
+
+- **Start**: unless the Deployment already has a replica no engine was handed out for (a pod
+  still starting, one a crash is restarting, one an earlier start gave up on), its
+  spec.replicas goes up by one (a PATCH conditional on the scale's resourceVersion: a 409
+  Conflict is read again and retried). Then the first Ready pod (status.conditions Ready ==
+  "True", not terminating) of the Deployment's selector that no engine is yet is taken:
+  its address is podIP:`engine_port`, it is registered with the controller, and the start
+  returns once the controller routes to it. A start that times out leaves the replica asked
+  for: the next start waits for that pod rather than asking for one more (no runaway scale-up
+  while an image does not pull).
+- **Removal** (of an engine the planner drained through the controller): it leaves the
+  controller, then the pod gets `controller.kubernetes.io/pod-deletion-cost` set to the
+  lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
+  not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
+  refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
+  ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod).
+- **Adoption**: every `adopt` (each tick) lists each Deployment's pods; Ready pods no engine is
+  yet are registered with the controller (one it already lists is fine) and reported, unless a
+  start of that pool is waiting for a pod. So a restarted planner takes over the fleet as it
+  finds it instead of doubling it, and a pod the ReplicaSet recreated serves again.
+- **Exits**: an engine whose pod vanished, is terminating or is no longer Ready is reported by
+  `exited` (from the last `adopt`'s listing); its removal only takes it out of the controller:
+  the replica stays, Kubernetes restarts or replaces the pod.
+- **Close** leaves the pods running and registered: the Deployment outlives the planner.
+
+API errors at `check` (a missing Deployment, RBAC, a server that cannot be reached) are a
+one-line ConfigError; later they are one warning line and the tick goes on (a start fails and
+the core asks again; an adoption or a removal is tried again next tick).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvplane.channels import INSECURE, ClientChannels
+from kvplane.errors import ConfigError, KvplaneError
+from planner.config import KubernetesConfig, LiveConfig
+from planner.controller_admin import ControllerAdmin, rpc_error
+from planner.kube_api import KubeApi, KubeApiError, Pod, Scale, in_cluster
+
+log = logging.getLogger(__name__)
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+# The lowest cost the API accepts (an int32): a drained pod goes before any other Ready one.
+DRAINED_DELETION_COST = str(-(2**31))
+# Conflicting writers of a scale (an operator's `kubectl scale`) are rare: a few re-reads.
+_SCALE_ATTEMPTS = 3
+
+
+@dataclass(slots=True)
+class _Engine:
+    """A pod handed to the planner as an engine."""
+
+    pool: str
+    pod: str  # its name
+    uid: str
+    address: str
+
+
+class KubernetesDeployments:
+    """Engines of pool P are the pods of Deployment `deployments[P]`, registered with the
+    controller at `controller`; `engine_port` is the port their containers serve on."""
+
+    def __init__(
+        self,
+        *,
+        controller: str,
+        api: KubeApi,
+        deployments: Mapping[str, str],
+        engine_port: int,
+        start_timeout_s: float,
+        poll_s: float = 1.0,
+        channels: ClientChannels = INSECURE,
+    ) -> None:
+        self._api = api
+        self._deployments = dict(deployments)
+        self._engine_port = engine_port
+        self._start_timeout_s = start_timeout_s
+        self._poll_s = poll_s
+        self._admin = ControllerAdmin(controller, channels)
+        self._selectors: dict[str, str] = {}  # by pool, from its scale
+        self._engines: dict[str, _Engine] = {}  # by address
+        self._waiting = collections.Counter[str]()  # starts of a pool waiting for a pod
+        self._exited: dict[str, _Engine] = {}  # by address, reported by `exited`
+        self._unscaled: dict[str, _Engine] = {}  # by uid: removals the API refused so far
+        self._leaving: dict[str, _Engine] = {}  # by uid: pods scaled away, until gone
+        self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
+        self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
+
+    async def check(self) -> None:
+        """Read each Deployment's scale and pods: a ConfigError (one line) when the API
+        refuses (404: no such Deployment; 401/403: the token or its RBAC) or cannot be
+        reached."""
+        namespace = self._api.connection.namespace
+        for pool, deployment in self._deployments.items():
+            try:
+                await self._selector(pool)
+                await self._pods(pool)
+            except KubeApiError as exc:
+                hint = {
+                    404: f" (is Deployment {deployment} in namespace {namespace}?)",
+                    403: " (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)",
+                }.get(exc.status or 0, "")
+                raise ConfigError(f"pool {pool}: {exc}{hint}") from exc
+
+    # ---------------------------------------------------------------- observing
+
+    async def adopt(self) -> list[tuple[str, str]]:
+        adopted: list[tuple[str, str]] = []
+        for pool in self._deployments:
+            try:
+                pods = await self._pods(pool)
+            except KubeApiError as exc:
+                log.warning("pods of pool %s not listed: %s", pool, exc)
+                continue
+            self._note_exits(pool, pods)
+            await self._retry_removals(pool)
+            if self._waiting[pool]:  # its starts take the Ready pods first
+                continue
+            for pod in self._free(pods):
+                if any(e.uid == pod.uid for e in self._engines.values()):
+                    continue  # a start that began during a registration below took it
+                engine = _Engine(pool, pod.name, pod.uid, f"{pod.ip}:{self._engine_port}")
+                self._engines[engine.address] = engine  # taken before the wait: starts look
+                try:
+                    await self._admin.register(engine.address, existing_ok=True)
+                except grpc.aio.AioRpcError as exc:
+                    del self._engines[engine.address]
+                    log.warning("pod %s not adopted yet: controller %s", pod.name, rpc_error(exc))
+                    break
+                adopted.append((engine.address, pool))
+                log.info("pod %s of Deployment %s adopted", pod.name, self._deployments[pool])
+        return adopted
+
+    def _note_exits(self, pool: str, pods: Sequence[Pod]) -> None:
+        by_uid = {pod.uid: pod for pod in pods}
+        self._check_leaving(pool, by_uid)
+        for engine in [e for e in self._engines.values() if e.pool == pool]:
+            pod = by_uid.get(engine.uid)
+            if pod is None or pod.deleting:
+                why = "is gone" if pod is None else "is terminating"
+            elif not pod.ready:
+                why = "is not Ready"
+            else:
+                continue
+            log.warning("pod %s (engine %s) %s", engine.pod, engine.address, why)
+            self._exited[engine.address] = self._engines.pop(engine.address)
+
+    def _check_leaving(self, pool: str, by_uid: Mapping[str, Pod]) -> None:
+        """Forget pods scaled away once they are gone. One still there, not terminating, while
+        the Deployment has no more pods than replicas was spared: the ReplicaSet deleted
+        another (it reads the deletion cost from a cache that may lag the annotation; the
+        other is then reported as exited). Its removal is done again."""
+        active = sum(1 for pod in by_uid.values() if not pod.deleting)
+        for uid, engine in list(self._leaving.items()):
+            pod = by_uid.get(uid)
+            if engine.pool != pool or (pod is not None and pod.deleting):
+                continue  # another pool's, or terminating: gone soon
+            if pod is None:
+                del self._leaving[uid]
+            elif active <= self._replicas.get(pool, active):
+                log.warning("pod %s was spared by the scale-down: removing it again", pod.name)
+                self._unscaled[uid] = self._leaving.pop(uid)
+
+    def exited(self) -> list[str]:
+        return sorted(self._exited)
+
+    async def sync(self, serving: Sequence[str]) -> list[str]:
+        return await self._admin.sync(serving)
+
+    # ---------------------------------------------------------------- acting
+
+    async def start(self, pool: str) -> str:
+        await self._admin.check_reachable(pool)
+        self._waiting[pool] += 1
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                await self._claim_replica(pool)
+                engine = await self._ready_pod(pool)
+        except TimeoutError as exc:  # its str is empty
+            why = f"no Ready pod after start_timeout_s ({self._start_timeout_s:g} s)"
+            raise KvplaneError(f"no engine of {pool} started: {why}") from exc
+        except KubeApiError as exc:
+            raise KvplaneError(f"no engine of {pool} started: {exc}") from exc
+        finally:
+            self._waiting[pool] -= 1
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                await self._admin.register(engine.address, existing_ok=True)
+                await self._admin.wait_routed(engine.address)
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            # Free again (or exited meanwhile): the next `adopt` takes it if it is Ready.
+            self._engines.pop(engine.address, None)
+            self._exited.pop(engine.address, None)
+            await self._admin.remove(engine.address)
+            why = rpc_error(exc) if isinstance(exc, grpc.aio.AioRpcError) else "never routed to"
+            raise KvplaneError(f"pod {engine.pod} of pool {pool}: controller {why}") from exc
+        return engine.address
+
+    async def _claim_replica(self, pool: str) -> None:
+        """One more replica for this start, unless the Deployment has one no engine and no
+        other start has claimed (the starts of a pool take turns: the count is theirs)."""
+
+        def replicas(scale: Scale) -> int | None:
+            taken = sum(1 for e in self._engines.values() if e.pool == pool)
+            unscaled = sum(1 for e in self._unscaled.values() if e.pool == pool)
+            if scale.replicas >= taken + unscaled + self._waiting[pool]:
+                return None
+            return scale.replicas + 1
+
+        await self._rescale(pool, replicas)
+
+    async def _ready_pod(self, pool: str) -> _Engine:
+        """The first Ready pod of the pool no engine is, taken (the caller bounds the wait)."""
+        while True:
+            try:
+                pods = await self._pods(pool)
+            except KubeApiError as exc:
+                log.warning("pods of pool %s not listed: %s", pool, exc)
+                pods = []
+            for pod in self._free(pods):
+                engine = _Engine(pool, pod.name, pod.uid, f"{pod.ip}:{self._engine_port}")
+                self._engines[engine.address] = engine
+                log.info("pod %s of pool %s is Ready at %s", pod.name, pool, engine.address)
+                return engine
+            await asyncio.sleep(self._poll_s)
+
+    def _free(self, pods: Sequence[Pod]) -> list[Pod]:
+        """Ready pods, oldest first, that are no engine and not on their way out. A pod at
+        the address of an exited engine waits until the planner has removed that one (pod
+        IPs are reused): one address, one engine."""
+        taken = {e.uid for e in self._engines.values()} | set(self._leaving) | set(self._unscaled)
+        return sorted(
+            (
+                pod
+                for pod in pods
+                if pod.ready
+                and not pod.deleting
+                and pod.ip
+                and pod.uid not in taken
+                and f"{pod.ip}:{self._engine_port}" not in self._exited
+            ),
+            key=lambda pod: (pod.created, pod.name),
+        )
+
+    async def drain(self, address: str, within_s: float) -> None:
+        await self._admin.drain(address, within_s)
+
+    async def stop(self, address: str) -> None:
+        """Take a drained engine out of the controller and scale its pod away; one that
+        exited only leaves the controller (its replica stays for Kubernetes to refill)."""
+        await self._admin.remove(address)
+        if self._exited.pop(address, None) is not None:
+            return
+        engine = self._engines.pop(address, None)
+        if engine is None:
+            return
+        self._unscaled[engine.uid] = engine
+        await self._retry_removals(engine.pool)
+
+    async def kill(self, address: str) -> None:
+        """An engine that stopped answering goes as a drained one does: its pod is scaled
+        away, and Kubernetes kills the container after its termination grace period (SIGTERM
+        first; a hung process gets SIGKILL), which the planner need not wait for."""
+        await self.stop(address)
+
+    async def _retry_removals(self, pool: str) -> None:
+        for engine in [e for e in self._unscaled.values() if e.pool == pool]:
+            try:
+                await self._scale_away(engine)
+            except KubeApiError as exc:
+                log.warning("pod %s not removed yet (tried again next tick): %s", engine.pod, exc)
+                return
+            del self._unscaled[engine.uid]
+            self._leaving[engine.uid] = engine
+
+    async def _scale_away(self, engine: _Engine) -> None:
+        """The pod first to go (lowest deletion cost), then one replica fewer."""
+        await asyncio.to_thread(
+            self._api.annotate_pod, engine.pod, {DELETION_COST: DRAINED_DELETION_COST}
+        )
+        await self._rescale(engine.pool, lambda scale: max(0, scale.replicas - 1))
+        deployment = self._deployments[engine.pool]
+        log.info("pod %s scaled away from Deployment %s", engine.pod, deployment)
+
+    async def close(self) -> None:
+        """Leave the pods serving (the Deployment outlives the planner; the next adopts them)."""
+        await self._admin.close()
+
+    # ---------------------------------------------------------------- the API
+
+    async def _scale(self, pool: str) -> Scale:
+        scale = await asyncio.to_thread(self._api.get_scale, self._deployments[pool])
+        self._selectors[pool] = scale.selector
+        self._replicas[pool] = scale.replicas
+        return scale
+
+    async def _rescale(self, pool: str, replicas: Callable[[Scale], int | None]) -> None:
+        """Set the pool's scale to `replicas(scale)` (None: leave it), read under the pool's
+        lock; the PATCH is conditional on the version read, and a conflict (someone else
+        scaled meanwhile) is read again."""
+        deployment = self._deployments[pool]
+        async with self._scale_locks[pool]:
+            for attempt in range(_SCALE_ATTEMPTS):
+                scale = await self._scale(pool)
+                wanted = replicas(scale)
+                if wanted is None:
+                    return
+                try:
+                    await asyncio.to_thread(
+                        self._api.patch_scale, deployment, wanted, scale.resource_version
+                    )
+                except KubeApiError as exc:
+                    if exc.status != 409 or attempt == _SCALE_ATTEMPTS - 1:
+                        raise
+                    continue
+                self._replicas[pool] = wanted
+                log.info("Deployment %s scaled from %d to %d", deployment, scale.replicas, wanted)
+                return
+
+    async def _selector(self, pool: str) -> str:
+        if pool not in self._selectors:
+            await self._scale(pool)
+        selector = self._selectors[pool]
+        if not selector:  # an empty selector would list every pod of the namespace
+            raise KubeApiError(f"the scale of Deployment {self._deployments[pool]} has no selector")
+        return selector
+
+    async def _pods(self, pool: str) -> list[Pod]:
+        return await asyncio.to_thread(self._api.list_pods, await self._selector(pool))
+
+
+async def connect_deployments(
+    live: LiveConfig, kubernetes: KubernetesConfig, environ: Mapping[str, str]
+) -> KubernetesDeployments:
+    """The actuator `live.kubernetes` describes (`environ` gives the in-cluster defaults),
+    once the API has shown it serves each Deployment; else a ConfigError (one line)."""
+    connection = in_cluster(
+        environ,
+        server=kubernetes.api_server,
+        namespace=kubernetes.namespace,
+        token_file=kubernetes.token_file,
+        ca_file=kubernetes.ca_file,
+    )
+    actuator = KubernetesDeployments(
+        controller=live.controller,
+        api=KubeApi(connection),
+        deployments=kubernetes.deployments,
+        engine_port=kubernetes.engine_port,
+        start_timeout_s=live.start_timeout_s,
+        poll_s=kubernetes.poll_s,
+    )
+    try:
+        await actuator.check()
+    except ConfigError:
+        await actuator.close()
+        raise
+    return actuator

@@ -1,0 +1,521 @@
+"""A fake Kubernetes API server for the planner's Kubernetes actuator: the real paths and JSON
+shapes of the calls it makes, over a ReplicaSet-like controller and a kubelet-like part that
+runs each pod as a real `kvplane engine serve` process.
+
+What it implements (namespaced, one namespace):
+
+- `GET` and `PATCH .../apis/apps/v1/namespaces/NS/deployments/NAME/scale`: an autoscaling/v1
+  Scale (spec.replicas; status.replicas and status.selector, the Deployment's matchLabels
+  serialized as the API server does). PATCH takes `application/merge-patch+json` or
+  `application/strategic-merge-patch+json` (the same for a Scale); other content types are
+  415. A `metadata.resourceVersion` in the patch that is not the current one is 409 Conflict.
+- `GET .../api/v1/namespaces/NS/pods?labelSelector=k=v,...` (equality selectors only): a
+  PodList; `GET`, `PATCH` (merge patch: labels and annotations) and `DELETE` of
+  `.../pods/NAME`.
+- Errors are Status objects (`kind: Status`, `code`, `reason`, `message`): 401 without the
+  bearer token, 403 for a (verb, resource) made forbidden with `forbid` (the RBAC message), 404
+  for a missing object or path, 405, 409, 415, 422 for replicas that are not a natural number.
+  Every change bumps a cluster-wide resourceVersion.
+- The ReplicaSet part keeps as many non-terminating pods as replicas. Scaling down, it deletes
+  pods in Kubernetes' order (`ActivePodsWithRanks`): Pending before Running, not Ready before
+  Ready, lower `controller.kubernetes.io/pod-deletion-cost` first, then the more recently
+  Ready, then the newer. `stale_deletion_cost` makes the next scale-down ignore the costs, as
+  a ReplicaSet controller whose cache has not seen an annotation yet does.
+- The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
+  do not collide; Linux routes all of 127.0.0.0/8 to lo), starts `python -m kvplane engine
+  serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a cluster), and
+  marks it Ready once the gRPC health check answers SERVING (a readiness probe). A container
+  that exits leaves its pod not Ready and is restarted after `restart_delay_s` (as with
+  CrashLoopBackOff). A deleted pod gets a deletionTimestamp, its process SIGTERM, and leaves the
+  list once the process has exited (SIGKILL after the grace period).
+
+Not implemented: watches, field selectors, set-based label selectors, JSON patch, server-side
+apply, Deployment rollouts (one ReplicaSet per Deployment), scheduling, node placement.
+"""
+
+from __future__ import annotations
+
+import http.server
+import itertools
+import json
+import os
+import random
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.up.member import member_environment
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+_PATCH_TYPES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
+_LOOP_S = 0.05  # the controllers' and kubelet's pass
+_TERMINATION_GRACE_S = 30.0
+
+
+@dataclass
+class Deployment:
+    name: str
+    uid: str
+    labels: dict[str, str]
+    replicas: int
+    resource_version: str
+    created: str
+
+
+@dataclass
+class Pod:
+    name: str
+    uid: str
+    deployment: str
+    labels: dict[str, str]
+    ip: str
+    created: str
+    number: int
+    resource_version: str
+    annotations: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+    ready_since: float | None = None  # monotonic; None: not Ready
+    restart_at: float | None = None  # a container that exited starts again then
+    deleting_since: float | None = None  # monotonic; set: terminating
+    deletion_timestamp: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_since is not None
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+class FakeKube:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        engine_port: int,
+        namespace: str = "serving",
+        token: str = "planner-token",
+        tls: tuple[Path, Path] | None = None,
+        engine_args: Sequence[str] = ("--model", "sim"),
+        restart_delay_s: float = 1.0,
+    ) -> None:
+        self.namespace, self.token, self.engine_port = namespace, token, engine_port
+        self._workdir, self._engine_args = workdir, tuple(engine_args)
+        self._restart_delay_s = restart_delay_s
+        self._versions = itertools.count(1000)
+        self._numbers = itertools.count()
+        self._subnet = random.randrange(64, 255)
+        self._changed = threading.Condition()
+        self.deployments: dict[str, Deployment] = {}
+        self.pods: dict[str, Pod] = {}
+        self.deleted: list[str] = []  # pods the ReplicaSet part deleted to scale down, in order
+        self.forbidden: set[tuple[str, str]] = set()  # (verb, resource) refused with 403
+        self.requests: set[tuple[str, str, str]] = set()  # (API group, resource, verb) asked
+        # Set: the next scale-down ranks pods without their deletion cost, as a ReplicaSet
+        # controller does whose informer cache has not seen the annotation yet.
+        self.stale_deletion_cost = False
+        self._closing = threading.Event()
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server.daemon_threads = True
+        scheme = "http"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self._server.server_address[1]}"
+        self._threads = [
+            threading.Thread(target=self._server.serve_forever, name="fake-kube-api"),
+            threading.Thread(target=self._run_controllers, name="fake-kube-kubelet"),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # ---------------------------------------------------------------- for tests
+
+    def add_deployment(self, name: str, replicas: int, labels: dict[str, str]) -> None:
+        with self._changed:
+            self.deployments[name] = Deployment(
+                name, str(uuid.uuid4()), labels, replicas, self._version(), _now()
+            )
+            self._changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Until `predicate()` (called under the lock) holds; TimeoutError after `timeout_s`."""
+        with self._changed:
+            if not self._changed.wait_for(predicate, timeout_s):
+                raise TimeoutError("the fake cluster did not get there")
+
+    def ready_pods(self, deployment: str) -> list[Pod]:
+        with self._changed:  # the kubelet thread changes the dict (the lock is re-entrant)
+            return sorted(
+                (
+                    p
+                    for p in self.pods.values()
+                    if p.deployment == deployment and p.ready and p.deletion_timestamp is None
+                ),
+                key=lambda p: p.number,
+            )
+
+    def address(self, pod: Pod) -> str:
+        return f"{pod.ip}:{self.engine_port}"
+
+    def kill_container(self, name: str) -> None:
+        """SIGKILL a pod's engine, as a crash (the pod stays, not Ready)."""
+        with self._changed:
+            process = self.pods[name].process
+        assert process is not None
+        process.kill()
+        process.wait()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+        for thread in self._threads:
+            thread.join()
+        for pod in self.pods.values():
+            _stop(pod.process)
+
+    # ---------------------------------------------------------------- the API
+
+    def handle(self, method: str, path: str, headers: Any, body: bytes) -> tuple[int, object]:
+        if headers.get("Authorization") != f"Bearer {self.token}":
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        url = urllib.parse.urlsplit(path)
+        parts = url.path.strip("/").split("/")
+        namespaced = f"namespaces/{self.namespace}"
+        if parts[:5] == ["apis", "apps", "v1", *namespaced.split("/")]:
+            if len(parts) == 8 and parts[5] == "deployments" and parts[7] == "scale":
+                return self._scale(method, parts[6], headers, body)
+        elif parts[:4] == ["api", "v1", *namespaced.split("/")] and parts[4:5] == ["pods"]:
+            if len(parts) == 5 and method == "GET":
+                self._check_allowed("list", "pods", "")
+                query = urllib.parse.parse_qs(url.query)
+                return 200, self._pod_list(query.get("labelSelector", [""])[0])
+            if len(parts) == 6:
+                return self._pod(method, parts[5], headers, body)
+        raise ApiError(404, "NotFound", "the server could not find the requested resource")
+
+    def _scale(self, method: str, name: str, headers: Any, body: bytes) -> tuple[int, object]:
+        verb = {"GET": "get", "PATCH": "patch"}.get(method)
+        if verb is None:
+            raise ApiError(405, "MethodNotAllowed", f"the server does not allow {method} here")
+        self._check_allowed(verb, "deployments/scale", f'deployments.apps "{name}"', "apps")
+        with self._changed:
+            deployment = self.deployments.get(name)
+            if deployment is None:
+                raise ApiError(404, "NotFound", f'deployments.apps "{name}" not found')
+            if method == "PATCH":
+                patch = _merge_patch(headers, body)
+                version = patch.get("metadata", {}).get("resourceVersion")
+                if version is not None and version != deployment.resource_version:
+                    raise ApiError(
+                        409,
+                        "Conflict",
+                        f'Operation cannot be fulfilled on deployments.apps "{name}": the '
+                        "object has been modified; please apply your changes to the latest "
+                        "version and try again",
+                    )
+                replicas = patch.get("spec", {}).get("replicas", deployment.replicas)
+                if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
+                    raise ApiError(
+                        422, "Invalid", f'Scale.autoscaling "{name}" is invalid: spec.replicas'
+                    )
+                deployment.replicas = replicas
+                deployment.resource_version = self._version()
+                self._changed.notify_all()
+            return 200, self._scale_object(deployment)
+
+    def _pod(self, method: str, name: str, headers: Any, body: bytes) -> tuple[int, object]:
+        verb = {"GET": "get", "PATCH": "patch", "DELETE": "delete"}.get(method)
+        if verb is None:
+            raise ApiError(405, "MethodNotAllowed", f"the server does not allow {method} here")
+        self._check_allowed(verb, "pods", f'pods "{name}"')
+        with self._changed:
+            pod = self.pods.get(name)
+            if pod is None or (method == "DELETE" and pod.deletion_timestamp is not None):
+                raise ApiError(404, "NotFound", f'pods "{name}" not found')
+            if method == "PATCH":
+                metadata = _merge_patch(headers, body).get("metadata", {})
+                for key, target in (("annotations", pod.annotations), ("labels", pod.labels)):
+                    for item, value in (metadata.get(key) or {}).items():
+                        if value is None:
+                            target.pop(item, None)
+                        else:
+                            target[item] = str(value)
+                pod.resource_version = self._version()
+            elif method == "DELETE":
+                self._delete(pod)
+            self._changed.notify_all()
+            return 200, self._pod_object(pod)
+
+    def _check_allowed(self, verb: str, resource: str, what: str, group: str = "") -> None:
+        self.requests.add((group, resource, verb))
+        if (verb, resource) in self.forbidden:
+            raise ApiError(
+                403,
+                "Forbidden",
+                f"{what or resource} is forbidden: User "
+                f'"system:serviceaccount:{self.namespace}:kvplane-planner" cannot {verb} '
+                f'resource "{resource}" in API group "{group}" in the namespace '
+                f'"{self.namespace}"',
+            )
+
+    def _scale_object(self, deployment: Deployment) -> dict[str, Any]:
+        current = sum(
+            1
+            for p in self.pods.values()
+            if p.deployment == deployment.name and p.deletion_timestamp is None
+        )
+        return {
+            "kind": "Scale",
+            "apiVersion": "autoscaling/v1",
+            "metadata": {
+                "name": deployment.name,
+                "namespace": self.namespace,
+                "uid": deployment.uid,
+                "resourceVersion": deployment.resource_version,
+                "creationTimestamp": deployment.created,
+            },
+            "spec": {"replicas": deployment.replicas},
+            "status": {
+                "replicas": current,
+                "selector": ",".join(f"{k}={v}" for k, v in sorted(deployment.labels.items())),
+            },
+        }
+
+    def _pod_list(self, selector: str) -> dict[str, Any]:
+        wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
+        with self._changed:
+            items = [
+                self._pod_object(p)
+                for p in sorted(self.pods.values(), key=lambda p: p.name)
+                if all(p.labels.get(k) == v for k, v in wanted.items())
+            ]
+            version = str(next(self._versions))
+        return {
+            "kind": "PodList",
+            "apiVersion": "v1",
+            "metadata": {"resourceVersion": version},
+            "items": items,
+        }
+
+    def _pod_object(self, pod: Pod) -> dict[str, Any]:
+        metadata: dict[str, Any] = {
+            "name": pod.name,
+            "namespace": self.namespace,
+            "uid": pod.uid,
+            "resourceVersion": pod.resource_version,
+            "creationTimestamp": pod.created,
+            "labels": dict(pod.labels),
+            "ownerReferences": [
+                {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": f"{pod.deployment}-rs"}
+            ],
+        }
+        if pod.annotations:
+            metadata["annotations"] = dict(pod.annotations)
+        if pod.deletion_timestamp is not None:
+            metadata["deletionTimestamp"] = pod.deletion_timestamp
+        started = pod.process is not None
+        return {
+            "kind": "Pod",
+            "apiVersion": "v1",
+            "metadata": metadata,
+            "spec": {
+                "containers": [{"name": "engine", "ports": [{"containerPort": self.engine_port}]}]
+            },
+            "status": {
+                "phase": "Running" if started else "Pending",
+                **({"podIP": pod.ip} if started else {}),
+                "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
+            },
+        }
+
+    def _version(self) -> str:
+        return str(next(self._versions))
+
+    # ---------------------------------------------------------------- ReplicaSet and kubelet
+
+    def _run_controllers(self) -> None:
+        while not self._closing.wait(_LOOP_S):
+            with self._changed:
+                for deployment in self.deployments.values():
+                    self._replicate(deployment)
+                for pod in list(self.pods.values()):
+                    self._run(pod)
+                self._changed.notify_all()
+                due = [p for p in self.pods.values() if _probe_due(p)]
+            # Probes outside the lock: a health check may take up to its timeout.
+            for pod in due:
+                if _healthy(f"{pod.ip}:{self.engine_port}"):
+                    with self._changed:
+                        if _probe_due(pod):
+                            pod.ready_since = time.monotonic()
+                            pod.resource_version = self._version()
+                            self._changed.notify_all()
+
+    def _replicate(self, deployment: Deployment) -> None:
+        active = [
+            p
+            for p in self.pods.values()
+            if p.deployment == deployment.name and p.deletion_timestamp is None
+        ]
+        for _ in range(deployment.replicas - len(active)):
+            number = next(self._numbers)
+            name = f"{deployment.name}-{uuid.uuid4().hex[:10]}-{uuid.uuid4().hex[:5]}"
+            ip = f"127.{self._subnet}.{number // 200}.{10 + number % 200}"
+            self.pods[name] = Pod(
+                name,
+                str(uuid.uuid4()),
+                deployment.name,
+                dict(deployment.labels),
+                ip,
+                _now(),
+                number,
+                self._version(),
+            )
+        surplus = len(active) - deployment.replicas
+        if surplus > 0:
+            stale, self.stale_deletion_cost = self.stale_deletion_cost, False
+            rank = _stale_deletion_rank if stale else _deletion_rank
+            for pod in sorted(active, key=rank)[:surplus]:
+                self.deleted.append(pod.name)
+                self._delete(pod)
+
+    def _delete(self, pod: Pod) -> None:
+        pod.deletion_timestamp = _now()
+        pod.deleting_since = time.monotonic()
+        pod.resource_version = self._version()
+        if pod.process is not None and pod.process.poll() is None:
+            pod.process.send_signal(signal.SIGTERM)
+
+    def _run(self, pod: Pod) -> None:
+        now = time.monotonic()
+        if pod.deleting_since is not None:
+            if pod.process is None or pod.process.poll() is not None:
+                del self.pods[pod.name]
+            elif now - pod.deleting_since > _TERMINATION_GRACE_S:
+                pod.process.kill()
+            return
+        if pod.process is not None and pod.process.poll() is not None:  # the container exited
+            pod.process = None
+            pod.ready_since = None
+            pod.restart_at = now + self._restart_delay_s
+            pod.resource_version = self._version()
+        if pod.process is None and (pod.restart_at is None or now >= pod.restart_at):
+            with (self._workdir / f"{pod.name}.log").open("ab") as log_file:
+                pod.process = subprocess.Popen(
+                    [sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,
+                     "--listen", f"{pod.ip}:{self.engine_port}"],
+                    stdout=subprocess.DEVNULL, stderr=log_file,
+                    env={**os.environ, **member_environment(None)},  # dies with this thread
+                )  # fmt: skip
+            pod.restart_at = None
+            pod.resource_version = self._version()
+
+
+def _deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:
+    """Kubernetes' order of pods to delete first (ascending)."""
+    cost = int(pod.annotations.get(DELETION_COST, "0"))
+    ready_since = pod.ready_since or 0.0
+    return (pod.process is not None, pod.ready, cost, -ready_since, -pod.number)
+
+
+def _stale_deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:
+    return (*_deletion_rank(pod)[:2], 0, *_deletion_rank(pod)[3:])
+
+
+def _probe_due(pod: Pod) -> bool:
+    return pod.process is not None and not pod.ready and pod.deletion_timestamp is None
+
+
+def _healthy(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=0.5
+            )
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _merge_patch(headers: Any, body: bytes) -> dict[str, Any]:
+    content_type = (headers.get("Content-Type") or "").split(";")[0].strip()
+    if content_type not in _PATCH_TYPES:
+        raise ApiError(
+            415, "UnsupportedMediaType", f'the body of the request was in an unknown format - '
+            f'accepted media types include: {", ".join(sorted(_PATCH_TYPES))}'
+        )  # fmt: skip
+    try:
+        patch = json.loads(body)
+    except ValueError as exc:
+        raise ApiError(400, "BadRequest", f"error decoding patch: {exc}") from exc
+    if not isinstance(patch, dict):
+        raise ApiError(400, "BadRequest", "a merge patch must be a JSON object")
+    return patch
+
+
+def _stop(process: subprocess.Popen[bytes] | None) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _handler(kube: FakeKube) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _serve(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            try:
+                code, answer = kube.handle(self.command, self.path, self.headers, body)
+            except ApiError as exc:
+                code = exc.code
+                answer = {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Failure",
+                    "message": exc.message,
+                    "reason": exc.reason,
+                    "code": exc.code,
+                }
+            data = json.dumps(answer).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_PATCH = do_DELETE = do_POST = do_PUT = _serve
+
+        def log_message(self, format: str, *args: object) -> None:  # quiet
+            pass
+
+    return Handler

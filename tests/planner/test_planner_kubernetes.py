@@ -1,0 +1,556 @@
+"""The Kubernetes actuator against a fake API server (tests/planner/fake_kube.py: the real
+paths and JSON, a ReplicaSet-like controller, pods as real `kvplane engine serve --model sim`
+processes on their own loopback IPs) and a real in-process controller: a start scales up and
+registers the Ready pod; a removal deletes the drained pod, not a serving one (and is retried
+when the API refuses it); a restarted planner adopts the pods instead of doubling them; pods
+that vanish or crash are reported and leave the controller; API errors are one line; end to
+end, load scales the pool up and its end scales it down again, deleting the drained pod."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import itertools
+import json
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from fake_kube import FakeKube
+from typer.testing import CliRunner
+
+from controller.app import ControllerApp, start_controller
+from controller.config import ControllerConfig
+from kvplane.cli import app as kvplane_app
+from kvplane.config import load_config
+from kvplane.errors import ConfigError
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
+from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.planner import Planner
+from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Scale, in_cluster
+from planner.kubernetes import KubernetesDeployments
+from planner.live import LivePlanner
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEPLOYMENT = "kvplane-engine"
+LABELS = {"app": "kvplane-engine", "pool": "default"}
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1: the fake serves HTTPS, as an API server does,
+    and the actuator verifies it against it as its CA file."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "ca.crt", folder / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("0.0.0.0", 0))
+        return int(probe.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    kube: FakeKube
+    app: ControllerApp
+    ca_file: Path
+    token_file: Path
+
+    def api(self, token_file: Path | None = None) -> KubeApi:
+        return KubeApi(
+            KubeConnection(
+                self.kube.url, self.kube.namespace, token_file or self.token_file, self.ca_file
+            )
+        )
+
+    def actuator(self, api: KubeApi | None = None) -> KubernetesDeployments:
+        return KubernetesDeployments(
+            controller=f"127.0.0.1:{self.app.port}",
+            api=api or self.api(),
+            deployments={"default": DEPLOYMENT},
+            engine_port=self.kube.engine_port,
+            start_timeout_s=60,
+            poll_s=0.05,
+        )
+
+    def routable(self) -> list[str]:
+        return sorted(r.address for r in self.app.controller.fleet.registry.routable())
+
+    def registered(self) -> list[str]:
+        return sorted(r.address for r in self.app.controller.fleet.registry.records())
+
+    async def wait(self, predicate: Callable[[], bool]) -> None:
+        await asyncio.to_thread(self.kube.wait_for, predicate)
+
+    async def wait_routable(self, count: int) -> None:
+        fleet = self.app.controller.fleet
+        await fleet.wait_for(lambda: len(self.routable()) == count, 60)
+
+
+@contextlib.contextmanager
+def fake_kube(
+    tmp_path: Path, tls_files: tuple[Path, Path] | None, **options: float
+) -> Iterator[FakeKube]:
+    kube = FakeKube(tmp_path, engine_port=free_port(), tls=tls_files, **options)
+    try:
+        yield kube
+    finally:
+        kube.close()
+
+
+async def cluster_with(
+    tmp_path: Path, tls_files: tuple[Path, Path], replicas: int, **options: float
+) -> AsyncIterator[Cluster]:
+    health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
+    config = {"listen": "127.0.0.1:0", "health": health, "shutdown_grace_s": 0.5}
+    app = await start_controller(ControllerConfig.model_validate(config))
+    try:
+        with fake_kube(tmp_path, tls_files, **options) as kube:
+            kube.add_deployment(DEPLOYMENT, replicas, LABELS)
+            token_file = tmp_path / "token"
+            token_file.write_text(kube.token + "\n")
+            cluster = Cluster(kube, app, tls_files[0], token_file)
+            await cluster.wait(lambda: len(kube.ready_pods(DEPLOYMENT)) == replicas)
+            yield cluster
+    finally:
+        await app.close(0.2)
+
+
+@pytest.fixture
+async def empty(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[Cluster]:
+    async for cluster in cluster_with(tmp_path, tls_files, 0):
+        yield cluster
+
+
+@pytest.fixture
+async def two_pods(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[Cluster]:
+    # Containers that crash stay down: the test sees the pod not Ready.
+    async for cluster in cluster_with(tmp_path, tls_files, 2, restart_delay_s=3600):
+        yield cluster
+
+
+def planner(min_engines: int, max_engines: int, **capacity: float) -> Planner:
+    pool = PoolConfig(min_engines=min_engines, max_engines=max_engines)
+    scaling = ScalingConfig(
+        tick_s=0.2,
+        scale_up_cooldown_s=0,
+        scale_down_cooldown_s=0,
+        scale_down_stabilisation_s=0,
+        scale_down_headroom=0,
+    )
+    return Planner(
+        PlannerConfig(pools=(pool,), scaling=scaling, capacity=CapacityConfig(**capacity))
+    )
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_scales_up_and_registers_the_ready_pod(empty: Cluster) -> None:
+    actuator = empty.actuator()
+    try:
+        address = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert empty.kube.deployments[DEPLOYMENT].replicas == 1
+    (pod,) = empty.kube.ready_pods(DEPLOYMENT)
+    assert address == empty.kube.address(pod)
+    assert empty.routable() == [address]  # routed to when the start returns
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_does_not_overwrite_a_scale_changed_meanwhile(empty: Cluster) -> None:
+    class OperatorScalesMeanwhile(KubeApi):
+        """`kubectl scale --replicas=2` between the actuator's read of the scale and its
+        PATCH: the PATCH, conditional on the version read, is refused (409 Conflict)."""
+
+        scaled = False
+
+        def get_scale(self, deployment: str) -> Scale:
+            scale = super().get_scale(deployment)
+            if not self.scaled:
+                self.scaled = True
+                super().patch_scale(deployment, 2, scale.resource_version)
+            return scale
+
+    actuator = empty.actuator(OperatorScalesMeanwhile(empty.api().connection))
+    try:
+        address = await actuator.start("default")
+    finally:
+        await actuator.close()
+    # Read again, the Deployment has replicas no engine is: the start takes one of them.
+    assert empty.kube.deployments[DEPLOYMENT].replicas == 2
+    await empty.wait(lambda: len(empty.kube.ready_pods(DEPLOYMENT)) == 2)
+    assert address in {empty.kube.address(p) for p in empty.kube.ready_pods(DEPLOYMENT)}
+
+
+@pytest.mark.timeout(120)
+async def test_a_removal_deletes_the_drained_pod_not_another(two_pods: Cluster) -> None:
+    kube = two_pods.kube
+    # Draining the pod Ready first: one replica fewer alone would delete the other one
+    # (Kubernetes deletes the more recently Ready first).
+    old, new = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    actuator = two_pods.actuator()
+    try:
+        assert sorted(await actuator.adopt()) == sorted(
+            (kube.address(pod), "default") for pod in (old, new)
+        )
+        await actuator.drain(kube.address(old), 5)
+        fleet = two_pods.app.controller.fleet
+        await fleet.wait_for(lambda: two_pods.routable() == [kube.address(new)], 30)
+        # The API refuses the scale-down for now (RBAC): the removal waits, nothing deleted.
+        kube.forbidden.add(("patch", "deployments/scale"))
+        await actuator.stop(kube.address(old))
+        assert kube.deployments[DEPLOYMENT].replicas == 2 and not kube.deleted
+        kube.forbidden.clear()
+        assert await actuator.adopt() == []  # the next tick retries it (and adopts nothing)
+        await two_pods.wait(lambda: old.name not in kube.pods)
+    finally:
+        await actuator.close()
+    assert kube.deleted == [old.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert old.process is not None and old.process.returncode == 0  # SIGTERM, graceful
+    assert two_pods.registered() == [kube.address(new)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cluster) -> None:
+    """The ReplicaSet controller ranks pods from a cache that may not hold the deletion cost
+    yet: it deletes the other pod. That one is reported as exited, and the drained pod is
+    scaled away again, rather than left serving nothing and counting as a replica."""
+    kube = two_pods.kube
+    drained, other = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    actuator = two_pods.actuator()
+    try:
+        await actuator.adopt()
+        await actuator.drain(kube.address(drained), 5)
+        kube.stale_deletion_cost = True
+        await actuator.stop(kube.address(drained))
+        await two_pods.wait(lambda: other.deletion_timestamp is not None)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == [kube.address(other)]
+        await two_pods.wait(lambda: drained.name not in kube.pods)
+    finally:
+        await actuator.close()
+    assert kube.deleted == [other.name, drained.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 0  # the core starts the one it needs
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_planner_adopts_the_pods_instead_of_doubling_them(
+    two_pods: Cluster,
+) -> None:
+    addresses = sorted(two_pods.kube.address(p) for p in two_pods.kube.ready_pods(DEPLOYMENT))
+    first = LivePlanner(planner(2, 2), two_pods.actuator())
+    try:
+        assert await first.tick() == []  # the Deployment's two pods are the pool's two
+    finally:
+        await first.close()  # a planner that stops leaves the pods serving
+    await two_pods.wait_routable(2)
+    again = LivePlanner(planner(2, 2), two_pods.actuator())
+    try:
+        assert await again.tick() == []
+        assert sorted(again.engines) == addresses
+    finally:
+        await again.close()
+    assert two_pods.kube.deployments[DEPLOYMENT].replicas == 2
+    assert two_pods.registered() == addresses
+
+
+@pytest.mark.timeout(120)
+async def test_pods_that_vanish_or_crash_are_reported_and_leave_the_controller(
+    two_pods: Cluster,
+) -> None:
+    kube = two_pods.kube
+    deleted, crashed = kube.ready_pods(DEPLOYMENT)
+    actuator = two_pods.actuator()
+    try:
+        await actuator.adopt()
+        await two_pods.wait_routable(2)
+        delete_pod(two_pods, deleted.name)  # `kubectl delete pod`: the ReplicaSet replaces it
+        kube.kill_container(crashed.name)
+        await two_pods.wait(lambda: not kube.pods[crashed.name].ready)
+        adopted = await actuator.adopt()  # the replacement, if it is Ready already
+        gone = sorted(kube.address(pod) for pod in (deleted, crashed))
+        assert actuator.exited() == gone
+        for address in gone:
+            await actuator.stop(address)
+        assert kube.deployments[DEPLOYMENT].replicas == 2  # refilled by Kubernetes, not by us
+        assert not set(gone) & set(two_pods.registered())
+        # The ReplicaSet's replacement serves: adopted.
+        await two_pods.wait(lambda: len(kube.ready_pods(DEPLOYMENT)) == 1)
+        (replacement,) = kube.ready_pods(DEPLOYMENT)
+        adopted += await actuator.adopt()
+        assert adopted == [(kube.address(replacement), "default")]
+        assert actuator.exited() == []
+        assert two_pods.registered() == [kube.address(replacement)]
+    finally:
+        await actuator.close()
+
+
+def delete_pod(cluster: Cluster, name: str) -> None:
+    context = ssl.create_default_context(cafile=str(cluster.ca_file))
+    connection = http.client.HTTPSConnection(cluster.kube.url.split("//")[1], context=context)
+    path = f"/api/v1/namespaces/{cluster.kube.namespace}/pods/{name}"
+    connection.request("DELETE", path, headers={"Authorization": f"Bearer {cluster.kube.token}"})
+    assert connection.getresponse().status == 200
+    connection.close()
+
+
+@pytest.mark.timeout(60)
+async def test_api_errors_at_start_are_one_line(empty: Cluster, tmp_path: Path) -> None:
+    wrong_token = tmp_path / "wrong-token"
+    wrong_token.write_text("not-the-token")
+    with socket.socket() as unused:  # bound, not listening: connections are refused
+        unused.bind(("127.0.0.1", 0))
+        unreachable = KubeApi(
+            KubeConnection(f"https://127.0.0.1:{unused.getsockname()[1]}", "serving", None, None)
+        )
+        untrusted = KubeApi(  # the system's roots do not hold the fake's certificate
+            KubeConnection(empty.kube.url, "serving", empty.token_file, None)
+        )
+        cases: list[tuple[KubeApi, str]] = [
+            (empty.api(wrong_token), "401 Unauthorized: Unauthorized"),
+            (unreachable, "Connection refused"),
+            (untrusted, "TLS: self-signed certificate"),
+        ]
+        messages = [await check(empty, api) for api, _ in cases]
+    empty.kube.forbidden.add(("list", "pods"))
+    messages.append(await check(empty, empty.api()))
+    cases.append((empty.api(), 'cannot list resource "pods"'))
+    empty.kube.forbidden.clear()
+    del empty.kube.deployments[DEPLOYMENT]
+    messages.append(await check(empty, empty.api()))
+    cases.append((empty.api(), f'404 NotFound: deployments.apps "{DEPLOYMENT}" not found'))
+    for message, (_, expected) in zip(messages, cases, strict=True):
+        assert message.startswith("pool default: ") and expected in message
+        assert "\n" not in message
+
+
+async def check(cluster: Cluster, api: KubeApi) -> str:
+    actuator = cluster.actuator(api)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            await actuator.check()
+    finally:
+        await actuator.close()
+    return str(refused.value)
+
+
+def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
+    tmp_path: Path,
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("t")
+    environ = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "6443"}
+
+    def connect(
+        env: dict[str, str], namespace: str | None = "serving", token_file: Path = token
+    ) -> KubeConnection:
+        return in_cluster(
+            env, server=None, namespace=namespace, token_file=token_file, ca_file=None
+        )
+
+    assert connect(environ).server == "https://10.96.0.1:6443"
+    assert connect({"KUBERNETES_SERVICE_HOST": "fd00::1"}).server == "https://[fd00::1]:443"
+    # `kubectl proxy`: plain HTTP, no token; the default CA file (absent here) is not needed.
+    proxy = in_cluster(
+        {},
+        server="http://127.0.0.1:8001",
+        namespace="serving",
+        token_file=None,
+        ca_file=SERVICE_ACCOUNT_DIR / "ca.crt",
+    )
+    assert proxy == KubeConnection("http://127.0.0.1:8001", "serving", None, None)
+    refusals: dict[str, Callable[[], KubeConnection]] = {
+        "KUBERNETES_SERVICE_HOST is not in the environment": lambda: connect({}),
+        "token_file /nonexistent is not a file": lambda: connect(
+            environ, token_file=Path("/nonexistent")
+        ),
+    }
+    if not SERVICE_ACCOUNT_DIR.exists():  # outside a pod: no namespace file to default to
+        refusals["namespace is not set"] = lambda: connect(environ, namespace=None)
+    for expected, call in refusals.items():
+        with pytest.raises(ConfigError, match=expected) as refused:
+            call()
+        assert "\n" not in str(refused.value)
+
+
+def test_planner_run_names_a_missing_deployment_in_one_line(tmp_path: Path) -> None:
+    with fake_kube(tmp_path, None) as kube:  # plain HTTP, as through a `kubectl proxy`
+        token_file = tmp_path / "token"
+        token_file.write_text(kube.token)
+        kubernetes = {
+            "api_server": kube.url,
+            "namespace": kube.namespace,
+            "token_file": str(token_file),  # the default ca_file (absent here) is not needed
+            "deployments": {"default": "missing"},
+        }
+        config = tmp_path / "planner.yaml"
+        live = {"controller": "127.0.0.1:1", "kubernetes": kubernetes}
+        config.write_text(json.dumps({"live": live}))
+        result = CliRunner().invoke(kvplane_app, ["planner", "run", "--config", str(config)])
+    assert result.exit_code == 1 and isinstance(result.exception, ConfigError)  # main: one line
+    line = str(result.exception)
+    assert '404 NotFound: deployments.apps "missing" not found' in line and "\n" not in line
+    assert "is Deployment missing in namespace serving?" in line
+
+
+@pytest.mark.timeout(120)
+async def test_planner_run_scales_the_deployment_and_leaves_its_pods_when_stopped(
+    empty: Cluster, tmp_path: Path
+) -> None:
+    kubernetes = {
+        "api_server": empty.kube.url,
+        "namespace": empty.kube.namespace,
+        "token_file": str(empty.token_file),
+        "ca_file": str(empty.ca_file),
+        "engine_port": empty.kube.engine_port,
+        "deployments": {"default": DEPLOYMENT},
+        "poll_s": 0.1,
+    }
+    live = {"controller": f"127.0.0.1:{empty.app.port}", "kubernetes": kubernetes}
+    config = tmp_path / "planner.yaml"
+    config.write_text(json.dumps({"pools": [{"min_engines": 2, "max_engines": 2}], "live": live}))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
+        stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await empty.wait_routable(2)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert await process.wait() == 0
+    # The Deployment outlives the planner: its pods serve on, registered, for the next one.
+    assert empty.kube.deployments[DEPLOYMENT].replicas == 2
+    addresses = sorted(empty.kube.address(p) for p in empty.kube.ready_pods(DEPLOYMENT))
+    assert len(addresses) == 2 and empty.registered() == addresses
+
+
+@pytest.mark.timeout(60)
+async def test_api_errors_mid_run_do_not_stop_the_planner(empty: Cluster) -> None:
+    live = LivePlanner(planner(1, 1), empty.actuator())
+    empty.kube.forbidden.update({("list", "pods"), ("patch", "deployments/scale")})
+    try:
+        assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+        await asyncio.gather(*live._starts)  # the start failed (logged)
+        assert not live.engines
+        empty.kube.forbidden.clear()
+        assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]  # asked again
+        await empty.wait_routable(1)
+    finally:
+        await live.close()
+
+
+@pytest.mark.timeout(120)
+async def test_load_scales_the_deployment_up_and_its_end_down_deleting_the_drained_pod(
+    empty: Cluster,
+) -> None:
+    """`LivePlanner` over the actuator: sized on KV use (a tiny `max_kv_usage`), long requests
+    through the controller need a second engine; once they end, one is drained and removed,
+    and the pod the ReplicaSet deletes is the drained one."""
+    kube = empty.kube
+    live = LivePlanner(planner(1, 2, max_kv_usage=0.01, level_alpha=1, trend_beta=0,
+                               forecast_horizon_s=0), empty.actuator())  # fmt: skip
+    stop_load = asyncio.Event()
+    load: asyncio.Task[None] | None = None
+    try:
+        decisions = await ticks_until(live, lambda d: isinstance(d, ScalePool))
+        assert decisions[-1] == ScalePool("default", 1, Reason.BELOW_MIN)
+        await empty.wait_routable(1)
+        load = asyncio.create_task(send_load(empty.app.port, stop_load))
+        decisions = await ticks_until(live, lambda d: isinstance(d, ScalePool))
+        assert decisions[-1].num_engines == 2  # type: ignore[union-attr]
+        await empty.wait_routable(2)
+        assert kube.deployments[DEPLOYMENT].replicas == 2
+        stop_load.set()
+        await load
+        decisions = await ticks_until(live, lambda d: isinstance(d, DrainEngine))
+        drained = decisions[-1].engine_id  # type: ignore[union-attr]
+        pods = {kube.address(p): p.name for p in kube.ready_pods(DEPLOYMENT)}
+        decisions = await ticks_until(live, lambda d: isinstance(d, RemoveEngine))
+        assert decisions[-1] == RemoveEngine(drained, "default", Reason.DRAINED)
+        await empty.wait(lambda: len(kube.pods) == 1)
+    finally:
+        stop_load.set()
+        if load is not None:
+            await asyncio.gather(load, return_exceptions=True)
+        await live.close()
+    assert kube.deleted == [pods[drained]]
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    (serving,) = (kube.address(p) for p in kube.ready_pods(DEPLOYMENT))
+    assert serving != drained and empty.registered() == [serving]
+    assert kube.requests <= shipped_role()  # the shipped RBAC Role allows all it asked
+
+
+def shipped_role() -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) the Role of configs/k8s/planner-rbac.yaml grants."""
+    documents = yaml.safe_load_all((CONFIGS / "k8s" / "planner-rbac.yaml").read_text())
+    (role,) = (d for d in documents if d["kind"] == "Role")
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_the_shipped_manifest_fits_the_shipped_config() -> None:
+    config = load_config(PlannerConfig, CONFIGS / "planner-k8s.yaml")
+    assert config.live is not None and config.live.kubernetes is not None
+    (deployment,) = yaml.safe_load_all((CONFIGS / "k8s" / "engine-deployment.yaml").read_text())
+    assert config.live.kubernetes.deployments == {"default": deployment["metadata"]["name"]}
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert [p["containerPort"] for p in container["ports"]] == [config.live.kubernetes.engine_port]
+    assert container["readinessProbe"]["grpc"]["port"] == config.live.kubernetes.engine_port
+    assert f"0.0.0.0:{config.live.kubernetes.engine_port}" in container["command"]
+
+
+async def ticks_until(live: LivePlanner, wanted: Callable[[object], bool]) -> list[object]:
+    """Tick (every 0.1 s, bounded) until a decision is `wanted`; the decisions of that tick."""
+    async with asyncio.timeout(60):
+        while True:
+            decisions: list[object] = list(await live.tick())
+            if any(wanted(d) for d in decisions):
+                return [d for d in decisions if wanted(d)]
+            await asyncio.sleep(0.1)
+
+
+async def send_load(controller_port: int, stop: asyncio.Event) -> None:
+    """Long requests through the controller, four at a time, until `stop`."""
+    numbers = itertools.count()
+
+    async def one(stub: pb_grpc.OpenEngineStub) -> None:
+        while not stop.is_set():
+            n = next(numbers)
+            request = pb.GenerateRequest(
+                request_id=f"load-{n}",
+                model="sim",
+                token_ids=pb.TokenIds(ids=[(n * 7 + i) % 30000 for i in range(512)]),
+                stopping=pb.StoppingOptions(max_tokens=64, ignore_eos=True),
+            )
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for _ in stub.Generate(request):
+                    pass
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{controller_port}") as channel:
+        stub = pb_grpc.OpenEngineStub(channel)
+        await asyncio.gather(*(one(stub) for _ in range(4)))
