@@ -361,6 +361,9 @@ PROBE_INTERVAL_RULE = "must be 0 (off) or a positive, finite number of seconds"
         ("--endpoint", "tcp://no-port", "expected tcp://HOST:PORT, got 'tcp://no-port'"),
         ("--endpoint", "nope://x", "unknown ZMQ transport 'nope' in 'nope://x'"),
         ("--worker-id", "", "must not be empty"),
+        # Names the index refuses: every batch of the bridge would be refused.
+        ("--worker-id", "w\t0", "worker_id must be printable text, got 'w\\t0'"),
+        ("--worker-address", "a" * 257, "worker_address must be at most 256 characters, got 257"),
         ("--block-size", "0", "must be between 1 and 4294967295, got 0"),
         ("--block-size", str(1 << 32), f"must be between 1 and 4294967295, got {1 << 32}"),
         ("--hash", "bogus", "must be engine or canonical, got 'bogus'"),
