@@ -131,7 +131,7 @@ def bridge(
     from indexer.batch import Tier
     from indexer.bridge import BridgeSettings, run_bridge
     from indexer.translate import ALL_TIERS, HashMode, MediumMap
-    from indexer.validation import MAX_UINT32
+    from indexer.validation import MAX_UINT32, worker_name_problem
     from kvplane.channels import INSECURE
 
     if hash_mode not in {m.value for m in HashMode}:
@@ -144,6 +144,14 @@ def bridge(
         _check_endpoint("--replay-endpoint", replay_endpoint)
     if not worker_id:
         raise typer.BadParameter("must not be empty", param_hint="--worker-id")
+    # The names every batch carries: one the target refuses would fail every apply.
+    for option, field, name in (
+        ("--worker-id", "worker_id", worker_id),
+        ("--worker-address", "worker_address", worker_address),
+    ):
+        problem = worker_name_problem(field, name)
+        if problem is not None:
+            raise typer.BadParameter(problem, param_hint=option)
     if block_size is not None and not 0 < block_size <= MAX_UINT32:
         raise typer.BadParameter(
             f"must be between 1 and {MAX_UINT32}, got {block_size}", param_hint="--block-size"

@@ -110,6 +110,17 @@ class _SourceCommon(StrictModel):
             raise ValueError(problem)
         return value
 
+    @field_validator("clear_tiers")
+    @classmethod
+    def _check_clear_tiers(cls, value: list[TierName]) -> list[TierName]:
+        if not value:
+            # An AllBlocksCleared that clears nothing keeps every block the engine dropped.
+            raise ValueError(
+                "must name at least one tier: with none, AllBlocksCleared clears nothing and "
+                "every block the engine dropped stays indexed"
+            )
+        return value
+
     def medium_map(self) -> MediumMap:
         return MediumMap(nil=_tier(self.nil_medium), external=_tier(self.external_medium))
 

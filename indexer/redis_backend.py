@@ -165,6 +165,9 @@ class RedisBackend:
         self._unannounced: set[str] = set()
         self._listeners: list[Callable[[str], None]] = []
         self._recovery: asyncio.Task[None] | None = None
+        # Why the recovery's last attempt failed (None: it has not failed since Redis last
+        # answered), so that a query during an outage says Redis is down, not recovering.
+        self._recovery_error: str | None = None
         self._maintenance: asyncio.Task[None] | None = None
         # Group commit: batches waiting for the next kvp_apply call, and its task.
         self._group: list[tuple[Batch, asyncio.Future[None]]] = []
@@ -219,9 +222,11 @@ class RedisBackend:
         prefix for a cold one). Until the recovery has replayed them, a query is UNAVAILABLE,
         as during the outage itself."""
         if self._outage:
+            waiting = f"{len(self._buffer)} buffered batches not applied yet"
+            if self._recovery_error is not None:
+                raise IndexUnavailableError(f"{self._recovery_error}; {waiting}")
             raise IndexUnavailableError(
-                f"shared index unavailable: Redis at {self._where} is recovering "
-                f"({len(self._buffer)} buffered batches not applied yet)"
+                f"shared index unavailable: Redis at {self._where} is recovering ({waiting})"
             )
 
     def _not_ready(self, exc: Exception) -> IndexUnavailableError:
@@ -463,6 +468,7 @@ class RedisBackend:
         while True:
             try:
                 await self._ensure_ready()
+                self._recovery_error = None
                 while self._removals:
                     worker_id = min(self._removals)
                     await self._fcall("kvp_remove", [worker_id], boot=True)
@@ -485,6 +491,7 @@ class RedisBackend:
                     break
             except KvplaneError as exc:
                 _stop_requested()
+                self._recovery_error = str(exc)
                 log.debug("Redis recovery: %s", exc)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)

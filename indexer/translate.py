@@ -12,12 +12,16 @@ What it decides:
   -> canonical-key map per worker that resolves removals and re-announcements without tokens.
   An event that cannot be keyed (no tokens, unknown parent) is skipped and counted.
 - **Copies.** vLLM can hold the same hash in two physical blocks and then removes it twice, so
-  copies are counted per (tier, engine hash): a block is reported when its first copy appears
-  and revoked when its last copy goes. `kv_cache_report_mode="full"` re-announces cached blocks
-  as BlockStored with a nil parent: a nil-parent store of an already-live hash is not a new
-  copy (checked against the real capture: counting them as copies leaves more live blocks than
-  the engine's cache holds). A removal of a hash never seen is passed on as a REVOKE in engine
-  mode (a no-op if absent; it may be a block indexed before this translator started).
+  copies are counted per (tier, KV cache group, engine hash): a block is reported when its
+  first copy at a tier appears, in any group, and revoked when its last copy there goes.
+  `kv_cache_report_mode="full"` re-announces cached blocks as BlockStored with a nil parent: a
+  nil-parent store of a hash already live in its group is not a new copy (checked against the
+  real capture: counting them as copies leaves more live blocks than the engine's cache
+  holds). A hybrid model's groups (full attention, sliding window, ...) store and evict the
+  same hashes on their own: one group's eviction leaves the block indexed while another group
+  holds it (the block's groups are not told apart in the index: no component masks). A
+  removal of a hash never seen is passed on as a REVOKE in engine mode (a no-op if absent; it
+  may be a block indexed before this translator started).
 - **Clears.** AllBlocksCleared -> one CLEAR_ALL_AT_TIER per configured tier, in place (or only
   its medium's tier when it names one); `reset()` clears every tier and all state (engine
   restart, unrecoverable gap).
@@ -102,10 +106,15 @@ class TranslateCounters:
 
 @dataclass(slots=True)
 class _Live:
-    """One engine hash live on this worker: copies per tier, and its key in the index."""
+    """One engine hash live on this worker: copies per (tier, KV cache group), and its key in
+    the index."""
 
     key: BlockKey
-    copies: dict[Tier, int] = field(default_factory=dict)
+    copies: dict[tuple[Tier, int], int] = field(default_factory=dict)
+
+    def at_tier(self, tier: Tier) -> int:
+        """Copies at `tier`, over every group."""
+        return sum(n for (t, _group), n in self.copies.items() if t == tier)
 
 
 class WorkerTranslator:
@@ -122,7 +131,7 @@ class WorkerTranslator:
         """Index key -> copies (at `tier`, or summed over tiers) of every live block."""
         out: dict[BlockKey, int] = {}
         for live in self._live.values():
-            copies = sum(live.copies.values()) if tier is None else live.copies.get(tier, 0)
+            copies = sum(live.copies.values()) if tier is None else live.at_tier(tier)
             if copies:
                 out[live.key] = copies
         return out
@@ -166,16 +175,18 @@ class WorkerTranslator:
         block_size = event.block_size or self.options.default_block_size or 0
         reannounce = event.parent_block_hash is None
         parent = self._parent_key(event.parent_block_hash)
+        slot = (tier, event.group_idx)
         for engine_key, key in zip(engine_keys, index_keys, strict=True):
             live = self._live.get(engine_key)
             if live is None:
                 live = self._live[engine_key] = _Live(key)
-            copies = live.copies.get(tier, 0)
+            held = live.at_tier(tier)
+            copies = live.copies.get(slot, 0)
             if copies and reannounce:
                 pass  # full-mode re-announcement: not a new copy
             else:
-                live.copies[tier] = copies + 1
-            if not copies:
+                live.copies[slot] = copies + 1
+            if not held:
                 _append_report(out, tier, key, parent, block_size)
             parent = key
 
@@ -240,11 +251,14 @@ class WorkerTranslator:
                 else:
                     self.counters.num_unresolved += 1
                 continue
-            copies = live.copies.get(tier, 0) - 1
+            slot = (tier, event.group_idx)
+            copies = live.copies.get(slot, 0) - 1
             if copies > 0:
-                live.copies[tier] = copies
+                live.copies[slot] = copies
                 continue
-            live.copies.pop(tier, None)
+            live.copies.pop(slot, None)
+            if live.at_tier(tier):
+                continue  # another KV cache group still holds it
             if not live.copies:
                 del self._live[engine_key]
             _append_revoke(out, tier, live.key)
@@ -261,8 +275,8 @@ class WorkerTranslator:
             out.append(_Run(ActionType.CLEAR_ALL_AT_TIER, tier))
         for engine_key in list(self._live):
             live = self._live[engine_key]
-            for tier in tiers:
-                live.copies.pop(tier, None)
+            for slot in [slot for slot in live.copies if slot[0] in tiers]:
+                del live.copies[slot]
             if not live.copies:
                 del self._live[engine_key]
 

@@ -135,7 +135,7 @@ def _shape_error(i: int, n: int, num_masks: int, num_sizes: int) -> NoReturn:
     if n == 0:
         raise _invalid(f"action {i}: REPORT/REVOKE needs at least one hash")
     if num_masks and num_masks != n:
-        raise _invalid(f"action {i}: {num_masks} component_masks for {n}")
+        raise _invalid(f"action {i}: {num_masks} component_masks for {n} hashes")
     raise _invalid(f"action {i}: {num_sizes} block_sizes for {n} hashes")
 
 

@@ -22,7 +22,13 @@ def bench_index(
     """The prefix index against Dynamo's RadixTree, and the KVIndexer service."""
     import uvloop
 
+    from indexer.backends import check_backend_url
     from indexer.bench import render_table, run_index_bench
+
+    try:
+        check_backend_url(backend)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--backend") from None
 
     # The service figures come from a server on this process's loop: uvloop, as
     # `kvplane indexer serve` runs.

@@ -213,9 +213,12 @@ class ClientTarget:
         )
 
     def channel(self, expects: str | None = None) -> AbstractContextManager[grpc.Channel]:
-        """`rpc_channel` to this server, every call carrying the default token."""
+        """`rpc_channel` to this server, every call carrying the default token and taking
+        replies of any size: a command prints what it asked for, and some answers grow with
+        the request (a long prompt's block keys passed gRPC's 4 MiB default)."""
         metadata = default_token_metadata(self.token_file)
-        return rpc_channel(self.address, expects, self.channels.with_metadata(metadata))
+        channels = self.channels.receiving_any_size().with_metadata(metadata)
+        return rpc_channel(self.address, expects, channels)
 
 
 class RpcCallError(KvplaneError):

@@ -87,3 +87,16 @@ def test_bench_index_on_a_redis_that_does_not_answer_is_one_line() -> None:
     assert result.exit_code == 1
     assert isinstance(result.exception, KvplaneError)
     assert str(result.exception) == f"cannot benchmark {url}: Redis does not answer there"
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("foo", "unknown index backend 'foo'"),
+        ("redis://127.0.0.1:6379/abc", "the DB must be a number, got 'abc'"),
+    ],
+)
+def test_bench_index_on_a_url_naming_no_backend_is_a_usage_error(url: str, message: str) -> None:
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["bench", "index", "--backend", url])
+    assert result.exit_code == 2
+    assert "Invalid value for --backend: " in result.output and message in result.output

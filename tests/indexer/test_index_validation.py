@@ -67,6 +67,18 @@ def test_invalid_batches(batch: Batch, kind: ValidationKind) -> None:
     assert kind_of(batch) is kind
 
 
+def test_a_misaligned_action_is_named_with_its_counts() -> None:
+    masks = Batch("w", (report((1,)), report((1, 2), component_masks=(1,))))
+    sizes = Batch("w", (report((1, 2), block_sizes=(1, 2, 3)),))
+    for batch, message in (
+        (masks, "action 1: 1 component_masks for 2 hashes"),
+        (sizes, "action 0: 3 block_sizes for 2 hashes"),
+    ):
+        with pytest.raises(IndexRequestError) as info:
+            validate_batch(batch)
+        assert str(info.value) == message
+
+
 def test_rejected_batch_changes_nothing() -> None:
     index = PrefixIndex()
     index.apply(Batch("w", (report((1,)),), "a"))

@@ -287,6 +287,26 @@ def test_a_bad_config_is_one_line_and_exit_code_1(tmp_path: Path) -> None:
     assert len(lines) == 1 and "sources.0.zmq.worker_id" in lines[0]
 
 
+async def test_admin_match_prints_an_answer_beyond_grpcs_default_size(tmp_path: Path) -> None:
+    """A long prompt at block size 1 (SGLang's page size) has a key per token: the answer's
+    block keys pass gRPC's 4 MiB default for a reply."""
+    services, _, _ = index_services(
+        MemoryBackend(PrefixIndex()), default_block_size=1, max_concurrent_prefix_queries=4
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+    tokens_file = tmp_path / "prompt.txt"
+    tokens_file.write_text(" ".join(["7"] * 600_000))  # 600,000 8-byte keys: 4.8 MB
+    command = ["admin", "index", "match", "-t", f"127.0.0.1:{port}", "-o", "json"]
+    try:
+        result = await asyncio.to_thread(
+            CliRunner().invoke, app, [*command, "--tokens-file", str(tokens_file)]
+        )
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["num_query_blocks"] == 600_000
+    finally:
+        await server.stop(None)
+
+
 async def test_admin_match_takes_unsigned_hashes_and_vllms_key_space(tmp_path: Path) -> None:
     backend = MemoryBackend(PrefixIndex())
     services, _, _ = index_services(backend, default_block_size=4, max_concurrent_prefix_queries=4)
@@ -361,6 +381,9 @@ PROBE_INTERVAL_RULE = "must be 0 (off) or a positive, finite number of seconds"
         ("--endpoint", "tcp://no-port", "expected tcp://HOST:PORT, got 'tcp://no-port'"),
         ("--endpoint", "nope://x", "unknown ZMQ transport 'nope' in 'nope://x'"),
         ("--worker-id", "", "must not be empty"),
+        # Names the index refuses: every batch of the bridge would be refused.
+        ("--worker-id", "w\t0", "worker_id must be printable text, got 'w\\t0'"),
+        ("--worker-address", "a" * 257, "worker_address must be at most 256 characters, got 257"),
         ("--block-size", "0", "must be between 1 and 4294967295, got 0"),
         ("--block-size", str(1 << 32), f"must be between 1 and 4294967295, got {1 << 32}"),
         ("--hash", "bogus", "must be engine or canonical, got 'bogus'"),

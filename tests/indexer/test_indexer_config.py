@@ -189,5 +189,13 @@ def test_source_worker_names_are_ones_the_index_takes(
     assert message in _error(_openengine(**fields))
 
 
+def test_a_source_clears_at_least_one_tier_on_all_blocks_cleared() -> None:
+    rule = "clear_tiers: Value error, must name at least one tier"
+    assert rule in _error(_zmq(clear_tiers=[]))
+    assert rule in _error(_openengine(clear_tiers=[]))
+    config = IndexerConfig.model_validate(_zmq(clear_tiers=["HBM"]))
+    assert [s.clear_tiers for s in config.sources] == [["HBM"]]
+
+
 def test_the_longest_printable_worker_id_loads() -> None:
     IndexerConfig.model_validate(_zmq(worker_id="w" * 256, worker_address="héte:1"))

@@ -574,6 +574,36 @@ async def test_queries_wait_for_the_batches_buffered_in_an_outage(
 
 
 @pytest.mark.timeout(60)
+async def test_a_query_while_redis_is_down_says_it_is_down(tmp_path: Path) -> None:
+    """While the recovery cannot reach Redis, a query's error says Redis did not answer (and
+    what waits for it), not that it is recovering: an operator looks at Redis, not at us."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    backend = await open_redis_backend(server.url, buckets=16, maintenance_interval_s=0.05)
+    errors: list[str] = []
+
+    async def says_down() -> bool:
+        try:
+            await backend.match_prefix([1], 0)
+        except IndexUnavailableError as exc:
+            errors.append(str(exc))
+        return bool(errors) and "did not answer" in errors[-1]
+
+    try:
+        await backend.apply(_stored_batch("w0", 1))
+        server.kill()
+        await backend.apply(_stored_batch("w0", 2))  # acknowledged, buffered
+        await _until(says_down, "a query to say Redis is down", 30)
+        assert errors[-1].startswith(
+            f"shared index unavailable: Redis at 127.0.0.1:{server.port} did not answer ("
+        )
+        assert errors[-1].endswith("; 1 buffered batches not applied yet")
+    finally:
+        await backend.close()
+        server.stop()
+
+
+@pytest.mark.timeout(60)
 async def test_close_ends_maintenance_cancelled_inside_a_redis_call(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -112,6 +112,25 @@ def test_full_mode_reannouncement_is_not_a_new_copy() -> None:
     assert _actions(revoke) == [Action(REVOKE, Tier.HBM, (10, 11))]
 
 
+def test_a_hybrid_models_groups_keep_a_block_indexed_while_any_of_them_holds_it() -> None:
+    """A hybrid model (full attention + sliding window) stores each block in both KV cache
+    groups and evicts it from each on its own. The sliding-window group evicting a prompt's
+    root block must not unindex it while the full-attention group holds it (its second store,
+    with a nil parent, is no full-mode re-announcement: another group's copy)."""
+    translator = _translator()
+    stored = translator.translate(
+        [
+            BlockStored((10, 11), medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention"),
+            BlockStored((10, 11), medium="GPU", group_idx=1, kv_cache_spec_kind="sliding_window"),
+        ]
+    )
+    assert _actions(stored) == [Action(REPORT, Tier.HBM, (10, 11), (), (), None)]
+    assert translator.translate([BlockRemoved((10, 11), medium="GPU", group_idx=1)]) == []
+    assert translator.live_keys() == {10: 1, 11: 1}
+    revoke = translator.translate([BlockRemoved((10, 11), medium="GPU", group_idx=0)])
+    assert _actions(revoke) == [Action(REVOKE, Tier.HBM, (10, 11))]
+
+
 def test_a_removal_of_an_unknown_hash_is_passed_on_in_engine_mode() -> None:
     assert _actions(_translator().translate([BlockRemoved((77,), medium="GPU")])) == [
         Action(REVOKE, Tier.HBM, (77,))
@@ -335,17 +354,22 @@ def test_the_real_capture_in_canonical_mode_indexes_token_keys() -> None:
 
 
 _MEDIA = {"GPU": Tier.HBM, "CPU": Tier.DRAM}
+_GROUPS = st.integers(0, 1)  # KV cache groups (a hybrid model's full attention, sliding window)
 _event = st.one_of(
     st.builds(
-        lambda hashes, parent, medium: BlockStored(tuple(hashes), parent, medium=medium),
+        lambda hashes, parent, medium, group: BlockStored(
+            tuple(hashes), parent, medium=medium, group_idx=group
+        ),
         st.lists(st.integers(1, 6), min_size=1, max_size=3),
         st.one_of(st.none(), st.integers(1, 6)),
         st.sampled_from(sorted(_MEDIA)),
+        _GROUPS,
     ),
     st.builds(
-        lambda hashes, medium: BlockRemoved(tuple(hashes), medium=medium),
+        lambda hashes, medium, group: BlockRemoved(tuple(hashes), medium=medium, group_idx=group),
         st.lists(st.integers(1, 6), min_size=1, max_size=3),
         st.sampled_from(sorted(_MEDIA)),
+        _GROUPS,
     ),
     st.just(AllBlocksCleared()),
 )
@@ -356,7 +380,7 @@ _event = st.one_of(
 def test_copies_and_clears_match_a_naive_model(messages: list[list[object]]) -> None:
     translator = _translator()
     index = PrefixIndex()
-    copies: dict[tuple[Tier, int], int] = {}
+    copies: dict[tuple[Tier, int, int], int] = {}  # (tier, group, hash) -> copies
     for seq, events in enumerate(messages):
         for batch in translator.translate(events, seq=seq):  # type: ignore[arg-type]
             validate_batch(batch)
@@ -365,15 +389,16 @@ def test_copies_and_clears_match_a_naive_model(messages: list[list[object]]) -> 
             if isinstance(event, BlockStored):
                 tier = _MEDIA[event.medium or ""]
                 for h in event.block_hashes:
-                    live = copies.get((tier, h), 0)
+                    live = copies.get((tier, event.group_idx, h), 0)
                     if not (event.parent_block_hash is None and live):
-                        copies[(tier, h)] = live + 1
+                        copies[(tier, event.group_idx, h)] = live + 1
             elif isinstance(event, BlockRemoved):
                 tier = _MEDIA[event.medium or ""]
                 for h in event.block_hashes:
-                    if copies.get((tier, h), 0) > 0:
-                        copies[(tier, h)] -= 1
+                    if copies.get((tier, event.group_idx, h), 0) > 0:
+                        copies[(tier, event.group_idx, h)] -= 1
             else:
                 copies.clear()
-        expected = {key for key, n in copies.items() if n > 0}
+        # A block is indexed at a tier while any group holds a copy of it there.
+        expected = {(tier, key) for (tier, _group, key), n in copies.items() if n > 0}
         assert {(p.tier, p.key) for p in index.placements("w0")} == expected
