@@ -10,10 +10,12 @@ report domain errors through `abort_with`, never as a traceback.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +152,7 @@ async def create_server(
         server,
     )
     host, port = parse_host_port(config.listen)
+    _check_bindable(config.listen, host, port)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         if config.tls is not None:
@@ -166,6 +169,28 @@ async def create_server(
         await health_servicer.set(name, serving)
     log.info("serving %s on %s:%d", ", ".join(names) or "health", host, bound)
     return server, bound
+
+
+def _check_bindable(listen: str, host: str, port: int) -> None:
+    """Refuse a port another process holds, or one this user may not bind, in one line. gRPC
+    would log a line of its own on stderr first (from its C core, whatever our logging says)
+    and then raise only "Failed to bind"; a plain socket says why. Other failures (an address
+    family the host lacks for one of a name's addresses) are left to gRPC, which binds what
+    it can."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # gRPC reports a name it cannot resolve
+    for family, kind, proto, _name, sockaddr in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise ConfigError(f"cannot listen on {listen}: {exc.strerror}") from None
 
 
 def write_port_file(path: Path | None, port: int) -> None:

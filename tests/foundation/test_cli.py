@@ -213,3 +213,18 @@ def test_a_port_file_in_a_missing_folder_is_refused_before_serving(
     assert result.returncode == 2
     assert f"folder {missing.parent} does not exist" in result.stderr
     assert "Traceback" not in result.stderr and "serving" not in result.stderr
+
+
+@pytest.mark.parametrize("group", ["indexer", "controller", "engine"])
+def test_a_listen_address_in_use_is_one_line(group: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        listen = f"127.0.0.1:{busy.getsockname()[1]}"
+        extra = ["--model", "sim"] if group == "engine" else []
+        result = run(group, "serve", "--listen", listen, *extra)
+    assert result.returncode == 1
+    # Only our line: not gRPC core's own log line before it, nor its "Failed to bind".
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: cannot listen on {listen}: Address already in use"
+    ]
