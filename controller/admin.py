@@ -4,6 +4,7 @@ one table (controller/statuses.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -132,11 +133,26 @@ class AdminServicer(apb_grpc.AdminServicer):
         )
         if request.HasField("deadline_ms"):
             drain.deadline_ms = request.deadline_ms
+        call = fleet.stub(record.address).Drain(drain)
+        timeout_s = self.controller.config.health.rpc_timeout_s
         started = False
         try:
-            async for event in fleet.stub(record.address).Drain(drain):
-                started = True
+            # An engine answers STARTED at once; one that does not within a poll's timeout is
+            # hung (stopped, wedged) and would hold the operator's drain forever.
+            event = await asyncio.wait_for(call.read(), timeout_s)
+            started = True
+            while isinstance(event, pb.DrainResponse):  # (grpc.aio.EOF ends the stream)
                 yield event
+                event = await call.read()
+        except TimeoutError:
+            call.cancel()
+            # It may still take the drain when it wakes: its next health answer decides.
+            fleet.registry.withdraw_drain(record.address)
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"engine {record.address} did not answer the Drain within {timeout_s:g} s",
+            )
         except grpc.aio.AioRpcError as exc:
             if not started:  # the engine did not take it: its next health answer decides
                 fleet.registry.withdraw_drain(record.address)

@@ -339,12 +339,29 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     grpc.StatusCode.NOT_FOUND,
                     f"no request {request.request_id!r} in flight",
                 )
+            # Bounded: an engine that hangs (stopped, wedged) would otherwise hold the
+            # operator's Abort until their own deadline, with no word of which engine.
+            timeout_s = self.controller.config.health.rpc_timeout_s
             try:
-                reply: pb.AbortResponse = await self.controller.fleet.stub(address).Abort(request)
+                reply: pb.AbortResponse = await self.controller.fleet.stub(address).Abort(
+                    request, timeout=timeout_s
+                )
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await abort_with(
+                        context,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"engine {address} holding request {request.request_id!r} did not "
+                        f"answer the Abort within {timeout_s:g} s",
+                    )
                 await abort_with(context, exc.code(), exc.details() or exc.code().name)
             return reply
-        results = await self._fan_out(self._reachable(), lambda s: s.Abort(request))
+        # Each engine bounded as above: a hung one is reported (DEADLINE_EXCEEDED) among the
+        # outcomes instead of holding the whole fan-out.
+        results = await self._fan_out(
+            self._reachable(),
+            lambda s: s.Abort(request, timeout=self.controller.config.health.rpc_timeout_s),
+        )
         outcomes = [EngineOutcome.of(record, result) for record, result in results]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in outcomes]))
         summary = _summary(outcomes)

@@ -249,6 +249,62 @@ async def test_a_killed_engine_leaves_the_fleets_load() -> None:
         await close_fleet(fleet)
 
 
+class Wedged(Forwarding):
+    """An engine whose Abort and Drain handlers never answer (a wedged process: it took the
+    call and hangs) until `wake` is set; everything else is the sim engine's."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.wake = asyncio.Event()
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        await self.wake.wait()
+        return await self.inner.Abort(request)
+
+    async def Drain(
+        self, request: pb.DrainRequest, context: Context
+    ) -> AsyncIterator[pb.DrainResponse]:
+        await self.wake.wait()
+        yield pb.DrainResponse(state=pb.DRAIN_STATE_COMPLETE)
+
+
+async def test_abort_and_drain_of_a_wedged_engine_fail_instead_of_hanging() -> None:
+    """Abort of a request the wedged engine holds, and a drain of that engine through the
+    controller, end within the poll timeout with UNAVAILABLE naming the engine (not at the
+    client's deadline, with no word of which engine); Abort of every request reports the
+    engine among the outcomes; the drain is withdrawn (the engine's health decides)."""
+    wedged = await start_fronted_engine("wedged", Wedged, time_scale=1.0)
+    healthy = await start_sim_engine("healthy")
+    fleet = await make_fleet(engines=[wedged, healthy], health={"rpc_timeout_s": 0.5})  # type: ignore[list-item]
+    address = f"127.0.0.1:{wedged.port}"
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
+        stream = fleet.gateway.Generate(generate_request("held", [*PREFIX, 1], max_tokens=5000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        assert fleet.app.gateway.relay.holding["held"] == address
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(request_id="held"), timeout=15)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"engine {address} holding request 'held' did not answer" in str(err.value.details())
+        everything = await fleet.gateway.Abort(
+            pb.AbortRequest(all_requests=pb.AllRequests()), timeout=15
+        )
+        assert f"{address}: DEADLINE_EXCEEDED" in everything.message, everything.message
+
+        drain = fleet.admin.DrainEngine(apb.DrainEngineRequest(engine="wedged"), timeout=15)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [event async for event in drain]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"engine {address} did not answer the Drain" in str(err.value.details())
+        await fleet.admin.Uncordon(apb.EngineRef(engine="healthy"))
+        await fleet.wait_routable(2)
+        stream.cancel()
+    finally:
+        wedged.servicer.wake.set()
+        await close_fleet(fleet)
+
+
 class Indexer:
     """`kvplane indexer serve`'s parts in this process (an empty memory index, one OpenEngine
     source per engine, the gRPC server), to stop and start again, empty, on its port.
