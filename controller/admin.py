@@ -12,6 +12,7 @@ import grpc
 
 from controller.config import KvEventsMode
 from controller.registry import EngineRecord, Role
+from controller.relay import engine_failure
 from controller.router import Decision
 from controller.service import Controller, Plan, PromptInput, blocks_by_engine
 from controller.statuses import status_of
@@ -153,10 +154,13 @@ class AdminServicer(apb_grpc.AdminServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"engine {record.address} did not answer the Drain within {timeout_s:g} s",
             )
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            # (Cancelled with this call not cancelled: RemoveEngine closed the engine's
+            # channel; the drain goes on at the engine, out of the controller's sight.)
+            failure = engine_failure(caught, record.address)
             if not started:  # the engine did not take it: its next health answer decides
                 fleet.registry.withdraw_drain(record.address)
-            await abort_with(context, exc.code(), exc.details() or exc.code().name)
+            await abort_with(context, failure.code(), failure.details() or failure.code().name)
 
     async def _plan(
         self,

@@ -305,6 +305,32 @@ async def test_abort_and_drain_of_a_wedged_engine_fail_instead_of_hanging() -> N
         await close_fleet(fleet)
 
 
+async def test_a_drain_through_the_controller_ends_when_the_engine_is_removed() -> None:
+    """RemoveEngine while `admin drain ENGINE` relays that engine's progress: the drain
+    stream ends with UNAVAILABLE ("engine ... left"), as the engine's Generate streams do,
+    instead of hanging until the client's deadline."""
+    fleet = await make_fleet(2, time_scale=1.0)
+    try:
+        drained, other = (fleet.address(e) for e in fleet.engines)
+        await fleet.admin.Cordon(apb.EngineRef(engine=other))
+        stream = fleet.gateway.Generate(generate_request("long", [*PREFIX, 1], max_tokens=5000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        drain = fleet.admin.DrainEngine(
+            apb.DrainEngineRequest(engine=drained, deadline_ms=60_000), timeout=15
+        )
+        first = await drain.read()
+        assert isinstance(first, pb.DrainResponse) and first.state == pb.DRAIN_STATE_STARTED
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=drained))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while isinstance(await drain.read(), pb.DrainResponse):
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"engine {drained} left" in str(err.value.details())
+        stream.cancel()
+    finally:
+        await close_fleet(fleet)
+
+
 class Indexer:
     """`kvplane indexer serve`'s parts in this process (an empty memory index, one OpenEngine
     source per engine, the gRPC server), to stop and start again, empty, on its port.
