@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -256,8 +256,10 @@ class Wedged(Forwarding):
     def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
         super().__init__(inner)
         self.wake = asyncio.Event()
+        self.num_aborts_held = 0
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        self.num_aborts_held += 1
         await self.wake.wait()
         return await self.inner.Abort(request)
 
@@ -299,6 +301,47 @@ async def test_abort_and_drain_of_a_wedged_engine_fail_instead_of_hanging() -> N
         assert f"engine {address} did not answer the Drain" in str(err.value.details())
         await fleet.admin.Uncordon(apb.EngineRef(engine="healthy"))
         await fleet.wait_routable(2)
+        stream.cancel()
+    finally:
+        wedged.servicer.wake.set()
+        await close_fleet(fleet)
+
+
+async def test_calls_held_by_an_engine_being_removed_end_with_it() -> None:
+    """RemoveEngine while the gateway waits on the engine's Abort (a request id it holds,
+    and a fan-out to every engine): both end at once, the engine counted as left
+    (UNAVAILABLE), instead of waiting for the client's deadline."""
+    wedged = await start_fronted_engine("wedged", Wedged, time_scale=1.0)
+    healthy = await start_sim_engine("healthy")
+    fleet = await make_fleet(engines=[wedged, healthy], health={"rpc_timeout_s": 60})  # type: ignore[list-item]
+    address = f"127.0.0.1:{wedged.port}"
+
+    async def reply_of(call: Awaitable[pb.AbortResponse]) -> pb.AbortResponse:
+        return await call
+
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
+        stream = fleet.gateway.Generate(generate_request("held", [*PREFIX, 1], max_tokens=5000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        by_id = asyncio.create_task(
+            reply_of(fleet.gateway.Abort(pb.AbortRequest(request_id="held"), timeout=15))
+        )
+        everything = asyncio.create_task(
+            reply_of(
+                fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()), timeout=15)
+            )
+        )
+
+        async def both_held() -> bool:
+            return wedged.servicer.num_aborts_held == 2
+
+        await eventually(both_held)
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=address))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await by_id
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert err.value.details() == f"engine {address} left"
+        assert f"{address}: UNAVAILABLE (engine {address} left)" in (await everything).message
         stream.cancel()
     finally:
         wedged.servicer.wake.set()
