@@ -4,6 +4,7 @@ one table (controller/statuses.py)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ import grpc
 
 from controller.config import KvEventsMode
 from controller.registry import EngineRecord, Role
+from controller.relay import engine_failure
 from controller.router import Decision
 from controller.service import Controller, Plan, PromptInput, blocks_by_engine
 from controller.statuses import status_of
@@ -132,15 +134,33 @@ class AdminServicer(apb_grpc.AdminServicer):
         )
         if request.HasField("deadline_ms"):
             drain.deadline_ms = request.deadline_ms
+        call = fleet.stub(record.address).Drain(drain)
+        timeout_s = self.controller.config.health.rpc_timeout_s
         started = False
         try:
-            async for event in fleet.stub(record.address).Drain(drain):
-                started = True
+            # An engine answers STARTED at once; one that does not within a poll's timeout is
+            # hung (stopped, wedged) and would hold the operator's drain forever.
+            event = await asyncio.wait_for(call.read(), timeout_s)
+            started = True
+            while isinstance(event, pb.DrainResponse):  # (grpc.aio.EOF ends the stream)
                 yield event
-        except grpc.aio.AioRpcError as exc:
+                event = await call.read()
+        except TimeoutError:
+            call.cancel()
+            # It may still take the drain when it wakes: its next health answer decides.
+            fleet.registry.withdraw_drain(record.address)
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"engine {record.address} did not answer the Drain within {timeout_s:g} s",
+            )
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            # (Cancelled with this call not cancelled: RemoveEngine closed the engine's
+            # channel; the drain goes on at the engine, out of the controller's sight.)
+            failure = engine_failure(caught, record.address)
             if not started:  # the engine did not take it: its next health answer decides
                 fleet.registry.withdraw_drain(record.address)
-            await abort_with(context, exc.code(), exc.details() or exc.code().name)
+            await abort_with(context, failure.code(), failure.details() or failure.code().name)
 
     async def _plan(
         self,

@@ -44,7 +44,7 @@ import grpc
 
 from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
 from controller.registry import EngineRecord, EngineState, UnknownEngineError, UnknownModelError
-from controller.relay import RETRYABLE, InBandError, Relay, Usage
+from controller.relay import RETRYABLE, InBandError, Relay, Usage, engine_failure
 from controller.service import Controller, PromptInput
 from kvplane import __version__
 from kvplane.server import abort_with
@@ -244,8 +244,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             relay.holding[request_id] = record.address
         try:
             return await call(self.controller.fleet.stub(record.address))
-        except grpc.aio.AioRpcError as exc:
-            await abort_with(context, exc.code(), exc.details() or exc.code().name)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            failure = engine_failure(caught, record.address)  # (cancelled: the engine left)
+            await abort_with(context, failure.code(), failure.details() or failure.code().name)
         finally:
             if request_id:
                 relay.holding.pop(request_id, None)
@@ -311,8 +312,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         async def one(record: EngineRecord) -> T | grpc.aio.AioRpcError:
             try:
                 return await call(self.controller.fleet.stub(record.address))
-            except grpc.aio.AioRpcError as exc:
-                return exc
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+                return engine_failure(caught, record.address)  # (cancelled: the engine left)
 
         results = await asyncio.gather(*(one(r) for r in records))
         return list(zip(records, results, strict=True))
@@ -339,12 +340,30 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     grpc.StatusCode.NOT_FOUND,
                     f"no request {request.request_id!r} in flight",
                 )
+            # Bounded: an engine that hangs (stopped, wedged) would otherwise hold the
+            # operator's Abort until their own deadline, with no word of which engine.
+            timeout_s = self.controller.config.health.rpc_timeout_s
             try:
-                reply: pb.AbortResponse = await self.controller.fleet.stub(address).Abort(request)
-            except grpc.aio.AioRpcError as exc:
-                await abort_with(context, exc.code(), exc.details() or exc.code().name)
+                reply: pb.AbortResponse = await self.controller.fleet.stub(address).Abort(
+                    request, timeout=timeout_s
+                )
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+                failure = engine_failure(caught, address)  # (cancelled: the engine left)
+                if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await abort_with(
+                        context,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"engine {address} holding request {request.request_id!r} did not "
+                        f"answer the Abort within {timeout_s:g} s",
+                    )
+                await abort_with(context, failure.code(), failure.details() or failure.code().name)
             return reply
-        results = await self._fan_out(self._reachable(), lambda s: s.Abort(request))
+        # Each engine bounded as above: a hung one is reported (DEADLINE_EXCEEDED) among the
+        # outcomes instead of holding the whole fan-out.
+        results = await self._fan_out(
+            self._reachable(),
+            lambda s: s.Abort(request, timeout=self.controller.config.health.rpc_timeout_s),
+        )
         outcomes = [EngineOutcome.of(record, result) for record, result in results]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in outcomes]))
         summary = _summary(outcomes)
@@ -537,7 +556,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             return
         try:
             await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=DRAIN_ABORT_GRACE_S)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            exc = engine_failure(caught, engine)  # (cancelled: the engine left)
             log.warning("drain: aborting request %s on %s failed: %s: %s",
                         request_id, engine, exc.code().name, exc.details())  # fmt: skip
 
@@ -649,10 +669,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 reply: pb.ModelInfo = await self.controller.fleet.stub(r.address).GetModelInfo(
                     request, timeout=self.controller.config.health.rpc_timeout_s
                 )
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() in RETRYABLE:  # this engine cannot answer now; the next may
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+                failure = engine_failure(caught, r.address)  # (cancelled: the engine left)
+                if failure.code() in RETRYABLE:  # this engine cannot answer now; the next may
                     continue
-                await abort_with(context, exc.code(), exc.details() or exc.code().name)
+                await abort_with(context, failure.code(), failure.details() or failure.code().name)
             return reply
         await abort_with(
             context,

@@ -549,7 +549,7 @@ class Relay:
                          request_id, engine, exc)  # fmt: skip
                 retry = exc
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-                cause = _engine_failure(caught, engine)
+                cause = engine_failure(caught, engine)
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = _status(
                         grpc.StatusCode.UNAVAILABLE,
@@ -604,7 +604,7 @@ class Relay:
             m.record_cache_prediction(predicted, usage.cached_prompt_tokens)
 
 
-def _engine_failure(
+def engine_failure(
     caught: grpc.aio.AioRpcError | asyncio.CancelledError, engine: str
 ) -> grpc.aio.AioRpcError:
     """How an engine call failed. A call cancelled while this request is not (its handler's

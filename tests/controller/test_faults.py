@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -245,6 +245,131 @@ async def test_a_killed_engine_leaves_the_fleets_load() -> None:
         assert load.total_kv_blocks == 256  # the live engine's only
         assert "running=? " in load.attributes[f"engine.{address}"]
         await asyncio.gather(*streams, return_exceptions=True)
+    finally:
+        await close_fleet(fleet)
+
+
+class Wedged(Forwarding):
+    """An engine whose Abort and Drain handlers never answer (a wedged process: it took the
+    call and hangs) until `wake` is set; everything else is the sim engine's."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.wake = asyncio.Event()
+        self.num_aborts_held = 0
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        self.num_aborts_held += 1
+        await self.wake.wait()
+        return await self.inner.Abort(request)
+
+    async def Drain(
+        self, request: pb.DrainRequest, context: Context
+    ) -> AsyncIterator[pb.DrainResponse]:
+        await self.wake.wait()
+        yield pb.DrainResponse(state=pb.DRAIN_STATE_COMPLETE)
+
+
+async def test_abort_and_drain_of_a_wedged_engine_fail_instead_of_hanging() -> None:
+    """Abort of a request the wedged engine holds, and a drain of that engine through the
+    controller, end within the poll timeout with UNAVAILABLE naming the engine (not at the
+    client's deadline, with no word of which engine); Abort of every request reports the
+    engine among the outcomes; the drain is withdrawn (the engine's health decides)."""
+    wedged = await start_fronted_engine("wedged", Wedged, time_scale=1.0)
+    healthy = await start_sim_engine("healthy")
+    fleet = await make_fleet(engines=[wedged, healthy], health={"rpc_timeout_s": 0.5})  # type: ignore[list-item]
+    address = f"127.0.0.1:{wedged.port}"
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
+        stream = fleet.gateway.Generate(generate_request("held", [*PREFIX, 1], max_tokens=5000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        assert fleet.app.gateway.relay.holding["held"] == address
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(request_id="held"), timeout=15)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"engine {address} holding request 'held' did not answer" in str(err.value.details())
+        everything = await fleet.gateway.Abort(
+            pb.AbortRequest(all_requests=pb.AllRequests()), timeout=15
+        )
+        assert f"{address}: DEADLINE_EXCEEDED" in everything.message, everything.message
+
+        drain = fleet.admin.DrainEngine(apb.DrainEngineRequest(engine="wedged"), timeout=15)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [event async for event in drain]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"engine {address} did not answer the Drain" in str(err.value.details())
+        await fleet.admin.Uncordon(apb.EngineRef(engine="healthy"))
+        await fleet.wait_routable(2)
+        stream.cancel()
+    finally:
+        wedged.servicer.wake.set()
+        await close_fleet(fleet)
+
+
+async def test_calls_held_by_an_engine_being_removed_end_with_it() -> None:
+    """RemoveEngine while the gateway waits on the engine's Abort (a request id it holds,
+    and a fan-out to every engine): both end at once, the engine counted as left
+    (UNAVAILABLE), instead of waiting for the client's deadline."""
+    wedged = await start_fronted_engine("wedged", Wedged, time_scale=1.0)
+    healthy = await start_sim_engine("healthy")
+    fleet = await make_fleet(engines=[wedged, healthy], health={"rpc_timeout_s": 60})  # type: ignore[list-item]
+    address = f"127.0.0.1:{wedged.port}"
+
+    async def reply_of(call: Awaitable[pb.AbortResponse]) -> pb.AbortResponse:
+        return await call
+
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
+        stream = fleet.gateway.Generate(generate_request("held", [*PREFIX, 1], max_tokens=5000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        by_id = asyncio.create_task(
+            reply_of(fleet.gateway.Abort(pb.AbortRequest(request_id="held"), timeout=15))
+        )
+        everything = asyncio.create_task(
+            reply_of(
+                fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()), timeout=15)
+            )
+        )
+
+        async def both_held() -> bool:
+            return wedged.servicer.num_aborts_held == 2
+
+        await eventually(both_held)
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=address))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await by_id
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert err.value.details() == f"engine {address} left"
+        assert f"{address}: UNAVAILABLE (engine {address} left)" in (await everything).message
+        stream.cancel()
+    finally:
+        wedged.servicer.wake.set()
+        await close_fleet(fleet)
+
+
+async def test_a_drain_through_the_controller_ends_when_the_engine_is_removed() -> None:
+    """RemoveEngine while `admin drain ENGINE` relays that engine's progress: the drain
+    stream ends with UNAVAILABLE ("engine ... left"), as the engine's Generate streams do,
+    instead of hanging until the client's deadline."""
+    fleet = await make_fleet(2, time_scale=1.0)
+    try:
+        drained, other = (fleet.address(e) for e in fleet.engines)
+        await fleet.admin.Cordon(apb.EngineRef(engine=other))
+        stream = fleet.gateway.Generate(generate_request("long", [*PREFIX, 1], max_tokens=5000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        drain = fleet.admin.DrainEngine(
+            apb.DrainEngineRequest(engine=drained, deadline_ms=60_000), timeout=15
+        )
+        first = await drain.read()
+        assert isinstance(first, pb.DrainResponse) and first.state == pb.DRAIN_STATE_STARTED
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=drained))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while isinstance(await drain.read(), pb.DrainResponse):
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert f"engine {drained} left" in str(err.value.details())
+        stream.cancel()
     finally:
         await close_fleet(fleet)
 

@@ -56,8 +56,11 @@ async def start_zmq_engine(name: str, port: int = 0) -> EngineApp:
     )
 
 
-async def zmq_fleet() -> Fleet:
-    engines = [await start_zmq_engine(f"z{i}") for i in range(2)]
+async def zmq_fleet(engines: list[EngineApp] | None = None) -> Fleet:
+    """A controller following `engines` (default: two fresh ZMQ engines) with
+    `kv_events: zmq`."""
+    if engines is None:
+        engines = [await start_zmq_engine(f"z{i}") for i in range(2)]
     config = ControllerConfig.model_validate(
         {
             "listen": "127.0.0.1:0",
@@ -147,6 +150,29 @@ async def test_zmq_kv_events_feed_the_router_and_report_their_lag() -> None:
         text = await scrape(fleet)
         elapsed = time.time() - started
         assert_event_lag_exported(text, holder, elapsed)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_controller_started_beside_an_idle_warm_zmq_engine_indexes_its_cache() -> None:
+    """An engine that cached a prompt before the controller started (the controller was
+    restarted, say) and publishes nothing since: the controller rebuilds its worker from the
+    engine's replay at once, so the prompt is routed by its cache without waiting for the
+    engine's next event."""
+    engine = await start_zmq_engine("warm")
+    prefix = list(range(7000, 7000 + 4 * BLOCK))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{engine.port}") as channel:
+        direct = pb_grpc.OpenEngineStub(channel)
+        [_ async for _ in direct.Generate(generate_request("before", [*prefix, 1]))]
+    fleet = await zmq_fleet([engine])
+    try:
+
+        async def held() -> bool:
+            return await index_holder(fleet, [*prefix, 2], 4) == fleet.address(engine)
+
+        await eventually(held, WAIT_S)
+        route = await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prefix, 2])))
+        assert (route.reason, route.predicted_cached_tokens) == ("only", 4 * BLOCK)
     finally:
         await close_fleet(fleet)
 
