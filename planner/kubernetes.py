@@ -1,6 +1,8 @@
 """The Kubernetes actuator: one Deployment per pool, scaled through its scale subresource.
 
-- **Start**: unless the Deployment already has a replica no engine was handed out for (a pod
+- **Start**: once the pool's pods scaled away are terminating (a scale-up sooner could be
+  seen together with the scale-down by Kubernetes' controllers, which would then delete
+  none), unless the Deployment already has a replica no engine was handed out for (a pod
   still starting, one a crash is restarting, one an earlier start gave up on), its
   spec.replicas goes up by one (a PATCH conditional on the scale's resourceVersion: a 409
   Conflict is read again and retried). Then the first Ready pod (status.conditions Ready ==
@@ -182,6 +184,7 @@ class KubernetesDeployments:
         self._waiting[pool] += 1
         try:
             async with asyncio.timeout(self._start_timeout_s):
+                await self._until_scaled_away(pool)
                 await self._claim_replica(pool)
                 engine = await self._ready_pod(pool)
         except TimeoutError as exc:  # its str is empty
@@ -203,6 +206,23 @@ class KubernetesDeployments:
             why = rpc_error(exc) if isinstance(exc, grpc.aio.AioRpcError) else "never routed to"
             raise KvplaneError(f"pod {engine.pod} of pool {pool}: controller {why}") from exc
         return engine.address
+
+    async def _until_scaled_away(self, pool: str) -> None:
+        """Until the pool's pods scaled away are terminating or gone (the caller bounds the
+        wait). A scale-up sooner could undo a scale-down: Kubernetes' Deployment and
+        ReplicaSet controllers may see both changes at once (N -> N-1 -> N, one sync) and
+        delete no pod, and a start would wait for a new pod that never comes (a hung engine
+        killed and replaced in the same tick, with `min_engines` 1, left its pool empty for
+        `start_timeout_s`)."""
+        while leaving := {uid for uid, e in self._leaving.items() if e.pool == pool}:
+            try:
+                pods = await self._pods(pool)
+            except KubeApiError as exc:
+                log.warning("pods of pool %s not listed: %s", pool, exc)
+            else:
+                if not any(pod.uid in leaving and not pod.deleting for pod in pods):
+                    return
+            await asyncio.sleep(self._poll_s)
 
     async def _claim_replica(self, pool: str) -> None:
         """One more replica for this start, unless the Deployment has one no engine and no

@@ -20,7 +20,10 @@ What it implements (namespaced, one namespace):
   pods in Kubernetes' order (`ActivePodsWithRanks`): Pending before Running, not Ready before
   Ready, lower `controller.kubernetes.io/pod-deletion-cost` first, then the more recently
   Ready, then the newer. `stale_deletion_cost` makes the next scale-down ignore the costs, as
-  a ReplicaSet controller whose cache has not seen an annotation yet does.
+  a ReplicaSet controller whose cache has not seen an annotation yet does. `hold_replicasets`
+  makes it act on nothing until cleared, then on the latest spec.replicas only, as
+  Kubernetes' Deployment and ReplicaSet controllers do when several changes arrive before
+  their work queue syncs (a scale from 1 to 0 and back to 1 deletes no pod).
 - The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
   do not collide; Linux routes all of 127.0.0.0/8 to lo), starts `python -m kvplane engine
   serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a cluster), and
@@ -129,6 +132,8 @@ class FakeKube:
         # Set: the next scale-down ranks pods without their deletion cost, as a ReplicaSet
         # controller does whose informer cache has not seen the annotation yet.
         self.stale_deletion_cost = False
+        # Set: the ReplicaSet part waits; cleared, it sees only the latest replicas.
+        self.hold_replicasets = False
         self._closing = threading.Event()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -356,7 +361,8 @@ class FakeKube:
         while not self._closing.wait(_LOOP_S):
             with self._changed:
                 for deployment in self.deployments.values():
-                    self._replicate(deployment)
+                    if not self.hold_replicasets:
+                        self._replicate(deployment)
                 for pod in list(self.pods.values()):
                     self._run(pod)
                 self._changed.notify_all()

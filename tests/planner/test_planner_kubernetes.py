@@ -3,7 +3,8 @@ paths and JSON, a ReplicaSet-like controller, pods as real `kvplane engine serve
 processes on their own loopback IPs) and a real in-process controller: a start scales up and
 registers the Ready pod; a removal deletes the drained pod, not a serving one (and is retried
 when the API refuses it); a restarted planner adopts the pods instead of doubling them; pods
-that vanish or crash are reported and leave the controller; API errors are one line; end to
+that vanish or crash are reported and leave the controller; a hung pod is scaled away and
+replaced by one start; API errors are one line; end to
 end, load scales the pool up and its end scales it down again, deleting the drained pod."""
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import contextlib
 import http.client
 import itertools
 import json
+import os
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +41,10 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.planner import Planner
-from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Scale, in_cluster
+from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Pod, Scale, in_cluster
 from planner.kubernetes import KubernetesDeployments
 from planner.live import LivePlanner
+from planner.metrics import PlannerMetrics
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEPLOYMENT = "kvplane-engine"
@@ -457,6 +461,71 @@ async def test_api_errors_mid_run_do_not_stop_the_planner(empty: Cluster) -> Non
         await empty.wait_routable(1)
     finally:
         await live.close()
+
+
+class ListingSpy(KubeApi):
+    """A KubeApi that tells the test each time it lists pods."""
+
+    def __init__(self, connection: KubeConnection) -> None:
+        super().__init__(connection)
+        self.listed = threading.Event()
+
+    def list_pods(self, selector: str) -> list[Pod]:
+        pods = super().list_pods(selector)
+        self.listed.set()
+        return pods
+
+
+@pytest.mark.timeout(120)
+async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(empty: Cluster) -> None:
+    """A pod Ready to Kubernetes whose engine answers nothing (SIGSTOPped) is lost after
+    `lost_after_failed_polls` ticks and scaled away (`kill`), and the core's replacement,
+    asked in the same tick, scales up only once the ReplicaSet has deleted that pod: a
+    Deployment controller that saw both changes at once (1 -> 0 -> 1) would delete nothing,
+    and the start would wait for a pod that never comes."""
+    kube, metrics = empty.kube, PlannerMetrics()
+    spy = ListingSpy(empty.api().connection)
+    actuator = KubernetesDeployments(
+        controller=f"127.0.0.1:{empty.app.port}",
+        api=spy,
+        deployments={"default": DEPLOYMENT},
+        engine_port=kube.engine_port,
+        start_timeout_s=20,
+        poll_s=0.05,
+    )
+    live = LivePlanner(
+        planner(1, 1), actuator, load_timeout_s=1, lost_after_failed_polls=2, metrics=metrics
+    )
+    hung = None
+    try:
+        await live.tick()
+        await empty.wait_routable(1)
+        await empty.app.controller.fleet.wait_for(lambda: not live._starts, 30)
+        (hung,) = kube.ready_pods(DEPLOYMENT)
+        assert hung.process is not None
+        os.kill(hung.process.pid, signal.SIGSTOP)
+        kube.hold_replicasets = True
+        await ticks_until(live, lambda d: isinstance(d, ScalePool))  # lost, and replaced
+        assert kube.deployments[DEPLOYMENT].replicas == 0  # scaled away
+        spy.listed.clear()
+        await asyncio.to_thread(spy.listed.wait, 30)  # the replacement's start is under way
+        kube.hold_replicasets = False
+        async with asyncio.timeout(60):  # ticks until another pod serves
+            while empty.routable() in ([], [kube.address(hung)]):
+                await live.tick()
+                await asyncio.sleep(0.1)
+    finally:
+        if hung is not None and hung.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung.process.pid, signal.SIGCONT)
+        await live.close()
+    lost = {"pool": "default", "cause": "unresponsive"}
+    assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
+    failed = {"operation": "start"}
+    assert not metrics.registry.get_sample_value("kvplane_planner_actuator_failures_total", failed)
+    assert kube.deleted == [hung.name] and kube.deployments[DEPLOYMENT].replicas == 1
+    (replacement,) = kube.ready_pods(DEPLOYMENT)
+    assert empty.registered() == [kube.address(replacement)] != [kube.address(hung)]
 
 
 @pytest.mark.timeout(120)
