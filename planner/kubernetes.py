@@ -275,7 +275,9 @@ class KubernetesDeployments:
 
     async def stop(self, address: str) -> None:
         """Take a drained engine out of the controller and scale its pod away; one that
-        exited only leaves the controller (its replica stays for Kubernetes to refill)."""
+        exited only leaves the controller (its replica stays for Kubernetes to refill). A
+        scale-away the API refuses raises (the planner counts the failure), and is retried
+        at every later `adopt`."""
         await self._admin.remove(address)
         if self._exited.pop(address, None) is not None:
             return
@@ -284,6 +286,8 @@ class KubernetesDeployments:
             return
         self._unscaled[engine.uid] = engine
         await self._retry_removals(engine.pool)
+        if engine.uid in self._unscaled:
+            raise KvplaneError(f"pod {engine.pod} not scaled away yet (tried again every tick)")
 
     async def kill(self, address: str) -> None:
         """An engine that stopped answering goes as a drained one does: its pod is scaled

@@ -33,7 +33,10 @@ What it implements (namespaced, one namespace):
   list once the process has exited (SIGKILL after the grace period).
 
 Not implemented: watches, field selectors, set-based label selectors, JSON patch, server-side
-apply, Deployment rollouts (one ReplicaSet per Deployment), scheduling, node placement.
+apply, Deployment rollouts (one ReplicaSet per Deployment), scheduling, node placement, and
+probes after the first success: a hung container (SIGSTOPped) stays Ready here, where a
+kubelet would mark it not Ready after the probe's failureThreshold (the planner then sees it
+as exited, and the liveness probe restarts it).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from kvplane.cli import app as kvplane_app
 from kvplane.config import load_config
-from kvplane.errors import ConfigError
+from kvplane.errors import ConfigError, KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
@@ -221,7 +221,8 @@ async def test_a_removal_deletes_the_drained_pod_not_another(two_pods: Cluster) 
         await fleet.wait_for(lambda: two_pods.routable() == [kube.address(new)], 30)
         # The API refuses the scale-down for now (RBAC): the removal waits, nothing deleted.
         kube.forbidden.add(("patch", "deployments/scale"))
-        await actuator.stop(kube.address(old))
+        with pytest.raises(KvplaneError, match=f"pod {old.name} not scaled away yet"):
+            await actuator.stop(kube.address(old))  # the planner counts a failed stop
         assert kube.deployments[DEPLOYMENT].replicas == 2 and not kube.deleted
         kube.forbidden.clear()
         assert await actuator.adopt() == []  # the next tick retries it (and adopts nothing)
