@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvplane.channels import INSECURE, ClientChannels
+from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import KubernetesConfig, LiveConfig
 from planner.controller_admin import ControllerAdmin, rpc_error
@@ -129,7 +130,7 @@ class KubernetesDeployments:
             for pod in self._free(pods):
                 if any(e.uid == pod.uid for e in self._engines.values()):
                     continue  # a start that began during a registration below took it
-                engine = _Engine(pool, pod.name, pod.uid, f"{pod.ip}:{self._engine_port}")
+                engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
                 self._engines[engine.address] = engine  # taken before the wait: starts look
                 try:
                     await self._admin.register(engine.address, existing_ok=True)
@@ -246,7 +247,7 @@ class KubernetesDeployments:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 pods = []
             for pod in self._free(pods):
-                engine = _Engine(pool, pod.name, pod.uid, f"{pod.ip}:{self._engine_port}")
+                engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
                 self._engines[engine.address] = engine
                 log.info("pod %s of pool %s is Ready at %s", pod.name, pool, engine.address)
                 return engine
@@ -265,10 +266,15 @@ class KubernetesDeployments:
                 and not pod.deleting
                 and pod.ip
                 and pod.uid not in taken
-                and f"{pod.ip}:{self._engine_port}" not in self._exited
+                and self._address(pod) not in self._exited
             ),
             key=lambda pod: (pod.created, pod.name),
         )
+
+    def _address(self, pod: Pod) -> str:
+        """The engine's address: podIP:engine_port (an IPv6 cluster's in brackets)."""
+        assert pod.ip is not None  # only Ready pods, which have an IP, are engines
+        return join_host_port(pod.ip, self._engine_port)
 
     async def drain(self, address: str, within_s: float) -> None:
         await self._admin.drain(address, within_s)

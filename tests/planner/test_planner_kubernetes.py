@@ -179,6 +179,21 @@ async def test_a_start_scales_up_and_registers_the_ready_pod(empty: Cluster) -> 
     assert empty.routable() == [address]  # routed to when the start returns
 
 
+@pytest.mark.timeout(60)
+async def test_a_pod_of_an_ipv6_cluster_is_an_engine_at_its_bracketed_address(
+    tmp_path: Path, tls_files: tuple[Path, Path]
+) -> None:
+    async for cluster in cluster_with(tmp_path, tls_files, 1, ipv6=True):
+        actuator = cluster.actuator()
+        try:
+            address = f"[::1]:{cluster.kube.engine_port}"  # HOST:PORT as the controller reads it
+            assert await actuator.adopt() == [(address, "default")]
+            await cluster.wait_routable(1)
+            assert cluster.routable() == [address]
+        finally:
+            await actuator.close()
+
+
 @pytest.mark.timeout(120)
 async def test_a_start_does_not_overwrite_a_scale_changed_meanwhile(empty: Cluster) -> None:
     class OperatorScalesMeanwhile(KubeApi):
