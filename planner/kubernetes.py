@@ -212,9 +212,9 @@ class KubernetesDeployments:
         """Until the pool's pods scaled away are terminating or gone (the caller bounds the
         wait). A scale-up sooner could undo a scale-down: Kubernetes' Deployment and
         ReplicaSet controllers may see both changes at once (N -> N-1 -> N, one sync) and
-        delete no pod, and a start would wait for a new pod that never comes (a hung engine
-        killed and replaced in the same tick, with `min_engines` 1, left its pool empty for
-        `start_timeout_s`)."""
+        delete no pod, and a start would wait for a new pod that never comes (with
+        `min_engines` 1, a hung engine killed and replaced in the same tick would leave the
+        pool empty for `start_timeout_s`)."""
         while leaving := {uid for uid, e in self._leaving.items() if e.pool == pool}:
             try:
                 pods = await self._pods(pool)
