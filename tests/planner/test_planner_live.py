@@ -404,6 +404,27 @@ async def answers(address: str) -> None:
         )
 
 
+@pytest.mark.timeout(60)
+async def test_closing_stops_the_engines_at_once(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung engine (SIGSTOPped: its SIGTERM stays pending) does not hold up the stop of
+    the others, which end gracefully while it is still waited for."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_STOP_GRACE_S", 3600.0)
+    actuator = setup.actuator
+    hung = await actuator.start("default")  # the first one stopped
+    healthy = await actuator.start("default")
+    hung_process, healthy_process = actuator._processes[hung], actuator._processes[healthy]
+    with stop_process(hung_process.pid):
+        closing = asyncio.create_task(actuator.close())
+        assert await healthy_process.wait() == 0
+        assert hung_process.returncode is None
+    await closing
+    assert actuator.num_alive() == 0
+
+
 @pytest.mark.timeout(180)
 async def test_an_engine_slow_for_one_tick_is_kept(setup: Setup) -> None:
     async with serving(setup, 1, lost_after_failed_polls=2) as (
