@@ -54,6 +54,11 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, port
 
 
+def join_host_port(host: str, port: int) -> str:
+    """The HOST:PORT `parse_host_port` reads back: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def parse_dial_target(value: str) -> tuple[str, int]:
     """`parse_host_port` for an address to connect to: port 0 (any free port, for a listen
     address) names no server."""

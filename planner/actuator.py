@@ -176,9 +176,10 @@ class LocalProcesses:
         return self._processes.pop(address, None)
 
     async def close(self) -> None:
-        """Stop every engine started (the fleet ends with the planner)."""
-        for address in list(self._processes):
-            await self.stop(address)
+        """Stop every engine started (the fleet ends with the planner), all at once: one at a
+        time, a slow or hung engine (its SIGTERM pending for `_STOP_GRACE_S`) would hold up
+        the others' stop past the time `kvplane up` gives the planner, which then kills them."""
+        await asyncio.gather(*(self.stop(address) for address in list(self._processes)))
         await self._admin.close()
 
 

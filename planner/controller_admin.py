@@ -77,7 +77,9 @@ class ControllerAdmin:
             for address in serving:
                 if address not in states:
                     log.warning(
-                        "engine %s is not in the controller (restarted?): registered", address
+                        "engine %s is not in the controller (it restarted, or the engine was "
+                        "removed by hand): registered again",
+                        address,
                     )
                     await self.register(address)
         except grpc.aio.AioRpcError as exc:

@@ -1,6 +1,8 @@
 """The Kubernetes actuator: one Deployment per pool, scaled through its scale subresource.
 
-- **Start**: unless the Deployment already has a replica no engine was handed out for (a pod
+- **Start**: once the pool's pods scaled away are terminating (a scale-up sooner could be
+  seen together with the scale-down by Kubernetes' controllers, which would then delete
+  none), unless the Deployment already has a replica no engine was handed out for (a pod
   still starting, one a crash is restarting, one an earlier start gave up on), its
   spec.replicas goes up by one (a PATCH conditional on the scale's resourceVersion: a 409
   Conflict is read again and retried). Then the first Ready pod (status.conditions Ready ==
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvplane.channels import INSECURE, ClientChannels
+from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import KubernetesConfig, LiveConfig
 from planner.controller_admin import ControllerAdmin, rpc_error
@@ -127,7 +130,7 @@ class KubernetesDeployments:
             for pod in self._free(pods):
                 if any(e.uid == pod.uid for e in self._engines.values()):
                     continue  # a start that began during a registration below took it
-                engine = _Engine(pool, pod.name, pod.uid, f"{pod.ip}:{self._engine_port}")
+                engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
                 self._engines[engine.address] = engine  # taken before the wait: starts look
                 try:
                     await self._admin.register(engine.address, existing_ok=True)
@@ -182,6 +185,7 @@ class KubernetesDeployments:
         self._waiting[pool] += 1
         try:
             async with asyncio.timeout(self._start_timeout_s):
+                await self._until_scaled_away(pool)
                 await self._claim_replica(pool)
                 engine = await self._ready_pod(pool)
         except TimeoutError as exc:  # its str is empty
@@ -203,6 +207,23 @@ class KubernetesDeployments:
             why = rpc_error(exc) if isinstance(exc, grpc.aio.AioRpcError) else "never routed to"
             raise KvplaneError(f"pod {engine.pod} of pool {pool}: controller {why}") from exc
         return engine.address
+
+    async def _until_scaled_away(self, pool: str) -> None:
+        """Until the pool's pods scaled away are terminating or gone (the caller bounds the
+        wait). A scale-up sooner could undo a scale-down: Kubernetes' Deployment and
+        ReplicaSet controllers may see both changes at once (N -> N-1 -> N, one sync) and
+        delete no pod, and a start would wait for a new pod that never comes (with
+        `min_engines` 1, a hung engine killed and replaced in the same tick would leave the
+        pool empty for `start_timeout_s`)."""
+        while leaving := {uid for uid, e in self._leaving.items() if e.pool == pool}:
+            try:
+                pods = await self._pods(pool)
+            except KubeApiError as exc:
+                log.warning("pods of pool %s not listed: %s", pool, exc)
+            else:
+                if not any(pod.uid in leaving and not pod.deleting for pod in pods):
+                    return
+            await asyncio.sleep(self._poll_s)
 
     async def _claim_replica(self, pool: str) -> None:
         """One more replica for this start, unless the Deployment has one no engine and no
@@ -226,7 +247,7 @@ class KubernetesDeployments:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 pods = []
             for pod in self._free(pods):
-                engine = _Engine(pool, pod.name, pod.uid, f"{pod.ip}:{self._engine_port}")
+                engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
                 self._engines[engine.address] = engine
                 log.info("pod %s of pool %s is Ready at %s", pod.name, pool, engine.address)
                 return engine
@@ -245,17 +266,24 @@ class KubernetesDeployments:
                 and not pod.deleting
                 and pod.ip
                 and pod.uid not in taken
-                and f"{pod.ip}:{self._engine_port}" not in self._exited
+                and self._address(pod) not in self._exited
             ),
             key=lambda pod: (pod.created, pod.name),
         )
+
+    def _address(self, pod: Pod) -> str:
+        """The engine's address: podIP:engine_port (an IPv6 cluster's in brackets)."""
+        assert pod.ip is not None  # only Ready pods, which have an IP, are engines
+        return join_host_port(pod.ip, self._engine_port)
 
     async def drain(self, address: str, within_s: float) -> None:
         await self._admin.drain(address, within_s)
 
     async def stop(self, address: str) -> None:
         """Take a drained engine out of the controller and scale its pod away; one that
-        exited only leaves the controller (its replica stays for Kubernetes to refill)."""
+        exited only leaves the controller (its replica stays for Kubernetes to refill). A
+        scale-away the API refuses raises (the planner counts the failure), and is retried
+        at every later `adopt`."""
         await self._admin.remove(address)
         if self._exited.pop(address, None) is not None:
             return
@@ -264,6 +292,8 @@ class KubernetesDeployments:
             return
         self._unscaled[engine.uid] = engine
         await self._retry_removals(engine.pool)
+        if engine.uid in self._unscaled:
+            raise KvplaneError(f"pod {engine.pod} not scaled away yet (tried again every tick)")
 
     async def kill(self, address: str) -> None:
         """An engine that stopped answering goes as a drained one does: its pod is scaled

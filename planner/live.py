@@ -117,6 +117,7 @@ class LivePlanner:
 
     def _update_metrics(self) -> None:
         self.metrics.on_engines(e.observation() for e in self.engines.values())
+        self.metrics.on_not_answering(e.pool for e in self.engines.values() if e.failed_polls)
         if isinstance(self.policy, Planner):  # the benchmark's peers have no estimates
             for pool in self.policy.config.pools:
                 estimate = self.policy.estimate(pool.name)

@@ -1,15 +1,17 @@
 """The live planner's Prometheus metrics, served on the side port (`live.metrics_listen`).
 
 Updated by the tick loop (`planner.live`), so a scrape reads the fleet as of the last tick:
-engines per pool and state, the core's sizing of each pool (its inputs, the learned pass-cost
-model, the engines needed by each SLA constraint), the decisions by kind and reason, engines
-lost (exited, or not answering), the actuator's failures by operation, and the tick's
-duration. Label values come from the config (pools), the core's vocabularies (states, kinds,
-reasons) or this module's (causes, operations): never from an engine's address.
+engines per pool and state (and those not answering GetLoad), the core's sizing of each pool
+(its inputs, the learned pass-cost model, the engines needed by each SLA constraint), the
+decisions by kind and reason, engines lost (exited, or not answering), the actuator's failures
+by operation, and the tick's duration. Label values come from the config (pools), the core's
+vocabularies (states, kinds, reasons) or this module's (causes, operations): never from an
+engine's address.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable
 from typing import Literal
 
@@ -46,6 +48,13 @@ class PlannerMetrics:
             "kvplane_planner_engines",
             "Engines of the pool by state (starting, serving, draining)",
             ["pool", "state"],
+            registry=r,
+        )
+        self.engines_not_answering = Gauge(
+            "kvplane_planner_engines_not_answering",
+            "Engines of the pool whose last GetLoad failed or timed out (counted in engines as "
+            "they were; lost after live.lost_after_failed_polls ticks in a row)",
+            ["pool"],
             registry=r,
         )
         self.engines_wanted = Gauge(
@@ -148,6 +157,13 @@ class PlannerMetrics:
         for pool in self._pools:
             for state in EngineState:
                 self.engines.labels(pool, state.value).set(counts.get((pool, state), 0))
+
+    def on_not_answering(self, pools: Iterable[str]) -> None:
+        """`pools`: the pool of each engine whose last GetLoad went unanswered (after
+        `on_engines`, which names the pools that read 0)."""
+        counts = collections.Counter(pools)
+        for pool in self._pools | set(counts):
+            self.engines_not_answering.labels(pool).set(counts[pool])
 
     def on_estimate(self, pool: str, estimate: PoolEstimate) -> None:
         self.engines_wanted.labels(pool).set(estimate.engines_wanted)

@@ -77,12 +77,14 @@ class MemberConfig(StrictModel):
         """The YAML `up` gives the member's process: `config` with each ${name} replaced by
         `addresses[name]`, a server's `listen` defaulting to 127.0.0.1:0, a controller's
         `metrics_listen` too (the live status reads its routing counters there), and a
-        planner's `live.workdir` (its engines' logs) defaulting to a folder in `folder`, the
-        fleet's, where up keeps the members' logs."""
+        planner's `live.workdir` (its local engines' logs) defaulting to a folder in `folder`,
+        the fleet's, where up keeps the members' logs."""
         config: dict[str, Any] = _substitute(self.config, addresses)
         if self.kind == "planner":
             live = config.get("live")
-            if isinstance(live, dict):  # anything else is the planner config's to refuse
+            # Anything but a section is the planner config's to refuse; a Deployment's pods
+            # log in the cluster (and `workdir` with `kubernetes` is refused).
+            if isinstance(live, dict) and "kubernetes" not in live:
                 live.setdefault("workdir", str(folder / f"{self.name}-engines"))
             return config
         config = {"listen": "127.0.0.1:0", **config}

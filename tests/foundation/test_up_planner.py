@@ -134,6 +134,20 @@ def test_a_planner_is_registered_with_the_fleets_controller_by_default(tmp_path:
     assert members["q"].config["live"] == {"controller": "127.0.0.1:9"}  # as given
 
 
+def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -> None:
+    """Its engines are a Deployment's pods: up gives it no `live.workdir` (which the planner
+    refuses beside `kubernetes`), yet still the fleet's controller."""
+    kubernetes = "{api_server: 'http://127.0.0.1:8001', deployments: {default: kvplane-engine}}"
+    fleet = _fleet_file(
+        tmp_path,
+        "  - {name: ctl, kind: controller}\n"
+        f"  - {{name: p, kind: planner, config: {{live: {{kubernetes: {kubernetes}}}}}}}\n",
+    )
+    (_, planner) = load_fleet(fleet).members
+    config = planner.server_config({"ctl": "127.0.0.1:8100"}, tmp_path)
+    assert config["live"]["controller"] == "127.0.0.1:8100" and "workdir" not in config["live"]
+
+
 @pytest.mark.parametrize(
     ("members", "problem"),
     [

@@ -20,17 +20,25 @@ What it implements (namespaced, one namespace):
   pods in Kubernetes' order (`ActivePodsWithRanks`): Pending before Running, not Ready before
   Ready, lower `controller.kubernetes.io/pod-deletion-cost` first, then the more recently
   Ready, then the newer. `stale_deletion_cost` makes the next scale-down ignore the costs, as
-  a ReplicaSet controller whose cache has not seen an annotation yet does.
+  a ReplicaSet controller whose cache has not seen an annotation yet does. `hold_replicasets`
+  makes it act on nothing until cleared, then on the latest spec.replicas only, as
+  Kubernetes' Deployment and ReplicaSet controllers do when several changes arrive before
+  their work queue syncs (a scale from 1 to 0 and back to 1 deletes no pod).
 - The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
-  do not collide; Linux routes all of 127.0.0.0/8 to lo), starts `python -m kvplane engine
-  serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a cluster), and
-  marks it Ready once the gRPC health check answers SERVING (a readiness probe). A container
-  that exits leaves its pod not Ready and is restarted after `restart_delay_s` (as with
-  CrashLoopBackOff). A deleted pod gets a deletionTimestamp, its process SIGTERM, and leaves the
-  list once the process has exited (SIGKILL after the grace period).
+  do not collide; Linux routes all of 127.0.0.0/8 to lo), or with `ipv6` the IP ::1 (an IPv6
+  cluster's; one pod at a time then: loopback has one IPv6 address), starts `python -m kvplane
+  engine serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a
+  cluster; an IPv6 IP in brackets), and marks it Ready once the gRPC health check answers
+  SERVING (a readiness probe). A container that exits leaves its pod not Ready and is
+  restarted after `restart_delay_s` (as with CrashLoopBackOff). A deleted pod gets a
+  deletionTimestamp, its process SIGTERM, and leaves the list once the process has exited
+  (SIGKILL after the grace period).
 
 Not implemented: watches, field selectors, set-based label selectors, JSON patch, server-side
-apply, Deployment rollouts (one ReplicaSet per Deployment), scheduling, node placement.
+apply, Deployment rollouts (one ReplicaSet per Deployment), scheduling, node placement, and
+probes after the first success: a hung container (SIGSTOPped) stays Ready here, where a
+kubelet would mark it not Ready after the probe's failureThreshold (the planner then sees it
+as exited, and the liveness probe restarts it).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvplane.config import join_host_port
 from kvplane.up.member import member_environment
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
@@ -113,10 +122,12 @@ class FakeKube:
         tls: tuple[Path, Path] | None = None,
         engine_args: Sequence[str] = ("--model", "sim"),
         restart_delay_s: float = 1.0,
+        ipv6: bool = False,
     ) -> None:
         self.namespace, self.token, self.engine_port = namespace, token, engine_port
         self._workdir, self._engine_args = workdir, tuple(engine_args)
         self._restart_delay_s = restart_delay_s
+        self._ipv6 = ipv6
         self._versions = itertools.count(1000)
         self._numbers = itertools.count()
         self._subnet = random.randrange(64, 255)
@@ -129,6 +140,8 @@ class FakeKube:
         # Set: the next scale-down ranks pods without their deletion cost, as a ReplicaSet
         # controller does whose informer cache has not seen the annotation yet.
         self.stale_deletion_cost = False
+        # Set: the ReplicaSet part waits; cleared, it sees only the latest replicas.
+        self.hold_replicasets = False
         self._closing = threading.Event()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -173,7 +186,7 @@ class FakeKube:
             )
 
     def address(self, pod: Pod) -> str:
-        return f"{pod.ip}:{self.engine_port}"
+        return join_host_port(pod.ip, self.engine_port)
 
     def kill_container(self, name: str) -> None:
         """SIGKILL a pod's engine, as a crash (the pod stays, not Ready)."""
@@ -356,14 +369,15 @@ class FakeKube:
         while not self._closing.wait(_LOOP_S):
             with self._changed:
                 for deployment in self.deployments.values():
-                    self._replicate(deployment)
+                    if not self.hold_replicasets:
+                        self._replicate(deployment)
                 for pod in list(self.pods.values()):
                     self._run(pod)
                 self._changed.notify_all()
                 due = [p for p in self.pods.values() if _probe_due(p)]
             # Probes outside the lock: a health check may take up to its timeout.
             for pod in due:
-                if _healthy(f"{pod.ip}:{self.engine_port}"):
+                if _healthy(self.address(pod)):
                     with self._changed:
                         if _probe_due(pod):
                             pod.ready_since = time.monotonic()
@@ -380,6 +394,8 @@ class FakeKube:
             number = next(self._numbers)
             name = f"{deployment.name}-{uuid.uuid4().hex[:10]}-{uuid.uuid4().hex[:5]}"
             ip = f"127.{self._subnet}.{number // 200}.{10 + number % 200}"
+            if self._ipv6:
+                ip = "::1"
             self.pods[name] = Pod(
                 name,
                 str(uuid.uuid4()),
@@ -422,7 +438,7 @@ class FakeKube:
             with (self._workdir / f"{pod.name}.log").open("ab") as log_file:
                 pod.process = subprocess.Popen(
                     [sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,
-                     "--listen", f"{pod.ip}:{self.engine_port}"],
+                     "--listen", self.address(pod)],
                     stdout=subprocess.DEVNULL, stderr=log_file,
                     env={**os.environ, **member_environment(None)},  # dies with this thread
                 )  # fmt: skip

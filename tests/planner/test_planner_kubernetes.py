@@ -3,7 +3,8 @@ paths and JSON, a ReplicaSet-like controller, pods as real `kvplane engine serve
 processes on their own loopback IPs) and a real in-process controller: a start scales up and
 registers the Ready pod; a removal deletes the drained pod, not a serving one (and is retried
 when the API refuses it); a restarted planner adopts the pods instead of doubling them; pods
-that vanish or crash are reported and leave the controller; API errors are one line; end to
+that vanish or crash are reported and leave the controller; a hung pod is scaled away and
+replaced by one start; API errors are one line; end to
 end, load scales the pool up and its end scales it down again, deleting the drained pod."""
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import contextlib
 import http.client
 import itertools
 import json
+import os
 import signal
 import socket
 import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,15 +35,16 @@ from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from kvplane.cli import app as kvplane_app
 from kvplane.config import load_config
-from kvplane.errors import ConfigError
+from kvplane.errors import ConfigError, KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.planner import Planner
-from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Scale, in_cluster
+from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Pod, Scale, in_cluster
 from planner.kubernetes import KubernetesDeployments
 from planner.live import LivePlanner
+from planner.metrics import PlannerMetrics
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEPLOYMENT = "kvplane-engine"
@@ -175,6 +179,21 @@ async def test_a_start_scales_up_and_registers_the_ready_pod(empty: Cluster) -> 
     assert empty.routable() == [address]  # routed to when the start returns
 
 
+@pytest.mark.timeout(60)
+async def test_a_pod_of_an_ipv6_cluster_is_an_engine_at_its_bracketed_address(
+    tmp_path: Path, tls_files: tuple[Path, Path]
+) -> None:
+    async for cluster in cluster_with(tmp_path, tls_files, 1, ipv6=True):
+        actuator = cluster.actuator()
+        try:
+            address = f"[::1]:{cluster.kube.engine_port}"  # HOST:PORT as the controller reads it
+            assert await actuator.adopt() == [(address, "default")]
+            await cluster.wait_routable(1)
+            assert cluster.routable() == [address]
+        finally:
+            await actuator.close()
+
+
 @pytest.mark.timeout(120)
 async def test_a_start_does_not_overwrite_a_scale_changed_meanwhile(empty: Cluster) -> None:
     class OperatorScalesMeanwhile(KubeApi):
@@ -217,7 +236,8 @@ async def test_a_removal_deletes_the_drained_pod_not_another(two_pods: Cluster) 
         await fleet.wait_for(lambda: two_pods.routable() == [kube.address(new)], 30)
         # The API refuses the scale-down for now (RBAC): the removal waits, nothing deleted.
         kube.forbidden.add(("patch", "deployments/scale"))
-        await actuator.stop(kube.address(old))
+        with pytest.raises(KvplaneError, match=f"pod {old.name} not scaled away yet"):
+            await actuator.stop(kube.address(old))  # the planner counts a failed stop
         assert kube.deployments[DEPLOYMENT].replicas == 2 and not kube.deleted
         kube.forbidden.clear()
         assert await actuator.adopt() == []  # the next tick retries it (and adopts nothing)
@@ -457,6 +477,71 @@ async def test_api_errors_mid_run_do_not_stop_the_planner(empty: Cluster) -> Non
         await empty.wait_routable(1)
     finally:
         await live.close()
+
+
+class ListingSpy(KubeApi):
+    """A KubeApi that tells the test each time it lists pods."""
+
+    def __init__(self, connection: KubeConnection) -> None:
+        super().__init__(connection)
+        self.listed = threading.Event()
+
+    def list_pods(self, selector: str) -> list[Pod]:
+        pods = super().list_pods(selector)
+        self.listed.set()
+        return pods
+
+
+@pytest.mark.timeout(120)
+async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(empty: Cluster) -> None:
+    """A pod Ready to Kubernetes whose engine answers nothing (SIGSTOPped) is lost after
+    `lost_after_failed_polls` ticks and scaled away (`kill`), and the core's replacement,
+    asked in the same tick, scales up only once the ReplicaSet has deleted that pod: a
+    Deployment controller that saw both changes at once (1 -> 0 -> 1) would delete nothing,
+    and the start would wait for a pod that never comes."""
+    kube, metrics = empty.kube, PlannerMetrics()
+    spy = ListingSpy(empty.api().connection)
+    actuator = KubernetesDeployments(
+        controller=f"127.0.0.1:{empty.app.port}",
+        api=spy,
+        deployments={"default": DEPLOYMENT},
+        engine_port=kube.engine_port,
+        start_timeout_s=20,
+        poll_s=0.05,
+    )
+    live = LivePlanner(
+        planner(1, 1), actuator, load_timeout_s=1, lost_after_failed_polls=2, metrics=metrics
+    )
+    hung = None
+    try:
+        await live.tick()
+        await empty.wait_routable(1)
+        await empty.app.controller.fleet.wait_for(lambda: not live._starts, 30)
+        (hung,) = kube.ready_pods(DEPLOYMENT)
+        assert hung.process is not None
+        os.kill(hung.process.pid, signal.SIGSTOP)
+        kube.hold_replicasets = True
+        await ticks_until(live, lambda d: isinstance(d, ScalePool))  # lost, and replaced
+        assert kube.deployments[DEPLOYMENT].replicas == 0  # scaled away
+        spy.listed.clear()
+        await asyncio.to_thread(spy.listed.wait, 30)  # the replacement's start is under way
+        kube.hold_replicasets = False
+        async with asyncio.timeout(60):  # ticks until another pod serves
+            while empty.routable() in ([], [kube.address(hung)]):
+                await live.tick()
+                await asyncio.sleep(0.1)
+    finally:
+        if hung is not None and hung.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(hung.process.pid, signal.SIGCONT)
+        await live.close()
+    lost = {"pool": "default", "cause": "unresponsive"}
+    assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
+    failed = {"operation": "start"}
+    assert not metrics.registry.get_sample_value("kvplane_planner_actuator_failures_total", failed)
+    assert kube.deleted == [hung.name] and kube.deployments[DEPLOYMENT].replicas == 1
+    (replacement,) = kube.ready_pods(DEPLOYMENT)
+    assert empty.registered() == [kube.address(replacement)] != [kube.address(hung)]
 
 
 @pytest.mark.timeout(120)

@@ -381,6 +381,10 @@ async def test_a_failed_start_is_counted(tmp_path: Path) -> None:
     assert value(samples, "kvplane_planner_actuator_failures_total", operation="start") == 1
 
 
+def sample(metrics: PlannerMetrics, name: str, labels: dict[str, str]) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
 @contextlib.contextmanager
 def stop_process(pid: int) -> Iterator[None]:
     """SIGSTOP `pid` (alive to the OS, answering nothing) until the block ends."""
@@ -398,6 +402,27 @@ async def answers(address: str) -> None:
         await pb_grpc.OpenEngineStub(channel).GetLoad(
             pb.GetLoadRequest(), timeout=30, wait_for_ready=True
         )
+
+
+@pytest.mark.timeout(60)
+async def test_closing_stops_the_engines_at_once(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung engine (SIGSTOPped: its SIGTERM stays pending) does not hold up the stop of
+    the others, which end gracefully while it is still waited for."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_STOP_GRACE_S", 3600.0)
+    actuator = setup.actuator
+    hung = await actuator.start("default")  # the first one stopped
+    healthy = await actuator.start("default")
+    hung_process, healthy_process = actuator._processes[hung], actuator._processes[healthy]
+    with stop_process(hung_process.pid):
+        closing = asyncio.create_task(actuator.close())
+        assert await healthy_process.wait() == 0
+        assert hung_process.returncode is None
+    await closing
+    assert actuator.num_alive() == 0
 
 
 @pytest.mark.timeout(180)
@@ -434,12 +459,15 @@ async def test_a_hung_engine_is_killed_and_replaced(
         (victim, _),
     ):
         process = actuator._processes[victim]
+        not_answering = {"pool": "default"}
         with stop_process(process.pid):
             assert await live.tick() == []
+            assert sample(metrics, "kvplane_planner_engines_not_answering", not_answering) == 1
             # The second tick in a row without an answer: lost. Killed (a stopped process
             # holds SIGTERM pending), out of the controller, and the pool is short again.
             assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
             assert process.returncode == -signal.SIGKILL
+            assert sample(metrics, "kvplane_planner_engines_not_answering", not_answering) == 0
         assert victim not in live.engines and victim not in actuator.running()
         assert victim not in {r.address for r in fleet.registry.records()}
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
