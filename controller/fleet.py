@@ -599,11 +599,6 @@ class Fleet:
         source: OpenEngineSource | ZmqSource | None
         if record.kv_events == KvEventsMode.zmq.value:
             source = await self._zmq_source(engine, translator, on_batch_time)
-            if source is not None:
-                # Rebuild from the engine's replay at once rather than at its next message:
-                # an idle engine publishes nothing, and until then the index would not know
-                # what it holds (a restarted controller, an engine added with a warm cache).
-                source.request_resync()
         else:
             health = self.config.health
             source = OpenEngineSource(

@@ -6,8 +6,11 @@ ApplyExternalKvBatch client).
 
 Sequence rules (WIRE.md section 1; per publisher, starting at 0):
 
-- first message after start: the worker is cleared (entries left by an earlier run are stale)
-  and rebuilt from a replay from seq 0 when a replay endpoint is configured;
+- start: with a replay endpoint the worker is cleared (entries left by an earlier run are
+  stale) and rebuilt from a replay from seq 0 at once, before any message: an idle engine
+  publishes nothing, and what it holds would stay unknown until it did (a restarted indexer or
+  controller beside running engines). Without one, or when that replay fails or holds
+  nothing, the first message clears and rebuilds the worker;
 - seq == expected: applied, unless it is the first message since the SUB made or accepted a
   new connection (an engine restart is a new connection; the SUB may have missed the new
   process's first messages, exactly as many as the old one had sent): then it is checked as
@@ -112,6 +115,9 @@ class ZmqSourceSettings:
     array_tail: ArrayTail = "ignore"
     # Longest wait for the next replay reply before the replay counts as failed.
     replay_timeout_s: float = 5.0
+    # With a replay endpoint: rebuild the worker from the replay as the source starts, not at
+    # the first message (off only to study the first-message rules alone).
+    rebuild_at_start: bool = True
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
     receive_hwm: int = 100_000
@@ -145,8 +151,12 @@ class ZmqSource:
         # that it continues the stream applied so far.
         self._new_connection = False
         self._progress = asyncio.Condition()
-        # Set by request_resync; handled between two messages.
+        # Set by request_resync (and at start, with a replay endpoint); handled between two
+        # messages. `_resync_cause` says why, for the log.
         self._resync_wanted = asyncio.Event()
+        self._resync_cause = "starting"
+        if settings.replay_endpoint and settings.rebuild_at_start:
+            self._resync_wanted.set()
         self.last_seq: int | None = None
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
@@ -171,6 +181,7 @@ class ZmqSource:
         """The index dropped or lost this worker's entries: clear and rebuild it (from a replay
         from seq 0) before the next message. Synchronous, for index-backend callbacks.
         (`worker_id` matters to sources feeding several workers; this one feeds one.)"""
+        self._resync_cause = "the index asked for a resync"
         self._resync_wanted.set()
 
     async def run(self) -> None:
@@ -271,18 +282,26 @@ class ZmqSource:
             raise
 
     async def _resync(self) -> None:
-        """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring)."""
+        """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring).
+        At start an empty or failed replay changes nothing: the first message then clears and
+        rebuilds the worker as ever."""
         floor = self._expected
         if floor is None and not self.settings.replay_endpoint:
             return  # the next message clears and rebuilds the worker anyway
-        self.counters.num_resyncs += 1
-        log.warning(
-            "worker %s: the index asked for a resync; clearing and rebuilding", self.worker_id
-        )
+        starting = self._resync_cause == "starting"
+        if starting:
+            log.info("worker %s: starting; rebuilding it from the replay", self.worker_id)
+        else:
+            self.counters.num_resyncs += 1
+            log.warning(
+                "worker %s: %s; clearing and rebuilding", self.worker_id, self._resync_cause
+            )
+        replies = await self._replay(0)
+        if starting and not replies:
+            return
         await self._reset_worker(self.last_seq or 0)
         self._expected = None
         self._replayed = {}
-        replies = await self._replay(0)
         if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
             return
         for reply in replies:

@@ -25,6 +25,7 @@ from vllm_capture import (
 )
 
 from indexer.batch import Tier, to_sfixed64
+from indexer.engine_events import BlockStored
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
@@ -71,6 +72,7 @@ def _source(
     worker_id: str = "w0",
     mode: HashMode = HashMode.ENGINE,
     topic: str = "kv@",
+    rebuild_at_start: bool = False,
 ) -> ZmqSource:
     translator = WorkerTranslator(
         TranslateOptions(worker_id, "10.0.0.1:8000", hash_mode=mode, default_block_size=32)
@@ -80,6 +82,8 @@ def _source(
         replay_endpoint=publisher.replay_endpoint,
         topic=topic,
         replay_timeout_s=5.0,
+        # Most tests here follow the first-message rules; the rebuild at start has its own.
+        rebuild_at_start=rebuild_at_start,
     )
     return ZmqSource(settings, translator, backend, context=context)
 
@@ -122,6 +126,38 @@ def _assert_matches_vllm(source: ZmqSource, index: PrefixIndex, seq: int) -> Non
     # Copies are counted by the source (the KVIndexer API has none): the same hash live in
     # two physical blocks needs two removals.
     assert source.translator.live_keys(Tier.HBM) == model.live()
+
+
+async def test_a_source_started_beside_an_idle_engine_indexes_its_replay_buffer_at_once(
+    context: zmq.asyncio.Context,
+) -> None:
+    """An indexer (or controller) restarted while the engine publishes nothing: the blocks the
+    engine announced before are indexed from its replay without waiting for its next batch,
+    and stale entries of the earlier run are gone."""
+    index = PrefixIndex()
+    backend = MemoryBackend(index)
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    for message in live_messages()[:CLEAR_SEQ]:  # published before this source ran
+        await publisher.publish(message.frames, live=False, replay_frames=REPLAY[message.seq])
+    stale = WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000"))
+    for batch in stale.translate([BlockStored(block_hashes=(12345,), medium="GPU")]):
+        await backend.apply(batch)
+    source = _source(publisher, context, backend, rebuild_at_start=True)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.last_seq == CLEAR_SEQ - 1, WAIT_S)
+            _assert_matches_vllm(source, index, CLEAR_SEQ - 1)
+            # The stream then goes on from there, the replayed batches not applied twice.
+            await publisher.wait_subscribed()
+            await _publish(publisher, live_messages()[CLEAR_SEQ:], source)
+    finally:
+        await publisher.close()
+    # The start's rebuild; then the first live message, the first on the SUB's connection, is
+    # checked against the replay as any new connection's is (docs/indexer.md).
+    assert publisher.replay_requests == [0, CLEAR_SEQ - 1]
+    assert source.counters.num_gaps == source.counters.num_resyncs == 0
+    assert set(_indexed(index)) == set(final_live().live())
 
 
 async def test_capture_replayed_live_ends_with_exactly_vllms_live_blocks(
