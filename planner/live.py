@@ -314,7 +314,10 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
     Kubernetes actuator its in-cluster defaults."""
     live = config.live
     if live is None:
-        raise ConfigError("the live planner needs a `live:` section (the controller's address)")
+        raise ConfigError(
+            "the live planner needs a `live:` section (the controller's address) in its "
+            "--config file (example: configs/planner.yaml)"
+        )
     with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
         metrics = PlannerMetrics()
         metrics_server = None

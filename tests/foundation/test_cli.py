@@ -50,7 +50,8 @@ def test_planner_run_without_a_live_section_is_one_line() -> None:
     result = run("planner", "run")
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        "kvplane: error: the live planner needs a `live:` section (the controller's address)"
+        "kvplane: error: the live planner needs a `live:` section (the controller's address) "
+        "in its --config file (example: configs/planner.yaml)"
     )
 
 
