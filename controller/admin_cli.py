@@ -445,8 +445,9 @@ def _prefix_unknown(reply: dict[str, Any], model: str) -> str:
         )
     if reply.get("index_error"):
         lines += (
-            f"\nthe index could not answer ({reply['index_error']}): no engine's cached prefix "
-            "is known, so the prompt is routed by load alone"
+            f"\nthe index could not answer ({reply['index_error']}): what the engines hold is "
+            "unknown, so the prompt is routed by load and by the prompts this controller itself "
+            "routed in the last seconds (router.pending_ttl_s)"
         )
     return lines
 

@@ -154,7 +154,7 @@ class PromptView(NamedTuple):
     block_size: int
     block_keys: tuple[int, ...]
     candidates: tuple[Candidate, ...]
-    index_error: str | None = None  # the index could not answer: no hits, routed by load
+    index_error: str | None = None  # the index could not answer: no indexed hits
 
 
 class _Engine:
@@ -387,12 +387,14 @@ class Fleet:
         hits: dict[str, PrefixHit] = {}
         lora, salt = lora_name or None, cache_salt or None
         index_error: str | None = None
-        # An index that cannot answer: route without cache knowledge rather than fail.
+        # An index that cannot answer: route without its knowledge rather than fail (the
+        # prompt's own keys still meet the router's record of the prompts it just routed).
         if token_ids and records and self.remote is not None:
             try:
                 keys, hits = await self.remote.match(token_ids, size, lora_name, cache_salt)
             except KvplaneError as exc:
                 index_error = str(exc)
+                keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
         elif token_ids:
             keys = tuple(block_keys(token_ids, size, lora_name=lora, cache_salt=salt))
             if keys and self.index is not None and records:

@@ -298,6 +298,28 @@ async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> No
         await backend.close()
 
 
+async def test_with_the_remote_index_down_the_router_still_knows_what_it_just_routed(
+    tmp_path: Path,
+) -> None:
+    """The index answers nothing, but a prompt the controller routed a moment ago is still
+    known to be where it sent it: a repeat goes there by cache, not by load alone."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    fleet = await make_fleet(2, index={"remote": dead})
+    prompt = [*PREFIX, 5]
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(str(t) for t in prompt))
+    try:
+        [*_] = [r async for r in fleet.gateway.Generate(generate_request("first", prompt))]
+        data = await cli_json("route", "--tokens-file", str(tokens), "--target", fleet.target)
+        assert data["index_error"].startswith("remote index: UNAVAILABLE")
+        assert data["reason"] == "cache"
+        assert int(data["predicted_cached_tokens"]) == len(PREFIX)
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_match_and_route_say_when_the_index_could_not_answer(tmp_path: Path) -> None:
     """A remote index that is down: the tables say so, rather than pass for engines that hold
     nothing of the prompt; `--output json` carries it as `index_error`."""
@@ -312,7 +334,7 @@ async def test_match_and_route_say_when_the_index_could_not_answer(tmp_path: Pat
             table = await cli(command, "--tokens-file", str(tokens), "--target", fleet.target)
             assert table.exit_code == 0, table.output
             assert "the index could not answer (remote index: UNAVAILABLE" in table.output
-            assert "routed by load alone" in table.output
+            assert "routed by load and by the prompts this controller itself" in table.output
             data = await cli_json(command, "--tokens-file", str(tokens), "--target", fleet.target)
             assert data["index_error"].startswith("remote index: UNAVAILABLE")
     finally:
