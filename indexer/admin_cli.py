@@ -294,12 +294,13 @@ def _parse_mm_item(value: str) -> api.MultimodalItem:
     item_id, sep, span = value.rpartition(":")
     item_id, sep2, offset = item_id.rpartition(":")
     try:
-        if not (sep and sep2 and item_id):
+        if not (sep and sep2 and item_id) or int(span) < 1:  # an item covers some tokens
             raise ValueError
         return api.MultimodalItem(id=item_id, offset=int(offset), length=int(span))
     except ValueError:
         raise typer.BadParameter(
-            f"expected ID:OFFSET:LENGTH, got {value!r}", param_hint="--mm-item"
+            f"expected ID:OFFSET:LENGTH with LENGTH at least 1, got {value!r}",
+            param_hint="--mm-item",
         ) from None
 
 

@@ -363,8 +363,9 @@ async def test_admin_match_takes_unsigned_hashes_and_vllms_key_space(tmp_path: P
         assert json.loads(canonical.output)["matches"] == []
         image = await asyncio.to_thread(match, *by_tokens, "--mm-item", "img:0:4:2")
         assert json.loads(image.output)["num_query_blocks"] == 3
-        malformed = await asyncio.to_thread(match, *by_tokens, "--mm-item", "img:0")
-        assert malformed.exit_code == 2 and "ID:OFFSET:LENGTH" in malformed.output
+        for item in ("img:0", "img:0:0"):  # no length; an item of no tokens
+            malformed = await asyncio.to_thread(match, *by_tokens, "--mm-item", item)
+            assert malformed.exit_code == 2 and "ID:OFFSET:LENGTH" in malformed.output
     finally:
         await server.stop(None)
 
