@@ -583,3 +583,20 @@ def test_hybrid_streams_in_map_and_array_form_give_the_seeds_prefix() -> None:
         assert [
             (m.worker_id, m.matched_prefix_blocks) for m in index.match_prefix([1, 2, 3], 0).matches
         ] == [("w0", 1)], form
+
+
+def test_events_naming_a_group_override_its_configured_kind_until_a_reset() -> None:
+    translator = _translator(
+        kv_cache_groups=(CacheGroup("full_attention"), CacheGroup("sliding_window", 1024))
+    )
+    stored = BlockStored(
+        (1,),
+        medium="GPU",
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=64,
+    )
+    (batch,) = translator.translate([stored])
+    assert batch.cache_spec == CacheSpec(1, FULL | SWA, 63, 0b110, 0b110, 0)
+    assert batch.actions == (Action(REPORT, Tier.HBM, (1,), (SWA,), (), None),)
+    assert translator.reset().cache_spec == CacheSpec(1, FULL | SWA, 1023, 0b110, 0b110, 0)
