@@ -36,14 +36,13 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass
 
-from indexer.batch import CacheSpec, Component, Tier
+from indexer.batch import CacheSpec, Component
+from indexer.component_rule import SERVABLE_TIER_MASK
 
 _FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
 _SWA_KINDS = frozenset({"sliding_window", "sliding_window_mla"})
 _MAMBA_KINDS = frozenset({"mamba"})
 
-# Every component may be served from HBM and DRAM (the seed's servable tiers).
-_SERVABLE_TIER_MASK = (1 << Tier.HBM) | (1 << Tier.DRAM)
 _UINT32_MAX = (1 << 32) - 1
 
 
@@ -137,7 +136,7 @@ class CacheGroups:
             version=1,
             components=int(components),
             swa_window_tokens=window,
-            full_tier_mask=_SERVABLE_TIER_MASK,
-            swa_tier_mask=_SERVABLE_TIER_MASK if components & Component.SWA else 0,
-            mamba_tier_mask=_SERVABLE_TIER_MASK if components & Component.MAMBA else 0,
+            full_tier_mask=SERVABLE_TIER_MASK,
+            swa_tier_mask=SERVABLE_TIER_MASK if components & Component.SWA else 0,
+            mamba_tier_mask=SERVABLE_TIER_MASK if components & Component.MAMBA else 0,
         )
