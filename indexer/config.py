@@ -36,7 +36,8 @@ from pydantic import (
 )
 
 from indexer.backends import check_backend_url, check_redis_options
-from indexer.batch import Tier
+from indexer.batch import Component, Tier
+from indexer.cache_groups import CacheGroup, component_of_kind
 from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_host_port
@@ -84,6 +85,20 @@ def _all_tier_names() -> list[TierName]:
     return ["HBM", "DRAM", "SSD"]
 
 
+class KvCacheGroupConfig(StrictModel):
+    """One KV cache group of a hybrid model, as vLLM names it (`kv_cache_spec_kind`)."""
+
+    kind: str = Field(min_length=1)
+    # Tokens in the window (vLLM's `sliding_window`); sliding-window kinds only.
+    sliding_window: Annotated[StrictInt, Field(ge=1, le=MAX_UINT32)] | None = None
+
+    @model_validator(mode="after")
+    def _check_window(self) -> KvCacheGroupConfig:
+        if self.sliding_window is not None and component_of_kind(self.kind) is not Component.SWA:
+            raise ValueError(f"sliding_window is for sliding-window kinds, not {self.kind!r}")
+        return self
+
+
 class _SourceCommon(StrictModel):
     # Which key space this worker is indexed in; MatchTokens finds it with the matching
     # `key_space` (engine, from vLLM: KEY_SPACE_VLLM_SHA256[_CBOR]; canonical: the default).
@@ -95,6 +110,9 @@ class _SourceCommon(StrictModel):
     external_medium: MediumTarget = "skip"
     # Tiers an AllBlocksCleared (without a medium) clears.
     clear_tiers: list[TierName] = Field(default_factory=_all_tier_names)
+    # A hybrid model's KV cache groups in group_idx order, known before (or without) the
+    # events naming them; events that name a group's kind override it (docs/indexer.md).
+    kv_cache_groups: list[KvCacheGroupConfig] = Field(default_factory=list)
 
     @field_validator("worker_id", "worker_address", check_fields=False)
     @classmethod
@@ -126,6 +144,9 @@ class _SourceCommon(StrictModel):
 
     def clear_tier_values(self) -> tuple[Tier, ...]:
         return tuple(Tier[name] for name in self.clear_tiers)
+
+    def cache_group_values(self) -> tuple[CacheGroup, ...]:
+        return tuple(CacheGroup(g.kind, g.sliding_window) for g in self.kv_cache_groups)
 
 
 class ZmqSourceConfig(_SourceCommon):

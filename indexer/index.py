@@ -55,6 +55,12 @@ from indexer.backend import (
     WorkerStats,
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Component, Tier
+from indexer.component_rule import (
+    SERVABLE_TIER_MASK,
+    resident_components,
+    spec_is_valid,
+    spec_prefix_blocks,
+)
 from indexer.validation import (
     MAX_ACTIONS_PER_BATCH,
     MAX_HASHES_PER_REQUEST,
@@ -86,8 +92,6 @@ __all__ = [
     "validate_tier",
 ]
 
-# Tiers a prefix may be served from, as a (1 << Tier) mask: HBM | DRAM (never SSD in v1).
-SERVABLE_TIER_MASK = (1 << Tier.HBM) | (1 << Tier.DRAM)
 _TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
 _SLOTS_PER_WORKER = 3  # one placement bit per tier
 # Removed workers' bits purged per apply call (the rest waits for later calls or `purge`).
@@ -108,13 +112,6 @@ _HBM = int(Tier.HBM)
 _BY_WORKER_ID = attrgetter("worker_id")
 _BY_WID = attrgetter("wid")
 _BY_MATCHED_BLOCKS = attrgetter("matched_prefix_blocks")
-
-
-def spec_is_valid(spec: CacheSpec) -> bool:
-    """A spec the prefix rule can use; an invalid spec makes every prefix 0."""
-    if spec.components == 0 or spec.version > 1:
-        return False
-    return not (spec.components & _SWA and spec.swa_window_tokens == 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -742,17 +739,6 @@ class PrefixIndex:
             ended = {slot: n for slot, n in ended.items() if n}
         return ended, blocks_read
 
-    def _available(self, worker: _Worker, key: BlockKey, t: int, tier_mask: int, c: int) -> bool:
-        """Component `c` resident on block `key` at a tier in the (1 << Tier) mask."""
-        masks = self._component_masks.get(key)
-        if masks is None:
-            return False
-        for tier in _TIERS:
-            tbit = worker.tier_bits[tier]
-            if tier_mask >> tier & 1 and t & tbit and masks.get(tbit.bit_length() - 1, 0) & c:
-                return True
-        return False
-
     def _spec_prefix(
         self, worker: _Worker, hashes: Sequence[BlockKey], limit: int
     ) -> tuple[int, int]:
@@ -760,43 +746,40 @@ class PrefixIndex:
         spec = worker.spec
         if spec is None or not spec_is_valid(spec):
             return 0, 1
-        full_tiers = spec.full_tier_mask & SERVABLE_TIER_MASK
-        swa_tiers = spec.swa_tier_mask & SERVABLE_TIER_MASK
-        mamba_tiers = spec.mamba_tier_mask & SERVABLE_TIER_MASK
-        has_swa = bool(spec.components & _SWA)
-        has_mamba = bool(spec.components & _MAMBA)
-        window = spec.swa_window_tokens
-        best = 0
-        run = 0
-        head_unbroken = True
-        for i in range(limit):
-            key = hashes[i]
-            t = self._tiers.get(key)
-            if t is None or not self._available(worker, key, t, full_tiers, _FULL):
-                return best, i + 1
-            boundary_ok = True
-            if has_swa:
-                if self._available(worker, key, t, swa_tiers, _SWA):
-                    run += self._sizes.get(key, 0)
-                    boundary_ok = head_unbroken or run >= window
-                else:
-                    run = 0
-                    head_unbroken = False
-                    boundary_ok = False
-            if has_mamba:
-                boundary_ok = boundary_ok and self._available(worker, key, t, mamba_tiers, _MAMBA)
-            if boundary_ok:
-                best = i + 1
-        return best, limit
+        blocks_read = 0
+        get = self._tiers.get
+        component_masks = self._component_masks
+        sizes = self._sizes
+        tier_bits = [(tier, worker.tier_bits[tier]) for tier in _TIERS]
+
+        def blocks() -> Iterator[tuple[int, int]]:
+            """(resident components, tokens) per query block, read only as far as the rule
+            goes; a block without component data for the worker has none."""
+            nonlocal blocks_read
+            for key in islice(hashes, limit):
+                blocks_read += 1
+                t = get(key, 0)
+                masks = component_masks.get(key) if t else None
+                if masks is None:
+                    yield 0, 0
+                    continue
+                placements = [
+                    (tier, masks.get(bit.bit_length() - 1, 0)) for tier, bit in tier_bits if t & bit
+                ]
+                yield resident_components(spec, placements), sizes.get(key, 0)
+
+        best = spec_prefix_blocks(spec, blocks())
+        return best, max(blocks_read, 1)
 
     def match_prefix_by_tier(
         self, hashes: Sequence[BlockKey], max_blocks: int
     ) -> list[TokenPrefixMatch]:
         """kvplane's token-level view, for every worker holding hashes[0] on any tier (address
-        or not, spec or not: component detail is ignored here): `matched_blocks` = leading
-        blocks each held on HBM or DRAM; per tier, leading blocks held on that tier alone
-        (listed when > 0). Tokens sum the blocks' known sizes. Sorted by matched_blocks
-        descending, then worker id."""
+        or not): `matched_blocks` = leading blocks each held on HBM or DRAM; per tier, leading
+        blocks held on that tier alone (listed when > 0). For a worker with a cache spec, each
+        is capped at its MatchExternalKvPrefix answer (the component rule), so a hybrid
+        model's hit is never larger than the seed's rules give. Tokens sum the blocks' known
+        sizes. Sorted by matched_blocks descending, then worker id."""
         limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
         get = self._tiers.get
         first = get(hashes[0]) if limit else None
@@ -828,12 +811,14 @@ class PrefixIndex:
         out: list[TokenPrefixMatch] = []
         for slot in _bits(_any_tier(first) & hbm_slots):
             worker = self._by_idx[slot // _SLOTS_PER_WORKER]
+            # A worker with a cache spec reuses no more than the component rule allows.
+            most = limit if worker.spec is None else self._spec_prefix(worker, hashes, limit)[0]
             per_tier = tuple(
                 TierPrefix(tier, n, cum_tokens[n])
                 for tier in _TIERS
-                if (n := ends.get(2 * (slot + tier - 1), 0))
+                if (n := min(ends.get(2 * (slot + tier - 1), 0), most))
             )
-            matched = ends.get(2 * slot + 1, 0)
+            matched = min(ends.get(2 * slot + 1, 0), most)
             out.append(
                 TokenPrefixMatch(worker.wid, worker.address, matched, cum_tokens[matched], per_tier)
             )

@@ -66,7 +66,8 @@ from indexer.backend import (
     WorkerPlacements,
     WorkerStats,
 )
-from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
+from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier
+from indexer.component_rule import resident_components, spec_prefix_blocks
 from indexer.index import PrefixIndex
 from indexer.redis_client import (
     Client,
@@ -660,19 +661,26 @@ class RedisBackend:
         )
         end = reply.index(b"")
         blocks = reply[:end]
-        names, addresses, order = _worker_rows(reply[end + 1 :])
+        rows = reply[end + 1 :]
+        names, addresses, order = _worker_rows(rows)
+        specs = _worker_specs(rows)
         cum_tokens = [0]
-        held: list[dict[int, set[int]]] = []  # per block: worker id -> tiers
+        sizes: list[int] = []
+        held: list[dict[int, dict[int, int]]] = []  # per block: worker id -> tier -> mask
         for item in blocks:
-            cum_tokens.append(cum_tokens[-1] + codec.u32(item))
-            per_block: dict[int, set[int]] = {}
-            for wid, tier, _mask in codec.iter_scan_placements(item):
-                per_block.setdefault(wid, set()).add(tier)
+            sizes.append(codec.u32(item))
+            cum_tokens.append(cum_tokens[-1] + sizes[-1])
+            per_block: dict[int, dict[int, int]] = {}
+            for wid, tier, mask in codec.iter_scan_placements(item):
+                per_block.setdefault(wid, {})[tier] = mask
             held.append(per_block)
         out = []
         for wid in order:
-            runs = {tier: _run(held, wid, {tier}) for tier in Tier}
-            matched = _run(held, wid, set(_SERVABLE))
+            # A worker with a cache spec reuses no more than the component rule allows.
+            spec = specs[wid]
+            most = len(held) if spec is None else _spec_prefix(spec, held, sizes, wid)
+            runs = {tier: min(_run(held, wid, {tier}), most) for tier in Tier}
+            matched = min(_run(held, wid, set(_SERVABLE)), most)
             per_tier = tuple(TierPrefix(t, n, cum_tokens[n]) for t, n in runs.items() if n)
             out.append(
                 TokenPrefixMatch(names[wid], addresses[wid], matched, cum_tokens[matched], per_tier)
@@ -824,15 +832,31 @@ def _worker_rows(flat: Sequence[Any]) -> tuple[dict[int, str], dict[int, str], l
     return names, addresses, order
 
 
-def _run(held: list[dict[int, set[int]]], wid: int, wanted: set[int]) -> int:
+def _worker_specs(flat: Sequence[Any]) -> dict[int, CacheSpec | None]:
+    """The cache spec of each worker row (id, name, address, spec)."""
+    return {int(flat[i]): codec.unpack_spec(flat[i + 3]) for i in range(0, len(flat), 4)}
+
+
+def _run(held: list[dict[int, dict[int, int]]], wid: int, wanted: set[int]) -> int:
     """Leading blocks that worker `wid` holds on some tier in `wanted`."""
     n = 0
     for per_block in held:
         tiers = per_block.get(wid)
-        if tiers is None or tiers.isdisjoint(wanted):
+        if tiers is None or tiers.keys().isdisjoint(wanted):
             break
         n += 1
     return n
+
+
+def _spec_prefix(
+    spec: CacheSpec, held: list[dict[int, dict[int, int]]], sizes: list[int], wid: int
+) -> int:
+    """Worker `wid`'s prefix by the component rule, over the scanned blocks."""
+    blocks = (
+        (resident_components(spec, per_block.get(wid, {}).items()), size)
+        for per_block, size in zip(held, sizes, strict=True)
+    )
+    return spec_prefix_blocks(spec, blocks)
 
 
 def _parent_first(

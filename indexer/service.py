@@ -54,6 +54,7 @@ def build_source(
             media=config.medium_map(),
             clear_tiers=config.clear_tier_values(),
             default_block_size=config.block_size or block_size,
+            kv_cache_groups=config.cache_group_values(),
         )
     )
     if isinstance(config, ZmqSourceConfig):

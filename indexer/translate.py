@@ -19,9 +19,16 @@ What it decides:
   real capture: counting them as copies leaves more live blocks than the engine's cache
   holds). A hybrid model's groups (full attention, sliding window, ...) store and evict the
   same hashes on their own: one group's eviction leaves the block indexed while another group
-  holds it (the block's groups are not told apart in the index: no component masks). A
-  removal of a hash never seen is passed on as a REVOKE in engine mode (a no-op if absent; it
-  may be a block indexed before this translator started).
+  holds it. A removal of a hash never seen is passed on as a REVOKE in engine mode (a no-op
+  if absent; it may be a block indexed before this translator started).
+- **Components** (hybrid models, `indexer.cache_groups`). Once the events name a group kind
+  that is not full attention (or the source configures the groups), each placement is
+  reported with the component mask of the groups holding it at its tier (re-reported, a
+  replace, whenever a group stores or evicts it and the mask changes; revoked when no group
+  holds it there), and every batch carries the worker's cache spec, so that prefix matches
+  follow the seed's FULL / SWA / MAMBA rules. When the groups' kinds change, every live
+  placement is re-reported with its new mask. A plain model's stream (no kinds, or only
+  full-attention groups) gives legacy placements (no masks) and no spec.
 - **Clears.** AllBlocksCleared -> one CLEAR_ALL_AT_TIER per configured tier, in place (or only
   its medium's tier when it names one); `reset()` clears every tier and all state (engine
   restart, unrecoverable gap).
@@ -38,6 +45,7 @@ from dataclasses import dataclass, field
 
 from indexer import keys
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier, to_sfixed64
+from indexer.cache_groups import CacheGroup, CacheGroups
 from indexer.engine_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -93,7 +101,11 @@ class TranslateOptions:
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
     # Used when an event carries tokens but no block_size (canonical mode).
     default_block_size: int | None = None
+    # A fixed spec for every batch; a hybrid stream's own spec (learned from its KV cache
+    # groups) replaces it.
     cache_spec: CacheSpec | None = None
+    # The engine's KV cache groups by group_idx, when known before its events name them.
+    kv_cache_groups: tuple[CacheGroup, ...] = ()
 
 
 @dataclass(slots=True)
@@ -106,15 +118,21 @@ class TranslateCounters:
 
 @dataclass(slots=True)
 class _Live:
-    """One engine hash live on this worker: copies per (tier, KV cache group), and its key in
-    the index."""
+    """One engine hash live on this worker: copies per (tier, KV cache group), its key and
+    parent in the index, and (hybrid streams) the component mask reported per tier."""
 
     key: BlockKey
+    parent: BlockKey | None = None
     copies: dict[tuple[Tier, int], int] = field(default_factory=dict)
+    masks: dict[Tier, int] = field(default_factory=dict)
 
     def at_tier(self, tier: Tier) -> int:
         """Copies at `tier`, over every group."""
         return sum(n for (t, _group), n in self.copies.items() if t == tier)
+
+    def groups_at(self, tier: Tier) -> set[int]:
+        """The KV cache groups holding the block at `tier`."""
+        return {group for (t, group) in self.copies if t == tier}
 
 
 class WorkerTranslator:
@@ -122,6 +140,12 @@ class WorkerTranslator:
         self.options = options
         self.counters = TranslateCounters()
         self._live: dict[BlockKey, _Live] = {}  # by sfixed64 engine hash
+        self._groups = CacheGroups(dict(enumerate(options.kv_cache_groups)))
+
+    @property
+    def cache_spec(self) -> CacheSpec | None:
+        """The spec every batch carries: the hybrid stream's own, else the configured one."""
+        return self._groups.spec() or self.options.cache_spec
 
     @property
     def num_live_blocks(self) -> int:
@@ -152,6 +176,7 @@ class WorkerTranslator:
     def reset(self, *, seq: int = 0) -> Batch:
         """Forget everything and return the batch that clears this worker at every tier."""
         self._live.clear()
+        self._groups.reset()
         actions = tuple(Action(ActionType.CLEAR_ALL_AT_TIER, t) for t in ALL_TIERS)
         return self._batch(actions, seq)
 
@@ -176,19 +201,44 @@ class WorkerTranslator:
         reannounce = event.parent_block_hash is None
         parent = self._parent_key(event.parent_block_hash)
         slot = (tier, event.group_idx)
+        groups = self._groups
+        if groups.observe(
+            event.group_idx, event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window
+        ):
+            self._restate_masks(out)
         for engine_key, key in zip(engine_keys, index_keys, strict=True):
             live = self._live.get(engine_key)
             if live is None:
-                live = self._live[engine_key] = _Live(key)
+                live = self._live[engine_key] = _Live(key, parent)
+            elif parent is not None:
+                live.parent = parent
             held = live.at_tier(tier)
             copies = live.copies.get(slot, 0)
             if copies and reannounce:
                 pass  # full-mode re-announcement: not a new copy
             else:
                 live.copies[slot] = copies + 1
-            if not held:
+            if groups.hybrid:
+                mask = groups.mask(live.groups_at(tier))
+                if live.masks.get(tier) != mask:
+                    live.masks[tier] = mask
+                    _append_report(out, tier, key, live.parent, block_size, mask=mask)
+            elif not held:
                 _append_report(out, tier, key, parent, block_size)
             parent = key
+
+    def _restate_masks(self, out: list[_Run]) -> None:
+        """Re-report every live placement whose mask the groups now read differently (the
+        stream just turned hybrid, or a group changed kind)."""
+        groups = self._groups
+        if not groups.hybrid:
+            return
+        for live in self._live.values():
+            for tier in sorted({t for t, _group in live.copies}):
+                mask = groups.mask(live.groups_at(tier))
+                if live.masks.get(tier) != mask:
+                    live.masks[tier] = mask
+                    _append_report(out, tier, live.key, live.parent, 0, mask=mask)
 
     def _index_keys(
         self, event: BlockStored, engine_keys: Sequence[BlockKey]
@@ -257,8 +307,14 @@ class WorkerTranslator:
                 live.copies[slot] = copies
                 continue
             live.copies.pop(slot, None)
-            if live.at_tier(tier):
-                continue  # another KV cache group still holds it
+            if live.at_tier(tier):  # another KV cache group still holds it
+                if self._groups.hybrid:
+                    mask = self._groups.mask(live.groups_at(tier))
+                    if live.masks.get(tier) != mask:
+                        live.masks[tier] = mask
+                        _append_report(out, tier, live.key, live.parent, 0, mask=mask)
+                continue
+            live.masks.pop(tier, None)
             if not live.copies:
                 del self._live[engine_key]
             _append_revoke(out, tier, live.key)
@@ -277,6 +333,8 @@ class WorkerTranslator:
             live = self._live[engine_key]
             for slot in [slot for slot in live.copies if slot[0] in tiers]:
                 del live.copies[slot]
+            for tier in tiers:
+                live.masks.pop(tier, None)
             if not live.copies:
                 del self._live[engine_key]
 
@@ -289,7 +347,7 @@ class WorkerTranslator:
             actions=actions,
             worker_address=self.options.worker_address,
             seq=seq,
-            cache_spec=self.options.cache_spec,
+            cache_spec=self.cache_spec,
         )
 
     def _batches(self, runs: list[_Run], seq: int) -> list[Batch]:
@@ -387,16 +445,29 @@ class _Run:
     hashes: list[BlockKey] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)
     parent: BlockKey | None = None
+    component_masks: list[int] = field(default_factory=list)
 
     def action(self) -> Action:
         return Action(
-            self.type, self.tier, tuple(self.hashes), (), tuple(self.block_sizes), self.parent
+            self.type,
+            self.tier,
+            tuple(self.hashes),
+            tuple(self.component_masks),
+            tuple(self.block_sizes),
+            self.parent,
         )
 
 
 def _append_report(
-    out: list[_Run], tier: Tier, key: BlockKey, parent: BlockKey | None, block_size: int
+    out: list[_Run],
+    tier: Tier,
+    key: BlockKey,
+    parent: BlockKey | None,
+    block_size: int,
+    *,
+    mask: int | None = None,
 ) -> None:
+    """Append a REPORT of `key`; `mask` None = a legacy whole block (no masks on the wire)."""
     last = out[-1] if out else None
     if (
         last is not None
@@ -404,6 +475,7 @@ def _append_report(
         and last.tier is tier
         and last.hashes[-1] == parent
         and bool(last.block_sizes) == (block_size > 0)
+        and bool(last.component_masks) == (mask is not None)
     ):
         last.hashes.append(key)
     else:
@@ -411,6 +483,8 @@ def _append_report(
         out.append(last)
     if block_size > 0:
         last.block_sizes.append(block_size)
+    if mask is not None:
+        last.component_masks.append(mask)
 
 
 def _append_revoke(out: list[_Run], tier: Tier, key: BlockKey) -> None:

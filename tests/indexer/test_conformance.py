@@ -394,6 +394,29 @@ async def test_prefix_by_tier_token_view(backend: IndexBackend) -> None:
     assert await backend.match_prefix_by_tier([9, 1], 0) == []
 
 
+async def test_prefix_by_tier_token_view_follows_a_workers_component_rule(
+    backend: IndexBackend,
+) -> None:
+    """A hybrid worker whose sliding-window copy of block 3 was evicted holds blocks 1-4 in
+    full, but reuses only what the component rule gives: 2 blocks (the window of 32 tokens
+    is refilled only at block 5, which it lacks). The token view says no more, on every
+    tier; a legacy worker beside it is unaffected."""
+    spec = CacheSpec(
+        1, FULL | SWA, swa_window_tokens=32, full_tier_mask=HBM_MASK | DRAM_MASK,
+        swa_tier_mask=HBM_MASK | DRAM_MASK,
+    )  # fmt: skip
+    masks = [FULL | SWA, FULL | SWA, FULL, FULL | SWA]
+    await apply(backend, "hybrid", report(HBM, [1, 2, 3, 4], masks, [16] * 4), spec=spec)
+    await apply(backend, "plain", report(HBM, [1, 2, 3, 4], sizes=[16] * 4))
+    view = await backend.match_prefix_by_tier([1, 2, 3, 4], 0)
+    assert [(m.worker_id, m.matched_blocks, m.matched_tokens) for m in view] == [
+        ("plain", 4, 64),
+        ("hybrid", 2, 32),
+    ]
+    assert [(t.tier, t.matched_blocks) for t in view[1].tiers] == [(HBM, 2)]
+    assert await prefix_of(backend, "hybrid", [1, 2, 3, 4]) == 2
+
+
 async def test_snapshot_round_trip(backend: IndexBackend) -> None:
     spec = CacheSpec(components=FULL | SWA, swa_window_tokens=32, full_tier_mask=6, swa_tier_mask=2)
     await apply(backend, "w", report(HBM, [1, 2, 3], [3, 3, 1], [16, 16, 16]), spec=spec)

@@ -183,8 +183,10 @@ class Model:
                     n += 1
                 return n
 
-            servable = run(lambda h: Tier.HBM in h or Tier.DRAM in h)
-            per_tier = [(t, n) for t in TIERS if (n := run(lambda h, t=t: t in h))]
+            # A worker with a spec: no more than its component-rule prefix.
+            most = len(hashes) if self.info[wid][1] is None else self.prefix(wid, hashes)
+            servable = min(run(lambda h: Tier.HBM in h or Tier.DRAM in h), most)
+            per_tier = [(t, n) for t in TIERS if (n := min(run(lambda h, t=t: t in h), most))]
             tokens = sum(self.sizes.get(k, 0) for k in hashes[:servable])
             out.append((wid, servable, tokens, per_tier))
         return sorted(out, key=lambda m: (-m[1], m[0]))

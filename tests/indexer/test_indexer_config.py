@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from indexer.batch import CacheSpec, Component
 from indexer.config import IndexerConfig
+from indexer.engine_events import BlockStored
+from indexer.index import PrefixIndex
+from indexer.memory_backend import MemoryBackend
+from indexer.service import build_source
 from kvplane.config import load_config, validate_config
 from kvplane.errors import ConfigError
 
@@ -199,3 +204,19 @@ def test_a_source_clears_at_least_one_tier_on_all_blocks_cleared() -> None:
 
 def test_the_longest_printable_worker_id_loads() -> None:
     IndexerConfig.model_validate(_zmq(worker_id="w" * 256, worker_address="héte:1"))
+
+
+def test_a_hybrid_models_kv_cache_groups_configure_its_sources_spec() -> None:
+    """Configured groups reach the source's translator: its first batch carries the spec and
+    component masks; a window on a kind without one, or an empty kind, is an error."""
+    groups = [{"kind": "full_attention"}, {"kind": "sliding_window", "sliding_window": 4096}]
+    config = IndexerConfig.model_validate(_zmq(kv_cache_groups=groups))
+    source = build_source(config.sources[0], MemoryBackend(PrefixIndex()), 16)
+    (batch,) = source.translator.translate([BlockStored((7,), medium="GPU")])
+    assert batch.cache_spec == CacheSpec(1, 3, 4095, 0b110, 0b110, 0)
+    assert batch.actions[0].component_masks == (Component.FULL,)
+    window_on_full = [{"kind": "full_attention", "sliding_window": 8}]
+    assert "sliding_window is for sliding-window kinds, not 'full_attention'" in _error(
+        _zmq(kv_cache_groups=window_on_full)
+    )
+    assert "kv_cache_groups.0.kind" in _error(_openengine(kv_cache_groups=[{"kind": ""}]))

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 from vllm_capture import BLOCK_SIZE, NUM_GPU_BLOCKS, LiveModel, live_messages, signed
 
-from indexer.batch import Action, ActionType, Batch, Tier
+from indexer.batch import Action, ActionType, Batch, CacheSpec, Component, Tier
+from indexer.cache_groups import CacheGroup
 from indexer.engine_events import AllBlocksCleared, BlockRemoved, BlockStored
 from indexer.index import PrefixIndex, validate_batch
 from indexer.keys import block_keys
@@ -24,6 +25,7 @@ from indexer.translate import (
 from indexer.zmq_decode import decode_payload
 
 REPORT, REVOKE, CLEAR = ActionType.REPORT, ActionType.REVOKE, ActionType.CLEAR_ALL_AT_TIER
+FULL, SWA, MAMBA = Component.FULL, Component.SWA, Component.MAMBA
 
 
 def _translator(**kwargs: object) -> WorkerTranslator:
@@ -112,23 +114,98 @@ def test_full_mode_reannouncement_is_not_a_new_copy() -> None:
     assert _actions(revoke) == [Action(REVOKE, Tier.HBM, (10, 11))]
 
 
-def test_a_hybrid_models_groups_keep_a_block_indexed_while_any_of_them_holds_it() -> None:
+def test_a_hybrid_models_groups_report_component_masks_and_a_cache_spec() -> None:
     """A hybrid model (full attention + sliding window) stores each block in both KV cache
-    groups and evicts it from each on its own. The sliding-window group evicting a prompt's
-    root block must not unindex it while the full-attention group holds it (its second store,
-    with a nil parent, is no full-mode re-announcement: another group's copy)."""
+    groups and evicts it from each on its own. Each placement carries the components of the
+    groups holding it: the sliding-window group evicting a block leaves it FULL only (not
+    unindexed: its second store, with a nil parent, is another group's copy, not a full-mode
+    re-announcement), and the batches carry the worker's spec (vLLM's window of 4 tokens: a
+    hit needs the 3 tokens before the boundary)."""
     translator = _translator()
     stored = translator.translate(
         [
             BlockStored((10, 11), medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention"),
-            BlockStored((10, 11), medium="GPU", group_idx=1, kv_cache_spec_kind="sliding_window"),
+            BlockStored(
+                (10, 11),
+                medium="GPU",
+                group_idx=1,
+                kv_cache_spec_kind="sliding_window",
+                kv_cache_spec_sliding_window=4,
+            ),
         ]
     )
-    assert _actions(stored) == [Action(REPORT, Tier.HBM, (10, 11), (), (), None)]
-    assert translator.translate([BlockRemoved((10, 11), medium="GPU", group_idx=1)]) == []
-    assert translator.live_keys() == {10: 1, 11: 1}
-    revoke = translator.translate([BlockRemoved((10, 11), medium="GPU", group_idx=0)])
-    assert _actions(revoke) == [Action(REVOKE, Tier.HBM, (10, 11))]
+    assert _actions(stored) == [
+        Action(REPORT, Tier.HBM, (10, 11), (), (), None),  # legacy until a second kind shows
+        Action(REPORT, Tier.HBM, (10, 11), (FULL, FULL), (), None),  # restated under the spec
+        Action(REPORT, Tier.HBM, (10, 11), (FULL | SWA, FULL | SWA), (), None),
+    ]
+    spec = CacheSpec(1, FULL | SWA, 3, 0b110, 0b110, 0)
+    assert {b.cache_spec for b in stored} == {spec}
+    evicted = translator.translate([BlockRemoved((10,), medium="GPU", group_idx=1)])
+    assert _actions(evicted) == [Action(REPORT, Tier.HBM, (10,), (FULL,), (), None)]
+    assert evicted[0].cache_spec == spec
+    assert translator.live_keys() == {10: 1, 11: 2}
+    revoke = translator.translate(
+        [
+            BlockRemoved((10, 11), medium="GPU", group_idx=0),
+            BlockRemoved((11,), medium="GPU", group_idx=1),
+        ]
+    )
+    assert _actions(revoke) == [
+        Action(REVOKE, Tier.HBM, (10,)),
+        Action(REPORT, Tier.HBM, (11,), (SWA,), (), 10),  # no full-attention copy...
+        Action(REVOKE, Tier.HBM, (11,)),  # ...and then no copy at all
+    ]
+
+
+def test_group_kinds_map_to_components_and_unknown_kinds_fail_closed() -> None:
+    """Every group of a component must hold a block for the component to be resident (vLLM
+    looks a hit up in all groups of one kind together); Mamba and linear attention are MAMBA;
+    a kind this code does not know (or none, on a hybrid stream) is needed on every block,
+    like full attention; a worker without full attention has FULL wherever a block is."""
+    cases = [
+        ((("full_attention", None), ("mamba", None)), {0}, FULL),
+        ((("full_attention", None), ("mamba", None)), {1}, MAMBA),
+        ((("mla_attention", None), ("sliding_window_mla", 8)), {0, 1}, FULL | SWA),
+        ((("sliding_window", 8), ("sliding_window", 8)), {0}, FULL),
+        ((("sliding_window", 8), ("sliding_window", 8)), {0, 1}, FULL | SWA),
+        ((("full_attention", None), ("chunked_local_attention", None)), {0}, 0),
+        ((("full_attention", None), ("chunked_local_attention", None)), {0, 1}, FULL),
+        ((("full_attention", None), ("sliding_window", 8), (None, None)), {0, 1}, SWA),
+    ]
+    for kinds, holders, mask in cases:
+        translator = _translator()
+        index = PrefixIndex()
+        for group, (kind, window) in enumerate(kinds):
+            stored = BlockStored(
+                (1,) if group in holders else (2,),
+                medium="GPU",
+                group_idx=group,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+            )
+            for batch in translator.translate([stored]):
+                index.apply(batch)
+        masks = {p.key: p.component_mask for p in index.placements("w0")}
+        assert masks[1] == mask, (kinds, holders)
+
+
+def test_a_plain_stream_stays_legacy_and_configured_groups_make_it_hybrid_at_once() -> None:
+    """No kinds, or one full-attention group (the real capture's): legacy placements, no spec.
+    Groups configured on the source give the spec from the first batch."""
+    for kind in (None, "full_attention"):
+        translator = _translator()
+        (batch,) = translator.translate(
+            [BlockStored((1, 2), medium="GPU", block_size=4, kv_cache_spec_kind=kind)]
+        )
+        assert batch.cache_spec is None
+        assert batch.actions == (Action(REPORT, Tier.HBM, (1, 2), (), (4, 4), None),)
+    configured = _translator(
+        kv_cache_groups=(CacheGroup("full_attention"), CacheGroup("sliding_window", 1024))
+    )
+    (batch,) = configured.translate([BlockStored((1, 2), medium="GPU", block_size=4)])
+    assert batch.cache_spec == CacheSpec(1, FULL | SWA, 1023, 0b110, 0b110, 0)
+    assert batch.actions == (Action(REPORT, Tier.HBM, (1, 2), (FULL, FULL), (4, 4), None),)
 
 
 def test_a_removal_of_an_unknown_hash_is_passed_on_in_engine_mode() -> None:
@@ -402,3 +479,124 @@ def test_copies_and_clears_match_a_naive_model(messages: list[list[object]]) -> 
         # A block is indexed at a tier while any group holds a copy of it there.
         expected = {(tier, key) for (tier, _group, key), n in copies.items() if n > 0}
         assert {(p.tier, p.key) for p in index.placements("w0")} == expected
+
+
+_KINDS = {0: "full_attention", 1: "sliding_window"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(_event, max_size=4), max_size=12), st.booleans())
+def test_hybrid_component_masks_match_a_naive_model(
+    messages: list[list[object]], configured: bool
+) -> None:
+    """Group 0 full attention, group 1 a sliding window (named by the events, or configured):
+    a block is indexed at a tier while any group holds it there, FULL while group 0 does (or
+    any group, until group 0 is known: then the worker looks like a sliding-window-only
+    model), SWA while group 1 does; legacy (mask 0, no spec) until the stream shows a sliding
+    window."""
+    groups = (CacheGroup("full_attention"), CacheGroup("sliding_window", 64))
+    translator = _translator(kv_cache_groups=groups if configured else ())
+    index = PrefixIndex()
+    copies: dict[tuple[Tier, int, int], int] = {}  # (tier, group, hash) -> copies
+    hybrid = full_known = configured
+    for seq, events in enumerate(messages):
+        named = [
+            BlockStored(
+                e.block_hashes,
+                e.parent_block_hash,
+                medium=e.medium,
+                group_idx=e.group_idx,
+                kv_cache_spec_kind=_KINDS[e.group_idx],
+                kv_cache_spec_sliding_window=64 if e.group_idx else None,
+            )
+            if isinstance(e, BlockStored)
+            else e
+            for e in events
+        ]
+        for batch in translator.translate(named, seq=seq):  # type: ignore[arg-type]
+            validate_batch(batch)
+            index.apply(batch)
+        for event in named:
+            if isinstance(event, BlockStored):
+                hybrid = hybrid or event.group_idx == 1
+                full_known = full_known or event.group_idx == 0
+                tier = _MEDIA[event.medium or ""]
+                for h in event.block_hashes:
+                    live = copies.get((tier, event.group_idx, h), 0)
+                    if not (event.parent_block_hash is None and live):
+                        copies[(tier, event.group_idx, h)] = live + 1
+            elif isinstance(event, BlockRemoved):
+                tier = _MEDIA[event.medium or ""]
+                for h in event.block_hashes:
+                    if copies.get((tier, event.group_idx, h), 0) > 0:
+                        copies[(tier, event.group_idx, h)] -= 1
+            else:
+                copies.clear()
+        expected: dict[tuple[Tier, int], int] = {}
+        for (tier, group, key), n in copies.items():
+            if n > 0:
+                bit = (FULL if group == 0 or not full_known else 0) | (SWA if group else 0)
+                expected[(tier, key)] = expected.get((tier, key), 0) | (bit if hybrid else 0)
+        assert {(p.tier, p.key): p.component_mask for p in index.placements("w0")} == expected
+        info = index.worker_info("w0")
+        if info is not None:
+            assert info[1] == (CacheSpec(1, FULL | SWA, 63, 0b110, 0b110, 0) if hybrid else None)
+
+
+def _hybrid_payload(form: str) -> bytes:
+    """vLLM's events for a Gemma-like model: blocks 1-3 stored in a full-attention group and
+    a sliding-window group (window 33 tokens), then block 2 evicted from the window's group;
+    in vLLM's map form or its positional array form."""
+    fields = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
+    tail = ("medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
+    events: list[object] = []
+    for group, kind, window in ((0, "full_attention", None), (1, "sliding_window", 33)):
+        values = ([1, 2, 3], None, list(range(48)), 16, None, "GPU", None, None, group, kind)
+        stored = dict(zip(fields + tail, values, strict=True))
+        stored["kv_cache_spec_sliding_window"] = window
+        if form == "map":
+            events.append({"type": "BlockStored", **stored})
+        else:
+            events.append(["BlockStored", *stored.values()])
+    removed = {"block_hashes": [2], "medium": "GPU", "group_idx": 1}
+    events.append(
+        {"type": "BlockRemoved", **removed}
+        if form == "map"
+        else ["BlockRemoved", *removed.values()]
+    )
+    return msgpack.packb([1.0, events, None])
+
+
+def test_hybrid_streams_in_map_and_array_form_give_the_seeds_prefix() -> None:
+    """Through the decoder (the array form's group fields sit past index 7: `array_tail:
+    vllm`) into an index: the sliding-window eviction of block 2 leaves its full-attention
+    copy, and the seed's rule then reuses only block 1 (the 32-token window before block 3
+    is broken), where a plain model's stream would have matched all three."""
+    for form in ("map", "array"):
+        events = decode_payload(_hybrid_payload(form), array_tail="vllm").events
+        index = PrefixIndex()
+        for batch in _translator().translate(events):
+            validate_batch(batch)
+            index.apply(batch)
+        masks = {p.key: p.component_mask for p in index.placements("w0")}
+        assert masks == {1: FULL | SWA, 2: FULL, 3: FULL | SWA}, form
+        assert [
+            (m.worker_id, m.matched_prefix_blocks) for m in index.match_prefix([1, 2, 3], 0).matches
+        ] == [("w0", 1)], form
+
+
+def test_events_naming_a_group_override_its_configured_kind_until_a_reset() -> None:
+    translator = _translator(
+        kv_cache_groups=(CacheGroup("full_attention"), CacheGroup("sliding_window", 1024))
+    )
+    stored = BlockStored(
+        (1,),
+        medium="GPU",
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=64,
+    )
+    (batch,) = translator.translate([stored])
+    assert batch.cache_spec == CacheSpec(1, FULL | SWA, 63, 0b110, 0b110, 0)
+    assert batch.actions == (Action(REPORT, Tier.HBM, (1,), (SWA,), (), None),)
+    assert translator.reset().cache_spec == CacheSpec(1, FULL | SWA, 1023, 0b110, 0b110, 0)

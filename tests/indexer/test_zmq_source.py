@@ -399,3 +399,73 @@ async def test_poison_events_are_skipped_and_the_source_and_index_keep_working(
         finally:
             await publisher.close()
             await server.stop(None)
+
+
+def _group_event(kind: str, group: int, *hashes: int, window: int | None = None) -> object:
+    """A vLLM BlockStored of one KV cache group (map form), 16 tokens per block."""
+    return {
+        **_stored(*hashes),
+        "token_ids": list(range(16 * len(hashes))),
+        "block_size": 16,
+        "group_idx": group,
+        "kv_cache_spec_kind": kind,
+        "kv_cache_spec_sliding_window": window,
+    }
+
+
+def _evicted(group: int, *hashes: int) -> object:
+    return {
+        "type": "BlockRemoved",
+        "block_hashes": list(hashes),
+        "medium": "GPU",
+        "group_idx": group,
+    }
+
+
+@pytest.mark.parametrize("backend_name", ["memory", "redis"])
+async def test_a_hybrid_models_sliding_window_evictions_shorten_its_prefix_matches(
+    context: zmq.asyncio.Context, backend_name: str, request: pytest.FixtureRequest
+) -> None:
+    """A Gemma-like engine (full attention + a 33-token sliding window, so a hit needs the 32
+    tokens before its boundary) stores blocks 1-4 in both groups, then its sliding-window
+    group evicts block 3, then block 2: MatchExternalKvPrefix drops from 4 to 2 to 1 blocks,
+    though the full-attention group still holds all four."""
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    async with FACTORIES[backend_name](request) as backend:
+        services, _, _ = index_services(
+            backend, default_block_size=16, max_concurrent_prefix_queries=4
+        )
+        server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+        source = _source(publisher.endpoint, context, backend, replay=publisher.replay_endpoint)
+        try:
+            async with running(source.run()), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = kv_grpc.KVIndexerStub(ch)
+
+                async def prefix_after(seq: int, *events: object) -> list[tuple[str, str, int]]:
+                    await publisher.publish(_message(seq, *events))
+                    await source.wait_until(lambda: source.last_seq == seq, WAIT_S)
+                    reply = await stub.MatchExternalKvPrefix(
+                        kv.MatchExternalKvPrefixRequest(hashes=[1, 2, 3, 4])
+                    )
+                    return [
+                        (m.worker_id, m.worker_address, m.matched_prefix_blocks)
+                        for m in reply.matches
+                    ]
+
+                await publisher.wait_subscribed()
+                stored = await prefix_after(
+                    0,
+                    _group_event("full_attention", 0, 1, 2, 3, 4),
+                    _group_event("sliding_window", 1, 1, 2, 3, 4, window=33),
+                )
+                assert stored == [("w0", "10.0.0.1:8000", 4)]
+                assert await prefix_after(1, _evicted(1, 3)) == [("w0", "10.0.0.1:8000", 2)]
+                assert await prefix_after(2, _evicted(1, 2)) == [("w0", "10.0.0.1:8000", 1)]
+                reply = await stub.MatchExternalKv(kv.MatchExternalKvRequest(hashes=[1, 2, 3, 4]))
+                (hbm,) = reply.matches[0].hashes_by_tier
+                assert list(hbm.hashes) == [1, 2, 3, 4]  # still held, in full attention
+                assert list(hbm.component_masks) == [3, 1, 1, 3]
+        finally:
+            await publisher.close()
+            await server.stop(None)
