@@ -155,9 +155,10 @@ class AdminServicer(apb_grpc.AdminServicer):
                 f"engine {record.address} did not answer the Drain within {timeout_s:g} s",
             )
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-            # (Cancelled with this call not cancelled: RemoveEngine closed the engine's
-            # channel; the drain goes on at the engine, out of the controller's sight.)
-            failure = engine_failure(caught, record.address)
+            # (Cancelled with this call not cancelled: the fleet closed the engine's channel,
+            # it left or was unreachable too long; the drain goes on at the engine, out of
+            # the controller's sight.)
+            failure = engine_failure(caught, record.address, fleet)
             if not started:  # the engine did not take it: its next health answer decides
                 fleet.registry.withdraw_drain(record.address)
             await abort_with(context, failure.code(), failure.details() or failure.code().name)

@@ -13,6 +13,11 @@ restarted engine's old blocks never attract traffic; removal drops them too. Eve
 is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as candidates
 only the engines holding it (registry.check_lora says why there is none).
 
+Calls to an engine end with its channel: a removed engine's channel is closed, and so is
+the channel of one unreachable for `health.abandon_streams_after_s` (then dialled afresh),
+whose calls would otherwise wait for it or for their clients' deadlines; `why_calls_ended`
+tells the gateway which (`controller.relay.engine_failure`).
+
 An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
 request or an engine: prompts are routed by load (a warning at most every
 `BLIND_WARNING_INTERVAL_S`), and a restarted engine's events are followed all the same (its
@@ -162,8 +167,13 @@ class _Engine:
 
     def __init__(self, address: str, channels: ClientChannels = INSECURE) -> None:
         self.address = address
+        self._channels = channels
         self.channel = channels.aio_channel(address)
         self.stub = pb_grpc.OpenEngineStub(self.channel)
+        # Why the calls on an earlier channel of this engine were ended (`abandon_calls`),
+        # and the start of the outage that did it (one abandonment per outage).
+        self.calls_ended_because: str | None = None
+        self.abandoned_outage_s: float | None = None
         self.poll_task: asyncio.Task[None] | None = None
         self.events_task: asyncio.Task[None] | None = None
         self.source: OpenEngineSource | ZmqSource | None = None
@@ -171,6 +181,16 @@ class _Engine:
         # that a failure on the way (the engine gone again, GetKvEventSources failing) is
         # retried at the next identity fetch, which sees the same instance id again.
         self.events_pending = False
+
+    async def abandon_calls(self, because: str) -> None:
+        """End every call on the engine's channel (each fails as cancelled, see
+        `controller.relay.engine_failure`) and dial it afresh for the calls to come. Closing
+        the channel is what ends a removed engine's calls too: one mechanism for both."""
+        old = self.channel
+        self.calls_ended_because = because
+        self.channel = self._channels.aio_channel(self.address)
+        self.stub = pb_grpc.OpenEngineStub(self.channel)
+        await old.close()
 
     async def close(self) -> None:
         for task in (self.poll_task, self.events_task):
@@ -310,9 +330,18 @@ class Fleet:
     def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
         return self._engines[address].stub
 
+    def why_calls_ended(self, address: str) -> str:
+        """Why the fleet ended the calls to the engine at `address` by closing its channel:
+        it left the fleet, or it was unreachable too long (`health.abandon_streams_after_s`)."""
+        engine = self._engines.get(address)
+        if engine is None or engine.calls_ended_because is None:
+            return "left"
+        return engine.calls_ended_because
+
     def channel(self, address: str) -> grpc.aio.Channel:
         """The engine's channel, for its other services (`vllm.Generate`); closed when the
-        engine leaves the fleet, which ends the calls on it. KeyError once it left."""
+        engine leaves the fleet or is abandoned as unreachable, which ends the calls on it.
+        KeyError once it left."""
         return self._engines[address].channel
 
     def source_of(self, address: str) -> OpenEngineSource | ZmqSource | None:
@@ -484,6 +513,8 @@ class Fleet:
                 need_identity = True
                 next_health = 0.0
                 await self._notify()
+                await self._wait_unreachable(engine, delay)
+                continue
             except Exception as exc:  # a bug or a malformed answer: keep polling, loudly
                 log.exception("engine %s: poll failed", address)
                 delay = self.registry.on_unreachable(
@@ -491,6 +522,28 @@ class Fleet:
                 )
                 need_identity = True
             await asyncio.sleep(delay)
+
+    async def _wait_unreachable(self, engine: _Engine, delay_s: float) -> None:
+        """Wait `delay_s` for the next poll of an unreachable engine, abandoning the calls it
+        holds on the way once it has been unreachable for `health.abandon_streams_after_s`
+        (once per outage). Nothing else reports on this engine meanwhile: it stays
+        unreachable until this task polls it again."""
+        limit_s = self.config.health.abandon_streams_after_s
+        since_s = self.registry.unreachable_since(engine.address)
+        if not limit_s or since_s is None or engine.abandoned_outage_s == since_s:
+            await asyncio.sleep(delay_s)
+            return
+        due_in_s = max(0.0, since_s + limit_s - self._clock())
+        if due_in_s > delay_s:  # the next poll comes first and may find it back
+            await asyncio.sleep(delay_s)
+            return
+        await asyncio.sleep(due_in_s)
+        unreachable_s = self._clock() - since_s
+        log.warning("engine %s unreachable for %.1f s: ending the calls it holds",
+                    engine.address, unreachable_s)  # fmt: skip
+        engine.abandoned_outage_s = since_s
+        await engine.abandon_calls(f"unreachable for {unreachable_s:.1f} s")
+        await asyncio.sleep(delay_s - due_in_s)
 
     async def _fetch_identity(self, engine: _Engine, restarted: bool = False) -> None:
         timeout = self.config.health.rpc_timeout_s

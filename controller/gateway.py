@@ -245,7 +245,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         try:
             return await call(self.controller.fleet.stub(record.address))
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-            failure = engine_failure(caught, record.address)  # (cancelled: the engine left)
+            failure = engine_failure(caught, record.address, self.controller.fleet)
             await abort_with(context, failure.code(), failure.details() or failure.code().name)
         finally:
             if request_id:
@@ -313,7 +313,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             try:
                 return await call(self.controller.fleet.stub(record.address))
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-                return engine_failure(caught, record.address)  # (cancelled: the engine left)
+                return engine_failure(caught, record.address, self.controller.fleet)
 
         results = await asyncio.gather(*(one(r) for r in records))
         return list(zip(records, results, strict=True))
@@ -348,7 +348,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     request, timeout=timeout_s
                 )
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-                failure = engine_failure(caught, address)  # (cancelled: the engine left)
+                failure = engine_failure(caught, address, self.controller.fleet)
                 if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     await abort_with(
                         context,
@@ -557,7 +557,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         try:
             await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=DRAIN_ABORT_GRACE_S)
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-            exc = engine_failure(caught, engine)  # (cancelled: the engine left)
+            exc = engine_failure(caught, engine, self.controller.fleet)
             log.warning("drain: aborting request %s on %s failed: %s: %s",
                         request_id, engine, exc.code().name, exc.details())  # fmt: skip
 
@@ -670,7 +670,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     request, timeout=self.controller.config.health.rpc_timeout_s
                 )
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-                failure = engine_failure(caught, r.address)  # (cancelled: the engine left)
+                failure = engine_failure(caught, r.address, self.controller.fleet)
                 if failure.code() in RETRYABLE:  # this engine cannot answer now; the next may
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)

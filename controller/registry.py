@@ -160,6 +160,8 @@ class EngineRecord:
     num_failures: int = 0
     # Unreachable since a poll that could not connect (not one that only timed out).
     connection_lost: bool = False
+    # When the polls that found it unreachable began (meaningful while UNREACHABLE).
+    unreachable_since_s: float | None = None
     next_attempt_s: float = 0.0
     last_seen_s: float | None = None
     # Bumped whenever the engine turns out to be a new process (new instance id).
@@ -488,6 +490,7 @@ class Registry:
         if record.state is not EngineState.INCOMPATIBLE:
             if record.state is not EngineState.UNREACHABLE:
                 record.connection_lost = False
+                record.unreachable_since_s = now_s
             record.state = EngineState.UNREACHABLE
         record.connection_lost = record.connection_lost or connection_lost
         record.last_error = error
@@ -496,3 +499,10 @@ class Registry:
         record.num_failures += 1
         record.next_attempt_s = now_s + delay
         return delay
+
+    def unreachable_since(self, address: str) -> float | None:
+        """When the engine's current outage began; None while it answers (or is unknown)."""
+        record = self._by_address.get(address)
+        if record is None or record.state is not EngineState.UNREACHABLE:
+            return None
+        return record.unreachable_since_s

@@ -20,8 +20,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   accounting, the end of the attempt all of it;
 - retry once on another engine when the engine failed before anything was relayed (a status
   in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
-  the fleet mid-request fails as UNAVAILABLE); if no other engine can take it, the client
-  gets the engine's own failure;
+  the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
+  UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure;
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 
 import grpc
 
+from controller.fleet import Fleet
 from controller.metrics import RequestOutcome
 from controller.registry import (
     GenerationUnsupportedError,
@@ -549,7 +550,7 @@ class Relay:
                          request_id, engine, exc)  # fmt: skip
                 retry = exc
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-                cause = engine_failure(caught, engine)
+                cause = engine_failure(caught, engine, c.fleet)
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = _status(
                         grpc.StatusCode.UNAVAILABLE,
@@ -605,21 +606,24 @@ class Relay:
 
 
 def engine_failure(
-    caught: grpc.aio.AioRpcError | asyncio.CancelledError, engine: str
+    caught: grpc.aio.AioRpcError | asyncio.CancelledError, engine: str, fleet: Fleet
 ) -> grpc.aio.AioRpcError:
     """How an engine call failed. A call cancelled while this request is not (its handler's
     task has no cancellation pending) was cancelled by the fleet closing the engine's
-    channel: the engine left (RemoveEngine), so it fails as an unreachable engine does
-    (retried elsewhere before output, one terminal EngineError after). Handled here rather
-    than by closing a removed engine's channel late: the fleet would have to know the
-    relay's requests, and a grace period would only delay the hang of the longest streams.
-    The request's own cancellation (the client left, the server stops) goes on."""
+    channel: the engine left (RemoveEngine), or it was unreachable longer than
+    `health.abandon_streams_after_s` (a stopped process, a vanished host: its calls would
+    otherwise wait for the clients' deadlines). Either way it fails as an unreachable
+    engine does, saying why (UNAVAILABLE: retried elsewhere before output, one terminal
+    EngineError after). Handled here rather than by closing a removed engine's channel
+    late: the fleet would have to know the relay's requests, and a grace period would only
+    delay the hang of the longest streams. The request's own cancellation (the client left,
+    the server stops) goes on."""
     if isinstance(caught, grpc.aio.AioRpcError):
         return caught
     task = asyncio.current_task()
     if task is None or task.cancelling():
         raise caught
-    return _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left")
+    return _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} {fleet.why_calls_ended(engine)}")
 
 
 def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:

@@ -163,6 +163,22 @@ def test_unreachable_engines_back_off_exponentially() -> None:
     assert registry.on_unreachable("h:1", 12.0, "x") == 0.5
 
 
+def test_an_outage_runs_from_the_first_unanswered_poll_until_an_answer() -> None:
+    """What `health.abandon_streams_after_s` is measured against."""
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_health("h:1", EngineState.READY, 1.0)
+    assert registry.unreachable_since("h:1") is None
+    for now_s in (2.0, 4.0, 8.0):
+        registry.on_unreachable("h:1", now_s, "DEADLINE_EXCEEDED", connection_lost=False)
+    assert registry.unreachable_since("h:1") == 2.0
+    registry.on_health("h:1", EngineState.READY, 9.0)
+    assert registry.unreachable_since("h:1") is None
+    registry.on_unreachable("h:1", 10.0, "DEADLINE_EXCEEDED", connection_lost=False)
+    assert registry.unreachable_since("h:1") == 10.0  # a new outage
+
+
 def test_an_unreachable_engine_reports_no_load() -> None:
     registry = Registry()
     registry.add("h:1")

@@ -1,0 +1,239 @@
+"""Streams held by an engine that stops answering without closing its connections (a
+SIGSTOPped process here, as a wedged process or a host gone without a TCP reset): once the
+health poller has found it unreachable for `health.abandon_streams_after_s`, the gateway ends
+them as it ends a removed engine's (a stream without output is answered by another engine,
+one with output ends with the error for a lost engine, naming it and why); an engine back
+before that keeps its streams. The stopped engine is a real `kvplane engine serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+
+from controller.registry import EngineState
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_gateway import PREFIX, eventually
+from tests.controller.test_processes import _wait_port
+
+pytestmark = pytest.mark.timeout(120)
+
+T = TypeVar("T")
+
+
+class EngineProcess:
+    """`kvplane engine serve --model sim` in its own process (real-time sim timing), which a
+    test can stop (SIGSTOP: its sockets stay open, nothing answers) and resume."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int) -> None:
+        self.proc = proc
+        self.port = port
+
+    @classmethod
+    async def start(cls, tmp_path: Path, instance_id: str) -> EngineProcess:
+        port_file = tmp_path / f"{instance_id}.port"
+        proc = await asyncio.to_thread(
+            subprocess.Popen,
+            [sys.executable, "-m", "kvplane", "engine", "serve", "--model", "sim",
+             "--listen", "127.0.0.1:0", "--instance-id", instance_id,
+             "--port-file", str(port_file)],
+            stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{instance_id}.log").open("wb"),
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        try:
+            port = await asyncio.to_thread(_wait_port, port_file, proc)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return cls(proc, port)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    async def close(self) -> None:
+        self.resume()
+        self.proc.terminate()
+        try:
+            await asyncio.to_thread(self.proc.wait, 20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+async def stalling(tmp_path: Path) -> AsyncIterator[EngineProcess]:
+    engine = await EngineProcess.start(tmp_path, "stalling")
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+async def fleet_with(stalling: EngineProcess, abandon_after_s: float, **controller: Any) -> Fleet:
+    """A controller in front of the process and an in-process sim engine ("healthy")."""
+    healthy = await start_sim_engine("healthy", time_scale=1.0)
+    return await make_fleet(
+        engines=[stalling, healthy],  # type: ignore[list-item]
+        health={"abandon_streams_after_s": abandon_after_s},
+        **controller,
+    )
+
+
+async def only_on(fleet: Fleet, stalling: EngineProcess) -> str:
+    """Route every new request to the process (the healthy engine cordoned); its address."""
+    await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
+    return f"127.0.0.1:{stalling.port}"
+
+
+async def nothing_in_flight(fleet: Fleet) -> None:
+    """What the controller counts in flight is back to zero (`kvplane admin workers`)."""
+    workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+    assert [w.inflight_requests for w in workers.workers] == [0, 0], workers
+    relay = fleet.app.gateway.relay
+    assert not relay.holding and not relay.running
+
+
+async def engine_runs_nothing(address: str) -> None:
+    """The engine process itself freed every request (the gateway's calls to it ended)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.OpenEngineStub(channel)
+
+        async def idle() -> bool:
+            load = await stub.GetLoad(pb.GetLoadRequest(), timeout=5)
+            return load.running_requests == 0 and load.queued_requests == 0
+
+        await eventually(idle, timeout_s=20)
+
+
+async def test_a_stream_stopped_before_its_first_token_is_answered_by_another_engine(
+    stalling: EngineProcess,
+) -> None:
+    fleet = await fleet_with(stalling, abandon_after_s=1.0, router={"session_metadata_key": "s"})
+    try:
+        # A session started on the process: its next request goes there too while it is
+        # routable, and, once abandoned there, to the other engine.
+        stopped = await only_on(fleet, stalling)
+        warm = [r async for r in fleet.gateway.Generate(generate_request("warm", [1], s="pin"))]
+        assert warm[-1].WhichOneof("event") == "finished", warm[-1]
+        await fleet.admin.Uncordon(apb.EngineRef(engine="healthy"))
+        stalling.stop()  # before the request arrives: it cannot have answered anything
+        request = generate_request("held", [*PREFIX, 1], max_tokens=8, s="pin")
+        stream = asyncio.create_task(_collect(fleet.gateway.Generate(request)))
+
+        async def held_by_the_stopped_engine() -> bool:
+            return fleet.app.gateway.relay.holding.get("held") == stopped
+
+        await eventually(held_by_the_stopped_engine)
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            responses = await stream
+        # Answered while the process is still stopped: by the other engine, in full.
+        assert stalling.proc.poll() is None
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+        assert num_tokens(responses) == 8
+        assert not [r for r in responses if r.WhichOneof("event") == "error"]
+        await nothing_in_flight(fleet)
+        stalling.resume()
+        await engine_runs_nothing(stopped)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_streams_stopped_after_output_end_with_an_error_naming_the_engine(
+    stalling: EngineProcess,
+) -> None:
+    """OpenEngine: one in-band EngineError; vllm.Generate (no in-band error): UNAVAILABLE."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    fleet = await fleet_with(stalling, abandon_after_s=1.0)
+    try:
+        stopped = await only_on(fleet, stalling)
+        openengine = fleet.gateway.Generate(
+            generate_request("oe", [*PREFIX, 1], max_tokens=100_000)
+        )
+        vllm = vpb_grpc.GenerateStub(fleet.channel).GenerateStream(
+            vpb.GenerateRequest(
+                request_id="vllm", model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 2]),
+                stopping=vpb.StoppingCriteria(max_new_tokens=100_000, ignore_eos=True),
+            )
+        )  # fmt: skip
+        while (await openengine.read()).WhichOneof("event") != "token":
+            pass
+        while not (await vllm.read()).outputs.num_tokens:
+            pass
+        stalling.stop()
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            rest = await _collect(openengine)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(vllm)
+        error = rest[-1]
+        assert error.WhichOneof("event") == "error", error
+        assert [r.WhichOneof("event") for r in rest].count("error") == 1
+        assert f"engine {stopped} unreachable for " in error.error.message, error
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert err.value.details().startswith(f"engine {stopped} unreachable for "), err.value
+        await nothing_in_flight(fleet)
+        # Back, the engine finds both streams cancelled and frees their requests.
+        stalling.resume()
+        await engine_runs_nothing(stopped)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_back_before_the_limit_keeps_its_streams(
+    stalling: EngineProcess,
+) -> None:
+    fleet = await fleet_with(stalling, abandon_after_s=10.0)
+    try:
+        stopped = await only_on(fleet, stalling)
+        registry = fleet.app.controller.fleet.registry
+        request = generate_request("paused", [*PREFIX, 1], max_tokens=400)
+        stream = fleet.gateway.Generate(request)
+        first = await stream.read()
+        stalling.stop()
+        # Stopped until the poller has noticed (out of routing), then resumed.
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(stopped).state is EngineState.UNREACHABLE, 15
+        )
+        stalling.resume()
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            responses = [first, *await _collect(stream)]
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+        assert num_tokens(responses) == 400
+        await fleet.wait_routable(1)  # the healthy engine is still cordoned
+        await nothing_in_flight(fleet)
+    finally:
+        await close_fleet(fleet)
+
+
+async def _collect(call: grpc.aio.UnaryStreamCall[Any, T]) -> list[T]:
+    """The responses the stream has left (read() calls: a test may have read some)."""
+    responses = []
+    while (response := await call.read()) is not grpc.aio.EOF:
+        responses.append(response)
+    return responses
+
+
+def num_tokens(responses: list[pb.GenerateResponse]) -> int:
+    return sum(len(r.token.tokens) for r in responses if r.WhichOneof("event") == "token")
