@@ -2,7 +2,7 @@
 into one line on stderr.
 
 Exit codes: 0 success, 1 a known error (bad config, unreachable target, RPC error), 2 usage
-errors and commands that are not implemented yet.
+errors.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import typer
 
 from kvplane import __version__
 from kvplane.cli_common import OutputFormat, emit
-from kvplane.errors import KvplaneError, NotImplementedYetError
+from kvplane.errors import KvplaneError
 from kvplane.logs import LogFormat, LogLevel, configure_logging
 from kvplane.up.member import join_fleet
 
@@ -63,7 +63,7 @@ def up(
         ),
     ] = False,
 ) -> None:
-    """Start a whole local fleet (engines, an optional indexer, the controller) until Ctrl-C."""
+    """Start a local fleet of engines, indexers, a controller and planners until Ctrl-C."""
     import asyncio
 
     from kvplane.up.command import run_fleet
@@ -98,9 +98,6 @@ def main() -> None:
     try:
         # Outside standalone mode click returns a `typer.Exit`'s code instead of exiting.
         code = app(standalone_mode=False)
-    except NotImplementedYetError as exc:
-        typer.echo(f"kvplane: {exc}", err=True)
-        sys.exit(2)
     except KvplaneError as exc:
         typer.echo(f"kvplane: error: {exc}", err=True)
         sys.exit(1)

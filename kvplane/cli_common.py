@@ -10,14 +10,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import grpc
 import typer
 
 from kvplane.channels import INSECURE, ClientChannels, Metadata
 from kvplane.config import ClientTlsConfig, parse_dial_target, read_token_file
-from kvplane.errors import KvplaneError, NotImplementedYetError
+from kvplane.errors import KvplaneError
 from kvplane.server import bearer_token_metadata
 
 
@@ -275,7 +275,3 @@ def emit(data: Any, output: OutputFormat, render: Callable[[Any], str]) -> None:
         typer.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
     else:
         typer.echo(render(data))
-
-
-def fail_not_implemented(what: str) -> NoReturn:
-    raise NotImplementedYetError(f"{what}: not implemented yet")

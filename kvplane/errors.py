@@ -13,7 +13,3 @@ class KvplaneError(Exception):
 
 class ConfigError(KvplaneError):
     """A configuration file or option is missing or invalid."""
-
-
-class NotImplementedYetError(KvplaneError):
-    """A command or feature that a later issue builds; the CLI exits 2 for it."""

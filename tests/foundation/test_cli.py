@@ -11,10 +11,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvplane.up.config import MemberKind
 
 REPO = Path(__file__).resolve().parents[2]
 KVPLANE = [sys.executable, "-m", "kvplane"]
@@ -32,6 +35,14 @@ def test_help_lists_every_command_group() -> None:
     assert result.returncode == 0
     for group in GROUPS:
         assert re.search(rf"^\W*{group}\b", result.stdout, re.MULTILINE), group
+
+
+def test_up_help_names_every_member_kind() -> None:
+    # What a fleet file may hold, as a newcomer reads it from `kvplane up --help`.
+    result = run("up", "--help")
+    assert result.returncode == 0
+    for kind in get_args(MemberKind):
+        assert kind in result.stdout, kind
 
 
 def test_console_script_is_installed() -> None:
