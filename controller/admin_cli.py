@@ -494,8 +494,10 @@ def drain(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Drain an engine of the fleet (or with --self the target itself); progress is shown
-    until COMPLETE. A deadline that passes with requests in flight ends it with an error."""
+    """Drain an engine of the fleet, or with --self the target itself.
+
+    Progress is shown until COMPLETE. A deadline that passes with requests in flight ends it
+    with an error."""
     if (engine is None) == (not drain_self):
         raise typer.BadParameter(
             "give the ENGINE to drain or --self, not both"
@@ -606,8 +608,9 @@ def register_engine(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Add an engine to the fleet at run time (it stays until `remove`; a controller restart
-    keeps only its config's engines)."""
+    """Add an engine to the fleet at run time.
+
+    It stays until `remove`; a controller restart keeps only its config's engines."""
     try:
         parse_dial_target(address)
     except ValueError as exc:
@@ -664,8 +667,10 @@ def remove_engine(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Take an engine out of the fleet at once (requests running on it are not waited for:
-    `drain` it first) and forget what the index holds for it. The engine process goes on."""
+    """Take an engine out of the fleet at once (`drain` it first).
+
+    Requests running on it are not waited for, and what the index holds for it is
+    forgotten. The engine process goes on."""
     metadata = bearer_metadata(token_file)
     ref = apb.EngineRef(engine=engine)
     data = _dict(
@@ -771,8 +776,9 @@ def lora_load(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Load an adapter on every engine (or, through the controller, one); behind a controller,
-    each engine's outcome."""
+    """Load an adapter on every engine, or through the controller on one.
+
+    Behind a controller, each engine's outcome is shown."""
     server = _server(ctx, target)
     metadata = bearer_metadata(token_file)
     metadata += _engine_metadata("lora load --engine", server, engine)
@@ -797,8 +803,9 @@ def lora_unload(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Unload an adapter everywhere (or, through the controller, from one engine); behind a
-    controller, each engine's outcome."""
+    """Unload an adapter everywhere, or through the controller from one engine.
+
+    Behind a controller, each engine's outcome is shown."""
     server = _server(ctx, target)
     metadata = bearer_metadata(token_file)
     metadata += _engine_metadata("lora unload --engine", server, engine)
@@ -814,8 +821,9 @@ def lora_unload(
 def lora_list(
     ctx: typer.Context, target: TargetOpt = None, output: OutputOption = OutputFormat.table
 ) -> None:
-    """Adapters loaded on any engine of the fleet, and behind a controller which engines hold
-    each (ENGINES)."""
+    """Adapters loaded on any engine of the fleet.
+
+    Behind a controller, which engines hold each (ENGINES)."""
     data = _lora_call(
         _server(ctx, target),
         lambda stub: stub.ListLoras.with_call(pb.ListLorasRequest(), timeout=TIMEOUT_S),

@@ -602,8 +602,10 @@ def bench_e2e(
     ] = True,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """A real local fleet end to end: TTFT and cached tokens per router policy on a workload
-    from the conversation trace, and the gateway's added latency."""
+    """A real local fleet end to end, per router policy.
+
+    TTFT and cached tokens on a workload from the conversation trace, and the gateway's added
+    latency."""
     settings = E2eSettings(
         model=model,
         engines=engines,

@@ -124,8 +124,10 @@ def bench_gateway(
     ] = True,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """What the controller adds to a request: sim engines (no compute time), sequential
-    requests, direct and through the gateway (and a bare relay) in rotating order."""
+    """What the controller adds to a request's latency.
+
+    Sim engines (no compute time), sequential requests, direct and through the gateway (and a
+    bare relay) in rotating order."""
     doc = asyncio.run(_gateway_overhead(engines, requests, prompt_tokens, relay_floor))
     emit(doc, output, render_table)
 

@@ -224,8 +224,9 @@ def bench_handoff(
     threads: Annotated[int, typer.Option(min=1, help="torch threads per engine.")] = 1,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Disaggregated serving on the bundled engine: prefill, KV pull and first token, against
-    one aggregated engine."""
+    """Disaggregated serving on the bundled engine.
+
+    Prefill, KV pull and first token, against one aggregated engine."""
     settings = HandoffBenchSettings(
         prompt_tokens=_lengths(prompt_tokens), rounds=rounds, dtype=dtype, threads=threads
     )

@@ -148,7 +148,9 @@ def resync(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Drop every entry of ENGINE now and have the indexer's sources that follow it
+    """Drop ENGINE's entries and rebuild them from its sources.
+
+    Every entry of ENGINE is dropped now and the indexer's sources that follow it
     resubscribe from a snapshot (what a controller does when it sees the engine restart)."""
     if not engine.strip():
         raise typer.BadParameter("must name an engine", param_hint="ENGINE")
@@ -343,8 +345,9 @@ def match(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Which workers hold a prompt's prefix: by tokens (MatchTokens) or by block hashes
-    (MatchExternalKvPrefix)."""
+    """Which workers hold a prompt's prefix.
+
+    By tokens (MatchTokens) or by block hashes (MatchExternalKvPrefix)."""
     if (tokens_file is None) == (not hashes):
         raise typer.BadParameter("give exactly one of --tokens-file or --hashes")
     metadata = bearer_metadata(token_file)

@@ -15,10 +15,12 @@ planner_app = typer.Typer(no_args_is_help=True)
 
 @planner_app.command()
 def run(config: ConfigOption = None) -> None:
-    """Observe the fleet, scale pools and drain engines (docs/planner.md): engines run as local
-    `kvplane engine serve` processes, or as the pods of a Kubernetes Deployment per pool
-    (`live.kubernetes`), registered with the controller the config's `live:` section names.
-    Ctrl-C stops the planner and the local engines it started (pods keep serving)."""
+    """Scale pools and drain engines behind a controller (docs/planner.md).
+
+    Engines run as local `kvplane engine serve` processes, or as the pods of a Kubernetes
+    Deployment per pool (`live.kubernetes`), registered with the controller the config's
+    `live:` section names. Ctrl-C stops the planner and the local engines it started (pods
+    keep serving)."""
     from planner.config import PlannerConfig
     from planner.live import run_live
 

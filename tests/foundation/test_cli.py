@@ -15,8 +15,10 @@ from typing import get_args
 
 import grpc
 import pytest
+import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvplane.cli import app
 from kvplane.up.config import MemberKind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +45,29 @@ def test_up_help_names_every_member_kind() -> None:
     assert result.returncode == 0
     for kind in get_args(MemberKind):
         assert kind in result.stdout, kind
+
+
+def _commands(command: object, path: tuple[str, ...] = ()) -> list[tuple[str, object]]:
+    """Every leaf command under `command`, with its path."""
+    if not hasattr(command, "list_commands"):
+        return [(" ".join(path), command)]
+    ctx = type(command).context_class(command)  # type: ignore[attr-defined]
+    return [
+        leaf
+        for name in command.list_commands(ctx)
+        for leaf in _commands(command.get_command(ctx, name), (*path, name))
+    ]
+
+
+def test_every_command_has_a_one_line_summary() -> None:
+    """A group's --help lists each command with its help's first paragraph, keeping its line
+    breaks: a summary wrapped over two lines reads as a sentence cut in the middle."""
+    commands = _commands(typer.main.get_command(app))
+    assert len(commands) > 30
+    for path, command in commands:
+        help_text = (getattr(command, "help", None) or "").strip()
+        summary = help_text.split("\n\n")[0]
+        assert summary and "\n" not in summary, f"kvplane {path}: {summary!r}"
 
 
 def test_console_script_is_installed() -> None:
