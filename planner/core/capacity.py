@@ -23,6 +23,12 @@ share rho = prefill_ms_per_token * L / (1000 N) of each engine's time; a prompt'
 (service time S) waits behind others' as in a processor-sharing queue, S / (1 - rho), and asking
 that to be <= ttft_margin * TTFT target gives N_ttft. KV caches are kept below max_kv_usage:
 N_kv = K / max_kv_usage. The need is the largest of the three.
+
+N_itl has a second bound: short outputs next to prefill chunks. T is a mean; a request that
+decodes only a few tokens sees the few passes of its engine meanwhile, and when the engine
+computes a prompt then, those passes carry a prefill chunk (a full 2,048-token chunk alone
+outlasts a 40 ms ITL target). The chance of that is about the engine's prefill share rho, so
+N_itl also asks rho <= max_prefill_share: N >= prefill_ms_per_token * L / (1000 max_prefill_share).
 """
 
 from __future__ import annotations
@@ -160,11 +166,13 @@ def engines_needed(
     target_ms = config.itl_margin * sla.itl_ms
     prefill_ms = cost.prefill_ms_per_token * prompt_tokens_per_s  # per second of load
     room_ms = target_ms - cost.fixed_ms
-    itl = (
+    mean_pass_itl = (
         (cost.kv_ms * kv_usage_sum + prefill_ms * target_ms / 1000.0) / room_ms
         if room_ms > 0
         else math.inf
     )
+    short_output_itl = prefill_ms / 1000.0 / config.max_prefill_share
+    itl = max(mean_pass_itl, short_output_itl)
     service_ms = cost.fixed_ms + cost.prefill_ms_per_token * mean_prompt_tokens
     share = max(_MIN_PREFILL_SHARE, 1.0 - service_ms / (config.ttft_margin * sla.ttft_ms))
     ttft = prefill_ms / 1000.0 / share

@@ -12,7 +12,8 @@ Each tick, per configured pool (engines of other pools are left alone):
 3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
    per second) and feed the forecast.
-4. Size (`planner.core.capacity`): engines needed for the forecast load at the SLA targets.
+4. Size (`planner.core.capacity`): engines needed at the SLA targets for the forecast load
+   plus `forecast_error_headroom` times the forecast's mean absolute error.
 5. Scale up when the need exceeds the engines provisioned, unless engines are still starting
    (their capacity is pending: asking again would double-count the same need) or the last
    scale-up is younger than `scale_up_cooldown_s`. The reason is SLA_AT_RISK when some engine's
@@ -48,6 +49,9 @@ class PoolEstimate:
     prompt_tokens_per_s: float  # measured since the previous tick
     kv_demand: float  # summed over the engines, in engines' worth of cache
     forecast_prompt_tokens_per_s: float  # `forecast_horizon_s` ahead
+    # The forecast's mean absolute error; the need is sized for the forecast plus
+    # `forecast_error_headroom` of these.
+    forecast_error_prompt_tokens_per_s: float
     forecast_kv_demand: float
     mean_prompt_tokens: float
     cost: PassCost  # the learned pass-cost model
@@ -224,10 +228,11 @@ class Planner:
         cost = state.cost.cost()
         forecast_rate = state.forecast.forecast(horizon_s)
         forecast_kv = state.kv_forecast.forecast(horizon_s)
+        forecast_error = state.forecast.mean_abs_error
         mean_prompt_tokens = state.mean_prompt_tokens or 0.0
         need = engines_needed(
             cost,
-            prompt_tokens_per_s=forecast_rate,
+            prompt_tokens_per_s=forecast_rate + cap.forecast_error_headroom * forecast_error,
             kv_usage_sum=forecast_kv,
             mean_prompt_tokens=mean_prompt_tokens,
             sla=self.config.sla,
@@ -237,6 +242,7 @@ class Planner:
             prompt_tokens_per_s=arrivals,
             kv_demand=kv_demand,
             forecast_prompt_tokens_per_s=forecast_rate,
+            forecast_error_prompt_tokens_per_s=forecast_error,
             forecast_kv_demand=forecast_kv,
             mean_prompt_tokens=mean_prompt_tokens,
             cost=cost,
