@@ -28,7 +28,11 @@ N_itl has a second bound: short outputs next to prefill chunks. T is a mean; a r
 decodes only a few tokens sees the few passes of its engine meanwhile, and when the engine
 computes a prompt then, those passes carry a prefill chunk (a full 2,048-token chunk alone
 outlasts a 40 ms ITL target). The chance of that is about the engine's prefill share rho, so
-N_itl also asks rho <= max_prefill_share: N >= prefill_ms_per_token * L / (1000 max_prefill_share).
+N_itl also asks rho <= max_prefill_share for requests that decode for k <= short_output_passes
+passes. A longer decode averages its ITL over more passes, and the prompts its engine computes
+meanwhile vary less against their mean (a count's spread grows as the square root of its
+mean), so the share allowed grows as sqrt(k / short_output_passes): for long outputs (k in the
+hundreds) the mean-pass bound is the tighter one again.
 """
 
 from __future__ import annotations
@@ -160,9 +164,11 @@ def engines_needed(
     mean_prompt_tokens: float,
     sla: SlaTargets,
     config: CapacityConfig,
+    decode_passes: float = 0.0,
 ) -> Need:
-    """The module docstring's three equations; `math.inf` when no count can meet a target
-    (a target below the fixed cost of one pass)."""
+    """The module docstring's equations; `math.inf` when no count can meet a target (a
+    target below the fixed cost of one pass). `decode_passes`: the mean number of passes a
+    request decodes for (0 when not known: sized as short outputs)."""
     target_ms = config.itl_margin * sla.itl_ms
     prefill_ms = cost.prefill_ms_per_token * prompt_tokens_per_s  # per second of load
     room_ms = target_ms - cost.fixed_ms
@@ -171,7 +177,9 @@ def engines_needed(
         if room_ms > 0
         else math.inf
     )
-    short_output_itl = prefill_ms / 1000.0 / config.max_prefill_share
+    longer = max(1.0, decode_passes / config.short_output_passes)
+    prefill_share = min(1.0, config.max_prefill_share * math.sqrt(longer))
+    short_output_itl = prefill_ms / 1000.0 / prefill_share
     itl = max(mean_pass_itl, short_output_itl)
     service_ms = cost.fixed_ms + cost.prefill_ms_per_token * mean_prompt_tokens
     share = max(_MIN_PREFILL_SHARE, 1.0 - service_ms / (config.ttft_margin * sla.ttft_ms))
