@@ -83,6 +83,17 @@ class CapacityConfig(StrictModel):
     # Engines' KV caches are sized to be at most this full on average: room for requests'
     # growth, bursts and uneven spread over engines (calibrated in docs/planner.md).
     max_kv_usage: float = Field(default=0.6, gt=0, le=1)
+    # Engines compute prompts at most this share of their time while requests decode for
+    # `short_output_passes` passes or fewer: a short output decodes for a few passes, and if
+    # its engine computes a prompt meanwhile, those passes carry a prefill chunk (a
+    # 2,048-token one is over the ITL target on its own), whatever the mean pass time. A
+    # request decoding k passes averages over more of them: the share allowed grows as
+    # sqrt(k / short_output_passes) (calibrated in docs/planner.md).
+    max_prefill_share: float = Field(default=0.15, gt=0, le=1)
+    short_output_passes: float = Field(default=16.0, gt=0)
+    # Size for the forecast prompt-token rate plus this many of its mean absolute errors: a
+    # bursty load (large errors) keeps room for its next burst, a smooth one hardly any.
+    forecast_error_headroom: float = Field(default=1.0, ge=0)
     # The cost model forgets old passes with this half-life.
     half_life_s: float = Field(default=300.0, gt=0)
     # Priors of the cost model (pass ms = fixed + per prefill token + per KV usage), worth

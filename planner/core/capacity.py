@@ -23,6 +23,16 @@ share rho = prefill_ms_per_token * L / (1000 N) of each engine's time; a prompt'
 (service time S) waits behind others' as in a processor-sharing queue, S / (1 - rho), and asking
 that to be <= ttft_margin * TTFT target gives N_ttft. KV caches are kept below max_kv_usage:
 N_kv = K / max_kv_usage. The need is the largest of the three.
+
+N_itl has a second bound: short outputs next to prefill chunks. T is a mean; a request that
+decodes only a few tokens sees the few passes of its engine meanwhile, and when the engine
+computes a prompt then, those passes carry a prefill chunk (a full 2,048-token chunk alone
+outlasts a 40 ms ITL target). The chance of that is about the engine's prefill share rho, so
+N_itl also asks rho <= max_prefill_share for requests that decode for k <= short_output_passes
+passes. A longer decode averages its ITL over more passes, and the prompts its engine computes
+meanwhile vary less against their mean (a count's spread grows as the square root of its
+mean), so the share allowed grows as sqrt(k / short_output_passes): for long outputs (k in the
+hundreds) the mean-pass bound is the tighter one again.
 """
 
 from __future__ import annotations
@@ -154,17 +164,23 @@ def engines_needed(
     mean_prompt_tokens: float,
     sla: SlaTargets,
     config: CapacityConfig,
+    decode_passes: float = 0.0,
 ) -> Need:
-    """The module docstring's three equations; `math.inf` when no count can meet a target
-    (a target below the fixed cost of one pass)."""
+    """The module docstring's equations; `math.inf` when no count can meet a target (a
+    target below the fixed cost of one pass). `decode_passes`: the mean number of passes a
+    request decodes for (0 when not known: sized as short outputs)."""
     target_ms = config.itl_margin * sla.itl_ms
     prefill_ms = cost.prefill_ms_per_token * prompt_tokens_per_s  # per second of load
     room_ms = target_ms - cost.fixed_ms
-    itl = (
+    mean_pass_itl = (
         (cost.kv_ms * kv_usage_sum + prefill_ms * target_ms / 1000.0) / room_ms
         if room_ms > 0
         else math.inf
     )
+    longer = max(1.0, decode_passes / config.short_output_passes)
+    prefill_share = min(1.0, config.max_prefill_share * math.sqrt(longer))
+    short_output_itl = prefill_ms / 1000.0 / prefill_share
+    itl = max(mean_pass_itl, short_output_itl)
     service_ms = cost.fixed_ms + cost.prefill_ms_per_token * mean_prompt_tokens
     share = max(_MIN_PREFILL_SHARE, 1.0 - service_ms / (config.ttft_margin * sla.ttft_ms))
     ttft = prefill_ms / 1000.0 / share

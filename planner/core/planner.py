@@ -11,8 +11,10 @@ Each tick, per configured pool (engines of other pools are left alone):
    (BELOW_MIN); more than `max_engines` -> drain the least loaded excess (ABOVE_MAX).
 3. Learn: fit the pass-cost model to the passes reported since the last tick; measure the
    prompt-token arrival rate (prompt tokens computed + growth of the queued prefill backlog,
-   per second) and feed the forecast.
-4. Size (`planner.core.capacity`): engines needed for the forecast load at the SLA targets.
+   per second) and feed the forecast; keep running means of the prompt length and of the
+   passes a request decodes for.
+4. Size (`planner.core.capacity`): engines needed at the SLA targets for the forecast load
+   plus `forecast_error_headroom` times the forecast's mean absolute error.
 5. Scale up when the need exceeds the engines provisioned, unless engines are still starting
    (their capacity is pending: asking again would double-count the same need) or the last
    scale-up is younger than `scale_up_cooldown_s`. The reason is SLA_AT_RISK when some engine's
@@ -37,7 +39,7 @@ from planner.core.decisions import Decision, Reason
 from planner.core.forecast import HoltForecast
 from planner.core.observations import EngineObservation, EngineState, ForwardPasses, Observations
 
-# Weight of a tick's measured mean prompt length in its running mean.
+# Weight of a tick's measured mean prompt length (and decode length) in its running mean.
 _PROMPT_ALPHA = 0.2
 
 
@@ -48,8 +50,12 @@ class PoolEstimate:
     prompt_tokens_per_s: float  # measured since the previous tick
     kv_demand: float  # summed over the engines, in engines' worth of cache
     forecast_prompt_tokens_per_s: float  # `forecast_horizon_s` ahead
+    # The forecast's mean absolute error; the need is sized for the forecast plus
+    # `forecast_error_headroom` of these.
+    forecast_error_prompt_tokens_per_s: float
     forecast_kv_demand: float
     mean_prompt_tokens: float
+    mean_decode_passes: float  # passes a request decodes for (sizes the short-output bound)
     cost: PassCost  # the learned pass-cost model
     need: Need
     # The need rounded up within the pool's bounds: the size a scale-up asks for (a
@@ -65,6 +71,7 @@ class _PoolState:
     last_tick_s: float | None = None
     last_backlog_tokens: int = 0
     mean_prompt_tokens: float | None = None
+    mean_decode_passes: float | None = None
     last_up_s: float | None = None
     last_scale_s: float | None = None
     # (time, engines wanted with the scale-down headroom) over the stabilisation window.
@@ -192,7 +199,8 @@ class Planner:
     ) -> PoolEstimate | None:
         """Steps 3 and 4 of the module docstring; None on the first tick (no rate yet)."""
         usage = {e.engine_id: e.load.kv_usage for e in engines}
-        computed_tokens = prefill_seqs = 0
+        running = {e.engine_id: e.load.running_requests for e in engines}
+        computed_tokens = prefill_seqs = decoded_tokens = 0
         for batch in passes:
             state.cost.observe(
                 now_s,
@@ -203,11 +211,17 @@ class Planner:
             )
             computed_tokens += batch.num_prefill_tokens
             prefill_seqs += batch.num_prefill_sequences
+            # Each running request gets a token a pass (the tick's running count stands for
+            # the passes': an estimate the running mean smooths).
+            decoded_tokens += batch.num_passes * running.get(batch.engine_id, 0)
         if prefill_seqs:
-            sample = computed_tokens / prefill_seqs
-            previous = state.mean_prompt_tokens
-            state.mean_prompt_tokens = (
-                sample if previous is None else previous + _PROMPT_ALPHA * (sample - previous)
+            # Per prefill sequence: a prompt split into chunks counts once per chunk, so the
+            # decode length leans short (the strict side of the short-output bound).
+            state.mean_prompt_tokens = _running_mean(
+                state.mean_prompt_tokens, computed_tokens / prefill_seqs
+            )
+            state.mean_decode_passes = _running_mean(
+                state.mean_decode_passes, decoded_tokens / prefill_seqs
             )
         active = [e for e in engines if e.state is not EngineState.STARTING]
         backlog = sum(e.load.waiting_prefill_tokens for e in active)
@@ -224,21 +238,26 @@ class Planner:
         cost = state.cost.cost()
         forecast_rate = state.forecast.forecast(horizon_s)
         forecast_kv = state.kv_forecast.forecast(horizon_s)
+        forecast_error = state.forecast.mean_abs_error
         mean_prompt_tokens = state.mean_prompt_tokens or 0.0
+        mean_decode_passes = state.mean_decode_passes or 0.0
         need = engines_needed(
             cost,
-            prompt_tokens_per_s=forecast_rate,
+            prompt_tokens_per_s=forecast_rate + cap.forecast_error_headroom * forecast_error,
             kv_usage_sum=forecast_kv,
             mean_prompt_tokens=mean_prompt_tokens,
             sla=self.config.sla,
             config=cap,
+            decode_passes=mean_decode_passes,
         )
         estimate = PoolEstimate(
             prompt_tokens_per_s=arrivals,
             kv_demand=kv_demand,
             forecast_prompt_tokens_per_s=forecast_rate,
+            forecast_error_prompt_tokens_per_s=forecast_error,
             forecast_kv_demand=forecast_kv,
             mean_prompt_tokens=mean_prompt_tokens,
+            mean_decode_passes=mean_decode_passes,
             cost=cost,
             need=need,
             engines_wanted=_clamp(need.engines, pool),
@@ -255,6 +274,10 @@ class Planner:
             for e in engines
             if e.state is EngineState.SERVING
         )
+
+
+def _running_mean(previous: float | None, sample: float) -> float:
+    return sample if previous is None else previous + _PROMPT_ALPHA * (sample - previous)
 
 
 def _clamp(engines: float, pool: PoolConfig) -> int:

@@ -39,6 +39,7 @@ BAD_CONFIGS = {
     "pools: [{name: a, min_engines: 3, max_engines: 2}]\n": "below min_engines",
     "sla: {ttft_ms: -1}\n": "ttft_ms",
     "scaling: {tick_s: 5, typo: 1}\n": "typo",
+    "capacity: {max_prefill_share: 0}\n": "max_prefill_share",
     "live: {controller: 'localhost'}\n": "HOST:PORT",
     "live: {controller: '127.0.0.1:1', metrics_listen: 'http://h:1'}\n": "metrics_listen",
     "live: {controller: '127.0.0.1:1', lost_after_failed_polls: 0}\n": "lost_after_failed_polls",

@@ -77,6 +77,59 @@ def test_heavy_load_scales_up_at_once_to_the_sized_need() -> None:
     assert need is not None and need.kv == pytest.approx(2 * 1.9 / 0.6)
 
 
+def prompts(planner: Planner, now_s: float, tokens_per_s: float, running: int = 10) -> None:
+    """One tick of an engine with an empty cache that computed `tokens_per_s` prompt tokens a
+    second over the last 5 s in 100 passes, one 2,000-token prompt a pass at 40,000 a second,
+    with `running` requests decoding: each request decodes for `running` passes a prompt."""
+    tokens = int(tokens_per_s * 5)
+    batch = passes("a", prefill_tokens=tokens)
+    busy_engine = engine("a", running=running)
+    planner.decide(Observations((busy_engine,), (batch,)), now_s)
+
+
+def test_short_outputs_beside_prompts_are_sized_by_the_prefill_share_not_the_mean_pass() -> None:
+    # 40,000 prompt tokens/s at the priors' 0.02 ms a token: 800 ms of prefill a second. The
+    # mean pass fits the 32 ms ITL budget with 1.5 engines (800 x 0.032 / (32 - 15)); a
+    # request decoding 10 passes beside the prompts' chunks does not: at most 15% of an
+    # engine's time on prompts, 0.8 / 0.15 = 5.3 engines.
+    planner = make_planner()
+    prompts(planner, 0, 40_000)
+    prompts(planner, 5, 40_000)
+    need = planner.need("default")
+    assert need is not None
+    assert need.itl == pytest.approx(0.8 / 0.15)
+    assert need.engines == need.itl
+
+
+def test_long_outputs_tolerate_a_larger_prefill_share() -> None:
+    # The same prompts, requests decoding 160 passes (10x `short_output_passes`): the share
+    # allowed grows to 0.15 x sqrt(10) = 0.47, 1.7 engines.
+    planner = make_planner()
+    prompts(planner, 0, 40_000, running=160)
+    prompts(planner, 5, 40_000, running=160)
+    estimate = planner.estimate("default")
+    assert estimate is not None
+    assert estimate.need.itl == pytest.approx(0.8 / (0.15 * 10**0.5))
+    assert estimate.mean_decode_passes == pytest.approx(160)
+
+
+def test_a_jump_in_load_is_sized_with_the_forecast_error_as_headroom() -> None:
+    # As measured, the forecast is the last tick's rate and its error the last change: a jump
+    # from nothing to 40,000 tokens/s is sized for 80,000 (twice the prefill share's 5.3
+    # engines); the same load one tick later, forecast exactly, for 40,000.
+    planner = make_planner()
+    prompts(planner, 0, 0)
+    prompts(planner, 5, 0)
+    prompts(planner, 10, 40_000)
+    jump = planner.estimate("default")
+    assert jump is not None
+    assert jump.need.itl == pytest.approx(2 * 0.8 / 0.15)
+    assert jump.forecast_error_prompt_tokens_per_s == pytest.approx(40_000)
+    prompts(planner, 15, 40_000)
+    steady = planner.need("default")
+    assert steady is not None and steady.itl == pytest.approx(0.8 / 0.15)
+
+
 def test_queued_prefill_beyond_the_ttft_target_is_an_sla_risk() -> None:
     planner = make_planner()
     tick(planner, 0, busy("a", waiting=80_000))
