@@ -81,6 +81,13 @@ class PlannerMetrics:
             ["pool"],
             registry=r,
         )
+        self.forecast_error_prompt_tokens_per_second = Gauge(
+            "kvplane_planner_forecast_error_prompt_tokens_per_second",
+            "Mean absolute error of the one-tick-ahead prompt-rate forecast (the need is sized "
+            "for the forecast plus capacity.forecast_error_headroom of these)",
+            ["pool"],
+            registry=r,
+        )
         self.kv_demand = Gauge(
             "kvplane_planner_kv_demand",
             "KV in use plus queued prompts, summed over engines, in engines' worth of cache",
@@ -96,6 +103,12 @@ class PlannerMetrics:
         self.mean_prompt_tokens = Gauge(
             "kvplane_planner_mean_prompt_tokens",
             "Running mean of the prompt tokens per prefill sequence",
+            ["pool"],
+            registry=r,
+        )
+        self.mean_decode_passes = Gauge(
+            "kvplane_planner_mean_decode_passes",
+            "Running mean of the passes a request decodes for (sizes the short-output bound)",
             ["pool"],
             registry=r,
         )
@@ -176,7 +189,11 @@ class PlannerMetrics:
         )
         self.kv_demand.labels(pool).set(estimate.kv_demand)
         self.forecast_kv_demand.labels(pool).set(estimate.forecast_kv_demand)
+        self.forecast_error_prompt_tokens_per_second.labels(pool).set(
+            estimate.forecast_error_prompt_tokens_per_s
+        )
         self.mean_prompt_tokens.labels(pool).set(estimate.mean_prompt_tokens)
+        self.mean_decode_passes.labels(pool).set(estimate.mean_decode_passes)
         cost = estimate.cost
         self.pass_fixed_seconds.labels(pool).set(cost.fixed_ms / 1000.0)
         self.pass_prefill_seconds_per_token.labels(pool).set(cost.prefill_ms_per_token / 1000.0)
