@@ -195,6 +195,8 @@ def load_fleet(path: Path | None) -> FleetConfig:
     stand_ins = {m.name: f"127.0.0.1:{i}" for i, m in enumerate(fleet.members, start=1)}
     folder = Path(tempfile.gettempdir())  # a stand-in too: the fleet's folder is made at start
     secured: dict[str, str] = {}  # controller members a planner cannot reach: what they ask for
+    planners: dict[str, str] = {}  # controller address -> the planner member using it
+    members_at = {address: name for name, address in stand_ins.items()}
     for member in fleet.members:
         server = validate_config(
             CONFIG_MODELS[member.kind],
@@ -207,7 +209,30 @@ def load_fleet(path: Path | None) -> FleetConfig:
             secured[member.name] = "tls" if server.tls else "auth"
         if isinstance(server, PlannerConfig):
             _check_planner_reaches(member, secured, f"{where}, member {member.name}")
+            _check_one_planner_per_controller(server, member.name, planners, members_at, where)
     return fleet
+
+
+def _check_one_planner_per_controller(
+    planner: PlannerConfig,
+    name: str,
+    planners: dict[str, str],
+    members_at: dict[str, str],
+    where: str,
+) -> None:
+    """Up counts a planner started once its controller routes to its pools' minimum of
+    engines registered through the admin API; two planners of one controller would count each
+    other's engines (and one planner takes any number of pools). `members_at`: the member
+    at each stand-in address, to name it."""
+    assert planner.live is not None  # FleetConfig fills in live.controller
+    controller = planner.live.controller
+    other = planners.setdefault(controller, name)
+    if other != name:
+        shown = members_at.get(controller, controller)
+        raise ConfigError(
+            f"invalid config in {where}: planners {other} and {name} both use controller "
+            f"{shown}: give one planner all the pools"
+        )
 
 
 def _check_planner_reaches(member: MemberConfig, secured: dict[str, str], where: str) -> None:

@@ -178,8 +178,22 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
             "member p: the planner dials its controller without TLS or a token, and "
             "controller ctl has `auth`",
         ),
+        # Up would count one planner's engines as the other's: one planner takes every pool.
+        (
+            "  - {name: ctl, kind: controller}\n"
+            "  - {name: p, kind: planner, config: {pools: [{name: a}]}}\n"
+            "  - {name: q, kind: planner, config: {pools: [{name: b}]}}\n",
+            "planners p and q both use controller ctl: give one planner all the pools",
+        ),
     ],
-    ids=["bad-pool", "listen", "controller-after", "two-controllers", "controller-auth"],
+    ids=[
+        "bad-pool",
+        "listen",
+        "controller-after",
+        "two-controllers",
+        "controller-auth",
+        "two-planners",
+    ],
 )
 def test_a_bad_planner_member_is_one_line_naming_the_file_and_the_member(
     tmp_path: Path, members: str, problem: str
