@@ -550,7 +550,15 @@ def _render_drain(d: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
-def _cordon_command(on: bool) -> Callable[..., None]:
+def _engine_command(
+    name: str,
+    call: Callable[[apb_grpc.AdminStub], Callable[..., apb.WorkerInfo]],
+    done: str,
+    doc: str,
+) -> Callable[..., None]:
+    """`kvplane admin NAME ENGINE`: one admin RPC on one engine (`call` picks it from the
+    stub), which answers the engine's WorkerInfo, shown as "ID (ADDRESS) DONE"."""
+
     def command(
         ctx: typer.Context,
         engine: Annotated[str, typer.Argument(help="Engine instance id or address.")],
@@ -562,16 +570,12 @@ def _cordon_command(on: bool) -> Callable[..., None]:
         ref = apb.EngineRef(engine=engine)
 
         def rpc(stub: apb_grpc.AdminStub) -> apb.WorkerInfo:
-            call = stub.Cordon if on else stub.Uncordon
-            return call(ref, metadata=metadata, timeout=TIMEOUT_S)
+            return call(stub)(ref, metadata=metadata, timeout=TIMEOUT_S)
 
-        name = "cordon" if on else "uncordon"
         data = _dict(_admin_call(name, _server(ctx, target), rpc))
-        emit(data, output, lambda d: f"{d.get('instance_id')} ({d.get('address')}) {name}ed")
+        emit(data, output, lambda d: f"{d.get('instance_id') or '-'} ({d.get('address')}) {done}")
 
-    command.__doc__ = (
-        "Stop routing new requests to an engine." if on else "Route to a cordoned engine again."
-    )
+    command.__doc__ = doc
     return command
 
 
@@ -658,29 +662,6 @@ def _wait_until_reached(server: ClientTarget, address: str, wait_s: float) -> di
                 f"{address})"
             )
         time.sleep(REGISTER_POLL_S)
-
-
-def remove_engine(
-    ctx: typer.Context,
-    engine: Annotated[str, typer.Argument(help="Engine instance id or address.")],
-    target: TargetOpt = None,
-    token_file: TokenFileOption = None,
-    output: OutputOption = OutputFormat.table,
-) -> None:
-    """Take an engine out of the fleet at once (`drain` it first).
-
-    Requests running on it are not waited for, and what the index holds for it is
-    forgotten. The engine process goes on."""
-    metadata = bearer_metadata(token_file)
-    ref = apb.EngineRef(engine=engine)
-    data = _dict(
-        _admin_call(
-            "remove",
-            _server(ctx, target),
-            lambda stub: stub.RemoveEngine(ref, metadata=metadata, timeout=TIMEOUT_S),
-        )
-    )
-    emit(data, output, lambda d: f"{d.get('instance_id') or '-'} ({d.get('address')}) removed")
 
 
 def abort(
@@ -861,7 +842,30 @@ def register(app: typer.Typer) -> None:
     ):
         app.command(name)(fn)
     app.command("register")(register_engine)
-    app.command("remove")(remove_engine)
-    app.command("cordon")(_cordon_command(True))
-    app.command("uncordon")(_cordon_command(False))
+    app.command("remove")(
+        _engine_command(
+            "remove",
+            lambda stub: stub.RemoveEngine,
+            "removed",
+            "Take an engine out of the fleet at once (`drain` it first).\n\n"
+            "Requests running on it are not waited for, and what the index holds for it is "
+            "forgotten. The engine process goes on.",
+        )
+    )
+    app.command("cordon")(
+        _engine_command(
+            "cordon",
+            lambda stub: stub.Cordon,
+            "cordoned",
+            "Stop routing new requests to an engine.",
+        )
+    )
+    app.command("uncordon")(
+        _engine_command(
+            "uncordon",
+            lambda stub: stub.Uncordon,
+            "uncordoned",
+            "Route to a cordoned engine again.",
+        )
+    )
     app.add_typer(lora_app, name="lora")
