@@ -121,6 +121,12 @@ async def _healthy(channels: ClientChannels, address: str) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+async def _list_workers(channels: ClientChannels, address: str) -> apb.ListWorkersResponse:
+    """The engines of the controller at `address` (its admin API's ListWorkers)."""
+    async with channels.aio_channel(address) as channel:
+        return await apb_grpc.AdminStub(channel).ListWorkers(apb.ListWorkersRequest(), timeout=1.0)
+
+
 async def _engines_reached(channels: ClientChannels, address: str) -> bool:
     """Whether the controller at `address` has tried each of its engines once (none is still
     `unknown`). Its health service serves before its first polls end, and until then it has
@@ -128,10 +134,7 @@ async def _engines_reached(channels: ClientChannels, address: str) -> bool:
     A controller that will not say (its `protect_reads` wants a token up lacks) is taken as
     it is."""
     try:
-        async with channels.aio_channel(address) as channel:
-            reply = await apb_grpc.AdminStub(channel).ListWorkers(
-                apb.ListWorkersRequest(), timeout=1.0
-            )
+        reply = await _list_workers(channels, address)
     except grpc.aio.AioRpcError as exc:
         return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     return all(worker.state != EngineState.UNKNOWN for worker in reply.workers)
@@ -143,10 +146,7 @@ async def _registered_engines_routable(
     """Whether the controller at `address` routes to at least `minimum` engines registered
     through its admin API (`source: admin`, as a planner registers its engines)."""
     try:
-        async with channels.aio_channel(address) as channel:
-            reply = await apb_grpc.AdminStub(channel).ListWorkers(
-                apb.ListWorkersRequest(), timeout=1.0
-            )
+        reply = await _list_workers(channels, address)
     except grpc.aio.AioRpcError:
         return False
     registered = [w for w in reply.workers if w.source == "admin" and w.routable]
