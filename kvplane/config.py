@@ -54,7 +54,7 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, port
 
 
-def join_host_port(host: str, port: int) -> str:
+def join_host_port(host: str, port: int | str) -> str:
     """The HOST:PORT `parse_host_port` reads back: an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

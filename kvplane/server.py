@@ -25,7 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvplane.config import ServerConfig, TlsConfig, parse_host_port
+from kvplane.config import ServerConfig, TlsConfig, join_host_port, parse_host_port
 from kvplane.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ async def create_server(
     )
     host, port = parse_host_port(config.listen)
     _check_bindable(config.listen, host, port)
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = join_host_port(host, port)
     try:
         if config.tls is not None:
             bound = server.add_secure_port(address, _server_credentials(config.tls))

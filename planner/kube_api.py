@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -90,7 +91,7 @@ def in_cluster(
                 "live.kubernetes.api_server is not set and KUBERNETES_SERVICE_HOST is not in "
                 "the environment (not in a pod): give the API server's URL"
             )
-        server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+        server = f"https://{join_host_port(host, port)}"
     if namespace is None:
         namespace_file = SERVICE_ACCOUNT_DIR / "namespace"
         try:

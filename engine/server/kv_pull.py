@@ -30,7 +30,7 @@ from engine.server.kv_transfer import (
     check_fit,
 )
 from kvplane.channels import ClientChannels
-from kvplane.config import read_token_file
+from kvplane.config import join_host_port, read_token_file
 from kvplane.errors import KvplaneError
 from kvplane.server import bearer_token_metadata
 from kvplane_api.v1 import kv_transfer_pb2 as kt
@@ -156,8 +156,7 @@ class KvSessionPuller:
             want_layout=self._kv_layout,
             prompt=(),
         )
-        host = endpoint.host
-        return f"[{host}]:{endpoint.port}" if ":" in host else f"{host}:{endpoint.port}"
+        return join_host_port(endpoint.host, endpoint.port)
 
     async def pull(self, ref: pb.KvSessionRef, request: EngineRequest) -> PulledSession:
         """Pull the session for `request`: its tokens must be a prefix of the request's
