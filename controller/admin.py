@@ -237,6 +237,7 @@ class AdminServicer(apb_grpc.AdminServicer):
                 prefill_cost=row.prefill_cost,
                 queue_cost=row.queue_cost,
                 decode_cost=row.decode_cost,
+                memory_cost=row.memory_cost,
                 busy=row.busy,
             )
             if row.total is not None:

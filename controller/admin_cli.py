@@ -415,6 +415,7 @@ def route(
                 _num(c.get("prefill_cost")),
                 _num(c.get("queue_cost")),
                 _num(c.get("decode_cost")),
+                _num(c.get("memory_cost")),
                 _num(c.get("total")),
                 "busy" if c.get("busy") else "-",
             ]
@@ -424,7 +425,18 @@ def route(
             head
             + "\n"
             + _table(
-                ["ENGINE", "CACHED", "HOST", "PREFILL", "QUEUE", "DECODE", "TOTAL", "BUSY"], rows
+                [
+                    "ENGINE",
+                    "CACHED",
+                    "HOST",
+                    "PREFILL",
+                    "QUEUE",
+                    "DECODE",
+                    "MEMORY",
+                    "TOTAL",
+                    "BUSY",
+                ],
+                rows,
             )
         )
 

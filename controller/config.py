@@ -115,6 +115,8 @@ class RouterConfig(StrictModel):
     # An engine whose prefill wait is more than this many tokens longer than the quickest
     # engine's is not chosen, whatever it holds; 0 turns it off.
     patience_tokens: float = Field(default=_DEFAULT_WEIGHTS.patience_tokens, ge=0)
+    # What each token of KV an engine cannot hold for the request costs; 0 turns it off.
+    memory_weight: float = Field(default=_DEFAULT_WEIGHTS.memory_weight, ge=0)
     # `kvplane` skips busy engines (controller.router.router.BusyThresholds): KV usage or
     # queued requests at these thresholds, while at most busy_max_fraction of them are busy.
     busy_kv_usage: float | None = Field(default=_DEFAULT_BUSY.kv_usage, gt=0, le=1)
@@ -155,6 +157,7 @@ class RouterConfig(StrictModel):
             backlog_tokens=self.backlog_tokens,
             backlog_overlap_weight=self.backlog_overlap_weight,
             patience_tokens=self.patience_tokens,
+            memory_weight=self.memory_weight,
         )
 
     def busy(self) -> BusyThresholds:

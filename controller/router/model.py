@@ -176,6 +176,8 @@ class EngineCost(NamedTuple):
     decode_cost: float
     total: float | None
     busy: bool = False  # skipped as busy (the policy did not consider it)
+    # Prompt-token equivalents for the KV the engine cannot hold (`KvplaneWeights.memory_weight`).
+    memory_cost: float = 0.0
 
 
 class Decision(NamedTuple):

@@ -95,7 +95,17 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     explained = await cli("route", "--tokens-file", str(tokens), *t)
     assert f"-> {engine}" in explained.output
     header = explained.output.splitlines()[1].split()
-    assert header == ["ENGINE", "CACHED", "HOST", "PREFILL", "QUEUE", "DECODE", "TOTAL", "BUSY"]
+    assert header == [
+        "ENGINE",
+        "CACHED",
+        "HOST",
+        "PREFILL",
+        "QUEUE",
+        "DECODE",
+        "MEMORY",
+        "TOTAL",
+        "BUSY",
+    ]
 
     health = await cli_json("health", *t)
     assert health["state"] == "HEALTH_STATE_READY" and len(health["checks"]) == 3

@@ -278,11 +278,15 @@ def test_inflight_accounting_charges_at_once_and_releases() -> None:
     d = router.route(req, [cand("a", 2), cand("b")], rng, 0)
     assert d.engine_id == "a"
     assert router.inflight.of("a") == InFlight(
-        requests=1, prefilling=1, prefill_tokens=2 * BS + 5, prefill_cached_tokens=2 * BS
+        requests=1,
+        prefilling=1,
+        prefill_tokens=2 * BS + 5,
+        prefill_cached_tokens=2 * BS,
+        active_blocks=4,
     )
     router.first_token("x")
     router.first_token("x")
-    assert router.inflight.of("a") == InFlight(requests=1, prefilling=0, prefill_tokens=0)
+    assert router.inflight.of("a") == InFlight(requests=1, active_blocks=4)
     router.finish("x")
     router.finish("x")
     assert router.inflight.of("a") == InFlight()
@@ -341,8 +345,10 @@ def test_busy_engines_are_filtered_unless_all_are_busy() -> None:
 
 def test_busy_engines_are_skipped_only_while_few_of_them_are_busy() -> None:
     """A lone full engine is skipped; when more of the fleet is full (a backlog everywhere)
-    the cost chooses among all, and the cached engine keeps its conversation."""
-    router = Router(make_policy("kvplane"))  # default: one busy engine in eight may be skipped
+    the cost chooses among all, and the cached engine keeps its conversation. (The filter
+    alone: the memory term would also send the request away from the full engine.)"""
+    policy = KvplanePolicy(KvplaneWeights(memory_weight=0))
+    router = Router(policy)  # default: one busy engine in eight may be skipped
     rng = random.Random(0)
     cached = cand("cached", 4, used_kv_blocks=100, total_kv_blocks=100)
 
@@ -361,7 +367,7 @@ def test_busy_engines_are_skipped_only_while_few_of_them_are_busy() -> None:
     d = router.explain(request(), fleet(2), rng, 0)
     assert (d.engine_id, d.reason) == ("cached", Reason.CACHE)
     assert not any(r.busy for r in d.costs)
-    quarter = Router(make_policy("kvplane"), busy=BusyThresholds(max_busy_fraction=0.25))
+    quarter = Router(policy, busy=BusyThresholds(max_busy_fraction=0.25))
     assert quarter.explain(request(), fleet(2), rng, 0).engine_id.startswith("room")
     assert quarter.explain(request(), fleet(3), rng, 0).engine_id == "cached"
     d = router.explain(request(), [cached, cand("room")], rng, 0)
@@ -489,14 +495,109 @@ def test_active_blocks_are_refcounted_from_route_to_finish() -> None:
 
 
 def test_only_policies_that_read_active_blocks_pay_for_them() -> None:
+    for policy in (make_policy("least_loaded"), KvplanePolicy(KvplaneWeights(memory_weight=0))):
+        router = Router(policy)
+        rng = random.Random(0)
+        router.route(request("x", blocks=4), [cand("a")], rng, 0)
+        assert router.inflight.of("a").active_blocks == 0
+        assert router.inflight.active_overlap("a", (0, 1, 2, 3)) == 0
+        view = router.with_inflight([cand("a")], request("probe"), 0)
+        assert view[0].active_overlap_blocks is None
+    counting = [n for n in POLICY_NAMES if make_policy(n).counts_active_blocks]
+    assert counting == ["kvplane", "dynamo_cost"]  # kvplane's memory term reads them
+
+
+def sized(eid: str, device: int = 0, *, used: int, total: int = 10, **inflight: int) -> Candidate:
+    """An engine of `total` blocks with `used` of them held by running requests (polled)."""
+    return Candidate(
+        eid,
+        hit=PrefixHit(device),
+        load=LoadSnapshot(used_kv_blocks=used, total_kv_blocks=total),
+        inflight=InFlight(**inflight),
+        total_kv_blocks=total,
+        block_size=BS,
+    )
+
+
+def test_kv_an_engine_cannot_hold_for_the_prompt_costs_memory_weight_per_token() -> None:
+    """The prompt needs all its blocks (5 here) next to what the engine's requests hold: the
+    polled blocks in use or the router's own count of its requests' blocks, whichever is more;
+    blocks of the prompt already active there count once."""
+    policy = KvplanePolicy(KvplaneWeights(memory_weight=16.0))
+    req = request(blocks=4, extra=5)  # 5 blocks of KV
+    rows = policy.costs(
+        req,
+        [
+            sized("fits", used=5),
+            sized("short", used=8),  # 13 of 10 blocks: 3 short
+            sized("router_knows_more", used=2, active_blocks=9),  # 14: the poll lags
+            Candidate(
+                "shares", load=LoadSnapshot(used_kv_blocks=8, total_kv_blocks=10), block_size=BS
+            )._replace(active_overlap_blocks=2),  # 2 of the prompt's blocks are running there
+            Candidate("unknown_size"),
+        ],
+    )
+    memory = {r.engine_id: r.memory_cost for r in rows}
+    assert memory == {
+        "fits": 0.0,
+        "short": 16.0 * 3 * BS,
+        "router_knows_more": 16.0 * 4 * BS,
+        "shares": 16.0 * 1 * BS,
+        "unknown_size": 0.0,
+    }
+    for r in rows:
+        assert r.total == pytest.approx(
+            r.prefill_cost + r.queue_cost + r.decode_cost + r.memory_cost
+        )
+
+
+def test_a_long_prompt_goes_to_an_engine_that_can_hold_it() -> None:
+    """A cached block is not worth running out of memory (waiting for it, or preempting a
+    running request that then computes its prompt again); without the term the cache wins."""
+    req = request(blocks=8, extra=5)  # 9 blocks of KV
+    full = sized("full", 1, used=6)  # holds the first block; 15 of 10 blocks
+    free = sized("free", used=0)
+    rng = random.Random(0)
+    assert KvplanePolicy().choose(req, [full, free], rng, 0).engine_id == "free"
+    off = KvplanePolicy(KvplaneWeights(memory_weight=0))
+    assert off.choose(req, [full, free], rng, 0).engine_id == "full"
+
+
+def test_the_router_counts_the_blocks_it_sent_before_any_poll() -> None:
+    """A long prompt routed a moment ago holds its blocks until it finishes, whatever the
+    last poll said; its first token ends its prefill queue, not its memory."""
     router = Router(make_policy("kvplane"))
     rng = random.Random(0)
-    router.route(request("x", blocks=4), [cand("a")], rng, 0)
-    assert router.inflight.of("a").active_blocks == 0
-    assert router.inflight.active_overlap("a", (0, 1, 2, 3)) == 0
-    view = router.with_inflight([cand("a")], request("probe"), 0)
-    assert view[0].active_overlap_blocks is None
-    assert [n for n in POLICY_NAMES if make_policy(n).counts_active_blocks] == ["dynamo_cost"]
+    engines = [sized("a", used=0), sized("b", used=0)]
+    first = router.route(request("x", blocks=8), engines, rng, 0).engine_id
+    router.first_token("x")
+    other = "b" if first == "a" else "a"
+    second = router.explain(request("y", blocks=8, keys_from=100), engines, rng, 0)
+    costs = {r.engine_id: r.memory_cost for r in second.costs}
+    assert costs == {first: 16.0 * 7 * BS, other: 0.0}  # 9 + 9 blocks in 10
+    assert second.engine_id == other
+    router.finish("x")
+    again = router.explain(request("y", blocks=8, keys_from=100), engines, rng, 0)
+    assert all(r.memory_cost == 0 for r in again.costs)
+
+
+def test_a_backlogged_fleet_pays_no_memory_cost() -> None:
+    """When every queue is a backlog every engine is full: the cache and the queues decide."""
+    policy = KvplanePolicy()
+    req = request(blocks=8, extra=5)
+    backlog = 300_000
+    engines = [
+        sized("a", 1, used=9)._replace(
+            load=LoadSnapshot(used_kv_blocks=9, total_kv_blocks=10, waiting_tokens=backlog)
+        ),
+        sized("b", used=0)._replace(
+            load=LoadSnapshot(used_kv_blocks=0, total_kv_blocks=10, waiting_tokens=backlog)
+        ),
+    ]
+    rows = policy.costs(req, engines)
+    assert [r.memory_cost for r in rows] == [0.0, 0.0]
+    engines[1] = engines[1]._replace(load=LoadSnapshot(used_kv_blocks=0, total_kv_blocks=10))
+    assert policy.costs(req, engines)[0].memory_cost > 0
 
 
 def test_dynamo_cost_terms_on_a_worked_example() -> None:

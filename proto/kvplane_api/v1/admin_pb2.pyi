@@ -289,6 +289,7 @@ class EngineCost(_message.Message):
     DECODE_COST_FIELD_NUMBER: _builtins.int
     TOTAL_FIELD_NUMBER: _builtins.int
     BUSY_FIELD_NUMBER: _builtins.int
+    MEMORY_COST_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     cached_tokens: _builtins.int
@@ -299,6 +300,8 @@ class EngineCost(_message.Message):
     total: _builtins.float
     """absent for cache-blind policies"""
     busy: _builtins.bool
+    memory_cost: _builtins.float
+    """the KV the engine cannot hold for the request, weighted"""
     def __init__(
         self,
         *,
@@ -311,10 +314,11 @@ class EngineCost(_message.Message):
         decode_cost: _builtins.float = ...,
         total: _builtins.float | None = ...,
         busy: _builtins.bool = ...,
+        memory_cost: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "total", b"total"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "busy", b"busy", "cached_tokens", b"cached_tokens", "decode_cost", b"decode_cost", "engine", b"engine", "host_cached_tokens", b"host_cached_tokens", "instance_id", b"instance_id", "prefill_cost", b"prefill_cost", "queue_cost", b"queue_cost", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "busy", b"busy", "cached_tokens", b"cached_tokens", "decode_cost", b"decode_cost", "engine", b"engine", "host_cached_tokens", b"host_cached_tokens", "instance_id", b"instance_id", "memory_cost", b"memory_cost", "prefill_cost", b"prefill_cost", "queue_cost", b"queue_cost", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__total: _TypeAlias = _typing.Literal["total"]  # noqa: Y015
     _WhichOneofArgType__total: _TypeAlias = _typing.Literal["_total", b"_total"]  # noqa: Y015
