@@ -367,12 +367,12 @@ def _kv_overflow_tokens(request: RouteRequest, c: Candidate) -> int:
     """Tokens of KV the engine lacks to run the request next to its other requests: the
     blocks they hold (polled, or the router's own count of its requests' distinct blocks if
     larger: the poll lags, and a queued request holds nothing yet) plus the prompt's blocks
-    not already active there, less the capacity. 0 when the engine's size or use is unknown."""
+    not already active there, less the capacity. 0 when the engine's size is unknown."""
     total = c.total_kv_blocks or c.load.total_kv_blocks
     size = c.block_size or request.block_size
-    if not total or not size or c.load.used_kv_blocks is None:
+    if not total or not size:
         return 0
-    held = max(c.load.used_kv_blocks, c.inflight.active_blocks)
+    held = max(c.load.used_kv_blocks or 0, c.inflight.active_blocks)
     prompt_blocks = -(-request.num_prompt_tokens // size) - (c.active_overlap_blocks or 0)
     return max(0, (held + prompt_blocks - total) * size)
 

@@ -519,7 +519,7 @@ def sized(eid: str, device: int = 0, *, used: int, total: int = 10, **inflight: 
     )
 
 
-def test_kv_an_engine_cannot_hold_for_the_prompt_costs_memory_weight_per_token() -> None:
+def test_each_token_of_kv_an_engine_lacks_for_the_prompt_costs_memory_weight() -> None:
     """The prompt needs all its blocks (5 here) next to what the engine's requests hold: the
     polled blocks in use or the router's own count of its requests' blocks, whichever is more;
     blocks of the prompt already active there count once."""
@@ -534,7 +534,10 @@ def test_kv_an_engine_cannot_hold_for_the_prompt_costs_memory_weight_per_token()
             Candidate(
                 "shares", load=LoadSnapshot(used_kv_blocks=8, total_kv_blocks=10), block_size=BS
             )._replace(active_overlap_blocks=2),  # 2 of the prompt's blocks are running there
-            Candidate("unknown_size"),
+            Candidate(
+                "unpolled", total_kv_blocks=10, block_size=BS, inflight=InFlight(active_blocks=7)
+            ),
+            Candidate("unknown_size", inflight=InFlight(active_blocks=7)),
         ],
     )
     memory = {r.engine_id: r.memory_cost for r in rows}
@@ -543,6 +546,7 @@ def test_kv_an_engine_cannot_hold_for_the_prompt_costs_memory_weight_per_token()
         "short": 16.0 * 3 * BS,
         "router_knows_more": 16.0 * 4 * BS,
         "shares": 16.0 * 1 * BS,
+        "unpolled": 16.0 * 2 * BS,  # no GetLoad figure: the router's own count
         "unknown_size": 0.0,
     }
     for r in rows:
