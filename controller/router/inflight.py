@@ -64,7 +64,8 @@ class InFlightTracker:
         refs = self._block_refs.get(engine_id)
         if not refs:
             return 0
-        return sum(1 for key in block_keys if key in refs)
+        # A prompt's chained block keys are distinct, so the intersection counts each once.
+        return len(refs.keys() & block_keys)
 
     def begin(
         self,
