@@ -201,11 +201,14 @@ def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
 
 def _render_workers(data: dict[str, Any]) -> str:
     # A pooling-only engine (`runner: pooling`) gets no Generate and caches no prompt: its
-    # role says so, and it has no KV figure (its one-block cache is a placeholder).
+    # role says so, and it has no KV figure (its one-block cache is a placeholder). SOURCE:
+    # where the engine came from, `config` (the controller's engines: list) or `admin`
+    # (registered at run time, by an operator or the planner; gone at a controller restart).
     rows = [
         [
             w.get("instance_id"),
             w.get("address"),
+            w.get("source"),
             f"{w.get('role')} (pooling only)" if w.get("pooling_only") else w.get("role"),
             w.get("state"),
             "yes" if w.get("cordoned") else "",
@@ -223,6 +226,7 @@ def _render_workers(data: dict[str, Any]) -> str:
     headers = [
         "ENGINE",
         "ADDRESS",
+        "SOURCE",
         "ROLE",
         "STATE",
         "CORDONED",

@@ -59,7 +59,16 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     group_ids = sorted(w["instance_id"] for w in json.loads(group_level.output)["workers"])
     assert group_ids == ["e0", "e1", "e2"]
     table = await cli("workers", *t)
-    assert table.exit_code == 0 and "e1" in table.output and "ready" in table.output
+    assert table.exit_code == 0, table.output
+    policy, header, *rows = table.stdout.splitlines()
+    assert policy == "policy kvplane"
+    # SOURCE: where each engine came from, as in the JSON (these are the config's engines).
+    assert header.split()[:5] == ["ENGINE", "ADDRESS", "SOURCE", "ROLE", "STATE"]
+    by_engine = {w["instance_id"]: w for w in workers["workers"]}
+    assert sorted(row.split()[:5] for row in rows) == [
+        [engine, by_engine[engine]["address"], "config", "aggregated", "ready"]
+        for engine in ("e0", "e1", "e2")
+    ]
     # The engines' health checks name their model ("sim"): information, not an ERROR.
     assert [w["last_error"] for w in workers["workers"]] == ["", "", ""]
     assert not any(line.rstrip().endswith("sim") for line in table.output.splitlines())
