@@ -29,6 +29,7 @@ from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
 from kvplane.cli_common import (
+    RPC_TIMEOUT_S,
     ClientTarget,
     OutputFormat,
     OutputOption,
@@ -49,7 +50,6 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 DEFAULT_TARGET = "127.0.0.1:8100"
 # What --target must be for the commands of openengine.v1.OpenEngine (rpc_channel).
 TARGET_KIND = "a controller or an engine"
-TIMEOUT_S = 10.0
 # The proto fields' ranges: deadlines are uint32 (MAX_UINT32; a larger value makes protobuf
 # raise ValueError), LoRA ids int64.
 INT64_MAX = 2**63 - 1
@@ -169,7 +169,7 @@ def workers(
     with server.channel(TARGET_KIND) as channel:
         try:
             reply = apb_grpc.AdminStub(channel).ListWorkers(
-                apb.ListWorkersRequest(), timeout=TIMEOUT_S
+                apb.ListWorkersRequest(), timeout=RPC_TIMEOUT_S
             )
             data = _dict(reply)
             data.setdefault("workers", [])
@@ -182,9 +182,9 @@ def workers(
 
 def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
     stub = pb_grpc.OpenEngineStub(channel)
-    info = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)
-    health = stub.Health(pb.HealthRequest(), timeout=TIMEOUT_S)
-    load = stub.GetLoad(pb.GetLoadRequest(), timeout=TIMEOUT_S)
+    info = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=RPC_TIMEOUT_S)
+    health = stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S)
+    load = stub.GetLoad(pb.GetLoadRequest(), timeout=RPC_TIMEOUT_S)
     row: dict[str, Any] = {
         "address": address,
         "instance_id": info.instance_id,
@@ -201,11 +201,14 @@ def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
 
 def _render_workers(data: dict[str, Any]) -> str:
     # A pooling-only engine (`runner: pooling`) gets no Generate and caches no prompt: its
-    # role says so, and it has no KV figure (its one-block cache is a placeholder).
+    # role says so, and it has no KV figure (its one-block cache is a placeholder). SOURCE:
+    # where the engine came from, `config` (the controller's engines: list) or `admin`
+    # (registered at run time, by an operator or the planner; gone at a controller restart).
     rows = [
         [
             w.get("instance_id"),
             w.get("address"),
+            w.get("source"),
             f"{w.get('role')} (pooling only)" if w.get("pooling_only") else w.get("role"),
             w.get("state"),
             "yes" if w.get("cordoned") else "",
@@ -223,6 +226,7 @@ def _render_workers(data: dict[str, Any]) -> str:
     headers = [
         "ENGINE",
         "ADDRESS",
+        "SOURCE",
         "ROLE",
         "STATE",
         "CORDONED",
@@ -243,7 +247,7 @@ def health(
     """Health of the target (a controller lists every engine as a check)."""
     reply = _call(
         _server(ctx, target),
-        lambda ch: pb_grpc.OpenEngineStub(ch).Health(pb.HealthRequest(), timeout=TIMEOUT_S),
+        lambda ch: pb_grpc.OpenEngineStub(ch).Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S),
     )
     data = _dict(reply)
 
@@ -263,7 +267,7 @@ def load(
     """GetLoad of the target (a controller sums its fleet, with per-engine detail)."""
     reply = _call(
         _server(ctx, target),
-        lambda ch: pb_grpc.OpenEngineStub(ch).GetLoad(pb.GetLoadRequest(), timeout=TIMEOUT_S),
+        lambda ch: pb_grpc.OpenEngineStub(ch).GetLoad(pb.GetLoadRequest(), timeout=RPC_TIMEOUT_S),
     )
     data = _dict(reply)
 
@@ -294,9 +298,9 @@ def info(
 
     def rpc(ch: grpc.Channel) -> dict[str, Any]:
         stub = pb_grpc.OpenEngineStub(ch)
-        engine = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=TIMEOUT_S)
+        engine = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=RPC_TIMEOUT_S)
         models = [
-            _dict(stub.GetModelInfo(pb.GetModelInfoRequest(model=m), timeout=TIMEOUT_S))
+            _dict(stub.GetModelInfo(pb.GetModelInfoRequest(model=m), timeout=RPC_TIMEOUT_S))
             for m in engine.supported_models
         ]
         return {"engine": _dict(engine), "models": models}
@@ -353,7 +357,7 @@ def match(
     """How much of a prompt each engine holds (controller)."""
     query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     reply = _admin_call(
-        "match", _server(ctx, target), lambda stub: stub.Match(query, timeout=TIMEOUT_S)
+        "match", _server(ctx, target), lambda stub: stub.Match(query, timeout=RPC_TIMEOUT_S)
     )
     data = _dict(reply)
     data.setdefault("matches", [])
@@ -396,7 +400,7 @@ def route(
     """Where the router would send a prompt, and every engine's cost terms (controller)."""
     query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     reply = _admin_call(
-        "route", _server(ctx, target), lambda stub: stub.Route(query, timeout=TIMEOUT_S)
+        "route", _server(ctx, target), lambda stub: stub.Route(query, timeout=RPC_TIMEOUT_S)
     )
     data = _dict(reply)
     data.setdefault("costs", [])
@@ -582,7 +586,7 @@ def _engine_command(
         ref = apb.EngineRef(engine=engine)
 
         def rpc(stub: apb_grpc.AdminStub) -> apb.WorkerInfo:
-            return call(stub)(ref, metadata=metadata, timeout=TIMEOUT_S)
+            return call(stub)(ref, metadata=metadata, timeout=RPC_TIMEOUT_S)
 
         data = _dict(_admin_call(name, _server(ctx, target), rpc))
         emit(data, output, lambda d: f"{d.get('instance_id') or '-'} ({d.get('address')}) {done}")
@@ -637,7 +641,7 @@ def register_engine(
     reply = _admin_call(
         "register",
         server,
-        lambda stub: stub.RegisterEngine(req, metadata=metadata, timeout=TIMEOUT_S),
+        lambda stub: stub.RegisterEngine(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
     )
     data = _dict(reply)
     if wait_s > 0:
@@ -654,7 +658,7 @@ def _wait_until_reached(server: ClientTarget, address: str, wait_s: float) -> di
         listed = _admin_call(
             "register",
             server,
-            lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S),
+            lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=RPC_TIMEOUT_S),
         )
         row = next((w for w in listed.workers if w.address == address), None)
         if row is None:
@@ -698,7 +702,7 @@ def abort(
     metadata = bearer_metadata(token_file)
     reply = _call(
         _server(ctx, target),
-        lambda ch: pb_grpc.OpenEngineStub(ch).Abort(req, metadata=metadata, timeout=TIMEOUT_S),
+        lambda ch: pb_grpc.OpenEngineStub(ch).Abort(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
     )
     data = _dict(reply)
     emit(
@@ -721,7 +725,9 @@ def _engine_metadata(
     if engine is None:
         return ()
     _admin_call(
-        command, server, lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=TIMEOUT_S)
+        command,
+        server,
+        lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=RPC_TIMEOUT_S),
     )
     return ((ENGINE_METADATA_KEY, engine),)
 
@@ -780,7 +786,7 @@ def lora_load(
     )
     data = _lora_call(
         _server(ctx, target),
-        lambda stub: stub.LoadLora.with_call(req, metadata=metadata, timeout=TIMEOUT_S),
+        lambda stub: stub.LoadLora.with_call(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
     )
     state = "already loaded" if data.get("already_loaded") else "loaded"
     emit(data, output, lambda d: _with_engines(f"{name} {state}", d))
@@ -805,7 +811,7 @@ def lora_unload(
     req = pb.UnloadLoraRequest(lora_name=name)
     data = _lora_call(
         _server(ctx, target),
-        lambda stub: stub.UnloadLora.with_call(req, metadata=metadata, timeout=TIMEOUT_S),
+        lambda stub: stub.UnloadLora.with_call(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
     )
     emit(data, output, lambda d: _with_engines(f"{name} unloaded", d))
 
@@ -819,7 +825,7 @@ def lora_list(
     Behind a controller, which engines hold each (ENGINES)."""
     data = _lora_call(
         _server(ctx, target),
-        lambda stub: stub.ListLoras.with_call(pb.ListLorasRequest(), timeout=TIMEOUT_S),
+        lambda stub: stub.ListLoras.with_call(pb.ListLorasRequest(), timeout=RPC_TIMEOUT_S),
     )
     data.setdefault("adapters", [])
     holders: dict[str, list[str]] = {}

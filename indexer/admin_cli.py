@@ -25,6 +25,7 @@ from indexer.validation import MAX_UINT32
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.cli_common import (
+    RPC_TIMEOUT_S,
     ClientTarget,
     GroupTokenFileOption,
     OutputFormat,
@@ -46,7 +47,6 @@ from kvplane_api.v1 import index_pb2_grpc as api_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 TARGET_KIND = "a kvplane indexer"  # what --target must be (rpc_channel)
-TIMEOUT_S = 10.0
 
 index_app = typer.Typer(no_args_is_help=True, help="Inspect a kvplane indexer.")
 
@@ -119,7 +119,7 @@ def stats(
         ctx,
         target,
         lambda ch: api_grpc.KvIndexStub(ch).GetIndexStats(
-            api.GetIndexStatsRequest(), timeout=TIMEOUT_S, metadata=metadata
+            api.GetIndexStatsRequest(), timeout=RPC_TIMEOUT_S, metadata=metadata
         ),
     )
 
@@ -159,7 +159,7 @@ def resync(
         ctx,
         target,
         lambda ch: api_grpc.KvIndexStub(ch).ResyncEngine(
-            api.ResyncEngineRequest(engine=engine), timeout=TIMEOUT_S, metadata=metadata
+            api.ResyncEngineRequest(engine=engine), timeout=RPC_TIMEOUT_S, metadata=metadata
         ),
     )
 
@@ -365,7 +365,7 @@ def match(
             ctx,
             target,
             lambda ch: api_grpc.KvIndexStub(ch).MatchTokens(
-                request, timeout=TIMEOUT_S, metadata=metadata
+                request, timeout=RPC_TIMEOUT_S, metadata=metadata
             ),
         )
 
@@ -389,7 +389,7 @@ def match(
         ctx,
         target,
         lambda ch: kv_grpc.KVIndexerStub(ch).MatchExternalKvPrefix(
-            prefix_request, timeout=TIMEOUT_S, metadata=metadata
+            prefix_request, timeout=RPC_TIMEOUT_S, metadata=metadata
         ),
     )
 

@@ -221,12 +221,20 @@ class ClientTarget:
         return rpc_channel(self.address, expects, channels)
 
 
+# The deadline of each unary call of a client command: a target that lets it pass (hung,
+# stopped, overloaded) is reported as not answering (rpc_channel) rather than waited for.
+RPC_TIMEOUT_S = 10.0
+
+
 class RpcCallError(KvplaneError):
     """A CLI's RPC failed (unreachable target, rejected call): shown as one line."""
 
 
 # What a gRPC server (grpcio, as every kvplane server) answers for a method it does not have.
 METHOD_NOT_FOUND = "Method not found!"
+# What grpcio reports when a call's own deadline passes (a server relaying another's
+# DEADLINE_EXCEEDED, or refusing a deadline already passed, says something of its own).
+CLIENT_DEADLINE_PASSED = "Deadline Exceeded"
 # What a channel reports when the server hangs up on it, as a TLS server does on plaintext and
 # a mutual-TLS server on a client without a certificate.
 HUNG_UP = "Socket closed"
@@ -240,7 +248,9 @@ def rpc_channel(
     one-line RpcCallErrors. `expects`: what the target should be ("a kvplane indexer"); a
     server without the method called (another kind of server) is then said to be something
     else, rather than gRPC's "UNIMPLEMENTED: Method not found!". A server that hangs up on
-    the connection most likely wants TLS or a client certificate: the error says so."""
+    the connection most likely wants TLS or a client certificate: the error says so. One that
+    lets a call's deadline (RPC_TIMEOUT_S) pass is said not to have answered, rather than
+    gRPC's "DEADLINE_EXCEEDED: Deadline Exceeded"."""
     with channels.channel(target) as channel:
         try:
             yield channel
@@ -250,6 +260,11 @@ def rpc_channel(
             if expects and code == grpc.StatusCode.UNIMPLEMENTED and details == METHOD_NOT_FOUND:
                 raise RpcCallError(
                     f"{target} is not {expects}: it does not serve this call"
+                ) from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and details == CLIENT_DEADLINE_PASSED:
+                raise RpcCallError(
+                    f"{target} did not answer within {RPC_TIMEOUT_S:g} s (is its process "
+                    "hung, stopped or overloaded? check it and its log)"
                 ) from None
             name = code.name if code is not None else "ERROR"
             raise RpcCallError(f"{target}: {name}: {details}{_hint(channels, details)}") from None

@@ -2,8 +2,9 @@
 plane gains no dependency): a Deployment's scale subresource (GET; PATCH of spec.replicas), its
 pods by label selector (LIST), and a pod's annotations (merge PATCH).
 
-Calls are blocking (`http.client`); the actuator runs them in a thread (`asyncio.to_thread`).
-Each opens its own connection, so calls from several threads share nothing. The bearer token
+Calls are blocking (`http.client`); the actuator runs each in a daemon thread of its own, which
+a planner that stops does not wait for (planner/kubernetes.py, `_in_daemon_thread`). Each opens
+its own connection, so calls from several threads share nothing. The bearer token
 is read from its file at every call: the kubelet rotates projected service-account tokens in
 place. Every failure, an HTTP error (the API's Status object gives its reason and message) or
 a server that cannot be reached, is one `KubeApiError` whose message is one line.

@@ -35,9 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import grpc
 
@@ -55,6 +58,8 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_DELETION_COST = str(-(2**31))
 # Conflicting writers of a scale (an operator's `kubectl scale`) are rare: a few re-reads.
 _SCALE_ATTEMPTS = 3
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -313,7 +318,7 @@ class KubernetesDeployments:
 
     async def _scale_away(self, engine: _Engine) -> None:
         """The pod first to go (lowest deletion cost), then one replica fewer."""
-        await asyncio.to_thread(
+        await _in_daemon_thread(
             self._api.annotate_pod, engine.pod, {DELETION_COST: DRAINED_DELETION_COST}
         )
         await self._rescale(engine.pool, lambda scale: max(0, scale.replicas - 1))
@@ -327,7 +332,7 @@ class KubernetesDeployments:
     # ---------------------------------------------------------------- the API
 
     async def _scale(self, pool: str) -> Scale:
-        scale = await asyncio.to_thread(self._api.get_scale, self._deployments[pool])
+        scale = await _in_daemon_thread(self._api.get_scale, self._deployments[pool])
         self._selectors[pool] = scale.selector
         self._replicas[pool] = scale.replicas
         return scale
@@ -344,7 +349,7 @@ class KubernetesDeployments:
                 if wanted is None:
                     return
                 try:
-                    await asyncio.to_thread(
+                    await _in_daemon_thread(
                         self._api.patch_scale, deployment, wanted, scale.resource_version
                     )
                 except KubeApiError as exc:
@@ -364,7 +369,31 @@ class KubernetesDeployments:
         return selector
 
     async def _pods(self, pool: str) -> list[Pod]:
-        return await asyncio.to_thread(self._api.list_pods, await self._selector(pool))
+        return await _in_daemon_thread(self._api.list_pods, await self._selector(pool))
+
+
+async def _in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """`call(*args, **kwargs)` (a blocking API call) in a daemon thread of its own.
+
+    Not `asyncio.to_thread`: its pool's threads are joined by `asyncio.run` on the way out
+    and again at interpreter exit, so a call still pending when the planner stops (a hung API
+    server: up to the request timeout, or without end while it answers a byte at a time)
+    would hold up the exit, Ctrl-C during the start-up check included. A blocking
+    http.client call cannot be interrupted, so the prompt way out is to stop waiting for it:
+    cancelling the await abandons the call, and the thread ends with it (or with the
+    process, as a daemon)."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # cancelled before the thread ran
+        try:
+            future.set_result(call(*args, **kwargs))
+        except BaseException as exc:  # handed to the awaiting task, which re-raises it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="kubernetes-api", daemon=True).start()
+    return await asyncio.wrap_future(future)
 
 
 async def connect_deployments(

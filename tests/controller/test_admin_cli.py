@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from typer.testing import CliRunner, Result
 
@@ -59,7 +60,16 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     group_ids = sorted(w["instance_id"] for w in json.loads(group_level.output)["workers"])
     assert group_ids == ["e0", "e1", "e2"]
     table = await cli("workers", *t)
-    assert table.exit_code == 0 and "e1" in table.output and "ready" in table.output
+    assert table.exit_code == 0, table.output
+    policy, header, *rows = table.stdout.splitlines()
+    assert policy == "policy kvplane"
+    # SOURCE: where each engine came from, as in the JSON (these are the config's engines).
+    assert header.split()[:5] == ["ENGINE", "ADDRESS", "SOURCE", "ROLE", "STATE"]
+    by_engine = {w["instance_id"]: w for w in workers["workers"]}
+    assert sorted(row.split()[:5] for row in rows) == [
+        [engine, by_engine[engine]["address"], "config", "aggregated", "ready"]
+        for engine in ("e0", "e1", "e2")
+    ]
     # The engines' health checks name their model ("sim"): information, not an ERROR.
     assert [w["last_error"] for w in workers["workers"]] == ["", "", ""]
     assert not any(line.rstrip().endswith("sim") for line in table.output.splitlines())
@@ -306,6 +316,51 @@ async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> No
     finally:
         await server.stop(None)
         await backend.close()
+
+
+class _Unanswering(grpc.GenericRpcHandler):
+    """Every method of every service, answered never: a hung server (wedged, overloaded)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.released = asyncio.Event()
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        async def hang(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+            self.calls += 1
+            await self.released.wait()
+            return b""
+
+        return grpc.unary_unary_rpc_method_handler(hang)
+
+
+async def test_a_server_that_does_not_answer_is_named_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A target that takes the call and never answers: after the call's deadline, one line
+    saying it did not answer within that many seconds (every admin CLI, the indexer's too),
+    not gRPC's "DEADLINE_EXCEEDED: Deadline Exceeded"."""
+    # A short deadline (the name the message reads and the names the calls read).
+    for module in ("kvplane.cli_common", "controller.admin_cli", "indexer.admin_cli"):
+        monkeypatch.setattr(f"{module}.RPC_TIMEOUT_S", 0.5)
+    handler = _Unanswering()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    try:
+        commands = (["workers"], ["health"], ["match", "--prompt", "x"], ["index", "stats"])
+        for number, command in enumerate(commands, start=1):
+            result = await cli("--target", target, *command)
+            assert result.exit_code == 1, (command, result.output)
+            assert str(result.exception) == (
+                f"{target} did not answer within 0.5 s (is its process hung, stopped or "
+                "overloaded? check it and its log)"
+            ), command
+            assert handler.calls == number  # the call reached the server, which sat on it
+    finally:
+        handler.released.set()
+        await server.stop(None)
 
 
 async def test_with_the_remote_index_down_the_router_still_knows_what_it_just_routed(

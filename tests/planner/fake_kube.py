@@ -24,6 +24,10 @@ What it implements (namespaced, one namespace):
   makes it act on nothing until cleared, then on the latest spec.replicas only, as
   Kubernetes' Deployment and ReplicaSet controllers do when several changes arrive before
   their work queue syncs (a scale from 1 to 0 and back to 1 deletes no pod).
+- `hang_requests` makes the server a hung one: each request gets a 200's headers, then its
+  body one byte at a time without end, so every read of the client's gets a byte before its
+  timeout and the call never ends on its own. `hung_requests` counts the requests taken,
+  `dropped_requests` those whose client hung up.
 - The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
   do not collide; Linux routes all of 127.0.0.0/8 to lo), or with `ipv6` the IP ::1 (an IPv6
   cluster's; one pod at a time then: loopback has one IPv6 address), starts `python -m kvplane
@@ -142,6 +146,10 @@ class FakeKube:
         self.stale_deletion_cost = False
         # Set: the ReplicaSet part waits; cleared, it sees only the latest replicas.
         self.hold_replicasets = False
+        # Set: every request hangs (see the module's docstring).
+        self.hang_requests = False
+        self.hung_requests = 0
+        self.dropped_requests = 0
         self._closing = threading.Event()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -360,6 +368,20 @@ class FakeKube:
             },
         }
 
+    def hang(self, write: Callable[[bytes], object]) -> None:
+        """Answer a hung request's body a byte a pass until the client hangs up (or the
+        server closes)."""
+        with self._changed:
+            self.hung_requests += 1
+            self._changed.notify_all()
+        try:
+            while not self._closing.wait(_LOOP_S):
+                write(b" ")
+        except OSError:  # the client went away: broken pipe, reset
+            with self._changed:
+                self.dropped_requests += 1
+                self._changed.notify_all()
+
     def _version(self) -> str:
         return str(next(self._versions))
 
@@ -509,6 +531,15 @@ def _handler(kube: FakeKube) -> type[http.server.BaseHTTPRequestHandler]:
 
         def _serve(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if kube.hang_requests:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(2**20))  # 14 hours of bytes
+                self.end_headers()
+                self.wfile.flush()
+                kube.hang(self._write)
+                self.close_connection = True
+                return
             try:
                 code, answer = kube.handle(self.command, self.path, self.headers, body)
             except ApiError as exc:
@@ -528,6 +559,10 @@ def _handler(kube: FakeKube) -> type[http.server.BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
+
+        def _write(self, data: bytes) -> None:
+            self.wfile.write(data)
+            self.wfile.flush()
 
         do_GET = do_PATCH = do_DELETE = do_POST = do_PUT = _serve
 

@@ -433,6 +433,49 @@ def test_planner_run_names_a_missing_deployment_in_one_line(tmp_path: Path) -> N
     assert "is Deployment missing in namespace serving?" in line
 
 
+@pytest.mark.timeout(60)
+async def test_ctrl_c_during_the_start_up_check_does_not_wait_for_a_hung_api(
+    tmp_path: Path,
+) -> None:
+    """The API server takes the planner's first call and never finishes answering it: Ctrl-C
+    ends the planner while that call is still pending (its connection dropped mid-answer),
+    rather than after it (which, the answer trickling in, would be never)."""
+    with fake_kube(tmp_path, None) as kube:
+        kube.add_deployment(DEPLOYMENT, 0, LABELS)
+        kube.hang_requests = True
+        token_file = tmp_path / "token"
+        token_file.write_text(kube.token)
+        kubernetes = {
+            "api_server": kube.url,
+            "namespace": kube.namespace,
+            "token_file": str(token_file),
+            "deployments": {"default": DEPLOYMENT},
+        }
+        config = tmp_path / "planner.yaml"
+        config.write_text(
+            json.dumps({"live": {"controller": "127.0.0.1:1", "kubernetes": kubernetes}})
+        )
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            await asyncio.to_thread(kube.wait_for, lambda: kube.hung_requests == 1)
+            process.send_signal(signal.SIGINT)
+            async with asyncio.timeout(30):  # a bound for the old behaviour: waiting forever
+                _, stderr = await process.communicate()
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+        assert process.returncode == 130, stderr.decode()  # kvplane's exit for Ctrl-C
+        assert b"Traceback" not in stderr, stderr.decode()
+        # The call was abandoned mid-answer: the planner hung up on it, having asked nothing
+        # more.
+        await asyncio.to_thread(kube.wait_for, lambda: kube.dropped_requests == 1)
+        assert kube.hung_requests == 1
+
+
 @pytest.mark.timeout(120)
 async def test_planner_run_scales_the_deployment_and_leaves_its_pods_when_stopped(
     empty: Cluster, tmp_path: Path
