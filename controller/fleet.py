@@ -14,9 +14,10 @@ is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as
 only the engines holding it (registry.check_lora says why there is none).
 
 Calls to an engine end with its channel: a removed engine's channel is closed, and so is
-the channel of one unreachable for `health.abandon_streams_after_s` (then dialled afresh),
-whose calls would otherwise wait for it or for their clients' deadlines; `why_calls_ended`
-tells the gateway which (`controller.relay.engine_failure`).
+the channel of one unreachable (its polls unanswered; an error answer is an answer) for
+`health.abandon_streams_after_s` (then dialled afresh), whose calls would otherwise wait
+for it or for their clients' deadlines; `why_calls_ended` tells the gateway which
+(`controller.relay.engine_failure`).
 
 An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
 request or an engine: prompts are routed by load (a warning at most every
@@ -44,6 +45,7 @@ from controller.registry import (
     EngineRecord,
     EngineState,
     IncompatibleEngineError,
+    PollFailure,
     Registry,
     Role,
     check_revision,
@@ -78,6 +80,11 @@ _HEALTH = {
     pb.HEALTH_STATE_DEGRADED: EngineState.DEGRADED,
     pb.HEALTH_STATE_DRAINING: EngineState.DRAINING,
     pb.HEALTH_STATE_NOT_READY: EngineState.NOT_READY,
+}
+# The statuses of a poll that did not reach the engine; any other is the engine's answer.
+_NOT_REACHED = {
+    grpc.StatusCode.UNAVAILABLE: PollFailure.CONNECTION_LOST,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PollFailure.TIMED_OUT,  # `health.rpc_timeout_s`
 }
 _ROLE = {
     pb.ENGINE_ROLE_AGGREGATED: Role.AGGREGATED,
@@ -506,10 +513,10 @@ class Fleet:
                 need_identity = True
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
-                delay = self.registry.on_unreachable(
-                    address, now, error, exc.code() is grpc.StatusCode.UNAVAILABLE
-                )
-                log.warning("engine %s unreachable (%s); retry in %.1fs", address, error, delay)
+                failure = _NOT_REACHED.get(exc.code(), PollFailure.ERROR_ANSWER)
+                delay = self.registry.on_unreachable(address, now, error, failure)
+                said = "unreachable" if failure in _NOT_REACHED.values() else "failed a poll"
+                log.warning("engine %s %s (%s); retry in %.1fs", address, said, error, delay)
                 need_identity = True
                 next_health = 0.0
                 await self._notify()
@@ -518,7 +525,7 @@ class Fleet:
             except Exception as exc:  # a bug or a malformed answer: keep polling, loudly
                 log.exception("engine %s: poll failed", address)
                 delay = self.registry.on_unreachable(
-                    address, now, f"poll failed: {exc}", connection_lost=False
+                    address, now, f"poll failed: {exc}", PollFailure.ERROR_ANSWER
                 )
                 need_identity = True
             await asyncio.sleep(delay)
