@@ -172,7 +172,12 @@ class PromptView(NamedTuple):
 class _Engine:
     """The live parts of one engine: its channel and tasks."""
 
-    def __init__(self, address: str, channels: ClientChannels = INSECURE) -> None:
+    def __init__(
+        self,
+        address: str,
+        channels: ClientChannels = INSECURE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.address = address
         self._channels = channels
         self.channel = channels.aio_channel(address)
@@ -188,6 +193,9 @@ class _Engine:
         # that a failure on the way (the engine gone again, GetKvEventSources failing) is
         # retried at the next identity fetch, which sees the same instance id again.
         self.events_pending = False
+        # The remote index could not be told of this engine's new process: throttled per
+        # engine, so that one engine's repeated failures do not hide another's.
+        self.remote_resync_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
 
     async def abandon_calls(self, because: str) -> None:
         """End every call on the engine's channel (each fails as cancelled, see
@@ -230,7 +238,6 @@ class Fleet:
         self._changed = asyncio.Condition()
         self._routing_blind = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         self._mixed_block_sizes = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
-        self._remote_resync_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
@@ -280,7 +287,7 @@ class Fleet:
         self, address: str, kv_events: str = KvEventsMode.grpc.value, source: str = "admin"
     ) -> EngineRecord:
         record = self.registry.add(address, kv_events=kv_events, source=source)
-        engine = _Engine(address, self._engine_channels)
+        engine = _Engine(address, self._engine_channels, self._clock)
         self._engines[address] = engine
         engine.poll_task = asyncio.create_task(self._poll(engine), name=f"poll {address}")
         return record
@@ -324,12 +331,12 @@ class Fleet:
             await self.remote.resync_engine(engine.address, first_contact=first_contact)
         except KvplaneError as exc:
             if first_contact:
-                self._remote_resync_failed.warn(
+                engine.remote_resync_failed.warn(
                     f"engine {engine.address}: the remote index could not be asked to drop "
                     f"blocks of an earlier process of it: {exc}"
                 )
             else:
-                self._remote_resync_failed.warn(
+                engine.remote_resync_failed.warn(
                     f"engine {engine.address} restarted; the remote index is not told yet, "
                     f"its cache is ignored meanwhile: {exc}"
                 )
