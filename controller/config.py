@@ -172,7 +172,8 @@ class HealthConfig(StrictModel):
     backoff_initial_s: float = Field(default=0.5, gt=0)
     backoff_max_s: float = Field(default=30.0, gt=0)
     # An engine unreachable this long (its polls unanswered: a stopped or wedged process, a
-    # host gone without a TCP reset) has the gateway's calls to it ended, as if it had left
+    # host gone without a TCP reset; a poll it answers, with an error even, restarts the
+    # count) has the gateway's calls to it ended, as if it had left
     # the fleet: streams without output are retried elsewhere, the others end with the
     # gateway's error for a lost engine. Long enough to ride out a blip (a GC pause, a
     # congested link); well below clients' deadlines, which would otherwise be what ends

@@ -14,9 +14,10 @@ is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as
 only the engines holding it (registry.check_lora says why there is none).
 
 Calls to an engine end with its channel: a removed engine's channel is closed, and so is
-the channel of one unreachable for `health.abandon_streams_after_s` (then dialled afresh),
-whose calls would otherwise wait for it or for their clients' deadlines; `why_calls_ended`
-tells the gateway which (`controller.relay.engine_failure`).
+the channel of one unreachable (its polls unanswered; an error answer is an answer) for
+`health.abandon_streams_after_s` (then dialled afresh), whose calls would otherwise wait
+for it or for their clients' deadlines; `why_calls_ended` tells the gateway which
+(`controller.relay.engine_failure`).
 
 An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
 request or an engine: prompts are routed by load (a warning at most every
@@ -44,6 +45,7 @@ from controller.registry import (
     EngineRecord,
     EngineState,
     IncompatibleEngineError,
+    PollFailure,
     Registry,
     Role,
     check_revision,
@@ -78,6 +80,11 @@ _HEALTH = {
     pb.HEALTH_STATE_DEGRADED: EngineState.DEGRADED,
     pb.HEALTH_STATE_DRAINING: EngineState.DRAINING,
     pb.HEALTH_STATE_NOT_READY: EngineState.NOT_READY,
+}
+# The statuses of a poll that did not reach the engine; any other is the engine's answer.
+_NOT_REACHED = {
+    grpc.StatusCode.UNAVAILABLE: PollFailure.CONNECTION_LOST,
+    grpc.StatusCode.DEADLINE_EXCEEDED: PollFailure.TIMED_OUT,  # `health.rpc_timeout_s`
 }
 _ROLE = {
     pb.ENGINE_ROLE_AGGREGATED: Role.AGGREGATED,
@@ -165,7 +172,12 @@ class PromptView(NamedTuple):
 class _Engine:
     """The live parts of one engine: its channel and tasks."""
 
-    def __init__(self, address: str, channels: ClientChannels = INSECURE) -> None:
+    def __init__(
+        self,
+        address: str,
+        channels: ClientChannels = INSECURE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.address = address
         self._channels = channels
         self.channel = channels.aio_channel(address)
@@ -181,6 +193,9 @@ class _Engine:
         # that a failure on the way (the engine gone again, GetKvEventSources failing) is
         # retried at the next identity fetch, which sees the same instance id again.
         self.events_pending = False
+        # The remote index could not be told of this engine's new process: throttled per
+        # engine, so that one engine's repeated failures do not hide another's.
+        self.remote_resync_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
 
     async def abandon_calls(self, because: str) -> None:
         """End every call on the engine's channel (each fails as cancelled, see
@@ -223,7 +238,6 @@ class Fleet:
         self._changed = asyncio.Condition()
         self._routing_blind = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         self._mixed_block_sizes = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
-        self._remote_resync_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
         self.indexed_blocks: dict[str, int] = {}
@@ -273,7 +287,7 @@ class Fleet:
         self, address: str, kv_events: str = KvEventsMode.grpc.value, source: str = "admin"
     ) -> EngineRecord:
         record = self.registry.add(address, kv_events=kv_events, source=source)
-        engine = _Engine(address, self._engine_channels)
+        engine = _Engine(address, self._engine_channels, self._clock)
         self._engines[address] = engine
         engine.poll_task = asyncio.create_task(self._poll(engine), name=f"poll {address}")
         return record
@@ -317,12 +331,12 @@ class Fleet:
             await self.remote.resync_engine(engine.address, first_contact=first_contact)
         except KvplaneError as exc:
             if first_contact:
-                self._remote_resync_failed.warn(
+                engine.remote_resync_failed.warn(
                     f"engine {engine.address}: the remote index could not be asked to drop "
                     f"blocks of an earlier process of it: {exc}"
                 )
             else:
-                self._remote_resync_failed.warn(
+                engine.remote_resync_failed.warn(
                     f"engine {engine.address} restarted; the remote index is not told yet, "
                     f"its cache is ignored meanwhile: {exc}"
                 )
@@ -506,10 +520,10 @@ class Fleet:
                 need_identity = True
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
-                delay = self.registry.on_unreachable(
-                    address, now, error, exc.code() is grpc.StatusCode.UNAVAILABLE
-                )
-                log.warning("engine %s unreachable (%s); retry in %.1fs", address, error, delay)
+                failure = _NOT_REACHED.get(exc.code(), PollFailure.ERROR_ANSWER)
+                delay = self.registry.on_unreachable(address, now, error, failure)
+                said = "unreachable" if failure in _NOT_REACHED.values() else "failed a poll"
+                log.warning("engine %s %s (%s); retry in %.1fs", address, said, error, delay)
                 need_identity = True
                 next_health = 0.0
                 await self._notify()
@@ -518,7 +532,7 @@ class Fleet:
             except Exception as exc:  # a bug or a malformed answer: keep polling, loudly
                 log.exception("engine %s: poll failed", address)
                 delay = self.registry.on_unreachable(
-                    address, now, f"poll failed: {exc}", connection_lost=False
+                    address, now, f"poll failed: {exc}", PollFailure.ERROR_ANSWER
                 )
                 need_identity = True
             await asyncio.sleep(delay)

@@ -51,6 +51,15 @@ class EngineState(enum.StrEnum):
 ROUTABLE_STATES = frozenset({EngineState.READY, EngineState.DEGRADED})
 
 
+class PollFailure(enum.Enum):
+    """How a poll of an engine failed; only the first two are an outage (the engine could not
+    be reached), which `health.abandon_streams_after_s` is measured against."""
+
+    CONNECTION_LOST = "connection_lost"  # not reached at all: its process may be replaced
+    TIMED_OUT = "timed_out"  # no answer in time: the same process, too slow or wedged
+    ERROR_ANSWER = "error_answer"  # it answered, with an error: reachable, its calls too
+
+
 class Role(enum.StrEnum):
     AGGREGATED = "aggregated"
     PREFILL = "prefill"
@@ -160,7 +169,8 @@ class EngineRecord:
     num_failures: int = 0
     # Unreachable since a poll that could not connect (not one that only timed out).
     connection_lost: bool = False
-    # When the polls that found it unreachable began (meaningful while UNREACHABLE).
+    # When the polls that could not reach it began (meaningful while UNREACHABLE; None
+    # after a poll it answered, even with an error: no outage is running).
     unreachable_since_s: float | None = None
     next_attempt_s: float = 0.0
     last_seen_s: float | None = None
@@ -476,23 +486,31 @@ class Registry:
             record.event_lag_s = lag_s
 
     def on_unreachable(
-        self, address: str, now_s: float, error: str, connection_lost: bool = True
+        self,
+        address: str,
+        now_s: float,
+        error: str,
+        failure: PollFailure = PollFailure.CONNECTION_LOST,
     ) -> float:
-        """The engine did not answer: out of routing at once, next attempt after backoff, and
-        no load reported (its last GetLoad described a process that may be gone; the fleet's
-        totals must not keep counting it). `connection_lost`: the engine could not be reached
-        at all (UNAVAILABLE), so its process may have been replaced by the time it answers;
-        False for one that was too slow (DEADLINE_EXCEEDED). Returns the delay before the next
-        attempt."""
+        """A poll failed: out of routing at once, next attempt after backoff, and no load
+        reported (its last GetLoad described a process that may be gone; the fleet's totals
+        must not keep counting it). `failure` says how: an engine that could not be reached
+        at all (CONNECTION_LOST) may have been replaced by the time it answers; an outage
+        (`unreachable_since`) runs from the first poll that could not reach it until a poll
+        it answers, an error answer included. Returns the delay before the next attempt."""
         record = self._by_address.get(address)
         if record is None:
             return self.backoff_max_s
         if record.state is not EngineState.INCOMPATIBLE:
             if record.state is not EngineState.UNREACHABLE:
                 record.connection_lost = False
-                record.unreachable_since_s = now_s
+                record.unreachable_since_s = None
             record.state = EngineState.UNREACHABLE
-        record.connection_lost = record.connection_lost or connection_lost
+        if failure is PollFailure.ERROR_ANSWER:
+            record.unreachable_since_s = None
+        elif record.unreachable_since_s is None:
+            record.unreachable_since_s = now_s
+        record.connection_lost = record.connection_lost or failure is PollFailure.CONNECTION_LOST
         record.last_error = error
         record.load = LoadSnapshot()
         delay: float = min(self.backoff_initial_s * 2.0**record.num_failures, self.backoff_max_s)
@@ -501,7 +519,8 @@ class Registry:
         return delay
 
     def unreachable_since(self, address: str) -> float | None:
-        """When the engine's current outage began; None while it answers (or is unknown)."""
+        """When the engine's current outage began; None while it answers (an error answer
+        included) or is unknown."""
         record = self._by_address.get(address)
         if record is None or record.state is not EngineState.UNREACHABLE:
             return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -161,3 +162,68 @@ async def test_an_unreachable_engine_is_retried_with_exponential_backoff() -> No
     finally:
         await close_fleet(fleet)
         await engine.close()
+
+
+class FailsHealthHoldingStreams(Forwarding):
+    """Once `failing`, Health answers INTERNAL (an engine that answers, with an error), each
+    such answer's loop time kept; Generate relays the sim engine's stream up to its first
+    token and the rest once `released`."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.failing = False
+        self.failed_at: list[float] = []
+        # Set by a failed answer `failed_since_s` or more after the first.
+        self.failed_since = asyncio.Event()
+        self.failed_since_s = float("inf")
+        self.released = asyncio.Event()
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
+        if not self.failing:
+            return await self.inner.Health(request)
+        self.failed_at.append(asyncio.get_running_loop().time())
+        if self.failed_at[-1] - self.failed_at[0] >= self.failed_since_s:
+            self.failed_since.set()
+        await context.abort(grpc.StatusCode.INTERNAL, "scripted: health check crashed")
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        async for response in self.inner.Generate(request):
+            yield response
+            if response.WhichOneof("event") == "token":
+                await self.released.wait()
+
+
+async def test_an_engine_answering_health_with_an_error_keeps_its_streams() -> None:
+    """`health.abandon_streams_after_s` ends the streams of an engine that cannot be reached
+    (test_stalled_engines.py); one whose Health answers INTERNAL is reachable, and its stream
+    goes on relaying however long that lasts. It is out of routing meanwhile."""
+    abandon_after_s = 0.5
+    scripted = await start_fronted_engine("h0", FailsHealthHoldingStreams)
+    fleet = await make_fleet(
+        engines=[scripted],  # type: ignore[list-item]
+        health={"abandon_streams_after_s": abandon_after_s},
+    )
+    address = f"127.0.0.1:{scripted.port}"
+    try:
+        stream = fleet.gateway.Generate(generate_request("held", [1, 2, 3], max_tokens=8))
+        first = await stream.read()
+        while first.WhichOneof("event") != "token":
+            first = await stream.read()
+        scripted.servicer.failed_since_s = 2 * abandon_after_s
+        scripted.servicer.failing = True
+        # Health answered with errors for twice the limit: long past the abandonment that an
+        # outage that long would have brought (it happens before the poll after it is due).
+        await asyncio.wait_for(scripted.servicer.failed_since.wait(), WAIT_S)
+        assert not fleet.app.controller.fleet.registry.get(address).routable
+        scripted.servicer.released.set()
+        async with asyncio.timeout(WAIT_S):  # a hang guard; the outcome is what is asserted
+            responses = [first]
+            while (response := await stream.read()) is not grpc.aio.EOF:
+                responses.append(response)
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]
+        assert not [r for r in responses if r.WhichOneof("event") == "error"]
+        assert sum(len(r.token.tokens) for r in responses if r.HasField("token")) == 8
+    finally:
+        await close_fleet(fleet)

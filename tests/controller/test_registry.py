@@ -16,6 +16,7 @@ from controller.registry import (
     LoraNotLoadedError,
     LoraUnavailableError,
     LoraUnsupportedError,
+    PollFailure,
     Registry,
     Role,
     UnknownEngineError,
@@ -171,12 +172,29 @@ def test_an_outage_runs_from_the_first_unanswered_poll_until_an_answer() -> None
     registry.on_health("h:1", EngineState.READY, 1.0)
     assert registry.unreachable_since("h:1") is None
     for now_s in (2.0, 4.0, 8.0):
-        registry.on_unreachable("h:1", now_s, "DEADLINE_EXCEEDED", connection_lost=False)
+        registry.on_unreachable("h:1", now_s, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
     assert registry.unreachable_since("h:1") == 2.0
     registry.on_health("h:1", EngineState.READY, 9.0)
     assert registry.unreachable_since("h:1") is None
-    registry.on_unreachable("h:1", 10.0, "DEADLINE_EXCEEDED", connection_lost=False)
+    registry.on_unreachable("h:1", 10.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
     assert registry.unreachable_since("h:1") == 10.0  # a new outage
+
+
+def test_an_engine_answering_with_an_error_is_in_no_outage() -> None:
+    """An error answer (INTERNAL, UNIMPLEMENTED, a malformed reply) keeps the engine out of
+    routing but proves it reachable: it neither starts an outage nor continues one."""
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_unreachable("h:1", 1.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
+    assert registry.get("h:1").state is EngineState.UNREACHABLE and registry.routable() == []
+    assert registry.unreachable_since("h:1") is None
+    registry.on_unreachable("h:1", 2.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
+    assert registry.unreachable_since("h:1") == 2.0
+    registry.on_unreachable("h:1", 3.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
+    assert registry.unreachable_since("h:1") is None
+    registry.on_unreachable("h:1", 4.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
+    assert registry.unreachable_since("h:1") == 4.0  # a new outage
 
 
 def test_an_unreachable_engine_reports_no_load() -> None:
@@ -270,7 +288,7 @@ def test_an_engine_answering_again_after_it_was_unreachable_is_a_new_process() -
     assert registry.on_identity("h:1", identity("e0"), 4.0) is False
     # Too busy to answer in time is the same process: its drain (and index entries) stay.
     registry.request_drain("e0")
-    registry.on_unreachable("h:1", 5.0, "DEADLINE_EXCEEDED", connection_lost=False)
+    registry.on_unreachable("h:1", 5.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
     assert registry.on_identity("h:1", identity("e0"), 5.5) is False
     registry.on_health("h:1", EngineState.READY, 5.5)
     assert registry.routable() == []

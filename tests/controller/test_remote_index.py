@@ -26,6 +26,8 @@ from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
+from tests.controller.conftest import start_sim_engine
+from tests.controller.test_gateway import eventually
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -368,3 +370,74 @@ async def test_resync_engine_needs_the_indexers_token(tmp_path: Path) -> None:
             ),
             None,
         )
+
+
+class _RefusingIndex(ipb_grpc.KvIndexServicer):
+    """An indexer that refuses every ResyncEngine (UNAVAILABLE, as one starting up), keeping
+    each request's engine."""
+
+    def __init__(self) -> None:
+        self.resync_engines: list[str] = []
+
+    async def ResyncEngine(
+        self, request: ipb.ResyncEngineRequest, context: grpc.aio.ServicerContext
+    ) -> ipb.ResyncEngineResponse:
+        self.resync_engines.append(request.engine)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: starting")
+
+
+async def test_a_remote_index_that_cannot_be_told_is_reported_once_per_engine(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The warning is throttled engine by engine (its clock stands still here: everything
+    happens within one throttle interval): each engine met while the indexer refuses
+    ResyncEngine is reported, and a restarted engine asked again at every poll is not
+    reported again."""
+    servicer = _RefusingIndex()
+    index_server = grpc.aio.server()
+    ipb_grpc.add_KvIndexServicer_to_server(servicer, index_server)  # type: ignore[no-untyped-call]
+    index_port = index_server.add_insecure_port("127.0.0.1:0")
+    await index_server.start()
+    engines = [await start_sim_engine(f"e{i}") for i in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    config = ControllerConfig.model_validate(
+        {
+            "engines": [{"address": a} for a in addresses],
+            "index": {"remote": f"127.0.0.1:{index_port}"},
+            "health": {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1},
+        }
+    )
+    fleet = Fleet(config, None, clock=lambda: 0.0)
+
+    def warnings_about(address: str) -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "controller.fleet" and f"engine {address}" in r.getMessage()
+            and "the remote index" in r.getMessage()
+        ]  # fmt: skip
+
+    try:
+        await fleet.start()
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 15)
+        for address in addresses:  # both met at once, both refused
+            assert address in servicer.resync_engines
+            [warning] = warnings_about(address)
+            assert "could not be asked to drop blocks" in warning
+            assert "UNAVAILABLE: scripted: starting" in warning
+
+        # e0 restarts: the indexer is asked again at each poll, and refuses each time.
+        await engines[0].close()
+        engines[0] = await start_sim_engine("e0-again", port=engines[0].port)
+
+        async def asked_again_and_again() -> bool:
+            return servicer.resync_engines.count(addresses[0]) >= 4
+
+        await eventually(asked_again_and_again, 15)
+        assert len(warnings_about(addresses[0])) == 1
+        assert len(warnings_about(addresses[1])) == 1
+    finally:
+        await fleet.close()
+        for engine in engines:
+            await engine.close()
+        await index_server.stop(None)
