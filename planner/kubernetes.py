@@ -418,7 +418,7 @@ async def connect_deployments(
     )
     try:
         await actuator.check()
-    except ConfigError:
+    except BaseException:  # a ConfigError, or Ctrl-C during the check: nobody else closes it
         await actuator.close()
         raise
     return actuator
