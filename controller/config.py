@@ -6,7 +6,7 @@ index: {backend: memory}           # or redis://..., or {remote: 127.0.0.1:50051
 router: {policy: kvplane}
 engines:
   - {address: 127.0.0.1:9001}
-  - {address: 127.0.0.1:9002, kv_events: zmq}
+  - {address: 127.0.0.1:9002, kv_events: zmq, array_tail: vllm}
 engine_tls: {ca_file: ca.pem}      # optional: engines serve TLS (add cert_file/key_file for mTLS)
 ```
 """
@@ -22,6 +22,7 @@ from pydantic import Field, field_validator, model_validator
 from controller.router import POLICY_NAMES, BusyThresholds, KvplaneWeights
 from indexer.backends import check_backend_url, check_redis_options
 from indexer.config import RedisBackendConfig
+from indexer.zmq_decode import ArrayTail
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_dial_target
 
 _DEFAULT_WEIGHTS = KvplaneWeights()
@@ -37,6 +38,10 @@ class KvEventsMode(enum.StrEnum):
 class EngineEntry(StrictModel):
     address: str
     kv_events: KvEventsMode = KvEventsMode.grpc
+    # How the positional events of the engine's ZMQ source (`kv_events: zmq`, or grpc's
+    # fallback) are read past index 7 (`indexer.zmq_decode`); None: as the engine's
+    # GetEngineInfo name says (`engine_array_tail`: "vllm" for vLLM, else "ignore").
+    array_tail: ArrayTail | None = None
 
     @field_validator("address")
     @classmethod

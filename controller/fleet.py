@@ -64,6 +64,7 @@ from indexer.sources.openengine import (
 from indexer.sources.resync import drop_engine
 from indexer.sources.zmq import SourceCounters, ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
+from indexer.zmq_decode import ArrayTail, engine_array_tail
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
@@ -281,12 +282,20 @@ class Fleet:
 
     async def start(self) -> None:
         for entry in self.config.engines:
-            await self.add_engine(entry.address, entry.kv_events.value, source="config")
+            await self.add_engine(
+                entry.address, entry.kv_events.value, source="config", array_tail=entry.array_tail
+            )
 
     async def add_engine(
-        self, address: str, kv_events: str = KvEventsMode.grpc.value, source: str = "admin"
+        self,
+        address: str,
+        kv_events: str = KvEventsMode.grpc.value,
+        source: str = "admin",
+        array_tail: ArrayTail | None = None,
     ) -> EngineRecord:
-        record = self.registry.add(address, kv_events=kv_events, source=source)
+        record = self.registry.add(
+            address, kv_events=kv_events, source=source, array_tail=array_tail
+        )
         engine = _Engine(address, self._engine_channels, self._clock)
         self._engines[address] = engine
         engine.poll_task = asyncio.create_task(self._poll(engine), name=f"poll {address}")
@@ -665,15 +674,17 @@ class Fleet:
             )
         )
         on_batch_time = functools.partial(self._event_applied, engine.address)
+        array_tail = record.array_tail or engine_array_tail(identity.engine_name)
         source: OpenEngineSource | ZmqSource | None
         if record.kv_events == KvEventsMode.zmq.value:
-            source = await self._zmq_source(engine, translator, on_batch_time)
+            source = await self._zmq_source(engine, translator, on_batch_time, array_tail)
         else:
             health = self.config.health
             source = OpenEngineSource(
                 # The engine's retries back off as its polls do (one warning per attempt).
                 OpenEngineSourceSettings(
                     target=engine.address,
+                    array_tail=array_tail,
                     backoff_initial_s=health.backoff_initial_s,
                     backoff_max_s=health.backoff_max_s,
                 ),
@@ -701,6 +712,7 @@ class Fleet:
         engine: _Engine,
         translator: WorkerTranslator,
         on_batch_time: Callable[[float], None],
+        array_tail: ArrayTail,
     ) -> ZmqSource | None:
         assert self.index is not None
         try:
@@ -715,7 +727,7 @@ class Fleet:
         # ranks beyond it are not followed; `kvplane indexer` follows every rank).
         for advert in reply.sources:
             if advert.transport == "zmq":
-                settings = zmq_source_settings(advert)
+                settings = zmq_source_settings(advert, array_tail=array_tail)
                 return ZmqSource(settings, translator, self.index, on_batch_time=on_batch_time)
         log.warning("engine %s advertises no ZMQ KV-event source", engine.address)
         return None

@@ -28,9 +28,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from controller.router import LoadSnapshot
 from kvplane.errors import KvplaneError
+
+if TYPE_CHECKING:
+    from indexer.zmq_decode import ArrayTail
 
 CLIENT_REVISION = 1
 SUPPORTED_SERVER_REVISIONS = frozenset({1})
@@ -161,6 +165,8 @@ class EngineRecord:
     address: str
     kv_events: str = "grpc"
     source: str = "config"  # config | admin
+    # The engine entry's `array_tail` (None: chosen from the engine's name).
+    array_tail: ArrayTail | None = None
     identity: EngineIdentity | None = None
     state: EngineState = EngineState.UNKNOWN
     cordoned: bool = False
@@ -220,10 +226,16 @@ class Registry:
     def records(self) -> list[EngineRecord]:
         return sorted(self._by_address.values(), key=lambda r: r.address)
 
-    def add(self, address: str, kv_events: str = "grpc", source: str = "config") -> EngineRecord:
+    def add(
+        self,
+        address: str,
+        kv_events: str = "grpc",
+        source: str = "config",
+        array_tail: ArrayTail | None = None,
+    ) -> EngineRecord:
         if address in self._by_address:
             raise DuplicateEngineError(f"engine {address} is already registered")
-        record = EngineRecord(address, kv_events=kv_events, source=source)
+        record = EngineRecord(address, kv_events=kv_events, source=source, array_tail=array_tail)
         self._by_address[address] = record
         return record
 

@@ -5,7 +5,9 @@ It is a `ZmqSource` (seq tracking, replay, rebuild on restart) whose sink is a K
 client (an insecure channel, or TLS per `channels`). Translation (`indexer.translate`)
 coalesces adjacent REPORTs / REVOKEs to one tier, splits at 256 actions / 16,384 hashes with
 the same seq, turns AllBlocksCleared into one CLEAR per configured tier in place, and by
-default skips nil and EXTERNAL media (configurable).
+default skips nil and EXTERNAL media (configurable). Positional events' fields past index 7
+(a hybrid model's group_idx and spec kind among them) are read only with `array_tail="vllm"`
+(`indexer.zmq_decode`); by default every group reads as group 0.
 Copies are counted here, since the KVIndexer API has no notion of them.
 
 An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with
@@ -57,6 +59,7 @@ from indexer.translate import (
     WorkerTranslator,
 )
 from indexer.validation import validate_batch
+from indexer.zmq_decode import ArrayTail
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.channels import INSECURE, ClientChannels
@@ -263,6 +266,8 @@ class BridgeSettings:
     replay_endpoint: str | None = None
     topic: str = ""
     bind: bool = False
+    # Positional events' fields past index 7: vLLM's ("vllm") or engine-specific ("ignore").
+    array_tail: ArrayTail = "ignore"
     hash_mode: HashMode = HashMode.ENGINE
     media: MediumMap = BRIDGE_MEDIUM_MAP
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
@@ -295,6 +300,7 @@ def build_bridge(
             replay_endpoint=settings.replay_endpoint,
             topic=settings.topic,
             bind=settings.bind,
+            array_tail=settings.array_tail,
         ),
         translator,
         sink,

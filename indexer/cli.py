@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from indexer.config import IndexerConfig
+from indexer.zmq_decode import ArrayTail
 from kvplane.cli_common import (
     ConfigOption,
     ListenOption,
@@ -97,6 +98,13 @@ def bridge(
     ] = None,
     topic: Annotated[str, typer.Option(help="Subscription topic prefix.")] = "",
     bind: Annotated[bool, typer.Option(help="Bind the SUB (publisher connects).")] = False,
+    array_tail: Annotated[
+        ArrayTail,
+        typer.Option(
+            help="Array-form events' fields at index >= 7: vllm (vLLM's: LoRA name, extra "
+            "keys, a hybrid model's KV cache group) or ignore (engine-specific there)."
+        ),
+    ] = "ignore",
     hash_mode: Annotated[
         str, typer.Option("--hash", help="engine (engine hashes) or canonical (kvplane keys).")
     ] = "engine",
@@ -174,6 +182,7 @@ def bridge(
         replay_endpoint=replay_endpoint,
         topic=topic,
         bind=bind,
+        array_tail=array_tail,
         hash_mode=mode,
         media=MediumMap(
             nil=_medium("--nil-medium", nil_medium),

@@ -40,6 +40,7 @@ from indexer.batch import Component, Tier
 from indexer.cache_groups import CacheGroup, component_of_kind
 from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
+from indexer.zmq_decode import ArrayTail
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_host_port
 
 TierName = Literal["HBM", "DRAM", "SSD"]
@@ -159,7 +160,7 @@ class ZmqSourceConfig(_SourceCommon):
     # Bind the SUB socket instead of connecting (for publishers that connect).
     bind: StrictBool = False
     # Positional (array) events: read fields at index >= 7 as vLLM's ("vllm") or ignore them.
-    array_tail: Literal["ignore", "vllm"] = "ignore"
+    array_tail: ArrayTail = "ignore"
     replay_timeout_s: StrictFloat = Field(default=5.0, gt=0)
 
     @model_validator(mode="after")
@@ -189,6 +190,8 @@ class OpenEngineSourceConfig(_SourceCommon):
     )
     # When SubscribeKvEvents is unimplemented, follow a ZMQ source from GetKvEventSources.
     discover_zmq: StrictBool = True
+    # The array tail of those ZMQ sources' positional events (as a zmq source's).
+    array_tail: ArrayTail = "ignore"
     # Dial the engine with TLS ({ca_file, cert_file, key_file, server_name}); None: insecure.
     tls: ClientTlsConfig | None = None
 

@@ -72,6 +72,7 @@ def build_source(
             target=config.target,
             data_parallel_ranks=tuple(config.data_parallel_ranks),
             discover_zmq=config.discover_zmq,
+            array_tail=config.array_tail,
         ),
         translator,
         backend,

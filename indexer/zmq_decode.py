@@ -41,6 +41,7 @@ from indexer.engine_events import (
 from indexer.validation import MAX_UINT32
 from kvplane.errors import KvplaneError
 
+# How positional events' fields at index >= 7 are read: as vLLM's, or not at all.
 ArrayTail = Literal["ignore", "vllm"]
 
 SEQ_BYTES = 8
@@ -109,6 +110,13 @@ def _decode_seq(frame: bytes) -> int:
 
 def _decode_topic(frame: bytes) -> str:
     return bytes(frame).decode("utf-8", errors="replace")
+
+
+def engine_array_tail(engine_name: str) -> ArrayTail:
+    """The array tail of the events an engine publishes, from the name GetEngineInfo gives it:
+    a vLLM engine's ZMQ publisher is vLLM's own, whose positional layout is the one "vllm"
+    reads; any other name (SGLang, whose builds disagree past index 7, or unknown) "ignore"."""
+    return "vllm" if engine_name.strip().lower() == "vllm" else "ignore"
 
 
 def decode_payload(payload: bytes, *, array_tail: ArrayTail = "ignore") -> EventBatch:

@@ -59,6 +59,7 @@ from indexer.sources.zmq import (
     ZmqSourceSettings,
 )
 from indexer.translate import WorkerTranslator
+from indexer.zmq_decode import ArrayTail
 from kvplane.channels import INSECURE, ClientChannels
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -130,6 +131,8 @@ class OpenEngineSourceSettings:
     target: str
     data_parallel_ranks: tuple[int, ...] = ()
     discover_zmq: bool = True
+    # How the advertised ZMQ sources' positional events are read (`indexer.zmq_decode`).
+    array_tail: ArrayTail = "ignore"
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
 
@@ -382,7 +385,7 @@ class OpenEngineSource:
                     continue
                 translator = WorkerTranslator(replace(self.translator.options, worker_id=worker_id))
                 translator.counters = self.translator.counters
-            settings = zmq_source_settings(advert)
+            settings = zmq_source_settings(advert, array_tail=self.settings.array_tail)
             log.info(
                 "worker %s: SubscribeKvEvents unimplemented; following ZMQ %s (replay %s)",
                 translator.options.worker_id,
@@ -412,10 +415,14 @@ def engine_worker_id(worker_id: str) -> str:
     return engine if separator and rank.isascii() and rank.isdigit() else worker_id
 
 
-def zmq_source_settings(advert: pb.KvEventSource) -> ZmqSourceSettings:
-    """How to follow one advertised ZMQ source (its replay endpoint may lack the scheme)."""
+def zmq_source_settings(advert: pb.KvEventSource, *, array_tail: ArrayTail) -> ZmqSourceSettings:
+    """How to follow one advertised ZMQ source (its replay endpoint may lack the scheme),
+    reading its positional events' fields past index 7 as `array_tail` says: the advert does
+    not say which engine's layout they follow."""
     endpoint = f"tcp://{advert.endpoint_addr.host}:{advert.endpoint_addr.port}"
     replay = advert.replay_endpoint or None
     if replay is not None and "://" not in replay:
         replay = f"tcp://{replay}"
-    return ZmqSourceSettings(endpoint=endpoint, replay_endpoint=replay, topic=advert.topic)
+    return ZmqSourceSettings(
+        endpoint=endpoint, replay_endpoint=replay, topic=advert.topic, array_tail=array_tail
+    )

@@ -10,6 +10,8 @@ import re
 import time
 import urllib.request
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +23,13 @@ from controller.app import start_controller
 from controller.config import ControllerConfig
 from engine.config import KvEventsConfig
 from engine.server.service import EngineApp
+from indexer.batch import Component
+from indexer.keys import block_keys
+from indexer.memory_backend import MemoryBackend
+from indexer.sources.openengine import OpenEngineSource
 from indexer.sources.zmq import ZmqSource
+from kvplane.config import load_config
+from kvplane.errors import ConfigError
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -35,6 +43,12 @@ from tests.controller.conftest import (
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.test_gateway import eventually
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
+from tests.indexer.hybrid_events import (
+    HYBRID_BLOCK_SIZE,
+    HYBRID_TOKEN_IDS,
+    EventForm,
+    hybrid_payload,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -287,3 +301,129 @@ async def test_zmq_events_of_an_engine_without_get_kv_event_sources_are_none(
         assert f"engine {address} advertises no ZMQ KV-event source" in caplog.text
     finally:
         await engine.close()
+
+
+class NamedZmqEngine(Forwarding):
+    """A sim engine calling itself `engine_name` in GetEngineInfo, without SubscribeKvEvents,
+    whose KV events come from one advertised ZMQ publisher (as a vLLM engine's do)."""
+
+    def __init__(
+        self, inner: pb_grpc.OpenEngineAsyncStub, engine_name: str, publisher: FakeKvPublisher
+    ) -> None:
+        super().__init__(inner)
+        self.engine_name = engine_name
+        self.publisher = publisher
+
+    async def GetEngineInfo(
+        self, request: pb.GetEngineInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.EngineInfo:
+        info = await self.inner.GetEngineInfo(request)
+        info.engine_name = self.engine_name
+        return info
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no gRPC KV events here")
+        yield pb.SubscribeKvEventsResponse()  # unreachable: makes this a stream handler
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetKvEventSourcesResponse:
+        host, port = self.publisher.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        advert = pb.KvEventSource(
+            transport="zmq",
+            endpoint_addr=pb.KvEndpoint(host=host, port=int(port), protocol="tcp"),
+            encoding="msgpack",
+        )
+        return pb.GetKvEventSourcesResponse(sources=[advert])
+
+
+@dataclass(frozen=True)
+class HybridCase:
+    form: EventForm
+    engine_name: str
+    entry: dict[str, str]  # the engine entry's options besides its address
+    groups_read: bool
+
+
+# Each engine publishes the hybrid model's stream; the first, as maps, is the reference.
+HYBRID_CASES = {
+    "maps": HybridCase("map", "kvplane", {"kv_events": "zmq"}, True),
+    "configured vllm": HybridCase(
+        "array", "kvplane", {"kv_events": "zmq", "array_tail": "vllm"}, True
+    ),
+    "named vllm": HybridCase("array", "vllm", {"kv_events": "zmq"}, True),
+    "named vLLM, grpc fallback": HybridCase("array", "vLLM", {}, True),
+    "named vllm, configured ignore": HybridCase(
+        "array", "vllm", {"kv_events": "zmq", "array_tail": "ignore"}, False
+    ),
+    "named sglang": HybridCase("array", "sglang", {"kv_events": "zmq"}, False),
+}
+
+
+async def test_array_events_keep_a_hybrid_models_groups_when_entry_or_engine_says_vllm() -> None:
+    """The array form's group fields (past index 7) are read as vLLM's when the engine entry
+    says `array_tail: vllm`, or, unset, when GetEngineInfo names the engine vllm (a vLLM
+    engine's ZMQ publisher is vLLM's own); then the index holds what the map form gives.
+    Otherwise they are ignored: both groups' stores read as group 0's (no component masks),
+    and the sliding-window eviction finds nothing of block 2 there to remove."""
+    context = zmq.asyncio.Context()
+    publishers = {name: FakeKvPublisher(context) for name in HYBRID_CASES}
+    engines = {
+        name: await start_fronted_engine(
+            f"hybrid-{i}",
+            lambda inner, c=case, p=publishers[name]: NamedZmqEngine(inner, c.engine_name, p),
+        )
+        for i, (name, case) in enumerate(HYBRID_CASES.items())
+    }
+    address = {name: f"127.0.0.1:{engine.port}" for name, engine in engines.items()}
+    config = ControllerConfig.model_validate(
+        {
+            "listen": "127.0.0.1:0",
+            "engines": [{"address": address[n], **c.entry} for n, c in HYBRID_CASES.items()],
+            "health": {"poll_interval_s": 0.2, "backoff_initial_s": 0.1, "backoff_max_s": 1.0},
+            "shutdown_grace_s": 0.5,
+        }
+    )
+    app = await start_controller(config)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    fleet = Fleet(list(engines.values()), app, channel)  # type: ignore[arg-type]
+    try:
+        await fleet.wait_routable(len(engines))
+        index = app.controller.index
+        assert isinstance(index, MemoryBackend)
+        for name, publisher in publishers.items():
+            await publisher.wait_subscribed()
+            await publisher.send(
+                [b"", (0).to_bytes(8, "big"), hybrid_payload(HYBRID_CASES[name].form)]
+            )
+        masks: dict[str, dict[int, int]] = {}
+        for name in HYBRID_CASES:
+            source = app.controller.fleet.source_of(address[name])
+            if isinstance(source, OpenEngineSource):  # following the advertised ZMQ source
+                (source,) = source.zmq_sources
+            assert isinstance(source, ZmqSource)
+            await source.wait_until(lambda s=source: s.last_seq == 0, WAIT_S)
+            masks[name] = {p.key: p.component_mask for p in index.index.placements(address[name])}
+    finally:
+        await close_fleet(fleet)
+        for publisher in publishers.values():
+            await publisher.close()
+        context.term()
+    full, swa = Component.FULL, Component.SWA
+    key_1, key_2, key_3 = block_keys(list(HYBRID_TOKEN_IDS), HYBRID_BLOCK_SIZE)
+    assert masks["maps"] == {key_1: full | swa, key_2: full, key_3: full | swa}
+    for name, case in HYBRID_CASES.items():
+        plain = {key_1: 0, key_2: 0, key_3: 0}
+        assert masks[name] == (masks["maps"] if case.groups_read else plain), name
+
+
+def test_an_engine_entrys_unknown_array_tail_is_a_one_line_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "controller.yaml"
+    path.write_text("engines:\n  - {address: 127.0.0.1:9001, kv_events: zmq, array_tail: VLLM}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(ControllerConfig, path)
+    assert str(raised.value) == (
+        f"invalid config in {path}: engines.0.array_tail: Input should be 'ignore' or 'vllm'"
+    )

@@ -15,9 +15,10 @@ import msgpack
 import pytest
 import zmq.asyncio
 from fake_kv_publisher import FakeKvPublisher, running
+from hybrid_events import EventForm, hybrid_payload
 from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 
-from indexer.batch import Action, ActionType, Batch, Tier
+from indexer.batch import Action, ActionType, Batch, Component, Tier
 from indexer.bridge import BridgeSettings, Canary, build_bridge, follow, next_canary
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
@@ -190,6 +191,45 @@ async def test_sglang_vectors_through_the_bridge(context: zmq.asyncio.Context) -
     ]
     assert {p.key for p in rig.index.placements("sgl-0")} == {111}
     assert source.translator.counters.num_skipped_medium == 2
+
+
+async def _bridged_masks(
+    context: zmq.asyncio.Context, form: EventForm, **options: Any
+) -> dict[int, int]:
+    """The component mask of each block the target holds once the hybrid stream in `form`
+    went through a bridge with `options` (BridgeSettings fields)."""
+    rig, server = await _rig()
+    publisher = FakeKvPublisher(context)
+    source, sink = await _bridge_run(context, rig, publisher, **options)
+    marker = msgpack.packb([9.0, [["BlockRemoved", [555], "GPU"]], None])
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_frames(0, hybrid_payload(form)))
+            await publisher.send(_frames(1, marker))  # its REVOKE comes after the stream's
+            recorder = rig.recorder
+            async with asyncio.timeout(WAIT_S), recorder.arrived:
+                await recorder.arrived.wait_for(lambda: any(r.seq == 1 for r in recorder.received))
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    return {p.key: p.component_mask for p in rig.index.placements("sgl-0")}
+
+
+async def test_a_hybrid_models_array_events_keep_their_groups_only_with_array_tail_vllm(
+    context: zmq.asyncio.Context,
+) -> None:
+    """`--array-tail vllm`: the groups of the array form (past index 7) reach the target as
+    the map form's do: block 2, evicted from the sliding-window group only, keeps FULL. By
+    default they are engine-specific and ignored: both groups' stores read as group 0's (a
+    plain model's blocks, no component masks), and the eviction, whose group BlockRemoved
+    carries before index 7, finds nothing of block 2 in group 1 to remove."""
+    full, swa = Component.FULL, Component.SWA
+    as_maps = await _bridged_masks(context, "map")  # maps are read by name
+    assert as_maps == {1: full | swa, 2: full, 3: full | swa}
+    assert await _bridged_masks(context, "array", array_tail="vllm") == as_maps
+    assert await _bridged_masks(context, "array") == {1: 0, 2: 0, 3: 0}
 
 
 async def test_the_bridge_dials_an_indexer_serving_mutual_tls(

@@ -23,12 +23,13 @@ import pytest
 import zmq.asyncio
 from click.testing import Result
 from fake_kv_publisher import FakeKvPublisher
+from hybrid_events import hybrid_payload
 from redis_servers import RedisServer
 from typer.testing import CliRunner
 from vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
 
 from indexer.admin_cli import read_token_ids
-from indexer.batch import Action, ActionType, Batch, Tier, to_sfixed64
+from indexer.batch import Action, ActionType, Batch, Component, Tier, to_sfixed64
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
@@ -248,6 +249,8 @@ async def test_bridge_subprocess_feeds_a_serve_subprocess(
                 "10.0.0.9:30000",
                 "--nil-medium",
                 "HBM",
+                "--array-tail",
+                "vllm",
             ],
             tmp_path / "bridge.log",
         )
@@ -267,6 +270,22 @@ async def test_bridge_subprocess_feeds_a_serve_subprocess(
             await _until(bridged)
             response = await indexer.MatchExternalKvPrefix(request)
             assert [m.worker_address for m in response.matches] == ["10.0.0.9:30000"]
+            # A hybrid model's blocks 1-3, their groups past index 7 (--array-tail vllm reads
+            # them). (It makes the worker hybrid: blocks 11 and 12 lose their prefix.)
+            await publisher.send([b"", (1).to_bytes(8, "big"), hybrid_payload("array")])
+            hybrid = kv.MatchExternalKvRequest(hashes=[1, 2, 3])
+
+            async def hybrid_masks() -> list[int]:
+                matches = (await indexer.MatchExternalKv(hybrid)).matches
+                return [m for n in matches for t in n.hashes_by_tier for m in t.component_masks]
+
+            async def hybrid_bridged() -> bool:
+                return len(await hybrid_masks()) == 3
+
+            await _until(hybrid_bridged)
+            full, swa = Component.FULL, Component.SWA
+            # Block 2 was evicted from the sliding-window group only.
+            assert await hybrid_masks() == [full | swa, full, full | swa]
         assert _stop(bridge) == 0
         assert _stop(serve) == 0
     finally:
@@ -388,6 +407,7 @@ PROBE_INTERVAL_RULE = "must be 0 (off) or a positive, finite number of seconds"
         ("--block-size", "0", "must be between 1 and 4294967295, got 0"),
         ("--block-size", str(1 << 32), f"must be between 1 and 4294967295, got {1 << 32}"),
         ("--hash", "bogus", "must be engine or canonical, got 'bogus'"),
+        ("--array-tail", "vLLM", "Value error, 'vLLM' is not one of 'ignore', 'vllm'."),
         ("--clear-tier", "skip", "expected HBM, DRAM or SSD, got 'skip'"),
         ("--nil-medium", "GPU", "expected HBM, DRAM, SSD or skip, got 'GPU'"),
         ("--target", "", "is empty: give HOST:PORT"),
@@ -401,7 +421,8 @@ def test_bridge_rejects_bad_options_before_starting(option: str, value: str, mes
     runner = CliRunner(env={"COLUMNS": "200"})
     result = runner.invoke(app, [*BRIDGE, "--worker-id", "w0", option, value])
     assert result.exit_code == 2
-    label = "'--target' / '-t'" if option == "--target" else option
+    # Click quotes the options whose type it checks itself (a Literal's choices).
+    label = {"--target": "'--target' / '-t'", "--array-tail": "'--array-tail'"}.get(option, option)
     assert f"Invalid value for {label}: {message}" in result.output
     assert "Traceback" not in result.output
 

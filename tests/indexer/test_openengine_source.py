@@ -19,14 +19,17 @@ import msgpack
 import pytest
 import zmq.asyncio
 from fake_kv_publisher import FakeKvPublisher, running
+from hybrid_events import hybrid_payload
 
 from engine.core.api import BlockStored as EngineBlockStored
 from engine.server.service import EngineApp, start_engine
-from indexer.batch import Tier
+from indexer.batch import Component, Tier
+from indexer.config import OpenEngineSourceConfig
 from indexer.engine_events import BlockStored
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
+from indexer.service import build_source
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
 from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
@@ -233,6 +236,31 @@ async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimpleme
     assert _keys(index, target) == {77: Tier.HBM}
     assert zmq_source.settings.replay_endpoint == publisher.replay_endpoint
     assert zmq_source.worker_id == target  # a single source keeps the engine's worker id
+
+
+async def test_a_configured_array_tail_reaches_the_discovered_zmq_source() -> None:
+    """An indexer's openengine source with `array_tail: vllm` reads the array events of the
+    ZMQ source it discovers past index 7: a hybrid model's groups give its masks."""
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    server, target = await _serve(ZmqOnlyEngine(publisher))
+    index = PrefixIndex()
+    config = OpenEngineSourceConfig(kind="openengine", target=target, array_tail="vllm")
+    source = build_source(config, MemoryBackend(index), 16)
+    assert isinstance(source, OpenEngineSource)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send([b"kv@x", (0).to_bytes(8, "big"), hybrid_payload("array")])
+            (zmq_source,) = source.zmq_sources  # it subscribed above
+            await zmq_source.wait_until(lambda: zmq_source.last_seq == 0, WAIT_S)
+    finally:
+        await server.stop(None)
+        await publisher.close()
+        context.destroy(linger=0)
+    full, swa = Component.FULL, Component.SWA
+    masks = {p.key: p.component_mask for p in index.placements(target)}
+    assert masks == {1: full | swa, 2: full, 3: full | swa}
 
 
 async def test_a_target_that_is_no_openengine_server_is_one_line_per_retry(

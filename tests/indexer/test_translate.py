@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgpack
+from hybrid_events import hybrid_payload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
@@ -543,37 +544,13 @@ def test_hybrid_component_masks_match_a_naive_model(
             assert info[1] == (CacheSpec(1, FULL | SWA, 63, 0b110, 0b110, 0) if hybrid else None)
 
 
-def _hybrid_payload(form: str) -> bytes:
-    """vLLM's events for a Gemma-like model: blocks 1-3 stored in a full-attention group and
-    a sliding-window group (window 33 tokens), then block 2 evicted from the window's group;
-    in vLLM's map form or its positional array form."""
-    fields = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
-    tail = ("medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind")
-    events: list[object] = []
-    for group, kind, window in ((0, "full_attention", None), (1, "sliding_window", 33)):
-        values = ([1, 2, 3], None, list(range(48)), 16, None, "GPU", None, None, group, kind)
-        stored = dict(zip(fields + tail, values, strict=True))
-        stored["kv_cache_spec_sliding_window"] = window
-        if form == "map":
-            events.append({"type": "BlockStored", **stored})
-        else:
-            events.append(["BlockStored", *stored.values()])
-    removed = {"block_hashes": [2], "medium": "GPU", "group_idx": 1}
-    events.append(
-        {"type": "BlockRemoved", **removed}
-        if form == "map"
-        else ["BlockRemoved", *removed.values()]
-    )
-    return msgpack.packb([1.0, events, None])
-
-
 def test_hybrid_streams_in_map_and_array_form_give_the_seeds_prefix() -> None:
     """Through the decoder (the array form's group fields sit past index 7: `array_tail:
     vllm`) into an index: the sliding-window eviction of block 2 leaves its full-attention
     copy, and the seed's rule then reuses only block 1 (the 32-token window before block 3
     is broken), where a plain model's stream would have matched all three."""
     for form in ("map", "array"):
-        events = decode_payload(_hybrid_payload(form), array_tail="vllm").events
+        events = decode_payload(hybrid_payload(form), array_tail="vllm").events
         index = PrefixIndex()
         for batch in _translator().translate(events):
             validate_batch(batch)
