@@ -299,6 +299,9 @@ class ZmqSource:
         replies = await self._replay(0)
         if starting and not replies:
             return
+        # Seqs an earlier replay applied whose live copies may still be queued (this may be
+        # the second replay before the first message: the start's replay set `floor`).
+        still_queued = self._replayed
         await self._reset_worker(self.last_seq or 0)
         self._expected = None
         self._replayed = {}
@@ -309,9 +312,14 @@ class ZmqSource:
         if not replies:
             self._expected = floor
         else:
-            # Live messages still queued (seq >= floor) were replayed: drop them as duplicates.
-            # (A replay that ends before `floor` is healed as a gap by the next message.)
-            self._replayed = {r.seq: r.payload for r in replies if floor is None or r.seq >= floor}
+            # Live messages still queued (seq >= floor, or replayed before and not seen live
+            # since) were replayed: drop them as duplicates. (A replay that ends before
+            # `floor` is healed as a gap by the next message.)
+            self._replayed = {
+                r.seq: r.payload
+                for r in replies
+                if floor is None or r.seq >= floor or r.seq in still_queued
+            }
 
     async def _on_message(self, message: ZmqMessage) -> None:
         expected = self._expected

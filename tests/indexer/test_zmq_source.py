@@ -66,6 +66,7 @@ def _source(
     topic: str = "kv@",
     bind: bool = False,
     replay_timeout_s: float = 5.0,
+    rebuild_at_start: bool = False,
 ) -> ZmqSource:
     translator = WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000"))
     settings = ZmqSourceSettings(
@@ -76,8 +77,8 @@ def _source(
         replay_timeout_s=replay_timeout_s,
         backoff_initial_s=0.05,
         backoff_max_s=0.2,
-        # These tests follow the first-message rules; the rebuild at start has its own.
-        rebuild_at_start=False,
+        # Most tests follow the first-message rules; the rebuild at start has its own.
+        rebuild_at_start=rebuild_at_start,
     )
     return ZmqSource(settings, translator, sink, context=context)  # type: ignore[arg-type]
 
@@ -218,6 +219,56 @@ async def test_a_failing_sink_restarts_the_source_and_rebuilds_from_replay(
     assert _keys(index) == {2}
     assert publisher.replay_requests == [0]
     assert source.counters.num_resets == 2
+
+
+class ResyncingSink:
+    """An index that loses the worker (asks its source for a resync, as a restarted Redis
+    does) while it applies its `lose_on`-th batch."""
+
+    def __init__(self, backend: MemoryBackend, lose_on: int) -> None:
+        self.backend = backend
+        self.lose_on = lose_on
+        self.calls = 0
+        self.source: ZmqSource | None = None
+
+    async def apply(self, batch: Batch) -> None:
+        self.calls += 1
+        await self.backend.apply(batch)
+        if self.calls == self.lose_on and self.source is not None:
+            self.source.request_resync()
+
+
+async def test_live_copies_of_the_start_replay_are_duplicates_after_a_second_resync(
+    context: zmq.asyncio.Context,
+) -> None:
+    """Seq 0 is published while the source waits for its start replay, so the replay holds
+    it and its live copy is still queued when the index asks for a resync. The second replay
+    holds it again: the live copy is a duplicate, not an engine restart (which would clear
+    the worker a third time)."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)  # its replay socket does not answer yet
+    sink = ResyncingSink(MemoryBackend(index), lose_on=2)  # 1: the start's clear, 2: seq 0
+    source = _source(
+        publisher.endpoint,
+        context,
+        sink,
+        replay=publisher.replay_endpoint,
+        rebuild_at_start=True,
+    )
+    sink.source = source
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1)))  # queued behind the start replay
+            publisher.start_replay()
+            await source.wait_until(lambda: source.counters.num_duplicates == 1, WAIT_S)
+            await publisher.publish(_message(1, _stored(2, parent=1)))
+            await source.wait_until(lambda: source.last_seq == 1, WAIT_S)
+    finally:
+        await publisher.close()
+    assert publisher.replay_requests == [0, 0]  # the start's and the resync's
+    assert (source.counters.num_resyncs, source.counters.num_resets) == (1, 2)
+    assert _keys(index) == {1, 2}
 
 
 async def test_two_frame_messages_without_a_topic(context: zmq.asyncio.Context) -> None:
