@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -215,11 +214,10 @@ def _nested(outer: str, inner: str, depth: int) -> str:
         ),
     ],
 )
+@pytest.mark.timeout(30)  # a bound on a blow-up (2^40 items), not a timing check
 def test_large_and_deep_schemas_are_refused_quickly(schema_json: str, needle: str) -> None:
-    started_s = time.monotonic()
     with pytest.raises(InvalidRequestError, match=re.escape(needle)):
         schema_to_regex(schema_json)
-    assert time.monotonic() - started_s < 1.0
 
 
 @pytest.mark.parametrize(

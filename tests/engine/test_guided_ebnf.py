@@ -4,7 +4,6 @@ brute-force recursive matcher for non-regular ones), refusals, bounds."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -274,12 +273,11 @@ def test_space_may_come_between_a_term_and_its_quantifier() -> None:
         ("root ::= " + '"a" ' * 100_000, "over 100000 characters"),
     ],
 )
+@pytest.mark.timeout(30)  # a bound on a blow-up (60,000 repeats), not a timing check
 def test_refusals_name_the_problem_and_its_place(grammar: str, needle: str) -> None:
-    start = time.perf_counter()
     with pytest.raises(InvalidRequestError, match="guided ebnf_grammar") as info:
         compile_guide(GuidedDecoding(GuideKind.EBNF_GRAMMAR, grammar))
     assert needle in str(info.value), str(info.value)
-    assert time.perf_counter() - start < 2.0
 
 
 def test_unproductive_alternatives_are_dropped_not_refused() -> None:
@@ -308,9 +306,7 @@ def test_a_state_beyond_the_item_bound_is_refused_and_each_step_is_bounded() -> 
         return EbnfGuide(text)
 
     guide = wide(MAX_ITEMS // 2 + 100)
-    start = time.perf_counter()
-    assert guide.advance(guide.start(), "a") is None
-    assert time.perf_counter() - start < 0.5
+    assert guide.advance(guide.start(), "a") is None  # refused at the bound, not built whole
     narrow = wide(MAX_ITEMS // 2 - 100)
     assert narrow.advance(narrow.start(), "a") is not None
     with pytest.raises(InvalidRequestError, match="the start state exceeds"):
