@@ -453,6 +453,25 @@ _event = st.one_of(
 )
 
 
+def _count_copies(copies: dict[tuple[Tier, int, int], int], events: list[object]) -> None:
+    """The naive model: live copies per (tier, group, hash). A store adds one (a root store
+    of a block already held is the same copy again), a removal takes one, a clear drops all."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            tier = _MEDIA[event.medium or ""]
+            for h in event.block_hashes:
+                live = copies.get((tier, event.group_idx, h), 0)
+                if not (event.parent_block_hash is None and live):
+                    copies[(tier, event.group_idx, h)] = live + 1
+        elif isinstance(event, BlockRemoved):
+            tier = _MEDIA[event.medium or ""]
+            for h in event.block_hashes:
+                if copies.get((tier, event.group_idx, h), 0) > 0:
+                    copies[(tier, event.group_idx, h)] -= 1
+        else:
+            copies.clear()
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.lists(_event, max_size=4), max_size=12))
 def test_copies_and_clears_match_a_naive_model(messages: list[list[object]]) -> None:
@@ -463,20 +482,7 @@ def test_copies_and_clears_match_a_naive_model(messages: list[list[object]]) -> 
         for batch in translator.translate(events, seq=seq):  # type: ignore[arg-type]
             validate_batch(batch)
             index.apply(batch)
-        for event in events:
-            if isinstance(event, BlockStored):
-                tier = _MEDIA[event.medium or ""]
-                for h in event.block_hashes:
-                    live = copies.get((tier, event.group_idx, h), 0)
-                    if not (event.parent_block_hash is None and live):
-                        copies[(tier, event.group_idx, h)] = live + 1
-            elif isinstance(event, BlockRemoved):
-                tier = _MEDIA[event.medium or ""]
-                for h in event.block_hashes:
-                    if copies.get((tier, event.group_idx, h), 0) > 0:
-                        copies[(tier, event.group_idx, h)] -= 1
-            else:
-                copies.clear()
+        _count_copies(copies, events)
         # A block is indexed at a tier while any group holds a copy of it there.
         expected = {(tier, key) for (tier, _group, key), n in copies.items() if n > 0}
         assert {(p.tier, p.key) for p in index.placements("w0")} == expected
@@ -517,22 +523,10 @@ def test_hybrid_component_masks_match_a_naive_model(
         for batch in translator.translate(named, seq=seq):  # type: ignore[arg-type]
             validate_batch(batch)
             index.apply(batch)
-        for event in named:
-            if isinstance(event, BlockStored):
-                hybrid = hybrid or event.group_idx == 1
-                full_known = full_known or event.group_idx == 0
-                tier = _MEDIA[event.medium or ""]
-                for h in event.block_hashes:
-                    live = copies.get((tier, event.group_idx, h), 0)
-                    if not (event.parent_block_hash is None and live):
-                        copies[(tier, event.group_idx, h)] = live + 1
-            elif isinstance(event, BlockRemoved):
-                tier = _MEDIA[event.medium or ""]
-                for h in event.block_hashes:
-                    if copies.get((tier, event.group_idx, h), 0) > 0:
-                        copies[(tier, event.group_idx, h)] -= 1
-            else:
-                copies.clear()
+        stored = {e.group_idx for e in named if isinstance(e, BlockStored)}
+        hybrid = hybrid or 1 in stored
+        full_known = full_known or 0 in stored
+        _count_copies(copies, named)
         expected: dict[tuple[Tier, int], int] = {}
         for (tier, group, key), n in copies.items():
             if n > 0:
