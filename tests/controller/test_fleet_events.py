@@ -303,16 +303,15 @@ async def test_zmq_events_of_an_engine_without_get_kv_event_sources_are_none(
         await engine.close()
 
 
-class NamedZmqEngine(Forwarding):
-    """A sim engine calling itself `engine_name` in GetEngineInfo, without SubscribeKvEvents,
-    whose KV events come from one advertised ZMQ publisher (as a vLLM engine's do)."""
+class NamedZmqEngine(RankedZmqEngine):
+    """A `RankedZmqEngine` with one rank that calls itself `engine_name` in GetEngineInfo (as
+    a vLLM engine, whose KV events come from its one ZMQ publisher)."""
 
     def __init__(
         self, inner: pb_grpc.OpenEngineAsyncStub, engine_name: str, publisher: FakeKvPublisher
     ) -> None:
-        super().__init__(inner)
+        super().__init__(inner, [publisher])
         self.engine_name = engine_name
-        self.publisher = publisher
 
     async def GetEngineInfo(
         self, request: pb.GetEngineInfoRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -320,23 +319,6 @@ class NamedZmqEngine(Forwarding):
         info = await self.inner.GetEngineInfo(request)
         info.engine_name = self.engine_name
         return info
-
-    async def SubscribeKvEvents(
-        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no gRPC KV events here")
-        yield pb.SubscribeKvEventsResponse()  # unreachable: makes this a stream handler
-
-    async def GetKvEventSources(
-        self, request: pb.GetKvEventSourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.GetKvEventSourcesResponse:
-        host, port = self.publisher.endpoint.removeprefix("tcp://").rsplit(":", 1)
-        advert = pb.KvEventSource(
-            transport="zmq",
-            endpoint_addr=pb.KvEndpoint(host=host, port=int(port), protocol="tcp"),
-            encoding="msgpack",
-        )
-        return pb.GetKvEventSourcesResponse(sources=[advert])
 
 
 @dataclass(frozen=True)
@@ -370,6 +352,8 @@ async def test_array_events_keep_a_hybrid_models_groups_when_entry_or_engine_say
     and the sliding-window eviction finds nothing of block 2 there to remove."""
     context = zmq.asyncio.Context()
     publishers = {name: FakeKvPublisher(context) for name in HYBRID_CASES}
+    for publisher in publishers.values():
+        publisher.start_replay()  # advertised: the sources ask it at start (empty then)
     engines = {
         name: await start_fronted_engine(
             f"hybrid-{i}",
