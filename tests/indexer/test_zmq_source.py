@@ -5,6 +5,7 @@ replayed range; a failing sink."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -407,10 +408,12 @@ def _poisoned_message(seq: int) -> list[bytes]:
     return [TOPIC, _seq(seq), payload]
 
 
-@pytest.mark.parametrize("backend_name", ["memory", "redis"])
-async def test_poison_events_are_skipped_and_the_source_and_index_keep_working(
+@contextlib.asynccontextmanager
+async def _served_source(
     context: zmq.asyncio.Context, backend_name: str, request: pytest.FixtureRequest
-) -> None:
+) -> AsyncIterator[tuple[FakeKvPublisher, ZmqSource, grpc.aio.Channel]]:
+    """A publisher with a replay, a source following it into a `backend_name` index, and a
+    channel to that index's gRPC services, all running for the block."""
     publisher = FakeKvPublisher(context)
     publisher.start_replay()
     async with FACTORIES[backend_name](request) as backend:
@@ -421,35 +424,38 @@ async def test_poison_events_are_skipped_and_the_source_and_index_keep_working(
         source = _source(publisher.endpoint, context, backend, replay=publisher.replay_endpoint)
         try:
             async with running(source.run()), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                await publisher.wait_subscribed()
-                await publisher.publish(_message(0, _stored(1)))
-                await publisher.publish(_poisoned_message(1))
-                await publisher.publish(_message(2, _stored(300)))
-                await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
-                assert source.counters.num_bad_events == 2
-                assert source.counters.num_restarts == 0
-                assert source.counters.num_resets == 1  # only the first message's clear
-                stub = kv_grpc.KVIndexerStub(ch)
-                # Later writes, of another worker too, land and are answered.
-                report = kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[9])
-                await stub.ApplyExternalKvBatch(
-                    kv.ApplyExternalKvBatchRequest(worker_id="w9", actions=[report])
-                )
-                reply = await stub.MatchExternalKv(
-                    kv.MatchExternalKvRequest(hashes=[1, 100, 200, 201, 300, 9])
-                )
-                held = {
-                    (m.worker_id, h)
-                    for m in reply.matches
-                    for t in m.hashes_by_tier
-                    for h in t.hashes
-                }
-                assert held == {("w0", 1), ("w0", 201), ("w0", 300), ("w9", 9)}
-                dump = api_grpc.KvIndexStub(ch).DumpIndex(api.DumpIndexRequest())
-                assert {b.worker_id async for b in dump} == {"w0", "w9"}
+                yield publisher, source, ch
         finally:
             await publisher.close()
             await server.stop(None)
+
+
+@pytest.mark.parametrize("backend_name", ["memory", "redis"])
+async def test_poison_events_are_skipped_and_the_source_and_index_keep_working(
+    context: zmq.asyncio.Context, backend_name: str, request: pytest.FixtureRequest
+) -> None:
+    async with _served_source(context, backend_name, request) as (publisher, source, ch):
+        await publisher.wait_subscribed()
+        await publisher.publish(_message(0, _stored(1)))
+        await publisher.publish(_poisoned_message(1))
+        await publisher.publish(_message(2, _stored(300)))
+        await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+        assert source.counters.num_bad_events == 2
+        assert source.counters.num_restarts == 0
+        assert source.counters.num_resets == 1  # only the first message's clear
+        stub = kv_grpc.KVIndexerStub(ch)
+        # Later writes, of another worker too, land and are answered.
+        report = kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[9])
+        await stub.ApplyExternalKvBatch(
+            kv.ApplyExternalKvBatchRequest(worker_id="w9", actions=[report])
+        )
+        reply = await stub.MatchExternalKv(
+            kv.MatchExternalKvRequest(hashes=[1, 100, 200, 201, 300, 9])
+        )
+        held = {(m.worker_id, h) for m in reply.matches for t in m.hashes_by_tier for h in t.hashes}
+        assert held == {("w0", 1), ("w0", 201), ("w0", 300), ("w9", 9)}
+        dump = api_grpc.KvIndexStub(ch).DumpIndex(api.DumpIndexRequest())
+        assert {b.worker_id async for b in dump} == {"w0", "w9"}
 
 
 def _group_event(kind: str, group: int, *hashes: int, window: int | None = None) -> object:
@@ -481,42 +487,27 @@ async def test_a_hybrid_models_sliding_window_evictions_shorten_its_prefix_match
     tokens before its boundary) stores blocks 1-4 in both groups, then its sliding-window
     group evicts block 3, then block 2: MatchExternalKvPrefix drops from 4 to 2 to 1 blocks,
     though the full-attention group still holds all four."""
-    publisher = FakeKvPublisher(context)
-    publisher.start_replay()
-    async with FACTORIES[backend_name](request) as backend:
-        services, _, _ = index_services(
-            backend, default_block_size=16, max_concurrent_prefix_queries=4
+    async with _served_source(context, backend_name, request) as (publisher, source, ch):
+        stub = kv_grpc.KVIndexerStub(ch)
+
+        async def prefix_after(seq: int, *events: object) -> list[tuple[str, str, int]]:
+            await publisher.publish(_message(seq, *events))
+            await source.wait_until(lambda: source.last_seq == seq, WAIT_S)
+            reply = await stub.MatchExternalKvPrefix(
+                kv.MatchExternalKvPrefixRequest(hashes=[1, 2, 3, 4])
+            )
+            return [(m.worker_id, m.worker_address, m.matched_prefix_blocks) for m in reply.matches]
+
+        await publisher.wait_subscribed()
+        stored = await prefix_after(
+            0,
+            _group_event("full_attention", 0, 1, 2, 3, 4),
+            _group_event("sliding_window", 1, 1, 2, 3, 4, window=33),
         )
-        server, port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
-        source = _source(publisher.endpoint, context, backend, replay=publisher.replay_endpoint)
-        try:
-            async with running(source.run()), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = kv_grpc.KVIndexerStub(ch)
-
-                async def prefix_after(seq: int, *events: object) -> list[tuple[str, str, int]]:
-                    await publisher.publish(_message(seq, *events))
-                    await source.wait_until(lambda: source.last_seq == seq, WAIT_S)
-                    reply = await stub.MatchExternalKvPrefix(
-                        kv.MatchExternalKvPrefixRequest(hashes=[1, 2, 3, 4])
-                    )
-                    return [
-                        (m.worker_id, m.worker_address, m.matched_prefix_blocks)
-                        for m in reply.matches
-                    ]
-
-                await publisher.wait_subscribed()
-                stored = await prefix_after(
-                    0,
-                    _group_event("full_attention", 0, 1, 2, 3, 4),
-                    _group_event("sliding_window", 1, 1, 2, 3, 4, window=33),
-                )
-                assert stored == [("w0", "10.0.0.1:8000", 4)]
-                assert await prefix_after(1, _evicted(1, 3)) == [("w0", "10.0.0.1:8000", 2)]
-                assert await prefix_after(2, _evicted(1, 2)) == [("w0", "10.0.0.1:8000", 1)]
-                reply = await stub.MatchExternalKv(kv.MatchExternalKvRequest(hashes=[1, 2, 3, 4]))
-                (hbm,) = reply.matches[0].hashes_by_tier
-                assert list(hbm.hashes) == [1, 2, 3, 4]  # still held, in full attention
-                assert list(hbm.component_masks) == [3, 1, 1, 3]
-        finally:
-            await publisher.close()
-            await server.stop(None)
+        assert stored == [("w0", "10.0.0.1:8000", 4)]
+        assert await prefix_after(1, _evicted(1, 3)) == [("w0", "10.0.0.1:8000", 2)]
+        assert await prefix_after(2, _evicted(1, 2)) == [("w0", "10.0.0.1:8000", 1)]
+        reply = await stub.MatchExternalKv(kv.MatchExternalKvRequest(hashes=[1, 2, 3, 4]))
+        (hbm,) = reply.matches[0].hashes_by_tier
+        assert list(hbm.hashes) == [1, 2, 3, 4]  # still held, in full attention
+        assert list(hbm.component_masks) == [3, 1, 1, 3]
