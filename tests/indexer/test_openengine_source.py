@@ -216,13 +216,11 @@ async def test_a_live_batch_after_a_gap_is_followed_by_a_snapshot_subscription()
     assert (source.counters.num_gaps, source.counters.num_resyncs) == (1, 1)
 
 
-async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimplemented() -> None:
-    context = zmq.asyncio.Context()
-    publisher = FakeKvPublisher(context)
-    server, target = await _serve(ZmqOnlyEngine(publisher))
-    index = PrefixIndex()
-    source = _source(target, index)
-    payload = msgpack.packb([0.0, [["BlockStored", [77], None, None, None, None, "GPU"]], None])
+async def _first_zmq_message(
+    source: OpenEngineSource, server: grpc.aio.Server, publisher: FakeKvPublisher, payload: bytes
+) -> ZmqSource:
+    """Run `source` until the ZMQ source it discovers (one) has applied `payload`, sent as seq
+    0; then stop the engine, the publisher and its context. Returns that ZMQ source."""
     try:
         async with running(source.run()):
             await publisher.wait_subscribed()
@@ -232,7 +230,18 @@ async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimpleme
     finally:
         await server.stop(None)
         await publisher.close()
-        context.destroy(linger=0)
+        publisher.context.destroy(linger=0)
+    return zmq_source
+
+
+async def test_falls_back_to_a_discovered_zmq_source_when_subscribe_is_unimplemented() -> None:
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    server, target = await _serve(ZmqOnlyEngine(publisher))
+    index = PrefixIndex()
+    source = _source(target, index)
+    payload = msgpack.packb([0.0, [["BlockStored", [77], None, None, None, None, "GPU"]], None])
+    zmq_source = await _first_zmq_message(source, server, publisher, payload)
     assert _keys(index, target) == {77: Tier.HBM}
     assert zmq_source.settings.replay_endpoint == publisher.replay_endpoint
     assert zmq_source.worker_id == target  # a single source keeps the engine's worker id
@@ -248,16 +257,7 @@ async def test_a_configured_array_tail_reaches_the_discovered_zmq_source() -> No
     config = OpenEngineSourceConfig(kind="openengine", target=target, array_tail="vllm")
     source = build_source(config, MemoryBackend(index), 16)
     assert isinstance(source, OpenEngineSource)
-    try:
-        async with running(source.run()):
-            await publisher.wait_subscribed()
-            await publisher.send([b"kv@x", (0).to_bytes(8, "big"), hybrid_payload("array")])
-            (zmq_source,) = source.zmq_sources  # it subscribed above
-            await zmq_source.wait_until(lambda: zmq_source.last_seq == 0, WAIT_S)
-    finally:
-        await server.stop(None)
-        await publisher.close()
-        context.destroy(linger=0)
+    await _first_zmq_message(source, server, publisher, hybrid_payload("array"))
     full, swa = Component.FULL, Component.SWA
     masks = {p.key: p.component_mask for p in index.placements(target)}
     assert masks == {1: full | swa, 2: full, 3: full | swa}
