@@ -111,13 +111,18 @@ class Candidate(NamedTuple):
         return max(polled, self.inflight.prefill_tokens)
 
     @property
+    def capacity_blocks(self) -> int | None:
+        """The engine's KV capacity in blocks: GetModelInfo's, else its last GetLoad's."""
+        return self.total_kv_blocks or self.load.total_kv_blocks
+
+    @property
     def cache_survival(self) -> float:
         """The share of a queued request's cached prefix the engine should still hold when it
         admits the request (1.0 when the cache size is unknown). Everything queued ahead is
         computed first and passes through the cache, evicting the least recently used blocks:
         a prefix outlives a queue that is short against the cache, not one that fills it (under
         overload most predicted hits are gone by admission)."""
-        total = self.total_kv_blocks or self.load.total_kv_blocks
+        total = self.capacity_blocks
         if not total or not self.block_size:
             return 1.0
         return max(0.0, 1.0 - self.inflight.prefill_tokens / (total * self.block_size))
@@ -126,7 +131,7 @@ class Candidate(NamedTuple):
     def cache_pressure(self) -> float:
         """How full the engine's cache is with data (1.0 when unknown): storing a prefix twice
         only costs room that something else would have used when the cache is full."""
-        total = self.total_kv_blocks or self.load.total_kv_blocks
+        total = self.capacity_blocks
         if not total or self.cached_blocks is None:
             return 1.0
         return min(1.0, self.cached_blocks / total)

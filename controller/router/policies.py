@@ -368,7 +368,7 @@ def _kv_overflow_tokens(request: RouteRequest, c: Candidate) -> int:
     blocks they hold (polled, or the router's own count of its requests' distinct blocks if
     larger: the poll lags, and a queued request holds nothing yet) plus the prompt's blocks
     not already active there, less the capacity. 0 when the engine's size is unknown."""
-    total = c.total_kv_blocks or c.load.total_kv_blocks
+    total = c.capacity_blocks
     size = c.block_size or request.block_size
     if not total or not size:
         return 0
