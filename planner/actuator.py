@@ -124,6 +124,7 @@ class LocalProcesses:
                 "--listen", "127.0.0.1:0", "--port-file", str(port_file),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
                 env={**os.environ, **member_environment(None)},  # it dies with the planner
+                start_new_session=True,  # Ctrl-C reaches the planner only; it stops them in order
             )  # fmt: skip
         self._spawned.append(process)
         try:
