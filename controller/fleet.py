@@ -41,6 +41,7 @@ import grpc
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.registry import (
+    EjectionPolicy,
     EngineIdentity,
     EngineRecord,
     EngineState,
@@ -231,7 +232,12 @@ class Fleet:
     ) -> None:
         self.config = config
         self.index = index
-        self.registry = Registry(config.health.backoff_initial_s, config.health.backoff_max_s)
+        health = config.health
+        self.registry = Registry(
+            health.backoff_initial_s,
+            health.backoff_max_s,
+            EjectionPolicy(health.eject_after_failures, health.eject_for_s, health.eject_max_s),
+        )
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
         self._on_engine_gone = on_engine_gone
@@ -247,7 +253,6 @@ class Fleet:
         # server back after a long outage is reached within `backoff_max_s`. Engines' replies
         # of any size are taken: the gateway relays them unchanged (a stream with every
         # candidate's logprob can pass 4 MiB a message), and its client sets its own limit.
-        health = config.health
         self._engine_channels = (
             ClientChannels.load(config.engine_tls, "engine_tls")
             .reconnecting(health.backoff_initial_s, health.backoff_max_s)
@@ -398,6 +403,24 @@ class Fleet:
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
+
+    async def on_request_result(self, engine: str, fault: str | None) -> float | None:
+        """How a request the gateway sent to `engine` (address or instance id) ended: served
+        (`fault` None) or failed by a fault of the engine's own (`fault` says what). Returns
+        how long the engine is now ejected from routing, None when it is not."""
+        if fault is None:
+            self.registry.on_request_served(engine)
+            return None
+        ejected_s = self.registry.on_request_failed(engine, self._clock(), fault)
+        if ejected_s is not None:
+            log.warning(
+                "engine %s ejected from routing for %g s: %s",
+                engine,
+                ejected_s,
+                self.registry.get(engine).last_error,
+            )
+            await self._notify()
+        return ejected_s
 
     # ---- routing view ----
 

@@ -44,7 +44,7 @@ import grpc
 
 from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
 from controller.registry import EngineRecord, EngineState, UnknownEngineError, UnknownModelError
-from controller.relay import RETRYABLE, InBandError, Relay, Usage, engine_failure
+from controller.relay import ENGINE_FAULTS, RETRYABLE, InBandError, Relay, Usage, engine_failure
 from controller.service import Controller, PromptInput
 from kvplane import __version__
 from kvplane.server import abort_with
@@ -78,6 +78,7 @@ _HEALTH_PB = {
     EngineState.NOT_READY: pb.HEALTH_STATE_NOT_READY,
     EngineState.UNREACHABLE: pb.HEALTH_STATE_NOT_READY,
     EngineState.INCOMPATIBLE: pb.HEALTH_STATE_NOT_READY,
+    EngineState.EJECTED: pb.HEALTH_STATE_NOT_READY,  # takes no traffic for now
 }
 
 T = TypeVar("T")
@@ -101,7 +102,11 @@ class _OpenEngineGenerate:
         if response.WhichOneof("event") != "error":
             return None
         error = response.error
-        return InBandError(error.message or pb.ErrorCode.Name(error.code), error.retryable)
+        return InBandError(
+            error.message or pb.ErrorCode.Name(error.code),
+            error.retryable,
+            engine_fault=error.code == pb.ERROR_CODE_INTERNAL,
+        )
 
     def has_output(self, response: pb.GenerateResponse) -> bool:
         return response.WhichOneof("event") in _OUTPUT_EVENTS
@@ -243,10 +248,16 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 )
             relay.holding[request_id] = record.address
         try:
-            return await call(self.controller.fleet.stub(record.address))
+            reply = await call(self.controller.fleet.stub(record.address))
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
             failure = engine_failure(caught, record.address, self.controller.fleet)
+            if failure.code() in ENGINE_FAULTS:
+                fault = f"{failure.code().name}: {failure.details()}"
+                await relay.report(record.address, fault)
             await abort_with(context, failure.code(), failure.details() or failure.code().name)
+        else:
+            await relay.report(record.address, None)
+            return reply
         finally:
             if request_id:
                 relay.holding.pop(request_id, None)

@@ -153,6 +153,11 @@ class ControllerMetrics:
         self.retries = Counter(
             "kvplane_controller_retries", "Requests retried on another engine", registry=r
         )
+        self.ejections = Counter(
+            "kvplane_controller_ejections",
+            "Engines taken out of routing for failing requests (outlier ejection)",
+            registry=r,
+        )
         self.index_blocks = Gauge(
             "kvplane_controller_index_blocks", "Blocks in the index", registry=r
         )

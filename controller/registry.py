@@ -8,9 +8,19 @@ Compatibility (seed 000, "Core identity and roles"): an engine is accepted only 
 exceed ours, and its `schema_release` names an immutable release (not a moving branch). It
 fails closed: an engine that does not pass is INCOMPATIBLE and never routed to.
 
-Routable = health READY or DEGRADED, compatible, not cordoned. DRAINING and NOT_READY leave
-routing the moment a health answer says so; an unreachable engine is retried with
-exponential backoff and reports no load until it answers again.
+Routable = health READY or DEGRADED, compatible, not cordoned, not ejected. DRAINING and
+NOT_READY leave routing the moment a health answer says so; an unreachable engine is retried
+with exponential backoff and reports no load until it answers again.
+
+Outlier ejection (`EjectionPolicy`): an engine whose health answers fine but whose requests
+fail (INTERNAL, UNKNOWN, UNAVAILABLE, DATA_LOSS: a broken device, a wedged worker) looks
+idle to a load-balancing router, which would send it ever more traffic. After
+`after_failures` such failures in a row it is EJECTED: out of routing for `initial_s`,
+doubling with each ejection in a row up to `max_s`. Its health polls bring it back when the
+time is up; it then has one request to prove itself (one more failure ejects it again, for
+twice as long), and a request it serves clears the count. Never more than half of the fleet
+is ejected at once (a fault of every engine is not an outlier), and a new process starts
+with a clean record.
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -50,6 +60,7 @@ class EngineState(enum.StrEnum):
     NOT_READY = "not_ready"
     UNREACHABLE = "unreachable"
     INCOMPATIBLE = "incompatible"
+    EJECTED = "ejected"  # healthy to its polls, but failing requests (outlier ejection)
 
 
 ROUTABLE_STATES = frozenset({EngineState.READY, EngineState.DEGRADED})
@@ -62,6 +73,15 @@ class PollFailure(enum.Enum):
     CONNECTION_LOST = "connection_lost"  # not reached at all: its process may be replaced
     TIMED_OUT = "timed_out"  # no answer in time: the same process, too slow or wedged
     ERROR_ANSWER = "error_answer"  # it answered, with an error: reachable, its calls too
+
+
+@dataclass(frozen=True, slots=True)
+class EjectionPolicy:
+    """When an engine failing requests leaves routing (the module's "Outlier ejection")."""
+
+    after_failures: int = 5  # failed requests in a row; 0: never eject
+    initial_s: float = 10.0
+    max_s: float = 120.0
 
 
 class Role(enum.StrEnum):
@@ -194,6 +214,11 @@ class EngineRecord:
     # The LoRA adapters (names) the engine holds; None: it serves no LoRA (says
     # `supports_lora: false` or refuses ListLoras), or is not known yet.
     lora_adapters: frozenset[str] | None = None
+    # Outlier ejection: requests failed in a row, ejections in a row (each doubles the next),
+    # and until when the current one keeps it out of routing.
+    request_failures: int = 0
+    ejections: int = 0
+    ejected_until_s: float | None = None
 
     @property
     def engine_id(self) -> str:
@@ -215,9 +240,15 @@ def _why_not_routable(record: EngineRecord) -> str:
 
 
 class Registry:
-    def __init__(self, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        ejection: EjectionPolicy = EjectionPolicy(),
+    ) -> None:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.ejection = ejection
         self._by_address: dict[str, EngineRecord] = {}
 
     def __len__(self) -> int:
@@ -365,7 +396,7 @@ class Registry:
         not ready keeps its state and error (a drain it cannot be sent fails, and says why)."""
         record = self.get(key)
         record.drain_requested = True
-        if record.state in ROUTABLE_STATES:
+        if record.state in ROUTABLE_STATES or record.state is EngineState.EJECTED:
             record.state = EngineState.DRAINING
         return record
 
@@ -429,6 +460,8 @@ class Registry:
         if is_new:
             record.epoch += 1
             record.drain_requested = False
+            record.request_failures = record.ejections = 0
+            record.ejected_until_s = None
             record.event_lag_s = None
             record.lora_adapters = None  # a new process has loaded nothing we know of
         record.identity = identity
@@ -476,15 +509,53 @@ class Registry:
         record = self._by_address.get(address)
         if record is None or record.state is EngineState.INCOMPATIBLE:
             return
+        ejected = record.ejected_until_s is not None and now_s < record.ejected_until_s
         if record.drain_requested and state in ROUTABLE_STATES:
             state = EngineState.DRAINING
         elif state is EngineState.DRAINING:
             record.drain_requested = False  # the engine drains: its own health decides now
+        elif ejected and state in ROUTABLE_STATES:
+            state = EngineState.EJECTED
+        if not ejected:
+            record.ejected_until_s = None
+        if state is not EngineState.EJECTED:
+            record.last_error = "" if state in ROUTABLE_STATES else message
         record.state = state
         record.last_seen_s = now_s
         record.num_failures = 0
         record.next_attempt_s = now_s
-        record.last_error = "" if state in ROUTABLE_STATES else message
+
+    def on_request_served(self, engine: str) -> None:
+        """A request the engine (address or instance id) served: its failure count restarts."""
+        record = self.by_engine_id(engine)
+        if record is not None:
+            record.request_failures = record.ejections = 0
+
+    def on_request_failed(self, engine: str, now_s: float, error: str) -> float | None:
+        """A request the engine failed by a fault of its own (the module's "Outlier
+        ejection"). Returns how long it is now out of routing, or None when it stays in."""
+        record = self.by_engine_id(engine)
+        policy = self.ejection
+        if record is None:
+            return None
+        record.request_failures += 1
+        if (
+            not policy.after_failures
+            or record.request_failures < policy.after_failures
+            or record.state not in ROUTABLE_STATES
+            or sum(r.state is EngineState.EJECTED for r in self._by_address.values()) + 1
+            > len(self._by_address) // 2
+        ):
+            return None
+        duration_s = min(policy.initial_s * 2.0**record.ejections, policy.max_s)
+        record.ejections += 1
+        record.ejected_until_s = now_s + duration_s
+        record.state = EngineState.EJECTED
+        record.last_error = (
+            f"{record.request_failures} requests failed in a row (last: {error}); "
+            f"out of routing for {duration_s:g} s"
+        )
+        return duration_s
 
     def on_load(self, address: str, load: LoadSnapshot, now_s: float) -> None:
         record = self._by_address.get(address)

@@ -10,6 +10,7 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.registry import (
+    EjectionPolicy,
     EngineIdentity,
     EngineState,
     IncompatibleEngineError,
@@ -335,3 +336,49 @@ def test_a_drain_the_engine_did_not_take_is_withdrawn() -> None:
     registry.withdraw_drain("h:1")  # its Drain failed: UNAUTHENTICATED, unreachable, ...
     registry.on_health("h:1", EngineState.READY, 1.5)
     assert [r.engine_id for r in registry.routable()] == ["e0"]
+
+
+def ready_registry(*addresses: str, policy: EjectionPolicy) -> Registry:
+    registry = Registry(ejection=policy)
+    for n, address in enumerate(addresses):
+        registry.add(address)
+        registry.on_identity(address, identity(f"e{n}"), 0.0)
+        registry.on_health(address, EngineState.READY, 0.0)
+    return registry
+
+
+def test_ejection_doubles_up_to_its_bound_and_a_new_process_starts_clean() -> None:
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(2, 10.0, 25.0))
+    assert registry.on_request_failed("e0", 1.0, "INTERNAL: x") is None
+    assert registry.on_request_failed("e0", 1.0, "INTERNAL: x") == 10.0
+    assert [r.address for r in registry.routable()] == ["h:2"]
+    registry.on_health("h:1", EngineState.READY, 5.0)  # its polls do not end it early
+    assert registry.get("h:1").state is EngineState.EJECTED
+    durations = []
+    for now_s in (11.0, 32.0, 58.0):
+        registry.on_health("h:1", EngineState.READY, now_s)  # its time is up
+        assert registry.get("h:1").routable
+        durations.append(registry.on_request_failed("h:1", now_s, "INTERNAL: x"))
+    assert durations == [20.0, 25.0, 25.0]
+    # The same address, a new process (another instance id): its record starts clean.
+    registry.on_identity("h:1", identity("e9"), 60.0)
+    registry.on_health("h:1", EngineState.READY, 60.0)
+    assert registry.get("h:1").routable
+    assert registry.on_request_failed("h:1", 61.0, "INTERNAL: x") is None
+
+
+def test_a_served_request_clears_the_count_and_zero_never_ejects() -> None:
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(2))
+    registry.on_request_failed("h:1", 1.0, "INTERNAL: x")
+    registry.on_request_served("h:1")
+    assert registry.on_request_failed("h:1", 2.0, "INTERNAL: x") is None
+    never = ready_registry("h:1", "h:2", policy=EjectionPolicy(0))
+    assert all(never.on_request_failed("h:1", 1.0, "x") is None for _ in range(50))
+
+
+def test_an_ejected_engine_can_be_drained() -> None:
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(1))
+    registry.on_request_failed("h:1", 1.0, "INTERNAL: x")
+    assert registry.request_drain("h:1").state is EngineState.DRAINING
+    registry.on_health("h:1", EngineState.DRAINING, 2.0)
+    assert registry.get("h:1").state is EngineState.DRAINING

@@ -70,7 +70,7 @@ class WorkerInfo(_message.Message):
     state: _builtins.str
     """unknown, starting, ready, degraded, draining, not_ready,"""
     cordoned: _builtins.bool
-    """unreachable, incompatible"""
+    """unreachable, incompatible, ejected"""
     routable: _builtins.bool
     kv_events: _builtins.str
     """grpc, zmq, none"""
