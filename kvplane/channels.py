@@ -6,7 +6,8 @@ here, so the credentials are built in one place.
 `ClientChannels.load` reads and checks the PEM files once (a missing or unusable file is a
 one-line ConfigError); the channels it opens share the credentials. `with_metadata` adds
 metadata (a bearer token) to every call of its channels that brings no `authorization` of
-its own (an interceptor, installed only then).
+its own (an interceptor, installed only then). `tls_hint` says which TLS setting a failed
+call most likely lacks, in the words of the client's own settings (CLI flags, config keys).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from kvplane.errors import ConfigError
 # What each file must hold, and the PEM header that shows it does.
 _CERTIFICATE = ("a certificate", b"-----BEGIN CERTIFICATE-----")
 _PRIVATE_KEY = ("a private key", b"PRIVATE KEY-----")  # PRIVATE KEY, RSA/EC PRIVATE KEY
+# What a channel reports when the server hangs up on it, as a TLS server does on plaintext and
+# a mutual-TLS server on a client without a certificate.
+HUNG_UP = "Socket closed"
 ChannelOptions = tuple[tuple[str, Any], ...]
 Metadata = tuple[tuple[str, str], ...]
 
@@ -130,6 +134,30 @@ class ClientChannels:
         if not self.metadata:
             return channel
         return grpc.intercept_channel(channel, _DefaultMetadata(self.metadata))
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """How a client's user names its TLS settings, for `tls_hint`: the setting that turns
+    TLS on ("--tls-ca", "live.controller_tls") and the client certificate's."""
+
+    tls: str
+    client_certificate: str
+
+
+def tls_hint(channels: ClientChannels, details: str, settings: TlsSettings) -> str:
+    """What a server that hung up on the connection most likely wants, or why a TLS handshake
+    failed on a record that is not TLS (a plaintext server): " (...)" to append to a failed
+    call's details, or "" when nothing is likely."""
+    if channels.tls and "WRONG_VERSION_NUMBER" in details:
+        return f" (a plaintext server? leave out {settings.tls})"
+    if HUNG_UP not in details:
+        return ""
+    if not channels.tls:
+        return f" (a TLS server? give {settings.tls})"
+    if not channels.client_certificate:
+        return f" (a server requiring a client certificate? give {settings.client_certificate})"
+    return ""
 
 
 def _with_default(given: Any, default: Metadata) -> Metadata | None:

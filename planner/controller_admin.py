@@ -5,7 +5,9 @@ controller stops routing at once and relays the engine's Drain, followed in a ba
 whose events are logged) and `remove` (RemoveEngine). `sync` is the per-tick reconciliation:
 serving engines the controller does not list (it restarted, or someone removed them by hand)
 are registered again, and those it lists as draining are returned. Every call is bounded by
-`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain.
+`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `describe` gives a
+failed call in one line, with the `live.controller_tls` setting a TLS controller most likely
+wants when it hung up on the connection.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvplane.channels import INSECURE, ClientChannels
+from kvplane.channels import INSECURE, ClientChannels, TlsSettings, tls_hint
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -28,12 +30,15 @@ log = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 5.0
 # How often `wait_routed` lists the controller's engines.
 _ROUTED_POLL_S = 0.2
+# The settings `describe` names when the controller's TLS and the planner's do not match.
+CONTROLLER_TLS = TlsSettings("live.controller_tls", "live.controller_tls.cert_file and key_file")
 
 
 class ControllerAdmin:
     """The admin API of the controller at `controller` (HOST:PORT)."""
 
     def __init__(self, controller: str, channels: ClientChannels = INSECURE) -> None:
+        self._channels = channels
         self._channel = channels.aio_channel(controller)
         self._stub = apb_grpc.AdminStub(self._channel)
         self._drains: set[asyncio.Task[None]] = set()
@@ -44,7 +49,9 @@ class ControllerAdmin:
         try:
             await self._list()
         except grpc.aio.AioRpcError as exc:
-            raise KvplaneError(f"no engine of {pool} started: controller {rpc_error(exc)}") from exc
+            raise KvplaneError(
+                f"no engine of {pool} started: controller {self.describe(exc)}"
+            ) from exc
 
     async def register(self, address: str, *, existing_ok: bool = False) -> None:
         """RegisterEngine; with `existing_ok`, an engine the controller already lists (one a
@@ -83,7 +90,7 @@ class ControllerAdmin:
                     )
                     await self.register(address)
         except grpc.aio.AioRpcError as exc:
-            log.warning("controller: %s", rpc_error(exc))
+            log.warning("controller: %s", self.describe(exc))
             return []
         return [address for address in serving if states.get(address) == "draining"]
 
@@ -102,7 +109,7 @@ class ControllerAdmin:
             async for event in self._stub.DrainEngine(request):
                 log.debug("drain %s: %s", request.engine, event.message or event.state)
         except grpc.aio.AioRpcError as exc:
-            log.warning("drain of %s: %s", request.engine, exc.details() or exc.code().name)
+            log.warning("drain of %s: %s", request.engine, self.describe(exc))
 
     async def remove(self, address: str) -> None:
         """RemoveEngine; an engine the controller no longer lists is not an error."""
@@ -113,6 +120,10 @@ class ControllerAdmin:
         for task in list(self._drains):
             task.cancel()
         await self._channel.close()
+
+    def describe(self, exc: grpc.aio.AioRpcError) -> str:
+        """A failed admin call in one line, with the TLS setting it most likely lacks."""
+        return rpc_error(exc) + tls_hint(self._channels, exc.details() or "", CONTROLLER_TLS)
 
     async def _list(self) -> apb.ListWorkersResponse:
         return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=ADMIN_TIMEOUT_S)

@@ -194,7 +194,7 @@ def load_fleet(path: Path | None) -> FleetConfig:
     # same shape, distinct from the others' (a controller refuses an engine listed twice).
     stand_ins = {m.name: f"127.0.0.1:{i}" for i, m in enumerate(fleet.members, start=1)}
     folder = Path(tempfile.gettempdir())  # a stand-in too: the fleet's folder is made at start
-    secured: dict[str, str] = {}  # controller members a planner cannot reach: what they ask for
+    secured: dict[str, str] = {}  # controller members a planner may not reach: what they ask for
     planners: dict[str, str] = {}  # controller address -> the planner member using it
     members_at = {address: name for name, address in stand_ins.items()}
     for member in fleet.members:
@@ -206,9 +206,9 @@ def load_fleet(path: Path | None) -> FleetConfig:
         if isinstance(server, EngineConfig):
             _check_engine_checkpoint(server, f"{where}, member {member.name}")
         if isinstance(server, ControllerConfig) and (server.tls or server.auth):
-            secured[member.name] = "tls" if server.tls else "auth"
+            secured[member.name] = "auth" if server.auth else "tls"
         if isinstance(server, PlannerConfig):
-            _check_planner_reaches(member, secured, f"{where}, member {member.name}")
+            _check_planner_reaches(member, server, secured, f"{where}, member {member.name}")
             _check_one_planner_per_controller(server, member.name, planners, members_at, where)
     return fleet
 
@@ -235,14 +235,21 @@ def _check_one_planner_per_controller(
         )
 
 
-def _check_planner_reaches(member: MemberConfig, secured: dict[str, str], where: str) -> None:
-    """A planner dials its controller insecurely and without a token (planner.actuator): one
-    that names a controller member serving `tls` or asking for `auth` is refused here rather
-    than failing to register an engine once the fleet runs."""
+def _check_planner_reaches(
+    member: MemberConfig, planner: PlannerConfig, secured: dict[str, str], where: str
+) -> None:
+    """A planner dials its controller without a token (planner.actuator), and without TLS
+    unless its `live.controller_tls` says how: one that names a controller member asking for
+    `auth`, or serving `tls` it has no setting for, is refused here rather than failing to
+    register an engine once the fleet runs."""
+    has_tls = planner.live is not None and planner.live.controller_tls is not None
     for name in sorted(member.refers_to() & secured.keys()):
+        if secured[name] == "tls" and has_tls:
+            continue
+        lacks = "a token" if secured[name] == "auth" else "TLS (give it live.controller_tls)"
         raise ConfigError(
-            f"invalid config in {where}: the planner dials its controller without TLS or a "
-            f"token, and controller {name} has `{secured[name]}`"
+            f"invalid config in {where}: the planner dials its controller without {lacks}, "
+            f"and controller {name} has `{secured[name]}`"
         )
 
 

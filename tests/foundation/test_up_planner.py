@@ -134,6 +134,16 @@ def test_a_planner_is_registered_with_the_fleets_controller_by_default(tmp_path:
     assert members["q"].config["live"] == {"controller": "127.0.0.1:9"}  # as given
 
 
+def test_a_planner_with_controller_tls_may_name_a_tls_controller(tmp_path: Path) -> None:
+    fleet = _fleet_file(
+        tmp_path,
+        "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, key_file: /s.key}}}\n"
+        "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: /ca.pem}}}}\n",
+    )
+    (_, planner) = load_fleet(fleet).members
+    assert planner.config["live"]["controller_tls"] == {"ca_file": "/ca.pem"}
+
+
 def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -> None:
     """Its engines are a Deployment's pods: up gives it no `live.workdir` (which the planner
     refuses beside `kubernetes`), yet still the fleet's controller."""
@@ -175,8 +185,15 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
         (
             "  - {name: ctl, kind: controller, config: {auth: {token_file: /tmp/t}}}\n"
             "  - {name: p, kind: planner}\n",
-            "member p: the planner dials its controller without TLS or a token, and "
+            "member p: the planner dials its controller without a token, and "
             "controller ctl has `auth`",
+        ),
+        (
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
+            "key_file: /s.key}}}\n"
+            "  - {name: p, kind: planner}\n",
+            "member p: the planner dials its controller without TLS (give it "
+            "live.controller_tls), and controller ctl has `tls`",
         ),
         # Up would count one planner's engines as the other's: one planner takes every pool.
         (
@@ -192,6 +209,7 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
         "controller-after",
         "two-controllers",
         "controller-auth",
+        "controller-tls",
         "two-planners",
     ],
 )
