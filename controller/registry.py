@@ -215,10 +215,11 @@ class EngineRecord:
     # `supports_lora: false` or refuses ListLoras), or is not known yet.
     lora_adapters: frozenset[str] | None = None
     # Outlier ejection: requests failed in a row, ejections in a row (each doubles the next),
-    # and until when the current one keeps it out of routing.
+    # until when the current one keeps it out of routing, and why (its `last_error` then).
     request_failures: int = 0
     ejections: int = 0
     ejected_until_s: float | None = None
+    ejected_for: str = ""
 
     @property
     def engine_id(self) -> str:
@@ -518,7 +519,9 @@ class Registry:
             state = EngineState.EJECTED
         if not ejected:
             record.ejected_until_s = None
-        if state is not EngineState.EJECTED:
+        if state is EngineState.EJECTED:
+            record.last_error = record.ejected_for
+        else:
             record.last_error = "" if state in ROUTABLE_STATES else message
         record.state = state
         record.last_seen_s = now_s
@@ -551,7 +554,7 @@ class Registry:
         record.ejections += 1
         record.ejected_until_s = now_s + duration_s
         record.state = EngineState.EJECTED
-        record.last_error = (
+        record.last_error = record.ejected_for = (
             f"{record.request_failures} requests failed in a row (last: {error}); "
             f"out of routing for {duration_s:g} s"
         )

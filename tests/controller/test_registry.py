@@ -354,6 +354,11 @@ def test_ejection_doubles_up_to_its_bound_and_a_new_process_starts_clean() -> No
     assert [r.address for r in registry.routable()] == ["h:2"]
     registry.on_health("h:1", EngineState.READY, 5.0)  # its polls do not end it early
     assert registry.get("h:1").state is EngineState.EJECTED
+    registry.on_health("h:1", EngineState.NOT_READY, 6.0, "warming up")
+    assert registry.get("h:1").last_error == "warming up"
+    registry.on_health("h:1", EngineState.READY, 7.0)
+    assert registry.get("h:1").state is EngineState.EJECTED
+    assert registry.get("h:1").last_error.startswith("2 requests failed in a row")
     durations = []
     for now_s in (11.0, 32.0, 58.0):
         registry.on_health("h:1", EngineState.READY, now_s)  # its time is up
