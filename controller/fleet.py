@@ -50,6 +50,7 @@ from controller.registry import (
     Registry,
     Role,
     check_revision,
+    poll_failure,
 )
 from controller.remote_index import RemoteIndex, keep_best_hit
 from controller.router import Candidate, LoadSnapshot, PrefixHit
@@ -82,12 +83,6 @@ _HEALTH = {
     pb.HEALTH_STATE_DEGRADED: EngineState.DEGRADED,
     pb.HEALTH_STATE_DRAINING: EngineState.DRAINING,
     pb.HEALTH_STATE_NOT_READY: EngineState.NOT_READY,
-}
-# The statuses of a poll that did not reach the engine (UNREACHABLE); any other is the
-# engine's answer (FAILING).
-_NOT_REACHED = {
-    grpc.StatusCode.UNAVAILABLE: PollFailure.CONNECTION_LOST,
-    grpc.StatusCode.DEADLINE_EXCEEDED: PollFailure.TIMED_OUT,  # `health.rpc_timeout_s`
 }
 _ROLE = {
     pb.ENGINE_ROLE_AGGREGATED: Role.AGGREGATED,
@@ -538,9 +533,9 @@ class Fleet:
                 need_identity = True
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
-                failure = _NOT_REACHED.get(exc.code(), PollFailure.ERROR_ANSWER)
+                failure = poll_failure(exc.code().name)
                 delay = self.registry.on_poll_failed(address, now, error, failure)
-                said = "unreachable" if failure in _NOT_REACHED.values() else "answered an error"
+                said = failure.state.value
                 log.warning("engine %s %s (%s); retry in %.1fs", address, said, error, delay)
                 need_identity = True
                 next_health = 0.0

@@ -66,7 +66,25 @@ class PollFailure(enum.Enum):
 
     CONNECTION_LOST = "connection_lost"  # not reached at all: its process may be replaced
     TIMED_OUT = "timed_out"  # no answer in time: the same process, too slow or wedged
-    ERROR_ANSWER = "error_answer"  # it answered, with an error: FAILING, reachable, its calls too
+    ERROR_ANSWER = "error_answer"  # it answered, with an error: reachable, its calls too
+
+    @property
+    def state(self) -> EngineState:
+        """What the failure leaves the engine in."""
+        return EngineState.FAILING if self is PollFailure.ERROR_ANSWER else EngineState.UNREACHABLE
+
+
+# The gRPC statuses (by name: the core speaks no grpc) of a poll that did not reach the
+# engine; any other is the engine's answer.
+_NOT_REACHED = {
+    "UNAVAILABLE": PollFailure.CONNECTION_LOST,
+    "DEADLINE_EXCEEDED": PollFailure.TIMED_OUT,  # `health.rpc_timeout_s`
+}
+
+
+def poll_failure(status_name: str) -> PollFailure:
+    """How a call to an engine that ended with the gRPC status `status_name` failed."""
+    return _NOT_REACHED.get(status_name, PollFailure.ERROR_ANSWER)
 
 
 class Role(enum.StrEnum):
@@ -529,8 +547,7 @@ class Registry:
             if record.state not in POLL_FAILED_STATES:
                 record.connection_lost = False
                 record.unreachable_since_s = None
-            failing = failure is PollFailure.ERROR_ANSWER
-            record.state = EngineState.FAILING if failing else EngineState.UNREACHABLE
+            record.state = failure.state
         if failure is PollFailure.ERROR_ANSWER:
             record.unreachable_since_s = None
         elif record.unreachable_since_s is None:

@@ -1,11 +1,14 @@
 """An engine that answers the controller's polls with errors (its process up, and broken) is
 `failing`, told apart from an `unreachable` one (its polls do not reach it) wherever an
 operator looks: `kvplane admin workers` (through the CLI against a real controller), the
-gateway's Health, /metrics. Both are out of routing; each turns into the other and back to
-ready as the engine does, and one whose connection was lost is a new process when back."""
+gateway's Health, /metrics, `kvplane up`'s live status. Both are out of routing; each turns
+into the other and back to ready as the engine does, and one whose connection was lost is a
+new process when back."""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -13,6 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controller.registry import EngineState
+from kvplane.up.config import FleetConfig
+from kvplane.up.fleet import Fleet as LocalFleet
+from kvplane.up.status import collect_status
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
@@ -174,3 +180,33 @@ async def test_unreachable_and_failing_follow_each_other_as_the_engine_does() ->
         assert row["state"] == "unreachable" and row["last_error"].startswith("UNAVAILABLE: ")
     finally:
         await close_fleet(fleet)
+
+
+async def test_the_live_status_without_a_controller_tells_failing_from_unreachable(
+    tmp_path: Path,
+) -> None:
+    """`kvplane up` with engines and no controller shows each engine's own answer to GetLoad.
+    The members are in-process engines whose addresses the fleet is given, as if it had
+    started them: what is under test is the status, not the start-up (tests/foundation)."""
+    healthy = await start_sim_engine("healthy")
+    scripted: FrontedEngine[FailsPolls] = await start_fronted_engine("broken", FailsPolls)
+    scripted.servicer.code = grpc.StatusCode.INTERNAL
+    with socket.socket() as probe:  # a port nothing listens on: a dead engine's
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    addresses = {
+        "healthy": f"127.0.0.1:{healthy.port}",
+        "broken": f"127.0.0.1:{scripted.port}",
+        "dead": dead,
+    }
+    members = [{"name": name, "kind": "engine", "config": {"model": "sim"}} for name in addresses]
+    fleet = LocalFleet(FleetConfig.model_validate({"members": members}), tmp_path)
+    for member in fleet.members:
+        member.address, member.state = addresses[member.name], "serving"
+    try:
+        status = await collect_status(fleet)
+        states = {e.name: e.state for e in status.engines}
+        assert states == {"healthy": "serving", "broken": "failing", "dead": "unreachable"}
+    finally:
+        await scripted.close()
+        await healthy.close()
