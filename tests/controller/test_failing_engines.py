@@ -210,3 +210,22 @@ async def test_the_live_status_without_a_controller_tells_failing_from_unreachab
     finally:
         await scripted.close()
         await healthy.close()
+
+
+async def test_registering_a_failing_engine_says_it_answers_with_errors(fleet: Fleet) -> None:
+    """`register` waits for the engine as for one not reached yet (it may be starting), then
+    says what the controller found: answers, with errors, and the last one."""
+    scripted: FrontedEngine[FailsPolls] = await start_fronted_engine("broken", FailsPolls)
+    scripted.servicer.code = grpc.StatusCode.INTERNAL
+    address = f"127.0.0.1:{scripted.port}"
+    try:
+        registered = await cli("register", address, "--wait-s", "5", "--target", fleet.target)
+        assert registered.exit_code == 1
+        assert str(registered.exception) == (
+            f"engine {address} registered, but it still answers the controller's polls with "
+            f"errors after 5s (INTERNAL: {SCRIPTED}); it keeps retrying (remove it: kvplane "
+            f"admin remove {address})"
+        )
+        assert (await worker(fleet, address))["state"] == "failing"
+    finally:
+        await scripted.close()
