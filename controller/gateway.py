@@ -43,7 +43,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import grpc
 
 from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
-from controller.registry import EngineRecord, EngineState, UnknownEngineError, UnknownModelError
+from controller.registry import (
+    POLL_FAILED_STATES,
+    EngineRecord,
+    EngineState,
+    UnknownEngineError,
+    UnknownModelError,
+)
 from controller.relay import ENGINE_FAULTS, RETRYABLE, InBandError, Relay, Usage, engine_failure
 from controller.service import Controller, PromptInput
 from kvplane import __version__
@@ -77,6 +83,7 @@ _HEALTH_PB = {
     EngineState.DRAINING: pb.HEALTH_STATE_DRAINING,
     EngineState.NOT_READY: pb.HEALTH_STATE_NOT_READY,
     EngineState.UNREACHABLE: pb.HEALTH_STATE_NOT_READY,
+    EngineState.FAILING: pb.HEALTH_STATE_NOT_READY,
     EngineState.INCOMPATIBLE: pb.HEALTH_STATE_NOT_READY,
     EngineState.EJECTED: pb.HEALTH_STATE_NOT_READY,  # takes no traffic for now
 }
@@ -308,11 +315,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     # ---- lifecycle ----
 
     def _reachable(self) -> list[EngineRecord]:
+        """The engines a fan-out goes to: known, compatible, and whose polls succeed (a FAILING
+        one, answering its polls with errors, is left out as an UNREACHABLE one is)."""
         return [
             r
             for r in self.controller.fleet.registry.records()
             if r.identity is not None
-            and r.state not in (EngineState.UNREACHABLE, EngineState.INCOMPATIBLE)
+            and r.state not in POLL_FAILED_STATES
+            and r.state is not EngineState.INCOMPATIBLE
         ]
 
     async def _fan_out(
@@ -633,7 +643,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             pb.HealthCheck(
                 name=f"engine:{r.address}",
                 state=_HEALTH_PB[r.state],
-                message=("cordoned " if r.cordoned else "") + r.last_error,
+                message=_check_message(r),
             )
             for r in records
         ]
@@ -699,6 +709,18 @@ async def _require_model(controller: Controller, model: str, context: Context) -
         controller.check_model(model)
     except UnknownModelError as exc:
         await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
+
+
+def _check_message(record: EngineRecord) -> str:
+    """An engine's check message: its last error, after its cordon and, where HealthState has
+    no word for its state (NOT_READY stands for unknown, unreachable, failing, incompatible),
+    the state itself: an operator tells a dead engine from one answering with errors."""
+    head = "cordoned " if record.cordoned else ""
+    if record.state is not EngineState.NOT_READY and _HEALTH_PB[record.state] == (
+        pb.HEALTH_STATE_NOT_READY
+    ):
+        head += record.state.value + (": " if record.last_error else "")
+    return head + record.last_error
 
 
 def _drain_state(state: pb.DrainState.ValueType, in_flight: int) -> pb.DrainResponse:

@@ -9,8 +9,10 @@ exceed ours, and its `schema_release` names an immutable release (not a moving b
 fails closed: an engine that does not pass is INCOMPATIBLE and never routed to.
 
 Routable = health READY or DEGRADED, compatible, not cordoned, not ejected. DRAINING and
-NOT_READY leave routing the moment a health answer says so; an unreachable engine is retried
-with exponential backoff and reports no load until it answers again.
+NOT_READY leave routing the moment a health answer says so. A poll that fails leaves the engine
+UNREACHABLE when it did not reach the engine (refused, no answer in time) and FAILING when the
+engine answered it with an error (its process is up, and broken); either is retried with
+exponential backoff and reports no load until it answers again.
 
 Outlier ejection (`EjectionPolicy`): an engine whose health answers fine but whose requests
 fail (INTERNAL, UNKNOWN, UNAVAILABLE, DATA_LOSS: a broken device, a wedged worker) looks
@@ -58,21 +60,42 @@ class EngineState(enum.StrEnum):
     DEGRADED = "degraded"
     DRAINING = "draining"
     NOT_READY = "not_ready"
-    UNREACHABLE = "unreachable"
+    UNREACHABLE = "unreachable"  # its polls do not reach it: a dead, stopped or wedged process
+    FAILING = "failing"  # it answers its polls with errors (INTERNAL, ...): up, but broken
     INCOMPATIBLE = "incompatible"
     EJECTED = "ejected"  # healthy to its polls, but failing requests (outlier ejection)
 
 
 ROUTABLE_STATES = frozenset({EngineState.READY, EngineState.DEGRADED})
+# What a failed poll leaves an engine in, until a poll succeeds.
+POLL_FAILED_STATES = frozenset({EngineState.UNREACHABLE, EngineState.FAILING})
 
 
 class PollFailure(enum.Enum):
     """How a poll of an engine failed; only the first two are an outage (the engine could not
-    be reached), which `health.abandon_streams_after_s` is measured against."""
+    be reached: UNREACHABLE), which `health.abandon_streams_after_s` is measured against."""
 
     CONNECTION_LOST = "connection_lost"  # not reached at all: its process may be replaced
     TIMED_OUT = "timed_out"  # no answer in time: the same process, too slow or wedged
     ERROR_ANSWER = "error_answer"  # it answered, with an error: reachable, its calls too
+
+    @property
+    def state(self) -> EngineState:
+        """What the failure leaves the engine in."""
+        return EngineState.FAILING if self is PollFailure.ERROR_ANSWER else EngineState.UNREACHABLE
+
+
+# The gRPC statuses (by name: the core speaks no grpc) of a poll that did not reach the
+# engine; any other is the engine's answer.
+_NOT_REACHED = {
+    "UNAVAILABLE": PollFailure.CONNECTION_LOST,
+    "DEADLINE_EXCEEDED": PollFailure.TIMED_OUT,  # `health.rpc_timeout_s`
+}
+
+
+def poll_failure(status_name: str) -> PollFailure:
+    """How a call to an engine that ended with the gRPC status `status_name` failed."""
+    return _NOT_REACHED.get(status_name, PollFailure.ERROR_ANSWER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +216,8 @@ class EngineRecord:
     last_error: str = ""
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     num_failures: int = 0
-    # Unreachable since a poll that could not connect (not one that only timed out).
+    # A poll could not connect (not one that only timed out) since its polls began to fail
+    # (UNREACHABLE or FAILING since): the process that answers next may be a new one.
     connection_lost: bool = False
     # When the polls that could not reach it began (meaningful while UNREACHABLE; None
     # after a poll it answered, even with an error: no outage is running).
@@ -427,7 +451,9 @@ class Registry:
         instance).
         Raises IncompatibleEngineError (and marks the engine) when the revision check fails."""
         record = self._by_address[address]
-        came_back = record.state is EngineState.UNREACHABLE and record.connection_lost
+        # An engine whose connection was lost is a new process when it answers again, even
+        # if it answered with errors on the way (restarting, failing, then healthy).
+        came_back = record.state in POLL_FAILED_STATES and record.connection_lost
         record.last_seen_s = now_s
         try:
             check_revision(
@@ -469,14 +495,16 @@ class Registry:
         return is_new
 
     def _reachable_twin(self, address: str, instance_id: str) -> EngineRecord | None:
-        """Another record of the same engine process that is answering now (an unreachable
-        one may be the engine's old address: the new one takes over)."""
+        """Another record of the same engine process that is answering now (one whose polls
+        fail may be the engine's old address, or a broken process replaced at a new one: the
+        new one takes over)."""
         for other in self._by_address.values():
             if (
                 other.address != address
                 and other.identity is not None
                 and other.identity.instance_id == instance_id
-                and other.state not in (EngineState.UNREACHABLE, EngineState.INCOMPATIBLE)
+                and other.state not in POLL_FAILED_STATES
+                and other.state is not EngineState.INCOMPATIBLE
             ):
                 return other
         return None
@@ -571,7 +599,7 @@ class Registry:
         if record is not None:
             record.event_lag_s = lag_s
 
-    def on_unreachable(
+    def on_poll_failed(
         self,
         address: str,
         now_s: float,
@@ -580,18 +608,20 @@ class Registry:
     ) -> float:
         """A poll failed: out of routing at once, next attempt after backoff, and no load
         reported (its last GetLoad described a process that may be gone; the fleet's totals
-        must not keep counting it). `failure` says how: an engine that could not be reached
-        at all (CONNECTION_LOST) may have been replaced by the time it answers; an outage
-        (`unreachable_since`) runs from the first poll that could not reach it until a poll
-        it answers, an error answer included. Returns the delay before the next attempt."""
+        must not keep counting it). `failure` says how, and so the state: UNREACHABLE when
+        the poll did not reach the engine, FAILING when it answered with an error. An engine
+        that could not be reached at all (CONNECTION_LOST) may have been replaced by the time
+        it answers; an outage (`unreachable_since`) runs from the first poll that could not
+        reach it until a poll it answers, an error answer included. Returns the delay before
+        the next attempt."""
         record = self._by_address.get(address)
         if record is None:
             return self.backoff_max_s
         if record.state is not EngineState.INCOMPATIBLE:
-            if record.state is not EngineState.UNREACHABLE:
+            if record.state not in POLL_FAILED_STATES:
                 record.connection_lost = False
                 record.unreachable_since_s = None
-            record.state = EngineState.UNREACHABLE
+            record.state = failure.state
         if failure is PollFailure.ERROR_ANSWER:
             record.unreachable_since_s = None
         elif record.unreachable_since_s is None:
