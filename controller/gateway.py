@@ -314,14 +314,17 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     # ---- lifecycle ----
 
-    def _reachable(self) -> list[EngineRecord]:
+    def _reachable(self, *, failing: bool = False) -> list[EngineRecord]:
         """The engines a fan-out goes to: known, compatible, and whose polls succeed (a FAILING
-        one, answering its polls with errors, is left out as an UNREACHABLE one is)."""
+        one, answering its polls with errors, is left out as an UNREACHABLE one is, unless
+        `failing`: it answers, and an Abort of every request must reach the streams it may
+        still run)."""
+        left_out = {EngineState.UNREACHABLE} if failing else POLL_FAILED_STATES
         return [
             r
             for r in self.controller.fleet.registry.records()
             if r.identity is not None
-            and r.state not in POLL_FAILED_STATES
+            and r.state not in left_out
             and r.state is not EngineState.INCOMPATIBLE
         ]
 
@@ -382,7 +385,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # Each engine bounded as above: a hung one is reported (DEADLINE_EXCEEDED) among the
         # outcomes instead of holding the whole fan-out.
         results = await self._fan_out(
-            self._reachable(),
+            self._reachable(failing=True),
             lambda s: s.Abort(request, timeout=self.controller.config.health.rpc_timeout_s),
         )
         outcomes = [EngineOutcome.of(record, result) for record, result in results]

@@ -21,7 +21,13 @@ from kvplane.up.fleet import Fleet as LocalFleet
 from kvplane.up.status import collect_status
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
 from tests.controller.test_admin_cli import cli
 from tests.controller.test_admin_cli_membership import cli_json
@@ -229,3 +235,25 @@ async def test_registering_a_failing_engine_says_it_answers_with_errors(fleet: F
         assert (await worker(fleet, address))["state"] == "failing"
     finally:
         await scripted.close()
+
+
+async def test_abort_of_every_request_reaches_a_failing_engines_streams() -> None:
+    """Its polls fail, but its process runs the streams it had: `abort --all` is for them too."""
+    scripted = await start_fronted_engine("h0", FailsPolls, time_scale=1.0)
+    engines: list[Any] = [scripted]
+    fleet = await make_fleet(engines=engines)
+    h0 = f"127.0.0.1:{scripted.port}"
+    try:
+        stream = fleet.gateway.Generate(generate_request("long", [1, 2, 3], max_tokens=2000))
+        first = await stream.read()
+        assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
+        scripted.servicer.code = grpc.StatusCode.INTERNAL
+        await wait_state(fleet, h0, EngineState.FAILING)
+        everything = await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        assert everything.status == pb.ABORT_STATUS_ABORTED
+        events = []
+        while isinstance(response := await stream.read(), pb.GenerateResponse):
+            events.append(response.WhichOneof("event"))
+        assert events[-1] == "finished" and len(events) < 2000
+    finally:
+        await close_fleet(fleet)
