@@ -71,7 +71,6 @@ from indexer.zmq_decode import ArrayTail, engine_array_tail
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
-from kvplane.server import bearer_token_metadata
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -254,12 +253,8 @@ class Fleet:
             ClientChannels.load(config.engine_tls, "engine_tls")
             .reconnecting(health.backoff_initial_s, health.backoff_max_s)
             .receiving_any_size()
+            .with_token_file(config.engine_token_file, "engine_token_file")
         )
-        if config.engine_token_file is not None:
-            token = read_token_file(config.engine_token_file, "engine_token_file")
-            self._engine_channels = self._engine_channels.with_metadata(
-                bearer_token_metadata(token)
-            )
         self.remote = (
             RemoteIndex(
                 config.index.remote,

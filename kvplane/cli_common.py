@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import grpc
 import typer
 
-from kvplane.channels import INSECURE, ClientChannels, Metadata, TlsSettings, tls_hint
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, Metadata, setting_hint
 from kvplane.config import ClientTlsConfig, parse_dial_target, read_token_file
 from kvplane.errors import KvplaneError
 from kvplane.server import bearer_token_metadata
@@ -236,7 +236,7 @@ METHOD_NOT_FOUND = "Method not found!"
 # DEADLINE_EXCEEDED, or refusing a deadline already passed, says something of its own).
 CLIENT_DEADLINE_PASSED = "Deadline Exceeded"
 # The CLIs' TLS options, as `rpc_channel`'s errors name them.
-_TLS_FLAGS = TlsSettings("--tls-ca", "--tls-cert and --tls-key")
+_TLS_FLAGS = ClientSettings("--tls-ca", "--tls-cert and --tls-key")
 
 
 @contextmanager
@@ -267,7 +267,7 @@ def rpc_channel(
                 ) from None
             name = code.name if code is not None else "ERROR"
             raise RpcCallError(
-                f"{target}: {name}: {details}{tls_hint(channels, details, _TLS_FLAGS)}"
+                f"{target}: {name}: {details}{setting_hint(channels, code, details, _TLS_FLAGS)}"
             ) from None
 
 

@@ -13,6 +13,8 @@ live:                            # only for `kvplane planner run`
   controller: 127.0.0.1:8100
   # controller_tls: {ca_file: ca.pem}  # the controller serves TLS (cert_file/key_file: mTLS)
   # engine_tls: {ca_file: ca.pem}      # the engines serve TLS (GetLoad, runtime events)
+  # controller_token_file: token       # the controller runs with `auth` (its bearer token)
+  # engine_token_file: token           # the engines run with `auth` and `protect_reads`
   # kubernetes: {engine_port: 9000, deployments: {default: kvplane-engine}}
 ```
 
@@ -165,6 +167,12 @@ class LiveConfig(StrictModel):
     # that requires a client certificate); None: insecure.
     controller_tls: ClientTlsConfig | None = None
     engine_tls: ClientTlsConfig | None = None
+    # A file holding the bearer token of a controller / engines run with `auth`, sent on every
+    # call to it / them (as the controller's own `engine_token_file`): a controller asks for
+    # it on RegisterEngine, DrainEngine and RemoveEngine, and with `protect_reads` on every
+    # call; engines with `protect_reads` on GetLoad and the runtime events. None: no token.
+    controller_token_file: Path | None = None
+    engine_token_file: Path | None = None
     # `kvplane engine serve` arguments of a new engine (the actuator adds --listen and
     # --port-file).
     engine_args: tuple[str, ...] = ("--model", "sim")

@@ -6,8 +6,9 @@ whose events are logged) and `remove` (RemoveEngine). `sync` is the per-tick rec
 serving engines the controller does not list (it restarted, or someone removed them by hand)
 are registered again, and those it lists as draining are returned. Every call is bounded by
 `ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `describe` gives a
-failed call in one line, with the `live.controller_tls` setting a TLS controller most likely
-wants when it hung up on the connection.
+failed call in one line, with the setting it most likely lacks: `live.controller_tls` when a
+TLS controller hung up on the connection, `live.controller_token_file` when the controller
+refused the call's token (or its lack of one).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvplane.channels import INSECURE, ClientChannels, TlsSettings, tls_hint
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, setting_hint
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -30,8 +31,13 @@ log = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 5.0
 # How often `wait_routed` lists the controller's engines.
 _ROUTED_POLL_S = 0.2
-# The settings `describe` names when the controller's TLS and the planner's do not match.
-CONTROLLER_TLS = TlsSettings("live.controller_tls", "live.controller_tls.cert_file and key_file")
+# The settings `describe` names when the controller's TLS or token and the planner's do not
+# match.
+CONTROLLER_SETTINGS = ClientSettings(
+    "live.controller_tls",
+    "live.controller_tls.cert_file and key_file",
+    "live.controller_token_file",
+)
 
 
 class ControllerAdmin:
@@ -44,14 +50,29 @@ class ControllerAdmin:
         self._drains: set[asyncio.Task[None]] = set()
 
     async def check_reachable(self, pool: str) -> None:
-        """Raise, in one line, unless the controller answers: no engine is started (with a
-        real model, minutes of loading) for a controller that is down."""
+        """Raise, in one line, unless the controller answers and would register an engine:
+        no engine is started (with a real model, minutes of loading) for a controller that is
+        down, or that asks for a token (`auth`) the planner does not have."""
         try:
             await self._list()
+            await self._check_may_register()
         except grpc.aio.AioRpcError as exc:
             raise KvplaneError(
                 f"no engine of {pool} started: controller {self.describe(exc)}"
             ) from exc
+
+    async def _check_may_register(self) -> None:
+        """RegisterEngine of no address: a controller checks the call's token before its
+        request, so it refuses one without the right token (UNAUTHENTICATED) and, to the
+        others, answers INVALID_ARGUMENT, registering nothing. ListWorkers alone does not
+        tell: a controller without `protect_reads` answers it to anyone."""
+        try:
+            await self._stub.RegisterEngine(
+                apb.RegisterEngineRequest(address=""), timeout=ADMIN_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.INVALID_ARGUMENT:
+                raise
 
     async def register(self, address: str, *, existing_ok: bool = False) -> None:
         """RegisterEngine; with `existing_ok`, an engine the controller already lists (one a
@@ -122,8 +143,10 @@ class ControllerAdmin:
         await self._channel.close()
 
     def describe(self, exc: grpc.aio.AioRpcError) -> str:
-        """A failed admin call in one line, with the TLS setting it most likely lacks."""
-        return rpc_error(exc) + tls_hint(self._channels, exc.details() or "", CONTROLLER_TLS)
+        """A failed admin call in one line, with the setting (TLS, token) it most likely
+        lacks."""
+        hint = setting_hint(self._channels, exc.code(), exc.details() or "", CONTROLLER_SETTINGS)
+        return rpc_error(exc) + hint
 
     async def _list(self) -> apb.ListWorkersResponse:
         return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=ADMIN_TIMEOUT_S)

@@ -15,7 +15,8 @@ replaces it and removes it once empty. Only engines this planner started, or the
 adopted (found serving: a Deployment's pods a previous planner scaled), are managed. Each tick
 updates the metrics (`planner.metrics`), served on `live.metrics_listen` when set. The
 controller is dialled per `live.controller_tls` and the engines per `live.engine_tls`
-(insecure when unset); their files are read and checked before anything starts.
+(insecure when unset), every call carrying the bearer token of `live.controller_token_file` /
+`live.engine_token_file` when set; their files are read and checked before anything starts.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import grpc
 
-from kvplane.channels import INSECURE, ClientChannels, TlsSettings, tls_hint
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, setting_hint
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
 from openengine.v1 import openengine_pb2 as pb
@@ -58,8 +59,11 @@ log = logging.getLogger(__name__)
 
 # How long after a runtime-event stream ends the planner subscribes again.
 RESUBSCRIBE_S = 1.0
-# The settings a failed GetLoad names when an engine's TLS and the planner's do not match.
-ENGINE_TLS = TlsSettings("live.engine_tls", "live.engine_tls.cert_file and key_file")
+# The settings a failed GetLoad names when an engine's TLS or token and the planner's do not
+# match.
+ENGINE_SETTINGS = ClientSettings(
+    "live.engine_tls", "live.engine_tls.cert_file and key_file", "live.engine_token_file"
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -188,7 +192,7 @@ class LivePlanner:
             info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as exc:
             details = exc.details() or ""
-            hint = tls_hint(self._channels, details, ENGINE_TLS)
+            hint = setting_hint(self._channels, exc.code(), details, ENGINE_SETTINGS)
             log.warning("GetLoad %s: %s%s", engine.engine_id, details or exc.code().name, hint)
             engine.failed_polls += 1
             return
@@ -325,8 +329,12 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             "--config file (example: configs/planner.yaml)"
         )
     # Before any engine starts: an unusable file stops the planner in one line.
-    controller_channels = ClientChannels.load(live.controller_tls, "live.controller_tls")
-    engine_channels = ClientChannels.load(live.engine_tls, "live.engine_tls")
+    controller_channels = ClientChannels.load(
+        live.controller_tls, "live.controller_tls"
+    ).with_token_file(live.controller_token_file, "live.controller_token_file")
+    engine_channels = ClientChannels.load(live.engine_tls, "live.engine_tls").with_token_file(
+        live.engine_token_file, "live.engine_token_file"
+    )
     with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
         metrics = PlannerMetrics()
         metrics_server = None
