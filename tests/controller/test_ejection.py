@@ -27,6 +27,7 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+from tests.controller.test_gateway import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -34,12 +35,18 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class BrokenGenerate(Forwarding):
-    """Generate fails with INTERNAL while `broken`; every other answer is the sim engine's."""
+    """Generate fails with INTERNAL while `broken`; every other answer is the sim engine's.
+    Counts its Generate calls and the health polls it answers."""
 
     def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
         super().__init__(inner)
         self.broken = True
         self.calls = 0
+        self.health_polls = 0
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
+        self.health_polls += 1
+        return await super().Health(request, context)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: Context
@@ -113,7 +120,12 @@ async def test_an_engine_failing_every_request_leaves_routing_and_clients_are_se
         assert broken.servicer.calls == 3
         assert fleet.app.controller.metrics.ejections._value.get() == 1
         # Its health still answers ready: the ejection holds across the polls.
-        await asyncio.sleep(0.5)
+        polls = broken.servicer.health_polls
+
+        async def polled_thrice() -> bool:
+            return broken.servicer.health_polls >= polls + 3
+
+        await eventually(polled_thrice)
         assert (await workers(fleet))[broken_address(broken)]["state"] == "ejected"
     finally:
         await close_fleet(fleet)

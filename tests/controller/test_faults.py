@@ -80,6 +80,7 @@ async def test_requests_are_routed_by_load_while_the_shared_index_is_down(
         explained = await fleet.admin.Route(query)
         assert explained.engine in {fleet.address(e) for e in fleet.engines}
         match = await fleet.admin.Match(query)
+        assert {m.engine for m in match.matches} == {fleet.address(e) for e in fleet.engines}
         assert all(m.device_blocks == 0 for m in match.matches)
         # Said, so that an outage does not pass for an empty cache.
         assert "Redis" in explained.index_error and "Redis" in match.index_error

@@ -593,6 +593,7 @@ async def test_restarted_engine_cold_cache_attracts_no_traffic() -> None:
         holder = await holder_of(fleet, PREFIX, 4)
         await fleet.restart_engine(holder, "e-new")
         match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
+        assert holder in {m.engine for m in match.matches}  # the restarted engine is listed
         assert all(m.device_blocks == 0 for m in match.matches)
     finally:
         await close_fleet(fleet)
@@ -645,6 +646,8 @@ async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) ->
 async def test_prometheus_metrics_are_exported() -> None:
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     fleet = await make_fleet(2, metrics_listen="127.0.0.1:0")
     try:
         await generate(fleet, generate_request("a", [*PREFIX, 1]))
@@ -652,16 +655,27 @@ async def test_prometheus_metrics_are_exported() -> None:
         text = await asyncio.to_thread(
             lambda: urllib.request.urlopen(url, timeout=5).read().decode()
         )
-        for name in (
-            "kvplane_controller_engine_running_requests",
-            'kvplane_controller_route_decisions_total{policy="kvplane"',
-            "kvplane_controller_predicted_cached_tokens_total",
-            "kvplane_controller_actual_cached_tokens_total",
-            "kvplane_controller_cached_tokens_prediction_accuracy 1.0",
-            "kvplane_controller_index_blocks",
-            "kvplane_controller_first_response_seconds_bucket",
-        ):
-            assert name in text, name
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+        def values(name: str, **labels: str) -> list[float]:
+            return [
+                s.value for s in samples if s.name == name and labels.items() <= s.labels.items()
+            ]
+
+        # One request, routed once and answered once; nothing was cached, as predicted.
+        assert sum(values("kvplane_controller_route_decisions_total", policy="kvplane")) == 1
+        assert values("kvplane_controller_first_response_seconds_count") == [1]
+        assert values("kvplane_controller_predicted_cached_tokens_total") == [0]
+        assert values("kvplane_controller_actual_cached_tokens_total") == [0]
+        assert values("kvplane_controller_cached_tokens_prediction_accuracy") == [1.0]
+        # Per engine: both engines of the fleet, by address.
+        running = {
+            s.labels["engine"]
+            for s in samples
+            if s.name == "kvplane_controller_engine_running_requests"
+        }
+        assert running == {fleet.address(e) for e in fleet.engines}
+        assert len(values("kvplane_controller_index_blocks")) == 1
     finally:
         await close_fleet(fleet)
 
@@ -795,8 +809,8 @@ async def test_vllm_generate_takes_the_gateways_path() -> None:
 
 
 async def test_a_task_no_engine_supports_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> None:
-    # The sim engine has no Embed; tests/controller/test_gateway_scripted.py routes tasks to
-    # engines that have it.
+    # The sim engine has no Embed (FAILED_PRECONDITION: it generates only);
+    # tests/controller/test_gateway_scripted.py routes tasks to engines that have it.
     request = pb.EmbedRequest(
         context=pb.TaskRequestContext(request_id="emb", model="sim"),
         inputs=[pb.TaskInput(item_id="x", token_ids=pb.TokenIds(ids=[1, 2, 3]))],
@@ -810,7 +824,7 @@ async def test_a_task_no_engine_supports_is_refused_as_an_engine_refuses_it(flee
         got: object = await fleet.gateway.Embed(request)
     except grpc.aio.AioRpcError as exc:
         got = exc.code()
-    assert got == expected
+    assert got == expected == grpc.StatusCode.FAILED_PRECONDITION
 
 
 async def test_concurrent_requests_sharing_a_system_prompt_spread_over_the_fleet() -> None:

@@ -1,20 +1,15 @@
 """The engine config's cross-field checks: each `kv_transfer.*` key only on the role that reads
 it (an AGGREGATED engine never moves KV, a DECODE engine holds no sessions, a PREFILL engine
-pulls none, so the key would be ignored), and the shipped configs still load. `runner: pooling`'s
-checks are in test_server_pooling_runner.py."""
+pulls none, so the key would be ignored). `runner: pooling`'s checks are in
+test_server_pooling_runner.py; the shipped configs load in tests/foundation/."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from engine.config import EngineConfig, KvTransferConfig
-from kvplane.config import load_config, validate_config
+from kvplane.config import validate_config
 from kvplane.errors import ConfigError
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 KEYS = [
     ("session_ttl_s", 5.0, "prefill"),
@@ -54,8 +49,3 @@ def test_the_role_flag_is_named_when_it_makes_the_engine_aggregated() -> None:
 
 def test_an_empty_kv_transfer_section_sets_nothing_and_is_accepted() -> None:
     assert EngineConfig(kv_transfer={}).kv_transfer.session_ttl_s == 60.0
-
-
-@pytest.mark.parametrize("name", ["engine-sim.yaml", "engine-tiny-llama.yaml"])
-def test_the_shipped_engine_configs_load(name: str) -> None:
-    load_config(EngineConfig, REPO / "configs" / name)

@@ -101,7 +101,7 @@ def test_read_kv_session_copies_the_held_blocks_bytes() -> None:
     runner.write_kv_blocks(table, [b"k0", b"k1"])
     assert core.read_kv_session("s1", 0, 2) == b"k0k1"
     assert core.read_kv_session("s1", 1, 5) == b"k1"
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="nope"):  # the session asked for, not another key
         core.read_kv_session("nope", 0, 1)
 
 
@@ -138,7 +138,7 @@ def test_an_import_without_room_or_with_a_failing_write_changes_nothing() -> Non
     core.abort("busy")
     core.take_kv_events()
     runner.fail_writes = True
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^bad block$"):  # the runner's own error, passed on
         core.import_kv_blocks(PROMPT, [b"k0", b"k1"])
     assert core.block_manager.count_hit_tokens(PROMPT) == 0
     assert not [e for e in core.take_kv_events() if isinstance(e, BlockStored)]

@@ -337,12 +337,13 @@ async def test_health_probes_cancelled_by_the_client_deadline_leave_nothing_in_f
             error = await rpc_error(engine.stub.Health(probe, timeout=0.2))
             assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
-        async def probes_left_the_queue() -> bool:
+        async def probes_left_the_queue_while_busy_runs() -> bool:
             load = await engine.stub.GetLoad(pb.GetLoadRequest())
+            # `busy` still holding the seat: only cancelling the probes emptied the queue.
+            assert load.running_requests == 1, "busy ended before the probes left the queue"
             return load.queued_requests == 0
 
-        # `busy` has seconds to run: only cancelling the probes empties the queue this soon.
-        await wait_for(probes_left_the_queue, timeout_s=3, what="cancelled probes dequeued")
+        await wait_for(probes_left_the_queue_while_busy_runs, what="cancelled probes dequeued")
         busy.cancel()
         drain = [
             r

@@ -94,6 +94,8 @@ def test_planner_run_without_a_live_section_is_one_line() -> None:
 def test_usage_error_exits_2() -> None:
     result = run("indexer", "serve", "--no-such-option")
     assert result.returncode == 2
+    assert "Error: No such option: --no-such-option" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

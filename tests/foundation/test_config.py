@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,7 @@ def test_a_merge_key_may_be_overridden_in_its_mapping(tmp_path: Path) -> None:
     ],
 )
 def test_parse_host_port_rejects(text: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=re.escape(repr(text))):  # names what it was given
         parse_host_port(text)
 
 

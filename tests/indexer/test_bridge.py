@@ -373,7 +373,7 @@ async def test_a_target_that_restarts_empty_is_rebuilt_from_the_replay(
             await rig.recorder.wait_for(2)  # the first message's clear, then its blocks
             await server.stop(None)  # the indexer goes down ...
             await publisher.publish(_stored(1, [13], 12))  # ... while the engine goes on
-            await asyncio.sleep(0.5)  # (the bridge retries it)
+            await _until(lambda: sink.num_retries > 0)  # the bridge found it down, retries
             # ... and comes back on the same address, empty.
             rig, server = await _rig(listen=rig.target)
             # The held batch, then the resync: a clear and the replay of seqs 0 and 1. (Which

@@ -94,7 +94,8 @@ def test_zmq_endpoints_have_zmqs_shape(fields: dict[str, object], message: str) 
     ],
 )
 def test_valid_zmq_endpoints_load(fields: dict[str, object]) -> None:
-    IndexerConfig.model_validate(_zmq(**fields))
+    (source,) = IndexerConfig.model_validate(_zmq(**fields)).sources
+    assert {name: getattr(source, name) for name in fields} == fields  # as written
 
 
 @pytest.mark.parametrize(
@@ -203,7 +204,8 @@ def test_a_source_clears_at_least_one_tier_on_all_blocks_cleared() -> None:
 
 
 def test_the_longest_printable_worker_id_loads() -> None:
-    IndexerConfig.model_validate(_zmq(worker_id="w" * 256, worker_address="héte:1"))
+    config = IndexerConfig.model_validate(_zmq(worker_id="w" * 256, worker_address="héte:1"))
+    assert [(s.worker_id, s.worker_address) for s in config.sources] == [("w" * 256, "héte:1")]
 
 
 def test_a_hybrid_models_kv_cache_groups_configure_its_sources_spec() -> None:

@@ -26,7 +26,9 @@ def test_pools_are_named_once() -> None:
 
 
 def test_scale_to_zero_is_not_offered() -> None:
-    with pytest.raises(ValidationError):
+    with pytest.raises(
+        ValidationError, match=r"min_engines\n  Input should be greater than or equal to 1"
+    ):
         PoolConfig(min_engines=0)
 
 

@@ -213,6 +213,10 @@ def test_no_scale_down_while_capacity_is_starting() -> None:
     engines = [idle("a"), idle("b"), idle("c", STARTING)]
     for now_s in (0, 5, 10):
         assert tick(planner, now_s, *engines) == []
+    # The same idle pool once c serves is scaled down: what the start held back.
+    serving = [idle("a"), idle("b"), idle("c")]
+    decisions = [d for now_s in (15, 20, 25) for d in tick(planner, now_s, *serving)]
+    assert any(isinstance(d, DrainEngine) for d in decisions), decisions
 
 
 def test_drain_then_remove_only_once_drained() -> None:
