@@ -16,7 +16,6 @@ from controller.config import ControllerConfig
 from controller.fleet import Fleet as ControllerFleet
 from controller.fleet import _Engine
 from controller.registry import EngineState
-from indexer.sources.openengine import OpenEngineSource
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -153,14 +152,45 @@ async def test_a_kv_event_source_that_cannot_run_is_an_error_in_the_log(
         await engine.close()
 
 
-async def test_kv_event_subscriptions_back_off_as_the_polls_do(fleet: Fleet) -> None:
-    """One warning per failed attempt: at most one per `health.backoff_max_s` per engine."""
+def attempts_within(elapsed_s: float, initial_s: float, max_s: float) -> int:
+    """How many subscription attempts a source backing off from `initial_s`, doubling up to
+    `max_s`, can make in `elapsed_s` (the first at once)."""
+    attempts, waited, backoff = 1, 0.0, initial_s
+    while waited + backoff <= elapsed_s:
+        waited += backoff
+        backoff = min(backoff * 2, max_s)
+        attempts += 1
+    return attempts
+
+
+async def test_kv_event_subscriptions_back_off_as_the_polls_do(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stopped engine's KV-event source retries with the polls' backoff (`health`'s), one
+    warning per failed attempt: a handful over seconds, not one every few milliseconds."""
     health = fleet.app.controller.config.health
-    for engine in fleet.engines:
-        source = fleet.app.controller.fleet.source_of(fleet.address(engine))
-        assert isinstance(source, OpenEngineSource)
-        assert source.settings.backoff_initial_s == health.backoff_initial_s
-        assert source.settings.backoff_max_s == health.backoff_max_s
+    engine = fleet.engines[0]
+    address = fleet.address(engine)
+    loop = asyncio.get_running_loop()
+
+    def warnings() -> int:
+        return sum(
+            1
+            for r in caplog.records
+            if r.name == "indexer.sources.openengine" and address in r.getMessage()
+        )
+
+    async def retried() -> bool:
+        return warnings() >= 3
+
+    caplog.set_level(logging.WARNING, logger="indexer.sources.openengine")
+    await engine.close()
+    stopped = loop.time()
+    await eventually(retried, WAIT_S)  # it does retry
+    await asyncio.sleep(4 * health.backoff_max_s)
+    elapsed = loop.time() - stopped
+    # Slowness only stretches the waits: the schedule bounds the count from above.
+    assert warnings() <= attempts_within(elapsed, health.backoff_initial_s, health.backoff_max_s)
 
 
 async def test_a_poll_cancelled_while_it_stops_an_old_processs_events_stays_cancelled() -> None:
