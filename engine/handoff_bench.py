@@ -128,7 +128,7 @@ async def _measure(model_dir: Path, settings: HandoffBenchSettings) -> dict[str,
             channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{apps[-1].port}"))
         aggregated, prefill, decode = (pb_grpc.OpenEngineStub(c) for c in channels)
         block_bytes = apps[2].service.engine_loop.core.runner.kv_block_bytes
-        last_token_id = apps[0].service.engine_loop.core.runner.vocab_size - 1
+        last_token_id = apps[0].service.model.vocab_size - 1
         rng = random.Random(settings.seed)
         rows = []
         for length in settings.prompt_tokens:
