@@ -91,6 +91,16 @@ def test_planner_run_without_a_live_section_is_one_line() -> None:
     )
 
 
+def test_planner_run_help_asks_for_a_config_with_a_live_section() -> None:
+    """The servers' --config falls back to embedded defaults; the planner's cannot (they name
+    no controller), and its help must not promise that it does."""
+    result = run("planner", "run", "--help", timeout=30)
+    assert result.returncode == 0
+    help_text = " ".join(result.stdout.replace("│", " ").split())
+    assert "embedded defaults" not in help_text
+    assert "YAML config file with a `live:` section naming the controller" in help_text
+
+
 def test_usage_error_exits_2() -> None:
     result = run("indexer", "serve", "--no-such-option")
     assert result.returncode == 2
