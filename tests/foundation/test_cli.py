@@ -262,6 +262,20 @@ def test_a_port_file_in_a_missing_folder_is_refused_before_serving(
     assert "Traceback" not in result.stderr and "serving" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "serve", [["engine", "serve", "--model", "sim"], ["controller", "serve"], ["indexer", "serve"]]
+)
+def test_a_port_file_that_is_a_folder_is_refused_before_serving(
+    serve: list[str], tmp_path: Path
+) -> None:
+    """The port cannot be written there: found once serving, that was an error line and then
+    grpc's traceback of a server never stopped."""
+    result = run(*serve, "--listen", "127.0.0.1:0", "--port-file", str(tmp_path))
+    assert result.returncode == 2
+    assert f"{tmp_path} is a folder: give the path of a file to write" in result.stderr
+    assert "Traceback" not in result.stderr and "serving" not in result.stderr
+
+
 @pytest.mark.parametrize("group", ["indexer", "controller", "engine"])
 def test_a_listen_address_in_use_is_one_line(group: str) -> None:
     with socket.socket() as busy:
