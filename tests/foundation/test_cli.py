@@ -276,6 +276,19 @@ def test_a_port_file_that_is_a_folder_is_refused_before_serving(
     assert "Traceback" not in result.stderr and "serving" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "serve", [["engine", "serve", "--model", "sim"], ["controller", "serve"], ["indexer", "serve"]]
+)
+def test_a_port_file_that_cannot_be_written_is_one_line(serve: list[str]) -> None:
+    """Found once serving (a folder that takes no files: /proc, even for root): the server
+    is stopped before the error line, so no grpc traceback follows it at exit."""
+    port_file = "/proc/kvplane-test-port"
+    result = run(*serve, "--listen", "127.0.0.1:0", "--port-file", port_file)
+    assert result.returncode == 1
+    assert f"kvplane: error: cannot write --port-file {port_file}: " in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("group", ["indexer", "controller", "engine"])
 def test_a_listen_address_in_use_is_one_line(group: str) -> None:
     with socket.socket() as busy:
