@@ -595,8 +595,9 @@ def _engine_command(
     return command
 
 
-# States in which the controller has not had an answer from an engine (yet).
-_NOT_REACHED = frozenset({"unknown", "unreachable"})
+# States in which the controller has no usable answer from an engine (yet): not reached, or
+# answering its polls with errors (`failing`: it may still be starting, so it is waited for).
+_NO_ANSWER_YET = frozenset({"unknown", "unreachable", "failing"})
 REGISTER_POLL_S = 0.1
 
 
@@ -668,14 +669,18 @@ def _wait_until_reached(server: ClientTarget, address: str, wait_s: float) -> di
                 f"engine {address} registered, but the controller rejects it: {row.last_error}"
                 f" (remove it: kvplane admin remove {address})"
             )
-        if row.state not in _NOT_REACHED:
+        if row.state not in _NO_ANSWER_YET:
             return _dict(row)
         if time.monotonic() >= deadline:
             why = row.last_error or "no answer yet"
+            outcome = (
+                f"it still answers the controller's polls with errors after {wait_s:g}s"
+                if row.state == "failing"
+                else f"the controller has not reached it in {wait_s:g}s"
+            )
             raise RpcCallError(
-                f"engine {address} registered, but the controller has not reached it in "
-                f"{wait_s:g}s ({why}); it keeps retrying (remove it: kvplane admin remove "
-                f"{address})"
+                f"engine {address} registered, but {outcome} ({why}); it keeps retrying "
+                f"(remove it: kvplane admin remove {address})"
             )
         time.sleep(REGISTER_POLL_S)
 

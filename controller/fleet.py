@@ -2,8 +2,9 @@
 candidates for a prompt.
 
 Per engine it owns one poll task (GetEngineInfo + GetModelInfo + ListLoras on first contact,
-after the engine was unreachable, and whenever GetLoad reports a new instance id; Health every
-`poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while unreachable) and one
+after a failed poll, and whenever GetLoad reports a new instance id; Health every
+`poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls fail, as
+UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and one
 KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
 index under the engine's address as worker id, and measures each batch's event lag (the
 controller's wall clock when the batch is in the index minus the engine's timestamp on it). A
@@ -41,6 +42,7 @@ import grpc
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.registry import (
+    EjectionPolicy,
     EngineIdentity,
     EngineRecord,
     EngineState,
@@ -49,6 +51,7 @@ from controller.registry import (
     Registry,
     Role,
     check_revision,
+    poll_failure,
 )
 from controller.remote_index import RemoteIndex, keep_best_hit
 from controller.router import Candidate, LoadSnapshot, PrefixHit
@@ -68,7 +71,6 @@ from indexer.zmq_decode import ArrayTail, engine_array_tail
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
-from kvplane.server import bearer_token_metadata
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -81,11 +83,6 @@ _HEALTH = {
     pb.HEALTH_STATE_DEGRADED: EngineState.DEGRADED,
     pb.HEALTH_STATE_DRAINING: EngineState.DRAINING,
     pb.HEALTH_STATE_NOT_READY: EngineState.NOT_READY,
-}
-# The statuses of a poll that did not reach the engine; any other is the engine's answer.
-_NOT_REACHED = {
-    grpc.StatusCode.UNAVAILABLE: PollFailure.CONNECTION_LOST,
-    grpc.StatusCode.DEADLINE_EXCEEDED: PollFailure.TIMED_OUT,  # `health.rpc_timeout_s`
 }
 _ROLE = {
     pb.ENGINE_ROLE_AGGREGATED: Role.AGGREGATED,
@@ -231,7 +228,12 @@ class Fleet:
     ) -> None:
         self.config = config
         self.index = index
-        self.registry = Registry(config.health.backoff_initial_s, config.health.backoff_max_s)
+        health = config.health
+        self.registry = Registry(
+            health.backoff_initial_s,
+            health.backoff_max_s,
+            EjectionPolicy(health.eject_after_failures, health.eject_for_s, health.eject_max_s),
+        )
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
         self._on_engine_gone = on_engine_gone
@@ -247,17 +249,12 @@ class Fleet:
         # server back after a long outage is reached within `backoff_max_s`. Engines' replies
         # of any size are taken: the gateway relays them unchanged (a stream with every
         # candidate's logprob can pass 4 MiB a message), and its client sets its own limit.
-        health = config.health
         self._engine_channels = (
             ClientChannels.load(config.engine_tls, "engine_tls")
             .reconnecting(health.backoff_initial_s, health.backoff_max_s)
             .receiving_any_size()
+            .with_token_file(config.engine_token_file, "engine_token_file")
         )
-        if config.engine_token_file is not None:
-            token = read_token_file(config.engine_token_file, "engine_token_file")
-            self._engine_channels = self._engine_channels.with_metadata(
-                bearer_token_metadata(token)
-            )
         self.remote = (
             RemoteIndex(
                 config.index.remote,
@@ -399,6 +396,24 @@ class Fleet:
         async with self._changed:
             self._changed.notify_all()
 
+    async def on_request_result(self, engine: str, fault: str | None) -> float | None:
+        """How a request the gateway sent to `engine` (address or instance id) ended: served
+        (`fault` None) or failed by a fault of the engine's own (`fault` says what). Returns
+        how long the engine is now ejected from routing, None when it is not."""
+        if fault is None:
+            self.registry.on_request_served(engine)
+            return None
+        ejected_s = self.registry.on_request_failed(engine, self._clock(), fault)
+        if ejected_s is not None:
+            log.warning(
+                "engine %s ejected from routing for %g s: %s",
+                engine,
+                ejected_s,
+                self.registry.get(engine).last_error,
+            )
+            await self._notify()
+        return ejected_s
+
     # ---- routing view ----
 
     def block_size(self, records: Sequence[EngineRecord]) -> int:
@@ -500,14 +515,12 @@ class Fleet:
                     load_instance = ""
                 elif self.remote is not None and engine.address in self.remote.restarted:
                     await self._resync_remote(engine)
+                reply: pb.HealthResponse | None = None
                 if now >= next_health:
                     reply = await engine.stub.Health(
                         pb.HealthRequest(), timeout=health.rpc_timeout_s
                     )
-                    message = _failing_checks(reply)
-                    self.registry.on_health(address, _HEALTH[reply.state], now, message)
                     next_health = now + health.poll_interval_s
-                    await self._notify()
                 load = await engine.stub.GetLoad(pb.GetLoadRequest(), timeout=health.rpc_timeout_s)
                 # Compared with GetLoad's own earlier answers, not with GetEngineInfo's
                 # instance id: an engine may leave that one empty or name itself otherwise
@@ -515,9 +528,18 @@ class Fleet:
                 if load_instance and load.instance_id and load.instance_id != load_instance:
                     log.info("engine %s restarted (instance %s)", address, load.instance_id)
                     need_identity = restarted = True
+                    next_health = 0.0  # the new process's health, once its identity is in
                     continue
                 load_instance = load.instance_id or load_instance
+                # The health answer counts once GetLoad answered too: an engine whose GetLoad
+                # fails would otherwise turn routable (READY) for the instant between the two
+                # at every retry, and take requests there.
+                if reply is not None:
+                    message = _failing_checks(reply)
+                    self.registry.on_health(address, _HEALTH[reply.state], now, message)
                 self.registry.on_load(address, load_from_proto(load), now)
+                if reply is not None:
+                    await self._notify()
                 delay = health.load_poll_interval_s
             except asyncio.CancelledError:
                 raise
@@ -529,9 +551,9 @@ class Fleet:
                 need_identity = True
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
-                failure = _NOT_REACHED.get(exc.code(), PollFailure.ERROR_ANSWER)
-                delay = self.registry.on_unreachable(address, now, error, failure)
-                said = "unreachable" if failure in _NOT_REACHED.values() else "failed a poll"
+                failure = poll_failure(exc.code().name)
+                delay = self.registry.on_poll_failed(address, now, error, failure)
+                said = failure.state.value
                 log.warning("engine %s %s (%s); retry in %.1fs", address, said, error, delay)
                 need_identity = True
                 next_health = 0.0
@@ -540,7 +562,7 @@ class Fleet:
                 continue
             except Exception as exc:  # a bug or a malformed answer: keep polling, loudly
                 log.exception("engine %s: poll failed", address)
-                delay = self.registry.on_unreachable(
+                delay = self.registry.on_poll_failed(
                     address, now, f"poll failed: {exc}", PollFailure.ERROR_ANSWER
                 )
                 need_identity = True

@@ -43,8 +43,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 import grpc
 
 from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
-from controller.registry import EngineRecord, EngineState, UnknownEngineError, UnknownModelError
-from controller.relay import RETRYABLE, InBandError, Relay, Usage, engine_failure
+from controller.registry import (
+    POLL_FAILED_STATES,
+    EngineRecord,
+    EngineState,
+    UnknownEngineError,
+    UnknownModelError,
+)
+from controller.relay import ENGINE_FAULTS, RETRYABLE, InBandError, Relay, Usage, engine_failure
 from controller.service import Controller, PromptInput
 from kvplane import __version__
 from kvplane.server import abort_with
@@ -77,7 +83,9 @@ _HEALTH_PB = {
     EngineState.DRAINING: pb.HEALTH_STATE_DRAINING,
     EngineState.NOT_READY: pb.HEALTH_STATE_NOT_READY,
     EngineState.UNREACHABLE: pb.HEALTH_STATE_NOT_READY,
+    EngineState.FAILING: pb.HEALTH_STATE_NOT_READY,
     EngineState.INCOMPATIBLE: pb.HEALTH_STATE_NOT_READY,
+    EngineState.EJECTED: pb.HEALTH_STATE_NOT_READY,  # takes no traffic for now
 }
 
 T = TypeVar("T")
@@ -101,7 +109,11 @@ class _OpenEngineGenerate:
         if response.WhichOneof("event") != "error":
             return None
         error = response.error
-        return InBandError(error.message or pb.ErrorCode.Name(error.code), error.retryable)
+        return InBandError(
+            error.message or pb.ErrorCode.Name(error.code),
+            error.retryable,
+            engine_fault=error.code == pb.ERROR_CODE_INTERNAL,
+        )
 
     def has_output(self, response: pb.GenerateResponse) -> bool:
         return response.WhichOneof("event") in _OUTPUT_EVENTS
@@ -243,10 +255,16 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 )
             relay.holding[request_id] = record.address
         try:
-            return await call(self.controller.fleet.stub(record.address))
+            reply = await call(self.controller.fleet.stub(record.address))
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
             failure = engine_failure(caught, record.address, self.controller.fleet)
+            if failure.code() in ENGINE_FAULTS:
+                fault = f"{failure.code().name}: {failure.details()}"
+                await relay.report(record.address, fault)
             await abort_with(context, failure.code(), failure.details() or failure.code().name)
+        else:
+            await relay.report(record.address, None)
+            return reply
         finally:
             if request_id:
                 relay.holding.pop(request_id, None)
@@ -296,12 +314,18 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     # ---- lifecycle ----
 
-    def _reachable(self) -> list[EngineRecord]:
+    def _reachable(self, *, failing: bool = False) -> list[EngineRecord]:
+        """The engines a fan-out goes to: known, compatible, and whose polls succeed (a FAILING
+        one, answering its polls with errors, is left out as an UNREACHABLE one is, unless
+        `failing`: it answers, and an Abort of every request must reach the streams it may
+        still run)."""
+        left_out = {EngineState.UNREACHABLE} if failing else POLL_FAILED_STATES
         return [
             r
             for r in self.controller.fleet.registry.records()
             if r.identity is not None
-            and r.state not in (EngineState.UNREACHABLE, EngineState.INCOMPATIBLE)
+            and r.state not in left_out
+            and r.state is not EngineState.INCOMPATIBLE
         ]
 
     async def _fan_out(
@@ -361,7 +385,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # Each engine bounded as above: a hung one is reported (DEADLINE_EXCEEDED) among the
         # outcomes instead of holding the whole fan-out.
         results = await self._fan_out(
-            self._reachable(),
+            self._reachable(failing=True),
             lambda s: s.Abort(request, timeout=self.controller.config.health.rpc_timeout_s),
         )
         outcomes = [EngineOutcome.of(record, result) for record, result in results]
@@ -622,7 +646,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             pb.HealthCheck(
                 name=f"engine:{r.address}",
                 state=_HEALTH_PB[r.state],
-                message=("cordoned " if r.cordoned else "") + r.last_error,
+                message=_check_message(r),
             )
             for r in records
         ]
@@ -688,6 +712,18 @@ async def _require_model(controller: Controller, model: str, context: Context) -
         controller.check_model(model)
     except UnknownModelError as exc:
         await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
+
+
+def _check_message(record: EngineRecord) -> str:
+    """An engine's check message: its last error, after its cordon and, where HealthState has
+    no word for its state (NOT_READY stands for unknown, unreachable, failing, incompatible),
+    the state itself: an operator tells a dead engine from one answering with errors."""
+    head = "cordoned " if record.cordoned else ""
+    if record.state is not EngineState.NOT_READY and _HEALTH_PB[record.state] == (
+        pb.HEALTH_STATE_NOT_READY
+    ):
+        head += record.state.value + (": " if record.last_error else "")
+    return head + record.last_error
 
 
 def _drain_state(state: pb.DrainState.ValueType, in_flight: int) -> pb.DrainResponse:

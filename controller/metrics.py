@@ -1,5 +1,5 @@
-"""The controller's Prometheus metrics: per-engine load (read from the registry at scrape
-time), routing decisions by policy and reason, predicted vs engine-reported cached tokens,
+"""The controller's Prometheus metrics: per-engine state and load (read from the registry at
+scrape time), routing decisions by policy and reason, predicted vs engine-reported cached tokens,
 index size, KV-event lag (per engine: the controller's wall clock when a batch is in the index
 minus the engine's timestamp on it; engine and controller clocks must agree), what each
 engine's KV-event source went through (resyncs, gaps, reconnects), and gateway latency."""
@@ -13,7 +13,7 @@ from typing import Any, Literal, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from controller.registry import Registry
+from controller.registry import EngineState, Registry
 from indexer.sources.zmq import SourceCounters
 
 # An engine's KV-event source counters, by engine address (None: it has no source now).
@@ -70,10 +70,19 @@ class _EngineCollector:
                 labels=labels,
             ),
         }
+        # One series per state, 1 for the engine's own (Prometheus' state set): an alert on
+        # `{state="failing"} == 1` has a series to watch before the engine ever fails.
+        states = GaugeMetricFamily(
+            "kvplane_controller_engine_state",
+            "1 for the engine's state in the controller (ready, unreachable, failing, ...)",
+            labels=[*labels, "state"],
+        )
         for record in self._registry.records():
             key = [record.address, record.engine_id]
             load = record.load
             families["routable"].add_metric(key, 1.0 if record.routable else 0.0)
+            for state in EngineState:
+                states.add_metric([*key, state.value], 1.0 if record.state is state else 0.0)
             if load.running_requests is not None:
                 families["running"].add_metric(key, float(load.running_requests))
             if load.queued_requests is not None:
@@ -83,6 +92,7 @@ class _EngineCollector:
             if record.event_lag_s is not None:
                 families["event_lag"].add_metric(key, record.event_lag_s)
         yield from families.values()
+        yield states
         yield from self._source_counters()
 
     def _source_counters(self) -> Iterator[CounterMetricFamily]:
@@ -152,6 +162,11 @@ class ControllerMetrics:
         self._decisions: dict[tuple[str, str], Counter] = {}
         self.retries = Counter(
             "kvplane_controller_retries", "Requests retried on another engine", registry=r
+        )
+        self.ejections = Counter(
+            "kvplane_controller_ejections",
+            "Engines taken out of routing for failing requests (outlier ejection)",
+            registry=r,
         )
         self.index_blocks = Gauge(
             "kvplane_controller_index_blocks", "Blocks in the index", registry=r

@@ -8,9 +8,21 @@ Compatibility (seed 000, "Core identity and roles"): an engine is accepted only 
 exceed ours, and its `schema_release` names an immutable release (not a moving branch). It
 fails closed: an engine that does not pass is INCOMPATIBLE and never routed to.
 
-Routable = health READY or DEGRADED, compatible, not cordoned. DRAINING and NOT_READY leave
-routing the moment a health answer says so; an unreachable engine is retried with
+Routable = health READY or DEGRADED, compatible, not cordoned, not ejected. DRAINING and
+NOT_READY leave routing the moment a health answer says so. A poll that fails leaves the engine
+UNREACHABLE when it did not reach the engine (refused, no answer in time) and FAILING when the
+engine answered it with an error (its process is up, and broken); either is retried with
 exponential backoff and reports no load until it answers again.
+
+Outlier ejection (`EjectionPolicy`): an engine whose health answers fine but whose requests
+fail (INTERNAL, UNKNOWN, UNAVAILABLE, DATA_LOSS: a broken device, a wedged worker) looks
+idle to a load-balancing router, which would send it ever more traffic. After
+`after_failures` such failures in a row it is EJECTED: out of routing for `initial_s`,
+doubling with each ejection in a row up to `max_s`. Its health polls bring it back when the
+time is up; it then has one request to prove itself (one more failure ejects it again, for
+twice as long), and a request it serves clears the count. Never more than half of the fleet
+is ejected at once (a fault of every engine is not an outlier), and a new process starts
+with a clean record.
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -48,20 +60,51 @@ class EngineState(enum.StrEnum):
     DEGRADED = "degraded"
     DRAINING = "draining"
     NOT_READY = "not_ready"
-    UNREACHABLE = "unreachable"
+    UNREACHABLE = "unreachable"  # its polls do not reach it: a dead, stopped or wedged process
+    FAILING = "failing"  # it answers its polls with errors (INTERNAL, ...): up, but broken
     INCOMPATIBLE = "incompatible"
+    EJECTED = "ejected"  # healthy to its polls, but failing requests (outlier ejection)
 
 
 ROUTABLE_STATES = frozenset({EngineState.READY, EngineState.DEGRADED})
+# What a failed poll leaves an engine in, until a poll succeeds.
+POLL_FAILED_STATES = frozenset({EngineState.UNREACHABLE, EngineState.FAILING})
 
 
 class PollFailure(enum.Enum):
     """How a poll of an engine failed; only the first two are an outage (the engine could not
-    be reached), which `health.abandon_streams_after_s` is measured against."""
+    be reached: UNREACHABLE), which `health.abandon_streams_after_s` is measured against."""
 
     CONNECTION_LOST = "connection_lost"  # not reached at all: its process may be replaced
     TIMED_OUT = "timed_out"  # no answer in time: the same process, too slow or wedged
     ERROR_ANSWER = "error_answer"  # it answered, with an error: reachable, its calls too
+
+    @property
+    def state(self) -> EngineState:
+        """What the failure leaves the engine in."""
+        return EngineState.FAILING if self is PollFailure.ERROR_ANSWER else EngineState.UNREACHABLE
+
+
+# The gRPC statuses (by name: the core speaks no grpc) of a poll that did not reach the
+# engine; any other is the engine's answer.
+_NOT_REACHED = {
+    "UNAVAILABLE": PollFailure.CONNECTION_LOST,
+    "DEADLINE_EXCEEDED": PollFailure.TIMED_OUT,  # `health.rpc_timeout_s`
+}
+
+
+def poll_failure(status_name: str) -> PollFailure:
+    """How a call to an engine that ended with the gRPC status `status_name` failed."""
+    return _NOT_REACHED.get(status_name, PollFailure.ERROR_ANSWER)
+
+
+@dataclass(frozen=True, slots=True)
+class EjectionPolicy:
+    """When an engine failing requests leaves routing (the module's "Outlier ejection")."""
+
+    after_failures: int = 5  # failed requests in a row; 0: never eject
+    initial_s: float = 10.0
+    max_s: float = 120.0
 
 
 class Role(enum.StrEnum):
@@ -173,7 +216,8 @@ class EngineRecord:
     last_error: str = ""
     load: LoadSnapshot = field(default_factory=LoadSnapshot)
     num_failures: int = 0
-    # Unreachable since a poll that could not connect (not one that only timed out).
+    # A poll could not connect (not one that only timed out) since its polls began to fail
+    # (UNREACHABLE or FAILING since): the process that answers next may be a new one.
     connection_lost: bool = False
     # When the polls that could not reach it began (meaningful while UNREACHABLE; None
     # after a poll it answered, even with an error: no outage is running).
@@ -194,6 +238,12 @@ class EngineRecord:
     # The LoRA adapters (names) the engine holds; None: it serves no LoRA (says
     # `supports_lora: false` or refuses ListLoras), or is not known yet.
     lora_adapters: frozenset[str] | None = None
+    # Outlier ejection: requests failed in a row, ejections in a row (each doubles the next),
+    # until when the current one keeps it out of routing, and why (its `last_error` then).
+    request_failures: int = 0
+    ejections: int = 0
+    ejected_until_s: float | None = None
+    ejected_for: str = ""
 
     @property
     def engine_id(self) -> str:
@@ -215,9 +265,15 @@ def _why_not_routable(record: EngineRecord) -> str:
 
 
 class Registry:
-    def __init__(self, backoff_initial_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        ejection: EjectionPolicy = EjectionPolicy(),
+    ) -> None:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.ejection = ejection
         self._by_address: dict[str, EngineRecord] = {}
 
     def __len__(self) -> int:
@@ -365,7 +421,7 @@ class Registry:
         not ready keeps its state and error (a drain it cannot be sent fails, and says why)."""
         record = self.get(key)
         record.drain_requested = True
-        if record.state in ROUTABLE_STATES:
+        if record.state in ROUTABLE_STATES or record.state is EngineState.EJECTED:
             record.state = EngineState.DRAINING
         return record
 
@@ -395,7 +451,9 @@ class Registry:
         instance).
         Raises IncompatibleEngineError (and marks the engine) when the revision check fails."""
         record = self._by_address[address]
-        came_back = record.state is EngineState.UNREACHABLE and record.connection_lost
+        # An engine whose connection was lost is a new process when it answers again, even
+        # if it answered with errors on the way (restarting, failing, then healthy).
+        came_back = record.state in POLL_FAILED_STATES and record.connection_lost
         record.last_seen_s = now_s
         try:
             check_revision(
@@ -429,20 +487,24 @@ class Registry:
         if is_new:
             record.epoch += 1
             record.drain_requested = False
+            record.request_failures = record.ejections = 0
+            record.ejected_until_s = None
             record.event_lag_s = None
             record.lora_adapters = None  # a new process has loaded nothing we know of
         record.identity = identity
         return is_new
 
     def _reachable_twin(self, address: str, instance_id: str) -> EngineRecord | None:
-        """Another record of the same engine process that is answering now (an unreachable
-        one may be the engine's old address: the new one takes over)."""
+        """Another record of the same engine process that is answering now (one whose polls
+        fail may be the engine's old address, or a broken process replaced at a new one: the
+        new one takes over)."""
         for other in self._by_address.values():
             if (
                 other.address != address
                 and other.identity is not None
                 and other.identity.instance_id == instance_id
-                and other.state not in (EngineState.UNREACHABLE, EngineState.INCOMPATIBLE)
+                and other.state not in POLL_FAILED_STATES
+                and other.state is not EngineState.INCOMPATIBLE
             ):
                 return other
         return None
@@ -476,15 +538,55 @@ class Registry:
         record = self._by_address.get(address)
         if record is None or record.state is EngineState.INCOMPATIBLE:
             return
+        ejected = record.ejected_until_s is not None and now_s < record.ejected_until_s
         if record.drain_requested and state in ROUTABLE_STATES:
             state = EngineState.DRAINING
         elif state is EngineState.DRAINING:
             record.drain_requested = False  # the engine drains: its own health decides now
+        elif ejected and state in ROUTABLE_STATES:
+            state = EngineState.EJECTED
+        if not ejected:
+            record.ejected_until_s = None
+        if state is EngineState.EJECTED:
+            record.last_error = record.ejected_for
+        else:
+            record.last_error = "" if state in ROUTABLE_STATES else message
         record.state = state
         record.last_seen_s = now_s
         record.num_failures = 0
         record.next_attempt_s = now_s
-        record.last_error = "" if state in ROUTABLE_STATES else message
+
+    def on_request_served(self, engine: str) -> None:
+        """A request the engine (address or instance id) served: its failure count restarts."""
+        record = self.by_engine_id(engine)
+        if record is not None:
+            record.request_failures = record.ejections = 0
+
+    def on_request_failed(self, engine: str, now_s: float, error: str) -> float | None:
+        """A request the engine failed by a fault of its own (the module's "Outlier
+        ejection"). Returns how long it is now out of routing, or None when it stays in."""
+        record = self.by_engine_id(engine)
+        policy = self.ejection
+        if record is None:
+            return None
+        record.request_failures += 1
+        if (
+            not policy.after_failures
+            or record.request_failures < policy.after_failures
+            or record.state not in ROUTABLE_STATES
+            or sum(r.state is EngineState.EJECTED for r in self._by_address.values()) + 1
+            > len(self._by_address) // 2
+        ):
+            return None
+        duration_s = min(policy.initial_s * 2.0**record.ejections, policy.max_s)
+        record.ejections += 1
+        record.ejected_until_s = now_s + duration_s
+        record.state = EngineState.EJECTED
+        record.last_error = record.ejected_for = (
+            f"{record.request_failures} requests failed in a row (last: {error}); "
+            f"out of routing for {duration_s:g} s"
+        )
+        return duration_s
 
     def on_load(self, address: str, load: LoadSnapshot, now_s: float) -> None:
         record = self._by_address.get(address)
@@ -497,7 +599,7 @@ class Registry:
         if record is not None:
             record.event_lag_s = lag_s
 
-    def on_unreachable(
+    def on_poll_failed(
         self,
         address: str,
         now_s: float,
@@ -506,18 +608,20 @@ class Registry:
     ) -> float:
         """A poll failed: out of routing at once, next attempt after backoff, and no load
         reported (its last GetLoad described a process that may be gone; the fleet's totals
-        must not keep counting it). `failure` says how: an engine that could not be reached
-        at all (CONNECTION_LOST) may have been replaced by the time it answers; an outage
-        (`unreachable_since`) runs from the first poll that could not reach it until a poll
-        it answers, an error answer included. Returns the delay before the next attempt."""
+        must not keep counting it). `failure` says how, and so the state: UNREACHABLE when
+        the poll did not reach the engine, FAILING when it answered with an error. An engine
+        that could not be reached at all (CONNECTION_LOST) may have been replaced by the time
+        it answers; an outage (`unreachable_since`) runs from the first poll that could not
+        reach it until a poll it answers, an error answer included. Returns the delay before
+        the next attempt."""
         record = self._by_address.get(address)
         if record is None:
             return self.backoff_max_s
         if record.state is not EngineState.INCOMPATIBLE:
-            if record.state is not EngineState.UNREACHABLE:
+            if record.state not in POLL_FAILED_STATES:
                 record.connection_lost = False
                 record.unreachable_since_s = None
-            record.state = EngineState.UNREACHABLE
+            record.state = failure.state
         if failure is PollFailure.ERROR_ANSWER:
             record.unreachable_since_s = None
         elif record.unreachable_since_s is None:

@@ -90,6 +90,17 @@ CLIENT_ERRORS = frozenset(
 )
 # What a decode engine answers when it cannot attach the request's KV session (an unknown or
 # expired session, a failed transfer): the session failed, not the client's request.
+# An engine's own failure (a broken device, a wedged worker), which counts toward its outlier
+# ejection (controller/registry.py); overload (RESOURCE_EXHAUSTED), deadlines, aborts and
+# client errors do not.
+ENGINE_FAULTS = frozenset(
+    {
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 SESSION_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
 # Finished request ids remembered for Abort's ALREADY_FINISHED (the engine remembers as many).
 FINISHED_MEMORY = 10_000
@@ -104,10 +115,12 @@ class Usage(NamedTuple):
 
 
 class InBandError(NamedTuple):
-    """A terminal error the engine sent as a response (OpenEngine's EngineError)."""
+    """A terminal error the engine sent as a response (OpenEngine's EngineError);
+    `engine_fault`: one of its own (ERROR_CODE_INTERNAL), not the request's or a refusal."""
 
     message: str
     retryable: bool
+    engine_fault: bool = False
 
 
 class EngineCall(Protocol[Response_co]):
@@ -544,13 +557,19 @@ class Relay:
                     c.metrics.request_seconds.observe(time.perf_counter() - started)
                 if usage is not None and stage.usage:
                     self._record_usage(decision.predicted_cached_tokens, usage)
+                if error is None or error.engine_fault:
+                    await self.report(engine, error.message if error is not None else None)
                 return
             except _Retry as exc:
                 log.info("request %s: engine %s refused (%s); retrying elsewhere",
                          request_id, engine, exc)  # fmt: skip
                 retry = exc
+                if error is not None and error.engine_fault:
+                    await self.report(engine, error.message)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
+                if cause.code() in ENGINE_FAULTS:
+                    await self.report(engine, f"{cause.code().name}: {cause.details()}")
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = _status(
                         grpc.StatusCode.UNAVAILABLE,
@@ -595,6 +614,13 @@ class Relay:
         if not (relayed or stage.after_output):
             return None
         return surface.error_response(request, error.details() or error.code().name)
+
+    async def report(self, engine: str, fault: str | None) -> None:
+        """Tell the fleet how `engine` did with a request: served (`fault` None) or failed by
+        a fault of its own, which may eject it from routing."""
+        c = self.controller
+        if await c.fleet.on_request_result(engine, fault) is not None:
+            c.metrics.ejections.inc()
 
     def _record_usage(self, predicted: int, usage: Usage) -> None:
         """Prompt tokens always; the router's prediction only beside an engine-reported

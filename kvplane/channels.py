@@ -6,7 +6,10 @@ here, so the credentials are built in one place.
 `ClientChannels.load` reads and checks the PEM files once (a missing or unusable file is a
 one-line ConfigError); the channels it opens share the credentials. `with_metadata` adds
 metadata (a bearer token) to every call of its channels that brings no `authorization` of
-its own (an interceptor, installed only then).
+its own (an interceptor, installed only then); `with_token_file` adds the bearer token a
+client's setting names. `setting_hint` says which setting a failed call most likely lacks
+(TLS, a client certificate, a token), in the words of the client's own settings (CLI flags,
+config keys).
 """
 
 from __future__ import annotations
@@ -18,12 +21,16 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from kvplane.config import ClientTlsConfig
+from kvplane.config import ClientTlsConfig, read_token_file
 from kvplane.errors import ConfigError
+from kvplane.server import AUTH_METADATA_KEY, bearer_token_metadata
 
 # What each file must hold, and the PEM header that shows it does.
 _CERTIFICATE = ("a certificate", b"-----BEGIN CERTIFICATE-----")
 _PRIVATE_KEY = ("a private key", b"PRIVATE KEY-----")  # PRIVATE KEY, RSA/EC PRIVATE KEY
+# What a channel reports when the server hangs up on it, as a TLS server does on plaintext and
+# a mutual-TLS server on a client without a certificate.
+HUNG_UP = "Socket closed"
 ChannelOptions = tuple[tuple[str, Any], ...]
 Metadata = tuple[tuple[str, str], ...]
 
@@ -90,6 +97,11 @@ class ClientChannels:
     def tls(self) -> bool:
         return self.credentials is not None
 
+    @property
+    def bearer_token(self) -> bool:
+        """Its calls carry a bearer token."""
+        return any(key == AUTH_METADATA_KEY for key, _ in self.metadata)
+
     def reconnecting(self, initial_s: float, max_s: float) -> ClientChannels:
         """The same, with gRPC's reconnect backoff from `initial_s` up to `max_s`. gRPC's own
         grows to 120 s, and a channel in backoff fails every call at once: a server back after
@@ -109,6 +121,13 @@ class ClientChannels:
     def with_metadata(self, metadata: Metadata) -> ClientChannels:
         """The same, every call carrying `metadata` unless it brings an authorization."""
         return replace(self, metadata=metadata)
+
+    def with_token_file(self, token_file: Path | None, setting: str) -> ClientChannels:
+        """The same, every call carrying the bearer token `token_file` holds (None: as it
+        is); a ConfigError naming `setting` when the file cannot be read or is empty."""
+        if token_file is None:
+            return self
+        return self.with_metadata(bearer_token_metadata(read_token_file(token_file, setting)))
 
     def aio_channel(self, target: str) -> grpc.aio.Channel:
         """A grpc.aio channel to `target` (HOST:PORT)."""
@@ -132,11 +151,56 @@ class ClientChannels:
         return grpc.intercept_channel(channel, _DefaultMetadata(self.metadata))
 
 
+@dataclass(frozen=True)
+class ClientSettings:
+    """How a client's user names its settings, for `setting_hint`: the one that turns TLS on
+    ("--tls-ca", "live.controller_tls"), the client certificate's, and the bearer token's
+    ("live.controller_token_file"; None: no hint about the token)."""
+
+    tls: str
+    client_certificate: str
+    token: str | None = None
+
+
+# What a server with bearer-token authentication answers a call without the right token
+# (kvplane's servers say UNAUTHENTICATED; PERMISSION_DENIED is the other code for it).
+_REFUSED_TOKEN = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def setting_hint(
+    channels: ClientChannels,
+    code: grpc.StatusCode | None,
+    details: str,
+    settings: ClientSettings,
+) -> str:
+    """Which of `settings` a failed call (its status `code` and `details`) most likely lacks:
+    " (...)" to append to its details, or "" when nothing is likely."""
+    if code in _REFUSED_TOKEN and settings.token is not None:
+        if channels.bearer_token:
+            return f" (not the server's token? check {settings.token})"
+        return f" (a server requiring a token? give {settings.token})"
+    return _tls_hint(channels, details, settings)
+
+
+def _tls_hint(channels: ClientChannels, details: str, settings: ClientSettings) -> str:
+    """What a server that hung up on the connection most likely wants, or why a TLS handshake
+    failed on a record that is not TLS (a plaintext server)."""
+    if channels.tls and "WRONG_VERSION_NUMBER" in details:
+        return f" (a plaintext server? leave out {settings.tls})"
+    if HUNG_UP not in details:
+        return ""
+    if not channels.tls:
+        return f" (a TLS server? give {settings.tls})"
+    if not channels.client_certificate:
+        return f" (a server requiring a client certificate? give {settings.client_certificate})"
+    return ""
+
+
 def _with_default(given: Any, default: Metadata) -> Metadata | None:
     """`default` appended to a call's metadata, unless it has an authorization of its own
     (None: leave the call as it is)."""
     pairs = tuple((key, value) for key, value in (given or ()))
-    if any(key == "authorization" for key, _ in pairs):
+    if any(key == AUTH_METADATA_KEY for key, _ in pairs):
         return None
     return pairs + default
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import grpc
 import typer
 
-from kvplane.channels import INSECURE, ClientChannels, Metadata
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, Metadata, setting_hint
 from kvplane.config import ClientTlsConfig, parse_dial_target, read_token_file
 from kvplane.errors import KvplaneError
 from kvplane.server import bearer_token_metadata
@@ -237,9 +237,8 @@ METHOD_NOT_FOUND = "Method not found!"
 # What grpcio reports when a call's own deadline passes (a server relaying another's
 # DEADLINE_EXCEEDED, or refusing a deadline already passed, says something of its own).
 CLIENT_DEADLINE_PASSED = "Deadline Exceeded"
-# What a channel reports when the server hangs up on it, as a TLS server does on plaintext and
-# a mutual-TLS server on a client without a certificate.
-HUNG_UP = "Socket closed"
+# The CLIs' TLS options, as `rpc_channel`'s errors name them.
+_TLS_FLAGS = ClientSettings("--tls-ca", "--tls-cert and --tls-key")
 
 
 @contextmanager
@@ -269,21 +268,9 @@ def rpc_channel(
                     "hung, stopped or overloaded? check it and its log)"
                 ) from None
             name = code.name if code is not None else "ERROR"
-            raise RpcCallError(f"{target}: {name}: {details}{_hint(channels, details)}") from None
-
-
-def _hint(channels: ClientChannels, details: str) -> str:
-    """What a server that hung up on the connection most likely wants, or why a TLS handshake
-    failed on a record that is not TLS (a plaintext server)."""
-    if channels.tls and "WRONG_VERSION_NUMBER" in details:
-        return " (a plaintext server? leave out --tls-ca)"
-    if HUNG_UP not in details:
-        return ""
-    if not channels.tls:
-        return " (a TLS server? give --tls-ca)"
-    if not channels.client_certificate:
-        return " (a server requiring a client certificate? give --tls-cert and --tls-key)"
-    return ""
+            raise RpcCallError(
+                f"{target}: {name}: {details}{setting_hint(channels, code, details, _TLS_FLAGS)}"
+            ) from None
 
 
 def emit(data: Any, output: OutputFormat, render: Callable[[Any], str]) -> None:

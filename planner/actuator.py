@@ -27,7 +27,7 @@ import grpc
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import KvplaneError
 from kvplane.up.member import member_environment
-from planner.controller_admin import ControllerAdmin, rpc_error
+from planner.controller_admin import ControllerAdmin
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ class LocalProcesses:
                 "--listen", "127.0.0.1:0", "--port-file", str(port_file),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
                 env={**os.environ, **member_environment(None)},  # it dies with the planner
+                start_new_session=True,  # Ctrl-C reaches the planner only; it stops them in order
             )  # fmt: skip
         self._spawned.append(process)
         try:
@@ -132,7 +133,7 @@ class LocalProcesses:
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
             await _terminate(process)
             if isinstance(exc, grpc.aio.AioRpcError):
-                why = rpc_error(exc)
+                why = self._admin.describe(exc)
             elif isinstance(exc, TimeoutError):  # its str is empty
                 why = f"no port after start_timeout_s ({self._start_timeout_s:g} s)"
             else:

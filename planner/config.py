@@ -11,6 +11,10 @@ capacity:
   forecast_horizon_s: 30         # about an engine's start-up time
 live:                            # only for `kvplane planner run`
   controller: 127.0.0.1:8100
+  # controller_tls: {ca_file: ca.pem}  # the controller serves TLS (cert_file/key_file: mTLS)
+  # engine_tls: {ca_file: ca.pem}      # the engines serve TLS (GetLoad, runtime events)
+  # controller_token_file: token       # the controller runs with `auth` (its bearer token)
+  # engine_token_file: token           # the engines run with `auth` and `protect_reads`
   # kubernetes: {engine_port: 9000, deployments: {default: kvplane-engine}}
 ```
 
@@ -26,7 +30,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, model_validator
 
-from kvplane.config import StrictModel, parse_dial_target, parse_host_port
+from kvplane.config import ClientTlsConfig, StrictModel, parse_dial_target, parse_host_port
 
 
 class SlaTargets(StrictModel):
@@ -157,6 +161,18 @@ class LiveConfig(StrictModel):
     # The controller's admin API (HOST:PORT): engines are registered there and drained
     # through it (it stops routing to them at once).
     controller: Annotated[str, AfterValidator(_dial_target)]
+    # How the planner dials the controller (every admin call) and its engines (GetLoad, the
+    # runtime events): {ca_file, cert_file, key_file, server_name}
+    # (kvplane.config.ClientTlsConfig) for a server that serves TLS (cert_file + key_file: one
+    # that requires a client certificate); None: insecure.
+    controller_tls: ClientTlsConfig | None = None
+    engine_tls: ClientTlsConfig | None = None
+    # A file holding the bearer token of a controller / engines run with `auth`, sent on every
+    # call to it / them (as the controller's own `engine_token_file`): a controller asks for
+    # it on RegisterEngine, DrainEngine and RemoveEngine, and with `protect_reads` on every
+    # call; engines with `protect_reads` on GetLoad and the runtime events. None: no token.
+    controller_token_file: Path | None = None
+    engine_token_file: Path | None = None
     # `kvplane engine serve` arguments of a new engine (the actuator adds --listen and
     # --port-file).
     engine_args: tuple[str, ...] = ("--model", "sim")

@@ -5,7 +5,10 @@ controller stops routing at once and relays the engine's Drain, followed in a ba
 whose events are logged) and `remove` (RemoveEngine). `sync` is the per-tick reconciliation:
 serving engines the controller does not list (it restarted, or someone removed them by hand)
 are registered again, and those it lists as draining are returned. Every call is bounded by
-`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain.
+`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `describe` gives a
+failed call in one line, with the setting it most likely lacks: `live.controller_tls` when a
+TLS controller hung up on the connection, `live.controller_token_file` when the controller
+refused the call's token (or its lack of one).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvplane.channels import INSECURE, ClientChannels
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, setting_hint
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -28,23 +31,48 @@ log = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 5.0
 # How often `wait_routed` lists the controller's engines.
 _ROUTED_POLL_S = 0.2
+# The settings `describe` names when the controller's TLS or token and the planner's do not
+# match.
+CONTROLLER_SETTINGS = ClientSettings(
+    "live.controller_tls",
+    "live.controller_tls.cert_file and key_file",
+    "live.controller_token_file",
+)
 
 
 class ControllerAdmin:
     """The admin API of the controller at `controller` (HOST:PORT)."""
 
     def __init__(self, controller: str, channels: ClientChannels = INSECURE) -> None:
+        self._channels = channels
         self._channel = channels.aio_channel(controller)
         self._stub = apb_grpc.AdminStub(self._channel)
         self._drains: set[asyncio.Task[None]] = set()
 
     async def check_reachable(self, pool: str) -> None:
-        """Raise, in one line, unless the controller answers: no engine is started (with a
-        real model, minutes of loading) for a controller that is down."""
+        """Raise, in one line, unless the controller answers and would register an engine:
+        no engine is started (with a real model, minutes of loading) for a controller that is
+        down, or that asks for a token (`auth`) the planner does not have."""
         try:
             await self._list()
+            await self._check_may_register()
         except grpc.aio.AioRpcError as exc:
-            raise KvplaneError(f"no engine of {pool} started: controller {rpc_error(exc)}") from exc
+            raise KvplaneError(
+                f"no engine of {pool} started: controller {self.describe(exc)}"
+            ) from exc
+
+    async def _check_may_register(self) -> None:
+        """RegisterEngine of no address: a controller checks the call's token before its
+        request, so it refuses one without the right token (UNAUTHENTICATED) and, to the
+        others, answers INVALID_ARGUMENT, registering nothing. ListWorkers alone does not
+        tell: a controller without `protect_reads` answers it to anyone."""
+        try:
+            await self._stub.RegisterEngine(
+                apb.RegisterEngineRequest(address=""), timeout=ADMIN_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.INVALID_ARGUMENT:
+                raise
 
     async def register(self, address: str, *, existing_ok: bool = False) -> None:
         """RegisterEngine; with `existing_ok`, an engine the controller already lists (one a
@@ -83,7 +111,7 @@ class ControllerAdmin:
                     )
                     await self.register(address)
         except grpc.aio.AioRpcError as exc:
-            log.warning("controller: %s", rpc_error(exc))
+            log.warning("controller: %s", self.describe(exc))
             return []
         return [address for address in serving if states.get(address) == "draining"]
 
@@ -102,7 +130,7 @@ class ControllerAdmin:
             async for event in self._stub.DrainEngine(request):
                 log.debug("drain %s: %s", request.engine, event.message or event.state)
         except grpc.aio.AioRpcError as exc:
-            log.warning("drain of %s: %s", request.engine, exc.details() or exc.code().name)
+            log.warning("drain of %s: %s", request.engine, self.describe(exc))
 
     async def remove(self, address: str) -> None:
         """RemoveEngine; an engine the controller no longer lists is not an error."""
@@ -113,6 +141,12 @@ class ControllerAdmin:
         for task in list(self._drains):
             task.cancel()
         await self._channel.close()
+
+    def describe(self, exc: grpc.aio.AioRpcError) -> str:
+        """A failed admin call in one line, with the setting (TLS, token) it most likely
+        lacks."""
+        hint = setting_hint(self._channels, exc.code(), exc.details() or "", CONTROLLER_SETTINGS)
+        return rpc_error(exc) + hint
 
     async def _list(self) -> apb.ListWorkersResponse:
         return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=ADMIN_TIMEOUT_S)

@@ -48,7 +48,7 @@ from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import KubernetesConfig, LiveConfig
-from planner.controller_admin import ControllerAdmin, rpc_error
+from planner.controller_admin import ControllerAdmin
 from planner.kube_api import KubeApi, KubeApiError, Pod, Scale, in_cluster
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,9 @@ class KubernetesDeployments:
                     await self._admin.register(engine.address, existing_ok=True)
                 except grpc.aio.AioRpcError as exc:
                     del self._engines[engine.address]
-                    log.warning("pod %s not adopted yet: controller %s", pod.name, rpc_error(exc))
+                    log.warning(
+                        "pod %s not adopted yet: controller %s", pod.name, self._admin.describe(exc)
+                    )
                     break
                 adopted.append((engine.address, pool))
                 log.info("pod %s of Deployment %s adopted", pod.name, self._deployments[pool])
@@ -209,7 +211,11 @@ class KubernetesDeployments:
             self._engines.pop(engine.address, None)
             self._exited.pop(engine.address, None)
             await self._admin.remove(engine.address)
-            why = rpc_error(exc) if isinstance(exc, grpc.aio.AioRpcError) else "never routed to"
+            why = (
+                self._admin.describe(exc)
+                if isinstance(exc, grpc.aio.AioRpcError)
+                else "never routed to"
+            )
             raise KvplaneError(f"pod {engine.pod} of pool {pool}: controller {why}") from exc
         return engine.address
 
@@ -397,10 +403,14 @@ async def _in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwa
 
 
 async def connect_deployments(
-    live: LiveConfig, kubernetes: KubernetesConfig, environ: Mapping[str, str]
+    live: LiveConfig,
+    kubernetes: KubernetesConfig,
+    environ: Mapping[str, str],
+    controller_channels: ClientChannels = INSECURE,
 ) -> KubernetesDeployments:
     """The actuator `live.kubernetes` describes (`environ` gives the in-cluster defaults),
-    once the API has shown it serves each Deployment; else a ConfigError (one line)."""
+    dialling the controller with `controller_channels` (`live.controller_tls`), once the API
+    has shown it serves each Deployment; else a ConfigError (one line)."""
     connection = in_cluster(
         environ,
         server=kubernetes.api_server,
@@ -415,6 +425,7 @@ async def connect_deployments(
         engine_port=kubernetes.engine_port,
         start_timeout_s=live.start_timeout_s,
         poll_s=kubernetes.poll_s,
+        channels=controller_channels,
     )
     try:
         await actuator.check()

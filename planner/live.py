@@ -13,7 +13,10 @@ so the core does not count it; a serving engine the controller does not list (it
 registered again, one it lists as draining (drained by hand) is observed as DRAINING: the core
 replaces it and removes it once empty. Only engines this planner started, or the actuator
 adopted (found serving: a Deployment's pods a previous planner scaled), are managed. Each tick
-updates the metrics (`planner.metrics`), served on `live.metrics_listen` when set.
+updates the metrics (`planner.metrics`), served on `live.metrics_listen` when set. The
+controller is dialled per `live.controller_tls` and the engines per `live.engine_tls`
+(insecure when unset), every call carrying the bearer token of `live.controller_token_file` /
+`live.engine_token_file` when set; their files are read and checked before anything starts.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import grpc
 
-from kvplane.channels import INSECURE, ClientChannels
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, setting_hint
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
 from openengine.v1 import openengine_pb2 as pb
@@ -56,6 +59,11 @@ log = logging.getLogger(__name__)
 
 # How long after a runtime-event stream ends the planner subscribes again.
 RESUBSCRIBE_S = 1.0
+# The settings a failed GetLoad names when an engine's TLS or token and the planner's do not
+# match.
+ENGINE_SETTINGS = ClientSettings(
+    "live.engine_tls", "live.engine_tls.cert_file and key_file", "live.engine_token_file"
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -183,7 +191,9 @@ class LivePlanner:
         try:
             info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            log.warning("GetLoad %s: %s", engine.engine_id, exc.details() or exc.code().name)
+            details = exc.details() or ""
+            hint = setting_hint(self._channels, exc.code(), details, ENGINE_SETTINGS)
+            log.warning("GetLoad %s: %s%s", engine.engine_id, details or exc.code().name, hint)
             engine.failed_polls += 1
             return
         engine.failed_polls = 0
@@ -318,6 +328,13 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             "the live planner needs a `live:` section (the controller's address) in its "
             "--config file (example: configs/planner.yaml)"
         )
+    # Before any engine starts: an unusable file stops the planner in one line.
+    controller_channels = ClientChannels.load(
+        live.controller_tls, "live.controller_tls"
+    ).with_token_file(live.controller_token_file, "live.controller_token_file")
+    engine_channels = ClientChannels.load(live.engine_tls, "live.engine_tls").with_token_file(
+        live.engine_token_file, "live.engine_token_file"
+    )
     with tempfile.TemporaryDirectory(prefix="kvplane-planner-") as scratch:
         metrics = PlannerMetrics()
         metrics_server = None
@@ -325,7 +342,9 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             metrics_server, _ = start_metrics_server(live.metrics_listen, metrics.registry)
         actuator: Actuator
         if live.kubernetes is not None:
-            actuator = await connect_deployments(live, live.kubernetes, environ)
+            actuator = await connect_deployments(
+                live, live.kubernetes, environ, controller_channels
+            )
         else:
             workdir = live.workdir or Path(scratch)
             workdir.mkdir(parents=True, exist_ok=True)
@@ -334,12 +353,14 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 engine_args=live.engine_args,
                 workdir=workdir,
                 start_timeout_s=live.start_timeout_s,
+                channels=controller_channels,
             )
         planner = LivePlanner(
             Planner(config),
             actuator,
             load_timeout_s=live.load_timeout_s,
             lost_after_failed_polls=live.lost_after_failed_polls,
+            channels=engine_channels,
             metrics=metrics,
         )
         stop = asyncio.Event()

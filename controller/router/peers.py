@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from controller.router.model import Candidate, Decision, EngineCost, Reason, RouteRequest
-from controller.router.policies import blind_costs
+from controller.router.policies import blind_costs, decision_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,26 +89,16 @@ class SglangCacheAware:
         lo, hi = min(loads), max(loads)
         if hi - lo > s.balance_abs_threshold and hi > lo * s.balance_rel_threshold:
             chosen = candidates[loads.index(lo)]
-            return self._decision(request, chosen, Reason.BALANCE, costs)
+            return decision_for(self.name, request, chosen, Reason.BALANCE, costs)
         matched = [self._tree(c.engine_id).match(request.block_keys) for c in candidates]
         best = max(matched)
         rate = best * request.block_size / max(request.num_prompt_tokens, 1)
         if best > 0 and rate > s.cache_threshold:
             chosen = candidates[matched.index(best)]
-            return self._decision(request, chosen, Reason.CACHE, costs)
+            return decision_for(self.name, request, chosen, Reason.CACHE, costs)
         sizes = [len(self._tree(c.engine_id).keys) for c in candidates]
         chosen = candidates[sizes.index(min(sizes))]
-        return self._decision(request, chosen, Reason.LOAD, costs)
-
-    def _decision(
-        self,
-        request: RouteRequest,
-        chosen: Candidate,
-        reason: Reason,
-        costs: tuple[EngineCost, ...],
-    ) -> Decision:
-        device, host = request.cached_tokens(chosen.hit)
-        return Decision(chosen.engine_id, reason, self.name, device + host, costs)
+        return decision_for(self.name, request, chosen, Reason.LOAD, costs)
 
     def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
         max_blocks = max(1, self.settings.max_tree_tokens // max(request.block_size, 1))
@@ -192,11 +182,8 @@ class LlmdLongestPrefix:
         best = max(scores)
         tied = [i for i, s in enumerate(scores) if s == best]
         chosen = candidates[tied[0] if len(tied) == 1 else rng.choice(tied)]
-        device, host = request.cached_tokens(chosen.hit)
         reason = Reason.TIE if len(tied) > 1 else Reason.CACHE if best > 0 else Reason.LOAD
-        return Decision(
-            chosen.engine_id, reason, self.name, device + host, blind_costs(request, candidates)
-        )
+        return decision_for(self.name, request, chosen, reason, blind_costs(request, candidates))
 
     def observe(self, request: RouteRequest, engine_id: str, now_s: float) -> None:
         return None

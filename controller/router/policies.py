@@ -85,7 +85,7 @@ def blind_costs(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple
     return tuple(rows)
 
 
-def _decision(
+def decision_for(
     policy: str,
     request: RouteRequest,
     chosen: Candidate,
@@ -120,7 +120,7 @@ class RoundRobin(_Stateless):
         ordered = sorted(candidates, key=lambda c: c.engine_id)
         chosen = ordered[self._next % len(ordered)]
         self._next += 1
-        return _decision(
+        return decision_for(
             self.name, request, chosen, Reason.POLICY, blind_costs(request, candidates)
         )
 
@@ -136,7 +136,7 @@ class RandomChoice(_Stateless):
         now_s: float,
     ) -> Decision:
         chosen = rng.choice(list(candidates))
-        return _decision(
+        return decision_for(
             self.name, request, chosen, Reason.POLICY, blind_costs(request, candidates)
         )
 
@@ -152,7 +152,9 @@ class LeastLoaded(_Stateless):
         now_s: float,
     ) -> Decision:
         chosen = least_loaded_of(candidates, rng)
-        return _decision(self.name, request, chosen, Reason.LOAD, blind_costs(request, candidates))
+        return decision_for(
+            self.name, request, chosen, Reason.LOAD, blind_costs(request, candidates)
+        )
 
 
 class PowerOfTwo(_Stateless):
@@ -167,7 +169,9 @@ class PowerOfTwo(_Stateless):
     ) -> Decision:
         pair = rng.sample(list(candidates), 2) if len(candidates) > 1 else list(candidates)
         chosen = least_loaded_of(pair, rng)
-        return _decision(self.name, request, chosen, Reason.LOAD, blind_costs(request, candidates))
+        return decision_for(
+            self.name, request, chosen, Reason.LOAD, blind_costs(request, candidates)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from controller.router.model import (
     Reason,
     RouteRequest,
 )
-from controller.router.policies import Policy, blind_costs, least_loaded_of
+from controller.router.policies import Policy, blind_costs, decision_for, least_loaded_of
 from kvplane.errors import KvplaneError
 
 
@@ -341,38 +341,20 @@ class Router:
         # blind baselines' real systems have none, and their rows must be theirs.
         busy_ids = self.busy.busy_ids(view) if self.policy.filters_busy else set()
         free = [c for c in view if c.engine_id not in busy_ids]
+
+        def without_policy(chosen: Candidate, reason: Reason) -> Decision:
+            costs = _mark_busy(blind_costs(request, view), busy_ids)
+            return decision_for(self.policy.name, request, chosen, reason, costs)
+
         if not free:
-            chosen = least_loaded_of(view, rng)
-            device, host = request.cached_tokens(chosen.hit)
-            return Decision(
-                chosen.engine_id,
-                Reason.ALL_BUSY,
-                self.policy.name,
-                device + host,
-                _mark_busy(blind_costs(request, view), busy_ids),
-            )
+            return without_policy(least_loaded_of(view, rng), Reason.ALL_BUSY)
         if request.session_key:
             engine_id = self._sessions.get(request.session_key)
             sticky = next((c for c in free if c.engine_id == engine_id), None)
             if sticky is not None:
-                device, host = request.cached_tokens(sticky.hit)
-                return Decision(
-                    sticky.engine_id,
-                    Reason.SESSION,
-                    self.policy.name,
-                    device + host,
-                    _mark_busy(blind_costs(request, view), busy_ids),
-                )
+                return without_policy(sticky, Reason.SESSION)
         if len(free) == 1:
-            chosen = free[0]
-            device, host = request.cached_tokens(chosen.hit)
-            return Decision(
-                chosen.engine_id,
-                Reason.ONLY,
-                self.policy.name,
-                device + host,
-                _mark_busy(blind_costs(request, view), busy_ids),
-            )
+            return without_policy(free[0], Reason.ONLY)
         decision = self.policy.choose(request, free, rng, now_s)
         if not busy_ids:
             return decision

@@ -182,6 +182,15 @@ DEFAULT_FLEET: dict[str, Any] = {
 }
 
 
+# What a controller member may ask of its clients (its `tls`, its `auth`), and what a planner
+# dials it without unless a setting of its says how.
+Secured = Literal["tls", "auth"]
+_PLANNER_LACKS: dict[Secured, tuple[str, str]] = {
+    "tls": ("TLS", "live.controller_tls"),  # first: the connection's, before any call
+    "auth": ("a token", "live.controller_token_file"),
+}
+
+
 def load_fleet(path: Path | None) -> FleetConfig:
     """The fleet file at `path` (None: the embedded defaults), with every member's server
     config checked before any member starts: a ConfigError names the file and the member."""
@@ -194,7 +203,7 @@ def load_fleet(path: Path | None) -> FleetConfig:
     # same shape, distinct from the others' (a controller refuses an engine listed twice).
     stand_ins = {m.name: f"127.0.0.1:{i}" for i, m in enumerate(fleet.members, start=1)}
     folder = Path(tempfile.gettempdir())  # a stand-in too: the fleet's folder is made at start
-    secured: dict[str, str] = {}  # controller members a planner cannot reach: what they ask for
+    secured: dict[str, set[Secured]] = {}  # controller members: what a planner needs for them
     planners: dict[str, str] = {}  # controller address -> the planner member using it
     members_at = {address: name for name, address in stand_ins.items()}
     for member in fleet.members:
@@ -206,9 +215,11 @@ def load_fleet(path: Path | None) -> FleetConfig:
         if isinstance(server, EngineConfig):
             _check_engine_checkpoint(server, f"{where}, member {member.name}")
         if isinstance(server, ControllerConfig) and (server.tls or server.auth):
-            secured[member.name] = "tls" if server.tls else "auth"
+            secured[member.name] = {"tls"} if server.tls else set()
+            if server.auth:
+                secured[member.name].add("auth")
         if isinstance(server, PlannerConfig):
-            _check_planner_reaches(member, secured, f"{where}, member {member.name}")
+            _check_planner_reaches(member, server, secured, f"{where}, member {member.name}")
             _check_one_planner_per_controller(server, member.name, planners, members_at, where)
     return fleet
 
@@ -235,15 +246,26 @@ def _check_one_planner_per_controller(
         )
 
 
-def _check_planner_reaches(member: MemberConfig, secured: dict[str, str], where: str) -> None:
-    """A planner dials its controller insecurely and without a token (planner.actuator): one
-    that names a controller member serving `tls` or asking for `auth` is refused here rather
-    than failing to register an engine once the fleet runs."""
+def _check_planner_reaches(
+    member: MemberConfig, planner: PlannerConfig, secured: dict[str, set[Secured]], where: str
+) -> None:
+    """A planner dials its controller without TLS unless its `live.controller_tls` says how,
+    and without a token unless its `live.controller_token_file` names one: one that names a
+    controller member serving `tls` or asking for `auth` it has no setting for is refused here
+    rather than failing to register an engine once the fleet runs."""
+    live = planner.live
+    given: dict[Secured, bool] = {
+        "tls": live is not None and live.controller_tls is not None,
+        "auth": live is not None and live.controller_token_file is not None,
+    }
     for name in sorted(member.refers_to() & secured.keys()):
-        raise ConfigError(
-            f"invalid config in {where}: the planner dials its controller without TLS or a "
-            f"token, and controller {name} has `{secured[name]}`"
-        )
+        for asks, (lacks, setting) in _PLANNER_LACKS.items():
+            if asks not in secured[name] or given[asks]:
+                continue
+            raise ConfigError(
+                f"invalid config in {where}: the planner dials its controller without {lacks} "
+                f"(give it {setting}), and controller {name} has `{asks}`"
+            )
 
 
 def _check_engine_checkpoint(config: EngineConfig, where: str) -> None:

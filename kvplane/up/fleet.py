@@ -24,9 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.registry import EngineState
 from kvplane.channels import ClientChannels
-from kvplane.config import read_token_file
 from kvplane.errors import KvplaneError
-from kvplane.server import bearer_token_metadata
 from kvplane.up.config import FleetConfig, MemberConfig
 from kvplane.up.member import member_environment
 from kvplane_api.v1 import admin_pb2 as apb
@@ -165,10 +163,9 @@ class Fleet:
         self.workdir = workdir
         self.members = [Member(m) for m in config.members]
         # Loaded (its files read and checked) before any member starts.
-        self.channels = ClientChannels.load(config.client_tls, "client_tls")
-        if config.client_token_file is not None:
-            token = read_token_file(config.client_token_file, "client_token_file")
-            self.channels = self.channels.with_metadata(bearer_token_metadata(token))
+        self.channels = ClientChannels.load(config.client_tls, "client_tls").with_token_file(
+            config.client_token_file, "client_token_file"
+        )
 
     def member(self, name: str) -> Member:
         return next(m for m in self.members if m.name == name)

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from controller.registry import poll_failure
 from kvplane.channels import ClientChannels
 from kvplane.up.fleet import Fleet
 from kvplane_api.v1 import admin_pb2 as apb
@@ -93,13 +94,17 @@ def _opt(message: Any, name: str) -> int | None:
 
 async def _ask(
     channels: ClientChannels, address: str, call: Callable[[grpc.aio.Channel], Awaitable[_T]]
-) -> _T | None:
-    """One RPC to `address` with the status deadline: its reply, or None if it failed."""
+) -> _T | grpc.aio.AioRpcError:
+    """One RPC to `address` with the status deadline: its reply, or how it failed."""
     try:
         async with channels.aio_channel(address) as channel:
             return await call(channel)
-    except grpc.aio.AioRpcError:
-        return None
+    except grpc.aio.AioRpcError as exc:
+        return exc
+
+
+def _answered(reply: _T | grpc.aio.AioRpcError) -> _T | None:
+    return None if isinstance(reply, grpc.aio.AioRpcError) else reply
 
 
 async def collect_status(fleet: Fleet) -> FleetStatus:
@@ -110,7 +115,7 @@ async def collect_status(fleet: Fleet) -> FleetStatus:
     controller = next(
         (m for m in fleet.members if m.kind == "controller" and m.address is not None), None
     )
-    workers = (
+    workers = _answered(
         await _ask(
             fleet.channels,
             controller.address,
@@ -146,14 +151,20 @@ async def collect_status(fleet: Fleet) -> FleetStatus:
         )
     )
     engines = []
-    for (address, engine_id, state, worker), load in zip(rows, loads, strict=True):
+    for (address, engine_id, listed_state, worker), answer in zip(rows, loads, strict=True):
+        load = _answered(answer)
+        state = listed_state
+        if worker is None and isinstance(answer, grpc.aio.AioRpcError):
+            # No controller to say: the engine's own answer tells a dead engine (unreachable)
+            # from one answering with errors (failing), as the controller tells them apart.
+            state = poll_failure(answer.code().name).state.value
         source: Any = worker if worker is not None else load
         cached = load.attributes.get("cached_kv_blocks") if load is not None else None
         engines.append(
             EngineStatus(
                 name=names.get(address, engine_id),
                 address=address,
-                state=state if load is not None or worker is not None else "unreachable",
+                state=state,
                 running=_opt(source, "running_requests") if source is not None else None,
                 queued=_opt(source, "queued_requests") if source is not None else None,
                 used_kv_blocks=_opt(source, "used_kv_blocks") if source is not None else None,

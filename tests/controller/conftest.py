@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -41,7 +41,6 @@ class Fleet:
     engines: list[EngineApp]
     app: ControllerApp
     channel: grpc.aio.Channel
-    closers: list[Callable[[], Any]] = field(default_factory=list)
 
     @property
     def target(self) -> str:

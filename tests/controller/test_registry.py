@@ -10,6 +10,7 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.registry import (
+    EjectionPolicy,
     EngineIdentity,
     EngineState,
     IncompatibleEngineError,
@@ -75,7 +76,7 @@ def test_one_engine_under_a_second_address_is_refused_while_the_first_answers() 
     assert registry.get("localhost:1").state is EngineState.INCOMPATIBLE
     assert registry.get("e0").address == "127.0.0.1:1"
     # The first address stops answering (the engine moved): the second one takes over.
-    registry.on_unreachable("127.0.0.1:1", 2.0, "gone")
+    registry.on_poll_failed("127.0.0.1:1", 2.0, "gone")
     registry.on_identity("localhost:1", identity("e0"), 3.0)
     registry.on_health("localhost:1", EngineState.READY, 3.0)
     assert [r.address for r in registry.routable()] == ["localhost:1"]
@@ -141,7 +142,7 @@ def test_health_messages_are_errors_only_for_engines_out_of_routing() -> None:
     registry = Registry()
     registry.add("h:1")
     registry.on_identity("h:1", identity("e0"), 0.0)
-    registry.on_unreachable("h:1", 1.0, "UNAVAILABLE: connection refused")
+    registry.on_poll_failed("h:1", 1.0, "UNAVAILABLE: connection refused")
     registry.on_health("h:1", EngineState.READY, 2.0, "builtin")
     assert registry.get("h:1").last_error == ""
     registry.on_health("h:1", EngineState.DEGRADED, 3.0, "kv: host tier offline")
@@ -157,11 +158,11 @@ def test_unreachable_engines_back_off_exponentially() -> None:
     registry.add("h:1")
     registry.on_identity("h:1", identity(), 0.0)
     registry.on_health("h:1", EngineState.READY, 0.0)
-    delays = [registry.on_unreachable("h:1", 10.0, "UNAVAILABLE") for _ in range(5)]
+    delays = [registry.on_poll_failed("h:1", 10.0, "UNAVAILABLE") for _ in range(5)]
     assert delays == [0.5, 1.0, 2.0, 3.0, 3.0]
     assert registry.get("h:1").state is EngineState.UNREACHABLE and registry.routable() == []
     registry.on_health("h:1", EngineState.READY, 11.0)
-    assert registry.on_unreachable("h:1", 12.0, "x") == 0.5
+    assert registry.on_poll_failed("h:1", 12.0, "x") == 0.5
 
 
 def test_an_outage_runs_from_the_first_unanswered_poll_until_an_answer() -> None:
@@ -172,11 +173,11 @@ def test_an_outage_runs_from_the_first_unanswered_poll_until_an_answer() -> None
     registry.on_health("h:1", EngineState.READY, 1.0)
     assert registry.unreachable_since("h:1") is None
     for now_s in (2.0, 4.0, 8.0):
-        registry.on_unreachable("h:1", now_s, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
+        registry.on_poll_failed("h:1", now_s, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
     assert registry.unreachable_since("h:1") == 2.0
     registry.on_health("h:1", EngineState.READY, 9.0)
     assert registry.unreachable_since("h:1") is None
-    registry.on_unreachable("h:1", 10.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
+    registry.on_poll_failed("h:1", 10.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
     assert registry.unreachable_since("h:1") == 10.0  # a new outage
 
 
@@ -186,15 +187,77 @@ def test_an_engine_answering_with_an_error_is_in_no_outage() -> None:
     registry = Registry()
     registry.add("h:1")
     registry.on_identity("h:1", identity(), 0.0)
-    registry.on_unreachable("h:1", 1.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
-    assert registry.get("h:1").state is EngineState.UNREACHABLE and registry.routable() == []
+    registry.on_poll_failed("h:1", 1.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
+    assert registry.get("h:1").state is EngineState.FAILING and registry.routable() == []
     assert registry.unreachable_since("h:1") is None
-    registry.on_unreachable("h:1", 2.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
+    registry.on_poll_failed("h:1", 2.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
     assert registry.unreachable_since("h:1") == 2.0
-    registry.on_unreachable("h:1", 3.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
+    registry.on_poll_failed("h:1", 3.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
     assert registry.unreachable_since("h:1") is None
-    registry.on_unreachable("h:1", 4.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
+    registry.on_poll_failed("h:1", 4.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
     assert registry.unreachable_since("h:1") == 4.0  # a new outage
+
+
+def test_a_failed_poll_says_whether_the_engine_answered() -> None:
+    """UNREACHABLE: the poll did not reach the engine; FAILING: it answered with an error.
+    Either way out of routing, backed off and without load, and each turns into the other
+    as the polls do."""
+    registry = Registry(backoff_initial_s=0.5, backoff_max_s=3.0)
+    registry.add("h:1")
+    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    registry.on_load("h:1", LoadSnapshot(running_requests=7), 0.5)
+    failures = [
+        (PollFailure.ERROR_ANSWER, "INTERNAL: boom", EngineState.FAILING),
+        (PollFailure.CONNECTION_LOST, "UNAVAILABLE: refused", EngineState.UNREACHABLE),
+        (PollFailure.ERROR_ANSWER, "UNKNOWN: crashed", EngineState.FAILING),
+        (PollFailure.TIMED_OUT, "DEADLINE_EXCEEDED", EngineState.UNREACHABLE),
+    ]
+    delays = []
+    for failure, error, state in failures:
+        delays.append(registry.on_poll_failed("h:1", 1.0, error, failure))
+        record = registry.get("h:1")
+        assert (record.state, record.last_error) == (state, error)
+        assert registry.routable() == [] and record.load == LoadSnapshot()
+    assert delays == [0.5, 1.0, 2.0, 3.0]  # one backoff, whichever way the polls fail
+    registry.on_health("h:1", EngineState.READY, 2.0)
+    assert registry.get("h:1").last_error == "" and len(registry.routable()) == 1
+
+
+def test_an_engine_back_from_failing_is_the_same_process_unless_its_connection_was_lost() -> None:
+    """Answering with errors proves the process alive: once healthy it keeps its drain (and
+    index entries). One that could not be reached, then answered errors (a new process
+    starting), then healthy, is a new process, as one back from unreachable alone is."""
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    registry.request_drain("e0")
+    registry.on_poll_failed("h:1", 1.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
+    assert registry.on_identity("h:1", identity("e0"), 2.0) is False
+    registry.on_health("h:1", EngineState.READY, 2.0)
+    assert registry.get("h:1").state is EngineState.DRAINING  # its drain stands
+    epoch = registry.get("h:1").epoch
+    registry.on_poll_failed("h:1", 3.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
+    registry.on_poll_failed("h:1", 4.0, "INTERNAL: starting", PollFailure.ERROR_ANSWER)
+    assert registry.get("h:1").state is EngineState.FAILING
+    assert registry.on_identity("h:1", identity("e0"), 5.0) is True
+    registry.on_health("h:1", EngineState.READY, 5.0)
+    assert registry.get("h:1").epoch == epoch + 1
+    assert [r.engine_id for r in registry.routable()] == ["e0"]  # a new process: no drain
+
+
+def test_a_failing_engine_does_not_hold_its_instance_id_against_a_replacement() -> None:
+    """An engine answering its polls with errors, replaced by a process under the same
+    instance id at another address: the new address takes over, as from an unreachable one."""
+    registry = Registry()
+    for address in ("h:1", "h:2"):
+        registry.add(address)
+    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_poll_failed("h:1", 1.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
+    assert registry.on_identity("h:2", identity("e0"), 2.0) is True
+    registry.on_health("h:2", EngineState.READY, 2.0)
+    assert [r.address for r in registry.routable()] == ["h:2"]
 
 
 def test_an_unreachable_engine_reports_no_load() -> None:
@@ -202,7 +265,7 @@ def test_an_unreachable_engine_reports_no_load() -> None:
     registry.add("h:1")
     registry.on_identity("h:1", identity(), 0.0)
     registry.on_load("h:1", LoadSnapshot(running_requests=7, total_kv_blocks=256), 1.0)
-    registry.on_unreachable("h:1", 2.0, "UNAVAILABLE: connection refused")
+    registry.on_poll_failed("h:1", 2.0, "UNAVAILABLE: connection refused")
     # Its last answer described a process that may be gone: the fleet's totals drop it.
     assert registry.get("h:1").load == LoadSnapshot()
 
@@ -281,14 +344,14 @@ def test_an_engine_answering_again_after_it_was_unreachable_is_a_new_process() -
     assert registry.on_identity("h:1", identity("e0"), 0.0) is True
     registry.on_health("h:1", EngineState.READY, 0.0)
     registry.request_drain("e0")
-    registry.on_unreachable("h:1", 2.0, "UNAVAILABLE: connection refused")
+    registry.on_poll_failed("h:1", 2.0, "UNAVAILABLE: connection refused")
     assert registry.on_identity("h:1", identity("e0"), 3.0) is True
     registry.on_health("h:1", EngineState.READY, 3.0)
     assert [r.engine_id for r in registry.routable()] == ["e0"]
     assert registry.on_identity("h:1", identity("e0"), 4.0) is False
     # Too busy to answer in time is the same process: its drain (and index entries) stay.
     registry.request_drain("e0")
-    registry.on_unreachable("h:1", 5.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
+    registry.on_poll_failed("h:1", 5.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
     assert registry.on_identity("h:1", identity("e0"), 5.5) is False
     registry.on_health("h:1", EngineState.READY, 5.5)
     assert registry.routable() == []
@@ -316,7 +379,7 @@ def test_a_drain_of_an_unreachable_engine_leaves_it_unreachable_with_its_error()
     registry.add("h:1")
     registry.on_identity("h:1", identity("e0"), 0.0)
     registry.on_health("h:1", EngineState.READY, 0.0)
-    registry.on_unreachable("h:1", 1.0, "UNAVAILABLE: connection refused")
+    registry.on_poll_failed("h:1", 1.0, "UNAVAILABLE: connection refused")
     before = registry.get("h:1")
     retry_at = before.next_attempt_s
     registry.request_drain("e0")
@@ -335,3 +398,54 @@ def test_a_drain_the_engine_did_not_take_is_withdrawn() -> None:
     registry.withdraw_drain("h:1")  # its Drain failed: UNAUTHENTICATED, unreachable, ...
     registry.on_health("h:1", EngineState.READY, 1.5)
     assert [r.engine_id for r in registry.routable()] == ["e0"]
+
+
+def ready_registry(*addresses: str, policy: EjectionPolicy) -> Registry:
+    registry = Registry(ejection=policy)
+    for n, address in enumerate(addresses):
+        registry.add(address)
+        registry.on_identity(address, identity(f"e{n}"), 0.0)
+        registry.on_health(address, EngineState.READY, 0.0)
+    return registry
+
+
+def test_ejection_doubles_up_to_its_bound_and_a_new_process_starts_clean() -> None:
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(2, 10.0, 25.0))
+    assert registry.on_request_failed("e0", 1.0, "INTERNAL: x") is None
+    assert registry.on_request_failed("e0", 1.0, "INTERNAL: x") == 10.0
+    assert [r.address for r in registry.routable()] == ["h:2"]
+    registry.on_health("h:1", EngineState.READY, 5.0)  # its polls do not end it early
+    assert registry.get("h:1").state is EngineState.EJECTED
+    registry.on_health("h:1", EngineState.NOT_READY, 6.0, "warming up")
+    assert registry.get("h:1").last_error == "warming up"
+    registry.on_health("h:1", EngineState.READY, 7.0)
+    assert registry.get("h:1").state is EngineState.EJECTED
+    assert registry.get("h:1").last_error.startswith("2 requests failed in a row")
+    durations = []
+    for now_s in (11.0, 32.0, 58.0):
+        registry.on_health("h:1", EngineState.READY, now_s)  # its time is up
+        assert registry.get("h:1").routable
+        durations.append(registry.on_request_failed("h:1", now_s, "INTERNAL: x"))
+    assert durations == [20.0, 25.0, 25.0]
+    # The same address, a new process (another instance id): its record starts clean.
+    registry.on_identity("h:1", identity("e9"), 60.0)
+    registry.on_health("h:1", EngineState.READY, 60.0)
+    assert registry.get("h:1").routable
+    assert registry.on_request_failed("h:1", 61.0, "INTERNAL: x") is None
+
+
+def test_a_served_request_clears_the_count_and_zero_never_ejects() -> None:
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(2))
+    registry.on_request_failed("h:1", 1.0, "INTERNAL: x")
+    registry.on_request_served("h:1")
+    assert registry.on_request_failed("h:1", 2.0, "INTERNAL: x") is None
+    never = ready_registry("h:1", "h:2", policy=EjectionPolicy(0))
+    assert all(never.on_request_failed("h:1", 1.0, "x") is None for _ in range(50))
+
+
+def test_an_ejected_engine_can_be_drained() -> None:
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(1))
+    registry.on_request_failed("h:1", 1.0, "INTERNAL: x")
+    assert registry.request_drain("h:1").state is EngineState.DRAINING
+    registry.on_health("h:1", EngineState.DRAINING, 2.0)
+    assert registry.get("h:1").state is EngineState.DRAINING

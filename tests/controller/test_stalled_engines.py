@@ -56,6 +56,9 @@ class EngineProcess:
              "--port-file", str(port_file)],
             stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{instance_id}.log").open("wb"),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # A SIGSTOPped process in the launcher's group would get SIGHUP if that group were
+            # orphaned (a launching shell that exits); a session of its own is never.
+            start_new_session=True,
         )  # fmt: skip
         try:
             port = await asyncio.to_thread(_wait_port, port_file, proc)

@@ -134,6 +134,72 @@ def test_a_planner_is_registered_with_the_fleets_controller_by_default(tmp_path:
     assert members["q"].config["live"] == {"controller": "127.0.0.1:9"}  # as given
 
 
+def test_a_planner_with_controller_tls_may_name_a_tls_controller(tmp_path: Path) -> None:
+    fleet = _fleet_file(
+        tmp_path,
+        "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, key_file: /s.key}}}\n"
+        "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: /ca.pem}}}}\n",
+    )
+    (_, planner) = load_fleet(fleet).members
+    assert planner.config["live"]["controller_tls"] == {"ca_file": "/ca.pem"}
+
+
+def test_a_planner_with_controller_token_file_may_name_a_controller_with_auth(
+    tmp_path: Path,
+) -> None:
+    fleet = _fleet_file(
+        tmp_path,
+        "  - {name: ctl, kind: controller, config: {auth: {token_file: /t}}}\n"
+        "  - {name: p, kind: planner, config: {live: {controller_token_file: /t}}}\n"
+        "  - {name: secure, kind: controller, config: {tls: {cert_file: /s.pem, "
+        "key_file: /s.key}, auth: {token_file: /t}}}\n"
+        "  - {name: q, kind: planner, config: {live: {controller: '${secure}', "
+        "controller_tls: {ca_file: /ca.pem}, controller_token_file: /t}}}\n",
+    )
+    members = {m.name: m for m in load_fleet(fleet).members}
+    assert members["p"].config["live"]["controller_token_file"] == "/t"
+    assert members["q"].refers_to() == {"secure"}
+
+
+@pytest.mark.timeout(90)
+def test_up_check_runs_a_planner_against_a_controller_with_auth(tmp_path: Path) -> None:
+    """A controller asking for the token on every call (`protect_reads`): the planner
+    registers its engine with `live.controller_token_file`, up sees it routed to (with
+    `client_token_file`) and --check passes; the planner takes its engine out at the end."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    config = {
+        "client_token_file": str(token),
+        "members": [
+            {
+                "name": "controller",
+                "kind": "controller",
+                "config": {
+                    "listen": "127.0.0.1:0",
+                    "auth": {"token_file": str(token), "protect_reads": True},
+                },
+            },
+            {
+                "name": "planner",
+                "kind": "planner",
+                "config": {
+                    "pools": [{"name": "default", "min_engines": 1, "max_engines": 1}],
+                    "scaling": {"tick_s": 0.5},
+                    "live": {"controller_token_file": str(token)},
+                },
+            },
+        ],
+    }
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(config))
+    result = _up_check(fleet, tmp_path, timeout_s=80)
+    assert result.returncode == 0, result.stderr
+    assert "planner running with its pools' minimum of engines routed to" in result.stderr
+    assert "check passed" in result.stderr
+    assert "UNAUTHENTICATED" not in result.stderr
+    assert _naming(tmp_path) == []
+
+
 def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -> None:
     """Its engines are a Deployment's pods: up gives it no `live.workdir` (which the planner
     refuses beside `kubernetes`), yet still the fleet's controller."""
@@ -174,8 +240,31 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
         (
             "  - {name: ctl, kind: controller, config: {auth: {token_file: /tmp/t}}}\n"
             "  - {name: p, kind: planner}\n",
-            "member p: the planner dials its controller without TLS or a token, and "
-            "controller ctl has `auth`",
+            "member p: the planner dials its controller without a token (give it "
+            "live.controller_token_file), and controller ctl has `auth`",
+        ),
+        # Each of the controller's demands needs its own setting: TLS is not a token...
+        (
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
+            "key_file: /s.key}, auth: {token_file: /tmp/t}}}\n"
+            "  - {name: p, kind: planner, config: {live: {controller_tls: {ca_file: /ca.pem}}}}\n",
+            "member p: the planner dials its controller without a token (give it "
+            "live.controller_token_file), and controller ctl has `auth`",
+        ),
+        # ...nor a token TLS.
+        (
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
+            "key_file: /s.key}, auth: {token_file: /tmp/t}}}\n"
+            "  - {name: p, kind: planner, config: {live: {controller_token_file: /tmp/t}}}\n",
+            "member p: the planner dials its controller without TLS (give it "
+            "live.controller_tls), and controller ctl has `tls`",
+        ),
+        (
+            "  - {name: ctl, kind: controller, config: {tls: {cert_file: /s.pem, "
+            "key_file: /s.key}}}\n"
+            "  - {name: p, kind: planner}\n",
+            "member p: the planner dials its controller without TLS (give it "
+            "live.controller_tls), and controller ctl has `tls`",
         ),
         # Up would count one planner's engines as the other's: one planner takes every pool.
         (
@@ -191,6 +280,9 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
         "controller-after",
         "two-controllers",
         "controller-auth",
+        "controller-tls-and-auth-no-token",
+        "controller-tls-and-auth-no-tls",
+        "controller-tls",
         "two-planners",
     ],
 )

@@ -463,6 +463,7 @@ class FakeKube:
                      "--listen", self.address(pod)],
                     stdout=subprocess.DEVNULL, stderr=log_file,
                     env={**os.environ, **member_environment(None)},  # dies with this thread
+                    start_new_session=True,  # a container is nobody's terminal job
                 )  # fmt: skip
             pod.restart_at = None
             pod.resource_version = self._version()

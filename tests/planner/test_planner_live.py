@@ -106,6 +106,11 @@ async def test_live_planner_starts_drains_and_removes_engines(setup: Setup) -> N
         await fleet.wait_for(lambda: len(live._starts) == 0, 30)
         addresses = sorted(live.engines)
         assert {r.address for r in fleet.registry.records()} == set(addresses)
+        # Each leads a session of its own: Ctrl-C in the planner's terminal reaches the planner
+        # only, which takes them out of the controller before it stops them.
+        for address in addresses:
+            pid = actuator._processes[address].pid
+            assert os.getsid(pid) == pid
 
         live.policy = planner(1, 1)
         (drain,) = await live.tick()

@@ -68,9 +68,11 @@ class WorkerInfo(_message.Message):
     role: _builtins.str
     """aggregated, prefill, decode, unknown"""
     state: _builtins.str
-    """unknown, starting, ready, degraded, draining, not_ready,"""
+    """unknown, starting, ready, degraded, draining, not_ready, unreachable (its polls do not
+    reach it), failing (it answers them with errors), incompatible, ejected (its health says
+    ready, its requests fail: controller/registry.py, "Outlier ejection")
+    """
     cordoned: _builtins.bool
-    """unreachable, incompatible"""
     routable: _builtins.bool
     kv_events: _builtins.str
     """grpc, zmq, none"""

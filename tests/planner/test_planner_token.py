@@ -1,0 +1,280 @@
+"""The live planner with a controller and engines run with `auth` (bearer tokens):
+`live.controller_token_file` on every admin call, `live.engine_token_file` on the engines'
+GetLoad and runtime events. The real `kvplane planner run` process drives an in-process
+controller that asks for one token, whose engines, started by the planner, ask for another on
+every call (`protect_reads`); a planner without the controller's token says which setting to
+give and starts no engine; an unusable token file stops it in one line before anything
+starts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_kube import FakeKube
+
+from controller.app import ControllerApp, start_controller
+from controller.config import ControllerConfig
+from kvplane.channels import INSECURE
+from kvplane.errors import KvplaneError
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.actuator import LocalProcesses
+from planner.live import LivePlanner
+from tests.controller.conftest import generate_request, start_sim_engine
+from tests.controller.test_gateway import eventually
+from tests.planner.test_planner_kubernetes import DEPLOYMENT, LABELS, free_port
+from tests.planner.test_planner_live import planner, scrape, value
+from tests.planner.test_planner_tls import (
+    PLANNER,
+    engines_answering,
+    planner_config,
+    planner_metrics_port,
+    planner_run,
+)
+
+
+def token_file(folder: Path, name: str, token: str) -> Path:
+    path = folder / name
+    path.write_text(f"{token}\n")  # surrounding whitespace is not part of the token
+    return path
+
+
+@contextlib.asynccontextmanager
+async def auth_controller(
+    token: Path, *, engine_token: Path | None = None
+) -> AsyncIterator[ControllerApp]:
+    """A controller run with `auth` (the admin API's changes need `token`) that sends its
+    engines `engine_token`."""
+    config = ControllerConfig.model_validate(
+        {
+            "listen": "127.0.0.1:0",
+            "auth": {"token_file": token},
+            "engine_token_file": engine_token,
+            "health": {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1},
+            "shutdown_grace_s": 0.5,
+        }
+    )
+    app = await start_controller(config)
+    try:
+        yield app
+    finally:
+        await app.close(0.2)
+
+
+def engine_with_auth(folder: Path, token: Path) -> Path:
+    """An engine config (for `--config`) asking for `token` on every call."""
+    config = folder / "engine.yaml"
+    config.write_text(f"auth: {{token_file: '{token}', protect_reads: true}}\n")
+    return config
+
+
+@pytest.mark.timeout(120)
+async def test_planner_run_manages_engines_behind_a_controller_with_auth(tmp_path: Path) -> None:
+    """The engine the planner starts is registered with the controller's token, the
+    controller routes a prompt to it, and the planner sees its forward passes and load with
+    the engines' own token (another one: each setting goes where it belongs); stopped, the
+    planner takes it out of the controller (RemoveEngine needs the token too)."""
+    controller_token = token_file(tmp_path, "controller-token", "controller-s3cret")
+    engine_token = token_file(tmp_path, "engine-token", "engine-s3cret")
+    engine_config = engine_with_auth(tmp_path, engine_token)
+    async with auth_controller(controller_token, engine_token=engine_token) as app:
+        config = planner_config(
+            tmp_path,
+            {
+                "controller": f"127.0.0.1:{app.port}",
+                "controller_token_file": str(controller_token),
+                "engine_token_file": str(engine_token),
+                "engine_args": ["--model", "sim", "--config", str(engine_config)],
+                "metrics_listen": "127.0.0.1:0",
+            },
+        )
+        fleet = app.controller.fleet
+        async with planner_run(config) as planner_process:
+            metrics_port = await planner_metrics_port(planner_process)
+            await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
+
+            async with INSECURE.aio_channel(f"127.0.0.1:{app.port}") as channel:
+                request = generate_request("r1", list(range(1, 65)))
+                async for _ in pb_grpc.OpenEngineStub(channel).Generate(request):
+                    pass
+
+            async def passes_seen() -> bool:
+                samples = await scrape(metrics_port)
+                return (
+                    value(samples, "kvplane_planner_forward_passes_total", pool="default") or 0
+                ) > 0
+
+            await eventually(passes_seen, 60)
+            await eventually(lambda: engines_answering(metrics_port, 1), 60)
+            samples = await scrape(metrics_port)
+            assert not any(
+                value(samples, "kvplane_planner_engines_lost_total", pool="default", cause=cause)
+                for cause in ("exited", "unresponsive")
+            )
+            assert await planner_process.stop() == 0
+        assert not fleet.registry.records()
+        assert not any("UNAUTHENTICATED" in line for line in planner_process.lines), (
+            planner_process.lines
+        )
+
+
+@pytest.mark.timeout(120)
+async def test_planner_run_registers_a_deployments_pods_with_a_controller_with_auth(
+    tmp_path: Path,
+) -> None:
+    """The Kubernetes actuator sends `controller_token_file` too (both tokens, the API
+    server's and the controller's, on their own connections)."""
+    kube = FakeKube(tmp_path, engine_port=free_port())
+    try:
+        kube.add_deployment(DEPLOYMENT, 0, LABELS)
+        kube_token = token_file(tmp_path, "kube-token", kube.token)
+        kubernetes = {
+            "api_server": kube.url,
+            "namespace": kube.namespace,
+            "token_file": str(kube_token),
+            "engine_port": kube.engine_port,
+            "deployments": {"default": DEPLOYMENT},
+            "poll_s": 0.1,
+        }
+        controller_token = token_file(tmp_path, "controller-token", "controller-s3cret")
+        async with auth_controller(controller_token) as app:
+            live = {
+                "controller": f"127.0.0.1:{app.port}",
+                "controller_token_file": str(controller_token),
+                "kubernetes": kubernetes,
+                "metrics_listen": "127.0.0.1:0",
+            }
+            fleet = app.controller.fleet
+            async with planner_run(planner_config(tmp_path, live)) as planner_process:
+                metrics_port = await planner_metrics_port(planner_process)
+                await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
+                (pod,) = kube.ready_pods(DEPLOYMENT)
+                assert [r.address for r in fleet.registry.routable()] == [kube.address(pod)]
+                await eventually(lambda: engines_answering(metrics_port, 1), 60)
+                assert await planner_process.stop() == 0
+    finally:
+        kube.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_planner_without_controller_token_file_names_the_setting_and_spawns_nothing(
+    tmp_path: Path,
+) -> None:
+    """The controller answers ListWorkers to anyone (no `protect_reads`), yet every start
+    fails at once, in one log line naming the setting, and no engine is spawned (with a real
+    model, minutes of loading for a registration refused)."""
+    controller_token = token_file(tmp_path, "controller-token", "controller-s3cret")
+    async with auth_controller(controller_token) as app:
+        config = planner_config(tmp_path, {"controller": f"127.0.0.1:{app.port}"})
+        async with planner_run(config) as planner_process:
+            failed = await planner_process.line(lambda line: "no engine of default started" in line)
+            assert planner_process.process.returncode is None  # it tries again next tick
+        assert " controller UNAUTHENTICATED: " in failed
+        assert failed.endswith("(a server requiring a token? give live.controller_token_file)")
+        assert not list((tmp_path / "work").glob("*.log"))
+        assert not app.controller.fleet.registry.records()
+
+
+@pytest.mark.timeout(60)
+async def test_a_start_with_a_token_the_controller_does_not_take_says_to_check_it(
+    tmp_path: Path,
+) -> None:
+    right = token_file(tmp_path, "controller-token", "controller-s3cret")
+    wrong = token_file(tmp_path, "old-token", "last-years-s3cret")
+    async with auth_controller(right) as app:
+        actuator = LocalProcesses(
+            controller=f"127.0.0.1:{app.port}",
+            engine_args=("--model", "sim"),
+            workdir=tmp_path,
+            start_timeout_s=60,
+            channels=INSECURE.with_token_file(wrong, "live.controller_token_file"),
+        )
+        try:
+            with pytest.raises(KvplaneError) as failed:
+                await actuator.start("default")
+        finally:
+            await actuator.close()
+    message = str(failed.value)
+    assert message.startswith("no engine of default started: controller UNAUTHENTICATED: ")
+    assert message.endswith("(not the server's token? check live.controller_token_file)")
+    assert "\n" not in message
+    assert not actuator._spawned
+
+
+@pytest.mark.timeout(60)
+async def test_a_getload_refused_by_an_engine_with_auth_names_live_engine_token_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A planner without `live.engine_token_file` polling an engine that asks for a token on
+    reads: the failed GetLoad's warning says which setting is missing (else it loses the
+    engine, once `lost_after_failed_polls` polls failed, without saying why)."""
+    token = token_file(tmp_path, "engine-token", "engine-s3cret")
+    engine = await start_sim_engine("e0", auth={"token_file": token, "protect_reads": True})
+    actuator = LocalProcesses(
+        controller="127.0.0.1:1", engine_args=(), workdir=tmp_path, start_timeout_s=1
+    )
+    live = LivePlanner(planner(1, 1), actuator)
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        live._serve(address, "default")
+        await live._poll(live.engines[address])
+    finally:
+        await live.close()
+        await engine.close()
+    (warning,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GetLoad")]
+    assert warning.startswith(f"GetLoad {address}: missing or invalid bearer token")
+    assert warning.endswith("(a server requiring a token? give live.engine_token_file)")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("token", "error"),
+    [
+        (None, "cannot read live.controller_token_file {path}: No such file or directory"),
+        (" \n", "live.controller_token_file {path} is empty"),
+    ],
+    ids=["missing", "empty"],
+)
+async def test_an_unusable_controller_token_file_stops_the_planner_in_one_line(
+    tmp_path: Path, token: str | None, error: str
+) -> None:
+    path = tmp_path / "token"
+    if token is not None:
+        path.write_text(token)
+    stderr, code = await planner_run_refused(tmp_path, {"controller_token_file": str(path)})
+    assert code == 1
+    assert stderr.splitlines() == [f"kvplane: error: {error.format(path=path)}"]
+    assert not (tmp_path / "work").exists()  # nothing started
+
+
+@pytest.mark.timeout(60)
+async def test_an_unusable_engine_token_file_stops_the_planner_in_one_line(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "token"
+    path.write_bytes(b"\xff\xfe")
+    stderr, code = await planner_run_refused(tmp_path, {"engine_token_file": str(path)})
+    assert code == 1
+    assert stderr.splitlines() == [
+        f"kvplane: error: live.engine_token_file {path} is not UTF-8 text (byte 0)"
+    ]
+    assert not (tmp_path / "work").exists()
+
+
+async def planner_run_refused(tmp_path: Path, live: dict[str, Any]) -> tuple[str, int]:
+    """`kvplane planner run` with `live`, and no controller: its stderr and exit status."""
+    with socket.socket() as unused:  # bound, not listening: no controller
+        unused.bind(("127.0.0.1", 0))
+        controller = f"127.0.0.1:{unused.getsockname()[1]}"
+        config = planner_config(tmp_path, {"controller": controller, **live})
+        process = await asyncio.create_subprocess_exec(
+            *PLANNER, str(config), stderr=asyncio.subprocess.PIPE
+        )
+        _, stderr = await process.communicate()
+    assert process.returncode is not None
+    return stderr.decode(), process.returncode
