@@ -25,7 +25,7 @@ from controller.service import Controller
 from controller.vllm_gateway import VllmGatewayServicer
 from indexer.backend import IndexBackend
 from kvplane.metrics import start_metrics_server
-from kvplane.server import Service, create_server, serve_until_signal, write_port_file
+from kvplane.server import Service, create_server, publish_port, serve_until_signal
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
@@ -105,7 +105,7 @@ async def run_controller(config: ControllerConfig, *, port_file: Path | None = N
     """Serve until SIGTERM/SIGINT, then stop cleanly."""
     app = await start_controller(config)
     try:
-        write_port_file(port_file, app.port)
+        await publish_port(app.server, port_file, app.port)
         await serve_until_signal(app.server, config.shutdown_grace_s)
     finally:
         await app.close_controller()

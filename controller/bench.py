@@ -170,7 +170,7 @@ def render_table(doc: dict[str, Any]) -> str:
             if doc.get("num_left_out")
             else ""
         ),
-        f"{'policy':<22}{'reuse':>8}{'ttft mean':>11}{'p50':>8}{'p99':>9}"
+        f"{'policy':<21}{'reuse':>8}{'ttft mean':>11}{'p50':>10}{'p99':>10}"
         f"{'itl mean':>10}{'imbal.':>8}{'req/s':>8}",
     ]
     for name, row in doc["policies"].items():
@@ -179,15 +179,19 @@ def render_table(doc: dict[str, Any]) -> str:
         imbalance = row.get("imbalance")
         rps = row.get("throughput_rps")
         lines.append(
-            f"{name:<22}{row['hit_ratio']:>8.3f}{ttft.get('mean', 0):>11.1f}"
-            f"{_cell(ttft.get('p50'), 8, 1)}{_cell(ttft.get('p99'), 9, 1)}"
+            f"{name:<21}{_cell(row['hit_ratio'], 8, 3)}{_cell(ttft.get('mean', 0), 11, 1)}"
+            f"{_cell(ttft.get('p50'), 10, 1)}{_cell(ttft.get('p99'), 10, 1)}"
             f"{_cell(itl, 10, 2)}{_cell(imbalance, 8, 3)}{_cell(rps, 8, 2)}"
         )
     return "\n".join(lines)
 
 
 def _cell(value: float | None, width: int, digits: int) -> str:
-    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+    """A right-aligned column, always one space from the one before: a value wider than its
+    column (a saturated replay's TTFT of minutes) widens its row rather than running into
+    its neighbour."""
+    text = "-" if value is None else f"{value:.{digits}f}"
+    return f" {text:>{width - 1}}"
 
 
 def bench_route(

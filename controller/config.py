@@ -39,7 +39,7 @@ class EngineEntry(StrictModel):
     address: str
     kv_events: KvEventsMode = KvEventsMode.grpc
     # How the positional events of the engine's ZMQ source (`kv_events: zmq`, or grpc's
-    # fallback) are read past index 7 (`indexer.zmq_decode`); None: as the engine's
+    # fallback) are read from index 7 on (`indexer.zmq_decode`); None: as the engine's
     # GetEngineInfo name says (`engine_array_tail`: "vllm" for vLLM, else "ignore").
     array_tail: ArrayTail | None = None
 

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import uvloop
 
-from kvplane.server import serve_until_signal, write_port_file
+from kvplane.server import publish_port, serve_until_signal
 
 SERVICE = "openengine.v1.OpenEngine"
 SHUTDOWN_GRACE_S = 1.0
@@ -71,7 +71,7 @@ async def start_relay(target: str, listen: str = "127.0.0.1:0") -> Relay:
 async def run_relay(target: str, port_file: Path) -> None:
     relay = await start_relay(target)
     try:
-        write_port_file(port_file, relay.port)
+        await publish_port(relay.server, port_file, relay.port)
         await serve_until_signal(relay.server, SHUTDOWN_GRACE_S)
     finally:
         await relay.channel.close()

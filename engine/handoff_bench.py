@@ -24,6 +24,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,8 +37,9 @@ from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
-# Clear of the random checkpoint's special tokens (0-2), inside its vocabulary.
-FIRST_TOKEN_ID, LAST_TOKEN_ID = 3, 31_999
+# Prompts are random ids from here to the end of the model's vocabulary: clear of the
+# special tokens (0-2) of the random checkpoint and of the builtin model.
+FIRST_TOKEN_ID = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,18 @@ def _request(request_id: str, prompt: list[int]) -> pb.GenerateRequest:
     )
 
 
+async def _generate(
+    stub: pb_grpc.OpenEngineAsyncStub, request: pb.GenerateRequest
+) -> AsyncIterator[pb.GenerateResponse]:
+    """The request's responses; an engine refusing it (a prompt too long for the model, ...)
+    is one line from `kvplane`, not a traceback."""
+    try:
+        async for response in stub.Generate(request):
+            yield response
+    except grpc.aio.AioRpcError as exc:
+        raise KvplaneError(f"{request.request_id}: {exc.code().name}: {exc.details()}") from None
+
+
 async def _first_token_ms(
     stub: pb_grpc.OpenEngineAsyncStub, request: pb.GenerateRequest
 ) -> tuple[float, pb.GenerateResponse]:
@@ -67,7 +81,7 @@ async def _first_token_ms(
     started = time.perf_counter()
     first_ms: float | None = None
     last = pb.GenerateResponse()
-    async for response in stub.Generate(request):
+    async for response in _generate(stub, request):
         if first_ms is None and response.HasField("token"):
             first_ms = (time.perf_counter() - started) * 1000
         if response.HasField("error"):
@@ -83,7 +97,7 @@ async def _prefill_ms(
 ) -> tuple[float, pb.KvSessionRef]:
     """Milliseconds to PrefillReady, and its session."""
     started = time.perf_counter()
-    async for response in stub.Generate(request):
+    async for response in _generate(stub, request):
         if response.HasField("prefill_ready"):
             return (time.perf_counter() - started) * 1000, response.prefill_ready.kv_session
         if response.HasField("error"):
@@ -114,6 +128,7 @@ async def _measure(model_dir: Path, settings: HandoffBenchSettings) -> dict[str,
             channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{apps[-1].port}"))
         aggregated, prefill, decode = (pb_grpc.OpenEngineStub(c) for c in channels)
         block_bytes = apps[2].service.engine_loop.core.runner.kv_block_bytes
+        last_token_id = apps[0].service.model.vocab_size - 1
         rng = random.Random(settings.seed)
         rows = []
         for length in settings.prompt_tokens:
@@ -126,7 +141,7 @@ async def _measure(model_dir: Path, settings: HandoffBenchSettings) -> dict[str,
             moved_blocks = 0
             for round_index in range(settings.rounds + 1):  # round 0 warms up, not counted
                 prompts = [
-                    [rng.randint(FIRST_TOKEN_ID, LAST_TOKEN_ID) for _ in range(length)]
+                    [rng.randint(FIRST_TOKEN_ID, last_token_id) for _ in range(length)]
                     for _ in range(2)
                 ]
                 rid = f"{length}-{round_index}"

@@ -5,7 +5,7 @@ It is a `ZmqSource` (seq tracking, replay, rebuild on restart) whose sink is a K
 client (an insecure channel, or TLS per `channels`). Translation (`indexer.translate`)
 coalesces adjacent REPORTs / REVOKEs to one tier, splits at 256 actions / 16,384 hashes with
 the same seq, turns AllBlocksCleared into one CLEAR per configured tier in place, and by
-default skips nil and EXTERNAL media (configurable). Positional events' fields past index 7
+default skips nil and EXTERNAL media (configurable). Positional events' fields from index 7 on
 (a hybrid model's group_idx and spec kind among them) are read only with `array_tail="vllm"`
 (`indexer.zmq_decode`); by default every group reads as group 0.
 Copies are counted here, since the KVIndexer API has no notion of them.
@@ -266,7 +266,7 @@ class BridgeSettings:
     replay_endpoint: str | None = None
     topic: str = ""
     bind: bool = False
-    # Positional events' fields past index 7: vLLM's ("vllm") or engine-specific ("ignore").
+    # Positional events' fields from index 7 on: vLLM's ("vllm") or engine-specific ("ignore").
     array_tail: ArrayTail = "ignore"
     hash_mode: HashMode = HashMode.ENGINE
     media: MediumMap = BRIDGE_MEDIUM_MAP

@@ -30,7 +30,7 @@ from indexer.translate import TranslateOptions, WorkerTranslator
 from kvplane.channels import ClientChannels
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
-from kvplane.server import create_server, serve_until_signal, write_port_file
+from kvplane.server import create_server, publish_port, serve_until_signal
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
             except KvplaneError:
                 await server.stop(None)
                 raise
-        write_port_file(port_file, port)
+        await publish_port(server, port_file, port)
         log.info("indexer on port %d: backend %s, %d sources", port, backend.name, len(sources))
         try:
             async with asyncio.TaskGroup() as group:

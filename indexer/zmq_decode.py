@@ -115,7 +115,7 @@ def _decode_topic(frame: bytes) -> str:
 def engine_array_tail(engine_name: str) -> ArrayTail:
     """The array tail of the events an engine publishes, from the name GetEngineInfo gives it:
     a vLLM engine's ZMQ publisher is vLLM's own, whose positional layout is the one "vllm"
-    reads; any other name (SGLang, whose builds disagree past index 7, or unknown) "ignore"."""
+    reads; any other name (SGLang, whose builds disagree from index 7 on, or unknown) "ignore"."""
     return "vllm" if engine_name.strip().lower() == "vllm" else "ignore"
 
 

@@ -42,6 +42,8 @@ def _port_file_in_a_folder(value: Path | None) -> Path | None:
     """Refused before the server starts, not once it serves (the port is written then)."""
     if value is not None and not value.parent.is_dir():
         raise typer.BadParameter(f"folder {value.parent} does not exist")
+    if value is not None and value.is_dir():
+        raise typer.BadParameter(f"{value} is a folder: give the path of a file to write")
     return value
 
 

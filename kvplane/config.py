@@ -20,6 +20,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from kvplane.errors import ConfigError
 
@@ -239,8 +240,19 @@ def validate_config(
             else:
                 flags = ", ".join(_flag_name(field) for field in sorted(flag_fields))
                 source = f"invalid config in {where} with {flags}"
-            problem = f"{'.'.join(loc)}: {err['msg']}" if loc else err["msg"]
+            message = _without_pydantic_prefix(err)
+            problem = f"{'.'.join(loc)}: {message}" if loc else message
             by_source.setdefault(source, []).append(problem)
         raise ConfigError(
             "; ".join(f"{source}: {'; '.join(problems)}" for source, problems in by_source.items())
         ) from exc
+
+
+# What pydantic writes before the message of an exception raised by a validator (our checks):
+# noise in a one-line error, so it is left out.
+_PYDANTIC_PREFIXES = {"value_error": "Value error, ", "assertion_error": "Assertion failed, "}
+
+
+def _without_pydantic_prefix(err: ErrorDetails) -> str:
+    """An error's message as the check that failed wrote it."""
+    return err["msg"].removeprefix(_PYDANTIC_PREFIXES.get(err["type"], ""))

@@ -207,6 +207,18 @@ def write_port_file(path: Path | None, port: int) -> None:
         raise ConfigError(f"cannot write --port-file {path}: {exc.strerror}") from exc
 
 
+async def publish_port(server: grpc.aio.Server, path: Path | None, port: int) -> None:
+    """`write_port_file` for a server that is serving already. One whose port cannot be
+    written (a folder not writable) is stopped before the error goes up: left running, it
+    would be torn down at exit by grpc's finaliser on a closed event loop, with a traceback
+    after the error line."""
+    try:
+        write_port_file(path, port)
+    except ConfigError:
+        await server.stop(None)
+        raise
+
+
 async def serve_until_signal(
     server: grpc.aio.Server,
     grace_s: float,

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from kvplane.cli_common import ConfigOption
 from kvplane.config import load_config
 
 planner_app = typer.Typer(no_args_is_help=True)
 
+# Not the servers' --config: the embedded defaults have no `live:` section (no controller to
+# scale engines behind), so the planner cannot run on them alone.
+PlannerConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="YAML config file with a `live:` section naming the controller "
+        "(example: configs/planner.yaml).",
+    ),
+]
+
 
 @planner_app.command()
-def run(config: ConfigOption = None) -> None:
+def run(config: PlannerConfigOption = None) -> None:
     """Scale pools and drain engines behind a controller (docs/planner.md).
 
     Engines run as local `kvplane engine serve` processes, or as the pods of a Kubernetes

@@ -52,7 +52,7 @@ from engine.server.zmq_publisher import ZmqKvPublisher, routable_host_port
 from kvplane.config import parse_host_port
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
-from kvplane.server import create_server, serve_until_signal, write_port_file
+from kvplane.server import create_server, publish_port, serve_until_signal
 from openengine.v1 import openengine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -431,7 +431,7 @@ async def run_engine(config: EngineConfig, *, port_file: Path | None = None) -> 
     """Serve until SIGTERM/SIGINT, then drain and stop cleanly."""
     app = await start_engine(config)
     try:
-        write_port_file(port_file, app.port)
+        await publish_port(app.server, port_file, app.port)
         await serve_until_signal(app.server, config.shutdown_grace_s, on_stop=app.close_engine)
     finally:
         with contextlib.suppress(Exception):

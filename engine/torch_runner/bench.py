@@ -316,6 +316,7 @@ def run_engine_bench(model: str, settings: EngineBenchSettings) -> dict[str, Any
             log.info("kvplane c=%d: %s", concurrency, kvplane[f"c{concurrency}"])
         kvplane["ttft"] = _kvplane_ttft(runner, settings, rng)
         hf = _hf_throughput(model_dir, workloads, settings) if settings.compare_hf else None
+        hf_absent = "not installed" if settings.compare_hf else "skipped (--no-compare-hf)"
         doc: dict[str, Any] = {
             "model": model,
             "parameters": sum(p.numel() for p in _weights(runner)),
@@ -323,7 +324,7 @@ def run_engine_bench(model: str, settings: EngineBenchSettings) -> dict[str, Any
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
             "kvplane": kvplane,
-            "hf_transformers": hf if hf is not None else "not installed",
+            "hf_transformers": hf if hf is not None else hf_absent,
         }
         if hf is not None:
             for key, rate in (
@@ -383,7 +384,7 @@ def render_table(doc: dict[str, Any]) -> str:
         f"prefix-cached {ttft['cached_ms']:.1f} ms (x{ttft['speedup']:.1f})"
     )
     if not isinstance(hf, dict):
-        lines.append("  HF transformers: not installed (kvplane figures alone)")
+        lines.append(f"  HF transformers: {hf} (kvplane figures alone)")
     return "\n".join(lines)
 
 

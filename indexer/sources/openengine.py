@@ -417,7 +417,7 @@ def engine_worker_id(worker_id: str) -> str:
 
 def zmq_source_settings(advert: pb.KvEventSource, *, array_tail: ArrayTail) -> ZmqSourceSettings:
     """How to follow one advertised ZMQ source (its replay endpoint may lack the scheme),
-    reading its positional events' fields past index 7 as `array_tail` says: the advert does
+    reading its positional events' fields from index 7 on as `array_tail` says: the advert does
     not say which engine's layout they follow."""
     endpoint = f"tcp://{advert.endpoint_addr.host}:{advert.endpoint_addr.port}"
     replay = advert.replay_endpoint or None

@@ -291,7 +291,7 @@ def test_config_names_from_the_issue(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown policy"):
         load_config(ControllerConfig, path)
     path.write_text("index: {remote: indexer}\n")
-    with pytest.raises(ConfigError, match=r"index\.remote: Value error, expected HOST:PORT"):
+    with pytest.raises(ConfigError, match=r"index\.remote: expected HOST:PORT"):
         load_config(ControllerConfig, path)
     for backend in ("memory", "'redis://h:6379'"):
         path.write_text(f"index: {{backend: {backend}, remote: 'h:1'}}\n")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from controller.bench import render_table
 from controller.replay import ReplaySettings, oracle_hit_ratio, replay
 from engine.core.mooncake_trace import TraceRequest, load_trace
 from engine.core.sim_runner import TimingModel
@@ -131,3 +132,25 @@ def test_bench_route_cli_json(tmp_path: Path) -> None:
         app, ["bench", "route", "--trace", str(trace), "--policies", "random"]
     )
     assert table.exit_code == 0 and "random" in table.output
+
+
+def test_bench_route_table_keeps_columns_apart_for_minutes_of_ttft() -> None:
+    """A saturated replay's TTFTs run to minutes (six digits of ms and more): each figure
+    stays a column of its own, not digits run into its neighbour's."""
+    ttft = {"mean": 117109.9, "p50": 138451.2, "p99": 12345678.9}
+    doc = {
+        "trace": "t.jsonl", "workers": 2, "blocks_per_worker": 64, "block_size": 512,
+        "speedup": 1.0, "seed": 0, "oracle_hit_ratio": 0.05,
+        "policies": {
+            "llmd_longest_prefix": {
+                "hit_ratio": 0.05, "ttft_ms": ttft, "itl_ms": {"mean": 33.34},
+                "imbalance": 2.0, "throughput_rps": 0.2,
+            }
+        },
+    }  # fmt: skip
+    header, row = render_table(doc).splitlines()[1:]
+    assert len(header.split()) == 10  # "ttft mean" and "itl mean": two words each
+    assert row.split() == [
+        "llmd_longest_prefix", "0.050", "117109.9", "138451.2", "12345678.9", "33.34",
+        "2.000", "0.20",
+    ]  # fmt: skip

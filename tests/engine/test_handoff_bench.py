@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from engine.torch_runner.builtin_model import write_builtin_model
 from kvplane.cli import app
 from kvplane.errors import KvplaneError
 
@@ -55,4 +57,36 @@ def test_bench_handoff_refuses_an_unknown_dtype_before_starting_engines() -> Non
     assert isinstance(result.exception, KvplaneError)
     assert str(result.exception) == (
         "dtype 'float64' is not supported; choose one of ['bfloat16', 'float32']"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_bench_handoff_draws_prompts_from_the_models_own_vocabulary(tmp_path: Path) -> None:
+    """A model directory with a small vocabulary (the builtin model's 385 tokens) is
+    measured, not refused for token ids past its vocabulary."""
+    model = write_builtin_model(tmp_path / "small-vocab")
+    result = CliRunner().invoke(
+        app,
+        ["bench", "handoff", "--model", str(model), "--prompt-tokens", "40",
+         "--rounds", "1", "-o", "json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.stdout)["rows"]
+    assert row["prompt_tokens"] == 40 and row["moved_blocks"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_bench_handoff_reports_a_prompt_the_engine_refuses_in_one_line() -> None:
+    """A prompt longer than the model's context is the engine's refusal as one line (exit 1),
+    not a gRPC traceback."""
+    result = CliRunner().invoke(
+        app,
+        ["bench", "handoff", "--model", "random-2x128", "--prompt-tokens", "5000",
+         "--rounds", "1"],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        "a-5000-0: INVALID_ARGUMENT: prompt of 5000 tokens leaves no room for output in a "
+        "context of 4096"
     )

@@ -91,6 +91,16 @@ def test_planner_run_without_a_live_section_is_one_line() -> None:
     )
 
 
+def test_planner_run_help_asks_for_a_config_with_a_live_section() -> None:
+    """The servers' --config falls back to embedded defaults; the planner's cannot (they name
+    no controller), and its help must not promise that it does."""
+    result = run("planner", "run", "--help", timeout=30)
+    assert result.returncode == 0
+    help_text = " ".join(result.stdout.replace("│", " ").split())
+    assert "embedded defaults" not in help_text
+    assert "YAML config file with a `live:` section naming the controller" in help_text
+
+
 def test_usage_error_exits_2() -> None:
     result = run("indexer", "serve", "--no-such-option")
     assert result.returncode == 2
@@ -160,9 +170,9 @@ def test_bad_listen_address_is_rejected() -> None:
     ("args", "message"),
     [
         (["engine", "serve", "--role", "bogus"], "invalid --role: Input should be 'aggregated'"),
-        (["engine", "serve", "--listen", "nonsense"], "invalid --listen: Value error, expected"),
-        (["controller", "serve", "--listen", "h:x"], "invalid --listen: Value error, expected"),
-        (["indexer", "serve", "--listen", "h:99999"], "invalid --listen: Value error, port out"),
+        (["engine", "serve", "--listen", "nonsense"], "invalid --listen: expected"),
+        (["controller", "serve", "--listen", "h:x"], "invalid --listen: expected"),
+        (["indexer", "serve", "--listen", "h:99999"], "invalid --listen: port out"),
     ],
 )
 def test_a_bad_flag_value_is_blamed_on_the_flag(args: list[str], message: str) -> None:
@@ -252,6 +262,33 @@ def test_a_port_file_in_a_missing_folder_is_refused_before_serving(
     assert result.returncode == 2
     assert f"folder {missing.parent} does not exist" in result.stderr
     assert "Traceback" not in result.stderr and "serving" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "serve", [["engine", "serve", "--model", "sim"], ["controller", "serve"], ["indexer", "serve"]]
+)
+def test_a_port_file_that_is_a_folder_is_refused_before_serving(
+    serve: list[str], tmp_path: Path
+) -> None:
+    """The port cannot be written there: found once serving, that was an error line and then
+    grpc's traceback of a server never stopped."""
+    result = run(*serve, "--listen", "127.0.0.1:0", "--port-file", str(tmp_path))
+    assert result.returncode == 2
+    assert f"{tmp_path} is a folder: give the path of a file to write" in result.stderr
+    assert "Traceback" not in result.stderr and "serving" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "serve", [["engine", "serve", "--model", "sim"], ["controller", "serve"], ["indexer", "serve"]]
+)
+def test_a_port_file_that_cannot_be_written_is_one_line(serve: list[str]) -> None:
+    """Found once serving (a folder that takes no files: /proc, even for root): the server
+    is stopped before the error line, so no grpc traceback follows it at exit."""
+    port_file = "/proc/kvplane-test-port"
+    result = run(*serve, "--listen", "127.0.0.1:0", "--port-file", port_file)
+    assert result.returncode == 1
+    assert f"kvplane: error: cannot write --port-file {port_file}: " in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("group", ["indexer", "controller", "engine"])

@@ -29,17 +29,16 @@ def test_a_bad_flag_value_is_blamed_on_the_flag_and_a_bad_file_value_on_the_file
     with pytest.raises(ConfigError) as caught:
         load_config(ServerConfig, None, {"listen": "nonsense", "metrics_listen": None})
     assert str(caught.value) == (
-        "invalid --listen: Value error, expected HOST:PORT ([ADDRESS]:PORT for IPv6),"
-        " got 'nonsense'"
+        "invalid --listen: expected HOST:PORT ([ADDRESS]:PORT for IPv6), got 'nonsense'"
     )
     path = tmp_path / "c.yaml"
     path.write_text("listen: nonsense\nshutdown_grace_s: -1\n")
     with pytest.raises(ConfigError) as caught:
         load_config(ServerConfig, path, {"metrics_listen": "h:x"})
     message = str(caught.value)
-    assert message.startswith(f"invalid config in {path}: listen: Value error, expected")
+    assert message.startswith(f"invalid config in {path}: listen: expected")
     assert "; shutdown_grace_s: Input should be greater than or equal to 0; " in message
-    assert "; invalid --metrics-listen: Value error, expected HOST:PORT" in message
+    assert "; invalid --metrics-listen: expected HOST:PORT" in message
 
 
 def test_a_check_across_fields_names_the_file_and_the_flags(tmp_path: Path) -> None:
@@ -50,7 +49,7 @@ def test_a_check_across_fields_names_the_file_and_the_flags(tmp_path: Path) -> N
     with pytest.raises(ConfigError) as caught:
         load_config(EngineConfig, path, {"model": "sim", "role": None})
     assert str(caught.value) == (
-        f"invalid config in {path} with --model: Value error, the sim runner needs"
+        f"invalid config in {path} with --model: the sim runner needs"
         " num_kv_blocks, not kv_cache_bytes"
     )
 

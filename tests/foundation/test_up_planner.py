@@ -220,8 +220,7 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
         (
             "  - {name: ctl, kind: controller}\n"
             "  - {name: p, kind: planner, config: {pools: [{min_engines: 3, max_engines: 2}]}}\n",
-            "member p: pools.0: Value error, pool 'default': max_engines (2) is below "
-            "min_engines (3)",
+            "member p: pools.0: pool 'default': max_engines (2) is below min_engines (3)",
         ),
         # A planner listens nowhere: no `listen` is added to its config, nor taken.
         (
@@ -231,12 +230,12 @@ def test_a_planner_of_kubernetes_deployments_is_a_valid_member(tmp_path: Path) -
         ),
         (
             "  - {name: p, kind: planner}\n  - {name: ctl, kind: controller}\n",
-            "Value error, member 'p': no controller listed before it, so live.controller",
+            "member 'p': no controller listed before it, so live.controller",
         ),
         (
             "  - {name: c1, kind: controller}\n  - {name: c2, kind: controller}\n"
             "  - {name: p, kind: planner}\n",
-            "Value error, member 'p': controllers c1, c2 listed before it, so live.controller",
+            "member 'p': controllers c1, c2 listed before it, so live.controller",
         ),
         (
             "  - {name: ctl, kind: controller, config: {auth: {token_file: /tmp/t}}}\n"

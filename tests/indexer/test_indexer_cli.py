@@ -470,17 +470,17 @@ def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_pat
     [
         (
             "max_request_bytes: 99999999999\n",
-            "max_request_bytes: Value error, must be at most 2147483647 (2 GiB - 1, gRPC's "
+            "max_request_bytes: must be at most 2147483647 (2 GiB - 1, gRPC's "
             "limit), got 99999999999",
         ),
         (
             "sources:\n  - {kind: zmq, worker_id: w0, endpoint: '127.0.0.1:5557'}\n",
-            "sources.0.zmq: Value error, endpoint: expected a ZMQ endpoint like tcp://HOST:PORT, "
+            "sources.0.zmq: endpoint: expected a ZMQ endpoint like tcp://HOST:PORT, "
             "got '127.0.0.1:5557'",
         ),
         (
             "sources:\n  - {kind: zmq, worker_id: w0, endpoint: 'tcp://127.0.0.1'}\n",
-            "sources.0.zmq: Value error, endpoint: expected tcp://HOST:PORT, got 'tcp://127.0.0.1'",
+            "sources.0.zmq: endpoint: expected tcp://HOST:PORT, got 'tcp://127.0.0.1'",
         ),
         (
             "sources:\n  - {kind: openengine, target: '127.0.0.1:9', data_parallel_ranks: [-1]}\n",
@@ -489,12 +489,11 @@ def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_pat
         ),
         (
             "backend: redis://127.0.0.1:6379/abc\n",
-            "backend: Value error, backend 'redis://127.0.0.1:6379/abc': the DB must be a number, "
-            "got 'abc'",
+            "backend: backend 'redis://127.0.0.1:6379/abc': the DB must be a number, got 'abc'",
         ),
         (
             "redis: {buckets: 64}\n",
-            "Value error, redis: options are for a Redis backend, but backend is memory: remove "
+            "redis: options are for a Redis backend, but backend is memory: remove "
             "the redis: block or set backend to redis://HOST:PORT/DB",
         ),
     ],

@@ -320,7 +320,7 @@ async def test_a_start_against_a_controller_the_tls_settings_do_not_match_names_
         ),
         (
             {"engine_tls": {"cert_file": "{pki}/client.pem"}},
-            "invalid config in {config}: live.engine_tls: Value error, cert_file and key_file go "
+            "invalid config in {config}: live.engine_tls: cert_file and key_file go "
             "together (a client certificate)",
         ),
     ],
