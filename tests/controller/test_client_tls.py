@@ -30,7 +30,7 @@ from kvplane.server import create_server
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, generate_request, start_sim_engine
-from tests.controller.test_gateway import eventually
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,7 +27,7 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
-from tests.controller.test_gateway import eventually
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -43,7 +43,8 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
-from tests.controller.test_gateway import PREFIX, eventually, generate, holder_of
+from tests.controller.test_gateway import PREFIX, generate, holder_of
+from tests.polling import eventually
 from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(90)

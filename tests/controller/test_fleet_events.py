@@ -41,7 +41,6 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
-from tests.controller.test_gateway import eventually
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.indexer.hybrid_events import (
     HYBRID_BLOCK_SIZE,
@@ -49,6 +48,7 @@ from tests.indexer.hybrid_events import (
     EventForm,
     hybrid_payload,
 )
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 

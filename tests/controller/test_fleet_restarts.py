@@ -28,7 +28,7 @@ from tests.controller.test_fleet_events import (
     start_zmq_engine,
     zmq_fleet,
 )
-from tests.controller.test_gateway import eventually
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 

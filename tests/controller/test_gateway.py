@@ -5,8 +5,7 @@ traffic; failures before the first token are retried elsewhere; abort and LoRA f
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -26,6 +25,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+from tests.polling import eventually
 
 if TYPE_CHECKING:
     from tests.redis_servers import RedisServer
@@ -33,14 +33,6 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.timeout(60)
 
 PREFIX = list(range(100, 164))  # 4 blocks of 16
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        for _ in itertools.count():
-            if await check():
-                return
-            await asyncio.sleep(0.02)
 
 
 async def generate(fleet: Fleet, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:

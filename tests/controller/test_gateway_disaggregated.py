@@ -14,7 +14,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.disagg_engines import RoleEngine, Sessions, start_role_engine
-from tests.controller.test_gateway import eventually
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,9 +21,9 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.test_gateway import eventually
 from tests.controller.test_gateway_scripted import cli
 from tests.engine.lora_adapters import write_adapter_config
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -27,7 +27,7 @@ from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 from tests.controller.conftest import start_sim_engine
-from tests.controller.test_gateway import eventually
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -30,8 +30,9 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.test_gateway import PREFIX, eventually
+from tests.controller.test_gateway import PREFIX
 from tests.controller.test_processes import _wait_port
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
 

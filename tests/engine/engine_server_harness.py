@@ -3,7 +3,6 @@ server tests. Not a test module itself."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -95,18 +94,6 @@ async def stream_error(stream: Any) -> tuple[list[Any], grpc.aio.AioRpcError]:
     except grpc.aio.AioRpcError as exc:
         return got, exc
     raise AssertionError(f"the stream succeeded with {len(got)} messages")
-
-
-async def wait_for(
-    predicate: Callable[[], Awaitable[bool]], *, timeout_s: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll an async predicate until it holds (a condition, not a sleep to synchronise)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def idle(engine: Engine) -> bool:

@@ -21,8 +21,8 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
     stream_error,
-    wait_for,
 )
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -225,7 +225,7 @@ async def test_abort_mid_stream_then_already_finished() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await engine.stub.Abort(bad)
             assert info.value.code() == code
-        await wait_for(lambda: idle(engine), what="engine idle after abort")
+        await eventually(lambda: idle(engine), what="engine idle after abort")
 
 
 async def test_abort_all_and_client_cancel_free_everything() -> None:
@@ -245,7 +245,7 @@ async def test_abort_all_and_client_cancel_free_everything() -> None:
         gone = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="gone"))
         await _first_token(gone)
         gone.cancel()  # the client goes away: the engine stops the work
-        await wait_for(lambda: idle(engine), what="engine idle after client cancel")
+        await eventually(lambda: idle(engine), what="engine idle after client cancel")
 
 
 async def test_drain_stops_admission_and_completes_when_work_ends() -> None:
@@ -294,7 +294,7 @@ async def test_drain_deadline_zero_aborts_at_once_or_fails_without_abort() -> No
         assert with_abort[-1].state == pb.DRAIN_STATE_COMPLETE
         rest = await _rest(stream)
         assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED
-        await wait_for(lambda: idle(engine), what="engine idle after drain")
+        await eventually(lambda: idle(engine), what="engine idle after drain")
 
 
 async def test_runner_failure_after_acceptance_is_one_terminal_engine_error() -> None:
@@ -317,7 +317,7 @@ async def test_runner_failure_after_acceptance_is_one_terminal_engine_error() ->
         runner.execute = healthy  # type: ignore[method-assign]
         ok = await collect(engine.stub, generate_request(PROMPT))
         assert ok[-1].WhichOneof("event") == "finished"
-        await wait_for(lambda: idle(engine), what="engine idle after a failed step")
+        await eventually(lambda: idle(engine), what="engine idle after a failed step")
 
 
 async def test_health_probes_cancelled_by_the_client_deadline_leave_nothing_in_flight() -> None:
@@ -343,7 +343,7 @@ async def test_health_probes_cancelled_by_the_client_deadline_leave_nothing_in_f
             assert load.running_requests == 1, "busy ended before the probes left the queue"
             return load.queued_requests == 0
 
-        await wait_for(probes_left_the_queue_while_busy_runs, what="cancelled probes dequeued")
+        await eventually(probes_left_the_queue_while_busy_runs, what="cancelled probes dequeued")
         busy.cancel()
         drain = [
             r
@@ -354,7 +354,7 @@ async def test_health_probes_cancelled_by_the_client_deadline_leave_nothing_in_f
         assert drain[-1].WhichOneof("event") == "state", drain[-1]
         assert drain[-1].state == pb.DRAIN_STATE_COMPLETE
         assert drain[-1].in_flight_requests == 0
-        await wait_for(lambda: idle(engine), what="engine idle after the drain")
+        await eventually(lambda: idle(engine), what="engine idle after the drain")
 
 
 @pytest.mark.parametrize(

@@ -19,8 +19,8 @@ from tests.engine.engine_server_harness import (
     rpc_error,
     running_engine,
     sim_config,
-    wait_for,
 )
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ async def test_load_reports_every_scalar() -> None:
     async with running_engine() as engine:
         await collect(engine.stub, generate_request(list(range(12)), max_tokens=2))
         # The last response leaves before the engine's loop frees the request.
-        await wait_for(lambda: idle(engine), what="the engine to free the request")
+        await eventually(lambda: idle(engine), what="the engine to free the request")
         load = await engine.stub.GetLoad(pb.GetLoadRequest(include_per_rank=True))
     for name in (
         "timestamp_unix_nanos",

@@ -27,8 +27,8 @@ from tests.engine.engine_server_harness import (
     rpc_error,
     running_engine,
     sim_config,
-    wait_for,
 )
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,7 +145,7 @@ async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
         async def subscribed() -> bool:
             return hub.num_subscribers == 2
 
-        await wait_for(subscribed, what="runtime event subscribers")
+        await eventually(subscribed, what="runtime event subscribers")
         await collect(engine.stub, generate_request(list(range(40)), max_tokens=3))
         kinds: dict[int, pb.RuntimeEvent] = {}
         while len(kinds) < 3:

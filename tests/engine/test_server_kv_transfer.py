@@ -28,9 +28,9 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
     stream_error,
-    wait_for,
 )
 from tests.engine.lora_adapters import write_adapter_config
+from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +93,7 @@ async def test_prefill_ready_then_decode_with_the_session() -> None:
         assert decoded[-1].usage.cached_prompt_tokens == 8  # the two transferred blocks
         assert alone[-1].usage.cached_prompt_tokens == 0
         # A complete pull released the session: the blocks stay cached, no longer held.
-        await wait_for(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
+        await eventually(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
         again = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
         assert again.code() == grpc.StatusCode.NOT_FOUND
 
@@ -118,7 +118,7 @@ async def test_a_pulled_session_stays_for_a_retry_until_it_is_released() -> None
             assert header.kv_layout == "sim:B4" and header.block_size == 4
             assert [c.block.index for c in chunks[1:]] == [0, 1]
         await stub.ReleaseKvSession(kt.ReleaseKvSessionRequest(session_id=session.session_id))
-        await wait_for(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
+        await eventually(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
         _, error = await stream_error(stub.PullKvSession(pull))
         assert error.code() == grpc.StatusCode.NOT_FOUND
         again = await rpc_error(
@@ -141,7 +141,7 @@ async def test_a_decode_engine_takes_a_session_another_puller_left_and_releases_
         decoded = await collect(decoder.stub, with_session(session))
         assert decoded[-1].WhichOneof("event") == "finished"
         assert decoded[-1].usage.cached_prompt_tokens == 8
-        await wait_for(
+        await eventually(
             lambda: _no_sessions(prefiller), timeout_s=5, what="the decode engine's release"
         )
 
@@ -155,7 +155,7 @@ async def test_abort_of_a_session_releases_its_blocks() -> None:
         assert await used_blocks(prefiller) == 2
         reply = await prefiller.stub.Abort(pb.AbortRequest(kv_session=session))
         assert reply.status == pb.ABORT_STATUS_ABORTED
-        await wait_for(lambda: _no_sessions(prefiller), what="the blocks released")
+        await eventually(lambda: _no_sessions(prefiller), what="the blocks released")
         gone = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
         assert gone.code() == grpc.StatusCode.NOT_FOUND
         again = await rpc_error(prefiller.stub.Abort(pb.AbortRequest(kv_session=session)))
@@ -173,7 +173,7 @@ async def test_an_unpulled_session_expires_after_its_ttl() -> None:
     ):
         session = await prefill(prefiller)
         assert await used_blocks(prefiller) == 2
-        await wait_for(lambda: _no_sessions(prefiller), what="the session expired")
+        await eventually(lambda: _no_sessions(prefiller), what="the session expired")
         gone = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
         assert gone.code() == grpc.StatusCode.NOT_FOUND
 
@@ -354,13 +354,13 @@ async def test_a_prefill_aborted_midway_ends_cancelled_without_a_session() -> No
             load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
             return load.running_requests == 1
 
-        await wait_for(running, what="the prefill running")
+        await eventually(running, what="the prefill running")
         reply = await prefiller.stub.Abort(pb.AbortRequest(request_id="slow"))
         assert reply.status == pb.ABORT_STATUS_ABORTED
         events = await responses
         assert [r.WhichOneof("event") for r in events] == ["finished"]
         assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
-        await wait_for(lambda: _no_sessions(prefiller), what="nothing held")
+        await eventually(lambda: _no_sessions(prefiller), what="nothing held")
 
 
 async def _read(stream: Any) -> list[Any]:
@@ -392,7 +392,7 @@ async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline()
         )
         replies = [r async for r in prefiller.stub.Drain(drain)]
         assert replies[-1].state == pb.DRAIN_STATE_COMPLETE
-        await wait_for(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
+        await eventually(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
 
 
 class _HeldPrefillEngine(kt_grpc.KvTransferServicer):

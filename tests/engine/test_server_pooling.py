@@ -28,9 +28,9 @@ from tests.engine.engine_server_harness import (
     generate_request,
     rpc_error,
     running_engine,
-    wait_for,
 )
 from tests.engine.torch_reference import TEST_DEVICE, dense_hidden
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -471,7 +471,7 @@ async def test_abort_stops_a_running_embed_between_batches(builtin_dir: Path) ->
         async def running() -> bool:
             return service.num_running_tasks == 1
 
-        await wait_for(running, what="the embed to start")
+        await eventually(running, what="the embed to start")
         load = await engine.stub.GetLoad(pb.GetLoadRequest())
         assert load.running_requests == 1 and service.num_in_flight == 1
         aborted = await engine.stub.Abort(pb.AbortRequest(request_id="long"))

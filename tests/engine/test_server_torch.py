@@ -12,8 +12,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from openengine.v1 import openengine_pb2 as pb
-from tests.engine.engine_server_harness import collect, idle, running_engine, wait_for
+from tests.engine.engine_server_harness import collect, idle, running_engine
 from tests.engine.torch_reference import TEST_DEVICE
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -135,4 +136,4 @@ async def test_stop_string_across_a_token_boundary() -> None:
             assert finished.stop_match.stop_text == stop
             assert out == (text[: cut + len(stop)] if include else text[:cut])
         # The last response leaves before the engine's loop frees the request: wait, not race.
-        await wait_for(lambda: idle(engine), what="the engine to free every request")
+        await eventually(lambda: idle(engine), what="the engine to free every request")

@@ -20,8 +20,8 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
     stream_error,
-    wait_for,
 )
+from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,7 +150,7 @@ async def test_a_request_aborted_before_its_prefill_still_sends_prompt_info() ->
         async def is_queued() -> bool:
             return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 1
 
-        await wait_for(is_queued)
+        await eventually(is_queued)
         await engine.stub.Abort(oe.AbortRequest(request_id="queued"))
         responses = [r async for r in stream]
         first.cancel()
@@ -178,7 +178,7 @@ async def test_a_lower_priority_value_is_handled_first_as_in_vllm() -> None:
         async def both_queued() -> bool:
             return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 2
 
-        await wait_for(both_queued)
+        await eventually(both_queued)
         await engine.stub.Abort(oe.AbortRequest(request_id="running"))
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=20)
         first.cancel()

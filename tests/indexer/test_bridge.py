@@ -5,7 +5,7 @@ canary probe that finds a target that lost the worker's blocks."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from kvplane.channels import ClientChannels
 from kvplane.config import AuthConfig, ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
 from kvplane.server import Service, create_server
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0
@@ -373,7 +374,8 @@ async def test_a_target_that_restarts_empty_is_rebuilt_from_the_replay(
             await rig.recorder.wait_for(2)  # the first message's clear, then its blocks
             await server.stop(None)  # the indexer goes down ...
             await publisher.publish(_stored(1, [13], 12))  # ... while the engine goes on
-            await _until(lambda: sink.num_retries > 0)  # the bridge found it down, retries
+            # the bridge found it down, retries
+            await eventually(lambda: sink.num_retries > 0, WAIT_S)
             # ... and comes back on the same address, empty.
             rig, server = await _rig(listen=rig.target)
             # The held batch, then the resync: a clear and the replay of seqs 0 and 1. (Which
@@ -398,14 +400,6 @@ async def test_a_target_that_restarts_empty_is_rebuilt_from_the_replay(
 # -- the canary probe ----------------------------------------------------------------------------
 
 PROBE_S = 0.05
-
-
-async def _until(predicate: Callable[[], bool]) -> None:
-    """Poll until `predicate()` holds, failing only after a generous deadline. (The sink's
-    counters and a stopped server's index have no event to await.)"""
-    async with asyncio.timeout(WAIT_S):
-        while not predicate():  # noqa: ASYNC110 - no event to await
-            await asyncio.sleep(0.01)
 
 
 def _keys(index: PrefixIndex) -> set[int]:
@@ -456,10 +450,10 @@ async def test_a_target_that_restarts_empty_while_the_engine_is_idle_is_rebuilt(
             await publisher.wait_subscribed()
             await publisher.publish(_stored(0, [11, 12], None))
             await publisher.publish(_stored(1, [13], 12))
-            await _until(lambda: _keys(rig.index) == {11, 12, 13})
+            await eventually(lambda: _keys(rig.index) == {11, 12, 13}, WAIT_S)
             await server.stop(None)
             rig, server = await _rig(listen=rig.target)  # back on the same address, empty
-            await _until(lambda: _keys(rig.index) == {11, 12, 13})
+            await eventually(lambda: _keys(rig.index) == {11, 12, 13}, WAIT_S)
             best = await _best_prefix(rig.target, [11, 12, 13])
     finally:
         await publisher.close()
@@ -485,14 +479,15 @@ async def test_without_a_replay_a_lost_worker_is_cleared_and_rebuilt_by_the_next
         async with running(follow(source, sink, probe_interval_s=PROBE_S)):
             await publisher.wait_subscribed()
             await publisher.publish(_stored(0, [11, 12], None))
-            await _until(lambda: _keys(rig.index) == {11, 12})
+            await eventually(lambda: _keys(rig.index) == {11, 12}, WAIT_S)
             await server.stop(None)
             rig, server = await _rig(listen=rig.target)
             cleared = list(await rig.recorder.wait_for(1))
             await publisher.publish(_stored(1, [13], 12))
-            await _until(lambda: _keys(rig.index) == {13})
+            await eventually(lambda: _keys(rig.index) == {13}, WAIT_S)
             probes = rig.recorder.num_matches
-            await _until(lambda: rig.recorder.num_matches >= probes + 3)  # 13 is the canary
+            # 13 is the canary
+            await eventually(lambda: rig.recorder.num_matches >= probes + 3, WAIT_S)
     finally:
         await publisher.close()
         await sink.close()
@@ -520,13 +515,14 @@ async def test_a_slow_lagging_or_unreachable_target_that_kept_its_state_is_not_r
         async with running(follow(source, sink, probe_interval_s=PROBE_S)):
             await publisher.wait_subscribed()
             await publisher.publish(_stored(0, [11, 12], None))
-            await _until(lambda: _keys(index) == {11, 12})
-            await _until(lambda: rig.recorder.num_matches >= len(codes) + 2)
+            await eventually(lambda: _keys(index) == {11, 12}, WAIT_S)
+            await eventually(lambda: rig.recorder.num_matches >= len(codes) + 2, WAIT_S)
             await server.stop(None)
             probes = sink.num_probes
-            await _until(lambda: sink.num_probes >= probes + 3)  # each fails: nobody listens
+            # each fails: nobody listens
+            await eventually(lambda: sink.num_probes >= probes + 3, WAIT_S)
             rig, server = await _rig(listen=rig.target, index=index)  # back, state intact
-            await _until(lambda: rig.recorder.num_matches >= 3)
+            await eventually(lambda: rig.recorder.num_matches >= 3, WAIT_S)
     finally:
         await publisher.close()
         await sink.close()
@@ -551,15 +547,15 @@ async def test_a_revoked_canary_is_not_taken_for_a_lost_worker(
         async with running(follow(source, sink, probe_interval_s=PROBE_S)):
             await publisher.wait_subscribed()
             await publisher.publish(_stored(0, [11, 12], None))  # 11 becomes the canary
-            await _until(lambda: _keys(rig.index) == {11, 12})
+            await eventually(lambda: _keys(rig.index) == {11, 12}, WAIT_S)
             rig.recorder.apply_delay_s = 20 * PROBE_S
             await publisher.publish(_removed(1, [11]))  # ... and goes
             await rig.recorder.wait_for(3)
             rig.recorder.apply_delay_s = 0.0
             await publisher.publish(_stored(2, [13], None))  # 13 is the next one
-            await _until(lambda: _keys(rig.index) == {12, 13})
+            await eventually(lambda: _keys(rig.index) == {12, 13}, WAIT_S)
             probes = rig.recorder.num_matches
-            await _until(lambda: rig.recorder.num_matches >= probes + 3)
+            await eventually(lambda: rig.recorder.num_matches >= probes + 3, WAIT_S)
     finally:
         await publisher.close()
         await sink.close()

@@ -11,7 +11,7 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -33,6 +33,7 @@ from indexer.redis_backend import (
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.errors import ConfigError
+from tests.polling import eventually
 
 WORKERS = ("w0", "w1", "w2")
 SPECS = (
@@ -178,13 +179,6 @@ async def _resync(backend: RedisBackend, truth: MemoryBackend) -> None:
             await backend.apply(batch)
 
 
-async def _until(predicate: Callable[[], Awaitable[bool]], what: str, timeout_s: float) -> None:
-    """Poll a state another task or process reaches (every 20 ms, at most `timeout_s`)."""
-    async with asyncio.timeout(timeout_s):
-        while not await predicate():  # noqa: ASYNC110 - polled across processes, no event
-            await asyncio.sleep(0.02)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("outage", ["killed", "restarted with its data"])
 async def test_redis_outage_during_ingestion(tmp_path: Path, outage: str) -> None:
@@ -223,14 +217,14 @@ async def test_redis_outage_during_ingestion(tmp_path: Path, outage: str) -> Non
                 errors.append(str(info.value))
             if i == 200:
                 server.start()
-                await _until(settled, "the backend to recover", 30)
+                await eventually(settled, 30, "the backend to recover")
             await truth.apply(batch)
             try:
                 await backend.apply(batch)
             except IndexUnavailableError as exc:
                 errors.append(str(exc))
             await _resync(backend, truth)
-        await _until(settled, "the backend to settle", 30)
+        await eventually(settled, 30, "the backend to settle")
         assert f"Redis at 127.0.0.1:{server.port}" in errors[0]
         assert any("will be resynced" in e for e in errors), errors  # the buffer overflowed
         # w0 overflowed the buffer; w1's batches waited in it, unless Redis lost them too.
@@ -280,7 +274,7 @@ class Indexer:
             assert process.poll() is None, (self.workdir / "serve.log").read_text()
             return port_file.exists()
 
-        await _until(up, "the indexer's port file", 30)
+        await eventually(up, 30, "the indexer's port file")
         self.port = int(port_file.read_text())
 
     def stop(self) -> None:
@@ -350,7 +344,7 @@ async def test_indexer_processes_share_one_redis(tmp_path: Path) -> None:
                     assert exc.code() == grpc.StatusCode.UNAVAILABLE
                     return False
 
-            await _until(answers, "both indexers to answer again", 30)
+            await eventually(answers, 30, "both indexers to answer again")
             assert a.process is not None and b.process is not None
             assert a.process.poll() is None and b.process.poll() is None
     finally:
@@ -384,7 +378,7 @@ async def test_an_indexer_started_while_redis_is_down_serves_and_recovers(tmp_pa
                     assert exc.code() == grpc.StatusCode.UNAVAILABLE
                     return False
 
-            await _until(answers, "the indexer to take batches", 30)
+            await eventually(answers, 30, "the indexer to take batches")
     finally:
         indexer.stop()
         server.stop()
@@ -515,7 +509,7 @@ async def test_a_buffered_batch_redis_cannot_take_does_not_stall_the_recovery(
         async def recovered() -> bool:
             return backend.healthy
 
-        await _until(recovered, "the backend to recover", 30)
+        await eventually(recovered, 30, "the backend to recover")
         await backend.apply(_stored_batch("w2", 4))
         holders = [await _holders(backend, k) for k in (1, 2, 3, 4, 7)]
         assert holders == [["w0"], ["w0"], ["w1"], ["w2"], []]
@@ -565,7 +559,7 @@ async def test_queries_wait_for_the_batches_buffered_in_an_outage(
         async def recovered() -> bool:
             return backend.healthy
 
-        await _until(recovered, "the backend to recover", 30)
+        await eventually(recovered, 30, "the backend to recover")
         assert [await _holders(backend, k) for k in (1, 2)] == [["w0"], ["w0"]]
     finally:
         release.set()
@@ -593,7 +587,7 @@ async def test_a_query_while_redis_is_down_says_it_is_down(tmp_path: Path) -> No
         await backend.apply(_stored_batch("w0", 1))
         server.kill()
         await backend.apply(_stored_batch("w0", 2))  # acknowledged, buffered
-        await _until(says_down, "a query to say Redis is down", 30)
+        await eventually(says_down, 30, "a query to say Redis is down")
         assert errors[-1].startswith(
             f"shared index unavailable: Redis at 127.0.0.1:{server.port} did not answer ("
         )

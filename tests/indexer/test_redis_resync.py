@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import load_config
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.polling import eventually
 
 KVPLANE = str(Path(sys.executable).parent / "kvplane")
 MESSAGES = {m.seq: m for m in live_messages()}
@@ -56,16 +57,6 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
     ctx.destroy(linger=0)
-
-
-async def _until(predicate: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Poll a state the indexer process reaches (every 20 ms, at most WAIT_S)."""
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while not await predicate():  # noqa: ASYNC110 - another process: no event
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {WAIT_S} s waiting for {what}") from None
 
 
 def _model_through(seq: int) -> set[int]:
@@ -119,7 +110,7 @@ class Run:
             assert process.poll() is None, self.log
             return port_file.exists()
 
-        await _until(up, "the indexer's port file")
+        await eventually(up, WAIT_S, "the indexer's port file")
         await self.publisher.wait_subscribed()
         return int(port_file.read_text())
 
@@ -145,7 +136,7 @@ class Run:
             assert self.process is not None and self.process.poll() is None, self.log
             return await _indexed(stub) == expected
 
-        await _until(exact, what)
+        await eventually(exact, WAIT_S, what)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -184,7 +175,7 @@ async def _scenario(
             async def noticed() -> bool:
                 return sign in run.log
 
-            await _until(noticed, f"the indexer's log to say {sign!r}")
+            await eventually(noticed, WAIT_S, f"the indexer's log to say {sign!r}")
             run.redis.start()  # without its data unless keep_data
             # No further message: the source rebuilds the worker as soon as it is asked.
             await run.expect(stub, 34, "the resync after Redis came back")
@@ -307,7 +298,7 @@ async def test_openengine_source_resubscribes_with_a_snapshot_when_redis_loses_t
             async def restored() -> bool:
                 return (await backend.match_prefix([10, 11], 0)).best_prefix_blocks == 2
 
-            await _until(restored, "the snapshot to restore the worker")
+            await eventually(restored, WAIT_S, "the snapshot to restore the worker")
     finally:
         await backend.close()
         await server.stop(None)

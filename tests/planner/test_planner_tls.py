@@ -30,9 +30,9 @@ from planner.actuator import LocalProcesses
 from planner.live import LivePlanner
 from tests.controller.conftest import generate_request, start_sim_engine
 from tests.controller.test_client_tls import client_tls, server_tls
-from tests.controller.test_gateway import eventually
 from tests.planner.test_planner_kubernetes import DEPLOYMENT, LABELS, free_port
 from tests.planner.test_planner_live import planner, scrape, value
+from tests.polling import eventually
 
 PLANNER = [sys.executable, "-m", "kvplane", "planner", "run", "--config"]
 

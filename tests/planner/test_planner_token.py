@@ -26,7 +26,6 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import LocalProcesses
 from planner.live import LivePlanner
 from tests.controller.conftest import generate_request, start_sim_engine
-from tests.controller.test_gateway import eventually
 from tests.planner.test_planner_kubernetes import DEPLOYMENT, LABELS, free_port
 from tests.planner.test_planner_live import planner, scrape, value
 from tests.planner.test_planner_tls import (
@@ -36,6 +35,7 @@ from tests.planner.test_planner_tls import (
     planner_metrics_port,
     planner_run,
 )
+from tests.polling import eventually
 
 
 def token_file(folder: Path, name: str, token: str) -> Path:
