@@ -1,5 +1,6 @@
 """Fixtures shared by every component's tests: private redis-server processes (session-scoped;
-tests flush what they use) and a test PKI made by openssl."""
+tests flush what they use), a test PKI made by openssl, and usage errors printed as the
+`kvplane` command prints them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import typer.core
 from redis_servers import RedisClusterNodes, RedisServer
 
 
@@ -31,6 +33,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def plain_usage_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CliRunner (standalone mode) typer draws a usage error in a box, wrapped at 80
+    columns; `kvplane` (kvplane.cli.main) prints click's plain lines, `Error: ...` on one
+    line. This makes CliRunner print those."""
+    monkeypatch.setattr(typer.core, "HAS_RICH", False)
 
 
 def _openssl(*args: str) -> None:
