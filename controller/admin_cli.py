@@ -56,7 +56,9 @@ TARGET_KIND = "a controller or an engine"
 INT64_MAX = 2**63 - 1
 T = TypeVar("T")
 
-TargetOpt = Annotated[str | None, target_option("HOST:PORT of the controller or engine.")]
+TargetOpt = Annotated[
+    str | None, target_option("HOST:PORT of the controller or engine.", DEFAULT_TARGET)
+]
 PromptOpt = Annotated[str | None, typer.Option("--prompt", help="Prompt text.")]
 LoraOpt = Annotated[
     str, typer.Option("--lora", help="LoRA adapter the request names (its engines, its cache).")

@@ -110,12 +110,13 @@ def _dial_target(value: str | None) -> str | None:
     return value
 
 
-def target_option(help_text: str) -> Any:
-    """The --target/-t option of a client command or group (None: not given)."""
-    return typer.Option("--target", "-t", help=help_text, callback=_dial_target)
-
-
-TargetOption = Annotated[str | None, target_option("HOST:PORT of the server to talk to.")]
+def target_option(help_text: str, default: str | None = None) -> Any:
+    """The --target/-t option of a client command or group (None: not given). `default`:
+    the server dialled when no --target is given (`ClientTarget.of`), shown by --help; its
+    value stays None, so that a group's --target is not hidden behind a command's default."""
+    return typer.Option(
+        "--target", "-t", help=help_text, callback=_dial_target, show_default=default or False
+    )
 
 
 TlsCaOption = Annotated[

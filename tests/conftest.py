@@ -1,6 +1,6 @@
 """Fixtures shared by every component's tests: private redis-server processes (session-scoped;
-tests flush what they use), a test PKI made by openssl, and usage errors printed as the
-`kvplane` command prints them."""
+tests flush what they use), a test PKI made by openssl, and click's plain output under
+CliRunner."""
 
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 
 
 @pytest.fixture
-def plain_usage_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under CliRunner (standalone mode) typer draws a usage error in a box, wrapped at 80
-    columns; `kvplane` (kvplane.cli.main) prints click's plain lines, `Error: ...` on one
-    line. This makes CliRunner print those."""
+def plain_click_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CliRunner (standalone mode) typer draws a usage error, and --help, in boxes;
+    `kvplane` (kvplane.cli.main) prints a usage error as click's plain lines, `Error: ...` on
+    one line. This makes CliRunner print click's plain text (help included)."""
     monkeypatch.setattr(typer.core, "HAS_RICH", False)
 
 

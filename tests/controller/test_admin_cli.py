@@ -404,3 +404,23 @@ async def test_match_and_route_say_when_the_index_could_not_answer(tmp_path: Pat
             assert data["index_error"].startswith("remote index: UNAVAILABLE")
     finally:
         await close_fleet(fleet)
+
+
+@pytest.mark.usefixtures("plain_click_output")
+@pytest.mark.parametrize(
+    ("command", "default"),
+    [
+        (["admin"], "127.0.0.1:8100, 127.0.0.1:50051 for `admin index`"),
+        (["admin", "route"], "127.0.0.1:8100"),
+        (["admin", "drain"], "127.0.0.1:8100"),
+        (["admin", "index"], "127.0.0.1:50051"),
+        (["admin", "index", "resync"], "127.0.0.1:50051"),
+    ],
+)
+def test_help_shows_the_server_dialled_without_a_target(command: list[str], default: str) -> None:
+    """--help said nothing of it: README's 127.0.0.1:8100 (a controller or an engine) and
+    127.0.0.1:50051 (`admin index`) were found only by reading the docs."""
+    result = CliRunner().invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    described = " ".join(result.output.split("--target", 1)[1].split("\n  -", 1)[0].split())
+    assert described.endswith(f"[default: ({default})]"), described

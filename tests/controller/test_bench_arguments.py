@@ -42,7 +42,7 @@ def bench(*args: str) -> Result:
 
 def usage_error(result: Result) -> str:
     """The one error line of a usage error (exit 2, click's "Usage:" lines first), without
-    its "Error: "; with the `plain_usage_errors` fixture."""
+    its "Error: "; with the `plain_click_output` fixture."""
     assert result.exit_code == 2, result.output
     assert result.output.startswith("Usage: "), result.output
     assert "Traceback" not in result.output
@@ -60,7 +60,7 @@ TRACE_COMMANDS = {
 }
 
 
-@pytest.mark.usefixtures("plain_usage_errors")
+@pytest.mark.usefixtures("plain_click_output")
 @pytest.mark.parametrize("command", list(TRACE_COMMANDS))
 def test_a_missing_trace_is_a_usage_error_in_every_bench_command(
     tmp_path: Path, command: str
@@ -74,7 +74,7 @@ def test_a_missing_trace_is_a_usage_error_in_every_bench_command(
     )
 
 
-@pytest.mark.usefixtures("plain_usage_errors")
+@pytest.mark.usefixtures("plain_click_output")
 @pytest.mark.parametrize("command", list(TRACE_COMMANDS))
 def test_a_file_that_is_not_a_trace_is_a_usage_error_in_every_bench_command(
     tmp_path: Path, command: str
@@ -191,7 +191,7 @@ def test_engine_threads_below_one_is_a_usage_error() -> None:
     assert "Invalid value for '--threads'" in result.output
 
 
-@pytest.mark.usefixtures("plain_usage_errors")
+@pytest.mark.usefixtures("plain_click_output")
 @pytest.mark.parametrize("command", ["engine", "e2e", "handoff"])
 @pytest.mark.parametrize("model", ["random-1x-64", "random-0x64", "random-8"])
 def test_a_bad_random_model_shape_is_a_usage_error(trace: Path, command: str, model: str) -> None:
@@ -205,7 +205,7 @@ def test_a_bad_random_model_shape_is_a_usage_error(trace: Path, command: str, mo
     )
 
 
-@pytest.mark.usefixtures("plain_usage_errors")
+@pytest.mark.usefixtures("plain_click_output")
 @pytest.mark.parametrize("command", ["engine", "e2e", "handoff"])
 def test_a_model_directory_without_a_config_is_a_usage_error(
     trace: Path, tmp_path: Path, command: str

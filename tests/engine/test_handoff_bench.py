@@ -50,7 +50,7 @@ def test_bench_handoff_refuses_bad_lengths() -> None:
     assert "comma-separated integers" in result.output
 
 
-@pytest.mark.usefixtures("plain_usage_errors")
+@pytest.mark.usefixtures("plain_click_output")
 def test_bench_handoff_refuses_an_unknown_dtype_before_starting_engines() -> None:
     """A usage error like any bad option value (was exit 1), not a pydantic traceback from an
     engine."""

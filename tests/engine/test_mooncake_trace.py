@@ -82,7 +82,7 @@ def test_an_empty_or_binary_trace_is_one_error(tmp_path: Path) -> None:
         '{"timestamp": NaN, "input_length": 600, "output_length": 3, "hash_ids": [1]}',
     ],
 )
-@pytest.mark.usefixtures("plain_usage_errors")
+@pytest.mark.usefixtures("plain_click_output")
 def test_bench_sim_says_which_row_is_bad(tmp_path: Path, row: str) -> None:
     """Was an OverflowError traceback, and a JSON document with NaN TTFTs (not JSON)."""
     path = _trace(tmp_path, row)

@@ -32,7 +32,7 @@ def small_trace(tmp_path: Path) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _plain(plain_usage_errors: None) -> None:
+def _plain(plain_click_output: None) -> None:
     """Every test here reads usage errors as `kvplane` prints them."""
 
 
