@@ -170,6 +170,23 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     assert drained.exit_code == 0 and "COMPLETE" in drained.output
 
 
+async def test_route_explains_while_the_controller_drains(fleet: Fleet, tmp_path: Path) -> None:
+    """`route` sends nothing: it was refused "UNAVAILABLE: the controller is draining", as
+    Generate is."""
+    t = ["--target", fleet.target]
+    drained = await cli("drain", "--self", *t)
+    assert drained.exit_code == 0 and "COMPLETE" in drained.output, drained.output
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(str(t) for t in PREFIX))
+    route = await cli_json("route", "--tokens-file", str(tokens), *t)
+    assert route["instance_id"] in {"e0", "e1", "e2"}
+    assert len(route["costs"]) == 3
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        [r async for r in fleet.gateway.Generate(generate_request("late", PREFIX))]
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details() == "the controller is draining"
+
+
 async def test_info_names_the_model_as_requests_must() -> None:
     """MODEL is the served name a GenerateRequest carries; SOURCE, where it was loaded from."""
     engine = await start_sim_engine("e0", served_model_name="chat")
