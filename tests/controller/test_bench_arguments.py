@@ -274,6 +274,17 @@ def test_route_replays_kvplane_with_a_controller_configs_router_settings(
     assert set(doc["policies"]) == {"kvplane", "random"}
 
 
+def test_route_with_a_planner_config_says_so(trace: Path) -> None:
+    """Was one "X: Extra inputs are not permitted" per key of the planner file."""
+    planner_yaml = REPO / "configs" / "planner.yaml"
+    result = bench("route", "--trace", str(trace), "--config", str(planner_yaml))
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        f"{planner_yaml} looks like a planner config; --config wants a controller config"
+    )
+
+
 def test_route_with_a_bad_controller_config_is_one_line(trace: Path, tmp_path: Path) -> None:
     config = tmp_path / "controller.yaml"
     config.write_text("router: {patience_tokens: -1}\n")
