@@ -39,6 +39,7 @@ from kvplane.cli_common import (
     emit,
     finite_number,
     target_option,
+    usage_error_for,
 )
 from kvplane.config import parse_dial_target
 from kvplane.errors import KvplaneError
@@ -55,7 +56,9 @@ TARGET_KIND = "a controller or an engine"
 INT64_MAX = 2**63 - 1
 T = TypeVar("T")
 
-TargetOpt = Annotated[str | None, target_option("HOST:PORT of the controller or engine.")]
+TargetOpt = Annotated[
+    str | None, target_option("HOST:PORT of the controller or engine.", DEFAULT_TARGET)
+]
 PromptOpt = Annotated[str | None, typer.Option("--prompt", help="Prompt text.")]
 LoraOpt = Annotated[
     str, typer.Option("--lora", help="LoRA adapter the request names (its engines, its cache).")
@@ -632,10 +635,8 @@ def register_engine(
     """Add an engine to the fleet at run time.
 
     It stays until `remove`; a controller restart keeps only its config's engines."""
-    try:
+    with usage_error_for("ADDRESS"):
         parse_dial_target(address)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="ADDRESS") from None
     server = _server(ctx, target)
     metadata = bearer_metadata(token_file)
     req = apb.RegisterEngineRequest(address=address, kv_events=kv_events.value)

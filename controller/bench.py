@@ -18,8 +18,15 @@ import typer
 from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, fits, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
-from engine.core.mooncake_trace import load_trace
-from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number, policy_list
+from engine.core.mooncake_trace import TraceRequest, load_trace
+from kvplane.cli_common import (
+    OutputFormat,
+    OutputOption,
+    emit,
+    finite_number,
+    policy_list,
+    usage_error_for,
+)
 from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 
@@ -34,22 +41,20 @@ class Peer(enum.StrEnum):
 
 def policy_names(text: str) -> list[str]:
     """`--policies`: router policies (`policy_list`); anything else is a usage error."""
-    try:
+    with usage_error_for("--policies"):
         return policy_list(text, POLICY_NAMES)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--policies") from None
 
 
 def run_route_bench(
     trace_path: Path,
+    trace: list[TraceRequest],
     settings: ReplaySettings,
     policies: list[str],
-    peer: Peer | None = None,
+    dynamo: Any = None,
 ) -> dict[str, Any]:
-    """The benchmark's JSON document (see the issue for its shape)."""
-    # A missing peer fails now, not after minutes of replays.
-    dynamo = _dynamo_core() if peer is Peer.dynamo else None
-    trace = load_trace(trace_path)
+    """The benchmark's JSON document (see the issue for its shape): `trace` is the one read
+    from `trace_path`; `dynamo` is Dynamo's core (`_dynamo_core()`) to add its rows, or
+    None."""
     replayed = [row for row in trace if fits(row, settings)]
     if not replayed:
         raise KvplaneError(
@@ -230,5 +235,10 @@ def bench_route(
         seed=seed,
         kvplane_weights=weights,
     )
-    doc = run_route_bench(trace, settings, policy_names(policies), peer)
+    names = policy_names(policies)
+    # A missing peer fails now, not after minutes of replays.
+    dynamo = _dynamo_core() if peer is Peer.dynamo else None
+    with usage_error_for("--trace"):
+        rows = load_trace(trace)
+    doc = run_route_bench(trace, rows, settings, names, dynamo)
     emit(doc, output, render_table)

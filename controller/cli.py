@@ -2,33 +2,45 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+from controller.admin_cli import DEFAULT_TARGET
+from indexer.admin_cli import DEFAULT_TARGET as INDEX_DEFAULT_TARGET
 from indexer.admin_cli import index_app
 from kvplane.cli_common import (
     ConfigOption,
     GroupTokenFileOption,
     ListenOption,
     PortFileOption,
-    TargetOption,
     TlsCaOption,
     TlsCertOption,
     TlsKeyOption,
     TlsServerNameOption,
     client_channels,
     remember_group_client,
+    target_option,
 )
 
 controller_app = typer.Typer(no_args_is_help=True)
 admin_app = typer.Typer(no_args_is_help=True)
 admin_app.add_typer(index_app, name="index")
 
+AdminTargetOption = Annotated[
+    str | None,
+    target_option(
+        "HOST:PORT of the server to talk to.",
+        f"{DEFAULT_TARGET}, {INDEX_DEFAULT_TARGET} for `admin index`",
+    ),
+]
+
 
 @admin_app.callback()
 def _admin_group(
     ctx: typer.Context,
     *,
-    target: TargetOption = None,
+    target: AdminTargetOption = None,
     tls_ca: TlsCaOption = None,
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,

@@ -64,8 +64,8 @@ from controller.gateway_timing import (
     timed_generate,
     wait_routable,
 )
-from engine.core.mooncake_trace import load_trace
-from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number
+from engine.core.mooncake_trace import TraceRequest, load_trace
+from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number, usage_error_for
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -425,23 +425,27 @@ def _resolve_model(model: str, scratch: Path) -> Path:
         from engine.torch_runner.builtin_model import ensure_builtin_model  # torch-free
 
         return ensure_builtin_model()
-    # torch-free at import; write_random_llama imports torch when run
-    from engine.torch_runner.bench import random_llama_shape, write_random_llama
+    # torch-free at import; a random model imports torch when written
+    from engine.torch_runner.bench import resolve_model
 
-    shape = random_llama_shape(model)
-    if shape is not None:
-        return write_random_llama(scratch / model, num_layers=shape[0], hidden_size=shape[1])
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise KvplaneError(f"{model!r} is not a model directory (no config.json)")
-    return path
+    return resolve_model(model, scratch)
 
 
-async def run_e2e_bench(trace_path: Path, settings: E2eSettings) -> dict[str, Any]:
-    """The benchmark's JSON document."""
+def _check_model(model: str) -> None:
+    """`--model`: `builtin` or what `bench engine` takes; a usage error otherwise."""
+    from engine.torch_runner.bench import check_model
+
+    if model != "builtin":
+        with usage_error_for("--model"):
+            check_model(model)
+
+
+async def run_e2e_bench(
+    trace_path: Path, trace: list[TraceRequest], settings: E2eSettings
+) -> dict[str, Any]:
+    """The benchmark's JSON document: `trace` is the one read from `trace_path`."""
     if settings.side_by_side:
         _cpu_groups(len(settings.policies))  # enough CPUs? Said before a model is built.
-    trace = load_trace(trace_path)
     with tempfile.TemporaryDirectory(prefix="kvplane-e2e-model-") as scratch:
         model_dir = await asyncio.to_thread(_resolve_model, settings.model, Path(scratch))
         config = json.loads((model_dir / "config.json").read_text())
@@ -624,4 +628,7 @@ def bench_e2e(
         rounds=rounds,
         side_by_side=side_by_side,
     )
-    emit(asyncio.run(run_e2e_bench(trace, settings)), output, render_table)
+    _check_model(model)
+    with usage_error_for("--trace"):
+        rows = load_trace(trace)
+    emit(asyncio.run(run_e2e_bench(trace, rows, settings)), output, render_table)

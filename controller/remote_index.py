@@ -143,7 +143,9 @@ class RemoteIndex:
         """A new process of `engine`: ignore its hits from now until the indexer has dropped
         its entries and resubscribed its sources (ResyncEngine). A RemoteIndexError when the
         indexer did not answer: the hits stay ignored until a later call succeeds. An indexer
-        without the RPC (UNIMPLEMENTED, an older kvplane) is left to find the restart itself.
+        without the RPC (UNIMPLEMENTED, an older kvplane) is left to find the restart itself;
+        one that knows nothing of the engine (NOT_FOUND: no entries, no source) holds no
+        stale block of it, which is what the call is for.
 
         `first_contact`: the controller meets the engine for the first time, so it cannot
         tell whether the process is new. The indexer drops the entries only if its source of
@@ -159,7 +161,7 @@ class RemoteIndex:
                 )
             )
         except RemoteIndexError as exc:
-            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+            if exc.code not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
                 if first_contact:
                     self.restarted.discard(engine)
                 raise

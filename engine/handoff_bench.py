@@ -183,12 +183,10 @@ async def _measure(model_dir: Path, settings: HandoffBenchSettings) -> dict[str,
 
 def run_handoff_bench(model: str, settings: HandoffBenchSettings) -> dict[str, Any]:
     """The benchmark's JSON document."""
-    from engine.torch_runner.bench import _resolve_model
-    from engine.torch_runner.loader import resolve_dtype
+    from engine.torch_runner.bench import resolve_model
 
-    resolve_dtype(settings.dtype)  # an unknown one: one line, before any engine starts
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-") as scratch:
-        model_dir = _resolve_model(model, Path(scratch))
+        model_dir = resolve_model(model, Path(scratch))
         measured = asyncio.run(_measure(model_dir, settings))
     return {"model": model, "settings": asdict(settings), **measured}
 
@@ -242,7 +240,10 @@ def bench_handoff(
     """Disaggregated serving on the bundled engine.
 
     Prefill, KV pull and first token, against one aggregated engine."""
+    from engine.torch_runner.bench import check_arguments
+
     settings = HandoffBenchSettings(
         prompt_tokens=_lengths(prompt_tokens), rounds=rounds, dtype=dtype, threads=threads
     )
+    check_arguments(model, dtype)  # before any engine starts
     emit(run_handoff_bench(model, settings), output, render_table)

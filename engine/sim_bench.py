@@ -21,9 +21,9 @@ from typing import Annotated, Any
 import typer
 
 from engine.core.api import EngineRequest, SamplingParams, SchedulerConfig
-from engine.core.mooncake_trace import FILLER_TOKEN_BASE, load_trace
+from engine.core.mooncake_trace import FILLER_TOKEN_BASE, TraceRequest, load_trace
 from engine.core.sim_fleet import SimFleet, TimedRequest, round_robin, trace_prompt_tokens
-from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number
+from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number, usage_error_for
 from kvplane.errors import KvplaneError
 
 DEFAULT_TRACE = (
@@ -48,10 +48,10 @@ class SimBenchSettings:
     fast_forward: bool = True
 
 
-def load_requests(path: Path, settings: SimBenchSettings) -> list[TimedRequest]:
-    """The first `num_requests` rows of the trace as timed engine requests."""
+def timed_requests(rows: list[TraceRequest], settings: SimBenchSettings) -> list[TimedRequest]:
+    """A trace's rows as timed engine requests."""
     requests = []
-    for number, row in enumerate(load_trace(path, limit=settings.num_requests)):
+    for number, row in enumerate(rows):
         tokens = trace_prompt_tokens(
             row.hash_ids, row.input_length, settings.block_size, FILLER_TOKEN_BASE + number
         )
@@ -68,8 +68,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def run_sim_bench(trace: Path, settings: SimBenchSettings) -> dict[str, Any]:
-    requests = load_requests(trace, settings)
+def run_sim_bench(
+    trace: Path, rows: list[TraceRequest], settings: SimBenchSettings
+) -> dict[str, Any]:
+    """The benchmark's JSON document: `rows` are those read from `trace`."""
+    requests = timed_requests(rows, settings)
     capacity = settings.blocks_per_engine * settings.block_size
     fits = [r for r in requests if len(r.request.prompt_token_ids) + 1 <= capacity]
     if not fits:
@@ -165,4 +168,6 @@ def bench_sim(
         speedup=speedup,
         fast_forward=fast_forward,
     )
-    emit(run_sim_bench(trace, settings), output, render_table)
+    with usage_error_for("--trace"):
+        rows = load_trace(trace, limit=requests)
+    emit(run_sim_bench(trace, rows, settings), output, render_table)

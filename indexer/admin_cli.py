@@ -50,7 +50,9 @@ TARGET_KIND = "a kvplane indexer"  # what --target must be (rpc_channel)
 
 index_app = typer.Typer(no_args_is_help=True, help="Inspect a kvplane indexer.")
 
-IndexTargetOption = Annotated[str | None, target_option("HOST:PORT of the indexer.")]
+IndexTargetOption = Annotated[
+    str | None, target_option("HOST:PORT of the indexer.", DEFAULT_TARGET)
+]
 T = TypeVar("T")
 
 

@@ -24,6 +24,7 @@ from kvplane.cli_common import (
     TlsServerNameOption,
     client_channels,
     target_option,
+    usage_error_for,
 )
 from kvplane.config import load_config, read_token_file
 
@@ -63,10 +64,8 @@ def _check_endpoint(option: str, endpoint: str, *, bind: bool = False) -> None:
     usage error naming the option."""
     from indexer.config import check_zmq_endpoint
 
-    try:
+    with usage_error_for(option):
         check_zmq_endpoint(endpoint, bind=bind)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
 async def _until_signal(main: Coroutine[Any, Any, None]) -> None:

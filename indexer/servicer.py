@@ -31,7 +31,7 @@ from indexer.kv_wire import (
     token_matches_to_proto,
 )
 from indexer.multimodal import MultimodalItem, block_item_ids, block_items
-from indexer.sources.resync import Resyncable, resync_engine
+from indexer.sources.resync import Resyncable, UnknownEngineError, resync_engine
 from indexer.validation import (
     IndexRequestError,
     ValidationKind,
@@ -68,6 +68,8 @@ def _status_of(exc: KvplaneError) -> grpc.StatusCode:
         if exc.kind is ValidationKind.RESOURCE_EXHAUSTED:
             return grpc.StatusCode.RESOURCE_EXHAUSTED
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, UnknownEngineError):
+        return grpc.StatusCode.NOT_FOUND
     return grpc.StatusCode.UNAVAILABLE  # a backend that cannot answer (e.g. Redis down)
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, emit, usage_error_for
 
 bench_app = typer.Typer(no_args_is_help=True)
 
@@ -25,10 +25,8 @@ def bench_index(
     from indexer.backends import check_backend_url
     from indexer.bench import render_table, run_index_bench
 
-    try:
+    with usage_error_for("--backend"):
         check_backend_url(backend)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--backend") from None
 
     # The service figures come from a server on this process's loop: uvloop, as
     # `kvplane indexer serve` runs.

@@ -1,8 +1,8 @@
 """The `kvplane` command: composes each component's command group and turns known errors
 into one line on stderr.
 
-Exit codes: 0 success, 1 a known error (bad config, unreachable target, RPC error), 2 usage
-errors.
+Exit codes: 0 success, 1 a known error (bad config, unreachable target, RPC error, a run that
+fails), 2 usage errors: any bad command-line argument (`cli_common.usage_error_for`).
 """
 
 from __future__ import annotations

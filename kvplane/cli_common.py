@@ -72,6 +72,20 @@ def policy_list(text: str, choices: Sequence[str]) -> list[str]:
     return names
 
 
+@contextmanager
+def usage_error_for(param_hint: str) -> Iterator[None]:
+    """Reading or checking the value of `param_hint` (an option, "--trace"): a KvplaneError or
+    ValueError raised inside (a file missing, unreadable or in the wrong format, a value out
+    of range, a malformed name) becomes a usage error, reported as click reports its own
+    checks: the "Usage:" lines, `Error: Invalid value for --trace: ...`, exit 2. Everything
+    a command refuses in its arguments goes through here (README: exit codes), so only a
+    failure of the run itself (an engine refusing, a replay error) is exit 1."""
+    try:
+        yield
+    except (KvplaneError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint=param_hint) from None
+
+
 def finite_number(value: float | None) -> float | None:
     """A callback for float options: click's FloatRange lets `inf` through a `min=` (and the
     JSON output would then carry `Infinity`, which is not JSON)."""
@@ -96,12 +110,13 @@ def _dial_target(value: str | None) -> str | None:
     return value
 
 
-def target_option(help_text: str) -> Any:
-    """The --target/-t option of a client command or group (None: not given)."""
-    return typer.Option("--target", "-t", help=help_text, callback=_dial_target)
-
-
-TargetOption = Annotated[str | None, target_option("HOST:PORT of the server to talk to.")]
+def target_option(help_text: str, default: str | None = None) -> Any:
+    """The --target/-t option of a client command or group (None: not given). `default`:
+    the server dialled when no --target is given (`ClientTarget.of`), shown by --help; its
+    value stays None, so that a group's --target is not hidden behind a command's default."""
+    return typer.Option(
+        "--target", "-t", help=help_text, callback=_dial_target, show_default=default or False
+    )
 
 
 TlsCaOption = Annotated[

@@ -7,6 +7,7 @@ from. Environment variables are read only by the CLI, never here.
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -178,18 +179,23 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def load_config(
-    model: type[ConfigT], path: Path | None, flags: dict[str, object] | None = None
+    model: type[ConfigT],
+    path: Path | None,
+    flags: dict[str, object] | None = None,
+    *,
+    wanted_by: str = "--config",
 ) -> ConfigT:
     """Load and validate `path` (YAML) as `model`, with command-line `flags` applied on top.
 
     No file means the model's embedded defaults. `flags` maps a top-level field to the value
     of the flag that sets it, `--field-name` (None: the flag was not given). Every problem is
-    a ConfigError naming where its value came from (see `validate_config`).
+    a ConfigError naming where its value came from (see `validate_config`; `wanted_by`: what
+    gave the file, for a file of another kind).
     """
     data = _read_yaml(path) if path is not None else {}
     given = {field: value for field, value in (flags or {}).items() if value is not None}
     where = str(path) if path is not None else "the embedded defaults"
-    return validate_config(model, {**data, **given}, where, frozenset(given))
+    return validate_config(model, {**data, **given}, where, frozenset(given), wanted_by=wanted_by)
 
 
 def _read_yaml(path: Path) -> dict[str, object]:
@@ -217,19 +223,67 @@ def _flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+# Every kind of kvplane config file: the model that reads it, as "module:class" (imported only
+# when a file fails to load: the components' config modules import this one), and its name.
+CONFIG_KINDS = {
+    "controller.config:ControllerConfig": "controller",
+    "engine.config:EngineConfig": "engine",
+    "indexer.config:IndexerConfig": "indexer",
+    "planner.config:PlannerConfig": "planner",
+    "kvplane.up.config:FleetConfig": "fleet",  # `kvplane up FILE`
+}
+
+
+def _kind_fields(spec: str) -> frozenset[str]:
+    module, _, name = spec.partition(":")
+    model: type[BaseModel] = getattr(importlib.import_module(module), name)
+    return frozenset(model.model_fields)
+
+
+def _other_kind(model: type[BaseModel], keys: set[str]) -> tuple[str, str] | None:
+    """(the kind `keys` look like, the kind `model` reads) when `model` is a kvplane config
+    kind and the top-level `keys` are not all its fields but are all the fields of exactly
+    one other kind; None otherwise (then each problem is listed as usual: keys every server
+    shares, `listen` alone, say nothing of a kind)."""
+    expected = CONFIG_KINDS.get(f"{model.__module__}:{model.__qualname__}")
+    if expected is None or keys <= set(model.model_fields):
+        return None
+    found = [
+        kind
+        for spec, kind in CONFIG_KINDS.items()
+        if kind != expected and keys <= _kind_fields(spec)
+    ]
+    return (found[0], expected) if len(found) == 1 else None
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[0] in "aeiou" else f"a {kind}"
+
+
 def validate_config(
     model: type[ConfigT],
     data: dict[str, object],
     where: str,
     flag_fields: frozenset[str] = frozenset(),
+    *,
+    wanted_by: str = "--config",
 ) -> ConfigT:
     """Validate `data` as `model`. On failure, one ConfigError listing every problem by where
     its value came from: a field in `flag_fields` from its flag (`invalid --role: ...`), any
     other from `where` (`invalid config in FILE: key: ...`); a check across fields, from
-    both (`invalid config in FILE with --model: ...`)."""
+    both (`invalid config in FILE with --model: ...`). A config of another kind (its
+    top-level keys all another kind's) is said to be one in a line instead (`FILE looks like a
+    planner config; --config wants a controller config`), `wanted_by` naming what gave it."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
+        file_keys = {str(key) for key in data if key not in flag_fields}
+        kinds = _other_kind(model, file_keys)
+        if kinds is not None:
+            found, expected = kinds
+            raise ConfigError(
+                f"{where} looks like {_a(found)} config; {wanted_by} wants {_a(expected)} config"
+            ) from exc
         by_source: dict[str, list[str]] = {}
         for err in exc.errors():
             loc = [str(part) for part in err["loc"]]

@@ -10,8 +10,8 @@ Policies, all over the same trace, engines, SLA targets and start-up delay:
 The autoscaled fleets start at `initial_engines` (by default the static size when `static`
 runs: autoscaling switched on over a fleet provisioned for the peak; else `min_engines`).
 
-Bad input (a missing or malformed trace, an option out of range) is one line on stderr and
-exit code 2, never a traceback.
+Bad arguments (a missing or malformed trace, an option out of range) are usage errors, exit
+code 2, as in every bench command (`kvplane.cli_common.usage_error_for`); never a traceback.
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from kvplane.cli_common import OutputFormat, OutputOption, emit, policy_list
+from kvplane.cli_common import OutputFormat, OutputOption, emit, policy_list, usage_error_for
 from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 from planner.azure_trace import TraceRow, load_azure_trace
@@ -40,10 +39,6 @@ log = logging.getLogger(__name__)
 
 POLICY_NAMES = ("kvplane", "static", "threshold")
 DEFAULT_TRACE = Path("../shared/data/traces/azure-llm-2023/conv.csv")
-
-
-class BadInputError(KvplaneError):
-    """Input the benchmark cannot run on; the command exits 2 with its message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +56,8 @@ class BenchSettings:
 
 
 def policy_names(text: str) -> list[str]:
-    try:
+    with usage_error_for("--policies"):
         return policy_list(text, POLICY_NAMES)
-    except ValueError as exc:
-        raise BadInputError(f"--policies: {exc}") from None
 
 
 def run_planner_bench(
@@ -74,7 +67,8 @@ def run_planner_bench(
     fleet = settings.fleet
     replayed = [row for row in rows if fits(row, fleet)]
     if not replayed:
-        raise BadInputError(f"no request of {trace_name} fits one engine's KV cache")
+        # Like `bench route` and `bench sim`: the run has nothing to replay (exit 1).
+        raise KvplaneError(f"no request of {trace_name} fits one engine's KV cache")
     doc: dict[str, Any] = {
         "trace": trace_name,
         "num_requests": len(replayed),
@@ -193,7 +187,7 @@ def _check_positive(flags: dict[str, float | None], *, zero_ok: frozenset[str]) 
         low_ok = value >= 0 if name in zero_ok else value > 0
         if not (math.isfinite(value) and low_ok):
             kind = "non-negative" if name in zero_ok else "positive"
-            raise BadInputError(f"{name} must be a {kind} number, got {value}")
+            raise typer.BadParameter(f"must be a {kind} number, got {value}", param_hint=name)
 
 
 def _planner_config(path: Path | None, startup_s: float, tick_s: float) -> PlannerConfig:
@@ -205,14 +199,6 @@ def _planner_config(path: Path | None, startup_s: float, tick_s: float) -> Plann
         capacity = capacity.model_copy(update={"forecast_horizon_s": startup_s})
     scaling = config.scaling.model_copy(update={"tick_s": tick_s})
     return config.model_copy(update={"capacity": capacity, "scaling": scaling})
-
-
-def _bad_input(run: Callable[[], None]) -> None:
-    try:
-        run()
-    except BadInputError as exc:
-        typer.echo(f"kvplane: error: {exc}", err=True)
-        raise typer.Exit(2) from None
 
 
 def bench_planner(
@@ -248,47 +234,43 @@ def bench_planner(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """The planner vs static provisioning vs a queue-length autoscaler: SLA and engine-seconds."""
-
-    def run() -> None:
-        names = policy_names(policies)
-        _check_positive(
-            {
-                "--speedup": speedup,
-                "--ttft-ms": ttft_ms,
-                "--itl-ms": itl_ms,
-                "--startup-s": startup_s,
-                "--tick-s": tick_s,
-                "--queue-target": queue_target,
-                "--blocks-per-engine": blocks_per_engine,
-                "--block-size": block_size,
-                "--max-num-batched-tokens": max_num_batched_tokens,
-                "--min-engines": min_engines,
-                "--max-engines": max_engines,
-                "--limit": limit,
-                "--initial-engines": initial_engines,
-            },
-            zero_ok=frozenset({"--startup-s"}),
+    names = policy_names(policies)
+    _check_positive(
+        {
+            "--speedup": speedup,
+            "--ttft-ms": ttft_ms,
+            "--itl-ms": itl_ms,
+            "--startup-s": startup_s,
+            "--tick-s": tick_s,
+            "--queue-target": queue_target,
+            "--blocks-per-engine": blocks_per_engine,
+            "--block-size": block_size,
+            "--max-num-batched-tokens": max_num_batched_tokens,
+            "--min-engines": min_engines,
+            "--max-engines": max_engines,
+            "--limit": limit,
+            "--initial-engines": initial_engines,
+        },
+        zero_ok=frozenset({"--startup-s"}),
+    )
+    if not 0 < goal <= 1:
+        raise typer.BadParameter(f"must be in (0, 1], got {goal}", param_hint="--goal")
+    if max_engines < min_engines:
+        raise typer.BadParameter(
+            f"{max_engines} is below --min-engines {min_engines}", param_hint="--max-engines"
         )
-        if not 0 < goal <= 1:
-            raise BadInputError(f"--goal must be in (0, 1], got {goal}")
-        if max_engines < min_engines:
-            raise BadInputError(f"--max-engines {max_engines} is below --min-engines {min_engines}")
-        engine = FleetSettings(block_size, blocks_per_engine, 256, max_num_batched_tokens)
-        settings = BenchSettings(
-            fleet=replace(engine, startup_s=startup_s, speedup=speedup),
-            sla=SlaTargets(ttft_ms=ttft_ms, itl_ms=itl_ms),
-            planner=_planner_config(config, startup_s, tick_s),
-            min_engines=min_engines,
-            max_engines=max_engines,
-            initial_engines=initial_engines,
-            goal=goal,
-            tick_s=tick_s,
-            threshold=ThresholdSettings(target_queued_per_engine=queue_target),
-        )
-        try:
-            rows = load_azure_trace(trace, limit)
-        except KvplaneError as exc:
-            raise BadInputError(str(exc)) from None
-        emit(run_planner_bench(rows, trace.name, settings, names), output, render_table)
-
-    _bad_input(run)
+    engine = FleetSettings(block_size, blocks_per_engine, 256, max_num_batched_tokens)
+    settings = BenchSettings(
+        fleet=replace(engine, startup_s=startup_s, speedup=speedup),
+        sla=SlaTargets(ttft_ms=ttft_ms, itl_ms=itl_ms),
+        planner=_planner_config(config, startup_s, tick_s),
+        min_engines=min_engines,
+        max_engines=max_engines,
+        initial_engines=initial_engines,
+        goal=goal,
+        tick_s=tick_s,
+        threshold=ThresholdSettings(target_queued_per_engine=queue_target),
+    )
+    with usage_error_for("--trace"):
+        rows = load_azure_trace(trace, limit)
+    emit(run_planner_bench(rows, trace.name, settings, names), output, render_table)

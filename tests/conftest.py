@@ -1,5 +1,6 @@
 """Fixtures shared by every component's tests: private redis-server processes (session-scoped;
-tests flush what they use) and a test PKI made by openssl."""
+tests flush what they use), a test PKI made by openssl, and click's plain output under
+CliRunner."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import typer.core
 from redis_servers import RedisClusterNodes, RedisServer
 
 
@@ -31,6 +33,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture
+def plain_click_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under CliRunner (standalone mode) typer draws a usage error, and --help, in boxes;
+    `kvplane` (kvplane.cli.main) prints a usage error as click's plain lines, `Error: ...` on
+    one line. This makes CliRunner print click's plain text (help included)."""
+    monkeypatch.setattr(typer.core, "HAS_RICH", False)
 
 
 def _openssl(*args: str) -> None:

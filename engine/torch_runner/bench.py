@@ -35,7 +35,7 @@ import typer
 
 from engine.core.api import EngineRequest, SamplingParams, SchedulerConfig
 from engine.core.engine_core import EngineCore
-from kvplane.cli_common import OutputFormat, OutputOption, emit
+from kvplane.cli_common import OutputFormat, OutputOption, emit, usage_error_for
 from kvplane.errors import KvplaneError
 
 if TYPE_CHECKING:
@@ -276,7 +276,17 @@ def random_llama_shape(model: str) -> tuple[int, int] | None:
     return layers, hidden
 
 
-def _resolve_model(model: str, scratch: Path) -> Path:
+def check_model(model: str) -> None:
+    """A `--model` value: `random-LxH` or a model directory (one holding config.json);
+    KvplaneError otherwise, said before anything is written, loaded or started."""
+    if random_llama_shape(model) is None and not (Path(model) / "config.json").is_file():
+        raise KvplaneError(f"{model!r} is not a model directory (no config.json)")
+
+
+def resolve_model(model: str, scratch: Path) -> Path:
+    """The checkpoint directory of a `check_model`-valid `--model` value: a random one is
+    written under `scratch`."""
+    check_model(model)
     shape = random_llama_shape(model)
     if shape is not None:
         return write_random_llama(scratch / model, num_layers=shape[0], hidden_size=shape[1])
@@ -288,7 +298,7 @@ def run_engine_bench(model: str, settings: EngineBenchSettings) -> dict[str, Any
     from engine.torch_runner.runner import TorchModelRunner
 
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-") as scratch:
-        model_dir = _resolve_model(model, Path(scratch))
+        model_dir = resolve_model(model, Path(scratch))
         runner = TorchModelRunner.from_pretrained(
             model_dir,
             dtype=settings.dtype,
@@ -426,4 +436,16 @@ def bench_engine(
         ttft_prompt_tokens=ttft_prompt_tokens,
         compare_hf=compare_hf,
     )
+    check_arguments(model, dtype)
     emit(run_engine_bench(model, settings), output, render_table)
+
+
+def check_arguments(model: str, dtype: str) -> None:
+    """The `--model` and `--dtype` of a torch benchmark (this one, `bench handoff`): a usage
+    error for a malformed or missing model or an unknown dtype, before any model is built."""
+    from engine.torch_runner.loader import resolve_dtype  # imports torch
+
+    with usage_error_for("--model"):
+        check_model(model)
+    with usage_error_for("--dtype"):
+        resolve_dtype(dtype)

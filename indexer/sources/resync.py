@@ -22,8 +22,15 @@ from typing import Protocol, runtime_checkable
 
 from indexer.backend import IndexBackend
 from indexer.sources.openengine import engine_worker_id
+from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
+
+
+class UnknownEngineError(KvplaneError):
+    """A resync of an engine the index holds nothing of and no source of this process
+    follows (a mistyped name, or an engine fed from outside whose entries are gone): there
+    is nothing to drop and nothing to resubscribe (NOT_FOUND)."""
 
 
 class Resyncable(Protocol):
@@ -116,8 +123,11 @@ async def resync_engine(
 ) -> tuple[list[str], int]:
     """A new process of `engine`: drop its entries now, then have each source that follows it
     resubscribe now, from a snapshot (not after its reconnect backoff). Returns the workers
-    dropped and how many sources were asked. `only_if_stream_lost`: only when one of those
-    sources has lost its stream (nothing is done while they all follow the live process)."""
+    dropped and how many sources were asked; an UnknownEngineError when no worker holds the
+    engine's entries and no source follows it (nothing was dropped). `only_if_stream_lost`:
+    only when one of those sources has lost its stream (nothing is done while they all follow
+    the live process, nor for an engine unknown here: a first contact asks for any engine).
+    """
     listed = None
     if only_if_stream_lost:
         listed = await engine_workers(backend, engine)
@@ -125,6 +135,12 @@ async def resync_engine(
             return [], 0
     dropped = await drop_engine(backend, engine, listed)
     sources = _sources_of(engine, dropped, source_of)
+    if not dropped and not sources:
+        raise UnknownEngineError(
+            f"engine {engine!r} is unknown to this indexer: no worker holds its entries and "
+            "no source of this indexer follows it (give its address or worker id, as "
+            "`kvplane admin index stats` lists them)"
+        )
     for source in sources:
         source.request_resync(None)  # every rank it follows: all of them were dropped
     return dropped, len(sources)

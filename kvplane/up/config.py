@@ -197,7 +197,7 @@ def load_fleet(path: Path | None) -> FleetConfig:
     if path is None:
         fleet = FleetConfig.model_validate(DEFAULT_FLEET)
     else:
-        fleet = load_config(FleetConfig, path)
+        fleet = load_config(FleetConfig, path, wanted_by="`kvplane up`")
     where = str(path) if path is not None else "the embedded default fleet"
     # The members' addresses are known only once they listen: each has a stand-in of the
     # same shape, distinct from the others' (a controller refuses an engine listed twice).
@@ -211,6 +211,7 @@ def load_fleet(path: Path | None) -> FleetConfig:
             CONFIG_MODELS[member.kind],
             member.server_config(stand_ins, folder),
             f"{where}, member {member.name}",
+            wanted_by=f"a member of kind {member.kind}",
         )
         if isinstance(server, EngineConfig):
             _check_engine_checkpoint(server, f"{where}, member {member.name}")

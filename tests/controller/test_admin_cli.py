@@ -170,6 +170,23 @@ async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     assert drained.exit_code == 0 and "COMPLETE" in drained.output
 
 
+async def test_route_explains_while_the_controller_drains(fleet: Fleet, tmp_path: Path) -> None:
+    """`route` sends nothing: it was refused "UNAVAILABLE: the controller is draining", as
+    Generate is."""
+    t = ["--target", fleet.target]
+    drained = await cli("drain", "--self", *t)
+    assert drained.exit_code == 0 and "COMPLETE" in drained.output, drained.output
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(str(t) for t in PREFIX))
+    route = await cli_json("route", "--tokens-file", str(tokens), *t)
+    assert route["instance_id"] in {"e0", "e1", "e2"}
+    assert len(route["costs"]) == 3
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        [r async for r in fleet.gateway.Generate(generate_request("late", PREFIX))]
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details() == "the controller is draining"
+
+
 async def test_info_names_the_model_as_requests_must() -> None:
     """MODEL is the served name a GenerateRequest carries; SOURCE, where it was loaded from."""
     engine = await start_sim_engine("e0", served_model_name="chat")
@@ -404,3 +421,23 @@ async def test_match_and_route_say_when_the_index_could_not_answer(tmp_path: Pat
             assert data["index_error"].startswith("remote index: UNAVAILABLE")
     finally:
         await close_fleet(fleet)
+
+
+@pytest.mark.usefixtures("plain_click_output")
+@pytest.mark.parametrize(
+    ("command", "default"),
+    [
+        (["admin"], "127.0.0.1:8100, 127.0.0.1:50051 for `admin index`"),
+        (["admin", "route"], "127.0.0.1:8100"),
+        (["admin", "drain"], "127.0.0.1:8100"),
+        (["admin", "index"], "127.0.0.1:50051"),
+        (["admin", "index", "resync"], "127.0.0.1:50051"),
+    ],
+)
+def test_help_shows_the_server_dialled_without_a_target(command: list[str], default: str) -> None:
+    """--help said nothing of it: README's 127.0.0.1:8100 (a controller or an engine) and
+    127.0.0.1:50051 (`admin index`) were found only by reading the docs."""
+    result = CliRunner().invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    described = " ".join(result.output.split("--target", 1)[1].split("\n  -", 1)[0].split())
+    assert described.endswith(f"[default: ({default})]"), described

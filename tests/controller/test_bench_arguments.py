@@ -1,5 +1,7 @@
-"""`kvplane bench route|e2e|engine` with bad arguments: a usage error (exit 2) or one line
-(KvplaneError, exit 1) before any replay, model or fleet; never a traceback or a hang. And
+"""`kvplane bench route|e2e|engine|...` with bad arguments: a usage error (exit 2) before any
+replay, model or fleet, whichever bench command (a trace missing or not a trace, a value out
+of range, a malformed model); a run that fails is one line (KvplaneError, exit 1); never a
+traceback or a hang. And
 `bench route --output json` prints exactly one JSON document, of the issue's shape, on stdout
 (logs on stderr). Nothing here starts a fleet or loads a model."""
 
@@ -36,6 +38,51 @@ def trace(tmp_path: Path) -> Path:
 
 def bench(*args: str) -> Result:
     return CliRunner().invoke(app, ["bench", *args])
+
+
+def usage_error(result: Result) -> str:
+    """The one error line of a usage error (exit 2, click's "Usage:" lines first), without
+    its "Error: "; with the `plain_click_output` fixture."""
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("Usage: "), result.output
+    assert "Traceback" not in result.output
+    [error] = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    return error.removeprefix("Error: ")
+
+
+# Each bench command that reads a trace, with the arguments that keep it from starting
+# anything else, and how its trace is written (Mooncake JSONL; the planner's Azure CSV).
+TRACE_COMMANDS = {
+    "route": [],
+    "sim": [],
+    "e2e": ["--model", "random-1x64", "--sequential"],
+    "planner": [],
+}
+
+
+@pytest.mark.usefixtures("plain_click_output")
+@pytest.mark.parametrize("command", list(TRACE_COMMANDS))
+def test_a_missing_trace_is_a_usage_error_in_every_bench_command(
+    tmp_path: Path, command: str
+) -> None:
+    """Was exit 2 in `bench planner` only (a line of its own style); exit 1 in route, sim
+    and e2e."""
+    absent = tmp_path / "absent.trace"
+    error = usage_error(bench(command, "--trace", str(absent), *TRACE_COMMANDS[command]))
+    assert error == (
+        f"Invalid value for --trace: cannot read trace {absent}: No such file or directory"
+    )
+
+
+@pytest.mark.usefixtures("plain_click_output")
+@pytest.mark.parametrize("command", list(TRACE_COMMANDS))
+def test_a_file_that_is_not_a_trace_is_a_usage_error_in_every_bench_command(
+    tmp_path: Path, command: str
+) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a trace\n")
+    error = usage_error(bench(command, "--trace", str(notes), *TRACE_COMMANDS[command]))
+    assert error.startswith(f"Invalid value for --trace: {notes}:1: "), error
 
 
 @pytest.mark.parametrize("command", ["route", "e2e"])
@@ -108,14 +155,17 @@ def test_a_missing_peer_fails_before_any_replay(
 
 
 def test_e2e_side_by_side_without_a_cpu_per_policy_fails_before_the_model(
-    trace: Path, monkeypatch: pytest.MonkeyPatch
+    trace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Was said only after the model had been written (a 56 M-parameter checkpoint by
-    default); here the model does not exist, which was the error the old order gave. Two
+    default); here the model directory holds no weights, which loading it would say. Two
     CPUs, as on CI, whatever this machine has."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
     result = bench(
-        "e2e", "--trace", str(trace), "--model", "/absent", "--policies", ",".join(POLICY_NAMES)
+        "e2e", "--trace", str(trace), "--model", str(model), "--policies", ",".join(POLICY_NAMES)
     )
     assert result.exit_code == 1
     assert isinstance(result.exception, KvplaneError)
@@ -141,16 +191,30 @@ def test_engine_threads_below_one_is_a_usage_error() -> None:
     assert "Invalid value for '--threads'" in result.output
 
 
-@pytest.mark.parametrize("command", ["engine", "e2e"])
+@pytest.mark.usefixtures("plain_click_output")
+@pytest.mark.parametrize("command", ["engine", "e2e", "handoff"])
 @pytest.mark.parametrize("model", ["random-1x-64", "random-0x64", "random-8"])
-def test_a_bad_random_model_shape_is_one_line(trace: Path, command: str, model: str) -> None:
-    """random-1x-64 was torch's RuntimeError (a negative dimension) as a traceback."""
+def test_a_bad_random_model_shape_is_a_usage_error(trace: Path, command: str, model: str) -> None:
+    """random-1x-64 was torch's RuntimeError (a negative dimension) as a traceback, then one
+    line with exit 1 unlike every other bad option value (exit 2)."""
     args = ["--trace", str(trace), "--sequential"] if command == "e2e" else []
-    result = bench(command, "--model", model, *args)
-    assert result.exit_code == 1
-    assert isinstance(result.exception, KvplaneError)
-    assert str(result.exception) == (
-        f"expected random-LAYERSxHIDDEN (positive integers), got {model!r}"
+    error = usage_error(bench(command, "--model", model, *args))
+    assert error == (
+        f"Invalid value for --model: expected random-LAYERSxHIDDEN (positive integers), "
+        f"got {model!r}"
+    )
+
+
+@pytest.mark.usefixtures("plain_click_output")
+@pytest.mark.parametrize("command", ["engine", "e2e", "handoff"])
+def test_a_model_directory_without_a_config_is_a_usage_error(
+    trace: Path, tmp_path: Path, command: str
+) -> None:
+    """Was exit 1 (e2e), a loader's error (engine, handoff) once torch was imported."""
+    args = ["--trace", str(trace), "--sequential"] if command == "e2e" else []
+    error = usage_error(bench(command, "--model", str(tmp_path), *args))
+    assert error == f"Invalid value for --model: {str(tmp_path)!r} is not a model directory " + (
+        "(no config.json)"
     )
 
 
@@ -208,6 +272,17 @@ def test_route_replays_kvplane_with_a_controller_configs_router_settings(
     weights = dataclasses.asdict(KvplaneWeights(patience_tokens=60_000.0, overlap_weight=9.0))
     assert doc["kvplane_weights"] == weights
     assert set(doc["policies"]) == {"kvplane", "random"}
+
+
+def test_route_with_a_planner_config_says_so(trace: Path) -> None:
+    """Was one "X: Extra inputs are not permitted" per key of the planner file."""
+    planner_yaml = REPO / "configs" / "planner.yaml"
+    result = bench("route", "--trace", str(trace), "--config", str(planner_yaml))
+    assert result.exit_code == 1
+    assert isinstance(result.exception, KvplaneError)
+    assert str(result.exception) == (
+        f"{planner_yaml} looks like a planner config; --config wants a controller config"
+    )
 
 
 def test_route_with_a_bad_controller_config_is_one_line(trace: Path, tmp_path: Path) -> None:

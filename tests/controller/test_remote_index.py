@@ -275,6 +275,22 @@ async def test_resync_engine_drops_every_worker_of_the_engine_and_wakes_its_sour
         await server.stop(None)
 
 
+async def test_a_restart_of_an_engine_the_indexer_knows_nothing_of_is_confirmed() -> None:
+    """The indexer answers NOT_FOUND for an engine it holds nothing of and has no source for
+    (an engine fed from outside that sent nothing yet): no stale block of it can attract
+    traffic, so the controller counts its hits again rather than asking at every poll."""
+    server, target = await _indexer_fed_by(_Source())
+    remote = RemoteIndex(target, 5.0)
+    try:
+        await remote.resync_engine("10.0.0.9:8000")
+        assert remote.restarted == set()
+        await remote.resync_engine("10.0.0.9:8000", first_contact=True)
+        assert remote.restarted == set()
+    finally:
+        await remote.close()
+        await server.stop(None)
+
+
 async def test_at_first_contact_only_an_engine_whose_source_lost_its_stream_is_dropped() -> None:
     """A controller meeting an engine for the first time asks ResyncEngine with
     `only_if_stream_lost`: while the indexer's source follows the live process, its entries

@@ -689,7 +689,8 @@ async def test_admin_dump_streams_the_same_json_array_and_table(tmp_path: Path) 
 async def test_admin_resync_drops_an_engines_entries_with_the_token(tmp_path: Path) -> None:
     """`kvplane admin index resync ENGINE`: the engine's workers (its own, its ranks) lose
     their entries, others keep theirs; the RPC needs the indexer's token (UNAUTHENTICATED
-    without it, one line, exit 1); an empty ENGINE is a usage error."""
+    without it, one line, exit 1); an engine it knows nothing of is NOT_FOUND (one line, exit
+    1); an empty ENGINE is a usage error."""
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     backend = MemoryBackend(PrefixIndex())
@@ -717,6 +718,7 @@ async def test_admin_resync_drops_an_engines_entries_with_the_token(tmp_path: Pa
         again = await asyncio.to_thread(
             resync, "a:1", "--token-file", str(token_file), "-o", "json"
         )
+        unknown = await asyncio.to_thread(resync, "NOSUCH", "--token-file", str(token_file))
         blank = await asyncio.to_thread(resync, " ")
         left = [w.worker_id for w in (await backend.stats()).workers]
     finally:
@@ -726,8 +728,16 @@ async def test_admin_resync_drops_an_engines_entries_with_the_token(tmp_path: Pa
     assert ": UNAUTHENTICATED: missing or invalid bearer token" in str(refused.exception)
     assert table.exit_code == 0, table.output
     assert table.stdout == ("a:1: 2 worker(s) dropped (a:1, a:1/dp1), 0 source(s) resubscribing\n")
-    assert again.exit_code == 0
-    assert json.loads(again.stdout) == {"dropped_worker_ids": [], "sources_resubscribed": 0}
+    # An engine the indexer knows nothing of (no entries, no source here): NOT_FOUND, one
+    # line, exit 1; it was "0 worker(s) dropped", as if done. Once dropped, a:1 fed from
+    # outside is such an engine too.
+    for nothing_held, engine in ((unknown, "NOSUCH"), (again, "a:1")):
+        assert nothing_held.exit_code == 1 and isinstance(nothing_held.exception, KvplaneError)
+        assert str(nothing_held.exception) == (
+            f"127.0.0.1:{port}: NOT_FOUND: engine {engine!r} is unknown to this indexer: no "
+            "worker holds its entries and no source of this indexer follows it (give its "
+            "address or worker id, as `kvplane admin index stats` lists them)"
+        )
     assert blank.exit_code == 2 and "must name an engine" in blank.output
     assert left == ["b:1"]
 
