@@ -5,7 +5,6 @@ a real ZMQ publisher replaying the vLLM capture, queried over gRPC, with `/metri
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import signal
@@ -13,7 +12,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
 KVPLANE = [str(Path(sys.executable).parent / "kvplane")]
@@ -52,17 +52,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def _until(predicate: Callable[[], Awaitable[bool] | bool]) -> None:
-    """Wait (at most WAIT_S) for another process to reach a state. The state lives in that
-    process, so there is no event to await: it is checked every 20 ms."""
-    async with asyncio.timeout(WAIT_S):
-        while True:
-            result = predicate()
-            if await result if inspect.isawaitable(result) else result:
-                return
-            await asyncio.sleep(0.02)
 
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -121,7 +110,7 @@ sources:
         tmp_path / "serve.log",
     )
     try:
-        await _until(lambda: port_file.exists() or process.poll() is not None)
+        await eventually(lambda: port_file.exists() or process.poll() is not None, WAIT_S)
         assert process.poll() is None, (tmp_path / "serve.log").read_text()
         target = f"127.0.0.1:{int(port_file.read_text())}"
         await publisher.wait_subscribed()
@@ -138,7 +127,7 @@ sources:
             async def ingested() -> bool:
                 return await indexed() == final_blocks and _source_messages(metrics_port) == 60
 
-            await _until(ingested)
+            await eventually(ingested, WAIT_S)
 
             # The last request ran after the reset: all 5 full blocks of its prompt are live.
             prompt = requests()[-1]["prompt_token_ids"]
@@ -233,7 +222,7 @@ async def test_bridge_subprocess_feeds_a_serve_subprocess(
     )
     bridge = None
     try:
-        await _until(lambda: port_file.exists() or serve.poll() is not None)
+        await eventually(lambda: port_file.exists() or serve.poll() is not None, WAIT_S)
         target = f"127.0.0.1:{int(port_file.read_text())}"
         bridge = _spawn(
             [
@@ -267,7 +256,7 @@ async def test_bridge_subprocess_feeds_a_serve_subprocess(
             async def bridged() -> bool:
                 return await best() == 2
 
-            await _until(bridged)
+            await eventually(bridged, WAIT_S)
             response = await indexer.MatchExternalKvPrefix(request)
             assert [m.worker_address for m in response.matches] == ["10.0.0.9:30000"]
             # A hybrid model's blocks 1-3, their groups past index 7 (--array-tail vllm reads
@@ -282,7 +271,7 @@ async def test_bridge_subprocess_feeds_a_serve_subprocess(
             async def hybrid_bridged() -> bool:
                 return len(await hybrid_masks()) == 3
 
-            await _until(hybrid_bridged)
+            await eventually(hybrid_bridged, WAIT_S)
             full, swa = Component.FULL, Component.SWA
             # Block 2 was evicted from the sliding-window group only.
             assert await hybrid_masks() == [full | swa, full, full | swa]
