@@ -436,16 +436,19 @@ def bench_engine(
         ttft_prompt_tokens=ttft_prompt_tokens,
         compare_hf=compare_hf,
     )
-    check_arguments(model, dtype)
+    check_arguments(model, dtype, device)
     emit(run_engine_bench(model, settings), output, render_table)
 
 
-def check_arguments(model: str, dtype: str) -> None:
-    """The `--model` and `--dtype` of a torch benchmark (this one, `bench handoff`): a usage
-    error for a malformed or missing model or an unknown dtype, before any model is built."""
-    from engine.torch_runner.loader import resolve_dtype  # imports torch
+def check_arguments(model: str, dtype: str, device: str = "cpu") -> None:
+    """The `--model`, `--dtype` and `--device` of a torch benchmark (this one, `bench
+    handoff`): a usage error for a malformed or missing model, an unknown dtype or a device
+    this machine does not have, before any model is built."""
+    from engine.torch_runner.loader import resolve_device, resolve_dtype  # imports torch
 
     with usage_error_for("--model"):
         check_model(model)
     with usage_error_for("--dtype"):
         resolve_dtype(dtype)
+    with usage_error_for("--device"):
+        resolve_device(device)

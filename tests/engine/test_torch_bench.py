@@ -70,3 +70,20 @@ def test_a_ttft_prompt_the_model_cannot_take_is_refused_before_the_throughput_ru
     )  # fmt: skip
     assert result.exit_code == 1
     assert "prompt of 100000 tokens leaves no room for output" in str(result.exception)
+
+
+@pytest.mark.usefixtures("plain_click_output")
+@pytest.mark.parametrize(
+    ("device", "said"),
+    [
+        ("foo", "bad device 'foo'"),
+        ("mps", "device type 'mps' is not supported (cpu or cuda)"),
+    ],
+)
+def test_a_device_the_engine_cannot_use_is_a_usage_error(device: str, said: str) -> None:
+    """Said before any model is built (it used to fail only once the engine was)."""
+    result = CliRunner().invoke(
+        app, ["bench", "engine", "--model", "random-2x64", "--device", device]
+    )
+    assert result.exit_code == 2
+    assert result.output.splitlines()[-1].startswith(f"Error: Invalid value for --device: {said}")
