@@ -14,7 +14,6 @@ refused the call's token (or its lack of one).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -133,9 +132,14 @@ class ControllerAdmin:
             log.warning("drain of %s: %s", request.engine, self.describe(exc))
 
     async def remove(self, address: str) -> None:
-        """RemoveEngine; an engine the controller no longer lists is not an error."""
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        """RemoveEngine; an engine the controller no longer lists is not an error, and any
+        other failure is logged (the engine is stopped all the same: the controller then
+        lists it, unreachable, until it is removed by hand)."""
+        try:
             await self._stub.RemoveEngine(apb.EngineRef(engine=address), timeout=ADMIN_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.NOT_FOUND:
+                log.warning("controller: RemoveEngine of %s: %s", address, self.describe(exc))
 
     async def close(self) -> None:
         for task in list(self._drains):

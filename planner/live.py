@@ -231,7 +231,10 @@ class LivePlanner:
                     )
                 why = "ended"
             except grpc.aio.AioRpcError as exc:
-                why = f"ended ({exc.code().name})"
+                hint = setting_hint(
+                    self._channels, exc.code(), exc.details() or "", ENGINE_SETTINGS
+                )
+                why = f"ended ({exc.code().name}){hint}"
             log.info("runtime events of %s %s; subscribing again", engine.engine_id, why)
             await asyncio.sleep(RESUBSCRIBE_S)
 

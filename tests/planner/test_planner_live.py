@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
@@ -35,6 +36,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
+from planner.controller_admin import ControllerAdmin
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import EngineState
 from planner.core.planner import Planner
@@ -484,3 +486,26 @@ async def test_a_hung_engine_is_killed_and_replaced(
         )
         assert lost == 1
     assert actuator.num_alive() == 0
+
+
+async def test_a_removal_the_controller_does_not_take_is_said(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RemoveEngine of an engine the controller does not list is no news; one that fails
+    otherwise (here: no controller answers) is logged, not swallowed."""
+    caplog.set_level(logging.WARNING, logger="planner.controller_admin")
+    listed = ControllerAdmin(f"127.0.0.1:{setup.app.port}")
+    try:
+        await listed.remove("127.0.0.1:1")
+    finally:
+        await listed.close()
+    assert not caplog.records
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        gone = ControllerAdmin(f"127.0.0.1:{unused.getsockname()[1]}")
+        try:
+            await gone.remove("127.0.0.1:1")
+        finally:
+            await gone.close()
+    (said,) = caplog.records
+    assert said.getMessage().startswith("controller: RemoveEngine of 127.0.0.1:1: UNAVAILABLE")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -220,15 +221,28 @@ async def test_a_getload_refused_by_an_engine_with_auth_names_live_engine_token_
     )
     live = LivePlanner(planner(1, 1), actuator)
     address = f"127.0.0.1:{engine.port}"
+    caplog.set_level(logging.INFO, logger="planner.live")
+
+    def said(start: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
+
+    async def events_refused() -> bool:
+        return bool(said(f"runtime events of {address}"))
+
     try:
-        live._serve(address, "default")
+        live._serve(address, "default")  # follows its runtime events too
         await live._poll(live.engines[address])
+        await eventually(events_refused)
     finally:
         await live.close()
         await engine.close()
-    (warning,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GetLoad")]
+    (warning,) = said("GetLoad")
     assert warning.startswith(f"GetLoad {address}: missing or invalid bearer token")
     assert warning.endswith("(a server requiring a token? give live.engine_token_file)")
+    assert said(f"runtime events of {address}")[0] == (
+        f"runtime events of {address} ended (UNAUTHENTICATED) (a server requiring a token? "
+        "give live.engine_token_file); subscribing again"
+    )
 
 
 @pytest.mark.timeout(60)
