@@ -198,7 +198,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         prefill engine (the decode engine is chosen by load at the handoff). Refused as
         Generate is: NOT_FOUND for a model no engine serves, FAILED_PRECONDITION for one
         only pooling-only engines serve, UNAVAILABLE while none of those that serve it takes
-        traffic, and while the controller drains."""
+        traffic, while the controller drains, and RESOURCE_EXHAUSTED when every engine is
+        busy and the gateway sheds load (`router.reject_when_all_busy`)."""
         if self.controller.draining:
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         disaggregated = self.controller.disaggregated(request.model)
