@@ -198,9 +198,10 @@ class AdminServicer(apb_grpc.AdminServicer):
         prefill engine (the decode engine is chosen by load at the handoff). Refused as
         Generate is: NOT_FOUND for a model no engine serves, FAILED_PRECONDITION for one
         only pooling-only engines serve, UNAVAILABLE while none of those that serve it takes
-        traffic. Not refused while the controller drains: a drain stops new traffic, and an
-        explanation sends nothing (it is what an operator asks of a draining fleet: where
-        would this have gone)."""
+        traffic, and RESOURCE_EXHAUSTED when every engine is busy and the gateway sheds load
+        (`router.reject_when_all_busy`: what the request would get). Not refused while the
+        controller drains: a drain stops new traffic, and an explanation sends nothing (it is
+        what an operator asks of a draining fleet: where would this have gone)."""
         disaggregated = self.controller.disaggregated(request.model)
         try:
             self.controller.check_model(request.model, generating=True)

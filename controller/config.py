@@ -127,6 +127,10 @@ class RouterConfig(StrictModel):
     busy_kv_usage: float | None = Field(default=_DEFAULT_BUSY.kv_usage, gt=0, le=1)
     busy_queued_requests: int | None = Field(default=_DEFAULT_BUSY.queued_requests, gt=0)
     busy_max_fraction: float = Field(default=_DEFAULT_BUSY.max_busy_fraction, ge=0, le=1)
+    # Load shedding, for every policy: a new request whose every candidate engine is busy by
+    # the thresholds above (busy_max_fraction aside) is refused with RESOURCE_EXHAUSTED, for
+    # the client to retry later, rather than queued on the least loaded of them. Off: queued.
+    reject_when_all_busy: bool = False
     # Requests whose metadata has this key stick to the engine that served the same value.
     session_metadata_key: str | None = None
     # How long blocks just routed count as held before the engine's events arrive (and in any
@@ -146,6 +150,19 @@ class RouterConfig(StrictModel):
         if value not in POLICY_NAMES:
             raise ValueError(f"unknown policy {value!r}; choose from {', '.join(POLICY_NAMES)}")
         return value
+
+    @model_validator(mode="after")
+    def _check_shedding(self) -> RouterConfig:
+        if (
+            self.reject_when_all_busy
+            and self.busy_kv_usage is None
+            and self.busy_queued_requests is None
+        ):
+            raise ValueError(
+                "reject_when_all_busy needs busy_kv_usage or busy_queued_requests: "
+                "without either no engine is ever busy"
+            )
+        return self
 
     def weights(self) -> KvplaneWeights:
         return KvplaneWeights(

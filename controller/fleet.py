@@ -471,20 +471,21 @@ class Fleet:
                     index_error = str(exc)
         if index_error is not None:
             self._routing_blind.warn(f"{index_error}; routing by load")
-        candidates = []
-        for r in records:
-            identity = r.identity
-            candidates.append(
-                Candidate(
-                    r.address,
-                    hit=hits.get(r.address, _NO_HIT),
-                    load=r.load,
-                    total_kv_blocks=identity.total_kv_blocks if identity else None,
-                    block_size=identity.block_size if identity else None,
-                    cached_blocks=self.indexed_blocks.get(r.address),
-                )
-            )
-        return PromptView(size, keys, tuple(candidates), index_error)
+        candidates = tuple(self.candidate(r, hits.get(r.address, _NO_HIT)) for r in records)
+        return PromptView(size, keys, candidates, index_error)
+
+    def candidate(self, record: EngineRecord, hit: PrefixHit = _NO_HIT) -> Candidate:
+        """The engine as the router sees it: its last load, capacity and indexed blocks, and
+        `hit`, the request's prefix it holds."""
+        identity = record.identity
+        return Candidate(
+            record.address,
+            hit=hit,
+            load=record.load,
+            total_kv_blocks=identity.total_kv_blocks if identity else None,
+            block_size=identity.block_size if identity else None,
+            cached_blocks=self.indexed_blocks.get(record.address),
+        )
 
     @staticmethod
     async def _indexed_hits(index: IndexBackend, keys: Sequence[int]) -> dict[str, PrefixHit]:

@@ -51,7 +51,9 @@ from controller.registry import (
     UnknownModelError,
 )
 from controller.relay import ENGINE_FAULTS, RETRYABLE, InBandError, Relay, Usage, engine_failure
+from controller.router import AllEnginesBusyError
 from controller.service import Controller, PromptInput
+from controller.statuses import status_of
 from kvplane import __version__
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
@@ -274,10 +276,18 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         """The least loaded routable engine serving `model` whose GetModelInfo says it
         supports `task`. None: UNAVAILABLE while a capable engine exists but takes no
         traffic, FAILED_PRECONDITION when engines serve the model but none has the task
-        (seed: UNSUPPORTED task), NOT_FOUND when no engine serves the model."""
-        registry = self.controller.fleet.registry
+        (seed: UNSUPPORTED task), NOT_FOUND when no engine serves the model; with
+        `router.reject_when_all_busy`, RESOURCE_EXHAUSTED when every capable one is busy,
+        as for a generation."""
+        c = self.controller
+        registry = c.fleet.registry
         capable = [r for r in registry.routable(model or None) if _has_task(r, task)]
         if capable:
+            if c.sheds_load:
+                try:
+                    c.router.refuse_if_all_busy([c.fleet.candidate(r) for r in capable])
+                except AllEnginesBusyError as exc:
+                    await abort_with(context, status_of(exc), str(exc))
             return min(capable, key=_queue_depth)
         serving = [
             r

@@ -29,8 +29,11 @@ _SOURCE_COUNTERS = {
 
 # "invalid": refused for the request itself (a client error such as INVALID_ARGUMENT,
 # NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures; "aborted":
-# ended by an Abort before any engine was called; "internal": the controller failed to route.
-RequestOutcome = Literal["ok", "no_engine", "engine_error", "invalid", "aborted", "internal"]
+# ended by an Abort before any engine was called; "internal": the controller failed to route;
+# "overloaded": refused because every engine was busy (`router.reject_when_all_busy`).
+RequestOutcome = Literal[
+    "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded"
+]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # Event lag reaches seconds when a source replays a backlog after a reconnect.
 _EVENT_LAG_BUCKETS = (*_LATENCY_BUCKETS[1:], 30, 60)

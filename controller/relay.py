@@ -27,6 +27,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
   refused for itself (a status in CLIENT_ERRORS, from the gateway or the engine) counts as
   "invalid";
+- with `router.reject_when_all_busy`, refuse a new request whose every candidate engine is
+  busy (RESOURCE_EXHAUSTED, outcome "overloaded") before any engine is called or charged;
 - a model served only by prefill and decode engines takes two hops (`_disaggregated`), each
   one of the above, joined by the API's `Handoff` (OpenEngine's KV session); once the client
   has output from the first hop, any failure ends the stream with one in-band error.
@@ -51,7 +53,7 @@ from controller.registry import (
     Role,
     UnknownModelError,
 )
-from controller.router import Decision, NoEngineAvailableError
+from controller.router import AllEnginesBusyError, Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
 from controller.statuses import status_of
 from kvplane.server import abort_with
@@ -382,6 +384,8 @@ class Relay:
         except NoEngineAvailableError as exc:
             c.metrics.count_request("no_engine")
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        except AllEnginesBusyError as exc:
+            await self._shed(exc, context)
         if placement.decode is not None:  # it prefills the prompt itself
             local = placement.decode
 
@@ -511,6 +515,8 @@ class Relay:
         while True:
             try:
                 decision = route(frozenset(tried))
+            except AllEnginesBusyError as exc:  # a new request only: nothing relayed yet
+                await self._shed(exc, context)
             except NoEngineAvailableError as exc:
                 failure: Any = retry.failure if retry is not None else None
                 c.metrics.count_request("no_engine" if retry is None else "engine_error")
@@ -599,6 +605,12 @@ class Relay:
                 if self.holding.get(request_id) == engine:
                     del self.holding[request_id]
                     self.finished.add(request_id)
+
+    async def _shed(self, refusal: AllEnginesBusyError, context: Context) -> NoReturn:
+        """Refuse a new request because every engine that could take it is busy (load
+        shedding, `router.reject_when_all_busy`): no engine was called or charged."""
+        self.controller.metrics.count_request("overloaded")
+        await abort_with(context, status_of(refusal), str(refusal))
 
     @staticmethod
     def _ending(

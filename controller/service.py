@@ -12,7 +12,8 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from controller.config import ControllerConfig
@@ -20,10 +21,12 @@ from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, Thrott
 from controller.metrics import ControllerMetrics
 from controller.registry import Role, UnknownModelError
 from controller.router import (
+    AllEnginesBusyError,
     Candidate,
     Decision,
     DisaggDecision,
     NoEngineAvailableError,
+    Reason,
     Router,
     RouteRequest,
     make_policy,
@@ -189,6 +192,13 @@ class Controller:
         if generating:
             self.fleet.registry.check_generates(model)
 
+    @property
+    def sheds_load(self) -> bool:
+        """Whether a new request whose every engine is busy is refused (AllEnginesBusyError,
+        `router.reject_when_all_busy`). Only a new request: a retry, or the decode hop after
+        a prefill, was admitted already, and refusing it would throw away what it holds."""
+        return self.config.router.reject_when_all_busy
+
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
         candidates = plan.view.candidates
         if not candidates:
@@ -197,9 +207,25 @@ class Controller:
             candidates = tuple(
                 c for c in candidates if c.engine_id not in exclude and self._routable(c)
             )
-        decision = self.router.route(plan.request, candidates, self.rng, self.clock())
+        with self._counting_refusal():
+            decision = self.router.route(
+                plan.request,
+                candidates,
+                self.rng,
+                self.clock(),
+                reject_when_all_busy=self.sheds_load and not exclude,
+            )
         self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision
+
+    @contextmanager
+    def _counting_refusal(self) -> Iterator[None]:
+        """Count a request refused because every engine is busy among the decisions."""
+        try:
+            yield
+        except AllEnginesBusyError:
+            self.metrics.count_decision(self.router.policy.name, Reason.OVERLOADED.value)
+            raise
 
     # ---- disaggregated fleets (prefill and decode engines) ----
 
@@ -229,13 +255,15 @@ class Controller:
         `router.skip_prefill_ratio` of the prompt (or no prefill engine is up). A LoRA
         adapter no engine of a needed role holds raises (`check_disaggregated_lora`)."""
         self.check_disaggregated_lora(plan)
-        placement = self.router.route_disaggregated(
-            plan.request,
-            self._of_role(plan, Role.PREFILL),
-            self._of_role(plan, Role.DECODE),
-            self.rng,
-            self.clock(),
-        )
+        with self._counting_refusal():
+            placement = self.router.route_disaggregated(
+                plan.request,
+                self._of_role(plan, Role.PREFILL),
+                self._of_role(plan, Role.DECODE),
+                self.rng,
+                self.clock(),
+                reject_when_all_busy=self.sheds_load,
+            )
         for decision in placement.prefill, placement.decode:
             if decision is not None:
                 self.metrics.count_decision(decision.policy, decision.reason.value)
@@ -277,9 +305,16 @@ class Controller:
         return record is not None and record.routable
 
     def explain(self, plan: Plan, role: Role | None = None) -> Decision:
-        """What `route` would decide (among the engines of `role`, or all), charging no one."""
+        """What `route` would decide (among the engines of `role`, or all), charging no one;
+        AllEnginesBusyError when a new request would be refused as every one is busy (for
+        the prefill hop, also when every decode engine is, as `route_disaggregated`)."""
         candidates = plan.view.candidates if role is None else self._of_role(plan, role)
-        return self.router.explain(plan.request, candidates, self.rng, self.clock())
+        if self.sheds_load and role is Role.PREFILL:
+            self.router.refuse_if_all_busy(self._of_role(plan, Role.DECODE), "decode engine")
+            self.router.refuse_if_all_busy(candidates, "prefill engine")
+        return self.router.explain(
+            plan.request, candidates, self.rng, self.clock(), reject_when_all_busy=self.sheds_load
+        )
 
     async def _refresh_index_stats(self) -> None:
         while True:

@@ -13,7 +13,7 @@ from controller.registry import (
     UnknownEngineError,
     UnknownModelError,
 )
-from controller.router import NoEngineAvailableError
+from controller.router import AllEnginesBusyError, NoEngineAvailableError
 from kvplane.errors import KvplaneError
 
 # First match wins: subclasses before their bases. A KvplaneError not named otherwise is a
@@ -25,6 +25,8 @@ _STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
     (UnknownModelError, grpc.StatusCode.NOT_FOUND),
     (DuplicateEngineError, grpc.StatusCode.ALREADY_EXISTS),
     (NoEngineAvailableError, grpc.StatusCode.UNAVAILABLE),
+    # Load shed: the engines are up but full. Retry later, as an engine's own overload.
+    (AllEnginesBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LoraNotLoadedError, grpc.StatusCode.NOT_FOUND),
     (LoraUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (KvplaneError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -29,6 +29,9 @@ class Reason(enum.StrEnum):
     ONLY = "only"  # one candidate
     ALL_BUSY = "all_busy"  # every engine was busy; the least loaded was taken
     PATIENCE = "patience"  # the cheapest engine's wait was past `patience_tokens`
+    # Every engine was busy and the request was refused (`router.reject_when_all_busy`): a
+    # route_decisions_total label only, no Decision carries it.
+    OVERLOADED = "overloaded"
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ pending prefixes and active blocks: `Policy.credits_pending_prefixes`,
 `Policy.counts_active_blocks`), filters busy engines for the policies that ask for it
 (`Policy.filters_busy`), honours session affinity, lets the policy choose, and charges the
 chosen engine at once. The caller reports `first_token` and `finish` as the stream
-progresses.
+progresses. Asked to (`reject_when_all_busy`, the gateway's load shedding), it refuses a
+request whose every candidate is busy instead (AllEnginesBusyError), charging no one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ class NoEngineAvailableError(KvplaneError):
     """No engine can take the request (none registered, all unhealthy, draining or cordoned)."""
 
 
+class AllEnginesBusyError(KvplaneError):
+    """Every engine that could take the request is busy (`BusyThresholds.is_busy`) and the
+    caller asked to refuse it rather than queue it there (`router.reject_when_all_busy`):
+    load shedding, the client should retry later. Not a NoEngineAvailableError: engines are
+    up, the fleet is full, and clients tell the two apart (RESOURCE_EXHAUSTED, not
+    UNAVAILABLE)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BusyThresholds:
     """When an engine counts as busy, and when skipping busy engines is worth it (only the
@@ -60,6 +69,20 @@ class BusyThresholds:
         if self.kv_usage is not None and usage is not None and usage >= self.kv_usage:
             return True
         return self.queued_requests is not None and c.queued_requests >= self.queued_requests
+
+    def all_busy(self, candidates: Sequence[Candidate]) -> bool:
+        """Whether every candidate (at least one) is busy, however many there are: the test
+        of load shedding, where `max_busy_fraction` (a choice among engines) has no say."""
+        return bool(candidates) and all(self.is_busy(c) for c in candidates)
+
+    def refusal(self, engines: str = "engine") -> AllEnginesBusyError:
+        """The error of a request refused because every `engines` is busy, saying why."""
+        checks = []
+        if self.kv_usage is not None:
+            checks.append(f"KV usage >= {self.kv_usage * 100:g}%")
+        if self.queued_requests is not None:
+            checks.append(f"queued requests >= {self.queued_requests}")
+        return AllEnginesBusyError(f"every {engines} is busy ({' or '.join(checks)}): retry later")
 
     def busy_ids(self, candidates: Sequence[Candidate]) -> set[str]:
         """The engines to skip: the busy ones, unless too many are busy (then none)."""
@@ -217,10 +240,12 @@ class Router:
         candidates: Sequence[Candidate],
         rng: random.Random,
         now_s: float,
+        *,
+        reject_when_all_busy: bool = False,
     ) -> Decision:
         """What `route` would decide, without charging anyone (the admin `route` command).
         Stateful policies still advance (a round robin turns), as a real request would."""
-        return self._decide(request, candidates, rng, now_s)
+        return self._decide(request, candidates, rng, now_s, reject_when_all_busy)
 
     def route(
         self,
@@ -228,8 +253,13 @@ class Router:
         candidates: Sequence[Candidate],
         rng: random.Random,
         now_s: float,
+        *,
+        reject_when_all_busy: bool = False,
     ) -> Decision:
-        decision = self._decide(request, candidates, rng, now_s)
+        """The engine for `request`, charged with it. With `reject_when_all_busy` (the
+        gateway's load shedding, whatever the policy), AllEnginesBusyError when every
+        candidate is busy, before anything is charged or the policy sees the request."""
+        decision = self._decide(request, candidates, rng, now_s, reject_when_all_busy)
         cached = min(decision.predicted_cached_tokens, request.num_prompt_tokens)
         self.inflight.begin(
             request.request_id,
@@ -271,6 +301,8 @@ class Router:
         decode_candidates: Sequence[Candidate],
         rng: random.Random,
         now_s: float,
+        *,
+        reject_when_all_busy: bool = False,
     ) -> DisaggDecision:
         """The first hop of a request to a disaggregated fleet. The decode engine it would get
         (by load) prefills the prompt itself when it already holds `skip_prefill_ratio` of it,
@@ -278,19 +310,36 @@ class Router:
         at most 1): then `decode` is that decision and `prefill` None. Otherwise `prefill` is
         a prefill engine chosen by the policy (overlap + load) and `decode` None: the decode
         engine is chosen when the prefill hands over (`route_decode`), by the load then. The
-        engine of the hop is charged in flight."""
+        engine of the hop is charged in flight.
+
+        With `reject_when_all_busy`, AllEnginesBusyError before anything is charged when
+        every decode engine is busy (every request ends on one, whatever its first hop), or
+        when the request would hop to a prefill engine and every prefill engine is busy: each
+        role the request needs now is judged among its own engines, as the router places
+        them. The decode engine of a prefilled request is never refused at the handoff (the
+        prefill is done; `route_decode`)."""
         if not decode_candidates:
             raise NoEngineAvailableError("no decode engine available")
+        if reject_when_all_busy:
+            self.refuse_if_all_busy(decode_candidates, "decode engine")
         decode_view = self.with_inflight(decode_candidates)
         chosen = least_loaded_of(decode_view, rng)
         device, host = request.cached_tokens(chosen.hit)
         cached_fraction = (device + host) / max(request.num_prompt_tokens, 1)
         if cached_fraction < self.skip_prefill_ratio:
             if prefill_candidates:
+                if reject_when_all_busy:
+                    self.refuse_if_all_busy(prefill_candidates, "prefill engine")
                 return DisaggDecision(self.route(request, prefill_candidates, rng, now_s), None)
             if self.skip_prefill_ratio > 1:  # decode engines that only take a KV session
                 raise NoEngineAvailableError("no prefill engine available")
         return DisaggDecision(None, self._charge_decode(request, chosen, decode_view, False))
+
+    def refuse_if_all_busy(self, candidates: Sequence[Candidate], engines: str = "engine") -> None:
+        """Raise AllEnginesBusyError when every candidate (the router's in-flight requests
+        included) is busy; `engines` names them in the message."""
+        if self.busy.all_busy(self.with_inflight(candidates)):
+            raise self.busy.refusal(engines)
 
     def route_decode(
         self,
@@ -333,10 +382,15 @@ class Router:
         candidates: Sequence[Candidate],
         rng: random.Random,
         now_s: float,
+        reject_when_all_busy: bool = False,
     ) -> Decision:
         if not candidates:
             raise NoEngineAvailableError("no engine available to route to")
         view = self.with_inflight(candidates, request, now_s)
+        # A guard of the caller's (load shedding), not a policy's trait: whatever the policy,
+        # before it sees the request (a round robin does not turn for a refused request).
+        if reject_when_all_busy and self.busy.all_busy(view):
+            raise self.busy.refusal()
         # Only policies that include the filter in their behaviour get it: the peers' and the
         # blind baselines' real systems have none, and their rows must be theirs.
         busy_ids = self.busy.busy_ids(view) if self.policy.filters_busy else set()

@@ -82,3 +82,18 @@ def test_a_busy_fraction_above_one_is_rejected(tmp_path: Path) -> None:
     path.write_text("router: {busy_max_fraction: 1.5}\n")
     with pytest.raises(ConfigError, match="busy_max_fraction"):
         load_config(ControllerConfig, path)
+
+
+def test_rejecting_when_all_busy_is_off_by_default_and_needs_a_busy_threshold(
+    tmp_path: Path,
+) -> None:
+    assert RouterConfig().reject_when_all_busy is False
+    path = tmp_path / "c.yaml"
+    path.write_text("router: {reject_when_all_busy: true, busy_queued_requests: 4}\n")
+    assert Controller(load_config(ControllerConfig, path)).sheds_load
+    path.write_text("router: {reject_when_all_busy: true, busy_kv_usage: null}\n")
+    with pytest.raises(ConfigError, match="reject_when_all_busy needs busy_kv_usage or"):
+        load_config(ControllerConfig, path)
+    path.write_text("router: {reject_when_all_busy: maybe}\n")
+    with pytest.raises(ConfigError, match="reject_when_all_busy"):
+        load_config(ControllerConfig, path)

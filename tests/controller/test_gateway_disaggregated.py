@@ -286,6 +286,42 @@ async def test_an_abort_during_the_prefill_ends_the_request_once() -> None:
         await close_fleet(fleet)
 
 
+async def test_with_rejection_a_request_is_refused_while_every_prefill_engine_is_busy() -> None:
+    """`router.reject_when_all_busy`: the only prefill engine holds a prefill the router sent
+    (one queued request: busy here), so the next request is refused before either hop,
+    RESOURCE_EXHAUSTED naming the prefill engines, and leaves nothing behind; once the
+    prefill is through, it is served. (All decode engines busy: tests/controller/
+    test_router.py, the same rule.)"""
+    router = {"reject_when_all_busy": True, "busy_queued_requests": 1}
+    fleet, prefill, decode, _ = await _fleet(1, 1, router=router)
+    try:
+        prefill[0].servicer.prefill_gate = gate = asyncio.Event()
+        running = asyncio.ensure_future(_generate(fleet, generate_request("a", [*PREFIX, 1])))
+
+        async def prefilling() -> bool:
+            return bool(prefill[0].servicer.prefilling)
+
+        await eventually(prefilling)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(fleet, generate_request("b", [*PREFIX, 2]))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.details() == (
+            "every prefill engine is busy (KV usage >= 97% or queued requests >= 1): retry later"
+        )
+        assert _calls(prefill + decode, "b") == []
+        controller = fleet.app.controller
+        assert controller.metrics.requests.labels("overloaded")._value.get() == 1
+        assert controller.router.inflight.engine_of("b") is None
+        gate.set()
+        assert (await running)[-1].WhichOneof("event") == "finished"
+        reply = await _generate(fleet, generate_request("b", [*PREFIX, 2]))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert [c for c, _ in _calls(prefill + decode, "b")] == ["p0", "d0"]
+        assert len(controller.router.inflight) == 0 and not fleet.app.gateway.relay.running
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_a_session_no_decode_engine_took_is_released_on_the_prefill_engine() -> None:
     """The only decode engine is cordoned once the prefill engine opened the session: the
     client gets UNAVAILABLE, and the gateway frees the session (Abort(kv_session))."""

@@ -47,7 +47,24 @@ class GenerateFaults:
     pending: list[str] = field(default_factory=list)
 
 
-class ScriptedServicer(Forwarding):
+class ReportsLoad(Forwarding):
+    """GetLoad is the sim engine's with the figures in `load` (None: the field absent)."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.load: dict[str, int | None] = {}
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
+        reply = await self.inner.GetLoad(request)
+        for name, value in self.load.items():
+            if value is None:
+                reply.ClearField(name)  # type: ignore[arg-type]
+            else:
+                setattr(reply, name, value)
+        return reply
+
+
+class ScriptedServicer(ReportsLoad):
     """A sim engine with the capabilities the test gives it, faithful to the seed's rules
     where it answers itself (WIRE.md section 3):
 
@@ -65,7 +82,9 @@ class ScriptedServicer(Forwarding):
       an adapter not loaded here: NOT_FOUND), else runs as the sim engine's without it (the
       sim's dummy weights have nothing for an adapter to change).
 
-    Everything else (info, health, load, KV events, abort) is the sim engine's answer.
+    - GetLoad is the sim engine's with the figures the test sets in `load` (ReportsLoad).
+
+    Everything else (info, health, KV events, abort) is the sim engine's answer.
     """
 
     def __init__(
@@ -580,23 +599,6 @@ async def test_failure_after_acceptance_is_one_terminal_error_and_no_retry(fault
 
 
 # ---- GetLoad ----
-
-
-class ReportsLoad(Forwarding):
-    """GetLoad is the sim engine's with the figures in `load` (None: the field absent)."""
-
-    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
-        super().__init__(inner)
-        self.load: dict[str, int | None] = {}
-
-    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
-        reply = await self.inner.GetLoad(request)
-        for name, value in self.load.items():
-            if value is None:
-                reply.ClearField(name)  # type: ignore[arg-type]
-            else:
-                setattr(reply, name, value)
-        return reply
 
 
 async def test_get_load_sums_the_engines_and_details_each() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from controller.router import (
     POLICY_NAMES,
+    AllEnginesBusyError,
     BusyThresholds,
     Candidate,
     InFlight,
@@ -386,6 +387,71 @@ def test_only_the_kvplane_policy_skips_busy_engines(name: str) -> None:
     assert d.reason == (Reason.ALL_BUSY if skips else Reason.ONLY)
     d = router.explain(request(), [full, cand("cold")], random.Random(0), 0)
     assert any(r.busy for r in d.costs) is skips
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_asked_to_reject_when_all_busy_every_policy_refuses_charging_no_one(name: str) -> None:
+    """Load shedding is the caller's guard, not a policy's trait: whatever the policy, a
+    request whose every candidate is busy (however many: `max_busy_fraction` has no say) is
+    refused before anything is charged or the policy sees it; one engine with room takes it.
+    Not asked, every policy routes as it always did."""
+    router = Router(make_policy(name), busy=BusyThresholds(kv_usage=0.9, queued_requests=3))
+    rng = random.Random(0)
+    full = cand("full", 4, used_kv_blocks=95, total_kv_blocks=100)
+    queued = cand("queued", queued_requests=3)
+    with pytest.raises(AllEnginesBusyError) as err:
+        router.route(request("x"), [full, queued], rng, 0, reject_when_all_busy=True)
+    assert (
+        str(err.value)
+        == "every engine is busy (KV usage >= 90% or queued requests >= 3): retry later"
+    )
+    with pytest.raises(AllEnginesBusyError):
+        router.explain(request("x"), [full, queued], rng, 0, reject_when_all_busy=True)
+    assert router.inflight.engine_of("x") is None
+    assert router.inflight.of("full") == router.inflight.of("queued") == InFlight()
+    d = router.route(request("y"), [full, queued, cand("room")], rng, 0, reject_when_all_busy=True)
+    assert router.inflight.engine_of("y") == d.engine_id
+    d = router.route(request("z"), [full, queued], rng, 0)
+    assert d.engine_id in {"full", "queued"}
+
+
+def test_the_routers_own_in_flight_requests_make_an_engine_busy() -> None:
+    """Requests the router just sent and the engine has not started count as queued before
+    the next poll shows them: a burst is refused once it filled the queues."""
+    router = Router(make_policy("round_robin"), busy=BusyThresholds(queued_requests=1))
+    rng = random.Random(0)
+    router.route(request("a"), [cand("e")], rng, 0, reject_when_all_busy=True)
+    with pytest.raises(AllEnginesBusyError, match=r"queued requests >= 1\)"):
+        router.route(request("b"), [cand("e")], rng, 0, reject_when_all_busy=True)
+    router.first_token("a")  # no longer queued there
+    assert router.route(request("b"), [cand("e")], rng, 0, reject_when_all_busy=True)
+
+
+def test_disaggregated_rejection_judges_each_role_the_request_needs_now() -> None:
+    """Every request ends on a decode engine: all of them busy refuses it. All prefill
+    engines busy refuses a request that would hop there, not one the decode engine prefills
+    itself (it holds the prompt). Nothing is charged for a refused request."""
+    router = Router(make_policy("kvplane"), busy=BusyThresholds(kv_usage=0.9))
+    rng = random.Random(0)
+    busy = {"used_kv_blocks": 95, "total_kv_blocks": 100}
+    prefill, busy_prefill = [cand("p0")], [cand("p0", **busy), cand("p1", **busy)]
+    decode, busy_decode = [cand("d0")], [cand("d0", **busy)]
+    with pytest.raises(AllEnginesBusyError, match=r"^every decode engine is busy"):
+        router.route_disaggregated(
+            request("x", blocks=10), prefill, busy_decode, rng, 0, reject_when_all_busy=True
+        )
+    with pytest.raises(AllEnginesBusyError, match=r"^every prefill engine is busy"):
+        router.route_disaggregated(
+            request("x", blocks=10), busy_prefill, decode, rng, 0, reject_when_all_busy=True
+        )
+    assert router.inflight.engine_of("x") is None
+    cached = [cand("d0", 10)]  # holds the whole prompt: prefills it itself
+    d = router.route_disaggregated(
+        request("y", blocks=10, extra=1), busy_prefill, cached, rng, 0, reject_when_all_busy=True
+    )
+    assert d.decode is not None and d.decode.engine_id == "d0"
+    d = router.route_disaggregated(request("z", blocks=10), busy_prefill, busy_decode, rng, 0)
+    assert d.prefill is not None  # not asked: the least loaded busy prefill engine, as ever
 
 
 def test_no_candidates_is_an_error() -> None:
