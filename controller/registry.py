@@ -20,8 +20,10 @@ idle to a load-balancing router, which would send it ever more traffic. After
 `after_failures` such failures in a row it is EJECTED: out of routing for `initial_s`,
 doubling with each ejection in a row up to `max_s`. Its health polls bring it back when the
 time is up; it then has one request to prove itself (one more failure ejects it again, for
-twice as long), and a request it serves clears the count. Never more than half of the fleet
-is ejected at once (a fault of every engine is not an outlier), and a new process starts
+twice as long), and a request it serves clears the count. Failures count only while its
+health says ready (an outage or a drain ends streams too). Never more than half of the
+engines whose health says ready (ejected ones included) are ejected at once: a fault of every
+engine is not an outlier, and those left routable are never all ejected. A new process starts
 with a clean record.
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
@@ -567,15 +569,15 @@ class Registry:
         ejection"). Returns how long it is now out of routing, or None when it stays in."""
         record = self.by_engine_id(engine)
         policy = self.ejection
-        if record is None:
+        # Only while its health says ready: the streams an outage or a drain ends fail as
+        # well, and counted they would eject the engine at its first failure once it is back.
+        if record is None or record.state not in ROUTABLE_STATES:
             return None
         record.request_failures += 1
         if (
             not policy.after_failures
             or record.request_failures < policy.after_failures
-            or record.state not in ROUTABLE_STATES
-            or sum(r.state is EngineState.EJECTED for r in self._by_address.values()) + 1
-            > len(self._by_address) // 2
+            or self._num_ejected() + 1 > self._num_healthy() // 2
         ):
             return None
         duration_s = min(policy.initial_s * 2.0**record.ejections, policy.max_s)
@@ -587,6 +589,18 @@ class Registry:
             f"out of routing for {duration_s:g} s"
         )
         return duration_s
+
+    def _num_ejected(self) -> int:
+        return sum(r.state is EngineState.EJECTED for r in self._by_address.values())
+
+    def _num_healthy(self) -> int:
+        """The engines whose health says they take traffic, ejected ones included: the fleet
+        the ejection cap is half of. Engines down or draining are not in it, so that those
+        left routable are never all ejected (clients get their failures, not "no engine")."""
+        return sum(
+            r.state in ROUTABLE_STATES or r.state is EngineState.EJECTED
+            for r in self._by_address.values()
+        )
 
     def on_load(self, address: str, load: LoadSnapshot, now_s: float) -> None:
         record = self._by_address.get(address)

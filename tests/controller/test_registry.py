@@ -449,3 +449,26 @@ def test_an_ejected_engine_can_be_drained() -> None:
     assert registry.request_drain("h:1").state is EngineState.DRAINING
     registry.on_health("h:1", EngineState.DRAINING, 2.0)
     assert registry.get("h:1").state is EngineState.DRAINING
+
+
+def test_requests_failing_while_it_is_down_do_not_count_toward_its_ejection() -> None:
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(2))
+    # An outage of the same process (its polls time out): the streams it held fail.
+    registry.on_poll_failed("h:1", 1.0, "DEADLINE_EXCEEDED: x", PollFailure.TIMED_OUT)
+    for _ in range(5):
+        assert registry.on_request_failed("h:1", 1.5, "UNAVAILABLE: unreachable") is None
+    registry.on_health("h:1", EngineState.READY, 2.0)
+    # Back: one failure is not yet `after_failures` in a row.
+    assert registry.on_request_failed("h:1", 3.0, "INTERNAL: x") is None
+    assert registry.get("h:1").routable
+    assert registry.on_request_failed("h:1", 3.0, "INTERNAL: x") == 10.0
+
+
+def test_the_last_engine_taking_traffic_is_never_ejected() -> None:
+    registry = ready_registry("h:1", "h:2", "h:3", "h:4", policy=EjectionPolicy(1))
+    registry.on_poll_failed("h:3", 1.0, "UNAVAILABLE: refused")
+    registry.on_poll_failed("h:4", 1.0, "INTERNAL: broken", PollFailure.ERROR_ANSWER)
+    assert registry.on_request_failed("h:1", 2.0, "INTERNAL: x") == 10.0
+    # Half of the four engines, but all of those left to take the fleet's requests.
+    assert registry.on_request_failed("h:2", 2.0, "INTERNAL: x") is None
+    assert [r.address for r in registry.routable()] == ["h:2"]
