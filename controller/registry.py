@@ -486,6 +486,10 @@ class Registry:
             or came_back
             or restarted
         )
+        # The process that answered after the loss is the one taken now: if its polls go on
+        # failing (FAILING: answering with errors), its next identity is the same process's,
+        # not a new one at every retry (each of which would drop its index entries again).
+        record.connection_lost = False
         if is_new:
             record.epoch += 1
             record.drain_requested = False

@@ -472,3 +472,24 @@ def test_the_last_engine_taking_traffic_is_never_ejected() -> None:
     # Half of the four engines, but all of those left to take the fleet's requests.
     assert registry.on_request_failed("h:2", 2.0, "INTERNAL: x") is None
     assert [r.address for r in registry.routable()] == ["h:2"]
+
+
+def test_an_engine_failing_after_its_connection_came_back_is_new_once() -> None:
+    """Lost, then answering its identity and failing its health (a new process starting):
+    one new process, not one at every retry while it keeps failing."""
+    registry = Registry()
+    registry.add("h:1")
+    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    registry.on_poll_failed("h:1", 1.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
+    epoch = registry.get("h:1").epoch
+    answers = []
+    for now_s in (2.0, 3.0, 4.0):
+        answers.append(registry.on_identity("h:1", identity("e0"), now_s))
+        registry.on_poll_failed("h:1", now_s, "INTERNAL: warming", PollFailure.ERROR_ANSWER)
+    assert answers == [True, False, False]
+    registry.on_health("h:1", EngineState.READY, 5.0)
+    assert registry.get("h:1").epoch == epoch + 1
+    # A later loss makes the next answer a new process again.
+    registry.on_poll_failed("h:1", 6.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
+    assert registry.on_identity("h:1", identity("e0"), 7.0) is True
