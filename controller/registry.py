@@ -22,8 +22,8 @@ doubling with each ejection in a row up to `max_s`. Its health polls bring it ba
 time is up; it then has one request to prove itself (one more failure ejects it again, for
 twice as long), and a request it serves clears the count. Failures count only while its
 health says ready (an outage or a drain ends streams too). Never more than half of the
-engines whose health says ready (ejected ones included) are ejected at once: a fault of every
-engine is not an outlier, and those left routable are never all ejected. A new process starts
+engines taking traffic (routable, or ejected) are ejected at once: a fault of every engine is
+not an outlier, and those left routable are never all ejected. A new process starts
 with a clean record.
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
@@ -581,7 +581,7 @@ class Registry:
         if (
             not policy.after_failures
             or record.request_failures < policy.after_failures
-            or self._num_ejected() + 1 > self._num_healthy() // 2
+            or self._num_ejected() + 1 > self._num_in_rotation() // 2
         ):
             return None
         duration_s = min(policy.initial_s * 2.0**record.ejections, policy.max_s)
@@ -597,14 +597,12 @@ class Registry:
     def _num_ejected(self) -> int:
         return sum(r.state is EngineState.EJECTED for r in self._by_address.values())
 
-    def _num_healthy(self) -> int:
-        """The engines whose health says they take traffic, ejected ones included: the fleet
-        the ejection cap is half of. Engines down or draining are not in it, so that those
-        left routable are never all ejected (clients get their failures, not "no engine")."""
-        return sum(
-            r.state in ROUTABLE_STATES or r.state is EngineState.EJECTED
-            for r in self._by_address.values()
-        )
+    def _num_in_rotation(self) -> int:
+        """The engines that take traffic (routable), ejected ones included: the fleet the
+        ejection cap is half of. Engines down, draining or cordoned are not in it, so that
+        those left routable are never all ejected (clients get their failures, not "no
+        engine")."""
+        return sum(r.routable or r.state is EngineState.EJECTED for r in self._by_address.values())
 
     def on_load(self, address: str, load: LoadSnapshot, now_s: float) -> None:
         record = self._by_address.get(address)

@@ -493,3 +493,10 @@ def test_an_engine_failing_after_its_connection_came_back_is_new_once() -> None:
     # A later loss makes the next answer a new process again.
     registry.on_poll_failed("h:1", 6.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
     assert registry.on_identity("h:1", identity("e0"), 7.0) is True
+
+
+def test_a_cordoned_engine_does_not_make_room_for_ejecting_the_last_routable_one() -> None:
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(1))
+    registry.set_cordoned("h:2", True)
+    assert registry.on_request_failed("h:1", 1.0, "INTERNAL: x") is None
+    assert [r.address for r in registry.routable()] == ["h:1"]
