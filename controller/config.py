@@ -202,7 +202,7 @@ class HealthConfig(StrictModel):
     # them. 0 or null: never (streams wait for the engine or the client's deadline).
     abandon_streams_after_s: float | None = Field(default=30.0, ge=0)
     # Outlier ejection (controller/registry.py): an engine whose requests fail this many times
-    # in a row (INTERNAL, UNKNOWN, UNAVAILABLE, DATA_LOSS) while its health says ready leaves
+    # in a row (INTERNAL, UNKNOWN, DATA_LOSS) while its health says ready leaves
     # routing for eject_for_s, doubling with each ejection in a row up to eject_max_s; at
     # most half of the fleet at once. 0: never.
     eject_after_failures: int = Field(default=5, ge=0)

@@ -430,7 +430,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
-                f"engine {wanted} cannot be reached now ({record.state.value})",
+                f"engine {wanted} takes no LoRA call now ({record.state.value})",
             )
         return [record]
 

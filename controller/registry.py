@@ -15,7 +15,7 @@ engine answered it with an error (its process is up, and broken); either is retr
 exponential backoff and reports no load until it answers again.
 
 Outlier ejection (`EjectionPolicy`): an engine whose health answers fine but whose requests
-fail (INTERNAL, UNKNOWN, UNAVAILABLE, DATA_LOSS: a broken device, a wedged worker) looks
+fail (INTERNAL, UNKNOWN, DATA_LOSS: a broken device, a wedged worker) looks
 idle to a load-balancing router, which would send it ever more traffic. After
 `after_failures` such failures in a row it is EJECTED: out of routing for `initial_s`,
 doubling with each ejection in a row up to `max_s`. Its health polls bring it back when the
@@ -563,9 +563,11 @@ class Registry:
         record.next_attempt_s = now_s
 
     def on_request_served(self, engine: str) -> None:
-        """A request the engine (address or instance id) served: its failure count restarts."""
+        """A request the engine (address or instance id) served: its failure count restarts.
+        Not while it is ejected: a stream it began before still proves nothing of what
+        failed since (its probation and the doubling stand)."""
         record = self.by_engine_id(engine)
-        if record is not None:
+        if record is not None and record.state is not EngineState.EJECTED:
             record.request_failures = record.ejections = 0
 
     def on_request_failed(self, engine: str, now_s: float, error: str) -> float | None:

@@ -93,15 +93,12 @@ CLIENT_ERRORS = frozenset(
 # What a decode engine answers when it cannot attach the request's KV session (an unknown or
 # expired session, a failed transfer): the session failed, not the client's request.
 # An engine's own failure (a broken device, a wedged worker), which counts toward its outlier
-# ejection (controller/registry.py); overload (RESOURCE_EXHAUSTED), deadlines, aborts and
-# client errors do not.
+# ejection (controller/registry.py). Not UNAVAILABLE: "not now", a draining engine's refusal
+# (vllm.Generate has no in-band DRAINING) or a KV pull the prefill side failed; an engine
+# that cannot be reached at all fails its polls too. Nor overload (RESOURCE_EXHAUSTED),
+# deadlines, aborts or client errors.
 ENGINE_FAULTS = frozenset(
-    {
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DATA_LOSS,
-    }
+    {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
 )
 SESSION_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
 # Finished request ids remembered for Abort's ALREADY_FINISHED (the engine remembers as many).

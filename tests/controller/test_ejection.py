@@ -35,12 +35,13 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 class BrokenGenerate(Forwarding):
-    """Generate fails with INTERNAL while `broken`; every other answer is the sim engine's.
-    Counts its Generate calls and the health polls it answers."""
+    """Generate fails with `code` (INTERNAL) while `broken`; every other answer is the sim
+    engine's. Counts its Generate calls and the health polls it answers."""
 
     def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
         super().__init__(inner)
         self.broken = True
+        self.code = grpc.StatusCode.INTERNAL
         self.calls = 0
         self.health_polls = 0
 
@@ -53,7 +54,7 @@ class BrokenGenerate(Forwarding):
     ) -> AsyncIterator[pb.GenerateResponse]:
         self.calls += 1
         if self.broken:
-            await context.abort(grpc.StatusCode.INTERNAL, "device error")
+            await context.abort(self.code, "device error")
         async for response in self.inner.Generate(request):
             yield response
 
@@ -165,5 +166,18 @@ async def test_never_more_than_half_of_the_fleet_is_ejected() -> None:
         assert outcomes == [["INTERNAL"]] * 4
         states = sorted(w["state"] for w in (await workers(fleet)).values())
         assert states == ["ejected", "ready"]
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_saying_not_now_is_not_ejected() -> None:
+    """UNAVAILABLE is how a draining engine refuses a vllm.Generate: retried elsewhere, but
+    no fault of the engine's, however many in a row."""
+    fleet, broken = await fleet_with_broken(2, eject_after_failures=2, eject_for_s=600)
+    broken.servicer.code = grpc.StatusCode.UNAVAILABLE
+    try:
+        await until_calls(fleet, broken.servicer, 6)
+        assert (await workers(fleet))[broken_address(broken)]["state"] == "ready"
+        assert fleet.app.controller.metrics.ejections._value.get() == 0
     finally:
         await close_fleet(fleet)

@@ -500,3 +500,14 @@ def test_a_cordoned_engine_does_not_make_room_for_ejecting_the_last_routable_one
     registry.set_cordoned("h:2", True)
     assert registry.on_request_failed("h:1", 1.0, "INTERNAL: x") is None
     assert [r.address for r in registry.routable()] == ["h:1"]
+
+
+def test_a_request_served_while_ejected_does_not_end_its_probation() -> None:
+    """A stream begun before the ejection and finished after it proves nothing of what failed
+    since: the next failure after the ejection still ejects again, for twice as long."""
+    registry = ready_registry("h:1", "h:2", "h:3", "h:4", policy=EjectionPolicy(2, 10.0))
+    registry.on_request_failed("h:1", 1.0, "INTERNAL: x")
+    assert registry.on_request_failed("h:1", 1.0, "INTERNAL: x") == 10.0
+    registry.on_request_served("h:1")  # the stream it had been running
+    registry.on_health("h:1", EngineState.READY, 12.0)
+    assert registry.on_request_failed("h:1", 12.0, "INTERNAL: x") == 20.0
