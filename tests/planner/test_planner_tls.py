@@ -134,6 +134,40 @@ async def engines_answering(metrics_port: int, count: int) -> bool:
     return serving == count and not_answering == 0
 
 
+async def planner_serves_a_prompt(
+    app: ControllerApp, config: Path, channels: ClientChannels
+) -> list[str]:
+    """`kvplane planner run --config config` against the controller `app` (dialled per
+    `channels`): its engine is registered and routed a prompt, the planner sees its forward
+    passes and load and never loses it, and stopped (exit 0) it takes the engine out of the
+    controller. The planner's log lines."""
+    fleet = app.controller.fleet
+    async with planner_run(config) as planner_process:
+        metrics_port = await planner_metrics_port(planner_process)
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
+        async with channels.aio_channel(f"127.0.0.1:{app.port}") as channel:
+            request = generate_request("r1", list(range(1, 65)))
+            async for _ in pb_grpc.OpenEngineStub(channel).Generate(request):
+                pass
+
+        async def passes_seen() -> bool:
+            samples = await scrape(metrics_port)
+            return (value(samples, "kvplane_planner_forward_passes_total", pool="default") or 0) > 0
+
+        await eventually(passes_seen, 60)
+        # Its last GetLoad answered, and it was never lost (as one failing every poll is).
+        await eventually(lambda: engines_answering(metrics_port, 1), 60)
+        samples = await scrape(metrics_port)
+        assert value(samples, "kvplane_planner_engines", pool="default", state="serving") == 1
+        assert not any(
+            value(samples, "kvplane_planner_engines_lost_total", pool="default", cause=cause)
+            for cause in ("exited", "unresponsive")
+        )
+        assert await planner_process.stop() == 0
+    assert not fleet.registry.records()
+    return planner_process.lines
+
+
 def planner_config(tmp_path: Path, live: dict[str, Any]) -> Path:
     """A planner of one pool of exactly one engine acting on `live` (local engines' logs in
     tmp_path/work), written to a file."""
@@ -168,35 +202,9 @@ async def test_planner_run_manages_engines_behind_a_tls_controller(
                 "metrics_listen": "127.0.0.1:0",
             },
         )
-        fleet = app.controller.fleet
-        async with planner_run(config) as planner_process:
-            metrics_port = await planner_metrics_port(planner_process)
-            await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
-
-            channels = ClientChannels.load(ClientTlsConfig.model_validate(client_tls(pki)))
-            async with channels.aio_channel(f"127.0.0.1:{app.port}") as channel:
-                request = generate_request("r1", list(range(1, 65)))
-                async for _ in pb_grpc.OpenEngineStub(channel).Generate(request):
-                    pass
-
-            async def passes_seen() -> bool:
-                samples = await scrape(metrics_port)
-                return (
-                    value(samples, "kvplane_planner_forward_passes_total", pool="default") or 0
-                ) > 0
-
-            await eventually(passes_seen, 60)
-            samples = await scrape(metrics_port)
-            # Its last GetLoad answered, and it was never lost (as one failing every poll is).
-            assert value(samples, "kvplane_planner_engines_not_answering", pool="default") == 0
-            assert value(samples, "kvplane_planner_engines", pool="default", state="serving") == 1
-            assert not any(
-                value(samples, "kvplane_planner_engines_lost_total", pool="default", cause=cause)
-                for cause in ("exited", "unresponsive")
-            )
-            assert await planner_process.stop() == 0
-        assert not fleet.registry.records()
-        assert not any("ERROR" in line for line in planner_process.lines), planner_process.lines
+        channels = ClientChannels.load(ClientTlsConfig.model_validate(client_tls(pki)))
+        lines = await planner_serves_a_prompt(app, config, channels)
+        assert not any("ERROR" in line for line in lines), lines
 
 
 def mutual_tls_engine_config(pki: Path, folder: Path) -> Path:
@@ -212,36 +220,47 @@ async def test_planner_run_registers_a_deployments_pods_with_a_mutual_tls_contro
 ) -> None:
     """The Kubernetes actuator dials the controller per `controller_tls` too (its pods serve
     plaintext here: the fake's readiness probe, like a kubelet's gRPC probe, has no TLS)."""
+    async with tls_controller(pki, mutual=True, engine_tls=None) as app:
+        settings = {"controller_tls": paths(client_tls(pki))}
+        pod = await planner_registers_a_deployments_pod(app, tmp_path, settings)
+        # The Deployment outlives the planner: its pod serves on, registered.
+        assert [r.address for r in app.controller.fleet.registry.records()] == [pod]
+
+
+async def planner_registers_a_deployments_pod(
+    app: ControllerApp, tmp_path: Path, settings: dict[str, Any]
+) -> str:
+    """`kvplane planner run` scaling a Deployment (on the fake API server, by HTTP as through
+    `kubectl proxy`) for the controller `app`, dialled with the `live:` `settings`: its pod
+    is registered and routable, and the planner reads its load. Stopped (exit 0), the
+    planner leaves it serving. The pod's address."""
     kube = FakeKube(tmp_path, engine_port=free_port())
     try:
         kube.add_deployment(DEPLOYMENT, 0, LABELS)
-        token_file = tmp_path / "token"
-        token_file.write_text(kube.token)
-        kubernetes = {
-            "api_server": kube.url,  # plain HTTP, as through `kubectl proxy`
-            "namespace": kube.namespace,
-            "token_file": str(token_file),
-            "engine_port": kube.engine_port,
-            "deployments": {"default": DEPLOYMENT},
-            "poll_s": 0.1,
+        kube_token = tmp_path / "kube-token"
+        kube_token.write_text(kube.token)
+        live = {
+            "controller": f"127.0.0.1:{app.port}",
+            **settings,
+            "kubernetes": {
+                "api_server": kube.url,
+                "namespace": kube.namespace,
+                "token_file": str(kube_token),
+                "engine_port": kube.engine_port,
+                "deployments": {"default": DEPLOYMENT},
+                "poll_s": 0.1,
+            },
+            "metrics_listen": "127.0.0.1:0",
         }
-        async with tls_controller(pki, mutual=True, engine_tls=None) as app:
-            live = {
-                "controller": f"127.0.0.1:{app.port}",
-                "controller_tls": paths(client_tls(pki)),
-                "kubernetes": kubernetes,
-                "metrics_listen": "127.0.0.1:0",
-            }
-            fleet = app.controller.fleet
-            async with planner_run(planner_config(tmp_path, live)) as planner_process:
-                metrics_port = await planner_metrics_port(planner_process)
-                await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
-                (pod,) = kube.ready_pods(DEPLOYMENT)
-                assert [r.address for r in fleet.registry.routable()] == [kube.address(pod)]
-                await eventually(lambda: engines_answering(metrics_port, 1), 60)
-                assert await planner_process.stop() == 0
-            # The Deployment outlives the planner: its pod serves on, registered.
-            assert [r.address for r in fleet.registry.records()] == [kube.address(pod)]
+        fleet = app.controller.fleet
+        async with planner_run(planner_config(tmp_path, live)) as planner_process:
+            metrics_port = await planner_metrics_port(planner_process)
+            await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
+            (pod,) = kube.ready_pods(DEPLOYMENT)
+            assert [r.address for r in fleet.registry.routable()] == [kube.address(pod)]
+            await eventually(lambda: engines_answering(metrics_port, 1), 60)
+            assert await planner_process.stop() == 0
+        return kube.address(pod)
     finally:
         kube.close()
 

@@ -17,24 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_kube import FakeKube
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from kvplane.channels import INSECURE
 from kvplane.errors import KvplaneError
-from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import LocalProcesses
 from planner.live import LivePlanner
-from tests.controller.conftest import generate_request, start_sim_engine
-from tests.planner.test_planner_kubernetes import DEPLOYMENT, LABELS, free_port
-from tests.planner.test_planner_live import planner, scrape, value
+from tests.controller.conftest import start_sim_engine
+from tests.planner.test_planner_live import planner
 from tests.planner.test_planner_tls import (
     PLANNER,
-    engines_answering,
     planner_config,
-    planner_metrics_port,
+    planner_registers_a_deployments_pod,
     planner_run,
+    planner_serves_a_prompt,
 )
 from tests.polling import eventually
 
@@ -94,34 +91,8 @@ async def test_planner_run_manages_engines_behind_a_controller_with_auth(tmp_pat
                 "metrics_listen": "127.0.0.1:0",
             },
         )
-        fleet = app.controller.fleet
-        async with planner_run(config) as planner_process:
-            metrics_port = await planner_metrics_port(planner_process)
-            await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
-
-            async with INSECURE.aio_channel(f"127.0.0.1:{app.port}") as channel:
-                request = generate_request("r1", list(range(1, 65)))
-                async for _ in pb_grpc.OpenEngineStub(channel).Generate(request):
-                    pass
-
-            async def passes_seen() -> bool:
-                samples = await scrape(metrics_port)
-                return (
-                    value(samples, "kvplane_planner_forward_passes_total", pool="default") or 0
-                ) > 0
-
-            await eventually(passes_seen, 60)
-            await eventually(lambda: engines_answering(metrics_port, 1), 60)
-            samples = await scrape(metrics_port)
-            assert not any(
-                value(samples, "kvplane_planner_engines_lost_total", pool="default", cause=cause)
-                for cause in ("exited", "unresponsive")
-            )
-            assert await planner_process.stop() == 0
-        assert not fleet.registry.records()
-        assert not any("UNAUTHENTICATED" in line for line in planner_process.lines), (
-            planner_process.lines
-        )
+        lines = await planner_serves_a_prompt(app, config, INSECURE)
+        assert not any("UNAUTHENTICATED" in line for line in lines), lines
 
 
 @pytest.mark.timeout(120)
@@ -130,36 +101,11 @@ async def test_planner_run_registers_a_deployments_pods_with_a_controller_with_a
 ) -> None:
     """The Kubernetes actuator sends `controller_token_file` too (both tokens, the API
     server's and the controller's, on their own connections)."""
-    kube = FakeKube(tmp_path, engine_port=free_port())
-    try:
-        kube.add_deployment(DEPLOYMENT, 0, LABELS)
-        kube_token = token_file(tmp_path, "kube-token", kube.token)
-        kubernetes = {
-            "api_server": kube.url,
-            "namespace": kube.namespace,
-            "token_file": str(kube_token),
-            "engine_port": kube.engine_port,
-            "deployments": {"default": DEPLOYMENT},
-            "poll_s": 0.1,
-        }
-        controller_token = token_file(tmp_path, "controller-token", "controller-s3cret")
-        async with auth_controller(controller_token) as app:
-            live = {
-                "controller": f"127.0.0.1:{app.port}",
-                "controller_token_file": str(controller_token),
-                "kubernetes": kubernetes,
-                "metrics_listen": "127.0.0.1:0",
-            }
-            fleet = app.controller.fleet
-            async with planner_run(planner_config(tmp_path, live)) as planner_process:
-                metrics_port = await planner_metrics_port(planner_process)
-                await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
-                (pod,) = kube.ready_pods(DEPLOYMENT)
-                assert [r.address for r in fleet.registry.routable()] == [kube.address(pod)]
-                await eventually(lambda: engines_answering(metrics_port, 1), 60)
-                assert await planner_process.stop() == 0
-    finally:
-        kube.close()
+    controller_token = token_file(tmp_path, "controller-token", "controller-s3cret")
+    async with auth_controller(controller_token) as app:
+        settings = {"controller_token_file": str(controller_token)}
+        pod = await planner_registers_a_deployments_pod(app, tmp_path, settings)
+        assert [r.address for r in app.controller.fleet.registry.records()] == [pod]
 
 
 @pytest.mark.timeout(60)
