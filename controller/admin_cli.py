@@ -25,6 +25,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from controller.config import KvEventsMode
+from controller.fleet import generates
 from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
@@ -199,6 +200,16 @@ def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
     for name in ("running_requests", "queued_requests", "used_kv_blocks", "total_kv_blocks"):
         if load.HasField(name):
             row[name] = getattr(load, name)
+    if info.supported_models:  # its ModelInfo says whether it generates (as the controller asks)
+        try:
+            model = stub.GetModelInfo(
+                pb.GetModelInfoRequest(model=info.supported_models[0]), timeout=RPC_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            if not _is_unimplemented(exc):
+                raise
+        else:
+            row["pooling_only"] = not generates(model)
     return row
 
 

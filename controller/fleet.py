@@ -107,6 +107,20 @@ _NO_HIT = PrefixHit()
 BLIND_WARNING_INTERVAL_S = 10.0
 
 
+def supported_tasks(model: pb.ModelInfo) -> frozenset[str]:
+    """The pooling tasks GetModelInfo says the model supports."""
+    return frozenset(
+        name for name in ("embed", "classify", "score") if getattr(model.tasks, name).supported
+    )
+
+
+def generates(model: pb.ModelInfo) -> bool:
+    """Whether GetModelInfo says the engine generates. The seed's GenerationCapabilities has
+    no `supported` flag: an engine that advertises tasks and leaves `generation` out says it
+    does not (a kvplane engine with `runner: pooling`); advertising neither: unknown, routed."""
+    return model.HasField("generation") or not supported_tasks(model)
+
+
 def _failing_checks(reply: pb.HealthResponse) -> str:
     """What the checks that are not READY say (a READY check's message is information, such
     as the model's name, not a problem)."""
@@ -625,17 +639,8 @@ class Fleet:
                         model.total_kv_blocks if model.HasField("total_kv_blocks") else None
                     ),
                     supports_lora=model.supports_lora if model.HasField("supports_lora") else None,
-                    tasks=frozenset(
-                        name
-                        for name in ("embed", "classify", "score")
-                        if getattr(model.tasks, name).supported
-                    ),
-                )
-                # The seed's GenerationCapabilities has no `supported` flag: an engine that
-                # advertises tasks and leaves `generation` out says it does not generate (a
-                # kvplane engine with `runner: pooling`). Advertising neither: unknown, routed.
-                identity = dataclasses.replace(
-                    identity, generates=model.HasField("generation") or not identity.tasks
+                    tasks=supported_tasks(model),
+                    generates=generates(model),
                 )
         adapters = await self._list_loras(engine, identity)
         first_contact = self.registry.get(engine.address).identity is None

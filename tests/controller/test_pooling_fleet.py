@@ -134,6 +134,24 @@ async def test_admin_workers_says_which_engine_is_pooling_only(mixed_fleet: Flee
     assert pooling == {"pool": True, "gen": False}
 
 
+async def test_admin_workers_against_each_engine_itself_says_the_same(
+    mixed_fleet: Fleet,
+) -> None:
+    """Pointed at an engine rather than the controller, `workers` reads the engine's own
+    ModelInfo: the pooling one is "pooling only" with no KV figure, as through the
+    controller (it was shown as a plain aggregated engine with a KV of "0/1")."""
+    for engine, pooling_only in zip(mixed_fleet.engines, (False, True), strict=True):
+        target = f"127.0.0.1:{engine.port}"
+        result = await cli("workers", "--target", target)
+        assert result.exit_code == 0, result.output
+        (row,) = [line for line in result.output.splitlines() if f" {target} " in line]
+        assert ("aggregated (pooling only)" in row) is pooling_only
+        assert ("0/1" in row) is False and ("/64" in row) is not pooling_only
+        as_json = await cli("workers", "--target", target, "--output", "json")
+        (worker,) = json.loads(as_json.output)["workers"]
+        assert worker["pooling_only"] is pooling_only
+
+
 async def test_a_drained_controller_refuses_pooling_tasks_too(mixed_fleet: Fleet) -> None:
     """`kvplane admin drain --self`: the controller refuses every new request, Embed,
     Classify and Score as Generate (they were still relayed to the engines)."""
