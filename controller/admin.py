@@ -195,7 +195,9 @@ class AdminServicer(apb_grpc.AdminServicer):
 
     async def Route(self, request: apb.PromptQuery, context: Context) -> apb.RouteExplanation:
         """The decision a request would get; in a disaggregated fleet, its first hop: the
-        prefill engine (the decode engine is chosen by load at the handoff). Refused as
+        prefill engine, or the decode engine when it would prefill the prompt itself (it
+        holds `router.skip_prefill_ratio` of it; after a prefill, the decode engine is chosen
+        by load at the handoff). Refused as
         Generate is: NOT_FOUND for a model no engine serves, FAILED_PRECONDITION for one
         only pooling-only engines serve, UNAVAILABLE while none of those that serve it takes
         traffic, and RESOURCE_EXHAUSTED when every engine is busy and the gateway sheds load
@@ -208,7 +210,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             plan = await self._plan(request, context, None if disaggregated else Role.AGGREGATED)
             if disaggregated:  # a LoRA adapter no decode engine holds: refused as Generate is
                 self.controller.check_disaggregated_lora(plan)
-            decision = self.controller.explain(plan, Role.PREFILL if disaggregated else None)
+            decision = self.controller.explain(plan, disaggregated)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
         return self._explanation(plan, decision)

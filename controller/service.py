@@ -256,18 +256,22 @@ class Controller:
         adapter no engine of a needed role holds raises (`check_disaggregated_lora`)."""
         self.check_disaggregated_lora(plan)
         with self._counting_refusal():
-            placement = self.router.route_disaggregated(
-                plan.request,
-                self._of_role(plan, Role.PREFILL),
-                self._of_role(plan, Role.DECODE),
-                self.rng,
-                self.clock(),
-                reject_when_all_busy=self.sheds_load,
-            )
+            placement = self._first_hop(plan, charge=True)
         for decision in placement.prefill, placement.decode:
             if decision is not None:
                 self.metrics.count_decision(decision.policy, decision.reason.value)
         return placement
+
+    def _first_hop(self, plan: Plan, *, charge: bool) -> DisaggDecision:
+        return self.router.route_disaggregated(
+            plan.request,
+            self._of_role(plan, Role.PREFILL),
+            self._of_role(plan, Role.DECODE),
+            self.rng,
+            self.clock(),
+            reject_when_all_busy=self.sheds_load,
+            charge=charge,
+        )
 
     def route_prefill(self, plan: Plan, exclude: frozenset[str]) -> Decision:
         """Another prefill engine (a retry), not one in `exclude`."""
@@ -304,16 +308,22 @@ class Controller:
         record = self.fleet.registry.by_engine_id(candidate.engine_id)
         return record is not None and record.routable
 
-    def explain(self, plan: Plan, role: Role | None = None) -> Decision:
-        """What `route` would decide (among the engines of `role`, or all), charging no one;
-        AllEnginesBusyError when a new request would be refused as every one is busy (for
-        the prefill hop, also when every decode engine is, as `route_disaggregated`)."""
-        candidates = plan.view.candidates if role is None else self._of_role(plan, role)
-        if self.sheds_load and role is Role.PREFILL:
-            self.router.refuse_if_all_busy(self._of_role(plan, Role.DECODE), "decode engine")
-            self.router.refuse_if_all_busy(candidates, "prefill engine")
+    def explain(self, plan: Plan, disaggregated: bool = False) -> Decision:
+        """What `route` would decide, charging no one; in a `disaggregated` fleet, the first
+        hop's (as `route_disaggregated`: a prefill engine, or the decode engine that would
+        prefill the prompt itself). AllEnginesBusyError when the request would be refused
+        as every engine it needs is busy."""
+        if disaggregated:
+            placement = self._first_hop(plan, charge=False)
+            decision = placement.prefill or placement.decode
+            assert decision is not None  # one of the two is the first hop
+            return decision
         return self.router.explain(
-            plan.request, candidates, self.rng, self.clock(), reject_when_all_busy=self.sheds_load
+            plan.request,
+            plan.view.candidates,
+            self.rng,
+            self.clock(),
+            reject_when_all_busy=self.sheds_load,
         )
 
     async def _refresh_index_stats(self) -> None:

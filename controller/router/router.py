@@ -260,14 +260,7 @@ class Router:
         gateway's load shedding, whatever the policy), AllEnginesBusyError when every
         candidate is busy, before anything is charged or the policy sees the request."""
         decision = self._decide(request, candidates, rng, now_s, reject_when_all_busy)
-        cached = min(decision.predicted_cached_tokens, request.num_prompt_tokens)
-        self.inflight.begin(
-            request.request_id,
-            decision.engine_id,
-            request.num_prompt_tokens - cached,
-            cached,
-            request.block_keys,
-        )
+        self._charge(request, decision)
         if self.policy.credits_pending_prefixes:
             self.pending.add(decision.engine_id, request.request_id, request.block_keys, now_s)
         self.policy.observe(request, decision.engine_id, now_s)
@@ -303,6 +296,7 @@ class Router:
         now_s: float,
         *,
         reject_when_all_busy: bool = False,
+        charge: bool = True,
     ) -> DisaggDecision:
         """The first hop of a request to a disaggregated fleet. The decode engine it would get
         (by load) prefills the prompt itself when it already holds `skip_prefill_ratio` of it,
@@ -317,7 +311,8 @@ class Router:
         when the request would hop to a prefill engine and every prefill engine is busy: each
         role the request needs now is judged among its own engines, as the router places
         them. The decode engine of a prefilled request is never refused at the handoff (the
-        prefill is done; `route_decode`)."""
+        prefill is done; `route_decode`). Without `charge`, the same decision charged to no
+        one (the admin `route` command)."""
         if not decode_candidates:
             raise NoEngineAvailableError("no decode engine available")
         if reject_when_all_busy:
@@ -330,10 +325,14 @@ class Router:
             if prefill_candidates:
                 if reject_when_all_busy:
                     self.refuse_if_all_busy(prefill_candidates, "prefill engine")
-                return DisaggDecision(self.route(request, prefill_candidates, rng, now_s), None)
+                hop = self.route if charge else self.explain
+                return DisaggDecision(hop(request, prefill_candidates, rng, now_s), None)
             if self.skip_prefill_ratio > 1:  # decode engines that only take a KV session
                 raise NoEngineAvailableError("no prefill engine available")
-        return DisaggDecision(None, self._charge_decode(request, chosen, decode_view, False))
+        decision = _decode_decision(request, chosen, decode_view, prefilled=False)
+        if charge:
+            self._charge(request, decision)
+        return DisaggDecision(None, decision)
 
     def refuse_if_all_busy(self, candidates: Sequence[Candidate], engines: str = "engine") -> None:
         """Raise AllEnginesBusyError when every candidate (the router's in-flight requests
@@ -354,26 +353,19 @@ class Router:
         if not decode_candidates:
             raise NoEngineAvailableError("no decode engine available")
         view = self.with_inflight(decode_candidates)
-        return self._charge_decode(request, least_loaded_of(view, rng), view, prefilled)
+        decision = _decode_decision(request, least_loaded_of(view, rng), view, prefilled)
+        self._charge(request, decision)
+        return decision
 
-    def _charge_decode(
-        self,
-        request: RouteRequest,
-        chosen: Candidate,
-        view: Sequence[Candidate],
-        prefilled: bool,
-    ) -> Decision:
-        device, host = request.cached_tokens(chosen.hit)
-        cached = request.num_prompt_tokens if prefilled else device + host
+    def _charge(self, request: RouteRequest, decision: Decision) -> None:
+        """The decision's engine takes the request in flight: its uncached prefill queued."""
+        cached = min(decision.predicted_cached_tokens, request.num_prompt_tokens)
         self.inflight.begin(
             request.request_id,
-            chosen.engine_id,
+            decision.engine_id,
             request.num_prompt_tokens - cached,
             cached,
             request.block_keys,
-        )
-        return Decision(
-            chosen.engine_id, Reason.LOAD, "least_loaded", cached, blind_costs(request, view)
         )
 
     def _decide(
@@ -414,6 +406,18 @@ class Router:
             return decision
         busy_rows = [r for r in blind_costs(request, view) if r.engine_id in busy_ids]
         return decision._replace(costs=decision.costs + _mark_busy(tuple(busy_rows), busy_ids))
+
+
+def _decode_decision(
+    request: RouteRequest, chosen: Candidate, view: Sequence[Candidate], prefilled: bool
+) -> Decision:
+    """A decode engine chosen by load: what it has cached of the prompt, or all of it when
+    the KV comes from a prefill engine (`prefilled`)."""
+    device, host = request.cached_tokens(chosen.hit)
+    cached = request.num_prompt_tokens if prefilled else device + host
+    return Decision(
+        chosen.engine_id, Reason.LOAD, "least_loaded", cached, blind_costs(request, view)
+    )
 
 
 def _mark_busy(rows: tuple[EngineCost, ...], busy_ids: set[str]) -> tuple[EngineCost, ...]:

@@ -133,6 +133,12 @@ async def test_decode_engine_holding_the_prompt_prefills_it_itself() -> None:
     )
     try:
         prompt = await _decode_engine_holding_a_prompt(fleet, decode[0])
+        # Admin `route` explains that first hop, not the prefill engine's it would not take.
+        explained = await fleet.admin.Route(
+            apb.PromptQuery(token_ids=pb.TokenIds(ids=[*prompt, 2]))
+        )
+        assert explained.engine == f"127.0.0.1:{decode[0].port}"
+        assert explained.predicted_cached_tokens == len(prompt)
         reply = await _generate(fleet, generate_request("b", [*prompt, 2]))
         assert reply[-1].WhichOneof("event") == "finished"
         assert _calls(prefill + decode, "b") == [("d0", False)]  # no prefill hop
