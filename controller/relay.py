@@ -192,6 +192,9 @@ class _Stage(NamedTuple):
     # The request carries a prefill engine's KV session: an engine refusing it (a status in
     # SESSION_REFUSALS) failed, as an unreachable engine does, rather than the client.
     carries_session: bool = False
+    # A stream that ends without error is the engine's success (outlier ejection); the
+    # prefill hop's is judged by the caller, by the KV session it handed over or not.
+    served_when_done: bool = True
 
 
 _WHOLE_REQUEST = _Stage()
@@ -415,7 +418,7 @@ class Relay:
             prefill_engine,
             context=context,
             started=started,
-            stage=_Stage(times_first_response=False, last=False),
+            stage=_Stage(times_first_response=False, last=False, served_when_done=False),
         )
         async with aclosing(stream):
             async for response in stream:
@@ -430,7 +433,9 @@ class Relay:
                     c.metrics.first_response_seconds.observe(time.perf_counter() - started)
                     shown = True
                 yield response
-        if session is None:
+        if session is not None:
+            await self.report(prefilled_on, None)
+        else:
             if finished:  # counted as any request that ended (aborted) on its engine
                 c.metrics.count_request("ok")
                 c.metrics.request_seconds.observe(time.perf_counter() - started)
@@ -438,6 +443,7 @@ class Relay:
                 return
             c.metrics.count_request("engine_error")
             message = "the prefill engine ended without handing over a KV session"
+            await self.report(prefilled_on, message)  # its stream ended well, its work did not
             ending = surface.error_response(request, message) if shown else None
             if ending is None:
                 await abort_with(context, grpc.StatusCode.INTERNAL, message)
@@ -560,8 +566,10 @@ class Relay:
                     c.metrics.request_seconds.observe(time.perf_counter() - started)
                 if usage is not None and stage.usage:
                     self._record_usage(decision.predicted_cached_tokens, usage)
-                if error is None or error.engine_fault:
-                    await self.report(engine, error.message if error is not None else None)
+                if error is None and stage.served_when_done:
+                    await self.report(engine, None)
+                elif error is not None and error.engine_fault:
+                    await self.report(engine, error.message)
                 return
             except _Retry as exc:
                 log.info("request %s: engine %s refused (%s); retrying elsewhere",

@@ -70,6 +70,8 @@ class RoleServicer(Forwarding):
         # request id -> set when it is aborted, for the prefills running here.
         self.prefilling: dict[str, asyncio.Event] = {}
         self.prefill_gate: asyncio.Event | None = None
+        # A broken prefill engine: its Generate ends at once, with no event at all.
+        self.hands_nothing_over = False
 
     async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
         info = await self.inner.GetEngineInfo(request)
@@ -100,6 +102,8 @@ class RoleServicer(Forwarding):
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION, "a PREFILL engine takes no kv.session"
                 )
+            if self.hands_nothing_over:
+                return
             async for response in self._prefill(request):
                 yield response
             return

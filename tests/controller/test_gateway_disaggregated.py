@@ -367,3 +367,27 @@ async def test_a_decode_engine_refusing_the_session_is_an_engine_failure() -> No
         assert fleet.app.controller.metrics.retries._value.get() == 1
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_prefill_engine_that_never_hands_over_is_ejected() -> None:
+    """Its streams end without error, and without the KV session: a fault of its own, which
+    counts toward its outlier ejection like a failed call (its health says ready)."""
+    fleet, prefill, _, _ = await _fleet(2, 1, health={"eject_after_failures": 2})
+    prefill[0].servicer.hands_nothing_over = True
+    broken = f"127.0.0.1:{prefill[0].port}"
+    try:
+        for n in range(200):
+            if len(prefill[0].servicer.generated) >= 2:
+                break
+            try:
+                await _generate(fleet, generate_request(f"r{n}", [n + 1000, 5, 5]))
+            except grpc.aio.AioRpcError as exc:  # its prefills fail the request
+                assert exc.code() == grpc.StatusCode.INTERNAL
+                assert exc.details() == (
+                    "the prefill engine ended without handing over a KV session"
+                )
+        record = fleet.app.controller.fleet.registry.get(broken)
+        assert record.state.value == "ejected"
+        assert "ended without handing over a KV session" in record.last_error
+    finally:
+        await close_fleet(fleet)
