@@ -50,7 +50,7 @@ from controller.registry import (
     UnknownEngineError,
     UnknownModelError,
 )
-from controller.relay import ENGINE_FAULTS, RETRYABLE, InBandError, Relay, Usage, engine_failure
+from controller.relay import RETRYABLE, InBandError, Relay, Usage, engine_failure
 from controller.router import AllEnginesBusyError
 from controller.service import Controller, PromptInput
 from controller.statuses import status_of
@@ -260,9 +260,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             reply = await call(self.controller.fleet.stub(record.address))
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
             failure = engine_failure(caught, record.address, self.controller.fleet)
-            if failure.code() in ENGINE_FAULTS:
-                fault = f"{failure.code().name}: {failure.details()}"
-                await relay.report(record.address, fault)
+            await relay.report_failure(record.address, failure)
             await abort_with(context, failure.code(), failure.details() or failure.code().name)
         else:
             await relay.report(record.address, None)

@@ -90,8 +90,6 @@ CLIENT_ERRORS = frozenset(
         grpc.StatusCode.UNAUTHENTICATED,
     }
 )
-# What a decode engine answers when it cannot attach the request's KV session (an unknown or
-# expired session, a failed transfer): the session failed, not the client's request.
 # An engine's own failure (a broken device, a wedged worker), which counts toward its outlier
 # ejection (controller/registry.py). Not UNAVAILABLE: "not now", a draining engine's refusal
 # (vllm.Generate has no in-band DRAINING) or a KV pull the prefill side failed; an engine
@@ -100,6 +98,8 @@ CLIENT_ERRORS = frozenset(
 ENGINE_FAULTS = frozenset(
     {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
 )
+# What a decode engine answers when it cannot attach the request's KV session (an unknown or
+# expired session, a failed transfer): the session failed, not the client's request.
 SESSION_REFUSALS = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
 # Finished request ids remembered for Abort's ALREADY_FINISHED (the engine remembers as many).
 FINISHED_MEMORY = 10_000
@@ -579,8 +579,7 @@ class Relay:
                     await self.report(engine, error.message)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
-                if cause.code() in ENGINE_FAULTS:
-                    await self.report(engine, f"{cause.code().name}: {cause.details()}")
+                await self.report_failure(engine, cause)
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = _status(
                         grpc.StatusCode.UNAVAILABLE,
@@ -638,6 +637,12 @@ class Relay:
         c = self.controller
         if await c.fleet.on_request_result(engine, fault) is not None:
             c.metrics.ejections.inc()
+
+    async def report_failure(self, engine: str, error: grpc.aio.AioRpcError) -> None:
+        """`report` a call to `engine` that ended with `error`, when that is a fault of the
+        engine's own (ENGINE_FAULTS)."""
+        if error.code() in ENGINE_FAULTS:
+            await self.report(engine, f"{error.code().name}: {error.details()}")
 
     def _record_usage(self, predicted: int, usage: Usage) -> None:
         """Prompt tokens always; the router's prediction only beside an engine-reported
