@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import uvloop
 
-from controller.admin import MUTATING_METHODS as ADMIN_MUTATING
+from controller.admin import GUARDED_METHODS as ADMIN_GUARDED
 from controller.admin import AdminServicer
 from controller.config import ControllerConfig
 from controller.gateway import GatewayServicer
@@ -76,7 +76,7 @@ async def start_controller(
         Service(
             "kvplane.v1.Admin",
             lambda s: apb_grpc.add_AdminServicer_to_server(admin, s),
-            ADMIN_MUTATING,
+            ADMIN_GUARDED,
         ),
     ]
     try:

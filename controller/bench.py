@@ -24,10 +24,10 @@ from kvplane.cli_common import (
     OutputOption,
     emit,
     finite_number,
+    load_command_config,
     policy_list,
     usage_error_for,
 )
-from kvplane.config import load_config
 from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ def bench_route(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Routing quality on a real trace: reuse, TTFT, ITL, imbalance per policy."""
-    weights = load_config(ControllerConfig, config).router.weights() if config else None
+    weights = load_command_config(ControllerConfig, config).router.weights() if config else None
     settings = ReplaySettings(
         workers=workers,
         blocks_per_worker=blocks_per_worker,

@@ -19,6 +19,7 @@ from kvplane.cli_common import (
     TlsKeyOption,
     TlsServerNameOption,
     client_channels,
+    load_command_config,
     remember_group_client,
     target_option,
 )
@@ -61,9 +62,8 @@ def serve(
     """Serve the fleet gateway (openengine.v1.OpenEngine) and the admin API."""
     from controller.app import serve_controller
     from controller.config import ControllerConfig
-    from kvplane.config import load_config
 
-    cfg = load_config(ControllerConfig, config, {"listen": listen})
+    cfg = load_command_config(ControllerConfig, config, {"listen": listen})
     serve_controller(cfg, port_file=port_file)
 
 

@@ -7,7 +7,13 @@ from typing import Annotated
 
 import typer
 
-from kvplane.cli_common import ConfigOption, ListenOption, PortFileOption
+from kvplane.cli_common import (
+    ConfigOption,
+    ListenOption,
+    PortFileOption,
+    load_command_config,
+    usage_error_for,
+)
 
 engine_app = typer.Typer(no_args_is_help=True)
 
@@ -43,11 +49,13 @@ def serve(
     port_file: PortFileOption = None,
 ) -> None:
     """Serve openengine.v1.OpenEngine and vllm.Generate over the bundled engine."""
-    from engine.config import EngineConfig
+    from engine.config import EngineConfig, check_model_source
     from engine.server.service import run_engine
-    from kvplane.config import load_config
 
-    engine_config = load_config(
+    if model is not None:  # a model in the file is the engine's to refuse, as a config error
+        with usage_error_for("--model"):
+            check_model_source(model)
+    engine_config = load_command_config(
         EngineConfig,
         config,
         {

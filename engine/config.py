@@ -245,3 +245,16 @@ class EngineConfig(ServerConfig):
         if self.is_sim:
             return SIM_MODEL
         return self.model.rstrip("/").rsplit("/", 1)[-1] or self.model
+
+
+def check_model_source(model: str) -> None:
+    """`model` names what an engine can serve: `sim`, `builtin`, or a directory holding
+    config.json (its weights and tokenizer are read when the engine starts); ConfigError
+    otherwise. Not one of EngineConfig's checks: the directory is looked for on the machine
+    that runs the engine (`kvplane up` leaves a missing one to the engine's process)."""
+    if model in (SIM_MODEL, BUILTIN_MODEL) or (Path(model) / "config.json").is_file():
+        return
+    raise ConfigError(
+        f"model {model!r} is not {SIM_MODEL!r}, {BUILTIN_MODEL!r} or an HF model directory"
+        " (one holding config.json)"
+    )

@@ -23,10 +23,11 @@ from kvplane.cli_common import (
     TlsKeyOption,
     TlsServerNameOption,
     client_channels,
+    load_command_config,
     target_option,
     usage_error_for,
 )
-from kvplane.config import load_config, read_token_file
+from kvplane.config import read_token_file
 
 indexer_app = typer.Typer(no_args_is_help=True)
 
@@ -40,7 +41,7 @@ def serve(
 
     from indexer.service import run_indexer
 
-    cfg = load_config(IndexerConfig, config, {"listen": listen})
+    cfg = load_command_config(IndexerConfig, config, {"listen": listen})
     # On uvloop, like the controller: grpc.aio wakes the loop for every completed operation,
     # and a match costs the server about a tenth less CPU (docs/benchmarks/index.md).
     uvloop.run(run_indexer(cfg, port_file=port_file))

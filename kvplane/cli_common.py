@@ -16,8 +16,14 @@ import grpc
 import typer
 
 from kvplane.channels import INSECURE, ClientChannels, ClientSettings, Metadata, setting_hint
-from kvplane.config import ClientTlsConfig, parse_dial_target, read_token_file
-from kvplane.errors import KvplaneError
+from kvplane.config import (
+    ClientTlsConfig,
+    ConfigT,
+    load_config,
+    parse_dial_target,
+    read_token_file,
+)
+from kvplane.errors import CommandLineError, KvplaneError
 from kvplane.server import bearer_token_metadata
 
 
@@ -84,6 +90,19 @@ def usage_error_for(param_hint: str) -> Iterator[None]:
         yield
     except (KvplaneError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint=param_hint) from None
+
+
+def load_command_config(
+    model: type[ConfigT], path: Path | None, flags: dict[str, object] | None = None
+) -> ConfigT:
+    """`load_config` of a command's `--config` and the flags that override it: a value given
+    on the command line that cannot be used (a flag's, or a `--config` file that cannot be
+    read) is a usage error naming the flag, as `usage_error_for` makes it; a bad value in
+    the file stays a ConfigError naming the file (exit 1)."""
+    try:
+        return load_config(model, path, flags)
+    except CommandLineError as exc:
+        raise typer.BadParameter(exc.problem, param_hint=exc.param_hint) from None
 
 
 def finite_number(value: float | None) -> float | None:

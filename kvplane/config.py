@@ -2,7 +2,8 @@
 
 Each process has one pydantic model (extra="forbid") loaded from YAML; `--listen` on the CLI
 overrides the file, and an invalid value is reported against the flag or the file it came
-from. Environment variables are read only by the CLI, never here.
+from: a CommandLineError (a usage error) for a flag's or a file that cannot be read, a
+ConfigError for the file's. Environment variables are read only by the CLI, never here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from kvplane.errors import ConfigError
+from kvplane.errors import CommandLineError, ConfigError
 
 
 class StrictModel(BaseModel):
@@ -190,24 +191,34 @@ def load_config(
     No file means the model's embedded defaults. `flags` maps a top-level field to the value
     of the flag that sets it, `--field-name` (None: the flag was not given). Every problem is
     a ConfigError naming where its value came from (see `validate_config`; `wanted_by`: what
-    gave the file, for a file of another kind).
+    gave the file, for a file of another kind); a file that cannot be read is a
+    CommandLineError of `wanted_by`.
     """
-    data = _read_yaml(path) if path is not None else {}
+    data = _read_yaml(path, wanted_by) if path is not None else {}
     given = {field: value for field, value in (flags or {}).items() if value is not None}
     where = str(path) if path is not None else "the embedded defaults"
-    return validate_config(model, {**data, **given}, where, frozenset(given), wanted_by=wanted_by)
+    return validate_config(
+        model,
+        {**data, **given},
+        where,
+        frozenset(given),
+        wanted_by=wanted_by,
+        from_file=path is not None,
+    )
 
 
-def _read_yaml(path: Path) -> dict[str, object]:
-    """The top-level mapping of a YAML file (empty for an empty file)."""
+def _read_yaml(path: Path, wanted_by: str) -> dict[str, object]:
+    """The top-level mapping of a YAML file (empty for an empty file). A file that cannot be
+    read as text is the command line's mistake (a path mistyped, a folder, a binary file);
+    one that reads is the file's."""
     try:
         loaded = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        message = f"cannot read config {path}: {exc.strerror}"
+        raise CommandLineError(message, param_hint=wanted_by, problem=message) from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
-        ) from exc
+        message = f"config {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+        raise CommandLineError(message, param_hint=wanted_by, problem=message) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {path} is not valid YAML: {_yaml_problem(exc)}") from exc
     if loaded is None:
@@ -267,11 +278,14 @@ def validate_config(
     flag_fields: frozenset[str] = frozenset(),
     *,
     wanted_by: str = "--config",
+    from_file: bool = True,
 ) -> ConfigT:
     """Validate `data` as `model`. On failure, one ConfigError listing every problem by where
     its value came from: a field in `flag_fields` from its flag (`invalid --role: ...`), any
     other from `where` (`invalid config in FILE: key: ...`); a check across fields, from
-    both (`invalid config in FILE with --model: ...`). A config of another kind (its
+    both (`invalid config in FILE with --model: ...`), or from the flags alone when not
+    `from_file` (`where` then names defaults, which pass every check). When a flag is blamed,
+    the error is a CommandLineError naming the first such flag. A config of another kind (its
     top-level keys all another kind's) is said to be one in a line instead (`FILE looks like a
     planner config; --config wants a controller config`), `wanted_by` naming what gave it."""
     try:
@@ -285,21 +299,33 @@ def validate_config(
                 f"{where} looks like {_a(found)} config; {wanted_by} wants {_a(expected)} config"
             ) from exc
         by_source: dict[str, list[str]] = {}
+        by_flag: dict[str, list[str]] = {}  # the problems blamed on flags, by param hint
         for err in exc.errors():
             loc = [str(part) for part in err["loc"]]
+            flag: str | None = None
             if loc and loc[0] in flag_fields:
-                source, loc = f"invalid {_flag_name(loc[0])}", loc[1:]
+                flag, loc = _flag_name(loc[0]), loc[1:]
+                source = f"invalid {flag}"
             elif loc or not flag_fields:
                 source = f"invalid config in {where}"
+            elif not from_file:
+                flag = " / ".join(_flag_name(field) for field in sorted(flag_fields))
+                source = f"invalid {flag}"
             else:
                 flags = ", ".join(_flag_name(field) for field in sorted(flag_fields))
                 source = f"invalid config in {where} with {flags}"
             message = _without_pydantic_prefix(err)
             problem = f"{'.'.join(loc)}: {message}" if loc else message
             by_source.setdefault(source, []).append(problem)
-        raise ConfigError(
-            "; ".join(f"{source}: {'; '.join(problems)}" for source, problems in by_source.items())
-        ) from exc
+            if flag is not None:
+                by_flag.setdefault(flag, []).append(problem)
+        message = "; ".join(
+            f"{source}: {'; '.join(problems)}" for source, problems in by_source.items()
+        )
+        if by_flag:  # the command line is checked first, as click checks its own options
+            flag, problems = next(iter(by_flag.items()))
+            raise CommandLineError(message, param_hint=flag, problem="; ".join(problems)) from exc
+        raise ConfigError(message) from exc
 
 
 # What pydantic writes before the message of an exception raised by a validator (our checks):

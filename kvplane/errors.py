@@ -1,7 +1,8 @@
 """The root of kvplane's domain errors.
 
 Adapters turn these into a gRPC status (see `kvplane.server.abort_with`) or, in the CLI, into one
-line on stderr and exit code 1. Anything else escaping is a bug and is logged with a traceback.
+line on stderr and exit code 1; a command reports a `CommandLineError` as a usage error (exit 2).
+Anything else escaping is a bug and is logged with a traceback.
 """
 
 from __future__ import annotations
@@ -13,3 +14,15 @@ class KvplaneError(Exception):
 
 class ConfigError(KvplaneError):
     """A configuration file or option is missing or invalid."""
+
+
+class CommandLineError(ConfigError):
+    """A value given on the command line cannot be used: a flag's (`--listen nonsense`), or
+    the file `--config` names when it cannot be read. A command reports it as click reports a
+    bad argument, `Invalid value for {param_hint}: {problem}` (`cli_common.load_command_config`);
+    its message names the flag for any other caller."""
+
+    def __init__(self, message: str, *, param_hint: str, problem: str) -> None:
+        super().__init__(message)
+        self.param_hint = param_hint
+        self.problem = problem

@@ -41,11 +41,12 @@ def bearer_token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 @dataclass(frozen=True)
 class Service:
     """One servicer to register: its full name (for health and reflection), the function
-    that adds it to a server, and which of its methods mutate state (need the token)."""
+    that adds it to a server, and which of its methods need the token without
+    `protect_reads`: those that change state (and a check that a caller may call them)."""
 
     name: str
     add_to_server: Callable[[grpc.aio.Server], None]
-    mutating_methods: frozenset[str] = field(default_factory=frozenset)
+    guarded_methods: frozenset[str] = field(default_factory=frozenset)
 
     def method_path(self, method: str) -> str:
         return f"/{self.name}/{method}"
@@ -124,14 +125,14 @@ async def create_server(
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if config.auth is not None:
         token = config.auth.read_token()
-        mutating = {s.method_path(m) for s in services for m in s.mutating_methods}
+        guarded = {s.method_path(m) for s in services for m in s.guarded_methods}
         protect_reads = config.auth.protect_reads
         infrastructure = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
         def protected(method: str) -> bool:
             if method.startswith(infrastructure):
                 return False
-            return protect_reads or method in mutating
+            return protect_reads or method in guarded
 
         interceptors.append(BearerTokenInterceptor(token, protected))
     server = grpc.aio.server(

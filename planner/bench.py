@@ -25,8 +25,14 @@ from typing import Annotated, Any
 
 import typer
 
-from kvplane.cli_common import OutputFormat, OutputOption, emit, policy_list, usage_error_for
-from kvplane.config import load_config
+from kvplane.cli_common import (
+    OutputFormat,
+    OutputOption,
+    emit,
+    load_command_config,
+    policy_list,
+    usage_error_for,
+)
 from kvplane.errors import KvplaneError
 from planner.azure_trace import TraceRow, load_azure_trace
 from planner.config import PlannerConfig, PoolConfig, SlaTargets
@@ -193,7 +199,7 @@ def _check_positive(flags: dict[str, float | None], *, zero_ok: frozenset[str]) 
 def _planner_config(path: Path | None, startup_s: float, tick_s: float) -> PlannerConfig:
     """The kvplane policy's knobs: a config file's, or the defaults with the forecast horizon
     set to the engines' start-up time (how long capacity asked for now takes to serve)."""
-    config = load_config(PlannerConfig, path) if path else PlannerConfig()
+    config = load_command_config(PlannerConfig, path) if path else PlannerConfig()
     capacity = config.capacity
     if path is None:
         capacity = capacity.model_copy(update={"forecast_horizon_s": startup_s})

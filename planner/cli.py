@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from kvplane.config import load_config
+from kvplane.cli_common import load_command_config
 
 planner_app = typer.Typer(no_args_is_help=True)
 
@@ -37,4 +37,4 @@ def run(config: PlannerConfigOption = None) -> None:
     from planner.config import PlannerConfig
     from planner.live import run_live
 
-    asyncio.run(run_live(load_config(PlannerConfig, config), os.environ))
+    asyncio.run(run_live(load_command_config(PlannerConfig, config), os.environ))

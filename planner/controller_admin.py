@@ -61,16 +61,15 @@ class ControllerAdmin:
             ) from exc
 
     async def _check_may_register(self) -> None:
-        """RegisterEngine of no address: a controller checks the call's token before its
-        request, so it refuses one without the right token (UNAUTHENTICATED) and, to the
-        others, answers INVALID_ARGUMENT, registering nothing. ListWorkers alone does not
-        tell: a controller without `protect_reads` answers it to anyone."""
+        """CheckAccess: a controller answers it to a caller whose token lets it register
+        engines and refuses it (UNAUTHENTICATED) to others, changing nothing either way.
+        ListWorkers alone does not tell: a controller without `protect_reads` answers it to
+        anyone. A controller older than CheckAccess (UNIMPLEMENTED) is not refused here:
+        its RegisterEngine will say whether the token is right."""
         try:
-            await self._stub.RegisterEngine(
-                apb.RegisterEngineRequest(address=""), timeout=ADMIN_TIMEOUT_S
-            )
+            await self._stub.CheckAccess(apb.CheckAccessRequest(), timeout=ADMIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() is not grpc.StatusCode.INVALID_ARGUMENT:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
                 raise
 
     async def register(self, address: str, *, existing_ok: bool = False) -> None:

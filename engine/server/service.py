@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from engine.config import BUILTIN_MODEL, SIM_MODEL, EngineConfig, EngineRoleName, RunnerName
+from engine.config import EngineConfig, EngineRoleName, RunnerName, check_model_source
 from engine.core.api import ModelRunner, SchedulerConfig, StepReport
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.pooling import Pooler
@@ -50,7 +50,6 @@ from engine.server.runtime_events import RuntimeEventHub
 from engine.server.vllm_servicer import VllmGenerateServicer
 from engine.server.zmq_publisher import ZmqKvPublisher, routable_host_port
 from kvplane.config import parse_host_port
-from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
 from kvplane.server import create_server, publish_port, serve_until_signal
 from openengine.v1 import openengine_pb2 as pb
@@ -102,16 +101,12 @@ def _build_sim(config: EngineConfig) -> _Model:
 
 
 def _build_torch(config: EngineConfig) -> _Model:
+    check_model_source(config.model)
     model_dir = Path(config.model)
     if config.is_builtin:
         from engine.torch_runner.builtin_model import ensure_builtin_model
 
         model_dir = ensure_builtin_model()
-    if not (model_dir / "config.json").is_file():
-        raise ConfigError(
-            f"model {config.model!r} is not {SIM_MODEL!r}, {BUILTIN_MODEL!r} or an HF model"
-            " directory (one holding config.json)"
-        )
     from tokenizers import Tokenizer as HfTokenizer
 
     from engine.torch_runner.pooling import TorchPooler  # imports torch

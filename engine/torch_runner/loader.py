@@ -38,12 +38,29 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device `name` names, if this machine has it (CheckpointError otherwise)."""
+    return check_device(name, torch.cuda.device_count())
+
+
+def check_device(name: str, num_gpus: int) -> torch.device:
+    """The torch device `name` names, on a machine where `num_gpus` CUDA devices are visible;
+    CheckpointError saying why it cannot be used otherwise. The count is an argument so that
+    the check runs without a GPU; torch itself takes `cuda:N` for any N and fails only when
+    the first tensor lands there."""
     try:
         device = torch.device(name)
     except RuntimeError as exc:
         raise CheckpointError(f"bad device {name!r}: {exc}") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CheckpointError(f"device {name!r} requested but CUDA is not available")
+    if device.type == "cuda" and num_gpus == 0:
+        raise CheckpointError(
+            f"device {name!r} requested but CUDA is not available: no GPU visible"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= num_gpus:
+        gpus = "cuda:0" if num_gpus == 1 else f"cuda:0 to cuda:{num_gpus - 1}"
+        raise CheckpointError(
+            f"device {name!r} does not exist: {num_gpus} GPU{'s' if num_gpus > 1 else ''}"
+            f" visible ({gpus})"
+        )
     if device.type not in ("cpu", "cuda"):
         raise CheckpointError(f"device type {device.type!r} is not supported (cpu or cuda)")
     return device

@@ -274,6 +274,19 @@ def test_route_replays_kvplane_with_a_controller_configs_router_settings(
     assert set(doc["policies"]) == {"kvplane", "random"}
 
 
+@pytest.mark.usefixtures("plain_click_output")
+@pytest.mark.parametrize("command", ["route", "planner"])
+def test_a_config_file_that_cannot_be_read_is_a_usage_error(
+    tmp_path: Path, trace: Path, command: str
+) -> None:
+    """Like a missing trace (was exit 1, as a bad file's values still are)."""
+    absent = tmp_path / "absent.yaml"
+    error = usage_error(bench(command, "--trace", str(trace), "--config", str(absent)))
+    assert error == (
+        f"Invalid value for --config: cannot read config {absent}: No such file or directory"
+    )
+
+
 def test_route_with_a_planner_config_says_so(trace: Path) -> None:
     """Was one "X: Extra inputs are not permitted" per key of the planner file."""
     planner_yaml = REPO / "configs" / "planner.yaml"

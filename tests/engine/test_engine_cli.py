@@ -118,19 +118,33 @@ def test_serve_sim_answers_health_and_generate_then_stops_on_sigterm(tmp_path: P
 
 
 @pytest.mark.timeout(60)
-def test_serve_refuses_a_bad_model_with_one_line(tmp_path: Path) -> None:
+def test_serve_refuses_a_bad_model_flag_as_a_usage_error(tmp_path: Path) -> None:
+    """Before anything is loaded; a model named by the config file is the engine's to refuse
+    when it starts, in one line (exit 1): `kvplane up` leaves an unreadable one to it."""
+    missing = tmp_path / "missing"
     result = subprocess.run(
-        [*_kvplane(), "engine", "serve", "--model", str(tmp_path / "missing")],
+        [*_kvplane(), "engine", "serve", "--model", str(missing)],
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+    )
+    said = f"model '{missing}' is not 'sim', 'builtin' or an HF model directory"
+    assert result.returncode == 2
+    assert result.stderr.decode().strip().splitlines()[-1] == (
+        f"Error: Invalid value for --model: {said} (one holding config.json)"
+    )
+    config = tmp_path / "engine.yaml"
+    config.write_text(f"model: {missing}\n")
+    result = subprocess.run(
+        [*_kvplane(), "engine", "serve", "--config", str(config)],
         cwd=REPO,
         capture_output=True,
         timeout=60,
     )
     assert result.returncode == 1
-    assert (
-        b"is not 'sim', 'builtin' or an HF model directory (one holding config.json)"
-        in result.stderr
-    )
-    assert b"Traceback" not in result.stderr
+    assert result.stderr.decode().strip().splitlines() == [
+        f"kvplane: error: {said} (one holding config.json)"
+    ]
 
 
 @pytest.mark.timeout(60)

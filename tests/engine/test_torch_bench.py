@@ -87,3 +87,17 @@ def test_a_device_the_engine_cannot_use_is_a_usage_error(device: str, said: str)
     )
     assert result.exit_code == 2
     assert result.output.splitlines()[-1].startswith(f"Error: Invalid value for --device: {said}")
+
+
+@pytest.mark.usefixtures("plain_click_output")
+def test_a_gpu_past_the_last_is_a_usage_error() -> None:
+    """`cuda:0` on a machine without one (CI); on a GPU machine, the index after its last."""
+    num_gpus = torch.cuda.device_count()
+    result = CliRunner().invoke(
+        app, ["bench", "engine", "--model", "random-2x64", "--device", f"cuda:{num_gpus}"]
+    )
+    assert result.exit_code == 2
+    said = "requested but CUDA is not available" if num_gpus == 0 else "does not exist"
+    assert result.output.splitlines()[-1].startswith(
+        f"Error: Invalid value for --device: device 'cuda:{num_gpus}' {said}"
+    )

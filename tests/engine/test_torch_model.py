@@ -41,7 +41,7 @@ from engine.torch_runner.attention import (
 )
 from engine.torch_runner.config import Architecture, ModelConfig
 from engine.torch_runner.errors import CheckpointError, InvalidBatchError, KvCacheError
-from engine.torch_runner.loader import load_model
+from engine.torch_runner.loader import check_device, load_model
 from engine.torch_runner.model import rms_norm
 from engine.torch_runner.native import compiler_available, load_kernels
 from engine.torch_runner.runner import TorchModelRunner
@@ -388,6 +388,33 @@ def test_bfloat16_loads_and_generates_close_to_float32() -> None:
     # bf16 keeps ~3 significant digits: close to the float64 model, but not float32-close.
     assert (got - expected).abs().mean() < 0.01
     assert (got - expected).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize(
+    ("name", "num_gpus", "refusal"),
+    [
+        ("cuda:0", 0, "device 'cuda:0' requested but CUDA is not available: no GPU visible"),
+        ("cuda", 0, "device 'cuda' requested but CUDA is not available: no GPU visible"),
+        ("cuda:1", 1, "device 'cuda:1' does not exist: 1 GPU visible (cuda:0)"),
+        ("cuda:2", 2, "device 'cuda:2' does not exist: 2 GPUs visible (cuda:0 to cuda:1)"),
+        ("cuda:9", 8, "device 'cuda:9' does not exist: 8 GPUs visible (cuda:0 to cuda:7)"),
+        ("mps", 1, "device type 'mps' is not supported (cpu or cuda)"),
+    ],
+)
+def test_a_device_this_machine_lacks_is_refused_by_name(
+    name: str, num_gpus: int, refusal: str
+) -> None:
+    """torch takes `cuda:N` for any N and fails only when the first tensor lands there."""
+    with pytest.raises(CheckpointError) as refused:
+        check_device(name, num_gpus)
+    assert str(refused.value) == refusal
+
+
+@pytest.mark.parametrize(
+    ("name", "num_gpus"), [("cpu", 0), ("cuda", 1), ("cuda:0", 1), ("cuda:1", 2), ("cuda:7", 8)]
+)
+def test_a_device_this_machine_has_is_taken(name: str, num_gpus: int) -> None:
+    assert check_device(name, num_gpus) == torch.device(name)
 
 
 def test_loader_refuses_missing_or_unsupported_checkpoints(tmp_path: Path) -> None:

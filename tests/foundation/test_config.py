@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.config import ServerConfig, load_config, parse_dial_target, parse_host_port
-from kvplane.errors import ConfigError
+from kvplane.errors import CommandLineError, ConfigError
 
 
 def test_embedded_defaults_without_a_file() -> None:
@@ -39,6 +39,37 @@ def test_a_bad_flag_value_is_blamed_on_the_flag_and_a_bad_file_value_on_the_file
     assert message.startswith(f"invalid config in {path}: listen: expected")
     assert "; shutdown_grace_s: Input should be greater than or equal to 0; " in message
     assert "; invalid --metrics-listen: expected HOST:PORT" in message
+
+
+def test_what_the_command_line_got_wrong_is_told_apart_from_the_file(tmp_path: Path) -> None:
+    """A command reports a CommandLineError as a usage error naming `param_hint`, any other
+    ConfigError as a bad config file."""
+    with pytest.raises(CommandLineError) as caught:
+        load_config(ServerConfig, None, {"listen": "nonsense"})
+    assert caught.value.param_hint == "--listen"
+    assert caught.value.problem == ("expected HOST:PORT ([ADDRESS]:PORT for IPv6), got 'nonsense'")
+    missing = tmp_path / "absent.yaml"
+    with pytest.raises(CommandLineError) as caught:
+        load_config(ServerConfig, missing, {"listen": "127.0.0.1:0"})
+    assert caught.value.param_hint == "--config"
+    assert caught.value.problem == f"cannot read config {missing}: No such file or directory"
+    path = tmp_path / "c.yaml"
+    for text in ("listen: nonsense\n", "listen: [\n"):
+        path.write_text(text)
+        with pytest.raises(ConfigError) as caught:
+            load_config(ServerConfig, path, {"metrics_listen": None})
+        assert not isinstance(caught.value, CommandLineError), caught.value
+
+
+def test_a_check_across_fields_without_a_file_is_the_flags_alone() -> None:
+    """The embedded defaults pass every check: a combination they refuse is the flags'."""
+    from engine.config import EngineConfig
+
+    with pytest.raises(CommandLineError) as caught:
+        load_config(EngineConfig, None, {"runner": "pooling", "role": "decode", "model": None})
+    assert caught.value.param_hint == "--role / --runner"
+    assert caught.value.problem.startswith("runner: pooling needs a torch model")
+    assert str(caught.value).startswith("invalid --role / --runner: runner: pooling needs")
 
 
 def test_a_check_across_fields_names_the_file_and_the_flags(tmp_path: Path) -> None:

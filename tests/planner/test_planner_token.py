@@ -16,13 +16,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from kvplane.channels import INSECURE
 from kvplane.errors import KvplaneError
+from kvplane.server import bearer_token_metadata
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from planner.actuator import LocalProcesses
+from planner.controller_admin import ControllerAdmin
 from planner.live import LivePlanner
 from tests.controller.conftest import start_sim_engine
 from tests.planner.test_planner_live import planner
@@ -151,6 +156,63 @@ async def test_a_start_with_a_token_the_controller_does_not_take_says_to_check_i
     assert message.endswith("(not the server's token? check live.controller_token_file)")
     assert "\n" not in message
     assert not actuator._spawned
+
+
+@pytest.mark.timeout(60)
+async def test_check_access_answers_the_token_alone_and_changes_nothing(tmp_path: Path) -> None:
+    """What the planner asks before a start: refused without the token that RegisterEngine
+    needs, answered with it, whatever the order of the controller's checks (there is no
+    request to check); ListWorkers, answered to anyone without `protect_reads`, cannot
+    tell."""
+    right = token_file(tmp_path, "controller-token", "controller-s3cret")
+    async with (
+        auth_controller(right) as app,
+        grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel,
+    ):
+        admin = apb_grpc.AdminStub(channel)
+        await admin.ListWorkers(apb.ListWorkersRequest())
+        for token in (None, "last-years-s3cret"):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await admin.CheckAccess(
+                    apb.CheckAccessRequest(), metadata=bearer_token_metadata(token)
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = await admin.CheckAccess(
+            apb.CheckAccessRequest(), metadata=bearer_token_metadata("controller-s3cret")
+        )
+        assert reply == apb.CheckAccessResponse()
+        assert not app.controller.fleet.registry.records()
+
+
+@pytest.mark.timeout(60)
+async def test_a_controller_older_than_check_access_is_left_to_register_engine() -> None:
+    """A controller whose admin API has no CheckAccess (UNIMPLEMENTED, as grpc answers for a
+    method a server lacks) does not stop every start: the registration says whether the
+    planner's token is right."""
+
+    async def list_workers(_request: apb.ListWorkersRequest, _context: object) -> object:
+        return apb.ListWorkersResponse()
+
+    older_admin = grpc.method_handlers_generic_handler(
+        "kvplane.v1.Admin",
+        {
+            "ListWorkers": grpc.unary_unary_rpc_method_handler(
+                list_workers,
+                request_deserializer=apb.ListWorkersRequest.FromString,
+                response_serializer=apb.ListWorkersResponse.SerializeToString,
+            )
+        },
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((older_admin,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    admin = ControllerAdmin(f"127.0.0.1:{port}")
+    try:
+        await admin.check_reachable("default")
+    finally:
+        await admin.close()
+        await server.stop(None)
 
 
 @pytest.mark.timeout(60)

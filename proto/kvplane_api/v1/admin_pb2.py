@@ -25,35 +25,39 @@ _sym_db = _symbol_database.Default()
 from openengine.v1 import openengine_pb2 as openengine_dot_v1_dot_openengine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvplane_api/v1/admin.proto\x12\nkvplane.v1\x1a\x1eopenengine/v1/openengine.proto\"\x14\n\x12ListWorkersRequest\"\xa0\x04\n\nWorkerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65ngine_name\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x0e\n\x06models\x18\x06 \x03(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x08 \x01(\x08\x12\x10\n\x08routable\x18\t \x01(\x08\x12\x11\n\tkv_events\x18\n \x01(\t\x12\x0e\n\x06source\x18\x0b \x01(\t\x12\x17\n\nblock_size\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0ftotal_kv_blocks\x18\r \x01(\x04H\x01\x88\x01\x01\x12\x1d\n\x10running_requests\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fqueued_requests\x18\x0f \x01(\rH\x03\x88\x01\x01\x12\x1b\n\x0eused_kv_blocks\x18\x10 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0eindexed_blocks\x18\x11 \x01(\x04\x12\x19\n\x11inflight_requests\x18\x12 \x01(\r\x12\x12\n\nlast_error\x18\x13 \x01(\t\x12\x14\n\x0cpooling_only\x18\x14 \x01(\x08\x42\r\n\x0b_block_sizeB\x12\n\x10_total_kv_blocksB\x13\n\x11_running_requestsB\x12\n\x10_queued_requestsB\x11\n\x0f_used_kv_blocks\"d\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvplane.v1.WorkerInfo\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0cindex_blocks\x18\x03 \x01(\x04\";\n\x15RegisterEngineRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tkv_events\x18\x02 \x01(\t\"\x1b\n\tEngineRef\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\"l\n\x12\x44rainEngineRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14\x61\x62ort_after_deadline\x18\x03 \x01(\x08\x42\x0e\n\x0c_deadline_ms\"\xa1\x01\n\x0bPromptQuery\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.openengine.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x13\n\x0bsession_key\x18\x06 \x01(\tB\x07\n\x05input\"\xe4\x01\n\nEngineCost\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1a\n\x12host_cached_tokens\x18\x04 \x01(\r\x12\x14\n\x0cprefill_cost\x18\x05 \x01(\x01\x12\x12\n\nqueue_cost\x18\x06 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_cost\x18\x07 \x01(\x01\x12\x12\n\x05total\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04\x62usy\x18\t \x01(\x08\x12\x13\n\x0bmemory_cost\x18\n \x01(\x01\x42\x08\n\x06_total\"\xf6\x01\n\x10RouteExplanation\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12%\n\x05\x63osts\x18\x08 \x03(\x0b\x32\x16.kvplane.v1.EngineCost\x12\x11\n\ttokenized\x18\t \x01(\x08\x12\x13\n\x0bindex_error\x18\n \x01(\t\"u\n\x0b\x45ngineMatch\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x15\n\rdevice_blocks\x18\x03 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\xa4\x01\n\rMatchResponse\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12(\n\x07matches\x18\x04 \x03(\x0b\x32\x17.kvplane.v1.EngineMatch\x12\x11\n\ttokenized\x18\x05 \x01(\x08\x12\x13\n\x0bindex_error\x18\x06 \x01(\t2\xa3\x04\n\x05\x41\x64min\x12N\n\x0bListWorkers\x12\x1e.kvplane.v1.ListWorkersRequest\x1a\x1f.kvplane.v1.ListWorkersResponse\x12K\n\x0eRegisterEngine\x12!.kvplane.v1.RegisterEngineRequest\x1a\x16.kvplane.v1.WorkerInfo\x12=\n\x0cRemoveEngine\x12\x15.kvplane.v1.EngineRef\x1a\x16.kvplane.v1.WorkerInfo\x12\x37\n\x06\x43ordon\x12\x15.kvplane.v1.EngineRef\x1a\x16.kvplane.v1.WorkerInfo\x12\x39\n\x08Uncordon\x12\x15.kvplane.v1.EngineRef\x1a\x16.kvplane.v1.WorkerInfo\x12M\n\x0b\x44rainEngine\x12\x1e.kvplane.v1.DrainEngineRequest\x1a\x1c.openengine.v1.DrainResponse0\x01\x12>\n\x05Route\x12\x17.kvplane.v1.PromptQuery\x1a\x1c.kvplane.v1.RouteExplanation\x12;\n\x05Match\x12\x17.kvplane.v1.PromptQuery\x1a\x19.kvplane.v1.MatchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvplane_api/v1/admin.proto\x12\nkvplane.v1\x1a\x1eopenengine/v1/openengine.proto\"\x14\n\x12\x43heckAccessRequest\"\x15\n\x13\x43heckAccessResponse\"\x14\n\x12ListWorkersRequest\"\xa0\x04\n\nWorkerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x13\n\x0b\x65ngine_name\x18\x03 \x01(\t\x12\x16\n\x0e\x65ngine_version\x18\x04 \x01(\t\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x0e\n\x06models\x18\x06 \x03(\t\x12\r\n\x05state\x18\x07 \x01(\t\x12\x10\n\x08\x63ordoned\x18\x08 \x01(\x08\x12\x10\n\x08routable\x18\t \x01(\x08\x12\x11\n\tkv_events\x18\n \x01(\t\x12\x0e\n\x06source\x18\x0b \x01(\t\x12\x17\n\nblock_size\x18\x0c \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x0ftotal_kv_blocks\x18\r \x01(\x04H\x01\x88\x01\x01\x12\x1d\n\x10running_requests\x18\x0e \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fqueued_requests\x18\x0f \x01(\rH\x03\x88\x01\x01\x12\x1b\n\x0eused_kv_blocks\x18\x10 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0eindexed_blocks\x18\x11 \x01(\x04\x12\x19\n\x11inflight_requests\x18\x12 \x01(\r\x12\x12\n\nlast_error\x18\x13 \x01(\t\x12\x14\n\x0cpooling_only\x18\x14 \x01(\x08\x42\r\n\x0b_block_sizeB\x12\n\x10_total_kv_blocksB\x13\n\x11_running_requestsB\x12\n\x10_queued_requestsB\x11\n\x0f_used_kv_blocks\"d\n\x13ListWorkersResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvplane.v1.WorkerInfo\x12\x0e\n\x06policy\x18\x02 \x01(\t\x12\x14\n\x0cindex_blocks\x18\x03 \x01(\x04\";\n\x15RegisterEngineRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tkv_events\x18\x02 \x01(\t\"\x1b\n\tEngineRef\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\"l\n\x12\x44rainEngineRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14\x61\x62ort_after_deadline\x18\x03 \x01(\x08\x42\x0e\n\x0c_deadline_ms\"\xa1\x01\n\x0bPromptQuery\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.openengine.v1.TokenIdsH\x00\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x13\n\x0bsession_key\x18\x06 \x01(\tB\x07\n\x05input\"\xe4\x01\n\nEngineCost\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1a\n\x12host_cached_tokens\x18\x04 \x01(\r\x12\x14\n\x0cprefill_cost\x18\x05 \x01(\x01\x12\x12\n\nqueue_cost\x18\x06 \x01(\x01\x12\x13\n\x0b\x64\x65\x63ode_cost\x18\x07 \x01(\x01\x12\x12\n\x05total\x18\x08 \x01(\x01H\x00\x88\x01\x01\x12\x0c\n\x04\x62usy\x18\t \x01(\x08\x12\x13\n\x0bmemory_cost\x18\n \x01(\x01\x42\x08\n\x06_total\"\xf6\x01\n\x10RouteExplanation\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06policy\x18\x04 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12%\n\x05\x63osts\x18\x08 \x03(\x0b\x32\x16.kvplane.v1.EngineCost\x12\x11\n\ttokenized\x18\t \x01(\x08\x12\x13\n\x0bindex_error\x18\n \x01(\t\"u\n\x0b\x45ngineMatch\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x15\n\rdevice_blocks\x18\x03 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\xa4\x01\n\rMatchResponse\x12\x19\n\x11num_prompt_tokens\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12(\n\x07matches\x18\x04 \x03(\x0b\x32\x17.kvplane.v1.EngineMatch\x12\x11\n\ttokenized\x18\x05 \x01(\x08\x12\x13\n\x0bindex_error\x18\x06 \x01(\t2\xf3\x04\n\x05\x41\x64min\x12N\n\x0bListWorkers\x12\x1e.kvplane.v1.ListWorkersRequest\x1a\x1f.kvplane.v1.ListWorkersResponse\x12K\n\x0eRegisterEngine\x12!.kvplane.v1.RegisterEngineRequest\x1a\x16.kvplane.v1.WorkerInfo\x12=\n\x0cRemoveEngine\x12\x15.kvplane.v1.EngineRef\x1a\x16.kvplane.v1.WorkerInfo\x12\x37\n\x06\x43ordon\x12\x15.kvplane.v1.EngineRef\x1a\x16.kvplane.v1.WorkerInfo\x12\x39\n\x08Uncordon\x12\x15.kvplane.v1.EngineRef\x1a\x16.kvplane.v1.WorkerInfo\x12M\n\x0b\x44rainEngine\x12\x1e.kvplane.v1.DrainEngineRequest\x1a\x1c.openengine.v1.DrainResponse0\x01\x12>\n\x05Route\x12\x17.kvplane.v1.PromptQuery\x1a\x1c.kvplane.v1.RouteExplanation\x12;\n\x05Match\x12\x17.kvplane.v1.PromptQuery\x1a\x19.kvplane.v1.MatchResponse\x12N\n\x0b\x43heckAccess\x12\x1e.kvplane.v1.CheckAccessRequest\x1a\x1f.kvplane.v1.CheckAccessResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvplane_api.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LISTWORKERSREQUEST']._serialized_start=74
-  _globals['_LISTWORKERSREQUEST']._serialized_end=94
-  _globals['_WORKERINFO']._serialized_start=97
-  _globals['_WORKERINFO']._serialized_end=641
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=643
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=743
-  _globals['_REGISTERENGINEREQUEST']._serialized_start=745
-  _globals['_REGISTERENGINEREQUEST']._serialized_end=804
-  _globals['_ENGINEREF']._serialized_start=806
-  _globals['_ENGINEREF']._serialized_end=833
-  _globals['_DRAINENGINEREQUEST']._serialized_start=835
-  _globals['_DRAINENGINEREQUEST']._serialized_end=943
-  _globals['_PROMPTQUERY']._serialized_start=946
-  _globals['_PROMPTQUERY']._serialized_end=1107
-  _globals['_ENGINECOST']._serialized_start=1110
-  _globals['_ENGINECOST']._serialized_end=1338
-  _globals['_ROUTEEXPLANATION']._serialized_start=1341
-  _globals['_ROUTEEXPLANATION']._serialized_end=1587
-  _globals['_ENGINEMATCH']._serialized_start=1589
-  _globals['_ENGINEMATCH']._serialized_end=1706
-  _globals['_MATCHRESPONSE']._serialized_start=1709
-  _globals['_MATCHRESPONSE']._serialized_end=1873
-  _globals['_ADMIN']._serialized_start=1876
-  _globals['_ADMIN']._serialized_end=2423
+  _globals['_CHECKACCESSREQUEST']._serialized_start=74
+  _globals['_CHECKACCESSREQUEST']._serialized_end=94
+  _globals['_CHECKACCESSRESPONSE']._serialized_start=96
+  _globals['_CHECKACCESSRESPONSE']._serialized_end=117
+  _globals['_LISTWORKERSREQUEST']._serialized_start=119
+  _globals['_LISTWORKERSREQUEST']._serialized_end=139
+  _globals['_WORKERINFO']._serialized_start=142
+  _globals['_WORKERINFO']._serialized_end=686
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=688
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=788
+  _globals['_REGISTERENGINEREQUEST']._serialized_start=790
+  _globals['_REGISTERENGINEREQUEST']._serialized_end=849
+  _globals['_ENGINEREF']._serialized_start=851
+  _globals['_ENGINEREF']._serialized_end=878
+  _globals['_DRAINENGINEREQUEST']._serialized_start=880
+  _globals['_DRAINENGINEREQUEST']._serialized_end=988
+  _globals['_PROMPTQUERY']._serialized_start=991
+  _globals['_PROMPTQUERY']._serialized_end=1152
+  _globals['_ENGINECOST']._serialized_start=1155
+  _globals['_ENGINECOST']._serialized_end=1383
+  _globals['_ROUTEEXPLANATION']._serialized_start=1386
+  _globals['_ROUTEEXPLANATION']._serialized_end=1632
+  _globals['_ENGINEMATCH']._serialized_start=1634
+  _globals['_ENGINEMATCH']._serialized_end=1751
+  _globals['_MATCHRESPONSE']._serialized_start=1754
+  _globals['_MATCHRESPONSE']._serialized_end=1918
+  _globals['_ADMIN']._serialized_start=1921
+  _globals['_ADMIN']._serialized_end=2548
 # @@protoc_insertion_point(module_scope)

@@ -3,7 +3,8 @@
 isort:skip_file
 kvplane's controller admin API: the fleet's engines, cordons, drains, and routing
 explained. Not part of any seed. Mutating RPCs (RegisterEngine, RemoveEngine, Cordon,
-Uncordon, DrainEngine) need the bearer token when the controller has one configured.
+Uncordon, DrainEngine) need the bearer token when the controller has one configured, and so
+does CheckAccess, which asks whether a caller may make them.
 """
 
 from collections import abc as _abc
@@ -21,6 +22,36 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class CheckAccessRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckAccessRequest: _TypeAlias = CheckAccessRequest  # noqa: Y015
+
+@_typing.final
+class CheckAccessResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckAccessResponse: _TypeAlias = CheckAccessResponse  # noqa: Y015
 
 @_typing.final
 class ListWorkersRequest(_message.Message):

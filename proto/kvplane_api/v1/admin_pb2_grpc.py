@@ -75,6 +75,11 @@ class AdminStub:
                 request_serializer=kvplane__api_dot_v1_dot_admin__pb2.PromptQuery.SerializeToString,
                 response_deserializer=kvplane__api_dot_v1_dot_admin__pb2.MatchResponse.FromString,
                 _registered_method=True)
+        self.CheckAccess = channel.unary_unary(
+                '/kvplane.v1.Admin/CheckAccess',
+                request_serializer=kvplane__api_dot_v1_dot_admin__pb2.CheckAccessRequest.SerializeToString,
+                response_deserializer=kvplane__api_dot_v1_dot_admin__pb2.CheckAccessResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -132,6 +137,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckAccess(self, request, context):
+        """OK to a caller that may make the mutating RPCs (it carries the bearer token, or the
+        controller runs without `auth`), UNAUTHENTICATED to others; it changes nothing. What a
+        client asks before work that ends in one (the planner, before starting an engine).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +188,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Match,
                     request_deserializer=kvplane__api_dot_v1_dot_admin__pb2.PromptQuery.FromString,
                     response_serializer=kvplane__api_dot_v1_dot_admin__pb2.MatchResponse.SerializeToString,
+            ),
+            'CheckAccess': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckAccess,
+                    request_deserializer=kvplane__api_dot_v1_dot_admin__pb2.CheckAccessRequest.FromString,
+                    response_serializer=kvplane__api_dot_v1_dot_admin__pb2.CheckAccessResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +411,33 @@ class Admin:
             '/kvplane.v1.Admin/Match',
             kvplane__api_dot_v1_dot_admin__pb2.PromptQuery.SerializeToString,
             kvplane__api_dot_v1_dot_admin__pb2.MatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckAccess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvplane.v1.Admin/CheckAccess',
+            kvplane__api_dot_v1_dot_admin__pb2.CheckAccessRequest.SerializeToString,
+            kvplane__api_dot_v1_dot_admin__pb2.CheckAccessResponse.FromString,
             options,
             channel_credentials,
             insecure,

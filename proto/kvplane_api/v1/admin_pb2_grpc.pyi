@@ -3,7 +3,8 @@
 isort:skip_file
 kvplane's controller admin API: the fleet's engines, cordons, drains, and routing
 explained. Not part of any seed. Mutating RPCs (RegisterEngine, RemoveEngine, Cordon,
-Uncordon, DrainEngine) need the bearer token when the controller has one configured.
+Uncordon, DrainEngine) need the bearer token when the controller has one configured, and so
+does CheckAccess, which asks whether a caller may make them.
 """
 
 from collections import abc as _abc
@@ -48,6 +49,11 @@ class AdminStub:
     """
     Match: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PromptQuery, _admin_pb2.MatchResponse]
     """How much of this prompt each engine holds, by tier."""
+    CheckAccess: _grpc.UnaryUnaryMultiCallable[_admin_pb2.CheckAccessRequest, _admin_pb2.CheckAccessResponse]
+    """OK to a caller that may make the mutating RPCs (it carries the bearer token, or the
+    controller runs without `auth`), UNAUTHENTICATED to others; it changes nothing. What a
+    client asks before work that ends in one (the planner, before starting an engine).
+    """
 
 @_typing.type_check_only
 class AdminAsyncStub(AdminStub):
@@ -65,6 +71,11 @@ class AdminAsyncStub(AdminStub):
     """
     Match: _aio.UnaryUnaryMultiCallable[_admin_pb2.PromptQuery, _admin_pb2.MatchResponse]  # type: ignore[assignment]
     """How much of this prompt each engine holds, by tier."""
+    CheckAccess: _aio.UnaryUnaryMultiCallable[_admin_pb2.CheckAccessRequest, _admin_pb2.CheckAccessResponse]  # type: ignore[assignment]
+    """OK to a caller that may make the mutating RPCs (it carries the bearer token, or the
+    controller runs without `auth`), UNAUTHENTICATED to others; it changes nothing. What a
+    client asks before work that ends in one (the planner, before starting an engine).
+    """
 
 class AdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -127,5 +138,16 @@ class AdminServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.MatchResponse, _abc.Awaitable[_admin_pb2.MatchResponse]]:
         """How much of this prompt each engine holds, by tier."""
+
+    @_abc_1.abstractmethod
+    def CheckAccess(
+        self,
+        request: _admin_pb2.CheckAccessRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.CheckAccessResponse, _abc.Awaitable[_admin_pb2.CheckAccessResponse]]:
+        """OK to a caller that may make the mutating RPCs (it carries the bearer token, or the
+        controller runs without `auth`), UNAUTHENTICATED to others; it changes nothing. What a
+        client asks before work that ends in one (the planner, before starting an engine).
+        """
 
 def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
