@@ -5,6 +5,7 @@ by a real SUB socket and DEALER replay."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -336,17 +337,40 @@ def test_an_engine_on_every_interface_advertises_its_routed_address(
     assert service.advertised_host(configured) == "h1"
 
 
-async def test_a_subscription_ends_with_a_retryable_draining_error_at_shutdown() -> None:
+def _kv_events(engine: Engine) -> tuple[Any, Callable[[], bool]]:
+    stream = engine.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+    return stream, lambda: True  # the snapshot comes first, whenever it is accepted
+
+
+def _runtime_events(engine: Engine) -> tuple[Any, Callable[[], bool]]:
+    stream = engine.stub.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest())
+    hub = engine.app.service.runtime_events
+    return stream, lambda: hub.num_subscribers == 1  # events from then on
+
+
+@pytest.mark.parametrize("subscribe", [_kv_events, _runtime_events], ids=["kv", "runtime"])
+async def test_a_subscription_ends_with_a_retryable_draining_error_at_shutdown(
+    subscribe: Callable[[Engine], tuple[Any, Callable[[], bool]]],
+) -> None:
     """A subscriber tells the engine shutting down from a stream cut short: after what the
-    log gave it, a terminal DRAINING error, retryable (a new process may follow)."""
+    engine gave it, a terminal DRAINING error, retryable (a new process may follow), then OK
+    (the seed: an EngineError terminates a KV-event or runtime-event subscription)."""
     async with running_engine(sim_config(num_kv_blocks=16)) as engine:
-        stream = engine.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
-        assert (await _next(stream)).HasField("batch")
+        stream, accepted = subscribe(engine)
+
+        async def subscribed() -> bool:
+            return accepted()
+
+        await eventually(subscribed, what="the subscription to be accepted")
+        await collect(engine.stub, generate_request([1, 2, 3], max_tokens=2))
+        assert (await asyncio.wait_for(stream.read(), timeout=10)).WhichOneof("event") != "error"
         await engine.app.close_engine()  # the gRPC server still serves the stream's end
         rest = []
         while (response := await asyncio.wait_for(stream.read(), timeout=10)) != grpc.aio.EOF:
             rest.append(response)
+        assert await stream.code() == grpc.StatusCode.OK
     assert rest and rest[-1].WhichOneof("event") == "error"
+    assert all(r.WhichOneof("event") != "error" for r in rest[:-1])
     error = rest[-1].error
     assert (error.code, error.retryable) == (pb.ERROR_CODE_DRAINING, True)
     assert error.message == "the engine is shutting down"
