@@ -339,8 +339,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                     raise KvSessionNotFoundError(
                         f"no KV session {session_id!r} on this engine (not a PREFILL engine)"
                     )
-                self._service.kv_sessions.abort(session_id)
-                return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="released")
+                if self._service.kv_sessions.abort(session_id):
+                    return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="released")
+                return pb.AbortResponse(
+                    status=pb.ABORT_STATUS_ALREADY_FINISHED, message="already released"
+                )
             if target == "all_requests":
                 aborted = await self._service.abort_all()
                 return pb.AbortResponse(
