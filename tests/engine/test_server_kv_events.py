@@ -135,6 +135,31 @@ async def test_resume_outside_the_buffer_is_out_of_range() -> None:
         stream.cancel()
 
 
+async def test_batches_carry_the_engines_data_parallel_rank() -> None:
+    """DP-rank attribution (the seed): every batch names the engine's rank; a subscription
+    asking only for other ranks is refused before acceptance, one naming it is served, and
+    the advertised sources carry the rank."""
+    config = sim_config(kv_events=KvEventsConfig(data_parallel_rank=2))
+    async with running_engine(config) as engine:
+        stub = engine.stub
+        others = pb.SubscribeKvEventsRequest(data_parallel_ranks=[0, 1], include_snapshot=True)
+        error = await rpc_error(lambda: stub.SubscribeKvEvents(others).read())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        mine = pb.SubscribeKvEventsRequest(data_parallel_ranks=[1, 2], include_snapshot=True)
+        stream = stub.SubscribeKvEvents(mine)
+        snapshot = (await _next(stream)).batch
+        await collect(stub, generate_request(list(range(10, 30))))
+        live = (await _next(stream)).batch
+        stream.cancel()
+        assert (snapshot.data_parallel_rank, live.data_parallel_rank) == (2, 2)
+        assert (
+            live.timestamp_unix_nanos > 0 and live.sequence_number == snapshot.sequence_number + 1
+        )
+        sources = await stub.GetKvEventSources(pb.GetKvEventSourcesRequest(data_parallel_ranks=[2]))
+        assert [s.data_parallel_rank for s in sources.sources] == [2]
+        assert sources.sources[0].HasField("data_parallel_rank")
+
+
 async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
     async with running_engine() as engine:
         everything = engine.stub.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest())
