@@ -526,6 +526,31 @@ async def test_a_client_that_cancels_an_embed_stops_its_forwards(
     assert aborted.status == pb.ABORT_STATUS_ALREADY_FINISHED
 
 
+async def test_a_model_producing_nan_fails_the_task_instead_of_sending_it(
+    builtin_dir: Path,
+) -> None:
+    """The seed's tensors are finite: a model whose output turned NaN (its final norm's
+    weights corrupted here, in the running engine) fails Embed and Score with INTERNAL, a
+    one-line message, rather than sending NaN."""
+    async with running_engine(engine_config(builtin_dir)) as engine:
+        weights = engine.app.service.engine_loop.core.runner.model.weights
+        with torch.inference_mode():
+            weights.final_norm.fill_(float("nan"))
+        inputs = [ids_input("a", [5, 6, 7]), ids_input("b", [8, 9])]
+        embed = await rpc_error(
+            engine.stub.Embed(pb.EmbedRequest(context=context("e"), inputs=inputs))
+        )
+        group = pb.ScoreGroup(group_id="g", query=inputs[0], candidates=inputs[1:])
+        score = await rpc_error(
+            engine.stub.Score(pb.ScoreRequest(context=context("s"), groups=[group]))
+        )
+        assert engine.app.service.num_running_tasks == 0
+    for error in (embed, score):
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert "non-finite" in (error.details() or "")
+        assert "Traceback" not in (error.details() or "")
+
+
 async def test_classify_equals_hf_transformers_sequence_classification(
     classifier_dir: Path,
 ) -> None:
