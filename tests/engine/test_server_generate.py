@@ -67,7 +67,15 @@ async def test_cached_prompt_tokens_reports_prefix_hits() -> None:
         bypass = await collect(
             engine.stub, generate_request(PROMPT, kv=pb.KvOptions(bypass_prefix_cache=True))
         )
+        # The seed: bypassing skips reuse but still caches what it computes.
+        fresh = list(range(100, 140))
+        bypass_fresh = await collect(
+            engine.stub, generate_request(fresh, kv=pb.KvOptions(bypass_prefix_cache=True))
+        )
+        after_bypass = await collect(engine.stub, generate_request(fresh))
     assert first[-1].usage.cached_prompt_tokens == 0
+    assert bypass_fresh[-1].usage.cached_prompt_tokens == 0
+    assert after_bypass[-1].usage.cached_prompt_tokens == 36  # all but the last token's block
     # All 10 full prompt blocks of the first request are reused.
     assert second[-1].usage.cached_prompt_tokens == 40
     assert salted[-1].usage.cached_prompt_tokens == 0  # another namespace
