@@ -21,6 +21,7 @@ from indexer.sources.openengine import decode_event
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from indexer.zmq_decode import decode_frames, decode_payload
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import (
     Engine,
     collect,
@@ -133,6 +134,42 @@ async def test_resume_outside_the_buffer_is_out_of_range() -> None:
         stream = engine.stub.SubscribeKvEvents(request)
         assert (await _next(stream)).batch.sequence_number == last
         stream.cancel()
+
+
+async def test_a_subscriber_that_falls_behind_ends_with_one_overloaded_error() -> None:
+    """After acceptance a failure is the final response, an EngineError, and the stream ends
+    OK (the seed). A subscriber that stops reading (its channel's flow-control window kept
+    small) while the engine publishes far more than the 2-batch ring holds: the batches it
+    still gets are consecutive, then one retryable OVERLOADED error, nothing after it."""
+    config = sim_config(
+        kv_events=KvEventsConfig(buffer_steps=2),
+        num_kv_blocks=4096,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+    )
+    async with running_engine(config) as engine:
+        # No BDP probing: the window stays at HTTP/2's 64 KiB while the client does not read.
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{engine.app.port}", options=[("grpc.http2.bdp_probe", 0)]
+        )
+        stub = pb_grpc.OpenEngineStub(channel)
+        stream = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+        snapshot = (await _next(stream)).batch  # accepted
+        for i in range(60):  # each a new 1000-token prompt: 250 blocks stored, ~10 KB a batch
+            prompt = [(i * 7919 + j * 31 + (j * j) % 17) % 1000 for j in range(1000)]
+            await collect(engine.stub, generate_request(prompt, max_tokens=1))
+        rest = []
+        while (response := await asyncio.wait_for(stream.read(), timeout=10)) != grpc.aio.EOF:
+            rest.append(response)
+        code = await stream.code()
+        await channel.close()
+    assert code == grpc.StatusCode.OK
+    kinds = [r.WhichOneof("event") for r in rest]
+    assert kinds[-1] == "error" and "error" not in kinds[:-1]
+    error = rest[-1].error
+    assert (error.code, error.retryable) == (pb.ERROR_CODE_OVERLOADED, True)
+    numbers = [snapshot.sequence_number, *(r.batch.sequence_number for r in rest[:-1])]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
 
 
 async def test_batches_carry_the_engines_data_parallel_rank() -> None:
