@@ -399,6 +399,10 @@ def test_an_engine_on_every_interface_advertises_its_routed_address(
     assert service.advertised_host(configured) == "h1"
 
 
+async def _read_all(stream: Any) -> list[Any]:
+    return [response async for response in stream]
+
+
 def _kv_events(engine: Engine) -> tuple[Any, Callable[[], bool]]:
     stream = engine.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
     return stream, lambda: True  # the snapshot comes first, whenever it is accepted
@@ -431,8 +435,12 @@ async def test_a_subscription_ends_with_a_retryable_draining_error_at_shutdown(
         while (response := await asyncio.wait_for(stream.read(), timeout=10)) != grpc.aio.EOF:
             rest.append(response)
         assert await stream.code() == grpc.StatusCode.OK
+        # A subscription that arrives during the shutdown ends the same way, at once.
+        late_stream, _ = subscribe(engine)
+        late = await asyncio.wait_for(_read_all(late_stream), timeout=10)
     assert rest and rest[-1].WhichOneof("event") == "error"
     assert all(r.WhichOneof("event") != "error" for r in rest[:-1])
-    error = rest[-1].error
-    assert (error.code, error.retryable) == (pb.ERROR_CODE_DRAINING, True)
-    assert error.message == "the engine is shutting down"
+    assert late and late[-1].WhichOneof("event") == "error"
+    for error in (rest[-1].error, late[-1].error):
+        assert (error.code, error.retryable) == (pb.ERROR_CODE_DRAINING, True)
+        assert error.message == "the engine is shutting down"
