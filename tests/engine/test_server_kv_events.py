@@ -240,6 +240,37 @@ async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
         only_queue.cancel()
 
 
+async def test_a_runtime_event_subscriber_that_falls_behind_ends_with_one_overloaded_error() -> (
+    None
+):
+    """As for KV events: a subscriber 4096 events behind (it stopped reading, its channel's
+    window kept small) gets what was queued, then one retryable OVERLOADED error, then OK."""
+    config = sim_config(max_model_len=4096, num_kv_blocks=1024)
+    async with running_engine(config) as engine:
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{engine.app.port}", options=[("grpc.http2.bdp_probe", 0)]
+        )
+        stub = pb_grpc.OpenEngineStub(channel)
+        stream = stub.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest())
+        hub = engine.app.service.runtime_events
+
+        async def subscribed() -> bool:
+            return hub.num_subscribers == 1
+
+        await eventually(subscribed, what="the runtime event subscription")
+        # 3,000 decode steps: two events each (FORWARD_PASS, BATCH), far past the 4096 queued.
+        await collect(engine.stub, generate_request([1, 2, 3], max_tokens=3000))
+        rest = await asyncio.wait_for(_read_all(stream), timeout=30)
+        code = await stream.code()
+        await channel.close()
+    assert code == grpc.StatusCode.OK
+    kinds = [r.WhichOneof("event") for r in rest]
+    assert kinds[-1] == "error" and "error" not in kinds[:-1]
+    assert len(rest) > 4096  # what was queued still came first
+    error = rest[-1].error
+    assert (error.code, error.retryable) == (pb.ERROR_CODE_OVERLOADED, True)
+
+
 async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
     config = sim_config(
         listen="0.0.0.0:0",
