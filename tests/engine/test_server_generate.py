@@ -64,6 +64,11 @@ async def test_cached_prompt_tokens_reports_prefix_hits() -> None:
         salted = await collect(
             engine.stub, generate_request(PROMPT, kv=pb.KvOptions(cache_salt="tenant-b"))
         )
+        # An empty salt is no namespace: the same block keys (the indexer's and the
+        # gateway's view), so the same hits.
+        empty_salt = await collect(
+            engine.stub, generate_request(PROMPT, kv=pb.KvOptions(cache_salt=""))
+        )
         bypass = await collect(
             engine.stub, generate_request(PROMPT, kv=pb.KvOptions(bypass_prefix_cache=True))
         )
@@ -79,6 +84,7 @@ async def test_cached_prompt_tokens_reports_prefix_hits() -> None:
     # All 10 full prompt blocks of the first request are reused.
     assert second[-1].usage.cached_prompt_tokens == 40
     assert salted[-1].usage.cached_prompt_tokens == 0  # another namespace
+    assert empty_salt[-1].usage.cached_prompt_tokens == 36  # all but the last token's block
     assert bypass[-1].usage.cached_prompt_tokens == 0
 
 
