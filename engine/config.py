@@ -64,6 +64,11 @@ class SimTimingConfig(StrictModel):
     eos_after: int | None = Field(default=None, gt=0)
 
 
+# Hosts that mean "every interface" when bound to: never advertised (the seed: an
+# endpoint_addr is a connectable host:port, never a bind wildcard such as * or 0.0.0.0).
+BIND_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
 class KvEventsConfig(StrictModel):
     """Where KV events go besides `SubscribeKvEvents` (always on)."""
 
@@ -88,6 +93,11 @@ class KvEventsConfig(StrictModel):
         for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
             if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ValueError(f"kv_events.{name} must be a ZMQ address like tcp://HOST:PORT")
+        if self.advertised_host and self.advertised_host in BIND_WILDCARD_HOSTS:
+            raise ValueError(
+                f"kv_events.advertised_host {self.advertised_host!r} is a bind wildcard: set "
+                "an address other machines can dial (or leave it out)"
+            )
         return self
 
 

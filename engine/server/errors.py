@@ -75,6 +75,11 @@ class KvTransferError(EngineServerError):
     the stream malformed (UNAVAILABLE, retryable)."""
 
 
+class NonFiniteOutputError(EngineServerError):
+    """The model produced NaN or an infinity for a pooling task: the seed's tensors are
+    finite, so the request fails rather than carry them (INTERNAL: the engine's fault)."""
+
+
 class OverloadedError(EngineServerError):
     """Admission refused: too many requests queued (RESOURCE_EXHAUSTED)."""
 
@@ -108,6 +113,7 @@ _TABLE: tuple[tuple[type[Exception], grpc.StatusCode, pb.ErrorCode.ValueType, bo
     ),
     (KvTransferError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_KV_TRANSFER_FAILED, True),
     (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS, pb.ERROR_CODE_DUPLICATE_REQUEST, False),
+    (NonFiniteOutputError, grpc.StatusCode.INTERNAL, pb.ERROR_CODE_INTERNAL, False),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, True),
     (ReplayNotCoveredError, grpc.StatusCode.OUT_OF_RANGE, pb.ERROR_CODE_INVALID_ARGUMENT, False),
     (SubscriberOverrunError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, True),

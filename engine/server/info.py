@@ -305,11 +305,13 @@ def load_info(
     active_kv_sessions: int = 0,
     running_tasks: int = 0,
 ) -> pb.LoadInfo:
-    """`running_tasks`: pooling tasks in flight, counted as running requests."""
+    """`running_tasks`: pooling tasks in flight, counted as running requests. The one rank's
+    figures are the engine's."""
+    running_requests = load.num_running + running_tasks
     info = pb.LoadInfo(
         instance_id=instance_id,
         timestamp_unix_nanos=timestamp_unix_ns,
-        running_requests=load.num_running + running_tasks,
+        running_requests=running_requests,
         queued_requests=load.num_waiting,
         active_kv_sessions=active_kv_sessions,
         used_kv_blocks=load.num_used_blocks,
@@ -327,7 +329,7 @@ def load_info(
         info.ranks.append(
             pb.RankLoadInfo(
                 data_parallel_rank=data_parallel_rank,
-                running_requests=load.num_running,
+                running_requests=running_requests,
                 queued_requests=load.num_waiting,
                 used_kv_blocks=load.num_used_blocks,
                 total_kv_blocks=load.num_total_blocks,

@@ -48,6 +48,7 @@ import functools
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -87,6 +88,9 @@ _READ_BATCH_BYTES = 16 << 20
 # KiB blocks: 1 MiB messages streamed ~1.5x faster than 256 KiB ones and ~1.7x faster than
 # 4 MiB ones (larger messages cost more in gRPC's own buffers than they save in calls).
 CHUNK_BYTES = 1 << 20
+# Sessions that ended (released, expired, aborted) remembered so that Abort(kv_session) of
+# one answers ALREADY_FINISHED, the seed's idempotent outcome, and not NOT_FOUND.
+_ENDED_MEMORY = 10_000
 
 
 def blocks_per_chunk(kv_block_bytes: int) -> int:
@@ -221,6 +225,7 @@ class KvSessionStore:
         self._on_change = on_change
         self._clock = clock
         self._sessions: dict[str, _Session] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # handed over, then ended
         # What PrefillReady names, filled in once the server is bound.
         self.endpoints: list[pb.KvEndpoint] = []
         self.data_parallel_rank = 0
@@ -270,16 +275,21 @@ class KvSessionStore:
             del self._sessions[session_id]
             self._release(session_id)
 
-    def abort(self, session_id: str) -> None:
+    def abort(self, session_id: str) -> bool:
         """Abort(kv_session), or the puller's ReleaseKvSession: release it (during a pull:
-        once the pull ends)."""
+        once the pull ends). False: it had ended already (or an abort is waiting for its
+        pull to end); KvSessionNotFoundError for a session never handed over here."""
         session = self._sessions.get(session_id)
         if session is None or session.state is _State.PREFILLING:
+            if session is None and session_id in self._ended:
+                return False
             raise KvSessionNotFoundError(f"no KV session {session_id!r} on this engine")
         if session.state is _State.PULLING:
+            released_now = not session.aborted
             session.aborted = True
-        else:
-            self._drop(session_id)
+            return released_now
+        self._drop(session_id)
+        return True
 
     async def claim(self, session_id: str) -> KvNamespace:
         """Start a pull; returns the session's namespace. A session being pulled is waited
@@ -344,6 +354,9 @@ class KvSessionStore:
 
     def _drop(self, session_id: str) -> None:
         del self._sessions[session_id]
+        self._ended[session_id] = None
+        while len(self._ended) > _ENDED_MEMORY:
+            self._ended.popitem(last=False)
         self._release(session_id)
         self._on_change()
 

@@ -193,7 +193,8 @@ def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -
         sampling=sampling,
         priority=request.priority if request.HasField("priority") else 0,
         lora_name=request.lora_name or None,
-        cache_salt=kv.cache_salt if kv.HasField("cache_salt") else None,
+        # An empty salt is no namespace, as the block keys (and the indexer) take it.
+        cache_salt=kv.cache_salt or None,
         bypass_prefix_cache=kv.bypass_prefix_cache,
         guided=guided_from_proto(request, ctx),
     )

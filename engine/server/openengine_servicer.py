@@ -63,6 +63,11 @@ Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = "openengine.v1.OpenEngine"
 MUTATING_METHODS = frozenset({"Drain", "Abort", "LoadLora", "UnloadLora"})
 
+# How an event subscription ends when the engine shuts down: a terminal EngineError
+# (DRAINING, retryable: a new process may follow), so that a subscriber tells it from a
+# stream cut short.
+_SHUTTING_DOWN = DrainingError("the engine is shutting down")
+
 _DRAIN_STATE = {
     DrainPhase.STARTED: pb.DRAIN_STATE_STARTED,
     DrainPhase.IN_PROGRESS: pb.DRAIN_STATE_IN_PROGRESS,
@@ -334,8 +339,11 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                     raise KvSessionNotFoundError(
                         f"no KV session {session_id!r} on this engine (not a PREFILL engine)"
                     )
-                self._service.kv_sessions.abort(session_id)
-                return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="released")
+                if self._service.kv_sessions.abort(session_id):
+                    return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="released")
+                return pb.AbortResponse(
+                    status=pb.ABORT_STATUS_ALREADY_FINISHED, message="already released"
+                )
             if target == "all_requests":
                 aborted = await self._service.abort_all()
                 return pb.AbortResponse(
@@ -460,8 +468,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         else:
             # The log ends only when the engine shuts down: say so, so that a subscriber
             # tells it from a stream cut short (retryable: a new process may follow).
-            shutting_down = DrainingError("the engine is shutting down")
-            yield pb.SubscribeKvEventsResponse(error=engine_error_for(shutting_down))
+            yield pb.SubscribeKvEventsResponse(error=engine_error_for(_SHUTTING_DOWN))
 
     async def SubscribeRuntimeEvents(
         self, request: pb.SubscribeRuntimeEventsRequest, context: Context
@@ -476,6 +483,8 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
         except Exception as exc:
             log.exception("runtime event subscription failed")
             yield pb.SubscribeRuntimeEventsResponse(error=engine_error_for(exc))
+        else:  # the hub ends subscriptions only at shutdown: as the KV event stream says it
+            yield pb.SubscribeRuntimeEventsResponse(error=engine_error_for(_SHUTTING_DOWN))
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 

@@ -23,6 +23,7 @@ Semantics, following vLLM for a causal LM served for embeddings:
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,12 @@ from engine.core.pooling import (
     plan_batches,
 )
 from engine.server.engine_service import EngineService, TaskHandle
-from engine.server.errors import FeatureDisabledError, ModelNotFoundError, UnsupportedOptionError
+from engine.server.errors import (
+    FeatureDisabledError,
+    ModelNotFoundError,
+    NonFiniteOutputError,
+    UnsupportedOptionError,
+)
 from engine.server.openengine_convert import EngineContext
 from openengine.v1 import openengine_pb2 as pb
 
@@ -300,7 +306,15 @@ class PoolingTasks:
             def pool(_core: object, chunk: list[tuple[int, ...]] = chunk) -> list[PooledOutput]:
                 return pooler.pool(chunk, params)
 
-            outputs.extend(await self._service.run_task(handle, pool))
+            for output in await self._service.run_task(handle, pool):
+                # The values are float32: a float64 sum of finite ones cannot overflow, so a
+                # non-finite sum means a NaN or an infinity among them.
+                if not math.isfinite(sum(output.values)):
+                    raise NonFiniteOutputError(
+                        f"the model produced a non-finite value (NaN or infinity) for input "
+                        f"{len(outputs)}; a task's tensors must be finite"
+                    )
+                outputs.append(output)
         return outputs
 
 

@@ -41,6 +41,7 @@ class RuntimeEventHub:
         self._ids = itertools.count(1)
         self._subscribers: list[_Subscriber] = []
         self._last_queue: tuple[int, int] | None = None
+        self._closed = False
 
     @property
     def num_subscribers(self) -> int:
@@ -112,6 +113,8 @@ class RuntimeEventHub:
                 sub.queue.put_nowait(event)
 
     def close(self) -> None:
+        """End every subscription, and any made from now on (the engine is shutting down)."""
+        self._closed = True
         for sub in self._subscribers:
             sub.queue.put_nowait(None)
 
@@ -123,6 +126,8 @@ class RuntimeEventHub:
         wanted = frozenset(int(t) for t in types) or _ALL_TYPES
         sub = _Subscriber(wanted, asyncio.Queue())
         self._subscribers.append(sub)
+        if self._closed:  # no event will ever come: end it at once, as close() would have
+            sub.queue.put_nowait(None)
         return self._stream(sub)
 
     async def _stream(self, sub: _Subscriber) -> AsyncIterator[pb.RuntimeEvent]:

@@ -32,7 +32,13 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from engine.config import EngineConfig, EngineRoleName, RunnerName, check_model_source
+from engine.config import (
+    BIND_WILDCARD_HOSTS,
+    EngineConfig,
+    EngineRoleName,
+    RunnerName,
+    check_model_source,
+)
 from engine.core.api import ModelRunner, SchedulerConfig, StepReport
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.pooling import Pooler
@@ -60,7 +66,6 @@ DEFAULT_NUM_KV_BLOCKS = 1024
 # A pooling-only engine's KV cache: the least the block manager accepts, never written.
 POOLING_NUM_KV_BLOCKS = 1
 DEFAULT_SIM_MAX_MODEL_LEN = 4096
-_WILDCARDS = frozenset({"0.0.0.0", "::", "*", ""})
 
 _ROLE = {
     EngineRoleName.aggregated: pb.ENGINE_ROLE_AGGREGATED,
@@ -159,7 +164,7 @@ def advertised_host(config: EngineConfig) -> str:
     if config.kv_events.advertised_host:
         return config.kv_events.advertised_host
     host, _ = parse_host_port(config.listen)
-    if host not in _WILDCARDS:
+    if host not in BIND_WILDCARD_HOSTS:
         return host
     found = _default_route_address() or _host_name_address()
     if found.startswith("127."):

@@ -25,6 +25,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
+from engine.config import BIND_WILDCARD_HOSTS
 from engine.server.kv_event_log import KvEventBatchRecord
 from engine.server.kv_wire import encode_msgpack_batch
 from kvplane.errors import ConfigError
@@ -152,12 +153,9 @@ def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
     return last.decode() if isinstance(last, bytes) else str(last)
 
 
-_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
-
-
 def routable_host_port(bound_endpoint: str, advertised_host: str) -> tuple[str, int]:
     """`tcp://0.0.0.0:5557` -> (advertised_host, 5557): never a bind wildcard."""
     address = bound_endpoint.removeprefix("tcp://")
     host, _, port = address.rpartition(":")
-    host = host.strip("[]") if host not in _WILDCARD_HOSTS else ""
+    host = host.strip("[]") if host not in BIND_WILDCARD_HOSTS else ""
     return (host or advertised_host), int(port)

@@ -1,7 +1,8 @@
 """The engine config's cross-field checks: each `kv_transfer.*` key only on the role that reads
 it (an AGGREGATED engine never moves KV, a DECODE engine holds no sessions, a PREFILL engine
-pulls none, so the key would be ignored). `runner: pooling`'s checks are in
-test_server_pooling_runner.py; the shipped configs load in tests/foundation/."""
+pulls none, so the key would be ignored); no bind wildcard as the advertised host.
+`runner: pooling`'s checks are in test_server_pooling_runner.py; the shipped configs load in
+tests/foundation/."""
 
 from __future__ import annotations
 
@@ -49,3 +50,16 @@ def test_the_role_flag_is_named_when_it_makes_the_engine_aggregated() -> None:
 
 def test_an_empty_kv_transfer_section_sets_nothing_and_is_accepted() -> None:
     assert EngineConfig(kv_transfer={}).kv_transfer.session_ttl_s == 60.0
+
+
+@pytest.mark.parametrize("wildcard", ["*", "0.0.0.0", "::", "[::]"])
+def test_a_bind_wildcard_is_refused_as_the_advertised_host(wildcard: str) -> None:
+    """The seed: a KV event source's endpoint_addr is a routable host:port, never a bind
+    wildcard; a configured one would be advertised as it is."""
+    data = {"kv_events": {"advertised_host": wildcard}}
+    with pytest.raises(ConfigError) as err:
+        validate_config(EngineConfig, data, "engine.yaml")
+    message = str(err.value)
+    assert "kv_events.advertised_host" in message and "bind wildcard" in message
+    assert "\n" not in message
+    assert validate_config(EngineConfig, {"kv_events": {"advertised_host": "10.0.0.7"}}, "e.yaml")

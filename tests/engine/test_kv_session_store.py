@@ -124,16 +124,18 @@ async def test_abort_releases_at_once_or_when_the_pull_ends() -> None:
     idle, pulled = sessions.open(KvNamespace()), sessions.open(KvNamespace())
     sessions.ready(idle)
     sessions.ready(pulled)
-    sessions.abort(idle)
+    assert sessions.abort(idle)
     assert loop.core.released == [idle]
     await sessions.claim(pulled)
-    sessions.abort(pulled)
+    assert sessions.abort(pulled)  # released once the pull ends
+    assert not sessions.abort(pulled)  # a second abort meanwhile changes nothing
     assert loop.core.released == [idle]
     sessions.end_pull(pulled, complete=False)  # cut short, but aborted: released
     assert loop.core.released == [idle, pulled] and sessions.num_open == 0
-    for gone in (idle, pulled, "unknown"):
-        with pytest.raises(KvSessionNotFoundError):
-            sessions.abort(gone)
+    # Ended sessions are remembered (Abort answers ALREADY_FINISHED); unknown ones are not.
+    assert not sessions.abort(idle) and not sessions.abort(pulled)
+    with pytest.raises(KvSessionNotFoundError):
+        sessions.abort("unknown")
     await sessions.close()
 
 

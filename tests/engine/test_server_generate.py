@@ -64,13 +64,27 @@ async def test_cached_prompt_tokens_reports_prefix_hits() -> None:
         salted = await collect(
             engine.stub, generate_request(PROMPT, kv=pb.KvOptions(cache_salt="tenant-b"))
         )
+        # An empty salt is no namespace: the same block keys (the indexer's and the
+        # gateway's view), so the same hits.
+        empty_salt = await collect(
+            engine.stub, generate_request(PROMPT, kv=pb.KvOptions(cache_salt=""))
+        )
         bypass = await collect(
             engine.stub, generate_request(PROMPT, kv=pb.KvOptions(bypass_prefix_cache=True))
         )
+        # The seed: bypassing skips reuse but still caches what it computes.
+        fresh = list(range(100, 140))
+        bypass_fresh = await collect(
+            engine.stub, generate_request(fresh, kv=pb.KvOptions(bypass_prefix_cache=True))
+        )
+        after_bypass = await collect(engine.stub, generate_request(fresh))
     assert first[-1].usage.cached_prompt_tokens == 0
+    assert bypass_fresh[-1].usage.cached_prompt_tokens == 0
+    assert after_bypass[-1].usage.cached_prompt_tokens == 36  # all but the last token's block
     # All 10 full prompt blocks of the first request are reused.
     assert second[-1].usage.cached_prompt_tokens == 40
     assert salted[-1].usage.cached_prompt_tokens == 0  # another namespace
+    assert empty_salt[-1].usage.cached_prompt_tokens == 36  # all but the last token's block
     assert bypass[-1].usage.cached_prompt_tokens == 0
 
 
@@ -267,6 +281,60 @@ async def test_drain_stops_admission_and_completes_when_work_ends() -> None:
         assert rest[-1].state == pb.DRAIN_STATE_COMPLETE
         assert rest[-1].in_flight_requests == 0
         assert all(r.state == pb.DRAIN_STATE_IN_PROGRESS for r in rest[:-1])
+
+
+async def test_drain_that_keeps_admission_open_waits_for_new_requests_too() -> None:
+    """stop_accepting_new_requests = false: the drain reports and waits, but the engine stays
+    READY and admits requests (which the drain then waits for as well)."""
+    async with running_engine(_slow_config()) as engine:
+        stream = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="d"))
+        await _first_token(stream)
+        drain = engine.stub.Drain(pb.DrainRequest())
+        started: Any = await asyncio.wait_for(drain.read(), timeout=10)
+        assert started.state == pb.DRAIN_STATE_STARTED and started.in_flight_requests == 1
+        health = await engine.stub.Health(pb.HealthRequest())
+        assert health.state == pb.HEALTH_STATE_READY
+        admitted = await collect(engine.stub, generate_request(PROMPT, max_tokens=1))
+        assert admitted[-1].WhichOneof("event") == "finished"
+
+        await engine.stub.Abort(pb.AbortRequest(request_id="d"))
+        rest = await _rest(drain)
+        assert rest[-1].state == pb.DRAIN_STATE_COMPLETE and rest[-1].in_flight_requests == 0
+        assert all(r.state == pb.DRAIN_STATE_IN_PROGRESS for r in rest[:-1])
+        after = await collect(engine.stub, generate_request(PROMPT, max_tokens=1))
+        assert after[-1].WhichOneof("event") == "finished"  # admission was never closed
+
+
+async def test_a_larger_priority_is_admitted_first() -> None:
+    """OpenEngine's priority: larger values are handled first (vLLM's is the opposite). With
+    the one seat taken, the queued request with priority 5 starts before the one with -5."""
+    one_seat = sim_config(
+        sim=SimTimingConfig(time_scale=0.5, vocab_size=1000),
+        max_model_len=4096,
+        num_kv_blocks=2048,
+        max_num_seqs=1,
+    )
+    async with running_engine(one_seat) as engine:
+        busy = engine.stub.Generate(generate_request(PROMPT, max_tokens=3000, request_id="busy"))
+        await _first_token(busy)
+        finished: list[str] = []
+
+        async def run(request_id: str, priority: int) -> None:
+            request = generate_request(PROMPT, max_tokens=1, request_id=request_id)
+            request.priority = priority
+            await collect(engine.stub, request)
+            finished.append(request_id)
+
+        tasks = [asyncio.create_task(run("lower", -5)), asyncio.create_task(run("higher", 5))]
+
+        async def both_queued() -> bool:
+            return (await engine.stub.GetLoad(pb.GetLoadRequest())).queued_requests == 2
+
+        await eventually(both_queued, what="both requests queued")
+        await engine.stub.Abort(pb.AbortRequest(request_id="busy"))
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=20)
+        busy.cancel()
+    assert finished == ["higher", "lower"]
 
 
 async def test_drain_deadline_zero_aborts_at_once_or_fails_without_abort() -> None:

@@ -5,6 +5,7 @@ by a real SUB socket and DEALER replay."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -20,6 +21,7 @@ from indexer.sources.openengine import decode_event
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from indexer.zmq_decode import decode_frames, decode_payload
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import (
     Engine,
     collect,
@@ -134,6 +136,67 @@ async def test_resume_outside_the_buffer_is_out_of_range() -> None:
         stream.cancel()
 
 
+async def test_a_subscriber_that_falls_behind_ends_with_one_overloaded_error() -> None:
+    """After acceptance a failure is the final response, an EngineError, and the stream ends
+    OK (the seed). A subscriber that stops reading (its channel's flow-control window kept
+    small) while the engine publishes far more than the 2-batch ring holds: the batches it
+    still gets are consecutive, then one retryable OVERLOADED error, nothing after it."""
+    config = sim_config(
+        kv_events=KvEventsConfig(buffer_steps=2),
+        num_kv_blocks=4096,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+    )
+    async with running_engine(config) as engine:
+        # No BDP probing: the window stays at HTTP/2's 64 KiB while the client does not read.
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{engine.app.port}", options=[("grpc.http2.bdp_probe", 0)]
+        )
+        stub = pb_grpc.OpenEngineStub(channel)
+        stream = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+        snapshot = (await _next(stream)).batch  # accepted
+        for i in range(60):  # each a new 1000-token prompt: 250 blocks stored, ~10 KB a batch
+            prompt = [(i * 7919 + j * 31 + (j * j) % 17) % 1000 for j in range(1000)]
+            await collect(engine.stub, generate_request(prompt, max_tokens=1))
+        rest = []
+        while (response := await asyncio.wait_for(stream.read(), timeout=10)) != grpc.aio.EOF:
+            rest.append(response)
+        code = await stream.code()
+        await channel.close()
+    assert code == grpc.StatusCode.OK
+    kinds = [r.WhichOneof("event") for r in rest]
+    assert kinds[-1] == "error" and "error" not in kinds[:-1]
+    error = rest[-1].error
+    assert (error.code, error.retryable) == (pb.ERROR_CODE_OVERLOADED, True)
+    numbers = [snapshot.sequence_number, *(r.batch.sequence_number for r in rest[:-1])]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+
+
+async def test_batches_carry_the_engines_data_parallel_rank() -> None:
+    """DP-rank attribution (the seed): every batch names the engine's rank; a subscription
+    asking only for other ranks is refused before acceptance, one naming it is served, and
+    the advertised sources carry the rank."""
+    config = sim_config(kv_events=KvEventsConfig(data_parallel_rank=2))
+    async with running_engine(config) as engine:
+        stub = engine.stub
+        others = pb.SubscribeKvEventsRequest(data_parallel_ranks=[0, 1], include_snapshot=True)
+        error = await rpc_error(lambda: stub.SubscribeKvEvents(others).read())
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        mine = pb.SubscribeKvEventsRequest(data_parallel_ranks=[1, 2], include_snapshot=True)
+        stream = stub.SubscribeKvEvents(mine)
+        snapshot = (await _next(stream)).batch
+        await collect(stub, generate_request(list(range(10, 30))))
+        live = (await _next(stream)).batch
+        stream.cancel()
+        assert (snapshot.data_parallel_rank, live.data_parallel_rank) == (2, 2)
+        assert (
+            live.timestamp_unix_nanos > 0 and live.sequence_number == snapshot.sequence_number + 1
+        )
+        sources = await stub.GetKvEventSources(pb.GetKvEventSourcesRequest(data_parallel_ranks=[2]))
+        assert [s.data_parallel_rank for s in sources.sources] == [2]
+        assert sources.sources[0].HasField("data_parallel_rank")
+
+
 async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
     async with running_engine() as engine:
         everything = engine.stub.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest())
@@ -175,6 +238,37 @@ async def test_runtime_events_report_forward_passes_batches_and_queue() -> None:
         assert "running_requests" in queued.runtime_event.attributes
         everything.cancel()
         only_queue.cancel()
+
+
+async def test_a_runtime_event_subscriber_that_falls_behind_ends_with_one_overloaded_error() -> (
+    None
+):
+    """As for KV events: a subscriber 4096 events behind (it stopped reading, its channel's
+    window kept small) gets what was queued, then one retryable OVERLOADED error, then OK."""
+    config = sim_config(max_model_len=4096, num_kv_blocks=1024)
+    async with running_engine(config) as engine:
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{engine.app.port}", options=[("grpc.http2.bdp_probe", 0)]
+        )
+        stub = pb_grpc.OpenEngineStub(channel)
+        stream = stub.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest())
+        hub = engine.app.service.runtime_events
+
+        async def subscribed() -> bool:
+            return hub.num_subscribers == 1
+
+        await eventually(subscribed, what="the runtime event subscription")
+        # 3,000 decode steps: two events each (FORWARD_PASS, BATCH), far past the 4096 queued.
+        await collect(engine.stub, generate_request([1, 2, 3], max_tokens=3000))
+        rest = await asyncio.wait_for(_read_all(stream), timeout=30)
+        code = await stream.code()
+        await channel.close()
+    assert code == grpc.StatusCode.OK
+    kinds = [r.WhichOneof("event") for r in rest]
+    assert kinds[-1] == "error" and "error" not in kinds[:-1]
+    assert len(rest) > 4096  # what was queued still came first
+    error = rest[-1].error
+    assert (error.code, error.retryable) == (pb.ERROR_CODE_OVERLOADED, True)
 
 
 async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
@@ -336,17 +430,48 @@ def test_an_engine_on_every_interface_advertises_its_routed_address(
     assert service.advertised_host(configured) == "h1"
 
 
-async def test_a_subscription_ends_with_a_retryable_draining_error_at_shutdown() -> None:
+async def _read_all(stream: Any) -> list[Any]:
+    return [response async for response in stream]
+
+
+def _kv_events(engine: Engine) -> tuple[Any, Callable[[], bool]]:
+    stream = engine.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
+    return stream, lambda: True  # the snapshot comes first, whenever it is accepted
+
+
+def _runtime_events(engine: Engine) -> tuple[Any, Callable[[], bool]]:
+    stream = engine.stub.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest())
+    hub = engine.app.service.runtime_events
+    return stream, lambda: hub.num_subscribers == 1  # events from then on
+
+
+@pytest.mark.parametrize("subscribe", [_kv_events, _runtime_events], ids=["kv", "runtime"])
+async def test_a_subscription_ends_with_a_retryable_draining_error_at_shutdown(
+    subscribe: Callable[[Engine], tuple[Any, Callable[[], bool]]],
+) -> None:
     """A subscriber tells the engine shutting down from a stream cut short: after what the
-    log gave it, a terminal DRAINING error, retryable (a new process may follow)."""
+    engine gave it, a terminal DRAINING error, retryable (a new process may follow), then OK
+    (the seed: an EngineError terminates a KV-event or runtime-event subscription)."""
     async with running_engine(sim_config(num_kv_blocks=16)) as engine:
-        stream = engine.stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(include_snapshot=True))
-        assert (await _next(stream)).HasField("batch")
+        stream, accepted = subscribe(engine)
+
+        async def subscribed() -> bool:
+            return accepted()
+
+        await eventually(subscribed, what="the subscription to be accepted")
+        await collect(engine.stub, generate_request([1, 2, 3], max_tokens=2))
+        assert (await asyncio.wait_for(stream.read(), timeout=10)).WhichOneof("event") != "error"
         await engine.app.close_engine()  # the gRPC server still serves the stream's end
         rest = []
         while (response := await asyncio.wait_for(stream.read(), timeout=10)) != grpc.aio.EOF:
             rest.append(response)
+        assert await stream.code() == grpc.StatusCode.OK
+        # A subscription that arrives during the shutdown ends the same way, at once.
+        late_stream, _ = subscribe(engine)
+        late = await asyncio.wait_for(_read_all(late_stream), timeout=10)
     assert rest and rest[-1].WhichOneof("event") == "error"
-    error = rest[-1].error
-    assert (error.code, error.retryable) == (pb.ERROR_CODE_DRAINING, True)
-    assert error.message == "the engine is shutting down"
+    assert all(r.WhichOneof("event") != "error" for r in rest[:-1])
+    assert late and late[-1].WhichOneof("event") == "error"
+    for error in (rest[-1].error, late[-1].error):
+        assert (error.code, error.retryable) == (pb.ERROR_CODE_DRAINING, True)
+        assert error.message == "the engine is shutting down"

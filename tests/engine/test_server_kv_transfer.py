@@ -121,6 +121,8 @@ async def test_a_pulled_session_stays_for_a_retry_until_it_is_released() -> None
         await eventually(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
         _, error = await stream_error(stub.PullKvSession(pull))
         assert error.code() == grpc.StatusCode.NOT_FOUND
+        # Releasing it again is idempotent; only a session never handed over is unknown.
+        await stub.ReleaseKvSession(kt.ReleaseKvSessionRequest(session_id=session.session_id))
         again = await rpc_error(
             lambda: stub.ReleaseKvSession(kt.ReleaseKvSessionRequest(session_id="unknown"))
         )
@@ -158,8 +160,20 @@ async def test_abort_of_a_session_releases_its_blocks() -> None:
         await eventually(lambda: _no_sessions(prefiller), what="the blocks released")
         gone = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
         assert gone.code() == grpc.StatusCode.NOT_FOUND
-        again = await rpc_error(prefiller.stub.Abort(pb.AbortRequest(kv_session=session)))
-        assert again.code() == grpc.StatusCode.NOT_FOUND
+        # Abort is idempotent (the seed): a session that ended is ALREADY_FINISHED, as is one
+        # a decode engine took (and released); only a session never handed over is NOT_FOUND.
+        again = await prefiller.stub.Abort(pb.AbortRequest(kv_session=session))
+        assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        taken = await prefill(prefiller, [*PROMPT, 1])
+        assert (await collect(decoder.stub, with_session(taken, [*PROMPT, 1])))[-1].HasField(
+            "finished"
+        )
+        await eventually(lambda: _no_sessions(prefiller), what="the decode engine's release")
+        late = await prefiller.stub.Abort(pb.AbortRequest(kv_session=taken))
+        assert late.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        unknown = pb.KvSessionRef(session_id="kvs-never-handed-over")
+        never = await rpc_error(prefiller.stub.Abort(pb.AbortRequest(kv_session=unknown)))
+        assert never.code() == grpc.StatusCode.NOT_FOUND
         # Only a PREFILL engine holds sessions.
         elsewhere = await rpc_error(decoder.stub.Abort(pb.AbortRequest(kv_session=session)))
         assert elsewhere.code() == grpc.StatusCode.NOT_FOUND

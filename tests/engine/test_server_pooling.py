@@ -22,6 +22,7 @@ from engine.torch_runner.builtin_model import write_builtin_model
 from engine.torch_runner.config import ModelConfig
 from engine.torch_runner.errors import CheckpointError
 from engine.torch_runner.loader import load_model
+from engine.torch_runner.pooling import TorchPooler
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
@@ -472,8 +473,9 @@ async def test_abort_stops_a_running_embed_between_batches(builtin_dir: Path) ->
             return service.num_running_tasks == 1
 
         await eventually(running, what="the embed to start")
-        load = await engine.stub.GetLoad(pb.GetLoadRequest())
+        load = await engine.stub.GetLoad(pb.GetLoadRequest(include_per_rank=True))
         assert load.running_requests == 1 and service.num_in_flight == 1
+        assert load.ranks[0].running_requests == 1  # the one rank's figure is the engine's
         aborted = await engine.stub.Abort(pb.AbortRequest(request_id="long"))
         error = await rpc_error(call)
         again = await engine.stub.Abort(pb.AbortRequest(request_id="long"))
@@ -483,6 +485,70 @@ async def test_abort_stops_a_running_embed_between_batches(builtin_dir: Path) ->
     assert error.code() == grpc.StatusCode.CANCELLED
     assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
     assert len(after.outputs) == 2
+
+
+async def test_a_client_that_cancels_an_embed_stops_its_forwards(
+    builtin_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seed: client cancellation stops queued or running task work. The forwards left
+    are never run (a spy counts the pooler's forwards; the engine is not faked)."""
+    forwards = 0
+    pool = TorchPooler.pool
+
+    def counting_pool(self: TorchPooler, *args: Any, **kwargs: Any) -> Any:
+        nonlocal forwards
+        forwards += 1
+        return pool(self, *args, **kwargs)
+
+    monkeypatch.setattr(TorchPooler, "pool", counting_pool)
+    # 300 forwards of one 60-token input each (a 64-token budget).
+    inputs = [ids_input(f"i{n}", [5 + n % 50] * 60) for n in range(300)]
+    async with running_engine(engine_config(builtin_dir, max_num_batched_tokens=64)) as engine:
+        call = engine.stub.Embed(pb.EmbedRequest(context=context("gone"), inputs=inputs))
+        service = engine.app.service
+
+        async def started() -> bool:
+            return forwards > 0
+
+        await eventually(started, what="the embed's first forward")
+        call.cancel()
+
+        async def ended() -> bool:
+            return service.num_running_tasks == 0
+
+        await eventually(ended, what="the cancelled embed to end")
+        # Commands run in order on the engine thread: this one's forwards come after any the
+        # cancelled embed still had queued.
+        after = await engine.stub.Embed(pb.EmbedRequest(context=context(), inputs=inputs[:2]))
+        aborted = await engine.stub.Abort(pb.AbortRequest(request_id="gone"))
+    assert len(after.outputs) == 2
+    assert forwards < 300  # the embed did not run to its end (300 forwards, then 2 more)
+    assert aborted.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+
+async def test_a_model_producing_nan_fails_the_task_instead_of_sending_it(
+    builtin_dir: Path,
+) -> None:
+    """The seed's tensors are finite: a model whose output turned NaN (its final norm's
+    weights corrupted here, in the running engine) fails Embed and Score with INTERNAL, a
+    one-line message, rather than sending NaN."""
+    async with running_engine(engine_config(builtin_dir)) as engine:
+        weights = engine.app.service.engine_loop.core.runner.model.weights
+        with torch.inference_mode():
+            weights.final_norm.fill_(float("nan"))
+        inputs = [ids_input("a", [5, 6, 7]), ids_input("b", [8, 9])]
+        embed = await rpc_error(
+            engine.stub.Embed(pb.EmbedRequest(context=context("e"), inputs=inputs))
+        )
+        group = pb.ScoreGroup(group_id="g", query=inputs[0], candidates=inputs[1:])
+        score = await rpc_error(
+            engine.stub.Score(pb.ScoreRequest(context=context("s"), groups=[group]))
+        )
+        assert engine.app.service.num_running_tasks == 0
+    for error in (embed, score):
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert "non-finite" in (error.details() or "")
+        assert "Traceback" not in (error.details() or "")
 
 
 async def test_classify_equals_hf_transformers_sequence_classification(

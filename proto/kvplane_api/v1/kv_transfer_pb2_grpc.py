@@ -65,7 +65,8 @@ class KvTransferServicer:
     def ReleaseKvSession(self, request, context):
         """The puller has what it needs (its request was accepted): release the session; its blocks
         stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
-        Unknown, expired or released sessions: NOT_FOUND. Needs the bearer token when the engine
+        A session never handed over here: NOT_FOUND; one that already ended (released, expired,
+        aborted): OK, as OpenEngine's Abort is idempotent. Needs the bearer token when the engine
         has auth.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

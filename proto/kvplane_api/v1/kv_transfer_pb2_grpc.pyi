@@ -49,7 +49,8 @@ class KvTransferStub:
     ReleaseKvSession: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseKvSessionRequest, _kv_transfer_pb2.ReleaseKvSessionResponse]
     """The puller has what it needs (its request was accepted): release the session; its blocks
     stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
-    Unknown, expired or released sessions: NOT_FOUND. Needs the bearer token when the engine
+    A session never handed over here: NOT_FOUND; one that already ended (released, expired,
+    aborted): OK, as OpenEngine's Abort is idempotent. Needs the bearer token when the engine
     has auth.
     """
 
@@ -68,7 +69,8 @@ class KvTransferAsyncStub(KvTransferStub):
     ReleaseKvSession: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseKvSessionRequest, _kv_transfer_pb2.ReleaseKvSessionResponse]  # type: ignore[assignment]
     """The puller has what it needs (its request was accepted): release the session; its blocks
     stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
-    Unknown, expired or released sessions: NOT_FOUND. Needs the bearer token when the engine
+    A session never handed over here: NOT_FOUND; one that already ended (released, expired,
+    aborted): OK, as OpenEngine's Abort is idempotent. Needs the bearer token when the engine
     has auth.
     """
 
@@ -96,7 +98,8 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kv_transfer_pb2.ReleaseKvSessionResponse, _abc.Awaitable[_kv_transfer_pb2.ReleaseKvSessionResponse]]:
         """The puller has what it needs (its request was accepted): release the session; its blocks
         stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
-        Unknown, expired or released sessions: NOT_FOUND. Needs the bearer token when the engine
+        A session never handed over here: NOT_FOUND; one that already ended (released, expired,
+        aborted): OK, as OpenEngine's Abort is idempotent. Needs the bearer token when the engine
         has auth.
         """
 
