@@ -82,8 +82,20 @@ def test_version_json() -> None:
     assert json.loads(result.stdout)["version"]
 
 
-def test_planner_run_without_a_live_section_is_one_line() -> None:
-    result = run("planner", "run")
+def test_planner_run_without_a_config_is_a_usage_error() -> None:
+    """A required option left out, as click reports one, saying what the file must hold (it
+    was exit 1, `kvplane: error: ...`, as if a file had been given)."""
+    line = _usage_error_line(run("planner", "run"))
+    assert line == (
+        "Error: Missing option '--config' / '-c'. Give a YAML file whose `live:` section names "
+        "the controller (example: configs/planner.yaml)."
+    )
+
+
+def test_planner_run_on_a_file_without_a_live_section_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "planner.yaml"
+    config.write_text("sla: {ttft_ms: 1000, itl_ms: 40}\n")
+    result = run("planner", "run", "--config", str(config))
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "kvplane: error: the live planner needs a `live:` section (the controller's address) "
