@@ -139,21 +139,43 @@ def test_log_level_and_format_ignore_case() -> None:
     assert result.returncode == 0 and result.stdout.startswith("kvplane ")
 
 
-@pytest.mark.parametrize("content", [None, b"\x85\xff token"])
-def test_a_token_file_that_cannot_be_read_is_one_line_and_exit_1(
-    tmp_path: Path, content: bytes | None
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "cannot read token file {path}: No such file or directory"),
+        (b"\x85\xff token", "token file {path} is not UTF-8 text (byte 0)"),
+        (b" \n", "token file {path} is empty"),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["admin", "--token-file", "{path}", "health"],  # the group's, read by every command
+        ["admin", "index", "--token-file", "{path}", "stats"],
+        ["admin", "cordon", "e0", "--token-file", "{path}"],  # a command's own
+        ["admin", "index", "resync", "e0", "--token-file", "{path}"],
+    ],
+)
+def test_a_token_file_that_cannot_be_used_is_a_usage_error(
+    tmp_path: Path, content: bytes | None, why: str, command: list[str]
 ) -> None:
-    """Missing, or not text (a key file given by mistake): one line naming it, no traceback,
-    before anything is dialled."""
+    """Missing, not text (a key file given by mistake) or empty: a file an option gives, so a
+    usage error naming the option (it was exit 1, `kvplane: error: ...`), before anything is
+    dialled, and never left for $KVPLANE_TOKEN."""
     token = tmp_path / "token"
     if content is not None:
         token.write_bytes(content)
-    result = run("admin", "--token-file", str(token), "--target", "127.0.0.1:9", "health")
-    assert result.returncode == 1, result.stderr
-    why = "No such file or directory" if content is None else "is not UTF-8 text (byte 0)"
-    assert result.stderr.startswith("kvplane: error: ")
-    assert result.stderr.count("\n") == 1 and str(token) in result.stderr, result.stderr
-    assert why in result.stderr and "Errno" not in result.stderr, result.stderr
+    args = [arg.format(path=token) for arg in command]
+    result = subprocess.run(
+        [*KVPLANE, *args, "--target", "127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "KVPLANE_TOKEN": "s3cret"},
+    )
+    line = _usage_error_line(result)
+    assert line == f"Error: Invalid value for --token-file: {why.format(path=token)}"
 
 
 def test_unknown_config_key_is_rejected(tmp_path: Path) -> None:
