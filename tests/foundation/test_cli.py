@@ -209,6 +209,9 @@ def _usage_error_line(result: subprocess.CompletedProcess[str]) -> str:
             ["engine", "serve", "--model", "/nonexistent/model"],
             "--model: model '/nonexistent/model' is not 'sim', 'builtin' or an HF model",
         ),
+        # Empty is not "make one up": leaving the flag out is.
+        (["engine", "serve", "--instance-id", ""], "--instance-id: must not be empty"),
+        (["engine", "serve", "--instance-id", " "], "--instance-id: must not be empty"),
         (
             # A check across fields, on the flags alone: the defaults pass every check.
             ["engine", "serve", "--runner", "pooling"],
@@ -254,6 +257,17 @@ def test_a_bad_value_in_the_file_stays_a_config_error_naming_the_file(tmp_path: 
     # With a bad flag too, the command line is checked first, as click checks its options.
     line = _usage_error_line(run("engine", "serve", "--config", str(config), "--role", "bogus"))
     assert line.startswith("Error: Invalid value for --role: Input should be 'aggregated'")
+
+
+def test_an_empty_instance_id_in_the_file_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("listen: 127.0.0.1:0\ninstance_id: ''\n")
+    result = run("engine", "serve", "--config", str(config), timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {config}: instance_id: must not be empty (leave it "
+        "out for a fresh id per process)"
+    ]
 
 
 def test_a_flag_at_odds_with_the_file_is_blamed_on_both(tmp_path: Path) -> None:
