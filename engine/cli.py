@@ -51,8 +51,9 @@ def serve(
     """Serve openengine.v1.OpenEngine and vllm.Generate over the bundled engine."""
     from engine.config import EngineConfig, check_model_source
     from engine.server.service import run_engine
+    from kvplane.errors import ConfigError
 
-    if model is not None:  # a model in the file is the engine's to refuse, as a config error
+    if model is not None:  # the command line first, as click checks its own options
         with usage_error_for("--model"):
             check_model_source(model)
     engine_config = load_command_config(
@@ -66,4 +67,9 @@ def serve(
             "instance_id": instance_id,
         },
     )
+    if model is None and config is not None:  # the file's model: a config error naming it
+        try:
+            check_model_source(engine_config.model)
+        except ConfigError as exc:
+            raise ConfigError(f"invalid config in {config}: {exc}") from None
     asyncio.run(run_engine(engine_config, port_file=port_file))

@@ -25,7 +25,7 @@ import enum
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel
 from kvplane.errors import ConfigError
@@ -171,6 +171,15 @@ class EngineConfig(ServerConfig):
     kv_transfer: KvTransferConfig = Field(default_factory=KvTransferConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
+    @field_validator("instance_id")
+    @classmethod
+    def _check_instance_id(cls, value: str | None) -> str | None:
+        # Left out, each process gets a fresh id; an empty one given is a mistake (an unset
+        # shell variable), not a request for one, and a blank id names no engine to a reader.
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty (leave it out for a fresh id per process)")
+        return value
+
     @model_validator(mode="after")
     def _check_capacity(self) -> EngineConfig:
         if self.num_kv_blocks is not None and self.kv_cache_bytes is not None:
@@ -261,7 +270,9 @@ def check_model_source(model: str) -> None:
     """`model` names what an engine can serve: `sim`, `builtin`, or a directory holding
     config.json (its weights and tokenizer are read when the engine starts); ConfigError
     otherwise. Not one of EngineConfig's checks: the directory is looked for on the machine
-    that runs the engine (`kvplane up` leaves a missing one to the engine's process)."""
+    that runs the engine, by `kvplane engine serve` before anything loads (its --model as a
+    usage error, its file's `model` as a config error naming the file; `kvplane up` leaves a
+    missing one to the engine's process) and by the engine when it starts."""
     if model in (SIM_MODEL, BUILTIN_MODEL) or (Path(model) / "config.json").is_file():
         return
     raise ConfigError(

@@ -40,6 +40,7 @@ from kvplane.cli_common import (
     emit,
     remember_group_client,
     target_option,
+    usage_error_for,
 )
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as api
@@ -234,15 +235,20 @@ TOKENS_FILE_FORMATS = (
 def read_token_ids(path: Path) -> list[int]:
     """The token ids of a `--tokens-file` (both admin CLIs): a JSON array, a JSON object with
     `token_ids` or `prompt_token_ids` (as vLLM logs requests), or ids separated by spaces,
-    commas or newlines; each an integer in the proto's uint32 range. One-line errors."""
+    commas or newlines; each an integer in the proto's uint32 range. A file missing,
+    unreadable or holding anything else is a usage error naming the option."""
+    with usage_error_for("--tokens-file"):
+        return _token_ids_in(path)
+
+
+def _token_ids_in(path: Path) -> list[int]:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise KvplaneError(f"cannot read --tokens-file {path}: {reason}") from exc
+        raise KvplaneError(f"cannot read {path}: {reason}") from exc
     invalid = KvplaneError(
-        f"--tokens-file {path} must hold token ids ({TOKENS_FILE_FORMATS}), "
-        f"integers in 0..{MAX_UINT32}"
+        f"{path} must hold token ids ({TOKENS_FILE_FORMATS}), integers in 0..{MAX_UINT32}"
     )
     try:
         loaded = json.loads(text)
@@ -257,9 +263,7 @@ def read_token_ids(path: Path) -> list[int]:
         raise invalid
     bad = next((t for t in loaded if not 0 <= t <= MAX_UINT32), None)
     if bad is not None:
-        raise KvplaneError(
-            f"--tokens-file {path}: token id {bad} is out of range (0 to {MAX_UINT32})"
-        )
+        raise KvplaneError(f"{path}: token id {bad} is out of range (0 to {MAX_UINT32})")
     return loaded
 
 

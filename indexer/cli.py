@@ -25,9 +25,9 @@ from kvplane.cli_common import (
     client_channels,
     load_command_config,
     target_option,
+    token_of,
     usage_error_for,
 )
-from kvplane.config import read_token_file
 
 indexer_app = typer.Typer(no_args_is_help=True)
 
@@ -172,7 +172,7 @@ def bridge(
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
     if clear_tier:
         clear_tiers = tuple(_medium("--clear-tier", t, skip=False) for t in clear_tier)
-    token = read_token_file(token_file, "--token-file") if token_file is not None else None
+    token = token_of(token_file)
     channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name) or INSECURE
     settings = BridgeSettings(
         endpoint=endpoint,

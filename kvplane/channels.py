@@ -4,12 +4,12 @@ engines and to a remote indexer, and the OpenEngine KV-event sources all open th
 here, so the credentials are built in one place.
 
 `ClientChannels.load` reads and checks the PEM files once (a missing or unusable file is a
-one-line ConfigError); the channels it opens share the credentials. `with_metadata` adds
-metadata (a bearer token) to every call of its channels that brings no `authorization` of
-its own (an interceptor, installed only then); `with_token_file` adds the bearer token a
-client's setting names. `setting_hint` says which setting a failed call most likely lacks
-(TLS, a client certificate, a token), in the words of the client's own settings (CLI flags,
-config keys).
+one-line TlsFileError, a ConfigError saying which file); the channels it opens share the
+credentials. `with_metadata` adds metadata (a bearer token) to every call of its channels
+that brings no `authorization` of its own (an interceptor, installed only then);
+`with_token_file` adds the bearer token a client's setting names. `setting_hint` says which
+setting a failed call most likely lacks (TLS, a client certificate, a token), in the words of
+the client's own settings (CLI flags, config keys).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import grpc
 
@@ -35,14 +35,27 @@ ChannelOptions = tuple[tuple[str, Any], ...]
 Metadata = tuple[tuple[str, str], ...]
 
 
-def _read_pem(path: Path, holds: tuple[str, bytes], what: str) -> bytes:
+TlsFileField = Literal["ca_file", "cert_file", "key_file"]
+
+
+class TlsFileError(ConfigError):
+    """A file of a `ClientTlsConfig` that cannot be used (missing, unreadable, not PEM, a key
+    not the certificate's); `field` says which, for a client whose settings are named
+    otherwise (the CLIs' --tls-* flags)."""
+
+    def __init__(self, message: str, field: TlsFileField) -> None:
+        super().__init__(message)
+        self.field: TlsFileField = field
+
+
+def _read_pem(path: Path, holds: tuple[str, bytes], what: str, field: TlsFileField) -> bytes:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from exc
+        raise TlsFileError(f"cannot read {what} {path}: {exc.strerror}", field) from exc
     noun, header = holds
     if header not in data:
-        raise ConfigError(f"{what} {path} does not hold {noun} in PEM")
+        raise TlsFileError(f"{what} {path} does not hold {noun} in PEM", field)
     return data
 
 
@@ -60,31 +73,32 @@ class ClientChannels:
     @classmethod
     def load(cls, tls: ClientTlsConfig | None, where: str = "") -> ClientChannels:
         """Insecure for None; else TLS from `tls`'s files. `where` ("engine_tls") prefixes
-        the error of a missing or unusable file."""
+        the error of a missing or unusable file (a TlsFileError)."""
         if tls is None:
             return cls()
         prefix = f"{where}: " if where else ""
         try:
             root = (
-                _read_pem(tls.ca_file, _CERTIFICATE, "TLS CA file")
+                _read_pem(tls.ca_file, _CERTIFICATE, "TLS CA file", "ca_file")
                 if tls.ca_file is not None
                 else None
             )
             key = chain = None
             if tls.cert_file is not None and tls.key_file is not None:
-                chain = _read_pem(tls.cert_file, _CERTIFICATE, "TLS certificate file")
-                key = _read_pem(tls.key_file, _PRIVATE_KEY, "TLS key file")
+                chain = _read_pem(tls.cert_file, _CERTIFICATE, "TLS certificate file", "cert_file")
+                key = _read_pem(tls.key_file, _PRIVATE_KEY, "TLS key file", "key_file")
                 try:
                     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
                     context.load_cert_chain(tls.cert_file, tls.key_file, password=b"")
                 except ssl.SSLError as exc:
                     why = "not its key" if exc.reason == "KEY_VALUES_MISMATCH" else str(exc)
-                    raise ConfigError(
+                    raise TlsFileError(
                         f"TLS key file {tls.key_file} cannot be used with certificate "
-                        f"{tls.cert_file}: {why}"
+                        f"{tls.cert_file}: {why}",
+                        "key_file",
                     ) from exc
-        except ConfigError as exc:
-            raise ConfigError(f"{prefix}{exc}") from exc
+        except TlsFileError as exc:
+            raise TlsFileError(f"{prefix}{exc}", exc.field) from exc
         credentials = grpc.ssl_channel_credentials(
             root_certificates=root, private_key=key, certificate_chain=chain
         )

@@ -15,7 +15,15 @@ from typing import Annotated, Any
 import grpc
 import typer
 
-from kvplane.channels import INSECURE, ClientChannels, ClientSettings, Metadata, setting_hint
+from kvplane.channels import (
+    INSECURE,
+    ClientChannels,
+    ClientSettings,
+    Metadata,
+    TlsFileError,
+    TlsFileField,
+    setting_hint,
+)
 from kvplane.config import (
     ClientTlsConfig,
     ConfigT,
@@ -174,29 +182,47 @@ GroupTokenFileOption = Annotated[
 ]
 
 
+def token_of(token_file: Path | None) -> str | None:
+    """The bearer token a `--token-file` holds (None without one). A file missing,
+    unreadable or empty is a usage error naming the option, as any file an option gives."""
+    if token_file is None:
+        return None
+    with usage_error_for("--token-file"):
+        return read_token_file(token_file, "token file")
+
+
 def bearer_metadata(token_file: Path | None) -> Metadata:
     """gRPC metadata carrying the bearer token of a command's own `--token-file`; empty
     without one, and then every call on a `ClientTarget`'s channel carries the default token
     (the group's `--token-file`, else $KVPLANE_TOKEN)."""
-    if token_file is None:
-        return ()
-    return bearer_token_metadata(read_token_file(token_file, "--token-file"))
+    return bearer_token_metadata(token_of(token_file))
 
 
-def default_token_metadata(group_token_file: Path | None) -> Metadata:
+def default_token_metadata(group_token: Metadata | None) -> Metadata:
     """The token every call of a client command carries unless the command names its own:
-    the group's --token-file, else $KVPLANE_TOKEN (a server without auth ignores it; one
-    with `protect_reads` needs it on reads too)."""
-    if group_token_file is not None:
-        return bearer_metadata(group_token_file)
+    the group's --token-file (`group_token`, read by `remember_group_client`), else
+    $KVPLANE_TOKEN (a server without auth ignores it; one with `protect_reads` needs it on
+    reads too)."""
+    if group_token is not None:
+        return group_token
     return bearer_token_metadata(os.environ.get("KVPLANE_TOKEN"))
+
+
+# The flag that gives each file of a ClientTlsConfig.
+_TLS_FILE_FLAGS: dict[TlsFileField, str] = {
+    "ca_file": "--tls-ca",
+    "cert_file": "--tls-cert",
+    "key_file": "--tls-key",
+}
 
 
 def client_channels(
     ca: Path | None, cert: Path | None, key: Path | None, server_name: str | None
 ) -> ClientChannels | None:
     """The --tls-* options as ClientChannels; None when none is given (the caller's default).
-    Any of them turns TLS on (without --tls-ca the system's trusted roots verify the server)."""
+    Any of them turns TLS on (without --tls-ca the system's trusted roots verify the server).
+    A file missing, unreadable or not PEM (or a key not the certificate's) is a usage error
+    naming its option."""
     if ca is None and cert is None and key is None and server_name is None:
         return None
     if (cert is None) != (key is None):
@@ -204,7 +230,10 @@ def client_channels(
     if server_name == "":
         raise typer.BadParameter("--tls-server-name is empty")
     tls = ClientTlsConfig(ca_file=ca, cert_file=cert, key_file=key, server_name=server_name)
-    return ClientChannels.load(tls)
+    try:
+        return ClientChannels.load(tls)
+    except TlsFileError as exc:  # a file an option gives: a usage error naming the option
+        raise typer.BadParameter(str(exc), param_hint=_TLS_FILE_FLAGS[exc.field]) from None
 
 
 # `kvplane admin [--target T] [--tls-* ...] [index [--target T] ...] COMMAND`: what the groups
@@ -213,7 +242,7 @@ def client_channels(
 # the nearest group wins; a command's own --target wins over every group's.
 _GROUP_TARGET = "kvplane.client.target"
 _GROUP_CHANNELS = "kvplane.client.channels"
-_GROUP_TOKEN_FILE = "kvplane.client.token_file"
+_GROUP_TOKEN = "kvplane.client.token"
 
 
 def remember_group_client(
@@ -223,13 +252,14 @@ def remember_group_client(
     token_file: Path | None = None,
 ) -> None:
     """Called by a command group's callback with its --target, --tls-* and --token-file
-    options."""
+    options. The token file is read here, as the --tls-* files are (`client_channels`): a
+    bad one is a usage error of the group that took it, not of the command run under it."""
     if target:
         ctx.meta[_GROUP_TARGET] = target
     if channels is not None:
         ctx.meta[_GROUP_CHANNELS] = channels
     if token_file is not None:
-        ctx.meta[_GROUP_TOKEN_FILE] = token_file
+        ctx.meta[_GROUP_TOKEN] = bearer_metadata(token_file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,21 +268,19 @@ class ClientTarget:
 
     address: str
     channels: ClientChannels
-    token_file: Path | None = None  # the groups' --token-file
+    group_token: Metadata | None = None  # the groups' --token-file's; None: not given
 
     @classmethod
     def of(cls, ctx: typer.Context, target: str | None, default: str) -> ClientTarget:
         """The command's --target, else its groups', else `default`."""
         address = target or ctx.meta.get(_GROUP_TARGET) or default
-        return cls(
-            address, ctx.meta.get(_GROUP_CHANNELS, INSECURE), ctx.meta.get(_GROUP_TOKEN_FILE)
-        )
+        return cls(address, ctx.meta.get(_GROUP_CHANNELS, INSECURE), ctx.meta.get(_GROUP_TOKEN))
 
     def channel(self, expects: str | None = None) -> AbstractContextManager[grpc.Channel]:
         """`rpc_channel` to this server, every call carrying the default token and taking
         replies of any size: a command prints what it asked for, and some answers grow with
         the request (a long prompt's block keys passed gRPC's 4 MiB default)."""
-        metadata = default_token_metadata(self.token_file)
+        metadata = default_token_metadata(self.group_token)
         channels = self.channels.receiving_any_size().with_metadata(metadata)
         return rpc_channel(self.address, expects, channels)
 

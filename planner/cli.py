@@ -27,7 +27,7 @@ PlannerConfigOption = Annotated[
 
 
 @planner_app.command()
-def run(config: PlannerConfigOption = None) -> None:
+def run(ctx: typer.Context, config: PlannerConfigOption = None) -> None:
     """Scale pools and drain engines behind a controller (docs/planner.md).
 
     Engines run as local `kvplane engine serve` processes, or as the pods of a Kubernetes
@@ -37,4 +37,14 @@ def run(config: PlannerConfigOption = None) -> None:
     from planner.config import PlannerConfig
     from planner.live import run_live
 
+    if config is None:
+        # A usage error in the words click uses for a required option, and then what the
+        # file must hold (a required typer option would not say; the vendored click's own
+        # MissingParameter is not public).
+        (option,) = (param for param in ctx.command.params if param.name == "config")
+        names = " / ".join(f"'{name}'" for name in option.opts)
+        ctx.fail(
+            f"Missing option {names}. Give a YAML file whose `live:` section names the "
+            "controller (example: configs/planner.yaml)."
+        )
     asyncio.run(run_live(load_command_config(PlannerConfig, config), os.environ))

@@ -240,7 +240,9 @@ def _token_text(tokenizer: Any | None) -> Callable[[int], str]:
 async def start_engine(config: EngineConfig) -> EngineApp:
     model = _build_sim(config) if config.is_sim else _build_torch(config)
     runner, tokenizer = model.runner, model.tokenizer
-    instance_id = config.instance_id or f"engine-{uuid.uuid4().hex[:12]}"
+    instance_id = config.instance_id
+    if instance_id is None:
+        instance_id = f"engine-{uuid.uuid4().hex[:12]}"
     core = EngineCore(
         runner,
         SchedulerConfig(

@@ -119,8 +119,9 @@ def test_serve_sim_answers_health_and_generate_then_stops_on_sigterm(tmp_path: P
 
 @pytest.mark.timeout(60)
 def test_serve_refuses_a_bad_model_flag_as_a_usage_error(tmp_path: Path) -> None:
-    """Before anything is loaded; a model named by the config file is the engine's to refuse
-    when it starts, in one line (exit 1): `kvplane up` leaves an unreadable one to it."""
+    """Before anything is loaded; a model named by the config file is a config error naming
+    the file, checked with the rest of the config (it was refused only when the engine
+    started, naming neither)."""
     missing = tmp_path / "missing"
     result = subprocess.run(
         [*_kvplane(), "engine", "serve", "--model", str(missing)],
@@ -143,7 +144,7 @@ def test_serve_refuses_a_bad_model_flag_as_a_usage_error(tmp_path: Path) -> None
     )
     assert result.returncode == 1
     assert result.stderr.decode().strip().splitlines() == [
-        f"kvplane: error: {said} (one holding config.json)"
+        f"kvplane: error: invalid config in {config}: {said} (one holding config.json)"
     ]
 
 

@@ -82,8 +82,20 @@ def test_version_json() -> None:
     assert json.loads(result.stdout)["version"]
 
 
-def test_planner_run_without_a_live_section_is_one_line() -> None:
-    result = run("planner", "run")
+def test_planner_run_without_a_config_is_a_usage_error() -> None:
+    """A required option left out, as click reports one, saying what the file must hold (it
+    was exit 1, `kvplane: error: ...`, as if a file had been given)."""
+    line = _usage_error_line(run("planner", "run"))
+    assert line == (
+        "Error: Missing option '--config' / '-c'. Give a YAML file whose `live:` section names "
+        "the controller (example: configs/planner.yaml)."
+    )
+
+
+def test_planner_run_on_a_file_without_a_live_section_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "planner.yaml"
+    config.write_text("sla: {ttft_ms: 1000, itl_ms: 40}\n")
+    result = run("planner", "run", "--config", str(config))
     assert result.returncode == 1
     assert result.stderr.strip() == (
         "kvplane: error: the live planner needs a `live:` section (the controller's address) "
@@ -127,21 +139,43 @@ def test_log_level_and_format_ignore_case() -> None:
     assert result.returncode == 0 and result.stdout.startswith("kvplane ")
 
 
-@pytest.mark.parametrize("content", [None, b"\x85\xff token"])
-def test_a_token_file_that_cannot_be_read_is_one_line_and_exit_1(
-    tmp_path: Path, content: bytes | None
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (None, "cannot read token file {path}: No such file or directory"),
+        (b"\x85\xff token", "token file {path} is not UTF-8 text (byte 0)"),
+        (b" \n", "token file {path} is empty"),
+    ],
+)
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["admin", "--token-file", "{path}", "health"],  # the group's, read by every command
+        ["admin", "index", "--token-file", "{path}", "stats"],
+        ["admin", "cordon", "e0", "--token-file", "{path}"],  # a command's own
+        ["admin", "index", "resync", "e0", "--token-file", "{path}"],
+    ],
+)
+def test_a_token_file_that_cannot_be_used_is_a_usage_error(
+    tmp_path: Path, content: bytes | None, why: str, command: list[str]
 ) -> None:
-    """Missing, or not text (a key file given by mistake): one line naming it, no traceback,
-    before anything is dialled."""
+    """Missing, not text (a key file given by mistake) or empty: a file an option gives, so a
+    usage error naming the option (it was exit 1, `kvplane: error: ...`), before anything is
+    dialled, and never left for $KVPLANE_TOKEN."""
     token = tmp_path / "token"
     if content is not None:
         token.write_bytes(content)
-    result = run("admin", "--token-file", str(token), "--target", "127.0.0.1:9", "health")
-    assert result.returncode == 1, result.stderr
-    why = "No such file or directory" if content is None else "is not UTF-8 text (byte 0)"
-    assert result.stderr.startswith("kvplane: error: ")
-    assert result.stderr.count("\n") == 1 and str(token) in result.stderr, result.stderr
-    assert why in result.stderr and "Errno" not in result.stderr, result.stderr
+    args = [arg.format(path=token) for arg in command]
+    result = subprocess.run(
+        [*KVPLANE, *args, "--target", "127.0.0.1:9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env={**os.environ, "KVPLANE_TOKEN": "s3cret"},
+    )
+    line = _usage_error_line(result)
+    assert line == f"Error: Invalid value for --token-file: {why.format(path=token)}"
 
 
 def test_unknown_config_key_is_rejected(tmp_path: Path) -> None:
@@ -175,6 +209,9 @@ def _usage_error_line(result: subprocess.CompletedProcess[str]) -> str:
             ["engine", "serve", "--model", "/nonexistent/model"],
             "--model: model '/nonexistent/model' is not 'sim', 'builtin' or an HF model",
         ),
+        # Empty is not "make one up": leaving the flag out is.
+        (["engine", "serve", "--instance-id", ""], "--instance-id: must not be empty"),
+        (["engine", "serve", "--instance-id", " "], "--instance-id: must not be empty"),
         (
             # A check across fields, on the flags alone: the defaults pass every check.
             ["engine", "serve", "--runner", "pooling"],
@@ -220,6 +257,17 @@ def test_a_bad_value_in_the_file_stays_a_config_error_naming_the_file(tmp_path: 
     # With a bad flag too, the command line is checked first, as click checks its options.
     line = _usage_error_line(run("engine", "serve", "--config", str(config), "--role", "bogus"))
     assert line.startswith("Error: Invalid value for --role: Input should be 'aggregated'")
+
+
+def test_an_empty_instance_id_in_the_file_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "engine.yaml"
+    config.write_text("listen: 127.0.0.1:0\ninstance_id: ''\n")
+    result = run("engine", "serve", "--config", str(config), timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {config}: instance_id: must not be empty (leave it "
+        "out for a fresh id per process)"
+    ]
 
 
 def test_a_flag_at_odds_with_the_file_is_blamed_on_both(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import msgpack
 import pytest
+import typer
 import zmq.asyncio
 from click.testing import Result
 from fake_kv_publisher import FakeKvPublisher
@@ -424,21 +425,30 @@ def test_bridge_exits_on_an_endpoint_zmq_cannot_parse(endpoint: str, reason: str
     )
 
 
-def test_bridge_refuses_an_empty_token_file_before_starting(tmp_path: Path) -> None:
-    empty = tmp_path / "token"
-    empty.write_text("  \n")
-    _assert_fails_with_one_line(
-        [*BRIDGE, "--worker-id", "w0", "--token-file", str(empty)],
-        f"kvplane: error: --token-file {empty} is empty",
+@pytest.mark.parametrize(
+    ("option", "error"),
+    [
+        ("--token-file", "--token-file: token file {path} is empty"),
+        ("--tls-ca", "--tls-ca: TLS CA file {path} does not hold a certificate in PEM"),
+    ],
+)
+def test_bridge_refuses_an_unusable_file_as_a_usage_error_before_starting(
+    tmp_path: Path, option: str, error: str
+) -> None:
+    """A file an option gives, as `kvplane admin` refuses its own (it was exit 1)."""
+    blank = tmp_path / "blank"
+    blank.write_text("  \n")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvplane", *BRIDGE, "--worker-id", "w0", option, str(blank)],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
-
-
-def test_bridge_refuses_an_unreadable_tls_file_before_starting(tmp_path: Path) -> None:
-    missing = tmp_path / "ca.pem"
-    _assert_fails_with_one_line(
-        [*BRIDGE, "--worker-id", "w0", "--tls-ca", str(missing)],
-        f"kvplane: error: cannot read TLS CA file {missing}: No such file or directory",
-    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("Usage: ") and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"Error: Invalid value for {error.format(path=blank)}"
 
 
 def test_serve_stops_with_one_line_on_a_source_endpoint_zmq_cannot_parse(tmp_path: Path) -> None:
@@ -597,19 +607,20 @@ def test_both_admin_clis_refuse_a_tokens_file_without_uint32_ids(
     result = CliRunner().invoke(
         app, [*command, "-t", "127.0.0.1:1", "--tokens-file", str(tokens_file)]
     )
-    # A KvplaneError: `kvplane` prints its message as one line and exits 1.
-    assert result.exit_code == 1
-    assert isinstance(result.exception, KvplaneError)
+    # A file an option gives in the wrong format: a usage error naming the option (exit 2).
+    assert result.exit_code == 2
+    output = " ".join(result.output.replace("│", " ").split())
     if bad is None:
-        assert str(result.exception) == (
-            f"--tokens-file {tokens_file} must hold token ids (a JSON array, a JSON object "
-            'with "token_ids" or "prompt_token_ids", or ids separated by spaces, commas or '
-            "newlines), integers in 0..4294967295"
-        )
+        assert (
+            f"Invalid value for --tokens-file: {tokens_file} must hold token ids (a JSON array, "
+            'a JSON object with "token_ids" or "prompt_token_ids", or ids separated by spaces, '
+            "commas or newlines), integers in 0..4294967295"
+        ) in output
     else:
-        assert str(result.exception) == (
-            f"--tokens-file {tokens_file}: token id {bad} is out of range (0 to 4294967295)"
-        )
+        assert (
+            f"Invalid value for --tokens-file: {tokens_file}: token id {bad} is out of range "
+            "(0 to 4294967295)"
+        ) in output
 
 
 def test_both_admin_clis_read_a_vllm_style_request_object(tmp_path: Path) -> None:
@@ -617,8 +628,9 @@ def test_both_admin_clis_read_a_vllm_style_request_object(tmp_path: Path) -> Non
     tokens_file.write_text('{"prompt_token_ids": [5, 6, 7]}')
     assert read_token_ids(tokens_file) == [5, 6, 7]
     tokens_file.write_bytes(b"\xff\xfe")
-    with pytest.raises(KvplaneError, match=r"cannot read --tokens-file .*: not UTF-8 text"):
+    with pytest.raises(typer.BadParameter, match=r"^cannot read .*: not UTF-8 text$") as refused:
         read_token_ids(tokens_file)
+    assert refused.value.param_hint == "--tokens-file"
 
 
 @pytest.mark.parametrize(
@@ -766,7 +778,9 @@ async def test_admin_index_reads_a_read_protected_indexer_with_the_token(tmp_pat
         empty = tmp_path / "empty"
         empty.write_text("\n")
         refused = await asyncio.to_thread(index, "stats", "--token-file", str(empty))
-        assert refused.exit_code == 1
-        assert str(refused.exception) == f"--token-file {empty} is empty"
+        assert refused.exit_code == 2
+        assert f"Invalid value for --token-file: token file {empty} is empty" in " ".join(
+            refused.output.replace("│", " ").split()
+        )
     finally:
         await server.stop(None)
