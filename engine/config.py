@@ -271,8 +271,8 @@ def check_model_source(model: str) -> None:
     config.json (its weights and tokenizer are read when the engine starts); ConfigError
     otherwise. Not one of EngineConfig's checks: the directory is looked for on the machine
     that runs the engine, by `kvplane engine serve` before anything loads (its --model as a
-    usage error, its file's `model` as a config error naming the file; `kvplane up` leaves a
-    missing one to the engine's process) and by the engine when it starts."""
+    usage error, its file's `model` as a config error naming the file; `kvplane up` when it
+    loads the fleet file, naming the member) and by the engine when it starts."""
     if model in (SIM_MODEL, BUILTIN_MODEL) or (Path(model) / "config.json").is_file():
         return
     raise ConfigError(

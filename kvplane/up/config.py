@@ -18,7 +18,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 
 from controller.config import ControllerConfig
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_model_source
 from indexer.config import IndexerConfig
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, load_config, validate_config
 from kvplane.errors import ConfigError
@@ -273,7 +273,12 @@ def _check_engine_checkpoint(config: EngineConfig, where: str) -> None:
     """An engine whose `runner: auto` would serve its checkpoint for pooling only (a
     classifier without an LM head) with a config a pooling engine refuses (a role, LoRA, ZMQ
     events) is refused here, as a bad config, rather than by its process once the other
-    members run. A checkpoint that cannot be read is left to the engine to report."""
+    members run. A `model` that is no checkpoint directory at all is refused here too (the
+    members run on this machine); one that cannot be read is left to the engine to report."""
+    try:
+        check_model_source(config.model)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid config in {where}: {exc}") from None
     if config.is_sim or config.is_builtin or config.pooling_conflicts() is None:
         return  # nothing to read: no checkpoint, or nothing a pooling engine refuses
     from engine.torch_runner.errors import CheckpointError

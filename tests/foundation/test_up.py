@@ -622,6 +622,7 @@ def test_fleet_file_refuses(tmp_path: Path, text: str, message: str) -> None:
     [
         ("engine", "{num_threads: 0}", "num_threads: Input should be greater than or equal to 1"),
         ("engine", "{nosuch: 1}", "nosuch: Extra inputs are not permitted"),
+        ("engine", "{model: /no/such/model}", "model '/no/such/model' is not 'sim', 'builtin'"),
         ("indexer", "{listen: nonsense}", "listen: expected HOST:PORT"),
         ("controller", "{engines: [{address: '${e0}:1'}]}", "engines.0.address: expected"),
     ],
