@@ -692,11 +692,14 @@ def test_up_refuses_a_headless_classifier_with_a_generating_setting_before_start
 
 
 def test_up_leaves_an_unreadable_checkpoint_to_the_engine(tmp_path: Path) -> None:
-    """A model directory up cannot read (here: none) is not a config error: the engine
-    reports it when it starts, as for every engine."""
+    """A checkpoint directory up cannot read (here: a config.json that is not JSON) is not a
+    config error: the engine reports it when it starts, as for every engine."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
-        "members: [{name: e0, kind: engine, config: {model: /nonexistent/model, role: decode}}]\n"
+        f"members: [{{name: e0, kind: engine, config: {{model: {model}, role: decode}}}}]\n"
     )
     assert [m.name for m in load_fleet(fleet).members] == ["e0"]
 
