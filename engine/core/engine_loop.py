@@ -93,13 +93,18 @@ class EngineLoop:
         self.core = core
         self._on_step = on_step
         self._thread_name = thread_name
-        self._cond = threading.Condition()
+        # Reentrant: `submit`'s `admit` reads `num_queued` under it.
+        self._cond = threading.Condition(threading.RLock())
         self._commands: deque[Callable[[], list[RequestOutput]]] = deque()
         self._sinks: dict[str, tuple[OutputSink, EngineRequest]] = {}
         self._stopping = False
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._load = core.load()
+        # Sequences of every request submitted so far, and how many of them the engine thread
+        # had taken in when `_load` was measured (both only grow; guarded by `_cond`).
+        self._num_submitted_seqs = 0
+        self._num_submitted_seqs_in_load = 0
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -131,6 +136,13 @@ class EngineLoop:
         with self._cond:
             return len(self._sinks)
 
+    def num_queued(self) -> int:
+        """Sequences accepted and not yet running: waiting in the scheduler at the last step
+        (preempted ones included), or submitted since and not yet added (any thread)."""
+        with self._cond:
+            not_in_load = self._num_submitted_seqs - self._num_submitted_seqs_in_load
+            return self._load.num_waiting + not_in_load
+
     # ---------------------------------------------------------------- any thread
 
     def submit(
@@ -139,9 +151,13 @@ class EngineLoop:
         sink: OutputSink,
         *,
         before: Callable[[EngineCore], object] | None = None,
+        admit: Callable[[], object] | None = None,
     ) -> None:
         """Validate (raising before acceptance) and queue a request; outputs go to `sink`.
 
+        `admit()` runs once the request is valid, before it is queued: admission control,
+        which refuses by raising (a malformed request or a duplicate id is refused for itself
+        first). It runs under the loop's lock, which it may take again (`num_queued`).
         `before(core)` runs in the engine thread just before the request is added, in the same
         command (nothing is scheduled in between): a DECODE engine imports the request's
         pulled KV blocks there. It only prepares: if it fails, the request runs without it."""
@@ -151,7 +167,10 @@ class EngineLoop:
                 raise EngineStoppedError("the engine is stopping")
             if request.request_id in self._sinks:
                 raise DuplicateRequestError(f"request {request.request_id!r} is already running")
+            if admit is not None:  # under the lock: no other submit between check and queue
+                admit()
             self._sinks[request.request_id] = (sink, request)
+            self._num_submitted_seqs += request.sampling.num_sequences
 
             def add() -> list[RequestOutput]:
                 if before is not None:
@@ -227,17 +246,20 @@ class EngineLoop:
                     commands = list(self._commands)
                     self._commands.clear()
                     stopping = self._stopping
+                    # Every request submitted so far is among `commands`: the load measured
+                    # after them counts its sequences.
+                    num_submitted_seqs = self._num_submitted_seqs
                 outputs: list[RequestOutput] = []
                 for command in commands:
                     outputs.extend(self._run_command(command))
                 if stopping:
                     outputs.extend(self.core.abort_all())
-                    self._publish(StepResult(outputs, None))
+                    self._publish(StepResult(outputs, None), num_submitted_seqs)
                     return
                 result = StepResult(outputs, None)
                 if self.core.has_work():
                     result = self._step(outputs)
-                self._publish(result)
+                self._publish(result, num_submitted_seqs)
         except Exception:
             logger.exception("the engine thread failed; failing every live request")
         finally:
@@ -274,8 +296,12 @@ class EngineLoop:
         outputs.extend(result.outputs)
         return StepResult(outputs, result.stats)
 
-    def _publish(self, result: StepResult) -> None:
-        previous, self._load = self._load, self.core.load()
+    def _publish(self, result: StepResult, num_submitted_seqs: int) -> None:
+        """`num_submitted_seqs`: the submitted sequences the engine thread has taken in."""
+        load = self.core.load()
+        with self._cond:
+            previous, self._load = self._load, load
+            self._num_submitted_seqs_in_load = num_submitted_seqs
         for output in result.outputs:
             with self._cond:
                 live = self._sinks.get(output.request_id)

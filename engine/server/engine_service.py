@@ -17,6 +17,15 @@ A DECODE engine's request pulling its KV session is held the same way until it i
 (`begin_pull`): once the pull starts the request counts as in flight, its id is taken, and a
 drain that begins meanwhile waits for it instead of refusing it after the pull.
 
+Admission control (`max_queued_requests`; None: unbounded, as vLLM): a request arriving while
+that many are queued (accepted and not yet running, `EngineLoop.num_queued`, plus a DECODE
+engine's requests whose KV session is being pulled: each joins the queue once pulled) is
+refused before acceptance (`OverloadedError`, RESOURCE_EXHAUSTED), after every check of the
+request itself, so that a malformed one is refused for itself. So is a pooling task: it takes
+no place in that queue (it runs between steps at once, counted running), but it would slow
+every step of an engine already behind. The health probe is never refused (the engine's own
+work, as while draining); a pulled request is not refused again once its pull is over.
+
 A pooling-only engine (`runner: pooling`, `ServedModel.generates` false) refuses every
 generation request in `submit` (FAILED_PRECONDITION: the front ends refuse them earlier, this
 is the backstop), and its health probe runs one pooling forward instead of generating.
@@ -57,6 +66,7 @@ from engine.server.errors import (
     FeatureDisabledError,
     KvSessionNotFoundError,
     KvSessionRefusedError,
+    OverloadedError,
     RequestAbortedError,
     RequestNotFoundError,
 )
@@ -163,9 +173,11 @@ class EngineService:
         kv_session_ttl_s: float | None = None,
         drain_progress_interval_s: float = 1.0,
         pooler: Pooler | None = None,
+        max_queued_requests: int | None = None,
     ) -> None:
         """`kv_session_ttl_s`: a PREFILL engine's (it holds KV sessions), else None.
-        `pooler`: a pooling-only engine's (`model.generates` false), which its probe runs."""
+        `pooler`: a pooling-only engine's (`model.generates` false), which its probe runs.
+        `max_queued_requests`: the admission bound (module doc); None: unbounded."""
         if not model.generates and pooler is None:
             raise ValueError("an engine that does not generate needs a pooler to probe")
         self.engine_loop = engine_loop
@@ -179,6 +191,8 @@ class EngineService:
         # The health probes among them: the engine's own work, not counted as in flight.
         self._live_internal: set[str] = set()
         self._live_tasks: dict[str, TaskHandle] = {}  # pooling tasks (not engine requests)
+        self._max_queued_requests = max_queued_requests
+        self._num_pulling = 0  # a DECODE engine's requests pulling their KV session
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._accepting = True
         self._draining = False
@@ -260,6 +274,27 @@ class EngineService:
         if request_id in self._live_tasks:
             raise DuplicateRequestError(f"request {request_id!r} is already running")
 
+    @property
+    def num_queued(self) -> int:
+        """What admission control bounds: requests queued, and those pulling their KV."""
+        return self.engine_loop.num_queued() + self._num_pulling
+
+    def _check_admission(self, task: str) -> None:
+        """Refuse a new request (of `task`, for the metrics) while `max_queued_requests` are
+        queued; the last check before acceptance."""
+        bound = self._max_queued_requests
+        if bound is None:
+            return
+        queued = self.num_queued
+        if queued < bound:
+            return
+        if self.metrics is not None:
+            self.metrics.on_overloaded(task)
+        raise OverloadedError(
+            f"the engine is overloaded: {queued} queued, max_queued_requests is {bound}; "
+            "retry later or on another engine"
+        )
+
     async def compile_guide(self, request: EngineRequest) -> None:
         """Build a guided request's guide in a worker thread (memoised, so the core's
         `check_request` finds it built): a large JSON schema takes a few hundred ms, and the
@@ -272,8 +307,11 @@ class EngineService:
     def begin_pull(self, request: EngineRequest) -> TaskHandle:
         """Admit a DECODE engine's `request` whose KV session is about to be pulled: refuse
         now what `submit` would refuse (a refusal after the pull would waste the session);
-        from here it counts as in flight. End with `end_pull` or `abandon_pull`."""
-        return self.begin_task(request.request_id, request)
+        from here it counts as in flight, and as queued. End with `end_pull` or
+        `abandon_pull`."""
+        handle = self.begin_task(request.request_id, "generate", request)
+        self._num_pulling += 1
+        return handle
 
     def end_pull(
         self,
@@ -286,7 +324,7 @@ class EngineService:
         """The pull of `num_blocks` is over: submit the request (`before` imports the blocks),
         even if a drain began meanwhile; RequestAbortedError if Abort or a drain's deadline
         stopped it."""
-        self.end_task(handle)
+        self._end_pull(handle)
         if self.metrics is not None:
             self.metrics.on_pull("ok", num_blocks)
         if handle.aborted.is_set():
@@ -295,9 +333,13 @@ class EngineService:
 
     def abandon_pull(self, handle: TaskHandle, error: BaseException) -> None:
         """The pull failed (`error`) or the client left: the request was never submitted."""
-        self.end_task(handle)
+        self._end_pull(handle)
         if self.metrics is not None:
             self.metrics.on_pull(_pull_outcome(error))
+
+    def _end_pull(self, handle: TaskHandle) -> None:
+        self._num_pulling -= 1
+        self.end_task(handle)
 
     def submit(
         self,
@@ -309,15 +351,20 @@ class EngineService:
     ) -> RequestStream:
         """Validate and accept `request` (raising before acceptance), or refuse while draining.
 
-        `internal` requests (the health probe) are accepted while draining, and so are those
-        `admitted` before the drain began (`end_pull`). `before(core)` runs in the engine thread
-        just before the request is added (`EngineLoop.submit`).
+        `internal` requests (the health probe) are accepted while draining and past the
+        admission bound, and so are those `admitted` before (`end_pull`). `before(core)` runs in
+        the engine thread just before the request is added (`EngineLoop.submit`).
         """
         if not self.model.generates:
             raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
         self._check_accepting(request.request_id, internal, admitted)
         stream = RequestStream(request, self._on_stream_done)
-        self.engine_loop.submit(request, asyncio_sink(self._aio_loop, stream.queue), before=before)
+        self.engine_loop.submit(
+            request,
+            asyncio_sink(self._aio_loop, stream.queue),
+            before=before,
+            admit=None if internal or admitted else lambda: self._check_admission("generate"),
+        )
         self._live[request.request_id] = stream
         if internal:
             self._live_internal.add(request.request_id)
@@ -370,16 +417,19 @@ class EngineService:
 
     # ---------------------------------------------------------------- pooling tasks
 
-    def begin_task(self, request_id: str, request: EngineRequest | None = None) -> TaskHandle:
-        """Accept a pooling task, or the `request` a DECODE engine is about to pull a KV
-        session for (checked by the core as `submit` would: a refusal after the pull would
-        waste the session), raising before acceptance as `submit` does; the caller ends it
-        with `end_task`, whatever happens."""
+    def begin_task(
+        self, request_id: str, task: str, request: EngineRequest | None = None
+    ) -> TaskHandle:
+        """Accept a pooling `task` (embed, classify, score), or the `request` a DECODE engine
+        is about to pull a KV session for (task generate; checked by the core as `submit`
+        would: a refusal after the pull would waste the session), raising before acceptance
+        as `submit` does; the caller ends it with `end_task`, whatever happens."""
         self._check_accepting(request_id, internal=False)
         if request is not None:
             self.engine_loop.core.check_request(request)
         if request_id in self._live:
             raise DuplicateRequestError(f"request {request_id!r} is already running")
+        self._check_admission(task)
         handle = TaskHandle(request_id)
         self._live_tasks[request_id] = handle
         self._finished.pop(request_id, None)

@@ -34,6 +34,13 @@ class EngineMetrics:
             [*labels, "task"],
             registry=registry,
         )
+        self.overloaded = Counter(
+            "kvplane_engine_overloaded_requests",
+            "Requests refused before acceptance because max_queued_requests were queued, by "
+            "task (generate, embed, classify, score).",
+            [*labels, "task"],
+            registry=registry,
+        )
         self.finished = Counter(
             "kvplane_engine_finished_outputs",
             "Finished outputs by reason.",
@@ -111,6 +118,9 @@ class EngineMetrics:
     def on_task(self, task: str, input_tokens: int) -> None:
         self.pooling_requests.labels(self._model, task).inc()
         self.pooling_input_tokens.labels(self._model, task).inc(input_tokens)
+
+    def on_overloaded(self, task: str) -> None:
+        self.overloaded.labels(self._model, task).inc()
 
     def on_pull(self, outcome: PullOutcome, num_blocks: int = 0) -> None:
         self.kv_pulls.labels(self._model, outcome).inc()

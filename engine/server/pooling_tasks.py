@@ -4,7 +4,8 @@ Everything a request can get wrong is refused before acceptance with the domain 
 `engine.server.errors` (the servicer's table makes them statuses): malformed input or an
 unsupported explicit option -> INVALID_ARGUMENT, a task the model lacks (Classify without a
 classification head) or a LoRA adapter -> FAILED_PRECONDITION, draining -> UNAVAILABLE, a
-request id already running -> ALREADY_EXISTS. Accepted, the task runs its inputs in batches
+request id already running -> ALREADY_EXISTS, the engine's queue at `max_queued_requests` ->
+RESOURCE_EXHAUSTED. Accepted, the task runs its inputs in batches
 of at most `max_num_batched_tokens` tokens, each one engine-thread command between generation
 steps (`EngineService.run_task`); an Abort of its request id or a drain's deadline stops it
 between batches (CANCELLED).
@@ -285,8 +286,9 @@ class PoolingTasks:
     async def _accepted(
         self, request_id: str, task: str, items: Sequence[_Item], params: PoolingParams
     ) -> list[PooledOutput]:
-        """Accept (the last refusals: draining, a duplicate id) and run every batch."""
-        handle = self._service.begin_task(request_id)
+        """Accept (the last refusals: draining, a duplicate id, overload) and run every
+        batch."""
+        handle = self._service.begin_task(request_id, task)
         if self._service.metrics is not None:
             self._service.metrics.on_task(task, sum(len(item.token_ids) for item in items))
         try:

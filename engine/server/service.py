@@ -290,6 +290,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         if role == pb.ENGINE_ROLE_PREFILL
         else None,
         pooler=model.pooler,
+        max_queued_requests=config.max_queued_requests,
     )
     services.append(service)
     kv_puller = None

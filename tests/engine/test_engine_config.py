@@ -1,6 +1,7 @@
 """The engine config's cross-field checks: each `kv_transfer.*` key only on the role that reads
 it (an AGGREGATED engine never moves KV, a DECODE engine holds no sessions, a PREFILL engine
-pulls none, so the key would be ignored); no bind wildcard as the advertised host.
+pulls none, so the key would be ignored); no bind wildcard as the advertised host; the
+admission bound (`max_queued_requests`) off unless set, and then positive.
 `runner: pooling`'s checks are in test_server_pooling_runner.py; the shipped configs load in
 tests/foundation/."""
 
@@ -63,3 +64,11 @@ def test_a_bind_wildcard_is_refused_as_the_advertised_host(wildcard: str) -> Non
     assert "kv_events.advertised_host" in message and "bind wildcard" in message
     assert "\n" not in message
     assert validate_config(EngineConfig, {"kv_events": {"advertised_host": "10.0.0.7"}}, "e.yaml")
+
+
+def test_the_admission_bound_is_off_by_default_and_positive_when_set() -> None:
+    assert EngineConfig().max_queued_requests is None
+    assert EngineConfig(max_queued_requests=1).max_queued_requests == 1
+    with pytest.raises(ConfigError, match="max_queued_requests") as err:
+        validate_config(EngineConfig, {"max_queued_requests": 0}, "engine.yaml")
+    assert "\n" not in str(err.value)

@@ -89,6 +89,48 @@ async def test_bad_requests_fail_before_acceptance() -> None:
         engine.submit(EngineRequest("late", (1, 2, 3)), sink)
 
 
+class _Refused(Exception):
+    pass
+
+
+def _refuse() -> None:
+    raise _Refused
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_counts_as_queued_from_its_submit_until_it_runs() -> None:
+    """`num_queued` (what admission control bounds) counts a request the engine thread has
+    not added yet, then the scheduler's waiting ones, and not one `admit` refused."""
+    runner = SimRunner(block_size=4, num_blocks=256, time_scale=0.0)
+    engine = EngineLoop(EngineCore(runner, SchedulerConfig(max_num_seqs=1)))
+    engine.start()
+    loop = asyncio.get_running_loop()
+    in_command, go_on = threading.Event(), threading.Event()
+
+    def long_command(_core: EngineCore) -> None:
+        in_command.set()
+        go_on.wait(10)
+
+    held = engine.call(long_command)
+    assert await asyncio.to_thread(in_command.wait, 10)
+    queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue(), asyncio.Queue()]
+    engine.submit(
+        EngineRequest("a", (1, 2, 3), SamplingParams(max_tokens=3)), asyncio_sink(loop, queues[0])
+    )
+    engine.submit(
+        EngineRequest("b", (4, 5, 6), SamplingParams(max_tokens=3)), asyncio_sink(loop, queues[1])
+    )
+    assert engine.num_queued() == 2  # submitted while the engine thread is busy
+    with pytest.raises(_Refused):
+        engine.submit(EngineRequest("c", (7,)), asyncio_sink(loop, asyncio.Queue()), admit=_refuse)
+    assert engine.num_queued() == 2 and engine.num_live_requests() == 2
+    go_on.set()
+    await asyncio.wrap_future(held)
+    await asyncio.gather(*(collect(q) for q in queues))
+    assert engine.num_queued() == 0
+    engine.stop(timeout_s=10)
+
+
 @pytest.mark.timeout(30)
 async def test_abort_mid_stream_and_stop_cancel_everything() -> None:
     engine = make_loop(time_scale=0.05)  # real (scaled) step time: requests stay live

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -448,6 +449,66 @@ async def test_refusals_have_the_seeds_statuses(builtin_dir: Path, classifier_di
             options=pb.ClassifyOptions(output_semantics=pb.TASK_VALUE_SEMANTICS_SIMILARITY),
         )
         assert (await rpc_error(engine.stub.Classify(request))).code() == invalid
+
+
+async def test_tasks_are_refused_while_the_queue_is_at_its_bound(classifier_dir: Path) -> None:
+    """`max_queued_requests`: a task takes no place in the generation queue, but arriving
+    while it is full it is refused at once (RESOURCE_EXHAUSTED, counted by task) and runs
+    again once the queue has room."""
+    config = engine_config(classifier_dir, max_queued_requests=1, metrics_listen="127.0.0.1:0")
+    good = [ids_input("a", [5, 6, 7])]
+    async with running_engine(config) as engine:
+        service, stub = engine.app.service, engine.stub
+        # A step that takes long: the engine thread busy in one command until `step_over`.
+        in_step, step_over = threading.Event(), threading.Event()
+
+        def long_step(_core: object) -> None:
+            in_step.set()
+            step_over.wait(30)
+
+        step = asyncio.wrap_future(service.engine_loop.call(long_step))
+        await eventually(in_step.is_set, what="the long step")
+        queued = asyncio.create_task(
+            collect(stub, generate_request([5, 6, 7], max_tokens=2, model=MODEL))
+        )
+
+        async def full() -> bool:
+            return service.num_queued == 1
+
+        await eventually(full, what="one request queued")
+        group = pb.ScoreGroup(group_id="g", query=good[0], candidates=[ids_input("b", [8])])
+        try:
+            refusals = [
+                await rpc_error(stub.Embed(pb.EmbedRequest(context=context("e"), inputs=good))),
+                await rpc_error(
+                    stub.Classify(pb.ClassifyRequest(context=context("c"), inputs=good))
+                ),
+                await rpc_error(stub.Score(pb.ScoreRequest(context=context("s"), groups=[group]))),
+            ]
+        finally:
+            step_over.set()
+        await step
+        assert (await queued)[-1].finished.reason == pb.FINISH_REASON_LENGTH
+
+        async def drained() -> bool:
+            return service.num_queued == 0
+
+        await eventually(drained, what="the queue drained")
+        after = await stub.Embed(pb.EmbedRequest(context=context("e"), inputs=good))
+        url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
+        metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    for refused in refusals:
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert "max_queued_requests is 1" in (refused.details() or "")
+    assert len(after.outputs) == 1
+    text = metrics.decode()
+    for task in ("embed", "classify", "score"):
+        assert (
+            f'kvplane_engine_overloaded_requests_total{{model="{MODEL}",task="{task}"}} 1.0' in text
+        )
+    # Refused before acceptance: not counted as accepted (the embed after it is).
+    assert f'kvplane_engine_pooling_requests_total{{model="{MODEL}",task="embed"}} 1.0' in text
+    assert f'kvplane_engine_pooling_requests_total{{model="{MODEL}",task="score"}}' not in text
 
 
 async def test_text_without_a_tokenizer_is_invalid(builtin_dir: Path, tmp_path: Path) -> None:

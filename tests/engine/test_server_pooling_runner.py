@@ -190,6 +190,7 @@ async def test_runner_generate_refuses_a_headless_classifier(headless_dir: Path)
         ({"role": "decode"}, "role decode is for engines that generate"),
         ({"lora": {"enabled": True}}, "unset lora.enabled"),
         ({"kv_events": {"zmq_enabled": True}}, "unset kv_events.zmq_enabled"),
+        ({"max_queued_requests": 4}, "queues no request.*unset max_queued_requests"),
         ({"model": "sim", "num_kv_blocks": 8}, "the sim runner has no hidden states"),
     ],
 )
