@@ -24,7 +24,8 @@
   and the adapters it holds, ride in the trailing metadata (EngineOutcome) and in the
   message of a failure. What each engine answered updates the registry's record of the
   adapters it holds, which routing of LoRA requests reads.
-- GetLoad: the fleet's sums, with per-engine detail in `attributes`.
+- GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
+  detail in `attributes`.
 - Health, GetEngineInfo: the fleet's view. GetModelInfo: a routable engine serving the model
   answers (its refusal passes, unless it is one another engine may not have, such as
   UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND for a model no engine serves,
@@ -89,6 +90,15 @@ _HEALTH_PB = {
     EngineState.INCOMPATIBLE: pb.HEALTH_STATE_NOT_READY,
     EngineState.EJECTED: pb.HEALTH_STATE_NOT_READY,  # takes no traffic for now
 }
+
+# The LoadInfo figures GetLoad sums over the fleet (the registry keeps these of each engine).
+_SUMMED_LOAD = (
+    "running_requests",
+    "queued_requests",
+    "used_kv_blocks",
+    "total_kv_blocks",
+    "waiting_tokens",
+)
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -620,30 +630,24 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> pb.LoadInfo:
         records = self.controller.fleet.registry.records()
         reply = pb.LoadInfo(instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns())
-        totals = {
-            "running_requests": 0,
-            "queued_requests": 0,
-            "used_kv_blocks": 0,
-            "total_kv_blocks": 0,
-            "waiting_tokens": 0,
-        }
+        # Each figure is the sum over the engines that report it, and absent when none does
+        # (seed: absent is unavailable, a present zero a measured zero).
+        totals: dict[str, int | None] = dict.fromkeys(_SUMMED_LOAD)
         for r in records:
             load = r.load
-            for name in totals:
+            for name, total in totals.items():
                 value = getattr(load, name)
                 if value is not None:
-                    totals[name] += value
+                    totals[name] = (total or 0) + value
             inflight = self.controller.router.inflight.of(r.address).requests
             reply.attributes[f"engine.{r.address}"] = (
                 f"instance={r.engine_id} state={r.state.value} cordoned={r.cordoned} "
                 f"running={_text(load.running_requests)} queued={_text(load.queued_requests)} "
                 f"kv={_text(load.used_kv_blocks)}/{_text(load.total_kv_blocks)} inflight={inflight}"
             )
-        reply.running_requests = totals["running_requests"]
-        reply.queued_requests = totals["queued_requests"]
-        reply.used_kv_blocks = totals["used_kv_blocks"]
-        reply.total_kv_blocks = totals["total_kv_blocks"]
-        reply.waiting_tokens = totals["waiting_tokens"]
+        for name, total in totals.items():
+            if total is not None:
+                setattr(reply, name, total)
         reply.attributes["engines"] = str(len(records))
         reply.attributes["routable_engines"] = str(sum(r.routable for r in records))
         return reply

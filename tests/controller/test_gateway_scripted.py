@@ -645,6 +645,36 @@ async def test_get_load_sums_the_engines_and_details_each() -> None:
         await close_fleet(fleet)
 
 
+async def test_get_load_leaves_out_what_no_engine_reports() -> None:
+    """Seed: an absent load figure is unavailable, a present zero a measured zero. A figure
+    no engine reports (here queued requests and waiting tokens), or every figure while no
+    engine answers, is absent from the fleet's LoadInfo, not 0; a reported 0 is present."""
+    engines = [await start_fronted_engine(f"l{i}", ReportsLoad) for i in range(2)]
+    for engine in engines:
+        engine.servicer.load = {"running_requests": 0, "queued_requests": None,
+                                "waiting_tokens": None}  # fmt: skip
+    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    registry = fleet.app.controller.fleet.registry
+    summed = ("running_requests", "queued_requests", "used_kv_blocks", "total_kv_blocks",
+              "waiting_tokens")  # fmt: skip
+    try:
+        await fleet.app.controller.fleet.wait_for(
+            lambda: all(r.load.queued_requests is None for r in registry.records()), 15
+        )
+        load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        assert [load.HasField(name) for name in summed] == [True, False, True, True, False]
+        assert load.running_requests == 0
+        for engine in engines:
+            await engine.close()
+        await fleet.app.controller.fleet.wait_for(
+            lambda: all(r.load.total_kv_blocks is None for r in registry.records()), 15
+        )
+        load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        assert [name for name in summed if load.HasField(name)] == []
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- GetModelInfo ----
 
 
