@@ -400,6 +400,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     )
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             return reply
+        # Every request also means those still being planned here, which no engine holds yet:
+        # they end before any engine is called, as one aborted by id does.
+        unrouted = self.relay.abort_all_unrouted() if target == "all_requests" else 0
         # Each engine bounded as above: a hung one is reported (DEADLINE_EXCEEDED) among the
         # outcomes instead of holding the whole fan-out.
         results = await self._fan_out(
@@ -417,8 +420,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(
                 context, grpc.StatusCode.UNAVAILABLE, f"no engine could be reached: {summary}"
             )
-        aborted = any(r.status == pb.ABORT_STATUS_ABORTED for r in answered)
+        aborted = unrouted > 0 or any(r.status == pb.ABORT_STATUS_ABORTED for r in answered)
         status = pb.ABORT_STATUS_ABORTED if aborted else pb.ABORT_STATUS_ALREADY_FINISHED
+        if unrouted:
+            summary += f"; gateway: {unrouted} aborted before they were routed"
         return pb.AbortResponse(status=status, message=summary)
 
     async def _lora_engines(self, context: Context) -> list[EngineRecord]:
@@ -551,16 +556,18 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         requests keep running; with it: abort the requests this gateway relays, then COMPLETE
         once they have ended (the same error if some outlive DRAIN_ABORT_GRACE_S). Engines
         keep running; drain an engine with the admin API."""
-        holding = self.relay.holding
+        # Every request admitted here counts, from its planning on: one still being planned
+        # when the drain starts is routed afterwards.
+        in_flight_ids = self.relay.running
         self.controller.draining = self.controller.draining or request.stop_accepting_new_requests
         now = time.monotonic()
         deadline = now + request.deadline_ms / 1000.0 if request.HasField("deadline_ms") else None
-        yield _drain_state(pb.DRAIN_STATE_STARTED, len(holding))
-        reported, reported_at = len(holding), now
+        yield _drain_state(pb.DRAIN_STATE_STARTED, len(in_flight_ids))
+        reported, reported_at = len(in_flight_ids), now
         aborted: set[tuple[str, str]] = set()  # (request id, engine) told to abort
         aborts_end: float | None = None  # when waiting for the aborted requests gives up
-        while holding:
-            now, in_flight = time.monotonic(), len(holding)
+        while in_flight_ids:
+            now, in_flight = time.monotonic(), len(in_flight_ids)
             if deadline is not None and now >= deadline:
                 if not request.abort_after_deadline:
                     message = f"deadline passed, requests in flight: {in_flight}"
@@ -584,9 +591,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     async def _abort_relayed(self, aborted: set[tuple[str, str]]) -> None:
         """Abort each request this gateway relays at the engine serving it, unless `aborted`
-        says it was already told (a retry may move a request to another engine). Only these:
-        Abort(all_requests) would also end other clients' requests sent straight to the
-        engines."""
+        says it was already told (a retry may move a request to another engine), and those
+        still being planned here. Only these: Abort(all_requests) would also end other
+        clients' requests sent straight to the engines."""
+        self.relay.abort_all_unrouted()
         fresh = set(self.relay.holding.items()) - aborted
         aborted |= fresh
         await asyncio.gather(*(self._abort_at(engine, rid) for rid, engine in fresh))

@@ -272,6 +272,14 @@ class Relay:
         self.aborted_unrouted.add(request_id)
         return True
 
+    def abort_all_unrouted(self) -> int:
+        """`abort_unrouted` every admitted request that no engine holds now (Abort of every
+        request, a drain aborting its requests: no engine's Abort can reach these); how many
+        were not aborted already."""
+        unrouted = self.running - self.holding.keys() - self.aborted_unrouted
+        self.aborted_unrouted |= unrouted
+        return len(unrouted)
+
     async def generate(
         self,
         surface: Surface[Request, Response],

@@ -19,6 +19,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.test_admin_cli import cli
+from tests.controller.test_gateway import hold_planning
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,3 +177,35 @@ async def test_admin_drain_self_drains_the_controller(fleet: Fleet) -> None:
     assert drained.exit_code == 0, drained.output
     assert drained.output.strip().splitlines()[-1] == "COMPLETE  in flight 0"
     assert await health(fleet) == pb.HEALTH_STATE_DRAINING
+
+
+async def test_a_request_being_routed_when_the_drain_starts_is_in_flight_until_it_ends(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the controller admitted and is still planning (no engine holds it yet) is
+    in flight: the drain counts it from STARTED on and is COMPLETE once it has ended, not
+    while it is about to reach an engine."""
+    relay = fleet.app.gateway.relay
+    planning, go_on = hold_planning(fleet, monkeypatch)
+    request = generate_request("early", [*PREFIX, 1])
+    generating = asyncio.ensure_future(collect(fleet.gateway.Generate(request)))
+    await asyncio.wait_for(planning.wait(), 10)
+    drain = fleet.gateway.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
+    started = await drain.read()
+    assert isinstance(started, pb.DrainResponse)
+    assert (started.state, started.in_flight_requests) == (pb.DRAIN_STATE_STARTED, 1)
+    go_on.set()
+    last = started
+    while isinstance(event := await drain.read(), pb.DrainResponse):
+        last = event
+        if event.state == pb.DRAIN_STATE_COMPLETE:
+            assert relay.running == set()
+    assert (last.state, last.in_flight_requests) == (pb.DRAIN_STATE_COMPLETE, 0)
+    responses = await generating
+    assert responses[-1].WhichOneof("event") == "finished"  # it ran, admitted before the drain
+
+
+async def collect(
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+) -> list[pb.GenerateResponse]:
+    return [r async for r in call]

@@ -409,11 +409,9 @@ async def test_a_routing_bug_is_internal_for_that_request_only(
     assert done[-1].WhichOneof("event") == "finished"
 
 
-async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
-    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An Abort that arrives while the request is being planned (tokenising a long prompt,
-    asking the index) is ABORTED, and the request ends there: no engine ever runs it."""
+def hold_planning(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, ...]:
+    """Hold every request in its planning (as tokenising a long prompt, or asking a slow
+    index, would) until the second event returned is set; the first is set once one is."""
     controller = fleet.app.controller
     planning, go_on = asyncio.Event(), asyncio.Event()
     plan = controller.plan
@@ -424,10 +422,26 @@ async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
         return await plan(*args, **kwargs)
 
     monkeypatch.setattr(controller, "plan", slow_plan)
+    return planning, go_on
+
+
+@pytest.mark.parametrize("target", ["request_id", "all_requests"])
+async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    """An Abort that arrives while the request is being planned (tokenising a long prompt,
+    asking the index) is ABORTED, and the request ends there: no engine ever runs it. Abort
+    of every request reaches it too: no engine holds it, so no engine's Abort could."""
+    controller = fleet.app.controller
+    planning, go_on = hold_planning(fleet, monkeypatch)
     chosen = record_routes(fleet)
     request = asyncio.ensure_future(generate(fleet, generate_request("early", [*PREFIX, 1])))
     await asyncio.wait_for(planning.wait(), 10)
-    reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
+    if target == "request_id":
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
+    else:
+        reply = await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        assert "gateway: 1 aborted before they were routed" in reply.message
     assert reply.status == pb.ABORT_STATUS_ABORTED
     go_on.set()
     with pytest.raises(grpc.aio.AioRpcError) as err:
