@@ -12,10 +12,10 @@
   GetModelInfo says it supports the task; none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic.
-- Abort: a request id (from either front end) goes to the engine holding it; one of the
-  last requests that ended is ALREADY_FINISHED (as an engine answers), an id never seen
-  NOT_FOUND; `all_requests` and KV sessions fan out; UNAVAILABLE when no engine could be
-  reached.
+- Abort: a request id (from either front end, or of a task) goes to the engine holding it;
+  one of the last requests that ended is ALREADY_FINISHED (as an engine answers), an id
+  never seen NOT_FOUND; `all_requests` ends the requests still being planned here and fans
+  out, as KV sessions do; UNAVAILABLE when no engine could be reached.
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
@@ -278,6 +278,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         finally:
             if request_id:
                 relay.holding.pop(request_id, None)
+                # Its engine ran it: Abort of its id is ALREADY_FINISHED now, as the engine
+                # answers (seed: task ids share generation's namespace and abort semantics).
+                relay.finished.add(request_id)
                 relay.release(request_id)
 
     async def _task_engine(self, task: str, model: str, context: Context) -> EngineRecord:
