@@ -1,7 +1,8 @@
 """The gateway: `openengine.v1.OpenEngine` served for the whole fleet.
 
 - Generate: routed and relayed by the Relay (controller/relay.py), the path vllm.Generate
-  shares, never to a pooling-only engine (`EngineIdentity.generates`): NOT_FOUND for a model
+  shares, never to a pooling-only engine (`EngineIdentity.generates`): FAILED_PRECONDITION
+  for a request carrying `kv.session` (the gateway is AGGREGATED), NOT_FOUND for a model
   no engine serves, FAILED_PRECONDITION for one only pooling-only engines serve,
   ALREADY_EXISTS for the id of a request running through the gateway; the chosen engine's
   stream is relayed unchanged; if the engine fails before anything was relayed (a retryable
@@ -227,6 +228,16 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if not request.request_id:
             self.controller.metrics.count_request("invalid")
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if request.kv.HasField("session"):
+            # Seed: a role mismatch is refused before acceptance. The gateway is AGGREGATED
+            # (GetEngineInfo); the handoff to a decode engine is its own, never a client's.
+            self.controller.metrics.count_request("invalid")
+            await abort_with(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "kv.session is for a DECODE engine; the gateway is AGGREGATED (it hands "
+                "requests over to decode engines itself)",
+            )
         which = request.WhichOneof("input")
         key = self.controller.config.router.session_metadata_key
         query = PromptInput(

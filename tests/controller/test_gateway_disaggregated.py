@@ -97,6 +97,25 @@ async def test_prefill_then_decode_through_the_session() -> None:
         await close_fleet(fleet)
 
 
+async def test_a_request_carrying_a_kv_session_is_refused_as_a_role_mismatch() -> None:
+    """The gateway is AGGREGATED (GetEngineInfo) and makes the handoff itself: a client's
+    `kv.session` is a decode request, refused before acceptance (seed: role mismatch, a
+    non-OK status) and sent to no engine, not to a prefill or decode engine of the fleet."""
+    fleet, prefill, decode, _ = await _fleet(1, 1, accept_local_prefill=True)
+    try:
+        info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+        assert info.role == pb.ENGINE_ROLE_AGGREGATED
+        request = generate_request("own", [*PREFIX, 1])
+        request.kv.session.CopyFrom(pb.KvSessionRef(session_id="s0", transfer_backend="grpc"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _generate(fleet, request)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert _calls(prefill + decode, "own") == []  # was sent to the prefill engine
+        assert "kv.session is for a DECODE engine" in (err.value.details() or "")
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_prompt_logprobs_come_once_from_the_prefill_hop() -> None:
     """The prefill engine computed the prompt and its logprobs were relayed: the decode hop
     does not ask for them again (a decode engine would recompute the prompt for them, and the
