@@ -27,7 +27,9 @@
   adapters it holds, which routing of LoRA requests reads.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`.
-- Health, GetEngineInfo: the fleet's view. GetModelInfo: a routable engine serving the model
+- Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
+  answered as an engine answers them (the probe: every engine taking traffic runs its own).
+  GetModelInfo: a routable engine serving the model
   answers (its refusal passes, unless it is one another engine may not have, such as
   UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND for a model no engine serves,
   UNAVAILABLE while no engine serving it can answer.
@@ -71,6 +73,11 @@ DRAIN_PROGRESS_INTERVAL_S = 0.5
 DRAIN_POLL_S = 0.05
 # How long a drain past its deadline waits for the requests it aborted to end.
 DRAIN_ABORT_GRACE_S = 5.0
+# How long an engine may take to answer a Health with an inference probe: a little longer than
+# the bundled engine gives its own probe (30 s), so that its verdict comes back.
+INFERENCE_PROBE_TIMEOUT_S = 35.0
+# The role the gateway serves (GetEngineInfo): it accepts normal generation requests.
+GATEWAY_ROLE = pb.ENGINE_ROLE_AGGREGATED
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
 SCHEMA_RELEASE = "openengine-v1-r1+seed.94b72b7dabd1ee94"
@@ -675,6 +682,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         return reply
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
+        """One check per engine, the fleet's state (`_health_state`), and what the request
+        asks as an engine answers it: NOT_FOUND for a model no engine serves, a `role` check
+        (the gateway is AGGREGATED; another role fails it), and with
+        `include_inference_probe` an `inference_probe` check (`_inference_probe`). A failed
+        role or probe makes the state NOT_READY, as on an engine."""
+        if request.model:
+            await _require_model(self.controller, request.model, context)
         records = self.controller.fleet.registry.records()
         checks = [
             pb.HealthCheck(
@@ -684,7 +698,60 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
             for r in records
         ]
-        return pb.HealthResponse(state=self._health_state(records), checks=checks)
+        state = self._health_state(records)
+        failed = False
+        if request.role != pb.ENGINE_ROLE_UNSPECIFIED:
+            failed = request.role != GATEWAY_ROLE
+            checks.append(
+                pb.HealthCheck(
+                    name="role",
+                    state=pb.HEALTH_STATE_NOT_READY if failed else pb.HEALTH_STATE_READY,
+                    message=pb.EngineRole.Name(GATEWAY_ROLE),
+                )
+            )
+        if request.include_inference_probe:
+            probe = await self._inference_probe(request.model)
+            checks.append(probe)
+            failed = failed or probe.state == pb.HEALTH_STATE_NOT_READY
+            if probe.state == pb.HEALTH_STATE_DEGRADED and state == pb.HEALTH_STATE_READY:
+                state = pb.HEALTH_STATE_DEGRADED
+        if failed:
+            state = pb.HEALTH_STATE_NOT_READY
+        return pb.HealthResponse(state=state, checks=checks)
+
+    async def _inference_probe(self, model: str) -> pb.HealthCheck:
+        """The seed's inference probe for a fleet: every engine that takes traffic for
+        `model` (empty: any model) runs its own, as its role and runner do it. READY when
+        every one passed, DEGRADED when some did (the fleet still serves), NOT_READY when
+        none did or no engine takes traffic; the message has each engine's result."""
+        records = self.controller.fleet.registry.routable(model or None)
+        if not records:
+            return pb.HealthCheck(
+                name="inference_probe",
+                state=pb.HEALTH_STATE_NOT_READY,
+                message=f"no engine serving {model or 'a model'} takes traffic now",
+            )
+        probe = pb.HealthRequest(include_inference_probe=True, model=model)
+        results = await self._fan_out(
+            records, lambda s: s.Health(probe, timeout=INFERENCE_PROBE_TIMEOUT_S)
+        )
+        passed, results_text = 0, []
+        for record, result in results:
+            if isinstance(result, grpc.aio.AioRpcError):
+                outcome = f"{result.code().name}: {result.details()}"
+            else:
+                check = next((c for c in result.checks if c.name == "inference_probe"), None)
+                if check is None:
+                    outcome = "no inference_probe check"
+                else:
+                    passed += check.state == pb.HEALTH_STATE_READY
+                    outcome = check.message or pb.HealthState.Name(check.state)
+            results_text.append(f"{record.address}: {outcome}")
+        if passed == len(records):
+            state = pb.HEALTH_STATE_READY
+        else:
+            state = pb.HEALTH_STATE_DEGRADED if passed else pb.HEALTH_STATE_NOT_READY
+        return pb.HealthCheck(name="inference_probe", state=state, message="; ".join(results_text))
 
     def _health_state(self, records: list[EngineRecord]) -> pb.HealthState.ValueType:
         """DRAINING once the gateway drains (it refuses every new request, whatever its
@@ -708,7 +775,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         return pb.EngineInfo(
             engine_name="kvplane-controller",
             engine_version=__version__,
-            role=pb.ENGINE_ROLE_AGGREGATED,
+            role=GATEWAY_ROLE,
             instance_id=self.instance_id,
             supported_models=models,
             schema_revision=SCHEMA_REVISION,

@@ -544,6 +544,36 @@ async def test_fleet_views_load_health_info(fleet: Fleet) -> None:
     assert sum(w.indexed_blocks for w in workers.workers) >= 4
 
 
+async def test_health_answers_model_role_and_inference_probe_as_an_engine_does(
+    fleet: Fleet,
+) -> None:
+    """Health's request fields, as an engine answers them: NOT_FOUND for a model no engine
+    serves, a `role` check that fails (NOT_READY) for a role other than the gateway's
+    AGGREGATED, and with `include_inference_probe` an `inference_probe` check: every engine
+    taking traffic runs its own probe, READY when each passed (they were ignored: READY,
+    no probe)."""
+    engine = fleet.address(fleet.engines[0])
+    nosuch = pb.HealthRequest(model="nosuch")
+    assert await engine_answer(engine, "Health", nosuch) == grpc.StatusCode.NOT_FOUND
+    assert await status_of(fleet.gateway.Health(nosuch)) == grpc.StatusCode.NOT_FOUND
+    for role in (pb.ENGINE_ROLE_PREFILL, pb.ENGINE_ROLE_AGGREGATED):
+        request = pb.HealthRequest(role=role)
+        direct = await engine_answer(engine, "Health", request)
+        assert isinstance(direct, pb.HealthResponse)
+        reply = await fleet.gateway.Health(request)
+        assert reply.state == direct.state
+        assert [(c.state, c.message) for c in reply.checks if c.name == "role"] == [
+            (c.state, c.message) for c in direct.checks if c.name == "role"
+        ]
+    probed = await fleet.gateway.Health(pb.HealthRequest(include_inference_probe=True, model="sim"))
+    assert probed.state == pb.HEALTH_STATE_READY
+    (probe,) = [c for c in probed.checks if c.name == "inference_probe"]
+    assert probe.state == pb.HEALTH_STATE_READY
+    assert sorted(probe.message.split("; ")) == sorted(
+        f"{fleet.address(e)}: generated 1 token" for e in fleet.engines
+    )
+
+
 async def test_engines_added_and_removed_at_run_time(fleet: Fleet) -> None:
     extra = await start_sim_engine("e3")
     try:

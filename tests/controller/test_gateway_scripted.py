@@ -675,6 +675,46 @@ async def test_get_load_leaves_out_what_no_engine_reports() -> None:
         await close_fleet(fleet)
 
 
+# ---- Health ----
+
+
+class FailsProbe(Forwarding):
+    """The sim engine, whose inference probe fails (a broken device: it answers polls)."""
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
+        reply = await self.inner.Health(request)
+        if request.include_inference_probe:
+            reply.state = pb.HEALTH_STATE_NOT_READY
+            for check in reply.checks:
+                if check.name == "inference_probe":
+                    check.state = pb.HEALTH_STATE_NOT_READY
+                    check.message = "probe failed: scripted"
+        return reply
+
+
+async def test_an_inference_probe_failing_on_some_engines_degrades_the_fleet() -> None:
+    """Health(include_inference_probe): DEGRADED while some engines pass their probe (the
+    fleet still serves), NOT_READY once none does; the check names each engine's result."""
+    broken = await start_fronted_engine("broken", FailsProbe)
+    fine = await start_scripted_engine("fine")
+    fleet = await make_fleet(engines=[broken, fine])  # type: ignore[list-item]
+    probe = pb.HealthRequest(include_inference_probe=True)
+    try:
+        assert (await fleet.gateway.Health(pb.HealthRequest())).state == pb.HEALTH_STATE_READY
+        reply = await fleet.gateway.Health(probe)
+        assert reply.state == pb.HEALTH_STATE_DEGRADED
+        (check,) = [c for c in reply.checks if c.name == "inference_probe"]
+        assert check.state == pb.HEALTH_STATE_DEGRADED
+        assert f"127.0.0.1:{broken.port}: probe failed: scripted" in check.message
+        assert f"{address(fine)}: generated 1 token" in check.message
+        await fleet.admin.Cordon(apb.EngineRef(engine="fine"))
+        reply = await fleet.gateway.Health(probe)
+        (check,) = [c for c in reply.checks if c.name == "inference_probe"]
+        assert (reply.state, check.state) == (pb.HEALTH_STATE_NOT_READY,) * 2
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- GetModelInfo ----
 
 
