@@ -145,6 +145,16 @@ class _OpenEngineGenerate:
         cached = usage.cached_prompt_tokens if usage.HasField("cached_prompt_tokens") else None
         return Usage(usage.prompt_tokens, cached)
 
+    def num_outputs(self, request: pb.GenerateRequest) -> int:
+        sampling = request.sampling
+        return sampling.num_sequences if sampling.HasField("num_sequences") else 1
+
+    def outputs_ended(self, request: pb.GenerateRequest, response: pb.GenerateResponse) -> int:
+        event = response.WhichOneof("event")
+        if event == "prefill_ready":  # request-scoped: it ends a prefill-only request
+            return self.num_outputs(request)
+        return 1 if event == "finished" else 0
+
     def error_response(self, request: pb.GenerateRequest, message: str) -> pb.GenerateResponse:
         """A terminal EngineError of the gateway's own."""
         return pb.GenerateResponse(

@@ -18,6 +18,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
+- an engine call that fails after its stream's terminal events were relayed (every output
+  ended, or an in-band error) adds nothing: the stream ends as the engine ended it;
 - retry once on another engine when the engine failed before anything was relayed (a status
   in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
   the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
@@ -148,6 +150,16 @@ class Surface(Protocol[Request_contra, Response]):
         ...
 
     def usage(self, response: Response) -> Usage | None: ...
+
+    def num_outputs(self, request: Request_contra) -> int:
+        """How many outputs the request asks for (its sequences)."""
+        ...
+
+    def outputs_ended(self, request: Request_contra, response: Response) -> int:
+        """How many of the request's outputs this response ends: 1 for an output's last
+        event, all of them for an event that ends the whole request (a prefill's handoff),
+        else 0."""
+        ...
 
     def error_response(self, request: Request_contra, message: str) -> Response | None:
         """The terminal in-band error that ends a stream after output was relayed, or None
@@ -546,6 +558,9 @@ class Relay:
             engine = decision.engine_id
             tried.add(engine)
             relayed = False
+            # Outputs that ended, and the request's: once all have, or an in-band error was
+            # relayed, the client has every terminal event it will get.
+            num_ended, num_outputs = 0, surface.num_outputs(request)
             usage: Usage | None = None
             error: InBandError | None = None
             call: EngineCall[Response] | None = None
@@ -555,26 +570,40 @@ class Relay:
                     call = surface.call(engine, request)
                 except KeyError:  # it left the fleet after the request was planned
                     raise _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left") from None
-                async for response in call:
-                    error = surface.error(response)
-                    if not relayed:
-                        if error is not None and error.retryable and retry is None:
-                            raise _Retry(error.message, response)
-                        if stage.times_first_response:
-                            elapsed = time.perf_counter() - started
-                            c.metrics.first_response_seconds.observe(elapsed)
-                        relayed = True
-                    if surface.has_output(response):
-                        c.router.first_token(request_id)
-                    usage = surface.usage(response) or usage
-                    yield response
+                late: grpc.aio.AioRpcError | None = None  # a failure after the stream's end
+                try:
+                    async for response in call:
+                        error = surface.error(response)
+                        if not relayed:
+                            if error is not None and error.retryable and retry is None:
+                                raise _Retry(error.message, response)
+                            if stage.times_first_response:
+                                elapsed = time.perf_counter() - started
+                                c.metrics.first_response_seconds.observe(elapsed)
+                            relayed = True
+                        if surface.has_output(response):
+                            c.router.first_token(request_id)
+                        usage = surface.usage(response) or usage
+                        num_ended += surface.outputs_ended(request, response)
+                        yield response
+                except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+                    if error is None and not (relayed and num_ended >= num_outputs):
+                        raise
+                    # Every terminal event is relayed: an error now would be one more after
+                    # the end (seed: nothing follows a stream's terminal event). The stream
+                    # ends as the engine ended it; the engine's record notes the failure.
+                    late = engine_failure(caught, engine, c.fleet)
+                    log.warning("request %s: engine %s failed after the end of its stream: "
+                                "%s: %s", request_id, engine, late.code().name,
+                                late.details())  # fmt: skip
+                    await self.report_failure(engine, late)
                 if stage.last or error is not None:
                     c.metrics.count_request("ok" if error is None else "engine_error")
                 if stage.last:
                     c.metrics.request_seconds.observe(time.perf_counter() - started)
                 if usage is not None and stage.usage:
                     self._record_usage(decision.predicted_cached_tokens, usage)
-                if error is None and stage.served_when_done:
+                if error is None and late is None and stage.served_when_done:
                     await self.report(engine, None)
                 elif error is not None and error.engine_fault:
                     await self.report(engine, error.message)

@@ -41,7 +41,9 @@ class GenerateFaults:
     - "overloaded": accepted, then one retryable terminal EngineError (OVERLOADED);
     - "invalid": accepted, then one non-retryable terminal EngineError;
     - "token_then_error": the first token, then one retryable terminal EngineError;
-    - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE.
+    - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE;
+    - "token_then_error_then_internal": "token_then_error", then the call fails with INTERNAL;
+    - "finished_then_internal": the whole stream, then the call fails with INTERNAL.
     """
 
     pending: list[str] = field(default_factory=list)
@@ -144,7 +146,7 @@ class ScriptedServicer(ReportsLoad):
         try:
             async for response in call:
                 yield response
-                if fault == "token_then_error":
+                if fault in ("token_then_error", "token_then_error_then_internal"):
                     yield pb.GenerateResponse(
                         request_id=request.request_id,
                         error=pb.EngineError(
@@ -153,9 +155,11 @@ class ScriptedServicer(ReportsLoad):
                             retryable=True,
                         ),
                     )
-                    return
+                    break
                 if fault == "token_then_unavailable":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: gone")
+            if fault in ("finished_then_internal", "token_then_error_then_internal"):
+                await context.abort(grpc.StatusCode.INTERNAL, "scripted: broke after the end")
         finally:
             call.cancel()
 
@@ -594,6 +598,27 @@ async def test_failure_after_acceptance_is_one_terminal_error_and_no_retry(fault
         assert metrics.retries._value.get() == 0
         assert metrics.requests.labels("engine_error")._value.get() == 1
         assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("fault", ["finished_then_internal", "token_then_error_then_internal"])
+async def test_an_engine_failing_after_its_terminal_event_adds_nothing_after_it(
+    fault: str,
+) -> None:
+    """Seed: nothing follows a stream's terminal event (the last GenerationFinished, or an
+    EngineError). An engine call that fails after it was relayed ends the client's stream
+    as the engine ended it, with OK: no second terminal EngineError of the gateway's."""
+    fleet, engines = await two_engine_fleet(GenerateFaults([fault]))
+    try:
+        reply = [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
+        kinds = [r.WhichOneof("event") for r in reply]
+        finished = fault == "finished_then_internal"
+        assert kinds == (["token"] * 4 + ["finished"] if finished else ["token", "error"])
+        assert calls(engines, "r") == 1
+        outcome = "ok" if finished else "engine_error"
+        assert fleet.app.controller.metrics.requests.labels(outcome)._value.get() == 1
+        assert fleet.app.gateway.relay.holding == {}
     finally:
         await close_fleet(fleet)
 
