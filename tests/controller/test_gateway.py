@@ -227,6 +227,46 @@ async def test_abort_goes_to_the_engine_holding_the_request() -> None:
         await close_fleet(fleet)
 
 
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_a_client_that_gives_up_stops_its_request_on_the_engine(how: str) -> None:
+    """Seed: a client's cancellation or deadline expiration stops the running work: the
+    engine's request ends then, not after its 3,500 tokens (about 20 s), and Abort of its
+    id then answers ALREADY_FINISHED, from the engine as from the gateway."""
+    fleet = await make_fleet(1, time_scale=1.0)
+    engine = fleet.address(fleet.engines[0])
+    try:
+        request = generate_request("gone", [*PREFIX, 1], max_tokens=3500)
+        call = fleet.gateway.Generate(request, timeout=5 if how == "deadline" else None)
+        first = await call.read()
+        assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
+        if how == "cancel":
+            call.cancel()
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        async def ended_on_the_engine() -> bool:
+            reply = await engine_answer(engine, "Abort", pb.AbortRequest(request_id="gone"))
+            assert isinstance(reply, pb.AbortResponse)
+            return reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+        await eventually(ended_on_the_engine)
+
+        async def engine_idle() -> bool:
+            load = await engine_answer(engine, "GetLoad", pb.GetLoadRequest())
+            assert isinstance(load, pb.LoadInfo)
+            return load.running_requests == 0
+
+        await eventually(engine_idle)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="gone"))
+        assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- statuses as an engine answers them (WIRE.md section 3) ----
 
 
@@ -367,7 +407,7 @@ async def test_model_info_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> No
 
 async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -> None:
     """As an engine answers: ALREADY_FINISHED (a success) for a request that ended, NOT_FOUND
-    for an id never seen, INVALID_ARGUMENT for an empty one."""
+    for an id never seen, INVALID_ARGUMENT for an empty one and for no target at all."""
     chosen = record_routes(fleet)
     done = await generate(fleet, generate_request("done", [*PREFIX, 1]))
     assert done[-1].WhichOneof("event") == "finished"
@@ -384,6 +424,9 @@ async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -
     empty = pb.AbortRequest(request_id="")  # the target set, to an empty id
     assert await engine_answer(chosen[0], "Abort", empty) == grpc.StatusCode.INVALID_ARGUMENT
     assert await status_of(fleet.gateway.Abort(empty)) == grpc.StatusCode.INVALID_ARGUMENT
+    untargeted = pb.AbortRequest()  # seed: omitting the target is INVALID_ARGUMENT
+    assert await engine_answer(chosen[0], "Abort", untargeted) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await status_of(fleet.gateway.Abort(untargeted)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_a_routing_bug_is_internal_for_that_request_only(
