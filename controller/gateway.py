@@ -16,7 +16,8 @@
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it;
   one of the last requests that ended is ALREADY_FINISHED (as an engine answers), an id
   never seen NOT_FOUND; `all_requests` ends the requests still being planned here and fans
-  out, as KV sessions do; UNAVAILABLE when no engine could be reached.
+  out, as KV sessions do; every engine refusing alike is their status, UNAVAILABLE when no
+  engine could be reached.
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
@@ -107,6 +108,9 @@ _SUMMED_LOAD = (
     "total_kv_blocks",
     "waiting_tokens",
 )
+
+# Statuses of an engine call that did not reach the engine, or got no answer in time.
+_UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -445,9 +449,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         summary = _summary(outcomes)
         answered = [r for _, r in results if isinstance(r, pb.AbortResponse)]
         if not answered:
-            # No engine holds that KV session only if every engine said so.
-            if outcomes and all(o.outcome == grpc.StatusCode.NOT_FOUND.name for o in outcomes):
-                await abort_with(context, grpc.StatusCode.NOT_FOUND, summary)
+            # Every engine refusing alike is the answer (NOT_FOUND: no engine holds that KV
+            # session; UNAUTHENTICATED: the controller lacks the engines' token;
+            # UNIMPLEMENTED: no engine supports abort); else none could be asked.
+            codes = {r.code() for _, r in results if isinstance(r, grpc.aio.AioRpcError)}
+            if len(codes) == 1 and (code := codes.pop()) not in _UNREACHED:
+                await abort_with(context, code, summary)
             await abort_with(
                 context, grpc.StatusCode.UNAVAILABLE, f"no engine could be reached: {summary}"
             )

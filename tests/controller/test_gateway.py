@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -287,6 +288,26 @@ async def status_of(call: Awaitable[object]) -> grpc.StatusCode:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await call
     return err.value.code()
+
+
+async def test_abort_of_everything_every_engine_refuses_alike_is_their_status(
+    tmp_path: Path,
+) -> None:
+    """Engines that ask for a token the controller lacks (no `engine_token_file`) answer
+    its Abort fan-out UNAUTHENTICATED: the gateway's Abort(all_requests) is UNAUTHENTICATED
+    too, naming each engine, not UNAVAILABLE "no engine could be reached" (they answered)."""
+    token = tmp_path / "token"
+    token.write_text("engine-only")
+    engines = [await start_sim_engine(f"e{i}", auth={"token_file": token}) for i in range(2)]
+    fleet = await make_fleet(engines=engines)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for engine in engines:
+            assert f"{fleet.address(engine)}: UNAUTHENTICATED" in (err.value.details() or "")
+    finally:
+        await close_fleet(fleet)
 
 
 async def test_a_running_request_id_is_refused_as_an_engine_refuses_a_duplicate() -> None:
