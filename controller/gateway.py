@@ -9,7 +9,8 @@
   status such as UNAVAILABLE, or a retryable terminal EngineError), the request is retried
   once on another engine; a failure after that is one terminal EngineError (seed: no event
   may follow it).
-- Embed / Classify / Score: the least loaded routable engine serving the model whose
+- Embed / Classify / Score: INVALID_ARGUMENT without the request id or model the seed
+  requires; else the least loaded routable engine serving the model whose
   GetModelInfo says it supports the task; none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic.
@@ -287,17 +288,23 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
         context: Context,
     ) -> T:
+        if not task_context.request_id or not task_context.model:
+            # The seed requires both, whatever the task's support: refused as an engine does.
+            await abort_with(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "context.request_id and context.model are required",
+            )
         if self.controller.draining:  # as a draining engine refuses a pooling task
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         record = await self._task_engine(task, task_context.model, context)
         relay = self.relay
         request_id = task_context.request_id
-        if request_id:
-            if not relay.admit(request_id):
-                await abort_with(
-                    context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
-                )
-            relay.holding[request_id] = record.address
+        if not relay.admit(request_id):
+            await abort_with(
+                context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
+            )
+        relay.holding[request_id] = record.address
         try:
             reply = await call(self.controller.fleet.stub(record.address))
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
@@ -308,12 +315,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await relay.report(record.address, None)
             return reply
         finally:
-            if request_id:
-                relay.holding.pop(request_id, None)
-                # Its engine ran it: Abort of its id is ALREADY_FINISHED now, as the engine
-                # answers (seed: task ids share generation's namespace and abort semantics).
-                relay.finished.add(request_id)
-                relay.release(request_id)
+            relay.holding.pop(request_id, None)
+            # Its engine ran it: Abort of its id is ALREADY_FINISHED now, as the engine
+            # answers (seed: task ids share generation's namespace and abort semantics).
+            relay.finished.add(request_id)
+            relay.release(request_id)
 
     async def _task_engine(self, task: str, model: str, context: Context) -> EngineRecord:
         """The least loaded routable engine serving `model` whose GetModelInfo says it
@@ -324,7 +330,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         as for a generation."""
         c = self.controller
         registry = c.fleet.registry
-        capable = [r for r in registry.routable(model or None) if _has_task(r, task)]
+        capable = [r for r in registry.routable(model) if _has_task(r, task)]
         if capable:
             if c.sheds_load:
                 try:
@@ -347,13 +353,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"no engine serving {model or 'the default model'} supports {task}",
+                f"no engine serving {model} supports {task}",
             )
         await _require_model(self.controller, model, context)
         await abort_with(
             context,
             grpc.StatusCode.UNAVAILABLE,
-            f"no engine serving {model or 'the default model'} is known yet",
+            f"no engine serving {model} is known yet",
         )
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:

@@ -908,23 +908,26 @@ async def test_vllm_generate_takes_the_gateways_path() -> None:
         await close_fleet(fleet)
 
 
-async def test_a_task_no_engine_supports_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> None:
+@pytest.mark.parametrize(
+    ("request_id", "model", "status"),
+    [
+        ("emb", "sim", grpc.StatusCode.FAILED_PRECONDITION),
+        # The seed requires both, whatever the task's support (was FAILED_PRECONDITION).
+        ("", "sim", grpc.StatusCode.INVALID_ARGUMENT),
+        ("emb", "", grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_a_task_no_engine_supports_is_refused_as_an_engine_refuses_it(
+    fleet: Fleet, request_id: str, model: str, status: grpc.StatusCode
+) -> None:
     # The sim engine has no Embed (FAILED_PRECONDITION: it generates only);
     # tests/controller/test_gateway_scripted.py routes tasks to engines that have it.
     request = pb.EmbedRequest(
-        context=pb.TaskRequestContext(request_id="emb", model="sim"),
+        context=pb.TaskRequestContext(request_id=request_id, model=model),
         inputs=[pb.TaskInput(item_id="x", token_ids=pb.TokenIds(ids=[1, 2, 3]))],
     )
-    async with grpc.aio.insecure_channel(fleet.address(fleet.engines[0])) as direct:
-        try:
-            expected: object = await pb_grpc.OpenEngineStub(direct).Embed(request)
-        except grpc.aio.AioRpcError as exc:
-            expected = exc.code()
-    try:
-        got: object = await fleet.gateway.Embed(request)
-    except grpc.aio.AioRpcError as exc:
-        got = exc.code()
-    assert got == expected == grpc.StatusCode.FAILED_PRECONDITION
+    expected = await engine_answer(fleet.address(fleet.engines[0]), "Embed", request)
+    assert await status_of(fleet.gateway.Embed(request)) == expected == status
 
 
 async def test_concurrent_requests_sharing_a_system_prompt_spread_over_the_fleet() -> None:

@@ -462,11 +462,10 @@ async def test_tasks_go_only_to_engines_that_support_them() -> None:
         assert engines[1].servicer.task_calls == ["embed"] * 6
         assert engines[0].servicer.task_calls == engines[2].servicer.task_calls == []
 
+        unsupported = pb.TaskRequestContext(request_id="u", model="sim")
         for rpc in (
-            fleet.gateway.Classify(
-                pb.ClassifyRequest(context=pb.TaskRequestContext(model="sim"), inputs=inputs)
-            ),
-            fleet.gateway.Score(pb.ScoreRequest(context=pb.TaskRequestContext(model="sim"))),
+            fleet.gateway.Classify(pb.ClassifyRequest(context=unsupported, inputs=inputs)),
+            fleet.gateway.Score(pb.ScoreRequest(context=unsupported)),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await rpc
