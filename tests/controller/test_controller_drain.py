@@ -209,3 +209,34 @@ async def collect(
     call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
 ) -> list[pb.GenerateResponse]:
     return [r async for r in call]
+
+
+async def test_vllm_generate_counts_in_the_drain_and_is_refused_after_it(
+    slow_fleet: Fleet,
+) -> None:
+    """The drain covers the gateway's vllm.Generate front end too: a running GenerateStream
+    is in flight (the deadline passes with it: one DRAINING error, in flight 1), and once
+    draining, a vllm.Generate is refused UNAVAILABLE as an OpenEngine Generate is."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    fleet = slow_fleet
+    stub = vpb_grpc.GenerateStub(fleet.channel)
+
+    def request(max_new_tokens: int) -> vpb.GenerateRequest:
+        return vpb.GenerateRequest(
+            request_id="v", model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 1]),
+            stopping=vpb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+        )  # fmt: skip
+
+    stream = stub.GenerateStream(request(LONG))
+    assert isinstance(await stream.read(), vpb.GenerateResponse)  # it runs
+    drain = pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=100)
+    events = [e async for e in fleet.gateway.Drain(drain)]
+    assert (events[0].state, events[0].in_flight_requests) == (pb.DRAIN_STATE_STARTED, 1)
+    assert events[-1].WhichOneof("event") == "error" and events[-1].in_flight_requests == 1
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Generate(request(2))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details() == "the controller is draining"
+    stream.cancel()

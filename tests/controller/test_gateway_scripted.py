@@ -26,6 +26,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,7 +79,10 @@ class ScriptedServicer(ReportsLoad):
       disabled every LoRA call is FAILED_PRECONDITION.
     - Embed, Classify, Score (each when in `tasks`, else FAILED_PRECONDITION): one output per
       input (Score: per group, one per candidate), in request order, the index present even
-      for 0; an unknown model is NOT_FOUND.
+      for 0; an unknown model is NOT_FOUND. While `task_gate` is set and not open, each
+      accepted task waits for it: Abort of its id ends it CANCELLED (as the bundled engine
+      ends an aborted task), and a task whose call is cancelled is recorded in
+      `tasks_cancelled`.
     - Generate takes the next of the shared GenerateFaults, else is the sim engine's. One
       naming a LoRA adapter is refused as the seed says (LoRA disabled: FAILED_PRECONDITION;
       an adapter not loaded here: NOT_FOUND), else runs as the sim engine's without it (the
@@ -86,7 +90,7 @@ class ScriptedServicer(ReportsLoad):
 
     - GetLoad is the sim engine's with the figures the test sets in `load` (ReportsLoad).
 
-    Everything else (info, health, KV events, abort) is the sim engine's answer.
+    Everything else (info, health, KV events, abort of other ids) is the sim engine's answer.
     """
 
     def __init__(
@@ -106,6 +110,9 @@ class ScriptedServicer(ReportsLoad):
         self.adapters: dict[str, pb.LoraAdapter] = {}
         self.generate_calls: list[str] = []
         self.task_calls: list[str] = []
+        self.task_gate: asyncio.Event | None = None
+        self.held_tasks: dict[str, asyncio.Event] = {}  # request id -> set when aborted
+        self.tasks_cancelled: list[str] = []
 
     # ---- what the test gives it ----
 
@@ -221,6 +228,32 @@ class ScriptedServicer(ReportsLoad):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{task} is unsupported")
         if request_context.model not in ("", "sim"):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request_context.model!r}")
+        gate = self.task_gate
+        if gate is None:
+            return
+        aborted = self.held_tasks[request_context.request_id] = asyncio.Event()
+        try:
+            opened = asyncio.ensure_future(gate.wait())
+            stopped = asyncio.ensure_future(aborted.wait())
+            try:
+                await asyncio.wait((opened, stopped), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                opened.cancel()
+                stopped.cancel()
+        except asyncio.CancelledError:
+            self.tasks_cancelled.append(request_context.request_id)
+            raise
+        finally:
+            del self.held_tasks[request_context.request_id]
+        if aborted.is_set():
+            await context.abort(grpc.StatusCode.CANCELLED, "scripted: aborted")
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        held = self.held_tasks.get(request.request_id) if request.request_id else None
+        if held is None:
+            return await self.inner.Abort(request)
+        held.set()
+        return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="aborted")
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> Any:
         await self._task("embed", request.context, context)
@@ -480,6 +513,54 @@ async def test_tasks_go_only_to_engines_that_support_them() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await fleet.gateway.Embed(embed("cordoned"))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_running_task_is_aborted_by_id_and_stopped_by_its_clients_cancel() -> None:
+    """Seed: task ids share generation's namespace and abort semantics, and a client's
+    cancellation stops the work. A running Classify's id is ALREADY_EXISTS for a Generate;
+    Abort of it reaches the engine running it (ABORTED; the call ends CANCELLED), then
+    ALREADY_FINISHED; a client cancelling its Classify cancels the engine's call."""
+    engines = [
+        await start_scripted_engine("e0"),
+        await start_scripted_engine("e1", tasks=frozenset({"classify"})),
+    ]
+    fleet = await scripted_fleet(*engines)
+    capable = engines[1].servicer
+    capable.task_gate = asyncio.Event()
+    inputs = [pb.TaskInput(item_id="i", token_ids=pb.TokenIds(ids=[1, 5]))]
+
+    def classify(request_id: str) -> grpc.aio.UnaryUnaryCall[Any, pb.ClassifyResponse]:
+        context = pb.TaskRequestContext(request_id=request_id, model="sim")
+        return fleet.gateway.Classify(pb.ClassifyRequest(context=context, inputs=inputs))
+
+    async def held(request_id: str) -> bool:
+        return request_id in capable.held_tasks
+
+    try:
+        first = classify("t1")
+        await eventually(lambda: held("t1"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in fleet.gateway.Generate(generate_request("t1", [1, 2, 3]))]
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="t1"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await first
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        again = await fleet.gateway.Abort(pb.AbortRequest(request_id="t1"))
+        assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+        second = classify("t2")
+        await eventually(lambda: held("t2"))
+        second.cancel()
+
+        async def cancelled_on_the_engine() -> bool:
+            return capable.tasks_cancelled == ["t2"]
+
+        await eventually(cancelled_on_the_engine)
+        await eventually(lambda: fleet.app.gateway.relay.running == set())
     finally:
         await close_fleet(fleet)
 
