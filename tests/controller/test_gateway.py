@@ -638,6 +638,24 @@ async def test_health_answers_model_role_and_inference_probe_as_an_engine_does(
     )
 
 
+async def test_per_engine_kv_and_runtime_rpcs_are_unimplemented_for_the_fleet(
+    fleet: Fleet,
+) -> None:
+    """KV-connector info, KV-event sources and the KV-event and runtime-event streams
+    describe one engine (its endpoints, its sequence numbers): the gateway sends clients to
+    the engines, UNIMPLEMENTED before any event, rather than merge or pick one."""
+    gateway = fleet.gateway
+    info = gateway.GetKvConnectorInfo(pb.GetKvConnectorInfoRequest())
+    assert await status_of(info) == grpc.StatusCode.UNIMPLEMENTED
+    sources = gateway.GetKvEventSources(pb.GetKvEventSourcesRequest())
+    assert await status_of(sources) == grpc.StatusCode.UNIMPLEMENTED
+    for stream in (
+        gateway.SubscribeKvEvents(pb.SubscribeKvEventsRequest()),
+        gateway.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest()),
+    ):
+        assert await status_of(stream.read()) == grpc.StatusCode.UNIMPLEMENTED
+
+
 async def test_engines_added_and_removed_at_run_time(fleet: Fleet) -> None:
     extra = await start_sim_engine("e3")
     try:
