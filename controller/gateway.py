@@ -793,7 +793,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     ) -> pb.EngineInfo:
         models: list[str] = []
         for r in self.controller.fleet.registry.records():
-            if r.identity is not None:
+            # Not an incompatible engine's: the fleet does not serve them (GetModelInfo and
+            # Generate answer NOT_FOUND for a model only such engines name).
+            if r.identity is not None and r.state is not EngineState.INCOMPATIBLE:
                 models.extend(m for m in r.identity.models if m not in models)
         return pb.EngineInfo(
             engine_name="kvplane-controller",

@@ -718,21 +718,27 @@ async def test_restarted_engine_cold_cache_attracts_no_traffic() -> None:
 
 
 class _FutureEngine(pb_grpc.OpenEngineServicer):
-    """An engine advertising a contract revision this controller was not tested with."""
+    """An engine advertising a contract revision this controller was not tested with (or,
+    with `revision` 1, one it was, until the test upgrades it: a new process, "f<revision>")."""
+
+    def __init__(self, revision: int = 2, models: tuple[str, ...] = ("sim",)) -> None:
+        self.revision = revision
+        self.models = models
 
     async def GetEngineInfo(
         self, request: pb.GetEngineInfoRequest, context: object
     ) -> pb.EngineInfo:
         return pb.EngineInfo(
-            engine_name="future", instance_id="f0", supported_models=["sim"],
-            schema_revision=2, minimum_client_revision=2, schema_release="v2.0.0",
+            engine_name="future", instance_id=f"f{self.revision}", supported_models=self.models,
+            schema_revision=self.revision, minimum_client_revision=self.revision,
+            schema_release=f"v{self.revision}.0.0",
         )  # fmt: skip
 
     async def Health(self, request: pb.HealthRequest, context: object) -> pb.HealthResponse:
         return pb.HealthResponse(state=pb.HEALTH_STATE_READY)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: object) -> pb.LoadInfo:
-        return pb.LoadInfo(instance_id="f0")
+        return pb.LoadInfo(instance_id=f"f{self.revision}")
 
 
 async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) -> None:
@@ -757,6 +763,39 @@ async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) ->
             assert explained.engine != address
         health = await fleet.gateway.Health(pb.HealthRequest())
         assert health.state == pb.HEALTH_STATE_DEGRADED
+    finally:
+        await server.stop(None)
+
+
+async def test_an_engine_turned_incompatible_takes_its_models_out_of_the_fleets_info(
+    fleet: Fleet,
+) -> None:
+    """An engine replaced by a process of a revision the controller was not tested with is
+    rejected, and its models leave GetEngineInfo's `supported_models`: the seed has
+    GetModelInfo select one of them, and it (like Generate) answers NOT_FOUND for a model no
+    compatible engine serves (they were still listed)."""
+    engine = _FutureEngine(revision=1, models=("future-only",))
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(engine, server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        await fleet.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=address, kv_events="none")
+        )
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, 10)
+        info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+        assert sorted(info.supported_models) == ["future-only", "sim"]
+        engine.revision = 2
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).state is EngineState.INCOMPATIBLE, 10
+        )
+        info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+        assert list(info.supported_models) == ["sim"]
+        future_only = fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="future-only"))
+        assert await status_of(future_only) == grpc.StatusCode.NOT_FOUND
     finally:
         await server.stop(None)
 
