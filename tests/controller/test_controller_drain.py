@@ -240,3 +240,13 @@ async def test_vllm_generate_counts_in_the_drain_and_is_refused_after_it(
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert refused.value.details() == "the controller is draining"
     stream.cancel()
+
+
+async def test_a_drain_that_keeps_accepting_refuses_nothing(fleet: Fleet) -> None:
+    """`stop_accepting_new_requests` false, as on an engine: the drain reports the requests
+    in flight to COMPLETE, and the controller goes on taking requests and saying READY."""
+    events = [e async for e in fleet.gateway.Drain(pb.DrainRequest())]
+    assert [e.state for e in events] == [pb.DRAIN_STATE_STARTED, pb.DRAIN_STATE_COMPLETE]
+    assert await health(fleet) == pb.HEALTH_STATE_READY
+    reply = [r async for r in fleet.gateway.Generate(generate_request("after", [*PREFIX, 1]))]
+    assert reply[-1].WhichOneof("event") == "finished"
