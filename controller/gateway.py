@@ -31,10 +31,10 @@
   detail in `attributes`.
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
   answered as an engine answers them (the probe: every engine taking traffic runs its own).
-  GetModelInfo: a routable engine serving the model
-  answers (its refusal passes, unless it is one another engine may not have, such as
-  UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND for a model no engine serves,
-  UNAVAILABLE while no engine serving it can answer.
+  GetModelInfo: a routable engine serving the model answers, with the pooling tasks other
+  engines serving it have (its refusal passes, unless it is one another engine may not
+  have, such as UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND for a model no
+  engine serves, UNAVAILABLE while no engine serving it can answer.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
+from controller.fleet import POOLING_TASKS, Fleet
 from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
 from controller.registry import (
     POLL_FAILED_STATES,
@@ -64,9 +65,6 @@ from kvplane import __version__
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from controller.fleet import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -808,6 +806,43 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             schema_release=SCHEMA_RELEASE,
         )
 
+    async def _model_info(
+        self, record: EngineRecord, request: pb.GetModelInfoRequest
+    ) -> pb.ModelInfo:
+        """The engine's GetModelInfo; raises its failure (an engine that left: UNAVAILABLE)."""
+        try:
+            reply: pb.ModelInfo = await self.controller.fleet.stub(record.address).GetModelInfo(
+                request, timeout=self.controller.config.health.rpc_timeout_s
+            )
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            raise engine_failure(caught, record.address, self.controller.fleet) from None
+        return reply
+
+    async def _add_tasks_served_elsewhere(
+        self,
+        reply: pb.ModelInfo,
+        answered: EngineRecord,
+        records: list[EngineRecord],
+        request: pb.GetModelInfoRequest,
+    ) -> None:
+        """The fleet serves a pooling task for the model when any of its engines does (Embed,
+        Classify and Score go to one that does), and the seed has clients use a task only
+        when ModelInfo advertises it: a task the answering engine lacks is advertised with
+        the capability of an engine that has it, as that engine reports it."""
+        for task in POOLING_TASKS:
+            if getattr(reply.tasks, task).supported:
+                continue
+            for other in records:
+                if other is answered or not _has_task(other, task):
+                    continue
+                try:
+                    info = await self._model_info(other, request)
+                except grpc.aio.AioRpcError:
+                    continue  # another engine with the task may answer
+                if getattr(info.tasks, task).supported:
+                    getattr(reply.tasks, task).CopyFrom(getattr(info.tasks, task))
+                    break
+
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> pb.ModelInfo:
         if not request.model:  # as an engine answers
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "model is required")
@@ -816,14 +851,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         records = self.controller.fleet.registry.routable(request.model)
         for r in sorted(records, key=lambda r: r.identity is not None and not r.identity.generates):
             try:
-                reply: pb.ModelInfo = await self.controller.fleet.stub(r.address).GetModelInfo(
-                    request, timeout=self.controller.config.health.rpc_timeout_s
-                )
-            except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-                failure = engine_failure(caught, r.address, self.controller.fleet)
+                reply = await self._model_info(r, request)
+            except grpc.aio.AioRpcError as failure:
                 if failure.code() in RETRYABLE:  # this engine cannot answer now; the next may
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
+            await self._add_tasks_served_elsewhere(reply, r, records, request)
             return reply
         await abort_with(
             context,

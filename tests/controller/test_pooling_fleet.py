@@ -191,3 +191,23 @@ async def test_abort_of_a_task_that_ended_is_already_finished_as_the_engine_answ
     assert expected.status == pb.ABORT_STATUS_ALREADY_FINISHED
     reply = await mixed_fleet.gateway.Abort(abort)
     assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+
+async def test_the_fleets_model_info_advertises_every_task_the_gateway_serves(
+    mixed_fleet: Fleet,
+) -> None:
+    """Seed: a client uses a task only when ModelInfo advertises it. The gateway serves
+    Classify for the model (the pooling engine has it), so its ModelInfo says so, with the
+    pooling engine's capability, though the generating engine that answers lacks it (it said
+    classify unsupported, and a client following the seed never called it)."""
+    request = pb.GetModelInfoRequest(model=MODEL)
+    generating, pooling = [
+        await engine_answer(mixed_fleet.address(e), "GetModelInfo", request)
+        for e in mixed_fleet.engines
+    ]
+    assert isinstance(generating, pb.ModelInfo) and isinstance(pooling, pb.ModelInfo)
+    assert not generating.tasks.classify.supported and pooling.tasks.classify.supported
+    info = await mixed_fleet.gateway.GetModelInfo(request)
+    assert info.tasks.classify == pooling.tasks.classify
+    assert info.generation == generating.generation
+    assert info.tasks.embed == generating.tasks.embed  # the answering engine's own
