@@ -31,10 +31,10 @@
   detail in `attributes`.
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
   answered as an engine answers them (the probe: every engine taking traffic runs its own).
-  GetModelInfo: a routable engine serving the model answers, with the pooling tasks other
-  engines serving it have (its refusal passes, unless it is one another engine may not
-  have, such as UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND for a model no
-  engine serves, UNAVAILABLE while no engine serving it can answer.
+  GetModelInfo: a routable engine serving the model answers, with the pooling tasks and
+  LoRA support other engines serving it have (its refusal passes, unless it is one another
+  engine may not have, such as UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND
+  for a model no engine serves, UNAVAILABLE while no engine serving it can answer.
 """
 
 from __future__ import annotations
@@ -818,17 +818,23 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             raise engine_failure(caught, record.address, self.controller.fleet) from None
         return reply
 
-    async def _add_tasks_served_elsewhere(
+    async def _add_served_elsewhere(
         self,
         reply: pb.ModelInfo,
         answered: EngineRecord,
         records: list[EngineRecord],
         request: pb.GetModelInfoRequest,
     ) -> None:
-        """The fleet serves a pooling task for the model when any of its engines does (Embed,
-        Classify and Score go to one that does), and the seed has clients use a task only
-        when ModelInfo advertises it: a task the answering engine lacks is advertised with
-        the capability of an engine that has it, as that engine reports it."""
+        """What the fleet serves for the model though the answering engine does not, which
+        the seed has clients use only when ModelInfo advertises it: LoRA (`supports_lora`:
+        a Generate naming an adapter goes to a generating engine holding it, the LoRA calls
+        fan out to the engines that support LoRA), and each pooling task (Embed, Classify
+        and Score go to an engine that has it), advertised with that engine's capability."""
+        if not reply.supports_lora and any(
+            r.identity is not None and r.identity.generates and r.identity.supports_lora
+            for r in records
+        ):
+            reply.supports_lora = True
         for task in POOLING_TASKS:
             if getattr(reply.tasks, task).supported:
                 continue
@@ -856,7 +862,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 if failure.code() in RETRYABLE:  # this engine cannot answer now; the next may
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
-            await self._add_tasks_served_elsewhere(reply, r, records, request)
+            await self._add_served_elsewhere(reply, r, records, request)
             return reply
         await abort_with(
             context,

@@ -406,6 +406,29 @@ async def test_lora_fan_out_aggregates_every_engines_result(tmp_path: Path) -> N
         await close_fleet(fleet)
 
 
+async def test_the_fleets_model_info_says_lora_is_supported_when_an_engine_supports_it() -> None:
+    """The gateway takes `lora_name` (routed to an engine holding the adapter) and the LoRA
+    calls (fanned out to the engines that support LoRA) when any engine does: its ModelInfo
+    says `supports_lora`, whichever engine answers (e0, without LoRA, answered false)."""
+    engines = [
+        await start_scripted_engine("e0", advertise_lora=False),
+        await start_scripted_engine("e1", advertise_lora=True, lora_enabled=True),
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        request = pb.GetModelInfoRequest(model="sim")
+        async with grpc.aio.insecure_channel(address(engines[0])) as direct:
+            answered = await pb_grpc.OpenEngineStub(direct).GetModelInfo(request)
+        assert answered.HasField("supports_lora") and not answered.supports_lora
+        for _ in range(2):  # whichever engine answers
+            assert (await fleet.gateway.GetModelInfo(request)).supports_lora
+        await fleet.admin.Cordon(apb.EngineRef(engine="e1"))
+        # e1 takes no traffic now: the fleet serves no LoRA for the model.
+        assert not (await fleet.gateway.GetModelInfo(request)).supports_lora
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_lora_cli_load_on_one_engine_then_unload_from_the_fleet(tmp_path: Path) -> None:
     """The issue's sequence: `lora load x ... --engine e0`, then `lora unload x` on the
     controller succeeds though e1 never had x."""
