@@ -11,7 +11,8 @@
   may follow it).
 - Embed / Classify / Score: INVALID_ARGUMENT without the request id or model the seed
   requires; else the least loaded routable engine serving the model whose
-  GetModelInfo says it supports the task; none: FAILED_PRECONDITION (the seed's UNSUPPORTED
+  GetModelInfo says it supports the task, holding the LoRA adapter the request names (none
+  holds it: the LoRA refusals of a Generate); none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic.
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it;
@@ -54,6 +55,7 @@ from controller.registry import (
     POLL_FAILED_STATES,
     EngineRecord,
     EngineState,
+    LoraRoutingError,
     UnknownEngineError,
     UnknownModelError,
 )
@@ -295,7 +297,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         if self.controller.draining:  # as a draining engine refuses a pooling task
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
-        record = await self._task_engine(task, task_context.model, context)
+        record = await self._task_engine(task, task_context, context)
         relay = self.relay
         request_id = task_context.request_id
         if not relay.admit(request_id):
@@ -319,16 +321,22 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             relay.finished.add(request_id)
             relay.release(request_id)
 
-    async def _task_engine(self, task: str, model: str, context: Context) -> EngineRecord:
-        """The least loaded routable engine serving `model` whose GetModelInfo says it
-        supports `task`. None: UNAVAILABLE while a capable engine exists but takes no
+    async def _task_engine(
+        self, task: str, task_context: pb.TaskRequestContext, context: Context
+    ) -> EngineRecord:
+        """The least loaded routable engine serving the request's model whose GetModelInfo
+        says it supports `task`, and that holds the LoRA adapter the request names (seed:
+        `lora_name` selects a loaded adapter). None: the LoRA refusals a Generate gets
+        (UNAVAILABLE, FAILED_PRECONDITION, NOT_FOUND; registry.check_lora) among the
+        engines with the task; UNAVAILABLE while a capable engine exists but takes no
         traffic, FAILED_PRECONDITION when engines serve the model but none has the task
         (seed: UNSUPPORTED task), NOT_FOUND when no engine serves the model; with
         `router.reject_when_all_busy`, RESOURCE_EXHAUSTED when every capable one is busy,
         as for a generation."""
         c = self.controller
         registry = c.fleet.registry
-        capable = [r for r in registry.routable(model) if _has_task(r, task)]
+        model, lora_name = task_context.model, task_context.lora_name
+        capable = [r for r in registry.routable(model, lora_name=lora_name) if _has_task(r, task)]
         if capable:
             if c.sheds_load:
                 try:
@@ -336,6 +344,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 except AllEnginesBusyError as exc:
                     await abort_with(context, status_of(exc), str(exc))
             return min(capable, key=_queue_depth)
+        if lora_name:
+            try:
+                registry.check_lora(lora_name, model, task=task)
+            except LoraRoutingError as exc:
+                await abort_with(context, status_of(exc), str(exc))
         serving = [
             r
             for r in registry.records()

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from typer.testing import CliRunner, Result
 
-from controller.outcomes import read_outcomes
+from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
 from kvplane.cli import app as kvplane_cli
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
@@ -79,10 +79,10 @@ class ScriptedServicer(ReportsLoad):
       disabled every LoRA call is FAILED_PRECONDITION.
     - Embed, Classify, Score (each when in `tasks`, else FAILED_PRECONDITION): one output per
       input (Score: per group, one per candidate), in request order, the index present even
-      for 0; an unknown model is NOT_FOUND. While `task_gate` is set and not open, each
-      accepted task waits for it: Abort of its id ends it CANCELLED (as the bundled engine
-      ends an aborted task), and a task whose call is cancelled is recorded in
-      `tasks_cancelled`.
+      for 0; an unknown model is NOT_FOUND, a `lora_name` is refused as Generate's. While
+      `task_gate` is set and not open, each accepted task waits for it: Abort of its id
+      ends it CANCELLED (as the bundled engine ends an aborted task), and a task whose call
+      is cancelled is recorded in `tasks_cancelled`.
     - Generate takes the next of the shared GenerateFaults, else is the sim engine's. One
       naming a LoRA adapter is refused as the seed says (LoRA disabled: FAILED_PRECONDITION;
       an adapter not loaded here: NOT_FOUND), else runs as the sim engine's without it (the
@@ -228,6 +228,12 @@ class ScriptedServicer(ReportsLoad):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{task} is unsupported")
         if request_context.model not in ("", "sim"):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request_context.model!r}")
+        if request_context.lora_name:  # as a Generate naming an adapter is refused
+            await self._lora_allowed(context)
+            if request_context.lora_name not in self.adapters:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"no adapter {request_context.lora_name!r}"
+                )
         gate = self.task_gate
         if gate is None:
             return
@@ -584,6 +590,38 @@ async def test_a_running_task_is_aborted_by_id_and_stopped_by_its_clients_cancel
 
         await eventually(cancelled_on_the_engine)
         await eventually(lambda: fleet.app.gateway.relay.running == set())
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_task_naming_a_lora_adapter_goes_to_an_engine_holding_it(tmp_path: Path) -> None:
+    """Seed: a task's `lora_name` selects a loaded adapter. Both engines embed and serve
+    LoRA, only e1 holds x (loaded through the gateway, `kvplane-engine: e1`): every Embed
+    naming x goes to e1 (the least loaded pick sent some to e0, which refused NOT_FOUND); an
+    adapter no embed engine holds is NOT_FOUND, as for a Generate, before any engine."""
+    engines = [
+        await start_scripted_engine(
+            f"e{i}", advertise_lora=True, lora_enabled=True, tasks=frozenset({"embed"})
+        )
+        for i in range(2)
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+        await fleet.gateway.LoadLora(
+            pb.LoadLoraRequest(adapter=x), metadata=((ENGINE_METADATA_KEY, "e1"),)
+        )
+        inputs = [pb.TaskInput(item_id="i", token_ids=pb.TokenIds(ids=[1, 5]))]
+        for i in range(4):
+            context = pb.TaskRequestContext(request_id=f"r{i}", model="sim", lora_name="x")
+            await fleet.gateway.Embed(pb.EmbedRequest(context=context, inputs=inputs))
+        assert [len(e.servicer.task_calls) for e in engines] == [0, 4]
+        nope = pb.TaskRequestContext(request_id="n", model="sim", lora_name="nope")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Embed(pb.EmbedRequest(context=nope, inputs=inputs))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details() == "no embed engine has LoRA adapter 'nope' loaded"
+        assert [len(e.servicer.task_calls) for e in engines] == [0, 4]
     finally:
         await close_fleet(fleet)
 
