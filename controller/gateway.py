@@ -443,6 +443,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 )
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 failure = engine_failure(caught, address, self.controller.fleet)
+                if failure.code() == grpc.StatusCode.NOT_FOUND and self.relay.abort_unaccepted(
+                    request.request_id, address
+                ):  # routed there, not accepted yet: the gateway ends it
+                    return pb.AbortResponse(
+                        status=pb.ABORT_STATUS_ABORTED,
+                        message="aborted before its engine accepted it",
+                    )
                 if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     await abort_with(
                         context,

@@ -15,7 +15,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   take no traffic);
 - hold request id -> engine while the request runs, so that OpenEngine Abort finds it and
   Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
-  engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would;
+  engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
+  request aborted before an engine took it (being planned, or its call not yet accepted)
+  ends here, CANCELLED;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
 - an engine call that fails after its stream's terminal events were relayed (every output
@@ -258,8 +260,12 @@ class Relay:
         self.running: set[str] = set()
         # Ids of requests an engine ran, once they ended (Abort: ALREADY_FINISHED).
         self.finished = RecentIds(FINISHED_MEMORY)
-        # Ids aborted while still being planned, before any engine had them: they end there.
+        # Ids aborted while still being planned, before any engine had them, or while their
+        # engine had not accepted them yet: they end here, CANCELLED.
         self.aborted_unrouted: set[str] = set()
+        # request id -> its engine call, from the call until the engine's first response, in
+        # the hops nothing was relayed before (an Abort the engine cannot find yet ends it).
+        self._unanswered: dict[str, EngineCall[Any]] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -282,6 +288,18 @@ class Relay:
         if request_id not in self.running or request_id in self.holding:
             return False
         self.aborted_unrouted.add(request_id)
+        return True
+
+    def abort_unaccepted(self, request_id: str, engine: str) -> bool:
+        """Abort a request that `engine` holds for this gateway but has not accepted yet (its
+        Abort answered NOT_FOUND: the call is on its way), nothing relayed: its call is
+        cancelled, so the engine frees it if it arrives, and it ends CANCELLED as one aborted
+        while being planned. False when it is not so (it answered, or moved on)."""
+        call = self._unanswered.get(request_id)
+        if call is None or self.holding.get(request_id) != engine:
+            return False
+        self.aborted_unrouted.add(request_id)
+        call.cancel()
         return True
 
     def abort_all_unrouted(self) -> int:
@@ -570,9 +588,12 @@ class Relay:
                     call = surface.call(engine, request)
                 except KeyError:  # it left the fleet after the request was planned
                     raise _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left") from None
+                if not stage.after_output:
+                    self._unanswered[request_id] = call
                 late: grpc.aio.AioRpcError | None = None  # a failure after the stream's end
                 try:
                     async for response in call:
+                        self._unanswered.pop(request_id, None)
                         error = surface.error(response)
                         if not relayed:
                             if error is not None and error.retryable and retry is None:
@@ -616,6 +637,11 @@ class Relay:
                     await self.report(engine, error.message)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
+                if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
+                    c.metrics.count_request("aborted")
+                    await abort_with(
+                        context, grpc.StatusCode.CANCELLED, "aborted before its engine accepted it"
+                    )
                 await self.report_failure(engine, cause)
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = _status(
@@ -640,6 +666,7 @@ class Relay:
                 yield ending
                 return
             finally:
+                self._unanswered.pop(request_id, None)
                 if call is not None and not call.done():
                     call.cancel()
                 c.router.finish(request_id)

@@ -921,6 +921,75 @@ async def test_model_info_passes_an_engines_refusal_and_skips_one_that_cannot_an
 # ---- Abort ----
 
 
+class AcceptsLate(Forwarding):
+    """Holds each Generate before the sim engine sees it (as a call still on its way, or an
+    engine still validating it) until `gate` opens; records the calls cancelled meanwhile."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.arrived: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.arrived.append(request.request_id)
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        async for response in self.inner.Generate(request):
+            yield response
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        try:
+            return await self.inner.Abort(request)
+        except grpc.aio.AioRpcError as exc:  # the sim engine's status, as it answered
+            await context.abort(exc.code(), exc.details() or "")
+
+
+async def test_abort_of_a_request_its_engine_has_not_accepted_yet_ends_it() -> None:
+    """An Abort between routing and the engine's acceptance: the engine answers NOT_FOUND
+    (it has no such request yet), so the gateway ends the request itself: ABORTED, the
+    stream ends CANCELLED, and its engine call is cancelled (it was NOT_FOUND, and the
+    request ran to its end once the engine took it)."""
+    engine = await start_fronted_engine("late", AcceptsLate)
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    try:
+        request = generate_request("r", [1, 2, 3], max_tokens=4)
+        running = asyncio.ensure_future(
+            asyncio.wait_for(collect(fleet.gateway.Generate(request)), 10)
+        )
+
+        async def arrived() -> bool:
+            return engine.servicer.arrived == ["r"]
+
+        await eventually(arrived)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+
+        async def cancelled() -> bool:
+            return engine.servicer.cancelled == ["r"]
+
+        await eventually(cancelled)
+        assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 1
+        assert fleet.app.gateway.relay.running == set()
+    finally:
+        engine.servicer.gate.set()
+        await close_fleet(fleet)
+
+
+async def collect(
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+) -> list[pb.GenerateResponse]:
+    return [r async for r in call]
+
+
 async def test_abort_everything_with_no_engine_reachable_is_unavailable() -> None:
     engines = [await start_scripted_engine("e0"), await start_scripted_engine("e1")]
     # Slow polls: the controller still believes both engines are up when they are gone.
