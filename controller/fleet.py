@@ -107,11 +107,13 @@ _NO_HIT = PrefixHit()
 BLIND_WARNING_INTERVAL_S = 10.0
 
 
+# The pooling tasks, as ModelInfo.tasks names their capabilities.
+POOLING_TASKS = ("embed", "classify", "score")
+
+
 def supported_tasks(model: pb.ModelInfo) -> frozenset[str]:
     """The pooling tasks GetModelInfo says the model supports."""
-    return frozenset(
-        name for name in ("embed", "classify", "score") if getattr(model.tasks, name).supported
-    )
+    return frozenset(name for name in POOLING_TASKS if getattr(model.tasks, name).supported)
 
 
 def generates(model: pb.ModelInfo) -> bool:

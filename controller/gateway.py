@@ -1,21 +1,25 @@
 """The gateway: `openengine.v1.OpenEngine` served for the whole fleet.
 
 - Generate: routed and relayed by the Relay (controller/relay.py), the path vllm.Generate
-  shares, never to a pooling-only engine (`EngineIdentity.generates`): NOT_FOUND for a model
+  shares, never to a pooling-only engine (`EngineIdentity.generates`): FAILED_PRECONDITION
+  for a request carrying `kv.session` (the gateway is AGGREGATED), NOT_FOUND for a model
   no engine serves, FAILED_PRECONDITION for one only pooling-only engines serve,
   ALREADY_EXISTS for the id of a request running through the gateway; the chosen engine's
   stream is relayed unchanged; if the engine fails before anything was relayed (a retryable
   status such as UNAVAILABLE, or a retryable terminal EngineError), the request is retried
   once on another engine; a failure after that is one terminal EngineError (seed: no event
   may follow it).
-- Embed / Classify / Score: the least loaded routable engine serving the model whose
-  GetModelInfo says it supports the task; none: FAILED_PRECONDITION (the seed's UNSUPPORTED
+- Embed / Classify / Score: INVALID_ARGUMENT without the request id or model the seed
+  requires; else the least loaded routable engine serving the model whose
+  GetModelInfo says it supports the task, holding the LoRA adapter the request names (none
+  holds it: the LoRA refusals of a Generate); none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic.
-- Abort: a request id (from either front end) goes to the engine holding it; one of the
-  last requests that ended is ALREADY_FINISHED (as an engine answers), an id never seen
-  NOT_FOUND; `all_requests` and KV sessions fan out; UNAVAILABLE when no engine could be
-  reached.
+- Abort: a request id (from either front end, or of a task) goes to the engine holding it;
+  one of the last requests that ended is ALREADY_FINISHED (as an engine answers), an id
+  never seen NOT_FOUND; `all_requests` ends the requests still being planned here and fans
+  out, as KV sessions do; every engine refusing alike is their status, UNAVAILABLE when no
+  engine could be reached.
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
@@ -24,11 +28,14 @@
   and the adapters it holds, ride in the trailing metadata (EngineOutcome) and in the
   message of a failure. What each engine answered updates the registry's record of the
   adapters it holds, which routing of LoRA requests reads.
-- GetLoad: the fleet's sums, with per-engine detail in `attributes`.
-- Health, GetEngineInfo: the fleet's view. GetModelInfo: a routable engine serving the model
-  answers (its refusal passes, unless it is one another engine may not have, such as
-  UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND for a model no engine serves,
-  UNAVAILABLE while no engine serving it can answer.
+- GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
+  detail in `attributes`.
+- Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
+  answered as an engine answers them (the probe: every engine taking traffic runs its own).
+  GetModelInfo: a routable engine serving the model answers, with the pooling tasks and
+  LoRA support other engines serving it have (its refusal passes, unless it is one another
+  engine may not have, such as UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND
+  for a model no engine serves, UNAVAILABLE while no engine serving it can answer.
 """
 
 from __future__ import annotations
@@ -38,15 +45,17 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
+from controller.fleet import POOLING_TASKS, Fleet
 from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
 from controller.registry import (
     POLL_FAILED_STATES,
     EngineRecord,
     EngineState,
+    LoraRoutingError,
     UnknownEngineError,
     UnknownModelError,
 )
@@ -59,9 +68,6 @@ from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:
-    from controller.fleet import Fleet
-
 log = logging.getLogger(__name__)
 
 DRAIN_PROGRESS_INTERVAL_S = 0.5
@@ -69,6 +75,11 @@ DRAIN_PROGRESS_INTERVAL_S = 0.5
 DRAIN_POLL_S = 0.05
 # How long a drain past its deadline waits for the requests it aborted to end.
 DRAIN_ABORT_GRACE_S = 5.0
+# How long an engine may take to answer a Health with an inference probe: a little longer than
+# the bundled engine gives its own probe (30 s), so that its verdict comes back.
+INFERENCE_PROBE_TIMEOUT_S = 35.0
+# The role the gateway serves (GetEngineInfo): it accepts normal generation requests.
+GATEWAY_ROLE = pb.ENGINE_ROLE_AGGREGATED
 SCHEMA_REVISION = 1
 MINIMUM_CLIENT_REVISION = 1
 SCHEMA_RELEASE = "openengine-v1-r1+seed.94b72b7dabd1ee94"
@@ -89,6 +100,18 @@ _HEALTH_PB = {
     EngineState.INCOMPATIBLE: pb.HEALTH_STATE_NOT_READY,
     EngineState.EJECTED: pb.HEALTH_STATE_NOT_READY,  # takes no traffic for now
 }
+
+# The LoadInfo figures GetLoad sums over the fleet (the registry keeps these of each engine).
+_SUMMED_LOAD = (
+    "running_requests",
+    "queued_requests",
+    "used_kv_blocks",
+    "total_kv_blocks",
+    "waiting_tokens",
+)
+
+# Statuses of an engine call that did not reach the engine, or got no answer in time.
+_UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -126,6 +149,16 @@ class _OpenEngineGenerate:
         usage = response.usage
         cached = usage.cached_prompt_tokens if usage.HasField("cached_prompt_tokens") else None
         return Usage(usage.prompt_tokens, cached)
+
+    def num_outputs(self, request: pb.GenerateRequest) -> int:
+        sampling = request.sampling
+        return sampling.num_sequences if sampling.HasField("num_sequences") else 1
+
+    def outputs_ended(self, request: pb.GenerateRequest, response: pb.GenerateResponse) -> int:
+        event = response.WhichOneof("event")
+        if event == "prefill_ready":  # request-scoped: it ends a prefill-only request
+            return self.num_outputs(request)
+        return 1 if event == "finished" else 0
 
     def error_response(self, request: pb.GenerateRequest, message: str) -> pb.GenerateResponse:
         """A terminal EngineError of the gateway's own."""
@@ -217,6 +250,16 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if not request.request_id:
             self.controller.metrics.count_request("invalid")
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if request.kv.HasField("session"):
+            # Seed: a role mismatch is refused before acceptance. The gateway is AGGREGATED
+            # (GetEngineInfo); the handoff to a decode engine is its own, never a client's.
+            self.controller.metrics.count_request("invalid")
+            await abort_with(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "kv.session is for a DECODE engine; the gateway is AGGREGATED (it hands "
+                "requests over to decode engines itself)",
+            )
         which = request.WhichOneof("input")
         key = self.controller.config.router.session_metadata_key
         query = PromptInput(
@@ -245,17 +288,23 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
         context: Context,
     ) -> T:
+        if not task_context.request_id or not task_context.model:
+            # The seed requires both, whatever the task's support: refused as an engine does.
+            await abort_with(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "context.request_id and context.model are required",
+            )
         if self.controller.draining:  # as a draining engine refuses a pooling task
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
-        record = await self._task_engine(task, task_context.model, context)
+        record = await self._task_engine(task, task_context, context)
         relay = self.relay
         request_id = task_context.request_id
-        if request_id:
-            if not relay.admit(request_id):
-                await abort_with(
-                    context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
-                )
-            relay.holding[request_id] = record.address
+        if not relay.admit(request_id):
+            await abort_with(
+                context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
+            )
+        relay.holding[request_id] = record.address
         try:
             reply = await call(self.controller.fleet.stub(record.address))
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
@@ -266,20 +315,28 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await relay.report(record.address, None)
             return reply
         finally:
-            if request_id:
-                relay.holding.pop(request_id, None)
-                relay.release(request_id)
+            relay.holding.pop(request_id, None)
+            # Its engine ran it: Abort of its id is ALREADY_FINISHED now, as the engine
+            # answers (seed: task ids share generation's namespace and abort semantics).
+            relay.finished.add(request_id)
+            relay.release(request_id)
 
-    async def _task_engine(self, task: str, model: str, context: Context) -> EngineRecord:
-        """The least loaded routable engine serving `model` whose GetModelInfo says it
-        supports `task`. None: UNAVAILABLE while a capable engine exists but takes no
+    async def _task_engine(
+        self, task: str, task_context: pb.TaskRequestContext, context: Context
+    ) -> EngineRecord:
+        """The least loaded routable engine serving the request's model whose GetModelInfo
+        says it supports `task`, and that holds the LoRA adapter the request names (seed:
+        `lora_name` selects a loaded adapter). None: the LoRA refusals a Generate gets
+        (UNAVAILABLE, FAILED_PRECONDITION, NOT_FOUND; registry.check_lora) among the
+        engines with the task; UNAVAILABLE while a capable engine exists but takes no
         traffic, FAILED_PRECONDITION when engines serve the model but none has the task
         (seed: UNSUPPORTED task), NOT_FOUND when no engine serves the model; with
         `router.reject_when_all_busy`, RESOURCE_EXHAUSTED when every capable one is busy,
         as for a generation."""
         c = self.controller
         registry = c.fleet.registry
-        capable = [r for r in registry.routable(model or None) if _has_task(r, task)]
+        model, lora_name = task_context.model, task_context.lora_name
+        capable = [r for r in registry.routable(model, lora_name=lora_name) if _has_task(r, task)]
         if capable:
             if c.sheds_load:
                 try:
@@ -287,6 +344,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 except AllEnginesBusyError as exc:
                     await abort_with(context, status_of(exc), str(exc))
             return min(capable, key=_queue_depth)
+        if lora_name:
+            try:
+                registry.check_lora(lora_name, model, task=task)
+            except LoraRoutingError as exc:
+                await abort_with(context, status_of(exc), str(exc))
         serving = [
             r
             for r in registry.records()
@@ -302,13 +364,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"no engine serving {model or 'the default model'} supports {task}",
+                f"no engine serving {model} supports {task}",
             )
         await _require_model(self.controller, model, context)
         await abort_with(
             context,
             grpc.StatusCode.UNAVAILABLE,
-            f"no engine serving {model or 'the default model'} is known yet",
+            f"no engine serving {model} is known yet",
         )
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
@@ -381,6 +443,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 )
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 failure = engine_failure(caught, address, self.controller.fleet)
+                if failure.code() == grpc.StatusCode.NOT_FOUND and self.relay.abort_unaccepted(
+                    request.request_id, address
+                ):  # routed there, not accepted yet: the gateway ends it
+                    return pb.AbortResponse(
+                        status=pb.ABORT_STATUS_ABORTED,
+                        message="aborted before its engine accepted it",
+                    )
                 if failure.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     await abort_with(
                         context,
@@ -390,6 +459,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     )
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             return reply
+        # Every request also means those still being planned here, which no engine holds yet:
+        # they end before any engine is called, as one aborted by id does.
+        unrouted = self.relay.abort_all_unrouted() if target == "all_requests" else 0
         # Each engine bounded as above: a hung one is reported (DEADLINE_EXCEEDED) among the
         # outcomes instead of holding the whole fan-out.
         results = await self._fan_out(
@@ -401,14 +473,19 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         summary = _summary(outcomes)
         answered = [r for _, r in results if isinstance(r, pb.AbortResponse)]
         if not answered:
-            # No engine holds that KV session only if every engine said so.
-            if outcomes and all(o.outcome == grpc.StatusCode.NOT_FOUND.name for o in outcomes):
-                await abort_with(context, grpc.StatusCode.NOT_FOUND, summary)
+            # Every engine refusing alike is the answer (NOT_FOUND: no engine holds that KV
+            # session; UNAUTHENTICATED: the controller lacks the engines' token;
+            # UNIMPLEMENTED: no engine supports abort); else none could be asked.
+            codes = {r.code() for _, r in results if isinstance(r, grpc.aio.AioRpcError)}
+            if len(codes) == 1 and (code := codes.pop()) not in _UNREACHED:
+                await abort_with(context, code, summary)
             await abort_with(
                 context, grpc.StatusCode.UNAVAILABLE, f"no engine could be reached: {summary}"
             )
-        aborted = any(r.status == pb.ABORT_STATUS_ABORTED for r in answered)
+        aborted = unrouted > 0 or any(r.status == pb.ABORT_STATUS_ABORTED for r in answered)
         status = pb.ABORT_STATUS_ABORTED if aborted else pb.ABORT_STATUS_ALREADY_FINISHED
+        if unrouted:
+            summary += f"; gateway: {unrouted} aborted before they were routed"
         return pb.AbortResponse(status=status, message=summary)
 
     async def _lora_engines(self, context: Context) -> list[EngineRecord]:
@@ -541,16 +618,18 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         requests keep running; with it: abort the requests this gateway relays, then COMPLETE
         once they have ended (the same error if some outlive DRAIN_ABORT_GRACE_S). Engines
         keep running; drain an engine with the admin API."""
-        holding = self.relay.holding
+        # Every request admitted here counts, from its planning on: one still being planned
+        # when the drain starts is routed afterwards.
+        in_flight_ids = self.relay.running
         self.controller.draining = self.controller.draining or request.stop_accepting_new_requests
         now = time.monotonic()
         deadline = now + request.deadline_ms / 1000.0 if request.HasField("deadline_ms") else None
-        yield _drain_state(pb.DRAIN_STATE_STARTED, len(holding))
-        reported, reported_at = len(holding), now
+        yield _drain_state(pb.DRAIN_STATE_STARTED, len(in_flight_ids))
+        reported, reported_at = len(in_flight_ids), now
         aborted: set[tuple[str, str]] = set()  # (request id, engine) told to abort
         aborts_end: float | None = None  # when waiting for the aborted requests gives up
-        while holding:
-            now, in_flight = time.monotonic(), len(holding)
+        while in_flight_ids:
+            now, in_flight = time.monotonic(), len(in_flight_ids)
             if deadline is not None and now >= deadline:
                 if not request.abort_after_deadline:
                     message = f"deadline passed, requests in flight: {in_flight}"
@@ -574,9 +653,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     async def _abort_relayed(self, aborted: set[tuple[str, str]]) -> None:
         """Abort each request this gateway relays at the engine serving it, unless `aborted`
-        says it was already told (a retry may move a request to another engine). Only these:
-        Abort(all_requests) would also end other clients' requests sent straight to the
-        engines."""
+        says it was already told (a retry may move a request to another engine), and those
+        still being planned here. Only these: Abort(all_requests) would also end other
+        clients' requests sent straight to the engines."""
+        self.relay.abort_all_unrouted()
         fresh = set(self.relay.holding.items()) - aborted
         aborted |= fresh
         await asyncio.gather(*(self._abort_at(engine, rid) for rid, engine in fresh))
@@ -620,35 +700,36 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> pb.LoadInfo:
         records = self.controller.fleet.registry.records()
         reply = pb.LoadInfo(instance_id=self.instance_id, timestamp_unix_nanos=time.time_ns())
-        totals = {
-            "running_requests": 0,
-            "queued_requests": 0,
-            "used_kv_blocks": 0,
-            "total_kv_blocks": 0,
-            "waiting_tokens": 0,
-        }
+        # Each figure is the sum over the engines that report it, and absent when none does
+        # (seed: absent is unavailable, a present zero a measured zero).
+        totals: dict[str, int | None] = dict.fromkeys(_SUMMED_LOAD)
         for r in records:
             load = r.load
-            for name in totals:
+            for name, total in totals.items():
                 value = getattr(load, name)
                 if value is not None:
-                    totals[name] += value
+                    totals[name] = (total or 0) + value
             inflight = self.controller.router.inflight.of(r.address).requests
             reply.attributes[f"engine.{r.address}"] = (
                 f"instance={r.engine_id} state={r.state.value} cordoned={r.cordoned} "
                 f"running={_text(load.running_requests)} queued={_text(load.queued_requests)} "
                 f"kv={_text(load.used_kv_blocks)}/{_text(load.total_kv_blocks)} inflight={inflight}"
             )
-        reply.running_requests = totals["running_requests"]
-        reply.queued_requests = totals["queued_requests"]
-        reply.used_kv_blocks = totals["used_kv_blocks"]
-        reply.total_kv_blocks = totals["total_kv_blocks"]
-        reply.waiting_tokens = totals["waiting_tokens"]
+        for name, total in totals.items():
+            if total is not None:
+                setattr(reply, name, total)
         reply.attributes["engines"] = str(len(records))
         reply.attributes["routable_engines"] = str(sum(r.routable for r in records))
         return reply
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
+        """One check per engine, the fleet's state (`_health_state`), and what the request
+        asks as an engine answers it: NOT_FOUND for a model no engine serves, a `role` check
+        (the gateway is AGGREGATED; another role fails it), and with
+        `include_inference_probe` an `inference_probe` check (`_inference_probe`). A failed
+        role or probe makes the state NOT_READY, as on an engine."""
+        if request.model:
+            await _require_model(self.controller, request.model, context)
         records = self.controller.fleet.registry.records()
         checks = [
             pb.HealthCheck(
@@ -658,7 +739,60 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
             for r in records
         ]
-        return pb.HealthResponse(state=self._health_state(records), checks=checks)
+        state = self._health_state(records)
+        failed = False
+        if request.role != pb.ENGINE_ROLE_UNSPECIFIED:
+            failed = request.role != GATEWAY_ROLE
+            checks.append(
+                pb.HealthCheck(
+                    name="role",
+                    state=pb.HEALTH_STATE_NOT_READY if failed else pb.HEALTH_STATE_READY,
+                    message=pb.EngineRole.Name(GATEWAY_ROLE),
+                )
+            )
+        if request.include_inference_probe:
+            probe = await self._inference_probe(request.model)
+            checks.append(probe)
+            failed = failed or probe.state == pb.HEALTH_STATE_NOT_READY
+            if probe.state == pb.HEALTH_STATE_DEGRADED and state == pb.HEALTH_STATE_READY:
+                state = pb.HEALTH_STATE_DEGRADED
+        if failed:
+            state = pb.HEALTH_STATE_NOT_READY
+        return pb.HealthResponse(state=state, checks=checks)
+
+    async def _inference_probe(self, model: str) -> pb.HealthCheck:
+        """The seed's inference probe for a fleet: every engine that takes traffic for
+        `model` (empty: any model) runs its own, as its role and runner do it. READY when
+        every one passed, DEGRADED when some did (the fleet still serves), NOT_READY when
+        none did or no engine takes traffic; the message has each engine's result."""
+        records = self.controller.fleet.registry.routable(model or None)
+        if not records:
+            return pb.HealthCheck(
+                name="inference_probe",
+                state=pb.HEALTH_STATE_NOT_READY,
+                message=f"no engine serving {model or 'a model'} takes traffic now",
+            )
+        probe = pb.HealthRequest(include_inference_probe=True, model=model)
+        results = await self._fan_out(
+            records, lambda s: s.Health(probe, timeout=INFERENCE_PROBE_TIMEOUT_S)
+        )
+        passed, results_text = 0, []
+        for record, result in results:
+            if isinstance(result, grpc.aio.AioRpcError):
+                outcome = f"{result.code().name}: {result.details()}"
+            else:
+                check = next((c for c in result.checks if c.name == "inference_probe"), None)
+                if check is None:
+                    outcome = "no inference_probe check"
+                else:
+                    passed += check.state == pb.HEALTH_STATE_READY
+                    outcome = check.message or pb.HealthState.Name(check.state)
+            results_text.append(f"{record.address}: {outcome}")
+        if passed == len(records):
+            state = pb.HEALTH_STATE_READY
+        else:
+            state = pb.HEALTH_STATE_DEGRADED if passed else pb.HEALTH_STATE_NOT_READY
+        return pb.HealthCheck(name="inference_probe", state=state, message="; ".join(results_text))
 
     def _health_state(self, records: list[EngineRecord]) -> pb.HealthState.ValueType:
         """DRAINING once the gateway drains (it refuses every new request, whatever its
@@ -677,18 +811,63 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     ) -> pb.EngineInfo:
         models: list[str] = []
         for r in self.controller.fleet.registry.records():
-            if r.identity is not None:
+            # Not an incompatible engine's: the fleet does not serve them (GetModelInfo and
+            # Generate answer NOT_FOUND for a model only such engines name).
+            if r.identity is not None and r.state is not EngineState.INCOMPATIBLE:
                 models.extend(m for m in r.identity.models if m not in models)
         return pb.EngineInfo(
             engine_name="kvplane-controller",
             engine_version=__version__,
-            role=pb.ENGINE_ROLE_AGGREGATED,
+            role=GATEWAY_ROLE,
             instance_id=self.instance_id,
             supported_models=models,
             schema_revision=SCHEMA_REVISION,
             minimum_client_revision=MINIMUM_CLIENT_REVISION,
             schema_release=SCHEMA_RELEASE,
         )
+
+    async def _model_info(
+        self, record: EngineRecord, request: pb.GetModelInfoRequest
+    ) -> pb.ModelInfo:
+        """The engine's GetModelInfo; raises its failure (an engine that left: UNAVAILABLE)."""
+        try:
+            reply: pb.ModelInfo = await self.controller.fleet.stub(record.address).GetModelInfo(
+                request, timeout=self.controller.config.health.rpc_timeout_s
+            )
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            raise engine_failure(caught, record.address, self.controller.fleet) from None
+        return reply
+
+    async def _add_served_elsewhere(
+        self,
+        reply: pb.ModelInfo,
+        answered: EngineRecord,
+        records: list[EngineRecord],
+        request: pb.GetModelInfoRequest,
+    ) -> None:
+        """What the fleet serves for the model though the answering engine does not, which
+        the seed has clients use only when ModelInfo advertises it: LoRA (`supports_lora`:
+        a Generate naming an adapter goes to a generating engine holding it, the LoRA calls
+        fan out to the engines that support LoRA), and each pooling task (Embed, Classify
+        and Score go to an engine that has it), advertised with that engine's capability."""
+        if not reply.supports_lora and any(
+            r.identity is not None and r.identity.generates and r.identity.supports_lora
+            for r in records
+        ):
+            reply.supports_lora = True
+        for task in POOLING_TASKS:
+            if getattr(reply.tasks, task).supported:
+                continue
+            for other in records:
+                if other is answered or not _has_task(other, task):
+                    continue
+                try:
+                    info = await self._model_info(other, request)
+                except grpc.aio.AioRpcError:
+                    continue  # another engine with the task may answer
+                if getattr(info.tasks, task).supported:
+                    getattr(reply.tasks, task).CopyFrom(getattr(info.tasks, task))
+                    break
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> pb.ModelInfo:
         if not request.model:  # as an engine answers
@@ -698,14 +877,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         records = self.controller.fleet.registry.routable(request.model)
         for r in sorted(records, key=lambda r: r.identity is not None and not r.identity.generates):
             try:
-                reply: pb.ModelInfo = await self.controller.fleet.stub(r.address).GetModelInfo(
-                    request, timeout=self.controller.config.health.rpc_timeout_s
-                )
-            except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-                failure = engine_failure(caught, r.address, self.controller.fleet)
+                reply = await self._model_info(r, request)
+            except grpc.aio.AioRpcError as failure:
                 if failure.code() in RETRYABLE:  # this engine cannot answer now; the next may
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
+            await self._add_served_elsewhere(reply, r, records, request)
             return reply
         await abort_with(
             context,

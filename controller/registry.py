@@ -390,21 +390,31 @@ class Registry:
         return f"no engine available for {what}: " + (", ".join(engines) or "none serves it")
 
     def check_lora(
-        self, lora_name: str, model: str | None = None, role: Role | None = None
+        self,
+        lora_name: str,
+        model: str | None = None,
+        role: Role | None = None,
+        *,
+        task: str | None = None,
     ) -> None:
-        """Raise why no routable engine (of `role`, or any) holds `lora_name` for `model`
-        (call it when `routable(..., lora_name=lora_name)` is empty): LoraUnavailableError
-        when some engine holds it, LoraUnsupportedError when no engine serving the model
-        supports LoRA, else LoraNotLoadedError. Returns when no engine serves the model at all
-        (the request fails as any request for it does)."""
+        """Raise why no routable engine (of `role`, or any; with the pooling `task`, when
+        one is named) holds `lora_name` for `model` (call it when `routable(...,
+        lora_name=lora_name)` is empty): LoraUnavailableError when some engine holds it,
+        LoraUnsupportedError when no engine serving the model supports LoRA, else
+        LoraNotLoadedError. Returns when no such engine serves the model at all (the request
+        fails as any request for it does)."""
         serving = [
             r
             for r in sorted(self._may_serve(model), key=lambda r: r.address)
-            if r.identity is not None and (role is None or r.identity.role in (role, Role.UNKNOWN))
+            if r.identity is not None
+            and (role is None or r.identity.role in (role, Role.UNKNOWN))
+            and (task is None or task in r.identity.tasks)
         ]
         if not serving:
             return  # nothing to say about LoRA: no engine serves the model
         kind = "engine" if role is None else f"{role.value} engine"
+        if task is not None:
+            kind = f"{task} {kind}"
         holders = [r.engine_id for r in serving if r.holds_lora(lora_name)]
         if holders:
             raise LoraUnavailableError(

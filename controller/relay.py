@@ -15,9 +15,13 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   take no traffic);
 - hold request id -> engine while the request runs, so that OpenEngine Abort finds it and
   Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
-  engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would;
+  engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
+  request aborted before an engine took it (being planned, or its call not yet accepted)
+  ends here, CANCELLED;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
+- an engine call that fails after its stream's terminal events were relayed (every output
+  ended, or an in-band error) adds nothing: the stream ends as the engine ended it;
 - retry once on another engine when the engine failed before anything was relayed (a status
   in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
   the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
@@ -149,6 +153,16 @@ class Surface(Protocol[Request_contra, Response]):
 
     def usage(self, response: Response) -> Usage | None: ...
 
+    def num_outputs(self, request: Request_contra) -> int:
+        """How many outputs the request asks for (its sequences)."""
+        ...
+
+    def outputs_ended(self, request: Request_contra, response: Response) -> int:
+        """How many of the request's outputs this response ends: 1 for an output's last
+        event, all of them for an event that ends the whole request (a prefill's handoff),
+        else 0."""
+        ...
+
     def error_response(self, request: Request_contra, message: str) -> Response | None:
         """The terminal in-band error that ends a stream after output was relayed, or None
         when the API has no such event (the failure then passes as a status)."""
@@ -246,8 +260,12 @@ class Relay:
         self.running: set[str] = set()
         # Ids of requests an engine ran, once they ended (Abort: ALREADY_FINISHED).
         self.finished = RecentIds(FINISHED_MEMORY)
-        # Ids aborted while still being planned, before any engine had them: they end there.
+        # Ids aborted while still being planned, before any engine had them, or while their
+        # engine had not accepted them yet: they end here, CANCELLED.
         self.aborted_unrouted: set[str] = set()
+        # request id -> its engine call, from the call until the engine's first response, in
+        # the hops nothing was relayed before (an Abort the engine cannot find yet ends it).
+        self._unanswered: dict[str, EngineCall[Any]] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -271,6 +289,26 @@ class Relay:
             return False
         self.aborted_unrouted.add(request_id)
         return True
+
+    def abort_unaccepted(self, request_id: str, engine: str) -> bool:
+        """Abort a request that `engine` holds for this gateway but has not accepted yet (its
+        Abort answered NOT_FOUND: the call is on its way), nothing relayed: its call is
+        cancelled, so the engine frees it if it arrives, and it ends CANCELLED as one aborted
+        while being planned. False when it is not so (it answered, or moved on)."""
+        call = self._unanswered.get(request_id)
+        if call is None or self.holding.get(request_id) != engine:
+            return False
+        self.aborted_unrouted.add(request_id)
+        call.cancel()
+        return True
+
+    def abort_all_unrouted(self) -> int:
+        """`abort_unrouted` every admitted request that no engine holds now (Abort of every
+        request, a drain aborting its requests: no engine's Abort can reach these); how many
+        were not aborted already."""
+        unrouted = self.running - self.holding.keys() - self.aborted_unrouted
+        self.aborted_unrouted |= unrouted
+        return len(unrouted)
 
     async def generate(
         self,
@@ -538,6 +576,9 @@ class Relay:
             engine = decision.engine_id
             tried.add(engine)
             relayed = False
+            # Outputs that ended, and the request's: once all have, or an in-band error was
+            # relayed, the client has every terminal event it will get.
+            num_ended, num_outputs = 0, surface.num_outputs(request)
             usage: Usage | None = None
             error: InBandError | None = None
             call: EngineCall[Response] | None = None
@@ -547,26 +588,43 @@ class Relay:
                     call = surface.call(engine, request)
                 except KeyError:  # it left the fleet after the request was planned
                     raise _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left") from None
-                async for response in call:
-                    error = surface.error(response)
-                    if not relayed:
-                        if error is not None and error.retryable and retry is None:
-                            raise _Retry(error.message, response)
-                        if stage.times_first_response:
-                            elapsed = time.perf_counter() - started
-                            c.metrics.first_response_seconds.observe(elapsed)
-                        relayed = True
-                    if surface.has_output(response):
-                        c.router.first_token(request_id)
-                    usage = surface.usage(response) or usage
-                    yield response
+                if not stage.after_output:
+                    self._unanswered[request_id] = call
+                late: grpc.aio.AioRpcError | None = None  # a failure after the stream's end
+                try:
+                    async for response in call:
+                        self._unanswered.pop(request_id, None)
+                        error = surface.error(response)
+                        if not relayed:
+                            if error is not None and error.retryable and retry is None:
+                                raise _Retry(error.message, response)
+                            if stage.times_first_response:
+                                elapsed = time.perf_counter() - started
+                                c.metrics.first_response_seconds.observe(elapsed)
+                            relayed = True
+                        if surface.has_output(response):
+                            c.router.first_token(request_id)
+                        usage = surface.usage(response) or usage
+                        num_ended += surface.outputs_ended(request, response)
+                        yield response
+                except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+                    if error is None and not (relayed and num_ended >= num_outputs):
+                        raise
+                    # Every terminal event is relayed: an error now would be one more after
+                    # the end (seed: nothing follows a stream's terminal event). The stream
+                    # ends as the engine ended it; the engine's record notes the failure.
+                    late = engine_failure(caught, engine, c.fleet)
+                    log.warning("request %s: engine %s failed after the end of its stream: "
+                                "%s: %s", request_id, engine, late.code().name,
+                                late.details())  # fmt: skip
+                    await self.report_failure(engine, late)
                 if stage.last or error is not None:
                     c.metrics.count_request("ok" if error is None else "engine_error")
                 if stage.last:
                     c.metrics.request_seconds.observe(time.perf_counter() - started)
                 if usage is not None and stage.usage:
                     self._record_usage(decision.predicted_cached_tokens, usage)
-                if error is None and stage.served_when_done:
+                if error is None and late is None and stage.served_when_done:
                     await self.report(engine, None)
                 elif error is not None and error.engine_fault:
                     await self.report(engine, error.message)
@@ -579,6 +637,11 @@ class Relay:
                     await self.report(engine, error.message)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
+                if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
+                    c.metrics.count_request("aborted")
+                    await abort_with(
+                        context, grpc.StatusCode.CANCELLED, "aborted before its engine accepted it"
+                    )
                 await self.report_failure(engine, cause)
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = _status(
@@ -603,6 +666,7 @@ class Relay:
                 yield ending
                 return
             finally:
+                self._unanswered.pop(request_id, None)
                 if call is not None and not call.done():
                     call.cancel()
                 c.router.finish(request_id)

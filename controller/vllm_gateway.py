@@ -77,6 +77,13 @@ class _VllmGenerate:
             return None
         return Usage(response.prompt_info.num_prompt_tokens, None)
 
+    def num_outputs(self, request: vpb.GenerateRequest) -> int:
+        return request.sampling.num_sequences or 1  # the seed: 0 means 1
+
+    def outputs_ended(self, request: vpb.GenerateRequest, response: vpb.GenerateResponse) -> int:
+        # FinishInfo is only in a sequence's final output (the seed's comment).
+        return 1 if response.outputs.HasField("finish_info") else 0
+
     def error_response(self, request: vpb.GenerateRequest, message: str) -> None:
         """vllm.Generate has no in-band error event: a failure passes as a status."""
         return None

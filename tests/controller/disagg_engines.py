@@ -7,7 +7,8 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
 - PREFILL: takes no `kv.session`; prefills (the sim engine computes the prompt and one token,
   which is dropped) and ends with the terminal PrefillReady carrying a `KvSessionRef`; Usage
   rides on it. A prefill aborted (Abort by request id) ends with finished(CANCELLED) and no
-  PrefillReady; Abort(kv_session) frees a session no decode engine attached. `prefill_gate`
+  PrefillReady; Abort(kv_session) frees a session it opened that no decode engine attached
+  (any other engine: NOT_FOUND). `prefill_gate`
   holds every prefill until it is set (a test's window to act mid-prefill).
 - DECODE: needs `kv.session` naming a session a prefill engine opened and nobody attached yet
   (else FAILED_PRECONDITION for none, NOT_FOUND for an unknown one: before acceptance); the
@@ -80,8 +81,10 @@ class RoleServicer(Forwarding):
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
         if request.WhichOneof("target") == "kv_session":
-            if self.sessions.open.pop(request.kv_session.session_id, None) is None:
+            session_id = request.kv_session.session_id
+            if self.sessions.open.get(session_id) != self.name:  # only the engine holding it
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such KV session here")
+            del self.sessions.open[session_id]
             return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED)
         aborted = self.prefilling.get(request.request_id)
         if aborted is None:

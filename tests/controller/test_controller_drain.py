@@ -19,6 +19,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.test_admin_cli import cli
+from tests.controller.test_gateway import hold_planning
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,3 +177,76 @@ async def test_admin_drain_self_drains_the_controller(fleet: Fleet) -> None:
     assert drained.exit_code == 0, drained.output
     assert drained.output.strip().splitlines()[-1] == "COMPLETE  in flight 0"
     assert await health(fleet) == pb.HEALTH_STATE_DRAINING
+
+
+async def test_a_request_being_routed_when_the_drain_starts_is_in_flight_until_it_ends(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the controller admitted and is still planning (no engine holds it yet) is
+    in flight: the drain counts it from STARTED on and is COMPLETE once it has ended, not
+    while it is about to reach an engine."""
+    relay = fleet.app.gateway.relay
+    planning, go_on = hold_planning(fleet, monkeypatch)
+    request = generate_request("early", [*PREFIX, 1])
+    generating = asyncio.ensure_future(collect(fleet.gateway.Generate(request)))
+    await asyncio.wait_for(planning.wait(), 10)
+    drain = fleet.gateway.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
+    started = await drain.read()
+    assert isinstance(started, pb.DrainResponse)
+    assert (started.state, started.in_flight_requests) == (pb.DRAIN_STATE_STARTED, 1)
+    go_on.set()
+    last = started
+    while isinstance(event := await drain.read(), pb.DrainResponse):
+        last = event
+        if event.state == pb.DRAIN_STATE_COMPLETE:
+            assert relay.running == set()
+    assert (last.state, last.in_flight_requests) == (pb.DRAIN_STATE_COMPLETE, 0)
+    responses = await generating
+    assert responses[-1].WhichOneof("event") == "finished"  # it ran, admitted before the drain
+
+
+async def collect(
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+) -> list[pb.GenerateResponse]:
+    return [r async for r in call]
+
+
+async def test_vllm_generate_counts_in_the_drain_and_is_refused_after_it(
+    slow_fleet: Fleet,
+) -> None:
+    """The drain covers the gateway's vllm.Generate front end too: a running GenerateStream
+    is in flight (the deadline passes with it: one DRAINING error, in flight 1), and once
+    draining, a vllm.Generate is refused UNAVAILABLE as an OpenEngine Generate is."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    fleet = slow_fleet
+    stub = vpb_grpc.GenerateStub(fleet.channel)
+
+    def request(max_new_tokens: int) -> vpb.GenerateRequest:
+        return vpb.GenerateRequest(
+            request_id="v", model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 1]),
+            stopping=vpb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+        )  # fmt: skip
+
+    stream = stub.GenerateStream(request(LONG))
+    assert isinstance(await stream.read(), vpb.GenerateResponse)  # it runs
+    drain = pb.DrainRequest(stop_accepting_new_requests=True, deadline_ms=100)
+    events = [e async for e in fleet.gateway.Drain(drain)]
+    assert (events[0].state, events[0].in_flight_requests) == (pb.DRAIN_STATE_STARTED, 1)
+    assert events[-1].WhichOneof("event") == "error" and events[-1].in_flight_requests == 1
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Generate(request(2))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details() == "the controller is draining"
+    stream.cancel()
+
+
+async def test_a_drain_that_keeps_accepting_refuses_nothing(fleet: Fleet) -> None:
+    """`stop_accepting_new_requests` false, as on an engine: the drain reports the requests
+    in flight to COMPLETE, and the controller goes on taking requests and saying READY."""
+    events = [e async for e in fleet.gateway.Drain(pb.DrainRequest())]
+    assert [e.state for e in events] == [pb.DRAIN_STATE_STARTED, pb.DRAIN_STATE_COMPLETE]
+    assert await health(fleet) == pb.HEALTH_STATE_READY
+    reply = [r async for r in fleet.gateway.Generate(generate_request("after", [*PREFIX, 1]))]
+    assert reply[-1].WhichOneof("event") == "finished"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -227,6 +228,46 @@ async def test_abort_goes_to_the_engine_holding_the_request() -> None:
         await close_fleet(fleet)
 
 
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_a_client_that_gives_up_stops_its_request_on_the_engine(how: str) -> None:
+    """Seed: a client's cancellation or deadline expiration stops the running work: the
+    engine's request ends then, not after its 3,500 tokens (about 20 s), and Abort of its
+    id then answers ALREADY_FINISHED, from the engine as from the gateway."""
+    fleet = await make_fleet(1, time_scale=1.0)
+    engine = fleet.address(fleet.engines[0])
+    try:
+        request = generate_request("gone", [*PREFIX, 1], max_tokens=3500)
+        call = fleet.gateway.Generate(request, timeout=5 if how == "deadline" else None)
+        first = await call.read()
+        assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
+        if how == "cancel":
+            call.cancel()
+        else:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        async def ended_on_the_engine() -> bool:
+            reply = await engine_answer(engine, "Abort", pb.AbortRequest(request_id="gone"))
+            assert isinstance(reply, pb.AbortResponse)
+            return reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+        await eventually(ended_on_the_engine)
+
+        async def engine_idle() -> bool:
+            load = await engine_answer(engine, "GetLoad", pb.GetLoadRequest())
+            assert isinstance(load, pb.LoadInfo)
+            return load.running_requests == 0
+
+        await eventually(engine_idle)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="gone"))
+        assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- statuses as an engine answers them (WIRE.md section 3) ----
 
 
@@ -247,6 +288,26 @@ async def status_of(call: Awaitable[object]) -> grpc.StatusCode:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await call
     return err.value.code()
+
+
+async def test_abort_of_everything_every_engine_refuses_alike_is_their_status(
+    tmp_path: Path,
+) -> None:
+    """Engines that ask for a token the controller lacks (no `engine_token_file`) answer
+    its Abort fan-out UNAUTHENTICATED: the gateway's Abort(all_requests) is UNAUTHENTICATED
+    too, naming each engine, not UNAVAILABLE "no engine could be reached" (they answered)."""
+    token = tmp_path / "token"
+    token.write_text("engine-only")
+    engines = [await start_sim_engine(f"e{i}", auth={"token_file": token}) for i in range(2)]
+    fleet = await make_fleet(engines=engines)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for engine in engines:
+            assert f"{fleet.address(engine)}: UNAUTHENTICATED" in (err.value.details() or "")
+    finally:
+        await close_fleet(fleet)
 
 
 async def test_a_running_request_id_is_refused_as_an_engine_refuses_a_duplicate() -> None:
@@ -367,7 +428,7 @@ async def test_model_info_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> No
 
 async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -> None:
     """As an engine answers: ALREADY_FINISHED (a success) for a request that ended, NOT_FOUND
-    for an id never seen, INVALID_ARGUMENT for an empty one."""
+    for an id never seen, INVALID_ARGUMENT for an empty one and for no target at all."""
     chosen = record_routes(fleet)
     done = await generate(fleet, generate_request("done", [*PREFIX, 1]))
     assert done[-1].WhichOneof("event") == "finished"
@@ -384,6 +445,9 @@ async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -
     empty = pb.AbortRequest(request_id="")  # the target set, to an empty id
     assert await engine_answer(chosen[0], "Abort", empty) == grpc.StatusCode.INVALID_ARGUMENT
     assert await status_of(fleet.gateway.Abort(empty)) == grpc.StatusCode.INVALID_ARGUMENT
+    untargeted = pb.AbortRequest()  # seed: omitting the target is INVALID_ARGUMENT
+    assert await engine_answer(chosen[0], "Abort", untargeted) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await status_of(fleet.gateway.Abort(untargeted)) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_a_routing_bug_is_internal_for_that_request_only(
@@ -409,11 +473,9 @@ async def test_a_routing_bug_is_internal_for_that_request_only(
     assert done[-1].WhichOneof("event") == "finished"
 
 
-async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
-    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An Abort that arrives while the request is being planned (tokenising a long prompt,
-    asking the index) is ABORTED, and the request ends there: no engine ever runs it."""
+def hold_planning(fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> tuple[asyncio.Event, ...]:
+    """Hold every request in its planning (as tokenising a long prompt, or asking a slow
+    index, would) until the second event returned is set; the first is set once one is."""
     controller = fleet.app.controller
     planning, go_on = asyncio.Event(), asyncio.Event()
     plan = controller.plan
@@ -424,10 +486,26 @@ async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
         return await plan(*args, **kwargs)
 
     monkeypatch.setattr(controller, "plan", slow_plan)
+    return planning, go_on
+
+
+@pytest.mark.parametrize("target", ["request_id", "all_requests"])
+async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, target: str
+) -> None:
+    """An Abort that arrives while the request is being planned (tokenising a long prompt,
+    asking the index) is ABORTED, and the request ends there: no engine ever runs it. Abort
+    of every request reaches it too: no engine holds it, so no engine's Abort could."""
+    controller = fleet.app.controller
+    planning, go_on = hold_planning(fleet, monkeypatch)
     chosen = record_routes(fleet)
     request = asyncio.ensure_future(generate(fleet, generate_request("early", [*PREFIX, 1])))
     await asyncio.wait_for(planning.wait(), 10)
-    reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
+    if target == "request_id":
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
+    else:
+        reply = await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        assert "gateway: 1 aborted before they were routed" in reply.message
     assert reply.status == pb.ABORT_STATUS_ABORTED
     go_on.set()
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -530,6 +608,54 @@ async def test_fleet_views_load_health_info(fleet: Fleet) -> None:
     assert sum(w.indexed_blocks for w in workers.workers) >= 4
 
 
+async def test_health_answers_model_role_and_inference_probe_as_an_engine_does(
+    fleet: Fleet,
+) -> None:
+    """Health's request fields, as an engine answers them: NOT_FOUND for a model no engine
+    serves, a `role` check that fails (NOT_READY) for a role other than the gateway's
+    AGGREGATED, and with `include_inference_probe` an `inference_probe` check: every engine
+    taking traffic runs its own probe, READY when each passed (they were ignored: READY,
+    no probe)."""
+    engine = fleet.address(fleet.engines[0])
+    nosuch = pb.HealthRequest(model="nosuch")
+    assert await engine_answer(engine, "Health", nosuch) == grpc.StatusCode.NOT_FOUND
+    assert await status_of(fleet.gateway.Health(nosuch)) == grpc.StatusCode.NOT_FOUND
+    for role in (pb.ENGINE_ROLE_PREFILL, pb.ENGINE_ROLE_AGGREGATED):
+        request = pb.HealthRequest(role=role)
+        direct = await engine_answer(engine, "Health", request)
+        assert isinstance(direct, pb.HealthResponse)
+        reply = await fleet.gateway.Health(request)
+        assert reply.state == direct.state
+        assert [(c.state, c.message) for c in reply.checks if c.name == "role"] == [
+            (c.state, c.message) for c in direct.checks if c.name == "role"
+        ]
+    probed = await fleet.gateway.Health(pb.HealthRequest(include_inference_probe=True, model="sim"))
+    assert probed.state == pb.HEALTH_STATE_READY
+    (probe,) = [c for c in probed.checks if c.name == "inference_probe"]
+    assert probe.state == pb.HEALTH_STATE_READY
+    assert sorted(probe.message.split("; ")) == sorted(
+        f"{fleet.address(e)}: generated 1 token" for e in fleet.engines
+    )
+
+
+async def test_per_engine_kv_and_runtime_rpcs_are_unimplemented_for_the_fleet(
+    fleet: Fleet,
+) -> None:
+    """KV-connector info, KV-event sources and the KV-event and runtime-event streams
+    describe one engine (its endpoints, its sequence numbers): the gateway sends clients to
+    the engines, UNIMPLEMENTED before any event, rather than merge or pick one."""
+    gateway = fleet.gateway
+    info = gateway.GetKvConnectorInfo(pb.GetKvConnectorInfoRequest())
+    assert await status_of(info) == grpc.StatusCode.UNIMPLEMENTED
+    sources = gateway.GetKvEventSources(pb.GetKvEventSourcesRequest())
+    assert await status_of(sources) == grpc.StatusCode.UNIMPLEMENTED
+    for stream in (
+        gateway.SubscribeKvEvents(pb.SubscribeKvEventsRequest()),
+        gateway.SubscribeRuntimeEvents(pb.SubscribeRuntimeEventsRequest()),
+    ):
+        assert await status_of(stream.read()) == grpc.StatusCode.UNIMPLEMENTED
+
+
 async def test_engines_added_and_removed_at_run_time(fleet: Fleet) -> None:
     extra = await start_sim_engine("e3")
     try:
@@ -592,21 +718,27 @@ async def test_restarted_engine_cold_cache_attracts_no_traffic() -> None:
 
 
 class _FutureEngine(pb_grpc.OpenEngineServicer):
-    """An engine advertising a contract revision this controller was not tested with."""
+    """An engine advertising a contract revision this controller was not tested with (or,
+    with `revision` 1, one it was, until the test upgrades it: a new process, "f<revision>")."""
+
+    def __init__(self, revision: int = 2, models: tuple[str, ...] = ("sim",)) -> None:
+        self.revision = revision
+        self.models = models
 
     async def GetEngineInfo(
         self, request: pb.GetEngineInfoRequest, context: object
     ) -> pb.EngineInfo:
         return pb.EngineInfo(
-            engine_name="future", instance_id="f0", supported_models=["sim"],
-            schema_revision=2, minimum_client_revision=2, schema_release="v2.0.0",
+            engine_name="future", instance_id=f"f{self.revision}", supported_models=self.models,
+            schema_revision=self.revision, minimum_client_revision=self.revision,
+            schema_release=f"v{self.revision}.0.0",
         )  # fmt: skip
 
     async def Health(self, request: pb.HealthRequest, context: object) -> pb.HealthResponse:
         return pb.HealthResponse(state=pb.HEALTH_STATE_READY)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: object) -> pb.LoadInfo:
-        return pb.LoadInfo(instance_id="f0")
+        return pb.LoadInfo(instance_id=f"f{self.revision}")
 
 
 async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) -> None:
@@ -631,6 +763,39 @@ async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) ->
             assert explained.engine != address
         health = await fleet.gateway.Health(pb.HealthRequest())
         assert health.state == pb.HEALTH_STATE_DEGRADED
+    finally:
+        await server.stop(None)
+
+
+async def test_an_engine_turned_incompatible_takes_its_models_out_of_the_fleets_info(
+    fleet: Fleet,
+) -> None:
+    """An engine replaced by a process of a revision the controller was not tested with is
+    rejected, and its models leave GetEngineInfo's `supported_models`: the seed has
+    GetModelInfo select one of them, and it (like Generate) answers NOT_FOUND for a model no
+    compatible engine serves (they were still listed)."""
+    engine = _FutureEngine(revision=1, models=("future-only",))
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(engine, server)  # type: ignore[abstract]
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        await fleet.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=address, kv_events="none")
+        )
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, 10)
+        info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+        assert sorted(info.supported_models) == ["future-only", "sim"]
+        engine.revision = 2
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).state is EngineState.INCOMPATIBLE, 10
+        )
+        info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+        assert list(info.supported_models) == ["sim"]
+        future_only = fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="future-only"))
+        assert await status_of(future_only) == grpc.StatusCode.NOT_FOUND
     finally:
         await server.stop(None)
 
@@ -800,23 +965,26 @@ async def test_vllm_generate_takes_the_gateways_path() -> None:
         await close_fleet(fleet)
 
 
-async def test_a_task_no_engine_supports_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> None:
+@pytest.mark.parametrize(
+    ("request_id", "model", "status"),
+    [
+        ("emb", "sim", grpc.StatusCode.FAILED_PRECONDITION),
+        # The seed requires both, whatever the task's support (was FAILED_PRECONDITION).
+        ("", "sim", grpc.StatusCode.INVALID_ARGUMENT),
+        ("emb", "", grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_a_task_no_engine_supports_is_refused_as_an_engine_refuses_it(
+    fleet: Fleet, request_id: str, model: str, status: grpc.StatusCode
+) -> None:
     # The sim engine has no Embed (FAILED_PRECONDITION: it generates only);
     # tests/controller/test_gateway_scripted.py routes tasks to engines that have it.
     request = pb.EmbedRequest(
-        context=pb.TaskRequestContext(request_id="emb", model="sim"),
+        context=pb.TaskRequestContext(request_id=request_id, model=model),
         inputs=[pb.TaskInput(item_id="x", token_ids=pb.TokenIds(ids=[1, 2, 3]))],
     )
-    async with grpc.aio.insecure_channel(fleet.address(fleet.engines[0])) as direct:
-        try:
-            expected: object = await pb_grpc.OpenEngineStub(direct).Embed(request)
-        except grpc.aio.AioRpcError as exc:
-            expected = exc.code()
-    try:
-        got: object = await fleet.gateway.Embed(request)
-    except grpc.aio.AioRpcError as exc:
-        got = exc.code()
-    assert got == expected == grpc.StatusCode.FAILED_PRECONDITION
+    expected = await engine_answer(fleet.address(fleet.engines[0]), "Embed", request)
+    assert await status_of(fleet.gateway.Embed(request)) == expected == status
 
 
 async def test_concurrent_requests_sharing_a_system_prompt_spread_over_the_fleet() -> None:

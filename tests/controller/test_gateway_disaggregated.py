@@ -10,8 +10,10 @@ import asyncio
 import grpc
 import pytest
 
+from controller.outcomes import read_outcomes
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.disagg_engines import RoleEngine, Sessions, start_role_engine
 from tests.polling import eventually
@@ -93,6 +95,25 @@ async def test_prefill_then_decode_through_the_session() -> None:
         assert second.startswith("d") and second_session
         assert sessions.open == {}  # the decode engine attached the session
         assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_request_carrying_a_kv_session_is_refused_as_a_role_mismatch() -> None:
+    """The gateway is AGGREGATED (GetEngineInfo) and makes the handoff itself: a client's
+    `kv.session` is a decode request, refused before acceptance (seed: role mismatch, a
+    non-OK status) and sent to no engine, not to a prefill or decode engine of the fleet."""
+    fleet, prefill, decode, _ = await _fleet(1, 1, accept_local_prefill=True)
+    try:
+        info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+        assert info.role == pb.ENGINE_ROLE_AGGREGATED
+        request = generate_request("own", [*PREFIX, 1])
+        request.kv.session.CopyFrom(pb.KvSessionRef(session_id="s0", transfer_backend="grpc"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _generate(fleet, request)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert _calls(prefill + decode, "own") == []  # was sent to the prefill engine
+        assert "kv.session is for a DECODE engine" in (err.value.details() or "")
     finally:
         await close_fleet(fleet)
 
@@ -324,6 +345,33 @@ async def test_with_rejection_a_request_is_refused_while_every_prefill_engine_is
         assert reply[-1].WhichOneof("event") == "finished"
         assert [c for c, _ in _calls(prefill + decode, "b")] == ["p0", "d0"]
         assert len(controller.router.inflight) == 0 and not fleet.app.gateway.relay.running
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_abort_of_a_kv_session_fans_out_to_the_engine_holding_it() -> None:
+    """Abort(kv_session) through the gateway: the engine holding the session frees it
+    (ABORTED, its outcome "ok"; the others' NOT_FOUND in the trailing outcomes), and once no
+    engine has it, NOT_FOUND, as an engine answers an unknown session."""
+    fleet, prefill, _, sessions = await _fleet(1, 1)
+    try:
+        # A session a client opened on the prefill engine itself, which no decode took.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{prefill[0].port}") as direct:
+            stub = pb_grpc.OpenEngineStub(direct)
+            reply = [r async for r in stub.Generate(generate_request("own", [*PREFIX, 1]))]
+        session = reply[-1].prefill_ready.kv_session
+        assert sessions.open == {session.session_id: "p0"}
+        abort = pb.AbortRequest(kv_session=session)
+        call = fleet.gateway.Abort(abort)
+        assert (await call).status == pb.ABORT_STATUS_ABORTED
+        reported = {
+            e["instance_id"]: e["outcome"] for e in read_outcomes(await call.trailing_metadata())
+        }
+        assert reported == {"p0-inner": "ok", "d0-inner": "NOT_FOUND"}
+        assert sessions.open == {}
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(abort)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         await close_fleet(fleet)
 

@@ -19,13 +19,14 @@ import grpc
 import pytest
 from typer.testing import CliRunner, Result
 
-from controller.outcomes import read_outcomes
+from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
 from kvplane.cli import app as kvplane_cli
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +42,9 @@ class GenerateFaults:
     - "overloaded": accepted, then one retryable terminal EngineError (OVERLOADED);
     - "invalid": accepted, then one non-retryable terminal EngineError;
     - "token_then_error": the first token, then one retryable terminal EngineError;
-    - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE.
+    - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE;
+    - "token_then_error_then_internal": "token_then_error", then the call fails with INTERNAL;
+    - "finished_then_internal": the whole stream, then the call fails with INTERNAL.
     """
 
     pending: list[str] = field(default_factory=list)
@@ -76,7 +79,10 @@ class ScriptedServicer(ReportsLoad):
       disabled every LoRA call is FAILED_PRECONDITION.
     - Embed, Classify, Score (each when in `tasks`, else FAILED_PRECONDITION): one output per
       input (Score: per group, one per candidate), in request order, the index present even
-      for 0; an unknown model is NOT_FOUND.
+      for 0; an unknown model is NOT_FOUND, a `lora_name` is refused as Generate's. While
+      `task_gate` is set and not open, each accepted task waits for it: Abort of its id
+      ends it CANCELLED (as the bundled engine ends an aborted task), and a task whose call
+      is cancelled is recorded in `tasks_cancelled`.
     - Generate takes the next of the shared GenerateFaults, else is the sim engine's. One
       naming a LoRA adapter is refused as the seed says (LoRA disabled: FAILED_PRECONDITION;
       an adapter not loaded here: NOT_FOUND), else runs as the sim engine's without it (the
@@ -84,7 +90,7 @@ class ScriptedServicer(ReportsLoad):
 
     - GetLoad is the sim engine's with the figures the test sets in `load` (ReportsLoad).
 
-    Everything else (info, health, KV events, abort) is the sim engine's answer.
+    Everything else (info, health, KV events, abort of other ids) is the sim engine's answer.
     """
 
     def __init__(
@@ -104,6 +110,9 @@ class ScriptedServicer(ReportsLoad):
         self.adapters: dict[str, pb.LoraAdapter] = {}
         self.generate_calls: list[str] = []
         self.task_calls: list[str] = []
+        self.task_gate: asyncio.Event | None = None
+        self.held_tasks: dict[str, asyncio.Event] = {}  # request id -> set when aborted
+        self.tasks_cancelled: list[str] = []
 
     # ---- what the test gives it ----
 
@@ -144,7 +153,7 @@ class ScriptedServicer(ReportsLoad):
         try:
             async for response in call:
                 yield response
-                if fault == "token_then_error":
+                if fault in ("token_then_error", "token_then_error_then_internal"):
                     yield pb.GenerateResponse(
                         request_id=request.request_id,
                         error=pb.EngineError(
@@ -153,9 +162,11 @@ class ScriptedServicer(ReportsLoad):
                             retryable=True,
                         ),
                     )
-                    return
+                    break
                 if fault == "token_then_unavailable":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: gone")
+            if fault in ("finished_then_internal", "token_then_error_then_internal"):
+                await context.abort(grpc.StatusCode.INTERNAL, "scripted: broke after the end")
         finally:
             call.cancel()
 
@@ -217,6 +228,38 @@ class ScriptedServicer(ReportsLoad):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{task} is unsupported")
         if request_context.model not in ("", "sim"):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no model {request_context.model!r}")
+        if request_context.lora_name:  # as a Generate naming an adapter is refused
+            await self._lora_allowed(context)
+            if request_context.lora_name not in self.adapters:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"no adapter {request_context.lora_name!r}"
+                )
+        gate = self.task_gate
+        if gate is None:
+            return
+        aborted = self.held_tasks[request_context.request_id] = asyncio.Event()
+        try:
+            opened = asyncio.ensure_future(gate.wait())
+            stopped = asyncio.ensure_future(aborted.wait())
+            try:
+                await asyncio.wait((opened, stopped), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                opened.cancel()
+                stopped.cancel()
+        except asyncio.CancelledError:
+            self.tasks_cancelled.append(request_context.request_id)
+            raise
+        finally:
+            del self.held_tasks[request_context.request_id]
+        if aborted.is_set():
+            await context.abort(grpc.StatusCode.CANCELLED, "scripted: aborted")
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        held = self.held_tasks.get(request.request_id) if request.request_id else None
+        if held is None:
+            return await self.inner.Abort(request)
+        held.set()
+        return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="aborted")
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> Any:
         await self._task("embed", request.context, context)
@@ -369,6 +412,29 @@ async def test_lora_fan_out_aggregates_every_engines_result(tmp_path: Path) -> N
         await close_fleet(fleet)
 
 
+async def test_the_fleets_model_info_says_lora_is_supported_when_an_engine_supports_it() -> None:
+    """The gateway takes `lora_name` (routed to an engine holding the adapter) and the LoRA
+    calls (fanned out to the engines that support LoRA) when any engine does: its ModelInfo
+    says `supports_lora`, whichever engine answers (e0, without LoRA, answered false)."""
+    engines = [
+        await start_scripted_engine("e0", advertise_lora=False),
+        await start_scripted_engine("e1", advertise_lora=True, lora_enabled=True),
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        request = pb.GetModelInfoRequest(model="sim")
+        async with grpc.aio.insecure_channel(address(engines[0])) as direct:
+            answered = await pb_grpc.OpenEngineStub(direct).GetModelInfo(request)
+        assert answered.HasField("supports_lora") and not answered.supports_lora
+        for _ in range(2):  # whichever engine answers
+            assert (await fleet.gateway.GetModelInfo(request)).supports_lora
+        await fleet.admin.Cordon(apb.EngineRef(engine="e1"))
+        # e1 takes no traffic now: the fleet serves no LoRA for the model.
+        assert not (await fleet.gateway.GetModelInfo(request)).supports_lora
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_lora_cli_load_on_one_engine_then_unload_from_the_fleet(tmp_path: Path) -> None:
     """The issue's sequence: `lora load x ... --engine e0`, then `lora unload x` on the
     controller succeeds though e1 never had x."""
@@ -458,11 +524,10 @@ async def test_tasks_go_only_to_engines_that_support_them() -> None:
         assert engines[1].servicer.task_calls == ["embed"] * 6
         assert engines[0].servicer.task_calls == engines[2].servicer.task_calls == []
 
+        unsupported = pb.TaskRequestContext(request_id="u", model="sim")
         for rpc in (
-            fleet.gateway.Classify(
-                pb.ClassifyRequest(context=pb.TaskRequestContext(model="sim"), inputs=inputs)
-            ),
-            fleet.gateway.Score(pb.ScoreRequest(context=pb.TaskRequestContext(model="sim"))),
+            fleet.gateway.Classify(pb.ClassifyRequest(context=unsupported, inputs=inputs)),
+            fleet.gateway.Score(pb.ScoreRequest(context=unsupported)),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await rpc
@@ -477,6 +542,86 @@ async def test_tasks_go_only_to_engines_that_support_them() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await fleet.gateway.Embed(embed("cordoned"))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_running_task_is_aborted_by_id_and_stopped_by_its_clients_cancel() -> None:
+    """Seed: task ids share generation's namespace and abort semantics, and a client's
+    cancellation stops the work. A running Classify's id is ALREADY_EXISTS for a Generate;
+    Abort of it reaches the engine running it (ABORTED; the call ends CANCELLED), then
+    ALREADY_FINISHED; a client cancelling its Classify cancels the engine's call."""
+    engines = [
+        await start_scripted_engine("e0"),
+        await start_scripted_engine("e1", tasks=frozenset({"classify"})),
+    ]
+    fleet = await scripted_fleet(*engines)
+    capable = engines[1].servicer
+    capable.task_gate = asyncio.Event()
+    inputs = [pb.TaskInput(item_id="i", token_ids=pb.TokenIds(ids=[1, 5]))]
+
+    def classify(request_id: str) -> grpc.aio.UnaryUnaryCall[Any, pb.ClassifyResponse]:
+        context = pb.TaskRequestContext(request_id=request_id, model="sim")
+        return fleet.gateway.Classify(pb.ClassifyRequest(context=context, inputs=inputs))
+
+    async def held(request_id: str) -> bool:
+        return request_id in capable.held_tasks
+
+    try:
+        first = classify("t1")
+        await eventually(lambda: held("t1"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in fleet.gateway.Generate(generate_request("t1", [1, 2, 3]))]
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="t1"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await first
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        again = await fleet.gateway.Abort(pb.AbortRequest(request_id="t1"))
+        assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+        second = classify("t2")
+        await eventually(lambda: held("t2"))
+        second.cancel()
+
+        async def cancelled_on_the_engine() -> bool:
+            return capable.tasks_cancelled == ["t2"]
+
+        await eventually(cancelled_on_the_engine)
+        await eventually(lambda: fleet.app.gateway.relay.running == set())
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_task_naming_a_lora_adapter_goes_to_an_engine_holding_it(tmp_path: Path) -> None:
+    """Seed: a task's `lora_name` selects a loaded adapter. Both engines embed and serve
+    LoRA, only e1 holds x (loaded through the gateway, `kvplane-engine: e1`): every Embed
+    naming x goes to e1 (the least loaded pick sent some to e0, which refused NOT_FOUND); an
+    adapter no embed engine holds is NOT_FOUND, as for a Generate, before any engine."""
+    engines = [
+        await start_scripted_engine(
+            f"e{i}", advertise_lora=True, lora_enabled=True, tasks=frozenset({"embed"})
+        )
+        for i in range(2)
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+        await fleet.gateway.LoadLora(
+            pb.LoadLoraRequest(adapter=x), metadata=((ENGINE_METADATA_KEY, "e1"),)
+        )
+        inputs = [pb.TaskInput(item_id="i", token_ids=pb.TokenIds(ids=[1, 5]))]
+        for i in range(4):
+            context = pb.TaskRequestContext(request_id=f"r{i}", model="sim", lora_name="x")
+            await fleet.gateway.Embed(pb.EmbedRequest(context=context, inputs=inputs))
+        assert [len(e.servicer.task_calls) for e in engines] == [0, 4]
+        nope = pb.TaskRequestContext(request_id="n", model="sim", lora_name="nope")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Embed(pb.EmbedRequest(context=nope, inputs=inputs))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert err.value.details() == "no embed engine has LoRA adapter 'nope' loaded"
+        assert [len(e.servicer.task_calls) for e in engines] == [0, 4]
     finally:
         await close_fleet(fleet)
 
@@ -598,6 +743,27 @@ async def test_failure_after_acceptance_is_one_terminal_error_and_no_retry(fault
         await close_fleet(fleet)
 
 
+@pytest.mark.parametrize("fault", ["finished_then_internal", "token_then_error_then_internal"])
+async def test_an_engine_failing_after_its_terminal_event_adds_nothing_after_it(
+    fault: str,
+) -> None:
+    """Seed: nothing follows a stream's terminal event (the last GenerationFinished, or an
+    EngineError). An engine call that fails after it was relayed ends the client's stream
+    as the engine ended it, with OK: no second terminal EngineError of the gateway's."""
+    fleet, engines = await two_engine_fleet(GenerateFaults([fault]))
+    try:
+        reply = [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
+        kinds = [r.WhichOneof("event") for r in reply]
+        finished = fault == "finished_then_internal"
+        assert kinds == (["token"] * 4 + ["finished"] if finished else ["token", "error"])
+        assert calls(engines, "r") == 1
+        outcome = "ok" if finished else "engine_error"
+        assert fleet.app.controller.metrics.requests.labels(outcome)._value.get() == 1
+        assert fleet.app.gateway.relay.holding == {}
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- GetLoad ----
 
 
@@ -645,6 +811,76 @@ async def test_get_load_sums_the_engines_and_details_each() -> None:
         await close_fleet(fleet)
 
 
+async def test_get_load_leaves_out_what_no_engine_reports() -> None:
+    """Seed: an absent load figure is unavailable, a present zero a measured zero. A figure
+    no engine reports (here queued requests and waiting tokens), or every figure while no
+    engine answers, is absent from the fleet's LoadInfo, not 0; a reported 0 is present."""
+    engines = [await start_fronted_engine(f"l{i}", ReportsLoad) for i in range(2)]
+    for engine in engines:
+        engine.servicer.load = {"running_requests": 0, "queued_requests": None,
+                                "waiting_tokens": None}  # fmt: skip
+    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    registry = fleet.app.controller.fleet.registry
+    summed = ("running_requests", "queued_requests", "used_kv_blocks", "total_kv_blocks",
+              "waiting_tokens")  # fmt: skip
+    try:
+        await fleet.app.controller.fleet.wait_for(
+            lambda: all(r.load.queued_requests is None for r in registry.records()), 15
+        )
+        load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        assert [load.HasField(name) for name in summed] == [True, False, True, True, False]
+        assert load.running_requests == 0
+        for engine in engines:
+            await engine.close()
+        await fleet.app.controller.fleet.wait_for(
+            lambda: all(r.load.total_kv_blocks is None for r in registry.records()), 15
+        )
+        load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        assert [name for name in summed if load.HasField(name)] == []
+    finally:
+        await close_fleet(fleet)
+
+
+# ---- Health ----
+
+
+class FailsProbe(Forwarding):
+    """The sim engine, whose inference probe fails (a broken device: it answers polls)."""
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
+        reply = await self.inner.Health(request)
+        if request.include_inference_probe:
+            reply.state = pb.HEALTH_STATE_NOT_READY
+            for check in reply.checks:
+                if check.name == "inference_probe":
+                    check.state = pb.HEALTH_STATE_NOT_READY
+                    check.message = "probe failed: scripted"
+        return reply
+
+
+async def test_an_inference_probe_failing_on_some_engines_degrades_the_fleet() -> None:
+    """Health(include_inference_probe): DEGRADED while some engines pass their probe (the
+    fleet still serves), NOT_READY once none does; the check names each engine's result."""
+    broken = await start_fronted_engine("broken", FailsProbe)
+    fine = await start_scripted_engine("fine")
+    fleet = await make_fleet(engines=[broken, fine])  # type: ignore[list-item]
+    probe = pb.HealthRequest(include_inference_probe=True)
+    try:
+        assert (await fleet.gateway.Health(pb.HealthRequest())).state == pb.HEALTH_STATE_READY
+        reply = await fleet.gateway.Health(probe)
+        assert reply.state == pb.HEALTH_STATE_DEGRADED
+        (check,) = [c for c in reply.checks if c.name == "inference_probe"]
+        assert check.state == pb.HEALTH_STATE_DEGRADED
+        assert f"127.0.0.1:{broken.port}: probe failed: scripted" in check.message
+        assert f"{address(fine)}: generated 1 token" in check.message
+        await fleet.admin.Cordon(apb.EngineRef(engine="fine"))
+        reply = await fleet.gateway.Health(probe)
+        (check,) = [c for c in reply.checks if c.name == "inference_probe"]
+        assert (reply.state, check.state) == (pb.HEALTH_STATE_NOT_READY,) * 2
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- GetModelInfo ----
 
 
@@ -683,6 +919,75 @@ async def test_model_info_passes_an_engines_refusal_and_skips_one_that_cannot_an
 
 
 # ---- Abort ----
+
+
+class AcceptsLate(Forwarding):
+    """Holds each Generate before the sim engine sees it (as a call still on its way, or an
+    engine still validating it) until `gate` opens; records the calls cancelled meanwhile."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.arrived: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.arrived.append(request.request_id)
+        try:
+            await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+        async for response in self.inner.Generate(request):
+            yield response
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        try:
+            return await self.inner.Abort(request)
+        except grpc.aio.AioRpcError as exc:  # the sim engine's status, as it answered
+            await context.abort(exc.code(), exc.details() or "")
+
+
+async def test_abort_of_a_request_its_engine_has_not_accepted_yet_ends_it() -> None:
+    """An Abort between routing and the engine's acceptance: the engine answers NOT_FOUND
+    (it has no such request yet), so the gateway ends the request itself: ABORTED, the
+    stream ends CANCELLED, and its engine call is cancelled (it was NOT_FOUND, and the
+    request ran to its end once the engine took it)."""
+    engine = await start_fronted_engine("late", AcceptsLate)
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    try:
+        request = generate_request("r", [1, 2, 3], max_tokens=4)
+        running = asyncio.ensure_future(
+            asyncio.wait_for(collect(fleet.gateway.Generate(request)), 10)
+        )
+
+        async def arrived() -> bool:
+            return engine.servicer.arrived == ["r"]
+
+        await eventually(arrived)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await running
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+
+        async def cancelled() -> bool:
+            return engine.servicer.cancelled == ["r"]
+
+        await eventually(cancelled)
+        assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 1
+        assert fleet.app.gateway.relay.running == set()
+    finally:
+        engine.servicer.gate.set()
+        await close_fleet(fleet)
+
+
+async def collect(
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+) -> list[pb.GenerateResponse]:
+    return [r async for r in call]
 
 
 async def test_abort_everything_with_no_engine_reachable_is_unavailable() -> None:

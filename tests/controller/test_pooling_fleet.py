@@ -19,7 +19,7 @@ from engine.server.service import start_engine
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet
-from tests.controller.test_gateway import record_routes
+from tests.controller.test_gateway import engine_answer, record_routes
 from tests.controller.test_gateway_scripted import cli
 from tests.engine.test_server_pooling_runner import LABELS, write_headless_classifier
 
@@ -171,3 +171,43 @@ async def test_a_drained_controller_refuses_pooling_tasks_too(mixed_fleet: Fleet
                 await gateway.Score(pb.ScoreRequest(context=task_context, groups=[group]))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, task
         assert err.value.details() == "the controller is draining"
+
+
+async def test_abort_of_a_task_that_ended_is_already_finished_as_the_engine_answers(
+    mixed_fleet: Fleet,
+) -> None:
+    """Seed: task request ids share generation's namespace and abort semantics. Once a
+    Classify relayed by the gateway has ended, Abort of its id is ALREADY_FINISHED (a
+    success) from the gateway as from the engine that ran it, not NOT_FOUND."""
+    request = pb.ClassifyRequest(
+        context=pb.TaskRequestContext(request_id="done", model=MODEL),
+        inputs=[pb.TaskInput(item_id="a", token_ids=pb.TokenIds(ids=[5, 6, 7]))],
+    )
+    await mixed_fleet.gateway.Classify(request)
+    abort = pb.AbortRequest(request_id="done")
+    pooling = mixed_fleet.address(mixed_fleet.engines[1])
+    expected = await engine_answer(pooling, "Abort", abort)
+    assert isinstance(expected, pb.AbortResponse)
+    assert expected.status == pb.ABORT_STATUS_ALREADY_FINISHED
+    reply = await mixed_fleet.gateway.Abort(abort)
+    assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+
+async def test_the_fleets_model_info_advertises_every_task_the_gateway_serves(
+    mixed_fleet: Fleet,
+) -> None:
+    """Seed: a client uses a task only when ModelInfo advertises it. The gateway serves
+    Classify for the model (the pooling engine has it), so its ModelInfo says so, with the
+    pooling engine's capability, though the generating engine that answers lacks it (it said
+    classify unsupported, and a client following the seed never called it)."""
+    request = pb.GetModelInfoRequest(model=MODEL)
+    generating, pooling = [
+        await engine_answer(mixed_fleet.address(e), "GetModelInfo", request)
+        for e in mixed_fleet.engines
+    ]
+    assert isinstance(generating, pb.ModelInfo) and isinstance(pooling, pb.ModelInfo)
+    assert not generating.tasks.classify.supported and pooling.tasks.classify.supported
+    info = await mixed_fleet.gateway.GetModelInfo(request)
+    assert info.tasks.classify == pooling.tasks.classify
+    assert info.generation == generating.generation
+    assert info.tasks.embed == generating.tasks.embed  # the answering engine's own
