@@ -739,6 +739,8 @@ def engine_failure(
 
 
 def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "overloaded"  # refused for capacity (`max_queued_requests`), as shedding counts
     return "invalid" if code in CLIENT_ERRORS else "engine_error"
 
 

@@ -183,11 +183,6 @@ async def test_with_every_engine_full_the_client_gets_the_engines_refusal() -> N
         assert await served(fleet, "after")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="controller/relay.py counts a request every engine refused for overload as "
-    "'engine_error' (_failure_outcome), not 'overloaded' as its own load shedding does",
-)
 async def test_a_request_every_engine_refused_for_overload_counts_as_overloaded() -> None:
     async with overload_fleet() as fleet:
         e0, e1 = fleet.engines
