@@ -8,8 +8,10 @@ Structured output maps to the engine's guided decoding as OpenEngine's `guided` 
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
 Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
 acceptance like in OpenEngine. This proto has no error event: a failure after acceptance ends
-the stream with gRPC INTERNAL. A prompt position without a logprob (the first prompt token)
-reports NaN so that the arrays stay aligned with `token_ids`.
+the stream with gRPC INTERNAL. Logprobs are sent only when asked for (`output_logprobs`,
+`prompt_logprobs`); a candidate selection without them is ignored, as vLLM's server does. A
+prompt position without a logprob (the first prompt token) reports logprob 0.0 and rank 0 (as
+vLLM's server), so that the arrays stay aligned with `token_ids`.
 
 Streaming: the first response carries `prompt_info` (with prompt logprobs asked for, the
 first one that has them, or the first to end a sequence: a request aborted before its prefill
@@ -22,7 +24,6 @@ Generate collects everything into one response and so supports one sequence only
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -86,10 +87,10 @@ def _candidates(select: pb.CandidateTokens) -> LogprobRequest:
     return LogprobRequest()
 
 
-def _logprobs(wanted: bool, has_select: bool, select: pb.CandidateTokens) -> LogprobRequest | None:
-    if not wanted and not has_select:
-        return None
-    return _candidates(select) if has_select else LogprobRequest()
+def _logprobs(wanted: bool, select: pb.CandidateTokens) -> LogprobRequest | None:
+    """Candidates are extras of the logprobs, as in vLLM's server: without `output_logprobs`
+    (`prompt_logprobs`) a candidate selection is ignored and neither is computed or sent."""
+    return _candidates(select) if wanted else None
 
 
 def _structured_output(dec: pb.DecodingParameters, ctx: EngineContext) -> GuidedDecoding | None:
@@ -158,12 +159,8 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         stop_token_ids=tuple(stop.stop_token_ids),
         ignore_eos=stop.ignore_eos,
         include_stop_in_output=stop.include_stop_strings,
-        logprobs=_logprobs(
-            resp.output_logprobs, resp.HasField("output_candidates"), resp.output_candidates
-        ),
-        prompt_logprobs=_logprobs(
-            resp.prompt_logprobs, resp.HasField("prompt_candidates"), resp.prompt_candidates
-        ),
+        logprobs=_logprobs(resp.output_logprobs, resp.output_candidates),
+        prompt_logprobs=_logprobs(resp.prompt_logprobs, resp.prompt_candidates),
     )
     params.validate()
     engine_request = EngineRequest(
@@ -210,7 +207,9 @@ class VllmStreamEncoder:
             info.token_ids.extend(prompt)
         if prompt_logprobs is not None:
             for entry in prompt_logprobs:
-                info.logprobs.append(math.nan if entry is None else entry.logprob)
+                # No logprob (the first position): 0.0 with rank 0, as vLLM's server sends it
+                # (a real position's rank is >= 1), so that a sum over the arrays stays finite.
+                info.logprobs.append(0.0 if entry is None else entry.logprob)
                 info.ranks.append(0 if entry is None else entry.rank)
                 if resp.HasField("prompt_candidates"):
                     info.candidate_tokens.append(

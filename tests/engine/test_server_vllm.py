@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ from tests.engine.engine_server_harness import (
     collect,
     generate_request,
     idle,
+    metrics_text,
     rpc_error,
     running_engine,
     sim_config,
@@ -195,11 +197,14 @@ async def test_a_lower_priority_value_is_handled_first_as_in_vllm() -> None:
         pb.GenerateRequest(stopping=pb.StoppingCriteria(stop_token_ids=[1000])),  # vocab 1000
         pb.GenerateRequest(
             response=pb.ResponseOptions(
-                output_candidates=pb.CandidateTokens(token_ids=pb.TokenIds(ids=[1000]))
+                output_logprobs=True,
+                output_candidates=pb.CandidateTokens(token_ids=pb.TokenIds(ids=[1000])),
             )
         ),
         pb.GenerateRequest(
-            response=pb.ResponseOptions(prompt_candidates=pb.CandidateTokens(top_n=1001))
+            response=pb.ResponseOptions(
+                prompt_logprobs=True, prompt_candidates=pb.CandidateTokens(top_n=1001)
+            )
         ),
     ],
     ids=[
@@ -241,6 +246,8 @@ async def test_num_output_tokens_counts_the_matched_stop_token(include_stop: boo
             assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.STOP
             assert len(unary.outputs.token_ids) == unary.outputs.num_tokens == emitted
             assert unary.outputs.finish_info.num_output_tokens == generated
+            if stop_ids:
+                assert unary.outputs.finish_info.stop_token_id == stop_ids[0]
             openengine = await collect(
                 engine.stub,
                 oe.GenerateRequest(
@@ -254,3 +261,131 @@ async def test_num_output_tokens_counts_the_matched_stop_token(include_stop: boo
                 ),
             )
             assert openengine[-1].usage.completion_tokens == generated
+
+
+async def test_absent_max_new_tokens_is_20_as_the_proto_says() -> None:
+    async with running_engine() as engine:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT))
+        unary = await engine.vllm.Generate(request)
+    assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+    assert unary.outputs.num_tokens == unary.outputs.finish_info.num_output_tokens == 20
+    # Neither token ids is sent unless asked for.
+    assert list(unary.outputs.token_ids) == [] and list(unary.prompt_info.token_ids) == []
+
+
+WITH_METRICS = sim_config(metrics_listen="127.0.0.1:0")
+
+
+def _counter(metrics: str, name: str) -> float:
+    """The sim engine's `kvplane_engine_<name>_total` (0 before its first increment)."""
+    pattern = rf'^kvplane_engine_{name}_total\{{model="sim"\}} (\S+)$'
+    found = re.search(pattern, metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
+    """vLLM truncates on the left: the request runs on the prompt's last N tokens (the
+    controller's gateway routes on those too); N beyond the prompt keeps all of it."""
+    async with running_engine(WITH_METRICS) as engine:
+        for truncate, kept in ((6, PROMPT[-6:]), (len(PROMPT) + 1, PROMPT)):
+            request = _request()
+            request.truncate_prompt_tokens = truncate
+            before = _counter(await metrics_text(engine), "prompt_tokens")
+            unary = await engine.vllm.Generate(request)
+            computed = _counter(await metrics_text(engine), "prompt_tokens") - before
+            assert list(unary.prompt_info.token_ids) == kept
+            assert unary.prompt_info.num_prompt_tokens == computed == len(kept)
+
+
+async def test_ignore_eos_and_min_new_tokens_keep_generating_past_the_eos() -> None:
+    config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
+    async with running_engine(config) as engine:
+        plain = await engine.vllm.Generate(_request())
+        assert plain.outputs.finish_info.HasField("eos_token_id")  # the third token
+        for stopping in (
+            pb.StoppingCriteria(max_new_tokens=5, ignore_eos=True),
+            pb.StoppingCriteria(max_new_tokens=5, min_new_tokens=4),
+        ):
+            unary = await engine.vllm.Generate(_request(stopping=stopping))
+            assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH, stopping
+            assert unary.outputs.num_tokens == unary.outputs.finish_info.num_output_tokens == 5
+
+
+async def test_duplicate_id_then_client_cancel_frees_the_engine() -> None:
+    """A request id already running is refused (ALREADY_EXISTS); a client that cancels its
+    GenerateStream, or a unary Generate still queued, cancels the request."""
+    async with running_engine(ONE_SEAT) as engine:
+        running = await _take_the_seat(engine)
+        duplicate = _request()
+        duplicate.request_id = "running"
+        refused = await rpc_error(engine.vllm.Generate(duplicate))
+        assert refused.code() == grpc.StatusCode.ALREADY_EXISTS, refused
+        queued_request = _request()
+        queued_request.request_id = "queued"
+        queued = engine.vllm.Generate(queued_request)
+
+        async def is_queued() -> bool:
+            return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 1
+
+        await eventually(is_queued, what="the unary request queued")
+        queued.cancel()
+        running.cancel()
+        await eventually(lambda: idle(engine), what="engine idle after the clients cancelled")
+        # Both ids are free again: the engine forgot them.
+        for request_id in ("running", "queued"):
+            again = _request()
+            again.request_id = request_id
+            finished = await engine.vllm.Generate(again)
+            assert finished.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+
+
+async def _read_to_the_end(stream: Any) -> None:
+    while await asyncio.wait_for(stream.read(), timeout=20) is not grpc.aio.EOF:
+        pass
+
+
+async def test_runner_failure_after_acceptance_is_internal() -> None:
+    """This proto has no error event: a failure after acceptance is the INTERNAL status (before
+    or after responses were sent), one line without a traceback, and nothing is left behind."""
+    async with running_engine(ONE_SEAT) as engine:
+        runner = engine.app.service.engine_loop.core.runner
+        healthy = runner.execute
+
+        def broken(batch: object) -> list[object]:
+            raise RuntimeError("device lost")
+
+        running = await _take_the_seat(engine)  # its first responses were sent
+        runner.execute = broken  # type: ignore[method-assign,assignment]
+        mid_stream = await rpc_error(lambda: _read_to_the_end(running))
+        unary = await rpc_error(engine.vllm.Generate(_request()))
+        for error in (mid_stream, unary):
+            assert error.code() == grpc.StatusCode.INTERNAL, error
+            assert "Traceback" not in (error.details() or "")
+        runner.execute = healthy  # type: ignore[method-assign]
+        ok = await engine.vllm.Generate(_request())
+        assert ok.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+        await eventually(lambda: idle(engine), what="engine idle after the failed steps")
+
+
+async def test_cache_salt_and_bypass_prefix_cache() -> None:
+    """`kv.cache_salt` namespaces the prefix cache (what a request computes is reused only by
+    requests with the same salt); `kv.bypass_prefix_cache` reuses nothing but still caches,
+    as vLLM's skip_reading_prefix_cache."""
+    async with running_engine(WITH_METRICS) as engine:
+        salted = _request(kv=pb.KVCacheParameters(cache_salt="tenant-a"))
+        await engine.vllm.Generate(salted)
+
+        async def openengine_cached(salt: str) -> int:
+            responses = await collect(
+                engine.stub, generate_request(PROMPT, kv=oe.KvOptions(cache_salt=salt))
+            )
+            return int(responses[-1].usage.cached_prompt_tokens)
+
+        assert await openengine_cached("") == 0  # the salted blocks are not for others
+        assert await openengine_cached("tenant-a") == 20  # all but the last token's block
+        # The unsalted prompt is cached now (by the OpenEngine request above).
+        before = _counter(await metrics_text(engine), "cached_prompt_tokens")
+        await engine.vllm.Generate(_request(kv=pb.KVCacheParameters(bypass_prefix_cache=True)))
+        assert _counter(await metrics_text(engine), "cached_prompt_tokens") == before
+        await engine.vllm.Generate(_request())
+        assert _counter(await metrics_text(engine), "cached_prompt_tokens") == before + 20
