@@ -16,9 +16,11 @@ vLLM's server), so that the arrays stay aligned with `token_ids`.
 Streaming: the first response carries `prompt_info` (with prompt logprobs asked for, the
 first one that has them, or the first to end a sequence: a request aborted before its prefill
 has none); each response carries one
-SequenceOutput delta; a sequence's last one carries `finish_info`. A matched stop token that
-is not emitted (EOS, a stop id) still counts in `finish_info.num_output_tokens`. Unary
-Generate collects everything into one response and so supports one sequence only.
+SequenceOutput delta; a sequence's last one carries `finish_info`. As in vLLM's output, a
+matched stop token (EOS, a stop id) is sent in `token_ids` (with its logprob) whether or not
+`include_stop_strings` is set (which decides only whether its text is in `text`), so the
+chunks' `num_tokens` add up to `finish_info.num_output_tokens`. Unary Generate collects
+everything into one response and so supports one sequence only.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         stop_token_ids=tuple(stop.stop_token_ids),
         ignore_eos=stop.ignore_eos,
         include_stop_in_output=stop.include_stop_strings,
+        emit_stop_token=True,
         logprobs=_logprobs(resp.output_logprobs, resp.output_candidates),
         prompt_logprobs=_logprobs(resp.prompt_logprobs, resp.prompt_candidates),
     )
@@ -235,14 +238,7 @@ class VllmStreamEncoder:
                 )
         if output.finish_reason is not None and output.finish_reason is not FinishReason.ERROR:
             match = output.stop_match
-            if (
-                match is not None
-                and match.kind is not StopKind.STOP_TEXT
-                and not self.engine_request.sampling.include_stop_in_output
-            ):
-                # The matched stop token (EOS or a stop id) was generated but not emitted:
-                # it counts, as in OpenEngine's completion_tokens and vLLM's output.
-                state.num_output_tokens += 1
+            # Every generated token was emitted (`emit_stop_token`), so the chunks add up.
             finish = pb.FinishInfo(
                 num_output_tokens=state.num_output_tokens,
                 finish_reason=_FINISH[output.finish_reason],

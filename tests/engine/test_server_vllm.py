@@ -228,26 +228,35 @@ async def test_out_of_range_options_are_invalid_argument(options: pb.GenerateReq
 
 
 @pytest.mark.parametrize("include_stop", [False, True])
-async def test_num_output_tokens_counts_the_matched_stop_token(include_stop: bool) -> None:
-    """A stop token (EOS or a stop id) was generated: FinishInfo counts it, as OpenEngine's
-    completion_tokens does, whether or not it is emitted (include_stop_strings)."""
+async def test_a_matched_stop_token_is_sent_and_counted(include_stop: bool) -> None:
+    """As vLLM's output: the matched stop token (EOS or a stop id) ends `token_ids`, with its
+    logprob, whether or not include_stop_strings is set (that decides its text only), so the
+    chunks add up to FinishInfo.num_output_tokens, which is OpenEngine's completion_tokens."""
     config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
     async with running_engine(config) as engine:
         greedy = await engine.vllm.Generate(_request())  # two tokens, then the EOS
         assert greedy.outputs.finish_info.HasField("eos_token_id")
+        assert greedy.outputs.token_ids[-1] == greedy.outputs.finish_info.eos_token_id
         for stop_ids, generated in (((), 3), ((greedy.outputs.token_ids[1],), 2)):
             request = _request(
                 stopping=pb.StoppingCriteria(
                     max_new_tokens=5, stop_token_ids=stop_ids, include_stop_strings=include_stop
-                )
+                ),
+                response=pb.ResponseOptions(output_token_ids=True, output_logprobs=True),
             )
-            unary = await engine.vllm.Generate(request)
-            emitted = generated if include_stop else generated - 1
-            assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.STOP
-            assert len(unary.outputs.token_ids) == unary.outputs.num_tokens == emitted
-            assert unary.outputs.finish_info.num_output_tokens == generated
-            if stop_ids:
-                assert unary.outputs.finish_info.stop_token_id == stop_ids[0]
+            streamed = [r async for r in engine.vllm.GenerateStream(request)]
+            token_ids = [t for r in streamed for t in r.outputs.token_ids]
+            assert token_ids == list(greedy.outputs.token_ids[:generated])
+            assert sum(r.outputs.num_tokens for r in streamed) == generated
+            assert sum(len(r.outputs.logprobs) for r in streamed) == generated
+            finish = streamed[-1].outputs.finish_info
+            assert finish.finish_reason == pb.FinishInfo.STOP
+            assert finish.num_output_tokens == generated
+            matched = finish.stop_token_id if stop_ids else finish.eos_token_id
+            assert finish.WhichOneof("stop_reason") == (
+                "stop_token_id" if stop_ids else "eos_token_id"
+            )
+            assert matched == token_ids[-1]
             openengine = await collect(
                 engine.stub,
                 oe.GenerateRequest(

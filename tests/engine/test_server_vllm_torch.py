@@ -87,6 +87,29 @@ async def test_stop_string_with_and_without_include_stop_strings(config: EngineC
             assert "".join(r.outputs.text for r in streamed) == kept
 
 
+async def test_a_stop_token_is_sent_and_include_stop_strings_decides_its_text(
+    config: EngineConfig,
+) -> None:
+    """As vLLM's output: the matched stop id ends `token_ids` either way; its text is in
+    `text` only with include_stop_strings."""
+    async with running_engine(config) as engine:
+        greedy = await engine.vllm.Generate(_request(output_token_ids=True))
+        ids = list(greedy.outputs.token_ids)
+        at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # its first time
+
+        async def text_of(num_tokens: int) -> str:
+            return (await engine.vllm.Generate(_request(num_tokens))).outputs.text
+
+        for include, text in ((False, await text_of(at)), (True, await text_of(at + 1))):
+            request = _request(output_token_ids=True)
+            request.stopping.stop_token_ids.append(ids[at])
+            request.stopping.include_stop_strings = include
+            unary = await engine.vllm.Generate(request)
+            assert list(unary.outputs.token_ids) == ids[: at + 1]
+            assert unary.outputs.finish_info.stop_token_id == ids[at]
+            assert unary.outputs.text == text, include
+
+
 async def test_output_logprobs_ranks_and_candidates_stay_aligned(config: EngineConfig) -> None:
     async with running_engine(config) as engine:
         top3 = await engine.vllm.Generate(
