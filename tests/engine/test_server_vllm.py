@@ -398,3 +398,46 @@ async def test_cache_salt_and_bypass_prefix_cache() -> None:
         assert _counter(await metrics_text(engine), "cached_prompt_tokens") == before
         await engine.vllm.Generate(_request())
         assert _counter(await metrics_text(engine), "cached_prompt_tokens") == before + 20
+
+
+async def test_a_draining_engine_refuses_new_work_and_aborts_at_its_deadline() -> None:
+    """Drain (OpenEngine's) covers vllm.Generate too: a new request is UNAVAILABLE (retryable,
+    as a gateway reads it) and a running stream ends ABORTED when the drain aborts it."""
+    async with running_engine(ONE_SEAT) as engine:
+        running = await _take_the_seat(engine)
+        drain = oe.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+        )
+        states = [r.state async for r in engine.stub.Drain(drain)]
+        assert states[-1] == oe.DRAIN_STATE_COMPLETE
+        last = None
+        while (response := await asyncio.wait_for(running.read(), timeout=20)) is not grpc.aio.EOF:
+            last = response
+        assert last is not None
+        assert last.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+        refused = await rpc_error(engine.vllm.Generate(_request()))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+        _, streamed = await stream_error(engine.vllm.GenerateStream(_request()))
+        assert streamed.code() == grpc.StatusCode.UNAVAILABLE, streamed
+        assert await idle(engine)
+
+
+async def test_an_aborted_unary_generate_answers_aborted_not_an_error() -> None:
+    """Abort by request id ends a unary Generate with its response (status OK), finish reason
+    ABORTED, as vLLM's server answers an aborted request."""
+    async with running_engine(ONE_SEAT) as engine:
+        running = await _take_the_seat(engine)
+        queued = _request()
+        queued.request_id = "queued"
+        call = engine.vllm.Generate(queued)
+
+        async def is_queued() -> bool:
+            return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 1
+
+        await eventually(is_queued, what="the unary request queued")
+        await engine.stub.Abort(oe.AbortRequest(request_id="queued"))
+        unary = await asyncio.wait_for(call, timeout=20)
+        running.cancel()
+    assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+    assert unary.outputs.finish_info.num_output_tokens == unary.outputs.num_tokens == 0
+    assert unary.prompt_info.num_prompt_tokens == len(PROMPT)
