@@ -145,6 +145,15 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
     s, stop, resp = request.sampling, request.stopping, request.response
+    max_new_tokens = stop.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if stop.min_new_tokens > max_new_tokens:
+        # In this proto's names (the core's check would say min_tokens/max_tokens), and
+        # naming the default a client that set no maximum may not know.
+        default = "" if stop.max_new_tokens else f" (0 means {DEFAULT_MAX_NEW_TOKENS})"
+        raise InvalidRequestError(
+            f"min_new_tokens {stop.min_new_tokens} exceeds max_new_tokens "
+            f"{stop.max_new_tokens}{default}"
+        )
     params = SamplingParams(
         temperature=request.temperature if request.HasField("temperature") else 0.0,
         top_p=s.top_p or 1.0,
@@ -155,7 +164,7 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         repetition_penalty=dec.repetition_penalty or 1.0,
         seed=s.seed if s.HasField("seed") else None,
         num_sequences=s.num_sequences or 1,
-        max_tokens=stop.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        max_tokens=max_new_tokens,
         min_tokens=stop.min_new_tokens,
         stop=tuple(stop.stop_strings),
         stop_token_ids=tuple(stop.stop_token_ids),

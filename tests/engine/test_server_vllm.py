@@ -292,6 +292,25 @@ def _counter(metrics: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+@pytest.mark.parametrize(
+    ("max_new_tokens", "details"),
+    [
+        (0, "min_new_tokens 21 exceeds max_new_tokens 0 (0 means 20)"),
+        (10, "min_new_tokens 21 exceeds max_new_tokens 10"),
+    ],
+)
+async def test_min_new_tokens_above_max_new_tokens_is_refused_in_the_protos_names(
+    max_new_tokens: int, details: str
+) -> None:
+    async with running_engine() as engine:
+        request = _request(
+            stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens, min_new_tokens=21)
+        )
+        error = await rpc_error(engine.vllm.Generate(request))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == details
+
+
 async def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
     """vLLM truncates on the left: the request runs on the prompt's last N tokens (the
     controller's gateway routes on those too); N beyond the prompt keeps all of it."""
