@@ -292,6 +292,54 @@ def _counter(metrics: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _with_kv_transfer_params() -> pb.GenerateRequest:
+    request = pb.GenerateRequest()
+    request.kv.kv_transfer_params.update({"do_remote_prefill": True})
+    return request
+
+
+@pytest.mark.parametrize(
+    ("options", "code", "needle"),
+    [
+        (
+            pb.GenerateRequest(decoding=pb.DecodingParameters(logit_bias={5: 1.0})),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "logit_bias",
+        ),
+        (
+            pb.GenerateRequest(decoding=pb.DecodingParameters(allowed_token_ids=[5])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "allowed_token_ids",
+        ),
+        (_with_kv_transfer_params(), grpc.StatusCode.FAILED_PRECONDITION, "kv.session"),
+        (pb.GenerateRequest(text="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
+    ],
+    ids=["logit_bias", "allowed_token_ids", "kv_transfer_params", "text_without_tokenizer"],
+)
+async def test_options_the_engine_does_not_implement_are_refused(
+    options: pb.GenerateRequest, code: grpc.StatusCode, needle: str
+) -> None:
+    """Refused before acceptance, never silently ignored: a bias or an allow-list the sampler
+    would not apply, vLLM's KV connector parameters (KV moves through OpenEngine's kv.session),
+    a text prompt on the sim runner (no tokenizer)."""
+    async with running_engine() as engine:
+        request = _request()
+        request.MergeFrom(options)
+        events, error = await stream_error(engine.vllm.GenerateStream(request))
+        assert events == []
+        assert error.code() == code, error
+        assert needle in (error.details() or ""), error.details()
+        assert await idle(engine)
+
+
+async def test_an_empty_kv_transfer_params_is_no_parameter() -> None:
+    async with running_engine() as engine:
+        request = _request()
+        request.kv.kv_transfer_params.SetInParent()
+        unary = await engine.vllm.Generate(request)
+    assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+
+
 @pytest.mark.parametrize(
     ("max_new_tokens", "details"),
     [
