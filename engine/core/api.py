@@ -90,6 +90,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_in_output: bool = False
+    # vLLM's output: a matched stop token (a stop id or EOS) is emitted (its id and logprob)
+    # even without `include_stop_in_output`, which then still keeps its text out.
+    emit_stop_token: bool = False
     logprobs: LogprobRequest | None = None
     prompt_logprobs: LogprobRequest | None = None
     prompt_logprob_start: int = 0
@@ -263,9 +266,10 @@ class RequestOutput(NamedTuple):
     position 0 (no conditional probability). `finish_reason` is set on the last output of this
     index; `usage` only on the request's very last output (the last index to finish).
     A matched stop token (caller stop id or EOS) is not in `new_token_ids` unless
-    `include_stop_in_output`; it is still counted in `completion_tokens`. `held_kv_session`:
-    on the last output of a request with `kv_session_id`, whether its prompt's KV is now held
-    under that id (not when it was cancelled, failed or never computed its whole prompt).
+    `include_stop_in_output` or `emit_stop_token`; it is still counted in `completion_tokens`.
+    `held_kv_session`: on the last output of a request with `kv_session_id`, whether its
+    prompt's KV is now held under that id (not when it was cancelled, failed or never computed
+    its whole prompt).
     """
 
     request_id: str

@@ -2,7 +2,8 @@
 
 Checked after each sampled token, in this order:
 1. a caller stop token id, then EOS (unless `ignore_eos`): both only once `min_tokens` tokens
-   were generated; the matched token is emitted only with `include_stop_in_output`;
+   were generated; the matched token is emitted only with `include_stop_in_output` (its text
+   too) or `emit_stop_token` (its id alone, vLLM's output);
 2. stop strings (after `min_tokens`), searched in the text across token boundaries: the output
    text is cut before the match (or after it, with `include_stop_in_output`);
 3. `max_tokens` (or the context limit): LENGTH.
@@ -76,11 +77,10 @@ class StopChecker:
         past_min = self._num_tokens > sampling.min_tokens
         if past_min and (token_id in self._stop_token_ids or token_id in self._eos_token_ids):
             kind = StopKind.STOP_TOKEN if token_id in self._stop_token_ids else StopKind.EOS
-            include = sampling.include_stop_in_output
-            if include:
+            if sampling.include_stop_in_output:
                 self._text += text_delta
             return StopDecision(
-                emit_token=include,
+                emit_token=sampling.include_stop_in_output or sampling.emit_stop_token,
                 text_delta=self._flush(),
                 finish_reason=FinishReason.STOP,
                 stop_match=StopMatch(kind, token_id=token_id),

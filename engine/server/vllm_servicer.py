@@ -8,21 +8,24 @@ Structured output maps to the engine's guided decoding as OpenEngine's `guided` 
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
 Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
 acceptance like in OpenEngine. This proto has no error event: a failure after acceptance ends
-the stream with gRPC INTERNAL. A prompt position without a logprob (the first prompt token)
-reports NaN so that the arrays stay aligned with `token_ids`.
+the stream with gRPC INTERNAL. Logprobs are sent only when asked for (`output_logprobs`,
+`prompt_logprobs`); a candidate selection without them is ignored, as vLLM's server does. A
+prompt position without a logprob (the first prompt token) reports logprob 0.0 and rank 0 (as
+vLLM's server), so that the arrays stay aligned with `token_ids`.
 
 Streaming: the first response carries `prompt_info` (with prompt logprobs asked for, the
 first one that has them, or the first to end a sequence: a request aborted before its prefill
 has none); each response carries one
-SequenceOutput delta; a sequence's last one carries `finish_info`. A matched stop token that
-is not emitted (EOS, a stop id) still counts in `finish_info.num_output_tokens`. Unary
-Generate collects everything into one response and so supports one sequence only.
+SequenceOutput delta; a sequence's last one carries `finish_info`. As in vLLM's output, a
+matched stop token (EOS, a stop id) is sent in `token_ids` (with its logprob) whether or not
+`include_stop_strings` is set (which decides only whether its text is in `text`), so the
+chunks' `num_tokens` add up to `finish_info.num_output_tokens`. Unary Generate collects
+everything into one response and so supports one sequence only.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -86,10 +89,10 @@ def _candidates(select: pb.CandidateTokens) -> LogprobRequest:
     return LogprobRequest()
 
 
-def _logprobs(wanted: bool, has_select: bool, select: pb.CandidateTokens) -> LogprobRequest | None:
-    if not wanted and not has_select:
-        return None
-    return _candidates(select) if has_select else LogprobRequest()
+def _logprobs(wanted: bool, select: pb.CandidateTokens) -> LogprobRequest | None:
+    """Candidates are extras of the logprobs, as in vLLM's server: without `output_logprobs`
+    (`prompt_logprobs`) a candidate selection is ignored and neither is computed or sent."""
+    return _candidates(select) if wanted else None
 
 
 def _structured_output(dec: pb.DecodingParameters, ctx: EngineContext) -> GuidedDecoding | None:
@@ -142,6 +145,15 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
     s, stop, resp = request.sampling, request.stopping, request.response
+    max_new_tokens = stop.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if stop.min_new_tokens > max_new_tokens:
+        # In this proto's names (the core's check would say min_tokens/max_tokens), and
+        # naming the default a client that set no maximum may not know.
+        default = "" if stop.max_new_tokens else f" (0 means {DEFAULT_MAX_NEW_TOKENS})"
+        raise InvalidRequestError(
+            f"min_new_tokens {stop.min_new_tokens} exceeds max_new_tokens "
+            f"{stop.max_new_tokens}{default}"
+        )
     params = SamplingParams(
         temperature=request.temperature if request.HasField("temperature") else 0.0,
         top_p=s.top_p or 1.0,
@@ -152,18 +164,15 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         repetition_penalty=dec.repetition_penalty or 1.0,
         seed=s.seed if s.HasField("seed") else None,
         num_sequences=s.num_sequences or 1,
-        max_tokens=stop.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+        max_tokens=max_new_tokens,
         min_tokens=stop.min_new_tokens,
         stop=tuple(stop.stop_strings),
         stop_token_ids=tuple(stop.stop_token_ids),
         ignore_eos=stop.ignore_eos,
         include_stop_in_output=stop.include_stop_strings,
-        logprobs=_logprobs(
-            resp.output_logprobs, resp.HasField("output_candidates"), resp.output_candidates
-        ),
-        prompt_logprobs=_logprobs(
-            resp.prompt_logprobs, resp.HasField("prompt_candidates"), resp.prompt_candidates
-        ),
+        emit_stop_token=True,
+        logprobs=_logprobs(resp.output_logprobs, resp.output_candidates),
+        prompt_logprobs=_logprobs(resp.prompt_logprobs, resp.prompt_candidates),
     )
     params.validate()
     engine_request = EngineRequest(
@@ -210,7 +219,9 @@ class VllmStreamEncoder:
             info.token_ids.extend(prompt)
         if prompt_logprobs is not None:
             for entry in prompt_logprobs:
-                info.logprobs.append(math.nan if entry is None else entry.logprob)
+                # No logprob (the first position): 0.0 with rank 0, as vLLM's server sends it
+                # (a real position's rank is >= 1), so that a sum over the arrays stays finite.
+                info.logprobs.append(0.0 if entry is None else entry.logprob)
                 info.ranks.append(0 if entry is None else entry.rank)
                 if resp.HasField("prompt_candidates"):
                     info.candidate_tokens.append(
@@ -236,14 +247,7 @@ class VllmStreamEncoder:
                 )
         if output.finish_reason is not None and output.finish_reason is not FinishReason.ERROR:
             match = output.stop_match
-            if (
-                match is not None
-                and match.kind is not StopKind.STOP_TEXT
-                and not self.engine_request.sampling.include_stop_in_output
-            ):
-                # The matched stop token (EOS or a stop id) was generated but not emitted:
-                # it counts, as in OpenEngine's completion_tokens and vLLM's output.
-                state.num_output_tokens += 1
+            # Every generated token was emitted (`emit_stop_token`), so the chunks add up.
             finish = pb.FinishInfo(
                 num_output_tokens=state.num_output_tokens,
                 finish_reason=_FINISH[output.finish_reason],

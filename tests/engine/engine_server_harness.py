@@ -3,6 +3,8 @@ server tests. Not a test module itself."""
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -105,6 +107,13 @@ async def idle(engine: Engine) -> bool:
         and load.used_kv_blocks == 0
         and engine.app.service.num_in_flight == 0
     )
+
+
+async def metrics_text(engine: Engine) -> str:
+    """The engine's Prometheus exposition, as a scraper reads it."""
+    url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    return str(body.decode())
 
 
 @asynccontextmanager

@@ -9,7 +9,6 @@ test_server_pooling.py."""
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from typing import Any
 
 import grpc
@@ -21,6 +20,7 @@ from tests.engine.engine_server_harness import (
     Engine,
     collect,
     generate_request,
+    metrics_text,
     rpc_error,
     running_engine,
     sim_config,
@@ -105,12 +105,6 @@ def vllm_request(request_id: str) -> vpb.GenerateRequest:
         token_ids=vpb.TokenIds(ids=PROMPT),
         stopping=vpb.StoppingCriteria(max_new_tokens=2),
     )
-
-
-async def metrics_text(engine: Engine) -> str:
-    url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
-    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
-    return str(body.decode())
 
 
 def assert_overloaded(error: grpc.aio.AioRpcError) -> None:

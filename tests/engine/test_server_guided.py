@@ -356,6 +356,27 @@ async def test_vllm_structured_output_maps_to_the_same_guides(model_dir: Path) -
         request.decoding.grammar = 'root ::= [0-9] [0-9] "x"'
         response = await engine.vllm.Generate(request)
         assert re.fullmatch("[0-9]{2}x", response.outputs.text), response
+        choices = ["apple", "apricot", "banana"]
+        request.decoding.choice.choices.extend(choices)
+        response = await engine.vllm.Generate(request)
+        assert response.outputs.text in choices, response
+        request.decoding.json = json.dumps(SCHEMA)
+        request.stopping.max_new_tokens = 400
+        response = await engine.vllm.Generate(request)
+        assert response.outputs.finish_info.HasField("eos_token_id"), response
+        _check_schema(json.loads(response.outputs.text))
+        request.decoding.json_object = True
+        response = await engine.vllm.Generate(request)
+        assert response.outputs.text.startswith("{"), response
+        # json_object = false is no constraint (vLLM's reading): the unguided output.
+        request.decoding.json_object = False
+        unguided = vpb.GenerateRequest()
+        unguided.CopyFrom(request)
+        unguided.ClearField("decoding")
+        assert (await engine.vllm.Generate(request)).outputs.text == (
+            await engine.vllm.Generate(unguided)
+        ).outputs.text
+        request.stopping.max_new_tokens = 16
         request.decoding.grammar = "root ::= 'a'"
         error = await rpc_error(engine.vllm.Generate(request))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT

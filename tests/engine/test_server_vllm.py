@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from typing import Any
 
 import grpc
@@ -16,6 +17,7 @@ from tests.engine.engine_server_harness import (
     collect,
     generate_request,
     idle,
+    metrics_text,
     rpc_error,
     running_engine,
     sim_config,
@@ -195,11 +197,14 @@ async def test_a_lower_priority_value_is_handled_first_as_in_vllm() -> None:
         pb.GenerateRequest(stopping=pb.StoppingCriteria(stop_token_ids=[1000])),  # vocab 1000
         pb.GenerateRequest(
             response=pb.ResponseOptions(
-                output_candidates=pb.CandidateTokens(token_ids=pb.TokenIds(ids=[1000]))
+                output_logprobs=True,
+                output_candidates=pb.CandidateTokens(token_ids=pb.TokenIds(ids=[1000])),
             )
         ),
         pb.GenerateRequest(
-            response=pb.ResponseOptions(prompt_candidates=pb.CandidateTokens(top_n=1001))
+            response=pb.ResponseOptions(
+                prompt_logprobs=True, prompt_candidates=pb.CandidateTokens(top_n=1001)
+            )
         ),
     ],
     ids=[
@@ -223,24 +228,35 @@ async def test_out_of_range_options_are_invalid_argument(options: pb.GenerateReq
 
 
 @pytest.mark.parametrize("include_stop", [False, True])
-async def test_num_output_tokens_counts_the_matched_stop_token(include_stop: bool) -> None:
-    """A stop token (EOS or a stop id) was generated: FinishInfo counts it, as OpenEngine's
-    completion_tokens does, whether or not it is emitted (include_stop_strings)."""
+async def test_a_matched_stop_token_is_sent_and_counted(include_stop: bool) -> None:
+    """As vLLM's output: the matched stop token (EOS or a stop id) ends `token_ids`, with its
+    logprob, whether or not include_stop_strings is set (that decides its text only), so the
+    chunks add up to FinishInfo.num_output_tokens, which is OpenEngine's completion_tokens."""
     config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
     async with running_engine(config) as engine:
         greedy = await engine.vllm.Generate(_request())  # two tokens, then the EOS
         assert greedy.outputs.finish_info.HasField("eos_token_id")
+        assert greedy.outputs.token_ids[-1] == greedy.outputs.finish_info.eos_token_id
         for stop_ids, generated in (((), 3), ((greedy.outputs.token_ids[1],), 2)):
             request = _request(
                 stopping=pb.StoppingCriteria(
                     max_new_tokens=5, stop_token_ids=stop_ids, include_stop_strings=include_stop
-                )
+                ),
+                response=pb.ResponseOptions(output_token_ids=True, output_logprobs=True),
             )
-            unary = await engine.vllm.Generate(request)
-            emitted = generated if include_stop else generated - 1
-            assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.STOP
-            assert len(unary.outputs.token_ids) == unary.outputs.num_tokens == emitted
-            assert unary.outputs.finish_info.num_output_tokens == generated
+            streamed = [r async for r in engine.vllm.GenerateStream(request)]
+            token_ids = [t for r in streamed for t in r.outputs.token_ids]
+            assert token_ids == list(greedy.outputs.token_ids[:generated])
+            assert sum(r.outputs.num_tokens for r in streamed) == generated
+            assert sum(len(r.outputs.logprobs) for r in streamed) == generated
+            finish = streamed[-1].outputs.finish_info
+            assert finish.finish_reason == pb.FinishInfo.STOP
+            assert finish.num_output_tokens == generated
+            matched = finish.stop_token_id if stop_ids else finish.eos_token_id
+            assert finish.WhichOneof("stop_reason") == (
+                "stop_token_id" if stop_ids else "eos_token_id"
+            )
+            assert matched == token_ids[-1]
             openengine = await collect(
                 engine.stub,
                 oe.GenerateRequest(
@@ -254,3 +270,241 @@ async def test_num_output_tokens_counts_the_matched_stop_token(include_stop: boo
                 ),
             )
             assert openengine[-1].usage.completion_tokens == generated
+
+
+async def test_absent_max_new_tokens_is_20_as_the_proto_says() -> None:
+    async with running_engine() as engine:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT))
+        unary = await engine.vllm.Generate(request)
+    assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+    assert unary.outputs.num_tokens == unary.outputs.finish_info.num_output_tokens == 20
+    # Neither token ids is sent unless asked for.
+    assert list(unary.outputs.token_ids) == [] and list(unary.prompt_info.token_ids) == []
+
+
+WITH_METRICS = sim_config(metrics_listen="127.0.0.1:0")
+
+
+def _counter(metrics: str, name: str) -> float:
+    """The sim engine's `kvplane_engine_<name>_total` (0 before its first increment)."""
+    pattern = rf'^kvplane_engine_{name}_total\{{model="sim"\}} (\S+)$'
+    found = re.search(pattern, metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def _with_kv_transfer_params() -> pb.GenerateRequest:
+    request = pb.GenerateRequest()
+    request.kv.kv_transfer_params.update({"do_remote_prefill": True})
+    return request
+
+
+@pytest.mark.parametrize(
+    ("options", "code", "needle"),
+    [
+        (
+            pb.GenerateRequest(decoding=pb.DecodingParameters(logit_bias={5: 1.0})),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "logit_bias",
+        ),
+        (
+            pb.GenerateRequest(decoding=pb.DecodingParameters(allowed_token_ids=[5])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "allowed_token_ids",
+        ),
+        (_with_kv_transfer_params(), grpc.StatusCode.FAILED_PRECONDITION, "kv.session"),
+        (pb.GenerateRequest(text="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
+    ],
+    ids=["logit_bias", "allowed_token_ids", "kv_transfer_params", "text_without_tokenizer"],
+)
+async def test_options_the_engine_does_not_implement_are_refused(
+    options: pb.GenerateRequest, code: grpc.StatusCode, needle: str
+) -> None:
+    """Refused before acceptance, never silently ignored: a bias or an allow-list the sampler
+    would not apply, vLLM's KV connector parameters (KV moves through OpenEngine's kv.session),
+    a text prompt on the sim runner (no tokenizer)."""
+    async with running_engine() as engine:
+        request = _request()
+        request.MergeFrom(options)
+        events, error = await stream_error(engine.vllm.GenerateStream(request))
+        assert events == []
+        assert error.code() == code, error
+        assert needle in (error.details() or ""), error.details()
+        assert await idle(engine)
+
+
+async def test_an_empty_kv_transfer_params_is_no_parameter() -> None:
+    async with running_engine() as engine:
+        request = _request()
+        request.kv.kv_transfer_params.SetInParent()
+        unary = await engine.vllm.Generate(request)
+    assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+
+
+@pytest.mark.parametrize(
+    ("max_new_tokens", "details"),
+    [
+        (0, "min_new_tokens 21 exceeds max_new_tokens 0 (0 means 20)"),
+        (10, "min_new_tokens 21 exceeds max_new_tokens 10"),
+    ],
+)
+async def test_min_new_tokens_above_max_new_tokens_is_refused_in_the_protos_names(
+    max_new_tokens: int, details: str
+) -> None:
+    async with running_engine() as engine:
+        request = _request(
+            stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens, min_new_tokens=21)
+        )
+        error = await rpc_error(engine.vllm.Generate(request))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.details() == details
+
+
+async def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
+    """vLLM truncates on the left: the request runs on the prompt's last N tokens (the
+    controller's gateway routes on those too); N beyond the prompt keeps all of it."""
+    async with running_engine(WITH_METRICS) as engine:
+        for truncate, kept in ((6, PROMPT[-6:]), (len(PROMPT) + 1, PROMPT)):
+            request = _request()
+            request.truncate_prompt_tokens = truncate
+            before = _counter(await metrics_text(engine), "prompt_tokens")
+            unary = await engine.vllm.Generate(request)
+            computed = _counter(await metrics_text(engine), "prompt_tokens") - before
+            assert list(unary.prompt_info.token_ids) == kept
+            assert unary.prompt_info.num_prompt_tokens == computed == len(kept)
+
+
+async def test_ignore_eos_and_min_new_tokens_keep_generating_past_the_eos() -> None:
+    config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
+    async with running_engine(config) as engine:
+        plain = await engine.vllm.Generate(_request())
+        assert plain.outputs.finish_info.HasField("eos_token_id")  # the third token
+        for stopping in (
+            pb.StoppingCriteria(max_new_tokens=5, ignore_eos=True),
+            pb.StoppingCriteria(max_new_tokens=5, min_new_tokens=4),
+        ):
+            unary = await engine.vllm.Generate(_request(stopping=stopping))
+            assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH, stopping
+            assert unary.outputs.num_tokens == unary.outputs.finish_info.num_output_tokens == 5
+
+
+async def test_duplicate_id_then_client_cancel_frees_the_engine() -> None:
+    """A request id already running is refused (ALREADY_EXISTS); a client that cancels its
+    GenerateStream, or a unary Generate still queued, cancels the request."""
+    async with running_engine(ONE_SEAT) as engine:
+        running = await _take_the_seat(engine)
+        duplicate = _request()
+        duplicate.request_id = "running"
+        refused = await rpc_error(engine.vllm.Generate(duplicate))
+        assert refused.code() == grpc.StatusCode.ALREADY_EXISTS, refused
+        queued_request = _request()
+        queued_request.request_id = "queued"
+        queued = engine.vllm.Generate(queued_request)
+
+        async def is_queued() -> bool:
+            return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 1
+
+        await eventually(is_queued, what="the unary request queued")
+        queued.cancel()
+        running.cancel()
+        await eventually(lambda: idle(engine), what="engine idle after the clients cancelled")
+        # Both ids are free again: the engine forgot them.
+        for request_id in ("running", "queued"):
+            again = _request()
+            again.request_id = request_id
+            finished = await engine.vllm.Generate(again)
+            assert finished.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+
+
+async def _read_to_the_end(stream: Any) -> None:
+    while await asyncio.wait_for(stream.read(), timeout=20) is not grpc.aio.EOF:
+        pass
+
+
+async def test_runner_failure_after_acceptance_is_internal() -> None:
+    """This proto has no error event: a failure after acceptance is the INTERNAL status (before
+    or after responses were sent), one line without a traceback, and nothing is left behind."""
+    async with running_engine(ONE_SEAT) as engine:
+        runner = engine.app.service.engine_loop.core.runner
+        healthy = runner.execute
+
+        def broken(batch: object) -> list[object]:
+            raise RuntimeError("device lost")
+
+        running = await _take_the_seat(engine)  # its first responses were sent
+        runner.execute = broken  # type: ignore[method-assign,assignment]
+        mid_stream = await rpc_error(lambda: _read_to_the_end(running))
+        unary = await rpc_error(engine.vllm.Generate(_request()))
+        for error in (mid_stream, unary):
+            assert error.code() == grpc.StatusCode.INTERNAL, error
+            assert "Traceback" not in (error.details() or "")
+        runner.execute = healthy  # type: ignore[method-assign]
+        ok = await engine.vllm.Generate(_request())
+        assert ok.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+        await eventually(lambda: idle(engine), what="engine idle after the failed steps")
+
+
+async def test_cache_salt_and_bypass_prefix_cache() -> None:
+    """`kv.cache_salt` namespaces the prefix cache (what a request computes is reused only by
+    requests with the same salt); `kv.bypass_prefix_cache` reuses nothing but still caches,
+    as vLLM's skip_reading_prefix_cache."""
+    async with running_engine(WITH_METRICS) as engine:
+        salted = _request(kv=pb.KVCacheParameters(cache_salt="tenant-a"))
+        await engine.vllm.Generate(salted)
+
+        async def openengine_cached(salt: str) -> int:
+            responses = await collect(
+                engine.stub, generate_request(PROMPT, kv=oe.KvOptions(cache_salt=salt))
+            )
+            return int(responses[-1].usage.cached_prompt_tokens)
+
+        assert await openengine_cached("") == 0  # the salted blocks are not for others
+        assert await openengine_cached("tenant-a") == 20  # all but the last token's block
+        # The unsalted prompt is cached now (by the OpenEngine request above).
+        before = _counter(await metrics_text(engine), "cached_prompt_tokens")
+        await engine.vllm.Generate(_request(kv=pb.KVCacheParameters(bypass_prefix_cache=True)))
+        assert _counter(await metrics_text(engine), "cached_prompt_tokens") == before
+        await engine.vllm.Generate(_request())
+        assert _counter(await metrics_text(engine), "cached_prompt_tokens") == before + 20
+
+
+async def test_a_draining_engine_refuses_new_work_and_aborts_at_its_deadline() -> None:
+    """Drain (OpenEngine's) covers vllm.Generate too: a new request is UNAVAILABLE (retryable,
+    as a gateway reads it) and a running stream ends ABORTED when the drain aborts it."""
+    async with running_engine(ONE_SEAT) as engine:
+        running = await _take_the_seat(engine)
+        drain = oe.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+        )
+        states = [r.state async for r in engine.stub.Drain(drain)]
+        assert states[-1] == oe.DRAIN_STATE_COMPLETE
+        last = None
+        while (response := await asyncio.wait_for(running.read(), timeout=20)) is not grpc.aio.EOF:
+            last = response
+        assert last is not None
+        assert last.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+        refused = await rpc_error(engine.vllm.Generate(_request()))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+        _, streamed = await stream_error(engine.vllm.GenerateStream(_request()))
+        assert streamed.code() == grpc.StatusCode.UNAVAILABLE, streamed
+        assert await idle(engine)
+
+
+async def test_an_aborted_unary_generate_answers_aborted_not_an_error() -> None:
+    """Abort by request id ends a unary Generate with its response (status OK), finish reason
+    ABORTED, as vLLM's server answers an aborted request."""
+    async with running_engine(ONE_SEAT) as engine:
+        running = await _take_the_seat(engine)
+        queued = _request()
+        queued.request_id = "queued"
+        call = engine.vllm.Generate(queued)
+
+        async def is_queued() -> bool:
+            return (await engine.stub.GetLoad(oe.GetLoadRequest())).queued_requests == 1
+
+        await eventually(is_queued, what="the unary request queued")
+        await engine.stub.Abort(oe.AbortRequest(request_id="queued"))
+        unary = await asyncio.wait_for(call, timeout=20)
+        running.cancel()
+    assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
+    assert unary.outputs.finish_info.num_output_tokens == unary.outputs.num_tokens == 0
+    assert unary.prompt_info.num_prompt_tokens == len(PROMPT)

@@ -91,6 +91,11 @@ def test_stop_token_and_eos_respect_min_tokens_and_ignore_eos() -> None:
     )
     included = StopChecker(SamplingParams(stop_token_ids=(7,), include_stop_in_output=True), {}, 9)
     assert included.on_token(7, "q").emit_token
+    # vLLM's output: the stop token's id is emitted, its text only with include_stop_in_output.
+    emitted = StopChecker(SamplingParams(stop_token_ids=(7,), emit_stop_token=True), {}, 9)
+    assert emitted.on_token(3, "ab").text_delta == "ab"
+    decision = emitted.on_token(7, "q")
+    assert decision.emit_token and decision.text_delta == "" and emitted.text == "ab"
 
 
 # ------------------------------------------------------------------ through the engine
