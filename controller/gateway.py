@@ -16,11 +16,13 @@
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic. An engine failing the task with a retryable status has it retried once on
   another capable engine, as a Generate failing before its first response (Relay.retries).
-- Abort: a request id (from either front end, or of a task) goes to the engine holding it;
-  one of the last requests that ended is ALREADY_FINISHED (as an engine answers), an id
-  never seen NOT_FOUND; `all_requests` ends the requests still being planned here and fans
-  out, as KV sessions do; every engine refusing alike is their status, UNAVAILABLE when no
-  engine could be reached.
+- Abort: a request id (from either front end, or of a task) goes to the engine holding it,
+  unless no engine can abort it now (being planned, or handed over by its prefill engine
+  before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
+  that ended is ALREADY_FINISHED (as an engine answers), an id never seen NOT_FOUND;
+  `all_requests` ends the requests no engine can abort here and fans out, as KV sessions
+  do; every engine refusing alike is their status, UNAVAILABLE when no engine could be
+  reached.
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
@@ -189,6 +191,22 @@ class _OpenEngineGenerate:
 
     def finished(self, response: pb.GenerateResponse) -> bool:
         return response.WhichOneof("event") == "finished"
+
+    def cancelled(
+        self, request: pb.GenerateRequest, handover: pb.GenerateResponse
+    ) -> list[pb.GenerateResponse]:
+        events = [
+            pb.GenerateResponse(
+                request_id=request.request_id,
+                finished=pb.GenerationFinished(
+                    output_index=index, reason=pb.FINISH_REASON_CANCELLED
+                ),
+            )
+            for index in range(self.num_outputs(request))
+        ]
+        if handover.HasField("usage"):  # seed: Usage rides on the final response
+            events[-1].usage.CopyFrom(handover.usage)
+        return events
 
     async def release(self, engine: str, session: pb.KvSessionRef) -> None:
         await self._fleet.stub(engine).Abort(pb.AbortRequest(kv_session=session))
@@ -446,11 +464,16 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             if not request.request_id:
                 await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
             address = self.relay.holding.get(request.request_id)
+            if self.relay.abort_unrouted(request.request_id):
+                # No engine can abort it now: its prefill engine finished its part (it would
+                # answer ALREADY_FINISHED), or no engine holds it yet.
+                message = (
+                    "aborted at the handoff to a decode engine"
+                    if request.request_id in self.relay.handed_over
+                    else "aborted before it was routed"
+                )
+                return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message=message)
             if address is None:
-                if self.relay.abort_unrouted(request.request_id):
-                    return pb.AbortResponse(
-                        status=pb.ABORT_STATUS_ABORTED, message="aborted before it was routed"
-                    )
                 if request.request_id in self.relay.finished:
                     return pb.AbortResponse(
                         status=pb.ABORT_STATUS_ALREADY_FINISHED, message="the request ended"

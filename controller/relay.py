@@ -17,7 +17,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
   request aborted before an engine took it (being planned, or its call not yet accepted)
-  ends here, CANCELLED;
+  ends here, CANCELLED, and one aborted at the handoff (its prefill engine handed it over,
+  no decode engine holds it yet) ends here as an aborted request ends on an engine, every
+  output finished CANCELLED, with no decode hop;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
 - an engine call that fails after its stream's terminal events were relayed (every output
@@ -193,6 +195,13 @@ class Handoff(Protocol[Request, Response_contra]):
         """The request for the decode engine."""
         ...
 
+    def cancelled(self, request: Request, handover: Response_contra) -> list[Any]:
+        """The terminal events of a request aborted at the handoff (after its prefill engine's
+        handoff event `handover`, before a decode engine took it), as an engine ends an
+        aborted request: every output finished CANCELLED, the last with the usage the
+        prefill reported."""
+        ...
+
 
 class _Stage(NamedTuple):
     """One engine hop of a request: how it counts in the metrics, and how it ends."""
@@ -262,8 +271,14 @@ class Relay:
         # Ids of requests an engine ran, once they ended (Abort: ALREADY_FINISHED).
         self.finished = RecentIds(FINISHED_MEMORY)
         # Ids aborted while still being planned, before any engine had them, or while their
-        # engine had not accepted them yet: they end here, CANCELLED.
+        # engine had not accepted them yet: they end here, CANCELLED. And ids aborted at the
+        # handoff, between their prefill and decode hops: they end here, each output
+        # finished CANCELLED (`Handoff.cancelled`).
         self.aborted_unrouted: set[str] = set()
+        # request id -> the prefill engine that handed it over (its handoff event came), until
+        # the request ends: that engine ran its part, so an Abort of the request is the
+        # gateway's to carry out while the decode hop has not started.
+        self.handed_over: dict[str, str] = {}
         # request id -> its engine call, from the call until the engine's first response, in
         # the hops nothing was relayed before (an Abort the engine cannot find yet ends it).
         self._unanswered: dict[str, EngineCall[Any]] = {}
@@ -282,11 +297,21 @@ class Relay:
         """The admitted request ended."""
         self.running.discard(request_id)
         self.aborted_unrouted.discard(request_id)
+        self.handed_over.pop(request_id, None)
+
+    def _between_engines(self, request_id: str) -> bool:
+        """Whether the admitted request is where no engine's Abort reaches it: being planned
+        (no engine holds it), between two attempts or hops, or handed over by its prefill
+        engine (whose request is finished) before its decode engine holds it."""
+        if request_id not in self.running:
+            return False
+        holder = self.holding.get(request_id)
+        return holder is None or self.handed_over.get(request_id) == holder
 
     def abort_unrouted(self, request_id: str) -> bool:
-        """Abort a request admitted here that no engine holds yet (it is being planned); False
-        when there is none. It ends before any engine is called."""
-        if request_id not in self.running or request_id in self.holding:
+        """Abort a request admitted here that no engine can abort now (`_between_engines`);
+        False when there is none. It ends before another engine is called."""
+        if not self._between_engines(request_id):
             return False
         self.aborted_unrouted.add(request_id)
         return True
@@ -307,7 +332,7 @@ class Relay:
         """`abort_unrouted` every admitted request that no engine holds now (Abort of every
         request, a drain aborting its requests: no engine's Abort can reach these); how many
         were not aborted already."""
-        unrouted = self.running - self.holding.keys() - self.aborted_unrouted
+        unrouted = {r for r in self.running if self._between_engines(r)} - self.aborted_unrouted
         self.aborted_unrouted |= unrouted
         return len(unrouted)
 
@@ -448,7 +473,9 @@ class Relay:
             prefilled_on = decision.engine_id
             return decision
 
+        request_id = plan.request.request_id
         session: Any = None
+        handover: Response | None = None  # the prefill engine's handoff event
         shown = ended = finished = False
         stream = self._attempts(
             surface,
@@ -463,7 +490,8 @@ class Relay:
             async for response in stream:
                 found = handoff.session(response)
                 if found is not None:
-                    session = found
+                    session, handover = found, response
+                    self.handed_over[request_id] = prefilled_on
                     continue
                 # Terminal: it ends the request (an aborted prefill ends finished, no handoff).
                 finished = handoff.finished(response)
@@ -474,6 +502,13 @@ class Relay:
                 yield response
         if session is not None:
             await self.report(prefilled_on, None)
+            if request_id in self.aborted_unrouted:  # aborted at the handoff: no decode hop
+                self._release_session(handoff, prefilled_on, session, request_id)
+                c.metrics.count_request("aborted")
+                assert handover is not None  # it carried the session
+                for event in handoff.cancelled(request, handover):
+                    yield event
+                return
         else:
             if finished:  # counted as any request that ended (aborted) on its engine
                 c.metrics.count_request("ok")
@@ -511,7 +546,7 @@ class Relay:
                     yield response
         finally:
             if not decoded:  # no decode engine took the session (or the client left)
-                self._release_session(handoff, prefilled_on, session, plan.request.request_id)
+                self._release_session(handoff, prefilled_on, session, request_id)
 
     def _release_session(
         self, handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
