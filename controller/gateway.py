@@ -291,6 +291,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             lora_name=request.lora_name,
             cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else "",
             session_key=request.metadata.get(key) if key else None,
+            bypass_prefix_cache=request.kv.bypass_prefix_cache,
         )
         stream = self.relay.generate(
             self._generate, request, query, context, handoff=self._generate
