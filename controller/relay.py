@@ -18,8 +18,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
   request aborted before an engine took it (being planned, or its call not yet accepted)
   ends here, CANCELLED, and one aborted at the handoff (its prefill engine handed it over,
-  no decode engine holds it yet) ends here as an aborted request ends on an engine, every
-  output finished CANCELLED, with no decode hop;
+  no decode engine holds or has accepted it yet) ends here as an aborted request ends on an
+  engine, every output finished CANCELLED, with no decode hop;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
 - an engine call that fails after its stream's terminal events were relayed (every output
@@ -279,8 +279,8 @@ class Relay:
         # the request ends: that engine ran its part, so an Abort of the request is the
         # gateway's to carry out while the decode hop has not started.
         self.handed_over: dict[str, str] = {}
-        # request id -> its engine call, from the call until the engine's first response, in
-        # the hops nothing was relayed before (an Abort the engine cannot find yet ends it).
+        # request id -> its engine call, from the call until the engine's first response (an
+        # Abort the engine cannot find yet ends it: abort_unaccepted).
         self._unanswered: dict[str, EngineCall[Any]] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[None]] = set()
@@ -319,8 +319,8 @@ class Relay:
     def abort_unaccepted(self, request_id: str, engine: str) -> bool:
         """Abort a request that `engine` holds for this gateway but has not accepted yet (its
         Abort answered NOT_FOUND: the call is on its way), nothing relayed: its call is
-        cancelled, so the engine frees it if it arrives, and it ends CANCELLED as one aborted
-        while being planned. False when it is not so (it answered, or moved on)."""
+        cancelled, so the engine frees it if it arrives, and it ends here (`_end_aborted`).
+        False when it is not so (it answered, or moved on)."""
         call = self._unanswered.get(request_id)
         if call is None or self.holding.get(request_id) != engine:
             return False
@@ -502,13 +502,6 @@ class Relay:
                 yield response
         if session is not None:
             await self.report(prefilled_on, None)
-            if request_id in self.aborted_unrouted:  # aborted at the handoff: no decode hop
-                self._release_session(handoff, prefilled_on, session, request_id)
-                c.metrics.count_request("aborted")
-                assert handover is not None  # it carried the session
-                for event in handoff.cancelled(request, handover):
-                    yield event
-                return
         else:
             if finished:  # counted as any request that ended (aborted) on its engine
                 c.metrics.count_request("ok")
@@ -538,12 +531,17 @@ class Relay:
                 carries_session=True,
             ),
         )
-        decoded = False
+        decoded = relayed = False
         try:
             async with aclosing(stream):
                 async for response in stream:
-                    decoded = surface.error(response) is None
+                    decoded, relayed = surface.error(response) is None, True
                     yield response
+            if not relayed and request_id in self.aborted_unrouted:
+                # Aborted at the handoff, before a decode engine took it (`_end_aborted`).
+                assert handover is not None  # it carried the session
+                for event in handoff.cancelled(request, handover):
+                    yield event
         finally:
             if not decoded:  # no decode engine took the session (or the client left)
                 self._release_session(handoff, prefilled_on, session, request_id)
@@ -590,6 +588,9 @@ class Relay:
         tried: set[str] = set()
         retry: _Retry | None = None
         while True:
+            if request_id in self.aborted_unrouted:  # between two engines (abort_unrouted)
+                await self._end_aborted(stage, context)
+                return
             try:
                 decision = route(frozenset(tried))
             except AllEnginesBusyError as exc:  # a new request only: nothing relayed yet
@@ -624,8 +625,7 @@ class Relay:
                     call = surface.call(engine, request)
                 except KeyError:  # it left the fleet after the request was planned
                     raise _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left") from None
-                if not stage.after_output:
-                    self._unanswered[request_id] = call
+                self._unanswered[request_id] = call
                 late: grpc.aio.AioRpcError | None = None  # a failure after the stream's end
                 try:
                     async for response in call:
@@ -674,10 +674,8 @@ class Relay:
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
                 if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
-                    c.metrics.count_request("aborted")
-                    await abort_with(
-                        context, grpc.StatusCode.CANCELLED, "aborted before its engine accepted it"
-                    )
+                    await self._end_aborted(stage, context)
+                    return
                 await self.report_failure(engine, cause)
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = _status(
@@ -717,6 +715,16 @@ class Relay:
         log.info("request %s: engine %s failed before the first response (%s); retrying "
                  "elsewhere", request_id, engine, cause.code().name)  # fmt: skip
         return True
+
+    async def _end_aborted(self, stage: _Stage, context: Context) -> None:
+        """End a hop whose request was aborted where no engine's Abort reached it
+        (`abort_unrouted`, `abort_unaccepted`), nothing relayed in it: CANCELLED, as a request
+        aborted while planned; a decode hop (it carries a KV session: the prefill engine
+        accepted the request) returns empty instead, for `_disaggregated` to end the request
+        as an engine ends an aborted one (`Handoff.cancelled`)."""
+        self.controller.metrics.count_request("aborted")
+        if not stage.carries_session:
+            await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before an engine took it")
 
     async def _shed(self, refusal: AllEnginesBusyError, context: Context) -> NoReturn:
         """Refuse a new request because every engine that could take it is busy (load

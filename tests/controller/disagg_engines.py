@@ -16,7 +16,8 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
   (else FAILED_PRECONDITION for none, NOT_FOUND for an unknown one: before acceptance); the
   "transfer" is the sim engine computing the prompt itself, then it decodes. With
   `accept_local_prefill` it also takes requests without a session and prefills them itself,
-  as engines that can prefill locally do.
+  as engines that can prefill locally do. `decode_gate` holds every request with a session
+  before acceptance (nothing answered, the session not attached) until it is set.
 
 Everything else (info with the role, model info, health, load, KV events) is the real sim
 engine's answer, so the controller indexes and polls them exactly as it does any engine.
@@ -74,6 +75,7 @@ class RoleServicer(Forwarding):
         self.prefilling: dict[str, asyncio.Event] = {}
         self.prefill_gate: asyncio.Event | None = None
         self.handover_gate: asyncio.Event | None = None
+        self.decode_gate: asyncio.Event | None = None
         # A broken prefill engine: its Generate ends at once, with no event at all.
         self.hands_nothing_over = False
 
@@ -91,7 +93,10 @@ class RoleServicer(Forwarding):
             return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED)
         aborted = self.prefilling.get(request.request_id)
         if aborted is None:
-            return await self.inner.Abort(request)
+            try:
+                return await self.inner.Abort(request)
+            except grpc.aio.AioRpcError as exc:  # the sim engine's refusal, as it answered
+                await context.abort(exc.code(), exc.details() or "")
         aborted.set()
         # The sim engine may not have the request yet (held at the gate).
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -114,6 +119,8 @@ class RoleServicer(Forwarding):
                 yield response
             return
         if has_session:
+            if self.decode_gate is not None:
+                await self.decode_gate.wait()
             session_id = request.kv.session.session_id
             if self.sessions.open.pop(session_id, None) is None or self.sessions.lost:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV session {session_id!r}")

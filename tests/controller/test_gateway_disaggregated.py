@@ -367,6 +367,38 @@ async def test_an_abort_at_the_handoff_ends_the_request_without_a_decode(target:
         await close_fleet(fleet)
 
 
+async def test_an_abort_before_the_decode_engine_accepted_ends_the_request_in_band() -> None:
+    """The decode engine has the call but has not accepted it (its Abort: NOT_FOUND), and the
+    client already has the prefill's prompt logprobs: the gateway cancels the call and ends
+    the stream as an engine ends an aborted request (a status would follow output, and the
+    Abort said NOT_FOUND), and releases the session."""
+    fleet, _, decode, sessions = await _fleet(1, 1)
+    try:
+        decode[0].servicer.decode_gate = asyncio.Event()  # never set: not accepted
+        request = generate_request("r", [*PREFIX, 1])
+        request.response.return_prompt_logprobs = True
+        running = asyncio.ensure_future(_generate(fleet, request))
+
+        def at_the_decode_engine() -> bool:
+            return ("r", True) in decode[0].servicer.generated
+
+        await eventually(at_the_decode_engine)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        events = await running
+        assert [r.WhichOneof("event") for r in events] == ["prompt", "finished"]
+        assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        assert events[-1].usage.prompt_tokens == len(PREFIX) + 1
+        assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 1
+
+        async def released() -> bool:
+            return sessions.open == {}
+
+        await eventually(released)
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_with_rejection_a_request_is_refused_while_every_prefill_engine_is_busy() -> None:
     """`router.reject_when_all_busy`: the only prefill engine holds a prefill the router sent
     (one queued request: busy here), so the next request is refused before either hop,
