@@ -396,8 +396,7 @@ class Relay:
             await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
         if query.request_id in self.aborted_unrouted:
             # Aborted while it was planned: no engine has seen it, so the gateway ends it.
-            c.metrics.count_request("aborted")
-            await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before it was routed")
+            await self._end_aborted(_WHOLE_REQUEST, context)
         if not disaggregated:
             stream = self._attempts(
                 surface,
