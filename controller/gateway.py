@@ -15,7 +15,7 @@
   holds it: the LoRA refusals of a Generate); none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic. An engine failing the task with a retryable status has it retried once on
-  another capable engine, as a Generate failing before its first response (Relay.retries).
+  another capable engine, as a Generate failing before its first response (Relay.retries_elsewhere).
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
   before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
@@ -327,7 +327,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         tried: set[str] = set()
         try:
             # A task is one unary call without side effects, nothing relayed before its reply:
-            # retried as a Generate that failed before its first response is (Relay.retries).
+            # retried as a Generate failing before its first response is
+            # (Relay.retries_elsewhere).
             while True:
                 tried.add(engine)
                 relay.holding[request_id] = engine
@@ -336,7 +337,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                     failure = engine_failure(caught, engine, fleet)
                     await relay.report_failure(engine, failure)
-                    if len(tried) > 1 or not relay.retries(request_id, engine, failure):
+                    if len(tried) > 1 or not relay.retries_elsewhere(request_id, engine, failure):
                         break
                     # Never shed (the request was admitted); with no other capable engine,
                     # the client gets this engine's failure.

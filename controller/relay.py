@@ -28,7 +28,7 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
   the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
   UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure
-  (`retries`: the policy, which the gateway's pooling tasks follow too);
+  (`retries_elsewhere`: the policy, which the gateway's pooling tasks follow too);
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
@@ -682,7 +682,11 @@ class Relay:
                         f"engine {engine} refused the KV session: {cause.code().name}: "
                         f"{cause.details()}",
                     )
-                if not relayed and retry is None and self.retries(request_id, engine, cause):
+                if (
+                    not relayed
+                    and retry is None
+                    and self.retries_elsewhere(request_id, engine, cause)
+                ):
                     retry = _Retry(cause.code().name, cause)
                     continue
                 c.metrics.count_request(_failure_outcome(cause.code()))
@@ -705,7 +709,7 @@ class Relay:
                     self.finished.add(request_id)
 
     @staticmethod
-    def retries(request_id: str, engine: str, cause: grpc.aio.AioRpcError) -> bool:
+    def retries_elsewhere(request_id: str, engine: str, cause: grpc.aio.AioRpcError) -> bool:
         """Whether a request that `engine` failed with `cause` before anything was relayed,
         on its first engine, goes to another one: the one retry, for a status in RETRYABLE
         (logged). Every front end asks here, Generate and the pooling tasks alike."""
