@@ -14,12 +14,15 @@
   GetModelInfo says it supports the task, holding the LoRA adapter the request names (none
   holds it: the LoRA refusals of a Generate); none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
-  no traffic.
-- Abort: a request id (from either front end, or of a task) goes to the engine holding it;
-  one of the last requests that ended is ALREADY_FINISHED (as an engine answers), an id
-  never seen NOT_FOUND; `all_requests` ends the requests still being planned here and fans
-  out, as KV sessions do; every engine refusing alike is their status, UNAVAILABLE when no
-  engine could be reached.
+  no traffic. An engine failing the task with a retryable status has it retried once on
+  another capable engine, as a Generate failing before its first response (Relay.retries_elsewhere).
+- Abort: a request id (from either front end, or of a task) goes to the engine holding it,
+  unless no engine can abort it now (being planned, or handed over by its prefill engine
+  before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
+  that ended is ALREADY_FINISHED (as an engine answers), an id never seen NOT_FOUND;
+  `all_requests` ends the requests no engine can abort here and fans out, as KV sessions
+  do; every engine refusing alike is their status, UNAVAILABLE when no engine could be
+  reached.
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
@@ -189,6 +192,22 @@ class _OpenEngineGenerate:
     def finished(self, response: pb.GenerateResponse) -> bool:
         return response.WhichOneof("event") == "finished"
 
+    def cancelled(
+        self, request: pb.GenerateRequest, handover: pb.GenerateResponse
+    ) -> list[pb.GenerateResponse]:
+        events = [
+            pb.GenerateResponse(
+                request_id=request.request_id,
+                finished=pb.GenerationFinished(
+                    output_index=index, reason=pb.FINISH_REASON_CANCELLED
+                ),
+            )
+            for index in range(self.num_outputs(request))
+        ]
+        if handover.HasField("usage"):  # seed: Usage rides on the final response
+            events[-1].usage.CopyFrom(handover.usage)
+        return events
+
     async def release(self, engine: str, session: pb.KvSessionRef) -> None:
         await self._fleet.stub(engine).Abort(pb.AbortRequest(kv_session=session))
 
@@ -272,6 +291,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             lora_name=request.lora_name,
             cache_salt=request.kv.cache_salt if request.kv.HasField("cache_salt") else "",
             session_key=request.metadata.get(key) if key else None,
+            bypass_prefix_cache=request.kv.bypass_prefix_cache,
         )
         stream = self.relay.generate(
             self._generate, request, query, context, handoff=self._generate
@@ -297,29 +317,55 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         if self.controller.draining:  # as a draining engine refuses a pooling task
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
-        record = await self._task_engine(task, task_context, context)
-        relay = self.relay
+        engine = (await self._task_engine(task, task_context, context)).address
+        relay, fleet = self.relay, self.controller.fleet
         request_id = task_context.request_id
         if not relay.admit(request_id):
             await abort_with(
                 context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
             )
-        relay.holding[request_id] = record.address
+        tried: set[str] = set()
         try:
-            reply = await call(self.controller.fleet.stub(record.address))
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-            failure = engine_failure(caught, record.address, self.controller.fleet)
-            await relay.report_failure(record.address, failure)
+            # A task is one unary call without side effects, nothing relayed before its reply:
+            # retried as a Generate failing before its first response is
+            # (Relay.retries_elsewhere).
+            while True:
+                tried.add(engine)
+                relay.holding[request_id] = engine
+                try:
+                    reply = await call(fleet.stub(engine))
+                except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+                    failure = engine_failure(caught, engine, fleet)
+                    await relay.report_failure(engine, failure)
+                    if len(tried) > 1 or not relay.retries_elsewhere(request_id, engine, failure):
+                        break
+                    # Never shed (the request was admitted); with no other capable engine,
+                    # the client gets this engine's failure.
+                    other = min(self._capable(task, task_context, tried), key=_queue_depth,
+                                default=None)  # fmt: skip
+                    if other is None:
+                        break
+                    self.controller.metrics.retries.inc()
+                    engine = other.address
+                    continue
+                await relay.report(engine, None)
+                return reply
             await abort_with(context, failure.code(), failure.details() or failure.code().name)
-        else:
-            await relay.report(record.address, None)
-            return reply
         finally:
             relay.holding.pop(request_id, None)
             # Its engine ran it: Abort of its id is ALREADY_FINISHED now, as the engine
             # answers (seed: task ids share generation's namespace and abort semantics).
             relay.finished.add(request_id)
             relay.release(request_id)
+
+    def _capable(
+        self, task: str, task_context: pb.TaskRequestContext, tried: set[str] | None = None
+    ) -> list[EngineRecord]:
+        """The routable engines serving the request's model that have `task` and hold its
+        LoRA adapter, but those in `tried`."""
+        registry = self.controller.fleet.registry
+        routable = registry.routable(task_context.model, lora_name=task_context.lora_name)
+        return [r for r in routable if _has_task(r, task) and r.address not in (tried or ())]
 
     async def _task_engine(
         self, task: str, task_context: pb.TaskRequestContext, context: Context
@@ -336,7 +382,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         c = self.controller
         registry = c.fleet.registry
         model, lora_name = task_context.model, task_context.lora_name
-        capable = [r for r in registry.routable(model, lora_name=lora_name) if _has_task(r, task)]
+        capable = self._capable(task, task_context)
         if capable:
             if c.sheds_load:
                 try:
@@ -420,11 +466,16 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             if not request.request_id:
                 await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
             address = self.relay.holding.get(request.request_id)
+            if self.relay.abort_unrouted(request.request_id):
+                # No engine can abort it now: its prefill engine finished its part (it would
+                # answer ALREADY_FINISHED), or no engine holds it yet.
+                message = (
+                    "aborted at the handoff to a decode engine"
+                    if request.request_id in self.relay.handed_over
+                    else "aborted before it was routed"
+                )
+                return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message=message)
             if address is None:
-                if self.relay.abort_unrouted(request.request_id):
-                    return pb.AbortResponse(
-                        status=pb.ABORT_STATUS_ABORTED, message="aborted before it was routed"
-                    )
                 if request.request_id in self.relay.finished:
                     return pb.AbortResponse(
                         status=pb.ABORT_STATUS_ALREADY_FINISHED, message="the request ended"

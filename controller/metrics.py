@@ -29,7 +29,8 @@ _SOURCE_COUNTERS = {
 
 # "invalid": refused for the request itself (a client error such as INVALID_ARGUMENT,
 # NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures; "aborted":
-# ended by an Abort before any engine was called; "internal": the controller failed to route;
+# ended by the gateway on an Abort, before any engine was called or at a disaggregated
+# request's handoff (before its decode engine was); "internal": the controller failed to route;
 # "overloaded": refused because every engine was busy (`router.reject_when_all_busy`).
 RequestOutcome = Literal[
     "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded"

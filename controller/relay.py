@@ -17,7 +17,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
   request aborted before an engine took it (being planned, or its call not yet accepted)
-  ends here, CANCELLED;
+  ends here, CANCELLED, and one aborted at the handoff (its prefill engine handed it over,
+  no decode engine holds or has accepted it yet) ends here as an aborted request ends on an
+  engine, every output finished CANCELLED, with no decode hop;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
 - an engine call that fails after its stream's terminal events were relayed (every output
@@ -25,7 +27,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 - retry once on another engine when the engine failed before anything was relayed (a status
   in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
   the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
-  UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure;
+  UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure
+  (`retries_elsewhere`: the policy, which the gateway's pooling tasks follow too);
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
@@ -192,6 +195,13 @@ class Handoff(Protocol[Request, Response_contra]):
         """The request for the decode engine."""
         ...
 
+    def cancelled(self, request: Request, handover: Response_contra) -> list[Any]:
+        """The terminal events of a request aborted at the handoff (after its prefill engine's
+        handoff event `handover`, before a decode engine took it), as an engine ends an
+        aborted request: every output finished CANCELLED, the last with the usage the
+        prefill reported."""
+        ...
+
 
 class _Stage(NamedTuple):
     """One engine hop of a request: how it counts in the metrics, and how it ends."""
@@ -261,10 +271,16 @@ class Relay:
         # Ids of requests an engine ran, once they ended (Abort: ALREADY_FINISHED).
         self.finished = RecentIds(FINISHED_MEMORY)
         # Ids aborted while still being planned, before any engine had them, or while their
-        # engine had not accepted them yet: they end here, CANCELLED.
+        # engine had not accepted them yet: they end here, CANCELLED. And ids aborted at the
+        # handoff, between their prefill and decode hops: they end here, each output
+        # finished CANCELLED (`Handoff.cancelled`).
         self.aborted_unrouted: set[str] = set()
-        # request id -> its engine call, from the call until the engine's first response, in
-        # the hops nothing was relayed before (an Abort the engine cannot find yet ends it).
+        # request id -> the prefill engine that handed it over (its handoff event came), until
+        # the request ends: that engine ran its part, so an Abort of the request is the
+        # gateway's to carry out while the decode hop has not started.
+        self.handed_over: dict[str, str] = {}
+        # request id -> its engine call, from the call until the engine's first response (an
+        # Abort the engine cannot find yet ends it: abort_unaccepted).
         self._unanswered: dict[str, EngineCall[Any]] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[None]] = set()
@@ -281,11 +297,21 @@ class Relay:
         """The admitted request ended."""
         self.running.discard(request_id)
         self.aborted_unrouted.discard(request_id)
+        self.handed_over.pop(request_id, None)
+
+    def _between_engines(self, request_id: str) -> bool:
+        """Whether the admitted request is where no engine's Abort reaches it: being planned
+        (no engine holds it), between two attempts or hops, or handed over by its prefill
+        engine (whose request is finished) before its decode engine holds it."""
+        if request_id not in self.running:
+            return False
+        holder = self.holding.get(request_id)
+        return holder is None or self.handed_over.get(request_id) == holder
 
     def abort_unrouted(self, request_id: str) -> bool:
-        """Abort a request admitted here that no engine holds yet (it is being planned); False
-        when there is none. It ends before any engine is called."""
-        if request_id not in self.running or request_id in self.holding:
+        """Abort a request admitted here that no engine can abort now (`_between_engines`);
+        False when there is none. It ends before another engine is called."""
+        if not self._between_engines(request_id):
             return False
         self.aborted_unrouted.add(request_id)
         return True
@@ -293,8 +319,8 @@ class Relay:
     def abort_unaccepted(self, request_id: str, engine: str) -> bool:
         """Abort a request that `engine` holds for this gateway but has not accepted yet (its
         Abort answered NOT_FOUND: the call is on its way), nothing relayed: its call is
-        cancelled, so the engine frees it if it arrives, and it ends CANCELLED as one aborted
-        while being planned. False when it is not so (it answered, or moved on)."""
+        cancelled, so the engine frees it if it arrives, and it ends here (`_end_aborted`).
+        False when it is not so (it answered, or moved on)."""
         call = self._unanswered.get(request_id)
         if call is None or self.holding.get(request_id) != engine:
             return False
@@ -306,7 +332,7 @@ class Relay:
         """`abort_unrouted` every admitted request that no engine holds now (Abort of every
         request, a drain aborting its requests: no engine's Abort can reach these); how many
         were not aborted already."""
-        unrouted = self.running - self.holding.keys() - self.aborted_unrouted
+        unrouted = {r for r in self.running if self._between_engines(r)} - self.aborted_unrouted
         self.aborted_unrouted |= unrouted
         return len(unrouted)
 
@@ -370,8 +396,7 @@ class Relay:
             await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
         if query.request_id in self.aborted_unrouted:
             # Aborted while it was planned: no engine has seen it, so the gateway ends it.
-            c.metrics.count_request("aborted")
-            await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before it was routed")
+            await self._end_aborted(_WHOLE_REQUEST, context)
         if not disaggregated:
             stream = self._attempts(
                 surface,
@@ -447,7 +472,9 @@ class Relay:
             prefilled_on = decision.engine_id
             return decision
 
+        request_id = plan.request.request_id
         session: Any = None
+        handover: Response | None = None  # the prefill engine's handoff event
         shown = ended = finished = False
         stream = self._attempts(
             surface,
@@ -462,7 +489,8 @@ class Relay:
             async for response in stream:
                 found = handoff.session(response)
                 if found is not None:
-                    session = found
+                    session, handover = found, response
+                    self.handed_over[request_id] = prefilled_on
                     continue
                 # Terminal: it ends the request (an aborted prefill ends finished, no handoff).
                 finished = handoff.finished(response)
@@ -502,15 +530,20 @@ class Relay:
                 carries_session=True,
             ),
         )
-        decoded = False
+        decoded = relayed = False
         try:
             async with aclosing(stream):
                 async for response in stream:
-                    decoded = surface.error(response) is None
+                    decoded, relayed = surface.error(response) is None, True
                     yield response
+            if not relayed and request_id in self.aborted_unrouted:
+                # Aborted at the handoff, before a decode engine took it (`_end_aborted`).
+                assert handover is not None  # it carried the session
+                for event in handoff.cancelled(request, handover):
+                    yield event
         finally:
             if not decoded:  # no decode engine took the session (or the client left)
-                self._release_session(handoff, prefilled_on, session, plan.request.request_id)
+                self._release_session(handoff, prefilled_on, session, request_id)
 
     def _release_session(
         self, handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
@@ -554,6 +587,9 @@ class Relay:
         tried: set[str] = set()
         retry: _Retry | None = None
         while True:
+            if request_id in self.aborted_unrouted:  # between two engines (abort_unrouted)
+                await self._end_aborted(stage, context)
+                return
             try:
                 decision = route(frozenset(tried))
             except AllEnginesBusyError as exc:  # a new request only: nothing relayed yet
@@ -588,8 +624,7 @@ class Relay:
                     call = surface.call(engine, request)
                 except KeyError:  # it left the fleet after the request was planned
                     raise _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left") from None
-                if not stage.after_output:
-                    self._unanswered[request_id] = call
+                self._unanswered[request_id] = call
                 late: grpc.aio.AioRpcError | None = None  # a failure after the stream's end
                 try:
                     async for response in call:
@@ -638,10 +673,8 @@ class Relay:
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
                 if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
-                    c.metrics.count_request("aborted")
-                    await abort_with(
-                        context, grpc.StatusCode.CANCELLED, "aborted before its engine accepted it"
-                    )
+                    await self._end_aborted(stage, context)
+                    return
                 await self.report_failure(engine, cause)
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = _status(
@@ -649,10 +682,11 @@ class Relay:
                         f"engine {engine} refused the KV session: {cause.code().name}: "
                         f"{cause.details()}",
                     )
-                if not relayed and retry is None and cause.code() in RETRYABLE:
-                    log.info("request %s: engine %s failed before the first response (%s); "
-                             "retrying elsewhere", request_id, engine,
-                             cause.code().name)  # fmt: skip
+                if (
+                    not relayed
+                    and retry is None
+                    and self.retries_elsewhere(request_id, engine, cause)
+                ):
                     retry = _Retry(cause.code().name, cause)
                     continue
                 c.metrics.count_request(_failure_outcome(cause.code()))
@@ -673,6 +707,27 @@ class Relay:
                 if self.holding.get(request_id) == engine:
                     del self.holding[request_id]
                     self.finished.add(request_id)
+
+    @staticmethod
+    def retries_elsewhere(request_id: str, engine: str, cause: grpc.aio.AioRpcError) -> bool:
+        """Whether a request that `engine` failed with `cause` before anything was relayed,
+        on its first engine, goes to another one: the one retry, for a status in RETRYABLE
+        (logged). Every front end asks here, Generate and the pooling tasks alike."""
+        if cause.code() not in RETRYABLE:
+            return False
+        log.info("request %s: engine %s failed before the first response (%s); retrying "
+                 "elsewhere", request_id, engine, cause.code().name)  # fmt: skip
+        return True
+
+    async def _end_aborted(self, stage: _Stage, context: Context) -> None:
+        """End a hop whose request was aborted where no engine's Abort reached it
+        (`abort_unrouted`, `abort_unaccepted`), nothing relayed in it: CANCELLED, as a request
+        aborted while planned; a decode hop (it carries a KV session: the prefill engine
+        accepted the request) returns empty instead, for `_disaggregated` to end the request
+        as an engine ends an aborted one (`Handoff.cancelled`)."""
+        self.controller.metrics.count_request("aborted")
+        if not stage.carries_session:
+            await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before an engine took it")
 
     async def _shed(self, refusal: AllEnginesBusyError, context: Context) -> NoReturn:
         """Refuse a new request because every engine that could take it is busy (load

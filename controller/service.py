@@ -59,6 +59,8 @@ class PromptInput(NamedTuple):
     # vllm.Generate's truncate_prompt_tokens: the engine keeps the last N prompt tokens (0: all),
     # so the router matches those, not the prompt as sent.
     truncate_prompt_tokens: int = 0
+    # `kv.bypass_prefix_cache`: the engine reads no cached prefix for it (RouteRequest.reads_cache).
+    bypass_prefix_cache: bool = False
 
 
 class Plan(NamedTuple):
@@ -176,7 +178,12 @@ class Controller:
         # No tokenizer: a rough size (4 characters a token) keeps the load terms meaningful.
         num_tokens = len(tokens) if tokens is not None else max(1, len(query.prompt or "") // 4)
         request = RouteRequest(
-            query.request_id, num_tokens, view.block_size, view.block_keys, query.session_key
+            query.request_id,
+            num_tokens,
+            view.block_size,
+            view.block_keys,
+            query.session_key,
+            reads_cache=not query.bypass_prefix_cache,
         )
         return Plan(request, view, tokenized, query.model, query.lora_name)
 

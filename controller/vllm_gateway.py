@@ -145,4 +145,5 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
             cache_salt=request.kv.cache_salt,
             session_key=session_key,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
+            bypass_prefix_cache=request.kv.bypass_prefix_cache,
         )

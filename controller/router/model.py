@@ -156,11 +156,17 @@ class RouteRequest(NamedTuple):
     block_size: int
     block_keys: tuple[int, ...] = ()
     session_key: str | None = None
+    # False: the engine will not read its prefix cache for it (OpenEngine
+    # `kv.bypass_prefix_cache`), though it stores the blocks it computes as for any prompt.
+    # Then no engine holds any of its prefix as far as routing goes: it is placed by load,
+    # with 0 cached tokens predicted, and still charges its engine with its blocks.
+    reads_cache: bool = True
 
     @property
     def max_cacheable_blocks(self) -> int:
-        """Full blocks that can be served from cache: at least one token is always computed."""
-        if self.num_prompt_tokens <= 0:
+        """Full blocks that can be served from cache: at least one token is always computed,
+        and none for a request that reads no cache."""
+        if self.num_prompt_tokens <= 0 or not self.reads_cache:
             return 0
         return min(len(self.block_keys), (self.num_prompt_tokens - 1) // self.block_size)
 

@@ -211,12 +211,20 @@ class Router:
         """Candidates with the router's own knowledge added: in-flight accounting, and (given
         the request) blocks it sent there that the index does not show yet (for policies that
         credit them) and how many of its blocks are active there (for policies that count
-        them)."""
+        them); for a request that reads no cache (`RouteRequest.reads_cache`), no engine
+        holds any of it."""
         if request is None:
             return [c._replace(inflight=self.inflight.of(c.engine_id)) for c in candidates]
         keys = request.block_keys
         credit = self.policy.credits_pending_prefixes
         count = self.inflight.count_blocks
+        if not request.reads_cache:
+            # It will reuse nothing an engine holds, indexed, pending or active: every policy
+            # sees a cold prompt (its blocks are still charged where it goes: `route`).
+            return [
+                c._replace(hit=PrefixHit(), inflight=self.inflight.of(c.engine_id))
+                for c in candidates
+            ]
         out = []
         for c in candidates:
             hit = c.hit

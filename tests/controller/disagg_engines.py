@@ -9,12 +9,15 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
   rides on it. A prefill aborted (Abort by request id) ends with finished(CANCELLED) and no
   PrefillReady; Abort(kv_session) frees a session it opened that no decode engine attached
   (any other engine: NOT_FOUND). `prefill_gate`
-  holds every prefill until it is set (a test's window to act mid-prefill).
+  holds every prefill until it is set (a test's window to act mid-prefill); `handover_gate`
+  holds the stream open after its PrefillReady until it is set (the request is finished on
+  the engine then: an Abort of it is ALREADY_FINISHED).
 - DECODE: needs `kv.session` naming a session a prefill engine opened and nobody attached yet
   (else FAILED_PRECONDITION for none, NOT_FOUND for an unknown one: before acceptance); the
   "transfer" is the sim engine computing the prompt itself, then it decodes. With
   `accept_local_prefill` it also takes requests without a session and prefills them itself,
-  as engines that can prefill locally do.
+  as engines that can prefill locally do. `decode_gate` holds every request with a session
+  before acceptance (nothing answered, the session not attached) until it is set.
 
 Everything else (info with the role, model info, health, load, KV events) is the real sim
 engine's answer, so the controller indexes and polls them exactly as it does any engine.
@@ -71,6 +74,8 @@ class RoleServicer(Forwarding):
         # request id -> set when it is aborted, for the prefills running here.
         self.prefilling: dict[str, asyncio.Event] = {}
         self.prefill_gate: asyncio.Event | None = None
+        self.handover_gate: asyncio.Event | None = None
+        self.decode_gate: asyncio.Event | None = None
         # A broken prefill engine: its Generate ends at once, with no event at all.
         self.hands_nothing_over = False
 
@@ -88,7 +93,10 @@ class RoleServicer(Forwarding):
             return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED)
         aborted = self.prefilling.get(request.request_id)
         if aborted is None:
-            return await self.inner.Abort(request)
+            try:
+                return await self.inner.Abort(request)
+            except grpc.aio.AioRpcError as exc:  # the sim engine's refusal, as it answered
+                await context.abort(exc.code(), exc.details() or "")
         aborted.set()
         # The sim engine may not have the request yet (held at the gate).
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -111,6 +119,8 @@ class RoleServicer(Forwarding):
                 yield response
             return
         if has_session:
+            if self.decode_gate is not None:
+                await self.decode_gate.wait()
             session_id = request.kv.session.session_id
             if self.sessions.open.pop(session_id, None) is None or self.sessions.lost:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV session {session_id!r}")
@@ -131,7 +141,7 @@ class RoleServicer(Forwarding):
             async for response in self._prefill_unless_aborted(request, aborted):
                 yield response
         finally:
-            del self.prefilling[request.request_id]
+            self.prefilling.pop(request.request_id, None)
 
     async def _prefill_unless_aborted(
         self, request: pb.GenerateRequest, aborted: asyncio.Event
@@ -169,6 +179,7 @@ class RoleServicer(Forwarding):
             self.sessions.on_open()
         usage.completion_tokens = 0
         usage.total_tokens = usage.prompt_tokens
+        del self.prefilling[request.request_id]  # handed over: its Abort is the sim engine's
         yield pb.GenerateResponse(
             request_id=request.request_id,
             prefill_ready=pb.PrefillReady(
@@ -180,6 +191,8 @@ class RoleServicer(Forwarding):
             ),
             usage=usage,
         )
+        if self.handover_gate is not None:
+            await self.handover_gate.wait()
 
 
 async def start_role_engine(

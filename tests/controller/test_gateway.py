@@ -86,6 +86,34 @@ async def test_shared_prefix_lands_where_it_lives(fleet: Fleet) -> None:
     assert metrics._cached_tokens_accuracy() == 1.0
 
 
+async def test_a_bypass_prefix_cache_request_is_not_routed_by_the_cache(fleet: Fleet) -> None:
+    """`kv.bypass_prefix_cache`: the engine reads no cached prefix for the request (seed), so
+    the router does not steer it to the engine holding its prefix ("cache") nor predict a
+    cached token, and the prediction accuracy counts no miss for it."""
+    await generate(fleet, generate_request("a", [*PREFIX, 1]))
+    await holder_of(fleet, PREFIX, 4)
+    metrics = fleet.app.controller.metrics
+
+    def by_cache() -> float:
+        return float(metrics.decisions.labels("kvplane", "cache")._value.get())
+
+    predicted_before, by_cache_before = metrics.predicted_cached_tokens._value.get(), by_cache()
+    for i in range(3):
+        request = generate_request(f"bypass{i}", [*PREFIX, 10 + i])
+        request.kv.bypass_prefix_cache = True
+        reply = await generate(fleet, request)
+        assert reply[-1].usage.cached_prompt_tokens == 0  # the engine read no cache
+    assert by_cache() == by_cache_before
+    assert metrics.predicted_cached_tokens._value.get() == predicted_before
+    assert metrics.cached_tokens_abs_error._value.get() == 0
+    assert metrics._cached_tokens_accuracy() == 1.0
+    # The same prompt reading the cache is served from it, as predicted (the bypass requests
+    # stored the prefix where they ran: any engine may hold it now).
+    reply = await generate(fleet, generate_request("cached", [*PREFIX, 20]))
+    assert reply[-1].usage.cached_prompt_tokens == 64
+    assert metrics.predicted_cached_tokens._value.get() == predicted_before + 64
+
+
 async def test_each_model_is_matched_in_its_own_block_size() -> None:
     """A fleet serving two models of different block sizes: a prompt is hashed in the block
     size of its model's engines. (It was hashed in the first engine's, whichever model that

@@ -313,6 +313,92 @@ async def test_an_abort_during_the_prefill_ends_the_request_once() -> None:
         await close_fleet(fleet)
 
 
+@pytest.mark.parametrize("target", ["request_id", "all_requests"])
+async def test_an_abort_at_the_handoff_ends_the_request_without_a_decode(target: str) -> None:
+    """Aborted once the prefill engine handed the request over (its PrefillReady came, its
+    stream still open): that engine finished its part and would answer ALREADY_FINISHED, so
+    the gateway ends the request itself. The Abort says ABORTED, no decode engine is called,
+    the client gets each output finished CANCELLED (the last with the prefill's Usage), as
+    an engine ends an aborted request, and the session is released."""
+    fleet, prefill, decode, sessions = await _fleet(1, 1)
+    try:
+        gate = prefill[0].servicer.handover_gate = asyncio.Event()
+        request = generate_request("r", [*PREFIX, 1])
+        request.sampling.num_sequences = 2
+        running = asyncio.ensure_future(_generate(fleet, request))
+        inflight = fleet.app.controller.router.inflight
+
+        def handed_over() -> bool:  # the gateway read its PrefillReady: the prefill is over
+            load = inflight.of(fleet.address(prefill[0]))
+            return load.requests == 1 and load.prefilling == 0
+
+        await eventually(handed_over)
+        # What the prefill engine itself answers now.
+        async with grpc.aio.insecure_channel(fleet.address(prefill[0])) as channel:
+            direct = pb_grpc.OpenEngineStub(channel)
+            itself = await direct.Abort(pb.AbortRequest(request_id="r"))
+        assert itself.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        abort = (
+            pb.AbortRequest(request_id="r")
+            if target == "request_id"
+            else pb.AbortRequest(all_requests=pb.AllRequests())
+        )
+        reply = await fleet.gateway.Abort(abort)
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        gate.set()
+        events = await running
+        assert [r.WhichOneof("event") for r in events] == ["finished", "finished"]
+        assert [r.finished.output_index for r in events] == [0, 1]
+        assert {r.finished.reason for r in events} == {pb.FINISH_REASON_CANCELLED}
+        assert not events[0].HasField("usage")
+        assert events[1].usage.prompt_tokens == len(PREFIX) + 1
+        assert events[1].usage.completion_tokens == 0
+        assert _calls(prefill + decode, "r") == [("p0", False)]
+        assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 1
+
+        async def released() -> bool:
+            return sessions.open == {}
+
+        await eventually(released)
+        again = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+        assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_abort_before_the_decode_engine_accepted_ends_the_request_in_band() -> None:
+    """The decode engine has the call but has not accepted it (its Abort: NOT_FOUND), and the
+    client already has the prefill's prompt logprobs: the gateway cancels the call and ends
+    the stream as an engine ends an aborted request (a status would follow output, and the
+    Abort said NOT_FOUND), and releases the session."""
+    fleet, _, decode, sessions = await _fleet(1, 1)
+    try:
+        decode[0].servicer.decode_gate = asyncio.Event()  # never set: not accepted
+        request = generate_request("r", [*PREFIX, 1])
+        request.response.return_prompt_logprobs = True
+        running = asyncio.ensure_future(_generate(fleet, request))
+
+        def at_the_decode_engine() -> bool:
+            return ("r", True) in decode[0].servicer.generated
+
+        await eventually(at_the_decode_engine)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        events = await running
+        assert [r.WhichOneof("event") for r in events] == ["prompt", "finished"]
+        assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        assert events[-1].usage.prompt_tokens == len(PREFIX) + 1
+        assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 1
+
+        async def released() -> bool:
+            return sessions.open == {}
+
+        await eventually(released)
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_with_rejection_a_request_is_refused_while_every_prefill_engine_is_busy() -> None:
     """`router.reject_when_all_busy`: the only prefill engine holds a prefill the router sent
     (one queued request: busy here), so the next request is refused before either hop,

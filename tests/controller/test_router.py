@@ -319,6 +319,26 @@ def test_pending_blocks_are_held_for_the_ttl_and_until_the_first_token() -> None
     assert view[0].hit.device_blocks == 0
 
 
+@pytest.mark.parametrize("name", ["kvplane", "dynamo_cost", "round_robin"])
+def test_a_request_that_reads_no_cache_sees_none_and_still_charges_its_blocks(name: str) -> None:
+    """`kv.bypass_prefix_cache`: an engine holding the whole prefix (indexed, and pending
+    from a request just routed) is no better than the others, and 0 cached tokens are
+    predicted; the blocks it computes are credited to its engine as any cold prompt's."""
+    router = Router(make_policy(name), pending_ttl_s=10.0)
+    rng = random.Random(0)
+    bypass = request("bypass", blocks=4)._replace(reads_cache=False)
+    decision = router.route(bypass, [cand("a", 4), cand("b")], rng, 0)
+    assert decision.predicted_cached_tokens == 0
+    assert decision.reason != Reason.CACHE
+    assert all(row.cached_tokens == row.host_cached_tokens == 0 for row in decision.costs)
+    view = router.with_inflight([cand("a", 4), cand("b")], bypass, 1.0)
+    assert [c.hit for c in view] == [PrefixHit(), PrefixHit()]
+    # Its own blocks: pending on its engine, for a prompt that reads the cache.
+    view = router.with_inflight([cand("a"), cand("b")], request("next", blocks=4), 1.0)
+    credited = {c.engine_id: c.hit.device_blocks for c in view}
+    assert credited[decision.engine_id] == (4 if router.policy.credits_pending_prefixes else 0)
+
+
 def test_a_burst_is_spread_before_any_poll() -> None:
     """The polled load says every engine is idle; the router's own accounting spreads a burst."""
     router = Router(make_policy("kvplane"))
