@@ -178,6 +178,34 @@ async def test_the_longest_printable_worker_names_are_taken(served_backend: Serv
     assert [(m.worker_id, m.worker_address) for m in prefix.matches] == [(worker_id, address)]
 
 
+async def test_revoke_and_clear_ignore_the_report_only_fields(
+    served_backend: ServedBackend,
+) -> None:
+    """component_masks, block_sizes and parent_block_hash are REPORT-only ("REVOKE/CLEAR ignore
+    it"), and a CLEAR's hashes are ignored: none of them is checked or counted against the
+    16,384-hash limit, whatever their length."""
+    stub = served_backend.stub
+    sized = _report(HBM, [1, 2, 3], component_masks=[1, 1, 1], block_sizes=[16, 16, 16])
+    await stub.ApplyExternalKvBatch(_batch(sized))
+    revoke = kv.ExternalKvAction(
+        type=REVOKE,
+        tier=HBM,
+        hashes=[2],
+        component_masks=[7, 7],
+        block_sizes=[4, 4, 4],
+        parent_block_hash=1,
+    )
+    clear = kv.ExternalKvAction(
+        type=CLEAR, tier=DRAM, hashes=range(16_384), component_masks=[1], block_sizes=[1, 2]
+    )
+    await stub.ApplyExternalKvBatch(_batch(revoke, clear, _report(DRAM, [9])))
+    match = await stub.MatchExternalKv(kv.MatchExternalKvRequest(hashes=[1, 2, 3, 9]))
+    assert [
+        (t.tier, list(t.hashes), list(t.component_masks), list(t.block_sizes))
+        for t in match.matches[0].hashes_by_tier
+    ] == [(HBM, [1, 3], [1, 1], [16, 16]), (DRAM, [9], [0], [0])]
+
+
 async def test_limits_are_inclusive_and_an_empty_batch_refreshes_the_address(
     served_backend: ServedBackend,
 ) -> None:
