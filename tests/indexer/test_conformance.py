@@ -6,6 +6,7 @@ Runs once per backend registered in backend_factories.FACTORIES (fixture `backen
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from indexer.backend import IndexBackend, PrefixResult, TierPlacements, WorkerPlacements
@@ -143,6 +144,36 @@ async def test_reapplying_a_batch_is_idempotent(backend: IndexBackend) -> None:
     assert (await backend.stats()).num_placements == 2
 
 
+async def test_readers_never_see_half_a_batch(backend: IndexBackend) -> None:
+    """A batch is atomic to readers: while batches move a chain between HBM and DRAM (REVOKE
+    then REPORT), concurrent prefix queries always find the whole chain, never the gap between
+    the two actions. (The in-process memory backend never yields, so only the served and
+    Redis backends interleave here.)"""
+    chain = list(range(100, 108))
+    await apply(backend, "w", report(HBM, chain))
+
+    async def move() -> None:
+        for i in range(40):
+            src, dst = (HBM, DRAM) if i % 2 == 0 else (DRAM, HBM)
+            await apply(backend, "w", revoke(src, chain), report(dst, chain))
+
+    async def read() -> list[int]:
+        return [await prefix_of(backend, "w", chain) for _ in range(40)]
+
+    _, *seen = await asyncio.gather(move(), read(), read(), read())
+    assert {n for answers in seen for n in answers} == {len(chain)}
+
+
+async def test_seq_is_observability_only(backend: IndexBackend) -> None:
+    """No deduplication or fencing: a batch with a lower seq than one applied before (an
+    engine restarted, a bridge resent) is applied all the same."""
+    await backend.apply(Batch("w", (report(HBM, [1, 2]),), "a", 10))
+    await backend.apply(Batch("w", (revoke(HBM, [2]),), "a", 3))
+    await backend.apply(Batch("w", (report(HBM, [3], parent=1),), "a", 3))
+    matched = await backend.match([1, 2, 3], False)
+    assert tiers_of(matched, "w")[HBM].hashes == (1, 3)
+
+
 # ---------------------------------------------------------------- MatchExternalKv and hits
 
 
@@ -219,10 +250,11 @@ async def test_prefix_output_order_and_exclusions(backend: IndexBackend) -> None
     await apply(backend, "c", report(HBM, [1, 2]))
     await apply(backend, "b", report(HBM, [1, 2, 3]))
     await apply(backend, "a", report(HBM, [1, 2]))
-    await apply(backend, "hidden", report(HBM, [1, 2, 3]), address="")
+    await apply(backend, "hidden", report(HBM, [1, 2, 3, 4]), address="")
     await apply(backend, "nothing", report(HBM, [2, 3]))
-    result = await backend.match_prefix([1, 2, 3], 0)
+    result = await backend.match_prefix([1, 2, 3, 4], 0)
     assert prefix_pairs(result) == [("b", 3), ("a", 2), ("c", 2)]
+    # The best is the first answer's: a longer prefix without an address is no answer.
     assert result.best_prefix_blocks == 3
     assert [m.worker_address for m in result.matches] == ["addr-b", "addr-a", "addr-c"]
 
@@ -321,6 +353,31 @@ async def test_swa_tier_mask_is_its_own(backend: IndexBackend) -> None:
     await apply(backend, "w", spec=spec)
     # SWA on DRAM does not count: the head run stops after block 0.
     assert await prefix_of(backend, "w", [1, 2, 3]) == 1
+
+
+async def test_mamba_tier_mask_is_its_own(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2], [1, 1]), report(DRAM, [2], [MAMBA]))
+    full_on_both = HBM_MASK | DRAM_MASK
+    spec = CacheSpec(components=FULL | MAMBA, full_tier_mask=full_on_both, mamba_tier_mask=HBM_MASK)
+    await apply(backend, "w", spec=spec)
+    assert await prefix_of(backend, "w", [1, 2]) == 0  # MAMBA on DRAM is not servable for it
+    spec = CacheSpec(components=FULL | MAMBA, full_tier_mask=HBM_MASK, mamba_tier_mask=DRAM_MASK)
+    await apply(backend, "w", spec=spec)
+    assert await prefix_of(backend, "w", [1, 2]) == 2  # FULL from HBM, MAMBA from DRAM
+
+
+async def test_spec_fields_of_absent_components_are_ignored(backend: IndexBackend) -> None:
+    """swa_window_tokens is "used only when SWA is present"; so are the SWA and MAMBA tier
+    masks for a worker whose cache holds neither: a FULL-only worker matches by FULL alone."""
+    spec = CacheSpec(
+        components=FULL,
+        swa_window_tokens=64,
+        full_tier_mask=HBM_MASK,
+        swa_tier_mask=SSD_MASK,
+        mamba_tier_mask=SSD_MASK,
+    )
+    await apply(backend, "w", report(HBM, [1, 2, 3], [1, 1, 1], [16] * 3), spec=spec)
+    assert await prefix_of(backend, "w", [1, 2, 3]) == 3
 
 
 # ---------------------------------------------------------------- kvplane extensions

@@ -549,12 +549,21 @@ async def test_match_tokens_takes_an_item_running_past_a_prompt_cut_short(served
     assert list(reply.block_keys) == block_keys([1] * 8, 4, mm_hashes=[None, ["img"]])
 
 
-async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend_name", ["memory", "redis"])
+async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(
+    tmp_path: Path, request: pytest.FixtureRequest, backend_name: str
+) -> None:
     """MatchExternalKvPrefix has no length cap in the seed: 1M hashes (8 MiB, twice gRPC's
-    default 4 MiB receive limit) are answered by `kvplane indexer serve`'s server."""
+    default 4 MiB receive limit) are answered by `kvplane indexer serve`'s server, on each
+    backend, with a held prefix longer than one batch may carry (16,384 hashes)."""
+    backend_url = "memory"
+    if backend_name == "redis":
+        redis_server = request.getfixturevalue("redis_server")
+        redis_server.flushall()
+        backend_url = redis_server.url
     port_file = tmp_path / "port"
     indexer = asyncio.create_task(
-        run_indexer(IndexerConfig(listen="127.0.0.1:0"), port_file=port_file)
+        run_indexer(IndexerConfig(listen="127.0.0.1:0", backend=backend_url), port_file=port_file)
     )
     try:
         async with asyncio.timeout(20):
@@ -563,16 +572,16 @@ async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(tmp_path: 
         target = f"127.0.0.1:{int(port_file.read_text())}"
         async with grpc.aio.insecure_channel(target) as channel:
             stub = kv_grpc.KVIndexerStub(channel)
-            report = kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[0, 1, 2])
-            await stub.ApplyExternalKvBatch(
-                kv.ApplyExternalKvBatchRequest(
-                    worker_id="w0", worker_address="a:1", actions=[report]
-                )
-            )
+            for start in (0, 16_384):
+                chain = range(start, start + 16_384)
+                report = _report(HBM, list(chain))
+                if start:
+                    report.parent_block_hash = start - 1
+                await stub.ApplyExternalKvBatch(_batch(report))
             query = kv.MatchExternalKvPrefixRequest(hashes=range(1_000_000))
             assert query.ByteSize() > 4 << 20
             reply = await stub.MatchExternalKvPrefix(query)
-            assert reply.best_prefix_blocks == 3
+            assert reply.best_prefix_blocks == 32_768
     finally:
         signal.raise_signal(signal.SIGTERM)  # the indexer's own graceful stop
         await asyncio.wait_for(indexer, 20)
