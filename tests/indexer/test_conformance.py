@@ -85,6 +85,10 @@ async def test_report_replaces_the_mask_and_keeps_known_sizes(backend: IndexBack
     assert hbm.hashes == (1, 2)
     assert hbm.component_masks == (1, 0)
     assert hbm.block_sizes == (16, 8)
+    # Empty masks replace too (every hash a legacy whole block); empty sizes keep them.
+    await apply(backend, "w", report(HBM, [1, 2]))
+    hbm = tiers_of(await backend.match([1, 2], False), "w")[HBM]
+    assert (hbm.component_masks, hbm.block_sizes) == ((0, 0), (16, 8))
 
 
 async def test_block_size_is_per_block_not_per_worker(backend: IndexBackend) -> None:
@@ -113,6 +117,22 @@ async def test_clear_removes_one_tier_of_one_worker(backend: IndexBackend) -> No
     assert list(tiers_of(matched, "w")) == [DRAM]
     assert list(tiers_of(matched, "v")) == [HBM]
     assert (await backend.stats()).num_placements == 2
+
+
+async def test_clear_forgets_the_blocks_it_leaves_without_placements(
+    backend: IndexBackend,
+) -> None:
+    """As after a REVOKE of the last placement: the hit counter and token count go with the
+    block, so a later REPORT starts it afresh; a block still held elsewhere keeps both."""
+    await apply(backend, "w", report(HBM, [1, 2], sizes=[16, 16]))
+    await apply(backend, "v", report(DRAM, [2]))
+    await backend.match([1, 2], True)
+    await apply(backend, "w", clear(HBM))
+    assert await backend.match([1], True) == []
+    assert await backend.hit_counts([1, 2]) == [(2, 1)]
+    await apply(backend, "x", report(SSD, [1, 2]))
+    assert await backend.hit_counts([1, 2]) == [(2, 1)]
+    assert tiers_of(await backend.match([1, 2], False), "x")[SSD].block_sizes == (0, 16)
 
 
 async def test_every_batch_overwrites_address_and_spec(backend: IndexBackend) -> None:
