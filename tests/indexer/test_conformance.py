@@ -256,6 +256,9 @@ async def test_legacy_worker_with_component_data_fails_closed(backend: IndexBack
     # Only blocks scanned count: a mask past the worker's first gap does not poison it.
     await apply(backend, "x", report(HBM, [1]), report(HBM, [3], masks=[1]))
     assert await prefix_of(backend, "x", [1, 2, 3]) == 1
+    # Nor does one past max_blocks: the scan ends there.
+    await apply(backend, "y", report(HBM, [1, 2]), report(HBM, [3], masks=[1]))
+    assert dict(prefix_pairs(await backend.match_prefix([1, 2, 3], 2)))["y"] == 2
 
 
 async def test_max_blocks_caps_the_prefix(backend: IndexBackend) -> None:
