@@ -347,6 +347,23 @@ async def test_fact_mamba_only_on_the_boundary_block(backend: IndexBackend) -> N
     assert await prefix_of(backend, "w", [1, 2]) == 0
 
 
+async def test_swa_and_mamba_both_gate_the_boundary(backend: IndexBackend) -> None:
+    """With both, a boundary needs MAMBA there and the SWA window (or head run) ending there:
+    block 0 (head run, MAMBA) and block 5 (window of 32 refilled by blocks 4-5, MAMBA)."""
+    spec = CacheSpec(
+        components=FULL | SWA | MAMBA,
+        swa_window_tokens=32,
+        full_tier_mask=HBM_MASK,
+        swa_tier_mask=HBM_MASK,
+        mamba_tier_mask=HBM_MASK,
+    )
+    all_three = FULL | SWA | MAMBA
+    masks = [all_three, FULL | SWA, FULL | SWA, FULL, all_three, all_three]
+    await apply(backend, "w", report(HBM, range(1, 7), masks, [16] * 6), spec=spec)
+    assert await prefix_of(backend, "w", range(1, 7)) == 6
+    assert await prefix_of(backend, "w", range(1, 6)) == 1
+
+
 async def test_fact_full_on_hbm_then_dram_is_contiguous(backend: IndexBackend) -> None:
     spec = CacheSpec(components=FULL, full_tier_mask=HBM_MASK | DRAM_MASK)
     await apply(

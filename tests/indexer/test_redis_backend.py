@@ -42,6 +42,7 @@ SPECS = (
     CacheSpec(1, 1, 0, 0b110, 0, 0),
     CacheSpec(0, 3, 32, 0b110, 0b010, 0),
     CacheSpec(1, 5, 0, 0b110, 0, 0b100),
+    CacheSpec(0, 7, 16, 0b010, 0b110, 0b100),
     CacheSpec(2, 1, 0, 0b110, 0, 0),
 )
 keys = st.integers(-3, 5).map(lambda k: k * 0x0101_0101_0101_0101)
