@@ -135,6 +135,22 @@ async def test_clear_forgets_the_blocks_it_leaves_without_placements(
     assert tiers_of(await backend.match([1, 2], False), "x")[SSD].block_sizes == (0, 16)
 
 
+async def test_prefixes_never_count_what_a_clear_or_a_removal_dropped(
+    backend: IndexBackend,
+) -> None:
+    """The worker still holds the first block, so it is scanned on: the later blocks it lost
+    to a CLEAR (or with its removal, before it came back) must not count for it."""
+    await apply(backend, "w", report(DRAM, [1]), report(HBM, [2, 3]))
+    await apply(backend, "w", clear(HBM))
+    assert await prefix_of(backend, "w", [1, 2, 3]) == 1
+    await apply(backend, "v", report(HBM, [1, 2, 3]))
+    await backend.remove_worker("v")
+    await apply(backend, "v", report(HBM, [1]))
+    assert await prefix_of(backend, "v", [1, 2, 3]) == 1
+    view = await backend.match_prefix_by_tier([1, 2, 3], 0)
+    assert [(m.worker_id, m.matched_blocks) for m in view] == [("v", 1), ("w", 1)]
+
+
 async def test_every_batch_overwrites_address_and_spec(backend: IndexBackend) -> None:
     await apply(backend, "w", report(HBM, [1, 2]))
     assert prefix_pairs(await backend.match_prefix([1, 2], 0)) == [("w", 2)]
@@ -256,6 +272,9 @@ async def test_legacy_worker_with_component_data_fails_closed(backend: IndexBack
     # Only blocks scanned count: a mask past the worker's first gap does not poison it.
     await apply(backend, "x", report(HBM, [1]), report(HBM, [3], masks=[1]))
     assert await prefix_of(backend, "x", [1, 2, 3]) == 1
+    # Any non-zero mask is component detail, bits this revision does not define included.
+    await apply(backend, "z", report(HBM, [1, 2], masks=[0, 1 << 8]))
+    assert await prefix_of(backend, "z", [1, 2]) == 0
     # Nor does one past max_blocks: the scan ends there.
     await apply(backend, "y", report(HBM, [1, 2]), report(HBM, [3], masks=[1]))
     assert dict(prefix_pairs(await backend.match_prefix([1, 2, 3], 2)))["y"] == 2
