@@ -309,6 +309,8 @@ async def test_invalid_specs_match_nothing(backend: IndexBackend) -> None:
     ]
     for i, spec in enumerate(invalid):
         await apply(backend, f"w{i}", report(HBM, [1, 2], masks=[3, 3], sizes=[4, 4]), spec=spec)
+        # Without component detail too: an invalid spec is not "no spec" (which would match).
+        await apply(backend, f"plain{i}", report(HBM, [1, 2]), spec=spec)
     await apply(
         backend,
         "ok",
@@ -559,6 +561,14 @@ async def test_snapshot_round_trip(backend: IndexBackend) -> None:
     one = [batch async for batch in backend.snapshot("v")]
     assert [b.worker_id for b in one] == ["v"]
     assert all(a.parent is None or a.parent == 5 for b in one for a in b.actions)
+    # A REPORT without parent_block_hash states a root: only block 1 has none.
+    roots = [
+        a.hashes[0]
+        async for b in backend.snapshot("w")
+        for a in b.actions
+        if a.parent is None and not a.copies
+    ]
+    assert roots == [1]
 
 
 async def test_prefixes_through_fragmented_placements(backend: IndexBackend) -> None:
