@@ -105,8 +105,12 @@ async def test_one_block_at_two_tiers_is_two_placements(backend: IndexBackend) -
 
 
 async def test_revoke_of_unknown_placement_is_a_no_op(backend: IndexBackend) -> None:
-    await apply(backend, "w", report(HBM, [1]), revoke(DRAM, [1]), revoke(HBM, [99]))
+    await apply(backend, "w", report(HBM, [1], sizes=[16]), revoke(DRAM, [1]), revoke(HBM, [99]))
+    await apply(backend, "v", revoke(HBM, [1]))  # another worker's placement is not v's
     assert (await backend.stats()).num_placements == 1
+    await backend.match([1], True)
+    assert tiers_of(await backend.match([1], False), "w")[HBM].block_sizes == (16,)
+    assert await backend.hit_counts([1]) == [(1, 1)]
 
 
 async def test_clear_removes_one_tier_of_one_worker(backend: IndexBackend) -> None:
