@@ -155,6 +155,13 @@ async def test_prefixes_never_count_what_a_clear_or_a_removal_dropped(
     assert [(m.worker_id, m.matched_blocks) for m in view] == [("v", 1), ("w", 1)]
 
 
+async def test_a_report_after_a_clear_in_one_batch_stays(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2]), clear(HBM), report(HBM, [2, 3]))
+    assert tiers_of(await backend.match([1, 2, 3], False), "w")[HBM].hashes == (2, 3)
+    assert (await backend.stats()).num_placements == 2
+    assert await prefix_of(backend, "w", [2, 3]) == 2
+
+
 async def test_every_batch_overwrites_address_and_spec(backend: IndexBackend) -> None:
     await apply(backend, "w", report(HBM, [1, 2]))
     assert prefix_pairs(await backend.match_prefix([1, 2], 0)) == [("w", 2)]
