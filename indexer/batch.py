@@ -61,7 +61,7 @@ class Action(NamedTuple):
     type: ActionType
     tier: Tier
     hashes: tuple[BlockKey, ...] = ()
-    # REPORT only; each empty or aligned with `hashes`.
+    # REPORT only (each empty or aligned with `hashes` there); ignored, unchecked, elsewhere.
     component_masks: tuple[int, ...] = ()
     block_sizes: tuple[int, ...] = ()
     # REPORT only: parent of hashes[0]; None = root.

@@ -72,6 +72,7 @@ from indexer.index import PrefixIndex
 from indexer.redis_client import (
     Client,
     IndexBackendError,
+    IndexFullError,
     IndexUnavailableError,
     RedisMisconfiguredError,
     RedisOptions,
@@ -82,6 +83,7 @@ from kvplane.errors import ConfigError, KvplaneError
 
 __all__ = [
     "IndexBackendError",
+    "IndexFullError",
     "IndexUnavailableError",
     "RedisBackend",
     "RedisMisconfiguredError",
@@ -116,6 +118,8 @@ _SERVABLE = (Tier.HBM, Tier.DRAM)
 # One kvp_apply call carries at most this much (bounded time inside Redis).
 MAX_GROUP_BATCHES = 64
 MAX_GROUP_HASHES = 65_536
+# kvp_apply's status for a batch whose worker name the partition cannot intern.
+_PARTITION_FULL = "KVP_WORKERS "
 # Refusals that pass: a replica being promoted, a slot moving, memory pressure, a busy script.
 _TRANSIENT = (OutOfMemoryError, ReadOnlyError, TryAgainError)
 _TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS", "OOM")
@@ -440,7 +444,7 @@ class RedisBackend:
                     if status is None:
                         done.set_result(None)
                     else:
-                        done.set_exception(IndexBackendError(f"batch of {b.worker_id}: {status}"))
+                        done.set_exception(_refused(b, status))
         finally:
             for _, done in [*group, *self._group]:
                 if not done.done():
@@ -786,6 +790,13 @@ class RedisBackend:
                 index.apply(Batch(name, chunk, address, cache_spec=codec.unpack_spec(spec)))
         for batch in list(index.snapshot(worker_id)):
             yield batch
+
+
+def _refused(batch: Batch, status: str) -> IndexBackendError:
+    """The error for a batch kvp_apply refused (nothing of it written), from its status."""
+    if status.startswith(_PARTITION_FULL):
+        return IndexFullError(f"batch of {batch.worker_id}: {status.removeprefix(_PARTITION_FULL)}")
+    return IndexBackendError(f"batch of {batch.worker_id}: {status}")
 
 
 def _take_group(

@@ -35,6 +35,12 @@ class IndexBackendError(KvplaneError):
     worker names in one partition); the batch is not buffered."""
 
 
+class IndexFullError(IndexBackendError):
+    """The partition cannot take the batch's worker: it has interned 65,535 worker names, the
+    most its records can address, and names are never freed. Nothing of the batch was
+    written; the client must not retry (RESOURCE_EXHAUSTED)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RedisOptions:
     """Options of `open_redis_backend` (the `redis:` block of the indexer config)."""

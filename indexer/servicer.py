@@ -31,6 +31,7 @@ from indexer.kv_wire import (
     token_matches_to_proto,
 )
 from indexer.multimodal import MultimodalItem, block_item_ids, block_items
+from indexer.redis_client import IndexFullError
 from indexer.sources.resync import Resyncable, UnknownEngineError, resync_engine
 from indexer.validation import (
     IndexRequestError,
@@ -70,6 +71,8 @@ def _status_of(exc: KvplaneError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, UnknownEngineError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, IndexFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED  # would fail again: not UNAVAILABLE
     return grpc.StatusCode.UNAVAILABLE  # a backend that cannot answer (e.g. Redis down)
 
 

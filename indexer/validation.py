@@ -28,7 +28,7 @@ _MIN_KEY, _MAX_KEY = -(1 << 63), (1 << 63) - 1  # sfixed64
 
 _ACTION_VALUES = frozenset(int(a) for a in ActionType)
 _TIER_VALUES = frozenset(int(t) for t in Tier)
-_CLEAR = int(ActionType.CLEAR_ALL_AT_TIER)
+_REPORT, _CLEAR = int(ActionType.REPORT), int(ActionType.CLEAR_ALL_AT_TIER)
 
 
 class ValidationKind(enum.Enum):
@@ -105,7 +105,12 @@ def validate_batch(batch: Batch) -> None:
         if tier not in _TIER_VALUES:
             validate_tier(tier)
         if kind == _CLEAR:
-            continue
+            continue  # its hashes, masks and sizes are ignored (the seed), so not checked
+        if kind != _REPORT:
+            # component_masks, block_sizes and parent_block_hash are REPORT-only: a REVOKE
+            # ignores them (the seed), so their lengths and values are no reason to refuse it.
+            masks = sizes = ()
+            _parent = None
         n = len(hashes)
         if not n or (masks and len(masks) != n) or (sizes and len(sizes) != n):
             # The first equal action is this one: an equal one before it would have failed.

@@ -6,6 +6,7 @@ Runs once per backend registered in backend_factories.FACTORIES (fixture `backen
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from indexer.backend import IndexBackend, PrefixResult, TierPlacements, WorkerPlacements
@@ -84,6 +85,10 @@ async def test_report_replaces_the_mask_and_keeps_known_sizes(backend: IndexBack
     assert hbm.hashes == (1, 2)
     assert hbm.component_masks == (1, 0)
     assert hbm.block_sizes == (16, 8)
+    # Empty masks replace too (every hash a legacy whole block); empty sizes keep them.
+    await apply(backend, "w", report(HBM, [1, 2]))
+    hbm = tiers_of(await backend.match([1, 2], False), "w")[HBM]
+    assert (hbm.component_masks, hbm.block_sizes) == ((0, 0), (16, 8))
 
 
 async def test_block_size_is_per_block_not_per_worker(backend: IndexBackend) -> None:
@@ -100,8 +105,12 @@ async def test_one_block_at_two_tiers_is_two_placements(backend: IndexBackend) -
 
 
 async def test_revoke_of_unknown_placement_is_a_no_op(backend: IndexBackend) -> None:
-    await apply(backend, "w", report(HBM, [1]), revoke(DRAM, [1]), revoke(HBM, [99]))
+    await apply(backend, "w", report(HBM, [1], sizes=[16]), revoke(DRAM, [1]), revoke(HBM, [99]))
+    await apply(backend, "v", revoke(HBM, [1]))  # another worker's placement is not v's
     assert (await backend.stats()).num_placements == 1
+    await backend.match([1], True)
+    assert tiers_of(await backend.match([1], False), "w")[HBM].block_sizes == (16,)
+    assert await backend.hit_counts([1]) == [(1, 1)]
 
 
 async def test_clear_removes_one_tier_of_one_worker(backend: IndexBackend) -> None:
@@ -112,6 +121,45 @@ async def test_clear_removes_one_tier_of_one_worker(backend: IndexBackend) -> No
     assert list(tiers_of(matched, "w")) == [DRAM]
     assert list(tiers_of(matched, "v")) == [HBM]
     assert (await backend.stats()).num_placements == 2
+
+
+async def test_clear_forgets_the_blocks_it_leaves_without_placements(
+    backend: IndexBackend,
+) -> None:
+    """As after a REVOKE of the last placement: the hit counter and token count go with the
+    block, so a later REPORT starts it afresh; a block still held elsewhere keeps both."""
+    await apply(backend, "w", report(HBM, [1, 2], sizes=[16, 16]))
+    await apply(backend, "v", report(DRAM, [2]))
+    await backend.match([1, 2], True)
+    await apply(backend, "w", clear(HBM))
+    assert await backend.match([1], True) == []
+    assert await backend.hit_counts([1, 2]) == [(2, 1)]
+    await apply(backend, "x", report(SSD, [1, 2]))
+    assert await backend.hit_counts([1, 2]) == [(2, 1)]
+    assert tiers_of(await backend.match([1, 2], False), "x")[SSD].block_sizes == (0, 16)
+
+
+async def test_prefixes_never_count_what_a_clear_or_a_removal_dropped(
+    backend: IndexBackend,
+) -> None:
+    """The worker still holds the first block, so it is scanned on: the later blocks it lost
+    to a CLEAR (or with its removal, before it came back) must not count for it."""
+    await apply(backend, "w", report(DRAM, [1]), report(HBM, [2, 3]))
+    await apply(backend, "w", clear(HBM))
+    assert await prefix_of(backend, "w", [1, 2, 3]) == 1
+    await apply(backend, "v", report(HBM, [1, 2, 3]))
+    await backend.remove_worker("v")
+    await apply(backend, "v", report(HBM, [1]))
+    assert await prefix_of(backend, "v", [1, 2, 3]) == 1
+    view = await backend.match_prefix_by_tier([1, 2, 3], 0)
+    assert [(m.worker_id, m.matched_blocks) for m in view] == [("v", 1), ("w", 1)]
+
+
+async def test_a_report_after_a_clear_in_one_batch_stays(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2]), clear(HBM), report(HBM, [2, 3]))
+    assert tiers_of(await backend.match([1, 2, 3], False), "w")[HBM].hashes == (2, 3)
+    assert (await backend.stats()).num_placements == 2
+    assert await prefix_of(backend, "w", [2, 3]) == 2
 
 
 async def test_every_batch_overwrites_address_and_spec(backend: IndexBackend) -> None:
@@ -141,6 +189,36 @@ async def test_reapplying_a_batch_is_idempotent(backend: IndexBackend) -> None:
     await backend.apply(batch)
     assert await backend.match([1, 2], False) == first
     assert (await backend.stats()).num_placements == 2
+
+
+async def test_readers_never_see_half_a_batch(backend: IndexBackend) -> None:
+    """A batch is atomic to readers: while batches move a chain between HBM and DRAM (REVOKE
+    then REPORT), concurrent prefix queries always find the whole chain, never the gap between
+    the two actions. (The in-process memory backend never yields, so only the served and
+    Redis backends interleave here.)"""
+    chain = list(range(100, 108))
+    await apply(backend, "w", report(HBM, chain))
+
+    async def move() -> None:
+        for i in range(40):
+            src, dst = (HBM, DRAM) if i % 2 == 0 else (DRAM, HBM)
+            await apply(backend, "w", revoke(src, chain), report(dst, chain))
+
+    async def read() -> list[int]:
+        return [await prefix_of(backend, "w", chain) for _ in range(40)]
+
+    _, *seen = await asyncio.gather(move(), read(), read(), read())
+    assert {n for answers in seen for n in answers} == {len(chain)}
+
+
+async def test_seq_is_observability_only(backend: IndexBackend) -> None:
+    """No deduplication or fencing: a batch with a lower seq than one applied before (an
+    engine restarted, a bridge resent) is applied all the same."""
+    await backend.apply(Batch("w", (report(HBM, [1, 2]),), "a", 10))
+    await backend.apply(Batch("w", (revoke(HBM, [2]),), "a", 3))
+    await backend.apply(Batch("w", (report(HBM, [3], parent=1),), "a", 3))
+    matched = await backend.match([1, 2, 3], False)
+    assert tiers_of(matched, "w")[HBM].hashes == (1, 3)
 
 
 # ---------------------------------------------------------------- MatchExternalKv and hits
@@ -205,6 +283,12 @@ async def test_legacy_worker_with_component_data_fails_closed(backend: IndexBack
     # Only blocks scanned count: a mask past the worker's first gap does not poison it.
     await apply(backend, "x", report(HBM, [1]), report(HBM, [3], masks=[1]))
     assert await prefix_of(backend, "x", [1, 2, 3]) == 1
+    # Any non-zero mask is component detail, bits this revision does not define included.
+    await apply(backend, "z", report(HBM, [1, 2], masks=[0, 1 << 8]))
+    assert await prefix_of(backend, "z", [1, 2]) == 0
+    # Nor does one past max_blocks: the scan ends there.
+    await apply(backend, "y", report(HBM, [1, 2]), report(HBM, [3], masks=[1]))
+    assert dict(prefix_pairs(await backend.match_prefix([1, 2, 3], 2)))["y"] == 2
 
 
 async def test_max_blocks_caps_the_prefix(backend: IndexBackend) -> None:
@@ -219,10 +303,11 @@ async def test_prefix_output_order_and_exclusions(backend: IndexBackend) -> None
     await apply(backend, "c", report(HBM, [1, 2]))
     await apply(backend, "b", report(HBM, [1, 2, 3]))
     await apply(backend, "a", report(HBM, [1, 2]))
-    await apply(backend, "hidden", report(HBM, [1, 2, 3]), address="")
+    await apply(backend, "hidden", report(HBM, [1, 2, 3, 4]), address="")
     await apply(backend, "nothing", report(HBM, [2, 3]))
-    result = await backend.match_prefix([1, 2, 3], 0)
+    result = await backend.match_prefix([1, 2, 3, 4], 0)
     assert prefix_pairs(result) == [("b", 3), ("a", 2), ("c", 2)]
+    # The best is the first answer's: a longer prefix without an address is no answer.
     assert result.best_prefix_blocks == 3
     assert [m.worker_address for m in result.matches] == ["addr-b", "addr-a", "addr-c"]
 
@@ -235,6 +320,8 @@ async def test_invalid_specs_match_nothing(backend: IndexBackend) -> None:
     ]
     for i, spec in enumerate(invalid):
         await apply(backend, f"w{i}", report(HBM, [1, 2], masks=[3, 3], sizes=[4, 4]), spec=spec)
+        # Without component detail too: an invalid spec is not "no spec" (which would match).
+        await apply(backend, f"plain{i}", report(HBM, [1, 2]), spec=spec)
     await apply(
         backend,
         "ok",
@@ -292,6 +379,23 @@ async def test_fact_mamba_only_on_the_boundary_block(backend: IndexBackend) -> N
     assert await prefix_of(backend, "w", [1, 2]) == 0
 
 
+async def test_swa_and_mamba_both_gate_the_boundary(backend: IndexBackend) -> None:
+    """With both, a boundary needs MAMBA there and the SWA window (or head run) ending there:
+    block 0 (head run, MAMBA) and block 5 (window of 32 refilled by blocks 4-5, MAMBA)."""
+    spec = CacheSpec(
+        components=FULL | SWA | MAMBA,
+        swa_window_tokens=32,
+        full_tier_mask=HBM_MASK,
+        swa_tier_mask=HBM_MASK,
+        mamba_tier_mask=HBM_MASK,
+    )
+    all_three = FULL | SWA | MAMBA
+    masks = [all_three, FULL | SWA, FULL | SWA, FULL, all_three, all_three]
+    await apply(backend, "w", report(HBM, range(1, 7), masks, [16] * 6), spec=spec)
+    assert await prefix_of(backend, "w", range(1, 7)) == 6
+    assert await prefix_of(backend, "w", range(1, 6)) == 1
+
+
 async def test_fact_full_on_hbm_then_dram_is_contiguous(backend: IndexBackend) -> None:
     spec = CacheSpec(components=FULL, full_tier_mask=HBM_MASK | DRAM_MASK)
     await apply(
@@ -321,6 +425,31 @@ async def test_swa_tier_mask_is_its_own(backend: IndexBackend) -> None:
     await apply(backend, "w", spec=spec)
     # SWA on DRAM does not count: the head run stops after block 0.
     assert await prefix_of(backend, "w", [1, 2, 3]) == 1
+
+
+async def test_mamba_tier_mask_is_its_own(backend: IndexBackend) -> None:
+    await apply(backend, "w", report(HBM, [1, 2], [1, 1]), report(DRAM, [2], [MAMBA]))
+    full_on_both = HBM_MASK | DRAM_MASK
+    spec = CacheSpec(components=FULL | MAMBA, full_tier_mask=full_on_both, mamba_tier_mask=HBM_MASK)
+    await apply(backend, "w", spec=spec)
+    assert await prefix_of(backend, "w", [1, 2]) == 0  # MAMBA on DRAM is not servable for it
+    spec = CacheSpec(components=FULL | MAMBA, full_tier_mask=HBM_MASK, mamba_tier_mask=DRAM_MASK)
+    await apply(backend, "w", spec=spec)
+    assert await prefix_of(backend, "w", [1, 2]) == 2  # FULL from HBM, MAMBA from DRAM
+
+
+async def test_spec_fields_of_absent_components_are_ignored(backend: IndexBackend) -> None:
+    """swa_window_tokens is "used only when SWA is present"; so are the SWA and MAMBA tier
+    masks for a worker whose cache holds neither: a FULL-only worker matches by FULL alone."""
+    spec = CacheSpec(
+        components=FULL,
+        swa_window_tokens=64,
+        full_tier_mask=HBM_MASK,
+        swa_tier_mask=SSD_MASK,
+        mamba_tier_mask=SSD_MASK,
+    )
+    await apply(backend, "w", report(HBM, [1, 2, 3], [1, 1, 1], [16] * 3), spec=spec)
+    assert await prefix_of(backend, "w", [1, 2, 3]) == 3
 
 
 # ---------------------------------------------------------------- kvplane extensions
@@ -443,6 +572,14 @@ async def test_snapshot_round_trip(backend: IndexBackend) -> None:
     one = [batch async for batch in backend.snapshot("v")]
     assert [b.worker_id for b in one] == ["v"]
     assert all(a.parent is None or a.parent == 5 for b in one for a in b.actions)
+    # A REPORT without parent_block_hash states a root: only block 1 has none.
+    roots = [
+        a.hashes[0]
+        async for b in backend.snapshot("w")
+        for a in b.actions
+        if a.parent is None and not a.copies
+    ]
+    assert roots == [1]
 
 
 async def test_prefixes_through_fragmented_placements(backend: IndexBackend) -> None:

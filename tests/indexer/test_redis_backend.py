@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_servers import RedisServer
+from served_backend import ServedBackend
 
 from indexer.backend import IndexBackend
 from indexer.batch import Action, ActionType, Batch, CacheSpec, Tier
@@ -41,6 +42,7 @@ SPECS = (
     CacheSpec(1, 1, 0, 0b110, 0, 0),
     CacheSpec(0, 3, 32, 0b110, 0b010, 0),
     CacheSpec(1, 5, 0, 0b110, 0, 0b100),
+    CacheSpec(0, 7, 16, 0b010, 0b110, 0b100),
     CacheSpec(2, 1, 0, 0b110, 0, 0),
 )
 keys = st.integers(-3, 5).map(lambda k: k * 0x0101_0101_0101_0101)
@@ -465,6 +467,31 @@ def _stored_batch(worker: str, key: int) -> Batch:
 
 async def _holders(backend: IndexBackend, key: int) -> list[str]:
     return [w.worker_id for w in await backend.match([key], False)]
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_the_partition_cannot_name_is_resource_exhausted(
+    redis_server: RedisServer,
+) -> None:
+    """A partition interns at most 65,535 worker names, and never frees one: the batch of one
+    more worker is refused whole over kv_indexer.v1 with RESOURCE_EXHAUSTED, a status a client
+    does not retry (a bridge retries UNAVAILABLE without end), while the others are served."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16)
+    served = await ServedBackend.serve(backend)
+    try:
+        await asyncio.gather(*(backend.apply(Batch(f"w{i}", (), "")) for i in range(65_534)))
+        await served.apply(_stored_batch("last", 1))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await served.apply(_stored_batch("one-more", 1))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.details() == (
+            "batch of one-more: more than 65535 worker names in one partition"
+        )
+        assert await _holders(served, 1) == ["last"]
+    finally:
+        await served.close()
+        await backend.close()
 
 
 @pytest.mark.timeout(60)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from served_backend import ServedBackend
 
 from indexer.backend import IndexStats, PrefixResult
 from indexer.batch import BlockKey, to_sfixed64
@@ -130,12 +131,12 @@ async def _code(call: object) -> grpc.StatusCode:
     ],
 )
 async def test_apply_validation_status_codes_and_nothing_changes(
-    served: Server, request_: kv.ApplyExternalKvBatchRequest, code: grpc.StatusCode
+    served_backend: ServedBackend, request_: kv.ApplyExternalKvBatchRequest, code: grpc.StatusCode
 ) -> None:
     # A valid action first: the whole batch must still be rejected atomically.
     request_.actions.insert(0, _report(HBM, [424242]))
-    assert await _code(served.kv.ApplyExternalKvBatch(request_)) == code
-    assert list(served.index.placements()) == []
+    assert await _code(served_backend.stub.ApplyExternalKvBatch(request_)) == code
+    assert (await served_backend.stats()).num_placements == 0
 
 
 @pytest.mark.parametrize(
@@ -157,39 +158,73 @@ async def test_apply_validation_status_codes_and_nothing_changes(
     ids=["long-id", "nul-id", "newline-id", "escape-id", "long-address", "nul-address"],
 )
 async def test_worker_names_are_bounded_printable_text(
-    served: Server, request_: kv.ApplyExternalKvBatchRequest, details: str
+    served_backend: ServedBackend, request_: kv.ApplyExternalKvBatchRequest, details: str
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await served.kv.ApplyExternalKvBatch(request_)
+        await served_backend.stub.ApplyExternalKvBatch(request_)
     assert info.value.code() == INVALID
     assert details in str(info.value.details())
-    assert list(served.index.placements()) == []
+    assert (await served_backend.stats()).num_placements == 0
 
 
-async def test_the_longest_printable_worker_names_are_taken(served: Server) -> None:
+async def test_the_longest_printable_worker_names_are_taken(served_backend: ServedBackend) -> None:
     worker_id, address = "wörker-" + "x" * 249, "[::1]:8000 zone a"
-    await served.kv.ApplyExternalKvBatch(
+    await served_backend.stub.ApplyExternalKvBatch(
         _batch(_report(HBM, [1]), worker_id=worker_id, address=address)
     )
-    prefix = await served.kv.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1]))
+    prefix = await served_backend.stub.MatchExternalKvPrefix(
+        kv.MatchExternalKvPrefixRequest(hashes=[1])
+    )
     assert [(m.worker_id, m.worker_address) for m in prefix.matches] == [(worker_id, address)]
 
 
-async def test_limits_are_inclusive_and_an_empty_batch_refreshes_the_address(
-    served: Server,
+async def test_revoke_and_clear_ignore_the_report_only_fields(
+    served_backend: ServedBackend,
 ) -> None:
-    await served.kv.ApplyExternalKvBatch(_batch(*[_report(HBM, [i + 1]) for i in range(256)]))
-    await served.kv.ApplyExternalKvBatch(_batch(_report(SSD, list(range(1, 16_385)))))
-    await served.kv.ApplyExternalKvBatch(_batch(address="b:2"))
-    prefix = await served.kv.MatchExternalKvPrefix(kv.MatchExternalKvPrefixRequest(hashes=[1]))
+    """component_masks, block_sizes and parent_block_hash are REPORT-only ("REVOKE/CLEAR ignore
+    it"), and a CLEAR's hashes are ignored: none of them is checked or counted against the
+    16,384-hash limit, whatever their length."""
+    stub = served_backend.stub
+    sized = _report(HBM, [1, 2, 3], component_masks=[1, 1, 1], block_sizes=[16, 16, 16])
+    await stub.ApplyExternalKvBatch(_batch(sized))
+    revoke = kv.ExternalKvAction(
+        type=REVOKE,
+        tier=HBM,
+        hashes=[2],
+        component_masks=[7, 7],
+        block_sizes=[4, 4, 4],
+        parent_block_hash=1,
+    )
+    clear = kv.ExternalKvAction(
+        type=CLEAR, tier=DRAM, hashes=range(16_384), component_masks=[1], block_sizes=[1, 2]
+    )
+    await stub.ApplyExternalKvBatch(_batch(revoke, clear, _report(DRAM, [9])))
+    match = await stub.MatchExternalKv(kv.MatchExternalKvRequest(hashes=[1, 2, 3, 9]))
+    assert [
+        (t.tier, list(t.hashes), list(t.component_masks), list(t.block_sizes))
+        for t in match.matches[0].hashes_by_tier
+    ] == [(HBM, [1, 3], [1, 1], [16, 16]), (DRAM, [9], [0], [0])]
+
+
+async def test_limits_are_inclusive_and_an_empty_batch_refreshes_the_address(
+    served_backend: ServedBackend,
+) -> None:
+    await served_backend.stub.ApplyExternalKvBatch(
+        _batch(*[_report(HBM, [i + 1]) for i in range(256)])
+    )
+    await served_backend.stub.ApplyExternalKvBatch(_batch(_report(SSD, list(range(1, 16_385)))))
+    await served_backend.stub.ApplyExternalKvBatch(_batch(address="b:2"))
+    prefix = await served_backend.stub.MatchExternalKvPrefix(
+        kv.MatchExternalKvPrefixRequest(hashes=[1])
+    )
     assert [m.worker_address for m in prefix.matches] == ["b:2"]
 
 
-async def test_match_and_hit_count_validation(served: Server) -> None:
-    for rpc in (served.kv.MatchExternalKv, served.kv.GetExternalKvHitCounts):
+async def test_match_and_hit_count_validation(served_backend: ServedBackend) -> None:
+    for rpc in (served_backend.stub.MatchExternalKv, served_backend.stub.GetExternalKvHitCounts):
         request_type = (
             kv.MatchExternalKvRequest
-            if rpc is served.kv.MatchExternalKv
+            if rpc is served_backend.stub.MatchExternalKv
             else kv.GetExternalKvHitCountsRequest
         )
         assert await _code(rpc(request_type(hashes=[]))) == INVALID  # type: ignore[operator]
@@ -197,20 +232,20 @@ async def test_match_and_hit_count_validation(served: Server) -> None:
         assert await _code(rpc(too_many)) == EXHAUSTED  # type: ignore[operator]
         await rpc(request_type(hashes=list(range(16_384))))  # type: ignore[operator]
     empty = kv.MatchExternalKvPrefixRequest(hashes=[])
-    assert await _code(served.kv.MatchExternalKvPrefix(empty)) == INVALID
+    assert await _code(served_backend.stub.MatchExternalKvPrefix(empty)) == INVALID
     # No length cap on prefix queries.
     long = kv.MatchExternalKvPrefixRequest(hashes=list(range(40_000)))
-    assert (await served.kv.MatchExternalKvPrefix(long)).best_prefix_blocks == 0
+    assert (await served_backend.stub.MatchExternalKvPrefix(long)).best_prefix_blocks == 0
 
 
-async def test_answers_are_byte_identical_to_the_seed_layout(served: Server) -> None:
-    await served.kv.ApplyExternalKvBatch(
+async def test_answers_are_byte_identical_to_the_seed_layout(served_backend: ServedBackend) -> None:
+    await served_backend.stub.ApplyExternalKvBatch(
         _batch(
             _report(DRAM, [-5, 6], component_masks=[1, 3], block_sizes=[16, 0]),
             _report(HBM, [6], parent_block_hash=-5),
         )
     )
-    match = await served.kv.MatchExternalKv(
+    match = await served_backend.stub.MatchExternalKv(
         kv.MatchExternalKvRequest(hashes=[6, -5, 6, 99], count_as_hit=True)
     )
     expected = kv.MatchExternalKvResponse(
@@ -228,15 +263,15 @@ async def test_answers_are_byte_identical_to_the_seed_layout(served: Server) -> 
         ]
     )
     assert match.SerializeToString() == expected.SerializeToString()
-    hits = await served.kv.GetExternalKvHitCounts(
+    hits = await served_backend.stub.GetExternalKvHitCounts(
         kv.GetExternalKvHitCountsRequest(hashes=[99, 6, -5, 6])
     )
     assert [(e.hash, e.hit_count_total) for e in hits.entries] == [(6, 1), (-5, 1)]
     # w0 has component masks but no spec: it fails closed (prefix 0) and is left out.
-    await served.kv.ApplyExternalKvBatch(
+    await served_backend.stub.ApplyExternalKvBatch(
         _batch(_report(SSD, [-5, 6, 7]), worker_id="w1", address="b:2")
     )
-    prefix = await served.kv.MatchExternalKvPrefix(
+    prefix = await served_backend.stub.MatchExternalKvPrefix(
         kv.MatchExternalKvPrefixRequest(hashes=[-5, 6, 7], max_blocks=2)
     )
     assert (
@@ -514,12 +549,21 @@ async def test_match_tokens_takes_an_item_running_past_a_prompt_cut_short(served
     assert list(reply.block_keys) == block_keys([1] * 8, 4, mm_hashes=[None, ["img"]])
 
 
-async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend_name", ["memory", "redis"])
+async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(
+    tmp_path: Path, request: pytest.FixtureRequest, backend_name: str
+) -> None:
     """MatchExternalKvPrefix has no length cap in the seed: 1M hashes (8 MiB, twice gRPC's
-    default 4 MiB receive limit) are answered by `kvplane indexer serve`'s server."""
+    default 4 MiB receive limit) are answered by `kvplane indexer serve`'s server, on each
+    backend, with a held prefix longer than one batch may carry (16,384 hashes)."""
+    backend_url = "memory"
+    if backend_name == "redis":
+        redis_server = request.getfixturevalue("redis_server")
+        redis_server.flushall()
+        backend_url = redis_server.url
     port_file = tmp_path / "port"
     indexer = asyncio.create_task(
-        run_indexer(IndexerConfig(listen="127.0.0.1:0"), port_file=port_file)
+        run_indexer(IndexerConfig(listen="127.0.0.1:0", backend=backend_url), port_file=port_file)
     )
     try:
         async with asyncio.timeout(20):
@@ -528,16 +572,16 @@ async def test_the_indexer_answers_a_prefix_query_of_a_million_hashes(tmp_path: 
         target = f"127.0.0.1:{int(port_file.read_text())}"
         async with grpc.aio.insecure_channel(target) as channel:
             stub = kv_grpc.KVIndexerStub(channel)
-            report = kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[0, 1, 2])
-            await stub.ApplyExternalKvBatch(
-                kv.ApplyExternalKvBatchRequest(
-                    worker_id="w0", worker_address="a:1", actions=[report]
-                )
-            )
+            for start in (0, 16_384):
+                chain = range(start, start + 16_384)
+                report = _report(HBM, list(chain))
+                if start:
+                    report.parent_block_hash = start - 1
+                await stub.ApplyExternalKvBatch(_batch(report))
             query = kv.MatchExternalKvPrefixRequest(hashes=range(1_000_000))
             assert query.ByteSize() > 4 << 20
             reply = await stub.MatchExternalKvPrefix(query)
-            assert reply.best_prefix_blocks == 3
+            assert reply.best_prefix_blocks == 32_768
     finally:
         signal.raise_signal(signal.SIGTERM)  # the indexer's own graceful stop
         await asyncio.wait_for(indexer, 20)
