@@ -61,6 +61,7 @@ from indexer.keys import block_keys
 from indexer.sources.openengine import (
     OpenEngineSource,
     OpenEngineSourceSettings,
+    advert_endpoint_problem,
     engine_worker_id,
     zmq_source_settings,
 )
@@ -756,8 +757,13 @@ class Fleet:
         # One worker per engine address: the first advertised ZMQ source (data-parallel
         # ranks beyond it are not followed; `kvplane indexer` follows every rank).
         for advert in reply.sources:
-            if advert.transport == "zmq":
-                settings = zmq_source_settings(advert, array_tail=array_tail)
-                return ZmqSource(settings, translator, self.index, on_batch_time=on_batch_time)
+            if advert.transport != "zmq":
+                continue
+            problem = advert_endpoint_problem(advert)
+            if problem is not None:  # e.g. 0.0.0.0: dialled, it reaches this machine
+                log.warning("engine %s: not following its ZMQ source: %s", engine.address, problem)
+                continue
+            settings = zmq_source_settings(advert, array_tail=array_tail)
+            return ZmqSource(settings, translator, self.index, on_batch_time=on_batch_time)
         log.warning("engine %s advertises no ZMQ KV-event source", engine.address)
         return None

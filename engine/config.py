@@ -27,7 +27,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel
+from kvplane.config import BIND_WILDCARD_HOSTS, ClientTlsConfig, ServerConfig, StrictModel
 from kvplane.errors import ConfigError
 
 SIM_MODEL = "sim"
@@ -64,11 +64,6 @@ class SimTimingConfig(StrictModel):
     eos_after: int | None = Field(default=None, gt=0)
 
 
-# Hosts that mean "every interface" when bound to: never advertised (the seed: an
-# endpoint_addr is a connectable host:port, never a bind wildcard such as * or 0.0.0.0).
-BIND_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
-
-
 class KvEventsConfig(StrictModel):
     """Where KV events go besides `SubscribeKvEvents` (always on)."""
 
@@ -76,7 +71,8 @@ class KvEventsConfig(StrictModel):
     buffer_steps: int = Field(default=10_000, gt=0)
     # The vLLM-compatible ZMQ PUB (+ replay ROUTER). Off by default.
     zmq_enabled: bool = False
-    # Bind addresses; port `*` picks a free port (the bound one is advertised).
+    # Bind addresses; port `*` picks a free port (the bound one is advertised). Data-parallel
+    # rank r binds port + r (an ipc/inproc name + `_dp<r>`), as vLLM does.
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = "tcp://*:5558"
     # None -> `kv@<advertised host:port>@<served model name>`, vLLM fleets' convention.

@@ -34,6 +34,12 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+# Hosts that mean "every interface" when bound to: never advertised, never dialled (the seed:
+# a KV event source's endpoint_addr is a connectable host:port, never a bind wildcard such as
+# * or 0.0.0.0).
+BIND_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
+
+
 def parse_host_port(value: str) -> tuple[str, int]:
     """Split "HOST:PORT" ("[::1]:50051" for IPv6); raises ValueError on anything else: a
     scheme or path, whitespace, an IPv6 address without brackets, a port that is not ASCII

@@ -33,7 +33,6 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from engine.config import (
-    BIND_WILDCARD_HOSTS,
     EngineConfig,
     EngineRoleName,
     RunnerName,
@@ -55,7 +54,7 @@ from engine.server.pooling_tasks import PoolingTasks
 from engine.server.runtime_events import RuntimeEventHub
 from engine.server.vllm_servicer import VllmGenerateServicer
 from engine.server.zmq_publisher import ZmqKvPublisher, routable_host_port
-from kvplane.config import parse_host_port
+from kvplane.config import BIND_WILDCARD_HOSTS, parse_host_port
 from kvplane.metrics import start_metrics_server
 from kvplane.server import create_server, publish_port, serve_until_signal
 from openengine.v1 import openengine_pb2 as pb

@@ -12,7 +12,9 @@ then the end marker `[b"", b"", ff*8, b""]`. Replies are the very bytes sent liv
 else on the replay socket is answered with just the end marker.
 
 Both sockets bind (this engine is the server). A `*` port picks a free one; `bound_endpoint`
-and `bound_replay_endpoint` hold the real addresses for `GetKvEventSources`.
+and `bound_replay_endpoint` hold the real addresses for `GetKvEventSources`. As vLLM's, data-
+parallel rank r binds the configured endpoints offset by r (`rank_endpoint`), so that every
+rank of one engine can share one configuration.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from engine.config import BIND_WILDCARD_HOSTS
 from engine.server.kv_event_log import KvEventBatchRecord
 from engine.server.kv_wire import encode_msgpack_batch
+from kvplane.config import BIND_WILDCARD_HOSTS
 from kvplane.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -57,8 +59,10 @@ class ZmqKvPublisher:
         the batch published as ZMQ seq 0."""
         self._first_seq = first_sequence_number
         self._dp_rank = data_parallel_rank
-        self._endpoint = endpoint
-        self._replay_endpoint = replay_endpoint
+        self._endpoint = rank_endpoint(endpoint, data_parallel_rank)
+        self._replay_endpoint = (
+            None if replay_endpoint is None else rank_endpoint(replay_endpoint, data_parallel_rank)
+        )
         self.topic = topic.encode()
         self._hwm = hwm
         self._sent: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_steps)
@@ -140,6 +144,17 @@ class ZmqKvPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+
+
+def rank_endpoint(endpoint: str, data_parallel_rank: int) -> str:
+    """Where data-parallel rank r binds `endpoint`, as vLLM's publisher does: a TCP port plus
+    r, `_dp<r>` after an ipc or inproc name. Rank 0, and a `*` port, bind it as it is."""
+    if data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        address, _, port = endpoint.rpartition(":")
+        return f"{address}:{int(port) + data_parallel_rank}" if port.isdigit() else endpoint
+    return f"{endpoint}_dp{data_parallel_rank}"
 
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:

@@ -61,12 +61,13 @@ from indexer.sources.zmq import (
 from indexer.translate import WorkerTranslator
 from indexer.zmq_decode import ArrayTail
 from kvplane.channels import INSECURE, ClientChannels
+from kvplane.config import BIND_WILDCARD_HOSTS, join_host_port
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-_MEDIA = {
+_MEDIA: dict[int, str | None] = {
     pb.STORAGE_MEDIUM_UNSPECIFIED: None,
     pb.STORAGE_MEDIUM_GPU: "GPU",
     pb.STORAGE_MEDIUM_CPU_PINNED: "CPU_PINNED",
@@ -74,6 +75,13 @@ _MEDIA = {
     pb.STORAGE_MEDIUM_EXTERNAL: "EXTERNAL",
 }
 _INT64_BYTES = 8
+
+
+def _medium(value: int) -> str | None:
+    """The engine's StorageMedium as the ZMQ wire names it. A value this build does not know
+    (a newer engine's) keeps a name of its own, so the translator skips and counts it as any
+    unknown medium: read as unspecified it would go to the nil medium's tier."""
+    return _MEDIA.get(value, f"STORAGE_MEDIUM_{value}")
 
 
 def decode_hash(value: pb.KvBlockHash) -> EngineHash:
@@ -107,7 +115,7 @@ def decode_event(event: pb.KvEvent) -> EngineEvent | None:
             ),
             token_ids=tuple(s.token_ids),
             block_size=s.block_size or None,
-            medium=_MEDIA.get(s.medium),
+            medium=_medium(s.medium),
             lora_name=s.lora_name or None,
             extra_keys=tuple(tuple(k.values) or None for k in s.extra_keys),
             group_idx=s.group_idx,
@@ -118,7 +126,7 @@ def decode_event(event: pb.KvEvent) -> EngineEvent | None:
         r = event.block_removed
         return BlockRemoved(
             block_hashes=tuple(decode_hash(h) for h in r.block_hashes),
-            medium=_MEDIA.get(r.medium),
+            medium=_medium(r.medium),
             group_idx=r.group_idx,
         )
     if kind == "all_blocks_cleared":
@@ -233,8 +241,11 @@ class OpenEngineSource:
                 continue  # resubscribe at once
             self.counters.num_restarts += 1
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):  # a resync request ends the wait
-                await asyncio.wait_for(self._wake.wait(), backoff)
+            # A resync request ends the wait. (Not `asyncio.wait_for`: on Python 3.11 it loses
+            # a cancellation that arrives as the request does.)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(backoff):
+                    await self._wake.wait()
             backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     def _log_discovery_failure(self, exc: grpc.aio.AioRpcError, backoff_s: float) -> None:
@@ -385,6 +396,15 @@ class OpenEngineSource:
                     continue
                 translator = WorkerTranslator(replace(self.translator.options, worker_id=worker_id))
                 translator.counters = self.translator.counters
+            problem = advert_endpoint_problem(advert)
+            if problem is not None:
+                log.warning(
+                    "openengine source %s: not following its ZMQ source %s: %s",
+                    self.settings.target,
+                    translator.options.worker_id,
+                    problem,
+                )
+                continue
             settings = zmq_source_settings(advert, array_tail=self.settings.array_tail)
             log.info(
                 "worker %s: SubscribeKvEvents unimplemented; following ZMQ %s (replay %s)",
@@ -415,11 +435,23 @@ def engine_worker_id(worker_id: str) -> str:
     return engine if separator and rank.isascii() and rank.isdigit() else worker_id
 
 
+def advert_endpoint_problem(advert: pb.KvEventSource) -> str | None:
+    """Why an advertised source's `endpoint_addr` cannot be dialled, or None. The seed makes it
+    a connectable host:port, never a bind wildcard: dialling `0.0.0.0` would reach whatever
+    listens on that port of this machine, not the engine, and `*` is no address at all."""
+    address = advert.endpoint_addr
+    if address.host.strip() in BIND_WILDCARD_HOSTS:
+        return f"endpoint_addr host {address.host!r} is a bind wildcard, not an address to dial"
+    if not 0 < address.port <= 65535:
+        return f"endpoint_addr port {address.port} is not a port to dial"
+    return None
+
+
 def zmq_source_settings(advert: pb.KvEventSource, *, array_tail: ArrayTail) -> ZmqSourceSettings:
     """How to follow one advertised ZMQ source (its replay endpoint may lack the scheme),
     reading its positional events' fields from index 7 on as `array_tail` says: the advert does
-    not say which engine's layout they follow."""
-    endpoint = f"tcp://{advert.endpoint_addr.host}:{advert.endpoint_addr.port}"
+    not say which engine's layout they follow. Check `advert_endpoint_problem` first."""
+    endpoint = "tcp://" + join_host_port(advert.endpoint_addr.host, advert.endpoint_addr.port)
     replay = advert.replay_endpoint or None
     if replay is not None and "://" not in replay:
         replay = f"tcp://{replay}"

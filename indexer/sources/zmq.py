@@ -204,8 +204,9 @@ class ZmqSource:
                 if self._resync_wanted.is_set():  # pending from before: no shortcut
                     await asyncio.sleep(backoff)
                 else:  # a resync request (the index is back) ends the wait early
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._resync_wanted.wait(), backoff)
+                    with contextlib.suppress(TimeoutError):  # (see `_replay` on wait_for)
+                        async with asyncio.timeout(backoff):
+                            await self._resync_wanted.wait()
                 backoff = min(backoff * 2, self.settings.backoff_max_s)
 
     async def _follow(self) -> None:
@@ -461,15 +462,14 @@ class ZmqSource:
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.settings.replay_endpoint)
-            # A DEALER with no connected peer blocks on send: bound that wait too.
-            await asyncio.wait_for(
-                dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")]),
-                self.settings.replay_timeout_s,
-            )
+            # A DEALER with no connected peer blocks on send: bound that wait too. (Not
+            # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
+            # reply does, and the cancelled source would then follow on forever.)
+            async with asyncio.timeout(self.settings.replay_timeout_s):
+                await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
             while True:
-                frames = await asyncio.wait_for(
-                    dealer.recv_multipart(), self.settings.replay_timeout_s
-                )
+                async with asyncio.timeout(self.settings.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
                 try:
                     reply = decode_replay_reply(frames)
                 except KvEventDecodeError as exc:

@@ -303,6 +303,44 @@ async def test_zmq_events_of_an_engine_without_get_kv_event_sources_are_none(
         await engine.close()
 
 
+class WildcardZmqEngine(RankedZmqEngine):
+    """A `RankedZmqEngine` that advertises its publisher at the bind wildcard 0.0.0.0, against
+    the seed (an endpoint_addr is a connectable host:port)."""
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetKvEventSourcesResponse:
+        response = await super().GetKvEventSources(request, context)
+        for source in response.sources:
+            source.endpoint_addr.host = "0.0.0.0"
+        return response
+
+
+async def test_zmq_events_advertised_at_a_bind_wildcard_are_not_followed(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dialling 0.0.0.0 would reach whatever publisher listens on that port of the
+    controller's own machine (here: the engine's, by chance), so the advert is refused with a
+    warning and the engine is routed without cache knowledge."""
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    engine = await start_fronted_engine(
+        "wildcard", lambda inner: WildcardZmqEngine(inner, [publisher])
+    )
+    try:
+        address = f"127.0.0.1:{engine.port}"
+        register = apb.RegisterEngineRequest(address=address, kv_events="zmq")
+        await fleet.admin.RegisterEngine(register)
+        await fleet.wait_routable(len(fleet.engines) + 1)
+        assert fleet.app.controller.fleet.source_of(address) is None
+        assert f"engine {address}: not following its ZMQ source" in caplog.text
+        assert "bind wildcard" in caplog.text
+    finally:
+        await engine.close()
+        await publisher.close()
+        context.term()
+
+
 class NamedZmqEngine(RankedZmqEngine):
     """A `RankedZmqEngine` with one rank that calls itself `engine_name` in GetEngineInfo (as
     a vLLM engine, whose KV events come from its one ZMQ publisher)."""

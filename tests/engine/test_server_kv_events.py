@@ -279,6 +279,7 @@ async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
             endpoint="tcp://*:*",
             replay_endpoint="tcp://*:*",
             advertised_host="127.0.0.1",
+            data_parallel_rank=3,
         ),
     )
     async with running_engine(config) as engine:
@@ -287,6 +288,7 @@ async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
         zmq_source = by_transport["zmq"]
         assert zmq_source.endpoint_addr.host == "127.0.0.1"  # never a bind wildcard
         assert zmq_source.encoding == "msgpack"
+        assert zmq_source.data_parallel_rank == 3
         assert zmq_source.topic == f"kv@127.0.0.1:{engine.app.port}@sim"
         assert zmq_source.replay_endpoint.startswith("tcp://127.0.0.1:")
         assert by_transport["grpc"].endpoint_addr.port == engine.app.port
@@ -320,7 +322,7 @@ async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
             topic, _seq, payload = live[-1]
             assert topic == zmq_source.topic.encode()
             _ts, events, rank = msgpack.unpackb(payload)
-            assert rank == 0 and events[0]["type"] == "BlockStored"
+            assert rank == 3 and events[0]["type"] == "BlockStored"
             assert list(events[0])[:2] == ["type", "block_hashes"]
 
             await dealer.send_multipart([b"", (0).to_bytes(8, "big")])

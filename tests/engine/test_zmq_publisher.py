@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,12 @@ import zmq.asyncio
 from engine.core.api import AllBlocksCleared, BlockKey, BlockRemoved, BlockStored, KvEvent, Medium
 from engine.server.kv_event_log import KvEventBatchRecord, KvEventLog
 from engine.server.kv_wire import encode_msgpack_batch
-from engine.server.zmq_publisher import END_OF_REPLAY_SEQ, ZmqKvPublisher, routable_host_port
+from engine.server.zmq_publisher import (
+    END_OF_REPLAY_SEQ,
+    ZmqKvPublisher,
+    rank_endpoint,
+    routable_host_port,
+)
 
 CAPTURE = (
     Path(__file__).resolve().parents[2].parent
@@ -160,8 +166,63 @@ async def test_live_sub_and_dealer_replay() -> None:
                 break
             got.append(int.from_bytes(frames[2], "big"))
         assert got == [start, start + 1]
+
+        # Any other request (newer vLLM's msgpack one) is answered with just the end marker,
+        # as vLLM 0.32 answers it, and the socket goes on serving.
+        newer = msgpack.packb({"publisher_epoch": 0, "start_seq": 0, "force_snapshot": False})
+        await dealer.send_multipart([b"", newer])
+        assert await dealer.poll(timeout=5000)
+        assert await dealer.recv_multipart() == [b"", b"", END_OF_REPLAY_SEQ, b""]
+        await dealer.send_multipart([b"", last_zmq_seq().to_bytes(8, "big")])
+        assert await dealer.poll(timeout=5000)
+        assert (await dealer.recv_multipart())[2] == last_zmq_seq().to_bytes(8, "big")
     finally:
         sub.close(linger=0)
         dealer.close(linger=0)
         ctx.term()
         await publisher.close()
+
+
+def _free_tcp_port() -> int:
+    # A plain socket: it releases the port when closed (a ZMQ socket's I/O thread does later).
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.timeout(30)
+async def test_a_data_parallel_rank_binds_vllms_offset_endpoints(tmp_path: Path) -> None:
+    """As vLLM's publisher, rank r binds the configured TCP port + r (so every rank of one
+    engine can share a configuration, the default `tcp://*:5557` included) and an ipc name
+    followed by `_dp<r>`; its batches name the rank."""
+    port = _free_tcp_port()
+    publisher = ZmqKvPublisher(
+        endpoint=f"tcp://127.0.0.1:{port - 2}",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        topic="kv@rank2",
+        hwm=1000,
+        buffer_steps=10,
+        first_sequence_number=1,
+        data_parallel_rank=2,
+    )
+    await publisher.start()
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        assert publisher.bound_endpoint == f"tcp://127.0.0.1:{port}"
+        assert publisher.bound_replay_endpoint == f"ipc://{tmp_path}/replay_dp2"
+        publisher.publish_batch(KvEventBatchRecord(1, 0, (AllBlocksCleared(),)))
+        dealer.connect(f"ipc://{tmp_path}/replay_dp2")
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert await dealer.poll(timeout=5000)
+        _empty, topic, seq, payload = await dealer.recv_multipart()
+        assert (topic, int.from_bytes(seq, "big")) == (b"kv@rank2", 0)
+        assert msgpack.unpackb(payload)[2] == 2
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+        await publisher.close()
+    # Rank 0 and a port ZMQ picks are bound as they are.
+    assert rank_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert rank_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
+    assert rank_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"

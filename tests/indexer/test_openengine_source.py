@@ -197,6 +197,21 @@ async def test_an_unexpected_sequence_number_clears_the_worker_before_applying()
     assert source.counters.num_gaps == 1
 
 
+async def test_a_storage_medium_this_build_does_not_know_is_skipped_not_taken_for_gpu() -> None:
+    """A newer engine's StorageMedium value (9 here) is an unknown medium: its store and its
+    removal are skipped and counted, as an unknown ZMQ medium is, never read as UNSPECIFIED
+    (which the indexer's sources put at HBM)."""
+    unknown = 9
+    removed_elsewhere = _removed(1)
+    removed_elsewhere.block_removed.medium = unknown  # type: ignore[assignment]
+    engine = ScriptedEngine(
+        [[_batch(1, _stored(1), _stored(2, medium=unknown), removed_elsewhere)]]
+    )
+    source, index, target = await _follow(engine, lambda source: source.last_seq == 1)
+    assert _keys(index, target) == {1: Tier.HBM}
+    assert source.translator.counters.num_skipped_medium == 2
+
+
 async def test_a_live_batch_after_a_gap_is_followed_by_a_snapshot_subscription() -> None:
     """Batch 3 never came (not a snapshot: no AllBlocksCleared first): the worker is cleared
     and batch 4 applied, never stale, then the source resubscribes from 0 with a snapshot,
@@ -350,6 +365,51 @@ async def test_follows_every_advertised_rank_as_a_worker_of_its_own() -> None:
     assert (rank0.replay_requests, rank1.replay_requests) == ([0], [0, 0])
     prefix = index.match_prefix([10, 11], 0)
     assert [(m.worker_id, m.worker_address) for m in prefix.matches] == [(f"{target}/dp0", target)]
+
+
+class AdvertisingEngine(pb_grpc.OpenEngineServicer):
+    """An engine without SubscribeKvEvents that advertises exactly `adverts`."""
+
+    def __init__(self, adverts: list[pb.KvEventSource]) -> None:
+        self.adverts = adverts
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: Any
+    ) -> pb.GetKvEventSourcesResponse:
+        return pb.GetKvEventSourcesResponse(sources=self.adverts)
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "*"])
+async def test_an_advertised_bind_wildcard_is_never_dialled(
+    wildcard: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The seed: an endpoint_addr is a connectable host:port, never a bind wildcard. Rank 0
+    advertises one (dialling 0.0.0.0 would reach whatever publisher listens on that port of
+    the indexer's own machine): it is refused with a warning, and rank 1 is followed."""
+    context = zmq.asyncio.Context()
+    local, rank1 = FakeKvPublisher(context), FakeKvPublisher(context)
+    local.start_replay()
+    rank1.start_replay()
+    misadvertised = _advert(local, 0)
+    misadvertised.endpoint_addr.host = wildcard
+    server, target = await _serve(AdvertisingEngine([misadvertised, _advert(rank1, 1)]))
+    index = PrefixIndex()
+    source = _source(target, index)
+    try:
+        async with running(source.run()):
+            await rank1.wait_subscribed()
+            await rank1.publish(_zmq_batch(0, 21))
+            (followed,) = source.zmq_sources
+            await followed.wait_until(lambda: followed.last_seq == 0, WAIT_S)
+    finally:
+        await server.stop(None)
+        await local.close()
+        await rank1.close()
+        context.destroy(linger=0)
+    assert followed.worker_id == f"{target}/dp1"
+    assert _keys(index, f"{target}/dp1") == {21: Tier.HBM}
+    refusals = [r.getMessage() for r in caplog.records if "bind wildcard" in r.getMessage()]
+    assert refusals and all(f"{target}/dp0" in message for message in refusals)
 
 
 async def test_against_a_real_sim_engine_subprocess(tmp_path: Path) -> None:

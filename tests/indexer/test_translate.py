@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 from hybrid_events import hybrid_payload
 from hypothesis import given, settings
@@ -23,6 +25,7 @@ from indexer.translate import (
     read_extra_keys,
     split_actions,
 )
+from indexer.vllm_hash import block_digests, digest_to_int
 from indexer.zmq_decode import decode_payload
 
 REPORT, REVOKE, CLEAR = ActionType.REPORT, ActionType.REVOKE, ActionType.CLEAR_ALL_AT_TIER
@@ -89,6 +92,52 @@ def test_hashes_are_normalised_to_sfixed64() -> None:
     events = [BlockStored(((1 << 64) - 1, 1 << 63, digest), medium="GPU")]
     (action,) = _actions(_translator().translate(events))
     assert action.hashes == (-1, -(1 << 63), -2)
+
+
+def _with_digest_hashes(events: list[dict[str, Any]], digests: dict[int, bytes]) -> list[object]:
+    """The capture's events as vLLM sends them with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0:
+    every block hash (and parent) the full 32-byte digest, recomputed from the tokens;
+    `digests` (published int -> digest) grows as BlockStored events chain."""
+    out: list[object] = []
+    for raw in events:
+        event = dict(raw)
+        if event["type"] == "BlockStored":
+            parent = event["parent_block_hash"]
+            extra = event["extra_keys"] or [None]
+            salt = extra[0][0] if parent is None and extra[0] else None
+            chained = None if parent is None else digests[parent]
+            computed = block_digests(
+                event["token_ids"], BLOCK_SIZE, parent=chained, cache_salt=salt
+            )
+            digests.update((digest_to_int(d), d) for d in computed)
+            event["parent_block_hash"] = chained
+        if "block_hashes" in event:
+            event["block_hashes"] = [digests[h] for h in event["block_hashes"]]
+        out.append(event)
+    return out
+
+
+def test_digest_hashes_index_the_same_keys_as_their_integer_form() -> None:
+    """WIRE.md: a raw 32-byte digest goes into the sfixed64 space as its last 8 bytes, an
+    unsigned integer as its two's complement; vLLM's integer is those same 8 bytes. The real
+    capture re-sent with digests gives the very same batches, in both key spaces."""
+    digests: dict[int, bytes] = {}
+    for mode in HashMode:
+        as_ints, as_digests = _translator(hash_mode=mode), _translator(hash_mode=mode)
+        for message in live_messages():
+            payload = msgpack.unpackb(message.frames[2], raw=False)
+            payload[1] = _with_digest_hashes(payload[1], digests)
+            int_batches = as_ints.translate(decode_payload(message.frames[2]).events)
+            digest_events = decode_payload(msgpack.packb(payload, use_bin_type=True)).events
+            assert not any(
+                isinstance(h, int)
+                for e in digest_events
+                if not isinstance(e, AllBlocksCleared)
+                for h in e.block_hashes
+            )
+            assert as_digests.translate(digest_events) == int_batches
+        assert as_digests.live_keys() == as_ints.live_keys()
+        assert as_digests.counters.num_unresolved == 0
 
 
 def test_the_same_hash_live_twice_is_revoked_with_its_last_copy() -> None:

@@ -511,3 +511,40 @@ async def test_a_hybrid_models_sliding_window_evictions_shorten_its_prefix_match
         (hbm,) = reply.matches[0].hashes_by_tier
         assert list(hbm.hashes) == [1, 2, 3, 4]  # still held, in full attention
         assert list(hbm.component_masks) == [3, 1, 1, 3]
+
+
+async def test_a_source_cancelled_while_its_replay_streams_in_stops(
+    context: zmq.asyncio.Context,
+) -> None:
+    """Cancelling a source (the indexer, bridge or controller shutting down) while it reads a
+    long replay must end it. While the replies are already queued on its DEALER, the source
+    is suspended only at the waits for the next reply, each with that reply in hand: a
+    cancellation arriving there must not be lost (`asyncio.wait_for` on Python 3.11 returns
+    the reply instead, and the source then follows the publisher on forever). The replies
+    here have a 7-byte seq frame, so each is counted as it is read: that shows when the
+    source is reading them."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    for n in range(3000):
+        publisher.buffer[n] = [TOPIC, n.to_bytes(7, "big"), b"\x90"]
+    publisher.start_replay()
+    source = _source(
+        publisher.endpoint,
+        context,
+        MemoryBackend(index),
+        replay=publisher.replay_endpoint,
+        replay_timeout_s=WAIT_S,
+        rebuild_at_start=True,
+    )
+    task = asyncio.ensure_future(source.run())
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while source.counters.num_bad_messages < 100:  # noqa: ASYNC110 - no event to await
+                await asyncio.sleep(0)
+        task.cancel()
+        # A source that lost the cancellation runs on: it is not done when the wait ends.
+        await asyncio.wait({task}, timeout=WAIT_S)
+        assert task.cancelled()
+    finally:
+        task.cancel()
+        await publisher.close()
