@@ -149,7 +149,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         try:
             # An engine answers STARTED at once; one that does not within a poll's timeout is
             # hung (stopped, wedged) and would hold the operator's drain forever.
-            event = await asyncio.wait_for(call.read(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                event = await call.read()
             started = True
             while isinstance(event, pb.DrainResponse):  # (grpc.aio.EOF ends the stream)
                 yield event

@@ -104,7 +104,8 @@ async def _gateway_overhead(
         finally:
             if relay_proc is not None and relay_proc.returncode is None:
                 relay_proc.terminate()
-                await asyncio.wait_for(relay_proc.wait(), 30)
+                async with asyncio.timeout(30):
+                    await relay_proc.wait()
             await fleet.stop()
     return {
         "engines": num_engines,

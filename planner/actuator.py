@@ -196,7 +196,8 @@ async def _terminate(process: asyncio.subprocess.Process) -> None:
     if process.returncode is None:
         process.terminate()
     try:
-        await asyncio.wait_for(process.wait(), _STOP_GRACE_S)
+        async with asyncio.timeout(_STOP_GRACE_S):
+            await process.wait()
     except TimeoutError:
         process.kill()
         await process.wait()

@@ -109,7 +109,8 @@ class LivePlanner:
         while not stop.is_set():
             await self.tick()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), tick_s)
+                async with asyncio.timeout(tick_s):
+                    await stop.wait()
 
     async def tick(self) -> list[Decision]:
         now_s = self._clock()

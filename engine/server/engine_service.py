@@ -492,7 +492,8 @@ class EngineService:
         except Exception as exc:  # the probe reports, it never raises
             return f"probe failed: {exc}"
         try:
-            tokens = await asyncio.wait_for(_count_probe_tokens(stream), timeout=timeout_s)
+            async with asyncio.timeout(timeout_s):
+                tokens = await _count_probe_tokens(stream)
         except TimeoutError:
             return f"no token within {timeout_s:.1f}s"
         except Exception as exc:
@@ -511,7 +512,8 @@ class EngineService:
         work = asyncio.wrap_future(self.engine_loop.call(lambda _core: pooler.pool([(0,)], params)))
         work.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
-            outputs = await asyncio.wait_for(asyncio.shield(work), timeout=timeout_s)
+            async with asyncio.timeout(timeout_s):
+                outputs = await asyncio.shield(work)
         except TimeoutError:
             return f"no pooled output within {timeout_s:.1f}s"
         except Exception as exc:  # the probe reports, it never raises
@@ -566,7 +568,8 @@ class EngineService:
                 wait_s = min(wait_s, max(deadline - now, 0.0))
             self._in_flight_changed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._in_flight_changed.wait(), timeout=wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._in_flight_changed.wait()
             if left() != last_reported or not self._in_flight_changed.is_set():
                 last_reported = left()
                 if any(last_reported):
@@ -592,7 +595,8 @@ class EngineService:
             # Cancelled requests end only once their streams are read; a client that stops
             # reading must not hold the shutdown hostage.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(drained(), timeout=grace_s + _CLOSE_SLACK_S)
+                async with asyncio.timeout(grace_s + _CLOSE_SLACK_S):
+                    await drained()
         if self.kv_sessions is not None:
             await self.kv_sessions.close()
         await asyncio.to_thread(self.engine_loop.stop, 10.0)

@@ -194,6 +194,7 @@ async def _show_until(fleet: Fleet, stop: asyncio.Event, live: bool) -> None:
     with Live(render_status(await collect_status(fleet)), console=console) as view:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), STATUS_INTERVAL_S)
+                async with asyncio.timeout(STATUS_INTERVAL_S):
+                    await stop.wait()
             await fleet.refresh()
             view.update(render_status(await collect_status(fleet)))

@@ -352,7 +352,8 @@ class Fleet:
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(process.wait(), self.config.stop_timeout_s)
+            async with asyncio.timeout(self.config.stop_timeout_s):
+                await process.wait()
         except TimeoutError:
             log.warning("%s did not stop in time; killing it", member.name)
             _kill_group(process)
