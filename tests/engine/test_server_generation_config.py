@@ -6,10 +6,11 @@ and a bad file stops the engine at start with one line naming it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
-import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,9 @@ from engine.torch_runner.generation_config import sampling_defaults
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import Engine, collect, running_engine
 from tests.engine.torch_reference import TEST_DEVICE, TINY_LLAMA
+from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as vllm
+from vllm_grpc import vllm_grpc_pb2_grpc as vllm_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -265,17 +268,16 @@ async def test_an_engine_with_a_bad_file_does_not_start_unless_told_to_ignore_it
         assert len(await _vllm(engine, seed=SEED)) == 20
 
 
-@pytest.mark.timeout(120)
+def _serve(model_dir: Path, *flags: str) -> list[str]:
+    serve = ["engine", "serve", "--model", str(model_dir), "--listen", "127.0.0.1:0", *flags]
+    return [sys.executable, "-m", "kvplane", *serve]
+
+
+@pytest.mark.timeout(180)
 def test_kvplane_engine_serve_says_what_is_wrong_with_the_file(tmp_path: Path) -> None:
     model_dir = _checkpoint(tmp_path, temperature=math.inf)
-    serve = ["engine", "serve", "--model", str(model_dir), "--listen", "127.0.0.1:0"]
     result = subprocess.run(
-        [sys.executable, "-m", "kvplane", *serve],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        timeout=100,
+        _serve(model_dir), cwd=REPO, capture_output=True, text=True, timeout=100
     )
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("kvplane: error:")]
@@ -285,3 +287,45 @@ def test_kvplane_engine_serve_says_what_is_wrong_with_the_file(tmp_path: Path) -
         "generation_config: none to ignore them)"
     ]
     assert "Traceback" not in result.stderr
+    # A --generation-config it does not know is a usage error.
+    bogus = subprocess.run(
+        _serve(model_dir, "--generation-config", "vllm"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert bogus.returncode == 2, bogus.stderr
+    assert "Invalid value for --generation-config: Input should be 'auto' or 'none'" in (
+        bogus.stderr
+    )
+
+
+@pytest.mark.timeout(180)
+async def test_kvplane_engine_serve_generation_config_none_serves_the_model(
+    tmp_path: Path,
+) -> None:
+    model_dir = _checkpoint(tmp_path, temperature=math.inf)
+    port_file = tmp_path / "port"
+    proc = await asyncio.create_subprocess_exec(
+        *_serve(model_dir, "--generation-config", "none", "--port-file", str(port_file)),
+        cwd=REPO,
+    )
+    try:
+        await eventually(
+            lambda: port_file.exists() or proc.returncode is not None, 100, "the engine to serve"
+        )
+        assert proc.returncode is None, "the engine exited"
+        port = int(port_file.read_text())
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = await vllm_grpc.GenerateStub(channel).Generate(
+                vllm.GenerateRequest(
+                    token_ids=vllm.TokenIds(ids=PROMPT),
+                    stopping=vllm.StoppingCriteria(ignore_eos=True),
+                )
+            )
+        assert reply.outputs.num_tokens == 20  # the proto's own default, not the file's
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
