@@ -43,6 +43,14 @@ def serve(
             "classifier without an LM head).",
         ),
     ] = None,
+    generation_config: Annotated[
+        str | None,
+        typer.Option(
+            "--generation-config",
+            help="auto (the model's generation_config.json gives the defaults of the sampling "
+            "options requests leave unset) or none (the engine's fixed defaults).",
+        ),
+    ] = None,
     instance_id: Annotated[
         str | None, typer.Option("--instance-id", help="This engine's id in EngineInfo/GetLoad.")
     ] = None,
@@ -64,6 +72,7 @@ def serve(
             "model": model,
             "role": role,
             "runner": runner,
+            "generation_config": generation_config,
             "instance_id": instance_id,
         },
     )

@@ -9,6 +9,8 @@ bytes into blocks from the model's shape; the sim runner needs blocks). KV event
 `SubscribeKvEvents`; the vLLM-compatible ZMQ publisher is optional. `kv_transfer` sets the
 KV sessions of PREFILL and DECODE engines (on an AGGREGATED engine it is refused, never
 ignored). `lora` serves PEFT LoRA adapters (off by default, as vLLM's `--enable-lora`).
+`generation_config` (vLLM's `--generation-config`): whether a model directory's
+generation_config.json gives the defaults of the sampling options requests leave unset.
 
 `runner` (vLLM's `--runner`): `generate` serves Generate and the pooling tasks, `pooling` only
 Embed/Classify/Score (no LM head needed, a one-block KV cache, the health probe pools instead
@@ -46,6 +48,14 @@ class RunnerName(enum.StrEnum):
     generate = "generate"  # Generate (and the pooling tasks the model supports)
     pooling = "pooling"  # Embed, Classify, Score only
     auto = "auto"  # pooling for a classifier without an LM head, else generate
+
+
+class GenerationConfigSource(enum.StrEnum):
+    """Where the defaults of the sampling options a request leaves unset come from: vLLM's
+    `--generation-config` (`auto`; its `vllm` is `none` here)."""
+
+    auto = "auto"  # the model directory's generation_config.json, where it sets them
+    none = "none"  # the engine's fixed defaults only
 
 
 class SimTimingConfig(StrictModel):
@@ -144,6 +154,11 @@ class EngineConfig(ServerConfig):
     served_model_aliases: list[str] = Field(default_factory=list)
     role: EngineRoleName = EngineRoleName.aggregated
     runner: RunnerName = RunnerName.auto
+    # `auto`: the sampling values of the model's generation_config.json (temperature, top_p,
+    # top_k, min_p, repetition_penalty, max_new_tokens) are the defaults of the options a
+    # request leaves unset, as vLLM's default `--generation-config auto`; `none`: the
+    # engine's fixed defaults. The sim and builtin models have none either way.
+    generation_config: GenerationConfigSource = GenerationConfigSource.auto
     # None -> a fresh id per process (`engine-<hex>`).
     instance_id: str | None = None
 

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 from engine.core.errors import InvalidRequestError
+
+_T = TypeVar("_T")
 
 BlockKey = int
 """kvplane's canonical chained key of one full block, signed 64-bit (`indexer.keys.block_keys`)."""
@@ -69,7 +71,8 @@ class LogprobRequest:
 class SamplingParams:
     """Sampling, stopping and returned-data options of one request.
 
-    Defaults are the engine defaults (an absent proto field maps to the default here).
+    Defaults are OpenEngine's fixed defaults; the front ends put a model's own
+    (`SamplingDefaults`) in place of them for the options a request leaves unset.
     `temperature == 0` means greedy. `max_tokens=None` means "until the context is full".
     `num_sequences` (n) independent outputs share the prompt; output i samples with seed
     `seed + i` when a seed is given.
@@ -145,6 +148,46 @@ class SamplingParams:
             self.logprobs.validate("output candidates")
         if self.prompt_logprobs is not None:
             self.prompt_logprobs.validate("prompt candidates")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """A model's own defaults for the sampling options a request leaves unset (its
+    `generation_config.json`, `engine.torch_runner.generation_config`). None: the model sets
+    none, and the front end's fixed default applies. `top_k` None also stands for the model's
+    "no top-k" (HF's 0): the same as every front end's fixed default."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+    def over(self, fixed: SamplingParams) -> SamplingParams:
+        """`fixed` (a front end's own defaults) with the values this model sets in their place:
+        what each unset field of a request takes."""
+        return replace(
+            fixed,
+            temperature=_first_set(self.temperature, fixed.temperature),
+            top_p=_first_set(self.top_p, fixed.top_p),
+            top_k=_first_set(self.top_k, fixed.top_k),
+            min_p=_first_set(self.min_p, fixed.min_p),
+            repetition_penalty=_first_set(self.repetition_penalty, fixed.repetition_penalty),
+            max_tokens=_first_set(self.max_tokens, fixed.max_tokens),
+        )
+
+    def describe(self) -> str:
+        """`temperature=0.6, top_p=0.9`: the values set, for logs and messages ("" for none)."""
+        return ", ".join(
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if getattr(self, f.name) is not None
+        )
+
+
+def _first_set(preferred: _T | None, fallback: _T) -> _T:
+    return fallback if preferred is None else preferred
 
 
 class GuideKind(Enum):

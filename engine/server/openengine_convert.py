@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.api import (
     Candidate,
@@ -23,6 +23,7 @@ from engine.core.api import (
     GuideKind,
     LogprobRequest,
     RequestOutput,
+    SamplingDefaults,
     SamplingParams,
     StopKind,
     StopMatch,
@@ -51,6 +52,12 @@ class EngineContext:
     role: pb.EngineRole.ValueType
     data_parallel_rank: int
     encode: Encode | None  # None: no tokenizer, text prompts are refused
+    # The model's values for the sampling options a request leaves unset (both front ends).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+
+
+# OpenEngine's own defaults of the options a request leaves absent, where the model sets none.
+OPENENGINE_DEFAULTS = SamplingParams()
 
 
 def _candidates(selection: pb.CandidateTokenSelection) -> LogprobRequest:
@@ -77,15 +84,27 @@ def _logprob_request(
     return _candidates(selection) if has_selection else LogprobRequest()
 
 
-def _sampling(request: pb.GenerateRequest) -> SamplingParams:
+def _sampling(request: pb.GenerateRequest, defaults: SamplingDefaults) -> SamplingParams:
+    """The request's options; an absent one takes the model's default, else OpenEngine's
+    (the seed: absent means the engine's default, an explicit zero or false is a value)."""
     s, stop, resp = request.sampling, request.stopping, request.response
+    default = defaults.over(OPENENGINE_DEFAULTS)
     stop_texts = tuple(c.stop_text for c in stop.conditions if c.HasField("stop_text"))
     stop_ids = tuple(c.stop_token_id for c in stop.conditions if c.HasField("stop_token_id"))
     if any(c.WhichOneof("condition") is None for c in stop.conditions):
         raise InvalidRequestError("a stop condition sets neither stop_text nor stop_token_id")
-    top_k: int | None = s.top_k if s.HasField("top_k") else None
-    if top_k is not None and top_k in (0, -1):
-        top_k = None  # the engines' spelling of "no top-k"
+    top_k = default.top_k
+    if s.HasField("top_k"):
+        # 0 and -1 are the engines' spelling of "no top-k": explicit, so over the model's.
+        top_k = None if s.top_k in (0, -1) else s.top_k
+    max_tokens = stop.max_tokens if stop.HasField("max_tokens") else default.max_tokens
+    min_tokens = stop.min_tokens if stop.HasField("min_tokens") else default.min_tokens
+    if not stop.HasField("max_tokens") and max_tokens is not None and min_tokens > max_tokens:
+        # The core's message would name a max_tokens the client never set.
+        raise InvalidRequestError(
+            f"min_tokens {min_tokens} exceeds the model's default max_tokens {max_tokens} "
+            "(max_new_tokens in its generation_config.json): set max_tokens"
+        )
     prompt_lp = _logprob_request(
         resp.return_prompt_logprobs, resp.HasField("prompt_candidates"), resp.prompt_candidates
     )
@@ -93,17 +112,23 @@ def _sampling(request: pb.GenerateRequest) -> SamplingParams:
         resp.return_output_logprobs, resp.HasField("output_candidates"), resp.output_candidates
     )
     params = SamplingParams(
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        temperature=s.temperature if s.HasField("temperature") else default.temperature,
+        top_p=s.top_p if s.HasField("top_p") else default.top_p,
         top_k=top_k,
-        min_p=s.min_p if s.HasField("min_p") else 0.0,
-        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
-        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        seed=s.seed if s.HasField("seed") else None,
-        num_sequences=s.num_sequences if s.HasField("num_sequences") else 1,
-        max_tokens=stop.max_tokens if stop.HasField("max_tokens") else None,
-        min_tokens=stop.min_tokens if stop.HasField("min_tokens") else 0,
+        min_p=s.min_p if s.HasField("min_p") else default.min_p,
+        frequency_penalty=s.frequency_penalty
+        if s.HasField("frequency_penalty")
+        else default.frequency_penalty,
+        presence_penalty=s.presence_penalty
+        if s.HasField("presence_penalty")
+        else default.presence_penalty,
+        repetition_penalty=s.repetition_penalty
+        if s.HasField("repetition_penalty")
+        else default.repetition_penalty,
+        seed=s.seed if s.HasField("seed") else default.seed,
+        num_sequences=s.num_sequences if s.HasField("num_sequences") else default.num_sequences,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
         stop=stop_texts,
         stop_token_ids=stop_ids,
         ignore_eos=stop.ignore_eos,
@@ -184,7 +209,7 @@ def engine_request_from_proto(request: pb.GenerateRequest, ctx: EngineContext) -
             f"kv.data_parallel_rank {kv.data_parallel_rank} is not served here "
             f"(rank {ctx.data_parallel_rank})"
         )
-    sampling = _sampling(request)
+    sampling = _sampling(request, ctx.sampling_defaults)
     if sampling.prompt_logprob_start >= len(prompt) and sampling.prompt_logprobs is not None:
         raise InvalidRequestError("prompt_logprob_start is past the end of the prompt")
     engine_request = EngineRequest(

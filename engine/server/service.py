@@ -25,7 +25,7 @@ import logging
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +35,11 @@ from prometheus_client import CollectorRegistry
 from engine.config import (
     EngineConfig,
     EngineRoleName,
+    GenerationConfigSource,
     RunnerName,
     check_model_source,
 )
-from engine.core.api import ModelRunner, SchedulerConfig, StepReport
+from engine.core.api import ModelRunner, SamplingDefaults, SchedulerConfig, StepReport
 from engine.core.engine_core import EngineCore, EngineLoop
 from engine.core.pooling import Pooler
 from engine.server.engine_service import EngineService
@@ -80,6 +81,8 @@ class _Model:
     vocab_size: int
     pooler: Pooler | None = None  # Embed/Classify/Score (a torch model's)
     generates: bool = True  # False: runner pooling (then `pooler` is set)
+    # What a request's unset sampling options take (the checkpoint's generation_config.json).
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 def _build_sim(config: EngineConfig) -> _Model:
@@ -117,6 +120,8 @@ def _build_torch(config: EngineConfig) -> _Model:
     from engine.torch_runner.runner import TorchModelRunner
 
     generates = _generates(config, model_dir)
+    # Read before the weights: a bad file is refused at once, never per request.
+    defaults = _sampling_defaults(config, model_dir) if generates else SamplingDefaults()
     num_blocks: int | None = POOLING_NUM_KV_BLOCKS
     kv_cache_bytes = None
     if generates:
@@ -143,7 +148,26 @@ def _build_torch(config: EngineConfig) -> _Model:
     tokenizer_file = model_dir / "tokenizer.json"
     tokenizer = HfTokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
     pooler = TorchPooler.for_model_dir(runner, model_dir)
-    return _Model(runner, tokenizer, runner.model.config.vocab_size, pooler, generates)
+    return _Model(runner, tokenizer, runner.model.config.vocab_size, pooler, generates, defaults)
+
+
+def _sampling_defaults(config: EngineConfig, model_dir: Path) -> SamplingDefaults:
+    """The checkpoint's sampling defaults under `generation_config: auto` (CheckpointError
+    for a bad file), none under `none`."""
+    if config.generation_config is GenerationConfigSource.none:
+        return SamplingDefaults()
+    from engine.torch_runner.generation_config import GENERATION_CONFIG_FILE, sampling_defaults
+
+    defaults = sampling_defaults(model_dir)
+    if defaults != SamplingDefaults():
+        # As vLLM warns: a deployment expecting the engine's own defaults learns why not.
+        log.warning(
+            "requests that leave them unset sample with %s's defaults: %s (set "
+            "generation_config: none for the engine's own)",
+            model_dir / GENERATION_CONFIG_FILE,
+            defaults.describe(),
+        )
+    return defaults
 
 
 def _generates(config: EngineConfig, model_dir: Path) -> bool:
@@ -313,6 +337,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         role=role,
         data_parallel_rank=kv_config.data_parallel_rank,
         encode=encode,
+        sampling_defaults=model.sampling_defaults,
     )
     openengine = OpenEngineServicer(
         service,

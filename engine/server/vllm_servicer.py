@@ -1,8 +1,11 @@
 """`vllm.Generate` (vLLM's Rust front end's proto) over the same engine service.
 
-Both RPCs run the request exactly like OpenEngine's Generate. The proto's own defaults
-apply: `temperature` absent -> 0 (greedy; the model has no default of its own), `max_new_tokens`
-0 -> 20, `num_sequences` 0 -> 1, 0 for top_k/top_p/min_p/repetition_penalty -> "off".
+Both RPCs run the request exactly like OpenEngine's Generate. Unset options take the model's
+default (its generation_config.json, `EngineContext.sampling_defaults`), else the proto's:
+`temperature` absent -> the model's, else 0 (greedy); 0 for top_k/top_p/min_p/
+repetition_penalty -> the model's, else "off"; `max_new_tokens` 0 -> the model's
+`max_new_tokens`, else 20; `num_sequences` 0 -> 1. Penalties of presence and frequency have
+no model default (0 is none).
 `priority` is vLLM's (a lower value is handled earlier), the opposite of OpenEngine's.
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
@@ -66,6 +69,9 @@ log = logging.getLogger(__name__)
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = "vllm.Generate"
 DEFAULT_MAX_NEW_TOKENS = 20
+# This proto's own defaults of what a request leaves unset, where the model sets none.
+VLLM_DEFAULTS = SamplingParams(temperature=0.0, max_tokens=DEFAULT_MAX_NEW_TOKENS)
+MODEL_MAX_NEW_TOKENS = ": the model's max_new_tokens, in its generation_config.json"
 
 _FINISH = {
     FinishReason.STOP: pb.FinishInfo.STOP,
@@ -145,23 +151,26 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
     if not prompt:
         raise InvalidRequestError("the prompt is empty")
     s, stop, resp = request.sampling, request.stopping, request.response
-    max_new_tokens = stop.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    default = ctx.sampling_defaults.over(VLLM_DEFAULTS)
+    max_new_tokens = stop.max_new_tokens or default.max_tokens or DEFAULT_MAX_NEW_TOKENS
     if stop.min_new_tokens > max_new_tokens:
         # In this proto's names (the core's check would say min_tokens/max_tokens), and
         # naming the default a client that set no maximum may not know.
-        default = "" if stop.max_new_tokens else f" (0 means {DEFAULT_MAX_NEW_TOKENS})"
+        source = "" if ctx.sampling_defaults.max_tokens is None else MODEL_MAX_NEW_TOKENS
+        unset = "" if stop.max_new_tokens else f" (0 means {max_new_tokens}{source})"
         raise InvalidRequestError(
             f"min_new_tokens {stop.min_new_tokens} exceeds max_new_tokens "
-            f"{stop.max_new_tokens}{default}"
+            f"{stop.max_new_tokens}{unset}"
         )
     params = SamplingParams(
-        temperature=request.temperature if request.HasField("temperature") else 0.0,
-        top_p=s.top_p or 1.0,
-        top_k=s.top_k or None,
-        min_p=s.min_p,
+        temperature=request.temperature if request.HasField("temperature") else default.temperature,
+        # "0 means default": the model's, else off.
+        top_p=s.top_p or default.top_p,
+        top_k=s.top_k or default.top_k,
+        min_p=s.min_p or default.min_p,
         frequency_penalty=dec.frequency_penalty,
         presence_penalty=dec.presence_penalty,
-        repetition_penalty=dec.repetition_penalty or 1.0,
+        repetition_penalty=dec.repetition_penalty or default.repetition_penalty,
         seed=s.seed if s.HasField("seed") else None,
         num_sequences=s.num_sequences or 1,
         max_tokens=max_new_tokens,

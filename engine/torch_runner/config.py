@@ -80,10 +80,10 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
-        raw = _read_json(model_dir / "config.json", required=True)
+        raw = read_json_object(model_dir / "config.json", required=True)
         if raw is None:  # unreachable: required files raise instead
             raise CheckpointError(f"{model_dir / 'config.json'} not found")
-        generation = _read_json(model_dir / "generation_config.json", required=False)
+        generation = read_json_object(model_dir / "generation_config.json", required=False)
         return cls.from_dict(raw, generation)
 
     @classmethod
@@ -132,7 +132,9 @@ class ModelConfig:
         )
 
 
-def _read_json(path: Path, *, required: bool) -> dict[str, Any] | None:
+def read_json_object(path: Path, *, required: bool) -> dict[str, Any] | None:
+    """The JSON object in `path` (None: no such file, and not `required`); CheckpointError
+    naming the file when it cannot be read, is not JSON or holds something else."""
     try:
         text = path.read_text()
     except FileNotFoundError:

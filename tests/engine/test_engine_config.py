@@ -1,7 +1,8 @@
 """The engine config's cross-field checks: each `kv_transfer.*` key only on the role that reads
 it (an AGGREGATED engine never moves KV, a DECODE engine holds no sessions, a PREFILL engine
 pulls none, so the key would be ignored); no bind wildcard as the advertised host; the
-admission bound (`max_queued_requests`) off unless set, and then positive.
+admission bound (`max_queued_requests`) off unless set, and then positive; `generation_config`
+auto unless set to none (its effect: test_server_generation_config.py).
 `runner: pooling`'s checks are in test_server_pooling_runner.py; the shipped configs load in
 tests/foundation/."""
 
@@ -72,3 +73,15 @@ def test_the_admission_bound_is_off_by_default_and_positive_when_set() -> None:
     with pytest.raises(ConfigError, match="max_queued_requests") as err:
         validate_config(EngineConfig, {"max_queued_requests": 0}, "engine.yaml")
     assert "\n" not in str(err.value)
+
+
+def test_generation_config_is_auto_by_default_and_takes_auto_or_none() -> None:
+    assert EngineConfig().generation_config == "auto"
+    config = validate_config(EngineConfig, {"generation_config": "none"}, "engine.yaml")
+    assert config.generation_config == "none"
+    # vLLM's own word for its fixed defaults is not one of kvplane's.
+    with pytest.raises(ConfigError) as err:
+        validate_config(EngineConfig, {"generation_config": "vllm"}, "engine.yaml")
+    assert str(err.value) == (
+        "invalid config in engine.yaml: generation_config: Input should be 'auto' or 'none'"
+    )
