@@ -87,7 +87,9 @@ async def _until_signal(main: Coroutine[Any, Any, None]) -> None:
 @indexer_app.command()
 def bridge(
     *,
-    endpoint: Annotated[str, typer.Option(help="ZMQ PUB endpoint, e.g. tcp://HOST:5557.")],
+    endpoint: Annotated[
+        str, typer.Option(help="ZMQ PUB endpoint, e.g. tcp://HOST:5557 or tcp://[IPV6]:5557.")
+    ],
     target: Annotated[str, target_option("KVIndexer HOST:PORT.")],
     worker_id: Annotated[str, typer.Option(help="worker_id sent with every batch.")],
     worker_address: Annotated[
@@ -96,7 +98,9 @@ def bridge(
     replay_endpoint: Annotated[
         str | None, typer.Option(help="The publisher's replay ROUTER endpoint.")
     ] = None,
-    topic: Annotated[str, typer.Option(help="Subscription topic prefix.")] = "",
+    topic: Annotated[
+        str, typer.Option(help="Topic prefix (messages without a topic frame pass too).")
+    ] = "",
     bind: Annotated[bool, typer.Option(help="Bind the SUB (publisher connects).")] = False,
     array_tail: Annotated[
         ArrayTail,

@@ -10,7 +10,7 @@ sources:
     worker_address: 10.0.0.1:8000  # router-facing address reported in prefix matches
     endpoint: tcp://127.0.0.1:5557
     replay_endpoint: tcp://127.0.0.1:5558   # optional
-    topic: ""                      # optional subscription prefix
+    topic: ""                      # optional topic prefix (2-frame messages pass too)
     hash: engine                   # engine | canonical
   - kind: openengine               # SubscribeKvEvents on an OpenEngine engine
     target: 127.0.0.1:9000

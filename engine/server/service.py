@@ -55,7 +55,7 @@ from engine.server.pooling_tasks import PoolingTasks
 from engine.server.runtime_events import RuntimeEventHub
 from engine.server.vllm_servicer import VllmGenerateServicer
 from engine.server.zmq_publisher import ZmqKvPublisher, routable_host_port
-from kvplane.config import BIND_WILDCARD_HOSTS, parse_host_port
+from kvplane.config import BIND_WILDCARD_HOSTS, join_host_port, parse_host_port
 from kvplane.metrics import start_metrics_server
 from kvplane.server import create_server, publish_port, serve_until_signal
 from openengine.v1 import openengine_pb2 as pb
@@ -450,7 +450,7 @@ def _zmq_source(
     replay = publisher.bound_replay_endpoint
     if replay is not None and replay.startswith("tcp://"):
         replay_host, replay_port = routable_host_port(replay, host)
-        source.replay_endpoint = f"tcp://{replay_host}:{replay_port}"
+        source.replay_endpoint = "tcp://" + join_host_port(replay_host, replay_port)
     return source
 
 

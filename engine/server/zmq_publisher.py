@@ -11,10 +11,11 @@ Replay (vLLM 0.32's legacy protocol): a DEALER sends `[b"", start_seq]`; the ROU
 then the end marker `[b"", b"", ff*8, b""]`. Replies are the very bytes sent live. Anything
 else on the replay socket is answered with just the end marker.
 
-Both sockets bind (this engine is the server). A `*` port picks a free one; `bound_endpoint`
-and `bound_replay_endpoint` hold the real addresses for `GetKvEventSources`. As vLLM's, data-
-parallel rank r binds the configured endpoints offset by r (`rank_endpoint`), so that every
-rank of one engine can share one configuration.
+Both sockets bind (this engine is the server). A `*` host listens on IPv4 and IPv6 alike (vLLM's
+on IPv4 only), an IPv6 address (`tcp://[::1]:5557`) on IPv6 (`kvplane.zmq_ip`). A `*` port picks
+a free one; `bound_endpoint` and `bound_replay_endpoint` hold the real addresses for
+`GetKvEventSources`. As vLLM's, data-parallel rank r binds the configured endpoints offset by r
+(`rank_endpoint`), so that every rank of one engine can share one configuration.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from engine.server.kv_event_log import KvEventBatchRecord
 from engine.server.kv_wire import encode_msgpack_batch
 from kvplane.config import BIND_WILDCARD_HOSTS
 from kvplane.errors import ConfigError
+from kvplane.zmq_ip import set_ip_version
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +160,10 @@ def rank_endpoint(endpoint: str, data_parallel_rank: int) -> str:
 
 
 def _bind(sock: zmq.asyncio.Socket, endpoint: str) -> str:
-    """Bind `endpoint` (port `*` picks a free one) and return the address actually bound."""
+    """Bind `endpoint` (port `*` picks a free one) and return the address actually bound.
+    An IPv6 address binds IPv6, and a `*` host dual stack (`kvplane.zmq_ip`)."""
     try:
+        set_ip_version(sock, endpoint)
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
         sock.close(linger=0)  # an open socket would keep the context's `term` waiting forever

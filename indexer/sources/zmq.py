@@ -35,6 +35,10 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   already covered are then dropped as duplicates. Without a replay endpoint the next message
   clears and rebuilds as on a first message (older blocks stay missing, never stale).
 
+Live messages come as `[topic, seq, payload]` or, from some senders, `[seq, payload]`; a source
+with a topic receives both (see `TWO_FRAME_SUBSCRIPTION`). TCP endpoints on an IPv6 address
+(`tcp://[::1]:5557`), or on `*` when binding, get libzmq's IPv6 option (`kvplane.zmq_ip`).
+
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
 A message whose content the translator or the index refuses (validation) counts as bad too:
 its refused batch is dropped (a missing block, never a stale one) and the stream goes on.
@@ -67,10 +71,16 @@ from indexer.zmq_decode import (
     decode_replay_reply,
 )
 from kvplane.errors import ConfigError
+from kvplane.zmq_ip import set_ip_version
 
 log = logging.getLogger(__name__)
 
 SEQ_BYTES = 8
+# What ZMQ's prefix filter sees first in a 2-frame message `[seq, payload]`, which has no topic
+# frame: its seq, whose first byte is 0 (big-endian, below 2^56). A source with a topic also
+# subscribes to it, so that it receives both layouts (a 3-frame message let in by it whose
+# topic is not the source's is dropped, `_is_wanted_topic`).
+TWO_FRAME_SUBSCRIPTION = b"\x00"
 # connect / bind errors that no retry can cure: the endpoint itself is malformed.
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
 
@@ -108,6 +118,7 @@ class SourceCounters:
 class ZmqSourceSettings:
     endpoint: str
     replay_endpoint: str | None = None
+    # A prefix of the topic frame; messages without one (2 frames) are received either way.
     topic: str = ""
     # Bind the SUB instead of connecting (for publishers that connect, e.g. vLLM configured
     # with an endpoint without `*`).
@@ -220,7 +231,8 @@ class ZmqSource:
             sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
             sub.setsockopt(zmq.RECONNECT_IVL, int(self.settings.backoff_initial_s * 1000))
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.backoff_max_s * 1000))
-            sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
+            for prefix in _subscriptions(self.settings.topic):
+                sub.setsockopt(zmq.SUBSCRIBE, prefix)
             self._attach(sub)
             log.info("zmq source %s -> worker %s", self.settings.endpoint, self.worker_id)
             self.ready.set()
@@ -255,7 +267,8 @@ class ZmqSource:
                     self.counters.num_bad_messages += 1
                     log.warning("dropping bad message from %s: %s", self.settings.endpoint, exc)
                 else:
-                    await self._on_message(message)
+                    if _is_wanted_topic(message.topic, self.settings.topic):
+                        await self._on_message(message)
                 async with self._progress:
                     self._progress.notify_all()
         finally:
@@ -270,6 +283,7 @@ class ZmqSource:
     def _attach(self, sub: zmq.asyncio.Socket) -> None:
         """Connect (or bind) the SUB; a malformed endpoint is a `ConfigError`, not retried."""
         try:
+            set_ip_version(sub, self.settings.endpoint)
             if self.settings.bind:
                 sub.bind(self.settings.endpoint)
             else:
@@ -461,6 +475,7 @@ class ZmqSource:
         replies: list[ZmqMessage] = []
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            set_ip_version(dealer, self.settings.replay_endpoint)
             dealer.connect(self.settings.replay_endpoint)
             # A DEALER with no connected peer blocks on send: bound that wait too. (Not
             # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
@@ -478,8 +493,7 @@ class ZmqSource:
                     continue
                 if reply is None:
                     break
-                # Older vLLM replies carry no topic frame (topic ""): accept those.
-                if not reply.topic or reply.topic.startswith(self.settings.topic):
+                if _is_wanted_topic(reply.topic, self.settings.topic):
                     replies.append(reply)
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1
@@ -495,3 +509,14 @@ class ZmqSource:
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies
+
+
+def _subscriptions(topic: str) -> tuple[bytes, ...]:
+    """The SUB's prefixes: the topic, and with a topic the 2-frame messages' first byte."""
+    return (topic.encode(), TWO_FRAME_SUBSCRIPTION) if topic else (b"",)
+
+
+def _is_wanted_topic(message_topic: str, topic: str) -> bool:
+    """Whether a message (live or replayed) is the source's: under its topic, or without a
+    topic frame (2-frame messages, older vLLM's replay replies: topic "")."""
+    return not message_topic or message_topic.startswith(topic)

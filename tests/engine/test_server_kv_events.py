@@ -5,6 +5,7 @@ by a real SUB socket and DEALER replay."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +17,11 @@ import zmq.asyncio
 
 from engine.config import KvEventsConfig
 from engine.server.zmq_publisher import END_OF_REPLAY_SEQ
+from indexer.index import PrefixIndex
 from indexer.keys import block_keys
-from indexer.sources.openengine import decode_event
+from indexer.memory_backend import MemoryBackend
+from indexer.sources.openengine import decode_event, zmq_source_settings
+from indexer.sources.zmq import ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from indexer.zmq_decode import decode_frames, decode_payload
 from openengine.v1 import openengine_pb2 as pb
@@ -30,6 +34,7 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
 )
+from tests.ipv6_loopback import needs_ipv6_loopback
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -358,6 +363,63 @@ async def test_zmq_publisher_feeds_a_real_sub_and_replays_over_dealer() -> None:
 
 def _signed(key: int) -> int:
     return key - 2**64 if key >= 2**63 else key
+
+
+@needs_ipv6_loopback
+@pytest.mark.parametrize(
+    ("endpoint", "advertised_host"),
+    [("tcp://[::1]:*", None), ("tcp://*:*", "::1")],
+    ids=["ipv6-address", "wildcard-dual-stack"],
+)
+async def test_an_engine_publishing_over_ipv6_is_indexed_from_its_replay_then_live(
+    endpoint: str, advertised_host: str | None
+) -> None:
+    """The engine's ZMQ endpoints on an IPv6 address, or on `*` (both IP versions) advertised
+    at one: a source following the advertised endpoints (as the controller's `kv_events: zmq`
+    and the indexer's OpenEngine discovery do) rebuilds the worker from the replay at start,
+    then follows the live stream, and indexes what the engine caches."""
+    kv_events = KvEventsConfig(
+        zmq_enabled=True,
+        endpoint=endpoint,
+        replay_endpoint=endpoint,
+        advertised_host=advertised_host,
+    )
+    async with running_engine(sim_config(kv_events=kv_events)) as engine:
+        await collect(engine.stub, generate_request(list(range(100, 120))))  # no subscriber yet
+        sources = (await engine.stub.GetKvEventSources(pb.GetKvEventSourcesRequest())).sources
+        advert = next(s for s in sources if s.transport == "zmq")
+        settings = zmq_source_settings(advert, array_tail="vllm")
+        assert settings.endpoint == f"tcp://[::1]:{advert.endpoint_addr.port}"
+        assert (settings.replay_endpoint or "").startswith("tcp://[::1]:")
+        index = PrefixIndex()
+        translator = WorkerTranslator(
+            TranslateOptions(worker_id="engine", hash_mode=HashMode.CANONICAL)
+        )
+        source = ZmqSource(settings, translator, MemoryBackend(index))
+
+        def indexed() -> set[int]:
+            return {_signed(p.key) for p in index.placements("engine")}
+
+        task = asyncio.create_task(source.run())
+        try:
+            cached = await _engine_cached_keys(engine)
+            assert cached  # what only the replay can tell
+            await eventually(lambda: indexed() == cached, 20, "the replay at start")
+            # PUB drops until the subscription propagates: send work until a message arrives.
+            start = 200
+            while source.counters.num_messages == 0:
+                await collect(engine.stub, generate_request(list(range(start, start + 8))))
+                start += 50
+                with contextlib.suppress(TimeoutError):
+                    await source.wait_until(lambda: source.counters.num_messages > 0, 0.1)
+            cached = await _engine_cached_keys(engine)
+            await eventually(lambda: indexed() == cached, 20, "the live stream")
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert source.counters.num_replay_failures == 0
+    assert source.counters.num_bad_messages == 0
 
 
 async def test_kvplane_indexer_predicts_the_engines_own_prefix_hits() -> None:

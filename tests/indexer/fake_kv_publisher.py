@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 END_MARKER = [b"", b"", b"\xff" * 8, b""]
+TWO_FRAME_PREFIX = b"\x00"  # a 2-frame message's first byte: its seq's, below 2^56
 
 
 class FakeKvPublisher:
@@ -27,6 +28,7 @@ class FakeKvPublisher:
         replay_with_topic: bool = True,
         buffer_steps: int | None = None,
         endpoint: str = "tcp://127.0.0.1:*",
+        replay_endpoint: str = "tcp://127.0.0.1:*",
         connect: bool = False,
     ) -> None:
         self.context = context
@@ -35,7 +37,8 @@ class FakeKvPublisher:
         self.endpoint = endpoint if connect else self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind("tcp://127.0.0.1:*")
+        _allow_ipv6(self.router, replay_endpoint)
+        self.router.bind(replay_endpoint)
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         # seq -> [topic, seq, payload]: what the replay ROUTER serves.
         self.buffer: dict[int, list[bytes]] = {}
@@ -43,6 +46,7 @@ class FakeKvPublisher:
         # Like vLLM's buffer_steps: only the newest batches stay replayable.
         self.buffer_steps = buffer_steps
         self.replay_requests: list[int] = []
+        self.subscriptions: set[bytes] = set()  # every topic subscribed to so far
         self._replay_task: asyncio.Task[None] | None = None
 
     def _open_pub(self, endpoint: str) -> zmq.asyncio.Socket:
@@ -50,6 +54,7 @@ class FakeKvPublisher:
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 0)
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
+        _allow_ipv6(pub, endpoint)
         if self.connect:  # to a SUB that binds (vLLM with an endpoint without `*`)
             pub.connect(endpoint)
         else:
@@ -71,13 +76,24 @@ class FakeKvPublisher:
                 await asyncio.sleep(0.01)
         raise RuntimeError(f"{self.endpoint} still in use after the old PUB closed")
 
-    async def wait_subscribed(self, timeout_s: float = 10.0) -> bytes:
-        """Wait for a SUB to subscribe (unsubscriptions are skipped); returns the topic."""
+    async def wait_subscribed(
+        self, timeout_s: float = 10.0, *, topic: bytes | None = None
+    ) -> bytes:
+        """Wait for a SUB to subscribe; returns the topic. By default: a new subscription to
+        anything but the prefix a source with a topic adds for 2-frame messages (so one a
+        connection, as without that prefix). With `topic`: until some SUB has subscribed to
+        it, now or before. Unsubscriptions are skipped."""
+        if topic is not None and topic in self.subscriptions:
+            return topic
         async with asyncio.timeout(timeout_s):
             while True:
                 message = await self.pub.recv()
-                if message[:1] == b"\x01":
-                    return bytes(message[1:])
+                if message[:1] != b"\x01":
+                    continue
+                subscribed = bytes(message[1:])
+                self.subscriptions.add(subscribed)
+                if subscribed == topic or (topic is None and subscribed != TWO_FRAME_PREFIX):
+                    return subscribed
 
     async def send(self, frames: list[bytes]) -> None:
         await self.pub.send_multipart(frames)
@@ -130,6 +146,12 @@ class FakeKvPublisher:
                 await self._replay_task
         self.pub.close(linger=0)
         self.router.close(linger=0)
+
+
+def _allow_ipv6(sock: zmq.asyncio.Socket, endpoint: str) -> None:
+    """libzmq reaches an IPv6 address (in brackets) only with its IPv6 option on."""
+    if "[" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 @contextlib.asynccontextmanager

@@ -30,6 +30,7 @@ from kvplane.channels import ClientChannels
 from kvplane.config import AuthConfig, ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
 from kvplane.server import Service, create_server
+from tests.ipv6_loopback import needs_ipv6_loopback
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -395,6 +396,34 @@ async def test_a_target_that_restarts_empty_is_rebuilt_from_the_replay(
     assert clears and [r.seq for r in received[clears[-1] + 1 :]][:2] == [0, 1]
     assert best == 3  # the blocks indexed before the restart are back
     assert source.counters.num_resyncs == 1
+
+
+@needs_ipv6_loopback
+async def test_the_bridge_follows_a_publisher_on_ipv6_from_its_replay_then_live(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A publisher bound to IPv6 addresses only (`tcp://[::1]`): the bridge rebuilds the
+    worker from its replay before any message, then follows the live stream."""
+    rig, server = await _rig()
+    publisher = FakeKvPublisher(context, endpoint="tcp://[::1]:*", replay_endpoint="tcp://[::1]:*")
+    publisher.start_replay()
+    await publisher.publish(_stored(0, [11, 12], None), live=False)  # sent before it started
+    source, sink = await _bridge_run(
+        context, rig, publisher, replay_endpoint=publisher.replay_endpoint
+    )
+    try:
+        async with running(source.run()):
+            await eventually(lambda: _keys(rig.index) == {11, 12}, WAIT_S, "the replay")
+            await publisher.wait_subscribed()
+            await publisher.publish(_stored(1, [13], 12))
+            await eventually(lambda: _keys(rig.index) == {11, 12, 13}, WAIT_S, "seq 1 live")
+    finally:
+        await publisher.close()
+        await sink.close()
+        await server.stop(None)
+    assert publisher.endpoint.startswith("tcp://[::1]:")
+    assert publisher.replay_endpoint.startswith("tcp://[::1]:")
+    assert source.counters.num_replay_failures == 0
 
 
 # -- the canary probe ----------------------------------------------------------------------------

@@ -287,6 +287,31 @@ async def test_two_frame_messages_without_a_topic(context: zmq.asyncio.Context) 
     assert _keys(index) == {1, 2}
 
 
+async def test_a_source_with_a_topic_receives_two_frame_messages_too(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A 2-frame message has no topic frame (ZMQ's prefix filter sees its seq): a source with
+    a topic still receives it, beside its topic's 3-frame messages, and no other topic's."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    source = _source(publisher.endpoint, context, MemoryBackend(index), topic="kv@")
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed(topic=b"kv@")
+            await publisher.wait_subscribed(topic=b"\x00")
+            await publisher.send(_message(0, _stored(1))[1:])
+            # Other topics, one sharing the 2-frame prefix: not this source's.
+            await publisher.send([b"other", *_message(1, _stored(8, parent=1))[1:]])
+            await publisher.send([b"\x00other", *_message(1, _stored(9, parent=1))[1:]])
+            await publisher.send(_message(1, _stored(2, parent=1)))
+            await publisher.send(_message(2, _stored(3, parent=2))[1:])
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == {1, 2, 3}
+    assert (source.counters.num_gaps, source.counters.num_resets) == (0, 1)  # the first's
+
+
 async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(
     context: zmq.asyncio.Context,
 ) -> None:
