@@ -94,6 +94,14 @@ class KvEventsConfig(StrictModel):
     advertised_host: str | None = None
     data_parallel_rank: int = Field(default=0, ge=0)
 
+    @field_validator("advertised_host")
+    @classmethod
+    def _unbracket(cls, value: str | None) -> str | None:
+        """`[fd00::1]` is the host fd00::1: the brackets belong to HOST:PORT, which adds them."""
+        if value and value.startswith("[") and value.endswith("]"):
+            return value[1:-1]
+        return value
+
     @model_validator(mode="after")
     def _check_endpoints(self) -> KvEventsConfig:
         for name, value in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):

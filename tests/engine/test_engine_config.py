@@ -85,3 +85,11 @@ def test_generation_config_is_auto_by_default_and_takes_auto_or_none() -> None:
     assert str(err.value) == (
         "invalid config in engine.yaml: generation_config: Input should be 'auto' or 'none'"
     )
+
+
+def test_a_bracketed_ipv6_advertised_host_is_the_address_itself() -> None:
+    """Advertised as `[fd00::1]:PORT`, not `[[fd00::1]]:PORT`."""
+    config = validate_config(
+        EngineConfig, {"kv_events": {"advertised_host": "[fd00::1]"}}, "e.yaml"
+    )
+    assert config.kv_events.advertised_host == "fd00::1"
