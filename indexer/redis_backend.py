@@ -118,11 +118,13 @@ _SERVABLE = (Tier.HBM, Tier.DRAM)
 # One kvp_apply call carries at most this much (bounded time inside Redis).
 MAX_GROUP_BATCHES = 64
 MAX_GROUP_HASHES = 65_536
-# kvp_apply's status for a batch whose worker name the partition cannot intern.
+# kvp_apply's status for a batch of a new worker when the partition has no id left for it.
 _PARTITION_FULL = "KVP_WORKERS "
 # Refusals that pass: a replica being promoted, a slot moving, memory pressure, a busy script.
 _TRANSIENT = (OutOfMemoryError, ReadOnlyError, TryAgainError)
 _TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS", "OOM")
+# A block read by kvp_dump: key, token count, parent, placements (worker name, tier, mask, copies).
+DumpedBlock = tuple[BlockKey, int, BlockKey | None, list[tuple[str, int, int, int]]]
 
 
 async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
@@ -716,12 +718,12 @@ class RedisBackend:
 
     # ------------------------------------------------------------------ views
 
-    async def _workers(self) -> list[tuple[int, str, str, bytes, int]]:
-        """Registered workers: id, name, address, packed spec, live placements."""
+    async def _workers(self) -> list[tuple[str, str, bytes, int]]:
+        """Registered workers: name, address, packed spec, live placements. (Without their
+        ids: another call may find an id serving another worker, see `_dump`.)"""
         reply = await self._fcall("kvp_workers", [], readonly=True)
         return [
             (
-                int(reply[i]),
                 _text(reply[i + 1]),
                 _text(reply[i + 2]),
                 reply[i + 3],
@@ -730,31 +732,38 @@ class RedisBackend:
             for i in range(0, len(reply), 7)
         ]
 
-    async def _dump(self) -> AsyncIterator[tuple[BlockKey, int, BlockKey | None, bytes]]:
-        """Every live block: key, token count, parent, placement records."""
+    async def _dump(self) -> AsyncIterator[DumpedBlock]:
+        """Every live block: key, token count, parent, and its placements as (worker name,
+        tier, mask, copies). Each id is named by the call that read it: a removed worker's id
+        goes to the next new worker, so between two calls an id may change hands."""
         step = self._options.dump_chunk_buckets
         for first in range(0, self._options.buckets, step):
-            reply = await self._fcall("kvp_dump", [first, step], readonly=True)
-            for i in range(0, len(reply), 4):
-                parent = codec.unpack_key(reply[i + 2]) if reply[i + 2] else None
-                yield codec.unpack_key(reply[i]), int(reply[i + 1]), parent, reply[i + 3]
+            blocks, rows = await self._fcall("kvp_dump", [first, step], readonly=True)
+            names, _, _ = _worker_rows(rows)
+            for i in range(0, len(blocks), 4):
+                parent = codec.unpack_key(blocks[i + 2]) if blocks[i + 2] else None
+                placements = [
+                    (names[wid], tier, mask, copies)
+                    for wid, tier, mask, copies in codec.iter_placements(blocks[i + 3])
+                ]
+                yield codec.unpack_key(blocks[i]), int(blocks[i + 1]), parent, placements
 
     async def stats(self) -> IndexStats:
         workers = await self._workers()
-        blocks_of: dict[int, int] = {}
+        blocks_of: dict[str, int] = {}
         num_blocks = 0
-        async for _key, _size, _parent, records in self._dump():
+        async for _key, _size, _parent, placements in self._dump():
             num_blocks += 1
-            for wid in {r[0] for r in codec.iter_placements(records)}:
-                blocks_of[wid] = blocks_of.get(wid, 0) + 1
-        rows = sorted(workers, key=lambda w: w[1])
+            for name in {p[0] for p in placements}:
+                blocks_of[name] = blocks_of.get(name, 0) + 1
+        rows = sorted(workers)
         return IndexStats(
             backend=self.name,
             num_blocks=num_blocks,
-            num_placements=sum(w[4] for w in rows),
+            num_placements=sum(w[3] for w in rows),
             workers=tuple(
-                WorkerStats(name, address, blocks_of.get(wid, 0), placements)
-                for wid, name, address, _spec, placements in rows
+                WorkerStats(name, address, blocks_of.get(name, 0), placements)
+                for name, address, _spec, placements in rows
             ),
         )
 
@@ -762,29 +771,29 @@ class RedisBackend:
         """Read into a pure in-memory index, which then writes the batches exactly as the
         memory backend does (parent-first chains, extra copies, wire-valid chunks)."""
         workers = {
-            wid: (name, address, spec)
-            for wid, name, address, spec, _ in await self._workers()
+            name: (address, spec)
+            for name, address, spec, _ in await self._workers()
             if worker_id is None or name == worker_id
         }
-        actions: dict[int, list[Action]] = {wid: [] for wid in workers}
+        actions: dict[str, list[Action]] = {name: [] for name in workers}
         blocks = []
-        async for key, size, parent, records in self._dump():
-            blocks.append((key, size, parent, records))
-        for key, size, parent, records in _parent_first(blocks):
-            for wid, tier, mask, copies in codec.iter_placements(records):
-                if wid not in actions:
+        async for key, size, parent, placements in self._dump():
+            blocks.append((key, size, parent, placements))
+        for key, size, parent, placements in _parent_first(blocks):
+            for name, tier, mask, copies in placements:
+                if name not in actions:  # registered after the worker table was read
                     continue
                 sizes = (size,) if size else ()
-                actions[wid].append(
+                actions[name].append(
                     Action(ActionType.REPORT, Tier(tier), (key,), (mask,), sizes, parent)
                 )
-                actions[wid].extend(
+                actions[name].extend(
                     Action(ActionType.REPORT, Tier(tier), (key,), (mask,), copies=True)
                     for _ in range(copies - 1)
                 )
         index = PrefixIndex()
-        for wid, (name, address, spec) in workers.items():
-            todo = actions[wid]
+        for name, (address, spec) in workers.items():
+            todo = actions[name]
             for start in range(0, max(len(todo), 1), MAX_ACTIONS_PER_BATCH):
                 chunk = tuple(todo[start : start + MAX_ACTIONS_PER_BATCH])
                 index.apply(Batch(name, chunk, address, cache_spec=codec.unpack_spec(spec)))
@@ -870,19 +879,17 @@ def _spec_prefix(
     return spec_prefix_blocks(spec, blocks)
 
 
-def _parent_first(
-    blocks: list[tuple[BlockKey, int, BlockKey | None, bytes]],
-) -> list[tuple[BlockKey, int, BlockKey | None, bytes]]:
+def _parent_first(blocks: list[DumpedBlock]) -> list[DumpedBlock]:
     """Blocks ordered so each comes after its indexed parent (roots by key, pre-order)."""
     by_key = {b[0]: b for b in blocks}
     children: dict[BlockKey, list[BlockKey]] = {}
     roots = []
-    for key, _size, parent, _records in blocks:
+    for key, _size, parent, _placements in blocks:
         if parent is None or parent not in by_key:
             roots.append(key)
         else:
             children.setdefault(parent, []).append(key)
-    order: list[tuple[BlockKey, int, BlockKey | None, bytes]] = []
+    order: list[DumpedBlock] = []
     visited: set[BlockKey] = set()
     # A parent cycle (only from inconsistent reports) has no root: visit it last.
     for start in [*sorted(roots), *sorted(by_key)]:

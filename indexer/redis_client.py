@@ -31,14 +31,14 @@ class RedisMisconfiguredError(IndexUnavailableError):
 
 
 class IndexBackendError(KvplaneError):
-    """Redis refused a call for a reason that retrying does not cure (e.g. more than 65,535
-    worker names in one partition); the batch is not buffered."""
+    """Redis refused a call for a reason that retrying does not cure (e.g. a new worker while
+    65,535 are registered in one partition); the batch is not buffered."""
 
 
 class IndexFullError(IndexBackendError):
-    """The partition cannot take the batch's worker: it has interned 65,535 worker names, the
-    most its records can address, and names are never freed. Nothing of the batch was
-    written; the client must not retry (RESOURCE_EXHAUSTED)."""
+    """The partition cannot take the batch's new worker: 65,535 workers are registered in it,
+    the most its records can address (removing one frees its id). Nothing of the batch was
+    written; the client must not retry it as it is (RESOURCE_EXHAUSTED)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,11 +4,13 @@ kvplane's shared prefix index as a Redis Functions library (loaded by indexer/re
 with FUNCTION LOAD REPLACE on every primary). docs/redis.md describes the layout; in short, for
 one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:<part>}:m":
 
-  <base>:m          HASH  meta: boot token, nw (last worker id), gcg/swg/swc/pg (sweeper)
-  <base>:wi         HASH  worker name -> small int id (interned once, reused on return)
+  <base>:m          HASH  meta: boot token, nw (highest worker id given out), fr (removed
+                          ids are freed), gcg/swg/swc/pg (sweeper)
+  <base>:wi         HASH  registered worker name -> small int id
   <base>:ws         SET   ids of registered workers
+  <base>:wf         LIST  ids of removed workers, free for new names (oldest first)
   <base>:w:<id>     HASH  n name, a address, s packed spec ("" = legacy), e<t> epoch and
-                          n<t> live placement count per tier t
+                          n<t> live placement count per tier t (a free id keeps only e<t>)
   <base>:b:<bucket> HASH  8-byte block key -> block record (below)
   <base>:h:<bucket> HASH  8-byte block key -> hit count
 
@@ -18,8 +20,12 @@ first-placed order.
 
 A placement is live iff its epoch equals its worker's current epoch at its tier. CLEAR and
 worker removal bump epochs (O(1), atomic); dead records are dropped whenever a record is
-rewritten and by kvp_sweep in bounded chunks. A block without live placements does not exist:
-its hit count, token count and parent are forgotten (a later REPORT starts it afresh).
+rewritten and by kvp_sweep in bounded chunks. A removed worker's id goes to a later new name
+with its bumped epochs, so the records that still carry it stay dead for its new owner (a
+reused id is a CLEAR at every tier, as far as old records can tell). Hence an id means a
+worker only inside one call: replies name the workers of the ids they return. A block without
+live placements does not exist: its hit count, token count and parent are forgotten (a later
+REPORT starts it afresh).
 
 Block keys are opaque 8-byte strings here: Lua numbers are doubles and cannot hold them.
 ]]
@@ -247,13 +253,21 @@ local function clear_tier(ctx, wid, tier)
   redis.call('HINCRBY', ctx.base .. ':m', 'gcg', 1)
 end
 
+-- The id of `name`, registering it: a free id first (the oldest freed, so the sweeper has most
+-- likely dropped its dead records already), a new one only when none is free. Reusing first
+-- keeps the ids and their hashes bounded by the most workers registered at once, and the
+-- reuse path runs in every fleet that replaces a worker, not first after 65,535 names.
 local function intern(ctx, name)
   local wid = redis.call('HGET', ctx.base .. ':wi', name)
   if wid then return tonumber(wid) end
-  wid = redis.call('HINCRBY', ctx.base .. ':m', 'nw', 1)
-  if wid > 65535 then
-    redis.call('HINCRBY', ctx.base .. ':m', 'nw', -1)
-    return 'KVP_WORKERS more than 65535 worker names in one partition'
+  wid = redis.call('LPOP', ctx.base .. ':wf')
+  if wid then
+    wid = tonumber(wid)
+  else
+    if (tonumber(redis.call('HGET', ctx.base .. ':m', 'nw')) or 0) >= 65535 then
+      return 'KVP_WORKERS more than 65535 registered workers in one partition'
+    end
+    wid = redis.call('HINCRBY', ctx.base .. ':m', 'nw', 1)
   end
   redis.call('HSET', ctx.base .. ':wi', name, wid)
   redis.call('HSET', ctx.base .. ':w:' .. wid, 'n', name)
@@ -336,6 +350,17 @@ local function worker_rows(ctx, seen, out)
   return out
 end
 
+-- Appends to `seen` the ids of the 9-byte `live` records not in `known` yet.
+local function note_workers(live, seen, known)
+  for _, rec in ipairs(live) do
+    local wid = u16(rec, 1)
+    if not known[wid] then
+      known[wid] = true
+      seen[#seen + 1] = wid
+    end
+  end
+end
+
 -- ARGV: nb, hashes (distinct), count_as_hit. Returns: per hash its token count and live
 -- placements (u32 .. 9-byte records; "" when absent), then worker rows.
 local function match(keys, args, count)
@@ -353,13 +378,7 @@ local function match(keys, args, count)
       local live = live_out(ctx, v)
       if #live > 0 then
         item = string.sub(v, 2, 5) .. table.concat(live)
-        for _, rec in ipairs(live) do
-          local wid = u16(rec, 1)
-          if not known[wid] then
-            known[wid] = true
-            seen[#seen + 1] = wid
-          end
-        end
+        note_workers(live, seen, known)
         if count then redis.call('HINCRBY', ctx.h .. bucket, k, 1) end
       end
     end
@@ -612,37 +631,44 @@ local function kvp_workers(keys, args)
   return out
 end
 
--- ARGV: nb, worker name. Forgets the worker and all its placements (epochs bumped).
--- Returns the number of live placements it had.
+-- ARGV: nb, boot, worker name. Forgets the worker and all its placements (epochs bumped) and
+-- frees its id, which keeps its epochs for its next worker. Returns the number of live
+-- placements it had.
 local function kvp_remove(keys, args)
   local ctx = new_ctx(keys, args)
   local err = check_boot(ctx, args[2])
   if err then return err end
   local wid = redis.call('HGET', ctx.base .. ':wi', args[3])
   if not wid then return 0 end
-  if redis.call('SREM', ctx.base .. ':ws', wid) == 0 then return 0 end
+  redis.call('HDEL', ctx.base .. ':wi', args[3])
+  redis.call('SREM', ctx.base .. ':ws', wid)
+  redis.call('RPUSH', ctx.base .. ':wf', wid)
   local wkey = ctx.base .. ':w:' .. wid
   local row = redis.call('HMGET', wkey, 'n1', 'n2', 'n3')
   local removed = 0
   for t = 1, 3 do
+    -- Bumped at every tier, held or not: the id's next worker then owns no record made
+    -- before, whatever the counts say. A sweep pass only where there is something to drop.
+    redis.call('HINCRBY', wkey, 'e' .. t, 1)
     local live = tonumber(row[t]) or 0
     if live > 0 then
       removed = removed + live
-      redis.call('HINCRBY', wkey, 'e' .. t, 1)
       redis.call('HINCRBY', ctx.base .. ':m', 'gcg', 1)
     end
   end
-  redis.call('HDEL', wkey, 'a', 's', 'n1', 'n2', 'n3')
+  redis.call('HDEL', wkey, 'n', 'a', 's', 'n1', 'n2', 'n3')
   return removed
 end
 
--- ARGV: nb, first bucket, number of buckets. Returns live blocks: key, token count, parent
--- ("" = root), live placements (9-byte records).
+-- ARGV: nb, first bucket, number of buckets. Returns two lists: live blocks (key, token count,
+-- parent ("" = root), live placements as 9-byte records), and the worker rows of their ids
+-- (a caller reading in several calls must not take an id for the worker it named before).
 local function kvp_dump(keys, args)
   local ctx = new_ctx(keys, args)
   local first = tonumber(args[2])
   local last = math.min(first + tonumber(args[3]), ctx.nb) - 1
   local out = {}
+  local seen, known = {}, {}
   for b = first, last do
     local flat = redis.call('HGETALL', ctx.b .. b)
     for j = 1, #flat, 2 do
@@ -653,10 +679,11 @@ local function kvp_dump(keys, args)
         out[#out + 1] = u32(v, 2)
         out[#out + 1] = parent_of(v)
         out[#out + 1] = table.concat(live)
+        note_workers(live, seen, known)
       end
     end
   end
-  return out
+  return { out, worker_rows(ctx, seen, {}) }
 end
 
 -- Drops dead placements and blocks, `count` buckets per call, sharing one cursor between all
@@ -696,10 +723,26 @@ local function kvp_sweep(keys, args)
   return 1
 end
 
+-- A partition written before removal freed ids still names its removed workers in wi (their
+-- ids out of ws): free those ids once, as kvp_remove would have.
+local function free_removed_ids(base)
+  local flat = redis.call('HGETALL', base .. ':wi')
+  for j = 1, #flat, 2 do
+    local wid = flat[j + 1]
+    if redis.call('SISMEMBER', base .. ':ws', wid) == 0 then
+      redis.call('HDEL', base .. ':wi', flat[j])
+      redis.call('HDEL', base .. ':w:' .. wid, 'n')
+      redis.call('RPUSH', base .. ':wf', wid)
+    end
+  end
+end
+
 -- ARGV: nb, token. Claims an empty partition (boot token) and returns the current token.
 local function kvp_boot(keys, args)
-  local mkey = string.sub(keys[1], 1, -3) .. ':m'
+  local base = string.sub(keys[1], 1, -3)
+  local mkey = base .. ':m'
   redis.call('HSETNX', mkey, 'boot', args[2])
+  if redis.call('HSETNX', mkey, 'fr', 1) == 1 then free_removed_ids(base) end
   local nb = redis.call('HGET', mkey, 'nb')
   if not nb then
     redis.call('HSET', mkey, 'nb', args[1])
