@@ -42,6 +42,7 @@ import grpc
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.registry import (
+    DuplicateEngineError,
     EjectionPolicy,
     EngineIdentity,
     EngineRecord,
@@ -253,6 +254,10 @@ class Fleet:
         )
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
+        # Addresses whose RemoveEngine is still dropping what the engine left (its tasks,
+        # index entries, in-flight accounting): registered again meanwhile, the new engine's
+        # entries and accounting would be dropped with the old ones.
+        self._removing: set[str] = set()
         self._on_engine_gone = on_engine_gone
         self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
@@ -307,6 +312,10 @@ class Fleet:
         source: str = "admin",
         array_tail: ArrayTail | None = None,
     ) -> EngineRecord:
+        if address in self._removing:
+            raise DuplicateEngineError(
+                f"engine {address} is being removed; register it again once that is done"
+            )
         record = self.registry.add(
             address, kv_events=kv_events, source=source, array_tail=array_tail
         )
@@ -318,13 +327,17 @@ class Fleet:
     async def remove_engine(self, key: str) -> EngineRecord:
         record = self.registry.remove(key)
         engine = self._engines.pop(record.address, None)
-        if engine is not None:
-            await engine.close()
-        await self._drop_indexed(record.address)
-        if self.remote is not None:  # added again later, it is a first contact
-            self.remote.restarted.discard(record.address)
-        if self._on_engine_gone is not None:
-            self._on_engine_gone(record.address)
+        self._removing.add(record.address)
+        try:
+            if engine is not None:
+                await engine.close()
+            await self._drop_indexed(record.address)
+            if self.remote is not None:  # added again later, it is a first contact
+                self.remote.restarted.discard(record.address)
+            if self._on_engine_gone is not None:
+                self._on_engine_gone(record.address)
+        finally:
+            self._removing.discard(record.address)
         await self._notify()
         return record
 
@@ -523,13 +536,17 @@ class Fleet:
         need_identity = True
         # GetLoad's instance id since the identity was fetched; "" until it names one.
         load_instance = ""
-        restarted = False  # GetLoad named a new instance: the identity fetch is a new process
+        # The next identity fetched is a new process: GetLoad named a new instance, or the
+        # process answering was rejected as incompatible (whatever answers next is another).
+        restarted = False
+        followed = False  # a process was accepted here: what it left must go if it is replaced
         while True:
             now = self._clock()
             try:
                 if need_identity:
                     await self._fetch_identity(engine, restarted)
                     need_identity = restarted = False
+                    followed = True
                     load_instance = ""
                 elif self.remote is not None and engine.address in self.remote.restarted:
                     await self._resync_remote(engine)
@@ -545,6 +562,10 @@ class Fleet:
                 # there, which would read as a restart at every poll.
                 if load_instance and load.instance_id and load.instance_id != load_instance:
                     log.info("engine %s restarted (instance %s)", address, load.instance_id)
+                    # Out of routing until the new process's identity is read and the old
+                    # one's blocks are dropped: they would attract traffic meanwhile.
+                    self.registry.on_new_instance(address)
+                    await self._notify()
                     need_identity = restarted = True
                     next_health = 0.0  # the new process's health, once its identity is in
                     continue
@@ -564,9 +585,16 @@ class Fleet:
             except IncompatibleEngineError as exc:
                 self.registry.mark_incompatible(address, str(exc))
                 log.error("engine %s rejected: %s", address, exc)
+                if followed:
+                    # The process followed until now is not the one answering (replaced by
+                    # an incompatible build, or by the same engine under another address):
+                    # its events, index entries and in-flight accounting go now, not when a
+                    # compatible process comes back, which is then a new one.
+                    await self._forget_old_process(engine)
+                    followed = False
                 await self._notify()
                 delay = health.backoff_max_s
-                need_identity = True
+                need_identity = restarted = True
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
                 failure = poll_failure(exc.code().name)

@@ -260,6 +260,15 @@ class EngineRecord:
         return self.lora_adapters is not None and lora_name in self.lora_adapters
 
 
+def _reject(record: EngineRecord, error: str) -> None:
+    """The engine answering at the record's address is one the controller will not use
+    (incompatible, or another address's engine): out of routing, and its last load, which may
+    be an earlier process's, leaves the fleet's totals."""
+    record.state = EngineState.INCOMPATIBLE
+    record.last_error = error
+    record.load = LoadSnapshot()
+
+
 def _why_not_routable(record: EngineRecord) -> str:
     if record.cordoned and record.state in ROUTABLE_STATES:
         return "cordoned"
@@ -475,17 +484,13 @@ class Registry:
             )
         except IncompatibleEngineError as exc:
             record.identity = identity
-            record.state = EngineState.INCOMPATIBLE
-            record.last_error = str(exc)
+            _reject(record, str(exc))
             raise
         twin = self._reachable_twin(address, identity.instance_id)
         if twin is not None:
             # One engine process under two addresses (localhost and 127.0.0.1, say) would be
             # counted and routed to twice, and cordoned or drained only half.
-            record.state = EngineState.INCOMPATIBLE
-            record.last_error = (
-                f"the same engine (instance {identity.instance_id}) as {twin.address}"
-            )
+            _reject(record, f"the same engine (instance {identity.instance_id}) as {twin.address}")
             raise IncompatibleEngineError(record.last_error)
         if record.state is EngineState.INCOMPATIBLE:
             record.state = EngineState.UNKNOWN  # upgraded: the next health answer decides
@@ -525,6 +530,16 @@ class Registry:
                 return other
         return None
 
+    def on_new_instance(self, address: str) -> None:
+        """GetLoad named a process other than the one whose identity was read: out of routing
+        (UNKNOWN), reporting no load, until `on_identity` has taken the new process and a
+        health answer says READY again. Until then the index still holds the old process's
+        blocks."""
+        record = self._by_address.get(address)
+        if record is not None and record.state is not EngineState.INCOMPATIBLE:
+            record.state = EngineState.UNKNOWN
+            record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
+
     def on_loras(self, address: str, adapters: frozenset[str] | None) -> None:
         """Record every adapter the engine holds (ListLoras; None: it serves no LoRA)."""
         record = self._by_address.get(address)
@@ -544,8 +559,7 @@ class Registry:
     def mark_incompatible(self, address: str, error: str) -> None:
         record = self._by_address.get(address)
         if record is not None:
-            record.state = EngineState.INCOMPATIBLE
-            record.last_error = error
+            _reject(record, error)
 
     def on_health(self, address: str, state: EngineState, now_s: float, message: str = "") -> None:
         """Record a health answer. `message` (what the failing checks said) is kept as the
