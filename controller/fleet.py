@@ -258,6 +258,7 @@ class Fleet:
         # index entries, in-flight accounting): registered again meanwhile, the new engine's
         # entries and accounting would be dropped with the old ones.
         self._removing: set[str] = set()
+        self._removals: set[asyncio.Task[None]] = set()  # their tasks (`remove_engine`)
         self._on_engine_gone = on_engine_gone
         self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
@@ -328,18 +329,31 @@ class Fleet:
         record = self.registry.remove(key)
         engine = self._engines.pop(record.address, None)
         self._removing.add(record.address)
+        # In a task of its own, shielded: a caller that stops waiting (RemoveEngine's client
+        # gives up) must not leave the engine's entries and accounting behind, which nothing
+        # would drop later (the engine has left the registry).
+        task = asyncio.create_task(
+            self._drop_removed(record.address, engine), name=f"remove {record.address}"
+        )
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+        await asyncio.shield(task)
+        return record
+
+    async def _drop_removed(self, address: str, engine: _Engine | None) -> None:
+        """Everything a removed engine left: its tasks and channel (which ends its calls),
+        its index entries, the router's accounting of it."""
         try:
             if engine is not None:
                 await engine.close()
-            await self._drop_indexed(record.address)
+            await self._drop_indexed(address)
             if self.remote is not None:  # added again later, it is a first contact
-                self.remote.restarted.discard(record.address)
+                self.remote.restarted.discard(address)
             if self._on_engine_gone is not None:
-                self._on_engine_gone(record.address)
+                self._on_engine_gone(address)
         finally:
-            self._removing.discard(record.address)
+            self._removing.discard(address)
         await self._notify()
-        return record
 
     async def _drop_indexed(self, address: str) -> None:
         """Remove the engine's entries from the index: its worker and, when its events come
@@ -404,6 +418,10 @@ class Fleet:
         return source.counters if source is not None else None
 
     async def close(self) -> None:
+        for task in self._removals:
+            task.cancel()
+        if self._removals:
+            await asyncio.wait(self._removals)
         engines = list(self._engines.values())
         self._engines.clear()
         for engine in engines:

@@ -56,7 +56,7 @@ _MOVING_RELEASES = frozenset({"", "main", "master", "head", "latest", "trunk", "
 
 
 class EngineState(enum.StrEnum):
-    UNKNOWN = "unknown"  # never reached yet
+    UNKNOWN = "unknown"  # never reached yet, or a new process whose identity is being read
     STARTING = "starting"
     READY = "ready"
     DEGRADED = "degraded"

@@ -15,6 +15,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.paused_index import PausedIndex
 from tests.controller.test_gateway import PREFIX, generate, holder_of
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -108,6 +109,33 @@ async def test_an_engine_registered_again_while_its_removal_runs_is_refused_unti
         await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
         await fleet.wait_routable(2)
         assert await holder_of(fleet, PREFIX, 4) == holder  # its cache, from a new snapshot
+    finally:
+        index.resume.set()
+        await close_fleet(fleet)
+
+
+async def test_a_removal_whose_caller_gives_up_still_drops_what_the_engine_left() -> None:
+    """RemoveEngine's client may stop waiting (its deadline, Ctrl-C) while the removal drops
+    the engine's index entries: the engine has left the registry by then, so nothing would
+    drop them later. The removal runs to its end all the same."""
+    index = PausedIndex()
+    fleet = await make_fleet(2, index_backend=index)
+    try:
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        index.pause("remove_worker")
+        removal = asyncio.create_task(fleet.app.controller.fleet.remove_engine(holder))
+        await index.paused.wait()
+        removal.cancel()  # what a cancelled RemoveEngine does to its handler
+        await asyncio.wait([removal])
+        index.resume.set()
+
+        async def dropped() -> bool:
+            return holder not in {w.worker_id for w in (await index.stats()).workers}
+
+        await eventually(dropped, 10, "the removed engine's index entries to be dropped")
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
+        await fleet.wait_routable(2)
     finally:
         index.resume.set()
         await close_fleet(fleet)
