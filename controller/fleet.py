@@ -608,8 +608,11 @@ class Fleet:
                     # an incompatible build, or by the same engine under another address):
                     # its events, index entries and in-flight accounting go now, not when a
                     # compatible process comes back, which is then a new one.
-                    await self._forget_old_process(engine)
                     followed = False
+                    try:
+                        await self._forget_old_process(engine)
+                    except Exception:  # a bug: out of this handler it would end the polls
+                        log.exception("engine %s: forgetting its old process failed", address)
                 await self._notify()
                 delay = health.backoff_max_s
                 need_identity = restarted = True
