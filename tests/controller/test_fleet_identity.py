@@ -1,7 +1,8 @@
 """An engine whose identity changes at the same address, through real servers: a process
 restarted with another model, block size and role is read again; a new process named by
 GetLoad takes no traffic until the old one's blocks are gone; a process replaced by an
-incompatible build leaves the index at once, and its compatible successor is followed afresh."""
+incompatible build leaves the index at once, and its compatible successor is followed afresh;
+an address found to be another address's engine drops what it indexed for that process."""
 
 from __future__ import annotations
 
@@ -152,4 +153,49 @@ async def test_an_engine_replaced_by_an_incompatible_build_leaves_the_index_at_o
         await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, WAIT_S)
         assert await holder_of(fleet, PREFIX, 4) == address
     finally:
+        await close_fleet(fleet)
+
+
+async def serve_front(
+    inner: pb_grpc.OpenEngineAsyncStub, port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """A front server for the sim engine behind `inner`, on `port` (0: a free one): one more
+    address of the same engine process."""
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(Forwarding(inner), server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
+async def test_an_address_that_turns_out_to_be_another_addresses_engine_leaves_the_index() -> None:
+    """One engine process reached at two addresses: the second takes over while the first does
+    not answer; when the first answers again it is the second's engine, rejected, and what it
+    indexed for the process (under its own address) goes with its KV-event subscription: the
+    index holds the process's blocks once, under the address that routes to it."""
+    engine = await start_fronted_engine("twin", Forwarding)
+    first = f"127.0.0.1:{engine.port}"
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    second_server, second_port = await serve_front(engine.servicer.inner)
+    second = f"127.0.0.1:{second_port}"
+    registry = fleet.app.controller.fleet.registry
+    try:
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        assert await holder_of(fleet, PREFIX, 4) == first
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=second))
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(second).state is EngineState.INCOMPATIBLE, WAIT_S
+        )
+        await engine.server.stop(None)  # the first address stops answering
+        await fleet.app.controller.fleet.wait_for(lambda: registry.get(second).routable, WAIT_S)
+        assert await holder_of(fleet, PREFIX, 4) == second
+        engine.server, _ = await serve_front(engine.servicer.inner, engine.port)
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(first).state is EngineState.INCOMPATIBLE, WAIT_S
+        )
+        assert "the same engine" in registry.get(first).last_error
+        assert await indexed_workers(fleet) == {second}
+        assert fleet.app.controller.fleet.source_of(first) is None
+    finally:
+        await second_server.stop(None)
         await close_fleet(fleet)
