@@ -269,6 +269,13 @@ def _reject(record: EngineRecord, error: str) -> None:
     record.load = LoadSnapshot()
 
 
+def _standing(record: EngineRecord) -> tuple[bool, bool, str]:
+    """Sorts first the record that answers for its engine: routable, then one whose polls
+    succeed (not failing, unreachable or rejected), then by address."""
+    rejected = record.state in POLL_FAILED_STATES or record.state is EngineState.INCOMPATIBLE
+    return (not record.routable, rejected, record.address)
+
+
 def _why_not_routable(record: EngineRecord) -> str:
     if record.cordoned and record.state in ROUTABLE_STATES:
         return "cordoned"
@@ -312,16 +319,23 @@ class Registry:
         return record
 
     def get(self, key: str) -> EngineRecord:
-        """By address or by instance id."""
+        """By address or by instance id. Several records may name one instance id (one
+        process under two addresses, or replaced at another address): the one that answers
+        for it is meant, routable first, then one whose polls succeed (a cordon or a drain
+        of the others would miss the engine)."""
         if not key:
             raise EmptyEngineRefError("name the engine by its address or instance id")
         record = self._by_address.get(key)
         if record is not None:
             return record
-        for candidate in self._by_address.values():
-            if candidate.identity is not None and candidate.identity.instance_id == key:
-                return candidate
-        raise UnknownEngineError(f"no engine {key!r} in the fleet")
+        named = [
+            r
+            for r in self._by_address.values()
+            if r.identity is not None and r.identity.instance_id == key
+        ]
+        if not named:
+            raise UnknownEngineError(f"no engine {key!r} in the fleet")
+        return min(named, key=_standing)
 
     def by_engine_id(self, engine_id: str) -> EngineRecord | None:
         try:

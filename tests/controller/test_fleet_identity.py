@@ -196,6 +196,9 @@ async def test_an_address_that_turns_out_to_be_another_addresses_engine_leaves_t
         assert "the same engine" in registry.get(first).last_error
         assert await indexed_workers(fleet) == {second}
         assert fleet.app.controller.fleet.source_of(first) is None
+        # The instance id names the address that answers for the engine.
+        await fleet.admin.Cordon(apb.EngineRef(engine="twin"))
+        assert registry.get(second).cordoned and not registry.get(second).routable
     finally:
         await second_server.stop(None)
         await close_fleet(fleet)
