@@ -42,6 +42,7 @@ import grpc
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.registry import (
+    DuplicateEngineError,
     EjectionPolicy,
     EngineIdentity,
     EngineRecord,
@@ -253,6 +254,11 @@ class Fleet:
         )
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
+        # Addresses whose RemoveEngine is still dropping what the engine left (its tasks,
+        # index entries, in-flight accounting): registered again meanwhile, the new engine's
+        # entries and accounting would be dropped with the old ones.
+        self._removing: set[str] = set()
+        self._removals: set[asyncio.Task[None]] = set()  # their tasks (`remove_engine`)
         self._on_engine_gone = on_engine_gone
         self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
@@ -307,6 +313,10 @@ class Fleet:
         source: str = "admin",
         array_tail: ArrayTail | None = None,
     ) -> EngineRecord:
+        if address in self._removing:
+            raise DuplicateEngineError(
+                f"engine {address} is being removed; register it again once that is done"
+            )
         record = self.registry.add(
             address, kv_events=kv_events, source=source, array_tail=array_tail
         )
@@ -318,15 +328,32 @@ class Fleet:
     async def remove_engine(self, key: str) -> EngineRecord:
         record = self.registry.remove(key)
         engine = self._engines.pop(record.address, None)
-        if engine is not None:
-            await engine.close()
-        await self._drop_indexed(record.address)
-        if self.remote is not None:  # added again later, it is a first contact
-            self.remote.restarted.discard(record.address)
-        if self._on_engine_gone is not None:
-            self._on_engine_gone(record.address)
-        await self._notify()
+        self._removing.add(record.address)
+        # In a task of its own, shielded: a caller that stops waiting (RemoveEngine's client
+        # gives up) must not leave the engine's entries and accounting behind, which nothing
+        # would drop later (the engine has left the registry).
+        task = asyncio.create_task(
+            self._drop_removed(record.address, engine), name=f"remove {record.address}"
+        )
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+        await asyncio.shield(task)
         return record
+
+    async def _drop_removed(self, address: str, engine: _Engine | None) -> None:
+        """Everything a removed engine left: its tasks and channel (which ends its calls),
+        its index entries, the router's accounting of it."""
+        try:
+            if engine is not None:
+                await engine.close()
+            await self._drop_indexed(address)
+            if self.remote is not None:  # added again later, it is a first contact
+                self.remote.restarted.discard(address)
+            if self._on_engine_gone is not None:
+                self._on_engine_gone(address)
+        finally:
+            self._removing.discard(address)
+        await self._notify()
 
     async def _drop_indexed(self, address: str) -> None:
         """Remove the engine's entries from the index: its worker and, when its events come
@@ -391,6 +418,10 @@ class Fleet:
         return source.counters if source is not None else None
 
     async def close(self) -> None:
+        for task in self._removals:
+            task.cancel()
+        if self._removals:
+            await asyncio.wait(self._removals)
         engines = list(self._engines.values())
         self._engines.clear()
         for engine in engines:
@@ -523,13 +554,17 @@ class Fleet:
         need_identity = True
         # GetLoad's instance id since the identity was fetched; "" until it names one.
         load_instance = ""
-        restarted = False  # GetLoad named a new instance: the identity fetch is a new process
+        # The next identity fetched is a new process: GetLoad named a new instance, or the
+        # process answering was rejected as incompatible (whatever answers next is another).
+        restarted = False
+        followed = False  # a process was accepted here: what it left must go if it is replaced
         while True:
             now = self._clock()
             try:
                 if need_identity:
                     await self._fetch_identity(engine, restarted)
                     need_identity = restarted = False
+                    followed = True
                     load_instance = ""
                 elif self.remote is not None and engine.address in self.remote.restarted:
                     await self._resync_remote(engine)
@@ -545,6 +580,10 @@ class Fleet:
                 # there, which would read as a restart at every poll.
                 if load_instance and load.instance_id and load.instance_id != load_instance:
                     log.info("engine %s restarted (instance %s)", address, load.instance_id)
+                    # Out of routing until the new process's identity is read and the old
+                    # one's blocks are dropped: they would attract traffic meanwhile.
+                    self.registry.on_new_instance(address)
+                    await self._notify()
                     need_identity = restarted = True
                     next_health = 0.0  # the new process's health, once its identity is in
                     continue
@@ -564,9 +603,19 @@ class Fleet:
             except IncompatibleEngineError as exc:
                 self.registry.mark_incompatible(address, str(exc))
                 log.error("engine %s rejected: %s", address, exc)
+                if followed:
+                    # The process followed until now is not the one answering (replaced by
+                    # an incompatible build, or by the same engine under another address):
+                    # its events, index entries and in-flight accounting go now, not when a
+                    # compatible process comes back, which is then a new one.
+                    followed = False
+                    try:
+                        await self._forget_old_process(engine)
+                    except Exception:  # a bug: out of this handler it would end the polls
+                        log.exception("engine %s: forgetting its old process failed", address)
                 await self._notify()
                 delay = health.backoff_max_s
-                need_identity = True
+                need_identity = restarted = True
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
                 failure = poll_failure(exc.code().name)

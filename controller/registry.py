@@ -56,7 +56,7 @@ _MOVING_RELEASES = frozenset({"", "main", "master", "head", "latest", "trunk", "
 
 
 class EngineState(enum.StrEnum):
-    UNKNOWN = "unknown"  # never reached yet
+    UNKNOWN = "unknown"  # never reached yet, or a new process whose identity is being read
     STARTING = "starting"
     READY = "ready"
     DEGRADED = "degraded"
@@ -260,6 +260,22 @@ class EngineRecord:
         return self.lora_adapters is not None and lora_name in self.lora_adapters
 
 
+def _reject(record: EngineRecord, error: str) -> None:
+    """The engine answering at the record's address is one the controller will not use
+    (incompatible, or another address's engine): out of routing, and its last load, which may
+    be an earlier process's, leaves the fleet's totals."""
+    record.state = EngineState.INCOMPATIBLE
+    record.last_error = error
+    record.load = LoadSnapshot()
+
+
+def _standing(record: EngineRecord) -> tuple[bool, bool, str]:
+    """Sorts first the record that answers for its engine: routable, then one whose polls
+    succeed (not failing, unreachable or rejected), then by address."""
+    rejected = record.state in POLL_FAILED_STATES or record.state is EngineState.INCOMPATIBLE
+    return (not record.routable, rejected, record.address)
+
+
 def _why_not_routable(record: EngineRecord) -> str:
     if record.cordoned and record.state in ROUTABLE_STATES:
         return "cordoned"
@@ -303,16 +319,23 @@ class Registry:
         return record
 
     def get(self, key: str) -> EngineRecord:
-        """By address or by instance id."""
+        """By address or by instance id. Several records may name one instance id (one
+        process under two addresses, or replaced at another address): the one that answers
+        for it is meant, routable first, then one whose polls succeed (a cordon or a drain
+        of the others would miss the engine)."""
         if not key:
             raise EmptyEngineRefError("name the engine by its address or instance id")
         record = self._by_address.get(key)
         if record is not None:
             return record
-        for candidate in self._by_address.values():
-            if candidate.identity is not None and candidate.identity.instance_id == key:
-                return candidate
-        raise UnknownEngineError(f"no engine {key!r} in the fleet")
+        named = [
+            r
+            for r in self._by_address.values()
+            if r.identity is not None and r.identity.instance_id == key
+        ]
+        if not named:
+            raise UnknownEngineError(f"no engine {key!r} in the fleet")
+        return min(named, key=_standing)
 
     def by_engine_id(self, engine_id: str) -> EngineRecord | None:
         try:
@@ -475,17 +498,13 @@ class Registry:
             )
         except IncompatibleEngineError as exc:
             record.identity = identity
-            record.state = EngineState.INCOMPATIBLE
-            record.last_error = str(exc)
+            _reject(record, str(exc))
             raise
         twin = self._reachable_twin(address, identity.instance_id)
         if twin is not None:
             # One engine process under two addresses (localhost and 127.0.0.1, say) would be
             # counted and routed to twice, and cordoned or drained only half.
-            record.state = EngineState.INCOMPATIBLE
-            record.last_error = (
-                f"the same engine (instance {identity.instance_id}) as {twin.address}"
-            )
+            _reject(record, f"the same engine (instance {identity.instance_id}) as {twin.address}")
             raise IncompatibleEngineError(record.last_error)
         if record.state is EngineState.INCOMPATIBLE:
             record.state = EngineState.UNKNOWN  # upgraded: the next health answer decides
@@ -525,6 +544,16 @@ class Registry:
                 return other
         return None
 
+    def on_new_instance(self, address: str) -> None:
+        """GetLoad named a process other than the one whose identity was read: out of routing
+        (UNKNOWN), reporting no load, until `on_identity` has taken the new process and a
+        health answer says READY again. Until then the index still holds the old process's
+        blocks."""
+        record = self._by_address.get(address)
+        if record is not None and record.state is not EngineState.INCOMPATIBLE:
+            record.state = EngineState.UNKNOWN
+            record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
+
     def on_loras(self, address: str, adapters: frozenset[str] | None) -> None:
         """Record every adapter the engine holds (ListLoras; None: it serves no LoRA)."""
         record = self._by_address.get(address)
@@ -544,8 +573,7 @@ class Registry:
     def mark_incompatible(self, address: str, error: str) -> None:
         record = self._by_address.get(address)
         if record is not None:
-            record.state = EngineState.INCOMPATIBLE
-            record.last_error = error
+            _reject(record, error)
 
     def on_health(self, address: str, state: EngineState, now_s: float, message: str = "") -> None:
         """Record a health answer. `message` (what the failing checks said) is kept as the

@@ -207,13 +207,14 @@ class Controller:
         return self.config.router.reject_when_all_busy
 
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
-        candidates = plan.view.candidates
-        if not candidates:
+        # Not the engines that already failed it (a retry), nor those out of routing since
+        # the plan was made: its index match may have waited on a shared or remote index
+        # while a drain, a cordon, a health answer or a removal came.
+        candidates = tuple(
+            c for c in plan.view.candidates if c.engine_id not in exclude and self._routable(c)
+        )
+        if not candidates and not exclude:
             raise NoEngineAvailableError(self.fleet.registry.why_unavailable(plan.model))
-        if exclude:  # a retry: not the engines that already failed it, nor gone since
-            candidates = tuple(
-                c for c in candidates if c.engine_id not in exclude and self._routable(c)
-            )
         with self._counting_refusal():
             decision = self.router.route(
                 plan.request,

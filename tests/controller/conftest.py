@@ -15,6 +15,7 @@ from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from engine.config import EngineConfig, SimTimingConfig
 from engine.server.service import EngineApp, start_engine
+from indexer.backend import IndexBackend
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -92,6 +93,7 @@ async def make_fleet(
     num_engines: int = 3,
     time_scale: float = 0.0,
     engines: list[EngineApp] | None = None,
+    index_backend: IndexBackend | None = None,
     **controller: Any,
 ) -> Fleet:
     if engines is None:
@@ -109,7 +111,7 @@ async def make_fleet(
             **controller,
         }
     )
-    app = await start_controller(config)
+    app = await start_controller(config, index_backend)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
     fleet = Fleet(engines, app, channel)
     await fleet.wait_routable(num_engines)

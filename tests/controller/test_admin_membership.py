@@ -1,16 +1,21 @@
 """The admin API's membership RPCs refuse bad input with the right status and leave the fleet
 as it was: RegisterEngine of an address no engine can have, or of one already registered;
-RemoveEngine of an engine the fleet does not have."""
+RemoveEngine of an engine the fleet does not have; RegisterEngine of an address whose removal
+is still running."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import grpc
 import pytest
 
 from kvplane_api.v1 import admin_pb2 as apb
-from tests.controller.conftest import Fleet
+from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.paused_index import PausedIndex
+from tests.controller.test_gateway import PREFIX, generate, holder_of
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,3 +85,57 @@ async def test_an_empty_engine_reference_is_invalid_even_where_an_engine_has_no_
         await getattr(fleet.admin, rpc)(apb.EngineRef(engine=""))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert await workers(fleet) == before
+
+
+async def test_an_engine_registered_again_while_its_removal_runs_is_refused_until_it_ends() -> None:
+    """RemoveEngine drops what the engine left (its index entries, the router's accounting)
+    after it leaves the registry: the same address registered meanwhile would have its new
+    entries dropped with the old ones, and its warm cache would go unrouted. It is refused
+    (ALREADY_EXISTS, "being removed") until the removal is done, then taken afresh."""
+    index = PausedIndex()
+    fleet = await make_fleet(2, index_backend=index)
+    try:
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        index.pause("remove_worker")
+        removal = asyncio.ensure_future(fleet.admin.RemoveEngine(apb.EngineRef(engine=holder)))
+        await index.paused.wait()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "being removed" in (err.value.details() or "")
+        index.resume.set()
+        await removal
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
+        await fleet.wait_routable(2)
+        assert await holder_of(fleet, PREFIX, 4) == holder  # its cache, from a new snapshot
+    finally:
+        index.resume.set()
+        await close_fleet(fleet)
+
+
+async def test_a_removal_whose_caller_gives_up_still_drops_what_the_engine_left() -> None:
+    """RemoveEngine's client may stop waiting (its deadline, Ctrl-C) while the removal drops
+    the engine's index entries: the engine has left the registry by then, so nothing would
+    drop them later. The removal runs to its end all the same."""
+    index = PausedIndex()
+    fleet = await make_fleet(2, index_backend=index)
+    try:
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        index.pause("remove_worker")
+        removal = asyncio.create_task(fleet.app.controller.fleet.remove_engine(holder))
+        await index.paused.wait()
+        removal.cancel()  # what a cancelled RemoveEngine does to its handler
+        await asyncio.wait([removal])
+        index.resume.set()
+
+        async def dropped() -> bool:
+            return holder not in {w.worker_id for w in (await index.stats()).workers}
+
+        await eventually(dropped, 10, "the removed engine's index entries to be dropped")
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
+        await fleet.wait_routable(2)
+    finally:
+        index.resume.set()
+        await close_fleet(fleet)

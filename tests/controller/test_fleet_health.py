@@ -25,7 +25,8 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
-from tests.controller.test_gateway import record_routes, status_of
+from tests.controller.paused_index import PausedIndex
+from tests.controller.test_gateway import PREFIX, generate, holder_of, record_routes, status_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -226,4 +227,27 @@ async def test_an_engine_answering_health_with_an_error_keeps_its_streams() -> N
         assert not [r for r in responses if r.WhichOneof("event") == "error"]
         assert sum(len(r.token.tokens) for r in responses if r.HasField("token")) == 8
     finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_cordoned_while_a_request_is_matched_in_the_index_does_not_get_it() -> None:
+    """The request's candidates were the routable engines when its match began; the engine
+    holding its prefix is cordoned before the index answers, and gets no traffic all the
+    same."""
+    index = PausedIndex()
+    fleet = await make_fleet(2, index_backend=index)
+    try:
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        holder = await holder_of(fleet, PREFIX, 4)
+        chosen = record_routes(fleet)
+        index.pause("match_prefix_by_tier")
+        request = asyncio.create_task(generate(fleet, generate_request("r", [*PREFIX, 2])))
+        await index.paused.wait()
+        await fleet.admin.Cordon(apb.EngineRef(engine=holder))
+        index.resume.set()
+        reply = await request
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert chosen and holder not in chosen
+    finally:
+        index.resume.set()
         await close_fleet(fleet)

@@ -80,6 +80,11 @@ def test_one_engine_under_a_second_address_is_refused_while_the_first_answers() 
     registry.on_identity("localhost:1", identity("e0"), 3.0)
     registry.on_health("localhost:1", EngineState.READY, 3.0)
     assert [r.address for r in registry.routable()] == ["localhost:1"]
+    # The first address answers again: now it is the twin, and the instance id names the
+    # address that answers for the engine (a cordon by instance id must reach it).
+    with pytest.raises(IncompatibleEngineError, match="as localhost:1"):
+        registry.on_identity("127.0.0.1:1", identity("e0"), 4.0)
+    assert registry.get("e0").address == "localhost:1"
 
 
 def test_lora_requests_are_routable_only_to_engines_holding_the_adapter() -> None:

@@ -1,0 +1,204 @@
+"""An engine whose identity changes at the same address, through real servers: a process
+restarted with another model, block size and role is read again; a new process named by
+GetLoad takes no traffic until the old one's blocks are gone; a process replaced by an
+incompatible build leaves the index at once, and its compatible successor is followed afresh;
+an address found to be another address's engine drops what it indexed for that process."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+from controller.registry import EngineState
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.fronted_engine import Forwarding, start_fronted_engine
+from tests.controller.test_fleet_events import WAIT_S, generate
+from tests.controller.test_fleet_restarts import wait_unreachable
+from tests.controller.test_gateway import PREFIX, holder_of, status_of
+
+pytestmark = pytest.mark.timeout(60)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class Replaceable(Forwarding):
+    """A sim engine whose process the test replaces in place: GetEngineInfo and GetLoad name
+    `instance`, GetEngineInfo advertises contract `revision`, and waits for `release` (set
+    unless a test holds the identity fetch), saying `identity_asked` first."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.instance = "p1"
+        self.revision = 1
+        self.identity_asked = asyncio.Event()
+        self.release = asyncio.Event()
+        self.release.set()
+
+    def replace(self, instance: str, revision: int = 1) -> None:
+        self.instance, self.revision = instance, revision
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        self.identity_asked.set()
+        await self.release.wait()
+        info = await self.inner.GetEngineInfo(request)
+        info.instance_id = self.instance
+        info.schema_revision = info.minimum_client_revision = self.revision
+        return info
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
+        load = await self.inner.GetLoad(request)
+        load.instance_id = self.instance
+        return load
+
+
+async def indexed_workers(fleet: Fleet) -> set[str]:
+    index = fleet.app.controller.index
+    assert index is not None
+    return {w.worker_id for w in (await index.stats()).workers if w.num_blocks}
+
+
+async def test_an_engine_restarted_as_another_model_block_size_and_role_is_read_again() -> None:
+    engines = [
+        await start_sim_engine("a", served_model_name="small", block_size=16),
+        await start_sim_engine("other"),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        old = engines[0]
+        address = fleet.address(old)
+        await old.close()
+        await wait_unreachable(fleet, address)
+        fleet.engines[0] = await start_sim_engine(
+            "b", port=old.port, served_model_name="big", block_size=32, role="prefill"
+        )
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).engine_id == "b" and registry.get(address).routable,
+            WAIT_S,
+        )
+        workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+        (worker,) = [w for w in workers.workers if w.address == address]
+        assert (worker.instance_id, list(worker.models)) == ("b", ["big"])
+        assert (worker.block_size, worker.role) == (32, "prefill")
+        info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+        assert sorted(info.supported_models) == ["big", "sim"]
+        small = fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX), model="small"))
+        assert await status_of(small) == grpc.StatusCode.NOT_FOUND
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_new_process_named_by_get_load_takes_no_traffic_until_its_identity_is_in() -> None:
+    """GetLoad names a new process (restarted faster than a poll): until its identity is read
+    and the old process's blocks are dropped, those blocks would draw requests to it. A long
+    `rpc_timeout_s` keeps the held identity fetch from failing as a timeout meanwhile."""
+    engine = await start_fronted_engine("r", Replaceable)
+    fleet = await make_fleet(engines=[engine], health={"rpc_timeout_s": 60})  # type: ignore[list-item]
+    try:
+        address = f"127.0.0.1:{engine.port}"
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        assert await holder_of(fleet, PREFIX, 4) == address  # its blocks would draw requests
+        engine.servicer.release.clear()
+        engine.servicer.identity_asked.clear()
+        engine.servicer.replace("p2")
+        await engine.servicer.identity_asked.wait()  # the new process's identity is being read
+        registry = fleet.app.controller.fleet.registry
+        assert not registry.get(address).routable
+        route = fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=[*PREFIX, 3])))
+        assert await status_of(route) == grpc.StatusCode.UNAVAILABLE
+        engine.servicer.release.set()
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).engine_id == "p2" and registry.get(address).routable,
+            WAIT_S,
+        )
+    finally:
+        engine.servicer.release.set()
+        await close_fleet(fleet)
+
+
+async def test_an_engine_replaced_by_an_incompatible_build_leaves_the_index_at_once() -> None:
+    """Its old process's blocks, KV-event subscription and in-flight accounting go when it is
+    rejected (admin `workers` shows no INDEXED blocks for it), not when a compatible process
+    comes back; that one is a new process, its cache followed afresh."""
+    engine = await start_fronted_engine("r", Replaceable)
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    try:
+        address = f"127.0.0.1:{engine.port}"
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        assert await holder_of(fleet, PREFIX, 4) == address
+        engine.servicer.replace("p2", revision=2)
+        registry = fleet.app.controller.fleet.registry
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).state is EngineState.INCOMPATIBLE, WAIT_S
+        )
+        assert address not in await indexed_workers(fleet)
+        load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+        assert not load.HasField("total_kv_blocks")  # its last load left the fleet's totals
+        workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+        assert [w.indexed_blocks for w in workers.workers] == [0]
+        assert fleet.app.controller.fleet.source_of(address) is None
+        engine.servicer.replace("p3")  # a compatible build again: followed from a snapshot
+        await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, WAIT_S)
+        assert await holder_of(fleet, PREFIX, 4) == address
+    finally:
+        await close_fleet(fleet)
+
+
+async def serve_front(
+    inner: pb_grpc.OpenEngineAsyncStub, port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """A front server for the sim engine behind `inner`, on `port` (0: a free one): one more
+    address of the same engine process."""
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(Forwarding(inner), server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, port
+
+
+async def test_an_address_that_turns_out_to_be_another_addresses_engine_leaves_the_index() -> None:
+    """One engine process reached at two addresses: the second takes over while the first does
+    not answer; when the first answers again it is the second's engine, rejected, and what it
+    indexed for the process (under its own address) goes with its KV-event subscription: the
+    index holds the process's blocks once, under the address that routes to it."""
+    engine = await start_fronted_engine("twin", Forwarding)
+    first = f"127.0.0.1:{engine.port}"
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    second_server, second_port = await serve_front(engine.servicer.inner)
+    second = f"127.0.0.1:{second_port}"
+    registry = fleet.app.controller.fleet.registry
+    try:
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        assert await holder_of(fleet, PREFIX, 4) == first
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=second))
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(second).state is EngineState.INCOMPATIBLE, WAIT_S
+        )
+        await engine.server.stop(None)  # the first address stops answering
+        await fleet.app.controller.fleet.wait_for(lambda: registry.get(second).routable, WAIT_S)
+        assert await holder_of(fleet, PREFIX, 4) == second
+        engine.server, _ = await serve_front(engine.servicer.inner, engine.port)
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(first).state is EngineState.INCOMPATIBLE, WAIT_S
+        )
+        assert "the same engine" in registry.get(first).last_error
+        assert await indexed_workers(fleet) == {second}
+        assert fleet.app.controller.fleet.source_of(first) is None
+        # The instance id names the address that answers for the engine.
+        await fleet.admin.Cordon(apb.EngineRef(engine="twin"))
+        assert registry.get(second).cordoned and not registry.get(second).routable
+    finally:
+        await second_server.stop(None)
+        await close_fleet(fleet)
