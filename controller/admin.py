@@ -143,7 +143,15 @@ class AdminServicer(apb_grpc.AdminServicer):
         )
         if request.HasField("deadline_ms"):
             drain.deadline_ms = request.deadline_ms
-        call = fleet.stub(record.address).Drain(drain)
+        try:
+            stub = fleet.stub(record.address)
+        except KeyError:  # removed while the drain was recorded
+            await abort_with(
+                context,
+                grpc.StatusCode.NOT_FOUND,
+                f"engine {request.engine!r} was removed from the fleet",
+            )
+        call = stub.Drain(drain)
         timeout_s = self.controller.config.health.rpc_timeout_s
         started = False
         try:

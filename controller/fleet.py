@@ -2,7 +2,9 @@
 candidates for a prompt.
 
 Per engine it owns one poll task (GetEngineInfo + GetModelInfo + ListLoras on first contact,
-after a failed poll, and whenever GetLoad reports a new instance id; Health every
+after a failed poll, whenever GetLoad reports a new instance id, and at once when the
+engine's SubscribeKvEvents stream breaks sequence, which may be a restart that kept the
+instance id: a changed identity then makes it a new process; Health every
 `poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls fail, as
 UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and one
 KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
@@ -212,6 +214,18 @@ class _Engine:
         # The remote index could not be told of this engine's new process: throttled per
         # engine, so that one engine's repeated failures do not hide another's.
         self.remote_resync_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
+        # Set by its KV-event source when a batch out of sequence cleared its worker: the
+        # engine may have restarted under the same instance id between two polls, which
+        # GetLoad cannot tell. The poll task wakes and reads its identity again.
+        self.events_out_of_sequence = asyncio.Event()
+
+    async def wait_poll_interval(self, delay_s: float) -> None:
+        """Sleep until the next poll: `delay_s`, or less if the KV events break sequence."""
+        # (Not `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as
+        # the event is set.)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay_s):
+                await self.events_out_of_sequence.wait()
 
     async def abandon_calls(self, because: str) -> None:
         """End every call on the engine's channel (each fails as cancelled, see
@@ -557,13 +571,19 @@ class Fleet:
         # The next identity fetched is a new process: GetLoad named a new instance, or the
         # process answering was rejected as incompatible (whatever answers next is another).
         restarted = False
+        # The KV-event stream broke sequence: the next identity is compared with the last.
+        stream_broke = False
         followed = False  # a process was accepted here: what it left must go if it is replaced
         while True:
             now = self._clock()
+            if engine.events_out_of_sequence.is_set():
+                engine.events_out_of_sequence.clear()
+                need_identity = stream_broke = True
+                next_health = 0.0  # a new process's health, once its identity is in
             try:
                 if need_identity:
-                    await self._fetch_identity(engine, restarted)
-                    need_identity = restarted = False
+                    await self._fetch_identity(engine, restarted, stream_broke)
+                    need_identity = restarted = stream_broke = False
                     followed = True
                     load_instance = ""
                 elif self.remote is not None and engine.address in self.remote.restarted:
@@ -633,7 +653,7 @@ class Fleet:
                     address, now, f"poll failed: {exc}", PollFailure.ERROR_ANSWER
                 )
                 need_identity = True
-            await asyncio.sleep(delay)
+            await engine.wait_poll_interval(delay)
 
     async def _wait_unreachable(self, engine: _Engine, delay_s: float) -> None:
         """Wait `delay_s` for the next poll of an unreachable engine, abandoning the calls it
@@ -657,7 +677,13 @@ class Fleet:
         await engine.abandon_calls(f"unreachable for {unreachable_s:.1f} s")
         await asyncio.sleep(delay_s - due_in_s)
 
-    async def _fetch_identity(self, engine: _Engine, restarted: bool = False) -> None:
+    async def _fetch_identity(
+        self, engine: _Engine, restarted: bool = False, stream_broke: bool = False
+    ) -> None:
+        """Read the engine's identity. `restarted`: it is a new process (GetLoad named one,
+        or the one followed was rejected). `stream_broke`: its KV events broke sequence,
+        which a new process under the same instance id does, and so does one that lost its
+        place in the stream; an identity other than the last one read says which."""
         timeout = self.config.health.rpc_timeout_s
         info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
         identity = EngineIdentity(
@@ -695,7 +721,14 @@ class Fleet:
                     generates=generates(model),
                 )
         adapters = await self._list_loras(engine, identity)
-        first_contact = self.registry.get(engine.address).identity is None
+        previous = self.registry.get(engine.address).identity
+        first_contact = previous is None
+        if stream_broke and not first_contact and identity != previous:
+            log.info("engine %s restarted (its KV events broke sequence, its identity changed)",
+                     engine.address)  # fmt: skip
+            # As a new process GetLoad names: out of routing until the old one is forgotten.
+            self.registry.on_new_instance(engine.address)
+            restarted = True
         is_new = self.registry.on_identity(engine.address, identity, self._clock(), restarted)
         self.registry.on_loras(engine.address, adapters)
         if is_new:
@@ -772,6 +805,7 @@ class Fleet:
                 self.index,
                 channels=self._engine_channels,
                 on_batch_time=on_batch_time,
+                on_sequence_break=engine.events_out_of_sequence.set,
             )
         if source is None:
             return

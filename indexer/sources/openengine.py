@@ -31,6 +31,11 @@ or the reconnect backoff, at once and resubscribes from
 sequence number 0 with `include_snapshot`: the engine answers with a snapshot (or a replay
 from its first batch), whose sequence number is not the one expected, so the worker is
 cleared and rebuilt.
+
+`on_sequence_break`, when given, is called (synchronously) each time a batch out of sequence
+has cleared the worker after earlier batches: the engine may have restarted, and only its
+stream says so when it keeps its instance id and returns within one of its owner's polls. The
+owner (the controller's fleet) decides what else that means; the source knows nothing of it.
 """
 
 from __future__ import annotations
@@ -154,12 +159,14 @@ class OpenEngineSource:
         *,
         channels: ClientChannels = INSECURE,
         on_batch_time: BatchTimeObserver | None = None,
+        on_sequence_break: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.translator = translator
         self.sink = sink
         self.counters = SourceCounters()
         self.on_batch_time = on_batch_time
+        self.on_sequence_break = on_sequence_break
         self.last_seq: int | None = None
         # Set when the engine lacks SubscribeKvEvents and its advertised ZMQ sources are
         # followed instead (one per data-parallel rank).
@@ -328,6 +335,8 @@ class OpenEngineSource:
             self.counters.num_resets += 1
             await self.sink.apply(self.translator.reset(seq=seq))
             self.counters.num_batches_applied += 1
+            if expected is not None and self.on_sequence_break is not None:
+                self.on_sequence_break()
         events: list[EngineEvent] = []
         for raw in batch.events:
             try:

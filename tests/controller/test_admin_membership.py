@@ -1,7 +1,7 @@
 """The admin API's membership RPCs refuse bad input with the right status and leave the fleet
 as it was: RegisterEngine of an address no engine can have, or of one already registered;
 RemoveEngine of an engine the fleet does not have; RegisterEngine of an address whose removal
-is still running."""
+is still running; DrainEngine of an engine removed while the drain is recorded."""
 
 from __future__ import annotations
 
@@ -139,3 +139,24 @@ async def test_a_removal_whose_caller_gives_up_still_drops_what_the_engine_left(
     finally:
         index.resume.set()
         await close_fleet(fleet)
+
+
+async def test_a_drain_of_an_engine_removed_while_it_is_recorded_is_not_found(fleet: Fleet) -> None:
+    """DrainEngine records the drain (an await) before it sends it: an engine removed
+    meanwhile is NOT_FOUND, as one never registered, not an internal error. The fleet's
+    change notification is held so that the removal lands inside that await."""
+    service = fleet.app.controller.fleet
+    address = fleet.address(fleet.engines[0])
+    async with service._changed:  # DrainEngine's notification of the drain waits for it
+        drain = asyncio.ensure_future(
+            anext(aiter(fleet.admin.DrainEngine(apb.DrainEngineRequest(engine=address))))
+        )
+        await eventually(lambda: service.registry.get(address).drain_requested)
+        removal = asyncio.ensure_future(service.remove_engine(address))
+        await eventually(lambda: service.registry.by_engine_id(address) is None)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await drain
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND, err.value.details()
+    assert "removed" in (err.value.details() or "")
+    await removal
+    assert address not in [w for w, _, _ in await workers(fleet)]

@@ -2,7 +2,9 @@
 restarted with another model, block size and role is read again; a new process named by
 GetLoad takes no traffic until the old one's blocks are gone; a process replaced by an
 incompatible build leaves the index at once, and its compatible successor is followed afresh;
-an address found to be another address's engine drops what it indexed for that process."""
+an address found to be another address's engine drops what it indexed for that process; an
+engine restarted under its instance id between two polls is read again when its KV-event
+stream breaks sequence."""
 
 from __future__ import annotations
 
@@ -96,6 +98,38 @@ async def test_an_engine_restarted_as_another_model_block_size_and_role_is_read_
         assert sorted(info.supported_models) == ["big", "sim"]
         small = fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX), model="small"))
         assert await status_of(small) == grpc.StatusCode.NOT_FOUND
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_restarted_between_polls_under_its_instance_id_is_read_again() -> None:
+    """An engine restarted under the instance id its config sets, with another block size,
+    between two polls (an hour apart here): no poll failed and GetLoad names the same
+    process, so only its KV-event stream says so, by breaking sequence. Its identity is read
+    again at once: admin `workers` shows the new block size, and prompts are matched in it."""
+    engine = await start_sim_engine("a", block_size=16)
+    hourly = {"poll_interval_s": 3600, "load_poll_interval_s": 3600}
+    fleet = await make_fleet(engines=[engine], health=hourly)
+    try:
+        address = fleet.address(engine)
+        await generate(fleet, generate_request("warm", [*PREFIX, 1]))
+        assert await holder_of(fleet, PREFIX, 4) == address  # 4 blocks of 16
+        await engine.close()
+        fleet.engines[0] = await start_sim_engine("a", port=engine.port, block_size=32)
+        registry = fleet.app.controller.fleet.registry
+
+        def read_again() -> bool:
+            identity = registry.get(address).identity
+            return identity is not None and identity.block_size == 32
+
+        await fleet.app.controller.fleet.wait_for(read_again, WAIT_S)
+        workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+        assert [(w.instance_id, w.block_size) for w in workers.workers] == [("a", 32)]
+        await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, WAIT_S)
+        await generate(fleet, generate_request("again", [*PREFIX, 1]))
+        assert await holder_of(fleet, PREFIX, 2) == address  # its cache, in blocks of 32
+        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
+        assert (match.block_size, match.num_blocks) == (32, 2)
     finally:
         await close_fleet(fleet)
 
