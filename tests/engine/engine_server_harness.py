@@ -45,6 +45,25 @@ def sim_config(**overrides: Any) -> EngineConfig:
     return EngineConfig(**values)
 
 
+def torch_config(model: str, **overrides: Any) -> EngineConfig:
+    """A small torch engine serving `model`: block size 16, 256 blocks, one thread."""
+    from tests.engine.torch_reference import TEST_DEVICE  # torch: only where a test needs it
+
+    values: dict[str, Any] = {
+        "model": model,
+        "listen": "127.0.0.1:0",
+        "block_size": 16,
+        "num_kv_blocks": 256,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 512,
+        "num_threads": 1,
+        "shutdown_grace_s": 1.0,
+        "device": TEST_DEVICE,
+    }
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
 @asynccontextmanager
 async def running_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
     app = await start_engine(config or sim_config())

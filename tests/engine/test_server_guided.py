@@ -27,8 +27,8 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
     stream_error,
+    torch_config,
 )
-from tests.engine.torch_reference import TEST_DEVICE
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
 pytestmark = pytest.mark.timeout(300)
@@ -58,18 +58,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _config(model_dir: Path) -> EngineConfig:
-    return EngineConfig(
-        model=str(model_dir),
-        listen="127.0.0.1:0",
-        served_model_name="m",
-        block_size=16,
-        num_kv_blocks=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        num_threads=1,
-        shutdown_grace_s=1.0,
-        device=TEST_DEVICE,
-    )
+    return torch_config(str(model_dir), served_model_name="m")
 
 
 def _request(

@@ -8,8 +8,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.torch_runner.builtin_model import ensure_builtin_model
-from tests.engine.engine_server_harness import running_engine
-from tests.engine.torch_reference import TEST_DEVICE
+from tests.engine.engine_server_harness import running_engine, torch_config
 from vllm_grpc import vllm_grpc_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,17 +19,7 @@ VOCAB_SIZE = 385  # the builtin model's
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
-    return EngineConfig(
-        model=str(ensure_builtin_model(tmp_path_factory.mktemp("models"))),
-        listen="127.0.0.1:0",
-        block_size=16,
-        num_kv_blocks=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        num_threads=1,
-        shutdown_grace_s=1.0,
-        device=TEST_DEVICE,
-    )
+    return torch_config(str(ensure_builtin_model(tmp_path_factory.mktemp("models"))))
 
 
 def _request(max_new_tokens: int = 12, **response: object) -> pb.GenerateRequest:
