@@ -5,7 +5,8 @@ traffic; failures before the first token are retried elsewhere; abort and LoRA f
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -769,9 +770,11 @@ class _FutureEngine(pb_grpc.OpenEngineServicer):
         return pb.LoadInfo(instance_id=f"f{self.revision}")
 
 
-async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) -> None:
+@asynccontextmanager
+async def _registered(fleet: Fleet, engine: _FutureEngine) -> AsyncIterator[str]:
+    """`engine` served on a port of its own and registered with the fleet: its address."""
     server = grpc.aio.server()
-    pb_grpc.add_OpenEngineServicer_to_server(_FutureEngine(), server)  # type: ignore[abstract]
+    pb_grpc.add_OpenEngineServicer_to_server(engine, server)  # type: ignore[abstract]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -779,6 +782,13 @@ async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) ->
         await fleet.admin.RegisterEngine(
             apb.RegisterEngineRequest(address=address, kv_events="none")
         )
+        yield address
+    finally:
+        await server.stop(None)
+
+
+async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) -> None:
+    async with _registered(fleet, _FutureEngine()) as address:
         registry = fleet.app.controller.fleet.registry
         await fleet.app.controller.fleet.wait_for(
             lambda: registry.get(address).state is EngineState.INCOMPATIBLE, 10
@@ -791,8 +801,6 @@ async def test_incompatible_engine_is_rejected_and_never_routed(fleet: Fleet) ->
             assert explained.engine != address
         health = await fleet.gateway.Health(pb.HealthRequest())
         assert health.state == pb.HEALTH_STATE_DEGRADED
-    finally:
-        await server.stop(None)
 
 
 async def test_an_engine_turned_incompatible_takes_its_models_out_of_the_fleets_info(
@@ -803,15 +811,7 @@ async def test_an_engine_turned_incompatible_takes_its_models_out_of_the_fleets_
     GetModelInfo select one of them, and it (like Generate) answers NOT_FOUND for a model no
     compatible engine serves (they were still listed)."""
     engine = _FutureEngine(revision=1, models=("future-only",))
-    server = grpc.aio.server()
-    pb_grpc.add_OpenEngineServicer_to_server(engine, server)  # type: ignore[abstract]
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        address = f"127.0.0.1:{port}"
-        await fleet.admin.RegisterEngine(
-            apb.RegisterEngineRequest(address=address, kv_events="none")
-        )
+    async with _registered(fleet, engine) as address:
         registry = fleet.app.controller.fleet.registry
         await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, 10)
         info = await fleet.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
@@ -824,8 +824,6 @@ async def test_an_engine_turned_incompatible_takes_its_models_out_of_the_fleets_
         assert list(info.supported_models) == ["sim"]
         future_only = fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="future-only"))
         assert await status_of(future_only) == grpc.StatusCode.NOT_FOUND
-    finally:
-        await server.stop(None)
 
 
 async def test_prometheus_metrics_are_exported() -> None:
