@@ -31,7 +31,8 @@ _SOURCE_COUNTERS = {
 # NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures; "aborted":
 # ended by the gateway on an Abort, before any engine was called or at a disaggregated
 # request's handoff (before its decode engine was); "internal": the controller failed to route;
-# "overloaded": refused because every engine was busy (`router.reject_when_all_busy`).
+# "overloaded": refused because every engine was busy (`router.reject_when_all_busy`), or the
+# engine it was last tried on refused it for capacity (RESOURCE_EXHAUSTED).
 RequestOutcome = Literal[
     "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded"
 ]
