@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import signal
 import tempfile
 import time
@@ -208,36 +209,49 @@ class LivePlanner:
 
     async def _follow_passes(self, engine: _Engine) -> None:
         """Sum FORWARD_PASS events until the engine is removed (this task is cancelled then).
-        A stream that ends is subscribed again after `RESUBSCRIBE_S`: an engine ends it when
-        the planner falls too far behind (RESOURCE_EXHAUSTED), and every pass missed after
-        that would make the fleet look idler than it is."""
+        A stream that ends is subscribed again after `RESUBSCRIBE_S` (or the engine's
+        retry_after_ms, if longer): an engine ends it with an EngineError when the planner
+        falls too far behind, and every pass missed after that would make the fleet look idler
+        than it is. An engine without runtime events (UNIMPLEMENTED) is not asked again; an
+        event whose attributes are not numbers is skipped (said once)."""
         assert engine.channel is not None
         stub = pb_grpc.OpenEngineStub(engine.channel)
         request = pb.SubscribeRuntimeEventsRequest(types=[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS])
+        said_malformed = False
         while True:
+            wait_s = RESUBSCRIBE_S
+            why = "ended"
             try:
                 async for response in stub.SubscribeRuntimeEvents(request):
+                    if response.WhichOneof("event") == "error":  # terminal: nothing follows
+                        error = response.error
+                        why = f"ended by the engine ({pb.ErrorCode.Name(error.code)}"
+                        why += f": {error.message})" if error.message else ")"
+                        if error.HasField("retry_after_ms"):
+                            wait_s = max(wait_s, error.retry_after_ms / 1000.0)
+                        break
                     if response.WhichOneof("event") != "runtime_event":
                         continue
-                    attrs = response.runtime_event.attributes
-                    engine.passes.append(
-                        ForwardPasses(
-                            engine.engine_id,
-                            1,
-                            float(attrs.get("duration_ms", "0")) / 1000.0,
-                            int(attrs.get("num_prefill_tokens", "0")),
-                            int(attrs.get("batch_size", "0"))
-                            - int(attrs.get("num_decode_sequences", "0")),
-                        )
-                    )
-                why = "ended"
+                    try:
+                        engine.passes.append(_forward_pass(engine.engine_id, response))
+                    except ValueError as exc:
+                        if not said_malformed:
+                            log.warning("runtime events of %s: skipped: %s", engine.engine_id, exc)
+                            said_malformed = True
             except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning(
+                        "engine %s has no runtime events (UNIMPLEMENTED): its forward passes "
+                        "are not observed",
+                        engine.engine_id,
+                    )
+                    return
                 hint = setting_hint(
                     self._channels, exc.code(), exc.details() or "", ENGINE_SETTINGS
                 )
                 why = f"ended ({exc.code().name}){hint}"
             log.info("runtime events of %s %s; subscribing again", engine.engine_id, why)
-            await asyncio.sleep(RESUBSCRIBE_S)
+            await asyncio.sleep(wait_s)
 
     # ---------------------------------------------------------------- acting
 
@@ -308,6 +322,30 @@ class LivePlanner:
         """One log line (`message % args`) and the failure counted."""
         log.error(message, *args)
         self.metrics.on_failure(operation)
+
+
+def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -> ForwardPasses:
+    """One FORWARD_PASS event as the core's input; ValueError when an attribute it reads is
+    not a finite number >= 0 (a NaN would poison the cost model for good)."""
+    attributes = response.runtime_event.attributes
+
+    def number(name: str, parse: Callable[[str], float]) -> float:
+        text = attributes.get(name, "0")
+        try:
+            value = parse(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"FORWARD_PASS attribute {name}={text!r} is not a number >= 0")
+        return value
+
+    return ForwardPasses(
+        engine_id,
+        1,
+        number("duration_ms", float) / 1000.0,
+        int(number("num_prefill_tokens", int)),
+        int(number("batch_size", int)) - int(number("num_decode_sequences", int)),
+    )
 
 
 def _describe(decision: Decision) -> str:

@@ -34,6 +34,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner import live as live_module
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.controller_admin import ControllerAdmin
@@ -238,25 +239,51 @@ async def test_an_engine_drained_by_hand_is_replaced_and_removed(setup: Setup) -
         assert address not in {r.address for r in fleet.registry.records()}
 
 
+def forward_pass(**attributes: str) -> pb.SubscribeRuntimeEventsResponse:
+    event = pb.RuntimeEvent(type=pb.RUNTIME_EVENT_TYPE_FORWARD_PASS, attributes=attributes)
+    return pb.SubscribeRuntimeEventsResponse(runtime_event=event)
+
+
+@contextlib.asynccontextmanager
+async def following(
+    engine_servicer: pb_grpc.OpenEngineServicer,
+) -> AsyncIterator[tuple[live_module._Engine, asyncio.Task[None]]]:
+    """A real gRPC server playing an engine's part with `engine_servicer`, and the planner
+    following its runtime events (the engine it observes, the following task)."""
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(engine_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    engine = live_module._Engine(f"127.0.0.1:{port}", "default", EngineState.SERVING)
+    engine.channel = grpc.aio.insecure_channel(engine.engine_id)
+    planner_ = LivePlanner(planner(1, 1), local_processes(1, Path("/nonexistent")))
+    follower = asyncio.create_task(planner_._follow_passes(engine))
+    try:
+        yield engine, follower
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        await engine.channel.close()
+        await server.stop(None)
+
+
+async def until_passes(engine: live_module._Engine, count: int) -> None:
+    async with asyncio.timeout(10):
+        for _ in itertools.count():  # until `count` passes arrived
+            if len(engine.passes) >= count:
+                break
+            await asyncio.sleep(0.01)
+
+
 async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An engine ends a subscriber that fell too far behind (one EngineError event, then the
-    end, as engine.server's SubscribeRuntimeEvents does): the planner subscribes again, so
-    later passes still reach the core. A real gRPC server playing the engine's part."""
-    from openengine.v1 import openengine_pb2 as pb
-    from openengine.v1 import openengine_pb2_grpc as pb_grpc
-    from planner import live
-
-    monkeypatch.setattr(live, "RESUBSCRIBE_S", 0.01)
+    end, as engine.server's SubscribeRuntimeEvents does): the planner says why and subscribes
+    again, so later passes still reach the core."""
+    monkeypatch.setattr(live_module, "RESUBSCRIBE_S", 0.01)
     subscriptions = 0
-
-    def forward_pass(duration_ms: str) -> pb.SubscribeRuntimeEventsResponse:
-        event = pb.RuntimeEvent(
-            type=pb.RUNTIME_EVENT_TYPE_FORWARD_PASS,
-            attributes={"duration_ms": duration_ms, "batch_size": "1"},
-        )
-        return pb.SubscribeRuntimeEventsResponse(runtime_event=event)
 
     class OverrunEngine(pb_grpc.OpenEngineServicer):
         async def SubscribeRuntimeEvents(
@@ -265,36 +292,72 @@ async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
             nonlocal subscriptions
             subscriptions += 1
             if subscriptions == 1:
-                yield forward_pass("10")
+                yield forward_pass(duration_ms="10", batch_size="1")
                 overrun = pb.EngineError(code=pb.ERROR_CODE_OVERLOADED, message="fell behind")
                 yield pb.SubscribeRuntimeEventsResponse(error=overrun)
                 return
-            yield forward_pass("20")
+            yield forward_pass(duration_ms="20", batch_size="1")
             await asyncio.Event().wait()  # open until cancelled
 
-    server = grpc.aio.server()
-    pb_grpc.add_OpenEngineServicer_to_server(OverrunEngine(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    engine = live._Engine(f"127.0.0.1:{port}", "default", EngineState.SERVING)
-    engine.channel = grpc.aio.insecure_channel(engine.engine_id)
-    follower = asyncio.create_task(
-        LivePlanner(planner(1, 1), local_processes(1, Path("/nonexistent")))._follow_passes(engine)
-    )
-    try:
-        async with asyncio.timeout(10):
-            for _ in itertools.count():  # until the second subscription's pass arrives
-                if len(engine.passes) >= 2:
-                    break
-                await asyncio.sleep(0.01)
-    finally:
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
-        await engine.channel.close()
-        await server.stop(None)
+    caplog.set_level(logging.INFO, "planner.live")
+    async with following(OverrunEngine()) as (engine, _):
+        await until_passes(engine, 2)
     assert [p.duration_s for p in engine.passes] == [0.01, 0.02]
     assert subscriptions == 2
+    ended = f"runtime events of {engine.engine_id} ended by the engine (ERROR_CODE_OVERLOADED"
+    assert any(r.getMessage().startswith(f"{ended}: fell behind)") for r in caplog.records)
+
+
+async def test_a_runtime_event_that_is_not_numbers_is_skipped_not_the_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another engine's attributes, or a NaN: skipped with one line, and the passes after it
+    still reach the core (a NaN taken would poison the cost model)."""
+
+    class OddEngine(pb_grpc.OpenEngineServicer):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: object
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            yield forward_pass(duration_ms="12", num_prefill_tokens="7.5", batch_size="1")
+            yield forward_pass(duration_ms="nan", batch_size="1")
+            yield forward_pass(duration_ms="30", num_prefill_tokens="64", batch_size="2")
+            await asyncio.Event().wait()
+
+    async with following(OddEngine()) as (engine, _):
+        await until_passes(engine, 1)
+    assert [
+        (p.duration_s, p.num_prefill_tokens, p.num_prefill_sequences) for p in engine.passes
+    ] == [(0.03, 64, 2)]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        f"runtime events of {engine.engine_id}: skipped: FORWARD_PASS attribute "
+        "num_prefill_tokens='7.5' is not a number >= 0"
+    ]
+
+
+async def test_an_engine_without_runtime_events_is_not_asked_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """UNIMPLEMENTED will not change by asking every second: one line, and following ends."""
+    subscriptions = 0
+
+    class EngineWithoutEvents(pb_grpc.OpenEngineServicer):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            nonlocal subscriptions
+            subscriptions += 1
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no runtime events")
+            yield pb.SubscribeRuntimeEventsResponse()
+
+    async with following(EngineWithoutEvents()) as (engine, follower):
+        async with asyncio.timeout(10):
+            await follower
+    assert subscriptions == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"engine {engine.engine_id} has no runtime events (UNIMPLEMENTED): its forward passes "
+        "are not observed"
+    ]
 
 
 @contextlib.asynccontextmanager
