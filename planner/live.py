@@ -30,7 +30,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -77,9 +77,21 @@ class _Engine:
     passes: list[ForwardPasses] = field(default_factory=list)  # since the last tick
     events: asyncio.Task[None] | None = None
     failed_polls: int = 0  # GetLoads in a row that failed or timed out
+    drain_deadline_s: float | None = None  # when the planner drained it: its Drain's deadline
 
-    def observation(self) -> EngineObservation:
-        return EngineObservation(self.engine_id, self.pool, self.state, self.load)
+    def observation(self, now_s: float | None = None) -> EngineObservation:
+        """What the core sees at `now_s`. An engine that does not report its request counts
+        is taken as holding none once the deadline of the planner's drain passed: its Drain
+        aborts what is left then (abort_after_deadline)."""
+        load = self.load
+        if (
+            not load.requests_known
+            and self.drain_deadline_s is not None
+            and now_s is not None
+            and now_s >= self.drain_deadline_s
+        ):
+            load = replace(load, running_requests=0, queued_requests=0, requests_known=True)
+        return EngineObservation(self.engine_id, self.pool, self.state, load)
 
 
 class LivePlanner:
@@ -115,7 +127,7 @@ class LivePlanner:
 
     async def tick(self) -> list[Decision]:
         now_s = self._clock()
-        observations = await self._observe()
+        observations = await self._observe(now_s)
         decisions = self.policy.decide(observations, now_s)
         for decision in decisions:
             log.info("decision: %s", _describe(decision))
@@ -146,7 +158,7 @@ class LivePlanner:
 
     # ---------------------------------------------------------------- observing
 
-    async def _observe(self) -> Observations:
+    async def _observe(self, now_s: float) -> Observations:
         for address, pool in await self.actuator.adopt():
             if address not in self.engines:
                 self._serve(address, pool)
@@ -184,7 +196,7 @@ class LivePlanner:
             )
             passes.extend(engine.passes)
             engine.passes = []
-        engines = tuple(e.observation() for e in self.engines.values())
+        engines = tuple(e.observation(now_s) for e in self.engines.values())
         return Observations(engines, tuple(passes))
 
     async def _poll(self, engine: _Engine) -> None:
@@ -199,13 +211,7 @@ class LivePlanner:
             engine.failed_polls += 1
             return
         engine.failed_polls = 0
-        engine.load = EngineLoad(
-            info.running_requests,
-            info.queued_requests,
-            info.waiting_tokens,
-            info.used_kv_blocks,
-            info.total_kv_blocks,
-        )
+        engine.load = _load(info, engine.load)
 
     async def _follow_passes(self, engine: _Engine) -> None:
         """Sum FORWARD_PASS events until the engine is removed (this task is cancelled then).
@@ -271,6 +277,7 @@ class LivePlanner:
         elif isinstance(decision, DrainEngine):
             engine = self.engines[decision.engine_id]
             engine.state = EngineState.DRAINING
+            engine.drain_deadline_s = decision.deadline_s
             try:
                 await self.actuator.drain(engine.engine_id, decision.deadline_s - now_s)
             except Exception as exc:  # any failure: it stays draining, removed once empty
@@ -322,6 +329,23 @@ class LivePlanner:
         """One log line (`message % args`) and the failure counted."""
         log.error(message, *args)
         self.metrics.on_failure(operation)
+
+
+def _load(info: pb.LoadInfo, last: EngineLoad) -> EngineLoad:
+    """A GetLoad answer as the core's input. Every scalar of it is optional: one absent is
+    unavailable in this snapshot, not zero, so the last value reported stands (0 before any);
+    without both request counts the engine's requests are unknown (`requests_known`)."""
+
+    has = info.HasField
+    return EngineLoad(
+        info.running_requests if has("running_requests") else last.running_requests,
+        info.queued_requests if has("queued_requests") else last.queued_requests,
+        info.waiting_tokens if has("waiting_tokens") else last.waiting_prefill_tokens,
+        info.used_kv_blocks if has("used_kv_blocks") else last.used_kv_blocks,
+        info.total_kv_blocks if has("total_kv_blocks") else last.total_kv_blocks,
+        last.kv_block_size,
+        requests_known=has("running_requests") and has("queued_requests"),
+    )
 
 
 def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -> ForwardPasses:

@@ -360,6 +360,53 @@ async def test_an_engine_without_runtime_events_is_not_asked_again(
     ]
 
 
+async def test_an_engine_that_does_not_report_its_requests_is_not_taken_for_drained() -> None:
+    """GetLoad's counts are optional: absent is unknown, not zero. A drained engine that
+    reports none is not removed (it may still hold requests) until its drain's deadline has
+    passed, when its Drain (abort_after_deadline) has ended what was left. Real gRPC servers
+    play the engines; the controller does not answer (its failures are only logged)."""
+
+    class Engine(pb_grpc.OpenEngineServicer):
+        def __init__(self, load: pb.LoadInfo) -> None:
+            self.load = load
+
+        async def GetLoad(self, request: object, context: object) -> pb.LoadInfo:
+            return self.load
+
+    servers = []
+    addresses = []
+    for load in (
+        pb.LoadInfo(running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99),
+        pb.LoadInfo(used_kv_blocks=1, total_kv_blocks=99),  # no request counts
+    ):
+        server = grpc.aio.server()
+        pb_grpc.add_OpenEngineServicer_to_server(Engine(load), server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    busy, unknown = addresses
+    now_s = 1000.0
+    with socket.socket() as unused:  # bound, not listening: the controller refuses
+        unused.bind(("127.0.0.1", 0))
+        actuator = local_processes(unused.getsockname()[1], Path("/nonexistent"))
+        live = LivePlanner(planner(1, 1), actuator, clock=lambda: now_s)
+        try:
+            for address in addresses:
+                live._serve(address, "default")
+            (drain,) = await live.tick()
+            assert isinstance(drain, DrainEngine) and drain.engine_id == unknown
+            now_s = drain.deadline_s - 1
+            assert await live.tick() == []  # its requests are unknown: kept
+            assert live.engines[unknown].load.used_kv_blocks == 1
+            now_s = drain.deadline_s
+            assert await live.tick() == [RemoveEngine(unknown, "default", Reason.DRAINED)]
+            assert sorted(live.engines) == [busy]
+        finally:
+            await live.close()
+            for server in servers:
+                await server.stop(None)
+
+
 @contextlib.asynccontextmanager
 async def metrics_endpoint(metrics: PlannerMetrics) -> AsyncIterator[int]:
     """`metrics` served as `kvplane planner run` serves them; the port."""
