@@ -78,6 +78,7 @@ class _Engine:
     events: asyncio.Task[None] | None = None
     failed_polls: int = 0  # GetLoads in a row that failed or timed out
     drain_deadline_s: float | None = None  # when the planner drained it: its Drain's deadline
+    block_size_read: bool = False  # GetModelInfo's kv_block_size taken (or not reported)
 
     def observation(self, now_s: float | None = None) -> EngineObservation:
         """What the core sees at `now_s`. An engine that does not report its request counts
@@ -202,6 +203,8 @@ class LivePlanner:
     async def _poll(self, engine: _Engine) -> None:
         assert engine.channel is not None
         stub = pb_grpc.OpenEngineStub(engine.channel)
+        if not engine.block_size_read:
+            await self._read_block_size(engine, stub)
         try:
             info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -212,6 +215,19 @@ class LivePlanner:
             return
         engine.failed_polls = 0
         engine.load = _load(info, engine.load)
+
+    async def _read_block_size(self, engine: _Engine, stub: pb_grpc.OpenEngineAsyncStub) -> None:
+        """The engine's KV block size (GetModelInfo), once: the KV demand of its queued prompt
+        tokens is counted in its blocks. Not reported (absent, UNIMPLEMENTED): the default
+        stays; another failure: asked again at the next poll (its GetLoad says why)."""
+        try:
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._load_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            engine.block_size_read = exc.code() is grpc.StatusCode.UNIMPLEMENTED
+            return
+        engine.block_size_read = True
+        if info.HasField("kv_block_size") and info.kv_block_size > 0:
+            engine.load = replace(engine.load, kv_block_size=info.kv_block_size)
 
     async def _follow_passes(self, engine: _Engine) -> None:
         """Sum FORWARD_PASS events until the engine is removed (this task is cancelled then).

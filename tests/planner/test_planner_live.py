@@ -363,44 +363,75 @@ async def test_an_engine_without_runtime_events_is_not_asked_again(
 async def test_an_engine_that_does_not_report_its_requests_is_not_taken_for_drained() -> None:
     """GetLoad's counts are optional: absent is unknown, not zero. A drained engine that
     reports none is not removed (it may still hold requests) until its drain's deadline has
-    passed, when its Drain (abort_after_deadline) has ended what was left. Real gRPC servers
-    play the engines; the controller does not answer (its failures are only logged)."""
+    passed, when its Drain (abort_after_deadline) has ended what was left."""
 
-    class Engine(pb_grpc.OpenEngineServicer):
-        def __init__(self, load: pb.LoadInfo) -> None:
-            self.load = load
+    busy_load = pb.LoadInfo(
+        running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99
+    )
+    unknown_load = pb.LoadInfo(used_kv_blocks=1, total_kv_blocks=99)  # no request counts
+    now_s = 1000.0
+    async with loaded_engines(busy_load, unknown_load) as (live, (busy, unknown)):
+        live._clock = lambda: now_s
+        (drain,) = await live.tick()
+        assert isinstance(drain, DrainEngine) and drain.engine_id == unknown
+        now_s = drain.deadline_s - 1
+        assert await live.tick() == []  # its requests are unknown: kept
+        assert live.engines[unknown].load.used_kv_blocks == 1
+        now_s = drain.deadline_s
+        assert await live.tick() == [RemoveEngine(unknown, "default", Reason.DRAINED)]
+        assert sorted(live.engines) == [busy]
 
-        async def GetLoad(self, request: object, context: object) -> pb.LoadInfo:
-            return self.load
 
+async def test_the_kv_demand_of_queued_prompts_is_counted_in_the_engine_s_own_blocks() -> None:
+    """An engine of 32-token blocks (GetModelInfo): 100 blocks hold 3200 tokens, so 1600
+    queued prompt tokens are half its cache, not all of it (16-token blocks)."""
+    load = pb.LoadInfo(
+        running_requests=0,
+        queued_requests=1,
+        waiting_tokens=1600,
+        used_kv_blocks=0,
+        total_kv_blocks=100,
+    )
+    async with loaded_engines(load, kv_block_size=32) as (live, (address,)):
+        await live.tick()
+        assert live.engines[address].observation().load.kv_demand == 0.5
+
+
+class LoadEngine(pb_grpc.OpenEngineServicer):
+    """An engine's part as far as the planner polls it: GetLoad and GetModelInfo."""
+
+    def __init__(self, load: pb.LoadInfo, kv_block_size: int | None) -> None:
+        self.load = load
+        self.kv_block_size = kv_block_size
+
+    async def GetLoad(self, request: object, context: object) -> pb.LoadInfo:
+        return self.load
+
+    async def GetModelInfo(self, request: object, context: object) -> pb.ModelInfo:
+        return pb.ModelInfo(model_id="sim", kv_block_size=self.kv_block_size)
+
+
+@contextlib.asynccontextmanager
+async def loaded_engines(
+    *loads: pb.LoadInfo, kv_block_size: int | None = None
+) -> AsyncIterator[tuple[LivePlanner, list[str]]]:
+    """A live planner (one engine wanted) observing a real gRPC server per load in `loads`
+    (their addresses), its controller not answering (its failures are only logged)."""
     servers = []
     addresses = []
-    for load in (
-        pb.LoadInfo(running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99),
-        pb.LoadInfo(used_kv_blocks=1, total_kv_blocks=99),  # no request counts
-    ):
+    for load in loads:
         server = grpc.aio.server()
-        pb_grpc.add_OpenEngineServicer_to_server(Engine(load), server)
+        pb_grpc.add_OpenEngineServicer_to_server(LoadEngine(load, kv_block_size), server)
         addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         await server.start()
         servers.append(server)
-    busy, unknown = addresses
-    now_s = 1000.0
     with socket.socket() as unused:  # bound, not listening: the controller refuses
         unused.bind(("127.0.0.1", 0))
-        actuator = local_processes(unused.getsockname()[1], Path("/nonexistent"))
-        live = LivePlanner(planner(1, 1), actuator, clock=lambda: now_s)
+        live = LivePlanner(planner(1, 1), local_processes(unused.getsockname()[1], Path("/x")))
         try:
             for address in addresses:
                 live._serve(address, "default")
-            (drain,) = await live.tick()
-            assert isinstance(drain, DrainEngine) and drain.engine_id == unknown
-            now_s = drain.deadline_s - 1
-            assert await live.tick() == []  # its requests are unknown: kept
-            assert live.engines[unknown].load.used_kv_blocks == 1
-            now_s = drain.deadline_s
-            assert await live.tick() == [RemoveEngine(unknown, "default", Reason.DRAINED)]
-            assert sorted(live.engines) == [busy]
+            yield live, addresses
         finally:
             await live.close()
             for server in servers:
