@@ -276,6 +276,78 @@ async def until_passes(engine: live_module._Engine, count: int) -> None:
             await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def draining_a_busy_engine(
+    setup: Setup, drain_deadline_s: float, **options: Any
+) -> AsyncIterator[tuple[LivePlanner, DrainEngine, dict[str, asyncio.Task[None]]]]:
+    """Two engines each running a long generation through the controller; the pool's
+    maximum lowered to one: the planner drains one of them, with `drain_deadline_s` (the
+    planner (LivePlanner `options`), the drain decision, the generations: the drained
+    engine's ends with it)."""
+    fleet = setup.app.controller.fleet
+    async with (
+        serving(setup, 2, **options) as (live, addresses),
+        grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel,
+    ):
+        stub = pb_grpc.OpenEngineStub(channel)
+
+        async def generate(request_id: str) -> None:
+            request = generate_request(request_id, [1, 2, 3], max_tokens=1_000_000)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for _ in stub.Generate(request):
+                    pass
+
+        generations = {f"r{n}": asyncio.create_task(generate(f"r{n}")) for n in range(2)}
+        try:
+            await fleet.wait_for(
+                lambda: all(r.load.running_requests for r in fleet.registry.routable()), 60
+            )
+            pool = PoolConfig(min_engines=1, max_engines=1)
+            scaling = ScalingConfig(tick_s=0.2, drain_deadline_s=drain_deadline_s)
+            live.policy = Planner(PlannerConfig(pools=(pool,), scaling=scaling))
+            (drain,) = await live.tick()
+            assert isinstance(drain, DrainEngine) and drain.engine_id in addresses
+            assert live.engines[drain.engine_id].state is EngineState.DRAINING
+            yield live, drain, generations
+        finally:
+            for task in generations.values():
+                task.cancel()
+            await asyncio.gather(*generations.values(), return_exceptions=True)
+
+
+@pytest.mark.timeout(180)
+async def test_a_drain_whose_deadline_passes_aborts_the_request_and_the_engine_is_removed(
+    setup: Setup,
+) -> None:
+    async with draining_a_busy_engine(setup, drain_deadline_s=1) as (live, drain, generations):
+        # At the deadline the engine aborts what it still runs (abort_after_deadline).
+        done, _ = await asyncio.wait(generations.values(), return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        assert await live.tick() == [RemoveEngine(drain.engine_id, "default", Reason.DRAINED)]
+        assert drain.engine_id not in setup.actuator.running()
+        registered = {r.address for r in setup.app.controller.fleet.registry.records()}
+        assert registered == set(live.engines) and drain.engine_id not in registered
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_that_dies_while_draining_is_forgotten_not_replaced(
+    setup: Setup,
+) -> None:
+    metrics = PlannerMetrics()
+    busy = draining_a_busy_engine(setup, drain_deadline_s=300, metrics=metrics)
+    async with busy as (live, drain, _):
+        process = setup.actuator._processes[drain.engine_id]
+        os.kill(process.pid, signal.SIGKILL)
+        await process.wait()
+        # It was leaving: the pool keeps its one engine, nothing is started in its place.
+        assert await live.tick() == []
+        assert drain.engine_id not in live.engines and len(live.engines) == 1
+        registered = {r.address for r in setup.app.controller.fleet.registry.records()}
+        assert registered == set(live.engines)
+        lost = {"pool": "default", "cause": "exited"}
+        assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
+
+
 async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
