@@ -205,6 +205,52 @@ async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -
         await asyncio.open_connection(host, int(port))
 
 
+def processes_running(marker: str) -> list[int]:
+    """Pids of the processes whose command line holds `marker`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:  # not a process, or gone
+            continue
+        if proc.name.isdigit() and marker.encode() in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.timeout(120)
+async def test_ctrl_c_while_the_planner_scales_up_leaves_no_engine_behind(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """SIGINT to `kvplane planner run` while its engines start: it exits cleanly, and no
+    engine process outlives it, nor stays registered with the controller."""
+    workdir = tmp_path / "work"
+    config = tmp_path / "planner.yaml"
+    live = {"controller": f"127.0.0.1:{setup.app.port}", "workdir": str(workdir)}
+    config.write_text(json.dumps({"pools": [{"min_engines": 2, "max_engines": 2}], "live": live}))
+    fleet = setup.app.controller.fleet
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(60):  # both engines spawned (their logs opened)
+            for _ in itertools.count():
+                if len(list(workdir.glob("*.log"))) == 2:
+                    break
+                await asyncio.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, stderr.decode()
+    assert "Traceback" not in stderr.decode()
+    assert processes_running(str(workdir)) == []
+    await fleet.wait_for(lambda: not fleet.registry.records(), 30)
+
+
 @pytest.mark.timeout(120)
 async def test_a_start_without_a_controller_spawns_nothing_and_says_so_in_one_line(
     tmp_path: Path,
