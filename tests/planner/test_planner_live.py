@@ -183,6 +183,36 @@ async def test_an_engine_the_controller_forgot_is_registered_again(setup: Setup)
 
 
 @pytest.mark.timeout(120)
+async def test_a_restarted_controller_gets_the_fleet_back(setup: Setup) -> None:
+    """The controller's process restarts on its port, knowing no engine: while it is down the
+    planner's ticks go on (its engines keep serving), and once it is back the planner
+    registers them again."""
+    port = setup.app.port
+    async with serving(setup, 1) as (live, (address,)):
+        await setup.app.close(0.2)
+        assert await live.tick() == []  # the reconciliation fails: logged, the tick goes on
+        assert sorted(live.engines) == [address]
+        health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
+        config = {"listen": f"127.0.0.1:{port}", "health": health, "shutdown_grace_s": 0.5}
+        restarted = await start_controller(ControllerConfig.model_validate(config))
+        try:
+            fleet = restarted.controller.fleet
+            async with asyncio.timeout(60):  # ticks until the planner's channel reconnects
+                for _ in itertools.count():
+                    assert await live.tick() == []
+                    if fleet.registry.records():
+                        break
+                    await asyncio.sleep(0.2)
+            await fleet.wait_for(
+                lambda: [r.address for r in fleet.registry.routable()] == [address], 60
+            )
+            await live.close()  # takes its engine out of the restarted controller
+            assert not fleet.registry.records()
+        finally:
+            await restarted.close(0.2)
+
+
+@pytest.mark.timeout(120)
 async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -> None:
     # The real command: SIGKILL gives it no chance to stop its engines; they must not outlive it.
     config = tmp_path / "planner.yaml"
