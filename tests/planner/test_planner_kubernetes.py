@@ -339,16 +339,22 @@ async def test_pods_that_crash_or_vanish_while_draining_take_their_replica_with_
         for pod in (crashed, deleted):
             await actuator.drain(kube.address(pod), 300)
         await two_pods.wait_routable(0)
+        # The ReplicaSet waits (its work queue has not synced), so that no replacement of the
+        # deleted pod is Ready, and adopted, before the planner's next tick.
+        kube.hold_replicasets = True
         kube.kill_container(crashed.name)
         delete_pod(two_pods, deleted.name)
-        await two_pods.wait(lambda: not kube.pods[crashed.name].ready)
+        await two_pods.wait(
+            lambda: not kube.pods[crashed.name].ready and deleted.name not in kube.pods
+        )
         await actuator.adopt()
         gone = sorted(kube.address(pod) for pod in (crashed, deleted))
         assert actuator.exited() == gone
-        for address in gone:
+        for address in gone:  # the deleted pod: no deletion cost to set (404)
             await actuator.stop(address)
         assert kube.deployments[DEPLOYMENT].replicas == 0
-        await two_pods.wait(lambda: not kube.pods)  # the crashed pod, the replacement: deleted
+        kube.hold_replicasets = False
+        await two_pods.wait(lambda: not kube.pods)  # the crashed pod deleted, none created
         assert await actuator.adopt() == [] and actuator.exited() == []
     finally:
         await actuator.close()
