@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -47,9 +47,11 @@ class Actuator(Protocol):
         """Start one engine of `pool`; its address once the controller has it."""
         ...
 
-    async def sync(self, serving: Sequence[str]) -> list[str]:
+    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
         """Register again those of `serving` the controller does not list (it restarted); return
-        those it lists as draining (drained by hand, not by the planner)."""
+        those it lists as draining (drained by hand, not by the planner). Drain again those of
+        `draining` (drained by the planner: address -> seconds left to the deadline) that the
+        controller routes to again."""
         ...
 
     def exited(self) -> list[str]:
@@ -103,8 +105,8 @@ class LocalProcesses:
     async def adopt(self) -> list[tuple[str, str]]:
         return []  # a previous planner's children died with it
 
-    async def sync(self, serving: Sequence[str]) -> list[str]:
-        return await self._admin.sync(serving)
+    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
+        return await self._admin.sync(serving, draining)
 
     def exited(self) -> list[str]:
         return sorted(a for a, process in self._processes.items() if process.returncode is not None)

@@ -185,8 +185,8 @@ class KubernetesDeployments:
     def exited(self) -> list[str]:
         return sorted(self._exited)
 
-    async def sync(self, serving: Sequence[str]) -> list[str]:
-        return await self._admin.sync(serving)
+    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
+        return await self._admin.sync(serving, draining)
 
     # ---------------------------------------------------------------- acting
 

@@ -11,7 +11,8 @@ observed as STARTING (under a placeholder id), so the core sees its pending capa
 whose process exited on its own is removed (from the controller too) before the tick observes,
 so the core does not count it; a serving engine the controller does not list (it restarted) is
 registered again, one it lists as draining (drained by hand) is observed as DRAINING: the core
-replaces it and removes it once empty. Only engines this planner started, or the actuator
+replaces it and removes it once empty; one the planner drained that it routes to again (the
+drain was not taken) is drained again. Only engines this planner started, or the actuator
 adopted (found serving: a Deployment's pods a previous planner scaled), are managed. Each tick
 updates the metrics (`planner.metrics`), served on `live.metrics_listen` when set. The
 controller is dialled per `live.controller_tls` and the engines per `live.engine_tls`
@@ -170,8 +171,13 @@ class LivePlanner:
                 await self._lose(engine, "exited")
         running = [e for e in self.engines.values() if e.channel is not None]
         serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
+        draining = {
+            e.engine_id: max(0.0, e.drain_deadline_s - now_s)
+            for e in running
+            if e.state is EngineState.DRAINING and e.drain_deadline_s is not None
+        }
         try:
-            drained_by_hand = await self.actuator.sync(serving)
+            drained_by_hand = await self.actuator.sync(serving, draining)
         except Exception as exc:  # any failure: the next tick reconciles again
             self._failed("sync", "reconciling with the controller failed: %s", exc)
             drained_by_hand = []

@@ -353,16 +353,14 @@ async def until_passes(engine: live_module._Engine, count: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def draining_a_busy_engine(
-    setup: Setup, drain_deadline_s: float, **options: Any
-) -> AsyncIterator[tuple[LivePlanner, DrainEngine, dict[str, asyncio.Task[None]]]]:
-    """Two engines each running a long generation through the controller; the pool's
-    maximum lowered to one: the planner drains one of them, with `drain_deadline_s` (the
-    planner (LivePlanner `options`), the drain decision, the generations: the drained
-    engine's ends with it)."""
+async def two_busy_engines(
+    setup: Setup, **options: Any
+) -> AsyncIterator[tuple[LivePlanner, list[asyncio.Task[None]]]]:
+    """Two engines each running a long generation through the controller (the planner, with
+    LivePlanner `options`; the generations: each ends with its engine's request)."""
     fleet = setup.app.controller.fleet
     async with (
-        serving(setup, 2, **options) as (live, addresses),
+        serving(setup, 2, **options) as (live, _),
         grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel,
     ):
         stub = pb_grpc.OpenEngineStub(channel)
@@ -373,31 +371,37 @@ async def draining_a_busy_engine(
                 async for _ in stub.Generate(request):
                     pass
 
-        generations = {f"r{n}": asyncio.create_task(generate(f"r{n}")) for n in range(2)}
+        generations = [asyncio.create_task(generate(f"r{n}")) for n in range(2)]
         try:
             await fleet.wait_for(
                 lambda: all(r.load.running_requests for r in fleet.registry.routable()), 60
             )
-            pool = PoolConfig(min_engines=1, max_engines=1)
-            scaling = ScalingConfig(tick_s=0.2, drain_deadline_s=drain_deadline_s)
-            live.policy = Planner(PlannerConfig(pools=(pool,), scaling=scaling))
-            (drain,) = await live.tick()
-            assert isinstance(drain, DrainEngine) and drain.engine_id in addresses
-            assert live.engines[drain.engine_id].state is EngineState.DRAINING
-            yield live, drain, generations
+            yield live, generations
         finally:
-            for task in generations.values():
+            for task in generations:
                 task.cancel()
-            await asyncio.gather(*generations.values(), return_exceptions=True)
+            await asyncio.gather(*generations, return_exceptions=True)
+
+
+async def lower_to_one(live: LivePlanner, drain_deadline_s: float) -> DrainEngine:
+    """The pool's maximum lowered to one: the planner drains one engine, with that deadline."""
+    pool = PoolConfig(min_engines=1, max_engines=1)
+    scaling = ScalingConfig(tick_s=0.2, drain_deadline_s=drain_deadline_s)
+    live.policy = Planner(PlannerConfig(pools=(pool,), scaling=scaling))
+    (drain,) = await live.tick()
+    assert isinstance(drain, DrainEngine)
+    assert live.engines[drain.engine_id].state is EngineState.DRAINING
+    return drain
 
 
 @pytest.mark.timeout(180)
 async def test_a_drain_whose_deadline_passes_aborts_the_request_and_the_engine_is_removed(
     setup: Setup,
 ) -> None:
-    async with draining_a_busy_engine(setup, drain_deadline_s=1) as (live, drain, generations):
+    async with two_busy_engines(setup) as (live, generations):
+        drain = await lower_to_one(live, drain_deadline_s=1)
         # At the deadline the engine aborts what it still runs (abort_after_deadline).
-        done, _ = await asyncio.wait(generations.values(), return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(generations, return_when=asyncio.FIRST_COMPLETED)
         assert len(done) == 1
         assert await live.tick() == [RemoveEngine(drain.engine_id, "default", Reason.DRAINED)]
         assert drain.engine_id not in setup.actuator.running()
@@ -406,12 +410,38 @@ async def test_a_drain_whose_deadline_passes_aborts_the_request_and_the_engine_i
 
 
 @pytest.mark.timeout(180)
+async def test_a_drain_the_engine_did_not_take_is_asked_again(setup: Setup) -> None:
+    """The engines hang (SIGSTOP) through the planner's drain: the controller's Drain gets no
+    answer in time, and it routes to the engine again once it answers its health. Busy, it
+    would serve on for good while the planner counts it as leaving: the planner drains it
+    again, and at the deadline (passed by then) it is emptied and removed."""
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    async with two_busy_engines(setup) as (live, generations):
+        pids = [process.pid for process in actuator._processes.values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            drain = await lower_to_one(live, drain_deadline_s=1)
+            admin = actuator._admin
+            await fleet.wait_for(lambda: not admin._drains, 30)  # the controller gave up
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 60)
+        await live.tick()
+        (other,) = set(live.engines) - {drain.engine_id}
+        await fleet.wait_for(lambda: [r.address for r in fleet.registry.routable()] == [other], 30)
+        await asyncio.wait(generations, return_when=asyncio.FIRST_COMPLETED)
+        assert await live.tick() == [RemoveEngine(drain.engine_id, "default", Reason.DRAINED)]
+
+
+@pytest.mark.timeout(180)
 async def test_an_engine_that_dies_while_draining_is_forgotten_not_replaced(
     setup: Setup,
 ) -> None:
     metrics = PlannerMetrics()
-    busy = draining_a_busy_engine(setup, drain_deadline_s=300, metrics=metrics)
-    async with busy as (live, drain, _):
+    async with two_busy_engines(setup, metrics=metrics) as (live, _):
+        drain = await lower_to_one(live, drain_deadline_s=300)
         process = setup.actuator._processes[drain.engine_id]
         os.kill(process.pid, signal.SIGKILL)
         await process.wait()
