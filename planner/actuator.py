@@ -129,6 +129,7 @@ class LocalProcesses:
                 start_new_session=True,  # Ctrl-C reaches the planner only; it stops them in order
             )  # fmt: skip
         self._spawned.append(process)
+        address: str | None = None
         try:
             address = f"127.0.0.1:{await self._port(port_file, process)}"
             await self._admin.register(address)
@@ -142,6 +143,8 @@ class LocalProcesses:
                 why = str(exc)
             raise KvplaneError(f"engine {pool}-{number} did not start: {why}") from exc
         except asyncio.CancelledError:  # the planner is closing: leave no child behind
+            if address is not None:  # the controller may have taken it before the answer came
+                await self._admin.remove(address)
             await _terminate(process)
             raise
         self._processes[address] = process

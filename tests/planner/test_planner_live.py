@@ -140,6 +140,35 @@ async def test_closing_while_engines_start_leaves_no_process(setup: Setup) -> No
     assert setup.actuator.num_alive() == 0 and not live.engines
 
 
+@pytest.mark.timeout(120)
+async def test_closing_while_the_controller_registers_an_engine_leaves_it_out(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C after the controller took an engine's RegisterEngine, before the answer came
+    back (a slow network, played by holding the answer): the engine is taken out of the
+    controller, not left listed there without a process."""
+    fleet, admin = setup.app.controller.fleet, setup.actuator._admin
+    register = admin.register
+    registered = asyncio.Event()
+
+    async def register_answered_late(address: str, *, existing_ok: bool = False) -> None:
+        await register(address, existing_ok=existing_ok)
+        registered.set()
+        await asyncio.Event().wait()  # the answer is still on its way
+
+    monkeypatch.setattr(admin, "register", register_answered_late)
+    live = LivePlanner(planner(1, 1), setup.actuator)
+    try:
+        assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+        async with asyncio.timeout(60):
+            await registered.wait()
+        assert len(fleet.registry.records()) == 1
+    finally:
+        await live.close()
+    assert not fleet.registry.records()
+    assert setup.actuator.num_alive() == 0
+
+
 @pytest.mark.timeout(180)
 async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
     fleet, actuator = setup.app.controller.fleet, setup.actuator
