@@ -44,7 +44,7 @@ class Actuator(Protocol):
         ...
 
     async def start(self, pool: str) -> str:
-        """Start one engine of `pool`; its address once the controller has it."""
+        """Start one engine of `pool`; its address once the controller routes to it."""
         ...
 
     async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
@@ -133,7 +133,10 @@ class LocalProcesses:
         try:
             address = f"127.0.0.1:{await self._port(port_file, process)}"
             await self._admin.register(address)
+            await self._routed(address)
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
+            if address is not None:
+                await self._admin.remove(address)
             await _terminate(process)
             if isinstance(exc, grpc.aio.AioRpcError):
                 why = self._admin.describe(exc)
@@ -149,6 +152,20 @@ class LocalProcesses:
             raise
         self._processes[address] = process
         return address
+
+    async def _routed(self, address: str) -> None:
+        """Until the controller routes to `address`: an engine it cannot reach (its TLS or
+        token settings for engines do not match the engine's) is no capacity, and the core
+        must not count it as serving."""
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                await self._admin.wait_routed(address)
+        except TimeoutError:
+            state = await self._admin.worker_state(address)
+            raise KvplaneError(
+                f"the controller did not route to it within start_timeout_s "
+                f"({self._start_timeout_s:g} s)" + (f": {state}" if state else "")
+            ) from None
 
     async def _port(self, port_file: Path, process: asyncio.subprocess.Process) -> int:
         async with asyncio.timeout(self._start_timeout_s):

@@ -93,6 +93,18 @@ class ControllerAdmin:
                 return
             await asyncio.sleep(_ROUTED_POLL_S)
 
+    async def worker_state(self, address: str) -> str:
+        """What the controller says of `address` (its state and last error), in one line; ""
+        when it does not list it or does not answer."""
+        try:
+            listed = await self._list()
+        except grpc.aio.AioRpcError:
+            return ""
+        for worker in listed.workers:
+            if worker.address == address:
+                return f"{worker.state}: {worker.last_error}" if worker.last_error else worker.state
+        return ""
+
     async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
         """Register again those of `serving` the controller does not list; return those it
         lists as draining. Drain again each of `draining` (address: seconds left to its
