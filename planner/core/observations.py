@@ -27,7 +27,7 @@ class EngineLoad:
     waiting_prefill_tokens: int  # prompt tokens of queued requests not computed yet
     used_kv_blocks: int
     total_kv_blocks: int
-    kv_block_size: int = 16  # tokens per block (GetInfo's kv_block_size)
+    kv_block_size: int = 16  # tokens per block (GetModelInfo's kv_block_size)
     # False when the engine does not report its running or queued requests (GetLoad's counts
     # are optional): the counts above are then the last reported, or 0, and say nothing of
     # whether it holds a request.
