@@ -456,16 +456,15 @@ async def test_a_drain_whose_deadline_passes_aborts_the_request_and_the_engine_i
 @pytest.mark.timeout(180)
 async def test_a_drain_the_engine_did_not_take_is_asked_again(setup: Setup) -> None:
     """The engines hang (SIGSTOP) through the planner's drain: the controller's Drain gets no
-    answer in time, and it routes to the engine again once it answers its health. Busy, it
-    would serve on for good while the planner counts it as leaving: the planner drains it
-    again, and at the deadline (passed by then) it is emptied and removed."""
+    answer in time, and it routes to the engine again once it answers its health. Kept busy,
+    it would serve on while the planner counts it as leaving: the planner drains it again."""
     fleet, actuator = setup.app.controller.fleet, setup.actuator
-    async with two_busy_engines(setup) as (live, generations):
+    async with two_busy_engines(setup) as (live, _):
         pids = [process.pid for process in actuator._processes.values()]
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)
         try:
-            drain = await lower_to_one(live, drain_deadline_s=1)
+            drain = await lower_to_one(live, drain_deadline_s=300)
             admin = actuator._admin
             await fleet.wait_for(lambda: not admin._drains, 30)  # the controller gave up
         finally:
@@ -475,13 +474,16 @@ async def test_a_drain_the_engine_did_not_take_is_asked_again(setup: Setup) -> N
         # Drain it woke up to (a race of its own: then it drains all the same).
         answered = {RegistryState.READY, RegistryState.DRAINING}
         await fleet.wait_for(lambda: all(r.state in answered for r in fleet.registry.records()), 60)
+
+        # Drained again: the controller routes no more to it while it finishes its request.
+        def victim_draining() -> bool:
+            records = {r.address: r for r in fleet.registry.records()}
+            victim = records.get(drain.engine_id)
+            return victim is not None and victim.state is RegistryState.DRAINING
+
         await live.tick()
-        (other,) = set(live.engines) - {drain.engine_id}
-        await fleet.wait_for(lambda: [r.address for r in fleet.registry.routable()] == [other], 30)
-        await asyncio.wait(generations, return_when=asyncio.FIRST_COMPLETED)
-        assert await next_decisions(live) == [
-            RemoveEngine(drain.engine_id, "default", Reason.DRAINED)
-        ]
+        await fleet.wait_for(victim_draining, 30)
+        assert live.engines[drain.engine_id].state is EngineState.DRAINING
 
 
 @pytest.mark.timeout(180)
