@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -44,12 +44,14 @@ class Actuator(Protocol):
         ...
 
     async def start(self, pool: str) -> str:
-        """Start one engine of `pool`; its address once the controller has it."""
+        """Start one engine of `pool`; its address once the controller routes to it."""
         ...
 
-    async def sync(self, serving: Sequence[str]) -> list[str]:
+    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
         """Register again those of `serving` the controller does not list (it restarted); return
-        those it lists as draining (drained by hand, not by the planner)."""
+        those it lists as draining (drained by hand, not by the planner). Drain again those of
+        `draining` (drained by the planner: address -> seconds left to the deadline) that the
+        controller routes to again."""
         ...
 
     def exited(self) -> list[str]:
@@ -103,8 +105,8 @@ class LocalProcesses:
     async def adopt(self) -> list[tuple[str, str]]:
         return []  # a previous planner's children died with it
 
-    async def sync(self, serving: Sequence[str]) -> list[str]:
-        return await self._admin.sync(serving)
+    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
+        return await self._admin.sync(serving, draining)
 
     def exited(self) -> list[str]:
         return sorted(a for a, process in self._processes.items() if process.returncode is not None)
@@ -127,10 +129,14 @@ class LocalProcesses:
                 start_new_session=True,  # Ctrl-C reaches the planner only; it stops them in order
             )  # fmt: skip
         self._spawned.append(process)
+        address: str | None = None
         try:
             address = f"127.0.0.1:{await self._port(port_file, process)}"
             await self._admin.register(address)
+            await self._routed(address)
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
+            if address is not None:
+                await self._admin.remove(address)
             await _terminate(process)
             if isinstance(exc, grpc.aio.AioRpcError):
                 why = self._admin.describe(exc)
@@ -140,10 +146,26 @@ class LocalProcesses:
                 why = str(exc)
             raise KvplaneError(f"engine {pool}-{number} did not start: {why}") from exc
         except asyncio.CancelledError:  # the planner is closing: leave no child behind
+            if address is not None:  # the controller may have taken it before the answer came
+                await self._admin.remove(address)
             await _terminate(process)
             raise
         self._processes[address] = process
         return address
+
+    async def _routed(self, address: str) -> None:
+        """Until the controller routes to `address`: an engine it cannot reach (its TLS or
+        token settings for engines do not match the engine's) is no capacity, and the core
+        must not count it as serving."""
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                await self._admin.wait_routed(address)
+        except TimeoutError:
+            state = await self._admin.worker_state(address)
+            raise KvplaneError(
+                f"the controller did not route to it within start_timeout_s "
+                f"({self._start_timeout_s:g} s)" + (f": {state}" if state else "")
+            ) from None
 
     async def _port(self, port_file: Path, process: asyncio.subprocess.Process) -> int:
         async with asyncio.timeout(self._start_timeout_s):

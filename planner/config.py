@@ -68,8 +68,9 @@ class ScalingConfig(StrictModel):
     # `scale_down_headroom` extra room.
     scale_down_stabilisation_s: float = Field(default=300.0, ge=0)  # the window
     scale_down_headroom: float = Field(default=0.2, ge=0)  # 0.2: 20% more than the need
-    # A draining engine gets this long to finish its requests before they may be aborted.
-    drain_deadline_s: float = Field(default=300.0, gt=0)
+    # A draining engine gets this long to finish its requests before they may be aborted
+    # (at most what Drain's deadline_ms, a uint32 of milliseconds, holds: 49.7 days).
+    drain_deadline_s: float = Field(default=300.0, gt=0, le=(2**32 - 1) / 1000)
 
 
 class CapacityConfig(StrictModel):

@@ -4,7 +4,8 @@ Engines enter routing by `register` (RegisterEngine), leave it by `drain` (Drain
 controller stops routing at once and relays the engine's Drain, followed in a background task
 whose events are logged) and `remove` (RemoveEngine). `sync` is the per-tick reconciliation:
 serving engines the controller does not list (it restarted, or someone removed them by hand)
-are registered again, and those it lists as draining are returned. Every call is bounded by
+are registered again, those it lists as draining are returned, and those the planner drained
+that it routes to again (the drain was not taken) are drained again. Every call is bounded by
 `ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `describe` gives a
 failed call in one line, with the setting it most likely lacks: `live.controller_tls` when a
 TLS controller hung up on the connection, `live.controller_token_file` when the controller
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import grpc
 
@@ -92,14 +93,35 @@ class ControllerAdmin:
                 return
             await asyncio.sleep(_ROUTED_POLL_S)
 
-    async def sync(self, serving: Sequence[str]) -> list[str]:
+    async def worker_state(self, address: str) -> str:
+        """What the controller says of `address` (its state and last error), in one line; ""
+        when it does not list it or does not answer."""
+        try:
+            listed = await self._list()
+        except grpc.aio.AioRpcError:
+            return ""
+        for worker in listed.workers:
+            if worker.address == address:
+                return f"{worker.state}: {worker.last_error}" if worker.last_error else worker.state
+        return ""
+
+    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
         """Register again those of `serving` the controller does not list; return those it
-        lists as draining. A controller that does not answer: one warning, nothing returned."""
-        if not serving:
+        lists as draining. Drain again each of `draining` (address: seconds left to its
+        deadline) that the controller routes to: its drain was not taken (the engine did not
+        answer the Drain in time, and the controller routes to it again once it answers its
+        health), and it would serve on while counted as leaving. A controller that does not
+        answer: one warning, nothing returned."""
+        if not serving and not draining:
             return []
         try:
             listed = await self._list()
             states = {worker.address: worker.state for worker in listed.workers}
+            routed = {worker.address for worker in listed.workers if worker.routable}
+            for address, within_s in draining.items():
+                if address in routed and states[address] != "draining":
+                    log.warning("engine %s is routed to again (its drain was not taken)", address)
+                    await self.drain(address, within_s)
             for address in serving:
                 if address not in states:
                     log.warning(

@@ -23,7 +23,9 @@
   finds it instead of doubling it, and a pod the ReplicaSet recreated serves again.
 - **Exits**: an engine whose pod vanished, is terminating or is no longer Ready is reported by
   `exited` (from the last `adopt`'s listing); its removal only takes it out of the controller:
-  the replica stays, Kubernetes restarts or replaces the pod.
+  the replica stays, Kubernetes restarts or replaces the pod. Unless it was draining: the
+  planner was taking it away, so its replica goes too (as a drained pod's), else the restarted
+  or replacement pod would be adopted and grow the pool back.
 - **Close** leaves the pods running and registered: the Deployment outlives the planner.
 
 API errors at `check` (a missing Deployment, RBAC, a server that cannot be reached) are a
@@ -97,6 +99,7 @@ class KubernetesDeployments:
         self._engines: dict[str, _Engine] = {}  # by address
         self._waiting = collections.Counter[str]()  # starts of a pool waiting for a pod
         self._exited: dict[str, _Engine] = {}  # by address, reported by `exited`
+        self._draining: set[str] = set()  # addresses drained, until stopped
         self._unscaled: dict[str, _Engine] = {}  # by uid: removals the API refused so far
         self._leaving: dict[str, _Engine] = {}  # by uid: pods scaled away, until gone
         self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
@@ -182,8 +185,8 @@ class KubernetesDeployments:
     def exited(self) -> list[str]:
         return sorted(self._exited)
 
-    async def sync(self, serving: Sequence[str]) -> list[str]:
-        return await self._admin.sync(serving)
+    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
+        return await self._admin.sync(serving, draining)
 
     # ---------------------------------------------------------------- acting
 
@@ -288,17 +291,23 @@ class KubernetesDeployments:
         return join_host_port(pod.ip, self._engine_port)
 
     async def drain(self, address: str, within_s: float) -> None:
+        self._draining.add(address)
         await self._admin.drain(address, within_s)
 
     async def stop(self, address: str) -> None:
         """Take a drained engine out of the controller and scale its pod away; one that
-        exited only leaves the controller (its replica stays for Kubernetes to refill). A
+        exited only leaves the controller (its replica stays for Kubernetes to refill), unless
+        it exited while draining (the planner was scaling it away: its replica goes too). A
         scale-away the API refuses raises (the planner counts the failure), and is retried
         at every later `adopt`."""
         await self._admin.remove(address)
-        if self._exited.pop(address, None) is not None:
+        was_draining = address in self._draining
+        self._draining.discard(address)
+        engine = self._exited.pop(address, None)
+        if engine is None:
+            engine = self._engines.pop(address, None)
+        elif not was_draining:
             return
-        engine = self._engines.pop(address, None)
         if engine is None:
             return
         self._unscaled[engine.uid] = engine
@@ -323,10 +332,17 @@ class KubernetesDeployments:
             self._leaving[engine.uid] = engine
 
     async def _scale_away(self, engine: _Engine) -> None:
-        """The pod first to go (lowest deletion cost), then one replica fewer."""
-        await _in_daemon_thread(
-            self._api.annotate_pod, engine.pod, {DELETION_COST: DRAINED_DELETION_COST}
-        )
+        """The pod first to go (lowest deletion cost), then one replica fewer. A pod already
+        gone (deleted while draining) has no cost to set: the replica its ReplicaSet refills goes
+        instead (not Ready pods first; one Ready by then is the most recently Ready, deleted
+        and reported exited, and the core replaces it if the pool needs it)."""
+        try:
+            await _in_daemon_thread(
+                self._api.annotate_pod, engine.pod, {DELETION_COST: DRAINED_DELETION_COST}
+            )
+        except KubeApiError as exc:
+            if exc.status != 404:
+                raise
         await self._rescale(engine.pool, lambda scale: max(0, scale.replicas - 1))
         deployment = self._deployments[engine.pool]
         log.info("pod %s scaled away from Deployment %s", engine.pod, deployment)

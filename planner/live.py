@@ -11,7 +11,8 @@ observed as STARTING (under a placeholder id), so the core sees its pending capa
 whose process exited on its own is removed (from the controller too) before the tick observes,
 so the core does not count it; a serving engine the controller does not list (it restarted) is
 registered again, one it lists as draining (drained by hand) is observed as DRAINING: the core
-replaces it and removes it once empty. Only engines this planner started, or the actuator
+replaces it and removes it once empty; one the planner drained that it routes to again (the
+drain was not taken) is drained again. Only engines this planner started, or the actuator
 adopted (found serving: a Deployment's pods a previous planner scaled), are managed. Each tick
 updates the metrics (`planner.metrics`), served on `live.metrics_listen` when set. The
 controller is dialled per `live.controller_tls` and the engines per `live.engine_tls`
@@ -25,11 +26,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import signal
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -76,9 +78,22 @@ class _Engine:
     passes: list[ForwardPasses] = field(default_factory=list)  # since the last tick
     events: asyncio.Task[None] | None = None
     failed_polls: int = 0  # GetLoads in a row that failed or timed out
+    drain_deadline_s: float | None = None  # when the planner drained it: its Drain's deadline
+    block_size_read: bool = False  # GetModelInfo's kv_block_size taken (or not reported)
 
-    def observation(self) -> EngineObservation:
-        return EngineObservation(self.engine_id, self.pool, self.state, self.load)
+    def observation(self, now_s: float | None = None) -> EngineObservation:
+        """What the core sees at `now_s`. An engine that does not report its request counts
+        is taken as holding none once the deadline of the planner's drain passed: its Drain
+        aborts what is left then (abort_after_deadline)."""
+        load = self.load
+        if (
+            not load.requests_known
+            and self.drain_deadline_s is not None
+            and now_s is not None
+            and now_s >= self.drain_deadline_s
+        ):
+            load = replace(load, running_requests=0, queued_requests=0, requests_known=True)
+        return EngineObservation(self.engine_id, self.pool, self.state, load)
 
 
 class LivePlanner:
@@ -114,7 +129,7 @@ class LivePlanner:
 
     async def tick(self) -> list[Decision]:
         now_s = self._clock()
-        observations = await self._observe()
+        observations = await self._observe(now_s)
         decisions = self.policy.decide(observations, now_s)
         for decision in decisions:
             log.info("decision: %s", _describe(decision))
@@ -145,7 +160,7 @@ class LivePlanner:
 
     # ---------------------------------------------------------------- observing
 
-    async def _observe(self) -> Observations:
+    async def _observe(self, now_s: float) -> Observations:
         for address, pool in await self.actuator.adopt():
             if address not in self.engines:
                 self._serve(address, pool)
@@ -156,8 +171,13 @@ class LivePlanner:
                 await self._lose(engine, "exited")
         running = [e for e in self.engines.values() if e.channel is not None]
         serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
+        draining = {
+            e.engine_id: max(0.0, e.drain_deadline_s - now_s)
+            for e in running
+            if e.state is EngineState.DRAINING and e.drain_deadline_s is not None
+        }
         try:
-            drained_by_hand = await self.actuator.sync(serving)
+            drained_by_hand = await self.actuator.sync(serving, draining)
         except Exception as exc:  # any failure: the next tick reconciles again
             self._failed("sync", "reconciling with the controller failed: %s", exc)
             drained_by_hand = []
@@ -183,12 +203,14 @@ class LivePlanner:
             )
             passes.extend(engine.passes)
             engine.passes = []
-        engines = tuple(e.observation() for e in self.engines.values())
+        engines = tuple(e.observation(now_s) for e in self.engines.values())
         return Observations(engines, tuple(passes))
 
     async def _poll(self, engine: _Engine) -> None:
         assert engine.channel is not None
         stub = pb_grpc.OpenEngineStub(engine.channel)
+        if not engine.block_size_read:
+            await self._read_block_size(engine, stub)
         try:
             info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -198,46 +220,66 @@ class LivePlanner:
             engine.failed_polls += 1
             return
         engine.failed_polls = 0
-        engine.load = EngineLoad(
-            info.running_requests,
-            info.queued_requests,
-            info.waiting_tokens,
-            info.used_kv_blocks,
-            info.total_kv_blocks,
-        )
+        engine.load = _load(info, engine.load)
+
+    async def _read_block_size(self, engine: _Engine, stub: pb_grpc.OpenEngineAsyncStub) -> None:
+        """The engine's KV block size (GetModelInfo), once: the KV demand of its queued prompt
+        tokens is counted in its blocks. Not reported (absent, UNIMPLEMENTED): the default
+        stays; another failure: asked again at the next poll (its GetLoad says why)."""
+        try:
+            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._load_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            engine.block_size_read = exc.code() is grpc.StatusCode.UNIMPLEMENTED
+            return
+        engine.block_size_read = True
+        if info.HasField("kv_block_size") and info.kv_block_size > 0:
+            engine.load = replace(engine.load, kv_block_size=info.kv_block_size)
 
     async def _follow_passes(self, engine: _Engine) -> None:
         """Sum FORWARD_PASS events until the engine is removed (this task is cancelled then).
-        A stream that ends is subscribed again after `RESUBSCRIBE_S`: an engine ends it when
-        the planner falls too far behind (RESOURCE_EXHAUSTED), and every pass missed after
-        that would make the fleet look idler than it is."""
+        A stream that ends is subscribed again after `RESUBSCRIBE_S` (or the engine's
+        retry_after_ms, if longer): an engine ends it with an EngineError when the planner
+        falls too far behind, and every pass missed after that would make the fleet look idler
+        than it is. An engine without runtime events (UNIMPLEMENTED) is not asked again; an
+        event whose attributes are not numbers is skipped (said once)."""
         assert engine.channel is not None
         stub = pb_grpc.OpenEngineStub(engine.channel)
         request = pb.SubscribeRuntimeEventsRequest(types=[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS])
+        said_malformed = False
         while True:
+            wait_s = RESUBSCRIBE_S
+            why = "ended"
             try:
                 async for response in stub.SubscribeRuntimeEvents(request):
+                    if response.WhichOneof("event") == "error":  # terminal: nothing follows
+                        error = response.error
+                        why = f"ended by the engine ({pb.ErrorCode.Name(error.code)}"
+                        why += f": {error.message})" if error.message else ")"
+                        if error.HasField("retry_after_ms"):
+                            wait_s = max(wait_s, error.retry_after_ms / 1000.0)
+                        break
                     if response.WhichOneof("event") != "runtime_event":
                         continue
-                    attrs = response.runtime_event.attributes
-                    engine.passes.append(
-                        ForwardPasses(
-                            engine.engine_id,
-                            1,
-                            float(attrs.get("duration_ms", "0")) / 1000.0,
-                            int(attrs.get("num_prefill_tokens", "0")),
-                            int(attrs.get("batch_size", "0"))
-                            - int(attrs.get("num_decode_sequences", "0")),
-                        )
-                    )
-                why = "ended"
+                    try:
+                        engine.passes.append(_forward_pass(engine.engine_id, response))
+                    except ValueError as exc:
+                        if not said_malformed:
+                            log.warning("runtime events of %s: skipped: %s", engine.engine_id, exc)
+                            said_malformed = True
             except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning(
+                        "engine %s has no runtime events (UNIMPLEMENTED): its forward passes "
+                        "are not observed",
+                        engine.engine_id,
+                    )
+                    return
                 hint = setting_hint(
                     self._channels, exc.code(), exc.details() or "", ENGINE_SETTINGS
                 )
                 why = f"ended ({exc.code().name}){hint}"
             log.info("runtime events of %s %s; subscribing again", engine.engine_id, why)
-            await asyncio.sleep(RESUBSCRIBE_S)
+            await asyncio.sleep(wait_s)
 
     # ---------------------------------------------------------------- acting
 
@@ -257,6 +299,7 @@ class LivePlanner:
         elif isinstance(decision, DrainEngine):
             engine = self.engines[decision.engine_id]
             engine.state = EngineState.DRAINING
+            engine.drain_deadline_s = decision.deadline_s
             try:
                 await self.actuator.drain(engine.engine_id, decision.deadline_s - now_s)
             except Exception as exc:  # any failure: it stays draining, removed once empty
@@ -308,6 +351,47 @@ class LivePlanner:
         """One log line (`message % args`) and the failure counted."""
         log.error(message, *args)
         self.metrics.on_failure(operation)
+
+
+def _load(info: pb.LoadInfo, last: EngineLoad) -> EngineLoad:
+    """A GetLoad answer as the core's input. Every scalar of it is optional: one absent is
+    unavailable in this snapshot, not zero, so the last value reported stands (0 before any);
+    without both request counts the engine's requests are unknown (`requests_known`)."""
+
+    has = info.HasField
+    return EngineLoad(
+        info.running_requests if has("running_requests") else last.running_requests,
+        info.queued_requests if has("queued_requests") else last.queued_requests,
+        info.waiting_tokens if has("waiting_tokens") else last.waiting_prefill_tokens,
+        info.used_kv_blocks if has("used_kv_blocks") else last.used_kv_blocks,
+        info.total_kv_blocks if has("total_kv_blocks") else last.total_kv_blocks,
+        last.kv_block_size,
+        requests_known=has("running_requests") and has("queued_requests"),
+    )
+
+
+def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -> ForwardPasses:
+    """One FORWARD_PASS event as the core's input; ValueError when an attribute it reads is
+    not a finite number >= 0 (a NaN would poison the cost model for good)."""
+    attributes = response.runtime_event.attributes
+
+    def number(name: str, parse: Callable[[str], float]) -> float:
+        text = attributes.get(name, "0")
+        try:
+            value = parse(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"FORWARD_PASS attribute {name}={text!r} is not a number >= 0")
+        return value
+
+    return ForwardPasses(
+        engine_id,
+        1,
+        number("duration_ms", float) / 1000.0,
+        int(number("num_prefill_tokens", int)),
+        int(number("batch_size", int)) - int(number("num_decode_sequences", int)),
+    )
 
 
 def _describe(decision: Decision) -> str:

@@ -1,8 +1,8 @@
 """What the planner core sees: the fleet's engines and the work they did since the last tick.
 
 Frozen, slotted dataclasses, free of protobuf: the adapters fill them from `GetLoad`
-(`EngineLoad`) and `SubscribeRuntimeEvents` (`ForwardPasses` from FORWARD_PASS events; QUEUE
-events refresh `EngineLoad` between polls), the offline replay from the simulated engines.
+(`EngineLoad`) and `SubscribeRuntimeEvents` (`ForwardPasses` from FORWARD_PASS events), the
+offline replay from the simulated engines.
 Times are seconds on the caller's clock (wall or virtual): the core never reads one.
 """
 
@@ -20,14 +20,18 @@ class EngineState(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
-    """One engine's GetLoad (or latest QUEUE event)."""
+    """One engine's GetLoad."""
 
     running_requests: int
     queued_requests: int
     waiting_prefill_tokens: int  # prompt tokens of queued requests not computed yet
     used_kv_blocks: int
     total_kv_blocks: int
-    kv_block_size: int = 16  # tokens per block (GetInfo's kv_block_size)
+    kv_block_size: int = 16  # tokens per block (GetModelInfo's kv_block_size)
+    # False when the engine does not report its running or queued requests (GetLoad's counts
+    # are optional): the counts above are then the last reported, or 0, and say nothing of
+    # whether it holds a request.
+    requests_known: bool = True
 
     @property
     def num_requests(self) -> int:
@@ -61,7 +65,13 @@ class EngineObservation:
 
     @property
     def is_drained(self) -> bool:
-        return self.state is EngineState.DRAINING and self.load.num_requests == 0
+        """Draining and known to hold no request: an engine whose counts are unknown is never
+        taken for empty."""
+        return (
+            self.state is EngineState.DRAINING
+            and self.load.requests_known
+            and self.load.num_requests == 0
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kvplane.cli import app
 from kvplane.errors import ConfigError
-from planner.config import LiveConfig, PlannerConfig, PoolConfig
+from planner.config import LiveConfig, PlannerConfig, PoolConfig, ScalingConfig
 
 
 def test_max_below_min_is_refused() -> None:
@@ -30,6 +30,16 @@ def test_scale_to_zero_is_not_offered() -> None:
         ValidationError, match=r"min_engines\n  Input should be greater than or equal to 1"
     ):
         PoolConfig(min_engines=0)
+
+
+def test_a_drain_deadline_beyond_what_drain_carries_is_refused() -> None:
+    # Drain's deadline_ms is a uint32: a longer deadline would fail every drain, leaving the
+    # engines the planner drains routed to.
+    with pytest.raises(
+        ValidationError,
+        match=r"drain_deadline_s\n  Input should be less than or equal to 4294967.295",
+    ):
+        ScalingConfig(drain_deadline_s=5_000_000)
 
 
 def test_live_controller_must_be_host_port() -> None:

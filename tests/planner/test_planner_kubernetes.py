@@ -325,6 +325,42 @@ async def test_pods_that_vanish_or_crash_are_reported_and_leave_the_controller(
         await actuator.close()
 
 
+@pytest.mark.timeout(120)
+async def test_pods_that_crash_or_vanish_while_draining_take_their_replica_with_them(
+    two_pods: Cluster,
+) -> None:
+    """The planner was scaling them away: Kubernetes must not refill their replicas, or the
+    restarted and replacement pods would be adopted and grow the pool back."""
+    kube = two_pods.kube
+    crashed, deleted = kube.ready_pods(DEPLOYMENT)
+    actuator = two_pods.actuator()
+    try:
+        await actuator.adopt()
+        for pod in (crashed, deleted):
+            await actuator.drain(kube.address(pod), 300)
+        await two_pods.wait_routable(0)
+        # The ReplicaSet waits (its work queue has not synced), so that no replacement of the
+        # deleted pod is Ready, and adopted, before the planner's next tick.
+        kube.hold_replicasets = True
+        kube.kill_container(crashed.name)
+        delete_pod(two_pods, deleted.name)
+        await two_pods.wait(
+            lambda: not kube.pods[crashed.name].ready and deleted.name not in kube.pods
+        )
+        await actuator.adopt()
+        gone = sorted(kube.address(pod) for pod in (crashed, deleted))
+        assert actuator.exited() == gone
+        for address in gone:  # the deleted pod: no deletion cost to set (404)
+            await actuator.stop(address)
+        assert kube.deployments[DEPLOYMENT].replicas == 0
+        kube.hold_replicasets = False
+        await two_pods.wait(lambda: not kube.pods)  # the crashed pod deleted, none created
+        assert await actuator.adopt() == [] and actuator.exited() == []
+    finally:
+        await actuator.close()
+    assert two_pods.registered() == []
+
+
 def delete_pod(cluster: Cluster, name: str) -> None:
     context = ssl.create_default_context(cafile=str(cluster.ca_file))
     connection = http.client.HTTPSConnection(cluster.kube.url.split("//")[1], context=context)

@@ -28,16 +28,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
+from controller.registry import EngineState as RegistryState
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner import live as live_module
 from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.controller_admin import ControllerAdmin
-from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import EngineState
 from planner.core.planner import Planner
 from planner.live import LivePlanner
@@ -139,6 +141,35 @@ async def test_closing_while_engines_start_leaves_no_process(setup: Setup) -> No
     assert setup.actuator.num_alive() == 0 and not live.engines
 
 
+@pytest.mark.timeout(120)
+async def test_closing_while_the_controller_registers_an_engine_leaves_it_out(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C after the controller took an engine's RegisterEngine, before the answer came
+    back (a slow network, played by holding the answer): the engine is taken out of the
+    controller, not left listed there without a process."""
+    fleet, admin = setup.app.controller.fleet, setup.actuator._admin
+    register = admin.register
+    registered = asyncio.Event()
+
+    async def register_answered_late(address: str, *, existing_ok: bool = False) -> None:
+        await register(address, existing_ok=existing_ok)
+        registered.set()
+        await asyncio.Event().wait()  # the answer is still on its way
+
+    monkeypatch.setattr(admin, "register", register_answered_late)
+    live = LivePlanner(planner(1, 1), setup.actuator)
+    try:
+        assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+        async with asyncio.timeout(60):
+            await registered.wait()
+        assert len(fleet.registry.records()) == 1
+    finally:
+        await live.close()
+    assert not fleet.registry.records()
+    assert setup.actuator.num_alive() == 0
+
+
 @pytest.mark.timeout(180)
 async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
     fleet, actuator = setup.app.controller.fleet, setup.actuator
@@ -182,6 +213,36 @@ async def test_an_engine_the_controller_forgot_is_registered_again(setup: Setup)
 
 
 @pytest.mark.timeout(120)
+async def test_a_restarted_controller_gets_the_fleet_back(setup: Setup) -> None:
+    """The controller's process restarts on its port, knowing no engine: while it is down the
+    planner's ticks go on (its engines keep serving), and once it is back the planner
+    registers them again."""
+    port = setup.app.port
+    async with serving(setup, 1) as (live, (address,)):
+        await setup.app.close(0.2)
+        assert await live.tick() == []  # the reconciliation fails: logged, the tick goes on
+        assert sorted(live.engines) == [address]
+        health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
+        config = {"listen": f"127.0.0.1:{port}", "health": health, "shutdown_grace_s": 0.5}
+        restarted = await start_controller(ControllerConfig.model_validate(config))
+        try:
+            fleet = restarted.controller.fleet
+            async with asyncio.timeout(60):  # ticks until the planner's channel reconnects
+                for _ in itertools.count():
+                    assert await live.tick() == []
+                    if fleet.registry.records():
+                        break
+                    await asyncio.sleep(0.2)
+            await fleet.wait_for(
+                lambda: [r.address for r in fleet.registry.routable()] == [address], 60
+            )
+            await live.close()  # takes its engine out of the restarted controller
+            assert not fleet.registry.records()
+        finally:
+            await restarted.close(0.2)
+
+
+@pytest.mark.timeout(120)
 async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -> None:
     # The real command: SIGKILL gives it no chance to stop its engines; they must not outlive it.
     config = tmp_path / "planner.yaml"
@@ -202,6 +263,52 @@ async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -
     host, port = address.rsplit(":", 1)
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection(host, int(port))
+
+
+def processes_running(marker: str) -> list[int]:
+    """Pids of the processes whose command line holds `marker`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:  # not a process, or gone
+            continue
+        if proc.name.isdigit() and marker.encode() in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.timeout(120)
+async def test_ctrl_c_while_the_planner_scales_up_leaves_no_engine_behind(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """SIGINT to `kvplane planner run` while its engines start: it exits cleanly, and no
+    engine process outlives it, nor stays registered with the controller."""
+    workdir = tmp_path / "work"
+    config = tmp_path / "planner.yaml"
+    live = {"controller": f"127.0.0.1:{setup.app.port}", "workdir": str(workdir)}
+    config.write_text(json.dumps({"pools": [{"min_engines": 2, "max_engines": 2}], "live": live}))
+    fleet = setup.app.controller.fleet
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(60):  # both engines spawned (their logs opened)
+            for _ in itertools.count():
+                if len(list(workdir.glob("*.log"))) == 2:
+                    break
+                await asyncio.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, stderr.decode()
+    assert "Traceback" not in stderr.decode()
+    assert processes_running(str(workdir)) == []
+    await fleet.wait_for(lambda: not fleet.registry.records(), 30)
 
 
 @pytest.mark.timeout(120)
@@ -238,25 +345,174 @@ async def test_an_engine_drained_by_hand_is_replaced_and_removed(setup: Setup) -
         assert address not in {r.address for r in fleet.registry.records()}
 
 
+def forward_pass(**attributes: str) -> pb.SubscribeRuntimeEventsResponse:
+    event = pb.RuntimeEvent(type=pb.RUNTIME_EVENT_TYPE_FORWARD_PASS, attributes=attributes)
+    return pb.SubscribeRuntimeEventsResponse(runtime_event=event)
+
+
+@contextlib.asynccontextmanager
+async def following(
+    engine_servicer: pb_grpc.OpenEngineServicer,
+) -> AsyncIterator[tuple[live_module._Engine, asyncio.Task[None]]]:
+    """A real gRPC server playing an engine's part with `engine_servicer`, and the planner
+    following its runtime events (the engine it observes, the following task)."""
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(engine_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    engine = live_module._Engine(f"127.0.0.1:{port}", "default", EngineState.SERVING)
+    engine.channel = grpc.aio.insecure_channel(engine.engine_id)
+    planner_ = LivePlanner(planner(1, 1), local_processes(1, Path("/nonexistent")))
+    follower = asyncio.create_task(planner_._follow_passes(engine))
+    try:
+        yield engine, follower
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        await engine.channel.close()
+        await server.stop(None)
+
+
+async def until_passes(engine: live_module._Engine, count: int) -> None:
+    async with asyncio.timeout(10):
+        for _ in itertools.count():  # until `count` passes arrived
+            if len(engine.passes) >= count:
+                break
+            await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def two_busy_engines(
+    setup: Setup, **options: Any
+) -> AsyncIterator[tuple[LivePlanner, list[asyncio.Task[None]]]]:
+    """Two engines each running a long generation through the controller (the planner, with
+    LivePlanner `options`; the generations: each ends with its engine's request)."""
+    fleet = setup.app.controller.fleet
+    async with (
+        serving(setup, 2, **options) as (live, _),
+        grpc.aio.insecure_channel(f"127.0.0.1:{setup.app.port}") as channel,
+    ):
+        stub = pb_grpc.OpenEngineStub(channel)
+
+        async def generate(request_id: str) -> None:
+            request = generate_request(request_id, [1, 2, 3], max_tokens=1_000_000)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                async for _ in stub.Generate(request):
+                    pass
+
+        generations = [asyncio.create_task(generate(f"r{n}")) for n in range(2)]
+        try:
+            await fleet.wait_for(
+                lambda: all(r.load.running_requests for r in fleet.registry.routable()), 60
+            )
+            yield live, generations
+        finally:
+            for task in generations:
+                task.cancel()
+            await asyncio.gather(*generations, return_exceptions=True)
+
+
+async def next_decisions(live: LivePlanner) -> list[Decision]:
+    """The first decisions of the ticks from now (a request aborted at the client may still
+    count at the engine for a moment)."""
+    async with asyncio.timeout(30):
+        for _ in itertools.count():
+            decisions = await live.tick()
+            if decisions:
+                return decisions
+            await asyncio.sleep(0.1)
+    raise AssertionError("unreachable")
+
+
+async def lower_to_one(live: LivePlanner, drain_deadline_s: float) -> DrainEngine:
+    """The pool's maximum lowered to one: the planner drains one engine, with that deadline."""
+    pool = PoolConfig(min_engines=1, max_engines=1)
+    scaling = ScalingConfig(tick_s=0.2, drain_deadline_s=drain_deadline_s)
+    live.policy = Planner(PlannerConfig(pools=(pool,), scaling=scaling))
+    (drain,) = await live.tick()
+    assert isinstance(drain, DrainEngine)
+    assert live.engines[drain.engine_id].state is EngineState.DRAINING
+    return drain
+
+
+@pytest.mark.timeout(180)
+async def test_a_drain_whose_deadline_passes_aborts_the_request_and_the_engine_is_removed(
+    setup: Setup,
+) -> None:
+    async with two_busy_engines(setup) as (live, generations):
+        drain = await lower_to_one(live, drain_deadline_s=1)
+        # At the deadline the engine aborts what it still runs (abort_after_deadline).
+        done, _ = await asyncio.wait(generations, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        assert await next_decisions(live) == [
+            RemoveEngine(drain.engine_id, "default", Reason.DRAINED)
+        ]
+        assert drain.engine_id not in setup.actuator.running()
+        registered = {r.address for r in setup.app.controller.fleet.registry.records()}
+        assert registered == set(live.engines) and drain.engine_id not in registered
+
+
+@pytest.mark.timeout(180)
+async def test_a_drain_the_engine_did_not_take_is_asked_again(setup: Setup) -> None:
+    """The engines hang (SIGSTOP) through the planner's drain: the controller's Drain gets no
+    answer in time, and it routes to the engine again once it answers its health. Kept busy,
+    it would serve on while the planner counts it as leaving: the planner drains it again."""
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    async with two_busy_engines(setup) as (live, _):
+        pids = [process.pid for process in actuator._processes.values()]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            drain = await lower_to_one(live, drain_deadline_s=300)
+            admin = actuator._admin
+            await fleet.wait_for(lambda: not admin._drains, 30)  # the controller gave up
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        # Both answer their health again: the victim is routed to again, unless it took the
+        # Drain it woke up to (a race of its own: then it drains all the same).
+        answered = {RegistryState.READY, RegistryState.DRAINING}
+        await fleet.wait_for(lambda: all(r.state in answered for r in fleet.registry.records()), 60)
+
+        # Drained again: the controller routes no more to it while it finishes its request.
+        def victim_draining() -> bool:
+            records = {r.address: r for r in fleet.registry.records()}
+            victim = records.get(drain.engine_id)
+            return victim is not None and victim.state is RegistryState.DRAINING
+
+        await live.tick()
+        await fleet.wait_for(victim_draining, 30)
+        assert live.engines[drain.engine_id].state is EngineState.DRAINING
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_that_dies_while_draining_is_forgotten_not_replaced(
+    setup: Setup,
+) -> None:
+    metrics = PlannerMetrics()
+    async with two_busy_engines(setup, metrics=metrics) as (live, _):
+        drain = await lower_to_one(live, drain_deadline_s=300)
+        process = setup.actuator._processes[drain.engine_id]
+        os.kill(process.pid, signal.SIGKILL)
+        await process.wait()
+        # It was leaving: the pool keeps its one engine, nothing is started in its place.
+        assert await live.tick() == []
+        assert drain.engine_id not in live.engines and len(live.engines) == 1
+        registered = {r.address for r in setup.app.controller.fleet.registry.records()}
+        assert registered == set(live.engines)
+        lost = {"pool": "default", "cause": "exited"}
+        assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
+
+
 async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An engine ends a subscriber that fell too far behind (one EngineError event, then the
-    end, as engine.server's SubscribeRuntimeEvents does): the planner subscribes again, so
-    later passes still reach the core. A real gRPC server playing the engine's part."""
-    from openengine.v1 import openengine_pb2 as pb
-    from openengine.v1 import openengine_pb2_grpc as pb_grpc
-    from planner import live
-
-    monkeypatch.setattr(live, "RESUBSCRIBE_S", 0.01)
+    end, as engine.server's SubscribeRuntimeEvents does): the planner says why and subscribes
+    again, so later passes still reach the core."""
+    monkeypatch.setattr(live_module, "RESUBSCRIBE_S", 0.01)
     subscriptions = 0
-
-    def forward_pass(duration_ms: str) -> pb.SubscribeRuntimeEventsResponse:
-        event = pb.RuntimeEvent(
-            type=pb.RUNTIME_EVENT_TYPE_FORWARD_PASS,
-            attributes={"duration_ms": duration_ms, "batch_size": "1"},
-        )
-        return pb.SubscribeRuntimeEventsResponse(runtime_event=event)
 
     class OverrunEngine(pb_grpc.OpenEngineServicer):
         async def SubscribeRuntimeEvents(
@@ -265,36 +521,150 @@ async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
             nonlocal subscriptions
             subscriptions += 1
             if subscriptions == 1:
-                yield forward_pass("10")
+                yield forward_pass(duration_ms="10", batch_size="1")
                 overrun = pb.EngineError(code=pb.ERROR_CODE_OVERLOADED, message="fell behind")
                 yield pb.SubscribeRuntimeEventsResponse(error=overrun)
                 return
-            yield forward_pass("20")
+            yield forward_pass(duration_ms="20", batch_size="1")
             await asyncio.Event().wait()  # open until cancelled
 
-    server = grpc.aio.server()
-    pb_grpc.add_OpenEngineServicer_to_server(OverrunEngine(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    engine = live._Engine(f"127.0.0.1:{port}", "default", EngineState.SERVING)
-    engine.channel = grpc.aio.insecure_channel(engine.engine_id)
-    follower = asyncio.create_task(
-        LivePlanner(planner(1, 1), local_processes(1, Path("/nonexistent")))._follow_passes(engine)
-    )
-    try:
-        async with asyncio.timeout(10):
-            for _ in itertools.count():  # until the second subscription's pass arrives
-                if len(engine.passes) >= 2:
-                    break
-                await asyncio.sleep(0.01)
-    finally:
-        follower.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await follower
-        await engine.channel.close()
-        await server.stop(None)
+    caplog.set_level(logging.INFO, "planner.live")
+    async with following(OverrunEngine()) as (engine, _):
+        await until_passes(engine, 2)
     assert [p.duration_s for p in engine.passes] == [0.01, 0.02]
     assert subscriptions == 2
+    ended = f"runtime events of {engine.engine_id} ended by the engine (ERROR_CODE_OVERLOADED"
+    assert any(r.getMessage().startswith(f"{ended}: fell behind)") for r in caplog.records)
+
+
+async def test_a_runtime_event_that_is_not_numbers_is_skipped_not_the_stream(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another engine's attributes, or a NaN: skipped with one line, and the passes after it
+    still reach the core (a NaN taken would poison the cost model)."""
+
+    class OddEngine(pb_grpc.OpenEngineServicer):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: object
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            yield forward_pass(duration_ms="12", num_prefill_tokens="7.5", batch_size="1")
+            yield forward_pass(duration_ms="nan", batch_size="1")
+            yield forward_pass(duration_ms="30", num_prefill_tokens="64", batch_size="2")
+            await asyncio.Event().wait()
+
+    async with following(OddEngine()) as (engine, _):
+        await until_passes(engine, 1)
+    assert [
+        (p.duration_s, p.num_prefill_tokens, p.num_prefill_sequences) for p in engine.passes
+    ] == [(0.03, 64, 2)]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped == [
+        f"runtime events of {engine.engine_id}: skipped: FORWARD_PASS attribute "
+        "num_prefill_tokens='7.5' is not a number >= 0"
+    ]
+
+
+async def test_an_engine_without_runtime_events_is_not_asked_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """UNIMPLEMENTED will not change by asking every second: one line, and following ends."""
+    subscriptions = 0
+
+    class EngineWithoutEvents(pb_grpc.OpenEngineServicer):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            nonlocal subscriptions
+            subscriptions += 1
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no runtime events")
+            yield pb.SubscribeRuntimeEventsResponse()
+
+    async with following(EngineWithoutEvents()) as (engine, follower):
+        async with asyncio.timeout(10):
+            await follower
+    assert subscriptions == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"engine {engine.engine_id} has no runtime events (UNIMPLEMENTED): its forward passes "
+        "are not observed"
+    ]
+
+
+async def test_an_engine_that_does_not_report_its_requests_is_not_taken_for_drained() -> None:
+    """GetLoad's counts are optional: absent is unknown, not zero. A drained engine that
+    reports none is not removed (it may still hold requests) until its drain's deadline has
+    passed, when its Drain (abort_after_deadline) has ended what was left."""
+
+    busy_load = pb.LoadInfo(
+        running_requests=2, queued_requests=0, used_kv_blocks=9, total_kv_blocks=99
+    )
+    unknown_load = pb.LoadInfo(used_kv_blocks=1, total_kv_blocks=99)  # no request counts
+    now_s = 1000.0
+    async with loaded_engines(busy_load, unknown_load) as (live, (busy, unknown)):
+        live._clock = lambda: now_s
+        (drain,) = await live.tick()
+        assert isinstance(drain, DrainEngine) and drain.engine_id == unknown
+        now_s = drain.deadline_s - 1
+        assert await live.tick() == []  # its requests are unknown: kept
+        assert live.engines[unknown].load.used_kv_blocks == 1
+        now_s = drain.deadline_s
+        assert await live.tick() == [RemoveEngine(unknown, "default", Reason.DRAINED)]
+        assert sorted(live.engines) == [busy]
+
+
+async def test_the_kv_demand_of_queued_prompts_is_counted_in_the_engine_s_own_blocks() -> None:
+    """An engine of 32-token blocks (GetModelInfo): 100 blocks hold 3200 tokens, so 1600
+    queued prompt tokens are half its cache, not all of it (16-token blocks)."""
+    load = pb.LoadInfo(
+        running_requests=0,
+        queued_requests=1,
+        waiting_tokens=1600,
+        used_kv_blocks=0,
+        total_kv_blocks=100,
+    )
+    async with loaded_engines(load, kv_block_size=32) as (live, (address,)):
+        await live.tick()
+        assert live.engines[address].observation().load.kv_demand == 0.5
+
+
+class LoadEngine(pb_grpc.OpenEngineServicer):
+    """An engine's part as far as the planner polls it: GetLoad and GetModelInfo."""
+
+    def __init__(self, load: pb.LoadInfo, kv_block_size: int | None) -> None:
+        self.load = load
+        self.kv_block_size = kv_block_size
+
+    async def GetLoad(self, request: object, context: object) -> pb.LoadInfo:
+        return self.load
+
+    async def GetModelInfo(self, request: object, context: object) -> pb.ModelInfo:
+        return pb.ModelInfo(model_id="sim", kv_block_size=self.kv_block_size)
+
+
+@contextlib.asynccontextmanager
+async def loaded_engines(
+    *loads: pb.LoadInfo, kv_block_size: int | None = None
+) -> AsyncIterator[tuple[LivePlanner, list[str]]]:
+    """A live planner (one engine wanted) observing a real gRPC server per load in `loads`
+    (their addresses), its controller not answering (its failures are only logged)."""
+    servers = []
+    addresses = []
+    for load in loads:
+        server = grpc.aio.server()
+        pb_grpc.add_OpenEngineServicer_to_server(LoadEngine(load, kv_block_size), server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    with socket.socket() as unused:  # bound, not listening: the controller refuses
+        unused.bind(("127.0.0.1", 0))
+        live = LivePlanner(planner(1, 1), local_processes(unused.getsockname()[1], Path("/x")))
+        try:
+            for address in addresses:
+                live._serve(address, "default")
+            yield live, addresses
+        finally:
+            await live.close()
+            for server in servers:
+                await server.stop(None)
 
 
 @contextlib.asynccontextmanager

@@ -145,6 +145,9 @@ async def planner_serves_a_prompt(
     async with planner_run(config) as planner_process:
         metrics_port = await planner_metrics_port(planner_process)
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 60)
+        # The planner observes it (its runtime events followed since before that tick): the
+        # prompt's passes are not sent before it subscribed (runtime events have no replay).
+        await eventually(lambda: engines_answering(metrics_port, 1), 60)
         async with channels.aio_channel(f"127.0.0.1:{app.port}") as channel:
             request = generate_request("r1", list(range(1, 65)))
             async for _ in pb_grpc.OpenEngineStub(channel).Generate(request):
@@ -317,6 +320,36 @@ async def test_a_start_against_a_controller_the_tls_settings_do_not_match_names_
     assert message.startswith("no engine of default started: controller UNAVAILABLE: ")
     assert message.endswith(hint) and "\n" not in message
     assert not actuator._spawned
+
+
+@pytest.mark.timeout(60)
+async def test_an_engine_the_controller_cannot_reach_is_no_start(pki: Path, tmp_path: Path) -> None:
+    """The engines serve TLS; the controller dials them insecurely (no `engine_tls`): it
+    takes the registration but never routes to the engine. The start fails in one line with
+    what the controller says, the engine is taken out of it and stopped: the core must not
+    count as serving an engine no request can reach."""
+    engine_config = mutual_tls_engine_config(pki, tmp_path)
+    async with tls_controller(pki, mutual=False, engine_tls=None) as app:
+        actuator = LocalProcesses(
+            controller=f"127.0.0.1:{app.port}",
+            engine_args=("--model", "sim", "--config", str(engine_config)),
+            workdir=tmp_path,
+            start_timeout_s=3,
+            channels=ClientChannels.load(ClientTlsConfig(ca_file=pki / "ca.pem")),
+        )
+        try:
+            with pytest.raises(KvplaneError) as failed:
+                await actuator.start("default")
+        finally:
+            await actuator.close()
+        assert not app.controller.fleet.registry.records()
+    message = str(failed.value)
+    assert message.startswith(
+        "engine default-0 did not start: the controller did not route to it within "
+        "start_timeout_s (3 s): unreachable: "
+    ), message
+    assert "\n" not in message
+    assert actuator.num_alive() == 0
 
 
 @pytest.mark.timeout(60)
