@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import logging
 import socket
 import uuid
@@ -180,17 +181,41 @@ def _generates(config: EngineConfig, model_dir: Path) -> bool:
 
 
 def advertised_host(config: EngineConfig) -> str:
-    """A host others can dial: configured, else the listen host, else this machine's address:
-    that of the interface with the default route (no packet is sent), else what the host name
-    resolves to. A loopback result (no route, and a hosts file mapping the name to 127.0.x.x,
-    as Debian's does) reaches this machine only: a warning says to set the host."""
+    """A host others can dial: configured, else the listen host, else this machine's address
+    (`own_address`) in the IP version the listen wildcard names."""
     if config.kv_events.advertised_host:
         return config.kv_events.advertised_host
     host, _ = parse_host_port(config.listen)
     if host not in BIND_WILDCARD_HOSTS:
         return host
-    found = _default_route_address() or _host_name_address()
-    if found.startswith("127."):
+    return own_address(host)
+
+
+def own_address(
+    wildcard: str,
+    route_address: Callable[[socket.AddressFamily], str | None] | None = None,
+    host_name_addresses: Callable[[], list[tuple[socket.AddressFamily, str]]] | None = None,
+) -> str:
+    """This machine's address for a server bound to `wildcard`: `::` prefers IPv6, `*` and
+    0.0.0.0 IPv4 (gRPC binds either wildcard dual-stack, so the other version is dialable
+    too, e.g. on an IPv6-only host). In that order of versions: the address of the interface
+    with a route out, else one the host name resolves to, else loopback. A loopback result
+    (no route, and a hosts file mapping the name to 127.0.x.x, as Debian's does) reaches this
+    machine only: a warning says to set the host. The lookups are parameters so that a test
+    can give any host's view of its addresses."""
+    route_address = route_address or _route_address
+    host_name_addresses = host_name_addresses or _host_name_addresses
+    ipv6_first = wildcard in ("::", "[::]")
+    families = (
+        (socket.AF_INET6, socket.AF_INET) if ipv6_first else (socket.AF_INET, socket.AF_INET6)
+    )
+    found = next((a for f in families if (a := route_address(f))), None)
+    if found is None:
+        named = host_name_addresses()
+        found = next((a for f in families for family, a in named if family == f), None)
+    if found is None:
+        found = "::1" if ipv6_first else "127.0.0.1"
+    if ipaddress.ip_address(found).is_loopback:
         log.warning(
             "KV events are advertised at %s, which only this machine can reach: set "
             "kv_events.advertised_host to an address other machines can dial",
@@ -199,22 +224,36 @@ def advertised_host(config: EngineConfig) -> str:
     return found
 
 
-def _default_route_address() -> str | None:
-    """The local address a UDP socket would send from to a public address (connecting a UDP
-    socket only picks the route); None without a route."""
+# Documentation addresses (RFC 5737, RFC 3849): connecting a UDP socket to one only picks the
+# route, and nothing is ever sent there.
+_ROUTE_PROBES = {socket.AF_INET: "192.0.2.1", socket.AF_INET6: "2001:db8::1"}
+
+
+def _route_address(family: socket.AddressFamily) -> str | None:
+    """The local address of `family` a UDP socket would send from to a public address; None
+    without a route (or without that IP version)."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: never sent to
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((_ROUTE_PROBES[family], 9))
             return str(probe.getsockname()[0])
     except OSError:
         return None
 
 
-def _host_name_address() -> str:
+def _host_name_addresses() -> list[tuple[socket.AddressFamily, str]]:
+    """The addresses the host name resolves to (hosts file or DNS), either IP version."""
     try:
-        return socket.gethostbyname(socket.gethostname())
+        infos = socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)
     except OSError:
-        return "127.0.0.1"
+        return []
+    # A link-local address (fe80::, 169.254/16) is dialable only on its own link, and an IPv6
+    # one only with its zone.
+    return [
+        (family, str(sockaddr[0]))
+        for family, _, _, _, sockaddr in infos
+        if family in _ROUTE_PROBES
+        and not ipaddress.ip_address(str(sockaddr[0]).partition("%")[0]).is_link_local
+    ]
 
 
 @dataclass
@@ -378,7 +417,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
             )
         ]
         if kv_config.zmq_enabled:
-            topic = kv_config.topic or f"kv@{host}:{port}@{served.name}"
+            topic = kv_config.topic or f"kv@{join_host_port(host, port)}@{served.name}"
             publisher = ZmqKvPublisher(
                 endpoint=kv_config.endpoint,
                 replay_endpoint=kv_config.replay_endpoint,

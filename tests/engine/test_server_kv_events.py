@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ from indexer.sources.openengine import decode_event, zmq_source_settings
 from indexer.sources.zmq import ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from indexer.zmq_decode import decode_frames, decode_payload
+from kvplane.config import join_host_port
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import (
@@ -472,26 +475,74 @@ async def test_kvplane_indexer_predicts_the_engines_own_prefix_hits() -> None:
         assert predicted[9] > 0  # ...and then cached again
 
 
-def test_an_engine_on_every_interface_advertises_its_routed_address(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Listening on 0.0.0.0, the KV-event source is advertised at the address of the
-    interface with the default route, not what the host name resolves to (127.0.1.1 with
-    Debian's hosts file: unreachable from any other machine). With no route, the host name's
-    address, and a loopback one is warned about."""
-    from engine.server import service
+def _host(
+    routes: dict[socket.AddressFamily, str], named: list[tuple[socket.AddressFamily, str]]
+) -> dict[str, Any]:
+    """A machine's view of its own addresses, for `own_address`: routed ones by IP version
+    (absent: no route of that version) and what the host name resolves to."""
+    return {"route_address": routes.get, "host_name_addresses": lambda: named}
 
-    config = sim_config(listen="0.0.0.0:0")
-    monkeypatch.setattr(service, "_default_route_address", lambda: "10.1.2.3")
-    monkeypatch.setattr(service, "_host_name_address", lambda: "127.0.1.1")
-    assert service.advertised_host(config) == "10.1.2.3"
+
+V4, V6 = socket.AF_INET, socket.AF_INET6
+DUAL_STACK = _host({V4: "10.1.2.3", V6: "fd00::7"}, [(V4, "127.0.1.1")])
+IPV6_ONLY = _host({V6: "2001:db8:5::9"}, [(V4, "127.0.1.1")])
+UNROUTED = _host({}, [(V4, "127.0.1.1"), (V6, "fd00::1:2")])
+
+
+@pytest.mark.parametrize(
+    ("wildcard", "machine", "expected"),
+    [
+        ("0.0.0.0", DUAL_STACK, "10.1.2.3"),
+        ("*", DUAL_STACK, "10.1.2.3"),
+        ("::", DUAL_STACK, "fd00::7"),
+        ("0.0.0.0", IPV6_ONLY, "2001:db8:5::9"),
+        ("::", IPV6_ONLY, "2001:db8:5::9"),
+        ("::", UNROUTED, "fd00::1:2"),
+        ("0.0.0.0", UNROUTED, "127.0.1.1"),
+        ("::", _host({}, []), "::1"),
+        ("*", _host({}, []), "127.0.0.1"),
+    ],
+)
+def test_an_engine_on_every_interface_advertises_an_address_of_the_ip_version_it_listens_on(
+    wildcard: str, machine: dict[str, Any], expected: str
+) -> None:
+    """On a wildcard, the address advertised is the routed one (not what the host name
+    resolves to: 127.0.1.1 with Debian's hosts file), of the wildcard's IP version first (`::`
+    IPv6, `*` and 0.0.0.0 IPv4), then the other one (an IPv6-only host); with no route, the
+    host name's address, in the same order; else loopback."""
+    from engine.server.service import own_address
+
+    assert own_address(wildcard, **machine) == expected
+
+
+def test_a_loopback_advertised_address_is_warned_about_and_a_configured_one_wins(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from engine.server.service import advertised_host, own_address
+
+    assert own_address("0.0.0.0", **DUAL_STACK) == "10.1.2.3"
     assert not caplog.records
-    monkeypatch.setattr(service, "_default_route_address", lambda: None)
-    assert service.advertised_host(config) == "127.0.1.1"
+    assert own_address("::", **_host({}, [(V6, "::1")])) == "::1"
     assert "only this machine can reach" in caplog.text
     assert "kv_events.advertised_host" in caplog.text
-    configured = sim_config(listen="0.0.0.0:0", kv_events=KvEventsConfig(advertised_host="h1"))
-    assert service.advertised_host(configured) == "h1"
+    configured = sim_config(listen="[::]:0", kv_events=KvEventsConfig(advertised_host="h1"))
+    assert advertised_host(configured) == "h1"
+    assert advertised_host(sim_config(listen="[fd00::3]:0")) == "fd00::3"
+
+
+@needs_ipv6_loopback
+async def test_an_engine_on_the_ipv6_wildcard_advertises_an_ipv6_address_a_client_dials() -> None:
+    """Listening on [::], GetKvEventSources gives an IPv6 address (whatever this machine's
+    is): dialed as [host]:port, it reaches the same engine."""
+    async with running_engine(sim_config(listen="[::]:0")) as engine:
+        sources = (await engine.stub.GetKvEventSources(pb.GetKvEventSourcesRequest())).sources
+        advert = next(s for s in sources if s.transport == "grpc").endpoint_addr
+        assert ipaddress.ip_address(advert.host).version == 6
+        assert advert.port == engine.app.port
+        async with grpc.aio.insecure_channel(join_host_port(advert.host, advert.port)) as channel:
+            dialed = pb_grpc.OpenEngineStub(channel)
+            again = await dialed.GetKvEventSources(pb.GetKvEventSourcesRequest(), timeout=10)
+        assert list(again.sources) == list(sources)
 
 
 async def _read_all(stream: Any) -> list[Any]:
