@@ -188,6 +188,7 @@ class AdminServicer(apb_grpc.AdminServicer):
         role: Role | None = Role.AGGREGATED,
         *,
         cordoned: bool = False,
+        bypass_prefix_cache: bool = False,
     ) -> Plan:
         which = request.WhichOneof("input")
         if which is None:
@@ -200,6 +201,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             lora_name=request.lora_name,
             cache_salt=request.cache_salt,
             session_key=request.session_key or None,
+            bypass_prefix_cache=bypass_prefix_cache,
         )
         try:
             plan = await self.controller.plan(query, role, cordoned=cordoned)
@@ -221,11 +223,17 @@ class AdminServicer(apb_grpc.AdminServicer):
         traffic, and RESOURCE_EXHAUSTED when every engine is busy and the gateway sheds load
         (`router.reject_when_all_busy`: what the request would get). Not refused while the
         controller drains: a drain stops new traffic, and an explanation sends nothing (it is
-        what an operator asks of a draining fleet: where would this have gone)."""
+        what an operator asks of a draining fleet: where would this have gone). With
+        `bypass_prefix_cache`, the decision of a request that reads no cached prefix."""
         disaggregated = self.controller.disaggregated(request.model)
         try:
             self.controller.check_model(request.model, generating=True)
-            plan = await self._plan(request, context, None if disaggregated else Role.AGGREGATED)
+            plan = await self._plan(
+                request,
+                context,
+                None if disaggregated else Role.AGGREGATED,
+                bypass_prefix_cache=request.bypass_prefix_cache,
+            )
             if disaggregated:  # a LoRA adapter no decode engine holds: refused as Generate is
                 self.controller.check_disaggregated_lora(plan)
             decision = self.controller.explain(plan, disaggregated)
@@ -270,7 +278,8 @@ class AdminServicer(apb_grpc.AdminServicer):
         """Every engine's cached prefix, whatever its role, cordoned ones included (what an
         operator checks before uncordoning); NOT_FOUND for a model no engine serves and
         FAILED_PRECONDITION for one only pooling-only engines serve (which cache no prompt),
-        as Route (rather than no engine holding anything of it)."""
+        as Route (rather than no engine holding anything of it). `bypass_prefix_cache` is
+        ignored: it changes which cache a request reads, not what the engines hold."""
         try:
             self.controller.check_model(request.model, generating=True)
         except KvplaneError as exc:

@@ -408,11 +408,20 @@ def route(
     model: Annotated[str, typer.Option(help="Model name.")] = "",
     lora: LoraOpt = "",
     cache_salt: CacheSaltOpt = "",
+    bypass_prefix_cache: Annotated[
+        bool,
+        typer.Option(
+            "--bypass-prefix-cache",
+            help="As a request with kv.bypass_prefix_cache, which reads no cached prefix: "
+            "every engine counts 0 cached tokens, the prompt is placed by load.",
+        ),
+    ] = False,
     target: TargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Where the router would send a prompt, and every engine's cost terms (controller)."""
     query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
+    query.bypass_prefix_cache = bypass_prefix_cache
     reply = _admin_call(
         "route", _server(ctx, target), lambda stub: stub.Route(query, timeout=RPC_TIMEOUT_S)
     )
@@ -425,6 +434,12 @@ def route(
             f"{d.get('policy')}, predicted cached {d.get('predicted_cached_tokens', 0)} of "
             f"{d.get('num_prompt_tokens', 0)} tokens"
         ) + _prefix_unknown(d, model)
+        if bypass_prefix_cache:
+            # Why CACHED is 0 on every engine, even the one `match` shows holding the prompt.
+            head += (
+                "\nbypass_prefix_cache: the request reads no cached prefix, so it is placed by "
+                "load with 0 cached tokens on every engine"
+            )
         rows = [
             [
                 c.get("instance_id"),

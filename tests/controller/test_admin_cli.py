@@ -44,6 +44,26 @@ async def cli_json(*args: str) -> Any:
     return json.loads(result.output)
 
 
+async def holder(tokens: Path, target: list[str]) -> str | None:
+    """The engine `match` shows holding all four full blocks of the prompt in `tokens`."""
+    matched = await cli_json("match", "--tokens-file", str(tokens), *target)
+    full = [m for m in matched["matches"] if m.get("device_blocks", 0) >= 4]
+    return full[0]["instance_id"] if full else None
+
+
+async def wait_for_holder(tokens: Path, target: list[str]) -> str:
+    """The holder of the prompt in `tokens`, once its engine's KV events reached the index."""
+    engine = None
+    async with asyncio.timeout(10):
+        for _ in itertools.count():
+            engine = await holder(tokens, target)
+            if engine is not None:
+                break
+            await asyncio.sleep(0.05)
+    assert engine is not None
+    return engine
+
+
 async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) -> None:
     t = ["--target", fleet.target]
     [r async for r in fleet.gateway.Generate(generate_request("a", [*PREFIX, 1]))]
@@ -77,19 +97,7 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     tokens = tmp_path / "tokens.txt"
     tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
 
-    async def holder() -> str | None:
-        matched = await cli_json("match", "--tokens-file", str(tokens), *t)
-        full = [m for m in matched["matches"] if m.get("device_blocks", 0) >= 4]
-        return full[0]["instance_id"] if full else None
-
-    engine = None
-    async with asyncio.timeout(10):
-        for _ in itertools.count():
-            engine = await holder()
-            if engine is not None:
-                break
-            await asyncio.sleep(0.05)
-    assert engine is not None
+    engine = await wait_for_holder(tokens, t)
 
     # A model no engine serves: NOT_FOUND from both, not an empty table from `match`.
     for command in ("match", "route"):
@@ -132,7 +140,7 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
         w for w in (await cli_json("workers", *t))["workers"] if w["instance_id"] == engine
     )["routable"]
     # `match` still shows what the cordoned engine holds (to decide whether to uncordon it).
-    assert await holder() == engine
+    assert await holder(tokens, t) == engine
     routed = await cli_json("route", "--tokens-file", str(tokens), *t)
     assert engine not in [c["instance_id"] for c in routed["costs"]]
     assert (await cli("uncordon", engine, *t)).exit_code == 0
@@ -154,6 +162,39 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     for lora in (["list"], ["load", "x", "/tmp", "--id", "1"]):
         refused = await cli("lora", *lora, *t)
         assert refused.exit_code != 0 and "FAILED_PRECONDITION" in str(refused.exception)
+
+
+async def test_route_explains_a_request_that_bypasses_the_prefix_cache(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """`route --bypass-prefix-cache` explains a request with `kv.bypass_prefix_cache`: 0
+    cached tokens on every engine, the holder's included, where the same prompt without the
+    flag shows what the holder caches."""
+    t = ["--target", fleet.target]
+    [r async for r in fleet.gateway.Generate(generate_request("a", [*PREFIX, 1]))]
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
+    engine = await wait_for_holder(tokens, t)
+
+    reading = await cli_json("route", "--tokens-file", str(tokens), *t)
+    assert reading["predicted_cached_tokens"] == len(PREFIX)
+    cached = {c["instance_id"]: c.get("cached_tokens", 0) for c in reading["costs"]}
+    assert cached[engine] == len(PREFIX)
+
+    bypassing = await cli_json("route", "--tokens-file", str(tokens), "--bypass-prefix-cache", *t)
+    assert bypassing.get("predicted_cached_tokens", 0) == 0
+    assert bypassing["reason"] != "cache"
+    assert sorted(c["instance_id"] for c in bypassing["costs"]) == ["e0", "e1", "e2"]
+    assert [c.get("cached_tokens", 0) for c in bypassing["costs"]] == [0, 0, 0]
+    table = await cli("route", "--tokens-file", str(tokens), "--bypass-prefix-cache", *t)
+    assert table.exit_code == 0, table.output
+    assert "predicted cached 0 of 65 tokens" in table.output
+    assert "bypass_prefix_cache: the request reads no cached prefix" in table.output
+    # What the engines hold does not change with a request that does not read it: `match`
+    # takes no such flag (a usage error), and still shows the holder.
+    refused = await cli("match", "--tokens-file", str(tokens), "--bypass-prefix-cache", *t)
+    assert refused.exit_code == 2
+    assert await holder(tokens, t) == engine
 
 
 async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:

@@ -282,11 +282,18 @@ class PromptQuery(_message.Message):
     LORA_NAME_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     SESSION_KEY_FIELD_NUMBER: _builtins.int
+    BYPASS_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     model: _builtins.str
     lora_name: _builtins.str
     cache_salt: _builtins.str
     session_key: _builtins.str
+    bypass_prefix_cache: _builtins.bool
+    """Route only: explain a request with OpenEngine `kv.bypass_prefix_cache` (or
+    vllm.Generate's), which reads no cached prefix, so every engine counts 0 cached tokens
+    and the request is placed by load. Match ignores it: what the engines hold of the
+    prompt is the same whether a request would read it or not.
+    """
     @_builtins.property
     def token_ids(self) -> _openengine_pb2.TokenIds: ...
     def __init__(
@@ -298,10 +305,11 @@ class PromptQuery(_message.Message):
         lora_name: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
         session_key: _builtins.str = ...,
+        bypass_prefix_cache: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "prompt", b"prompt", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "input", b"input", "lora_name", b"lora_name", "model", b"model", "prompt", b"prompt", "session_key", b"session_key", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bypass_prefix_cache", b"bypass_prefix_cache", "cache_salt", b"cache_salt", "input", b"input", "lora_name", b"lora_name", "model", b"model", "prompt", b"prompt", "session_key", b"session_key", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
