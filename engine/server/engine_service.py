@@ -286,8 +286,12 @@ class EngineService:
     def num_queued(self) -> int:
         """What admission control bounds: requests queued, those pulling their KV, and pooling
         tasks waiting for the engine thread (module doc)."""
-        waiting_tasks = sum(handle.waiting for handle in self._live_tasks.values())
-        return self.engine_loop.num_queued() + self._num_pulling + waiting_tasks
+        return self.engine_loop.num_queued() + self._num_pulling + self.num_waiting_tasks
+
+    @property
+    def num_waiting_tasks(self) -> int:
+        """Pooling tasks accepted whose first batch has not started on the engine thread."""
+        return sum(handle.waiting for handle in self._live_tasks.values())
 
     def _check_admission(self, task: str) -> None:
         """Refuse a new request (of `task`, for the metrics) while `max_queued_requests` are

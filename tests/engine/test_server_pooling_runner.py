@@ -210,6 +210,7 @@ async def test_max_queued_requests_bounds_the_tasks_waiting_for_the_engine_threa
             refused = await rpc_error(
                 stub.Embed(pb.EmbedRequest(context=context("e"), inputs=good))
             )
+            load = await stub.GetLoad(pb.GetLoadRequest())
         waited = await asyncio.gather(*waiting)
         admitted = await asyncio.gather(
             stub.Embed(pb.EmbedRequest(context=context("e"), inputs=good)),
@@ -219,6 +220,8 @@ async def test_max_queued_requests_bounds_the_tasks_waiting_for_the_engine_threa
         metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
     assert "2 queued, max_queued_requests is 2" in (refused.details() or "")
+    # GetLoad counts them as the bound does: queued, not running.
+    assert (load.queued_requests, load.running_requests) == (2, 0)
     assert [len(response.outputs) for response in (*waited, *admitted)] == [1, 1, 1, 1]
     assert f"{overloaded_metric('embed')} 1.0" in metrics.decode()
 
