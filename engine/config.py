@@ -177,9 +177,10 @@ class EngineConfig(ServerConfig):
     max_num_seqs: int = Field(default=64, gt=0)
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     # Admission control: a Generate, Embed, Classify or Score arriving while this many
-    # requests are queued (GetLoad's queued_requests: accepted, not yet running) is refused at
-    # once with RESOURCE_EXHAUSTED, so that a client or router goes elsewhere instead of
-    # waiting. None: unbounded, as vLLM (a lone engine's clients would rather wait than fail).
+    # requests are queued (GetLoad's queued_requests: accepted, not yet running; and pooling
+    # tasks accepted whose first batch has not begun on the engine thread) is refused at once
+    # with RESOURCE_EXHAUSTED, so that a client or router goes elsewhere instead of waiting.
+    # None: unbounded, as vLLM (a lone engine's clients would rather wait than fail).
     max_queued_requests: int | None = Field(default=None, gt=0)
     # None -> the model's own limit (config.json) or 4096 for sim.
     max_model_len: int | None = Field(default=None, gt=0)
@@ -248,11 +249,6 @@ class EngineConfig(ServerConfig):
             return "takes no LoRA adapter (pooling tasks refuse lora_name): unset lora.enabled"
         if self.kv_events.zmq_enabled:
             return "has no KV cache and publishes no KV events: unset kv_events.zmq_enabled"
-        if self.max_queued_requests is not None:
-            return (
-                "queues no request (each task runs as soon as it is accepted): unset "
-                "max_queued_requests"
-            )
         return None
 
     @property

@@ -17,14 +17,17 @@ A DECODE engine's request pulling its KV session is held the same way until it i
 (`begin_pull`): once the pull starts the request counts as in flight, its id is taken, and a
 drain that begins meanwhile waits for it instead of refusing it after the pull.
 
-Admission control (`max_queued_requests`; None: unbounded, as vLLM): a request arriving while
-that many are queued (accepted and not yet running, `EngineLoop.num_queued`, plus a DECODE
-engine's requests whose KV session is being pulled: each joins the queue once pulled) is
-refused before acceptance (`OverloadedError`, RESOURCE_EXHAUSTED), after every check of the
-request itself, so that a malformed one is refused for itself. So is a pooling task: it takes
-no place in that queue (it runs between steps at once, counted running), but it would slow
-every step of an engine already behind. The health probe is never refused (the engine's own
-work, as while draining); a pulled request is not refused again once its pull is over.
+Admission control (`max_queued_requests`; None: unbounded, as vLLM): a request or pooling
+task arriving while that many are queued is refused before acceptance (`OverloadedError`,
+RESOURCE_EXHAUSTED), after every check of the request itself, so that a malformed one is
+refused for itself. Queued (`num_queued`): requests accepted and not yet running
+(`EngineLoop.num_queued`), a DECODE engine's requests whose KV session is being pulled (each
+joins the queue once pulled), and pooling tasks accepted whose first batch has not begun on
+the engine thread (`TaskHandle.waiting`: behind a long step or other tasks' batches; once its
+first batch runs a task counts running, as a scheduled request does between its steps). So a
+pooling-only engine, which has no generation queue, is bounded too. The health probe is never
+refused (the engine's own work, as while draining) nor counted; a pulled request is not
+refused again once its pull is over.
 
 A pooling-only engine (`runner: pooling`, `ServedModel.generates` false) refuses every
 generation request in `submit` (FAILED_PRECONDITION: the front ends refuse them earlier, this
@@ -123,12 +126,17 @@ class RequestStream:
 
 
 class TaskHandle:
-    """One accepted pooling task, or a request pulling its KV session: its id and whether
-    Abort (or a drain's deadline) stopped it."""
+    """One accepted pooling task, or a request pulling its KV session: its id, whether Abort
+    (or a drain's deadline) stopped it, and whether it still waits for the engine thread.
 
-    def __init__(self, request_id: str) -> None:
+    `waiting`: a pooling task until its first batch begins on the engine thread (set false
+    there, read on the event loop: one attribute, so no lock); a pull never waits here (it is
+    counted queued as a pull)."""
+
+    def __init__(self, request_id: str, *, waiting: bool) -> None:
         self.request_id = request_id
         self.aborted = asyncio.Event()
+        self.waiting = waiting
 
 
 # The health probe's request ids: the engine's own work, refused from clients and left out of
@@ -276,8 +284,14 @@ class EngineService:
 
     @property
     def num_queued(self) -> int:
-        """What admission control bounds: requests queued, and those pulling their KV."""
-        return self.engine_loop.num_queued() + self._num_pulling
+        """What admission control bounds: requests queued, those pulling their KV, and pooling
+        tasks waiting for the engine thread (module doc)."""
+        return self.engine_loop.num_queued() + self._num_pulling + self.num_waiting_tasks
+
+    @property
+    def num_waiting_tasks(self) -> int:
+        """Pooling tasks accepted whose first batch has not started on the engine thread."""
+        return sum(handle.waiting for handle in self._live_tasks.values())
 
     def _check_admission(self, task: str) -> None:
         """Refuse a new request (of `task`, for the metrics) while `max_queued_requests` are
@@ -430,7 +444,7 @@ class EngineService:
         if request_id in self._live:
             raise DuplicateRequestError(f"request {request_id!r} is already running")
         self._check_admission(task)
-        handle = TaskHandle(request_id)
+        handle = TaskHandle(request_id, waiting=request is None)
         self._live_tasks[request_id] = handle
         self._finished.pop(request_id, None)
         self._in_flight_changed.set()
@@ -454,7 +468,12 @@ class EngineService:
         its result dropped)."""
         if handle.aborted.is_set():
             raise RequestAbortedError(f"request {handle.request_id!r} was aborted")
-        work = asyncio.wrap_future(self.engine_loop.call(fn))
+
+        def started(core: EngineCore) -> T:
+            handle.waiting = False  # on the engine thread: the task's forward begins now
+            return fn(core)
+
+        work = asyncio.wrap_future(self.engine_loop.call(started))
         # Abandoned (aborted, or the client gone): the engine thread still runs it and nobody
         # reads the result; retrieving it here keeps asyncio from logging it as lost.
         work.add_done_callback(lambda done: done.cancelled() or done.exception())

@@ -304,15 +304,18 @@ def load_info(
     include_per_rank: bool,
     active_kv_sessions: int = 0,
     running_tasks: int = 0,
+    waiting_tasks: int = 0,
 ) -> pb.LoadInfo:
-    """`running_tasks`: pooling tasks in flight, counted as running requests. The one rank's
-    figures are the engine's."""
-    running_requests = load.num_running + running_tasks
+    """`running_tasks`: pooling tasks in flight, of which `waiting_tasks` wait for the engine
+    thread: those count as queued requests (as admission control counts them), the others as
+    running. The one rank's figures are the engine's."""
+    running_requests = load.num_running + running_tasks - waiting_tasks
+    queued_requests = load.num_waiting + waiting_tasks
     info = pb.LoadInfo(
         instance_id=instance_id,
         timestamp_unix_nanos=timestamp_unix_ns,
         running_requests=running_requests,
-        queued_requests=load.num_waiting,
+        queued_requests=queued_requests,
         active_kv_sessions=active_kv_sessions,
         used_kv_blocks=load.num_used_blocks,
         total_kv_blocks=load.num_total_blocks,
@@ -330,7 +333,7 @@ def load_info(
             pb.RankLoadInfo(
                 data_parallel_rank=data_parallel_rank,
                 running_requests=running_requests,
-                queued_requests=load.num_waiting,
+                queued_requests=queued_requests,
                 used_kv_blocks=load.num_used_blocks,
                 total_kv_blocks=load.num_total_blocks,
                 prefill_batch_size=load.prefill_batch_size,

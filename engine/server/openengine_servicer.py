@@ -256,6 +256,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             include_per_rank=request.include_per_rank,
             active_kv_sessions=self._service.num_open_kv_sessions,
             running_tasks=self._service.num_running_tasks,
+            waiting_tasks=self._service.num_waiting_tasks,
         )
 
     # ---------------------------------------------------------------- health and lifecycle

@@ -5,10 +5,12 @@ meanwhile is unchanged, and every refusal has the seed's status."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
+from engine.server.engine_service import EngineService
 from engine.torch_runner.builtin_model import write_builtin_model
 from engine.torch_runner.config import ModelConfig
 from engine.torch_runner.errors import CheckpointError
@@ -89,6 +92,30 @@ def context(request_id: str = "t", **fields: Any) -> pb.TaskRequestContext:
 
 def ids_input(item_id: str, ids: list[int]) -> pb.TaskInput:
     return pb.TaskInput(item_id=item_id, token_ids=pb.TokenIds(ids=ids))
+
+
+@contextlib.asynccontextmanager
+async def engine_thread_held(service: EngineService) -> AsyncIterator[None]:
+    """The engine thread busy in one command (a step that takes long) until the block ends:
+    what arrives meanwhile waits for it."""
+    in_step, step_over = threading.Event(), threading.Event()
+
+    def long_step(_core: object) -> None:
+        in_step.set()
+        step_over.wait(30)
+
+    step = asyncio.wrap_future(service.engine_loop.call(long_step))
+    await eventually(in_step.is_set, what="the long step")
+    try:
+        yield
+    finally:
+        step_over.set()
+        await step
+
+
+def overloaded_metric(task: str) -> str:
+    """The exposition sample counting `task`'s refusals at the bound, less its value."""
+    return f'kvplane_engine_overloaded_requests_total{{model="{MODEL}",task="{task}"}}'
 
 
 def prompts() -> list[list[int]]:
@@ -459,25 +486,16 @@ async def test_tasks_are_refused_while_the_queue_is_at_its_bound(classifier_dir:
     good = [ids_input("a", [5, 6, 7])]
     async with running_engine(config) as engine:
         service, stub = engine.app.service, engine.stub
-        # A step that takes long: the engine thread busy in one command until `step_over`.
-        in_step, step_over = threading.Event(), threading.Event()
+        async with engine_thread_held(service):
+            queued = asyncio.create_task(
+                collect(stub, generate_request([5, 6, 7], max_tokens=2, model=MODEL))
+            )
 
-        def long_step(_core: object) -> None:
-            in_step.set()
-            step_over.wait(30)
+            async def full() -> bool:
+                return service.num_queued == 1
 
-        step = asyncio.wrap_future(service.engine_loop.call(long_step))
-        await eventually(in_step.is_set, what="the long step")
-        queued = asyncio.create_task(
-            collect(stub, generate_request([5, 6, 7], max_tokens=2, model=MODEL))
-        )
-
-        async def full() -> bool:
-            return service.num_queued == 1
-
-        await eventually(full, what="one request queued")
-        group = pb.ScoreGroup(group_id="g", query=good[0], candidates=[ids_input("b", [8])])
-        try:
+            await eventually(full, what="one request queued")
+            group = pb.ScoreGroup(group_id="g", query=good[0], candidates=[ids_input("b", [8])])
             refusals = [
                 await rpc_error(stub.Embed(pb.EmbedRequest(context=context("e"), inputs=good))),
                 await rpc_error(
@@ -485,9 +503,6 @@ async def test_tasks_are_refused_while_the_queue_is_at_its_bound(classifier_dir:
                 ),
                 await rpc_error(stub.Score(pb.ScoreRequest(context=context("s"), groups=[group]))),
             ]
-        finally:
-            step_over.set()
-        await step
         assert (await queued)[-1].finished.reason == pb.FINISH_REASON_LENGTH
 
         async def drained() -> bool:
@@ -503,12 +518,46 @@ async def test_tasks_are_refused_while_the_queue_is_at_its_bound(classifier_dir:
     assert len(after.outputs) == 1
     text = metrics.decode()
     for task in ("embed", "classify", "score"):
-        assert (
-            f'kvplane_engine_overloaded_requests_total{{model="{MODEL}",task="{task}"}} 1.0' in text
-        )
+        assert f"{overloaded_metric(task)} 1.0" in text
     # Refused before acceptance: not counted as accepted (the embed after it is).
     assert f'kvplane_engine_pooling_requests_total{{model="{MODEL}",task="embed"}} 1.0' in text
     assert f'kvplane_engine_pooling_requests_total{{model="{MODEL}",task="score"}}' not in text
+
+
+async def test_tasks_waiting_for_the_engine_thread_count_toward_the_bound(
+    classifier_dir: Path,
+) -> None:
+    """A task accepted while the engine thread is busy waits for it, and so counts as queued:
+    at `max_queued_requests` (1) a Generate and another task are refused; once the thread is
+    free the waiting task completes and both are admitted again."""
+    config = engine_config(classifier_dir, max_queued_requests=1)
+    good = [ids_input("a", [5, 6, 7])]
+    async with running_engine(config) as engine:
+        service, stub = engine.app.service, engine.stub
+        async with engine_thread_held(service):
+            waiting = asyncio.ensure_future(
+                stub.Embed(pb.EmbedRequest(context=context("w"), inputs=good))
+            )
+
+            async def accepted() -> bool:
+                return service.num_running_tasks == 1
+
+            await eventually(accepted, what="the embed accepted")
+            generate_refused = await rpc_error(
+                collect(stub, generate_request([5, 6, 7], max_tokens=2, model=MODEL))
+            )
+            classify_refused = await rpc_error(
+                stub.Classify(pb.ClassifyRequest(context=context("c"), inputs=good))
+            )
+        waited = await waiting
+        generated = await collect(stub, generate_request([5, 6, 7], max_tokens=2, model=MODEL))
+        classified = await stub.Classify(pb.ClassifyRequest(context=context("c"), inputs=good))
+    for refused in (generate_refused, classify_refused):
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+        assert "1 queued, max_queued_requests is 1" in (refused.details() or "")
+    assert len(waited.outputs) == 1
+    assert generated[-1].finished.reason == pb.FINISH_REASON_LENGTH
+    assert len(classified.outputs) == 1
 
 
 async def test_text_without_a_tokenizer_is_invalid(builtin_dir: Path, tmp_path: Path) -> None:

@@ -1,14 +1,16 @@
 """Pooling-only engines (`runner: pooling`, or `auto` on a classifier without an LM head) over
 gRPC: Classify equals HF transformers, Embed and Score the float64 reference, Generate is
 FAILED_PRECONDITION on both front ends and changes nothing, Health probes with a pooling
-forward, ModelInfo advertises no generation; and every config a pooling engine cannot honour
-is refused at load."""
+forward, ModelInfo advertises no generation, `max_queued_requests` bounds the tasks waiting for
+the engine thread; and every config a pooling engine cannot honour is refused at load."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import shutil
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +41,15 @@ from tests.engine.test_server_pooling import (
     close,
     context,
     engine_config,
+    engine_thread_held,
     ids_input,
     normalized,
+    overloaded_metric,
     prompts,
     values,
 )
 from tests.engine.torch_reference import dense_hidden
+from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
 pytestmark = pytest.mark.timeout(180)
@@ -178,6 +183,49 @@ async def test_runner_pooling_on_a_causal_lm_embeds_and_never_generates(tmp_path
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+async def test_max_queued_requests_bounds_the_tasks_waiting_for_the_engine_thread(
+    headless_dir: Path,
+) -> None:
+    """A pooling-only engine takes `max_queued_requests` (2): with its engine thread busy, two
+    tasks wait and the third is refused (RESOURCE_EXHAUSTED naming the bound, counted by
+    task); once the thread is free both complete and new tasks are admitted."""
+    config = engine_config(
+        headless_dir, runner="pooling", max_queued_requests=2, metrics_listen="127.0.0.1:0"
+    )
+    good = [ids_input("a", [5, 6, 7])]
+    async with running_engine(config) as engine:
+        service, stub = engine.app.service, engine.stub
+        async with engine_thread_held(service):
+            waiting = [
+                asyncio.ensure_future(
+                    stub.Embed(pb.EmbedRequest(context=context(f"w{i}"), inputs=good))
+                )
+                for i in range(2)
+            ]
+
+            async def accepted() -> bool:
+                return service.num_running_tasks == 2
+
+            await eventually(accepted, what="two embeds accepted")
+            refused = await rpc_error(
+                stub.Embed(pb.EmbedRequest(context=context("e"), inputs=good))
+            )
+            load = await stub.GetLoad(pb.GetLoadRequest())
+        waited = await asyncio.gather(*waiting)
+        admitted = await asyncio.gather(
+            stub.Embed(pb.EmbedRequest(context=context("e"), inputs=good)),
+            stub.Classify(pb.ClassifyRequest(context=context("c"), inputs=good)),
+        )
+        url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
+        metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused
+    assert "2 queued, max_queued_requests is 2" in (refused.details() or "")
+    # GetLoad counts them as the bound does: queued, not running.
+    assert (load.queued_requests, load.running_requests) == (2, 0)
+    assert [len(response.outputs) for response in (*waited, *admitted)] == [1, 1, 1, 1]
+    assert f"{overloaded_metric('embed')} 1.0" in metrics.decode()
+
+
 async def test_runner_generate_refuses_a_headless_classifier(headless_dir: Path) -> None:
     with pytest.raises(CheckpointError, match="runner: pooling"):
         await start_engine(engine_config(headless_dir, runner="generate"))
@@ -190,7 +238,6 @@ async def test_runner_generate_refuses_a_headless_classifier(headless_dir: Path)
         ({"role": "decode"}, "role decode is for engines that generate"),
         ({"lora": {"enabled": True}}, "unset lora.enabled"),
         ({"kv_events": {"zmq_enabled": True}}, "unset kv_events.zmq_enabled"),
-        ({"max_queued_requests": 4}, "queues no request.*unset max_queued_requests"),
         ({"model": "sim", "num_kv_blocks": 8}, "the sim runner has no hidden states"),
     ],
 )
