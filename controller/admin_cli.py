@@ -416,12 +416,22 @@ def route(
             "every engine counts 0 cached tokens, the prompt is placed by load.",
         ),
     ] = False,
+    session_key: Annotated[
+        str,
+        typer.Option(
+            "--session-key",
+            help="As a request carrying this session key (the value of its "
+            "router.session_metadata_key metadata): sent where that session is bound, "
+            "reason session.",
+        ),
+    ] = "",
     target: TargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Where the router would send a prompt, and every engine's cost terms (controller)."""
     query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     query.bypass_prefix_cache = bypass_prefix_cache
+    query.session_key = session_key
     reply = _admin_call(
         "route", _server(ctx, target), lambda stub: stub.Route(query, timeout=RPC_TIMEOUT_S)
     )

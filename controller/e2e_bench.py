@@ -45,7 +45,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-import grpc
 import typer
 
 from controller.bench import policy_names
@@ -65,6 +64,7 @@ from controller.gateway_timing import (
     wait_routable,
 )
 from engine.core.mooncake_trace import TraceRequest, load_trace
+from kvplane.channels import INSECURE
 from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number, usage_error_for
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -144,7 +144,7 @@ def _fleet_config(
 async def _warm_up(addresses: Sequence[str], model: str, vocab_size: int) -> None:
     rng = random.Random(-1)
     for address in addresses:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with INSECURE.aio_channel(address) as channel:
             stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
             for i in range(2):
                 tokens = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(64)]
@@ -164,7 +164,7 @@ async def _drive(
     target: str, model: str, workload: Sequence[WorkloadRequest], policy: str
 ) -> list[Outcome]:
     """Send every request at its arrival time (open loop); wait for all of them."""
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with INSECURE.aio_channel(target) as channel:
         stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
         start = time.perf_counter()
         tasks = []

@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from kvplane.channels import INSECURE
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -104,7 +105,7 @@ def latency_summary(values: Sequence[float]) -> dict[str, float]:
 async def wait_routable(target: str, num_engines: int, timeout_s: float = 120.0) -> None:
     """Until the controller's Health is READY with every engine in it."""
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with INSECURE.aio_channel(target) as channel:
         stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
         while True:
             try:
@@ -147,8 +148,7 @@ async def time_gateway_pairs(
     if relay is not None:
         targets["relay"] = [relay]
     channels = {
-        side: [grpc.aio.insecure_channel(a) for a in addresses]
-        for side, addresses in targets.items()
+        side: [INSECURE.aio_channel(a) for a in addresses] for side, addresses in targets.items()
     }
     stubs: dict[str, list[pb_grpc.OpenEngineAsyncStub]] = {
         side: [pb_grpc.OpenEngineStub(c) for c in side_channels]

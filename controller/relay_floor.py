@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import uvloop
 
+from kvplane.channels import INSECURE
 from kvplane.server import publish_port, serve_until_signal
 
 SERVICE = "openengine.v1.OpenEngine"
@@ -60,7 +61,7 @@ class Relay:
 
 async def start_relay(target: str, listen: str = "127.0.0.1:0") -> Relay:
     """A started relay to the engine at `target`."""
-    channel = grpc.aio.insecure_channel(target)
+    channel = INSECURE.aio_channel(target)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers([_generate_handler(channel)])
     port = server.add_insecure_port(listen)

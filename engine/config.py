@@ -31,6 +31,7 @@ from pydantic import Field, field_validator, model_validator
 
 from kvplane.config import BIND_WILDCARD_HOSTS, ClientTlsConfig, ServerConfig, StrictModel
 from kvplane.errors import ConfigError
+from kvplane.zmq_ip import is_ipv4_wildcard
 
 SIM_MODEL = "sim"
 BUILTIN_MODEL = "builtin"
@@ -112,6 +113,17 @@ class KvEventsConfig(StrictModel):
                 f"kv_events.advertised_host {self.advertised_host!r} is a bind wildcard: set "
                 "an address other machines can dial (or leave it out)"
             )
+        if self.zmq_enabled and self.advertised_host and ":" in self.advertised_host:
+            for name, value in (
+                ("endpoint", self.endpoint),
+                ("replay_endpoint", self.replay_endpoint),
+            ):
+                if value is not None and is_ipv4_wildcard(value):
+                    raise ValueError(
+                        f"kv_events.{name} {value} listens on IPv4 only, so it cannot be "
+                        f"reached at the IPv6 kv_events.advertised_host {self.advertised_host}: "
+                        "bind tcp://*:PORT (both IP versions) or [::]"
+                    )
         return self
 
 

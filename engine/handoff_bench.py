@@ -32,6 +32,7 @@ from typing import Annotated, Any
 import grpc
 import typer
 
+from kvplane.channels import INSECURE
 from kvplane.cli_common import OutputFormat, OutputOption, emit
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
@@ -125,7 +126,7 @@ async def _measure(model_dir: Path, settings: HandoffBenchSettings) -> dict[str,
         for role in (EngineRoleName.aggregated, EngineRoleName.prefill, EngineRoleName.decode):
             config = EngineConfig(**common, role=role, instance_id=role.value)
             apps.append(await start_engine(config))
-            channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{apps[-1].port}"))
+            channels.append(INSECURE.aio_channel(f"127.0.0.1:{apps[-1].port}"))
         aggregated, prefill, decode = (pb_grpc.OpenEngineStub(c) for c in channels)
         block_bytes = apps[2].service.engine_loop.core.runner.kv_block_bytes
         last_token_id = apps[0].service.model.vocab_size - 1

@@ -536,11 +536,10 @@ def _client_main(
 async def _client(
     port: int, chains: list[list[BlockKey]], seconds: float, qps: float
 ) -> dict[str, float]:
-    import grpc
-
     from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+    from kvplane.channels import INSECURE
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with INSECURE.aio_channel(f"127.0.0.1:{port}") as channel:
         stub = kv_grpc.KVIndexerStub(channel)
         requests = [kv.MatchExternalKvPrefixRequest(hashes=c) for c in chains]
         for request in requests[:200]:  # warm up

@@ -34,6 +34,14 @@ HUNG_UP = "Socket closed"
 ChannelOptions = tuple[tuple[str, Any], ...]
 Metadata = tuple[tuple[str, str], ...]
 
+# gRPC's own reconnect backoff grows (x1.6 from 1 s) to 120 s, and a channel in backoff fails
+# every call at once: a peer back after a long outage (a controller for the planner, an engine
+# for the planner or a decode engine, an indexer for a bridge) stayed unreachable for up to two
+# minutes more. Every channel retries at least every 5 s (a few connection attempts a minute
+# to a peer that stays down); a client with its own schedule sets it with `reconnecting`.
+MAX_RECONNECT_BACKOFF_MS = 5000
+_BOUNDED_RECONNECT: ChannelOptions = (("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),)
+
 
 TlsFileField = Literal["ca_file", "cert_file", "key_file"]
 
@@ -64,7 +72,7 @@ class ClientChannels:
     """Credentials (None: insecure) and channel options for dialling servers."""
 
     credentials: grpc.ChannelCredentials | None = None
-    options: ChannelOptions = ()
+    options: ChannelOptions = _BOUNDED_RECONNECT
     # A client certificate is presented (mutual TLS).
     client_certificate: bool = False
     # Sent with every call that has no authorization of its own (a bearer token).
@@ -102,9 +110,9 @@ class ClientChannels:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=root, private_key=key, certificate_chain=chain
         )
-        options: ChannelOptions = ()
+        options = _BOUNDED_RECONNECT
         if tls.server_name is not None:
-            options = (("grpc.ssl_target_name_override", tls.server_name),)
+            options = (*options, ("grpc.ssl_target_name_override", tls.server_name))
         return cls(credentials, options, client_certificate=chain is not None)
 
     @property
@@ -121,16 +129,22 @@ class ClientChannels:
         grows to 120 s, and a channel in backoff fails every call at once: a server back after
         an outage of a few minutes stayed unreachable for up to two minutes more."""
         initial_ms, max_ms = max(1, round(initial_s * 1000)), max(1, round(max_s * 1000))
-        backoff = (
+        return self.with_options(
             ("grpc.initial_reconnect_backoff_ms", min(initial_ms, max_ms)),
             ("grpc.max_reconnect_backoff_ms", max_ms),
         )
-        return replace(self, options=(*self.options, *backoff))
 
     def receiving_any_size(self) -> ClientChannels:
         """The same, taking replies of any size (gRPC's default stops at 4 MiB): a relay passes
         on whatever its servers send, and the clients it relays to set their own limits."""
-        return replace(self, options=(*self.options, ("grpc.max_receive_message_length", -1)))
+        return self.with_options(("grpc.max_receive_message_length", -1))
+
+    def with_options(self, *options: tuple[str, Any]) -> ClientChannels:
+        """The same, with `options` in place of any option of the same name (one value for
+        each: which of two duplicates gRPC would take is not documented)."""
+        names = {name for name, _ in options}
+        kept = tuple(option for option in self.options if option[0] not in names)
+        return replace(self, options=(*kept, *options))
 
     def with_metadata(self, metadata: Metadata) -> ClientChannels:
         """The same, every call carrying `metadata` unless it brings an authorization."""

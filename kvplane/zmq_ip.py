@@ -34,6 +34,14 @@ def endpoint_needs_ipv6(endpoint: str) -> bool:
     return host == "*" or ":" in host  # an IPv6 address (bracketed or not) has colons
 
 
+def is_ipv4_wildcard(endpoint: str) -> bool:
+    """Whether `endpoint` is TCP on 0.0.0.0: every IPv4 address of the machine and no IPv6
+    one, so it must be advertised at an IPv4 address (or a name, which a ZMQ client resolves
+    to IPv4)."""
+    transport, _, address = endpoint.partition("://")
+    return transport == "tcp" and address.rpartition(":")[0] == "0.0.0.0"
+
+
 def set_ip_version(sock: zmq.Socket[Any], endpoint: str) -> None:
     """Set `sock`'s IPv6 option as `endpoint` needs: call before binding or connecting it."""
     sock.setsockopt(zmq.IPV6, int(endpoint_needs_ipv6(endpoint)))

@@ -100,10 +100,7 @@ class KvSessionPuller:
         self._block_bytes = kv_block_bytes
         self._blocks_per_chunk = blocks_per_chunk(kv_block_bytes)
         receive = max(_MIN_RECEIVE_BYTES, self._blocks_per_chunk * kv_block_bytes + (1 << 20))
-        self._channel_options = dataclasses.replace(
-            channels,
-            options=(*channels.options, ("grpc.max_receive_message_length", receive)),
-        )
+        self._channel_options = channels.with_options(("grpc.max_receive_message_length", receive))
         self._timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._releases: set[asyncio.Task[None]] = set()

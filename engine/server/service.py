@@ -59,6 +59,7 @@ from engine.server.zmq_publisher import ZmqKvPublisher, routable_host_port
 from kvplane.config import BIND_WILDCARD_HOSTS, join_host_port, parse_host_port
 from kvplane.metrics import start_metrics_server
 from kvplane.server import create_server, publish_port, serve_until_signal
+from kvplane.zmq_ip import is_ipv4_wildcard
 from openengine.v1 import openengine_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -195,20 +196,24 @@ def own_address(
     wildcard: str,
     route_address: Callable[[socket.AddressFamily], str | None] | None = None,
     host_name_addresses: Callable[[], list[tuple[socket.AddressFamily, str]]] | None = None,
+    *,
+    dual_stack: bool = True,
 ) -> str:
     """This machine's address for a server bound to `wildcard`: `::` prefers IPv6, `*` and
-    0.0.0.0 IPv4 (gRPC binds either wildcard dual-stack, so the other version is dialable
-    too, e.g. on an IPv6-only host). In that order of versions: the address of the interface
-    with a route out, else one the host name resolves to, else loopback. A loopback result
-    (no route, and a hosts file mapping the name to 127.0.x.x, as Debian's does) reaches this
-    machine only: a warning says to set the host. The lookups are parameters so that a test
-    can give any host's view of its addresses."""
+    0.0.0.0 IPv4, then, for a `dual_stack` server (gRPC binds either wildcard dual-stack), the
+    other version, dialable too (e.g. on an IPv6-only host). In that order of versions: the
+    address of the interface with a route out, else one the host name resolves to, else
+    loopback. A loopback result (no route, and a hosts file mapping the name to 127.0.x.x, as
+    Debian's does) reaches this machine only: a warning says to set the host. The lookups are
+    parameters so that a test can give any host's view of its addresses."""
     route_address = route_address or _route_address
     host_name_addresses = host_name_addresses or _host_name_addresses
     ipv6_first = wildcard in ("::", "[::]")
-    families = (
+    families: tuple[socket.AddressFamily, ...] = (
         (socket.AF_INET6, socket.AF_INET) if ipv6_first else (socket.AF_INET, socket.AF_INET6)
     )
+    if not dual_stack:
+        families = families[:1]
     found = next((a for f in families if (a := route_address(f))), None)
     if found is None:
         named = host_name_addresses()
@@ -222,6 +227,24 @@ def own_address(
             found,
         )
     return found
+
+
+def zmq_advertised_host(
+    bound_endpoint: str,
+    host: str,
+    route_address: Callable[[socket.AddressFamily], str | None] | None = None,
+    host_name_addresses: Callable[[], list[tuple[socket.AddressFamily, str]]] | None = None,
+) -> str:
+    """The host to advertise for a ZMQ TCP endpoint bound at `bound_endpoint` (libzmq's last
+    endpoint) where the engine's other endpoints are advertised at `host` (`advertised_host`).
+    That host is chosen for gRPC, which listens on both IP versions; a ZMQ socket on 0.0.0.0
+    listens on IPv4 only (`kvplane.zmq_ip`: `*` binds `[::]`, dual stack, and binds 0.0.0.0
+    only where the kernel has no IPv6), so an IPv6 address there names a socket nothing can
+    reach: this machine's IPv4 address instead. A host name is kept (a ZMQ client resolves a
+    name to IPv4 only), as is any host of a dual-stack or a specific endpoint."""
+    if not is_ipv4_wildcard(bound_endpoint) or ":" not in host:  # (IPv6 addresses have colons)
+        return host
+    return own_address("0.0.0.0", route_address, host_name_addresses, dual_stack=False)
 
 
 # Documentation addresses (RFC 5737, RFC 3849): connecting a UDP socket to one only picks the
@@ -484,11 +507,13 @@ def _zmq_source(
         hwm=hwm,
     )
     if publisher.bound_endpoint.startswith("tcp://"):
-        pub_host, pub_port = routable_host_port(publisher.bound_endpoint, host)
+        pub_host, pub_port = routable_host_port(
+            publisher.bound_endpoint, zmq_advertised_host(publisher.bound_endpoint, host)
+        )
         source.endpoint_addr.CopyFrom(pb.KvEndpoint(host=pub_host, port=pub_port, protocol="tcp"))
     replay = publisher.bound_replay_endpoint
     if replay is not None and replay.startswith("tcp://"):
-        replay_host, replay_port = routable_host_port(replay, host)
+        replay_host, replay_port = routable_host_port(replay, zmq_advertised_host(replay, host))
         source.replay_endpoint = "tcp://" + join_host_port(replay_host, replay_port)
     return source
 

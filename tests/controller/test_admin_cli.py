@@ -197,6 +197,33 @@ async def test_route_explains_a_request_that_bypasses_the_prefix_cache(
     assert await holder(tokens, t) == engine
 
 
+async def test_route_explains_a_request_of_a_bound_session(tmp_path: Path) -> None:
+    """`route --session-key K` explains a request carrying session K: it goes to the engine
+    the session is bound to, reason `session`, even for a prompt no engine holds."""
+    fleet = await make_fleet(router={"session_metadata_key": "session"})
+    try:
+        t = ["--target", fleet.target]
+        bound = generate_request("a", [*PREFIX, 1], session="alice")
+        [r async for r in fleet.gateway.Generate(bound)]
+        tokens = tmp_path / "tokens.txt"
+        tokens.write_text(" ".join(str(t) for t in [*PREFIX, 5]))
+        engine = await wait_for_holder(tokens, t)  # where alice's request went
+
+        fresh = tmp_path / "fresh.txt"
+        fresh.write_text(" ".join(str(t) for t in range(900, 964)))
+        # Without a key, or with a session bound to no engine, the prompt is placed by load.
+        for session in ([], ["--session-key", "bob"]):
+            route = await cli_json("route", "--tokens-file", str(fresh), *session, *t)
+            assert route["reason"] != "session", session
+        alice = await cli_json("route", "--tokens-file", str(fresh), "--session-key", "alice", *t)
+        assert (alice["instance_id"], alice["reason"]) == (engine, "session")
+        table = await cli("route", "--tokens-file", str(fresh), "--session-key", "alice", *t)
+        assert table.exit_code == 0, table.output
+        assert f"-> {engine} " in table.output and "reason session" in table.output
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_admin_cli_against_a_single_engine(fleet: Fleet) -> None:
     t = ["--target", fleet.address(fleet.engines[0])]
     workers = await cli_json("workers", *t)

@@ -67,6 +67,20 @@ def test_a_bind_wildcard_is_refused_as_the_advertised_host(wildcard: str) -> Non
     assert validate_config(EngineConfig, {"kv_events": {"advertised_host": "10.0.0.7"}}, "e.yaml")
 
 
+@pytest.mark.parametrize("which", ["endpoint", "replay_endpoint"])
+def test_an_ipv6_advertised_host_is_refused_for_zmq_on_ipv4_only(which: str) -> None:
+    """ZMQ on 0.0.0.0 listens on IPv4 only: advertised at a configured IPv6 address, no
+    consumer could reach it."""
+    kv_events = {"zmq_enabled": True, which: "tcp://0.0.0.0:5557", "advertised_host": "fd00::1"}
+    with pytest.raises(ConfigError) as err:
+        validate_config(EngineConfig, {"kv_events": kv_events}, "engine.yaml")
+    message = str(err.value)
+    assert f"kv_events.{which} tcp://0.0.0.0:5557 listens on IPv4 only" in message
+    assert "\n" not in message
+    for fine in ({"advertised_host": "10.0.0.7"}, {which: "tcp://*:5557"}):
+        assert validate_config(EngineConfig, {"kv_events": {**kv_events, **fine}}, "e.yaml")
+
+
 def test_the_admission_bound_is_off_by_default_and_positive_when_set() -> None:
     assert EngineConfig().max_queued_requests is None
     assert EngineConfig(max_queued_requests=1).max_queued_requests == 1

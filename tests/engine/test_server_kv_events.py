@@ -27,6 +27,7 @@ from indexer.sources.zmq import ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from indexer.zmq_decode import decode_frames, decode_payload
 from kvplane.config import join_host_port
+from kvplane.zmq_ip import set_ip_version
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import (
@@ -528,6 +529,66 @@ def test_a_loopback_advertised_address_is_warned_about_and_a_configured_one_wins
     configured = sim_config(listen="[::]:0", kv_events=KvEventsConfig(advertised_host="h1"))
     assert advertised_host(configured) == "h1"
     assert advertised_host(sim_config(listen="[fd00::3]:0")) == "fd00::3"
+
+
+@pytest.mark.parametrize(
+    ("bound", "host", "machine", "expected"),
+    [
+        # IPv4 only: an IPv6 host (the gRPC wildcard's, or the listen address) is replaced.
+        ("tcp://0.0.0.0:5557", "fd00::7", DUAL_STACK, "10.1.2.3"),
+        ("tcp://0.0.0.0:5557", "fd00::3", UNROUTED, "127.0.1.1"),
+        # ... never by an IPv6 one, not even on an IPv6-only machine: the host name's IPv4
+        # address, here loopback (warned), else 127.0.0.1.
+        ("tcp://0.0.0.0:5557", "2001:db8:5::9", IPV6_ONLY, "127.0.1.1"),
+        ("tcp://0.0.0.0:5557", "2001:db8:5::9", _host({V6: "2001:db8:5::9"}, []), "127.0.0.1"),
+        ("tcp://0.0.0.0:5557", "10.9.9.9", DUAL_STACK, "10.9.9.9"),
+        ("tcp://0.0.0.0:5557", "engine-0.svc", DUAL_STACK, "engine-0.svc"),
+        # Dual stack (`*` binds [::]) or a specific address: the host as it is.
+        ("tcp://[::]:5557", "fd00::7", DUAL_STACK, "fd00::7"),
+        ("tcp://[::]:5557", "10.1.2.3", DUAL_STACK, "10.1.2.3"),
+        ("tcp://127.0.0.1:5557", "fd00::7", DUAL_STACK, "fd00::7"),
+    ],
+)
+def test_a_zmq_endpoint_is_advertised_at_an_address_of_the_ip_version_it_binds(
+    bound: str, host: str, machine: dict[str, Any], expected: str
+) -> None:
+    """The host the engine advertises for gRPC (dual stack) is kept for a ZMQ endpoint unless
+    that socket listens on IPv4 only (0.0.0.0) and the host is an IPv6 address: then this
+    machine's IPv4 address."""
+    from engine.server.service import zmq_advertised_host
+
+    assert zmq_advertised_host(bound, host, **machine) == expected
+
+
+@needs_ipv6_loopback
+async def test_zmq_on_the_ipv4_wildcard_is_advertised_at_ipv4_under_grpc_on_the_ipv6_one() -> None:
+    """gRPC on [::] is advertised at an IPv6 address; the ZMQ endpoints on 0.0.0.0 (IPv4 only)
+    at an IPv4 one, where a client following the advert reaches them: the replay answers."""
+    kv_events = KvEventsConfig(
+        zmq_enabled=True, endpoint="tcp://0.0.0.0:*", replay_endpoint="tcp://0.0.0.0:*"
+    )
+    async with running_engine(sim_config(listen="[::]:0", kv_events=kv_events)) as engine:
+        await collect(engine.stub, generate_request(list(range(100, 120))))
+        sources = (await engine.stub.GetKvEventSources(pb.GetKvEventSourcesRequest())).sources
+        by_transport = {s.transport: s for s in sources}
+        assert ipaddress.ip_address(by_transport["grpc"].endpoint_addr.host).version == 6
+        settings = zmq_source_settings(by_transport["zmq"], array_tail="vllm")
+        for endpoint in (settings.endpoint, settings.replay_endpoint or ""):
+            host = endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+            assert ipaddress.ip_address(host).version == 4, endpoint
+        ctx = zmq.asyncio.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        set_ip_version(dealer, settings.replay_endpoint or "")
+        dealer.connect(settings.replay_endpoint or "")
+        try:
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            frames: list[bytes] = []
+            while not frames or frames[2] != END_OF_REPLAY_SEQ:
+                assert await dealer.poll(timeout=5000)
+                frames = await dealer.recv_multipart()
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
 
 
 @needs_ipv6_loopback

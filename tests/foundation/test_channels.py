@@ -1,0 +1,39 @@
+"""The options of the channels every kvplane client opens (`kvplane.channels`).
+
+How soon a channel reconnects to a peer back after an outage is not tested for real: gRPC's
+own backoff passes the 5 s bound only after about ten seconds down, and the difference shows
+only as a duration, which a test would have to time."""
+
+from __future__ import annotations
+
+from kvplane.channels import INSECURE, MAX_RECONNECT_BACKOFF_MS, ClientChannels
+from kvplane.config import ClientTlsConfig
+
+BACKOFF = "grpc.max_reconnect_backoff_ms"
+
+
+def test_every_client_channel_bounds_its_reconnect_backoff() -> None:
+    """Insecure or TLS, with a token or not: the planner's, a bridge's, a decode engine's
+    channels retry a lost peer at least every 5 s, not gRPC's 120 s."""
+    tls = ClientChannels.load(ClientTlsConfig(server_name="engine-0"))
+    for channels in (INSECURE, ClientChannels.load(None), tls, INSECURE.with_metadata(())):
+        assert dict(channels.options)[BACKOFF] == MAX_RECONNECT_BACKOFF_MS == 5000
+    assert dict(tls.options)["grpc.ssl_target_name_override"] == "engine-0"
+
+
+def test_a_clients_own_options_replace_the_defaults_and_the_earlier_ones() -> None:
+    """`reconnecting` (the controller's health backoff) sets the bound; set twice, the last
+    wins; every option is given once (which of two duplicates gRPC takes is not said)."""
+    channels = (
+        INSECURE.reconnecting(0.25, 3.0)
+        .receiving_any_size()
+        .reconnecting(0.5, 30.0)
+        .with_options(("grpc.max_receive_message_length", 1 << 24))
+    )
+    names = [name for name, _ in channels.options]
+    assert len(names) == len(set(names)), names
+    assert dict(channels.options) == {
+        BACKOFF: 30_000,
+        "grpc.initial_reconnect_backoff_ms": 500,
+        "grpc.max_receive_message_length": 1 << 24,
+    }
