@@ -171,6 +171,19 @@ async def planner_serves_a_prompt(
     return planner_process.lines
 
 
+async def planner_start_refused(app: ControllerApp, config: Path, work: Path) -> str:
+    """`kvplane planner run --config config` against a controller `app` that refuses how it
+    dials: every start fails at once in one log line (returned), the planner goes on (it tries
+    again next tick), no engine is spawned (no log in `work`: with a real model, minutes of
+    loading for nothing) and nothing is registered."""
+    async with planner_run(config) as planner_process:
+        failed = await planner_process.line(lambda line: "no engine of default started" in line)
+        assert planner_process.process.returncode is None
+    assert not await asyncio.to_thread(lambda: list(work.glob("*.log")))
+    assert not app.controller.fleet.registry.records()
+    return failed
+
+
 def planner_config(tmp_path: Path, live: dict[str, Any]) -> Path:
     """A planner of one pool of exactly one engine acting on `live` (local engines' logs in
     tmp_path/work), written to a file."""
@@ -273,16 +286,12 @@ async def test_a_planner_without_controller_tls_says_the_controller_serves_tls(
     pki: Path, tmp_path: Path
 ) -> None:
     """Every start fails at once, in one log line naming the setting, and no engine is
-    spawned (with a real model, minutes of loading for nothing)."""
+    spawned."""
     async with tls_controller(pki, mutual=False, engine_tls=None) as app:
         config = planner_config(tmp_path, {"controller": f"127.0.0.1:{app.port}"})
-        async with planner_run(config) as planner_process:
-            failed = await planner_process.line(lambda line: "no engine of default started" in line)
-            assert planner_process.process.returncode is None  # it tries again next tick
-        assert " controller UNAVAILABLE: " in failed
-        assert failed.endswith("(a TLS server? give live.controller_tls)")
-        assert not list((tmp_path / "work").glob("*.log"))
-        assert not app.controller.fleet.registry.records()
+        failed = await planner_start_refused(app, config, tmp_path / "work")
+    assert " controller UNAVAILABLE: " in failed
+    assert failed.endswith("(a TLS server? give live.controller_tls)")
 
 
 @pytest.mark.timeout(60)
