@@ -118,6 +118,11 @@ def overloaded_metric(task: str) -> str:
     return f'kvplane_engine_overloaded_requests_total{{model="{MODEL}",task="{task}"}}'
 
 
+def forward_tokens_metric(task: str) -> str:
+    """The exposition sample counting the input tokens `task`'s forwards ran, less its value."""
+    return f'kvplane_engine_pooling_forward_tokens_total{{model="{MODEL}",task="{task}"}}'
+
+
 def prompts() -> list[list[int]]:
     """Token ids of several lengths (one past a 16-token block, one long)."""
     return [[5 + (7 * i + j) % 400 for j in range(n)] for i, n in enumerate((1, 9, 17, 40, 130))]
@@ -522,6 +527,9 @@ async def test_tasks_are_refused_while_the_queue_is_at_its_bound(classifier_dir:
     # Refused before acceptance: not counted as accepted (the embed after it is).
     assert f'kvplane_engine_pooling_requests_total{{model="{MODEL}",task="embed"}} 1.0' in text
     assert f'kvplane_engine_pooling_requests_total{{model="{MODEL}",task="score"}}' not in text
+    # What ran through the model: the embed's 3 tokens, nothing of the refused tasks.
+    assert f"{forward_tokens_metric('embed')} 3.0" in text
+    assert forward_tokens_metric("score") not in text
 
 
 async def test_tasks_waiting_for_the_engine_thread_count_toward_the_bound(
