@@ -8,7 +8,8 @@ request id already running -> ALREADY_EXISTS, the engine's queue at `max_queued_
 RESOURCE_EXHAUSTED. Accepted, the task runs its inputs in batches
 of at most `max_num_batched_tokens` tokens, each one engine-thread command between generation
 steps (`EngineService.run_task`); an Abort of its request id or a drain's deadline stops it
-between batches (CANCELLED).
+(CANCELLED): a batch still waiting for the engine thread never runs, one already running
+finishes unread. The client going away (or its deadline) stops it alike.
 
 Semantics, following vLLM for a causal LM served for embeddings:
 - Embed: the final hidden state of the pooled token (last by default), L2-normalised by
