@@ -6,7 +6,8 @@ which calls `sink(output)` for each output, in order, ending with the one that c
 For asyncio consumers use `asyncio_sink(loop, queue)`: it hands each output to
 `loop.call_soon_threadsafe(queue.put_nowait, output)`, so the event loop never blocks on a
 step (this module itself imports no asyncio: the loop and queue are duck-typed). Commands
-(`abort`, `abort_all`, `call`) return `concurrent.futures.Future`s (`asyncio.wrap_future`).
+(`abort`, `abort_all`, `call`) return `concurrent.futures.Future`s (`asyncio.wrap_future`); a
+`call` cancelled while it waits for the engine thread never runs.
 
 Failure handling: a failing step fails every live request (FinishReason.ERROR) and the loop
 carries on; a failing sink aborts its request; a failing `on_step` observer is logged; if the
@@ -212,10 +213,16 @@ class EngineLoop:
         return future
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
-        """Run `fn(core)` in the engine thread between steps (snapshots, cache resets)."""
+        """Run `fn(core)` in the engine thread between steps (snapshots, cache resets).
+
+        As an executor's: cancelling the future before `fn` begins (`Future.cancel`, or the
+        asyncio future `asyncio.wrap_future` made of it) drops it from the queue, so it never
+        runs; once begun it cannot be cancelled and runs to its end."""
         future: Future[T] = Future()
 
         def command() -> list[RequestOutput]:
+            if not future.set_running_or_notify_cancel():
+                return []  # cancelled while queued
             try:
                 result = fn(self.core)
             except Exception as exc:

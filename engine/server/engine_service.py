@@ -13,6 +13,9 @@ ends with the output that carries `usage` (finished, cancelled or failed).
 Pooling tasks (Embed/Classify/Score, `engine.server.pooling_tasks`) are not engine requests:
 each runs as engine-thread commands (`run_task`), but shares the request ids' namespace,
 counts as in flight (Drain waits for it) and answers Abort like a request (`begin_task`).
+Stopped (Abort, a drain's deadline, the client gone or its deadline passed) while its batch
+still waits for the engine thread, a task leaves at once: that batch never runs, and the task
+is out of the counts before Abort answers (`_stop_task`).
 A DECODE engine's request pulling its KV session is held the same way until it is submitted
 (`begin_pull`): once the pull starts the request counts as in flight, its id is taken, and a
 drain that begins meanwhile waits for it instead of refusing it after the pull.
@@ -49,9 +52,9 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from engine.core.api import (
     EngineRequest,
@@ -131,12 +134,21 @@ class TaskHandle:
 
     `waiting`: a pooling task until its first batch begins on the engine thread (set false
     there, read on the event loop: one attribute, so no lock); a pull never waits here (it is
-    counted queued as a pull)."""
+    counted queued as a pull). `queued_batch`: the engine-thread command of a pooling task's
+    current batch (`run_task`), which stopping the task cancels if it has not begun."""
 
     def __init__(self, request_id: str, *, waiting: bool) -> None:
         self.request_id = request_id
         self.aborted = asyncio.Event()
         self.waiting = waiting
+        self.queued_batch: Future[Any] | None = None
+
+    def drop_queued_batch(self) -> bool:
+        """Take the task's batch out of the engine thread's queue; True if it had not begun
+        (so it never runs), False if it runs or ran, or there is none (a pull)."""
+        batch, self.queued_batch = self.queued_batch, None
+        # Atomic against the engine thread beginning it (`EngineLoop.call`).
+        return batch is not None and batch.cancel()
 
 
 # The health probe's request ids: the engine's own work, refused from clients and left out of
@@ -413,7 +425,7 @@ class EngineService:
     async def abort(self, request_id: str) -> AbortOutcome:
         task = self._live_tasks.get(request_id)
         if task is not None:
-            task.aborted.set()
+            self._stop_task(task)
             return AbortOutcome.ABORTED
         if request_id in self._live:
             stopped = await asyncio.wrap_future(self.engine_loop.abort(request_id))
@@ -425,9 +437,18 @@ class EngineService:
     async def abort_all(self) -> list[str]:
         tasks = list(self._live_tasks.values())
         for task in tasks:
-            task.aborted.set()
+            self._stop_task(task)
         requests = await asyncio.wrap_future(self.engine_loop.abort_all())
         return sorted([*requests, *(t.request_id for t in tasks)])
+
+    def _stop_task(self, handle: TaskHandle) -> None:
+        """Abort (or a drain's deadline) stops a pooling task or a pull. A task whose batch
+        has not begun on the engine thread ends now: that batch never runs, and the task
+        leaves the counts (in flight, queued) before the Abort answer; its call then ends
+        CANCELLED. A batch already running finishes, its result dropped (`unless_aborted`)."""
+        handle.aborted.set()
+        if handle.drop_queued_batch():
+            self.end_task(handle)
 
     # ---------------------------------------------------------------- pooling tasks
 
@@ -464,8 +485,9 @@ class EngineService:
 
     async def run_task(self, handle: TaskHandle, fn: Callable[[EngineCore], T]) -> T:
         """Run `fn(core)` on the engine thread between steps (one pooling batch); raises
-        RequestAbortedError if the task is aborted first (a batch already running finishes,
-        its result dropped)."""
+        RequestAbortedError if the task is aborted first. Aborted or abandoned (the client
+        gone, its deadline passed) while the batch waits for the engine thread, the batch
+        never runs; one already running finishes, its result dropped."""
         if handle.aborted.is_set():
             raise RequestAbortedError(f"request {handle.request_id!r} was aborted")
 
@@ -473,11 +495,16 @@ class EngineService:
             handle.waiting = False  # on the engine thread: the task's forward begins now
             return fn(core)
 
-        work = asyncio.wrap_future(self.engine_loop.call(started))
-        # Abandoned (aborted, or the client gone): the engine thread still runs it and nobody
-        # reads the result; retrieving it here keeps asyncio from logging it as lost.
+        handle.queued_batch = self.engine_loop.call(started)
+        work = asyncio.wrap_future(handle.queued_batch)
+        # Abandoned while running: nobody reads the result; retrieving it here keeps asyncio
+        # from logging it as lost.
         work.add_done_callback(lambda done: done.cancelled() or done.exception())
-        return await self.unless_aborted(handle, work)
+        try:
+            return await self.unless_aborted(handle, work)
+        except BaseException:  # aborted, or the caller cancelled (CancelledError)
+            handle.drop_queued_batch()
+            raise
 
     async def unless_aborted(self, handle: TaskHandle, work: asyncio.Future[T]) -> T:
         """`work`'s result, or RequestAbortedError as soon as Abort (or a drain's deadline)
@@ -487,7 +514,8 @@ class EngineService:
             await asyncio.wait((work, aborted), return_when=asyncio.FIRST_COMPLETED)
         finally:
             aborted.cancel()
-        if not work.done():
+        # Cancelled: the abort took a pooling batch out of the engine thread's queue.
+        if not work.done() or work.cancelled():
             raise RequestAbortedError(f"request {handle.request_id!r} was aborted")
         return work.result()
 

@@ -34,6 +34,13 @@ class EngineMetrics:
             [*labels, "task"],
             registry=registry,
         )
+        self.pooling_forward_tokens = Counter(
+            "kvplane_engine_pooling_forward_tokens",
+            "Input tokens that Embed/Classify/Score forwards ran through the model; a batch of a "
+            "task aborted or cancelled before it began on the engine thread never runs.",
+            [*labels, "task"],
+            registry=registry,
+        )
         self.overloaded = Counter(
             "kvplane_engine_overloaded_requests",
             "Requests refused before acceptance because max_queued_requests were queued, by "
@@ -118,6 +125,10 @@ class EngineMetrics:
     def on_task(self, task: str, input_tokens: int) -> None:
         self.pooling_requests.labels(self._model, task).inc()
         self.pooling_input_tokens.labels(self._model, task).inc(input_tokens)
+
+    def on_pooling_forward(self, task: str, input_tokens: int) -> None:
+        """A pooling batch of `task` ran (any thread: the engine thread counts it)."""
+        self.pooling_forward_tokens.labels(self._model, task).inc(input_tokens)
 
     def on_overloaded(self, task: str) -> None:
         self.overloaded.labels(self._model, task).inc()

@@ -8,7 +8,8 @@ request id already running -> ALREADY_EXISTS, the engine's queue at `max_queued_
 RESOURCE_EXHAUSTED. Accepted, the task runs its inputs in batches
 of at most `max_num_batched_tokens` tokens, each one engine-thread command between generation
 steps (`EngineService.run_task`); an Abort of its request id or a drain's deadline stops it
-between batches (CANCELLED).
+(CANCELLED): a batch still waiting for the engine thread never runs, one already running
+finishes unread. The client going away (or its deadline) stops it alike.
 
 Semantics, following vLLM for a causal LM served for embeddings:
 - Embed: the final hidden state of the pooled token (last by default), L2-normalised by
@@ -292,21 +293,30 @@ class PoolingTasks:
         if self._service.metrics is not None:
             self._service.metrics.on_task(task, sum(len(item.token_ids) for item in items))
         try:
-            return await self._run(handle, [item.token_ids for item in items], params)
+            return await self._run(handle, task, [item.token_ids for item in items], params)
         finally:
             self._service.end_task(handle)
 
     async def _run(
-        self, handle: TaskHandle, inputs: list[tuple[int, ...]], params: PoolingParams
+        self,
+        handle: TaskHandle,
+        task: str,
+        inputs: list[tuple[int, ...]],
+        params: PoolingParams,
     ) -> list[PooledOutput]:
         outputs: list[PooledOutput] = []
         lengths = [len(tokens) for tokens in inputs]
         pooler = self._pooler
+        metrics = self._service.metrics
         for batch in plan_batches(lengths, self._max_batched_tokens):
             chunk = [inputs[i] for i in batch]
 
             def pool(_core: object, chunk: list[tuple[int, ...]] = chunk) -> list[PooledOutput]:
-                return pooler.pool(chunk, params)
+                pooled = pooler.pool(chunk, params)
+                # Counted where it ran: a batch whose task was aborted meanwhile computed too.
+                if metrics is not None:
+                    metrics.on_pooling_forward(task, sum(map(len, chunk)))
+                return pooled
 
             for output in await self._service.run_task(handle, pool):
                 # The values are float32: a float64 sum of finite ones cannot overflow, so a

@@ -132,6 +132,34 @@ async def test_a_request_counts_as_queued_from_its_submit_until_it_runs() -> Non
 
 
 @pytest.mark.timeout(30)
+async def test_a_call_cancelled_while_queued_never_runs() -> None:
+    """`call` is an executor's: cancelled before the engine thread begins it, `fn` never runs
+    (the call after it does); begun, it cannot be cancelled and runs to its end."""
+    engine = make_loop()
+    engine.start()
+    in_command, go_on = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def long_command(_core: EngineCore) -> str:
+        in_command.set()
+        go_on.wait(10)
+        ran.append("held")
+        return "held"
+
+    held = engine.call(long_command)
+    assert await asyncio.to_thread(in_command.wait, 10)
+    dropped = engine.call(lambda _core: ran.append("dropped"))
+    after = engine.call(lambda _core: ran.append("after"))
+    assert dropped.cancel()
+    assert not held.cancel()  # running
+    go_on.set()
+    assert await asyncio.wrap_future(held) == "held"
+    await asyncio.wrap_future(after)
+    assert ran == ["held", "after"]
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
 async def test_abort_mid_stream_and_stop_cancel_everything() -> None:
     engine = make_loop(time_scale=0.05)  # real (scaled) step time: requests stay live
     engine.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import threading
 import urllib.request
@@ -31,6 +32,7 @@ from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
     generate_request,
+    metrics_text,
     rpc_error,
     running_engine,
 )
@@ -116,6 +118,11 @@ async def engine_thread_held(service: EngineService) -> AsyncIterator[None]:
 def overloaded_metric(task: str) -> str:
     """The exposition sample counting `task`'s refusals at the bound, less its value."""
     return f'kvplane_engine_overloaded_requests_total{{model="{MODEL}",task="{task}"}}'
+
+
+def forward_tokens_metric(task: str) -> str:
+    """The exposition sample counting the input tokens `task`'s forwards ran, less its value."""
+    return f'kvplane_engine_pooling_forward_tokens_total{{model="{MODEL}",task="{task}"}}'
 
 
 def prompts() -> list[list[int]]:
@@ -522,6 +529,9 @@ async def test_tasks_are_refused_while_the_queue_is_at_its_bound(classifier_dir:
     # Refused before acceptance: not counted as accepted (the embed after it is).
     assert f'kvplane_engine_pooling_requests_total{{model="{MODEL}",task="embed"}} 1.0' in text
     assert f'kvplane_engine_pooling_requests_total{{model="{MODEL}",task="score"}}' not in text
+    # What ran through the model: the embed's 3 tokens, nothing of the refused tasks.
+    assert f"{forward_tokens_metric('embed')} 3.0" in text
+    assert forward_tokens_metric("score") not in text
 
 
 async def test_tasks_waiting_for_the_engine_thread_count_toward_the_bound(
@@ -634,6 +644,161 @@ async def test_a_client_that_cancels_an_embed_stops_its_forwards(
     assert len(after.outputs) == 2
     assert forwards < 300  # the embed did not run to its end (300 forwards, then 2 more)
     assert aborted.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+
+# ------------------------------------------------------------------------------------------
+# A task stopped while it waits for the engine thread (queued behind the held thread)
+# ------------------------------------------------------------------------------------------
+
+
+def forward_tokens(metrics: str, task: str) -> float:
+    """The input tokens `task`'s forwards ran through the model (0 before the first)."""
+    pattern = rf"^{re.escape(forward_tokens_metric(task))} (\S+)$"
+    found = re.search(pattern, metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+async def load_counts(stub: Any) -> tuple[int, int]:
+    """GetLoad's (running_requests, queued_requests)."""
+    load = await stub.GetLoad(pb.GetLoadRequest())
+    return load.running_requests, load.queued_requests
+
+
+async def waiting_for_the_engine_thread(stub: Any, num_tasks: int) -> None:
+    async def queued() -> bool:
+        return await load_counts(stub) == (0, num_tasks)
+
+    await eventually(queued, what=f"{num_tasks} tasks waiting for the engine thread")
+
+
+# Forty tokens each: what a stopped task's forward would add to the forward-tokens metric.
+WAITING_INPUT = [ids_input("a", [5 + n for n in range(40)])]
+AFTER_INPUT = [ids_input("b", [6, 7, 8])]
+
+
+async def test_an_embed_aborted_while_it_waits_for_the_engine_thread_never_runs(
+    builtin_dir: Path,
+) -> None:
+    """Abort(request_id) of an Embed queued behind the engine thread: ABORTED, and by the
+    answer it is out of GetLoad's counts; its call ends CANCELLED, a second Abort is
+    ALREADY_FINISHED, and its forward never runs (only the later embed's 3 tokens are
+    computed: engine-thread commands run in order, so it would have run before that one)."""
+    config = engine_config(builtin_dir, metrics_listen="127.0.0.1:0")
+    async with running_engine(config) as engine:
+        service, stub = engine.app.service, engine.stub
+        async with engine_thread_held(service):
+            call = stub.Embed(pb.EmbedRequest(context=context("w"), inputs=WAITING_INPUT))
+            await waiting_for_the_engine_thread(stub, 1)
+            aborted = await stub.Abort(pb.AbortRequest(request_id="w"))
+            counts = await load_counts(stub)
+            error = await rpc_error(call)
+            again = await stub.Abort(pb.AbortRequest(request_id="w"))
+        after = await stub.Embed(pb.EmbedRequest(context=context("after"), inputs=AFTER_INPUT))
+        metrics = await metrics_text(engine)
+    assert aborted.status == pb.ABORT_STATUS_ABORTED
+    assert counts == (0, 0)
+    assert error.code() == grpc.StatusCode.CANCELLED
+    assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+    assert len(after.outputs) == 1
+    assert forward_tokens(metrics, "embed") == 3
+
+
+async def test_abort_all_requests_drops_every_waiting_task(classifier_dir: Path) -> None:
+    """Abort(all_requests) with an Embed, a Classify and a Score waiting for the engine
+    thread: each call ends CANCELLED, GetLoad counts none of them, none of their forwards
+    runs."""
+    config = engine_config(classifier_dir, metrics_listen="127.0.0.1:0")
+    group = pb.ScoreGroup(group_id="g", query=WAITING_INPUT[0], candidates=AFTER_INPUT)
+    async with running_engine(config) as engine:
+        service, stub = engine.app.service, engine.stub
+        async with engine_thread_held(service):
+            calls = [
+                stub.Embed(pb.EmbedRequest(context=context("e"), inputs=WAITING_INPUT)),
+                stub.Classify(pb.ClassifyRequest(context=context("c"), inputs=WAITING_INPUT)),
+                stub.Score(pb.ScoreRequest(context=context("s"), groups=[group])),
+            ]
+            await waiting_for_the_engine_thread(stub, 3)
+            aborted = stub.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+            # abort_all also stops generation requests: an engine-thread command, answered
+            # once the thread is free; the tasks are stopped before it.
+            errors = [await rpc_error(call) for call in calls]
+            counts = await load_counts(stub)
+        answer = await aborted
+        after = await stub.Embed(pb.EmbedRequest(context=context("after"), inputs=AFTER_INPUT))
+        metrics = await metrics_text(engine)
+    assert answer.status == pb.ABORT_STATUS_ABORTED
+    assert answer.message == "aborted 3 requests"
+    assert [error.code() for error in errors] == [grpc.StatusCode.CANCELLED] * 3
+    assert counts == (0, 0)
+    assert len(after.outputs) == 1
+    assert forward_tokens(metrics, "embed") == 3
+    assert forward_tokens(metrics, "classify") == forward_tokens(metrics, "score") == 0
+
+
+@pytest.mark.parametrize("leaves", ["cancel", "deadline"])
+async def test_an_embed_whose_client_leaves_while_it_waits_never_runs(
+    builtin_dir: Path, leaves: str
+) -> None:
+    """The seed: client cancellation or deadline expiration stops queued task work. An Embed
+    waiting for the engine thread whose client cancels (or whose deadline passes) leaves
+    GetLoad's counts, Abort then finds it ALREADY_FINISHED, and its forward never runs."""
+    config = engine_config(builtin_dir, metrics_listen="127.0.0.1:0")
+    request = pb.EmbedRequest(context=context("gone"), inputs=WAITING_INPUT)
+    async with running_engine(config) as engine:
+        service, stub = engine.app.service, engine.stub
+        async with engine_thread_held(service):
+            # The thread stays held past the deadline: the call cannot end before it.
+            call = stub.Embed(request, timeout=None if leaves == "cancel" else 3.0)
+            await waiting_for_the_engine_thread(stub, 1)
+            if leaves == "cancel":
+                call.cancel()
+                code = await call.code()
+            else:
+                code = (await rpc_error(call)).code()
+
+            async def left() -> bool:
+                return await load_counts(stub) == (0, 0)
+
+            await eventually(left, what="the embed out of GetLoad's counts")
+            aborted = await stub.Abort(pb.AbortRequest(request_id="gone"))
+        after = await stub.Embed(pb.EmbedRequest(context=context("after"), inputs=AFTER_INPUT))
+        metrics = await metrics_text(engine)
+    assert code == (
+        grpc.StatusCode.CANCELLED if leaves == "cancel" else grpc.StatusCode.DEADLINE_EXCEEDED
+    )
+    assert aborted.status == pb.ABORT_STATUS_ALREADY_FINISHED
+    assert len(after.outputs) == 1
+    assert forward_tokens(metrics, "embed") == 3
+
+
+async def test_a_drain_aborting_at_its_deadline_drops_a_waiting_embed(builtin_dir: Path) -> None:
+    """Drain(deadline 0, abort_after_deadline) with an Embed waiting for the engine thread:
+    the call ends CANCELLED and leaves GetLoad's counts while the thread is still held, the
+    drain completes, and the embed's forward never runs (the drain's own abort is an
+    engine-thread command queued after it, so the drain completes only after it would have
+    run)."""
+    config = engine_config(builtin_dir, metrics_listen="127.0.0.1:0")
+    drain_request = pb.DrainRequest(
+        stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+    )
+    async with running_engine(config) as engine:
+        service, stub = engine.app.service, engine.stub
+        async with engine_thread_held(service):
+            call = stub.Embed(pb.EmbedRequest(context=context("w"), inputs=WAITING_INPUT))
+            await waiting_for_the_engine_thread(stub, 1)
+            drain = asyncio.ensure_future(collect_drain(stub, drain_request))
+            error = await rpc_error(call)
+            counts = await load_counts(stub)
+        states = await drain
+        metrics = await metrics_text(engine)
+    assert error.code() == grpc.StatusCode.CANCELLED
+    assert counts == (0, 0)
+    assert states[0] == pb.DRAIN_STATE_STARTED and states[-1] == pb.DRAIN_STATE_COMPLETE
+    assert forward_tokens(metrics, "embed") == 0
+
+
+async def collect_drain(stub: Any, request: pb.DrainRequest) -> list[Any]:
+    return [response.state async for response in stub.Drain(request)]
 
 
 async def test_a_model_producing_nan_fails_the_task_instead_of_sending_it(
