@@ -16,16 +16,21 @@
   lowest value, then spec.replicas goes down by one, so the ReplicaSet deletes that pod and
   not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
   refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
-  ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod).
+  ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod). A
+  drained pod already gone or terminating hands the cost to the pod the ReplicaSet made for
+  its replica (`_stand_in`).
 - **Adoption**: every `adopt` (each tick) lists each Deployment's pods; Ready pods no engine is
   yet are registered with the controller (one it already lists is fine) and reported, unless a
-  start of that pool is waiting for a pod. So a restarted planner takes over the fleet as it
-  finds it instead of doubling it, and a pod the ReplicaSet recreated serves again.
+  start of that pool is waiting for a pod, or a removal of that pool is due whose pod is gone
+  (the pod made for its replica is to be scaled away instead). So a restarted planner takes
+  over the fleet as it finds it instead of doubling it, and a pod the ReplicaSet recreated
+  serves again.
 - **Exits**: an engine whose pod vanished, is terminating or is no longer Ready is reported by
   `exited` (from the last `adopt`'s listing); its removal only takes it out of the controller:
-  the replica stays, Kubernetes restarts or replaces the pod. Unless it was draining: the
-  planner was taking it away, so its replica goes too (as a drained pod's), else the restarted
-  or replacement pod would be adopted and grow the pool back.
+  the replica stays, Kubernetes restarts or replaces the pod. Unless it was draining, by the
+  planner's drain or an operator's (`sync` reports those): it was on its way out and the core
+  has replaced it, so its replica goes too (as a drained pod's), else the restarted or
+  replacement pod would be adopted and grow the pool back.
 - **Close** leaves the pods running and registered: the Deployment outlives the planner.
 
 API errors at `check` (a missing Deployment, RBAC, a server that cannot be reached) are a
@@ -73,6 +78,19 @@ class _Engine:
     uid: str
     address: str
 
+    def replica(self) -> _Replica:
+        return _Replica(self.pool, self.pod, self.uid)
+
+
+@dataclass(frozen=True, slots=True)
+class _Replica:
+    """A pod to be scaled away with its replica: a drained engine's, or the one the
+    ReplicaSet made for the replica of an engine whose own pod was deleted."""
+
+    pool: str
+    pod: str  # its name
+    uid: str
+
 
 class KubernetesDeployments:
     """Engines of pool P are the pods of Deployment `deployments[P]`, registered with the
@@ -99,9 +117,9 @@ class KubernetesDeployments:
         self._engines: dict[str, _Engine] = {}  # by address
         self._waiting = collections.Counter[str]()  # starts of a pool waiting for a pod
         self._exited: dict[str, _Engine] = {}  # by address, reported by `exited`
-        self._draining: set[str] = set()  # addresses drained, until stopped
-        self._unscaled: dict[str, _Engine] = {}  # by uid: removals the API refused so far
-        self._leaving: dict[str, _Engine] = {}  # by uid: pods scaled away, until gone
+        self._draining: set[str] = set()  # addresses drained (by anyone), until stopped
+        self._unscaled: dict[str, _Replica] = {}  # by uid: removals the API refused so far
+        self._leaving: dict[str, _Replica] = {}  # by uid: pods scaled away, until gone
         self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
         self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
 
@@ -135,6 +153,8 @@ class KubernetesDeployments:
             await self._retry_removals(pool)
             if self._waiting[pool]:  # its starts take the Ready pods first
                 continue
+            if self._stand_in_due(pool, pods):
+                continue  # adopted, the pod to be scaled away would be a serving engine
             for pod in self._free(pods):
                 if any(e.uid == pod.uid for e in self._engines.values()):
                     continue  # a start that began during a registration below took it
@@ -182,11 +202,30 @@ class KubernetesDeployments:
                 log.warning("pod %s was spared by the scale-down: removing it again", pod.name)
                 self._unscaled[uid] = self._leaving.pop(uid)
 
+    def _stand_in_due(self, pool: str, pods: Sequence[Pod]) -> bool:
+        """Whether a replica of the pool is to be scaled away (an engine that exited while
+        draining, whose `stop` comes this tick, or a removal the API refused so far) whose own
+        pod is gone or terminating: the pod the scale-down is to delete is then one no engine
+        is yet, the one the ReplicaSet made for that replica, so none is adopted until the
+        removal has marked it (`_scale_away`)."""
+        present = {pod.uid for pod in pods if not pod.deleting}
+        return any(r.pool == pool and r.uid not in present for r in self._removals_due())
+
+    def _removals_due(self) -> list[_Replica]:
+        """Replicas to be scaled away that are not yet: removals the API refused so far, and
+        engines that exited while draining (their `stop` comes this tick)."""
+        exited_draining = [e for a, e in self._exited.items() if a in self._draining]
+        return [*self._unscaled.values(), *(e.replica() for e in exited_draining)]
+
     def exited(self) -> list[str]:
         return sorted(self._exited)
 
     async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
-        return await self._admin.sync(serving, draining)
+        drained_by_hand = await self._admin.sync(serving, draining)
+        # An operator's drain sends the engine on its way out as the planner's does (the core
+        # starts its replacement at once): should its pod exit, its replica goes too.
+        self._draining.update(drained_by_hand)
+        return drained_by_hand
 
     # ---------------------------------------------------------------- acting
 
@@ -297,9 +336,9 @@ class KubernetesDeployments:
     async def stop(self, address: str) -> None:
         """Take a drained engine out of the controller and scale its pod away; one that
         exited only leaves the controller (its replica stays for Kubernetes to refill), unless
-        it exited while draining (the planner was scaling it away: its replica goes too). A
-        scale-away the API refuses raises (the planner counts the failure), and is retried
-        at every later `adopt`."""
+        it exited while draining, by the planner's drain or an operator's (it was on its way
+        out and the core has replaced it: its replica goes too). A scale-away the API refuses
+        raises (the planner counts the failure), and is retried at every later `adopt`."""
         await self._admin.remove(address)
         was_draining = address in self._draining
         self._draining.discard(address)
@@ -310,7 +349,7 @@ class KubernetesDeployments:
             return
         if engine is None:
             return
-        self._unscaled[engine.uid] = engine
+        self._unscaled[engine.uid] = engine.replica()
         await self._retry_removals(engine.pool)
         if engine.uid in self._unscaled:
             raise KvplaneError(f"pod {engine.pod} not scaled away yet (tried again every tick)")
@@ -322,30 +361,55 @@ class KubernetesDeployments:
         await self.stop(address)
 
     async def _retry_removals(self, pool: str) -> None:
-        for engine in [e for e in self._unscaled.values() if e.pool == pool]:
+        for replica in [r for r in self._unscaled.values() if r.pool == pool]:
             try:
-                await self._scale_away(engine)
+                leaving = await self._scale_away(replica)
             except KubeApiError as exc:
-                log.warning("pod %s not removed yet (tried again next tick): %s", engine.pod, exc)
+                log.warning("pod %s not removed yet (tried again next tick): %s", replica.pod, exc)
                 return
-            del self._unscaled[engine.uid]
-            self._leaving[engine.uid] = engine
+            del self._unscaled[replica.uid]
+            self._leaving[leaving.uid] = leaving
 
-    async def _scale_away(self, engine: _Engine) -> None:
-        """The pod first to go (lowest deletion cost), then one replica fewer. A pod already
-        gone (deleted while draining) has no cost to set: the replica its ReplicaSet refills goes
-        instead (not Ready pods first; one Ready by then is the most recently Ready, deleted
-        and reported exited, and the core replaces it if the pool needs it)."""
+    async def _scale_away(self, replica: _Replica) -> _Replica:
+        """The pod first to go (lowest deletion cost), then one replica fewer; the pod that
+        goes. A pod already gone or terminating (deleted while draining) no longer counts as
+        a replica: the pod the ReplicaSet made for its replica goes instead (`_stand_in`),
+        else the ReplicaSet would take the most recently Ready pod, which may serve."""
+        pods = await self._pods(replica.pool)
+        if not any(pod.uid == replica.uid and not pod.deleting for pod in pods):
+            replica = await self._stand_in(replica, pods)
         try:
             await _in_daemon_thread(
-                self._api.annotate_pod, engine.pod, {DELETION_COST: DRAINED_DELETION_COST}
+                self._api.annotate_pod, replica.pod, {DELETION_COST: DRAINED_DELETION_COST}
             )
         except KubeApiError as exc:
-            if exc.status != 404:
+            if exc.status != 404:  # gone: nothing to order
                 raise
-        await self._rescale(engine.pool, lambda scale: max(0, scale.replicas - 1))
-        deployment = self._deployments[engine.pool]
-        log.info("pod %s scaled away from Deployment %s", engine.pod, deployment)
+        await self._rescale(replica.pool, lambda scale: max(0, scale.replicas - 1))
+        deployment = self._deployments[replica.pool]
+        log.info("pod %s scaled away from Deployment %s", replica.pod, deployment)
+        return replica
+
+    async def _stand_in(self, gone: _Replica, pods: Sequence[Pod]) -> _Replica:
+        """The pod to scale away in place of `gone`'s: one the ReplicaSet made for its
+        replica, that is a pod no engine serves on (an exited engine's, whose replica stays,
+        will do: the core replaces it, and a start takes any free pod) and not on its way out
+        already; not Ready before Ready, then the newest, as the ReplicaSet would choose
+        among them. While the Deployment has fewer pods than replicas, none was made for it
+        yet (or the one made is a start's): the scale-down then deletes no pod, and `gone` is
+        returned (a pod gone, or going)."""
+        active = [pod for pod in pods if not pod.deleting]
+        if len(active) < (await self._scale(gone.pool)).replicas:
+            return gone
+        taken = {e.uid for e in self._engines.values()} | set(self._leaving)
+        taken |= {r.uid for r in self._removals_due()}
+        candidates = [pod for pod in active if pod.uid not in taken]
+        newest_first = sorted(candidates, key=lambda pod: (pod.created, pod.name), reverse=True)
+        stand_in = min(newest_first, key=lambda pod: pod.ready, default=None)
+        if stand_in is None:
+            return gone
+        log.info("pod %s goes in place of pod %s, which is gone", stand_in.name, gone.pod)
+        return _Replica(gone.pool, stand_in.name, stand_in.uid)
 
     async def close(self) -> None:
         """Leave the pods serving (the Deployment outlives the planner; the next adopts them)."""

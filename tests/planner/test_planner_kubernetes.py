@@ -3,9 +3,11 @@ paths and JSON, a ReplicaSet-like controller, pods as real `kvplane engine serve
 processes on their own loopback IPs) and a real in-process controller: a start scales up and
 registers the Ready pod; a removal deletes the drained pod, not a serving one (and is retried
 when the API refuses it); a restarted planner adopts the pods instead of doubling them; pods
-that vanish or crash are reported and leave the controller; a hung pod is scaled away and
-replaced by one start; API errors are one line; end to
-end, load scales the pool up and its end scales it down again, deleting the drained pod."""
+that vanish or crash are reported and leave the controller, draining ones (drained by the
+planner or by hand) with their replicas, and the pod made for a deleted draining pod's replica
+is the one deleted; a hung pod is scaled away and replaced by one start; API errors are one
+line; end to end, load scales the pool up and its end scales it down again, deleting the
+drained pod."""
 
 from __future__ import annotations
 
@@ -39,12 +41,15 @@ from kvplane.errors import ConfigError, KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
+from planner.controller_admin import ControllerAdmin
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.observations import EngineState
 from planner.core.planner import Planner
 from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Pod, Scale, in_cluster
 from planner.kubernetes import KubernetesDeployments
 from planner.live import LivePlanner
 from planner.metrics import PlannerMetrics
+from tests.controller.conftest import generate_request
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEPLOYMENT = "kvplane-engine"
@@ -359,6 +364,106 @@ async def test_pods_that_crash_or_vanish_while_draining_take_their_replica_with_
     finally:
         await actuator.close()
     assert two_pods.registered() == []
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("exit", ["crashes", "is deleted"])
+async def test_a_pod_drained_by_hand_that_exits_takes_its_replica_with_it(
+    two_pods: Cluster, exit: str
+) -> None:
+    """An operator's drain (`kvplane admin drain`) sends the engine on its way out, and the
+    planner starts its replacement at once. When its pod then crashes or is deleted before it
+    is empty, its replica goes too: refilled by Kubernetes, it would be adopted and the pool
+    would run one engine more than the planner wants."""
+    kube, fleet = two_pods.kube, two_pods.app.controller.fleet
+    live = LivePlanner(planner(2, 2), two_pods.actuator())
+    operator = ControllerAdmin(f"127.0.0.1:{two_pods.app.port}")
+    drained, _ = kube.ready_pods(DEPLOYMENT)
+    address = kube.address(drained)
+    generation: asyncio.Task[None] | None = None
+    try:
+        assert await live.tick() == []  # the Deployment's two pods adopted
+        await two_pods.wait_routable(2)
+        # A long request keeps the engine from being empty, so it is not removed at once.
+        generation = asyncio.create_task(generate_on(address))
+        await fleet.wait_for(lambda: fleet.registry.get(address).load.running_requests > 0, 60)
+        await operator.drain(address, 300)
+        await fleet.wait_for(lambda: address not in two_pods.routable(), 30)
+        await live.tick()  # seen draining: replaced
+        assert live.engines[address].state is EngineState.DRAINING
+        await fleet.wait_for(lambda: not live._starts and len(two_pods.routable()) == 2, 60)
+        assert kube.deployments[DEPLOYMENT].replicas == 3
+        if exit == "crashes":
+            kube.kill_container(drained.name)
+            await two_pods.wait(lambda: not drained.ready)
+        else:
+            delete_pod(two_pods, drained.name)  # the ReplicaSet makes a pod for its replica
+        await live.tick()
+        assert address not in live.engines
+        assert kube.deployments[DEPLOYMENT].replicas == 2  # its replica went with it
+        await two_pods.wait(lambda: drained.name not in kube.pods and len(kube.pods) == 2)
+        serving = sorted(kube.address(pod) for pod in kube.ready_pods(DEPLOYMENT))
+        assert await live.tick() == []
+        assert sorted(live.engines) == serving == two_pods.registered()
+    finally:
+        if generation is not None:
+            generation.cancel()
+            await asyncio.gather(generation, return_exceptions=True)
+        await operator.close()
+        await live.close()
+
+
+async def generate_on(address: str) -> None:
+    """One generation that lasts until cancelled (or its engine goes), sent to the engine."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for _ in pb_grpc.OpenEngineStub(channel).Generate(request):
+                pass
+
+
+@pytest.fixture
+async def two_pods_restarting(
+    tmp_path: Path, tls_files: tuple[Path, Path]
+) -> AsyncIterator[Cluster]:
+    # Containers that crash are restarted at once: the pod is Ready again.
+    async for cluster in cluster_with(tmp_path, tls_files, 2, restart_delay_s=0.2):
+        yield cluster
+
+
+@pytest.mark.timeout(120)
+async def test_the_pod_a_deleted_draining_pod_leaves_is_the_one_scaled_away(
+    two_pods_restarting: Cluster,
+) -> None:
+    """A draining pod deleted by hand: the ReplicaSet makes a pod for its replica, and the
+    planner scales that replica away. The new pod, Ready by then, is not adopted (the
+    scale-down is to delete it) and gets the lowest deletion cost, so the ReplicaSet deletes
+    it and not a serving pod, even one Ready more recently (its container restarted), which
+    Kubernetes would delete first."""
+    cluster, kube = two_pods_restarting, two_pods_restarting.kube
+    deleted, serving = kube.ready_pods(DEPLOYMENT)
+    actuator = cluster.actuator()
+    try:
+        await actuator.adopt()
+        await actuator.drain(kube.address(deleted), 300)
+        await cluster.wait_routable(1)
+        delete_pod(cluster, deleted.name)
+        await cluster.wait(lambda: len(kube.ready_pods(DEPLOYMENT)) == 2)
+        (new,) = (pod for pod in kube.ready_pods(DEPLOYMENT) if pod is not serving)
+        kube.kill_container(serving.name)
+        await cluster.wait(lambda: (serving.ready_since or 0) > (new.ready_since or 0))
+        assert await actuator.adopt() == []  # the tick the deleted pod is seen gone
+        assert actuator.exited() == [kube.address(deleted)]
+        await actuator.stop(kube.address(deleted))
+        assert kube.deployments[DEPLOYMENT].replicas == 1
+        await cluster.wait(lambda: bool(kube.deleted))  # the ReplicaSet scaled down
+        assert kube.deleted == [new.name]
+        await cluster.wait(lambda: not {new.name, deleted.name} & set(kube.pods))
+        assert await actuator.adopt() == [] and actuator.exited() == []
+    finally:
+        await actuator.close()
+    assert kube.ready_pods(DEPLOYMENT) == [serving]
+    assert cluster.registered() == [kube.address(serving)]
 
 
 def delete_pod(cluster: Cluster, name: str) -> None:
