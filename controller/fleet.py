@@ -3,8 +3,8 @@ candidates for a prompt.
 
 Per engine it owns one poll task (GetEngineInfo + GetModelInfo + ListLoras on first contact,
 after a failed poll, whenever GetLoad reports a new instance id, and at once when the
-engine's SubscribeKvEvents stream breaks sequence, which may be a restart that kept the
-instance id: a changed identity then makes it a new process; Health every
+engine's KV-event stream (SubscribeKvEvents or ZMQ) breaks sequence, which may be a restart
+that kept the instance id: a changed identity then makes it a new process; Health every
 `poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls fail, as
 UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and one
 KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
@@ -787,10 +787,15 @@ class Fleet:
             )
         )
         on_batch_time = functools.partial(self._event_applied, engine.address)
+        # Whichever source follows the engine (SubscribeKvEvents, its ZMQ fallback, or
+        # `kv_events: zmq`), a break in its stream wakes the poll to read the identity again.
+        on_sequence_break = engine.events_out_of_sequence.set
         array_tail = record.array_tail or engine_array_tail(identity.engine_name)
         source: OpenEngineSource | ZmqSource | None
         if record.kv_events == KvEventsMode.zmq.value:
-            source = await self._zmq_source(engine, translator, on_batch_time, array_tail)
+            source = await self._zmq_source(
+                engine, translator, on_batch_time, on_sequence_break, array_tail
+            )
         else:
             health = self.config.health
             source = OpenEngineSource(
@@ -805,7 +810,7 @@ class Fleet:
                 self.index,
                 channels=self._engine_channels,
                 on_batch_time=on_batch_time,
-                on_sequence_break=engine.events_out_of_sequence.set,
+                on_sequence_break=on_sequence_break,
             )
         if source is None:
             return
@@ -826,6 +831,7 @@ class Fleet:
         engine: _Engine,
         translator: WorkerTranslator,
         on_batch_time: Callable[[float], None],
+        on_sequence_break: Callable[[], None],
         array_tail: ArrayTail,
     ) -> ZmqSource | None:
         assert self.index is not None
@@ -847,6 +853,12 @@ class Fleet:
                 log.warning("engine %s: not following its ZMQ source: %s", engine.address, problem)
                 continue
             settings = zmq_source_settings(advert, array_tail=array_tail)
-            return ZmqSource(settings, translator, self.index, on_batch_time=on_batch_time)
+            return ZmqSource(
+                settings,
+                translator,
+                self.index,
+                on_batch_time=on_batch_time,
+                on_sequence_break=on_sequence_break,
+            )
         log.warning("engine %s advertises no ZMQ KV-event source", engine.address)
         return None
