@@ -200,16 +200,19 @@ def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
     for name in ("running_requests", "queued_requests", "used_kv_blocks", "total_kv_blocks"):
         if load.HasField(name):
             row[name] = getattr(load, name)
-    if info.supported_models:  # its ModelInfo says whether it generates (as the controller asks)
-        try:
-            model = stub.GetModelInfo(
-                pb.GetModelInfoRequest(model=info.supported_models[0]), timeout=RPC_TIMEOUT_S
-            )
-        except grpc.RpcError as exc:
-            if not _is_unimplemented(exc):
-                raise
-        else:
-            row["pooling_only"] = not generates(model)
+    # Each model's ModelInfo says whether it generates (as the controller asks): an engine is
+    # pooling-only when none of its models does.
+    try:
+        models = [
+            stub.GetModelInfo(pb.GetModelInfoRequest(model=m), timeout=RPC_TIMEOUT_S)
+            for m in info.supported_models
+        ]
+    except grpc.RpcError as exc:
+        if not _is_unimplemented(exc):
+            raise
+    else:
+        if models:
+            row["pooling_only"] = not any(generates(m) for m in models)
     return row
 
 

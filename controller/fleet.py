@@ -1,10 +1,11 @@
 """The fleet service: keeps the registry current and the index fed, and builds the router's
 candidates for a prompt.
 
-Per engine it owns one poll task (GetEngineInfo + GetModelInfo + ListLoras on first contact,
-after a failed poll, whenever GetLoad reports a new instance id, and at once when the
-engine's SubscribeKvEvents stream breaks sequence, which may be a restart that kept the
-instance id: a changed identity then makes it a new process; Health every
+Per engine it owns one poll task (GetEngineInfo, each served model's GetModelInfo at once, and
+ListLoras on first contact, after a failed poll, whenever GetLoad reports a new instance id,
+and at once when the engine's KV-event stream (SubscribeKvEvents or ZMQ) breaks sequence,
+which may be a restart that kept the instance id: a changed identity then makes it a new
+process; an engine whose models disagree on the KV block size is rejected; Health every
 `poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls fail, as
 UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and one
 KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -50,9 +50,11 @@ from controller.registry import (
     EngineRecord,
     EngineState,
     IncompatibleEngineError,
+    ModelFacts,
     PollFailure,
     Registry,
     Role,
+    agreed_block_size,
     check_revision,
     poll_failure,
 )
@@ -125,6 +127,28 @@ def generates(model: pb.ModelInfo) -> bool:
     no `supported` flag: an engine that advertises tasks and leaves `generation` out says it
     does not (a kvplane engine with `runner: pooling`); advertising neither: unknown, routed."""
     return model.HasField("generation") or not supported_tasks(model)
+
+
+def model_facts(model: pb.ModelInfo) -> ModelFacts:
+    """What the controller keeps of one model's GetModelInfo (absent scalars stay unknown)."""
+    return ModelFacts(
+        block_size=model.kv_block_size if model.HasField("kv_block_size") else None,
+        total_kv_blocks=model.total_kv_blocks if model.HasField("total_kv_blocks") else None,
+        supports_lora=model.supports_lora if model.HasField("supports_lora") else None,
+        tasks=supported_tasks(model),
+        generates=generates(model),
+    )
+
+
+def _any_supports_lora(facts: Sequence[ModelFacts]) -> bool | None:
+    """Whether the engine takes LoRA adapters (and answers ListLoras): True when a model says
+    so, False when every model says not, else unknown."""
+    said = [f.supports_lora for f in facts]
+    if True in said:
+        return True
+    if said and all(s is False for s in said):
+        return False
+    return None
 
 
 def _failing_checks(reply: pb.HealthResponse) -> str:
@@ -686,40 +710,24 @@ class Fleet:
         place in the stream; an identity other than the last one read says which."""
         timeout = self.config.health.rpc_timeout_s
         info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
+        # Fail closed before asking anything else of an engine we cannot speak to.
+        check_revision(info.schema_revision, info.minimum_client_revision, info.schema_release)
+        models = tuple(info.supported_models)
+        facts = await self._model_facts(engine, models)
         identity = EngineIdentity(
             instance_id=info.instance_id or engine.address,
             engine_name=info.engine_name,
             engine_version=info.engine_version,
             role=_ROLE.get(info.role, Role.UNKNOWN),
-            models=tuple(info.supported_models),
-            block_size=None,
-            total_kv_blocks=None,
-            supports_lora=None,
+            models=models,
+            block_size=agreed_block_size(models, facts),
+            total_kv_blocks=facts[0].total_kv_blocks if facts else None,
+            supports_lora=_any_supports_lora(facts),
             schema_revision=info.schema_revision,
             minimum_client_revision=info.minimum_client_revision,
             schema_release=info.schema_release,
+            model_facts=facts,
         )
-        # Fail closed before asking anything else of an engine we cannot speak to.
-        check_revision(info.schema_revision, info.minimum_client_revision, info.schema_release)
-        if identity.models:
-            try:
-                model = await engine.stub.GetModelInfo(
-                    pb.GetModelInfoRequest(model=identity.models[0]), timeout=timeout
-                )
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-            else:
-                identity = dataclasses.replace(
-                    identity,
-                    block_size=model.kv_block_size if model.HasField("kv_block_size") else None,
-                    total_kv_blocks=(
-                        model.total_kv_blocks if model.HasField("total_kv_blocks") else None
-                    ),
-                    supports_lora=model.supports_lora if model.HasField("supports_lora") else None,
-                    tasks=supported_tasks(model),
-                    generates=generates(model),
-                )
         adapters = await self._list_loras(engine, identity)
         previous = self.registry.get(engine.address).identity
         first_contact = previous is None
@@ -737,6 +745,30 @@ class Fleet:
         if engine.events_pending:
             await self._follow_events(engine, identity)
             engine.events_pending = False
+
+    async def _model_facts(
+        self, engine: _Engine, models: tuple[str, ...]
+    ) -> tuple[ModelFacts, ...]:
+        """Every served model's GetModelInfo, asked at once (each model has its own tasks,
+        generation and block size); empty when the engine does not implement it."""
+        timeout = self.config.health.rpc_timeout_s
+        replies = await asyncio.gather(
+            *(
+                engine.stub.GetModelInfo(pb.GetModelInfoRequest(model=m), timeout=timeout)
+                for m in models
+            ),
+            return_exceptions=True,  # every call ends before any failure is raised
+        )
+        facts: list[ModelFacts] = []
+        for reply in replies:
+            if isinstance(reply, grpc.aio.AioRpcError):
+                if reply.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return ()
+                raise reply
+            if isinstance(reply, BaseException):
+                raise reply
+            facts.append(model_facts(reply))
+        return tuple(facts)
 
     async def _list_loras(self, engine: _Engine, identity: EngineIdentity) -> frozenset[str] | None:
         """The LoRA adapters the engine holds; None when it serves no LoRA (says
@@ -787,10 +819,15 @@ class Fleet:
             )
         )
         on_batch_time = functools.partial(self._event_applied, engine.address)
+        # Whichever source follows the engine (SubscribeKvEvents, its ZMQ fallback, or
+        # `kv_events: zmq`), a break in its stream wakes the poll to read the identity again.
+        on_sequence_break = engine.events_out_of_sequence.set
         array_tail = record.array_tail or engine_array_tail(identity.engine_name)
         source: OpenEngineSource | ZmqSource | None
         if record.kv_events == KvEventsMode.zmq.value:
-            source = await self._zmq_source(engine, translator, on_batch_time, array_tail)
+            source = await self._zmq_source(
+                engine, translator, on_batch_time, on_sequence_break, array_tail
+            )
         else:
             health = self.config.health
             source = OpenEngineSource(
@@ -805,7 +842,7 @@ class Fleet:
                 self.index,
                 channels=self._engine_channels,
                 on_batch_time=on_batch_time,
-                on_sequence_break=engine.events_out_of_sequence.set,
+                on_sequence_break=on_sequence_break,
             )
         if source is None:
             return
@@ -826,6 +863,7 @@ class Fleet:
         engine: _Engine,
         translator: WorkerTranslator,
         on_batch_time: Callable[[float], None],
+        on_sequence_break: Callable[[], None],
         array_tail: ArrayTail,
     ) -> ZmqSource | None:
         assert self.index is not None
@@ -847,6 +885,12 @@ class Fleet:
                 log.warning("engine %s: not following its ZMQ source: %s", engine.address, problem)
                 continue
             settings = zmq_source_settings(advert, array_tail=array_tail)
-            return ZmqSource(settings, translator, self.index, on_batch_time=on_batch_time)
+            return ZmqSource(
+                settings,
+                translator,
+                self.index,
+                on_batch_time=on_batch_time,
+                on_sequence_break=on_sequence_break,
+            )
         log.warning("engine %s advertises no ZMQ KV-event source", engine.address)
         return None

@@ -1,17 +1,18 @@
 """The gateway: `openengine.v1.OpenEngine` served for the whole fleet.
 
 - Generate: routed and relayed by the Relay (controller/relay.py), the path vllm.Generate
-  shares, never to a pooling-only engine (`EngineIdentity.generates`): FAILED_PRECONDITION
-  for a request carrying `kv.session` (the gateway is AGGREGATED), NOT_FOUND for a model
-  no engine serves, FAILED_PRECONDITION for one only pooling-only engines serve,
+  shares, never to an engine that serves the request's model for pooling only (each
+  model's own GetModelInfo, `EngineIdentity.facts_of`): FAILED_PRECONDITION for a request
+  carrying `kv.session` (the gateway is AGGREGATED), NOT_FOUND for a model no engine serves,
+  FAILED_PRECONDITION for one only pooling-only engines serve,
   ALREADY_EXISTS for the id of a request running through the gateway; the chosen engine's
   stream is relayed unchanged; if the engine fails before anything was relayed (a retryable
   status such as UNAVAILABLE, or a retryable terminal EngineError), the request is retried
   once on another engine; a failure after that is one terminal EngineError (seed: no event
   may follow it).
 - Embed / Classify / Score: INVALID_ARGUMENT without the request id or model the seed
-  requires; else the least loaded routable engine serving the model whose
-  GetModelInfo says it supports the task, holding the LoRA adapter the request names (none
+  requires; else the least loaded routable engine serving the model whose GetModelInfo for
+  that model says it supports the task, holding the LoRA adapter the request names (none
   holds it: the LoRA refusals of a Generate); none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic. An engine failing the task with a retryable status has it retried once on
@@ -365,7 +366,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         LoRA adapter, but those in `tried`."""
         registry = self.controller.fleet.registry
         routable = registry.routable(task_context.model, lora_name=task_context.lora_name)
-        return [r for r in routable if _has_task(r, task) and r.address not in (tried or ())]
+        return [
+            r
+            for r in routable
+            if _has_task(r, task_context.model, task) and r.address not in (tried or ())
+        ]
 
     async def _task_engine(
         self, task: str, task_context: pb.TaskRequestContext, context: Context
@@ -402,7 +407,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             and r.state is not EngineState.INCOMPATIBLE
             and r.identity.serves(model)
         ]
-        if any(_has_task(r, task) for r in serving):
+        if any(_has_task(r, model, task) for r in serving):
             await abort_with(
                 context, grpc.StatusCode.UNAVAILABLE, f"no {task} engine takes traffic now"
             )
@@ -901,8 +906,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         a Generate naming an adapter goes to a generating engine holding it, the LoRA calls
         fan out to the engines that support LoRA), and each pooling task (Embed, Classify
         and Score go to an engine that has it), advertised with that engine's capability."""
+        model = request.model
         if not reply.supports_lora and any(
-            r.identity is not None and r.identity.generates and r.identity.supports_lora
+            r.identity is not None
+            and r.identity.facts_of(model).generates
+            and r.identity.facts_of(model).supports_lora
             for r in records
         ):
             reply.supports_lora = True
@@ -910,7 +918,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             if getattr(reply.tasks, task).supported:
                 continue
             for other in records:
-                if other is answered or not _has_task(other, task):
+                if other is answered or not _has_task(other, model, task):
                     continue
                 try:
                     info = await self._model_info(other, request)
@@ -926,7 +934,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         await _require_model(self.controller, request.model, context)
         # A generating engine answers first: a pooling-only one's answer has no `generation`.
         records = self.controller.fleet.registry.routable(request.model)
-        for r in sorted(records, key=lambda r: r.identity is not None and not r.identity.generates):
+        for r in sorted(records, key=lambda r: not _generates(r, request.model)):
             try:
                 reply = await self._model_info(r, request)
             except grpc.aio.AioRpcError as failure:
@@ -985,8 +993,14 @@ def _queue_depth(record: EngineRecord) -> int:
     return (record.load.running_requests or 0) + (record.load.queued_requests or 0)
 
 
-def _has_task(record: EngineRecord, task: str) -> bool:
-    return record.identity is not None and task in record.identity.tasks
+def _has_task(record: EngineRecord, model: str, task: str) -> bool:
+    """Whether the engine's GetModelInfo for `model` says it supports `task`."""
+    return record.identity is not None and task in record.identity.facts_of(model).tasks
+
+
+def _generates(record: EngineRecord, model: str) -> bool:
+    """Whether the engine generates for `model` (unknown: it may)."""
+    return record.identity is None or record.identity.facts_of(model).generates
 
 
 def _metadata_value(context: Context, key: str) -> str | None:

@@ -32,9 +32,11 @@ gateway's own LoadLora/UnloadLora/ListLoras); a new engine process starts with n
 naming an adapter is routable only to the engines holding it (`routable(lora_name=...)`), and
 `check_lora` says why none can take it.
 
-Pooling-only engines (`EngineIdentity.generates` false: GetModelInfo advertises tasks and no
-`generation`) serve Embed/Classify/Score only: `routable(generating=True)`, what every
-Generate path asks for, leaves them out.
+Each model an engine serves has its own GetModelInfo facts (`EngineIdentity.facts_of`): the
+pooling tasks it supports, and whether it generates. A model served for pooling only (tasks
+advertised, no `generation`) takes Embed/Classify/Score only: `routable(model,
+generating=True)`, what every Generate path asks for, leaves out the engines where the model
+is pooling-only, while another model of the same engine may generate.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class Role(enum.StrEnum):
 
 
 class IncompatibleEngineError(KvplaneError):
-    """The engine speaks a contract revision this controller does not support."""
+    """The engine speaks a contract revision this controller does not support, or serves
+    models whose cache it cannot index together."""
 
 
 class UnknownEngineError(KvplaneError):
@@ -179,6 +182,41 @@ def check_revision(schema_revision: int, minimum_client_revision: int, schema_re
 
 
 @dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What GetModelInfo told of one model an engine serves. The defaults are what a model
+    nobody asked about (GetModelInfo unimplemented) is taken for: one that generates, with no
+    pooling task and nothing else known."""
+
+    block_size: int | None = None
+    total_kv_blocks: int | None = None
+    supports_lora: bool | None = None
+    # Tasks besides Generate it supports ("embed", "classify", "score").
+    tasks: frozenset[str] = frozenset()
+    # False: served for pooling only (tasks advertised, no `generation`): no Generate.
+    generates: bool = True
+
+
+_UNKNOWN_MODEL = ModelFacts()
+
+
+def agreed_block_size(models: tuple[str, ...], facts: tuple[ModelFacts, ...]) -> int | None:
+    """The KV block size every model of one engine reports (None: none reports one). Raise
+    IncompatibleEngineError when they differ: an engine's KV events name no model, so its
+    blocks could not be told apart, and each model's prompts would be matched in a size
+    that may not be theirs. `facts` is empty when GetModelInfo was not asked."""
+    if not facts:
+        return None
+    sizes = {m: f.block_size for m, f in zip(models, facts, strict=True) if f.block_size}
+    if len(set(sizes.values())) > 1:
+        said = ", ".join(f"{m} {size}" for m, size in sizes.items())
+        raise IncompatibleEngineError(
+            f"its models' KV block sizes differ ({said}): its KV events name no model, so "
+            "its cache cannot be indexed; serve models of one block size per engine"
+        )
+    return next(iter(sizes.values()), None)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineIdentity:
     """What GetEngineInfo and GetModelInfo told us."""
 
@@ -187,22 +225,43 @@ class EngineIdentity:
     engine_version: str
     role: Role
     models: tuple[str, ...]
+    # The engine's: the one block size its models share (`agreed_block_size`), its default
+    # model's capacity, and whether any model takes LoRA adapters (False: every one says not).
     block_size: int | None
     total_kv_blocks: int | None
     supports_lora: bool | None
     schema_revision: int
     minimum_client_revision: int
     schema_release: str
-    # Tasks besides Generate that GetModelInfo says are supported ("embed", "classify",
-    # "score"); empty when it says none or was not asked.
-    tasks: frozenset[str] = frozenset()
-    # False: a pooling-only engine (ModelInfo with tasks and without `generation`), which
-    # never gets Generate traffic. True when unknown (not asked, or nothing advertised).
-    generates: bool = True
+    # Each model's GetModelInfo, in the order of `models`; empty when it was not asked.
+    model_facts: tuple[ModelFacts, ...] = ()
 
     def serves(self, model: str | None) -> bool:
         """No model named, or an engine that names none, match."""
         return not model or not self.models or model in self.models
+
+    def facts_of(self, model: str | None) -> ModelFacts:
+        """What GetModelInfo said of `model`; with none named, of the engine's default model,
+        the first it lists (what it serves a request naming none). A model not asked about
+        is unknown (`ModelFacts()`)."""
+        if not self.model_facts:
+            return _UNKNOWN_MODEL
+        if not model:
+            return self.model_facts[0]
+        for name, facts in zip(self.models, self.model_facts, strict=True):
+            if name == model:
+                return facts
+        return _UNKNOWN_MODEL
+
+    @property
+    def tasks(self) -> frozenset[str]:
+        """The pooling tasks any of its models supports."""
+        return frozenset().union(*(f.tasks for f in self.model_facts))
+
+    @property
+    def generates(self) -> bool:
+        """Whether any of its models generates (False: a pooling-only engine)."""
+        return any(f.generates for f in self.model_facts) or not self.model_facts
 
 
 @dataclass(slots=True)
@@ -367,7 +426,7 @@ class Registry:
                 continue
             if not record.identity.serves(model):
                 continue
-            if generating and not record.identity.generates:
+            if generating and not record.identity.facts_of(model).generates:
                 continue
             if lora_name and not record.holds_lora(lora_name):
                 continue
@@ -392,7 +451,9 @@ class Registry:
         """Raise GenerationUnsupportedError when every engine that serves `model` ("": the
         default model) is known to be pooling-only; an engine not reached yet may generate."""
         serving = list(self._may_serve(model))
-        if serving and all(r.identity is not None and not r.identity.generates for r in serving):
+        if serving and all(
+            r.identity is not None and not r.identity.facts_of(model).generates for r in serving
+        ):
             what = f"model {model!r}" if model else "the default model"
             raise GenerationUnsupportedError(
                 f"{what} is served for Embed, Classify and Score only: every engine serving "
@@ -405,7 +466,7 @@ class Registry:
         serving = sorted(self._may_serve(model), key=lambda r: r.address)
         engines = [
             f"{r.engine_id} {_why_not_routable(r)}"
-            if r.identity is None or r.identity.generates
+            if r.identity is None or r.identity.facts_of(model).generates
             else f"{r.engine_id} pooling only"
             for r in serving
         ]
@@ -431,7 +492,7 @@ class Registry:
             for r in sorted(self._may_serve(model), key=lambda r: r.address)
             if r.identity is not None
             and (role is None or r.identity.role in (role, Role.UNKNOWN))
-            and (task is None or task in r.identity.tasks)
+            and (task is None or task in r.identity.facts_of(model).tasks)
         ]
         if not serving:
             return  # nothing to say about LoRA: no engine serves the model

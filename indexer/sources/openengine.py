@@ -36,6 +36,8 @@ cleared and rebuilt.
 has cleared the worker after earlier batches: the engine may have restarted, and only its
 stream says so when it keeps its instance id and returns within one of its owner's polls. The
 owner (the controller's fleet) decides what else that means; the source knows nothing of it.
+Following advertised ZMQ sources, each rank's source calls it on its own breaks (a seq reset,
+a gap its replay does not heal: `ZmqSource`).
 """
 
 from __future__ import annotations
@@ -421,7 +423,13 @@ class OpenEngineSource:
                 settings.endpoint,
                 settings.replay_endpoint,
             )
-            source = ZmqSource(settings, translator, self.sink, on_batch_time=self.on_batch_time)
+            source = ZmqSource(
+                settings,
+                translator,
+                self.sink,
+                on_batch_time=self.on_batch_time,
+                on_sequence_break=self.on_sequence_break,
+            )
             source.counters = self.counters
             sources.append(source)
         return sources

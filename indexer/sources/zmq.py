@@ -35,6 +35,12 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   already covered are then dropped as duplicates. Without a replay endpoint the next message
   clears and rebuilds as on a first message (older blocks stay missing, never stale).
 
+`on_sequence_break`, when given, is called (synchronously) each time a message out of sequence
+(a seq reset, a gap the replay does not heal) has cleared the worker after earlier messages:
+the publisher may be a new engine process, as `OpenEngineSource.on_sequence_break` says of a
+SubscribeKvEvents stream. A first message, a rebuild after a sink failure and a resync request
+are no such break.
+
 Live messages come as `[topic, seq, payload]` or, from some senders, `[seq, payload]`; a source
 with a topic receives both (see `TWO_FRAME_SUBSCRIPTION`). TCP endpoints on an IPv6 address
 (`tcp://[::1]:5557`), or on `*` when binding, get libzmq's IPv6 option (`kvplane.zmq_ip`).
@@ -143,12 +149,14 @@ class ZmqSource:
         *,
         context: zmq.asyncio.Context | None = None,
         on_batch_time: BatchTimeObserver | None = None,
+        on_sequence_break: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.translator = translator
         self.sink = sink
         self.counters = SourceCounters()
         self.on_batch_time = on_batch_time
+        self.on_sequence_break = on_sequence_break
         self._context = context or zmq.asyncio.Context.instance()
         # Next seq expected; None until the first message (then the worker is rebuilt).
         self._expected: int | None = None
@@ -416,7 +424,8 @@ class ZmqSource:
         self.counters.num_batches_applied += 1
 
     async def _rebuild(self, trigger: ZmqMessage, *, reason: str | None) -> None:
-        """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`."""
+        """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`.
+        A `reason` is a break in a stream followed until now (see `on_sequence_break`)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         await self._reset_worker(trigger.seq)
@@ -430,6 +439,8 @@ class ZmqSource:
                     break
                 await self._apply(reply)
         await self._apply(trigger)
+        if reason is not None and self.on_sequence_break is not None:
+            self.on_sequence_break()
 
     async def _heal_gap(self, expected: int, trigger: ZmqMessage) -> None:
         """Heal the gap (possibly empty, after a new connection) before `trigger` from one

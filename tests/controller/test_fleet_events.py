@@ -56,23 +56,28 @@ WAIT_S = 15.0
 BLOCK = 16
 
 
-async def start_zmq_engine(name: str, port: int = 0) -> EngineApp:
+def zmq_events_config(
+    endpoints: tuple[str, str] = ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
+) -> KvEventsConfig:
+    """An engine's ZMQ publisher on `endpoints` (publisher, replay; default: free ports)."""
+    endpoint, replay_endpoint = endpoints
+    return KvEventsConfig(zmq_enabled=True, endpoint=endpoint, replay_endpoint=replay_endpoint)
+
+
+async def start_zmq_engine(
+    name: str, port: int = 0, *, endpoints: tuple[str, str] | None = None, **config: Any
+) -> EngineApp:
     """A sim engine on `port` (0: a free one) that also publishes its KV events on ZMQ, on
-    free ports."""
-    return await start_sim_engine(
-        name,
-        port=port,
-        kv_events=KvEventsConfig(
-            zmq_enabled=True,
-            endpoint="tcp://127.0.0.1:*",
-            replay_endpoint="tcp://127.0.0.1:*",
-        ),
-    )
+    `endpoints` (publisher, replay; default: free ports); `config`: more EngineConfig fields."""
+    kv_events = zmq_events_config() if endpoints is None else zmq_events_config(endpoints)
+    return await start_sim_engine(name, port=port, kv_events=kv_events, **config)
 
 
-async def zmq_fleet(engines: list[EngineApp] | None = None) -> Fleet:
+async def zmq_fleet(
+    engines: list[EngineApp] | None = None, health: dict[str, float] | None = None
+) -> Fleet:
     """A controller following `engines` (default: two fresh ZMQ engines) with
-    `kv_events: zmq`."""
+    `kv_events: zmq` (`health`: settings over the quick polls)."""
     if engines is None:
         engines = [await start_zmq_engine(f"z{i}") for i in range(2)]
     config = ControllerConfig.model_validate(
@@ -86,6 +91,7 @@ async def zmq_fleet(engines: list[EngineApp] | None = None) -> Fleet:
                 "load_poll_interval_s": 0.1,
                 "backoff_initial_s": 0.1,
                 "backoff_max_s": 1.0,
+                **(health or {}),
             },
             "shutdown_grace_s": 0.5,
         }
@@ -128,18 +134,21 @@ async def generate(fleet: Fleet, request: pb.GenerateRequest) -> pb.GenerateResp
     return responses[-1]
 
 
-async def index_through_zmq(fleet: Fleet, base: int) -> tuple[list[int], str]:
-    """A prompt's 4-block prefix, from token id `base` on, and the engine the index places it
-    on, once it is there. A SUB socket joins its publisher asynchronously: a batch published
-    before it joined is missed, and the next one rebuilds the worker from the replay socket.
-    So fresh prompts are sent until the first reaches the index through ZMQ."""
+async def index_through_zmq(
+    fleet: Fleet, base: int, block_size: int = BLOCK
+) -> tuple[list[int], str]:
+    """A prompt's prefix of 4 blocks of 16, from token id `base` on, and the engine the index
+    places it on (all of it: its blocks of the engine's `block_size`), once it is there. A SUB
+    socket joins its publisher asynchronously: a batch published before it joined is missed,
+    and the next one rebuilds the worker from the replay socket. So fresh prompts are sent
+    until the first reaches the index through ZMQ."""
     async with asyncio.timeout(WAIT_S):
         for attempt in itertools.count():
             start = base + 1000 * attempt
             prefix = list(range(start, start + 4 * BLOCK))
             await generate(fleet, generate_request(f"z{start}", [*prefix, 1]))
             for _ in range(20):
-                holder = await index_holder(fleet, [*prefix, 2], 4)
+                holder = await index_holder(fleet, [*prefix, 2], 4 * BLOCK // block_size)
                 if holder is not None:
                     return prefix, holder
                 await asyncio.sleep(0.05)

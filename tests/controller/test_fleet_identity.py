@@ -4,11 +4,14 @@ GetLoad takes no traffic until the old one's blocks are gone; a process replaced
 incompatible build leaves the index at once, and its compatible successor is followed afresh;
 an address found to be another address's engine drops what it indexed for that process; an
 engine restarted under its instance id between two polls is read again when its KV-event
-stream breaks sequence."""
+stream breaks sequence (SubscribeKvEvents, or a ZMQ seq reset)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -26,13 +29,23 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
-from tests.controller.test_fleet_events import WAIT_S, generate
+from tests.controller.test_fleet_events import (
+    WAIT_S,
+    generate,
+    index_through_zmq,
+    start_zmq_engine,
+    zmq_events_config,
+    zmq_fleet,
+)
 from tests.controller.test_fleet_restarts import wait_unreachable
 from tests.controller.test_gateway import PREFIX, holder_of, status_of
 
 pytestmark = pytest.mark.timeout(60)
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+# Polls an hour apart: within a test, only an engine's KV-event stream can say it restarted.
+HOURLY = {"poll_interval_s": 3600.0, "load_poll_interval_s": 3600.0}
 
 
 class Replaceable(Forwarding):
@@ -108,8 +121,7 @@ async def test_an_engine_restarted_between_polls_under_its_instance_id_is_read_a
     process, so only its KV-event stream says so, by breaking sequence. Its identity is read
     again at once: admin `workers` shows the new block size, and prompts are matched in it."""
     engine = await start_sim_engine("a", block_size=16)
-    hourly = {"poll_interval_s": 3600, "load_poll_interval_s": 3600}
-    fleet = await make_fleet(engines=[engine], health=hourly)
+    fleet = await make_fleet(engines=[engine], health=HOURLY)
     try:
         address = fleet.address(engine)
         await generate(fleet, generate_request("warm", [*PREFIX, 1]))
@@ -129,6 +141,86 @@ async def test_an_engine_restarted_between_polls_under_its_instance_id_is_read_a
         await generate(fleet, generate_request("again", [*PREFIX, 1]))
         assert await holder_of(fleet, PREFIX, 2) == address  # its cache, in blocks of 32
         match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=PREFIX)))
+        assert (match.block_size, match.num_blocks) == (32, 2)
+    finally:
+        await close_fleet(fleet)
+
+
+async def publish_until(fleet: Fleet, done: Callable[[], bool]) -> None:
+    """Send fresh prompts through the gateway until `done()` holds after a registry change. A
+    restarted ZMQ publisher says nothing until it caches something, and a SUB socket rejoins
+    it asynchronously: what it publishes before then is missed, the next message is not."""
+    controller_fleet = fleet.app.controller.fleet
+    async with asyncio.timeout(WAIT_S):
+        for n in itertools.count():
+            if done():
+                return
+            start = 20_000 + 100 * n
+            await generate(fleet, generate_request(f"p{n}", list(range(start, start + 40))))
+            with contextlib.suppress(TimeoutError):  # not yet: one more prompt
+                await controller_fleet.wait_for(done, 0.2)
+
+
+class ZmqOnly(Forwarding):
+    """An engine without SubscribeKvEvents (UNIMPLEMENTED) that advertises its ZMQ publisher:
+    the controller falls back to following that."""
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no SubscribeKvEvents here")
+        yield pb.SubscribeKvEventsResponse()  # (never reached: makes this a stream)
+
+    async def GetKvEventSources(
+        self, request: pb.GetKvEventSourcesRequest, context: Context
+    ) -> Any:
+        return await self.inner.GetKvEventSources(request)
+
+
+@pytest.mark.parametrize("followed", ["kv_events: zmq", "fallback from SubscribeKvEvents"])
+async def test_an_engine_restarted_between_polls_on_its_zmq_endpoints_is_read_again(
+    followed: str,
+) -> None:
+    """As above, with the engine's KV events followed on ZMQ (configured, or as the fallback
+    of an engine without SubscribeKvEvents): the new process publishes on the same endpoints
+    from seq 0 again (WIRE.md: a seq reset), which is all that says it restarted. Its identity
+    is read again at once: admin `workers` shows the new block size, and prompts are matched
+    in it."""
+    if followed == "kv_events: zmq":
+        engine = await start_zmq_engine("a", block_size=16)
+        fleet = await zmq_fleet([engine], health=HOURLY)
+    else:
+        front = await start_fronted_engine(
+            "a", ZmqOnly, kv_events=zmq_events_config(), block_size=16
+        )
+        engine = front.inner
+        fleet = await make_fleet(engines=[front], health=HOURLY)  # type: ignore[list-item]
+    try:
+        address = fleet.address(fleet.engines[0])
+        _, holder = await index_through_zmq(fleet, 1000)
+        assert holder == address
+        publisher = engine.publisher
+        assert publisher is not None and publisher.bound_replay_endpoint is not None
+        endpoints = (publisher.bound_endpoint, publisher.bound_replay_endpoint)
+        await engine.close()
+        restarted = await start_zmq_engine("a", engine.port, endpoints=endpoints, block_size=32)
+        if followed == "kv_events: zmq":
+            fleet.engines[0] = restarted
+        else:
+            front.inner = restarted
+        registry = fleet.app.controller.fleet.registry
+
+        def read_again() -> bool:
+            identity = registry.get(address).identity
+            return identity is not None and identity.block_size == 32
+
+        await publish_until(fleet, read_again)
+        workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+        assert [(w.instance_id, w.block_size) for w in workers.workers] == [("a", 32)]
+        await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).routable, WAIT_S)
+        prefix, holder = await index_through_zmq(fleet, 10_000, block_size=32)
+        assert holder == address  # its cache, in blocks of 32
+        match = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=prefix)))
         assert (match.block_size, match.num_blocks) == (32, 2)
     finally:
         await close_fleet(fleet)

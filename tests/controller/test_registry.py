@@ -3,6 +3,7 @@ controller's config."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -17,10 +18,12 @@ from controller.registry import (
     LoraNotLoadedError,
     LoraUnavailableError,
     LoraUnsupportedError,
+    ModelFacts,
     PollFailure,
     Registry,
     Role,
     UnknownEngineError,
+    agreed_block_size,
     check_revision,
 )
 from controller.router import LoadSnapshot
@@ -51,6 +54,38 @@ def test_revision_check_fails_closed(
 ) -> None:
     with pytest.raises(IncompatibleEngineError, match=problem):
         check_revision(revision, minimum, release)
+
+
+def two_models(*facts: ModelFacts) -> EngineIdentity:
+    models = ("gen", "emb")[: len(facts)]
+    return dataclasses.replace(identity(), models=models, model_facts=facts)
+
+
+def test_a_generate_or_a_task_is_routed_by_its_own_models_facts() -> None:
+    """An engine serving a generating model and an embedding one: each request sees its own
+    model's GetModelInfo; one naming no model, the engine's default (first) model's."""
+    registry = Registry()
+    registry.add("h:1")
+    embedder = ModelFacts(block_size=16, tasks=frozenset({"embed"}), generates=False)
+    registry.on_identity("h:1", two_models(ModelFacts(block_size=16), embedder), 0.0)
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    assert [r.address for r in registry.routable("gen", generating=True)] == ["h:1"]
+    assert [r.address for r in registry.routable("", generating=True)] == ["h:1"]
+    assert registry.routable("emb", generating=True) == []
+    record = registry.get("h:1")
+    assert record.identity is not None
+    assert record.identity.facts_of("emb").tasks == {"embed"}
+    assert record.identity.facts_of("gen").tasks == frozenset()
+    assert record.identity.generates  # not a pooling-only engine: one model generates
+
+
+def test_models_of_one_engine_must_agree_on_the_block_size() -> None:
+    same = (ModelFacts(block_size=16), ModelFacts(block_size=16))
+    assert agreed_block_size(("a", "b"), same) == 16
+    assert agreed_block_size(("a", "b"), (ModelFacts(), ModelFacts(block_size=32))) == 32
+    assert agreed_block_size(("a", "b"), ()) is None  # GetModelInfo not asked
+    with pytest.raises(IncompatibleEngineError, match=r"block sizes differ \(a 16, b 32\)"):
+        agreed_block_size(("a", "b"), (ModelFacts(block_size=16), ModelFacts(block_size=32)))
 
 
 def test_incompatible_engine_is_never_routable() -> None:

@@ -1,6 +1,6 @@
 """The ZMQ source on real sockets: malformed input is counted and skipped while the server
 keeps serving; reconnects; a publisher restart on the same port, or hidden behind a gap or a
-replayed range; a failing sink."""
+replayed range, told as a sequence break; a failing sink."""
 
 from __future__ import annotations
 
@@ -364,6 +364,34 @@ async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     assert source.counters.num_gaps == 1
     assert source.counters.num_resets == 2  # the first message's clear, then the restart's
     assert publisher.replay_requests == [2, 0]  # the check of seq 2, then the rebuild
+
+
+async def test_a_seq_reset_is_a_sequence_break_a_first_message_or_a_resync_is_not(
+    context: zmq.asyncio.Context,
+) -> None:
+    """`on_sequence_break` (what has the controller read a restarted engine's identity again)
+    is told of a publisher that started its seqs over, not of the clears that a source's own
+    start or a resync request causes: those are no sign of a new process."""
+    index, publisher, source = _replaying(context)
+    breaks: list[int | None] = []
+    source.on_sequence_break = lambda: breaks.append(source.last_seq)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            for seq in range(3):  # the first message clears the worker too
+                await publisher.publish(_message(seq, _stored(100 + seq)))
+            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+            source.request_resync()
+            await source.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+            assert breaks == []
+            # A new process, a new replay buffer, seq from 0 again.
+            publisher.buffer.clear()
+            await publisher.publish(_message(0, _stored(200)))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == {200}
+    assert breaks == [0]  # told once the new process's batch is in
 
 
 async def test_a_restart_inside_a_just_replayed_range_is_not_taken_for_a_duplicate(
