@@ -223,16 +223,25 @@ class LivePlanner:
         engine.load = _load(info, engine.load)
 
     async def _read_block_size(self, engine: _Engine, stub: pb_grpc.OpenEngineAsyncStub) -> None:
-        """The engine's KV block size (GetModelInfo), once: the KV demand of its queued prompt
-        tokens is counted in its blocks. Not reported (absent, UNIMPLEMENTED): the default
-        stays; another failure: asked again at the next poll (its GetLoad says why)."""
+        """The engine's KV block size (GetModelInfo of the first model GetEngineInfo lists,
+        its default: the seed requires a model), once: the KV demand of its queued prompt
+        tokens is counted in its blocks. Not reported (absent, no model listed,
+        UNIMPLEMENTED): the default stays; another failure: asked again at the next poll
+        (its GetLoad says why)."""
+        timeout = self._load_timeout_s
         try:
-            info = await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._load_timeout_s)
+            models = (
+                await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
+            ).supported_models
+            info = None
+            if models:
+                request = pb.GetModelInfoRequest(model=models[0])
+                info = await stub.GetModelInfo(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             engine.block_size_read = exc.code() is grpc.StatusCode.UNIMPLEMENTED
             return
         engine.block_size_read = True
-        if info.HasField("kv_block_size") and info.kv_block_size > 0:
+        if info is not None and info.HasField("kv_block_size") and info.kv_block_size > 0:
             engine.load = replace(engine.load, kv_block_size=info.kv_block_size)
 
     async def _follow_passes(self, engine: _Engine) -> None:

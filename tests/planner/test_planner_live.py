@@ -627,7 +627,8 @@ async def test_the_kv_demand_of_queued_prompts_is_counted_in_the_engine_s_own_bl
 
 
 class LoadEngine(pb_grpc.OpenEngineServicer):
-    """An engine's part as far as the planner polls it: GetLoad and GetModelInfo."""
+    """An engine's part as far as the planner polls it: GetLoad, GetEngineInfo and
+    GetModelInfo (which, as the seed says, needs a model it serves)."""
 
     def __init__(self, load: pb.LoadInfo, kv_block_size: int | None) -> None:
         self.load = load
@@ -636,7 +637,14 @@ class LoadEngine(pb_grpc.OpenEngineServicer):
     async def GetLoad(self, request: object, context: object) -> pb.LoadInfo:
         return self.load
 
-    async def GetModelInfo(self, request: object, context: object) -> pb.ModelInfo:
+    async def GetEngineInfo(self, request: object, context: object) -> pb.EngineInfo:
+        return pb.EngineInfo(supported_models=["sim"])
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        if request.model != "sim":
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
         return pb.ModelInfo(model_id="sim", kv_block_size=self.kv_block_size)
 
 
