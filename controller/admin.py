@@ -179,7 +179,14 @@ class AdminServicer(apb_grpc.AdminServicer):
             failure = engine_failure(caught, record.address, fleet)
             if not started:  # the engine did not take it: its next health answer decides
                 fleet.registry.withdraw_drain(record.address)
-            await abort_with(context, failure.code(), failure.details() or failure.code().name)
+            details = failure.details() or failure.code().name
+            if not details.startswith(f"engine {record.address}"):
+                # The engine's own status ("Socket closed": its process died) would read as
+                # the controller's, which the operator dialled.
+                details = (
+                    f"engine {record.address} failed the Drain: {failure.code().name}: {details}"
+                )
+            await abort_with(context, failure.code(), details)
 
     async def _plan(
         self,

@@ -376,6 +376,45 @@ async def test_a_drain_through_the_controller_ends_when_the_engine_is_removed() 
         await close_fleet(fleet)
 
 
+async def test_a_drain_through_the_controller_of_an_engine_killed_meanwhile_names_it(
+    tmp_path: Path,
+) -> None:
+    """`kvplane admin drain ENGINE` while that engine's process is killed (SIGKILL): one line
+    naming the engine and what broke, not the dead engine's bare "Socket closed" as if it were
+    the controller's connection (with a TLS hint for it)."""
+    from tests.controller.test_admin_cli import cli
+    from tests.controller.test_stalled_engines import EngineProcess
+
+    engine = await EngineProcess.start(tmp_path, "killed")
+    fleet = await make_fleet(engines=[engine, await start_sim_engine("other")])  # type: ignore[list-item]
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine="other"))
+        stream = fleet.gateway.Generate(generate_request("long", [*PREFIX, 1], max_tokens=100_000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        drain = asyncio.create_task(
+            cli("drain", address, "--deadline-ms", "600000", "--target", fleet.target)
+        )
+        async with grpc.aio.insecure_channel(address) as channel:  # the engine's own word
+
+            async def draining() -> bool:
+                health = await pb_grpc.OpenEngineStub(channel).Health(pb.HealthRequest())
+                return health.state == pb.HEALTH_STATE_DRAINING
+
+            await eventually(draining, timeout_s=30)
+        engine.proc.kill()
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            result = await drain
+        assert result.exit_code == 1, result.output
+        message = str(result.exception)
+        assert f"engine {address} failed the Drain: UNAVAILABLE" in message, message
+        assert "TLS" not in message, message
+        stream.cancel()
+    finally:
+        await engine.close()
+        await close_fleet(fleet)
+
+
 class Indexer:
     """`kvplane indexer serve`'s parts in this process (an empty memory index, one OpenEngine
     source per engine, the gRPC server), to stop and start again, empty, on its port.
