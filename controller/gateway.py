@@ -64,7 +64,14 @@ from controller.registry import (
     UnknownEngineError,
     UnknownModelError,
 )
-from controller.relay import RETRYABLE, InBandError, Relay, Usage, engine_failure
+from controller.relay import (
+    RETRYABLE,
+    InBandError,
+    Relay,
+    Usage,
+    engine_failure,
+    naming_engine,
+)
 from controller.router import AllEnginesBusyError
 from controller.service import Controller, PromptInput
 from controller.statuses import status_of
@@ -514,7 +521,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         f"engine {address} holding request {request.request_id!r} did not "
                         f"answer the Abort within {timeout_s:g} s",
                     )
-                await abort_with(context, failure.code(), failure.details() or failure.code().name)
+                await abort_with(context, failure.code(), naming_engine(failure, address, "Abort"))
             return reply
         # Every request also means those still being planned here, which no engine holds yet:
         # they end before any engine is called, as one aborted by id does.

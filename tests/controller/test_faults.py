@@ -309,6 +309,33 @@ async def test_abort_and_drain_of_a_wedged_engine_fail_instead_of_hanging() -> N
         await close_fleet(fleet)
 
 
+class AbortFails(Forwarding):
+    """An engine whose Abort fails with an error of its own; everything else is the sim
+    engine's."""
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        await context.abort(grpc.StatusCode.INTERNAL, "Socket closed")
+
+
+async def test_abort_of_a_request_whose_engine_fails_it_names_the_engine() -> None:
+    """Abort of a request id whose engine fails the Abort: the controller's status names that
+    engine and its status, not the engine's bare words (here gRPC's "Socket closed", as a
+    process that died mid-call gives), which would read as the controller's own."""
+    failing = await start_fronted_engine("failing", AbortFails, time_scale=1.0)
+    fleet = await make_fleet(engines=[failing])  # type: ignore[list-item]
+    address = f"127.0.0.1:{failing.port}"
+    try:
+        stream = fleet.gateway.Generate(generate_request("held", [*PREFIX, 1], max_tokens=5000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(request_id="held"), timeout=15)
+        assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
+        assert err.value.details() == f"engine {address} failed the Abort: INTERNAL: Socket closed"
+        stream.cancel()
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_calls_held_by_an_engine_being_removed_end_with_it() -> None:
     """RemoveEngine while the gateway waits on the engine's Abort (a request id it holds,
     and a fan-out to every engine): both end at once, the engine counted as left
