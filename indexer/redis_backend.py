@@ -108,9 +108,9 @@ _UNREACHABLE = (
 # A Redis that stops answering without closing its connections (a stopped or wedged process,
 # a host gone without a reset) costs every call `timeout_s`, and the calls queued behind the
 # readying lock pay it one after another: each request's match would wait seconds, longer the
-# more requests there are. So after a call that Redis let time out, calls fail at once for a
-# pause, doubling while it stays silent, as a remote indexer is paused
-# (controller/remote_index.py); then one call asks it again, and an answer ends the pause.
+# more requests there are. So after a call that Redis let time out, queries fail at once for
+# a pause, doubling while it stays silent, as a remote indexer is paused
+# (controller/remote_index.py); then one query asks it again, and any answer ends the pause.
 _SILENT_PAUSE_S = (0.5, 30.0)
 
 
@@ -351,11 +351,13 @@ class RedisBackend:
     ) -> Any:
         """One function call. With `boot` the partition's boot token goes first: the function
         refuses to write into a partition that lost its data without this process noticing.
-        Fails at once while Redis is paused as silent (_SILENT_PAUSE_S)."""
-        paused = self._pause_s > 0
-        if paused and (self._asking_again or time.monotonic() < self._ask_again_at):
+        A query fails at once while Redis is paused as silent (_SILENT_PAUSE_S); writes (the
+        group commit, the recovery, which has its own backoff) still ask it, so that Redis back
+        is found, and the pause ended, as soon as it answers."""
+        gated = readonly and self._pause_s > 0
+        if gated and (self._asking_again or time.monotonic() < self._ask_again_at):
             raise self._silent()
-        self._asking_again = paused
+        self._asking_again = self._asking_again or gated
         silences_seen = self._num_silences
         try:
             reply = await self._fcall_once(function, args, readonly=readonly, boot=boot)
@@ -369,7 +371,7 @@ class RedisBackend:
                 self._pause_s = 0.0  # Redis answered (refused, say): it is not silent
             raise
         finally:
-            if paused:
+            if gated:
                 self._asking_again = False
         self._pause_s = 0.0
         return reply
