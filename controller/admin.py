@@ -12,7 +12,7 @@ import grpc
 
 from controller.config import KvEventsMode
 from controller.registry import EngineRecord, Role
-from controller.relay import engine_failure
+from controller.relay import engine_failure, naming_engine
 from controller.router import Decision
 from controller.service import Controller, Plan, PromptInput, blocks_by_engine
 from controller.statuses import status_of
@@ -179,7 +179,9 @@ class AdminServicer(apb_grpc.AdminServicer):
             failure = engine_failure(caught, record.address, fleet)
             if not started:  # the engine did not take it: its next health answer decides
                 fleet.registry.withdraw_drain(record.address)
-            await abort_with(context, failure.code(), failure.details() or failure.code().name)
+            await abort_with(
+                context, failure.code(), naming_engine(failure, record.address, "Drain")
+            )
 
     async def _plan(
         self,

@@ -613,9 +613,21 @@ def _engine_command(
     call: Callable[[apb_grpc.AdminStub], Callable[..., apb.WorkerInfo]],
     done: str,
     doc: str,
+    *,
+    says_if_unroutable: bool = False,
 ) -> Callable[..., None]:
     """`kvplane admin NAME ENGINE`: one admin RPC on one engine (`call` picks it from the
-    stub), which answers the engine's WorkerInfo, shown as "ID (ADDRESS) DONE"."""
+    stub), which answers the engine's WorkerInfo, shown as "ID (ADDRESS) DONE"; with
+    `says_if_unroutable`, followed by the state that still keeps the engine out of routing."""
+
+    def render(d: dict[str, Any]) -> str:
+        line = f"{d.get('instance_id') or '-'} ({d.get('address')}) {done}"
+        if says_if_unroutable and not d.get("routable"):
+            state = d.get("state", "unknown")
+            line += f"; still not routed: {state}"
+            if state == "draining":  # the seed has no RPC that undoes an engine's Drain
+                line += " (a drained engine takes traffic again once its process restarts)"
+        return line
 
     def command(
         ctx: typer.Context,
@@ -631,7 +643,7 @@ def _engine_command(
             return call(stub)(ref, metadata=metadata, timeout=RPC_TIMEOUT_S)
 
         data = _dict(_admin_call(name, _server(ctx, target), rpc))
-        emit(data, output, lambda d: f"{d.get('instance_id') or '-'} ({d.get('address')}) {done}")
+        emit(data, output, render)
 
     command.__doc__ = doc
     return command
@@ -928,7 +940,10 @@ def register(app: typer.Typer) -> None:
             "uncordon",
             lambda stub: stub.Uncordon,
             "uncordoned",
-            "Route to a cordoned engine again.",
+            "Route to a cordoned engine again.\n\n"
+            "An engine out of routing for another reason (draining, unreachable, ...) is "
+            "said to be, with that state.",
+            says_if_unroutable=True,
         )
     )
     app.add_typer(lora_app, name="lora")

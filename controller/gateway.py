@@ -22,8 +22,9 @@
   before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
   that ended is ALREADY_FINISHED (as an engine answers), an id never seen NOT_FOUND;
   `all_requests` ends the requests no engine can abort here and fans out, as KV sessions
-  do; every engine refusing alike is their status, UNAVAILABLE when no engine could be
-  reached.
+  do, and also to every engine holding a relayed stream, reachable or not (a stopped one is
+  reported, DEADLINE_EXCEEDED); every engine refusing alike is their status, UNAVAILABLE when
+  no engine could be reached.
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
@@ -63,7 +64,14 @@ from controller.registry import (
     UnknownEngineError,
     UnknownModelError,
 )
-from controller.relay import RETRYABLE, InBandError, Relay, Usage, engine_failure
+from controller.relay import (
+    RETRYABLE,
+    InBandError,
+    Relay,
+    Usage,
+    engine_failure,
+    naming_engine,
+)
 from controller.router import AllEnginesBusyError
 from controller.service import Controller, PromptInput
 from controller.statuses import status_of
@@ -513,15 +521,25 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         f"engine {address} holding request {request.request_id!r} did not "
                         f"answer the Abort within {timeout_s:g} s",
                     )
-                await abort_with(context, failure.code(), failure.details() or failure.code().name)
+                await abort_with(context, failure.code(), naming_engine(failure, address, "Abort"))
             return reply
         # Every request also means those still being planned here, which no engine holds yet:
         # they end before any engine is called, as one aborted by id does.
         unrouted = self.relay.abort_all_unrouted() if target == "all_requests" else 0
+        # An engine whose polls go unanswered (stopped, wedged) is out of the fan-out, yet
+        # the streams relayed to it run on once it is back (until `abandon_streams_after_s`,
+        # if ever): it is asked too, so that its silence is reported among the outcomes
+        # (DEADLINE_EXCEEDED) instead of passing for nothing left to abort there.
+        holders = set(self.relay.holding.values()) if target == "all_requests" else set()
+        records = self._reachable(failing=True)
+        unasked_holders = holders - {r.address for r in records}
+        records += [
+            r for r in self.controller.fleet.registry.records() if r.address in unasked_holders
+        ]
         # Each engine bounded as above: a hung one is reported (DEADLINE_EXCEEDED) among the
         # outcomes instead of holding the whole fan-out.
         results = await self._fan_out(
-            self._reachable(failing=True),
+            records,
             lambda s: s.Abort(request, timeout=self.controller.config.health.rpc_timeout_s),
         )
         outcomes = [EngineOutcome.of(record, result) for record, result in results]

@@ -793,6 +793,16 @@ def engine_failure(
     return _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} {fleet.why_calls_ended(engine)}")
 
 
+def naming_engine(failure: grpc.aio.AioRpcError, engine: str, call: str) -> str:
+    """The details of an engine's failed `call` as the controller reports them to its own
+    client: naming the engine, unless they do already ("engine ADDRESS left"). The engine's
+    bare status ("Socket closed": its process died) would read as the controller's."""
+    details = failure.details() or failure.code().name
+    if details.startswith(f"engine {engine}"):
+        return details
+    return f"engine {engine} failed the {call}: {failure.code().name}: {details}"
+
+
 def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return "overloaded"  # refused for capacity (`max_queued_requests`), as shedding counts

@@ -34,6 +34,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import fields
@@ -102,6 +103,15 @@ _UNREACHABLE = (
     RedisClusterException,
     InvalidResponse,
 )
+
+
+# A Redis that stops answering without closing its connections (a stopped or wedged process,
+# a host gone without a reset) costs every call `timeout_s`, and the calls queued behind the
+# readying lock pay it one after another: each request's match would wait seconds, longer the
+# more requests there are. So after a call that Redis let time out, queries fail at once for
+# a pause, doubling while it stays silent, as a remote indexer is paused
+# (controller/remote_index.py); then one query asks it again, and any answer ends the pause.
+_SILENT_PAUSE_S = (0.5, 30.0)
 
 
 def _stop_requested() -> None:
@@ -179,6 +189,13 @@ class RedisBackend:
         # Group commit: batches waiting for the next kvp_apply call, and its task.
         self._group: list[tuple[Batch, asyncio.Future[None]]] = []
         self._grouper: asyncio.Task[None] | None = None
+        # The pause after Redis let a call time out (0: it answers), when one call may ask it
+        # again, whether one is asking, and how many calls it let time out (a caller that
+        # waited for the readying lock while one did fails at once too).
+        self._pause_s = 0.0
+        self._ask_again_at = 0.0
+        self._asking_again = False
+        self._num_silences = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -263,12 +280,14 @@ class RedisBackend:
             return IndexUnavailableError(f"Redis at {self._where} refused: {exc}")
         return self._unavailable(exc)
 
-    async def _ensure_ready(self) -> None:
+    async def _ensure_ready(self, silences_seen: int | None = None) -> None:
         if self._ready:
             return
         async with self._ready_lock:
             if self._ready:
                 return
+            if silences_seen is not None and self._num_silences != silences_seen:
+                raise self._silent()  # the call before it in the queue timed out meanwhile
             code = FUNCTIONS_FILE.read_text()
             try:
                 if isinstance(self._client, RedisCluster):
@@ -331,9 +350,49 @@ class RedisBackend:
         boot: bool = False,
     ) -> Any:
         """One function call. With `boot` the partition's boot token goes first: the function
-        refuses to write into a partition that lost its data without this process noticing."""
+        refuses to write into a partition that lost its data without this process noticing.
+        A query fails at once while Redis is paused as silent (_SILENT_PAUSE_S); writes (the
+        group commit, the recovery, which has its own backoff) still ask it, so that Redis back
+        is found, and the pause ended, as soon as it answers."""
+        gated = readonly and self._pause_s > 0
+        if gated and (self._asking_again or time.monotonic() < self._ask_again_at):
+            raise self._silent()
+        self._asking_again = self._asking_again or gated
+        silences_seen = self._num_silences
+        try:
+            reply = await self._fcall_once(function, args, readonly=readonly, boot=boot)
+        except IndexUnavailableError as exc:
+            if any(isinstance(e, RedisTimeoutError) for e in _causes(exc)):
+                self._num_silences += 1
+                initial_s, most_s = _SILENT_PAUSE_S
+                self._pause_s = min(max(2 * self._pause_s, initial_s), most_s)
+                self._ask_again_at = time.monotonic() + self._pause_s
+            elif self._num_silences == silences_seen:
+                self._pause_s = 0.0  # Redis answered (refused, say): it is not silent
+            raise
+        finally:
+            if gated:
+                self._asking_again = False
+        self._pause_s = 0.0
+        return reply
+
+    def _silent(self) -> IndexUnavailableError:
+        return IndexUnavailableError(
+            f"shared index unavailable: Redis at {self._where} is not answering; asked again "
+            f"within {self._pause_s:g} s"
+        )
+
+    async def _fcall_once(
+        self,
+        function: str,
+        args: Sequence[bytes | str | int],
+        *,
+        readonly: bool,
+        boot: bool,
+    ) -> Any:
+        silences_seen = self._num_silences
         for attempt in (0, 1):
-            await self._ensure_ready()
+            await self._ensure_ready(silences_seen)
             head: list[bytes | str | int] = [self._nb]
             if boot:
                 head.append(self._boot or b"")

@@ -31,6 +31,9 @@ _PRIVATE_KEY = ("a private key", b"PRIVATE KEY-----")  # PRIVATE KEY, RSA/EC PRI
 # What a channel reports when the server hangs up on it, as a TLS server does on plaintext and
 # a mutual-TLS server on a client without a certificate.
 HUNG_UP = "Socket closed"
+# How a controller's status about one of its engines begins ("engine HOST:PORT ..."): a hang-up
+# it names is that engine's (its process died), not one of the connection to the controller.
+RELAYED_ENGINE_FAILURE = "engine "
 ChannelOptions = tuple[tuple[str, Any], ...]
 Metadata = tuple[tuple[str, str], ...]
 
@@ -215,7 +218,7 @@ def _tls_hint(channels: ClientChannels, details: str, settings: ClientSettings) 
     failed on a record that is not TLS (a plaintext server)."""
     if channels.tls and "WRONG_VERSION_NUMBER" in details:
         return f" (a plaintext server? leave out {settings.tls})"
-    if HUNG_UP not in details:
+    if HUNG_UP not in details or details.startswith(RELAYED_ENGINE_FAILURE):
         return ""
     if not channels.tls:
         return f" (a TLS server? give {settings.tls})"

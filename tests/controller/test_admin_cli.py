@@ -143,7 +143,8 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     assert await holder(tokens, t) == engine
     routed = await cli_json("route", "--tokens-file", str(tokens), *t)
     assert engine not in [c["instance_id"] for c in routed["costs"]]
-    assert (await cli("uncordon", engine, *t)).exit_code == 0
+    uncordoned = await cli("uncordon", engine, *t)
+    assert uncordoned.exit_code == 0 and "not routed" not in uncordoned.output
 
     drained = await cli("drain", engine, "--deadline-ms", "1000", *t)
     assert drained.exit_code == 0, drained.output
@@ -152,6 +153,10 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
         w for w in (await cli_json("workers", *t))["workers"] if w["instance_id"] == engine
     )
     assert state["state"] == "draining"
+    # Uncordon does not undo a drain: it says the engine still takes no traffic, and why.
+    still = await cli("uncordon", engine, *t)
+    assert still.exit_code == 0, still.output
+    assert "uncordoned; still not routed: draining" in still.output, still.output
 
     missing = await cli("abort", "nobody", *t)
     assert missing.exit_code != 0 and "NOT_FOUND" in str(missing.exception or missing.output)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from typer.testing import CliRunner, Result
 
@@ -22,7 +23,7 @@ from indexer.backends import open_backend
 from indexer.config import IndexerConfig
 from indexer.service import build_source
 from indexer.servicer import index_services
-from kvplane.channels import ClientChannels
+from kvplane.channels import ClientChannels, ClientSettings, setting_hint
 from kvplane.cli import app
 from kvplane.config import ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError, KvplaneError
@@ -299,3 +300,18 @@ async def test_unusable_client_tls_files_are_config_errors(pki: Path, tmp_path: 
     )
     with pytest.raises(ConfigError, match=r"^source 127.0.0.1:1: tls: cannot read TLS CA file"):
         build_source(indexer.sources[0], await open_backend("memory"), 16)
+
+
+def test_a_hang_up_the_controller_reports_of_its_engine_gets_no_tls_hint() -> None:
+    """A controller's status naming one of its engines ("engine ADDRESS failed the Drain:
+    UNAVAILABLE: Stream removed (Socket closed)": that engine's process died) says nothing of
+    the connection to the controller, so no TLS setting is suggested for it; gRPC's own
+    hang-up on that connection still gets the hint."""
+    flags = ClientSettings(tls="--tls-ca", client_certificate="--tls-cert")
+    engine_died = (
+        "engine 127.0.0.1:9001 failed the Drain: UNAVAILABLE: Stream removed (Socket closed)"
+    )
+    assert setting_hint(ClientChannels(), grpc.StatusCode.UNAVAILABLE, engine_died, flags) == ""
+    hung_up = "Stream removed (Socket closed)"
+    hint = setting_hint(ClientChannels(), grpc.StatusCode.UNAVAILABLE, hung_up, flags)
+    assert hint == " (a TLS server? give --tls-ca)"

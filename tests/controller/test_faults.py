@@ -309,6 +309,33 @@ async def test_abort_and_drain_of_a_wedged_engine_fail_instead_of_hanging() -> N
         await close_fleet(fleet)
 
 
+class AbortFails(Forwarding):
+    """An engine whose Abort fails with an error of its own; everything else is the sim
+    engine's."""
+
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
+        await context.abort(grpc.StatusCode.INTERNAL, "Socket closed")
+
+
+async def test_abort_of_a_request_whose_engine_fails_it_names_the_engine() -> None:
+    """Abort of a request id whose engine fails the Abort: the controller's status names that
+    engine and its status, not the engine's bare words (here gRPC's "Socket closed", as a
+    process that died mid-call gives), which would read as the controller's own."""
+    failing = await start_fronted_engine("failing", AbortFails, time_scale=1.0)
+    fleet = await make_fleet(engines=[failing])  # type: ignore[list-item]
+    address = f"127.0.0.1:{failing.port}"
+    try:
+        stream = fleet.gateway.Generate(generate_request("held", [*PREFIX, 1], max_tokens=5000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(request_id="held"), timeout=15)
+        assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
+        assert err.value.details() == f"engine {address} failed the Abort: INTERNAL: Socket closed"
+        stream.cancel()
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_calls_held_by_an_engine_being_removed_end_with_it() -> None:
     """RemoveEngine while the gateway waits on the engine's Abort (a request id it holds,
     and a fan-out to every engine): both end at once, the engine counted as left
@@ -373,6 +400,45 @@ async def test_a_drain_through_the_controller_ends_when_the_engine_is_removed() 
         assert f"engine {drained} left" in str(err.value.details())
         stream.cancel()
     finally:
+        await close_fleet(fleet)
+
+
+async def test_a_drain_through_the_controller_of_an_engine_killed_meanwhile_names_it(
+    tmp_path: Path,
+) -> None:
+    """`kvplane admin drain ENGINE` while that engine's process is killed (SIGKILL): one line
+    naming the engine and what broke, not the dead engine's bare "Socket closed" as if it were
+    the controller's connection (with a TLS hint for it)."""
+    from tests.controller.test_admin_cli import cli
+    from tests.controller.test_stalled_engines import EngineProcess
+
+    engine = await EngineProcess.start(tmp_path, "killed")
+    fleet = await make_fleet(engines=[engine, await start_sim_engine("other")])  # type: ignore[list-item]
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine="other"))
+        stream = fleet.gateway.Generate(generate_request("long", [*PREFIX, 1], max_tokens=100_000))
+        assert isinstance(await stream.read(), pb.GenerateResponse)
+        drain = asyncio.create_task(
+            cli("drain", address, "--deadline-ms", "600000", "--target", fleet.target)
+        )
+        async with grpc.aio.insecure_channel(address) as channel:  # the engine's own word
+
+            async def draining() -> bool:
+                health = await pb_grpc.OpenEngineStub(channel).Health(pb.HealthRequest())
+                return health.state == pb.HEALTH_STATE_DRAINING
+
+            await eventually(draining, timeout_s=30)
+        engine.proc.kill()
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            result = await drain
+        assert result.exit_code == 1, result.output
+        message = str(result.exception)
+        assert f"engine {address} failed the Drain: UNAVAILABLE" in message, message
+        assert "TLS" not in message, message
+        stream.cancel()
+    finally:
+        await engine.close()
         await close_fleet(fleet)
 
 

@@ -231,6 +231,49 @@ async def test_an_engine_back_before_the_limit_keeps_its_streams(
         await close_fleet(fleet)
 
 
+async def test_abort_of_every_request_does_not_pass_over_a_stopped_engine_holding_streams(
+    stalling: EngineProcess,
+) -> None:
+    """Abort(all_requests) while the engine running a stream is stopped (its polls unanswered,
+    so it is out of routing) asks that engine too: its silence is among the outcomes, not
+    passed over as if it had nothing to abort, for the stream runs on once the engine is back;
+    the operator's retry then ends it."""
+    fleet = await fleet_with(stalling, abandon_after_s=0)  # streams wait for the engine
+    try:
+        stopped = await only_on(fleet, stalling)
+        registry = fleet.app.controller.fleet.registry
+        stream = fleet.gateway.Generate(
+            generate_request("running", [*PREFIX, 1], max_tokens=100_000)
+        )
+        while (await stream.read()).WhichOneof("event") != "token":
+            pass
+        stalling.stop()
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(stopped).state is EngineState.UNREACHABLE, 15
+        )
+        everything = await fleet.gateway.Abort(
+            pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30
+        )
+        # The stopped engine is asked and its silence reported, as a wedged one's is.
+        healthy = next(r.address for r in registry.records() if r.address != stopped)
+        assert f"{healthy}: ok" in everything.message, everything
+        assert f"{stopped}: DEADLINE_EXCEEDED" in everything.message, everything
+        # Back, the engine ends the stream as aborted once the operator retries (the first
+        # Abort, held in its socket while it was stopped, may reach it first).
+        stalling.resume()
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(stopped).state is EngineState.READY, 30
+        )
+        await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            rest = await _collect(stream)
+        assert rest[-1].WhichOneof("event") == "finished", rest[-1]
+        assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED, rest[-1]
+        await nothing_in_flight(fleet)
+    finally:
+        await close_fleet(fleet)
+
+
 async def _collect(call: grpc.aio.UnaryStreamCall[Any, T]) -> list[T]:
     """The responses the stream has left (read() calls: a test may have read some)."""
     responses = []

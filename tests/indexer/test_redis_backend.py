@@ -579,6 +579,47 @@ async def test_a_query_while_redis_is_down_says_it_is_down(tmp_path: Path) -> No
         server.stop()
 
 
+async def test_a_redis_that_stops_answering_is_not_waited_for_by_every_query(
+    tmp_path: Path,
+) -> None:
+    """A Redis that stops answering without closing its connections (SIGSTOP, as a wedged
+    process or a host gone without a reset): once a call found it silent, queries fail at
+    once, saying so, instead of each waiting its own timeout one after another behind the
+    readying lock (a controller's every request paid seconds, more the more requests there
+    were); at most one asks it again per pause; once it answers, so do the queries."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    assert server.proc is not None
+    backend = await open_redis_backend(
+        server.url, buckets=16, timeout_s=0.2, maintenance_interval_s=0.05
+    )
+    try:
+        await backend.apply(_stored_batch("w0", 1))
+        server.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(IndexUnavailableError):
+            await backend.match_prefix([1], 0)  # this one (or the upkeep's call) finds it silent
+        queries = await asyncio.gather(
+            *(backend.match_prefix([1], 0) for _ in range(5)), return_exceptions=True
+        )
+        assert all(isinstance(q, IndexUnavailableError) for q in queries), queries
+        not_asked = [q for q in queries if "is not answering; asked again within" in str(q)]
+        assert len(not_asked) >= 4, queries  # one may be the pause's single new try
+        server.proc.send_signal(signal.SIGCONT)
+
+        async def answers() -> bool:
+            try:
+                await backend.match_prefix([1], 0)
+            except IndexUnavailableError:
+                return False
+            return True
+
+        await eventually(answers, 30, "queries to be answered once Redis answers")
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        await backend.close()
+        server.stop()
+
+
 @pytest.mark.timeout(60)
 async def test_close_ends_maintenance_cancelled_inside_a_redis_call(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
