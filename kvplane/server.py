@@ -245,9 +245,32 @@ async def serve_until_signal(
             loop.remove_signal_handler(sig)
 
 
+# The most UTF-8 bytes of a status message. gRPC sends the message percent-encoded in a
+# trailer (up to 3 bytes a byte), and a client drops a call whose trailers pass its metadata
+# limit (8 KiB by default), reporting RESOURCE_EXHAUSTED "Stream removed" in place of the real
+# status. Messages quote what the client sent (a model name, an id), which can be any length.
+MAX_STATUS_MESSAGE_BYTES = 1024
+_ELISION = " ... "
+
+
+def status_message(message: str) -> str:
+    """`message`, cut in the middle to at most MAX_STATUS_MESSAGE_BYTES of UTF-8: the head
+    says what was wrong and the tail often how to fix it, a quoted value between them is what
+    grows."""
+    encoded = message.encode()
+    if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    keep = (MAX_STATUS_MESSAGE_BYTES - len(_ELISION)) // 2
+    # errors="ignore" drops a character cut in two at either edge.
+    head = encoded[:keep].decode(errors="ignore")
+    tail = encoded[-keep:].decode(errors="ignore")
+    return head + _ELISION + tail
+
+
 async def abort_with(
     context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, message: str
 ) -> NoReturn:
-    """Abort the RPC with `code` and a one-line message (never a traceback)."""
-    await context.abort(code, message)
+    """Abort the RPC with `code` and a one-line message (never a traceback), shortened by
+    `status_message` so that every client receives the status."""
+    await context.abort(code, status_message(message))
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover

@@ -1,0 +1,384 @@
+"""Every RPC of every server kvplane runs, fed malformed-but-decodable requests
+(`tests/proto_strategies.py`) through a real client: a sim engine (OpenEngine, vllm.Generate,
+KvTransfer), a controller fronting two sim engines (its OpenEngine gateway, vllm.Generate,
+Admin) and an indexer on the memory backend (kv_indexer.v1 KVIndexer, KvIndex).
+
+The property: a refusal is a status a client can act on, never UNKNOWN (an exception escaped
+the servicer) nor INTERNAL (kvplane keeps INTERNAL for its own documented faults, none of
+which a request can cause on these servers), and never a wedged call; afterwards the server
+still answers a well-formed request correctly, so nothing it holds was corrupted.
+
+The servers run on one event loop in a background thread for the whole module, because
+hypothesis drives a synchronous test body; each example is one coroutine sent to that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+from google.protobuf import message_factory
+from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.message import Message
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.server.service import EngineApp, start_engine
+from indexer.memory_backend import MemoryBackend
+from indexer.servicer import index_services
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kvplane.config import ServerConfig
+from kvplane.server import create_server
+from kvplane_api.v1 import admin_pb2, index_pb2, kv_transfer_pb2
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import Fleet, close_fleet, make_fleet
+from tests.engine.engine_server_harness import sim_config
+from tests.proto_strategies import messages, mutations
+from vllm_grpc import vllm_grpc_pb2 as vpb
+
+T = TypeVar("T")
+
+OPENENGINE = pb.DESCRIPTOR.services_by_name["OpenEngine"]
+VLLM = vpb.DESCRIPTOR.services_by_name["Generate"]
+KV_TRANSFER = kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"]
+ADMIN = admin_pb2.DESCRIPTOR.services_by_name["Admin"]
+KV_INDEXER = kv.DESCRIPTOR.services_by_name["KVIndexer"]
+KV_INDEX = index_pb2.DESCRIPTOR.services_by_name["KvIndex"]
+
+# RPCs whose well-formed use ends the server's service on purpose (a drain stops admission
+# for good); random input for them would make every later check fail for the wrong reason.
+ENDS_SERVICE = {"openengine.v1.OpenEngine.Drain", "kvplane.v1.Admin.DrainEngine"}
+
+# A unary call that takes this long is wedged (every refusal here is local and immediate).
+UNARY_DEADLINE_S = 20.0
+# How long a server stream gets to refuse before it counts as accepted; an accepted
+# subscription never ends by itself, so the window is short and then the call is cancelled.
+STREAM_WINDOW_S = 0.05
+STREAM_MESSAGES = 4
+
+NEVER = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class BackgroundLoop:
+    """An event loop in its own thread; `run` sends it a coroutine and waits for the result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        self.loop.close()
+
+
+@dataclass(repr=False)  # hypothesis prints the fixture with each failure
+class Servers:
+    loop: BackgroundLoop
+    engine: EngineApp
+    fleet: Fleet
+    indexer: grpc.aio.Server
+    channels: dict[str, grpc.aio.Channel]
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Servers]:
+    loop = BackgroundLoop()
+
+    async def start() -> Servers:
+        engine = await start_engine(sim_config())
+        fleet = await make_fleet(num_engines=2)
+        backend = MemoryBackend()
+        services, _, _ = index_services(
+            backend, default_block_size=16, max_concurrent_prefix_queries=8
+        )
+        indexer, indexer_port = await create_server(ServerConfig(listen="127.0.0.1:0"), services)
+        channels = {
+            name: grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+            for name, port in [
+                ("engine", engine.port),
+                ("controller", fleet.app.port),
+                ("indexer", indexer_port),
+            ]
+        }
+        # The sentinel entry the indexer checks answer from (`healthy`).
+        sentinel = kv.ApplyExternalKvBatchRequest(worker_id="sentinel", worker_address="s:1")
+        sentinel.actions.add(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[11, 12])
+        apply = KV_INDEXER.methods_by_name["ApplyExternalKvBatch"]
+        await call_rpc(channels["indexer"], apply, sentinel)
+        return Servers(loop, engine, fleet, indexer, channels)
+
+    s = loop.run(start())
+    try:
+        yield s
+    finally:
+
+        async def stop() -> None:
+            for channel in s.channels.values():
+                await channel.close()
+            await s.indexer.stop(None)
+            await close_fleet(s.fleet)
+            await s.engine.close()
+
+        loop.run(stop())
+        loop.close()
+
+
+async def call_rpc(
+    channel: grpc.aio.Channel,
+    method: MethodDescriptor,
+    request: Message,
+    *,
+    window_s: float = STREAM_WINDOW_S,
+    max_messages: int | None = STREAM_MESSAGES,
+) -> list[Message]:
+    """Call `method` with `request`; a server stream is read for at most `max_messages`
+    (None: all) within `window_s`, then cancelled. Raises the call's AioRpcError."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    response_class = message_factory.GetMessageClass(method.output_type)
+    serialize = type(request).SerializeToString
+    if not method.server_streaming:
+        unary = channel.unary_unary(
+            path, request_serializer=serialize, response_deserializer=response_class.FromString
+        )
+        return [await unary(request, timeout=UNARY_DEADLINE_S)]
+    stream = channel.unary_stream(
+        path, request_serializer=serialize, response_deserializer=response_class.FromString
+    )(request)
+    got: list[Message] = []
+    try:
+        async with asyncio.timeout(window_s):
+            async for response in stream:
+                got.append(response)
+                if max_messages is not None and len(got) >= max_messages:
+                    break
+    except TimeoutError:
+        pass  # accepted and still streaming
+    finally:
+        stream.cancel()
+    return got
+
+
+def _generate(request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        token_ids=pb.TokenIds(ids=_prompt(5)),
+        stopping=pb.StoppingOptions(max_tokens=3, ignore_eos=True),
+    )
+
+
+_probe_ids = itertools.count()
+
+
+async def healthy(servers: Servers, server: str) -> None:
+    """`server` answers well-formed requests as it did before the fuzzing started."""
+    channel = servers.channels[server]
+    if server == "indexer":
+        match = kv.MatchExternalKvRequest(hashes=[11, 12])
+        (reply,) = await call_rpc(channel, KV_INDEXER.methods_by_name["MatchExternalKv"], match)
+        assert isinstance(reply, kv.MatchExternalKvResponse)
+        sentinel = [m for m in reply.matches if m.worker_id == "sentinel"]
+        assert [list(t.hashes) for t in sentinel[0].hashes_by_tier] == [[11, 12]]
+        return
+    (health,) = await call_rpc(channel, OPENENGINE.methods_by_name["Health"], pb.HealthRequest())
+    assert isinstance(health, pb.HealthResponse)
+    assert health.state == pb.HEALTH_STATE_READY
+    generate = OPENENGINE.methods_by_name["Generate"]
+    probe = _generate(f"probe-{next(_probe_ids)}")
+    responses = await call_rpc(
+        channel, generate, probe, window_s=UNARY_DEADLINE_S, max_messages=None
+    )
+    assert all(isinstance(r, pb.GenerateResponse) for r in responses)
+    tokens = [t.token_id for r in responses if r.HasField("token") for t in r.token.tokens]
+    assert len(tokens) == 3, responses
+    assert responses[-1].HasField("finished"), responses[-1]
+
+
+def assert_refused_cleanly(exc: grpc.aio.AioRpcError) -> None:
+    """The client received the server's own status: a code it can act on and one line."""
+    details = exc.details() or ""
+    assert exc.code() not in NEVER, f"{exc.code()}: {details}"
+    # grpc's words when the client dropped a call whose trailers passed its metadata limit.
+    assert "Stream removed" not in details, f"{exc.code()}: {details[:300]}"
+    assert "\n" not in details and "Traceback" not in details, details
+
+
+def _prompt(num_tokens: int) -> list[int]:
+    return [(7 * i + 3) % 500 + 1 for i in range(num_tokens)]
+
+
+def _task_input(item_id: str) -> pb.TaskInput:
+    return pb.TaskInput(item_id=item_id, token_ids=pb.TokenIds(ids=_prompt(6)))
+
+
+# Well-formed requests that `mutations` breaks one field at a time, so that most examples
+# get past the first checks (a model name, a required field) to the code behind them.
+WELL_FORMED: dict[str, Message] = {
+    "openengine.v1.OpenEngine.Generate": pb.GenerateRequest(
+        request_id="fuzz",
+        token_ids=pb.TokenIds(ids=_prompt(12)),
+        sampling=pb.SamplingParams(temperature=0.5, top_k=5, seed=1),
+        stopping=pb.StoppingOptions(max_tokens=3, conditions=[pb.StopCondition(stop_token_id=9)]),
+        response=pb.ResponseOptions(
+            return_output_logprobs=True, output_candidates=pb.CandidateTokenSelection(top_n=2)
+        ),
+    ),
+    "openengine.v1.OpenEngine.Embed": pb.EmbedRequest(inputs=[_task_input("a")]),
+    "openengine.v1.OpenEngine.Classify": pb.ClassifyRequest(inputs=[_task_input("a")]),
+    "openengine.v1.OpenEngine.Score": pb.ScoreRequest(
+        groups=[pb.ScoreGroup(group_id="g", query=_task_input("q"), candidates=[_task_input("c")])]
+    ),
+    "openengine.v1.OpenEngine.SubscribeKvEvents": pb.SubscribeKvEventsRequest(
+        include_snapshot=True
+    ),
+    "vllm.Generate.Generate": vpb.GenerateRequest(
+        token_ids=vpb.TokenIds(ids=_prompt(12)),
+        temperature=0.5,
+        stopping=vpb.StoppingCriteria(max_new_tokens=3),
+        response=vpb.ResponseOptions(output_token_ids=True, output_logprobs=True),
+    ),
+    "kvplane.v1.Admin.Route": admin_pb2.PromptQuery(token_ids=pb.TokenIds(ids=_prompt(40))),
+    "kvplane.v1.Admin.Match": admin_pb2.PromptQuery(token_ids=pb.TokenIds(ids=_prompt(40))),
+    "kv_indexer.v1.KVIndexer.ApplyExternalKvBatch": kv.ApplyExternalKvBatchRequest(
+        worker_id="w",
+        worker_address="w:1",
+        seq=1,
+        actions=[
+            kv.ExternalKvAction(
+                type=kv.ACTION_REPORT,
+                tier=kv.TIER_DRAM,
+                hashes=[21, 22],
+                component_masks=[1, 1],
+                block_sizes=[16, 16],
+                parent_block_hash=20,
+            )
+        ],
+        cache_spec=kv.WorkerCacheSpec(version=1, components=1, full_tier_mask=7),
+    ),
+    "kv_indexer.v1.KVIndexer.MatchExternalKv": kv.MatchExternalKvRequest(hashes=[11, 12]),
+    "kv_indexer.v1.KVIndexer.MatchExternalKvPrefix": kv.MatchExternalKvPrefixRequest(
+        hashes=[11, 12], max_blocks=2
+    ),
+    "kv_indexer.v1.KVIndexer.GetExternalKvHitCounts": kv.GetExternalKvHitCountsRequest(hashes=[11]),
+    "kvplane.v1.KvIndex.MatchTokens": index_pb2.MatchTokensRequest(
+        token_ids=_prompt(64), block_size=16
+    ),
+}
+WELL_FORMED["vllm.Generate.GenerateStream"] = WELL_FORMED["vllm.Generate.Generate"]
+
+
+TARGETS: list[tuple[str, MethodDescriptor]] = [
+    (server, method)
+    for server, services in [
+        ("engine", [OPENENGINE, VLLM, KV_TRANSFER]),
+        ("controller", [OPENENGINE, VLLM, ADMIN]),
+        ("indexer", [KV_INDEXER, KV_INDEX]),
+    ]
+    for service in services
+    for method in service.methods
+    if method.full_name not in ENDS_SERVICE
+]
+
+
+@pytest.mark.parametrize(
+    ("server", "method"),
+    TARGETS,
+    ids=[f"{server}-{method.containing_service.name}.{method.name}" for server, method in TARGETS],
+)
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_a_malformed_request_is_refused_cleanly(
+    servers: Servers, server: str, method: MethodDescriptor, data: st.DataObject
+) -> None:
+    base = WELL_FORMED.get(method.full_name)
+    random_request = messages(method.input_type)
+    request = data.draw(
+        random_request if base is None else st.one_of(random_request, *[mutations(base)] * 3),
+        label="request",
+    )
+
+    async def one_example() -> None:
+        try:
+            await call_rpc(servers.channels[server], method, request)
+        except grpc.aio.AioRpcError as exc:
+            assert_refused_cleanly(exc)
+        await healthy(servers, server)
+
+    servers.loop.run(one_example())
+
+
+LONG_VALUE = "v" * 70_000
+
+
+@dataclass(frozen=True)
+class LongValueRefusal:
+    server: str
+    method: MethodDescriptor
+    request: Message
+    code: grpc.StatusCode
+    head: str
+    tail: str
+
+
+# A status message quotes what the client sent; each of these once ended the call with
+# RESOURCE_EXHAUSTED "Stream removed" (the trailer passed the client's metadata limit).
+LONG_VALUE_REFUSALS = [
+    LongValueRefusal(
+        "engine",
+        OPENENGINE.methods_by_name["GetModelInfo"],
+        pb.GetModelInfoRequest(model=LONG_VALUE),
+        grpc.StatusCode.NOT_FOUND,
+        "model 'vvv",
+        "is not served here",
+    ),
+    LongValueRefusal(
+        "controller",
+        ADMIN.methods_by_name["Cordon"],
+        admin_pb2.EngineRef(engine=LONG_VALUE),
+        grpc.StatusCode.NOT_FOUND,
+        "no engine 'vvv",
+        "in the fleet",
+    ),
+    LongValueRefusal(
+        "indexer",
+        KV_INDEX.methods_by_name["ResyncEngine"],
+        index_pb2.ResyncEngineRequest(engine=LONG_VALUE),
+        grpc.StatusCode.NOT_FOUND,
+        "engine 'vvv",
+        "as `kvplane admin index stats` lists them)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "refusal", LONG_VALUE_REFUSALS, ids=[f"{r.server}-{r.method.name}" for r in LONG_VALUE_REFUSALS]
+)
+def test_a_refusal_quoting_a_long_value_keeps_its_status(
+    servers: Servers, refusal: LongValueRefusal
+) -> None:
+    async def refused() -> grpc.aio.AioRpcError:
+        try:
+            await call_rpc(servers.channels[refusal.server], refusal.method, refusal.request)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        raise AssertionError("the call succeeded")
+
+    exc = servers.loop.run(refused())
+    details = exc.details() or ""
+    assert exc.code() == refusal.code, details[:200]
+    assert details.startswith(refusal.head) and details.endswith(refusal.tail), details
