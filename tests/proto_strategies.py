@@ -143,11 +143,12 @@ def _mutate(draw: st.DrawFn, message: Message, depth: int) -> None:
     if not fields:
         return
     field = draw(st.sampled_from(fields))
+    # Mostly into a nested message, so that one change leaves the rest of it well formed.
     nested = (
         field.message_type is not None
         and not field.is_repeated
         and depth < MAX_DEPTH
-        and draw(st.booleans())
+        and draw(st.integers(0, 3)) > 0
     )
     if nested:
         draw(_mutate(getattr(message, field.name), depth + 1))
