@@ -1,8 +1,9 @@
 """Every RPC of every server kvplane runs, fed malformed-but-decodable requests
 (`tests/proto_strategies.py`) through a real client: a sim engine (OpenEngine, vllm.Generate,
 KvTransfer), the builtin torch model (Generate, Embed, Classify, Score, vllm.Generate), a
-controller fronting two sim engines (its OpenEngine gateway, vllm.Generate, Admin) and an
-indexer on the memory backend and one on Redis (kv_indexer.v1 KVIndexer, KvIndex).
+controller fronting two sim engines and the torch one (its OpenEngine gateway, vllm.Generate,
+Admin) and an indexer on the memory backend and one on Redis (kv_indexer.v1 KVIndexer,
+KvIndex).
 
 The property: a refusal is a status a client can act on, never UNKNOWN (an exception escaped
 the servicer) nor INTERNAL (kvplane keeps INTERNAL for its own documented faults, none of
@@ -40,7 +41,7 @@ from kvplane.config import ServerConfig
 from kvplane.server import create_server
 from kvplane_api.v1 import admin_pb2, index_pb2, kv_transfer_pb2
 from openengine.v1 import openengine_pb2 as pb
-from tests.controller.conftest import Fleet, close_fleet, make_fleet
+from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
 from tests.engine.engine_server_harness import sim_config, torch_config
 from tests.proto_strategies import messages, mutations
 from tests.redis_servers import RedisServer
@@ -122,7 +123,10 @@ def servers(
         torch_engine = await start_engine(
             torch_config(str(builtin_dir), served_model_name="builtin", max_model_len=256)
         )
-        fleet = await make_fleet(num_engines=2)
+        # The controller fronts the torch engine too, so that its pooling relays are reached.
+        fleet = await make_fleet(
+            engines=[await start_sim_engine(f"sim-{i}") for i in range(2)] + [torch_engine]
+        )
         indexers = [
             await _serve_index(MemoryBackend()),
             await _serve_index(await open_redis_backend(redis_server.url, buckets=16)),
@@ -157,8 +161,7 @@ def servers(
                 await server.stop(None)
                 await backend.close()
             await close_fleet(s.fleet)
-            await s.engine.close()
-            await s.torch_engine.close()
+            await s.engine.close()  # the fleet closed the torch engine
 
         loop.run(stop())
         loop.close()
@@ -197,6 +200,18 @@ async def call_rpc(
     finally:
         stream.cancel()
     return got
+
+
+async def index_dump(channel: grpc.aio.Channel) -> list[bytes]:
+    """Everything the indexer holds, as DumpIndex streams it (in a stable order)."""
+    batches = await call_rpc(
+        channel,
+        KV_INDEX.methods_by_name["DumpIndex"],
+        index_pb2.DumpIndexRequest(),
+        window_s=UNARY_DEADLINE_S,
+        max_messages=None,
+    )
+    return sorted(b.SerializeToString(deterministic=True) for b in batches)
 
 
 def _generate(request_id: str) -> pb.GenerateRequest:
@@ -362,10 +377,15 @@ def test_a_malformed_request_is_refused_cleanly(
         request = data.draw(messages(method.input_type), label="request")
 
     async def one_example() -> None:
+        channel = servers.channels[server]
+        before = await index_dump(channel) if server in INDEXERS else None
         try:
-            await call_rpc(servers.channels[server], method, request)
+            await call_rpc(channel, method, request)
         except grpc.aio.AioRpcError as exc:
             assert_refused_cleanly(exc)
+            if before is not None:
+                # The indexer validates a whole request before it changes anything.
+                assert await index_dump(channel) == before
         await healthy(servers, server)
 
     servers.loop.run(one_example())
