@@ -1,9 +1,9 @@
 """Every RPC of every server kvplane runs, fed malformed-but-decodable requests
-(`tests/proto_strategies.py`) through a real client: a sim engine (OpenEngine, vllm.Generate,
-KvTransfer), the builtin torch model (Generate, Embed, Classify, Score, vllm.Generate), a
-controller fronting two sim engines and the torch one (its OpenEngine gateway, vllm.Generate,
-Admin) and an indexer on the memory backend and one on Redis (kv_indexer.v1 KVIndexer,
-KvIndex).
+(`tests/proto_strategies.py`) through a real client: a sim engine with LoRA on (OpenEngine,
+vllm.Generate, KvTransfer), the builtin torch model (Generate, Embed, Classify, Score,
+vllm.Generate), a controller fronting two sim engines and the torch one (its OpenEngine
+gateway, vllm.Generate, Admin) and an indexer on the memory backend and one on Redis
+(kv_indexer.v1 KVIndexer, KvIndex).
 
 The property: a refusal is a status a client can act on, never UNKNOWN (an exception escaped
 the servicer) nor INTERNAL (kvplane keeps INTERNAL for its own documented faults, none of
@@ -31,6 +31,7 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.config import LoraConfig
 from engine.server.service import EngineApp, start_engine
 from indexer.backend import IndexBackend
 from indexer.memory_backend import MemoryBackend
@@ -43,6 +44,7 @@ from kvplane_api.v1 import admin_pb2, index_pb2, kv_transfer_pb2
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
 from tests.engine.engine_server_harness import sim_config, torch_config
+from tests.engine.lora_adapters import write_adapter_config
 from tests.proto_strategies import messages, mutations
 from tests.redis_servers import RedisServer
 from vllm_grpc import vllm_grpc_pb2 as vpb
@@ -99,6 +101,8 @@ class Servers:
     fleet: Fleet
     indexers: list[tuple[grpc.aio.Server, IndexBackend]]
     channels: dict[str, grpc.aio.Channel]
+    # WELL_FORMED and the requests that name a file the fixture wrote.
+    well_formed: dict[str, Message]
 
 
 async def _serve_index(backend: IndexBackend) -> tuple[grpc.aio.Server, IndexBackend, int]:
@@ -117,9 +121,15 @@ def servers(
 
     loop = BackgroundLoop()
     builtin_dir = write_builtin_model(tmp_path_factory.mktemp("builtin"))
+    adapter_dir = write_adapter_config(tmp_path_factory.mktemp("lora") / "adapter", r=4)
+    adapter = pb.LoraAdapter(lora_id=1, lora_name="adapter", source_path=str(adapter_dir))
+    well_formed = {
+        **WELL_FORMED,
+        "openengine.v1.OpenEngine.LoadLora": pb.LoadLoraRequest(adapter=adapter),
+    }
 
     async def start() -> Servers:
-        engine = await start_engine(sim_config())
+        engine = await start_engine(sim_config(lora=LoraConfig(enabled=True)))
         torch_engine = await start_engine(
             torch_config(str(builtin_dir), served_model_name="builtin", max_model_len=256)
         )
@@ -147,7 +157,7 @@ def servers(
         for name in INDEXERS:
             await call_rpc(channels[name], apply, sentinel)
         served = [(server, backend) for server, backend, _ in indexers]
-        return Servers(loop, engine, torch_engine, fleet, served, channels)
+        return Servers(loop, engine, torch_engine, fleet, served, channels, well_formed)
 
     s = loop.run(start())
     try:
@@ -369,7 +379,7 @@ TARGETS: list[tuple[str, MethodDescriptor]] = [
 def test_a_malformed_request_is_refused_cleanly(
     servers: Servers, server: str, method: MethodDescriptor, data: st.DataObject
 ) -> None:
-    base = WELL_FORMED.get(method.full_name)
+    base = servers.well_formed.get(method.full_name)
     # Where a well-formed request is known, most examples break it a little.
     if base is not None and data.draw(st.integers(0, 3), label="mutate") > 0:
         request = data.draw(mutations(base), label="request")
