@@ -40,6 +40,7 @@ async def workers(fleet: Fleet) -> list[tuple[str, str, bool]]:
         " 127.0.0.1:9001",
         "http://127.0.0.1:9001",
         "::1:9001",
+        "127.0.0.1\x00.example:9001",  # gRPC would dial 127.0.0.1:443
     ],
 )
 async def test_register_engine_refuses_an_address_no_engine_can_have(
