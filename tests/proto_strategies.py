@@ -43,7 +43,9 @@ def _integers(field_type: int) -> st.SearchStrategy[int]:
 
 def _strings() -> st.SearchStrategy[str]:
     return st.one_of(
-        st.sampled_from(["", "\x00", "a\x00b", " ", "sim", "..", "/", "é☃𝄞", "x" * LONG_STRING]),
+        st.sampled_from(
+            ["", "\x00", "a\x00b", "a\nb", " ", "sim", "..", "/", "é☃𝄞", "x" * LONG_STRING]
+        ),
         st.text(max_size=12),
     )
 
