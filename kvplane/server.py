@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvplane.config import ServerConfig, TlsConfig, join_host_port, parse_host_port
 from kvplane.errors import ConfigError
+from kvplane.request_decoding import DecodeErrorInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ async def create_server(
             return protect_reads or method in guarded
 
         interceptors.append(BearerTokenInterceptor(token, protected))
+    interceptors.append(DecodeErrorInterceptor())  # last: it wraps the servicer's own handler
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[("grpc.so_reuseport", 0), *options],

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
-from google.protobuf import message_factory
+from google.protobuf import message_factory, struct_pb2
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
@@ -495,3 +495,35 @@ def test_a_drain_with_any_options_leaves_the_engine_serving_or_draining(
         await engine.close()
 
     servers.loop.run(one_example())
+
+
+def _nest(struct: struct_pb2.Struct, depth: int) -> None:
+    """Fill `struct` (in place: a copy would parse it) `depth` levels deep; each level is
+    three protobuf messages (Struct, its map entry, Value), so a few dozen levels pass
+    protobuf's parse limit of 100."""
+    for _ in range(depth):
+        struct = struct.fields["a"].struct_value
+
+
+@pytest.mark.parametrize("server", ["engine", "controller"])
+def test_a_request_nested_too_deep_to_parse_is_invalid_argument(
+    servers: Servers, server: str
+) -> None:
+    """It was UNKNOWN ("Unexpected <class 'DecodeError'>"), the status of a server bug."""
+    request = vpb.GenerateRequest(
+        token_ids=vpb.TokenIds(ids=_prompt(5)),
+        stopping=vpb.StoppingCriteria(max_new_tokens=2),
+    )
+    _nest(request.kv.kv_transfer_params, 60)
+
+    async def refused() -> grpc.aio.AioRpcError:
+        try:
+            await call_rpc(servers.channels[server], VLLM.methods_by_name["Generate"], request)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        raise AssertionError("the call succeeded")
+
+    exc = servers.loop.run(refused())
+    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
+    assert (exc.details() or "").startswith("the request does not parse: "), exc.details()
+    servers.loop.run(healthy(servers, server))
