@@ -3,15 +3,16 @@
 gRPC parses a request before the servicer runs; when that fails (protobuf refuses messages
 nested deeper than 100, which a `google.protobuf.Struct` of a few dozen levels reaches), grpc
 answers UNKNOWN "Unexpected <class 'DecodeError'>", the status of a server bug.
-`DecodeErrorInterceptor` gives every unary-request method a deserializer that turns the
-failure into an `Undecodable` request, and a behaviour that refuses that one with
-INVALID_ARGUMENT before the servicer sees it. Every kvplane service takes one request message
-per call, so request streams are left as they are.
+`TolerantRegistration` gives every unary-request method, once as the servicer is added to
+the server, a deserializer that turns the failure into an `Undecodable` request and a
+behaviour that refuses that one with INVALID_ARGUMENT before the servicer sees it. Every
+kvplane service takes one request message per call, so request streams are left as they
+are.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -75,17 +76,45 @@ def _refusing(handler: Handler) -> Handler:
     return grpc.unary_unary_rpc_method_handler(unary, deserializer, handler.response_serializer)
 
 
-class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses a request that does not parse with INVALID_ARGUMENT (see the module). Nothing
-    is cached per method: an interceptor before this one (the bearer token's) decides per
-    call."""
+class TolerantRegistration:
+    """The server as a servicer's `add_*_to_server` sees it: every method handler it
+    registers (registered or generic) is wrapped once, here, to refuse a request that does
+    not parse (see the module), so calls pay no interceptor. Anything else is the server's."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler | None:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
-            return handler  # unknown methods are UNIMPLEMENTED; request streams: see above
-        return _refusing(handler)
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Handler]) -> None:
+        tolerant = {method: _tolerant_handler(h) for method, h in handlers.items()}
+        self._server.add_registered_method_handlers(service, tolerant)
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers([_TolerantGeneric(h) for h in handlers])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+class _TolerantGeneric(grpc.GenericRpcHandler):
+    """A generic handler whose method handlers refuse what does not parse; each wrapped once
+    (a generated service's generic handler answers every call of a method with one handler)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
+        self._wrapped: dict[str, tuple[Handler, Handler]] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        known = self._wrapped.get(method)
+        if known is None or known[0] is not handler:
+            known = (handler, _tolerant_handler(handler))
+            self._wrapped[method] = known
+        return known[1]
+
+
+def _tolerant_handler(handler: Handler) -> Handler:
+    """Request streams are left as they are (every kvplane service takes one request)."""
+    return handler if handler.request_streaming else _refusing(handler)

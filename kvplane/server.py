@@ -19,7 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,7 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvplane.config import ServerConfig, TlsConfig, join_host_port, parse_host_port
 from kvplane.errors import ConfigError
-from kvplane.request_decoding import DecodeErrorInterceptor
+from kvplane.request_decoding import TolerantRegistration
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +136,15 @@ async def create_server(
             return protect_reads or method in guarded
 
         interceptors.append(BearerTokenInterceptor(token, protected))
-    interceptors.append(DecodeErrorInterceptor())  # last: it wraps the servicer's own handler
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[("grpc.so_reuseport", 0), *options],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    registration = cast(grpc.aio.Server, TolerantRegistration(server))
     for service in services:
-        service.add_to_server(server)
+        service.add_to_server(registration)
     names = [s.name for s in services]
     reflection.enable_server_reflection(
         [

@@ -505,11 +505,13 @@ def _nest(struct: struct_pb2.Struct, depth: int) -> None:
         struct = struct.fields["a"].struct_value
 
 
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
 @pytest.mark.parametrize("server", ["engine", "controller"])
 def test_a_request_nested_too_deep_to_parse_is_invalid_argument(
-    servers: Servers, server: str
+    servers: Servers, server: str, method: str
 ) -> None:
-    """It was UNKNOWN ("Unexpected <class 'DecodeError'>"), the status of a server bug."""
+    """It was UNKNOWN ("Unexpected <class 'DecodeError'>"), the status of a server bug; a
+    unary call and a server stream alike."""
     request = vpb.GenerateRequest(
         token_ids=vpb.TokenIds(ids=_prompt(5)),
         stopping=vpb.StoppingCriteria(max_new_tokens=2),
@@ -518,7 +520,7 @@ def test_a_request_nested_too_deep_to_parse_is_invalid_argument(
 
     async def refused() -> grpc.aio.AioRpcError:
         try:
-            await call_rpc(servers.channels[server], VLLM.methods_by_name["Generate"], request)
+            await call_rpc(servers.channels[server], VLLM.methods_by_name[method], request)
         except grpc.aio.AioRpcError as exc:
             return exc
         raise AssertionError("the call succeeded")
