@@ -281,7 +281,9 @@ class Fleet:
         clock: Callable[[], float] = time.monotonic,
         on_engine_gone: Callable[[str], None] | None = None,
         on_event_lag: Callable[[str, float], None] | None = None,
+        instance_id: str | None = None,
     ) -> None:
+        """`instance_id`: the controller's own, which no engine of the fleet may have."""
         self.config = config
         self.index = index
         health = config.health
@@ -289,6 +291,7 @@ class Fleet:
             health.backoff_initial_s,
             health.backoff_max_s,
             EjectionPolicy(health.eject_after_failures, health.eject_for_s, health.eject_max_s),
+            own_instance_id=instance_id,
         )
         self._clock = clock
         self._engines: dict[str, _Engine] = {}

@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -263,9 +262,9 @@ class EngineOutcome(NamedTuple):
 
 
 class GatewayServicer(pb_grpc.OpenEngineServicer):
-    def __init__(self, controller: Controller, instance_id: str | None = None) -> None:
+    def __init__(self, controller: Controller) -> None:
         self.controller = controller
-        self.instance_id = instance_id or f"controller-{uuid.uuid4().hex[:8]}"
+        self.instance_id = controller.instance_id
         # Shared with the vllm.Generate front end (app.py): one set of in-flight requests.
         self.relay = Relay(controller)
         self._generate = _OpenEngineGenerate(controller.fleet)

@@ -347,10 +347,14 @@ class Registry:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         ejection: EjectionPolicy = EjectionPolicy(),
+        own_instance_id: str | None = None,
     ) -> None:
+        """`own_instance_id`: the controller's own (its gateway answers GetEngineInfo with it),
+        refused as an engine."""
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.ejection = ejection
+        self.own_instance_id = own_instance_id
         self._by_address: dict[str, EngineRecord] = {}
 
     def __len__(self) -> int:
@@ -561,6 +565,11 @@ class Registry:
             record.identity = identity
             _reject(record, str(exc))
             raise
+        if identity.instance_id == self.own_instance_id:
+            # This controller's own gateway, registered under its address: each request routed
+            # there would come back in, to be routed again.
+            _reject(record, f"this is the controller itself (instance {identity.instance_id})")
+            raise IncompatibleEngineError(record.last_error)
         twin = self._reachable_twin(address, identity.instance_id)
         if twin is not None:
             # One engine process under two addresses (localhost and 127.0.0.1, say) would be

@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -99,12 +100,15 @@ class Controller:
                 else config.router.skip_prefill_ratio
             ),
         )
+        # The gateway's GetEngineInfo names it; the fleet refuses an engine that answers with it.
+        self.instance_id = f"controller-{uuid.uuid4().hex[:8]}"
         self.fleet = Fleet(
             config,
             index,
             clock=clock,
             on_engine_gone=self._engine_gone,
             on_event_lag=self._event_lag,
+            instance_id=self.instance_id,
         )
         self.metrics = ControllerMetrics(self.fleet.registry, self.fleet.event_counters)
         self._tokenizers = ModelTokenizers({})

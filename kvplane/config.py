@@ -42,8 +42,8 @@ BIND_WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
 
 def parse_host_port(value: str) -> tuple[str, int]:
     """Split "HOST:PORT" ("[::1]:50051" for IPv6); raises ValueError on anything else: a
-    scheme or path, whitespace, an IPv6 address without brackets, a port that is not ASCII
-    digits or is above 65535."""
+    scheme or path, whitespace or a control character, an IPv6 address without brackets, a
+    port that is not ASCII digits or is above 65535."""
     host, sep, port_text = value.rpartition(":")
     bracketed = host.startswith("[") and host.endswith("]")
     if bracketed:
@@ -55,6 +55,9 @@ def parse_host_port(value: str) -> tuple[str, int]:
         or not host
         or not (port_text.isascii() and port_text.isdigit())
         or any(c.isspace() or c == "/" for c in host)  # "a b:80", "http://h:80"
+        # gRPC ends a target at a NUL ("a\x00b:80" dials a, on port 443): no control
+        # characters, nor invisible ones.
+        or not host.isprintable()
     ):
         raise ValueError(f"expected HOST:PORT ([ADDRESS]:PORT for IPv6), got {value!r}")
     port = int(port_text)

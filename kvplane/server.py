@@ -19,7 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvplane.config import ServerConfig, TlsConfig, join_host_port, parse_host_port
 from kvplane.errors import ConfigError
+from kvplane.request_decoding import TolerantRegistration
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +142,9 @@ async def create_server(
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    registration = cast(grpc.aio.Server, TolerantRegistration(server))
     for service in services:
-        service.add_to_server(server)
+        service.add_to_server(registration)
     names = [s.name for s in services]
     reflection.enable_server_reflection(
         [
@@ -245,9 +247,32 @@ async def serve_until_signal(
             loop.remove_signal_handler(sig)
 
 
+# The most UTF-8 bytes of a status message. gRPC sends the message percent-encoded in a
+# trailer (up to 3 bytes a byte), and a client drops a call whose trailers pass its metadata
+# limit (8 KiB by default), reporting RESOURCE_EXHAUSTED "Stream removed" in place of the real
+# status. Messages quote what the client sent (a model name, an id), which can be any length.
+MAX_STATUS_MESSAGE_BYTES = 1024
+_ELISION = " ... "
+
+
+def status_message(message: str) -> str:
+    """`message`, cut in the middle to at most MAX_STATUS_MESSAGE_BYTES of UTF-8: the head
+    says what was wrong and the tail often how to fix it, a quoted value between them is what
+    grows."""
+    encoded = message.encode()
+    if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    keep = (MAX_STATUS_MESSAGE_BYTES - len(_ELISION)) // 2
+    # errors="ignore" drops a character cut in two at either edge.
+    head = encoded[:keep].decode(errors="ignore")
+    tail = encoded[-keep:].decode(errors="ignore")
+    return head + _ELISION + tail
+
+
 async def abort_with(
     context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, message: str
 ) -> NoReturn:
-    """Abort the RPC with `code` and a one-line message (never a traceback)."""
-    await context.abort(code, message)
+    """Abort the RPC with `code` and a one-line message (never a traceback), shortened by
+    `status_message` so that every client receives the status."""
+    await context.abort(code, status_message(message))
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover

@@ -40,6 +40,8 @@ from engine.core.errors import (
 )
 
 ADAPTER_CONFIG = "adapter_config.json"
+# PEFT writes a few hundred bytes; anything near this is not an adapter config.
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The linear layers of a Llama/Qwen2 decoder layer that an adapter may target (PEFT's names).
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -104,11 +106,22 @@ def read_adapter_config(directory: Path, *, max_rank: int) -> AdapterConfig:
     if not directory.is_dir():
         raise InvalidLoraError(f"LoRA directory {directory} does not exist or is not a directory")
     file = directory / ADAPTER_CONFIG
+    if not file.exists():
+        raise InvalidLoraError(f"{file} does not exist (not a PEFT adapter directory)")
+    # Only a regular file, and a bounded read: a FIFO would block the load (and every LoRA
+    # change queued behind it) for ever, /dev/zero would read until memory ran out.
+    if not file.is_file():
+        raise InvalidLoraError(f"{file} is not a regular file")
     try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise InvalidLoraError(f"{file} does not exist (not a PEFT adapter directory)") from None
-    except (OSError, ValueError) as exc:
+        with file.open("rb") as f:
+            text = f.read(MAX_ADAPTER_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise InvalidLoraError(f"cannot read {file}: {exc}") from exc
+    if len(text) > MAX_ADAPTER_CONFIG_BYTES:
+        raise InvalidLoraError(f"{file} is larger than {MAX_ADAPTER_CONFIG_BYTES} bytes")
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
         raise InvalidLoraError(f"cannot read {file}: {exc}") from exc
     if not isinstance(raw, dict):
         raise InvalidLoraError(f"{file}: not a JSON object")

@@ -30,7 +30,7 @@ from engine.server.kv_transfer import (
     check_fit,
 )
 from kvplane.channels import ClientChannels
-from kvplane.config import join_host_port, read_token_file
+from kvplane.config import join_host_port, parse_dial_target, read_token_file
 from kvplane.errors import KvplaneError
 from kvplane.server import bearer_token_metadata
 from kvplane_api.v1 import kv_transfer_pb2 as kt
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 # model) may be bigger.
 _MIN_RECEIVE_BYTES = 4 << 20
 _MAX_SESSION_ID_CHARS = 1024
-_MAX_PORT = 65535
 
 
 def decode_request(request: EngineRequest) -> EngineRequest:
@@ -138,7 +137,7 @@ class KvSessionPuller:
                 f"{_MAX_SESSION_ID_CHARS}"
             )
         endpoint = next((e for e in ref.endpoints if e.protocol == PROTOCOL), None)
-        if endpoint is None or not endpoint.host or not 0 < endpoint.port <= _MAX_PORT:
+        if endpoint is None or not _dialable(endpoint.host, endpoint.port):
             protocols = sorted({e.protocol for e in ref.endpoints})
             raise KvSessionRefusedError(
                 f"the KV session names no {PROTOCOL!r} endpoint (host and port) to pull from; "
@@ -270,6 +269,18 @@ class KvSessionPuller:
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await channel.close()
+
+
+def _dialable(host: str, port: int) -> bool:
+    """Whether an endpoint is an address to pull from, by the rules of every kvplane client
+    (`parse_dial_target`: no port 0 or above 65535, no whitespace or control characters)."""
+    if not 0 < port <= 65535:  # join_host_port would write any int
+        return False
+    try:
+        parse_dial_target(join_host_port(host, port))
+    except ValueError:
+        return False
+    return True
 
 
 def _attribute(

@@ -1,7 +1,8 @@
 """The admin API's membership RPCs refuse bad input with the right status and leave the fleet
 as it was: RegisterEngine of an address no engine can have, or of one already registered;
 RemoveEngine of an engine the fleet does not have; RegisterEngine of an address whose removal
-is still running; DrainEngine of an engine removed while the drain is recorded."""
+is still running; DrainEngine of an engine removed while the drain is recorded; RegisterEngine
+of the controller's own address."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dataclasses
 import grpc
 import pytest
 
+from controller.registry import EngineState
 from kvplane_api.v1 import admin_pb2 as apb
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.paused_index import PausedIndex
@@ -38,6 +40,7 @@ async def workers(fleet: Fleet) -> list[tuple[str, str, bool]]:
         " 127.0.0.1:9001",
         "http://127.0.0.1:9001",
         "::1:9001",
+        "127.0.0.1\x00.example:9001",  # gRPC would dial 127.0.0.1:443
     ],
 )
 async def test_register_engine_refuses_an_address_no_engine_can_have(
@@ -160,3 +163,24 @@ async def test_a_drain_of_an_engine_removed_while_it_is_recorded_is_not_found(fl
     assert "removed" in (err.value.details() or "")
     await removal
     assert address not in [w for w, _, _ in await workers(fleet)]
+
+
+async def test_the_controller_registered_as_an_engine_is_refused_and_never_routed_to(
+    fleet: Fleet,
+) -> None:
+    """RegisterEngine of the controller's own address: its gateway answers GetEngineInfo like
+    an engine, and a request routed there comes back in (here it failed as a duplicate of
+    itself). It is rejected as incompatible, naming itself, and every request reaches a real
+    engine."""
+    await fleet.admin.RegisterEngine(
+        apb.RegisterEngineRequest(address=fleet.target, kv_events="none")
+    )
+    registry = fleet.app.controller.fleet.registry
+    await eventually(
+        lambda: registry.get(fleet.target).state is EngineState.INCOMPATIBLE,
+        what="the controller's own address rejected",
+    )
+    assert "the controller itself" in registry.get(fleet.target).last_error
+    for i in range(6):
+        responses = await generate(fleet, generate_request(f"self-{i}", PREFIX))
+        assert responses[-1].WhichOneof("event") == "finished", responses[-1]

@@ -5,6 +5,7 @@ Generate naming an adapter, prefix-cache namespaces, and unloading an adapter in
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import grpc
@@ -92,6 +93,11 @@ async def test_load_list_unload_follow_the_seed(tmp_path: Path) -> None:
         ("missing dir", grpc.StatusCode.INVALID_ARGUMENT, "does not exist or is not a directory"),
         ("no config", grpc.StatusCode.INVALID_ARGUMENT, "not a PEFT adapter directory"),
         ("bad json", grpc.StatusCode.INVALID_ARGUMENT, "cannot read"),
+        # A config that is no regular file once blocked every LoRA call (a FIFO) or read until
+        # memory ran out (/dev/zero); one far larger than any PEFT writes is refused unread.
+        ("fifo", grpc.StatusCode.INVALID_ARGUMENT, "adapter_config.json is not a regular file"),
+        ("device", grpc.StatusCode.INVALID_ARGUMENT, "adapter_config.json is not a regular file"),
+        ("huge", grpc.StatusCode.INVALID_ARGUMENT, "is larger than 1048576 bytes"),
         ("no rank", grpc.StatusCode.INVALID_ARGUMENT, "r must be a positive integer"),
         ("dora", grpc.StatusCode.INVALID_ARGUMENT, "DoRA"),
         ("rank", grpc.StatusCode.FAILED_PRECONDITION, "rank 32 is above"),
@@ -115,6 +121,14 @@ async def test_bad_adapters_are_refused_naming_the_problem(
         (path / "adapter_config.json").unlink()
     elif fault == "bad json":
         (path / "adapter_config.json").write_text("{")
+    elif fault in ("fifo", "device"):
+        (path / "adapter_config.json").unlink()
+        if fault == "fifo":
+            os.mkfifo(path / "adapter_config.json")
+        else:
+            (path / "adapter_config.json").symlink_to("/dev/zero")
+    elif fault == "huge":
+        write_adapter_config(path, padding="x" * (1 << 21))  # valid JSON, 2 MiB
     elif fault == "no rank":
         write_adapter_config(path, r=None)
     elif fault == "dora":

@@ -286,6 +286,11 @@ async def test_malformed_session_refs_are_refused_with_a_clear_status() -> None:
         bad_port.CopyFrom(session)
         bad_port.endpoints[0].port = prefiller.app.port + 65536  # not that port modulo 2**16
         cases.append((bad_port, grpc.StatusCode.FAILED_PRECONDITION, "'grpc' endpoint"))
+        # gRPC ends a target at a NUL: 127.0.0.1:443 would have been dialled.
+        nul_host = pb.KvSessionRef()
+        nul_host.CopyFrom(session)
+        nul_host.endpoints[0].host += "\x00.example"
+        cases.append((nul_host, grpc.StatusCode.FAILED_PRECONDITION, "'grpc' endpoint"))
         text_block_size = pb.KvSessionRef()
         text_block_size.CopyFrom(session)
         text_block_size.attributes_struct.update({"block_size": "4"})

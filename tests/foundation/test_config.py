@@ -174,6 +174,9 @@ def test_a_merge_key_may_be_overridden_in_its_mapping(tmp_path: Path) -> None:
         "[::1:80",
         "::1]:80",
         "[]:80",
+        "a\x00b:80",  # gRPC would dial a:443
+        "host\x7f:80",
+        "ho\u200bst:80",  # invisible
     ],
 )
 def test_parse_host_port_rejects(text: str) -> None:

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvplane.config import AuthConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
-from kvplane.server import Service, create_server
+from kvplane.server import MAX_STATUS_MESSAGE_BYTES, Service, create_server, status_message
 
 ECHO = "kvplane.test.Echo"
 
@@ -151,3 +151,12 @@ async def test_unreadable_tls_or_token_file_is_a_config_error(tmp_path: Path) ->
         await create_server(
             ServerConfig(listen="127.0.0.1:0", auth=AuthConfig(token_file=missing)), []
         )
+
+
+def test_a_long_status_message_is_cut_in_the_middle_on_a_character_boundary() -> None:
+    message = "model '" + "𝄞" * 5_000 + "' is not served here"
+    cut = status_message(message)
+    assert len(cut.encode()) <= MAX_STATUS_MESSAGE_BYTES
+    assert cut.startswith("model '𝄞") and cut.endswith("𝄞' is not served here")
+    assert " ... " in cut and "\ufffd" not in cut
+    assert status_message("short") == "short"

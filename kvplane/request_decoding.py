@@ -1,0 +1,120 @@
+"""A request the server cannot parse is INVALID_ARGUMENT, as every other bad request.
+
+gRPC parses a request before the servicer runs; when that fails (protobuf refuses messages
+nested deeper than 100, which a `google.protobuf.Struct` of a few dozen levels reaches), grpc
+answers UNKNOWN "Unexpected <class 'DecodeError'>", the status of a server bug.
+`TolerantRegistration` gives every unary-request method, once as the servicer is added to
+the server, a deserializer that turns the failure into an `Undecodable` request and a
+behaviour that refuses that one with INVALID_ARGUMENT before the servicer sees it. Every
+kvplane service takes one request message per call, so request streams are left as they
+are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+from google.protobuf.message import DecodeError
+
+Context = grpc.aio.ServicerContext[Any, Any]
+if TYPE_CHECKING:
+    Handler = grpc.RpcMethodHandler[Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """What the tolerant deserializer returns for bytes that do not parse."""
+
+    error: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return Undecodable(str(exc))
+
+    return deserialize
+
+
+async def _refuse(context: Context, request: Undecodable) -> None:
+    # protobuf's message is one short line (the type and the reason).
+    message = f"the request does not parse: {request.error}"
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def _refusing(handler: Handler) -> Handler:
+    """`handler` with the tolerant deserializer, refusing an `Undecodable` request."""
+    deserializer = _tolerant(handler.request_deserializer)
+    if handler.unary_stream is not None:
+        # grpc's stubs type the sync server's behaviours; a grpc.aio server's are async.
+        behaviour_stream = cast(Callable[[Any, Context], AsyncIterator[Any]], handler.unary_stream)
+
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            if isinstance(request, Undecodable):
+                await _refuse(context, request)
+            async for response in behaviour_stream(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream, deserializer, handler.response_serializer
+        )
+    behaviour = cast(Callable[[Any, Context], Awaitable[Any]], handler.unary_unary)
+
+    async def unary(request: Any, context: Context) -> Any:
+        if isinstance(request, Undecodable):
+            await _refuse(context, request)
+        return await behaviour(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, deserializer, handler.response_serializer)
+
+
+class TolerantRegistration:
+    """The server as a servicer's `add_*_to_server` sees it: every method handler it
+    registers (registered or generic) is wrapped once, here, to refuse a request that does
+    not parse (see the module), so calls pay no interceptor. Anything else is the server's."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Handler]) -> None:
+        tolerant = {method: _tolerant_handler(h) for method, h in handlers.items()}
+        self._server.add_registered_method_handlers(service, tolerant)
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers([_TolerantGeneric(h) for h in handlers])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
+
+
+class _TolerantGeneric(grpc.GenericRpcHandler):
+    """A generic handler whose method handlers refuse what does not parse; each wrapped once
+    (a generated service's generic handler answers every call of a method with one handler)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
+        self._wrapped: dict[str, tuple[Handler, Handler]] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        known = self._wrapped.get(method)
+        if known is None or known[0] is not handler:
+            known = (handler, _tolerant_handler(handler))
+            self._wrapped[method] = known
+        return known[1]
+
+
+def _tolerant_handler(handler: Handler) -> Handler:
+    """Request streams are left as they are (every kvplane service takes one request)."""
+    return handler if handler.request_streaming else _refusing(handler)
