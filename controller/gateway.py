@@ -124,6 +124,13 @@ _SUMMED_LOAD = (
 
 # Statuses of an engine call that did not reach the engine, or got no answer in time.
 _UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# How an engine's Abort fails for a request whose call it has not answered yet, which the
+# gateway then ends itself (`Relay.abort_unaccepted`): the engine does not know the request
+# (the call is on its way), or does not answer (stopped, wedged, gone; the call's cancel
+# frees the request there if it ever runs, as a client leaving does). Without this a request
+# at the handoff to a stopped decode engine ran on (its KV session pinned on the prefill
+# engine) until `abandon_streams_after_s` or the client's deadline, its Abort UNAVAILABLE.
+_UNACCEPTED = frozenset({grpc.StatusCode.NOT_FOUND}) | _UNREACHED
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -507,7 +514,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 )
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 failure = engine_failure(caught, address, self.controller.fleet)
-                if failure.code() == grpc.StatusCode.NOT_FOUND and self.relay.abort_unaccepted(
+                if failure.code() in _UNACCEPTED and self.relay.abort_unaccepted(
                     request.request_id, address
                 ):  # routed there, not accepted yet: the gateway ends it
                     return pb.AbortResponse(

@@ -318,9 +318,10 @@ class Relay:
 
     def abort_unaccepted(self, request_id: str, engine: str) -> bool:
         """Abort a request that `engine` holds for this gateway but has not accepted yet (its
-        Abort answered NOT_FOUND: the call is on its way), nothing relayed: its call is
-        cancelled, so the engine frees it if it arrives, and it ends here (`_end_aborted`).
-        False when it is not so (it answered, or moved on)."""
+        Abort answered NOT_FOUND: the call is on its way; or it did not answer: stopped,
+        wedged, gone), nothing relayed: its call is cancelled, so the engine frees it if it
+        arrives or resumes, and it ends here (`_end_aborted`). False when it is not so (it
+        answered, or moved on)."""
         call = self._unanswered.get(request_id)
         if call is None or self.holding.get(request_id) != engine:
             return False
