@@ -276,60 +276,6 @@ async def test_abort_of_every_request_does_not_pass_over_a_stopped_engine_holdin
         await close_fleet(fleet)
 
 
-async def test_an_abort_at_the_handoff_to_a_stopped_decode_engine_ends_the_request(
-    tmp_path: Path,
-) -> None:
-    """A disaggregated request handed to a decode engine that stopped before answering it (a
-    SIGSTOPped process, not yet seen by the health polls): its Abort, which that engine
-    cannot answer, still ends it as one at the handoff (ABORTED; the stream ends CANCELLED
-    with the prefill's Usage; the KV session released on the prefill engine) instead of
-    failing UNAVAILABLE while the request waits for the engine or the client's deadline;
-    the decode engine, back, drops the call it never answered."""
-    decode = await EngineProcess.start(tmp_path, "decode", role="decode")
-    prefill = await start_sim_engine("prefill", role="prefill")
-    # Polls far apart: routing goes on taking the stopped engine for the live one it was.
-    polls = {"poll_interval_s": 600, "load_poll_interval_s": 600, "abandon_streams_after_s": 0}
-    fleet = await make_fleet(engines=[prefill, decode], health=polls)  # type: ignore[list-item]
-    try:
-        decode.stop()
-        stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
-        relay = fleet.app.gateway.relay
-        decode_address = f"127.0.0.1:{decode.port}"
-
-        async def at_the_decode_engine() -> bool:
-            return relay.holding.get("r") == decode_address
-
-        await eventually(at_the_decode_engine)
-        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"), timeout=30)
-        assert reply.status == pb.ABORT_STATUS_ABORTED, reply
-        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            events = await _collect(stream)
-        assert [r.WhichOneof("event") for r in events] == ["finished"], events
-        assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
-        assert events[-1].usage.prompt_tokens == len(PREFIX) + 1
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{prefill.port}") as channel:
-            prefill_stub = pb_grpc.OpenEngineStub(channel)
-
-            async def session_released() -> bool:
-                load = await prefill_stub.GetLoad(pb.GetLoadRequest())
-                return load.active_kv_sessions == 0 and load.used_kv_blocks == 0
-
-            await eventually(session_released)
-        decode.resume()
-        async with grpc.aio.insecure_channel(decode_address) as channel:
-            decode_stub = pb_grpc.OpenEngineStub(channel)
-
-            async def dropped() -> bool:
-                load = await decode_stub.GetLoad(pb.GetLoadRequest())
-                return load.running_requests == 0 and load.queued_requests == 0
-
-            await eventually(dropped)
-        assert not relay.holding and not relay.running
-    finally:
-        await close_fleet(fleet)
-        await decode.close()
-
-
 async def _collect(call: grpc.aio.UnaryStreamCall[Any, T]) -> list[T]:
     """The responses the stream has left (read() calls: a test may have read some)."""
     responses = []
