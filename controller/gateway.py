@@ -552,6 +552,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         outcomes = [EngineOutcome.of(record, result) for record, result in results]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in outcomes]))
         summary = _summary(outcomes)
+        # The requests an engine that did not answer has not answered either (at the handoff
+        # to a stopped decode engine, say) end here, as an Abort of their id ends them.
+        silent = {
+            record.address
+            for record, result in results
+            if isinstance(result, grpc.aio.AioRpcError) and result.code() in _UNREACHED
+        }
+        unaccepted = self.relay.abort_all_unaccepted(silent) if target == "all_requests" else 0
         answered = [r for _, r in results if isinstance(r, pb.AbortResponse)]
         if not answered:
             # Every engine refusing alike is the answer (NOT_FOUND: no engine holds that KV
@@ -563,10 +571,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(
                 context, grpc.StatusCode.UNAVAILABLE, f"no engine could be reached: {summary}"
             )
-        aborted = unrouted > 0 or any(r.status == pb.ABORT_STATUS_ABORTED for r in answered)
+        aborted = unrouted + unaccepted > 0 or any(
+            r.status == pb.ABORT_STATUS_ABORTED for r in answered
+        )
         status = pb.ABORT_STATUS_ABORTED if aborted else pb.ABORT_STATUS_ALREADY_FINISHED
         if unrouted:
             summary += f"; gateway: {unrouted} aborted before they were routed"
+        if unaccepted:
+            summary += f"; gateway: {unaccepted} aborted before their engine accepted them"
         return pb.AbortResponse(status=status, message=summary)
 
     async def _lora_engines(self, context: Context) -> list[EngineRecord]:

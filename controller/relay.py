@@ -329,6 +329,12 @@ class Relay:
         call.cancel()
         return True
 
+    def abort_all_unaccepted(self, engines: set[str]) -> int:
+        """`abort_unaccepted` every request whose call one of `engines` has not answered (they
+        did not answer an Abort of every request: stopped, wedged, gone); how many."""
+        held = [(r, e) for r, e in self.holding.items() if e in engines]
+        return sum(self.abort_unaccepted(request_id, engine) for request_id, engine in held)
+
     def abort_all_unrouted(self) -> int:
         """`abort_unrouted` every admitted request that no engine holds now (Abort of every
         request, a drain aborting its requests: no engine's Abort can reach these); how many

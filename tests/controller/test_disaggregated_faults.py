@@ -117,3 +117,38 @@ async def test_an_abort_at_the_handoff_to_a_stopped_decode_engine_ends_the_reque
         assert not relay.holding and not relay.running
     finally:
         await close_fleet(fleet)
+
+
+async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_decode_engine(
+    tmp_path: Path,
+) -> None:
+    """Abort(all_requests) while a request waits at the handoff to a stopped decode engine
+    (its call unanswered): that engine's silence is reported among the outcomes, and the
+    gateway ends the request itself (CANCELLED, its KV session released on the prefill
+    engine), as an Abort of its id does, instead of leaving it to run once the engine is
+    back."""
+    decode = await EngineProcess.start(tmp_path, "decode", role="decode")
+    prefill = await start_sim_engine("prefill", role="prefill")
+    fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
+    try:
+        decode.stop()
+        stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
+        await _at(fleet, "r", decode)
+        everything = await fleet.gateway.Abort(
+            pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30
+        )
+        assert everything.status == pb.ABORT_STATUS_ABORTED, everything
+        assert f"127.0.0.1:{decode.port}: DEADLINE_EXCEEDED" in everything.message, everything
+        assert "gateway: 1 aborted before their engine accepted them" in everything.message
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            events = await _collect(stream)
+        assert [r.WhichOneof("event") for r in events] == ["finished"], events
+        assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+
+        async def session_released() -> bool:
+            load = await _load(prefill.port)
+            return load.active_kv_sessions == 0 and load.used_kv_blocks == 0
+
+        await eventually(session_released)
+    finally:
+        await close_fleet(fleet)
