@@ -610,6 +610,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         learn: Callable[[str, T], None],
         *,
         on_absent: Callable[[str], None] | None = None,
+        unloading: str | None = None,
     ) -> list[T]:
         """Call every engine the call is for (`_lora_engines`) that may support LoRA
         (GetModelInfo did not say `supports_lora: false`); report every engine's outcome
@@ -618,7 +619,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         registry what a successful reply changed there (the router sends a LoRA request only
         to engines holding its adapter), before any failure ends the call. With `on_absent`
         (UnloadLora), NOT_FOUND means the engine does not have the adapter: `on_absent` is
-        told, and the call is NOT_FOUND only when no asked engine had it."""
+        told, and the call is NOT_FOUND only when no asked engine had it. `unloading` (the
+        adapter UnloadLora takes out of the whole fleet): an engine out of the fan-out that
+        holds it (stopped, wedged, cut off: it keeps the adapter, and its traffic once back)
+        fails the call, UNAVAILABLE, instead of passing unmentioned."""
         engines = await self._lora_engines(context)
         asked = [r for r in engines if r.identity is None or r.identity.supports_lora is not False]
         outcomes = {
@@ -641,6 +645,22 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 learn(record.address, result)
                 replies.append(result)
                 outcomes[record.address] = EngineOutcome(record, "ok", adapters=held(result))
+        if unloading is not None and _metadata_value(context, ENGINE_METADATA_KEY) is None:
+            asked_addresses = {r.address for r in engines}
+            for record in self.controller.fleet.registry.records():
+                if record.address not in asked_addresses and unloading in (
+                    record.lora_adapters or ()
+                ):
+                    failure = grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        f"not unloaded there: it holds the adapter and does not answer its "
+                        f"polls ({record.state.value})",
+                    )
+                    failures.append(failure)
+                    outcomes[record.address] = EngineOutcome.of(record, failure)
+                    engines.append(record)
         ordered = [outcomes[r.address] for r in engines]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in ordered]))
         summary = _summary(ordered)
@@ -679,7 +699,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             registry.on_lora_unloaded(address, request.lora_name)
 
         replies = await self._lora_fan_out(
-            context, lambda s: s.UnloadLora(request), lambda r: None, unloaded, on_absent=unloaded
+            context,
+            lambda s: s.UnloadLora(request),
+            lambda r: None,
+            unloaded,
+            on_absent=unloaded,
+            unloading=request.lora_name,
         )
         return pb.UnloadLoraResponse(adapter=replies[0].adapter)
 
