@@ -123,6 +123,13 @@ _SUMMED_LOAD = (
 
 # Statuses of an engine call that did not reach the engine, or got no answer in time.
 _UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# How an engine's Abort fails for a request whose call it has not answered yet, which the
+# gateway then ends itself (`Relay.abort_unaccepted`): the engine does not know the request
+# (the call is on its way), or does not answer (stopped, wedged, gone; the call's cancel
+# frees the request there if it ever runs, as a client leaving does). Without this a request
+# at the handoff to a stopped decode engine ran on (its KV session pinned on the prefill
+# engine) until `abandon_streams_after_s` or the client's deadline, its Abort UNAVAILABLE.
+_UNACCEPTED = frozenset({grpc.StatusCode.NOT_FOUND}) | _UNREACHED
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -506,7 +513,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 )
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 failure = engine_failure(caught, address, self.controller.fleet)
-                if failure.code() == grpc.StatusCode.NOT_FOUND and self.relay.abort_unaccepted(
+                if failure.code() in _UNACCEPTED and self.relay.abort_unaccepted(
                     request.request_id, address
                 ):  # routed there, not accepted yet: the gateway ends it
                     return pb.AbortResponse(
@@ -544,6 +551,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         outcomes = [EngineOutcome.of(record, result) for record, result in results]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in outcomes]))
         summary = _summary(outcomes)
+        # The requests an engine that did not answer has not answered either (at the handoff
+        # to a stopped decode engine, say) end here, as an Abort of their id ends them.
+        silent = {
+            record.address
+            for record, result in results
+            if isinstance(result, grpc.aio.AioRpcError) and result.code() in _UNREACHED
+        }
+        unaccepted = self.relay.abort_all_unaccepted(silent) if target == "all_requests" else 0
         answered = [r for _, r in results if isinstance(r, pb.AbortResponse)]
         if not answered:
             # Every engine refusing alike is the answer (NOT_FOUND: no engine holds that KV
@@ -555,10 +570,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(
                 context, grpc.StatusCode.UNAVAILABLE, f"no engine could be reached: {summary}"
             )
-        aborted = unrouted > 0 or any(r.status == pb.ABORT_STATUS_ABORTED for r in answered)
+        aborted = unrouted + unaccepted > 0 or any(
+            r.status == pb.ABORT_STATUS_ABORTED for r in answered
+        )
         status = pb.ABORT_STATUS_ABORTED if aborted else pb.ABORT_STATUS_ALREADY_FINISHED
         if unrouted:
             summary += f"; gateway: {unrouted} aborted before they were routed"
+        if unaccepted:
+            summary += f"; gateway: {unaccepted} aborted before their engine accepted them"
         return pb.AbortResponse(status=status, message=summary)
 
     async def _lora_engines(self, context: Context) -> list[EngineRecord]:
@@ -590,6 +609,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         learn: Callable[[str, T], None],
         *,
         on_absent: Callable[[str], None] | None = None,
+        unloading: str | None = None,
     ) -> list[T]:
         """Call every engine the call is for (`_lora_engines`) that may support LoRA
         (GetModelInfo did not say `supports_lora: false`); report every engine's outcome
@@ -598,7 +618,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         registry what a successful reply changed there (the router sends a LoRA request only
         to engines holding its adapter), before any failure ends the call. With `on_absent`
         (UnloadLora), NOT_FOUND means the engine does not have the adapter: `on_absent` is
-        told, and the call is NOT_FOUND only when no asked engine had it."""
+        told, and the call is NOT_FOUND only when no asked engine had it. `unloading` (the
+        adapter UnloadLora takes out of the whole fleet): an engine out of the fan-out that
+        holds it (stopped, wedged, cut off: it keeps the adapter, and its traffic once back)
+        fails the call, UNAVAILABLE, instead of passing unmentioned."""
         engines = await self._lora_engines(context)
         asked = [r for r in engines if r.identity is None or r.identity.supports_lora is not False]
         outcomes = {
@@ -621,6 +644,22 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 learn(record.address, result)
                 replies.append(result)
                 outcomes[record.address] = EngineOutcome(record, "ok", adapters=held(result))
+        if unloading is not None and _metadata_value(context, ENGINE_METADATA_KEY) is None:
+            asked_addresses = {r.address for r in engines}
+            for record in self.controller.fleet.registry.records():
+                if record.address not in asked_addresses and unloading in (
+                    record.lora_adapters or ()
+                ):
+                    failure = grpc.aio.AioRpcError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        grpc.aio.Metadata(),
+                        grpc.aio.Metadata(),
+                        f"not unloaded there: it holds the adapter and does not answer its "
+                        f"polls ({record.state.value})",
+                    )
+                    failures.append(failure)
+                    outcomes[record.address] = EngineOutcome.of(record, failure)
+                    engines.append(record)
         ordered = [outcomes[r.address] for r in engines]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in ordered]))
         summary = _summary(ordered)
@@ -659,7 +698,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             registry.on_lora_unloaded(address, request.lora_name)
 
         replies = await self._lora_fan_out(
-            context, lambda s: s.UnloadLora(request), lambda r: None, unloaded, on_absent=unloaded
+            context,
+            lambda s: s.UnloadLora(request),
+            lambda r: None,
+            unloaded,
+            on_absent=unloaded,
+            unloading=request.lora_name,
         )
         return pb.UnloadLoraResponse(adapter=replies[0].adapter)
 

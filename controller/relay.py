@@ -318,15 +318,22 @@ class Relay:
 
     def abort_unaccepted(self, request_id: str, engine: str) -> bool:
         """Abort a request that `engine` holds for this gateway but has not accepted yet (its
-        Abort answered NOT_FOUND: the call is on its way), nothing relayed: its call is
-        cancelled, so the engine frees it if it arrives, and it ends here (`_end_aborted`).
-        False when it is not so (it answered, or moved on)."""
+        Abort answered NOT_FOUND: the call is on its way; or it did not answer: stopped,
+        wedged, gone), nothing relayed: its call is cancelled, so the engine frees it if it
+        arrives or resumes, and it ends here (`_end_aborted`). False when it is not so (it
+        answered, or moved on)."""
         call = self._unanswered.get(request_id)
         if call is None or self.holding.get(request_id) != engine:
             return False
         self.aborted_unrouted.add(request_id)
         call.cancel()
         return True
+
+    def abort_all_unaccepted(self, engines: set[str]) -> int:
+        """`abort_unaccepted` every request whose call one of `engines` has not answered (they
+        did not answer an Abort of every request: stopped, wedged, gone); how many."""
+        held = [(r, e) for r, e in self.holding.items() if e in engines]
+        return sum(self.abort_unaccepted(request_id, engine) for request_id, engine in held)
 
     def abort_all_unrouted(self) -> int:
         """`abort_unrouted` every admitted request that no engine holds now (Abort of every

@@ -286,9 +286,15 @@ class Controller:
         )
 
     def route_prefill(self, plan: Plan, exclude: frozenset[str]) -> Decision:
-        """Another prefill engine (a retry), not one in `exclude`."""
-        candidates = [c for c in self._of_role(plan, Role.PREFILL) if c.engine_id not in exclude]
-        decision = self.router.route(plan.request, candidates, self.rng, self.clock())
+        """Another prefill engine (a retry), not one in `exclude`; with none, a decode engine
+        prefilling the prompt itself where decode engines may (`Router.route_prefill_again`)."""
+        prefill, decode = (
+            [c for c in self._of_role(plan, role) if c.engine_id not in exclude]
+            for role in (Role.PREFILL, Role.DECODE)
+        )
+        decision = self.router.route_prefill_again(
+            plan.request, prefill, decode, self.rng, self.clock()
+        )
         self.metrics.count_decision(decision.policy, decision.reason.value)
         return decision
 

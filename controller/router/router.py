@@ -335,12 +335,34 @@ class Router:
                     self.refuse_if_all_busy(prefill_candidates, "prefill engine")
                 hop = self.route if charge else self.explain
                 return DisaggDecision(hop(request, prefill_candidates, rng, now_s), None)
-            if self.skip_prefill_ratio > 1:  # decode engines that only take a KV session
+            if not self.decode_engines_prefill:
                 raise NoEngineAvailableError("no prefill engine available")
         decision = _decode_decision(request, chosen, decode_view, prefilled=False)
         if charge:
             self._charge(request, decision)
         return DisaggDecision(None, decision)
+
+    @property
+    def decode_engines_prefill(self) -> bool:
+        """Whether a decode engine may prefill a prompt itself (`skip_prefill_ratio` at most
+        1); above 1 decode engines only take a KV session."""
+        return self.skip_prefill_ratio <= 1
+
+    def route_prefill_again(
+        self,
+        request: RouteRequest,
+        prefill_candidates: Sequence[Candidate],
+        decode_candidates: Sequence[Candidate],
+        rng: random.Random,
+        now_s: float,
+    ) -> Decision:
+        """The retry of a prefill hop whose engine failed before answering: another prefill
+        engine by the policy, or, with none left, the decode engine by load prefilling the
+        prompt itself where decode engines may, as the first hop falls back when no prefill
+        engine is up (`route_disaggregated`). Charged in flight."""
+        if prefill_candidates or not self.decode_engines_prefill:
+            return self.route(request, prefill_candidates, rng, now_s)
+        return self.route_decode(request, decode_candidates, rng, prefilled=False)
 
     def refuse_if_all_busy(self, candidates: Sequence[Candidate], engines: str = "engine") -> None:
         """Raise AllEnginesBusyError when every candidate (the router's in-flight requests

@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from controller.registry import EngineState
+from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -32,6 +33,7 @@ from tests.controller.conftest import (
 )
 from tests.controller.test_gateway import PREFIX
 from tests.controller.test_processes import _wait_port
+from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,13 +50,18 @@ class EngineProcess:
         self.port = port
 
     @classmethod
-    async def start(cls, tmp_path: Path, instance_id: str) -> EngineProcess:
+    async def start(
+        cls, tmp_path: Path, instance_id: str, role: str = "aggregated", config: str = "{}"
+    ) -> EngineProcess:
+        """`config`: the engine's YAML (the options given here override it)."""
         port_file = tmp_path / f"{instance_id}.port"
+        config_file = tmp_path / f"{instance_id}.yaml"
+        config_file.write_text(config)
         proc = await asyncio.to_thread(
             subprocess.Popen,
             [sys.executable, "-m", "kvplane", "engine", "serve", "--model", "sim",
-             "--listen", "127.0.0.1:0", "--instance-id", instance_id,
-             "--port-file", str(port_file)],
+             "--listen", "127.0.0.1:0", "--instance-id", instance_id, "--role", role,
+             "--config", str(config_file), "--port-file", str(port_file)],
             stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{instance_id}.log").open("wb"),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             # A SIGSTOPped process in the launcher's group would get SIGHUP if that group were
@@ -270,6 +277,44 @@ async def test_abort_of_every_request_does_not_pass_over_a_stopped_engine_holdin
         assert rest[-1].WhichOneof("event") == "finished", rest[-1]
         assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED, rest[-1]
         await nothing_in_flight(fleet)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_unloading_an_adapter_a_stopped_engine_holds_fails_naming_it(
+    tmp_path: Path,
+) -> None:
+    """UnloadLora across the fleet while an engine holding the adapter is stopped (out of the
+    fan-out: its polls go unanswered): the call fails UNAVAILABLE naming that engine, which
+    keeps the adapter (and its requests once it is back), instead of passing for a fleet-wide
+    unload; the engines that answered did unload it."""
+    lora = "lora: {enabled: true}"
+    stopped = await EngineProcess.start(tmp_path, "stopped", config=lora)
+    healthy = await start_sim_engine("healthy", lora=LoraConfig(enabled=True))
+    fleet = await make_fleet(engines=[stopped, healthy])  # type: ignore[list-item]
+    try:
+        adapter = pb.LoraAdapter(
+            lora_name="x", lora_id=1, source_path=str(write_adapter_config(tmp_path / "x"))
+        )
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+        registry = fleet.app.controller.fleet.registry
+        address = f"127.0.0.1:{stopped.port}"
+        stopped.stop()
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).state is EngineState.UNREACHABLE, 15
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        details = str(err.value.details())
+        assert f"{address}: UNAVAILABLE (not unloaded there" in details, details
+        assert f"127.0.0.1:{fleet.engines[1].port}: ok" in details, details
+        # What the fleet serves says the same: the stopped engine alone still holds it.
+        stopped.resume()
+        await fleet.wait_routable(2)
+        listed = await fleet.gateway.ListLoras(pb.ListLorasRequest())
+        assert [a.lora_name for a in listed.adapters] == ["x"]
+        assert registry.get(address).lora_adapters == frozenset({"x"})
     finally:
         await close_fleet(fleet)
 

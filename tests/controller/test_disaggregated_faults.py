@@ -1,0 +1,154 @@
+"""A disaggregated fleet (prefill and decode engines) meeting the faults of real engine
+processes (`kvplane engine serve`, sim runner, real KV sessions pulled over gRPC): a prefill
+engine killed under its requests, a decode engine stopped at the handoff. The health polls
+are set far apart, so that routing goes on taking the faulty engine for the live one it was
+(as in the moments before a poll notices), which is the window these faults hit."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_gateway import PREFIX
+from tests.controller.test_stalled_engines import EngineProcess, _collect
+from tests.polling import eventually
+
+pytestmark = pytest.mark.timeout(120)
+
+# Polls far apart; streams wait for a stopped engine rather than being abandoned.
+UNPOLLED = {"poll_interval_s": 600, "load_poll_interval_s": 600, "abandon_streams_after_s": 0}
+
+
+async def _at(fleet: Fleet, request_id: str, engine: EngineProcess) -> None:
+    """Until the gateway's call for `request_id` is with `engine`."""
+    relay = fleet.app.gateway.relay
+
+    async def there() -> bool:
+        return relay.holding.get(request_id) == f"127.0.0.1:{engine.port}"
+
+    await eventually(there)
+
+
+async def _load(port: int) -> pb.GetLoadResponse:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return await pb_grpc.OpenEngineStub(channel).GetLoad(pb.GetLoadRequest())
+
+
+async def test_a_prefill_killed_under_its_request_is_prefilled_by_a_decode_engine(
+    tmp_path: Path,
+) -> None:
+    """The only prefill engine is killed (SIGKILL) while it holds a request: the retry that
+    follows a failure before any output goes to a decode engine, which prefills the prompt
+    itself (`skip_prefill_ratio` lets decode engines prefill, as the first hop does when no
+    prefill engine is up), and the client gets every token instead of the dead engine's
+    bare 'Stream removed' UNAVAILABLE."""
+    prefill = await EngineProcess.start(tmp_path, "prefill", role="prefill")
+    decode = await start_sim_engine("decode", role="decode")
+    fleet = await make_fleet(
+        engines=[prefill, decode],  # type: ignore[list-item]
+        health=UNPOLLED,
+        router={"skip_prefill_ratio": 0.9},
+    )
+    try:
+        prefill.stop()  # holds the request mid-prefill, for the kill to land there
+        stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
+        await _at(fleet, "r", prefill)
+        prefill.proc.kill()
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            events = await _collect(stream)
+        assert events[-1].WhichOneof("event") == "finished", events[-1]
+        assert events[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.token.tokens) for r in events if r.HasField("token")) == 5
+        load = await _load(decode.port)
+        assert load.running_requests == 0 and load.queued_requests == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_abort_at_the_handoff_to_a_stopped_decode_engine_ends_the_request(
+    tmp_path: Path,
+) -> None:
+    """A disaggregated request handed to a decode engine that stopped before answering it (a
+    SIGSTOPped process, not yet seen by the health polls): its Abort, which that engine
+    cannot answer, still ends it as one at the handoff (ABORTED; the stream ends CANCELLED
+    with the prefill's Usage; the KV session released on the prefill engine) instead of
+    failing UNAVAILABLE while the request waits for the engine or the client's deadline;
+    the decode engine, back, drops the call it never answered."""
+    decode = await EngineProcess.start(tmp_path, "decode", role="decode")
+    prefill = await start_sim_engine("prefill", role="prefill")
+    fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
+    try:
+        decode.stop()
+        stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
+        await _at(fleet, "r", decode)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"), timeout=30)
+        assert reply.status == pb.ABORT_STATUS_ABORTED, reply
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            events = await _collect(stream)
+        assert [r.WhichOneof("event") for r in events] == ["finished"], events
+        assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        assert events[-1].usage.prompt_tokens == len(PREFIX) + 1
+
+        async def session_released() -> bool:
+            load = await _load(prefill.port)
+            return load.active_kv_sessions == 0 and load.used_kv_blocks == 0
+
+        await eventually(session_released)
+        decode.resume()
+
+        async def dropped() -> bool:
+            load = await _load(decode.port)
+            return load.running_requests == 0 and load.queued_requests == 0
+
+        await eventually(dropped)
+        relay = fleet.app.gateway.relay
+        assert not relay.holding and not relay.running
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_decode_engine(
+    tmp_path: Path,
+) -> None:
+    """Abort(all_requests) while a request waits at the handoff to a stopped decode engine
+    (its call unanswered): that engine's silence is reported among the outcomes, and the
+    gateway ends the request itself (CANCELLED, its KV session released on the prefill
+    engine), as an Abort of its id does, instead of leaving it to run once the engine is
+    back."""
+    decode = await EngineProcess.start(tmp_path, "decode", role="decode")
+    prefill = await start_sim_engine("prefill", role="prefill")
+    fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
+    try:
+        decode.stop()
+        stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
+        await _at(fleet, "r", decode)
+        everything = await fleet.gateway.Abort(
+            pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30
+        )
+        assert everything.status == pb.ABORT_STATUS_ABORTED, everything
+        assert f"127.0.0.1:{decode.port}: DEADLINE_EXCEEDED" in everything.message, everything
+        assert "gateway: 1 aborted before their engine accepted them" in everything.message
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            events = await _collect(stream)
+        assert [r.WhichOneof("event") for r in events] == ["finished"], events
+        assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+
+        async def session_released() -> bool:
+            load = await _load(prefill.port)
+            return load.active_kv_sessions == 0 and load.used_kv_blocks == 0
+
+        await eventually(session_released)
+    finally:
+        await close_fleet(fleet)
