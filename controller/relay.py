@@ -27,8 +27,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 - retry once on another engine when the engine failed before anything was relayed (a status
   in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
   the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
-  UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure
-  (`retries_elsewhere`: the policy, which the gateway's pooling tasks follow too);
+  UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure,
+  naming the engine unless it refuses the request itself (`_pass_status`; `retries_elsewhere`:
+  the policy, which the gateway's pooling tasks follow too);
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
@@ -227,11 +228,12 @@ _WHOLE_REQUEST = _Stage()
 class _Retry(Exception):
     """The engine failed before anything was relayed; try another one."""
 
-    def __init__(self, reason: str, failure: Any) -> None:
+    def __init__(self, reason: str, failure: Any, engine: str) -> None:
         super().__init__(reason)
         # What the client gets if no other engine can take the request: the refusing
-        # response or the AioRpcError.
+        # response or the AioRpcError, of `engine`.
         self.failure = failure
+        self.engine = engine
 
 
 class RecentIds:
@@ -609,7 +611,7 @@ class Relay:
                     status = failure or _status(grpc.StatusCode.UNAVAILABLE, str(exc))
                     failure = self._ending(surface, request, stage, status, relayed=False)
                     if failure is None:
-                        await _pass_status(context, status)
+                        await _pass_status(context, status, retry.engine if retry else None)
                 yield failure  # an in-band error: the refusing response, or the gateway's
                 return
             if retry is not None:
@@ -639,7 +641,7 @@ class Relay:
                         error = surface.error(response)
                         if not relayed:
                             if error is not None and error.retryable and retry is None:
-                                raise _Retry(error.message, response)
+                                raise _Retry(error.message, response, engine)
                             if stage.times_first_response:
                                 elapsed = time.perf_counter() - started
                                 c.metrics.first_response_seconds.observe(elapsed)
@@ -694,7 +696,7 @@ class Relay:
                     and retry is None
                     and self.retries_elsewhere(request_id, engine, cause)
                 ):
-                    retry = _Retry(cause.code().name, cause)
+                    retry = _Retry(cause.code().name, cause, engine)
                     continue
                 c.metrics.count_request(_failure_outcome(cause.code()))
                 failed = _status(
@@ -703,7 +705,7 @@ class Relay:
                 )  # fmt: skip
                 ending = self._ending(surface, request, stage, failed, relayed=relayed)
                 if ending is None:
-                    await _pass_status(context, cause)
+                    await _pass_status(context, cause, engine)
                 yield ending
                 return
             finally:
@@ -821,5 +823,14 @@ def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-async def _pass_status(context: Context, error: grpc.aio.AioRpcError) -> NoReturn:
-    await abort_with(context, error.code(), error.details() or error.code().name)
+async def _pass_status(
+    context: Context, error: grpc.aio.AioRpcError, engine: str | None
+) -> NoReturn:
+    """End the client's call with `engine`'s failure. A refusal of the request itself (a
+    status in CLIENT_ERRORS) is the engine's answer to the client, passed as it is; any
+    other failure names the engine: its bare status ("Socket closed": its process died)
+    would read as the controller's own."""
+    code = error.code()
+    if engine is None or code in CLIENT_ERRORS:
+        await abort_with(context, code, error.details() or code.name)
+    await abort_with(context, code, naming_engine(error, engine, "request"))

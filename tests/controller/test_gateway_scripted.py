@@ -714,7 +714,10 @@ async def test_retry_with_no_other_engine_returns_the_engines_failure() -> None:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert err.value.details() == "scripted: not now"
+        # The engine's failure, naming it: bare, it would read as the controller's own.
+        assert err.value.details() == (
+            f"engine {address(engine)} failed the request: UNAVAILABLE: scripted: not now"
+        )
     finally:
         await close_fleet(fleet)
 
