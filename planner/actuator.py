@@ -97,6 +97,9 @@ class LocalProcesses:
         self._numbers = itertools.count()
         self._processes: dict[str, asyncio.subprocess.Process] = {}  # by address, serving
         self._spawned: list[asyncio.subprocess.Process] = []  # every child, for `num_alive`
+        # Stops under way: each waits for its engine to exit (killed after `_STOP_GRACE_S`)
+        # beside the ticks, so a drained engine that hangs as it stops holds up no decision.
+        self._stopping: set[asyncio.Task[None]] = set()
 
     def running(self) -> list[str]:
         """Addresses of the engines started and not stopped yet."""
@@ -181,9 +184,15 @@ class LocalProcesses:
         await self._admin.drain(address, within_s)
 
     async def stop(self, address: str) -> None:
+        """Out of the controller, SIGTERM sent; its exit is waited for in the background
+        (`close` waits for every stop under way)."""
         process = await self._forget(address)
         if process is not None:
-            await _terminate(process)
+            if process.returncode is None:
+                process.terminate()
+            task = asyncio.create_task(_exited(process))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
 
     async def kill(self, address: str) -> None:
         # SIGKILL: a hung process may never handle SIGTERM (a SIGSTOPped one holds it pending).
@@ -203,6 +212,7 @@ class LocalProcesses:
         time, a slow or hung engine (its SIGTERM pending for `_STOP_GRACE_S`) would hold up
         the others' stop past the time `kvplane up` gives the planner, which then kills them."""
         await asyncio.gather(*(self.stop(address) for address in list(self._processes)))
+        await asyncio.gather(*self._stopping)
         await self._admin.close()
 
 
@@ -217,6 +227,11 @@ def _read_port(path: Path) -> int | None:
 async def _terminate(process: asyncio.subprocess.Process) -> None:
     if process.returncode is None:
         process.terminate()
+    await _exited(process)
+
+
+async def _exited(process: asyncio.subprocess.Process) -> None:
+    """Until `process` exits after its SIGTERM; killed if it has not within `_STOP_GRACE_S`."""
     try:
         async with asyncio.timeout(_STOP_GRACE_S):
             await process.wait()

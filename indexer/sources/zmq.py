@@ -25,6 +25,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
 - seq < expected: a live copy of a batch the last replay applied (same seq, same bytes) is
   dropped as a duplicate; anything else is an engine restart (seq reset), so the worker is
   cleared and rebuilt as on a first message;
+- the SUB's connection ends (the monitor's disconnect; an engine killed publishes no last
+  word): the worker is cleared at once, and the next connection rebuilds it from a replay
+  from seq 0, as a start does (a sequence break: the publisher may be a new process);
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
   message rebuilds the worker as on a first message; an endpoint ZMQ cannot parse (EINVAL,
   EPROTONOSUPPORT from connect / bind) would fail again on every restart, so it ends `run`
@@ -36,7 +39,8 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   clears and rebuilds as on a first message (older blocks stay missing, never stale).
 
 `on_sequence_break`, when given, is called (synchronously) each time a message out of sequence
-(a seq reset, a gap the replay does not heal) has cleared the worker after earlier messages:
+(a seq reset, a gap the replay does not heal) has cleared the worker after earlier messages,
+and when the SUB connects again after a disconnect cleared it:
 the publisher may be a new engine process, as `OpenEngineSource.on_sequence_break` says of a
 SubscribeKvEvents stream. A first message, a rebuild after a sink failure and a resync request
 are no such break.
@@ -63,6 +67,7 @@ from typing import Protocol
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from indexer.batch import Batch
 from indexer.engine_events import EventBatch
@@ -87,6 +92,9 @@ SEQ_BYTES = 8
 # subscribes to it, so that it receives both layouts (a 3-frame message let in by it whose
 # topic is not the source's is dropped, `_is_wanted_topic`).
 TWO_FRAME_SUBSCRIPTION = b"\x00"
+# Why a rebuild from the replay runs with no request from the index (see `_resync`).
+_STARTING = "starting"
+_RECONNECTED = "the publisher is back"
 # connect / bind errors that no retry can cure: the endpoint itself is malformed.
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
 
@@ -173,7 +181,10 @@ class ZmqSource:
         # Set by request_resync (and at start, with a replay endpoint); handled between two
         # messages. `_resync_cause` says why, for the log.
         self._resync_wanted = asyncio.Event()
-        self._resync_cause = "starting"
+        self._resync_cause = _STARTING
+        # The worker was cleared because the publisher disconnected: its next connection
+        # rebuilds it from the replay.
+        self._cleared_by_disconnect = False
         if settings.replay_endpoint and settings.rebuild_at_start:
             self._resync_wanted.set()
         self.last_seq: int | None = None
@@ -231,8 +242,14 @@ class ZmqSource:
     async def _follow(self) -> None:
         sub = self._context.socket(zmq.SUB)
         # Reports each connection before any message can arrive on it.
-        connections = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
+        connections = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        )
         recv: asyncio.Future[list[bytes]] | None = None
+        # Ready when the monitor has events: a publisher that goes away or comes back is acted
+        # on while no message comes (an engine killed, or restarted idle, publishes nothing).
+        # (Its result is not read: pyzmq's stubs type a socket's poll as a Poller's.)
+        monitored: asyncio.Future[object] | None = None
         waker = asyncio.ensure_future(self._resync_wanted.wait())
         try:
             sub.setsockopt(zmq.LINGER, 0)
@@ -257,18 +274,33 @@ class ZmqSource:
                     continue
                 if recv is None:
                     recv = asyncio.ensure_future(sub.recv_multipart())
+                if monitored is None:
+                    monitored = asyncio.ensure_future(_readable(connections))
                 if not recv.done():  # (it is already done when a message was queued)
-                    await asyncio.wait((recv, waker), return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        (recv, waker, monitored), return_when=asyncio.FIRST_COMPLETED
+                    )
                     if waker.done():
                         waker = asyncio.ensure_future(self._resync_wanted.wait())
                     if not recv.done():
+                        if monitored.done():
+                            monitored = None
+                            events = await _connection_events(connections)
+                            if events:
+                                await self._on_connection_events(events)
+                                async with self._progress:
+                                    self._progress.notify_all()
                         continue
                 frames = recv.result()
                 recv = None
                 self.counters.num_messages += 1
-                while int(connections.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                    await connections.recv_multipart()
-                    self._new_connection = True
+                events = await _connection_events(connections)
+                # Messages of a connection come before its end: with no connection since, this
+                # one is the departed publisher's last word, applied before its worker is
+                # cleared (the other way round, it would be the only stale thing left).
+                ended = bool(events) and events[-1] == zmq.EVENT_DISCONNECTED
+                if not ended:
+                    await self._on_connection_events(events)
                 try:
                     message = decode_frames(frames)
                 except KvEventDecodeError as exc:
@@ -277,16 +309,52 @@ class ZmqSource:
                 else:
                     if _is_wanted_topic(message.topic, self.settings.topic):
                         await self._on_message(message)
+                if ended:
+                    await self._on_connection_events(events)
                 async with self._progress:
                     self._progress.notify_all()
         finally:
             waker.cancel()
             if recv is not None:
                 recv.cancel()
+            if monitored is not None:
+                monitored.cancel()
             if not sub.closed:  # (a destroyed context closed it already)
                 sub.disable_monitor()
             connections.close(linger=0)
             sub.close(linger=0)
+
+    async def _on_connection_events(self, events: list[int]) -> None:
+        """Act on the SUB's monitor events. A connection made or accepted marks the next
+        message for a check (`_new_connection`). A disconnection means the publisher went away
+        (its process ended: a killed engine publishes no last word): the blocks indexed from it
+        are cleared at once rather than left stale until it publishes again, which a dead
+        engine never does. The next connection (the engine back, restarted or not) then
+        rebuilds the worker from the replay at once, as a start does."""
+        ends = [i for i, event in enumerate(events) if event == zmq.EVENT_DISCONNECTED]
+        # Connections made after the last end (one that came and went is no publisher now).
+        if len(events) > (ends[-1] + 1 if ends else 0):
+            self._new_connection = True
+        elif ends:
+            self._new_connection = False
+        if ends and self._expected is not None:
+            log.warning(
+                "worker %s: publisher %s disconnected; clearing the worker until it is back",
+                self.worker_id,
+                self.settings.endpoint,
+            )
+            self._expected = None
+            self._replayed = {}
+            self._cleared_by_disconnect = True
+            await self._reset_worker(self.last_seq or 0)
+        if self._new_connection and self._cleared_by_disconnect:
+            # The rebuild shows which process publishes now: nothing left to check.
+            self._new_connection = self._cleared_by_disconnect = False
+            if self.settings.replay_endpoint:
+                self._resync_cause = _RECONNECTED
+                self._resync_wanted.set()
+            if self.on_sequence_break is not None:  # the publisher may be a new process
+                self.on_sequence_break()
 
     def _attach(self, sub: zmq.asyncio.Socket) -> None:
         """Connect (or bind) the SUB; a malformed endpoint is a `ConfigError`, not retried."""
@@ -311,9 +379,15 @@ class ZmqSource:
         floor = self._expected
         if floor is None and not self.settings.replay_endpoint:
             return  # the next message clears and rebuilds the worker anyway
-        starting = self._resync_cause == "starting"
+        # Rebuilding a worker this source cleared itself (or has not filled yet): not a resync
+        # the index asked for.
+        starting = self._resync_cause in (_STARTING, _RECONNECTED)
+        if self._resync_cause == _RECONNECTED and floor is not None:
+            return  # a message since the reconnection has rebuilt the worker already
         if starting:
-            log.info("worker %s: starting; rebuilding it from the replay", self.worker_id)
+            log.info(
+                "worker %s: %s; rebuilding it from the replay", self.worker_id, self._resync_cause
+            )
         else:
             self.counters.num_resyncs += 1
             log.warning(
@@ -520,6 +594,20 @@ class ZmqSource:
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies
+
+
+async def _connection_events(monitor: zmq.asyncio.Socket) -> list[int]:
+    """The monitor events queued so far, in order (none: its readiness can wake a poll with
+    nothing to read)."""
+    events: list[int] = []
+    while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        events.append(parse_monitor_message(await monitor.recv_multipart())["event"])
+    return events
+
+
+async def _readable(sock: zmq.asyncio.Socket) -> object:
+    """Once `sock` has something to read (a socket's poll waits for POLLIN by default)."""
+    return await sock.poll()
 
 
 def _subscriptions(topic: str) -> tuple[bytes, ...]:

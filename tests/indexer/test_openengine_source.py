@@ -353,7 +353,9 @@ async def test_follows_every_advertised_rank_as_a_worker_of_its_own() -> None:
             await dp0.wait_until(lambda: dp0.last_seq == 1, WAIT_S)
             (fire,) = resync.listeners
             fire(f"{target}/dp1")  # the backend lost rank 1's entries
-            await dp1.wait_until(lambda: source.counters.num_resyncs == 1, WAIT_S)
+            # Until rank 1's replay was answered (the count goes up as the resync starts).
+            await dp1.wait_until(lambda: len(rank1.replay_requests) == 2, WAIT_S)
+            assert source.counters.num_resyncs == 1
     finally:
         await server.stop(None)
         await rank0.close()

@@ -171,12 +171,14 @@ async def test_a_binding_source_and_a_publisher_restart_clear_the_worker(
             assert _keys(index) == {10, 11, 12}
         finally:
             await first.close()
+        # Its connection gone, the publisher's blocks go with it.
+        await source.wait_until(lambda: not _keys(index), WAIT_S)
         # The engine restarts: a new publisher process, seq from 0 again.
         second = FakeKvPublisher(context, endpoint=endpoint, connect=True)
         try:
             await second.wait_subscribed()
             await second.send(_message(0, _stored(20)))
-            await source.wait_until(lambda: source.counters.num_resets == 2, WAIT_S)
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
             assert _keys(index) == {20}
         finally:
             await second.close()
@@ -429,7 +431,8 @@ async def test_a_restart_that_resumes_at_the_expected_seq_is_told_by_the_new_con
     context: zmq.asyncio.Context,
 ) -> None:
     """The first seq the SUB gets from the new process is exactly the one the old process
-    would have sent next: neither a gap nor a seq reset, only the new connection tells."""
+    would have sent next: neither a gap nor a seq reset; the old connection's end and the new
+    one tell."""
     index, publisher, source = _replaying(context)
     try:
         async with running(source.run()):
@@ -447,7 +450,10 @@ async def test_a_restart_that_resumes_at_the_expected_seq_is_told_by_the_new_con
         await publisher.close()
     assert _keys(index) == {200, 201, 202, 203}
     assert source.counters.num_gaps == 0
-    assert publisher.replay_requests == [2, 0]  # the check of seq 2, then the rebuild
+    # The disconnection told the restart: the worker is rebuilt from seq 0, seq 2 never
+    # needs checking (whether the rebuild came before the new process buffered anything, and
+    # then its first live message rebuilt it again, is a race of the test's own).
+    assert set(publisher.replay_requests) == {0}
 
 
 def _poisoned_message(seq: int) -> list[bytes]:

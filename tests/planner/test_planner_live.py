@@ -814,6 +814,32 @@ async def test_closing_stops_the_engines_at_once(
 
 
 @pytest.mark.timeout(180)
+async def test_a_drained_engine_that_hangs_as_it_stops_does_not_hold_up_the_ticks(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A drained engine that does not exit at SIGTERM (hung: SIGSTOPped, its SIGTERM stays
+    pending) is waited for beside the ticks, not in them: meanwhile the planner goes on
+    observing and deciding (a load spike would be answered), and the engine still ends."""
+    from planner import actuator as actuator_module
+
+    monkeypatch.setattr(actuator_module, "_STOP_GRACE_S", 3600.0)
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    async with serving(setup, 2) as (live, _):
+        live.policy = planner(1, 1)
+        (drain,) = await live.tick()
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 30)
+        process = actuator._processes[drain.engine_id]
+        with stop_process(process.pid):
+            assert await live.tick() == [RemoveEngine(drain.engine_id, "default", Reason.DRAINED)]
+            assert process.returncode is None  # still hung, and the tick is over
+            assert drain.engine_id not in actuator.running()
+            assert drain.engine_id not in {r.address for r in fleet.registry.records()}
+            assert await live.tick() == []  # and the next one
+        assert await process.wait() == 0  # resumed, it takes its SIGTERM
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(180)
 async def test_an_engine_slow_for_one_tick_is_kept(setup: Setup) -> None:
     async with serving(setup, 1, lost_after_failed_polls=2) as (
         live,
