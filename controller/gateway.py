@@ -69,6 +69,7 @@ from controller.relay import (
     Relay,
     Usage,
     engine_failure,
+    gateway_failure,
     naming_engine,
 )
 from controller.router import AllEnginesBusyError
@@ -650,10 +651,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 if record.address not in asked_addresses and unloading in (
                     record.lora_adapters or ()
                 ):
-                    failure = grpc.aio.AioRpcError(
+                    failure = gateway_failure(
                         grpc.StatusCode.UNAVAILABLE,
-                        grpc.aio.Metadata(),
-                        grpc.aio.Metadata(),
                         f"not unloaded there: it holds the adapter and does not answer its "
                         f"polls ({record.state.value})",
                     )

@@ -608,7 +608,7 @@ class Relay:
                 c.metrics.count_request("no_engine" if retry is None else "engine_error")
                 if failure is None or isinstance(failure, grpc.aio.AioRpcError):
                     # No engine at all, or the failed engine's status is the answer.
-                    status = failure or _status(grpc.StatusCode.UNAVAILABLE, str(exc))
+                    status = failure or gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
                     failure = self._ending(surface, request, stage, status, relayed=False)
                     if failure is None:
                         await _pass_status(context, status, retry.engine if retry else None)
@@ -632,7 +632,9 @@ class Relay:
                 try:
                     call = surface.call(engine, request)
                 except KeyError:  # it left the fleet after the request was planned
-                    raise _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} left") from None
+                    raise gateway_failure(
+                        grpc.StatusCode.UNAVAILABLE, f"engine {engine} left"
+                    ) from None
                 self._unanswered[request_id] = call
                 late: grpc.aio.AioRpcError | None = None  # a failure after the stream's end
                 try:
@@ -686,7 +688,7 @@ class Relay:
                     return
                 await self.report_failure(engine, cause)
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
-                    cause = _status(
+                    cause = gateway_failure(
                         grpc.StatusCode.UNAVAILABLE,
                         f"engine {engine} refused the KV session: {cause.code().name}: "
                         f"{cause.details()}",
@@ -699,7 +701,7 @@ class Relay:
                     retry = _Retry(cause.code().name, cause, engine)
                     continue
                 c.metrics.count_request(_failure_outcome(cause.code()))
-                failed = _status(
+                failed = gateway_failure(
                     cause.code(), f"engine {engine} failed mid-stream: {cause.code().name}: "
                     f"{cause.details()}"
                 )  # fmt: skip
@@ -799,7 +801,9 @@ def engine_failure(
     task = asyncio.current_task()
     if task is None or task.cancelling():
         raise caught
-    return _status(grpc.StatusCode.UNAVAILABLE, f"engine {engine} {fleet.why_calls_ended(engine)}")
+    return gateway_failure(
+        grpc.StatusCode.UNAVAILABLE, f"engine {engine} {fleet.why_calls_ended(engine)}"
+    )
 
 
 def naming_engine(failure: grpc.aio.AioRpcError, engine: str, call: str) -> str:
@@ -818,7 +822,7 @@ def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:
     return "invalid" if code in CLIENT_ERRORS else "engine_error"
 
 
-def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+def gateway_failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     """A failure of the gateway's own, shaped like an engine's."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
