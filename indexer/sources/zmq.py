@@ -343,8 +343,6 @@ class ZmqSource:
                 self.worker_id,
                 self.settings.endpoint,
             )
-            self._expected = None
-            self._replayed = {}
             self._cleared_by_disconnect = True
             await self._reset_worker(self.last_seq or 0)
         if self._new_connection and self._cleared_by_disconnect:
@@ -400,8 +398,6 @@ class ZmqSource:
         # the second replay before the first message: the start's replay set `floor`).
         still_queued = self._replayed
         await self._reset_worker(self.last_seq or 0)
-        self._expected = None
-        self._replayed = {}
         if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
             return
         for reply in replies:
@@ -493,6 +489,10 @@ class ZmqSource:
         self.counters.num_bad_messages += refused
 
     async def _reset_worker(self, seq: int) -> None:
+        """Clear the worker in the index; the stream's place is forgotten with it (the next
+        message rebuilds, unless a replay applied after this sets it again)."""
+        self._expected = None
+        self._replayed = {}
         self.counters.num_resets += 1
         await self.sink.apply(self.translator.reset(seq=seq))
         self.counters.num_batches_applied += 1
@@ -503,8 +503,6 @@ class ZmqSource:
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         await self._reset_worker(trigger.seq)
-        self._expected = None
-        self._replayed = {}
         if trigger.seq > 0:
             # Whatever the buffer holds before the trigger, contiguous or not: after the
             # clear, a partial rebuild only misses blocks, it never keeps stale ones.
