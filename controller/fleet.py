@@ -140,17 +140,6 @@ def model_facts(model: pb.ModelInfo) -> ModelFacts:
     )
 
 
-def _any_supports_lora(facts: Sequence[ModelFacts]) -> bool | None:
-    """Whether the engine takes LoRA adapters (and answers ListLoras): True when a model says
-    so, False when every model says not, else unknown."""
-    said = [f.supports_lora for f in facts]
-    if True in said:
-        return True
-    if said and all(s is False for s in said):
-        return False
-    return None
-
-
 def _failing_checks(reply: pb.HealthResponse) -> str:
     """What the checks that are not READY say (a READY check's message is information, such
     as the model's name, not a problem)."""
@@ -724,8 +713,6 @@ class Fleet:
             role=_ROLE.get(info.role, Role.UNKNOWN),
             models=models,
             block_size=agreed_block_size(models, facts),
-            total_kv_blocks=facts[0].total_kv_blocks if facts else None,
-            supports_lora=_any_supports_lora(facts),
             schema_revision=info.schema_revision,
             minimum_client_revision=info.minimum_client_revision,
             schema_release=info.schema_release,

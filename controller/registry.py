@@ -225,11 +225,8 @@ class EngineIdentity:
     engine_version: str
     role: Role
     models: tuple[str, ...]
-    # The engine's: the one block size its models share (`agreed_block_size`), its default
-    # model's capacity, and whether any model takes LoRA adapters (False: every one says not).
+    # The one block size its models share (`agreed_block_size`).
     block_size: int | None
-    total_kv_blocks: int | None
-    supports_lora: bool | None
     schema_revision: int
     minimum_client_revision: int
     schema_release: str
@@ -262,6 +259,22 @@ class EngineIdentity:
     def generates(self) -> bool:
         """Whether any of its models generates (False: a pooling-only engine)."""
         return any(f.generates for f in self.model_facts) or not self.model_facts
+
+    @property
+    def total_kv_blocks(self) -> int | None:
+        """The capacity of its default model's KV cache (None: not known)."""
+        return self.facts_of(None).total_kv_blocks
+
+    @property
+    def supports_lora(self) -> bool | None:
+        """Whether it takes LoRA adapters (and answers ListLoras): True when a model says so,
+        False when every model says not, else unknown."""
+        said = [f.supports_lora for f in self.model_facts]
+        if True in said:
+            return True
+        if said and all(s is False for s in said):
+            return False
+        return None
 
 
 @dataclass(slots=True)

@@ -34,8 +34,9 @@ from kvplane.errors import ConfigError
 def identity(
     instance: str = "e0", revision: int = 1, minimum: int = 1, release: str = "v1.0.0"
 ) -> EngineIdentity:
+    facts = ModelFacts(block_size=16, total_kv_blocks=256, supports_lora=False)
     return EngineIdentity(
-        instance, "sim", "0", Role.AGGREGATED, ("m",), 16, 256, False, revision, minimum, release
+        instance, "sim", "0", Role.AGGREGATED, ("m",), 16, revision, minimum, release, (facts,)
     )
 
 
