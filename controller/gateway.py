@@ -196,14 +196,32 @@ class _OpenEngineGenerate:
     def with_session(
         self, request: pb.GenerateRequest, session: pb.KvSessionRef
     ) -> pb.GenerateRequest:
-        decode = pb.GenerateRequest()
-        decode.CopyFrom(request)
-        decode.kv.session.CopyFrom(session)
         # The prefill hop computed the prompt and relayed its logprobs: asked again, a decode
         # engine would recompute the prompt, or send them twice.
-        decode.response.ClearField("return_prompt_logprobs")
-        decode.response.ClearField("prompt_candidates")
+        decode = self.without_prompt_output(request)
+        decode.kv.session.CopyFrom(session)
         return decode
+
+    def without_prompt_output(self, request: pb.GenerateRequest) -> pb.GenerateRequest:
+        again = pb.GenerateRequest()
+        again.CopyFrom(request)
+        again.response.ClearField("return_prompt_logprobs")
+        again.response.ClearField("prompt_candidates")
+        return again
+
+    async def holder_gone(self, engine: str) -> bool:
+        """Whether the engine does not answer a Health call within `health.rpc_timeout_s`
+        (its process dead or stopped), or left the fleet. Its answer, whatever it says,
+        means it is there, and so are the sessions it holds."""
+        try:
+            await self._fleet.stub(engine).Health(
+                pb.HealthRequest(), timeout=self._fleet.config.health.rpc_timeout_s
+            )
+        except KeyError:  # removed from the fleet, its sessions with it
+            return True
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            return engine_failure(caught, engine, self._fleet).code() in _UNREACHED
+        return False
 
     def finished(self, response: pb.GenerateResponse) -> bool:
         return response.WhichOneof("event") == "finished"
