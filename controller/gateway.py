@@ -16,7 +16,8 @@
   holds it: the LoRA refusals of a Generate); none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic. An engine failing the task with a retryable status has it retried once on
-  another capable engine, as a Generate failing before its first response (Relay.retries_elsewhere).
+  another capable engine, as a Generate failing before its first response (Relay.retries_elsewhere);
+  the failure the client gets names the engine, as a Generate's does (relay.pass_status).
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
   before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
@@ -71,6 +72,7 @@ from controller.relay import (
     engine_failure,
     gateway_failure,
     naming_engine,
+    pass_status,
 )
 from controller.router import AllEnginesBusyError
 from controller.service import Controller, PromptInput
@@ -384,7 +386,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     continue
                 await relay.report(engine, None)
                 return reply
-            await abort_with(context, failure.code(), failure.details() or failure.code().name)
+            # As a Generate's failure passes: naming the engine, unless it refused the request.
+            await pass_status(context, failure, engine)
         finally:
             relay.holding.pop(request_id, None)
             # Its engine ran it: Abort of its id is ALREADY_FINISHED now, as the engine
