@@ -25,7 +25,9 @@
   `all_requests` ends the requests no engine can abort here and fans out, as KV sessions
   do, and also to every engine holding a relayed stream, reachable or not (a stopped one is
   reported, DEADLINE_EXCEEDED); every engine refusing alike is their status, UNAVAILABLE when
-  no engine could be reached.
+  no engine could be reached; `all_requests` fails when any engine did not abort
+  (UNAVAILABLE while one did not answer, else the first refusal), its outcomes reported all
+  the same (seed: ABORTED and ALREADY_FINISHED say the target ended; there is no "partly").
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
@@ -600,6 +602,30 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             summary += f"; gateway: {unrouted} aborted before they were routed"
         if unaccepted:
             summary += f"; gateway: {unaccepted} aborted before their engine accepted them"
+        failed = [
+            (record, result)
+            for record, result in results
+            if isinstance(result, grpc.aio.AioRpcError)
+        ]
+        if target == "all_requests" and failed:
+            # Seed: Abort answers ABORTED or ALREADY_FINISHED, both meaning the target was
+            # ended, and a failure as a status; there is no "partly". An engine that did not
+            # abort (stopped, wedged, refusing) may still run requests, so every request was
+            # not aborted: the call fails, its outcomes still reported (trailing metadata,
+            # message). Safe to repeat: an engine answers an Abort of what it already ended
+            # ALREADY_FINISHED. A KV session is held by one engine: the others' NOT_FOUND is
+            # no failure of its Abort.
+            # UNAVAILABLE while an engine did not answer (again once it is back), as an
+            # Abort of a request id that engine holds; else the first refusal, as a LoRA
+            # fan-out fails.
+            first_code = failed[0][1].code()
+            unreached = any(result.code() in _UNREACHED for _, result in failed)
+            names = ", ".join(record.address for record, _ in failed)
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE if unreached else first_code,
+                f"not every request was aborted: {names} did not abort theirs: {summary}",
+            )
         return pb.AbortResponse(status=status, message=summary)
 
     async def _lora_engines(self, context: Context) -> list[EngineRecord]:

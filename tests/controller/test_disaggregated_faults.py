@@ -123,10 +123,10 @@ async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_
     tmp_path: Path,
 ) -> None:
     """Abort(all_requests) while a request waits at the handoff to a stopped decode engine
-    (its call unanswered): that engine's silence is reported among the outcomes, and the
-    gateway ends the request itself (CANCELLED, its KV session released on the prefill
-    engine), as an Abort of its id does, instead of leaving it to run once the engine is
-    back."""
+    (its call unanswered): that engine's silence fails the call (UNAVAILABLE: its own
+    requests may run on) with every outcome reported, and the gateway ends the request
+    itself (CANCELLED, its KV session released on the prefill engine), as an Abort of its id
+    does, instead of leaving it to run once the engine is back."""
     decode = await EngineProcess.start(tmp_path, "decode", role="decode")
     prefill = await start_sim_engine("prefill", role="prefill")
     fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
@@ -134,12 +134,13 @@ async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_
         decode.stop()
         stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
         await _at(fleet, "r", decode)
-        everything = await fleet.gateway.Abort(
-            pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30
-        )
-        assert everything.status == pb.ABORT_STATUS_ABORTED, everything
-        assert f"127.0.0.1:{decode.port}: DEADLINE_EXCEEDED" in everything.message, everything
-        assert "gateway: 1 aborted before their engine accepted them" in everything.message
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        message = err.value.details() or ""
+        assert f"127.0.0.1:{decode.port}: DEADLINE_EXCEEDED" in message, message
+        assert f"127.0.0.1:{prefill.port}: ok" in message, message
+        assert "gateway: 1 aborted before their engine accepted them" in message
         async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
             events = await _collect(stream)
         assert [r.WhichOneof("event") for r in events] == ["finished"], events
