@@ -746,7 +746,10 @@ def abort(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Abort a request (the controller forwards it to the engine holding it) or all."""
+    """Abort a request (the controller forwards it to the engine holding it) or all.
+
+    Behind a controller, `--all` shows every engine's outcome, and exits 1 naming the engines
+    that did not abort their requests (stopped, wedged, refusing)."""
     if (request_id is None) == (not all_requests):
         raise typer.BadParameter(
             "give a REQUEST_ID or --all" + (", not both" if all_requests else "")
@@ -757,16 +760,49 @@ def abort(
         else pb.AbortRequest(request_id=request_id)
     )
     metadata = bearer_metadata(token_file)
-    reply = _call(
-        _server(ctx, target),
-        lambda ch: pb_grpc.OpenEngineStub(ch).Abort(req, metadata=metadata, timeout=RPC_TIMEOUT_S),
-    )
-    data = _dict(reply)
-    emit(
-        data,
-        output,
-        lambda d: f"{d.get('status', 'ABORT_STATUS_UNSPECIFIED')} {d.get('message', '')}".rstrip(),
-    )
+
+    def rpc(channel: grpc.Channel) -> dict[str, Any]:
+        try:
+            reply, call = pb_grpc.OpenEngineStub(channel).Abort.with_call(
+                req, metadata=metadata, timeout=RPC_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            # A fan-out that failed still reports every engine's outcome (a controller's
+            # trailing metadata): shown as a success's are. Any other failure is one line.
+            if not isinstance(exc, grpc.Call):
+                raise
+            outcomes = read_outcomes(exc.trailing_metadata())
+            if not outcomes:
+                raise
+            return {
+                "error": {"code": exc.code().name, "message": exc.details()},
+                "engines": outcomes,
+            }
+        data = _dict(reply)
+        if engines := read_outcomes(call.trailing_metadata()):
+            data["engines"] = engines
+        return data
+
+    data = _call(_server(ctx, target), rpc)
+
+    def render(d: dict[str, Any]) -> str:
+        if "error" in d:
+            return f"{d['error']['code']}: {d['error']['message']}"
+        return f"{d.get('status', 'ABORT_STATUS_UNSPECIFIED')} {d.get('message', '')}".rstrip()
+
+    emit(data, output, render)
+    # For scripts: an engine that did not abort may still run requests (its message and
+    # JSON entry above say which), whether or not the controller failed the call.
+    engines = data.get("engines", ())
+    failed = [f"{e['engine']} ({e['outcome']})" for e in engines if e.get("outcome", "ok") != "ok"]
+    if any("truncated" in e for e in engines):  # the outcomes that did not fit: failures first
+        failed.append(f"{sum(e.get('truncated', 0) for e in engines)} more engines")
+    if failed:
+        raise RpcCallError(
+            f"not every request was aborted: {', '.join(failed)} did not abort theirs"
+        )
+    if "error" in data:
+        raise RpcCallError(f"{data['error']['code']}: {data['error']['message']}")
 
 
 lora_app = typer.Typer(no_args_is_help=True, help="LoRA adapters on the fleet or an engine.")

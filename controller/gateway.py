@@ -16,7 +16,8 @@
   holds it: the LoRA refusals of a Generate); none: FAILED_PRECONDITION (the seed's UNSUPPORTED
   task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
   no traffic. An engine failing the task with a retryable status has it retried once on
-  another capable engine, as a Generate failing before its first response (Relay.retries_elsewhere).
+  another capable engine, as a Generate failing before its first response (Relay.retries_elsewhere);
+  the failure the client gets names the engine, as a Generate's does (relay.pass_status).
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
   before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
@@ -24,7 +25,9 @@
   `all_requests` ends the requests no engine can abort here and fans out, as KV sessions
   do, and also to every engine holding a relayed stream, reachable or not (a stopped one is
   reported, DEADLINE_EXCEEDED); every engine refusing alike is their status, UNAVAILABLE when
-  no engine could be reached.
+  no engine could be reached; `all_requests` fails when any engine did not abort
+  (UNAVAILABLE while one did not answer, else the first refusal), its outcomes reported all
+  the same (seed: ABORTED and ALREADY_FINISHED say the target ended; there is no "partly").
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
@@ -71,6 +74,7 @@ from controller.relay import (
     engine_failure,
     gateway_failure,
     naming_engine,
+    pass_status,
 )
 from controller.router import AllEnginesBusyError
 from controller.service import Controller, PromptInput
@@ -196,14 +200,32 @@ class _OpenEngineGenerate:
     def with_session(
         self, request: pb.GenerateRequest, session: pb.KvSessionRef
     ) -> pb.GenerateRequest:
-        decode = pb.GenerateRequest()
-        decode.CopyFrom(request)
-        decode.kv.session.CopyFrom(session)
         # The prefill hop computed the prompt and relayed its logprobs: asked again, a decode
         # engine would recompute the prompt, or send them twice.
-        decode.response.ClearField("return_prompt_logprobs")
-        decode.response.ClearField("prompt_candidates")
+        decode = self.without_prompt_output(request)
+        decode.kv.session.CopyFrom(session)
         return decode
+
+    def without_prompt_output(self, request: pb.GenerateRequest) -> pb.GenerateRequest:
+        again = pb.GenerateRequest()
+        again.CopyFrom(request)
+        again.response.ClearField("return_prompt_logprobs")
+        again.response.ClearField("prompt_candidates")
+        return again
+
+    async def holder_gone(self, engine: str) -> bool:
+        """Whether the engine does not answer a Health call within `health.rpc_timeout_s`
+        (its process dead or stopped), or left the fleet. Its answer, whatever it says,
+        means it is there, and so are the sessions it holds."""
+        try:
+            await self._fleet.stub(engine).Health(
+                pb.HealthRequest(), timeout=self._fleet.config.health.rpc_timeout_s
+            )
+        except KeyError:  # removed from the fleet, its sessions with it
+            return True
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
+            return engine_failure(caught, engine, self._fleet).code() in _UNREACHED
+        return False
 
     def finished(self, response: pb.GenerateResponse) -> bool:
         return response.WhichOneof("event") == "finished"
@@ -366,7 +388,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     continue
                 await relay.report(engine, None)
                 return reply
-            await abort_with(context, failure.code(), failure.details() or failure.code().name)
+            # As a Generate's failure passes: naming the engine, unless it refused the request.
+            await pass_status(context, failure, engine)
         finally:
             relay.holding.pop(request_id, None)
             # Its engine ran it: Abort of its id is ALREADY_FINISHED now, as the engine
@@ -579,6 +602,30 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             summary += f"; gateway: {unrouted} aborted before they were routed"
         if unaccepted:
             summary += f"; gateway: {unaccepted} aborted before their engine accepted them"
+        failed = [
+            (record, result)
+            for record, result in results
+            if isinstance(result, grpc.aio.AioRpcError)
+        ]
+        if target == "all_requests" and failed:
+            # Seed: Abort answers ABORTED or ALREADY_FINISHED, both meaning the target was
+            # ended, and a failure as a status; there is no "partly". An engine that did not
+            # abort (stopped, wedged, refusing) may still run requests, so every request was
+            # not aborted: the call fails, its outcomes still reported (trailing metadata,
+            # message). Safe to repeat: an engine answers an Abort of what it already ended
+            # ALREADY_FINISHED. A KV session is held by one engine: the others' NOT_FOUND is
+            # no failure of its Abort.
+            # UNAVAILABLE while an engine did not answer (again once it is back), as an
+            # Abort of a request id that engine holds; else the first refusal, as a LoRA
+            # fan-out fails.
+            first_code = failed[0][1].code()
+            unreached = any(result.code() in _UNREACHED for _, result in failed)
+            names = ", ".join(record.address for record, _ in failed)
+            await abort_with(
+                context,
+                grpc.StatusCode.UNAVAILABLE if unreached else first_code,
+                f"not every request was aborted: {names} did not abort theirs: {summary}",
+            )
         return pb.AbortResponse(status=status, message=summary)
 
     async def _lora_engines(self, context: Context) -> list[EngineRecord]:

@@ -28,7 +28,7 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
   the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
   UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure,
-  naming the engine unless it refuses the request itself (`_pass_status`; `retries_elsewhere`:
+  naming the engine unless it refuses the request itself (`pass_status`; `retries_elsewhere`:
   the policy, which the gateway's pooling tasks follow too);
 - metrics: route time, time to the first relayed response, request time, outcome, retries,
   and the engine-reported usage against the router's prediction. A stream relayed to its end
@@ -39,7 +39,10 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   busy (RESOURCE_EXHAUSTED, outcome "overloaded") before any engine is called or charged;
 - a model served only by prefill and decode engines takes two hops (`_disaggregated`), each
   one of the above, joined by the API's `Handoff` (OpenEngine's KV session); once the client
-  has output from the first hop, any failure ends the stream with one in-band error.
+  has output from the first hop, any failure ends the stream with one in-band error; a decode
+  hop failing before anything was relayed while the prefill engine that holds its session
+  does not answer (`Handoff.holder_gone`) runs the request again as a whole, once, without
+  that engine.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
 
@@ -196,6 +199,16 @@ class Handoff(Protocol[Request, Response_contra]):
         """The request for the decode engine."""
         ...
 
+    def without_prompt_output(self, request: Request) -> Request:
+        """The request without its request-scoped prompt output (prompt logprobs), for an
+        engine hop after the client already has it from an earlier one."""
+        ...
+
+    async def holder_gone(self, engine: str) -> bool:
+        """Whether the prefill engine `engine`, which handed a KV session over, is gone
+        (unreachable, unanswering, out of the fleet): no decode engine can pull from it."""
+        ...
+
     def cancelled(self, request: Request, handover: Response_contra) -> list[Any]:
         """The terminal events of a request aborted at the handoff (after its prefill engine's
         handoff event `handover`, before a decode engine took it), as an engine ends an
@@ -220,6 +233,11 @@ class _Stage(NamedTuple):
     # A stream that ends without error is the engine's success (outlier ejection); the
     # prefill hop's is judged by the caller, by the KV session it handed over or not.
     served_when_done: bool = True
+    # A decode hop's question after its engine failed before anything was relayed, given the
+    # engine and its failure: is the KV session's holder gone, so that the request must run
+    # again as a whole (`_SessionLost`, raised out of the hop) rather than with the session
+    # on another decode engine? None: never asked.
+    session_lost: Callable[[str, str], Awaitable[_SessionLost | None]] | None = None
 
 
 _WHOLE_REQUEST = _Stage()
@@ -234,6 +252,20 @@ class _Retry(Exception):
         # response or the AioRpcError, of `engine`.
         self.failure = failure
         self.engine = engine
+
+
+class _SessionLost(Exception):
+    """A decode hop failed before anything was relayed because the prefill engine holding
+    the request's KV session is gone: the request runs again as a whole, once."""
+
+    def __init__(self, holder: str, failure: grpc.aio.AioRpcError) -> None:
+        super().__init__(failure.details())
+        self.holder = holder
+        # What the client gets if nothing can take the request again (naming the holder).
+        self.failure = failure
+        # Whether the client already has output of the request (its prompt's, from the
+        # prefill hop): the run again then ends any failure in-band.
+        self.shown = False
 
 
 class RecentIds:
@@ -473,18 +505,77 @@ class Relay:
             return
         assert placement.prefill is not None
         first = placement.prefill
-        prefilled_on = first.engine_id  # the engine of the last prefill attempt
+        hops = self._prefill_then_decode(
+            surface,
+            handoff,
+            request,
+            plan,
+            lambda tried: c.route_prefill(plan, tried) if tried else first,
+            context=context,
+            started=started,
+        )
+        try:
+            async with aclosing(hops):
+                async for response in hops:
+                    yield response
+            return
+        except _SessionLost as exc:
+            lost = exc
+        # The prefill engine that held the session is gone: the request runs again as a whole,
+        # once, where a new request would go with that engine down (another prefill engine,
+        # or a decode engine prefilling the prompt itself), the client none the wiser. Nothing
+        # of the decode hop was relayed, so no token is sent twice; the prompt's own output
+        # (prompt logprobs) the client has already is not asked for again.
+        log.info("request %s: the prefill engine %s holding its KV session is gone; running "
+                 "it again as a whole", plan.request.request_id, lost.holder)  # fmt: skip
+        self.handed_over.pop(plan.request.request_id, None)
+        hops = self._prefill_then_decode(
+            surface,
+            handoff,
+            handoff.without_prompt_output(request),
+            plan,
+            lambda tried: c.route_prefill(plan, tried | {lost.holder}),
+            context=context,
+            started=started,
+            lost=lost,
+            shown=lost.shown,
+        )
+        async with aclosing(hops):
+            async for response in hops:
+                yield response
+
+    async def _prefill_then_decode(
+        self,
+        surface: Surface[Request, Response],
+        handoff: Handoff[Request, Response],
+        request: Request,
+        plan: Plan,
+        route_prefill: Callable[[frozenset[str]], Decision],
+        *,
+        context: Context,
+        started: float,
+        lost: _SessionLost | None = None,
+        shown: bool = False,
+    ) -> AsyncGenerator[Response]:
+        """The prefill hop on the engine `route_prefill` picks (a retry may take a decode
+        engine prefilling the prompt itself: then that hop is the whole request), then the
+        decode hop with the KV session it handed over. Raises `_SessionLost` when the decode
+        hop fails before anything was relayed because the session's holder is gone, unless
+        this run is already the request's run again (`lost`: what the client gets when no
+        engine can take it). `shown`: the client has output of the request already."""
+        c = self.controller
+        prefilled_on = ""  # the engine of the last prefill attempt
 
         def prefill_engine(tried: frozenset[str]) -> Decision:
             nonlocal prefilled_on
-            decision = c.route_prefill(plan, tried) if tried else first
+            decision = route_prefill(tried)
             prefilled_on = decision.engine_id
             return decision
 
         request_id = plan.request.request_id
         session: Any = None
         handover: Response | None = None  # the prefill engine's handoff event
-        shown = ended = finished = False
+        ended = finished = False
         stream = self._attempts(
             surface,
             request,
@@ -492,7 +583,10 @@ class Relay:
             prefill_engine,
             context=context,
             started=started,
-            stage=_Stage(times_first_response=False, last=False, served_when_done=False),
+            stage=_Stage(
+                times_first_response=False, last=False, after_output=shown, served_when_done=False
+            ),
+            retried=None if lost is None else _Retry("KV session lost", lost.failure, lost.holder),
         )
         async with aclosing(stream):
             async for response in stream:
@@ -537,9 +631,10 @@ class Relay:
                 usage=False,
                 after_output=shown,
                 carries_session=True,
+                session_lost=None if lost is not None else self._lost(handoff, prefilled_on),
             ),
         )
-        decoded = relayed = False
+        decoded = relayed = gone = False
         try:
             async with aclosing(stream):
                 async for response in stream:
@@ -550,9 +645,38 @@ class Relay:
                 assert handover is not None  # it carried the session
                 for event in handoff.cancelled(request, handover):
                     yield event
+        except _SessionLost as exc:
+            exc.shown, gone = shown, True
+            raise
         finally:
-            if not decoded:  # no decode engine took the session (or the client left)
+            # No decode engine took the session (or the client left): free it, unless it is
+            # gone with its engine.
+            if not decoded and not gone:
                 self._release_session(handoff, prefilled_on, session, request_id)
+
+    @staticmethod
+    def _lost(
+        handoff: Handoff[Any, Any], holder: str
+    ) -> Callable[[str, str], Awaitable[_SessionLost | None]]:
+        """A decode hop's `session_lost`: after its engine failed before anything was relayed,
+        the prefill engine `holder` is asked whether it is still there. Recognised so, rather
+        than by the decode engine's status, because that status says nothing certain of the
+        cause: a pull from a dead engine is UNAVAILABLE, as is a decode engine that cannot be
+        reached, or one that is draining; and engines of other builds word it their own way."""
+
+        async def lost(engine: str, failure: str) -> _SessionLost | None:
+            if not await handoff.holder_gone(holder):
+                return None  # the session is there: another decode engine may take it
+            return _SessionLost(
+                holder,
+                gateway_failure(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"engine {holder}, which held the request's KV session, does not answer "
+                    f"(engine {engine} failed the request: {failure})",
+                ),
+            )
+
+        return lost
 
     def _release_session(
         self, handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
@@ -587,14 +711,16 @@ class Relay:
         context: Context,
         started: float,
         stage: _Stage = _WHOLE_REQUEST,
+        retried: _Retry | None = None,
     ) -> AsyncGenerator[Response]:
         """One engine hop of a request: `route` (given the engines that already failed it)
         picks the engine; retried once elsewhere when the engine failed before anything was
-        relayed."""
+        relayed. `retried`: the hop is itself that retry (a request run again as a whole),
+        and this is what the client gets when no engine can take it."""
         c = self.controller
         request_id = plan.request.request_id
         tried: set[str] = set()
-        retry: _Retry | None = None
+        retry = retried
         while True:
             if request_id in self.aborted_unrouted:  # between two engines (abort_unrouted)
                 await self._end_aborted(stage, context)
@@ -611,7 +737,7 @@ class Relay:
                     status = failure or gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
                     failure = self._ending(surface, request, stage, status, relayed=False)
                     if failure is None:
-                        await _pass_status(context, status, retry.engine if retry else None)
+                        await pass_status(context, status, retry.engine if retry else None)
                 yield failure  # an in-band error: the refusing response, or the gateway's
                 return
             if retry is not None:
@@ -676,17 +802,27 @@ class Relay:
                     await self.report(engine, error.message)
                 return
             except _Retry as exc:
+                if error is not None and error.engine_fault:
+                    await self.report(engine, error.message)
+                if stage.session_lost is not None and (
+                    lost := await stage.session_lost(engine, str(exc))
+                ):
+                    raise lost from None
                 log.info("request %s: engine %s refused (%s); retrying elsewhere",
                          request_id, engine, exc)  # fmt: skip
                 retry = exc
-                if error is not None and error.engine_fault:
-                    await self.report(engine, error.message)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
                 if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
                     await self._end_aborted(stage, context)
                     return
                 await self.report_failure(engine, cause)
+                if not relayed and stage.session_lost is not None:
+                    lost = await stage.session_lost(
+                        engine, f"{cause.code().name}: {cause.details()}"
+                    )
+                    if lost is not None:
+                        raise lost from None
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = gateway_failure(
                         grpc.StatusCode.UNAVAILABLE,
@@ -707,7 +843,7 @@ class Relay:
                 )  # fmt: skip
                 ending = self._ending(surface, request, stage, failed, relayed=relayed)
                 if ending is None:
-                    await _pass_status(context, cause, engine)
+                    await pass_status(context, cause, engine)
                 yield ending
                 return
             finally:
@@ -827,7 +963,7 @@ def gateway_failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-async def _pass_status(
+async def pass_status(
     context: Context, error: grpc.aio.AioRpcError, engine: str | None
 ) -> NoReturn:
     """End the client's call with `engine`'s failure. A refusal of the request itself (a

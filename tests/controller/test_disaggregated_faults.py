@@ -123,10 +123,10 @@ async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_
     tmp_path: Path,
 ) -> None:
     """Abort(all_requests) while a request waits at the handoff to a stopped decode engine
-    (its call unanswered): that engine's silence is reported among the outcomes, and the
-    gateway ends the request itself (CANCELLED, its KV session released on the prefill
-    engine), as an Abort of its id does, instead of leaving it to run once the engine is
-    back."""
+    (its call unanswered): that engine's silence fails the call (UNAVAILABLE: its own
+    requests may run on) with every outcome reported, and the gateway ends the request
+    itself (CANCELLED, its KV session released on the prefill engine), as an Abort of its id
+    does, instead of leaving it to run once the engine is back."""
     decode = await EngineProcess.start(tmp_path, "decode", role="decode")
     prefill = await start_sim_engine("prefill", role="prefill")
     fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
@@ -134,12 +134,13 @@ async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_
         decode.stop()
         stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
         await _at(fleet, "r", decode)
-        everything = await fleet.gateway.Abort(
-            pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30
-        )
-        assert everything.status == pb.ABORT_STATUS_ABORTED, everything
-        assert f"127.0.0.1:{decode.port}: DEADLINE_EXCEEDED" in everything.message, everything
-        assert "gateway: 1 aborted before their engine accepted them" in everything.message
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        message = err.value.details() or ""
+        assert f"127.0.0.1:{decode.port}: DEADLINE_EXCEEDED" in message, message
+        assert f"127.0.0.1:{prefill.port}: ok" in message, message
+        assert "gateway: 1 aborted before their engine accepted them" in message
         async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
             events = await _collect(stream)
         assert [r.WhichOneof("event") for r in events] == ["finished"], events
@@ -150,5 +151,71 @@ async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_
             return load.active_kv_sessions == 0 and load.used_kv_blocks == 0
 
         await eventually(session_released)
+    finally:
+        await close_fleet(fleet)
+
+
+async def _handed_over_then_prefill_killed(
+    tmp_path: Path, **router: object
+) -> tuple[Fleet, EngineProcess, EngineProcess, grpc.aio.UnaryStreamCall]:  # type: ignore[type-arg]
+    """A request whose prefill engine handed its KV session over to a decode engine, and was
+    then killed (SIGKILL) before the decode engine pulled the session: the decode engine was
+    stopped at the handoff, and is resumed once the prefill engine is dead."""
+    prefill = await EngineProcess.start(tmp_path, "prefill", role="prefill")
+    decode = await EngineProcess.start(tmp_path, "decode", role="decode")
+    fleet = await make_fleet(
+        engines=[prefill, decode],  # type: ignore[list-item]
+        health=UNPOLLED,
+        router=router,
+    )
+    decode.stop()
+    stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
+    await _at(fleet, "r", decode)
+    prefill.proc.kill()
+    await asyncio.to_thread(prefill.proc.wait)
+    decode.resume()
+    return fleet, prefill, decode, stream
+
+
+async def test_a_session_whose_prefill_engine_died_is_prefilled_again_by_a_decode_engine(
+    tmp_path: Path,
+) -> None:
+    """The prefill engine dies after handing over the KV session, before the decode engine
+    pulled it: the decode engine cannot pull (UNAVAILABLE), and retrying the decode with the
+    dead engine's session could only fail again. The gateway runs the request once more as a
+    whole, as a new request goes with no prefill engine up: on the decode engine prefilling
+    the prompt itself (`skip_prefill_ratio`), and the client gets every token once."""
+    fleet, _, decode, stream = await _handed_over_then_prefill_killed(
+        tmp_path, skip_prefill_ratio=0.9
+    )
+    try:
+        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+            events = await _collect(stream)
+        assert events[-1].WhichOneof("event") == "finished", events[-1]
+        assert events[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.token.tokens) for r in events if r.HasField("token")) == 5
+        assert events[-1].usage.prompt_tokens == len(PREFIX) + 1
+        load = await _load(decode.port)
+        assert load.running_requests == 0 and load.queued_requests == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_session_whose_prefill_engine_died_fails_naming_it_when_none_can_prefill(
+    tmp_path: Path,
+) -> None:
+    """As above, but decode engines never prefill (no `skip_prefill_ratio`) and no other
+    prefill engine is up: nothing can take the request again, and the client's failure names
+    the dead prefill engine that held the session, not only the decode engine that could not
+    pull it."""
+    fleet, prefill, _, stream = await _handed_over_then_prefill_killed(tmp_path)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+                await _collect(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        details = str(err.value.details())
+        held = f"engine 127.0.0.1:{prefill.port}, which held the request's KV session, does not"
+        assert details.startswith(held), details
     finally:
         await close_fleet(fleet)

@@ -3,8 +3,9 @@ pooling engines (a classifier without an LM head: all three tasks) behind a cont
 polls are slow, so a stopped engine still looks routable. A task failing with a retryable
 status (here UNAVAILABLE: the engine cannot be reached) is retried once on the other engine,
 as a Generate failing before its first response is, and counted as a retry; with no engine
-left to try, the client gets the engine's own status. A request the engine refuses for
-itself (INVALID_ARGUMENT) is not retried."""
+left to try, the client gets the engine's own status, naming the engine as a Generate's
+failure does. A request the engine refuses for itself (INVALID_ARGUMENT) is not retried, and
+its refusal passes as the engine gave it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.server.service import start_engine
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, make_fleet
 from tests.controller.test_gateway import engine_answer
 from tests.engine.test_server_pooling_runner import LABELS, write_headless_classifier
@@ -94,6 +96,10 @@ async def test_a_task_the_picked_engine_fails_is_retried_on_the_other(
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await fleet.gateway.Embed(bad)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    async with grpc.aio.insecure_channel(fleet.address(fleet.engines[0])) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as direct:
+            await pb_grpc.OpenEngineStub(channel).Embed(bad)
+    assert refused.value.details() == direct.value.details()
     assert retries(fleet) == 0
     # Both idle, the gateway picks the same engine each time: the one that ran "first"
     # (it alone knows the id). Stopped, it fails every task sent to it (UNAVAILABLE).
@@ -115,7 +121,8 @@ async def test_a_task_the_picked_engine_fails_is_retried_on_the_other(
 async def test_with_no_engine_left_to_try_the_client_gets_the_engines_status(
     pooling_fleet: Fleet,
 ) -> None:
-    """Retried once, not once per engine: the second engine's failure is the answer."""
+    """Retried once, not once per engine: the second engine's failure is the answer, naming
+    it (the engine's bare words, "failed to connect", would read as the controller's)."""
     fleet = pooling_fleet
     for engine in fleet.engines:
         await engine.server.stop(None)
@@ -123,4 +130,8 @@ async def test_with_no_engine_left_to_try_the_client_gets_the_engines_status(
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             await run_task(fleet, task, f"t{n}")
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, task
+        details = failed.value.details() or ""
+        named = details.removeprefix("engine ").split(" ", 1)[0]
+        assert named in {fleet.address(e) for e in fleet.engines}, details
+        assert details.startswith(f"engine {named} failed the request: UNAVAILABLE: "), details
         assert retries(fleet) == n + 1

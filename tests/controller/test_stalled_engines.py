@@ -8,6 +8,7 @@ before that keeps its streams. The stopped engine is a real `kvplane engine serv
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+from tests.controller.test_admin_cli import cli
 from tests.controller.test_gateway import PREFIX
 from tests.controller.test_processes import _wait_port
 from tests.engine.lora_adapters import write_adapter_config
@@ -238,6 +240,42 @@ async def test_an_engine_back_before_the_limit_keeps_its_streams(
         await close_fleet(fleet)
 
 
+async def test_admin_abort_all_exits_1_naming_a_stopped_engine_and_shows_every_outcome(
+    stalling: EngineProcess,
+) -> None:
+    """`kvplane admin abort --all` while an engine holding a stream is stopped: for scripts,
+    exit 1 and one line naming the engine that did not abort its requests (its stream runs on
+    once it resumes); the JSON (and the table) still show every engine's outcome. Before, it
+    exited 0 with the engine's DEADLINE_EXCEEDED buried in the message."""
+    fleet = await fleet_with(stalling, abandon_after_s=0)  # streams wait for the engine
+    try:
+        stopped = await only_on(fleet, stalling)
+        registry = fleet.app.controller.fleet.registry
+        healthy = next(r.address for r in registry.records() if r.address != stopped)
+        stream = fleet.gateway.Generate(
+            generate_request("running", [*PREFIX, 1], max_tokens=100_000)
+        )
+        while (await stream.read()).WhichOneof("event") != "token":
+            pass
+        stalling.stop()
+        t = ["--target", fleet.target]
+        as_json = await cli("abort", "--all", *t, "--output", "json")
+        assert as_json.exit_code == 1, as_json.output
+        assert str(as_json.exception) == (
+            f"not every request was aborted: {stopped} (DEADLINE_EXCEEDED) did not abort theirs"
+        )
+        outcomes = {e["engine"]: e["outcome"] for e in json.loads(as_json.stdout)["engines"]}
+        assert outcomes == {stopped: "DEADLINE_EXCEEDED", healthy: "ok"}, as_json.stdout
+        table = await cli("abort", "--all", *t)
+        assert table.exit_code == 1, table.output
+        assert f"{stopped}: DEADLINE_EXCEEDED" in table.stdout, table.stdout
+        assert f"{healthy}: ok" in table.stdout, table.stdout
+        stalling.resume()
+        stream.cancel()
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_abort_of_every_request_does_not_pass_over_a_stopped_engine_holding_streams(
     stalling: EngineProcess,
 ) -> None:
@@ -258,13 +296,16 @@ async def test_abort_of_every_request_does_not_pass_over_a_stopped_engine_holdin
         await fleet.app.controller.fleet.wait_for(
             lambda: registry.get(stopped).state is EngineState.UNREACHABLE, 15
         )
-        everything = await fleet.gateway.Abort(
-            pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30
-        )
-        # The stopped engine is asked and its silence reported, as a wedged one's is.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30)
+        # The stopped engine is asked and its silence fails the call (its stream runs on),
+        # every outcome reported, as a wedged one's is.
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        message = err.value.details() or ""
         healthy = next(r.address for r in registry.records() if r.address != stopped)
-        assert f"{healthy}: ok" in everything.message, everything
-        assert f"{stopped}: DEADLINE_EXCEEDED" in everything.message, everything
+        assert f"{healthy}: ok" in message, message
+        assert f"{stopped}: DEADLINE_EXCEEDED" in message, message
+        assert message.startswith(f"not every request was aborted: {stopped} did not"), message
         # Back, the engine ends the stream as aborted once the operator retries (the first
         # Abort, held in its socket while it was stopped, may reach it first).
         stalling.resume()
