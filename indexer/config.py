@@ -42,6 +42,7 @@ from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
 from indexer.zmq_decode import ArrayTail
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_host_port
+from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 
 TierName = Literal["HBM", "DRAM", "SSD"]
 MediumTarget = Literal["HBM", "DRAM", "SSD", "skip"]
@@ -162,6 +163,20 @@ class ZmqSourceConfig(_SourceCommon):
     # Positional (array) events: read fields at index >= 7 as vLLM's ("vllm") or ignore them.
     array_tail: ArrayTail = "ignore"
     replay_timeout_s: StrictFloat = Field(default=5.0, gt=0)
+    # ZMTP heartbeats: how a publisher that falls silent without closing its connection is
+    # found (`indexer.sources.zmq.Heartbeat`).
+    heartbeat_interval_s: StrictFloat = DEFAULT_HEARTBEAT.interval_s
+    heartbeat_timeout_s: StrictFloat = DEFAULT_HEARTBEAT.timeout_s
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.heartbeat_interval_s, self.heartbeat_timeout_s)
+
+    @model_validator(mode="after")
+    def _check_heartbeat(self) -> ZmqSourceConfig:
+        problem = self.heartbeat().problem()
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _check_endpoints(self) -> ZmqSourceConfig:

@@ -65,6 +65,7 @@ def build_source(
             bind=config.bind,
             array_tail=config.array_tail,
             replay_timeout_s=config.replay_timeout_s,
+            heartbeat=config.heartbeat(),
         )
         return ZmqSource(settings, translator, backend)
     return OpenEngineSource(
