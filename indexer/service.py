@@ -74,6 +74,7 @@ def build_source(
             data_parallel_ranks=tuple(config.data_parallel_ranks),
             discover_zmq=config.discover_zmq,
             array_tail=config.array_tail,
+            heartbeat=config.heartbeat(),
         ),
         translator,
         backend,

@@ -5,6 +5,7 @@ names are ones the index takes, and a value of the wrong type is an error, not a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,16 +63,19 @@ def test_heartbeats_are_bounded_as_libzmq_takes_them(
     assert message in error
 
 
-def test_a_sources_heartbeats_reach_its_socket_settings() -> None:
-    (default,) = IndexerConfig.model_validate(_zmq()).sources
-    assert build_source(default, MemoryBackend(PrefixIndex()), 16).settings.heartbeat == (  # type: ignore[union-attr]
-        Heartbeat(interval_s=5.0, timeout_s=20.0)
-    )
+@pytest.mark.parametrize("kind", [_zmq, _openengine])
+def test_a_sources_heartbeats_reach_its_zmq_settings(
+    kind: Callable[..., dict[str, object]],
+) -> None:
+    """A zmq source's own; an openengine source's for the ZMQ sources it discovers."""
+    (default,) = IndexerConfig.model_validate(kind()).sources
+    source = build_source(default, MemoryBackend(PrefixIndex()), 16)
+    assert source.settings.heartbeat == Heartbeat(interval_s=5.0, timeout_s=20.0)
     (tuned,) = IndexerConfig.model_validate(
-        _zmq(heartbeat_interval_s=1, heartbeat_timeout_s=2.5)
+        kind(heartbeat_interval_s=1, heartbeat_timeout_s=2.5)
     ).sources
     source = build_source(tuned, MemoryBackend(PrefixIndex()), 16)
-    assert source.settings.heartbeat == Heartbeat(interval_s=1.0, timeout_s=2.5)  # type: ignore[union-attr]
+    assert source.settings.heartbeat == Heartbeat(interval_s=1.0, timeout_s=2.5)
 
 
 @pytest.mark.parametrize(
