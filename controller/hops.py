@@ -120,7 +120,7 @@ class LoopGuard:
 
 def via_metadata(own_id: str) -> tuple[tuple[str, str], ...]:
     """The hop entries of a call this controller makes now for a gateway request: those the
-    request brought, then its own. None outside a request: a poll is no hop of a request (and
+    request brought, then its own; nothing outside one: a poll is no hop of a request (and
     a poll of the controller's own address must reach GetEngineInfo's check, "this is the
     controller itself", rather than be refused as a loop)."""
     passed = _passed.get()
