@@ -21,6 +21,7 @@ from controller.admin import GUARDED_METHODS as ADMIN_GUARDED
 from controller.admin import AdminServicer
 from controller.config import ControllerConfig
 from controller.gateway import GatewayServicer
+from controller.hops import LoopGuard
 from controller.service import Controller
 from controller.vllm_gateway import VllmGatewayServicer
 from indexer.backend import IndexBackend
@@ -33,6 +34,7 @@ from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 log = logging.getLogger(__name__)
 
 GATEWAY_MUTATING = frozenset({"Abort", "Drain", "LoadLora", "UnloadLora"})
+ADMIN_SERVICE = "kvplane.v1.Admin"
 
 
 @dataclass
@@ -74,13 +76,18 @@ async def start_controller(
         ),
         Service("vllm.Generate", lambda s: vpb_grpc.add_GenerateServicer_to_server(vllm, s)),
         Service(
-            "kvplane.v1.Admin",
+            ADMIN_SERVICE,
             lambda s: apb_grpc.add_AdminServicer_to_server(admin, s),
             ADMIN_GUARDED,
         ),
     ]
     try:
-        server, port = await create_server(config, services)
+        # A gateway call that passed this controller already is a loop (`controller.hops`);
+        # the admin API's calls are no hops of a request.
+        loop_guard = LoopGuard(
+            controller.instance_id, [s.name for s in services if s.name != ADMIN_SERVICE]
+        )
+        server, port = await create_server(config, services, handler_wrapper=loop_guard)
     except Exception:
         await controller.close()
         raise

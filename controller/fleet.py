@@ -43,6 +43,7 @@ from typing import NamedTuple
 import grpc
 
 from controller.config import ControllerConfig, KvEventsMode
+from controller.hops import FRONTS_METADATA_KEY, metadata_values, via_interceptors
 from controller.registry import (
     DuplicateEngineError,
     EjectionPolicy,
@@ -308,6 +309,10 @@ class Fleet:
             .receiving_any_size()
             .with_token_file(config.engine_token_file, "engine_token_file")
         )
+        if instance_id is not None:  # every call says which controllers it passed
+            self._engine_channels = self._engine_channels.with_interceptors(
+                via_interceptors(instance_id)
+            )
         self.remote = (
             RemoteIndex(
                 config.index.remote,
@@ -701,7 +706,9 @@ class Fleet:
         which a new process under the same instance id does, and so does one that lost its
         place in the stream; an identity other than the last one read says which."""
         timeout = self.config.health.rpc_timeout_s
-        info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
+        call = engine.stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
+        info = await call
+        fronts = metadata_values(await call.trailing_metadata(), FRONTS_METADATA_KEY)
         # Fail closed before asking anything else of an engine we cannot speak to.
         check_revision(info.schema_revision, info.minimum_client_revision, info.schema_release)
         models = tuple(info.supported_models)
@@ -717,6 +724,7 @@ class Fleet:
             minimum_client_revision=info.minimum_client_revision,
             schema_release=info.schema_release,
             model_facts=facts,
+            fronted_controller_ids=frozenset(fronts),
         )
         adapters = await self._list_loras(engine, identity)
         previous = self.registry.get(engine.address).identity

@@ -57,8 +57,10 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from controller.fleet import POOLING_TASKS, Fleet
+from controller.hops import FRONTS_METADATA_KEY
 from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
 from controller.registry import (
+    CONTROLLER_ENGINE_NAME,
     POLL_FAILED_STATES,
     EngineRecord,
     EngineState,
@@ -978,8 +980,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             # Generate answer NOT_FOUND for a model only such engines name).
             if r.identity is not None and r.state is not EngineState.INCOMPATIBLE:
                 models.extend(m for m in r.identity.models if m not in models)
+        # Which controllers this one fronts: a controller about to front it refuses to if it
+        # is among them (a ring of controllers, `controller.hops`).
+        fronted = sorted(self.controller.fleet.registry.fronted_controller_ids())
+        context.set_trailing_metadata([(FRONTS_METADATA_KEY, i) for i in fronted])
         return pb.EngineInfo(
-            engine_name="kvplane-controller",
+            engine_name=CONTROLLER_ENGINE_NAME,
             engine_version=__version__,
             role=GATEWAY_ROLE,
             instance_id=self.instance_id,

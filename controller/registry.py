@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from indexer.zmq_decode import ArrayTail
 
 CLIENT_REVISION = 1
+# What a kvplane controller's gateway calls itself in GetEngineInfo.
+CONTROLLER_ENGINE_NAME = "kvplane-controller"
 SUPPORTED_SERVER_REVISIONS = frozenset({1})
 _MOVING_RELEASES = frozenset({"", "main", "master", "head", "latest", "trunk", "develop"})
 
@@ -232,6 +234,13 @@ class EngineIdentity:
     schema_release: str
     # Each model's GetModelInfo, in the order of `models`; empty when it was not asked.
     model_facts: tuple[ModelFacts, ...] = ()
+    # A controller's: the controllers it fronts, its engines' and theirs in turn (from its
+    # GetEngineInfo, `controller.hops`); empty for an engine.
+    fronted_controller_ids: frozenset[str] = frozenset()
+
+    @property
+    def is_controller(self) -> bool:
+        return self.engine_name == CONTROLLER_ENGINE_NAME
 
     def serves(self, model: str | None) -> bool:
         """No model named, or an engine that names none, match."""
@@ -375,6 +384,19 @@ class Registry:
 
     def records(self) -> list[EngineRecord]:
         return sorted(self._by_address.values(), key=lambda r: r.address)
+
+    def fronted_controller_ids(self) -> frozenset[str]:
+        """The controllers this one fronts: its engines that are controllers and, in turn,
+        those they front (an incompatible one is never routed to, so fronts nothing)."""
+        fronted: set[str] = set()
+        for record in self._by_address.values():
+            identity = record.identity
+            if identity is None or record.state is EngineState.INCOMPATIBLE:
+                continue
+            if identity.is_controller:
+                fronted.add(identity.instance_id)
+            fronted |= identity.fronted_controller_ids
+        return frozenset(fronted)
 
     def add(
         self,
@@ -582,6 +604,17 @@ class Registry:
             # This controller's own gateway, registered under its address: each request routed
             # there would come back in, to be routed again.
             _reject(record, f"this is the controller itself (instance {identity.instance_id})")
+            raise IncompatibleEngineError(record.last_error)
+        if self.own_instance_id is not None and (
+            self.own_instance_id in identity.fronted_controller_ids
+        ):
+            # Fronting a controller is fine (a hierarchical fleet), unless it fronts this one:
+            # each request routed there would be routed back here, and on around the ring.
+            _reject(
+                record,
+                f"a controller (instance {identity.instance_id}) that fronts this controller "
+                f"(instance {self.own_instance_id}): requests would loop between them",
+            )
             raise IncompatibleEngineError(record.last_error)
         twin = self._reachable_twin(address, identity.instance_id)
         if twin is not None:

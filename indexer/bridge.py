@@ -65,6 +65,7 @@ from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.server import bearer_token_metadata
+from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,7 @@ class BridgeSettings:
     channels: ClientChannels = INSECURE
     # How often the canary is probed; 0 = never.
     probe_interval_s: float = 2.0
+    heartbeat: Heartbeat = DEFAULT_HEARTBEAT
 
 
 def build_bridge(
@@ -301,6 +303,7 @@ def build_bridge(
             topic=settings.topic,
             bind=settings.bind,
             array_tail=settings.array_tail,
+            heartbeat=settings.heartbeat,
         ),
         translator,
         sink,

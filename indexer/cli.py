@@ -28,6 +28,8 @@ from kvplane.cli_common import (
     token_of,
     usage_error_for,
 )
+from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
+from kvplane.zmq_heartbeat import seconds_problem as heartbeat_seconds_problem
 
 indexer_app = typer.Typer(no_args_is_help=True)
 
@@ -138,6 +140,16 @@ def bridge(
             help="Seconds between probes that the target still holds the worker (0: off)."
         ),
     ] = 2.0,
+    heartbeat_interval_s: Annotated[
+        float, typer.Option(help="Seconds between ZMTP pings to the publisher.")
+    ] = DEFAULT_HEARTBEAT.interval_s,
+    heartbeat_timeout_s: Annotated[
+        float,
+        typer.Option(
+            help="Seconds without an answer to a ping before the publisher counts as gone "
+            "(its worker is cleared until it is back)."
+        ),
+    ] = DEFAULT_HEARTBEAT.timeout_s,
 ) -> None:
     """Bridge a vLLM/SGLang ZMQ KV-event stream into ApplyExternalKvBatch calls."""
     from indexer.batch import Tier
@@ -173,6 +185,14 @@ def bridge(
             f"must be 0 (off) or a positive, finite number of seconds, got {probe_interval_s}",
             param_hint="--probe-interval-s",
         )
+    heartbeat = Heartbeat(heartbeat_interval_s, heartbeat_timeout_s)
+    for option, value in (
+        ("--heartbeat-interval-s", heartbeat_interval_s),
+        ("--heartbeat-timeout-s", heartbeat_timeout_s),
+    ):
+        problem = heartbeat_seconds_problem(value)
+        if problem is not None:
+            raise typer.BadParameter(problem, param_hint=option)
     clear_tiers: tuple[Tier, ...] = ALL_TIERS
     if clear_tier:
         clear_tiers = tuple(_medium("--clear-tier", t, skip=False) for t in clear_tier)
@@ -197,5 +217,6 @@ def bridge(
         token=token,
         channels=channels,
         probe_interval_s=probe_interval_s,
+        heartbeat=heartbeat,
     )
     asyncio.run(_until_signal(run_bridge(settings)))

@@ -24,7 +24,7 @@ channel arguments, uint32 wire fields) are bounded here, so that a config that l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     Field,
@@ -42,6 +42,7 @@ from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
 from indexer.zmq_decode import ArrayTail
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_host_port
+from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 
 TierName = Literal["HBM", "DRAM", "SSD"]
 MediumTarget = Literal["HBM", "DRAM", "SSD", "skip"]
@@ -114,6 +115,21 @@ class _SourceCommon(StrictModel):
     # A hybrid model's KV cache groups in group_idx order, known before (or without) the
     # events naming them; events that name a group's kind override it (docs/indexer.md).
     kv_cache_groups: list[KvCacheGroupConfig] = Field(default_factory=list)
+    # ZMTP heartbeats to a ZMQ publisher (a zmq source's, or those an openengine source
+    # follows with discover_zmq): how one that falls silent without closing its connection
+    # is found (`kvplane.zmq_heartbeat`).
+    heartbeat_interval_s: StrictFloat = DEFAULT_HEARTBEAT.interval_s
+    heartbeat_timeout_s: StrictFloat = DEFAULT_HEARTBEAT.timeout_s
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(self.heartbeat_interval_s, self.heartbeat_timeout_s)
+
+    @model_validator(mode="after")
+    def _check_heartbeat(self) -> Self:
+        problem = self.heartbeat().problem()
+        if problem is not None:
+            raise ValueError(problem)
+        return self
 
     @field_validator("worker_id", "worker_address", check_fields=False)
     @classmethod

@@ -65,6 +65,7 @@ def build_source(
             bind=config.bind,
             array_tail=config.array_tail,
             replay_timeout_s=config.replay_timeout_s,
+            heartbeat=config.heartbeat(),
         )
         return ZmqSource(settings, translator, backend)
     return OpenEngineSource(
@@ -73,6 +74,7 @@ def build_source(
             data_parallel_ranks=tuple(config.data_parallel_ranks),
             discover_zmq=config.discover_zmq,
             array_tail=config.array_tail,
+            heartbeat=config.heartbeat(),
         ),
         translator,
         backend,

@@ -80,6 +80,9 @@ class ClientChannels:
     client_certificate: bool = False
     # Sent with every call that has no authorization of its own (a bearer token).
     metadata: Metadata = ()
+    # Run on every call of the aio channels, after the metadata's (the controller's hop
+    # header, `controller.hops`).
+    interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()
 
     @classmethod
     def load(cls, tls: ClientTlsConfig | None, where: str = "") -> ClientChannels:
@@ -160,9 +163,18 @@ class ClientChannels:
             return self
         return self.with_metadata(bearer_token_metadata(read_token_file(token_file, setting)))
 
+    def with_interceptors(
+        self, interceptors: tuple[grpc.aio.ClientInterceptor, ...]
+    ) -> ClientChannels:
+        """The same, the aio channels' calls also passing through `interceptors`."""
+        return replace(self, interceptors=(*self.interceptors, *interceptors))
+
     def aio_channel(self, target: str) -> grpc.aio.Channel:
         """A grpc.aio channel to `target` (HOST:PORT)."""
-        interceptors = _AioDefaultMetadata.of(self.metadata) if self.metadata else None
+        interceptors = [
+            *(_AioDefaultMetadata.of(self.metadata) if self.metadata else ()),
+            *self.interceptors,
+        ] or None
         if self.credentials is None:
             return grpc.aio.insecure_channel(
                 target, options=list(self.options), interceptors=interceptors

@@ -22,6 +22,9 @@ from google.protobuf.message import DecodeError
 Context = grpc.aio.ServicerContext[Any, Any]
 if TYPE_CHECKING:
     Handler = grpc.RpcMethodHandler[Any, Any]
+    # A server's own wrapping of a method's handler (by the method's full path), applied
+    # under the tolerant one (e.g. `controller.hops.LoopGuard`).
+    HandlerWrapper = Callable[[str, Handler], Handler]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,17 +82,27 @@ def _refusing(handler: Handler) -> Handler:
 class TolerantRegistration:
     """The server as a servicer's `add_*_to_server` sees it: every method handler it
     registers (registered or generic) is wrapped once, here, to refuse a request that does
-    not parse (see the module), so calls pay no interceptor. Anything else is the server's."""
+    not parse (see the module), so calls pay no interceptor; a `wrapper` of the server's own
+    is applied under it the same way. Anything else is the server's."""
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(self, server: grpc.aio.Server, wrapper: HandlerWrapper | None = None) -> None:
         self._server = server
+        self._wrapper = wrapper
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Handler]) -> None:
-        tolerant = {method: _tolerant_handler(h) for method, h in handlers.items()}
+        tolerant = {
+            method: self.wrapped(f"/{service}/{method}", h) for method, h in handlers.items()
+        }
         self._server.add_registered_method_handlers(service, tolerant)
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._server.add_generic_rpc_handlers([_TolerantGeneric(h) for h in handlers])
+        self._server.add_generic_rpc_handlers([_TolerantGeneric(h, self.wrapped) for h in handlers])
+
+    def wrapped(self, method: str, handler: Handler) -> Handler:
+        """`handler` of `method` as the server runs it."""
+        if self._wrapper is not None:
+            handler = self._wrapper(method, handler)
+        return _tolerant_handler(handler)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._server, name)
@@ -99,8 +112,11 @@ class _TolerantGeneric(grpc.GenericRpcHandler):
     """A generic handler whose method handlers refuse what does not parse; each wrapped once
     (a generated service's generic handler answers every call of a method with one handler)."""
 
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+    def __init__(
+        self, inner: grpc.GenericRpcHandler, wrapped: Callable[[str, Handler], Handler]
+    ) -> None:
         self._inner = inner
+        self._wrap = wrapped
         self._wrapped: dict[str, tuple[Handler, Handler]] = {}
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
@@ -110,7 +126,7 @@ class _TolerantGeneric(grpc.GenericRpcHandler):
         method = handler_call_details.method
         known = self._wrapped.get(method)
         if known is None or known[0] is not handler:
-            known = (handler, _tolerant_handler(handler))
+            known = (handler, self._wrap(method, handler))
             self._wrapped[method] = known
         return known[1]
 

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +28,9 @@ from grpc_reflection.v1alpha import reflection
 from kvplane.config import ServerConfig, TlsConfig, join_host_port, parse_host_port
 from kvplane.errors import ConfigError
 from kvplane.request_decoding import TolerantRegistration
+
+if TYPE_CHECKING:
+    from kvplane.request_decoding import HandlerWrapper
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +120,11 @@ async def create_server(
     services: Iterable[Service],
     *,
     options: Iterable[tuple[str, Any]] = (),
+    handler_wrapper: HandlerWrapper | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Build, bind and start a server for `services`; returns it with the bound port.
+    `handler_wrapper` wraps each of their methods' handlers as they are registered (see
+    `TolerantRegistration`: calls pay no interceptor).
 
     Health reports SERVING for the empty service name and every registered service.
     """
@@ -142,7 +148,7 @@ async def create_server(
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    registration = cast(grpc.aio.Server, TolerantRegistration(server))
+    registration = cast(grpc.aio.Server, TolerantRegistration(server, handler_wrapper))
     for service in services:
         service.add_to_server(registration)
     names = [s.name for s in services]

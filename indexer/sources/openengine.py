@@ -69,6 +69,7 @@ from indexer.translate import WorkerTranslator
 from indexer.zmq_decode import ArrayTail
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import BIND_WILDCARD_HOSTS, join_host_port
+from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -148,6 +149,8 @@ class OpenEngineSourceSettings:
     discover_zmq: bool = True
     # How the advertised ZMQ sources' positional events are read (`indexer.zmq_decode`).
     array_tail: ArrayTail = "ignore"
+    # How those sources find a publisher that falls silent (`kvplane.zmq_heartbeat`).
+    heartbeat: Heartbeat = DEFAULT_HEARTBEAT
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
 
@@ -416,7 +419,9 @@ class OpenEngineSource:
                     problem,
                 )
                 continue
-            settings = zmq_source_settings(advert, array_tail=self.settings.array_tail)
+            settings = zmq_source_settings(
+                advert, array_tail=self.settings.array_tail, heartbeat=self.settings.heartbeat
+            )
             log.info(
                 "worker %s: SubscribeKvEvents unimplemented; following ZMQ %s (replay %s)",
                 translator.options.worker_id,
@@ -464,7 +469,9 @@ def advert_endpoint_problem(advert: pb.KvEventSource) -> str | None:
     return None
 
 
-def zmq_source_settings(advert: pb.KvEventSource, *, array_tail: ArrayTail) -> ZmqSourceSettings:
+def zmq_source_settings(
+    advert: pb.KvEventSource, *, array_tail: ArrayTail, heartbeat: Heartbeat = DEFAULT_HEARTBEAT
+) -> ZmqSourceSettings:
     """How to follow one advertised ZMQ source (its replay endpoint may lack the scheme),
     reading its positional events' fields from index 7 on as `array_tail` says: the advert does
     not say which engine's layout they follow. Check `advert_endpoint_problem` first."""
@@ -473,5 +480,9 @@ def zmq_source_settings(advert: pb.KvEventSource, *, array_tail: ArrayTail) -> Z
     if replay is not None and "://" not in replay:
         replay = f"tcp://{replay}"
     return ZmqSourceSettings(
-        endpoint=endpoint, replay_endpoint=replay, topic=advert.topic, array_tail=array_tail
+        endpoint=endpoint,
+        replay_endpoint=replay,
+        topic=advert.topic,
+        array_tail=array_tail,
+        heartbeat=heartbeat,
     )

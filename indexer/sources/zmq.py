@@ -28,6 +28,12 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
 - the SUB's connection ends (the monitor's disconnect; an engine killed publishes no last
   word): the worker is cleared at once, and the next connection rebuilds it from a replay
   from seq 0, as a start does (a sequence break: the publisher may be a new process);
+- a publisher that falls silent without closing its connection (its host frozen or cut off,
+  its process stopped: TCP sees nothing, since a SUB never sends) is found by ZMTP heartbeats
+  (`Heartbeat`): the SUB pings it, and a connection that brings nothing back within the
+  timeout is closed by libzmq, which is the disconnect above. Only a connection whose ZMTP
+  handshake succeeded counts as the publisher back: the kernel of a stopped process still
+  accepts TCP connections, and such a connection carries nothing;
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
   message rebuilds the worker as on a first message; an endpoint ZMQ cannot parse (EINVAL,
   EPROTONOSUPPORT from connect / bind) would fail again on every restart, so it ends `run`
@@ -82,6 +88,7 @@ from indexer.zmq_decode import (
     decode_replay_reply,
 )
 from kvplane.errors import ConfigError
+from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 from kvplane.zmq_ip import set_ip_version
 
 log = logging.getLogger(__name__)
@@ -140,6 +147,8 @@ class ZmqSourceSettings:
     array_tail: ArrayTail = "ignore"
     # Longest wait for the next replay reply before the replay counts as failed.
     replay_timeout_s: float = 5.0
+    # How a publisher that falls silent without closing its connection is found.
+    heartbeat: Heartbeat = DEFAULT_HEARTBEAT
     # With a replay endpoint: rebuild the worker from the replay as the source starts, not at
     # the first message (off only to study the first-message rules alone).
     rebuild_at_start: bool = True
@@ -241,10 +250,10 @@ class ZmqSource:
 
     async def _follow(self) -> None:
         sub = self._context.socket(zmq.SUB)
-        # Reports each connection before any message can arrive on it.
-        connections = sub.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        )
+        # Reports each connection before any message can arrive on it: once its ZMTP handshake
+        # succeeded, not at its TCP connect or accept (the kernel of a stopped publisher still
+        # accepts; such a connection brings nothing and ends at the handshake's timeout).
+        connections = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         recv: asyncio.Future[list[bytes]] | None = None
         # Ready when the monitor has events: a publisher that goes away or comes back is acted
         # on while no message comes (an engine killed, or restarted idle, publishes nothing).
@@ -256,6 +265,7 @@ class ZmqSource:
             sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
             sub.setsockopt(zmq.RECONNECT_IVL, int(self.settings.backoff_initial_s * 1000))
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.backoff_max_s * 1000))
+            self.settings.heartbeat.apply_to(sub)
             for prefix in _subscriptions(self.settings.topic):
                 sub.setsockopt(zmq.SUBSCRIBE, prefix)
             self._attach(sub)
@@ -325,9 +335,10 @@ class ZmqSource:
             sub.close(linger=0)
 
     async def _on_connection_events(self, events: list[int]) -> None:
-        """Act on the SUB's monitor events. A connection made or accepted marks the next
-        message for a check (`_new_connection`). A disconnection means the publisher went away
-        (its process ended: a killed engine publishes no last word): the blocks indexed from it
+        """Act on the SUB's monitor events. A connection made or accepted (its handshake done)
+        marks the next message for a check (`_new_connection`). A disconnection means the
+        publisher went away (its process ended: a killed engine publishes no last word, or
+        it fell silent past the heartbeat timeout): the blocks indexed from it
         are cleared at once rather than left stale until it publishes again, which a dead
         engine never does. The next connection (the engine back, restarted or not) then
         rebuilds the worker from the replay at once, as a start does."""
@@ -554,6 +565,8 @@ class ZmqSource:
         if not self.settings.replay_endpoint:
             return None
         self.counters.num_replays += 1
+        # (No heartbeats here: `replay_timeout_s` bounds every wait of a replay, a silent
+        # publisher's included.)
         dealer = self._context.socket(zmq.DEALER)
         replies: list[ZmqMessage] = []
         try:

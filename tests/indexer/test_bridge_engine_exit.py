@@ -168,3 +168,60 @@ async def test_a_killed_engine_leaves_no_stale_blocks_and_its_restart_is_indexed
     await eventually(second_indexed, WAIT_S, "the restarted engine's blocks in the index")
     assert await _prefix_blocks(indexer, first_prompt) == 0
     assert await _indexed_blocks(indexer) == await _engine_cached_blocks(engine)
+
+
+async def test_a_stopped_engine_is_cleared_by_heartbeats_and_rebuilt_when_it_resumes(
+    tmp_path: Path, processes: Processes
+) -> None:
+    """A stopped engine (SIGSTOP: the kernel keeps its connections up, as for a frozen host or
+    a cut network) never closes its connection; only the bridge's heartbeats tell it is gone.
+    Resumed, it publishes nothing new: its blocks come back from its replay at the
+    reconnection, exactly those it holds."""
+    zmq_port, replay_port = _free_port(), _free_port()
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        f"model: sim\nblock_size: {BLOCK_SIZE}\nnum_kv_blocks: 256\nsim:\n  time_scale: 0\n"
+        f"kv_events:\n  zmq_enabled: true\n  endpoint: tcp://127.0.0.1:{zmq_port}\n"
+        f"  replay_endpoint: tcp://127.0.0.1:{replay_port}\n"
+    )
+    engine = await processes.serving("engine", "engine", "serve", "--config", str(config))
+    indexer = await processes.serving("indexer", "indexer", "serve")
+    processes.spawn(
+        "bridge",
+        *("indexer", "bridge", "--target", indexer, "--worker-id", WORKER),
+        *("--worker-address", engine),
+        *("--endpoint", f"tcp://127.0.0.1:{zmq_port}"),
+        *("--replay-endpoint", f"tcp://127.0.0.1:{replay_port}"),
+        # Short, so that the test is quick; the defaults are for real networks.
+        *("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1"),
+    )
+    prompts = ([n, *range(1, 4 * BLOCK_SIZE)] for n in itertools.count(10_000))
+    prompt: list[int] = []
+
+    async def indexed() -> bool:
+        nonlocal prompt
+        prompt = next(prompts)
+        await _generate(engine, prompt)
+        return await _prefix_blocks(indexer, prompt) == 4
+
+    await eventually(indexed, WAIT_S, "the engine's blocks in the index", every_s=0.2)
+    num_cached = await _engine_cached_blocks(engine)
+    assert await _indexed_blocks(indexer) == num_cached
+
+    (engine_process,) = [p for p in processes.running if "engine" in p.args]
+    engine_process.send_signal(signal.SIGSTOP)
+    try:
+
+        async def none_indexed() -> bool:
+            return await _indexed_blocks(indexer) == 0
+
+        await eventually(none_indexed, WAIT_S, "the stopped engine's blocks to leave the index")
+    finally:
+        engine_process.send_signal(signal.SIGCONT)
+
+    async def all_back() -> bool:
+        return await _indexed_blocks(indexer) == num_cached
+
+    await eventually(all_back, WAIT_S, "the resumed engine's blocks back in the index")
+    assert await _prefix_blocks(indexer, prompt) == 4
+    assert await _engine_cached_blocks(engine) == num_cached  # (nothing new was generated)

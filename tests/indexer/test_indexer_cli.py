@@ -404,6 +404,8 @@ PROBE_INTERVAL_RULE = "must be 0 (off) or a positive, finite number of seconds"
         ("--target", "127.0.0.1:73636", "port out of range in '127.0.0.1:73636'"),
         ("--probe-interval-s", "-1", f"{PROBE_INTERVAL_RULE}, got -1.0"),
         ("--probe-interval-s", "inf", f"{PROBE_INTERVAL_RULE}, got inf"),
+        ("--heartbeat-interval-s", "0", "must be between 0.1 and 6553.5 seconds, got 0.0"),
+        ("--heartbeat-timeout-s", "nan", "must be between 0.1 and 6553.5 seconds, got nan"),
     ],
 )
 def test_bridge_rejects_bad_options_before_starting(option: str, value: str, message: str) -> None:

@@ -5,6 +5,7 @@ names are ones the index takes, and a value of the wrong type is an error, not a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from indexer.memory_backend import MemoryBackend
 from indexer.service import build_source
 from kvplane.config import load_config, validate_config
 from kvplane.errors import ConfigError
+from kvplane.zmq_heartbeat import Heartbeat
 
 
 def _error(data: dict[str, object]) -> str:
@@ -41,6 +43,39 @@ def test_max_request_bytes_fits_grpcs_c_int() -> None:
             "invalid config in indexer.yaml: max_request_bytes: must be at most "
             f"2147483647 (2 GiB - 1, gRPC's limit), got {value}"
         )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"heartbeat_interval_s": 0}, "heartbeat_interval_s must be between 0.1 and 6553.5"),
+        ({"heartbeat_interval_s": -1.0}, "heartbeat_interval_s must be between"),
+        # A TTL below a decisecond would go out as 0 (none); above 6553.5 s it does not fit.
+        ({"heartbeat_timeout_s": 0.05}, "heartbeat_timeout_s must be between 0.1 and 6553.5"),
+        ({"heartbeat_timeout_s": 7000}, "seconds, got 7000"),
+    ],
+)
+def test_heartbeats_are_bounded_as_libzmq_takes_them(
+    fields: dict[str, object], message: str
+) -> None:
+    error = _error(_zmq(**fields))
+    assert error.startswith("invalid config in indexer.yaml: sources.0.zmq: ")
+    assert message in error
+
+
+@pytest.mark.parametrize("kind", [_zmq, _openengine])
+def test_a_sources_heartbeats_reach_its_zmq_settings(
+    kind: Callable[..., dict[str, object]],
+) -> None:
+    """A zmq source's own; an openengine source's for the ZMQ sources it discovers."""
+    (default,) = IndexerConfig.model_validate(kind()).sources
+    source = build_source(default, MemoryBackend(PrefixIndex()), 16)
+    assert source.settings.heartbeat == Heartbeat(interval_s=5.0, timeout_s=20.0)
+    (tuned,) = IndexerConfig.model_validate(
+        kind(heartbeat_interval_s=1, heartbeat_timeout_s=2.5)
+    ).sources
+    source = build_source(tuned, MemoryBackend(PrefixIndex()), 16)
+    assert source.settings.heartbeat == Heartbeat(interval_s=1.0, timeout_s=2.5)
 
 
 @pytest.mark.parametrize(
@@ -107,6 +142,8 @@ def test_valid_zmq_endpoints_load(fields: dict[str, object]) -> None:
         (_zmq(bind="yes"), "sources.0.zmq.bind"),
         (_zmq(block_size=True), "sources.0.zmq.block_size"),
         (_zmq(replay_timeout_s="5"), "sources.0.zmq.replay_timeout_s"),
+        (_zmq(heartbeat_interval_s="5"), "sources.0.zmq.heartbeat_interval_s"),
+        (_zmq(heartbeat_timeout_s=True), "sources.0.zmq.heartbeat_timeout_s"),
         (_openengine(discover_zmq="no"), "sources.0.openengine.discover_zmq"),
         (_openengine(data_parallel_ranks=[True]), "sources.0.openengine.data_parallel_ranks.0"),
         ({"backend": "redis://h:1/0", "redis": {"buckets": "16"}}, "redis.buckets"),
