@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
+from kvplane.channels import Metadata, aio_metadata_interceptors
 from kvplane.request_decoding import Context
 
 if TYPE_CHECKING:
@@ -129,32 +130,11 @@ def via_metadata(own_id: str) -> tuple[tuple[str, str], ...]:
     return tuple((VIA_METADATA_KEY, hop) for hop in (*passed, own_id))
 
 
-class _Via:
-    def __init__(self, own_id: str) -> None:
-        self._own_id = own_id
-
-    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        via = via_metadata(self._own_id)
-        if not via:
-            return details
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), *via)
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
-        )
-
-
-class _ViaUnaryUnary(_Via, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-
-class _ViaUnaryStream(_Via, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
-
-
 def via_interceptors(own_id: str) -> tuple[grpc.aio.ClientInterceptor, ...]:
-    """For the channels to engines: every call carries `via_metadata(own_id)`. (grpc.aio files
-    an interceptor under one kind only, so one of each kind; the controller makes no
-    client-streaming calls to engines.)"""
-    return (_ViaUnaryUnary(own_id), _ViaUnaryStream(own_id))
+    """For the channels to engines: every call carries `via_metadata(own_id)` after its own."""
+
+    def with_via(given: Any) -> Metadata | None:
+        via = via_metadata(own_id)
+        return (*(given or ()), *via) if via else None
+
+    return tuple(aio_metadata_interceptors(with_via))

@@ -15,7 +15,9 @@ the client's own settings (CLI flags, config keys).
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -172,7 +174,11 @@ class ClientChannels:
     def aio_channel(self, target: str) -> grpc.aio.Channel:
         """A grpc.aio channel to `target` (HOST:PORT)."""
         interceptors = [
-            *(_AioDefaultMetadata.of(self.metadata) if self.metadata else ()),
+            *(
+                aio_metadata_interceptors(partial(_with_default, default=self.metadata))
+                if self.metadata
+                else ()
+            ),
             *self.interceptors,
         ] or None
         if self.credentials is None:
@@ -301,25 +307,27 @@ class _DefaultMetadata(
         return continuation(self._details(details), requests)
 
 
-class _AioDefaultMetadata:
-    """The aio half. grpc.aio files each interceptor under the first kind it is (an `elif`
-    chain), so one object of all four kinds would only see unary-unary calls: `of` makes one
-    of each."""
+def aio_metadata_interceptors(
+    rewrite: Callable[[Any], Metadata | None],
+) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors for grpc.aio channels giving every call the metadata `rewrite` makes of
+    its own (None: leave the call as it is). grpc.aio files each interceptor under the first
+    kind it is (an `elif` chain), so one object of all four kinds would only see unary-unary
+    calls: one of each."""
+    return [
+        _AioUnaryUnary(rewrite),
+        _AioUnaryStream(rewrite),
+        _AioStreamUnary(rewrite),
+        _AioStreamStream(rewrite),
+    ]
 
-    def __init__(self, metadata: Metadata) -> None:
-        self._metadata = metadata
 
-    @classmethod
-    def of(cls, metadata: Metadata) -> list[grpc.aio.ClientInterceptor]:
-        return [
-            _AioUnaryUnary(metadata),
-            _AioUnaryStream(metadata),
-            _AioStreamUnary(metadata),
-            _AioStreamStream(metadata),
-        ]
+class _AioMetadata:
+    def __init__(self, rewrite: Callable[[Any], Metadata | None]) -> None:
+        self._rewrite = rewrite
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = _with_default(details.metadata, self._metadata)
+        metadata = self._rewrite(details.metadata)
         if metadata is None:
             return details
         return grpc.aio.ClientCallDetails(
@@ -331,22 +339,22 @@ class _AioDefaultMetadata:
         )
 
 
-class _AioUnaryUnary(_AioDefaultMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+class _AioUnaryUnary(_AioMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
-class _AioUnaryStream(_AioDefaultMetadata, grpc.aio.UnaryStreamClientInterceptor):
+class _AioUnaryStream(_AioMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
-class _AioStreamUnary(_AioDefaultMetadata, grpc.aio.StreamUnaryClientInterceptor):
+class _AioStreamUnary(_AioMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
 
-class _AioStreamStream(_AioDefaultMetadata, grpc.aio.StreamStreamClientInterceptor):
+class _AioStreamStream(_AioMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
         return await continuation(self._details(details), requests)
 
