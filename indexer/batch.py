@@ -86,18 +86,6 @@ class Batch(NamedTuple):
     cache_spec: CacheSpec | None = None
 
 
-def clears_worker(batch: Batch) -> bool:
-    """Whether `batch` starts by clearing its worker at every tier (CLEAR_ALL_AT_TIER actions
-    before any other, covering every tier): what a source's or the bridge's rebuild sends
-    first, so nothing the worker held before it survives the batch."""
-    cleared: set[int] = set()  # (an unvalidated batch may carry a tier out of range)
-    for action in batch.actions:
-        if action.type != ActionType.CLEAR_ALL_AT_TIER:
-            break
-        cleared.add(action.tier)
-    return cleared.issuperset(Tier)
-
-
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 

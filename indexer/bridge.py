@@ -15,15 +15,11 @@ backoff, blocking the stream (ZMQ buffers meanwhile; an
 overflow shows up as a gap and is replayed); UNAUTHENTICATED and PERMISSION_DENIED stop the
 bridge (a ConfigError: every later batch would be refused alike, so running on would only drop
 them); any other status drops that batch and is logged.
-The target may lose the worker's blocks. Three signs make the sink ask the source to resync the
-worker (`on_worker_lost`: clear it on the target, rebuild it from the publisher's replay from
-seq 0):
-- an apply is refused with ABORTED: kvplane's indexer says so once its store lost the worker's
-  blocks (a Redis restarted empty, `indexer.sources.resync`), and refuses every batch that does
-  not clear the worker until one does; the refused batch is dropped (the replay resends it),
-  and further refusals before the resync's clear are the same loss (one warning, one resync);
-- an apply gets through after UNAVAILABLE, once something was delivered before (kvplane's memory
-  indexer restarts empty);
+The target may lose the worker's blocks (kvplane's memory indexer restarts empty) without the
+bridge seeing a failed apply, e.g. while the engine publishes nothing. Two signs make the sink
+ask the source to resync the worker (`on_worker_lost`: clear it on the target, rebuild it from
+the publisher's replay from seq 0):
+- an apply gets through after UNAVAILABLE, once something was delivered before;
 - the canary probe (`follow` runs it beside the source): the sink remembers one delivered
   block that the target still holds as far as the bridge knows (`Canary`, its key exactly as
   sent, engine or canonical), and every `probe_interval_s` asks the target for it with
@@ -33,9 +29,7 @@ seq 0):
   apply lock, so it never reads a state an apply is changing; a probe that fails (UNAVAILABLE,
   DEADLINE_EXCEEDED, ...) tells nothing and is only logged (the apply path handles an
   unreachable target); a confirmed loss forgets the canary, so one loss is reported once, and
-  without a canary (nothing delivered yet, or all revoked / cleared) nothing is probed. It
-  catches a target that lost the worker without telling (SGLang's, a restart while the engine
-  publishes nothing).
+  without a canary (nothing delivered yet, or all revoked / cleared) nothing is probed.
   Without a replay endpoint the resync only clears the worker: the next message rebuilds it
   from then on (blocks from before stay missing, never stale).
 A batch is validated with the seed's rules before it is converted and sent: one that breaks
@@ -53,7 +47,7 @@ from dataclasses import dataclass, field
 import grpc
 import zmq.asyncio
 
-from indexer.batch import ActionType, Batch, BlockKey, CacheSpec, Tier, clears_worker
+from indexer.batch import ActionType, Batch, BlockKey, CacheSpec, Tier
 from indexer.kv_wire import batch_to_proto
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import (
@@ -79,9 +73,6 @@ log = logging.getLogger(__name__)
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # The target refuses the bridge itself, not one batch.
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
-# The target lost the worker's blocks and takes none of its batches until they are resent from
-# a clear (kvplane's indexer after its Redis lost its data, `indexer.sources.resync`).
-_WORKER_LOST = grpc.StatusCode.ABORTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +135,7 @@ class KvIndexerSink:
         self.num_rejected = 0
         self.num_probes = 0
         self.num_canary_misses = 0  # confirmed ones: the target lost the worker's state
-        self.num_lost_refusals = 0  # batches the target refused as it lost the worker (ABORTED)
         self.on_worker_lost: Callable[[], None] | None = None
-        # The target refused a batch as its worker lost (ABORTED) and the resync it asked for
-        # has not delivered its clear yet: later refusals are the same loss.
-        self._refused_as_lost = False
         self._canary: Canary | None = None
         # Held by each apply (with its retries) and each probe: a probe never reads a state an
         # apply is changing, and the canary always describes what the target last applied.
@@ -180,9 +167,6 @@ class KvIndexerSink:
                         f"{self.target} refuses the bridge: {exc.code().name}: "
                         f"{exc.details()} (check --token-file)"
                     ) from None
-                if exc.code() == _WORKER_LOST:
-                    self._worker_lost(batch, exc)
-                    return
                 if exc.code() not in _TRANSIENT:
                     self.num_rejected += 1
                     log.error(
@@ -209,26 +193,7 @@ class KvIndexerSink:
                     self.on_worker_lost()
                 self.num_sent += 1
                 self._canary = next_canary(self._canary, batch)
-                self._refused_as_lost &= not clears_worker(batch)
                 return
-
-    def _worker_lost(self, batch: Batch, exc: grpc.aio.AioRpcError) -> None:
-        """The target refused `batch` as it lost the worker's blocks: the batch is dropped (the
-        resync's replay resends it) and the worker resynced, once per loss."""
-        self.num_lost_refusals += 1
-        if self._refused_as_lost:
-            log.debug("%s refused batch seq %d too: resync pending", self.target, batch.seq)
-            return
-        self._refused_as_lost = True
-        log.warning(
-            "%s refused batch seq %d of worker %s: %s; resyncing",
-            self.target,
-            batch.seq,
-            batch.worker_id,
-            exc.details(),
-        )
-        if self.on_worker_lost is not None:
-            self.on_worker_lost()
 
     async def probe_every(self, interval_s: float) -> None:
         """Probe the canary every `interval_s` until cancelled; once the target lost it,

@@ -5,9 +5,7 @@ reflection) until SIGTERM/SIGINT, and exports Prometheus metrics on `metrics_lis
 Sources run in one `asyncio.TaskGroup`: a source never ends on its own (it retries with
 backoff), and all of them are cancelled when the server stops. When the backend asks for a
 worker's resync (the Redis backend after a buffer overflow or a Redis that lost its data), the
-source feeding that worker clears and rebuilds it (`indexer.sources.resync`); a worker fed
-through ApplyExternalKvBatch has its next batch refused (ABORTED) until its client resends it
-from a clear.
+source feeding that worker clears and rebuilds it (`indexer.sources.resync`).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from indexer.backends import open_backend
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
 from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
-from indexer.sources.resync import LostExternalWorkers, connect_resync
+from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import SourceCounters, ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
 from kvplane.channels import ClientChannels
@@ -137,11 +135,9 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
     backend = await open_backend(config.backend, **config.backend_options())
     try:
         sources = [build_source(s, backend, config.block_size) for s in config.sources]
-        # A backend that dropped or lost a worker's entries asks its source to rebuild them;
-        # a worker fed through ApplyExternalKvBatch is refused until its client does.
+        # A backend that dropped or lost a worker's entries asks its source to rebuild them.
         by_worker = {s.worker_id: s for s in sources}
-        lost_workers = LostExternalWorkers()
-        connect_resync(backend, by_worker.get, lost_workers)
+        connect_resync(backend, by_worker.get)
         servicer_box: list[KvIndexerServicer] = []
 
         def ingest_counters() -> IngestCounters:
@@ -156,7 +152,6 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
             max_concurrent_prefix_queries=config.max_concurrent_prefix_queries,
             ingest_counters=ingest_counters,
             source_of=by_worker.get,
-            lost_workers=lost_workers,
         )
         servicer_box.append(kv_indexer)
         server, port = await create_server(

@@ -32,13 +32,7 @@ from indexer.kv_wire import (
 )
 from indexer.multimodal import MultimodalItem, block_item_ids, block_items
 from indexer.redis_client import IndexFullError
-from indexer.sources.resync import (
-    LostExternalWorkers,
-    Resyncable,
-    UnknownEngineError,
-    WorkerLostError,
-    resync_engine,
-)
+from indexer.sources.resync import Resyncable, UnknownEngineError, resync_engine
 from indexer.validation import (
     IndexRequestError,
     ValidationKind,
@@ -77,8 +71,6 @@ def _status_of(exc: KvplaneError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, UnknownEngineError):
         return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, WorkerLostError):
-        return grpc.StatusCode.ABORTED  # retry at a higher level: the rebuild from a clear
     if isinstance(exc, IndexFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED  # would fail again: not UNAVAILABLE
     return grpc.StatusCode.UNAVAILABLE  # a backend that cannot answer (e.g. Redis down)
@@ -119,17 +111,9 @@ class PrefixQueryLimiter:
 
 
 class KvIndexerServicer(kv_grpc.KVIndexerServicer):
-    def __init__(
-        self,
-        backend: IndexBackend,
-        limiter: PrefixQueryLimiter,
-        lost_workers: LostExternalWorkers | None = None,
-    ) -> None:
+    def __init__(self, backend: IndexBackend, limiter: PrefixQueryLimiter) -> None:
         self.backend = backend
         self.limiter = limiter
-        # Workers whose blocks the index lost, refused until their client resends them from a
-        # clear (marked by the backend's resync requests, see `connect_resync`).
-        self.lost_workers = LostExternalWorkers() if lost_workers is None else lost_workers
         self.num_batches_applied = 0
 
     async def ApplyExternalKvBatch(
@@ -137,10 +121,8 @@ class KvIndexerServicer(kv_grpc.KVIndexerServicer):
     ) -> kv.ApplyExternalKvBatchResponse:
         try:
             batch = batch_from_proto(request)
-            admitted_under = self.lost_workers.admit(batch)
             # Validated once, by the backend's apply (both backends check before any change).
             await self.backend.apply(batch)
-            self.lost_workers.applied(batch, admitted_under)
         except Exception as exc:
             await _fail(context, exc)
         self.num_batches_applied += 1
@@ -349,14 +331,11 @@ def index_services(
     max_concurrent_prefix_queries: int,
     ingest_counters: Callable[[], IngestCounters] = IngestCounters,
     source_of: Callable[[str], Resyncable | None] = lambda worker_id: None,
-    lost_workers: LostExternalWorkers | None = None,
 ) -> tuple[list[Service], KvIndexerServicer, KvIndexServicer]:
     """Both servicers over one backend, as `kvplane.server.Service`s for `create_server`;
-    `source_of(worker_id)`: the source of this process that feeds a worker, if any;
-    `lost_workers`: the workers fed through ApplyExternalKvBatch that the index lost, marked by
-    `connect_resync`."""
+    `source_of(worker_id)`: the source of this process that feeds a worker, if any."""
     limiter = PrefixQueryLimiter(max_concurrent_prefix_queries)
-    kv_indexer = KvIndexerServicer(backend, limiter, lost_workers)
+    kv_indexer = KvIndexerServicer(backend, limiter)
     kv_index = KvIndexServicer(
         backend,
         limiter,
