@@ -15,21 +15,24 @@ backoff, blocking the stream (ZMQ buffers meanwhile; an
 overflow shows up as a gap and is replayed); UNAUTHENTICATED and PERMISSION_DENIED stop the
 bridge (a ConfigError: every later batch would be refused alike, so running on would only drop
 them); any other status drops that batch and is logged.
-The target may lose the worker's blocks (kvplane's memory indexer restarts empty) without the
-bridge seeing a failed apply, e.g. while the engine publishes nothing. Two signs make the sink
+The target may lose the worker's blocks (kvplane's memory indexer restarts empty, a Redis
+behind it is flushed or evicts keys) without the bridge seeing a failed apply: the seed's
+applies are unconditional and answer nothing. Two signs make the sink
 ask the source to resync the worker (`on_worker_lost`: clear it on the target, rebuild it from
 the publisher's replay from seq 0):
 - an apply gets through after UNAVAILABLE, once something was delivered before;
-- the canary probe (`follow` runs it beside the source): the sink remembers one delivered
-  block that the target still holds as far as the bridge knows (`Canary`, its key exactly as
-  sent, engine or canonical), and every `probe_interval_s` asks the target for it with
-  MatchExternalKv (count_as_hit false; the seed's API only, so any KVIndexer and any backend
-  will do). Two answers in a row that do not list the worker for that key mean the target lost
-  the worker's state (one could be a read lagging an acknowledged apply). The probe holds the
-  apply lock, so it never reads a state an apply is changing; a probe that fails (UNAVAILABLE,
+- the probe (`follow` runs it beside the source): the sink keeps the blocks it delivered and
+  has not revoked (`indexer.delivered_blocks`: their keys exactly as sent, engine or
+  canonical, per tier), and every `probe_interval_s` asks the target, in one MatchExternalKv
+  (count_as_hit false; the seed's API only, so any KVIndexer and any backend will do), for the
+  canary (one held block, replaced at once by another held from before when revoked), the
+  blocks the last probe found missing, and the next `PROBE_SAMPLE_BLOCKS` held blocks in turn. A
+  block missing from two answers in a row means the target lost the worker's state, whole or
+  in part (one miss could be a read lagging an acknowledged apply). The probe holds the apply
+  lock, so it never reads a state an apply is changing; a probe that fails (UNAVAILABLE,
   DEADLINE_EXCEEDED, ...) tells nothing and is only logged (the apply path handles an
-  unreachable target); a confirmed loss forgets the canary, so one loss is reported once, and
-  without a canary (nothing delivered yet, or all revoked / cleared) nothing is probed.
+  unreachable target); a confirmed loss forgets every held block, so one loss is reported
+  once, and with nothing held nothing is probed.
   Without a replay endpoint the resync only clears the worker: the next message rebuilds it
   from then on (blocks from before stay missing, never stale).
 A batch is validated with the seed's rules before it is converted and sent: one that breaks
@@ -47,7 +50,8 @@ from dataclasses import dataclass, field
 import grpc
 import zmq.asyncio
 
-from indexer.batch import ActionType, Batch, BlockKey, CacheSpec, Tier
+from indexer.batch import Batch, CacheSpec, Tier
+from indexer.delivered_blocks import DeliveredBlocks, Placement
 from indexer.kv_wire import batch_to_proto
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import (
@@ -74,49 +78,24 @@ log = logging.getLogger(__name__)
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # The target refuses the bridge itself, not one batch.
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
-
-
-@dataclass(frozen=True, slots=True)
-class Canary:
-    """A block the bridge delivered that the target holds as far as the bridge knows: its key
-    exactly as sent (engine or canonical), at `tier`, for `worker_id`."""
-
-    worker_id: str
-    tier: Tier
-    key: BlockKey
-
-
-def next_canary(canary: Canary | None, batch: Batch) -> Canary | None:
-    """The canary once the target applied `batch`, action by action in order.
-
-    It is kept until a REVOKE of its key at its tier or a CLEAR_ALL_AT_TIER of its tier, rather
-    than moved to each newer block: a target that restarted empty and then took newer batches
-    still misses it. (A REVOKE at another tier leaves the placement at its tier; the bridge's
-    REPORTs and REVOKEs are the seed's plain ones, never copy counts.) With none, the first block
-    of the next REPORT becomes it: vLLM frees a request's blocks tail first, so the head of a
-    chain tends to be evicted last."""
-    for action in batch.actions:
-        if canary is None:
-            if action.type is ActionType.REPORT and action.hashes:
-                canary = Canary(batch.worker_id, action.tier, action.hashes[0])
-        elif action.tier is canary.tier and (
-            action.type is ActionType.CLEAR_ALL_AT_TIER
-            or (action.type is ActionType.REVOKE and canary.key in action.hashes)
-        ):
-            canary = None
-    return canary
+# Held blocks asked about at each probe besides the canary and the suspects: a lost one is
+# asked about within ceil(held / 16) probes (docs/indexer.md, "The bridge").
+PROBE_SAMPLE_BLOCKS = 16
+_TIERS = frozenset(int(t) for t in Tier)
 
 
 class KvIndexerSink:
-    """Sends batches with ApplyExternalKvBatch; retries transient failures; probes the canary.
+    """Sends batches with ApplyExternalKvBatch; retries transient failures; probes the blocks
+    it delivered.
 
     `on_worker_lost` is called when the target may have lost the blocks delivered so far: an
     apply succeeds after UNAVAILABLE while an earlier batch had been delivered (the target
-    restarted, maybe empty), or two probes in a row find the canary missing."""
+    restarted, maybe empty), or two probes in a row find a delivered block missing."""
 
     def __init__(
         self,
         target: str,
+        worker_id: str,
         *,
         token: str | None = None,
         channels: ClientChannels = INSECURE,
@@ -131,21 +110,21 @@ class KvIndexerSink:
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self.target = target
+        self.worker_id = worker_id  # the one worker it feeds (the probe asks for its blocks)
         self.num_sent = 0
         self.num_retries = 0
         self.num_rejected = 0
         self.num_probes = 0
-        self.num_canary_misses = 0  # confirmed ones: the target lost the worker's state
+        self.num_losses_found = 0  # by the probe: the target lost the worker's state
         self.on_worker_lost: Callable[[], None] | None = None
-        self._canary: Canary | None = None
+        # What the target holds as far as the bridge knows, and what to probe of it.
+        self.delivered = DeliveredBlocks()
         # Held by each apply (with its retries) and each probe: a probe never reads a state an
-        # apply is changing, and the canary always describes what the target last applied.
+        # apply is changing, and `delivered` always describes what the target last applied.
         self._lock = asyncio.Lock()
         # The status of the last probe's failure (None: it answered), so a target refusing
         # probes is logged once, not every interval.
         self._probe_failure: grpc.StatusCode | None = None
-        # The canary as the last probe found it missing, awaiting confirmation.
-        self._suspect: Canary | None = None
 
     async def apply(self, batch: Batch) -> None:
         validate_batch(batch)  # the receiver's rules; batch_to_proto needs in-range values
@@ -193,50 +172,51 @@ class KvIndexerSink:
                     log.warning("%s is back after being unreachable: resyncing", self.target)
                     self.on_worker_lost()
                 self.num_sent += 1
-                self._canary = next_canary(self._canary, batch)
+                self.delivered.applied(batch)
                 return
 
     async def probe_every(self, interval_s: float) -> None:
-        """Probe the canary every `interval_s` until cancelled; once the target lost it,
+        """Probe every `interval_s` until cancelled; once the target lost delivered blocks,
         `on_worker_lost`."""
         while True:
             await asyncio.sleep(interval_s)
-            if await self.canary_missing() and self.on_worker_lost is not None:
+            if await self.lost_blocks() and self.on_worker_lost is not None:
                 self.on_worker_lost()
 
-    async def canary_missing(self) -> bool:
-        """Whether the target lost the canary: two probes in a row found it missing (then it is
-        forgotten). One miss is not enough: a target's reads may lag the applies it
-        acknowledged (kvplane's Redis backend answers while it still replays the batches it
-        buffered in an outage). False without a canary, or when a probe failed."""
+    async def lost_blocks(self) -> bool:
+        """One probe: whether the target lost delivered blocks (a block missing from this
+        answer and the one before; then every delivered block is forgotten). False with
+        nothing delivered, or when the probe failed (neither confirms nor clears a miss)."""
         async with self._lock:
-            canary = self._canary
-            if canary is None:
+            asked = self.delivered.to_ask(PROBE_SAMPLE_BLOCKS)
+            if not asked:
                 return False
-            held = await self._holds(canary)
-            if held is None:  # unknown: neither confirms nor clears a first miss
+            found = await self._held(asked)
+            if found is None:
                 return False
-            if held:
-                self._suspect = None
+            lost = self.delivered.answered(asked, found)
+            if not lost:
                 return False
-            if self._suspect != canary:
-                self._suspect = canary  # the next probe confirms it
-                return False
-            self._canary = self._suspect = None
-            self.num_canary_misses += 1
+            self.delivered.forget()
+            self.num_losses_found += 1
+            (tier, key), *others = lost
             log.warning(
-                "%s no longer holds block %d of worker %s: it lost the worker's state; resyncing",
+                "%s no longer holds block %d of worker %s at %s%s: it lost the worker's state; "
+                "resyncing",
                 self.target,
-                canary.key,
-                canary.worker_id,
+                key,
+                self.worker_id,
+                tier.name,
+                f" (and {len(others)} more)" if others else "",
             )
             return True
 
-    async def _holds(self, canary: Canary) -> bool | None:
-        """Whether the target lists the canary's worker for its key; None when the probe failed
+    async def _held(self, asked: list[Placement]) -> set[Placement] | None:
+        """Which of `asked` the target places on the worker; None when the probe failed
         (logged once per run of failures with one status)."""
         self.num_probes += 1
-        request = kv.MatchExternalKvRequest(hashes=[canary.key], count_as_hit=False)
+        hashes = list(dict.fromkeys(key for _tier, key in asked))
+        request = kv.MatchExternalKvRequest(hashes=hashes, count_as_hit=False)
         try:
             response = await self._stub.MatchExternalKv(
                 request, timeout=self._timeout_s, metadata=self._metadata
@@ -252,7 +232,14 @@ class KvIndexerSink:
             self._probe_failure = exc.code()
             return None
         self._probe_failure = None
-        return any(match.worker_id == canary.worker_id for match in response.matches)
+        return {
+            (Tier(by_tier.tier), key)
+            for match in response.matches
+            if match.worker_id == self.worker_id
+            for by_tier in match.hashes_by_tier
+            if by_tier.tier in _TIERS
+            for key in by_tier.hashes
+        }
 
     async def close(self) -> None:
         await self._channel.close()
@@ -276,7 +263,7 @@ class BridgeSettings:
     cache_spec: CacheSpec | None = None
     token: str | None = field(default=None, repr=False)
     channels: ClientChannels = INSECURE
-    # How often the canary is probed; 0 = never.
+    # How often the delivered blocks are probed; 0 = never.
     probe_interval_s: float = 2.0
     heartbeat: Heartbeat = DEFAULT_HEARTBEAT
 
@@ -284,7 +271,9 @@ class BridgeSettings:
 def build_bridge(
     settings: BridgeSettings, *, context: zmq.asyncio.Context | None = None
 ) -> tuple[ZmqSource, KvIndexerSink]:
-    sink = KvIndexerSink(settings.target, token=settings.token, channels=settings.channels)
+    sink = KvIndexerSink(
+        settings.target, settings.worker_id, token=settings.token, channels=settings.channels
+    )
     translator = WorkerTranslator(
         TranslateOptions(
             worker_id=settings.worker_id,

@@ -172,6 +172,9 @@ class RedisBackend:
         self._boot: bytes | None = None
         self._ready = False
         self._ready_lock = asyncio.Lock()
+        # Workers with a batch written to the partition (not just buffered): what a Redis that
+        # lost its data lost. A worker whose first write is the one that found the loss (its
+        # boot token refused, then written to the emptied partition) lost nothing.
         self._known_workers: set[str] = set()
         # Outage handling: batches waiting for Redis, workers whose batches were dropped.
         self._outage = False
@@ -315,7 +318,7 @@ class RedisBackend:
             self._state_lost()
 
     def _state_lost(self) -> None:
-        """Redis came back without this partition's data: every worker this process fed must
+        """Redis came back without this partition's data: every worker this process wrote must
         be rebuilt by its source; their buffered batches are superseded by that."""
         workers = set(self._known_workers)
         log.warning("Redis at %s lost the index; resyncing %d worker(s)", self._where, len(workers))
@@ -429,7 +432,6 @@ class RedisBackend:
         # As the memory backend does: a bad batch is refused whole, before anything is sent
         # (a script that failed half-way would leave its earlier writes in place).
         validate_batch(batch)
-        self._known_workers.add(batch.worker_id)
         if batch.worker_id in self._dropping:
             raise IndexUnavailableError(
                 f"shared index unavailable: Redis at {self._where} is down; worker "
@@ -503,6 +505,7 @@ class RedisBackend:
                     if done.done():
                         continue
                     if status is None:
+                        self._known_workers.add(b.worker_id)
                         done.set_result(None)
                     else:
                         done.set_exception(_refused(b, status))
@@ -548,7 +551,9 @@ class RedisBackend:
                     # Left in the buffer until applied, so new batches queue behind them.
                     head = list(itertools.islice(self._buffer, MAX_GROUP_BATCHES))
                     for batch, status in zip(head, await self._replay_head(head), strict=True):
-                        if status is not None:
+                        if status is None:
+                            self._known_workers.add(batch.worker_id)
+                        else:
                             log.error("buffered batch of %s refused: %s", batch.worker_id, status)
                             self._request_resync({batch.worker_id})
                         if self._buffer and self._buffer[0] is batch:  # not filtered meanwhile

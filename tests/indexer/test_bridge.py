@@ -1,6 +1,6 @@
 """The bridge on real sockets: ZMQ PUB -> bridge -> ApplyExternalKvBatch on a real KVIndexer
 server. The SGLang test vectors (WIRE.md section 1), medium policy, splitting, retries, and the
-canary probe that finds a target that lost the worker's blocks."""
+probe that finds a target that lost the worker's blocks."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from fake_kv_publisher import FakeKvPublisher, running
 from hybrid_events import EventForm, hybrid_payload
 from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 
-from indexer.batch import Action, ActionType, Batch, Component, Tier
-from indexer.bridge import BridgeSettings, Canary, build_bridge, follow, next_canary
+from indexer.batch import Component, Tier
+from indexer.bridge import BridgeSettings, build_bridge, follow
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import KvIndexerServicer, index_services
@@ -426,7 +426,7 @@ async def test_the_bridge_follows_a_publisher_on_ipv6_from_its_replay_then_live(
     assert source.counters.num_replay_failures == 0
 
 
-# -- the canary probe ----------------------------------------------------------------------------
+# -- the probe -----------------------------------------------------------------------------------
 
 PROBE_S = 0.05
 
@@ -437,30 +437,6 @@ def _keys(index: PrefixIndex) -> set[int]:
 
 def _removed(seq: int, hashes: list[int]) -> list[bytes]:
     return _frames(seq, msgpack.packb([float(seq), [["BlockRemoved", hashes, "GPU"]], None]))
-
-
-def _batch(*actions: Action) -> Batch:
-    return Batch("w0", actions)
-
-
-def test_the_canary_is_a_delivered_block_until_revoked_or_cleared_at_its_tier() -> None:
-    report = Action(ActionType.REPORT, Tier.HBM, (11, 12))
-    canary = next_canary(None, _batch(report))
-    assert canary == Canary("w0", Tier.HBM, 11)
-    # Newer blocks do not move it; removals elsewhere do not touch it.
-    kept = [
-        Action(ActionType.REPORT, Tier.HBM, (13,), parent=12),
-        Action(ActionType.REVOKE, Tier.HBM, (12,)),
-        Action(ActionType.REVOKE, Tier.DRAM, (11,)),
-        Action(ActionType.CLEAR_ALL_AT_TIER, Tier.SSD),
-    ]
-    assert next_canary(canary, _batch(*kept)) == canary
-    assert next_canary(canary, _batch(Action(ActionType.REVOKE, Tier.HBM, (5, 11)))) is None
-    assert next_canary(canary, _batch(Action(ActionType.CLEAR_ALL_AT_TIER, Tier.HBM))) is None
-    # In order within a batch: revoked after it was reported, or replaced once revoked.
-    assert next_canary(None, _batch(report, Action(ActionType.REVOKE, Tier.HBM, (11,)))) is None
-    replaced = next_canary(canary, _batch(Action(ActionType.REVOKE, Tier.HBM, (11,)), kept[0]))
-    assert replaced == Canary("w0", Tier.HBM, 13)
 
 
 async def test_a_target_that_restarts_empty_while_the_engine_is_idle_is_rebuilt(
@@ -489,7 +465,7 @@ async def test_a_target_that_restarts_empty_while_the_engine_is_idle_is_rebuilt(
         await sink.close()
         await server.stop(None)
     assert best == 3
-    assert sink.num_canary_misses == 1 and source.counters.num_resyncs == 1
+    assert sink.num_losses_found == 1 and source.counters.num_resyncs == 1
     assert publisher.replay_requests == [0, 0]  # the start's rebuild, then the resync
     assert [r.seq for r in rig.recorder.received] == [1, 0, 1]  # a clear, then the replay
     assert rig.recorder.received[0].actions == CLEAR_ALL
@@ -522,7 +498,7 @@ async def test_without_a_replay_a_lost_worker_is_cleared_and_rebuilt_by_the_next
         await sink.close()
         await server.stop(None)
     assert cleared == [_request(0, *CLEAR_ALL)]
-    assert sink.num_canary_misses == 1 and source.counters.num_resyncs == 1
+    assert sink.num_losses_found == 1 and source.counters.num_resyncs == 1
 
 
 async def test_a_slow_lagging_or_unreachable_target_that_kept_its_state_is_not_resynced(
@@ -556,7 +532,7 @@ async def test_a_slow_lagging_or_unreachable_target_that_kept_its_state_is_not_r
         await publisher.close()
         await sink.close()
         await server.stop(None)
-    assert sink.num_canary_misses == 0 and source.counters.num_resyncs == 0
+    assert sink.num_losses_found == 0 and source.counters.num_resyncs == 0
     assert rig.recorder.received == []  # no clear, no replay
     assert publisher.replay_requests == [0]  # the start's rebuild only
 
@@ -581,7 +557,7 @@ async def test_a_revoked_canary_is_not_taken_for_a_lost_worker(
             await publisher.publish(_removed(1, [11]))  # ... and goes
             await rig.recorder.wait_for(3)
             rig.recorder.apply_delay_s = 0.0
-            await publisher.publish(_stored(2, [13], None))  # 13 is the next one
+            await publisher.publish(_stored(2, [13], None))
             await eventually(lambda: _keys(rig.index) == {12, 13}, WAIT_S)
             probes = rig.recorder.num_matches
             await eventually(lambda: rig.recorder.num_matches >= probes + 3, WAIT_S)
@@ -589,6 +565,6 @@ async def test_a_revoked_canary_is_not_taken_for_a_lost_worker(
         await publisher.close()
         await sink.close()
         await server.stop(None)
-    assert sink.num_canary_misses == 0 and source.counters.num_resyncs == 0
+    assert sink.num_losses_found == 0 and source.counters.num_resyncs == 0
     assert [r.seq for r in rig.recorder.received] == [0, 0, 1, 2]
     assert publisher.replay_requests == [0]  # the start's rebuild only

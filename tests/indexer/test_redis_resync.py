@@ -348,3 +348,26 @@ async def test_zmq_source_rebuilds_from_replay_on_request(context: zmq.asyncio.C
             assert source.counters.num_gaps == source.counters.num_duplicates == 0
     finally:
         await publisher.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_redis_that_lost_its_data_resyncs_only_the_workers_this_process_wrote(
+    redis_server: RedisServer,
+) -> None:
+    """w0 was written before the flush and lost its block: it is asked to resync. w1's first
+    batch is the write that finds the loss (the upkeep is too slow to notice first): it is
+    written to the emptied partition, lost nothing, and is not asked."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=3600)
+    asked: list[str] = []
+    backend.add_resync_listener(asked.append)
+    try:
+        await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (10,)),)))
+        redis_server.flushall()  # Redis lost the index
+        await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (11,)),)))
+        placements = await backend.match([10, 11], False)
+        held = {p.worker_id: {h for t in p.by_tier for h in t.hashes} for p in placements}
+    finally:
+        await backend.close()
+    assert asked == ["w0"]
+    assert held == {"w1": {11}}
