@@ -44,6 +44,10 @@
   LoRA support other engines serving it have (its refusal passes, unless it is one another
   engine may not have, such as UNAVAILABLE); INVALID_ARGUMENT without a model, NOT_FOUND
   for a model no engine serves, UNAVAILABLE while no engine serving it can answer.
+- "A model no engine serves" (NOT_FOUND) is said only of a fleet that has engines: one with
+  none at all (a controller just restarted, before its planner registers its engines again)
+  cannot tell, and every call naming a model is UNAVAILABLE, worth retrying (Health: a
+  NOT_READY `model` check).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from controller.registry import (
     EngineRecord,
     EngineState,
     LoraRoutingError,
+    NoEngineRegisteredError,
     UnknownEngineError,
     UnknownModelError,
 )
@@ -889,21 +894,31 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
         """One check per engine, the fleet's state (`_health_state`), and what the request
-        asks as an engine answers it: NOT_FOUND for a model no engine serves, a `role` check
+        asks as an engine answers it: NOT_FOUND for a model no engine serves (while the fleet
+        has no engine at all, which cannot tell, a NOT_READY `model` check instead: a
+        readiness probe naming the model is told "not yet", not "never"), a `role` check
         (the gateway is AGGREGATED; another role fails it), and with
         `include_inference_probe` an `inference_probe` check (`_inference_probe`). A failed
         role or probe makes the state NOT_READY, as on an engine."""
+        checks = []
         if request.model:
-            await _require_model(self.controller, request.model, context)
+            try:
+                self.controller.check_model(request.model)
+            except NoEngineRegisteredError as exc:
+                checks.append(
+                    pb.HealthCheck(name="model", state=pb.HEALTH_STATE_NOT_READY, message=str(exc))
+                )
+            except UnknownModelError as exc:
+                await abort_with(context, status_of(exc), str(exc))
         records = self.controller.fleet.registry.records()
-        checks = [
+        checks.extend(
             pb.HealthCheck(
                 name=f"engine:{r.address}",
                 state=_HEALTH_PB[r.state],
                 message=_check_message(r),
             )
             for r in records
-        ]
+        )
         state = self._health_state(records)
         failed = False
         if request.role != pb.ENGINE_ROLE_UNSPECIFIED:
@@ -1064,11 +1079,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
 
 async def _require_model(controller: Controller, model: str, context: Context) -> None:
-    """NOT_FOUND for a model no engine of the fleet serves (Controller.check_model)."""
+    """NOT_FOUND for a model no engine of the fleet serves, UNAVAILABLE while the fleet has no
+    engine at all (Controller.check_model)."""
     try:
         controller.check_model(model)
-    except UnknownModelError as exc:
-        await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
+    except (UnknownModelError, NoEngineRegisteredError) as exc:
+        await abort_with(context, status_of(exc), str(exc))
 
 
 def _check_message(record: EngineRecord) -> str:

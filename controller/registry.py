@@ -142,6 +142,13 @@ class UnknownModelError(KvplaneError):
     NOT_FOUND for a model it does not serve)."""
 
 
+class NoEngineRegisteredError(KvplaneError):
+    """The fleet has no engine at all, so whether it serves a model is not known yet: a
+    controller just started (or restarted) before its planner registers its engines again, or
+    every engine was removed. UNAVAILABLE, worth retrying, not the NOT_FOUND of a model the
+    registered engines do not serve, which clients take as final."""
+
+
 class GenerationUnsupportedError(KvplaneError):
     """Every engine serving the model is pooling-only: a Generate can never be served there
     (the seed's unsupported task, FAILED_PRECONDITION), not merely not now."""

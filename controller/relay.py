@@ -6,7 +6,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 `Relay` does everything else, the same way for every front end:
 
 - refuse new requests while the gateway drains, a model no engine serves (NOT_FOUND, as an
-  engine answers), and a request id already running through this gateway (ALREADY_EXISTS, as
+  engine answers; UNAVAILABLE while the fleet has no engine at all, which cannot tell), and a
+  request id already running through this gateway (ALREADY_EXISTS, as
   an engine answers a duplicate: a second copy would land on another engine, out of Abort's
   reach);
 - plan and route the request; a retry never goes back to an engine that already failed it;
@@ -61,6 +62,7 @@ from controller.metrics import RequestOutcome
 from controller.registry import (
     GenerationUnsupportedError,
     LoraRoutingError,
+    NoEngineRegisteredError,
     Role,
     UnknownModelError,
 )
@@ -397,6 +399,9 @@ class Relay:
             c.check_model(query.model, generating=True)
         except (UnknownModelError, GenerationUnsupportedError) as exc:
             c.metrics.count_request("invalid")
+            await abort_with(context, status_of(exc), str(exc))
+        except NoEngineRegisteredError as exc:
+            c.metrics.count_request("no_engine")
             await abort_with(context, status_of(exc), str(exc))
         request_id = query.request_id
         if not self.admit(request_id):

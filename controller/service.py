@@ -20,7 +20,7 @@ from typing import NamedTuple
 from controller.config import ControllerConfig
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, ThrottledWarning
 from controller.metrics import ControllerMetrics
-from controller.registry import Role, UnknownModelError
+from controller.registry import NoEngineRegisteredError, Role, UnknownModelError
 from controller.router import (
     AllEnginesBusyError,
     Candidate,
@@ -194,11 +194,19 @@ class Controller:
     def check_model(self, model: str, *, generating: bool = False) -> None:
         """Raise UnknownModelError when no engine of the fleet serves `model`, whatever its
         health: NOT_FOUND, as an engine answers, where routing would say only that no engine
-        is available now (UNAVAILABLE: worth retrying). No model named is the default model,
-        which an empty fleet may still get. With `generating` (a Generate, or admin
-        route/match), also GenerationUnsupportedError when every engine serving it is
-        pooling-only: FAILED_PRECONDITION, it will never generate there."""
-        if model and not self.fleet.registry.may_serve(model):
+        is available now (UNAVAILABLE: worth retrying). A fleet with no engine at all cannot
+        tell (just started, its planner's engines not registered again yet):
+        NoEngineRegisteredError, UNAVAILABLE. No model named is the default model, which an
+        empty fleet may still get. With `generating` (a Generate, or admin route/match), also
+        GenerationUnsupportedError when every engine serving it is pooling-only:
+        FAILED_PRECONDITION, it will never generate there."""
+        registry = self.fleet.registry
+        if model and not registry.may_serve(model):
+            if len(registry) == 0:
+                raise NoEngineRegisteredError(
+                    f"no engine is registered yet: model {model!r} may be served once one is "
+                    "(retry)"
+                )
             raise UnknownModelError(f"no engine serves model {model!r}")
         if generating:
             self.fleet.registry.check_generates(model)

@@ -10,6 +10,7 @@ from controller.registry import (
     EmptyEngineRefError,
     LoraNotLoadedError,
     LoraUnavailableError,
+    NoEngineRegisteredError,
     UnknownEngineError,
     UnknownModelError,
 )
@@ -23,6 +24,7 @@ _STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
     (UnknownEngineError, grpc.StatusCode.NOT_FOUND),
     (EmptyEngineRefError, grpc.StatusCode.INVALID_ARGUMENT),
     (UnknownModelError, grpc.StatusCode.NOT_FOUND),
+    (NoEngineRegisteredError, grpc.StatusCode.UNAVAILABLE),
     (DuplicateEngineError, grpc.StatusCode.ALREADY_EXISTS),
     (NoEngineAvailableError, grpc.StatusCode.UNAVAILABLE),
     # Load shed: the engines are up but full. Retry later, as an engine's own overload.

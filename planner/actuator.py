@@ -2,7 +2,8 @@
 
 `Actuator` is the seam (a Protocol, like Dynamo's planner connectors): start one engine of a
 pool and return its address once the controller routes to it; report engines that serve
-without the planner having started them (adopted); drain one through the controller (which
+without the planner having started them (adopted); say when the controller restarted (its
+engines are then registered again at once); drain one through the controller (which
 stops routing to it at once and relays the engine's Drain); stop a drained one, or kill one
 that stopped answering. Both actuators speak to the controller through
 `planner.controller_admin.ControllerAdmin`.
@@ -52,6 +53,11 @@ class Actuator(Protocol):
         those it lists as draining (drained by hand, not by the planner). Drain again those of
         `draining` (drained by the planner: address -> seconds left to the deadline) that the
         controller routes to again."""
+        ...
+
+    async def controller_restarted(self) -> None:
+        """Return once the controller is a new process (restarted since the last return, or
+        since the first call): it lists none of the engines registered at run time."""
         ...
 
     def exited(self) -> list[str]:
@@ -110,6 +116,9 @@ class LocalProcesses:
 
     async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
         return await self._admin.sync(serving, draining)
+
+    async def controller_restarted(self) -> None:
+        await self._admin.restarted()
 
     def exited(self) -> list[str]:
         return sorted(a for a, process in self._processes.items() if process.returncode is not None)

@@ -6,7 +6,9 @@ whose events are logged) and `remove` (RemoveEngine). `sync` is the per-tick rec
 serving engines the controller does not list (it restarted, or someone removed them by hand)
 are registered again, those it lists as draining are returned, and those the planner drained
 that it routes to again (the drain was not taken) are drained again. Every call is bounded by
-`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `describe` gives a
+`ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `restarted`
+returns when the controller is a new process (its instance id changed): the planner then
+registers its engines again at once, not at its next tick. `describe` gives a
 failed call in one line, with the setting it most likely lacks: `live.controller_tls` when a
 TLS controller hung up on the connection, `live.controller_token_file` when the controller
 refused the call's token (or its lack of one).
@@ -15,6 +17,7 @@ refused the call's token (or its lack of one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 
@@ -24,6 +27,8 @@ from kvplane.channels import INSECURE, ClientChannels, ClientSettings, setting_h
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,14 @@ log = logging.getLogger(__name__)
 ADMIN_TIMEOUT_S = 5.0
 # How often `wait_routed` lists the controller's engines.
 _ROUTED_POLL_S = 0.2
+# The admin channel dials a controller that went away again after 0.1 s, then less and less
+# often, at least once a second: a restarted controller listens again within a second or two,
+# and gRPC's own backoff (from 1 s, x1.6) left it without the planner's engines for up to
+# 1.6 s more. A controller that stays down gets one connection attempt a second.
+_RECONNECT_S = (0.1, 1.0)
+# How often `restarted` asks the controller's instance id while its connection stays up: a
+# controller that restarts drops it (and is asked at once), one behind a proxy may not.
+_IDENTITY_POLL_S = 5.0
 # The settings `describe` names when the controller's TLS or token and the planner's do not
 # match.
 CONTROLLER_SETTINGS = ClientSettings(
@@ -45,9 +58,43 @@ class ControllerAdmin:
 
     def __init__(self, controller: str, channels: ClientChannels = INSECURE) -> None:
         self._channels = channels
-        self._channel = channels.aio_channel(controller)
+        self._channel = channels.reconnecting(*_RECONNECT_S).aio_channel(controller)
         self._stub = apb_grpc.AdminStub(self._channel)
+        # The gateway on the same server: GetEngineInfo names the controller's process.
+        self._gateway = pb_grpc.OpenEngineStub(self._channel)
+        self._instance_id: str | None = None  # the last one `restarted` saw
         self._drains: set[asyncio.Task[None]] = set()
+
+    async def restarted(self) -> None:
+        """Return once the controller is another process than the one this last saw: its
+        instance id (GetEngineInfo) changed, so it lost every engine registered at run time.
+        Waits on the connection rather than asking all the time: a controller that dies drops
+        it, and the next GetEngineInfo (wait_for_ready) is answered as soon as a process
+        listens on the address again; one whose connection stays up is asked every
+        `_IDENTITY_POLL_S`. A controller that does not answer is asked again (never raises)."""
+        while True:
+            try:
+                info = await self._gateway.GetEngineInfo(
+                    pb.GetEngineInfoRequest(), timeout=ADMIN_TIMEOUT_S, wait_for_ready=True
+                )
+            except grpc.aio.AioRpcError as exc:
+                # Down for longer than the call waited: asked again at once. Refused (its
+                # token, an older controller): asked again later; the ticks' ListWorkers
+                # reconciles meanwhile.
+                if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    await asyncio.sleep(_IDENTITY_POLL_S)
+                continue
+            seen, self._instance_id = self._instance_id, info.instance_id
+            if seen is not None and info.instance_id != seen:
+                return
+            await self._connection_lost(_IDENTITY_POLL_S)
+
+    async def _connection_lost(self, within_s: float) -> None:
+        """Until the channel leaves the state it is in (a connection up: until it drops), or
+        `within_s` passes."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within_s):
+                await self._channel.wait_for_state_change(self._channel.get_state())
 
     async def check_reachable(self, pool: str) -> None:
         """Raise, in one line, unless the controller answers and would register an engine:

@@ -227,6 +227,9 @@ class KubernetesDeployments:
         self._draining.update(drained_by_hand)
         return drained_by_hand
 
+    async def controller_restarted(self) -> None:
+        await self._admin.restarted()
+
     # ---------------------------------------------------------------- acting
 
     async def start(self, pool: str) -> str:

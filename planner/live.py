@@ -10,7 +10,9 @@ actuator, logged with its reason (the decision log). Engines the actuator is sti
 observed as STARTING (under a placeholder id), so the core sees its pending capacity. An engine
 whose process exited on its own is removed (from the controller too) before the tick observes,
 so the core does not count it; a serving engine the controller does not list (it restarted) is
-registered again, one it lists as draining (drained by hand) is observed as DRAINING: the core
+registered again (at once when the controller restarted: `run` watches its instance id, and
+reconciles as soon as a new process answers, between ticks), one it lists as draining
+(drained by hand) is observed as DRAINING: the core
 replaces it and removes it once empty; one the planner drained that it routes to again (the
 drain was not taken) is drained again. Only engines this planner started, or the actuator
 adopted (found serving: a Deployment's pods a previous planner scaled), are managed. Each tick
@@ -118,26 +120,47 @@ class LivePlanner:
         self._clock = clock
         self._placeholders = itertools.count()
         self._starts: set[asyncio.Task[None]] = set()
+        # Held by a tick and by a reconciliation between ticks: one must not register an
+        # engine again while the other takes it out of the controller.
+        self._acting = asyncio.Lock()
 
     async def run(self, stop: asyncio.Event, tick_s: float) -> None:
-        """Tick until `stop` is set."""
-        while not stop.is_set():
-            await self.tick()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(tick_s):
-                    await stop.wait()
+        """Tick until `stop` is set; meanwhile, a restarted controller gets the engines back
+        as soon as it answers (`_reregister_on_restart`), not up to `tick_s` later."""
+        watch = asyncio.create_task(self._reregister_on_restart(), name="controller restarts")
+        try:
+            while not stop.is_set():
+                await self.tick()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(tick_s):
+                        await stop.wait()
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+    async def _reregister_on_restart(self) -> None:
+        """Each time the controller is a new process, reconcile with it at once (`_reconcile`:
+        it registers the serving engines again): until then, every request the gateway gets
+        for their model is refused."""
+        while True:
+            await self.actuator.controller_restarted()
+            log.warning("the controller restarted: registering the engines again")
+            async with self._acting:
+                await self._reconcile(self._clock())
 
     async def tick(self) -> list[Decision]:
-        now_s = self._clock()
-        observations = await self._observe(now_s)
-        decisions = self.policy.decide(observations, now_s)
-        for decision in decisions:
-            log.info("decision: %s", _describe(decision))
-            self.metrics.on_decision(decision)
-            await self._apply(decision, now_s)
-        self._update_metrics()
-        self.metrics.tick_seconds.observe(self._clock() - now_s)
-        return decisions
+        async with self._acting:
+            now_s = self._clock()
+            observations = await self._observe(now_s)
+            decisions = self.policy.decide(observations, now_s)
+            for decision in decisions:
+                log.info("decision: %s", _describe(decision))
+                self.metrics.on_decision(decision)
+                await self._apply(decision, now_s)
+            self._update_metrics()
+            self.metrics.tick_seconds.observe(self._clock() - now_s)
+            return decisions
 
     def _update_metrics(self) -> None:
         self.metrics.on_engines(e.observation() for e in self.engines.values())
@@ -169,21 +192,8 @@ class LivePlanner:
             if engine is not None:
                 log.warning("engine %s exited on its own: removed", address)
                 await self._lose(engine, "exited")
+        await self._reconcile(now_s)
         running = [e for e in self.engines.values() if e.channel is not None]
-        serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
-        draining = {
-            e.engine_id: max(0.0, e.drain_deadline_s - now_s)
-            for e in running
-            if e.state is EngineState.DRAINING and e.drain_deadline_s is not None
-        }
-        try:
-            drained_by_hand = await self.actuator.sync(serving, draining)
-        except Exception as exc:  # any failure: the next tick reconciles again
-            self._failed("sync", "reconciling with the controller failed: %s", exc)
-            drained_by_hand = []
-        for address in drained_by_hand:
-            log.warning("engine %s was drained through the controller: leaving", address)
-            self.engines[address].state = EngineState.DRAINING
         await asyncio.gather(*(self._poll(e) for e in running))
         # Alive to the OS but not answering (hung, SIGSTOPped): serving nothing, yet the core
         # would count it forever. One slow answer is not enough to lose it.
@@ -205,6 +215,26 @@ class LivePlanner:
             engine.passes = []
         engines = tuple(e.observation(now_s) for e in self.engines.values())
         return Observations(engines, tuple(passes))
+
+    async def _reconcile(self, now_s: float) -> None:
+        """The actuator's `sync` with the engines running: serving ones the controller does
+        not list are registered again, those it lists as draining (drained by hand) are
+        marked DRAINING."""
+        running = [e for e in self.engines.values() if e.channel is not None]
+        serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
+        draining = {
+            e.engine_id: max(0.0, e.drain_deadline_s - now_s)
+            for e in running
+            if e.state is EngineState.DRAINING and e.drain_deadline_s is not None
+        }
+        try:
+            drained_by_hand = await self.actuator.sync(serving, draining)
+        except Exception as exc:  # any failure: the next tick reconciles again
+            self._failed("sync", "reconciling with the controller failed: %s", exc)
+            return
+        for address in drained_by_hand:
+            log.warning("engine %s was drained through the controller: leaving", address)
+            self.engines[address].state = EngineState.DRAINING
 
     async def _poll(self, engine: _Engine) -> None:
         assert engine.channel is not None

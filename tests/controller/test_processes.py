@@ -11,18 +11,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 import controller.service
 from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
 from tests.controller.test_gateway import holder_of
+from tests.polling import eventually
 
 KVPLANE = [sys.executable, "-m", "kvplane"]
 
@@ -224,3 +227,114 @@ async def test_a_remote_indexer_process_drops_a_restarted_engines_blocks_at_once
         assert await holder_of(fleet, fresh_prompt, 4) == holder
     finally:
         await close_fleet(fleet)
+
+
+def controller_process(
+    tmp_path: Path, name: str, listen: str, processes: list[subprocess.Popen[bytes]]
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A `kvplane controller serve` process with no engine in its config, listening on
+    `listen`; it and its address."""
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(f"listen: {listen}\nhealth: {{poll_interval_s: 0.2}}\n")
+    port_file = tmp_path / f"{name}.port"
+    proc = subprocess.Popen(
+        [*KVPLANE, "controller", "serve", "--config", str(config), "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{name}.log").open("wb"),
+    )  # fmt: skip
+    processes.append(proc)
+    return proc, f"127.0.0.1:{_wait_port(port_file, proc)}"
+
+
+def _sim_engine_process(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> str:
+    """A `kvplane engine serve --model sim` process; its address."""
+    port_file = tmp_path / "engine.port"
+    proc = subprocess.Popen(
+        [*KVPLANE, "engine", "serve", "--model", "sim", "--listen", "127.0.0.1:0",
+         "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "engine.log").open("wb"),
+    )  # fmt: skip
+    processes.append(proc)
+    return f"127.0.0.1:{_wait_port(port_file, proc)}"
+
+
+def _calls_naming(gateway: pb_grpc.OpenEngineAsyncStub, model: str) -> dict[str, Any]:
+    """Every gateway call that names `model` (made at once), to await, by name."""
+    context = pb.TaskRequestContext(request_id=f"{model}-task", model=model)
+    text = [pb.TaskInput(text="hi")]
+    generate = pb.GenerateRequest(request_id=f"{model}-gen", model=model, prompt="hi")
+    return {
+        "Generate": _first(gateway.Generate(generate)),
+        "Embed": gateway.Embed(pb.EmbedRequest(context=context, inputs=text)),
+        "Classify": gateway.Classify(pb.ClassifyRequest(context=context, inputs=text)),
+        "Score": gateway.Score(pb.ScoreRequest(context=context)),
+        "GetModelInfo": gateway.GetModelInfo(pb.GetModelInfoRequest(model=model)),
+    }
+
+
+async def _first(stream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateResponse:
+    async for response in stream:
+        return response
+    raise AssertionError("the stream ended without a response")
+
+
+async def _statuses(calls: dict[str, Any]) -> dict[str, tuple[grpc.StatusCode, str]]:
+    """The status and message each of `calls` ends with (each must fail)."""
+    out = {}
+    for name, call in calls.items():
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        out[name] = (caught.value.code(), caught.value.details() or "")
+    return out
+
+
+async def _assert_not_known_yet(gateway: pb_grpc.OpenEngineAsyncStub) -> None:
+    """What a client of a controller with no engine at all gets: UNAVAILABLE (retry) for
+    every call naming a model, and a Health that says not ready, naming why."""
+    for name, (code, message) in (await _statuses(_calls_naming(gateway, "sim"))).items():
+        assert code is grpc.StatusCode.UNAVAILABLE, (name, code, message)
+        assert "no engine is registered yet" in message, (name, message)
+    assert (await gateway.Health(pb.HealthRequest())).state == pb.HEALTH_STATE_NOT_READY
+    health = await gateway.Health(pb.HealthRequest(model="sim"))
+    assert health.state == pb.HEALTH_STATE_NOT_READY
+    assert [(c.name, c.state) for c in health.checks] == [("model", pb.HEALTH_STATE_NOT_READY)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_controller_with_no_engine_yet_answers_unavailable_not_not_found(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """A controller process that has no engine at all (started before its planner registered
+    any, or killed and restarted on its port: engines registered at run time are gone) cannot
+    tell whether a model is served. A client, or a load balancer, takes NOT_FOUND as final:
+    every call naming a model is UNAVAILABLE (worth retrying) instead, and Health is
+    NOT_READY. Once an engine is registered, a model it does not serve is NOT_FOUND."""
+    controller, target = await asyncio.to_thread(
+        controller_process, tmp_path, "controller", "127.0.0.1:0", processes
+    )
+    engine_address = await asyncio.to_thread(_sim_engine_process, tmp_path, processes)
+    async with grpc.aio.insecure_channel(target) as channel:
+        gateway, admin = pb_grpc.OpenEngineStub(channel), apb_grpc.AdminStub(channel)
+        await _assert_not_known_yet(gateway)
+
+        await admin.RegisterEngine(apb.RegisterEngineRequest(address=engine_address))
+        await eventually(lambda: _routable(admin), 30, "the engine routed")
+        info = await gateway.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
+        assert info.served_model_name == "sim", info
+        refusals = await _statuses(_calls_naming(gateway, "nope"))
+        not_found = (grpc.StatusCode.NOT_FOUND, "no engine serves model 'nope'")
+        assert refusals == dict.fromkeys(refusals, not_found)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await gateway.Health(pb.HealthRequest(model="nope"))
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+
+    controller.kill()  # kill -9: nothing is said to anyone
+    await asyncio.to_thread(controller.wait)
+    _, again = await asyncio.to_thread(controller_process, tmp_path, "restarted", target, processes)
+    assert again == target
+    async with grpc.aio.insecure_channel(target) as channel:
+        await _assert_not_known_yet(pb_grpc.OpenEngineStub(channel))
+
+
+async def _routable(admin: apb_grpc.AdminAsyncStub) -> bool:
+    workers = (await admin.ListWorkers(apb.ListWorkersRequest())).workers
+    return [w.routable for w in workers] == [True]

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -45,6 +46,8 @@ from planner.core.planner import Planner
 from planner.live import LivePlanner
 from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
+from tests.controller.test_processes import controller_process
+from tests.polling import eventually
 
 
 def planner(min_engines: int, max_engines: int) -> Planner:
@@ -240,6 +243,67 @@ async def test_a_restarted_controller_gets_the_fleet_back(setup: Setup) -> None:
             assert not fleet.registry.records()
         finally:
             await restarted.close(0.2)
+
+
+@pytest.mark.timeout(180)
+async def test_a_controller_killed_and_restarted_gets_the_engines_back_before_the_next_tick(
+    tmp_path: Path,
+) -> None:
+    """`kill -9` of the controller process, and a new one on its port, knowing no engine: the
+    running planner sees a new process (its instance id) and registers its engines again at
+    once, not at its next tick (an hour away here). A client retrying meanwhile is told
+    UNAVAILABLE (the controller has no engine yet), never NOT_FOUND, until it is served."""
+    processes: list[subprocess.Popen[bytes]] = []
+    stop = asyncio.Event()
+    try:
+        controller, target = await asyncio.to_thread(
+            controller_process, tmp_path, "controller", "127.0.0.1:0", processes
+        )
+        actuator = local_processes(int(target.rsplit(":", 1)[1]), tmp_path)
+        live = LivePlanner(planner(1, 1), actuator)
+        running = asyncio.create_task(live.run(stop, tick_s=3600))
+        try:
+            async with grpc.aio.insecure_channel(target) as channel:
+                admin = apb_grpc.AdminStub(channel)
+                await eventually(lambda: routed(admin), 120, "the planner's engine routed")
+                engines = await routed(admin)
+            await eventually(lambda: sorted(live.engines) == engines, 30, "the start's end")
+
+            controller.kill()
+            await asyncio.to_thread(controller.wait)
+            _, again = await asyncio.to_thread(
+                controller_process, tmp_path, "restarted", target, processes
+            )
+            assert again == target
+            async with grpc.aio.insecure_channel(target) as channel:
+                gateway = pb_grpc.OpenEngineStub(channel)
+
+                async def served() -> bool:
+                    request = generate_request(f"r{next(ids)}", [1, 2, 3])
+                    try:
+                        [response async for response in gateway.Generate(request)]
+                    except grpc.aio.AioRpcError as exc:
+                        assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc.details()
+                        return False
+                    return True
+
+                ids = itertools.count()
+                await eventually(served, 60, "a Generate served by the restarted controller")
+                assert await routed(apb_grpc.AdminStub(channel)) == engines
+        finally:
+            stop.set()
+            await running
+            await live.close()
+    finally:
+        for proc in processes:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+
+
+async def routed(admin: apb_grpc.AdminAsyncStub) -> list[str]:
+    """The addresses the controller routes to."""
+    workers = (await admin.ListWorkers(apb.ListWorkersRequest())).workers
+    return sorted(w.address for w in workers if w.routable)
 
 
 @pytest.mark.timeout(120)
