@@ -114,9 +114,14 @@ async def _prefix_blocks(indexer: str, token_ids: list[int]) -> int:
     return max((m.matched_prefix_blocks for m in response.matches), default=0)
 
 
-async def test_a_killed_engine_leaves_no_stale_blocks_and_its_restart_is_indexed(
-    tmp_path: Path, processes: Processes
-) -> None:
+async def _engine_followed_by_a_bridge(
+    tmp_path: Path, processes: Processes, *bridge_options: str
+) -> tuple[str, str, Path, list[int]]:
+    """A sim engine publishing over ZMQ (with replay), an indexer, and a bridge between them;
+    returns the engine's and the indexer's addresses, the engine's config, and a prompt whose
+    4 blocks are indexed. (A new prompt each try: what the engine publishes before the bridge
+    has connected is lost (ZMQ), and the bridge rebuilds everything from the replay once it
+    hears a batch.)"""
     zmq_port, replay_port = _free_port(), _free_port()
     config = tmp_path / "engine.yaml"
     config.write_text(
@@ -132,20 +137,25 @@ async def test_a_killed_engine_leaves_no_stale_blocks_and_its_restart_is_indexed
         *("--worker-address", engine),  # (prefix matches leave out workers without one)
         *("--endpoint", f"tcp://127.0.0.1:{zmq_port}"),
         *("--replay-endpoint", f"tcp://127.0.0.1:{replay_port}"),
+        *bridge_options,
     )
     prompts = ([n, *range(1, 4 * BLOCK_SIZE)] for n in itertools.count(10_000))
-    first_prompt: list[int] = []
+    prompt: list[int] = []
 
-    async def first_indexed() -> bool:
-        """A new prompt each time: what the engine publishes before the bridge has connected
-        is lost (ZMQ), and the bridge rebuilds everything from the replay once it hears a
-        batch."""
-        nonlocal first_prompt
-        first_prompt = next(prompts)
-        await _generate(engine, first_prompt)
-        return await _prefix_blocks(indexer, first_prompt) == 4
+    async def indexed() -> bool:
+        nonlocal prompt
+        prompt = next(prompts)
+        await _generate(engine, prompt)
+        return await _prefix_blocks(indexer, prompt) == 4
 
-    await eventually(first_indexed, WAIT_S, "the engine's blocks in the index", every_s=0.2)
+    await eventually(indexed, WAIT_S, "the engine's blocks in the index", every_s=0.2)
+    return engine, indexer, config, prompt
+
+
+async def test_a_killed_engine_leaves_no_stale_blocks_and_its_restart_is_indexed(
+    tmp_path: Path, processes: Processes
+) -> None:
+    engine, indexer, config, first_prompt = await _engine_followed_by_a_bridge(tmp_path, processes)
     assert await _indexed_blocks(indexer) == await _engine_cached_blocks(engine)
 
     (engine_process,) = [p for p in processes.running if "engine" in p.args]
@@ -177,34 +187,12 @@ async def test_a_stopped_engine_is_cleared_by_heartbeats_and_rebuilt_when_it_res
     a cut network) never closes its connection; only the bridge's heartbeats tell it is gone.
     Resumed, it publishes nothing new: its blocks come back from its replay at the
     reconnection, exactly those it holds."""
-    zmq_port, replay_port = _free_port(), _free_port()
-    config = tmp_path / "engine.yaml"
-    config.write_text(
-        f"model: sim\nblock_size: {BLOCK_SIZE}\nnum_kv_blocks: 256\nsim:\n  time_scale: 0\n"
-        f"kv_events:\n  zmq_enabled: true\n  endpoint: tcp://127.0.0.1:{zmq_port}\n"
-        f"  replay_endpoint: tcp://127.0.0.1:{replay_port}\n"
-    )
-    engine = await processes.serving("engine", "engine", "serve", "--config", str(config))
-    indexer = await processes.serving("indexer", "indexer", "serve")
-    processes.spawn(
-        "bridge",
-        *("indexer", "bridge", "--target", indexer, "--worker-id", WORKER),
-        *("--worker-address", engine),
-        *("--endpoint", f"tcp://127.0.0.1:{zmq_port}"),
-        *("--replay-endpoint", f"tcp://127.0.0.1:{replay_port}"),
+    engine, indexer, _, prompt = await _engine_followed_by_a_bridge(
+        tmp_path,
+        processes,
         # Short, so that the test is quick; the defaults are for real networks.
         *("--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1"),
     )
-    prompts = ([n, *range(1, 4 * BLOCK_SIZE)] for n in itertools.count(10_000))
-    prompt: list[int] = []
-
-    async def indexed() -> bool:
-        nonlocal prompt
-        prompt = next(prompts)
-        await _generate(engine, prompt)
-        return await _prefix_blocks(indexer, prompt) == 4
-
-    await eventually(indexed, WAIT_S, "the engine's blocks in the index", every_s=0.2)
     num_cached = await _engine_cached_blocks(engine)
     assert await _indexed_blocks(indexer) == num_cached
 
