@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 # The longest an admin call may take (the tick waits for the reconciliation's).
 ADMIN_TIMEOUT_S = 5.0
+# A controller that does not answer (restarting, or a network hiccup): waited for.
+_CONTROLLER_AWAY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # How often `wait_routed` lists the controller's engines.
 _ROUTED_POLL_S = 0.2
 # The admin channel dials a controller that went away again after 0.1 s, then less and less
@@ -133,11 +135,22 @@ class ControllerAdmin:
 
     async def wait_routed(self, address: str) -> None:
         """Until the controller lists `address` as routable (its first health poll answered);
-        the caller bounds the wait."""
+        the caller bounds the wait. A controller that restarts meanwhile is waited for (it
+        does not answer) and given the engine again (it answers without listing it): the
+        engine is serving, and stopping it for the controller's restart would only lose the
+        start."""
         while True:
-            listed = await self._list()
-            if any(w.address == address and w.routable for w in listed.workers):
-                return
+            try:
+                listed = await self._list()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _CONTROLLER_AWAY:
+                    raise
+            else:
+                worker = next((w for w in listed.workers if w.address == address), None)
+                if worker is None:
+                    await self.register(address, existing_ok=True)
+                elif worker.routable:
+                    return
             await asyncio.sleep(_ROUTED_POLL_S)
 
     async def worker_state(self, address: str) -> str:

@@ -245,6 +245,37 @@ async def test_a_restarted_controller_gets_the_fleet_back(setup: Setup) -> None:
             await restarted.close(0.2)
 
 
+@pytest.mark.timeout(120)
+async def test_an_engine_starting_while_the_controller_restarts_is_routed_by_the_new_one(
+    setup: Setup,
+) -> None:
+    """The controller restarts while a start waits for it to route the new engine: the wait
+    outlasts the controller's absence and gives the new process the engine, rather than
+    failing the start (which stopped a serving engine, for the next tick to start another)."""
+    port = setup.app.port
+    async with serving(setup, 1) as (_, (address,)):
+        # The engine as a start has it once registered: serving, not routed yet.
+        await setup.app.controller.fleet.remove_engine(address)
+        await setup.app.close(0.2)
+        admin = ControllerAdmin(f"127.0.0.1:{port}")
+        try:
+            waiting = asyncio.create_task(admin.wait_routed(address))
+            await asyncio.sleep(1.0)  # a few of its polls find no controller
+            assert not waiting.done()
+            health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
+            config = {"listen": f"127.0.0.1:{port}", "health": health, "shutdown_grace_s": 0.5}
+            restarted = await start_controller(ControllerConfig.model_validate(config))
+            try:
+                async with asyncio.timeout(60):
+                    await waiting
+                routable = restarted.controller.fleet.registry.routable()
+                assert [r.address for r in routable] == [address]
+            finally:
+                await restarted.close(0.2)
+        finally:
+            await admin.close()
+
+
 @pytest.mark.timeout(180)
 async def test_a_controller_killed_and_restarted_gets_the_engines_back_before_the_next_tick(
     tmp_path: Path,
