@@ -611,7 +611,9 @@ class Relay:
                     status = failure or gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
                     failure = self._ending(surface, request, stage, status, relayed=False)
                     if failure is None:
-                        await _pass_status(context, status, retry.engine if retry else None)
+                        await _pass_status(
+                            context, status, retry.engine if retry else None, c.fleet
+                        )
                 yield failure  # an in-band error: the refusing response, or the gateway's
                 return
             if retry is not None:
@@ -707,7 +709,7 @@ class Relay:
                 )  # fmt: skip
                 ending = self._ending(surface, request, stage, failed, relayed=relayed)
                 if ending is None:
-                    await _pass_status(context, cause, engine)
+                    await _pass_status(context, cause, engine, c.fleet)
                 yield ending
                 return
             finally:
@@ -806,14 +808,19 @@ def engine_failure(
     )
 
 
-def naming_engine(failure: grpc.aio.AioRpcError, engine: str, call: str) -> str:
+def naming_engine(failure: grpc.aio.AioRpcError, engine: str, call: str, fleet: Fleet) -> str:
     """The details of an engine's failed `call` as the controller reports them to its own
-    client: naming the engine, unless they do already ("engine ADDRESS left"). The engine's
-    bare status ("Socket closed": its process died) would read as the controller's."""
+    client: naming the engine, unless they do already ("engine ADDRESS left"), and the
+    controller's setting the failure most likely comes from (an engine refusing the token
+    is refusing `engine_token_file`'s, never the client's). The engine's bare status ("Socket
+    closed": its process died) would read as the controller's."""
     details = failure.details() or failure.code().name
     if details.startswith(f"engine {engine}"):
         return details
-    return f"engine {engine} failed the {call}: {failure.code().name}: {details}"
+    code = failure.code()
+    return f"engine {engine} failed the {call}: {code.name}: " + fleet.engine_failure_details(
+        code, details
+    )
 
 
 def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:
@@ -828,7 +835,7 @@ def gateway_failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError
 
 
 async def _pass_status(
-    context: Context, error: grpc.aio.AioRpcError, engine: str | None
+    context: Context, error: grpc.aio.AioRpcError, engine: str | None, fleet: Fleet
 ) -> NoReturn:
     """End the client's call with `engine`'s failure. A refusal of the request itself (a
     status in CLIENT_ERRORS) is the engine's answer to the client, passed as it is; any
@@ -837,4 +844,4 @@ async def _pass_status(
     code = error.code()
     if engine is None or code in CLIENT_ERRORS:
         await abort_with(context, code, error.details() or code.name)
-    await abort_with(context, code, naming_engine(error, engine, "request"))
+    await abort_with(context, code, naming_engine(error, engine, "request", fleet))

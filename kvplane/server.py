@@ -1,7 +1,8 @@
 """gRPC server scaffolding shared by every kvplane server.
 
 `create_server(config, services)` builds a `grpc.aio` server with the given servicers, the
-standard health service and reflection, optional TLS/mTLS and an optional bearer token; it binds
+standard health service and reflection, optional TLS/mTLS and an optional bearer token (its
+file followed as it changes, `kvplane.token_file`); it binds
 and returns `(server, port)` so tests can bind port 0. `serve_until_signal` runs a started
 server until SIGTERM/SIGINT and stops it gracefully. Servicers stay thin over a core object and
 report domain errors through `abort_with`, never as a traceback.
@@ -28,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from kvplane.config import ServerConfig, TlsConfig, join_host_port, parse_host_port
 from kvplane.errors import ConfigError
 from kvplane.request_decoding import TolerantRegistration
+from kvplane.token_file import TokenFile
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +56,11 @@ class Service:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED."""
+    """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED. The
+    token is the one its file holds at each call: rotated on disk, it takes effect at once."""
 
-    def __init__(self, token: str, protected: Callable[[str], bool]) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: TokenFile, protected: Callable[[str], bool]) -> None:
+        self._token = token
         self._protected = protected
 
     async def intercept_service(
@@ -74,7 +77,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY:
                 presented = value.encode() if isinstance(value, str) else value
-        if hmac.compare_digest(presented, self._expected):
+        expected = f"Bearer {self._token.current()}".encode()
+        if hmac.compare_digest(presented, expected):
             return await continuation(handler_call_details)
         return _unauthenticated_handler(await continuation(handler_call_details))
 
@@ -125,7 +129,7 @@ async def create_server(
     services = list(services)
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if config.auth is not None:
-        token = config.auth.read_token()
+        token = TokenFile(config.auth.token_file, "auth.token_file")
         guarded = {s.method_path(m) for s in services for m in s.guarded_methods}
         protect_reads = config.auth.protect_reads
         infrastructure = ("/grpc.health.v1.Health/", "/grpc.reflection.")
