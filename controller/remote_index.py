@@ -12,7 +12,7 @@ import grpc
 from controller.router import PrefixHit
 from indexer.backend import IndexStats, WorkerStats
 from indexer.batch import Tier
-from kvplane.channels import INSECURE, ClientChannels
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, failure_details
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
@@ -32,6 +32,16 @@ _KEY_SPACES = {
     "sha256": ipb.KEY_SPACE_VLLM_SHA256,
     "sha256_cbor": ipb.KEY_SPACE_VLLM_SHA256_CBOR,
 }
+
+
+# The settings a failed call names when the indexer's TLS or token and the controller's do not
+# match.
+REMOTE_INDEX_SETTINGS = ClientSettings(
+    "index.remote_tls",
+    "index.remote_tls.cert_file and key_file",
+    "index.remote_token_file",
+    "index.remote_tls.server_name",
+)
 
 
 class RemoteIndexError(KvplaneError):
@@ -100,8 +110,11 @@ class RemoteIndex:
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s
+            details = failure_details(
+                self.channels, exc.code(), exc.details() or "", REMOTE_INDEX_SETTINGS
+            )
             raise RemoteIndexError(
-                f"remote index: {exc.code().name}: {exc.details()}", exc.code()
+                f"remote index: {exc.code().name}: {details}", exc.code()
             ) from None
         finally:
             self._asking_again = False

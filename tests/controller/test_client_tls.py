@@ -275,8 +275,12 @@ async def test_remote_index_over_tls(pki: Path) -> None:
     plain = RemoteIndex(f"127.0.0.1:{port}", 5.0)
     try:
         assert (await secure.stats()).num_blocks == 0
-        with pytest.raises(KvplaneError, match="UNAVAILABLE"):
+        with pytest.raises(KvplaneError) as refused:
             await plain.stats()
+        assert str(refused.value) == (
+            "remote index: UNAVAILABLE: the server closed the connection (Socket closed) (a "
+            "TLS server? give index.remote_tls)"
+        )
     finally:
         await secure.close()
         await plain.close()
