@@ -1,8 +1,8 @@
 """gRPC server scaffolding shared by every kvplane server.
 
 `create_server(config, services)` builds a `grpc.aio` server with the given servicers, the
-standard health service and reflection, optional TLS/mTLS and an optional bearer token (its
-file followed as it changes, `kvplane.token_file`); it binds
+standard health service and reflection, optional TLS/mTLS (its files followed as they change,
+`kvplane.server_tls`) and an optional bearer token (likewise, `kvplane.token_file`); it binds
 and returns `(server, port)` so tests can bind port 0. `serve_until_signal` runs a started
 server until SIGTERM/SIGINT and stops it gracefully. Servicers stay thin over a core object and
 report domain errors through `abort_with`, never as a traceback.
@@ -26,9 +26,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvplane.config import ServerConfig, TlsConfig, join_host_port, parse_host_port
+from kvplane.config import ServerConfig, join_host_port, parse_host_port
 from kvplane.errors import ConfigError
 from kvplane.request_decoding import TolerantRegistration
+from kvplane.server_tls import server_credentials
 from kvplane.token_file import TokenFile
 
 log = logging.getLogger(__name__)
@@ -102,20 +103,6 @@ def _unauthenticated_handler(
     return grpc.unary_unary_rpc_method_handler(unary, deserializer, serializer)
 
 
-def _server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    try:
-        key = tls.key_file.read_bytes()
-        cert = tls.cert_file.read_bytes()
-        client_ca = tls.client_ca_file.read_bytes() if tls.client_ca_file else None
-    except OSError as exc:
-        raise ConfigError(f"cannot read TLS file: {exc}") from exc
-    return grpc.ssl_server_credentials(
-        [(key, cert)],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
-
-
 async def create_server(
     config: ServerConfig,
     services: Iterable[Service],
@@ -163,7 +150,7 @@ async def create_server(
     address = join_host_port(host, port)
     try:
         if config.tls is not None:
-            bound = server.add_secure_port(address, _server_credentials(config.tls))
+            bound = server.add_secure_port(address, server_credentials(config.tls))
         else:
             bound = server.add_insecure_port(address)
     except RuntimeError as exc:

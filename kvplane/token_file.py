@@ -21,10 +21,14 @@ from kvplane.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-_Identity = tuple[int, int, int, int]  # device, inode, size, modification time (ns)
+FileIdentity = tuple[int, int, int, int]  # device, inode, size, modification time (ns)
 
 
-def _identity(path: Path) -> _Identity | None:
+def file_identity(path: Path | None) -> FileIdentity | None:
+    """What changes when the file at `path` is replaced or rewritten (None: no file there,
+    or no path); a symlink is followed, so a Kubernetes Secret's swap of its target shows."""
+    if path is None:
+        return None
     try:
         stat = os.stat(path)
     except OSError:
@@ -40,11 +44,11 @@ class TokenFile:
     def __init__(self, path: Path, setting: str) -> None:
         self.path = path
         self._setting = setting
-        self._seen = _identity(path)
+        self._seen = file_identity(path)
         self._token = read_token_file(path, setting)
 
     def current(self) -> str:
-        seen = _identity(self.path)
+        seen = file_identity(self.path)
         if seen == self._seen:
             return self._token
         self._seen = seen

@@ -19,10 +19,13 @@ from typer.testing import CliRunner
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from engine.server.service import EngineApp
+from kvplane.channels import ClientChannels
 from kvplane.cli import app
-from kvplane.config import TlsConfig
+from kvplane.config import ClientTlsConfig, TlsConfig
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import start_sim_engine
 from tests.polling import eventually
 
@@ -182,11 +185,47 @@ async def test_an_engine_given_a_certificate_the_ca_signed_is_routed_again(pki: 
                 await engine.close()
 
 
-def rotate(path: Path, token: str) -> None:
+async def test_a_certificate_renewed_on_disk_is_served_without_a_restart(
+    pki: Path, tmp_path: Path
+) -> None:
+    """The engine's certificate files replaced while it runs (an expired certificate renewed,
+    as cert-manager does): the next connection is served the new one, and the controller
+    routes to the engine again, neither restarted. A half-done rotation (a certificate whose
+    key is not yet written) keeps the pair served before. (The files were read once, at
+    start: a renewal took a restart of every server.)"""
+    cert, key = tmp_path / "engine.pem", tmp_path / "engine.key"
+    cert.write_bytes((pki / "expired.pem").read_bytes())
+    key.write_bytes((pki / "expired.key").read_bytes())
+    engine = await start_sim_engine("e0", tls=TlsConfig(cert_file=cert, key_file=key))
+    controller = await start_plain_controller(engine, engine_tls={"ca_file": pki / "ca.pem"})
+    try:
+        expired = "certificate has expired (the server's certificate has expired: renew it)"
+        await wait_for_error(
+            controller, "unreachable", f"UNAVAILABLE: TLS handshake failed: "
+            f"CERTIFICATE_VERIFY_FAILED: {expired}"
+        )  # fmt: skip
+        replace_file(cert, (pki / "server.pem").read_bytes())  # its key not yet replaced
+        # A new connection (each reads the files again) is still served the expired pair.
+        channels = ClientChannels.load(ClientTlsConfig(ca_file=pki / "ca.pem"))
+        async with channels.aio_channel(f"127.0.0.1:{engine.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError, match="certificate has expired"):
+                await pb_grpc.OpenEngineStub(channel).Health(pb.HealthRequest(), timeout=10)
+        replace_file(key, (pki / "server.key").read_bytes())
+        await wait_for_error(controller, "ready", "")
+    finally:
+        await controller.close(0.2)
+        await engine.close()
+
+
+def replace_file(path: Path, data: bytes) -> None:
     """Replace the file at once, as a Kubernetes Secret's update or `mv` does."""
     partial = path.with_name(f".{path.name}.new")
-    partial.write_text(f"{token}\n")
+    partial.write_bytes(data)
     partial.replace(path)
+
+
+def rotate(path: Path, token: str) -> None:
+    replace_file(path, f"{token}\n".encode())
 
 
 async def admin_cli(controller: ControllerApp, token_file: Path, *args: str) -> tuple[int, str]:
