@@ -399,3 +399,30 @@ async def test_a_refused_token_names_the_clis_token_options(pki: Path, tmp_path:
     assert anonymous == f"{unauthenticated} (a server requiring a token? give {options})"
     assert refused == f"{unauthenticated} (not the server's token? check {options})"
     assert read.exit_code == 0 and "HEALTH_STATE_READY" in read.output, read.output
+
+
+async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(
+    pki: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An openengine source (the indexer's, the controller's per engine) whose engine serves
+    a certificate that does not verify: its warning gives OpenSSL's reason, not gRPC's trail
+    of addresses and library error numbers."""
+    engine = await start_sim_engine(
+        "e0", tls=TlsConfig(cert_file=pki / "expired.pem", key_file=pki / "expired.key")
+    )
+    target = f"127.0.0.1:{engine.port}"
+    config = IndexerConfig.model_validate(
+        {"sources": [{"kind": "openengine", "target": target, "tls": {"ca_file": pki / "ca.pem"}}]}
+    )
+    source = build_source(config.sources[0], await open_backend("memory"), 16)
+    warning = (
+        f"openengine source {target}: UNAVAILABLE: TLS handshake failed: "
+        "CERTIFICATE_VERIFY_FAILED: certificate has expired"
+    )
+    task = asyncio.ensure_future(source.run())
+    try:
+        await eventually(lambda: warning in [r.getMessage() for r in caplog.records])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.close()
