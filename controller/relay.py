@@ -75,16 +75,26 @@ Request_contra = TypeVar("Request_contra", contravariant=True)
 Response_co = TypeVar("Response_co", covariant=True)
 Response_contra = TypeVar("Response_contra", contravariant=True)
 
+# What an engine run with `auth` answers a call without its token. The controller calls every
+# engine with its own `engine_token_file`, never its client's token, so this refuses the
+# controller (an engine given a new token before the controller's file was), not the
+# request: another engine may take it, and the client is not at fault.
+REFUSED_CONTROLLER_TOKEN = frozenset(
+    {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+)
 # Statuses after which the same request may succeed on another engine.
-RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.ABORTED,
-    }
+RETRYABLE = (
+    frozenset(
+        {
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.INTERNAL,
+            grpc.StatusCode.UNKNOWN,
+            grpc.StatusCode.ABORTED,
+        }
+    )
+    | REFUSED_CONTROLLER_TOKEN
 )
 # Statuses that refuse the request itself: no engine would take it as it is.
 CLIENT_ERRORS = frozenset(
@@ -94,8 +104,6 @@ CLIENT_ERRORS = frozenset(
         grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.OUT_OF_RANGE,
         grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
     }
 )
 # An engine's own failure (a broken device, a wedged worker), which counts toward its outlier
