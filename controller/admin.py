@@ -180,7 +180,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             if not started:  # the engine did not take it: its next health answer decides
                 fleet.registry.withdraw_drain(record.address)
             await abort_with(
-                context, failure.code(), naming_engine(failure, record.address, "Drain")
+                context, failure.code(), naming_engine(failure, record.address, "Drain", fleet)
             )
 
     async def _plan(

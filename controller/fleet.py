@@ -75,8 +75,7 @@ from indexer.sources.resync import drop_engine
 from indexer.sources.zmq import SourceCounters, ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from indexer.zmq_decode import ArrayTail, engine_array_tail
-from kvplane.channels import INSECURE, ClientChannels
-from kvplane.config import read_token_file
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, failure_details
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -262,6 +261,16 @@ class _Engine:
         await self.channel.close()
 
 
+# The settings a failed call to an engine names when its TLS or token and the controller's do
+# not match.
+ENGINE_SETTINGS = ClientSettings(
+    "engine_tls",
+    "engine_tls.cert_file and key_file",
+    "engine_token_file",
+    "engine_tls.server_name",
+)
+
+
 class Fleet:
     def __init__(
         self,
@@ -319,15 +328,10 @@ class Fleet:
                 health.rpc_timeout_s,
                 config.index.remote_key_space,
                 config.index.remote_hash_seed,
-                ClientChannels.load(config.index.remote_tls, "index.remote_tls").reconnecting(
-                    health.backoff_initial_s, health.backoff_max_s
-                ),
+                ClientChannels.load(config.index.remote_tls, "index.remote_tls")
+                .reconnecting(health.backoff_initial_s, health.backoff_max_s)
+                .with_token_file(config.index.remote_token_file, "index.remote_token_file"),
                 backoff_s=(health.backoff_initial_s, health.backoff_max_s),
-                token=(
-                    read_token_file(config.index.remote_token_file, "index.remote_token_file")
-                    if config.index.remote_token_file is not None
-                    else None
-                ),
             )
             if config.index.remote is not None
             else None
@@ -428,6 +432,12 @@ class Fleet:
 
     def stub(self, address: str) -> pb_grpc.OpenEngineAsyncStub:
         return self._engines[address].stub
+
+    def engine_failure_details(self, code: grpc.StatusCode, details: str) -> str:
+        """The details of a failed call to an engine as an operator reads them ("TLS
+        handshake failed: CERTIFICATE_VERIFY_FAILED: ... (a server certificate not signed by
+        the CA of engine_tls?)"), naming the controller's setting it most likely lacks."""
+        return failure_details(self._engine_channels, code, details, ENGINE_SETTINGS)
 
     def why_calls_ended(self, address: str) -> str:
         """Why the fleet ended the calls to the engine at `address` by closing its channel:
@@ -658,7 +668,8 @@ class Fleet:
                 delay = health.backoff_max_s
                 need_identity = restarted = True
             except grpc.aio.AioRpcError as exc:
-                error = f"{exc.code().name}: {exc.details()}"
+                details = self.engine_failure_details(exc.code(), exc.details() or "")
+                error = f"{exc.code().name}: {details}"
                 failure = poll_failure(exc.code().name)
                 delay = self.registry.on_poll_failed(address, now, error, failure)
                 said = failure.state.value

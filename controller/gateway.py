@@ -271,9 +271,14 @@ class EngineOutcome(NamedTuple):
     adapters: tuple[str, ...] | None = None
 
     @classmethod
-    def of(cls, record: EngineRecord, result: object) -> EngineOutcome:
+    def of(cls, record: EngineRecord, result: object, fleet: Fleet) -> EngineOutcome:
+        """An engine's answer; a failure's detail as `Fleet.engine_failure_details` words it
+        (naming the controller's setting it most likely comes from)."""
         if isinstance(result, grpc.aio.AioRpcError):
-            return cls(record, result.code().name, result.details() or "")
+            code = result.code()
+            return cls(
+                record, code.name, fleet.engine_failure_details(code, result.details() or "")
+            )
         return cls(record, "ok")
 
     def text(self) -> str:
@@ -396,7 +401,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 await relay.report(engine, None)
                 return reply
             # As a Generate's failure passes: naming the engine, unless it refused the request.
-            await pass_status(context, failure, engine)
+            await pass_status(context, failure, engine, self.controller.fleet)
         finally:
             relay.holding.pop(request_id, None)
             # Its engine ran it: Abort of its id is ALREADY_FINISHED now, as the engine
@@ -558,7 +563,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         f"engine {address} holding request {request.request_id!r} did not "
                         f"answer the Abort within {timeout_s:g} s",
                     )
-                await abort_with(context, failure.code(), naming_engine(failure, address, "Abort"))
+                await abort_with(
+                    context,
+                    failure.code(),
+                    naming_engine(failure, address, "Abort", self.controller.fleet),
+                )
             return reply
         # Every request also means those still being planned here, which no engine holds yet:
         # they end before any engine is called, as one aborted by id does.
@@ -579,7 +588,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             records,
             lambda s: s.Abort(request, timeout=self.controller.config.health.rpc_timeout_s),
         )
-        outcomes = [EngineOutcome.of(record, result) for record, result in results]
+        outcomes = [
+            EngineOutcome.of(record, result, self.controller.fleet) for record, result in results
+        ]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in outcomes]))
         summary = _summary(outcomes)
         # The requests an engine that did not answer has not answered either (at the handoff
@@ -688,7 +699,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         failures: list[grpc.aio.AioRpcError] = []
         for record, result in await self._fan_out(asked, call):
             if isinstance(result, grpc.aio.AioRpcError):
-                outcome = EngineOutcome.of(record, result)
+                outcome = EngineOutcome.of(record, result, self.controller.fleet)
                 if on_absent is not None and result.code() == grpc.StatusCode.NOT_FOUND:
                     on_absent(record.address)
                     outcome = outcome._replace(outcome="not_loaded")
@@ -711,7 +722,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                         f"polls ({record.state.value})",
                     )
                     failures.append(failure)
-                    outcomes[record.address] = EngineOutcome.of(record, failure)
+                    outcomes[record.address] = EngineOutcome.of(
+                        record, failure, self.controller.fleet
+                    )
                     engines.append(record)
         ordered = [outcomes[r.address] for r in engines]
         context.set_trailing_metadata(outcome_metadata([o.entry() for o in ordered]))

@@ -80,16 +80,26 @@ Request_contra = TypeVar("Request_contra", contravariant=True)
 Response_co = TypeVar("Response_co", covariant=True)
 Response_contra = TypeVar("Response_contra", contravariant=True)
 
+# What an engine run with `auth` answers a call without its token. The controller calls every
+# engine with its own `engine_token_file`, never its client's token, so this refuses the
+# controller (an engine given a new token before the controller's file was), not the
+# request: another engine may take it, and the client is not at fault.
+REFUSED_CONTROLLER_TOKEN = frozenset(
+    {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+)
 # Statuses after which the same request may succeed on another engine.
-RETRYABLE = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.INTERNAL,
-        grpc.StatusCode.UNKNOWN,
-        grpc.StatusCode.ABORTED,
-    }
+RETRYABLE = (
+    frozenset(
+        {
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.INTERNAL,
+            grpc.StatusCode.UNKNOWN,
+            grpc.StatusCode.ABORTED,
+        }
+    )
+    | REFUSED_CONTROLLER_TOKEN
 )
 # Statuses that refuse the request itself: no engine would take it as it is.
 CLIENT_ERRORS = frozenset(
@@ -99,8 +109,6 @@ CLIENT_ERRORS = frozenset(
         grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.OUT_OF_RANGE,
         grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.PERMISSION_DENIED,
-        grpc.StatusCode.UNAUTHENTICATED,
     }
 )
 # An engine's own failure (a broken device, a wedged worker), which counts toward its outlier
@@ -742,7 +750,7 @@ class Relay:
                     status = failure or gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
                     failure = self._ending(surface, request, stage, status, relayed=False)
                     if failure is None:
-                        await pass_status(context, status, retry.engine if retry else None)
+                        await pass_status(context, status, retry.engine if retry else None, c.fleet)
                 yield failure  # an in-band error: the refusing response, or the gateway's
                 return
             if retry is not None:
@@ -848,7 +856,7 @@ class Relay:
                 )  # fmt: skip
                 ending = self._ending(surface, request, stage, failed, relayed=relayed)
                 if ending is None:
-                    await pass_status(context, cause, engine)
+                    await pass_status(context, cause, engine, c.fleet)
                 yield ending
                 return
             finally:
@@ -947,14 +955,19 @@ def engine_failure(
     )
 
 
-def naming_engine(failure: grpc.aio.AioRpcError, engine: str, call: str) -> str:
+def naming_engine(failure: grpc.aio.AioRpcError, engine: str, call: str, fleet: Fleet) -> str:
     """The details of an engine's failed `call` as the controller reports them to its own
-    client: naming the engine, unless they do already ("engine ADDRESS left"). The engine's
-    bare status ("Socket closed": its process died) would read as the controller's."""
+    client: naming the engine, unless they do already ("engine ADDRESS left"), and the
+    controller's setting the failure most likely comes from (an engine refusing the token
+    is refusing `engine_token_file`'s, never the client's). The engine's bare status ("Socket
+    closed": its process died) would read as the controller's."""
     details = failure.details() or failure.code().name
     if details.startswith(f"engine {engine}"):
         return details
-    return f"engine {engine} failed the {call}: {failure.code().name}: {details}"
+    code = failure.code()
+    return f"engine {engine} failed the {call}: {code.name}: " + fleet.engine_failure_details(
+        code, details
+    )
 
 
 def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:
@@ -969,7 +982,7 @@ def gateway_failure(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError
 
 
 async def pass_status(
-    context: Context, error: grpc.aio.AioRpcError, engine: str | None
+    context: Context, error: grpc.aio.AioRpcError, engine: str | None, fleet: Fleet
 ) -> NoReturn:
     """End the client's call with `engine`'s failure. A refusal of the request itself (a
     status in CLIENT_ERRORS) is the engine's answer to the client, passed as it is; any
@@ -978,4 +991,4 @@ async def pass_status(
     code = error.code()
     if engine is None or code in CLIENT_ERRORS:
         await abort_with(context, code, error.details() or code.name)
-    await abort_with(context, code, naming_engine(error, engine, "request"))
+    await abort_with(context, code, naming_engine(error, engine, "request", fleet))

@@ -12,9 +12,8 @@ import grpc
 from controller.router import PrefixHit
 from indexer.backend import IndexStats, WorkerStats
 from indexer.batch import Tier
-from kvplane.channels import INSECURE, ClientChannels
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, failure_details
 from kvplane.errors import KvplaneError
-from kvplane.server import bearer_token_metadata
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 
@@ -33,6 +32,16 @@ _KEY_SPACES = {
     "sha256": ipb.KEY_SPACE_VLLM_SHA256,
     "sha256_cbor": ipb.KEY_SPACE_VLLM_SHA256_CBOR,
 }
+
+
+# The settings a failed call names when the indexer's TLS or token and the controller's do not
+# match.
+REMOTE_INDEX_SETTINGS = ClientSettings(
+    "index.remote_tls",
+    "index.remote_tls.cert_file and key_file",
+    "index.remote_token_file",
+    "index.remote_tls.server_name",
+)
 
 
 class RemoteIndexError(KvplaneError):
@@ -70,13 +79,11 @@ class RemoteIndex:
         *,
         backoff_s: tuple[float, float] = (0.5, 30.0),
         clock: Callable[[], float] = time.monotonic,
-        token: str | None = None,
     ) -> None:
         self.channels = channels
         self._channel = channels.aio_channel(target)
         self._stub = ipb_grpc.KvIndexStub(self._channel)
         self._timeout_s = timeout_s
-        self._metadata = bearer_token_metadata(token)
         self._key_space = _KEY_SPACES[key_space]
         self._hash_seed = hash_seed
         self._backoff_s = backoff_s
@@ -103,8 +110,11 @@ class RemoteIndex:
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
                 self._ask_again_at = self._clock() + self._pause_s
+            details = failure_details(
+                self.channels, exc.code(), exc.details() or "", REMOTE_INDEX_SETTINGS
+            )
             raise RemoteIndexError(
-                f"remote index: {exc.code().name}: {exc.details()}", exc.code()
+                f"remote index: {exc.code().name}: {details}", exc.code()
             ) from None
         finally:
             self._asking_again = False
@@ -124,11 +134,7 @@ class RemoteIndex:
             key_space=self._key_space,
             hash_seed=self._hash_seed,
         )
-        reply = await self._ask(
-            lambda: self._stub.MatchTokens(
-                request, timeout=self._timeout_s, metadata=self._metadata
-            )
-        )
+        reply = await self._ask(lambda: self._stub.MatchTokens(request, timeout=self._timeout_s))
         hits: dict[str, PrefixHit] = {}
         for m in reply.matches:
             if (m.worker_address or m.worker_id) in self.restarted:
@@ -155,11 +161,7 @@ class RemoteIndex:
         self.restarted.add(engine)
         request = ipb.ResyncEngineRequest(engine=engine, only_if_stream_lost=first_contact)
         try:
-            await self._ask(
-                lambda: self._stub.ResyncEngine(
-                    request, timeout=self._timeout_s, metadata=self._metadata
-                )
-            )
+            await self._ask(lambda: self._stub.ResyncEngine(request, timeout=self._timeout_s))
         except RemoteIndexError as exc:
             if exc.code not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
                 if first_contact:
@@ -172,9 +174,7 @@ class RemoteIndex:
         address when the indexer has one, else its worker id), as `match` does. A failed call
         is a KvplaneError of one line (callers log it)."""
         reply = await self._ask(
-            lambda: self._stub.GetIndexStats(
-                ipb.GetIndexStatsRequest(), timeout=self._timeout_s, metadata=self._metadata
-            )
+            lambda: self._stub.GetIndexStats(ipb.GetIndexStatsRequest(), timeout=self._timeout_s)
         )
         workers = tuple(
             WorkerStats(

@@ -7,13 +7,18 @@ here, so the credentials are built in one place.
 one-line TlsFileError, a ConfigError saying which file); the channels it opens share the
 credentials. `with_metadata` adds metadata (a bearer token) to every call of its channels
 that brings no `authorization` of its own (an interceptor, installed only then);
-`with_token_file` adds the bearer token a client's setting names. `setting_hint` says which
-setting a failed call most likely lacks (TLS, a client certificate, a token), in the words of
-the client's own settings (CLI flags, config keys).
+`with_token_file` adds the bearer token a client's setting names, its file followed as it
+changes (`kvplane.token_file`: a token rotated on disk is sent from the next call).
+
+`setting_hint` says which setting a failed call most likely lacks or has wrong (TLS, a client
+certificate, a certificate's CA or name, a token), in the words of the client's own settings
+(CLI flags, config keys); `failure_details` are a failed call's details as an operator reads
+them, gRPC's trail of a TLS handshake that failed cut to OpenSSL's reason, with that hint.
 """
 
 from __future__ import annotations
 
+import re
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,9 +28,10 @@ from typing import Any, Literal, NamedTuple
 
 import grpc
 
-from kvplane.config import ClientTlsConfig, read_token_file
+from kvplane.config import ClientTlsConfig
 from kvplane.errors import ConfigError
 from kvplane.server import AUTH_METADATA_KEY, bearer_token_metadata
+from kvplane.token_file import TokenFile
 
 # What each file must hold, and the PEM header that shows it does.
 _CERTIFICATE = ("a certificate", b"-----BEGIN CERTIFICATE-----")
@@ -82,6 +88,9 @@ class ClientChannels:
     client_certificate: bool = False
     # Sent with every call that has no authorization of its own (a bearer token).
     metadata: Metadata = ()
+    # The file of the bearer token every call carries (in place of `metadata`), read again
+    # as it changes.
+    token_file: TokenFile | None = None
     # Run on every call of the aio channels, after the metadata's (the controller's hop
     # header, `controller.hops`).
     interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()
@@ -130,7 +139,9 @@ class ClientChannels:
     @property
     def bearer_token(self) -> bool:
         """Its calls carry a bearer token."""
-        return any(key == AUTH_METADATA_KEY for key, _ in self.metadata)
+        return self.token_file is not None or any(
+            key == AUTH_METADATA_KEY for key, _ in self.metadata
+        )
 
     def reconnecting(self, initial_s: float, max_s: float) -> ClientChannels:
         """The same, with gRPC's reconnect backoff from `initial_s` up to `max_s`. gRPC's own
@@ -155,15 +166,27 @@ class ClientChannels:
         return replace(self, options=(*kept, *options))
 
     def with_metadata(self, metadata: Metadata) -> ClientChannels:
-        """The same, every call carrying `metadata` unless it brings an authorization."""
-        return replace(self, metadata=metadata)
+        """The same, every call carrying `metadata` (in place of any token file's) unless it
+        brings an authorization."""
+        return replace(self, metadata=metadata, token_file=None)
 
     def with_token_file(self, token_file: Path | None, setting: str) -> ClientChannels:
-        """The same, every call carrying the bearer token `token_file` holds (None: as it
-        is); a ConfigError naming `setting` when the file cannot be read or is empty."""
+        """The same, every call carrying the bearer token `token_file` holds when it is made
+        (None: as it is); a ConfigError naming `setting` when the file cannot be read or is
+        empty now."""
         if token_file is None:
             return self
-        return self.with_metadata(bearer_token_metadata(read_token_file(token_file, setting)))
+        return replace(self, metadata=(), token_file=TokenFile(token_file, setting))
+
+    def call_metadata(self) -> Metadata:
+        """What a call without an authorization of its own carries now."""
+        if self.token_file is None:
+            return self.metadata
+        return bearer_token_metadata(self.token_file.current())
+
+    @property
+    def _adds_metadata(self) -> bool:
+        return bool(self.metadata) or self.token_file is not None
 
     def with_interceptors(
         self, interceptors: tuple[grpc.aio.ClientInterceptor, ...]
@@ -175,8 +198,8 @@ class ClientChannels:
         """A grpc.aio channel to `target` (HOST:PORT)."""
         interceptors = [
             *(
-                aio_metadata_interceptors(partial(_with_default, default=self.metadata))
-                if self.metadata
+                aio_metadata_interceptors(partial(_with_default, default=self.call_metadata))
+                if self._adds_metadata
                 else ()
             ),
             *self.interceptors,
@@ -195,20 +218,22 @@ class ClientChannels:
             channel = grpc.insecure_channel(target, options=list(self.options))
         else:
             channel = grpc.secure_channel(target, self.credentials, options=list(self.options))
-        if not self.metadata:
+        if not self._adds_metadata:
             return channel
-        return grpc.intercept_channel(channel, _DefaultMetadata(self.metadata))
+        return grpc.intercept_channel(channel, _DefaultMetadata(self.call_metadata))
 
 
 @dataclass(frozen=True)
 class ClientSettings:
     """How a client's user names its settings, for `setting_hint`: the one that turns TLS on
     ("--tls-ca", "live.controller_tls"), the client certificate's, and the bearer token's
-    ("live.controller_token_file"; None: no hint about the token)."""
+    ("live.controller_token_file"; None: no hint about the token), and the one overriding the
+    name checked in the server's certificate ("--tls-server-name")."""
 
     tls: str
     client_certificate: str
     token: str | None = None
+    server_name: str | None = None
 
 
 # What a server with bearer-token authentication answers a call without the right token
@@ -223,7 +248,11 @@ def setting_hint(
     settings: ClientSettings,
 ) -> str:
     """Which of `settings` a failed call (its status `code` and `details`) most likely lacks:
-    " (...)" to append to its details, or "" when nothing is likely."""
+    " (...)" to append to its details, or "" when nothing is likely. A status a controller
+    relays about one of its engines ("engine ADDRESS failed the Drain: ...") gets none: it
+    is about the controller's settings, which its own message names."""
+    if details.startswith(RELAYED_ENGINE_FAILURE):
+        return ""
     if code in _REFUSED_TOKEN and settings.token is not None:
         if channels.bearer_token:
             return f" (not the server's token? check {settings.token})"
@@ -233,25 +262,95 @@ def setting_hint(
 
 def _tls_hint(channels: ClientChannels, details: str, settings: ClientSettings) -> str:
     """What a server that hung up on the connection most likely wants, or why a TLS handshake
-    failed on a record that is not TLS (a plaintext server)."""
+    failed: a record that is not TLS (a plaintext server), a server certificate that does
+    not verify (another CA, expired, for another name)."""
     if channels.tls and "WRONG_VERSION_NUMBER" in details:
         return f" (a plaintext server? leave out {settings.tls})"
-    if HUNG_UP not in details or details.startswith(RELAYED_ENGINE_FAILURE):
+    if _CERTIFICATE_UNVERIFIED in details:
+        if _EXPIRED in details:
+            return " (the server's certificate has expired: renew it)"
+        if _NOT_YET_VALID in details:
+            return " (the server's certificate is not valid yet: check both hosts' clocks)"
+        return f" (a server certificate not signed by the CA of {settings.tls}?)"
+    if _WRONG_NAME in details:
+        override = f", or set {settings.server_name}" if settings.server_name else ""
+        return (
+            " (a server certificate for another name? give the server one for the host "
+            f"dialled{override})"
+        )
+    if HUNG_UP not in details:
         return ""
     if not channels.tls:
         return f" (a TLS server? give {settings.tls})"
     if not channels.client_certificate:
         return f" (a server requiring a client certificate? give {settings.client_certificate})"
-    return ""
+    return f" (a client certificate the server does not trust? check {settings.client_certificate})"
 
 
-def _with_default(given: Any, default: Metadata) -> Metadata | None:
-    """`default` appended to a call's metadata, unless it has an authorization of its own
+def failure_details(
+    channels: ClientChannels, code: grpc.StatusCode, details: str, settings: ClientSettings
+) -> str:
+    """A failed call's `details` as an operator reads them: gRPC's account of a connection
+    that could not be made cut to what to act on (`plain_details`), with the `setting_hint`.
+    For a relay's calls, streams that may be cut as they run: a hang-up is put down to the
+    settings only as the connection is made, not once the server answered (its process
+    died, which a TLS hint would misread)."""
+    if HUNG_UP in details and _CONNECT_FAILED.search(details) is None:
+        return details
+    return plain_details(details) + setting_hint(channels, code, details, settings)
+
+
+# gRPC's account of a connection it could not make, as it begins, and of a TLS handshake that
+# failed there: "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9001:
+# Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL
+# routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: unable to get local issuer
+# certificate: OK" (the reason, and for a certificate that did not verify, why).
+_CONNECT_FAILED = re.compile(r"failed to connect to all addresses; last error: \w+: [^ ]+: ")
+_HANDSHAKE_FAILED = re.compile(r"Tls handshake failed .*:OPENSSL_internal:(\w+)(?:: ([^:]*))?")
+_CERTIFICATE_UNVERIFIED = "CERTIFICATE_VERIFY_FAILED"
+_EXPIRED = "certificate has expired"
+_NOT_YET_VALID = "certificate is not yet valid"
+# What gRPC says of a server certificate whose names do not include the host dialled.
+_WRONG_NAME = "Hostname Verification Check failed"
+
+
+def plain_details(details: str) -> str:
+    """`details` of a call that could not connect, as an operator reads them: "TLS handshake
+    failed: CERTIFICATE_VERIFY_FAILED: certificate has expired", "TLS handshake failed: the
+    server certificate's names do not include the host dialled", "the server closed the
+    connection (Socket closed)"; any other details as they are."""
+    connect = _CONNECT_FAILED.search(details)
+    if connect is None:
+        return details
+    cause = details[connect.end() :]
+    handshake = _HANDSHAKE_FAILED.search(cause)
+    if handshake is not None:
+        reason, why = handshake.groups()
+        # (The text after another reason than a verification's is OpenSSL's state, not why.)
+        return f"TLS handshake failed: {reason}" + (
+            f": {why}" if reason == _CERTIFICATE_UNVERIFIED and why else ""
+        )
+    if _WRONG_NAME in cause:
+        return (
+            "TLS handshake failed: the server certificate's names do not include the host dialled"
+        )
+    if cause == HUNG_UP:
+        return f"the server closed the connection ({HUNG_UP})"
+    return details
+
+
+# The metadata a channel adds to a call, as it is when the call is made (a token file's token
+# changes as the file does).
+DefaultMetadata = Callable[[], Metadata]
+
+
+def _with_default(given: Any, default: DefaultMetadata) -> Metadata | None:
+    """`default()` appended to a call's metadata, unless it has an authorization of its own
     (None: leave the call as it is)."""
     pairs = tuple((key, value) for key, value in (given or ()))
     if any(key == AUTH_METADATA_KEY for key, _ in pairs):
         return None
-    return pairs + default
+    return pairs + default()
 
 
 class _CallDetails(
@@ -278,7 +377,7 @@ class _DefaultMetadata(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    def __init__(self, metadata: Metadata) -> None:
+    def __init__(self, metadata: DefaultMetadata) -> None:
         self._metadata = metadata
 
     def _details(self, details: Any) -> Any:

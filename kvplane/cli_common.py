@@ -22,6 +22,7 @@ from kvplane.channels import (
     Metadata,
     TlsFileError,
     TlsFileField,
+    plain_details,
     setting_hint,
 )
 from kvplane.config import (
@@ -299,8 +300,10 @@ METHOD_NOT_FOUND = "Method not found!"
 # What grpcio reports when a call's own deadline passes (a server relaying another's
 # DEADLINE_EXCEEDED, or refusing a deadline already passed, says something of its own).
 CLIENT_DEADLINE_PASSED = "Deadline Exceeded"
-# The CLIs' TLS options, as `rpc_channel`'s errors name them.
-_TLS_FLAGS = ClientSettings("--tls-ca", "--tls-cert and --tls-key")
+# The CLIs' TLS and token options, as `rpc_channel`'s errors name them.
+_CLIENT_FLAGS = ClientSettings(
+    "--tls-ca", "--tls-cert and --tls-key", "--token-file or $KVPLANE_TOKEN", "--tls-server-name"
+)
 
 
 @contextmanager
@@ -331,7 +334,8 @@ def rpc_channel(
                 ) from None
             name = code.name if code is not None else "ERROR"
             raise RpcCallError(
-                f"{target}: {name}: {details}{setting_hint(channels, code, details, _TLS_FLAGS)}"
+                f"{target}: {name}: {plain_details(details)}"
+                f"{setting_hint(channels, code, details, _CLIENT_FLAGS)}"
             ) from None
 
 

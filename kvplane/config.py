@@ -111,9 +111,6 @@ class AuthConfig(StrictModel):
     # Also require the token on read-only RPCs.
     protect_reads: StrictBool = False  # YAML's true/false; "yes" is a mistake
 
-    def read_token(self) -> str:
-        return read_token_file(self.token_file, "auth.token_file")
-
 
 def read_token_file(path: Path, setting: str) -> str:
     """The bearer token a file holds (surrounding whitespace ignored); a ConfigError naming

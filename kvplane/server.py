@@ -1,7 +1,8 @@
 """gRPC server scaffolding shared by every kvplane server.
 
 `create_server(config, services)` builds a `grpc.aio` server with the given servicers, the
-standard health service and reflection, optional TLS/mTLS and an optional bearer token; it binds
+standard health service and reflection, optional TLS/mTLS (its files followed as they change,
+`kvplane.server_tls`) and an optional bearer token (likewise, `kvplane.token_file`); it binds
 and returns `(server, port)` so tests can bind port 0. `serve_until_signal` runs a started
 server until SIGTERM/SIGINT and stops it gracefully. Servicers stay thin over a core object and
 report domain errors through `abort_with`, never as a traceback.
@@ -25,9 +26,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvplane.config import ServerConfig, TlsConfig, join_host_port, parse_host_port
+from kvplane.config import ServerConfig, join_host_port, parse_host_port
 from kvplane.errors import ConfigError
 from kvplane.request_decoding import TolerantRegistration
+from kvplane.server_tls import server_credentials
+from kvplane.token_file import TokenFile
 
 if TYPE_CHECKING:
     from kvplane.request_decoding import HandlerWrapper
@@ -57,10 +60,11 @@ class Service:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED."""
+    """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED. The
+    token is the one its file holds at each call: rotated on disk, it takes effect at once."""
 
-    def __init__(self, token: str, protected: Callable[[str], bool]) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, token: TokenFile, protected: Callable[[str], bool]) -> None:
+        self._token = token
         self._protected = protected
 
     async def intercept_service(
@@ -77,7 +81,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY:
                 presented = value.encode() if isinstance(value, str) else value
-        if hmac.compare_digest(presented, self._expected):
+        expected = f"Bearer {self._token.current()}".encode()
+        if hmac.compare_digest(presented, expected):
             return await continuation(handler_call_details)
         return _unauthenticated_handler(await continuation(handler_call_details))
 
@@ -101,20 +106,6 @@ def _unauthenticated_handler(
     return grpc.unary_unary_rpc_method_handler(unary, deserializer, serializer)
 
 
-def _server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    try:
-        key = tls.key_file.read_bytes()
-        cert = tls.cert_file.read_bytes()
-        client_ca = tls.client_ca_file.read_bytes() if tls.client_ca_file else None
-    except OSError as exc:
-        raise ConfigError(f"cannot read TLS file: {exc}") from exc
-    return grpc.ssl_server_credentials(
-        [(key, cert)],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
-
-
 async def create_server(
     config: ServerConfig,
     services: Iterable[Service],
@@ -131,7 +122,7 @@ async def create_server(
     services = list(services)
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if config.auth is not None:
-        token = config.auth.read_token()
+        token = TokenFile(config.auth.token_file, "auth.token_file")
         guarded = {s.method_path(m) for s in services for m in s.guarded_methods}
         protect_reads = config.auth.protect_reads
         infrastructure = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -165,7 +156,7 @@ async def create_server(
     address = join_host_port(host, port)
     try:
         if config.tls is not None:
-            bound = server.add_secure_port(address, _server_credentials(config.tls))
+            bound = server.add_secure_port(address, server_credentials(config.tls))
         else:
             bound = server.add_insecure_port(address)
     except RuntimeError as exc:

@@ -52,6 +52,7 @@ CONTROLLER_SETTINGS = ClientSettings(
     "live.controller_tls",
     "live.controller_tls.cert_file and key_file",
     "live.controller_token_file",
+    "live.controller_tls.server_name",
 )
 
 

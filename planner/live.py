@@ -66,7 +66,10 @@ RESUBSCRIBE_S = 1.0
 # The settings a failed GetLoad names when an engine's TLS or token and the planner's do not
 # match.
 ENGINE_SETTINGS = ClientSettings(
-    "live.engine_tls", "live.engine_tls.cert_file and key_file", "live.engine_token_file"
+    "live.engine_tls",
+    "live.engine_tls.cert_file and key_file",
+    "live.engine_token_file",
+    "live.engine_tls.server_name",
 )
 
 

@@ -30,9 +30,8 @@ from engine.server.kv_transfer import (
     check_fit,
 )
 from kvplane.channels import ClientChannels
-from kvplane.config import join_host_port, parse_dial_target, read_token_file
+from kvplane.config import join_host_port, parse_dial_target
 from kvplane.errors import KvplaneError
-from kvplane.server import bearer_token_metadata
 from kvplane_api.v1 import kv_transfer_pb2 as kt
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -108,10 +107,9 @@ class KvSessionPuller:
     def from_config(
         cls, config: KvTransferConfig, *, block_size: int, kv_layout: str, kv_block_bytes: int
     ) -> KvSessionPuller:
-        channels = ClientChannels.load(config.peer_tls, "kv_transfer.peer_tls")
-        if config.peer_token_file is not None:
-            token = read_token_file(config.peer_token_file, "kv_transfer.peer_token_file")
-            channels = channels.with_metadata(bearer_token_metadata(token))
+        channels = ClientChannels.load(config.peer_tls, "kv_transfer.peer_tls").with_token_file(
+            config.peer_token_file, "kv_transfer.peer_token_file"
+        )
         return cls(
             block_size=block_size,
             kv_layout=kv_layout,

@@ -67,7 +67,7 @@ from indexer.sources.zmq import (
 )
 from indexer.translate import WorkerTranslator
 from indexer.zmq_decode import ArrayTail
-from kvplane.channels import INSECURE, ClientChannels
+from kvplane.channels import INSECURE, ClientChannels, plain_details
 from kvplane.config import BIND_WILDCARD_HOSTS, join_host_port
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 from openengine.v1 import openengine_pb2 as pb
@@ -229,12 +229,12 @@ class OpenEngineSource:
                 follow_zmq = (
                     exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.settings.discover_zmq
                 )
-                if not follow_zmq:
+                if not follow_zmq:  # (a TLS handshake's trail cut to OpenSSL's reason)
                     log.warning(
                         "openengine source %s: %s: %s",
                         self.settings.target,
                         exc.code().name,
-                        exc.details(),
+                        plain_details(exc.details() or ""),
                     )
             except Exception:
                 log.exception("openengine source %s failed", self.settings.target)

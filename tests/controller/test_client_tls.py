@@ -275,8 +275,12 @@ async def test_remote_index_over_tls(pki: Path) -> None:
     plain = RemoteIndex(f"127.0.0.1:{port}", 5.0)
     try:
         assert (await secure.stats()).num_blocks == 0
-        with pytest.raises(KvplaneError, match="UNAVAILABLE"):
+        with pytest.raises(KvplaneError) as refused:
             await plain.stats()
+        assert str(refused.value) == (
+            "remote index: UNAVAILABLE: the server closed the connection (Socket closed) (a "
+            "TLS server? give index.remote_tls)"
+        )
     finally:
         await secure.close()
         await plain.close()
@@ -315,3 +319,110 @@ def test_a_hang_up_the_controller_reports_of_its_engine_gets_no_tls_hint() -> No
     hung_up = "Stream removed (Socket closed)"
     hint = setting_hint(ClientChannels(), grpc.StatusCode.UNAVAILABLE, hung_up, flags)
     assert hint == " (a TLS server? give --tls-ca)"
+
+
+@pytest.mark.parametrize(
+    ("serves", "client", "error"),
+    [
+        (
+            "other-ca-server",
+            [],
+            "TLS handshake failed: CERTIFICATE_VERIFY_FAILED: unable to get local issuer "
+            "certificate (a server certificate not signed by the CA of --tls-ca?)",
+        ),
+        (
+            "expired",
+            [],
+            "TLS handshake failed: CERTIFICATE_VERIFY_FAILED: certificate has expired (the "
+            "server's certificate has expired: renew it)",
+        ),
+        (
+            "elsewhere",
+            [],
+            "TLS handshake failed: the server certificate's names do not include the host "
+            "dialled (a server certificate for another name? give the server one for the host "
+            "dialled, or set --tls-server-name)",
+        ),
+        (
+            "server+client_ca",
+            ["--tls-cert", "other-ca-client.pem", "--tls-key", "other-ca-client.key"],
+            "the server closed the connection (Socket closed) (a client certificate the server "
+            "does not trust? check --tls-cert and --tls-key)",
+        ),
+    ],
+    ids=["other-ca", "expired", "other-name", "untrusted-client-certificate"],
+)
+async def test_a_server_certificate_that_does_not_verify_is_said_so_in_one_line(
+    pki: Path, serves: str, client: list[str], error: str
+) -> None:
+    """Why the handshake failed, in words, and what to check: not gRPC's trail ("failed to
+    connect to all addresses; last error: UNKNOWN: ipv4:...: Tls handshake failed
+    (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL routines:..."), nor a bare
+    "Socket closed" for a client certificate the server refused."""
+    certificate, _, mutual = serves.partition("+")
+    tls = TlsConfig(
+        cert_file=pki / f"{certificate}.pem",
+        key_file=pki / f"{certificate}.key",
+        client_ca_file=pki / "ca.pem" if mutual else None,
+    )
+    engine = await start_sim_engine("e0", tls=tls)
+    target = f"127.0.0.1:{engine.port}"
+    files = [pki / option if option.endswith((".pem", ".key")) else option for option in client]
+    try:
+        message = one_line_error(
+            await cli("--tls-ca", pki / "ca.pem", *files, "-t", target, "health")
+        )
+    finally:
+        await engine.close()
+    assert message == f"{target}: UNAVAILABLE: {error}"
+
+
+async def test_a_refused_token_names_the_clis_token_options(pki: Path, tmp_path: Path) -> None:
+    """A server with `auth` refusing a mutating call says which option gives the token: none
+    given, or not the server's. Read-only calls still answer without one."""
+    token, wrong = tmp_path / "token", tmp_path / "wrong"
+    token.write_text("right\n")
+    wrong.write_text("wrong\n")
+    engine = await start_sim_engine("e0", auth={"token_file": token})
+    target = f"127.0.0.1:{engine.port}"
+    try:
+        anonymous = one_line_error(await cli("-t", target, "drain", "--self"))
+        refused = one_line_error(await cli("--token-file", wrong, "-t", target, "drain", "--self"))
+        read = await cli("-t", target, "health")
+    finally:
+        await engine.close()
+    unauthenticated = (
+        f"{target}: UNAUTHENTICATED: missing or invalid bearer token (metadata 'authorization: "
+        "Bearer <token>')"
+    )
+    options = "--token-file or $KVPLANE_TOKEN"
+    assert anonymous == f"{unauthenticated} (a server requiring a token? give {options})"
+    assert refused == f"{unauthenticated} (not the server's token? check {options})"
+    assert read.exit_code == 0 and "HEALTH_STATE_READY" in read.output, read.output
+
+
+async def test_a_kv_event_source_says_why_its_engine_cannot_be_dialled(
+    pki: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An openengine source (the indexer's, the controller's per engine) whose engine serves
+    a certificate that does not verify: its warning gives OpenSSL's reason, not gRPC's trail
+    of addresses and library error numbers."""
+    engine = await start_sim_engine(
+        "e0", tls=TlsConfig(cert_file=pki / "expired.pem", key_file=pki / "expired.key")
+    )
+    target = f"127.0.0.1:{engine.port}"
+    config = IndexerConfig.model_validate(
+        {"sources": [{"kind": "openengine", "target": target, "tls": {"ca_file": pki / "ca.pem"}}]}
+    )
+    source = build_source(config.sources[0], await open_backend("memory"), 16)
+    warning = (
+        f"openengine source {target}: UNAVAILABLE: TLS handshake failed: "
+        "CERTIFICATE_VERIFY_FAILED: certificate has expired"
+    )
+    task = asyncio.ensure_future(source.run())
+    try:
+        await eventually(lambda: warning in [r.getMessage() for r in caplog.records])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.close()

@@ -39,6 +39,8 @@ class GenerateFaults:
     """Failures the next Generate calls take, whichever engine receives them (shared by the
     engines of a fleet, so a test needs not know where the router sends a request):
     - "unavailable": refused before acceptance with UNAVAILABLE (no event);
+    - "unauthenticated": refused before acceptance with UNAUTHENTICATED, as an engine run
+      with `auth` refuses a controller whose `engine_token_file` it no longer takes;
     - "overloaded": accepted, then one retryable terminal EngineError (OVERLOADED);
     - "invalid": accepted, then one non-retryable terminal EngineError;
     - "token_then_error": the first token, then one retryable terminal EngineError;
@@ -140,6 +142,8 @@ class ScriptedServicer(ReportsLoad):
         fault = self.faults.pending.pop(0) if self.faults.pending else None
         if fault == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: not now")
+        if fault == "unauthenticated":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "scripted: not the token")
         if fault in ("overloaded", "invalid"):
             code = pb.ERROR_CODE_OVERLOADED if fault == "overloaded" else pb.ERROR_CODE_INTERNAL
             yield pb.GenerateResponse(
@@ -674,8 +678,10 @@ def calls(engines: list[ScriptedEngine], request_id: str) -> int:
     return sum(e.servicer.generate_calls.count(request_id) for e in engines)
 
 
-@pytest.mark.parametrize("fault", ["unavailable", "overloaded"])
+@pytest.mark.parametrize("fault", ["unavailable", "overloaded", "unauthenticated"])
 async def test_failure_before_the_first_token_is_retried_once_elsewhere(fault: str) -> None:
+    """(An engine refusing the controller's token, "unauthenticated", refuses the controller,
+    not the request: it was passed to the client as its own error.)"""
     faults = GenerateFaults([fault])
     fleet, engines = await two_engine_fleet(faults)
     try:
@@ -702,6 +708,25 @@ async def test_second_failure_before_the_first_token_is_the_engines_own() -> Non
         assert reply[0].error.message == "scripted: overloaded" and reply[0].error.retryable
         assert calls(engines, "r") == 2
         assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_refusing_the_controllers_token_is_not_the_clients_error() -> None:
+    """With no other engine to retry on, the client gets the engine's refusal naming the
+    engine and the controller's setting: the client's own token was never sent there (it
+    was passed on bare, reading as a refusal of the client's token)."""
+    engine = await start_scripted_engine("e0", GenerateFaults(["unauthenticated"]))
+    fleet = await scripted_fleet(engine)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert err.value.details() == (
+            f"engine {address(engine)} failed the request: UNAUTHENTICATED: scripted: not the "
+            "token (a server requiring a token? give engine_token_file)"
+        )
+        assert fleet.app.controller.metrics.requests.labels("engine_error")._value.get() == 1
     finally:
         await close_fleet(fleet)
 

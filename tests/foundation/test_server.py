@@ -153,6 +153,15 @@ async def test_unreadable_tls_or_token_file_is_a_config_error(tmp_path: Path) ->
         )
 
 
+async def test_a_key_that_is_not_the_certificates_is_a_config_error(pki: Path) -> None:
+    """Checked at start, as it is at each rotation (kvplane.server_tls), rather than found
+    by every client's failed handshake."""
+    tls = TlsConfig(cert_file=pki / "server.pem", key_file=pki / "client.key")
+    with pytest.raises(ConfigError, match=r"^tls: key_file .*client.key and cert_file "
+                                          r".*server.pem do not make a pair: "):  # fmt: skip
+        await create_server(ServerConfig(listen="127.0.0.1:0", tls=tls), [])
+
+
 def test_a_long_status_message_is_cut_in_the_middle_on_a_character_boundary() -> None:
     message = "model '" + "𝄞" * 5_000 + "' is not served here"
     cut = status_message(message)
