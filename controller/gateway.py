@@ -35,7 +35,10 @@
   none had it); FAILED_PRECONDITION when no engine supports LoRA. Every engine's outcome,
   and the adapters it holds, ride in the trailing metadata (EngineOutcome) and in the
   message of a failure. What each engine answered updates the registry's record of the
-  adapters it holds, which routing of LoRA requests reads.
+  adapters it holds, which routing of LoRA requests reads (an UnloadLora takes the adapter
+  out of it before asking). One LoRA call at a time (`Fleet.lora_changes`); LoadLora and
+  UnloadLora update the fleet's LoRA intent (controller.lora_intent), and a load under a
+  name it holds with another adapter is ALREADY_EXISTS before any engine is asked.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`.
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
