@@ -15,7 +15,9 @@ new engine process (`Registry.on_identity`: a new instance id, or an engine answ
 after its connection was lost) has its old index entries dropped before anything else, so a
 restarted engine's old blocks never attract traffic; removal drops them too. Every task
 is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as candidates
-only the engines holding it (registry.check_lora says why there is none).
+only the engines holding it (registry.check_lora says why there is none). A new engine
+process is given the adapters the fleet's LoRA intent (controller.lora_intent) wants there,
+in its poll task once its events are followed (`_restore_loras`).
 
 Calls to an engine end with its channel: a removed engine's channel is closed, and so is
 the channel of one unreachable (its polls unanswered; an error answer is an answer) for
@@ -44,6 +46,7 @@ import grpc
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.hops import FRONTS_METADATA_KEY, metadata_values, via_interceptors
+from controller.lora_intent import LoraIntent, LoraSpec
 from controller.registry import (
     DuplicateEngineError,
     EjectionPolicy,
@@ -111,6 +114,9 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
 _NO_HIT = PrefixHit()
 # While an index cannot answer, every routed request meets the failure: warn this often.
 BLIND_WARNING_INTERVAL_S = 10.0
+# The longest one LoadLora of a restore may take: a builtin/HF engine reads the adapter's
+# weights from disk (the health polls' rpc_timeout_s is for calls that read nothing).
+LORA_RESTORE_TIMEOUT_S = 30.0
 
 
 # The pooling tasks, as ModelInfo.tasks names their capabilities.
@@ -303,6 +309,12 @@ class Fleet:
         self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
         self._routing_blind = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
+        # The adapters loaded through the controller, restored on every new engine process;
+        # held with `lora_changes` by the gateway's LoadLora/UnloadLora and by a restore,
+        # so that an engine never ends up holding an adapter the fleet just unloaded, nor
+        # two loads racing for one name split the fleet between two adapters.
+        self.lora_intent = LoraIntent()
+        self.lora_changes = asyncio.Lock()
         self._mixed_block_sizes = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # Blocks the index places on each engine (refreshed by the controller's stats task);
         # the router's cache-pressure term reads them.
@@ -366,6 +378,7 @@ class Fleet:
 
     async def remove_engine(self, key: str) -> EngineRecord:
         record = self.registry.remove(key)
+        self.lora_intent.forget_engine(record.address)
         engine = self._engines.pop(record.address, None)
         self._removing.add(record.address)
         # In a task of its own, shielded: a caller that stops waiting (RemoveEngine's client
@@ -754,6 +767,48 @@ class Fleet:
         if engine.events_pending:
             await self._follow_events(engine, identity)
             engine.events_pending = False
+        # Whenever its adapters were read again: a new process (restarted, back after an
+        # outage, scaled up, registered), also one restarted under the same identity
+        # faster than a poll, which only its broken event stream shows.
+        await self._restore_loras(engine)
+
+    def _missing_loras(self, address: str) -> list[LoraSpec]:
+        """The adapters the fleet's intent wants on the engine that it does not hold (none
+        when it serves no LoRA)."""
+        record = self.registry.get(address)
+        if record.lora_adapters is None:
+            return []
+        return [
+            spec
+            for spec in self.lora_intent.wanted_on(address)
+            if not record.holds_lora(spec.lora_name)
+        ]
+
+    async def _restore_loras(self, engine: _Engine) -> None:
+        """Load on the engine the adapters the fleet's intent wants there and it lacks, one
+        by one, in the order they were loaded; each is routed to there once loaded. A
+        refusal (out of LoRA slots, a directory gone since) is logged and leaves the engine
+        without that adapter until its adapters are next read again; the intent stays."""
+        if not self._missing_loras(engine.address):
+            return  # the usual case: no need to wait for a LoRA call in progress
+        async with self.lora_changes:
+            for spec in self._missing_loras(engine.address):
+                adapter = pb.LoraAdapter(
+                    lora_id=spec.lora_id, lora_name=spec.lora_name, source_path=spec.source_path
+                )
+                try:
+                    await engine.stub.LoadLora(
+                        pb.LoadLoraRequest(adapter=adapter), timeout=LORA_RESTORE_TIMEOUT_S
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("engine %s: LoRA adapter %s not restored: %s: %s",
+                                engine.address, spec, exc.code().name, exc.details())  # fmt: skip
+                    if exc.code() in (grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.DEADLINE_EXCEEDED):  # fmt: skip
+                        return  # gone again: its next process is restored then
+                    continue
+                log.info("engine %s: LoRA adapter %s restored", engine.address, spec)
+                self.registry.on_lora_loaded(engine.address, spec.lora_name)
 
     async def _model_facts(
         self, engine: _Engine, models: tuple[str, ...]
@@ -778,6 +833,21 @@ class Fleet:
                 raise reply
             facts.append(model_facts(reply))
         return tuple(facts)
+
+    async def refresh_loras(self, address: str) -> None:
+        """Read the engine's adapters again (ListLoras): one refused a request naming an
+        adapter the controller believes it holds (unloaded behind the controller's back, or
+        a new process the controller has not noticed yet). Failures leave what was known."""
+        engine = self._engines.get(address)
+        identity = self.registry.get(address).identity if engine is not None else None
+        if engine is None or identity is None:
+            return
+        try:
+            adapters = await self._list_loras(engine, identity)
+        except grpc.aio.AioRpcError as exc:
+            log.info("engine %s: LoRA adapters not read again: %s", address, exc.code().name)
+            return
+        self.registry.on_loras(address, adapters)
 
     async def _list_loras(self, engine: _Engine, identity: EngineIdentity) -> frozenset[str] | None:
         """The LoRA adapters the engine holds; None when it serves no LoRA (says

@@ -35,7 +35,10 @@
   none had it); FAILED_PRECONDITION when no engine supports LoRA. Every engine's outcome,
   and the adapters it holds, ride in the trailing metadata (EngineOutcome) and in the
   message of a failure. What each engine answered updates the registry's record of the
-  adapters it holds, which routing of LoRA requests reads.
+  adapters it holds, which routing of LoRA requests reads (an UnloadLora takes the adapter
+  out of it before asking). One LoRA call at a time (`Fleet.lora_changes`); LoadLora and
+  UnloadLora update the fleet's LoRA intent (controller.lora_intent), and a load under a
+  name it holds with another adapter is ALREADY_EXISTS before any engine is asked.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`.
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
@@ -62,6 +65,7 @@ import grpc
 
 from controller.fleet import POOLING_TASKS, Fleet
 from controller.hops import FRONTS_METADATA_KEY
+from controller.lora_intent import LoraSpec
 from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
 from controller.registry import (
     CONTROLLER_ENGINE_NAME,
@@ -687,7 +691,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         told, and the call is NOT_FOUND only when no asked engine had it. `unloading` (the
         adapter UnloadLora takes out of the whole fleet): an engine out of the fan-out that
         holds it (stopped, wedged, cut off: it keeps the adapter, and its traffic once back)
-        fails the call, UNAVAILABLE, instead of passing unmentioned."""
+        fails the call, UNAVAILABLE, instead of passing unmentioned; the asked engines
+        holding it leave its routing before they are asked (back on one whose unload fails),
+        so no request naming it is sent to an engine that is unloading it."""
         engines = await self._lora_engines(context)
         asked = [r for r in engines if r.identity is None or r.identity.supports_lora is not False]
         outcomes = {
@@ -695,6 +701,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             for r in engines
             if r not in asked
         }
+        registry = self.controller.fleet.registry
+        # Out of routing before the engines are asked: a request routed to an engine while
+        # its UnloadLora is on the way would land after it and be refused there.
+        withdrawn = {r.address for r in asked if unloading and r.holds_lora(unloading)}
+        for address in withdrawn:
+            registry.on_lora_unloaded(address, unloading or "")
         replies: list[T] = []
         failures: list[grpc.aio.AioRpcError] = []
         for record, result in await self._fan_out(asked, call):
@@ -705,6 +717,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     outcome = outcome._replace(outcome="not_loaded")
                 else:
                     failures.append(result)
+                    if record.address in withdrawn:  # not unloaded: it serves it still
+                        registry.on_lora_loaded(record.address, unloading or "")
                 outcomes[record.address] = outcome
             else:
                 learn(record.address, result)
@@ -712,7 +726,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 outcomes[record.address] = EngineOutcome(record, "ok", adapters=held(result))
         if unloading is not None and _metadata_value(context, ENGINE_METADATA_KEY) is None:
             asked_addresses = {r.address for r in engines}
-            for record in self.controller.fleet.registry.records():
+            for record in registry.records():
                 if record.address not in asked_addresses and unloading in (
                     record.lora_adapters or ()
                 ):
@@ -744,13 +758,29 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         return replies
 
     async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> pb.LoadLoraResponse:
-        registry = self.controller.fleet.registry
-        replies = await self._lora_fan_out(
-            context,
-            lambda s: s.LoadLora(request),
-            lambda r: (r.adapter.lora_name,),
-            lambda address, r: registry.on_lora_loaded(address, r.adapter.lora_name),
+        fleet = self.controller.fleet
+        spec = LoraSpec(
+            request.adapter.lora_id, request.adapter.lora_name, request.adapter.source_path
         )
+        on_one = await self._named_engine_address(context)
+        # One change at a time: two loads racing for one name would each win on some engines.
+        async with fleet.lora_changes:
+            known = fleet.lora_intent.conflict(spec)
+            if known is not None:
+                await abort_with(
+                    context,
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"LoRA adapter {spec} conflicts with {known}, loaded through this "
+                    "controller: one name is one adapter across the fleet (unload it first)",
+                )
+
+            def loaded(address: str, reply: pb.LoadLoraResponse) -> None:
+                fleet.registry.on_lora_loaded(address, reply.adapter.lora_name)
+                fleet.lora_intent.loaded(spec, on_one)
+
+            replies = await self._lora_fan_out(
+                context, lambda s: s.LoadLora(request), lambda r: (r.adapter.lora_name,), loaded
+            )
         return pb.LoadLoraResponse(
             adapter=replies[0].adapter, already_loaded=all(r.already_loaded for r in replies)
         )
@@ -758,33 +788,52 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def UnloadLora(
         self, request: pb.UnloadLoraRequest, context: Context
     ) -> pb.UnloadLoraResponse:
-        registry = self.controller.fleet.registry
+        fleet = self.controller.fleet
 
         def unloaded(address: str, *_: object) -> None:
-            registry.on_lora_unloaded(address, request.lora_name)
+            fleet.registry.on_lora_unloaded(address, request.lora_name)
 
-        replies = await self._lora_fan_out(
-            context,
-            lambda s: s.UnloadLora(request),
-            lambda r: None,
-            unloaded,
-            on_absent=unloaded,
-            unloading=request.lora_name,
-        )
+        async with fleet.lora_changes:
+            # Forgotten whatever the engines answer: the operator wants it gone (an engine
+            # that keeps it for now is reported, and loses it with its process).
+            on_one = await self._named_engine_address(context)
+            fleet.lora_intent.unloaded(request.lora_name, on_one)
+            replies = await self._lora_fan_out(
+                context,
+                lambda s: s.UnloadLora(request),
+                lambda r: None,
+                unloaded,
+                on_absent=unloaded,
+                unloading=request.lora_name,
+            )
         return pb.UnloadLoraResponse(adapter=replies[0].adapter)
+
+    async def _named_engine_address(self, context: Context) -> str | None:
+        """The address of the engine a LoRA call's `kvplane-engine` metadata names (NOT_FOUND
+        for one not in the fleet, as `_lora_engines` answers); None for the whole fleet."""
+        wanted = _metadata_value(context, ENGINE_METADATA_KEY)
+        if wanted is None:
+            return None
+        try:
+            return self.controller.fleet.registry.get(wanted).address
+        except UnknownEngineError as exc:
+            await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
 
     async def ListLoras(
         self, request: pb.ListLorasRequest, context: Context
     ) -> pb.ListLorasResponse:
         registry = self.controller.fleet.registry
-        replies = await self._lora_fan_out(
-            context,
-            lambda s: s.ListLoras(request),
-            lambda r: tuple(a.lora_name for a in r.adapters),
-            lambda address, r: registry.on_loras(
-                address, frozenset(a.lora_name for a in r.adapters)
-            ),
-        )
+        # Not while a load or unload runs: a listing from before it would undo what it
+        # taught the router.
+        async with self.controller.fleet.lora_changes:
+            replies = await self._lora_fan_out(
+                context,
+                lambda s: s.ListLoras(request),
+                lambda r: tuple(a.lora_name for a in r.adapters),
+                lambda address, r: registry.on_loras(
+                    address, frozenset(a.lora_name for a in r.adapters)
+                ),
+            )
         union: dict[tuple[int, str, str], pb.LoraAdapter] = {}
         for reply in replies:
             for a in reply.adapters:

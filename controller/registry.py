@@ -28,7 +28,8 @@ with a clean record.
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
-gateway's own LoadLora/UnloadLora/ListLoras); a new engine process starts with none. A request
+gateway's own LoadLora/UnloadLora/ListLoras, and the fleet service's restores of the fleet's
+adapters, controller.lora_intent); a new engine process starts with none. A request
 naming an adapter is routable only to the engines holding it (`routable(lora_name=...)`), and
 `check_lora` says why none can take it.
 

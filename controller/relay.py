@@ -742,6 +742,14 @@ class Relay:
                 decision = route(frozenset(tried))
             except AllEnginesBusyError as exc:  # a new request only: nothing relayed yet
                 await self._shed(exc, context)
+            except LoraRoutingError as exc:  # its adapter left its engines since the plan
+                status = gateway_failure(status_of(exc), str(exc))
+                c.metrics.count_request(_failure_outcome(status.code()))
+                ending = self._ending(surface, request, stage, status, relayed=False)
+                if ending is None:
+                    await pass_status(context, status, None)
+                yield ending
+                return
             except NoEngineAvailableError as exc:
                 failure: Any = retry.failure if retry is not None else None
                 c.metrics.count_request("no_engine" if retry is None else "engine_error")
@@ -842,6 +850,10 @@ class Relay:
                         f"engine {engine} refused the KV session: {cause.code().name}: "
                         f"{cause.details()}",
                     )
+                if not relayed and await self._adapter_left(plan, engine, cause):
+                    # Not the one retry: nothing ran, and each engine is tried once.
+                    retry = retry or _Retry(cause.code().name, cause, engine)
+                    continue
                 if (
                     not relayed
                     and retry is None
@@ -867,6 +879,29 @@ class Relay:
                 if self.holding.get(request_id) == engine:
                     del self.holding[request_id]
                     self.finished.add(request_id)
+
+    async def _adapter_left(self, plan: Plan, engine: str, cause: grpc.aio.AioRpcError) -> bool:
+        """Whether `engine` refused the request (NOT_FOUND) for the LoRA adapter it names
+        because the engine does not hold it: an UnloadLora landed after the request was
+        routed there (it takes the adapter out of routing before the engine is asked, so
+        the registry knows by now), or the controller's knowledge is stale (a process
+        restarted faster than a poll, an unload behind its back: the engine's adapters are
+        read again). The request goes to another engine holding it, else gets the fleet's
+        LoRA status (NOT_FOUND "no engine has LoRA adapter ..."), never the engine's bare
+        refusal."""
+        if not plan.lora_name or cause.code() != grpc.StatusCode.NOT_FOUND:
+            return False
+        fleet = self.controller.fleet
+        record = fleet.registry.by_engine_id(engine)
+        if record is None:
+            return False
+        if record.holds_lora(plan.lora_name):
+            await fleet.refresh_loras(record.address)
+            if record.holds_lora(plan.lora_name):
+                return False  # it holds it: the refusal is about something else
+        log.info("request %s: engine %s no longer holds LoRA adapter %r; routing it again",
+                 plan.request.request_id, engine, plan.lora_name)  # fmt: skip
+        return True
 
     @staticmethod
     def retries_elsewhere(request_id: str, engine: str, cause: grpc.aio.AioRpcError) -> bool:

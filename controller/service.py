@@ -223,8 +223,12 @@ class Controller:
         # the plan was made: its index match may have waited on a shared or remote index
         # while a drain, a cordon, a health answer or a removal came.
         candidates = tuple(
-            c for c in plan.view.candidates if c.engine_id not in exclude and self._routable(c)
+            c
+            for c in plan.view.candidates
+            if c.engine_id not in exclude and self._routable(c, plan.lora_name)
         )
+        if not candidates and plan.lora_name:
+            self._check_lora_still_held(plan)
         if not candidates and not exclude:
             raise NoEngineAvailableError(self.fleet.registry.why_unavailable(plan.model))
         with self._counting_refusal():
@@ -330,9 +334,22 @@ class Controller:
                 out.append(candidate)
         return tuple(out)
 
-    def _routable(self, candidate: Candidate) -> bool:
+    def _check_lora_still_held(self, plan: Plan) -> None:
+        """Raise the LoraRoutingError a request planned now would get when no routable
+        engine holds the plan's adapter any more (unloaded since the plan was made)."""
+        registry = self.fleet.registry
+        if not registry.routable(plan.model or None, lora_name=plan.lora_name, generating=True):
+            registry.check_lora(plan.lora_name, plan.model or None)
+
+    def _routable(self, candidate: Candidate, lora_name: str = "") -> bool:
+        """Whether the candidate still takes the request (and holds its LoRA adapter: an
+        UnloadLora may have landed since the plan was made)."""
         record = self.fleet.registry.by_engine_id(candidate.engine_id)
-        return record is not None and record.routable
+        return (
+            record is not None
+            and record.routable
+            and (not lora_name or record.holds_lora(lora_name))
+        )
 
     def explain(self, plan: Plan, disaggregated: bool = False) -> Decision:
         """What `route` would decide, charging no one; in a `disaggregated` fleet, the first

@@ -271,6 +271,9 @@ class ErrorKind(Enum):
 
     ENGINE = "engine"  # the runner or the engine failed
     REQUEST = "request"  # the request cannot go on as asked (its guide allows no token)
+    # What the request names left after it was accepted, before it could start (its LoRA
+    # adapter unloaded between the request's check and the engine thread adding it).
+    NOT_FOUND = "not_found"
 
 
 class StopKind(Enum):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from engine.core.api import (
     EngineRequest,
+    ErrorKind,
     FinishReason,
     LoadSnapshot,
     RequestOutput,
@@ -32,7 +33,7 @@ from engine.core.api import (
     StepResult,
     Usage,
 )
-from engine.core.errors import DuplicateRequestError, EngineStoppedError
+from engine.core.errors import DuplicateRequestError, EngineStoppedError, LoraNotFoundError
 
 if TYPE_CHECKING:
     from engine.core.engine_core import EngineCore
@@ -61,7 +62,9 @@ def asyncio_sink(loop: _CallSoonThreadsafe, queue: _PutNowait) -> OutputSink:
     return sink
 
 
-def _failed_outputs(request: EngineRequest, message: str) -> list[RequestOutput]:
+def _failed_outputs(
+    request: EngineRequest, message: str, error: ErrorKind = ErrorKind.ENGINE
+) -> list[RequestOutput]:
     """ERROR outputs ending every output of a request the core never finished."""
     last = request.sampling.num_sequences - 1
     return [
@@ -70,6 +73,7 @@ def _failed_outputs(request: EngineRequest, message: str) -> list[RequestOutput]
             output_index=index,
             finish_reason=FinishReason.ERROR,
             message=message,
+            error=error,
             usage=Usage(len(request.prompt_token_ids), 0, 0) if index == last else None,
         )
         for index in range(request.sampling.num_sequences)
@@ -181,6 +185,12 @@ class EngineLoop:
                         logger.exception("preparing request %s failed", request.request_id)
                 try:
                     self.core.add_request(request)
+                except LoraNotFoundError as exc:
+                    # Its adapter was unloaded since check_request (a race of one call): the
+                    # request's own failure, as the refusal it would have got a moment later,
+                    # not the engine's (a router would count it toward ejecting the engine).
+                    logger.info("request %s: %s", request.request_id, exc)
+                    return _failed_outputs(request, str(exc), ErrorKind.NOT_FOUND)
                 except Exception as exc:  # cannot happen after check_request; never hang
                     logger.exception("could not add request %s", request.request_id)
                     return _failed_outputs(request, str(exc))

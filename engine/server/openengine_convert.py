@@ -239,6 +239,7 @@ _FINISH = {
 _ERROR_CODES = {
     ErrorKind.ENGINE: pb.ERROR_CODE_INTERNAL,
     ErrorKind.REQUEST: pb.ERROR_CODE_INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: pb.ERROR_CODE_MODEL_NOT_FOUND,  # as an unloaded adapter is refused
 }
 
 

@@ -81,6 +81,7 @@ _FINISH = {
 _ERROR_STATUS = {
     ErrorKind.ENGINE: grpc.StatusCode.INTERNAL,
     ErrorKind.REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
 }
 
 

@@ -68,15 +68,24 @@ class Fleet:
         )
 
     async def restart_engine(
-        self, address: str, instance_id: str, *, down_s: float = 0.0, timeout_s: float = 20.0
+        self,
+        address: str,
+        instance_id: str,
+        *,
+        down_s: float = 0.0,
+        timeout_s: float = 20.0,
+        **config: Any,
     ) -> EngineApp:
         """Stop the sim engine at `address`, wait `down_s`, start a new process there (an
-        empty cache, `instance_id`) and wait until the controller routes to it."""
+        empty cache, `instance_id`; `config`: more EngineConfig fields) and wait until the
+        controller routes to it."""
         old = self.engine_at(address)
         await old.close()
         await asyncio.sleep(down_s)
         fresh = await start_engine(
-            EngineConfig(model="sim", listen=address, instance_id=instance_id, num_kv_blocks=256)
+            EngineConfig(
+                model="sim", listen=address, instance_id=instance_id, num_kv_blocks=256, **config
+            )
         )
         self.engines[self.engines.index(old)] = fresh
         registry = self.app.controller.fleet.registry

@@ -384,13 +384,21 @@ async def test_lora_fan_out_aggregates_every_engines_result(tmp_path: Path) -> N
         again = await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
         assert again.already_loaded
 
-        conflicting = pb.LoraAdapter(lora_id=2, lora_name="x", source_path=x.source_path)
+        # Another adapter under x's id: each engine refuses it, and says so.
+        conflicting = pb.LoraAdapter(lora_id=1, lora_name="x2", source_path=str(tmp_path / "2"))
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=conflicting))
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
         assert {
             v["outcome"] for k, v in outcomes(err.value.trailing_metadata()).items() if k != "e2"
         } == {"ALREADY_EXISTS"}
+        # Another adapter under x's name: the controller, which loaded x, refuses it itself.
+        renamed = pb.LoraAdapter(lora_id=2, lora_name="x", source_path=x.source_path)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=renamed))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "loaded through this controller" in (err.value.details() or "")
+        assert all(e.servicer.adapters == {"x": x} for e in engines[:2])
 
         # Loaded on one engine only, behind the controller's back (another client of e0).
         y = pb.LoraAdapter(lora_id=3, lora_name="y", source_path=str(tmp_path / "y"))

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from engine.config import LoraConfig, SimTimingConfig
+from engine.core.engine_core import EngineCore
 from indexer.keys import block_keys
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
@@ -206,3 +208,36 @@ async def test_unloading_an_adapter_in_use_lets_its_requests_finish(tmp_path: Pa
         # The reloaded adapter may hold other weights: nothing cached under the old one is hit.
         again = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
         assert usage(again).cached_prompt_tokens == 0
+
+
+async def test_a_request_whose_adapter_is_unloaded_as_it_is_added_fails_for_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race of one call: the request passed its check, then its adapter was unloaded
+    before the engine thread added it (pinned here by unloading in the engine thread just
+    before the add). It ends with one EngineError MODEL_NOT_FOUND, as the refusal a moment
+    later would say, not INTERNAL: a router counts the engine's own failures toward ejecting
+    it, and this one is the request's."""
+    x = write_adapter_config(tmp_path / "x")
+    async with running_engine(sim_config(lora=lora_config())) as engine:
+        await load(engine, "x", x, 1)
+        loop = engine.app.service.engine_loop
+        submit = loop.submit
+
+        def unloaded_as_added(
+            request: Any, sink: Any, *, before: Any = None, admit: Any = None
+        ) -> None:
+            def unload_first(core: EngineCore) -> None:
+                core.unload_lora("x")
+                if before is not None:
+                    before(core)
+
+            submit(request, sink, before=unload_first, admit=admit)
+
+        monkeypatch.setattr(loop, "submit", unloaded_as_added)
+        responses = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
+        errors = [r.error for r in responses if r.HasField("error")]
+        assert [(e.code, e.message) for e in errors] == [
+            (pb.ERROR_CODE_MODEL_NOT_FOUND, "LoRA adapter 'x' is not loaded")
+        ]
+        assert await names(engine) == []

@@ -1,0 +1,147 @@
+"""LoRA adapters unloaded while requests naming them are on their way, on real sim engines that
+serve LoRA: a request routed to an engine that no longer holds its adapter (the unload landed
+while the request was planned, or before the engine read it, or behind the controller's back)
+goes to another engine holding it, else gets the fleet's LoRA status, never the engine's bare
+refusal."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.config import LoraConfig
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
+from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+from tests.controller.paused_index import PausedIndex
+from tests.controller.test_lora_fleet_intent import adapter, generate, on
+from tests.polling import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+LORA = LoraConfig(enabled=True)
+GONE = "NOT_FOUND: no engine has LoRA adapter 'x' loaded"
+
+
+class GatedGenerate(Forwarding):
+    """The sim engine's LoRA calls and Generate, each Generate held until `gate` opens (a
+    request on its way to the engine); the engine's refusals pass as they are."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.arrived: list[str] = []
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.arrived.append(request.request_id)
+        await self.gate.wait()
+        try:
+            async for response in self.inner.Generate(request):
+                yield response
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> Any:
+        return await self.inner.LoadLora(request)
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Context) -> Any:
+        return await self.inner.UnloadLora(request)
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context: Context) -> Any:
+        return await self.inner.ListLoras(request)
+
+
+async def test_an_unload_while_the_request_is_planned_answers_the_fleets_status(
+    tmp_path: Path,
+) -> None:
+    """x is on e0 alone. A request naming x is planned (e0 its one candidate) and, while the
+    index answers, x is unloaded: the request is NOT_FOUND as one planned afterwards, not
+    sent to e0 to be refused there."""
+    index = PausedIndex()
+    engines = [await start_sim_engine(f"e{i}", lora=LORA) for i in range(2)]
+    fleet = await make_fleet(engines=engines, index_backend=index)
+    try:
+        x = adapter(tmp_path, "x", 1)
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x), metadata=on("e0"))
+        index.pause("match_prefix_by_tier")
+        request = asyncio.ensure_future(generate(fleet, "planned", "x"))
+        await index.paused.wait()
+        await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        index.resume.set()
+        assert await request == GONE
+    finally:
+        index.resume.set()
+        await close_fleet(fleet)
+
+
+async def gated_fleet() -> tuple[Fleet, list[FrontedEngine[GatedGenerate]]]:
+    engines = [await start_fronted_engine(f"e{i}", GatedGenerate, lora=LORA) for i in range(2)]
+    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    return fleet, engines
+
+
+async def test_an_unload_before_the_engine_reads_the_request_sends_it_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """x is on e0 and e1. A request naming x reaches one of them, and x is unloaded there
+    before that engine reads it (`lora unload --engine`): the engine refuses it (NOT_FOUND)
+    and the request runs on the other one. Once x is on no engine, a request caught the same
+    way is NOT_FOUND as the fleet says, not as the engine does."""
+    fleet, engines = await gated_fleet()
+    try:
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter(tmp_path, "x", 1)))
+        for name in ("moved", "nowhere"):
+            request = asyncio.ensure_future(generate(fleet, name, "x"))
+
+            def arrived(request_id: str = name) -> bool:
+                return any(request_id in e.servicer.arrived for e in engines)
+
+            await eventually(arrived, 10, f"{name} at an engine")
+            holder = next(e for e in engines if name in e.servicer.arrived)
+            await fleet.gateway.UnloadLora(
+                pb.UnloadLoraRequest(lora_name="x"), metadata=on(holder.inner.instance_id)
+            )
+            for engine in engines:
+                engine.servicer.gate.set()
+            if name == "moved":
+                assert await request == "finished"
+                assert all(name in e.servicer.arrived for e in engines)
+            else:
+                assert await request == GONE
+            for engine in engines:
+                engine.servicer.gate.clear()
+    finally:
+        for engine in engines:
+            engine.servicer.gate.set()
+        await close_fleet(fleet)
+
+
+async def test_an_unload_behind_the_controllers_back_is_noticed_at_the_refusal(
+    tmp_path: Path,
+) -> None:
+    """x is unloaded from every engine directly (another client of the engines): the next
+    request naming x is refused by its engine, which the controller then asks again for its
+    adapters; NOT_FOUND as the fleet says, and no engine is routed x any more."""
+    engines = [await start_sim_engine(f"e{i}", lora=LORA) for i in range(2)]
+    fleet = await make_fleet(engines=engines)
+    registry = fleet.app.controller.fleet.registry
+    try:
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter(tmp_path, "x", 1)))
+        for engine in engines:
+            async with grpc.aio.insecure_channel(fleet.address(engine)) as direct:
+                stub = pb_grpc.OpenEngineStub(direct)
+                await stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        assert await generate(fleet, "stale-0", "x") == GONE
+        assert await generate(fleet, "stale-1", "x") == GONE
+        assert not any(r.holds_lora("x") for r in registry.records())
+    finally:
+        await close_fleet(fleet)

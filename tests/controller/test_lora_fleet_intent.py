@@ -1,0 +1,196 @@
+"""The fleet's LoRA adapters as the operator loaded them through the controller
+(controller.lora_intent), on real sim engines that serve LoRA: an engine restarted, or one
+registered at run time, gets them back before requests naming them go there; an unload
+forgets them; one name stays one adapter across the fleet whatever loads race; an engine out
+of LoRA slots keeps what it holds, and routing follows what each engine holds."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controller.outcomes import ENGINE_METADATA_KEY
+from engine.config import LoraConfig
+from engine.server.service import EngineApp
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_gateway_scripted import outcomes
+from tests.engine.lora_adapters import write_adapter_config
+from tests.polling import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+LORA = LoraConfig(enabled=True, max_loras=2)
+
+
+def adapter(tmp_path: Path, name: str, lora_id: int, directory: str = "") -> pb.LoraAdapter:
+    path = write_adapter_config(tmp_path / (directory or name), r=4)
+    return pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=str(path))
+
+
+def on(engine: str) -> tuple[tuple[str, str]]:
+    """Request metadata that has the controller send a LoRA call to `engine` only."""
+    return ((ENGINE_METADATA_KEY, engine),)
+
+
+async def engine_adapters(engine: EngineApp) -> dict[str, str]:
+    """name -> source path, as the engine itself lists them (not through the controller)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{engine.port}") as channel:
+        reply = await pb_grpc.OpenEngineStub(channel).ListLoras(pb.ListLorasRequest())
+    return {a.lora_name: a.source_path for a in reply.adapters}
+
+
+async def restored(fleet: Fleet, engine: EngineApp, adapters: dict[str, str]) -> bool:
+    """Whether the engine holds exactly `adapters` (name -> path), and the controller knows
+    it does (it routes requests naming them there)."""
+    record = fleet.app.controller.fleet.registry.get(fleet.address(engine))
+    held = await engine_adapters(engine)
+    return held == adapters and record.lora_adapters == set(adapters)
+
+
+async def generate(fleet: Fleet, request_id: str, lora_name: str) -> str:
+    """How the request ended: its last event's kind, or the gateway's status and details."""
+    # Two full blocks: the router asks the index about them.
+    request = generate_request(request_id, [*range(40), len(request_id)], max_tokens=2)
+    request.lora_name = lora_name
+    try:
+        events = [r.WhichOneof("event") async for r in fleet.gateway.Generate(request)]
+    except grpc.aio.AioRpcError as exc:
+        return f"{exc.code().name}: {exc.details()}"
+    return str(events[-1])
+
+
+async def lora_fleet(count: int) -> Fleet:
+    return await make_fleet(
+        engines=[await start_sim_engine(f"e{i}", lora=LORA) for i in range(count)]
+    )
+
+
+async def test_a_restarted_or_registered_engine_gets_the_fleets_adapters_back(
+    tmp_path: Path,
+) -> None:
+    """x is loaded on the fleet, y on e1 alone (an unload naming an engine not in the fleet
+    changes nothing). e1 restarted (a new process: no adapter) gets both back before its
+    next request naming y, which no other engine holds; once x is unloaded, e1 restarted
+    again gets y only. An engine registered at run time gets what the fleet holds (z), not
+    what another engine holds alone."""
+    fleet = await lora_fleet(3)
+    try:
+        x, y, z = (adapter(tmp_path, n, i) for i, n in enumerate("xyz", start=1))
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=y), metadata=on("e1"))
+        e1 = fleet.address(fleet.engines[1])
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # an engine not in the fleet
+            await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"), metadata=on("e9"))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+        restarted = await fleet.restart_engine(e1, "e1", lora=LORA)
+        both = {"x": x.source_path, "y": y.source_path}
+        await eventually(lambda: restored(fleet, restarted, both), 15, "x, y restored on e1")
+        assert await generate(fleet, "y-after-restart", "y") == "finished"
+
+        await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        restarted = await fleet.restart_engine(e1, "e1", lora=LORA)
+        only_y = {"y": y.source_path}
+        await eventually(lambda: restored(fleet, restarted, only_y), 15, "y restored on e1")
+
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=z))
+        joined = await start_sim_engine("e3", lora=LORA)
+        fleet.engines.append(joined)
+        e3 = fleet.address(joined)
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=e3))
+        only_z = {"z": z.source_path}
+        await eventually(lambda: restored(fleet, joined, only_z), 15, "z restored on e3")
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_out_of_lora_slots_stays_consistent_with_the_fleets_view(
+    tmp_path: Path,
+) -> None:
+    """max_loras 2: e1 holds x (the fleet's) and y (its own), so w, loaded on the fleet, is
+    refused there (RESOURCE_EXHAUSTED, its outcome) and loaded on e0: the call fails, w's
+    requests go to e0 alone, and the gateway's ListLoras agrees with each engine's. A
+    restarted e1 gets its adapters back in the order they were loaded (x, y; w refused
+    again): it holds what it held, and routing and ListLoras say so."""
+    fleet = await lora_fleet(2)
+    registry = fleet.app.controller.fleet.registry
+    try:
+        x, y, w = (adapter(tmp_path, n, i) for i, n in enumerate("xyw", start=1))
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=y), metadata=on("e1"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=w))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        report = {k: v["outcome"] for k, v in outcomes(err.value.trailing_metadata()).items()}
+        assert report == {"e0": "ok", "e1": "RESOURCE_EXHAUSTED"}
+        for i in range(4):
+            assert await generate(fleet, f"w{i}", "w") == "finished"
+        assert registry.get(fleet.address(fleet.engines[1])).lora_adapters == {"x", "y"}
+
+        async def agrees() -> bool:
+            listing = fleet.gateway.ListLoras(pb.ListLorasRequest())
+            await listing
+            held = {
+                k: sorted(v["adapters"])
+                for k, v in outcomes(await listing.trailing_metadata()).items()
+            }
+            own = {f"e{i}": sorted(await engine_adapters(e)) for i, e in enumerate(fleet.engines)}
+            return held == own
+
+        assert await agrees()
+        e1 = fleet.address(fleet.engines[1])
+        restarted = await fleet.restart_engine(e1, "e1", lora=LORA)
+        both = {"x": x.source_path, "y": y.source_path}
+        await eventually(lambda: restored(fleet, restarted, both), 15, "x, y restored on e1")
+        assert await agrees()
+        for i in range(4):
+            assert await generate(fleet, f"y{i}", "y") == "finished"  # on e1, its one holder
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_one_name_stays_one_adapter_across_the_fleet(tmp_path: Path) -> None:
+    """x is loaded on e0 alone. Loading x from another directory on the fleet is refused
+    (ALREADY_EXISTS) before any engine is asked, where e1 and e2 would have loaded the other
+    adapter under the same name and requests naming x would run either one. Two loads
+    racing for a name the fleet lacks: one wins, everywhere."""
+    fleet = await lora_fleet(3)
+    try:
+        x = adapter(tmp_path, "x", 1)
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x), metadata=on("e0"))
+        other = adapter(tmp_path, "x", 1, directory="other")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=other))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "conflicts with 'x' (id 1, " in (err.value.details() or "")
+        assert [await engine_adapters(e) for e in fleet.engines] == [
+            {"x": x.source_path}, {}, {},
+        ]  # fmt: skip
+        listed = await fleet.gateway.ListLoras(pb.ListLorasRequest())
+        assert [(a.lora_name, a.source_path) for a in listed.adapters] == [("x", x.source_path)]
+
+        first, second = adapter(tmp_path, "r", 2, "r1"), adapter(tmp_path, "r", 2, "r2")
+        results = await asyncio.gather(
+            fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=first)),
+            fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=second)),
+            return_exceptions=True,
+        )
+        won = [r.adapter for r in results if isinstance(r, pb.LoadLoraResponse)]
+        lost = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(won) == 1 and [e.code() for e in lost] == [grpc.StatusCode.ALREADY_EXISTS]
+        held = [(await engine_adapters(e)).get("r") for e in fleet.engines]
+        assert held == [won[0].source_path] * 3
+    finally:
+        await close_fleet(fleet)
