@@ -114,10 +114,6 @@ def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
 _NO_HIT = PrefixHit()
 # While an index cannot answer, every routed request meets the failure: warn this often.
 BLIND_WARNING_INTERVAL_S = 10.0
-# The longest one LoadLora of a restore may take: a builtin/HF engine reads the adapter's
-# weights from disk (the health polls' rpc_timeout_s is for calls that read nothing).
-LORA_RESTORE_TIMEOUT_S = 30.0
-
 
 # The pooling tasks, as ModelInfo.tasks names their capabilities.
 POOLING_TASKS = ("embed", "classify", "score")
@@ -798,7 +794,7 @@ class Fleet:
                 )
                 try:
                     await engine.stub.LoadLora(
-                        pb.LoadLoraRequest(adapter=adapter), timeout=LORA_RESTORE_TIMEOUT_S
+                        pb.LoadLoraRequest(adapter=adapter), timeout=self.config.lora_timeout_s
                     )
                 except grpc.aio.AioRpcError as exc:
                     log.warning("engine %s: LoRA adapter %s not restored: %s: %s",

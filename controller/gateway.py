@@ -779,7 +779,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 fleet.lora_intent.loaded(spec, on_one)
 
             replies = await self._lora_fan_out(
-                context, lambda s: s.LoadLora(request), lambda r: (r.adapter.lora_name,), loaded
+                context,
+                lambda s: s.LoadLora(request, timeout=self._lora_timeout_s(context)),
+                lambda r: (r.adapter.lora_name,),
+                loaded,
             )
         return pb.LoadLoraResponse(
             adapter=replies[0].adapter, already_loaded=all(r.already_loaded for r in replies)
@@ -800,13 +803,23 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             fleet.lora_intent.unloaded(request.lora_name, on_one)
             replies = await self._lora_fan_out(
                 context,
-                lambda s: s.UnloadLora(request),
+                lambda s: s.UnloadLora(request, timeout=self._lora_timeout_s(context)),
                 lambda r: None,
                 unloaded,
                 on_absent=unloaded,
                 unloading=request.lora_name,
             )
         return pb.UnloadLoraResponse(adapter=replies[0].adapter)
+
+    def _lora_timeout_s(self, context: Context, *, listing: bool = False) -> float:
+        """How long each engine has to answer a LoRA call: `lora_timeout_s` for a change (it
+        reads weights), `health.rpc_timeout_s` for a listing, less when the client's
+        deadline comes sooner. Bounded, as LoRA calls run one at a time: a wedged engine
+        would hold up every later one."""
+        config = self.controller.config
+        limit_s = config.health.rpc_timeout_s if listing else config.lora_timeout_s
+        remaining_s = context.time_remaining()
+        return limit_s if remaining_s is None else min(limit_s, remaining_s)
 
     async def _named_engine_address(self, context: Context) -> str | None:
         """The address of the engine a LoRA call's `kvplane-engine` metadata names (NOT_FOUND
@@ -828,7 +841,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         async with self.controller.fleet.lora_changes:
             replies = await self._lora_fan_out(
                 context,
-                lambda s: s.ListLoras(request),
+                lambda s: s.ListLoras(request, timeout=self._lora_timeout_s(context, listing=True)),
                 lambda r: tuple(a.lora_name for a in r.adapters),
                 lambda address, r: registry.on_loras(
                     address, frozenset(a.lora_name for a in r.adapters)

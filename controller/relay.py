@@ -747,7 +747,7 @@ class Relay:
                 c.metrics.count_request(_failure_outcome(status.code()))
                 ending = self._ending(surface, request, stage, status, relayed=False)
                 if ending is None:
-                    await pass_status(context, status, None)
+                    await pass_status(context, status, None, c.fleet)
                 yield ending
                 return
             except NoEngineAvailableError as exc:

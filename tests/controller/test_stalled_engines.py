@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
+from controller.outcomes import ENGINE_METADATA_KEY
 from controller.registry import EngineState
 from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
@@ -356,6 +357,44 @@ async def test_unloading_an_adapter_a_stopped_engine_holds_fails_naming_it(
         listed = await fleet.gateway.ListLoras(pb.ListLorasRequest())
         assert [a.lora_name for a in listed.adapters] == ["x"]
         assert registry.get(address).lora_adapters == frozenset({"x"})
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_lora_load_a_stopped_engine_never_answers_holds_up_no_other_for_long(
+    tmp_path: Path,
+) -> None:
+    """LoRA changes run one at a time; an engine stopped just before a fleet-wide LoadLora
+    (still routable: no poll has gone unanswered yet) never answers its part. After
+    `lora_timeout_s` the load fails naming that engine, and a load on the healthy engine alone,
+    queued behind it, goes through: the wedged engine does not hold the fleet's LoRA calls up
+    until the client gives up."""
+    lora = "lora: {enabled: true}"
+    stopped = await EngineProcess.start(tmp_path, "stopped", config=lora)
+    healthy = await start_sim_engine("healthy", lora=LoraConfig(enabled=True))
+    engines = [stopped, healthy]
+    fleet = await make_fleet(engines=engines, lora_timeout_s=1.0)  # type: ignore[arg-type]
+    address = f"127.0.0.1:{stopped.port}"
+    try:
+
+        def adapter(name: str, lora_id: int) -> pb.LoraAdapter:
+            path = write_adapter_config(tmp_path / name)
+            return pb.LoraAdapter(lora_name=name, lora_id=lora_id, source_path=str(path))
+
+        stopped.stop()
+        everywhere = asyncio.ensure_future(
+            fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter("x", 1)), timeout=20)
+        )
+        await asyncio.sleep(0.2)  # (the fleet-wide load holds the LoRA calls now)
+        on_healthy = ((ENGINE_METADATA_KEY, "healthy"),)
+        reply = await fleet.gateway.LoadLora(
+            pb.LoadLoraRequest(adapter=adapter("y", 2)), metadata=on_healthy, timeout=10
+        )
+        assert reply.adapter.lora_name == "y"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await everywhere
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value
+        assert f"{address}: DEADLINE_EXCEEDED" in str(err.value.details()), err.value
     finally:
         await close_fleet(fleet)
 
