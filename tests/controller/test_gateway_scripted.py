@@ -638,6 +638,67 @@ async def test_a_task_naming_a_lora_adapter_goes_to_an_engine_holding_it(tmp_pat
         await close_fleet(fleet)
 
 
+def task_call(
+    gateway: pb_grpc.OpenEngineAsyncStub, task: str, request_id: str, lora_name: str
+) -> Any:
+    """The gateway's `task` call (Embed, Classify or Score) for one input, naming `lora_name`."""
+    context = pb.TaskRequestContext(request_id=request_id, model="sim", lora_name=lora_name)
+    item = pb.TaskInput(item_id="i", token_ids=pb.TokenIds(ids=[1, 5]))
+    if task == "embed":
+        return gateway.Embed(pb.EmbedRequest(context=context, inputs=[item]))
+    if task == "classify":
+        return gateway.Classify(pb.ClassifyRequest(context=context, inputs=[item]))
+    group = pb.ScoreGroup(group_id="g", query=item, candidates=[item])
+    return gateway.Score(pb.ScoreRequest(context=context, groups=[group]))
+
+
+async def test_a_task_whose_engine_lost_its_adapter_goes_to_one_holding_it(
+    tmp_path: Path,
+) -> None:
+    """x is loaded on e0 and e1 through the gateway; e1 reports running requests, so e0 is
+    each task's first pick. x is then unloaded on e0 behind the controller's back: an Embed,
+    a Classify and a Score naming x are each refused there (NOT_FOUND), the gateway reads
+    e0's adapters again and runs the task on e1. Once x is gone from both, a task naming it
+    is NOT_FOUND as the fleet says ("no embed engine has LoRA adapter 'x' loaded"), not the
+    engine's bare refusal."""
+    tasks = ("embed", "classify", "score")
+    engines = [
+        await start_scripted_engine(
+            f"e{i}", advertise_lora=True, lora_enabled=True, tasks=frozenset(tasks)
+        )
+        for i in range(2)
+    ]
+    engines[1].servicer.load = {"running_requests": 3}
+    fleet = await scripted_fleet(*engines)
+    registry = fleet.app.controller.fleet.registry
+    x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+    try:
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address(engines[1])).load.running_requests == 3, 15
+        )
+        for task in tasks:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+            del engines[0].servicer.adapters["x"]
+            calls = [len(e.servicer.task_calls) for e in engines]
+            await task_call(fleet.gateway, task, f"moved-{task}", "x")
+            assert [
+                len(e.servicer.task_calls) - n for e, n in zip(engines, calls, strict=True)
+            ] == [1, 1]
+            assert not registry.get(address(engines[0])).holds_lora("x")
+        for task in tasks:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+            for engine in engines:
+                del engine.servicer.adapters["x"]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await task_call(fleet.gateway, task, f"nowhere-{task}", "x")
+            assert (err.value.code(), err.value.details()) == (
+                grpc.StatusCode.NOT_FOUND,
+                f"no {task} engine has LoRA adapter 'x' loaded",
+            )
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_classify_and_score_go_to_the_engines_that_support_them() -> None:
     """e0 classifies, e1 scores, e2 does neither: each task reaches only its engine, and the
     engine's reply comes back unchanged."""
