@@ -43,6 +43,8 @@ class GenerateFaults:
       with `auth` refuses a controller whose `engine_token_file` it no longer takes;
     - "overloaded": accepted, then one retryable terminal EngineError (OVERLOADED);
     - "invalid": accepted, then one non-retryable terminal EngineError;
+    - "model_not_found": accepted, then one non-retryable terminal EngineError
+      MODEL_NOT_FOUND (something the request names other than its LoRA adapter is gone);
     - "token_then_error": the first token, then one retryable terminal EngineError;
     - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE;
     - "token_then_error_then_internal": "token_then_error", then the call fails with INTERNAL;
@@ -144,8 +146,12 @@ class ScriptedServicer(ReportsLoad):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: not now")
         if fault == "unauthenticated":
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "scripted: not the token")
-        if fault in ("overloaded", "invalid"):
-            code = pb.ERROR_CODE_OVERLOADED if fault == "overloaded" else pb.ERROR_CODE_INTERNAL
+        if fault in ("overloaded", "invalid", "model_not_found"):
+            code = {
+                "overloaded": pb.ERROR_CODE_OVERLOADED,
+                "invalid": pb.ERROR_CODE_INTERNAL,
+                "model_not_found": pb.ERROR_CODE_MODEL_NOT_FOUND,
+            }[fault]
             yield pb.GenerateResponse(
                 request_id=request.request_id,
                 error=pb.EngineError(
@@ -777,6 +783,35 @@ async def test_second_failure_before_the_first_token_is_the_engines_own() -> Non
         assert reply[0].error.message == "scripted: overloaded" and reply[0].error.retryable
         assert calls(engines, "r") == 2
         assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_model_not_found_from_an_engine_holding_the_adapter_is_its_own(
+    tmp_path: Path,
+) -> None:
+    """A guard on the LoRA re-route (Relay.adapter_left): x is on e0 and e1, and the engine a
+    request naming x goes to ends it MODEL_NOT_FOUND while it still holds x (asked again, it
+    lists x): the refusal is not about the adapter, so it reaches the client as the engine
+    sent it, and no other engine is asked."""
+    faults = GenerateFaults(["model_not_found"])
+    engines = [
+        await start_scripted_engine(f"e{i}", faults, advertise_lora=True, lora_enabled=True)
+        for i in range(2)
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        request = generate_request("r", [1, 2, 3], 4)
+        request.lora_name = "x"
+        reply = [r async for r in fleet.gateway.Generate(request)]
+        assert [(r.error.code, r.error.message) for r in reply] == [
+            (pb.ERROR_CODE_MODEL_NOT_FOUND, "scripted: model_not_found")
+        ]
+        assert calls(engines, "r") == 1
+        registry = fleet.app.controller.fleet.registry
+        assert all(r.holds_lora("x") for r in registry.records())
     finally:
         await close_fleet(fleet)
 
