@@ -13,11 +13,13 @@
 - Embed / Classify / Score: INVALID_ARGUMENT without the request id or model the seed
   requires; else the least loaded routable engine serving the model whose GetModelInfo for
   that model says it supports the task, holding the LoRA adapter the request names (none
-  holds it: the LoRA refusals of a Generate); none: FAILED_PRECONDITION (the seed's UNSUPPORTED
-  task), NOT_FOUND for a model no engine serves, UNAVAILABLE while the capable engines take
-  no traffic. An engine failing the task with a retryable status has it retried once on
-  another capable engine, as a Generate failing before its first response (Relay.retries_elsewhere);
-  the failure the client gets names the engine, as a Generate's does (relay.pass_status).
+  holds it: the LoRA refusals of a Generate; an engine refusing it NOT_FOUND because it no
+  longer holds the adapter: re-routed as a Generate is, Relay.adapter_left); none:
+  FAILED_PRECONDITION (the seed's UNSUPPORTED task), NOT_FOUND for a model no engine
+  serves, UNAVAILABLE while the capable engines take no traffic. An engine failing the task
+  with a retryable status has it retried once on another capable engine, as a Generate
+  failing before its first response (Relay.retries_elsewhere); the failure the client gets
+  names the engine, as a Generate's does (relay.pass_status).
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
   before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
@@ -172,6 +174,7 @@ class _OpenEngineGenerate:
             error.message or pb.ErrorCode.Name(error.code),
             error.retryable,
             engine_fault=error.code == pb.ERROR_CODE_INTERNAL,
+            not_found=error.code == pb.ERROR_CODE_MODEL_NOT_FOUND,
         )
 
     def has_output(self, response: pb.GenerateResponse) -> bool:
@@ -379,10 +382,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
             )
         tried: set[str] = set()
+        retried = False
         try:
             # A task is one unary call without side effects, nothing relayed before its reply:
             # retried as a Generate failing before its first response is
-            # (Relay.retries_elsewhere).
+            # (Relay.retries_elsewhere), and re-routed as one refused for a LoRA adapter its
+            # engine no longer holds (Relay.adapter_left).
             while True:
                 tried.add(engine)
                 relay.holding[request_id] = engine
@@ -391,13 +396,21 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                     failure = engine_failure(caught, engine, fleet)
                     await relay.report_failure(engine, failure)
-                    if len(tried) > 1 or not relay.retries_elsewhere(request_id, engine, failure):
-                        break
+                    adapter_left = failure.code() == grpc.StatusCode.NOT_FOUND and (
+                        await relay.adapter_left(request_id, task_context.lora_name, engine)
+                    )
+                    if not adapter_left:
+                        if retried or not relay.retries_elsewhere(request_id, engine, failure):
+                            break
+                        retried = True
                     # Never shed (the request was admitted); with no other capable engine,
-                    # the client gets this engine's failure.
+                    # the client gets this engine's failure, or the fleet's LoRA status
+                    # when its adapter left.
                     other = min(self._capable(task, task_context, tried), key=_queue_depth,
                                 default=None)  # fmt: skip
                     if other is None:
+                        if adapter_left:
+                            await self._refuse_lora(task, task_context, context)
                         break
                     self.controller.metrics.retries.inc()
                     engine = other.address
@@ -440,7 +453,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         as for a generation."""
         c = self.controller
         registry = c.fleet.registry
-        model, lora_name = task_context.model, task_context.lora_name
+        model = task_context.model
         capable = self._capable(task, task_context)
         if capable:
             if c.sheds_load:
@@ -449,11 +462,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 except AllEnginesBusyError as exc:
                     await abort_with(context, status_of(exc), str(exc))
             return min(capable, key=_queue_depth)
-        if lora_name:
-            try:
-                registry.check_lora(lora_name, model, task=task)
-            except LoraRoutingError as exc:
-                await abort_with(context, status_of(exc), str(exc))
+        await self._refuse_lora(task, task_context, context)
         serving = [
             r
             for r in registry.records()
@@ -477,6 +486,21 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             grpc.StatusCode.UNAVAILABLE,
             f"no engine serving {model} is known yet",
         )
+
+    async def _refuse_lora(
+        self, task: str, task_context: pb.TaskRequestContext, context: Context
+    ) -> None:
+        """End the call with the LoRA status a Generate gets when no routable engine with
+        `task` holds the adapter the request names (registry.check_lora); return when the
+        request names none, or such an engine exists."""
+        if not task_context.lora_name:
+            return
+        try:
+            self.controller.fleet.registry.check_lora(
+                task_context.lora_name, task_context.model, task=task
+            )
+        except LoraRoutingError as exc:
+            await abort_with(context, status_of(exc), str(exc))
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:
         return await self._task("embed", request.context, lambda s: s.Embed(request), context)

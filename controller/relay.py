@@ -13,7 +13,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 - plan and route the request; a retry never goes back to an engine that already failed it;
   a request naming a LoRA adapter goes only to engines holding it (NOT_FOUND when none has
   it loaded, FAILED_PRECONDITION when no engine supports LoRA, UNAVAILABLE when the holders
-  take no traffic);
+  take no traffic), and one an engine refuses NOT_FOUND (a status, or an in-band
+  MODEL_NOT_FOUND) before anything was relayed because it no longer holds the adapter goes
+  to another holder, else gets that status (`adapter_left`, which the pooling tasks ask too);
 - hold request id -> engine while the request runs, so that OpenEngine Abort finds it and
   Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
@@ -136,11 +138,14 @@ class Usage(NamedTuple):
 
 class InBandError(NamedTuple):
     """A terminal error the engine sent as a response (OpenEngine's EngineError);
-    `engine_fault`: one of its own (ERROR_CODE_INTERNAL), not the request's or a refusal."""
+    `engine_fault`: one of its own (ERROR_CODE_INTERNAL), not the request's or a refusal;
+    `not_found`: what the request names is not there (ERROR_CODE_MODEL_NOT_FOUND: its model,
+    or its LoRA adapter unloaded after the engine accepted it), as a status NOT_FOUND says."""
 
     message: str
     retryable: bool
     engine_fault: bool = False
+    not_found: bool = False
 
 
 class EngineCall(Protocol[Response_co]):
@@ -256,12 +261,15 @@ _WHOLE_REQUEST = _Stage()
 class _Retry(Exception):
     """The engine failed before anything was relayed; try another one."""
 
-    def __init__(self, reason: str, failure: Any, engine: str) -> None:
+    def __init__(self, reason: str, failure: Any, engine: str, *, counted: bool = True) -> None:
         super().__init__(reason)
         # What the client gets if no other engine can take the request: the refusing
         # response or the AioRpcError, of `engine`.
         self.failure = failure
         self.engine = engine
+        # False: a re-route (the engine no longer holds the request's LoRA adapter,
+        # `Relay.adapter_left`), not the one retry of a failed request.
+        self.counted = counted
 
 
 class _SessionLost(Exception):
@@ -791,6 +799,12 @@ class Relay:
                         if not relayed:
                             if error is not None and error.retryable and retry is None:
                                 raise _Retry(error.message, response, engine)
+                            if (
+                                error is not None
+                                and error.not_found
+                                and await self.adapter_left(request_id, plan.lora_name, engine)
+                            ):  # re-routed as the same refusal as a status is (below)
+                                raise _Retry(error.message, response, engine, counted=False)
                             if stage.times_first_response:
                                 elapsed = time.perf_counter() - started
                                 c.metrics.first_response_seconds.observe(elapsed)
@@ -831,7 +845,7 @@ class Relay:
                     raise lost from None
                 log.info("request %s: engine %s refused (%s); retrying elsewhere",
                          request_id, engine, exc)  # fmt: skip
-                retry = exc
+                retry = exc if exc.counted else retry or exc
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
                 if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
@@ -850,7 +864,11 @@ class Relay:
                         f"engine {engine} refused the KV session: {cause.code().name}: "
                         f"{cause.details()}",
                     )
-                if not relayed and await self._adapter_left(plan, engine, cause):
+                if (
+                    not relayed
+                    and cause.code() == grpc.StatusCode.NOT_FOUND
+                    and await self.adapter_left(request_id, plan.lora_name, engine)
+                ):
                     # Not the one retry: nothing ran, and each engine is tried once.
                     retry = retry or _Retry(cause.code().name, cause, engine)
                     continue
@@ -880,27 +898,31 @@ class Relay:
                     del self.holding[request_id]
                     self.finished.add(request_id)
 
-    async def _adapter_left(self, plan: Plan, engine: str, cause: grpc.aio.AioRpcError) -> bool:
-        """Whether `engine` refused the request (NOT_FOUND) for the LoRA adapter it names
-        because the engine does not hold it: an UnloadLora landed after the request was
-        routed there (it takes the adapter out of routing before the engine is asked, so
-        the registry knows by now), or the controller's knowledge is stale (a process
-        restarted faster than a poll, an unload behind its back: the engine's adapters are
-        read again). The request goes to another engine holding it, else gets the fleet's
-        LoRA status (NOT_FOUND "no engine has LoRA adapter ..."), never the engine's bare
-        refusal."""
-        if not plan.lora_name or cause.code() != grpc.StatusCode.NOT_FOUND:
+    async def adapter_left(self, request_id: str, lora_name: str, engine: str) -> bool:
+        """Whether `engine`, refusing a request naming the LoRA adapter `lora_name` NOT_FOUND
+        before anything was relayed (a status, or OpenEngine's in-band MODEL_NOT_FOUND after
+        acceptance), refused it because it does not hold the adapter: an UnloadLora landed
+        after the request was routed there (it takes the adapter out of routing before the
+        engine is asked, so the registry knows by now), or the controller's knowledge is
+        stale (a process restarted faster than a poll, an unload behind its back, or in the
+        instant between the engine's check and its engine thread taking the request: the
+        engine's adapters are read again). An engine still holding it refused something
+        else (an unknown base model): False. True: the request goes to another engine
+        holding the adapter, else gets the fleet's LoRA status (NOT_FOUND "no engine has
+        LoRA adapter ..."), never the engine's bare refusal; not the one retry of a failed
+        request, as nothing ran. Generate and the pooling tasks alike ask here."""
+        if not lora_name:
             return False
         fleet = self.controller.fleet
         record = fleet.registry.by_engine_id(engine)
         if record is None:
             return False
-        if record.holds_lora(plan.lora_name):
+        if record.holds_lora(lora_name):
             await fleet.refresh_loras(record.address)
-            if record.holds_lora(plan.lora_name):
+            if record.holds_lora(lora_name):
                 return False  # it holds it: the refusal is about something else
         log.info("request %s: engine %s no longer holds LoRA adapter %r; routing it again",
-                 plan.request.request_id, engine, plan.lora_name)  # fmt: skip
+                 request_id, engine, lora_name)  # fmt: skip
         return True
 
     @staticmethod

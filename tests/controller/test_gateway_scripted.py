@@ -43,6 +43,8 @@ class GenerateFaults:
       with `auth` refuses a controller whose `engine_token_file` it no longer takes;
     - "overloaded": accepted, then one retryable terminal EngineError (OVERLOADED);
     - "invalid": accepted, then one non-retryable terminal EngineError;
+    - "model_not_found": accepted, then one non-retryable terminal EngineError
+      MODEL_NOT_FOUND (something the request names other than its LoRA adapter is gone);
     - "token_then_error": the first token, then one retryable terminal EngineError;
     - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE;
     - "token_then_error_then_internal": "token_then_error", then the call fails with INTERNAL;
@@ -144,8 +146,12 @@ class ScriptedServicer(ReportsLoad):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: not now")
         if fault == "unauthenticated":
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "scripted: not the token")
-        if fault in ("overloaded", "invalid"):
-            code = pb.ERROR_CODE_OVERLOADED if fault == "overloaded" else pb.ERROR_CODE_INTERNAL
+        if fault in ("overloaded", "invalid", "model_not_found"):
+            code = {
+                "overloaded": pb.ERROR_CODE_OVERLOADED,
+                "invalid": pb.ERROR_CODE_INTERNAL,
+                "model_not_found": pb.ERROR_CODE_MODEL_NOT_FOUND,
+            }[fault]
             yield pb.GenerateResponse(
                 request_id=request.request_id,
                 error=pb.EngineError(
@@ -638,6 +644,67 @@ async def test_a_task_naming_a_lora_adapter_goes_to_an_engine_holding_it(tmp_pat
         await close_fleet(fleet)
 
 
+def task_call(
+    gateway: pb_grpc.OpenEngineAsyncStub, task: str, request_id: str, lora_name: str
+) -> Any:
+    """The gateway's `task` call (Embed, Classify or Score) for one input, naming `lora_name`."""
+    context = pb.TaskRequestContext(request_id=request_id, model="sim", lora_name=lora_name)
+    item = pb.TaskInput(item_id="i", token_ids=pb.TokenIds(ids=[1, 5]))
+    if task == "embed":
+        return gateway.Embed(pb.EmbedRequest(context=context, inputs=[item]))
+    if task == "classify":
+        return gateway.Classify(pb.ClassifyRequest(context=context, inputs=[item]))
+    group = pb.ScoreGroup(group_id="g", query=item, candidates=[item])
+    return gateway.Score(pb.ScoreRequest(context=context, groups=[group]))
+
+
+async def test_a_task_whose_engine_lost_its_adapter_goes_to_one_holding_it(
+    tmp_path: Path,
+) -> None:
+    """x is loaded on e0 and e1 through the gateway; e1 reports running requests, so e0 is
+    each task's first pick. x is then unloaded on e0 behind the controller's back: an Embed,
+    a Classify and a Score naming x are each refused there (NOT_FOUND), the gateway reads
+    e0's adapters again and runs the task on e1. Once x is gone from both, a task naming it
+    is NOT_FOUND as the fleet says ("no embed engine has LoRA adapter 'x' loaded"), not the
+    engine's bare refusal."""
+    tasks = ("embed", "classify", "score")
+    engines = [
+        await start_scripted_engine(
+            f"e{i}", advertise_lora=True, lora_enabled=True, tasks=frozenset(tasks)
+        )
+        for i in range(2)
+    ]
+    engines[1].servicer.load = {"running_requests": 3}
+    fleet = await scripted_fleet(*engines)
+    registry = fleet.app.controller.fleet.registry
+    x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+    try:
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address(engines[1])).load.running_requests == 3, 15
+        )
+        for task in tasks:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+            del engines[0].servicer.adapters["x"]
+            calls = [len(e.servicer.task_calls) for e in engines]
+            await task_call(fleet.gateway, task, f"moved-{task}", "x")
+            assert [
+                len(e.servicer.task_calls) - n for e, n in zip(engines, calls, strict=True)
+            ] == [1, 1]
+            assert not registry.get(address(engines[0])).holds_lora("x")
+        for task in tasks:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+            for engine in engines:
+                del engine.servicer.adapters["x"]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await task_call(fleet.gateway, task, f"nowhere-{task}", "x")
+            assert (err.value.code(), err.value.details()) == (
+                grpc.StatusCode.NOT_FOUND,
+                f"no {task} engine has LoRA adapter 'x' loaded",
+            )
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_classify_and_score_go_to_the_engines_that_support_them() -> None:
     """e0 classifies, e1 scores, e2 does neither: each task reaches only its engine, and the
     engine's reply comes back unchanged."""
@@ -716,6 +783,35 @@ async def test_second_failure_before_the_first_token_is_the_engines_own() -> Non
         assert reply[0].error.message == "scripted: overloaded" and reply[0].error.retryable
         assert calls(engines, "r") == 2
         assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_model_not_found_from_an_engine_holding_the_adapter_is_its_own(
+    tmp_path: Path,
+) -> None:
+    """A guard on the LoRA re-route (Relay.adapter_left): x is on e0 and e1, and the engine a
+    request naming x goes to ends it MODEL_NOT_FOUND while it still holds x (asked again, it
+    lists x): the refusal is not about the adapter, so it reaches the client as the engine
+    sent it, and no other engine is asked."""
+    faults = GenerateFaults(["model_not_found"])
+    engines = [
+        await start_scripted_engine(f"e{i}", faults, advertise_lora=True, lora_enabled=True)
+        for i in range(2)
+    ]
+    fleet = await scripted_fleet(*engines)
+    try:
+        x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        request = generate_request("r", [1, 2, 3], 4)
+        request.lora_name = "x"
+        reply = [r async for r in fleet.gateway.Generate(request)]
+        assert [(r.error.code, r.error.message) for r in reply] == [
+            (pb.ERROR_CODE_MODEL_NOT_FOUND, "scripted: model_not_found")
+        ]
+        assert calls(engines, "r") == 1
+        registry = fleet.app.controller.fleet.registry
+        assert all(r.holds_lora("x") for r in registry.records())
     finally:
         await close_fleet(fleet)
 

@@ -15,6 +15,8 @@ import grpc
 import pytest
 
 from engine.config import LoraConfig
+from engine.core.engine_core import EngineCore
+from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
@@ -142,6 +144,59 @@ async def test_an_unload_behind_the_controllers_back_is_noticed_at_the_refusal(
                 await stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
         assert await generate(fleet, "stale-0", "x") == GONE
         assert await generate(fleet, "stale-1", "x") == GONE
+        assert not any(r.holds_lora("x") for r in registry.records())
+    finally:
+        await close_fleet(fleet)
+
+
+def unload_as_added(engine: EngineApp, lora_name: str, armed: list[bool]) -> None:
+    """Pin the engine's race of one call: a request naming `lora_name` that an engine sharing
+    `armed` accepts while `armed` is not empty (taking one from it) has the adapter unloaded
+    in the engine thread just before the add, after its check passed, behind the
+    controller's back. The engine ends it with one EngineError MODEL_NOT_FOUND after
+    acceptance, before any output."""
+    loop = engine.service.engine_loop
+    submit = loop.submit
+
+    def racing(request: Any, sink: Any, *, before: Any = None, admit: Any = None) -> None:
+        if request.lora_name != lora_name or not armed:
+            submit(request, sink, before=before, admit=admit)
+            return
+        armed.pop()
+
+        def unload_first(core: EngineCore) -> None:
+            core.unload_lora(lora_name)
+            if before is not None:
+                before(core)
+
+        submit(request, sink, before=unload_first, admit=admit)
+
+    loop.submit = racing  # type: ignore[method-assign]
+
+
+async def test_an_adapter_unloaded_as_the_engine_adds_the_request_sends_it_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """x is on e0 and e1. A request naming x is accepted by one of them and x is unloaded
+    there before its engine thread adds it: that engine ends it MODEL_NOT_FOUND (in-band,
+    nothing relayed), and the request runs on the other one. Caught the same way there, the
+    next request is NOT_FOUND as the fleet says, not the engine's in-band error."""
+    engines = [await start_sim_engine(f"e{i}", lora=LORA) for i in range(2)]
+    fleet = await make_fleet(engines=engines)
+    registry = fleet.app.controller.fleet.registry
+    armed: list[bool] = []
+    for engine in engines:
+        unload_as_added(engine, "x", armed)
+    try:
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter(tmp_path, "x", 1)))
+        armed.append(True)
+        assert await generate(fleet, "moved", "x") == "finished"
+        assert not armed  # the race happened
+        holders = [r.address for r in registry.records() if r.holds_lora("x")]
+        assert len(holders) == 1  # the engine that lost x is known not to hold it
+        armed.append(True)
+        assert await generate(fleet, "nowhere", "x") == GONE
+        assert not armed
         assert not any(r.holds_lora("x") for r in registry.records())
     finally:
         await close_fleet(fleet)
