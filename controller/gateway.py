@@ -638,7 +638,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             if len(codes) == 1 and (code := codes.pop()) not in _UNREACHED:
                 await abort_with(context, code, summary)
             await abort_with(
-                context, grpc.StatusCode.UNAVAILABLE, f"no engine could be reached: {summary}"
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"no engine could be reached: {summary or 'the fleet has no engine'}",
             )
         aborted = unrouted + unaccepted > 0 or any(
             r.status == pb.ABORT_STATUS_ABORTED for r in answered

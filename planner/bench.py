@@ -44,7 +44,8 @@ from planner.replay import FleetSettings, NoScaling, PolicyResult, fits, replay
 log = logging.getLogger(__name__)
 
 POLICY_NAMES = ("kvplane", "static", "threshold")
-DEFAULT_TRACE = Path("../shared/data/traces/azure-llm-2023/conv.csv")
+# Beside the checkout, as every replaying benchmark's default trace, wherever it is run from.
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/traces/azure-llm-2023/conv.csv"
 
 
 @dataclass(frozen=True, slots=True)

@@ -339,6 +339,19 @@ async def test_abort_of_everything_every_engine_refuses_alike_is_their_status(
         await close_fleet(fleet)
 
 
+async def test_abort_of_everything_in_a_fleet_without_engines_says_so() -> None:
+    """A controller with no engine (just started, its engines not registered again yet)
+    has asked none: UNAVAILABLE says so, not a bare "no engine could be reached: "."""
+    fleet = await make_fleet(engines=[])
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details() == "no engine could be reached: the fleet has no engine"
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_a_running_request_id_is_refused_as_an_engine_refuses_a_duplicate() -> None:
     """A second Generate with the id of a running one is ALREADY_EXISTS and reaches no
     engine: the first keeps streaming on its engine, charged once, and Abort stops it."""

@@ -148,3 +148,15 @@ def test_small_run_as_table(tmp_path: Path) -> None:
     code, output = invoke("--trace", str(small_trace(tmp_path)), "--policies", "kvplane")
     assert code == 0, output
     assert output.splitlines()[2].startswith("kvplane")
+
+
+def test_the_default_trace_is_found_from_any_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default is the shared folder beside the checkout (as `bench sim`'s and `bench
+    e2e`'s), not `../shared` from wherever the command runs: was a usage error outside the
+    repository's root."""
+    monkeypatch.chdir(tmp_path)
+    code, output = invoke("--limit", "20", "--policies", "kvplane", "--output", "json")
+    assert code == 0, output
+    assert json.loads(output)["trace"] == "conv.csv"
