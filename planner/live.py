@@ -61,6 +61,10 @@ from planner.metrics import LossCause, Operation, PlannerMetrics
 
 log = logging.getLogger(__name__)
 
+# A GetLoad answered with these refused the planner's `live.engine_token_file`: not a failed
+# poll of the engine.
+_REFUSED_CREDENTIALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
 # How long after a runtime-event stream ends the planner subscribes again.
 RESUBSCRIBE_S = 1.0
 # The settings a failed GetLoad names when an engine's TLS or token and the planner's do not
@@ -82,7 +86,8 @@ class _Engine:
     channel: grpc.aio.Channel | None = None
     passes: list[ForwardPasses] = field(default_factory=list)  # since the last tick
     events: asyncio.Task[None] | None = None
-    failed_polls: int = 0  # GetLoads in a row that failed or timed out
+    # GetLoads in a row that failed or timed out (not those that refused the planner's token).
+    failed_polls: int = 0
     drain_deadline_s: float | None = None  # when the planner drained it: its Drain's deadline
     block_size_read: bool = False  # GetModelInfo's kv_block_size taken (or not reported)
 
@@ -250,7 +255,11 @@ class LivePlanner:
             details = exc.details() or ""
             hint = setting_hint(self._channels, exc.code(), details, ENGINE_SETTINGS)
             log.warning("GetLoad %s: %s%s", engine.engine_id, details or exc.code().name, hint)
-            engine.failed_polls += 1
+            # A refusal of the planner's own token is the planner's mistake, answered by an
+            # engine alive and serving: losing it (killed, replaced by another that refuses
+            # the same) would churn the whole pool. Its last load stays.
+            if exc.code() not in _REFUSED_CREDENTIALS:
+                engine.failed_polls += 1
             return
         engine.failed_polls = 0
         engine.load = _load(info, engine.load)

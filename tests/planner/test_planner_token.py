@@ -216,8 +216,9 @@ async def test_a_getload_refused_by_an_engine_with_auth_names_live_engine_token_
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A planner without `live.engine_token_file` polling an engine that asks for a token on
-    reads: the failed GetLoad's warning says which setting is missing (else it loses the
-    engine, once `lost_after_failed_polls` polls failed, without saying why)."""
+    reads: the failed GetLoad's warning says which setting is missing, and the engine, alive
+    and serving, is not counted as failing its polls (it was lost and killed after
+    `lost_after_failed_polls` of them, and its replacement refused the planner alike)."""
     token = token_file(tmp_path, "engine-token", "engine-s3cret")
     engine = await start_sim_engine("e0", auth={"token_file": token, "protect_reads": True})
     actuator = LocalProcesses(
@@ -235,12 +236,14 @@ async def test_a_getload_refused_by_an_engine_with_auth_names_live_engine_token_
 
     try:
         live._serve(address, "default")  # follows its runtime events too
-        await live._poll(live.engines[address])
+        for _ in range(live._lost_after_failed_polls):
+            await live._poll(live.engines[address])
+        assert live.engines[address].failed_polls == 0
         await eventually(events_refused)
     finally:
         await live.close()
         await engine.close()
-    (warning,) = said("GetLoad")
+    warning = said("GetLoad")[0]
     assert warning.startswith(f"GetLoad {address}: missing or invalid bearer token")
     assert warning.endswith("(a server requiring a token? give live.engine_token_file)")
     assert said(f"runtime events of {address}")[0] == (
