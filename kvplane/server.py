@@ -60,18 +60,12 @@ class Service:
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED, and
-    any RPC but the `open` ones (health, reflection) that presents another token: a client
-    whose token is wrong learns it at its first call, not at its first protected one (as
-    Kubernetes' API server refuses an invalid token where an anonymous call would pass). The
+    """Rejects protected RPCs without `authorization: Bearer <token>` as UNAUTHENTICATED. The
     token is the one its file holds at each call: rotated on disk, it takes effect at once."""
 
-    def __init__(
-        self, token: TokenFile, protected: Callable[[str], bool], open_: Callable[[str], bool]
-    ) -> None:
+    def __init__(self, token: TokenFile, protected: Callable[[str], bool]) -> None:
         self._token = token
         self._protected = protected
-        self._open = open_
 
     async def intercept_service(
         self,
@@ -81,16 +75,14 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         method = handler_call_details.method
-        if self._open(method):
+        if not self._protected(method):
             return await continuation(handler_call_details)
-        presented: bytes | None = None
+        presented = b""
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_METADATA_KEY:
                 presented = value.encode() if isinstance(value, str) else value
-        if presented is None and not self._protected(method):
-            return await continuation(handler_call_details)
         expected = f"Bearer {self._token.current()}".encode()
-        if presented is not None and hmac.compare_digest(presented, expected):
+        if hmac.compare_digest(presented, expected):
             return await continuation(handler_call_details)
         return _unauthenticated_handler(await continuation(handler_call_details))
 
@@ -135,13 +127,12 @@ async def create_server(
         protect_reads = config.auth.protect_reads
         infrastructure = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-        def infrastructure_method(method: str) -> bool:
-            return method.startswith(infrastructure)
-
         def protected(method: str) -> bool:
+            if method.startswith(infrastructure):
+                return False
             return protect_reads or method in guarded
 
-        interceptors.append(BearerTokenInterceptor(token, protected, infrastructure_method))
+        interceptors.append(BearerTokenInterceptor(token, protected))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[("grpc.so_reuseport", 0), *options],

@@ -237,29 +237,6 @@ async def admin_cli(controller: ControllerApp, token_file: Path, *args: str) -> 
     return result.exit_code, str(result.exception) if result.exit_code else result.output
 
 
-async def test_a_wrong_engine_token_shows_at_once_without_protect_reads(tmp_path: Path) -> None:
-    """An engine with `auth` that guards only its mutating calls, and a controller given
-    another token for it: the engine refuses the token on the polls too (a token presented
-    must be right even where none is needed), so `kvplane admin workers` shows the mismatch
-    at once, not at the first drain, abort or LoRA call, after the engine served as ready."""
-    engine_token, controller_engine_token = tmp_path / "engine", tmp_path / "controller-engine"
-    engine_token.write_text("engine-1\n")
-    controller_engine_token.write_text("stale\n")
-    engine = await start_sim_engine("e0", auth={"token_file": engine_token})
-    controller = await start_plain_controller(engine, engine_token_file=controller_engine_token)
-    try:
-        refused = (
-            "UNAUTHENTICATED: missing or invalid bearer token (metadata 'authorization: "
-            "Bearer <token>') (not the server's token? check engine_token_file)"
-        )
-        await wait_for_error(controller, "failing", refused)
-        rotate(controller_engine_token, "engine-1")
-        await wait_for_error(controller, "ready", "")
-    finally:
-        await controller.close(0.2)
-        await engine.close()
-
-
 async def test_tokens_rotated_on_disk_take_effect_without_restarts(tmp_path: Path) -> None:
     """An engine with `auth` (protect_reads: its polls too) and the controller, itself with
     `auth`, each follow their token files as they change: the engine's new token refuses the
