@@ -32,7 +32,8 @@ _SOURCE_COUNTERS = {
 # ended by the gateway on an Abort, before any engine was called or at a disaggregated
 # request's handoff (before its decode engine was); "internal": the controller failed to route;
 # "overloaded": refused because every engine was busy (`router.reject_when_all_busy`), or the
-# engine it was last tried on refused it for capacity (RESOURCE_EXHAUSTED).
+# engine it was last tried on refused it for capacity (RESOURCE_EXHAUSTED, or an in-band
+# EngineError OVERLOADED).
 RequestOutcome = Literal[
     "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded"
 ]

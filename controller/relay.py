@@ -140,12 +140,20 @@ class InBandError(NamedTuple):
     """A terminal error the engine sent as a response (OpenEngine's EngineError);
     `engine_fault`: one of its own (ERROR_CODE_INTERNAL), not the request's or a refusal;
     `not_found`: what the request names is not there (ERROR_CODE_MODEL_NOT_FOUND: its model,
-    or its LoRA adapter unloaded after the engine accepted it), as a status NOT_FOUND says."""
+    or its LoRA adapter unloaded after the engine accepted it), as a status NOT_FOUND says;
+    `overloaded`: a refusal for capacity (ERROR_CODE_OVERLOADED), counted as the status
+    RESOURCE_EXHAUSTED is."""
 
     message: str
     retryable: bool
     engine_fault: bool = False
     not_found: bool = False
+    overloaded: bool = False
+
+    @property
+    def outcome(self) -> RequestOutcome:
+        """The request's outcome when this error ends it."""
+        return "overloaded" if self.overloaded else "engine_error"
 
 
 class EngineCall(Protocol[Response_co]):
@@ -826,7 +834,7 @@ class Relay:
                                 late.details())  # fmt: skip
                     await self.report_failure(engine, late)
                 if stage.last or error is not None:
-                    c.metrics.count_request("ok" if error is None else "engine_error")
+                    c.metrics.count_request("ok" if error is None else error.outcome)
                 if stage.last:
                     c.metrics.request_seconds.observe(time.perf_counter() - started)
                 if usage is not None and stage.usage:
