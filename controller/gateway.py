@@ -175,6 +175,7 @@ class _OpenEngineGenerate:
             error.retryable,
             engine_fault=error.code == pb.ERROR_CODE_INTERNAL,
             not_found=error.code == pb.ERROR_CODE_MODEL_NOT_FOUND,
+            overloaded=error.code == pb.ERROR_CODE_OVERLOADED,
         )
 
     def has_output(self, response: pb.GenerateResponse) -> bool:

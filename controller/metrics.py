@@ -32,9 +32,11 @@ _SOURCE_COUNTERS = {
 # ended by the gateway on an Abort, before any engine was called or at a disaggregated
 # request's handoff (before its decode engine was); "internal": the controller failed to route;
 # "overloaded": refused because every engine was busy (`router.reject_when_all_busy`), or the
-# engine it was last tried on refused it for capacity (RESOURCE_EXHAUSTED).
+# engine it was last tried on refused it for capacity (RESOURCE_EXHAUSTED, or an in-band
+# EngineError OVERLOADED); "cancelled": the client left before the request's end (it cancelled
+# or passed its deadline), or the controller stopped, so that every generation counts once.
 RequestOutcome = Literal[
-    "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded"
+    "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded", "cancelled"
 ]
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # Event lag reaches seconds when a source replays a backlog after a reconnect.

@@ -37,7 +37,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   and the engine-reported usage against the router's prediction. A stream relayed to its end
   counts as "ok" unless its last response was an in-band error ("engine_error"); a request
   refused for itself (a status in CLIENT_ERRORS, from the gateway or the engine) counts as
-  "invalid";
+  "invalid", an in-band OVERLOADED as "overloaded", and one whose client left before any
+  outcome (a cancel, its deadline) as "cancelled": every request counts once;
 - with `router.reject_when_all_busy`, refuse a new request whose every candidate engine is
   busy (RESOURCE_EXHAUSTED, outcome "overloaded") before any engine is called or charged;
 - a model served only by prefill and decode engines takes two hops (`_disaggregated`), each
@@ -51,6 +52,7 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -74,6 +76,13 @@ from controller.statuses import status_of
 from kvplane.server import abort_with
 
 log = logging.getLogger(__name__)
+
+# Whether the outcome of the request this gateway call runs was counted (`Relay._count`). Each
+# call runs in its own task, so in its own context; one cancelled before its outcome (its
+# client cancelled or passed its deadline, or the server stopped) counts as "cancelled".
+_outcome_counted: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "outcome_counted", default=False
+)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 Request = TypeVar("Request")
@@ -140,12 +149,20 @@ class InBandError(NamedTuple):
     """A terminal error the engine sent as a response (OpenEngine's EngineError);
     `engine_fault`: one of its own (ERROR_CODE_INTERNAL), not the request's or a refusal;
     `not_found`: what the request names is not there (ERROR_CODE_MODEL_NOT_FOUND: its model,
-    or its LoRA adapter unloaded after the engine accepted it), as a status NOT_FOUND says."""
+    or its LoRA adapter unloaded after the engine accepted it), as a status NOT_FOUND says;
+    `overloaded`: a refusal for capacity (ERROR_CODE_OVERLOADED), counted as the status
+    RESOURCE_EXHAUSTED is."""
 
     message: str
     retryable: bool
     engine_fault: bool = False
     not_found: bool = False
+    overloaded: bool = False
+
+    @property
+    def outcome(self) -> RequestOutcome:
+        """The request's outcome when this error ends it."""
+        return "overloaded" if self.overloaded else "engine_error"
 
 
 class EngineCall(Protocol[Response_co]):
@@ -409,19 +426,19 @@ class Relay:
         c = self.controller
         started = time.perf_counter()
         if c.draining:
-            c.metrics.count_request("no_engine")
+            self._count("no_engine")
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         try:
             c.check_model(query.model, generating=True)
         except (UnknownModelError, GenerationUnsupportedError) as exc:
-            c.metrics.count_request("invalid")
+            self._count("invalid")
             await abort_with(context, status_of(exc), str(exc))
         except NoEngineRegisteredError as exc:
-            c.metrics.count_request("no_engine")
+            self._count("no_engine")
             await abort_with(context, status_of(exc), str(exc))
         request_id = query.request_id
         if not self.admit(request_id):
-            c.metrics.count_request("invalid")
+            self._count("invalid")
             await abort_with(
                 context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
             )
@@ -430,6 +447,12 @@ class Relay:
             async with aclosing(stream):
                 async for response in stream:
                     yield response
+        except (asyncio.CancelledError, GeneratorExit):
+            # The call ended before its outcome: the client left (a cancel, its deadline; the
+            # front end stops reading this stream), or the server stops.
+            if not _outcome_counted.get():
+                self._count("cancelled")
+            raise
         finally:
             self.release(request_id)
 
@@ -450,11 +473,11 @@ class Relay:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
         except LoraRoutingError as exc:  # no routable engine holds the request's LoRA adapter
             status = status_of(exc)
-            c.metrics.count_request("invalid" if status in CLIENT_ERRORS else "no_engine")
+            self._count("invalid" if status in CLIENT_ERRORS else "no_engine")
             await abort_with(context, status, str(exc))
         except Exception:
             log.exception("request %s: routing failed", query.request_id)
-            c.metrics.count_request("internal")
+            self._count("internal")
             await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
         if query.request_id in self.aborted_unrouted:
             # Aborted while it was planned: no engine has seen it, so the gateway ends it.
@@ -469,7 +492,7 @@ class Relay:
                 started=started,
             )
         elif handoff is None:  # this API cannot take the prefill -> decode path at all
-            c.metrics.count_request("invalid")
+            self._count("invalid")
             await abort_with(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -504,10 +527,10 @@ class Relay:
             placement = c.route_disaggregated(plan)
         except LoraRoutingError as exc:  # no decode (or prefill) engine holds the adapter
             status = status_of(exc)
-            c.metrics.count_request("invalid" if status in CLIENT_ERRORS else "no_engine")
+            self._count("invalid" if status in CLIENT_ERRORS else "no_engine")
             await abort_with(context, status, str(exc))
         except NoEngineAvailableError as exc:
-            c.metrics.count_request("no_engine")
+            self._count("no_engine")
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, str(exc))
         except AllEnginesBusyError as exc:
             await self._shed(exc, context)
@@ -627,11 +650,11 @@ class Relay:
             await self.report(prefilled_on, None)
         else:
             if finished:  # counted as any request that ended (aborted) on its engine
-                c.metrics.count_request("ok")
+                self._count("ok")
                 c.metrics.request_seconds.observe(time.perf_counter() - started)
             if ended:
                 return
-            c.metrics.count_request("engine_error")
+            self._count("engine_error")
             message = "the prefill engine ended without handing over a KV session"
             await self.report(prefilled_on, message)  # its stream ended well, its work did not
             ending = surface.error_response(request, message) if shown else None
@@ -752,7 +775,7 @@ class Relay:
                 await self._shed(exc, context)
             except LoraRoutingError as exc:  # its adapter left its engines since the plan
                 status = gateway_failure(status_of(exc), str(exc))
-                c.metrics.count_request(_failure_outcome(status.code()))
+                self._count(_failure_outcome(status.code()))
                 ending = self._ending(surface, request, stage, status, relayed=False)
                 if ending is None:
                     await pass_status(context, status, None, c.fleet)
@@ -760,7 +783,7 @@ class Relay:
                 return
             except NoEngineAvailableError as exc:
                 failure: Any = retry.failure if retry is not None else None
-                c.metrics.count_request("no_engine" if retry is None else "engine_error")
+                self._count("no_engine" if retry is None else "engine_error")
                 if failure is None or isinstance(failure, grpc.aio.AioRpcError):
                     # No engine at all, or the failed engine's status is the answer.
                     status = failure or gateway_failure(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -826,7 +849,7 @@ class Relay:
                                 late.details())  # fmt: skip
                     await self.report_failure(engine, late)
                 if stage.last or error is not None:
-                    c.metrics.count_request("ok" if error is None else "engine_error")
+                    self._count("ok" if error is None else error.outcome)
                 if stage.last:
                     c.metrics.request_seconds.observe(time.perf_counter() - started)
                 if usage is not None and stage.usage:
@@ -879,7 +902,7 @@ class Relay:
                 ):
                     retry = _Retry(cause.code().name, cause, engine)
                     continue
-                c.metrics.count_request(_failure_outcome(cause.code()))
+                self._count(_failure_outcome(cause.code()))
                 failed = gateway_failure(
                     cause.code(), f"engine {engine} failed mid-stream: {cause.code().name}: "
                     f"{cause.details()}"
@@ -936,20 +959,25 @@ class Relay:
                  "elsewhere", request_id, engine, cause.code().name)  # fmt: skip
         return True
 
+    def _count(self, outcome: RequestOutcome) -> None:
+        """Count the outcome of the request this call runs, once (`_outcome_counted`)."""
+        _outcome_counted.set(True)
+        self.controller.metrics.count_request(outcome)
+
     async def _end_aborted(self, stage: _Stage, context: Context) -> None:
         """End a hop whose request was aborted where no engine's Abort reached it
         (`abort_unrouted`, `abort_unaccepted`), nothing relayed in it: CANCELLED, as a request
         aborted while planned; a decode hop (it carries a KV session: the prefill engine
         accepted the request) returns empty instead, for `_disaggregated` to end the request
         as an engine ends an aborted one (`Handoff.cancelled`)."""
-        self.controller.metrics.count_request("aborted")
+        self._count("aborted")
         if not stage.carries_session:
             await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before an engine took it")
 
     async def _shed(self, refusal: AllEnginesBusyError, context: Context) -> NoReturn:
         """Refuse a new request because every engine that could take it is busy (load
         shedding, `router.reject_when_all_busy`): no engine was called or charged."""
-        self.controller.metrics.count_request("overloaded")
+        self._count("overloaded")
         await abort_with(context, status_of(refusal), str(refusal))
 
     @staticmethod

@@ -4,18 +4,20 @@ request and a queued one. Its refusal (RESOURCE_EXHAUSTED before acceptance) is 
 on the other engine, so the client is served, through OpenEngine Generate and vllm.Generate
 alike; and it is no fault of the engine's: with outlier ejection set to eject at the first
 fault, the refusing engine stays in routing. With both engines full, the client gets the
-engine's own refusal."""
+engine's own refusal. A client that leaves (a cancel, its deadline) frees its engine seat or
+queue place at once and counts as "cancelled"."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, get_args
 
 import grpc
 import pytest
 
+from controller.metrics import RequestOutcome
 from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -64,9 +66,10 @@ async def overload_fleet() -> AsyncIterator[Fleet]:
 
 
 @asynccontextmanager
-async def filled(fleet: Fleet, engine: EngineApp) -> AsyncIterator[None]:
+async def filled(fleet: Fleet, engine: EngineApp, *, to_bound: bool = True) -> AsyncIterator[None]:
     """`engine` at its bound, by requests sent to it directly: one running until aborted, one
-    queued behind it. Both aborted on the way out."""
+    queued behind it (not with `to_bound` False: its seat taken, its queue empty). Both
+    aborted on the way out."""
     channel = grpc.aio.insecure_channel(fleet.address(engine))
     stub = pb_grpc.OpenEngineStub(channel)
     name = engine.instance_id
@@ -84,8 +87,9 @@ async def filled(fleet: Fleet, engine: EngineApp) -> AsyncIterator[None]:
     queued: asyncio.Task[None] | None = None
     try:
         await eventually(lambda: load_is(1, 0), what=f"{name}'s long request running")
-        queued = asyncio.create_task(drain(generate_request(f"{name}-queued", PROMPT, 2)))
-        await eventually(lambda: load_is(1, 1), what=f"{name} at its bound")
+        if to_bound:
+            queued = asyncio.create_task(drain(generate_request(f"{name}-queued", PROMPT, 2)))
+            await eventually(lambda: load_is(1, 1), what=f"{name} at its bound")
         yield
     finally:
         await stub.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
@@ -192,3 +196,53 @@ async def test_a_request_every_engine_refused_for_overload_counts_as_overloaded(
         outcomes: Any = fleet.app.controller.metrics.requests
         assert outcomes.labels("engine_error")._value.get() == 0
         assert outcomes.labels("overloaded")._value.get() == 1
+
+
+async def engine_loads(fleet: Fleet) -> list[tuple[int, int]]:
+    """Each engine's own (running, queued) requests, in fleet order."""
+    loads = []
+    for engine in fleet.engines:
+        async with grpc.aio.insecure_channel(fleet.address(engine)) as channel:
+            load = await pb_grpc.OpenEngineStub(channel).GetLoad(pb.GetLoadRequest())
+        loads.append((load.running_requests, load.queued_requests))
+    return loads
+
+
+async def test_a_client_that_leaves_frees_its_seat_and_counts_as_cancelled() -> None:
+    """A client cancelling a running stream, and one whose deadline passes while its request
+    waits in an engine's queue: each engine's call ends with the client's (its seat or queue
+    place free for the next request), and each request counts once, as "cancelled", so that
+    the outcomes add up to the requests the gateway took."""
+    async with overload_fleet() as fleet:
+        running = fleet.gateway.Generate(generate_request("running", PROMPT, 4000))
+        assert (await running.read()).WhichOneof("event") == "token"
+        assert sorted(await engine_loads(fleet)) == [(0, 0), (1, 0)]
+        running.cancel()
+        await eventually(
+            lambda: _same(engine_loads(fleet), [(0, 0), (0, 0)]), what="its seat freed"
+        )
+        e0, e1 = fleet.engines
+        async with filled(fleet, e0, to_bound=False), filled(fleet, e1, to_bound=False):
+            waiting = fleet.gateway.Generate(generate_request("waiting", PROMPT, 2), timeout=3)
+            await eventually(
+                lambda: _same(engine_loads(fleet), [(1, 0), (1, 1)]), what="it waiting"
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as left:
+                await waiting.read()
+            assert left.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await eventually(
+                lambda: _same(engine_loads(fleet), [(1, 0), (1, 0)]), what="its place freed"
+            )
+        outcomes: Any = fleet.app.controller.metrics.requests
+        await eventually(
+            lambda: outcomes.labels("cancelled")._value.get() == 2, what="both counted"
+        )
+        counted = {o: outcomes.labels(o)._value.get() for o in get_args(RequestOutcome)}
+        assert sum(counted.values()) == 2
+        assert len(fleet.app.controller.router.inflight) == 0
+        assert fleet.app.gateway.relay.holding == {}
+
+
+async def _same(loads: Awaitable[list[tuple[int, int]]], expected: list[tuple[int, int]]) -> bool:
+    """Whether the engines' loads are `expected`, whichever engine has which."""
+    return sorted(await loads) == sorted(expected)

@@ -787,6 +787,22 @@ async def test_second_failure_before_the_first_token_is_the_engines_own() -> Non
         await close_fleet(fleet)
 
 
+async def test_an_in_band_overload_the_client_gets_counts_as_overloaded() -> None:
+    """Both engines accept the request and end it with a retryable EngineError OVERLOADED:
+    the client gets the second one, and the gateway counts the request as one an engine
+    refused for capacity (as the status RESOURCE_EXHAUSTED), not as an engine's failure."""
+    fleet, engines = await two_engine_fleet(GenerateFaults(["overloaded", "overloaded"]))
+    try:
+        reply = [r async for r in fleet.gateway.Generate(generate_request("r", [1, 2, 3], 4))]
+        assert [r.error.code for r in reply] == [pb.ERROR_CODE_OVERLOADED]
+        assert calls(engines, "r") == 2
+        outcomes = fleet.app.controller.metrics.requests
+        assert outcomes.labels("overloaded")._value.get() == 1
+        assert outcomes.labels("engine_error")._value.get() == 0
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_a_model_not_found_from_an_engine_holding_the_adapter_is_its_own(
     tmp_path: Path,
 ) -> None:
@@ -869,7 +885,9 @@ async def test_failure_after_acceptance_is_one_terminal_error_and_no_retry(fault
         assert calls(engines, "r") == 1
         metrics = fleet.app.controller.metrics
         assert metrics.retries._value.get() == 0
-        assert metrics.requests.labels("engine_error")._value.get() == 1
+        # An in-band OVERLOADED counts as the status RESOURCE_EXHAUSTED does, output or not.
+        outcome = "overloaded" if fault == "token_then_error" else "engine_error"
+        assert metrics.requests.labels(outcome)._value.get() == 1
         assert len(fleet.app.controller.router.inflight) == 0
     finally:
         await close_fleet(fleet)
@@ -889,7 +907,7 @@ async def test_an_engine_failing_after_its_terminal_event_adds_nothing_after_it(
         finished = fault == "finished_then_internal"
         assert kinds == (["token"] * 4 + ["finished"] if finished else ["token", "error"])
         assert calls(engines, "r") == 1
-        outcome = "ok" if finished else "engine_error"
+        outcome = "ok" if finished else "overloaded"  # the engine's EngineError OVERLOADED
         assert fleet.app.controller.metrics.requests.labels(outcome)._value.get() == 1
         assert fleet.app.gateway.relay.holding == {}
     finally:
