@@ -30,6 +30,8 @@ What it implements (namespaced, one namespace):
   ServiceUnavailable (a restarting server: with `Retry-After` when given), 504 Timeout (the
   server gave up waiting for storage; with `applied`, the write was made all the same, as
   etcd may commit it after the deadline).
+- `go_down` and `come_back`: the API server stops listening (connections refused) while
+  the cluster runs on, then listens again at the same address.
 - `hang_requests` makes the server a hung one: each request gets a 200's headers, then its
   body one byte at a time without end, so every read of the client's gets a byte before its
   timeout and the call never ends on its own. `hung_requests` counts the requests taken,
@@ -187,14 +189,9 @@ class FakeKube:
         self.hung_requests = 0
         self.dropped_requests = 0
         self._closing = threading.Event()
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._server.daemon_threads = True
-        scheme = "http"
-        if tls is not None:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(*tls)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
-            scheme = "https"
+        self._tls = tls
+        self._server = self._listen(0)
+        scheme = "http" if tls is None else "https"
         self.url = f"{scheme}://127.0.0.1:{self._server.server_address[1]}"
         self._threads = [
             threading.Thread(target=self._server.serve_forever, name="fake-kube-api"),
@@ -203,7 +200,29 @@ class FakeKube:
         for thread in self._threads:
             thread.start()
 
+    def _listen(self, port: int) -> http.server.ThreadingHTTPServer:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        server.daemon_threads = True
+        if self._tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*self._tls)
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        return server
+
     # ---------------------------------------------------------------- for tests
+
+    def go_down(self) -> None:
+        """The API server stops listening (restarted, or its node lost): connections are
+        refused; the cluster (ReplicaSet, kubelet, pods) runs on."""
+        self._server.shutdown()
+        self._server.server_close()
+
+    def come_back(self) -> None:
+        """The API server listens again, at the same address."""
+        self._server = self._listen(self._server.server_address[1])
+        thread = threading.Thread(target=self._server.serve_forever, name="fake-kube-api")
+        self._threads.append(thread)
+        thread.start()
 
     def add_deployment(self, name: str, replicas: int, labels: dict[str, str]) -> None:
         with self._changed:

@@ -776,6 +776,52 @@ async def test_an_api_server_that_trickles_its_answers_does_not_hold_up_the_tick
     await two_pods.wait(lambda: kube.dropped_requests >= 1)  # the planner hung up
 
 
+@pytest.mark.timeout(120)
+async def test_an_api_server_down_for_a_while_is_caught_up_with_once_back(
+    two_pods: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The API server refuses connections for a while: the ticks go on, the engines polled;
+    one whose container crashed meanwhile is lost, and its removal and its replacement's
+    start fail in one line each, tick after tick, changing nothing. Once the API server
+    answers, the planner catches up: the crashed pod scaled away, one pod started, neither
+    twice."""
+    kube = two_pods.kube
+    crashed, serving = kube.ready_pods(DEPLOYMENT)
+    live = LivePlanner(
+        planner(2, 2), two_pods.actuator(), load_timeout_s=1, lost_after_failed_polls=2
+    )
+    try:
+        assert await live.tick() == []  # both pods adopted
+        await two_pods.wait_routable(2)
+        kube.go_down()
+        kube.kill_container(crashed.name)
+        with caplog.at_level(logging.WARNING):
+            await ticks_until(live, lambda d: isinstance(d, ScalePool))  # lost, replaced
+            await asyncio.gather(*live._starts)
+            assert list(live.engines) == [kube.address(serving)]  # polled all along
+            assert live.engines[kube.address(serving)].failed_polls == 0
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("planner.")]
+        assert all("\n" not in line for line in lines)
+        for failure in (f"pod {crashed.name} not removed yet", "no engine of default started"):
+            (line, *_) = (line for line in lines if failure in line)
+            assert line.endswith("Connection refused")
+        assert kube.deployments[DEPLOYMENT].replicas == 2 and not kube.deleted
+        kube.come_back()
+        async with asyncio.timeout(60):  # ticks until the pool serves two engines again
+            while len(two_pods.routable()) < 2 or live._starts:
+                await live.tick()
+                await asyncio.sleep(0.1)
+        assert await live.tick() == []
+        engines = sorted(live.engines)
+    finally:
+        await live.close()
+    assert kube.deleted == [crashed.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    ready = sorted(kube.address(pod) for pod in kube.ready_pods(DEPLOYMENT))
+    assert engines == ready == two_pods.registered()
+    assert kube.address(serving) in ready
+
+
 class ListingSpy(KubeApi):
     """A KubeApi that tells the test each time it lists pods."""
 
