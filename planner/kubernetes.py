@@ -293,14 +293,22 @@ class KubernetesDeployments:
         ReplicaSet controllers may see both changes at once (N -> N-1 -> N, one sync) and
         delete no pod, and a start would wait for a new pod that never comes (with
         `min_engines` 1, a hung engine killed and replaced in the same tick would leave the
-        pool empty for `start_timeout_s`)."""
-        while leaving := {uid for uid, e in self._leaving.items() if e.pool == pool}:
+        pool empty for `start_timeout_s`). A scale-down whose outcome is unknown is waited
+        out too, until the next `adopt` has found it made (its pod then leaving) or sent it
+        again: a scale-up meanwhile would move the scale off what the scale-down asked, so
+        the removal tried again would not find it made and would scale down once more,
+        taking this start's pod."""
+        while True:
+            leaving = {uid for uid, e in self._leaving.items() if e.pool == pool}
+            unknown = any(u.replica.pool == pool for u in self._unknown_scale_downs.values())
+            if not leaving and not unknown:
+                return
             try:
                 pods = await self._pods(pool)
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
             else:
-                if not any(pod.uid in leaving and not pod.deleting for pod in pods):
+                if not unknown and not any(p.uid in leaving and not p.deleting for p in pods):
                     return
             await asyncio.sleep(self._poll_s)
 

@@ -836,12 +836,16 @@ class ListingSpy(KubeApi):
 
 
 @pytest.mark.timeout(120)
-async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(empty: Cluster) -> None:
+@pytest.mark.parametrize("scale_down_answer", ["200", "lost"])
+async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(
+    empty: Cluster, scale_down_answer: str
+) -> None:
     """A pod Ready to Kubernetes whose engine answers nothing (SIGSTOPped) is lost after
     `lost_after_failed_polls` ticks and scaled away (`kill`), and the core's replacement,
     asked in the same tick, scales up only once the ReplicaSet has deleted that pod: a
     Deployment controller that saw both changes at once (1 -> 0 -> 1) would delete nothing,
-    and the start would wait for a pod that never comes."""
+    and the start would wait for a pod that never comes. So too when the scale-down was
+    answered 504 though made: the start waits until the next tick has found it made."""
     kube, metrics = empty.kube, PlannerMetrics()
     spy = ListingSpy(empty.api().connection)
     actuator = KubernetesDeployments(
@@ -864,6 +868,8 @@ async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(empty: Cluste
         assert hung.process is not None
         os.kill(hung.process.pid, signal.SIGSTOP)
         kube.hold_replicasets = True
+        if scale_down_answer == "lost":
+            kube.faults.append(Fault("PATCH", "deployments/scale", 504, applied=True))
         await ticks_until(live, lambda d: isinstance(d, ScalePool))  # lost, and replaced
         assert kube.deployments[DEPLOYMENT].replicas == 0  # scaled away
         spy.listed.clear()
