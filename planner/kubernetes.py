@@ -173,7 +173,8 @@ class KubernetesDeployments:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 continue
             self._note_exits(pool, pods)
-            await self._retry_removals(pool)
+            if (not_done := await self._retry_removals(pool)) is not None:
+                log.warning("%s (tried again next tick)", not_done)
             if self._waiting[pool]:  # its starts take the Ready pods first
                 continue
             if self._stand_in_due(pool, pods):
@@ -384,9 +385,10 @@ class KubernetesDeployments:
         if engine is None:
             return
         self._unscaled[engine.uid] = engine.replica()
-        await self._retry_removals(engine.pool)
-        if engine.uid in self._unscaled:
-            raise KvplaneError(f"pod {engine.pod} not scaled away yet (tried again every tick)")
+        not_done = await self._retry_removals(engine.pool)
+        if engine.uid in self._unscaled:  # the planner logs why, in one line
+            not_done = not_done or f"pod {engine.pod} not scaled away yet"
+            raise KvplaneError(f"{not_done} (tried again every tick)")
 
     async def kill(self, address: str) -> None:
         """An engine that stopped answering goes as a drained one does: its pod is scaled
@@ -394,16 +396,18 @@ class KubernetesDeployments:
         first; a hung process gets SIGKILL), which the planner need not wait for."""
         await self.stop(address)
 
-    async def _retry_removals(self, pool: str) -> None:
+    async def _retry_removals(self, pool: str) -> str | None:
+        """Scale away the pool's removals not done yet, in order: None once all are done,
+        else why one is not (one line; the later ones wait for it)."""
         for replica in [r for r in self._unscaled.values() if r.pool == pool]:
             try:
                 leaving = await self._scale_away(replica)
             except KubeApiError as exc:
-                log.warning("pod %s not removed yet (tried again next tick): %s", replica.pod, exc)
-                return
+                return f"pod {replica.pod} not scaled away yet: {exc}"
             del self._unscaled[replica.uid]
             self._unknown_scale_downs.pop(replica.uid, None)
             self._leaving[leaving.uid] = leaving
+        return None
 
     async def _scale_away(self, replica: _Replica) -> _Replica:
         """The pod first to go (lowest deletion cost), then one replica fewer; the pod that
