@@ -9,6 +9,15 @@ is read from its file at every call: the kubelet rotates projected service-accou
 place. Every failure, an HTTP error (the API's Status object gives its reason and message) or
 a server that cannot be reached, is one `KubeApiError` whose message is one line.
 
+A call ends within `timeout_s`, retries included, however slowly the server answers (a server
+that trickles its answer would otherwise hold it forever: the socket's timeout is per read).
+As client-go does, an answer that carries `Retry-After` is tried again after that long: a 429
+(API Priority and Fairness refused the request unprocessed) for every verb, a 5xx for reads
+only. A write that got a 5xx may have been made (a 504 Timeout: storage may commit it after
+the deadline): sending it again is the caller's decision, the `KubeApiError` says it is
+`unknown_outcome`. Connection failures are not retried here: the actuator tries again at its
+next tick rather than hold up this one.
+
 `in_cluster` resolves the defaults a pod has: the API server from KUBERNETES_SERVICE_HOST and
 KUBERNETES_SERVICE_PORT (the environment is passed in: only the CLI reads it), the service
 account's token, CA and namespace files.
@@ -19,6 +28,7 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
+import time
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,16 +41,26 @@ from kvplane.errors import ConfigError, KvplaneError
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
 # Long enough for a loaded API server; a tick waits for the calls it makes.
-_REQUEST_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 10.0
+# A call tries this often at most (Retry-After answers; client-go allows 10, but a tick waits).
+_ATTEMPTS = 4
+_READ_CHUNK_BYTES = 65536
 
 
 class KubeApiError(KvplaneError):
     """A call the API server refused (`status` is the HTTP code) or that did not reach it
     (`status` is None)."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, *, sent: bool = True) -> None:
         super().__init__(message)
         self.status = status
+        self.sent = sent  # False: the request never reached the server (refused, TLS, DNS)
+
+    @property
+    def unknown_outcome(self) -> bool:
+        """Whether a write that failed so may have been made all the same: the server took it
+        and failed (5xx) or the answer was lost (a reset, a timeout)."""
+        return self.sent and (self.status is None or self.status >= 500)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +133,9 @@ def in_cluster(
 class KubeApi:
     """Blocking calls to the API server of `connection`, in its namespace."""
 
-    def __init__(self, connection: KubeConnection) -> None:
+    def __init__(self, connection: KubeConnection, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.connection = connection
+        self.timeout_s = timeout_s
         url = urllib.parse.urlsplit(connection.server)
         if url.scheme not in {"http", "https"} or not url.hostname:
             raise ConfigError(f"live.kubernetes.api_server {connection.server!r}: not a URL")
@@ -158,34 +179,20 @@ class KubeApi:
 
     def _call(self, method: str, path: str, patch: object | None = None) -> dict[str, Any]:
         what = f"{method} {self.connection.server}{path.split('?', maxsplit=1)[0]}"
-        headers = {"Accept": "application/json"}
-        body = None
-        if patch is not None:
-            body = json.dumps(patch).encode()
-            headers["Content-Type"] = MERGE_PATCH
-        token_file = self.connection.token_file
-        if token_file is not None:
-            try:
-                headers["Authorization"] = f"Bearer {token_file.read_text().strip()}"
-            except OSError as exc:
-                raise KubeApiError(f"{what}: token_file {token_file}: {exc.strerror}") from exc
-        connection: http.client.HTTPConnection
-        if self._https:
-            connection = http.client.HTTPSConnection(
-                self._netloc, timeout=_REQUEST_TIMEOUT_S, context=self._ssl
-            )
-        else:
-            connection = http.client.HTTPConnection(self._netloc, timeout=_REQUEST_TIMEOUT_S)
-        try:
-            connection.request(method, path, body, headers)
-            response = connection.getresponse()
-            data = response.read()
-        except (OSError, http.client.HTTPException) as exc:  # refused, TLS, timeout, reset
-            raise KubeApiError(f"{what}: {_reason(exc)}") from exc
-        finally:
-            connection.close()
-        if response.status >= 300:
-            raise KubeApiError(f"{what}: {_status_line(response.status, data)}", response.status)
+        deadline = time.monotonic() + self.timeout_s
+        body = None if patch is None else json.dumps(patch).encode()
+        for attempt in range(_ATTEMPTS):
+            status, retry_after_s, data = self._exchange(what, method, path, body, deadline)
+            if status < 300:
+                break
+            error = f"{what}: {_status_line(status, data)}{self._hint(status)}"
+            retried = status == 429 or (status >= 500 and method == "GET")
+            if not retried or retry_after_s is None or attempt == _ATTEMPTS - 1:
+                raise KubeApiError(error, status)
+            if time.monotonic() + retry_after_s >= deadline:
+                late = f"retry after {retry_after_s:g} s: past the call's timeout"
+                raise KubeApiError(f"{error} ({late})", status)
+            time.sleep(retry_after_s)  # this call's own thread: nothing else waits on it
         try:
             decoded = json.loads(data)
         except ValueError as exc:
@@ -193,6 +200,67 @@ class KubeApi:
         if not isinstance(decoded, dict):
             raise KubeApiError(f"{what}: the answer is not a JSON object")
         return decoded
+
+    def _exchange(
+        self, what: str, method: str, path: str, body: bytes | None, deadline: float
+    ) -> tuple[int, float | None, bytes]:
+        """One request: its status, Retry-After (seconds) and body, read by `deadline`."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = MERGE_PATCH
+        token_file = self.connection.token_file
+        if token_file is not None:
+            try:
+                headers["Authorization"] = f"Bearer {token_file.read_text().strip()}"
+            except OSError as exc:
+                message = f"{what}: token_file {token_file}: {exc.strerror}"
+                raise KubeApiError(message, sent=False) from exc
+        remaining_s = deadline - time.monotonic()
+        connection: http.client.HTTPConnection
+        if self._https:
+            connection = http.client.HTTPSConnection(
+                self._netloc, timeout=remaining_s, context=self._ssl
+            )
+        else:
+            connection = http.client.HTTPConnection(self._netloc, timeout=remaining_s)
+        sent = False
+        try:
+            connection.connect()
+            sent = True  # from here on, the server may have acted on it
+            connection.request(method, path, body, headers)
+            response = connection.getresponse()
+            chunks = []
+            while chunk := response.read1(_READ_CHUNK_BYTES):
+                chunks.append(chunk)
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    raise TimeoutError(f"no whole answer within {self.timeout_s:g} s")
+                assert connection.sock is not None
+                connection.sock.settimeout(remaining_s)
+        except (OSError, http.client.HTTPException) as exc:  # refused, TLS, timeout, reset
+            raise KubeApiError(f"{what}: {_reason(exc)}", sent=sent) from exc
+        finally:
+            connection.close()
+        return response.status, _retry_after_s(response.getheader("Retry-After")), b"".join(chunks)
+
+    def _hint(self, status: int) -> str:
+        """What to check when the API refuses the planner itself."""
+        if status == 401:
+            token_file = self.connection.token_file
+            if token_file is None:
+                return " (no token sent: give live.kubernetes.token_file)"
+            return f" (the token in {token_file} was refused, read again at every call)"
+        if status == 403:
+            return " (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+        return ""
+
+
+def _retry_after_s(header: str | None) -> float | None:
+    """Retry-After in seconds (the API server sends seconds; an HTTP date is not honoured)."""
+    try:
+        return max(0.0, float(header)) if header is not None else None
+    except ValueError:
+        return None
 
 
 def _segment(name: str) -> str:

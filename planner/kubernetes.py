@@ -35,7 +35,11 @@
 
 API errors at `check` (a missing Deployment, RBAC, a server that cannot be reached) are a
 one-line ConfigError; later they are one warning line and the tick goes on (a start fails and
-the core asks again; an adoption or a removal is tried again next tick).
+the core asks again; an adoption or a removal is tried again next tick). Each call ends within
+the API's timeout (`KubeApi`, which also waits out a Retry-After). A scale PATCH that failed
+yet may have been made (a 5xx, an answer lost) is not made twice: a start's count of free
+replicas sees the replica it made, and a removal tried again first reads whether the scale
+is at what it asked (`_scale_away`).
 """
 
 from __future__ import annotations
@@ -82,6 +86,25 @@ class _Engine:
         return _Replica(self.pool, self.pod, self.uid)
 
 
+class _ScaleOutcomeUnknown(KubeApiError):
+    """A scale PATCH that failed in a way that may have made it (`unknown_outcome`: a 5xx, an
+    answer lost): conditional on resourceVersion `version`, it set spec.replicas to
+    `replicas`."""
+
+    def __init__(self, error: KubeApiError, version: str, replicas: int) -> None:
+        super().__init__(str(error), error.status)
+        self.version, self.replicas = version, replicas
+
+
+@dataclass(frozen=True, slots=True)
+class _UnknownScaleDown:
+    """A removal's scale-down whose outcome is unknown, and the pod it was to delete."""
+
+    replica: _Replica
+    version: str
+    replicas: int
+
+
 @dataclass(frozen=True, slots=True)
 class _Replica:
     """A pod to be scaled away with its replica: a drained engine's, or the one the
@@ -120,6 +143,8 @@ class KubernetesDeployments:
         self._draining: set[str] = set()  # addresses drained (by anyone), until stopped
         self._unscaled: dict[str, _Replica] = {}  # by uid: removals the API refused so far
         self._leaving: dict[str, _Replica] = {}  # by uid: pods scaled away, until gone
+        # By uid of `_unscaled`: scale-downs that may have been made (`_scale_away`).
+        self._unknown_scale_downs: dict[str, _UnknownScaleDown] = {}
         self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
         self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
 
@@ -133,10 +158,8 @@ class KubernetesDeployments:
                 await self._selector(pool)
                 await self._pods(pool)
             except KubeApiError as exc:
-                hint = {
-                    404: f" (is Deployment {deployment} in namespace {namespace}?)",
-                    403: " (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)",
-                }.get(exc.status or 0, "")
+                hint = f" (is Deployment {deployment} in namespace {namespace}?)"
+                hint = hint if exc.status == 404 else ""  # 401 and 403: KubeApi says what
                 raise ConfigError(f"pool {pool}: {exc}{hint}") from exc
 
     # ---------------------------------------------------------------- observing
@@ -150,7 +173,8 @@ class KubernetesDeployments:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 continue
             self._note_exits(pool, pods)
-            await self._retry_removals(pool)
+            if (not_done := await self._retry_removals(pool)) is not None:
+                log.warning("%s (tried again next tick)", not_done)
             if self._waiting[pool]:  # its starts take the Ready pods first
                 continue
             if self._stand_in_due(pool, pods):
@@ -270,14 +294,22 @@ class KubernetesDeployments:
         ReplicaSet controllers may see both changes at once (N -> N-1 -> N, one sync) and
         delete no pod, and a start would wait for a new pod that never comes (with
         `min_engines` 1, a hung engine killed and replaced in the same tick would leave the
-        pool empty for `start_timeout_s`)."""
-        while leaving := {uid for uid, e in self._leaving.items() if e.pool == pool}:
+        pool empty for `start_timeout_s`). A scale-down whose outcome is unknown is waited
+        out too, until the next `adopt` has found it made (its pod then leaving) or sent it
+        again: a scale-up meanwhile would move the scale off what the scale-down asked, so
+        the removal tried again would not find it made and would scale down once more,
+        taking this start's pod."""
+        while True:
+            leaving = {uid for uid, e in self._leaving.items() if e.pool == pool}
+            unknown = any(u.replica.pool == pool for u in self._unknown_scale_downs.values())
+            if not leaving and not unknown:
+                return
             try:
                 pods = await self._pods(pool)
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
             else:
-                if not any(pod.uid in leaving and not pod.deleting for pod in pods):
+                if not unknown and not any(p.uid in leaving and not p.deleting for p in pods):
                     return
             await asyncio.sleep(self._poll_s)
 
@@ -353,9 +385,10 @@ class KubernetesDeployments:
         if engine is None:
             return
         self._unscaled[engine.uid] = engine.replica()
-        await self._retry_removals(engine.pool)
-        if engine.uid in self._unscaled:
-            raise KvplaneError(f"pod {engine.pod} not scaled away yet (tried again every tick)")
+        not_done = await self._retry_removals(engine.pool)
+        if engine.uid in self._unscaled:  # the planner logs why, in one line
+            not_done = not_done or f"pod {engine.pod} not scaled away yet"
+            raise KvplaneError(f"{not_done} (tried again every tick)")
 
     async def kill(self, address: str) -> None:
         """An engine that stopped answering goes as a drained one does: its pod is scaled
@@ -363,21 +396,42 @@ class KubernetesDeployments:
         first; a hung process gets SIGKILL), which the planner need not wait for."""
         await self.stop(address)
 
-    async def _retry_removals(self, pool: str) -> None:
+    async def _retry_removals(self, pool: str) -> str | None:
+        """Scale away the pool's removals not done yet, in order: None once all are done,
+        else why one is not (one line; the later ones wait for it)."""
         for replica in [r for r in self._unscaled.values() if r.pool == pool]:
             try:
                 leaving = await self._scale_away(replica)
             except KubeApiError as exc:
-                log.warning("pod %s not removed yet (tried again next tick): %s", replica.pod, exc)
-                return
+                return f"pod {replica.pod} not scaled away yet: {exc}"
             del self._unscaled[replica.uid]
+            self._unknown_scale_downs.pop(replica.uid, None)
             self._leaving[leaving.uid] = leaving
+        return None
 
     async def _scale_away(self, replica: _Replica) -> _Replica:
         """The pod first to go (lowest deletion cost), then one replica fewer; the pod that
         goes. A pod already gone or terminating (deleted while draining) no longer counts as
         a replica: the pod the ReplicaSet made for its replica goes instead (`_stand_in`),
-        else the ReplicaSet would take the most recently Ready pod, which may serve."""
+        else the ReplicaSet would take the most recently Ready pod, which may serve.
+
+        A scale-down tried before whose outcome is unknown (a 504 Timeout: the API server
+        may commit the write after answering) is not sent again if the scale shows it made:
+        changed since, to the replicas it set. (An operator's scale to that same count looks
+        the same, and leaves the count this removal wanted.) Sent again, it would delete a
+        serving pod."""
+        gone_uid = replica.uid  # its key in `_unscaled`, whichever pod goes instead
+        unknown = self._unknown_scale_downs.get(gone_uid)
+        if unknown is not None:
+            scale = await self._scale(replica.pool)
+            if scale.resource_version != unknown.version and scale.replicas == unknown.replicas:
+                log.info(
+                    "Deployment %s is at %d replicas: the scale-down for pod %s was made",
+                    self._deployments[replica.pool],
+                    scale.replicas,
+                    unknown.replica.pod,
+                )
+                return unknown.replica
         pods = await self._pods(replica.pool)
         if not any(pod.uid == replica.uid and not pod.deleting for pod in pods):
             replica = await self._stand_in(replica, pods)
@@ -388,7 +442,13 @@ class KubernetesDeployments:
         except KubeApiError as exc:
             if exc.status != 404:  # gone: nothing to order
                 raise
-        await self._rescale(replica.pool, lambda scale: max(0, scale.replicas - 1))
+        try:
+            await self._rescale(replica.pool, lambda scale: max(0, scale.replicas - 1))
+        except _ScaleOutcomeUnknown as exc:
+            self._unknown_scale_downs[gone_uid] = _UnknownScaleDown(
+                replica, exc.version, exc.replicas
+            )
+            raise
         deployment = self._deployments[replica.pool]
         log.info("pod %s scaled away from Deployment %s", replica.pod, deployment)
         return replica
@@ -429,7 +489,8 @@ class KubernetesDeployments:
     async def _rescale(self, pool: str, replicas: Callable[[Scale], int | None]) -> None:
         """Set the pool's scale to `replicas(scale)` (None: leave it), read under the pool's
         lock; the PATCH is conditional on the version read, and a conflict (someone else
-        scaled meanwhile) is read again."""
+        scaled meanwhile) is read again. A PATCH that may have been made all the same raises
+        `_ScaleOutcomeUnknown`."""
         deployment = self._deployments[pool]
         async with self._scale_locks[pool]:
             for attempt in range(_SCALE_ATTEMPTS):
@@ -442,6 +503,8 @@ class KubernetesDeployments:
                         self._api.patch_scale, deployment, wanted, scale.resource_version
                     )
                 except KubeApiError as exc:
+                    if exc.unknown_outcome:
+                        raise _ScaleOutcomeUnknown(exc, scale.resource_version, wanted) from exc
                     if exc.status != 409 or attempt == _SCALE_ATTEMPTS - 1:
                         raise
                     continue
@@ -466,9 +529,9 @@ async def _in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwa
 
     Not `asyncio.to_thread`: its pool's threads are joined by `asyncio.run` on the way out
     and again at interpreter exit, so a call still pending when the planner stops (a hung API
-    server: up to the request timeout, or without end while it answers a byte at a time)
-    would hold up the exit, Ctrl-C during the start-up check included. A blocking
-    http.client call cannot be interrupted, so the prompt way out is to stop waiting for it:
+    server: up to the call's timeout, 10 s) would hold up the exit, Ctrl-C during the
+    start-up check included. A blocking http.client call cannot be interrupted, so the
+    prompt way out is to stop waiting for it:
     cancelling the await abandons the call, and the thread ends with it (or with the
     process, as a daemon)."""
     future: concurrent.futures.Future[T] = concurrent.futures.Future()

@@ -24,6 +24,14 @@ What it implements (namespaced, one namespace):
   makes it act on nothing until cleared, then on the latest spec.replicas only, as
   Kubernetes' Deployment and ReplicaSet controllers do when several changes arrive before
   their work queue syncs (a scale from 1 to 0 and back to 1 deletes no pod).
+- `faults` (a list of `Fault`) answers the next matching requests as an overloaded or failing
+  API server does: 429 TooManyRequests (API Priority and Fairness: the request was not
+  processed, `Retry-After` header and `details.retryAfterSeconds`), 500 InternalError, 503
+  ServiceUnavailable (a restarting server: with `Retry-After` when given), 504 Timeout (the
+  server gave up waiting for storage; with `applied`, the write was made all the same, as
+  etcd may commit it after the deadline).
+- `go_down` and `come_back`: the API server stops listening (connections refused) while
+  the cluster runs on, then listens again at the same address.
 - `hang_requests` makes the server a hung one: each request gets a 200's headers, then its
   body one byte at a time without end, so every read of the client's gets a byte before its
   timeout and the call never ends on its own. `hung_requests` counts the requests taken,
@@ -110,9 +118,37 @@ class Pod:
 
 
 class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str) -> None:
+    def __init__(
+        self, code: int, reason: str, message: str, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.code, self.reason, self.message = code, reason, message
+        self.retry_after_s = retry_after_s
+
+
+# The reason and message the API server gives with each code a `Fault` may answer.
+_FAULT_STATUS = {
+    429: ("TooManyRequests", "Too many requests, please try again later."),
+    500: ("InternalError", "Internal error occurred: etcdserver: leader changed"),
+    503: ("ServiceUnavailable", "The server is currently unable to handle the request"),
+    504: (
+        "Timeout",
+        "Timeout: request did not complete within requested timeout - context deadline exceeded",
+    ),
+}
+
+
+@dataclass
+class Fault:
+    """The next `times` requests of `method` on `resource` ("deployments/scale", "pods")
+    answered with `code` (one of `_FAULT_STATUS`)."""
+
+    method: str
+    resource: str
+    code: int
+    times: int = 1
+    retry_after_s: int | None = None
+    applied: bool = False  # a write made before the error is answered
 
 
 class FakeKube:
@@ -148,17 +184,14 @@ class FakeKube:
         self.hold_replicasets = False
         # Set: every request hangs (see the module's docstring).
         self.hang_requests = False
+        self.faults: list[Fault] = []
+        self.faulted = 0  # requests answered with a fault
         self.hung_requests = 0
         self.dropped_requests = 0
         self._closing = threading.Event()
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._server.daemon_threads = True
-        scheme = "http"
-        if tls is not None:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.load_cert_chain(*tls)
-            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
-            scheme = "https"
+        self._tls = tls
+        self._server = self._listen(0)
+        scheme = "http" if tls is None else "https"
         self.url = f"{scheme}://127.0.0.1:{self._server.server_address[1]}"
         self._threads = [
             threading.Thread(target=self._server.serve_forever, name="fake-kube-api"),
@@ -167,7 +200,29 @@ class FakeKube:
         for thread in self._threads:
             thread.start()
 
+    def _listen(self, port: int) -> http.server.ThreadingHTTPServer:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        server.daemon_threads = True
+        if self._tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*self._tls)
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        return server
+
     # ---------------------------------------------------------------- for tests
+
+    def go_down(self) -> None:
+        """The API server stops listening (restarted, or its node lost): connections are
+        refused; the cluster (ReplicaSet, kubelet, pods) runs on."""
+        self._server.shutdown()
+        self._server.server_close()
+
+    def come_back(self) -> None:
+        """The API server listens again, at the same address."""
+        self._server = self._listen(self._server.server_address[1])
+        thread = threading.Thread(target=self._server.serve_forever, name="fake-kube-api")
+        self._threads.append(thread)
+        thread.start()
 
     def add_deployment(self, name: str, replicas: int, labels: dict[str, str]) -> None:
         with self._changed:
@@ -220,6 +275,34 @@ class FakeKube:
             raise ApiError(401, "Unauthorized", "Unauthorized")
         url = urllib.parse.urlsplit(path)
         parts = url.path.strip("/").split("/")
+        fault = self._fault(method, "deployments/scale" if parts[-1] == "scale" else "pods")
+        if fault is not None:
+            if fault.applied:
+                self._route(method, url, parts, headers, body)
+            reason, message = _FAULT_STATUS[fault.code]
+            raise ApiError(fault.code, reason, message, fault.retry_after_s)
+        return self._route(method, url, parts, headers, body)
+
+    def _fault(self, method: str, resource: str) -> Fault | None:
+        with self._changed:
+            for fault in self.faults:
+                if fault.method == method and fault.resource == resource:
+                    fault.times -= 1
+                    if fault.times == 0:
+                        self.faults.remove(fault)
+                    self.faulted += 1
+                    self._changed.notify_all()
+                    return fault
+        return None
+
+    def _route(
+        self,
+        method: str,
+        url: urllib.parse.SplitResult,
+        parts: list[str],
+        headers: Any,
+        body: bytes,
+    ) -> tuple[int, object]:
         namespaced = f"namespaces/{self.namespace}"
         if parts[:5] == ["apis", "apps", "v1", *namespaced.split("/")]:
             if len(parts) == 8 and parts[5] == "deployments" and parts[7] == "scale":
@@ -495,6 +578,22 @@ def _healthy(address: str) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+def _status(error: ApiError) -> dict[str, Any]:
+    """The Status object the API server answers an error with."""
+    status: dict[str, Any] = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": error.message,
+        "reason": error.reason,
+        "code": error.code,
+    }
+    if error.retry_after_s is not None:
+        status["details"] = {"retryAfterSeconds": error.retry_after_s}
+    return status
+
+
 def _merge_patch(headers: Any, body: bytes) -> dict[str, Any]:
     content_type = (headers.get("Content-Type") or "").split(";")[0].strip()
     if content_type not in _PATCH_TYPES:
@@ -544,20 +643,15 @@ def _handler(kube: FakeKube) -> type[http.server.BaseHTTPRequestHandler]:
             try:
                 code, answer = kube.handle(self.command, self.path, self.headers, body)
             except ApiError as exc:
-                code = exc.code
-                answer = {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "metadata": {},
-                    "status": "Failure",
-                    "message": exc.message,
-                    "reason": exc.reason,
-                    "code": exc.code,
-                }
+                code, answer, retry_after_s = exc.code, _status(exc), exc.retry_after_s
+            else:
+                retry_after_s = None
             data = json.dumps(answer).encode()
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if retry_after_s is not None:
+                self.send_header("Retry-After", str(retry_after_s))
             self.end_headers()
             self.wfile.write(data)
 

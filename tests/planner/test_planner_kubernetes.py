@@ -16,6 +16,7 @@ import contextlib
 import http.client
 import itertools
 import json
+import logging
 import os
 import signal
 import socket
@@ -30,7 +31,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from fake_kube import FakeKube
+from fake_kube import FakeKube, Fault
 from typer.testing import CliRunner
 
 from controller.app import ControllerApp, start_controller
@@ -663,6 +664,165 @@ async def test_api_errors_mid_run_do_not_stop_the_planner(empty: Cluster) -> Non
         await live.close()
 
 
+@pytest.mark.timeout(60)
+async def test_an_overloaded_api_server_is_asked_again_after_its_retry_after(
+    empty: Cluster,
+) -> None:
+    """429 (API Priority and Fairness) on the scale PATCH, 503 on the pod listing, each with
+    Retry-After: the start waits as told and goes on, rather than failing and starting over
+    at the next tick."""
+    kube = empty.kube
+    kube.faults += [
+        Fault("PATCH", "deployments/scale", 429, retry_after_s=1),
+        Fault("GET", "pods", 503, retry_after_s=1),
+    ]
+    actuator = empty.actuator()
+    try:
+        address = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert kube.faulted == 2 and not kube.faults  # both were answered, and asked again
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert empty.routable() == [address]
+
+
+@pytest.mark.timeout(120)
+async def test_a_scale_down_whose_answer_was_lost_is_not_made_twice(two_pods: Cluster) -> None:
+    """The scale PATCH of a removal answered 504 Timeout, though the API server made it: the
+    drained pod is deleted, and the removal tried again at the next tick sees the scale
+    changed to what it asked, rather than scaling down once more (a serving pod)."""
+    kube = two_pods.kube
+    drained, serving = kube.ready_pods(DEPLOYMENT)
+    actuator = two_pods.actuator()
+    try:
+        await actuator.adopt()
+        await actuator.drain(kube.address(drained), 5)
+        kube.faults.append(Fault("PATCH", "deployments/scale", 504, applied=True))
+        with pytest.raises(KvplaneError, match=f"pod {drained.name} not scaled away yet"):
+            await actuator.stop(kube.address(drained))
+        await two_pods.wait(lambda: drained.name not in kube.pods)
+        assert await actuator.adopt() == []  # the removal tried again
+        assert await actuator.adopt() == []
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert kube.deleted == [drained.name]
+    assert kube.ready_pods(DEPLOYMENT) == [serving]
+    assert two_pods.registered() == [kube.address(serving)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_scale_up_whose_answer_was_lost_is_not_made_twice(empty: Cluster) -> None:
+    """The start's scale PATCH answered 504 though made: the start fails (the core asks
+    again), and the next start takes the replica it made rather than asking for another."""
+    kube = empty.kube
+    kube.faults.append(Fault("PATCH", "deployments/scale", 504, applied=True))
+    actuator = empty.actuator()
+    try:
+        with pytest.raises(KvplaneError, match="504 Timeout"):
+            await actuator.start("default")
+        address = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert empty.routable() == [address]
+
+
+@pytest.mark.timeout(60)
+async def test_a_rotated_token_is_named_and_the_next_one_read(
+    two_pods: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The kubelet rotates the service account's token in its file: while the file holds one
+    the API server refuses, each tick says which file, in one line; the next token written
+    there is used at the next call."""
+    kube, token_file = two_pods.kube, two_pods.token_file
+    pods = kube.ready_pods(DEPLOYMENT)
+    actuator = two_pods.actuator()
+    try:
+        token_file.write_text("an-expired-token\n")
+        with caplog.at_level(logging.WARNING, logger="planner.kubernetes"):
+            assert await actuator.adopt() == []
+        (line,) = (r.getMessage() for r in caplog.records if "401" in r.getMessage())
+        assert f"the token in {token_file} was refused" in line and "\n" not in line
+        token_file.write_text(kube.token)
+        adopted = await actuator.adopt()
+    finally:
+        await actuator.close()
+    assert sorted(adopted) == sorted((kube.address(pod), "default") for pod in pods)
+    assert kube.ready_pods(DEPLOYMENT) == pods and not kube.deleted
+
+
+@pytest.mark.timeout(60)
+async def test_an_api_server_that_trickles_its_answers_does_not_hold_up_the_tick(
+    two_pods: Cluster,
+) -> None:
+    """The API server takes each call and answers a byte at a time: every read of the
+    socket gets a byte before its timeout, yet each call ends at the API timeout and the
+    tick goes on, its engines polled."""
+    kube = two_pods.kube
+    api = KubeApi(two_pods.api().connection, timeout_s=1)
+    live = LivePlanner(planner(2, 2), two_pods.actuator(api))
+    try:
+        assert await live.tick() == []  # the pods adopted
+        kube.hang_requests = True
+        async with asyncio.timeout(30):  # a bound for the old behaviour: never
+            assert await live.tick() == []
+        assert sorted(live.engines) == two_pods.registered()
+        for engine in live.engines.values():  # polled, and answered
+            assert engine.state is EngineState.SERVING and engine.failed_polls == 0
+    finally:
+        kube.hang_requests = False
+        await live.close()
+    await two_pods.wait(lambda: kube.dropped_requests >= 1)  # the planner hung up
+
+
+@pytest.mark.timeout(120)
+async def test_an_api_server_down_for_a_while_is_caught_up_with_once_back(
+    two_pods: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The API server refuses connections for a while: the ticks go on, the engines polled;
+    one whose container crashed meanwhile is lost, and its removal and its replacement's
+    start fail in one line each, tick after tick, changing nothing. Once the API server
+    answers, the planner catches up: the crashed pod scaled away, one pod started, neither
+    twice."""
+    kube = two_pods.kube
+    crashed, serving = kube.ready_pods(DEPLOYMENT)
+    live = LivePlanner(
+        planner(2, 2), two_pods.actuator(), load_timeout_s=1, lost_after_failed_polls=2
+    )
+    try:
+        assert await live.tick() == []  # both pods adopted
+        await two_pods.wait_routable(2)
+        kube.go_down()
+        kube.kill_container(crashed.name)
+        with caplog.at_level(logging.WARNING):
+            await ticks_until(live, lambda d: isinstance(d, ScalePool))  # lost, replaced
+            await asyncio.gather(*live._starts)
+            assert list(live.engines) == [kube.address(serving)]  # polled all along
+            assert live.engines[kube.address(serving)].failed_polls == 0
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("planner.")]
+        assert all("\n" not in line for line in lines)
+        # The failed removal (the planner's own line, counted) and start each say why.
+        for failure in ("stopping", "starting an engine"):
+            (line, *_) = (line for line in lines if line.startswith(failure))
+            assert "Connection refused" in line, line
+        assert kube.deployments[DEPLOYMENT].replicas == 2 and not kube.deleted
+        kube.come_back()
+        async with asyncio.timeout(60):  # ticks until the pool serves two engines again
+            while len(two_pods.routable()) < 2 or live._starts:
+                await live.tick()
+                await asyncio.sleep(0.1)
+        assert await live.tick() == []
+        engines = sorted(live.engines)
+    finally:
+        await live.close()
+    assert kube.deleted == [crashed.name]
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    ready = sorted(kube.address(pod) for pod in kube.ready_pods(DEPLOYMENT))
+    assert engines == ready == two_pods.registered()
+    assert kube.address(serving) in ready
+
+
 class ListingSpy(KubeApi):
     """A KubeApi that tells the test each time it lists pods."""
 
@@ -677,12 +837,16 @@ class ListingSpy(KubeApi):
 
 
 @pytest.mark.timeout(120)
-async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(empty: Cluster) -> None:
+@pytest.mark.parametrize("scale_down_answer", ["200", "lost"])
+async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(
+    empty: Cluster, scale_down_answer: str
+) -> None:
     """A pod Ready to Kubernetes whose engine answers nothing (SIGSTOPped) is lost after
     `lost_after_failed_polls` ticks and scaled away (`kill`), and the core's replacement,
     asked in the same tick, scales up only once the ReplicaSet has deleted that pod: a
     Deployment controller that saw both changes at once (1 -> 0 -> 1) would delete nothing,
-    and the start would wait for a pod that never comes."""
+    and the start would wait for a pod that never comes. So too when the scale-down was
+    answered 504 though made: the start waits until the next tick has found it made."""
     kube, metrics = empty.kube, PlannerMetrics()
     spy = ListingSpy(empty.api().connection)
     actuator = KubernetesDeployments(
@@ -705,6 +869,8 @@ async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(empty: Cluste
         assert hung.process is not None
         os.kill(hung.process.pid, signal.SIGSTOP)
         kube.hold_replicasets = True
+        if scale_down_answer == "lost":
+            kube.faults.append(Fault("PATCH", "deployments/scale", 504, applied=True))
         await ticks_until(live, lambda d: isinstance(d, ScalePool))  # lost, and replaced
         assert kube.deployments[DEPLOYMENT].replicas == 0  # scaled away
         spy.listed.clear()
