@@ -11,13 +11,18 @@ import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+import zmq.asyncio
+from fake_kv_publisher import FakeKvPublisher
 from redis_servers import RedisClusterNodes, RedisServer, SlotMove, wait_for
 
 from indexer.backend import WorkerPlacements
 from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import IndexUnavailableError, RedisBackend, open_redis_backend
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from tests.indexer.test_redis_resync import Run
 from tests.polling import eventually
 
 WAIT_S = 30.0
@@ -282,3 +287,53 @@ async def test_partition_node_restarted_with_its_data(
 
     await eventually(exact, WAIT_S, "the index to answer as the memory backend")
     assert backend.take_resync_requests() == frozenset()
+
+
+@pytest.fixture
+async def context() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(120)
+async def test_indexer_serve_rebuilds_from_the_replay_after_a_failover_lost_writes(
+    tmp_path: Path, context: zmq.asyncio.Context
+) -> None:
+    """End to end: `kvplane indexer serve` follows a real ZMQ publisher (the vLLM capture,
+    with replay) into a replicated cluster; the partition's primary dies with the last
+    batches acknowledged but never replicated. The indexer, never restarted, finds the loss
+    and its source rebuilds the worker from the replay: the index holds exactly the
+    publisher's live blocks again, and after more ingestion."""
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    run = Run(tmp_path, publisher, max_buffered=10_000)
+    cluster = RedisClusterNodes(tmp_path / "cluster", replicas=1)
+    run.redis = cluster  # type: ignore[assignment]  # start, url and stop, as Run uses them
+    try:
+        port = await run.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = kv_grpc.KVIndexerStub(channel)
+            await run.publish_through(19)
+            await run.expect(stub, 19, "the first 20 batches")
+            primary = cluster.node_of(_meta_key("default"))
+            replica = cluster.replica_of(primary)
+            assert primary.client().execute_command("WAIT", 1, 10_000) == 1  # type: ignore[no-untyped-call]
+            assert replica.proc is not None
+            replica.proc.send_signal(signal.SIGSTOP)
+            try:
+                primary.client().client_kill_filter(_type="replica")
+                await run.publish_through(34)
+                await run.expect(stub, 34, "batches the replica never got")
+            finally:
+                primary.kill()
+                replica.proc.send_signal(signal.SIGCONT)
+            _fail_over(cluster, primary, replica)
+            await run.expect(stub, 34, "the resync after the failover")
+            await run.publish_through(55)
+            await run.expect(stub, 55, "live ingestion after the resync")
+        assert "lost some acknowledged writes" in run.log
+        assert "worker w0: the index asked for a resync" in run.log
+    finally:
+        run.stop()
+        await publisher.close()
