@@ -132,7 +132,16 @@ MAX_GROUP_HASHES = 65_536
 _PARTITION_FULL = "KVP_WORKERS "
 # Refusals that pass: a replica being promoted, a slot moving, memory pressure, a busy script.
 _TRANSIENT = (OutOfMemoryError, ReadOnlyError, TryAgainError)
-_TRANSIENT_PREFIXES = ("BUSY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS", "OOM")
+# KVP_MOVING: the partition's cluster slot is being moved to another node (redis_functions.lua).
+_TRANSIENT_PREFIXES = (
+    "BUSY",
+    "LOADING",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "NOREPLICAS",
+    "OOM",
+    "KVP_MOVING",
+)
 # A block read by kvp_dump: key, token count, parent, placements (worker name, tier, mask, copies).
 DumpedBlock = tuple[BlockKey, int, BlockKey | None, list[tuple[str, int, int, int]]]
 
@@ -170,6 +179,13 @@ class RedisBackend:
         self._meta_key = f"{options.key_prefix}:{{{options.model}:0}}:m"
         self._nb = str(options.buckets)
         self._boot: bytes | None = None
+        # This process's writes carry a mark (check_boot in redis_functions.lua): the next
+        # one to give, and the highest Redis acknowledged. A stored mark below the latter
+        # means Redis came back with older data; `_writes_lost` says so to `_ensure_ready`.
+        self._writer = secrets.token_hex(8)
+        self._next_mark = 1
+        self._acked_mark = 0
+        self._writes_lost = False
         self._ready = False
         self._ready_lock = asyncio.Lock()
         # Workers with a batch written to the partition (not just buffered): what a Redis that
@@ -295,10 +311,7 @@ class RedisBackend:
             try:
                 if isinstance(self._client, RedisCluster):
                     await self._client.initialize()  # learn every primary, not just seeds
-                    for node in self._client.get_primaries():
-                        await self._client.execute_command(
-                            "FUNCTION", "LOAD", "REPLACE", code, target_nodes=node
-                        )
+                    await self._load_on_every_primary(code)
                 else:
                     await self._client.function_load(code, replace=True)
                 boot, nb = await self._client.execute_command(
@@ -311,17 +324,42 @@ class RedisBackend:
                     f"redis partition {self._meta_key[:-2]} holds data laid out in {nb} buckets,"
                     f" configured {self._options.buckets}: use the same value or another model"
                 )
-            lost = self._boot is not None and boot != self._boot
+            data_lost = self._boot is not None and boot != self._boot
+            writes_lost = self._writes_lost and not data_lost
+            if data_lost or writes_lost:
+                self._acked_mark = 0  # the marks stored now are the ones to build on
+            self._writes_lost = False
             self._boot = boot
             self._ready = True
-        if lost:
-            self._state_lost()
+        if data_lost:
+            self._state_lost("the index")
+        elif writes_lost:
+            self._state_lost("some acknowledged writes (it came back with older data)")
 
-    def _state_lost(self) -> None:
-        """Redis came back without this partition's data: every worker this process wrote must
-        be rebuilt by its source; their buffered batches are superseded by that."""
+    async def _load_on_every_primary(self, code: str) -> None:
+        """FUNCTION LOAD on every cluster primary: the partition's slot may move to any of
+        them (a reshard sends calls to its new node before the move ends). Only the node
+        holding the partition must take it: a primary of another partition being down must
+        not keep this one unready (the library reaches it when this is next readied: a call
+        there finds it missing, "Function not found")."""
+        assert isinstance(self._client, RedisCluster)
+        home = self._client.get_node_from_key(self._meta_key)
+        for node in self._client.get_primaries():
+            try:
+                await self._client.execute_command(
+                    "FUNCTION", "LOAD", "REPLACE", code, target_nodes=node
+                )
+            except (*_UNREACHABLE, OSError, ResponseError) as exc:
+                if home is None or node.name == home.name:
+                    raise
+                log.debug("functions not loaded on %s: %s", node.name, exc)
+
+    def _state_lost(self, what: str) -> None:
+        """Redis came back without this partition's data, or with older data: every worker
+        this process wrote must be rebuilt by its source; their buffered batches are
+        superseded by that."""
         workers = set(self._known_workers)
-        log.warning("Redis at %s lost the index; resyncing %d worker(s)", self._where, len(workers))
+        log.warning("Redis at %s lost %s; resyncing %d worker(s)", self._where, what, len(workers))
         self._buffer = deque(b for b in self._buffer if b.worker_id not in workers)
         self._dropping -= workers
         self._request_resync(workers)
@@ -397,10 +435,13 @@ class RedisBackend:
         for attempt in (0, 1):
             await self._ensure_ready(silences_seen)
             head: list[bytes | str | int] = [self._nb]
+            mark = 0
             if boot:
-                head.append(self._boot or b"")
+                mark, self._next_mark = self._next_mark, self._next_mark + 1
+                token = (self._boot or b"").decode()
+                head.append(f"{token} {self._writer} {self._acked_mark} {mark}")
             try:
-                return await self._client.execute_command(
+                reply = await self._client.execute_command(
                     "FCALL_RO" if readonly else "FCALL",
                     function,
                     1,
@@ -413,7 +454,9 @@ class RedisBackend:
                 raise self._unavailable(exc) from exc
             except ResponseError as exc:
                 text = str(exc)
-                stale = "Function not found" in text or text.startswith("KVP_BOOT")
+                if text.startswith("KVP_LOST"):
+                    self._writes_lost = True
+                stale = "Function not found" in text or text.startswith(("KVP_BOOT", "KVP_LOST"))
                 if stale and attempt == 0:
                     self._ready = False
                     continue
@@ -424,6 +467,8 @@ class RedisBackend:
                 raise IndexBackendError(
                     f"shared index error from Redis at {self._where}: {text}"
                 ) from exc
+            self._acked_mark = max(self._acked_mark, mark)
+            return reply
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ apply
@@ -594,8 +639,15 @@ class RedisBackend:
             await asyncio.sleep(self._options.maintenance_interval_s)
             try:
                 if self._ready and not self._outage:
-                    boot = await self._client.execute_command("HGET", self._meta_key, "boot")
+                    # A write acknowledged before this read has its mark stored, unless lost.
+                    acked = self._acked_mark
+                    boot, mark = await self._client.execute_command(
+                        "HMGET", self._meta_key, "boot", f"lw:{self._writer}"
+                    )
                     if boot != self._boot:
+                        self._ready = False
+                    elif int(mark or 0) < acked:
+                        self._writes_lost = True
                         self._ready = False
                 await self.sweep()
             except (IndexUnavailableError, *_UNREACHABLE, OSError) as exc:

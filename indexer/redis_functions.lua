@@ -5,7 +5,8 @@ with FUNCTION LOAD REPLACE on every primary). docs/redis.md describes the layout
 one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:<part>}:m":
 
   <base>:m          HASH  meta: boot token, nw (highest worker id given out), fr (removed
-                          ids are freed), gcg/swg/swc/pg (sweeper)
+                          ids are freed), gcg/swg/swc/pg (sweeper), lw:<writer> (the mark
+                          of each writing process's latest write, see check_boot)
   <base>:wi         HASH  registered worker name -> small int id
   <base>:ws         SET   ids of registered workers
   <base>:wf         LIST  ids of removed workers, free for new names (oldest first)
@@ -62,7 +63,27 @@ local function p32(n)
     math.floor(n / 256) % 256, n % 256)
 end
 
+-- Redis Cluster moves a slot key by key (MIGRATE), and Redis checks the keys a function
+-- declares (KEYS[1] only) against a moving slot, not the bucket and worker keys it reaches
+-- undeclared: on the node the slot leaves, a call would find some keys gone (a script error
+-- after its earlier writes); on the node it reaches (redirected there by ASK once the meta key
+-- moved), it would miss the keys not moved yet, or create them and make their MIGRATE fail.
+-- So while the partition's slot is moving, every call is refused before it reads anything, and
+-- the client retries once the move is done. The probe: two keys of the partition that never
+-- exist, read in one command. Where the slot is settled that reads 0; a node sending the slot
+-- answers ASK for missing keys, and a node receiving it answers TRYAGAIN for a multi-key
+-- command missing any (Redis's own rules for a moving slot), which a script sees as an error.
+local function check_slot_settled(key)
+  local base = string.sub(key, 1, -3)
+  local probe = redis.pcall('EXISTS', base .. ':moving:probe1', base .. ':moving:probe2')
+  if type(probe) == 'table' and probe.err then
+    error({ err = 'KVP_MOVING the cluster slot of this partition is being moved to another '
+      .. 'node (' .. probe.err .. ')' })
+  end
+end
+
 local function new_ctx(keys, args)
+  check_slot_settled(keys[1])
   local base = string.sub(keys[1], 1, -3)
   return { base = base, b = base .. ':b:', h = base .. ':h:', nb = tonumber(args[1]),
     ep = {}, dn = {} }
@@ -274,11 +295,26 @@ local function intern(ctx, name)
   return wid
 end
 
-local function check_boot(ctx, boot)
-  local current = redis.call('HGET', ctx.base .. ':m', 'boot')
+-- `arg`: "<boot token> <writer> <floor> <mark>". The token tells a partition that lost its
+-- data. A Redis can also come back with older data that still holds the token (an RDB
+-- snapshot, an AOF without its last second, a replica promoted before every write reached it:
+-- replication is asynchronous), so each writing process (`writer`) keeps a mark in the meta
+-- hash, raised by each of its writes: a mark below the highest one the process saw
+-- acknowledged (`floor`) means some of its acknowledged writes are gone.
+local function check_boot(ctx, arg)
+  local boot, writer, floor, mark = string.match(arg, '^(%S*) (%S+) (%d+) (%d+)$')
+  local mkey = ctx.base .. ':m'
+  local current = redis.call('HGET', mkey, 'boot')
   if current ~= boot then
     return redis.error_reply('KVP_BOOT index state was lost or replaced (boot token mismatch)')
   end
+  local field = 'lw:' .. writer
+  local stored = tonumber(redis.call('HGET', mkey, field)) or 0
+  if stored < tonumber(floor) then
+    return redis.error_reply('KVP_LOST acknowledged writes of this process are gone (Redis '
+      .. 'came back with older data)')
+  end
+  if tonumber(mark) > stored then redis.call('HSET', mkey, field, mark) end
   return nil
 end
 
@@ -739,6 +775,7 @@ end
 
 -- ARGV: nb, token. Claims an empty partition (boot token) and returns the current token.
 local function kvp_boot(keys, args)
+  check_slot_settled(keys[1])
   local base = string.sub(keys[1], 1, -3)
   local mkey = base .. ':m'
   redis.call('HSETNX', mkey, 'boot', args[2])

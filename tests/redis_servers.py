@@ -1,4 +1,5 @@
-"""Private redis-server processes for tests: one node, or a 3-node Redis Cluster.
+"""Private redis-server processes for tests: one node, or a 3-node Redis Cluster (with
+replicas if asked), and a slot moved between cluster nodes step by step.
 
 Each server listens on 127.0.0.1 on a free port, in its own temporary directory, without
 persistence. `redis-server` and `redis-cli` come from the Debian package (/usr/bin).
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from redis.cluster import key_slot
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
@@ -118,10 +120,18 @@ class RedisServer:
 
 
 class RedisClusterNodes:
-    """Three primaries (no replicas) covering all slots."""
+    """Three primaries covering all slots, each with `replicas` replicas."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.nodes = [RedisServer(workdir / f"node{i}", cluster=True) for i in range(3)]
+    def __init__(
+        self, workdir: Path, *, replicas: int = 0, extra_args: tuple[str, ...] = ()
+    ) -> None:
+        self.replicas = replicas
+        if replicas:  # a replica syncs at once (Redis waits 5 s for more replicas to join)
+            extra_args = ("--repl-diskless-sync-delay", "0", *extra_args)
+        self.nodes = [
+            RedisServer(workdir / f"node{i}", cluster=True, extra_args=extra_args)
+            for i in range(3 * (1 + replicas))
+        ]
 
     @property
     def url(self) -> str:
@@ -133,15 +143,17 @@ class RedisClusterNodes:
         subprocess.run(
             [REDIS_CLI, "--cluster", "create"]
             + [f"127.0.0.1:{n.port}" for n in self.nodes]
-            + ["--cluster-replicas", "0", "--cluster-yes"],
+            + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
             check=True,
             capture_output=True,
             timeout=60,
         )
-        wait_for(self._ok, 30, "cluster_state:ok on every node")
+        self.wait_ok()
 
     def _ok(self) -> bool:
         for node in self.nodes:
+            if node.proc is None:  # killed
+                continue
             info = node.client().execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
             text = info.decode() if isinstance(info, bytes) else str(info)
             if "cluster_state:ok" not in text:
@@ -155,3 +167,80 @@ class RedisClusterNodes:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+    def node_of(self, key: str) -> RedisServer:
+        """The node serving `key`'s slot (as a running node sees it)."""
+        slot = key_slot(key.encode())
+        asked = next(n for n in self.nodes if n.proc is not None)
+        for first, last, primary, *_ in asked.client().execute_command(  # type: ignore[no-untyped-call]
+            "CLUSTER", "SLOTS"
+        ):
+            if first <= slot <= last:
+                return next(n for n in self.nodes if n.port == int(primary[1]))
+        raise AssertionError(f"no node serves slot {slot}")
+
+    def wait_ok(self) -> None:
+        wait_for(self._ok, 30, "cluster_state:ok on every node")
+        wait_for(self._replicas_synced, 30, "every replica in sync with its primary")
+
+    def _replicas_synced(self) -> bool:
+        for node in self.nodes:
+            info = node.client().info("replication") if node.proc is not None else {}
+            if info.get("role") == "slave" and info.get("master_link_status") != "up":
+                return False
+        return True
+
+    def replica_of(self, primary: RedisServer) -> RedisServer:
+        for node in self.nodes:
+            info = node.client().info("replication") if node.proc is not None else {}
+            if info.get("role") == "slave" and int(info["master_port"]) == primary.port:
+                return node
+        raise AssertionError(f"no replica of the node on port {primary.port}")
+
+
+class SlotMove:
+    """Moves one slot between two nodes step by step, as `redis-cli --cluster reshard` does:
+    IMPORTING on the target, MIGRATING on the source, MIGRATE key by key, then SETSLOT NODE
+    on every node."""
+
+    def __init__(self, cluster: RedisClusterNodes, key: str, target: RedisServer) -> None:
+        self.cluster = cluster
+        self.slot = key_slot(key.encode())
+        self.source = cluster.node_of(key)
+        self.target = target
+        assert self.source is not target
+        self.target_id = _node_id(target)
+
+    def begin(self) -> None:
+        self.target.client().execute_command(  # type: ignore[no-untyped-call]
+            "CLUSTER", "SETSLOT", self.slot, "IMPORTING", _node_id(self.source)
+        )
+        self.source.client().execute_command(  # type: ignore[no-untyped-call]
+            "CLUSTER", "SETSLOT", self.slot, "MIGRATING", self.target_id
+        )
+
+    def keys_left(self) -> list[bytes]:
+        keys: list[bytes] = self.source.client().execute_command(  # type: ignore[no-untyped-call]
+            "CLUSTER", "GETKEYSINSLOT", self.slot, 100_000
+        )
+        return keys
+
+    def migrate(self, keys: list[bytes]) -> None:
+        """MIGRATE without REPLACE: a key the target holds already fails (BUSYKEY)."""
+        self.source.client().execute_command(  # type: ignore[no-untyped-call]
+            "MIGRATE", "127.0.0.1", self.target.port, "", 0, 5000, "KEYS", *keys
+        )
+
+    def finish(self) -> None:
+        left = self.keys_left()
+        if left:
+            self.migrate(left)
+        for node in self.cluster.nodes:
+            node.client().execute_command(  # type: ignore[no-untyped-call]
+                "CLUSTER", "SETSLOT", self.slot, "NODE", self.target_id
+            )
+
+
+def _node_id(node: RedisServer) -> str:
+    node_id: bytes = node.client().execute_command("CLUSTER", "MYID")  # type: ignore[no-untyped-call]
+    return node_id.decode()
