@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lora_adapters import write_adapter
@@ -60,13 +58,7 @@ LOGPROB_TOL = 1e-4
 GUIDE = GuidedDecoding(GuideKind.REGEX, "[a-z]+( [a-z]+)*")
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models on 2 shared cores: one intra-op thread is ~10x faster than two."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,13 +20,7 @@ from engine.torch_runner.sampler import (
 VOCAB = 50
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models on 2 shared cores: one intra-op thread is ~10x faster than two."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:

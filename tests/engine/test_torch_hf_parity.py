@@ -6,7 +6,7 @@ and tiny-llama. Both are loaded by HF from their directories, offline."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +26,7 @@ transformers: Any = importlib.import_module("transformers")
 LOGPROB_TOLERANCE = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass(frozen=True, slots=True)

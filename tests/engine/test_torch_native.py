@@ -19,13 +19,7 @@ from engine.torch_runner.errors import KvCacheError
 from engine.torch_runner.model import apply_rotary, rms_norm
 from engine.torch_runner.runner import TorchModelRunner
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
