@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -41,6 +42,21 @@ async def _at(fleet: Fleet, request_id: str, engine: EngineProcess) -> None:
     await eventually(there)
 
 
+async def _served_in_full(
+    stream: grpc.aio.UnaryStreamCall[Any, pb.GenerateResponse], decode_port: int
+) -> list[pb.GenerateResponse]:
+    """The stream's events, once it ended finished with its 5 tokens, each once; the decode
+    engine that served it holds nothing afterwards."""
+    async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
+        events = await _collect(stream)
+    assert events[-1].WhichOneof("event") == "finished", events[-1]
+    assert events[-1].finished.reason == pb.FINISH_REASON_LENGTH
+    assert sum(len(r.token.tokens) for r in events if r.HasField("token")) == 5
+    load = await _load(decode_port)
+    assert load.running_requests == 0 and load.queued_requests == 0
+    return events
+
+
 async def _load(port: int) -> pb.GetLoadResponse:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         return await pb_grpc.OpenEngineStub(channel).GetLoad(pb.GetLoadRequest())
@@ -66,13 +82,7 @@ async def test_a_prefill_killed_under_its_request_is_prefilled_by_a_decode_engin
         stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
         await _at(fleet, "r", prefill)
         prefill.proc.kill()
-        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            events = await _collect(stream)
-        assert events[-1].WhichOneof("event") == "finished", events[-1]
-        assert events[-1].finished.reason == pb.FINISH_REASON_LENGTH
-        assert sum(len(r.token.tokens) for r in events if r.HasField("token")) == 5
-        load = await _load(decode.port)
-        assert load.running_requests == 0 and load.queued_requests == 0
+        await _served_in_full(stream, decode.port)
     finally:
         await close_fleet(fleet)
 
@@ -189,14 +199,8 @@ async def test_a_session_whose_prefill_engine_died_is_prefilled_again_by_a_decod
         tmp_path, skip_prefill_ratio=0.9
     )
     try:
-        async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            events = await _collect(stream)
-        assert events[-1].WhichOneof("event") == "finished", events[-1]
-        assert events[-1].finished.reason == pb.FINISH_REASON_LENGTH
-        assert sum(len(r.token.tokens) for r in events if r.HasField("token")) == 5
+        events = await _served_in_full(stream, decode.port)
         assert events[-1].usage.prompt_tokens == len(PREFIX) + 1
-        load = await _load(decode.port)
-        assert load.running_requests == 0 and load.queued_requests == 0
     finally:
         await close_fleet(fleet)
 
