@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
@@ -57,6 +58,24 @@ async def _served_in_full(
     return events
 
 
+async def _at_the_handoff_to_a_stopped_decode_engine(
+    tmp_path: Path,
+) -> tuple[Fleet, EngineApp, EngineProcess, grpc.aio.UnaryStreamCall[Any, pb.GenerateResponse]]:
+    """A prefill engine and a decode engine process behind the gateway, and a request "r"
+    handed over to the decode engine, which was stopped before it could answer."""
+    decode = await EngineProcess.start(tmp_path, "decode", role="decode")
+    prefill = await start_sim_engine("prefill", role="prefill")
+    fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
+    try:
+        decode.stop()
+        stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
+        await _at(fleet, "r", decode)
+    except BaseException:
+        await close_fleet(fleet)
+        raise
+    return fleet, prefill, decode, stream
+
+
 async def _load(port: int) -> pb.GetLoadResponse:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         return await pb_grpc.OpenEngineStub(channel).GetLoad(pb.GetLoadRequest())
@@ -96,13 +115,8 @@ async def test_an_abort_at_the_handoff_to_a_stopped_decode_engine_ends_the_reque
     with the prefill's Usage; the KV session released on the prefill engine) instead of
     failing UNAVAILABLE while the request waits for the engine or the client's deadline;
     the decode engine, back, drops the call it never answered."""
-    decode = await EngineProcess.start(tmp_path, "decode", role="decode")
-    prefill = await start_sim_engine("prefill", role="prefill")
-    fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
+    fleet, prefill, decode, stream = await _at_the_handoff_to_a_stopped_decode_engine(tmp_path)
     try:
-        decode.stop()
-        stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
-        await _at(fleet, "r", decode)
         reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"), timeout=30)
         assert reply.status == pb.ABORT_STATUS_ABORTED, reply
         async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
@@ -137,13 +151,8 @@ async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_
     requests may run on) with every outcome reported, and the gateway ends the request
     itself (CANCELLED, its KV session released on the prefill engine), as an Abort of its id
     does, instead of leaving it to run once the engine is back."""
-    decode = await EngineProcess.start(tmp_path, "decode", role="decode")
-    prefill = await start_sim_engine("prefill", role="prefill")
-    fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
+    fleet, prefill, decode, stream = await _at_the_handoff_to_a_stopped_decode_engine(tmp_path)
     try:
-        decode.stop()
-        stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
-        await _at(fleet, "r", decode)
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()), timeout=30)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
