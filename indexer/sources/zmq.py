@@ -27,7 +27,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   cleared and rebuilt as on a first message;
 - the SUB's connection ends (the monitor's disconnect; an engine killed publishes no last
   word): the worker is cleared at once, and the next connection rebuilds it from a replay
-  from seq 0, as a start does (a sequence break: the publisher may be a new process);
+  from seq 0, as a start does (a sequence break: the publisher may be a new process). A
+  connection that ends while another stays open is no such end (`_OpenConnections`: a binding
+  SUB accepts stray connections, a port scan or a TCP probe, besides the publisher's);
 - a publisher that falls silent without closing its connection (its host frozen or cut off,
   its process stopped: TCP sees nothing, since a SUB never sends) is found by ZMTP heartbeats
   (`Heartbeat`): the SUB pings it, and a connection that brings nothing back within the
@@ -253,7 +255,11 @@ class ZmqSource:
         # Reports each connection before any message can arrive on it: once its ZMTP handshake
         # succeeded, not at its TCP connect or accept (the kernel of a stopped publisher still
         # accepts; such a connection brings nothing and ends at the handshake's timeout).
-        connections = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        connections = sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _OpenConnections.OPENED
+        )
+        # A connection that ends while another is still open is not the publisher leaving.
+        open_connections = _OpenConnections()
         recv: asyncio.Future[list[bytes]] | None = None
         # Ready when the monitor has events: a publisher that goes away or comes back is acted
         # on while no message comes (an engine killed, or restarted idle, publishes nothing).
@@ -295,7 +301,9 @@ class ZmqSource:
                     if not recv.done():
                         if monitored.done():
                             monitored = None
-                            events = await _connection_events(connections)
+                            events = open_connections.publisher_events(
+                                await _connection_events(connections)
+                            )
                             if events:
                                 await self._on_connection_events(events)
                                 async with self._progress:
@@ -304,7 +312,7 @@ class ZmqSource:
                 frames = recv.result()
                 recv = None
                 self.counters.num_messages += 1
-                events = await _connection_events(connections)
+                events = open_connections.publisher_events(await _connection_events(connections))
                 # Messages of a connection come before its end: with no connection since, this
                 # one is the departed publisher's last word, applied before its worker is
                 # cleared (the other way round, it would be the only stale thing left).
@@ -607,13 +615,46 @@ class ZmqSource:
         return replies
 
 
-async def _connection_events(monitor: zmq.asyncio.Socket) -> list[int]:
-    """The monitor events queued so far, in order (none: its readiness can wake a poll with
-    nothing to read)."""
-    events: list[int] = []
+async def _connection_events(monitor: zmq.asyncio.Socket) -> list[tuple[int, int]]:
+    """The monitor events queued so far, in order, each as (event, value) (none: its readiness
+    can wake a poll with nothing to read)."""
+    events: list[tuple[int, int]] = []
     while int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-        events.append(parse_monitor_message(await monitor.recv_multipart())["event"])
+        message = parse_monitor_message(await monitor.recv_multipart())
+        events.append((message["event"], message["value"]))
     return events
+
+
+class _OpenConnections:
+    """Which monitor events are the publisher's, told by the SUB's open TCP connections.
+
+    A connection's connect or accept, and its end, carry its file descriptor; a handshake does
+    not. A binding SUB accepts whatever dials its port (a port scan, a TCP liveness probe, a
+    stray client): such a connection fails its ZMTP handshake and ends, and its end is no
+    publisher leaving while the publisher's own connection is still open. So an end counts
+    only when it leaves no connection open (one still open without a handshake ends at the
+    handshake's timeout, and its end then counts). A connecting SUB has one connection at a
+    time: every end counts, as before."""
+
+    OPENED = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
+
+    def __init__(self) -> None:
+        self._open: set[int] = set()
+
+    def publisher_events(self, events: list[tuple[int, int]]) -> list[int]:
+        """`events` (in order) reduced to the handshakes and the ends that leave no connection
+        open."""
+        kept: list[int] = []
+        for event, descriptor in events:
+            if event & self.OPENED:
+                self._open.add(descriptor)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._open.discard(descriptor)
+                if not self._open:
+                    kept.append(event)
+            else:
+                kept.append(event)
+        return kept
 
 
 async def _readable(sock: zmq.asyncio.Socket) -> object:

@@ -148,9 +148,11 @@ async def test_malformed_messages_are_counted_and_skipped_and_the_server_keeps_s
         await server.stop(None)
 
 
-async def test_a_binding_source_and_a_publisher_restart_clear_the_worker(
+@contextlib.asynccontextmanager
+async def _binding_source(
     context: zmq.asyncio.Context,
-) -> None:
+) -> AsyncIterator[tuple[str, PrefixIndex, ZmqSource]]:
+    """A source bound to a free port, listening, with its endpoint and index."""
     probe = context.socket(zmq.PUB)
     probe.bind("tcp://127.0.0.1:*")
     endpoint = probe.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -160,14 +162,25 @@ async def test_a_binding_source_and_a_publisher_restart_clear_the_worker(
     async with running(source.run()):
         # Connecting before the bind could self-connect on loopback and steal the port.
         await asyncio.wait_for(source.ready.wait(), WAIT_S)
+        yield endpoint, index, source
+
+
+async def _publish_blocks_10_to_12(publisher: FakeKvPublisher, source: ZmqSource) -> None:
+    await publisher.wait_subscribed()
+    for seq in range(3):
+        parent = None if seq == 0 else 9 + seq
+        await publisher.send(_message(seq, _stored(10 + seq, parent=parent)))
+    await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+
+
+async def test_a_binding_source_and_a_publisher_restart_clear_the_worker(
+    context: zmq.asyncio.Context,
+) -> None:
+    async with _binding_source(context) as (endpoint, index, source):
         # The publisher connects to the source (vLLM with a non-wildcard endpoint).
         first = FakeKvPublisher(context, endpoint=endpoint, connect=True)
         try:
-            await first.wait_subscribed()
-            for seq in range(3):
-                parent = None if seq == 0 else 9 + seq
-                await first.send(_message(seq, _stored(10 + seq, parent=parent)))
-            await source.wait_until(lambda: source.last_seq == 2, WAIT_S)
+            await _publish_blocks_10_to_12(first, source)
             assert _keys(index) == {10, 11, 12}
         finally:
             await first.close()
@@ -182,6 +195,29 @@ async def test_a_binding_source_and_a_publisher_restart_clear_the_worker(
             assert _keys(index) == {20}
         finally:
             await second.close()
+
+
+async def test_a_stray_connection_to_a_binding_source_leaves_the_publisher_indexed(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A port scan or a TCP liveness probe on the bound port is no publisher leaving."""
+    async with _binding_source(context) as (endpoint, index, source):
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        publisher = FakeKvPublisher(context, endpoint=endpoint, connect=True)
+        try:
+            await _publish_blocks_10_to_12(publisher, source)
+            for _ in range(3):  # connects, says nothing, hangs up
+                _, writer = await asyncio.open_connection(host, int(port))
+                writer.close()
+                await writer.wait_closed()
+            await asyncio.sleep(0.5)  # the source has seen the strays come and go
+            await publisher.send(_message(3, _stored(13, parent=12)))
+            await source.wait_until(lambda: source.last_seq == 3, WAIT_S)
+            assert _keys(index) == {10, 11, 12, 13}
+        finally:
+            await publisher.close()
+        # The publisher's own end still clears its blocks.
+        await source.wait_until(lambda: not _keys(index), WAIT_S)
 
 
 class FlakySink:
