@@ -75,6 +75,8 @@ def run_route_bench(
         "block_size": settings.block_size,
         "speedup": settings.speedup,
         "seed": settings.seed,
+        "router_replicas": settings.router_replicas,
+        "replica_sync": settings.replica_sync,
         "num_requests": len(replayed),
         "num_left_out": left_out,
         # Over the requests replayed: a bound on what the policies reach.
@@ -169,7 +171,13 @@ def render_table(doc: dict[str, Any]) -> str:
     lines = [
         f"trace {doc['trace']}: {doc['workers']} workers x {doc['blocks_per_worker']} blocks "
         f"of {doc['block_size']} tokens, speedup {doc['speedup']}, seed {doc['seed']}, "
-        f"oracle reuse {doc['oracle_hit_ratio']:.3f}"
+        + (
+            f"{doc['router_replicas']} router replicas"
+            f"{' in sync' if doc.get('replica_sync') else ''}, "
+            if doc.get("router_replicas", 1) > 1
+            else ""
+        )
+        + f"oracle reuse {doc['oracle_hit_ratio']:.3f}"
         + (
             f" ({doc['num_left_out']} requests longer than one engine's KV cache left out)"
             if doc.get("num_left_out")
@@ -216,6 +224,21 @@ def bench_route(
     ] = ",".join(POLICY_NAMES),
     peer: Annotated[Peer | None, typer.Option(help="Also run a peer's own replay.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the router's randomness.")] = 0,
+    router_replicas: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Controller replicas sharing the index, each with its own in-flight "
+            "accounting; arrivals go to them in turn.",
+        ),
+    ] = 1,
+    replica_sync: Annotated[
+        bool,
+        typer.Option(
+            "--replica-sync",
+            help="The replicas apply each other's accounting as they route (router.replica_sync).",
+        ),
+    ] = False,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -233,6 +256,8 @@ def bench_route(
         block_size=block_size,
         speedup=speedup,
         seed=seed,
+        router_replicas=router_replicas,
+        replica_sync=replica_sync,
         kvplane_weights=weights,
     )
     names = policy_names(policies)

@@ -143,6 +143,14 @@ class RouterConfig(StrictModel):
     skip_prefill_ratio: float | None = Field(default=None, gt=0, le=1)
     # Seed of the router's randomness (ties, power of two); None = from the OS.
     seed: int | None = None
+    # Controller replicas behind one load balancer, sharing an index on Redis: each tells the
+    # others what it routes (on a pub/sub channel of that Redis), so each routes knowing the
+    # whole fleet's requests in flight (controller.replica_sync). Needs index.backend redis.
+    replica_sync: bool = False
+    # A replica publishes at least this often (a beat when it routes nothing); one not heard
+    # from for replica_timeout_s has its requests released.
+    replica_heartbeat_s: float = Field(default=1.0, gt=0)
+    replica_timeout_s: float = Field(default=5.0, gt=0)
 
     @field_validator("policy")
     @classmethod
@@ -253,6 +261,17 @@ class ControllerConfig(ServerConfig):
         if "" in value:
             raise ValueError("tokenizers: name a model (the default tokenizer is `tokenizer`)")
         return value
+
+    @model_validator(mode="after")
+    def _check_replica_sync(self) -> ControllerConfig:
+        if self.router.replica_sync and not self.index.backend.startswith("redis"):
+            raise ValueError(
+                "router.replica_sync needs the replicas' shared index on Redis "
+                "(index.backend redis://... or redis+cluster://...): its pub/sub carries the sync"
+            )
+        if self.router.replica_timeout_s <= self.router.replica_heartbeat_s:
+            raise ValueError("router.replica_timeout_s must be longer than replica_heartbeat_s")
+        return self
 
     @model_validator(mode="after")
     def _check_engines(self) -> ControllerConfig:

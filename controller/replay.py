@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,7 @@ from controller.router import (
     RouteRequest,
     make_policy,
 )
+from controller.router.replicas import PeerRoutes, RouteEvent
 from engine.core.api import (
     AllBlocksCleared,
     BlockRemoved,
@@ -73,6 +74,12 @@ class ReplaySettings:
     speedup: float = 1.0
     seed: int = 0
     load_poll_ms: float = 500.0
+    # Controller replicas sharing the index and the polled loads, each with its own
+    # in-flight accounting; arrivals go to them in turn (a load balancer in front). With
+    # `replica_sync` each applies the others' accounting as they route (`router.replica_sync`
+    # live; here delivered at once).
+    router_replicas: int = 1
+    replica_sync: bool = False
     kvplane_weights: KvplaneWeights | None = None
     # The engine's defaults, which are Dynamo's mocker's (vLLM-style scheduling).
     max_num_seqs: int = 256
@@ -140,11 +147,14 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 class _RouterView:
-    """What the controller knows about the fleet: KV events, polled loads, in-flight."""
+    """What the controllers know about the fleet: KV events, polled loads (shared, as an
+    index on Redis and the engines' GetLoad are), and each replica's own in-flight."""
 
-    def __init__(self, fleet: SimFleet, router: Router, settings: ReplaySettings) -> None:
+    def __init__(self, fleet: SimFleet, routers: list[Router], settings: ReplaySettings) -> None:
         self.fleet = fleet
-        self.router = router
+        self.routers = routers
+        self.router_of: dict[str, Router] = {}  # of the requests in flight
+        self.num_routed = 0
         self.settings = settings
         self.rng = random.Random(settings.seed)
         self.keys: list[set[int]] = [set() for _ in fleet.engines]
@@ -166,9 +176,9 @@ class _RouterView:
 
     def on_progress(self, index: int, request_id: str, what: Progress, now_s: float) -> None:
         if what is Progress.FIRST_TOKEN:
-            self.router.first_token(request_id)
+            self.router_of[request_id].first_token(request_id)
         else:
-            self.router.finish(request_id)
+            self.router_of.pop(request_id).finish(request_id)
 
     def _poll(self, now_s: float) -> None:
         poll_s = self.settings.load_poll_ms / 1000.0
@@ -218,7 +228,10 @@ class _RouterView:
             self.settings.block_size,
             tuple(keys),
         )
-        decision = self.router.route(route, candidates, self.rng, now_s)
+        router = self.routers[self.num_routed % len(self.routers)]
+        self.num_routed += 1
+        self.router_of[request.request_id] = router
+        decision = router.route(route, candidates, self.rng, now_s)
         self.decisions[decision.reason.value] += 1
         return int(decision.engine_id[1:])
 
@@ -227,7 +240,7 @@ def replay(
     trace: Sequence[TraceRequest], policy_name: str, settings: ReplaySettings
 ) -> PolicyResult:
     weights = settings.kvplane_weights if policy_name == "kvplane" else None
-    router = Router(make_policy(policy_name, weights))
+    routers = [Router(make_policy(policy_name, weights)) for _ in range(settings.router_replicas)]
     fleet = SimFleet(
         settings.workers,
         block_size=settings.block_size,
@@ -238,7 +251,9 @@ def replay(
             max_num_batched_tokens=settings.max_num_batched_tokens,
         ),
     )
-    view = _RouterView(fleet, router, settings)
+    if settings.replica_sync:
+        _sync(routers, fleet)
+    view = _RouterView(fleet, routers, settings)
     size = settings.block_size
 
     def requests() -> Iterator[TimedRequest]:
@@ -258,6 +273,23 @@ def replay(
         requests(), view.route, on_kv_events=view.on_kv_events, on_progress=view.on_progress
     )
     return _summarise(policy_name, records, fleet, view.decisions)
+
+
+def _sync(routers: list[Router], fleet: SimFleet) -> None:
+    """Each router's events applied by every other at once, as `controller.replica_sync`
+    does live (there, a Redis round trip later)."""
+    peers = [PeerRoutes(router) for router in routers]
+
+    def publisher(origin: int) -> Callable[[RouteEvent], None]:
+        def deliver(event: RouteEvent) -> None:
+            for index, peer in enumerate(peers):
+                if index != origin:
+                    peer.apply(str(origin), event, fleet.now_s)
+
+        return deliver
+
+    for origin, router in enumerate(routers):
+        router.publish_to(publisher(origin))
 
 
 def _summarise(

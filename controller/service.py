@@ -21,6 +21,7 @@ from controller.config import ControllerConfig
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, ThrottledWarning
 from controller.metrics import ControllerMetrics
 from controller.registry import NoEngineRegisteredError, Role, UnknownModelError
+from controller.replica_sync import ReplicaSync, open_replica_sync
 from controller.router import (
     AllEnginesBusyError,
     Candidate,
@@ -119,6 +120,7 @@ class Controller:
         # Set by the gateway's Drain and never cleared: a drained controller refuses new
         # requests (and admin Route explains none) until it restarts, as a drained engine does.
         self.draining = False
+        self.replica_sync: ReplicaSync | None = None
 
     async def start(self) -> None:
         self._tokenizers = ModelTokenizers.load(self.config.tokenizers, self.config.tokenizer)
@@ -129,9 +131,14 @@ class Controller:
             # A shared index that dropped or lost an engine's entries: its source rebuilds them.
             connect_resync(self.index, self.fleet.source_of)
         await self.fleet.start()
+        if self.config.router.replica_sync:
+            self.replica_sync = open_replica_sync(self.config, self.router, self.instance_id)
+            await self.replica_sync.start()
         self._stats_task = asyncio.create_task(self._refresh_index_stats(), name="index stats")
 
     async def close(self) -> None:
+        if self.replica_sync is not None:
+            await self.replica_sync.close()
         if self._stats_task is not None:
             self._stats_task.cancel()
             # A shared backend may finish its current command before it sees the cancel.

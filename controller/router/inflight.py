@@ -56,6 +56,11 @@ class InFlightTracker:
             if engine_id is None or entry.engine_id == engine_id
         ]
 
+    def is_prefilling(self, request_id: str) -> bool:
+        """Whether the request is in flight and has not had its first token."""
+        entry = self._entries.get(request_id)
+        return entry is not None and entry.prefilling
+
     def of(self, engine_id: str) -> InFlight:
         return self._by_engine.get(engine_id, _IDLE)
 

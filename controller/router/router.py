@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from controller.router.inflight import InFlightTracker
@@ -29,6 +29,7 @@ from controller.router.model import (
     RouteRequest,
 )
 from controller.router.policies import Policy, blind_costs, decision_for, least_loaded_of
+from controller.router.replicas import Finished, FirstToken, Routed, RouteEvent
 from kvplane.errors import KvplaneError
 
 
@@ -201,6 +202,11 @@ class Router:
         self.skip_prefill_ratio = skip_prefill_ratio
         self._session_capacity = session_capacity
         self._sessions: OrderedDict[str, str] = OrderedDict()
+        # Told of every charge, first token and finish of this router's own requests (the
+        # replicas' sync, `controller.replica_sync`); then `_routed` keeps each charge until
+        # the request finishes, for `own_routes`.
+        self._on_event: Callable[[RouteEvent], None] | None = None
+        self._routed: dict[str, Routed] = {}
 
     def with_inflight(
         self,
@@ -268,9 +274,7 @@ class Router:
         gateway's load shedding, whatever the policy), AllEnginesBusyError when every
         candidate is busy, before anything is charged or the policy sees the request."""
         decision = self._decide(request, candidates, rng, now_s, reject_when_all_busy)
-        self._charge(request, decision)
-        if self.policy.credits_pending_prefixes:
-            self.pending.add(decision.engine_id, request.request_id, request.block_keys, now_s)
+        self._charge(request, decision, claim_prefix_at=now_s)
         self.policy.observe(request, decision.engine_id, now_s)
         if request.session_key:
             self._sessions[request.session_key] = decision.engine_id
@@ -280,12 +284,46 @@ class Router:
         return decision
 
     def first_token(self, request_id: str) -> None:
+        self.release_prefill(request_id)
+        if self._on_event is not None and request_id in self._routed:
+            self._on_event(FirstToken(request_id))
+
+    def finish(self, request_id: str) -> None:
+        self.release(request_id)
+        if self._on_event is not None and self._routed.pop(request_id, None) is not None:
+            self._on_event(Finished(request_id))
+
+    def release_prefill(self, request_id: str) -> None:
+        """The request's prompt is computed: its prefill and pending blocks are off."""
         self.inflight.first_token(request_id)
         self.pending.release(request_id)
 
-    def finish(self, request_id: str) -> None:
+    def release(self, request_id: str) -> None:
+        """The request ended: nothing of it is charged any more."""
         self.inflight.finish(request_id)
         self.pending.release(request_id)
+
+    def publish_to(self, on_event: Callable[[RouteEvent], None] | None) -> None:
+        """Tell `on_event` of every charge, first token and finish of this router's own
+        requests from now on (None: stop)."""
+        self._on_event = on_event
+        if on_event is None:
+            self._routed.clear()
+
+    def own_routes(self) -> list[RouteEvent]:
+        """This router's requests in flight since `publish_to`, as events that rebuild their
+        accounting on a peer: each charge, and its first token when it came."""
+        events: list[RouteEvent] = []
+        for request_id, routed in self._routed.items():
+            events.append(routed)
+            if not self.inflight.is_prefilling(request_id):
+                events.append(FirstToken(request_id))
+        return events
+
+    def charge_peer(self, request_id: str, routed: Routed, now_s: float) -> None:
+        """A peer replica's request, charged as this router charges its own (under
+        `request_id`, a name unique here; `controller.router.replicas.PeerRoutes`)."""
+        self._begin(request_id, routed, now_s)
 
     def forget_engine(self, engine_id: str) -> list[str]:
         """The engine left the fleet: drop its accounting, sessions and policy state."""
@@ -387,16 +425,36 @@ class Router:
         self._charge(request, decision)
         return decision
 
-    def _charge(self, request: RouteRequest, decision: Decision) -> None:
-        """The decision's engine takes the request in flight: its uncached prefill queued."""
+    def _charge(
+        self, request: RouteRequest, decision: Decision, claim_prefix_at: float | None = None
+    ) -> None:
+        """The decision's engine takes the request in flight: its uncached prefill queued; and,
+        for a hop that reads the cache (`claim_prefix_at` its time), its blocks pending there
+        (`PendingPrefixes`, for the policies that credit them)."""
         cached = min(decision.predicted_cached_tokens, request.num_prompt_tokens)
-        self.inflight.begin(
+        routed = Routed(
             request.request_id,
             decision.engine_id,
             request.num_prompt_tokens - cached,
             cached,
             request.block_keys,
+            claims_prefix=claim_prefix_at is not None,
         )
+        self._begin(request.request_id, routed, claim_prefix_at)
+        if self._on_event is not None:
+            self._routed[request.request_id] = routed
+            self._on_event(routed)
+
+    def _begin(self, request_id: str, routed: Routed, now_s: float | None) -> None:
+        self.inflight.begin(
+            request_id,
+            routed.engine_id,
+            routed.prefill_tokens,
+            routed.cached_tokens,
+            routed.block_keys,
+        )
+        if routed.claims_prefix and now_s is not None and self.policy.credits_pending_prefixes:
+            self.pending.add(routed.engine_id, request_id, routed.block_keys, now_s)
 
     def _decide(
         self,

@@ -1,0 +1,243 @@
+"""Controller replicas that tell each other what they route (`router.replica_sync`): in the
+trace replay, replicas in sync decide as one controller does; over a real redis-server, a
+replica learns its peers' requests, their first tokens and ends, catches up when it joins
+late or after Redis restarts, and releases the requests of a peer killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from polling import eventually
+from redis_servers import RedisServer
+
+from controller.config import ControllerConfig
+from controller.replay import ReplaySettings, replay
+from controller.replica_sync import ReplicaSync, channel_name
+from controller.router import Candidate, Router, RouteRequest, make_policy
+from engine.core.mooncake_trace import load_trace
+from indexer.redis_client import RedisOptions, connect
+
+pytestmark = pytest.mark.timeout(120)
+WAIT_S = 20.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bursty_trace(path: Path) -> Path:
+    """Bursts of eight distinct prompts arriving together: where a router that does not see
+    the others' requests piles them onto the engines that looked idle."""
+    rows = []
+    for i in range(64):
+        rows.append(
+            {
+                "timestamp": (i // 8) * 400,
+                "input_length": 3 * 512 + 50,
+                "output_length": 30,
+                "hash_ids": [10_000 * i + b for b in range(4)],
+            }
+        )
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_replicas_in_sync_route_as_one_controller(tmp_path: Path) -> None:
+    trace = load_trace(_bursty_trace(tmp_path / "bursts.jsonl"))
+    settings = ReplaySettings(workers=4, blocks_per_worker=256)
+    alone = replay(trace, "kvplane", settings)
+    apart = replay(
+        trace, "kvplane", ReplaySettings(workers=4, blocks_per_worker=256, router_replicas=4)
+    )
+    synced = replay(
+        trace,
+        "kvplane",
+        ReplaySettings(workers=4, blocks_per_worker=256, router_replicas=4, replica_sync=True),
+    )
+    assert synced.to_json() == alone.to_json()
+    assert apart.ttft_ms["mean"] > alone.ttft_ms["mean"]
+
+
+def test_replica_sync_needs_a_redis_index() -> None:
+    with pytest.raises(ValueError, match="replica_sync needs the replicas' shared index on Redis"):
+        ControllerConfig.model_validate({"router": {"replica_sync": True}})
+    config = ControllerConfig.model_validate(
+        {"index": {"backend": "redis://127.0.0.1:6379/0"}, "router": {"replica_sync": True}}
+    )
+    assert config.router.replica_sync
+    with pytest.raises(ValueError, match="replica_timeout_s must be longer"):
+        ControllerConfig.model_validate(
+            {
+                "index": {"backend": "redis://127.0.0.1:6379/0"},
+                "router": {"replica_sync": True, "replica_heartbeat_s": 2, "replica_timeout_s": 1},
+            }
+        )
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+def _router() -> Router:
+    return Router(make_policy("kvplane"))
+
+
+def _request(request_id: str) -> RouteRequest:
+    """A prompt of 2,000 tokens of its own (no block shared with another request's)."""
+    base = 1_000 * int(request_id.removeprefix("r"))
+    return RouteRequest(request_id, 2_000, 16, tuple(range(base, base + 125)))
+
+
+def _route(router: Router, request_id: str) -> str:
+    candidates = [Candidate(e) for e in ("e1", "e2", "e3")]
+    return router.route(_request(request_id), candidates, random.Random(0), 0.0).engine_id
+
+
+def _requests(router: Router) -> dict[str, tuple[int, int]]:
+    """Per engine: (requests in flight, of them prefilling), as the router charges them."""
+    out = {}
+    for engine in ("e1", "e2", "e3"):
+        inflight = router.inflight.of(engine)
+        if inflight.requests:
+            out[engine] = (inflight.requests, inflight.prefilling)
+    return out
+
+
+class _Replicas:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.syncs: list[ReplicaSync] = []
+
+    async def start(self, name: str) -> ReplicaSync:
+        client, _ = connect(self.url, RedisOptions(timeout_s=1.0))
+        sync = ReplicaSync(
+            _router(),
+            client,
+            channel_name("kvplane", "default"),
+            name,
+            heartbeat_s=0.1,
+            timeout_s=1.0,
+            owns_client=True,
+        )
+        await sync.start()
+        self.syncs.append(sync)
+        return sync
+
+    async def close(self) -> None:
+        for sync in self.syncs:
+            await sync.close()
+
+
+@pytest.fixture
+async def replicas(redis: RedisServer) -> AsyncIterator[_Replicas]:
+    group = _Replicas(redis.url)
+    yield group
+    await group.close()
+
+
+async def test_a_replica_charges_what_its_peer_routes_until_it_ends(replicas: _Replicas) -> None:
+    a = await replicas.start("a")
+    b = await replicas.start("b")
+    await eventually(lambda: _ready(a, b), WAIT_S, "peers")
+    engine = _route(a.router, "r1")
+    await eventually(lambda: _requests(b.router) == {engine: (1, 1)}, WAIT_S, "the peer's request")
+    a.router.first_token("r1")
+    await eventually(lambda: _requests(b.router) == {engine: (1, 0)}, WAIT_S, "its first token")
+    a.router.finish("r1")
+    await eventually(lambda: _requests(b.router) == {}, WAIT_S, "its end")
+    # A second request from b avoids the engine a now loads.
+    first = _route(a.router, "r2")
+    await eventually(lambda: _requests(b.router) == {first: (1, 1)}, WAIT_S, "the peer's request")
+    assert _route(b.router, "r3") != first
+    await eventually(
+        lambda: sum(n for n, _ in _requests(a.router).values()) == 2, WAIT_S, "b's request"
+    )
+
+
+def _ready(a: ReplicaSync, b: ReplicaSync) -> bool:
+    """Both subscribed: each has heard the other (a beat, a hello or a snapshot)."""
+    return "a" in b._heard and "b" in a._heard
+
+
+async def test_a_replica_that_joins_late_learns_what_its_peers_have_in_flight(
+    replicas: _Replicas,
+) -> None:
+    a = await replicas.start("a")
+    engine = _route(a.router, "r1")
+    a.router.first_token("r1")
+    late = await replicas.start("late")
+    await eventually(lambda: _requests(late.router) == {engine: (1, 0)}, WAIT_S, "the snapshot")
+    a.router.finish("r1")
+    await eventually(lambda: _requests(late.router) == {}, WAIT_S, "its end")
+
+
+async def test_a_redis_restart_loses_nothing_for_long(
+    redis: RedisServer, replicas: _Replicas
+) -> None:
+    a = await replicas.start("a")
+    b = await replicas.start("b")
+    await eventually(lambda: _ready(a, b), WAIT_S, "peers")
+    before = _route(a.router, "r1")
+    await eventually(lambda: _requests(b.router) == {before: (1, 1)}, WAIT_S, "the peer's request")
+    redis.kill()
+    during = _route(a.router, "r2")  # published into the void
+    a.router.finish("r1")
+    await asyncio.sleep(0.5)
+    redis.start()
+    assert during != before
+    await eventually(
+        lambda: _requests(b.router) == {during: (1, 1)}, WAIT_S, "the snapshot after the restart"
+    )
+
+
+_KILLED_REPLICA = """
+import asyncio, random, sys
+from controller.replica_sync import ReplicaSync, channel_name
+from controller.router import Candidate, Router, RouteRequest, make_policy
+from indexer.redis_client import RedisOptions, connect
+
+async def main():
+    client, _ = connect(sys.argv[1], RedisOptions())
+    router = Router(make_policy("kvplane"))
+    sync = ReplicaSync(router, client, channel_name("kvplane", "default"), "doomed",
+                       heartbeat_s=0.1, timeout_s=1.0)
+    await sync.start()
+    await asyncio.sleep(0.5)
+    request = RouteRequest("r1", 2000, 16, tuple(range(1, 126)))
+    router.route(request, [Candidate("e1")], random.Random(0), 0.0)
+    print("routed", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_killed_replica_has_its_requests_released(
+    redis: RedisServer, replicas: _Replicas
+) -> None:
+    survivor = await replicas.start("survivor")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'proto'}"}
+    doomed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _KILLED_REPLICA, redis.url, env=env
+    )
+    try:
+        await eventually(
+            lambda: _requests(survivor.router) == {"e1": (1, 1)}, WAIT_S, "the doomed's request"
+        )
+        doomed.send_signal(signal.SIGKILL)  # no bye
+        await doomed.wait()
+        await eventually(lambda: _requests(survivor.router) == {}, WAIT_S, "its requests released")
+        assert survivor.peers.origins == []
+    finally:
+        if doomed.returncode is None:
+            doomed.kill()
+            await doomed.wait()
