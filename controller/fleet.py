@@ -15,9 +15,11 @@ new engine process (`Registry.on_identity`: a new instance id, or an engine answ
 after its connection was lost) has its old index entries dropped before anything else, so a
 restarted engine's old blocks never attract traffic; removal drops them too. Every task
 is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as candidates
-only the engines holding it (registry.check_lora says why there is none). A new engine
-process is given the adapters the fleet's LoRA intent (controller.lora_intent) wants there,
-in its poll task once its events are followed (`_restore_loras`).
+only the engines holding it (registry.check_lora says why there is none). What a new engine
+process holds is taken into the fleet's LoRA intent (controller.lora_intent: a restarted
+controller learns the fleet's adapters back so, `_take_in_loras`), and it is given the
+adapters the intent wants there, in its poll task once its events are followed
+(`_restore_loras`).
 
 Calls to an engine end with its channel: a removed engine's channel is closed, and so is
 the channel of one unreachable (its polls unanswered; an error answer is an answer) for
@@ -140,6 +142,12 @@ def model_facts(model: pb.ModelInfo) -> ModelFacts:
         tasks=supported_tasks(model),
         generates=generates(model),
     )
+
+
+def _names(adapters: Sequence[LoraSpec] | None) -> frozenset[str] | None:
+    """The names of the adapters ListLoras listed (None: the engine serves no LoRA), as the
+    registry keeps them."""
+    return None if adapters is None else frozenset(a.lora_name for a in adapters)
 
 
 def _failing_checks(reply: pb.HealthResponse) -> str:
@@ -756,8 +764,9 @@ class Fleet:
             self.registry.on_new_instance(engine.address)
             restarted = True
         is_new = self.registry.on_identity(engine.address, identity, self._clock(), restarted)
-        self.registry.on_loras(engine.address, adapters)
+        self.registry.on_loras(engine.address, _names(adapters))
         if is_new:
+            await self._take_in_loras(engine.address, adapters)
             engine.events_pending = True
             await self._forget_old_process(engine, first_contact)
         if engine.events_pending:
@@ -767,6 +776,24 @@ class Fleet:
         # outage, scaled up, registered), also one restarted under the same identity
         # faster than a poll, which only its broken event stream shows.
         await self._restore_loras(engine)
+
+    async def _take_in_loras(self, address: str, adapters: tuple[LoraSpec, ...] | None) -> None:
+        """Tell the fleet's LoRA intent what a process of the engine met anew holds: so
+        that a restarted controller learns the fleet's adapters back from its engines (it
+        keeps nothing of its own). An adapter held under a name the intent knows with
+        another id or path is not taken in: the known one stays the fleet's, and requests
+        naming it may still reach this engine (it holds the name) until it is unloaded
+        there, hence a warning."""
+        fleet = [r.address for r in self.registry.records()]
+        if not adapters:  # nothing to take in: no need to wait for a LoRA call in progress
+            self.lora_intent.found_on(address, adapters, fleet)
+            return
+        async with self.lora_changes:
+            conflicts = self.lora_intent.found_on(address, adapters, fleet)
+        for found, known in conflicts:
+            log.warning("engine %s holds LoRA adapter %s, which conflicts with %s the fleet "
+                        "holds: one name is one adapter across the fleet; unload it there "
+                        "(lora unload --engine)", address, found, known)  # fmt: skip
 
     def _missing_loras(self, address: str) -> list[LoraSpec]:
         """The adapters the fleet's intent wants on the engine that it does not hold (none
@@ -843,10 +870,12 @@ class Fleet:
         except grpc.aio.AioRpcError as exc:
             log.info("engine %s: LoRA adapters not read again: %s", address, exc.code().name)
             return
-        self.registry.on_loras(address, adapters)
+        self.registry.on_loras(address, _names(adapters))
 
-    async def _list_loras(self, engine: _Engine, identity: EngineIdentity) -> frozenset[str] | None:
-        """The LoRA adapters the engine holds; None when it serves no LoRA (says
+    async def _list_loras(
+        self, engine: _Engine, identity: EngineIdentity
+    ) -> tuple[LoraSpec, ...] | None:
+        """The LoRA adapters the engine holds, in its order; None when it serves no LoRA (says
         `supports_lora: false`, or answers ListLoras FAILED_PRECONDITION or UNIMPLEMENTED)."""
         if identity.supports_lora is False:
             return None
@@ -858,7 +887,7 @@ class Fleet:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
                 return None
             raise
-        return frozenset(a.lora_name for a in reply.adapters)
+        return tuple(LoraSpec(a.lora_id, a.lora_name, a.source_path) for a in reply.adapters)
 
     async def _forget_old_process(self, engine: _Engine, first_contact: bool = False) -> None:
         """A new engine process: stop following the old one's events, drop what the router

@@ -39,8 +39,9 @@
   message of a failure. What each engine answered updates the registry's record of the
   adapters it holds, which routing of LoRA requests reads (an UnloadLora takes the adapter
   out of it before asking). One LoRA call at a time (`Fleet.lora_changes`); LoadLora and
-  UnloadLora update the fleet's LoRA intent (controller.lora_intent), and a load under a
-  name it holds with another adapter is ALREADY_EXISTS before any engine is asked.
+  UnloadLora update the fleet's LoRA intent (controller.lora_intent, also rebuilt from what
+  the engines hold), and a load under a name it holds with another adapter is
+  ALREADY_EXISTS before any engine is asked.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`.
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
@@ -798,7 +799,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     context,
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"LoRA adapter {spec} conflicts with {known}, loaded through this "
-                    "controller: one name is one adapter across the fleet (unload it first)",
+                    "controller or found on its engines: one name is one adapter across the "
+                    "fleet (unload it first)",
                 )
 
             def loaded(address: str, reply: pb.LoadLoraResponse) -> None:

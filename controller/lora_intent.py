@@ -1,5 +1,6 @@
-"""The fleet's LoRA intent: which adapters the operator loaded through the controller, on the
-whole fleet or on one engine (`kvplane-engine` metadata, `lora load --engine`). Pure (no I/O).
+"""The fleet's LoRA intent: which adapters the fleet should hold, on the whole fleet or on one
+engine, as the operator loaded them through the controller (`kvplane-engine` metadata, `lora
+load --engine`) or as the controller found them on its engines. Pure (no I/O).
 
 The adapters an engine holds are its process's: a restarted engine, an engine the planner
 scales up or one registered at run time has none. What was loaded through the controller is
@@ -8,15 +9,25 @@ service loads it on an engine whose new process it meets (`wanted_on`) before ro
 requests naming those adapters there. An unload forgets it: fleet-wide, everywhere; with
 `--engine E`, on E only (a fleet-wide adapter then stays off E).
 
-One name is one adapter across the fleet (the router sends a request naming it to any engine
-holding it): a load under a remembered name with another id or path is refused
-(`conflict`) before any engine is asked, where engines would each keep whichever came first.
+The intent lives in the controller's memory, and the controller keeps no state of its own
+(ARCHITECTURE.md): a restarted controller rebuilds it from the engines. Each engine process
+it meets (first contact, registration, a return, a restart) tells what it holds (`found_on`,
+from ListLoras): an adapter held by every engine the controller knew when it first found
+it is the fleet's (so an engine registered or scaled up later gets it too), one some of them
+were read without is the holders' own. An engine restarted while no controller watched is
+read without its adapters, as one never given them: they stay its peers' own. What this
+controller unloaded stays unloaded for its lifetime: an engine away during the unload that
+comes back holding the adapter does not bring it back into the intent.
 
-Kept in memory: a restarted controller remembers nothing (the engines keep their adapters,
-and it routes to them as it lists them), until the next load through it."""
+One name is one adapter across the fleet (the router sends a request naming it to any engine
+holding it): a load under a known name with another id or path is refused (`conflict`)
+before any engine is asked, where engines would each keep whichever came first; an engine
+found holding another adapter under a known name is reported (`found_on`), the one known
+first is kept."""
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 
@@ -38,8 +49,17 @@ class LoraIntent:
     # an engine that cannot take them all (out of LoRA slots) gets back those loaded first,
     # as it held them before it restarted.
     loads: dict[tuple[str, str | None], LoraSpec] = field(default_factory=dict)
-    # name -> addresses a fleet-wide adapter was unloaded from with `--engine`.
-    excluded: dict[str, set[str]] = field(default_factory=dict)
+    # name -> where it was unloaded through this controller since it was last loaded there:
+    # an address (`--engine`; a fleet-wide adapter then stays off it), None (the whole
+    # fleet). For the controller's lifetime: an engine found holding it there gives it back
+    # to no intent.
+    unloaded_from: dict[str, set[str | None]] = field(default_factory=dict)
+    # name -> the engines the controller knew but had not read when it first found the
+    # adapter on one: the fleet's once each of them was read holding it, the holders' own
+    # as soon as one was read without it (or once the operator loads or unloads it).
+    undecided: dict[str, set[str]] = field(default_factory=dict)
+    # The engines `found_on` was told of -> whether they serve LoRA.
+    read: dict[str, bool] = field(default_factory=dict)
 
     def conflict(self, spec: LoraSpec) -> LoraSpec | None:
         """The remembered adapter that has `spec`'s name but another id or path, if any."""
@@ -51,33 +71,87 @@ class LoraIntent:
     def loaded(self, spec: LoraSpec, address: str | None) -> None:
         """`spec` was loaded on the fleet (`address` None) or on that engine alone."""
         self.loads[(spec.lora_name, address)] = spec
+        self.undecided.pop(spec.lora_name, None)
         if address is None:
-            self.excluded.pop(spec.lora_name, None)
+            self.unloaded_from.pop(spec.lora_name, None)
         else:
-            self.excluded.get(spec.lora_name, set()).discard(address)
+            self.unloaded_from.get(spec.lora_name, set()).discard(address)
 
     def unloaded(self, lora_name: str, address: str | None) -> None:
         """`lora_name` was unloaded from the fleet (`address` None) or from that engine."""
+        self.undecided.pop(lora_name, None)
         if address is None:
-            self.excluded.pop(lora_name, None)
+            self.unloaded_from[lora_name] = {None}
             for key in [k for k in self.loads if k[0] == lora_name]:
                 del self.loads[key]
             return
         self.loads.pop((lora_name, address), None)
-        if (lora_name, None) in self.loads:
-            self.excluded.setdefault(lora_name, set()).add(address)
+        self.unloaded_from.setdefault(lora_name, set()).add(address)
+
+    def found_on(
+        self, address: str, held: Sequence[LoraSpec] | None, fleet: Collection[str]
+    ) -> list[tuple[LoraSpec, LoraSpec]]:
+        """A process of the engine at `address` was met holding `held` (ListLoras; None: it
+        serves no LoRA); `fleet`: the addresses of every engine the controller knows. Takes
+        into the intent what it holds that the intent lacks, unless this controller
+        unloaded it there or from the fleet. Returns the adapters it holds under a name the
+        intent knows with another id or path, each with the known one (kept)."""
+        for name in [n for n, waiting in self.undecided.items() if address in waiting]:
+            self.undecided[name].discard(address)
+            if held is not None and self._known(name) not in held:
+                del self.undecided[name]  # read without it: the holders' own
+            elif not self.undecided[name]:
+                self._make_fleet_wide(name)
+        others_read = any(lora for other, lora in self.read.items() if other != address)
+        self.read[address] = held is not None
+        if held is None:
+            return []
+        conflicts: list[tuple[LoraSpec, LoraSpec]] = []
+        for spec in held:
+            name = spec.lora_name
+            if {None, address} & self.unloaded_from.get(name, set()):
+                continue
+            known = self.conflict(spec)
+            if known is not None:
+                conflicts.append((spec, known))
+                continue
+            first_found = self._known(name) is None
+            if (name, None) not in self.loads:
+                self.loads[(name, address)] = spec
+            if first_found and not others_read:  # every engine read so far holds it
+                self.undecided[name] = set(fleet) - self.read.keys()
+                if not self.undecided[name]:
+                    self._make_fleet_wide(name)
+        return conflicts
 
     def forget_engine(self, address: str) -> None:
         """The engine left the fleet: what was loaded on it alone goes with it."""
         for key in [k for k in self.loads if k[1] == address]:
             del self.loads[key]
-        for addresses in self.excluded.values():
+        for addresses in self.unloaded_from.values():
             addresses.discard(address)
+        self.read.pop(address, None)
+        for name in [n for n, waiting in self.undecided.items() if address in waiting]:
+            self.undecided[name].discard(address)
+            if not self.undecided[name]:
+                self._make_fleet_wide(name)
 
     def wanted_on(self, address: str) -> list[LoraSpec]:
         """The adapters the engine at `address` should hold, in the order they were loaded."""
         wanted: dict[str, LoraSpec] = {}
         for (name, on), spec in self.loads.items():
-            if on == address or (on is None and address not in self.excluded.get(name, ())):
+            if on == address or (on is None and address not in self.unloaded_from.get(name, ())):
                 wanted.setdefault(name, spec)
         return list(wanted.values())
+
+    def _known(self, lora_name: str) -> LoraSpec | None:
+        return next((s for (n, _), s in self.loads.items() if n == lora_name), None)
+
+    def _make_fleet_wide(self, lora_name: str) -> None:
+        """Every engine read holds the found adapter: the fleet's, in the place of its
+        holders' entries (at the first one's place in the loading order)."""
+        self.undecided.pop(lora_name, None)
+        self.loads = {
+            (name, None if name == lora_name else on): spec
+            for (name, on), spec in self.loads.items()
+        }

@@ -7,6 +7,7 @@ of LoRA slots keeps what it holds, and routing follows what each engine holds.""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import grpc
@@ -71,6 +72,12 @@ async def generate(fleet: Fleet, request_id: str, lora_name: str) -> str:
     return str(events[-1])
 
 
+async def load_on(engine: EngineApp, adapter: pb.LoraAdapter) -> None:
+    """Load the adapter on the engine itself (not through the controller)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{engine.port}") as channel:
+        await pb_grpc.OpenEngineStub(channel).LoadLora(pb.LoadLoraRequest(adapter=adapter))
+
+
 async def lora_fleet(count: int) -> Fleet:
     return await make_fleet(
         engines=[await start_sim_engine(f"e{i}", lora=LORA) for i in range(count)]
@@ -112,6 +119,57 @@ async def test_a_restarted_or_registered_engine_gets_the_fleets_adapters_back(
         await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=e3))
         only_z = {"z": z.source_path}
         await eventually(lambda: restored(fleet, joined, only_z), 15, "z restored on e3")
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_restarted_controller_takes_the_fleets_adapters_back_from_its_engines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a controller killed had loaded: x on every engine, y on e1, w on e0. A new
+    controller (a fresh one in front of the same engines) learns it from them: e1 restarted
+    gets x and y back; e2, registered holding x and another adapter under w's name, is warned
+    about (e0's w, known first, stays the fleet's) and, restarted, gets x alone; e3
+    registered empty gets x alone (the fleet's, held by every engine the controller knew);
+    loading w from a third directory is ALREADY_EXISTS."""
+    caplog.set_level(logging.WARNING, logger="controller.fleet")
+    x, y, w = (adapter(tmp_path, n, i) for i, n in enumerate("xyw", start=1))
+    other_w = adapter(tmp_path, "w", 3, directory="other-w")
+    engines = [await start_sim_engine(f"e{i}", lora=LORA) for i in range(3)]
+    for engine, held in zip(engines, [(x, w), (x, y), (x, other_w)], strict=True):
+        for a in held:
+            await load_on(engine, a)
+    fleet = await make_fleet(engines=engines[:2])
+    fleet.engines.append(engines[2])
+    try:
+        e1, e2 = (fleet.address(e) for e in engines[1:])
+        restarted = await fleet.restart_engine(e1, "e1-again", lora=LORA)
+        xy = {"x": x.source_path, "y": y.source_path}
+        await eventually(lambda: restored(fleet, restarted, xy), 15, "x, y restored on e1")
+
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=e2))
+        await fleet.wait_routable(3)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(
+            f"{e2} holds LoRA adapter 'w' (id 3, {other_w.source_path}), which conflicts "
+            f"with 'w' (id 3, {w.source_path})" in m
+            for m in warned
+        ), warned
+        restarted = await fleet.restart_engine(e2, "e2-again", lora=LORA)
+        only_x = {"x": x.source_path}
+        await eventually(lambda: restored(fleet, restarted, only_x), 15, "x restored on e2")
+
+        joined = await start_sim_engine("e3", lora=LORA)
+        fleet.engines.append(joined)
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=fleet.address(joined)))
+        await fleet.wait_routable(4)  # its adapters restored before it is routed to
+        assert await restored(fleet, joined, only_x)
+
+        third = adapter(tmp_path, "w", 3, directory="third-w")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=third))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert f"conflicts with 'w' (id 3, {w.source_path})" in (err.value.details() or "")
     finally:
         await close_fleet(fleet)
 

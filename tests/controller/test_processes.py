@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
 from tests.controller.test_gateway import holder_of
+from tests.controller.test_gateway_scripted import outcomes
+from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
 
 KVPLANE = [sys.executable, "-m", "kvplane"]
@@ -230,12 +232,20 @@ async def test_a_remote_indexer_process_drops_a_restarted_engines_blocks_at_once
 
 
 def controller_process(
-    tmp_path: Path, name: str, listen: str, processes: list[subprocess.Popen[bytes]]
+    tmp_path: Path,
+    name: str,
+    listen: str,
+    processes: list[subprocess.Popen[bytes]],
+    engines: Sequence[str] = (),
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A `kvplane controller serve` process with no engine in its config, listening on
-    `listen`; it and its address."""
+    """A `kvplane controller serve` process with `engines` (addresses; none by default) in
+    its config, listening on `listen`; it and its address."""
     config = tmp_path / f"{name}.yaml"
-    config.write_text(f"listen: {listen}\nhealth: {{poll_interval_s: 0.2}}\n")
+    listed = "".join(f"  - {{address: {address}}}\n" for address in engines)
+    config.write_text(
+        f"listen: {listen}\nhealth: {{poll_interval_s: 0.2}}\n"
+        + (f"engines:\n{listed}" if engines else "")
+    )
     port_file = tmp_path / f"{name}.port"
     proc = subprocess.Popen(
         [*KVPLANE, "controller", "serve", "--config", str(config), "--port-file", str(port_file)],
@@ -245,13 +255,27 @@ def controller_process(
     return proc, f"127.0.0.1:{_wait_port(port_file, proc)}"
 
 
-def _sim_engine_process(tmp_path: Path, processes: list[subprocess.Popen[bytes]]) -> str:
-    """A `kvplane engine serve --model sim` process; its address."""
-    port_file = tmp_path / "engine.port"
+def sim_engine_process(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    name: str = "engine",
+    listen: str = "127.0.0.1:0",
+    *,
+    lora: bool = False,
+) -> str:
+    """A `kvplane engine serve --model sim` process (`name`: its instance id, and its files';
+    `lora`: it serves LoRA adapters); its address."""
+    port_file = tmp_path / f"{name}.port"
+    port_file.unlink(missing_ok=True)  # a restart on its port waits for the new process's
+    options = []
+    if lora:
+        config = tmp_path / f"{name}.yaml"
+        config.write_text("lora: {enabled: true}\n")
+        options = ["--config", str(config)]
     proc = subprocess.Popen(
-        [*KVPLANE, "engine", "serve", "--model", "sim", "--listen", "127.0.0.1:0",
-         "--port-file", str(port_file)],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "engine.log").open("wb"),
+        [*KVPLANE, "engine", "serve", "--model", "sim", "--listen", listen,
+         "--instance-id", name, "--port-file", str(port_file), *options],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{name}.log").open("wb"),
     )  # fmt: skip
     processes.append(proc)
     return f"127.0.0.1:{_wait_port(port_file, proc)}"
@@ -311,7 +335,7 @@ async def test_a_controller_with_no_engine_yet_answers_unavailable_not_not_found
     controller, target = await asyncio.to_thread(
         controller_process, tmp_path, "controller", "127.0.0.1:0", processes
     )
-    engine_address = await asyncio.to_thread(_sim_engine_process, tmp_path, processes)
+    engine_address = await asyncio.to_thread(sim_engine_process, tmp_path, processes)
     async with grpc.aio.insecure_channel(target) as channel:
         gateway, admin = pb_grpc.OpenEngineStub(channel), apb_grpc.AdminStub(channel)
         await _assert_not_known_yet(gateway)
@@ -335,6 +359,62 @@ async def test_a_controller_with_no_engine_yet_answers_unavailable_not_not_found
         await _assert_not_known_yet(pb_grpc.OpenEngineStub(channel))
 
 
-async def _routable(admin: apb_grpc.AdminAsyncStub) -> bool:
+async def _routable(admin: apb_grpc.AdminAsyncStub, count: int = 1) -> bool:
+    """Whether the controller knows `count` engines and routes to each."""
     workers = (await admin.ListWorkers(apb.ListWorkersRequest())).workers
-    return [w.routable for w in workers] == [True]
+    return [w.routable for w in workers] == [True] * count
+
+
+@pytest.mark.timeout(180)
+async def test_a_controller_killed_and_restarted_gives_a_restarted_engine_the_fleets_adapters(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Adapter x is loaded on the fleet through the controller, which is then killed (kill -9)
+    and started again on its port: the new process learns x from the engines, so e1, killed
+    and started again on its port afterwards, gets x back, and with e0 cordoned a request
+    naming x is served, by e1. (A controller that kept the fleet's adapters only in its
+    memory left e1 without x for good: that request was refused, UNAVAILABLE.)"""
+    engines = [
+        await asyncio.to_thread(sim_engine_process, tmp_path, processes, f"e{i}", lora=True)
+        for i in range(2)
+    ]
+    controller, target = await asyncio.to_thread(
+        controller_process, tmp_path, "controller", "127.0.0.1:0", processes, engines
+    )
+    x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+    write_adapter_config(Path(x.source_path), r=4)
+    async with grpc.aio.insecure_channel(target) as channel:
+        admin = apb_grpc.AdminStub(channel)
+        await eventually(lambda: _routable(admin, 2), 30, "both engines routed")
+        await pb_grpc.OpenEngineStub(channel).LoadLora(pb.LoadLoraRequest(adapter=x))
+
+    controller.kill()  # kill -9: what it kept in memory is gone
+    await asyncio.to_thread(controller.wait)
+    _, again = await asyncio.to_thread(
+        controller_process, tmp_path, "restarted", target, processes, engines
+    )
+    assert again == target
+    async with grpc.aio.insecure_channel(target) as channel:
+        gateway, admin = pb_grpc.OpenEngineStub(channel), apb_grpc.AdminStub(channel)
+        await eventually(lambda: _routable(admin, 2), 30, "both engines routed again")
+        e1 = processes[1]
+        e1.kill()
+        await asyncio.to_thread(e1.wait)
+        await asyncio.to_thread(
+            sim_engine_process, tmp_path, processes, "e1-again", engines[1], lora=True
+        )
+
+        async def e1_holds_x() -> bool:
+            async with grpc.aio.insecure_channel(engines[1]) as direct:
+                held = await pb_grpc.OpenEngineStub(direct).ListLoras(pb.ListLorasRequest())
+            listing = gateway.ListLoras(pb.ListLorasRequest())
+            await listing
+            known = outcomes(await listing.trailing_metadata()).get("e1-again", {})
+            return [a.lora_name for a in held.adapters] == known.get("adapters") == ["x"]
+
+        await eventually(e1_holds_x, 30, "x back on the restarted e1, as the controller knows")
+        await admin.Cordon(apb.EngineRef(engine="e0"))
+        request = generate_request("on-e1", [1, 2, 3])
+        request.lora_name = "x"
+        events = [r.WhichOneof("event") async for r in gateway.Generate(request)]
+        assert events[-1] == "finished"

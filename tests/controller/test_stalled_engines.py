@@ -54,16 +54,22 @@ class EngineProcess:
 
     @classmethod
     async def start(
-        cls, tmp_path: Path, instance_id: str, role: str = "aggregated", config: str = "{}"
+        cls,
+        tmp_path: Path,
+        instance_id: str,
+        role: str = "aggregated",
+        config: str = "{}",
+        port: int = 0,
     ) -> EngineProcess:
-        """`config`: the engine's YAML (the options given here override it)."""
+        """`config`: the engine's YAML (the options given here override it); `port`: 0 for
+        a free one."""
         port_file = tmp_path / f"{instance_id}.port"
         config_file = tmp_path / f"{instance_id}.yaml"
         config_file.write_text(config)
         proc = await asyncio.to_thread(
             subprocess.Popen,
             [sys.executable, "-m", "kvplane", "engine", "serve", "--model", "sim",
-             "--listen", "127.0.0.1:0", "--instance-id", instance_id, "--role", role,
+             "--listen", f"127.0.0.1:{port}", "--instance-id", instance_id, "--role", role,
              "--config", str(config_file), "--port-file", str(port_file)],
             stdout=subprocess.DEVNULL, stderr=(tmp_path / f"{instance_id}.log").open("wb"),
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -357,6 +363,57 @@ async def test_unloading_an_adapter_a_stopped_engine_holds_fails_naming_it(
         listed = await fleet.gateway.ListLoras(pb.ListLorasRequest())
         assert [a.lora_name for a in listed.adapters] == ["x"]
         assert registry.get(address).lora_adapters == frozenset({"x"})
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_adapter_unloaded_while_an_engine_holding_it_was_stopped_stays_unloaded(
+    tmp_path: Path,
+) -> None:
+    """x was loaded on both engines (by a controller since killed). A new controller, which
+    learns the fleet's adapters from its engines, meets "healthy" and is given "stopped",
+    stopped (unreachable, not read yet), and x is unloaded through it. Back, the stopped
+    engine holds x still (`lora unload` again is the cure) but does not bring x back into
+    the fleet's intent: killed and started again on its port, it stays without x, as does
+    the healthy engine restarted."""
+    lora = "lora: {enabled: true}"
+    stopped = await EngineProcess.start(tmp_path, "stopped", config=lora)
+    healthy = await start_sim_engine("healthy", lora=LoraConfig(enabled=True))
+    adapter = pb.LoraAdapter(
+        lora_name="x", lora_id=1, source_path=str(write_adapter_config(tmp_path / "x"))
+    )
+    for port in (stopped.port, healthy.port):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await pb_grpc.OpenEngineStub(channel).LoadLora(pb.LoadLoraRequest(adapter=adapter))
+    stopped.stop()
+    fleet = await make_fleet(engines=[healthy])
+    fleet.engines.append(stopped)  # type: ignore[arg-type]
+    registry = fleet.app.controller.fleet.registry
+    address = f"127.0.0.1:{stopped.port}"
+    try:
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).state is EngineState.UNREACHABLE, 15
+        )
+        await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"), timeout=30)
+        stopped.resume()
+        await fleet.wait_routable(2)
+        assert registry.get(address).lora_adapters == frozenset({"x"})  # back, holding x
+
+        stopped.proc.kill()
+        await asyncio.to_thread(stopped.proc.wait)
+        stopped = await EngineProcess.start(tmp_path, "again", config=lora, port=stopped.port)
+        fleet.engines[1] = stopped  # type: ignore[call-overload]
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address).engine_id == "again" and registry.get(address).routable,
+            30,
+        )  # its adapters restored before it is routed to
+        restarted_healthy = fleet.address(healthy)
+        await fleet.restart_engine(
+            restarted_healthy, "healthy-again", lora=LoraConfig(enabled=True)
+        )
+        listed = await fleet.gateway.ListLoras(pb.ListLorasRequest())
+        assert list(listed.adapters) == []
     finally:
         await close_fleet(fleet)
 
