@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +41,6 @@ def _wait_port(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.
             return int(path.read_text())
         time.sleep(0.05)
     raise AssertionError(f"no port in {path}")
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in started:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.timeout(120)
@@ -237,14 +222,17 @@ def controller_process(
     listen: str,
     processes: list[subprocess.Popen[bytes]],
     engines: Sequence[str] = (),
+    *,
+    settings: str = "",
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A `kvplane controller serve` process with `engines` (addresses; none by default) in
-    its config, listening on `listen`; it and its address."""
+    """A `kvplane controller serve` process with `engines` (addresses; none by default) and
+    `settings` (more YAML lines) in its config, listening on `listen`; it and its address."""
     config = tmp_path / f"{name}.yaml"
     listed = "".join(f"  - {{address: {address}}}\n" for address in engines)
     config.write_text(
         f"listen: {listen}\nhealth: {{poll_interval_s: 0.2}}\n"
         + (f"engines:\n{listed}" if engines else "")
+        + settings
     )
     port_file = tmp_path / f"{name}.port"
     proc = subprocess.Popen(

@@ -10,10 +10,12 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from polling import eventually
 from redis_servers import RedisServer
@@ -24,6 +26,15 @@ from controller.replica_sync import ReplicaSync, channel_name
 from controller.router import Candidate, Router, RouteRequest, make_policy
 from engine.core.mooncake_trace import load_trace
 from indexer.redis_client import RedisOptions, connect
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import generate_request
+from tests.controller.test_processes import (
+    _routable,
+    controller_process,
+    sim_engine_process,
+)
 
 pytestmark = pytest.mark.timeout(120)
 WAIT_S = 20.0
@@ -241,3 +252,55 @@ async def test_a_killed_replica_has_its_requests_released(
         if doomed.returncode is None:
             doomed.kill()
             await doomed.wait()
+
+
+@pytest.mark.timeout(180)
+async def test_controller_processes_in_sync_see_each_others_requests(
+    tmp_path: Path, redis: RedisServer, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Two `kvplane controller serve` replicas with `replica_sync` in front of the same sim
+    engines: a stream routed by one shows in the other's `admin workers` while it runs, and
+    not after it ends."""
+    engines = [
+        await asyncio.to_thread(sim_engine_process, tmp_path, processes, f"e{i}") for i in range(2)
+    ]
+    settings = f"index: {{backend: '{redis.url}'}}\nrouter: {{replica_sync: true}}\n"
+    targets = []
+    for name in ("a", "b"):
+        _, target = await asyncio.to_thread(
+            controller_process, tmp_path, name, "127.0.0.1:0", processes, engines, settings=settings
+        )
+        targets.append(target)
+    async with (
+        grpc.aio.insecure_channel(targets[0]) as to_a,
+        grpc.aio.insecure_channel(targets[1]) as to_b,
+    ):
+        a, b = apb_grpc.AdminStub(to_a), apb_grpc.AdminStub(to_b)
+        await eventually(lambda: _routable(a, 2), WAIT_S, "a routes to both engines")
+        await eventually(lambda: _routable(b, 2), WAIT_S, "b too")
+        stream = pb_grpc.OpenEngineStub(to_a).Generate(
+            generate_request("long", list(range(1, 200)), max_tokens=100_000)
+        )
+        await anext(aiter(stream))
+        routed_by_a = await _in_flight(a)
+        assert list(routed_by_a.values()) == [1]
+        seen: dict[str, int] = {}
+
+        async def seen_by_b() -> bool:
+            seen.update(await _in_flight(b))
+            return bool(seen)
+
+        await eventually(seen_by_b, WAIT_S, "a's request seen by b")
+        assert seen == routed_by_a
+        stream.cancel()
+
+        async def none_seen_by_b() -> bool:
+            return not await _in_flight(b)
+
+        await eventually(none_seen_by_b, WAIT_S, "the end of a's stream seen by b")
+
+
+async def _in_flight(admin: apb_grpc.AdminAsyncStub) -> dict[str, int]:
+    """Per engine, the requests in flight the controller charges it with (`admin workers`)."""
+    workers = (await admin.ListWorkers(apb.ListWorkersRequest())).workers
+    return {w.address: w.inflight_requests for w in workers if w.inflight_requests}

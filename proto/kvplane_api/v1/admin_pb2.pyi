@@ -117,7 +117,7 @@ class WorkerInfo(_message.Message):
     indexed_blocks: _builtins.int
     """blocks the index places on this engine"""
     inflight_requests: _builtins.int
-    """the router's own count"""
+    """routed by this controller (and its peers with replica_sync)"""
     last_error: _builtins.str
     pooling_only: _builtins.bool
     """The engine serves Embed/Classify/Score only (`runner: pooling`: its ModelInfo advertises
