@@ -123,6 +123,9 @@ def _host_port(value: str) -> str:
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 _SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+# Long enough for a loaded API server. The live planner's ticks do not wait for the calls
+# (they run beside them); a start, a removal or a look at the fleet does.
+API_TIMEOUT_S = 10.0
 
 
 class KubernetesConfig(StrictModel):
@@ -145,6 +148,9 @@ class KubernetesConfig(StrictModel):
     )
     # How often a start looks for its Ready pod.
     poll_s: float = Field(default=1.0, gt=0)
+    # Each API call ends within this (its Retry-After waits included), however slowly the
+    # server answers. The ticks do not wait for the calls; a start or removal does.
+    api_timeout_s: float = Field(default=API_TIMEOUT_S, gt=0)
 
     @model_validator(mode="after")
     def _check_deployments(self) -> KubernetesConfig:

@@ -37,12 +37,14 @@ from typing import Any
 
 from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
+from planner.config import API_TIMEOUT_S
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 MERGE_PATCH = "application/merge-patch+json"
-# Long enough for a loaded API server; a tick waits for the calls it makes.
-REQUEST_TIMEOUT_S = 10.0
-# A call tries this often at most (Retry-After answers; client-go allows 10, but a tick waits).
+# The default of `live.kubernetes.api_timeout_s` (planner.config), the limit of each call.
+REQUEST_TIMEOUT_S = API_TIMEOUT_S
+# A call tries this often at most (Retry-After answers; client-go allows 10, but the actuator's
+# work waits).
 _ATTEMPTS = 4
 _READ_CHUNK_BYTES = 65536
 

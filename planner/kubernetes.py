@@ -36,7 +36,10 @@
 API errors at `check` (a missing Deployment, RBAC, a server that cannot be reached) are a
 one-line ConfigError; later they are one warning line and the tick goes on (a start fails and
 the core asks again; an adoption or a removal is tried again next tick). Each call ends within
-the API's timeout (`KubeApi`, which also waits out a Retry-After). A scale PATCH that failed
+`live.kubernetes.api_timeout_s` (`KubeApi`, which also waits out a Retry-After). The pools are
+looked at and scaled concurrently, at most MAX_CALLS_IN_FLIGHT calls at once; one pool's look
+(`adopt`) and removals take turns under its lock, in the order asked (the live planner runs
+them beside its ticks, so none holds up the engines' observation). A scale PATCH that failed
 yet may have been made (a 5xx, an answer lost) is not made twice: a start's count of free
 replicas sees the replica it made, and a removal tried again first reads whether the scale
 is at what it asked (`_scale_away`).
@@ -69,6 +72,9 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 DRAINED_DELETION_COST = str(-(2**31))
 # Conflicting writers of a scale (an operator's `kubectl scale`) are rare: a few re-reads.
 _SCALE_ATTEMPTS = 3
+# API calls under way at once, all pools together (each in a thread of its own): pools are
+# looked at and scaled concurrently, within what a loaded API server should be asked.
+MAX_CALLS_IN_FLIGHT = 8
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -147,6 +153,9 @@ class KubernetesDeployments:
         self._unknown_scale_downs: dict[str, _UnknownScaleDown] = {}
         self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
         self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
+        # One pool's look (`adopt`) and removals (`stop`) one at a time, in the order asked.
+        self._pool_locks = {pool: asyncio.Lock() for pool in self._deployments}
+        self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
 
     async def check(self) -> None:
         """Read each Deployment's scale and pods: a ConfigError (one line) when the API
@@ -165,20 +174,26 @@ class KubernetesDeployments:
     # ---------------------------------------------------------------- observing
 
     async def adopt(self) -> list[tuple[str, str]]:
+        """Each pool's look (`_adopt_pool`), the pools' at once: a slow Deployment holds up
+        no other's."""
+        found = await asyncio.gather(*(self._adopt_pool(pool) for pool in self._deployments))
+        return [engine for pool in found for engine in pool]
+
+    async def _adopt_pool(self, pool: str) -> list[tuple[str, str]]:
         adopted: list[tuple[str, str]] = []
-        for pool in self._deployments:
+        async with self._pool_locks[pool]:
             try:
                 pods = await self._pods(pool)
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
-                continue
+                return adopted
             self._note_exits(pool, pods)
             if (not_done := await self._retry_removals(pool)) is not None:
                 log.warning("%s (tried again next tick)", not_done)
             if self._waiting[pool]:  # its starts take the Ready pods first
-                continue
+                return adopted
             if self._stand_in_due(pool, pods):
-                continue  # adopted, the pod to be scaled away would be a serving engine
+                return adopted  # adopted, the pod to be scaled away would be a serving engine
             for pod in self._free(pods):
                 if any(e.uid == pod.uid for e in self._engines.values()):
                     continue  # a start that began during a registration below took it
@@ -373,7 +388,18 @@ class KubernetesDeployments:
         exited only leaves the controller (its replica stays for Kubernetes to refill), unless
         it exited while draining, by the planner's drain or an operator's (it was on its way
         out and the core has replaced it: its replica goes too). A scale-away the API refuses
-        raises (the planner counts the failure), and is retried at every later `adopt`."""
+        raises (the planner counts the failure), and is retried at every later `adopt`. Under
+        its pool's lock, as `adopt`'s look at that pool: the two must not scale the same
+        removal away twice."""
+        known = self._exited.get(address) or self._engines.get(address)
+        if known is None:
+            self._draining.discard(address)
+            await self._admin.remove(address)
+            return
+        async with self._pool_locks[known.pool]:
+            await self._stop(address)
+
+    async def _stop(self, address: str) -> None:
         await self._admin.remove(address)
         was_draining = address in self._draining
         self._draining.discard(address)
@@ -436,7 +462,7 @@ class KubernetesDeployments:
         if not any(pod.uid == replica.uid and not pod.deleting for pod in pods):
             replica = await self._stand_in(replica, pods)
         try:
-            await _in_daemon_thread(
+            await self._call(
                 self._api.annotate_pod, replica.pod, {DELETION_COST: DRAINED_DELETION_COST}
             )
         except KubeApiError as exc:
@@ -481,7 +507,7 @@ class KubernetesDeployments:
     # ---------------------------------------------------------------- the API
 
     async def _scale(self, pool: str) -> Scale:
-        scale = await _in_daemon_thread(self._api.get_scale, self._deployments[pool])
+        scale = await self._call(self._api.get_scale, self._deployments[pool])
         self._selectors[pool] = scale.selector
         self._replicas[pool] = scale.replicas
         return scale
@@ -499,7 +525,7 @@ class KubernetesDeployments:
                 if wanted is None:
                     return
                 try:
-                    await _in_daemon_thread(
+                    await self._call(
                         self._api.patch_scale, deployment, wanted, scale.resource_version
                     )
                 except KubeApiError as exc:
@@ -521,7 +547,12 @@ class KubernetesDeployments:
         return selector
 
     async def _pods(self, pool: str) -> list[Pod]:
-        return await _in_daemon_thread(self._api.list_pods, await self._selector(pool))
+        return await self._call(self._api.list_pods, await self._selector(pool))
+
+    async def _call(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """An API call, once fewer than MAX_CALLS_IN_FLIGHT are under way."""
+        async with self._calls:
+            return await _in_daemon_thread(call, *args, **kwargs)
 
 
 async def _in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -566,7 +597,7 @@ async def connect_deployments(
     )
     actuator = KubernetesDeployments(
         controller=live.controller,
-        api=KubeApi(connection),
+        api=KubeApi(connection, kubernetes.api_timeout_s),
         deployments=kubernetes.deployments,
         engine_port=kubernetes.engine_port,
         start_timeout_s=live.start_timeout_s,

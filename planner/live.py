@@ -6,8 +6,15 @@ Every `tick_s`: the GetLoad of every serving or draining engine (concurrently, e
 the core replaces it), the FORWARD_PASS events each engine sent since the last tick (one
 SubscribeRuntimeEvents stream per engine, summed into `ForwardPasses`), then
 `decide(observations, now)` on the monotonic clock, then each decision in order through the
-actuator, logged with its reason (the decision log). Engines the actuator is still starting are
-observed as STARTING (under a placeholder id), so the core sees its pending capacity. An engine
+actuator, logged with its reason (the decision log). What may wait on a remote system (the
+Kubernetes API) runs beside the ticks, as Kubernetes' controllers never block observation on
+writes: the actuator's look at the fleet (`adopt`: the first one waited for, then each tick takes
+the last that ended), starts and removals (stop, kill), so a slow API server holds up neither
+the engines' observation nor the decisions. One pool's starts and removals go in order (a start
+after the removals under way; a removal after the earlier ones), other pools' beside them.
+Engines the actuator is still starting are
+observed as STARTING (under a placeholder id), so the core sees its pending capacity; an engine
+being removed is no longer observed. An engine
 whose process exited on its own is removed (from the controller too) before the tick observes,
 so the core does not count it; a serving engine the controller does not list (it restarted) is
 registered again (at once when the controller restarted: `run` watches its instance id, and
@@ -128,6 +135,11 @@ class LivePlanner:
         self._clock = clock
         self._placeholders = itertools.count()
         self._starts: set[asyncio.Task[None]] = set()
+        # The actuator's work under way beside the ticks (with `_starts`): its look at the
+        # fleet (`_adopted`), and removals (their pool by task, in the order begun: a pool's
+        # go one after another, `_removals_done`).
+        self._adopting: asyncio.Task[list[tuple[str, str]]] | None = None
+        self._removals: dict[asyncio.Task[None], str] = {}
         # Held by a tick and by a reconciliation between ticks: one must not register an
         # engine again while the other takes it out of the controller.
         self._acting = asyncio.Lock()
@@ -181,10 +193,13 @@ class LivePlanner:
 
     async def close(self) -> None:
         """Stop observing, then close the actuator, which decides the engines' fate: local
-        ones end with the planner, a Deployment's pods keep serving."""
-        for task in list(self._starts):
+        ones end with the planner, a Deployment's pods keep serving. Starts and the look at
+        the fleet under way are cancelled; removals under way are finished (each call is
+        bounded), else a drained engine would be left serving nothing."""
+        cancelled = [*self._starts, *([self._adopting] if self._adopting else [])]
+        for task in cancelled:
             task.cancel()
-        await asyncio.gather(*self._starts, return_exceptions=True)
+        await asyncio.gather(*cancelled, *self._removals, return_exceptions=True)
         for engine in list(self.engines.values()):
             await self._forget(engine)
         await self.actuator.close()
@@ -192,7 +207,7 @@ class LivePlanner:
     # ---------------------------------------------------------------- observing
 
     async def _observe(self, now_s: float) -> Observations:
-        for address, pool in await self.actuator.adopt():
+        for address, pool in await self._adopted():
             if address not in self.engines:
                 self._serve(address, pool)
         for address in self.actuator.exited():  # the core must not count a dead engine
@@ -223,6 +238,25 @@ class LivePlanner:
             engine.passes = []
         engines = tuple(e.observation(now_s) for e in self.engines.values())
         return Observations(engines, tuple(passes))
+
+    async def _adopted(self) -> list[tuple[str, str]]:
+        """What the actuator's last look at the fleet (`adopt`) found. It runs beside the
+        ticks, as an informer's list does beside its controller: a slow API server must not
+        hold up the engines' observation and the decisions. The first look is waited for (the
+        planner takes over the fleet as it is, as a controller waits for its informers' first
+        sync); then each tick takes the one that ended and starts the next, and one still
+        under way is neither waited for nor started again."""
+        if self._adopting is None:
+            self._adopting = asyncio.create_task(self.actuator.adopt(), name="adopt")
+            await asyncio.wait([self._adopting])
+        if not self._adopting.done():
+            return []
+        done, self._adopting = self._adopting, asyncio.create_task(self.actuator.adopt())
+        try:
+            return done.result()
+        except Exception as exc:  # the actuator logs its own failures; the next look retries
+            log.error("looking at the fleet failed: %s", exc)
+            return []
 
     async def _reconcile(self, now_s: float) -> None:
         """The actuator's `sync` with the engines running: serving ones the controller does
@@ -359,6 +393,9 @@ class LivePlanner:
             await self._remove(self.engines[decision.engine_id])
 
     async def _start(self, placeholder: _Engine) -> None:
+        """After the removals of its pool under way (a pool's actions go in order: a Deployment
+        scaled down, then up), start an engine in place of `placeholder`."""
+        await self._removals_done(placeholder.pool)
         try:
             address = await self.actuator.start(placeholder.pool)
         except Exception as exc:  # any failure: the core will ask again
@@ -381,12 +418,33 @@ class LivePlanner:
         await self._remove(engine, kill=cause == "unresponsive")
 
     async def _remove(self, engine: _Engine, *, kill: bool = False) -> None:
+        """Stop observing `engine` at once; the actuator stops (or kills) it beside the ticks,
+        after the removals of its pool under way (`_removals_done`)."""
         await self._forget(engine)
+        pool = engine.pool
+        task = asyncio.create_task(self._actuate_removal(engine.engine_id, pool, kill=kill))
+        self._removals[task] = pool
+        task.add_done_callback(self._removals.pop)
+
+    async def _actuate_removal(self, address: str, pool: str, *, kill: bool) -> None:
+        await self._removals_done(pool, before=asyncio.current_task())
         operation: Operation = "kill" if kill else "stop"
         try:
-            await (self.actuator.kill if kill else self.actuator.stop)(engine.engine_id)
+            await (self.actuator.kill if kill else self.actuator.stop)(address)
         except Exception as exc:  # forgotten all the same: its channel is closed
-            self._failed(operation, "stopping %s failed (it may run on): %s", engine.engine_id, exc)
+            self._failed(operation, "stopping %s failed (it may run on): %s", address, exc)
+
+    async def _removals_done(self, pool: str, before: asyncio.Task[None] | None = None) -> None:
+        """Until the removals of `pool` under way (those begun before `before`, if given) are
+        done: one Deployment's changes are made one after another, while other pools' go on."""
+        earlier = []
+        for task, of in self._removals.items():
+            if task is before:
+                break
+            if of == pool:
+                earlier.append(task)
+        if earlier:  # not gather: a start cancelled (the planner closing) cancels no removal
+            await asyncio.wait(earlier)
 
     async def _forget(self, engine: _Engine) -> None:
         """Stop observing `engine` (the actuator still has it)."""

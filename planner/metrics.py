@@ -26,8 +26,8 @@ LossCause = Literal["exited", "unresponsive"]
 # What the live planner asked of its actuator.
 Operation = Literal["start", "sync", "drain", "stop", "kill"]
 
-# Ticks take a few ms (one GetLoad round) up to seconds (an engine stopped in the tick, a
-# GetLoad that times out).
+# Ticks take a few ms (one GetLoad round) up to seconds (a GetLoad that times out, a drain the
+# controller is slow to take); the actuator's starts and removals run beside them.
 _TICK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -156,7 +156,7 @@ class PlannerMetrics:
         )
         self.tick_seconds = Histogram(
             "kvplane_planner_tick_seconds",
-            "Duration of one tick: observe, decide, act",
+            "Duration of one tick: observe, decide, hand the actions to the actuator",
             buckets=_TICK_BUCKETS,
             registry=r,
         )

@@ -35,7 +35,10 @@ What it implements (namespaced, one namespace):
 - `hang_requests` makes the server a hung one: each request gets a 200's headers, then its
   body one byte at a time without end, so every read of the client's gets a byte before its
   timeout and the call never ends on its own. `hung_requests` counts the requests taken,
-  `dropped_requests` those whose client hung up.
+  `dropped_requests` those whose client hung up. `hang_deployments` does so for the requests
+  of those Deployments only (their scale, their pods listed or by name), as a server whose
+  storage is slow for some objects: the others are answered.
+- `delay_s` makes a slow API server: every answer comes that long after its request.
 - The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
   do not collide; Linux routes all of 127.0.0.0/8 to lo), or with `ipv6` the IP ::1 (an IPv6
   cluster's; one pod at a time then: loopback has one IPv6 address), starts `python -m kvplane
@@ -182,8 +185,10 @@ class FakeKube:
         self.stale_deletion_cost = False
         # Set: the ReplicaSet part waits; cleared, it sees only the latest replicas.
         self.hold_replicasets = False
-        # Set: every request hangs (see the module's docstring).
+        # Set: every request hangs (see the module's docstring); or those of these Deployments.
         self.hang_requests = False
+        self.hang_deployments: set[str] = set()
+        self.delay_s = 0.0  # every answer this late (a slow API server)
         self.faults: list[Fault] = []
         self.faulted = 0  # requests answered with a fault
         self.hung_requests = 0
@@ -465,6 +470,29 @@ class FakeKube:
                 self.dropped_requests += 1
                 self._changed.notify_all()
 
+    def hangs(self, path: str) -> bool:
+        """Whether the request for `path` is to hang: `hang_requests`, or it names (its scale,
+        its pods' selector, one of its pods) a Deployment of `hang_deployments`."""
+        if self.hang_requests:
+            return True
+        if not self.hang_deployments:
+            return False
+        url = urllib.parse.urlsplit(path)
+        parts = url.path.strip("/").split("/")
+        with self._changed:
+            if parts[-1] == "scale":
+                return parts[-2] in self.hang_deployments
+            if parts[-1] == "pods":
+                selector = urllib.parse.parse_qs(url.query).get("labelSelector", [""])[0]
+                wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
+                return any(
+                    self.deployments[name].labels == wanted
+                    for name in self.hang_deployments
+                    if name in self.deployments
+                )
+            pod = self.pods.get(parts[-1])
+            return pod is not None and pod.deployment in self.hang_deployments
+
     def _version(self) -> str:
         return str(next(self._versions))
 
@@ -631,7 +659,9 @@ def _handler(kube: FakeKube) -> type[http.server.BaseHTTPRequestHandler]:
 
         def _serve(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if kube.hang_requests:
+            if kube.delay_s:
+                time.sleep(kube.delay_s)
+            if kube.hangs(self.path):
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(2**20))  # 14 hours of bytes

@@ -399,8 +399,11 @@ async def test_a_pod_drained_by_hand_that_exits_takes_its_replica_with_it(
             await two_pods.wait(lambda: not drained.ready)
         else:
             delete_pod(two_pods, drained.name)  # the ReplicaSet makes a pod for its replica
-        await live.tick()
-        assert address not in live.engines
+        async with asyncio.timeout(30):  # until a look at the fleet has seen it go
+            while address in live.engines:
+                await live.tick()
+                await asyncio.sleep(0.1)
+        await asyncio.gather(*live._removals)  # its removal runs beside the ticks
         assert kube.deployments[DEPLOYMENT].replicas == 2  # its replica went with it
         await two_pods.wait(lambda: drained.name not in kube.pods and len(kube.pods) == 2)
         serving = sorted(kube.address(pod) for pod in kube.ready_pods(DEPLOYMENT))
@@ -556,23 +559,49 @@ def test_in_cluster_defaults_come_from_the_pod_or_are_asked_for_in_one_line(
 
 
 def test_planner_run_names_a_missing_deployment_in_one_line(tmp_path: Path) -> None:
-    with fake_kube(tmp_path, None) as kube:  # plain HTTP, as through a `kubectl proxy`
-        token_file = tmp_path / "token"
-        token_file.write_text(kube.token)
-        kubernetes = {
-            "api_server": kube.url,
-            "namespace": kube.namespace,
-            "token_file": str(token_file),  # the default ca_file (absent here) is not needed
-            "deployments": {"default": "missing"},
-        }
-        config = tmp_path / "planner.yaml"
-        live = {"controller": "127.0.0.1:1", "kubernetes": kubernetes}
-        config.write_text(json.dumps({"live": live}))
+    with fake_kube(tmp_path, None) as kube:
+        config = config_file(tmp_path, kube, deployments={"default": "missing"})
         result = CliRunner().invoke(kvplane_app, ["planner", "run", "--config", str(config)])
     assert result.exit_code == 1 and isinstance(result.exception, ConfigError)  # main: one line
     line = str(result.exception)
     assert '404 NotFound: deployments.apps "missing" not found' in line and "\n" not in line
     assert "is Deployment missing in namespace serving?" in line
+
+
+def config_file(tmp_path: Path, kube: FakeKube, **kubernetes: object) -> Path:
+    """A live planner's config file for pool default against `kube` over plain HTTP (as
+    through a `kubectl proxy`), the controller unreachable; `kubernetes` adds to (or replaces
+    in) its `live.kubernetes`."""
+    token_file = tmp_path / "token"
+    token_file.write_text(kube.token)
+    settings = {
+        "api_server": kube.url,
+        "namespace": kube.namespace,
+        "token_file": str(token_file),  # the default ca_file (absent here) is not needed
+        "deployments": {"default": DEPLOYMENT},
+        **kubernetes,
+    }
+    config = tmp_path / "planner.yaml"
+    config.write_text(json.dumps({"live": {"controller": "127.0.0.1:1", "kubernetes": settings}}))
+    return config
+
+
+def test_planner_run_ends_each_api_call_within_live_kubernetes_api_timeout_s(
+    tmp_path: Path,
+) -> None:
+    """An API server that trickles its answers: the start-up check's call gives up at the
+    limit the configuration sets, and says which."""
+    with fake_kube(tmp_path, None) as kube:
+        kube.add_deployment(DEPLOYMENT, 0, LABELS)
+        kube.hang_requests = True
+        config = config_file(tmp_path, kube, api_timeout_s=2)
+        result = CliRunner().invoke(kvplane_app, ["planner", "run", "--config", str(config)])
+        kube.hang_requests = False
+    assert result.exit_code == 1 and isinstance(result.exception, ConfigError), result.output
+    line = str(result.exception)
+    assert line.startswith("pool default: GET ") and "\n" not in line
+    # Given up at 2 s: mid-answer, or (a loaded machine) before its headers came.
+    assert line.endswith(("no whole answer within 2 s", "timed out")), line
 
 
 @pytest.mark.timeout(60)
@@ -585,18 +614,7 @@ async def test_ctrl_c_during_the_start_up_check_does_not_wait_for_a_hung_api(
     with fake_kube(tmp_path, None) as kube:
         kube.add_deployment(DEPLOYMENT, 0, LABELS)
         kube.hang_requests = True
-        token_file = tmp_path / "token"
-        token_file.write_text(kube.token)
-        kubernetes = {
-            "api_server": kube.url,
-            "namespace": kube.namespace,
-            "token_file": str(token_file),
-            "deployments": {"default": DEPLOYMENT},
-        }
-        config = tmp_path / "planner.yaml"
-        config.write_text(
-            json.dumps({"live": {"controller": "127.0.0.1:1", "kubernetes": kubernetes}})
-        )
+        config = config_file(tmp_path, kube)
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
             stderr=asyncio.subprocess.PIPE,
@@ -757,8 +775,8 @@ async def test_an_api_server_that_trickles_its_answers_does_not_hold_up_the_tick
     two_pods: Cluster,
 ) -> None:
     """The API server takes each call and answers a byte at a time: every read of the
-    socket gets a byte before its timeout, yet each call ends at the API timeout and the
-    tick goes on, its engines polled."""
+    socket gets a byte before its timeout, yet each call ends at the API timeout, and the
+    ticks go on meanwhile, their engines polled."""
     kube = two_pods.kube
     api = KubeApi(two_pods.api().connection, timeout_s=1)
     live = LivePlanner(planner(2, 2), two_pods.actuator(api))
@@ -766,14 +784,118 @@ async def test_an_api_server_that_trickles_its_answers_does_not_hold_up_the_tick
         assert await live.tick() == []  # the pods adopted
         kube.hang_requests = True
         async with asyncio.timeout(30):  # a bound for the old behaviour: never
-            assert await live.tick() == []
+            while kube.dropped_requests == 0:  # until the planner hangs up on a call
+                assert await live.tick() == []
+                await asyncio.sleep(0.1)
         assert sorted(live.engines) == two_pods.registered()
         for engine in live.engines.values():  # polled, and answered
             assert engine.state is EngineState.SERVING and engine.failed_polls == 0
     finally:
         kube.hang_requests = False
         await live.close()
-    await two_pods.wait(lambda: kube.dropped_requests >= 1)  # the planner hung up
+
+
+@pytest.mark.timeout(120)
+async def test_a_hung_api_server_holds_up_neither_the_engines_load_nor_the_ticks(
+    two_pods: Cluster,
+) -> None:
+    """The API server takes the planner's listing of the pods and never finishes answering
+    (each call's limit is an hour here): the ticks go on all the same, the engines' load
+    observed at each (a request that starts meanwhile is seen), and the listing under way is
+    not asked again while it hangs."""
+    kube = two_pods.kube
+    api = KubeApi(two_pods.api().connection, timeout_s=3600)
+    metrics = PlannerMetrics()
+    live = LivePlanner(planner(2, 2), two_pods.actuator(api), metrics=metrics)
+    busy = kube.address(kube.ready_pods(DEPLOYMENT)[0])
+    generation: asyncio.Task[None] | None = None
+    try:
+        assert await live.tick() == []  # the pods adopted: the first look is waited for
+        await two_pods.wait_routable(2)
+        kube.hang_requests = True
+        generation = asyncio.create_task(generate_on(busy))
+        async with asyncio.timeout(60):  # a bound for the old behaviour: an hour
+            while kube.hung_requests == 0 or live.engines[busy].load.running_requests == 0:
+                assert await live.tick() == []
+                await asyncio.sleep(0.1)
+            ticks = ticks_done(metrics)
+            for _ in range(3):
+                assert await live.tick() == []
+        assert ticks_done(metrics) == ticks + 3
+        assert kube.hung_requests == 1 and kube.dropped_requests == 0  # still under way
+        assert sorted(live.engines) == two_pods.registered()
+        assert all(e.state is EngineState.SERVING for e in live.engines.values())
+    finally:
+        kube.hang_requests = False
+        if generation is not None:
+            generation.cancel()
+            await asyncio.gather(generation, return_exceptions=True)
+        await live.close()
+
+
+def ticks_done(metrics: PlannerMetrics) -> float:
+    return metrics.registry.get_sample_value("kvplane_planner_tick_seconds_count") or 0.0
+
+
+DEPLOYMENT_B = "kvplane-engine-b"
+
+
+@pytest.fixture
+async def two_pools(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterator[Cluster]:
+    """One pod in each of two pools: `default` (DEPLOYMENT) and `b` (DEPLOYMENT_B)."""
+    async for cluster in cluster_with(tmp_path, tls_files, 1):
+        cluster.kube.add_deployment(DEPLOYMENT_B, 1, {**LABELS, "pool": "b"})
+        await cluster.wait(lambda kube=cluster.kube: len(kube.ready_pods(DEPLOYMENT_B)) == 1)
+        yield cluster
+
+
+@pytest.mark.timeout(180)
+async def test_a_pool_whose_api_calls_hang_does_not_stop_another_from_being_scaled(
+    two_pools: Cluster,
+) -> None:
+    """Every call about pool default's Deployment hangs (an hour each, here). Pool b's engine
+    is drained by hand meanwhile: the planner removes it, deleting its pod, and starts its
+    replacement, in that order, while the call about pool default is still under way."""
+    kube, fleet = two_pools.kube, two_pools.app.controller.fleet
+    api = KubeApi(two_pools.api().connection, timeout_s=3600)
+    actuator = KubernetesDeployments(
+        controller=f"127.0.0.1:{two_pools.app.port}",
+        api=api,
+        deployments={"default": DEPLOYMENT, "b": DEPLOYMENT_B},
+        engine_port=kube.engine_port,
+        start_timeout_s=60,
+        poll_s=0.05,
+    )
+    pools = tuple(PoolConfig(name=name, min_engines=1, max_engines=1) for name in ("default", "b"))
+    live = LivePlanner(
+        Planner(PlannerConfig(pools=pools, scaling=ScalingConfig(tick_s=0.2))), actuator
+    )
+    operator = ControllerAdmin(f"127.0.0.1:{two_pools.app.port}")
+    (stuck,), (drained,) = kube.ready_pods(DEPLOYMENT), kube.ready_pods(DEPLOYMENT_B)
+    try:
+        assert await live.tick() == []  # both pods adopted
+        await two_pools.wait_routable(2)
+        kube.hang_deployments = {DEPLOYMENT}
+        async with asyncio.timeout(90):  # a bound for the old behaviour: an hour
+            while kube.hung_requests == 0:  # until a look lists pool default's pods
+                await live.tick()
+                await asyncio.sleep(0.1)
+            await operator.drain(kube.address(drained), 300)
+            while drained.name in kube.pods or len(two_pools.routable()) != 2:
+                await live.tick()
+                await asyncio.sleep(0.1)
+            await fleet.wait_for(lambda: not live._starts and not live._removals, 60)
+        assert kube.hung_requests == 1 and kube.dropped_requests == 0  # still under way
+        (replacement,) = kube.ready_pods(DEPLOYMENT_B)
+    finally:
+        kube.hang_deployments = set()
+        await operator.close()
+        await live.close()
+    assert kube.deleted == [drained.name]  # scaled away first, then one pod made
+    assert kube.deployments[DEPLOYMENT_B].replicas == 1
+    assert replacement.name != drained.name
+    assert kube.deployments[DEPLOYMENT].replicas == 1 and kube.ready_pods(DEPLOYMENT) == [stuck]
+    assert two_pools.registered() == sorted(kube.address(p) for p in (stuck, replacement))
 
 
 @pytest.mark.timeout(120)
@@ -872,6 +994,7 @@ async def test_a_hung_pod_is_scaled_away_and_replaced_by_one_start(
         if scale_down_answer == "lost":
             kube.faults.append(Fault("PATCH", "deployments/scale", 504, applied=True))
         await ticks_until(live, lambda d: isinstance(d, ScalePool))  # lost, and replaced
+        await asyncio.gather(*live._removals)  # the kill runs beside the ticks
         assert kube.deployments[DEPLOYMENT].replicas == 0  # scaled away
         spy.listed.clear()
         await asyncio.to_thread(spy.listed.wait, 30)  # the replacement's start is under way

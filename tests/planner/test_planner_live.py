@@ -125,6 +125,7 @@ async def test_live_planner_starts_drains_and_removes_engines(setup: Setup) -> N
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 30)
         # The next tick sees it draining and empty (it served nothing): removed, stopped.
         assert await live.tick() == [RemoveEngine(drain.engine_id, "default", Reason.DRAINED)]
+        await asyncio.gather(*live._removals)  # the stop runs beside the ticks
         assert drain.engine_id not in actuator.running()
         assert sorted(live.engines) == sorted(set(addresses) - {drain.engine_id})
         assert [r.address for r in fleet.registry.records()] == sorted(live.engines)
@@ -184,6 +185,7 @@ async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
         # The next tick forgets it (and takes it out of the controller): the pool is below
         # its minimum again, rather than counting a dead engine as serving.
         assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        await asyncio.gather(*live._removals)  # the stop runs beside the ticks
         assert victim not in live.engines and victim not in actuator.running()
         assert victim not in {r.address for r in fleet.registry.records()}
         lost = {"pool": "default", "cause": "exited"}
@@ -543,6 +545,7 @@ async def test_a_drain_whose_deadline_passes_aborts_the_request_and_the_engine_i
         assert await next_decisions(live) == [
             RemoveEngine(drain.engine_id, "default", Reason.DRAINED)
         ]
+        await asyncio.gather(*live._removals)  # the stop runs beside the ticks
         assert drain.engine_id not in setup.actuator.running()
         registered = {r.address for r in setup.app.controller.fleet.registry.records()}
         assert registered == set(live.engines) and drain.engine_id not in registered
@@ -926,7 +929,8 @@ async def test_a_drained_engine_that_hangs_as_it_stops_does_not_hold_up_the_tick
         process = actuator._processes[drain.engine_id]
         with stop_process(process.pid):
             assert await live.tick() == [RemoveEngine(drain.engine_id, "default", Reason.DRAINED)]
-            assert process.returncode is None  # still hung, and the tick is over
+            await asyncio.gather(*live._removals)  # the stop runs beside the ticks
+            assert process.returncode is None  # still hung, and the stop is over
             assert drain.engine_id not in actuator.running()
             assert drain.engine_id not in {r.address for r in fleet.registry.records()}
             assert await live.tick() == []  # and the next one
@@ -975,6 +979,7 @@ async def test_a_hung_engine_is_killed_and_replaced(
             # The second tick in a row without an answer: lost. Killed (a stopped process
             # holds SIGTERM pending), out of the controller, and the pool is short again.
             assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+            await asyncio.gather(*live._removals)  # the kill runs beside the ticks
             assert process.returncode == -signal.SIGKILL
             assert sample(metrics, "kvplane_planner_engines_not_answering", not_answering) == 0
         assert victim not in live.engines and victim not in actuator.running()
