@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,6 +20,7 @@ from indexer.backend import IndexBackend
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.redis_servers import RedisServer
 
 
 async def start_sim_engine(
@@ -153,3 +155,14 @@ def generate_request(
         stopping=pb.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
         metadata=metadata,
     )
+
+
+@pytest.fixture
+async def redis(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    """A private redis-server: the tests stop and restart it."""
+    server = RedisServer(tmp_path / "redis")
+    await asyncio.to_thread(server.start)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.stop)
