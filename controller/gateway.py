@@ -1003,7 +1003,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         readiness probe naming the model is told "not yet", not "never"), a `role` check
         (the gateway is AGGREGATED; another role fails it), and with
         `include_inference_probe` an `inference_probe` check (`_inference_probe`). A failed
-        role or probe makes the state NOT_READY, as on an engine."""
+        role or probe makes the state NOT_READY, as on an engine. A shared or remote index
+        has a `kv_index` check (`_index_check`): one that does not answer makes a READY
+        fleet DEGRADED (it serves, routed by load, without cache knowledge)."""
         checks = []
         if request.model:
             try:
@@ -1024,6 +1026,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             for r in records
         )
         state = self._health_state(records)
+        index = self._index_check()
+        if index is not None:
+            checks.append(index)
+            state = _degraded_by(index, state)
         failed = False
         if request.role != pb.ENGINE_ROLE_UNSPECIFIED:
             failed = request.role != GATEWAY_ROLE
@@ -1038,11 +1044,27 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             probe = await self._inference_probe(request.model)
             checks.append(probe)
             failed = failed or probe.state == pb.HEALTH_STATE_NOT_READY
-            if probe.state == pb.HEALTH_STATE_DEGRADED and state == pb.HEALTH_STATE_READY:
-                state = pb.HEALTH_STATE_DEGRADED
+            state = _degraded_by(probe, state)
         if failed:
             state = pb.HEALTH_STATE_NOT_READY
         return pb.HealthResponse(state=state, checks=checks)
+
+    def _index_check(self) -> pb.HealthCheck | None:
+        """`kv_index`: READY naming the shared Redis or remote indexer while it answers,
+        DEGRADED with its address and error while it does not, as its client last found
+        (`Controller.reachable_index`: Health asks the index nothing). None for the embedded
+        index, which cannot be unreachable."""
+        index = self.controller.reachable_index()
+        if index is None:
+            return None
+        problem = index.unavailable
+        if problem is None:
+            return pb.HealthCheck(
+                name="kv_index", state=pb.HEALTH_STATE_READY, message=index.described
+            )
+        return pb.HealthCheck(
+            name="kv_index", state=pb.HEALTH_STATE_DEGRADED, message=" ".join(problem.split())
+        )
 
     async def _inference_probe(self, model: str) -> pb.HealthCheck:
         """The seed's inference probe for a fleet: every engine that takes traffic for
@@ -1189,6 +1211,15 @@ async def _require_model(controller: Controller, model: str, context: Context) -
         controller.check_model(model)
     except (UnknownModelError, NoEngineRegisteredError) as exc:
         await abort_with(context, status_of(exc), str(exc))
+
+
+def _degraded_by(
+    check: pb.HealthCheck, state: pb.HealthState.ValueType
+) -> pb.HealthState.ValueType:
+    """A DEGRADED check makes a READY fleet DEGRADED (it still serves); other states stay."""
+    if check.state == pb.HEALTH_STATE_DEGRADED and state == pb.HEALTH_STATE_READY:
+        return pb.HEALTH_STATE_DEGRADED
+    return state
 
 
 def _check_message(record: EngineRecord) -> str:

@@ -18,6 +18,8 @@ from indexer.sources.zmq import SourceCounters
 
 # An engine's KV-event source counters, by engine address (None: it has no source now).
 EventCounters = Callable[[str], SourceCounters | None]
+# Whether the index answers now (the embedded one always does), read at scrape time.
+IndexAnswers = Callable[[], bool]
 # What each engine's source counter says, as a Prometheus counter: a rebuild of the engine's
 # index entries (the index lost them, or the stream went out of sequence), a stream or
 # message sequence that skipped, and a reconnect after the stream failed.
@@ -120,7 +122,12 @@ class _EngineCollector:
 
 
 class ControllerMetrics:
-    def __init__(self, registry: Registry, event_counters: EventCounters | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        event_counters: EventCounters | None = None,
+        index_answers: IndexAnswers = lambda: True,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(registry, event_counters))
         r = self.registry
@@ -181,6 +188,14 @@ class ControllerMetrics:
         self.index_placements = Gauge(
             "kvplane_controller_index_placements", "Placements in the index", registry=r
         )
+        # 0 while a shared Redis or remote indexer does not answer: requests are routed by
+        # load, without cache knowledge (the gateway's Health is DEGRADED, check `kv_index`).
+        self.index_reachable = Gauge(
+            "kvplane_controller_index_reachable",
+            "1 when the index answers; 0 while routing goes on without cache knowledge",
+            registry=r,
+        )
+        self.index_reachable.set_function(lambda: float(index_answers()))
         self.event_lag_seconds = Histogram(
             "kvplane_controller_event_lag_seconds",
             "KV-event batches by lag: in the index minus the engine's timestamp on the batch",

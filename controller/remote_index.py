@@ -34,6 +34,10 @@ _KEY_SPACES = {
 }
 
 
+# Refusals that are answers (`resync_engine`): an indexer that knows nothing of the engine, or
+# an older one without the RPC, is there all the same.
+_ANSWERS = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED)
+
 # The settings a failed call names when the indexer's TLS or token and the controller's do not
 # match.
 REMOTE_INDEX_SETTINGS = ClientSettings(
@@ -63,7 +67,8 @@ class RemoteIndex:
     every call fails at once, so it costs one request the deadline per pause, not every
     request. After the pause one call asks it again (the others still fail at once); an
     answer ends the pause. One that is down fails at once by itself (UNAVAILABLE) and is asked
-    every time, so it is used again as soon as it is back.
+    every time, so it is used again as soon as it is back. `unavailable` says whether the last
+    call failed, without a call of its own (the controller's Health reads it).
 
     An engine the controller saw restart (`resync_engine`) has its hits ignored until the
     indexer has dropped what it held of the old process: its sources may still be waiting out
@@ -81,6 +86,7 @@ class RemoteIndex:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.channels = channels
+        self.target = target
         self._channel = channels.aio_channel(target)
         self._stub = ipb_grpc.KvIndexStub(self._channel)
         self._timeout_s = timeout_s
@@ -91,6 +97,8 @@ class RemoteIndex:
         self._pause_s = 0.0  # 0: the indexer answers
         self._ask_again_at = 0.0
         self._asking_again = False
+        # Why the last call asked failed (None: it was answered, or none was asked yet).
+        self._failure: str | None = None
         # Engines restarted since the indexer last confirmed dropping their entries.
         self.restarted: set[str] = set()
 
@@ -113,13 +121,28 @@ class RemoteIndex:
             details = failure_details(
                 self.channels, exc.code(), exc.details() or "", REMOTE_INDEX_SETTINGS
             )
-            raise RemoteIndexError(
-                f"remote index: {exc.code().name}: {details}", exc.code()
-            ) from None
+            failure = f"{exc.code().name}: {details}"
+            self._failure = None if exc.code() in _ANSWERS else failure
+            raise RemoteIndexError(f"remote index: {failure}", exc.code()) from None
         finally:
             self._asking_again = False
         self._pause_s = 0.0
+        self._failure = None
         return reply
+
+    @property
+    def described(self) -> str:
+        """`ReachableIndex.described`."""
+        return f"remote index at {self.target}"
+
+    @property
+    def unavailable(self) -> str | None:
+        """`ReachableIndex.unavailable`: the last failure its calls met (every routed
+        request's match and the controller's index-stats refresh ask it; None: the last was
+        answered), never a call of its own."""
+        if self._failure is None:
+            return None
+        return f"{self.described}: {self._failure}"
 
     async def match(
         self, token_ids: Sequence[int], block_size: int, lora_name: str, cache_salt: str

@@ -34,7 +34,7 @@ from controller.router import (
     make_policy,
 )
 from controller.tokenizers import ModelTokenizers
-from indexer.backend import IndexBackend, IndexStats
+from indexer.backend import IndexBackend, IndexStats, ReachableIndex
 from indexer.backends import open_backend
 from indexer.sources.resync import connect_resync
 
@@ -111,7 +111,13 @@ class Controller:
             on_event_lag=self._event_lag,
             instance_id=self.instance_id,
         )
-        self.metrics = ControllerMetrics(self.fleet.registry, self.fleet.event_counters)
+        self.metrics = ControllerMetrics(
+            self.fleet.registry,
+            self.fleet.event_counters,
+            index_answers=lambda: (
+                (index := self.reachable_index()) is None or index.unavailable is None
+            ),
+        )
         self._tokenizers = ModelTokenizers({})
         self._stats_task: asyncio.Task[None] | None = None
         # An index that cannot answer is asked every 5 s and at every ListWorkers (the live
@@ -377,13 +383,15 @@ class Controller:
         )
 
     async def _refresh_index_stats(self) -> None:
+        """Every INDEX_STATS_INTERVAL_S from the start: the index-size gauges, and for a
+        remote index the one call that keeps its `unavailable` current while no request asks."""
         while True:
-            await asyncio.sleep(INDEX_STATS_INTERVAL_S)
             stats = await self.try_index_stats()
             if stats is not None:
                 self.metrics.index_blocks.set(stats.num_blocks)
                 self.metrics.index_placements.set(stats.num_placements)
                 self.fleet.indexed_blocks = blocks_by_engine(stats)
+            await asyncio.sleep(INDEX_STATS_INTERVAL_S)
 
     async def try_index_stats(self) -> IndexStats | None:
         """`index_stats`, or None when the index cannot answer (a shared or remote index may
@@ -393,6 +401,14 @@ class Controller:
         except Exception as exc:
             self._stats_failed.warn(f"index stats failed: {exc}")
             return None
+
+    def reachable_index(self) -> ReachableIndex | None:
+        """The index the router asks when it lives outside this process (a remote indexer, a
+        shared Redis), whose `unavailable` says whether it answers as its client last found
+        (a Redis backend's calls and maintenance task, a remote index's matches and the
+        index-stats refresh keep it); None for the embedded index, which always answers."""
+        index = self.fleet.remote or self.index
+        return index if isinstance(index, ReachableIndex) else None
 
     async def index_stats(self) -> IndexStats | None:
         """The size of the index the router asks: the embedded or shared one, else the remote

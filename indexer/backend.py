@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from indexer.batch import Batch, BlockKey, Tier
 
@@ -118,3 +118,20 @@ class IndexBackend(Protocol):
     async def stats(self) -> IndexStats: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class ReachableIndex(Protocol):
+    """An index outside the process (a shared Redis, a controller's remote indexer), which may
+    not answer: a health check reads these, which ask it nothing."""
+
+    @property
+    def described(self) -> str:
+        """The index as its errors name it: `Redis at HOST:PORT`, `remote index at HOST:PORT`."""
+        ...
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why it does not answer now, one line naming it, from what its calls last found
+        (None: it answers)."""
+        ...

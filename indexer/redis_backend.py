@@ -215,6 +215,9 @@ class RedisBackend:
         self._ask_again_at = 0.0
         self._asking_again = False
         self._num_silences = 0
+        # Why the last call failed for Redis being away (None: Redis answered since), kept by
+        # every call, the maintenance task's included, so that `unavailable` asks nothing.
+        self._failure: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -236,6 +239,21 @@ class RedisBackend:
     def healthy(self) -> bool:
         """Redis answered the last call and no batch is waiting for it."""
         return self._ready and not self._outage
+
+    @property
+    def described(self) -> str:
+        """`ReachableIndex.described`: the Redis it uses (HOST:PORT, a cluster's nodes)."""
+        return f"Redis at {self._where}"
+
+    @property
+    def unavailable(self) -> str | None:
+        """`ReachableIndex.unavailable`: why a query fails now (None: queries are answered): Redis
+        down or silent, or back but with buffered batches not replayed yet. Read from the state
+        the calls and the background tasks keep (the maintenance task calls Redis every
+        `maintenance_interval_s`): a health check asks this, never Redis itself."""
+        if self._outage:
+            return self._outage_reason()
+        return self._failure
 
     @property
     def num_buffered_batches(self) -> int:
@@ -265,12 +283,14 @@ class RedisBackend:
         prefix for a cold one). Until the recovery has replayed them, a query is UNAVAILABLE,
         as during the outage itself."""
         if self._outage:
-            waiting = f"{len(self._buffer)} buffered batches not applied yet"
-            if self._recovery_error is not None:
-                raise IndexUnavailableError(f"{self._recovery_error}; {waiting}")
-            raise IndexUnavailableError(
-                f"shared index unavailable: Redis at {self._where} is recovering ({waiting})"
-            )
+            raise IndexUnavailableError(self._outage_reason())
+
+    def _outage_reason(self) -> str:
+        """Why queries wait during an outage: the recovery's last failure, else its progress."""
+        waiting = f"{len(self._buffer)} buffered batches not applied yet"
+        if self._recovery_error is not None:
+            return f"{self._recovery_error}; {waiting}"
+        return f"shared index unavailable: Redis at {self._where} is recovering ({waiting})"
 
     def _not_ready(self, exc: Exception) -> IndexUnavailableError:
         """Why readying Redis failed: an answer no retry cures (`RedisMisconfiguredError`),
@@ -318,7 +338,9 @@ class RedisBackend:
                     "FCALL", "kvp_boot", 1, self._meta_key, self._nb, secrets.token_hex(8)
                 )
             except (*_UNREACHABLE, OSError, ResponseError) as exc:
-                raise self._not_ready(exc) from exc
+                not_ready = self._not_ready(exc)
+                self._failure = str(not_ready)
+                raise not_ready from exc
             if int(nb) != self._options.buckets:
                 raise ConfigError(
                     f"redis partition {self._meta_key[:-2]} holds data laid out in {nb} buckets,"
@@ -331,6 +353,7 @@ class RedisBackend:
             self._writes_lost = False
             self._boot = boot
             self._ready = True
+            self._failure = None
         if data_lost:
             self._state_lost("the index")
         elif writes_lost:
@@ -403,6 +426,7 @@ class RedisBackend:
         try:
             reply = await self._fcall_once(function, args, readonly=readonly, boot=boot)
         except IndexUnavailableError as exc:
+            self._failure = str(exc)
             if any(isinstance(e, RedisTimeoutError) for e in _causes(exc)):
                 self._num_silences += 1
                 initial_s, most_s = _SILENT_PAUSE_S
@@ -415,6 +439,7 @@ class RedisBackend:
             if gated:
                 self._asking_again = False
         self._pause_s = 0.0
+        self._failure = None
         return reply
 
     def _silent(self) -> IndexUnavailableError:
@@ -652,6 +677,8 @@ class RedisBackend:
                 await self.sweep()
             except (IndexUnavailableError, *_UNREACHABLE, OSError) as exc:
                 self._ready = False
+                if not isinstance(exc, IndexUnavailableError):  # those are already recorded
+                    self._failure = str(self._unavailable(exc))
                 log.debug("index maintenance skipped: %s", exc)
             except RedisError:
                 log.exception("index maintenance failed")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from indexer.backend import IndexBackend
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.redis_servers import RedisServer
 
 
 async def start_sim_engine(
@@ -171,3 +173,14 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+async def redis(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    """A private redis-server: the tests stop and restart it."""
+    server = RedisServer(tmp_path / "redis")
+    await asyncio.to_thread(server.start)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.stop)

@@ -50,17 +50,6 @@ from tests.redis_servers import RedisServer
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture
-async def redis(tmp_path: Path) -> AsyncIterator[RedisServer]:
-    """A private redis-server: the tests stop and restart it."""
-    server = RedisServer(tmp_path / "redis")
-    await asyncio.to_thread(server.start)
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.stop)
-
-
 async def finished(fleet: Fleet, request: pb.GenerateRequest) -> pb.GenerateResponse:
     reply = await generate(fleet, request)
     assert reply[-1].WhichOneof("event") == "finished", reply[-1]

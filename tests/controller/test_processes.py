@@ -123,17 +123,21 @@ def test_controller_and_engines_as_processes(
     assert controller.wait(timeout=20) == 0
 
 
-async def _indexer_process(
-    tmp_path: Path, engines: list[str], processes: list[subprocess.Popen[bytes]]
+async def indexer_process(
+    tmp_path: Path,
+    engines: list[str],
+    processes: list[subprocess.Popen[bytes]],
+    listen: str = "127.0.0.1:0",
 ) -> str:
-    """A `kvplane indexer serve` process following `engines` (OpenEngine sources); its
-    address."""
+    """A `kvplane indexer serve` process following `engines` (OpenEngine sources), listening
+    on `listen` (a fixed port: one started again where the last one was); its address."""
     config = tmp_path / "indexer.yaml"
     config.write_text(
-        "listen: 127.0.0.1:0\nblock_size: 16\nsources:\n"
+        f"listen: {listen}\nblock_size: 16\nsources:\n"
         + "".join(f"  - {{kind: openengine, target: '{a}', hash: canonical}}\n" for a in engines)
     )
     port_file = tmp_path / "indexer.port"
+    port_file.unlink(missing_ok=True)  # the last process's
     indexer = await asyncio.to_thread(
         subprocess.Popen,
         [*KVPLANE, "indexer", "serve", "--config", str(config), "--port-file", str(port_file)],
@@ -152,7 +156,7 @@ async def test_remote_indexer_feeds_the_router(
     the controller asks it (MatchTokens) instead of keeping its own index."""
     engines = [await start_sim_engine(f"r{i}") for i in range(2)]
     addresses = [f"127.0.0.1:{e.port}" for e in engines]
-    remote = await _indexer_process(tmp_path, addresses, processes)
+    remote = await indexer_process(tmp_path, addresses, processes)
     monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.05)
     fleet = await make_fleet(engines=engines, index={"remote": remote})
     try:
@@ -195,7 +199,7 @@ async def test_a_remote_indexer_process_drops_a_restarted_engines_blocks_at_once
     moment the controller routes to it again the indexer holds none of the old blocks; what the
     new process caches is indexed again within seconds."""
     engines = [await start_sim_engine(f"r{i}") for i in range(2)]
-    remote = await _indexer_process(tmp_path, [f"127.0.0.1:{e.port}" for e in engines], processes)
+    remote = await indexer_process(tmp_path, [f"127.0.0.1:{e.port}" for e in engines], processes)
     fleet = await make_fleet(engines=engines, index={"remote": remote})
     try:
         prefix = list(range(900, 964))

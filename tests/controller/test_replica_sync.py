@@ -12,7 +12,7 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -88,14 +88,6 @@ def test_replica_sync_needs_a_redis_index() -> None:
                 "router": {"replica_sync": True, "replica_heartbeat_s": 2, "replica_timeout_s": 1},
             }
         )
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
 
 
 def _router() -> Router:

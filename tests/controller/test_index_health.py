@@ -1,0 +1,129 @@
+"""The controller's Health while its index cannot answer: a shared redis-server killed under
+it, a remote `kvplane indexer serve` process killed under it, each started again. The fleet
+still serves (routed by load), so Health is DEGRADED, not NOT_READY, with a `kv_index` check
+naming the index and its error; `kvplane admin health` shows it, and
+`kvplane_controller_index_reachable` is 0 meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import controller.service
+from kvplane.cli import app
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
+from tests.controller.test_processes import indexer_process, processes  # noqa: F401 (fixture)
+from tests.polling import eventually
+from tests.redis_servers import RedisServer, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def index_check(fleet: Fleet) -> tuple[int, pb.HealthCheck | None]:
+    """The gateway's Health state and its `kv_index` check (None: it has none)."""
+    reply = await fleet.gateway.Health(pb.HealthRequest())
+    checks = [c for c in reply.checks if c.name == "kv_index"]
+    assert len(checks) <= 1, reply
+    return reply.state, checks[0] if checks else None
+
+
+async def admin_health(fleet: Fleet) -> tuple[str, list[str]]:
+    """`kvplane admin health` against the controller: its state line and its `kv_index`
+    row, split into columns."""
+    result = await asyncio.to_thread(
+        CliRunner().invoke, app, ["admin", "health", "--target", fleet.target]
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    (row,) = [line for line in lines if line.startswith("kv_index ")]
+    return lines[0], row.split(maxsplit=2)
+
+
+async def index_shown_as(fleet: Fleet, state: pb.HealthState.ValueType, message: str) -> None:
+    """Waits until the gateway's Health is `state` (the index's client finds an outage, or its
+    end, at its next call: a request's match, the Redis backend's upkeep, the index-stats
+    refresh); then the `kv_index` check, over gRPC and in `kvplane admin health`, has that
+    state and a one-line message starting with `message` (exactly it when READY: the index's
+    address), and the reachability gauge agrees."""
+
+    async def reached() -> bool:
+        return (await index_check(fleet))[0] == state
+
+    await eventually(reached, 30, f"Health {pb.HealthState.Name(state)}")
+    _, check = await index_check(fleet)
+    name = pb.HealthState.Name(state)
+    state_line, (check_name, check_state, shown) = await admin_health(fleet)
+    assert (state_line, check_name, check_state) == (f"state {name}", "kv_index", name)
+    assert check is not None and check.state == state, check
+    for text in (check.message, shown):
+        assert text.startswith(message) and "\n" not in text, text
+        assert state != pb.HEALTH_STATE_READY or text == message, text
+    gauge = "kvplane_controller_index_reachable"
+    reachable = fleet.app.controller.metrics.registry.get_sample_value(gauge)
+    assert reachable == (1 if state == pb.HEALTH_STATE_READY else 0)
+
+
+async def test_health_is_degraded_while_the_shared_redis_is_down(redis: RedisServer) -> None:
+    fleet = await make_fleet(2, index={"backend": redis.url})
+    where = f"Redis at 127.0.0.1:{redis.port}"
+    try:
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+
+        await asyncio.to_thread(redis.kill)
+        await index_shown_as(
+            fleet, pb.HEALTH_STATE_DEGRADED, f"shared index unavailable: {where} did not answer ("
+        )
+        # The engines are fine: only the index's check says what is wrong.
+        checks = (await fleet.gateway.Health(pb.HealthRequest())).checks
+        engines = [c.state for c in checks if c.name.startswith("engine:")]
+        assert engines == [pb.HEALTH_STATE_READY] * 2
+
+        await asyncio.to_thread(redis.start)
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_health_is_degraded_while_the_remote_indexer_is_down(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],  # noqa: F811 (the fixture imported above)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No request meanwhile: the controller's index-stats refresh is what finds the indexer
+    gone and back (here every 0.1 s rather than 5 s)."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    engines = [await start_sim_engine(f"r{i}") for i in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    listen = f"127.0.0.1:{free_port()}"
+    remote = await indexer_process(tmp_path, addresses, processes, listen)
+    fleet = await make_fleet(engines=engines, index={"remote": remote})
+    where = f"remote index at {remote}"
+    try:
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+
+        processes[-1].send_signal(signal.SIGKILL)
+        await asyncio.to_thread(processes[-1].wait, 10)
+        await index_shown_as(fleet, pb.HEALTH_STATE_DEGRADED, f"{where}: UNAVAILABLE: ")
+
+        assert await indexer_process(tmp_path, addresses, processes, listen) == remote
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_the_embedded_index_has_no_check() -> None:
+    """`index: {backend: memory}` lives in the controller's process: it cannot be unreachable,
+    and the reachability gauge is always 1."""
+    fleet = await make_fleet(2)
+    try:
+        assert await index_check(fleet) == (pb.HEALTH_STATE_READY, None)
+        gauge = "kvplane_controller_index_reachable"
+        assert fleet.app.controller.metrics.registry.get_sample_value(gauge) == 1
+    finally:
+        await close_fleet(fleet)
