@@ -18,7 +18,7 @@ import controller.service
 from kvplane.cli import app
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
-from tests.controller.test_processes import indexer_process, processes  # noqa: F401 (fixture)
+from tests.controller.test_processes import indexer_process
 from tests.polling import eventually
 from tests.redis_servers import RedisServer, free_port
 
@@ -92,7 +92,7 @@ async def test_health_is_degraded_while_the_shared_redis_is_down(redis: RedisSer
 
 async def test_health_is_degraded_while_the_remote_indexer_is_down(
     tmp_path: Path,
-    processes: list[subprocess.Popen[bytes]],  # noqa: F811 (the fixture imported above)
+    processes: list[subprocess.Popen[bytes]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """No request meanwhile: the controller's index-stats refresh is what finds the indexer
