@@ -70,6 +70,11 @@ class IndexConfig(StrictModel):
     remote_token_file: Path | None = None
     # Options of a Redis backend, the indexer's `redis:` block (docs/redis.md).
     redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
+    # Several controller replicas on one Redis index: an engine's KV events are written by
+    # the one replica holding its writer lease, which expires this long after its last
+    # renewal (renewed every third of it); another replica takes over within about this long
+    # after the holder stops (controller.writer_lease, docs/controller.md).
+    writer_lease_s: float = Field(default=10.0, gt=0)
 
     @field_validator("remote")
     @classmethod

@@ -27,6 +27,11 @@ the channel of one unreachable (its polls unanswered; an error answer is an answ
 for it or for their clients' deadlines; `why_calls_ended` tells the gateway which
 (`controller.relay.engine_failure`).
 
+On a shared Redis index, several controller replicas may follow one fleet: each polls every
+engine, but an engine's KV events are followed into the index (and its entries dropped on a
+restart or a removal) only by the replica holding its writer lease (`controller.writer_lease`,
+`index.writer_lease_s`); the others read what it writes.
+
 An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
 request or an engine: prompts are routed by load (a warning at most every
 `BLIND_WARNING_INTERVAL_S`), and a restarted engine's events are followed all the same (its
@@ -40,6 +45,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -66,6 +72,7 @@ from controller.registry import (
 )
 from controller.remote_index import RemoteIndex, keep_best_hit
 from controller.router import Candidate, LoadSnapshot, PrefixHit
+from controller.writer_lease import LeasedSink, LeasingIndex, WriterLease
 from indexer.backend import IndexBackend, TierPrefix
 from indexer.batch import Tier
 from indexer.keys import block_keys
@@ -230,6 +237,14 @@ class _Engine:
         self.poll_task: asyncio.Task[None] | None = None
         self.events_task: asyncio.Task[None] | None = None
         self.source: OpenEngineSource | ZmqSource | None = None
+        # The process whose KV events this replica follows into the index (None: none yet,
+        # or KV events off); on a shared index, only while it holds `lease`.
+        self.followed: EngineIdentity | None = None
+        self.lease: WriterLease | None = None
+        self.lease_task: asyncio.Task[None] | None = None
+        # Held while the events task is started or stopped: by the poll task (a new process)
+        # and by the lease (taken, lost), which would otherwise start two subscriptions.
+        self.events_lock = asyncio.Lock()
         # A new engine process whose KV events are not followed yet: set until they are, so
         # that a failure on the way (the engine gone again, GetKvEventSources failing) is
         # retried at the next identity fetch, which sees the same instance id again.
@@ -260,11 +275,25 @@ class _Engine:
         self.stub = pb_grpc.OpenEngineStub(self.channel)
         await old.close()
 
+    @property
+    def writes_index(self) -> bool:
+        """Whether this replica writes the engine's entries: always on its own index, on a
+        shared one while it holds the engine's writer lease."""
+        return self.lease is None or self.lease.held
+
+    def stop_events(self) -> None:
+        """Stop following the engine's KV events (the task ends at its next step)."""
+        if self.events_task is not None:
+            self.events_task.cancel()
+        self.events_task = None
+        self.source = None
+
     async def close(self) -> None:
-        for task in (self.poll_task, self.events_task):
+        tasks = (self.lease_task, self.poll_task, self.events_task)
+        for task in tasks:
             if task is not None:
                 task.cancel()
-        for task in (self.poll_task, self.events_task):
+        for task in tasks:
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
@@ -334,6 +363,9 @@ class Fleet:
             .receiving_any_size()
             .with_token_file(config.engine_token_file, "engine_token_file")
         )
+        # This replica's id in the writer leases of a shared index (`controller.writer_lease`).
+        self._lease_holder = instance_id or f"controller-{uuid.uuid4().hex[:8]}"
+        self._leasing: LeasingIndex | None = None
         if instance_id is not None:  # every call says which controllers it passed
             self._engine_channels = self._engine_channels.with_interceptors(
                 via_interceptors(instance_id)
@@ -356,6 +388,11 @@ class Fleet:
     # ---- membership ----
 
     async def start(self) -> None:
+        if isinstance(self.index, LeasingIndex):
+            # Other replicas may follow the same engines into this index: write an engine's
+            # workers (`<address>` and its ranks' `<address>/dp<r>`) only under its lease.
+            self._leasing = self.index
+            self.index.fence_writes(self._lease_holder, engine_worker_id)
         for entry in self.config.engines:
             await self.add_engine(
                 entry.address, entry.kv_events.value, source="config", array_tail=entry.array_tail
@@ -377,6 +414,17 @@ class Fleet:
         )
         engine = _Engine(address, self._engine_channels, self._clock)
         self._engines[address] = engine
+        if self._leasing is not None:
+            engine.lease = WriterLease(
+                self._leasing,
+                address,
+                self._lease_holder,
+                self.config.index.writer_lease_s,
+                wanted=lambda: engine.followed is not None,
+                on_taken=functools.partial(self._lease_taken, engine),
+                on_lost=engine.stop_events,
+            )
+            engine.lease_task = asyncio.create_task(engine.lease.run(), name=f"lease {address}")
         engine.poll_task = asyncio.create_task(self._poll(engine), name=f"poll {address}")
         return record
 
@@ -402,7 +450,10 @@ class Fleet:
         try:
             if engine is not None:
                 await engine.close()
-            await self._drop_indexed(address)
+            if engine is None or engine.writes_index:
+                await self._drop_indexed(address)
+            if engine is not None and engine.lease is not None:
+                await engine.lease.release()  # another replica that has it takes it over
             if self.remote is not None:  # added again later, it is a first contact
                 self.remote.restarted.discard(address)
             if self._on_engine_gone is not None:
@@ -488,6 +539,8 @@ class Fleet:
         self._engines.clear()
         for engine in engines:
             await engine.close()
+        # The other replicas take over the engines this one followed at their next renewal.
+        await asyncio.gather(*(e.lease.release() for e in engines if e.lease is not None))
         if self.remote is not None:
             await self.remote.close()
 
@@ -897,23 +950,51 @@ class Fleet:
         if self.remote is not None:
             # First of all: the engine's hits are ignored from now until the indexer answers.
             await self._resync_remote(engine, first_contact)
-        if engine.events_task is not None:
-            engine.events_task.cancel()
-            # Not `await` under a suppress of CancelledError: that would swallow this poll
-            # task's own cancellation (RemoveEngine, close) arriving meanwhile, and the poll
-            # would go on and follow the events again, out of anyone's reach.
-            await asyncio.wait([engine.events_task])
-            engine.events_task = None
-            engine.source = None
+        async with engine.events_lock:
+            engine.followed = None
+            if engine.events_task is not None:
+                task = engine.events_task
+                engine.stop_events()
+                # Not `await` under a suppress of CancelledError: that would swallow this poll
+                # task's own cancellation (RemoveEngine, close) arriving meanwhile, and the
+                # poll would go on and follow the events again, out of anyone's reach.
+                await asyncio.wait([task])
         if self._on_engine_gone is not None:
             self._on_engine_gone(engine.address)
-        await self._drop_indexed(engine.address)
+        # On a shared index, the replica holding the engine's lease drops them (its new
+        # subscription's snapshot clears the worker anyway).
+        if engine.writes_index:
+            await self._drop_indexed(engine.address)
 
     async def _follow_events(self, engine: _Engine, identity: EngineIdentity) -> None:
-        """Subscribe to the engine process's KV events into the index (as configured)."""
+        """Subscribe to the engine process's KV events into the index (as configured); on a
+        shared index, once this replica holds the engine's writer lease."""
         record = self.registry.get(engine.address)
         if self.index is None or record.kv_events == KvEventsMode.none.value:
             return
+        async with engine.events_lock:
+            engine.followed = identity
+            if engine.lease is not None and not engine.lease.held:
+                engine.lease.wake()  # it follows them once it takes the lease
+                return
+            await self._start_events(engine, identity)
+
+    async def _lease_taken(self, engine: _Engine) -> None:
+        """This replica took the engine's writer lease over: follow the engine's events from
+        a fresh subscription, whose snapshot clears and rebuilds its worker (what another
+        replica wrote, or nobody while the lease was free, is replaced)."""
+        async with engine.events_lock:
+            if engine.events_task is not None:
+                task = engine.events_task
+                engine.stop_events()
+                await asyncio.wait([task])
+            if engine.followed is not None:
+                await self._start_events(engine, engine.followed)
+
+    async def _start_events(self, engine: _Engine, identity: EngineIdentity) -> None:
+        """Start the task following the engine process's KV events (a fresh source: its first
+        batch clears the worker)."""
+        record = self.registry.get(engine.address)
         translator = WorkerTranslator(
             TranslateOptions(
                 worker_id=engine.address,
@@ -943,7 +1024,7 @@ class Fleet:
                     backoff_max_s=health.backoff_max_s,
                 ),
                 translator,
-                self.index,
+                self._sink(engine),
                 channels=self._engine_channels,
                 on_batch_time=on_batch_time,
                 on_sequence_break=on_sequence_break,
@@ -953,6 +1034,14 @@ class Fleet:
         engine.source = source
         engine.events_task = asyncio.create_task(source.run(), name=f"kv events {engine.address}")
         engine.events_task.add_done_callback(functools.partial(_events_ended, engine.address))
+
+    def _sink(self, engine: _Engine) -> IndexBackend | LeasedSink:
+        """Where the engine's KV events are applied: the index, under the engine's writer
+        lease on a shared one."""
+        assert self.index is not None
+        if self._leasing is not None and engine.lease is not None:
+            return LeasedSink(self._leasing, engine.lease)
+        return self.index
 
     def _event_applied(self, address: str, stamped_unix_s: float) -> None:
         """A KV-event batch the engine stamped at `stamped_unix_s` is in the index."""
@@ -970,7 +1059,6 @@ class Fleet:
         on_sequence_break: Callable[[], None],
         array_tail: ArrayTail,
     ) -> ZmqSource | None:
-        assert self.index is not None
         try:
             reply = await engine.stub.GetKvEventSources(
                 pb.GetKvEventSourcesRequest(), timeout=self.config.health.rpc_timeout_s
@@ -992,7 +1080,7 @@ class Fleet:
             return ZmqSource(
                 settings,
                 translator,
-                self.index,
+                self._sink(engine),
                 on_batch_time=on_batch_time,
                 on_sequence_break=on_sequence_break,
             )

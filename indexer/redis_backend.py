@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
 import secrets
@@ -75,6 +76,7 @@ from indexer.redis_client import (
     IndexBackendError,
     IndexFullError,
     IndexUnavailableError,
+    LeaseLostError,
     RedisMisconfiguredError,
     RedisOptions,
     connect,
@@ -86,6 +88,8 @@ __all__ = [
     "IndexBackendError",
     "IndexFullError",
     "IndexUnavailableError",
+    "LeaseLostError",
+    "LeaseState",
     "RedisBackend",
     "RedisMisconfiguredError",
     "RedisOptions",
@@ -130,6 +134,8 @@ MAX_GROUP_BATCHES = 64
 MAX_GROUP_HASHES = 65_536
 # kvp_apply's status for a batch of a new worker when the partition has no id left for it.
 _PARTITION_FULL = "KVP_WORKERS "
+# kvp_apply's status (kvp_remove's error) for a fenced write of a process without the lease.
+_FENCED = "KVP_FENCED "
 # Refusals that pass: a replica being promoted, a slot moving, memory pressure, a busy script.
 _TRANSIENT = (OutOfMemoryError, ReadOnlyError, TryAgainError)
 # KVP_MOVING: the partition's cluster slot is being moved to another node (redis_functions.lua).
@@ -167,6 +173,14 @@ async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
     return backend
 
 
+class LeaseState(enum.Enum):
+    """What `RedisBackend.hold_lease` found (kvp_lease in redis_functions.lua)."""
+
+    TAKEN = 1  # nobody held it: this process holds it now and must rebuild what it covers
+    KEPT = 2  # this process held it and holds it for another term
+    HELD_ELSEWHERE = 0  # another process holds it
+
+
 class RedisBackend:
     """`IndexBackend` over one partition in Redis (see the module docstring)."""
 
@@ -186,6 +200,10 @@ class RedisBackend:
         self._next_mark = 1
         self._acked_mark = 0
         self._writes_lost = False
+        # Writer leases (`fence_writes`): this process's holder id and the lease of a worker
+        # (its engine). None: writes are unconditional (the indexer's, seed 004's KVIndexer).
+        self._fence_holder: str | None = None
+        self._lease_of: Callable[[str], str] = str
         self._ready = False
         self._ready_lock = asyncio.Lock()
         # Workers with a batch written to the partition (not just buffered): what a Redis that
@@ -263,6 +281,34 @@ class RedisBackend:
         """`callback(worker_id)` runs when a worker's index state was dropped (buffer overflow
         during an outage, or Redis lost its data): its source must rebuild it."""
         self._listeners.append(callback)
+
+    def fence_writes(self, holder: str, lease_of: Callable[[str], str]) -> None:
+        """From now on every write of this process (applies, removals, also those buffered
+        in an outage, when they are replayed) is made only while `holder` holds the writer
+        lease `lease_of(worker_id)` (`hold_lease`), checked atomically with the write inside
+        Redis: a controller replica that lost an engine's lease, paused past its expiry or cut
+        off from Redis, cannot write over the replica that took it over. A refused apply
+        raises LeaseLostError; a refused removal is dropped (the new holder owns the worker).
+        The KVIndexer API's applies are never fenced (seed 004: unconditional)."""
+        self._fence_holder = holder
+        self._lease_of = lease_of
+
+    def _fence(self, worker_id: str) -> bytes:
+        if self._fence_holder is None:
+            return b""
+        return codec.fence_arg(self._fence_holder, self._lease_of(worker_id))
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> LeaseState:
+        """Take the writer lease `name` for `holder` if nobody holds it, or keep it another
+        `ttl_s` if `holder` does (Redis's clock decides the expiry). IndexUnavailableError
+        while Redis cannot answer: the lease then runs out by itself."""
+        reply = await self._fcall("kvp_lease", [name, holder, max(1, round(ttl_s * 1000))])
+        return LeaseState(int(reply))
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        """Give up `holder`'s lease `name` (nothing when another holds it), so that another
+        process takes it at its next try instead of after the expiry."""
+        await self._fcall("kvp_lease", [name, holder, "release"])
 
     def take_resync_requests(self) -> frozenset[str]:
         """Workers to resync since the last call (the polling form of the listener)."""
@@ -528,7 +574,7 @@ class RedisBackend:
         sent: list[int] = []
         for i, batch in enumerate(batches):
             try:
-                args += codec.batch_args(batch)
+                args += codec.batch_args(batch, self._fence(batch.worker_id))
             except Exception as exc:
                 log.exception("batch of %s cannot be encoded for Redis", batch.worker_id)
                 statuses[i] = f"cannot be encoded for Redis: {type(exc).__name__}: {exc}"
@@ -610,19 +656,23 @@ class RedisBackend:
                 self._recovery_error = None
                 while self._removals:
                     worker_id = min(self._removals)
-                    await self._fcall("kvp_remove", [worker_id], boot=True)
+                    await self._remove(worker_id)
                     self._removals.discard(worker_id)
                 while self._dropping:
                     worker_id = min(self._dropping)
-                    await self._fcall("kvp_remove", [worker_id], boot=True)
+                    fenced = await self._remove(worker_id) is None
                     self._dropping.discard(worker_id)
-                    self._request_resync({worker_id})
+                    if not fenced:  # else the lease's holder owns the worker now
+                        self._request_resync({worker_id})
                 while self._buffer:
                     # Left in the buffer until applied, so new batches queue behind them.
                     head = list(itertools.islice(self._buffer, MAX_GROUP_BATCHES))
                     for batch, status in zip(head, await self._replay_head(head), strict=True):
                         if status is None:
                             self._known_workers.add(batch.worker_id)
+                        elif status.startswith(_FENCED):  # the lease's new holder rebuilt it
+                            log.info("buffered batch of %s not applied: %s", batch.worker_id,
+                                     status)  # fmt: skip
                         else:
                             log.error("buffered batch of %s refused: %s", batch.worker_id, status)
                             self._request_resync({batch.worker_id})
@@ -851,12 +901,25 @@ class RedisBackend:
         self._resync.discard(worker_id)
         self._unannounced.discard(worker_id)
         try:
-            removed: int = await self._fcall("kvp_remove", [worker_id], boot=True)
+            removed = await self._remove(worker_id)
         except IndexUnavailableError:
             self._removals.add(worker_id)
             self._outage = True
             self._start_recovery()
             raise
+        return removed or 0
+
+    async def _remove(self, worker_id: str) -> int | None:
+        """kvp_remove; None when it was fenced (`fence_writes`) and refused: the process
+        holding the worker's lease owns it, and nothing was removed."""
+        args: list[bytes | str | int] = [worker_id, self._fence(worker_id)]
+        try:
+            removed: int = await self._fcall("kvp_remove", args, boot=True)
+        except IndexBackendError as exc:
+            if _FENCED not in str(exc):
+                raise
+            log.info("worker %s not removed: %s", worker_id, exc)
+            return None
         return removed
 
     # ------------------------------------------------------------------ views
@@ -948,6 +1011,8 @@ def _refused(batch: Batch, status: str) -> IndexBackendError:
     """The error for a batch kvp_apply refused (nothing of it written), from its status."""
     if status.startswith(_PARTITION_FULL):
         return IndexFullError(f"batch of {batch.worker_id}: {status.removeprefix(_PARTITION_FULL)}")
+    if status.startswith(_FENCED):
+        return LeaseLostError(f"batch of {batch.worker_id}: {status.removeprefix(_FENCED)}")
     return IndexBackendError(f"batch of {batch.worker_id}: {status}")
 
 

@@ -35,6 +35,12 @@ class IndexBackendError(KvplaneError):
     65,535 are registered in one partition); the batch is not buffered."""
 
 
+class LeaseLostError(IndexBackendError):
+    """A fenced write (a controller replica following an engine) was refused: this process
+    does not hold the engine's writer lease (any more). Nothing of it was written; the
+    replica holding the lease writes that engine's workers."""
+
+
 class IndexFullError(IndexBackendError):
     """The partition cannot take the batch's new worker: 65,535 workers are registered in it,
     the most its records can address (removing one frees its id). Nothing of the batch was

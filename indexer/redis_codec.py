@@ -61,20 +61,27 @@ def unpack_spec(data: bytes) -> CacheSpec | None:
     return CacheSpec(*_SPEC.unpack(data))
 
 
-def batch_args(batch: Batch) -> list[bytes | str | int]:
+def batch_args(batch: Batch, fence: bytes = b"") -> list[bytes | str | int]:
     """One batch's part of kvp_apply's arguments (which follow the bucket count and the boot
-    token, batch after batch): its worker, address, spec and number of actions, then seven
-    per action."""
+    token, batch after batch): its worker, address, spec, fence (b"": unconditional, else
+    `fence_arg`'s) and number of actions, then seven per action."""
     args: list[bytes | str | int] = [
         # Encoded here (strictly), so that a string Redis cannot take fails this batch alone.
         batch.worker_id.encode(),
         batch.worker_address.encode(),
         pack_spec(batch.cache_spec),
+        fence,
         len(batch.actions),
     ]
     for action in batch.actions:
         args += _action_args(action)
     return args
+
+
+def fence_arg(holder: str, engine: str) -> bytes:
+    """A write allowed only while `holder` holds `engine`'s writer lease (check_fence in
+    redis_functions.lua)."""
+    return f"{holder} {engine}".encode()
 
 
 def _action_args(action: Action) -> list[bytes | str | int]:

@@ -14,6 +14,8 @@ one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:
                           n<t> live placement count per tier t (a free id keeps only e<t>)
   <base>:b:<bucket> HASH  8-byte block key -> block record (below)
   <base>:h:<bucket> HASH  8-byte block key -> hit count
+  <base>:l:<engine> STRING the writer lease of an engine's workers: the id of the one
+                          controller replica that writes them (kvp_lease), with an expiry
 
 Block record: flags(1: bit 0 = has parent) token_count(u32) [parent(8)] then 13-byte
 placements: worker id(u16) tier(u8) epoch(u32) component mask(u32) copies(u16), in
@@ -318,19 +320,36 @@ local function check_boot(ctx, arg)
   return nil
 end
 
--- Applies one batch whose arguments start at args[i]: worker, address, spec, number of
--- actions, then seven per action: type, tier, hashes, masks, sizes, parent, copies (blobs of
--- big-endian int64 / uint32; "" = absent; copies "1" or "0"). Returns the status (1, or an
--- error message that nothing of this batch was written) and the index after the batch.
+-- `fence`: "" (an unconditional write: the KVIndexer API's, seed 004), or "<holder> <engine>"
+-- for a controller replica following an engine: the write is refused unless `holder` holds
+-- the engine's writer lease (kvp_lease) now, so that a replica that lost it (paused past its
+-- expiry, cut off from Redis) cannot write over the one that took it over. Returns nil or
+-- the refusal.
+local function check_fence(ctx, fence)
+  if fence == '' then return nil end
+  local holder, engine = string.match(fence, '^(%S+) (.+)$')
+  if redis.call('GET', ctx.base .. ':l:' .. engine) ~= holder then
+    return 'KVP_FENCED this replica does not hold the writer lease of engine ' .. engine
+  end
+  return nil
+end
+
+-- Applies one batch whose arguments start at args[i]: worker, address, spec, fence (see
+-- check_fence), number of actions, then seven per action: type, tier, hashes, masks, sizes,
+-- parent, copies (blobs of big-endian int64 / uint32; "" = absent; copies "1" or "0").
+-- Returns the status (1, or an error message that nothing of this batch was written) and the
+-- index after the batch.
 local function apply_one(ctx, args, i)
-  local num_actions = tonumber(args[i + 3])
-  local after = i + 4 + 7 * num_actions
+  local num_actions = tonumber(args[i + 4])
+  local after = i + 5 + 7 * num_actions
+  local fenced = check_fence(ctx, args[i + 3])
+  if fenced then return fenced, after end
   local wid = intern(ctx, args[i])
   if type(wid) == 'string' then return wid, after end
   local wkey = ctx.base .. ':w:' .. wid
   redis.call('HSET', wkey, 'a', args[i + 1], 's', args[i + 2])
   redis.call('SADD', ctx.base .. ':ws', wid)
-  for a = i + 4, after - 1, 7 do
+  for a = i + 5, after - 1, 7 do
     local kind = tonumber(args[a])
     local tier = tonumber(args[a + 1])
     local hashes = args[a + 2]
@@ -667,13 +686,15 @@ local function kvp_workers(keys, args)
   return out
 end
 
--- ARGV: nb, boot, worker name. Forgets the worker and all its placements (epochs bumped) and
--- frees its id, which keeps its epochs for its next worker. Returns the number of live
--- placements it had.
+-- ARGV: nb, boot, worker name, fence (see check_fence). Forgets the worker and all its
+-- placements (epochs bumped) and frees its id, which keeps its epochs for its next worker.
+-- Returns the number of live placements it had.
 local function kvp_remove(keys, args)
   local ctx = new_ctx(keys, args)
   local err = check_boot(ctx, args[2])
   if err then return err end
+  local fenced = check_fence(ctx, args[4] or '')
+  if fenced then return redis.error_reply(fenced) end
   local wid = redis.call('HGET', ctx.base .. ':wi', args[3])
   if not wid then return 0 end
   redis.call('HDEL', ctx.base .. ':wi', args[3])
@@ -788,7 +809,33 @@ local function kvp_boot(keys, args)
   return { redis.call('HGET', mkey, 'boot'), tonumber(nb) }
 end
 
+-- ARGV: nb, engine, holder, milliseconds. The engine's writer lease: taken by `holder` when
+-- nobody holds it (returns 1: the holder must rebuild the engine's workers, since writes made
+-- or refused while it did not hold it are unknown to it), kept for another `milliseconds`
+-- when `holder` holds it (2), left alone when another replica does (0). With "release" for
+-- milliseconds, `holder` gives it up (a replica leaving: the next one need not wait for the
+-- expiry). Redis's clock alone decides the expiry: the replicas' clocks never meet.
+local function kvp_lease(keys, args)
+  check_slot_settled(keys[1])
+  local key = string.sub(keys[1], 1, -3) .. ':l:' .. args[2]
+  local current = redis.call('GET', key)
+  if args[4] == 'release' then
+    if current == args[3] then redis.call('DEL', key) end
+    return 0
+  end
+  if not current then
+    redis.call('SET', key, args[3], 'PX', args[4])
+    return 1
+  end
+  if current == args[3] then
+    redis.call('PEXPIRE', key, args[4])
+    return 2
+  end
+  return 0
+end
+
 redis.register_function('kvp_apply', kvp_apply)
+redis.register_function('kvp_lease', kvp_lease)
 redis.register_function('kvp_match', kvp_match)
 redis.register_function('kvp_remove', kvp_remove)
 redis.register_function('kvp_sweep', kvp_sweep)

@@ -709,8 +709,9 @@ async def test_a_shared_redis_that_lost_its_data_is_rebuilt_from_the_engines(
     redis: RedisServer,
 ) -> None:
     """redis-server restarted without its data and no request since: the controller's
-    subscriptions resubscribe with a snapshot (the backend asks them to), and the index holds
-    each engine's blocks again, exactly, without any engine restarting or storing anything."""
+    subscriptions resubscribe with a snapshot (the backend asks them to, and the engines'
+    writer leases, lost with the data, are taken again), and the index holds each engine's
+    blocks again, exactly, without any engine restarting or storing anything."""
     fleet = await make_fleet(2, index={"backend": redis.url})
     try:
         await finished(fleet, generate_request("a", [*PREFIX, 1]))
@@ -723,9 +724,11 @@ async def test_a_shared_redis_that_lost_its_data_is_rebuilt_from_the_engines(
         assert await holder_of(fleet, PREFIX, 4) == holder
         for engine in fleet.engines:
             address = fleet.address(engine)
-            source = fleet.app.controller.fleet.source_of(address)
-            assert isinstance(source, OpenEngineSource)
-            await source.wait_until(lambda s=source: s.counters.num_resyncs == 1, 20)
+
+            async def rebuilt(address: str = address, engine: EngineApp = engine) -> bool:
+                return await indexed_keys(fleet, address) == cached_keys(engine)
+
+            await eventually(rebuilt, 20, f"{address}'s blocks indexed again")
             await index_follows(fleet, address, engine)
     finally:
         await close_fleet(fleet)

@@ -1,0 +1,161 @@
+"""Which controller replica writes an engine's KV events into a shared index: its writer lease.
+
+Several controller replicas sharing one Redis index each poll every engine (routing needs its
+health and load), but each engine's KV events are followed into the index by one replica at a
+time: the holder of the engine's writer lease, a key in the index's partition that Redis
+expires (`RedisBackend.hold_lease`). Were every replica to follow every engine, each would
+write every batch (the Redis write load times the replicas), and one replica's clear of an
+engine's worker (a restart it noticed, a removal through its admin API) would wipe what the
+others keep writing incrementally: an engine removed through one replica only lost its
+indexed blocks for good while another replica still routed to it.
+
+A replica takes the lease of an engine whose events it would follow (its identity read) when
+nobody holds it, keeps it every third of `index.writer_lease_s`, and follows the engine's
+events while it holds it. Taking it over (the holder stopped, crashed, or lost Redis for a
+whole term) always starts a fresh subscription, whose snapshot clears and rebuilds the
+engine's worker: what happened meanwhile, written by nobody, is in it. Every write of a
+replica is fenced by the lease inside Redis (`RedisBackend.fence_writes`), so a holder paused
+past the expiry, which cannot know it lost the lease, has its late writes refused instead of
+putting stale blocks back; the refusal stops its subscription at once (`on_lost`). The
+KVIndexer API's applies (seed 004) are never fenced.
+
+A memory index is each replica's own: there is no lease, and every replica follows every
+engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol, runtime_checkable
+
+from indexer.batch import Batch
+from indexer.redis_backend import LeaseLostError, LeaseState
+from kvplane.errors import KvplaneError
+
+log = logging.getLogger(__name__)
+
+# Renewed this many times per term: a renewal that Redis misses (a slow call, a reconnection)
+# leaves two more before the lease runs out.
+RENEWALS_PER_TERM = 3
+
+
+@runtime_checkable
+class LeasingIndex(Protocol):
+    """A shared index with writer leases (the Redis backend)."""
+
+    def fence_writes(self, holder: str, lease_of: Callable[[str], str]) -> None: ...
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> LeaseState: ...
+
+    async def release_lease(self, name: str, holder: str) -> None: ...
+
+    async def apply(self, batch: Batch) -> None: ...
+
+
+class WriterLease:
+    """This replica's view of one engine's writer lease, kept by `run()`.
+
+    `wanted()`: whether the replica follows the engine now (its identity read, KV events
+    on); only then is the lease taken. `on_taken()` runs when it is taken (or taken back
+    after a fenced write was refused), `on_lost()` when another replica holds it or a write
+    was refused: the first starts a fresh subscription, the second stops it."""
+
+    def __init__(
+        self,
+        index: LeasingIndex,
+        engine: str,
+        holder: str,
+        term_s: float,
+        *,
+        wanted: Callable[[], bool],
+        on_taken: Callable[[], Awaitable[None]],
+        on_lost: Callable[[], None],
+    ) -> None:
+        self._index = index
+        self.engine = engine
+        self._holder = holder
+        self._term_s = term_s
+        self._wanted = wanted
+        self._on_taken = on_taken
+        self._on_lost = on_lost
+        self.held = False
+        self._wake = asyncio.Event()
+
+    async def run(self) -> None:
+        """Take, keep or watch the lease every third of a term (at once after a refusal)."""
+        while True:
+            if self._wanted() or self.held:
+                await self._renew()
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._term_s / RENEWALS_PER_TERM):
+                    await self._wake.wait()
+
+    def wake(self) -> None:
+        """Ask for the lease now (the engine's events are wanted since a moment)."""
+        self._wake.set()
+
+    async def _renew(self) -> None:
+        try:
+            state = await self._index.hold_lease(self.engine, self._holder, self._term_s)
+        except KvplaneError as exc:
+            # Redis cannot answer: the lease runs out by itself, and every write is fenced.
+            log.debug("engine %s: writer lease not renewed: %s", self.engine, exc)
+            return
+        if state is LeaseState.HELD_ELSEWHERE:
+            if self.held:
+                log.info("engine %s: another controller replica writes its KV events now",
+                         self.engine)  # fmt: skip
+                self.lost()
+            return
+        # Taken, even by a replica that believed it held it (its key had expired, or Redis
+        # lost it with its data): writes refused or lost meanwhile are unknown to it.
+        if state is LeaseState.TAKEN or not self.held:
+            log.info("engine %s: this controller replica writes its KV events into the shared "
+                     "index (resubscribing from a snapshot)", self.engine)  # fmt: skip
+            self.held = True
+            try:
+                await self._on_taken()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # (the engine's ZMQ sources could not be read): next time
+                log.exception("engine %s: its KV events not followed", self.engine)
+                await self.release()
+
+    def lost(self) -> None:
+        """The lease is someone else's (or nobody's): stop writing now."""
+        self.held = False
+        self._on_lost()
+        self._wake.set()  # take it again if nobody holds it
+
+    async def release(self) -> None:
+        """Give the lease up (this replica stops following the engine), so another takes it
+        at its next renewal instead of after the expiry."""
+        if not self.held:
+            return
+        self.held = False
+        try:
+            await self._index.release_lease(self.engine, self._holder)
+        except KvplaneError as exc:
+            log.info("engine %s: writer lease not released (it expires): %s", self.engine, exc)
+
+
+class LeasedSink:
+    """The index as an engine's KV-event source writes it under a writer lease: a write
+    refused by the lease's fence ends the source's subscription at once (`WriterLease.lost`),
+    instead of its retrying, refused again, until the next renewal."""
+
+    def __init__(self, index: LeasingIndex, lease: WriterLease) -> None:
+        self._index = index
+        self._lease = lease
+
+    async def apply(self, batch: Batch) -> None:
+        try:
+            await self._index.apply(batch)
+        except LeaseLostError:
+            self._lease.lost()  # cancels the source's task ...
+            await asyncio.sleep(0)  # ... which ends here, unless the source is a child task
+            raise

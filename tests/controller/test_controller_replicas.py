@@ -1,0 +1,293 @@
+"""Several controller replicas on one shared Redis index, in front of the same engines: each
+engine's KV events are written by the one replica holding its writer lease, the others read.
+The index holds exactly each engine's blocks after traffic through every replica, after an
+engine is removed through one replica only, after the writing replica is killed (the other
+takes over, blocks stored and evicted meanwhile included) and comes back, and a writer paused
+past its lease cannot put back a block the engine has evicted since."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.server.service import EngineApp
+from indexer.backends import open_backend
+from indexer.batch import Batch
+from indexer.keys import block_keys
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_faults import cached_keys, indexed_keys
+from tests.controller.test_gateway import generate
+from tests.polling import eventually
+from tests.redis_servers import RedisServer
+
+pytestmark = pytest.mark.timeout(120)
+
+LEASE_S = 2.0  # short, for the takeovers to come quickly; the default is docs/controller.md's
+
+
+def shared_index(redis: RedisServer) -> dict[str, Any]:
+    return {"backend": redis.url, "writer_lease_s": LEASE_S}
+
+
+async def small_engines(count: int) -> list[EngineApp]:
+    """Engines with 16 KV blocks: a few prompts of three blocks evict the oldest."""
+    return [await start_sim_engine(f"e{i}", num_kv_blocks=16) for i in range(count)]
+
+
+def prompt(n: int) -> list[int]:
+    return [*range(1000 * (n + 1), 1000 * (n + 1) + 48), 7]  # three blocks of 16 and a tail
+
+
+async def serve(fleet: Fleet, n: int) -> None:
+    reply = await generate(fleet, generate_request(f"p{n}-{id(fleet)}", prompt(n)))
+    assert reply[-1].WhichOneof("event") == "finished", reply[-1]
+
+
+def follows(fleet: Fleet, engine: EngineApp) -> bool:
+    """Whether the replica follows the engine's KV events into the index."""
+    return fleet.app.controller.fleet.source_of(fleet.address(engine)) is not None
+
+
+async def index_exact(reader: Fleet, engines: list[EngineApp]) -> None:
+    """Wait until the shared index (read through `reader`) places on each engine exactly the
+    blocks it holds."""
+    for engine in engines:
+        address = reader.address(engine)
+
+        async def exact(address: str = address, engine: EngineApp = engine) -> bool:
+            return await indexed_keys(reader, address) == cached_keys(engine)
+
+        await eventually(exact, 20, f"the index to hold exactly {address}'s blocks")
+
+
+async def close_replica(fleet: Fleet) -> None:
+    """Close a replica sharing its engines with another (they are closed with that one)."""
+    await fleet.channel.close()
+    await fleet.app.close(0.2)
+
+
+async def test_each_engine_is_written_by_one_replica_and_the_index_is_exact(
+    redis: RedisServer,
+) -> None:
+    a = await make_fleet(engines=await small_engines(3), index=shared_index(redis))
+    b = await make_fleet(engines=a.engines, index=shared_index(redis))
+    try:
+        for n in range(12):  # through both replicas, evicting the first prompts
+            await serve((a, b)[n % 2], n)
+        for engine in a.engines:
+            await eventually(lambda e=engine: follows(a, e) != follows(b, e))
+        await index_exact(b, a.engines)
+        await index_exact(a, a.engines)
+        assert all(follows(a, e) for e in a.engines)  # the first replica took every lease
+        assert not any(follows(b, e) for e in a.engines)
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+
+
+async def test_an_engine_removed_through_one_replica_stays_indexed_for_the_other(
+    redis: RedisServer,
+) -> None:
+    """The operator removes an engine through one replica only: the other still routes to it,
+    and the index still holds all of its blocks (the removing replica wrote them: the other
+    takes the engine over and rebuilds it from its snapshot)."""
+    a = await make_fleet(engines=await small_engines(1), index=shared_index(redis))
+    b = await make_fleet(engines=a.engines, index=shared_index(redis))
+    engine = a.engines[0]
+    try:
+        for n in range(3):
+            await serve(b, n)
+        await index_exact(b, [engine])
+        await a.app.controller.fleet.remove_engine(a.address(engine))
+        await index_exact(b, [engine])
+        await serve(b, 3)
+        await index_exact(b, [engine])
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+
+
+def start_replica_process(tmp_path: Path, redis: RedisServer, engines: list[EngineApp]) -> Any:
+    """`kvplane controller serve` on the shared index, in front of `engines`."""
+    config = tmp_path / "replica.yaml"
+    config.write_text(
+        f"listen: 127.0.0.1:0\nindex: {{backend: '{redis.url}', writer_lease_s: {LEASE_S}}}\n"
+        "health: {poll_interval_s: 0.2, load_poll_interval_s: 0.1, backoff_initial_s: 0.1, "
+        "backoff_max_s: 1.0}\nengines:\n"
+        + "".join(f"  - {{address: 127.0.0.1:{e.port}}}\n" for e in engines)
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvplane", "controller", "serve", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "replica.log").open("ab"),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+async def lease_holders(redis: RedisServer, engines: list[EngineApp]) -> list[bytes | None]:
+    client = redis.client()
+    try:
+        return [
+            await asyncio.to_thread(client.get, f"kvplane:{{default:0}}:l:127.0.0.1:{e.port}")
+            for e in engines
+        ]
+    finally:
+        client.close()
+
+
+async def test_a_killed_writer_replica_is_taken_over_and_the_index_is_exact_again(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """The replica writing every engine (a process) is killed with SIGKILL, so its leases run
+    out rather than being given up: the other replica takes every engine over, and the index
+    holds exactly the engines' blocks, those stored and evicted since included. Back, the
+    killed replica writes nothing while the other holds the leases."""
+    engines = await small_engines(2)
+    writer = start_replica_process(tmp_path, redis, engines)
+    b: Fleet | None = None
+    try:
+
+        async def writer_holds_every_lease() -> bool:
+            return None not in await lease_holders(redis, engines)
+
+        await eventually(writer_holds_every_lease, 60, "the replica process to take the leases")
+        b = await make_fleet(engines=engines, index=shared_index(redis))
+        for n in range(4):
+            await serve(b, n)
+        await index_exact(b, engines)
+        assert not any(follows(b, e) for e in engines)
+
+        writer.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(writer.wait)
+        for n in range(4, 10):  # stored and evicted while nobody may write, or since
+            await serve(b, n)
+        await eventually(lambda: all(follows(b, e) for e in engines), 20, "the takeover")
+        await index_exact(b, engines)
+
+        writer = start_replica_process(tmp_path, redis, engines)
+        for n in range(10, 14):
+            await serve(b, n)
+        await index_exact(b, engines)
+        assert all(follows(b, e) for e in engines)
+        own = b.app.controller.instance_id.encode()
+        assert await lease_holders(redis, engines) == [own] * len(engines)
+    finally:
+        if writer.poll() is None:
+            writer.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(writer.wait, 20)
+        if b is not None:
+            await close_replica(b)
+        for engine in engines:
+            await engine.close()
+
+
+class PausableIndex:
+    """A replica's shared index whose writes and lease renewals wait while `paused`, as those
+    of a stopped process (SIGSTOP) do; `let_one()` lets one held write through, as the
+    process, resumed, sends the write it had prepared before it can notice anything."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.paused = False
+        self.waiting = 0
+        self.let_through: list[Batch] = []
+        self.done: list[Batch] = []
+        self._changed = asyncio.Condition()
+        self._passes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    async def _wait(self) -> bool:
+        """Until not paused or given a pass; whether it went through on a pass."""
+        async with self._changed:
+            self.waiting += 1
+            self._changed.notify_all()
+            try:
+                while self.paused and not self._passes:
+                    await self._changed.wait()
+                if self.paused:
+                    self._passes -= 1
+                    return True
+                return False
+            finally:
+                self.waiting -= 1
+
+    async def apply(self, batch: Batch) -> None:
+        if self.paused and await self._wait():
+            self.let_through.append(batch)
+            try:
+                await self._backend.apply(batch)
+            finally:
+                self.done.append(batch)
+            return
+        await self._backend.apply(batch)
+
+    async def hold_lease(self, name: str, holder: str, ttl_s: float) -> Any:
+        while self.paused:
+            async with self._changed:
+                await self._changed.wait()
+        return await self._backend.hold_lease(name, holder, ttl_s)
+
+    async def let_one(self) -> None:
+        async with self._changed:
+            self._passes += 1
+            self._changed.notify_all()
+
+    async def resume(self) -> None:
+        async with self._changed:
+            self.paused = False
+            self._changed.notify_all()
+
+
+async def test_a_paused_writer_cannot_write_after_losing_its_lease(redis: RedisServer) -> None:
+    """The writing replica stops (its Redis calls held) with the engine's store of a prompt's
+    blocks in hand. Its lease runs out, the other replica takes over from the engine's
+    snapshot, and the engine evicts those blocks. Resumed, the paused replica's store is
+    refused: the evicted blocks do not come back into the index."""
+    engine = (await small_engines(1))[0]
+    backend = await open_backend(redis.url)
+    paused = PausableIndex(backend)
+    a = await make_fleet(engines=[engine], index_backend=paused, index=shared_index(redis))
+    b = await make_fleet(engines=[engine], index=shared_index(redis))
+    try:
+        await eventually(lambda: follows(a, engine))
+        await serve(b, 0)
+        await index_exact(b, [engine])
+
+        paused.paused = True
+        await serve(b, 1)  # its store reaches the paused replica, which holds it
+        await eventually(lambda: paused.waiting > 0, 20, "the paused replica's store")
+        await eventually(lambda: follows(b, engine), 20, "the other replica to take over")
+        for n in range(2, 8):  # the engine evicts prompt 1's blocks
+            await serve(b, n)
+        evicted = set(block_keys(prompt(1)[:48], 16))
+        assert not evicted & cached_keys(engine)
+        await index_exact(b, [engine])
+
+        await paused.let_one()
+        await eventually(lambda: paused.done, 20, "the paused replica's store to be sent")
+        assert evicted & {k for b in paused.let_through for a in b.actions for k in a.hashes}
+        assert await indexed_keys(b, b.address(engine)) == cached_keys(engine)
+        await paused.resume()
+        await serve(b, 8)
+        await index_exact(b, [engine])
+        assert not follows(a, engine)
+    finally:
+        await paused.resume()
+        await close_replica(b)
+        await close_fleet(a)
+        await backend.close()
