@@ -75,6 +75,19 @@ class IndexConfig(StrictModel):
     # renewal (renewed every third of it); another replica takes over within about this long
     # after the holder stops (controller.writer_lease, docs/controller.md).
     writer_lease_s: float = Field(default=10.0, gt=0)
+    # This replica's name in the writer leases: a new process under the same name (the
+    # replica restarted: kill -9, a crash, a container restart) takes its leases back at once
+    # rather than after writer_lease_s, and its previous process's late writes are refused.
+    # None: the host name and `listen` (with a port: `listen` on port 0 names no replica, and
+    # a restarted process waits for the expiry). Replicas must not share a name.
+    replica_name: str | None = None
+
+    @field_validator("replica_name")
+    @classmethod
+    def _check_replica_name(cls, value: str | None) -> str | None:
+        if value is not None and (not value or any(c.isspace() or c == "/" for c in value)):
+            raise ValueError(f"must be a non-empty name without spaces or '/', got {value!r}")
+        return value
 
     @field_validator("remote")
     @classmethod

@@ -72,7 +72,7 @@ from controller.registry import (
 )
 from controller.remote_index import RemoteIndex, keep_best_hit
 from controller.router import Candidate, LoadSnapshot, PrefixHit
-from controller.writer_lease import LeasedSink, LeasingIndex, WriterLease
+from controller.writer_lease import LeasedSink, LeasingIndex, WriterLease, lease_holder
 from indexer.backend import IndexBackend, TierPrefix
 from indexer.batch import Tier
 from indexer.keys import block_keys
@@ -364,7 +364,11 @@ class Fleet:
             .with_token_file(config.engine_token_file, "engine_token_file")
         )
         # This replica's id in the writer leases of a shared index (`controller.writer_lease`).
-        self._lease_holder = instance_id or f"controller-{uuid.uuid4().hex[:8]}"
+        self.lease_holder = lease_holder(
+            config.index.replica_name,
+            config.listen,
+            instance_id or f"controller-{uuid.uuid4().hex[:8]}",
+        )
         self._leasing: LeasingIndex | None = None
         if instance_id is not None:  # every call says which controllers it passed
             self._engine_channels = self._engine_channels.with_interceptors(
@@ -392,7 +396,7 @@ class Fleet:
             # Other replicas may follow the same engines into this index: write an engine's
             # workers (`<address>` and its ranks' `<address>/dp<r>`) only under its lease.
             self._leasing = self.index
-            self.index.fence_writes(self._lease_holder, engine_worker_id)
+            self.index.fence_writes(self.lease_holder, engine_worker_id)
         for entry in self.config.engines:
             await self.add_engine(
                 entry.address, entry.kv_events.value, source="config", array_tail=entry.array_tail
@@ -418,7 +422,7 @@ class Fleet:
             engine.lease = WriterLease(
                 self._leasing,
                 address,
-                self._lease_holder,
+                self.lease_holder,
                 self.config.index.writer_lease_s,
                 wanted=lambda: engine.followed is not None,
                 on_taken=functools.partial(self._lease_taken, engine),

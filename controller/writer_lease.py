@@ -28,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
 from indexer.batch import Batch
 from indexer.redis_backend import LeaseLostError, LeaseState
+from kvplane.config import parse_host_port
 from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,18 @@ log = logging.getLogger(__name__)
 # Renewed this many times per term: a renewal that Redis misses (a slow call, a reconnection)
 # leaves two more before the lease runs out.
 RENEWALS_PER_TERM = 3
+
+
+def lease_holder(replica_name: str | None, listen: str, incarnation: str) -> str:
+    """This process's id in the writer leases: `<replica>/<incarnation>`. A process whose
+    replica is the holder's (the same replica restarted) takes a lease over at once
+    (`kvp_lease`), and the fence, which compares the whole id, refuses the previous
+    process's writes. The replica is `replica_name`, else the host name and `listen` when it
+    has a port (a restarted process listens there again), else the process's own id (no
+    other process is this replica)."""
+    if replica_name is None and parse_host_port(listen)[1] != 0:
+        replica_name = f"{socket.gethostname()}:{listen}".replace("/", "_")
+    return f"{replica_name or incarnation}/{incarnation}"
 
 
 @runtime_checkable

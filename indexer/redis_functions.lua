@@ -809,10 +809,17 @@ local function kvp_boot(keys, args)
   return { redis.call('HGET', mkey, 'boot'), tonumber(nb) }
 end
 
+-- A holder is "<replica>/<process>": a replica restarted is a new process of the same replica.
+local function replica_of(holder)
+  return string.match(holder, '^(.*)/[^/]*$') or holder
+end
+
 -- ARGV: nb, engine, holder, milliseconds. The engine's writer lease: taken by `holder` when
--- nobody holds it (returns 1: the holder must rebuild the engine's workers, since writes made
--- or refused while it did not hold it are unknown to it), kept for another `milliseconds`
--- when `holder` holds it (2), left alone when another replica does (0). With "release" for
+-- nobody holds it, or when a previous process of its replica does (the replica restarted: it
+-- need not wait for the expiry, and the fence refuses the previous process's writes from
+-- then on) (returns 1: the holder must rebuild the engine's workers, since writes made or
+-- refused while it did not hold it are unknown to it), kept for another `milliseconds` when
+-- `holder` holds it (2), left alone when another replica does (0). With "release" for
 -- milliseconds, `holder` gives it up (a replica leaving: the next one need not wait for the
 -- expiry). Redis's clock alone decides the expiry: the replicas' clocks never meet.
 local function kvp_lease(keys, args)
@@ -823,7 +830,7 @@ local function kvp_lease(keys, args)
     if current == args[3] then redis.call('DEL', key) end
     return 0
   end
-  if not current then
+  if not current or (current ~= args[3] and replica_of(current) == replica_of(args[3])) then
     redis.call('SET', key, args[3], 'PX', args[4])
     return 1
   end

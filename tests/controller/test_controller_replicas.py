@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from controller.config import ControllerConfig
+from controller.writer_lease import lease_holder
 from engine.server.service import EngineApp
 from indexer.backends import open_backend
 from indexer.batch import Batch
@@ -31,7 +34,7 @@ from tests.controller.conftest import (
 from tests.controller.test_faults import cached_keys, indexed_keys
 from tests.controller.test_gateway import generate
 from tests.polling import eventually
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisServer, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,11 +123,17 @@ async def test_an_engine_removed_through_one_replica_stays_indexed_for_the_other
         await close_fleet(a)
 
 
-def start_replica_process(tmp_path: Path, redis: RedisServer, engines: list[EngineApp]) -> Any:
+def start_replica_process(
+    tmp_path: Path,
+    redis: RedisServer,
+    engines: list[EngineApp],
+    listen: str = "127.0.0.1:0",
+    lease_s: float = LEASE_S,
+) -> Any:
     """`kvplane controller serve` on the shared index, in front of `engines`."""
     config = tmp_path / "replica.yaml"
     config.write_text(
-        f"listen: 127.0.0.1:0\nindex: {{backend: '{redis.url}', writer_lease_s: {LEASE_S}}}\n"
+        f"listen: {listen}\nindex: {{backend: '{redis.url}', writer_lease_s: {lease_s}}}\n"
         "health: {poll_interval_s: 0.2, load_poll_interval_s: 0.1, backoff_initial_s: 0.1, "
         "backoff_max_s: 1.0}\nengines:\n"
         + "".join(f"  - {{address: 127.0.0.1:{e.port}}}\n" for e in engines)
@@ -182,7 +191,7 @@ async def test_a_killed_writer_replica_is_taken_over_and_the_index_is_exact_agai
             await serve(b, n)
         await index_exact(b, engines)
         assert all(follows(b, e) for e in engines)
-        own = b.app.controller.instance_id.encode()
+        own = b.app.controller.fleet.lease_holder.encode()
         assert await lease_holders(redis, engines) == [own] * len(engines)
     finally:
         if writer.poll() is None:
@@ -190,6 +199,48 @@ async def test_a_killed_writer_replica_is_taken_over_and_the_index_is_exact_agai
             await asyncio.to_thread(writer.wait, 20)
         if b is not None:
             await close_replica(b)
+        for engine in engines:
+            await engine.close()
+
+
+async def test_a_restarted_replica_takes_its_leases_back_at_once(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """A replica killed with SIGKILL and started again (a crash, a supervisor's restart) is the
+    same replica (its host and listen address): it takes its engines' leases back at once
+    instead of after `writer_lease_s` (here an hour), and the index follows the engines again."""
+    engines = await small_engines(2)
+    listen = f"127.0.0.1:{free_port()}"
+    writer = start_replica_process(tmp_path, redis, engines, listen, lease_s=3600)
+    reader: Fleet | None = None
+    try:
+        first: list[bytes | None] = []
+
+        async def taken() -> bool:
+            first[:] = await lease_holders(redis, engines)
+            return None not in first
+
+        await eventually(taken, 60, "the replica process to take the leases")
+        writer.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(writer.wait)
+        writer = start_replica_process(tmp_path, redis, engines, listen, lease_s=3600)
+
+        async def taken_back() -> bool:
+            holders = await lease_holders(redis, engines)
+            return None not in holders and not set(holders) & set(first)
+
+        await eventually(taken_back, 60, "the restarted process to take the leases back")
+        reader = await make_fleet(engines=engines, index=shared_index(redis))
+        for n in range(4):
+            await serve(reader, n)
+        await index_exact(reader, engines)
+        assert not any(follows(reader, e) for e in engines)
+    finally:
+        if writer.poll() is None:
+            writer.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(writer.wait, 20)
+        if reader is not None:
+            await close_replica(reader)
         for engine in engines:
             await engine.close()
 
@@ -291,3 +342,16 @@ async def test_a_paused_writer_cannot_write_after_losing_its_lease(redis: RedisS
         await close_replica(b)
         await close_fleet(a)
         await backend.close()
+
+
+@pytest.mark.parametrize("name", ["", "a b", "a/b"])
+def test_a_replica_name_that_cannot_be_one_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="replica_name"):
+        ControllerConfig.model_validate({"index": {"backend": "redis://h:1", "replica_name": name}})
+
+
+def test_a_lease_holder_is_its_replica_and_its_process() -> None:
+    assert lease_holder("c0", "127.0.0.1:0", "controller-1") == "c0/controller-1"
+    host = socket.gethostname()
+    assert lease_holder(None, "0.0.0.0:8100", "controller-1") == f"{host}:0.0.0.0:8100/controller-1"
+    assert lease_holder(None, "127.0.0.1:0", "controller-1") == "controller-1/controller-1"
