@@ -157,6 +157,17 @@ async def lease_holders(redis: RedisServer, engines: list[EngineApp]) -> list[by
         client.close()
 
 
+async def stop_all(process: Any, replica: Fleet | None, engines: list[EngineApp]) -> None:
+    """Stop a replica process, an in-process replica and the engines."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(process.wait, 20)
+    if replica is not None:
+        await close_replica(replica)
+    for engine in engines:
+        await engine.close()
+
+
 async def test_a_killed_writer_replica_is_taken_over_and_the_index_is_exact_again(
     redis: RedisServer, tmp_path: Path
 ) -> None:
@@ -194,13 +205,7 @@ async def test_a_killed_writer_replica_is_taken_over_and_the_index_is_exact_agai
         own = b.app.controller.fleet.lease_holder.encode()
         assert await lease_holders(redis, engines) == [own] * len(engines)
     finally:
-        if writer.poll() is None:
-            writer.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(writer.wait, 20)
-        if b is not None:
-            await close_replica(b)
-        for engine in engines:
-            await engine.close()
+        await stop_all(writer, b, engines)
 
 
 async def test_a_restarted_replica_takes_its_leases_back_at_once(
@@ -236,13 +241,7 @@ async def test_a_restarted_replica_takes_its_leases_back_at_once(
         await index_exact(reader, engines)
         assert not any(follows(reader, e) for e in engines)
     finally:
-        if writer.poll() is None:
-            writer.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(writer.wait, 20)
-        if reader is not None:
-            await close_replica(reader)
-        for engine in engines:
-            await engine.close()
+        await stop_all(writer, reader, engines)
 
 
 class PausableIndex:
