@@ -7,8 +7,9 @@ Starts a private redis-server (the replicas' shared index; `scripts/ensure_redis
 one), four `kvplane engine serve --model sim` processes in real time (`time_scale: 1`, the
 trace replay's timing model), and for each mode two `kvplane controller serve` processes on
 that Redis. Each burst is eight prompts of distinct tokens (no prefix shared, so only load
-decides), one every 5 ms, given to the replicas in turn: first a long one (16,384 tokens, two
-passes of prefill), then seven of 512; a burst every second. A replica that does not know of
+decides), one every 5 ms, given to the replicas in turn: first a long one (16,384 tokens: 400 ms
+of prefill alone, in passes of 2,048 tokens), then seven of 512; a burst every second; every
+run its own tokens, so nothing is cached from an earlier one. A replica that does not know of
 the long prompt its peer just sent sees its engine idle until the next load poll. Each
 round runs both modes, the first of them taking turns, so both see the machine alike. Prints
 TTFT mean / p50 / p99 per mode and round.
@@ -39,7 +40,7 @@ KVPLANE = [sys.executable, "-m", "kvplane"]
 ENGINES = 4
 BURST = 8
 SPACING_S = 0.005
-LONG_PROMPT_TOKENS = 16_384  # the first of each burst: two passes of prefill
+LONG_PROMPT_TOKENS = 16_384  # the first of each burst: 8 passes of 2,048 tokens
 SHORT_PROMPT_TOKENS = 512
 
 
@@ -125,7 +126,7 @@ async def _ttft(
 
 
 async def _drive(targets: list[str], bursts: int, tag: str) -> list[float]:
-    rng = random.Random(0)
+    rng = random.Random(tag)  # prompts of their own: nothing cached by an earlier run
     channels = [grpc.aio.insecure_channel(t) for t in targets]
     stubs = [pb_grpc.OpenEngineStub(c) for c in channels]
     tasks: list[asyncio.Task[float]] = []
