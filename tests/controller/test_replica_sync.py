@@ -168,7 +168,7 @@ async def test_a_replica_charges_what_its_peer_routes_until_it_ends(replicas: _R
 
 def _ready(a: ReplicaSync, b: ReplicaSync) -> bool:
     """Both subscribed: each has heard the other (a beat, a hello or a snapshot)."""
-    return "a" in b._heard and "b" in a._heard
+    return "a" in b.protocol.heard and "b" in a.protocol.heard
 
 
 async def test_a_replica_that_joins_late_learns_what_its_peers_have_in_flight(
@@ -296,3 +296,4 @@ async def _in_flight(admin: apb_grpc.AdminAsyncStub) -> dict[str, int]:
     """Per engine, the requests in flight the controller charges it with (`admin workers`)."""
     workers = (await admin.ListWorkers(apb.ListWorkersRequest())).workers
     return {w.address: w.inflight_requests for w in workers if w.inflight_requests}
+
