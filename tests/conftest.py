@@ -36,6 +36,18 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 
 
 @pytest.fixture
+def replicated_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    """A private Redis Cluster of three primaries with one replica each (a killed primary's
+    replica takes over: `RedisClusterNodes.fail_over`)."""
+    nodes = RedisClusterNodes(tmp_path / "replicated-cluster", replicas=1)
+    try:
+        nodes.start()
+        yield nodes
+    finally:
+        nodes.stop()
+
+
+@pytest.fixture
 def plain_click_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under CliRunner (standalone mode) typer draws a usage error, and --help, in boxes;
     `kvplane` (kvplane.cli.main) prints a usage error as click's plain lines, `Error: ...` on

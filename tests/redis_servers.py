@@ -197,6 +197,12 @@ class RedisClusterNodes:
                 return node
         raise AssertionError(f"no replica of the node on port {primary.port}")
 
+    def fail_over(self, primary: RedisServer, replica: RedisServer) -> None:
+        """Kill `primary` and wait for `replica` to take over and the cluster to be whole."""
+        primary.kill()
+        wait_for(lambda: replica.client().info("replication")["role"] == "master", 30, "failover")
+        self.wait_ok()
+
 
 class SlotMove:
     """Moves one slot between two nodes step by step, as `redis-cli --cluster reshard` does:

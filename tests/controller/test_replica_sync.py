@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 from polling import eventually
-from redis_servers import RedisServer
+from redis_servers import RedisClusterNodes, RedisServer
 
 from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, replay
@@ -168,7 +168,7 @@ async def test_a_replica_charges_what_its_peer_routes_until_it_ends(replicas: _R
 
 def _ready(a: ReplicaSync, b: ReplicaSync) -> bool:
     """Both subscribed: each has heard the other (a beat, a hello or a snapshot)."""
-    return "a" in b._heard and "b" in a._heard
+    return "a" in b.protocol.heard and "b" in a.protocol.heard
 
 
 async def test_a_replica_that_joins_late_learns_what_its_peers_have_in_flight(
@@ -296,3 +296,36 @@ async def _in_flight(admin: apb_grpc.AdminAsyncStub) -> dict[str, int]:
     """Per engine, the requests in flight the controller charges it with (`admin workers`)."""
     workers = (await admin.ListWorkers(apb.ListWorkersRequest())).workers
     return {w.address: w.inflight_requests for w in workers if w.inflight_requests}
+
+
+@pytest.mark.timeout(180)
+async def test_replicas_in_sync_over_a_redis_cluster_survive_a_failover(
+    replicated_cluster: RedisClusterNodes,
+) -> None:
+    """On `redis+cluster://` (PUBLISH reaches every node's subscribers): a request routed on
+    one replica is charged on the other; the primary serving the channel's slot (where both
+    subscriptions are) killed and its replica promoted, the replicas subscribe again and
+    catch up by snapshots."""
+    replicas = _Replicas(replicated_cluster.url)
+    try:
+        a = await replicas.start("a")
+        b = await replicas.start("b")
+        await eventually(lambda: _ready(a, b), WAIT_S, "peers")
+        first = _route(a.router, "r1")
+        await eventually(lambda: _requests(b.router) == {first: (1, 1)}, WAIT_S, "a's request")
+        primary = replicated_cluster.node_of(channel_name("kvplane", "default"))
+        replica = replicated_cluster.replica_of(primary)
+        primary.kill()
+        during = _route(a.router, "r2")  # while the channel's node is down
+        a.router.finish("r1")
+        await asyncio.to_thread(replicated_cluster.fail_over, primary, replica)
+        await eventually(
+            lambda: _requests(b.router) == {during: (1, 1)}, WAIT_S, "the sync after the failover"
+        )
+        third = _route(b.router, "r3")
+        await eventually(
+            lambda: sum(n for n, _ in _requests(a.router).values()) == 2, WAIT_S, "b's request"
+        )
+        assert third != during
+    finally:
+        await replicas.close()

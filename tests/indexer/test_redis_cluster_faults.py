@@ -15,7 +15,7 @@ import grpc
 import pytest
 import zmq.asyncio
 from fake_kv_publisher import FakeKvPublisher
-from redis_servers import RedisClusterNodes, RedisServer, SlotMove, wait_for
+from redis_servers import RedisClusterNodes, SlotMove
 
 from indexer.backend import WorkerPlacements
 from indexer.batch import Action, ActionType, Batch, Tier
@@ -181,39 +181,22 @@ async def test_partition_slot_moved_to_another_node_during_ingestion(
     assert _held(await backend.match(ALL_KEYS, False)) == _held(await memory.match(ALL_KEYS, False))
 
 
-@pytest.fixture
-def replicated(tmp_path: Path) -> Iterator[RedisClusterNodes]:
-    """Three primaries with one replica each; a killed primary's replica takes over."""
-    nodes = RedisClusterNodes(tmp_path, replicas=1)
-    try:
-        nodes.start()
-        yield nodes
-    finally:
-        nodes.stop()
-
-
-def _fail_over(cluster: RedisClusterNodes, primary: RedisServer, replica: RedisServer) -> None:
-    primary.kill()
-    wait_for(lambda: replica.client().info("replication")["role"] == "master", 30, "failover")
-    cluster.wait_ok()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("replica_behind", [False, True], ids=["in-sync", "replica-behind"])
 async def test_primary_killed_and_its_replica_promoted(
-    replicated: RedisClusterNodes, opened: list[RedisBackend], replica_behind: bool
+    replicated_cluster: RedisClusterNodes, opened: list[RedisBackend], replica_behind: bool
 ) -> None:
     """The client follows the new primary, which has the functions (replicated). Replication
     is asynchronous: a replica promoted before the last writes reached it kept the boot
     token, so before, its older data (revoked blocks back, reported ones missing) was served
     as the index and nothing was resynced."""
-    backend = await _open(replicated, "m0", opened)
+    backend = await _open(replicated_cluster, "m0", opened)
     memory = MemoryBackend()
     for batch in (_report("w0", 1, 2, 3, 4), _report("w1", 5, 6)):
         await memory.apply(batch)
         await backend.apply(batch)
-    primary = replicated.node_of(_meta_key("m0"))
-    replica = replicated.replica_of(primary)
+    primary = replicated_cluster.node_of(_meta_key("m0"))
+    replica = replicated_cluster.replica_of(primary)
     assert primary.client().execute_command("WAIT", 1, 10_000) == 1  # type: ignore[no-untyped-call]
 
     if replica_behind:
@@ -231,7 +214,7 @@ async def test_primary_killed_and_its_replica_promoted(
         if replica_behind:
             primary.kill()
             replica.proc.send_signal(signal.SIGCONT)
-    _fail_over(replicated, primary, replica)
+    replicated_cluster.fail_over(primary, replica)
     assert replica.client().execute_command("FUNCTION", "LIST")  # type: ignore[no-untyped-call]
 
     if replica_behind:
@@ -328,7 +311,7 @@ async def test_indexer_serve_rebuilds_from_the_replay_after_a_failover_lost_writ
             finally:
                 primary.kill()
                 replica.proc.send_signal(signal.SIGCONT)
-            _fail_over(cluster, primary, replica)
+            cluster.fail_over(primary, replica)
             await run.expect(stub, 34, "the resync after the failover")
             await run.publish_through(55)
             await run.expect(stub, 55, "live ingestion after the resync")
