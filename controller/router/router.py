@@ -331,7 +331,11 @@ class Router:
         self.pending.forget(engine_id)
         for key in [k for k, e in self._sessions.items() if e == engine_id]:
             del self._sessions[key]
-        return self.inflight.drop_engine(engine_id)
+        dropped = self.inflight.drop_engine(engine_id)
+        for request_id in dropped:  # peers release them too, and no snapshot brings them back
+            if self._routed.pop(request_id, None) is not None and self._on_event is not None:
+                self._on_event(Finished(request_id))
+        return dropped
 
     def route_disaggregated(
         self,

@@ -24,6 +24,7 @@ from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, replay
 from controller.replica_sync import ReplicaSync, channel_name
 from controller.router import Candidate, Router, RouteRequest, make_policy
+from controller.router.replicas import PeerRoutes
 from engine.core.mooncake_trace import load_trace
 from indexer.redis_client import RedisOptions, connect
 from kvplane_api.v1 import admin_pb2 as apb
@@ -72,6 +73,21 @@ def test_replicas_in_sync_route_as_one_controller(tmp_path: Path) -> None:
     )
     assert synced.to_json() == alone.to_json()
     assert apart.ttft_ms["mean"] > alone.ttft_ms["mean"]
+
+
+def test_an_engine_a_replica_forgets_is_released_on_its_peers() -> None:
+    """An engine that left the fleet takes its requests out of the router's accounting: its
+    peers release them too, and its snapshots no longer carry them."""
+    a, b = _router(), _router()
+    peer = PeerRoutes(b)
+    a.publish_to(lambda event: peer.apply("a", event, 0.0))
+    engine = _route(a, "r1")
+    assert _requests(b) == {engine: (1, 1)}
+    a.forget_engine(engine)
+    assert _requests(b) == {}
+    assert a.own_routes() == []
+    a.finish("r1")  # the relay still ends the request: nothing more to say
+    assert _requests(b) == {}
 
 
 def test_replica_sync_needs_a_redis_index() -> None:
