@@ -149,12 +149,16 @@ class ReplicaSync:
         """Follows the channel; after a lost subscription, starts again from nothing (what
         peers did meanwhile is unknown) and asks them for snapshots."""
         wait_s = _RETRY_S[0]
+        lost = False  # said once an outage: every retry meanwhile fails alike
         while True:
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(self.channel)
                 await self._publish(self.protocol.message("hello"))
                 wait_s = _RETRY_S[0]
+                if lost:
+                    log.info("replica sync: back on the channel %s", self.channel)
+                    lost = False
                 while True:
                     message = await pubsub.get_message(
                         ignore_subscribe_messages=True, timeout=_POLL_S
@@ -163,12 +167,14 @@ class ReplicaSync:
                         for reply in self.protocol.receive(message["data"], self.clock()):
                             await self._publish(reply)
             except (RedisError, OSError) as exc:
-                log.warning(
-                    "replica sync: lost the channel %s (%s); routing on this replica's own "
-                    "accounting until it is back",
-                    self.channel,
-                    exc,
-                )
+                if not lost:
+                    log.warning(
+                        "replica sync: lost the channel %s (%s); routing on this replica's "
+                        "own accounting until it is back",
+                        self.channel,
+                        exc,
+                    )
+                    lost = True
                 self.protocol.forget_all()
             finally:
                 with contextlib.suppress(RedisError, OSError, TimeoutError):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -200,8 +201,9 @@ async def test_a_replica_that_joins_late_learns_what_its_peers_have_in_flight(
 
 
 async def test_a_redis_restart_loses_nothing_for_long(
-    redis: RedisServer, replicas: _Replicas
+    redis: RedisServer, replicas: _Replicas, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="controller.replica_sync")
     a = await replicas.start("a")
     b = await replicas.start("b")
     await eventually(lambda: _ready(a, b), WAIT_S, "peers")
@@ -210,11 +212,19 @@ async def test_a_redis_restart_loses_nothing_for_long(
     redis.kill()
     during = _route(a.router, "r2")  # published into the void
     a.router.finish("r1")
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(2.0)  # down long enough for several tries to reconnect
     redis.start()
     assert during != before
     await eventually(
         lambda: _requests(b.router) == {during: (1, 1)}, WAIT_S, "the snapshot after the restart"
+    )
+    # One warning per replica for the outage, however many tries failed, and one line back.
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("lost the channel" in m for m in said) == 2, said
+    await eventually(
+        lambda: sum("back on the channel" in r.getMessage() for r in caplog.records) == 2,
+        WAIT_S,
+        "both replicas back",
     )
 
 
