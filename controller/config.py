@@ -21,7 +21,12 @@ from pydantic import Field, field_validator, model_validator
 
 from controller.router import POLICY_NAMES, BusyThresholds, KvplaneWeights
 from indexer.backends import check_backend_url, check_redis_options
-from indexer.config import RedisBackendConfig
+from indexer.config import (
+    DEFAULT_WRITER_LEASE_S,
+    RedisBackendConfig,
+    ReplicaName,
+    WriterLeaseSeconds,
+)
 from indexer.zmq_decode import ArrayTail
 from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_dial_target
 
@@ -73,21 +78,14 @@ class IndexConfig(StrictModel):
     # Several controller replicas on one Redis index: an engine's KV events are written by
     # the one replica holding its writer lease, which expires this long after its last
     # renewal (renewed every third of it); another replica takes over within about this long
-    # after the holder stops (controller.writer_lease, docs/controller.md).
-    writer_lease_s: float = Field(default=10.0, gt=0)
+    # after the holder stops (indexer.writer_lease, docs/controller.md).
+    writer_lease_s: WriterLeaseSeconds = DEFAULT_WRITER_LEASE_S
     # This replica's name in the writer leases: a new process under the same name (the
     # replica restarted: kill -9, a crash, a container restart) takes its leases back at once
     # rather than after writer_lease_s, and its previous process's late writes are refused.
     # None: the host name and `listen` (with a port: `listen` on port 0 names no replica, and
     # a restarted process waits for the expiry). Replicas must not share a name.
-    replica_name: str | None = None
-
-    @field_validator("replica_name")
-    @classmethod
-    def _check_replica_name(cls, value: str | None) -> str | None:
-        if value is not None and (not value or any(c.isspace() or c == "/" for c in value)):
-            raise ValueError(f"must be a non-empty name without spaces or '/', got {value!r}")
-        return value
+    replica_name: ReplicaName | None = None
 
     @field_validator("remote")
     @classmethod

@@ -29,7 +29,7 @@ for it or for their clients' deadlines; `why_calls_ended` tells the gateway whic
 
 On a shared Redis index, several controller replicas may follow one fleet: each polls every
 engine, but an engine's KV events are followed into the index (and its entries dropped on a
-restart or a removal) only by the replica holding its writer lease (`controller.writer_lease`,
+restart or a removal) only by the replica holding its writer lease (`indexer.writer_lease`,
 `index.writer_lease_s`); the others read what it writes.
 
 An index that cannot answer (a shared Redis that is down) costs cache knowledge, never a
@@ -72,7 +72,6 @@ from controller.registry import (
 )
 from controller.remote_index import RemoteIndex, keep_best_hit
 from controller.router import Candidate, LoadSnapshot, PrefixHit
-from controller.writer_lease import LeasedSink, LeasingIndex, WriterLease, lease_holder
 from indexer.backend import IndexBackend, TierPrefix
 from indexer.batch import Tier
 from indexer.keys import block_keys
@@ -86,6 +85,7 @@ from indexer.sources.openengine import (
 from indexer.sources.resync import drop_engine
 from indexer.sources.zmq import SourceCounters, ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
+from indexer.writer_lease import LeasedSink, LeasingIndex, WriterLease, lease_holder
 from indexer.zmq_decode import ArrayTail, engine_array_tail
 from kvplane.channels import INSECURE, ClientChannels, ClientSettings, failure_details
 from kvplane.errors import KvplaneError
@@ -363,7 +363,7 @@ class Fleet:
             .receiving_any_size()
             .with_token_file(config.engine_token_file, "engine_token_file")
         )
-        # This replica's id in the writer leases of a shared index (`controller.writer_lease`).
+        # This replica's id in the writer leases of a shared index (`indexer.writer_lease`).
         self.lease_holder = lease_holder(
             config.index.replica_name,
             config.listen,

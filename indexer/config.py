@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
+    AfterValidator,
     Field,
     StrictBool,
     StrictInt,
@@ -51,6 +52,21 @@ MAX_C_INT = (1 << 31) - 1
 # A float setting: an int is fine (YAML's `5`), a bool or a string is a mistake.
 StrictFloat = Annotated[float, Field(strict=True)]
 BlockSize = Annotated[StrictInt, Field(gt=0, le=MAX_UINT32)]
+# The term of a writer lease (`indexer.writer_lease`), the controller's `index.writer_lease_s`
+# and the indexer's `writer_lease_s`.
+DEFAULT_WRITER_LEASE_S = 10.0
+WriterLeaseSeconds = Annotated[float, Field(strict=True, gt=0)]
+
+
+def _check_replica_name(value: str) -> str:
+    """A replica's name is the part of a writer lease holder's id before its '/'."""
+    if not value or any(c.isspace() or c == "/" for c in value):
+        raise ValueError(f"must be a non-empty name without spaces or '/', got {value!r}")
+    return value
+
+
+# The controller's `index.replica_name` and the indexer's `replica_name` (`lease_holder`).
+ReplicaName = Annotated[str, AfterValidator(_check_replica_name)]
 # The transports libzmq knows (`zmq_bind`/`zmq_connect`); which ones this build supports,
 # connect / bind tells (EPROTONOSUPPORT).
 _ZMQ_TRANSPORTS = frozenset(
@@ -278,6 +294,18 @@ class IndexerConfig(ServerConfig):
     max_request_bytes: StrictInt = Field(default=64 << 20, gt=0)
     # Options of a Redis backend; an error with `memory`, which has none.
     redis: RedisBackendConfig = Field(default_factory=RedisBackendConfig)
+    # Several indexers on one Redis index with the same `sources:`: each engine's sources
+    # are followed by the one replica holding its writer lease, which expires this long after
+    # its last renewal (renewed every third of it); another replica takes over within about
+    # this long after the holder stops, from a fresh replay or snapshot (indexer.writer_lease,
+    # docs/indexer.md "Several indexer replicas"). Unused with `memory`.
+    writer_lease_s: WriterLeaseSeconds = DEFAULT_WRITER_LEASE_S
+    # This replica's name in the writer leases: a new process under the same name (the
+    # replica restarted) takes its leases back at once rather than after writer_lease_s, and
+    # its previous process's late writes are refused. None: the host name and `listen` (with
+    # a port: `listen` on port 0 names no replica, and a restarted process waits for the
+    # expiry). Replicas must not share a name.
+    replica_name: ReplicaName | None = None
 
     def backend_options(self) -> dict[str, Any]:
         """Keyword options for `indexer.backends.open_backend(self.backend, ...)`."""

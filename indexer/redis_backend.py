@@ -203,7 +203,7 @@ class RedisBackend:
         # Writer leases (`fence_writes`): this process's holder id and the lease of a worker
         # (its engine). None: writes are unconditional (the indexer's, seed 004's KVIndexer).
         self._fence_holder: str | None = None
-        self._lease_of: Callable[[str], str] = str
+        self._lease_of: Callable[[str], str | None] = str
         self._ready = False
         self._ready_lock = asyncio.Lock()
         # Workers with a batch written to the partition (not just buffered): what a Redis that
@@ -282,21 +282,23 @@ class RedisBackend:
         during an outage, or Redis lost its data): its source must rebuild it."""
         self._listeners.append(callback)
 
-    def fence_writes(self, holder: str, lease_of: Callable[[str], str]) -> None:
-        """From now on every write of this process (applies, removals, also those buffered
-        in an outage, when they are replayed) is made only while `holder` holds the writer
-        lease `lease_of(worker_id)` (`hold_lease`), checked atomically with the write inside
-        Redis: a controller replica that lost an engine's lease, paused past its expiry or cut
-        off from Redis, cannot write over the replica that took it over. A refused apply
-        raises LeaseLostError; a refused removal is dropped (the new holder owns the worker).
-        The KVIndexer API's applies are never fenced (seed 004: unconditional)."""
+    def fence_writes(self, holder: str, lease_of: Callable[[str], str | None]) -> None:
+        """From now on every write of this process to a worker under a writer lease
+        (applies, removals, also those buffered in an outage, when they are replayed) is made
+        only while `holder` holds the lease `lease_of(worker_id)` (`hold_lease`), checked
+        atomically with the write inside Redis: a replica that lost an engine's lease, paused
+        past its expiry or cut off from Redis, cannot write over the replica that took it
+        over. A refused apply raises LeaseLostError; a refused removal is dropped (the new
+        holder owns the worker). A worker whose `lease_of` is None is written unconditionally:
+        one fed through the KVIndexer API only (seed 004: applies are unconditional)."""
         self._fence_holder = holder
         self._lease_of = lease_of
 
     def _fence(self, worker_id: str) -> bytes:
         if self._fence_holder is None:
             return b""
-        return codec.fence_arg(self._fence_holder, self._lease_of(worker_id))
+        lease = self._lease_of(worker_id)
+        return b"" if lease is None else codec.fence_arg(self._fence_holder, lease)
 
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> LeaseState:
         """Take the writer lease `name` for `holder` if nobody holds it, or keep it another

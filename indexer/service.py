@@ -6,12 +6,19 @@ Sources run in one `asyncio.TaskGroup`: a source never ends on its own (it retri
 backoff), and all of them are cancelled when the server stops. When the backend asks for a
 worker's resync (the Redis backend after a buffer overflow or a Redis that lost its data), the
 source feeding that worker clears and rebuilds it (`indexer.sources.resync`).
+
+On a Redis backend, several indexers may follow the same engines into one partition (replicas
+for high availability): each engine's sources run only in the replica holding its writer
+lease (`indexer.sources.leased`, `writer_lease_s`, `replica_name`), and their writes are
+fenced by it; ApplyExternalKvBatch's writes to other workers stay unconditional.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,10 +30,12 @@ from indexer.backend import IndexBackend
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
 from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
+from indexer.sources.leased import LeasedEngineSources, LeasedSource, Source, lease_name
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
 from indexer.sources.resync import connect_resync
-from indexer.sources.zmq import SourceCounters, ZmqSource, ZmqSourceSettings
+from indexer.sources.zmq import BatchSink, SourceCounters, ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
+from indexer.writer_lease import LeasingIndex, lease_holder
 from kvplane.channels import ClientChannels
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
@@ -34,11 +43,12 @@ from kvplane.server import create_server, publish_port, serve_until_signal
 
 log = logging.getLogger(__name__)
 
-Source = ZmqSource | OpenEngineSource
+# A configured source as the service sees it: run as it is, or under a writer lease.
+ServedSource = Source | LeasedSource
 
 
 def build_source(
-    config: ZmqSourceConfig | OpenEngineSourceConfig, backend: IndexBackend, block_size: int
+    config: ZmqSourceConfig | OpenEngineSourceConfig, backend: BatchSink, block_size: int
 ) -> Source:
     """One configured source, feeding `backend`."""
     if isinstance(config, ZmqSourceConfig):
@@ -90,7 +100,10 @@ class IndexerCollector:
     """Prometheus view of the sources' and the servicers' counters (read at scrape time)."""
 
     def __init__(
-        self, sources: Sequence[Source], servicer: KvIndexerServicer, limiter: PrefixQueryLimiter
+        self,
+        sources: Sequence[ServedSource],
+        servicer: KvIndexerServicer,
+        limiter: PrefixQueryLimiter,
     ) -> None:
         self._sources = sources
         self._servicer = servicer
@@ -116,6 +129,16 @@ class IndexerCollector:
             for source in self._sources:
                 metric.add_metric([source.worker_id], getattr(source.translator.counters, name))
             yield metric
+        followed = GaugeMetricFamily(
+            "kvplane_indexer_source_followed",
+            "1 while this indexer follows the source (0: another replica on the shared index "
+            "holds its engine's writer lease)",
+            labels=["worker_id"],
+        )
+        for source in self._sources:
+            followed_now = source.followed if isinstance(source, LeasedSource) else True
+            followed.add_metric([source.worker_id], int(followed_now))
+        yield followed
         yield CounterMetricFamily(
             "kvplane_indexer_external_batches_applied",
             "ApplyExternalKvBatch calls applied",
@@ -136,7 +159,7 @@ class IndexerCollector:
 async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -> None:
     backend = await open_backend(config.backend, **config.backend_options())
     try:
-        sources = [build_source(s, backend, config.block_size) for s in config.sources]
+        sources, leased = _served_sources(config, backend)
         # A backend that dropped or lost a worker's entries asks its source to rebuild them.
         by_worker = {s.worker_id: s for s in sources}
         connect_resync(backend, by_worker.get)
@@ -174,7 +197,14 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
         log.info("indexer on port %d: backend %s, %d sources", port, backend.name, len(sources))
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(s.run(), name=f"source:{s.worker_id}") for s in sources]
+                tasks = [
+                    group.create_task(s.run(), name=f"source:{s.worker_id}")
+                    for s in sources
+                    if not isinstance(s, LeasedSource)
+                ]
+                tasks += [
+                    group.create_task(e.run(), name=f"lease:{e.lease.engine}") for e in leased
+                ]
                 await serve_until_signal(server, config.shutdown_grace_s)
                 for task in tasks:
                     task.cancel()
@@ -188,3 +218,33 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
                 metrics_server.shutdown()
     finally:
         await backend.close()
+
+
+def _served_sources(
+    config: IndexerConfig, backend: IndexBackend
+) -> tuple[list[ServedSource], list[LeasedEngineSources]]:
+    """The configured sources, and on a shared index with writer leases (Redis) the engines'
+    groups of them that run under their leases (`indexer.sources.leased`); every write to
+    their workers is then fenced by the lease (`fence_writes`), and only those writes."""
+    if not isinstance(backend, LeasingIndex) or not config.sources:
+        return [build_source(s, backend, config.block_size) for s in config.sources], []
+    holder = lease_holder(config.replica_name, config.listen, f"indexer-{uuid.uuid4().hex[:8]}")
+    by_engine: dict[str, list[LeasedSource]] = {}
+    for source_config in config.sources:
+        build = functools.partial(build_source, source_config, block_size=config.block_size)
+        source = LeasedSource(build, backend)
+        by_engine.setdefault(lease_name(source.worker_id), []).append(source)
+    backend.fence_writes(holder, lambda worker_id: _leased_name(worker_id, by_engine))
+    log.info("writer leases held as %s (writer_lease_s %.1f)", holder, config.writer_lease_s)
+    engines = [
+        LeasedEngineSources(backend, name, holder, config.writer_lease_s, group)
+        for name, group in by_engine.items()
+    ]
+    return [s for group in by_engine.values() for s in group], engines
+
+
+def _leased_name(worker_id: str, leased: dict[str, list[LeasedSource]]) -> str | None:
+    """The lease a worker is written under, None for one no source of this process feeds
+    (fed through ApplyExternalKvBatch: unconditional)."""
+    name = lease_name(worker_id)
+    return name if name in leased else None

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from controller.config import ControllerConfig
-from controller.writer_lease import lease_holder
 from engine.server.service import EngineApp
 from indexer.backends import open_backend
 from indexer.batch import Batch
 from indexer.keys import block_keys
+from indexer.writer_lease import lease_holder
 from tests.controller.conftest import (
     Fleet,
     close_fleet,

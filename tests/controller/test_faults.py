@@ -22,7 +22,6 @@ from controller.router import LoadSnapshot
 from engine.config import EngineConfig, KvEventsConfig
 from engine.core.api import BlockStored
 from engine.server.service import EngineApp, start_engine
-from indexer.batch import ActionType
 from indexer.config import OpenEngineSourceConfig
 from indexer.index import PrefixIndex
 from indexer.keys import block_keys
@@ -44,6 +43,7 @@ from tests.controller.conftest import (
 )
 from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.controller.test_gateway import PREFIX, generate, holder_of
+from tests.indexer.backend_views import worker_keys
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
 
@@ -677,12 +677,7 @@ async def indexed_keys(fleet: Fleet, worker: str) -> set[int]:
     """The block keys the controller's index places on `worker`."""
     index = fleet.app.controller.index
     assert index is not None
-    keys: set[int] = set()
-    async for batch in index.snapshot(worker):
-        for action in batch.actions:
-            if action.type is ActionType.REPORT:
-                keys.update(action.hashes)
-    return keys
+    return await worker_keys(index, worker)
 
 
 def cached_keys(engine: EngineApp) -> set[int]:

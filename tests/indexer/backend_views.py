@@ -7,7 +7,18 @@ import dataclasses
 from collections.abc import Sequence
 
 from indexer.backend import IndexBackend
+from indexer.batch import ActionType
 from indexer.memory_backend import MemoryBackend
+
+
+async def worker_keys(backend: IndexBackend, worker_id: str) -> set[int]:
+    """The block keys the index places on the worker (at any tier)."""
+    keys: set[int] = set()
+    async for batch in backend.snapshot(worker_id):
+        for action in batch.actions:
+            if action.type is ActionType.REPORT:
+                keys.update(action.hashes)
+    return keys
 
 
 async def observe(backend: IndexBackend, queries: Sequence[Sequence[int]]) -> list[object]:

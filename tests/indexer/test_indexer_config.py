@@ -91,6 +91,19 @@ def test_uint32_wire_fields_are_bounded(data: dict[str, object], where: str) -> 
     assert f"indexer.yaml: {where}: Input should be" in _error(data)
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"writer_lease_s": 0}, "writer_lease_s: Input should be greater than 0"),
+        ({"replica_name": "a b"}, "replica_name: must be a non-empty name without spaces or '/'"),
+        ({"replica_name": "a/b"}, "replica_name: must be a non-empty name without spaces or '/'"),
+        ({"replica_name": ""}, "replica_name: must be a non-empty name without spaces or '/'"),
+    ],
+)
+def test_the_writer_lease_settings_are_checked(data: dict[str, object], message: str) -> None:
+    assert f"indexer.yaml: {message}" in _error(data)
+
+
 def test_uint32_wire_fields_take_their_whole_range() -> None:
     config = IndexerConfig.model_validate(_openengine(data_parallel_ranks=[0, (1 << 32) - 1]))
     assert config.sources[0].data_parallel_ranks == [0, (1 << 32) - 1]  # type: ignore[union-attr]
@@ -149,6 +162,7 @@ def test_valid_zmq_endpoints_load(fields: dict[str, object]) -> None:
         ({"backend": "redis://h:1/0", "redis": {"buckets": "16"}}, "redis.buckets"),
         ({"backend": "redis://h:1/0", "redis": {"timeout_s": True}}, "redis.timeout_s"),
         ({"backend": "redis://h:1/0", "redis": {"max_buffered_batches": True}}, "redis."),
+        ({"writer_lease_s": "10"}, "writer_lease_s"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_an_error_not_a_coercion(

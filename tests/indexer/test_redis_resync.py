@@ -223,7 +223,8 @@ async def test_controller_opens_redis_with_the_indexers_options(
     try:
         assert controller.index is not None
         # (The controller writes a worker only under its engine's writer lease.)
-        await controller.index.hold_lease("w0", controller.fleet.lease_holder, 10.0)  # type: ignore[attr-defined]
+        holder = controller.fleet.lease_holder
+        await controller.index.hold_lease("w0", holder, 10.0)  # type: ignore[attr-defined]
         await controller.index.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (5,)),)))
     finally:
         await controller.close()

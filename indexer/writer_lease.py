@@ -1,23 +1,30 @@
-"""Which controller replica writes an engine's KV events into a shared index: its writer lease.
+"""Which replica writes an engine's KV events into a shared index: its writer lease.
 
-Several controller replicas sharing one Redis index each poll every engine (routing needs its
-health and load), but each engine's KV events are followed into the index by one replica at a
-time: the holder of the engine's writer lease, a key in the index's partition that Redis
-expires (`RedisBackend.hold_lease`). Were every replica to follow every engine, each would
-write every batch (the Redis write load times the replicas), and one replica's clear of an
-engine's worker (a restart it noticed, a removal through its admin API) would wipe what the
-others keep writing incrementally: an engine removed through one replica only lost its
-indexed blocks for good while another replica still routed to it.
+Several replicas sharing one Redis index (controller replicas, each polling every engine, or
+`kvplane indexer serve` replicas with the same `sources:`) each could follow every engine,
+but each engine's KV events are followed into the index by one replica at a time: the holder
+of the engine's writer lease, a key in the index's partition that Redis expires
+(`RedisBackend.hold_lease`). Were every replica to follow every engine, each would write
+every batch (the Redis write load times the replicas), and one replica's clear of an
+engine's worker (a restart it noticed, a removal through its admin API, its own start with a
+replay buffer that no longer holds everything) would wipe what the others keep writing
+incrementally: an engine removed through one replica only lost its indexed blocks for good
+while another replica still routed to it.
 
-A replica takes the lease of an engine whose events it would follow (its identity read) when
-nobody holds it, keeps it every third of `index.writer_lease_s`, and follows the engine's
-events while it holds it. Taking it over (the holder stopped, crashed, or lost Redis for a
-whole term) always starts a fresh subscription, whose snapshot clears and rebuilds the
+A replica takes the lease of an engine whose events it would follow (for a controller: its
+identity read) when nobody holds it, keeps it every third of its term (the controller's
+`index.writer_lease_s`, the indexer's `writer_lease_s`), and follows the engine's events
+while it holds it. Taking it over (the holder stopped, crashed, or lost Redis for a whole
+term) always starts a fresh subscription, whose snapshot or replay clears and rebuilds the
 engine's worker: what happened meanwhile, written by nobody, is in it. Every write of a
-replica is fenced by the lease inside Redis (`RedisBackend.fence_writes`), so a holder paused
-past the expiry, which cannot know it lost the lease, has its late writes refused instead of
-putting stale blocks back; the refusal stops its subscription at once (`on_lost`). The
-KVIndexer API's applies (seed 004) are never fenced.
+replica's sources is fenced by the lease inside Redis (`RedisBackend.fence_writes`), so a
+holder paused past the expiry, which cannot know it lost the lease, has its late writes
+refused instead of putting stale blocks back; the refusal stops its subscription at once
+(`on_lost`). The KVIndexer API's applies (seed 004) are never fenced.
+
+Leases are named after the engine (`engine_worker_id` of its workers: an OpenEngine
+engine's address, a rank's worker `<engine>/dp<r>` under its engine's), so a controller
+and an indexer following the same engine into one partition share its lease too.
 
 A memory index is each replica's own: there is no lease, and every replica follows every
 engine.
@@ -60,7 +67,7 @@ def lease_holder(replica_name: str | None, listen: str, incarnation: str) -> str
 class LeasingIndex(Protocol):
     """A shared index with writer leases (the Redis backend)."""
 
-    def fence_writes(self, holder: str, lease_of: Callable[[str], str]) -> None: ...
+    def fence_writes(self, holder: str, lease_of: Callable[[str], str | None]) -> None: ...
 
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> LeaseState: ...
 
@@ -121,15 +128,14 @@ class WriterLease:
             return
         if state is LeaseState.HELD_ELSEWHERE:
             if self.held:
-                log.info("engine %s: another controller replica writes its KV events now",
-                         self.engine)  # fmt: skip
+                log.info("engine %s: another replica writes its KV events now", self.engine)
                 self.lost()
             return
         # Taken, even by a replica that believed it held it (its key had expired, or Redis
         # lost it with its data): writes refused or lost meanwhile are unknown to it.
         if state is LeaseState.TAKEN or not self.held:
-            log.info("engine %s: this controller replica writes its KV events into the shared "
-                     "index (resubscribing from a snapshot)", self.engine)  # fmt: skip
+            log.info("engine %s: this replica writes its KV events into the shared index "
+                     "(resubscribing from a snapshot)", self.engine)  # fmt: skip
             self.held = True
             try:
                 await self._on_taken()

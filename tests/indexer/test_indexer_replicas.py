@@ -1,0 +1,297 @@
+"""Several `kvplane indexer serve` (real processes) with the same ZMQ source on one private
+redis-server, following one real ZMQ publisher: exactly one replica follows the engine (the
+holder of its writer lease, as `/metrics` says), so a replica killed with -9 and restarted
+beside it does not wipe what the holder keeps, even when the publisher's replay buffer no
+longer holds everything; the other replica takes a killed holder's place from a fresh replay,
+batches published while nobody wrote included; a holder restarted under its `replica_name`
+takes its lease back at once; ApplyExternalKvBatch stays unconditional on every replica. The
+shared index is compared with a reference follower of the same publisher (its own memory
+index)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import grpc
+import msgpack
+import pytest
+import zmq.asyncio
+from backend_views import worker_keys
+from fake_kv_publisher import FakeKvPublisher, running
+from redis_servers import RedisServer
+
+from indexer.backend import IndexBackend
+from indexer.backends import open_backend
+from indexer.memory_backend import MemoryBackend
+from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
+from indexer.translate import TranslateOptions, WorkerTranslator
+from kv_indexer.v1 import kv_indexer_pb2 as kv
+from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from tests.polling import eventually
+
+pytestmark = pytest.mark.timeout(120)
+KVPLANE = [str(Path(sys.executable).parent / "kvplane")]
+WAIT_S = 30.0
+TOPIC = b"kv@test"
+WORKER = "w0"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _message(seq: int, *events: object) -> list[bytes]:
+    return [TOPIC, seq.to_bytes(8, "big"), msgpack.packb([float(seq), list(events), None])]
+
+
+def _stored(block: int) -> dict[str, object]:
+    return {"type": "BlockStored", "block_hashes": [block], "parent_block_hash": None,
+            "medium": "GPU"}  # fmt: skip
+
+
+def _removed(block: int) -> dict[str, object]:
+    return {"type": "BlockRemoved", "block_hashes": [block], "medium": "GPU"}
+
+
+class Replica:
+    """One `kvplane indexer serve` on the shared Redis, restartable on the same ports."""
+
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        redis: RedisServer,
+        publisher: FakeKvPublisher,
+        *,
+        lease_s: float | None = None,
+        replica_name: str | None = None,
+    ) -> None:
+        self.name = name
+        self.port = _free_port()
+        self.metrics_port = _free_port()
+        self.log = workdir / f"{name}.log"
+        self.config = workdir / f"{name}.yaml"
+        named = f"replica_name: {replica_name}\n" if replica_name else ""
+        if lease_s is not None:
+            named += f"writer_lease_s: {lease_s}\n"
+        self.config.write_text(
+            f"listen: 127.0.0.1:{self.port}\nmetrics_listen: 127.0.0.1:{self.metrics_port}\n"
+            f"backend: {redis.url}\n{named}"
+            f"sources:\n  - {{kind: zmq, worker_id: {WORKER}, worker_address: 10.0.0.1:8000, "
+            f"endpoint: '{publisher.endpoint}', replay_endpoint: '{publisher.replay_endpoint}', "
+            "topic: 'kv@', heartbeat_interval_s: 0.2, heartbeat_timeout_s: 1.0}\n"
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [*KVPLANE, "indexer", "serve", "--config", str(self.config)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def kill(self) -> None:
+        """kill -9: no lease given back, nothing flushed."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=20)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def _metrics(self) -> str | None:
+        """Its `/metrics` page (None: not served yet)."""
+        assert self.process is not None
+        assert self.process.poll() is None, self.log.read_text()
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                return str(reply.read().decode())
+        except OSError:
+            return None
+
+    def followed(self) -> float | None:
+        """`kvplane_indexer_source_followed` of the worker (None: not reported)."""
+        for line in (self._metrics() or "").splitlines():
+            if line.startswith(f'kvplane_indexer_source_followed{{worker_id="{WORKER}"}}'):
+                return float(line.split()[-1])
+        return None
+
+    async def wait_serving(self) -> None:
+        """Until its metrics answer (its sources, or their leases, are started then)."""
+        await eventually(
+            lambda: self._metrics() is not None, WAIT_S, f"{self.name} to serve its metrics"
+        )
+
+    async def wait_followed(self, value: float) -> None:
+        await eventually(
+            lambda: self.followed() == value,
+            WAIT_S,
+            f"{self.name} to report kvplane_indexer_source_followed {value:g}",
+        )
+
+
+class Setup:
+    def __init__(self, workdir: Path, publisher: FakeKvPublisher, redis: RedisServer) -> None:
+        self.workdir = workdir
+        self.publisher = publisher
+        self.redis = redis
+        self.reference = MemoryBackend()
+        self.shared: IndexBackend | None = None
+        self.replicas: list[Replica] = []
+        self.seq = 0
+
+    def replica(self, name: str, **options: object) -> Replica:
+        replica = Replica(name, self.workdir, self.redis, self.publisher, **options)  # type: ignore[arg-type]
+        self.replicas.append(replica)
+        replica.start()
+        return replica
+
+    async def publish(self, *events: object) -> None:
+        await self.publisher.publish(_message(self.seq, *events))
+        self.seq += 1
+
+    async def index_exact(self, what: str) -> None:
+        """Until the shared index places on the worker exactly the publisher's live blocks."""
+        assert self.shared is not None
+        shared = self.shared
+
+        async def exact() -> bool:
+            want = await worker_keys(self.reference, WORKER)
+            return bool(want) and await worker_keys(shared, WORKER) == want
+
+        await eventually(exact, WAIT_S, f"the shared index to hold the live blocks {what}")
+
+
+@pytest.fixture
+async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
+    """A redis-server, a publisher (replay buffer of 3 batches, as a busy vLLM's may hold
+    less than the engine's blocks) and the reference follower; replicas stopped at the end."""
+    context = zmq.asyncio.Context()
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    publisher = FakeKvPublisher(context, buffer_steps=3)
+    publisher.start_replay()
+    state = Setup(tmp_path, publisher, redis)
+    try:
+        async with AsyncExitStack() as stack:
+            reference = ZmqSource(
+                ZmqSourceSettings(
+                    endpoint=publisher.endpoint,
+                    replay_endpoint=publisher.replay_endpoint,
+                    topic="kv@",
+                    backoff_initial_s=0.05,
+                    backoff_max_s=0.2,
+                ),
+                WorkerTranslator(TranslateOptions(WORKER, "10.0.0.1:8000")),
+                state.reference,
+                context=context,
+            )
+            await stack.enter_async_context(running(reference.run()))
+            await publisher.wait_subscribed(topic=b"kv@")
+            state.shared = await open_backend(redis.url)
+            stack.push_async_callback(state.shared.close)
+            yield state
+    finally:
+        for replica in state.replicas:
+            replica.stop()
+        await publisher.close()
+        context.destroy(linger=0)
+        redis.stop()
+
+
+async def test_a_replica_killed_and_restarted_beside_the_holder_keeps_the_index(
+    setup: Setup,
+) -> None:
+    first = setup.replica("first")
+    await setup.publisher.wait_subscribed()  # it holds the engine's lease, then follows it
+    second = setup.replica("second")
+    await second.wait_serving()
+    for block in range(8):  # more batches than the replay buffer keeps
+        await setup.publish(_stored(100 + block))
+    await setup.index_exact("after 8 batches")
+
+    second.kill()
+    second.start()
+    await second.wait_serving()
+    await setup.publish(_stored(200), _removed(100))
+    await setup.index_exact("after the other replica restarted")
+    assert len(await worker_keys(setup.reference, WORKER)) == 8
+    assert (first.followed(), second.followed()) == (1, 0)
+
+    # The KVIndexer API's applies are unconditional on every replica (seed 004).
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{second.port}") as channel:
+        await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
+            kv.ApplyExternalKvBatchRequest(
+                worker_id="external",
+                worker_address="10.0.0.9:8000",
+                actions=[
+                    kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[7, 8])
+                ],
+            )
+        )
+    assert setup.shared is not None
+    assert await worker_keys(setup.shared, "external") == {7, 8}
+
+
+async def test_the_other_replica_takes_a_killed_holders_engine_over_from_the_replay(
+    setup: Setup,
+) -> None:
+    setup.publisher.buffer_steps = None  # a takeover rebuilds from the whole replay
+    first = setup.replica("first", lease_s=2.0)
+    await first.wait_followed(1)
+    second = setup.replica("second", lease_s=2.0)
+    await second.wait_followed(0)
+    for block in range(4):
+        await setup.publish(_stored(100 + block))
+    await setup.index_exact("with the first replica writing")
+
+    first.kill()  # for good: its lease expires
+    await setup.publish(_stored(300), _removed(100))  # written by nobody until the takeover
+    await second.wait_followed(1)
+    await setup.index_exact("after the other replica took the engine over")
+    await setup.publisher.restart()  # a new engine process (seqs from 0, empty replay)
+    setup.seq = 0
+    await setup.publish(_stored(500))
+    await setup.index_exact("after the publisher restarted")
+    assert await worker_keys(setup.reference, WORKER) == {500}
+
+
+async def test_a_holder_restarted_under_its_replica_name_takes_its_lease_back_at_once(
+    setup: Setup,
+) -> None:
+    setup.publisher.buffer_steps = None
+    # A term far longer than the test: the lease can only come back by the replica's name.
+    first = setup.replica("first", lease_s=600.0, replica_name="indexer-a")
+    await first.wait_followed(1)
+    second = setup.replica("second", lease_s=600.0, replica_name="indexer-b")
+    await second.wait_followed(0)
+    for block in range(4):
+        await setup.publish(_stored(100 + block))
+    await setup.index_exact("with the first replica writing")
+
+    first.kill()
+    await setup.publish(_stored(300), _removed(100))  # written by nobody yet
+    first.start()
+    await first.wait_followed(1)
+    await setup.index_exact("after the holder came back under its replica_name")
+    assert second.followed() == 0
