@@ -7,6 +7,7 @@ front server that plays the event stream's faults, a real ZMQ publisher, a real 
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, make_fleet
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
+from tests.controller.test_admin_cli import cli
 from tests.controller.test_admin_cli_membership import cli_json
 from tests.controller.test_controller_replicas import close_replica, shared_index, small_engines
 from tests.controller.test_fleet_events import RankedZmqEngine, sample, scrape, zmq_fleet
@@ -71,6 +73,9 @@ async def test_a_lost_zmq_publisher_shows_down_while_the_engine_stays_ready() ->
         assert row["state"] == "ready" and row["routable"]
         assert f"publisher {publisher.endpoint} disconnected" in row["kv_events_reason"]
         assert sample(await scrape(fleet), UP, address) == 0.0
+        table = await cli("workers", "--target", fleet.target)
+        assert "KV EVENTS" in table.stdout
+        assert re.search(r"down since \d\d:\d\d:\d\dZ: publisher tcp://", table.stdout)
 
         await publisher.restart()  # back on the same endpoint
         await wait_kv_events(fleet, address, "following")
@@ -78,6 +83,32 @@ async def test_a_lost_zmq_publisher_shows_down_while_the_engine_stays_ready() ->
     finally:
         await close_fleet(fleet)
         await publisher.close()
+        context.term()
+
+
+async def test_an_engine_followed_rank_by_rank_is_down_while_one_rank_is() -> None:
+    """An engine without SubscribeKvEvents followed through its advertised ZMQ ranks (the
+    OpenEngine source's fallback): down while one rank's publisher is gone, naming the rank."""
+    context = zmq.asyncio.Context()
+    ranks = [FakeKvPublisher(context), FakeKvPublisher(context)]
+    for publisher in ranks:
+        publisher.start_replay()
+    engine = await start_fronted_engine("ranked", lambda inner: RankedZmqEngine(inner, ranks))
+    address = f"127.0.0.1:{engine.port}"
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    try:
+        await wait_kv_events(fleet, address, "following")
+        ranks[1].pub.close(linger=0)
+        row = await wait_kv_events(fleet, address, "down")
+        assert row["kv_events_reason"] == (
+            f"{address}/dp1: publisher {ranks[1].endpoint} disconnected"
+        )
+        await ranks[1].restart()
+        await wait_kv_events(fleet, address, "following")
+    finally:
+        await close_fleet(fleet)
+        for publisher in ranks:
+            await publisher.close()
         context.term()
 
 
