@@ -53,6 +53,13 @@ class AdminServicer(apb_grpc.AdminServicer):
             inflight_requests=self.controller.router.inflight.of(record.address).requests,
             last_error=record.last_error,
         )
+        following = self.controller.fleet.event_following(record)
+        info.kv_events_state = following.state.value
+        info.kv_events_reason = following.reason
+        if following.since_unix_s is not None:
+            info.kv_events_since_unix_s = following.since_unix_s
+        if following.last_event_unix_s is not None:
+            info.last_kv_event_unix_s = following.last_event_unix_s
         identity = record.identity
         if identity is not None:
             info.engine_name = identity.engine_name

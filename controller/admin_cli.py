@@ -216,6 +216,28 @@ def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
     return row
 
 
+def _kv_events(worker: dict[str, Any]) -> str | None:
+    """How the controller follows the engine's KV events: `following since 10:02:13Z (last
+    10:04:40Z)`, `down since 10:03:58Z: publisher tcp://... disconnected`, `other_replica: ...`
+    (None against a bare engine, which has no such state). Times of day (UTC) as the
+    controller's clock tells them: an age computed here would add the two clocks' skew."""
+    state = worker.get("kv_events_state")
+    if not state:
+        return None
+    since = worker.get("kv_events_since_unix_s")
+    text = state if since is None else f"{state} since {_utc_time(since)}"
+    if state == "following":
+        last = worker.get("last_kv_event_unix_s")
+        return text if last is None else f"{text} (last {_utc_time(last)})"
+    reason = worker.get("kv_events_reason")
+    return f"{text}: {reason}" if reason else text
+
+
+def _utc_time(unix_s: float) -> str:
+    """A time of day in UTC, as `10:02:13Z`."""
+    return time.strftime("%H:%M:%SZ", time.gmtime(unix_s))
+
+
 def _render_workers(data: dict[str, Any]) -> str:
     # A pooling-only engine (`runner: pooling`) gets no Generate and caches no prompt: its
     # role says so, and it has no KV figure (its one-block cache is a placeholder). SOURCE:
@@ -235,6 +257,7 @@ def _render_workers(data: dict[str, Any]) -> str:
             if w.get("pooling_only")
             else f"{w.get('used_kv_blocks', '?')}/{w.get('total_kv_blocks', '?')}",
             w.get("indexed_blocks"),
+            _kv_events(w),
             w.get("inflight_requests"),
             w.get("last_error"),
         ]
@@ -251,6 +274,7 @@ def _render_workers(data: dict[str, Any]) -> str:
         "QUEUED",
         "KV",
         "INDEXED",
+        "KV EVENTS",
         "INFLIGHT",
         "ERROR",
     ]

@@ -53,6 +53,7 @@ from typing import NamedTuple
 import grpc
 
 from controller.config import ControllerConfig, KvEventsMode
+from controller.event_following import EventFollowing, FollowingState
 from controller.hops import FRONTS_METADATA_KEY, metadata_values, via_interceptors
 from controller.lora_intent import LoraIntent, LoraSpec
 from controller.registry import (
@@ -237,6 +238,11 @@ class _Engine:
         self.poll_task: asyncio.Task[None] | None = None
         self.events_task: asyncio.Task[None] | None = None
         self.source: OpenEngineSource | ZmqSource | None = None
+        # Why the engine's events have no source though they are wanted (its advertised ZMQ
+        # source cannot be dialled, it advertises none); None while it has one.
+        self.no_source_reason: str | None = None
+        # When its last KV-event batch was indexed here (unix time; None: none yet).
+        self.last_event_unix_s: float | None = None
         # The process whose KV events this replica follows into the index (None: none yet,
         # or KV events off); on a shared index, only while it holds `lease`.
         self.followed: EngineIdentity | None = None
@@ -528,6 +534,44 @@ class Fleet:
     def source_of(self, address: str) -> OpenEngineSource | ZmqSource | None:
         engine = self._engines.get(address)
         return engine.source if engine is not None else None
+
+    def event_following(self, record: EngineRecord) -> EventFollowing:
+        """Whether this replica follows the engine's KV events into its index now, and if not
+        why (`controller.event_following`); a removed engine's record says it is not."""
+        engine = self._engines.get(record.address)
+        last_s = engine.last_event_unix_s if engine is not None else None
+        if record.kv_events == KvEventsMode.none.value:
+            return EventFollowing(FollowingState.NOT_FOLLOWED, "kv_events: none")
+        if self.index is None:
+            reason = "the remote indexer follows them" if self.remote else "no index"
+            return EventFollowing(FollowingState.NOT_FOLLOWED, reason)
+        if engine is None:
+            return EventFollowing(FollowingState.NOT_FOLLOWED, "removed")
+        lease = engine.lease
+        if engine.followed is not None and lease is not None and not lease.held:
+            if lease.held_elsewhere:
+                reason = "another controller replica holds its writer lease"
+                return EventFollowing(FollowingState.OTHER_REPLICA, reason, None, last_s)
+            reason = "taking its writer lease on the shared index"
+            return EventFollowing(FollowingState.CONNECTING, reason, None, last_s)
+        if engine.followed is None:
+            reason = "its identity is not read yet"
+            return EventFollowing(FollowingState.CONNECTING, reason, None, last_s)
+        task = engine.events_task
+        if task is not None and task.done() and not task.cancelled() and task.exception():
+            return EventFollowing(FollowingState.DOWN, str(task.exception()), None, last_s)
+        if engine.source is None:
+            if engine.no_source_reason is not None:
+                reason = engine.no_source_reason
+                return EventFollowing(FollowingState.DOWN, reason, None, last_s)
+            reason = "not subscribed yet"
+            return EventFollowing(FollowingState.CONNECTING, reason, None, last_s)
+        link = engine.source.link
+        if link.up:
+            state = FollowingState.FOLLOWING
+        else:
+            state = FollowingState.DOWN if link.ever_up else FollowingState.CONNECTING
+        return EventFollowing(state, link.reason, link.since_unix_s, last_s)
 
     def event_counters(self, address: str) -> SourceCounters | None:
         """The counters of the engine's KV-event source (None while it has none)."""
@@ -1035,6 +1079,7 @@ class Fleet:
             )
         if source is None:
             return
+        engine.no_source_reason = None
         engine.source = source
         engine.events_task = asyncio.create_task(source.run(), name=f"kv events {engine.address}")
         engine.events_task.add_done_callback(functools.partial(_events_ended, engine.address))
@@ -1049,6 +1094,9 @@ class Fleet:
 
     def _event_applied(self, address: str, stamped_unix_s: float) -> None:
         """A KV-event batch the engine stamped at `stamped_unix_s` is in the index."""
+        engine = self._engines.get(address)
+        if engine is not None:
+            engine.last_event_unix_s = time.time()
         # Two hosts' clocks: a skew that puts the stamp in our future reads as no lag.
         lag_s = max(0.0, time.time() - stamped_unix_s)
         self.registry.on_event_lag(address, lag_s)
@@ -1079,6 +1127,7 @@ class Fleet:
             problem = advert_endpoint_problem(advert)
             if problem is not None:  # e.g. 0.0.0.0: dialled, it reaches this machine
                 log.warning("engine %s: not following its ZMQ source: %s", engine.address, problem)
+                engine.no_source_reason = f"its ZMQ source is not followed: {problem}"
                 continue
             settings = zmq_source_settings(advert, array_tail=array_tail)
             return ZmqSource(
@@ -1089,4 +1138,5 @@ class Fleet:
                 on_sequence_break=on_sequence_break,
             )
         log.warning("engine %s advertises no ZMQ KV-event source", engine.address)
+        engine.no_source_reason = engine.no_source_reason or "it advertises no ZMQ KV-event source"
         return None

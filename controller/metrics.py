@@ -1,8 +1,9 @@
-"""The controller's Prometheus metrics: per-engine state and load (read from the registry at
-scrape time), routing decisions by policy and reason, predicted vs engine-reported cached tokens,
-index size, KV-event lag (per engine: the controller's wall clock when a batch is in the index
-minus the engine's timestamp on it; engine and controller clocks must agree), what each
-engine's KV-event source went through (resyncs, gaps, reconnects), and gateway latency."""
+"""The controller's Prometheus metrics: per-engine state and load (read from the registry at scrape
+time), routing decisions by policy and reason, predicted vs engine-reported cached tokens, index
+size, whether each engine's KV events reach the index now, KV-event lag (per engine: the
+controller's wall clock when a batch is in the index minus the engine's timestamp on it; engine
+and controller clocks must agree), what each engine's KV-event source went through (resyncs,
+gaps, reconnects), and gateway latency."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ from typing import Any, Literal, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from controller.registry import EngineState, Registry
+from controller.event_following import EventFollowing
+from controller.registry import EngineRecord, EngineState, Registry
 from indexer.sources.zmq import SourceCounters
 
 # An engine's KV-event source counters, by engine address (None: it has no source now).
 EventCounters = Callable[[str], SourceCounters | None]
+# Whether the controller follows an engine's KV events now, by its record.
+EventsFollowing = Callable[[EngineRecord], EventFollowing]
 # Whether the index answers now (the embedded one always does), read at scrape time.
 IndexAnswers = Callable[[], bool]
 # What each engine's source counter says, as a Prometheus counter: a rebuild of the engine's
@@ -46,9 +50,15 @@ _EVENT_LAG_BUCKETS = (*_LATENCY_BUCKETS[1:], 30, 60)
 
 
 class _EngineCollector:
-    def __init__(self, registry: Registry, event_counters: EventCounters | None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        event_counters: EventCounters | None,
+        events_following: EventsFollowing | None,
+    ) -> None:
         self._registry = registry
         self._event_counters = event_counters
+        self._events_following = events_following
 
     def collect(self) -> Iterator[Any]:
         labels = ["engine", "instance_id"]
@@ -78,6 +88,14 @@ class _EngineCollector:
                 "Event lag of the engine's last KV-event batch (in the index minus stamped)",
                 labels=labels,
             ),
+            # No series for an engine whose events are not this replica's to follow
+            # (kv_events none, a remote indexer's, another replica's lease).
+            "kv_events_up": GaugeMetricFamily(
+                "kvplane_controller_engine_kv_events_up",
+                "1 while the engine's KV events reach this controller's index, 0 while they "
+                "do not (its stream or ZMQ publisher down or not connected yet)",
+                labels=labels,
+            ),
         }
         # One series per state, 1 for the engine's own (Prometheus' state set): an alert on
         # `{state="failing"} == 1` has a series to watch before the engine ever fails.
@@ -100,6 +118,9 @@ class _EngineCollector:
                 families["kv"].add_metric(key, load.used_kv_blocks / load.total_kv_blocks)
             if record.event_lag_s is not None:
                 families["event_lag"].add_metric(key, record.event_lag_s)
+            up = None if self._events_following is None else self._events_following(record).up
+            if up is not None:
+                families["kv_events_up"].add_metric(key, 1.0 if up else 0.0)
         yield from families.values()
         yield states
         yield from self._source_counters()
@@ -127,9 +148,10 @@ class ControllerMetrics:
         registry: Registry,
         event_counters: EventCounters | None = None,
         index_answers: IndexAnswers = lambda: True,
+        events_following: EventsFollowing | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(registry, event_counters))
+        self.registry.register(_EngineCollector(registry, event_counters, events_following))
         r = self.registry
         self.decisions = Counter(
             "kvplane_controller_route_decisions",

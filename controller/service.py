@@ -117,6 +117,7 @@ class Controller:
             index_answers=lambda: (
                 (index := self.reachable_index()) is None or index.unavailable is None
             ),
+            events_following=self.fleet.event_following,
         )
         self._tokenizers = ModelTokenizers({})
         self._stats_task: asyncio.Task[None] | None = None

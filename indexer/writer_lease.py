@@ -103,6 +103,8 @@ class WriterLease:
         self._on_taken = on_taken
         self._on_lost = on_lost
         self.held = False
+        # The last renewal found another replica holding it (that replica follows the engine).
+        self.held_elsewhere = False
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -126,6 +128,7 @@ class WriterLease:
             # Redis cannot answer: the lease runs out by itself, and every write is fenced.
             log.debug("engine %s: writer lease not renewed: %s", self.engine, exc)
             return
+        self.held_elsewhere = state is LeaseState.HELD_ELSEWHERE
         if state is LeaseState.HELD_ELSEWHERE:
             if self.held:
                 log.info("engine %s: another replica writes its KV events now", self.engine)

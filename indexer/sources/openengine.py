@@ -32,6 +32,11 @@ sequence number 0 with `include_snapshot`: the engine answers with a snapshot (o
 from its first batch), whose sequence number is not the one expected, so the worker is
 cleared and rebuilt.
 
+`link` (`indexer.sources.link`) says whether the engine's events reach the source now: its
+SubscribeKvEvents call open on a channel that reached the engine (an engine with nothing to
+replay sends nothing until its next event), or every advertised ZMQ rank's publisher
+connected.
+
 `on_sequence_break`, when given, is called (synchronously) each time a batch out of sequence
 has cleared the worker after earlier batches: the engine may have restarted, and only its
 stream says so when it keeps its instance id and returns within one of its owner's polls. The
@@ -58,6 +63,7 @@ from indexer.engine_events import (
     EngineEvent,
     EngineHash,
 )
+from indexer.sources.link import Link, weakest
 from indexer.sources.zmq import (
     BatchSink,
     BatchTimeObserver,
@@ -183,6 +189,8 @@ class OpenEngineSource:
         self._call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
         # Set by a resync request: ends a reconnect backoff at once.
         self._wake = asyncio.Event()
+        # Whether a SubscribeKvEvents call is open on a channel that reached the engine.
+        self._link = Link(f"subscribing to {settings.target}")
 
     @property
     def worker_id(self) -> str:
@@ -194,6 +202,14 @@ class OpenEngineSource:
         subscribed yet): its worker may hold an earlier process's blocks. Following advertised
         ZMQ sources, never (they find a restarted publisher by its sequence numbers)."""
         return self._call is None and not self.zmq_sources
+
+    @property
+    def link(self) -> Link:
+        """Whether the engine's events reach this source now: its SubscribeKvEvents call, or,
+        following advertised ZMQ sources, every rank's publisher (`indexer.sources.link`)."""
+        if self.zmq_sources:
+            return weakest((s.worker_id, s.link) for s in self.zmq_sources)
+        return self._link
 
     async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until `predicate()` holds after some batch was handled."""
@@ -220,8 +236,7 @@ class OpenEngineSource:
             follow_zmq = False
             try:
                 async with self._channels.aio_channel(self.settings.target) as channel:
-                    stub = pb_grpc.OpenEngineStub(channel)
-                    if await self._subscribe(stub):
+                    if await self._subscribe(channel):
                         backoff = self.settings.backoff_initial_s
             except asyncio.CancelledError:
                 raise
@@ -230,13 +245,11 @@ class OpenEngineSource:
                     exc.code() == grpc.StatusCode.UNIMPLEMENTED and self.settings.discover_zmq
                 )
                 if not follow_zmq:  # (a TLS handshake's trail cut to OpenSSL's reason)
-                    log.warning(
-                        "openengine source %s: %s: %s",
-                        self.settings.target,
-                        exc.code().name,
-                        plain_details(exc.details() or ""),
-                    )
-            except Exception:
+                    reason = f"{exc.code().name}: {plain_details(exc.details() or '')}"
+                    self._link.went_down(reason)
+                    log.warning("openengine source %s: %s", self.settings.target, reason)
+            except Exception as exc:
+                self._link.went_down(f"failed: {exc!r}")
                 log.exception("openengine source %s failed", self.settings.target)
             if follow_zmq:
                 try:
@@ -280,7 +293,7 @@ class OpenEngineSource:
                 backoff_s,
             )
 
-    async def _subscribe(self, stub: pb_grpc.OpenEngineAsyncStub) -> bool:
+    async def _subscribe(self, channel: grpc.aio.Channel) -> bool:
         """Follow one subscription until it ends; True if it delivered anything."""
         if self._resync_wanted is not None:
             self.counters.num_resyncs += 1
@@ -294,16 +307,19 @@ class OpenEngineSource:
             start_sequence_number=start,
         )
         delivered = False
-        call = self._call = stub.SubscribeKvEvents(request)
+        call = self._call = pb_grpc.OpenEngineStub(channel).SubscribeKvEvents(request)
+        # The call is open at the engine once its channel is READY (an engine that has nothing
+        # to replay sends nothing until its next event).
+        reached = asyncio.ensure_future(self._reached(channel, call))
+        ended = "the stream ended"
         try:
             async for response in call:
                 if response.WhichOneof("event") == "error":
-                    log.warning(
-                        "openengine source %s: stream ended with %s: %s",
-                        self.settings.target,
-                        pb.ErrorCode.Name(response.error.code),
-                        response.error.message,
+                    ended = (
+                        f"the stream ended with {pb.ErrorCode.Name(response.error.code)}: "
+                        f"{response.error.message}"
                     )
+                    log.warning("openengine source %s: %s", self.settings.target, ended)
                     break
                 if response.WhichOneof("event") == "batch":
                     await self._on_batch(response.batch)
@@ -318,9 +334,19 @@ class OpenEngineSource:
             if self._resync_wanted is None or (task is not None and task.cancelling()):
                 raise
         finally:
+            reached.cancel()
             self._call = None
+            self._link.went_down(ended)
             call.cancel()
         return delivered
+
+    async def _reached(
+        self, channel: grpc.aio.Channel, call: grpc.aio.UnaryStreamCall[Any, Any]
+    ) -> None:
+        """Mark the link up once `call`'s channel reaches the engine, unless the call ended."""
+        await channel.channel_ready()
+        if not call.done():
+            self._link.went_up()
 
     async def _on_batch(self, batch: pb.KvEventBatch) -> None:
         self.counters.num_messages += 1

@@ -57,6 +57,10 @@ Live messages come as `[topic, seq, payload]` or, from some senders, `[seq, payl
 with a topic receives both (see `TWO_FRAME_SUBSCRIPTION`). TCP endpoints on an IPv6 address
 (`tcp://[::1]:5557`), or on `*` when binding, get libzmq's IPv6 option (`kvplane.zmq_ip`).
 
+`link` (`indexer.sources.link`) says whether the publisher is connected now, as the monitor
+reports its handshakes and disconnections (a publisher nothing answers at never connects): a
+SUB reconnects by itself, so `stream_lost` never says it.
+
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
 A message whose content the translator or the index refuses (validation) counts as bad too:
 its refused batch is dropped (a missing block, never a stale one) and the stream goes on.
@@ -79,6 +83,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer.batch import Batch
 from indexer.engine_events import EventBatch
+from indexer.sources.link import Link
 from indexer.translate import WorkerTranslator
 from indexer.validation import IndexRequestError
 from indexer.zmq_decode import (
@@ -199,6 +204,8 @@ class ZmqSource:
         if settings.replay_endpoint and settings.rebuild_at_start:
             self._resync_wanted.set()
         self.last_seq: int | None = None
+        # Whether the publisher is connected now, as the SUB's monitor says (`_OpenConnections`).
+        self.link = Link(f"connecting to {settings.endpoint}")
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
         self.ready = asyncio.Event()
@@ -233,9 +240,10 @@ class ZmqSource:
                 await self._follow()
             except (asyncio.CancelledError, ConfigError):
                 raise
-            except Exception:
+            except Exception as exc:
                 self.counters.num_restarts += 1
                 self._expected = None  # the index is in doubt: rebuild on the next message
+                self.link.went_down(f"restarting after an error: {exc!r}")
                 log.exception(
                     "zmq source %s (worker %s) failed; retrying in %.1fs",
                     self.settings.endpoint,
@@ -354,8 +362,10 @@ class ZmqSource:
         # Connections made after the last end (one that came and went is no publisher now).
         if len(events) > (ends[-1] + 1 if ends else 0):
             self._new_connection = True
+            self.link.went_up()
         elif ends:
             self._new_connection = False
+            self.link.went_down(f"publisher {self.settings.endpoint} disconnected")
         if ends and self._expected is not None:
             log.warning(
                 "worker %s: publisher %s disconnected; clearing the worker until it is back",

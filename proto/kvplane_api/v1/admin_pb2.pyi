@@ -92,6 +92,10 @@ class WorkerInfo(_message.Message):
     INFLIGHT_REQUESTS_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     POOLING_ONLY_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_STATE_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_REASON_FIELD_NUMBER: _builtins.int
+    KV_EVENTS_SINCE_UNIX_S_FIELD_NUMBER: _builtins.int
+    LAST_KV_EVENT_UNIX_S_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     instance_id: _builtins.str
     engine_name: _builtins.str
@@ -123,6 +127,20 @@ class WorkerInfo(_message.Message):
     """The engine serves Embed/Classify/Score only (`runner: pooling`: its ModelInfo advertises
     tasks and no generation): no Generate is routed to it.
     """
+    kv_events_state: _builtins.str
+    """Whether this controller follows the engine's KV events into its index now (its health
+    says nothing of it: an engine whose events are lost is routed on a stale index):
+    following (its SubscribeKvEvents stream, or its ZMQ publisher, is connected), connecting
+    (not yet, since it was added, restarted or taken over), down (connected once, lost
+    since), not_followed (kv_events none, or a remote indexer follows it), other_replica
+    (another controller replica on the shared index holds its writer lease and follows it).
+    """
+    kv_events_reason: _builtins.str
+    """why not following; "" when following"""
+    kv_events_since_unix_s: _builtins.float
+    """when it entered this state (absent: unknown)"""
+    last_kv_event_unix_s: _builtins.float
+    """when its last batch was indexed here"""
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -148,13 +166,21 @@ class WorkerInfo(_message.Message):
         inflight_requests: _builtins.int = ...,
         last_error: _builtins.str = ...,
         pooling_only: _builtins.bool = ...,
+        kv_events_state: _builtins.str = ...,
+        kv_events_reason: _builtins.str = ...,
+        kv_events_since_unix_s: _builtins.float | None = ...,
+        last_kv_event_unix_s: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "block_size", b"block_size", "queued_requests", b"queued_requests", "running_requests", b"running_requests", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_kv_events_since_unix_s", b"_kv_events_since_unix_s", "_last_kv_event_unix_s", b"_last_kv_event_unix_s", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "block_size", b"block_size", "kv_events_since_unix_s", b"kv_events_since_unix_s", "last_kv_event_unix_s", b"last_kv_event_unix_s", "queued_requests", b"queued_requests", "running_requests", b"running_requests", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "address", b"address", "block_size", b"block_size", "cordoned", b"cordoned", "engine_name", b"engine_name", "engine_version", b"engine_version", "indexed_blocks", b"indexed_blocks", "inflight_requests", b"inflight_requests", "instance_id", b"instance_id", "kv_events", b"kv_events", "last_error", b"last_error", "models", b"models", "pooling_only", b"pooling_only", "queued_requests", b"queued_requests", "role", b"role", "routable", b"routable", "running_requests", b"running_requests", "source", b"source", "state", b"state", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_kv_events_since_unix_s", b"_kv_events_since_unix_s", "_last_kv_event_unix_s", b"_last_kv_event_unix_s", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "address", b"address", "block_size", b"block_size", "cordoned", b"cordoned", "engine_name", b"engine_name", "engine_version", b"engine_version", "indexed_blocks", b"indexed_blocks", "inflight_requests", b"inflight_requests", "instance_id", b"instance_id", "kv_events", b"kv_events", "kv_events_reason", b"kv_events_reason", "kv_events_since_unix_s", b"kv_events_since_unix_s", "kv_events_state", b"kv_events_state", "last_error", b"last_error", "last_kv_event_unix_s", b"last_kv_event_unix_s", "models", b"models", "pooling_only", b"pooling_only", "queued_requests", b"queued_requests", "role", b"role", "routable", b"routable", "running_requests", b"running_requests", "source", b"source", "state", b"state", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
+    _WhichOneofReturnType__kv_events_since_unix_s: _TypeAlias = _typing.Literal["kv_events_since_unix_s"]  # noqa: Y015
+    _WhichOneofArgType__kv_events_since_unix_s: _TypeAlias = _typing.Literal["_kv_events_since_unix_s", b"_kv_events_since_unix_s"]  # noqa: Y015
+    _WhichOneofReturnType__last_kv_event_unix_s: _TypeAlias = _typing.Literal["last_kv_event_unix_s"]  # noqa: Y015
+    _WhichOneofArgType__last_kv_event_unix_s: _TypeAlias = _typing.Literal["_last_kv_event_unix_s", b"_last_kv_event_unix_s"]  # noqa: Y015
     _WhichOneofReturnType__queued_requests: _TypeAlias = _typing.Literal["queued_requests"]  # noqa: Y015
     _WhichOneofArgType__queued_requests: _TypeAlias = _typing.Literal["_queued_requests", b"_queued_requests"]  # noqa: Y015
     _WhichOneofReturnType__running_requests: _TypeAlias = _typing.Literal["running_requests"]  # noqa: Y015
@@ -165,6 +191,10 @@ class WorkerInfo(_message.Message):
     _WhichOneofArgType__used_kv_blocks: _TypeAlias = _typing.Literal["_used_kv_blocks", b"_used_kv_blocks"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__block_size) -> _WhichOneofReturnType__block_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_events_since_unix_s) -> _WhichOneofReturnType__kv_events_since_unix_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_kv_event_unix_s) -> _WhichOneofReturnType__last_kv_event_unix_s | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__queued_requests) -> _WhichOneofReturnType__queued_requests | None: ...
     @_typing.overload

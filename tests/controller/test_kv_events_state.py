@@ -1,0 +1,180 @@
+"""`kvplane admin workers` says, per engine, whether the controller follows its KV events into
+the index now: an engine whose event stream is lost while its polls succeed (its ZMQ
+publisher gone, its SubscribeKvEvents failing and retried) is routed on an index stale for it
+alone, and its health says nothing of it. Real servers: a controller, sim engines behind a
+front server that plays the event stream's faults, a real ZMQ publisher, a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+import zmq.asyncio
+
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.controller.conftest import Fleet, close_fleet, make_fleet
+from tests.controller.fronted_engine import Forwarding, start_fronted_engine
+from tests.controller.test_admin_cli import cli
+from tests.controller.test_admin_cli_membership import cli_json
+from tests.controller.test_controller_replicas import close_replica, shared_index, small_engines
+from tests.controller.test_fleet_events import RankedZmqEngine, sample, scrape, zmq_fleet
+from tests.indexer.fake_kv_publisher import FakeKvPublisher
+from tests.polling import eventually
+from tests.redis_servers import RedisServer
+
+pytestmark = pytest.mark.timeout(90)
+
+WAIT_S = 20.0
+UP = "kvplane_controller_engine_kv_events_up"
+
+
+async def worker(fleet: Fleet, address: str) -> dict[str, Any]:
+    """The engine's row of `kvplane admin workers --output json` against the controller."""
+    listed = await cli_json("workers", "--target", fleet.target)
+    return next(w for w in listed["workers"] if w["address"] == address)
+
+
+async def wait_kv_events(fleet: Fleet, address: str, state: str) -> dict[str, Any]:
+    """The engine's row once `admin workers` shows its KV events in `state`."""
+    row: dict[str, Any] = {}
+
+    async def shown() -> bool:
+        nonlocal row
+        row = await worker(fleet, address)
+        return row.get("kv_events_state") == state
+
+    await eventually(shown, WAIT_S, f"{address}'s KV events {state}")
+    return row
+
+
+async def test_a_lost_zmq_publisher_shows_down_while_the_engine_stays_ready() -> None:
+    """`kv_events: zmq`: the engine's publisher goes away (its socket closed, as a publisher
+    process killed beside an engine whose gRPC keeps answering) and comes back."""
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    engine = await start_fronted_engine(
+        "zmq-events", lambda inner: RankedZmqEngine(inner, [publisher])
+    )
+    address = f"127.0.0.1:{engine.port}"
+    fleet = await zmq_fleet([engine])  # type: ignore[list-item]
+    try:
+        row = await wait_kv_events(fleet, address, "following")
+        assert row["kv_events_reason"] == "" and row["kv_events_since_unix_s"] > 0
+        assert sample(await scrape(fleet), UP, address) == 1.0
+
+        publisher.pub.close(linger=0)  # the publisher is gone; the engine still answers
+        row = await wait_kv_events(fleet, address, "down")
+        assert row["state"] == "ready" and row["routable"]
+        assert f"publisher {publisher.endpoint} disconnected" in row["kv_events_reason"]
+        assert sample(await scrape(fleet), UP, address) == 0.0
+        table = await cli("workers", "--target", fleet.target)
+        assert "KV EVENTS" in table.stdout
+        assert re.search(r"down since \d\d:\d\d:\d\dZ: publisher tcp://", table.stdout)
+
+        await publisher.restart()  # back on the same endpoint
+        await wait_kv_events(fleet, address, "following")
+        assert sample(await scrape(fleet), UP, address) == 1.0
+    finally:
+        await close_fleet(fleet)
+        await publisher.close()
+        context.term()
+
+
+async def test_an_engine_followed_rank_by_rank_is_down_while_one_rank_is() -> None:
+    """An engine without SubscribeKvEvents followed through its advertised ZMQ ranks (the
+    OpenEngine source's fallback): down while one rank's publisher is gone, naming the rank."""
+    context = zmq.asyncio.Context()
+    ranks = [FakeKvPublisher(context), FakeKvPublisher(context)]
+    for publisher in ranks:
+        publisher.start_replay()
+    engine = await start_fronted_engine("ranked", lambda inner: RankedZmqEngine(inner, ranks))
+    address = f"127.0.0.1:{engine.port}"
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    try:
+        await wait_kv_events(fleet, address, "following")
+        ranks[1].pub.close(linger=0)
+        row = await wait_kv_events(fleet, address, "down")
+        assert row["kv_events_reason"] == (
+            f"{address}/dp1: publisher {ranks[1].endpoint} disconnected"
+        )
+        await ranks[1].restart()
+        await wait_kv_events(fleet, address, "following")
+    finally:
+        await close_fleet(fleet)
+        for publisher in ranks:
+            await publisher.close()
+        context.term()
+
+
+class SwitchableEvents(Forwarding):
+    """The sim engine's SubscribeKvEvents, cut and refused while `cut_events` holds (a
+    stream failing and retried while the engine's polls succeed)."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.events_off = asyncio.Event()
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        if self.events_off.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "KV events off")
+        stream = self.inner.SubscribeKvEvents(request)
+        off = asyncio.ensure_future(self.events_off.wait())
+        try:
+            while True:
+                read = asyncio.ensure_future(stream.read())
+                await asyncio.wait((read, off), return_when=asyncio.FIRST_COMPLETED)
+                if off.done():
+                    read.cancel()
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "KV events cut")
+                reply = read.result()
+                if reply is grpc.aio.EOF:
+                    return
+                yield reply
+        finally:
+            off.cancel()
+            stream.cancel()
+
+
+async def test_a_failing_subscribe_kv_events_shows_down_while_the_engine_stays_ready() -> None:
+    engine = await start_fronted_engine("grpc-events", SwitchableEvents)
+    address = f"127.0.0.1:{engine.port}"
+    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    try:
+        await wait_kv_events(fleet, address, "following")
+
+        engine.servicer.events_off.set()
+        row = await wait_kv_events(fleet, address, "down")
+        assert row["state"] == "ready" and row["routable"]
+        assert "UNAVAILABLE: KV events" in row["kv_events_reason"]
+
+        engine.servicer.events_off.clear()
+        row = await wait_kv_events(fleet, address, "following")
+        assert row["kv_events_reason"] == ""
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_followed_by_another_replica_says_so(redis: RedisServer) -> None:
+    """Two replicas on one Redis: the lease holder follows the engine, the other says another
+    replica does (not down); once the holder is gone, the other follows it."""
+    a = await make_fleet(engines=await small_engines(1), index=shared_index(redis))
+    b = await make_fleet(engines=a.engines, index=shared_index(redis))
+    address = a.address(a.engines[0])
+    try:
+        await wait_kv_events(a, address, "following")
+        row = await wait_kv_events(b, address, "other_replica")
+        assert "another controller replica" in row["kv_events_reason"]
+        await close_replica(a)
+        await wait_kv_events(b, address, "following")
+    finally:
+        await close_replica(b)
+        for engine in a.engines:
+            await engine.close()
