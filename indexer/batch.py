@@ -84,6 +84,10 @@ class Batch(NamedTuple):
     seq: int = 0
     # None = legacy / full-only worker.
     cache_spec: CacheSpec | None = None
+    # Written by a source under its engine's writer lease (`indexer.writer_lease.LeasedSink`):
+    # a shared backend makes it only while this process holds the lease. False: an
+    # unconditional write (the KVIndexer API's applies, seed 004).
+    under_lease: bool = False
 
 
 _U64 = 1 << 64

@@ -268,7 +268,7 @@ class PrefixIndex:
         validate_batch(batch)
         if self._pending:
             self.purge(self._purge_step_blocks)
-        worker_id, actions, address, _seq, spec = batch
+        worker_id, actions, address, _seq, spec, _under_lease = batch
         worker = self._workers.get(worker_id) or self._worker(worker_id)
         if address != worker.address or spec is not worker.spec:
             self._set_worker_info(worker, address, spec)

@@ -36,7 +36,14 @@ if Action._fields != (
     "block_sizes",
     "parent",
     "copies",
-) or Batch._fields != ("worker_id", "actions", "worker_address", "seq", "cache_spec"):
+) or Batch._fields != (
+    "worker_id",
+    "actions",
+    "worker_address",
+    "seq",
+    "cache_spec",
+    "under_lease",
+):
     raise ImportError("indexer.kv_wire.batch_from_proto does not know Action's or Batch's fields")
 
 
@@ -94,6 +101,7 @@ def batch_from_proto(request: kv.ApplyExternalKvBatchRequest) -> Batch:
         request.worker_address,
         request.seq,
         spec_from_proto(request.cache_spec) if request.HasField("cache_spec") else None,
+        False,  # the KVIndexer API's applies are unconditional (seed 004)
     )
     return _new(Batch, batch)
 

@@ -283,19 +283,20 @@ class RedisBackend:
         self._listeners.append(callback)
 
     def fence_writes(self, holder: str, lease_of: Callable[[str], str | None]) -> None:
-        """From now on every write of this process to a worker under a writer lease
-        (applies, removals, also those buffered in an outage, when they are replayed) is made
-        only while `holder` holds the lease `lease_of(worker_id)` (`hold_lease`), checked
-        atomically with the write inside Redis: a replica that lost an engine's lease, paused
-        past its expiry or cut off from Redis, cannot write over the replica that took it
-        over. A refused apply raises LeaseLostError; a refused removal is dropped (the new
-        holder owns the worker). A worker whose `lease_of` is None is written unconditionally:
-        one fed through the KVIndexer API only (seed 004: applies are unconditional)."""
+        """From now on this process's writes made under a writer lease (batches
+        `under_lease`, a source's, and removals of a worker under a lease; also those buffered
+        in an outage, when they are replayed) are made only while `holder` holds the lease
+        `lease_of(worker_id)` (`hold_lease`), checked atomically with the write inside Redis:
+        a replica that lost an engine's lease, paused past its expiry or cut off from Redis,
+        cannot write over the replica that took it over. A refused apply raises
+        LeaseLostError; a refused removal is dropped (the new holder owns the worker). Other
+        batches (the KVIndexer API's, seed 004: applies are unconditional) and removals of a
+        worker whose `lease_of` is None are unconditional."""
         self._fence_holder = holder
         self._lease_of = lease_of
 
-    def _fence(self, worker_id: str) -> bytes:
-        if self._fence_holder is None:
+    def _fence(self, worker_id: str, under_lease: bool = True) -> bytes:
+        if self._fence_holder is None or not under_lease:
             return b""
         lease = self._lease_of(worker_id)
         return b"" if lease is None else codec.fence_arg(self._fence_holder, lease)
@@ -576,7 +577,7 @@ class RedisBackend:
         sent: list[int] = []
         for i, batch in enumerate(batches):
             try:
-                args += codec.batch_args(batch, self._fence(batch.worker_id))
+                args += codec.batch_args(batch, self._fence(batch.worker_id, batch.under_lease))
             except Exception as exc:
                 log.exception("batch of %s cannot be encoded for Redis", batch.worker_id)
                 statuses[i] = f"cannot be encoded for Redis: {type(exc).__name__}: {exc}"

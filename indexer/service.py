@@ -224,8 +224,9 @@ def _served_sources(
     config: IndexerConfig, backend: IndexBackend
 ) -> tuple[list[ServedSource], list[LeasedEngineSources]]:
     """The configured sources, and on a shared index with writer leases (Redis) the engines'
-    groups of them that run under their leases (`indexer.sources.leased`); every write to
-    their workers is then fenced by the lease (`fence_writes`), and only those writes."""
+    groups of them that run under their leases (`indexer.sources.leased`); every write of
+    their sources is then fenced by the lease (`fence_writes`: their batches, and removals of
+    their workers), and only those."""
     if not isinstance(backend, LeasingIndex) or not config.sources:
         return [build_source(s, backend, config.block_size) for s in config.sources], []
     holder = lease_holder(config.replica_name, config.listen, f"indexer-{uuid.uuid4().hex[:8]}")

@@ -177,7 +177,7 @@ class LeasedSink:
 
     async def apply(self, batch: Batch) -> None:
         try:
-            await self._index.apply(batch)
+            await self._index.apply(batch._replace(under_lease=True))
         except LeaseLostError:
             self._lease.lost()  # cancels the source's task ...
             await asyncio.sleep(0)  # ... which ends here, unless the source is a child task

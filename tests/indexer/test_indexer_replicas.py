@@ -249,8 +249,18 @@ async def test_a_replica_killed_and_restarted_beside_the_holder_keeps_the_index(
                 ],
             )
         )
+        # Even to a worker a source of another replica feeds under its lease (last: the
+        # worker then holds a block its publisher does not).
+        await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
+            kv.ApplyExternalKvBatchRequest(
+                worker_id=WORKER,
+                worker_address="10.0.0.1:8000",
+                actions=[kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[9])],
+            )
+        )
     assert setup.shared is not None
     assert await worker_keys(setup.shared, "external") == {7, 8}
+    assert 9 in await worker_keys(setup.shared, WORKER)
 
 
 async def test_the_other_replica_takes_a_killed_holders_engine_over_from_the_replay(

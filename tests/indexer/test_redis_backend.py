@@ -441,11 +441,12 @@ async def test_concurrent_applies_keep_their_order(redis_server: RedisServer) ->
 async def test_writes_fenced_by_a_writer_lease_land_only_from_its_holder(
     redis_server: RedisServer,
 ) -> None:
-    """Two controller replicas' backends fenced by writer leases (`fence_writes`) and an
-    indexer's, unfenced: only the lease's holder writes the worker (applies, in one group
-    with other workers' batches, and removals); the other's writes are refused and change
-    nothing; once the holder gives the lease up and the other takes it, the roles swap; the
-    indexer's applies (seed 004's KVIndexer) land whoever holds it."""
+    """Two replicas' backends fenced by writer leases (`fence_writes`) and an indexer's,
+    unfenced: only the lease's holder writes the worker under the lease (its sources' batches,
+    in one group with other workers' batches, and removals); the other's are refused and
+    change nothing; once the holder gives the lease up and the other takes it, the roles swap;
+    unconditional applies (seed 004's KVIndexer, from either kind of process) land whoever
+    holds it."""
     redis_server.flushall()
     first, second, indexer = [await open_redis_backend(redis_server.url) for _ in range(3)]
     first.fence_writes("first", str)
@@ -454,26 +455,33 @@ async def test_writes_fenced_by_a_writer_lease_land_only_from_its_holder(
         assert await first.hold_lease("w", "first", 30) is LeaseState.TAKEN
         assert await first.hold_lease("w", "first", 30) is LeaseState.KEPT
         assert await second.hold_lease("w", "second", 30) is LeaseState.HELD_ELSEWHERE
-        await first.apply(_stored_batch("w", 1))
+        await first.apply(_leased_batch("w", 1))
         assert await first.hold_lease("v", "first", 30) is LeaseState.TAKEN
         results = await asyncio.gather(
-            second.apply(_stored_batch("w", 2)),
-            second.apply(_stored_batch("v", 3)),  # shares the call: refused alone
+            second.apply(_leased_batch("w", 2)),
+            second.apply(_leased_batch("v", 3)),  # shares the call: refused alone
             return_exceptions=True,
         )
         assert all(isinstance(r, LeaseLostError) for r in results), results
         assert await second.remove_worker("w") == 0
         assert [await _holders(indexer, k) for k in (1, 2, 3)] == [["w"], [], []]
         await indexer.apply(_stored_batch("w", 4))  # unconditional
+        await second.apply(_stored_batch("w", 7))  # unconditional too, though fenced
 
         await first.release_lease("w", "first")
         assert await second.hold_lease("w", "second", 30) is LeaseState.TAKEN
         with pytest.raises(LeaseLostError):
-            await first.apply(_stored_batch("w", 5))
+            await first.apply(_leased_batch("w", 5))
         assert await first.remove_worker("w") == 0
-        await second.apply(_stored_batch("w", 6))
-        assert [await _holders(indexer, k) for k in (1, 4, 5, 6)] == [["w"], ["w"], [], ["w"]]
-        assert await second.remove_worker("w") == 3
+        await second.apply(_leased_batch("w", 6))
+        assert [await _holders(indexer, k) for k in (1, 4, 5, 6, 7)] == [
+            ["w"],
+            ["w"],
+            [],
+            ["w"],
+            ["w"],
+        ]
+        assert await second.remove_worker("w") == 4
     finally:
         for backend in (first, second, indexer):
             await backend.close()
@@ -487,6 +495,11 @@ UNSENDABLE = Batch("bad", (Action(ActionType.REPORT, Tier.HBM, (7.5,)),))  # typ
 
 def _stored_batch(worker: str, key: int) -> Batch:
     return Batch(worker, (Action(ActionType.REPORT, Tier.HBM, (key,)),), f"addr-{worker}")
+
+
+def _leased_batch(worker: str, key: int) -> Batch:
+    """A source's batch, written under its engine's writer lease (`LeasedSink`)."""
+    return _stored_batch(worker, key)._replace(under_lease=True)
 
 
 async def _holders(backend: IndexBackend, key: int) -> list[str]:
