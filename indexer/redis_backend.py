@@ -34,6 +34,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import re
 import secrets
 import time
 from collections import deque
@@ -99,6 +100,19 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FUNCTIONS_FILE = Path(__file__).with_name("redis_functions.lua")
+
+
+def _abi_suffix() -> str:
+    """The library's ABI version, from its first line (`#!lua name=kvplane_v<N>`): every
+    function is called under its name plus this (`kvp_apply_v<N>`), its own version's."""
+    first = FUNCTIONS_FILE.read_text().split("\n", 1)[0]
+    match = re.fullmatch(r"#!lua name=kvplane(_v\d+)", first.strip())
+    if match is None:
+        raise ImportError(f"{FUNCTIONS_FILE} does not name a versioned kvplane library: {first}")
+    return match.group(1)
+
+
+ABI_SUFFIX = _abi_suffix()
 # (InvalidResponse: the server does not speak Redis's protocol: no usable Redis is there.)
 _UNREACHABLE = (
     RedisConnectionError,
@@ -384,7 +398,12 @@ class RedisBackend:
                 else:
                     await self._client.function_load(code, replace=True)
                 boot, nb = await self._client.execute_command(
-                    "FCALL", "kvp_boot", 1, self._meta_key, self._nb, secrets.token_hex(8)
+                    "FCALL",
+                    "kvp_boot" + ABI_SUFFIX,
+                    1,
+                    self._meta_key,
+                    self._nb,
+                    secrets.token_hex(8),
                 )
             except (*_UNREACHABLE, OSError, ResponseError) as exc:
                 not_ready = self._not_ready(exc)
@@ -517,7 +536,7 @@ class RedisBackend:
             try:
                 reply = await self._client.execute_command(
                     "FCALL_RO" if readonly else "FCALL",
-                    function,
+                    function + ABI_SUFFIX,
                     1,
                     self._meta_key,
                     *head,

@@ -1,7 +1,11 @@
-#!lua name=kvplane
+#!lua name=kvplane_v2
 --[[
 kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
-with FUNCTION LOAD REPLACE on every primary). docs/redis.md describes the layout; in short, for
+with FUNCTION LOAD REPLACE on every primary). The library's name and its functions' names end
+with its ABI version (`_v2`): a change of any function's arguments or replies takes the next
+one, so that processes of two kvplane versions sharing a Redis in a rolling upgrade each call
+their own library (a library's REPLACE would otherwise swap the other version's functions
+under it); the key layout below is shared by every version. docs/redis.md describes the layout; in short, for
 one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:<part>}:m":
 
   <base>:m          HASH  meta: boot token, nw (highest worker id given out), fr (removed
@@ -841,18 +845,20 @@ local function kvp_lease(keys, args)
   return 0
 end
 
-redis.register_function('kvp_apply', kvp_apply)
-redis.register_function('kvp_lease', kvp_lease)
-redis.register_function('kvp_match', kvp_match)
-redis.register_function('kvp_remove', kvp_remove)
-redis.register_function('kvp_sweep', kvp_sweep)
-redis.register_function('kvp_boot', kvp_boot)
-redis.register_function{ function_name = 'kvp_match_ro', callback = kvp_match_ro,
+-- Every name ends with the ABI version, as the library's own (first line).
+local ABI = '_v2'
+redis.register_function('kvp_apply' .. ABI, kvp_apply)
+redis.register_function('kvp_lease' .. ABI, kvp_lease)
+redis.register_function('kvp_match' .. ABI, kvp_match)
+redis.register_function('kvp_remove' .. ABI, kvp_remove)
+redis.register_function('kvp_sweep' .. ABI, kvp_sweep)
+redis.register_function('kvp_boot' .. ABI, kvp_boot)
+redis.register_function{ function_name = 'kvp_match_ro' .. ABI, callback = kvp_match_ro,
   flags = { 'no-writes' } }
-redis.register_function{ function_name = 'kvp_hits', callback = kvp_hits, flags = { 'no-writes' } }
-redis.register_function{ function_name = 'kvp_prefix', callback = kvp_prefix,
+redis.register_function{ function_name = 'kvp_hits' .. ABI, callback = kvp_hits, flags = { 'no-writes' } }
+redis.register_function{ function_name = 'kvp_prefix' .. ABI, callback = kvp_prefix,
   flags = { 'no-writes' } }
-redis.register_function{ function_name = 'kvp_scan', callback = kvp_scan, flags = { 'no-writes' } }
-redis.register_function{ function_name = 'kvp_workers', callback = kvp_workers,
+redis.register_function{ function_name = 'kvp_scan' .. ABI, callback = kvp_scan, flags = { 'no-writes' } }
+redis.register_function{ function_name = 'kvp_workers' .. ABI, callback = kvp_workers,
   flags = { 'no-writes' } }
-redis.register_function{ function_name = 'kvp_dump', callback = kvp_dump, flags = { 'no-writes' } }
+redis.register_function{ function_name = 'kvp_dump' .. ABI, callback = kvp_dump, flags = { 'no-writes' } }

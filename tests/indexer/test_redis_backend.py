@@ -25,6 +25,7 @@ from indexer.backend import IndexBackend
 from indexer.batch import Action, ActionType, Batch, CacheSpec, Tier
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import (
+    ABI_SUFFIX,
     IndexBackendError,
     IndexUnavailableError,
     LeaseLostError,
@@ -697,3 +698,35 @@ async def test_close_ends_maintenance_cancelled_inside_a_redis_call(
     monkeypatch.setattr(backend, "sweep", sweep_turning_cancellation_into_a_connection_error)
     await asyncio.wait_for(in_sweep.wait(), 10)
     await asyncio.wait_for(backend.close(), 10)
+
+
+# Another kvplane version's library, as a process of it loads it beside this one in a rolling
+# upgrade: the functions' names without this version's suffix, each answering that it is not
+# this version's (were the names shared, its REPLACE would swap them under this process).
+OTHER_VERSION_LIBRARY = "#!lua name=kvplane\n" + "".join(
+    f"redis.register_function{{ function_name = '{name}', callback = function() "
+    "return redis.error_reply('another kvplane version') end }\n"
+    for name in (
+        "kvp_apply", "kvp_lease", "kvp_match", "kvp_remove", "kvp_sweep", "kvp_boot",
+        "kvp_match_ro", "kvp_hits", "kvp_prefix", "kvp_scan", "kvp_workers", "kvp_dump",
+    )
+)  # fmt: skip
+
+
+async def test_another_kvplane_versions_library_beside_this_one_changes_nothing(
+    redis_server: RedisServer,
+) -> None:
+    """A rolling upgrade: a process of another kvplane version loads its library (REPLACE)
+    after this one started: this process's calls go to its own library all along."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url)
+    try:
+        await backend.apply(_stored_batch("w", 1))
+        redis_server.client().function_load(OTHER_VERSION_LIBRARY, replace=True)
+        await backend.apply(_stored_batch("w", 2))
+        assert [await _holders(backend, k) for k in (1, 2)] == [["w"], ["w"]]
+        listed = redis_server.client().function_list()  # per library: [name, value, ...]
+        libraries = {dict(zip(lib[::2], lib[1::2], strict=True))[b"library_name"] for lib in listed}
+        assert libraries == {b"kvplane", b"kvplane" + ABI_SUFFIX.encode()}
+    finally:
+        await backend.close()

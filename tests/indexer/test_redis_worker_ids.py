@@ -18,7 +18,7 @@ from served_backend import ServedBackend
 from indexer.backend import IndexBackend, WorkerStats
 from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.memory_backend import MemoryBackend
-from indexer.redis_backend import RedisBackend, open_redis_backend
+from indexer.redis_backend import ABI_SUFFIX, RedisBackend, open_redis_backend
 
 # The partition of the default key prefix and model (docs/redis.md, "Layout").
 PARTITION = "kvplane:{default:0}"
@@ -178,7 +178,7 @@ async def test_stats_and_snapshots_never_give_a_new_workers_blocks_to_the_remove
 
     async def replace_a_before_the_first_dump(*args: Any, **options: Any) -> Any:
         nonlocal swaps
-        if args[:2] == ("FCALL_RO", "kvp_dump") and args[5] == 0:
+        if args[:2] == ("FCALL_RO", "kvp_dump" + ABI_SUFFIX) and args[5] == 0:
             swaps += 1
             await other.remove_worker(f"a{swaps}")
             await other.apply(_report(f"b{swaps}", Tier.HBM, range(101, 121)))
