@@ -260,6 +260,16 @@ def test_route_output_names_its_seed(trace: Path) -> None:
     assert ", seed 7, oracle reuse" in bench(*args).stdout
 
 
+def test_route_output_names_its_router_replicas(trace: Path) -> None:
+    args = ["route", "--trace", str(trace), "--policies", "round_robin", "--router-replicas", "3"]
+    doc = json.loads(bench(*args, "--replica-sync", "--output", "json").stdout)
+    assert (doc["router_replicas"], doc["replica_sync"]) == (3, True)
+    assert ", 3 router replicas, oracle reuse" in bench(*args).stdout
+    assert ", 3 router replicas in sync, oracle reuse" in bench(*args, "--replica-sync").stdout
+    refused = bench("route", "--trace", str(trace), "--router-replicas", "0")
+    assert refused.exit_code == 2 and "--router-replicas" in refused.output
+
+
 def test_route_replays_kvplane_with_a_controller_configs_router_settings(
     trace: Path, tmp_path: Path
 ) -> None:
