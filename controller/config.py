@@ -161,7 +161,8 @@ class RouterConfig(StrictModel):
     seed: int | None = None
     # Controller replicas behind one load balancer, sharing an index on Redis: each tells the
     # others what it routes (on a pub/sub channel of that Redis), so each routes knowing the
-    # whole fleet's requests in flight (controller.replica_sync). Needs index.backend redis.
+    # whole fleet's requests in flight and sticks a session to one engine through any of them
+    # (controller.replica_sync). Needs index.backend redis.
     replica_sync: bool = False
     # A replica publishes at least this often (a beat when it routes nothing); one not heard
     # from for replica_timeout_s has its requests released.

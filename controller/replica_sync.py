@@ -4,7 +4,8 @@ With `router.replica_sync` (and an index on Redis, which the replicas share) eac
 publishes its router's accounting (`controller.router.replicas`: a request charged to an
 engine, its first token, its end) on one channel of the index's Redis, and applies what the
 other replicas publish to its own router, so that every replica routes knowing the whole
-fleet's requests in flight, as one controller would.
+fleet's requests in flight, and sends a session's requests to one engine, as one controller
+would.
 
 Each replica publishes its events (batched: one message per loop turn), a beat every
 `replica_heartbeat_s` while it routes nothing, a `hello` when it (re)subscribes, and a `bye`

@@ -5,13 +5,20 @@ to publish, what a received message does to the router, when a peer is forgotten
 that the property test (tests/controller/test_replica_protocol.py) exercises the code that runs
 live, over any interleaving, loss and restart of replicas.
 
-Messages are msgpack arrays `[1, origin, seq, kind, body]`; `origin` is the replica's instance
-id, `seq` counts its messages from 1. Kinds:
+Messages are msgpack arrays `[VERSION, origin, seq, kind, body]`; `origin` is the replica's
+instance id, `seq` counts its messages from 1. A message of another version (a replica of
+another kvplane release, during a rolling upgrade) is dropped, with one warning per such
+replica: the two do not see each other's requests until every replica speaks one version.
+Version 2 added the session of a route (`Routed.session_key`, `session_version`). Kinds:
 
 - `events`: the router's events since the last message (`controller.router.replicas`);
 - `beat`: sent when there were no events for a while, so that peers know it is alive;
 - `hello`: a replica joined (or lost its subscription and came back): every other replica
-  answers with a `snapshot` of its own requests in flight, which replaces what was known of it;
+  answers with a `snapshot` of its own requests in flight, which replaces what was known of it
+  (each request's route carries its session: a snapshot brings the sessions of requests in
+  flight, not the up to `Router.session_capacity` (100,000) whose requests all ended: a
+  session a replica does not know is routed by its policy, to the engine that holds its
+  prefix for the cache-aware ones, until its next route through a peer);
 - `resend`: a peer needs this origin's snapshot (body: the origin): it found a gap in its
   `seq` (pub/sub delivers at most once: a message published while a subscriber was
   reconnecting is lost for it, and a message whose publish failed consumed its number), or
@@ -37,7 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 _ROUTED, _FIRST_TOKEN, _FINISHED = 0, 1, 2
 
 
@@ -51,6 +58,8 @@ def encode_event(event: RouteEvent) -> list[Any]:
             event.cached_tokens,
             list(event.block_keys),
             event.claims_prefix,
+            event.session_key,
+            event.session_version,
         ]
     return [_FIRST_TOKEN if isinstance(event, FirstToken) else _FINISHED, event.request_id]
 
@@ -58,9 +67,16 @@ def encode_event(event: RouteEvent) -> list[Any]:
 def decode_event(item: Any) -> RouteEvent:
     kind = item[0]
     if kind == _ROUTED:
-        _, request_id, engine_id, prefill, cached, keys, claims = item
+        _, request_id, engine_id, prefill, cached, keys, claims, session, session_version = item
         return Routed(
-            str(request_id), str(engine_id), int(prefill), int(cached), tuple(keys), bool(claims)
+            str(request_id),
+            str(engine_id),
+            int(prefill),
+            int(cached),
+            tuple(keys),
+            bool(claims),
+            None if session is None else str(session),
+            int(session_version),
         )
     if kind == _FIRST_TOKEN:
         return FirstToken(str(item[1]))
@@ -85,6 +101,7 @@ class ReplicaProtocol:
         self._outbox: list[list[Any]] = []
         self._last_seq: dict[str, int] = {}
         self._asked: dict[str, float] = {}  # origin -> when its snapshot was last asked for
+        self._other_versions: set[str] = set()  # origins of another version, warned about
 
     def queue(self, event: RouteEvent) -> None:
         """One of the router's own events, sent with the next `turn`."""
@@ -109,12 +126,18 @@ class ReplicaProtocol:
         message that is not one, or a peer's whose body is bad, is logged and dropped (its
         number counts: a peer's bad message is no gap)."""
         try:
-            version, origin, seq, kind, body = msgpack.unpackb(data)
-            if version != VERSION:
-                raise ValueError(f"version {version}")
-            origin, seq = str(origin), int(seq)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            message = msgpack.unpackb(data)
+            if not isinstance(message, list):
+                raise TypeError(f"a {type(message).__name__}, not an array")
+            version, origin = message[0], str(message[1])
+            if version == VERSION:
+                _, _, seq, kind, body = message
+                seq = int(seq)
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
             log.warning("replica sync: dropping a message that is not one (%s)", exc)
+            return []
+        if version != VERSION:
+            self._other_version(origin, version)
             return []
         if origin == self.instance_id:
             return []
@@ -144,6 +167,20 @@ class ReplicaProtocol:
         except (ValueError, TypeError, IndexError) as exc:
             log.warning("replica sync: dropping a bad message from %s (%s)", origin, exc)
         return replies
+
+    def _other_version(self, origin: str, version: Any) -> None:
+        """A peer of another release: said once per peer, not at each of its messages."""
+        if origin in self._other_versions:
+            return
+        self._other_versions.add(origin)
+        log.warning(
+            "replica sync: ignoring controller %s, which speaks version %s of the replicas' "
+            "sync (this one speaks %d): the two do not see each other's requests until they "
+            "run one kvplane release",
+            origin,
+            version,
+            VERSION,
+        )
 
     def _ask_again(self, origin: str, now_s: float) -> bool:
         asked = self._asked.get(origin)

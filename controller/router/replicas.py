@@ -10,8 +10,10 @@ replicas' active sequences for the same reason (`router_replica_sync`).
 
 So each replica publishes its router's accounting as events (`Routed` when it charges an
 engine, `FirstToken`, `Finished`), and applies its peers' (`PeerRoutes`) to its own router as
-if it had routed them: in-flight accounting and pending prefixes. The transport (Redis
-pub/sub, with snapshots and liveness) is `controller.replica_sync`; this module is pure.
+if it had routed them: in-flight accounting, pending prefixes and session affinity (a
+session's next request, through whichever replica, goes where its cached prefix is). The
+transport (Redis pub/sub, with snapshots and liveness) is `controller.replica_sync`; this
+module is pure.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ if TYPE_CHECKING:
 class Routed:
     """A request charged to an engine: its uncached prefill, its cached rest, its blocks;
     `claims_prefix` when its blocks count as pending there (a hop that reads the cache, not a
-    decode engine taking a prefilled request)."""
+    decode engine taking a prefilled request); `session_key` when the route sticks its session
+    to the engine, as the `session_version`-th route of the session this router knows of
+    (`Router` keeps the latest: see `SessionRoute`)."""
 
     request_id: str
     engine_id: str
@@ -36,6 +40,8 @@ class Routed:
     cached_tokens: int
     block_keys: Sequence[int]
     claims_prefix: bool = True
+    session_key: str | None = None
+    session_version: int = 0
 
 
 @dataclass(frozen=True, slots=True)

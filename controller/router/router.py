@@ -18,6 +18,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from controller.router.inflight import InFlightTracker
 from controller.router.model import (
@@ -185,6 +186,22 @@ class PendingPrefixes:
                 del self._expiry[engine_id]
 
 
+class SessionRoute(NamedTuple):
+    """Where a session's requests go: the engine of its latest route, the `version`-th the
+    router knows of. Replicas in sync (`controller.router.replicas`) learn each other's routes
+    in any order and a snapshot brings back the routes of requests still in flight, so a
+    route replaces the known one only when it is later: a higher version (each route of a
+    session counts one past the version its router knew), the engine id breaking a tie (two
+    replicas routing the session at once). Every replica that heard the same routes then
+    sticks the session to the same engine, whatever order they came in."""
+
+    engine_id: str
+    version: int
+
+    def supersedes(self, other: SessionRoute | None) -> bool:
+        return other is None or (self.version, self.engine_id) > (other.version, other.engine_id)
+
+
 class Router:
     def __init__(
         self,
@@ -201,7 +218,7 @@ class Router:
         self.pending = PendingPrefixes(pending_ttl_s)
         self.skip_prefill_ratio = skip_prefill_ratio
         self._session_capacity = session_capacity
-        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._sessions: OrderedDict[str, SessionRoute] = OrderedDict()
         # Told of every charge, first token and finish of this router's own requests (the
         # replicas' sync, `controller.replica_sync`); then `_routed` keeps each charge until
         # the request finishes, for `own_routes`.
@@ -274,14 +291,13 @@ class Router:
         gateway's load shedding, whatever the policy), AllEnginesBusyError when every
         candidate is busy, before anything is charged or the policy sees the request."""
         decision = self._decide(request, candidates, rng, now_s, reject_when_all_busy)
-        self._charge(request, decision, claim_prefix_at=now_s)
+        self._charge(request, decision, claim_prefix_at=now_s, sticks_session=True)
         self.policy.observe(request, decision.engine_id, now_s)
-        if request.session_key:
-            self._sessions[request.session_key] = decision.engine_id
-            self._sessions.move_to_end(request.session_key)
-            while len(self._sessions) > self._session_capacity:
-                self._sessions.popitem(last=False)
         return decision
+
+    def session_route(self, session_key: str) -> SessionRoute | None:
+        """Where the session's requests go (None: it has no engine yet, or was forgotten)."""
+        return self._sessions.get(session_key)
 
     def first_token(self, request_id: str) -> None:
         self.release_prefill(request_id)
@@ -322,14 +338,15 @@ class Router:
 
     def charge_peer(self, request_id: str, routed: Routed, now_s: float) -> None:
         """A peer replica's request, charged as this router charges its own (under
-        `request_id`, a name unique here; `controller.router.replicas.PeerRoutes`)."""
+        `request_id`, a name unique here; `controller.router.replicas.PeerRoutes`), its
+        session, if any, stuck to its engine here too (unless a later route of it is known)."""
         self._begin(request_id, routed, now_s)
 
     def forget_engine(self, engine_id: str) -> list[str]:
         """The engine left the fleet: drop its accounting, sessions and policy state."""
         self.policy.forget_engine(engine_id)
         self.pending.forget(engine_id)
-        for key in [k for k, e in self._sessions.items() if e == engine_id]:
+        for key in [k for k, s in self._sessions.items() if s.engine_id == engine_id]:
             del self._sessions[key]
         dropped = self.inflight.drop_engine(engine_id)
         for request_id in dropped:  # peers release them too, and no snapshot brings them back
@@ -430,12 +447,22 @@ class Router:
         return decision
 
     def _charge(
-        self, request: RouteRequest, decision: Decision, claim_prefix_at: float | None = None
+        self,
+        request: RouteRequest,
+        decision: Decision,
+        claim_prefix_at: float | None = None,
+        sticks_session: bool = False,
     ) -> None:
-        """The decision's engine takes the request in flight: its uncached prefill queued; and,
-        for a hop that reads the cache (`claim_prefix_at` its time), its blocks pending there
-        (`PendingPrefixes`, for the policies that credit them)."""
+        """The decision's engine takes the request in flight: its uncached prefill queued; for
+        a hop that reads the cache (`claim_prefix_at` its time), its blocks pending there
+        (`PendingPrefixes`, for the policies that credit them); and, for a hop the policy
+        chose (`sticks_session`), the request's session, if any, sticks to it."""
         cached = min(decision.predicted_cached_tokens, request.num_prompt_tokens)
+        session_key = request.session_key if sticks_session else None
+        session_version = 0
+        if session_key:
+            known = self._sessions.get(session_key)
+            session_version = (known.version if known else 0) + 1
         routed = Routed(
             request.request_id,
             decision.engine_id,
@@ -443,6 +470,8 @@ class Router:
             cached,
             request.block_keys,
             claims_prefix=claim_prefix_at is not None,
+            session_key=session_key or None,
+            session_version=session_version,
         )
         self._begin(request.request_id, routed, claim_prefix_at)
         if self._on_event is not None:
@@ -459,6 +488,19 @@ class Router:
         )
         if routed.claims_prefix and now_s is not None and self.policy.credits_pending_prefixes:
             self.pending.add(routed.engine_id, request_id, routed.block_keys, now_s)
+        if routed.session_key:
+            self._stick(routed.session_key, SessionRoute(routed.engine_id, routed.session_version))
+
+    def _stick(self, session_key: str, route: SessionRoute) -> None:
+        """The session's requests go to the route's engine from now on, unless a later route
+        of it is known (`SessionRoute.supersedes`); the table keeps the `session_capacity`
+        sessions routed last."""
+        if not route.supersedes(self._sessions.get(session_key)):
+            return
+        self._sessions[session_key] = route
+        self._sessions.move_to_end(session_key)
+        while len(self._sessions) > self._session_capacity:
+            self._sessions.popitem(last=False)
 
     def _decide(
         self,
@@ -487,7 +529,8 @@ class Router:
         if not free:
             return without_policy(least_loaded_of(view, rng), Reason.ALL_BUSY)
         if request.session_key:
-            engine_id = self._sessions.get(request.session_key)
+            session = self._sessions.get(request.session_key)
+            engine_id = session.engine_id if session else None
             sticky = next((c for c in free if c.engine_id == engine_id), None)
             if sticky is not None:
                 return without_policy(sticky, Reason.SESSION)

@@ -3,19 +3,24 @@ runs live) against a naive model: 2 to 4 replicas route, see first tokens and fi
 lose their subscription, restart, and time out, while the channel drops any message; once
 the losses stop and every message has been delivered and the repairs answered, every
 replica's router charges each engine with exactly the requests in flight on all replicas, and
-no counter of any router ever went negative."""
+no counter of any router ever went negative; and every replica sticks a session whose latest
+route is still in flight to that route's engine."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controller.router import Candidate, Router, RouteRequest, make_policy
 from controller.router.replica_protocol import ReplicaProtocol
+from controller.router.router import SessionRoute
 
 ENGINES = ("e1", "e2", "e3")
 HEARTBEAT_S = 1.0
@@ -27,6 +32,16 @@ class OwnRequest:
     engine: str
     prefill_tokens: int
     prefilling: bool = True
+
+
+@dataclass(frozen=True)
+class LatestRoute:
+    """A session's latest route of all (by `SessionRoute.supersedes`): by which replica, of
+    which request."""
+
+    route: SessionRoute
+    replica: int
+    request_id: str
 
 
 @dataclass
@@ -48,6 +63,7 @@ class Fleet:
         # receiver index -> origin -> messages not delivered yet
         self.queues: list[dict[str, deque[bytes]]] = [{} for _ in range(n)]
         self.next_request = 0
+        self.latest: dict[str, LatestRoute] = {}  # session -> its latest route of all
         for i in range(n):
             self.publish(i, self.replicas[i].protocol.message("hello"))
 
@@ -64,15 +80,23 @@ class Fleet:
             if j != i and replica.subscribed:
                 self.queues[j].setdefault(origin, deque()).append(message)
 
-    def route(self, i: int, engine: str, prompt_blocks: int, shared: int) -> None:
+    def route(
+        self, i: int, engine: str, prompt_blocks: int, shared: int, session: str | None = None
+    ) -> None:
         replica = self.replicas[i]
         self.next_request += 1
         request_id = f"q{self.next_request}"
         keys = tuple(range(shared * 100, shared * 100 + prompt_blocks))  # shared prefixes
-        request = RouteRequest(request_id, 16 * prompt_blocks, 16, keys)
+        request = RouteRequest(request_id, 16 * prompt_blocks, 16, keys, session_key=session)
         decision = replica.router.route(request, [Candidate(engine)], random.Random(0), self.now)
         cached = min(decision.predicted_cached_tokens, request.num_prompt_tokens)
         replica.own[request_id] = OwnRequest(engine, request.num_prompt_tokens - cached)
+        if session is not None:
+            route = replica.router.session_route(session)
+            assert route is not None and route.engine_id == engine
+            latest = self.latest.get(session)
+            if route.supersedes(latest.route if latest else None):
+                self.latest[session] = LatestRoute(route, i, request_id)
 
     def first_token(self, i: int, pick: int) -> None:
         replica = self.replicas[i]
@@ -166,6 +190,19 @@ class Fleet:
                 out[own.engine] = (n + 1, prefilling, tokens)
         return out
 
+    def expected_sessions(self) -> dict[str, SessionRoute]:
+        """The sessions whose latest route is of a request still in flight, and that route."""
+        return {
+            session: latest.route
+            for session, latest in self.latest.items()
+            if latest.request_id in self.replicas[latest.replica].own
+        }
+
+
+def _sessions(router: Router, sessions: list[str]) -> dict[str, SessionRoute]:
+    routes = {session: router.session_route(session) for session in sessions}
+    return {session: route for session, route in routes.items() if route is not None}
+
 
 def _view(router: Router) -> dict[str, tuple[int, int, int]]:
     out = {}
@@ -192,6 +229,7 @@ operation = st.one_of(
         st.sampled_from(ENGINES),
         st.integers(1, 8),
         st.integers(0, 3),
+        st.sampled_from([None, "s1", "s2"]),
     ),
     st.tuples(st.just("first_token"), replica_index, st.integers(0, 50)),
     st.tuples(st.just("finish"), replica_index, st.integers(0, 50)),
@@ -219,8 +257,10 @@ def test_every_replica_charges_every_replicas_requests_once_settled(
     fleet.settle()
     _never_negative(fleet)
     expected = fleet.expected()
+    sessions = fleet.expected_sessions()
     for replica in fleet.replicas:
         assert _view(replica.router) == expected, replica.protocol.instance_id
+        assert _sessions(replica.router, list(sessions)) == sessions, replica.protocol.instance_id
 
 
 def _settled_views(fleet: Fleet) -> list[dict[str, tuple[int, int, int]]]:
@@ -268,3 +308,43 @@ def test_a_lost_request_for_a_snapshot_is_asked_again() -> None:
     fleet.deliver(1, 0, drop=False)  # the next message: a gap, and its request for a snapshot
     fleet.deliver(0, 0, drop=True)  # ... lost on its way
     assert _settled_views(fleet) == [{"e3": (1, 1, 16)}] * 2
+
+
+def test_a_session_routed_through_one_replica_sticks_on_its_peers_joined_late_too() -> None:
+    """A session's route travels with its request: the peer that heard it, and one that
+    joins later (by the snapshot), send the session's next request to the same engine."""
+    fleet = Fleet(2)
+    fleet.deliver_all()
+    fleet.route(0, "e2", 1, 0, session="chat")
+    fleet.turn(0, lost=False)
+    fleet.restart(1, says_bye=True)  # a new replica: it knows only what snapshots bring
+    fleet.deliver_all()
+    for replica in fleet.replicas:
+        assert replica.router.session_route("chat") == SessionRoute("e2", 1)
+    # Its next request, through the new replica: the route is later, and its peer follows.
+    fleet.route(1, "e3", 1, 0, session="chat")
+    fleet.turn(1, lost=False)
+    fleet.deliver_all()
+    for replica in fleet.replicas:
+        assert replica.router.session_route("chat") == SessionRoute("e3", 2)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_a_peer_of_another_version_is_ignored_with_one_warning(
+    version: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replica of another release during a rolling upgrade (version 1: routes without
+    their session; 3: a later one): its messages change nothing here, and it is named once,
+    not at each of its messages."""
+    caplog.set_level(logging.WARNING, logger="controller.router.replica_protocol")
+    router = Router(make_policy("kvplane"))
+    protocol = ReplicaProtocol(router, "new")
+    routed = [0, "r1", "e1", 16, 0, [1], True]
+    for seq, (kind, body) in enumerate([("hello", None), ("events", [routed])], start=1):
+        message = msgpack.packb([version, "other", seq, kind, body])
+        assert protocol.receive(message, 0.0) == []
+    assert router.inflight.of("e1").requests == 0
+    assert protocol.heard == {}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert f"ignoring controller other, which speaks version {version}" in said[0]

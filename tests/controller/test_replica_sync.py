@@ -1,7 +1,8 @@
 """Controller replicas that tell each other what they route (`router.replica_sync`): in the
 trace replay, replicas in sync decide as one controller does; over a real redis-server, a
 replica learns its peers' requests, their first tokens and ends, catches up when it joins
-late or after Redis restarts, and releases the requests of a peer killed with SIGKILL."""
+late or after Redis restarts, and releases the requests of a peer killed with SIGKILL; a
+session routed through one replica goes to the same engine through the others."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from redis_servers import RedisClusterNodes, RedisServer
 from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, replay
 from controller.replica_sync import ReplicaSync, channel_name
-from controller.router import Candidate, Router, RouteRequest, make_policy
+from controller.router import Candidate, Decision, Reason, Router, RouteRequest, make_policy
 from controller.router.replicas import PeerRoutes
 from engine.core.mooncake_trace import load_trace
 from indexer.redis_client import RedisOptions, connect
@@ -91,6 +92,25 @@ def test_an_engine_a_replica_forgets_is_released_on_its_peers() -> None:
     assert _requests(b) == {}
 
 
+def test_a_session_routed_through_one_replica_sticks_to_its_engine_on_the_others() -> None:
+    """A balancer that does not keep a session on one replica: its next request, through
+    another replica, goes to the engine that holds its prefix, not where that replica's
+    policy would send a new prompt (away from the engine its peer's request loads), and a
+    replica that joins later learns the session from the snapshot."""
+    a, b = _router(), _router()
+    peer = PeerRoutes(b)
+    a.publish_to(lambda event: peer.apply("a", event, 0.0))
+    b.publish_to(lambda _: None)
+    engine = _route_session(a, "r1", "chat").engine_id
+    assert _route(b, "r2") != engine  # a new prompt: away from the engine a's request loads
+    second = _route_session(b, "r3", "chat")
+    assert (second.engine_id, second.reason) == (engine, Reason.SESSION)
+    late = _router()
+    PeerRoutes(late).replace("b", b.own_routes(), 0.0)
+    third = _route_session(late, "r4", "chat")
+    assert (third.engine_id, third.reason) == (engine, Reason.SESSION)
+
+
 def test_replica_sync_needs_a_redis_index() -> None:
     with pytest.raises(ValueError, match="replica_sync needs the replicas' shared index on Redis"):
         ControllerConfig.model_validate({"router": {"replica_sync": True}})
@@ -111,15 +131,19 @@ def _router() -> Router:
     return Router(make_policy("kvplane"))
 
 
-def _request(request_id: str) -> RouteRequest:
+def _request(request_id: str, session: str | None = None) -> RouteRequest:
     """A prompt of 2,000 tokens of its own (no block shared with another request's)."""
     base = 1_000 * int(request_id.removeprefix("r"))
-    return RouteRequest(request_id, 2_000, 16, tuple(range(base, base + 125)))
+    return RouteRequest(request_id, 2_000, 16, tuple(range(base, base + 125)), session_key=session)
 
 
 def _route(router: Router, request_id: str) -> str:
+    return _route_session(router, request_id, None).engine_id
+
+
+def _route_session(router: Router, request_id: str, session: str | None) -> Decision:
     candidates = [Candidate(e) for e in ("e1", "e2", "e3")]
-    return router.route(_request(request_id), candidates, random.Random(0), 0.0).engine_id
+    return router.route(_request(request_id, session), candidates, random.Random(0), 0.0)
 
 
 def _requests(router: Router) -> dict[str, tuple[int, int]]:
@@ -181,6 +205,24 @@ async def test_a_replica_charges_what_its_peer_routes_until_it_ends(replicas: _R
     await eventually(
         lambda: sum(n for n, _ in _requests(a.router).values()) == 2, WAIT_S, "b's request"
     )
+
+
+async def test_a_session_follows_its_engine_through_every_replica(replicas: _Replicas) -> None:
+    """Over Redis: a session routed by one replica is routed to the same engine by its peer,
+    and by a replica that joins once the session's first request ended on the one that
+    routed it (the peer's request of the session is still in flight: its snapshot)."""
+    a = await replicas.start("a")
+    b = await replicas.start("b")
+    await eventually(lambda: _ready(a, b), WAIT_S, "peers")
+    engine = _route_session(a.router, "r1", "chat").engine_id
+    await eventually(lambda: _requests(b.router) == {engine: (1, 1)}, WAIT_S, "the peer's request")
+    second = _route_session(b.router, "r2", "chat")
+    assert (second.engine_id, second.reason) == (engine, Reason.SESSION)
+    a.router.finish("r1")
+    late = await replicas.start("late")
+    await eventually(lambda: _requests(late.router) == {engine: (1, 1)}, WAIT_S, "the snapshot")
+    third = _route_session(late.router, "r3", "chat")
+    assert (third.engine_id, third.reason) == (engine, Reason.SESSION)
 
 
 def _ready(a: ReplicaSync, b: ReplicaSync) -> bool:
