@@ -154,7 +154,9 @@ def resync(
     """Drop ENGINE's entries and rebuild them from its sources.
 
     Every entry of ENGINE is dropped now and the indexer's sources that follow it
-    resubscribe from a snapshot (what a controller does when it sees the engine restart)."""
+    resubscribe from a snapshot (what a controller does when it sees the engine restart).
+    An indexer replica that does not hold the engine's writer lease hands it to the one that
+    does (named in the answer), which does it at its next lease renewal."""
     if not engine.strip():
         raise typer.BadParameter("must name an engine", param_hint="ENGINE")
     metadata = bearer_metadata(token_file)
@@ -172,6 +174,11 @@ def resync(
             f"{engine}: {len(dropped)} worker(s) dropped"
             + (f" ({', '.join(dropped)})" if dropped else "")
             + f", {data['sources_resubscribed']} source(s) resubscribing"
+            + (
+                f"; handed to {', '.join(data['handed_to'])} (holding its writer lease)"
+                if data["handed_to"]
+                else ""
+            )
         )
 
     emit(_as_dict(response), output, render)

@@ -193,6 +193,10 @@ class LeaseState(enum.Enum):
     TAKEN = 1  # nobody held it: this process holds it now and must rebuild what it covers
     KEPT = 2  # this process held it and holds it for another term
     HELD_ELSEWHERE = 0  # another process holds it
+    # Kept, and another replica handed this one a resync of the engine since the last renewal
+    # (`ask_resync`): rebuild it; the second, only if its stream is lost.
+    KEPT_RESYNC_ASKED = 3
+    KEPT_RESYNC_IF_STREAM_LOST = 4
 
 
 class RedisBackend:
@@ -321,6 +325,20 @@ class RedisBackend:
         while Redis cannot answer: the lease then runs out by itself."""
         reply = await self._fcall("kvp_lease", [name, holder, max(1, round(ttl_s * 1000))])
         return LeaseState(int(reply))
+
+    async def ask_resync(
+        self, name: str, holder: str, ttl_s: float, *, only_if_stream_lost: bool
+    ) -> tuple[LeaseState, str]:
+        """A resync of the engine under the lease `name` asked of `holder` (ResyncEngine):
+        when another process holds the lease, the resync is recorded for it in the same
+        atomic call (its next `hold_lease` answers KEPT_RESYNC_ASKED or
+        KEPT_RESYNC_IF_STREAM_LOST) and the answer is (HELD_ELSEWHERE, its holder id);
+        otherwise the lease is taken or kept as by `hold_lease` ((TAKEN or KEPT, "")), and
+        `holder` resyncs the engine itself."""
+        mode = "lost" if only_if_stream_lost else "all"
+        args: list[bytes | str | int] = [name, holder, max(1, round(ttl_s * 1000)), "resync", mode]
+        state, holder_now = await self._fcall("kvp_lease", args)
+        return LeaseState(int(state)), _text(holder_now)
 
     async def release_lease(self, name: str, holder: str) -> None:
         """Give up `holder`'s lease `name` (nothing when another holds it), so that another

@@ -1,8 +1,8 @@
-#!lua name=kvplane_v2
+#!lua name=kvplane_v3
 --[[
 kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
 with FUNCTION LOAD REPLACE on every primary). The library's name and its functions' names end
-with its ABI version (`_v2`): a change of any function's arguments or replies takes the next
+with its ABI version (`_v3`): a change of any function's arguments or replies takes the next
 one, so that processes of two kvplane versions sharing a Redis in a rolling upgrade each call
 their own library (a library's REPLACE would otherwise swap the other version's functions
 under it); the key layout below is shared by every version. docs/redis.md describes the layout; in short, for
@@ -19,7 +19,11 @@ one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:
   <base>:b:<bucket> HASH  8-byte block key -> block record (below)
   <base>:h:<bucket> HASH  8-byte block key -> hit count
   <base>:l:<engine> STRING the writer lease of an engine's workers: the id of the one
-                          controller replica that writes them (kvp_lease), with an expiry
+                          replica (controller or indexer) that writes them (kvp_lease), with
+                          an expiry
+  <base>:r:<engine> STRING a resync of the engine asked of a replica that does not hold its
+                          lease, for the holder ("all", or "lost": only if its stream is
+                          lost; kvp_lease), expiring with the lease
 
 Block record: flags(1: bit 0 = has parent) token_count(u32) [parent(8)] then 13-byte
 placements: worker id(u16) tier(u8) epoch(u32) component mask(u32) copies(u16), in
@@ -823,30 +827,57 @@ end
 -- need not wait for the expiry, and the fence refuses the previous process's writes from
 -- then on) (returns 1: the holder must rebuild the engine's workers, since writes made or
 -- refused while it did not hold it are unknown to it), kept for another `milliseconds` when
--- `holder` holds it (2), left alone when another replica does (0). With "release" for
--- milliseconds, `holder` gives it up (a replica leaving: the next one need not wait for the
--- expiry). Redis's clock alone decides the expiry: the replicas' clocks never meet.
+-- `holder` holds it (2; 3 when another replica handed it a resync of the engine since its
+-- last renewal, 4 when that resync is only if its stream is lost: see below), left alone
+-- when another replica does (0). With "release" for milliseconds, `holder` gives it up (a
+-- replica leaving: the next one need not wait for the expiry). Redis's clock alone decides
+-- the expiry: the replicas' clocks never meet.
+--
+-- ARGV: nb, engine, holder, milliseconds, "resync", "all" | "lost": a resync of the engine
+-- (ResyncEngine) asked of `holder`. When another replica holds the lease, the resync is
+-- recorded for it (<base>:r:<engine>, which its next renewal takes: 3 or 4 above; "all" is
+-- never lowered to "lost"; it expires with the lease, whose next taker rebuilds anyway)
+-- and the reply is {0, <the holder's id>}; otherwise the lease is taken or kept as above,
+-- {1 or 2, ""}, and `holder` resyncs the engine itself (a recorded resync stays for its
+-- next renewal).
 local function kvp_lease(keys, args)
   check_slot_settled(keys[1])
-  local key = string.sub(keys[1], 1, -3) .. ':l:' .. args[2]
+  local base = string.sub(keys[1], 1, -3)
+  local key = base .. ':l:' .. args[2]
+  local asked = base .. ':r:' .. args[2]
   local current = redis.call('GET', key)
   if args[4] == 'release' then
     if current == args[3] then redis.call('DEL', key) end
     return 0
   end
+  local resync = args[5] == 'resync'
   if not current or (current ~= args[3] and replica_of(current) == replica_of(args[3])) then
     redis.call('SET', key, args[3], 'PX', args[4])
+    redis.call('DEL', asked) -- the taker rebuilds the engine from scratch
+    if resync then return { 1, '' } end
     return 1
   end
   if current == args[3] then
     redis.call('PEXPIRE', key, args[4])
-    return 2
+    if resync then return { 2, '' } end
+    local pending = redis.call('GET', asked)
+    if not pending then return 2 end
+    redis.call('DEL', asked)
+    if pending == 'lost' then return 4 end
+    return 3
+  end
+  if resync then
+    if args[6] == 'all' or redis.call('GET', asked) ~= 'all' then
+      redis.call('SET', asked, args[6])
+    end
+    redis.call('PEXPIRE', asked, math.max(1, redis.call('PTTL', key)))
+    return { 0, current }
   end
   return 0
 end
 
 -- Every name ends with the ABI version, as the library's own (first line).
-local ABI = '_v2'
+local ABI = '_v3'
 redis.register_function('kvp_apply' .. ABI, kvp_apply)
 redis.register_function('kvp_lease' .. ABI, kvp_lease)
 redis.register_function('kvp_match' .. ABI, kvp_match)

@@ -19,7 +19,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfi
 from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
 from indexer.sources.leased import LeasedEngineSources, LeasedSource, Source, lease_name
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
-from indexer.sources.resync import connect_resync
+from indexer.sources.resync import Resyncable, connect_resync, resync_engine
 from indexer.sources.zmq import BatchSink, SourceCounters, ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
 from indexer.writer_lease import LeasingIndex, lease_holder
@@ -238,10 +238,37 @@ def _served_sources(
     backend.fence_writes(holder, lambda worker_id: _leased_name(worker_id, by_engine))
     log.info("writer leases held as %s (writer_lease_s %.1f)", holder, config.writer_lease_s)
     engines = [
-        LeasedEngineSources(backend, name, holder, config.writer_lease_s, group)
+        LeasedEngineSources(
+            backend,
+            name,
+            holder,
+            config.writer_lease_s,
+            group,
+            on_resync=functools.partial(
+                _resync_handed_over, backend, name, {s.worker_id: s for s in group}.get
+            ),
+        )
         for name, group in by_engine.items()
     ]
     return [s for group in by_engine.values() for s in group], engines
+
+
+async def _resync_handed_over(
+    backend: IndexBackend,
+    engine: str,
+    source_of: Callable[[str], Resyncable | None],
+    only_if_stream_lost: bool,
+) -> None:
+    """A resync of `engine` that another replica was asked (ResyncEngine) and handed to this
+    one, the holder of its writer lease: done here as if asked here."""
+    done = await resync_engine(backend, engine, source_of, only_if_stream_lost=only_if_stream_lost)
+    log.info(
+        "engine %s: resync handed over by another replica; dropped workers %s, %d source(s) "
+        "resubscribing",
+        engine,
+        done.dropped,
+        done.resubscribed,
+    )
 
 
 def _leased_name(worker_id: str, leased: dict[str, list[LeasedSource]]) -> str | None:

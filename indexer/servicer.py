@@ -233,7 +233,7 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
                 "engine is required: the engine's address or worker id",
             )
         try:
-            dropped, asked = await resync_engine(
+            done = await resync_engine(
                 self.backend,
                 request.engine,
                 self.source_of,
@@ -242,12 +242,19 @@ class KvIndexServicer(api_grpc.KvIndexServicer):
         except Exception as exc:
             await _fail(context, exc)
         log.info(
-            "engine %s: resync asked; dropped workers %s, %d source(s) resubscribing",
+            "engine %s: resync asked; dropped workers %s, %d source(s) resubscribing%s",
             request.engine,
-            dropped,
-            asked,
+            done.dropped,
+            done.resubscribed,
+            f"; handed to the holder(s) of its writer lease {done.handed_to}"
+            if done.handed_to
+            else "",
         )
-        return api.ResyncEngineResponse(dropped_worker_ids=dropped, sources_resubscribed=asked)
+        return api.ResyncEngineResponse(
+            dropped_worker_ids=done.dropped,
+            sources_resubscribed=done.resubscribed,
+            handed_to=done.handed_to,
+        )
 
     async def DumpIndex(
         self, request: api.DumpIndexRequest, context: Context

@@ -71,6 +71,10 @@ class LeasingIndex(Protocol):
 
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> LeaseState: ...
 
+    async def ask_resync(
+        self, name: str, holder: str, ttl_s: float, *, only_if_stream_lost: bool
+    ) -> tuple[LeaseState, str]: ...
+
     async def release_lease(self, name: str, holder: str) -> None: ...
 
     async def apply(self, batch: Batch) -> None: ...
@@ -82,7 +86,10 @@ class WriterLease:
     `wanted()`: whether the replica follows the engine now (its identity read, KV events
     on); only then is the lease taken. `on_taken()` runs when it is taken (or taken back
     after a fenced write was refused), `on_lost()` when another replica holds it or a write
-    was refused: the first starts a fresh subscription, the second stops it."""
+    was refused: the first starts a fresh subscription, the second stops it.
+    `on_resync(only_if_stream_lost)` runs when a renewal finds a resync of the engine that
+    another replica was asked and handed to this one (`ask_resync`); by default `on_taken()`
+    (a fresh subscription rebuilds the engine's workers from a snapshot)."""
 
     def __init__(
         self,
@@ -94,6 +101,7 @@ class WriterLease:
         wanted: Callable[[], bool],
         on_taken: Callable[[], Awaitable[None]],
         on_lost: Callable[[], None],
+        on_resync: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self._index = index
         self.engine = engine
@@ -102,10 +110,14 @@ class WriterLease:
         self._wanted = wanted
         self._on_taken = on_taken
         self._on_lost = on_lost
+        self._on_resync = on_resync
         self.held = False
         # The last renewal found another replica holding it (that replica follows the engine).
         self.held_elsewhere = False
         self._wake = asyncio.Event()
+        # One call to Redis about the lease at a time (the renewals and `ask_resync`): a
+        # take-over's `on_taken` runs once.
+        self._calls = asyncio.Lock()
 
     async def run(self) -> None:
         """Take, keep or watch the lease every third of a term (at once after a refusal)."""
@@ -121,13 +133,45 @@ class WriterLease:
         """Ask for the lease now (the engine's events are wanted since a moment)."""
         self._wake.set()
 
+    async def ask_resync(self, only_if_stream_lost: bool) -> str | None:
+        """A resync of the engine asked of this replica (ResyncEngine): None when this
+        replica holds the lease (taken now if nobody held it), so that it resyncs the engine
+        itself; else the id of the replica that holds it, to which the resync was handed
+        (its next renewal finds it). A KvplaneError when Redis cannot answer."""
+        async with self._calls:
+            state, holder = await self._index.ask_resync(
+                self.engine, self._holder, self._term_s, only_if_stream_lost=only_if_stream_lost
+            )
+            await self._found(state)
+        return holder if state is LeaseState.HELD_ELSEWHERE else None
+
     async def _renew(self) -> None:
-        try:
-            state = await self._index.hold_lease(self.engine, self._holder, self._term_s)
-        except KvplaneError as exc:
-            # Redis cannot answer: the lease runs out by itself, and every write is fenced.
-            log.debug("engine %s: writer lease not renewed: %s", self.engine, exc)
-            return
+        async with self._calls:
+            try:
+                state = await self._index.hold_lease(self.engine, self._holder, self._term_s)
+            except KvplaneError as exc:
+                # Redis cannot answer: the lease runs out by itself, and every write is fenced.
+                log.debug("engine %s: writer lease not renewed: %s", self.engine, exc)
+                return
+            was_held = self.held
+            await self._found(state)
+        # (Not held before: `on_taken` just started afresh, which rebuilds everything.)
+        resync = (LeaseState.KEPT_RESYNC_ASKED, LeaseState.KEPT_RESYNC_IF_STREAM_LOST)
+        if was_held and state in resync:
+            log.info("engine %s: resync handed over by another replica", self.engine)
+            only_if_stream_lost = state is LeaseState.KEPT_RESYNC_IF_STREAM_LOST
+            try:
+                if self._on_resync is None:
+                    await self._on_taken()
+                else:
+                    await self._on_resync(only_if_stream_lost)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # (Redis went away meanwhile): the engine is not rebuilt now
+                log.exception("engine %s: the resync handed over failed", self.engine)
+
+    async def _found(self, state: LeaseState) -> None:
+        """What a call about the lease found: follow the engine, or stop following it."""
         self.held_elsewhere = state is LeaseState.HELD_ELSEWHERE
         if state is LeaseState.HELD_ELSEWHERE:
             if self.held:

@@ -12,13 +12,15 @@ other replicas keep them stopped (no SUB socket, no subscription); taking the le
 starts each from scratch, a fresh source whose start clears its worker and rebuilds it from
 the publisher's replay or the engine's snapshot, as a restarted indexer does. Every write of
 these sources is fenced by the lease inside Redis; a refused one (this replica was paused
-past the expiry) stops them at once.
+past the expiry) stops them at once. A resync of an engine (ResyncEngine) asked of a replica
+that does not hold its lease is handed to the holder through Redis (`WriterLease.ask_resync`),
+whose next renewal finds it and resyncs the engine (`on_resync`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from indexer.sources.openengine import OpenEngineSource, engine_worker_id
 from indexer.sources.zmq import BatchSink, SourceCounters, ZmqSource
@@ -37,6 +39,8 @@ class LeasedSource:
         self._build = build
         self._source = build(index)  # not run: its worker id, translator and counters
         self._running = False
+        # Its engine's writer lease (set by its LeasedEngineSources).
+        self.lease: WriterLease | None = None
 
     @property
     def worker_id(self) -> str:
@@ -61,12 +65,23 @@ class LeasedSource:
         is that replica's)."""
         return self._running and self._source.stream_lost
 
+    @property
+    def lease_name(self) -> str:
+        return lease_name(self.worker_id)
+
     def request_resync(self, worker_id: str | None = None) -> None:
         """Passed on to the running source; one this replica does not follow is rebuilt by
-        the replica that does (its own backend asks it), or from scratch when it is taken
-        over here."""
+        the replica that does (its own backend asks it, a ResyncEngine is handed to it:
+        `hand_resync`), or from scratch when it is taken over here."""
         if self._running:
             self._source.request_resync(worker_id)
+
+    async def hand_resync(self, only_if_stream_lost: bool) -> str | None:
+        """A resync of its engine asked of this replica: None when this replica holds the
+        engine's lease (taken now if nobody held it: its sources start afresh) and resyncs
+        it itself; else the holder's id, to which it was handed (`WriterLease.ask_resync`)."""
+        assert self.lease is not None, "a LeasedSource runs in a LeasedEngineSources"
+        return await self.lease.ask_resync(only_if_stream_lost)
 
     async def run(self, sink: BatchSink) -> None:
         """Follow the engine from scratch (a fresh source) until cancelled."""
@@ -83,7 +98,8 @@ class LeasedSource:
 
 class LeasedEngineSources:
     """The sources of one engine, run while this replica holds the engine's writer lease
-    (`lease_name`)."""
+    (`lease_name`). `on_resync(only_if_stream_lost)` resyncs the engine when another replica
+    hands this one, the holder, a resync it was asked (ResyncEngine)."""
 
     def __init__(
         self,
@@ -92,6 +108,8 @@ class LeasedEngineSources:
         holder: str,
         term_s: float,
         sources: Sequence[LeasedSource],
+        *,
+        on_resync: Callable[[bool], Awaitable[None]],
     ) -> None:
         self.sources = tuple(sources)
         self.lease = WriterLease(
@@ -102,7 +120,10 @@ class LeasedEngineSources:
             wanted=lambda: True,
             on_taken=self._taken,
             on_lost=self._stop,
+            on_resync=on_resync,
         )
+        for source in self.sources:
+            source.lease = self.lease
         self._sink = LeasedSink(index, self.lease)
         self._tasks: list[asyncio.Task[None]] = []
         self._failed: asyncio.Future[None] | None = None

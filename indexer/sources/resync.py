@@ -11,14 +11,18 @@ Backends that never lose entries (memory) have no such hook, and nothing is conn
 A router that sees a new process of an engine (a restart) has the engine's entries dropped at
 once and its sources resubscribed (`resync_engine`; the controller on its own index, a
 `kvplane indexer` through KvIndex.ResyncEngine): the old process's blocks must not attract
-traffic while a source still waits out its reconnect backoff.
+traffic while a source still waits out its reconnect backoff. On a shared index with writer
+leases (several indexer replicas, `indexer.sources.leased`) only the replica holding the
+engine's lease follows it and may drop its workers: a replica asked that does not hold it
+hands the resync to the holder through Redis (`LeasedResyncable.hand_resync`), which does it
+at its next lease renewal, and says so.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from indexer.backend import IndexBackend
 from indexer.sources.openengine import engine_worker_id
@@ -43,6 +47,30 @@ class Resyncable(Protocol):
         ...
 
     def request_resync(self, worker_id: str | None = None) -> None: ...
+
+
+@runtime_checkable
+class LeasedResyncable(Resyncable, Protocol):
+    """A source that one replica at a time follows: the holder of its engine's writer lease
+    (`indexer.sources.leased.LeasedSource`)."""
+
+    @property
+    def lease_name(self) -> str: ...
+
+    async def hand_resync(self, only_if_stream_lost: bool) -> str | None:
+        """None when this replica holds the lease (taken now if nobody held it) and resyncs
+        the engine itself; else the holder's id, to which the resync was handed."""
+        ...
+
+
+class EngineResync(NamedTuple):
+    """What `resync_engine` did: the workers it dropped, how many sources of this process it
+    asked to resubscribe, and the replicas holding the engine's writer leases that it handed
+    the rest to (they drop and resubscribe at their next lease renewal)."""
+
+    dropped: list[str]
+    resubscribed: int
+    handed_to: list[str]
 
 
 @runtime_checkable
@@ -120,21 +148,39 @@ async def resync_engine(
     source_of: Callable[[str], Resyncable | None],
     *,
     only_if_stream_lost: bool = False,
-) -> tuple[list[str], int]:
+) -> EngineResync:
     """A new process of `engine`: drop its entries now, then have each source that follows it
-    resubscribe now, from a snapshot (not after its reconnect backoff). Returns the workers
-    dropped and how many sources were asked; an UnknownEngineError when no worker holds the
+    resubscribe now, from a snapshot (not after its reconnect backoff). A source whose
+    engine's writer lease another replica holds is not this replica's to rebuild (its
+    workers' removals would be fenced): the resync of its workers is handed to that replica
+    instead (`LeasedResyncable.hand_resync`). An UnknownEngineError when no worker holds the
     engine's entries and no source follows it (nothing was dropped). `only_if_stream_lost`:
     only when one of those sources has lost its stream (nothing is done while they all follow
-    the live process, nor for an engine unknown here: a first contact asks for any engine).
+    the live process, nor for an engine unknown here: a first contact asks for any engine);
+    a handed resync carries the condition to the holder, which alone knows its stream.
     """
-    listed = None
-    if only_if_stream_lost:
+    try:
         listed = await engine_workers(backend, engine)
-        if not any(source.stream_lost for source in _sources_of(engine, listed, source_of)):
-            return [], 0
+    except Exception:
+        await drop_engine(backend, engine)  # queues the removal of the worker named `engine`
+        raise
+    sources = _sources_of(engine, listed, source_of)
+    handed_to: dict[str, None] = {}
+    handed_leases: set[str] = set()
+    for leased in [s for s in sources if isinstance(s, LeasedResyncable)]:
+        holder = await leased.hand_resync(only_if_stream_lost)
+        if holder is not None:
+            handed_to[holder] = None
+            handed_leases.add(leased.lease_name)
+            sources.remove(leased)
+    handed = list(handed_to)
+    if only_if_stream_lost and not any(source.stream_lost for source in sources):
+        return EngineResync([], 0, handed)
+    if handed_leases:
+        listed = [w for w in listed if engine_worker_id(w) not in handed_leases]
+        if not listed and not sources:
+            return EngineResync([], 0, handed)
     dropped = await drop_engine(backend, engine, listed)
-    sources = _sources_of(engine, dropped, source_of)
     if not dropped and not sources:
         raise UnknownEngineError(
             f"engine {engine!r} is unknown to this indexer: no worker holds its entries and "
@@ -143,4 +189,4 @@ async def resync_engine(
         )
     for source in sources:
         source.request_resync(None)  # every rank it follows: all of them were dropped
-    return dropped, len(sources)
+    return EngineResync(dropped, len(sources), handed)

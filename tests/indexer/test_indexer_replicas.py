@@ -10,6 +10,7 @@ index)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -35,6 +36,8 @@ from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from kvplane_api.v1 import index_pb2 as api
+from kvplane_api.v1 import index_pb2_grpc as api_grpc
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -305,3 +308,56 @@ async def test_a_holder_restarted_under_its_replica_name_takes_its_lease_back_at
     await first.wait_followed(1)
     await setup.index_exact("after the holder came back under its replica_name")
     assert second.followed() == 0
+
+
+async def test_resync_asked_of_the_replica_without_the_lease_is_done_by_the_holder(
+    setup: Setup,
+) -> None:
+    """ResyncEngine behind a load balancer lands on the replica that does not follow the
+    engine: it hands the resync to the holder (through Redis) and says so, and the holder
+    drops the worker and rebuilds it from the publisher's replay. Before, the non-holder
+    answered as if it had dropped the worker and resubscribed, and nothing changed."""
+    setup.publisher.buffer_steps = None  # the resync rebuilds from the whole replay
+    first = setup.replica("first", replica_name="indexer-a")
+    await first.wait_followed(1)
+    second = setup.replica("second", replica_name="indexer-b")
+    await second.wait_followed(0)
+    for block in range(4):
+        await setup.publish(_stored(100 + block))
+    await setup.index_exact("with the first replica writing")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{second.port}") as channel:
+        # A block the engine does not hold (an earlier process's, say): a resync drops it.
+        await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
+            kv.ApplyExternalKvBatchRequest(
+                worker_id=WORKER,
+                worker_address="10.0.0.1:8000",
+                actions=[kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[9])],
+            )
+        )
+        assert setup.shared is not None
+        assert 9 in await worker_keys(setup.shared, WORKER)
+
+        reply = await api_grpc.KvIndexStub(channel).ResyncEngine(
+            api.ResyncEngineRequest(engine="10.0.0.1:8000")
+        )
+    assert list(reply.dropped_worker_ids) == []
+    assert reply.sources_resubscribed == 0
+    assert len(reply.handed_to) == 1
+    assert reply.handed_to[0].startswith("indexer-a/")
+    await setup.index_exact("after the holder resynced the engine")  # block 9 is gone
+    assert (first.followed(), second.followed()) == (1, 0)
+
+    # As `kvplane admin index resync` prints it.
+    admin = await asyncio.to_thread(
+        subprocess.run,
+        [*KVPLANE, "admin", "index", "resync", "w0", "-t", f"127.0.0.1:{second.port}"],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert admin.returncode == 0, admin.stderr
+    assert admin.stdout == (
+        f"w0: 0 worker(s) dropped, 0 source(s) resubscribing; handed to {reply.handed_to[0]} "
+        "(holding its writer lease)\n"
+    )

@@ -488,6 +488,51 @@ async def test_writes_fenced_by_a_writer_lease_land_only_from_its_holder(
             await backend.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_resync_asked_of_a_replica_without_the_lease_reaches_its_holder(
+    redis_server: RedisServer,
+) -> None:
+    """`ask_resync` (ResyncEngine on an indexer replica): with the lease held elsewhere it is
+    recorded for the holder, whose next renewal says so once ("all" is not lowered to "only
+    if the stream is lost" by a later ask); the asker holding it, or nobody, it is the
+    asker's to do (the lease taken if free); a take-over forgets a pending one (the taker
+    rebuilds anyway)."""
+    redis_server.flushall()
+    first, second = [await open_redis_backend(redis_server.url) for _ in range(2)]
+    try:
+        assert await second.ask_resync("w", "b/2", 30, only_if_stream_lost=False) == (
+            LeaseState.TAKEN,
+            "",
+        )
+        await second.release_lease("w", "b/2")
+        assert await first.hold_lease("w", "a/1", 30) is LeaseState.TAKEN
+        assert await first.ask_resync("w", "a/1", 30, only_if_stream_lost=False) == (
+            LeaseState.KEPT,
+            "",
+        )
+        assert await first.hold_lease("w", "a/1", 30) is LeaseState.KEPT
+
+        assert await second.ask_resync("w", "b/2", 30, only_if_stream_lost=True) == (
+            LeaseState.HELD_ELSEWHERE,
+            "a/1",
+        )
+        assert await first.hold_lease("w", "a/1", 30) is LeaseState.KEPT_RESYNC_IF_STREAM_LOST
+        assert await first.hold_lease("w", "a/1", 30) is LeaseState.KEPT
+
+        await second.ask_resync("w", "b/2", 30, only_if_stream_lost=False)
+        await second.ask_resync("w", "b/2", 30, only_if_stream_lost=True)
+        assert await second.hold_lease("w", "b/2", 30) is LeaseState.HELD_ELSEWHERE
+        assert await first.hold_lease("w", "a/1", 30) is LeaseState.KEPT_RESYNC_ASKED
+        assert await first.hold_lease("w", "a/1", 30) is LeaseState.KEPT
+
+        await second.ask_resync("w", "b/2", 30, only_if_stream_lost=False)
+        assert await first.hold_lease("w", "a/3", 30) is LeaseState.TAKEN  # a/ restarted
+        assert await first.hold_lease("w", "a/3", 30) is LeaseState.KEPT
+    finally:
+        for backend in (first, second):
+            await backend.close()
+
+
 # A batch that passes validation yet cannot be sent to Redis (a hash that is not an int: the
 # wire cannot carry one, an in-process caller can): it must fail alone, never the batches
 # sharing its call, the group-commit task or the recovery after an outage.

@@ -363,6 +363,7 @@ class ResyncEngineResponse(_message.Message):
 
     DROPPED_WORKER_IDS_FIELD_NUMBER: _builtins.int
     SOURCES_RESUBSCRIBED_FIELD_NUMBER: _builtins.int
+    HANDED_TO_FIELD_NUMBER: _builtins.int
     sources_resubscribed: _builtins.int
     """Sources of this indexer asked to resubscribe from a snapshot (0: its workers are fed
     from outside, through ApplyExternalKvBatch, whose client resends what they hold).
@@ -371,15 +372,25 @@ class ResyncEngineResponse(_message.Message):
     def dropped_worker_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The workers whose entries were dropped (none when the index held nothing of it)."""
 
+    @_builtins.property
+    def handed_to(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Several indexer replicas on one Redis index: the replicas (their writer-lease holder ids,
+        `<replica>/<process>`) that hold the writer lease of the engine and were handed the
+        resync instead (this replica does not follow the engine: they drop its workers and
+        resubscribe at their next lease renewal, within a third of their `writer_lease_s`).
+        Empty when this indexer did it all itself.
+        """
+
     def __init__(
         self,
         *,
         dropped_worker_ids: _abc.Iterable[_builtins.str] | None = ...,
         sources_resubscribed: _builtins.int = ...,
+        handed_to: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_worker_ids", b"dropped_worker_ids", "sources_resubscribed", b"sources_resubscribed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_worker_ids", b"dropped_worker_ids", "handed_to", b"handed_to", "sources_resubscribed", b"sources_resubscribed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
