@@ -157,6 +157,17 @@ async def lease_holders(redis: RedisServer, engines: list[EngineApp]) -> list[by
         client.close()
 
 
+async def reading_replica(redis: RedisServer, engines: list[EngineApp]) -> Fleet:
+    """A second replica in-process while another follows every engine: it serves prompts
+    through its gateway and finds the index exact, written by the other alone."""
+    reader = await make_fleet(engines=engines, index=shared_index(redis))
+    for n in range(4):
+        await serve(reader, n)
+    await index_exact(reader, engines)
+    assert not any(follows(reader, e) for e in engines)
+    return reader
+
+
 async def stop_all(process: Any, replica: Fleet | None, engines: list[EngineApp]) -> None:
     """Stop a replica process, an in-process replica and the engines."""
     if process.poll() is None:
@@ -184,11 +195,7 @@ async def test_a_killed_writer_replica_is_taken_over_and_the_index_is_exact_agai
             return None not in await lease_holders(redis, engines)
 
         await eventually(writer_holds_every_lease, 60, "the replica process to take the leases")
-        b = await make_fleet(engines=engines, index=shared_index(redis))
-        for n in range(4):
-            await serve(b, n)
-        await index_exact(b, engines)
-        assert not any(follows(b, e) for e in engines)
+        b = await reading_replica(redis, engines)
 
         writer.send_signal(signal.SIGKILL)
         await asyncio.to_thread(writer.wait)
@@ -235,11 +242,7 @@ async def test_a_restarted_replica_takes_its_leases_back_at_once(
             return None not in holders and not set(holders) & set(first)
 
         await eventually(taken_back, 60, "the restarted process to take the leases back")
-        reader = await make_fleet(engines=engines, index=shared_index(redis))
-        for n in range(4):
-            await serve(reader, n)
-        await index_exact(reader, engines)
-        assert not any(follows(reader, e) for e in engines)
+        reader = await reading_replica(redis, engines)
     finally:
         await stop_all(writer, reader, engines)
 

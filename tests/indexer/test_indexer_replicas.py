@@ -222,6 +222,17 @@ async def setup(tmp_path: Path) -> AsyncIterator[Setup]:
         redis.stop()
 
 
+async def report_block_9(channel: grpc.aio.Channel) -> None:
+    """ApplyExternalKvBatch: block 9, which the publisher does not hold, on its worker."""
+    await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
+        kv.ApplyExternalKvBatchRequest(
+            worker_id=WORKER,
+            worker_address="10.0.0.1:8000",
+            actions=[kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[9])],
+        )
+    )
+
+
 async def test_a_replica_killed_and_restarted_beside_the_holder_keeps_the_index(
     setup: Setup,
 ) -> None:
@@ -254,13 +265,7 @@ async def test_a_replica_killed_and_restarted_beside_the_holder_keeps_the_index(
         )
         # Even to a worker a source of another replica feeds under its lease (last: the
         # worker then holds a block its publisher does not).
-        await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
-            kv.ApplyExternalKvBatchRequest(
-                worker_id=WORKER,
-                worker_address="10.0.0.1:8000",
-                actions=[kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[9])],
-            )
-        )
+        await report_block_9(channel)
     assert setup.shared is not None
     assert await worker_keys(setup.shared, "external") == {7, 8}
     assert 9 in await worker_keys(setup.shared, WORKER)
@@ -327,13 +332,7 @@ async def test_resync_asked_of_the_replica_without_the_lease_is_done_by_the_hold
     await setup.index_exact("with the first replica writing")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{second.port}") as channel:
         # A block the engine does not hold (an earlier process's, say): a resync drops it.
-        await kv_grpc.KVIndexerStub(channel).ApplyExternalKvBatch(
-            kv.ApplyExternalKvBatchRequest(
-                worker_id=WORKER,
-                worker_address="10.0.0.1:8000",
-                actions=[kv.ExternalKvAction(type=kv.ACTION_REPORT, tier=kv.TIER_HBM, hashes=[9])],
-            )
-        )
+        await report_block_9(channel)
         assert setup.shared is not None
         assert 9 in await worker_keys(setup.shared, WORKER)
 
