@@ -108,7 +108,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, f"kv_events {mode!r}?")
         try:
             parse_dial_target(request.address)
-            record = await self.controller.fleet.add_engine(request.address, mode, source="admin")
+            record = await self.controller.membership.register(request.address, mode)
         except ValueError as exc:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KvplaneError as exc:
@@ -117,14 +117,14 @@ class AdminServicer(apb_grpc.AdminServicer):
 
     async def RemoveEngine(self, request: apb.EngineRef, context: Context) -> apb.WorkerInfo:
         try:
-            record = await self.controller.fleet.remove_engine(request.engine)
+            record = await self.controller.membership.remove(request.engine)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
         return self.worker_info(record, {})
 
     async def _cordon(self, request: apb.EngineRef, context: Context, on: bool) -> apb.WorkerInfo:
         try:
-            record = self.controller.fleet.registry.set_cordoned(request.engine, on)
+            record = await self.controller.membership.set_cordoned(request.engine, on)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
         return self.worker_info(record, await self._indexed_blocks())

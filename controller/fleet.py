@@ -439,6 +439,14 @@ class Fleet:
         return record
 
     async def remove_engine(self, key: str) -> EngineRecord:
+        record, removal = self.begin_removal(key)
+        await asyncio.shield(removal)
+        return record
+
+    def begin_removal(self, key: str) -> tuple[EngineRecord, asyncio.Task[None]]:
+        """The engine leaves the registry now; the task drops what it left (awaited by
+        `remove_engine`; a caller that need not wait, or must not while holding a lock, such
+        as `controller.membership`, leaves it running: `close` ends it)."""
         record = self.registry.remove(key)
         self.lora_intent.forget_engine(record.address)
         engine = self._engines.pop(record.address, None)
@@ -451,8 +459,7 @@ class Fleet:
         )
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
-        await asyncio.shield(task)
-        return record
+        return record, task
 
     async def _drop_removed(self, address: str, engine: _Engine | None) -> None:
         """Everything a removed engine left: its tasks and channel (which ends its calls),

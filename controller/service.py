@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from controller.config import ControllerConfig
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, PromptView, ThrottledWarning
+from controller.membership import Membership
 from controller.metrics import ControllerMetrics
 from controller.registry import NoEngineRegisteredError, Role, UnknownModelError
 from controller.replica_sync import ReplicaSync, open_replica_sync
@@ -128,6 +129,8 @@ class Controller:
         # requests (and admin Route explains none) until it restarts, as a drained engine does.
         self.draining = False
         self.replica_sync: ReplicaSync | None = None
+        # RegisterEngine, RemoveEngine and cordons: shared with the other replicas on Redis.
+        self.membership = Membership(self.fleet, config)
 
     async def start(self) -> None:
         self._tokenizers = ModelTokenizers.load(self.config.tokenizers, self.config.tokenizer)
@@ -138,6 +141,7 @@ class Controller:
             # A shared index that dropped or lost an engine's entries: its source rebuilds them.
             connect_resync(self.index, self.fleet.source_of)
         await self.fleet.start()
+        await self.membership.start()
         if self.config.router.replica_sync:
             self.replica_sync = open_replica_sync(self.config, self.router, self.instance_id)
             await self.replica_sync.start()
@@ -150,6 +154,7 @@ class Controller:
             self._stats_task.cancel()
             # A shared backend may finish its current command before it sees the cancel.
             await asyncio.wait([self._stats_task], timeout=STATS_CANCEL_WAIT_S)
+        await self.membership.close()
         await self.fleet.close()
         if self._own_index and self.index is not None:
             await self.index.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from controller.membership import MembershipUnavailableError
 from controller.registry import (
     DuplicateEngineError,
     EmptyEngineRefError,
@@ -31,6 +32,7 @@ _STATUS: tuple[tuple[type[KvplaneError], grpc.StatusCode], ...] = (
     (AllEnginesBusyError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LoraNotLoadedError, grpc.StatusCode.NOT_FOUND),
     (LoraUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (MembershipUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (KvplaneError, grpc.StatusCode.FAILED_PRECONDITION),
 )
 

@@ -104,9 +104,11 @@ async def test_each_engine_is_written_by_one_replica_and_the_index_is_exact(
 async def test_an_engine_removed_through_one_replica_stays_indexed_for_the_other(
     redis: RedisServer,
 ) -> None:
-    """The operator removes an engine through one replica only: the other still routes to it,
-    and the index still holds all of its blocks (the removing replica wrote them: the other
-    takes the engine over and rebuilds it from its snapshot)."""
+    """An engine leaves one replica's fleet while another still routes to it (a removal
+    through the admin API reaches the others only at their next read of the shared membership,
+    tests/controller/test_shared_membership.py): the index still holds all of its blocks (the
+    removing replica wrote them: the other takes the engine over and rebuilds it from its
+    snapshot)."""
     a = await make_fleet(engines=await small_engines(1), index=shared_index(redis))
     b = await make_fleet(engines=a.engines, index=shared_index(redis))
     engine = a.engines[0]

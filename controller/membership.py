@@ -1,0 +1,206 @@
+"""The fleet's run-time membership: engines registered and removed, and cordons, through the
+admin API, shared by every controller replica of a Redis index.
+
+Behind a load balancer an admin call lands on one replica: kept to itself, an engine the
+planner registers would be routed to by that replica only, and a cordon would leave the
+others sending the engine traffic. With `index.backend` on Redis every change is written into
+the partition's membership hash (`<key_prefix>:{<model>:0}:fm`, docs/redis.md) before the
+replica applies it, and every replica reads the hash when it starts and at every
+`health.poll_interval_s`, applying what changed: a change made through any replica reaches
+the others within a poll interval. A call whose change Redis does not take is refused
+(UNAVAILABLE) and changes nothing, so the hash never misses what a replica applied.
+
+The hash's fields: `a:<address>` an engine registered through the admin API (its `kv_events`
+mode), `c:<address>` a cordoned engine, `x:<address>` an engine of the replicas' config
+removed (config engines are in every replica's config; removing one through any replica
+removes it from all, a replica started later included, until it is registered again), and
+`v`, written with every change: a hash without it was lost by Redis (or never written), and
+the replica writes its own membership back instead of dropping what it does not find.
+
+Without a Redis index the calls change this replica's fleet only, as they always did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from controller.config import ControllerConfig
+from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, ThrottledWarning
+from controller.registry import DuplicateEngineError, EngineRecord
+from indexer.redis_client import Client, RedisOptions, connect
+from kvplane.errors import KvplaneError
+
+log = logging.getLogger(__name__)
+
+_REGISTERED, _CORDONED, _REMOVED, _MARKER = "a:", "c:", "x:", "v"
+
+
+class MembershipUnavailableError(KvplaneError):
+    """The shared membership could not be changed (Redis did not answer): nothing changed,
+    retry later."""
+
+
+def membership_key(key_prefix: str, model: str) -> str:
+    """The membership hash of a partition (the index's key prefix and model)."""
+    return f"{key_prefix}:{{{model}:0}}:fm"
+
+
+class Membership:
+    """RegisterEngine, RemoveEngine, Cordon and Uncordon of this replica, shared with the
+    other replicas through Redis when the index is there (`start` opens it)."""
+
+    def __init__(self, fleet: Fleet, config: ControllerConfig) -> None:
+        self.fleet = fleet
+        self._config = config
+        self._client: Client | None = None
+        self._key = ""
+        # One change at a time, the periodic read's included: a read taken before a change
+        # was written must not undo it.
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._read_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, time.monotonic, log)
+
+    @property
+    def shared(self) -> bool:
+        return self._client is not None
+
+    async def start(self) -> None:
+        index = self._config.index
+        if index.remote is not None or not index.backend.startswith("redis"):
+            return
+        options = RedisOptions(**index.backend_options())
+        self._client, _ = connect(index.backend, options)
+        self._key = membership_key(options.key_prefix, options.model)
+        await self._refresh_or_warn()
+        self._task = asyncio.create_task(self._follow(), name="shared membership")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # ---- the admin API's changes ----
+
+    async def register(self, address: str, kv_events: str) -> EngineRecord:
+        async with self._lock:
+            record = await self.fleet.add_engine(address, kv_events, source="admin")
+            try:
+                await self._write({_REGISTERED + address: kv_events}, [_REMOVED + address])
+            except MembershipUnavailableError:
+                await self.fleet.remove_engine(address)
+                raise
+            return record
+
+    async def remove(self, key: str) -> EngineRecord:
+        async with self._lock:
+            record = self.fleet.registry.get(key)
+            address = record.address
+            removed = {_REMOVED + address: "1"} if record.source == "config" else {}
+            await self._write(removed, [_REGISTERED + address, _CORDONED + address])
+            # Out of the registry now; what it left is dropped out of the lock (a registration
+            # of the address meanwhile is refused as "being removed", not held up).
+            record, removal = self.fleet.begin_removal(address)
+        await asyncio.shield(removal)
+        return record
+
+    async def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
+        async with self._lock:
+            record = self.fleet.registry.get(key)
+            field = _CORDONED + record.address
+            if cordoned:
+                await self._write({field: "1"}, [])
+            else:
+                await self._write({}, [field])
+            return self.fleet.registry.set_cordoned(record.address, cordoned)
+
+    async def _write(self, fields: dict[str, str], deleted: list[str]) -> None:
+        """One change of the shared hash, atomically (nothing without a Redis index)."""
+        if self._client is None:
+            return
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                values: dict[Any, Any] = {_MARKER: "1", **fields}  # (redis-py's own key types)
+                pipe.hset(self._key, mapping=values)
+                if deleted:
+                    pipe.hdel(self._key, *deleted)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise MembershipUnavailableError(
+                f"the fleet's membership, shared by the controller replicas, is kept in Redis, "
+                f"which did not take the change (nothing changed; retry): {exc}"
+            ) from exc
+
+    # ---- the other replicas' changes ----
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.health.poll_interval_s)
+            await self._refresh_or_warn()
+
+    async def _refresh_or_warn(self) -> None:
+        try:
+            await self.refresh()
+        except (RedisError, OSError, MembershipUnavailableError) as exc:
+            self._read_failed.warn(
+                f"the fleet's shared membership could not be read from Redis (changes made "
+                f"through other controller replicas wait): {exc}"
+            )
+
+    async def refresh(self) -> None:
+        """Read the shared membership and apply what differs here."""
+        assert self._client is not None
+        async with self._lock:
+            raw = await self._client.hgetall(self._key)
+            fields = {_text(k): _text(v) for k, v in raw.items()}
+            if _MARKER not in fields:
+                await self._write_back()
+                return
+            await self._apply(fields)
+
+    async def _apply(self, fields: dict[str, str]) -> None:
+        registry = self.fleet.registry
+        registered = {
+            f.removeprefix(_REGISTERED): mode for f, mode in fields.items() if f[:2] == _REGISTERED
+        }
+        for record in registry.records():
+            gone = (
+                record.address not in registered
+                if record.source == "admin"
+                else _REMOVED + record.address in fields
+            )
+            if gone:
+                log.info("engine %s removed through another controller replica", record.address)
+                self.fleet.begin_removal(record.address)
+        for address, mode in registered.items():
+            if registry.by_engine_id(address) is not None:
+                continue
+            log.info("engine %s registered through another controller replica", address)
+            # (Still being removed here: added at the next read.)
+            with contextlib.suppress(DuplicateEngineError):
+                await self.fleet.add_engine(address, mode, source="admin")
+        for record in registry.records():
+            cordoned = _CORDONED + record.address in fields
+            if record.cordoned != cordoned:
+                registry.set_cordoned(record.address, cordoned)
+
+    async def _write_back(self) -> None:
+        """Redis lost the hash (or nobody wrote it yet): write this replica's membership."""
+        records = self.fleet.registry.records()
+        fields = {_REGISTERED + r.address: r.kv_events for r in records if r.source == "admin"}
+        fields.update({_CORDONED + r.address: "1" for r in records if r.cordoned})
+        await self._write(fields, [])
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

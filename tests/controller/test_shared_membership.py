@@ -1,0 +1,142 @@
+"""Controller replicas on one Redis index share the fleet's run-time membership: an engine
+registered, cordoned, uncordoned or removed through one replica (behind a load balancer, the
+one the call lands on) is routed to, or not, by every replica, a replica started later
+included; and a change Redis does not take is refused, changing nothing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from controller.app import start_controller
+from engine.server.service import EngineApp
+from kvplane_api.v1 import admin_pb2 as apb
+from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
+from tests.controller.test_controller_replicas import close_replica, shared_index
+from tests.polling import eventually
+from tests.redis_servers import RedisServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def workers(fleet: Fleet) -> dict[str, apb.WorkerInfo]:
+    reply = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+    return {w.address: w for w in reply.workers}
+
+
+async def routes_to(fleet: Fleet, address: str) -> bool:
+    """Whether the replica's router would send a prompt to the engine (its only one)."""
+    try:
+        reply = await fleet.admin.Route(apb.PromptQuery(token_ids={"ids": [1, 2, 3]}, model="sim"))
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND), exc
+        return False
+    return reply.engine == address
+
+
+async def replicas_without_engines(redis: RedisServer, count: int) -> list[Fleet]:
+    return [await make_fleet(engines=[], index=shared_index(redis)) for _ in range(count)]
+
+
+async def test_an_engine_registered_cordoned_and_removed_through_one_replica_is_so_on_every(
+    redis: RedisServer,
+) -> None:
+    a, b = await replicas_without_engines(redis, 2)
+    engine = await start_sim_engine("e0")
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address, kv_events="zmq"))
+        await eventually(lambda: routes_to(b, address), 20, "b to route to the registered engine")
+        registered = (await workers(b))[address]
+        assert (registered.source, registered.kv_events) == ("admin", "zmq")
+
+        await a.admin.Cordon(apb.EngineRef(engine=address))
+        await eventually(lambda: not_routed(b, address), 20, "b to stop routing to it")
+        assert (await workers(b))[address].cordoned
+
+        await a.admin.Uncordon(apb.EngineRef(engine=address))
+        await eventually(lambda: routes_to(b, address), 20, "b to route to it again")
+
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await eventually(lambda: forgot(b, address), 20, "b to forget the removed engine")
+        assert address not in await workers(a)
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+        await engine.close()
+
+
+async def not_routed(fleet: Fleet, address: str) -> bool:
+    return not await routes_to(fleet, address)
+
+
+async def forgot(fleet: Fleet, address: str) -> bool:
+    return address not in await workers(fleet)
+
+
+async def test_a_replica_started_later_has_the_engines_registered_and_cordoned_before(
+    redis: RedisServer,
+) -> None:
+    (a,) = await replicas_without_engines(redis, 1)
+    engines = [await start_sim_engine(f"e{i}") for i in range(2)]
+    addresses = [f"127.0.0.1:{e.port}" for e in engines]
+    later: Fleet | None = None
+    try:
+        for address in addresses:
+            await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await a.admin.Cordon(apb.EngineRef(engine=addresses[1]))
+        later = await make_fleet(engines=[], index=shared_index(redis))
+        known = await workers(later)  # read as it started, before serving
+        assert sorted(known) == sorted(addresses)
+        assert [known[a].cordoned for a in addresses] == [False, True]
+        await eventually(lambda: routes_to(later, addresses[0]), 20, "the later one to route")
+    finally:
+        if later is not None:
+            await close_replica(later)
+        await close_fleet(a)
+        for engine in engines:
+            await engine.close()
+
+
+async def test_a_config_engine_removed_through_one_replica_leaves_every_replica(
+    redis: RedisServer,
+) -> None:
+    """Engines of the config are in every replica's: removed through one, each replica drops
+    it, one started later with the same config included, until it is registered again."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis))
+    b = await make_fleet(engines=[engine], index=shared_index(redis))
+    address = a.address(engine)
+    try:
+        await a.admin.Cordon(apb.EngineRef(engine=address))
+        await eventually(lambda: not_routed(b, address), 20, "b to stop routing to it")
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await eventually(lambda: forgot(b, address), 20, "b to forget the removed engine")
+        later = await start_controller(a.app.controller.config)  # the same config
+        try:
+            assert later.controller.fleet.registry.records() == []
+        finally:
+            await later.close(0.2)
+        await b.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await eventually(lambda: routes_to(a, address), 20, "a to route to it again")
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+
+
+async def test_a_change_redis_does_not_take_is_refused_and_changes_nothing(
+    redis: RedisServer,
+) -> None:
+    (a,) = await replicas_without_engines(redis, 1)
+    engine = await start_sim_engine("e0")
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        redis.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "Redis" in (err.value.details() or "")
+        assert await workers(a) == {}
+    finally:
+        await close_fleet(a)
+        await engine.close()
