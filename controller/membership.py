@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from controller.config import ControllerConfig
 from controller.fleet import BLIND_WARNING_INTERVAL_S, Fleet, ThrottledWarning
 from controller.registry import DuplicateEngineError, EngineRecord
-from indexer.redis_client import Client, RedisOptions, connect
+from indexer.redis_client import Client, RedisOptions, connect, stop_if_cancelled
 from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class Membership:
 
     async def _follow(self) -> None:
         while True:
+            stop_if_cancelled()
             await asyncio.sleep(self._config.health.poll_interval_s)
             await self._refresh_or_warn()
 

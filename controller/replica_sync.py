@@ -32,7 +32,7 @@ from controller.config import ControllerConfig
 from controller.router import Router
 from controller.router.replica_protocol import ReplicaProtocol
 from controller.router.replicas import PeerRoutes, RouteEvent
-from indexer.redis_client import Client, RedisOptions, connect
+from indexer.redis_client import Client, RedisOptions, connect, stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,7 @@ class ReplicaSync:
         `heartbeat_s`. A message Redis did not take is lost (its seq with it): peers find the
         gap when the next one arrives and ask for a snapshot."""
         while True:
+            stop_if_cancelled()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.heartbeat_s):
                     await self._wake.wait()
@@ -152,6 +153,7 @@ class ReplicaSync:
         wait_s = _RETRY_S[0]
         lost = False  # said once an outage: every retry meanwhile fails alike
         while True:
+            stop_if_cancelled()
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(self.channel)
@@ -161,6 +163,7 @@ class ReplicaSync:
                     log.info("replica sync: back on the channel %s", self.channel)
                     lost = False
                 while True:
+                    stop_if_cancelled()
                     message = await pubsub.get_message(
                         ignore_subscribe_messages=True, timeout=_POLL_S
                     )

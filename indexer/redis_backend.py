@@ -81,6 +81,7 @@ from indexer.redis_client import (
     RedisMisconfiguredError,
     RedisOptions,
     connect,
+    stop_if_cancelled,
 )
 from indexer.validation import MAX_ACTIONS_PER_BATCH, validate_batch
 from kvplane.errors import ConfigError, KvplaneError
@@ -130,16 +131,6 @@ _UNREACHABLE = (
 # a pause, doubling while it stays silent, as a remote indexer is paused
 # (controller/remote_index.py); then one query asks it again, and any answer ends the pause.
 _SILENT_PAUSE_S = (0.5, 30.0)
-
-
-def _stop_requested() -> None:
-    """Raise CancelledError if this task was cancelled. redis-py can turn a cancellation that
-    lands inside a command into a connection error, which the background loops below catch
-    and retry: without this check such a loop outlived its cancellation and `close()` waited
-    for it forever."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 _SERVABLE = (Tier.HBM, Tier.DRAM)
@@ -721,13 +712,13 @@ class RedisBackend:
                 if not self._dropping and not self._removals:
                     break
             except KvplaneError as exc:
-                _stop_requested()
+                stop_if_cancelled()
                 self._recovery_error = str(exc)
                 log.debug("Redis recovery: %s", exc)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
             except Exception:  # never ends the task: the outage would never end either
-                _stop_requested()
+                stop_if_cancelled()
                 log.exception("Redis recovery failed; retrying")
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
@@ -750,7 +741,7 @@ class RedisBackend:
     async def _maintain(self) -> None:
         """Notices a Redis that lost its data (boot token) and sweeps dead placements."""
         while True:
-            _stop_requested()
+            stop_if_cancelled()
             await asyncio.sleep(self._options.maintenance_interval_s)
             try:
                 if self._ready and not self._outage:

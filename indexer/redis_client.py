@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,3 +139,13 @@ def connect(url: str, options: RedisOptions) -> tuple[Client, str]:
         raise ConfigError(f"backend {url!r}: {exc}") from exc
     where = urlsplit(url).netloc.rpartition("@")[2] or url
     return client, where
+
+
+def stop_if_cancelled() -> None:
+    """Raise CancelledError if this task was cancelled. redis-py can turn a cancellation that
+    lands inside a command into a connection error, which a background loop catches and
+    retries: without this check at the top of each turn such a loop outlives its
+    cancellation, and whoever awaits it (a `close()`) waits forever."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError

@@ -41,6 +41,7 @@ from typing import Protocol, runtime_checkable
 
 from indexer.batch import Batch
 from indexer.redis_backend import LeaseLostError, LeaseState
+from indexer.redis_client import stop_if_cancelled
 from kvplane.config import parse_host_port
 from kvplane.errors import KvplaneError
 
@@ -122,6 +123,7 @@ class WriterLease:
     async def run(self) -> None:
         """Take, keep or watch the lease every third of a term (at once after a refusal)."""
         while True:
+            stop_if_cancelled()
             if self._wanted() or self.held:
                 await self._renew()
             self._wake.clear()

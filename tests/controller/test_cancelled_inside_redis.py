@@ -1,0 +1,75 @@
+"""redis-py can turn a cancellation that lands inside a command into a ConnectionError, which a
+background loop catches and retries: such a loop outlived its cancellation, and whoever
+awaited it (a controller's `close()`) waited forever (seen under load: the whole suite's run
+hung a minute in a controller's close). Every loop that calls Redis stops at its next turn
+instead; here the call turns the cancellation into an error as redis-py did."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from controller.config import ControllerConfig
+from controller.membership import Membership
+from indexer.redis_client import IndexUnavailableError
+from indexer.writer_lease import WriterLease
+
+# A loop that outlives its cancellation also holds up the test's own teardown: fail instead.
+pytestmark = pytest.mark.timeout(30)
+
+
+class _CancelledIntoAnError:
+    """A Redis call that waits until cancelled, then fails as redis-py's did."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.entered = asyncio.Event()
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise self.error from None
+
+
+async def _cancel_and_wait(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=10)
+    assert done, "the loop outlived its cancellation"
+
+
+async def test_a_writer_lease_cancelled_inside_a_renewal_stops() -> None:
+    call = _CancelledIntoAnError(IndexUnavailableError("Connection closed by server."))
+
+    class Index:
+        hold_lease = call
+
+    async def nothing() -> None:
+        return None
+
+    lease = WriterLease(
+        Index(),  # type: ignore[arg-type]
+        "127.0.0.1:9001",
+        "replica/process",
+        0.03,
+        wanted=lambda: True,
+        on_taken=nothing,
+        on_lost=lambda: None,
+    )
+    task = asyncio.create_task(lease.run())
+    await asyncio.wait_for(call.entered.wait(), 10)
+    await _cancel_and_wait(task)
+
+
+async def test_the_shared_membership_cancelled_inside_a_read_stops() -> None:
+    call = _CancelledIntoAnError(RedisConnectionError("Connection closed by server."))
+    config = ControllerConfig.model_validate({"health": {"poll_interval_s": 0.01}})
+    membership = Membership(None, config)  # type: ignore[arg-type]
+    membership.refresh = call  # type: ignore[method-assign]
+    task = asyncio.create_task(membership._follow())
+    await asyncio.wait_for(call.entered.wait(), 10)
+    await _cancel_and_wait(task)
