@@ -46,11 +46,6 @@ class MembershipUnavailableError(KvplaneError):
     retry later."""
 
 
-def membership_key(key_prefix: str, model: str) -> str:
-    """The membership hash of a partition (the index's key prefix and model)."""
-    return f"{key_prefix}:{{{model}:0}}:fm"
-
-
 class Membership:
     """RegisterEngine, RemoveEngine, Cordon and Uncordon of this replica, shared with the
     other replicas through Redis when the index is there (`start` opens it)."""
@@ -76,7 +71,7 @@ class Membership:
             return
         options = RedisOptions(**index.backend_options())
         self._client, _ = connect(index.backend, options)
-        self._key = membership_key(options.key_prefix, options.model)
+        self._key = options.partition_key("fm")
         await self._refresh_or_warn()
         self._task = asyncio.create_task(self._follow(), name="shared membership")
 

@@ -40,11 +40,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.2
 _RETRY_S = (0.5, 5.0)  # back-off of a lost subscription: first wait, longest wait
 _CLOSE_S = 2.0  # the most each step of `close` waits for Redis
-
-
-def channel_name(key_prefix: str, model: str) -> str:
-    """The pub/sub channel of a partition's replicas (the index's key prefix and model)."""
-    return f"{key_prefix}:{{{model}:0}}:routes"
+CHANNEL = "routes"  # the pub/sub channel of a partition's replicas (`partition_key`)
 
 
 def open_replica_sync(config: ControllerConfig, router: Router, instance_id: str) -> ReplicaSync:
@@ -55,7 +51,7 @@ def open_replica_sync(config: ControllerConfig, router: Router, instance_id: str
     return ReplicaSync(
         router,
         client,
-        channel_name(options.key_prefix, options.model),
+        options.partition_key(CHANNEL),
         instance_id,
         heartbeat_s=config.router.replica_heartbeat_s,
         timeout_s=config.router.replica_timeout_s,

@@ -199,7 +199,7 @@ class RedisBackend:
         self._client = client
         self._options = options
         self._where = where
-        self._meta_key = f"{options.key_prefix}:{{{options.model}:0}}:m"
+        self._meta_key = options.partition_key("m")
         self._nb = str(options.buckets)
         self._boot: bytes | None = None
         # This process's writes carry a mark (check_boot in redis_functions.lua): the next

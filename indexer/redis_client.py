@@ -79,6 +79,11 @@ class RedisOptions:
         if self.max_buffered_batches < 0:
             raise ConfigError("redis max_buffered_batches must be >= 0")
 
+    def partition_key(self, name: str) -> str:
+        """The key `name` of this partition (`<key_prefix>:{<model>:0}:<name>`): the hash tag
+        keeps every key of a partition in one cluster slot (docs/redis.md)."""
+        return f"{self.key_prefix}:{{{self.model}:0}}:{name}"
+
     def read_password(self) -> str | None:
         if self.password_file is None:
             return self.password

@@ -24,7 +24,7 @@ from redis_servers import RedisClusterNodes, RedisServer
 
 from controller.config import ControllerConfig
 from controller.replay import ReplaySettings, replay
-from controller.replica_sync import ReplicaSync, channel_name
+from controller.replica_sync import CHANNEL, ReplicaSync
 from controller.router import Candidate, Decision, Reason, Router, RouteRequest, make_policy
 from controller.router.replicas import PeerRoutes
 from engine.core.mooncake_trace import load_trace
@@ -166,7 +166,7 @@ class _Replicas:
         sync = ReplicaSync(
             _router(),
             client,
-            channel_name("kvplane", "default"),
+            RedisOptions().partition_key(CHANNEL),
             name,
             heartbeat_s=0.1,
             timeout_s=1.0,
@@ -272,14 +272,14 @@ async def test_a_redis_restart_loses_nothing_for_long(
 
 _KILLED_REPLICA = """
 import asyncio, random, sys
-from controller.replica_sync import ReplicaSync, channel_name
+from controller.replica_sync import CHANNEL, ReplicaSync
 from controller.router import Candidate, Router, RouteRequest, make_policy
 from indexer.redis_client import RedisOptions, connect
 
 async def main():
     client, _ = connect(sys.argv[1], RedisOptions())
     router = Router(make_policy("kvplane"))
-    sync = ReplicaSync(router, client, channel_name("kvplane", "default"), "doomed",
+    sync = ReplicaSync(router, client, RedisOptions().partition_key(CHANNEL), "doomed",
                        heartbeat_s=0.1, timeout_s=1.0)
     await sync.start()
     await asyncio.sleep(0.5)
@@ -381,7 +381,7 @@ async def test_replicas_in_sync_over_a_redis_cluster_survive_a_failover(
         await eventually(lambda: _ready(a, b), WAIT_S, "peers")
         first = _route(a.router, "r1")
         await eventually(lambda: _requests(b.router) == {first: (1, 1)}, WAIT_S, "a's request")
-        primary = replicated_cluster.node_of(channel_name("kvplane", "default"))
+        primary = replicated_cluster.node_of(RedisOptions().partition_key(CHANNEL))
         replica = replicated_cluster.replica_of(primary)
         primary.kill()
         during = _route(a.router, "r2")  # while the channel's node is down
