@@ -38,10 +38,13 @@ _STOP_GRACE_S = 20.0
 
 
 class Actuator(Protocol):
-    async def adopt(self) -> list[tuple[str, str]]:
+    async def adopt(self, *, wait: bool = True) -> list[tuple[str, str]]:
         """Look at the fleet (once a tick, before `exited`); return the engines (address,
         pool) found serving that no `start` returned and no earlier `adopt` reported: those a
-        previous planner left running. They are then the planner's like engines it started."""
+        previous planner left running. They are then the planner's like engines it started.
+        Without `wait`, a look that may wait on a remote system (the Kubernetes API) goes on
+        beside the ticks: the call returns what the looks that ended found and starts the
+        next ones."""
         ...
 
     async def start(self, pool: str) -> str:
@@ -111,7 +114,7 @@ class LocalProcesses:
         """Addresses of the engines started and not stopped yet."""
         return sorted(self._processes)
 
-    async def adopt(self) -> list[tuple[str, str]]:
+    async def adopt(self, *, wait: bool = True) -> list[tuple[str, str]]:
         return []  # a previous planner's children died with it
 
     async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:

@@ -155,6 +155,7 @@ class KubernetesDeployments:
         self._scale_locks = {pool: asyncio.Lock() for pool in self._deployments}
         # One pool's look (`adopt`) and removals (`stop`) one at a time, in the order asked.
         self._pool_locks = {pool: asyncio.Lock() for pool in self._deployments}
+        self._looks: dict[str, asyncio.Task[list[tuple[str, str]]]] = {}  # by pool: `adopt`
         self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
 
     async def check(self) -> None:
@@ -173,11 +174,35 @@ class KubernetesDeployments:
 
     # ---------------------------------------------------------------- observing
 
-    async def adopt(self) -> list[tuple[str, str]]:
-        """Each pool's look (`_adopt_pool`), the pools' at once: a slow Deployment holds up
-        no other's."""
-        found = await asyncio.gather(*(self._adopt_pool(pool) for pool in self._deployments))
-        return [engine for pool in found for engine in pool]
+    async def adopt(self, *, wait: bool = True) -> list[tuple[str, str]]:
+        """Each pool's look at its pods (`_adopt_pool`), the pools' at once and each on its
+        own: what the looks that ended found, the next look of those pools started. With
+        `wait` every pool's look is waited for; without, a look under way is left to end by
+        itself, so a slow Deployment holds up no other pool's adoptions."""
+        found = self._ended_looks()
+        for pool in self._deployments:
+            if pool not in self._looks:
+                self._looks[pool] = asyncio.create_task(
+                    self._adopt_pool(pool), name=f"adopt {pool}"
+                )
+        if wait:
+            await asyncio.wait(self._looks.values())
+            found += self._ended_looks()
+        return found
+
+    def _ended_looks(self) -> list[tuple[str, str]]:
+        found: list[tuple[str, str]] = []
+        for pool, look in list(self._looks.items()):
+            if not look.done():
+                continue
+            del self._looks[pool]
+            if look.cancelled():
+                continue
+            if (exc := look.exception()) is not None:  # the next look tries again
+                log.error("looking at pool %s failed: %s", pool, exc)
+                continue
+            found += look.result()
+        return found
 
     async def _adopt_pool(self, pool: str) -> list[tuple[str, str]]:
         adopted: list[tuple[str, str]] = []
@@ -501,7 +526,11 @@ class KubernetesDeployments:
         return _Replica(gone.pool, stand_in.name, stand_in.uid)
 
     async def close(self) -> None:
-        """Leave the pods serving (the Deployment outlives the planner; the next adopts them)."""
+        """Leave the pods serving (the Deployment outlives the planner; the next adopts them).
+        Looks under way are cancelled."""
+        for look in self._looks.values():
+            look.cancel()
+        await asyncio.gather(*self._looks.values(), return_exceptions=True)
         await self._admin.close()
 
     # ---------------------------------------------------------------- the API

@@ -8,18 +8,17 @@ SubscribeRuntimeEvents stream per engine, summed into `ForwardPasses`), then
 `decide(observations, now)` on the monotonic clock, then each decision in order through the
 actuator, logged with its reason (the decision log). What may wait on a remote system (the
 Kubernetes API) runs beside the ticks, as Kubernetes' controllers never block observation on
-writes: the actuator's look at the fleet (`adopt`: the first one waited for, then each tick takes
-the last that ended), starts and removals (stop, kill), so a slow API server holds up neither
-the engines' observation nor the decisions. One pool's starts and removals go in order (a start
-after the removals under way; a removal after the earlier ones), other pools' beside them.
-Engines the actuator is still starting are
-observed as STARTING (under a placeholder id), so the core sees its pending capacity; an engine
-being removed is no longer observed. An engine
-whose process exited on its own is removed (from the controller too) before the tick observes,
-so the core does not count it; a serving engine the controller does not list (it restarted) is
-registered again (at once when the controller restarted: `run` watches its instance id, and
-reconciles as soon as a new process answers, between ticks), one it lists as draining
-(drained by hand) is observed as DRAINING: the core
+writes: the actuator's looks at the fleet (`adopt`: the first waited for, then each tick
+takes what the looks that ended found, one look per pool), starts and removals (stop, kill),
+so a slow API server holds up neither the engines' observation nor the decisions. One pool's
+starts and removals go in order (a start after the removals under way; a removal after the
+earlier ones), other pools' beside them. Engines the actuator is still starting are observed
+as STARTING (under a placeholder id), so the core sees its pending capacity; an engine being
+removed is no longer observed. An engine whose process exited on its own is removed (from the
+controller too) before the tick observes, so the core does not count it; a serving engine the
+controller does not list (it restarted) is registered again (at once when the controller
+restarted: `run` watches its instance id, and reconciles as soon as a new process answers,
+between ticks), one it lists as draining (drained by hand) is observed as DRAINING: the core
 replaces it and removes it once empty; one the planner drained that it routes to again (the
 drain was not taken) is drained again. Only engines this planner started, or the actuator
 adopted (found serving: a Deployment's pods a previous planner scaled), are managed. Each tick
@@ -135,10 +134,10 @@ class LivePlanner:
         self._clock = clock
         self._placeholders = itertools.count()
         self._starts: set[asyncio.Task[None]] = set()
-        # The actuator's work under way beside the ticks (with `_starts`): its look at the
-        # fleet (`_adopted`), and removals (their pool by task, in the order begun: a pool's
+        # The actuator's work under way beside the ticks (with `_starts` and its own looks at
+        # the fleet, `_adopted`): removals (their pool by task, in the order begun: a pool's
         # go one after another, `_removals_done`).
-        self._adopting: asyncio.Task[list[tuple[str, str]]] | None = None
+        self._looked = False  # the first look at the fleet was waited for
         self._removals: dict[asyncio.Task[None], str] = {}
         # Held by a tick and by a reconciliation between ticks: one must not register an
         # engine again while the other takes it out of the controller.
@@ -193,13 +192,12 @@ class LivePlanner:
 
     async def close(self) -> None:
         """Stop observing, then close the actuator, which decides the engines' fate: local
-        ones end with the planner, a Deployment's pods keep serving. Starts and the look at
-        the fleet under way are cancelled; removals under way are finished (each call is
-        bounded), else a drained engine would be left serving nothing."""
-        cancelled = [*self._starts, *([self._adopting] if self._adopting else [])]
-        for task in cancelled:
+        ones end with the planner, a Deployment's pods keep serving. Starts under way are
+        cancelled (the looks at the fleet too, by the actuator's close); removals under way
+        are finished (each call is bounded), else a drained engine would be left serving nothing."""
+        for task in self._starts:
             task.cancel()
-        await asyncio.gather(*cancelled, *self._removals, return_exceptions=True)
+        await asyncio.gather(*self._starts, *self._removals, return_exceptions=True)
         for engine in list(self.engines.values()):
             await self._forget(engine)
         await self.actuator.close()
@@ -240,20 +238,15 @@ class LivePlanner:
         return Observations(engines, tuple(passes))
 
     async def _adopted(self) -> list[tuple[str, str]]:
-        """What the actuator's last look at the fleet (`adopt`) found. It runs beside the
-        ticks, as an informer's list does beside its controller: a slow API server must not
-        hold up the engines' observation and the decisions. The first look is waited for (the
-        planner takes over the fleet as it is, as a controller waits for its informers' first
-        sync); then each tick takes the one that ended and starts the next, and one still
-        under way is neither waited for nor started again."""
-        if self._adopting is None:
-            self._adopting = asyncio.create_task(self.actuator.adopt(), name="adopt")
-            await asyncio.wait([self._adopting])
-        if not self._adopting.done():
-            return []
-        done, self._adopting = self._adopting, asyncio.create_task(self.actuator.adopt())
+        """What the actuator's looks at the fleet (`adopt`) found. They run beside the ticks,
+        as an informer's list does beside its controller: a slow API server must not hold up
+        the engines' observation and the decisions. The first look is waited for (the planner
+        takes over the fleet as it is, as a controller waits for its informers' first sync);
+        then each tick takes what the looks that ended found and the actuator starts their
+        next, one look per pool, so a pool whose listing hangs delays no other's."""
+        first, self._looked = not self._looked, True
         try:
-            return done.result()
+            return await self.actuator.adopt(wait=first)
         except Exception as exc:  # the actuator logs its own failures; the next look retries
             log.error("looking at the fleet failed: %s", exc)
             return []

@@ -849,6 +849,30 @@ async def two_pools(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterat
         yield cluster
 
 
+def two_pool_actuator(cluster: Cluster) -> KubernetesDeployments:
+    """The actuator of pools `default` and `b`, each API call bounded by an hour only."""
+    return KubernetesDeployments(
+        controller=f"127.0.0.1:{cluster.app.port}",
+        api=KubeApi(cluster.api().connection, timeout_s=3600),
+        deployments={"default": DEPLOYMENT, "b": DEPLOYMENT_B},
+        engine_port=cluster.kube.engine_port,
+        start_timeout_s=60,
+        poll_s=0.05,
+    )
+
+
+async def hang_pool_default(cluster: Cluster, live: LivePlanner) -> None:
+    """Both pools' pods adopted, then every call about pool default's Deployment hangs: ticks
+    until a look lists its pods (and hangs)."""
+    assert await live.tick() == []  # both pods adopted
+    await cluster.wait_routable(2)
+    cluster.kube.hang_deployments = {DEPLOYMENT}
+    async with asyncio.timeout(60):
+        while cluster.kube.hung_requests == 0:
+            await live.tick()
+            await asyncio.sleep(0.1)
+
+
 @pytest.mark.timeout(180)
 async def test_a_pool_whose_api_calls_hang_does_not_stop_another_from_being_scaled(
     two_pools: Cluster,
@@ -857,15 +881,7 @@ async def test_a_pool_whose_api_calls_hang_does_not_stop_another_from_being_scal
     is drained by hand meanwhile: the planner removes it, deleting its pod, and starts its
     replacement, in that order, while the call about pool default is still under way."""
     kube, fleet = two_pools.kube, two_pools.app.controller.fleet
-    api = KubeApi(two_pools.api().connection, timeout_s=3600)
-    actuator = KubernetesDeployments(
-        controller=f"127.0.0.1:{two_pools.app.port}",
-        api=api,
-        deployments={"default": DEPLOYMENT, "b": DEPLOYMENT_B},
-        engine_port=kube.engine_port,
-        start_timeout_s=60,
-        poll_s=0.05,
-    )
+    actuator = two_pool_actuator(two_pools)
     pools = tuple(PoolConfig(name=name, min_engines=1, max_engines=1) for name in ("default", "b"))
     live = LivePlanner(
         Planner(PlannerConfig(pools=pools, scaling=ScalingConfig(tick_s=0.2))), actuator
@@ -873,13 +889,8 @@ async def test_a_pool_whose_api_calls_hang_does_not_stop_another_from_being_scal
     operator = ControllerAdmin(f"127.0.0.1:{two_pools.app.port}")
     (stuck,), (drained,) = kube.ready_pods(DEPLOYMENT), kube.ready_pods(DEPLOYMENT_B)
     try:
-        assert await live.tick() == []  # both pods adopted
-        await two_pools.wait_routable(2)
-        kube.hang_deployments = {DEPLOYMENT}
+        await hang_pool_default(two_pools, live)
         async with asyncio.timeout(90):  # a bound for the old behaviour: an hour
-            while kube.hung_requests == 0:  # until a look lists pool default's pods
-                await live.tick()
-                await asyncio.sleep(0.1)
             await operator.drain(kube.address(drained), 300)
             while drained.name in kube.pods or len(two_pools.routable()) != 2:
                 await live.tick()
@@ -896,6 +907,45 @@ async def test_a_pool_whose_api_calls_hang_does_not_stop_another_from_being_scal
     assert replacement.name != drained.name
     assert kube.deployments[DEPLOYMENT].replicas == 1 and kube.ready_pods(DEPLOYMENT) == [stuck]
     assert two_pools.registered() == sorted(kube.address(p) for p in (stuck, replacement))
+
+
+@pytest.mark.timeout(180)
+async def test_a_pool_whose_listing_hangs_does_not_stop_another_pools_pods_being_adopted(
+    two_pools: Cluster,
+) -> None:
+    """Every call about pool default's Deployment hangs (an hour each, here). An operator
+    scales pool b's Deployment up by hand meanwhile: its new pod is adopted (registered and
+    observed) while the listing of pool default's pods is still under way."""
+    kube = two_pools.kube
+    actuator = two_pool_actuator(two_pools)
+    pools = (
+        PoolConfig(name="default", min_engines=1, max_engines=1),
+        PoolConfig(name="b", min_engines=1, max_engines=2),
+    )
+    live = LivePlanner(
+        Planner(PlannerConfig(pools=pools, scaling=ScalingConfig(tick_s=0.2))), actuator
+    )
+    try:
+        await hang_pool_default(two_pools, live)
+        async with asyncio.timeout(90):  # a bound for the old behaviour: an hour
+            operator = two_pools.api()  # kubectl scale --replicas=2
+            version = (await asyncio.to_thread(operator.get_scale, DEPLOYMENT_B)).resource_version
+            await asyncio.to_thread(operator.patch_scale, DEPLOYMENT_B, 2, version)
+            await two_pools.wait(lambda: len(kube.ready_pods(DEPLOYMENT_B)) == 2)
+            (added,) = [
+                kube.address(p)
+                for p in kube.ready_pods(DEPLOYMENT_B)
+                if kube.address(p) not in live.engines
+            ]
+            while added not in live.engines:
+                await live.tick()
+                await asyncio.sleep(0.1)
+        assert kube.hung_requests == 1 and kube.dropped_requests == 0  # still under way
+        await two_pools.wait_routable(3)
+    finally:
+        kube.hang_deployments = set()
+        await live.close()
+    assert added in two_pools.registered()
 
 
 @pytest.mark.timeout(120)
