@@ -11,9 +11,11 @@ the others within a poll interval. A call whose change Redis does not take is re
 (UNAVAILABLE) and changes nothing, so the hash never misses what a replica applied.
 
 The hash's fields: `a:<address>` an engine registered through the admin API (its `kv_events`
-mode), `c:<address>` a cordoned engine, `x:<address>` an engine of the replicas' config
-removed (config engines are in every replica's config; removing one through any replica
-removes it from all, a replica started later included, until it is registered again), and
+mode; RegisterEngine takes no `array_tail`: every replica chooses the engine's from its
+GetEngineInfo name, alike), `c:<address>` a cordoned engine, `x:<address>` an engine of the
+replicas' config removed (config engines are in every replica's config; removing one through
+any replica removes it from all, a replica started later included, until it is registered
+again), and
 `v`, written with every change: a hash without it was lost by Redis (or never written), and
 the replica writes its own membership back instead of dropping what it does not find.
 

@@ -13,6 +13,7 @@ request whose every candidate is busy instead (AllEnginesBusyError), charging no
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import OrderedDict
@@ -189,8 +190,9 @@ class PendingPrefixes:
 class SessionRoute(NamedTuple):
     """Where a session's requests go: the engine of its latest route, the `version`-th the
     router knows of. Replicas in sync (`controller.router.replicas`) learn each other's routes
-    in any order and a snapshot brings back the routes of requests still in flight, so a
-    route replaces the known one only when it is later: a higher version (each route of a
+    in any order, and a snapshot brings back routes known already (of requests still in
+    flight, and the sessions its sender knows), so a route replaces the known one only when
+    it is later: a higher version (each route of a
     session counts one past the version its router knew), the engine id breaking a tie (two
     replicas routing the session at once). Every replica that heard the same routes then
     sticks the session to the same engine, whatever order they came in."""
@@ -298,6 +300,19 @@ class Router:
     def session_route(self, session_key: str) -> SessionRoute | None:
         """Where the session's requests go (None: it has no engine yet, or was forgotten)."""
         return self._sessions.get(session_key)
+
+    def recent_sessions(self, limit: int) -> list[tuple[str, SessionRoute]]:
+        """The `limit` sessions routed (or learnt) last, oldest first: what a replica's
+        snapshot tells a peer that joins (`controller.router.replica_protocol`), in the order
+        that keeps them the most recent there too."""
+        if limit <= 0:
+            return []
+        return list(itertools.islice(reversed(self._sessions.items()), limit))[::-1]
+
+    def learn_session(self, session_key: str, route: SessionRoute) -> None:
+        """A session a peer replica knows: its requests go to the route's engine here too,
+        unless a later route of it is known (`SessionRoute.supersedes`)."""
+        self._stick(session_key, route)
 
     def first_token(self, request_id: str) -> None:
         self.release_prefill(request_id)

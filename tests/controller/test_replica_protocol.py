@@ -3,8 +3,9 @@ runs live) against a naive model: 2 to 4 replicas route, see first tokens and fi
 lose their subscription, restart, and time out, while the channel drops any message; once
 the losses stop and every message has been delivered and the repairs answered, every
 replica's router charges each engine with exactly the requests in flight on all replicas, and
-no counter of any router ever went negative; and every replica sticks a session whose latest
-route is still in flight to that route's engine."""
+no counter of any router ever went negative; and every replica sticks a session to the
+engine of its latest route, as long as the replica that routed it still runs (the session's
+requests in flight or all ended: a replica that joined learns it from its peers' snapshots)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from dataclasses import dataclass, field
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controller.router import Candidate, Router, RouteRequest, make_policy
-from controller.router.replica_protocol import ReplicaProtocol
+from controller.router.replica_protocol import ReplicaProtocol, decode_event
 from controller.router.router import SessionRoute
 
 ENGINES = ("e1", "e2", "e3")
@@ -36,12 +37,12 @@ class OwnRequest:
 
 @dataclass(frozen=True)
 class LatestRoute:
-    """A session's latest route of all (by `SessionRoute.supersedes`): by which replica, of
-    which request."""
+    """A session's latest route of all (by `SessionRoute.supersedes`): by which replica (its
+    index, and the instance id of the process there then)."""
 
     route: SessionRoute
     replica: int
-    request_id: str
+    instance_id: str
 
 
 @dataclass
@@ -96,7 +97,7 @@ class Fleet:
             assert route is not None and route.engine_id == engine
             latest = self.latest.get(session)
             if route.supersedes(latest.route if latest else None):
-                self.latest[session] = LatestRoute(route, i, request_id)
+                self.latest[session] = LatestRoute(route, i, replica.protocol.instance_id)
 
     def first_token(self, i: int, pick: int) -> None:
         replica = self.replicas[i]
@@ -191,11 +192,13 @@ class Fleet:
         return out
 
     def expected_sessions(self) -> dict[str, SessionRoute]:
-        """The sessions whose latest route is of a request still in flight, and that route."""
+        """The sessions whose latest route was made by a replica still running (whether its
+        request is in flight or ended), and that route. (A route whose replica restarted may
+        be known to none: its messages lost, the process gone.)"""
         return {
             session: latest.route
             for session, latest in self.latest.items()
-            if latest.request_id in self.replicas[latest.replica].own
+            if self.replicas[latest.replica].protocol.instance_id == latest.instance_id
         }
 
 
@@ -243,8 +246,19 @@ operation = st.one_of(
 )
 
 
+# A session's only request ends, then its peer restarts: the new process learns the session
+# from the snapshot alone (they carried the sessions of requests in flight only).
+_SESSION_ENDED_BEFORE_A_PEER_JOINED = [
+    ("route", 0, "e2", 1, 0, "chat"),
+    ("finish", 0, 0),
+    ("turn", 0, False),
+    ("restart", 1, True),
+]
+
+
 @settings(max_examples=1000, deadline=None)
 @given(n=st.integers(2, 4), operations=st.lists(operation, max_size=80))
+@example(n=2, operations=_SESSION_ENDED_BEFORE_A_PEER_JOINED)
 def test_every_replica_charges_every_replicas_requests_once_settled(
     n: int, operations: list[tuple[object, ...]]
 ) -> None:
@@ -329,13 +343,39 @@ def test_a_session_routed_through_one_replica_sticks_on_its_peers_joined_late_to
         assert replica.router.session_route("chat") == SessionRoute("e3", 2)
 
 
-@pytest.mark.parametrize("version", [1, 3])
+def test_a_snapshot_brings_the_most_recent_sessions_and_a_later_route_wins() -> None:
+    """A snapshot carries the `snapshot_sessions` sessions its sender routed or learnt last
+    (their requests ended), oldest first; the replica that receives it sticks them, except a
+    session it knows a later route of."""
+    sender = Fleet(2)
+    sender.deliver_all()
+    for n, session in enumerate(["old", "mid", "new"]):
+        sender.route(0, ENGINES[n], 1, n, session=session)
+        sender.finish(0, 0)
+    sender.deliver_all()
+    receiver = Router(make_policy("kvplane"))
+    receiver.learn_session("new", SessionRoute("e1", 2))  # later than the sender's
+    protocol = ReplicaProtocol(receiver, "receiver")
+    snapshot = sender.replicas[0].protocol
+    snapshot.snapshot_sessions = 2
+    _, origin, _, kind, (requests, sessions) = msgpack.unpackb(snapshot.snapshot())
+    assert (kind, [decode_event(r) for r in requests]) == ("snapshot", [])
+    assert sessions == [["mid", "e2", 1], ["new", "e3", 1]]
+    protocol.receive(snapshot.snapshot(), 0.0)
+    assert _sessions(receiver, ["old", "mid", "new"]) == {
+        "mid": SessionRoute("e2", 1),
+        "new": SessionRoute("e1", 2),
+    }
+    assert origin in protocol.peers.origins
+
+
+@pytest.mark.parametrize("version", [1, 2, 4])
 def test_a_peer_of_another_version_is_ignored_with_one_warning(
     version: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A replica of another release during a rolling upgrade (version 1: routes without
-    their session; 3: a later one): its messages change nothing here, and it is named once,
-    not at each of its messages."""
+    their session; 2: snapshots without sessions; 4: a later one): its messages change
+    nothing here, and it is named once, not at each of its messages."""
     caplog.set_level(logging.WARNING, logger="controller.router.replica_protocol")
     router = Router(make_policy("kvplane"))
     protocol = ReplicaProtocol(router, "new")

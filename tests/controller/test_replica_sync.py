@@ -2,11 +2,13 @@
 trace replay, replicas in sync decide as one controller does; over a real redis-server, a
 replica learns its peers' requests, their first tokens and ends, catches up when it joins
 late or after Redis restarts, and releases the requests of a peer killed with SIGKILL; a
-session routed through one replica goes to the same engine through the others."""
+session routed through one replica goes to the same engine through the others, one started
+after the session's requests ended included."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import os
@@ -32,7 +34,8 @@ from indexer.redis_client import RedisOptions, connect
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import generate_request
+from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.test_gateway import generate
 from tests.controller.test_processes import (
     _routable,
     controller_process,
@@ -397,3 +400,37 @@ async def test_replicas_in_sync_over_a_redis_cluster_survive_a_failover(
         assert third != during
     finally:
         await replicas.close()
+
+
+async def test_a_replica_that_joins_sends_a_finished_session_to_its_engine(
+    redis: RedisServer,
+) -> None:
+    """A chat's first turn, through replica a, ends; a replica started afterwards (scaled up,
+    or restarted: it knows only what its peers' snapshots bring) takes the chat's next turn:
+    it goes to the engine that served the first, and reuses its cached prefix there, though
+    the round robin alone would send it to the other engine. (Snapshots carried the sessions
+    of requests in flight only: the next turn went to the other engine and computed its
+    whole prompt again.)"""
+    router = {"replica_sync": True, "policy": "round_robin", "session_metadata_key": "session"}
+    settings = {"index": {"backend": redis.url}, "router": router}
+    a = await make_fleet(2, **copy.deepcopy(settings))
+    late: Fleet | None = None
+    try:
+        await generate(a, generate_request("plain", [9] * 40))  # a's round robin turns
+        first_turn = [5] * 64
+        await generate(a, generate_request("turn1", first_turn, session="chat"))
+        late = await make_fleet(engines=a.engines, **copy.deepcopy(settings))
+        late_sync = late.app.controller.replica_sync
+        assert late_sync is not None
+        await eventually(
+            lambda: a.app.controller.instance_id in late_sync.peers.origins,
+            WAIT_S,
+            "a's snapshot",
+        )
+        reply = await generate(late, generate_request("turn2", [*first_turn, 6], session="chat"))
+        assert reply[-1].usage.cached_prompt_tokens == 64
+    finally:
+        if late is not None:
+            await late.channel.close()
+            await late.app.close(0.2)
+        await close_fleet(a)
