@@ -24,7 +24,6 @@ from indexer.backends import open_backend
 from indexer.batch import Batch
 from indexer.keys import block_keys
 from indexer.writer_lease import lease_holder
-from tests.connect_proxy import ConnectProxy
 from tests.controller.conftest import (
     Fleet,
     close_fleet,
@@ -36,6 +35,7 @@ from tests.controller.test_faults import cached_keys, indexed_keys
 from tests.controller.test_gateway import generate
 from tests.polling import eventually
 from tests.redis_servers import RedisServer, free_port
+from tests.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,7 +133,7 @@ def start_replica_process(
     listen: str = "127.0.0.1:0",
     lease_s: float = LEASE_S,
     *,
-    engines_through: ConnectProxy | None = None,
+    engines_through: TcpForwarder | None = None,
 ) -> Any:
     """`kvplane controller serve` on the shared index, in front of `engines` (reached through
     the proxy `engines_through`, if given)."""
@@ -265,7 +265,7 @@ async def test_a_writer_cut_off_from_its_engine_hands_its_lease_to_a_replica_tha
     other replica, which reaches the engine, takes it, and the engine's new blocks are
     indexed."""
     engine = (await small_engines(1))[0]
-    proxy = await ConnectProxy.start()
+    proxy = await TcpForwarder.start()
     writer = start_replica_process(tmp_path, redis, [engine], lease_s=1, engines_through=proxy)
     reader: Fleet | None = None
     try:
