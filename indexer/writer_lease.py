@@ -30,10 +30,12 @@ A holder that reaches Redis but not its engine (a network partition between the 
 firewall rule) would keep the lease, and nobody would write the engine's events, while
 another replica that reaches the engine would follow it. So a holder whose following of the
 engine's events has been down (`reachable()` false: never connected since it took the lease,
-or lost since) for a whole term gives the lease up, and does not take it again for one more
-term: a replica that reaches the engine takes it meanwhile. When none does, the lease moves
-from one replica to the next, each keeping it a term and taking it at most once per two
-terms; whoever holds it writes nothing it cannot reach, as before.
+or lost since) for a whole term gives the lease up, and does not take it again for two
+renewal intervals (two thirds of a term): every other replica that wants the lease renews
+within one, so a replica that reaches the engine takes it meanwhile, and a lone replica
+follows an engine that comes back without waiting a whole term more. When none does, the
+lease moves from one replica to the next, each keeping it a term and taking it at most once
+per 1.67 terms; whoever holds it writes nothing it cannot reach, as before.
 
 A memory index is each replica's own: there is no lease, and every replica follows every
 engine.
@@ -208,9 +210,10 @@ class WriterLease:
             return False
         log.warning("engine %s: its KV events have not reached this replica for %gs: writer "
                     "lease given up for another replica to take (not taken back for %gs)",
-                    self.engine, now - self._unreachable_since, self._term_s)  # fmt: skip
+                    self.engine, now - self._unreachable_since,
+                    2 * self._term_s / RENEWALS_PER_TERM)  # fmt: skip
         self._unreachable_since = None
-        self._stand_aside_until = now + self._term_s
+        self._stand_aside_until = now + 2 * self._term_s / RENEWALS_PER_TERM
         self._on_lost()
         await self.release()
         return True
