@@ -433,6 +433,8 @@ class Fleet:
                 wanted=lambda: engine.followed is not None,
                 on_taken=functools.partial(self._lease_taken, engine),
                 on_lost=engine.stop_events,
+                # As `admin workers` shows it: a whole term not following gives the lease up.
+                reachable=lambda: self.event_following(record).up is True,
             )
             engine.lease_task = asyncio.create_task(engine.lease.run(), name=f"lease {address}")
         engine.poll_task = asyncio.create_task(self._poll(engine), name=f"poll {address}")

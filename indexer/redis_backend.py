@@ -205,6 +205,7 @@ class RedisBackend:
         # This process's writes carry a mark (check_boot in redis_functions.lua): the next
         # one to give, and the highest Redis acknowledged. A stored mark below the latter
         # means Redis came back with older data; `_writes_lost` says so to `_ensure_ready`.
+        # `close` deletes the mark (`_forget_mark`).
         self._writer = secrets.token_hex(8)
         self._next_mark = 1
         self._acked_mark = 0
@@ -260,7 +261,20 @@ class RedisBackend:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._maintenance = self._recovery = self._grouper = None
+        await self._forget_mark()
         await self._client.aclose()
+
+    async def _forget_mark(self) -> None:
+        """Delete this process's write mark (`lw:<writer>` in the meta hash): no process reads
+        another's, and nobody writes under this process's random id after it, so the field
+        would only grow the hash by one per process start for good. (A process killed leaves
+        its mark: one small field per crash.)"""
+        if self._next_mark == 1:  # it wrote nothing: no mark
+            return
+        try:
+            await self._client.execute_command("HDEL", self._meta_key, f"lw:{self._writer}")
+        except (*_UNREACHABLE, OSError, RedisError) as exc:
+            log.debug("write mark not deleted (Redis unreachable): %s", exc)
 
     @property
     def healthy(self) -> bool:

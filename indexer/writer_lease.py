@@ -26,6 +26,17 @@ Leases are named after the engine (`engine_worker_id` of its workers: an OpenEng
 engine's address, a rank's worker `<engine>/dp<r>` under its engine's), so a controller
 and an indexer following the same engine into one partition share its lease too.
 
+A holder that reaches Redis but not its engine (a network partition between the two, a
+firewall rule) would keep the lease, and nobody would write the engine's events, while
+another replica that reaches the engine would follow it. So a holder whose following of the
+engine's events has been down (`reachable()` false: never connected since it took the lease,
+or lost since) for a whole term gives the lease up, and does not take it again for two
+renewal intervals (two thirds of a term): every other replica that wants the lease renews
+within one, so a replica that reaches the engine takes it meanwhile, and a lone replica
+follows an engine that comes back without waiting a whole term more. When none does, the
+lease moves from one replica to the next, each keeping it a term and taking it at most once
+per 1.67 terms; whoever holds it writes nothing it cannot reach, as before.
+
 A memory index is each replica's own: there is no lease, and every replica follows every
 engine.
 """
@@ -36,6 +47,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
@@ -90,7 +102,9 @@ class WriterLease:
     was refused: the first starts a fresh subscription, the second stops it.
     `on_resync(only_if_stream_lost)` runs when a renewal finds a resync of the engine that
     another replica was asked and handed to this one (`ask_resync`); by default `on_taken()`
-    (a fresh subscription rebuilds the engine's workers from a snapshot)."""
+    (a fresh subscription rebuilds the engine's workers from a snapshot).
+    `reachable()`: whether the engine's events reach this replica now (its subscription
+    connected); while held, a whole term without them gives the lease up. None: always."""
 
     def __init__(
         self,
@@ -103,6 +117,8 @@ class WriterLease:
         on_taken: Callable[[], Awaitable[None]],
         on_lost: Callable[[], None],
         on_resync: Callable[[bool], Awaitable[None]] | None = None,
+        reachable: Callable[[], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._index = index
         self.engine = engine
@@ -112,6 +128,13 @@ class WriterLease:
         self._on_taken = on_taken
         self._on_lost = on_lost
         self._on_resync = on_resync
+        self._reachable = reachable
+        self._clock = clock
+        # Since when the engine's events have not reached this replica while it holds the
+        # lease (None: they do, or it is not held), and until when it leaves the lease to
+        # the others after giving it up for that.
+        self._unreachable_since: float | None = None
+        self._stand_aside_until = 0.0
         self.held = False
         # The last renewal found another replica holding it (that replica follows the engine).
         self.held_elsewhere = False
@@ -148,6 +171,8 @@ class WriterLease:
         return holder if state is LeaseState.HELD_ELSEWHERE else None
 
     async def _renew(self) -> None:
+        if await self._gave_up_unreachable() or self._clock() < self._stand_aside_until:
+            return
         async with self._calls:
             try:
                 state = await self._index.hold_lease(self.engine, self._holder, self._term_s)
@@ -171,6 +196,27 @@ class WriterLease:
                 raise
             except Exception:  # (Redis went away meanwhile): the engine is not rebuilt now
                 log.exception("engine %s: the resync handed over failed", self.engine)
+
+    async def _gave_up_unreachable(self) -> bool:
+        """Give the lease up when the engine's events have not reached this replica for a
+        whole term since it holds it (another replica may reach them); whether it did."""
+        if not self.held or self._reachable is None or self._reachable():
+            self._unreachable_since = None
+            return False
+        now = self._clock()
+        if self._unreachable_since is None:
+            self._unreachable_since = now
+        if now - self._unreachable_since < self._term_s:
+            return False
+        log.warning("engine %s: its KV events have not reached this replica for %gs: writer "
+                    "lease given up for another replica to take (not taken back for %gs)",
+                    self.engine, now - self._unreachable_since,
+                    2 * self._term_s / RENEWALS_PER_TERM)  # fmt: skip
+        self._unreachable_since = None
+        self._stand_aside_until = now + 2 * self._term_s / RENEWALS_PER_TERM
+        self._on_lost()
+        await self.release()
+        return True
 
     async def _found(self, state: LeaseState) -> None:
         """What a call about the lease found: follow the engine, or stop following it."""

@@ -14,7 +14,9 @@ the publisher's replay or the engine's snapshot, as a restarted indexer does. Ev
 these sources is fenced by the lease inside Redis; a refused one (this replica was paused
 past the expiry) stops them at once. A resync of an engine (ResyncEngine) asked of a replica
 that does not hold its lease is handed to the holder through Redis (`WriterLease.ask_resync`),
-whose next renewal finds it and resyncs the engine (`on_resync`).
+whose next renewal finds it and resyncs the engine (`on_resync`). A holder none of whose
+engine's sources has been up for a whole term (a partition between it and the publisher)
+gives the lease up for a replica that reaches the engine (`WriterLease`'s `reachable`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ class LeasedSource:
     def followed(self) -> bool:
         """Whether this replica follows the source now (holds its engine's lease)."""
         return self._running
+
+    @property
+    def reaches_engine(self) -> bool:
+        """Whether this replica follows the source and its stream is up (`Link`)."""
+        return self._running and self._source.link.up
 
     @property
     def stream_lost(self) -> bool:
@@ -121,6 +128,7 @@ class LeasedEngineSources:
             on_taken=self._taken,
             on_lost=self._stop,
             on_resync=on_resync,
+            reachable=lambda: any(source.reaches_engine for source in self.sources),
         )
         for source in self.sources:
             source.lease = self.lease

@@ -35,6 +35,7 @@ from tests.controller.test_faults import cached_keys, indexed_keys
 from tests.controller.test_gateway import generate
 from tests.polling import eventually
 from tests.redis_servers import RedisServer, free_port
+from tests.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,8 +132,11 @@ def start_replica_process(
     engines: list[EngineApp],
     listen: str = "127.0.0.1:0",
     lease_s: float = LEASE_S,
+    *,
+    engines_through: TcpForwarder | None = None,
 ) -> Any:
-    """`kvplane controller serve` on the shared index, in front of `engines`."""
+    """`kvplane controller serve` on the shared index, in front of `engines` (reached through
+    the proxy `engines_through`, if given)."""
     config = tmp_path / "replica.yaml"
     config.write_text(
         f"listen: {listen}\nindex: {{backend: '{redis.url}', writer_lease_s: {lease_s}}}\n"
@@ -140,11 +144,14 @@ def start_replica_process(
         "backoff_max_s: 1.0}\nengines:\n"
         + "".join(f"  - {{address: 127.0.0.1:{e.port}}}\n" for e in engines)
     )
+    environment = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    if engines_through is not None:
+        environment["grpc_proxy"] = engines_through.url
     return subprocess.Popen(
         [sys.executable, "-m", "kvplane", "controller", "serve", "--config", str(config)],
         stdout=subprocess.DEVNULL,
         stderr=(tmp_path / "replica.log").open("ab"),
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**environment, "PYTHONUNBUFFERED": "1"},
     )
 
 
@@ -247,6 +254,43 @@ async def test_a_restarted_replica_takes_its_leases_back_at_once(
         reader = await reading_replica(redis, engines)
     finally:
         await stop_all(writer, reader, engines)
+
+
+async def test_a_writer_cut_off_from_its_engine_hands_its_lease_to_a_replica_that_reaches_it(
+    redis: RedisServer, tmp_path: Path
+) -> None:
+    """The replica writing the engine (a process, which reaches it through a proxy) is cut
+    off from it (the proxy stops: a network partition between the two) while it still
+    reaches Redis. After a lease term without the engine's events it gives the lease up, the
+    other replica, which reaches the engine, takes it, and the engine's new blocks are
+    indexed."""
+    engine = (await small_engines(1))[0]
+    proxy = await TcpForwarder.start()
+    writer = start_replica_process(tmp_path, redis, [engine], lease_s=1, engines_through=proxy)
+    reader: Fleet | None = None
+    try:
+
+        async def writer_holds_the_lease() -> bool:
+            return None not in await lease_holders(redis, [engine])
+
+        await eventually(writer_holds_the_lease, 60, "the replica process to take the lease")
+        reader = await make_fleet(
+            engines=[engine], index={"backend": redis.url, "writer_lease_s": 1.0}
+        )
+        await serve(reader, 0)
+        await index_exact(reader, [engine])
+        assert not follows(reader, engine)
+        assert proxy.tunnels > 0  # the writer reaches the engine through the proxy
+
+        await proxy.cut()
+        await serve(reader, 1)
+        await index_exact(reader, [engine])  # prompt 1's blocks are indexed
+        assert follows(reader, engine)
+        own = reader.app.controller.fleet.lease_holder.encode()
+        assert await lease_holders(redis, [engine]) == [own]
+    finally:
+        await proxy.cut()
+        await stop_all(writer, reader, [engine])
 
 
 class PausableIndex:

@@ -39,6 +39,7 @@ from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
 from tests.polling import eventually
+from tests.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.timeout(120)
 KVPLANE = [str(Path(sys.executable).parent / "kvplane")]
@@ -78,6 +79,7 @@ class Replica:
         *,
         lease_s: float | None = None,
         replica_name: str | None = None,
+        through: tuple[TcpForwarder, TcpForwarder] | None = None,
     ) -> None:
         self.name = name
         self.port = _free_port()
@@ -87,11 +89,15 @@ class Replica:
         named = f"replica_name: {replica_name}\n" if replica_name else ""
         if lease_s is not None:
             named += f"writer_lease_s: {lease_s}\n"
+        # The publisher's endpoints, or forwarders to them (`through`: publisher, replay).
+        endpoint, replay = (publisher.endpoint, publisher.replay_endpoint)
+        if through is not None:
+            endpoint, replay = (through[0].endpoint, through[1].endpoint)
         self.config.write_text(
             f"listen: 127.0.0.1:{self.port}\nmetrics_listen: 127.0.0.1:{self.metrics_port}\n"
             f"backend: {redis.url}\n{named}"
             f"sources:\n  - {{kind: zmq, worker_id: {WORKER}, worker_address: 10.0.0.1:8000, "
-            f"endpoint: '{publisher.endpoint}', replay_endpoint: '{publisher.replay_endpoint}', "
+            f"endpoint: '{endpoint}', replay_endpoint: '{replay}', "
             "topic: 'kv@', heartbeat_interval_s: 0.2, heartbeat_timeout_s: 1.0}\n"
         )
         self.process: subprocess.Popen[bytes] | None = None
@@ -271,17 +277,26 @@ async def test_a_replica_killed_and_restarted_beside_the_holder_keeps_the_index(
     assert 9 in await worker_keys(setup.shared, WORKER)
 
 
-async def test_the_other_replica_takes_a_killed_holders_engine_over_from_the_replay(
-    setup: Setup,
-) -> None:
-    setup.publisher.buffer_steps = None  # a takeover rebuilds from the whole replay
-    first = setup.replica("first", lease_s=2.0)
+async def writer_and_reader(
+    setup: Setup, lease_s: float, through: tuple[TcpForwarder, TcpForwarder] | None = None
+) -> tuple[Replica, Replica]:
+    """Two replicas, the first (reaching the publisher `through` forwarders, if given)
+    holding the engine's lease and the second not, with four batches indexed."""
+    first = setup.replica("first", lease_s=lease_s, through=through)
     await first.wait_followed(1)
-    second = setup.replica("second", lease_s=2.0)
+    second = setup.replica("second", lease_s=lease_s)
     await second.wait_followed(0)
     for block in range(4):
         await setup.publish(_stored(100 + block))
     await setup.index_exact("with the first replica writing")
+    return first, second
+
+
+async def test_the_other_replica_takes_a_killed_holders_engine_over_from_the_replay(
+    setup: Setup,
+) -> None:
+    setup.publisher.buffer_steps = None  # a takeover rebuilds from the whole replay
+    first, second = await writer_and_reader(setup, 2.0)
 
     first.kill()  # for good: its lease expires
     await setup.publish(_stored(300), _removed(100))  # written by nobody until the takeover
@@ -292,6 +307,34 @@ async def test_the_other_replica_takes_a_killed_holders_engine_over_from_the_rep
     await setup.publish(_stored(500))
     await setup.index_exact("after the publisher restarted")
     assert await worker_keys(setup.reference, WORKER) == {500}
+
+
+async def test_a_holder_cut_off_from_the_publisher_hands_the_engine_to_a_replica_that_reaches_it(
+    setup: Setup,
+) -> None:
+    """The holder reaches the publisher through TCP forwarders, the other replica directly.
+    The forwarders stop (a partition between the holder and the engine; both still reach
+    Redis): after a lease term without the publisher, the holder gives the lease up, the other
+    replica takes the engine over from the replay, and what was published meanwhile is
+    indexed (before, the holder kept the lease and nothing was)."""
+    setup.publisher.buffer_steps = None  # a takeover rebuilds from the whole replay
+    through = (
+        await TcpForwarder.start(setup.publisher.endpoint),
+        await TcpForwarder.start(setup.publisher.replay_endpoint),
+    )
+    try:
+        first, second = await writer_and_reader(setup, 1.0, through)
+        assert through[0].tunnels > 0  # the first reaches the publisher through them
+
+        for forwarder in through:
+            await forwarder.cut()
+        await setup.publish(_stored(300), _removed(100))
+        await second.wait_followed(1)
+        await setup.index_exact("after the replica that reaches the publisher took over")
+        assert first.followed() == 0
+    finally:
+        for forwarder in through:
+            await forwarder.cut()
 
 
 async def test_a_holder_restarted_under_its_replica_name_takes_its_lease_back_at_once(

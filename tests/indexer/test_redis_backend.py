@@ -420,6 +420,35 @@ async def test_cleared_and_removed_placements_are_swept(redis_server: RedisServe
         await backend.close()
 
 
+async def test_a_closed_process_leaves_no_write_mark_behind(redis_server: RedisServer) -> None:
+    """Each process writing to a partition keeps a mark of its latest write in the meta hash
+    (check_boot): closed, it deletes its own, so processes started and stopped one after
+    another (restarts, rolling upgrades) do not grow the hash by one field each; a process
+    still running keeps its mark."""
+    redis_server.flushall()
+    client = redis_server.client()
+
+    def marks() -> list[bytes]:
+        return [
+            f for k in client.scan_iter(match="*:m") for f in client.hkeys(k) if f[:3] == b"lw:"
+        ]
+
+    running = await open_redis_backend(redis_server.url, buckets=8)
+    try:
+        await running.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (1,)),), "a"))
+        for n in range(3):
+            backend = await open_redis_backend(redis_server.url, buckets=8)
+            await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (n + 2,)),), "b"))
+            assert len(marks()) == 2
+            await backend.close()
+            assert len(marks()) == 1
+        await running.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (9,)),), "a"))
+        assert len(marks()) == 1
+    finally:
+        await running.close()
+    assert marks() == []
+
+
 @pytest.mark.timeout(60)
 async def test_concurrent_applies_keep_their_order(redis_server: RedisServer) -> None:
     """Batches applied concurrently share calls (group commit) yet apply in submission order."""
