@@ -68,6 +68,7 @@ async def redis_figures(url: str, *, quick: bool = False) -> dict[str, Any]:
     run = secrets.token_hex(4)
     bulk = await open_redis_backend(url, key_prefix="kvplane-bench", model=f"bulk-{run}")
     shared = await open_redis_backend(url, key_prefix="kvplane-bench", model=f"shared-{run}")
+    fenced = await open_redis_backend(url, key_prefix="kvplane-bench", model=f"fenced-{run}")
     try:
         # 1M blocks as 64-block chains round-robin over 16 workers, one placement each.
         before = await bulk.used_memory_bytes()
@@ -79,6 +80,16 @@ async def redis_figures(url: str, *, quick: bool = False) -> dict[str, Any]:
         await bulk.sweep()
         after = await bulk.used_memory_bytes()
         placements = (await bulk.stats()).num_placements
+
+        # The same batches written as a controller's sources write them: each worker's under
+        # its writer lease, checked inside Redis with every apply (`fence_writes`).
+        holder = f"bench/{run}"
+        fenced.fence_writes(holder, lambda worker_id: worker_id)
+        for worker in range(NUM_WORKERS):
+            await fenced.hold_lease(f"w{worker}", holder, 3600.0)
+        fenced_events_s = await _apply_all(
+            fenced, [batch._replace(under_lease=True) for batch in batches]
+        )
 
         # Query chains held by all 16 workers, worker w holding the first 64 - 2w blocks.
         chains = [_chain(10**9 + c) for c in range(num_query_chains)]
@@ -99,6 +110,8 @@ async def redis_figures(url: str, *, quick: bool = False) -> dict[str, Any]:
         return {
             "apply_block_events_s": round(apply_events_s),
             "apply_block_events_s_shared_blocks": round(shared_events_s),
+            # The same applies, each fenced by its worker's writer lease (a controller's).
+            "apply_block_events_s_under_lease": round(fenced_events_s),
             "apply_in_flight": IN_FLIGHT,
             # Block events per second of Redis's own time in kvp_apply (INFO commandstats).
             "apply_server_block_events_s": round(
@@ -114,7 +127,7 @@ async def redis_figures(url: str, *, quick: bool = False) -> dict[str, Any]:
             "memory_placements": placements,
         }
     finally:
-        for backend in (bulk, shared):
+        for backend in (bulk, shared, fenced):
             await backend.drop_partition()
             await backend.close()
 
@@ -122,7 +135,8 @@ async def redis_figures(url: str, *, quick: bool = False) -> dict[str, Any]:
 def render_redis(figures: dict[str, Any]) -> str:
     return (
         "redis: apply {apply_block_events_s:,} block events/s ({apply_in_flight} in flight; "
-        "{apply_server_block_events_s:,}/s of Redis time); "
+        "{apply_server_block_events_s:,}/s of Redis time; "
+        "{apply_block_events_s_under_lease:,}/s fenced by writer leases); "
         "prefix (64 blocks, 16 workers) p50 {prefix_p50_ms} ms, p99 {prefix_p99_ms} ms "
         "(in Redis: mean {prefix_server_mean_ms} ms); "
         "{memory_bytes_per_placement} bytes per placement (INFO memory, "
