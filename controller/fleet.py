@@ -559,7 +559,9 @@ class Fleet:
         lease = engine.lease
         if engine.followed is not None and lease is not None and not lease.held:
             if lease.held_elsewhere:
-                reason = "another controller replica holds its writer lease"
+                # The lease says nothing of its holder's kind: a `kvplane indexer` following
+                # the engine into the same partition takes the same lease as a controller.
+                reason = "another replica (controller or kvplane indexer) holds its writer lease"
                 return EventFollowing(FollowingState.OTHER_REPLICA, reason, None, last_s)
             reason = "taking its writer lease on the shared index"
             return EventFollowing(FollowingState.CONNECTING, reason, None, last_s)

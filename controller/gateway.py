@@ -1225,13 +1225,15 @@ def _degraded_by(
 def _check_message(record: EngineRecord) -> str:
     """An engine's check message: its last error, after its cordon and, where HealthState has
     no word for its state (NOT_READY stands for unknown, unreachable, failing, incompatible),
-    the state itself: an operator tells a dead engine from one answering with errors."""
-    head = "cordoned " if record.cordoned else ""
+    the state itself: an operator tells a dead engine from one answering with errors. The
+    cordon is its own part ("cordoned; unreachable: ..."): it is the operator's doing, the
+    rest the engine's."""
+    detail = record.last_error
     if record.state is not EngineState.NOT_READY and _HEALTH_PB[record.state] == (
         pb.HEALTH_STATE_NOT_READY
     ):
-        head += record.state.value + (": " if record.last_error else "")
-    return head + record.last_error
+        detail = record.state.value + (f": {detail}" if detail else "")
+    return "; ".join(part for part in ("cordoned" if record.cordoned else "", detail) if part)
 
 
 def _drain_state(state: pb.DrainState.ValueType, in_flight: int) -> pb.DrainResponse:

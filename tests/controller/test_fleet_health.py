@@ -69,6 +69,27 @@ async def fleet_health(fleet: Fleet) -> tuple[int, dict[str, tuple[int, str]]]:
     return reply.state, {c.name: (c.state, c.message) for c in reply.checks}
 
 
+async def test_a_cordoned_engines_health_check_says_cordoned_then_why_it_is_down() -> None:
+    """`kvplane admin health` of a cordoned engine: "cordoned" alone while it is up (it was
+    "cordoned " with a trailing space), "cordoned; unreachable: UNAVAILABLE: ..." once its
+    process is gone (it ran the two together: "cordoned unreachable: ...")."""
+    engines = [await start_sim_engine(f"c{i}") for i in range(2)]
+    fleet = await make_fleet(engines=engines)
+    c0 = f"127.0.0.1:{engines[0].port}"
+    try:
+        await fleet.admin.Cordon(apb.EngineRef(engine=c0))
+        state, checks = await fleet_health(fleet)
+        assert state == pb.HEALTH_STATE_DEGRADED
+        assert checks[f"engine:{c0}"] == (pb.HEALTH_STATE_READY, "cordoned")
+
+        await engines[0].close()
+        await wait_state(fleet, c0, EngineState.UNREACHABLE)
+        message = (await fleet_health(fleet))[1][f"engine:{c0}"][1]
+        assert message.startswith("cordoned; unreachable: UNAVAILABLE: "), message
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_engines_saying_not_ready_or_draining_leave_routing_until_ready_again() -> None:
     """h0 says NOT_READY (scripted); e1, a real sim engine, is drained by another client
     straight at the engine (not through the controller), so the controller learns it only

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -23,6 +25,7 @@ from tests.controller.test_admin_cli import cli
 from tests.controller.test_admin_cli_membership import cli_json
 from tests.controller.test_controller_replicas import close_replica, shared_index, small_engines
 from tests.controller.test_fleet_events import RankedZmqEngine, sample, scrape, zmq_fleet
+from tests.controller.test_processes import indexer_process
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
@@ -171,10 +174,36 @@ async def test_an_engine_followed_by_another_replica_says_so(redis: RedisServer)
     try:
         await wait_kv_events(a, address, "following")
         row = await wait_kv_events(b, address, "other_replica")
-        assert "another controller replica" in row["kv_events_reason"]
+        assert "another replica" in row["kv_events_reason"]
         await close_replica(a)
         await wait_kv_events(b, address, "following")
     finally:
         await close_replica(b)
         for engine in a.engines:
             await engine.close()
+
+
+async def test_an_engine_followed_by_an_indexer_on_the_same_redis_says_so(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], redis: RedisServer
+) -> None:
+    """A `kvplane indexer serve` process following the engine into the controller's Redis
+    partition holds the engine's writer lease: the controller shows `other_replica`, and its
+    reason names the indexer as a possible holder (it used to say a controller replica held
+    it, sending the operator to look for one that did not exist)."""
+    engine = (await small_engines(1))[0]
+    address = f"127.0.0.1:{engine.port}"
+    await indexer_process(tmp_path, [address], processes, backend=redis.url)
+    lease, client = f"kvplane:{{default:0}}:l:{address}", redis.client()
+
+    def held_by_the_indexer() -> bool:
+        holder = client.get(lease)
+        return isinstance(holder, bytes) and b"/indexer-" in holder
+
+    await eventually(held_by_the_indexer, WAIT_S, "the indexer holding the writer lease")
+    client.close()
+    fleet = await make_fleet(engines=[engine], index=shared_index(redis))
+    try:
+        row = await wait_kv_events(fleet, address, "other_replica")
+        assert "kvplane indexer" in row["kv_events_reason"], row["kv_events_reason"]
+    finally:
+        await close_fleet(fleet)

@@ -128,12 +128,14 @@ async def indexer_process(
     engines: list[str],
     processes: list[subprocess.Popen[bytes]],
     listen: str = "127.0.0.1:0",
+    backend: str = "memory",
 ) -> str:
-    """A `kvplane indexer serve` process following `engines` (OpenEngine sources), listening
-    on `listen` (a fixed port: one started again where the last one was); its address."""
+    """A `kvplane indexer serve` process following `engines` (OpenEngine sources) into
+    `backend`, listening on `listen` (a fixed port: one started again where the last one
+    was); its address."""
     config = tmp_path / "indexer.yaml"
     config.write_text(
-        f"listen: {listen}\nblock_size: 16\nsources:\n"
+        f"listen: {listen}\nbackend: {backend}\nblock_size: 16\nsources:\n"
         + "".join(f"  - {{kind: openengine, target: '{a}', hash: canonical}}\n" for a in engines)
     )
     port_file = tmp_path / "indexer.port"
