@@ -3,7 +3,8 @@ time), routing decisions by policy and reason, predicted vs engine-reported cach
 size, whether each engine's KV events reach the index now, KV-event lag (per engine: the
 controller's wall clock when a batch is in the index minus the engine's timestamp on it; engine
 and controller clocks must agree), what each engine's KV-event source went through (resyncs,
-gaps, reconnects), and gateway latency."""
+gaps, reconnects), gateway latency, and with `router.replica_sync` whether this replica hears
+its peers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from controller.event_following import EventFollowing
 from controller.registry import EngineRecord, EngineState, Registry
+from controller.replica_sync import ReplicaSync
 from indexer.sources.zmq import SourceCounters
 
 # An engine's KV-event source counters, by engine address (None: it has no source now).
@@ -142,6 +144,37 @@ class _EngineCollector:
         yield from families.values()
 
 
+class _ReplicaSyncCollector:
+    """With `router.replica_sync`: whether this replica is on its peers' channel, how many
+    peers it hears and how many of their requests it accounts, and the peers' messages found
+    missing (each answered by a snapshot), read at scrape time. Replicas that do not hear
+    each other route as if alone (each sees only its own requests in flight)."""
+
+    def __init__(self, sync: ReplicaSync) -> None:
+        self._sync = sync
+
+    def collect(self) -> Iterator[Any]:
+        sync = self._sync
+        gauges = (
+            ("kvplane_controller_replica_sync_subscribed",
+             "1 while this replica is subscribed to its peers' channel on Redis",
+             float(sync.subscribed)),
+            ("kvplane_controller_replica_peers",
+             "Peer replicas heard from within router.replica_timeout_s",
+             float(len(sync.protocol.heard))),
+            ("kvplane_controller_replica_peer_requests",
+             "Peer replicas' requests in flight, accounted in this replica's router",
+             float(sum(sync.peers.num_requests(o) for o in sync.peers.origins))),
+        )  # fmt: skip
+        for name, documentation, value in gauges:
+            yield GaugeMetricFamily(name, documentation, value=value)
+        yield CounterMetricFamily(
+            "kvplane_controller_replica_sync_gaps",
+            "Peers' messages found missing (each answered by a snapshot)",
+            value=sync.num_gaps,
+        )
+
+
 class ControllerMetrics:
     def __init__(
         self,
@@ -243,6 +276,10 @@ class ControllerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def watch_replica_sync(self, sync: ReplicaSync) -> None:
+        """Export the replica sync's state (`_ReplicaSyncCollector`) from now on."""
+        self.registry.register(_ReplicaSyncCollector(sync))
 
     def record_cache_prediction(self, predicted: int, reported: int) -> None:
         """The router predicted `predicted` cached prompt tokens; the engine reported

@@ -85,6 +85,7 @@ class ReplicaSync:
         self.protocol = ReplicaProtocol(router, instance_id, resend_after_s=heartbeat_s)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self.subscribed = False  # on the channel now (its hello published)
 
     @property
     def peers(self) -> PeerRoutes:
@@ -154,6 +155,7 @@ class ReplicaSync:
             try:
                 await pubsub.subscribe(self.channel)
                 await self._publish(self.protocol.message("hello"))
+                self.subscribed = True
                 wait_s = _RETRY_S[0]
                 if lost:
                     log.info("replica sync: back on the channel %s", self.channel)
@@ -167,6 +169,7 @@ class ReplicaSync:
                         for reply in self.protocol.receive(message["data"], self.clock()):
                             await self._publish(reply)
             except (RedisError, OSError) as exc:
+                self.subscribed = False
                 if not lost:
                     log.warning(
                         "replica sync: lost the channel %s (%s); routing on this replica's "

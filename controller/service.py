@@ -145,6 +145,7 @@ class Controller:
         if self.config.router.replica_sync:
             self.replica_sync = open_replica_sync(self.config, self.router, self.instance_id)
             await self.replica_sync.start()
+            self.metrics.watch_replica_sync(self.replica_sync)
         self._stats_task = asyncio.create_task(self._refresh_index_stats(), name="index stats")
 
     async def close(self) -> None:

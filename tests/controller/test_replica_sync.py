@@ -25,6 +25,8 @@ from polling import eventually
 from redis_servers import RedisClusterNodes, RedisServer
 
 from controller.config import ControllerConfig
+from controller.metrics import ControllerMetrics
+from controller.registry import Registry
 from controller.replay import ReplaySettings, replay
 from controller.replica_sync import CHANNEL, ReplicaSync
 from controller.router import Candidate, Decision, Reason, Router, RouteRequest, make_policy
@@ -270,6 +272,40 @@ async def test_a_redis_restart_loses_nothing_for_long(
         lambda: sum("back on the channel" in r.getMessage() for r in caplog.records) == 2,
         WAIT_S,
         "both replicas back",
+    )
+
+
+async def test_metrics_say_whether_a_replica_hears_its_peers(
+    redis: RedisServer, replicas: _Replicas
+) -> None:
+    """What an operator reads on /metrics: b is on the channel, hears a and accounts its
+    request; while Redis is down b is off the channel and hears nobody; back after it."""
+    a = await replicas.start("a")
+    b = await replicas.start("b")
+    metrics = ControllerMetrics(Registry())
+    metrics.watch_replica_sync(b)
+
+    def sample(name: str) -> float | None:
+        return metrics.registry.get_sample_value(name)
+
+    await eventually(lambda: _ready(a, b), WAIT_S, "peers")
+    engine = _route(a.router, "r1")
+    await eventually(lambda: _requests(b.router) == {engine: (1, 1)}, WAIT_S, "the peer's request")
+    assert sample("kvplane_controller_replica_sync_subscribed") == 1
+    assert sample("kvplane_controller_replica_peers") == 1
+    assert sample("kvplane_controller_replica_peer_requests") == 1
+    assert sample("kvplane_controller_replica_sync_gaps_total") == 0
+    redis.kill()
+    await eventually(
+        lambda: sample("kvplane_controller_replica_sync_subscribed") == 0, WAIT_S, "off"
+    )
+    assert sample("kvplane_controller_replica_peers") == 0
+    assert sample("kvplane_controller_replica_peer_requests") == 0
+    redis.start()
+    await eventually(lambda: sample("kvplane_controller_replica_peers") == 1, WAIT_S, "back")
+    assert sample("kvplane_controller_replica_sync_subscribed") == 1
+    await eventually(
+        lambda: sample("kvplane_controller_replica_peer_requests") == 1, WAIT_S, "the snapshot"
     )
 
 
