@@ -120,7 +120,9 @@ class AdminServicer(apb_grpc.AdminServicer):
             record = await self.controller.membership.remove(request.engine)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
-        return self.worker_info(record, {})
+        info = self.worker_info(record, {})
+        info.routable = False  # (its record, as it was when it left the fleet)
+        return info
 
     async def _cordon(self, request: apb.EngineRef, context: Context, on: bool) -> apb.WorkerInfo:
         try:

@@ -54,6 +54,7 @@ async def test_an_engine_registered_by_hand_is_routed_to_until_removed(fleet: Fl
         assert _workers(await cli_json("workers", *t))[address]["kv_events"] == "none"
         gone = await cli_json("remove", address, *t)
         assert (gone["instance_id"], gone["address"]) == ("e3", address)
+        assert not gone.get("routable") and gone["kv_events_state"] == "not_followed"
         assert address not in _workers(await cli_json("workers", *t))
     finally:
         await extra.close()
