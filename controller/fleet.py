@@ -876,7 +876,7 @@ class Fleet:
             self.registry.on_new_instance(engine.address)
             restarted = True
         is_new = self.registry.on_identity(engine.address, identity, self._clock(), restarted)
-        self.registry.on_loras(engine.address, _names(adapters))
+        self.registry.on_loras(engine.address, _names(adapters), self._lora_conflicts(adapters))
         if is_new:
             await self._take_in_loras(engine.address, adapters)
             engine.events_pending = True
@@ -894,8 +894,8 @@ class Fleet:
         that a restarted controller learns the fleet's adapters back from its engines (it
         keeps nothing of its own). An adapter held under a name the intent knows with
         another id or path is not taken in: the known one stays the fleet's, and requests
-        naming it may still reach this engine (it holds the name) until it is unloaded
-        there, hence a warning."""
+        naming it are not routed to this engine (`EngineRecord.lora_conflicts`) until it is
+        unloaded there, hence a warning."""
         fleet = [r.address for r in self.registry.records()]
         if not adapters:  # nothing to take in: no need to wait for a LoRA call in progress
             self.lora_intent.found_on(address, adapters, fleet)
@@ -904,8 +904,14 @@ class Fleet:
             conflicts = self.lora_intent.found_on(address, adapters, fleet)
         for found, known in conflicts:
             log.warning("engine %s holds LoRA adapter %s, which conflicts with %s the fleet "
-                        "holds: one name is one adapter across the fleet; unload it there "
-                        "(lora unload --engine)", address, found, known)  # fmt: skip
+                        "holds: one name is one adapter across the fleet; requests naming it "
+                        "are not routed there until it is unloaded there (lora unload "
+                        "--engine)", address, found, known)  # fmt: skip
+
+    def _lora_conflicts(self, adapters: Sequence[LoraSpec] | None) -> frozenset[str]:
+        """The names of `adapters` held with another id or path than the adapter the fleet
+        knows under that name: requests naming it are not routed to their engine."""
+        return frozenset(a.lora_name for a in adapters or () if self.lora_intent.conflict(a))
 
     def _missing_loras(self, address: str) -> list[LoraSpec]:
         """The adapters the fleet's intent wants on the engine that it does not hold (none
@@ -916,7 +922,7 @@ class Fleet:
         return [
             spec
             for spec in self.lora_intent.wanted_on(address)
-            if not record.holds_lora(spec.lora_name)
+            if spec.lora_name not in record.lora_adapters  # (a conflicting copy: not loadable)
         ]
 
     async def _restore_loras(self, engine: _Engine) -> None:
@@ -982,7 +988,7 @@ class Fleet:
         except grpc.aio.AioRpcError as exc:
             log.info("engine %s: LoRA adapters not read again: %s", address, exc.code().name)
             return
-        self.registry.on_loras(address, _names(adapters))
+        self.registry.on_loras(address, _names(adapters), self._lora_conflicts(adapters))
 
     async def _list_loras(
         self, engine: _Engine, identity: EngineIdentity

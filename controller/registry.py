@@ -329,6 +329,10 @@ class EngineRecord:
     # The LoRA adapters (names) the engine holds; None: it serves no LoRA (says
     # `supports_lora: false` or refuses ListLoras), or is not known yet.
     lora_adapters: frozenset[str] | None = None
+    # Of those, the names it holds with another id or path than the adapter the fleet knows
+    # under that name (`LoraIntent.conflict`): a request naming one is never sent there, it
+    # would run other weights, until it is unloaded there.
+    lora_conflicts: frozenset[str] = frozenset()
     # Outlier ejection: requests failed in a row, ejections in a row (each doubles the next),
     # until when the current one keeps it out of routing, and why (its `last_error` then).
     request_failures: int = 0
@@ -346,7 +350,12 @@ class EngineRecord:
         return self.state in ROUTABLE_STATES and not self.cordoned and self.identity is not None
 
     def holds_lora(self, lora_name: str) -> bool:
-        return self.lora_adapters is not None and lora_name in self.lora_adapters
+        """Whether the engine holds the fleet's adapter `lora_name` (not a conflicting one)."""
+        return (
+            self.lora_adapters is not None
+            and lora_name in self.lora_adapters
+            and lora_name not in self.lora_conflicts
+        )
 
 
 def _reject(record: EngineRecord, error: str) -> None:
@@ -678,11 +687,18 @@ class Registry:
             record.state = EngineState.UNKNOWN
             record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
 
-    def on_loras(self, address: str, adapters: frozenset[str] | None) -> None:
-        """Record every adapter the engine holds (ListLoras; None: it serves no LoRA)."""
+    def on_loras(
+        self,
+        address: str,
+        adapters: frozenset[str] | None,
+        conflicts: frozenset[str] = frozenset(),
+    ) -> None:
+        """Record every adapter the engine holds (ListLoras; None: it serves no LoRA), and
+        those of them that conflict with the fleet's (`lora_conflicts`)."""
         record = self._by_address.get(address)
         if record is not None:
             record.lora_adapters = adapters
+            record.lora_conflicts = conflicts
 
     def on_lora_loaded(self, address: str, lora_name: str) -> None:
         record = self._by_address.get(address)
@@ -693,6 +709,7 @@ class Registry:
         record = self._by_address.get(address)
         if record is not None and record.lora_adapters is not None:
             record.lora_adapters = record.lora_adapters - {lora_name}
+            record.lora_conflicts = record.lora_conflicts - {lora_name}
 
     def mark_incompatible(self, address: str, error: str) -> None:
         record = self._by_address.get(address)

@@ -129,7 +129,8 @@ async def test_a_restarted_controller_takes_the_fleets_adapters_back_from_its_en
     """What a controller killed had loaded: x on every engine, y on e1, w on e0. A new
     controller (a fresh one in front of the same engines) learns it from them: e1 restarted
     gets x and y back; e2, registered holding x and another adapter under w's name, is warned
-    about (e0's w, known first, stays the fleet's) and, restarted, gets x alone; e3
+    about (e0's w, known first, stays the fleet's), takes no request naming w, and,
+    restarted, gets x alone; e3
     registered empty gets x alone (the fleet's, held by every engine the controller knew);
     loading w from a third directory is ALREADY_EXISTS."""
     caplog.set_level(logging.WARNING, logger="controller.fleet")
@@ -155,6 +156,14 @@ async def test_a_restarted_controller_takes_the_fleets_adapters_back_from_its_en
             f"with 'w' (id 3, {w.source_path})" in m
             for m in warned
         ), warned
+        # e2's w is not the fleet's: a request naming w never runs there (e0 cordoned, no
+        # engine takes it), and runs on e0 once it is back.
+        e0 = fleet.address(engines[0])
+        await fleet.admin.Cordon(apb.EngineRef(engine=e0))
+        refused = await generate(fleet, "w-not-on-e2", "w")
+        assert refused.startswith("UNAVAILABLE") and "take no traffic now" in refused, refused
+        await fleet.admin.Uncordon(apb.EngineRef(engine=e0))
+        assert await generate(fleet, "w-on-e0", "w") == "finished"
         restarted = await fleet.restart_engine(e2, "e2-again", lora=LORA)
         only_x = {"x": x.source_path}
         await eventually(lambda: restored(fleet, restarted, only_x), 15, "x restored on e2")
