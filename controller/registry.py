@@ -395,12 +395,21 @@ class Registry:
         self.ejection = ejection
         self.own_instance_id = own_instance_id
         self._by_address: dict[str, EngineRecord] = {}
+        # The records by address, sorted again only when an engine joins or leaves: every
+        # routed request reads them in this order (`routable`), and at hundreds of engines
+        # sorting them for each request cost more than the rest of the scan.
+        self._in_order: list[EngineRecord] | None = None
 
     def __len__(self) -> int:
         return len(self._by_address)
 
     def records(self) -> list[EngineRecord]:
-        return sorted(self._by_address.values(), key=lambda r: r.address)
+        return list(self._ordered())
+
+    def _ordered(self) -> list[EngineRecord]:
+        if self._in_order is None:
+            self._in_order = sorted(self._by_address.values(), key=lambda r: r.address)
+        return self._in_order
 
     def fronted_controller_ids(self) -> frozenset[str]:
         """The controllers this one fronts: its engines that are controllers and, in turn,
@@ -426,11 +435,13 @@ class Registry:
             raise DuplicateEngineError(f"engine {address} is already registered")
         record = EngineRecord(address, kv_events=kv_events, source=source, array_tail=array_tail)
         self._by_address[address] = record
+        self._in_order = None
         return record
 
     def remove(self, key: str) -> EngineRecord:
         record = self.get(key)
         del self._by_address[record.address]
+        self._in_order = None
         return record
 
     def get(self, key: str) -> EngineRecord:
@@ -471,8 +482,25 @@ class Registry:
         LoRA adapter `lora_name` when one is named; with `cordoned`, also those that would
         but for a cordon (admin `match`: what an operator checks before uncordoning); with
         `generating`, only those that generate (a Generate: not pooling-only engines)."""
-        out = []
-        for record in self.records():
+        return list(self._routable(model, role, lora_name, cordoned, generating))
+
+    def any_routable(
+        self, model: str | None = None, role: Role | None = None, *, generating: bool = False
+    ) -> bool:
+        """Whether `routable` would name any engine: it stops at the first, where a fleet of
+        hundreds would otherwise be scanned whole at every request just to learn that."""
+        return next(self._routable(model, role, "", False, generating), None) is not None
+
+    def _routable(
+        self,
+        model: str | None,
+        role: Role | None,
+        lora_name: str,
+        cordoned: bool,
+        generating: bool,
+    ) -> Iterator[EngineRecord]:
+        """The engines `routable` lists, by address."""
+        for record in self._ordered():
             # `record.routable`, with a cordon allowed when asked
             if record.state not in ROUTABLE_STATES or record.identity is None:
                 continue
@@ -486,8 +514,7 @@ class Registry:
                 continue
             if lora_name and not record.holds_lora(lora_name):
                 continue
-            out.append(record)
-        return out
+            yield record
 
     def may_serve(self, model: str) -> bool:
         """Whether an engine serves `model` whatever its health, or may: one not reached yet,

@@ -277,9 +277,9 @@ class Controller:
         """Whether requests for `model` take the prefill -> decode path: no aggregated engine
         can take them and a decode engine can (plan those with `role=None`)."""
         registry = self.fleet.registry
-        return not registry.routable(model or None, Role.AGGREGATED, generating=True) and bool(
-            registry.routable(model or None, Role.DECODE, generating=True)
-        )
+        return not registry.any_routable(
+            model or None, Role.AGGREGATED, generating=True
+        ) and registry.any_routable(model or None, Role.DECODE, generating=True)
 
     def check_disaggregated_lora(self, plan: Plan) -> None:
         """Raise the LoraRoutingError of a request naming a LoRA adapter that no routable

@@ -87,6 +87,26 @@ class Candidate(NamedTuple):
     # `InFlight.active_blocks`); None unless the policy counts active blocks.
     active_overlap_blocks: int | None = None
 
+    def as_routed(
+        self, hit: PrefixHit, inflight: InFlight, active_overlap_blocks: int | None
+    ) -> Candidate:
+        """This candidate with the router's own knowledge (`Router.with_inflight`): what
+        `_replace` of those three fields gives, spelled out, since the router makes one per
+        engine for every request and `_replace` (generic, by keyword) cost about as much as
+        the rest of that scan at hundreds of engines. Unpacking `self` fails loudly if a field
+        is added here and not below."""
+        engine_id, _, load, _, total_kv_blocks, block_size, cached_blocks, _ = self
+        return Candidate(
+            engine_id,
+            hit,
+            load,
+            inflight,
+            total_kv_blocks,
+            block_size,
+            cached_blocks,
+            active_overlap_blocks,
+        )
+
     @property
     def active_requests(self) -> int:
         """Requests on the engine: the larger of the polled count and the router's own (the
@@ -170,9 +190,12 @@ class RouteRequest(NamedTuple):
             return 0
         return min(len(self.block_keys), (self.num_prompt_tokens - 1) // self.block_size)
 
-    def cached_tokens(self, hit: PrefixHit) -> tuple[int, int]:
-        """(device, host) prompt tokens an engine with `hit` serves from cache."""
-        limit = self.max_cacheable_blocks
+    def cached_tokens(self, hit: PrefixHit, limit: int | None = None) -> tuple[int, int]:
+        """(device, host) prompt tokens an engine with `hit` serves from cache. `limit`:
+        `max_cacheable_blocks`, read once by a caller that asks for every engine of a fleet
+        (a property that computes: at hundreds of engines, reading it for each one showed)."""
+        if limit is None:
+            limit = self.max_cacheable_blocks
         device = min(hit.device_blocks, limit)
         host = min(hit.host_blocks, limit - device)
         return device * self.block_size, host * self.block_size

@@ -69,8 +69,9 @@ class _Stateless:
 def blind_costs(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple[EngineCost, ...]:
     """Cost rows for cache-blind policies: the cache each engine would have served, no total."""
     rows = []
+    cacheable = request.max_cacheable_blocks
     for c in candidates:
-        device, host = request.cached_tokens(c.hit)
+        device, host = request.cached_tokens(c.hit, cacheable)
         rows.append(
             EngineCost(
                 engine_id=c.engine_id,
@@ -286,8 +287,9 @@ class KvplanePolicy(_Stateless):
             overlap = max(overlap, w.backlog_overlap_weight)
         memory_weight = 0.0 if backlogged else w.memory_weight
         rows = []
+        cacheable = request.max_cacheable_blocks
         for c, waiting in zip(candidates, queues, strict=True):
-            device, host = request.cached_tokens(c.hit)
+            device, host = request.cached_tokens(c.hit, cacheable)
             uncached = request.num_prompt_tokens - device - host
             active = c.active_requests  # a property: read once
             prefill = overlap * (uncached + w.host_weight * host)

@@ -260,11 +260,7 @@ class Router:
                     # Pending blocks will be on the device once computed.
                     hit = PrefixHit(hit.device_blocks + reach - held, hit.host_blocks)
             overlap = self.inflight.active_overlap(c.engine_id, keys) if count else None
-            out.append(
-                c._replace(
-                    hit=hit, inflight=self.inflight.of(c.engine_id), active_overlap_blocks=overlap
-                )
-            )
+            out.append(c.as_routed(hit, self.inflight.of(c.engine_id), overlap))
         return out
 
     def explain(

@@ -552,3 +552,41 @@ def test_a_request_served_while_ejected_does_not_end_its_probation() -> None:
     registry.on_request_served("h:1")  # the stream it had been running
     registry.on_health("h:1", EngineState.READY, 12.0)
     assert registry.on_request_failed("h:1", 12.0, "INTERNAL: x") == 20.0
+
+
+def _ready(registry: Registry, address: str, engine: EngineIdentity) -> None:
+    registry.add(address)
+    registry.on_identity(address, engine, 0.0)
+    registry.on_health(address, EngineState.READY, 0.0)
+
+
+def test_engines_joining_and_leaving_are_listed_in_address_order_at_once() -> None:
+    """The registry keeps its records sorted between joins and leaves (routing reads them at
+    every request): each join or leave shows in the next listing."""
+    registry = Registry()
+    _ready(registry, "h:2", identity("e2"))
+    _ready(registry, "h:1", identity("e1"))
+    assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
+    _ready(registry, "h:0", identity("e0"))
+    assert [r.address for r in registry.routable()] == ["h:0", "h:1", "h:2"]
+    registry.remove("e1")
+    assert [r.address for r in registry.routable()] == ["h:0", "h:2"]
+    listed = registry.records()
+    listed.clear()  # a caller's list: the registry's own order is untouched
+    assert [r.address for r in registry.records()] == ["h:0", "h:2"]
+
+
+def test_any_routable_says_whether_routable_names_an_engine_of_the_role() -> None:
+    """A fleet of one decode engine: a request takes the disaggregated path (no aggregated
+    engine, a decode one); once the decode engine is cordoned, neither."""
+    registry = Registry()
+    _ready(registry, "h:1", dataclasses.replace(identity("d1"), role=Role.DECODE))
+    assert not registry.any_routable(None, Role.AGGREGATED, generating=True)
+    assert registry.any_routable(None, Role.DECODE, generating=True)
+    assert registry.any_routable("m", Role.DECODE)
+    assert not registry.any_routable("other", Role.DECODE)
+    registry.set_cordoned("h:1", True)
+    assert not registry.any_routable(None, Role.DECODE, generating=True)
+    _ready(registry, "h:2", identity("a2"))
+    assert registry.any_routable(None, Role.AGGREGATED, generating=True)
+    assert [r.address for r in registry.routable(None, Role.AGGREGATED)] == ["h:2"]

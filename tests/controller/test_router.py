@@ -765,3 +765,23 @@ def test_disaggregated_prefill_then_decode_or_skip() -> None:
     assert d.prefill is not None
     with pytest.raises(NoEngineAvailableError, match="no prefill engine"):
         strict.route_disaggregated(request("w", blocks=10), [], cached, rng, 0)
+
+
+def test_the_router_view_of_a_candidate_replaces_only_its_own_fields() -> None:
+    """`Candidate.as_routed` (the router's hit, in-flight count and active overlap) keeps
+    every other field of the candidate as it was."""
+    candidate = Candidate(
+        "e", PrefixHit(1, 2), LoadSnapshot(running_requests=3), InFlight(1), 10, 16, 5, None
+    )
+    routed = candidate.as_routed(PrefixHit(3, 0), InFlight(2, 1), 4)
+    assert routed == candidate._replace(
+        hit=PrefixHit(3, 0), inflight=InFlight(2, 1), active_overlap_blocks=4
+    )
+
+
+def test_cached_tokens_with_the_limit_read_once_are_the_same() -> None:
+    """A caller may read `max_cacheable_blocks` once for a whole fleet: the same answer."""
+    req = request(blocks=4, extra=0)  # 4 full blocks, the last token recomputed: 3 cacheable
+    for hit in (PrefixHit(), PrefixHit(2, 5), PrefixHit(9, 0), PrefixHit(0, 9)):
+        assert req.cached_tokens(hit, req.max_cacheable_blocks) == req.cached_tokens(hit)
+    assert req.cached_tokens(PrefixHit(2, 5)) == (2 * BS, 1 * BS)
