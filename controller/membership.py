@@ -193,10 +193,17 @@ class Membership:
                 registry.set_cordoned(record.address, cordoned)
 
     async def _write_back(self) -> None:
-        """Redis lost the hash (or nobody wrote it yet): write this replica's membership."""
+        """Redis lost the hash (or nobody wrote it yet): write this replica's membership, the
+        config engines it removed included (a config engine is out of the registry only once
+        removed: without its `x:` a replica started later would route to it again). Replicas
+        writing back at once merge their fields, each a hash set of its own."""
         records = self.fleet.registry.records()
         fields = {_REGISTERED + r.address: r.kv_events for r in records if r.source == "admin"}
         fields.update({_CORDONED + r.address: "1" for r in records if r.cordoned})
+        present = {r.address for r in records}
+        fields.update(
+            {_REMOVED + e.address: "1" for e in self._config.engines if e.address not in present}
+        )
         await self._write(fields, [])
 
 

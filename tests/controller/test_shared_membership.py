@@ -5,6 +5,8 @@ included; and a change Redis does not take is refused, changing nothing."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -122,6 +124,36 @@ async def test_a_config_engine_removed_through_one_replica_leaves_every_replica(
     finally:
         await close_replica(b)
         await close_fleet(a)
+
+
+async def test_a_config_engine_removed_stays_removed_after_redis_lost_the_membership(
+    redis: RedisServer,
+) -> None:
+    """redis-server restarted empty: a replica writes its membership back, the removal of a
+    config engine included, so a replica started later with the same config leaves it out as
+    the running one does (found by the soak, docs/soak.md: the later replica routed to the
+    removed engine and wrote its blocks into the index again)."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis))
+    address = a.address(engine)
+    client = redis.client()
+    try:
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await asyncio.to_thread(redis.kill)
+        await asyncio.to_thread(redis.start)
+        membership = "kvplane:{default:0}:fm"
+        await eventually(
+            lambda: client.hexists(membership, "v"), 20, "a to write its membership back"
+        )
+        later = await start_controller(a.app.controller.config)  # the same config
+        try:
+            assert later.controller.fleet.registry.records() == []
+        finally:
+            await later.close(0.2)
+    finally:
+        client.close()
+        await close_fleet(a)
+        await engine.close()
 
 
 async def test_a_change_redis_does_not_take_is_refused_and_changes_nothing(
