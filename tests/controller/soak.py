@@ -42,7 +42,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.redis_servers import RedisServer, free_port
+from tests.redis_servers import RedisServer, restartable_port
 
 KVPLANE = [sys.executable, "-m", "kvplane"]
 LEASE_S = 1.5
@@ -182,10 +182,12 @@ class Soak:
         self.rng = random.Random(seed)
         self.traffic_rng = random.Random(seed + 1_000_003)
         self.report = SoakReport(seed)
-        self.redis = RedisServer(workdir / "redis")
+        # Ports below the ephemeral range: a process killed and started again finds its own
+        # free (redis-server, engines and controllers restart on the ports they had).
+        self.redis = RedisServer(workdir / "redis", port=restartable_port())
         self.engines: list[Engine] = []
         for i in range(engines):
-            zmq_ports = (free_port(), free_port()) if i % 2 == 1 else None
+            zmq_ports = (restartable_port(), restartable_port()) if i % 2 == 1 else None
             self.engines.append(self._engine(f"e{i}", zmq_ports))
         self.reference = self._engine("reference", None)
         self.controllers = [self._controller(f"c{n}") for n in range(2)]
@@ -202,12 +204,12 @@ class Soak:
         return Process(name, args, self.workdir, port_file)
 
     def _engine(self, name: str, zmq_ports: tuple[int, int] | None) -> Engine:
-        port = free_port()
+        port = restartable_port()
         process = self._serve(name, "engine", _engine_config(name, port, zmq_ports))
         return Engine(process, port, zmq_ports is not None)
 
     def _controller(self, name: str) -> tuple[Process, int]:
-        port = free_port()
+        port = restartable_port()
         engines = "".join(
             f"  - {{address: {e.address}, kv_events: {'zmq' if e.zmq else 'grpc'}}}\n"
             for e in self.engines
@@ -528,7 +530,9 @@ class Soak:
                 )
                 return
             await asyncio.sleep(0.25)
-        self.report.convergence_s.append((kind, time.monotonic() - started))
+        converged_s = time.monotonic() - started
+        self.report.convergence_s.append((kind, converged_s))
+        print(f"  {what}: converged in {converged_s:.1f} s", flush=True)
         self.in_fault = False  # converged: from here on an error is a failure
         for _, port in self.controllers:  # both replicas route
             await self._one_request(f"127.0.0.1:{port}")
@@ -550,7 +554,6 @@ class Soak:
             client.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await client
-        print(f"  fault: {what}", flush=True)
         await self.settle(kind, what)
         await self.check_tokens()
 
