@@ -199,11 +199,13 @@ class _OpenEngineGenerate:
             return self.num_outputs(request)
         return 1 if event == "finished" else 0
 
-    def error_response(self, request: pb.GenerateRequest, message: str) -> pb.GenerateResponse:
+    def error_response(
+        self, request: pb.GenerateRequest, message: str, retryable: bool
+    ) -> pb.GenerateResponse:
         """A terminal EngineError of the gateway's own."""
         return pb.GenerateResponse(
             request_id=request.request_id,
-            error=pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message=message, retryable=False),
+            error=pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message=message, retryable=retryable),
         )
 
     # The handoff of a disaggregated fleet (seed: "Disaggregated serving and KV API").

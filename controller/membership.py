@@ -15,9 +15,14 @@ mode; RegisterEngine takes no `array_tail`: every replica chooses the engine's f
 GetEngineInfo name, alike), `c:<address>` a cordoned engine, `x:<address>` an engine of the
 replicas' config removed (config engines are in every replica's config; removing one through
 any replica removes it from all, a replica started later included, until it is registered
-again), and
-`v`, written with every change: a hash without it was lost by Redis (or never written), and
-the replica writes its own membership back instead of dropping what it does not find.
+again), and `v`, the hash's generation: set (to a fresh token) by whoever writes a hash Redis
+does not hold, kept by every change after. A hash without it was lost by Redis (or never
+written): the replica writes its own membership back instead of dropping what it does not
+find. A replica that finds another generation than it read last finds a hash written back
+since by another replica, which knew only its own membership: it writes its own back too (the
+fields merge) before applying the hash, so no replica takes what another did not know for a
+removal. Once every running replica has read the new generation, the hash is the union of
+their views.
 
 Without a Redis index the calls change this replica's fleet only, as they always did.
 """
@@ -28,6 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -60,6 +66,8 @@ class Membership:
         # One change at a time, the periodic read's included: a read taken before a change
         # was written must not undo it.
         self._lock = asyncio.Lock()
+        # The hash's generation (`v`) at this replica's last read; None before the first.
+        self._generation: str | None = None
         self._task: asyncio.Task[None] | None = None
         self._read_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, time.monotonic, log)
 
@@ -127,8 +135,11 @@ class Membership:
             return
         try:
             async with self._client.pipeline(transaction=True) as pipe:
-                values: dict[Any, Any] = {_MARKER: "1", **fields}  # (redis-py's own key types)
-                pipe.hset(self._key, mapping=values)
+                # A new generation only for a hash Redis does not hold (lost, or never written).
+                pipe.hsetnx(self._key, _MARKER, uuid.uuid4().hex)
+                if fields:
+                    values: dict[Any, Any] = fields  # (redis-py's own key types)
+                    pipe.hset(self._key, mapping=values)
                 if deleted:
                     pipe.hdel(self._key, *deleted)
                 await pipe.execute()
@@ -159,12 +170,20 @@ class Membership:
         """Read the shared membership and apply what differs here."""
         assert self._client is not None
         async with self._lock:
-            raw = await self._client.hgetall(self._key)
-            fields = {_text(k): _text(v) for k, v in raw.items()}
-            if _MARKER not in fields:
+            fields = await self._read()
+            generation = fields.get(_MARKER)
+            if generation is None or (
+                self._generation is not None and generation != self._generation
+            ):
                 await self._write_back()
-                return
+                fields = await self._read()
+            self._generation = fields.get(_MARKER)
             await self._apply(fields)
+
+    async def _read(self) -> dict[str, str]:
+        assert self._client is not None
+        raw = await self._client.hgetall(self._key)
+        return {_text(k): _text(v) for k, v in raw.items()}
 
     async def _apply(self, fields: dict[str, str]) -> None:
         registry = self.fleet.registry
@@ -193,10 +212,18 @@ class Membership:
                 registry.set_cordoned(record.address, cordoned)
 
     async def _write_back(self) -> None:
-        """Redis lost the hash (or nobody wrote it yet): write this replica's membership."""
+        """Redis lost the hash (or another replica wrote it back since this one's last read):
+        write this replica's membership into it, the config engines it removed included (a
+        config engine is out of the registry only once removed: without its `x:` a replica
+        started later would route to it again). Fields merge: each write-back is a hash set
+        of its own."""
         records = self.fleet.registry.records()
         fields = {_REGISTERED + r.address: r.kv_events for r in records if r.source == "admin"}
         fields.update({_CORDONED + r.address: "1" for r in records if r.cordoned})
+        present = {r.address for r in records}
+        fields.update(
+            {_REMOVED + e.address: "1" for e in self._config.engines if e.address not in present}
+        )
         await self._write(fields, [])
 
 

@@ -202,9 +202,13 @@ class Surface(Protocol[Request_contra, Response]):
         else 0."""
         ...
 
-    def error_response(self, request: Request_contra, message: str) -> Response | None:
+    def error_response(
+        self, request: Request_contra, message: str, retryable: bool
+    ) -> Response | None:
         """The terminal in-band error that ends a stream after output was relayed, or None
-        when the API has no such event (the failure then passes as a status)."""
+        when the API has no such event (the failure then passes as a status). `retryable`:
+        whether the unchanged request may succeed if the client sends it again (the seed's
+        EngineError.retryable)."""
         ...
 
 
@@ -657,7 +661,7 @@ class Relay:
             self._count("engine_error")
             message = "the prefill engine ended without handing over a KV session"
             await self.report(prefilled_on, message)  # its stream ended well, its work did not
-            ending = surface.error_response(request, message) if shown else None
+            ending = surface.error_response(request, message, False) if shown else None
             if ending is None:
                 await abort_with(context, grpc.StatusCode.INTERNAL, message)
             yield ending
@@ -990,10 +994,13 @@ class Relay:
         relayed: bool,
     ) -> Response | None:
         """How a failed hop ends the client's stream: an in-band error once the client has
-        output (from this hop or an earlier one), else None (the status passes)."""
+        output (from this hop or an earlier one), else None (the status passes). Retryable
+        when the hop failed with a status another engine may not (RETRYABLE: the engine
+        died, left, was unreachable): sent again, the request is routed anew and can succeed."""
         if not (relayed or stage.after_output):
             return None
-        return surface.error_response(request, error.details() or error.code().name)
+        retryable = error.code() in RETRYABLE
+        return surface.error_response(request, error.details() or error.code().name, retryable)
 
     async def report(self, engine: str, fault: str | None) -> None:
         """Tell the fleet how `engine` did with a request: served (`fault` None) or failed by

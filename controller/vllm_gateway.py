@@ -84,7 +84,7 @@ class _VllmGenerate:
         # FinishInfo is only in a sequence's final output (the seed's comment).
         return 1 if response.outputs.HasField("finish_info") else 0
 
-    def error_response(self, request: vpb.GenerateRequest, message: str) -> None:
+    def error_response(self, request: vpb.GenerateRequest, message: str, retryable: bool) -> None:
         """vllm.Generate has no in-band error event: a failure passes as a status."""
         return None
 

@@ -47,6 +47,20 @@ def _bindable(port: int) -> bool:
         return True
 
 
+def restartable_port() -> int:
+    """A free port below the kernel's ephemeral range (`ip_local_port_range`), for a process
+    killed and started again on the same port: a port from that range (what binding port 0
+    gives) may meanwhile be the local end of some connection, and the restart's bind fails
+    (EADDRINUSE)."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, ephemeral_low)
+        if _bindable(port):
+            return port
+    raise AssertionError("no free port below the ephemeral range")
+
+
 def free_cluster_port() -> int:
     """A free port whose cluster bus port (+10000) is free too, both below 65536."""
     rng = random.Random()
@@ -61,12 +75,17 @@ class RedisServer:
     """One redis-server child process; `kill` and `start` again keep its port."""
 
     def __init__(
-        self, workdir: Path, *, cluster: bool = False, extra_args: tuple[str, ...] = ()
+        self,
+        workdir: Path,
+        *,
+        cluster: bool = False,
+        extra_args: tuple[str, ...] = (),
+        port: int | None = None,
     ) -> None:
         self.workdir = workdir
         self.cluster = cluster
         self.extra_args = extra_args
-        self.port = free_cluster_port() if cluster else free_port()
+        self.port = port or (free_cluster_port() if cluster else free_port())
         self.proc: subprocess.Popen[bytes] | None = None
         workdir.mkdir(parents=True, exist_ok=True)
 

@@ -878,7 +878,8 @@ async def test_failure_after_acceptance_is_one_terminal_error_and_no_retry(fault
         assert kinds == expected
         error = reply[-1].error
         if fault == "token_then_unavailable":  # the gateway's own terminal error
-            assert (error.code, error.retryable) == (pb.ERROR_CODE_INTERNAL, False)
+            # Retryable: sent again, the request can succeed (another engine, or this one back).
+            assert (error.code, error.retryable) == (pb.ERROR_CODE_INTERNAL, True)
             assert "UNAVAILABLE" in error.message
         else:  # the engine's, unchanged
             assert error.message == f"scripted: {fault}"

@@ -5,6 +5,8 @@ included; and a change Redis does not take is refused, changing nothing."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -122,6 +124,95 @@ async def test_a_config_engine_removed_through_one_replica_leaves_every_replica(
     finally:
         await close_replica(b)
         await close_fleet(a)
+
+
+async def test_a_config_engine_removed_stays_removed_after_redis_lost_the_membership(
+    redis: RedisServer,
+) -> None:
+    """redis-server restarted empty: a replica writes its membership back, the removal of a
+    config engine included, so a replica started later with the same config leaves it out as
+    the running one does (found by the soak, docs/soak.md: the later replica routed to the
+    removed engine and wrote its blocks into the index again)."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis))
+    address = a.address(engine)
+    client = redis.client()
+    try:
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await asyncio.to_thread(redis.kill)
+        await asyncio.to_thread(redis.start)
+        membership = "kvplane:{default:0}:fm"
+        await eventually(
+            lambda: client.hexists(membership, "v"), 20, "a to write its membership back"
+        )
+        later = await start_controller(a.app.controller.config)  # the same config
+        try:
+            assert later.controller.fleet.registry.records() == []
+        finally:
+            await later.close(0.2)
+    finally:
+        client.close()
+        await close_fleet(a)
+        await engine.close()
+
+
+# Replicas that read the shared membership only when a test says so (`refresh`): the order in
+# which they find Redis's loss is the test's.
+READ_WHEN_TOLD = {"poll_interval_s": 3600}
+
+
+async def test_replicas_finding_the_membership_lost_in_turn_keep_an_engine_registered_again(
+    redis: RedisServer,
+) -> None:
+    """A config engine removed and registered again is the admin API's on the replica that
+    saw it, a config engine on one started later. Redis loses the hash; the later replica
+    writes its membership back first, without the registration: the other, finding a hash
+    rewritten since its last read, adds its own (the registration) rather than taking the
+    missing field for a removal (found by the soak, docs/soak.md: the first replica forgot
+    the engine, the other kept routing to it)."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis), health=READ_WHEN_TOLD)
+    address = a.address(engine)
+    b: Fleet | None = None
+    try:
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        b = await make_fleet(engines=[engine], index=shared_index(redis), health=READ_WHEN_TOLD)
+        await asyncio.to_thread(redis.flushall)
+        await b.app.controller.membership.refresh()  # writes its membership back
+        await a.app.controller.membership.refresh()
+        await b.app.controller.membership.refresh()
+        assert address in await workers(a)
+        assert address in await workers(b)
+    finally:
+        if b is not None:
+            await close_replica(b)
+        await close_fleet(a)
+        await engine.close()
+
+
+async def test_a_replica_started_while_the_membership_is_lost_learns_a_removal_from_the_others(
+    redis: RedisServer,
+) -> None:
+    """Redis lost the hash and a replica starts before the running one wrote it back: it
+    writes its config's engines back, a config engine removed before included; the running
+    one, finding the hash rewritten, adds the removal, and the new replica drops the engine."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis), health=READ_WHEN_TOLD)
+    address = a.address(engine)
+    try:
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await asyncio.to_thread(redis.flushall)
+        later = await start_controller(a.app.controller.config)  # writes its membership back
+        try:
+            await a.app.controller.membership.refresh()
+            await later.controller.membership.refresh()
+            assert later.controller.fleet.registry.records() == []
+        finally:
+            await later.close(0.2)
+    finally:
+        await close_fleet(a)
+        await engine.close()
 
 
 async def test_a_change_redis_does_not_take_is_refused_and_changes_nothing(
