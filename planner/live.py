@@ -544,6 +544,7 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 workdir=workdir,
                 start_timeout_s=live.start_timeout_s,
                 channels=controller_channels,
+                pool_args={pool.name: pool.engine_args for pool in config.pools},
             )
         planner = LivePlanner(
             Planner(config),

@@ -135,6 +135,39 @@ async def test_live_planner_starts_drains_and_removes_engines(setup: Setup) -> N
     assert not actuator.running() and actuator.num_alive() == 0
 
 
+@pytest.mark.timeout(180)
+async def test_each_pool_starts_its_engines_with_its_own_arguments(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """A disaggregated fleet's pools: `pools[].engine_args` give one pool prefill engines,
+    the other decode engines (a role per pool; `live.engine_args` is every engine's)."""
+    fleet = setup.app.controller.fleet
+    (tmp_path / "pools").mkdir()
+    actuator = LocalProcesses(
+        controller=f"127.0.0.1:{setup.app.port}",
+        engine_args=("--model", "sim"),
+        workdir=tmp_path / "pools",
+        start_timeout_s=120,
+        pool_args={"prefill": ("--role", "prefill"), "decode": ("--role", "decode")},
+    )
+    pools = tuple(PoolConfig(name=n, min_engines=1, max_engines=1) for n in ("prefill", "decode"))
+    config = PlannerConfig(pools=pools, scaling=ScalingConfig(tick_s=0.2))
+    live = LivePlanner(Planner(config), actuator)
+    try:
+        await live.tick()
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        roles = {
+            live.engines[r.address].pool: r.identity.role.value
+            for r in fleet.registry.routable()
+            if r.identity is not None
+        }
+        assert roles == {"prefill": "prefill", "decode": "decode"}
+    finally:
+        await live.close()
+    assert actuator.num_alive() == 0
+
+
 @pytest.mark.timeout(120)
 async def test_closing_while_engines_start_leaves_no_process(setup: Setup) -> None:
     live = LivePlanner(planner(3, 3), setup.actuator)
