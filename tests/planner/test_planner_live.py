@@ -41,9 +41,9 @@ from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.controller_admin import ControllerAdmin
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
-from planner.core.observations import EngineState
+from planner.core.observations import IDLE, EngineObservation, EngineState
 from planner.core.planner import Planner
-from planner.live import LivePlanner
+from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
 from tests.controller.test_processes import controller_process
@@ -133,6 +133,20 @@ async def test_live_planner_starts_drains_and_removes_engines(setup: Setup) -> N
         await live.close()
     assert not live.engines
     assert not actuator.running() and actuator.num_alive() == 0
+
+
+def test_a_getload_with_open_kv_sessions_is_not_a_drained_engine() -> None:
+    """GetLoad's active_kv_sessions reaches the core: a draining prefill engine with no
+    request but sessions not pulled yet is not taken for drained; an answer without the
+    field keeps the last count."""
+    handed_over = _load(
+        pb.LoadInfo(running_requests=0, queued_requests=0, active_kv_sessions=2), IDLE
+    )
+    assert not EngineObservation("p", "prefill", EngineState.DRAINING, handed_over).is_drained
+    same = _load(pb.LoadInfo(running_requests=0, queued_requests=0), handed_over)
+    assert same.active_kv_sessions == 2
+    pulled = _load(pb.LoadInfo(running_requests=0, queued_requests=0, active_kv_sessions=0), same)
+    assert EngineObservation("p", "prefill", EngineState.DRAINING, pulled).is_drained
 
 
 @pytest.mark.timeout(180)
