@@ -87,8 +87,9 @@ class Actuator(Protocol):
 
 
 class LocalProcesses:
-    """`kvplane engine serve ENGINE_ARGS --listen 127.0.0.1:0` children, registered with the
-    controller at `controller` (its admin API); their port files and logs go to `workdir`."""
+    """`kvplane engine serve ENGINE_ARGS POOL_ARGS --listen 127.0.0.1:0` children (POOL_ARGS:
+    `pool_args` of their pool, e.g. its role), registered with the controller at `controller`
+    (its admin API); their port files and logs go to `workdir`."""
 
     def __init__(
         self,
@@ -98,8 +99,10 @@ class LocalProcesses:
         workdir: Path,
         start_timeout_s: float,
         channels: ClientChannels = INSECURE,
+        pool_args: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self._engine_args = tuple(engine_args)
+        self._pool_args = {pool: tuple(args) for pool, args in (pool_args or {}).items()}
         self._workdir = workdir
         self._start_timeout_s = start_timeout_s
         self._admin = ControllerAdmin(controller, channels)
@@ -138,6 +141,7 @@ class LocalProcesses:
         with (self._workdir / f"{pool}-{number}.log").open("wb") as log_file:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,
+                *self._pool_args.get(pool, ()),
                 "--listen", "127.0.0.1:0", "--port-file", str(port_file),
                 stdout=asyncio.subprocess.DEVNULL, stderr=log_file,
                 env={**os.environ, **member_environment(None)},  # it dies with the planner

@@ -44,6 +44,9 @@ class PoolConfig(StrictModel):
     # not buffer them), so scale-to-zero is not offered.
     min_engines: int = Field(default=1, ge=1)
     max_engines: int = Field(default=16, ge=1)
+    # `kvplane engine serve` arguments this pool's local engines get after `live.engine_args`
+    # (e.g. `["--role", "prefill"]`: a disaggregated fleet's prefill and decode pools).
+    engine_args: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _check_bounds(self) -> PoolConfig:
@@ -232,6 +235,12 @@ class PlannerConfig(StrictModel):
                 )
             if unknown:
                 raise ValueError(f"live.kubernetes.deployments: no pool named {', '.join(unknown)}")
+            local = sorted(p.name for p in self.pools if p.engine_args)
+            if local:
+                raise ValueError(
+                    f"pools {', '.join(local)}: engine_args start local engines: with "
+                    "kubernetes, the engines' arguments are in the Deployment's manifest"
+                )
         return self
 
     def pool(self, name: str) -> PoolConfig | None:

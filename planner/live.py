@@ -108,7 +108,13 @@ class _Engine:
             and now_s is not None
             and now_s >= self.drain_deadline_s
         ):
-            load = replace(load, running_requests=0, queued_requests=0, requests_known=True)
+            load = replace(
+                load,
+                running_requests=0,
+                queued_requests=0,
+                requests_known=True,
+                active_kv_sessions=0,  # the drain released them at its deadline
+            )
         return EngineObservation(self.engine_id, self.pool, self.state, load)
 
 
@@ -469,6 +475,9 @@ def _load(info: pb.LoadInfo, last: EngineLoad) -> EngineLoad:
         info.total_kv_blocks if has("total_kv_blocks") else last.total_kv_blocks,
         last.kv_block_size,
         requests_known=has("running_requests") and has("queued_requests"),
+        active_kv_sessions=(
+            info.active_kv_sessions if has("active_kv_sessions") else last.active_kv_sessions
+        ),
     )
 
 
@@ -544,6 +553,7 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 workdir=workdir,
                 start_timeout_s=live.start_timeout_s,
                 channels=controller_channels,
+                pool_args={pool.name: pool.engine_args for pool in config.pools},
             )
         planner = LivePlanner(
             Planner(config),

@@ -32,6 +32,11 @@ class EngineLoad:
     # are optional): the counts above are then the last reported, or 0, and say nothing of
     # whether it holds a request.
     requests_known: bool = True
+    # KV sessions a prefill engine opened that no decode engine has pulled yet (GetLoad's
+    # active_kv_sessions): a drain completes only once these are gone too (the seed's
+    # DrainResponse: "no requests or KV sessions remain"); stopping the engine earlier loses
+    # the prompts' KV under the decode engines about to pull it.
+    active_kv_sessions: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -65,12 +70,13 @@ class EngineObservation:
 
     @property
     def is_drained(self) -> bool:
-        """Draining and known to hold no request: an engine whose counts are unknown is never
-        taken for empty."""
+        """Draining and known to hold no request and no open KV session: an engine whose
+        counts are unknown is never taken for empty."""
         return (
             self.state is EngineState.DRAINING
             and self.load.requests_known
             and self.load.num_requests == 0
+            and self.load.active_kv_sessions == 0
         )
 
 

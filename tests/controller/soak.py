@@ -25,6 +25,7 @@ import collections
 import contextlib
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -140,6 +141,9 @@ class SoakReport:
     seed: int
     faults: collections.Counter[str] = field(default_factory=collections.Counter)
     requests: collections.Counter[str] = field(default_factory=collections.Counter)
+    # The errors allowed in fault windows, by the fault and the error's message (addresses
+    # and numbers left out): what the clients of a fault saw.
+    window_errors: collections.Counter[str] = field(default_factory=collections.Counter)
     convergence_s: list[tuple[str, float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
 
@@ -155,6 +159,7 @@ class SoakReport:
                 f"  converged after {kind}: max {max(times):.1f} s, "
                 f"mean {sum(times) / len(times):.1f} s"
             )
+        lines += [f"  in a fault window, {n}: {why}" for why, n in self.window_errors.most_common()]
         lines += [f"  FAILURE: {failure}" for failure in self.failures]
         return "\n".join(lines)
 
@@ -172,29 +177,46 @@ def _engine_config(name: str, port: int, zmq_ports: tuple[int, int] | None) -> s
     return config
 
 
-class Soak:
-    """The fleet, the client and the faults of one seeded run."""
+class SeededSoak:
+    """What every soak's run shares: the seeded generators, the reference engine, the client
+    and its checks, the cycle of traffic, fault and convergence, the search for processes
+    left behind. A fleet's soak (`Soak`, `planner_soak.PlannerSoak`) says how its processes
+    start and stop (`start`, `stop`), where requests go (`gateways`), its faults (`FAULTS`,
+    each a `fault_KIND` method) and what differs from its converged state (`_disagreements`)."""
 
-    def __init__(self, workdir: Path, seed: int, engines: int = 3) -> None:
+    FAULTS: tuple[str, ...] = ()
+
+    def __init__(self, workdir: Path, seed: int) -> None:
         self.workdir = workdir
         # Faults from a generator of their own: the same seed draws the same faults, whatever
         # the traffic (whose timing varies from run to run) drew meanwhile.
         self.rng = random.Random(seed)
         self.traffic_rng = random.Random(seed + 1_000_003)
         self.report = SoakReport(seed)
-        # Ports below the ephemeral range: a process killed and started again finds its own
-        # free (redis-server, engines and controllers restart on the ports they had).
-        self.redis = RedisServer(workdir / "redis", port=restartable_port())
-        self.engines: list[Engine] = []
-        for i in range(engines):
-            zmq_ports = (restartable_port(), restartable_port()) if i % 2 == 1 else None
-            self.engines.append(self._engine(f"e{i}", zmq_ports))
         self.reference = self._engine("reference", None)
-        self.controllers = [self._controller(f"c{n}") for n in range(2)]
         self.expected: dict[tuple[int, ...], list[int]] = {}
         self.completed: list[tuple[tuple[int, ...], list[int]]] = []
         self.in_fault = False
+        self.fault = ""  # the kind of the last fault (its window's errors are counted by it)
         self.request_number = 0
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def gateways(self) -> list[str]:
+        """Where the client sends requests (in turn)."""
+        raise NotImplementedError
+
+    async def _disagreements(self) -> list[str]:
+        """What still differs from the converged fleet (empty once converged)."""
+        raise NotImplementedError
+
+    def traffic_rate(self, rate_per_s: float) -> float:
+        """The request rate of the next cycle (a fleet's soak may vary it)."""
+        return rate_per_s
 
     def _serve(self, name: str, kind: str, config: str) -> Process:
         path = self.workdir / f"{name}.yaml"
@@ -208,41 +230,7 @@ class Soak:
         process = self._serve(name, "engine", _engine_config(name, port, zmq_ports))
         return Engine(process, port, zmq_ports is not None)
 
-    def _controller(self, name: str) -> tuple[Process, int]:
-        port = restartable_port()
-        engines = "".join(
-            f"  - {{address: {e.address}, kv_events: {'zmq' if e.zmq else 'grpc'}}}\n"
-            for e in self.engines
-        )
-        config = (
-            f"listen: 127.0.0.1:{port}\n"
-            f"index: {{backend: '{self.redis.url}', writer_lease_s: {LEASE_S}}}\n"
-            "router: {replica_sync: true}\n"
-            "health: {poll_interval_s: 0.3, load_poll_interval_s: 0.3, backoff_initial_s: 0.1, "
-            "backoff_max_s: 1.0}\n"
-            f"engines:\n{engines}"
-        )
-        return self._serve(name, "controller", config), port
-
     # -- processes ---------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        self.redis.start()
-        for engine in [*self.engines, self.reference]:
-            engine.process.start()
-        for engine in [*self.engines, self.reference]:
-            await engine.process.started()
-        for process, _ in self.controllers:
-            process.start()
-        for process, _ in self.controllers:
-            await process.started()
-
-    def stop(self) -> None:
-        for process, _ in self.controllers:
-            process.stop()
-        for engine in [*self.engines, self.reference]:
-            engine.process.stop()
-        self.redis.stop()
 
     def leftovers(self) -> list[str]:
         """Processes still running whose command line names this soak's directory (but for
@@ -301,6 +289,7 @@ class Soak:
             kind = f"error {code.name}"
             if code in RETRYABLE and during_fault:
                 self.report.requests[f"{kind} (fault window)"] += 1
+                self.report.window_errors[f"{self.fault}: {kind} {_cause(exc.details())}"] += 1
                 return
             self.report.requests[kind] += 1
             self.report.failures.append(
@@ -311,6 +300,9 @@ class Soak:
         except _InStreamError as exc:
             if exc.error.retryable and (started_in_fault or self.in_fault):
                 self.report.requests["in-stream retryable error (fault window)"] += 1
+                self.report.window_errors[
+                    f"{self.fault}: in-stream {_cause(exc.error.message)}"
+                ] += 1
                 return
             self.report.requests["in-stream error"] += 1
             self.report.failures.append(
@@ -321,12 +313,13 @@ class Soak:
         self.completed.append((prompt, tokens))
 
     async def client(self, rate_per_s: float) -> None:
-        """Requests through both replicas in turn until cancelled; then waits for those sent."""
+        """Requests through the gateways in turn until cancelled; then waits for those sent."""
         sent: set[asyncio.Task[None]] = set()
         try:
             while True:
-                _, port = self.controllers[self.request_number % 2]
-                task = asyncio.create_task(self._one_request(f"127.0.0.1:{port}"))
+                gateways = self.gateways()
+                target = gateways[self.request_number % len(gateways)]
+                task = asyncio.create_task(self._one_request(target))
                 sent.add(task)
                 task.add_done_callback(sent.discard)
                 await asyncio.sleep(self.traffic_rng.expovariate(rate_per_s))
@@ -347,6 +340,139 @@ class Soak:
                     f"prompt {prompt[:4]}... got {tokens}, the engine gives {self.expected[prompt]}"
                 )
         self.completed.clear()
+
+    # -- looking at the fleet ---------------------------------------------------------------
+
+    async def _engine_keys(self, address: str) -> set[int]:
+        """The blocks the engine at `address` holds: the snapshot its KV event stream starts
+        with."""
+        async with grpc.aio.insecure_channel(address) as channel:
+            stream = pb_grpc.OpenEngineStub(channel).SubscribeKvEvents(
+                pb.SubscribeKvEventsRequest(include_snapshot=True), timeout=10
+            )
+            async for response in stream:
+                stream.cancel()
+                return {
+                    to_sfixed64(block_hash.value)
+                    for event in response.batch.events
+                    if event.WhichOneof("event") == "block_stored"
+                    for block_hash in event.block_stored.block_hashes
+                }
+        raise SoakFailure(f"{address} sent no snapshot")
+
+    async def _workers(self, target: str) -> list[apb.WorkerInfo]:
+        """The engines the controller at `target` lists (its admin API's ListWorkers)."""
+        async with grpc.aio.insecure_channel(target) as channel:
+            reply = await apb_grpc.AdminStub(channel).ListWorkers(
+                apb.ListWorkersRequest(), timeout=5
+            )
+            return list(reply.workers)
+
+    # -- a cycle ----------------------------------------------------------------------------
+
+    async def settle(self, kind: str, what: str) -> None:
+        """Wait (bounded) for the fleet to converge after `what` (a fault of `kind`); record
+        the time or the failure."""
+        started = time.monotonic()
+        deadline = started + SETTLE_TIMEOUT_S
+        while found := await self._disagreements():
+            if time.monotonic() > deadline:
+                self.report.failures.append(
+                    f"not converged {SETTLE_TIMEOUT_S:g} s after {what}: {'; '.join(found)}"
+                )
+                return
+            await asyncio.sleep(0.25)
+        converged_s = time.monotonic() - started
+        self.report.convergence_s.append((kind, converged_s))
+        print(f"  {what}: converged in {converged_s:.1f} s", flush=True)
+        self.in_fault = False  # converged: from here on an error is a failure
+        for target in self.gateways():  # every gateway routes
+            await self._one_request(target)
+
+    async def cycle(self, rate_per_s: float) -> None:
+        client = asyncio.create_task(self.client(self.traffic_rate(rate_per_s)))
+        try:
+            await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # steady: errors are failures
+            kind = self.rng.choice(self.FAULTS)
+            self.in_fault = True
+            self.fault = kind
+            self.report.faults[kind] += 1
+            try:
+                what = await getattr(self, f"fault_{kind}")()
+            except (grpc.aio.AioRpcError, SoakFailure) as exc:  # an admin call refused, ...
+                self.report.failures.append(f"fault {kind} failed: {exc}")
+                return
+            await asyncio.sleep(self.rng.uniform(0.5, 2.0))  # traffic meets the aftermath
+        finally:
+            client.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await client
+        await self.settle(kind, what)
+        await self.check_tokens()
+
+
+class Soak(SeededSoak):
+    """A replicated fleet: redis-server, two controller replicas, sim engines."""
+
+    FAULTS = (
+        "engine_restart",
+        "controller_restart",
+        "controller_pause",
+        "redis_restart",
+        "drain_and_restart",
+        "cordon",
+        "membership",
+    )
+
+    def __init__(self, workdir: Path, seed: int, engines: int = 3) -> None:
+        super().__init__(workdir, seed)
+        # Ports below the ephemeral range: a process killed and started again finds its own
+        # free (redis-server, engines and controllers restart on the ports they had).
+        self.redis = RedisServer(workdir / "redis", port=restartable_port())
+        self.engines: list[Engine] = []
+        for i in range(engines):
+            zmq_ports = (restartable_port(), restartable_port()) if i % 2 == 1 else None
+            self.engines.append(self._engine(f"e{i}", zmq_ports))
+        self.controllers = [self._controller(f"c{n}") for n in range(2)]
+
+    def gateways(self) -> list[str]:
+        return [f"127.0.0.1:{port}" for _, port in self.controllers]
+
+    def _controller(self, name: str) -> tuple[Process, int]:
+        port = restartable_port()
+        engines = "".join(
+            f"  - {{address: {e.address}, kv_events: {'zmq' if e.zmq else 'grpc'}}}\n"
+            for e in self.engines
+        )
+        config = (
+            f"listen: 127.0.0.1:{port}\n"
+            f"index: {{backend: '{self.redis.url}', writer_lease_s: {LEASE_S}}}\n"
+            "router: {replica_sync: true}\n"
+            "health: {poll_interval_s: 0.3, load_poll_interval_s: 0.3, backoff_initial_s: 0.1, "
+            "backoff_max_s: 1.0}\n"
+            f"engines:\n{engines}"
+        )
+        return self._serve(name, "controller", config), port
+
+    # -- processes ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.redis.start()
+        for engine in [*self.engines, self.reference]:
+            engine.process.start()
+        for engine in [*self.engines, self.reference]:
+            await engine.process.started()
+        for process, _ in self.controllers:
+            process.start()
+        for process, _ in self.controllers:
+            await process.started()
+
+    def stop(self) -> None:
+        for process, _ in self.controllers:
+            process.stop()
+        for engine in [*self.engines, self.reference]:
+            engine.process.stop()
+        self.redis.stop()
 
     # -- faults ------------------------------------------------------------------------------
 
@@ -439,16 +565,6 @@ class Soak:
         engine.in_fleet = True
         return f"register {engine.process.name}"
 
-    FAULTS = (
-        "engine_restart",
-        "controller_restart",
-        "controller_pause",
-        "redis_restart",
-        "drain_and_restart",
-        "cordon",
-        "membership",
-    )
-
     # -- invariants --------------------------------------------------------------------------
 
     async def _index_keys(self) -> dict[str, set[int]]:
@@ -466,36 +582,13 @@ class Soak:
         finally:
             await backend.close()
 
-    async def _engine_keys(self, engine: Engine) -> set[int]:
-        """The blocks the engine holds: the snapshot its KV event stream starts with."""
-        async with grpc.aio.insecure_channel(engine.address) as channel:
-            stream = pb_grpc.OpenEngineStub(channel).SubscribeKvEvents(
-                pb.SubscribeKvEventsRequest(include_snapshot=True), timeout=10
-            )
-            async for response in stream:
-                stream.cancel()
-                return {
-                    to_sfixed64(block_hash.value)
-                    for event in response.batch.events
-                    if event.WhichOneof("event") == "block_stored"
-                    for block_hash in event.block_stored.block_hashes
-                }
-        raise SoakFailure(f"{engine.process.name} sent no snapshot")
-
-    async def _workers(self, port: int) -> list[apb.WorkerInfo]:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            reply = await apb_grpc.AdminStub(channel).ListWorkers(
-                apb.ListWorkersRequest(), timeout=5
-            )
-            return list(reply.workers)
-
     async def _disagreements(self) -> list[str]:
         """What still differs from the converged fleet (empty once converged)."""
         found = []
         try:
             placed = await self._index_keys()
             for engine in self.engines:
-                held = await self._engine_keys(engine) if engine.in_fleet else set()
+                held = await self._engine_keys(engine.address) if engine.in_fleet else set()
                 index = placed[engine.address]
                 if index != held:
                     found.append(
@@ -505,7 +598,7 @@ class Soak:
                     )
             expected = {e.address: e.cordoned for e in self.engines if e.in_fleet}
             for process, port in self.controllers:
-                workers = await self._workers(port)
+                workers = await self._workers(f"127.0.0.1:{port}")
                 listed = {w.address: w.cordoned for w in workers}
                 if listed != expected:
                     found.append(f"{process.name} lists {listed}, the fleet is {expected}")
@@ -518,44 +611,10 @@ class Soak:
             found.append(f"index not readable: {type(exc).__name__}: {exc}")
         return found
 
-    async def settle(self, kind: str, what: str) -> None:
-        """Wait (bounded) for the fleet to converge after `what` (a fault of `kind`); record
-        the time or the failure."""
-        started = time.monotonic()
-        deadline = started + SETTLE_TIMEOUT_S
-        while found := await self._disagreements():
-            if time.monotonic() > deadline:
-                self.report.failures.append(
-                    f"not converged {SETTLE_TIMEOUT_S:g} s after {what}: {'; '.join(found)}"
-                )
-                return
-            await asyncio.sleep(0.25)
-        converged_s = time.monotonic() - started
-        self.report.convergence_s.append((kind, converged_s))
-        print(f"  {what}: converged in {converged_s:.1f} s", flush=True)
-        self.in_fault = False  # converged: from here on an error is a failure
-        for _, port in self.controllers:  # both replicas route
-            await self._one_request(f"127.0.0.1:{port}")
 
-    async def cycle(self, rate_per_s: float) -> None:
-        client = asyncio.create_task(self.client(rate_per_s))
-        try:
-            await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # steady: errors are failures
-            kind = self.rng.choice(self.FAULTS)
-            self.in_fault = True
-            self.report.faults[kind] += 1
-            try:
-                what = await getattr(self, f"fault_{kind}")()
-            except (grpc.aio.AioRpcError, SoakFailure) as exc:  # an admin call refused, ...
-                self.report.failures.append(f"fault {kind} failed: {exc}")
-                return
-            await asyncio.sleep(self.rng.uniform(0.5, 2.0))  # traffic meets the aftermath
-        finally:
-            client.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await client
-        await self.settle(kind, what)
-        await self.check_tokens()
+def _cause(message: str | None) -> str:
+    """An error's message without its addresses and numbers (errors of one cause alike)."""
+    return re.sub(r"[0-9.:]+[0-9]", "N", message or "")[:120]
 
 
 def _ancestors() -> set[int]:
@@ -586,7 +645,15 @@ async def run_soak(
 ) -> SoakReport:
     """Faults until `seconds` have passed (each cycle completes) or `max_faults` were
     injected, or an invariant failed; then stop everything."""
-    soak = Soak(workdir, seed, engines)
+    return await drive(Soak(workdir, seed, engines), seconds, rate_per_s, max_faults)
+
+
+async def drive(
+    soak: SeededSoak, seconds: float, rate_per_s: float, max_faults: int | None
+) -> SoakReport:
+    """`soak`'s run: its fleet started and converged, then cycles until `seconds` have passed
+    (each cycle completes) or `max_faults` were injected, or an invariant failed; then
+    everything stopped, and no process left behind."""
     try:
         await soak.start()
         await soak.settle("start", "the fleet's start")

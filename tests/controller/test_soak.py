@@ -1,7 +1,14 @@
-"""A short seeded soak (tests/controller/soak.py, docs/soak.md) in CI: real processes (redis,
-two controller replicas, three sim engines, one followed over ZMQ), a few random faults, and
-after each the shared index exactly the engines' blocks, both replicas agreeing and routing,
-every completed request with the tokens the engine gives, no process left behind."""
+"""Short seeded soaks (docs/soak.md) in CI, on real processes, a few random faults each:
+
+- tests/controller/soak.py: redis, two controller replicas, three sim engines (one followed
+  over ZMQ); after each fault the shared index exactly the engines' blocks, both replicas
+  agreeing and routing;
+- tests/controller/planner_soak.py: a controller and a planner keeping prefill and decode
+  pools of sim engine processes, traffic in bursts and quiet spells; after each fault the
+  controller's engines exactly the planner's live children, the pools within their bounds;
+
+and in both every completed request with the tokens the engine gives, no process left
+behind."""
 
 from __future__ import annotations
 
@@ -9,15 +16,27 @@ from pathlib import Path
 
 import pytest
 
-from tests.controller.soak import run_soak
+from tests.controller.planner_soak import run_planner_soak
+from tests.controller.soak import SoakReport, run_soak
 
 SEED = 187  # draws redis restarts around a removal, a controller restart, drain, pause, cordon
 FAULTS = 7
+PLANNER_SEED = 1  # draws engine kills, prefill kills at the handoff, a pause past the patience
+PLANNER_FAULTS = 5
+
+
+def assert_clean(report: SoakReport, faults: int) -> None:
+    assert not report.failures, report.summary()
+    assert sum(report.faults.values()) == faults, report.summary()
+    assert report.requests["ok"] > 0, report.summary()
 
 
 @pytest.mark.timeout(240)
 async def test_a_short_seeded_soak_converges_after_every_fault(tmp_path: Path) -> None:
-    report = await run_soak(tmp_path, SEED, seconds=60, max_faults=FAULTS)
-    assert not report.failures, report.summary()
-    assert sum(report.faults.values()) == FAULTS, report.summary()
-    assert report.requests["ok"] > 0, report.summary()
+    assert_clean(await run_soak(tmp_path, SEED, seconds=60, max_faults=FAULTS), FAULTS)
+
+
+@pytest.mark.timeout(240)
+async def test_a_short_seeded_planner_soak_converges_after_every_fault(tmp_path: Path) -> None:
+    report = await run_planner_soak(tmp_path, PLANNER_SEED, seconds=40, max_faults=PLANNER_FAULTS)
+    assert_clean(report, PLANNER_FAULTS)

@@ -17,8 +17,17 @@ def engine(
     waiting_tokens: int = 0,
     used_blocks: int = 0,
     pool: str = "default",
+    kv_sessions: int = 0,
 ) -> EngineObservation:
-    load = EngineLoad(running, queued, waiting_tokens, used_blocks, TOTAL_BLOCKS, BLOCK_SIZE)
+    load = EngineLoad(
+        running,
+        queued,
+        waiting_tokens,
+        used_blocks,
+        TOTAL_BLOCKS,
+        BLOCK_SIZE,
+        active_kv_sessions=kv_sessions,
+    )
     return EngineObservation(engine_id, pool, state, load)
 
 

@@ -64,6 +64,9 @@ BAD_CONFIGS = {
         "engine_args start local engines"
     ),
     "live: {controller: 'c:1', kubernetes: {deployments: {default: Engine_1}}}\n": "pattern",
+    "pools: [{name: p, engine_args: [--role, prefill]}]\n"
+    "live: {controller: 'c:1', kubernetes: {deployments: {p: e}}}\n": "pools p: engine_args "
+    "start local engines",
 }
 
 

@@ -228,6 +228,19 @@ def test_drain_then_remove_only_once_drained() -> None:
     ]
 
 
+def test_a_draining_prefill_engine_is_removed_only_once_its_kv_sessions_are_pulled() -> None:
+    """A prefill engine that holds no request but KV sessions no decode engine has pulled yet
+    is not drained (its own Drain completes only once they are gone): removing and stopping
+    it then loses the prompts' KV under the decode engines about to pull it (the planner
+    soak's prefill pool, docs/soak.md)."""
+    planner = make_planner(min_engines=1)
+    handed_over = engine("p", DRAINING, kv_sessions=3)
+    assert tick(planner, 0, idle("a"), handed_over) == []
+    assert tick(planner, 5, idle("a"), engine("p", DRAINING)) == [
+        RemoveEngine("p", "default", Reason.DRAINED)
+    ]
+
+
 def test_draining_engines_do_not_count_towards_the_pool() -> None:
     planner = make_planner(min_engines=2)
     assert tick(planner, 0, idle("a"), idle("b", DRAINING, running=1)) == [

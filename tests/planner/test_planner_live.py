@@ -41,9 +41,9 @@ from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.controller_admin import ControllerAdmin
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
-from planner.core.observations import EngineState
+from planner.core.observations import IDLE, EngineObservation, EngineState
 from planner.core.planner import Planner
-from planner.live import LivePlanner
+from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
 from tests.controller.test_processes import controller_process
@@ -133,6 +133,53 @@ async def test_live_planner_starts_drains_and_removes_engines(setup: Setup) -> N
         await live.close()
     assert not live.engines
     assert not actuator.running() and actuator.num_alive() == 0
+
+
+def test_a_getload_with_open_kv_sessions_is_not_a_drained_engine() -> None:
+    """GetLoad's active_kv_sessions reaches the core: a draining prefill engine with no
+    request but sessions not pulled yet is not taken for drained; an answer without the
+    field keeps the last count."""
+    handed_over = _load(
+        pb.LoadInfo(running_requests=0, queued_requests=0, active_kv_sessions=2), IDLE
+    )
+    assert not EngineObservation("p", "prefill", EngineState.DRAINING, handed_over).is_drained
+    same = _load(pb.LoadInfo(running_requests=0, queued_requests=0), handed_over)
+    assert same.active_kv_sessions == 2
+    pulled = _load(pb.LoadInfo(running_requests=0, queued_requests=0, active_kv_sessions=0), same)
+    assert EngineObservation("p", "prefill", EngineState.DRAINING, pulled).is_drained
+
+
+@pytest.mark.timeout(180)
+async def test_each_pool_starts_its_engines_with_its_own_arguments(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """A disaggregated fleet's pools: `pools[].engine_args` give one pool prefill engines,
+    the other decode engines (a role per pool; `live.engine_args` is every engine's)."""
+    fleet = setup.app.controller.fleet
+    (tmp_path / "pools").mkdir()
+    actuator = LocalProcesses(
+        controller=f"127.0.0.1:{setup.app.port}",
+        engine_args=("--model", "sim"),
+        workdir=tmp_path / "pools",
+        start_timeout_s=120,
+        pool_args={"prefill": ("--role", "prefill"), "decode": ("--role", "decode")},
+    )
+    pools = tuple(PoolConfig(name=n, min_engines=1, max_engines=1) for n in ("prefill", "decode"))
+    config = PlannerConfig(pools=pools, scaling=ScalingConfig(tick_s=0.2))
+    live = LivePlanner(Planner(config), actuator)
+    try:
+        await live.tick()
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        roles = {
+            live.engines[r.address].pool: r.identity.role.value
+            for r in fleet.registry.routable()
+            if r.identity is not None
+        }
+        assert roles == {"prefill": "prefill", "decode": "decode"}
+    finally:
+        await live.close()
+    assert actuator.num_alive() == 0
 
 
 @pytest.mark.timeout(120)
