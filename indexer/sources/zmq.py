@@ -10,7 +10,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   stale) and rebuilt from a replay from seq 0 at once, before any message: an idle engine
   publishes nothing, and what it holds would stay unknown until it did (a restarted indexer or
   controller beside running engines). Without one, or when that replay fails or holds
-  nothing, the first message clears and rebuilds the worker;
+  nothing, the first message clears and rebuilds the worker; a replay that failed (the
+  publisher not up yet) is also retried at the publisher's first connection, so a publisher
+  that comes up, publishes before the SUB reaches it and goes idle is indexed all the same;
 - seq == expected: applied, unless it is the first message since the SUB made or accepted a
   new connection (an engine restart is a new connection; the SUB may have missed the new
   process's first messages, exactly as many as the old one had sent): then it is checked as
@@ -201,6 +203,11 @@ class ZmqSource:
         # The worker was cleared because the publisher disconnected: its next connection
         # rebuilds it from the replay.
         self._cleared_by_disconnect = False
+        # The rebuild from the replay at start (or at a reconnection) failed, the publisher
+        # not being up yet: its first connection retries it. (Waiting for its first message
+        # instead left an engine that published before the SUB reached it, then went idle,
+        # unindexed: a writer lease taken over while the engine restarted.)
+        self._replay_failed_unconnected = False
         if settings.replay_endpoint and settings.rebuild_at_start:
             self._resync_wanted.set()
         self.last_seq: int | None = None
@@ -374,13 +381,17 @@ class ZmqSource:
             )
             self._cleared_by_disconnect = True
             await self._reset_worker(self.last_seq or 0)
-        if self._new_connection and self._cleared_by_disconnect:
+        if self._new_connection and (
+            self._cleared_by_disconnect or self._replay_failed_unconnected
+        ):
             # The rebuild shows which process publishes now: nothing left to check.
+            sequence_break = self._cleared_by_disconnect
             self._new_connection = self._cleared_by_disconnect = False
+            self._replay_failed_unconnected = False
             if self.settings.replay_endpoint:
                 self._resync_cause = _RECONNECTED
                 self._resync_wanted.set()
-            if self.on_sequence_break is not None:  # the publisher may be a new process
+            if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
 
     def _attach(self, sub: zmq.asyncio.Socket) -> None:
@@ -422,6 +433,9 @@ class ZmqSource:
             )
         replies = await self._replay(0)
         if starting and not replies:
+            # Failed (None) with nothing applied yet: retried at the publisher's first
+            # connection, or rebuilt by its first message, whichever comes first.
+            self._replay_failed_unconnected = replies is None and floor is None
             return
         # Seqs an earlier replay applied whose live copies may still be queued (this may be
         # the second replay before the first message: the start's replay set `floor`).

@@ -376,6 +376,45 @@ async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(
     assert _keys(index) == {2}  # cleared: block 1 may be stale after the lost batches
 
 
+async def test_a_source_started_before_its_publisher_rebuilds_from_the_replay_once_connected(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The publisher is not up when the source starts (a writer lease taken over while the
+    engine restarts), so the start's replay fails; the engine then comes up and publishes
+    before the SUB's reconnect reaches it, then goes idle. Its first connection rebuilds the
+    worker from the replay, as any reconnection does (found by the indexer soak, seed 6,
+    docs/soak.md: before, the worker stayed empty until the engine's next batch)."""
+    ports = []
+    for _ in range(2):  # two free ports, nobody listening yet
+        probe = context.socket(zmq.ROUTER)
+        probe.bind("tcp://127.0.0.1:*")
+        ports.append(probe.getsockopt_string(zmq.LAST_ENDPOINT))
+        probe.close(linger=0)
+    endpoint, replay = ports
+    index = PrefixIndex()
+    source = _source(
+        endpoint,
+        context,
+        MemoryBackend(index),
+        replay=replay,
+        replay_timeout_s=0.2,
+        rebuild_at_start=True,
+    )
+    publisher: FakeKvPublisher | None = None
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.counters.num_replay_failures >= 1, WAIT_S)
+            publisher = FakeKvPublisher(context, endpoint=endpoint, replay_endpoint=replay)
+            publisher.start_replay()
+            await publisher.publish(_message(0, _stored(1, 2)), live=False)  # before the SUB
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+    finally:
+        if publisher is not None:
+            await publisher.close()
+    assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
