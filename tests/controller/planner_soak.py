@@ -10,7 +10,7 @@ for a few seconds (hung: the planner loses it after `lost_after_failed_polls`), 
 prefill engine while it holds requests (at the handoff), `DrainEngine` one by hand through the
 admin API (the planner replaces it and removes it once drained).
 
-After each fault the fleet must converge (tests/controller/soak.py, `SeededSoak.settle`):
+After each fault the fleet must converge (tests/soak_fleet.py, `SeededSoak.settle`):
 
 - the controller's engines are exactly the planner's engines running: every child process of
   the planner alive serves and is listed, none listed that is not a live child;
@@ -19,9 +19,9 @@ After each fault the fleet must converge (tests/controller/soak.py, `SeededSoak.
 
 and throughout, every completed request carried the reference engine's tokens, a request
 failed only in a fault window and then retryably; at the end (the planner stopped with
-SIGTERM: it drains and stops its children) no process is left. `run_planner_soak` returns a
-`SoakReport`; `docs/benchmarks/soak.py --fleet planner` runs it from the command line,
-tests/controller/test_soak.py a short one in CI.
+SIGTERM: it drains and stops its children) no process is left. `drive(PlannerSoak(workdir,
+seed), seconds=...)` returns a `SoakReport`; `docs/benchmarks/soak.py --fleet planner` runs it
+from the command line, tests/controller/test_soak.py a short one in CI.
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.soak import (
+from tests.redis_servers import restartable_port
+from tests.soak_fleet import (
     KVPLANE,
     SETTLE_TIMEOUT_S,
+    GatewaySoak,
     Process,
-    SeededSoak,
     SoakFailure,
-    SoakReport,
-    drive,
+    controller_workers,
+    engine_keys,
 )
-from tests.redis_servers import restartable_port
 
 TICK_S = 0.5
 LOST_AFTER_FAILED_POLLS = 3
@@ -68,7 +68,7 @@ class Child:
     address: str | None  # None until it wrote its port file
 
 
-class PlannerSoak(SeededSoak):
+class PlannerSoak(GatewaySoak):
     """A controller and a planner running prefill and decode pools of local sim engines."""
 
     FAULTS = (
@@ -192,7 +192,9 @@ class PlannerSoak(SeededSoak):
         while True:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 routable = {
-                    w.address for w in await self._workers(self.controller_target) if w.routable
+                    w.address
+                    for w in await controller_workers(self.controller_target)
+                    if w.routable
                 }
                 serving = [
                     c for c in self.children() if c.address in routable and pool in (None, c.pool)
@@ -211,11 +213,7 @@ class PlannerSoak(SeededSoak):
         return f"kill -9 {child.pool} engine {child.address}"
 
     async def fault_controller_restart(self) -> str:
-        self.controller.kill()
-        await asyncio.sleep(self.rng.uniform(0.2, 2.0))
-        self.controller.start()
-        await self.controller.started()
-        return "kill -9 and restart the controller"
+        return await self.restart(self.controller)
 
     async def fault_engine_pause(self) -> str:
         """SIGSTOP an engine past the planner's patience (it kills it), or shorter."""
@@ -281,11 +279,11 @@ class PlannerSoak(SeededSoak):
 
     # -- invariants --------------------------------------------------------------------------
 
-    async def _disagreements(self) -> list[str]:
+    async def disagreements(self) -> list[str]:
         found = []
         try:
             children = self.children()
-            workers = {w.address: w for w in await self._workers(self.controller_target)}
+            workers = {w.address: w for w in await controller_workers(self.controller_target)}
         except (grpc.aio.AioRpcError, OSError) as exc:
             return [f"not answering: {exc}"]
         starting = [c for c in children if c.address is None]
@@ -308,7 +306,7 @@ class PlannerSoak(SeededSoak):
                 found.append(f"{address} not routable ({worker.state})")
                 continue
             try:
-                held = await self._engine_keys(address)
+                held = await engine_keys(address)
             except grpc.aio.AioRpcError as exc:
                 found.append(f"{address} not answering: {exc.code().name}")
                 continue
@@ -324,15 +322,3 @@ class PlannerSoak(SeededSoak):
         if self.planner.proc is not None:  # it should have been stopped: its children too
             found.append(f"the planner {self.planner.proc.pid}")
         return found
-
-
-async def run_planner_soak(
-    workdir: Path,
-    seed: int,
-    *,
-    seconds: float,
-    rate_per_s: float = 4.0,
-    max_faults: int | None = None,
-) -> SoakReport:
-    """A planner soak's run (`drive`: until `seconds` or `max_faults`, or a failure)."""
-    return await drive(PlannerSoak(workdir, seed), seconds, rate_per_s, max_faults)

@@ -8,7 +8,7 @@
   controller's engines exactly the planner's live children, the pools within their bounds;
 
 and in both every completed request with the tokens the engine gives, no process left
-behind."""
+behind (the indexer fleet's: tests/indexer/test_indexer_soak.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.controller.planner_soak import run_planner_soak
-from tests.controller.soak import SoakReport, run_soak
+from tests.controller.planner_soak import PlannerSoak
+from tests.controller.soak import Soak
+from tests.soak_fleet import SoakReport, drive
 
 SEED = 187  # draws redis restarts around a removal, a controller restart, drain, pause, cordon
 FAULTS = 7
@@ -28,15 +29,16 @@ PLANNER_FAULTS = 5
 def assert_clean(report: SoakReport, faults: int) -> None:
     assert not report.failures, report.summary()
     assert sum(report.faults.values()) == faults, report.summary()
-    assert report.requests["ok"] > 0, report.summary()
+    assert report.requests["request ok"] > 0, report.summary()
 
 
 @pytest.mark.timeout(240)
 async def test_a_short_seeded_soak_converges_after_every_fault(tmp_path: Path) -> None:
-    assert_clean(await run_soak(tmp_path, SEED, seconds=60, max_faults=FAULTS), FAULTS)
+    assert_clean(await drive(Soak(tmp_path, SEED), seconds=60, max_faults=FAULTS), FAULTS)
 
 
 @pytest.mark.timeout(240)
 async def test_a_short_seeded_planner_soak_converges_after_every_fault(tmp_path: Path) -> None:
-    report = await run_planner_soak(tmp_path, PLANNER_SEED, seconds=40, max_faults=PLANNER_FAULTS)
+    soak = PlannerSoak(tmp_path, PLANNER_SEED)
+    report = await drive(soak, seconds=40, max_faults=PLANNER_FAULTS)
     assert_clean(report, PLANNER_FAULTS)
