@@ -10,9 +10,10 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   stale) and rebuilt from a replay from seq 0 at once, before any message: an idle engine
   publishes nothing, and what it holds would stay unknown until it did (a restarted indexer or
   controller beside running engines). Without one, or when that replay fails or holds
-  nothing, the first message clears and rebuilds the worker; a replay that failed (the
-  publisher not up yet) is also retried at the publisher's first connection, so a publisher
-  that comes up, publishes before the SUB reaches it and goes idle is indexed all the same;
+  nothing, the first message clears and rebuilds the worker; such a replay (failed: the
+  publisher not up yet; or empty: its replay ROUTER answered before its first batch) is also
+  retried at the SUB's next connection, so a publisher that comes up, publishes before the SUB
+  reaches it and goes idle is indexed all the same;
 - seq == expected: applied, unless it is the first message since the SUB made or accepted a
   new connection (an engine restart is a new connection; the SUB may have missed the new
   process's first messages, exactly as many as the old one had sent): then it is checked as
@@ -203,11 +204,13 @@ class ZmqSource:
         # The worker was cleared because the publisher disconnected: its next connection
         # rebuilds it from the replay.
         self._cleared_by_disconnect = False
-        # The rebuild from the replay at start (or at a reconnection) failed, the publisher
-        # not being up yet: its first connection retries it. (Waiting for its first message
-        # instead left an engine that published before the SUB reached it, then went idle,
-        # unindexed: a writer lease taken over while the engine restarted.)
-        self._replay_failed_unconnected = False
+        # The rebuild from the replay at start (or at a reconnection) failed (the publisher
+        # not up yet) or found nothing (its replay ROUTER answered before its first batch and
+        # before the SUB's connection): the SUB's next connection retries it. (Waiting for the
+        # first message instead left an engine that published before the SUB reached it, then
+        # went idle, unindexed: a writer lease taken over while the engine restarted; indexer
+        # soak, seeds 6 and 13.)
+        self._rebuild_at_connection = False
         if settings.replay_endpoint and settings.rebuild_at_start:
             self._resync_wanted.set()
         self.last_seq: int | None = None
@@ -381,13 +384,11 @@ class ZmqSource:
             )
             self._cleared_by_disconnect = True
             await self._reset_worker(self.last_seq or 0)
-        if self._new_connection and (
-            self._cleared_by_disconnect or self._replay_failed_unconnected
-        ):
+        if self._new_connection and (self._cleared_by_disconnect or self._rebuild_at_connection):
             # The rebuild shows which process publishes now: nothing left to check.
             sequence_break = self._cleared_by_disconnect
             self._new_connection = self._cleared_by_disconnect = False
-            self._replay_failed_unconnected = False
+            self._rebuild_at_connection = False
             if self.settings.replay_endpoint:
                 self._resync_cause = _RECONNECTED
                 self._resync_wanted.set()
@@ -433,9 +434,9 @@ class ZmqSource:
             )
         replies = await self._replay(0)
         if starting and not replies:
-            # Failed (None) with nothing applied yet: retried at the publisher's first
-            # connection, or rebuilt by its first message, whichever comes first.
-            self._replay_failed_unconnected = replies is None and floor is None
+            # Failed (None) or empty with nothing applied yet: retried at the SUB's next
+            # connection, or rebuilt by the first message, whichever comes first.
+            self._rebuild_at_connection = floor is None
             return
         # Seqs an earlier replay applied whose live copies may still be queued (this may be
         # the second replay before the first message: the start's replay set `floor`).

@@ -30,11 +30,16 @@ class FakeKvPublisher:
         endpoint: str = "tcp://127.0.0.1:*",
         replay_endpoint: str = "tcp://127.0.0.1:*",
         connect: bool = False,
+        pub_now: bool = True,
     ) -> None:
+        """`pub_now` False: only the replay ROUTER is up until `open_pub` (the PUB then on
+        `endpoint`, which must name its port)."""
         self.context = context
         self.connect = connect
-        self.pub = self._open_pub(endpoint)
-        self.endpoint = endpoint if connect else self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = endpoint
+        self.pub: zmq.asyncio.Socket | None = None
+        if pub_now:
+            self.open_pub()
         self.router = context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         _allow_ipv6(self.router, replay_endpoint)
@@ -48,6 +53,24 @@ class FakeKvPublisher:
         self.replay_requests: list[int] = []
         self.subscriptions: set[bytes] = set()  # every topic subscribed to so far
         self._replay_task: asyncio.Task[None] | None = None
+
+    def open_pub(self) -> None:
+        self.pub = self._open_pub(self.endpoint)
+        if not self.connect:
+            self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def open_pub_when_free(self) -> None:
+        """`open_pub` on an endpoint a socket just closed: ZMQ's I/O thread closes its
+        listener soon, not at once."""
+        for _ in range(100):
+            try:
+                self.open_pub()
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.01)
+        raise RuntimeError(f"{self.endpoint} still in use after the old socket closed")
 
     def _open_pub(self, endpoint: str) -> zmq.asyncio.Socket:
         pub = self.context.socket(zmq.XPUB)
@@ -66,15 +89,7 @@ class FakeKvPublisher:
         empty replay buffer, served on the same replay endpoint."""
         self.pub.close(linger=0)
         self.buffer.clear()
-        for _ in range(100):  # the old listener is closed by ZMQ's I/O thread, soon
-            try:
-                self.pub = self._open_pub(self.endpoint)
-                return
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE:
-                    raise
-                await asyncio.sleep(0.01)
-        raise RuntimeError(f"{self.endpoint} still in use after the old PUB closed")
+        await self.open_pub_when_free()
 
     async def wait_subscribed(
         self, timeout_s: float = 10.0, *, topic: bytes | None = None
@@ -144,7 +159,8 @@ class FakeKvPublisher:
             self._replay_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._replay_task
-        self.pub.close(linger=0)
+        if self.pub is not None:
+            self.pub.close(linger=0)
         self.router.close(linger=0)
 
 

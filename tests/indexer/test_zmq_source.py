@@ -415,6 +415,41 @@ async def test_a_source_started_before_its_publisher_rebuilds_from_the_replay_on
     assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
 
 
+async def test_an_empty_replay_at_start_is_retried_when_the_sub_connects(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The engine's replay ROUTER is up and answers the start's replay, empty, before the
+    engine's first batch and before the SUB's connection reaches its PUB; the engine then
+    publishes (the SUB misses it) and goes idle. The SUB's connection rebuilds the worker from
+    the replay (found by the indexer soak, seed 13, docs/soak.md: before, the worker stayed
+    empty until the engine's next batch, as when the start's replay failed)."""
+    probe = context.socket(zmq.ROUTER)
+    probe.bind("tcp://127.0.0.1:*")
+    endpoint = probe.getsockopt_string(zmq.LAST_ENDPOINT)  # nobody listening there yet
+    probe.close(linger=0)
+    publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+    publisher.start_replay()
+    index = PrefixIndex()
+    source = _source(
+        endpoint,
+        context,
+        MemoryBackend(index),
+        replay=publisher.replay_endpoint,
+        rebuild_at_start=True,
+    )
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.counters.num_replays >= 1, WAIT_S)
+            assert publisher.replay_requests == [0] and not source.counters.num_replay_failures
+            await publisher.publish(_message(0, _stored(1, 2)), live=False)  # before the SUB
+            await publisher.open_pub_when_free()
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
+
+
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
     context: zmq.asyncio.Context,
 ) -> None:
