@@ -23,7 +23,7 @@ with a plain tuple, is not part of the API); use `value._replace(...)` for an al
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import NamedTuple, Protocol, TypeVar
@@ -512,17 +512,24 @@ class ForwardPassStats:
 
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
-    """The engine's load for GetLoad, measured at the end of the last step."""
+    """The engine's load for GetLoad, measured at one instant on the engine thread: at the
+    start of a pass (once scheduled) and at its end, or after a command.
+
+    Every sequence is in exactly one of running (admitted by the scheduler: computing its
+    prompt, chunk by chunk, or decoding) and waiting (not admitted yet, or preempted), with its
+    context tokens in the matching token count; a PREFILL engine's finished prompt whose KV the
+    core holds for a decode engine is in neither, but one of `num_kv_sessions`."""
 
     num_running: int
     num_waiting: int
-    num_used_blocks: int  # referenced by a running sequence
+    num_used_blocks: int  # referenced by a running sequence or a held KV session
     num_cached_blocks: int  # holding a prefix-cache key (referenced or evictable)
     num_total_blocks: int
-    running_tokens: int  # context tokens of running sequences
+    running_tokens: int  # context tokens of running sequences (computed or not)
     waiting_tokens: int  # tokens still to compute for waiting sequences
-    prefill_batch_size: int  # of the last step
-    decode_batch_size: int  # of the last step
+    prefill_batch_size: int  # of the pass in progress, else of the last one
+    decode_batch_size: int  # of the pass in progress, else of the last one
+    num_kv_sessions: int  # KV sessions whose blocks the core holds (a PREFILL engine's)
 
     @property
     def kv_usage(self) -> float:
@@ -575,7 +582,7 @@ class EngineCoreFacade(Protocol):
 
     def abort_all(self) -> list[RequestOutput]: ...
 
-    def step(self) -> StepResult: ...
+    def step(self, on_pass_start: Callable[[], object] | None = None) -> StepResult: ...
 
     def has_work(self) -> bool: ...
 

@@ -449,7 +449,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> StepResult:
+    def step(self, on_pass_start: Callable[[], object] | None = None) -> StepResult:
+        """Schedule and run one forward pass. `on_pass_start()` runs once the pass is decided,
+        before it computes: `load()` then describes the pass in progress (the sequences it
+        admitted count running, its batch sizes are this pass's), which `EngineLoop` publishes
+        so that GetLoad never misses a request during the pass that admits it."""
         started_s = self.clock()
         sched = self.scheduler.schedule(started_s)
         outputs: list[RequestOutput] = []
@@ -471,6 +475,11 @@ class EngineCore:
             self._last_prefill_batch = self._last_decode_batch = 0
             return StepResult(outputs, None)
         batch, dead_ends = self._build_batch(sched.scheduled)
+        num_decode = batch.num_decode_sequences
+        self._last_decode_batch = num_decode
+        self._last_prefill_batch = len(batch.sequences) - num_decode
+        if on_pass_start is not None:
+            on_pass_start()
         results = {r.seq_id: r for r in self.runner.execute(batch)}
         duration_s = self.clock() - started_s
         released: list[int] = []
@@ -487,9 +496,6 @@ class EngineCore:
                     released.append(work.sequence.seq_id)
         if released:
             self.runner.release(released)
-        num_decode = batch.num_decode_sequences
-        self._last_decode_batch = num_decode
-        self._last_prefill_batch = len(batch.sequences) - num_decode
         stats = ForwardPassStats(
             started_at_s=started_s,
             duration_s=duration_s,
@@ -752,8 +758,10 @@ class EngineCore:
             num_total_blocks=bm.num_blocks,
             running_tokens=sum(s.num_tokens for s in running),
             waiting_tokens=sum(s.num_uncomputed_tokens for s in waiting),
-            # The last step's batch while it still runs; an engine that ran its last request
-            # out is idle, not still "batching" it (GetLoad is a point-in-time snapshot).
+            num_kv_sessions=len(self._kv_sessions),
+            # The batch of the pass in progress, else of the last one while its sequences still
+            # run; an engine that ran its last request out is idle, not still "batching" it
+            # (GetLoad is a point-in-time snapshot).
             prefill_batch_size=self._last_prefill_batch if running else 0,
             decode_batch_size=self._last_decode_batch if running else 0,
         )

@@ -21,7 +21,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from engine.core.api import (
     EngineRequest,
@@ -80,12 +81,21 @@ def _failed_outputs(
     ]
 
 
+class _Submitted(NamedTuple):
+    """Sequences of submitted requests, and their prompt tokens (each sequence's own)."""
+
+    seqs: int
+    tokens: int
+
+
 class EngineLoop:
     """Runs `EngineCore.step()` in one dedicated thread; see the module docstring.
 
     `on_step(report)` runs in the engine thread after every step or command that changed
-    something (outputs, KV events or the load), with the drained KV events and a fresh load
-    snapshot: publishers forward them from there (thread-safely). It must not block for long.
+    something (outputs, KV events or the load), and at the start of every pass (once it is
+    scheduled, with the outputs of the commands before it), with the drained KV events and a
+    fresh load snapshot: publishers forward them from there (thread-safely). It must not block
+    for long.
     """
 
     def __init__(
@@ -106,10 +116,11 @@ class EngineLoop:
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._load = core.load()
-        # Sequences of every request submitted so far, and how many of them the engine thread
-        # had taken in when `_load` was measured (both only grow; guarded by `_cond`).
-        self._num_submitted_seqs = 0
-        self._num_submitted_seqs_in_load = 0
+        # Sequences (and their prompt tokens) of every request submitted so far, and how many
+        # of them the engine thread had taken in when `_load` was measured (all only grow;
+        # guarded by `_cond`).
+        self._submitted = _Submitted(0, 0)
+        self._submitted_in_load = _Submitted(0, 0)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -134,19 +145,29 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def load(self) -> LoadSnapshot:
-        """The load measured after the last step (any thread)."""
-        return self._load
+        """The engine's load now (any thread): measured at the start and at the end of each
+        pass and after commands, with the sequences submitted since and not yet taken in by
+        the engine thread counted waiting, with their prompts in `waiting_tokens`. So a request
+        counts from its acceptance: waiting until the pass that admits it starts, running from
+        then until it finishes (`LoadSnapshot`)."""
+        with self._cond:
+            load, submitted, in_load = self._load, self._submitted, self._submitted_in_load
+        if submitted == in_load:
+            return load
+        return replace(
+            load,
+            num_waiting=load.num_waiting + submitted.seqs - in_load.seqs,
+            waiting_tokens=load.waiting_tokens + submitted.tokens - in_load.tokens,
+        )
 
     def num_live_requests(self) -> int:
         with self._cond:
             return len(self._sinks)
 
     def num_queued(self) -> int:
-        """Sequences accepted and not yet running: waiting in the scheduler at the last step
-        (preempted ones included), or submitted since and not yet added (any thread)."""
-        with self._cond:
-            not_in_load = self._num_submitted_seqs - self._num_submitted_seqs_in_load
-            return self._load.num_waiting + not_in_load
+        """Sequences accepted and not yet running: waiting in the scheduler (preempted ones
+        included), or submitted and not yet taken in (any thread; `load`)."""
+        return self.load().num_waiting
 
     # ---------------------------------------------------------------- any thread
 
@@ -175,7 +196,11 @@ class EngineLoop:
             if admit is not None:  # under the lock: no other submit between check and queue
                 admit()
             self._sinks[request.request_id] = (sink, request)
-            self._num_submitted_seqs += request.sampling.num_sequences
+            num_seqs = request.sampling.num_sequences
+            self._submitted = _Submitted(
+                self._submitted.seqs + num_seqs,
+                self._submitted.tokens + num_seqs * len(request.prompt_token_ids),
+            )
 
             def add() -> list[RequestOutput]:
                 if before is not None:
@@ -265,18 +290,18 @@ class EngineLoop:
                     stopping = self._stopping
                     # Every request submitted so far is among `commands`: the load measured
                     # after them counts its sequences.
-                    num_submitted_seqs = self._num_submitted_seqs
+                    submitted = self._submitted
                 outputs: list[RequestOutput] = []
                 for command in commands:
                     outputs.extend(self._run_command(command))
                 if stopping:
                     outputs.extend(self.core.abort_all())
-                    self._publish(StepResult(outputs, None), num_submitted_seqs)
+                    self._publish(StepResult(outputs, None), submitted)
                     return
                 result = StepResult(outputs, None)
                 if self.core.has_work():
-                    result = self._step(outputs)
-                self._publish(result, num_submitted_seqs)
+                    result = self._step(outputs, submitted)
+                self._publish(result, submitted)
         except Exception:
             logger.exception("the engine thread failed; failing every live request")
         finally:
@@ -303,9 +328,16 @@ class EngineLoop:
             logger.warning("engine command failed: %s", exc)
             return []
 
-    def _step(self, outputs: list[RequestOutput]) -> StepResult:
+    def _step(self, outputs: list[RequestOutput], submitted: _Submitted) -> StepResult:
+        """One pass; its start is published too, with the commands' outputs (`outputs`), so
+        the load says what runs during the pass (`EngineCore.step`)."""
+
+        def on_pass_start() -> None:
+            self._publish(StepResult(list(outputs), None), submitted)
+            outputs.clear()
+
         try:
-            result = self.core.step()
+            result = self.core.step(on_pass_start)
         except Exception:
             logger.exception("engine step failed; failing every running request")
             outputs.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
@@ -313,12 +345,12 @@ class EngineLoop:
         outputs.extend(result.outputs)
         return StepResult(outputs, result.stats)
 
-    def _publish(self, result: StepResult, num_submitted_seqs: int) -> None:
-        """`num_submitted_seqs`: the submitted sequences the engine thread has taken in."""
+    def _publish(self, result: StepResult, submitted: _Submitted) -> None:
+        """`submitted`: the submitted sequences the engine thread has taken in."""
         load = self.core.load()
         with self._cond:
             previous, self._load = self._load, load
-            self._num_submitted_seqs_in_load = num_submitted_seqs
+            self._submitted_in_load = submitted
         for output in result.outputs:
             with self._cond:
                 live = self._sinks.get(output.request_id)

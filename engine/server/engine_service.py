@@ -222,7 +222,6 @@ class EngineService:
         self._guide_compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="guide")
         self._in_flight_changed = asyncio.Event()
         self._progress_interval_s = drain_progress_interval_s
-        self._load = engine_loop.load()
         self.kv_sessions: KvSessionStore | None = None
         if kv_session_ttl_s is not None:
             self.kv_sessions = KvSessionStore(
@@ -243,7 +242,6 @@ class EngineService:
             self._aio_loop.call_soon_threadsafe(self._on_report, report)
 
     def _on_report(self, report: StepReport) -> None:
-        self._load = report.load
         self.kv_log.append(report.kv_events)
         self.runtime_events.publish_step(report.result.stats, report.load)
         if self.metrics is not None:
@@ -278,7 +276,11 @@ class EngineService:
         return self.kv_sessions.num_open if self.kv_sessions is not None else 0
 
     def load(self) -> LoadSnapshot:
-        return self._load
+        """The engine's load now, for GetLoad: read from the engine thread's latest snapshot
+        (`EngineLoop.load`), not from the reports this loop has processed, so that a prefill
+        that just finished counts at once in `num_kv_sessions`, at the instant it leaves the
+        running sequences (never in both, never in neither)."""
+        return self.engine_loop.load()
 
     # ---------------------------------------------------------------- requests
 

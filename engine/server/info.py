@@ -302,13 +302,14 @@ def load_info(
     timestamp_unix_ns: int,
     data_parallel_rank: int,
     include_per_rank: bool,
-    active_kv_sessions: int = 0,
     running_tasks: int = 0,
     waiting_tasks: int = 0,
 ) -> pb.LoadInfo:
     """`running_tasks`: pooling tasks in flight, of which `waiting_tasks` wait for the engine
     thread: those count as queued requests (as admission control counts them), the others as
-    running. The one rank's figures are the engine's."""
+    running. `active_kv_sessions` are the sessions the core holds, from the same snapshot as
+    the counts, so a finished prefill moves from `running_requests` to it at one instant. The
+    one rank's figures are the engine's."""
     running_requests = load.num_running + running_tasks - waiting_tasks
     queued_requests = load.num_waiting + waiting_tasks
     info = pb.LoadInfo(
@@ -316,7 +317,7 @@ def load_info(
         timestamp_unix_nanos=timestamp_unix_ns,
         running_requests=running_requests,
         queued_requests=queued_requests,
-        active_kv_sessions=active_kv_sessions,
+        active_kv_sessions=load.num_kv_sessions,
         used_kv_blocks=load.num_used_blocks,
         total_kv_blocks=load.num_total_blocks,
         running_tokens=load.running_tokens,

@@ -233,7 +233,9 @@ class KvSessionStore:
 
     @property
     def num_open(self) -> int:
-        """Sessions handed over (READY or PULLING): what Drain and GetLoad report."""
+        """Sessions handed over (READY or PULLING): what Drain reports. GetLoad reports the
+        sessions whose blocks the core holds (`LoadSnapshot.num_kv_sessions`): the same ones,
+        from the instant the prefill finishes until the core lets go of the blocks."""
         return sum(1 for s in self._sessions.values() if s.state is not _State.PREFILLING)
 
     def open(self, namespace: KvNamespace) -> str:

@@ -254,7 +254,6 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             timestamp_unix_ns=time.time_ns(),
             data_parallel_rank=self._ctx.data_parallel_rank,
             include_per_rank=request.include_per_rank,
-            active_kv_sessions=self._service.num_open_kv_sessions,
             running_tasks=self._service.num_running_tasks,
             waiting_tasks=self._service.num_waiting_tasks,
         )

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+from engine.torch_runner.builtin_model import write_builtin_model
 
 
 @pytest.fixture
@@ -16,3 +19,9 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The builtin random Llama (`model: builtin`), written once per module."""
+    return write_builtin_model(tmp_path_factory.mktemp("builtin"))

@@ -4,6 +4,7 @@ server tests. Not a test module itself."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -13,10 +14,12 @@ from typing import Any
 import grpc
 
 from engine.config import EngineConfig, SimTimingConfig
+from engine.server.engine_service import EngineService
 from engine.server.service import EngineApp, start_engine
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2_grpc as vllm_grpc
 
 
@@ -126,6 +129,25 @@ async def idle(engine: Engine) -> bool:
         and load.used_kv_blocks == 0
         and engine.app.service.num_in_flight == 0
     )
+
+
+@asynccontextmanager
+async def engine_thread_held(service: EngineService) -> AsyncIterator[None]:
+    """The engine thread busy in one command (a step that takes long) until the block ends:
+    what arrives meanwhile waits for it."""
+    in_step, step_over = threading.Event(), threading.Event()
+
+    def long_step(_core: object) -> None:
+        in_step.set()
+        step_over.wait(30)
+
+    step = asyncio.wrap_future(service.engine_loop.call(long_step))
+    await eventually(in_step.is_set, what="the long step")
+    try:
+        yield
+    finally:
+        step_over.set()
+        await step
 
 
 async def metrics_text(engine: Engine) -> str:

@@ -5,13 +5,10 @@ meanwhile is unchanged, and every refusal has the seed's status."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import shutil
-import threading
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +19,6 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from engine.config import EngineConfig
-from engine.server.engine_service import EngineService
-from engine.torch_runner.builtin_model import write_builtin_model
 from engine.torch_runner.config import ModelConfig
 from engine.torch_runner.errors import CheckpointError
 from engine.torch_runner.loader import load_model
@@ -31,6 +26,7 @@ from engine.torch_runner.pooling import TorchPooler
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
+    engine_thread_held,
     generate_request,
     metrics_text,
     rpc_error,
@@ -44,11 +40,6 @@ pytestmark = pytest.mark.timeout(180)
 MODEL = "builtin"
 LABELS = ["negative", "neutral", "positive"]
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def builtin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_builtin_model(tmp_path_factory.mktemp("builtin"))
 
 
 @pytest.fixture(scope="module")
@@ -94,25 +85,6 @@ def context(request_id: str = "t", **fields: Any) -> pb.TaskRequestContext:
 
 def ids_input(item_id: str, ids: list[int]) -> pb.TaskInput:
     return pb.TaskInput(item_id=item_id, token_ids=pb.TokenIds(ids=ids))
-
-
-@contextlib.asynccontextmanager
-async def engine_thread_held(service: EngineService) -> AsyncIterator[None]:
-    """The engine thread busy in one command (a step that takes long) until the block ends:
-    what arrives meanwhile waits for it."""
-    in_step, step_over = threading.Event(), threading.Event()
-
-    def long_step(_core: object) -> None:
-        in_step.set()
-        step_over.wait(30)
-
-    step = asyncio.wrap_future(service.engine_loop.call(long_step))
-    await eventually(in_step.is_set, what="the long step")
-    try:
-        yield
-    finally:
-        step_over.set()
-        await step
 
 
 def overloaded_metric(task: str) -> str:

@@ -30,6 +30,7 @@ from kvplane.errors import ConfigError
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
+    engine_thread_held,
     generate_request,
     rpc_error,
     running_engine,
@@ -41,7 +42,6 @@ from tests.engine.test_server_pooling import (
     close,
     context,
     engine_config,
-    engine_thread_held,
     ids_input,
     normalized,
     overloaded_metric,
