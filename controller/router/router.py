@@ -531,7 +531,7 @@ class Router:
         # Only policies that include the filter in their behaviour get it: the peers' and the
         # blind baselines' real systems have none, and their rows must be theirs.
         busy_ids = self.busy.busy_ids(view) if self.policy.filters_busy else set()
-        free = [c for c in view if c.engine_id not in busy_ids]
+        free = [c for c in view if c.engine_id not in busy_ids] if busy_ids else view
 
         def without_policy(chosen: Candidate, reason: Reason) -> Decision:
             costs = _mark_busy(blind_costs(request, view), busy_ids)
