@@ -89,7 +89,8 @@ class Candidate(NamedTuple):
     # Blocks the index places on the engine (cached, in use or not); None when unknown.
     cached_blocks: int | None = None
     # How many of the request's blocks the engine's active requests already hold (see
-    # `InFlight.active_blocks`); None unless the policy counts active blocks.
+    # `InFlight.active_blocks`); None unless the policy counts active blocks, or when the
+    # router has no active request there (none to hold them: read as 0).
     active_overlap_blocks: int | None = None
 
     def as_routed(

@@ -259,8 +259,20 @@ class Router:
                 if reach > held:
                     # Pending blocks will be on the device once computed.
                     hit = PrefixHit(hit.device_blocks + reach - held, hit.host_blocks)
+            inflight = self.inflight.of(c.engine_id)
+            if (
+                not inflight.requests
+                and hit is c.hit
+                and c.active_overlap_blocks is None
+                and c.inflight == inflight
+            ):
+                # Nothing of the router's on the engine, nor pending there (most of a large
+                # fleet): the candidate as it came, no active request to overlap (None, read
+                # as 0), rather than a copy of it for every engine on every request.
+                out.append(c)
+                continue
             overlap = self.inflight.active_overlap(c.engine_id, keys) if count else None
-            out.append(c.as_routed(hit, self.inflight.of(c.engine_id), overlap))
+            out.append(c.as_routed(hit, inflight, overlap))
         return out
 
     def explain(
