@@ -746,8 +746,8 @@ class Registry:
         record = self._by_address.get(address)
         if record is not None and record.state is not EngineState.INCOMPATIBLE:
             record.state = EngineState.UNKNOWN
-            record.load = LoadSnapshot()
-            self.version += 1  # the old process's: the fleet's totals drop it
+            record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
+            self.version += 1
 
     def on_loras(
         self,
