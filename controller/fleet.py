@@ -216,6 +216,9 @@ class PromptView(NamedTuple):
     block_keys: tuple[int, ...]
     candidates: tuple[Candidate, ...]
     index_error: str | None = None  # the index could not answer: no indexed hits
+    # `Registry.version` when the candidates were listed (None: cordoned engines among them,
+    # admin `match`): while it stands, every candidate is still routable.
+    registry_version: int | None = None
 
 
 class _Engine:
@@ -665,6 +668,7 @@ class Fleet:
         cordoned: bool = False,
     ) -> PromptView:
         """The prompt's keys and its candidates (with `cordoned`, cordoned engines too)."""
+        version = None if cordoned else self.registry.version
         records = self.registry.routable(
             model or None, role, lora_name, cordoned=cordoned, generating=True
         )
@@ -694,7 +698,7 @@ class Fleet:
         if index_error is not None:
             self._routing_blind.warn(f"{index_error}; routing by load")
         candidates = tuple(self.candidate(r, hits.get(r.address, _NO_HIT)) for r in records)
-        return PromptView(size, keys, candidates, index_error)
+        return PromptView(size, keys, candidates, index_error, version)
 
     def candidate(self, record: EngineRecord, hit: PrefixHit = _NO_HIT) -> Candidate:
         """The engine as the router sees it: its last load, capacity and indexed blocks, and

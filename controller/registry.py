@@ -74,6 +74,10 @@ class EngineState(enum.StrEnum):
 
 
 ROUTABLE_STATES = frozenset({EngineState.READY, EngineState.DEGRADED})
+# How many `Registry.routable` lists (one per model, role and whether generating) are kept
+# between two changes of the fleet: a request may name any model that an engine listing none
+# serves, so the memo must not grow with what clients send.
+ROUTABLE_MEMO_SIZE = 64
 # What a failed poll leaves an engine in, until a poll succeeds.
 POLL_FAILED_STATES = frozenset({EngineState.UNREACHABLE, EngineState.FAILING})
 
@@ -399,6 +403,18 @@ class Registry:
         # routed request reads them in this order (`routable`), and at hundreds of engines
         # sorting them for each request cost more than the rest of the scan.
         self._in_order: list[EngineRecord] | None = None
+        # Bumped by every change that can take an engine into or out of `routable` (a join,
+        # a leave, a state, a cordon, an identity, LoRA adapters; not a load). What was
+        # derived from the routable engines stays true while it stands: `routable`'s memo,
+        # and the candidates of a plan (`Controller.route` re-checks them only after a
+        # change). So every such change goes through a method of this class, never a
+        # record's field set from outside.
+        self.version = 0
+        # `routable` without a LoRA adapter or cordons, by (model, role, generating), as of
+        # `_memo_version`: every request asks it, and at hundreds of engines testing each
+        # engine again for each request cost as much as routing it.
+        self._routable_memo: dict[tuple[str | None, Role | None, bool], list[EngineRecord]] = {}
+        self._memo_version = -1
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -436,12 +452,14 @@ class Registry:
         record = EngineRecord(address, kv_events=kv_events, source=source, array_tail=array_tail)
         self._by_address[address] = record
         self._in_order = None
+        self.version += 1
         return record
 
     def remove(self, key: str) -> EngineRecord:
         record = self.get(key)
         del self._by_address[record.address]
         self._in_order = None
+        self.version += 1
         return record
 
     def get(self, key: str) -> EngineRecord:
@@ -482,7 +500,20 @@ class Registry:
         LoRA adapter `lora_name` when one is named; with `cordoned`, also those that would
         but for a cordon (admin `match`: what an operator checks before uncordoning); with
         `generating`, only those that generate (a Generate: not pooling-only engines)."""
-        return list(self._routable(model, role, lora_name, cordoned, generating))
+        if lora_name or cordoned:
+            return list(self._routable(model, role, lora_name, cordoned, generating))
+        if self._memo_version != self.version:
+            self._routable_memo.clear()
+            self._memo_version = self.version
+        key = (model, role, generating)
+        records = self._routable_memo.get(key)
+        if records is None:
+            if len(self._routable_memo) >= ROUTABLE_MEMO_SIZE:
+                self._routable_memo.clear()
+            records = self._routable_memo[key] = list(
+                self._routable(model, role, lora_name, cordoned, generating)
+            )
+        return list(records)
 
     def any_routable(
         self, model: str | None = None, role: Role | None = None, *, generating: bool = False
@@ -602,6 +633,7 @@ class Registry:
         record.drain_requested = True
         if record.state in ROUTABLE_STATES or record.state is EngineState.EJECTED:
             record.state = EngineState.DRAINING
+            self.version += 1
         return record
 
     def withdraw_drain(self, address: str) -> None:
@@ -614,6 +646,7 @@ class Registry:
     def set_cordoned(self, key: str, cordoned: bool) -> EngineRecord:
         record = self.get(key)
         record.cordoned = cordoned
+        self.version += 1
         return record
 
     # ---- what the pollers report ----
@@ -630,6 +663,7 @@ class Registry:
         instance).
         Raises IncompatibleEngineError (and marks the engine) when the revision check fails."""
         record = self._by_address[address]
+        self.version += 1  # whatever follows: a new identity, or the engine rejected
         # An engine whose connection was lost is a new process when it answers again, even
         # if it answered with errors on the way (restarting, failing, then healthy).
         came_back = record.state in POLL_FAILED_STATES and record.connection_lost
@@ -713,6 +747,7 @@ class Registry:
         if record is not None and record.state is not EngineState.INCOMPATIBLE:
             record.state = EngineState.UNKNOWN
             record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
+            self.version += 1
 
     def on_loras(
         self,
@@ -726,22 +761,26 @@ class Registry:
         if record is not None:
             record.lora_adapters = adapters
             record.lora_conflicts = conflicts
+            self.version += 1
 
     def on_lora_loaded(self, address: str, lora_name: str) -> None:
         record = self._by_address.get(address)
         if record is not None:
             record.lora_adapters = (record.lora_adapters or frozenset()) | {lora_name}
+            self.version += 1
 
     def on_lora_unloaded(self, address: str, lora_name: str) -> None:
         record = self._by_address.get(address)
         if record is not None and record.lora_adapters is not None:
             record.lora_adapters = record.lora_adapters - {lora_name}
             record.lora_conflicts = record.lora_conflicts - {lora_name}
+            self.version += 1
 
     def mark_incompatible(self, address: str, error: str) -> None:
         record = self._by_address.get(address)
         if record is not None:
             _reject(record, error)
+            self.version += 1
 
     def on_health(self, address: str, state: EngineState, now_s: float, message: str = "") -> None:
         """Record a health answer. `message` (what the failing checks said) is kept as the
@@ -763,6 +802,8 @@ class Registry:
             record.last_error = record.ejected_for
         else:
             record.last_error = "" if state in ROUTABLE_STATES else message
+        if state is not record.state:
+            self.version += 1
         record.state = state
         record.last_seen_s = now_s
         record.num_failures = 0
@@ -796,6 +837,7 @@ class Registry:
         record.ejections += 1
         record.ejected_until_s = now_s + duration_s
         record.state = EngineState.EJECTED
+        self.version += 1
         record.last_error = record.ejected_for = (
             f"{record.request_failures} requests failed in a row (last: {error}); "
             f"out of routing for {duration_s:g} s"
@@ -845,6 +887,8 @@ class Registry:
             if record.state not in POLL_FAILED_STATES:
                 record.connection_lost = False
                 record.unreachable_since_s = None
+            if failure.state is not record.state:
+                self.version += 1
             record.state = failure.state
         if failure is PollFailure.ERROR_ANSWER:
             record.unreachable_since_s = None

@@ -241,12 +241,18 @@ class Controller:
     def route(self, plan: Plan, exclude: frozenset[str] = frozenset()) -> Decision:
         # Not the engines that already failed it (a retry), nor those out of routing since
         # the plan was made: its index match may have waited on a shared or remote index
-        # while a drain, a cordon, a health answer or a removal came.
-        candidates = tuple(
-            c
-            for c in plan.view.candidates
-            if c.engine_id not in exclude and self._routable(c, plan.lora_name)
-        )
+        # while a drain, a cordon, a health answer or a removal came. With no such change
+        # since (`Registry.version`; the usual case: a plan takes well under a millisecond
+        # with the embedded index), the plan's candidates stand as they are, without a
+        # registry lookup for each (at hundreds of engines, 6% of the routing path).
+        if not exclude and plan.view.registry_version == self.fleet.registry.version:
+            candidates = plan.view.candidates
+        else:
+            candidates = tuple(
+                c
+                for c in plan.view.candidates
+                if c.engine_id not in exclude and self._routable(c, plan.lora_name)
+            )
         if not candidates and plan.lora_name:
             self._check_lora_still_held(plan)
         if not candidates and not exclude:

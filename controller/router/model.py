@@ -8,6 +8,11 @@ dataclasses: a request builds a dozen of them before the engine is called, and a
 built about three times faster (a frozen dataclass sets each field through
 `object.__setattr__`). Use `value._replace(...)` for an altered copy. `LoadSnapshot`, built
 once per poll, stays a frozen, slotted dataclass.
+
+The router reads `Candidate`'s load properties of every engine for every request, so they
+take the larger or smaller of two numbers with a conditional expression, written as
+`max`/`min` decide (`b if b > a else a` is `max(a, b)`, ties and all): on CPython 3.11 a call
+of the builtins costs more than the rest of such a property (docs/benchmarks/fleet_scale.md).
 """
 
 from __future__ import annotations
@@ -84,7 +89,8 @@ class Candidate(NamedTuple):
     # Blocks the index places on the engine (cached, in use or not); None when unknown.
     cached_blocks: int | None = None
     # How many of the request's blocks the engine's active requests already hold (see
-    # `InFlight.active_blocks`); None unless the policy counts active blocks.
+    # `InFlight.active_blocks`); None unless the policy counts active blocks, or when the
+    # router has no active request there (none to hold them: read as 0).
     active_overlap_blocks: int | None = None
 
     def as_routed(
@@ -112,7 +118,8 @@ class Candidate(NamedTuple):
         """Requests on the engine: the larger of the polled count and the router's own (the
         poll lags, the router's count misses other routers' traffic)."""
         polled = (self.load.running_requests or 0) + (self.load.queued_requests or 0)
-        return max(polled, self.inflight.requests)
+        own = self.inflight.requests
+        return own if own > polled else polled  # max(polled, own)
 
     @property
     def queued_requests(self) -> int:
@@ -128,10 +135,17 @@ class Candidate(NamedTuple):
         be cached, so that part comes out of the polled figure, as far as it will still be
         cached at admission (`cache_survival`). The router's own uncached in-flight prefill
         is the floor (the poll lags, and the correction may also take out requests already
-        running or sent after the poll, which the polled figure does not hold)."""
-        cached = self.cache_survival * self.inflight.prefill_cached_tokens
-        polled = (self.load.waiting_tokens or 0) - round(cached)
-        return max(polled, self.inflight.prefill_tokens)
+        running or sent after the poll, which the polled figure does not hold).
+
+        An engine with no cached prompt of the router's queued (most of a large fleet at any
+        moment) keeps the polled figure as it is, without working out `cache_survival`: the
+        router reads this of every engine for every request."""
+        inflight = self.inflight
+        polled = self.load.waiting_tokens or 0
+        if inflight.prefill_cached_tokens:
+            polled -= round(self.cache_survival * inflight.prefill_cached_tokens)
+        own = inflight.prefill_tokens
+        return own if own > polled else polled  # max(polled, own)
 
     @property
     def capacity_blocks(self) -> int | None:
@@ -157,7 +171,8 @@ class Candidate(NamedTuple):
         total = self.capacity_blocks
         if not total or self.cached_blocks is None:
             return 1.0
-        return min(1.0, self.cached_blocks / total)
+        full = self.cached_blocks / total
+        return full if full < 1.0 else 1.0  # min(1.0, full)
 
     @property
     def kv_usage(self) -> float | None:
@@ -194,6 +209,8 @@ class RouteRequest(NamedTuple):
         """(device, host) prompt tokens an engine with `hit` serves from cache. `limit`:
         `max_cacheable_blocks`, read once by a caller that asks for every engine of a fleet
         (a property that computes: at hundreds of engines, reading it for each one showed)."""
+        if not (hit.device_blocks or hit.host_blocks):
+            return 0, 0  # a prompt the engine holds none of (most engines of a large fleet)
         if limit is None:
             limit = self.max_cacheable_blocks
         device = min(hit.device_blocks, limit)

@@ -19,7 +19,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from controller.router.model import Candidate, Decision, EngineCost, Reason, RouteRequest
 
@@ -267,17 +267,18 @@ class KvplanePolicy(_Stateless):
         self.counts_active_blocks = self.weights.memory_weight > 0
 
     def costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[EngineCost]:
-        return self._costs(request, candidates, self._queues(candidates))
+        return self._score(request, candidates).rows
 
-    @staticmethod
-    def _queues(candidates: Sequence[Candidate]) -> list[float]:
-        """Each candidate's prefill queue (a property that computes: read once a decision)."""
-        return [float(c.pending_prefill_tokens) for c in candidates]
-
-    def _costs(
-        self, request: RouteRequest, candidates: Sequence[Candidate], queues: Sequence[float]
-    ) -> list[EngineCost]:
+    def _score(self, request: RouteRequest, candidates: Sequence[Candidate]) -> _Scores:
+        """Every candidate's cost row, and what `choose` reads of them, in two passes over the
+        fleet: one for its shared terms (the queues, whose shortest says whether the fleet is
+        backlogged, and the mean cache pressure), one for each engine's row. A request costs
+        every routable engine, so the per-engine pass is the router's largest cost at hundreds
+        of engines (docs/benchmarks/fleet_scale.md): what does not depend on the engine (the
+        weights, the request's terms) is read once, before it, and each candidate's
+        properties (small functions that compute) once each."""
         w = self.weights
+        queues = [float(c.pending_prefill_tokens) for c in candidates]
         pressure = sum(c.cache_pressure for c in candidates) / max(len(candidates), 1)
         overlap = w.idle_overlap_weight + (w.overlap_weight - w.idle_overlap_weight) * pressure
         backlogged = self._backlogged(queues)
@@ -286,30 +287,42 @@ class KvplanePolicy(_Stateless):
             # cached prefix only adds to everyone's wait.
             overlap = max(overlap, w.backlog_overlap_weight)
         memory_weight = 0.0 if backlogged else w.memory_weight
-        rows = []
+        host_weight, queue_knee, decode_weight = w.host_weight, w.queue_knee, w.decode_weight
+        pass_tokens, pass_decodes = w.pass_tokens, w.pass_decodes
+        prompt_tokens = request.num_prompt_tokens
         cacheable = request.max_cacheable_blocks
+        rows: list[EngineCost] = []
+        totals: list[float] = []
+        waits: list[float] = []
         for c, waiting in zip(candidates, queues, strict=True):
             device, host = request.cached_tokens(c.hit, cacheable)
-            uncached = request.num_prompt_tokens - device - host
+            uncached = prompt_tokens - device - host
             active = c.active_requests  # a property: read once
-            prefill = overlap * (uncached + w.host_weight * host)
+            prefill = overlap * (uncached + host_weight * host)
             queue = waiting
-            if w.queue_knee > 0:
-                queue *= 1.0 + (1.0 - pressure) * waiting / w.queue_knee
-            decode = w.decode_weight * active
-            if w.pass_tokens > 0:
+            if queue_knee > 0:
+                queue *= 1.0 + (1.0 - pressure) * waiting / queue_knee
+            decode = decode_weight * active
+            if pass_tokens > 0:
                 # Every pass of the queue ahead and of this prompt's prefill also decodes.
                 running = c.load.running_requests
                 decoding = running if running is not None else active - c.queued_requests
-                decoding = min(max(decoding, 0), w.pass_decodes)
-                passes = (waiting + uncached) / w.pass_tokens
-                decode += w.decode_weight * decoding * passes
+                # min(max(decoding, 0), pass_decodes) (the module docstring of `model` says
+                # why not the builtins)
+                decoding = 0 if decoding < 0 else decoding
+                decoding = pass_decodes if pass_decodes < decoding else decoding
+                passes = (waiting + uncached) / pass_tokens
+                decode += decode_weight * decoding * passes
             memory = memory_weight * _kv_overflow_tokens(request, c) if memory_weight else 0.0
             total = prefill + queue + decode + memory
             rows.append(
                 EngineCost(c.engine_id, device, host, prefill, queue, decode, total, False, memory)
             )
-        return rows
+            totals.append(total)
+            # The engine's prefill wait for the request (`_patient`): its queue, then the
+            # prompt tokens it does not hold.
+            waits.append(waiting + prompt_tokens - device - host)
+        return _Scores(rows, totals, waits, backlogged)
 
     def choose(
         self,
@@ -319,13 +332,13 @@ class KvplanePolicy(_Stateless):
         now_s: float,
     ) -> Decision:
         w = self.weights
-        queues = self._queues(candidates)
-        rows = self._costs(request, candidates, queues)
-        totals = [r.total or 0.0 for r in rows]
-        allowed = self._patient(request, queues, rows)
-        best = min(totals[i] for i in allowed)
+        rows, totals, waits, backlogged = self._score(request, candidates)
+        allowed = self._patient(waits, backlogged)
+        # Every engine is allowed but where patience cuts some (rarely).
+        allowed_totals = totals if len(allowed) == len(totals) else [totals[i] for i in allowed]
+        best = min(allowed_totals)
         if w.temperature > 0:
-            index = allowed[_softmax_pick([totals[i] for i in allowed], w.temperature, rng)]
+            index = allowed[_softmax_pick(allowed_totals, w.temperature, rng)]
             tied = 2
         else:
             limit = best + w.tie_tokens + w.tie_ratio * best
@@ -350,23 +363,26 @@ class KvplanePolicy(_Stateless):
         """Even the shortest prefill queue is at least `backlog_tokens` long."""
         return bool(queues) and 0 < self.weights.backlog_tokens <= min(queues)
 
-    def _patient(
-        self, request: RouteRequest, queues: Sequence[float], rows: Sequence[EngineCost]
-    ) -> list[int]:
-        """Indices of the engines whose prefill wait for the request (queue + uncached prompt
-        tokens) is within `patience_tokens` of the quickest engine's (all of them when the
-        fleet is backlogged: then every wait is long, and recomputing only adds to it)."""
+    def _patient(self, waits: Sequence[float], backlogged: bool) -> list[int]:
+        """Indices of the engines whose prefill wait for the request (`_Scores.waits`) is
+        within `patience_tokens` of the quickest engine's (all of them when the fleet is
+        backlogged: then every wait is long, and recomputing only adds to it)."""
         patience = self.weights.patience_tokens
-        if patience <= 0:
-            return list(range(len(rows)))
-        if self._backlogged(queues):
-            return list(range(len(rows)))
-        waits = [
-            queue + request.num_prompt_tokens - r.cached_tokens - r.host_cached_tokens
-            for queue, r in zip(queues, rows, strict=True)
-        ]
+        if patience <= 0 or backlogged:
+            return list(range(len(waits)))
         limit = min(waits) + patience
         return [i for i, wait in enumerate(waits) if wait <= limit]
+
+
+class _Scores(NamedTuple):
+    """What `KvplanePolicy._score` finds, in the candidates' order: each engine's cost row,
+    its total (`EngineCost.total`, never None here), its prefill wait for the request (queue
+    + uncached prompt tokens), and whether the fleet is backlogged."""
+
+    rows: list[EngineCost]
+    totals: list[float]
+    waits: list[float]
+    backlogged: bool
 
 
 def _kv_overflow_tokens(request: RouteRequest, c: Candidate) -> int:
@@ -378,9 +394,12 @@ def _kv_overflow_tokens(request: RouteRequest, c: Candidate) -> int:
     size = c.block_size or request.block_size
     if not total or not size:
         return 0
-    held = max(c.load.used_kv_blocks or 0, c.inflight.active_blocks)
+    # max(polled, own) and max(0, lacking), as `controller.router.model` writes them
+    polled, own = c.load.used_kv_blocks or 0, c.inflight.active_blocks
+    held = own if own > polled else polled
     prompt_blocks = -(-request.num_prompt_tokens // size) - (c.active_overlap_blocks or 0)
-    return max(0, (held + prompt_blocks - total) * size)
+    lacking = (held + prompt_blocks - total) * size
+    return lacking if lacking > 0 else 0
 
 
 def _softmax_pick(totals: Sequence[float], temperature: float, rng: random.Random) -> int:

@@ -259,8 +259,20 @@ class Router:
                 if reach > held:
                     # Pending blocks will be on the device once computed.
                     hit = PrefixHit(hit.device_blocks + reach - held, hit.host_blocks)
+            inflight = self.inflight.of(c.engine_id)
+            if (
+                not inflight.requests
+                and hit is c.hit
+                and c.active_overlap_blocks is None
+                and c.inflight == inflight
+            ):
+                # Nothing of the router's on the engine, nor pending there (most of a large
+                # fleet): the candidate as it came, no active request to overlap (None, read
+                # as 0), rather than a copy of it for every engine on every request.
+                out.append(c)
+                continue
             overlap = self.inflight.active_overlap(c.engine_id, keys) if count else None
-            out.append(c.as_routed(hit, self.inflight.of(c.engine_id), overlap))
+            out.append(c.as_routed(hit, inflight, overlap))
         return out
 
     def explain(
@@ -531,7 +543,7 @@ class Router:
         # Only policies that include the filter in their behaviour get it: the peers' and the
         # blind baselines' real systems have none, and their rows must be theirs.
         busy_ids = self.busy.busy_ids(view) if self.policy.filters_busy else set()
-        free = [c for c in view if c.engine_id not in busy_ids]
+        free = [c for c in view if c.engine_id not in busy_ids] if busy_ids else view
 
         def without_policy(chosen: Candidate, reason: Reason) -> Decision:
             costs = _mark_busy(blind_costs(request, view), busy_ids)

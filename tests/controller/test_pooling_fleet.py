@@ -83,7 +83,7 @@ async def test_a_pooling_only_engine_gets_pooling_traffic_only(mixed_fleet: Flee
 
 async def test_generate_with_only_a_pooling_engine_routable_names_it(mixed_fleet: Fleet) -> None:
     registry = mixed_fleet.app.controller.fleet.registry
-    registry.get("gen").cordoned = True
+    registry.set_cordoned("gen", True)
     request = pb.GenerateRequest(request_id="g", model=MODEL, token_ids=pb.TokenIds(ids=[5, 6, 7]))
     with pytest.raises(grpc.aio.AioRpcError) as err:
         [r async for r in mixed_fleet.gateway.Generate(request)]

@@ -11,6 +11,7 @@ import pytest
 
 from controller.config import ControllerConfig
 from controller.registry import (
+    ROUTABLE_MEMO_SIZE,
     EjectionPolicy,
     EngineIdentity,
     EngineState,
@@ -590,3 +591,75 @@ def test_any_routable_says_whether_routable_names_an_engine_of_the_role() -> Non
     _ready(registry, "h:2", identity("a2"))
     assert registry.any_routable(None, Role.AGGREGATED, generating=True)
     assert [r.address for r in registry.routable(None, Role.AGGREGATED)] == ["h:2"]
+
+
+def routable_at(registry: Registry, **kwargs: object) -> tuple[int, list[str]]:
+    """The registry's version and the engines `routable` lists now (addresses)."""
+    return registry.version, [r.address for r in registry.routable(**kwargs)]  # type: ignore[arg-type]
+
+
+def test_every_change_of_routability_moves_the_version_and_shows_in_the_next_listing() -> None:
+    """`routable` is kept between changes (every request asks it), and a plan's candidates
+    are routed without a registry lookup each while the version stands: so every change
+    that takes an engine into or out of routing moves the version, and the next listing
+    shows it. A load report changes neither."""
+    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(1, 10.0, 10.0))
+    registry.add("h:3")
+    registry.on_loras("h:1", frozenset())
+    version, listed = routable_at(registry)
+    assert listed == ["h:1", "h:2"]
+    for change, expected in [
+        (lambda: registry.set_cordoned("h:1", True), ["h:2"]),
+        (lambda: registry.set_cordoned("h:1", False), ["h:1", "h:2"]),
+        (lambda: registry.on_health("h:2", EngineState.NOT_READY, 1.0), ["h:1"]),
+        (lambda: registry.on_health("h:2", EngineState.READY, 1.0), ["h:1", "h:2"]),
+        (lambda: registry.request_drain("h:1"), ["h:2"]),
+        (lambda: registry.on_identity("h:1", identity("e0-new"), 2.0), ["h:2"]),
+        (lambda: registry.on_health("h:1", EngineState.READY, 2.0), ["h:1", "h:2"]),
+        (lambda: registry.on_poll_failed("h:2", 3.0, "gone"), ["h:1"]),
+        (lambda: registry.on_identity("h:2", identity("e1"), 4.0), ["h:1"]),
+        (lambda: registry.on_health("h:2", EngineState.READY, 4.0), ["h:1", "h:2"]),
+        (lambda: registry.on_request_failed("e1", 5.0, "INTERNAL: x"), ["h:1"]),
+        (lambda: registry.on_health("h:2", EngineState.READY, 16.0), ["h:1", "h:2"]),
+        (lambda: registry.on_new_instance("h:2"), ["h:1"]),
+        (lambda: registry.on_identity("h:2", identity("e2"), 17.0), ["h:1"]),
+        (lambda: registry.on_health("h:2", EngineState.READY, 17.0), ["h:1", "h:2"]),
+        (lambda: registry.mark_incompatible("h:2", "refused"), ["h:1"]),
+        (lambda: registry.on_identity("h:3", identity("e3"), 18.0), ["h:1"]),
+        (lambda: registry.on_health("h:3", EngineState.READY, 18.0), ["h:1", "h:3"]),
+        (lambda: registry.remove("h:1"), ["h:3"]),
+    ]:
+        change()
+        now, listed = routable_at(registry)
+        assert now > version and listed == expected, (now, version, listed, expected)
+        version = now
+    registry.on_load("h:3", LoadSnapshot(running_requests=3), 19.0)
+    registry.on_health("h:3", EngineState.READY, 19.0)  # no change of state
+    assert routable_at(registry) == (version, ["h:3"])
+
+
+def test_lora_changes_move_the_version_and_show_in_the_next_listing() -> None:
+    registry = ready_registry("h:1", policy=EjectionPolicy())
+    registry.on_loras("h:1", frozenset())
+    version, listed = routable_at(registry, lora_name="x")
+    assert listed == []
+    for change, expected in [
+        (lambda: registry.on_lora_loaded("h:1", "x"), ["h:1"]),
+        (lambda: registry.on_lora_unloaded("h:1", "x"), []),
+        (lambda: registry.on_loras("h:1", frozenset({"x"})), ["h:1"]),
+        (lambda: registry.on_loras("h:1", frozenset({"x"}), conflicts=frozenset({"x"})), []),
+    ]:
+        change()
+        now, listed = routable_at(registry, lora_name="x")
+        assert now > version and listed == expected, (now, version, listed, expected)
+        version = now
+
+
+def test_the_routable_listings_kept_do_not_grow_with_the_models_requests_name() -> None:
+    """An engine that lists no model serves any model a request names: the listings kept
+    between changes stay bounded, and each is still right."""
+    registry = Registry()
+    _ready(registry, "h:1", dataclasses.replace(identity("e1"), models=(), model_facts=()))
+    for n in range(3 * ROUTABLE_MEMO_SIZE):
+        assert [r.address for r in registry.routable(f"model-{n}", generating=True)] == ["h:1"]
+    assert len(registry._routable_memo) <= ROUTABLE_MEMO_SIZE
