@@ -55,6 +55,8 @@ LOST_AFTER_FAILED_POLLS = 3
 # pool -> (role, min engines, max engines)
 POOLS = {"prefill": ("prefill", 1, 2), "decode": ("decode", 2, 3)}
 ENGINE_CONFIG = "model: sim\nnum_kv_blocks: 64\n"
+# The prefill engines' `kv_transfer.session_ttl_s` (see `_planner_config`).
+SESSION_TTL_S = 20
 # The client's rate, times the run's --rate, drawn for each cycle.
 RATES = {"quiet": 0.25, "steady": 1.0, "burst": 4.0}
 
@@ -104,10 +106,14 @@ class PlannerSoak(GatewaySoak):
         engine = self.workdir / "planner-engine.yaml"
         engine.write_text(f"{ENGINE_CONFIG}sim: {{time_scale: 0.2}}\n")
         # Prefills of about 80 ms (the sim's default is 3 ms at this time scale): long enough
-        # for a kill to land while the engine holds requests.
+        # for a kill to land while the engine holds requests. Sessions prefilled for a gateway
+        # killed before their decode half pulled them are held to their TTL, and a drain waits
+        # for them (docs/soak.md): 20 s, not the default 60 s, keeps such a drain inside a
+        # fault's convergence bound.
         slow = self.workdir / "planner-prefill-engine.yaml"
         slow.write_text(
             f"{ENGINE_CONFIG}sim: {{time_scale: 0.2, prefill_ms_coeffs: [0, 2, 300]}}\n"
+            f"kv_transfer: {{session_ttl_s: {SESSION_TTL_S}}}\n"
         )
         pool_args = {"prefill": f"--config, '{slow}', "}
         pools = "".join(
