@@ -111,7 +111,10 @@ class Membership:
         async with self._lock:
             record = self.fleet.registry.get(key)
             address = record.address
-            removed = {_REMOVED + address: "1"} if record.source == "config" else {}
+            # An engine of the config, even one registered again since its last removal (its
+            # record's source is then "admin"): without its `x:` a replica started later would
+            # route to it again.
+            removed = {_REMOVED + address: "1"} if self._in_config(address) else {}
             await self._write(removed, [_REGISTERED + address, _CORDONED + address])
             # Out of the registry now; what it left is dropped out of the lock (a registration
             # of the address meanwhile is refused as "being removed", not held up).
@@ -128,6 +131,9 @@ class Membership:
             else:
                 await self._write({}, [field])
             return self.fleet.registry.set_cordoned(record.address, cordoned)
+
+    def _in_config(self, address: str) -> bool:
+        return any(e.address == address for e in self._config.engines)
 
     async def _write(self, fields: dict[str, str], deleted: list[str]) -> None:
         """One change of the shared hash, atomically (nothing without a Redis index)."""

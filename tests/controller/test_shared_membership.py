@@ -126,6 +126,32 @@ async def test_a_config_engine_removed_through_one_replica_leaves_every_replica(
         await close_fleet(a)
 
 
+async def test_a_config_engine_registered_again_and_removed_again_stays_removed(
+    redis: RedisServer,
+) -> None:
+    """A config engine removed, registered again through the admin API and removed again: a
+    replica started later with the same config leaves it out as the running ones do (found by
+    the soak, seed 11, docs/soak.md: the second removal, of a record registered through the
+    admin API, wrote no removal of a config engine, and the replica restarted afterwards routed
+    to the engine and wrote its blocks into the index again)."""
+    engine: EngineApp = await start_sim_engine("e0")
+    a = await make_fleet(engines=[engine], index=shared_index(redis))
+    address = a.address(engine)
+    try:
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await eventually(lambda: routes_to(a, address), 20, "a to route to it again")
+        await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+        later = await start_controller(a.app.controller.config)  # the same config
+        try:
+            assert later.controller.fleet.registry.records() == []
+        finally:
+            await later.close(0.2)
+    finally:
+        await close_fleet(a)
+        await engine.close()
+
+
 async def test_a_config_engine_removed_stays_removed_after_redis_lost_the_membership(
     redis: RedisServer,
 ) -> None:
