@@ -36,6 +36,15 @@ async def routes_to(fleet: Fleet, address: str) -> bool:
     return reply.engine == address
 
 
+async def assert_a_replica_started_now_has_no_engine(fleet: Fleet) -> None:
+    """A replica started with the same config as `fleet`'s has no engine."""
+    later = await start_controller(fleet.app.controller.config)
+    try:
+        assert later.controller.fleet.registry.records() == []
+    finally:
+        await later.close(0.2)
+
+
 async def replicas_without_engines(redis: RedisServer, count: int) -> list[Fleet]:
     return [await make_fleet(engines=[], index=shared_index(redis)) for _ in range(count)]
 
@@ -114,11 +123,7 @@ async def test_a_config_engine_removed_through_one_replica_leaves_every_replica(
         await eventually(lambda: not_routed(b, address), 20, "b to stop routing to it")
         await a.admin.RemoveEngine(apb.EngineRef(engine=address))
         await eventually(lambda: forgot(b, address), 20, "b to forget the removed engine")
-        later = await start_controller(a.app.controller.config)  # the same config
-        try:
-            assert later.controller.fleet.registry.records() == []
-        finally:
-            await later.close(0.2)
+        await assert_a_replica_started_now_has_no_engine(a)
         await b.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
         await eventually(lambda: routes_to(a, address), 20, "a to route to it again")
     finally:
@@ -142,11 +147,7 @@ async def test_a_config_engine_registered_again_and_removed_again_stays_removed(
         await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
         await eventually(lambda: routes_to(a, address), 20, "a to route to it again")
         await a.admin.RemoveEngine(apb.EngineRef(engine=address))
-        later = await start_controller(a.app.controller.config)  # the same config
-        try:
-            assert later.controller.fleet.registry.records() == []
-        finally:
-            await later.close(0.2)
+        await assert_a_replica_started_now_has_no_engine(a)
     finally:
         await close_fleet(a)
         await engine.close()
@@ -171,11 +172,7 @@ async def test_a_config_engine_removed_stays_removed_after_redis_lost_the_member
         await eventually(
             lambda: client.hexists(membership, "v"), 20, "a to write its membership back"
         )
-        later = await start_controller(a.app.controller.config)  # the same config
-        try:
-            assert later.controller.fleet.registry.records() == []
-        finally:
-            await later.close(0.2)
+        await assert_a_replica_started_now_has_no_engine(a)
     finally:
         client.close()
         await close_fleet(a)
