@@ -228,19 +228,21 @@ def test_a_cold_prompt_attends_to_its_own_keys_without_reading_the_cache() -> No
 
 def test_a_fresh_prefill_without_its_keys_and_values_is_refused() -> None:
     """The caller that wrote the step's keys itself (`stored`) may leave them out only when no
-    fresh prefill reads them: otherwise a clear error, not attention over the wrong keys."""
+    fresh prefill reads them, and one that did not must pass them: otherwise a clear error,
+    not attention over the wrong keys."""
     (q, _, _), metadata, cache = fresh_prefill_step([100], min_fresh_prefill_tokens=64)
-    with pytest.raises(KvCacheError, match="its own keys and values"):
-        paged_attention(
-            q,
-            None,
-            None,
-            key_cache=cache.keys[0],
-            value_cache=cache.values[0],
-            metadata=metadata,
-            scale=64**-0.5,
-            stored=True,
-        )
+    for stored in (True, False):
+        with pytest.raises(KvCacheError, match="the step's own keys and values"):
+            paged_attention(
+                q,
+                None,
+                None,
+                key_cache=cache.keys[0],
+                value_cache=cache.values[0],
+                metadata=metadata,
+                scale=64**-0.5,
+                stored=stored,
+            )
 
 
 def test_the_fresh_prefill_path_gives_the_gathering_path_s_outputs_and_cache() -> None:
