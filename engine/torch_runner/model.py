@@ -233,6 +233,7 @@ class DecoderModel:
         eps = cfg.rms_norm_eps
         cos, sin = self.rotary.full_tables(max_position)
         kv_cache.workspace.reserve(metadata.max_group_blocks)
+        kv_heads = (cfg.num_kv_heads, cfg.head_dim)
         layers = self.weights.layers
         hidden = F.embedding(input_ids, self.weights.embed_tokens)  # the residual stream
         x = native.rms_norm(hidden, layers[0].input_norm, eps)
@@ -251,16 +252,21 @@ class DecoderModel:
                 num_heads=cfg.num_heads,
             )
             q = qkv[:, : self._q_size].view(-1, cfg.num_heads, cfg.head_dim)
+            k = v = None
+            if metadata.fresh_prefills:  # only they read the step's keys and values here
+                k = qkv[:, self._q_size : self._q_size + self._kv_size].view(-1, *kv_heads)
+                v = qkv[:, self._q_size + self._kv_size :].view(-1, *kv_heads)
             attn = paged_attention(
                 q,
-                None,
-                None,
+                k,
+                v,
                 key_cache=kv_cache.keys[index],
                 value_cache=kv_cache.values[index],
                 metadata=metadata,
                 scale=self._scale,
                 workspace=kv_cache.workspace,
                 kernel=native,
+                stored=True,  # by rope_store
             )
             o = F.linear(attn.flatten(1), layer.o_weight, layer.o_bias)
             if lora is not None:

@@ -13,7 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch_reference import TEST_DEVICE, TINY_LLAMA, vllm_requests, write_random_qwen2
+from torch_reference import (
+    TEST_DEVICE,
+    TINY_LLAMA,
+    dense_logits,
+    vllm_requests,
+    write_random_qwen2,
+)
 
 from engine.core.api import EngineRequest, LogprobRequest, SamplingParams, SchedulerConfig
 from engine.core.engine_core import EngineCore
@@ -159,3 +165,48 @@ def test_tiny_llama_greedy_matches_hf_generate(native_kernels: bool | None) -> N
         native_kernels=native_kernels,
     )
     assert_same_greedy(ours, hf_greedy(TINY_LLAMA, prompts, max_tokens), max_tokens)
+
+
+@pytest.mark.parametrize("native_kernels", [None, False], ids=["kernel-if-built", "torch"])
+def test_a_long_cold_prompt_in_one_step_matches_hf_and_its_prompt_logprobs(
+    native_kernels: bool | None,
+) -> None:
+    """A cold 700-token prompt prefilled in one step takes the fresh-prefill attention (causal
+    SDPA on the step's own keys: past 512 keys with the native kernels, from 64 tokens
+    without), and the LM head runs only on the rows that need logits. Greedy tokens and their
+    logprobs equal HF's; asked for, the prompt logprobs (a logit row per prompt position)
+    equal a float64 dense forward's, and the greedy output is the same with or without them."""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 1024, (700,), generator=g).tolist()
+    max_tokens = 8
+    runner = TorchModelRunner.from_pretrained(
+        TINY_LLAMA, device=TEST_DEVICE, block_size=16, num_blocks=64, native_kernels=native_kernels
+    )
+    results: list[tuple[Greedy, tuple[float, ...]]] = []
+    for with_prompt_logprobs in (False, True):
+        core = EngineCore(runner, SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=1024))
+        sampling = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            logprobs=LogprobRequest(),
+            prompt_logprobs=LogprobRequest() if with_prompt_logprobs else None,
+        )
+        core.add_request(EngineRequest("long", tuple(prompt), sampling))
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        scored: tuple[float, ...] = ()
+        while core.has_work():
+            for out in core.step().outputs:
+                tokens.extend(out.new_token_ids)
+                logprobs.extend(lp.logprob for lp in out.logprobs or ())
+                if out.prompt_logprobs is not None:
+                    scored = tuple(lp.logprob for lp in out.prompt_logprobs if lp is not None)
+        results.append((Greedy(tokens, logprobs), scored))
+    (plain, none), (with_prompt, scored) = results
+    assert none == ()
+    assert_same_greedy([plain, with_prompt], hf_greedy(TINY_LLAMA, [prompt] * 2, max_tokens), 8)
+    expected = dense_logits(TINY_LLAMA, prompt).log_softmax(-1)[:-1]
+    expected = expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert len(scored) == len(prompt) - 1
+    assert list(scored) == pytest.approx(expected.tolist(), abs=LOGPROB_TOLERANCE)

@@ -65,6 +65,20 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
 
 
+def one_layer_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> PagedKvCache:
+    return PagedKvCache(
+        num_layers=1,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        device=CPU,
+    )
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     num_kv_heads=st.integers(1, 3),
@@ -76,6 +90,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     seed=st.integers(0, 2**16),
     use_kernel=st.booleans(),
     kernel_max_chunk_keys=st.sampled_from([0, 20, 1 << 15]),
+    min_fresh_prefill_tokens=st.sampled_from([1, 8, 1 << 15]),
 )
 def test_paged_attention_equals_dense_attention(
     *,
@@ -88,10 +103,13 @@ def test_paged_attention_equals_dense_attention(
     seed: int,
     use_kernel: bool,
     kernel_max_chunk_keys: int,
+    min_fresh_prefill_tokens: int,
 ) -> None:
     # With the native kernel (where it builds), decodes and the prefill chunks ending within
     # `kernel_max_chunk_keys` read the blocks in place, longer chunks of the same step gather
-    # (0: every prefill chunk, 1 << 15: none here); without it, every chunk gathers.
+    # (0: every prefill chunk, 1 << 15: none here); without it, every chunk gathers. Of the
+    # chunks that would gather, those from position 0 of at least `min_fresh_prefill_tokens`
+    # run causal SDPA on their own keys instead (1 << 15: none here).
     kernel = load_kernels() if use_kernel else None
     g = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * queries_per_kv
@@ -106,15 +124,7 @@ def test_paged_attention_equals_dense_attention(
     qs = [torch.randn(n, num_heads, head_dim, generator=g) for n in lengths]
     ks = [torch.randn(n, num_kv_heads, head_dim, generator=g) for n in lengths]
     vs = [torch.randn(n, num_kv_heads, head_dim, generator=g) for n in lengths]
-    cache = PagedKvCache(
-        num_layers=1,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=torch.float32,
-        device=CPU,
-    )
+    cache = one_layer_cache(num_blocks, block_size, num_kv_heads, head_dim)
     outputs = [torch.full_like(q, float("nan")) for q in qs]
     done = [0] * len(lengths)
     step = 0
@@ -136,6 +146,7 @@ def test_paged_attention_equals_dense_attention(
             key_bytes=key_bytes,
             kernel_rows=kernel is not None,
             kernel_max_chunk_keys=kernel_max_chunk_keys,
+            min_fresh_prefill_tokens=min_fresh_prefill_tokens,
         )
         sl = [slice(c.start, c.start + c.num_tokens) for c in chunks]
         # Odd steps gather into the cache's reused workspace, even ones into fresh tensors.
@@ -163,6 +174,102 @@ def test_paged_attention_equals_dense_attention(
         torch.testing.assert_close(out.double(), dense_attention(q, k, v), atol=2e-5, rtol=1e-5)
 
 
+def fresh_prefill_step(
+    lengths: list[int], *, min_fresh_prefill_tokens: int
+) -> tuple[list[torch.Tensor], AttentionMetadata, PagedKvCache]:
+    """One step prefilling cold prompts of `lengths` (4 KV heads, 8 query heads, block size
+    16): their q/k/v [L, H or KVH, 64], the step's metadata, and an empty cache for it."""
+    g = torch.Generator().manual_seed(3)
+    block_size, num_kv_heads, head_dim = 16, 4, 64
+    tables, next_block = [], 0
+    for n in lengths:
+        tables.append(list(range(next_block, next_block + -(-n // block_size)))[::-1])
+        next_block += len(tables[-1])
+    chunks = [SequenceChunk(0, n, t) for n, t in zip(lengths, tables, strict=True)]
+    metadata = AttentionMetadata.build(
+        chunks,
+        block_size=block_size,
+        num_blocks=next_block,
+        device=CPU,
+        key_bytes=num_kv_heads * head_dim * 4,
+        min_fresh_prefill_tokens=min_fresh_prefill_tokens,
+    )
+    total = sum(lengths)
+    qkv = [torch.randn(total, h, head_dim, generator=g) for h in (8, num_kv_heads, num_kv_heads)]
+    return qkv, metadata, one_layer_cache(next_block, block_size, num_kv_heads, head_dim)
+
+
+def test_a_cold_prompt_attends_to_its_own_keys_without_reading_the_cache() -> None:
+    """A fresh prefill (from position 0) has nothing cached before it: its attention is
+    causal SDPA straight on the step's keys and values (no gather, no mask). Proof: the cache
+    holds NaN, its keys are not written there (`stored`), and the output is still exact."""
+    lengths = [300, 257]
+    (q, k, v), metadata, cache = fresh_prefill_step(lengths, min_fresh_prefill_tokens=256)
+    assert [(f.first, f.num_tokens) for f in metadata.fresh_prefills] == [(0, 300), (300, 257)]
+    assert metadata.groups == ()
+    cache.keys[0].fill_(float("nan"))
+    cache.values[0].fill_(float("nan"))
+    out = paged_attention(
+        q,
+        k,
+        v,
+        key_cache=cache.keys[0],
+        value_cache=cache.values[0],
+        metadata=metadata,
+        scale=64**-0.5,
+        stored=True,
+    )
+    first = slice(0, 300)
+    second = slice(300, 557)
+    for rows in (first, second):
+        expected = dense_attention(q[rows], k[rows], v[rows])
+        torch.testing.assert_close(out[rows].double(), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_a_fresh_prefill_without_its_keys_and_values_is_refused() -> None:
+    """The caller that wrote the step's keys itself (`stored`) may leave them out only when no
+    fresh prefill reads them, and one that did not must pass them: otherwise a clear error,
+    not attention over the wrong keys."""
+    (q, _, _), metadata, cache = fresh_prefill_step([100], min_fresh_prefill_tokens=64)
+    for stored in (True, False):
+        with pytest.raises(KvCacheError, match="the step's own keys and values"):
+            paged_attention(
+                q,
+                None,
+                None,
+                key_cache=cache.keys[0],
+                value_cache=cache.values[0],
+                metadata=metadata,
+                scale=64**-0.5,
+                stored=stored,
+            )
+
+
+def test_the_fresh_prefill_path_gives_the_gathering_path_s_outputs_and_cache() -> None:
+    """The same cold prompts through the causal fast path and through the groups (gather,
+    mask): the same attention output, and the same keys and values left in the cache for the
+    steps after it."""
+    outputs, caches = [], []
+    for minimum in (1, 1 << 20):
+        (q, k, v), metadata, cache = fresh_prefill_step(
+            [1024, 40], min_fresh_prefill_tokens=minimum
+        )
+        assert bool(metadata.fresh_prefills) == (minimum == 1)
+        out = paged_attention(
+            q,
+            k,
+            v,
+            key_cache=cache.keys[0],
+            value_cache=cache.values[0],
+            metadata=metadata,
+            scale=64**-0.5,
+        )
+        outputs.append(out)
+        caches.append((cache.keys[0], cache.values[0]))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-6)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
 def test_decodes_share_one_group_on_a_gpu_but_split_by_cache_bytes_on_cpu() -> None:
     """32 decodes of contexts 40-300 tokens: on CPU the gathered bytes split them (a core's
     cache); on any other device ("meta" stands for a GPU here: same code, no memory) they are
@@ -181,8 +288,9 @@ def test_decodes_share_one_group_on_a_gpu_but_split_by_cache_bytes_on_cpu() -> N
     assert len(groups(CPU)) > 8
     assert groups(torch.device("meta")) == [32]
     # A long prefill chunk still gets a group of its own on a GPU: padding 32 decodes to its
-    # 2,048 queries would cost far more than its launches.
-    chunks.append(SequenceChunk(0, 2048, list(range(128))))
+    # 2,048 queries would cost far more than its launches. (After a cached block: a fresh
+    # one would be a `FreshPrefill`, outside the groups.)
+    chunks.append(SequenceChunk(16, 2048, list(range(129))))
     metadata = AttentionMetadata.build(
         chunks, block_size=block_size, num_blocks=640, device=torch.device("meta")
     )
