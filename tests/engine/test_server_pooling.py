@@ -562,7 +562,9 @@ async def test_abort_stops_a_running_embed_between_batches(builtin_dir: Path) ->
         service = engine.app.service
 
         async def running() -> bool:
-            return service.num_running_tasks == 1
+            # Accepted and its first batch begun on the engine thread (until then it counts
+            # as queued: a race on a loaded machine).
+            return service.num_running_tasks == 1 and service.num_waiting_tasks == 0
 
         await eventually(running, what="the embed to start")
         load = await engine.stub.GetLoad(pb.GetLoadRequest(include_per_rank=True))
