@@ -229,6 +229,7 @@ class ControllerMetrics:
         # call, a few times the cost of the increment itself, on every routed request.
         self._outcomes = {o: self.requests.labels(o) for o in get_args(RequestOutcome)}
         self._decisions: dict[tuple[str, str], Counter] = {}
+        self._event_lags: dict[str, Histogram] = {}  # by engine, until `forget_engine`
         self.retries = Counter(
             "kvplane_controller_retries", "Requests retried on another engine", registry=r
         )
@@ -300,10 +301,15 @@ class ControllerMetrics:
         self._outcomes[outcome].inc()
 
     def observe_event_lag(self, engine: str, lag_s: float) -> None:
-        self.event_lag_seconds.labels(engine).observe(lag_s)
+        """Every KV-event batch of every engine: its child is looked up once (see `_outcomes`)."""
+        child = self._event_lags.get(engine)
+        if child is None:
+            child = self._event_lags[engine] = self.event_lag_seconds.labels(engine)
+        child.observe(lag_s)
 
     def forget_engine(self, engine: str) -> None:
         """Drop an engine's event-lag series (it left the fleet or is a new process)."""
+        self._event_lags.pop(engine, None)
         with contextlib.suppress(KeyError):
             self.event_lag_seconds.remove(engine)
 

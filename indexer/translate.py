@@ -210,9 +210,11 @@ class WorkerTranslator:
             live = self._live.get(engine_key)
             if live is None:
                 live = self._live[engine_key] = _Live(key, parent)
-            elif parent is not None:
-                live.parent = parent
-            held = live.at_tier(tier)
+                held = 0  # new to this worker: no copies anywhere yet
+            else:
+                if parent is not None:
+                    live.parent = parent
+                held = live.at_tier(tier)
             copies = live.copies.get(slot, 0)
             if copies and reannounce:
                 pass  # full-mode re-announcement: not a new copy
@@ -262,21 +264,33 @@ class WorkerTranslator:
         lora_name = event.lora_name or None
         salt, mm_ids = read_extra_keys(event)
         out: list[BlockKey] = []
-        for i, live in enumerate(known):
+        i = 0
+        while i < len(known):
+            live = known[i]
             if live is not None:
-                key = live.key
-            else:
-                tokens = event.token_ids[i * block_size : (i + 1) * block_size]
-                (key,) = keys.block_keys(
-                    tokens,
+                out.append(live.key)
+                parent = live.key
+                i += 1
+                continue
+            # A run of blocks not live yet is hashed in one call, the chain continuing from
+            # block to block as it would one block at a time (one call a block cost more than
+            # the hashing itself: a request's new blocks come as one such run).
+            end = i + 1
+            while end < len(known) and known[end] is None:
+                end += 1
+            run_mm = [mm_ids[b] if b < len(mm_ids) else None for b in range(i, end)]
+            out.extend(
+                keys.block_keys(
+                    event.token_ids[i * block_size : end * block_size],
                     block_size,
                     lora_name=lora_name,
                     cache_salt=salt if parent is None else None,
-                    mm_hashes=[mm_ids[i] if i < len(mm_ids) else None],
+                    mm_hashes=run_mm if any(run_mm) else None,
                     parent=parent,
                 )
-            out.append(key)
-            parent = key
+            )
+            parent = out[-1]
+            i = end
         return out
 
     def _parent_key(self, parent_hash: EngineHash | None) -> BlockKey | None:
@@ -376,6 +390,8 @@ def read_extra_keys(event: BlockStored) -> tuple[str | None, list[list[str] | No
       keeps a key of its own that a token-only query cannot produce.
     A salt sent as a field (SGLang's `cache_salt`) wins. "" is no salt.
     """
+    if not any(event.extra_keys):  # no block has any (most events): nothing to tell apart
+        return event.cache_salt or None, [None] * len(event.extra_keys)
     lora_name = event.lora_name or None
     blocks = [[_extra_key(item) for item in block or ()] for block in event.extra_keys]
     first = blocks[0] if blocks else []

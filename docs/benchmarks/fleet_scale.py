@@ -193,9 +193,11 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     ]
 
 
-async def _latencies(targets: list[str], prompts: list[list[int]], tag: str) -> list[float]:
-    """Client latency (ms) of each prompt's Generate, CONCURRENCY at a time, the prompts sent
-    to `targets` in turn."""
+async def _latencies(
+    targets: list[str], prompts: list[list[int]], tag: str, concurrency: int = CONCURRENCY
+) -> list[float]:
+    """Client latency (ms) of each prompt's Generate, `concurrency` at a time, the prompts
+    sent to `targets` in turn."""
     queue = list(enumerate(prompts))
     out: list[float] = []
     channels = [grpc.aio.insecure_channel(target) for target in targets]
@@ -216,7 +218,7 @@ async def _latencies(targets: list[str], prompts: list[list[int]], tag: str) -> 
             out.append((time.perf_counter() - started) * 1000.0)
 
     try:
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     finally:
         await asyncio.gather(*(channel.close() for channel in channels))
     return out

@@ -223,6 +223,23 @@ async def test_openengine_event_lag_is_exported_per_engine_and_dropped_with_it()
         text = await scrape(fleet)
         assert sample(text, "kvplane_controller_engine_event_lag_seconds", holder) is None
         assert sample(text, "kvplane_controller_event_lag_seconds_count", holder) is None
+
+        # Back in the fleet (the other engine cordoned, so that it takes the next request):
+        # its batches (a snapshot of what it holds, then the new prompt's) are counted again.
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=holder))
+        other = next(a for a in map(fleet.address, fleet.engines) if a != holder)
+        await fleet.admin.Cordon(apb.EngineRef(engine=other))
+        await fleet.wait_routable(1)
+        again = list(range(3000, 3000 + 4 * BLOCK))
+        await generate(fleet, generate_request("b", [*again, 1]))
+
+        async def held_again() -> bool:
+            return await index_holder(fleet, [*again, 2], 4) == holder
+
+        await eventually(held_again, WAIT_S)
+        text = await scrape(fleet)
+        batches = sample(text, "kvplane_controller_event_lag_seconds_count", holder)
+        assert batches is not None and batches >= 1
     finally:
         await close_fleet(fleet)
 

@@ -339,6 +339,27 @@ def test_canonical_mode_keys_tokens_and_resolves_removals_by_engine_hash() -> No
     assert translator.num_live_blocks == 0
 
 
+def test_new_blocks_around_live_ones_chain_from_the_block_before_them() -> None:
+    """Canonical keys of an event's blocks not live yet, a run of them before and after one
+    that is: each run chained from the block before it, as hashing one block at a time."""
+    translator = _translator(hash_mode=HashMode.CANONICAL, default_block_size=2)
+    tokens = tuple(range(20, 32))
+    first = block_keys(tokens[:4], 2)
+    translator.translate([BlockStored((1, 2), token_ids=tokens[:4])])
+    # 5 and 6 before the live 2, 7 and 8 after it, with a multimodal item on block 7.
+    event = BlockStored(
+        (5, 6, 2, 7, 8),
+        token_ids=tokens[2:12],
+        extra_keys=(None, None, None, (("img", 0),), None),
+    )
+    before = block_keys(tokens[2:6], 2)
+    after = block_keys(tokens[8:12], 2, mm_hashes=[["img"], None], parent=first[1])
+    assert [k for a in _actions(translator.translate([event])) for k in a.hashes] == [
+        *before,
+        *after,
+    ]
+
+
 def _canonical_keys(*events: BlockStored) -> list[int]:
     batches = _translator(hash_mode=HashMode.CANONICAL, default_block_size=2).translate(events)
     return [k for a in _actions(batches) for k in a.hashes]
