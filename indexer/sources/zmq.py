@@ -384,7 +384,11 @@ class ZmqSource:
             )
             self._cleared_by_disconnect = True
             await self._reset_worker(self.last_seq or 0)
-        if self._new_connection and (self._cleared_by_disconnect or self._rebuild_at_connection):
+        # (A rebuild pending from the start matters only while nothing is applied: the first
+        # message may have rebuilt the worker since, and this connection's first message is then
+        # checked as any new connection's.)
+        rebuild_pending = self._rebuild_at_connection and self._expected is None
+        if self._new_connection and (self._cleared_by_disconnect or rebuild_pending):
             # The rebuild shows which process publishes now: nothing left to check.
             sequence_break = self._cleared_by_disconnect
             self._new_connection = self._cleared_by_disconnect = False
