@@ -9,11 +9,14 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
 - start: with a replay endpoint the worker is cleared (entries left by an earlier run are
   stale) and rebuilt from a replay from seq 0 at once, before any message: an idle engine
   publishes nothing, and what it holds would stay unknown until it did (a restarted indexer or
-  controller beside running engines). Without one, or when that replay fails or holds
-  nothing, the first message clears and rebuilds the worker; such a replay (failed: the
-  publisher not up yet; or empty: its replay ROUTER answered before its first batch) is also
-  retried at the SUB's next connection, so a publisher that comes up, publishes before the SUB
-  reaches it and goes idle is indexed all the same;
+  controller beside running engines). A replay that holds nothing clears the worker all the
+  same (the publisher has published nothing since it started: what the index holds of the
+  worker is an earlier process's, left by a writer that lost its lease across the engine's
+  restart). Without a replay endpoint, or when the replay fails or holds nothing, the first
+  message clears and rebuilds the worker; such a replay (failed: the publisher not up yet; or
+  empty: its replay ROUTER answered before its first batch) is also retried at the SUB's next
+  connection, so a publisher that comes up, publishes before the SUB reaches it and goes idle
+  is indexed all the same;
 - seq == expected: applied, unless it is the first message since the SUB made or accepted a
   new connection (an engine restart is a new connection; the SUB may have missed the new
   process's first messages, exactly as many as the old one had sent): then it is checked as
@@ -417,8 +420,8 @@ class ZmqSource:
 
     async def _resync(self) -> None:
         """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring).
-        At start an empty or failed replay changes nothing: the first message then clears and
-        rebuilds the worker as ever."""
+        At start a failed replay changes nothing and an empty one only clears: the first message
+        then rebuilds the worker as ever."""
         floor = self._expected
         if floor is None and not self.settings.replay_endpoint:
             return  # the next message clears and rebuilds the worker anyway
@@ -438,6 +441,9 @@ class ZmqSource:
             )
         replies = await self._replay(0)
         if starting and not replies:
+            if replies is not None and floor is None:
+                # The publisher holds nothing it published: the worker's entries are stale.
+                await self._reset_worker(self.last_seq or 0)
             # Failed (None) or empty with nothing applied yet: retried at the SUB's next
             # connection, or rebuilt by the first message, whichever comes first.
             self._rebuild_at_connection = floor is None

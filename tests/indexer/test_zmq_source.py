@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 from backend_factories import FACTORIES
 from fake_kv_publisher import FakeKvPublisher, running
+from redis_servers import restartable_port
 
 from indexer.batch import Batch
 from indexer.index import PrefixIndex
@@ -93,6 +94,23 @@ def _replaying(context: zmq.asyncio.Context) -> tuple[PrefixIndex, FakeKvPublish
         publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
     )
     return index, publisher, source
+
+
+def _starting_source(
+    publisher: FakeKvPublisher,
+    context: zmq.asyncio.Context,
+    index: PrefixIndex,
+    replay_timeout_s: float = 5.0,
+) -> ZmqSource:
+    """A source on the publisher that rebuilds from its replay at start, into `index`."""
+    return _source(
+        publisher.endpoint,
+        context,
+        MemoryBackend(index),
+        replay=publisher.replay_endpoint,
+        replay_timeout_s=replay_timeout_s,
+        rebuild_at_start=True,
+    )
 
 
 def _keys(index: PrefixIndex) -> set[int]:
@@ -384,13 +402,9 @@ async def test_a_source_started_before_its_publisher_rebuilds_from_the_replay_on
     before the SUB's reconnect reaches it, then goes idle. Its first connection rebuilds the
     worker from the replay, as any reconnection does (found by the indexer soak, seed 6,
     docs/soak.md: before, the worker stayed empty until the engine's next batch)."""
-    ports = []
-    for _ in range(2):  # two free ports, nobody listening yet
-        probe = context.socket(zmq.ROUTER)
-        probe.bind("tcp://127.0.0.1:*")
-        ports.append(probe.getsockopt_string(zmq.LAST_ENDPOINT))
-        probe.close(linger=0)
-    endpoint, replay = ports
+    # Two free ports, nobody listening yet (below the ephemeral range: the SUB's own attempts
+    # to connect must not take the port it connects to, `restartable_port`).
+    endpoint, replay = (f"tcp://127.0.0.1:{restartable_port()}" for _ in range(2))
     index = PrefixIndex()
     source = _source(
         endpoint,
@@ -423,10 +437,7 @@ async def test_an_empty_replay_at_start_is_retried_when_the_sub_connects(
     publishes (the SUB misses it) and goes idle. The SUB's connection rebuilds the worker from
     the replay (found by the indexer soak, seed 13, docs/soak.md: before, the worker stayed
     empty until the engine's next batch, as when the start's replay failed)."""
-    probe = context.socket(zmq.ROUTER)
-    probe.bind("tcp://127.0.0.1:*")
-    endpoint = probe.getsockopt_string(zmq.LAST_ENDPOINT)  # nobody listening there yet
-    probe.close(linger=0)
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"  # nobody listening there yet
     publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
     publisher.start_replay()
     index = PrefixIndex()
@@ -448,6 +459,30 @@ async def test_an_empty_replay_at_start_is_retried_when_the_sub_connects(
     finally:
         await publisher.close()
     assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
+
+
+async def test_an_empty_replay_at_start_clears_what_an_earlier_process_left(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A writer followed the engine into the shared index and lost its lease while the
+    engine was killed; the new holder's source starts once the engine is back, idle, its
+    replay buffer empty. What the index holds of the worker is the old process's: cleared at
+    once, not left stale until the engine publishes again, which an idle engine never does
+    (found by the indexer soak, seed 18, docs/soak.md)."""
+    index, publisher, first = _replaying(context)
+    try:
+        async with running(first.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(1, 2)))
+            await first.wait_until(lambda: first.last_seq == 0, WAIT_S)
+        assert _keys(index) == {1, 2}
+        await publisher.restart()  # a new engine process: nothing published, nothing buffered
+        source = _starting_source(publisher, context, index)
+        async with running(source.run()):
+            await source.wait_until(lambda: _keys(index) == set(), WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_replay_failures == 0
 
 
 async def test_a_restart_hidden_behind_a_gap_clears_the_old_processs_blocks(
@@ -697,14 +732,7 @@ async def test_a_source_cancelled_while_its_replay_streams_in_stops(
     for n in range(3000):
         publisher.buffer[n] = [TOPIC, n.to_bytes(7, "big"), b"\x90"]
     publisher.start_replay()
-    source = _source(
-        publisher.endpoint,
-        context,
-        MemoryBackend(index),
-        replay=publisher.replay_endpoint,
-        replay_timeout_s=WAIT_S,
-        rebuild_at_start=True,
-    )
+    source = _starting_source(publisher, context, index, replay_timeout_s=WAIT_S)
     task = asyncio.ensure_future(source.run())
     try:
         async with asyncio.timeout(WAIT_S):
