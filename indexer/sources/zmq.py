@@ -214,6 +214,8 @@ class ZmqSource:
         # went idle, unindexed: a writer lease taken over while the engine restarted; indexer
         # soak, seeds 6 and 13.)
         self._rebuild_at_connection = False
+        # The SUB's monitor and its open connections while `_follow` runs (None otherwise).
+        self._monitor: tuple[zmq.asyncio.Socket, _OpenConnections] | None = None
         if settings.replay_endpoint and settings.rebuild_at_start:
             self._resync_wanted.set()
         self.last_seq: int | None = None
@@ -281,6 +283,7 @@ class ZmqSource:
         )
         # A connection that ends while another is still open is not the publisher leaving.
         open_connections = _OpenConnections()
+        self._monitor = (connections, open_connections)
         recv: asyncio.Future[list[bytes]] | None = None
         # Ready when the monitor has events: a publisher that goes away or comes back is acted
         # on while no message comes (an engine killed, or restarted idle, publishes nothing).
@@ -353,6 +356,7 @@ class ZmqSource:
                 async with self._progress:
                     self._progress.notify_all()
         finally:
+            self._monitor = None
             waker.cancel()
             if recv is not None:
                 recv.cancel()
@@ -402,6 +406,15 @@ class ZmqSource:
             if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
 
+    async def _handle_queued_connection_events(self) -> None:
+        """Act on the SUB's monitor events queued so far (`_on_connection_events`)."""
+        if self._monitor is None:
+            return
+        connections, open_connections = self._monitor
+        events = open_connections.publisher_events(await _connection_events(connections))
+        if events:
+            await self._on_connection_events(events)
+
     def _attach(self, sub: zmq.asyncio.Socket) -> None:
         """Connect (or bind) the SUB; a malformed endpoint is a `ConfigError`, not retried."""
         try:
@@ -444,9 +457,13 @@ class ZmqSource:
             if replies is not None and floor is None:
                 # The publisher holds nothing it published: the worker's entries are stale.
                 await self._reset_worker(self.last_seq or 0)
-            # Failed (None) or empty with nothing applied yet: retried at the SUB's next
-            # connection, or rebuilt by the first message, whichever comes first.
-            self._rebuild_at_connection = floor is None
+            if floor is None:
+                # Failed (None) or empty with nothing applied yet: retried at the SUB's next
+                # connection, or rebuilt by the first message, whichever comes first. Not
+                # when the SUB connected while the replay ran (its connection is handled
+                # first): it then receives whatever the replay could not hold.
+                await self._handle_queued_connection_events()
+                self._rebuild_at_connection = not self.link.up
             return
         # Seqs an earlier replay applied whose live copies may still be queued (this may be
         # the second replay before the first message: the start's replay set `floor`).
