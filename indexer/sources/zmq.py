@@ -325,11 +325,7 @@ class ZmqSource:
                     if not recv.done():
                         if monitored.done():
                             monitored = None
-                            events = open_connections.publisher_events(
-                                await _connection_events(connections)
-                            )
-                            if events:
-                                await self._on_connection_events(events)
+                            if await self._handle_queued_connection_events():
                                 async with self._progress:
                                     self._progress.notify_all()
                         continue
@@ -406,14 +402,16 @@ class ZmqSource:
             if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
 
-    async def _handle_queued_connection_events(self) -> None:
-        """Act on the SUB's monitor events queued so far (`_on_connection_events`)."""
+    async def _handle_queued_connection_events(self) -> bool:
+        """Act on the SUB's monitor events queued so far (`_on_connection_events`); whether
+        there were any of the publisher's."""
         if self._monitor is None:
-            return
+            return False
         connections, open_connections = self._monitor
         events = open_connections.publisher_events(await _connection_events(connections))
         if events:
             await self._on_connection_events(events)
+        return bool(events)
 
     def _attach(self, sub: zmq.asyncio.Socket) -> None:
         """Connect (or bind) the SUB; a malformed endpoint is a `ConfigError`, not retried."""
