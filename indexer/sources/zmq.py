@@ -16,7 +16,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   message clears and rebuilds the worker; such a replay (failed: the publisher not up yet; or
   empty: its replay ROUTER answered before its first batch) is also retried at the SUB's next
   connection, so a publisher that comes up, publishes before the SUB reaches it and goes idle
-  is indexed all the same;
+  is indexed all the same. A replay that failed while the SUB was connected (the publisher's
+  replay ROUTER not answering yet) is retried with the source's backoff until one answers or
+  a message comes;
 - seq == expected: applied, unless it is the first message since the SUB made or accepted a
   new connection (an engine restart is a new connection; the SUB may have missed the new
   process's first messages, exactly as many as the old one had sent): then it is checked as
@@ -214,6 +216,11 @@ class ZmqSource:
         # went idle, unindexed: a writer lease taken over while the engine restarted; indexer
         # soak, seeds 6 and 13.)
         self._rebuild_at_connection = False
+        # The rebuild from the replay at start (or at a reconnection) failed while the SUB was
+        # connected: no connection is coming to retry it, so it is retried after a backoff
+        # (`_retry_start_replay_later`); the pending retry, and the wait before the next one.
+        self._start_replay_retry: asyncio.TimerHandle | None = None
+        self._start_replay_backoff = settings.backoff_initial_s
         # The SUB's monitor and its open connections while `_follow` runs (None otherwise).
         self._monitor: tuple[zmq.asyncio.Socket, _OpenConnections] | None = None
         if settings.replay_endpoint and settings.rebuild_at_start:
@@ -353,6 +360,9 @@ class ZmqSource:
                     self._progress.notify_all()
         finally:
             self._monitor = None
+            if self._start_replay_retry is not None:  # the source stops or restarts
+                self._start_replay_retry.cancel()
+                self._start_replay_retry = None
             waker.cancel()
             if recv is not None:
                 recv.cancel()
@@ -376,6 +386,8 @@ class ZmqSource:
         if len(events) > (ends[-1] + 1 if ends else 0):
             self._new_connection = True
             self.link.went_up()
+            # A failed start replay on this connection is retried from the shortest wait.
+            self._start_replay_backoff = self.settings.backoff_initial_s
         elif ends:
             self._new_connection = False
             self.link.went_down(f"publisher {self.settings.endpoint} disconnected")
@@ -431,16 +443,16 @@ class ZmqSource:
 
     async def _resync(self) -> None:
         """Clear the worker and rebuild it from a replay from seq 0 (see the module docstring).
-        At start a failed replay changes nothing and an empty one only clears: the first message
-        then rebuilds the worker as ever."""
+        At start a failed replay changes nothing (it is retried, see below) and an empty one
+        only clears: the first message then rebuilds the worker as ever."""
         floor = self._expected
         if floor is None and not self.settings.replay_endpoint:
             return  # the next message clears and rebuilds the worker anyway
         # Rebuilding a worker this source cleared itself (or has not filled yet): not a resync
         # the index asked for.
         starting = self._resync_cause in (_STARTING, _RECONNECTED)
-        if self._resync_cause == _RECONNECTED and floor is not None:
-            return  # a message since the reconnection has rebuilt the worker already
+        if starting and floor is not None:
+            return  # a message since the start or reconnection has rebuilt the worker already
         if starting:
             log.info(
                 "worker %s: %s; rebuilding it from the replay", self.worker_id, self._resync_cause
@@ -451,17 +463,20 @@ class ZmqSource:
                 "worker %s: %s; clearing and rebuilding", self.worker_id, self._resync_cause
             )
         replies = await self._replay(0)
-        if starting and not replies:
-            if replies is not None and floor is None:
+        if starting and not replies:  # (nothing applied yet: `floor` is None)
+            if replies is not None:
                 # The publisher holds nothing it published: the worker's entries are stale.
                 await self._reset_worker(self.last_seq or 0)
-            if floor is None:
-                # Failed (None) or empty with nothing applied yet: retried at the SUB's next
-                # connection, or rebuilt by the first message, whichever comes first. Not
-                # when the SUB connected while the replay ran (its connection is handled
-                # first): it then receives whatever the replay could not hold.
-                await self._handle_queued_connection_events()
-                self._rebuild_at_connection = not self.link.up
+            # Failed (None) or empty: retried at the SUB's next connection, or rebuilt by the
+            # first message, whichever comes first. When the SUB connected while the replay
+            # ran (its connection is handled first), an empty replay is not retried: the SUB
+            # then receives whatever the replay could not hold; a failed one is retried after
+            # a backoff (the publisher may have published before that connection, then gone
+            # idle).
+            await self._handle_queued_connection_events()
+            self._rebuild_at_connection = not self.link.up
+            if replies is None and self.link.up:
+                self._retry_start_replay_later()
             return
         # Seqs an earlier replay applied whose live copies may still be queued (this may be
         # the second replay before the first message: the start's replay set `floor`).
@@ -482,6 +497,32 @@ class ZmqSource:
                 for r in replies
                 if floor is None or r.seq >= floor or r.seq in still_queued
             }
+
+    def _retry_start_replay_later(self) -> None:
+        """Retry the failed start replay after the source's backoff (doubling, as `run`'s):
+        the SUB is connected, so no connection will retry it, and a publisher that published
+        before that connection and went idle sends no message that would rebuild the worker
+        (nor clear what an earlier process of it left in the index)."""
+        if self._start_replay_retry is not None:
+            self._start_replay_retry.cancel()
+        delay = self._start_replay_backoff
+        self._start_replay_backoff = min(delay * 2, self.settings.backoff_max_s)
+        self._start_replay_retry = asyncio.get_running_loop().call_later(
+            delay, self._retry_start_replay, self._resync_cause
+        )
+
+    def _retry_start_replay(self, cause: str) -> None:
+        """The retry's time has come: rebuild from the replay, as the failed attempt would have,
+        unless a message has rebuilt the worker meanwhile or a rebuild is pending already. A
+        SUB that lost its connection meanwhile retries at its next one instead."""
+        self._start_replay_retry = None
+        if self._expected is not None or self._resync_wanted.is_set():
+            return
+        if self.link.up:
+            self._resync_cause = cause
+            self._resync_wanted.set()
+        else:
+            self._rebuild_at_connection = True
 
     async def _on_message(self, message: ZmqMessage) -> None:
         expected = self._expected

@@ -461,6 +461,41 @@ async def test_an_empty_replay_at_start_is_retried_when_the_sub_connects(
     assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
 
 
+async def test_a_failed_replay_at_start_is_retried_while_the_sub_is_connected(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A writer followed an engine into the shared index and lost its lease while the engine
+    restarted; the new holder's source starts as the new process comes up: its PUB accepts the
+    SUB at once, but its replay ROUTER does not answer yet, so the start's replay fails while
+    the SUB is connected. The engine publishes before the SUB's connection reaches it, goes
+    idle, and its ROUTER then answers. The failed replay is retried (with backoff) while
+    nothing has been applied: the worker is cleared of the old process's blocks and rebuilt
+    with no further message (before, both waited for the engine's next batch)."""
+    index, old_engine, first = _replaying(context)
+    publisher = FakeKvPublisher(context)  # its ROUTER bound, silent until `start_replay`
+    try:
+        async with running(first.run()):
+            await old_engine.wait_subscribed()
+            await old_engine.publish(_message(0, _stored(9)))
+            await first.wait_until(lambda: first.last_seq == 0, WAIT_S)
+        assert _keys(index) == {9}
+        await old_engine.close()
+        await publisher.publish(_message(0, _stored(1, 2)), live=False)  # before the SUB
+        source = _starting_source(publisher, context, index, replay_timeout_s=0.2)
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await source.wait_until(
+                lambda: source.counters.num_replay_failures >= 1 and source.link.up, WAIT_S
+            )
+            assert _keys(index) == {9}
+            publisher.start_replay()
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+    finally:
+        await old_engine.close()
+        await publisher.close()
+    assert source.counters.num_resyncs == 0  # a rebuild of its own, not one the index asked
+
+
 async def test_an_empty_replay_at_start_clears_what_an_earlier_process_left(
     context: zmq.asyncio.Context,
 ) -> None:
