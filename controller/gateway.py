@@ -6,10 +6,11 @@
   carrying `kv.session` (the gateway is AGGREGATED), NOT_FOUND for a model no engine serves,
   FAILED_PRECONDITION for one only pooling-only engines serve,
   ALREADY_EXISTS for the id of a request running through the gateway; the chosen engine's
-  stream is relayed unchanged; if the engine fails before anything was relayed (a retryable
-  status such as UNAVAILABLE, or a retryable terminal EngineError), the request is retried
-  once on another engine; a failure after that is one terminal EngineError (seed: no event
-  may follow it).
+  stream is relayed unchanged, the engine and the router's decision in the trailing
+  metadata (`kvplane-route`, controller/route_report.py); if the engine fails before
+  anything was relayed (a retryable status such as UNAVAILABLE, or a retryable terminal
+  EngineError), the request is retried once on another engine; a failure after that is one
+  terminal EngineError (seed: no event may follow it).
 - Embed / Classify / Score: INVALID_ARGUMENT without the request id or model the seed
   requires; else the least loaded routable engine serving the model whose GetModelInfo for
   that model says it supports the task, holding the LoRA adapter the request names (none

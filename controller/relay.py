@@ -25,6 +25,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   engine, every output finished CANCELLED, with no decode hop;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
+- tell the client where the request ran (the seed's responses cannot): trailing metadata
+  `kvplane-route` (controller/route_report.py), set as each hop chooses its engine, so that a
+  request failing once an engine was chosen carries it too;
 - an engine call that fails after its stream's terminal events were relayed (every output
   ended, or an in-band error) adds nothing: the stream ends as the engine ended it;
 - retry once on another engine when the engine failed before anything was relayed (a status
@@ -70,6 +73,7 @@ from controller.registry import (
     Role,
     UnknownModelError,
 )
+from controller.route_report import Part, RouteReport
 from controller.router import AllEnginesBusyError, Decision, NoEngineAvailableError
 from controller.service import Controller, Plan, PromptInput
 from controller.statuses import status_of
@@ -274,6 +278,10 @@ class _Stage(NamedTuple):
     # again as a whole (`_SessionLost`, raised out of the hop) rather than with the session
     # on another decode engine? None: never asked.
     session_lost: Callable[[str, str], Awaitable[_SessionLost | None]] | None = None
+    # The prefill hop of a disaggregated request: the engine it picks is the request's
+    # prefill engine in its route (`kvplane-route`), unless that is a decode engine
+    # prefilling the prompt itself (a retry), which serves the whole request.
+    prefills: bool = False
 
 
 _WHOLE_REQUEST = _Stage()
@@ -357,6 +365,8 @@ class Relay:
         self._unanswered: dict[str, EngineCall[Any]] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[None]] = set()
+        # request id -> where it ran so far, told to its client (`kvplane-route`).
+        self._routes: dict[str, RouteReport] = {}
 
     def admit(self, request_id: str) -> bool:
         """Take `request_id` for a new request; False while one with that id runs here."""
@@ -371,6 +381,7 @@ class Relay:
         self.running.discard(request_id)
         self.aborted_unrouted.discard(request_id)
         self.handed_over.pop(request_id, None)
+        self._routes.pop(request_id, None)
 
     def _between_engines(self, request_id: str) -> bool:
         """Whether the admitted request is where no engine's Abort reaches it: being planned
@@ -446,6 +457,7 @@ class Relay:
             await abort_with(
                 context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running"
             )
+        self._routes[request_id] = RouteReport()
         try:
             stream = self._run(surface, request, query, context, handoff, started=started)
             async with aclosing(stream):
@@ -632,7 +644,11 @@ class Relay:
             context=context,
             started=started,
             stage=_Stage(
-                times_first_response=False, last=False, after_output=shown, served_when_done=False
+                times_first_response=False,
+                last=False,
+                after_output=shown,
+                served_when_done=False,
+                prefills=True,
             ),
             retried=None if lost is None else _Retry("KV session lost", lost.failure, lost.holder),
         )
@@ -769,6 +785,8 @@ class Relay:
         request_id = plan.request.request_id
         tried: set[str] = set()
         retry = retried
+        # The engine that failed the request before its output, sending it to the next one.
+        sent_from = retried.engine if retried is not None else None
         while True:
             if request_id in self.aborted_unrouted:  # between two engines (abort_unrouted)
                 await self._end_aborted(stage, context)
@@ -800,7 +818,8 @@ class Relay:
                 c.metrics.retries.inc()
             elif stage.times_route:
                 c.metrics.route_seconds.observe(time.perf_counter() - started)
-            engine = decision.engine_id
+            self._tell_route(request_id, decision, stage, context, sent_from)
+            engine = sent_from = decision.engine_id
             tried.add(engine)
             relayed = False
             # Outputs that ended, and the request's: once all have, or an in-band error was
@@ -962,6 +981,30 @@ class Relay:
         log.info("request %s: engine %s failed before the first response (%s); retrying "
                  "elsewhere", request_id, engine, cause.code().name)  # fmt: skip
         return True
+
+    def _tell_route(
+        self,
+        request_id: str,
+        decision: Decision,
+        stage: _Stage,
+        context: Context,
+        sent_from: str | None,
+    ) -> None:
+        """Note the engine a hop chose in the request's route (`sent_from`: the engine that
+        failed it before its output, if any) and set the call's trailing metadata to the
+        route now: a failure aborts the call with the metadata set by then."""
+        route = self._routes.get(request_id)
+        if route is None:
+            return
+        record = self.controller.fleet.registry.by_engine_id(decision.engine_id)
+        part: Part = "decode" if stage.carries_session else "whole"
+        if stage.prefills and (
+            record is None or record.identity is None or record.identity.role is Role.PREFILL
+        ):
+            part = "prefill"
+        instance_id = record.engine_id if record is not None else decision.engine_id
+        route.chose(decision, instance_id, part, failed=sent_from)
+        context.set_trailing_metadata(route.metadata())
 
     def _count(self, outcome: RequestOutcome) -> None:
         """Count the outcome of the request this call runs, once (`_outcome_counted`)."""

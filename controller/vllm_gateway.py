@@ -1,7 +1,8 @@
 """The gateway's `vllm.Generate` surface, for clients of vLLM's gRPC front end: the same
 path as OpenEngine Generate (controller/relay.py: routing, the one retry, Abort by request id
-through OpenEngine, Drain, metrics). The chosen engine's own `vllm.Generate` service (served
-on the same port as its OpenEngine service) answers; the response is relayed unchanged.
+through OpenEngine, Drain, metrics, the `kvplane-route` trailing metadata naming the engine).
+The chosen engine's own `vllm.Generate` service (served on the same port as its OpenEngine
+service) answers; the response is relayed unchanged.
 
 What this API changes on the way:
 - It has no in-band error event: after something was relayed, an engine failure passes

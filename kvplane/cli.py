@@ -77,6 +77,7 @@ def up(
 def _register_groups() -> None:
     # Each component owns its command group; importing them must stay cheap (no torch).
     from controller.cli import admin_app, controller_app
+    from controller.complete_cli import complete
     from engine.cli import engine_app
     from indexer.cli import indexer_app
     from kvplane.bench import bench_app
@@ -87,6 +88,7 @@ def _register_groups() -> None:
     app.add_typer(controller_app, name="controller", help="The fleet controller and gateway.")
     app.add_typer(planner_app, name="planner", help="The fleet planner (scaling, draining).")
     app.add_typer(admin_app, name="admin", help="Admin CLI for a controller or an engine.")
+    app.command("complete")(complete)
     app.add_typer(bench_app, name="bench", help="Benchmarks with side-by-side peers.")
 
 

@@ -272,6 +272,15 @@ class ClientTarget:
     group_token: Metadata | None = None  # the groups' --token-file's; None: not given
 
     @classmethod
+    def given(
+        cls, address: str, channels: ClientChannels | None, token_file: Path | None
+    ) -> ClientTarget:
+        """A command of no group (`kvplane complete`) with its own --target, --tls-*
+        (`client_channels`: None, plaintext) and --token-file (None: $KVPLANE_TOKEN)."""
+        token = bearer_metadata(token_file) if token_file is not None else None
+        return cls(address, channels or INSECURE, token)
+
+    @classmethod
     def of(cls, ctx: typer.Context, target: str | None, default: str) -> ClientTarget:
         """The command's --target, else its groups', else `default`."""
         address = target or ctx.meta.get(_GROUP_TARGET) or default

@@ -41,6 +41,23 @@ async def start_sim_engine(
     )
 
 
+async def start_builtin_engines(count: int, **config: Any) -> list[EngineApp]:
+    """`count` in-process torch engines on the builtin model (t0, t1, ...; `config`: more
+    EngineConfig fields), a text prompt's path end to end: they tokenise and detokenise. The
+    caller points $KVPLANE_CACHE_DIR at where the model is built (on first use)."""
+    return [
+        await start_engine(
+            EngineConfig(
+                model="builtin",
+                listen="127.0.0.1:0",
+                instance_id=f"t{i}",
+                **{"num_kv_blocks": 64, "num_threads": 1, "shutdown_grace_s": 0.5, **config},
+            )
+        )
+        for i in range(count)
+    ]
+
+
 @dataclass
 class Fleet:
     engines: list[EngineApp]

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from controller.route_report import read_route
 from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -102,6 +103,11 @@ async def test_a_prefill_killed_under_its_request_is_prefilled_by_a_decode_engin
         await _at(fleet, "r", prefill)
         prefill.proc.kill()
         await _served_in_full(stream, decode.port)
+        # Its route: the decode engine served it whole, after the prefill engine failed it.
+        route = read_route(await stream.trailing_metadata())
+        assert route is not None and "prefill" not in route
+        assert (route["engine"], route["instance_id"]) == (f"127.0.0.1:{decode.port}", "decode")
+        assert (route["retried"], route["retried_from"]) == (True, [f"127.0.0.1:{prefill.port}"])
     finally:
         await close_fleet(fleet)
 
@@ -210,6 +216,9 @@ async def test_a_session_whose_prefill_engine_died_is_prefilled_again_by_a_decod
     try:
         events = await _served_in_full(stream, decode.port)
         assert events[-1].usage.prompt_tokens == len(PREFIX) + 1
+        route = read_route(await stream.trailing_metadata())
+        assert route is not None and route["engine"] == f"127.0.0.1:{decode.port}"
+        assert route["retried"] is True
     finally:
         await close_fleet(fleet)
 

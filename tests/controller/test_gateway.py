@@ -17,6 +17,7 @@ from controller.metrics import ControllerMetrics
 from controller.outcomes import ENGINE_METADATA_KEY, OUTCOME_METADATA_KEY
 from controller.registry import EngineState, Registry
 from controller.relay import RecentIds
+from controller.route_report import read_route
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -186,6 +187,54 @@ async def test_cordoned_engine_gets_no_traffic_until_uncordoned(fleet: Fleet) ->
     assert reply[-1].usage.cached_prompt_tokens == 64
 
 
+async def generate_routed(
+    fleet: Fleet, request: pb.GenerateRequest
+) -> tuple[list[pb.GenerateResponse], dict[str, Any] | None]:
+    """The stream and its `kvplane-route` trailing metadata."""
+    call = fleet.gateway.Generate(request)
+    reply = [r async for r in call]
+    return reply, read_route(await call.trailing_metadata())
+
+
+async def test_the_route_names_the_engine_that_served(fleet: Fleet) -> None:
+    """`kvplane-route`: the engine that served the request and the router's decision; the
+    same prompt again lands on the engine holding its prefix, as predicted, and that
+    engine's own count of cached tokens agrees."""
+    first, route = await generate_routed(fleet, generate_request("a", [*PREFIX, 1]))
+    assert route is not None
+    served = fleet.engine_at(route["engine"])
+    assert route["instance_id"] == served.instance_id
+    assert route["predicted_cached_tokens"] == 0 and route["retried"] is False
+    assert "prefill" not in route and "retried_from" not in route
+    assert first[-1].usage.cached_prompt_tokens == 0
+    assert await holder_of(fleet, PREFIX, 4) == route["engine"]
+
+    again, second = await generate_routed(fleet, generate_request("b", [*PREFIX, 1]))
+    assert second is not None
+    assert (second["engine"], second["instance_id"]) == (route["engine"], route["instance_id"])
+    assert (second["reason"], second["policy"]) == ("cache", "kvplane")
+    assert second["predicted_cached_tokens"] == 64
+    assert again[-1].usage.cached_prompt_tokens == 64
+
+
+async def test_the_route_of_a_request_no_engine_takes_names_the_engine_that_failed_it() -> None:
+    """A failure once an engine was chosen carries the route too (its status aborts the
+    call with the metadata set by then)."""
+    fleet = await make_fleet(1, health={"poll_interval_s": 60, "load_poll_interval_s": 60})
+    try:
+        address = fleet.address(fleet.engines[0])
+        await fleet.engines[0].server.stop(None)
+        call = fleet.gateway.Generate(generate_request("a", [*PREFIX, 1]))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [r async for r in call]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        route = read_route(err.value.trailing_metadata())  # type: ignore[arg-type]
+        assert route is not None
+        assert (route["engine"], route["instance_id"], route["retried"]) == (address, "e0", False)
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_dead_engine_before_first_token_is_retried_elsewhere() -> None:
     # Slow polls: the controller still believes the killed engine is ready.
     fleet = await make_fleet(2, health={"poll_interval_s": 60, "load_poll_interval_s": 60})
@@ -193,10 +242,18 @@ async def test_dead_engine_before_first_token_is_retried_elsewhere() -> None:
         await generate(fleet, generate_request("a", [*PREFIX, 1]))
         holder = await holder_of(fleet, PREFIX, 4)
         await fleet.engine_at(holder).server.stop(None)
-        reply = await generate(fleet, generate_request("b", [*PREFIX, 2]))
+        reply, route = await generate_routed(fleet, generate_request("b", [*PREFIX, 2]))
         assert reply[-1].WhichOneof("event") == "finished"
         assert reply[-1].usage.cached_prompt_tokens == 0  # recomputed on the other engine
         assert fleet.app.controller.metrics.retries._value.get() == 1
+        (other,) = [fleet.address(e) for e in fleet.engines if fleet.address(e) != holder]
+        assert route is not None
+        assert (route["engine"], route["retried"], route["retried_from"]) == (
+            other,
+            True,
+            [holder],
+        )
+        assert route["instance_id"] == fleet.engine_at(other).instance_id
         assert len(fleet.app.controller.router.inflight) == 0
     finally:
         await close_fleet(fleet)
@@ -892,12 +949,20 @@ async def test_vllm_generate_is_routed_to_the_prefix_holder(fleet: Fleet) -> Non
 
     chunks = [r async for r in stub.GenerateStream(request("v1", 1))]
     assert chunks[-1].outputs.finish_info.num_output_tokens == 3
-    await holder_of(fleet, PREFIX, 4)
+    holder = await holder_of(fleet, PREFIX, 4)
     cache_decisions = fleet.app.controller.metrics.decisions.labels("kvplane", "cache")
     before = cache_decisions._value.get()
-    reply = await stub.Generate(request("v2", 2))
+    call = stub.Generate(request("v2", 2))
+    reply = await call
     assert reply.outputs.finish_info.finish_reason == vpb.FinishInfo.LENGTH
     assert cache_decisions._value.get() == before + 1  # sent where the prefix lives
+    route = read_route(await call.trailing_metadata())  # named as OpenEngine Generate's is
+    assert route is not None
+    assert (route["engine"], route["reason"], route["predicted_cached_tokens"]) == (
+        holder,
+        "cache",
+        64,
+    )
     assert len(fleet.app.controller.router.inflight) == 0
 
 

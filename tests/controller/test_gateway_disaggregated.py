@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from controller.outcomes import read_outcomes
+from controller.route_report import read_route
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -95,6 +96,30 @@ async def test_prefill_then_decode_through_the_session() -> None:
         assert second.startswith("d") and second_session
         assert sessions.open == {}  # the decode engine attached the session
         assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_the_route_names_the_prefill_and_the_decode_engine() -> None:
+    """`kvplane-route` of a request handed over: the decode engine that served it, and the
+    prefill engine, each with the router's decision."""
+    fleet, prefill, decode, _ = await _fleet(2, 2)
+    try:
+        call = fleet.gateway.Generate(generate_request("r1", [*PREFIX, 1, 2], max_tokens=3))
+        reply = [r async for r in call]
+        assert reply[-1].WhichOneof("event") == "finished"
+        route = read_route(await call.trailing_metadata())
+        assert route is not None
+        (first, _), (second, _) = _calls(prefill + decode, "r1")
+        engines = {e.servicer.name: f"127.0.0.1:{e.port}" for e in prefill + decode}
+        # (Each test engine fronts a sim engine, whose instance id it answers.)
+        assert (route["instance_id"], route["engine"]) == (f"{second}-inner", engines[second])
+        assert (route["prefill"]["instance_id"], route["prefill"]["engine"]) == (
+            f"{first}-inner",
+            engines[first],
+        )
+        assert route["retried"] is False
+        assert route["prefill"]["reason"] in ("tie", "load", "cache")
     finally:
         await close_fleet(fleet)
 

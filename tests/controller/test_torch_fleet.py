@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.server.service import start_engine
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import Fleet, close_fleet, make_fleet
+from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_builtin_engines
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,20 +27,7 @@ MODEL = "builtin"
 @pytest.fixture
 async def torch_fleet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Fleet]:
     monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path))
-    engines = [
-        await start_engine(
-            EngineConfig(
-                model=MODEL,
-                listen="127.0.0.1:0",
-                instance_id=f"t{i}",
-                num_kv_blocks=64,
-                max_num_batched_tokens=128,
-                num_threads=1,
-                shutdown_grace_s=0.5,
-            )
-        )
-        for i in range(2)
-    ]
+    engines = await start_builtin_engines(2, max_num_batched_tokens=128)
     fleet = await make_fleet(engines=engines)
     try:
         yield fleet

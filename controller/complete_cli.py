@@ -1,0 +1,272 @@
+"""`kvplane complete`: send a prompt to a controller (or a single engine) and print what it
+generates, as vLLM's `vllm complete` does for its server: a newcomer with a fleet up tries it
+without writing a gRPC client.
+
+One OpenEngine Generate per prompt (`--prompt`, else each line of stdin in turn). Text output
+streams the generated text to stdout as it arrives, then one summary line on stderr: the
+engine that served it (a controller's `kvplane-route` trailing metadata, controller/
+route_report.py; a single engine sends none), the prompt tokens, those served from cache
+against the router's prediction, the time to the first token, the tokens and time in all,
+and why it finished. `--output json`: one JSON object per prompt, a line each. An unreachable
+target, a refused call or an in-band EngineError is one line and exit 1 (kvplane/cli.py)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import typer
+
+from controller.admin_cli import DEFAULT_TARGET, TARGET_KIND
+from controller.fleet import generates
+from controller.route_report import read_route
+from kvplane.cli_common import (
+    RPC_TIMEOUT_S,
+    ClientTarget,
+    GroupTokenFileOption,
+    RpcCallError,
+    TlsCaOption,
+    TlsCertOption,
+    TlsKeyOption,
+    TlsServerNameOption,
+    client_channels,
+    finite_number,
+    target_option,
+)
+from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+
+# The metadata key configs/controller.yaml gives `router.session_metadata_key`.
+DEFAULT_SESSION_METADATA_KEY = "session_id"
+
+
+class CompletionOutput(enum.StrEnum):
+    text = "text"
+    json = "json"
+
+
+@dataclass(slots=True)
+class Completion:
+    """What one Generate answered, as the command reports it."""
+
+    request_id: str
+    text: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    cached_prompt_tokens: int | None = None  # None: the engine did not say
+    finish_reason: str = ""
+    first_token_ms: float | None = None
+    total_ms: float = 0.0
+    route: dict[str, Any] | None = None  # a controller's `kvplane-route`; None from an engine
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "first_token_ms": _rounded(self.first_token_ms),
+            "total_ms": _rounded(self.total_ms),
+            "route": self.route,
+        }
+
+    def summary(self) -> str:
+        """One line: `e1 (127.0.0.1:9002): 1,040 prompt tokens, 1,024 cached (predicted
+        1,024) · first token 12.3 ms · 32 tokens in 85 ms · finished: length`."""
+        prompt = f"{self.prompt_tokens:,} prompt tokens" if self.prompt_tokens is not None else ""
+        if self.cached_prompt_tokens is not None:
+            prompt += f", {self.cached_prompt_tokens:,} cached"
+            if self.route is not None and "predicted_cached_tokens" in self.route:
+                prompt += f" (predicted {self.route['predicted_cached_tokens']:,})"
+        parts = [
+            prompt,
+            "no token"
+            if self.first_token_ms is None
+            else f"first token {self.first_token_ms:.1f} ms",
+            f"{self.completion_tokens:,} tokens in {self.total_ms:.0f} ms",
+            f"finished: {self.finish_reason or 'no reason given'}",
+        ]
+        line = " · ".join(p for p in parts if p)
+        engine = _route_text(self.route) if self.route is not None else ""
+        return f"{engine}: {line}" if engine else line
+
+
+def _rounded(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
+
+
+def _engine_text(hop: dict[str, Any]) -> str:
+    return f"{hop.get('instance_id', '?')} ({hop.get('engine', '?')})"
+
+
+def _route_text(route: dict[str, Any]) -> str:
+    """Which engines ran the request, as the summary line names them."""
+    words = [_engine_text(route)] if "engine" in route else []
+    if "prefill" in route:
+        words.append(f"prefilled on {_engine_text(route['prefill'])}")
+    if route.get("retried"):
+        words.append(f"retried after {', '.join(route.get('retried_from', []))} failed")
+    return ", ".join(words)
+
+
+def _served_model(stub: pb_grpc.OpenEngineStub) -> str:
+    """The model to ask for without --model: the first the target serves that generates, as
+    its GetEngineInfo and GetModelInfo say (a controller fronting pooling-only engines beside
+    generating ones lists both). None listed (a controller before its engines answer): "",
+    the default model, which the target then accepts or refuses itself."""
+    models = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=RPC_TIMEOUT_S).supported_models
+    for model in models:
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(model=model), timeout=RPC_TIMEOUT_S)
+        if generates(info):
+            return model
+    return models[0] if models else ""
+
+
+def _complete(
+    stub: pb_grpc.OpenEngineStub, request: pb.GenerateRequest, echo_text: bool
+) -> Completion:
+    """Run one Generate; with `echo_text`, write its text to stdout as it arrives. An in-band
+    EngineError raises RpcCallError (the stream's text so far is written)."""
+    done = Completion(request.request_id)
+    started = time.perf_counter()
+    call = stub.Generate(request)
+    for response in call:
+        event = response.WhichOneof("event")
+        if event == "token":
+            if done.first_token_ms is None:
+                done.first_token_ms = (time.perf_counter() - started) * 1000
+            done.text += response.token.text
+            if echo_text:
+                sys.stdout.write(response.token.text)
+                sys.stdout.flush()
+        elif event == "finished":
+            reason = pb.FinishReason.Name(response.finished.reason)
+            done.finish_reason = reason.removeprefix("FINISH_REASON_").lower()
+        elif event == "error":
+            error = response.error
+            code = pb.ErrorCode.Name(error.code).removeprefix("ERROR_CODE_")
+            raise RpcCallError(f"the engine failed the request: {code}: {error.message}")
+        if response.HasField("usage"):
+            usage = response.usage
+            done.prompt_tokens = usage.prompt_tokens
+            done.completion_tokens = usage.completion_tokens
+            if usage.HasField("cached_prompt_tokens"):
+                done.cached_prompt_tokens = usage.cached_prompt_tokens
+    done.total_ms = (time.perf_counter() - started) * 1000
+    done.route = read_route(call.trailing_metadata())
+    return done
+
+
+def _prompts(prompt: str | None) -> Iterator[str]:
+    """--prompt, else each non-blank line of stdin as it comes (a `> ` on a terminal)."""
+    if prompt is not None:
+        yield prompt
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            typer.echo("> ", nl=False, err=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+def _prompt_given(value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise typer.BadParameter("is empty: give the prompt's text, or leave it out to read stdin")
+    return value
+
+
+def complete(
+    *,
+    prompt: Annotated[
+        str | None,
+        typer.Option(
+            "--prompt",
+            "-p",
+            callback=_prompt_given,
+            help="Prompt text; without it, each line of stdin is a prompt, sent in turn.",
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, help="Tokens to generate at most.")
+    ] = 32,
+    temperature: Annotated[
+        float,
+        typer.Option(
+            "--temperature", min=0, callback=finite_number, help="Sampling temperature (0: greedy)."
+        ),
+    ] = 0.0,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model", "-m", help="Model to ask for (default: the first the target generates with)."
+        ),
+    ] = None,
+    session_key: Annotated[
+        str | None,
+        typer.Option(
+            "--session-key",
+            help="Session of the request: a controller with router.session_metadata_key sends "
+            "a session's requests to the engine that served it.",
+        ),
+    ] = None,
+    session_metadata_key: Annotated[
+        str,
+        typer.Option(
+            "--session-metadata-key",
+            help="The controller's router.session_metadata_key, which carries --session-key.",
+        ),
+    ] = DEFAULT_SESSION_METADATA_KEY,
+    output: Annotated[
+        CompletionOutput,
+        typer.Option(
+            "--output",
+            "-o",
+            help="text: the generated text on stdout, a summary on stderr; json: one object "
+            "per prompt.",
+        ),
+    ] = CompletionOutput.text,
+    target: Annotated[
+        str | None, target_option("HOST:PORT of the controller or engine.", DEFAULT_TARGET)
+    ] = None,
+    tls_ca: TlsCaOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
+    tls_server_name: TlsServerNameOption = None,
+    token_file: GroupTokenFileOption = None,
+) -> None:
+    """Send a prompt to a controller (or an engine) and print what it generates."""
+    if session_key is not None and not session_metadata_key:
+        raise typer.BadParameter("is empty", param_hint="--session-metadata-key")
+    channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
+    server = ClientTarget.given(target or DEFAULT_TARGET, channels, token_file)
+    with server.channel(TARGET_KIND) as channel:
+        stub = pb_grpc.OpenEngineStub(channel)
+        served = _served_model(stub) if model is None else model
+        for text in _prompts(prompt):
+            request = pb.GenerateRequest(
+                request_id=f"complete-{uuid.uuid4().hex}",
+                model=served,
+                prompt=text,
+                sampling=pb.SamplingParams(temperature=temperature),
+                stopping=pb.StoppingOptions(max_tokens=max_tokens),
+            )
+            if session_key is not None:
+                request.metadata[session_metadata_key] = session_key
+            done = _complete(stub, request, echo_text=output is CompletionOutput.text)
+            if output is CompletionOutput.json:
+                typer.echo(json.dumps(done.as_json(), sort_keys=True))
+            else:
+                typer.echo()  # the text ends its line
+                typer.echo(done.summary(), err=True)

@@ -1,0 +1,168 @@
+"""`kvplane complete` through CliRunner against a real controller in front of real torch
+engines on the builtin model (a text prompt needs a tokenizer: the engines' own, and the
+controller's `tokenizer: builtin` to route it by its cached prefix), and as a process for
+what `kvplane` prints on an error. The synchronous CLI runs in a worker thread so that the
+servers keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from kvplane.cli import app
+from kvplane_api.v1 import admin_pb2 as apb
+from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_builtin_engines
+from tests.polling import eventually
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "builtin"
+# About 100 tokens of the builtin model's tokenizer: several full KV blocks.
+PROMPT = "The quick brown fox jumps over the lazy dog, then runs back over the hill again."
+SUMMARY = re.compile(
+    r"^(?P<instance>\S+) \((?P<address>[\d.:]+)\): (?P<prompt>[\d,]+) prompt tokens, "
+    r"(?P<cached>[\d,]+) cached \(predicted (?P<predicted>[\d,]+)\) · first token [\d.]+ ms · "
+    r"(?P<tokens>\d+) tokens in \d+ ms · finished: (?P<reason>\w+)$"
+)
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One builtin model for the module's fleets (built on first use)."""
+    return tmp_path_factory.mktemp("kvplane-cache")
+
+
+@pytest.fixture
+async def fleet(model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Fleet]:
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(model_cache))
+    fleet = await make_fleet(engines=await start_builtin_engines(2), tokenizer="builtin")
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+async def complete(*args: str, stdin: str | None = None) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, app, ["complete", *args], input=stdin)
+
+
+async def prompt_held(fleet: Fleet, prompt: str) -> None:
+    """Until the controller's index shows an engine holding the prompt's full blocks."""
+
+    async def held() -> bool:
+        reply = await fleet.admin.Match(apb.PromptQuery(prompt=prompt, model=MODEL))
+        return reply.num_blocks > 0 and any(
+            m.device_blocks == reply.num_blocks for m in reply.matches
+        )
+
+    await eventually(held)
+
+
+def number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+async def test_complete_streams_the_text_and_names_the_engine_with_its_cached_tokens(
+    fleet: Fleet,
+) -> None:
+    """The text on stdout, a summary on stderr naming the engine that served it; the same
+    prompt again lands on that engine and its summary shows the prompt served from cache,
+    as the router predicted."""
+    first = await complete("--target", fleet.target, "--prompt", PROMPT, "--max-tokens", "8")
+    assert first.exit_code == 0, first.output
+    summary = SUMMARY.match(first.stderr.strip())
+    assert summary is not None, first.stderr
+    assert first.stdout.endswith("\n") and first.stdout.strip()
+    engine = fleet.engine_at(summary["address"])
+    assert summary["instance"] == engine.instance_id
+    assert (number(summary["cached"]), number(summary["predicted"])) == (0, 0)
+    assert summary["reason"] in ("length", "stop")
+    await prompt_held(fleet, PROMPT)
+
+    again = await complete("-t", fleet.target, "-p", PROMPT, "--max-tokens", "8")
+    assert again.exit_code == 0, again.output
+    second = SUMMARY.match(again.stderr.strip())
+    assert second is not None, again.stderr
+    assert (second["instance"], second["address"]) == (summary["instance"], summary["address"])
+    cached = number(second["cached"])
+    assert cached > 0 and cached == number(second["predicted"])
+    assert second["prompt"] == summary["prompt"]
+    assert again.stdout == first.stdout  # greedy: the same text, from cached KV
+
+
+async def test_complete_json_and_prompts_from_stdin(fleet: Fleet) -> None:
+    """`--output json`: one object per prompt, a line each; without --prompt each line of
+    stdin is a prompt, sent in turn (blank lines skipped)."""
+    result = await complete(
+        "--target", fleet.target, "--output", "json", "--max-tokens", "4",
+        stdin=f"{PROMPT}\n\nHello there\n",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2
+    answers = [json.loads(line) for line in lines]
+    for answer in answers:
+        assert answer["completion_tokens"] <= 4 and answer["text"]
+        assert answer["finish_reason"] in ("length", "stop")
+        assert answer["prompt_tokens"] > 0 and answer["cached_prompt_tokens"] == 0
+        assert answer["total_ms"] >= answer["first_token_ms"] > 0
+        route = answer["route"]
+        assert fleet.engine_at(route["engine"]).instance_id == route["instance_id"]
+        assert route["predicted_cached_tokens"] == 0 and route["retried"] is False
+    assert answers[0]["prompt_tokens"] > answers[1]["prompt_tokens"]
+    assert len({a["request_id"] for a in answers}) == 2
+    assert result.stderr == ""
+
+
+async def test_complete_against_a_single_engine(fleet: Fleet) -> None:
+    """An engine sends no route: the summary has no engine part, the JSON a null route."""
+    engine = fleet.address(fleet.engines[0])
+    result = await complete("--target", engine, "--prompt", PROMPT, "--max-tokens", "4")
+    assert result.exit_code == 0, result.output
+    assert re.match(r"^[\d,]+ prompt tokens, 0 cached · first token ", result.stderr), result.stderr
+    as_json = await complete("-t", engine, "-p", PROMPT, "--max-tokens", "4", "-o", "json")
+    assert as_json.exit_code == 0, as_json.output
+    answer = json.loads(as_json.stdout)
+    assert answer["route"] is None and answer["cached_prompt_tokens"] > 0
+
+
+def kvplane(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvplane", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_an_unreachable_target_is_one_line_and_exit_1() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{s.getsockname()[1]}"
+    result = kvplane("complete", "--target", target, "--prompt", "hi")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvplane: error: {target}: UNAVAILABLE")
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--max-tokens", "0"], "--max-tokens"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--prompt", ""], "--prompt"),
+        (["--output", "table"], "--output"),
+        (["--target", ""], "--target"),
+    ],
+)
+def test_a_bad_option_exits_2(args: list[str], problem: str) -> None:
+    result = kvplane("complete", *args)
+    assert result.returncode == 2, result.stderr
+    assert problem in result.stderr
