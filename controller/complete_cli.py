@@ -82,7 +82,15 @@ class Completion:
         """One line: `e1 (127.0.0.1:9002): 1,040 prompt tokens, 1,024 cached (predicted
         1,024) · first token 12.3 ms · 32 tokens in 85 ms · finished: length`."""
         prompt = f"{self.prompt_tokens:,} prompt tokens" if self.prompt_tokens is not None else ""
-        if self.cached_prompt_tokens is not None:
+        prefill = (self.route or {}).get("prefill")
+        if prefill is not None:
+            # Handed over: the serving engine counts the KV it pulled as cached, and what the
+            # prompt found cached is the prefill engine's, which reports no usage to the client.
+            if self.cached_prompt_tokens is not None:
+                prompt += f", {self.cached_prompt_tokens:,} handed over"
+            if "predicted_cached_tokens" in prefill:
+                prompt += f" (predicted cached {prefill['predicted_cached_tokens']:,})"
+        elif self.cached_prompt_tokens is not None:
             prompt += f", {self.cached_prompt_tokens:,} cached"
             if self.route is not None and "predicted_cached_tokens" in self.route:
                 prompt += f" (predicted {self.route['predicted_cached_tokens']:,})"

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
+from controller.complete_cli import Completion
 from kvplane.cli import app
 from kvplane_api.v1 import admin_pb2 as apb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_builtin_engines
@@ -166,3 +167,33 @@ def test_a_bad_option_exits_2(args: list[str], problem: str) -> None:
     result = kvplane("complete", *args)
     assert result.returncode == 2, result.stderr
     assert problem in result.stderr
+
+
+def test_the_summary_of_a_handed_over_request_names_both_engines_and_the_prefill_prediction() -> (
+    None
+):
+    """Behind a disaggregated gateway the serving (decode) engine counts the KV it pulled as
+    cached: the line says "handed over" and shows the prefill engine's prediction, not the
+    decode hop's (the whole prompt), which read as a miss."""
+    hop = {"engine": "127.0.0.1:9001", "instance_id": "p1", "predicted_cached_tokens": 32}
+    route = {
+        "engine": "127.0.0.1:9002",
+        "instance_id": "d1",
+        "predicted_cached_tokens": 77,
+        "prefill": hop,
+        "retried": False,
+    }
+    done = Completion(
+        request_id="r",
+        prompt_tokens=77,
+        completion_tokens=4,
+        cached_prompt_tokens=64,
+        finish_reason="length",
+        first_token_ms=5.0,
+        total_ms=9.0,
+        route=route,
+    )
+    assert done.summary() == (
+        "d1 (127.0.0.1:9002), prefilled on p1 (127.0.0.1:9001): 77 prompt tokens, 64 handed "
+        "over (predicted cached 32) · first token 5.0 ms · 4 tokens in 9 ms · finished: length"
+    )
