@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from controller.fleet import generates
 from kvplane.channels import INSECURE, ClientChannels
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -47,14 +48,6 @@ async def _model_info(stub: pb_grpc.OpenEngineAsyncStub, model: str) -> pb.Model
     return info
 
 
-def _generates(info: pb.ModelInfo) -> bool:
-    """As the controller reads ModelInfo: tasks advertised without `generation` is a
-    pooling-only engine (`runner: pooling`); advertising neither is taken to generate."""
-    tasks = info.tasks
-    pools = tasks.embed.supported or tasks.classify.supported or tasks.score.supported
-    return info.HasField("generation") or not pools
-
-
 async def _model_to_check(
     stub: pb_grpc.OpenEngineAsyncStub, models: list[str]
 ) -> tuple[str, int] | str:
@@ -68,7 +61,7 @@ async def _model_to_check(
         info = await _model_info(stub, model)
         if info is None:
             return model, 1
-        if _generates(info):
+        if generates(info):
             block = info.kv_block_size if info.HasField("kv_block_size") else 0
             return model, block or 1
     return (
