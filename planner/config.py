@@ -31,6 +31,7 @@ from typing import Annotated
 from pydantic import AfterValidator, Field, model_validator
 
 from kvplane.config import ClientTlsConfig, StrictModel, parse_dial_target, parse_host_port
+from planner.core.observations import EngineRole
 
 
 class SlaTargets(StrictModel):
@@ -47,6 +48,11 @@ class PoolConfig(StrictModel):
     # `kvplane engine serve` arguments this pool's local engines get after `live.engine_args`
     # (e.g. `["--role", "prefill"]`: a disaggregated fleet's prefill and decode pools).
     engine_args: tuple[str, ...] = ()
+    # What the pool's engines compute (aggregated, prefill or decode), which sets the SLA
+    # bounds it is sized by (docs/planner.md, "Roles"). The engines' own GetEngineInfo role
+    # wins once they report one; this is the role until then (and for engines that report
+    # none). None: aggregated until the engines say otherwise.
+    role: EngineRole | None = None
 
     @model_validator(mode="after")
     def _check_bounds(self) -> PoolConfig:

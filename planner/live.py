@@ -1,7 +1,8 @@
 """The live planner (`kvplane planner run`): observe the engines, run the core, act.
 
-Every `tick_s`: the GetLoad of every serving or draining engine (concurrently, each bounded by
-`load_timeout_s`; one that does not answer keeps its last load, and one that has not answered
+Every `tick_s`: the GetLoad of every serving or draining engine (its GetEngineInfo role and
+KV block size read once before it; concurrently, each bounded by `load_timeout_s`; one that
+does not answer keeps its last load, and one that has not answered
 `lost_after_failed_polls` ticks in a row is lost: taken out of the controller and killed, so
 the core replaces it), the FORWARD_PASS events each engine sent since the last tick (one
 SubscribeRuntimeEvents stream per engine, summed into `ForwardPasses`), then
@@ -57,6 +58,7 @@ from planner.core.observations import (
     IDLE,
     EngineLoad,
     EngineObservation,
+    EngineRole,
     EngineState,
     ForwardPasses,
     Observations,
@@ -70,6 +72,13 @@ log = logging.getLogger(__name__)
 # A GetLoad answered with these refused the planner's `live.engine_token_file`: not a failed
 # poll of the engine.
 _REFUSED_CREDENTIALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+# GetEngineInfo's role as the core's (ENGINE_ROLE_UNSPECIFIED: not reported).
+_ROLES = {
+    pb.ENGINE_ROLE_AGGREGATED: EngineRole.AGGREGATED,
+    pb.ENGINE_ROLE_PREFILL: EngineRole.PREFILL,
+    pb.ENGINE_ROLE_DECODE: EngineRole.DECODE,
+}
 
 # How long after a runtime-event stream ends the planner subscribes again.
 RESUBSCRIBE_S = 1.0
@@ -95,7 +104,9 @@ class _Engine:
     # GetLoads in a row that failed or timed out (not those that refused the planner's token).
     failed_polls: int = 0
     drain_deadline_s: float | None = None  # when the planner drained it: its Drain's deadline
-    block_size_read: bool = False  # GetModelInfo's kv_block_size taken (or not reported)
+    # GetEngineInfo's role and GetModelInfo's kv_block_size taken (or not reported).
+    info_read: bool = False
+    role: EngineRole | None = None  # GetEngineInfo's (None: not reported)
 
     def observation(self, now_s: float | None = None) -> EngineObservation:
         """What the core sees at `now_s`. An engine that does not report its request counts
@@ -115,7 +126,7 @@ class _Engine:
                 requests_known=True,
                 active_kv_sessions=0,  # the drain released them at its deadline
             )
-        return EngineObservation(self.engine_id, self.pool, self.state, load)
+        return EngineObservation(self.engine_id, self.pool, self.state, load, self.role)
 
 
 class LivePlanner:
@@ -280,8 +291,8 @@ class LivePlanner:
     async def _poll(self, engine: _Engine) -> None:
         assert engine.channel is not None
         stub = pb_grpc.OpenEngineStub(engine.channel)
-        if not engine.block_size_read:
-            await self._read_block_size(engine, stub)
+        if not engine.info_read:
+            await self._read_engine_info(engine, stub)
         try:
             info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -297,25 +308,25 @@ class LivePlanner:
         engine.failed_polls = 0
         engine.load = _load(info, engine.load)
 
-    async def _read_block_size(self, engine: _Engine, stub: pb_grpc.OpenEngineAsyncStub) -> None:
-        """The engine's KV block size (GetModelInfo of the first model GetEngineInfo lists,
-        its default: the seed requires a model), once: the KV demand of its queued prompt
-        tokens is counted in its blocks. Not reported (absent, no model listed,
-        UNIMPLEMENTED): the default stays; another failure: asked again at the next poll
-        (its GetLoad says why)."""
+    async def _read_engine_info(self, engine: _Engine, stub: pb_grpc.OpenEngineAsyncStub) -> None:
+        """Once per engine: its role (GetEngineInfo's: which SLA bounds its pool is sized by)
+        and its KV block size (GetModelInfo of the first model GetEngineInfo lists, its
+        default: the seed requires a model), in which the KV demand of its queued prompt
+        tokens is counted. Not reported (unspecified, absent, no model listed,
+        UNIMPLEMENTED): no role (the pool's configured one stands) and the default block size;
+        another failure: asked again at the next poll (its GetLoad says why)."""
         timeout = self._load_timeout_s
         try:
-            models = (
-                await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
-            ).supported_models
+            engine_info = await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
+            engine.role = _ROLES.get(engine_info.role)
             info = None
-            if models:
-                request = pb.GetModelInfoRequest(model=models[0])
+            if engine_info.supported_models:
+                request = pb.GetModelInfoRequest(model=engine_info.supported_models[0])
                 info = await stub.GetModelInfo(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            engine.block_size_read = exc.code() is grpc.StatusCode.UNIMPLEMENTED
+            engine.info_read = exc.code() is grpc.StatusCode.UNIMPLEMENTED
             return
-        engine.block_size_read = True
+        engine.info_read = True
         if info is not None and info.HasField("kv_block_size") and info.kv_block_size > 0:
             engine.load = replace(engine.load, kv_block_size=info.kv_block_size)
 

@@ -33,6 +33,23 @@ passes. A longer decode averages its ITL over more passes, and the prompts its e
 meanwhile vary less against their mean (a count's spread grows as the square root of its
 mean), so the share allowed grows as sqrt(k / short_output_passes): for long outputs (k in the
 hundreds) the mean-pass bound is the tighter one again.
+
+Roles (planner.core.roles: what the pool's engines report, else its configured `role`). The
+equations above are those of aggregated engines; a disaggregated fleet's pools keep them (one
+cost model per pool, fitted on that pool's own passes; L, K and the mean prompt measured on its
+own engines) and differ in which bounds apply:
+- prefill: N_ttft and N_kv only. A prefill engine never decodes (each prompt's KV goes to a
+  decode engine, which streams the tokens), so no request's ITL depends on its passes, and the
+  ITL bounds applied to them ask for far too many engines: a prefill-only pass is a full chunk
+  (a 2,048-token one alone outlasts a 40 ms ITL target) and its prefill share is near the
+  whole engine by design. Its KV is the prompts computing and those held in open KV sessions
+  until a decode engine pulls them: small, unless the decode pool falls behind.
+- decode: all three, over what its own engines compute. Its passes are decode steps plus the
+  little prompt work a decode engine does (the tokens the KV it pulled lacks: the last partial
+  block, or a whole prompt when the controller skips the prefill hop because almost all of it
+  is cached), so L is small, N_itl and N_kv bind, and N_ttft is sized only for the prompt
+  tokens these engines compute (the prefill pool's share of TTFT is the prefill pool's).
+- aggregated: all three.
 """
 
 from __future__ import annotations
@@ -41,6 +58,7 @@ import math
 from dataclasses import dataclass
 
 from planner.config import CapacityConfig, SlaTargets
+from planner.core.observations import EngineRole
 
 # The smallest prefill share a tight TTFT target is sized for (below it the need explodes).
 _MIN_PREFILL_SHARE = 0.05
@@ -145,7 +163,8 @@ def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] 
 
 @dataclass(frozen=True, slots=True)
 class Need:
-    """Engines (fractional) each SLA constraint asks for, and the largest."""
+    """Engines (fractional) each SLA constraint asks for, and the largest. A bound that does
+    not apply to the pool's role (ITL for a prefill pool) asks for 0."""
 
     itl: float
     ttft: float
@@ -165,12 +184,42 @@ def engines_needed(
     sla: SlaTargets,
     config: CapacityConfig,
     decode_passes: float = 0.0,
+    role: EngineRole = EngineRole.AGGREGATED,
 ) -> Need:
-    """The module docstring's equations; `math.inf` when no count can meet a target (a
-    target below the fixed cost of one pass). `decode_passes`: the mean number of passes a
-    request decodes for (0 when not known: sized as short outputs)."""
-    target_ms = config.itl_margin * sla.itl_ms
+    """The module docstring's equations, the bounds `role` applies; `math.inf` when no count
+    can meet a target (a target below the fixed cost of one pass). `decode_passes`: the mean
+    number of passes a request decodes for (0 when not known: sized as short outputs)."""
     prefill_ms = cost.prefill_ms_per_token * prompt_tokens_per_s  # per second of load
+    itl = (
+        0.0  # no request decodes on a prefill engine
+        if role is EngineRole.PREFILL
+        else _itl_need(
+            cost,
+            prefill_ms=prefill_ms,
+            kv_usage_sum=kv_usage_sum,
+            sla=sla,
+            config=config,
+            decode_passes=decode_passes,
+        )
+    )
+    service_ms = cost.fixed_ms + cost.prefill_ms_per_token * mean_prompt_tokens
+    share = max(_MIN_PREFILL_SHARE, 1.0 - service_ms / (config.ttft_margin * sla.ttft_ms))
+    ttft = prefill_ms / 1000.0 / share
+    kv = kv_usage_sum / config.max_kv_usage
+    return Need(itl=itl, ttft=ttft, kv=kv)
+
+
+def _itl_need(
+    cost: PassCost,
+    *,
+    prefill_ms: float,
+    kv_usage_sum: float,
+    sla: SlaTargets,
+    config: CapacityConfig,
+    decode_passes: float,
+) -> float:
+    """N_itl: the larger of the mean-pass bound and the short-output prefill-share bound."""
+    target_ms = config.itl_margin * sla.itl_ms
     room_ms = target_ms - cost.fixed_ms
     mean_pass_itl = (
         (cost.kv_ms * kv_usage_sum + prefill_ms * target_ms / 1000.0) / room_ms
@@ -180,9 +229,4 @@ def engines_needed(
     longer = max(1.0, decode_passes / config.short_output_passes)
     prefill_share = min(1.0, config.max_prefill_share * math.sqrt(longer))
     short_output_itl = prefill_ms / 1000.0 / prefill_share
-    itl = max(mean_pass_itl, short_output_itl)
-    service_ms = cost.fixed_ms + cost.prefill_ms_per_token * mean_prompt_tokens
-    share = max(_MIN_PREFILL_SHARE, 1.0 - service_ms / (config.ttft_margin * sla.ttft_ms))
-    ttft = prefill_ms / 1000.0 / share
-    kv = kv_usage_sum / config.max_kv_usage
-    return Need(itl=itl, ttft=ttft, kv=kv)
+    return max(mean_pass_itl, short_output_itl)

@@ -12,6 +12,15 @@ import enum
 from dataclasses import dataclass
 
 
+class EngineRole(enum.Enum):
+    """What an engine computes (GetEngineInfo's role): which SLA bounds its pool is sized by
+    (planner.core.capacity)."""
+
+    AGGREGATED = "aggregated"  # prompts and decode steps in one batch
+    PREFILL = "prefill"  # prompts only: hands each prompt's KV to a decode engine
+    DECODE = "decode"  # decodes; pulls the prompt's KV, computes only what it lacks
+
+
 class EngineState(enum.Enum):
     STARTING = "starting"  # asked for, not serving yet: capacity still pending
     SERVING = "serving"
@@ -67,6 +76,9 @@ class EngineObservation:
     pool: str
     state: EngineState
     load: EngineLoad = IDLE  # IDLE while starting (nothing to poll yet)
+    # What the engine says it is (GetEngineInfo's role); None while starting or when it does
+    # not say (ENGINE_ROLE_UNSPECIFIED, no GetEngineInfo).
+    role: EngineRole | None = None
 
     @property
     def is_drained(self) -> bool:

@@ -14,7 +14,9 @@ Each tick, per configured pool (engines of other pools are left alone):
    per second) and feed the forecast; keep running means of the prompt length and of the
    passes a request decodes for.
 4. Size (`planner.core.capacity`): engines needed at the SLA targets for the forecast load
-   plus `forecast_error_headroom` times the forecast's mean absolute error.
+   plus `forecast_error_headroom` times the forecast's mean absolute error, by the bounds of
+   the pool's role (`planner.core.roles`: what its engines report, else its configured role;
+   engines that disagree: aggregated, logged once).
 5. Scale up when the need exceeds the engines provisioned, unless engines are still starting
    (their capacity is pending: asking again would double-count the same need) or the last
    scale-up is younger than `scale_up_cooldown_s`. The reason is SLA_AT_RISK when some engine's
@@ -28,6 +30,7 @@ Each tick, per configured pool (engines of other pools are left alone):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,7 +40,16 @@ from planner.core.actions import has_pending, provisioned, removals, resize
 from planner.core.capacity import CostModel, Need, PassCost, engines_needed
 from planner.core.decisions import Decision, Reason
 from planner.core.forecast import HoltForecast
-from planner.core.observations import EngineObservation, EngineState, ForwardPasses, Observations
+from planner.core.observations import (
+    EngineObservation,
+    EngineRole,
+    EngineState,
+    ForwardPasses,
+    Observations,
+)
+from planner.core.roles import PoolRole, pool_role
+
+log = logging.getLogger(__name__)
 
 # Weight of a tick's measured mean prompt length (and decode length) in its running mean.
 _PROMPT_ALPHA = 0.2
@@ -56,6 +68,7 @@ class PoolEstimate:
     forecast_kv_demand: float
     mean_prompt_tokens: float
     mean_decode_passes: float  # passes a request decodes for (sizes the short-output bound)
+    role: EngineRole  # the role sized for: which bounds apply
     cost: PassCost  # the learned pass-cost model
     need: Need
     # The need rounded up within the pool's bounds: the size a scale-up asks for (a
@@ -77,6 +90,7 @@ class _PoolState:
     # (time, engines wanted with the scale-down headroom) over the stabilisation window.
     wanted: deque[tuple[float, int]] = field(default_factory=deque)
     last_estimate: PoolEstimate | None = None
+    role: PoolRole | None = None  # the last tick's (a warning is logged when it changes)
 
 
 class Planner:
@@ -233,6 +247,7 @@ class Planner:
         kv_demand = sum(e.load.kv_demand for e in active)
         state.forecast.update(arrivals, now_s)
         state.kv_forecast.update(kv_demand, now_s)
+        role = self._role(pool, state, engines)
         cap = self.config.capacity
         horizon_s = cap.forecast_horizon_s
         cost = state.cost.cost()
@@ -249,6 +264,7 @@ class Planner:
             sla=self.config.sla,
             config=cap,
             decode_passes=mean_decode_passes,
+            role=role,
         )
         estimate = PoolEstimate(
             prompt_tokens_per_s=arrivals,
@@ -258,12 +274,23 @@ class Planner:
             forecast_kv_demand=forecast_kv,
             mean_prompt_tokens=mean_prompt_tokens,
             mean_decode_passes=mean_decode_passes,
+            role=role,
             cost=cost,
             need=need,
             engines_wanted=_clamp(need.engines, pool),
         )
         state.last_estimate = estimate
         return estimate
+
+    @staticmethod
+    def _role(pool: PoolConfig, state: _PoolState, engines: list[EngineObservation]) -> EngineRole:
+        """The role `pool` is sized as this tick; its warning is logged when it changes (an
+        engine of another role joining the pool is said once, not every tick)."""
+        role = pool_role(pool.name, pool.role, engines)
+        if role != state.role and role.warning is not None:
+            log.warning("%s", role.warning)
+        state.role = role
+        return role.role
 
     def _sla_at_risk(self, state: _PoolState, engines: list[EngineObservation]) -> bool:
         """Some serving engine's queued prefill alone would take longer than the TTFT target."""

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from planner.core.observations import EngineLoad, EngineObservation, EngineState, ForwardPasses
+from planner.core.observations import (
+    EngineLoad,
+    EngineObservation,
+    EngineRole,
+    EngineState,
+    ForwardPasses,
+)
 
 TOTAL_BLOCKS = 1000
 BLOCK_SIZE = 16
@@ -18,6 +24,7 @@ def engine(
     used_blocks: int = 0,
     pool: str = "default",
     kv_sessions: int = 0,
+    role: EngineRole | None = None,
 ) -> EngineObservation:
     load = EngineLoad(
         running,
@@ -28,7 +35,7 @@ def engine(
         BLOCK_SIZE,
         active_kv_sessions=kv_sessions,
     )
-    return EngineObservation(engine_id, pool, state, load)
+    return EngineObservation(engine_id, pool, state, load, role)
 
 
 def passes(engine_id: str, *, num: int = 100, prefill_tokens: int = 0) -> ForwardPasses:

@@ -41,7 +41,7 @@ from planner.actuator import LocalProcesses
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.controller_admin import ControllerAdmin
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
-from planner.core.observations import IDLE, EngineObservation, EngineState
+from planner.core.observations import IDLE, EngineObservation, EngineRole, EngineState
 from planner.core.planner import Planner
 from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
@@ -154,7 +154,9 @@ async def test_each_pool_starts_its_engines_with_its_own_arguments(
     setup: Setup, tmp_path: Path
 ) -> None:
     """A disaggregated fleet's pools: `pools[].engine_args` give one pool prefill engines,
-    the other decode engines (a role per pool; `live.engine_args` is every engine's)."""
+    the other decode engines (a role per pool; `live.engine_args` is every engine's). The
+    roles the engines report (GetEngineInfo) reach the core, which sizes each pool by its
+    role's bounds (no `role` is configured)."""
     fleet = setup.app.controller.fleet
     (tmp_path / "pools").mkdir()
     actuator = LocalProcesses(
@@ -166,7 +168,8 @@ async def test_each_pool_starts_its_engines_with_its_own_arguments(
     )
     pools = tuple(PoolConfig(name=n, min_engines=1, max_engines=1) for n in ("prefill", "decode"))
     config = PlannerConfig(pools=pools, scaling=ScalingConfig(tick_s=0.2))
-    live = LivePlanner(Planner(config), actuator)
+    core = Planner(config)
+    live = LivePlanner(core, actuator)
     try:
         await live.tick()
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
@@ -177,6 +180,17 @@ async def test_each_pool_starts_its_engines_with_its_own_arguments(
             if r.identity is not None
         }
         assert roles == {"prefill": "prefill", "decode": "decode"}
+        assert await live.tick() == []  # the first sizing tick only observes
+        assert await live.tick() == []
+        observed = {e.pool: e.observation().role for e in live.engines.values()}
+        assert observed == {"prefill": EngineRole.PREFILL, "decode": EngineRole.DECODE}
+        sized = {name: core.estimate(name) for name in ("prefill", "decode")}
+        assert {name: e.role if e else None for name, e in sized.items()} == {
+            "prefill": EngineRole.PREFILL,
+            "decode": EngineRole.DECODE,
+        }
+        prefill = sized["prefill"]
+        assert prefill is not None and prefill.need.itl == 0
     finally:
         await live.close()
     assert actuator.num_alive() == 0
