@@ -268,6 +268,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             tokenized=plan.tokenized,
             index_error=plan.view.index_error or "",
         )
+        predicted = {c.engine_id for c in plan.view.candidates if c.predicts_cache}
         for row in decision.costs:
             cost = apb.EngineCost(
                 engine=row.engine_id,
@@ -279,6 +280,7 @@ class AdminServicer(apb_grpc.AdminServicer):
                 decode_cost=row.decode_cost,
                 memory_cost=row.memory_cost,
                 busy=row.busy,
+                predicted=row.engine_id in predicted,
             )
             if row.total is not None:
                 cost.total = row.total
@@ -290,7 +292,9 @@ class AdminServicer(apb_grpc.AdminServicer):
         operator checks before uncordoning); NOT_FOUND for a model no engine serves and
         FAILED_PRECONDITION for one only pooling-only engines serve (which cache no prompt),
         as Route (rather than no engine holding anything of it). `bypass_prefix_cache` is
-        ignored: it changes which cache a request reads, not what the engines hold."""
+        ignored: it changes which cache a request reads, not what the engines hold. An engine
+        without KV events (`kv_events: approximate`) shows the prefix the router predicts
+        there (`predicted`)."""
         try:
             self.controller.check_model(request.model, generating=True)
         except KvplaneError as exc:
@@ -303,15 +307,21 @@ class AdminServicer(apb_grpc.AdminServicer):
             tokenized=plan.tokenized,
             index_error=plan.view.index_error or "",
         )
-        for c in plan.view.candidates:
-            device, host = plan.request.cached_tokens(c.hit)
+        # An engine without KV events (`kv_events: approximate`) holds what the router
+        # predicts from the prompts it routed there, as it credits them in a decision.
+        router = self.controller.router
+        view = router.with_inflight(plan.view.candidates, plan.request, self.controller.clock())
+        for c, routed in zip(plan.view.candidates, view, strict=True):
+            hit = routed.hit if c.predicts_cache else c.hit
+            device, host = plan.request.cached_tokens(hit)
             reply.matches.append(
                 apb.EngineMatch(
                     engine=c.engine_id,
                     instance_id=self._instance(c.engine_id),
-                    device_blocks=c.hit.device_blocks,
-                    host_blocks=c.hit.host_blocks,
+                    device_blocks=hit.device_blocks,
+                    host_blocks=hit.host_blocks,
                     cached_tokens=device + host,
+                    predicted=c.predicts_cache,
                 )
             )
         return reply

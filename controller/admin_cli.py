@@ -405,16 +405,20 @@ def match(
 
     def render(d: dict[str, Any]) -> str:
         head = (
-            f"{d.get('num_prompt_tokens', 0)} prompt tokens, {d.get('num_blocks', 0)} full "
-            f"blocks of {d.get('block_size', 0)}"
-        ) + _prefix_unknown(d, model)
+            (
+                f"{d.get('num_prompt_tokens', 0)} prompt tokens, {d.get('num_blocks', 0)} full "
+                f"blocks of {d.get('block_size', 0)}"
+            )
+            + _prefix_unknown(d, model)
+            + _predicted_note(d["matches"])
+        )
         rows = [
             [
                 m.get("instance_id"),
                 m.get("engine"),
                 m.get("device_blocks", 0),
                 m.get("host_blocks", 0),
-                m.get("cached_tokens", 0),
+                _cached_cell(m),
             ]
             for m in d["matches"]
         ]
@@ -477,10 +481,11 @@ def route(
                 "\nbypass_prefix_cache: the request reads no cached prefix, so it is placed by "
                 "load with 0 cached tokens on every engine"
             )
+        head += _predicted_note(d["costs"])
         rows = [
             [
                 c.get("instance_id"),
-                c.get("cached_tokens", 0),
+                _cached_cell(c),
                 c.get("host_cached_tokens", 0),
                 _num(c.get("prefill_cost")),
                 _num(c.get("queue_cost")),
@@ -511,6 +516,22 @@ def route(
         )
 
     emit(data, output, render)
+
+
+def _cached_cell(row: dict[str, Any]) -> str:
+    """An engine's cached tokens, `(predicted)` for an engine without KV events."""
+    cached = row.get("cached_tokens", 0)
+    return f"{cached} (predicted)" if row.get("predicted") else str(cached)
+
+
+def _predicted_note(rows: list[dict[str, Any]]) -> str:
+    """The line saying what a predicted cache is, when an engine has one; else empty."""
+    if not any(r.get("predicted") for r in rows):
+        return ""
+    return (
+        "\n(predicted): an engine without KV events (kv_events approximate): what it holds is "
+        "predicted from the prompts this controller routed there (router.approximate_ttl_s)"
+    )
 
 
 def _prefix_unknown(reply: dict[str, Any], model: str) -> str:
@@ -690,7 +711,8 @@ def register_engine(
         typer.Option(
             "--kv-events",
             help="Where the controller takes the engine's KV events from (none: routed "
-            "cache-blind).",
+            "cache-blind; approximate: none either, its cache predicted from the prompts "
+            "routed there).",
         ),
     ] = KvEventsMode.grpc,
     wait_s: Annotated[

@@ -15,8 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
-from controller.config import ControllerConfig
-from controller.replay import ReplaySettings, fits, oracle_hit_ratio, replay
+from controller.config import ControllerConfig, RouterConfig
+from controller.replay import CacheKnowledge, ReplaySettings, fits, oracle_hit_ratio, replay
 from controller.router import POLICY_NAMES
 from engine.core.mooncake_trace import TraceRequest, load_trace
 from kvplane.cli_common import (
@@ -77,12 +77,15 @@ def run_route_bench(
         "seed": settings.seed,
         "router_replicas": settings.router_replicas,
         "replica_sync": settings.replica_sync,
+        "kv_events": settings.kv_events.value,
         "num_requests": len(replayed),
         "num_left_out": left_out,
         # Over the requests replayed: a bound on what the policies reach.
         "oracle_hit_ratio": round(oracle_hit_ratio(replayed, settings.block_size), 4),
         "policies": {},
     }
+    if settings.kv_events is CacheKnowledge.approximate:
+        result["approximate_ttl_s"] = settings.approximate_ttl_s
     if settings.kvplane_weights is not None and "kvplane" in policies:
         result["kvplane_weights"] = dataclasses.asdict(settings.kvplane_weights)
     for name in policies:
@@ -110,7 +113,7 @@ def _dynamo_core() -> Any:
 # Dynamo's rows: its KV router as shipped; tuned as ../shared/BENCHMARKS.md found it does
 # better on these traces (cached blocks credited 4x, prefill load scaled 4x); and its round
 # robin. Both KV router rows are the peer. The KV router breaks ties at random.
-_DYNAMO_ROWS: dict[str, tuple[str, dict[str, float] | None]] = {
+_DYNAMO_ROWS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "dynamo_kv_router": ("kv_router", None),
     "dynamo_kv_router_tuned": (
         "kv_router",
@@ -118,11 +121,19 @@ _DYNAMO_ROWS: dict[str, tuple[str, dict[str, float] | None]] = {
     ),
     "dynamo_round_robin": ("round_robin", None),
 }
+# With `--kv-events approximate`: its KV router without KV events (its approximate indexer,
+# which predicts each worker's cache from its own routing, blocks expiring 120 s after it
+# routed them), and its round robin.
+_DYNAMO_APPROXIMATE_ROWS: dict[str, tuple[str, dict[str, Any] | None]] = {
+    "dynamo_kv_router_approx": ("kv_router", {"use_kv_events": False}),
+    "dynamo_round_robin": ("round_robin", None),
+}
 
 
 def _dynamo_rows(core: Any, trace_path: Path, settings: ReplaySettings) -> dict[str, Any]:
     rows: dict[str, Any] = {}
-    for name, (mode, tuning) in _DYNAMO_ROWS.items():
+    approximate = settings.kv_events is CacheKnowledge.approximate
+    for name, (mode, tuning) in (_DYNAMO_APPROXIMATE_ROWS if approximate else _DYNAMO_ROWS).items():
         runs = []
         for _ in range(DYNAMO_RUNS if mode == "kv_router" else 1):
             report = core.run_mocker_trace_replay(
@@ -175,6 +186,12 @@ def render_table(doc: dict[str, Any]) -> str:
             f"{doc['router_replicas']} router replicas"
             f"{' in sync' if doc.get('replica_sync') else ''}, "
             if doc.get("router_replicas", 1) > 1
+            else ""
+        )
+        + (
+            "no KV events (caches predicted from routing, "
+            f"approximate_ttl_s {doc.get('approximate_ttl_s', 120.0):g}), "
+            if doc.get("kv_events") == CacheKnowledge.approximate
             else ""
         )
         + f"oracle reuse {doc['oracle_hit_ratio']:.3f}"
@@ -239,17 +256,28 @@ def bench_route(
             help="The replicas apply each other's accounting as they route (router.replica_sync).",
         ),
     ] = False,
+    kv_events: Annotated[
+        CacheKnowledge,
+        typer.Option(
+            "--kv-events",
+            help="How the router learns the engines' caches: their KV events, or none "
+            "(approximate: it predicts them from its own routing, as for engines with "
+            "kv_events: approximate; --peer dynamo then runs Dynamo's KV router without "
+            "KV events).",
+        ),
+    ] = CacheKnowledge.events,
     config: Annotated[
         Path | None,
         typer.Option(
             "--config",
-            help="A controller config file: the kvplane policy uses its router settings.",
+            help="A controller config file: the kvplane policy uses its router settings, "
+            "and with --kv-events approximate every policy its router.approximate_ttl_s.",
         ),
     ] = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Routing quality on a real trace: reuse, TTFT, ITL, imbalance per policy."""
-    weights = load_command_config(ControllerConfig, config).router.weights() if config else None
+    router = load_command_config(ControllerConfig, config).router if config else None
     settings = ReplaySettings(
         workers=workers,
         blocks_per_worker=blocks_per_worker,
@@ -258,7 +286,9 @@ def bench_route(
         seed=seed,
         router_replicas=router_replicas,
         replica_sync=replica_sync,
-        kvplane_weights=weights,
+        kvplane_weights=router.weights() if router else None,
+        kv_events=kv_events,
+        approximate_ttl_s=router.approximate_ttl_s if router else RouterConfig().approximate_ttl_s,
     )
     names = policy_names(policies)
     # A missing peer fails now, not after minutes of replays.

@@ -38,6 +38,15 @@ class KvEventsMode(enum.StrEnum):
     grpc = "grpc"  # SubscribeKvEvents (falls back to an advertised ZMQ source)
     zmq = "zmq"  # the ZMQ source GetKvEventSources advertises
     none = "none"  # no events: the router is cache-blind for this engine
+    # No events: the router predicts the engine's cache from the prompts it routed there
+    # (`router.approximate_ttl_s`, bounded by the engine's KV capacity).
+    approximate = "approximate"
+
+    @property
+    def followed(self) -> bool:
+        """Whether the controller follows the engine's KV events (none and approximate
+        engines publish none it reads)."""
+        return self in (KvEventsMode.grpc, KvEventsMode.zmq)
 
 
 class EngineEntry(StrictModel):
@@ -152,6 +161,11 @@ class RouterConfig(StrictModel):
     # How long blocks just routed count as held before the engine's events arrive (and in any
     # case until the request's first token).
     pending_ttl_s: float = Field(default=10.0, ge=0)
+    # Engines with `kv_events: approximate` (no KV events): each prompt routed to one counts
+    # as cached there this long after the last request routed through its blocks (Dynamo's
+    # approximate router's default), its least recently routed blocks dropped first past the
+    # engine's KV capacity (controller.router.router.PendingPrefixes).
+    approximate_ttl_s: float = Field(default=120.0, gt=0)
     # Disaggregated fleets: a decode engine that already holds this fraction of a prompt
     # prefills it itself, skipping the prefill hop. None (default): always hop, since the
     # seed's DECODE engines take requests that carry a KV session; set it (e.g. 0.9) for decode

@@ -552,8 +552,8 @@ class Fleet:
         why (`controller.event_following`); a removed engine's record says it is not."""
         engine = self._engines.get(record.address)
         last_s = engine.last_event_unix_s if engine is not None else None
-        if record.kv_events == KvEventsMode.none.value:
-            return EventFollowing(FollowingState.NOT_FOLLOWED, "kv_events: none")
+        if not KvEventsMode(record.kv_events).followed:
+            return EventFollowing(FollowingState.NOT_FOLLOWED, f"kv_events: {record.kv_events}")
         if self.index is None:
             reason = "the remote indexer follows them" if self.remote else "no index"
             return EventFollowing(FollowingState.NOT_FOLLOWED, reason)
@@ -711,6 +711,7 @@ class Fleet:
             total_kv_blocks=identity.total_kv_blocks if identity else None,
             block_size=identity.block_size if identity else None,
             cached_blocks=self.indexed_blocks.get(record.address),
+            predicts_cache=record.kv_events == KvEventsMode.approximate.value,
         )
 
     @staticmethod
@@ -1039,7 +1040,7 @@ class Fleet:
         """Subscribe to the engine process's KV events into the index (as configured); on a
         shared index, once this replica holds the engine's writer lease."""
         record = self.registry.get(engine.address)
-        if self.index is None or record.kv_events == KvEventsMode.none.value:
+        if self.index is None or not KvEventsMode(record.kv_events).followed:
             return
         async with engine.events_lock:
             engine.followed = identity

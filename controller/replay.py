@@ -14,7 +14,9 @@ prefixes give equal canonical block keys, and the engine's prefix cache hits exa
 trace says blocks are shared.
 
 The router sees what it would see live: each engine's cached blocks as its KV events announce
-them (BlockStored / BlockRemoved, applied after the step that made them), a GetLoad snapshot
+them (BlockStored / BlockRemoved, applied after the step that made them; with
+`kv_events=CacheKnowledge.approximate`, none: it predicts each engine's cache from its own
+routing, as for engines with `kv_events: approximate`), a GetLoad snapshot
 (`EngineCore.load()`) refreshed every `load_poll_ms`, and its own in-flight accounting,
 released at first token and at finish. Before a request arriving at t is routed, every engine
 has run the passes that start before t (their effects become visible up to one pass early;
@@ -28,6 +30,7 @@ max / mean engine busy time (virtual time in forward passes).
 
 from __future__ import annotations
 
+import enum
 import random
 import statistics
 from collections import Counter
@@ -66,6 +69,15 @@ from engine.core.sim_fleet import (
 from indexer.keys import block_keys
 
 
+class CacheKnowledge(enum.StrEnum):
+    """How the replay's router learns the engines' caches (`kvplane bench route --kv-events`)."""
+
+    events = "events"  # their KV events, as `kv_events: grpc` or `zmq` live
+    # None: the router predicts each engine's cache from its own routing, as live for
+    # `kv_events: approximate` (`router.approximate_ttl_s`, bounded by the engine's capacity).
+    approximate = "approximate"
+
+
 @dataclass(frozen=True, slots=True)
 class ReplaySettings:
     workers: int = 8
@@ -81,6 +93,9 @@ class ReplaySettings:
     router_replicas: int = 1
     replica_sync: bool = False
     kvplane_weights: KvplaneWeights | None = None
+    kv_events: CacheKnowledge = CacheKnowledge.events
+    # How long a predicted engine's routed blocks count as cached (`router.approximate_ttl_s`).
+    approximate_ttl_s: float = 120.0
     # The engine's defaults, which are Dynamo's mocker's (vLLM-style scheduling).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -163,8 +178,11 @@ class _RouterView:
         self.last_poll_s: float | None = None
         self.decisions: Counter[str] = Counter()
         self.request_keys: dict[str, list[int]] = {}
+        self.predicts = settings.kv_events is CacheKnowledge.approximate
 
     def on_kv_events(self, index: int, now_s: float, events: list[KvEvent]) -> None:
+        if self.predicts:
+            return  # the engines publish none the router reads
         keys = self.keys[index]
         for event in events:
             if isinstance(event, BlockStored):
@@ -219,7 +237,9 @@ class _RouterView:
                     load=self.loads[engine.index],
                     total_kv_blocks=self.settings.blocks_per_worker,
                     block_size=self.settings.block_size,
-                    cached_blocks=self.cached[engine.index],
+                    # No index tells a predicted engine's cache size (`cache_pressure`).
+                    cached_blocks=None if self.predicts else self.cached[engine.index],
+                    predicts_cache=self.predicts,
                 )
             )
         route = RouteRequest(
@@ -240,7 +260,10 @@ def replay(
     trace: Sequence[TraceRequest], policy_name: str, settings: ReplaySettings
 ) -> PolicyResult:
     weights = settings.kvplane_weights if policy_name == "kvplane" else None
-    routers = [Router(make_policy(policy_name, weights)) for _ in range(settings.router_replicas)]
+    routers = [
+        Router(make_policy(policy_name, weights), approximate_ttl_s=settings.approximate_ttl_s)
+        for _ in range(settings.router_replicas)
+    ]
     fleet = SimFleet(
         settings.workers,
         block_size=settings.block_size,

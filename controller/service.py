@@ -96,6 +96,7 @@ class Controller:
             make_policy(config.router.policy, config.router.weights()),
             busy=config.router.busy(),
             pending_ttl_s=config.router.pending_ttl_s,
+            approximate_ttl_s=config.router.approximate_ttl_s,
             skip_prefill_ratio=(
                 math.inf
                 if config.router.skip_prefill_ratio is None

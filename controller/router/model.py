@@ -92,6 +92,9 @@ class Candidate(NamedTuple):
     # `InFlight.active_blocks`); None unless the policy counts active blocks, or when the
     # router has no active request there (none to hold them: read as 0).
     active_overlap_blocks: int | None = None
+    # The engine publishes no KV events and the router predicts its cache from its own
+    # routing (`kv_events: approximate`: `controller.router.router.PendingPrefixes`).
+    predicts_cache: bool = False
 
     def as_routed(
         self, hit: PrefixHit, inflight: InFlight, active_overlap_blocks: int | None
@@ -101,7 +104,7 @@ class Candidate(NamedTuple):
         engine for every request and `_replace` (generic, by keyword) cost about as much as
         the rest of that scan at hundreds of engines. Unpacking `self` fails loudly if a field
         is added here and not below."""
-        engine_id, _, load, _, total_kv_blocks, block_size, cached_blocks, _ = self
+        engine_id, _, load, _, total_kv_blocks, block_size, cached_blocks, _, predicts = self
         return Candidate(
             engine_id,
             hit,
@@ -111,6 +114,7 @@ class Candidate(NamedTuple):
             block_size,
             cached_blocks,
             active_overlap_blocks,
+            predicts,
         )
 
     @property

@@ -17,7 +17,7 @@ import itertools
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -105,7 +105,8 @@ class DisaggDecision:
 
 
 class PendingPrefixes:
-    """Blocks the router has just sent to an engine and the engine has not announced yet.
+    """Blocks the router has just sent to an engine and the engine has not announced yet, and
+    the predicted caches of engines that announce nothing.
 
     The index learns a prompt's blocks only after the engine computed them, so a burst of
     prompts sharing a new prefix would otherwise be spread over several engines and computed
@@ -114,27 +115,55 @@ class PendingPrefixes:
     have announced them (behind a long queue that is minutes, and the next turn of a
     conversation must still find its prefix), after it the engine's KV events tell the truth.
     Only policies whose `credits_pending_prefixes` is true are given (and charge) these claims.
+
+    An engine whose cache the router predicts (`kv_events: approximate`: it publishes no KV
+    events, `predict`) has the same claims last `approximate_ttl_s` from the last request
+    routed through each block (a hit refreshes them, as Dynamo's approximate indexer), and
+    at most its KV capacity of them: past it the least recently routed blocks go first, as
+    the engine's LRU evicts (llm-d's approximate scorer and SGLang's approximate trees bound
+    theirs so). A prompt's blocks are claimed tail first, so that its head is the most
+    recently routed: the engine frees a request's blocks so too, and a prediction keeps
+    whole prefixes rather than tails without their head.
     """
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, approximate_ttl_s: float = 120.0) -> None:
         self.ttl_s = ttl_s
-        self._expiry: dict[str, dict[int, float]] = {}
+        self.approximate_ttl_s = approximate_ttl_s
+        # engine -> key -> expiry, in the order the keys were last claimed (their expiry's,
+        # each engine's claims lasting one ttl): purges and capacity take from the front.
+        self._expiry: dict[str, OrderedDict[int, float]] = {}
         # Claims of requests still waiting for their first token: engine -> key -> count.
         self._held: dict[str, dict[int, int]] = {}
         self._open: dict[str, tuple[str, Sequence[int]]] = {}
+        # Engines whose cache is predicted: engine -> its capacity in blocks (None: unknown).
+        self._predicted: dict[str, int | None] = {}
         self._next_purge_s = 0.0
 
+    def predict(self, engine_id: str, capacity_blocks: int | None) -> None:
+        """The engine's cache is predicted (`Candidate.predicts_cache`, as the router learns
+        from its candidates), `capacity_blocks` bounding it (None: unknown, unbounded): its
+        claims from now on, a peer replica's routes there included (`Router.charge_peer`),
+        are predictions. Until `forget`."""
+        self._predicted[engine_id] = capacity_blocks
+
     def add(self, engine_id: str, request_id: str, block_keys: Sequence[int], now_s: float) -> None:
-        if self.ttl_s <= 0 or not block_keys:
+        predicted = engine_id in self._predicted
+        ttl_s = self.approximate_ttl_s if predicted else self.ttl_s
+        if ttl_s <= 0 or not block_keys:
             return
         self.release(request_id)
         self._open[request_id] = (engine_id, block_keys)
-        table = self._expiry.setdefault(engine_id, {})
+        table = self._expiry.setdefault(engine_id, OrderedDict())
         held = self._held.setdefault(engine_id, {})
-        expiry = now_s + self.ttl_s
-        for key in block_keys:
+        expiry = now_s + ttl_s
+        for key in reversed(block_keys):
             table[key] = expiry
+            table.move_to_end(key)
             held[key] = held.get(key, 0) + 1
+        capacity = self._predicted.get(engine_id) if predicted else None
+        if capacity is not None:
+            while len(table) > capacity:
+                table.popitem(last=False)
         if now_s >= self._next_purge_s:
             self._purge(now_s)
 
@@ -162,28 +191,32 @@ class PendingPrefixes:
         held = self._held.get(engine_id)
         if not table and not held:
             return start  # the common case: nothing pending on this engine
-        table = table or {}
+        expiry: Mapping[int, float] = table or {}
         held = held or {}
         n = start
         for key in block_keys[start:]:
-            if key not in held and table.get(key, -1.0) < now_s:
+            if key not in held and expiry.get(key, -1.0) < now_s:
                 break
             n += 1
         return n
 
     def forget(self, engine_id: str) -> None:
+        """The engine left, or a new process of it came (its cache starts empty)."""
         self._expiry.pop(engine_id, None)
+        self._predicted.pop(engine_id, None)
         self._held.pop(engine_id, None)
         for request_id in [r for r, (e, _) in self._open.items() if e == engine_id]:
             del self._open[request_id]
 
     def _purge(self, now_s: float) -> None:
-        self._next_purge_s = now_s + self.ttl_s
+        self._next_purge_s = now_s + min(self.ttl_s, self.approximate_ttl_s)
         for engine_id, table in list(self._expiry.items()):
-            live = {k: t for k, t in table.items() if t >= now_s}
-            if live:
-                self._expiry[engine_id] = live
-            else:
+            while table:
+                key, expiry = next(iter(table.items()))
+                if expiry >= now_s:
+                    break
+                del table[key]
+            if not table:
                 del self._expiry[engine_id]
 
 
@@ -213,11 +246,12 @@ class Router:
         session_capacity: int = 100_000,
         skip_prefill_ratio: float = 0.9,
         pending_ttl_s: float = 10.0,
+        approximate_ttl_s: float = 120.0,
     ) -> None:
         self.policy = policy
         self.busy = busy or BusyThresholds()
         self.inflight = InFlightTracker(count_blocks=policy.counts_active_blocks)
-        self.pending = PendingPrefixes(pending_ttl_s)
+        self.pending = PendingPrefixes(pending_ttl_s, approximate_ttl_s)
         self.skip_prefill_ratio = skip_prefill_ratio
         self._session_capacity = session_capacity
         self._sessions: OrderedDict[str, SessionRoute] = OrderedDict()
@@ -234,8 +268,9 @@ class Router:
         now_s: float = 0.0,
     ) -> list[Candidate]:
         """Candidates with the router's own knowledge added: in-flight accounting, and (given
-        the request) blocks it sent there that the index does not show yet (for policies that
-        credit them) and how many of its blocks are active there (for policies that count
+        the request) blocks it sent there that the index does not show yet, or that an engine
+        whose cache it predicts holds by its routing (`PendingPrefixes`; for policies that
+        credit them), and how many of its blocks are active there (for policies that count
         them); for a request that reads no cache (`RouteRequest.reads_cache`), no engine
         holds any of it."""
         if request is None:
@@ -254,6 +289,8 @@ class Router:
         for c in candidates:
             hit = c.hit
             if credit:
+                if c.predicts_cache:
+                    self.pending.predict(c.engine_id, c.capacity_blocks)
                 held = hit.device_blocks + hit.host_blocks
                 reach = self.pending.extend(c.engine_id, keys, held, now_s)
                 if reach > held:

@@ -124,8 +124,11 @@ async def make_fleet(
     time_scale: float = 0.0,
     engines: list[EngineApp] | None = None,
     index_backend: IndexBackend | None = None,
+    kv_events: str = "grpc",
     **controller: Any,
 ) -> Fleet:
+    """A controller in front of `engines` (else `num_engines` sim engines), each followed as
+    `kv_events` says; `controller`: more ControllerConfig fields."""
     if engines is None:
         engines = [await start_sim_engine(f"e{i}", time_scale) for i in range(num_engines)]
     num_engines = len(engines)
@@ -134,7 +137,9 @@ async def make_fleet(
     config = ControllerConfig.model_validate(
         {
             "listen": "127.0.0.1:0",
-            "engines": [{"address": f"127.0.0.1:{e.port}"} for e in engines],
+            "engines": [
+                {"address": f"127.0.0.1:{e.port}", "kv_events": kv_events} for e in engines
+            ],
             "router": {"seed": 0, **controller.pop("router", {})},
             "health": health,
             "shutdown_grace_s": 0.5,

@@ -134,6 +134,32 @@ def test_bench_route_cli_json(tmp_path: Path) -> None:
     assert table.exit_code == 0 and "random" in table.output
 
 
+def test_without_kv_events_the_replay_predicts_caches_from_its_routing(tmp_path: Path) -> None:
+    """`--kv-events approximate`: the router reads no engine's KV events, only its own routes
+    (as for engines with `kv_events: approximate`), and kvplane still reuses more than a
+    round robin on a slice of the conversation trace."""
+    rows = (TRACES / "conversation_trace.jsonl").read_text().splitlines()[:300]
+    trace = tmp_path / "conversation.jsonl"
+    trace.write_text("\n".join(rows) + "\n")
+    args = ["bench", "route", "--trace", str(trace), "--policies", "kvplane,round_robin"]
+    result = CliRunner().invoke(app, [*args, "--kv-events", "approximate", "--output", "json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["kv_events"] == "approximate"
+    assert doc["policies"]["kvplane"]["hit_ratio"] > doc["policies"]["round_robin"]["hit_ratio"]
+    table = CliRunner().invoke(app, [*args, "--kv-events", "approximate"])
+    assert "no KV events (caches predicted from routing, approximate_ttl_s 120)" in table.output
+    events = json.loads(CliRunner().invoke(app, [*args, "--output", "json"]).output)
+    assert events["kv_events"] == "events" and "approximate_ttl_s" not in events
+    # A controller config's router.approximate_ttl_s is the replay's.
+    config = tmp_path / "controller.yaml"
+    config.write_text("router: {approximate_ttl_s: 600}\n")
+    longer = CliRunner().invoke(
+        app, [*args, "--kv-events", "approximate", "--config", str(config), "--output", "json"]
+    )
+    assert json.loads(longer.output)["approximate_ttl_s"] == 600
+
+
 def test_bench_route_table_keeps_columns_apart_for_minutes_of_ttft() -> None:
     """A saturated replay's TTFTs run to minutes (six digits of ms and more): each figure
     stays a column of its own, not digits run into its neighbour's."""

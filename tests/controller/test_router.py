@@ -771,7 +771,7 @@ def test_the_router_view_of_a_candidate_replaces_only_its_own_fields() -> None:
     """`Candidate.as_routed` (the router's hit, in-flight count and active overlap) keeps
     every other field of the candidate as it was."""
     candidate = Candidate(
-        "e", PrefixHit(1, 2), LoadSnapshot(running_requests=3), InFlight(1), 10, 16, 5, None
+        "e", PrefixHit(1, 2), LoadSnapshot(running_requests=3), InFlight(1), 10, 16, 5, None, True
     )
     routed = candidate.as_routed(PrefixHit(3, 0), InFlight(2, 1), 4)
     assert routed == candidate._replace(

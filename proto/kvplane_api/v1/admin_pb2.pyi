@@ -110,7 +110,7 @@ class WorkerInfo(_message.Message):
     cordoned: _builtins.bool
     routable: _builtins.bool
     kv_events: _builtins.str
-    """grpc, zmq, none"""
+    """grpc, zmq, none, approximate"""
     source: _builtins.str
     """config, admin"""
     block_size: _builtins.int
@@ -240,7 +240,7 @@ class RegisterEngineRequest(_message.Message):
     KV_EVENTS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     kv_events: _builtins.str
-    """grpc (default), zmq, none"""
+    """grpc (default), zmq, none, approximate"""
     def __init__(
         self,
         *,
@@ -361,6 +361,7 @@ class EngineCost(_message.Message):
     TOTAL_FIELD_NUMBER: _builtins.int
     BUSY_FIELD_NUMBER: _builtins.int
     MEMORY_COST_FIELD_NUMBER: _builtins.int
+    PREDICTED_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     cached_tokens: _builtins.int
@@ -373,6 +374,10 @@ class EngineCost(_message.Message):
     busy: _builtins.bool
     memory_cost: _builtins.float
     """the KV the engine cannot hold for the request, weighted"""
+    predicted: _builtins.bool
+    """The engine publishes no KV events (kv_events approximate): its cached tokens are the
+    router's prediction from the prompts it routed there.
+    """
     def __init__(
         self,
         *,
@@ -386,10 +391,11 @@ class EngineCost(_message.Message):
         total: _builtins.float | None = ...,
         busy: _builtins.bool = ...,
         memory_cost: _builtins.float = ...,
+        predicted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "total", b"total"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "busy", b"busy", "cached_tokens", b"cached_tokens", "decode_cost", b"decode_cost", "engine", b"engine", "host_cached_tokens", b"host_cached_tokens", "instance_id", b"instance_id", "memory_cost", b"memory_cost", "prefill_cost", b"prefill_cost", "queue_cost", b"queue_cost", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "busy", b"busy", "cached_tokens", b"cached_tokens", "decode_cost", b"decode_cost", "engine", b"engine", "host_cached_tokens", b"host_cached_tokens", "instance_id", b"instance_id", "memory_cost", b"memory_cost", "predicted", b"predicted", "prefill_cost", b"prefill_cost", "queue_cost", b"queue_cost", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__total: _TypeAlias = _typing.Literal["total"]  # noqa: Y015
     _WhichOneofArgType__total: _TypeAlias = _typing.Literal["_total", b"_total"]  # noqa: Y015
@@ -455,11 +461,17 @@ class EngineMatch(_message.Message):
     DEVICE_BLOCKS_FIELD_NUMBER: _builtins.int
     HOST_BLOCKS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PREDICTED_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     instance_id: _builtins.str
     device_blocks: _builtins.int
     host_blocks: _builtins.int
     cached_tokens: _builtins.int
+    predicted: _builtins.bool
+    """The engine publishes no KV events (kv_events approximate): its blocks are the router's
+    prediction from the prompts it routed there, as the policy credits them (none for a
+    policy that credits no routed prompt).
+    """
     def __init__(
         self,
         *,
@@ -468,10 +480,11 @@ class EngineMatch(_message.Message):
         device_blocks: _builtins.int = ...,
         host_blocks: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        predicted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "device_blocks", b"device_blocks", "engine", b"engine", "host_blocks", b"host_blocks", "instance_id", b"instance_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "device_blocks", b"device_blocks", "engine", b"engine", "host_blocks", b"host_blocks", "instance_id", b"instance_id", "predicted", b"predicted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
