@@ -17,7 +17,7 @@ import typer
 
 from controller.config import ControllerConfig, RouterConfig
 from controller.replay import CacheKnowledge, ReplaySettings, fits, oracle_hit_ratio, replay
-from controller.router import POLICY_NAMES
+from controller.router import APPROXIMATE_TTL_S, POLICY_NAMES
 from engine.core.mooncake_trace import TraceRequest, load_trace
 from kvplane.cli_common import (
     OutputFormat,
@@ -190,7 +190,7 @@ def render_table(doc: dict[str, Any]) -> str:
         )
         + (
             "no KV events (caches predicted from routing, "
-            f"approximate_ttl_s {doc.get('approximate_ttl_s', 120.0):g}), "
+            f"approximate_ttl_s {doc.get('approximate_ttl_s', APPROXIMATE_TTL_S):g}), "
             if doc.get("kv_events") == CacheKnowledge.approximate
             else ""
         )

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from controller.router import POLICY_NAMES, BusyThresholds, KvplaneWeights
+from controller.router import APPROXIMATE_TTL_S, POLICY_NAMES, BusyThresholds, KvplaneWeights
 from indexer.backends import check_backend_url, check_redis_options
 from indexer.config import (
     DEFAULT_WRITER_LEASE_S,
@@ -162,10 +162,10 @@ class RouterConfig(StrictModel):
     # case until the request's first token).
     pending_ttl_s: float = Field(default=10.0, ge=0)
     # Engines with `kv_events: approximate` (no KV events): each prompt routed to one counts
-    # as cached there this long after the last request routed through its blocks (Dynamo's
-    # approximate router's default), its least recently routed blocks dropped first past the
-    # engine's KV capacity (controller.router.router.PendingPrefixes).
-    approximate_ttl_s: float = Field(default=120.0, gt=0)
+    # as cached there this long after the last request routed through its blocks, its least
+    # recently routed blocks dropped first past the engine's KV capacity
+    # (controller.router.router.PendingPrefixes, APPROXIMATE_TTL_S).
+    approximate_ttl_s: float = Field(default=APPROXIMATE_TTL_S, gt=0)
     # Disaggregated fleets: a decode engine that already holds this fraction of a prompt
     # prefills it itself, skipping the prefill hop. None (default): always hop, since the
     # seed's DECODE engines take requests that carry a KV session; set it (e.g. 0.9) for decode

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.router import (
+    APPROXIMATE_TTL_S,
     Candidate,
     KvplaneWeights,
     LoadSnapshot,
@@ -95,7 +96,7 @@ class ReplaySettings:
     kvplane_weights: KvplaneWeights | None = None
     kv_events: CacheKnowledge = CacheKnowledge.events
     # How long a predicted engine's routed blocks count as cached (`router.approximate_ttl_s`).
-    approximate_ttl_s: float = 120.0
+    approximate_ttl_s: float = APPROXIMATE_TTL_S
     # The engine's defaults, which are Dynamo's mocker's (vLLM-style scheduling).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

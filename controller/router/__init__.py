@@ -24,6 +24,7 @@ from controller.router.policies import (
     RoundRobin,
 )
 from controller.router.router import (
+    APPROXIMATE_TTL_S,
     AllEnginesBusyError,
     BusyThresholds,
     DisaggDecision,
@@ -61,6 +62,7 @@ def make_policy(name: str, kvplane_weights: KvplaneWeights | None = None) -> Pol
 
 
 __all__ = [
+    "APPROXIMATE_TTL_S",
     "POLICY_NAMES",
     "AllEnginesBusyError",
     "BusyThresholds",

@@ -104,6 +104,14 @@ class DisaggDecision:
     decode: Decision | None
 
 
+# How long an engine's predicted cache (`kv_events: approximate`) keeps a block after the last
+# request routed through it. Past the traces' reuse distances: the engine's KV capacity, not
+# the clock, is what drops predictions then, as its LRU drops blocks (docs/benchmarks/
+# routing.md, "Engines without KV events": 120 s, Dynamo's approximate router's default, kept
+# 0.20 of the conversation trace's 0.27 reuse, 600 s all of it).
+APPROXIMATE_TTL_S = 600.0
+
+
 class PendingPrefixes:
     """Blocks the router has just sent to an engine and the engine has not announced yet, and
     the predicted caches of engines that announce nothing.
@@ -126,7 +134,7 @@ class PendingPrefixes:
     whole prefixes rather than tails without their head.
     """
 
-    def __init__(self, ttl_s: float, approximate_ttl_s: float = 120.0) -> None:
+    def __init__(self, ttl_s: float, approximate_ttl_s: float = APPROXIMATE_TTL_S) -> None:
         self.ttl_s = ttl_s
         self.approximate_ttl_s = approximate_ttl_s
         # engine -> key -> expiry, in the order the keys were last claimed (their expiry's,
@@ -246,7 +254,7 @@ class Router:
         session_capacity: int = 100_000,
         skip_prefill_ratio: float = 0.9,
         pending_ttl_s: float = 10.0,
-        approximate_ttl_s: float = 120.0,
+        approximate_ttl_s: float = APPROXIMATE_TTL_S,
     ) -> None:
         self.policy = policy
         self.busy = busy or BusyThresholds()

@@ -129,7 +129,7 @@ def test_the_config_takes_approximate_and_refuses_unknown_modes() -> None:
         {"engines": [{"address": "127.0.0.1:9001", "kv_events": "approximate"}]}
     )
     assert config.engines[0].kv_events == "approximate"
-    assert config.router.approximate_ttl_s == 120.0
+    assert config.router.approximate_ttl_s == 600.0
     with pytest.raises(ValueError, match="'grpc', 'zmq', 'none' or 'approximate'"):
         ControllerConfig.model_validate(
             {"engines": [{"address": "127.0.0.1:9001", "kv_events": "guess"}]}

@@ -148,16 +148,16 @@ def test_without_kv_events_the_replay_predicts_caches_from_its_routing(tmp_path:
     assert doc["kv_events"] == "approximate"
     assert doc["policies"]["kvplane"]["hit_ratio"] > doc["policies"]["round_robin"]["hit_ratio"]
     table = CliRunner().invoke(app, [*args, "--kv-events", "approximate"])
-    assert "no KV events (caches predicted from routing, approximate_ttl_s 120)" in table.output
+    assert "no KV events (caches predicted from routing, approximate_ttl_s 600)" in table.output
     events = json.loads(CliRunner().invoke(app, [*args, "--output", "json"]).output)
     assert events["kv_events"] == "events" and "approximate_ttl_s" not in events
     # A controller config's router.approximate_ttl_s is the replay's.
     config = tmp_path / "controller.yaml"
-    config.write_text("router: {approximate_ttl_s: 600}\n")
+    config.write_text("router: {approximate_ttl_s: 120}\n")
     longer = CliRunner().invoke(
         app, [*args, "--kv-events", "approximate", "--config", str(config), "--output", "json"]
     )
-    assert json.loads(longer.output)["approximate_ttl_s"] == 600
+    assert json.loads(longer.output)["approximate_ttl_s"] == 120
 
 
 def test_bench_route_table_keeps_columns_apart_for_minutes_of_ttft() -> None:
