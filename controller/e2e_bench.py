@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from controller.bench import policy_names
+from controller.config import KvEventsMode
 from controller.e2e_workload import (
     FIRST_TOKEN_ID,
     WorkloadRequest,
@@ -63,6 +64,7 @@ from controller.gateway_timing import (
     timed_generate,
     wait_routable,
 )
+from controller.replay import CacheKnowledge
 from engine.core.mooncake_trace import TraceRequest, load_trace
 from kvplane.channels import INSECURE
 from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number, usage_error_for
@@ -100,6 +102,10 @@ class E2eSettings:
     # client: the machine's drift hits all policies alike (the rate is each fleet's). Off:
     # one fleet after the other, each on every CPU.
     side_by_side: bool = True
+    # How every fleet's controller learns its engines' caches: their KV events (over
+    # SubscribeKvEvents), or none (`kv_events: approximate` on every engine: the router
+    # predicts each cache from its own routing, as for engines that publish no events).
+    kv_events: CacheKnowledge = CacheKnowledge.events
 
 
 # ---- the fleet ----
@@ -133,12 +139,23 @@ def _fleet_config(
         "kind": "controller",
         "config": {
             "router": {"policy": policy, "seed": settings.workload.seed},
-            "engines": [{"address": f"${{engine-{i}}}"} for i in range(settings.engines)],
+            "engines": [
+                {"address": f"${{engine-{i}}}", "kv_events": _engine_kv_events(settings)}
+                for i in range(settings.engines)
+            ],
             "shutdown_grace_s": 1.0,
         },
         "cpus": cpus,
     }
     return FleetConfig.model_validate({"members": [*engines, controller]})
+
+
+def _engine_kv_events(settings: E2eSettings) -> str:
+    """The controller config's `kv_events` of every engine for `--kv-events` (a plain string:
+    the config is written out as YAML)."""
+    if settings.kv_events is CacheKnowledge.approximate:
+        return KvEventsMode.approximate.value
+    return KvEventsMode.grpc.value
 
 
 async def _warm_up(addresses: Sequence[str], model: str, vocab_size: int) -> None:
@@ -465,6 +482,7 @@ async def run_e2e_bench(
             "max_num_batched_tokens": settings.max_num_batched_tokens,
             "rate_rps": settings.workload.rate_rps,
             "side_by_side": settings.side_by_side,
+            "kv_events": settings.kv_events.value,
             "trace": trace_path.name,
             "workload": {
                 **asdict(settings.workload),
@@ -510,7 +528,12 @@ def render_table(doc: dict[str, Any]) -> str:
         f"{w['requests']} requests from {doc['trace']} ({w['conversations']} conversations, "
         f"prompts mean {w['prompt_tokens']['mean']:.0f} tokens) at {doc['rate_rps']} req/s "
         f"to each fleet, oracle cached ratio {w['oracle_cached_ratio']:.3f}; fleets "
-        + ("side by side, each on its own CPUs" if doc["side_by_side"] else "one after the other"),
+        + ("side by side, each on its own CPUs" if doc["side_by_side"] else "one after the other")
+        + (
+            "; no KV events (caches predicted from routing)"
+            if doc.get("kv_events") == CacheKnowledge.approximate
+            else ""
+        ),
         f"{'round':<7}{'policy':<14}{'cpus':>6}{'done':>6}{'ttft mean':>11}{'p50':>9}{'p99':>9}"
         f"{'cached tokens':>15}{'ratio':>8}{'imbal.':>8}{'load avg':>10}",
     ]
@@ -604,6 +627,15 @@ def bench_e2e(
             "or one after the other on all of them.",
         ),
     ] = True,
+    kv_events: Annotated[
+        CacheKnowledge,
+        typer.Option(
+            "--kv-events",
+            help="How each fleet's controller learns its engines' caches: their KV events, "
+            "or none (approximate: every engine kv_events: approximate, the router predicts "
+            "their caches from its own routing).",
+        ),
+    ] = CacheKnowledge.events,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """A real local fleet end to end, per router policy.
@@ -627,6 +659,7 @@ def bench_e2e(
         gateway_requests=gateway_requests,
         rounds=rounds,
         side_by_side=side_by_side,
+        kv_events=kv_events,
     )
     _check_model(model)
     with usage_error_for("--trace"):

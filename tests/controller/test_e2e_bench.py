@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
+from controller.e2e_bench import E2eSettings, _fleet_config
+from controller.e2e_workload import WorkloadSettings
+from controller.replay import CacheKnowledge
 from kvplane.cli import app
 
 TRACE = (
@@ -17,12 +21,9 @@ TRACE = (
 )
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["--sequential", "--side-by-side"])
-def test_bench_e2e_runs_both_policies_on_a_real_fleet(mode: str) -> None:
-    """Two rounds: sequential, the second in the other order; side by side, both fleets at
-    once on their own CPUs, swapped in the second. Each round's ratio, their median."""
-    num_requests = 6
+def _run_tiny_bench(num_requests: int, *options: str) -> dict[str, Any]:
+    """`kvplane bench e2e` on two engines of the builtin model with short prompts, plus
+    `options`: its JSON document."""
     result = CliRunner().invoke(
         app,
         [
@@ -35,14 +36,22 @@ def test_bench_e2e_runs_both_policies_on_a_real_fleet(mode: str) -> None:
             "--block-tokens", "4",
             "--max-prompt-tokens", "96",
             "--kv-blocks", "128",
-            "--gateway-requests", "3",
-            "--rounds", "2",
-            mode,
+            *options,
             "-o", "json",
         ],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    doc = json.loads(result.stdout)
+    doc: dict[str, Any] = json.loads(result.stdout)
+    return doc
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["--sequential", "--side-by-side"])
+def test_bench_e2e_runs_both_policies_on_a_real_fleet(mode: str) -> None:
+    """Two rounds: sequential, the second in the other order; side by side, both fleets at
+    once on their own CPUs, swapped in the second. Each round's ratio, their median."""
+    num_requests = 6
+    doc = _run_tiny_bench(num_requests, "--gateway-requests", "3", "--rounds", "2", mode)
     assert doc["engines"] == 2
     assert doc["workload"]["requests"] == num_requests
     assert set(doc["policies"]) == {"kvplane", "round_robin"}
@@ -87,3 +96,49 @@ def test_bench_e2e_runs_both_policies_on_a_real_fleet(mode: str) -> None:
     assert set(gateway["added_ms"]) == {"p50", "p99", "paired_median"}
     for side in ("direct", "gateway"):
         assert gateway[side]["first_response_ms"]["p50"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_bench_e2e_without_kv_events_predicts_caches_from_routing() -> None:
+    """`--kv-events approximate`: every fleet's controller follows no KV events, yet the
+    `kvplane` router sends a conversation's later turns to the engine it sent the earlier
+    ones, so its engines still serve cached prompt tokens."""
+    num_requests = 10  # two of them later turns of a conversation
+    doc = _run_tiny_bench(num_requests, "--gateway-requests", "0", "--kv-events", "approximate")
+    assert doc["kv_events"] == "approximate"
+    assert doc["workload"]["multi_turn_requests"] > 0
+    for row in doc["policies"].values():
+        assert row["completed"] == num_requests and row["failed"] == 0
+    kvplane = doc["policies"]["kvplane"]
+    assert kvplane["cached_prompt_tokens"] > 0
+    engines = kvplane["per_engine"]["engines"].values()
+    assert sum(e["cached_prompt_tokens"] for e in engines) >= kvplane["cached_prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("knowledge", "engine_kv_events"),
+    [(CacheKnowledge.events, "grpc"), (CacheKnowledge.approximate, "approximate")],
+)
+def test_bench_e2e_controller_config_follows_kv_events_or_none(
+    knowledge: CacheKnowledge, engine_kv_events: str
+) -> None:
+    """The controller config the bench writes for each fleet: with `--kv-events approximate`
+    no engine's KV events are followed."""
+    settings = E2eSettings(
+        workload=WorkloadSettings(num_requests=1, rate_rps=1.0), engines=3, kv_events=knowledge
+    )
+    fleet = _fleet_config(Path("model"), "kvplane", settings, None)
+    (controller,) = (m for m in fleet.members if m.kind == "controller")
+    entries = controller.config["engines"]
+    assert len(entries) == 3
+    assert {entry["kv_events"] for entry in entries} == {engine_kv_events}
+
+
+def test_bench_e2e_rejects_an_unknown_kv_events_mode() -> None:
+    # (Wide enough that Typer's error box does not wrap the message.)
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app, ["bench", "e2e", "--trace", str(TRACE), "--kv-events", "zmq", "-o", "json"]
+    )
+    assert result.exit_code == 2
+    assert "Invalid value for '--kv-events': Value error, 'zmq' is not one of" in result.output
+    assert "Traceback" not in result.output
