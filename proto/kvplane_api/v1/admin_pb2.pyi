@@ -132,8 +132,9 @@ class WorkerInfo(_message.Message):
     says nothing of it: an engine whose events are lost is routed on a stale index):
     following (its SubscribeKvEvents stream, or its ZMQ publisher, is connected), connecting
     (not yet, since it was added, restarted or taken over), down (connected once, lost
-    since), not_followed (kv_events none, or a remote indexer follows it), other_replica
-    (another controller replica on the shared index holds its writer lease and follows it).
+    since), not_followed (kv_events none or approximate, or a remote indexer follows it),
+    other_replica (another controller replica on the shared index holds its writer lease and
+    follows it).
     """
     kv_events_reason: _builtins.str
     """why not following; "" when following"""
