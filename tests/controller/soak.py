@@ -163,9 +163,15 @@ class Soak(GatewaySoak):
 
     async def fault_membership(self) -> str:
         """Remove an engine through one replica, or register a removed one again (one engine
-        at most is out of the fleet, so that two stay routable)."""
+        at most is out of the fleet, and one uncordoned engine at least stays in it: a fleet
+        with none refuses every request, faults or not; seed 19 removed the last one)."""
         removed = [e for e in self.engines if not e.in_fleet]
         engine = removed[0] if removed else self.rng.choice(self.engines)
+        routable = [e for e in self.engines if e.in_fleet and not e.cordoned]
+        if engine.in_fleet and routable == [engine]:
+            # Another engine instead, with no second draw: every other seed's faults stay
+            # the same.
+            engine = next(e for e in self.engines if e.in_fleet and e is not engine)
         if engine.in_fleet:
             ref = apb.EngineRef(engine=engine.address)
             await self._admin(lambda admin: admin.RemoveEngine(ref, timeout=10))
