@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from controller.config import ControllerConfig, RouterConfig
+from controller.config import ControllerConfig
 from controller.replay import CacheKnowledge, ReplaySettings, fits, oracle_hit_ratio, replay
 from controller.router import APPROXIMATE_TTL_S, POLICY_NAMES
 from engine.core.mooncake_trace import TraceRequest, load_trace
@@ -288,7 +288,7 @@ def bench_route(
         replica_sync=replica_sync,
         kvplane_weights=router.weights() if router else None,
         kv_events=kv_events,
-        approximate_ttl_s=router.approximate_ttl_s if router else RouterConfig().approximate_ttl_s,
+        approximate_ttl_s=router.approximate_ttl_s if router else APPROXIMATE_TTL_S,
     )
     names = policy_names(policies)
     # A missing peer fails now, not after minutes of replays.
