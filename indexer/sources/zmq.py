@@ -18,7 +18,8 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   connection, so a publisher that comes up, publishes before the SUB reaches it and goes idle
   is indexed all the same. A replay that failed while the SUB was connected (the publisher's
   replay ROUTER not answering yet) is retried with the source's backoff until one answers or
-  a message comes;
+  a message comes (a streak of failures warns at its 1st, 2nd, 4th, 8th, ... failure, and
+  says when the replay answers again);
 - seq == expected: applied, unless it is the first message since the SUB made or accepted a
   new connection (an engine restart is a new connection; the SUB may have missed the new
   process's first messages, exactly as many as the old one had sent): then it is checked as
@@ -221,6 +222,9 @@ class ZmqSource:
         # (`_retry_start_replay_later`); the pending retry, and the wait before the next one.
         self._start_replay_retry: asyncio.TimerHandle | None = None
         self._start_replay_backoff = settings.backoff_initial_s
+        # Replays failed since the last one that answered: a dead replay ROUTER beside a live
+        # PUB fails every retry, so only the 1st, 2nd, 4th, 8th, ... of a streak warn.
+        self._replay_failures_in_a_row = 0
         # The SUB's monitor and its open connections while `_follow` runs (None otherwise).
         self._monitor: tuple[zmq.asyncio.Socket, _OpenConnections] | None = None
         if settings.replay_endpoint and settings.rebuild_at_start:
@@ -453,9 +457,12 @@ class ZmqSource:
         starting = self._resync_cause in (_STARTING, _RECONNECTED)
         if starting and floor is not None:
             return  # a message since the start or reconnection has rebuilt the worker already
-        if starting:
-            log.info(
-                "worker %s: %s; rebuilding it from the replay", self.worker_id, self._resync_cause
+        if starting:  # (a retry of a failed one says so only when it fails)
+            log.log(
+                logging.DEBUG if self._replay_failures_in_a_row else logging.INFO,
+                "worker %s: %s; rebuilding it from the replay",
+                self.worker_id,
+                self._resync_cause,
             )
         else:
             self.counters.num_resyncs += 1
@@ -692,15 +699,27 @@ class ZmqSource:
                     replies.append(reply)
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1
-            log.warning(
-                "worker %s: replay from %s failed: %r",
+            self._replay_failures_in_a_row += 1
+            failures = self._replay_failures_in_a_row
+            log.log(
+                logging.WARNING if failures.bit_count() == 1 else logging.DEBUG,
+                "worker %s: replay from %s failed%s: %r",
                 self.worker_id,
                 self.settings.replay_endpoint,
+                f" ({failures} times in a row)" if failures > 1 else "",
                 exc,
             )
             return None
         finally:
             dealer.close(linger=0)
+        if self._replay_failures_in_a_row:
+            log.info(
+                "worker %s: replay from %s answered after %d failures",
+                self.worker_id,
+                self.settings.replay_endpoint,
+                self._replay_failures_in_a_row,
+            )
+            self._replay_failures_in_a_row = 0
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies

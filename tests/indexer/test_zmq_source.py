@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -780,3 +781,35 @@ async def test_a_source_cancelled_while_its_replay_streams_in_stops(
     finally:
         task.cancel()
         await publisher.close()
+
+
+async def test_a_replay_that_keeps_failing_warns_less_and_less_often(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine's PUB is up, its replay ROUTER is not answering (dead, or not up yet): the
+    start's replay is retried at every backoff, and each failure used to warn, one line every
+    5 s for as long as the ROUTER stayed down. A streak warns at its 1st, 2nd, 4th, 8th, ...
+    failure (each saying how many in a row), and the replay that answers at last says so."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)  # its ROUTER bound, silent until `start_replay`
+    source = _starting_source(publisher, context, index, replay_timeout_s=0.05)
+    caplog.set_level(logging.DEBUG, logger="indexer.sources.zmq")
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await source.wait_until(lambda: source.counters.num_replay_failures >= 9, WAIT_S)
+            failures = source.counters.num_replay_failures
+            warned = [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == logging.WARNING and "replay from" in r.getMessage()
+            ]
+            assert len(warned) == failures.bit_length()  # at 1, 2, 4, 8, ...
+            assert "failed:" in warned[0]
+            assert "(8 times in a row)" in warned[3]
+            publisher.start_replay()
+            await publisher.publish(_message(0, _stored(1, 2)), live=False)
+            await source.wait_until(lambda: _keys(index) == {1, 2}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert any("answered after" in r.getMessage() for r in caplog.records)
