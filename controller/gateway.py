@@ -476,8 +476,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             and r.identity.serves(model)
         ]
         if any(_has_task(r, model, task) for r in serving):
+
+            def state_of(r: EngineRecord) -> str:
+                return r.availability if _has_task(r, model, task) else f"no {task}"
+
             await abort_with(
-                context, grpc.StatusCode.UNAVAILABLE, f"no {task} engine takes traffic now"
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                f"no {task} engine takes traffic now: {registry.engine_states(model, state_of)}",
             )
         if serving:
             await abort_with(
@@ -1190,20 +1196,24 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, "model is required")
         await _require_model(self.controller, request.model, context)
         # A generating engine answers first: a pooling-only one's answer has no `generation`.
-        records = self.controller.fleet.registry.routable(request.model)
+        registry = self.controller.fleet.registry
+        records = registry.routable(request.model)
+        refusals = []
         for r in sorted(records, key=lambda r: not _generates(r, request.model)):
             try:
                 reply = await self._model_info(r, request)
             except grpc.aio.AioRpcError as failure:
                 if failure.code() in RETRYABLE:  # this engine cannot answer now; the next may
+                    refusals.append(f"{r.engine_id} {failure.code().name}: {failure.details()}")
                     continue
                 await abort_with(context, failure.code(), failure.details() or failure.code().name)
             await self._add_served_elsewhere(reply, r, records, request)
             return reply
+        why = "; ".join(refusals) if refusals else registry.engine_states(request.model)
         await abort_with(
             context,
             grpc.StatusCode.UNAVAILABLE,
-            f"no engine serving {request.model!r} can answer now",
+            f"no engine serving {request.model!r} can answer now: {why}",
         )
 
 

@@ -43,7 +43,7 @@ is pooling-only, while another model of the same engine may generate.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -353,6 +353,14 @@ class EngineRecord:
     def routable(self) -> bool:
         return self.state in ROUTABLE_STATES and not self.cordoned and self.identity is not None
 
+    @property
+    def availability(self) -> str:
+        """Its state as a refusal for want of an engine names it ("cordoned" for an engine
+        that is routable but for its cordon)."""
+        if self.cordoned and self.state in ROUTABLE_STATES:
+            return "cordoned"
+        return self.state.value
+
     def holds_lora(self, lora_name: str) -> bool:
         """Whether the engine holds the fleet's adapter `lora_name` (not a conflicting one)."""
         return (
@@ -376,12 +384,6 @@ def _standing(record: EngineRecord) -> tuple[bool, bool, str]:
     succeed (not failing, unreachable or rejected), then by address."""
     rejected = record.state in POLL_FAILED_STATES or record.state is EngineState.INCOMPATIBLE
     return (not record.routable, rejected, record.address)
-
-
-def _why_not_routable(record: EngineRecord) -> str:
-    if record.cordoned and record.state in ROUTABLE_STATES:
-        return "cordoned"
-    return record.state.value
 
 
 class Registry:
@@ -577,15 +579,23 @@ class Registry:
     def why_unavailable(self, model: str) -> str:
         """Why no engine takes a Generate for `model` ("": the default model) now: each engine
         that serves it, or may (not reached yet), with its state (or "pooling only")."""
-        serving = sorted(self._may_serve(model), key=lambda r: r.address)
-        engines = [
-            f"{r.engine_id} {_why_not_routable(r)}"
-            if r.identity is None or r.identity.facts_of(model).generates
-            else f"{r.engine_id} pooling only"
-            for r in serving
-        ]
+
+        def state_of(r: EngineRecord) -> str:
+            if r.identity is None or r.identity.facts_of(model).generates:
+                return r.availability
+            return "pooling only"
+
         what = f"model {model!r}" if model else "the default model"
-        return f"no engine available for {what}: " + (", ".join(engines) or "none serves it")
+        return f"no engine available for {what}: " + self.engine_states(model, state_of)
+
+    def engine_states(
+        self, model: str, state_of: Callable[[EngineRecord], str] = lambda r: r.availability
+    ) -> str:
+        """Each engine that serves `model`, or may (not reached yet), by address, with
+        `state_of` it (by default `EngineRecord.availability`): what a refusal for want of an
+        engine says, so that the client sees why (a cordon, a drain, an outage)."""
+        serving = sorted(self._may_serve(model), key=lambda r: r.address)
+        return ", ".join(f"{r.engine_id} {state_of(r)}" for r in serving) or "none serves it"
 
     def check_lora(
         self,

@@ -522,7 +522,14 @@ async def test_model_info_is_refused_as_an_engine_refuses_it(fleet: Fleet) -> No
     assert await fleet.gateway.GetModelInfo(sim) == await engine_answer(engine, "GetModelInfo", sim)
     for e in fleet.engines:
         await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(e)))
-    assert await status_of(fleet.gateway.GetModelInfo(sim)) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.aio.AioRpcError) as unavailable:
+        await fleet.gateway.GetModelInfo(sim)
+    assert unavailable.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Why: every engine serving the model is cordoned (a client such as `kvplane complete`
+    # asks GetModelInfo first, and would otherwise learn nothing).
+    reason, engines = (unavailable.value.details() or "").split(": ")
+    assert reason == "no engine serving 'sim' can answer now"
+    assert sorted(engines.split(", ")) == [f"e{i} cordoned" for i in range(3)]
 
 
 async def test_abort_of_a_request_that_ended_is_already_finished(fleet: Fleet) -> None:

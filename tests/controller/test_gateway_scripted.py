@@ -555,11 +555,14 @@ async def test_tasks_go_only_to_engines_that_support_them() -> None:
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert all("classify" not in e.servicer.task_calls for e in engines)
 
-        # The only embed engine takes no traffic: unavailable, not unsupported.
+        # The only embed engine takes no traffic: unavailable, not unsupported, and why.
         await fleet.admin.Cordon(apb.EngineRef(engine="e1"))
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await fleet.gateway.Embed(embed("cordoned"))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        reason, _, engines_said = (err.value.details() or "").partition(": ")
+        assert reason == "no embed engine takes traffic now"
+        assert sorted(engines_said.split(", ")) == ["e0 no embed", "e1 cordoned", "e2 no embed"]
     finally:
         await close_fleet(fleet)
 
@@ -1065,6 +1068,12 @@ async def test_model_info_passes_an_engines_refusal_and_skips_one_that_cannot_an
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await fleet.gateway.GetModelInfo(request)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Each engine's refusal, so that the client sees why.
+        reason, _, refusals = (err.value.details() or "").partition(": ")
+        assert reason == "no engine serving 'sim' can answer now"
+        assert sorted(refusals.split("; ")) == [
+            f"m{i} UNAVAILABLE: scripted: UNAVAILABLE" for i in range(2)
+        ]
     finally:
         await close_fleet(fleet)
 
