@@ -327,10 +327,15 @@ class Fleet:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_engine_gone: Callable[[str], None] | None = None,
+        on_cache_predicted: Callable[[str, int | None], None] | None = None,
         on_event_lag: Callable[[str, float], None] | None = None,
         instance_id: str | None = None,
     ) -> None:
-        """`instance_id`: the controller's own, which no engine of the fleet may have."""
+        """`instance_id`: the controller's own, which no engine of the fleet may have.
+        `on_engine_gone(address)`: the engine left, or a new process of it came (what the
+        router knew of it goes). `on_cache_predicted(address, capacity_blocks)`: a process of
+        an engine whose cache the router predicts (`kv_events: approximate`) was met, the
+        first one included (`_tell_predicted`)."""
         self.config = config
         self.index = index
         health = config.health
@@ -348,6 +353,7 @@ class Fleet:
         self._removing: set[str] = set()
         self._removals: set[asyncio.Task[None]] = set()  # their tasks (`remove_engine`)
         self._on_engine_gone = on_engine_gone
+        self._on_cache_predicted = on_cache_predicted
         self._on_event_lag = on_event_lag
         self._changed = asyncio.Condition()
         self._routing_blind = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
@@ -714,6 +720,19 @@ class Fleet:
             predicts_cache=record.kv_events == KvEventsMode.approximate.value,
         )
 
+    def _tell_predicted(self, address: str) -> None:
+        """A process of the engine was met (the first one included: `_forget_old_process`,
+        which forgets what the router predicted of an earlier one): tell the router that it
+        predicts this one's cache, if it does (`kv_events: approximate`), so that a peer
+        replica's routes there are predictions from then on, not only once this replica has
+        had the engine among its own candidates."""
+        record = self.registry.by_engine_id(address)
+        if record is None or self._on_cache_predicted is None:
+            return
+        candidate = self.candidate(record)
+        if candidate.predicts_cache:
+            self._on_cache_predicted(address, candidate.capacity_blocks)
+
     @staticmethod
     async def _indexed_hits(index: IndexBackend, keys: Sequence[int]) -> dict[str, PrefixHit]:
         """Each engine's cached prefix of `keys` in the controller's own index."""
@@ -1031,6 +1050,7 @@ class Fleet:
                 await asyncio.wait([task])
         if self._on_engine_gone is not None:
             self._on_engine_gone(engine.address)
+        self._tell_predicted(engine.address)
         # On a shared index, the replica holding the engine's lease drops them (its new
         # subscription's snapshot clears the worker anyway).
         if engine.writes_index:

@@ -110,6 +110,7 @@ class Controller:
             index,
             clock=clock,
             on_engine_gone=self._engine_gone,
+            on_cache_predicted=self.router.predict_cache,
             on_event_lag=self._event_lag,
             instance_id=self.instance_id,
         )

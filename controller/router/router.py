@@ -148,10 +148,9 @@ class PendingPrefixes:
         self._next_purge_s = 0.0
 
     def predict(self, engine_id: str, capacity_blocks: int | None) -> None:
-        """The engine's cache is predicted (`Candidate.predicts_cache`, as the router learns
-        from its candidates), `capacity_blocks` bounding it (None: unknown, unbounded): its
-        claims from now on, a peer replica's routes there included (`Router.charge_peer`),
-        are predictions. Until `forget`."""
+        """The engine's cache is predicted (`Router.predict_cache`), `capacity_blocks`
+        bounding it (None: unknown, unbounded): its claims from now on, a peer replica's
+        routes there included (`Router.charge_peer`), are predictions. Until `forget`."""
         self._predicted[engine_id] = capacity_blocks
 
     def add(self, engine_id: str, request_id: str, block_keys: Sequence[int], now_s: float) -> None:
@@ -298,7 +297,9 @@ class Router:
             hit = c.hit
             if credit:
                 if c.predicts_cache:
-                    self.pending.predict(c.engine_id, c.capacity_blocks)
+                    # Its capacity as of now (a GetLoad may tell it only after the fleet told
+                    # the router of the engine; the replay has no fleet to tell it).
+                    self.predict_cache(c.engine_id, c.capacity_blocks)
                 held = hit.device_blocks + hit.host_blocks
                 reach = self.pending.extend(c.engine_id, keys, held, now_s)
                 if reach > held:
@@ -409,6 +410,16 @@ class Router:
         `request_id`, a name unique here; `controller.router.replicas.PeerRoutes`), its
         session, if any, stuck to its engine here too (unless a later route of it is known)."""
         self._begin(request_id, routed, now_s)
+
+    def predict_cache(self, engine_id: str, capacity_blocks: int | None) -> None:
+        """The engine publishes no KV events (`kv_events: approximate`): the router predicts
+        its cache from the routes there, its own and its peer replicas' (`charge_peer`), within
+        `capacity_blocks` (None: unknown, unbounded). Told by the fleet whenever it meets a
+        process of the engine (the first one included; `forget_engine` forgot the earlier
+        one's), so that a peer's route there before any decision of this router's own is a
+        prediction, not a `pending_ttl_s` claim; and by every candidate list, which keeps its
+        capacity current."""
+        self.pending.predict(engine_id, capacity_blocks)
 
     def forget_engine(self, engine_id: str) -> list[str]:
         """The engine left the fleet: drop its accounting, sessions and policy state."""

@@ -2,16 +2,20 @@
 sim engines: with `kv_events: approximate` the router predicts each one's cache from the
 prompts it routed there, so a prompt sent again long after `router.pending_ttl_s` lands where
 it is cached (and the engine says so); with `kv_events: none` it is routed cache-blind. The
-admin commands show the prediction for what it is."""
+admin commands show the prediction for what it is. Controller replicas in sync predict from
+each other's routes too, from the engine's registration and after its restarts."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from pathlib import Path
 
 import grpc
 import pytest
+from polling import eventually
+from redis_servers import RedisServer
 
 from controller.config import ControllerConfig
 from controller.route_report import read_route
@@ -29,6 +33,7 @@ from tests.controller.test_admin_cli import cli, cli_json
 pytestmark = pytest.mark.timeout(60)
 
 PENDING_TTL_S = 0.2
+WAIT_S = 20.0
 PROMPT = [*range(100, 164), 1, 2, 3]  # four full blocks of 16 tokens, then three
 CACHED = 64
 
@@ -136,3 +141,72 @@ def test_the_config_takes_approximate_and_refuses_unknown_modes() -> None:
         )
     with pytest.raises(ValueError, match="approximate_ttl_s"):
         ControllerConfig.model_validate({"router": {"approximate_ttl_s": 0}})
+
+
+async def test_a_replica_predicts_from_its_peers_routes_before_routing_there_itself(
+    redis: RedisServer,
+) -> None:
+    """Two controller replicas in sync (`router.replica_sync`) in front of one engine: a
+    prompt routed through one, then sent through the other once the short claim on it has
+    expired, is predicted cached there by the other, which had routed nothing to the engine
+    yet; and again after the engine restarts (each replica forgot the old process's cache).
+    (The replica that had not routed to the engine itself took its peer's route as a
+    `pending_ttl_s` claim, and sent the prompt's repeats cache-blind.)"""
+    settings = {
+        "index": {"backend": redis.url},
+        "router": {
+            "replica_sync": True,
+            "pending_ttl_s": PENDING_TTL_S,
+            "approximate_ttl_s": 600,
+        },
+    }
+    a = await make_fleet(1, kv_events="approximate", **copy.deepcopy(settings))
+    b = await make_fleet(engines=a.engines, kv_events="approximate", **copy.deepcopy(settings))
+    address = a.address(a.engines[0])
+    try:
+        await peers_heard(a, b)
+        await predicted_through_the_peer(a, b, "first")
+        await a.restart_engine(address, "restarted")
+        registry = b.app.controller.fleet.registry
+        await b.app.controller.fleet.wait_for(
+            lambda: (
+                registry.get(address).engine_id == "restarted" and registry.get(address).routable
+            ),
+            WAIT_S,
+        )
+        await predicted_through_the_peer(a, b, "after-restart")
+    finally:
+        await b.channel.close()
+        await b.app.close(0.2)
+        await close_fleet(a)
+
+
+async def peers_heard(a: Fleet, b: Fleet) -> None:
+    """Until each replica has heard the other."""
+    a_sync, b_sync = a.app.controller.replica_sync, b.app.controller.replica_sync
+    assert a_sync is not None and b_sync is not None
+    await eventually(
+        lambda: (
+            b.app.controller.instance_id in a_sync.peers.origins
+            and a.app.controller.instance_id in b_sync.peers.origins
+        ),
+        WAIT_S,
+        "the peers",
+    )
+
+
+async def predicted_through_the_peer(a: Fleet, b: Fleet, name: str) -> None:
+    """The prompt through `a`; once `b` credits its engine with it, and the short claim on it
+    has expired, through `b`: predicted cached, and served from the cache."""
+    await served(a, f"{name}-a")
+    query = apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT))
+
+    async def b_credits_it() -> bool:
+        (match,) = (await b.admin.Match(query)).matches
+        return match.device_blocks == len(PROMPT) // 16 and match.predicted
+
+    await eventually(b_credits_it, WAIT_S, "b's prediction of a's route")
+    await asyncio.sleep(PENDING_TTL_S * 2)
+    route, finished = await served(b, f"{name}-b")
+    assert route["predicted_cached_tokens"] == CACHED
+    assert finished.usage.cached_prompt_tokens == CACHED

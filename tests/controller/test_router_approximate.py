@@ -122,3 +122,32 @@ def test_a_peer_replicas_routes_feed_the_prediction() -> None:
     predicted(routers[1], a, range(0), at=0.0)  # it has seen the engine among its candidates
     served(routers[0], prompt("first", range(4)), [a], at=0.0)
     assert predicted(routers[1], a, range(4), at=100.0) == 4
+
+
+def test_a_peer_replicas_route_is_a_prediction_before_this_replica_routes_there() -> None:
+    """The fleet tells each replica's router which engines it predicts as they are registered
+    (`Router.predict_cache`), and again once a new process of one is met (`forget_engine`
+    forgot it): a peer's route there is a prediction from the first, not a `pending_ttl_s`
+    claim that the replica forgets before it ever routes there itself."""
+    routers = [
+        Router(make_policy("kvplane"), pending_ttl_s=10.0, approximate_ttl_s=120.0)
+        for _ in range(2)
+    ]
+    fleet = [engine("a"), engine("b")]
+    for router in routers:
+        for c in fleet:
+            router.predict_cache(c.engine_id, c.capacity_blocks)
+    peer = PeerRoutes(routers[1])
+    routers[0].publish_to(lambda event: peer.apply("replica-0", event, 0.0))
+    first = served(routers[0], prompt("first", range(4)), fleet, at=0.0)
+    # Past pending_ttl_s, within approximate_ttl_s: the peer's route still counts.
+    decision = routers[1].route(prompt("again", range(4)), fleet, random.Random(1), 100.0)
+    assert (decision.engine_id, decision.predicted_cached_tokens) == (first, 4 * BS)
+    # A new process of the engine: forgotten, then told again.
+    holder = next(c for c in fleet if c.engine_id == first)
+    for router in routers:
+        router.forget_engine(first)
+        router.predict_cache(first, holder.capacity_blocks)
+    routers[0].publish_to(lambda event: peer.apply("replica-0", event, 200.0))
+    served(routers[0], prompt("after", range(20, 24)), [holder], at=200.0)
+    assert predicted(routers[1], holder, range(20, 24), at=300.0) == 4
