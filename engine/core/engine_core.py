@@ -34,7 +34,6 @@ from collections.abc import Sequence as PySequence
 from dataclasses import dataclass, field
 
 from engine.core.api import (
-    BlockStored,
     EngineRequest,
     ErrorKind,
     FinishReason,
@@ -111,7 +110,7 @@ class _RequestState:
 
 
 class EngineCore:
-    """The synchronous engine (see module docstring). Implements `api.EngineCoreFacade`."""
+    """The synchronous engine (see module docstring)."""
 
     def __init__(
         self,
@@ -238,9 +237,6 @@ class EngineCore:
         seq_id = self._next_seq_id
         self._next_seq_id += 1
         return seq_id
-
-    def is_running(self, request_id: str) -> bool:
-        return request_id in self._requests
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished output as CANCELLED; [] when unknown or already finished."""
@@ -497,7 +493,6 @@ class EngineCore:
         if released:
             self.runner.release(released)
         stats = ForwardPassStats(
-            started_at_s=started_s,
             duration_s=duration_s,
             batch_size=len(batch.sequences),
             num_scheduled_tokens=batch.num_scheduled_tokens,
@@ -739,9 +734,6 @@ class EngineCore:
 
     def take_kv_events(self) -> list[KvEvent]:
         return self.block_manager.take_events()
-
-    def kv_snapshot(self) -> list[BlockStored]:
-        return self.block_manager.snapshot()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
