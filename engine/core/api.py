@@ -460,11 +460,6 @@ class ModelRunner(Protocol):
         """Run one forward pass; return one result per scheduled sequence, in any order."""
         ...
 
-    def release(self, seq_ids: Sequence[int]) -> None:
-        """Forget per-sequence state (seeded generators) of finished or aborted sequences;
-        unknown ids are ignored."""
-        ...
-
     # KV transfer between engines: whole blocks as bytes. Two engines exchange blocks only
     # when their `kv_layout`s are equal (same engine kind, dtype and geometry).
 

@@ -260,13 +260,11 @@ class EngineCore:
         state = self._requests.get(request_id)
         if state is None:
             return []
-        unfinished = [out for out in state.outputs if not out.finished]
-        outputs = [
+        return [
             self._finish(state, out, reason, None, out.stop.finish(), message=message, error=error)
-            for out in unfinished
+            for out in state.outputs
+            if not out.finished
         ]
-        self.runner.release([out.sequence.seq_id for out in unfinished])
-        return outputs
 
     def _finish(
         self,
@@ -466,7 +464,6 @@ class EngineCore:
                     message="KV cache full",
                 )
             )
-            self.runner.release([seq.seq_id])
         if not sched.scheduled:
             self._last_prefill_batch = self._last_decode_batch = 0
             return StepResult(outputs, None)
@@ -478,7 +475,6 @@ class EngineCore:
             on_pass_start()
         results = {r.seq_id: r for r in self.runner.execute(batch)}
         duration_s = self.clock() - started_s
-        released: list[int] = []
         for work, scheduled in zip(sched.scheduled, batch.sequences, strict=True):
             if work.sequence.seq_id not in self._outputs_by_seq:
                 continue  # its request failed earlier in this loop (a guide's dead end)
@@ -488,10 +484,6 @@ class EngineCore:
             output = self._on_computed(work, scheduled, results.get(work.sequence.seq_id))
             if output is not None:
                 outputs.append(output)
-                if output.finished:
-                    released.append(work.sequence.seq_id)
-        if released:
-            self.runner.release(released)
         stats = ForwardPassStats(
             duration_s=duration_s,
             batch_size=len(batch.sequences),

@@ -227,9 +227,6 @@ class SimRunner:
             results.append(SequenceResult(seq.seq_id, token_id, logprob, prompt_logprobs))
         return results
 
-    def release(self, seq_ids: Sequence[int]) -> None:
-        """Nothing to forget: dummy tokens depend only on the token history."""
-
     # LoRA: bookkeeping only (see the module docstring).
 
     def read_lora(self, path: Path, *, max_rank: int) -> AdapterConfig:
