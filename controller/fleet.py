@@ -798,7 +798,7 @@ class Fleet:
                 if reply is not None:
                     message = _failing_checks(reply)
                     self.registry.on_health(address, _HEALTH[reply.state], now, message)
-                self.registry.on_load(address, load_from_proto(load), now)
+                self.registry.on_load(address, load_from_proto(load))
                 if reply is not None:
                     await self._notify()
                 delay = health.load_poll_interval_s
@@ -899,7 +899,7 @@ class Fleet:
             # As a new process GetLoad names: out of routing until the old one is forgotten.
             self.registry.on_new_instance(engine.address)
             restarted = True
-        is_new = self.registry.on_identity(engine.address, identity, self._clock(), restarted)
+        is_new = self.registry.on_identity(engine.address, identity, restarted)
         self.registry.on_loras(engine.address, _names(adapters), self._lora_conflicts(adapters))
         if is_new:
             await self._take_in_loras(engine.address, adapters)

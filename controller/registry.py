@@ -318,7 +318,6 @@ class EngineRecord:
     # after a poll it answered, even with an error: no outage is running).
     unreachable_since_s: float | None = None
     next_attempt_s: float = 0.0
-    last_seen_s: float | None = None
     # Bumped whenever the engine turns out to be a new process (new instance id).
     epoch: int = 0
     # The controller told this engine process to drain: it stays out of routing even if a
@@ -661,9 +660,7 @@ class Registry:
 
     # ---- what the pollers report ----
 
-    def on_identity(
-        self, address: str, identity: EngineIdentity, now_s: float, restarted: bool = False
-    ) -> bool:
+    def on_identity(self, address: str, identity: EngineIdentity, restarted: bool = False) -> bool:
         """Record GetEngineInfo/GetModelInfo; returns True when this may be a new engine
         process, whose old index entries must go: first contact, a changed instance id, an
         engine answering again after its connection was lost (a process restarted with an
@@ -677,7 +674,6 @@ class Registry:
         # An engine whose connection was lost is a new process when it answers again, even
         # if it answered with errors on the way (restarting, failing, then healthy).
         came_back = record.state in POLL_FAILED_STATES and record.connection_lost
-        record.last_seen_s = now_s
         try:
             check_revision(
                 identity.schema_revision,
@@ -815,7 +811,6 @@ class Registry:
         if state is not record.state:
             self.version += 1
         record.state = state
-        record.last_seen_s = now_s
         record.num_failures = 0
         record.next_attempt_s = now_s
 
@@ -864,11 +859,10 @@ class Registry:
         engine")."""
         return sum(r.routable or r.state is EngineState.EJECTED for r in self._by_address.values())
 
-    def on_load(self, address: str, load: LoadSnapshot, now_s: float) -> None:
+    def on_load(self, address: str, load: LoadSnapshot) -> None:
         record = self._by_address.get(address)
         if record is not None:
             record.load = load
-            record.last_seen_s = now_s
 
     def on_event_lag(self, address: str, lag_s: float) -> None:
         record = self._by_address.get(address)

@@ -23,10 +23,6 @@ class Tier(enum.IntEnum):
     SSD = 3
 
 
-# Tiers a prefix may be served from in this revision of the seed (SSD never is).
-SERVABLE_TIERS = frozenset({Tier.HBM, Tier.DRAM})
-
-
 class ActionType(enum.IntEnum):
     """kv_indexer.v1.ExternalKvActionType."""
 

@@ -110,10 +110,8 @@ class TranslateOptions:
 
 @dataclass(slots=True)
 class TranslateCounters:
-    num_events: int = 0
     num_skipped_medium: int = 0  # medium mapped to no tier
     num_unresolved: int = 0  # canonical mode: no tokens, unknown parent or unknown hash
-    num_actions: int = 0
 
 
 @dataclass(slots=True)
@@ -164,7 +162,6 @@ class WorkerTranslator:
         """The batches (possibly none) that apply `events` to the index, in order."""
         actions: list[_Run] = []
         for event in events:
-            self.counters.num_events += 1
             if isinstance(event, BlockStored):
                 self._stored(event, actions)
             elif isinstance(event, BlockRemoved):
@@ -355,7 +352,6 @@ class WorkerTranslator:
     # -- batches ---------------------------------------------------------------------------
 
     def _batch(self, actions: tuple[Action, ...], seq: int) -> Batch:
-        self.counters.num_actions += len(actions)
         return Batch(
             worker_id=self.options.worker_id,
             actions=actions,

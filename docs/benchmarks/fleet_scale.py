@@ -344,10 +344,10 @@ async def decisions(count: int, requests: int) -> None:
         identity = EngineIdentity(
             f"e{i}", "sim", "0", Role.AGGREGATED, ("sim",), 16, 1, 1, "v1.0.0", (facts,)
         )
-        registry.on_identity(address, identity, 0.0)
+        registry.on_identity(address, identity)
         registry.on_health(address, EngineState.READY, 0.0)
         load = LoadSnapshot(rng.randrange(4), 0, rng.randrange(2048), 4096, rng.randrange(2048))
-        registry.on_load(address, load, 0.0)
+        registry.on_load(address, load)
     prompts = _prompts(requests, seed=count)
     started = time.thread_time()
     for i, tokens in enumerate(prompts):

@@ -23,7 +23,7 @@ with a plain tuple, is not part of the API); use `value._replace(...)` for an al
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import NamedTuple, Protocol, TypeVar
@@ -460,11 +460,6 @@ class ModelRunner(Protocol):
         """Run one forward pass; return one result per scheduled sequence, in any order."""
         ...
 
-    def release(self, seq_ids: Sequence[int]) -> None:
-        """Forget per-sequence state (seeded generators) of finished or aborted sequences;
-        unknown ids are ignored."""
-        ...
-
     # KV transfer between engines: whole blocks as bytes. Two engines exchange blocks only
     # when their `kv_layout`s are equal (same engine kind, dtype and geometry).
 
@@ -500,7 +495,6 @@ class ModelRunner(Protocol):
 class ForwardPassStats:
     """One step, for FORWARD_PASS / BATCH runtime events and metrics."""
 
-    started_at_s: float
     duration_s: float
     batch_size: int
     num_scheduled_tokens: int
@@ -560,38 +554,3 @@ class StepReport:
     result: StepResult
     kv_events: list[KvEvent]
     load: LoadSnapshot
-
-
-class EngineCoreFacade(Protocol):
-    """The synchronous core (`engine.core.engine_core.EngineCore`); not thread-safe: drive it
-    from one thread (`EngineLoop` does). Raises InvalidRequestError / PromptTooLongError /
-    DuplicateRequestError from `add_request` before accepting anything."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    def check_request(self, request: EngineRequest) -> None:
-        """Validate without side effects (thread-safe: reads immutable config only)."""
-        ...
-
-    def add_request(self, request: EngineRequest) -> None: ...
-
-    def abort(self, request_id: str) -> list[RequestOutput]:
-        """Finish every unfinished output as CANCELLED; [] when unknown or already finished."""
-        ...
-
-    def abort_all(self) -> list[RequestOutput]: ...
-
-    def step(self, on_pass_start: Callable[[], object] | None = None) -> StepResult: ...
-
-    def has_work(self) -> bool: ...
-
-    def take_kv_events(self) -> list[KvEvent]: ...
-
-    def kv_snapshot(self) -> list[BlockStored]:
-        """The cached set as BlockStored events, parents before children."""
-        ...
-
-    def load(self) -> LoadSnapshot: ...
-
-    def reset_prefix_cache(self) -> bool: ...

@@ -354,9 +354,6 @@ class BlockManager:
         """The sequence's physical block ids (a live list: read, never modify)."""
         return self._tables[seq_id].block_ids
 
-    def has_table(self, seq_id: int) -> bool:
-        return seq_id in self._tables
-
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Record that the KV of `token_ids[:num_computed]` is computed: every newly full block
         gets its key and enters the prefix cache (one BlockStored for the run of new blocks)."""

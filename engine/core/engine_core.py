@@ -34,7 +34,6 @@ from collections.abc import Sequence as PySequence
 from dataclasses import dataclass, field
 
 from engine.core.api import (
-    BlockStored,
     EngineRequest,
     ErrorKind,
     FinishReason,
@@ -111,7 +110,7 @@ class _RequestState:
 
 
 class EngineCore:
-    """The synchronous engine (see module docstring). Implements `api.EngineCoreFacade`."""
+    """The synchronous engine (see module docstring)."""
 
     def __init__(
         self,
@@ -239,9 +238,6 @@ class EngineCore:
         self._next_seq_id += 1
         return seq_id
 
-    def is_running(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Finish every unfinished output as CANCELLED; [] when unknown or already finished."""
         return self._finish_request(request_id, FinishReason.CANCELLED, "aborted")
@@ -264,13 +260,11 @@ class EngineCore:
         state = self._requests.get(request_id)
         if state is None:
             return []
-        unfinished = [out for out in state.outputs if not out.finished]
-        outputs = [
+        return [
             self._finish(state, out, reason, None, out.stop.finish(), message=message, error=error)
-            for out in unfinished
+            for out in state.outputs
+            if not out.finished
         ]
-        self.runner.release([out.sequence.seq_id for out in unfinished])
-        return outputs
 
     def _finish(
         self,
@@ -470,7 +464,6 @@ class EngineCore:
                     message="KV cache full",
                 )
             )
-            self.runner.release([seq.seq_id])
         if not sched.scheduled:
             self._last_prefill_batch = self._last_decode_batch = 0
             return StepResult(outputs, None)
@@ -482,7 +475,6 @@ class EngineCore:
             on_pass_start()
         results = {r.seq_id: r for r in self.runner.execute(batch)}
         duration_s = self.clock() - started_s
-        released: list[int] = []
         for work, scheduled in zip(sched.scheduled, batch.sequences, strict=True):
             if work.sequence.seq_id not in self._outputs_by_seq:
                 continue  # its request failed earlier in this loop (a guide's dead end)
@@ -492,12 +484,7 @@ class EngineCore:
             output = self._on_computed(work, scheduled, results.get(work.sequence.seq_id))
             if output is not None:
                 outputs.append(output)
-                if output.finished:
-                    released.append(work.sequence.seq_id)
-        if released:
-            self.runner.release(released)
         stats = ForwardPassStats(
-            started_at_s=started_s,
             duration_s=duration_s,
             batch_size=len(batch.sequences),
             num_scheduled_tokens=batch.num_scheduled_tokens,
@@ -739,9 +726,6 @@ class EngineCore:
 
     def take_kv_events(self) -> list[KvEvent]:
         return self.block_manager.take_events()
-
-    def kv_snapshot(self) -> list[BlockStored]:
-        return self.block_manager.snapshot()
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

@@ -162,7 +162,6 @@ class SimRunner:
         self.time_scale = time_scale
         self.clock = clock
         self._sleep = sleep
-        self.last_forward_ms = 0.0
         self.total_forward_ms = 0.0
         self.num_forward_passes = 0
         self.loras: dict[str, AdapterConfig] = {}
@@ -192,7 +191,6 @@ class SimRunner:
 
     def pass_time(self, duration_ms: float) -> None:
         """Account for one forward pass: advance the virtual clock, or sleep (scaled)."""
-        self.last_forward_ms = duration_ms
         self.total_forward_ms += duration_ms
         self.num_forward_passes += 1
         if self.clock is not None:
@@ -228,9 +226,6 @@ class SimRunner:
             logprob = self._logprob(token_id) if seq.sampling.logprobs is not None else None
             results.append(SequenceResult(seq.seq_id, token_id, logprob, prompt_logprobs))
         return results
-
-    def release(self, seq_ids: Sequence[int]) -> None:
-        """Nothing to forget: dummy tokens depend only on the token history."""
 
     # LoRA: bookkeeping only (see the module docstring).
 

@@ -54,13 +54,9 @@ class StopChecker:
         """Tokens left before LENGTH."""
         return self._max_new_tokens - self._num_tokens
 
-    @property
-    def may_stop_early(self) -> bool:
-        """Whether anything but LENGTH can end this output (stop ids, EOS, stop strings)."""
-        return bool(self._stop_token_ids or self._eos_token_ids or self._sampling.stop)
-
     def skip_tokens(self, num_tokens: int) -> None:
-        """Count tokens that cannot stop the output (the caller checked `may_stop_early`)."""
+        """Count tokens that cannot stop the output (the caller checked that no stop id, EOS or
+        stop string can end it before LENGTH)."""
         if num_tokens >= self.num_remaining_tokens:
             raise ValueError("skipping would pass the length limit")
         self._num_tokens += num_tokens

@@ -67,16 +67,9 @@ class ModelConfig:
     # Bias on the output projection (Llama attention_bias only; Qwen2 never).
     o_bias: bool
     mlp_bias: bool
-    bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    # The checkpoint's own dtype name ("float32", "bfloat16", ...), informational.
-    checkpoint_dtype: str | None
     # A *ForSequenceClassification checkpoint's labels, in the head's row order; else None.
     classifier_labels: tuple[str, ...] | None = None
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -125,9 +118,7 @@ class ModelConfig:
             qkv_bias=True if qwen2 else attention_bias,
             o_bias=False if qwen2 else attention_bias,
             mlp_bias=False if qwen2 else bool(raw.get("mlp_bias", False)),
-            bos_token_id=_optional_int(raw.get("bos_token_id")),
             eos_token_ids=_eos_ids(raw, generation),
-            checkpoint_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             classifier_labels=_labels(raw) if is_classifier else None,
         )
 
@@ -192,10 +183,6 @@ def _int(raw: dict[str, Any], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise CheckpointError(f"config.json: {key} must be a positive integer, got {value!r}")
     return value
-
-
-def _optional_int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _ids(value: object) -> tuple[int, ...]:

@@ -13,7 +13,6 @@ safetensors headers alone (no tensor read), whether the checkpoint has one to lo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,8 +21,6 @@ from safetensors.torch import load_file
 from engine.torch_runner.config import ModelConfig
 from engine.torch_runner.errors import CheckpointError
 from engine.torch_runner.model import DecoderModel, LayerWeights, ModelWeights
-
-DTypeName = Literal["float32", "bfloat16"]
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

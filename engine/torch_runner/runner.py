@@ -184,9 +184,6 @@ class TorchModelRunner:
         """Token ids at or above this are invalid (check prompts before accepting them)."""
         return self.model.config.vocab_size
 
-    def release(self, seq_ids: Sequence[int]) -> None:
-        """Nothing to release: the runner keeps no per-sequence state."""
-
     # ---------------------------------------------------------------- LoRA
 
     def read_lora(self, path: Path, *, max_rank: int) -> LoraWeights:

@@ -83,7 +83,6 @@ class Member:
     metrics_address: str | None = None
     log_path: Path | None = None
     state: str = "pending"
-    started_at: float = field(default_factory=time.monotonic)
     up: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 async def lora_blocks(engine: EngineApp, name: str) -> int:
     """How many blocks the engine holds cached under adapter `name`."""
     snapshot: list[BlockStored] = await asyncio.wrap_future(
-        engine.service.engine_loop.call(lambda core: core.kv_snapshot())
+        engine.service.engine_loop.call(lambda core: core.block_manager.snapshot())
     )
     return sum(1 for event in snapshot if event.lora_name == name)
 

@@ -69,7 +69,7 @@ def test_a_generate_or_a_task_is_routed_by_its_own_models_facts() -> None:
     registry = Registry()
     registry.add("h:1")
     embedder = ModelFacts(block_size=16, tasks=frozenset({"embed"}), generates=False)
-    registry.on_identity("h:1", two_models(ModelFacts(block_size=16), embedder), 0.0)
+    registry.on_identity("h:1", two_models(ModelFacts(block_size=16), embedder))
     registry.on_health("h:1", EngineState.READY, 0.0)
     assert [r.address for r in registry.routable("gen", generating=True)] == ["h:1"]
     assert [r.address for r in registry.routable("", generating=True)] == ["h:1"]
@@ -94,7 +94,7 @@ def test_incompatible_engine_is_never_routable() -> None:
     registry = Registry()
     registry.add("h:1")
     with pytest.raises(IncompatibleEngineError):
-        registry.on_identity("h:1", identity(revision=2), 0.0)
+        registry.on_identity("h:1", identity(revision=2))
     registry.on_health("h:1", EngineState.READY, 1.0)
     record = registry.get("h:1")
     assert record.state is EngineState.INCOMPATIBLE and not record.routable
@@ -105,22 +105,22 @@ def test_one_engine_under_a_second_address_is_refused_while_the_first_answers() 
     registry = Registry()
     registry.add("127.0.0.1:1")
     registry.add("localhost:1")
-    registry.on_identity("127.0.0.1:1", identity("e0"), 0.0)
+    registry.on_identity("127.0.0.1:1", identity("e0"))
     registry.on_health("127.0.0.1:1", EngineState.READY, 0.0)
     same = r"the same engine \(instance e0\) as 127\.0\.0\.1:1"
     with pytest.raises(IncompatibleEngineError, match=same):
-        registry.on_identity("localhost:1", identity("e0"), 1.0)
+        registry.on_identity("localhost:1", identity("e0"))
     assert registry.get("localhost:1").state is EngineState.INCOMPATIBLE
     assert registry.get("e0").address == "127.0.0.1:1"
     # The first address stops answering (the engine moved): the second one takes over.
     registry.on_poll_failed("127.0.0.1:1", 2.0, "gone")
-    registry.on_identity("localhost:1", identity("e0"), 3.0)
+    registry.on_identity("localhost:1", identity("e0"))
     registry.on_health("localhost:1", EngineState.READY, 3.0)
     assert [r.address for r in registry.routable()] == ["localhost:1"]
     # The first address answers again: now it is the twin, and the instance id names the
     # address that answers for the engine (a cordon by instance id must reach it).
     with pytest.raises(IncompatibleEngineError, match="as localhost:1"):
-        registry.on_identity("127.0.0.1:1", identity("e0"), 4.0)
+        registry.on_identity("127.0.0.1:1", identity("e0"))
     assert registry.get("e0").address == "localhost:1"
 
 
@@ -128,7 +128,7 @@ def test_lora_requests_are_routable_only_to_engines_holding_the_adapter() -> Non
     registry = Registry()
     for i in range(2):
         registry.add(f"h:{i}")
-        registry.on_identity(f"h:{i}", identity(f"e{i}"), 0.0)
+        registry.on_identity(f"h:{i}", identity(f"e{i}"))
         registry.on_health(f"h:{i}", EngineState.READY, 0.0)
     with pytest.raises(LoraUnsupportedError):  # neither engine serves LoRA
         registry.check_lora("x", "m")
@@ -148,15 +148,15 @@ def test_lora_requests_are_routable_only_to_engines_holding_the_adapter() -> Non
     with pytest.raises(LoraNotLoadedError):
         registry.check_lora("x", "m")
     # A new engine process has loaded nothing the controller knows of.
-    registry.on_identity("h:1", identity("e1-restarted"), 1.0)
+    registry.on_identity("h:1", identity("e1-restarted"))
     assert registry.routable("m", lora_name="y") == []
 
 
 def test_health_states_and_cordon_decide_routability() -> None:
     registry = Registry()
     registry.add("h:1")
-    assert registry.on_identity("h:1", identity("e0"), 0.0) is True
-    assert registry.on_identity("h:1", identity("e0"), 1.0) is False
+    assert registry.on_identity("h:1", identity("e0")) is True
+    assert registry.on_identity("h:1", identity("e0")) is False
     for state, routable in [
         (EngineState.READY, True),
         (EngineState.DEGRADED, True),
@@ -174,7 +174,7 @@ def test_health_states_and_cordon_decide_routability() -> None:
     assert registry.routable(model="other") == []
     assert registry.routable(role=Role.DECODE) == []
     # A restart (new instance id) is a new engine.
-    assert registry.on_identity("h:1", identity("e1"), 4.0) is True
+    assert registry.on_identity("h:1", identity("e1")) is True
     with pytest.raises(UnknownEngineError):
         registry.get("e0")
 
@@ -183,7 +183,7 @@ def test_health_messages_are_errors_only_for_engines_out_of_routing() -> None:
     """A READY engine's checks carry information (the model's name): not an error to show."""
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_identity("h:1", identity("e0"))
     registry.on_poll_failed("h:1", 1.0, "UNAVAILABLE: connection refused")
     registry.on_health("h:1", EngineState.READY, 2.0, "builtin")
     assert registry.get("h:1").last_error == ""
@@ -198,7 +198,7 @@ def test_health_messages_are_errors_only_for_engines_out_of_routing() -> None:
 def test_unreachable_engines_back_off_exponentially() -> None:
     registry = Registry(backoff_initial_s=0.5, backoff_max_s=3.0)
     registry.add("h:1")
-    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_identity("h:1", identity())
     registry.on_health("h:1", EngineState.READY, 0.0)
     delays = [registry.on_poll_failed("h:1", 10.0, "UNAVAILABLE") for _ in range(5)]
     assert delays == [0.5, 1.0, 2.0, 3.0, 3.0]
@@ -211,7 +211,7 @@ def test_an_outage_runs_from_the_first_unanswered_poll_until_an_answer() -> None
     """What `health.abandon_streams_after_s` is measured against."""
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_identity("h:1", identity())
     registry.on_health("h:1", EngineState.READY, 1.0)
     assert registry.unreachable_since("h:1") is None
     for now_s in (2.0, 4.0, 8.0):
@@ -228,7 +228,7 @@ def test_an_engine_answering_with_an_error_is_in_no_outage() -> None:
     routing but proves it reachable: it neither starts an outage nor continues one."""
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_identity("h:1", identity())
     registry.on_poll_failed("h:1", 1.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
     assert registry.get("h:1").state is EngineState.FAILING and registry.routable() == []
     assert registry.unreachable_since("h:1") is None
@@ -246,9 +246,9 @@ def test_a_failed_poll_says_whether_the_engine_answered() -> None:
     as the polls do."""
     registry = Registry(backoff_initial_s=0.5, backoff_max_s=3.0)
     registry.add("h:1")
-    registry.on_identity("h:1", identity(), 0.0)
+    registry.on_identity("h:1", identity())
     registry.on_health("h:1", EngineState.READY, 0.0)
-    registry.on_load("h:1", LoadSnapshot(running_requests=7), 0.5)
+    registry.on_load("h:1", LoadSnapshot(running_requests=7))
     failures = [
         (PollFailure.ERROR_ANSWER, "INTERNAL: boom", EngineState.FAILING),
         (PollFailure.CONNECTION_LOST, "UNAVAILABLE: refused", EngineState.UNREACHABLE),
@@ -272,18 +272,18 @@ def test_an_engine_back_from_failing_is_the_same_process_unless_its_connection_w
     starting), then healthy, is a new process, as one back from unreachable alone is."""
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_identity("h:1", identity("e0"))
     registry.on_health("h:1", EngineState.READY, 0.0)
     registry.request_drain("e0")
     registry.on_poll_failed("h:1", 1.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
-    assert registry.on_identity("h:1", identity("e0"), 2.0) is False
+    assert registry.on_identity("h:1", identity("e0")) is False
     registry.on_health("h:1", EngineState.READY, 2.0)
     assert registry.get("h:1").state is EngineState.DRAINING  # its drain stands
     epoch = registry.get("h:1").epoch
     registry.on_poll_failed("h:1", 3.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
     registry.on_poll_failed("h:1", 4.0, "INTERNAL: starting", PollFailure.ERROR_ANSWER)
     assert registry.get("h:1").state is EngineState.FAILING
-    assert registry.on_identity("h:1", identity("e0"), 5.0) is True
+    assert registry.on_identity("h:1", identity("e0")) is True
     registry.on_health("h:1", EngineState.READY, 5.0)
     assert registry.get("h:1").epoch == epoch + 1
     assert [r.engine_id for r in registry.routable()] == ["e0"]  # a new process: no drain
@@ -295,9 +295,9 @@ def test_a_failing_engine_does_not_hold_its_instance_id_against_a_replacement() 
     registry = Registry()
     for address in ("h:1", "h:2"):
         registry.add(address)
-    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_identity("h:1", identity("e0"))
     registry.on_poll_failed("h:1", 1.0, "INTERNAL: boom", PollFailure.ERROR_ANSWER)
-    assert registry.on_identity("h:2", identity("e0"), 2.0) is True
+    assert registry.on_identity("h:2", identity("e0")) is True
     registry.on_health("h:2", EngineState.READY, 2.0)
     assert [r.address for r in registry.routable()] == ["h:2"]
 
@@ -305,8 +305,8 @@ def test_a_failing_engine_does_not_hold_its_instance_id_against_a_replacement() 
 def test_an_unreachable_engine_reports_no_load() -> None:
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity(), 0.0)
-    registry.on_load("h:1", LoadSnapshot(running_requests=7, total_kv_blocks=256), 1.0)
+    registry.on_identity("h:1", identity())
+    registry.on_load("h:1", LoadSnapshot(running_requests=7, total_kv_blocks=256))
     registry.on_poll_failed("h:1", 2.0, "UNAVAILABLE: connection refused")
     # Its last answer described a process that may be gone: the fleet's totals drop it.
     assert registry.get("h:1").load == LoadSnapshot()
@@ -365,7 +365,7 @@ def test_config_names_from_the_issue(tmp_path: Path) -> None:
 def test_a_drain_the_controller_started_sticks_until_the_engine_restarts() -> None:
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_identity("h:1", identity("e0"))
     registry.on_health("h:1", EngineState.READY, 0.0)
     registry.request_drain("e0")
     assert registry.routable() == []
@@ -373,7 +373,7 @@ def test_a_drain_the_controller_started_sticks_until_the_engine_restarts() -> No
     registry.on_health("h:1", EngineState.READY, 1.1)
     assert registry.get("h:1").state is EngineState.DRAINING
     # A new process on the same address starts fresh.
-    registry.on_identity("h:1", identity("e1"), 2.0)
+    registry.on_identity("h:1", identity("e1"))
     registry.on_health("h:1", EngineState.READY, 2.0)
     assert [r.engine_id for r in registry.routable()] == ["e1"]
 
@@ -383,22 +383,22 @@ def test_an_engine_answering_again_after_it_was_unreachable_is_a_new_process() -
     cannot tell it from the old one, so it is new (its drain, its index entries go)."""
     registry = Registry()
     registry.add("h:1")
-    assert registry.on_identity("h:1", identity("e0"), 0.0) is True
+    assert registry.on_identity("h:1", identity("e0")) is True
     registry.on_health("h:1", EngineState.READY, 0.0)
     registry.request_drain("e0")
     registry.on_poll_failed("h:1", 2.0, "UNAVAILABLE: connection refused")
-    assert registry.on_identity("h:1", identity("e0"), 3.0) is True
+    assert registry.on_identity("h:1", identity("e0")) is True
     registry.on_health("h:1", EngineState.READY, 3.0)
     assert [r.engine_id for r in registry.routable()] == ["e0"]
-    assert registry.on_identity("h:1", identity("e0"), 4.0) is False
+    assert registry.on_identity("h:1", identity("e0")) is False
     # Too busy to answer in time is the same process: its drain (and index entries) stay.
     registry.request_drain("e0")
     registry.on_poll_failed("h:1", 5.0, "DEADLINE_EXCEEDED", PollFailure.TIMED_OUT)
-    assert registry.on_identity("h:1", identity("e0"), 5.5) is False
+    assert registry.on_identity("h:1", identity("e0")) is False
     registry.on_health("h:1", EngineState.READY, 5.5)
     assert registry.routable() == []
     # The fleet saw GetLoad name a new instance (GetEngineInfo may name none).
-    assert registry.on_identity("h:1", identity("e0"), 5.0, restarted=True) is True
+    assert registry.on_identity("h:1", identity("e0"), restarted=True) is True
 
 
 def test_once_the_engine_says_draining_its_own_health_decides() -> None:
@@ -406,7 +406,7 @@ def test_once_the_engine_says_draining_its_own_health_decides() -> None:
     never seen unreachable nor under a new id, answers READY: routed again."""
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_identity("h:1", identity("e0"))
     registry.on_health("h:1", EngineState.READY, 0.0)
     registry.request_drain("e0")
     registry.on_health("h:1", EngineState.DRAINING, 1.2)  # the engine drains
@@ -419,7 +419,7 @@ def test_a_drain_of_an_unreachable_engine_leaves_it_unreachable_with_its_error()
     backoff kept, while the drain that cannot reach it fails and is withdrawn."""
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_identity("h:1", identity("e0"))
     registry.on_health("h:1", EngineState.READY, 0.0)
     registry.on_poll_failed("h:1", 1.0, "UNAVAILABLE: connection refused")
     before = registry.get("h:1")
@@ -435,7 +435,7 @@ def test_a_drain_of_an_unreachable_engine_leaves_it_unreachable_with_its_error()
 def test_a_drain_the_engine_did_not_take_is_withdrawn() -> None:
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_identity("h:1", identity("e0"))
     registry.request_drain("e0")
     registry.withdraw_drain("h:1")  # its Drain failed: UNAUTHENTICATED, unreachable, ...
     registry.on_health("h:1", EngineState.READY, 1.5)
@@ -446,7 +446,7 @@ def ready_registry(*addresses: str, policy: EjectionPolicy) -> Registry:
     registry = Registry(ejection=policy)
     for n, address in enumerate(addresses):
         registry.add(address)
-        registry.on_identity(address, identity(f"e{n}"), 0.0)
+        registry.on_identity(address, identity(f"e{n}"))
         registry.on_health(address, EngineState.READY, 0.0)
     return registry
 
@@ -470,7 +470,7 @@ def test_ejection_doubles_up_to_its_bound_and_a_new_process_starts_clean() -> No
         durations.append(registry.on_request_failed("h:1", now_s, "INTERNAL: x"))
     assert durations == [20.0, 25.0, 25.0]
     # The same address, a new process (another instance id): its record starts clean.
-    registry.on_identity("h:1", identity("e9"), 60.0)
+    registry.on_identity("h:1", identity("e9"))
     registry.on_health("h:1", EngineState.READY, 60.0)
     assert registry.get("h:1").routable
     assert registry.on_request_failed("h:1", 61.0, "INTERNAL: x") is None
@@ -521,20 +521,20 @@ def test_an_engine_failing_after_its_connection_came_back_is_new_once() -> None:
     one new process, not one at every retry while it keeps failing."""
     registry = Registry()
     registry.add("h:1")
-    registry.on_identity("h:1", identity("e0"), 0.0)
+    registry.on_identity("h:1", identity("e0"))
     registry.on_health("h:1", EngineState.READY, 0.0)
     registry.on_poll_failed("h:1", 1.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
     epoch = registry.get("h:1").epoch
     answers = []
     for now_s in (2.0, 3.0, 4.0):
-        answers.append(registry.on_identity("h:1", identity("e0"), now_s))
+        answers.append(registry.on_identity("h:1", identity("e0")))
         registry.on_poll_failed("h:1", now_s, "INTERNAL: warming", PollFailure.ERROR_ANSWER)
     assert answers == [True, False, False]
     registry.on_health("h:1", EngineState.READY, 5.0)
     assert registry.get("h:1").epoch == epoch + 1
     # A later loss makes the next answer a new process again.
     registry.on_poll_failed("h:1", 6.0, "UNAVAILABLE: refused", PollFailure.CONNECTION_LOST)
-    assert registry.on_identity("h:1", identity("e0"), 7.0) is True
+    assert registry.on_identity("h:1", identity("e0")) is True
 
 
 def test_a_cordoned_engine_does_not_make_room_for_ejecting_the_last_routable_one() -> None:
@@ -557,7 +557,7 @@ def test_a_request_served_while_ejected_does_not_end_its_probation() -> None:
 
 def _ready(registry: Registry, address: str, engine: EngineIdentity) -> None:
     registry.add(address)
-    registry.on_identity(address, engine, 0.0)
+    registry.on_identity(address, engine)
     registry.on_health(address, EngineState.READY, 0.0)
 
 
@@ -614,18 +614,18 @@ def test_every_change_of_routability_moves_the_version_and_shows_in_the_next_lis
         (lambda: registry.on_health("h:2", EngineState.NOT_READY, 1.0), ["h:1"]),
         (lambda: registry.on_health("h:2", EngineState.READY, 1.0), ["h:1", "h:2"]),
         (lambda: registry.request_drain("h:1"), ["h:2"]),
-        (lambda: registry.on_identity("h:1", identity("e0-new"), 2.0), ["h:2"]),
+        (lambda: registry.on_identity("h:1", identity("e0-new")), ["h:2"]),
         (lambda: registry.on_health("h:1", EngineState.READY, 2.0), ["h:1", "h:2"]),
         (lambda: registry.on_poll_failed("h:2", 3.0, "gone"), ["h:1"]),
-        (lambda: registry.on_identity("h:2", identity("e1"), 4.0), ["h:1"]),
+        (lambda: registry.on_identity("h:2", identity("e1")), ["h:1"]),
         (lambda: registry.on_health("h:2", EngineState.READY, 4.0), ["h:1", "h:2"]),
         (lambda: registry.on_request_failed("e1", 5.0, "INTERNAL: x"), ["h:1"]),
         (lambda: registry.on_health("h:2", EngineState.READY, 16.0), ["h:1", "h:2"]),
         (lambda: registry.on_new_instance("h:2"), ["h:1"]),
-        (lambda: registry.on_identity("h:2", identity("e2"), 17.0), ["h:1"]),
+        (lambda: registry.on_identity("h:2", identity("e2")), ["h:1"]),
         (lambda: registry.on_health("h:2", EngineState.READY, 17.0), ["h:1", "h:2"]),
         (lambda: registry.mark_incompatible("h:2", "refused"), ["h:1"]),
-        (lambda: registry.on_identity("h:3", identity("e3"), 18.0), ["h:1"]),
+        (lambda: registry.on_identity("h:3", identity("e3")), ["h:1"]),
         (lambda: registry.on_health("h:3", EngineState.READY, 18.0), ["h:1", "h:3"]),
         (lambda: registry.remove("h:1"), ["h:3"]),
     ]:
@@ -633,7 +633,7 @@ def test_every_change_of_routability_moves_the_version_and_shows_in_the_next_lis
         now, listed = routable_at(registry)
         assert now > version and listed == expected, (now, version, listed, expected)
         version = now
-    registry.on_load("h:3", LoadSnapshot(running_requests=3), 19.0)
+    registry.on_load("h:3", LoadSnapshot(running_requests=3))
     registry.on_health("h:3", EngineState.READY, 19.0)  # no change of state
     assert routable_at(registry) == (version, ["h:3"])
 

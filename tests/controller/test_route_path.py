@@ -27,7 +27,7 @@ def controller_of(*addresses: str) -> Controller:
         identity = EngineIdentity(
             f"e{n}", "sim", "0", Role.AGGREGATED, ("m",), 16, 1, 1, "v1.0.0", (facts,)
         )
-        registry.on_identity(address, identity, 0.0)
+        registry.on_identity(address, identity)
         registry.on_health(address, EngineState.READY, 0.0)
         registry.on_loras(address, frozenset({"x"}))
     return controller
