@@ -332,8 +332,9 @@ class Fleet:
         instance_id: str | None = None,
     ) -> None:
         """`instance_id`: the controller's own, which no engine of the fleet may have.
-        `on_engine_gone(address)`: the engine left, or a new process of it came (what the
-        router knew of it goes). `on_cache_predicted(address, capacity_blocks)`: a process of
+        `on_engine_gone(address)`: the engine left, or a new process of it came after one
+        already met (what the router knew of it goes; not on a first contact,
+        `_forget_old_process`). `on_cache_predicted(address, capacity_blocks)`: a process of
         an engine whose cache the router predicts (`kv_events: approximate`) was met, the
         first one included (`_tell_predicted`)."""
         self.config = config
@@ -1035,7 +1036,12 @@ class Fleet:
         """A new engine process: stop following the old one's events, drop what the router
         and the index knew of the address. A remote index is told of a restart; on a first
         contact it is asked to resync only a source of the engine that lost its stream (it
-        follows the engine by itself, and while subscribed what it holds is the process's)."""
+        follows the engine by itself, and while subscribed what it holds is the process's).
+
+        A first contact leaves the router's accounting alone: the router cannot have routed to
+        an engine not met yet, so all it holds of it is what peer replicas told it (their
+        snapshot can come first), about this very process; were it an earlier one, the peers
+        forget that one when they meet this one and release its requests here too."""
         if self.remote is not None:
             # First of all: the engine's hits are ignored from now until the indexer answers.
             await self._resync_remote(engine, first_contact)
@@ -1048,7 +1054,7 @@ class Fleet:
                 # task's own cancellation (RemoveEngine, close) arriving meanwhile, and the
                 # poll would go on and follow the events again, out of anyone's reach.
                 await asyncio.wait([task])
-        if self._on_engine_gone is not None:
+        if self._on_engine_gone is not None and not first_contact:
             self._on_engine_gone(engine.address)
         self._tell_predicted(engine.address)
         # On a shared index, the replica holding the engine's lease drops them (its new

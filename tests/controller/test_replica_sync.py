@@ -399,6 +399,59 @@ async def test_controller_processes_in_sync_see_each_others_requests(
         await eventually(none_seen_by_b, WAIT_S, "the end of a's stream seen by b")
 
 
+@pytest.mark.timeout(180)
+async def test_a_replica_that_joins_keeps_its_peers_requests_past_its_first_contact(
+    tmp_path: Path, redis: RedisServer, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """A stream routed by replica a runs on an engine that stops answering (SIGSTOP) before
+    replica b starts: b learns a's request from a's snapshot before it has ever reached the
+    engine. Once the engine answers again and b meets it for the first time, b still charges
+    the engine with a's request (`admin workers`). (b's first contact forgot the engine as a
+    restart does, and with it the request its peer's snapshot had brought: b saw the engine
+    idle until the request ended.)"""
+    engine = await asyncio.to_thread(sim_engine_process, tmp_path, processes, "e0")
+    frozen = processes[-1]
+    settings = f"index: {{backend: '{redis.url}'}}\nrouter: {{replica_sync: true}}\n"
+    _, target_a = await asyncio.to_thread(
+        controller_process, tmp_path, "a", "127.0.0.1:0", processes, [engine], settings=settings
+    )
+    async with grpc.aio.insecure_channel(target_a) as to_a:
+        a = apb_grpc.AdminStub(to_a)
+        await eventually(lambda: _routable(a, 1), WAIT_S, "a routes to the engine")
+        stream = pb_grpc.OpenEngineStub(to_a).Generate(
+            generate_request("long", list(range(1, 200)), max_tokens=100_000)
+        )
+        await anext(aiter(stream))
+        assert await _in_flight(a) == {engine: 1}
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            _, target_b = await asyncio.to_thread(
+                controller_process, tmp_path, "b", "127.0.0.1:0", processes, [engine],
+                settings=settings,
+            )  # fmt: skip
+            async with grpc.aio.insecure_channel(target_b) as to_b:
+                b = apb_grpc.AdminStub(to_b)
+
+                async def snapshot_heard() -> bool:
+                    return await _in_flight(b) == {engine: 1}
+
+                await eventually(snapshot_heard, WAIT_S, "a's snapshot heard by b")
+                assert not await _routable(b, 1)  # b has not reached the engine yet
+                frozen.send_signal(signal.SIGCONT)
+                await eventually(lambda: _routable(b, 1), WAIT_S, "b's first contact")
+                assert await _in_flight(a) == {engine: 1}  # the request still runs
+                assert await _in_flight(b) == {engine: 1}
+                stream.cancel()
+
+                async def none_seen_by_b() -> bool:
+                    return not await _in_flight(b)
+
+                await eventually(none_seen_by_b, WAIT_S, "the end of a's stream seen by b")
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+            stream.cancel()
+
+
 async def _in_flight(admin: apb_grpc.AdminAsyncStub) -> dict[str, int]:
     """Per engine, the requests in flight the controller charges it with (`admin workers`)."""
     workers = (await admin.ListWorkers(apb.ListWorkersRequest())).workers
