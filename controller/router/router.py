@@ -150,7 +150,16 @@ class PendingPrefixes:
     def predict(self, engine_id: str, capacity_blocks: int | None) -> None:
         """The engine's cache is predicted (`Router.predict_cache`), `capacity_blocks`
         bounding it (None: unknown, unbounded): its claims from now on, a peer replica's
-        routes there included (`Router.charge_peer`), are predictions. Until `forget`."""
+        routes there included (`Router.charge_peer`), are predictions. Until `forget`.
+
+        Claims it already has (a peer's snapshot can come before the fleet meets the engine
+        and tells the router) become predictions too: each lasts `approximate_ttl_s` from
+        its route, not `ttl_s`."""
+        table = self._expiry.get(engine_id)
+        if table and engine_id not in self._predicted:
+            longer = self.approximate_ttl_s - self.ttl_s
+            for key in table:
+                table[key] += longer
         self._predicted[engine_id] = capacity_blocks
 
     def add(self, engine_id: str, request_id: str, block_keys: Sequence[int], now_s: float) -> None:

@@ -35,6 +35,17 @@ def predicted(router: Router, candidate: Candidate, keys: range, at: float) -> i
     return view.hit.device_blocks
 
 
+def synced_routers() -> tuple[Router, Router, PeerRoutes]:
+    """Two replicas' routers, the first's routes published to the second (as at 0 s)."""
+    routers = [
+        Router(make_policy("kvplane"), pending_ttl_s=10.0, approximate_ttl_s=120.0)
+        for _ in range(2)
+    ]
+    peer = PeerRoutes(routers[1])
+    routers[0].publish_to(lambda event: peer.apply("replica-0", event, 0.0))
+    return routers[0], routers[1], peer
+
+
 def test_a_routed_prompt_stays_predicted_for_the_ttl_after_its_last_route() -> None:
     router = Router(make_policy("kvplane"), pending_ttl_s=10.0, approximate_ttl_s=120.0)
     a = engine("a")
@@ -112,12 +123,7 @@ def test_a_policy_that_credits_no_routed_prompt_predicts_nothing() -> None:
 def test_a_peer_replicas_routes_feed_the_prediction() -> None:
     """With `router.replica_sync`, a peer's route to an engine this replica predicts counts
     as its own would."""
-    routers = [
-        Router(make_policy("kvplane"), pending_ttl_s=10.0, approximate_ttl_s=120.0)
-        for _ in range(2)
-    ]
-    peer = PeerRoutes(routers[1])
-    routers[0].publish_to(lambda event: peer.apply("replica-0", event, 0.0))
+    routers = synced_routers()[:2]
     a = engine("a")
     predicted(routers[1], a, range(0), at=0.0)  # it has seen the engine among its candidates
     served(routers[0], prompt("first", range(4)), [a], at=0.0)
@@ -129,16 +135,11 @@ def test_a_peer_replicas_route_is_a_prediction_before_this_replica_routes_there(
     (`Router.predict_cache`), and again once a new process of one is met (`forget_engine`
     forgot it): a peer's route there is a prediction from the first, not a `pending_ttl_s`
     claim that the replica forgets before it ever routes there itself."""
-    routers = [
-        Router(make_policy("kvplane"), pending_ttl_s=10.0, approximate_ttl_s=120.0)
-        for _ in range(2)
-    ]
+    *routers, peer = synced_routers()
     fleet = [engine("a"), engine("b")]
     for router in routers:
         for c in fleet:
             router.predict_cache(c.engine_id, c.capacity_blocks)
-    peer = PeerRoutes(routers[1])
-    routers[0].publish_to(lambda event: peer.apply("replica-0", event, 0.0))
     first = served(routers[0], prompt("first", range(4)), fleet, at=0.0)
     # Past pending_ttl_s, within approximate_ttl_s: the peer's route still counts.
     decision = routers[1].route(prompt("again", range(4)), fleet, random.Random(1), 100.0)
@@ -151,3 +152,17 @@ def test_a_peer_replicas_route_is_a_prediction_before_this_replica_routes_there(
     routers[0].publish_to(lambda event: peer.apply("replica-0", event, 200.0))
     served(routers[0], prompt("after", range(20, 24)), [holder], at=200.0)
     assert predicted(routers[1], holder, range(20, 24), at=300.0) == 4
+
+
+def test_claims_a_peer_sent_before_the_engine_was_known_become_predictions() -> None:
+    """A joining replica may get its peers' snapshot before its fleet meets the engine (and
+    tells its router that it predicts that engine's cache): the peers' routes there become
+    predictions once it is told, lasting `approximate_ttl_s` from the route, not the short
+    `pending_ttl_s` they were taken in with."""
+    sender, joiner, _ = synced_routers()
+    a = engine("a")
+    sender.predict_cache("a", None)
+    served(sender, prompt("first", range(4)), [a], at=0.0)
+    joiner.predict_cache("a", None)  # the fleet met the engine at 5 s
+    assert predicted(joiner, a, range(4), at=100.0) == 4
+    assert predicted(joiner, a, range(4), at=121.0) == 0  # 120 s after the route
