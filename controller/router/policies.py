@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -97,10 +97,18 @@ def decision_for(
     return Decision(chosen.engine_id, reason, policy, device + host, costs)
 
 
-def least_loaded_of(candidates: Sequence[Candidate], rng: random.Random) -> Candidate:
-    """Fewest active requests, then least pending prefill; remaining ties at random."""
+def least_loaded_of(
+    candidates: Sequence[Candidate],
+    rng: random.Random,
+    then: Callable[[Candidate], int] | None = None,
+) -> Candidate:
+    """Fewest active requests, then least pending prefill, then (given) the lowest `then`;
+    remaining ties at random."""
     best = min((c.active_requests, c.pending_prefill_tokens) for c in candidates)
     tied = [c for c in candidates if (c.active_requests, c.pending_prefill_tokens) == best]
+    if then is not None and len(tied) > 1:
+        lowest = min(map(then, tied))
+        tied = [c for c in tied if then(c) == lowest]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 

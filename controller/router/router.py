@@ -454,12 +454,13 @@ class Router:
         charge: bool = True,
     ) -> DisaggDecision:
         """The first hop of a request to a disaggregated fleet. The decode engine it would get
-        (by load) prefills the prompt itself when it already holds `skip_prefill_ratio` of it,
-        or when no prefill engine is up and decode engines may prefill (`skip_prefill_ratio`
-        at most 1): then `decode` is that decision and `prefill` None. Otherwise `prefill` is
-        a prefill engine chosen by the policy (overlap + load) and `decode` None: the decode
-        engine is chosen when the prefill hands over (`route_decode`), by the load then. The
-        engine of the hop is charged in flight.
+        (by load; of equally loaded ones, the one holding most of the prompt) prefills the
+        prompt itself when it already holds `skip_prefill_ratio` of it, or when no prefill
+        engine is up and decode engines may prefill (`skip_prefill_ratio` at most 1): then
+        `decode` is that decision and `prefill` None. Otherwise `prefill` is a prefill engine
+        chosen by the policy (overlap + load) and `decode` None: the decode engine is chosen
+        when the prefill hands over (`route_decode`), by the load then. The engine of the hop
+        is charged in flight.
 
         With `reject_when_all_busy`, AllEnginesBusyError before anything is charged when
         every decode engine is busy (every request ends on one, whatever its first hop), or
@@ -473,7 +474,11 @@ class Router:
         if reject_when_all_busy:
             self.refuse_if_all_busy(decode_candidates, "decode engine")
         decode_view = self.with_inflight(decode_candidates)
-        chosen = least_loaded_of(decode_view, rng)
+        # Of the decode engines equally least loaded, the one holding most of the prompt: if
+        # any of them holds enough of it to prefill it itself, that one does.
+        chosen = least_loaded_of(
+            decode_view, rng, then=lambda c: -sum(request.cached_tokens(c.hit))
+        )
         device, host = request.cached_tokens(chosen.hit)
         cached_fraction = (device + host) / max(request.num_prompt_tokens, 1)
         if cached_fraction < self.skip_prefill_ratio:

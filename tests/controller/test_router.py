@@ -767,6 +767,25 @@ def test_disaggregated_prefill_then_decode_or_skip() -> None:
         strict.route_disaggregated(request("w", blocks=10), [], cached, rng, 0)
 
 
+def test_of_equally_loaded_decode_engines_the_one_holding_the_prompt_skips_the_hop() -> None:
+    """Two idle decode engines, one of which holds the whole prompt (a repeat whose earlier
+    request it decoded): the first hop goes to that one, which prefills the prompt itself,
+    whatever the random draw; only the load comes before it."""
+    prefill = [cand("p0")]
+    decode = [cand("d0"), cand("d1", 10)]
+    for seed in range(20):
+        router = Router(make_policy("kvplane"), skip_prefill_ratio=0.9)
+        d = router.route_disaggregated(
+            request("x", blocks=10, extra=1), prefill, decode, random.Random(seed), 0
+        )
+        assert d.prefill is None and d.decode is not None and d.decode.engine_id == "d1"
+    busier = [cand("d0"), cand("d1", 10, running_requests=2)]
+    d = Router(make_policy("kvplane"), skip_prefill_ratio=0.9).route_disaggregated(
+        request("y", blocks=10, extra=1), prefill, busier, random.Random(0), 0
+    )
+    assert d.prefill is not None and d.prefill.engine_id == "p0"
+
+
 def test_the_router_view_of_a_candidate_replaces_only_its_own_fields() -> None:
     """`Candidate.as_routed` (the router's hit, in-flight count and active overlap) keeps
     every other field of the candidate as it was."""
