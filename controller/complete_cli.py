@@ -2,13 +2,15 @@
 generates, as vLLM's `vllm complete` does for its server: a newcomer with a fleet up tries it
 without writing a gRPC client.
 
-One OpenEngine Generate per prompt (`--prompt`, else each line of stdin in turn). Text output
-streams the generated text to stdout as it arrives, then one summary line on stderr: the
-engine that served it (a controller's `kvplane-route` trailing metadata, controller/
-route_report.py; a single engine sends none), the prompt tokens, those served from cache
-against the router's prediction, the time to the first token, the tokens and time in all,
-and why it finished. `--output json`: one JSON object per prompt, a line each. An unreachable
-target, a refused call or an in-band EngineError is one line and exit 1 (kvplane/cli.py)."""
+One OpenEngine Generate per prompt (`--prompt`, `--tokens-file` for the token ids of one, else
+each line of stdin in turn). Text output streams the generated text to stdout as it arrives
+(an engine without a tokenizer, such as a sim engine, sends no text: then the token ids),
+then one summary line on stderr: the engine that served it (a controller's `kvplane-route`
+trailing metadata, controller/route_report.py; a single engine sends none), the prompt
+tokens, those served from cache against the router's prediction, the time to the first
+token, the tokens and time in all, and why it finished. `--output json`: one JSON object per
+prompt, a line each. An unreachable target, a refused call or an in-band EngineError is one
+line and exit 1 (kvplane/cli.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +20,16 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from controller.admin_cli import DEFAULT_TARGET, TARGET_KIND
+from controller.admin_cli import DEFAULT_TARGET, TARGET_KIND, TokensFileOpt
 from controller.fleet import generates
 from controller.route_report import read_route
+from indexer.admin_cli import read_token_ids
 from kvplane.cli_common import (
     RPC_TIMEOUT_S,
     ClientTarget,
@@ -57,6 +61,7 @@ class Completion:
 
     request_id: str
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     cached_prompt_tokens: int | None = None  # None: the engine did not say
@@ -69,6 +74,7 @@ class Completion:
         return {
             "request_id": self.request_id,
             "text": self.text,
+            "token_ids": self.token_ids,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_prompt_tokens": self.cached_prompt_tokens,
@@ -151,10 +157,16 @@ def _complete(
         if event == "token":
             if done.first_token_ms is None:
                 done.first_token_ms = (time.perf_counter() - started) * 1000
-            done.text += response.token.text
+            token = response.token
+            ids = [t.token_id for t in token.tokens]
             if echo_text:
-                sys.stdout.write(response.token.text)
+                if token.text:
+                    sys.stdout.write(token.text)
+                elif ids:  # no text (an engine without a tokenizer): the ids, space-separated
+                    sys.stdout.write((" " if done.token_ids else "") + " ".join(map(str, ids)))
                 sys.stdout.flush()
+            done.text += token.text
+            done.token_ids.extend(ids)
         elif event == "finished":
             reason = pb.FinishReason.Name(response.finished.reason)
             done.finish_reason = reason.removeprefix("FINISH_REASON_").lower()
@@ -173,10 +185,14 @@ def _complete(
     return done
 
 
-def _prompts(prompt: str | None) -> Iterator[str]:
-    """--prompt, else each non-blank line of stdin as it comes (a `> ` on a terminal)."""
+def _prompts(prompt: str | None, tokens_file: Path | None) -> Iterator[str | list[int]]:
+    """--prompt, or --tokens-file's token ids, else each non-blank line of stdin as it comes
+    (a `> ` on a terminal)."""
     if prompt is not None:
         yield prompt
+        return
+    if tokens_file is not None:
+        yield read_token_ids(tokens_file)
         return
     interactive = sys.stdin.isatty()
     while True:
@@ -206,6 +222,7 @@ def complete(
             help="Prompt text; without it, each line of stdin is a prompt, sent in turn.",
         ),
     ] = None,
+    tokens_file: TokensFileOpt = None,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", min=1, help="Tokens to generate at most.")
     ] = 32,
@@ -257,19 +274,24 @@ def complete(
     """Send a prompt to a controller (or an engine) and print what it generates."""
     if session_key is not None and not session_metadata_key:
         raise typer.BadParameter("is empty", param_hint="--session-metadata-key")
+    if prompt is not None and tokens_file is not None:
+        raise typer.BadParameter("give at most one of --prompt and --tokens-file")
     channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
     server = ClientTarget.given(target or DEFAULT_TARGET, channels, token_file)
     with server.channel(TARGET_KIND) as channel:
         stub = pb_grpc.OpenEngineStub(channel)
         served = _served_model(stub) if model is None else model
-        for text in _prompts(prompt):
+        for given in _prompts(prompt, tokens_file):
             request = pb.GenerateRequest(
                 request_id=f"complete-{uuid.uuid4().hex}",
                 model=served,
-                prompt=text,
                 sampling=pb.SamplingParams(temperature=temperature),
                 stopping=pb.StoppingOptions(max_tokens=max_tokens),
             )
+            if isinstance(given, str):
+                request.prompt = given
+            else:
+                request.token_ids.ids.extend(given)
             if session_key is not None:
                 request.metadata[session_metadata_key] = session_key
             done = _complete(stub, request, echo_text=output is CompletionOutput.text)

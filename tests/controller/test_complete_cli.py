@@ -21,6 +21,7 @@ from typer.testing import CliRunner, Result
 from controller.complete_cli import Completion
 from kvplane.cli import app
 from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_builtin_engines
 from tests.polling import eventually
 
@@ -136,6 +137,44 @@ async def test_complete_against_a_single_engine(fleet: Fleet) -> None:
     assert answer["route"] is None and answer["cached_prompt_tokens"] > 0
 
 
+async def test_complete_sends_token_ids_to_engines_without_a_tokenizer(tmp_path: Path) -> None:
+    """Sim engines have no tokenizer (`kvplane up configs/local-planner.yaml`'s): a text prompt
+    is refused there, `--tokens-file` sends token ids, and the output, which has no text, is
+    shown as the generated token ids; a repeat is served from the cache, as predicted."""
+    fleet = await make_fleet(num_engines=2)
+    try:
+        ids = list(range(1, 41))  # two full blocks of 16, and a partial one
+        tokens = tmp_path / "prompt.json"
+        tokens.write_text(json.dumps(ids))
+        refused = await complete("--target", fleet.target, "--prompt", "hi", "--max-tokens", "4")
+        assert refused.exit_code == 1  # (kvplane's main prints it: one line, exit 1)
+        assert "INVALID_ARGUMENT: this engine has no tokenizer" in str(refused.exception)
+        first = await complete(
+            "-t", fleet.target, "--tokens-file", str(tokens), "--max-tokens", "4"
+        )
+        assert first.exit_code == 0, first.output
+        generated = first.stdout.split()
+        assert len(generated) == 4 and all(t.isdigit() for t in generated)
+        summary = SUMMARY.match(first.stderr.strip())
+        assert summary is not None, first.stderr
+        assert (number(summary["prompt"]), number(summary["cached"])) == (len(ids), 0)
+
+        async def held() -> bool:
+            query = apb.PromptQuery(token_ids=pb.TokenIds(ids=ids), model="sim")
+            return any(m.device_blocks == 2 for m in (await fleet.admin.Match(query)).matches)
+
+        await eventually(held)
+        again = await complete(
+            "-t", fleet.target, "--tokens-file", str(tokens), "--max-tokens", "4", "-o", "json"
+        )
+        answer = json.loads(again.stdout)
+        assert answer["text"] == "" and len(answer["token_ids"]) == 4
+        assert answer["cached_prompt_tokens"] == answer["route"]["predicted_cached_tokens"] == 32
+        assert answer["route"]["engine"] == summary["address"]
+    finally:
+        await close_fleet(fleet)
+
+
 def kvplane(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvplane", *args], capture_output=True, text=True, timeout=60
@@ -161,6 +200,8 @@ def test_an_unreachable_target_is_one_line_and_exit_1() -> None:
         (["--prompt", ""], "--prompt"),
         (["--output", "table"], "--output"),
         (["--target", ""], "--target"),
+        (["--tokens-file", "/nonexistent/ids.json"], "--tokens-file"),
+        (["--prompt", "hi", "--tokens-file", "/dev/null"], "--tokens-file"),
     ],
 )
 def test_a_bad_option_exits_2(args: list[str], problem: str) -> None:
