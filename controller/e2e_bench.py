@@ -591,7 +591,7 @@ def bench_e2e(
             callback=finite_number,
             help="Mean arrivals per s (to each fleet).",
         ),
-    ] = 3.5,
+    ] = 4.5,
     engines: Annotated[int, typer.Option(min=1)] = 4,
     model: Annotated[
         str, typer.Option(help="random-LxH (e.g. random-8x512), builtin, or a model directory.")
