@@ -21,7 +21,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -185,14 +184,11 @@ def _complete(
     return done
 
 
-def _prompts(prompt: str | None, tokens_file: Path | None) -> Iterator[str | list[int]]:
-    """--prompt, or --tokens-file's token ids, else each non-blank line of stdin as it comes
+def _prompts(prompt: str | list[int] | None) -> Iterator[str | list[int]]:
+    """--prompt (or --tokens-file's token ids), else each non-blank line of stdin as it comes
     (a `> ` on a terminal)."""
     if prompt is not None:
         yield prompt
-        return
-    if tokens_file is not None:
-        yield read_token_ids(tokens_file)
         return
     interactive = sys.stdin.isatty()
     while True:
@@ -276,22 +272,24 @@ def complete(
         raise typer.BadParameter("is empty", param_hint="--session-metadata-key")
     if prompt is not None and tokens_file is not None:
         raise typer.BadParameter("give at most one of --prompt and --tokens-file")
+    # Read before any call: a bad file is a usage error whether or not the target answers.
+    given: str | list[int] | None = read_token_ids(tokens_file) if tokens_file else prompt
     channels = client_channels(tls_ca, tls_cert, tls_key, tls_server_name)
     server = ClientTarget.given(target or DEFAULT_TARGET, channels, token_file)
     with server.channel(TARGET_KIND) as channel:
         stub = pb_grpc.OpenEngineStub(channel)
         served = _served_model(stub) if model is None else model
-        for given in _prompts(prompt, tokens_file):
+        for each in _prompts(given):
             request = pb.GenerateRequest(
                 request_id=f"complete-{uuid.uuid4().hex}",
                 model=served,
                 sampling=pb.SamplingParams(temperature=temperature),
                 stopping=pb.StoppingOptions(max_tokens=max_tokens),
             )
-            if isinstance(given, str):
-                request.prompt = given
+            if isinstance(each, str):
+                request.prompt = each
             else:
-                request.token_ids.ids.extend(given)
+                request.token_ids.ids.extend(each)
             if session_key is not None:
                 request.metadata[session_metadata_key] = session_key
             done = _complete(stub, request, echo_text=output is CompletionOutput.text)
