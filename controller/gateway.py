@@ -478,7 +478,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         if any(_has_task(r, model, task) for r in serving):
 
             def state_of(r: EngineRecord) -> str:
-                return r.availability if _has_task(r, model, task) else f"no {task}"
+                # (An engine not reached yet may have the task: its state, as for a Generate.)
+                if r.identity is None or _has_task(r, model, task):
+                    return r.availability
+                return f"no {task}"
 
             await abort_with(
                 context,

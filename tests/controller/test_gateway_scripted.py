@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -563,6 +564,18 @@ async def test_tasks_go_only_to_engines_that_support_them() -> None:
         reason, _, engines_said = (err.value.details() or "").partition(": ")
         assert reason == "no embed engine takes traffic now"
         assert sorted(engines_said.split(", ")) == ["e0 no embed", "e1 cordoned", "e2 no embed"]
+        # An engine never reached may have the task: named by its state, not "no embed".
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=dead))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await fleet.gateway.Embed(embed("unreached"))
+        said = (err.value.details() or "").partition(": ")[2].split(", ")
+        assert [e for e in said if e.startswith(dead)] in (
+            [f"{dead} unknown"],
+            [f"{dead} unreachable"],
+        )
     finally:
         await close_fleet(fleet)
 
