@@ -8,6 +8,7 @@ after the session's requests ended included."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
@@ -18,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -29,12 +31,14 @@ from controller.metrics import ControllerMetrics
 from controller.registry import Registry
 from controller.replay import ReplaySettings, replay
 from controller.replica_sync import CHANNEL, ReplicaSync
+from controller.route_report import read_route
 from controller.router import Candidate, Decision, Reason, Router, RouteRequest, make_policy
 from controller.router.replicas import PeerRoutes
 from engine.core.mooncake_trace import load_trace
 from indexer.redis_client import RedisOptions, connect
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
+from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.test_gateway import generate
@@ -423,22 +427,16 @@ async def test_a_replica_that_joins_keeps_its_peers_requests_past_its_first_cont
         )
         await anext(aiter(stream))
         assert await _in_flight(a) == {engine: 1}
-        frozen.send_signal(signal.SIGSTOP)
         try:
-            _, target_b = await asyncio.to_thread(
-                controller_process, tmp_path, "b", "127.0.0.1:0", processes, [engine],
+            async with _replica_joining_while_frozen(
+                tmp_path,
+                processes,
+                [engine],
+                [frozen],
                 settings=settings,
-            )  # fmt: skip
-            async with grpc.aio.insecure_channel(target_b) as to_b:
+                peers_in_flight={engine: 1},
+            ) as to_b:
                 b = apb_grpc.AdminStub(to_b)
-
-                async def snapshot_heard() -> bool:
-                    return await _in_flight(b) == {engine: 1}
-
-                await eventually(snapshot_heard, WAIT_S, "a's snapshot heard by b")
-                assert not await _routable(b, 1)  # b has not reached the engine yet
-                frozen.send_signal(signal.SIGCONT)
-                await eventually(lambda: _routable(b, 1), WAIT_S, "b's first contact")
                 assert await _in_flight(a) == {engine: 1}  # the request still runs
                 assert await _in_flight(b) == {engine: 1}
                 stream.cancel()
@@ -448,8 +446,109 @@ async def test_a_replica_that_joins_keeps_its_peers_requests_past_its_first_cont
 
                 await eventually(none_seen_by_b, WAIT_S, "the end of a's stream seen by b")
         finally:
-            frozen.send_signal(signal.SIGCONT)
             stream.cancel()
+
+
+async def test_a_replica_that_joins_keeps_its_peers_sessions_past_its_first_contact(
+    tmp_path: Path, redis: RedisServer, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """A chat's first turn, through replica a, ends on one of two engines; both then stop
+    answering (SIGSTOP) before replica b starts, so b learns the chat's session from a's
+    snapshot before it has ever reached either engine. Once they answer again and b has met
+    both, the chat's next turn through b goes to the engine of its first turn (`kvplane-route`
+    reason `session`) and reuses its cached prefix there, though b's round robin alone would
+    send it to the other engine. (b's first contact forgot each engine as a restart does, and
+    with it the session its peer's snapshot had brought: the turn went to the other engine and
+    computed its whole prompt again.)"""
+    engines = [
+        await asyncio.to_thread(sim_engine_process, tmp_path, processes, f"e{i}") for i in range(2)
+    ]
+    frozen = processes[-2:]
+    router = "{replica_sync: true, policy: round_robin, session_metadata_key: session}"
+    settings = f"index: {{backend: '{redis.url}'}}\nrouter: {router}\n"
+    _, target_a = await asyncio.to_thread(
+        controller_process, tmp_path, "a", "127.0.0.1:0", processes, engines, settings=settings
+    )
+    async with grpc.aio.insecure_channel(target_a) as to_a:
+        a = apb_grpc.AdminStub(to_a)
+        gateway_a = pb_grpc.OpenEngineStub(to_a)
+        await eventually(lambda: _routable(a, 2), WAIT_S, "a routes to both engines")
+        await _generate_routed(gateway_a, generate_request("plain", [9] * 40))  # a's turns
+        first_turn = [5] * 64
+        _, first = await _generate_routed(
+            gateway_a, generate_request("turn1", first_turn, session="chat")
+        )
+        # A stream on the other engine, still running when b joins: its charge marks a's
+        # snapshot (which brings the session with it) heard by b.
+        stream = gateway_a.Generate(
+            generate_request("long", list(range(1, 200)), max_tokens=100_000)
+        )
+        await anext(aiter(stream))
+        (marked,) = await _in_flight(a)
+        assert marked != first["engine"]
+        try:
+            async with _replica_joining_while_frozen(
+                tmp_path, processes, engines, frozen, settings=settings, peers_in_flight={marked: 1}
+            ) as to_b:
+                reply, second = await _generate_routed(
+                    pb_grpc.OpenEngineStub(to_b),
+                    generate_request("turn2", [*first_turn, 6], session="chat"),
+                )
+                assert (second["engine"], second["reason"]) == (first["engine"], "session")
+                assert reply[-1].usage.cached_prompt_tokens == 64
+        finally:
+            stream.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _replica_joining_while_frozen(
+    tmp_path: Path,
+    processes: list[subprocess.Popen[bytes]],
+    engines: list[str],
+    frozen: list[subprocess.Popen[bytes]],
+    *,
+    settings: str,
+    peers_in_flight: dict[str, int],
+) -> AsyncIterator[grpc.aio.Channel]:
+    """Replica b (`settings`), started while the engines' processes (`frozen`) stop answering
+    (SIGSTOP): it hears a's snapshot (it charges the engines with `peers_in_flight`, a's
+    requests) before it has reached any engine; then they answer again and b meets each for
+    the first time. A channel to b once it routes to every engine; the engines answer again
+    however it ends."""
+    for process in frozen:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        _, target_b = await asyncio.to_thread(
+            controller_process, tmp_path, "b", "127.0.0.1:0", processes, engines,
+            settings=settings,
+        )  # fmt: skip
+        async with grpc.aio.insecure_channel(target_b) as to_b:
+            b = apb_grpc.AdminStub(to_b)
+
+            async def snapshot_heard() -> bool:
+                return await _in_flight(b) == peers_in_flight
+
+            await eventually(snapshot_heard, WAIT_S, "a's snapshot heard by b")
+            assert not await _routable(b, len(engines))  # b has reached no engine yet
+            for process in frozen:
+                process.send_signal(signal.SIGCONT)
+            await eventually(lambda: _routable(b, len(engines)), WAIT_S, "b's first contacts")
+            yield to_b
+    finally:
+        for process in frozen:
+            process.send_signal(signal.SIGCONT)
+
+
+async def _generate_routed(
+    gateway: pb_grpc.OpenEngineAsyncStub, request: pb.GenerateRequest
+) -> tuple[list[pb.GenerateResponse], dict[str, Any]]:
+    """A Generate through a controller: its stream, and the route it reports
+    (`kvplane-route`: the engine that served, and why)."""
+    call = gateway.Generate(request)
+    reply = [r async for r in call]
+    route = read_route(await call.trailing_metadata())
+    assert route is not None
+    return reply, route
 
 
 async def _in_flight(admin: apb_grpc.AdminAsyncStub) -> dict[str, int]:
