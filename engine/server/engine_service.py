@@ -39,8 +39,8 @@ is the backstop), and its health probe runs one pooling forward instead of gener
 A PREFILL engine's service also owns its KV sessions (`kv_sessions`,
 `engine.server.kv_transfer.KvSessionStore`): sessions handed over and not yet pulled are work
 a decode engine still needs, so Drain and shutdown wait for them as for requests in flight
-(each lasts at most `kv_transfer.session_ttl_s`), and release them at the deadline when told
-to abort.
+(each lasts at most `kv_transfer.session_ttl_s`, or until the pull in progress ends), and
+release them at the deadline when told to abort (pulls in progress included).
 """
 
 from __future__ import annotations
