@@ -235,6 +235,9 @@ async def test_abort_mid_stream_then_already_finished() -> None:
                 grpc.StatusCode.NOT_FOUND,
             ),
             (pb.AbortRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+            # An empty id is a malformed target, not an unknown one.
+            (pb.AbortRequest(request_id=""), grpc.StatusCode.INVALID_ARGUMENT),
+            (pb.AbortRequest(kv_session=pb.KvSessionRef()), grpc.StatusCode.INVALID_ARGUMENT),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await engine.stub.Abort(bad)
