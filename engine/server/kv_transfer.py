@@ -333,6 +333,14 @@ class KvSessionStore:
             if session.state is not _State.PREFILLING:
                 self._drop(session_id)
 
+    def release_lora(self, lora_name: str) -> None:
+        """`lora_name` was loaded afresh: the core let go of the sessions computed with its
+        earlier load (`EngineCore.load_lora`), so they are no work left for Drain to wait for
+        (nor pullable)."""
+        for session_id, session in list(self._sessions.items()):
+            if session.state is not _State.PREFILLING and session.namespace.lora_name == lora_name:
+                self._drop(session_id)
+
     def expire(self) -> None:
         now = self._clock()
         for session_id, session in list(self._sessions.items()):
