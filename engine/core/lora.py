@@ -5,7 +5,9 @@ reads and applies the weights; the sim runner only checks the adapter's config.
 Contract (the OpenEngine seed, "LoRA lifecycle"): an adapter is (positive `lora_id`, non-empty
 `name`, absolute directory `path`); loading the same triple again is idempotent; another
 loaded adapter with the same name, id or path is a conflict (ALREADY_EXISTS); an unknown name
-is NOT_FOUND. At most `max_loras` adapters are loaded at once (RESOURCE_EXHAUSTED beyond).
+is NOT_FOUND. Paths are compared as directories: `/a/x/` and `/a/./x` are `/a/x` (a client's
+spelling must neither load one adapter twice under two names nor fail a repeated load). At
+most `max_loras` adapters are loaded at once (RESOURCE_EXHAUSTED beyond).
 
 Unloading while requests use the adapter (vLLM's behaviour: its unload only forgets the name,
 requests already admitted keep their adapter): the name is gone at once for new requests, and
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +67,20 @@ class LoraAdapter:
             raise InvalidLoraError("lora_name must be non-empty")
         if not Path(self.path).is_absolute():
             raise InvalidLoraError(f"source_path must be an absolute directory, got {self.path!r}")
+
+    @property
+    def directory(self) -> str:
+        """`path` without a trailing slash, `.` or `..` components or doubled slashes: the
+        directory, however the client spelled it (lexically: symlinks are not followed)."""
+        return os.path.normpath(self.path)
+
+    def same_as(self, other: LoraAdapter) -> bool:
+        """The same triple (a repeated load, idempotent)."""
+        return (self.lora_id, self.name, self.directory) == (
+            other.lora_id,
+            other.name,
+            other.directory,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,13 +214,14 @@ class LoraRegistry:
         """True when exactly this adapter is loaded (idempotent); raises on a conflict, when
         full, or while requests of an unloaded adapter of that name still run."""
         adapter.validate()
-        if self._adapters.get(adapter.name) == adapter:
+        loaded = self._adapters.get(adapter.name)
+        if loaded is not None and loaded.same_as(adapter):
             return True
         for other in self._adapters.values():
             if (
                 adapter.name == other.name
                 or adapter.lora_id == other.lora_id
-                or (adapter.path == other.path)
+                or adapter.directory == other.directory
             ):
                 raise LoraConflictError(
                     f"LoRA adapter {adapter.name!r} (id {adapter.lora_id}, {adapter.path}) "

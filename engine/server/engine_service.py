@@ -39,8 +39,8 @@ is the backstop), and its health probe runs one pooling forward instead of gener
 A PREFILL engine's service also owns its KV sessions (`kv_sessions`,
 `engine.server.kv_transfer.KvSessionStore`): sessions handed over and not yet pulled are work
 a decode engine still needs, so Drain and shutdown wait for them as for requests in flight
-(each lasts at most `kv_transfer.session_ttl_s`), and release them at the deadline when told
-to abort.
+(each lasts at most `kv_transfer.session_ttl_s`, or until the pull in progress ends), and
+release them at the deadline when told to abort (pulls in progress included).
 """
 
 from __future__ import annotations
@@ -111,13 +111,30 @@ class DrainProgress:
 
 
 class RequestStream:
-    """One accepted request's outputs, in order, ending with the one that carries usage."""
+    """One accepted request's outputs, in order, ending with the one that carries usage.
 
-    def __init__(self, request: EngineRequest, on_done: Callable[[RequestStream], None]) -> None:
+    `ended`: the engine sent that last output (its work is over); `done`: the reader got it.
+    A client that stops reading keeps the request between the two for as long as it likes."""
+
+    def __init__(
+        self,
+        request: EngineRequest,
+        on_done: Callable[[RequestStream], None],
+        on_ended: Callable[[], None],
+    ) -> None:
         self.request = request
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.ended = False
         self.done = False
         self._on_done = on_done
+        self._on_ended = on_ended
+
+    def put_nowait(self, output: RequestOutput) -> None:
+        """The engine's next output (`asyncio_sink` calls this on the event loop)."""
+        self.queue.put_nowait(output)
+        if output.usage is not None:
+            self.ended = True
+            self._on_ended()
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         while not self.done:
@@ -271,6 +288,17 @@ class EngineService:
         return len(self._live) - len(self._live_internal) + len(self._live_tasks)
 
     @property
+    def num_unended(self) -> int:
+        """`num_in_flight` less the requests whose engine work is over, whose clients have
+        not read everything yet: what a drain past its aborting deadline still waits for."""
+        ended = sum(
+            stream.ended
+            for request_id, stream in self._live.items()
+            if request_id not in self._live_internal
+        )
+        return self.num_in_flight - ended
+
+    @property
     def num_open_kv_sessions(self) -> int:
         """KV sessions handed over and not yet pulled (a PREFILL engine's)."""
         return self.kv_sessions.num_open if self.kv_sessions is not None else 0
@@ -386,10 +414,10 @@ class EngineService:
         if not self.model.generates:
             raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
         self._check_accepting(request.request_id, internal, admitted)
-        stream = RequestStream(request, self._on_stream_done)
+        stream = RequestStream(request, self._on_stream_done, self._in_flight_changed.set)
         self.engine_loop.submit(
             request,
-            asyncio_sink(self._aio_loop, stream.queue),
+            asyncio_sink(self._aio_loop, stream),
             before=before,
             admit=None if internal or admitted else lambda: self._check_admission("generate"),
         )
@@ -579,8 +607,9 @@ class EngineService:
         """STARTED, IN_PROGRESS (on every change, and every progress interval), then COMPLETE.
 
         `deadline_s` None: wait as long as it takes; 0: the deadline is now. After the deadline,
-        `abort_after_deadline` cancels what is left (then COMPLETE once it has ended); without
-        it the drain ends with DEADLINE_EXCEEDED (still not accepting).
+        `abort_after_deadline` cancels what is left (then COMPLETE once the engine's work has
+        ended, whether or not every client has read its outputs); without it the drain ends
+        with DEADLINE_EXCEEDED (still not accepting).
         """
         if stop_accepting:
             self._accepting = False
@@ -590,7 +619,10 @@ class EngineService:
         aborted = False
 
         def left() -> tuple[int, int]:
-            return self.num_in_flight, self.num_open_kv_sessions
+            # Past the aborting deadline, a request whose client stops reading (never
+            # cancelling) must not hold the drain: what is left is the engine's work.
+            requests = self.num_unended if aborted else self.num_in_flight
+            return requests, self.num_open_kv_sessions
 
         yield DrainProgress(DrainPhase.STARTED, *left())
         last_reported = left()

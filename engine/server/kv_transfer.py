@@ -31,9 +31,12 @@ Session lifetime (PREFILL engine): PREFILLING (its request runs: not pullable, n
 READY (PrefillReady sent; `session_ttl_s` starts) -> PULLING (one pull at a time, no TTL) ->
 READY again -> released, the blocks left in the prefix cache, evictable as any. Released when
 the puller says it has what it needs (`ReleaseKvSession`, which a DECODE engine sends once its
-request is accepted), on `Abort(kv_session)` (during a pull: once the pull ends), at the TTL,
+request is accepted), on `Abort(kv_session)`, at the TTL,
 `PULLED_GRACE_S` after a pull that sent every block, when a drain's deadline passes with
-`abort_after_deadline`, or with the engine. A pull does not consume the session: a decode
+`abort_after_deadline`, or with the engine. A release or an abort takes effect at once, even
+during a pull (which then fails NOT_FOUND at its next read of the blocks): waiting for the pull
+to end would let a puller that stops reading (and never cancels) hold the blocks, and a
+drain's deadline, for as long as it likes. A pull does not consume the session: a decode
 engine that fails or dies after pulling, before its request is accepted, leaves it to the
 gateway's retry on another decode engine.
 """
@@ -200,7 +203,6 @@ class _Session:
     state: _State
     namespace: KvNamespace
     deadline_s: float = 0.0  # READY: released at this time
-    aborted: bool = False  # PULLING: released when the pull ends
     pull_ended: asyncio.Event | None = None  # PULLING: set when that pull ends
 
 
@@ -278,18 +280,14 @@ class KvSessionStore:
             self._release(session_id)
 
     def abort(self, session_id: str) -> bool:
-        """Abort(kv_session), or the puller's ReleaseKvSession: release it (during a pull:
-        once the pull ends). False: it had ended already (or an abort is waiting for its
-        pull to end); KvSessionNotFoundError for a session never handed over here."""
+        """Abort(kv_session), or the puller's ReleaseKvSession: release it at once (a pull in
+        progress fails at its next read). False: it had ended already;
+        KvSessionNotFoundError for a session never handed over here."""
         session = self._sessions.get(session_id)
         if session is None or session.state is _State.PREFILLING:
             if session is None and session_id in self._ended:
                 return False
             raise KvSessionNotFoundError(f"no KV session {session_id!r} on this engine")
-        if session.state is _State.PULLING:
-            released_now = not session.aborted
-            session.aborted = True
-            return released_now
         self._drop(session_id)
         return True
 
@@ -311,16 +309,17 @@ class KvSessionStore:
         return session.namespace
 
     def end_pull(self, session_id: str, *, complete: bool) -> None:
-        """A pull ended: released when the session was aborted or released meanwhile (or
-        its TTL passed), else READY again: for its puller's ReleaseKvSession or another
-        attempt, within the TTL, and within `PULLED_GRACE_S` when it sent everything."""
+        """A pull ended: released when its TTL passed meanwhile, else READY again: for its
+        puller's ReleaseKvSession or another attempt, within the TTL, and within
+        `PULLED_GRACE_S` when it sent everything. Nothing to do when the session was released
+        or aborted during the pull (`_drop` woke the pulls waiting for this one)."""
         session = self._sessions.get(session_id)
         if session is None or session.pull_ended is None:
             return
         session.pull_ended.set()
         session.pull_ended = None
         now = self._clock()
-        if session.aborted or session.deadline_s <= now:
+        if session.deadline_s <= now:
             self._drop(session_id)
             return
         session.state = _State.READY
@@ -328,12 +327,19 @@ class KvSessionStore:
             session.deadline_s = min(session.deadline_s, now + PULLED_GRACE_S)
 
     def release_all(self) -> None:
-        """A drain's deadline passed: let go of every session handed over."""
+        """A drain's deadline passed: let go of every session handed over (pulls in
+        progress included)."""
         for session_id, session in list(self._sessions.items()):
-            if session.state is _State.READY:
+            if session.state is not _State.PREFILLING:
                 self._drop(session_id)
-            elif session.state is _State.PULLING:
-                session.aborted = True
+
+    def release_lora(self, lora_name: str) -> None:
+        """`lora_name` was loaded afresh: the core let go of the sessions computed with its
+        earlier load (`EngineCore.load_lora`), so they are no work left for Drain to wait for
+        (nor pullable)."""
+        for session_id, session in list(self._sessions.items()):
+            if session.state is not _State.PREFILLING and session.namespace.lora_name == lora_name:
+                self._drop(session_id)
 
     def expire(self) -> None:
         now = self._clock()
@@ -355,7 +361,9 @@ class KvSessionStore:
             await self._sweeper
 
     def _drop(self, session_id: str) -> None:
-        del self._sessions[session_id]
+        session = self._sessions.pop(session_id)
+        if session.pull_ended is not None:  # pulls waiting for this one find it gone
+            session.pull_ended.set()
         self._ended[session_id] = None
         while len(self._ended) > _ENDED_MEMORY:
             self._ended.popitem(last=False)
@@ -377,8 +385,11 @@ def _session_tokens(core: EngineCore, *, session_id: str) -> tuple[int, ...] | N
 
 def _read_runs(
     core: EngineCore, *, session_id: str, first: int, count: int, run_blocks: int
-) -> list[bytes]:
-    """`count` blocks from `first`, one bytes string per run of `run_blocks` blocks."""
+) -> list[bytes] | None:
+    """`count` blocks from `first`, one bytes string per run of `run_blocks` blocks; None when
+    the session was released meanwhile (its blocks may be reused: never read them)."""
+    if core.kv_session_tokens(session_id) is None:
+        return None
     end = first + count
     return [
         core.read_kv_session(session_id, start, min(run_blocks, end - start))
@@ -428,8 +439,8 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
             tokens = await self._call(
                 context, functools.partial(_session_tokens, session_id=session_id)
             )
-            if tokens is None:  # cannot happen while the store has it READY; never hang on it
-                sessions.abort(session_id)  # forget it when this pull ends
+            if tokens is None:  # released or aborted since the claim
+                sessions.abort(session_id)  # a no-op then; never leave one the core lost
                 await abort_with(context, grpc.StatusCode.NOT_FOUND, "the KV session is gone")
             try:  # what the puller cannot use stays pullable: nothing was sent
                 check_fit(
@@ -478,6 +489,12 @@ class KvTransferServicer(kt_grpc.KvTransferServicer):
                 _read_runs, session_id=session_id, first=first, count=count, run_blocks=run_blocks
             )
             runs = await self._call(context, read)
+            if runs is None:
+                await abort_with(
+                    context,
+                    grpc.StatusCode.NOT_FOUND,
+                    f"the KV session {session_id!r} was released or aborted during the pull",
+                )
             for index, data in zip(range(first, first + count, run_blocks), runs, strict=True):
                 yield kt.KvBlockData(
                     index=index, num_blocks=min(run_blocks, first + count - index), data=data

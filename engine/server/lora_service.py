@@ -7,6 +7,8 @@ both the event loop and the engine thread); the engine thread then installs it b
 (`EngineCore.load_lora`, which checks everything again: the registry belongs to that thread).
 LoRA calls run one at a time (a lock), so two loads never read the same adapter twice or race
 on a name. UnloadLora and ListLoras go to the registry (an unload through the engine thread).
+A fresh load of a name drops the KV sessions a PREFILL engine held with that name's earlier
+load (the core released them): Drain must not wait for them until their TTL.
 """
 
 from __future__ import annotations
@@ -16,10 +18,18 @@ from pathlib import Path
 
 from engine.core.engine_core import EngineLoop
 from engine.core.lora import LoraAdapter, LoraRegistry, LoraRunner
+from engine.server.kv_transfer import KvSessionStore
 
 
 class LoraService:
-    def __init__(self, engine_loop: EngineLoop, *, max_lora_rank: int) -> None:
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        *,
+        max_lora_rank: int,
+        kv_sessions: KvSessionStore | None = None,
+    ) -> None:
+        """`kv_sessions`: a PREFILL engine's, told when a load let go of sessions."""
         core = engine_loop.core
         if core.loras is None or not isinstance(core.runner, LoraRunner):
             raise ValueError("the engine core was built without LoRA (max_loras)")
@@ -27,6 +37,7 @@ class LoraService:
         self._registry: LoraRegistry = core.loras
         self._runner: LoraRunner = core.runner
         self.max_lora_rank = max_lora_rank
+        self._kv_sessions = kv_sessions
         self._lock = asyncio.Lock()
 
     async def load(self, adapter: LoraAdapter) -> bool:
@@ -38,9 +49,12 @@ class LoraService:
             weights = await asyncio.to_thread(
                 self._runner.read_lora, Path(adapter.path), max_rank=self.max_lora_rank
             )
-            return await asyncio.wrap_future(
+            already_loaded: bool = await asyncio.wrap_future(
                 self._loop.call(lambda core: core.load_lora(adapter, weights))
             )
+            if not already_loaded and self._kv_sessions is not None:
+                self._kv_sessions.release_lora(adapter.name)
+            return already_loaded
 
     async def unload(self, name: str) -> LoraAdapter:
         async with self._lock:

@@ -335,6 +335,10 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                 )
             if target == "kv_session":
                 session_id = request.kv_session.session_id
+                if not session_id:
+                    await abort_with(
+                        context, grpc.StatusCode.INVALID_ARGUMENT, "kv_session.session_id is empty"
+                    )
                 if self._service.kv_sessions is None:
                     raise KvSessionNotFoundError(
                         f"no KV session {session_id!r} on this engine (not a PREFILL engine)"

@@ -410,7 +410,9 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         tasks=None
         if model.pooler is None
         else PoolingTasks(service, ctx, model.pooler, config.max_num_batched_tokens),
-        lora=LoraService(engine_loop, max_lora_rank=config.lora.max_lora_rank)
+        lora=LoraService(
+            engine_loop, max_lora_rank=config.lora.max_lora_rank, kv_sessions=service.kv_sessions
+        )
         if config.lora.enabled
         else None,
     )

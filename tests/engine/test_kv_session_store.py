@@ -109,17 +109,16 @@ async def test_a_second_pull_waits_for_the_first_and_gets_it_if_that_one_was_cut
     assert not second.done()
     sessions.end_pull(session_id, complete=False)  # the first puller went away
     await asyncio.wait_for(second, timeout=5)
-    third = asyncio.create_task(sessions.claim(session_id))
-    await asyncio.sleep(0)
-    sessions.abort(session_id)  # the second puller's request was accepted: released ...
-    sessions.end_pull(session_id, complete=True)  # ... when its pull ends
+    sessions.end_pull(session_id, complete=True)
+    sessions.abort(session_id)  # the second puller's request was accepted: released
     with pytest.raises(KvSessionNotFoundError):
-        await asyncio.wait_for(third, timeout=5)
+        await sessions.claim(session_id)
     assert loop.core.released == [session_id]
     await sessions.close()
 
 
-async def test_abort_releases_at_once_or_when_the_pull_ends() -> None:
+async def test_abort_releases_at_once_even_during_a_pull() -> None:
+    """A pull in progress does not delay the release: its puller may never end it."""
     sessions, loop = await store()
     idle, pulled = sessions.open(KvNamespace()), sessions.open(KvNamespace())
     sessions.ready(idle)
@@ -127,10 +126,14 @@ async def test_abort_releases_at_once_or_when_the_pull_ends() -> None:
     assert sessions.abort(idle)
     assert loop.core.released == [idle]
     await sessions.claim(pulled)
-    assert sessions.abort(pulled)  # released once the pull ends
-    assert not sessions.abort(pulled)  # a second abort meanwhile changes nothing
-    assert loop.core.released == [idle]
-    sessions.end_pull(pulled, complete=False)  # cut short, but aborted: released
+    waiting = asyncio.create_task(sessions.claim(pulled))  # a second pull waits for the first
+    await asyncio.sleep(0)
+    assert sessions.abort(pulled)
+    assert loop.core.released == [idle, pulled] and sessions.num_open == 0
+    with pytest.raises(KvSessionNotFoundError):  # woken: the session is gone
+        await asyncio.wait_for(waiting, timeout=5)
+    assert not sessions.abort(pulled)  # a second abort changes nothing
+    sessions.end_pull(pulled, complete=False)  # the pull that was cut ends: nothing left
     assert loop.core.released == [idle, pulled] and sessions.num_open == 0
     # Ended sessions are remembered (Abort answers ALREADY_FINISHED); unknown ones are not.
     assert not sessions.abort(idle) and not sessions.abort(pulled)
@@ -170,10 +173,12 @@ async def test_ttl_and_drain_release_only_sessions_handed_over() -> None:
     assert loop.core.released == [ready]  # a pull in progress is not cut by the TTL ...
     sessions.end_pull(pulling, complete=False)
     assert loop.core.released == [ready, pulling]  # ... but not put back past it either
-    other = sessions.open(KvNamespace())
+    other, pulled = sessions.open(KvNamespace()), sessions.open(KvNamespace())
     sessions.ready(other)
-    sessions.release_all()
-    assert loop.core.released == [ready, pulling, other]
+    sessions.ready(pulled)
+    await sessions.claim(pulled)
+    sessions.release_all()  # a pull in progress included
+    assert loop.core.released == [ready, pulling, other, pulled]
     assert sessions.num_open == 0
     sessions.discard(prefilling)
     await sessions.close()

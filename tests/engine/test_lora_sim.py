@@ -146,6 +146,21 @@ async def test_bad_adapters_are_refused_naming_the_problem(
         assert await names(engine) == []
 
 
+async def test_a_path_is_one_directory_however_it_is_spelled(tmp_path: Path) -> None:
+    """`x/`, `./x` and `x` are one directory: the same triple spelled so is idempotent, and
+    another name over it conflicts (the seed: a conflicting path is ALREADY_EXISTS), rather
+    than loading one adapter twice under two names."""
+    x = write_adapter_config(tmp_path / "x")
+    async with running_engine(sim_config(lora=lora_config(max_loras=3))) as engine:
+        await load(engine, "x", x, 7)
+        assert (await load(engine, "x", f"{x}/", 7)).already_loaded
+        for name, path, lora_id in (("y", f"{x}/", 8), ("z", f"{tmp_path}/./x", 9)):
+            err = await rpc_error(load(engine, name, path, lora_id))
+            assert err.code() == grpc.StatusCode.ALREADY_EXISTS, (name, path, err.details())
+            assert "conflicts with loaded adapter 'x'" in (err.details() or "")
+        assert await names(engine) == ["x"]
+
+
 async def test_lora_disabled_by_default_refuses_every_lora_call(tmp_path: Path) -> None:
     async with running_engine() as engine:
         err = await rpc_error(load(engine, "x", write_adapter_config(tmp_path / "x"), 1))

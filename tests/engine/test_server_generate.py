@@ -13,6 +13,7 @@ import pytest
 
 from engine.config import EngineConfig, SimTimingConfig
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import (
     collect,
     generate_request,
@@ -23,6 +24,8 @@ from tests.engine.engine_server_harness import (
     stream_error,
 )
 from tests.polling import eventually
+from vllm_grpc import vllm_grpc_pb2 as vpb
+from vllm_grpc import vllm_grpc_pb2_grpc as vllm_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -235,6 +238,9 @@ async def test_abort_mid_stream_then_already_finished() -> None:
                 grpc.StatusCode.NOT_FOUND,
             ),
             (pb.AbortRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+            # An empty id is a malformed target, not an unknown one.
+            (pb.AbortRequest(request_id=""), grpc.StatusCode.INVALID_ARGUMENT),
+            (pb.AbortRequest(kv_session=pb.KvSessionRef()), grpc.StatusCode.INVALID_ARGUMENT),
         ]:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await engine.stub.Abort(bad)
@@ -363,6 +369,42 @@ async def test_drain_deadline_zero_aborts_at_once_or_fails_without_abort() -> No
         rest = await _rest(stream)
         assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED
         await eventually(lambda: idle(engine), what="engine idle after drain")
+
+
+async def test_a_drain_aborting_at_its_deadline_completes_past_clients_that_stop_reading() -> None:
+    """A client that stops reading (its flow-control window full, never cancelling) keeps its
+    stream open as long as it likes; past an aborting deadline the drain waits for the
+    engine's work only, which has ended, not for those clients to read it."""
+    config = sim_config(max_model_len=4096, num_kv_blocks=1100)
+    async with (
+        running_engine(config) as engine,
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{engine.app.port}",
+            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
+        ) as slow_reader,
+    ):
+        request = generate_request(PROMPT, max_tokens=4000, request_id="openengine")
+        openengine = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
+        vllm = vllm_grpc.GenerateStub(slow_reader).GenerateStream(
+            vpb.GenerateRequest(
+                request_id="vllm",
+                token_ids=vpb.TokenIds(ids=PROMPT),
+                stopping=vpb.StoppingCriteria(max_new_tokens=4000),
+            )
+        )
+        for call in (openengine, vllm):
+            await call.read()  # then never again
+        drain = pb.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+        )
+        # A bound, not a measurement: such a drain used to wait for those clients forever.
+        async with asyncio.timeout(30):
+            states = [response.state async for response in engine.stub.Drain(drain)]
+        assert states[-1] == pb.DRAIN_STATE_COMPLETE
+        load = await engine.stub.GetLoad(pb.GetLoadRequest())
+        assert (load.running_requests, load.used_kv_blocks) == (0, 0)
+        openengine.cancel()
+        vllm.cancel()
 
 
 async def test_runner_failure_after_acceptance_is_one_terminal_engine_error() -> None:

@@ -271,6 +271,29 @@ async def test_a_session_serves_only_the_lora_adapter_and_cache_salt_it_was_comp
         assert await used_blocks(prefiller) == 0
 
 
+async def test_loading_an_adapter_again_ends_the_sessions_of_its_earlier_load(
+    tmp_path: Path,
+) -> None:
+    """A fresh load of a name lets go of the KV sessions computed with its earlier load (KV of
+    an old adapter is never handed over): they are gone for Drain too, which does not wait for
+    them until their TTL, and for Abort, which answers that they ended."""
+    async with engines(sim_config(role="prefill", lora=LoraConfig(enabled=True))) as (prefiller,):
+        adapter = pb.LoraAdapter(
+            lora_id=1, lora_name="a", source_path=str(write_adapter_config(tmp_path / "a"))
+        )
+        await prefiller.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+        session = await prefill(prefiller, lora_name="a")
+        await prefiller.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="a"))
+        adapter.lora_id = 2
+        await prefiller.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
+        assert (await prefiller.stub.GetLoad(pb.GetLoadRequest())).active_kv_sessions == 0
+        drain = pb.DrainRequest(stop_accepting_new_requests=True)
+        first = await prefiller.stub.Drain(drain).read()
+        assert (first.state, first.open_kv_sessions) == (pb.DRAIN_STATE_STARTED, 0)
+        ended = await prefiller.stub.Abort(pb.AbortRequest(kv_session=session))
+        assert ended.status == pb.ABORT_STATUS_ALREADY_FINISHED
+
+
 async def test_malformed_session_refs_are_refused_with_a_clear_status() -> None:
     async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
         prefiller,

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import grpc
 import pytest
 
 from engine.config import EngineConfig
@@ -18,11 +19,14 @@ from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import Engine, collect, running_engine
 from tests.engine.torch_reference import TEST_DEVICE, TINY_LLAMA
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(180)
 
 BLOCK = 16
 PROMPT = [(i * 37 + 11) % 900 + 5 for i in range(3 * BLOCK + 7)]  # 3 full blocks + 7 tokens
+# 48 full blocks: more KV than a pull's tiny flow-control window lets through.
+LONG_PROMPT = [(i * 37 + 11) % 900 + 5 for i in range(48 * BLOCK + 3)]
 
 
 def _config(role: str, dtype: str) -> EngineConfig:
@@ -147,3 +151,61 @@ async def test_a_session_in_runs_over_several_messages_decodes_as_aggregated(
         alone = await collect(aggregated.stub, _greedy())
         assert decoded[-1].usage.cached_prompt_tokens == 3 * BLOCK
         assert _tokens(decoded) == _tokens(alone) and len(_tokens(alone)) == 12
+
+
+def _stalled_pull(channel: grpc.aio.Channel, session: pb.KvSessionRef) -> Any:
+    """A pull whose client stops reading (without cancelling) on a channel whose flow-control
+    window is tiny and never grows: the prefill engine's stream stalls in the middle of the
+    session's blocks."""
+    return kt_grpc.KvTransferStub(channel).PullKvSession(
+        kt.PullKvSessionRequest(session_id=session.session_id)
+    )
+
+
+async def _held(engine: Engine) -> tuple[int, int]:
+    """The KV sessions and the KV blocks the engine holds."""
+    load = await engine.stub.GetLoad(pb.GetLoadRequest())
+    return load.active_kv_sessions, load.used_kv_blocks
+
+
+async def test_a_puller_that_stops_reading_holds_no_blocks_past_an_abort_or_a_drain() -> None:
+    """Abort(kv_session) and a drain's deadline with abort_after_deadline release a session at
+    once even while a pull of it is stalled (a client that stopped reading, never
+    cancelling): its blocks are free again and the drain completes, rather than waiting for
+    that client for as long as it likes."""
+    config = _config("prefill", "float32").model_copy(
+        update={"num_kv_blocks": 128, "max_model_len": 1024}
+    )
+    request = _greedy()
+    request.token_ids.ids[:] = LONG_PROMPT
+    num_blocks = len(LONG_PROMPT) // BLOCK
+    async with (
+        running_engine(config) as prefiller,
+        grpc.aio.insecure_channel(
+            f"127.0.0.1:{prefiller.app.port}",
+            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
+        ) as slow_reader,
+    ):
+        aborted = (await collect(prefiller.stub, request))[-1].prefill_ready.kv_session
+        stalled = _stalled_pull(slow_reader, aborted)
+        assert (await stalled.read()).header.num_blocks == num_blocks
+        assert await _held(prefiller) == (1, num_blocks)
+        reply = await prefiller.stub.Abort(pb.AbortRequest(kv_session=aborted))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+
+        async def freed() -> bool:
+            return await _held(prefiller) == (0, 0)
+
+        await eventually(freed, what="the aborted session's blocks released")
+        stalled.cancel()
+
+        drained = (await collect(prefiller.stub, request))[-1].prefill_ready.kv_session
+        stalled = _stalled_pull(slow_reader, drained)
+        assert (await stalled.read()).header.num_blocks == num_blocks
+        drain = pb.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+        )
+        states = [response.state async for response in prefiller.stub.Drain(drain)]
+        assert states[-1] == pb.DRAIN_STATE_COMPLETE
+        await eventually(freed, what="the drained session's blocks released")
+        stalled.cancel()

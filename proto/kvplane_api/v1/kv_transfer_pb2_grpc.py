@@ -56,7 +56,8 @@ class KvTransferServicer:
         accepted (or dies) leaves it to another puller: a pull that sent everything leaves it for
         at most a short grace (10 s, or the TTL if shorter), a pull cut short or refused until its
         TTL (a pull of a session being pulled waits for that pull to end). Unknown, expired or
-        released sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+        released sessions: NOT_FOUND, also for a pull in progress when its session is released or
+        aborted meanwhile. Needs the bearer token when the engine has auth.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -64,7 +65,8 @@ class KvTransferServicer:
 
     def ReleaseKvSession(self, request, context):
         """The puller has what it needs (its request was accepted): release the session; its blocks
-        stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
+        stay in the prefill engine's prefix cache, evictable. At once, even during a pull (which
+        then fails NOT_FOUND unless it had read every block).
         A session never handed over here: NOT_FOUND; one that already ended (released, expired,
         aborted): OK, as OpenEngine's Abort is idempotent. Needs the bearer token when the engine
         has auth.

@@ -44,11 +44,13 @@ class KvTransferStub:
     accepted (or dies) leaves it to another puller: a pull that sent everything leaves it for
     at most a short grace (10 s, or the TTL if shorter), a pull cut short or refused until its
     TTL (a pull of a session being pulled waits for that pull to end). Unknown, expired or
-    released sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+    released sessions: NOT_FOUND, also for a pull in progress when its session is released or
+    aborted meanwhile. Needs the bearer token when the engine has auth.
     """
     ReleaseKvSession: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseKvSessionRequest, _kv_transfer_pb2.ReleaseKvSessionResponse]
     """The puller has what it needs (its request was accepted): release the session; its blocks
-    stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
+    stay in the prefill engine's prefix cache, evictable. At once, even during a pull (which
+    then fails NOT_FOUND unless it had read every block).
     A session never handed over here: NOT_FOUND; one that already ended (released, expired,
     aborted): OK, as OpenEngine's Abort is idempotent. Needs the bearer token when the engine
     has auth.
@@ -64,11 +66,13 @@ class KvTransferAsyncStub(KvTransferStub):
     accepted (or dies) leaves it to another puller: a pull that sent everything leaves it for
     at most a short grace (10 s, or the TTL if shorter), a pull cut short or refused until its
     TTL (a pull of a session being pulled waits for that pull to end). Unknown, expired or
-    released sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+    released sessions: NOT_FOUND, also for a pull in progress when its session is released or
+    aborted meanwhile. Needs the bearer token when the engine has auth.
     """
     ReleaseKvSession: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.ReleaseKvSessionRequest, _kv_transfer_pb2.ReleaseKvSessionResponse]  # type: ignore[assignment]
     """The puller has what it needs (its request was accepted): release the session; its blocks
-    stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
+    stay in the prefill engine's prefix cache, evictable. At once, even during a pull (which
+    then fails NOT_FOUND unless it had read every block).
     A session never handed over here: NOT_FOUND; one that already ended (released, expired,
     aborted): OK, as OpenEngine's Abort is idempotent. Needs the bearer token when the engine
     has auth.
@@ -87,7 +91,8 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         accepted (or dies) leaves it to another puller: a pull that sent everything leaves it for
         at most a short grace (10 s, or the TTL if shorter), a pull cut short or refused until its
         TTL (a pull of a session being pulled waits for that pull to end). Unknown, expired or
-        released sessions: NOT_FOUND. Needs the bearer token when the engine has auth.
+        released sessions: NOT_FOUND, also for a pull in progress when its session is released or
+        aborted meanwhile. Needs the bearer token when the engine has auth.
         """
 
     @_abc_1.abstractmethod
@@ -97,7 +102,8 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kv_transfer_pb2.ReleaseKvSessionResponse, _abc.Awaitable[_kv_transfer_pb2.ReleaseKvSessionResponse]]:
         """The puller has what it needs (its request was accepted): release the session; its blocks
-        stay in the prefill engine's prefix cache, evictable. During a pull: once the pull ends.
+        stay in the prefill engine's prefix cache, evictable. At once, even during a pull (which
+        then fails NOT_FOUND unless it had read every block).
         A session never handed over here: NOT_FOUND; one that already ended (released, expired,
         aborted): OK, as OpenEngine's Abort is idempotent. Needs the bearer token when the engine
         has auth.
