@@ -27,17 +27,24 @@ first is kept."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
 class LoraSpec:
-    """An adapter as LoadLora names it."""
+    """An adapter as LoadLora names it, its path as a directory: `/a/x/` and `/a/./x` are
+    `/a/x`, as engines compare them (the same adapter spelled two ways is neither a conflict
+    nor two adapters). Lexically: symlinks are not followed."""
 
     lora_id: int
     lora_name: str
     source_path: str
+
+    def __post_init__(self) -> None:
+        if self.source_path:  # an empty path stays empty: the engine names that refusal
+            object.__setattr__(self, "source_path", os.path.normpath(self.source_path))
 
     def __str__(self) -> str:
         return f"{self.lora_name!r} (id {self.lora_id}, {self.source_path})"

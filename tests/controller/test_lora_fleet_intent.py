@@ -259,5 +259,13 @@ async def test_one_name_stays_one_adapter_across_the_fleet(tmp_path: Path) -> No
         assert len(won) == 1 and [e.code() for e in lost] == [grpc.StatusCode.ALREADY_EXISTS]
         held = [(await engine_adapters(e)).get("r") for e in fleet.engines]
         assert held == [won[0].source_path] * 3
+
+        # The same directory spelled another way is the same adapter, not a conflict: x
+        # goes to the whole fleet (e0 holds it already).
+        x_again = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=f"{x.source_path}/")
+        loaded = await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x_again))
+        assert not loaded.already_loaded  # e1 and e2 had to load it
+        held = [str(Path((await engine_adapters(e))["x"])) for e in fleet.engines]
+        assert held == [x.source_path] * 3
     finally:
         await close_fleet(fleet)
