@@ -776,9 +776,10 @@ class PrefixIndex:
     ) -> list[TokenPrefixMatch]:
         """kvplane's token-level view, for every worker holding hashes[0] on any tier (address
         or not): `matched_blocks` = leading blocks each held on HBM or DRAM; per tier, leading
-        blocks held on that tier alone (listed when > 0). For a worker with a cache spec, each
-        is capped at its MatchExternalKvPrefix answer (the component rule), so a hybrid
-        model's hit is never larger than the seed's rules give. Tokens sum the blocks' known
+        blocks held on that tier alone (listed when > 0). Each is capped at the worker's
+        MatchExternalKvPrefix answer (the component rule with a cache spec; without one the
+        legacy rule, 0 when it fails closed on component data), so no hit is ever larger than
+        the seed's rules give. Tokens sum the blocks' known
         sizes. Sorted by matched_blocks descending, then worker id."""
         limit = len(hashes) if max_blocks == 0 else min(len(hashes), max_blocks)
         get = self._tiers.get
@@ -808,11 +809,24 @@ class PrefixIndex:
             ends[2 * b] = i
         for b in _bits(alive_servable):
             ends[2 * b + 1] = i
+        holders = _any_tier(first) & hbm_slots
+        # The legacy rule's answers, only where it can fail closed (component data in the
+        # index); otherwise a legacy worker's answer is its any-tier run, never below these.
+        legacy = holders & self._legacy
+        legacy_prefix = (
+            self._legacy_prefix(hashes, limit, legacy)[0]
+            if legacy and self._component_masks
+            else None
+        )
         out: list[TokenPrefixMatch] = []
-        for slot in _bits(_any_tier(first) & hbm_slots):
+        for slot in _bits(holders):
             worker = self._by_idx[slot // _SLOTS_PER_WORKER]
-            # A worker with a cache spec reuses no more than the component rule allows.
-            most = limit if worker.spec is None else self._spec_prefix(worker, hashes, limit)[0]
+            # A worker reuses no more than MatchExternalKvPrefix's rule gives it: the component
+            # rule with a cache spec, the legacy rule (which fails closed) without one.
+            if worker.spec is not None:
+                most = self._spec_prefix(worker, hashes, limit)[0]
+            else:
+                most = limit if legacy_prefix is None else legacy_prefix.get(slot, 0)
             per_tier = tuple(
                 TierPrefix(tier, n, cum_tokens[n])
                 for tier in _TIERS

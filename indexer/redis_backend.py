@@ -920,9 +920,12 @@ class RedisBackend:
             held.append(per_block)
         out = []
         for wid in order:
-            # A worker with a cache spec reuses no more than the component rule allows.
+            # A worker reuses no more than MatchExternalKvPrefix's rule gives it: the component
+            # rule with a cache spec, the legacy rule (which fails closed) without one.
             spec = specs[wid]
-            most = len(held) if spec is None else _spec_prefix(spec, held, sizes, wid)
+            most = (
+                _legacy_prefix(held, wid) if spec is None else _spec_prefix(spec, held, sizes, wid)
+            )
             runs = {tier: min(_run(held, wid, {tier}), most) for tier in Tier}
             matched = min(_run(held, wid, set(_SERVABLE)), most)
             per_tier = tuple(TierPrefix(t, n, cum_tokens[n]) for t, n in runs.items() if n)
@@ -1118,6 +1121,15 @@ def _run(held: list[dict[int, dict[int, int]]], wid: int, wanted: set[int]) -> i
         if tiers is None or tiers.keys().isdisjoint(wanted):
             break
         n += 1
+    return n
+
+
+def _legacy_prefix(held: list[dict[int, dict[int, int]]], wid: int) -> int:
+    """Worker `wid`'s prefix by the legacy rule, over the scanned blocks: its run on any tier,
+    or 0 (fail closed) when one of them carries component data for it."""
+    n = _run(held, wid, set(Tier))
+    if any(mask for per_block in held[:n] for mask in per_block[wid].values()):
+        return 0
     return n
 
 

@@ -546,6 +546,38 @@ async def test_prefix_by_tier_token_view_follows_a_workers_component_rule(
     assert await prefix_of(backend, "hybrid", [1, 2, 3, 4]) == 2
 
 
+async def test_prefix_by_tier_token_view_fails_closed_as_the_legacy_rule_does(
+    backend: IndexBackend,
+) -> None:
+    """A worker without a cache spec that reports component data on a block of its prefix
+    gets 0 from MatchExternalKvPrefix (the seed's legacy rule fails closed); the token view
+    (MatchTokens, the controller's routing) gives it no more, on any tier. A mask beyond the
+    scanned prefix (past the worker's first gap, or past max_blocks) poisons nothing, as in
+    the seed's rule; one on a block held only on SSD does, as the seed's scan reads SSD."""
+    await apply(backend, "masked", report(HBM, [1, 2, 3], masks=[0, FULL, 0]))
+    await apply(backend, "plain", report(HBM, [1, 2, 3]))
+    await apply(backend, "past_gap", report(HBM, [1]), report(HBM, [3], masks=[FULL]))
+    await apply(backend, "on_ssd", report(HBM, [1, 2]), report(SSD, [3], masks=[FULL]))
+    view = await backend.match_prefix_by_tier([1, 2, 3], 0)
+    assert [(m.worker_id, m.matched_blocks, [t.tier for t in m.tiers]) for m in view] == [
+        ("plain", 3, [HBM]),
+        ("past_gap", 1, [HBM]),
+        ("masked", 0, []),
+        ("on_ssd", 0, []),
+    ]
+    assert prefix_pairs(await backend.match_prefix([1, 2, 3], 0)) == [
+        ("plain", 3),
+        ("past_gap", 1),
+    ]
+    capped = await backend.match_prefix_by_tier([1, 2, 3], 2)
+    assert [(m.worker_id, m.matched_blocks) for m in capped] == [
+        ("on_ssd", 2),
+        ("plain", 2),
+        ("past_gap", 1),
+        ("masked", 0),
+    ]
+
+
 async def test_snapshot_round_trip(backend: IndexBackend) -> None:
     spec = CacheSpec(components=FULL | SWA, swa_window_tokens=32, full_tier_mask=6, swa_tier_mask=2)
     await apply(backend, "w", report(HBM, [1, 2, 3], [3, 3, 1], [16, 16, 16]), spec=spec)

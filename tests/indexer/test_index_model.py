@@ -183,8 +183,9 @@ class Model:
                     n += 1
                 return n
 
-            # A worker with a spec: no more than its component-rule prefix.
-            most = len(hashes) if self.info[wid][1] is None else self.prefix(wid, hashes)
+            # No more than its MatchExternalKvPrefix answer: the component rule with a spec,
+            # the legacy rule (0 on component data, fail closed) without one.
+            most = self.prefix(wid, hashes)
             servable = min(run(lambda h: Tier.HBM in h or Tier.DRAM in h), most)
             per_tier = [(t, n) for t in TIERS if (n := min(run(lambda h, t=t: t in h), most))]
             tokens = sum(self.sizes.get(k, 0) for k in hashes[:servable])
