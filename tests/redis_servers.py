@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
-from redis.cluster import key_slot
+from redis.crc import key_slot
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
