@@ -104,7 +104,7 @@ class EngineFleet(Generic[E]):
         )
 
     async def restart_engine(
-        self: EngineFleet[EngineApp],
+        self: EngineFleet[EngineApp] | EngineFleet[ServedEngine],
         address: str,
         instance_id: str,
         *,
@@ -115,15 +115,15 @@ class EngineFleet(Generic[E]):
         """Stop the sim engine at `address`, wait `down_s`, start a new process there (an
         empty cache, `instance_id`; `config`: more EngineConfig fields) and wait until the
         controller routes to it."""
-        old = self.engine_at(address)
-        await old.close()
+        index = next(i for i, e in enumerate(self.engines) if self.address(e) == address)
+        await self.engines[index].close()
         await asyncio.sleep(down_s)
         fresh = await start_engine(
             EngineConfig(
                 model="sim", listen=address, instance_id=instance_id, num_kv_blocks=256, **config
             )
         )
-        self.engines[self.engines.index(old)] = fresh
+        self.engines[index] = fresh
         registry = self.app.controller.fleet.registry
         await self.app.controller.fleet.wait_for(
             lambda: (

@@ -421,7 +421,7 @@ async def test_array_events_keep_a_hybrid_models_groups_when_entry_or_engine_say
     )
     app = await start_controller(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
-    fleet = Fleet(list(engines.values()), app, channel)  # type: ignore[arg-type]
+    fleet = EngineFleet(list(engines.values()), app, channel)
     try:
         await fleet.wait_routable(len(engines))
         index = app.controller.index

@@ -7,6 +7,7 @@ gateway's bookkeeping; off (the default), the busy fleet serves it as it always 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 import grpc
@@ -78,9 +79,9 @@ def embed_request(request_id: str) -> pb.EmbedRequest:
     )
 
 
-async def refusal(call: object) -> grpc.aio.AioRpcError:
+async def refusal(call: Awaitable[object]) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await call  # type: ignore[misc]
+        await call
     return err.value
 
 

@@ -391,8 +391,8 @@ async def test_an_adapter_unloaded_while_an_engine_holding_it_was_stopped_stays_
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await pb_grpc.OpenEngineStub(channel).LoadLora(pb.LoadLoraRequest(adapter=adapter))
     stopped.stop()
-    fleet = await make_fleet(engines=[healthy])
-    fleet.engines.append(stopped)  # type: ignore[arg-type]
+    fleet = await make_fleet(engines=engines_of_kinds(healthy))
+    fleet.engines.append(stopped)  # registered below, through the admin API
     registry = fleet.app.controller.fleet.registry
     address = f"127.0.0.1:{stopped.port}"
     try:
@@ -408,7 +408,7 @@ async def test_an_adapter_unloaded_while_an_engine_holding_it_was_stopped_stays_
         stopped.proc.kill()
         await asyncio.to_thread(stopped.proc.wait)
         stopped = await EngineProcess.start(tmp_path, "again", config=lora, port=stopped.port)
-        fleet.engines[1] = stopped  # type: ignore[call-overload]
+        fleet.engines[1] = stopped
         await fleet.app.controller.fleet.wait_for(
             lambda: registry.get(address).engine_id == "again" and registry.get(address).routable,
             30,

@@ -25,6 +25,7 @@ from engine.server.service import start_engine
 from engine.torch_runner.builtin_model import write_builtin_model
 from engine.torch_runner.errors import CheckpointError
 from engine.torch_runner.loader import ships_lm_head
+from engine.torch_runner.runner import TorchModelRunner
 from kvplane.config import validate_config
 from kvplane.errors import ConfigError
 from openengine.v1 import openengine_pb2 as pb
@@ -176,7 +177,9 @@ async def test_runner_pooling_on_a_causal_lm_embeds_and_never_generates(tmp_path
             pb.EmbedRequest(context=context(), inputs=[ids_input("a", [5, 6, 7])])
         )
         error = await rpc_error(collect(engine.stub, generate_request([5, 6], model=MODEL)))
-        assert engine.app.service.engine_loop.core.runner.model.weights.lm_head is None  # type: ignore[attr-defined]
+        runner = engine.app.service.engine_loop.core.runner
+        assert isinstance(runner, TorchModelRunner)  # a builtin model: the torch runner
+        assert runner.model.weights.lm_head is None
     assert close(
         values(embedded.outputs[0].dense), normalized(dense_hidden(builtin, [5, 6, 7])[-1])
     )

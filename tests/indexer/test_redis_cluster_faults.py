@@ -197,7 +197,7 @@ async def test_primary_killed_and_its_replica_promoted(
         await backend.apply(batch)
     primary = replicated_cluster.node_of(_meta_key("m0"))
     replica = replicated_cluster.replica_of(primary)
-    assert primary.client().execute_command("WAIT", 1, 10_000) == 1  # type: ignore[no-untyped-call]
+    assert primary.command("WAIT", 1, 10_000) == 1
 
     if replica_behind:
         assert replica.proc is not None
@@ -216,7 +216,7 @@ async def test_primary_killed_and_its_replica_promoted(
             assert replica.proc is not None  # stopped above, not ended
             replica.proc.send_signal(signal.SIGCONT)
     replicated_cluster.fail_over(primary, replica)
-    assert replica.client().execute_command("FUNCTION", "LIST")  # type: ignore[no-untyped-call]
+    assert replica.command("FUNCTION", "LIST")
 
     if replica_behind:
         await _resynced(backend, {"w0": (3, 4, 7), "w1": (5, 6)})
@@ -302,7 +302,7 @@ async def test_indexer_serve_rebuilds_from_the_replay_after_a_failover_lost_writ
             await run.expect(stub, 19, "the first 20 batches")
             primary = cluster.node_of(_meta_key("default"))
             replica = cluster.replica_of(primary)
-            assert primary.client().execute_command("WAIT", 1, 10_000) == 1  # type: ignore[no-untyped-call]
+            assert primary.command("WAIT", 1, 10_000) == 1
             assert replica.proc is not None
             replica.proc.send_signal(signal.SIGSTOP)
             try:

@@ -29,7 +29,7 @@ from indexer.backend import PrefixMatch, PrefixResult
 from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
-from indexer.redis_backend import open_redis_backend
+from indexer.redis_backend import RedisBackend, open_redis_backend
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
 from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
@@ -225,7 +225,8 @@ async def test_controller_opens_redis_with_the_indexers_options(
         assert controller.index is not None
         # (The controller writes a worker only under its engine's writer lease.)
         holder = controller.fleet.lease_holder
-        await controller.index.hold_lease("w0", holder, 10.0)  # type: ignore[attr-defined]
+        assert isinstance(controller.index, RedisBackend)  # `index.backend` names a redis
+        await controller.index.hold_lease("w0", holder, 10.0)
         await controller.index.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (5,)),)))
     finally:
         await controller.close()

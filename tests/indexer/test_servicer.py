@@ -95,9 +95,9 @@ def _report(tier: int, hashes: list[int], **kwargs: object) -> kv.ExternalKvActi
     return kv.ExternalKvAction(type=REPORT, tier=tier, hashes=hashes, **kwargs)  # type: ignore[arg-type]
 
 
-async def _code(call: object) -> grpc.StatusCode:
+async def _code(call: Awaitable[object]) -> grpc.StatusCode:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call  # type: ignore[misc]
+        await call
     return info.value.code()
 
 
