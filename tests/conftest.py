@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import typer.core
-from redis_servers import RedisClusterNodes, RedisServer
+
+from tests.redis_servers import RedisClusterNodes, RedisServer
 
 
 @pytest.fixture(scope="session")

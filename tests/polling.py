@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable
 
 
 async def eventually(
-    predicate: Callable[[], Awaitable[bool] | bool],
+    predicate: Callable[[], Awaitable[object] | object],
     timeout_s: float = 10.0,
     what: str = "",
     *,
     every_s: float = 0.02,
 ) -> None:
-    """Until `predicate()` (plain or async) holds; AssertionError after `timeout_s`."""
+    """Until `predicate()` (plain or async) is truthy; AssertionError after `timeout_s`."""
     try:
         async with asyncio.timeout(timeout_s):
             while True:

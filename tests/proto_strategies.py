@@ -8,7 +8,7 @@ itself."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -50,7 +50,7 @@ def _strings() -> st.SearchStrategy[str]:
     )
 
 
-def _floats(width: int) -> st.SearchStrategy[float]:
+def _floats(width: Literal[32, 64]) -> st.SearchStrategy[float]:
     specials = [0.0, -0.0, float("nan"), float("inf"), float("-inf"), -1.0, 1e300]
     return st.one_of(st.sampled_from(specials), st.floats(width=width))
 
@@ -71,6 +71,7 @@ def scalar_values(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     if t == _T.TYPE_FLOAT:
         return _floats(32)
     if t == _T.TYPE_ENUM:
+        assert field.enum_type is not None  # an enum field names its enum
         named = [v.number for v in field.enum_type.values]
         return st.one_of(st.sampled_from(named), st.sampled_from([-1, 99, 2**31 - 1]))
     raise AssertionError(f"unhandled field type {t} of {field.full_name}")
@@ -84,6 +85,7 @@ def _is_map(field: FieldDescriptor) -> bool:
 def _set_field(draw: st.DrawFn, message: Message, field: FieldDescriptor, depth: int) -> None:
     name = field.name
     if _is_map(field):
+        assert field.message_type is not None  # a map's entries are messages
         key_field = field.message_type.fields_by_name["key"]
         value_field = field.message_type.fields_by_name["value"]
         target = getattr(message, name)
@@ -119,8 +121,8 @@ def _message(draw: st.DrawFn, descriptor: Descriptor, depth: int) -> Message:
         return message
     # A oneof gets at most one member set (setting a second would clear the first anyway).
     chosen: dict[str, FieldDescriptor | None] = {}
-    for oneof in descriptor.oneofs:
-        chosen[oneof.name] = draw(st.one_of(st.none(), st.sampled_from(list(oneof.fields))))
+    for group in descriptor.oneofs:
+        chosen[group.name] = draw(st.one_of(st.none(), st.sampled_from(list(group.fields))))
     for field in descriptor.fields:
         oneof = field.containing_oneof
         if oneof is not None:
@@ -141,7 +143,9 @@ def messages(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Messag
 def _mutate(draw: st.DrawFn, message: Message, depth: int) -> None:
     """Overwrite one field somewhere in `message` (descending into nested messages, set or
     not) with a drawn value."""
-    fields = list(message.DESCRIPTOR.fields)
+    # The C (upb) descriptor, which the stubs type apart, implements the same Descriptor API.
+    descriptor = cast(Descriptor, message.DESCRIPTOR)
+    fields = list(descriptor.fields)
     if not fields:
         return
     field = draw(st.sampled_from(fields))

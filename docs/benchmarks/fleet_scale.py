@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -164,7 +165,7 @@ def _wait_file(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 600
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
+            raise SystemExit(f"{proc.args!r} exited with {proc.returncode}")
         if path.exists() and path.read_text().strip():
             return path.read_text()
         time.sleep(0.05)
@@ -175,6 +176,7 @@ async def _all_routable(target: str, count: int) -> None:
     async with grpc.aio.insecure_channel(target) as channel:
         admin = apb_grpc.AdminStub(channel)
         while True:
+            workers: Sequence[apb.WorkerInfo]
             try:
                 workers = (await admin.ListWorkers(apb.ListWorkersRequest())).workers
             except grpc.aio.AioRpcError:
@@ -328,13 +330,13 @@ async def measure(count: int, args: argparse.Namespace, workdir: Path) -> None:
 
 async def decisions(count: int, requests: int) -> None:
     """CPU a request of the gateway's routing path over `count` ready engines (no gRPC)."""
-    from controller.config import ControllerConfig
+    from controller.config import ControllerConfig, RouterConfig
     from controller.registry import EngineIdentity, EngineState, ModelFacts, Role
     from controller.router import LoadSnapshot
     from controller.service import Controller, PromptInput
     from indexer.memory_backend import MemoryBackend
 
-    controller = Controller(ControllerConfig(router={"seed": 0}), MemoryBackend())
+    controller = Controller(ControllerConfig(router=RouterConfig(seed=0)), MemoryBackend())
     registry = controller.fleet.registry
     facts = ModelFacts(block_size=16, total_kv_blocks=4096)
     rng = random.Random(0)

@@ -48,7 +48,7 @@ def _wait_port(path: Path, proc: subprocess.Popen[bytes]) -> int:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"{proc.args} exited with {proc.returncode}")
+            raise SystemExit(f"{proc.args!r} exited with {proc.returncode}")
         if path.exists() and path.read_text().strip():
             return int(path.read_text())
         time.sleep(0.05)
@@ -108,7 +108,7 @@ async def _routable(target: str) -> None:
 
 
 async def _ttft(
-    stub: pb_grpc.OpenEngineStub, request_id: str, length: int, rng: random.Random
+    stub: pb_grpc.OpenEngineAsyncStub, request_id: str, length: int, rng: random.Random
 ) -> float:
     tokens = [rng.randrange(1, 30_000) for _ in range(length)]
     request = pb.GenerateRequest(
@@ -128,7 +128,7 @@ async def _ttft(
 async def _drive(targets: list[str], bursts: int, tag: str) -> list[float]:
     rng = random.Random(tag)  # prompts of their own: nothing cached by an earlier run
     channels = [grpc.aio.insecure_channel(t) for t in targets]
-    stubs = [pb_grpc.OpenEngineStub(c) for c in channels]
+    stubs: list[pb_grpc.OpenEngineAsyncStub] = [pb_grpc.OpenEngineStub(c) for c in channels]
     tasks: list[asyncio.Task[float]] = []
     try:
         for burst in range(bursts):

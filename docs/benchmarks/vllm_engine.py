@@ -44,7 +44,7 @@ NUM_BLOCKS = 2048
 
 def draw_jobs(model: Path) -> dict[str, Any]:
     """The requests of `kvplane bench engine` with its default settings (run_engine_bench)."""
-    from engine.torch_runner.bench import EngineBenchSettings, _jobs
+    from engine.torch_runner.bench import EngineBenchSettings, _Job, _jobs
 
     settings = EngineBenchSettings()
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
@@ -52,7 +52,10 @@ def draw_jobs(model: Path) -> dict[str, Any]:
     workloads = {c: _jobs(max(4, 2 * c), vocab, settings, rng) for c in settings.concurrency}
     warmup = _jobs(2, vocab, settings, rng)
     ttft_prompt = [rng.randrange(4, vocab) for _ in range(settings.ttft_prompt_tokens)]
-    as_lists = lambda jobs: [[list(j.prompt), j.max_tokens] for j in jobs]  # noqa: E731
+
+    def as_lists(jobs: list[_Job]) -> list[list[object]]:
+        return [[list(j.prompt), j.max_tokens] for j in jobs]
+
     return {
         "workloads": {str(c): as_lists(jobs) for c, jobs in workloads.items()},
         "warmup": as_lists(warmup),

@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import grpc
 import pytest
@@ -58,9 +58,24 @@ async def start_builtin_engines(count: int, **config: Any) -> list[EngineApp]:
     ]
 
 
+class ServedEngine(Protocol):
+    """What a fleet needs of an engine: the port the controller dials, and its end."""
+
+    @property
+    def port(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+E = TypeVar("E", bound=ServedEngine)
+
+
 @dataclass
-class Fleet:
-    engines: list[EngineApp]
+class EngineFleet(Generic[E]):
+    """A controller in front of engines of one kind: this repository's (`Fleet`), or test
+    engines fronted by a scripted server (tests/controller/fronted_engine.py)."""
+
+    engines: list[E]
     app: ControllerApp
     channel: grpc.aio.Channel
 
@@ -76,10 +91,10 @@ class Fleet:
     def admin(self) -> apb_grpc.AdminAsyncStub:
         return apb_grpc.AdminStub(self.channel)
 
-    def address(self, engine: EngineApp) -> str:
+    def address(self, engine: ServedEngine) -> str:
         return f"127.0.0.1:{engine.port}"
 
-    def engine_at(self, address: str) -> EngineApp:
+    def engine_at(self, address: str) -> E:
         return next(e for e in self.engines if self.address(e) == address)
 
     async def wait_routable(self, count: int, timeout_s: float = 15.0) -> None:
@@ -89,7 +104,7 @@ class Fleet:
         )
 
     async def restart_engine(
-        self,
+        self: EngineFleet[EngineApp] | EngineFleet[ServedEngine],
         address: str,
         instance_id: str,
         *,
@@ -100,15 +115,15 @@ class Fleet:
         """Stop the sim engine at `address`, wait `down_s`, start a new process there (an
         empty cache, `instance_id`; `config`: more EngineConfig fields) and wait until the
         controller routes to it."""
-        old = self.engine_at(address)
-        await old.close()
+        index = next(i for i, e in enumerate(self.engines) if self.address(e) == address)
+        await self.engines[index].close()
         await asyncio.sleep(down_s)
         fresh = await start_engine(
             EngineConfig(
                 model="sim", listen=address, instance_id=instance_id, num_kv_blocks=256, **config
             )
         )
-        self.engines[self.engines.index(old)] = fresh
+        self.engines[index] = fresh
         registry = self.app.controller.fleet.registry
         await self.app.controller.fleet.wait_for(
             lambda: (
@@ -119,14 +134,46 @@ class Fleet:
         return fresh
 
 
+Fleet = EngineFleet[EngineApp]
+
+
+def engines_of_kinds(*engines: ServedEngine) -> list[ServedEngine]:
+    """A fleet's engines of several kinds (in process, fronted, a process of its own), typed
+    as what the fleet needs of each."""
+    return list(engines)
+
+
+@overload
 async def make_fleet(
     num_engines: int = 3,
     time_scale: float = 0.0,
-    engines: list[EngineApp] | None = None,
+    engines: None = None,
     index_backend: IndexBackend | None = None,
     kv_events: str = "grpc",
     **controller: Any,
-) -> Fleet:
+) -> Fleet: ...
+
+
+@overload
+async def make_fleet(
+    num_engines: int = 3,
+    time_scale: float = 0.0,
+    *,
+    engines: list[E],
+    index_backend: IndexBackend | None = None,
+    kv_events: str = "grpc",
+    **controller: Any,
+) -> EngineFleet[E]: ...
+
+
+async def make_fleet(
+    num_engines: int = 3,
+    time_scale: float = 0.0,
+    engines: list[Any] | None = None,
+    index_backend: IndexBackend | None = None,
+    kv_events: str = "grpc",
+    **controller: Any,
+) -> EngineFleet[Any]:
     """A controller in front of `engines` (else `num_engines` sim engines), each followed as
     `kv_events` says; `controller`: more ControllerConfig fields."""
     if engines is None:
@@ -148,12 +195,12 @@ async def make_fleet(
     )
     app = await start_controller(config, index_backend)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
-    fleet = Fleet(engines, app, channel)
+    fleet = EngineFleet(engines, app, channel)
     await fleet.wait_routable(num_engines)
     return fleet
 
 
-async def close_fleet(fleet: Fleet) -> None:
+async def close_fleet(fleet: EngineFleet[Any]) -> None:
     await fleet.channel.close()
     await fleet.app.close(0.2)
     for engine in fleet.engines:

@@ -49,7 +49,7 @@ class Sessions:
     open: dict[str, str] = field(default_factory=dict)  # session id -> prefill engine
     ids: itertools.count[int] = field(default_factory=itertools.count)
     # Called when a prefill engine opens a session (a test's hook into the handoff).
-    on_open: Callable[[], None] | None = None
+    on_open: Callable[[], object] | None = None  # what it returns is not read
     # Every session is lost before a decode engine attaches (a failed transfer).
     lost: bool = False
 

@@ -16,11 +16,12 @@ from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import start_sim_engine
+from tests.partial_servicers import PartialOpenEngine
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-class Forwarding(pb_grpc.OpenEngineServicer):
+class Forwarding(PartialOpenEngine):
     """Every RPC the controller and the tests use, passed to the sim engine behind."""
 
     def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:

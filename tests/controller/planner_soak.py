@@ -271,6 +271,7 @@ class PlannerSoak(GatewaySoak):
         ends the calls of an engine that left (UNAVAILABLE, "engine ADDRESS left",
         docs/controller.md)."""
         child = await self._serving_child()
+        assert child.address is not None  # routed to: it wrote its port file
         outcome = "completed"
         async with grpc.aio.insecure_channel(self.controller_target) as channel:
             request = apb.DrainEngineRequest(engine=child.address, deadline_ms=3000)

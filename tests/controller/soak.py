@@ -22,10 +22,9 @@ short CI test.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -121,7 +120,7 @@ class Soak(GatewaySoak):
         _, port = self.rng.choice(self.controllers)
         return f"127.0.0.1:{port}"
 
-    async def _admin(self, call: Callable[[apb_grpc.AdminStub], Any]) -> None:
+    async def _admin(self, call: Callable[[apb_grpc.AdminAsyncStub], Awaitable[object]]) -> None:
         """`call` on the admin API of a replica drawn at random (as behind a balancer)."""
         async with grpc.aio.insecure_channel(self._admin_target()) as channel:
             await call(apb_grpc.AdminStub(channel))
@@ -136,7 +135,7 @@ class Soak(GatewaySoak):
         """A rolling restart: drain through a replica, then the engine process restarts."""
         engine = self.rng.choice([e for e in self.engines if e.in_fleet])
 
-        async def drain(admin: apb_grpc.AdminStub) -> None:
+        async def drain(admin: apb_grpc.AdminAsyncStub) -> None:
             request = apb.DrainEngineRequest(engine=engine.address, deadline_ms=5000)
             async for _ in admin.DrainEngine(request, timeout=30):
                 pass

@@ -112,8 +112,8 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     assert len(route["costs"]) == 3
     explained = await cli("route", "--tokens-file", str(tokens), *t)
     assert f"-> {engine}" in explained.output
-    header = explained.output.splitlines()[1].split()
-    assert header == [
+    columns = explained.output.splitlines()[1].split()
+    assert columns == [
         "ENGINE",
         "CACHED",
         "HOST",
@@ -415,7 +415,9 @@ class _Unanswering(grpc.GenericRpcHandler):
         self.calls = 0
         self.released = asyncio.Event()
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[bytes, bytes]:
         async def hang(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
             self.calls += 1
             await self.released.wait()

@@ -11,11 +11,10 @@ import asyncio
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
-from polling import eventually
-from redis_servers import RedisServer
 
 from controller.config import ControllerConfig
 from controller.route_report import read_route
@@ -29,6 +28,8 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.test_admin_cli import cli, cli_json
+from tests.polling import eventually
+from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -152,7 +153,7 @@ async def test_a_replica_predicts_from_its_peers_routes_before_routing_there_its
     yet; and again after the engine restarts (each replica forgot the old process's cache).
     (The replica that had not routed to the engine itself took its peer's route as a
     `pending_ttl_s` claim, and sent the prompt's repeats cache-blind.)"""
-    settings = {
+    settings: dict[str, Any] = {
         "index": {"backend": redis.url},
         "router": {
             "replica_sync": True,

@@ -30,7 +30,12 @@ from kvplane.errors import ConfigError, KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
-from tests.controller.conftest import Fleet, close_fleet, generate_request, start_sim_engine
+from tests.controller.conftest import (
+    EngineFleet,
+    close_fleet,
+    generate_request,
+    start_sim_engine,
+)
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -205,7 +210,7 @@ async def test_admin_index_dials_a_mutual_tls_indexer(pki: Path) -> None:
     config = ServerConfig(listen="127.0.0.1:0", tls=server_tls(pki, mutual=True))
     server, port = await create_server(config, services)
     target = f"127.0.0.1:{port}"
-    tls = ["--tls-ca", pki / "ca.pem", "--tls-cert", pki / "client.pem"]
+    tls: list[str | Path] = ["--tls-ca", pki / "ca.pem", "--tls-cert", pki / "client.pem"]
     tls += ["--tls-key", pki / "client.key"]
     try:
         # On the `admin` group (as --target) or on `admin index` itself.
@@ -238,7 +243,7 @@ async def test_controller_routes_to_mutual_tls_engines_and_follows_their_kv_even
     )
     controller = await start_controller(config)
     channels = ClientChannels.load(ClientTlsConfig(ca_file=pki / "ca.pem"))
-    fleet = Fleet(engines, controller, channels.aio_channel(f"localhost:{controller.port}"))
+    fleet = EngineFleet(engines, controller, channels.aio_channel(f"localhost:{controller.port}"))
     try:
         await fleet.wait_routable(2)
         responses = [r async for r in fleet.gateway.Generate(generate_request("a", [*PREFIX, 1]))]

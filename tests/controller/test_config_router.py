@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from controller.config import ControllerConfig, RouterConfig
-from controller.router import BusyThresholds, KvplanePolicy, KvplaneWeights
+from controller.router import BusyThresholds, KvplaneWeights
+from controller.router.policies import KvplanePolicy
 from controller.service import Controller
 from kvplane.config import load_config
 from kvplane.errors import ConfigError

@@ -93,7 +93,11 @@ async def test_a_ring_of_controllers_is_refused_in_the_request_path_naming_it() 
         await front(b, c)
         await front(c, a)
         for state in (state_of(a, b), state_of(b, c), state_of(c, a)):
-            await eventually(lambda s=state: s() is EngineState.READY, what="routable")
+
+            def routable(state: Callable[[], EngineState] = state) -> bool:
+                return state() is EngineState.READY
+
+            await eventually(routable, what="routable")
         for fleet in (a, b, c):  # each routes to the next controller only
             (own,) = fleet.engines
             await fleet.admin.Cordon(apb.EngineRef(engine=fleet.address(own)))

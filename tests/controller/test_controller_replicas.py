@@ -92,7 +92,11 @@ async def test_each_engine_is_written_by_one_replica_and_the_index_is_exact(
         for n in range(12):  # through both replicas, evicting the first prompts
             await serve((a, b)[n % 2], n)
         for engine in a.engines:
-            await eventually(lambda e=engine: follows(a, e) != follows(b, e))
+
+            def one_follows(engine: EngineApp = engine) -> bool:
+                return follows(a, engine) != follows(b, engine)
+
+            await eventually(one_follows)
         await index_exact(b, a.engines)
         await index_exact(a, a.engines)
         assert all(follows(a, e) for e in a.engines)  # the first replica took every lease
@@ -157,11 +161,14 @@ def start_replica_process(
 
 async def lease_holders(redis: RedisServer, engines: list[EngineApp]) -> list[bytes | None]:
     client = redis.client()
+
+    def holder(engine: EngineApp) -> bytes | None:
+        value = client.get(f"kvplane:{{default:0}}:l:127.0.0.1:{engine.port}")
+        assert value is None or isinstance(value, bytes)  # the client does not decode
+        return value
+
     try:
-        return [
-            await asyncio.to_thread(client.get, f"kvplane:{{default:0}}:l:127.0.0.1:{e.port}")
-            for e in engines
-        ]
+        return [await asyncio.to_thread(holder, e) for e in engines]
     finally:
         client.close()
 

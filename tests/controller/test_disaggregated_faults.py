@@ -18,14 +18,17 @@ from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
-    Fleet,
+    EngineFleet,
+    ServedEngine,
     close_fleet,
+    engines_of_kinds,
     generate_request,
     make_fleet,
     start_sim_engine,
 )
 from tests.controller.test_gateway import PREFIX
-from tests.controller.test_stalled_engines import EngineProcess, _collect
+from tests.controller.test_stalled_engines import EngineProcess
+from tests.grpc_streams import remaining_replies
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,7 +37,7 @@ pytestmark = pytest.mark.timeout(120)
 UNPOLLED = {"poll_interval_s": 600, "load_poll_interval_s": 600, "abandon_streams_after_s": 0}
 
 
-async def _at(fleet: Fleet, request_id: str, engine: EngineProcess) -> None:
+async def _at(fleet: EngineFleet[Any], request_id: str, engine: EngineProcess) -> None:
     """Until the gateway's call for `request_id` is with `engine`."""
     relay = fleet.app.gateway.relay
 
@@ -50,7 +53,7 @@ async def _served_in_full(
     """The stream's events, once it ended finished with its 5 tokens, each once; the decode
     engine that served it holds nothing afterwards."""
     async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-        events = await _collect(stream)
+        events = await remaining_replies(stream)
     assert events[-1].WhichOneof("event") == "finished", events[-1]
     assert events[-1].finished.reason == pb.FINISH_REASON_LENGTH
     assert sum(len(r.token.tokens) for r in events if r.HasField("token")) == 5
@@ -61,12 +64,17 @@ async def _served_in_full(
 
 async def _at_the_handoff_to_a_stopped_decode_engine(
     tmp_path: Path,
-) -> tuple[Fleet, EngineApp, EngineProcess, grpc.aio.UnaryStreamCall[Any, pb.GenerateResponse]]:
+) -> tuple[
+    EngineFleet[ServedEngine],
+    EngineApp,
+    EngineProcess,
+    grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+]:
     """A prefill engine and a decode engine process behind the gateway, and a request "r"
     handed over to the decode engine, which was stopped before it could answer."""
     decode = await EngineProcess.start(tmp_path, "decode", role="decode")
     prefill = await start_sim_engine("prefill", role="prefill")
-    fleet = await make_fleet(engines=[prefill, decode], health=UNPOLLED)  # type: ignore[list-item]
+    fleet = await make_fleet(engines=engines_of_kinds(prefill, decode), health=UNPOLLED)
     try:
         decode.stop()
         stream = fleet.gateway.Generate(generate_request("r", [*PREFIX, 1], max_tokens=5))
@@ -77,7 +85,7 @@ async def _at_the_handoff_to_a_stopped_decode_engine(
     return fleet, prefill, decode, stream
 
 
-async def _load(port: int) -> pb.GetLoadResponse:
+async def _load(port: int) -> pb.LoadInfo:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         return await pb_grpc.OpenEngineStub(channel).GetLoad(pb.GetLoadRequest())
 
@@ -93,7 +101,7 @@ async def test_a_prefill_killed_under_its_request_is_prefilled_by_a_decode_engin
     prefill = await EngineProcess.start(tmp_path, "prefill", role="prefill")
     decode = await start_sim_engine("decode", role="decode")
     fleet = await make_fleet(
-        engines=[prefill, decode],  # type: ignore[list-item]
+        engines=engines_of_kinds(prefill, decode),
         health=UNPOLLED,
         router={"skip_prefill_ratio": 0.9},
     )
@@ -126,7 +134,7 @@ async def test_an_abort_at_the_handoff_to_a_stopped_decode_engine_ends_the_reque
         reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"), timeout=30)
         assert reply.status == pb.ABORT_STATUS_ABORTED, reply
         async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            events = await _collect(stream)
+            events = await remaining_replies(stream)
         assert [r.WhichOneof("event") for r in events] == ["finished"], events
         assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
         assert events[-1].usage.prompt_tokens == len(PREFIX) + 1
@@ -167,7 +175,7 @@ async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_
         assert f"127.0.0.1:{prefill.port}: ok" in message, message
         assert "gateway: 1 aborted before their engine accepted them" in message
         async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            events = await _collect(stream)
+            events = await remaining_replies(stream)
         assert [r.WhichOneof("event") for r in events] == ["finished"], events
         assert events[-1].finished.reason == pb.FINISH_REASON_CANCELLED
 
@@ -182,14 +190,19 @@ async def test_an_abort_of_every_request_ends_those_at_the_handoff_to_a_stopped_
 
 async def _handed_over_then_prefill_killed(
     tmp_path: Path, **router: object
-) -> tuple[Fleet, EngineProcess, EngineProcess, grpc.aio.UnaryStreamCall]:  # type: ignore[type-arg]
+) -> tuple[
+    EngineFleet[EngineProcess],
+    EngineProcess,
+    EngineProcess,
+    grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+]:
     """A request whose prefill engine handed its KV session over to a decode engine, and was
     then killed (SIGKILL) before the decode engine pulled the session: the decode engine was
     stopped at the handoff, and is resumed once the prefill engine is dead."""
     prefill = await EngineProcess.start(tmp_path, "prefill", role="prefill")
     decode = await EngineProcess.start(tmp_path, "decode", role="decode")
     fleet = await make_fleet(
-        engines=[prefill, decode],  # type: ignore[list-item]
+        engines=[prefill, decode],
         health=UNPOLLED,
         router=router,
     )
@@ -234,7 +247,7 @@ async def test_a_session_whose_prefill_engine_died_fails_naming_it_when_none_can
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-                await _collect(stream)
+                await remaining_replies(stream)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
         details = str(err.value.details())
         held = f"engine 127.0.0.1:{prefill.port}, which held the request's KV session, does not"

@@ -20,6 +20,7 @@ from kvplane.cli import app as kvplane_cli
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
+    EngineFleet,
     Fleet,
     close_fleet,
     generate_request,
@@ -74,7 +75,7 @@ async def fleet_with_broken(
 _prompts = iter(range(10**6))
 
 
-async def generate(fleet: Fleet) -> list[str]:
+async def generate(fleet: EngineFleet[Any]) -> list[str]:
     """One request with a prompt of its own (no cache pulls it anywhere); its event kinds."""
     n = next(_prompts)
     request = generate_request(f"r{n}", [1000 + n, 7, 7, 7], 2)
@@ -136,15 +137,20 @@ async def test_an_ejected_engine_comes_back_on_probation_and_a_served_request_cl
     fleet, broken = await fleet_with_broken(2, eject_after_failures=2, eject_for_s=0.5)
     registry = fleet.app.controller.fleet.registry
     record = registry.get(broken_address(broken))
+
+    def state() -> EngineState:
+        """The record's state now (the fleet changes it while the test awaits)."""
+        return record.state
+
     try:
         await until_calls(fleet, broken.servicer, 2)
-        assert record.state is EngineState.EJECTED
+        assert state() is EngineState.EJECTED
         assert "out of routing for 0.5 s" in record.last_error
         # Back after its time (its next health poll), on probation: one more failure is
         # enough, and the ejection lasts twice as long.
         await fleet.app.controller.fleet.wait_for(lambda: record.state is EngineState.READY, 10)
         await until_calls(fleet, broken.servicer, 3)
-        assert record.state is EngineState.EJECTED
+        assert state() is EngineState.EJECTED
         assert "out of routing for 1 s" in record.last_error
         # Mended: once it serves a request, one failure no longer ejects it.
         broken.servicer.broken = False
@@ -152,7 +158,7 @@ async def test_an_ejected_engine_comes_back_on_probation_and_a_served_request_cl
         await until_calls(fleet, broken.servicer, 4)
         broken.servicer.broken = True
         await until_calls(fleet, broken.servicer, 5)
-        assert record.state is EngineState.READY
+        assert state() is EngineState.READY
     finally:
         await close_fleet(fleet)
 

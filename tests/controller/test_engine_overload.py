@@ -28,6 +28,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+from tests.grpc_streams import next_reply
 from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
@@ -215,7 +216,7 @@ async def test_a_client_that_leaves_frees_its_seat_and_counts_as_cancelled() -> 
     the outcomes add up to the requests the gateway took."""
     async with overload_fleet() as fleet:
         running = fleet.gateway.Generate(generate_request("running", PROMPT, 4000))
-        assert (await running.read()).WhichOneof("event") == "token"
+        assert (await next_reply(running)).WhichOneof("event") == "token"
         assert sorted(await engine_loads(fleet)) == [(0, 0), (1, 0)]
         running.cancel()
         await eventually(

@@ -22,6 +22,7 @@ from kvplane.up.status import collect_status
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
+    EngineFleet,
     Fleet,
     close_fleet,
     generate_request,
@@ -68,12 +69,12 @@ class FailsPolls(Forwarding):
         return await self.inner.GetLoad(request)
 
 
-async def wait_state(fleet: Fleet, address: str, state: EngineState) -> None:
+async def wait_state(fleet: EngineFleet[Any], address: str, state: EngineState) -> None:
     registry = fleet.app.controller.fleet.registry
     await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).state is state, WAIT_S)
 
 
-async def worker(fleet: Fleet, address: str) -> dict[str, Any]:
+async def worker(fleet: EngineFleet[Any], address: str) -> dict[str, Any]:
     """The engine's row of `kvplane admin workers --output json`."""
     listed = await cli_json("workers", "--target", fleet.target)
     return next(w for w in listed["workers"] if w["address"] == address)
@@ -159,7 +160,7 @@ async def test_unreachable_and_failing_follow_each_other_as_the_engine_does() ->
     """Not reached (UNAVAILABLE), then answering errors (a new process starting), then ready:
     a new process, as after any lost connection; failing again, then gone: unreachable."""
     scripted: FrontedEngine[FailsPolls] = await start_fronted_engine("h0", FailsPolls)
-    fleet = await make_fleet(engines=[scripted])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[scripted])
     h0 = f"127.0.0.1:{scripted.port}"
     registry = fleet.app.controller.fleet.registry
     try:

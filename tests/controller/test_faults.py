@@ -35,8 +35,10 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
+    EngineFleet,
     Fleet,
     close_fleet,
+    engines_of_kinds,
     generate_request,
     make_fleet,
     start_sim_engine,
@@ -50,7 +52,7 @@ from tests.redis_servers import RedisServer
 pytestmark = pytest.mark.timeout(90)
 
 
-async def finished(fleet: Fleet, request: pb.GenerateRequest) -> pb.GenerateResponse:
+async def finished(fleet: EngineFleet[Any], request: pb.GenerateRequest) -> pb.GenerateResponse:
     reply = await generate(fleet, request)
     assert reply[-1].WhichOneof("event") == "finished", reply[-1]
     return reply[-1]
@@ -268,7 +270,9 @@ async def test_abort_and_drain_of_a_wedged_engine_fail_instead_of_hanging() -> N
     engine among the outcomes; the drain is withdrawn (the engine's health decides)."""
     wedged = await start_fronted_engine("wedged", Wedged, time_scale=1.0)
     healthy = await start_sim_engine("healthy")
-    fleet = await make_fleet(engines=[wedged, healthy], health={"rpc_timeout_s": 0.5})  # type: ignore[list-item]
+    fleet = await make_fleet(
+        engines=engines_of_kinds(wedged, healthy), health={"rpc_timeout_s": 0.5}
+    )
     address = f"127.0.0.1:{wedged.port}"
     try:
         await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
@@ -311,7 +315,7 @@ async def test_abort_of_a_request_whose_engine_fails_it_names_the_engine() -> No
     engine and its status, not the engine's bare words (here gRPC's "Socket closed", as a
     process that died mid-call gives), which would read as the controller's own."""
     failing = await start_fronted_engine("failing", AbortFails, time_scale=1.0)
-    fleet = await make_fleet(engines=[failing])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[failing])
     address = f"127.0.0.1:{failing.port}"
     try:
         stream = fleet.gateway.Generate(generate_request("held", [*PREFIX, 1], max_tokens=5000))
@@ -331,7 +335,9 @@ async def test_calls_held_by_an_engine_being_removed_end_with_it() -> None:
     (UNAVAILABLE), instead of waiting for the client's deadline."""
     wedged = await start_fronted_engine("wedged", Wedged, time_scale=1.0)
     healthy = await start_sim_engine("healthy")
-    fleet = await make_fleet(engines=[wedged, healthy], health={"rpc_timeout_s": 60})  # type: ignore[list-item]
+    fleet = await make_fleet(
+        engines=engines_of_kinds(wedged, healthy), health={"rpc_timeout_s": 60}
+    )
     address = f"127.0.0.1:{wedged.port}"
 
     async def reply_of(call: Awaitable[pb.AbortResponse]) -> pb.AbortResponse:
@@ -406,7 +412,7 @@ async def test_a_drain_through_the_controller_of_an_engine_killed_meanwhile_name
     from tests.controller.test_stalled_engines import EngineProcess
 
     engine = await EngineProcess.start(tmp_path, "killed")
-    fleet = await make_fleet(engines=[engine, await start_sim_engine("other")])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=engines_of_kinds(engine, await start_sim_engine("other")))
     address = f"127.0.0.1:{engine.port}"
     try:
         await fleet.admin.Cordon(apb.EngineRef(engine="other"))
@@ -690,7 +696,7 @@ def cached_keys(engine: EngineApp) -> set[int]:
     }
 
 
-async def index_follows(fleet: Fleet, address: str, engine: EngineApp) -> None:
+async def index_follows(fleet: EngineFleet[Any], address: str, engine: EngineApp) -> None:
     """Wait until the controller's source for `address` has applied the engine's last batch;
     then the index holds exactly the engine's blocks (none lost, none stale)."""
     source = fleet.app.controller.fleet.source_of(address)
@@ -783,7 +789,7 @@ async def test_a_kv_event_stream_the_engine_ends_is_followed_again_exactly(
         "cut", CutEvents, num_kv_blocks=16, kv_events=KvEventsConfig(buffer_steps=buffer_steps)
     )
     address = f"127.0.0.1:{engine.port}"
-    fleet = await make_fleet(engines=[engine], index=index)  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine], index=index)
     try:
         await finished(fleet, generate_request("old", [*PREFIX, 1]))
         await holder_of(fleet, PREFIX, 4)
@@ -838,7 +844,7 @@ async def test_a_sequence_gap_in_a_kv_event_stream_is_rebuilt_from_a_snapshot(
     gap are not lost and those in the missing batch are indexed too."""
     engine = await start_fronted_engine("gap", DropsABatch)
     address = f"127.0.0.1:{engine.port}"
-    fleet = await make_fleet(engines=[engine], index=index)  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine], index=index)
     try:
         await finished(fleet, generate_request("before", [*PREFIX, 1]))
         await index_follows(fleet, address, engine.inner)

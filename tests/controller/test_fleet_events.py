@@ -11,6 +11,7 @@ import time
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
+    EngineFleet,
     Fleet,
     close_fleet,
     generate_request,
@@ -80,29 +82,12 @@ async def zmq_fleet(
     `kv_events: zmq` (`health`: settings over the quick polls)."""
     if engines is None:
         engines = [await start_zmq_engine(f"z{i}") for i in range(2)]
-    config = ControllerConfig.model_validate(
-        {
-            "listen": "127.0.0.1:0",
-            "metrics_listen": "127.0.0.1:0",
-            "engines": [{"address": f"127.0.0.1:{e.port}", "kv_events": "zmq"} for e in engines],
-            "router": {"seed": 0},
-            "health": {
-                "poll_interval_s": 0.2,
-                "load_poll_interval_s": 0.1,
-                "backoff_initial_s": 0.1,
-                "backoff_max_s": 1.0,
-                **(health or {}),
-            },
-            "shutdown_grace_s": 0.5,
-        }
+    return await make_fleet(
+        engines=engines, kv_events="zmq", metrics_listen="127.0.0.1:0", health=health or {}
     )
-    app = await start_controller(config)
-    fleet = Fleet(engines, app, grpc.aio.insecure_channel(f"127.0.0.1:{app.port}"))
-    await fleet.wait_routable(len(engines))
-    return fleet
 
 
-async def scrape(fleet: Fleet) -> str:
+async def scrape(fleet: EngineFleet[Any]) -> str:
     url = f"http://127.0.0.1:{fleet.app.metrics_port}/metrics"
     return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
 
@@ -122,13 +107,13 @@ def assert_event_lag_exported(text: str, engine: str, elapsed: float) -> None:
     assert batches is not None and batches >= 1
 
 
-async def index_holder(fleet: Fleet, tokens: list[int], blocks: int) -> str | None:
+async def index_holder(fleet: EngineFleet[Any], tokens: list[int], blocks: int) -> str | None:
     reply = await fleet.admin.Match(apb.PromptQuery(token_ids=pb.TokenIds(ids=tokens)))
     full = [m.engine for m in reply.matches if m.device_blocks >= blocks]
     return full[0] if full else None
 
 
-async def generate(fleet: Fleet, request: pb.GenerateRequest) -> pb.GenerateResponse:
+async def generate(fleet: EngineFleet[Any], request: pb.GenerateRequest) -> pb.GenerateResponse:
     responses = [r async for r in fleet.gateway.Generate(request)]
     assert responses[-1].WhichOneof("event") == "finished", responses[-1]
     return responses[-1]
@@ -284,7 +269,7 @@ async def test_an_engine_followed_rank_by_rank_is_routed_by_its_best_rank() -> N
     for publisher in ranks:
         publisher.start_replay()
     engine = await start_fronted_engine("ranked", lambda inner: RankedZmqEngine(inner, ranks))
-    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine])
     address = f"127.0.0.1:{engine.port}"
     prefix = list(range(5000, 5000 + 4 * BLOCK))
     try:
@@ -421,7 +406,7 @@ async def test_array_events_keep_a_hybrid_models_groups_when_entry_or_engine_say
     engines = {
         name: await start_fronted_engine(
             f"hybrid-{i}",
-            lambda inner, c=case, p=publishers[name]: NamedZmqEngine(inner, c.engine_name, p),
+            partial(NamedZmqEngine, engine_name=case.engine_name, publisher=publishers[name]),
         )
         for i, (name, case) in enumerate(HYBRID_CASES.items())
     }
@@ -436,7 +421,7 @@ async def test_array_events_keep_a_hybrid_models_groups_when_entry_or_engine_say
     )
     app = await start_controller(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
-    fleet = Fleet(list(engines.values()), app, channel)  # type: ignore[arg-type]
+    fleet = EngineFleet(list(engines.values()), app, channel)
     try:
         await fleet.wait_routable(len(engines))
         index = app.controller.index
@@ -452,7 +437,11 @@ async def test_array_events_keep_a_hybrid_models_groups_when_entry_or_engine_say
             if isinstance(source, OpenEngineSource):  # following the advertised ZMQ source
                 (source,) = source.zmq_sources
             assert isinstance(source, ZmqSource)
-            await source.wait_until(lambda s=source: s.last_seq == 0, WAIT_S)
+
+            def first_read(source: ZmqSource = source) -> bool:
+                return source.last_seq == 0
+
+            await source.wait_until(first_read, WAIT_S)
             masks[name] = {p.key: p.component_mask for p in index.index.placements(address[name])}
     finally:
         await close_fleet(fleet)

@@ -18,7 +18,8 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
-    Fleet,
+    EngineFleet,
+    ServedEngine,
     close_fleet,
     generate_request,
     make_fleet,
@@ -27,6 +28,7 @@ from tests.controller.conftest import (
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.paused_index import PausedIndex
 from tests.controller.test_gateway import PREFIX, generate, holder_of, record_routes, status_of
+from tests.grpc_streams import next_reply, remaining_replies
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,12 +50,12 @@ class SaysHealth(Forwarding):
         return pb.HealthResponse(state=self.state, checks=[check])
 
 
-async def wait_state(fleet: Fleet, address: str, state: EngineState) -> None:
+async def wait_state(fleet: EngineFleet[Any], address: str, state: EngineState) -> None:
     registry = fleet.app.controller.fleet.registry
     await fleet.app.controller.fleet.wait_for(lambda: registry.get(address).state is state, WAIT_S)
 
 
-async def routed(fleet: Fleet, prefix: str, count: int) -> list[str]:
+async def routed(fleet: EngineFleet[Any], prefix: str, count: int) -> list[str]:
     """The engines `count` requests through the gateway were sent to."""
     chosen = record_routes(fleet)
     for i in range(count):
@@ -63,7 +65,7 @@ async def routed(fleet: Fleet, prefix: str, count: int) -> list[str]:
     return chosen
 
 
-async def fleet_health(fleet: Fleet) -> tuple[int, dict[str, tuple[int, str]]]:
+async def fleet_health(fleet: EngineFleet[Any]) -> tuple[int, dict[str, tuple[int, str]]]:
     """The gateway's Health: its state, and each engine check's state and message."""
     reply = await fleet.gateway.Health(pb.HealthRequest())
     return reply.state, {c.name: (c.state, c.message) for c in reply.checks}
@@ -95,8 +97,8 @@ async def test_engines_saying_not_ready_or_draining_leave_routing_until_ready_ag
     straight at the engine (not through the controller), so the controller learns it only
     from e1's Health. Round robin: every routable engine takes its turn."""
     scripted = await start_fronted_engine("h0", SaysHealth)
-    engines = [scripted, await start_sim_engine("e1")]
-    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})  # type: ignore[arg-type]
+    engines: list[ServedEngine] = [scripted, await start_sim_engine("e1")]
+    fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
     h0, e1 = (f"127.0.0.1:{e.port}" for e in engines)
     registry = fleet.app.controller.fleet.registry
     route = apb.PromptQuery(token_ids=pb.TokenIds(ids=list(range(40))))
@@ -224,15 +226,15 @@ async def test_an_engine_answering_health_with_an_error_keeps_its_streams() -> N
     abandon_after_s = 0.5
     scripted = await start_fronted_engine("h0", FailsHealthHoldingStreams)
     fleet = await make_fleet(
-        engines=[scripted],  # type: ignore[list-item]
+        engines=[scripted],
         health={"abandon_streams_after_s": abandon_after_s},
     )
     address = f"127.0.0.1:{scripted.port}"
     try:
         stream = fleet.gateway.Generate(generate_request("held", [1, 2, 3], max_tokens=8))
-        first = await stream.read()
+        first = await next_reply(stream)
         while first.WhichOneof("event") != "token":
-            first = await stream.read()
+            first = await next_reply(stream)
         scripted.servicer.failed_since_s = 2 * abandon_after_s
         scripted.servicer.failing = True
         # Health answered with errors for twice the limit: long past the abandonment that an
@@ -241,9 +243,7 @@ async def test_an_engine_answering_health_with_an_error_keeps_its_streams() -> N
         assert not fleet.app.controller.fleet.registry.get(address).routable
         scripted.servicer.released.set()
         async with asyncio.timeout(WAIT_S):  # a hang guard; the outcome is what is asserted
-            responses = [first]
-            while (response := await stream.read()) is not grpc.aio.EOF:
-                responses.append(response)
+            responses = [first, *await remaining_replies(stream)]
         assert responses[-1].WhichOneof("event") == "finished", responses[-1]
         assert not [r for r in responses if r.WhichOneof("event") == "error"]
         assert sum(len(r.token.tokens) for r in responses if r.HasField("token")) == 8

@@ -22,6 +22,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
+    EngineFleet,
     Fleet,
     close_fleet,
     generate_request,
@@ -78,7 +79,7 @@ class Replaceable(Forwarding):
         return load
 
 
-async def indexed_workers(fleet: Fleet) -> set[str]:
+async def indexed_workers(fleet: EngineFleet[Any]) -> set[str]:
     index = fleet.app.controller.index
     assert index is not None
     return {w.worker_id for w in (await index.stats()).workers if w.num_blocks}
@@ -188,13 +189,13 @@ async def test_an_engine_restarted_between_polls_on_its_zmq_endpoints_is_read_ag
     in it."""
     if followed == "kv_events: zmq":
         engine = await start_zmq_engine("a", block_size=16)
-        fleet = await zmq_fleet([engine], health=HOURLY)
+        fleet: EngineFleet[Any] = await zmq_fleet([engine], health=HOURLY)
     else:
         front = await start_fronted_engine(
             "a", ZmqOnly, kv_events=zmq_events_config(), block_size=16
         )
         engine = front.inner
-        fleet = await make_fleet(engines=[front], health=HOURLY)  # type: ignore[list-item]
+        fleet = await make_fleet(engines=[front], health=HOURLY)
     try:
         address = fleet.address(fleet.engines[0])
         _, holder = await index_through_zmq(fleet, 1000)
@@ -231,7 +232,7 @@ async def test_a_new_process_named_by_get_load_takes_no_traffic_until_its_identi
     and the old process's blocks are dropped, those blocks would draw requests to it. A long
     `rpc_timeout_s` keeps the held identity fetch from failing as a timeout meanwhile."""
     engine = await start_fronted_engine("r", Replaceable)
-    fleet = await make_fleet(engines=[engine], health={"rpc_timeout_s": 60})  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine], health={"rpc_timeout_s": 60})
     try:
         address = f"127.0.0.1:{engine.port}"
         await generate(fleet, generate_request("warm", [*PREFIX, 1]))
@@ -259,7 +260,7 @@ async def test_an_engine_replaced_by_an_incompatible_build_leaves_the_index_at_o
     rejected (admin `workers` shows no INDEXED blocks for it), not when a compatible process
     comes back; that one is a new process, its cache followed afresh."""
     engine = await start_fronted_engine("r", Replaceable)
-    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine])
     try:
         address = f"127.0.0.1:{engine.port}"
         await generate(fleet, generate_request("warm", [*PREFIX, 1]))
@@ -301,7 +302,7 @@ async def test_an_address_that_turns_out_to_be_another_addresses_engine_leaves_t
     index holds the process's blocks once, under the address that routes to it."""
     engine = await start_fronted_engine("twin", Forwarding)
     first = f"127.0.0.1:{engine.port}"
-    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine])
     second_server, second_port = await serve_front(engine.servicer.inner)
     second = f"127.0.0.1:{second_port}"
     registry = fleet.app.controller.fleet.registry

@@ -109,7 +109,7 @@ class NamedOnlyByLoad(Forwarding):
 
 async def test_an_engine_named_only_by_get_load_is_no_restart_at_every_poll() -> None:
     engine = await start_fronted_engine("named-by-load", NamedOnlyByLoad)
-    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine])
     try:
         await engine.servicer.polled.wait()
         assert engine.servicer.info_calls == 1

@@ -22,12 +22,14 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
+    EngineFleet,
     Fleet,
     close_fleet,
     generate_request,
     make_fleet,
     start_sim_engine,
 )
+from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
 
 if TYPE_CHECKING:
@@ -38,7 +40,9 @@ pytestmark = pytest.mark.timeout(60)
 PREFIX = list(range(100, 164))  # 4 blocks of 16
 
 
-async def generate(fleet: Fleet, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+async def generate(
+    fleet: EngineFleet[Any], request: pb.GenerateRequest
+) -> list[pb.GenerateResponse]:
     return [r async for r in fleet.gateway.Generate(request)]
 
 
@@ -57,7 +61,7 @@ def record_routes(fleet: Fleet) -> list[str]:
     return chosen
 
 
-async def holder_of(fleet: Fleet, tokens: list[int], blocks: int) -> str:
+async def holder_of(fleet: EngineFleet[Any], tokens: list[int], blocks: int) -> str:
     """Wait until the index places `blocks` blocks of `tokens` on one engine; its address."""
     found: list[str] = []
 
@@ -228,7 +232,7 @@ async def test_the_route_of_a_request_no_engine_takes_names_the_engine_that_fail
         with pytest.raises(grpc.aio.AioRpcError) as err:
             [r async for r in call]
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        route = read_route(err.value.trailing_metadata())  # type: ignore[arg-type]
+        route = read_route(err.value.trailing_metadata())
         assert route is not None
         assert (route["engine"], route["instance_id"], route["retried"]) == (address, "e0", False)
     finally:
@@ -399,7 +403,7 @@ async def test_abort_of_everything_every_engine_refuses_alike_is_their_status(
 async def test_abort_of_everything_in_a_fleet_without_engines_says_so() -> None:
     """A controller with no engine (just started, its engines not registered again yet)
     has asked none: UNAVAILABLE says so, not a bare "no engine could be reached: "."""
-    fleet = await make_fleet(engines=[])
+    fleet: Fleet = await make_fleet(engines=[])
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
@@ -825,7 +829,7 @@ async def test_restarted_engine_cold_cache_attracts_no_traffic() -> None:
         await close_fleet(fleet)
 
 
-class _FutureEngine(pb_grpc.OpenEngineServicer):
+class _FutureEngine(PartialOpenEngine):
     """An engine advertising a contract revision this controller was not tested with (or,
     with `revision` 1, one it was, until the test upgrades it: a new process, "f<revision>")."""
 
@@ -853,7 +857,7 @@ class _FutureEngine(pb_grpc.OpenEngineServicer):
 async def _registered(fleet: Fleet, engine: _FutureEngine) -> AsyncIterator[str]:
     """`engine` served on a port of its own and registered with the fleet: its address."""
     server = grpc.aio.server()
-    pb_grpc.add_OpenEngineServicer_to_server(engine, server)  # type: ignore[abstract]
+    pb_grpc.add_OpenEngineServicer_to_server(engine, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:

@@ -6,6 +6,7 @@ client sees one ordinary stream. See tests/controller/disagg_engines.py for the 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 import pytest
@@ -15,7 +16,7 @@ from controller.route_report import read_route
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.conftest import EngineFleet, close_fleet, generate_request, make_fleet
 from tests.controller.disagg_engines import RoleEngine, Sessions, start_role_engine
 from tests.polling import eventually
 
@@ -25,8 +26,8 @@ PREFIX = list(range(300, 364))  # 4 blocks of 16
 
 
 async def _fleet(
-    num_prefill: int, num_decode: int, accept_local_prefill: bool = False, **controller: object
-) -> tuple[Fleet, list[RoleEngine], list[RoleEngine], Sessions]:
+    num_prefill: int, num_decode: int, accept_local_prefill: bool = False, **controller: Any
+) -> tuple[EngineFleet[RoleEngine], list[RoleEngine], list[RoleEngine], Sessions]:
     sessions = Sessions()
     prefill = [
         await start_role_engine(f"p{i}", pb.ENGINE_ROLE_PREFILL, sessions)
@@ -36,15 +37,17 @@ async def _fleet(
         await start_role_engine(f"d{i}", pb.ENGINE_ROLE_DECODE, sessions, accept_local_prefill)
         for i in range(num_decode)
     ]
-    fleet = await make_fleet(engines=[*prefill, *decode], **controller)  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[*prefill, *decode], **controller)
     return fleet, prefill, decode, sessions
 
 
-async def _generate(fleet: Fleet, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+async def _generate(
+    fleet: EngineFleet[Any], request: pb.GenerateRequest
+) -> list[pb.GenerateResponse]:
     return [r async for r in fleet.gateway.Generate(request)]
 
 
-async def _prefix_indexed(fleet: Fleet) -> None:
+async def _prefix_indexed(fleet: EngineFleet[Any]) -> None:
     """Until the index places PREFIX's 4 blocks on some engine."""
 
     async def indexed() -> bool:
@@ -54,7 +57,7 @@ async def _prefix_indexed(fleet: Fleet) -> None:
     await eventually(indexed)
 
 
-async def _decode_engine_holding_a_prompt(fleet: Fleet, decode: RoleEngine) -> list[int]:
+async def _decode_engine_holding_a_prompt(fleet: EngineFleet[Any], decode: RoleEngine) -> list[int]:
     """A prompt of 8 full blocks, sent once (so the decode engine computed it): returned
     when the index shows the decode engine holding all of it."""
     prompt = [*PREFIX, *range(900, 964)]
@@ -306,7 +309,7 @@ async def test_no_prefill_engine_up_is_unavailable_by_default() -> None:
         await close_fleet(fleet)
 
 
-def _outcomes(fleet: Fleet) -> dict[str, float]:
+def _outcomes(fleet: EngineFleet[Any]) -> dict[str, float]:
     requests = fleet.app.controller.metrics.requests
     outcomes = ("ok", "no_engine", "engine_error", "invalid")
     counts = {o: requests.labels(o)._value.get() for o in outcomes}

@@ -9,6 +9,7 @@ import pytest
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import close_fleet, generate_request, make_fleet, start_sim_engine
+from tests.grpc_streams import next_reply
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,7 +26,7 @@ async def test_a_prompt_that_cannot_fit_beside_a_running_request_goes_to_the_oth
         running = fleet.gateway.Generate(
             generate_request("long", list(range(1, 801)), max_tokens=100_000)
         )
-        first = await running.read()
+        first = await next_reply(running)
         assert first.WhichOneof("event") != "error", first
         query = apb.PromptQuery(token_ids=pb.TokenIds(ids=list(range(5_000, 5_600))))  # 38 blocks
         explained = await fleet.admin.Route(query)

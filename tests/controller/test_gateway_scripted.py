@@ -14,7 +14,7 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import pytest
@@ -25,7 +25,14 @@ from kvplane.cli import app as kvplane_cli
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.conftest import (
+    EngineFleet,
+    ServedEngine,
+    close_fleet,
+    engines_of_kinds,
+    generate_request,
+    make_fleet,
+)
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
 from tests.polling import eventually
 
@@ -347,12 +354,15 @@ async def start_scripted_engine(
     )
 
 
-async def scripted_fleet(*engines: ScriptedEngine, **controller: Any) -> Fleet:
-    # make_fleet needs only `port` and `close()` of an engine.
-    return await make_fleet(engines=list(engines), **controller)  # type: ignore[arg-type]
+ScriptedFleet = EngineFleet[ScriptedEngine]
 
 
-def address(engine: ScriptedEngine) -> str:
+async def scripted_fleet(*engines: ScriptedEngine, **controller: Any) -> ScriptedFleet:
+    fleet: ScriptedFleet = await make_fleet(engines=list(engines), **controller)
+    return fleet
+
+
+def address(engine: ServedEngine) -> str:
     return f"127.0.0.1:{engine.port}"
 
 
@@ -757,7 +767,9 @@ async def test_classify_and_score_go_to_the_engines_that_support_them() -> None:
 # ---- Generate: retries and terminal errors ----
 
 
-async def two_engine_fleet(faults: GenerateFaults) -> tuple[Fleet, list[ScriptedEngine]]:
+async def two_engine_fleet(
+    faults: GenerateFaults,
+) -> tuple[ScriptedFleet, list[ScriptedEngine]]:
     engines = [
         await start_scripted_engine("e0", faults),
         await start_scripted_engine("e1", faults),
@@ -947,7 +959,7 @@ async def test_get_load_sums_the_engines_and_details_each() -> None:
         "running_requests": 5, "queued_requests": None, "used_kv_blocks": 1,
         "total_kv_blocks": 50, "waiting_tokens": 8,
     }  # fmt: skip
-    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    fleet = await make_fleet(engines=engines)
     registry = fleet.app.controller.fleet.registry
     try:
         await fleet.app.controller.fleet.wait_for(
@@ -978,6 +990,12 @@ async def test_get_load_sums_the_engines_and_details_each() -> None:
         await close_fleet(fleet)
 
 
+# The LoadInfo figures the fleet's GetLoad sums over its engines.
+SummedLoad = Literal[
+    "running_requests", "queued_requests", "used_kv_blocks", "total_kv_blocks", "waiting_tokens"
+]
+
+
 async def test_get_load_leaves_out_what_no_engine_reports() -> None:
     """Seed: an absent load figure is unavailable, a present zero a measured zero. A figure
     no engine reports (here queued requests and waiting tokens), or every figure while no
@@ -986,10 +1004,10 @@ async def test_get_load_leaves_out_what_no_engine_reports() -> None:
     for engine in engines:
         engine.servicer.load = {"running_requests": 0, "queued_requests": None,
                                 "waiting_tokens": None}  # fmt: skip
-    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    fleet = await make_fleet(engines=engines)
     registry = fleet.app.controller.fleet.registry
-    summed = ("running_requests", "queued_requests", "used_kv_blocks", "total_kv_blocks",
-              "waiting_tokens")  # fmt: skip
+    summed: tuple[SummedLoad, ...] = ("running_requests", "queued_requests", "used_kv_blocks",
+                                      "total_kv_blocks", "waiting_tokens")  # fmt: skip
     try:
         await fleet.app.controller.fleet.wait_for(
             lambda: all(r.load.queued_requests is None for r in registry.records()), 15
@@ -1030,7 +1048,7 @@ async def test_an_inference_probe_failing_on_some_engines_degrades_the_fleet() -
     fleet still serves), NOT_READY once none does; the check names each engine's result."""
     broken = await start_fronted_engine("broken", FailsProbe)
     fine = await start_scripted_engine("fine")
-    fleet = await make_fleet(engines=[broken, fine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=engines_of_kinds(broken, fine))
     probe = pb.HealthRequest(include_inference_probe=True)
     try:
         assert (await fleet.gateway.Health(pb.HealthRequest())).state == pb.HEALTH_STATE_READY
@@ -1067,7 +1085,7 @@ async def test_model_info_passes_an_engines_refusal_and_skips_one_that_cannot_an
     """An engine that cannot answer now (UNAVAILABLE) leaves the question to the next; any
     other refusal is the answer; UNAVAILABLE when no engine could answer."""
     engines = [await start_fronted_engine(f"m{i}", RefusesModelInfo) for i in range(2)]
-    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    fleet = await make_fleet(engines=engines)
     request = pb.GetModelInfoRequest(model="sim")
     try:
         engines[0].servicer.refusal = grpc.StatusCode.UNAVAILABLE
@@ -1129,7 +1147,7 @@ async def test_abort_of_a_request_its_engine_has_not_accepted_yet_ends_it() -> N
     stream ends CANCELLED, and its engine call is cancelled (it was NOT_FOUND, and the
     request ran to its end once the engine took it)."""
     engine = await start_fronted_engine("late", AcceptsLate)
-    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine])
     try:
         request = generate_request("r", [1, 2, 3], max_tokens=4)
         running = asyncio.ensure_future(
@@ -1192,7 +1210,7 @@ class RemovesTheOthers(Forwarding):
     """Refuses Generate with UNAVAILABLE after removing every other engine from the fleet:
     the retry finds no engine the request was planned with still there."""
 
-    fleet: Fleet | None = None
+    fleet: EngineFleet[Any] | None = None
     address = ""  # its own, as the controller dials it
 
     async def Generate(
@@ -1209,7 +1227,7 @@ class RemovesTheOthers(Forwarding):
 
 async def test_a_retry_never_goes_to_an_engine_that_left_the_fleet() -> None:
     engines = [await start_fronted_engine(f"f{i}", RemovesTheOthers) for i in range(2)]
-    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    fleet = await make_fleet(engines=engines)
     for engine in engines:
         engine.servicer.fleet, engine.servicer.address = fleet, f"127.0.0.1:{engine.port}"
     try:

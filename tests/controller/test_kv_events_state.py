@@ -19,12 +19,12 @@ import zmq.asyncio
 
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import Fleet, close_fleet, make_fleet
+from tests.controller.conftest import EngineFleet, close_fleet, make_fleet
 from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.test_admin_cli import cli
 from tests.controller.test_admin_cli_membership import cli_json
 from tests.controller.test_controller_replicas import close_replica, shared_index, small_engines
-from tests.controller.test_fleet_events import RankedZmqEngine, sample, scrape, zmq_fleet
+from tests.controller.test_fleet_events import RankedZmqEngine, sample, scrape
 from tests.controller.test_processes import indexer_process
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.polling import eventually
@@ -36,13 +36,13 @@ WAIT_S = 20.0
 UP = "kvplane_controller_engine_kv_events_up"
 
 
-async def worker(fleet: Fleet, address: str) -> dict[str, Any]:
+async def worker(fleet: EngineFleet[Any], address: str) -> dict[str, Any]:
     """The engine's row of `kvplane admin workers --output json` against the controller."""
     listed = await cli_json("workers", "--target", fleet.target)
     return next(w for w in listed["workers"] if w["address"] == address)
 
 
-async def wait_kv_events(fleet: Fleet, address: str, state: str) -> dict[str, Any]:
+async def wait_kv_events(fleet: EngineFleet[Any], address: str, state: str) -> dict[str, Any]:
     """The engine's row once `admin workers` shows its KV events in `state`."""
     row: dict[str, Any] = {}
 
@@ -65,13 +65,13 @@ async def test_a_lost_zmq_publisher_shows_down_while_the_engine_stays_ready() ->
         "zmq-events", lambda inner: RankedZmqEngine(inner, [publisher])
     )
     address = f"127.0.0.1:{engine.port}"
-    fleet = await zmq_fleet([engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine], kv_events="zmq", metrics_listen="127.0.0.1:0")
     try:
         row = await wait_kv_events(fleet, address, "following")
         assert row["kv_events_reason"] == "" and row["kv_events_since_unix_s"] > 0
         assert sample(await scrape(fleet), UP, address) == 1.0
 
-        publisher.pub.close(linger=0)  # the publisher is gone; the engine still answers
+        publisher.close_pub()  # the publisher is gone; the engine still answers
         row = await wait_kv_events(fleet, address, "down")
         assert row["state"] == "ready" and row["routable"]
         assert f"publisher {publisher.endpoint} disconnected" in row["kv_events_reason"]
@@ -98,10 +98,10 @@ async def test_an_engine_followed_rank_by_rank_is_down_while_one_rank_is() -> No
         publisher.start_replay()
     engine = await start_fronted_engine("ranked", lambda inner: RankedZmqEngine(inner, ranks))
     address = f"127.0.0.1:{engine.port}"
-    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine])
     try:
         await wait_kv_events(fleet, address, "following")
-        ranks[1].pub.close(linger=0)
+        ranks[1].close_pub()
         row = await wait_kv_events(fleet, address, "down")
         assert row["kv_events_reason"] == (
             f"{address}/dp1: publisher {ranks[1].endpoint} disconnected"
@@ -140,6 +140,7 @@ class SwitchableEvents(Forwarding):
                 reply = read.result()
                 if reply is grpc.aio.EOF:
                     return
+                assert isinstance(reply, pb.SubscribeKvEventsResponse)
                 yield reply
         finally:
             off.cancel()
@@ -149,7 +150,7 @@ class SwitchableEvents(Forwarding):
 async def test_a_failing_subscribe_kv_events_shows_down_while_the_engine_stays_ready() -> None:
     engine = await start_fronted_engine("grpc-events", SwitchableEvents)
     address = f"127.0.0.1:{engine.port}"
-    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine])
     try:
         await wait_kv_events(fleet, address, "following")
 

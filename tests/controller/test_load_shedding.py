@@ -7,13 +7,17 @@ gateway's bookkeeping; off (the default), the busy fleet serves it as it always 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import Any
+
 import grpc
 import pytest
 
 from openengine.v1 import openengine_pb2 as pb
-from tests.controller.conftest import Fleet, close_fleet, generate_request
+from tests.controller.conftest import EngineFleet, close_fleet, generate_request
 from tests.controller.test_gateway_scripted import (
     ScriptedEngine,
+    ScriptedFleet,
     address,
     cli,
     scripted_fleet,
@@ -32,7 +36,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7]
 
 async def busy_fleet(
     *, reject: bool, policy: str = "kvplane"
-) -> tuple[Fleet, list[ScriptedEngine]]:
+) -> tuple[ScriptedFleet, list[ScriptedEngine]]:
     """Two engines that take Generate and Embed, both reporting a full KV cache (e1 fewer
     running requests than e0), with the controller's polls showing it."""
     engines = [
@@ -48,7 +52,7 @@ async def busy_fleet(
     return fleet, engines
 
 
-async def wait_load(fleet: Fleet, engines: list[ScriptedEngine]) -> None:
+async def wait_load(fleet: EngineFleet[Any], engines: list[ScriptedEngine]) -> None:
     """Until the controller's last GetLoad of each engine shows what it reports."""
     registry = fleet.app.controller.fleet.registry
 
@@ -75,9 +79,9 @@ def embed_request(request_id: str) -> pb.EmbedRequest:
     )
 
 
-async def refusal(call: object) -> grpc.aio.AioRpcError:
+async def refusal(call: Awaitable[object]) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        await call  # type: ignore[misc]
+        await call
     return err.value
 
 

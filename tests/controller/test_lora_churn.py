@@ -19,7 +19,7 @@ from engine.core.engine_core import EngineCore
 from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
+from tests.controller.conftest import EngineFleet, close_fleet, make_fleet, start_sim_engine
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
 from tests.controller.paused_index import PausedIndex
 from tests.controller.test_lora_fleet_intent import adapter, generate, on
@@ -85,9 +85,11 @@ async def test_an_unload_while_the_request_is_planned_answers_the_fleets_status(
         await close_fleet(fleet)
 
 
-async def gated_fleet() -> tuple[Fleet, list[FrontedEngine[GatedGenerate]]]:
+async def gated_fleet() -> tuple[
+    EngineFleet[FrontedEngine[GatedGenerate]], list[FrontedEngine[GatedGenerate]]
+]:
     engines = [await start_fronted_engine(f"e{i}", GatedGenerate, lora=LORA) for i in range(2)]
-    fleet = await make_fleet(engines=engines)  # type: ignore[arg-type]
+    fleet = await make_fleet(engines=engines)
     return fleet, engines
 
 

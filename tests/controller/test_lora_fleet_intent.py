@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
+    EngineFleet,
     Fleet,
     close_fleet,
     generate_request,
@@ -57,10 +59,10 @@ async def restored(fleet: Fleet, engine: EngineApp, adapters: dict[str, str]) ->
     it does (it routes requests naming them there)."""
     record = fleet.app.controller.fleet.registry.get(fleet.address(engine))
     held = await engine_adapters(engine)
-    return held == adapters and record.lora_adapters == set(adapters)
+    return held == adapters and record.lora_adapters == frozenset(adapters)
 
 
-async def generate(fleet: Fleet, request_id: str, lora_name: str) -> str:
+async def generate(fleet: EngineFleet[Any], request_id: str, lora_name: str) -> str:
     """How the request ended: its last event's kind, or the gateway's status and details."""
     # Two full blocks: the router asks the index about them.
     request = generate_request(request_id, [*range(40), len(request_id)], max_tokens=2)
@@ -204,7 +206,7 @@ async def test_an_engine_out_of_lora_slots_stays_consistent_with_the_fleets_view
         assert report == {"e0": "ok", "e1": "RESOURCE_EXHAUSTED"}
         for i in range(4):
             assert await generate(fleet, f"w{i}", "w") == "finished"
-        assert registry.get(fleet.address(fleet.engines[1])).lora_adapters == {"x", "y"}
+        assert registry.get(fleet.address(fleet.engines[1])).lora_adapters == frozenset({"x", "y"})
 
         async def agrees() -> bool:
             listing = fleet.gateway.ListLoras(pb.ListLorasRequest())

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -21,7 +22,7 @@ from controller.outcomes import ENGINE_METADATA_KEY
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import Fleet, close_fleet, generate_request
+from tests.controller.conftest import EngineFleet, Fleet, close_fleet, generate_request
 from tests.controller.test_gateway_scripted import (
     ScriptedEngine,
     address,
@@ -42,12 +43,12 @@ def lora_request(request_id: str, lora_name: str) -> pb.GenerateRequest:
     return request
 
 
-async def generate(fleet: Fleet, request: pb.GenerateRequest) -> list[str | None]:
+async def generate(fleet: EngineFleet[Any], request: pb.GenerateRequest) -> list[str | None]:
     """The kinds of the events the gateway relays."""
     return [r.WhichOneof("event") async for r in fleet.gateway.Generate(request)]
 
 
-async def refusal(fleet: Fleet, request: pb.GenerateRequest) -> grpc.aio.AioRpcError:
+async def refusal(fleet: EngineFleet[Any], request: pb.GenerateRequest) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(fleet, request)
     return err.value

@@ -17,7 +17,7 @@ from controller.registry import EngineState
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
+from tests.controller.conftest import EngineFleet, Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
 from tests.controller.test_fleet_events import WAIT_S
 from tests.controller.test_gateway import status_of
@@ -101,18 +101,20 @@ def generate_for(model: str, request_id: str) -> pb.GenerateRequest:
 
 async def two_model_fleet(
     order: tuple[str, str] = (GENERATOR, EMBEDDER), embedder_block_size: int = 16
-) -> tuple[Fleet, FrontedEngine[TwoModels]]:
+) -> tuple[EngineFleet[FrontedEngine[TwoModels]], FrontedEngine[TwoModels]]:
     engine = await start_fronted_engine("two", TwoModels, block_size=16)
     engine.servicer.order = order
     engine.servicer.embedder_block_size = embedder_block_size
-    fleet = await make_fleet(engines=[engine])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[engine])
     return fleet, engine
 
 
 @pytest.fixture(
     params=[(GENERATOR, EMBEDDER), (EMBEDDER, GENERATOR)], ids=["gen-first", "embed-first"]
 )
-async def two_models(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+async def two_models(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[EngineFleet[FrontedEngine[TwoModels]]]:
     """The engine listing its two models in either order: neither is taken for the other."""
     fleet, _ = await two_model_fleet(request.param)
     try:
@@ -186,7 +188,7 @@ async def test_an_engine_whose_models_disagree_on_the_block_size_is_rejected(
     engine = await start_fronted_engine("two", TwoModels, block_size=16)
     engine.servicer.embedder_block_size = 32
     other = await start_fronted_engine("other", Forwarding)
-    fleet = await make_fleet(engines=[other])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=[other])
     try:
         address = f"127.0.0.1:{engine.port}"
         await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))

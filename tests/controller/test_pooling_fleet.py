@@ -21,7 +21,8 @@ from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet
 from tests.controller.test_gateway import engine_answer, record_routes
 from tests.controller.test_gateway_scripted import cli
-from tests.engine.test_server_pooling_runner import LABELS, write_headless_classifier
+from tests.engine.test_server_pooling import LABELS
+from tests.engine.test_server_pooling_runner import write_headless_classifier
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,18 +32,22 @@ MODEL = "builtin"
 @pytest.fixture
 async def mixed_fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
     headless = write_headless_classifier(tmp_path)
-    common = {
-        "served_model_name": MODEL,
-        "listen": "127.0.0.1:0",
-        "num_kv_blocks": 64,  # the pooling engine ignores it (one block)
-        "max_num_batched_tokens": 128,
-        "num_threads": 1,
-        "shutdown_grace_s": 0.5,
-    }
-    builtin = str(tmp_path / "builtin")
+
+    def config(model: str, instance_id: str) -> EngineConfig:
+        return EngineConfig(
+            model=model,
+            instance_id=instance_id,
+            served_model_name=MODEL,
+            listen="127.0.0.1:0",
+            num_kv_blocks=64,  # the pooling engine ignores it (one block)
+            max_num_batched_tokens=128,
+            num_threads=1,
+            shutdown_grace_s=0.5,
+        )
+
     engines = [
-        await start_engine(EngineConfig(model=builtin, instance_id="gen", **common)),
-        await start_engine(EngineConfig(model=str(headless), instance_id="pool", **common)),
+        await start_engine(config(str(tmp_path / "builtin"), "gen")),
+        await start_engine(config(str(headless), "pool")),
     ]
     fleet = await make_fleet(engines=engines, router={"policy": "round_robin"})
     try:

@@ -21,7 +21,8 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, make_fleet
 from tests.controller.test_gateway import engine_answer
-from tests.engine.test_server_pooling_runner import LABELS, write_headless_classifier
+from tests.engine.test_server_pooling import LABELS
+from tests.engine.test_server_pooling_runner import write_headless_classifier
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +289,7 @@ def _calls_naming(gateway: pb_grpc.OpenEngineAsyncStub, model: str) -> dict[str,
     }
 
 
-async def _first(stream: AsyncIterator[pb.GenerateResponse]) -> pb.GenerateResponse:
+async def _first(stream: AsyncIterable[pb.GenerateResponse]) -> pb.GenerateResponse:
     async for response in stream:
         return response
     raise AssertionError("the stream ended without a response")

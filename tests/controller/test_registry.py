@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -608,7 +609,7 @@ def test_every_change_of_routability_moves_the_version_and_shows_in_the_next_lis
     registry.on_loras("h:1", frozenset())
     version, listed = routable_at(registry)
     assert listed == ["h:1", "h:2"]
-    for change, expected in [
+    changes: list[tuple[Callable[[], object], list[str]]] = [
         (lambda: registry.set_cordoned("h:1", True), ["h:2"]),
         (lambda: registry.set_cordoned("h:1", False), ["h:1", "h:2"]),
         (lambda: registry.on_health("h:2", EngineState.NOT_READY, 1.0), ["h:1"]),
@@ -628,7 +629,8 @@ def test_every_change_of_routability_moves_the_version_and_shows_in_the_next_lis
         (lambda: registry.on_identity("h:3", identity("e3")), ["h:1"]),
         (lambda: registry.on_health("h:3", EngineState.READY, 18.0), ["h:1", "h:3"]),
         (lambda: registry.remove("h:1"), ["h:3"]),
-    ]:
+    ]
+    for change, expected in changes:
         change()
         now, listed = routable_at(registry)
         assert now > version and listed == expected, (now, version, listed, expected)
@@ -643,12 +645,13 @@ def test_lora_changes_move_the_version_and_show_in_the_next_listing() -> None:
     registry.on_loras("h:1", frozenset())
     version, listed = routable_at(registry, lora_name="x")
     assert listed == []
-    for change, expected in [
+    changes: list[tuple[Callable[[], object], list[str]]] = [
         (lambda: registry.on_lora_loaded("h:1", "x"), ["h:1"]),
         (lambda: registry.on_lora_unloaded("h:1", "x"), []),
         (lambda: registry.on_loras("h:1", frozenset({"x"})), ["h:1"]),
         (lambda: registry.on_loras("h:1", frozenset({"x"}), conflicts=frozenset({"x"})), []),
-    ]:
+    ]
+    for change, expected in changes:
         change()
         now, listed = routable_at(registry, lora_name="x")
         assert now > version and listed == expected, (now, version, listed, expected)

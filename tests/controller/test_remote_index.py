@@ -27,6 +27,7 @@ from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
 from tests.controller.conftest import start_sim_engine
+from tests.partial_servicers import PartialKvIndex
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -132,7 +133,7 @@ async def test_an_engine_indexed_rank_by_rank_holds_its_best_rank() -> None:
         await server.stop(None)
 
 
-class _HungIndex(ipb_grpc.KvIndexServicer):
+class _HungIndex(PartialKvIndex):
     """A KvIndex whose MatchTokens hangs (a stopped or stuck indexer) until released."""
 
     def __init__(self) -> None:
@@ -140,7 +141,9 @@ class _HungIndex(ipb_grpc.KvIndexServicer):
         self.released = asyncio.Event()
 
     async def MatchTokens(
-        self, request: ipb.MatchTokensRequest, context: grpc.aio.ServicerContext
+        self,
+        request: ipb.MatchTokensRequest,
+        context: grpc.aio.ServicerContext[ipb.MatchTokensRequest, ipb.MatchTokensResponse],
     ) -> ipb.MatchTokensResponse:
         self.calls += 1
         await self.released.wait()
@@ -152,7 +155,7 @@ async def test_a_hung_remote_index_is_asked_again_only_after_a_backoff() -> None
     backoff: between, `match` fails at once and the indexer is not asked."""
     servicer = _HungIndex()
     server = grpc.aio.server()
-    ipb_grpc.add_KvIndexServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    ipb_grpc.add_KvIndexServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     now = [0.0]
@@ -335,7 +338,7 @@ async def test_a_restarted_engine_stays_ignored_until_the_indexer_confirms() -> 
     finally:
         await remote.close()
     server = grpc.aio.server()
-    ipb_grpc.add_KvIndexServicer_to_server(ipb_grpc.KvIndexServicer(), server)  # type: ignore[no-untyped-call]
+    ipb_grpc.add_KvIndexServicer_to_server(PartialKvIndex(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     older = RemoteIndex(f"127.0.0.1:{port}", 5.0)
@@ -393,7 +396,7 @@ async def test_resync_engine_needs_the_indexers_token(tmp_path: Path) -> None:
         )
 
 
-class _RefusingIndex(ipb_grpc.KvIndexServicer):
+class _RefusingIndex(PartialKvIndex):
     """An indexer that refuses every ResyncEngine (UNAVAILABLE, as one starting up), keeping
     each request's engine."""
 
@@ -401,7 +404,9 @@ class _RefusingIndex(ipb_grpc.KvIndexServicer):
         self.resync_engines: list[str] = []
 
     async def ResyncEngine(
-        self, request: ipb.ResyncEngineRequest, context: grpc.aio.ServicerContext
+        self,
+        request: ipb.ResyncEngineRequest,
+        context: grpc.aio.ServicerContext[ipb.ResyncEngineRequest, ipb.ResyncEngineResponse],
     ) -> ipb.ResyncEngineResponse:
         self.resync_engines.append(request.engine)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: starting")
@@ -416,7 +421,7 @@ async def test_a_remote_index_that_cannot_be_told_is_reported_once_per_engine(
     reported again."""
     servicer = _RefusingIndex()
     index_server = grpc.aio.server()
-    ipb_grpc.add_KvIndexServicer_to_server(servicer, index_server)  # type: ignore[no-untyped-call]
+    ipb_grpc.add_KvIndexServicer_to_server(servicer, index_server)
     index_port = index_server.add_insecure_port("127.0.0.1:0")
     await index_server.start()
     engines = [await start_sim_engine(f"e{i}") for i in range(2)]

@@ -23,8 +23,6 @@ from typing import Any
 
 import grpc
 import pytest
-from polling import eventually
-from redis_servers import RedisClusterNodes, RedisServer
 
 from controller.config import ControllerConfig
 from controller.metrics import ControllerMetrics
@@ -47,6 +45,8 @@ from tests.controller.test_processes import (
     controller_process,
     sim_engine_process,
 )
+from tests.polling import eventually
+from tests.redis_servers import RedisClusterNodes, RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 WAIT_S = 20.0
@@ -600,7 +600,7 @@ async def test_a_replica_that_joins_sends_a_finished_session_to_its_engine(
     of requests in flight only: the next turn went to the other engine and computed its
     whole prompt again.)"""
     router = {"replica_sync": True, "policy": "round_robin", "session_metadata_key": "session"}
-    settings = {"index": {"backend": redis.url}, "router": router}
+    settings: dict[str, Any] = {"index": {"backend": redis.url}, "router": router}
     a = await make_fleet(2, **copy.deepcopy(settings))
     late: Fleet | None = None
     try:

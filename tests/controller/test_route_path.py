@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from controller.config import ControllerConfig
+from controller.config import ControllerConfig, RouterConfig
 from controller.registry import EngineIdentity, EngineState, ModelFacts, Registry, Role
 from controller.router import NoEngineAvailableError, Reason
 from controller.service import Controller, PromptInput
@@ -19,7 +19,7 @@ ENGINES = ("127.0.0.1:1", "127.0.0.1:2")
 
 
 def controller_of(*addresses: str) -> Controller:
-    controller = Controller(ControllerConfig(router={"seed": 0}), MemoryBackend())
+    controller = Controller(ControllerConfig(router=RouterConfig(seed=0)), MemoryBackend())
     registry = controller.fleet.registry
     facts = ModelFacts(block_size=16, total_kv_blocks=256, supports_lora=True)
     for n, address in enumerate(addresses):

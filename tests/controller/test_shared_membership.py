@@ -13,6 +13,7 @@ import pytest
 from controller.app import start_controller
 from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
 from tests.controller.test_controller_replicas import close_replica, shared_index
 from tests.polling import eventually
@@ -29,7 +30,9 @@ async def workers(fleet: Fleet) -> dict[str, apb.WorkerInfo]:
 async def routes_to(fleet: Fleet, address: str) -> bool:
     """Whether the replica's router would send a prompt to the engine (its only one)."""
     try:
-        reply = await fleet.admin.Route(apb.PromptQuery(token_ids={"ids": [1, 2, 3]}, model="sim"))
+        reply = await fleet.admin.Route(
+            apb.PromptQuery(token_ids=pb.TokenIds(ids=[1, 2, 3]), model="sim")
+        )
     except grpc.aio.AioRpcError as exc:
         assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND), exc
         return False

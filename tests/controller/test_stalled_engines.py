@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
@@ -27,8 +27,10 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
-    Fleet,
+    EngineFleet,
+    ServedEngine,
     close_fleet,
+    engines_of_kinds,
     generate_request,
     make_fleet,
     start_sim_engine,
@@ -37,11 +39,10 @@ from tests.controller.test_admin_cli import cli
 from tests.controller.test_gateway import PREFIX
 from tests.controller.test_processes import _wait_port
 from tests.engine.lora_adapters import write_adapter_config
+from tests.grpc_streams import next_reply, remaining_replies
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(120)
-
-T = TypeVar("T")
 
 
 class EngineProcess:
@@ -110,23 +111,25 @@ async def stalling(tmp_path: Path) -> AsyncIterator[EngineProcess]:
         await engine.close()
 
 
-async def fleet_with(stalling: EngineProcess, abandon_after_s: float, **controller: Any) -> Fleet:
+async def fleet_with(
+    stalling: EngineProcess, abandon_after_s: float, **controller: Any
+) -> EngineFleet[ServedEngine]:
     """A controller in front of the process and an in-process sim engine ("healthy")."""
     healthy = await start_sim_engine("healthy", time_scale=1.0)
     return await make_fleet(
-        engines=[stalling, healthy],  # type: ignore[list-item]
+        engines=[stalling, healthy],
         health={"abandon_streams_after_s": abandon_after_s},
         **controller,
     )
 
 
-async def only_on(fleet: Fleet, stalling: EngineProcess) -> str:
+async def only_on(fleet: EngineFleet[Any], stalling: EngineProcess) -> str:
     """Route every new request to the process (the healthy engine cordoned); its address."""
     await fleet.admin.Cordon(apb.EngineRef(engine="healthy"))
     return f"127.0.0.1:{stalling.port}"
 
 
-async def nothing_in_flight(fleet: Fleet) -> None:
+async def nothing_in_flight(fleet: EngineFleet[Any]) -> None:
     """What the controller counts in flight is back to zero (`kvplane admin workers`)."""
     workers = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
     assert [w.inflight_requests for w in workers.workers] == [0, 0], workers
@@ -159,7 +162,7 @@ async def test_a_stream_stopped_before_its_first_token_is_answered_by_another_en
         await fleet.admin.Uncordon(apb.EngineRef(engine="healthy"))
         stalling.stop()  # before the request arrives: it cannot have answered anything
         request = generate_request("held", [*PREFIX, 1], max_tokens=8, s="pin")
-        stream = asyncio.create_task(_collect(fleet.gateway.Generate(request)))
+        stream = asyncio.create_task(remaining_replies(fleet.gateway.Generate(request)))
 
         async def held_by_the_stopped_engine() -> bool:
             return fleet.app.gateway.relay.holding.get("held") == stopped
@@ -198,21 +201,23 @@ async def test_streams_stopped_after_output_end_with_an_error_naming_the_engine(
                 stopping=vpb.StoppingCriteria(max_new_tokens=100_000, ignore_eos=True),
             )
         )  # fmt: skip
-        while (await openengine.read()).WhichOneof("event") != "token":
+        while (await next_reply(openengine)).WhichOneof("event") != "token":
             pass
-        while not (await vllm.read()).outputs.num_tokens:
+        while not (await next_reply(vllm)).outputs.num_tokens:
             pass
         stalling.stop()
         async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            rest = await _collect(openengine)
+            rest = await remaining_replies(openengine)
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await _collect(vllm)
+                await remaining_replies(vllm)
         error = rest[-1]
         assert error.WhichOneof("event") == "error", error
         assert [r.WhichOneof("event") for r in rest].count("error") == 1
         assert f"engine {stopped} unreachable for " in error.error.message, error
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-        assert err.value.details().startswith(f"engine {stopped} unreachable for "), err.value
+        assert (err.value.details() or "").startswith(f"engine {stopped} unreachable for "), (
+            err.value
+        )
         await nothing_in_flight(fleet)
         # Back, the engine finds both streams cancelled and frees their requests.
         stalling.resume()
@@ -230,7 +235,7 @@ async def test_an_engine_back_before_the_limit_keeps_its_streams(
         registry = fleet.app.controller.fleet.registry
         request = generate_request("paused", [*PREFIX, 1], max_tokens=400)
         stream = fleet.gateway.Generate(request)
-        first = await stream.read()
+        first = await next_reply(stream)
         stalling.stop()
         # Stopped until the poller has noticed (out of routing), then resumed.
         await fleet.app.controller.fleet.wait_for(
@@ -238,7 +243,7 @@ async def test_an_engine_back_before_the_limit_keeps_its_streams(
         )
         stalling.resume()
         async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            responses = [first, *await _collect(stream)]
+            responses = [first, *await remaining_replies(stream)]
         assert responses[-1].WhichOneof("event") == "finished", responses[-1]
         assert num_tokens(responses) == 400
         await fleet.wait_routable(1)  # the healthy engine is still cordoned
@@ -262,7 +267,7 @@ async def test_admin_abort_all_exits_1_naming_a_stopped_engine_and_shows_every_o
         stream = fleet.gateway.Generate(
             generate_request("running", [*PREFIX, 1], max_tokens=100_000)
         )
-        while (await stream.read()).WhichOneof("event") != "token":
+        while (await next_reply(stream)).WhichOneof("event") != "token":
             pass
         stalling.stop()
         t = ["--target", fleet.target]
@@ -297,7 +302,7 @@ async def test_abort_of_every_request_does_not_pass_over_a_stopped_engine_holdin
         stream = fleet.gateway.Generate(
             generate_request("running", [*PREFIX, 1], max_tokens=100_000)
         )
-        while (await stream.read()).WhichOneof("event") != "token":
+        while (await next_reply(stream)).WhichOneof("event") != "token":
             pass
         stalling.stop()
         await fleet.app.controller.fleet.wait_for(
@@ -321,7 +326,7 @@ async def test_abort_of_every_request_does_not_pass_over_a_stopped_engine_holdin
         )
         await fleet.gateway.Abort(pb.AbortRequest(all_requests=pb.AllRequests()))
         async with asyncio.timeout(60):  # a hang guard; the outcome is what is asserted
-            rest = await _collect(stream)
+            rest = await remaining_replies(stream)
         assert rest[-1].WhichOneof("event") == "finished", rest[-1]
         assert rest[-1].finished.reason == pb.FINISH_REASON_CANCELLED, rest[-1]
         await nothing_in_flight(fleet)
@@ -339,7 +344,7 @@ async def test_unloading_an_adapter_a_stopped_engine_holds_fails_naming_it(
     lora = "lora: {enabled: true}"
     stopped = await EngineProcess.start(tmp_path, "stopped", config=lora)
     healthy = await start_sim_engine("healthy", lora=LoraConfig(enabled=True))
-    fleet = await make_fleet(engines=[stopped, healthy])  # type: ignore[list-item]
+    fleet = await make_fleet(engines=engines_of_kinds(stopped, healthy))
     try:
         adapter = pb.LoraAdapter(
             lora_name="x", lora_id=1, source_path=str(write_adapter_config(tmp_path / "x"))
@@ -386,8 +391,8 @@ async def test_an_adapter_unloaded_while_an_engine_holding_it_was_stopped_stays_
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await pb_grpc.OpenEngineStub(channel).LoadLora(pb.LoadLoraRequest(adapter=adapter))
     stopped.stop()
-    fleet = await make_fleet(engines=[healthy])
-    fleet.engines.append(stopped)  # type: ignore[arg-type]
+    fleet = await make_fleet(engines=engines_of_kinds(healthy))
+    fleet.engines.append(stopped)  # registered below, through the admin API
     registry = fleet.app.controller.fleet.registry
     address = f"127.0.0.1:{stopped.port}"
     try:
@@ -403,7 +408,7 @@ async def test_an_adapter_unloaded_while_an_engine_holding_it_was_stopped_stays_
         stopped.proc.kill()
         await asyncio.to_thread(stopped.proc.wait)
         stopped = await EngineProcess.start(tmp_path, "again", config=lora, port=stopped.port)
-        fleet.engines[1] = stopped  # type: ignore[call-overload]
+        fleet.engines[1] = stopped
         await fleet.app.controller.fleet.wait_for(
             lambda: registry.get(address).engine_id == "again" and registry.get(address).routable,
             30,
@@ -429,8 +434,8 @@ async def test_a_lora_load_a_stopped_engine_never_answers_holds_up_no_other_for_
     lora = "lora: {enabled: true}"
     stopped = await EngineProcess.start(tmp_path, "stopped", config=lora)
     healthy = await start_sim_engine("healthy", lora=LoraConfig(enabled=True))
-    engines = [stopped, healthy]
-    fleet = await make_fleet(engines=engines, lora_timeout_s=1.0)  # type: ignore[arg-type]
+    engines: list[ServedEngine] = [stopped, healthy]
+    fleet = await make_fleet(engines=engines, lora_timeout_s=1.0)
     address = f"127.0.0.1:{stopped.port}"
     try:
 
@@ -454,14 +459,6 @@ async def test_a_lora_load_a_stopped_engine_never_answers_holds_up_no_other_for_
         assert f"{address}: DEADLINE_EXCEEDED" in str(err.value.details()), err.value
     finally:
         await close_fleet(fleet)
-
-
-async def _collect(call: grpc.aio.UnaryStreamCall[Any, T]) -> list[T]:
-    """The responses the stream has left (read() calls: a test may have read some)."""
-    responses = []
-    while (response := await call.read()) is not grpc.aio.EOF:
-        responses.append(response)
-    return responses
 
 
 def num_tokens(responses: list[pb.GenerateResponse]) -> int:

@@ -96,7 +96,9 @@ def generate_request(
     return request
 
 
-async def collect(stub: pb_grpc.OpenEngineAsyncStub, request: pb.GenerateRequest) -> list[Any]:
+async def collect(
+    stub: pb_grpc.OpenEngineAsyncStub, request: pb.GenerateRequest
+) -> list[pb.GenerateResponse]:
     return [response async for response in stub.Generate(request)]
 
 

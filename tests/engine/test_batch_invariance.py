@@ -30,8 +30,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lora_adapters import write_adapter
-from torch_reference import TINY_LLAMA, vllm_requests
 
 from engine.core.api import (
     BlockKey,
@@ -52,6 +50,8 @@ from engine.core.engine_core import EngineCore
 from engine.core.lora import LoraAdapter
 from engine.torch_runner.runner import TorchModelRunner
 from engine.torch_runner.tokenizer import load_tokenizer
+from tests.engine.lora_adapters import write_adapter
+from tests.engine.torch_reference import TINY_LLAMA, vllm_requests
 
 NEAR_TIE = 1e-4  # a top-2 logprob gap below this may flip with the batch shape
 LOGPROB_TOL = 1e-4

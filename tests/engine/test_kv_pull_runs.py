@@ -18,7 +18,6 @@ from engine.server.kv_pull import KvSessionPuller
 from engine.server.kv_transfer import CHUNK_BYTES
 from kvplane.channels import ClientChannels
 from kvplane_api.v1 import kv_transfer_pb2 as kt
-from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
@@ -28,6 +27,7 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
 )
+from tests.partial_servicers import PartialKvTransfer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,7 +43,7 @@ def run_of(index: int, num_blocks: int) -> Run:
     return (index, num_blocks, b"".join(BLOCKS[index : index + max(1, num_blocks)]))
 
 
-class _ScriptedPrefillEngine(kt_grpc.KvTransferServicer):
+class _ScriptedPrefillEngine(PartialKvTransfer):
     """Sends the header of PROMPT's 3-block session, then `runs`; records the requests."""
 
     def __init__(self, runs: Sequence[Run], *, block_size: int, kv_layout: str) -> None:

@@ -36,7 +36,9 @@ def lora_config(**lora: int) -> LoraConfig:
     return LoraConfig(enabled=True, **lora)
 
 
-def load(engine: Engine, name: str, path: Path | str, lora_id: int) -> grpc.aio.UnaryUnaryCall:
+def load(
+    engine: Engine, name: str, path: Path | str, lora_id: int
+) -> grpc.aio.UnaryUnaryCall[pb.LoadLoraRequest, pb.LoadLoraResponse]:
     adapter = pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=str(path))
     return engine.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
 

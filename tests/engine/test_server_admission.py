@@ -89,7 +89,7 @@ async def queue(engine: Engine, count: int) -> list[asyncio.Task[list[Any]]]:
     return queued
 
 
-def finished(responses: list[Any]) -> bool:
+def finished(responses: list[pb.GenerateResponse]) -> bool:
     """The stream ended with GenerationFinished (LENGTH) and usage: the request ran."""
     last = responses[-1]
     return (

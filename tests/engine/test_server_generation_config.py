@@ -67,7 +67,9 @@ def _config(
     )
 
 
-async def _openengine(engine: Engine, max_tokens: int | None = None, **sampling: Any) -> list[int]:
+async def _openengine(
+    engine: Engine, max_tokens: int | None = None, /, **sampling: Any
+) -> list[int]:
     """OpenEngine Generate's tokens; what is not given stays absent (EOS ignored, so the
     length is the max_tokens in force)."""
     request = pb.GenerateRequest(
@@ -87,7 +89,7 @@ async def _openengine_tokens(engine: Engine, request: pb.GenerateRequest) -> lis
 
 
 async def _vllm(
-    engine: Engine, max_new_tokens: int = 0, temperature: float | None = None, **sampling: Any
+    engine: Engine, max_new_tokens: int = 0, /, *, temperature: float | None = None, **sampling: Any
 ) -> list[int]:
     """vllm.Generate's tokens; 0 and an absent temperature are this proto's "default"."""
     request = vllm.GenerateRequest(

@@ -20,6 +20,7 @@ from tests.engine.engine_server_harness import (
     running_engine,
     sim_config,
 )
+from tests.grpc_streams import remaining_replies
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -160,15 +161,11 @@ async def test_decode_role_prefills_a_request_without_a_session_itself() -> None
         info = await engine.stub.GetEngineInfo(pb.GetEngineInfoRequest())
         assert info.role == pb.ENGINE_ROLE_DECODE
         # As vLLM's decode instances do (the gateway's `router.skip_prefill_ratio` relies on it).
-        responses = await collect_all(engine.stub.Generate(generate_request([1, 2, 3])))
-        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH  # type: ignore[attr-defined]
+        responses = await collect(engine.stub, generate_request([1, 2, 3]))
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
         health = await engine.stub.Health(pb.HealthRequest(role=pb.ENGINE_ROLE_DECODE))
         assert health.state == pb.HEALTH_STATE_READY
         assert "kv_transfer" not in [c.name for c in health.checks]
-
-
-async def collect_all(stream: object) -> list[object]:
-    return [r async for r in stream]  # type: ignore[attr-defined]
 
 
 async def test_bearer_token_guards_mutating_methods_only(tmp_path: Path) -> None:
@@ -182,7 +179,7 @@ async def test_bearer_token_guards_mutating_methods_only(tmp_path: Path) -> None
         # Abort and Drain do.
         error = await rpc_error(engine.stub.Abort(pb.AbortRequest(request_id="x")))
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED
-        drain = await rpc_error(lambda: collect_all(engine.stub.Drain(pb.DrainRequest())))
+        drain = await rpc_error(remaining_replies(engine.stub.Drain(pb.DrainRequest())))
         assert drain.code() == grpc.StatusCode.UNAUTHENTICATED
         with_token = await rpc_error(
             engine.stub.Abort(

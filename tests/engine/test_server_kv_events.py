@@ -167,8 +167,9 @@ async def test_a_subscriber_that_falls_behind_ends_with_one_overloaded_error() -
         for i in range(60):  # each a new 1000-token prompt: 250 blocks stored, ~10 KB a batch
             prompt = [(i * 7919 + j * 31 + (j * j) % 17) % 1000 for j in range(1000)]
             await collect(engine.stub, generate_request(prompt, max_tokens=1))
-        rest = []
+        rest: list[pb.SubscribeKvEventsResponse] = []
         while (response := await asyncio.wait_for(stream.read(), timeout=10)) != grpc.aio.EOF:
+            assert isinstance(response, pb.SubscribeKvEventsResponse)
             rest.append(response)
         code = await stream.code()
         await channel.close()

@@ -5,7 +5,6 @@ health. The torch handoff (real KV bytes) is in test_server_kv_transfer_torch.py
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -24,12 +23,14 @@ from tests.engine.engine_server_harness import (
     collect,
     fake_prefill_engine,
     generate_request,
+    metrics_text,
     rpc_error,
     running_engine,
     sim_config,
     stream_error,
 )
 from tests.engine.lora_adapters import write_adapter_config
+from tests.partial_servicers import PartialKvTransfer
 from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
@@ -211,9 +212,7 @@ async def test_sessions_the_decode_engine_cannot_use_are_refused_before_acceptan
         other_prompt = [*PROMPT[:3], 999, *PROMPT[4:]]
         cases.append((session, other_prompt, "not a prefix"))
         for ref, prompt, why in cases:
-            error = await rpc_error(
-                lambda r=ref, p=prompt: collect(decoder.stub, with_session(r, p))
-            )
+            error = await rpc_error(collect(decoder.stub, with_session(ref, prompt)))
             assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, why
             assert why in (error.details() or ""), error.details()
         # Another block size: refused from the session's attributes, before any pull ...
@@ -258,7 +257,7 @@ async def test_a_session_serves_only_the_lora_adapter_and_cache_salt_it_was_comp
             request.lora_name = lora_name
             if salt is not None:
                 request.kv.cache_salt = salt
-            error = await rpc_error(lambda r=request: collect(decoder.stub, r))
+            error = await rpc_error(collect(decoder.stub, request))
             assert error.code() == grpc.StatusCode.FAILED_PRECONDITION, why
             assert why in (error.details() or ""), error.details()
         plain = await collect(decoder.stub, generate_request(PROMPT, max_tokens=1))
@@ -323,7 +322,7 @@ async def test_malformed_session_refs_are_refused_with_a_clear_status() -> None:
         number_layout.attributes_struct.update({"kv_layout": 4})
         cases.append((number_layout, grpc.StatusCode.INVALID_ARGUMENT, "must be a string"))
         for ref, code, why in cases:
-            error = await rpc_error(lambda r=ref: collect(decoder.stub, with_session(r)))
+            error = await rpc_error(collect(decoder.stub, with_session(ref)))
             assert error.code() == code, (why, error.details())
             assert why in (error.details() or ""), error.details()
         decoded = await collect(decoder.stub, with_session(session))
@@ -350,7 +349,7 @@ async def test_roles_and_sessions_that_do_not_fit_are_failed_precondition() -> N
     ):
         session = await prefill(prefiller)
         for engine in (prefiller, aggregated):
-            error = await rpc_error(lambda e=engine: collect(e.stub, with_session(session)))
+            error = await rpc_error(collect(engine.stub, with_session(session)))
             assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "kv.session is for a DECODE engine" in (error.details() or "")
         # A DECODE engine prefills a request without a session itself.
@@ -405,6 +404,15 @@ async def test_a_prefill_aborted_midway_ends_cancelled_without_a_session() -> No
         await eventually(lambda: _no_sessions(prefiller), what="nothing held")
 
 
+async def _drain_reply(
+    drain: grpc.aio.UnaryStreamCall[pb.DrainRequest, pb.DrainResponse],
+) -> pb.DrainResponse:
+    """The drain's next progress reply, which the test knows is coming."""
+    reply = await drain.read()
+    assert isinstance(reply, pb.DrainResponse), "the drain stream ended"
+    return reply
+
+
 async def _read(stream: Any) -> list[Any]:
     return [r async for r in stream]
 
@@ -416,7 +424,7 @@ async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline()
     ):
         session = await prefill(prefiller)
         drain = prefiller.stub.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
-        first = await drain.read()
+        first = await _drain_reply(drain)
         assert first.state == pb.DRAIN_STATE_STARTED
         assert (first.in_flight_requests, first.open_kv_sessions) == (0, 1)
         # Draining, it still serves the pull of a session it handed over.
@@ -424,20 +432,20 @@ async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline()
         assert decoded[-1].usage.cached_prompt_tokens == 8
         last = first
         while last.state != pb.DRAIN_STATE_COMPLETE:
-            last = await drain.read()
+            last = await _drain_reply(drain)
         assert last.open_kv_sessions == 0 and last.in_flight_requests == 0
 
     async with engines(sim_config(role="prefill")) as (prefiller,):
         await prefill(prefiller)
-        drain = pb.DrainRequest(
+        at_once = pb.DrainRequest(
             stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
         )
-        replies = [r async for r in prefiller.stub.Drain(drain)]
+        replies = [r async for r in prefiller.stub.Drain(at_once)]
         assert replies[-1].state == pb.DRAIN_STATE_COMPLETE
         await eventually(lambda: _no_sessions(prefiller), timeout_s=5, what="the session released")
 
 
-class _HeldPrefillEngine(kt_grpc.KvTransferServicer):
+class _HeldPrefillEngine(PartialKvTransfer):
     """A prefill engine's pull service that sends the header of PROMPT's session, then holds
     the blocks until `release` is set: a pull in progress for as long as a test needs."""
 
@@ -476,7 +484,7 @@ async def test_a_drain_waits_for_a_pull_in_progress_and_admits_its_request() -> 
         load = await decoder.stub.GetLoad(pb.GetLoadRequest())
         assert load.running_requests == 1
         drain = decoder.stub.Drain(pb.DrainRequest(stop_accepting_new_requests=True))
-        first = await drain.read()
+        first = await _drain_reply(drain)
         assert first.state == pb.DRAIN_STATE_STARTED and first.in_flight_requests == 1
         held.release.set()
         decoded = await generation
@@ -484,7 +492,7 @@ async def test_a_drain_waits_for_a_pull_in_progress_and_admits_its_request() -> 
         assert decoded[-1].usage.cached_prompt_tokens == 8
         last = first
         while last.state != pb.DRAIN_STATE_COMPLETE:
-            last = await drain.read()
+            last = await _drain_reply(drain)
         assert last.in_flight_requests == 0
 
 
@@ -510,12 +518,6 @@ async def test_an_abort_during_the_pull_cancels_the_request() -> None:
         assert load.running_requests == 0 and load.used_kv_blocks == 0
 
 
-async def _metrics(engine: Engine) -> str:
-    url = f"http://127.0.0.1:{engine.app.metrics_port}/metrics"
-    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
-    return body.decode()
-
-
 async def test_metrics_count_pulls_by_outcome_and_open_sessions() -> None:
     metered = {"metrics_listen": "127.0.0.1:0"}
     async with engines(
@@ -525,7 +527,7 @@ async def test_metrics_count_pulls_by_outcome_and_open_sessions() -> None:
         decoder,
     ):
         session = await prefill(prefiller)
-        assert 'kvplane_engine_open_kv_sessions{model="sim"} 1.0' in await _metrics(prefiller)
+        assert 'kvplane_engine_open_kv_sessions{model="sim"} 1.0' in await metrics_text(prefiller)
         await collect(decoder.stub, with_session(session))
         gone = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
         assert gone.code() == grpc.StatusCode.NOT_FOUND
@@ -534,12 +536,12 @@ async def test_metrics_count_pulls_by_outcome_and_open_sessions() -> None:
         nixl.transfer_backend = "nixl"
         refused = await rpc_error(lambda: collect(decoder.stub, with_session(nixl)))
         assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
-        text = await _metrics(decoder)
+        text = await metrics_text(decoder)
         for outcome, count in (("ok", 1), ("not_found", 1), ("refused", 1)):
             line = f'kvplane_engine_kv_pulls_total{{model="sim",outcome="{outcome}"}} {count}.0'
             assert line in text, outcome
         assert 'kvplane_engine_kv_pulled_blocks_total{model="sim"} 2.0' in text
-        assert 'kvplane_engine_open_kv_sessions{model="sim"} 0.0' in await _metrics(prefiller)
+        assert 'kvplane_engine_open_kv_sessions{model="sim"} 0.0' in await metrics_text(prefiller)
 
 
 async def test_a_prefill_engine_with_auth_serves_pulls_to_its_token_only(tmp_path: Path) -> None:

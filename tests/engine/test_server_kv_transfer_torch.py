@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineRoleName
 from engine.server import kv_pull
 from kvplane_api.v1 import kv_transfer_pb2 as kt
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
@@ -29,7 +29,11 @@ PROMPT = [(i * 37 + 11) % 900 + 5 for i in range(3 * BLOCK + 7)]  # 3 full block
 LONG_PROMPT = [(i * 37 + 11) % 900 + 5 for i in range(48 * BLOCK + 3)]
 
 
-def _config(role: str, dtype: str) -> EngineConfig:
+# The weights' dtypes the torch runner takes (EngineConfig.dtype).
+DType = Literal["float32", "bfloat16"]
+
+
+def _config(role: EngineRoleName, dtype: DType) -> EngineConfig:
     return EngineConfig(
         model=str(TINY_LLAMA),
         listen="127.0.0.1:0",
@@ -47,12 +51,12 @@ def _config(role: str, dtype: str) -> EngineConfig:
 
 
 @asynccontextmanager
-async def role_engines(dtype: str) -> AsyncIterator[list[Engine]]:
+async def role_engines(dtype: DType) -> AsyncIterator[list[Engine]]:
     """A PREFILL, a DECODE and an AGGREGATED engine on the same weights."""
     async with AsyncExitStack() as stack:
         yield [
             await stack.enter_async_context(running_engine(_config(role, dtype)))
-            for role in ("prefill", "decode", "aggregated")
+            for role in (EngineRoleName.prefill, EngineRoleName.decode, EngineRoleName.aggregated)
         ]
 
 
@@ -72,13 +76,14 @@ def _tokens(responses: list[pb.GenerateResponse]) -> list[int]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 async def test_decode_with_a_pulled_session_generates_what_an_aggregated_engine_does(
-    dtype: str,
+    dtype: DType,
 ) -> None:
     async with role_engines(dtype) as (prefiller, decoder, aggregated):
         handoff = await collect(prefiller.stub, _greedy())
         assert [r.WhichOneof("event") for r in handoff] == ["prefill_ready"]
         session = handoff[-1].prefill_ready.kv_session
         layout = session.attributes_struct["kv_layout"]
+        assert isinstance(layout, str)
         assert f"kvplane-torch-v1:{dtype}:layers=2:block={BLOCK}" in layout
 
         decode = _greedy()

@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import urllib.request
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from engine.torch_runner.config import ModelConfig
 from engine.torch_runner.errors import CheckpointError
 from engine.torch_runner.loader import load_model
 from engine.torch_runner.pooling import TorchPooler
+from engine.torch_runner.runner import TorchModelRunner
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     collect,
@@ -111,7 +113,7 @@ def close(got: torch.Tensor, want: torch.Tensor, tolerance: float = TOLERANCE) -
 
 
 def normalized(x: torch.Tensor) -> torch.Tensor:
-    return x / x.norm(dim=-1, keepdim=True)
+    return x.div(x.norm(dim=-1, keepdim=True))
 
 
 # ------------------------------------------------------------------------------------------
@@ -686,7 +688,7 @@ async def test_abort_all_requests_drops_every_waiting_task(classifier_dir: Path)
     async with running_engine(config) as engine:
         service, stub = engine.app.service, engine.stub
         async with engine_thread_held(service):
-            calls = [
+            calls: list[Awaitable[object]] = [
                 stub.Embed(pb.EmbedRequest(context=context("e"), inputs=WAITING_INPUT)),
                 stub.Classify(pb.ClassifyRequest(context=context("c"), inputs=WAITING_INPUT)),
                 stub.Score(pb.ScoreRequest(context=context("s"), groups=[group])),
@@ -782,7 +784,9 @@ async def test_a_model_producing_nan_fails_the_task_instead_of_sending_it(
     weights corrupted here, in the running engine) fails Embed and Score with INTERNAL, a
     one-line message, rather than sending NaN."""
     async with running_engine(engine_config(builtin_dir)) as engine:
-        weights = engine.app.service.engine_loop.core.runner.model.weights
+        runner = engine.app.service.engine_loop.core.runner
+        assert isinstance(runner, TorchModelRunner)  # a builtin model: the torch runner
+        weights = runner.model.weights
         with torch.inference_mode():
             weights.final_norm.fill_(float("nan"))
         inputs = [ids_input("a", [5, 6, 7]), ids_input("b", [8, 9])]

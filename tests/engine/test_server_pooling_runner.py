@@ -20,11 +20,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig, RunnerName
+from engine.config import EngineConfig, EngineRoleName, LoraConfig, RunnerName
 from engine.server.service import start_engine
 from engine.torch_runner.builtin_model import write_builtin_model
 from engine.torch_runner.errors import CheckpointError
 from engine.torch_runner.loader import ships_lm_head
+from engine.torch_runner.runner import TorchModelRunner
 from kvplane.config import validate_config
 from kvplane.errors import ConfigError
 from openengine.v1 import openengine_pb2 as pb
@@ -125,8 +126,8 @@ async def test_auto_serves_a_headless_classifier_for_pooling_only(headless_dir: 
         assert list(output.labels) == LABELS
         assert close(values(output.scores), expected.double())
     hidden = [normalized(dense_hidden(headless_dir, ids)[-1]) for ids in inputs]
-    for output, expected in zip(embedded.outputs, hidden, strict=True):
-        assert close(values(output.dense), expected)
+    for embedding, expected in zip(embedded.outputs, hidden, strict=True):
+        assert close(values(embedding.dense), expected)
     cosines = [float(hidden[0] @ h) for h in hidden[1:]]
     got = [c.scores.values[0] for c in scored.groups[0].candidates]
     assert got == pytest.approx(cosines, abs=1e-4)
@@ -176,7 +177,9 @@ async def test_runner_pooling_on_a_causal_lm_embeds_and_never_generates(tmp_path
             pb.EmbedRequest(context=context(), inputs=[ids_input("a", [5, 6, 7])])
         )
         error = await rpc_error(collect(engine.stub, generate_request([5, 6], model=MODEL)))
-        assert engine.app.service.engine_loop.core.runner.model.weights.lm_head is None  # type: ignore[attr-defined]
+        runner = engine.app.service.engine_loop.core.runner
+        assert isinstance(runner, TorchModelRunner)  # a builtin model: the torch runner
+        assert runner.model.weights.lm_head is None
     assert close(
         values(embedded.outputs[0].dense), normalized(dense_hidden(builtin, [5, 6, 7])[-1])
     )
@@ -212,7 +215,7 @@ async def test_max_queued_requests_bounds_the_tasks_waiting_for_the_engine_threa
             )
             load = await stub.GetLoad(pb.GetLoadRequest())
         waited = await asyncio.gather(*waiting)
-        admitted = await asyncio.gather(
+        embedded, classified = await asyncio.gather(
             stub.Embed(pb.EmbedRequest(context=context("e"), inputs=good)),
             stub.Classify(pb.ClassifyRequest(context=context("c"), inputs=good)),
         )
@@ -222,7 +225,8 @@ async def test_max_queued_requests_bounds_the_tasks_waiting_for_the_engine_threa
     assert "2 queued, max_queued_requests is 2" in (refused.details() or "")
     # GetLoad counts them as the bound does: queued, not running.
     assert (load.queued_requests, load.running_requests) == (2, 0)
-    assert [len(response.outputs) for response in (*waited, *admitted)] == [1, 1, 1, 1]
+    outputs = [len(r.outputs) for r in waited] + [len(embedded.outputs), len(classified.outputs)]
+    assert outputs == [1, 1, 1, 1]
     assert f"{overloaded_metric('embed')} 1.0" in metrics.decode()
 
 
@@ -262,4 +266,6 @@ async def test_auto_refuses_a_headless_classifier_with_pooling_conflicts(
 
 def test_runner_defaults_to_auto_and_generate_allows_everything() -> None:
     assert EngineConfig().runner is RunnerName.auto
-    EngineConfig(runner="generate", role="prefill", lora={"enabled": True})
+    EngineConfig(
+        runner=RunnerName.generate, role=EngineRoleName.prefill, lora=LoraConfig(enabled=True)
+    )

@@ -129,14 +129,17 @@ ONE_SEAT = sim_config(
 )
 
 
-async def _take_the_seat(engine: Engine) -> Any:
+async def _take_the_seat(
+    engine: Engine,
+) -> grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]:
     """Start request "running" (3,000 tokens to go) and wait for its first response: the
     seat is taken. Returns its stream (cancel it, or abort "running", to free the seat)."""
     running = _request()
     running.request_id = "running"
     running.stopping.max_new_tokens = 3000
     stream = engine.vllm.GenerateStream(running)
-    assert (await asyncio.wait_for(stream.read(), timeout=20)).HasField("prompt_info")
+    first = await asyncio.wait_for(stream.read(), timeout=20)
+    assert isinstance(first, pb.GenerateResponse) and first.HasField("prompt_info")
     return stream
 
 
@@ -477,8 +480,9 @@ async def test_a_draining_engine_refuses_new_work_and_aborts_at_its_deadline() -
         )
         states = [r.state async for r in engine.stub.Drain(drain)]
         assert states[-1] == oe.DRAIN_STATE_COMPLETE
-        last = None
+        last: pb.GenerateResponse | None = None
         while (response := await asyncio.wait_for(running.read(), timeout=20)) is not grpc.aio.EOF:
+            assert isinstance(response, pb.GenerateResponse)
             last = response
         assert last is not None
         assert last.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED

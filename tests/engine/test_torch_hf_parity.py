@@ -13,18 +13,18 @@ from typing import Any
 
 import pytest
 import torch
-from torch_reference import (
+
+from engine.core.api import EngineRequest, LogprobRequest, SamplingParams, SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.torch_runner.config import Architecture, ModelConfig
+from engine.torch_runner.runner import TorchModelRunner
+from tests.engine.torch_reference import (
     TEST_DEVICE,
     TINY_LLAMA,
     dense_logits,
     vllm_requests,
     write_random_qwen2,
 )
-
-from engine.core.api import EngineRequest, LogprobRequest, SamplingParams, SchedulerConfig
-from engine.core.engine_core import EngineCore
-from engine.torch_runner.config import Architecture, ModelConfig
-from engine.torch_runner.runner import TorchModelRunner
 
 # Imported by name: transformers is a dev dependency, typed as Any here (keeps mypy fast).
 transformers: Any = importlib.import_module("transformers")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +14,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch_reference import (
-    TINY_LLAMA,
-    DrivenSequence,
-    dense_logits,
-    drive,
-    vllm_requests,
-    vllm_sequences,
-    write_random_qwen2,
-)
 
 from engine.core.api import (
     EngineRequest,
@@ -45,6 +37,15 @@ from engine.torch_runner.model import rms_norm
 from engine.torch_runner.native import compiler_available, load_kernels
 from engine.torch_runner.runner import TorchModelRunner
 from engine.torch_runner.tokenizer import load_tokenizer
+from tests.engine.torch_reference import (
+    TINY_LLAMA,
+    DrivenSequence,
+    dense_logits,
+    drive,
+    vllm_requests,
+    vllm_sequences,
+    write_random_qwen2,
+)
 
 CPU = torch.device("cpu")
 
@@ -301,18 +302,17 @@ def test_attention_on_cuda_runs_without_cudnn_and_leaves_the_choice_as_it_was() 
     """cuDNN plans every new shape anew, and a serving step's shapes keep changing: the
     runner's steps on CUDA leave it out of SDPA's choice; on CPU (no cuDNN) nothing changes.
     The flags are process-wide, so both are restored after the step."""
-    cuda = torch.backends.cuda
-    before = (cuda.cudnn_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled())
+    # torch leaves these switches unannotated; each answers whether its backend is on.
+    cudnn: Callable[[], bool] = torch.backends.cuda.cudnn_sdp_enabled
+    mem_efficient: Callable[[], bool] = torch.backends.cuda.mem_efficient_sdp_enabled
+    math: Callable[[], bool] = torch.backends.cuda.math_sdp_enabled
+    before = (cudnn(), mem_efficient(), math())
     with sdpa_backends(torch.device("cuda")):
-        assert not cuda.cudnn_sdp_enabled()
-        assert cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+        assert not cudnn()
+        assert mem_efficient() and math()
     with sdpa_backends(CPU):
-        assert cuda.cudnn_sdp_enabled() == before[0]
-    assert (
-        cuda.cudnn_sdp_enabled(),
-        cuda.mem_efficient_sdp_enabled(),
-        cuda.math_sdp_enabled(),
-    ) == before
+        assert cudnn() == before[0]
+    assert (cudnn(), mem_efficient(), math()) == before
 
 
 def test_attention_metadata_rejects_a_block_table_too_short_or_out_of_range() -> None:

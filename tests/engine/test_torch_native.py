@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch_reference import TINY_LLAMA, drive, vllm_requests, vllm_sequences
 
 from engine.torch_runner import native
 from engine.torch_runner.errors import KvCacheError
 from engine.torch_runner.model import apply_rotary, rms_norm
 from engine.torch_runner.runner import TorchModelRunner
+from tests.engine.torch_reference import TINY_LLAMA, drive, vllm_requests, vllm_sequences
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -17,6 +17,7 @@ import grpc
 import pytest
 import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typer.core import TyperGroup
 
 from kvplane.cli import app
 from kvplane.up.config import MemberKind
@@ -48,15 +49,17 @@ def test_up_help_names_every_member_kind() -> None:
 
 
 def _commands(command: object, path: tuple[str, ...] = ()) -> list[tuple[str, object]]:
-    """Every leaf command under `command`, with its path."""
-    if not hasattr(command, "list_commands"):
+    """Every leaf command under `command`, with its path (typer's groups are its own click's,
+    which it vendors)."""
+    if not isinstance(command, TyperGroup):
         return [(" ".join(path), command)]
-    ctx = type(command).context_class(command)  # type: ignore[attr-defined]
-    return [
-        leaf
-        for name in command.list_commands(ctx)
-        for leaf in _commands(command.get_command(ctx, name), (*path, name))
-    ]
+    ctx = command.context_class(command)
+    leaves = []
+    for name in command.list_commands(ctx):
+        sub = command.get_command(ctx, name)
+        assert sub is not None, f"kvplane {' '.join(path)} lists {name} but has no such command"
+        leaves.extend(_commands(sub, (*path, name)))
+    return leaves
 
 
 def test_every_command_has_a_one_line_summary() -> None:

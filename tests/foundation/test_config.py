@@ -56,9 +56,9 @@ def test_what_the_command_line_got_wrong_is_told_apart_from_the_file(tmp_path: P
     path = tmp_path / "c.yaml"
     for text in ("listen: nonsense\n", "listen: [\n"):
         path.write_text(text)
-        with pytest.raises(ConfigError) as caught:
+        with pytest.raises(ConfigError) as bad_file:
             load_config(ServerConfig, path, {"metrics_listen": None})
-        assert not isinstance(caught.value, CommandLineError), caught.value
+        assert not isinstance(bad_file.value, CommandLineError), bad_file.value
 
 
 def test_a_check_across_fields_without_a_file_is_the_flags_alone() -> None:

@@ -253,8 +253,9 @@ async def healthy(servers: Servers, server: str) -> None:
     responses = await call_rpc(
         channel, generate, probe, window_s=UNARY_DEADLINE_S, max_messages=None
     )
-    assert all(isinstance(r, pb.GenerateResponse) for r in responses)
-    tokens = [t.token_id for r in responses if r.HasField("token") for t in r.token.tokens]
+    generated = [r for r in responses if isinstance(r, pb.GenerateResponse)]
+    assert generated == responses
+    tokens = [t.token_id for r in generated if r.HasField("token") for t in r.token.tokens]
     assert len(tokens) == 3, responses
     assert responses[-1].HasField("finished"), responses[-1]
 

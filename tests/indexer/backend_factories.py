@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import pytest
-from served_backend import ServedBackend
 
 from indexer.backend import IndexBackend
 from indexer.memory_backend import MemoryBackend
+from tests.indexer.served_backend import ServedBackend
 
 BackendFactory = Callable[[pytest.FixtureRequest], AbstractAsyncContextManager[IndexBackend]]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from backend_factories import FACTORIES, SERVED_FACTORIES
-from served_backend import ServedBackend
 
 from indexer.backend import IndexBackend
+from tests.indexer.backend_factories import FACTORIES, SERVED_FACTORIES
+from tests.indexer.served_backend import ServedBackend
 
 
 @pytest.fixture(params=sorted(FACTORIES))

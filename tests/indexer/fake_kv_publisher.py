@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -84,10 +85,19 @@ class FakeKvPublisher:
             pub.bind(endpoint)
         return pub
 
+    def _opened_pub(self) -> zmq.asyncio.Socket:
+        """The PUB socket, which a publisher built with `pub_now=False` opens later."""
+        assert self.pub is not None, "the PUB is not open yet (pub_now=False): open_pub() first"
+        return self.pub
+
+    def close_pub(self) -> None:
+        """The engine's publisher gone: its PUB closed (the replay ROUTER still answers)."""
+        self._opened_pub().close(linger=0)
+
     async def restart(self) -> None:
         """A new engine process: a new PUB on the same endpoint (so new connections) and an
         empty replay buffer, served on the same replay endpoint."""
-        self.pub.close(linger=0)
+        self.close_pub()
         self.buffer.clear()
         await self.open_pub_when_free()
 
@@ -102,7 +112,7 @@ class FakeKvPublisher:
             return topic
         async with asyncio.timeout(timeout_s):
             while True:
-                message = await self.pub.recv()
+                message = await self._opened_pub().recv()
                 if message[:1] != b"\x01":
                     continue
                 subscribed = bytes(message[1:])
@@ -111,7 +121,7 @@ class FakeKvPublisher:
                     return subscribed
 
     async def send(self, frames: list[bytes]) -> None:
-        await self.pub.send_multipart(frames)
+        await self._opened_pub().send_multipart(frames)
 
     async def publish(
         self,
@@ -171,9 +181,9 @@ def _allow_ipv6(sock: zmq.asyncio.Socket, endpoint: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running(task_coro: object) -> AsyncIterator[asyncio.Task[None]]:
+async def running(task_coro: Coroutine[Any, Any, None]) -> AsyncIterator[asyncio.Task[None]]:
     """Run a coroutine as a task for the duration of the block, then cancel it."""
-    task: asyncio.Task[None] = asyncio.ensure_future(task_coro)  # type: ignore[arg-type]
+    task = asyncio.ensure_future(task_coro)
     try:
         yield task
     finally:

@@ -85,7 +85,7 @@ class IndexerSoak(SeededSoak):
         # Ports below the ephemeral range: a process killed and started again finds its own
         # free (redis-server, engines and replicas restart on the ports they had).
         self.redis = RedisServer(workdir / "redis", port=restartable_port())
-        self.engines = [
+        self.engines: list[Engine] = [
             self._engine("e0", zmq=True),
             self._engine("e1", zmq=False),  # followed over SubscribeKvEvents
             self._engine("e2", zmq=True),
@@ -259,7 +259,10 @@ class IndexerSoak(SeededSoak):
             client = self.redis.client()
             for key in client.scan_iter(match=f"*:l:{engine.worker_id}"):
                 holder = client.get(key)
-                return None if holder is None else bytes(holder).decode()
+                if holder is None:
+                    return None
+                assert isinstance(holder, bytes)  # the client does not decode responses
+                return holder.decode()
             return None
 
         return await asyncio.to_thread(read)

@@ -14,9 +14,6 @@ import grpc
 import msgpack
 import pytest
 import zmq.asyncio
-from fake_kv_publisher import FakeKvPublisher, running
-from hybrid_events import EventForm, hybrid_payload
-from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 
 from indexer.batch import Component, Tier
 from indexer.bridge import BridgeSettings, build_bridge, follow
@@ -30,6 +27,9 @@ from kvplane.channels import ClientChannels
 from kvplane.config import AuthConfig, ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
 from kvplane.server import Service, create_server
+from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
+from tests.indexer.hybrid_events import EventForm, hybrid_payload
+from tests.indexer.test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
 from tests.ipv6_loopback import needs_ipv6_loopback
 from tests.polling import eventually
 

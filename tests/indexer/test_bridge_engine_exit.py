@@ -44,6 +44,7 @@ class Processes:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
         self.running: list[subprocess.Popen[bytes]] = []
+        self._arguments: list[tuple[str, ...]] = []  # each process's `kvplane` arguments
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         with (self.tmp_path / f"{name}.log").open("ab") as log:
@@ -54,7 +55,14 @@ class Processes:
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         self.running.append(process)
+        self._arguments.append(args)
         return process
+
+    def started_with(self, argument: str) -> list[subprocess.Popen[bytes]]:
+        """The processes whose `kvplane` arguments include `argument` (a command's name)."""
+        return [
+            p for p, args in zip(self.running, self._arguments, strict=True) if argument in args
+        ]
 
     async def serving(self, name: str, *args: str) -> str:
         """Spawn a server with a port file; its address once it listens."""
@@ -158,7 +166,7 @@ async def test_a_killed_engine_leaves_no_stale_blocks_and_its_restart_is_indexed
     engine, indexer, config, first_prompt = await _engine_followed_by_a_bridge(tmp_path, processes)
     assert await _indexed_blocks(indexer) == await _engine_cached_blocks(engine)
 
-    (engine_process,) = [p for p in processes.running if "engine" in p.args]
+    (engine_process,) = processes.started_with("engine")
     engine_process.send_signal(signal.SIGKILL)
     engine_process.wait()
 
@@ -196,7 +204,7 @@ async def test_a_stopped_engine_is_cleared_by_heartbeats_and_rebuilt_when_it_res
     num_cached = await _engine_cached_blocks(engine)
     assert await _indexed_blocks(indexer) == num_cached
 
-    (engine_process,) = [p for p in processes.running if "engine" in p.args]
+    (engine_process,) = processes.started_with("engine")
     engine_process.send_signal(signal.SIGSTOP)
     try:
 

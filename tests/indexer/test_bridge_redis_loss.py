@@ -22,15 +22,15 @@ import grpc
 import msgpack
 import pytest
 import zmq.asyncio
-from fake_kv_publisher import FakeKvPublisher, running
-from redis_servers import RedisServer
 
 from indexer.bridge import BridgeSettings, KvIndexerSink, build_bridge, follow
 from indexer.redis_codec import pack_key
 from indexer.sources.zmq import ZmqSource
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
 from tests.polling import eventually
+from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(90)
 WAIT_S = 30.0

@@ -8,21 +8,11 @@ translator): the indexed set equals what vLLM holds live, with copies, after eve
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
+from functools import partial
 
 import grpc
 import pytest
 import zmq.asyncio
-from fake_kv_publisher import FakeKvPublisher, running
-from vllm_capture import (
-    BLOCK_SIZE,
-    TOPIC,
-    CapturedMessage,
-    LiveModel,
-    final_live,
-    live_messages,
-    replay_replies,
-    requests,
-)
 
 from indexer.batch import Tier, to_sfixed64
 from indexer.engine_events import BlockStored
@@ -38,6 +28,17 @@ from kvplane.config import ServerConfig
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
+from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
+from tests.indexer.vllm_capture import (
+    BLOCK_SIZE,
+    TOPIC,
+    CapturedMessage,
+    LiveModel,
+    final_live,
+    live_messages,
+    replay_replies,
+    requests,
+)
 
 pytestmark = pytest.mark.timeout(120)
 WAIT_S = 20.0
@@ -62,6 +63,11 @@ def _replay_frames() -> dict[int, list[bytes]]:
 
 
 REPLAY = _replay_frames()
+
+
+def _handled(source: ZmqSource, seq: int) -> bool:
+    """Whether `source` has handled the message numbered `seq`."""
+    return source.last_seq == seq
 
 
 def _source(
@@ -293,8 +299,8 @@ async def test_matching_each_prompt_before_it_was_sent_predicts_vllms_cached_tok
                 sent += len(batch)
                 if batch:
                     last = batch[-1].seq
-                    await canonical.wait_until(lambda last=last: canonical.last_seq == last, WAIT_S)
-                    await engine.wait_until(lambda last=last: engine.last_seq == last, WAIT_S)
+                    for source in (canonical, engine):
+                        await source.wait_until(partial(_handled, source, last), WAIT_S)
                 # vLLM never counts the last prompt token as cached.
                 prompt = request["prompt_token_ids"][:-1]
                 by_tokens = await kv_index.MatchTokens(

@@ -21,12 +21,7 @@ import msgpack
 import pytest
 import typer
 import zmq.asyncio
-from click.testing import Result
-from fake_kv_publisher import FakeKvPublisher
-from hybrid_events import hybrid_payload
-from redis_servers import RedisServer
-from typer.testing import CliRunner
-from vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
+from typer.testing import CliRunner, Result
 
 from indexer.admin_cli import read_token_ids
 from indexer.batch import Action, ActionType, Batch, Component, Tier, to_sfixed64
@@ -42,7 +37,11 @@ from kvplane.errors import KvplaneError
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
+from tests.indexer.fake_kv_publisher import FakeKvPublisher
+from tests.indexer.hybrid_events import hybrid_payload
+from tests.indexer.vllm_capture import BLOCK_SIZE, final_live, live_messages, requests
 from tests.polling import eventually
+from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 KVPLANE = [str(Path(sys.executable).parent / "kvplane")]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from indexer.batch import CacheSpec, Component
-from indexer.config import IndexerConfig
+from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
 from indexer.engine_events import BlockStored
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
@@ -106,7 +106,9 @@ def test_the_writer_lease_settings_are_checked(data: dict[str, object], message:
 
 def test_uint32_wire_fields_take_their_whole_range() -> None:
     config = IndexerConfig.model_validate(_openengine(data_parallel_ranks=[0, (1 << 32) - 1]))
-    assert config.sources[0].data_parallel_ranks == [0, (1 << 32) - 1]  # type: ignore[union-attr]
+    (source,) = config.sources
+    assert isinstance(source, OpenEngineSourceConfig)
+    assert source.data_parallel_ranks == [0, (1 << 32) - 1]
 
 
 @pytest.mark.parametrize(
@@ -187,8 +189,10 @@ def test_yamls_own_ints_bools_and_floats_load(tmp_path: Path) -> None:
     config = load_config(IndexerConfig, config_file)
     assert (config.block_size, config.redis.timeout_s, config.redis.buckets) == (32, 2.0, 64)
     zmq_source, openengine_source = config.sources
-    assert zmq_source.bind is True and zmq_source.replay_timeout_s == 3.0  # type: ignore[union-attr]
-    assert openengine_source.discover_zmq is False  # type: ignore[union-attr]
+    assert isinstance(zmq_source, ZmqSourceConfig)
+    assert isinstance(openengine_source, OpenEngineSourceConfig)
+    assert zmq_source.bind is True and zmq_source.replay_timeout_s == 3.0
+    assert openengine_source.discover_zmq is False
 
 
 def test_a_redis_block_with_the_memory_backend_is_an_error() -> None:

@@ -25,9 +25,6 @@ import grpc
 import msgpack
 import pytest
 import zmq.asyncio
-from backend_views import worker_keys
-from fake_kv_publisher import FakeKvPublisher, running
-from redis_servers import RedisServer
 
 from indexer.backend import IndexBackend
 from indexer.backends import open_backend
@@ -38,7 +35,10 @@ from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
+from tests.indexer.backend_views import worker_keys
+from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
 from tests.polling import eventually
+from tests.redis_servers import RedisServer
 from tests.tcp_forwarder import TcpForwarder
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,8 +18,6 @@ import grpc
 import msgpack
 import pytest
 import zmq.asyncio
-from fake_kv_publisher import FakeKvPublisher, running
-from hybrid_events import hybrid_payload
 
 from engine.core.api import BlockStored as EngineBlockStored
 from engine.server.service import EngineApp, start_engine
@@ -37,6 +35,9 @@ from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import sim_config
+from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
+from tests.indexer.hybrid_events import hybrid_payload
+from tests.partial_servicers import PartialOpenEngine
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0
@@ -47,7 +48,9 @@ def _hash(value: int) -> pb.KvBlockHash:
 
 
 def _stored(
-    *keys: int, parent: int | None = None, medium: int = pb.STORAGE_MEDIUM_GPU
+    *keys: int,
+    parent: int | None = None,
+    medium: pb.StorageMedium.ValueType = pb.STORAGE_MEDIUM_GPU,
 ) -> pb.KvEvent:
     stored = pb.BlockStored(block_hashes=[_hash(k) for k in keys], block_size=4, medium=medium)
     if parent is not None:
@@ -70,7 +73,7 @@ def _batch(seq: int, *events: pb.KvEvent) -> pb.SubscribeKvEventsResponse:
     return pb.SubscribeKvEventsResponse(batch=pb.KvEventBatch(sequence_number=seq, events=events))
 
 
-class ScriptedEngine(pb_grpc.OpenEngineServicer):
+class ScriptedEngine(PartialOpenEngine):
     """Each SubscribeKvEvents call plays the next script; the last one stays open."""
 
     def __init__(self, scripts: list[list[pb.SubscribeKvEventsResponse]]) -> None:
@@ -89,7 +92,7 @@ class ScriptedEngine(pb_grpc.OpenEngineServicer):
             await self.hold.wait()
 
 
-class ZmqOnlyEngine(pb_grpc.OpenEngineServicer):
+class ZmqOnlyEngine(PartialOpenEngine):
     """An engine without SubscribeKvEvents that advertises its ZMQ publishers: one, or one per
     data-parallel rank (rank -> publisher), after its (unusable) gRPC source."""
 
@@ -201,9 +204,9 @@ async def test_a_storage_medium_this_build_does_not_know_is_skipped_not_taken_fo
     """A newer engine's StorageMedium value (9 here) is an unknown medium: its store and its
     removal are skipped and counted, as an unknown ZMQ medium is, never read as UNSPECIFIED
     (which the indexer's sources put at HBM)."""
-    unknown = 9
+    unknown = pb.StorageMedium.ValueType(9)  # a number the proto gives no medium
     removed_elsewhere = _removed(1)
-    removed_elsewhere.block_removed.medium = unknown  # type: ignore[assignment]
+    removed_elsewhere.block_removed.medium = unknown
     engine = ScriptedEngine(
         [[_batch(1, _stored(1), _stored(2, medium=unknown), removed_elsewhere)]]
     )
@@ -284,7 +287,7 @@ async def test_a_target_that_is_no_openengine_server_is_one_line_per_retry(
     """UNIMPLEMENTED for SubscribeKvEvents and GetKvEventSources alike (a server of something
     else): a warning per attempt, no traceback, and the source keeps retrying (an engine may
     take the address later)."""
-    server, target = await _serve(pb_grpc.OpenEngineServicer())  # implements nothing
+    server, target = await _serve(PartialOpenEngine())  # implements nothing
     source = _source(target, PrefixIndex())
     try:
         async with running(source.run()):
@@ -369,7 +372,7 @@ async def test_follows_every_advertised_rank_as_a_worker_of_its_own() -> None:
     assert [(m.worker_id, m.worker_address) for m in prefix.matches] == [(f"{target}/dp0", target)]
 
 
-class AdvertisingEngine(pb_grpc.OpenEngineServicer):
+class AdvertisingEngine(PartialOpenEngine):
     """An engine without SubscribeKvEvents that advertises exactly `adverts`."""
 
     def __init__(self, adverts: list[pb.KvEventSource]) -> None:

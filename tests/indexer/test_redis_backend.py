@@ -15,11 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from backend_views import observe
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis_servers import RedisServer
 
 from indexer.backend import IndexBackend
 from indexer.batch import Action, ActionType, Batch, CacheSpec, Tier
@@ -36,7 +34,9 @@ from indexer.redis_backend import (
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.errors import ConfigError
+from tests.indexer.backend_views import observe
 from tests.polling import eventually
+from tests.redis_servers import RedisServer
 
 WORKERS = ("w0", "w1", "w2")
 SPECS = (
@@ -125,6 +125,7 @@ def test_redis_answers_like_memory(
                         assert isinstance(op[1], tuple)
                         await backend.match(op[1], True)
                 if op[0] == "remove" and op[2]:
+                    assert isinstance(op[1], str)
                     names[op[1]] = f"{op[1]}-{n}"
             return await observe(memory, queries), await observe(shared, queries)
         finally:
@@ -429,9 +430,9 @@ async def test_a_closed_process_leaves_no_write_mark_behind(redis_server: RedisS
     client = redis_server.client()
 
     def marks() -> list[bytes]:
-        return [
-            f for k in client.scan_iter(match="*:m") for f in client.hkeys(k) if f[:3] == b"lw:"
-        ]
+        fields = [f for k in client.scan_iter(match="*:m") for f in client.hkeys(k)]
+        assert all(isinstance(f, bytes) for f in fields)  # the client does not decode
+        return [f for f in fields if isinstance(f, bytes) and f[:3] == b"lw:"]
 
     running = await open_redis_backend(redis_server.url, buckets=8)
     try:

@@ -14,16 +14,16 @@ from pathlib import Path
 import grpc
 import pytest
 import zmq.asyncio
-from fake_kv_publisher import FakeKvPublisher
-from redis_servers import RedisClusterNodes, SlotMove
 
 from indexer.backend import WorkerPlacements
 from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import IndexUnavailableError, RedisBackend, open_redis_backend
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
+from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.indexer.test_redis_resync import Run
 from tests.polling import eventually
+from tests.redis_servers import RedisClusterNodes, SlotMove
 
 WAIT_S = 30.0
 ALL_KEYS = list(range(1, 200))
@@ -104,7 +104,7 @@ async def test_a_node_restarted_empty_recovers_while_another_partitions_node_is_
     """Readying a partition (after its node came back empty) loaded the functions on every
     primary, so a primary of another model being down kept this model UNAVAILABLE until that
     node came back too."""
-    by_node = {}
+    by_node: dict[int, str] = {}  # port -> the first model whose meta key it holds
     for i in range(100):
         by_node.setdefault(cluster.node_of(_meta_key(f"m{i}")).port, f"m{i}")
     mine, other = list(by_node.values())[:2]
@@ -197,7 +197,7 @@ async def test_primary_killed_and_its_replica_promoted(
         await backend.apply(batch)
     primary = replicated_cluster.node_of(_meta_key("m0"))
     replica = replicated_cluster.replica_of(primary)
-    assert primary.client().execute_command("WAIT", 1, 10_000) == 1  # type: ignore[no-untyped-call]
+    assert primary.command("WAIT", 1, 10_000) == 1
 
     if replica_behind:
         assert replica.proc is not None
@@ -213,9 +213,10 @@ async def test_primary_killed_and_its_replica_promoted(
     finally:
         if replica_behind:
             primary.kill()
+            assert replica.proc is not None  # stopped above, not ended
             replica.proc.send_signal(signal.SIGCONT)
     replicated_cluster.fail_over(primary, replica)
-    assert replica.client().execute_command("FUNCTION", "LIST")  # type: ignore[no-untyped-call]
+    assert replica.command("FUNCTION", "LIST")
 
     if replica_behind:
         await _resynced(backend, {"w0": (3, 4, 7), "w1": (5, 6)})
@@ -301,7 +302,7 @@ async def test_indexer_serve_rebuilds_from_the_replay_after_a_failover_lost_writ
             await run.expect(stub, 19, "the first 20 batches")
             primary = cluster.node_of(_meta_key("default"))
             replica = cluster.replica_of(primary)
-            assert primary.client().execute_command("WAIT", 1, 10_000) == 1  # type: ignore[no-untyped-call]
+            assert primary.command("WAIT", 1, 10_000) == 1
             assert replica.proc is not None
             replica.proc.send_signal(signal.SIGSTOP)
             try:

@@ -22,9 +22,6 @@ from typing import Any
 import grpc
 import pytest
 import zmq.asyncio
-from fake_kv_publisher import FakeKvPublisher, running
-from redis_servers import RedisServer
-from vllm_capture import LiveModel, live_messages, signed
 
 from controller.config import ControllerConfig
 from controller.service import Controller
@@ -32,7 +29,7 @@ from indexer.backend import PrefixMatch, PrefixResult
 from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
-from indexer.redis_backend import open_redis_backend
+from indexer.redis_backend import RedisBackend, open_redis_backend
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
 from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
@@ -42,7 +39,11 @@ from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import load_config
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
+from tests.indexer.vllm_capture import LiveModel, live_messages, signed
+from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
+from tests.redis_servers import RedisServer
 
 KVPLANE = str(Path(sys.executable).parent / "kvplane")
 MESSAGES = {m.seq: m for m in live_messages()}
@@ -224,7 +225,8 @@ async def test_controller_opens_redis_with_the_indexers_options(
         assert controller.index is not None
         # (The controller writes a worker only under its engine's writer lease.)
         holder = controller.fleet.lease_holder
-        await controller.index.hold_lease("w0", holder, 10.0)  # type: ignore[attr-defined]
+        assert isinstance(controller.index, RedisBackend)  # `index.backend` names a redis
+        await controller.index.hold_lease("w0", holder, 10.0)
         await controller.index.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (5,)),)))
     finally:
         await controller.close()
@@ -249,7 +251,7 @@ def _batch(seq: int, *events: pb.KvEvent) -> pb.SubscribeKvEventsResponse:
     return pb.SubscribeKvEventsResponse(batch=pb.KvEventBatch(sequence_number=seq, events=events))
 
 
-class IdleEngine(pb_grpc.OpenEngineServicer):
+class IdleEngine(PartialOpenEngine):
     """Subscription i streams scripts[i], then stays open with nothing more to say."""
 
     def __init__(self, scripts: list[list[pb.SubscribeKvEventsResponse]]) -> None:
@@ -276,7 +278,7 @@ async def test_openengine_source_resubscribes_with_a_snapshot_when_redis_loses_t
     snapshot = [_batch(2, pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared()), _stored(10),
                        _stored(11, parent=10))]  # fmt: skip
     first = [_batch(1, _stored(10)), _batch(2, _stored(11, parent=10))]
-    engine = IdleEngine([first, snapshot])  # type: ignore[abstract]
+    engine = IdleEngine([first, snapshot])
     server = grpc.aio.server()
     pb_grpc.add_OpenEngineServicer_to_server(engine, server)
     target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"

@@ -11,14 +11,14 @@ from typing import Any
 
 import grpc
 import pytest
-from backend_views import observe
-from redis_servers import RedisServer
-from served_backend import ServedBackend
 
 from indexer.backend import IndexBackend, WorkerStats
 from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import ABI_SUFFIX, RedisBackend, open_redis_backend
+from tests.indexer.backend_views import observe
+from tests.indexer.served_backend import ServedBackend
+from tests.redis_servers import RedisServer
 
 # The partition of the default key prefix and model (docs/redis.md, "Layout").
 PARTITION = "kvplane:{default:0}"

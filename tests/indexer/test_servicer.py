@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pytest
-from served_backend import ServedBackend
 
 from indexer.backend import IndexStats, PrefixResult
 from indexer.batch import BlockKey, to_sfixed64
@@ -29,12 +29,14 @@ from kvplane.config import AuthConfig, ServerConfig
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
+from tests.indexer.served_backend import ServedBackend
 
 pytestmark = pytest.mark.timeout(60)
 
 HBM, DRAM, SSD = kv.TIER_HBM, kv.TIER_DRAM, kv.TIER_SSD
 REPORT, REVOKE, CLEAR = kv.ACTION_REPORT, kv.ACTION_REVOKE, kv.ACTION_CLEAR_ALL_AT_TIER
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+UNDEFINED_ACTION = kv.ExternalKvActionType.ValueType(9)  # a number the proto gives no action
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -93,9 +95,9 @@ def _report(tier: int, hashes: list[int], **kwargs: object) -> kv.ExternalKvActi
     return kv.ExternalKvAction(type=REPORT, tier=tier, hashes=hashes, **kwargs)  # type: ignore[arg-type]
 
 
-async def _code(call: object) -> grpc.StatusCode:
+async def _code(call: Awaitable[object]) -> grpc.StatusCode:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call  # type: ignore[misc]
+        await call
     return info.value.code()
 
 
@@ -109,7 +111,7 @@ async def _code(call: object) -> grpc.StatusCode:
         (_batch(kv.ExternalKvAction(type=CLEAR, tier=kv.TIER_UNKNOWN)), INVALID),
         (_batch(_report(7, [1])), INVALID),
         (_batch(kv.ExternalKvAction(type=kv.ACTION_UNKNOWN, tier=HBM, hashes=[1])), INVALID),
-        (_batch(kv.ExternalKvAction(type=9, tier=HBM, hashes=[1])), INVALID),
+        (_batch(kv.ExternalKvAction(type=UNDEFINED_ACTION, tier=HBM, hashes=[1])), INVALID),
         (_batch(_report(HBM, [])), INVALID),
         (_batch(kv.ExternalKvAction(type=REVOKE, tier=HBM)), INVALID),
         (_batch(_report(HBM, [1, 2], component_masks=[1])), INVALID),
@@ -220,17 +222,22 @@ async def test_limits_are_inclusive_and_an_empty_batch_refreshes_the_address(
     assert [m.worker_address for m in prefix.matches] == ["b:2"]
 
 
+Request = TypeVar("Request")
+
+
+async def _check_hash_limits(
+    rpc: Callable[[Request], Awaitable[object]], request: Callable[..., Request]
+) -> None:
+    """No hashes: INVALID_ARGUMENT; 16,385: RESOURCE_EXHAUSTED; 16,384 are answered."""
+    assert await _code(rpc(request(hashes=[]))) == INVALID
+    assert await _code(rpc(request(hashes=list(range(16_385))))) == EXHAUSTED
+    await rpc(request(hashes=list(range(16_384))))
+
+
 async def test_match_and_hit_count_validation(served_backend: ServedBackend) -> None:
-    for rpc in (served_backend.stub.MatchExternalKv, served_backend.stub.GetExternalKvHitCounts):
-        request_type = (
-            kv.MatchExternalKvRequest
-            if rpc is served_backend.stub.MatchExternalKv
-            else kv.GetExternalKvHitCountsRequest
-        )
-        assert await _code(rpc(request_type(hashes=[]))) == INVALID  # type: ignore[operator]
-        too_many = request_type(hashes=list(range(16_385)))
-        assert await _code(rpc(too_many)) == EXHAUSTED  # type: ignore[operator]
-        await rpc(request_type(hashes=list(range(16_384))))  # type: ignore[operator]
+    stub = served_backend.stub
+    await _check_hash_limits(stub.MatchExternalKv, kv.MatchExternalKvRequest)
+    await _check_hash_limits(stub.GetExternalKvHitCounts, kv.GetExternalKvHitCountsRequest)
     empty = kv.MatchExternalKvPrefixRequest(hashes=[])
     assert await _code(served_backend.stub.MatchExternalKvPrefix(empty)) == INVALID
     # No length cap on prefix queries.
@@ -532,7 +539,7 @@ async def test_match_tokens_rejects_what_it_cannot_hash(
 )
 @pytest.mark.parametrize("key_space", [api.KEY_SPACE_CANONICAL, api.KEY_SPACE_VLLM_SHA256])
 async def test_match_tokens_rejects_multimodal_items_outside_the_prompt(
-    served: Server, item: api.MultimodalItem, details: str, key_space: api.KeySpace
+    served: Server, item: api.MultimodalItem, details: str, key_space: api.KeySpace.ValueType
 ) -> None:
     request_ = api.MatchTokensRequest(token_ids=[1] * 8, mm_items=[item], key_space=key_space)
     with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -5,15 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
-from hybrid_events import hybrid_payload
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
-from vllm_capture import BLOCK_SIZE, NUM_GPU_BLOCKS, LiveModel, live_messages, signed
 
 from indexer.batch import Action, ActionType, Batch, CacheSpec, Component, Tier
 from indexer.cache_groups import CacheGroup
-from indexer.engine_events import AllBlocksCleared, BlockRemoved, BlockStored
+from indexer.engine_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineEvent,
+    EngineHash,
+)
 from indexer.index import PrefixIndex, validate_batch
 from indexer.keys import block_keys
 from indexer.translate import (
@@ -27,6 +30,9 @@ from indexer.translate import (
 )
 from indexer.vllm_hash import block_digests, digest_to_int
 from indexer.zmq_decode import decode_payload
+from tests.indexer.hybrid_events import hybrid_payload
+from tests.indexer.test_zmq_decode import VECTOR_1, VECTOR_2, VECTOR_3
+from tests.indexer.vllm_capture import BLOCK_SIZE, NUM_GPU_BLOCKS, LiveModel, live_messages, signed
 
 REPORT, REVOKE, CLEAR = ActionType.REPORT, ActionType.REVOKE, ActionType.CLEAR_ALL_AT_TIER
 FULL, SWA, MAMBA = Component.FULL, Component.SWA, Component.MAMBA
@@ -277,7 +283,7 @@ def test_clear_scoped_to_a_medium_and_reset() -> None:
 
 
 def test_coalescing_keeps_order_and_parent_links() -> None:
-    events = [
+    events: list[EngineEvent] = [
         BlockStored((1, 2), medium="GPU", block_size=4),
         BlockStored((3,), parent_block_hash=2, medium="GPU", block_size=4),  # chains: merges
         BlockStored((9,), parent_block_hash=5, medium="GPU", block_size=4),  # does not chain
@@ -523,7 +529,7 @@ _event = st.one_of(
 )
 
 
-def _count_copies(copies: dict[tuple[Tier, int, int], int], events: list[object]) -> None:
+def _count_copies(copies: dict[tuple[Tier, int, EngineHash], int], events: list[object]) -> None:
     """The naive model: live copies per (tier, group, hash). A store adds one (a root store
     of a block already held is the same copy again), a removal takes one, a clear drops all."""
     for event in events:
@@ -547,7 +553,7 @@ def _count_copies(copies: dict[tuple[Tier, int, int], int], events: list[object]
 def test_copies_and_clears_match_a_naive_model(messages: list[list[object]]) -> None:
     translator = _translator()
     index = PrefixIndex()
-    copies: dict[tuple[Tier, int, int], int] = {}  # (tier, group, hash) -> copies
+    copies: dict[tuple[Tier, int, EngineHash], int] = {}  # (tier, group, hash) -> copies
     for seq, events in enumerate(messages):
         for batch in translator.translate(events, seq=seq):  # type: ignore[arg-type]
             validate_batch(batch)
@@ -574,7 +580,7 @@ def test_hybrid_component_masks_match_a_naive_model(
     groups = (CacheGroup("full_attention"), CacheGroup("sliding_window", 64))
     translator = _translator(kv_cache_groups=groups if configured else ())
     index = PrefixIndex()
-    copies: dict[tuple[Tier, int, int], int] = {}  # (tier, group, hash) -> copies
+    copies: dict[tuple[Tier, int, EngineHash], int] = {}  # (tier, group, hash) -> copies
     hybrid = full_known = configured
     for seq, events in enumerate(messages):
         named = [
@@ -597,7 +603,7 @@ def test_hybrid_component_masks_match_a_naive_model(
         hybrid = hybrid or 1 in stored
         full_known = full_known or 0 in stored
         _count_copies(copies, named)
-        expected: dict[tuple[Tier, int], int] = {}
+        expected: dict[tuple[Tier, EngineHash], int] = {}
         for (tier, group, key), n in copies.items():
             if n > 0:
                 bit = (FULL if group == 0 or not full_known else 0) | (SWA if group else 0)

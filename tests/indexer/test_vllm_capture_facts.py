@@ -10,12 +10,17 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from vllm_capture import CAPTURE, TOPIC, live_messages, replay_replies
-
 from indexer.batch import ActionType, Tier, to_sfixed64
-from indexer.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
+from indexer.engine_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineEvent,
+    EngineHash,
+)
 from indexer.translate import TranslateOptions, WorkerTranslator
 from indexer.zmq_decode import decode_frames, decode_payload, decode_replay_reply
+from tests.indexer.vllm_capture import CAPTURE, TOPIC, live_messages, replay_replies
 
 END_MARKER = [b"", b"", b"\xff" * 8, b""]
 
@@ -82,8 +87,8 @@ def test_one_hash_live_in_two_physical_blocks_is_removed_twice() -> None:
     """vLLM stored a hash it already held (a second physical block, with its parent) and later
     removed it twice: the block stays indexed until the second removal."""
     translator = _translator()
-    held: Counter[int] = Counter()
-    doubled: set[int] = set()
+    held: Counter[EngineHash] = Counter()
+    doubled: set[EngineHash] = set()
     for _seq, _recv, events in _decoded():
         for event in events:
             if isinstance(event, BlockStored) and event.parent_block_hash is not None:
@@ -109,10 +114,10 @@ def test_one_hash_live_in_two_physical_blocks_is_removed_twice() -> None:
     translator.translate(before_removals)
     assert translator.live_keys(Tier.HBM)[key] == 2
     (seq, first), (_, second) = removals
-    events = list(_decoded()[seq][2])
-    assert key not in _revoked(translator, events[first : first + 1])
+    removing = list(_decoded()[seq][2])
+    assert key not in _revoked(translator, removing[first : first + 1])
     assert translator.live_keys(Tier.HBM)[key] == 1
-    assert key in _revoked(translator, events[first + 1 : second + 1])
+    assert key in _revoked(translator, removing[first + 1 : second + 1])
 
 
 def test_full_report_mode_re_announces_cached_blocks_with_a_nil_parent() -> None:

@@ -39,7 +39,8 @@ SEQ7 = (7).to_bytes(8, "big")
 
 
 def _pack(obj: object) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 def test_sglang_vector_1_positional_events() -> None:

@@ -14,9 +14,6 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
-from backend_factories import FACTORIES
-from fake_kv_publisher import FakeKvPublisher, running
-from redis_servers import restartable_port
 
 from indexer.batch import Batch
 from indexer.index import PrefixIndex
@@ -30,6 +27,9 @@ from kvplane.config import ServerConfig
 from kvplane.server import create_server
 from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
+from tests.indexer.backend_factories import FACTORIES
+from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
+from tests.redis_servers import restartable_port
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0

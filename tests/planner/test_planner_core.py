@@ -4,12 +4,12 @@ hysteresis and stabilised scale-down, drain before remove, least loaded drained 
 from __future__ import annotations
 
 import pytest
-from planner_obs import engine, passes
 
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
-from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
-from planner.core.observations import EngineState, Observations
+from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.observations import EngineObservation, EngineState, Observations
 from planner.core.planner import Planner
+from tests.planner.planner_obs import engine, passes
 
 STARTING, SERVING, DRAINING = EngineState.STARTING, EngineState.SERVING, EngineState.DRAINING
 
@@ -32,16 +32,18 @@ def make_planner(
     )
 
 
-def busy(engine_id: str, state: EngineState = SERVING, waiting: int = 16_000):
+def busy(engine_id: str, state: EngineState = SERVING, waiting: int = 16_000) -> EngineObservation:
     """An engine whose KV cache is 90% used with a cache's worth of prompts queued."""
     return engine(engine_id, state, running=20, queued=10, waiting_tokens=waiting, used_blocks=900)
 
 
-def idle(engine_id: str, state: EngineState = SERVING, running: int = 0):
+def idle(engine_id: str, state: EngineState = SERVING, running: int = 0) -> EngineObservation:
     return engine(engine_id, state, running=running, used_blocks=10 * running)
 
 
-def tick(planner: Planner, now_s: float, *engines, with_passes: bool = True):
+def tick(
+    planner: Planner, now_s: float, *engines: EngineObservation, with_passes: bool = True
+) -> list[Decision]:
     batches = tuple(passes(e.engine_id) for e in engines if with_passes and e.state is SERVING)
     return planner.decide(Observations(tuple(engines), batches), now_s)
 

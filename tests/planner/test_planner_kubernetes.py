@@ -31,7 +31,6 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from fake_kube import FakeKube, Fault
 from typer.testing import CliRunner
 
 from controller.app import ControllerApp, start_controller
@@ -43,7 +42,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
 from planner.controller_admin import ControllerAdmin
-from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
+from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import EngineState
 from planner.core.planner import Planner
 from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Pod, Scale, in_cluster
@@ -51,6 +50,7 @@ from planner.kubernetes import KubernetesDeployments
 from planner.live import LivePlanner
 from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
+from tests.planner.fake_kube import FakeKube, Fault
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEPLOYMENT = "kvplane-engine"
@@ -118,9 +118,15 @@ class Cluster:
 
 @contextlib.contextmanager
 def fake_kube(
-    tmp_path: Path, tls_files: tuple[Path, Path] | None, **options: float
+    tmp_path: Path,
+    tls_files: tuple[Path, Path] | None,
+    *,
+    restart_delay_s: float = 1.0,
+    ipv6: bool = False,
 ) -> Iterator[FakeKube]:
-    kube = FakeKube(tmp_path, engine_port=free_port(), tls=tls_files, **options)
+    kube = FakeKube(
+        tmp_path, engine_port=free_port(), tls=tls_files, restart_delay_s=restart_delay_s, ipv6=ipv6
+    )
     try:
         yield kube
     finally:
@@ -128,13 +134,18 @@ def fake_kube(
 
 
 async def cluster_with(
-    tmp_path: Path, tls_files: tuple[Path, Path], replicas: int, **options: float
+    tmp_path: Path,
+    tls_files: tuple[Path, Path],
+    replicas: int,
+    *,
+    restart_delay_s: float = 1.0,
+    ipv6: bool = False,
 ) -> AsyncIterator[Cluster]:
     health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
     config = {"listen": "127.0.0.1:0", "health": health, "shutdown_grace_s": 0.5}
     app = await start_controller(ControllerConfig.model_validate(config))
     try:
-        with fake_kube(tmp_path, tls_files, **options) as kube:
+        with fake_kube(tmp_path, tls_files, restart_delay_s=restart_delay_s, ipv6=ipv6) as kube:
             kube.add_deployment(DEPLOYMENT, replicas, LABELS)
             token_file = tmp_path / "token"
             token_file.write_text(kube.token + "\n")
@@ -387,7 +398,9 @@ async def test_a_pod_drained_by_hand_that_exits_takes_its_replica_with_it(
         await two_pods.wait_routable(2)
         # A long request keeps the engine from being empty, so it is not removed at once.
         generation = asyncio.create_task(generate_on(address))
-        await fleet.wait_for(lambda: fleet.registry.get(address).load.running_requests > 0, 60)
+        await fleet.wait_for(
+            lambda: (fleet.registry.get(address).load.running_requests or 0) > 0, 60
+        )
         await operator.drain(address, 300)
         await fleet.wait_for(lambda: address not in two_pods.routable(), 30)
         await live.tick()  # seen draining: replaced
@@ -845,7 +858,11 @@ async def two_pools(tmp_path: Path, tls_files: tuple[Path, Path]) -> AsyncIterat
     """One pod in each of two pools: `default` (DEPLOYMENT) and `b` (DEPLOYMENT_B)."""
     async for cluster in cluster_with(tmp_path, tls_files, 1):
         cluster.kube.add_deployment(DEPLOYMENT_B, 1, {**LABELS, "pool": "b"})
-        await cluster.wait(lambda kube=cluster.kube: len(kube.ready_pods(DEPLOYMENT_B)) == 1)
+
+        def b_ready(kube: FakeKube = cluster.kube) -> bool:
+            return len(kube.ready_pods(DEPLOYMENT_B)) == 1
+
+        await cluster.wait(b_ready)
         yield cluster
 
 
@@ -1085,13 +1102,16 @@ async def test_load_scales_the_deployment_up_and_its_end_down_deleting_the_drain
         await empty.wait_routable(1)
         load = asyncio.create_task(send_load(empty.app.port, stop_load))
         decisions = await ticks_until(live, lambda d: isinstance(d, ScalePool))
-        assert decisions[-1].num_engines == 2  # type: ignore[union-attr]
+        scaled = decisions[-1]
+        assert isinstance(scaled, ScalePool) and scaled.num_engines == 2
         await empty.wait_routable(2)
         assert kube.deployments[DEPLOYMENT].replicas == 2
         stop_load.set()
         await load
         decisions = await ticks_until(live, lambda d: isinstance(d, DrainEngine))
-        drained = decisions[-1].engine_id  # type: ignore[union-attr]
+        drain = decisions[-1]
+        assert isinstance(drain, DrainEngine)
+        drained = drain.engine_id
         pods = {kube.address(p): p.name for p in kube.ready_pods(DEPLOYMENT)}
         decisions = await ticks_until(live, lambda d: isinstance(d, RemoveEngine))
         assert decisions[-1] == RemoveEngine(drained, "default", Reason.DRAINED)
@@ -1132,11 +1152,11 @@ def test_the_shipped_manifest_fits_the_shipped_config() -> None:
     assert f"0.0.0.0:{config.live.kubernetes.engine_port}" in container["command"]
 
 
-async def ticks_until(live: LivePlanner, wanted: Callable[[object], bool]) -> list[object]:
+async def ticks_until(live: LivePlanner, wanted: Callable[[Decision], bool]) -> list[Decision]:
     """Tick (every 0.1 s, bounded) until a decision is `wanted`; the decisions of that tick."""
     async with asyncio.timeout(60):
         while True:
-            decisions: list[object] = list(await live.tick())
+            decisions = list(await live.tick())
             if any(wanted(d) for d in decisions):
                 return [d for d in decisions if wanted(d)]
             await asyncio.sleep(0.1)
@@ -1146,7 +1166,7 @@ async def send_load(controller_port: int, stop: asyncio.Event) -> None:
     """Long requests through the controller, four at a time, until `stop`."""
     numbers = itertools.count()
 
-    async def one(stub: pb_grpc.OpenEngineStub) -> None:
+    async def one(stub: pb_grpc.OpenEngineAsyncStub) -> None:
         while not stop.is_set():
             n = next(numbers)
             request = pb.GenerateRequest(
@@ -1160,5 +1180,5 @@ async def send_load(controller_port: int, stop: asyncio.Event) -> None:
                     pass
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{controller_port}") as channel:
-        stub = pb_grpc.OpenEngineStub(channel)
+        stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
         await asyncio.gather(*(one(stub) for _ in range(4)))

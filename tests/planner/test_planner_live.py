@@ -47,6 +47,7 @@ from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
 from tests.controller.test_processes import controller_process
+from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
 
 
@@ -673,7 +674,7 @@ async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
     monkeypatch.setattr(live_module, "RESUBSCRIBE_S", 0.01)
     subscriptions = 0
 
-    class OverrunEngine(pb_grpc.OpenEngineServicer):
+    class OverrunEngine(PartialOpenEngine):
         async def SubscribeRuntimeEvents(
             self, request: object, context: object
         ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
@@ -702,7 +703,7 @@ async def test_a_runtime_event_that_is_not_numbers_is_skipped_not_the_stream(
     """Another engine's attributes, or a NaN: skipped with one line, and the passes after it
     still reach the core (a NaN taken would poison the cost model)."""
 
-    class OddEngine(pb_grpc.OpenEngineServicer):
+    class OddEngine(PartialOpenEngine):
         async def SubscribeRuntimeEvents(
             self, request: object, context: object
         ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
@@ -729,9 +730,13 @@ async def test_an_engine_without_runtime_events_is_not_asked_again(
     """UNIMPLEMENTED will not change by asking every second: one line, and following ends."""
     subscriptions = 0
 
-    class EngineWithoutEvents(pb_grpc.OpenEngineServicer):
+    class EngineWithoutEvents(PartialOpenEngine):
         async def SubscribeRuntimeEvents(
-            self, request: object, context: grpc.aio.ServicerContext
+            self,
+            request: object,
+            context: grpc.aio.ServicerContext[
+                pb.SubscribeRuntimeEventsRequest, pb.SubscribeRuntimeEventsResponse
+            ],
         ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
             nonlocal subscriptions
             subscriptions += 1
@@ -785,7 +790,7 @@ async def test_the_kv_demand_of_queued_prompts_is_counted_in_the_engine_s_own_bl
         assert live.engines[address].observation().load.kv_demand == 0.5
 
 
-class LoadEngine(pb_grpc.OpenEngineServicer):
+class LoadEngine(PartialOpenEngine):
     """An engine's part as far as the planner polls it: GetLoad, GetEngineInfo and
     GetModelInfo (which, as the seed says, needs a model it serves)."""
 
@@ -800,7 +805,9 @@ class LoadEngine(pb_grpc.OpenEngineServicer):
         return pb.EngineInfo(supported_models=["sim"])
 
     async def GetModelInfo(
-        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.GetModelInfoRequest,
+        context: grpc.aio.ServicerContext[pb.GetModelInfoRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
         if request.model != "sim":
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served")
@@ -861,6 +868,15 @@ def value(
     return samples.get((name, frozenset(labels.items())))
 
 
+def measured(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    """The sample `value` finds, which the test needs there to compare it."""
+    found = value(samples, name, **labels)
+    assert found is not None, f"no sample {name} {labels}"
+    return found
+
+
 @pytest.mark.timeout(180)
 async def test_metrics_show_the_fleet_the_decisions_and_the_sizing(setup: Setup) -> None:
     metrics = PlannerMetrics()
@@ -892,21 +908,21 @@ async def test_metrics_show_the_fleet_the_decisions_and_the_sizing(setup: Setup)
     decisions = "kvplane_planner_decisions_total"
     assert value(samples, decisions, **pool, kind="scale_pool", reason="below_min") == 1
     assert value(samples, "kvplane_planner_tick_seconds_count") == 3
-    assert value(samples, "kvplane_planner_forward_passes_total", **pool) >= 1
-    assert value(samples, "kvplane_planner_prompt_tokens_per_second", **pool) > 0
-    assert value(samples, "kvplane_planner_forecast_prompt_tokens_per_second", **pool) > 0
-    assert value(samples, "kvplane_planner_mean_prompt_tokens", **pool) > 0
-    assert value(samples, "kvplane_planner_forecast_error_prompt_tokens_per_second", **pool) >= 0
+    assert measured(samples, "kvplane_planner_forward_passes_total", **pool) >= 1
+    assert measured(samples, "kvplane_planner_prompt_tokens_per_second", **pool) > 0
+    assert measured(samples, "kvplane_planner_forecast_prompt_tokens_per_second", **pool) > 0
+    assert measured(samples, "kvplane_planner_mean_prompt_tokens", **pool) > 0
+    assert measured(samples, "kvplane_planner_forecast_error_prompt_tokens_per_second", **pool) >= 0
     # 0 here: the request had ended by the tick, so no pass had a running request to count.
     assert value(samples, "kvplane_planner_mean_decode_passes", **pool) is not None
     assert value(samples, "kvplane_planner_kv_demand", **pool) is not None
-    assert value(samples, "kvplane_planner_pass_cost_fixed_seconds", **pool) > 0
-    assert value(samples, "kvplane_planner_pass_cost_prefill_seconds_per_token", **pool) > 0
+    assert measured(samples, "kvplane_planner_pass_cost_fixed_seconds", **pool) > 0
+    assert measured(samples, "kvplane_planner_pass_cost_prefill_seconds_per_token", **pool) > 0
     assert value(samples, "kvplane_planner_pass_cost_kv_seconds", **pool) is not None
     assert value(samples, "kvplane_planner_engines_wanted", **pool) == 1  # min = max = 1
     needed = "kvplane_planner_engines_needed"
-    assert value(samples, needed, **pool, constraint="itl") > 0  # the prompts arriving
-    assert value(samples, needed, **pool, constraint="ttft") > 0
+    assert measured(samples, needed, **pool, constraint="itl") > 0  # the prompts arriving
+    assert measured(samples, needed, **pool, constraint="ttft") > 0
     assert value(samples, needed, **pool, constraint="kv") is not None  # finished: none held
 
 
@@ -986,6 +1002,7 @@ async def test_a_drained_engine_that_hangs_as_it_stops_does_not_hold_up_the_tick
     async with serving(setup, 2) as (live, _):
         live.policy = planner(1, 1)
         (drain,) = await live.tick()
+        assert isinstance(drain, DrainEngine)
         await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 30)
         process = actuator._processes[drain.engine_id]
         with stop_process(process.pid):

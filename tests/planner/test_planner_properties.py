@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_obs import TOTAL_BLOCKS, engine, passes
 
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig
 from planner.core.actions import provisioned
@@ -16,6 +15,7 @@ from planner.core.decisions import DrainEngine, RemoveEngine, ScalePool
 from planner.core.observations import EngineObservation, EngineState, Observations
 from planner.core.planner import Planner
 from planner.core.threshold import ThresholdAutoscaler, ThresholdSettings
+from tests.planner.planner_obs import TOTAL_BLOCKS, engine, passes
 
 
 @dataclass
@@ -28,6 +28,8 @@ class _Engine:
 
 # One tick of the world: (load per engine 0..1, ticks a new engine takes, requests a
 # draining engine finishes).
+# One tick: the load, engines started, requests finished, waiting tokens.
+Tick = tuple[float, int, int, int]
 ticks = st.lists(
     st.tuples(st.floats(0.0, 1.0), st.integers(0, 3), st.integers(0, 4), st.integers(0, 60_000)),
     min_size=1,
@@ -49,7 +51,7 @@ def _observe(fleet: list[_Engine], load: float, waiting: int) -> tuple[EngineObs
     )
 
 
-def _run(policy: Planner | ThresholdAutoscaler, stream: list, min_n: int, max_n: int) -> None:
+def _run(policy: Planner | ThresholdAutoscaler, stream: list[Tick], min_n: int, max_n: int) -> None:
     fleet = [_Engine("e0", EngineState.SERVING, 5)]
     names = iter(f"e{i}" for i in range(1, 10_000))
     for step, (load, start_ticks, finished, waiting) in enumerate(stream):
@@ -94,7 +96,7 @@ def _run(policy: Planner | ThresholdAutoscaler, stream: list, min_n: int, max_n:
 @settings(max_examples=60, deadline=None)
 @given(stream=ticks, min_n=st.integers(1, 3), spread=st.integers(0, 6))
 def test_planner_removes_only_drained_engines_and_keeps_bounds(
-    stream: list, min_n: int, spread: int
+    stream: list[Tick], min_n: int, spread: int
 ) -> None:
     max_n = min_n + spread
     config = PlannerConfig(
@@ -108,7 +110,7 @@ def test_planner_removes_only_drained_engines_and_keeps_bounds(
 
 @settings(max_examples=30, deadline=None)
 @given(stream=ticks, min_n=st.integers(1, 3), spread=st.integers(0, 6))
-def test_threshold_peer_obeys_the_same_rules(stream: list, min_n: int, spread: int) -> None:
+def test_threshold_peer_obeys_the_same_rules(stream: list[Tick], min_n: int, spread: int) -> None:
     max_n = min_n + spread
     pool = PoolConfig(min_engines=min_n, max_engines=max_n)
     settings_ = ThresholdSettings(scale_down_stabilisation_s=10)

@@ -32,7 +32,7 @@ def test_core_imports_no_io() -> None:
 def test_core_reads_no_clock_and_draws_no_random_number() -> None:
     for name in CORE:
         tree = ast.parse((REPO / "planner" / f"{name.replace('.', '/')}.py").read_text())
-        imported = set()
+        imported: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 imported.update(alias.name.split(".")[0] for alias in node.names)

@@ -4,6 +4,8 @@ result, figure for figure."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from planner.azure_trace import TraceRow
 from planner.config import PlannerConfig, PoolConfig, ScalingConfig, SlaTargets
 from planner.core.planner import Planner
@@ -33,7 +35,7 @@ def planner() -> Planner:
     return Planner(PlannerConfig(sla=SLA, pools=pools, scaling=scaling))
 
 
-def run_kvplane() -> dict[str, object]:
+def run_kvplane() -> dict[str, Any]:
     result = replay(
         step_trace(), "kvplane", planner(), engines=1, tick_s=5, settings=FLEET, sla=SLA
     )

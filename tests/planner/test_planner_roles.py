@@ -6,15 +6,16 @@ whose engines disagree is sized as aggregated (and said)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
-from planner_obs import TOTAL_BLOCKS, engine
 
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, SlaTargets
-from planner.core.decisions import Reason, ScalePool
+from planner.core.decisions import Decision, Reason, ScalePool
 from planner.core.observations import EngineRole, ForwardPasses, Observations
 from planner.core.planner import Planner
+from tests.planner.planner_obs import TOTAL_BLOCKS, engine
 
 PREFILL, DECODE, AGGREGATED = EngineRole.PREFILL, EngineRole.DECODE, EngineRole.AGGREGATED
 # As in test_planner_core: sized on the load as measured (no smoothing, no trend).
@@ -59,7 +60,7 @@ class EngineTick:
 
 def pool_tick(
     planner: Planner, now_s: float, pool: str, roles: dict[str, EngineRole | None], each: EngineTick
-) -> list[object]:
+) -> list[Decision]:
     """One tick of the engines `roles` names (with the role each reports), each showing `each`."""
     engines = [
         engine(
@@ -89,7 +90,9 @@ PREFILL_TICK = EngineTick(
 )
 
 
-def prefill_tick(planner: Planner, now_s: float, roles: list[EngineRole | None]) -> list[object]:
+def prefill_tick(
+    planner: Planner, now_s: float, roles: Sequence[EngineRole | None]
+) -> list[Decision]:
     """Five prefill engines, 100,000 prompt tokens/s in all."""
     engines = {f"p{i}": role for i, role in enumerate(roles)}
     return pool_tick(planner, now_s, "prefill", engines, PREFILL_TICK)
@@ -172,7 +175,7 @@ DECODE_TICK = EngineTick(
 )
 
 
-def decode_tick(planner: Planner, now_s: float) -> list[object]:
+def decode_tick(planner: Planner, now_s: float) -> list[Decision]:
     """Four decode engines."""
     return pool_tick(planner, now_s, "decode", {f"d{i}": DECODE for i in range(4)}, DECODE_TICK)
 

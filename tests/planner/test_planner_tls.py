@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_kube import FakeKube
 
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
@@ -30,6 +29,7 @@ from planner.actuator import LocalProcesses
 from planner.live import LivePlanner
 from tests.controller.conftest import generate_request, start_sim_engine
 from tests.controller.test_client_tls import client_tls, server_tls
+from tests.planner.fake_kube import FakeKube
 from tests.planner.test_planner_kubernetes import DEPLOYMENT, LABELS, free_port
 from tests.planner.test_planner_live import planner, scrape, value
 from tests.polling import eventually
