@@ -30,6 +30,7 @@ from tests.engine.engine_server_harness import (
     stream_error,
 )
 from tests.engine.lora_adapters import write_adapter_config
+from tests.grpc_streams import next_reply
 from tests.partial_servicers import PartialKvTransfer
 from tests.polling import eventually
 from vllm_grpc import vllm_grpc_pb2 as vpb
@@ -287,7 +288,7 @@ async def test_loading_an_adapter_again_ends_the_sessions_of_its_earlier_load(
         await prefiller.stub.LoadLora(pb.LoadLoraRequest(adapter=adapter))
         assert (await prefiller.stub.GetLoad(pb.GetLoadRequest())).active_kv_sessions == 0
         drain = pb.DrainRequest(stop_accepting_new_requests=True)
-        first = await prefiller.stub.Drain(drain).read()
+        first = await next_reply(prefiller.stub.Drain(drain))
         assert (first.state, first.open_kv_sessions) == (pb.DRAIN_STATE_STARTED, 0)
         ended = await prefiller.stub.Abort(pb.AbortRequest(kv_session=session))
         assert ended.status == pb.ABORT_STATUS_ALREADY_FINISHED

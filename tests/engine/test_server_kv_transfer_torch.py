@@ -178,7 +178,7 @@ async def test_a_puller_that_stops_reading_holds_no_blocks_past_an_abort_or_a_dr
     once even while a pull of it is stalled (a client that stopped reading, never
     cancelling): its blocks are free again and the drain completes, rather than waiting for
     that client for as long as it likes."""
-    config = _config("prefill", "float32").model_copy(
+    config = _config(EngineRoleName.prefill, "float32").model_copy(
         update={"num_kv_blocks": 128, "max_model_len": 1024}
     )
     request = _greedy()
