@@ -47,6 +47,8 @@ REQUEST_TIMEOUT_S = API_TIMEOUT_S
 # work waits).
 _ATTEMPTS = 4
 _READ_CHUNK_BYTES = 65536
+# Pod phases after which no container runs again (restartPolicy Always included).
+_ENDED_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 class KubeApiError(KvplaneError):
@@ -84,6 +86,16 @@ class Pod:
     ready: bool  # status.conditions[type=Ready] is "True"
     deleting: bool  # metadata.deletionTimestamp is set: terminating
     created: str  # metadata.creationTimestamp (RFC 3339: sorts as time does)
+    phase: str  # status.phase: Pending, Running, Succeeded, Failed (e.g. evicted), Unknown
+
+    @property
+    def active(self) -> bool:
+        """Whether the ReplicaSet counts the pod as one of its replicas (Kubernetes'
+        `controller.FilterActivePods`): neither terminating nor ended. An ended pod (Failed:
+        evicted, rejected by the kubelet at admission) runs no more and stays listed, without
+        a deletionTimestamp, until someone deletes it; the ReplicaSet has made one in its
+        place."""
+        return not self.deleting and self.phase not in _ENDED_PHASES
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,4 +323,5 @@ def _pod(pod: dict[str, Any]) -> Pod:
         ready=ready,
         deleting=metadata.get("deletionTimestamp") is not None,
         created=str(metadata.get("creationTimestamp", "")),
+        phase=str(status.get("phase", "")),
     )

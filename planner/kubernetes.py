@@ -17,8 +17,8 @@
   not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
   refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
   ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod). A
-  drained pod already gone or terminating hands the cost to the pod the ReplicaSet made for
-  its replica (`_stand_in`).
+  drained pod already gone, terminating or ended (Failed: evicted) hands the cost to the pod
+  the ReplicaSet made for its replica (`_stand_in`).
 - **Adoption**: every `adopt` (each tick) lists each Deployment's pods; Ready pods no engine is
   yet are registered with the controller (one it already lists is fine) and reported, unless a
   start of that pool is waiting for a pod, or a removal of that pool is due whose pod is gone
@@ -243,6 +243,8 @@ class KubernetesDeployments:
             pod = by_uid.get(engine.uid)
             if pod is None or pod.deleting:
                 why = "is gone" if pod is None else "is terminating"
+            elif not pod.active:
+                why = f"has ended ({pod.phase})"
             elif not pod.ready:
                 why = "is not Ready"
             else:
@@ -251,16 +253,17 @@ class KubernetesDeployments:
             self._exited[engine.address] = self._engines.pop(engine.address)
 
     def _check_leaving(self, pool: str, by_uid: Mapping[str, Pod]) -> None:
-        """Forget pods scaled away once they are gone. One still there, not terminating, while
-        the Deployment has no more pods than replicas was spared: the ReplicaSet deleted
-        another (it reads the deletion cost from a cache that may lag the annotation; the
-        other is then reported as exited). Its removal is done again."""
-        active = sum(1 for pod in by_uid.values() if not pod.deleting)
+        """Forget pods scaled away once they are gone (or ended: a Failed pod stays listed,
+        but counts for the ReplicaSet no more than a gone one). One still there, active, while
+        the Deployment has no more active pods than replicas was spared: the ReplicaSet
+        deleted another (it reads the deletion cost from a cache that may lag the annotation;
+        the other is then reported as exited). Its removal is done again."""
+        active = sum(1 for pod in by_uid.values() if pod.active)
         for uid, engine in list(self._leaving.items()):
             pod = by_uid.get(uid)
             if engine.pool != pool or (pod is not None and pod.deleting):
                 continue  # another pool's, or terminating: gone soon
-            if pod is None:
+            if pod is None or not pod.active:
                 del self._leaving[uid]
             elif active <= self._replicas.get(pool, active):
                 log.warning("pod %s was spared by the scale-down: removing it again", pod.name)
@@ -269,10 +272,10 @@ class KubernetesDeployments:
     def _stand_in_due(self, pool: str, pods: Sequence[Pod]) -> bool:
         """Whether a replica of the pool is to be scaled away (an engine that exited while
         draining, whose `stop` comes this tick, or a removal the API refused so far) whose own
-        pod is gone or terminating: the pod the scale-down is to delete is then one no engine
-        is yet, the one the ReplicaSet made for that replica, so none is adopted until the
-        removal has marked it (`_scale_away`)."""
-        present = {pod.uid for pod in pods if not pod.deleting}
+        pod is gone, terminating or ended (`Pod.active`): the pod the scale-down is to delete
+        is then one no engine is yet, the one the ReplicaSet made for that replica, so none is
+        adopted until the removal has marked it (`_scale_away`)."""
+        present = {pod.uid for pod in pods if pod.active}
         return any(r.pool == pool and r.uid not in present for r in self._removals_due())
 
     def _removals_due(self) -> list[_Replica]:
@@ -329,8 +332,8 @@ class KubernetesDeployments:
         return engine.address
 
     async def _until_scaled_away(self, pool: str) -> None:
-        """Until the pool's pods scaled away are terminating or gone (the caller bounds the
-        wait). A scale-up sooner could undo a scale-down: Kubernetes' Deployment and
+        """Until the pool's pods scaled away are terminating, ended or gone (the caller bounds
+        the wait). A scale-up sooner could undo a scale-down: Kubernetes' Deployment and
         ReplicaSet controllers may see both changes at once (N -> N-1 -> N, one sync) and
         delete no pod, and a start would wait for a new pod that never comes (with
         `min_engines` 1, a hung engine killed and replaced in the same tick would leave the
@@ -349,7 +352,7 @@ class KubernetesDeployments:
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
             else:
-                if not unknown and not any(p.uid in leaving and not p.deleting for p in pods):
+                if not unknown and not any(p.uid in leaving and p.active for p in pods):
                     return
             await asyncio.sleep(self._poll_s)
 
@@ -391,7 +394,7 @@ class KubernetesDeployments:
                 pod
                 for pod in pods
                 if pod.ready
-                and not pod.deleting
+                and pod.active
                 and pod.ip
                 and pod.uid not in taken
                 and self._address(pod) not in self._exited
@@ -462,9 +465,10 @@ class KubernetesDeployments:
 
     async def _scale_away(self, replica: _Replica) -> _Replica:
         """The pod first to go (lowest deletion cost), then one replica fewer; the pod that
-        goes. A pod already gone or terminating (deleted while draining) no longer counts as
-        a replica: the pod the ReplicaSet made for its replica goes instead (`_stand_in`),
-        else the ReplicaSet would take the most recently Ready pod, which may serve.
+        goes. A pod already gone, terminating or ended (deleted or evicted while draining:
+        `Pod.active`) no longer counts as a replica: the pod the ReplicaSet made for its
+        replica goes instead (`_stand_in`), else the ReplicaSet would take the most recently
+        Ready pod, which may serve.
 
         A scale-down tried before whose outcome is unknown (a 504 Timeout: the API server
         may commit the write after answering) is not sent again if the scale shows it made:
@@ -484,7 +488,7 @@ class KubernetesDeployments:
                 )
                 return unknown.replica
         pods = await self._pods(replica.pool)
-        if not any(pod.uid == replica.uid and not pod.deleting for pod in pods):
+        if not any(pod.uid == replica.uid and pod.active for pod in pods):
             replica = await self._stand_in(replica, pods)
         try:
             await self._call(
@@ -512,7 +516,7 @@ class KubernetesDeployments:
         among them. While the Deployment has fewer pods than replicas, none was made for it
         yet (or the one made is a start's): the scale-down then deletes no pod, and `gone` is
         returned (a pod gone, or going)."""
-        active = [pod for pod in pods if not pod.deleting]
+        active = [pod for pod in pods if pod.active]
         if len(active) < (await self._scale(gone.pool)).replicas:
             return gone
         taken = {e.uid for e in self._engines.values()} | set(self._leaving)

@@ -47,7 +47,10 @@ What it implements (namespaced, one namespace):
   SERVING (a readiness probe). A container that exits leaves its pod not Ready and is
   restarted after `restart_delay_s` (as with CrashLoopBackOff). A deleted pod gets a
   deletionTimestamp, its process SIGTERM, and leaves the list once the process has exited
-  (SIGKILL after the grace period).
+  (SIGKILL after the grace period). `evict` fails a pod as the kubelet's eviction does: its
+  container killed, phase Failed (reason Evicted), still listed with its IP and without a
+  deletionTimestamp; the ReplicaSet part, like Kubernetes', counts only pods neither
+  terminating nor failed, and makes one in its place.
 
 Not implemented: watches, field selectors, set-based label selectors, JSON patch, server-side
 apply, Deployment rollouts (one ReplicaSet per Deployment), scheduling, node placement, and
@@ -114,6 +117,15 @@ class Pod:
     restart_at: float | None = None  # a container that exited starts again then
     deleting_since: float | None = None  # monotonic; set: terminating
     deletion_timestamp: str | None = None
+    # Set ("Evicted"): the pod failed (status.phase Failed) and stays listed, its container
+    # stopped for good; the ReplicaSet no longer counts it.
+    failed_reason: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the ReplicaSet counts the pod (Kubernetes' `controller.FilterActivePods`):
+        neither terminating nor failed."""
+        return self.deletion_timestamp is None and self.failed_reason is None
 
     @property
     def ready(self) -> bool:
@@ -256,6 +268,23 @@ class FakeKube:
     def address(self, pod: Pod) -> str:
         return join_host_port(pod.ip, self.engine_port)
 
+    def evict(self, name: str) -> None:
+        """The kubelet evicts the pod (node pressure; a GPU pod the kubelet rejects at
+        admission ends so too): its container is killed, the pod's phase is Failed (reason
+        Evicted), it stays listed without a deletionTimestamp until someone deletes it (the
+        pod garbage collector only does past thousands of such pods), and the ReplicaSet,
+        which no longer counts it, makes a pod in its place."""
+        with self._changed:
+            pod = self.pods[name]
+            process, pod.process = pod.process, None
+            pod.failed_reason = "Evicted"
+            pod.ready_since = pod.restart_at = None
+            pod.resource_version = self._version()
+            self._changed.notify_all()
+        if process is not None:
+            process.kill()
+            process.wait()
+
     def kill_container(self, name: str) -> None:
         """SIGKILL a pod's engine, as a crash (the pod stays, not Ready)."""
         with self._changed:
@@ -387,11 +416,7 @@ class FakeKube:
             )
 
     def _scale_object(self, deployment: Deployment) -> dict[str, Any]:
-        current = sum(
-            1
-            for p in self.pods.values()
-            if p.deployment == deployment.name and p.deletion_timestamp is None
-        )
+        current = sum(1 for p in self.pods.values() if p.deployment == deployment.name and p.active)
         return {
             "kind": "Scale",
             "apiVersion": "autoscaling/v1",
@@ -442,6 +467,11 @@ class FakeKube:
         if pod.deletion_timestamp is not None:
             metadata["deletionTimestamp"] = pod.deletion_timestamp
         started = pod.process is not None
+        if pod.failed_reason is not None:  # the IP it had stays in its status
+            status = {"phase": "Failed", "reason": pod.failed_reason, "podIP": pod.ip}
+        else:
+            status = {"phase": "Running" if started else "Pending"}
+            status.update({"podIP": pod.ip} if started else {})
         return {
             "kind": "Pod",
             "apiVersion": "v1",
@@ -450,8 +480,7 @@ class FakeKube:
                 "containers": [{"name": "engine", "ports": [{"containerPort": self.engine_port}]}]
             },
             "status": {
-                "phase": "Running" if started else "Pending",
-                **({"podIP": pod.ip} if started else {}),
+                **status,
                 "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
             },
         }
@@ -518,11 +547,7 @@ class FakeKube:
                             self._changed.notify_all()
 
     def _replicate(self, deployment: Deployment) -> None:
-        active = [
-            p
-            for p in self.pods.values()
-            if p.deployment == deployment.name and p.deletion_timestamp is None
-        ]
+        active = [p for p in self.pods.values() if p.deployment == deployment.name and p.active]
         for _ in range(deployment.replicas - len(active)):
             number = next(self._numbers)
             name = f"{deployment.name}-{uuid.uuid4().hex[:10]}-{uuid.uuid4().hex[:5]}"
@@ -561,6 +586,8 @@ class FakeKube:
                 del self.pods[pod.name]
             elif now - pod.deleting_since > _TERMINATION_GRACE_S:
                 pod.process.kill()
+            return
+        if pod.failed_reason is not None:  # failed for good: never restarted
             return
         if pod.process is not None and pod.process.poll() is not None:  # the container exited
             pod.process = None

@@ -4,10 +4,10 @@ processes on their own loopback IPs) and a real in-process controller: a start s
 registers the Ready pod; a removal deletes the drained pod, not a serving one (and is retried
 when the API refuses it); a restarted planner adopts the pods instead of doubling them; pods
 that vanish or crash are reported and leave the controller, draining ones (drained by the
-planner or by hand) with their replicas, and the pod made for a deleted draining pod's replica
-is the one deleted; a hung pod is scaled away and replaced by one start; API errors are one
-line; end to end, load scales the pool up and its end scales it down again, deleting the
-drained pod."""
+planner or by hand) with their replicas, and the pod made for the replica of a draining pod
+deleted or evicted is the one deleted; a hung pod is scaled away and replaced by one start;
+API errors are one line; end to end, load scales the pool up and its end scales it down again,
+deleting the drained pod."""
 
 from __future__ import annotations
 
@@ -436,38 +436,48 @@ async def two_pods_restarting(
 
 
 @pytest.mark.timeout(120)
-async def test_the_pod_a_deleted_draining_pod_leaves_is_the_one_scaled_away(
-    two_pods_restarting: Cluster,
+@pytest.mark.parametrize("way", ["deleted", "evicted"])
+async def test_the_pod_a_deleted_or_evicted_draining_pod_leaves_is_the_one_scaled_away(
+    two_pods_restarting: Cluster, way: str
 ) -> None:
-    """A draining pod deleted by hand: the ReplicaSet makes a pod for its replica, and the
-    planner scales that replica away. The new pod, Ready by then, is not adopted (the
-    scale-down is to delete it) and gets the lowest deletion cost, so the ReplicaSet deletes
-    it and not a serving pod, even one Ready more recently (its container restarted), which
-    Kubernetes would delete first."""
+    """A draining pod deleted by hand, or evicted by the kubelet (node pressure; a GPU pod
+    rejected at admission ends so too: it fails and stays listed, without a
+    deletionTimestamp, for good): the ReplicaSet makes a pod for its replica, and the planner
+    scales that replica away. The new pod, Ready by then, is not adopted (the scale-down is to
+    delete it) and gets the lowest deletion cost, so the ReplicaSet deletes it and not a
+    serving pod, even one Ready more recently (its container restarted), which Kubernetes
+    would delete first. An evicted pod, which stays, holds up no later start of the pool."""
     cluster, kube = two_pods_restarting, two_pods_restarting.kube
-    deleted, serving = kube.ready_pods(DEPLOYMENT)
+    left, serving = kube.ready_pods(DEPLOYMENT)
     actuator = cluster.actuator()
     try:
         await actuator.adopt()
-        await actuator.drain(kube.address(deleted), 300)
+        await actuator.drain(kube.address(left), 300)
         await cluster.wait_routable(1)
-        delete_pod(cluster, deleted.name)
+        if way == "deleted":
+            delete_pod(cluster, left.name)
+        else:
+            kube.evict(left.name)
         await cluster.wait(lambda: len(kube.ready_pods(DEPLOYMENT)) == 2)
         (new,) = (pod for pod in kube.ready_pods(DEPLOYMENT) if pod is not serving)
         kube.kill_container(serving.name)
         await cluster.wait(lambda: (serving.ready_since or 0) > (new.ready_since or 0))
-        assert await actuator.adopt() == []  # the tick the deleted pod is seen gone
-        assert actuator.exited() == [kube.address(deleted)]
-        await actuator.stop(kube.address(deleted))
+        assert await actuator.adopt() == []  # the tick the pod is seen gone, or failed
+        assert actuator.exited() == [kube.address(left)]
+        await actuator.stop(kube.address(left))
         assert kube.deployments[DEPLOYMENT].replicas == 1
         await cluster.wait(lambda: bool(kube.deleted))  # the ReplicaSet scaled down
         assert kube.deleted == [new.name]
-        await cluster.wait(lambda: not {new.name, deleted.name} & set(kube.pods))
+        await cluster.wait(lambda: new.name not in kube.pods)
         assert await actuator.adopt() == [] and actuator.exited() == []
+        assert kube.ready_pods(DEPLOYMENT) == [serving]
+        assert cluster.registered() == [kube.address(serving)]
+        started = await actuator.start("default")
     finally:
         await actuator.close()
-    assert kube.ready_pods(DEPLOYMENT) == [serving]
-    assert cluster.registered() == [kube.address(serving)]
+    assert (left.name in kube.pods) == (way == "evicted")  # an evicted pod stays listed
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert cluster.registered() == sorted([kube.address(serving), started])
 
 
 def delete_pod(cluster: Cluster, name: str) -> None:
