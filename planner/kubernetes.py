@@ -70,7 +70,10 @@ log = logging.getLogger(__name__)
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 # The lowest cost the API accepts (an int32): a drained pod goes before any other Ready one.
 DRAINED_DELETION_COST = str(-(2**31))
-# Conflicting writers of a scale (an operator's `kubectl scale`) are rare: a few re-reads.
+# A scale PATCH is conditional on the resourceVersion read just before, which any write of the
+# Deployment changes: an operator's `kubectl scale` (rare), or the Deployment controller's
+# status write after a scale or a pod's change of readiness (a few in the 100 ms after each
+# scale). The window between the read and the PATCH is short: a few re-reads.
 _SCALE_ATTEMPTS = 3
 # API calls under way at once, all pools together (each in a thread of its own): pools are
 # looked at and scaled concurrently, within what a loaded API server should be asked.

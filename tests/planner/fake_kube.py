@@ -15,7 +15,9 @@ What it implements (namespaced, one namespace):
 - Errors are Status objects (`kind: Status`, `code`, `reason`, `message`): 401 without the
   bearer token, 403 for a (verb, resource) made forbidden with `forbid` (the RBAC message), 404
   for a missing object or path, 405, 409, 415, 422 for replicas that are not a natural number.
-  Every change bumps a cluster-wide resourceVersion.
+  Every change bumps a cluster-wide resourceVersion, the Deployment's too when the
+  Deployment controller part writes its status (after each change of spec.replicas, of its
+  pods' count or readiness), as Kubernetes' does: a scale read before is stale then.
 - The ReplicaSet part keeps as many non-terminating pods as replicas. Scaling down, it deletes
   pods in Kubernetes' order (`ActivePodsWithRanks`): Pending before Running, not Ready before
   Ready, lower `controller.kubernetes.io/pod-deletion-cost` first, then the more recently
@@ -39,6 +41,8 @@ What it implements (namespaced, one namespace):
   of those Deployments only (their scale, their pods listed or by name), as a server whose
   storage is slow for some objects: the others are answered.
 - `delay_s` makes a slow API server: every answer comes that long after its request.
+- An answer over 2048 bytes is sent chunked (`Transfer-Encoding: chunked`), as the API
+  server's are (Go's net/http, no Content-Length); a shorter one with its Content-Length.
 - The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
   do not collide; Linux routes all of 127.0.0.0/8 to lo), or with `ipv6` the IP ::1 (an IPv6
   cluster's; one pod at a time then: loopback has one IPv6 address), starts `python -m kvplane
@@ -89,6 +93,12 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 _PATCH_TYPES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
 _LOOP_S = 0.05  # the controllers' and kubelet's pass
 _TERMINATION_GRACE_S = 30.0
+# The API server sets no Content-Length: Go's net/http sends an answer longer than its
+# handler's 2048-byte buffer chunked (a pod list of more than a pod or two, in a cluster), in
+# chunks of its 4096-byte writer.
+_GO_UNCHUNKED_BYTES = 2048
+_GO_CHUNK_BYTES = 4096
+_IMAGE = "ghcr.io/kvplane/kvplane:latest"
 
 
 @dataclass
@@ -99,6 +109,9 @@ class Deployment:
     replicas: int
     resource_version: str
     created: str
+    # Its status as last written by the Deployment controller: (observed spec.replicas,
+    # status.replicas, status.readyReplicas).
+    status: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -416,7 +429,6 @@ class FakeKube:
             )
 
     def _scale_object(self, deployment: Deployment) -> dict[str, Any]:
-        current = sum(1 for p in self.pods.values() if p.deployment == deployment.name and p.active)
         return {
             "kind": "Scale",
             "apiVersion": "autoscaling/v1",
@@ -429,7 +441,7 @@ class FakeKube:
             },
             "spec": {"replicas": deployment.replicas},
             "status": {
-                "replicas": current,
+                "replicas": deployment.status[1],  # as the Deployment's status last said
                 "selector": ",".join(f"{k}={v}" for k, v in sorted(deployment.labels.items())),
             },
         }
@@ -471,17 +483,53 @@ class FakeKube:
             status = {"phase": "Failed", "reason": pod.failed_reason, "podIP": pod.ip}
         else:
             status = {"phase": "Running" if started else "Pending"}
-            status.update({"podIP": pod.ip} if started else {})
+            status.update({"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]} if started else {})
+        # The conditions a kubelet reports, in its order: the planner reads only Ready.
+        conditions = {
+            "PodReadyToStartContainers": True,
+            "Initialized": True,
+            "Ready": pod.ready,
+            "ContainersReady": pod.ready,
+            "PodScheduled": True,
+        }
+        state = {"running": {"startedAt": pod.created}} if started else {"waiting": {}}
         return {
             "kind": "Pod",
             "apiVersion": "v1",
             "metadata": metadata,
             "spec": {
-                "containers": [{"name": "engine", "ports": [{"containerPort": self.engine_port}]}]
+                "containers": [
+                    {
+                        "name": "engine",
+                        "image": _IMAGE,
+                        "ports": [{"containerPort": self.engine_port, "protocol": "TCP"}],
+                        "readinessProbe": {"grpc": {"port": self.engine_port}},
+                    }
+                ],
+                "restartPolicy": "Always",
+                "terminationGracePeriodSeconds": int(_TERMINATION_GRACE_S),
+                "nodeName": "node-1",
+                "serviceAccountName": "default",
             },
             "status": {
                 **status,
-                "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
+                "hostIP": "10.0.0.1",
+                "qosClass": "BestEffort",
+                "startTime": pod.created,
+                "conditions": [
+                    {"type": kind, "status": str(value), "lastTransitionTime": pod.created}
+                    for kind, value in conditions.items()
+                ],
+                "containerStatuses": [
+                    {
+                        "name": "engine",
+                        "image": _IMAGE,
+                        "ready": pod.ready,
+                        "started": started,
+                        "restartCount": 0,
+                        "state": state,
+                    }
+                ],
             },
         }
 
@@ -533,6 +581,7 @@ class FakeKube:
                 for deployment in self.deployments.values():
                     if not self.hold_replicasets:
                         self._replicate(deployment)
+                        self._write_status(deployment)
                 for pod in list(self.pods.values()):
                     self._run(pod)
                 self._changed.notify_all()
@@ -571,6 +620,17 @@ class FakeKube:
             for pod in sorted(active, key=rank)[:surplus]:
                 self.deleted.append(pod.name)
                 self._delete(pod)
+
+    def _write_status(self, deployment: Deployment) -> None:
+        """The Deployment controller's status write (observedGeneration after a change of
+        spec.replicas, status.replicas, status.readyReplicas), which, as every write of the
+        object, gives it a new resourceVersion: a scale read before it is stale, and a PATCH
+        conditional on its version is a 409 Conflict though nobody else scaled."""
+        active = [p for p in self.pods.values() if p.deployment == deployment.name and p.active]
+        status = (deployment.replicas, len(active), sum(p.ready for p in active))
+        if status != deployment.status:
+            deployment.status = status
+            deployment.resource_version = self._version()
 
     def _delete(self, pod: Pod) -> None:
         pod.deletion_timestamp = _now()
@@ -704,13 +764,23 @@ def _handler(kube: FakeKube) -> type[http.server.BaseHTTPRequestHandler]:
             else:
                 retry_after_s = None
             data = json.dumps(answer).encode()
+            chunked = len(data) > _GO_UNCHUNKED_BYTES
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(len(data)))
             if retry_after_s is not None:
                 self.send_header("Retry-After", str(retry_after_s))
             self.end_headers()
-            self.wfile.write(data)
+            if not chunked:
+                self.wfile.write(data)
+                return
+            for start in range(0, len(data), _GO_CHUNK_BYTES):
+                chunk = data[start : start + _GO_CHUNK_BYTES]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.write(b"0\r\n\r\n")
 
         def _write(self, data: bytes) -> None:
             self.wfile.write(data)
