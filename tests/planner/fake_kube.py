@@ -41,6 +41,8 @@ What it implements (namespaced, one namespace):
   of those Deployments only (their scale, their pods listed or by name), as a server whose
   storage is slow for some objects: the others are answered.
 - `delay_s` makes a slow API server: every answer comes that long after its request.
+- `unschedulable` leaves the pods made meanwhile Pending, unscheduled (PodScheduled False,
+  reason Unschedulable: no node has room), until it is cleared.
 - An answer over 2048 bytes is sent chunked (`Transfer-Encoding: chunked`), as the API
   server's are (Go's net/http, no Content-Length); a shorter one with its Content-Length.
 - The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
@@ -130,6 +132,7 @@ class Pod:
     restart_at: float | None = None  # a container that exited starts again then
     deleting_since: float | None = None  # monotonic; set: terminating
     deletion_timestamp: str | None = None
+    scheduled: bool = False  # bound to a node (`unschedulable` keeps new pods from it)
     # Set ("Evicted"): the pod failed (status.phase Failed) and stays listed, its container
     # stopped for good; the ReplicaSet no longer counts it.
     failed_reason: str | None = None
@@ -214,6 +217,8 @@ class FakeKube:
         self.hang_requests = False
         self.hang_deployments: set[str] = set()
         self.delay_s = 0.0  # every answer this late (a slow API server)
+        # Set: new pods stay Pending, unscheduled (no node has a free GPU); cleared, they run.
+        self.unschedulable = False
         self.faults: list[Fault] = []
         self.faulted = 0  # requests answered with a fault
         self.hung_requests = 0
@@ -259,6 +264,16 @@ class FakeKube:
             self.deployments[name] = Deployment(
                 name, str(uuid.uuid4()), labels, replicas, self._version(), _now()
             )
+            self._changed.notify_all()
+
+    def delete_deployment(self, name: str) -> None:
+        """`kubectl delete deployment NAME` (background propagation): the Deployment is gone
+        at once, and the garbage collector deletes its pods (through its ReplicaSet)."""
+        with self._changed:
+            del self.deployments[name]
+            for pod in self.pods.values():
+                if pod.deployment == name and pod.deletion_timestamp is None:
+                    self._delete(pod)
             self._changed.notify_all()
 
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
@@ -439,7 +454,8 @@ class FakeKube:
                 "resourceVersion": deployment.resource_version,
                 "creationTimestamp": deployment.created,
             },
-            "spec": {"replicas": deployment.replicas},
+            # autoscaling/v1 ScaleSpec's replicas is `omitempty`: a Deployment at 0 has `{}`.
+            "spec": {"replicas": deployment.replicas} if deployment.replicas else {},
             "status": {
                 "replicas": deployment.status[1],  # as the Deployment's status last said
                 "selector": ",".join(f"{k}={v}" for k, v in sorted(deployment.labels.items())),
@@ -493,7 +509,8 @@ class FakeKube:
             "PodScheduled": True,
         }
         state = {"running": {"startedAt": pod.created}} if started else {"waiting": {}}
-        return {
+        scheduled = {"nodeName": "node-1"} if pod.scheduled else {}
+        pod_object = {
             "kind": "Pod",
             "apiVersion": "v1",
             "metadata": metadata,
@@ -508,7 +525,7 @@ class FakeKube:
                 ],
                 "restartPolicy": "Always",
                 "terminationGracePeriodSeconds": int(_TERMINATION_GRACE_S),
-                "nodeName": "node-1",
+                **scheduled,
                 "serviceAccountName": "default",
             },
             "status": {
@@ -532,6 +549,15 @@ class FakeKube:
                 ],
             },
         }
+        if not pod.scheduled:  # as the scheduler leaves a pod no node has room for
+            unschedulable = {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+            }
+            pod_object["status"] = {"phase": "Pending", "conditions": [unschedulable]}
+        return pod_object
 
     def hang(self, write: Callable[[bytes], object]) -> None:
         """Answer a hung request's body a byte a pass until the client hangs up (or the
@@ -653,6 +679,11 @@ class FakeKube:
             pod.process = None
             pod.ready_since = None
             pod.restart_at = now + self._restart_delay_s
+            pod.resource_version = self._version()
+        if not pod.scheduled:
+            if self.unschedulable:
+                return
+            pod.scheduled = True
             pod.resource_version = self._version()
         if pod.process is None and (pod.restart_at is None or now >= pod.restart_at):
             with (self._workdir / f"{pod.name}.log").open("ab") as log_file:

@@ -200,6 +200,37 @@ async def test_a_pod_of_an_ipv6_cluster_is_an_engine_at_its_bracketed_address(
             await actuator.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_pod_stuck_pending_is_waited_for_not_asked_for_again(empty: Cluster) -> None:
+    """No node has room for the new pod (Pending, unschedulable): the start gives up after
+    start_timeout_s and leaves its replica, and the next start waits for that pod instead of
+    asking for one more (no replica a tick while the cluster is full); once it is scheduled,
+    that start takes it."""
+    kube = empty.kube
+    kube.unschedulable = True
+    actuator = KubernetesDeployments(
+        controller=f"127.0.0.1:{empty.app.port}",
+        api=empty.api(),
+        deployments={"default": DEPLOYMENT},
+        engine_port=kube.engine_port,
+        start_timeout_s=1,
+        poll_s=0.05,
+    )
+    try:
+        for _ in range(2):
+            with pytest.raises(KvplaneError, match="no Ready pod after start_timeout_s"):
+                await actuator.start("default")
+            assert kube.deployments[DEPLOYMENT].replicas == 1
+        (pending,) = kube.pods.values()
+        kube.unschedulable = False
+        await empty.wait(lambda: pending.ready)
+        started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert started == kube.address(pending)
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+
+
 @pytest.mark.timeout(120)
 async def test_a_start_does_not_overwrite_a_scale_changed_meanwhile(empty: Cluster) -> None:
     class OperatorScalesMeanwhile(KubeApi):
@@ -478,6 +509,36 @@ async def test_the_pod_a_deleted_or_evicted_draining_pod_leaves_is_the_one_scale
     assert (left.name in kube.pods) == (way == "evicted")  # an evicted pod stays listed
     assert kube.deployments[DEPLOYMENT].replicas == 2
     assert cluster.registered() == sorted([kube.address(serving), started])
+
+
+@pytest.mark.timeout(120)
+async def test_a_deployment_deleted_by_hand_ends_its_engines_and_fails_starts_in_one_line(
+    two_pods: Cluster,
+) -> None:
+    """`kubectl delete deployment`: its pods, terminating, are reported as exited; a start
+    fails with the API's 404 in one line (the core asks again each tick) rather than stopping
+    the planner; once the Deployment is applied again, a start scales it up."""
+    kube = two_pods.kube
+    pods = kube.ready_pods(DEPLOYMENT)
+    actuator = two_pods.actuator()
+    try:
+        assert len(await actuator.adopt()) == 2
+        kube.delete_deployment(DEPLOYMENT)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == sorted(kube.address(pod) for pod in pods)
+        for address in actuator.exited():
+            await actuator.stop(address)
+        with pytest.raises(KvplaneError) as refused:
+            await actuator.start("default")
+        message = str(refused.value)
+        assert f'404 NotFound: deployments.apps "{DEPLOYMENT}" not found' in message
+        assert message.startswith("no engine of default started: ") and "\n" not in message
+        kube.add_deployment(DEPLOYMENT, 0, LABELS)  # applied again
+        started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert two_pods.registered() == [started]
 
 
 def delete_pod(cluster: Cluster, name: str) -> None:
