@@ -24,7 +24,8 @@
   start of that pool is waiting for a pod, or a removal of that pool is due whose pod is gone
   (the pod made for its replica is to be scaled away instead). So a restarted planner takes
   over the fleet as it finds it instead of doubling it, and a pod the ReplicaSet recreated
-  serves again.
+  serves again. A pod taken as an engine (adopted, or by a start) first has the drained
+  deletion cost cleared, if a removal that did not finish left it (`_cleared`).
 - **Exits**: an engine whose pod vanished, is terminating or is no longer Ready is reported by
   `exited` (from the last `adopt`'s listing); its removal only takes it out of the controller:
   the replica stays, Kubernetes restarts or replaces the pod. Unless it was draining, by the
@@ -63,11 +64,10 @@ from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import KubernetesConfig, LiveConfig
 from planner.controller_admin import ControllerAdmin
-from planner.kube_api import KubeApi, KubeApiError, Pod, Scale, in_cluster
+from planner.kube_api import DELETION_COST, KubeApi, KubeApiError, Pod, Scale, in_cluster
 
 log = logging.getLogger(__name__)
 
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 # The lowest cost the API accepts (an int32): a drained pod goes before any other Ready one.
 DRAINED_DELETION_COST = str(-(2**31))
 # A scale PATCH is conditional on the resourceVersion read just before, which any write of the
@@ -223,6 +223,8 @@ class KubernetesDeployments:
             if self._stand_in_due(pool, pods):
                 return adopted  # adopted, the pod to be scaled away would be a serving engine
             for pod in self._free(pods):
+                if not await self._cleared(pod):
+                    continue
                 if any(e.uid == pod.uid for e in self._engines.values()):
                     continue  # a start that began during a registration below took it
                 engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
@@ -381,17 +383,41 @@ class KubernetesDeployments:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 pods = []
             for pod in self._free(pods):
+                if not await self._cleared(pod) or pod.uid in self._taken():
+                    continue  # not cleared yet, or taken meanwhile (an adoption)
                 engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
                 self._engines[engine.address] = engine
                 log.info("pod %s of pool %s is Ready at %s", pod.name, pool, engine.address)
                 return engine
             await asyncio.sleep(self._poll_s)
 
+    async def _cleared(self, pod: Pod) -> bool:
+        """Whether `pod` may be taken as an engine: not while it carries the drained deletion
+        cost, which a removal left that did not finish (a planner stopped between the
+        annotation and the scale-down; a pod chosen to go in place of one gone whose
+        scale-down failed, another chosen at the retry), until the cost is cleared. Serving
+        with it, the pod would be the one the ReplicaSet deletes at the next scale-down (a
+        tie with the drained pod, broken by the more recently Ready), requests and all. A
+        clear the API refuses leaves the pod for a later look."""
+        if pod.deletion_cost != DRAINED_DELETION_COST:
+            return True
+        try:
+            await self._call(self._api.annotate_pod, pod.name, {DELETION_COST: None})
+        except KubeApiError as exc:
+            log.warning("pod %s not taken yet, its deletion cost not cleared: %s", pod.name, exc)
+            return False
+        log.info("pod %s: the deletion cost an unfinished removal left on it cleared", pod.name)
+        return True
+
+    def _taken(self) -> set[str]:
+        """The uids of the pods that are engines or on their way out."""
+        return {e.uid for e in self._engines.values()} | set(self._leaving) | set(self._unscaled)
+
     def _free(self, pods: Sequence[Pod]) -> list[Pod]:
         """Ready pods, oldest first, that are no engine and not on their way out. A pod at
         the address of an exited engine waits until the planner has removed that one (pod
         IPs are reused): one address, one engine."""
-        taken = {e.uid for e in self._engines.values()} | set(self._leaving) | set(self._unscaled)
+        taken = self._taken()
         return sorted(
             (
                 pod

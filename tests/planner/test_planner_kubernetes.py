@@ -46,8 +46,16 @@ from planner.controller_admin import ControllerAdmin
 from planner.core.decisions import DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import EngineState
 from planner.core.planner import Planner
-from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Pod, Scale, in_cluster
-from planner.kubernetes import KubernetesDeployments
+from planner.kube_api import (
+    DELETION_COST,
+    SERVICE_ACCOUNT_DIR,
+    KubeApi,
+    KubeConnection,
+    Pod,
+    Scale,
+    in_cluster,
+)
+from planner.kubernetes import DRAINED_DELETION_COST, KubernetesDeployments
 from planner.live import LivePlanner
 from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
@@ -329,6 +337,34 @@ async def test_a_restarted_planner_adopts_the_pods_instead_of_doubling_them(
         await again.close()
     assert two_pods.kube.deployments[DEPLOYMENT].replicas == 2
     assert two_pods.registered() == addresses
+
+
+@pytest.mark.timeout(120)
+async def test_a_pod_a_removal_left_with_the_drained_deletion_cost_is_cleared_when_adopted(
+    two_pods: Cluster,
+) -> None:
+    """A planner that stopped between a removal's annotation and its scale-down left the pod
+    with the lowest deletion cost (or a removal chose it to go in place of a pod gone, then
+    failed): adopted as an engine, the pod has the cost cleared first, so a later removal
+    deletes its own drained pod and not this serving one (both at the lowest cost, Kubernetes
+    would delete the more recently Ready)."""
+    kube = two_pods.kube
+    drained, marked = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    cost = {DELETION_COST: DRAINED_DELETION_COST}
+    await asyncio.to_thread(two_pods.api().annotate_pod, marked.name, cost)
+    actuator = two_pods.actuator()
+    try:
+        assert len(await actuator.adopt()) == 2
+        assert DELETION_COST not in marked.annotations
+        await actuator.drain(kube.address(drained), 5)
+        fleet = two_pods.app.controller.fleet
+        await fleet.wait_for(lambda: two_pods.routable() == [kube.address(marked)], 30)
+        await actuator.stop(kube.address(drained))
+        await two_pods.wait(lambda: bool(kube.deleted))  # the ReplicaSet scaled down
+    finally:
+        await actuator.close()
+    assert kube.deleted == [drained.name]
+    assert two_pods.registered() == [kube.address(marked)]
 
 
 @pytest.mark.timeout(120)
