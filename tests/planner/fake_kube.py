@@ -390,7 +390,7 @@ class FakeKube:
             if method == "PATCH":
                 patch = _merge_patch(headers, body)
                 version = patch.get("metadata", {}).get("resourceVersion")
-                if version is not None and version != deployment.resource_version:
+                if version and version != deployment.resource_version:  # "": unconditional
                     raise ApiError(
                         409,
                         "Conflict",
@@ -415,7 +415,7 @@ class FakeKube:
         self._check_allowed(verb, "pods", f'pods "{name}"')
         with self._changed:
             pod = self.pods.get(name)
-            if pod is None or (method == "DELETE" and pod.deletion_timestamp is not None):
+            if pod is None:
                 raise ApiError(404, "NotFound", f'pods "{name}" not found')
             if method == "PATCH":
                 metadata = _merge_patch(headers, body).get("metadata", {})
@@ -426,7 +426,7 @@ class FakeKube:
                         else:
                             target[item] = str(value)
                 pod.resource_version = self._version()
-            elif method == "DELETE":
+            elif method == "DELETE" and pod.deletion_timestamp is None:  # else: under way, 200
                 self._delete(pod)
             self._changed.notify_all()
             return 200, self._pod_object(pod)
