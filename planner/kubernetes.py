@@ -25,7 +25,8 @@
   (the pod made for its replica is to be scaled away instead). So a restarted planner takes
   over the fleet as it finds it instead of doubling it, and a pod the ReplicaSet recreated
   serves again. A pod taken as an engine (adopted, or by a start) first has the drained
-  deletion cost cleared, if a removal that did not finish left it (`_cleared`).
+  deletion cost cleared, if a removal that did not finish left it; one a scale-down the
+  ReplicaSet has yet to act on is to delete is left to go (`_cleared`).
 - **Exits**: an engine whose pod vanished, is terminating or is no longer Ready is reported by
   `exited` (from the last `adopt`'s listing); its removal only takes it out of the controller:
   the replica stays, Kubernetes restarts or replaces the pod. Unless it was draining, by the
@@ -223,7 +224,7 @@ class KubernetesDeployments:
             if self._stand_in_due(pool, pods):
                 return adopted  # adopted, the pod to be scaled away would be a serving engine
             for pod in self._free(pods):
-                if not await self._cleared(pod):
+                if not await self._cleared(pool, pod, pods):
                     continue
                 if any(e.uid == pod.uid for e in self._engines.values()):
                     continue  # a start that began during a registration below took it
@@ -383,7 +384,7 @@ class KubernetesDeployments:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 pods = []
             for pod in self._free(pods):
-                if not await self._cleared(pod) or pod.uid in self._taken():
+                if not await self._cleared(pool, pod, pods) or pod.uid in self._taken():
                     continue  # not cleared yet, or taken meanwhile (an adoption)
                 engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
                 self._engines[engine.address] = engine
@@ -391,17 +392,22 @@ class KubernetesDeployments:
                 return engine
             await asyncio.sleep(self._poll_s)
 
-    async def _cleared(self, pod: Pod) -> bool:
-        """Whether `pod` may be taken as an engine: not while it carries the drained deletion
-        cost, which a removal left that did not finish (a planner stopped between the
-        annotation and the scale-down; a pod chosen to go in place of one gone whose
-        scale-down failed, another chosen at the retry), until the cost is cleared. Serving
-        with it, the pod would be the one the ReplicaSet deletes at the next scale-down (a
-        tie with the drained pod, broken by the more recently Ready), requests and all. A
-        clear the API refuses leaves the pod for a later look."""
+    async def _cleared(self, pool: str, pod: Pod, pods: Sequence[Pod]) -> bool:
+        """Whether `pod` (one of the pool's `pods`) may be taken as an engine: not while it
+        carries the drained deletion cost, which a removal left that did not finish (a
+        planner stopped between the annotation and the scale-down; a pod chosen to go in
+        place of one gone whose scale-down failed, another chosen at the retry), until the
+        cost is cleared. Serving with it, the pod would be the one the ReplicaSet deletes at
+        the next scale-down (a tie with the drained pod, broken by the more recently Ready),
+        requests and all. Not while the Deployment has more active pods than replicas either:
+        a scale-down is under way that the ReplicaSet has not acted on yet (a planner
+        restarted in between), and the pod is the one it is to delete. A clear the API
+        refuses leaves the pod for a later look."""
         if pod.deletion_cost != DRAINED_DELETION_COST:
             return True
         try:
+            if sum(1 for p in pods if p.active) > (await self._scale(pool)).replicas:
+                return False  # to go: the ReplicaSet has yet to act on a scale-down
             await self._call(self._api.annotate_pod, pod.name, {DELETION_COST: None})
         except KubeApiError as exc:
             log.warning("pod %s not taken yet, its deletion cost not cleared: %s", pod.name, exc)

@@ -32,6 +32,7 @@ import grpc
 import pytest
 import yaml
 from fake_kube import FakeKube, Fault
+from fake_kube import Pod as FakePod
 from typer.testing import CliRunner
 
 from controller.app import ControllerApp, start_controller
@@ -295,17 +296,27 @@ async def test_a_removal_deletes_the_drained_pod_not_another(two_pods: Cluster) 
     assert two_pods.registered() == [kube.address(new)]
 
 
+async def adopt_and_drain_the_first_ready(
+    cluster: Cluster, actuator: KubernetesDeployments
+) -> tuple[FakePod, FakePod]:
+    """Adopt the Deployment's two pods and drain the one Ready first (one replica fewer alone
+    would delete the other, Ready more recently): (drained, the other)."""
+    kube = cluster.kube
+    drained, other = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    await actuator.adopt()
+    await actuator.drain(kube.address(drained), 5)
+    return drained, other
+
+
 @pytest.mark.timeout(120)
 async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cluster) -> None:
     """The ReplicaSet controller ranks pods from a cache that may not hold the deletion cost
     yet: it deletes the other pod. That one is reported as exited, and the drained pod is
     scaled away again, rather than left serving nothing and counting as a replica."""
     kube = two_pods.kube
-    drained, other = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
     actuator = two_pods.actuator()
     try:
-        await actuator.adopt()
-        await actuator.drain(kube.address(drained), 5)
+        drained, other = await adopt_and_drain_the_first_ready(two_pods, actuator)
         kube.stale_deletion_cost = True
         await actuator.stop(kube.address(drained))
         await two_pods.wait(lambda: other.deletion_timestamp is not None)
@@ -365,6 +376,36 @@ async def test_a_pod_a_removal_left_with_the_drained_deletion_cost_is_cleared_wh
         await actuator.close()
     assert kube.deleted == [drained.name]
     assert two_pods.registered() == [kube.address(marked)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_planner_restarted_before_the_replicaset_acted_leaves_the_drained_pod_to_go(
+    two_pods: Cluster,
+) -> None:
+    """The planner scaled a drained pod away and stopped before the ReplicaSet acted on the
+    scale-down (its controller lagging): the planner started again neither adopts that pod
+    nor clears its deletion cost, so the ReplicaSet, once it acts, deletes it and not the
+    serving pod."""
+    kube = two_pods.kube
+    first = two_pods.actuator()
+    try:
+        drained, serving = await adopt_and_drain_the_first_ready(two_pods, first)
+        fleet = two_pods.app.controller.fleet
+        await fleet.wait_for(lambda: two_pods.routable() == [kube.address(serving)], 30)
+        kube.hold_replicasets = True
+        await first.stop(kube.address(drained))
+    finally:
+        await first.close()
+    again = two_pods.actuator()
+    try:
+        assert await again.adopt() == [(kube.address(serving), "default")]
+        assert drained.annotations[DELETION_COST] == DRAINED_DELETION_COST
+        kube.hold_replicasets = False
+        await two_pods.wait(lambda: bool(kube.deleted))
+    finally:
+        await again.close()
+    assert kube.deleted == [drained.name]
+    assert two_pods.registered() == [kube.address(serving)]
 
 
 @pytest.mark.timeout(120)
