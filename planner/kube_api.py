@@ -40,6 +40,8 @@ from kvplane.errors import ConfigError, KvplaneError
 from planner.config import API_TIMEOUT_S
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# The annotation by which the ReplicaSet picks the pods a scale-down deletes (lowest first).
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 MERGE_PATCH = "application/merge-patch+json"
 # The default of `live.kubernetes.api_timeout_s` (planner.config), the limit of each call.
 REQUEST_TIMEOUT_S = API_TIMEOUT_S
@@ -47,6 +49,8 @@ REQUEST_TIMEOUT_S = API_TIMEOUT_S
 # work waits).
 _ATTEMPTS = 4
 _READ_CHUNK_BYTES = 65536
+# Pod phases after which no container runs again (restartPolicy Always included).
+_ENDED_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 class KubeApiError(KvplaneError):
@@ -84,6 +88,17 @@ class Pod:
     ready: bool  # status.conditions[type=Ready] is "True"
     deleting: bool  # metadata.deletionTimestamp is set: terminating
     created: str  # metadata.creationTimestamp (RFC 3339: sorts as time does)
+    phase: str  # status.phase: Pending, Running, Succeeded, Failed (e.g. evicted), Unknown
+    deletion_cost: str | None  # its DELETION_COST annotation, if it has one
+
+    @property
+    def active(self) -> bool:
+        """Whether the ReplicaSet counts the pod as one of its replicas (Kubernetes'
+        `controller.FilterActivePods`): neither terminating nor ended. An ended pod (Failed:
+        evicted, rejected by the kubelet at admission) runs no more and stays listed, without
+        a deletionTimestamp, until someone deletes it; the ReplicaSet has made one in its
+        place."""
+        return not self.deleting and self.phase not in _ENDED_PHASES
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +182,8 @@ class KubeApi:
         listed = self._call("GET", f"/api/v1/namespaces/{self._namespace}/pods?{query}")
         return [_pod(item) for item in listed.get("items") or []]
 
-    def annotate_pod(self, name: str, annotations: Mapping[str, str]) -> None:
+    def annotate_pod(self, name: str, annotations: Mapping[str, str | None]) -> None:
+        """Set the pod's `annotations`; one whose value is None is removed (merge patch)."""
         path = f"/api/v1/namespaces/{self._namespace}/pods/{_segment(name)}"
         self._call("PATCH", path, {"metadata": {"annotations": dict(annotations)}})
 
@@ -311,4 +327,6 @@ def _pod(pod: dict[str, Any]) -> Pod:
         ready=ready,
         deleting=metadata.get("deletionTimestamp") is not None,
         created=str(metadata.get("creationTimestamp", "")),
+        phase=str(status.get("phase", "")),
+        deletion_cost=(metadata.get("annotations") or {}).get(DELETION_COST),
     )

@@ -17,14 +17,16 @@
   not a serving one (it deletes not-Ready pods first, then the lowest cost). A removal the API
   refuses is retried at every later `adopt` (each tick) until it is done, and so is one the
   ReplicaSet did not honour (its cache lagged the annotation and it deleted another pod). A
-  drained pod already gone or terminating hands the cost to the pod the ReplicaSet made for
-  its replica (`_stand_in`).
+  drained pod already gone, terminating or ended (Failed: evicted) hands the cost to the pod
+  the ReplicaSet made for its replica (`_stand_in`).
 - **Adoption**: every `adopt` (each tick) lists each Deployment's pods; Ready pods no engine is
   yet are registered with the controller (one it already lists is fine) and reported, unless a
   start of that pool is waiting for a pod, or a removal of that pool is due whose pod is gone
   (the pod made for its replica is to be scaled away instead). So a restarted planner takes
   over the fleet as it finds it instead of doubling it, and a pod the ReplicaSet recreated
-  serves again.
+  serves again. A pod taken as an engine (adopted, or by a start) first has the drained
+  deletion cost cleared, if a removal that did not finish left it; one a scale-down the
+  ReplicaSet has yet to act on is to delete is left to go (`_cleared`).
 - **Exits**: an engine whose pod vanished, is terminating or is no longer Ready is reported by
   `exited` (from the last `adopt`'s listing); its removal only takes it out of the controller:
   the replica stays, Kubernetes restarts or replaces the pod. Unless it was draining, by the
@@ -63,14 +65,16 @@ from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import KubernetesConfig, LiveConfig
 from planner.controller_admin import ControllerAdmin
-from planner.kube_api import KubeApi, KubeApiError, Pod, Scale, in_cluster
+from planner.kube_api import DELETION_COST, KubeApi, KubeApiError, Pod, Scale, in_cluster
 
 log = logging.getLogger(__name__)
 
-DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 # The lowest cost the API accepts (an int32): a drained pod goes before any other Ready one.
 DRAINED_DELETION_COST = str(-(2**31))
-# Conflicting writers of a scale (an operator's `kubectl scale`) are rare: a few re-reads.
+# A scale PATCH is conditional on the resourceVersion read just before, which any write of the
+# Deployment changes: an operator's `kubectl scale` (rare), or the Deployment controller's
+# status write after a scale or a pod's change of readiness (a few in the 100 ms after each
+# scale). The window between the read and the PATCH is short: a few re-reads.
 _SCALE_ATTEMPTS = 3
 # API calls under way at once, all pools together (each in a thread of its own): pools are
 # looked at and scaled concurrently, within what a loaded API server should be asked.
@@ -220,6 +224,8 @@ class KubernetesDeployments:
             if self._stand_in_due(pool, pods):
                 return adopted  # adopted, the pod to be scaled away would be a serving engine
             for pod in self._free(pods):
+                if not await self._cleared(pool, pod, pods):
+                    continue
                 if any(e.uid == pod.uid for e in self._engines.values()):
                     continue  # a start that began during a registration below took it
                 engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
@@ -243,6 +249,8 @@ class KubernetesDeployments:
             pod = by_uid.get(engine.uid)
             if pod is None or pod.deleting:
                 why = "is gone" if pod is None else "is terminating"
+            elif not pod.active:
+                why = f"has ended ({pod.phase})"
             elif not pod.ready:
                 why = "is not Ready"
             else:
@@ -251,16 +259,17 @@ class KubernetesDeployments:
             self._exited[engine.address] = self._engines.pop(engine.address)
 
     def _check_leaving(self, pool: str, by_uid: Mapping[str, Pod]) -> None:
-        """Forget pods scaled away once they are gone. One still there, not terminating, while
-        the Deployment has no more pods than replicas was spared: the ReplicaSet deleted
-        another (it reads the deletion cost from a cache that may lag the annotation; the
-        other is then reported as exited). Its removal is done again."""
-        active = sum(1 for pod in by_uid.values() if not pod.deleting)
+        """Forget pods scaled away once they are gone (or ended: a Failed pod stays listed,
+        but counts for the ReplicaSet no more than a gone one). One still there, active, while
+        the Deployment has no more active pods than replicas was spared: the ReplicaSet
+        deleted another (it reads the deletion cost from a cache that may lag the annotation;
+        the other is then reported as exited). Its removal is done again."""
+        active = sum(1 for pod in by_uid.values() if pod.active)
         for uid, engine in list(self._leaving.items()):
             pod = by_uid.get(uid)
             if engine.pool != pool or (pod is not None and pod.deleting):
                 continue  # another pool's, or terminating: gone soon
-            if pod is None:
+            if pod is None or not pod.active:
                 del self._leaving[uid]
             elif active <= self._replicas.get(pool, active):
                 log.warning("pod %s was spared by the scale-down: removing it again", pod.name)
@@ -269,10 +278,10 @@ class KubernetesDeployments:
     def _stand_in_due(self, pool: str, pods: Sequence[Pod]) -> bool:
         """Whether a replica of the pool is to be scaled away (an engine that exited while
         draining, whose `stop` comes this tick, or a removal the API refused so far) whose own
-        pod is gone or terminating: the pod the scale-down is to delete is then one no engine
-        is yet, the one the ReplicaSet made for that replica, so none is adopted until the
-        removal has marked it (`_scale_away`)."""
-        present = {pod.uid for pod in pods if not pod.deleting}
+        pod is gone, terminating or ended (`Pod.active`): the pod the scale-down is to delete
+        is then one no engine is yet, the one the ReplicaSet made for that replica, so none is
+        adopted until the removal has marked it (`_scale_away`)."""
+        present = {pod.uid for pod in pods if pod.active}
         return any(r.pool == pool and r.uid not in present for r in self._removals_due())
 
     def _removals_due(self) -> list[_Replica]:
@@ -329,8 +338,8 @@ class KubernetesDeployments:
         return engine.address
 
     async def _until_scaled_away(self, pool: str) -> None:
-        """Until the pool's pods scaled away are terminating or gone (the caller bounds the
-        wait). A scale-up sooner could undo a scale-down: Kubernetes' Deployment and
+        """Until the pool's pods scaled away are terminating, ended or gone (the caller bounds
+        the wait). A scale-up sooner could undo a scale-down: Kubernetes' Deployment and
         ReplicaSet controllers may see both changes at once (N -> N-1 -> N, one sync) and
         delete no pod, and a start would wait for a new pod that never comes (with
         `min_engines` 1, a hung engine killed and replaced in the same tick would leave the
@@ -349,7 +358,7 @@ class KubernetesDeployments:
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
             else:
-                if not unknown and not any(p.uid in leaving and not p.deleting for p in pods):
+                if not unknown and not any(p.uid in leaving and p.active for p in pods):
                     return
             await asyncio.sleep(self._poll_s)
 
@@ -375,23 +384,52 @@ class KubernetesDeployments:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 pods = []
             for pod in self._free(pods):
+                if not await self._cleared(pool, pod, pods) or pod.uid in self._taken():
+                    continue  # not cleared yet, or taken meanwhile (an adoption)
                 engine = _Engine(pool, pod.name, pod.uid, self._address(pod))
                 self._engines[engine.address] = engine
                 log.info("pod %s of pool %s is Ready at %s", pod.name, pool, engine.address)
                 return engine
             await asyncio.sleep(self._poll_s)
 
+    async def _cleared(self, pool: str, pod: Pod, pods: Sequence[Pod]) -> bool:
+        """Whether `pod` (one of the pool's `pods`) may be taken as an engine: not while it
+        carries the drained deletion cost, which a removal left that did not finish (a
+        planner stopped between the annotation and the scale-down; a pod chosen to go in
+        place of one gone whose scale-down failed, another chosen at the retry), until the
+        cost is cleared. Serving with it, the pod would be the one the ReplicaSet deletes at
+        the next scale-down (a tie with the drained pod, broken by the more recently Ready),
+        requests and all. Not while the Deployment has more active pods than replicas either:
+        a scale-down is under way that the ReplicaSet has not acted on yet (a planner
+        restarted in between), and the pod is the one it is to delete. A clear the API
+        refuses leaves the pod for a later look."""
+        if pod.deletion_cost != DRAINED_DELETION_COST:
+            return True
+        try:
+            if sum(1 for p in pods if p.active) > (await self._scale(pool)).replicas:
+                return False  # to go: the ReplicaSet has yet to act on a scale-down
+            await self._call(self._api.annotate_pod, pod.name, {DELETION_COST: None})
+        except KubeApiError as exc:
+            log.warning("pod %s not taken yet, its deletion cost not cleared: %s", pod.name, exc)
+            return False
+        log.info("pod %s: the deletion cost an unfinished removal left on it cleared", pod.name)
+        return True
+
+    def _taken(self) -> set[str]:
+        """The uids of the pods that are engines or on their way out."""
+        return {e.uid for e in self._engines.values()} | set(self._leaving) | set(self._unscaled)
+
     def _free(self, pods: Sequence[Pod]) -> list[Pod]:
         """Ready pods, oldest first, that are no engine and not on their way out. A pod at
         the address of an exited engine waits until the planner has removed that one (pod
         IPs are reused): one address, one engine."""
-        taken = {e.uid for e in self._engines.values()} | set(self._leaving) | set(self._unscaled)
+        taken = self._taken()
         return sorted(
             (
                 pod
                 for pod in pods
                 if pod.ready
-                and not pod.deleting
+                and pod.active
                 and pod.ip
                 and pod.uid not in taken
                 and self._address(pod) not in self._exited
@@ -462,9 +500,10 @@ class KubernetesDeployments:
 
     async def _scale_away(self, replica: _Replica) -> _Replica:
         """The pod first to go (lowest deletion cost), then one replica fewer; the pod that
-        goes. A pod already gone or terminating (deleted while draining) no longer counts as
-        a replica: the pod the ReplicaSet made for its replica goes instead (`_stand_in`),
-        else the ReplicaSet would take the most recently Ready pod, which may serve.
+        goes. A pod already gone, terminating or ended (deleted or evicted while draining:
+        `Pod.active`) no longer counts as a replica: the pod the ReplicaSet made for its
+        replica goes instead (`_stand_in`), else the ReplicaSet would take the most recently
+        Ready pod, which may serve.
 
         A scale-down tried before whose outcome is unknown (a 504 Timeout: the API server
         may commit the write after answering) is not sent again if the scale shows it made:
@@ -484,7 +523,7 @@ class KubernetesDeployments:
                 )
                 return unknown.replica
         pods = await self._pods(replica.pool)
-        if not any(pod.uid == replica.uid and not pod.deleting for pod in pods):
+        if not any(pod.uid == replica.uid and pod.active for pod in pods):
             replica = await self._stand_in(replica, pods)
         try:
             await self._call(
@@ -512,7 +551,7 @@ class KubernetesDeployments:
         among them. While the Deployment has fewer pods than replicas, none was made for it
         yet (or the one made is a start's): the scale-down then deletes no pod, and `gone` is
         returned (a pod gone, or going)."""
-        active = [pod for pod in pods if not pod.deleting]
+        active = [pod for pod in pods if pod.active]
         if len(active) < (await self._scale(gone.pool)).replicas:
             return gone
         taken = {e.uid for e in self._engines.values()} | set(self._leaving)

@@ -15,7 +15,9 @@ What it implements (namespaced, one namespace):
 - Errors are Status objects (`kind: Status`, `code`, `reason`, `message`): 401 without the
   bearer token, 403 for a (verb, resource) made forbidden with `forbid` (the RBAC message), 404
   for a missing object or path, 405, 409, 415, 422 for replicas that are not a natural number.
-  Every change bumps a cluster-wide resourceVersion.
+  Every change bumps a cluster-wide resourceVersion, the Deployment's too when the
+  Deployment controller part writes its status (after each change of spec.replicas, of its
+  pods' count or readiness), as Kubernetes' does: a scale read before is stale then.
 - The ReplicaSet part keeps as many non-terminating pods as replicas. Scaling down, it deletes
   pods in Kubernetes' order (`ActivePodsWithRanks`): Pending before Running, not Ready before
   Ready, lower `controller.kubernetes.io/pod-deletion-cost` first, then the more recently
@@ -39,6 +41,10 @@ What it implements (namespaced, one namespace):
   of those Deployments only (their scale, their pods listed or by name), as a server whose
   storage is slow for some objects: the others are answered.
 - `delay_s` makes a slow API server: every answer comes that long after its request.
+- `unschedulable` leaves the pods made meanwhile Pending, unscheduled (PodScheduled False,
+  reason Unschedulable: no node has room), until it is cleared.
+- An answer over 2048 bytes is sent chunked (`Transfer-Encoding: chunked`), as the API
+  server's are (Go's net/http, no Content-Length); a shorter one with its Content-Length.
 - The kubelet part gives pod n the IP 127.A.B.C (A random per server, so concurrent test runs
   do not collide; Linux routes all of 127.0.0.0/8 to lo), or with `ipv6` the IP ::1 (an IPv6
   cluster's; one pod at a time then: loopback has one IPv6 address), starts `python -m kvplane
@@ -47,7 +53,10 @@ What it implements (namespaced, one namespace):
   SERVING (a readiness probe). A container that exits leaves its pod not Ready and is
   restarted after `restart_delay_s` (as with CrashLoopBackOff). A deleted pod gets a
   deletionTimestamp, its process SIGTERM, and leaves the list once the process has exited
-  (SIGKILL after the grace period).
+  (SIGKILL after the grace period). `evict` fails a pod as the kubelet's eviction does: its
+  container killed, phase Failed (reason Evicted), still listed with its IP and without a
+  deletionTimestamp; the ReplicaSet part, like Kubernetes', counts only pods neither
+  terminating nor failed, and makes one in its place.
 
 Not implemented: watches, field selectors, set-based label selectors, JSON patch, server-side
 apply, Deployment rollouts (one ReplicaSet per Deployment), scheduling, node placement, and
@@ -86,6 +95,12 @@ DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 _PATCH_TYPES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
 _LOOP_S = 0.05  # the controllers' and kubelet's pass
 _TERMINATION_GRACE_S = 30.0
+# The API server sets no Content-Length: Go's net/http sends an answer longer than its
+# handler's 2048-byte buffer chunked (a pod list of more than a pod or two, in a cluster), in
+# chunks of its 4096-byte writer.
+_GO_UNCHUNKED_BYTES = 2048
+_GO_CHUNK_BYTES = 4096
+_IMAGE = "ghcr.io/kvplane/kvplane:latest"
 
 
 @dataclass
@@ -96,6 +111,9 @@ class Deployment:
     replicas: int
     resource_version: str
     created: str
+    # Its status as last written by the Deployment controller: (observed spec.replicas,
+    # status.replicas, status.readyReplicas).
+    status: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -114,6 +132,16 @@ class Pod:
     restart_at: float | None = None  # a container that exited starts again then
     deleting_since: float | None = None  # monotonic; set: terminating
     deletion_timestamp: str | None = None
+    scheduled: bool = False  # bound to a node (`unschedulable` keeps new pods from it)
+    # Set ("Evicted"): the pod failed (status.phase Failed) and stays listed, its container
+    # stopped for good; the ReplicaSet no longer counts it.
+    failed_reason: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the ReplicaSet counts the pod (Kubernetes' `controller.FilterActivePods`):
+        neither terminating nor failed."""
+        return self.deletion_timestamp is None and self.failed_reason is None
 
     @property
     def ready(self) -> bool:
@@ -189,6 +217,8 @@ class FakeKube:
         self.hang_requests = False
         self.hang_deployments: set[str] = set()
         self.delay_s = 0.0  # every answer this late (a slow API server)
+        # Set: new pods stay Pending, unscheduled (no node has a free GPU); cleared, they run.
+        self.unschedulable = False
         self.faults: list[Fault] = []
         self.faulted = 0  # requests answered with a fault
         self.hung_requests = 0
@@ -236,6 +266,16 @@ class FakeKube:
             )
             self._changed.notify_all()
 
+    def delete_deployment(self, name: str) -> None:
+        """`kubectl delete deployment NAME` (background propagation): the Deployment is gone
+        at once, and the garbage collector deletes its pods (through its ReplicaSet)."""
+        with self._changed:
+            del self.deployments[name]
+            for pod in self.pods.values():
+                if pod.deployment == name and pod.deletion_timestamp is None:
+                    self._delete(pod)
+            self._changed.notify_all()
+
     def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 60.0) -> None:
         """Until `predicate()` (called under the lock) holds; TimeoutError after `timeout_s`."""
         with self._changed:
@@ -255,6 +295,23 @@ class FakeKube:
 
     def address(self, pod: Pod) -> str:
         return join_host_port(pod.ip, self.engine_port)
+
+    def evict(self, name: str) -> None:
+        """The kubelet evicts the pod (node pressure; a GPU pod the kubelet rejects at
+        admission ends so too): its container is killed, the pod's phase is Failed (reason
+        Evicted), it stays listed without a deletionTimestamp until someone deletes it (the
+        pod garbage collector only does past thousands of such pods), and the ReplicaSet,
+        which no longer counts it, makes a pod in its place."""
+        with self._changed:
+            pod = self.pods[name]
+            process, pod.process = pod.process, None
+            pod.failed_reason = "Evicted"
+            pod.ready_since = pod.restart_at = None
+            pod.resource_version = self._version()
+            self._changed.notify_all()
+        if process is not None:
+            process.kill()
+            process.wait()
 
     def kill_container(self, name: str) -> None:
         """SIGKILL a pod's engine, as a crash (the pod stays, not Ready)."""
@@ -333,7 +390,7 @@ class FakeKube:
             if method == "PATCH":
                 patch = _merge_patch(headers, body)
                 version = patch.get("metadata", {}).get("resourceVersion")
-                if version is not None and version != deployment.resource_version:
+                if version and version != deployment.resource_version:  # "": unconditional
                     raise ApiError(
                         409,
                         "Conflict",
@@ -358,7 +415,7 @@ class FakeKube:
         self._check_allowed(verb, "pods", f'pods "{name}"')
         with self._changed:
             pod = self.pods.get(name)
-            if pod is None or (method == "DELETE" and pod.deletion_timestamp is not None):
+            if pod is None:
                 raise ApiError(404, "NotFound", f'pods "{name}" not found')
             if method == "PATCH":
                 metadata = _merge_patch(headers, body).get("metadata", {})
@@ -369,7 +426,7 @@ class FakeKube:
                         else:
                             target[item] = str(value)
                 pod.resource_version = self._version()
-            elif method == "DELETE":
+            elif method == "DELETE" and pod.deletion_timestamp is None:  # else: under way, 200
                 self._delete(pod)
             self._changed.notify_all()
             return 200, self._pod_object(pod)
@@ -387,11 +444,6 @@ class FakeKube:
             )
 
     def _scale_object(self, deployment: Deployment) -> dict[str, Any]:
-        current = sum(
-            1
-            for p in self.pods.values()
-            if p.deployment == deployment.name and p.deletion_timestamp is None
-        )
         return {
             "kind": "Scale",
             "apiVersion": "autoscaling/v1",
@@ -402,9 +454,10 @@ class FakeKube:
                 "resourceVersion": deployment.resource_version,
                 "creationTimestamp": deployment.created,
             },
-            "spec": {"replicas": deployment.replicas},
+            # autoscaling/v1 ScaleSpec's replicas is `omitempty`: a Deployment at 0 has `{}`.
+            "spec": {"replicas": deployment.replicas} if deployment.replicas else {},
             "status": {
-                "replicas": current,
+                "replicas": deployment.status[1],  # as the Deployment's status last said
                 "selector": ",".join(f"{k}={v}" for k, v in sorted(deployment.labels.items())),
             },
         }
@@ -442,19 +495,70 @@ class FakeKube:
         if pod.deletion_timestamp is not None:
             metadata["deletionTimestamp"] = pod.deletion_timestamp
         started = pod.process is not None
-        return {
+        status: dict[str, Any]
+        if pod.failed_reason is not None:  # the IP it had stays in its status
+            status = {"phase": "Failed", "reason": pod.failed_reason, "podIP": pod.ip}
+        else:
+            status = {"phase": "Running" if started else "Pending"}
+            status.update({"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]} if started else {})
+        # The conditions a kubelet reports, in its order: the planner reads only Ready.
+        conditions = {
+            "PodReadyToStartContainers": True,
+            "Initialized": True,
+            "Ready": pod.ready,
+            "ContainersReady": pod.ready,
+            "PodScheduled": True,
+        }
+        state = {"running": {"startedAt": pod.created}} if started else {"waiting": {}}
+        scheduled = {"nodeName": "node-1"} if pod.scheduled else {}
+        pod_object = {
             "kind": "Pod",
             "apiVersion": "v1",
             "metadata": metadata,
             "spec": {
-                "containers": [{"name": "engine", "ports": [{"containerPort": self.engine_port}]}]
+                "containers": [
+                    {
+                        "name": "engine",
+                        "image": _IMAGE,
+                        "ports": [{"containerPort": self.engine_port, "protocol": "TCP"}],
+                        "readinessProbe": {"grpc": {"port": self.engine_port}},
+                    }
+                ],
+                "restartPolicy": "Always",
+                "terminationGracePeriodSeconds": int(_TERMINATION_GRACE_S),
+                **scheduled,
+                "serviceAccountName": "default",
             },
             "status": {
-                "phase": "Running" if started else "Pending",
-                **({"podIP": pod.ip} if started else {}),
-                "conditions": [{"type": "Ready", "status": "True" if pod.ready else "False"}],
+                **status,
+                "hostIP": "10.0.0.1",
+                "qosClass": "BestEffort",
+                "startTime": pod.created,
+                "conditions": [
+                    {"type": kind, "status": str(value), "lastTransitionTime": pod.created}
+                    for kind, value in conditions.items()
+                ],
+                "containerStatuses": [
+                    {
+                        "name": "engine",
+                        "image": _IMAGE,
+                        "ready": pod.ready,
+                        "started": started,
+                        "restartCount": 0,
+                        "state": state,
+                    }
+                ],
             },
         }
+        if not pod.scheduled:  # as the scheduler leaves a pod no node has room for
+            unschedulable = {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+            }
+            pod_object["status"] = {"phase": "Pending", "conditions": [unschedulable]}
+        return pod_object
 
     def hang(self, write: Callable[[bytes], object]) -> None:
         """Answer a hung request's body a byte a pass until the client hangs up (or the
@@ -504,6 +608,7 @@ class FakeKube:
                 for deployment in self.deployments.values():
                     if not self.hold_replicasets:
                         self._replicate(deployment)
+                        self._write_status(deployment)
                 for pod in list(self.pods.values()):
                     self._run(pod)
                 self._changed.notify_all()
@@ -518,11 +623,7 @@ class FakeKube:
                             self._changed.notify_all()
 
     def _replicate(self, deployment: Deployment) -> None:
-        active = [
-            p
-            for p in self.pods.values()
-            if p.deployment == deployment.name and p.deletion_timestamp is None
-        ]
+        active = [p for p in self.pods.values() if p.deployment == deployment.name and p.active]
         for _ in range(deployment.replicas - len(active)):
             number = next(self._numbers)
             name = f"{deployment.name}-{uuid.uuid4().hex[:10]}-{uuid.uuid4().hex[:5]}"
@@ -547,6 +648,17 @@ class FakeKube:
                 self.deleted.append(pod.name)
                 self._delete(pod)
 
+    def _write_status(self, deployment: Deployment) -> None:
+        """The Deployment controller's status write (observedGeneration after a change of
+        spec.replicas, status.replicas, status.readyReplicas), which, as every write of the
+        object, gives it a new resourceVersion: a scale read before it is stale, and a PATCH
+        conditional on its version is a 409 Conflict though nobody else scaled."""
+        active = [p for p in self.pods.values() if p.deployment == deployment.name and p.active]
+        status = (deployment.replicas, len(active), sum(p.ready for p in active))
+        if status != deployment.status:
+            deployment.status = status
+            deployment.resource_version = self._version()
+
     def _delete(self, pod: Pod) -> None:
         pod.deletion_timestamp = _now()
         pod.deleting_since = time.monotonic()
@@ -562,10 +674,17 @@ class FakeKube:
             elif now - pod.deleting_since > _TERMINATION_GRACE_S:
                 pod.process.kill()
             return
+        if pod.failed_reason is not None:  # failed for good: never restarted
+            return
         if pod.process is not None and pod.process.poll() is not None:  # the container exited
             pod.process = None
             pod.ready_since = None
             pod.restart_at = now + self._restart_delay_s
+            pod.resource_version = self._version()
+        if not pod.scheduled:
+            if self.unschedulable:
+                return
+            pod.scheduled = True
             pod.resource_version = self._version()
         if pod.process is None and (pod.restart_at is None or now >= pod.restart_at):
             with (self._workdir / f"{pod.name}.log").open("ab") as log_file:
@@ -677,13 +796,23 @@ def _handler(kube: FakeKube) -> type[http.server.BaseHTTPRequestHandler]:
             else:
                 retry_after_s = None
             data = json.dumps(answer).encode()
+            chunked = len(data) > _GO_UNCHUNKED_BYTES
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
+            if chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(len(data)))
             if retry_after_s is not None:
                 self.send_header("Retry-After", str(retry_after_s))
             self.end_headers()
-            self.wfile.write(data)
+            if not chunked:
+                self.wfile.write(data)
+                return
+            for start in range(0, len(data), _GO_CHUNK_BYTES):
+                chunk = data[start : start + _GO_CHUNK_BYTES]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.write(b"0\r\n\r\n")
 
         def _write(self, data: bytes) -> None:
             self.wfile.write(data)

@@ -4,10 +4,10 @@ processes on their own loopback IPs) and a real in-process controller: a start s
 registers the Ready pod; a removal deletes the drained pod, not a serving one (and is retried
 when the API refuses it); a restarted planner adopts the pods instead of doubling them; pods
 that vanish or crash are reported and leave the controller, draining ones (drained by the
-planner or by hand) with their replicas, and the pod made for a deleted draining pod's replica
-is the one deleted; a hung pod is scaled away and replaced by one start; API errors are one
-line; end to end, load scales the pool up and its end scales it down again, deleting the
-drained pod."""
+planner or by hand) with their replicas, and the pod made for the replica of a draining pod
+deleted or evicted is the one deleted; a hung pod is scaled away and replaced by one start;
+API errors are one line; end to end, load scales the pool up and its end scales it down again,
+deleting the drained pod."""
 
 from __future__ import annotations
 
@@ -45,12 +45,21 @@ from planner.controller_admin import ControllerAdmin
 from planner.core.decisions import Decision, DrainEngine, Reason, RemoveEngine, ScalePool
 from planner.core.observations import EngineState
 from planner.core.planner import Planner
-from planner.kube_api import SERVICE_ACCOUNT_DIR, KubeApi, KubeConnection, Pod, Scale, in_cluster
-from planner.kubernetes import KubernetesDeployments
+from planner.kube_api import (
+    DELETION_COST,
+    SERVICE_ACCOUNT_DIR,
+    KubeApi,
+    KubeConnection,
+    Pod,
+    Scale,
+    in_cluster,
+)
+from planner.kubernetes import DRAINED_DELETION_COST, KubernetesDeployments
 from planner.live import LivePlanner
 from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
 from tests.planner.fake_kube import FakeKube, Fault
+from tests.planner.fake_kube import Pod as FakePod
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEPLOYMENT = "kvplane-engine"
@@ -211,6 +220,37 @@ async def test_a_pod_of_an_ipv6_cluster_is_an_engine_at_its_bracketed_address(
             await actuator.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_pod_stuck_pending_is_waited_for_not_asked_for_again(empty: Cluster) -> None:
+    """No node has room for the new pod (Pending, unschedulable): the start gives up after
+    start_timeout_s and leaves its replica, and the next start waits for that pod instead of
+    asking for one more (no replica a tick while the cluster is full); once it is scheduled,
+    that start takes it."""
+    kube = empty.kube
+    kube.unschedulable = True
+    actuator = KubernetesDeployments(
+        controller=f"127.0.0.1:{empty.app.port}",
+        api=empty.api(),
+        deployments={"default": DEPLOYMENT},
+        engine_port=kube.engine_port,
+        start_timeout_s=1,
+        poll_s=0.05,
+    )
+    try:
+        for _ in range(2):
+            with pytest.raises(KvplaneError, match="no Ready pod after start_timeout_s"):
+                await actuator.start("default")
+            assert kube.deployments[DEPLOYMENT].replicas == 1
+        (pending,) = kube.pods.values()
+        kube.unschedulable = False
+        await empty.wait(lambda: pending.ready)
+        started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert started == kube.address(pending)
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+
+
 @pytest.mark.timeout(120)
 async def test_a_start_does_not_overwrite_a_scale_changed_meanwhile(empty: Cluster) -> None:
     class OperatorScalesMeanwhile(KubeApi):
@@ -267,17 +307,27 @@ async def test_a_removal_deletes_the_drained_pod_not_another(two_pods: Cluster) 
     assert two_pods.registered() == [kube.address(new)]
 
 
+async def adopt_and_drain_the_first_ready(
+    cluster: Cluster, actuator: KubernetesDeployments
+) -> tuple[FakePod, FakePod]:
+    """Adopt the Deployment's two pods and drain the one Ready first (one replica fewer alone
+    would delete the other, Ready more recently): (drained, the other)."""
+    kube = cluster.kube
+    drained, other = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    await actuator.adopt()
+    await actuator.drain(kube.address(drained), 5)
+    return drained, other
+
+
 @pytest.mark.timeout(120)
 async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cluster) -> None:
     """The ReplicaSet controller ranks pods from a cache that may not hold the deletion cost
     yet: it deletes the other pod. That one is reported as exited, and the drained pod is
     scaled away again, rather than left serving nothing and counting as a replica."""
     kube = two_pods.kube
-    drained, other = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
     actuator = two_pods.actuator()
     try:
-        await actuator.adopt()
-        await actuator.drain(kube.address(drained), 5)
+        drained, other = await adopt_and_drain_the_first_ready(two_pods, actuator)
         kube.stale_deletion_cost = True
         await actuator.stop(kube.address(drained))
         await two_pods.wait(lambda: other.deletion_timestamp is not None)
@@ -309,6 +359,64 @@ async def test_a_restarted_planner_adopts_the_pods_instead_of_doubling_them(
         await again.close()
     assert two_pods.kube.deployments[DEPLOYMENT].replicas == 2
     assert two_pods.registered() == addresses
+
+
+@pytest.mark.timeout(120)
+async def test_a_pod_a_removal_left_with_the_drained_deletion_cost_is_cleared_when_adopted(
+    two_pods: Cluster,
+) -> None:
+    """A planner that stopped between a removal's annotation and its scale-down left the pod
+    with the lowest deletion cost (or a removal chose it to go in place of a pod gone, then
+    failed): adopted as an engine, the pod has the cost cleared first, so a later removal
+    deletes its own drained pod and not this serving one (both at the lowest cost, Kubernetes
+    would delete the more recently Ready)."""
+    kube = two_pods.kube
+    drained, marked = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    cost = {DELETION_COST: DRAINED_DELETION_COST}
+    await asyncio.to_thread(two_pods.api().annotate_pod, marked.name, cost)
+    actuator = two_pods.actuator()
+    try:
+        assert len(await actuator.adopt()) == 2
+        assert DELETION_COST not in marked.annotations
+        await actuator.drain(kube.address(drained), 5)
+        fleet = two_pods.app.controller.fleet
+        await fleet.wait_for(lambda: two_pods.routable() == [kube.address(marked)], 30)
+        await actuator.stop(kube.address(drained))
+        await two_pods.wait(lambda: bool(kube.deleted))  # the ReplicaSet scaled down
+    finally:
+        await actuator.close()
+    assert kube.deleted == [drained.name]
+    assert two_pods.registered() == [kube.address(marked)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_planner_restarted_before_the_replicaset_acted_leaves_the_drained_pod_to_go(
+    two_pods: Cluster,
+) -> None:
+    """The planner scaled a drained pod away and stopped before the ReplicaSet acted on the
+    scale-down (its controller lagging): the planner started again neither adopts that pod
+    nor clears its deletion cost, so the ReplicaSet, once it acts, deletes it and not the
+    serving pod."""
+    kube = two_pods.kube
+    first = two_pods.actuator()
+    try:
+        drained, serving = await adopt_and_drain_the_first_ready(two_pods, first)
+        fleet = two_pods.app.controller.fleet
+        await fleet.wait_for(lambda: two_pods.routable() == [kube.address(serving)], 30)
+        kube.hold_replicasets = True
+        await first.stop(kube.address(drained))
+    finally:
+        await first.close()
+    again = two_pods.actuator()
+    try:
+        assert await again.adopt() == [(kube.address(serving), "default")]
+        assert drained.annotations[DELETION_COST] == DRAINED_DELETION_COST
+        kube.hold_replicasets = False
+        await two_pods.wait(lambda: bool(kube.deleted))
+    finally:
+        await again.close()
+    assert kube.deleted == [drained.name]
+    assert two_pods.registered() == [kube.address(serving)]
 
 
 @pytest.mark.timeout(120)
@@ -449,38 +557,78 @@ async def two_pods_restarting(
 
 
 @pytest.mark.timeout(120)
-async def test_the_pod_a_deleted_draining_pod_leaves_is_the_one_scaled_away(
-    two_pods_restarting: Cluster,
+@pytest.mark.parametrize("way", ["deleted", "evicted"])
+async def test_the_pod_a_deleted_or_evicted_draining_pod_leaves_is_the_one_scaled_away(
+    two_pods_restarting: Cluster, way: str
 ) -> None:
-    """A draining pod deleted by hand: the ReplicaSet makes a pod for its replica, and the
-    planner scales that replica away. The new pod, Ready by then, is not adopted (the
-    scale-down is to delete it) and gets the lowest deletion cost, so the ReplicaSet deletes
-    it and not a serving pod, even one Ready more recently (its container restarted), which
-    Kubernetes would delete first."""
+    """A draining pod deleted by hand, or evicted by the kubelet (node pressure; a GPU pod
+    rejected at admission ends so too: it fails and stays listed, without a
+    deletionTimestamp, for good): the ReplicaSet makes a pod for its replica, and the planner
+    scales that replica away. The new pod, Ready by then, is not adopted (the scale-down is to
+    delete it) and gets the lowest deletion cost, so the ReplicaSet deletes it and not a
+    serving pod, even one Ready more recently (its container restarted), which Kubernetes
+    would delete first. An evicted pod, which stays, holds up no later start of the pool."""
     cluster, kube = two_pods_restarting, two_pods_restarting.kube
-    deleted, serving = kube.ready_pods(DEPLOYMENT)
+    left, serving = kube.ready_pods(DEPLOYMENT)
     actuator = cluster.actuator()
     try:
         await actuator.adopt()
-        await actuator.drain(kube.address(deleted), 300)
+        await actuator.drain(kube.address(left), 300)
         await cluster.wait_routable(1)
-        delete_pod(cluster, deleted.name)
+        if way == "deleted":
+            delete_pod(cluster, left.name)
+        else:
+            kube.evict(left.name)
         await cluster.wait(lambda: len(kube.ready_pods(DEPLOYMENT)) == 2)
         (new,) = (pod for pod in kube.ready_pods(DEPLOYMENT) if pod is not serving)
         kube.kill_container(serving.name)
         await cluster.wait(lambda: (serving.ready_since or 0) > (new.ready_since or 0))
-        assert await actuator.adopt() == []  # the tick the deleted pod is seen gone
-        assert actuator.exited() == [kube.address(deleted)]
-        await actuator.stop(kube.address(deleted))
+        assert await actuator.adopt() == []  # the tick the pod is seen gone, or failed
+        assert actuator.exited() == [kube.address(left)]
+        await actuator.stop(kube.address(left))
         assert kube.deployments[DEPLOYMENT].replicas == 1
         await cluster.wait(lambda: bool(kube.deleted))  # the ReplicaSet scaled down
         assert kube.deleted == [new.name]
-        await cluster.wait(lambda: not {new.name, deleted.name} & set(kube.pods))
+        await cluster.wait(lambda: new.name not in kube.pods)
         assert await actuator.adopt() == [] and actuator.exited() == []
+        assert kube.ready_pods(DEPLOYMENT) == [serving]
+        assert cluster.registered() == [kube.address(serving)]
+        started = await actuator.start("default")
     finally:
         await actuator.close()
-    assert kube.ready_pods(DEPLOYMENT) == [serving]
-    assert cluster.registered() == [kube.address(serving)]
+    assert (left.name in kube.pods) == (way == "evicted")  # an evicted pod stays listed
+    assert kube.deployments[DEPLOYMENT].replicas == 2
+    assert cluster.registered() == sorted([kube.address(serving), started])
+
+
+@pytest.mark.timeout(120)
+async def test_a_deployment_deleted_by_hand_ends_its_engines_and_fails_starts_in_one_line(
+    two_pods: Cluster,
+) -> None:
+    """`kubectl delete deployment`: its pods, terminating, are reported as exited; a start
+    fails with the API's 404 in one line (the core asks again each tick) rather than stopping
+    the planner; once the Deployment is applied again, a start scales it up."""
+    kube = two_pods.kube
+    pods = kube.ready_pods(DEPLOYMENT)
+    actuator = two_pods.actuator()
+    try:
+        assert len(await actuator.adopt()) == 2
+        kube.delete_deployment(DEPLOYMENT)
+        assert await actuator.adopt() == []
+        assert actuator.exited() == sorted(kube.address(pod) for pod in pods)
+        for address in actuator.exited():
+            await actuator.stop(address)
+        with pytest.raises(KvplaneError) as refused:
+            await actuator.start("default")
+        message = str(refused.value)
+        assert f'404 NotFound: deployments.apps "{DEPLOYMENT}" not found' in message
+        assert message.startswith("no engine of default started: ") and "\n" not in message
+        kube.add_deployment(DEPLOYMENT, 0, LABELS)  # applied again
+        started = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert two_pods.registered() == [started]
 
 
 def delete_pod(cluster: Cluster, name: str) -> None:
