@@ -74,8 +74,11 @@ DRAINED_DELETION_COST = str(-(2**31))
 # A scale PATCH is conditional on the resourceVersion read just before, which any write of the
 # Deployment changes: an operator's `kubectl scale` (rare), or the Deployment controller's
 # status write after a scale or a pod's change of readiness (a few in the 100 ms after each
-# scale). The window between the read and the PATCH is short: a few re-reads.
-_SCALE_ATTEMPTS = 3
+# scale). The window between the read and the PATCH is short: a few re-reads, 10, 20, 30 and
+# 40 ms apart, so that the status writes of the 100 ms after a scale (the pool's previous
+# start) cannot use them all up (client-go's `retry.RetryOnConflict`: 5 tries, 10 ms apart).
+_SCALE_ATTEMPTS = 5
+_CONFLICT_BACKOFF_S = 0.01
 # API calls under way at once, all pools together (each in a thread of its own): pools are
 # looked at and scaled concurrently, within what a loaded API server should be asked.
 MAX_CALLS_IN_FLIGHT = 8
@@ -601,6 +604,7 @@ class KubernetesDeployments:
                         raise _ScaleOutcomeUnknown(exc, scale.resource_version, wanted) from exc
                     if exc.status != 409 or attempt == _SCALE_ATTEMPTS - 1:
                         raise
+                    await asyncio.sleep(_CONFLICT_BACKOFF_S * (attempt + 1))
                     continue
                 self._replicas[pool] = wanted
                 log.info("Deployment %s scaled from %d to %d", deployment, scale.replicas, wanted)

@@ -659,6 +659,13 @@ class FakeKube:
             deployment.status = status
             deployment.resource_version = self._version()
 
+    def status_written(self, name: str) -> None:
+        """The Deployment controller writes the Deployment's status (as it does a few times
+        after each scale): a new resourceVersion, nothing else changed."""
+        with self._changed:
+            self.deployments[name].resource_version = self._version()
+            self._changed.notify_all()
+
     def _delete(self, pod: Pod) -> None:
         pod.deletion_timestamp = _now()
         pod.deleting_since = time.monotonic()

@@ -277,6 +277,32 @@ async def test_a_start_does_not_overwrite_a_scale_changed_meanwhile(empty: Clust
     assert address in {empty.kube.address(p) for p in empty.kube.ready_pods(DEPLOYMENT)}
 
 
+async def test_a_start_outlasts_the_status_writes_that_follow_a_scale(empty: Cluster) -> None:
+    kube = empty.kube
+
+    class StatusWrittenMeanwhile(KubeApi):
+        """The Deployment controller writes the status four times between the actuator's
+        reads of the scale and its PATCHes (as after the pool's previous scale): each PATCH,
+        conditional on the version read, is refused (409 Conflict) until the writes stop."""
+
+        writes_left = 4
+
+        def get_scale(self, deployment: str) -> Scale:
+            scale = super().get_scale(deployment)
+            if self.writes_left:
+                self.writes_left -= 1
+                kube.status_written(deployment)
+            return scale
+
+    actuator = empty.actuator(StatusWrittenMeanwhile(empty.api().connection))
+    try:
+        address = await actuator.start("default")
+    finally:
+        await actuator.close()
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+    assert [address] == [kube.address(p) for p in kube.ready_pods(DEPLOYMENT)]
+
+
 @pytest.mark.timeout(120)
 async def test_a_removal_deletes_the_drained_pod_not_another(two_pods: Cluster) -> None:
     kube = two_pods.kube
