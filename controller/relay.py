@@ -400,6 +400,24 @@ class Relay:
         self.aborted_unrouted.add(request_id)
         return True
 
+    def ended_at(self, request_id: str, engine: str) -> None:
+        """`engine` said the request it holds for this gateway ended there (an Abort answered
+        ABORTED or ALREADY_FINISHED: seed, the target ended): the router stops charging the
+        engine with it now, not once its client has read the rest of its stream. A client
+        that stops reading (its flow-control window full, never cancelling) keeps the
+        gateway's relay of it open as long as it likes, the engine idle meanwhile. Nothing
+        when the request moved on (a decode hop elsewhere is charged anew)."""
+        if self.holding.get(request_id) == engine:
+            self.controller.router.finish(request_id)
+
+    def all_ended_at(self, engines: set[str]) -> None:
+        """`ended_at` for every request one of `engines` holds for this gateway and has
+        answered: they aborted all their requests. Not one whose call they have not answered
+        yet: it may reach its engine after the Abort, and run."""
+        for request_id, engine in list(self.holding.items()):
+            if engine in engines and request_id not in self._unanswered:
+                self.ended_at(request_id, engine)
+
     def abort_unaccepted(self, request_id: str, engine: str) -> bool:
         """Abort a request that `engine` holds for this gateway but has not accepted yet (its
         Abort answered NOT_FOUND: the call is on its way; or it did not answer: stopped,
