@@ -23,7 +23,10 @@
   names the engine, as a Generate's does (relay.pass_status).
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
-  before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
+  before a decode engine holds it): the relay ends it, ABORTED (and so when its prefill
+  engine answers ALREADY_FINISHED for a handoff the gateway has not read yet:
+  Relay.ended_at); an engine's answer that the request ended releases it from the router's
+  accounting, though its client may not have read everything yet; one of the last requests
   that ended is ALREADY_FINISHED (as an engine answers), an id never seen NOT_FOUND;
   `all_requests` ends the requests no engine can abort here and fans out, as KV sessions
   do, and also to every engine holding a relayed stream, reachable or not (a stopped one is
@@ -613,8 +616,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     failure.code(),
                     naming_engine(failure, address, "Abort", self.controller.fleet),
                 )
-            if reply.status in _ENDED:
-                self.relay.ended_at(request.request_id, address)
+            if (
+                reply.status in _ENDED
+                and self.relay.ended_at(request.request_id, address)
+                and reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+            ):  # its prefill engine handed it over: the gateway ends it there
+                return pb.AbortResponse(
+                    status=pb.ABORT_STATUS_ABORTED,
+                    message="aborted at the handoff to a decode engine",
+                )
             return reply
         # Every request also means those still being planned here, which no engine holds yet:
         # they end before any engine is called, as one aborted by id does.
