@@ -21,8 +21,10 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
   request aborted before an engine took it (being planned, or its call not yet accepted)
   ends here, CANCELLED, and one aborted at the handoff (its prefill engine handed it over,
-  no decode engine holds or has accepted it yet) ends here as an aborted request ends on an
-  engine, every output finished CANCELLED, with no decode hop;
+  no decode engine holds or has accepted it yet; or that engine answered the Abort that its
+  part ended before the gateway read the handoff, `ended_at`) ends here as an aborted
+  request ends on an engine, every output finished CANCELLED, with no decode hop; an
+  engine's answer that a request ended releases the router's accounting of it at once;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
 - tell the client where the request ran (the seed's responses cannot): trailing metadata
