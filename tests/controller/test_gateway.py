@@ -368,8 +368,10 @@ async def test_an_abort_releases_the_engine_from_the_routers_accounting_past_a_s
     from vllm_grpc import vllm_grpc_pb2 as vpb
     from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
-    fleet = await make_fleet(1)
-    engine = fleet.address(fleet.engines[0])
+    # Room for both requests at once: neither waits for the other's KV blocks.
+    roomy = await start_sim_engine("e0", num_kv_blocks=1100, max_model_len=4096)
+    fleet = await make_fleet(engines=[roomy])
+    engine = fleet.address(roomy)
     inflight = fleet.app.controller.router.inflight
     try:
         async with grpc.aio.insecure_channel(
@@ -393,7 +395,7 @@ async def test_an_abort_releases_the_engine_from_the_routers_accounting_past_a_s
             async def engine_idle() -> bool:
                 load = await engine_answer(engine, "GetLoad", pb.GetLoadRequest())
                 assert isinstance(load, pb.LoadInfo)
-                return load.running_requests == 0
+                return (load.running_requests, load.queued_requests) == (0, 0)
 
             await eventually(engine_idle)
             # The gateway cannot tell until it reads the engine's stream on, which waits for
