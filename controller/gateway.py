@@ -23,7 +23,10 @@
   names the engine, as a Generate's does (relay.pass_status).
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
-  before a decode engine holds it): the relay ends it, ABORTED; one of the last requests
+  before a decode engine holds it): the relay ends it, ABORTED (and so when its prefill
+  engine answers ALREADY_FINISHED for a handoff the gateway has not read yet:
+  Relay.ended_at); an engine's answer that the request ended releases it from the router's
+  accounting, though its client may not have read everything yet; one of the last requests
   that ended is ALREADY_FINISHED (as an engine answers), an id never seen NOT_FOUND;
   `all_requests` ends the requests no engine can abort here and fans out, as KV sessions
   do, and also to every engine holding a relayed stream, reachable or not (a stopped one is
@@ -150,6 +153,9 @@ _UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 # at the handoff to a stopped decode engine ran on (its KV session pinned on the prefill
 # engine) until `abandon_streams_after_s` or the client's deadline, its Abort UNAVAILABLE.
 _UNACCEPTED = frozenset({grpc.StatusCode.NOT_FOUND}) | _UNREACHED
+
+# An engine's Abort answers that say the target ended there (seed: there is no "partly").
+_ENDED = frozenset({pb.ABORT_STATUS_ABORTED, pb.ABORT_STATUS_ALREADY_FINISHED})
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -610,6 +616,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     failure.code(),
                     naming_engine(failure, address, "Abort", self.controller.fleet),
                 )
+            if (
+                reply.status in _ENDED
+                and self.relay.ended_at(request.request_id, address)
+                and reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
+            ):  # its prefill engine handed it over: the gateway ends it there
+                return pb.AbortResponse(
+                    status=pb.ABORT_STATUS_ABORTED,
+                    message="aborted at the handoff to a decode engine",
+                )
             return reply
         # Every request also means those still being planned here, which no engine holds yet:
         # they end before any engine is called, as one aborted by id does.
@@ -643,6 +658,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             if isinstance(result, grpc.aio.AioRpcError) and result.code() in _UNREACHED
         }
         unaccepted = self.relay.abort_all_unaccepted(silent) if target == "all_requests" else 0
+        if target == "all_requests":
+            self.relay.all_ended_at(
+                {
+                    record.address
+                    for record, result in results
+                    if isinstance(result, pb.AbortResponse) and result.status in _ENDED
+                }
+            )
         answered = [r for _, r in results if isinstance(r, pb.AbortResponse)]
         if not answered:
             # Every engine refusing alike is the answer (NOT_FOUND: no engine holds that KV
@@ -902,8 +925,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         change, and every progress interval) until none is left, then COMPLETE. Past the
         deadline, without `abort_after_deadline`: one terminal EngineError (DRAINING), the
         requests keep running; with it: abort the requests this gateway relays, then COMPLETE
-        once they have ended (the same error if some outlive DRAIN_ABORT_GRACE_S). Engines
-        keep running; drain an engine with the admin API."""
+        once they have ended (the same error if some outlive DRAIN_ABORT_GRACE_S, unless
+        their engines said they ended: `_unended`). Engines keep running; drain an engine
+        with the admin API."""
         # Every request admitted here counts, from its planning on: one still being planned
         # when the drain starts is routed afterwards.
         in_flight_ids = self.relay.running
@@ -913,6 +937,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         yield _drain_state(pb.DRAIN_STATE_STARTED, len(in_flight_ids))
         reported, reported_at = len(in_flight_ids), now
         aborted: set[tuple[str, str]] = set()  # (request id, engine) told to abort
+        ended: set[tuple[str, str]] = set()  # (request id, engine) the engine said ended
         aborts_end: float | None = None  # when waiting for the aborted requests gives up
         while in_flight_ids:
             now, in_flight = time.monotonic(), len(in_flight_ids)
@@ -924,40 +949,70 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 if aborts_end is None:
                     aborts_end = now + DRAIN_ABORT_GRACE_S
                 elif now >= aborts_end:
+                    unended = self._unended(ended)
+                    if not unended:
+                        break
                     message = (
                         f"requests still in flight {DRAIN_ABORT_GRACE_S:g} s after they were "
-                        f"aborted: {in_flight}"
+                        f"aborted: {unended}"
                     )
-                    yield _drain_failed(in_flight, message)
+                    yield _drain_failed(unended, message)
                     return
-                await self._abort_relayed(aborted)
+                await self._abort_relayed(aborted, ended)
             if in_flight != reported or now - reported_at >= DRAIN_PROGRESS_INTERVAL_S:
                 reported, reported_at = in_flight, now
                 yield _drain_state(pb.DRAIN_STATE_IN_PROGRESS, in_flight)
             await asyncio.sleep(DRAIN_POLL_S)
         yield _drain_state(pb.DRAIN_STATE_COMPLETE, 0)
 
-    async def _abort_relayed(self, aborted: set[tuple[str, str]]) -> None:
+    async def _abort_relayed(
+        self, aborted: set[tuple[str, str]], ended: set[tuple[str, str]]
+    ) -> None:
         """Abort each request this gateway relays at the engine serving it, unless `aborted`
         says it was already told (a retry may move a request to another engine), and those
         still being planned here. Only these: Abort(all_requests) would also end other
-        clients' requests sent straight to the engines."""
+        clients' requests sent straight to the engines. `ended` gains those whose engine
+        answered that the request ended there (ABORTED or ALREADY_FINISHED)."""
         self.relay.abort_all_unrouted()
-        fresh = set(self.relay.holding.items()) - aborted
-        aborted |= fresh
-        await asyncio.gather(*(self._abort_at(engine, rid) for rid, engine in fresh))
+        fresh = list(set(self.relay.holding.items()) - aborted)
+        aborted.update(fresh)
+        answers = await asyncio.gather(*(self._abort_at(engine, rid) for rid, engine in fresh))
+        ended.update(held for held, answer in zip(fresh, answers, strict=True) if answer)
 
-    async def _abort_at(self, engine: str, request_id: str) -> None:
+    def _unended(self, ended: set[tuple[str, str]]) -> int:
+        """How many of the requests this gateway relays a drain past its aborting deadline
+        still waits for: not those whose engine said they ended (`ended`), nor those the
+        gateway ended itself before an engine took them (Relay.aborted_unrouted). A client
+        that stops reading its stream (its flow-control window full, never cancelling)
+        keeps the gateway's relay of it open for as long as it likes, its engine's work
+        over; it must not hold the drain, as it does not hold an engine's."""
+        relay = self.relay
+        return sum(
+            (request_id, relay.holding.get(request_id, "")) not in ended
+            and request_id not in relay.aborted_unrouted
+            for request_id in relay.running
+        )
+
+    async def _abort_at(self, engine: str, request_id: str) -> bool:
+        """Abort the request at `engine`; whether the engine said it ended there (seed:
+        ABORTED and ALREADY_FINISHED both say the target ended)."""
         try:
             stub = self.controller.fleet.stub(engine)
         except KeyError:  # the engine left the fleet: the request fails with it
-            return
+            return False
         try:
-            await stub.Abort(pb.AbortRequest(request_id=request_id), timeout=DRAIN_ABORT_GRACE_S)
+            reply = await stub.Abort(
+                pb.AbortRequest(request_id=request_id), timeout=DRAIN_ABORT_GRACE_S
+            )
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
             exc = engine_failure(caught, engine, self.controller.fleet)
             log.warning("drain: aborting request %s on %s failed: %s: %s",
                         request_id, engine, exc.code().name, exc.details())  # fmt: skip
+            return False
+        if reply.status not in _ENDED:
+            return False
+        self.relay.ended_at(request_id, engine)
+        return True
 
     async def GetKvConnectorInfo(
         self, request: pb.GetKvConnectorInfoRequest, context: Context

@@ -21,8 +21,10 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
   request aborted before an engine took it (being planned, or its call not yet accepted)
   ends here, CANCELLED, and one aborted at the handoff (its prefill engine handed it over,
-  no decode engine holds or has accepted it yet) ends here as an aborted request ends on an
-  engine, every output finished CANCELLED, with no decode hop;
+  no decode engine holds or has accepted it yet; or that engine answered the Abort that its
+  part ended before the gateway read the handoff, `ended_at`) ends here as an aborted
+  request ends on an engine, every output finished CANCELLED, with no decode hop; an
+  engine's answer that a request ended releases the router's accounting of it at once;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it;
 - tell the client where the request ran (the seed's responses cannot): trailing metadata
@@ -360,6 +362,9 @@ class Relay:
         # the request ends: that engine ran its part, so an Abort of the request is the
         # gateway's to carry out while the decode hop has not started.
         self.handed_over: dict[str, str] = {}
+        # Ids of the disaggregated requests in their prefill hop: their engine's part ends with
+        # the handoff, which the gateway may not have read yet (`ended_at`).
+        self.prefilling: set[str] = set()
         # request id -> its engine call, from the call until the engine's first response (an
         # Abort the engine cannot find yet ends it: abort_unaccepted).
         self._unanswered: dict[str, EngineCall[Any]] = {}
@@ -399,6 +404,34 @@ class Relay:
             return False
         self.aborted_unrouted.add(request_id)
         return True
+
+    def ended_at(self, request_id: str, engine: str) -> bool:
+        """`engine` said the request it holds for this gateway ended there (an Abort answered
+        ABORTED or ALREADY_FINISHED: seed, the target ended): the router stops charging the
+        engine with it now, not once its client has read the rest of its stream. A client
+        that stops reading (its flow-control window full, never cancelling) keeps the
+        gateway's relay of it open as long as it likes, the engine idle meanwhile. Nothing
+        when the request moved on (a decode hop elsewhere is charged anew).
+
+        A prefill hop's engine says so once it has sent its handoff, which the gateway reads
+        only after what came before it reached the client (a client that stops reading holds
+        it there): the request then ends at the handoff, no decode hop following, as an
+        Abort there ends it (`abort_unrouted`). True when it was in its prefill hop."""
+        if self.holding.get(request_id) != engine:
+            return False
+        self.controller.router.finish(request_id)
+        if request_id not in self.prefilling:
+            return False
+        self.aborted_unrouted.add(request_id)
+        return True
+
+    def all_ended_at(self, engines: set[str]) -> None:
+        """`ended_at` for every request one of `engines` holds for this gateway and has
+        answered: they aborted all their requests. Not one whose call they have not answered
+        yet: it may reach its engine after the Abort, and run."""
+        for request_id, engine in list(self.holding.items()):
+            if engine in engines and request_id not in self._unanswered:
+                self.ended_at(request_id, engine)
 
     def abort_unaccepted(self, request_id: str, engine: str) -> bool:
         """Abort a request that `engine` holds for this gateway but has not accepted yet (its
@@ -652,20 +685,25 @@ class Relay:
             ),
             retried=None if lost is None else _Retry("KV session lost", lost.failure, lost.holder),
         )
-        async with aclosing(stream):
-            async for response in stream:
-                found = handoff.session(response)
-                if found is not None:
-                    session, handover = found, response
-                    self.handed_over[request_id] = prefilled_on
-                    continue
-                # Terminal: it ends the request (an aborted prefill ends finished, no handoff).
-                finished = handoff.finished(response)
-                ended = finished or surface.error(response) is not None
-                if not shown:
-                    c.metrics.first_response_seconds.observe(time.perf_counter() - started)
-                    shown = True
-                yield response
+        self.prefilling.add(request_id)
+        try:
+            async with aclosing(stream):
+                async for response in stream:
+                    found = handoff.session(response)
+                    if found is not None:
+                        session, handover = found, response
+                        self.handed_over[request_id] = prefilled_on
+                        continue
+                    # Terminal: it ends the request (an aborted prefill ends finished, no
+                    # handoff).
+                    finished = handoff.finished(response)
+                    ended = finished or surface.error(response) is not None
+                    if not shown:
+                        c.metrics.first_response_seconds.observe(time.perf_counter() - started)
+                        shown = True
+                    yield response
+        finally:
+            self.prefilling.discard(request_id)
         if session is not None:
             await self.report(prefilled_on, None)
         else:

@@ -250,3 +250,56 @@ async def test_a_drain_that_keeps_accepting_refuses_nothing(fleet: Fleet) -> Non
     assert await health(fleet) == pb.HEALTH_STATE_READY
     reply = [r async for r in fleet.gateway.Generate(generate_request("after", [*PREFIX, 1]))]
     assert reply[-1].WhichOneof("event") == "finished"
+
+
+async def test_an_aborting_drain_completes_past_clients_that_stop_reading(
+    fleet: Fleet,
+) -> None:
+    """A client that stops reading its stream (its flow-control window full, never
+    cancelling) keeps the gateway's relay of it open as long as it likes, although its
+    engine ended the request when the drain aborted it: past its aborting deadline the drain
+    completes, as an engine's does, instead of failing with "requests still in flight"
+    (OpenEngine Generate and vllm.Generate alike). The engines are idle then; the gateway's
+    accounting of those requests ends when their clients leave."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    # Engines that never sleep: both requests are computed at once, and their clients stop
+    # the gateway's relay of them with their windows full.
+    controller = fleet.app.controller
+    async with grpc.aio.insecure_channel(
+        fleet.target,
+        options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
+    ) as slow_reader:
+        openengine = pb_grpc.OpenEngineStub(slow_reader).Generate(
+            generate_request("openengine", [*PREFIX, 1], max_tokens=LONG)
+        )
+        vllm = vpb_grpc.GenerateStub(slow_reader).GenerateStream(
+            vpb.GenerateRequest(
+                request_id="vllm",
+                model="sim",
+                token_ids=vpb.TokenIds(ids=[*PREFIX, 2]),
+                stopping=vpb.StoppingCriteria(max_new_tokens=LONG, ignore_eos=True),
+            )
+        )
+        for call in (openengine, vllm):
+            await call.read()  # then never again
+        drain = pb.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+        )
+        # A bound, not a measurement: such a drain used to fail after its 5 s of grace.
+        async with asyncio.timeout(30):
+            events = [e async for e in fleet.gateway.Drain(drain)]
+        assert [e.WhichOneof("event") for e in events].count("error") == 0
+        assert (events[-1].state, events[-1].in_flight_requests) == (pb.DRAIN_STATE_COMPLETE, 0)
+        for engine in fleet.engines:
+            async with grpc.aio.insecure_channel(fleet.address(engine)) as direct:
+                load = await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest())
+            assert (load.running_requests, load.used_kv_blocks) == (0, 0)
+        openengine.cancel()
+        vllm.cancel()
+
+        async def released() -> bool:
+            return not fleet.app.gateway.relay.running and len(controller.router.inflight) == 0
+
+        await eventually(released)

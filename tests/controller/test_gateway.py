@@ -358,6 +358,77 @@ async def test_a_client_that_gives_up_stops_its_request_on_the_engine(how: str) 
         await close_fleet(fleet)
 
 
+@pytest.mark.parametrize("target", ["request_id", "all_requests"])
+async def test_an_abort_releases_the_engine_from_the_routers_accounting_past_a_stalled_client(
+    target: str,
+) -> None:
+    """A client that stops reading its stream (its flow-control window full, never
+    cancelling) keeps the gateway's relay of it open as long as it likes. Once an Abort
+    through the gateway ended its request on the engine, the router no longer charges that
+    engine with it (admin `workers` INFLIGHT, GetLoad's `inflight=`): the engine is idle,
+    and would otherwise look busy to routing until that client leaves (OpenEngine Generate
+    and vllm.Generate alike). An engine that never sleeps computes both requests at once,
+    their clients' windows full long before: the Abort finds them ALREADY_FINISHED there."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    # Room for both requests at once: neither waits for the other's KV blocks.
+    roomy = await start_sim_engine("e0", num_kv_blocks=1100, max_model_len=4096)
+    fleet = await make_fleet(engines=[roomy])
+    engine = fleet.address(roomy)
+    inflight = fleet.app.controller.router.inflight
+    try:
+        async with grpc.aio.insecure_channel(
+            fleet.target,
+            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
+        ) as slow_reader:
+            openengine = pb_grpc.OpenEngineStub(slow_reader).Generate(
+                generate_request("openengine", [*PREFIX, 1], max_tokens=3500)
+            )
+            vllm = vpb_grpc.GenerateStub(slow_reader).GenerateStream(
+                vpb.GenerateRequest(
+                    request_id="vllm",
+                    model="sim",
+                    token_ids=vpb.TokenIds(ids=[*PREFIX, 2]),
+                    stopping=vpb.StoppingCriteria(max_new_tokens=3500, ignore_eos=True),
+                )
+            )
+            for call in (openengine, vllm):
+                await call.read()  # then never again
+
+            async def engine_idle() -> bool:
+                load = await engine_answer(engine, "GetLoad", pb.GetLoadRequest())
+                assert isinstance(load, pb.LoadInfo)
+                return (load.running_requests, load.queued_requests) == (0, 0)
+
+            await eventually(engine_idle)
+            # The gateway cannot tell until it reads the engine's stream on, which waits for
+            # its clients.
+            assert inflight.of(engine).requests == 2
+            if target == "request_id":
+                for request_id in ("openengine", "vllm"):
+                    reply = await fleet.gateway.Abort(pb.AbortRequest(request_id=request_id))
+                    assert reply.status == pb.ABORT_STATUS_ALREADY_FINISHED, reply
+            else:
+                everything = pb.AbortRequest(all_requests=pb.AllRequests())
+                reply = await fleet.gateway.Abort(everything)
+                assert reply.status == pb.ABORT_STATUS_ABORTED  # as an engine answers it
+            assert inflight.of(engine).requests == 0
+            load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+            assert load.attributes[f"engine.{engine}"].endswith("inflight=0")
+            # The gateway still relays to those clients what they have not read.
+            assert fleet.app.gateway.relay.running == {"openengine", "vllm"}
+            for call in (openengine, vllm):
+                call.cancel()
+
+            async def released() -> bool:
+                return not fleet.app.gateway.relay.running and len(inflight) == 0
+
+            await eventually(released)
+    finally:
+        await close_fleet(fleet)
+
+
 # ---- statuses as an engine answers them (WIRE.md section 3) ----
 
 

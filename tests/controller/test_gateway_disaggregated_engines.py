@@ -128,3 +128,61 @@ async def test_a_lora_adapter_no_decode_engine_holds_is_refused_before_the_prefi
         assert "r2" in prefill.service._finished and "r2" in decode.service._finished
     finally:
         await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("target", ["request_id", "all_requests"])
+async def test_an_abort_after_an_unread_handoff_ends_the_request_without_a_decode(
+    target: str,
+) -> None:
+    """A client that stops reading (its flow-control window full, never cancelling) holds
+    the gateway before its prompt output is through, and so before it reads the prefill
+    engine's handoff: the prefill engine's part is over (an Abort of the request there is
+    ALREADY_FINISHED), the gateway's is not. An Abort through the gateway ends the request
+    there, as at any handoff: the client then gets its output finished CANCELLED, no decode
+    engine is called, and the prefill engine's KV session is released. It used to answer
+    ALREADY_FINISHED and let the decode hop generate everything once the client read on."""
+    prefill = await start_sim_engine("p0", role="prefill", num_kv_blocks=1100, max_model_len=4096)
+    decode = await start_sim_engine("d0", role="decode", num_kv_blocks=1100, max_model_len=4096)
+    fleet = await make_fleet(engines=[prefill, decode])
+    relay = fleet.app.gateway.relay
+    try:
+        async with (
+            grpc.aio.insecure_channel(
+                fleet.target,
+                options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
+            ) as slow_reader,
+            grpc.aio.insecure_channel(fleet.address(prefill)) as direct,
+        ):
+            request = generate_request("r", list(range(1000, 3000)), max_tokens=50)
+            request.response.return_prompt_logprobs = True  # more than the client's window
+            call = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
+
+            async def handed_over() -> bool:
+                load = await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest())
+                return load.active_kv_sessions == 1
+
+            await eventually(handed_over)
+            assert "r" not in relay.handed_over  # the gateway has not read the handoff
+            if target == "request_id":
+                reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+                assert (reply.status, reply.message) == (
+                    pb.ABORT_STATUS_ABORTED,
+                    "aborted at the handoff to a decode engine",
+                )
+            else:
+                everything = pb.AbortRequest(all_requests=pb.AllRequests())
+                reply = await fleet.gateway.Abort(everything)
+                assert reply.status == pb.ABORT_STATUS_ABORTED
+            responses = [r async for r in call]
+            assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
+            assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+
+            async def released() -> bool:
+                load = await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest())
+                return load.active_kv_sessions == 0
+
+            await eventually(released)
+        assert "r" not in decode.service._finished  # no decode engine was called
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
