@@ -46,7 +46,12 @@ _SOURCE_COUNTERS = {
 RequestOutcome = Literal[
     "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded", "cancelled"
 ]
+# Routing takes well under a millisecond to a few: the sub-millisecond buckets resolve it.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# A generation's first response waits for its engine's queue and prefill, and its stream runs
+# for as long as it decodes: tens of seconds to minutes for long outputs, which buckets ending
+# at 10 s would all put in +Inf (no quantile above 10 s could be read).
+_STREAM_BUCKETS = (*_LATENCY_BUCKETS, 30, 60, 120, 300, 600)
 # Event lag reaches seconds when a source replays a backlog after a reconnect.
 _EVENT_LAG_BUCKETS = (*_LATENCY_BUCKETS[1:], 30, 60)
 
@@ -268,13 +273,13 @@ class ControllerMetrics:
         self.first_response_seconds = Histogram(
             "kvplane_controller_first_response_seconds",
             "Gateway time from request to the first relayed response",
-            buckets=_LATENCY_BUCKETS,
+            buckets=_STREAM_BUCKETS,
             registry=r,
         )
         self.request_seconds = Histogram(
             "kvplane_controller_request_seconds",
             "Gateway time from request to the end of the stream",
-            buckets=_LATENCY_BUCKETS,
+            buckets=_STREAM_BUCKETS,
             registry=r,
         )
 
