@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from controller.event_following import EventFollowing
 from controller.registry import EngineRecord, EngineState, Registry
 from controller.replica_sync import ReplicaSync
-from indexer.sources.zmq import SourceCounters
+from indexer.sources.zmq import SOURCE_COUNTER_HELP, SourceCounters
 
 # An engine's KV-event source counters, by engine address (None: it has no source now).
 EventCounters = Callable[[str], SourceCounters | None]
@@ -26,14 +26,10 @@ EventCounters = Callable[[str], SourceCounters | None]
 EventsFollowing = Callable[[EngineRecord], EventFollowing]
 # Whether the index answers now (the embedded one always does), read at scrape time.
 IndexAnswers = Callable[[], bool]
-# What each engine's source counter says, as a Prometheus counter: a rebuild of the engine's
-# index entries (the index lost them, or the stream went out of sequence), a stream or
-# message sequence that skipped, and a reconnect after the stream failed.
-_SOURCE_COUNTERS = {
-    "resyncs": ("num_resyncs", "KV-event resubscriptions with a snapshot (index lost data, gap)"),
-    "gaps": ("num_gaps", "KV-event batches or messages that skipped sequence numbers"),
-    "restarts": ("num_restarts", "KV-event subscriptions restarted after an error"),
-}
+# The engine's source counters exported per engine (HELP: `SOURCE_COUNTER_HELP`): a rebuild
+# of the engine's index entries (the index lost them, or the stream went out of sequence), a
+# stream or message sequence that skipped, and a reconnect after the stream failed.
+_SOURCE_COUNTERS = {"resyncs": "num_resyncs", "gaps": "num_gaps", "restarts": "num_restarts"}
 
 # "invalid": refused for the request itself (a client error such as INVALID_ARGUMENT,
 # NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures; "aborted":
@@ -46,7 +42,12 @@ _SOURCE_COUNTERS = {
 RequestOutcome = Literal[
     "ok", "no_engine", "engine_error", "invalid", "aborted", "internal", "overloaded", "cancelled"
 ]
+# Routing takes well under a millisecond to a few: the sub-millisecond buckets resolve it.
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# A generation's first response waits for its engine's queue and prefill, and its stream runs
+# for as long as it decodes: tens of seconds to minutes for long outputs, which buckets ending
+# at 10 s would all put in +Inf (no quantile above 10 s could be read).
+_STREAM_BUCKETS = (*_LATENCY_BUCKETS, 30, 60, 120, 300, 600)
 # Event lag reaches seconds when a source replays a backlog after a reconnect.
 _EVENT_LAG_BUCKETS = (*_LATENCY_BUCKETS[1:], 30, 60)
 
@@ -130,16 +131,18 @@ class _EngineCollector:
     def _source_counters(self) -> Iterator[CounterMetricFamily]:
         families = {
             name: CounterMetricFamily(
-                f"kvplane_controller_engine_kv_event_{name}", text, labels=["engine"]
+                f"kvplane_controller_engine_kv_event_{name}",
+                SOURCE_COUNTER_HELP[field],
+                labels=["engine"],
             )
-            for name, (_, text) in _SOURCE_COUNTERS.items()
+            for name, field in _SOURCE_COUNTERS.items()
         }
         if self._event_counters is not None:
             for record in self._registry.records():
                 counters = self._event_counters(record.address)
                 if counters is None:
                     continue
-                for name, (field, _) in _SOURCE_COUNTERS.items():
+                for name, field in _SOURCE_COUNTERS.items():
                     families[name].add_metric([record.address], getattr(counters, field))
         yield from families.values()
 
@@ -268,13 +271,13 @@ class ControllerMetrics:
         self.first_response_seconds = Histogram(
             "kvplane_controller_first_response_seconds",
             "Gateway time from request to the first relayed response",
-            buckets=_LATENCY_BUCKETS,
+            buckets=_STREAM_BUCKETS,
             registry=r,
         )
         self.request_seconds = Histogram(
             "kvplane_controller_request_seconds",
             "Gateway time from request to the end of the stream",
-            buckets=_LATENCY_BUCKETS,
+            buckets=_STREAM_BUCKETS,
             registry=r,
         )
 

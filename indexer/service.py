@@ -33,8 +33,14 @@ from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimit
 from indexer.sources.leased import LeasedEngineSources, LeasedSource, Source, lease_name
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
 from indexer.sources.resync import Resyncable, connect_resync, resync_engine
-from indexer.sources.zmq import BatchSink, SourceCounters, ZmqSource, ZmqSourceSettings
-from indexer.translate import TranslateOptions, WorkerTranslator
+from indexer.sources.zmq import (
+    SOURCE_COUNTER_HELP,
+    BatchSink,
+    SourceCounters,
+    ZmqSource,
+    ZmqSourceSettings,
+)
+from indexer.translate import TRANSLATE_COUNTER_HELP, TranslateOptions, WorkerTranslator
 from indexer.writer_lease import LeasingIndex, lease_holder
 from kvplane.channels import ClientChannels
 from kvplane.errors import KvplaneError
@@ -110,20 +116,19 @@ class IndexerCollector:
         self._limiter = limiter
 
     def collect(self) -> Iterator[Any]:
-        fields = [f for f in SourceCounters.__slots__ if f.startswith("num_")]
-        for name in fields:
+        for name, help_text in SOURCE_COUNTER_HELP.items():
             metric = CounterMetricFamily(
                 f"kvplane_indexer_source_{name.removeprefix('num_')}",
-                f"Event source counter {name}",
+                help_text,
                 labels=["worker_id"],
             )
             for source in self._sources:
                 metric.add_metric([source.worker_id], getattr(source.counters, name))
             yield metric
-        for name in ("num_skipped_medium", "num_unresolved"):
+        for name, help_text in TRANSLATE_COUNTER_HELP.items():
             metric = CounterMetricFamily(
                 f"kvplane_indexer_events_{name.removeprefix('num_')}",
-                f"Events not indexed ({name})",
+                help_text,
                 labels=["worker_id"],
             )
             for source in self._sources:

@@ -114,6 +114,14 @@ class TranslateCounters:
     num_unresolved: int = 0  # canonical mode: no tokens, unknown parent or unknown hash
 
 
+# What each `TranslateCounters` field counts, as the HELP of the indexer's counter of it.
+TRANSLATE_COUNTER_HELP = {
+    "num_skipped_medium": "KV events not indexed: their storage medium maps to no tier",
+    "num_unresolved": "KV events not indexed (canonical hashing): no tokens, or an unknown "
+    "parent or hash",
+}
+
+
 @dataclass(slots=True)
 class _Live:
     """One engine hash live on this worker: copies per (tier, KV cache group), its key and

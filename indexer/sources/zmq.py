@@ -151,6 +151,29 @@ class SourceCounters:
     num_resyncs: int = 0  # rebuilds the index asked for (request_resync)
 
 
+# What each `SourceCounters` field counts, as the Prometheus HELP of the counter that exports
+# it (the indexer's, and the controller's for the engines it follows itself): what an
+# operator reads on /metrics, where the field's name says little.
+SOURCE_COUNTER_HELP = {
+    "num_messages": "KV-event messages received from the engine (ZMQ messages, stream batches)",
+    "num_bad_messages": "KV-event messages dropped as undecodable (live or replayed)",
+    "num_events": "KV events decoded from the messages",
+    "num_bad_events": "KV events dropped as malformed",
+    "num_unknown_events": "KV events of a kind this version does not know, dropped",
+    "num_batches_applied": "KV-event batches applied to the index",
+    "num_gaps": "KV-event batches or messages that skipped sequence numbers",
+    "num_replays": "Replays of missed messages asked of the publisher's replay endpoint",
+    "num_replay_failures": "Replays that failed (timed out or the endpoint unreachable)",
+    "num_replayed_messages": "Messages received in replays",
+    "num_duplicates": "Messages skipped as already applied (a replay brought them first)",
+    "num_resets": "Times the engine's entries were cleared to rebuild them (at the start too) "
+    "or because its publisher disconnected",
+    "num_restarts": "KV-event subscriptions restarted after an error",
+    "num_resyncs": "KV-event resubscriptions with a snapshot (the index lost the engine's "
+    "entries, or its stream skipped)",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class ZmqSourceSettings:
     endpoint: str

@@ -29,6 +29,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+from tests.controller.test_fleet_events import scrape
 from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
 
@@ -715,8 +716,6 @@ async def test_client_errors_count_as_invalid_not_engine_errors() -> None:
     """requests_total{outcome="invalid"} on /metrics for requests refused for themselves,
     whether the engine refused them (an empty prompt, a token out of the vocabulary) or the
     gateway (a duplicate id, an unknown model)."""
-    import urllib.request
-
     fleet = await make_fleet(2, time_scale=1.0, metrics_listen="127.0.0.1:0")
     try:
         empty = generate_request("empty", [])
@@ -735,10 +734,7 @@ async def test_client_errors_count_as_invalid_not_engine_errors() -> None:
         assert await status_of(generate(fleet, duplicate)) == grpc.StatusCode.ALREADY_EXISTS
         long.cancel()
 
-        url = f"http://127.0.0.1:{fleet.app.metrics_port}/metrics"
-        text = await asyncio.to_thread(
-            lambda: urllib.request.urlopen(url, timeout=5).read().decode()
-        )
+        text = await scrape(fleet)
         assert 'kvplane_controller_requests_total{outcome="invalid"} 4.0' in text
         assert 'kvplane_controller_requests_total{outcome="engine_error"} 0.0' in text
     finally:
@@ -981,17 +977,12 @@ async def test_an_engine_turned_incompatible_takes_its_models_out_of_the_fleets_
 
 
 async def test_prometheus_metrics_are_exported() -> None:
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
     fleet = await make_fleet(2, metrics_listen="127.0.0.1:0")
     try:
         await generate(fleet, generate_request("a", [*PREFIX, 1]))
-        url = f"http://127.0.0.1:{fleet.app.metrics_port}/metrics"
-        text = await asyncio.to_thread(
-            lambda: urllib.request.urlopen(url, timeout=5).read().decode()
-        )
+        text = await scrape(fleet)
         samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
 
         def values(name: str, **labels: str) -> list[float]:
@@ -1013,6 +1004,32 @@ async def test_prometheus_metrics_are_exported() -> None:
         }
         assert running == {fleet.address(e) for e in fleet.engines}
         assert len(values("kvplane_controller_index_blocks")) == 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_gateway_latency_buckets_resolve_its_milliseconds_and_minute_long_streams() -> None:
+    """As an operator reads the histograms on /metrics: routing, which adds a millisecond or
+    two, has buckets under a millisecond; the first response (TTFT behind a queue and a long
+    prefill) and the whole stream (a long generation decodes for minutes) have buckets up to
+    minutes, not a last one at 10 s that would put every longer request in +Inf."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fleet = await make_fleet(1, metrics_listen="127.0.0.1:0")
+    try:
+        await generate(fleet, generate_request("a", [*PREFIX, 1]))
+        text = await scrape(fleet)
+        bounds: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.endswith("_bucket") and s.labels["le"] != "+Inf":
+                    bounds.setdefault(family.name, []).append(float(s.labels["le"]))
+        route = bounds["kvplane_controller_route_seconds"]
+        assert min(route) < 0.001 and 0.002 in route
+        for name in ("first_response_seconds", "request_seconds"):
+            stream = bounds[f"kvplane_controller_{name}"]
+            assert min(stream) < 0.001
+            assert {30.0, 60.0, 300.0} <= set(stream), name
     finally:
         await close_fleet(fleet)
 

@@ -28,6 +28,7 @@ from indexer.batch import Action, ActionType, Batch, Component, Tier, to_sfixed6
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
+from indexer.sources.zmq import SourceCounters
 from indexer.vllm_hash import VllmHashAlgo, block_hashes
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
@@ -128,6 +129,16 @@ sources:
                 return await indexed() == final_blocks and _source_messages(metrics_port) == 60
 
             await eventually(ingested, WAIT_S)
+            # Every source counter is exported, with a HELP that says what it counts (not
+            # the name of the field it is read from).
+            helps = dict(
+                line.removeprefix("# HELP ").split(" ", 1)
+                for line in _metrics_text(metrics_port).splitlines()
+                if line.startswith("# HELP kvplane_indexer_")
+            )
+            for field in SourceCounters.__slots__:
+                assert f"kvplane_indexer_source_{field.removeprefix('num_')}_total" in helps
+            assert {name: text for name, text in helps.items() if "num_" in text} == {}
 
             # The last request ran after the reset: all 5 full blocks of its prompt are live.
             prompt = requests()[-1]["prompt_token_ids"]
@@ -199,10 +210,14 @@ sources:
         await publisher.close()
 
 
+def _metrics_text(metrics_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        return str(r.read().decode())
+
+
 def _source_messages(metrics_port: int) -> float:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
-            body = r.read().decode()
+        body = _metrics_text(metrics_port)
     except OSError:
         return 0.0
     for line in body.splitlines():
