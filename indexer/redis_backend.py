@@ -17,14 +17,16 @@ not have, cluster mode it lacks, credentials it refuses: `RedisMisconfiguredErro
 ConfigError at start-up; a Redis that is merely down is not. Queries fail fast with
 `IndexUnavailableError` (a KvplaneError; servicers map it to UNAVAILABLE), and go on failing
 until the batches buffered in the outage are applied (an answer without them would miss
-acknowledged placements). Applies that cannot reach Redis are buffered in order (at most
-`max_buffered_batches`); past that, the worker whose batch overflows loses its buffered batches
-and is marked for resync. A background task brings the backend back by itself: it reloads the
-functions, detects a Redis that lost its data (the partition's boot token changed), removes the
-workers marked for resync (so nothing stale stays), replays the buffer in order, then asks the
-sources to resync those workers (`take_resync_requests` / `add_resync_listener`). A batch is
-never half-applied: each is one atomic function call, and re-applying one is idempotent.
-Snapshots and stats read the partition in several bounded calls, not one atomic cut.
+acknowledged placements). Redis at its `maxmemory` refusing writes is such an outage too (an
+answer could show a block whose removal it refused). Applies that cannot reach Redis are
+buffered in order (at most `max_buffered_batches`); past that, the worker whose batch
+overflows loses its buffered batches and is marked for resync. A background task brings the
+backend back by itself: it reloads the functions, detects a Redis that lost its data (the
+partition's boot token changed), removes the workers marked for resync (so nothing stale
+stays), replays the buffer in order, then asks the sources to resync those workers
+(`take_resync_requests` / `add_resync_listener`). A batch is never half-applied: each is one
+atomic function call, and re-applying one is idempotent. Snapshots and stats read the
+partition in several bounded calls, not one atomic cut.
 """
 
 from __future__ import annotations
@@ -246,6 +248,12 @@ class RedisBackend:
         # Why the last call failed for Redis being away (None: Redis answered since), kept by
         # every call, the maintenance task's included, so that `unavailable` asks nothing.
         self._failure: str | None = None
+        # Redis refuses writes at its `maxmemory` (logged once when found, and when it takes
+        # writes again), the `maxmemory-policy` last read (`_check_eviction_policy`), and
+        # whether Redis lets this process read it (CONFIG is often refused by managed Redis).
+        self._memory_full = False
+        self._policy: str | None = None
+        self._policy_readable = True
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -401,9 +409,65 @@ class RedisBackend:
                 f"Redis at {self._where} is not a cluster node (cluster mode is not enabled): "
                 "use redis://HOST:PORT/DB for a single Redis"
             )
+        if isinstance(exc, OutOfMemoryError):  # FUNCTION LOAD and kvp_boot are writes
+            return self._out_of_memory(exc)
         if isinstance(exc, ResponseError):
             return IndexUnavailableError(f"Redis at {self._where} refused: {exc}")
         return self._unavailable(exc)
+
+    def _out_of_memory(self, exc: OutOfMemoryError) -> IndexUnavailableError:
+        """Redis at its `maxmemory` with nothing it may evict (`maxmemory-policy noeviction`,
+        Redis's default): it refuses every write function at its start, a batch of removals
+        as much as one of reports, and FUNCTION LOAD, while queries (no-writes) still run.
+        An outage, said as such: this process buffers its applies and its queries wait for
+        them (so no answer shows a block whose removal Redis refused), and a process that
+        only reads stops answering at its next maintenance call (a write refused alike),
+        until Redis takes writes again. Logged once when found."""
+        if not self._memory_full:
+            self._memory_full = True
+            log.warning("Redis at %s is out of memory and refuses the index's writes (%s); "
+                        "queries answer UNAVAILABLE until it takes them again: raise its "
+                        "maxmemory or free memory", self._where, exc)  # fmt: skip
+        return IndexUnavailableError(
+            f"shared index unavailable: Redis at {self._where} is out of memory and refuses "
+            f"writes ({exc}): raise its maxmemory or free memory"
+        )
+
+    def _took_writes(self) -> None:
+        """Redis took a write: a memory shortage it had is over."""
+        if self._memory_full:
+            self._memory_full = False
+            log.info("Redis at %s takes the index's writes again", self._where)
+
+    async def _check_eviction_policy(self) -> None:
+        """Warn when Redis may evict the index's own keys under `maxmemory` (an `allkeys-*`
+        `maxmemory-policy`): a bucket evicted loses blocks, but a worker's hash evicted
+        brings back placements it had cleared, stale (docs/redis.md, "Redis configuration").
+        Read at each readying (start-up, and each recovery: the policy may be changed at
+        run time) and said once per policy. A Redis that refuses CONFIG (managed services
+        often do) is not asked again, and nothing but a debug line is said."""
+        if not self._policy_readable:
+            return
+        try:
+            reply = await self._client.execute_command(
+                "CONFIG", "GET", "maxmemory-policy", **self._partition_node()
+            )
+        except (*_UNREACHABLE, OSError, RedisError) as exc:
+            log.debug("maxmemory-policy of Redis at %s not read: %s", self._where, exc)
+            self._policy_readable = not isinstance(exc, ResponseError)
+            return
+        values = list(reply.values()) if isinstance(reply, dict) else list(reply)[1:]
+        if not values or not isinstance(values[0], bytes | str):
+            log.debug("maxmemory-policy of Redis at %s not read: %r", self._where, reply)
+            return
+        policy = _text(values[0])
+        if policy != self._policy and policy.startswith("allkeys-"):
+            log.warning("Redis at %s may evict the index's keys (maxmemory-policy %s): an "
+                        "evicted worker hash can bring back placements it had cleared, and "
+                        "evicted buckets lose blocks; set maxmemory-policy noeviction (or a "
+                        "volatile-* policy) for the index's Redis",
+                        self._where, policy)  # fmt: skip
+        self._policy = policy
 
     async def _ensure_ready(self, silences_seen: int | None = None) -> None:
         if self._ready:
@@ -445,6 +509,8 @@ class RedisBackend:
             self._boot = boot
             self._ready = True
             self._failure = None
+            self._took_writes()  # (FUNCTION LOAD and kvp_boot are writes)
+        await self._check_eviction_policy()
         if data_lost:
             self._state_lost("the index")
         elif writes_lost:
@@ -576,6 +642,8 @@ class RedisBackend:
                 if stale and attempt == 0:
                     self._ready = False
                     continue
+                if isinstance(exc, OutOfMemoryError):
+                    raise self._out_of_memory(exc) from exc
                 if isinstance(exc, _TRANSIENT) or text.startswith(_TRANSIENT_PREFIXES):
                     raise IndexUnavailableError(
                         f"shared index unavailable: Redis at {self._where}: {text}"
@@ -584,6 +652,8 @@ class RedisBackend:
                     f"shared index error from Redis at {self._where}: {text}"
                 ) from exc
             self._acked_mark = max(self._acked_mark, mark)
+            if not readonly:
+                self._took_writes()
             return reply
         raise AssertionError("unreachable")
 
@@ -606,6 +676,7 @@ class RedisBackend:
             await self._apply_grouped(batch)
         except IndexUnavailableError as exc:
             log.warning("%s; buffering batches", exc)
+            self._recovery_error = str(exc)  # why queries wait, until the recovery says more
             self._outage = True
             self._enqueue(batch)
             self._start_recovery()
@@ -698,21 +769,26 @@ class RedisBackend:
         while True:
             try:
                 await self._ensure_ready()
-                self._recovery_error = None
+                # (Until a write is taken, the last failure still says why: a Redis that
+                # answers may refuse every write, out of memory.)
                 while self._removals:
                     worker_id = min(self._removals)
                     await self._remove(worker_id)
+                    self._recovery_error = None
                     self._removals.discard(worker_id)
                 while self._dropping:
                     worker_id = min(self._dropping)
                     fenced = await self._remove(worker_id) is None
+                    self._recovery_error = None
                     self._dropping.discard(worker_id)
                     if not fenced:  # else the lease's holder owns the worker now
                         self._request_resync({worker_id})
                 while self._buffer:
                     # Left in the buffer until applied, so new batches queue behind them.
                     head = list(itertools.islice(self._buffer, MAX_GROUP_BATCHES))
-                    for batch, status in zip(head, await self._replay_head(head), strict=True):
+                    statuses = await self._replay_head(head)
+                    self._recovery_error = None
+                    for batch, status in zip(head, statuses, strict=True):
                         if status is None:
                             self._known_workers.add(batch.worker_id)
                         elif status.startswith(_FENCED):  # the lease's new holder rebuilt it
@@ -737,6 +813,7 @@ class RedisBackend:
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
         self._outage = False
+        self._recovery_error = None
         self._recovery = None
         log.info("Redis at %s is back; buffered batches applied", self._where)
         self._announce_resyncs()
@@ -950,8 +1027,9 @@ class RedisBackend:
         self._unannounced.discard(worker_id)
         try:
             removed = await self._remove(worker_id)
-        except IndexUnavailableError:
+        except IndexUnavailableError as exc:
             self._removals.add(worker_id)
+            self._recovery_error = str(exc)
             self._outage = True
             self._start_recovery()
             raise

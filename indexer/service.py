@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from indexer.backend import IndexBackend
+from indexer.backend import IndexBackend, ReachableIndex
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
 from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
@@ -110,10 +110,12 @@ class IndexerCollector:
         sources: Sequence[ServedSource],
         servicer: KvIndexerServicer,
         limiter: PrefixQueryLimiter,
+        backend: IndexBackend,
     ) -> None:
         self._sources = sources
         self._servicer = servicer
         self._limiter = limiter
+        self._backend = backend
 
     def collect(self) -> Iterator[Any]:
         for name, help_text in SOURCE_COUNTER_HELP.items():
@@ -159,6 +161,14 @@ class IndexerCollector:
             "Prefix queries being answered",
             value=self._limiter.in_flight,
         )
+        # (Read from the backend's own state, as the controller's index_reachable: no call.)
+        shared = self._backend if isinstance(self._backend, ReachableIndex) else None
+        yield GaugeMetricFamily(
+            "kvplane_indexer_index_reachable",
+            "1 when the index answers queries; 0 while a shared Redis does not (down, out of "
+            "memory, or replaying the batches buffered meanwhile)",
+            value=int(shared is None or shared.unavailable is None),
+        )
 
 
 async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -> None:
@@ -192,7 +202,7 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
         metrics_server = None
         if config.metrics_listen is not None:
             registry = CollectorRegistry()
-            registry.register(IndexerCollector(sources, kv_indexer, kv_indexer.limiter))
+            registry.register(IndexerCollector(sources, kv_indexer, kv_indexer.limiter, backend))
             try:
                 metrics_server, _ = start_metrics_server(config.metrics_listen, registry)
             except KvplaneError:

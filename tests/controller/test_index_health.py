@@ -1,7 +1,7 @@
 """The controller's Health while its index cannot answer: a shared redis-server killed under
-it, a remote `kvplane indexer serve` process killed under it, each started again. The fleet
-still serves (routed by load), so Health is DEGRADED, not NOT_READY, with a `kv_index` check
-naming the index and its error; `kvplane admin health` shows it, and
+it (or out of memory), a remote `kvplane indexer serve` process killed under it, each started
+again. The fleet still serves (routed by load), so Health is DEGRADED, not NOT_READY, with a
+`kv_index` check naming the index and its error; `kvplane admin health` shows it, and
 `kvplane_controller_index_reachable` is 0 meanwhile."""
 
 from __future__ import annotations
@@ -87,6 +87,30 @@ async def test_health_is_degraded_while_the_shared_redis_is_down(redis: RedisSer
         assert engines == [pb.HEALTH_STATE_READY] * 2
 
         await asyncio.to_thread(redis.start)
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_health_is_degraded_while_the_shared_redis_is_out_of_memory(
+    redis: RedisServer,
+) -> None:
+    """Redis at its maxmemory (noeviction) answers, but refuses every write: the index could
+    not take a removal, so it is as unavailable as a Redis that is down, and says why. The
+    backend's upkeep (a write, refused) finds it with no request; raising the cap ends it."""
+    fleet = await make_fleet(2, index={"backend": redis.url})
+    where = f"Redis at 127.0.0.1:{redis.port}"
+    try:
+        await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+
+        await asyncio.to_thread(redis.command, "CONFIG", "SET", "maxmemory", 1)
+        await index_shown_as(
+            fleet,
+            pb.HEALTH_STATE_DEGRADED,
+            f"shared index unavailable: {where} is out of memory and refuses writes (",
+        )
+
+        await asyncio.to_thread(redis.command, "CONFIG", "SET", "maxmemory", 0)
         await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
     finally:
         await close_fleet(fleet)

@@ -11,7 +11,6 @@ import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import zmq.asyncio
 
@@ -19,7 +18,6 @@ from indexer.backend import WorkerPlacements
 from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import IndexUnavailableError, RedisBackend, open_redis_backend
-from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.indexer.test_redis_resync import Run
 from tests.polling import eventually
@@ -295,11 +293,7 @@ async def test_indexer_serve_rebuilds_from_the_replay_after_a_failover_lost_writ
     cluster = RedisClusterNodes(tmp_path / "cluster", replicas=1)
     run.redis = cluster  # type: ignore[assignment]  # start, url and stop, as Run uses them
     try:
-        port = await run.start()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = kv_grpc.KVIndexerStub(channel)
-            await run.publish_through(19)
-            await run.expect(stub, 19, "the first 20 batches")
+        async with run.serving() as stub:
             primary = cluster.node_of(_meta_key("default"))
             replica = cluster.replica_of(primary)
             assert primary.command("WAIT", 1, 10_000) == 1

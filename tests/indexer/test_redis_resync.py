@@ -11,10 +11,12 @@ otherwise hide a missing rebuild.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
 from tests.indexer.vllm_capture import LiveModel, live_messages, signed
 from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
-from tests.redis_servers import RedisServer
+from tests.redis_servers import RedisServer, free_port
 
 KVPLANE = str(Path(sys.executable).parent / "kvplane")
 MESSAGES = {m.seq: m for m in live_messages()}
@@ -81,11 +83,19 @@ async def _indexed(stub: kv_grpc.KVIndexerAsyncStub) -> set[int] | None:
 class Run:
     """One indexer process following one publisher, on one redis-server."""
 
-    def __init__(self, tmp_path: Path, publisher: FakeKvPublisher, max_buffered: int) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        publisher: FakeKvPublisher,
+        max_buffered: int,
+        writer_lease_s: float = 10.0,
+    ) -> None:
         self.redis = RedisServer(tmp_path / "redis")
         self.publisher = publisher
         self.workdir = tmp_path
         self.max_buffered = max_buffered
+        self.writer_lease_s = writer_lease_s
+        self.metrics_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.published = -1
 
@@ -99,6 +109,8 @@ class Run:
         config.write_text(
             f"backend: {self.redis.url}\n"
             f"redis: {{buckets: 64, max_buffered_batches: {self.max_buffered}}}\n"
+            f"writer_lease_s: {self.writer_lease_s}\n"
+            f"metrics_listen: 127.0.0.1:{self.metrics_port}\n"
             "sources:\n"
             "  - {kind: zmq, worker_id: w0, worker_address: 10.0.0.1:8000, topic: 'kv@',"
             f" endpoint: '{self.publisher.endpoint}',"
@@ -114,6 +126,16 @@ class Run:
         await eventually(up, WAIT_S, "the indexer's port file")
         await self.publisher.wait_subscribed()
         return int(port_file.read_text())
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[kv_grpc.KVIndexerAsyncStub]:
+        """The indexer started and the capture's first 20 batches indexed: its stub."""
+        port = await self.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = kv_grpc.KVIndexerStub(channel)
+            await self.publish_through(19)
+            await self.expect(stub, 19, "the first 20 batches")
+            yield stub
 
     def spawn(self, config: Path, port_file: Path) -> subprocess.Popen[bytes]:
         with (self.workdir / "serve.log").open("ab") as log:
@@ -139,6 +161,16 @@ class Run:
 
         await eventually(exact, WAIT_S, what)
 
+    def metric(self, name: str) -> float | None:
+        """A sample of the indexer's /metrics (None: not there)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            body: str = reply.read().decode()
+        values = [
+            float(line.split()[-1]) for line in body.splitlines() if line.startswith(f"{name} ")
+        ]
+        return values[0] if values else None
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -153,12 +185,7 @@ async def _scenario(
     publisher.start_replay()
     run = Run(tmp_path, publisher, max_buffered)
     try:
-        port = await run.start()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = kv_grpc.KVIndexerStub(channel)
-            await run.publish_through(19)
-            await run.expect(stub, 19, "the first 20 batches")
-
+        async with run.serving() as stub:
             if keep_data:
                 run.redis.client().shutdown(save=True)
                 run.redis.stop()
@@ -206,6 +233,51 @@ async def test_buffer_overflow_during_an_outage(
     # With its data kept, only the overflow resyncs w0.
     assert ("lost the index" in log) is not keep_data
     assert "worker w0: the index asked for a resync" in log
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("past_the_lease", [False, True], ids=["lease-kept", "lease-expired"])
+async def test_redis_out_of_memory_during_ingestion(
+    tmp_path: Path, context: zmq.asyncio.Context, past_the_lease: bool
+) -> None:
+    """Redis at its maxmemory (noeviction) refuses the indexer's batches, the engine's
+    BlockRemoved among them: the index answers UNAVAILABLE, saying why, never the removed
+    blocks; once the cap is raised it holds exactly the publisher's live blocks again, with
+    no restart. Past the writer lease's term (its renewals refused too) the lease is taken
+    again and the worker rebuilt from the replay."""
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    run = Run(tmp_path, publisher, 10_000, writer_lease_s=1.0 if past_the_lease else 30.0)
+    try:
+        async with run.serving() as stub:
+            run.redis.command("CONFIG", "SET", "maxmemory", 1)  # far below what Redis uses
+            await run.publish_through(34)  # seq 20: BlockRemoved
+
+            async def refused() -> bool:
+                return "is out of memory and refuses the index's writes" in run.log
+
+            await eventually(refused, WAIT_S, "the indexer to find Redis out of memory")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.MatchExternalKv(kv.MatchExternalKvRequest(hashes=ALL_HASHES))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "is out of memory and refuses writes" in str(info.value.details())
+            assert run.metric("kvplane_indexer_index_reachable") == 0
+            if past_the_lease:
+                lease = "kvplane:{default:0}:l:w0"
+
+                def lease_expired() -> bool:
+                    return not run.redis.command("EXISTS", lease)
+
+                await eventually(lease_expired, WAIT_S, "the writer lease to expire")
+            run.redis.command("CONFIG", "SET", "maxmemory", 0)
+            await run.expect(stub, 34, "the index once Redis takes writes again")
+            assert run.metric("kvplane_indexer_index_reachable") == 1
+            await run.publish_through(55)
+            await run.expect(stub, 55, "live ingestion afterwards")
+        assert "takes the index's writes again" in run.log
+    finally:
+        run.stop()
+        await publisher.close()
 
 
 @pytest.mark.timeout(60)
