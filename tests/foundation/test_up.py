@@ -880,3 +880,45 @@ def test_a_member_whose_up_is_already_gone_exits_at_once() -> None:
     orphan = {**ours, PARENT_ENV: str(os.getpid() + 1_000_000)}
     gone = subprocess.run([sys.executable, "-c", script], env=orphan, capture_output=True)
     assert (gone.returncode, gone.stdout) == (1, b"")
+
+
+@pytest.mark.timeout(60)
+async def test_members_killed_by_a_second_ctrl_c_are_not_drained(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second Ctrl-C kills every member: the stop that follows says so once, not a
+    failed drain for each member (their processes are not reaped yet)."""
+    fleet = Fleet(FleetConfig.model_validate(yaml.safe_load(SIM_FLEET)), tmp_path)
+    try:
+        await fleet.start()
+        fleet.kill_all()
+        with caplog.at_level("WARNING", logger="kvplane.up.fleet"):
+            await fleet.drain()
+    finally:
+        await fleet.stop()
+    assert [r.getMessage() for r in caplog.records if r.name == "kvplane.up.fleet"] == []
+    codes = [m.process.returncode for m in fleet.members if m.process is not None]
+    assert codes == [-signal.SIGKILL] * 3
+
+
+@pytest.mark.timeout(60)
+async def test_a_member_deaf_to_sigterm_is_killed_after_stop_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member that does not act on SIGTERM (hung; here stopped, which holds the signal
+    pending) is killed after `stop_timeout_s`; the others stop cleanly."""
+    config = yaml.safe_load(SIM_FLEET)
+    config["stop_timeout_s"] = 1
+    fleet = Fleet(FleetConfig.model_validate(config), tmp_path)
+    try:
+        await fleet.start()
+        hung = fleet.member("engine-1")
+        assert hung.pid is not None
+        os.kill(hung.pid, signal.SIGSTOP)
+        with caplog.at_level("WARNING", logger="kvplane.up.fleet"):
+            await fleet.stop()
+    finally:
+        await fleet.stop()
+    assert "engine-1 did not stop in time; killing it" in caplog.messages
+    codes = {m.name: m.process.returncode for m in fleet.members if m.process is not None}
+    assert codes == {"engine-0": 0, "engine-1": -signal.SIGKILL, "controller": 0}
