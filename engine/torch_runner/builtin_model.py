@@ -23,20 +23,17 @@ torch-free (numpy, safetensors, tokenizers).
 from __future__ import annotations
 
 import collections
-import contextlib
 import itertools
 import json
 import os
 import shutil
-import signal
 import tempfile
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from engine.torch_runner.errors import CheckpointError
+from engine.torch_runner.first_use import sigterm_unwinds
 
 BUILTIN_MODEL = "builtin"
 BUILTIN_MODEL_NAME = "tiny-llama-builtin-v1"
@@ -96,45 +93,13 @@ def ensure_builtin_model(cache_dir: Path | None = None) -> Path:
     if (target / "config.json").is_file():
         return target
     try:
-        with _unwound_by_sigterm():
+        with sigterm_unwinds():
             return _build_into(root, target)
     except OSError as exc:
         raise CheckpointError(
             f"cannot build the builtin model under {root} ({exc}); set KVPLANE_CACHE_DIR "
             "to a writable folder"
         ) from exc
-
-
-class _Terminated(BaseException):
-    """SIGTERM arrived during the build (a BaseException: nothing on the way may catch it)."""
-
-
-@contextlib.contextmanager
-def _unwound_by_sigterm() -> Iterator[None]:
-    """Let SIGTERM unwind the build, then end the process as SIGTERM does. Its default action
-    ends it on the spot, skipping the `finally` that removes the scratch folder: `kvplane up`
-    stops members still starting with SIGTERM, so each Ctrl-C during a first start left a
-    dead scratch model in the cache. Only where SIGTERM is not handled already (a server's
-    own graceful stop stays) and only in the main thread (the one Python signals reach)."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def terminate(signum: int, frame: object) -> None:
-        raise _Terminated
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    except _Terminated:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.raise_signal(signal.SIGTERM)  # ends the process: its exit status says SIGTERM
-        raise
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _build_into(root: Path, target: Path) -> Path:
