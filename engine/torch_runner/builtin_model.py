@@ -13,7 +13,9 @@ tie-break, from the fixed text below: the same bytes on every machine and every 
 weights are random, so the text it writes is gibberish; it exists to exercise the serving
 path (prefill, paged KV cache, prefix caching, streaming, text in and out) at full speed on a
 laptop. The directory is built in a temporary folder and renamed into place, so concurrent
-first uses (three engines starting at once) never see a half-written model.
+first uses (three engines starting at once) never see a half-written model; a build stopped
+by SIGTERM (Ctrl-C in `kvplane up` while its engines start) removes that folder before the
+process ends.
 
 torch-free (numpy, safetensors, tokenizers).
 """
@@ -31,6 +33,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from engine.torch_runner.errors import CheckpointError
+from engine.torch_runner.first_use import sigterm_unwinds
 
 BUILTIN_MODEL = "builtin"
 BUILTIN_MODEL_NAME = "tiny-llama-builtin-v1"
@@ -90,7 +93,8 @@ def ensure_builtin_model(cache_dir: Path | None = None) -> Path:
     if (target / "config.json").is_file():
         return target
     try:
-        return _build_into(root, target)
+        with sigterm_unwinds():
+            return _build_into(root, target)
     except OSError as exc:
         raise CheckpointError(
             f"cannot build the builtin model under {root} ({exc}); set KVPLANE_CACHE_DIR "

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from engine.torch_runner.first_use import sigterm_unwinds
+
 logger = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -551,7 +553,9 @@ class NativeKernels:
 def load_kernels() -> NativeKernels | None:
     """The compiled kernels, built on first use (once per process); None when unavailable."""
     try:
-        return NativeKernels(ctypes.CDLL(str(_build())))
+        with sigterm_unwinds():  # a compile stopped by SIGTERM removes its scratch folder
+            built = _build()
+        return NativeKernels(ctypes.CDLL(str(built)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("native kernels unavailable, using torch: %s", exc)
         return None

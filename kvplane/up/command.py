@@ -76,8 +76,11 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
         stop.set()
 
     # SIGHUP too: the members run in sessions of their own, so a closed terminal reaches
-    # only us, and we must stop them.
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    # only us, and we must stop them; unless we were started ignoring it:
+    # `nohup kvplane up &` must outlive its terminal (a handler would stop the fleet).
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
     for sig in signals:
         loop.add_signal_handler(sig, on_signal)
     main = asyncio.ensure_future(_main(fleet, stop, live, check))

@@ -161,6 +161,7 @@ class Fleet:
         self.config = config
         self.workdir = workdir
         self.members = [Member(m) for m in config.members]
+        self.killed = False  # by `kill_all`: nothing is left to drain
         # Loaded (its files read and checked) before any member starts.
         self.channels = ClientChannels.load(config.client_tls, "client_tls").with_token_file(
             config.client_token_file, "client_token_file"
@@ -263,6 +264,7 @@ class Fleet:
 
     def kill_all(self) -> None:
         """SIGKILL every running member (a second Ctrl-C); `stop` then reaps them."""
+        self.killed = True
         for member in self.members:
             if member.process is not None and member.process.returncode is None:
                 _kill_group(member.process)
@@ -297,7 +299,10 @@ class Fleet:
         """Drain every running engine and controller at once: in-flight requests get the
         drain deadline, then the rest are aborted. A controller drains its gateway, so that
         clients are told the fleet is stopping (not that some engine drains) from the first
-        moment. Errors are logged, never raised (stopping goes on)."""
+        moment. Errors are logged, never raised (stopping goes on). Killed members are not
+        dialled: their processes may not be reaped yet, and each drain would fail."""
+        if self.killed:
+            return
         draining = [
             m
             for m in self.members
@@ -326,6 +331,8 @@ class Fleet:
                         log.debug("%s drained", member.name)
                         return
         except grpc.aio.AioRpcError as exc:
+            if self.killed:  # during the drain: its failure is the kill's, already announced
+                return
             log.warning("%s: drain failed (%s); stopping it anyway", member.name, exc.code().name)
 
     def _depths(self) -> dict[str, int]:

@@ -3,6 +3,10 @@ real checkpoint the engine serves, text prompts included."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,6 +53,38 @@ def test_concurrent_first_uses_all_get_the_complete_model(tmp_path: Path) -> Non
     for name in FILES:
         assert (paths[0] / name).read_bytes() == (reference / name).read_bytes(), name
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [BUILTIN_MODEL_NAME]
+
+
+# A first build held open until it is stopped (the real one takes a fraction of a second).
+_BUILD_UNTIL_STOPPED = """
+import sys, time
+from pathlib import Path
+from engine.torch_runner import builtin_model
+
+def held_open(directory):
+    print("building", flush=True)
+    time.sleep(600)
+
+builtin_model.write_builtin_model = held_open
+builtin_model.ensure_builtin_model(Path(sys.argv[1]))
+"""
+
+
+def test_a_build_stopped_by_sigterm_leaves_no_scratch_in_the_cache(tmp_path: Path) -> None:
+    # `kvplane up` stops engines still starting with SIGTERM: Ctrl-C during a first start.
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with subprocess.Popen(
+        [sys.executable, "-c", _BUILD_UNTIL_STOPPED, str(cache)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    ) as build:  # fmt: skip
+        assert build.stdout is not None
+        assert build.stdout.readline() == b"building\n"
+        assert [p.name.startswith(".") for p in cache.iterdir()] == [True]  # its scratch
+        build.send_signal(signal.SIGTERM)
+        _, errors = build.communicate(timeout=60)
+    assert build.returncode == -signal.SIGTERM, errors  # still reads as killed by SIGTERM
+    assert list(cache.iterdir()) == []
 
 
 def test_an_unwritable_cache_is_one_clear_error(tmp_path: Path) -> None:

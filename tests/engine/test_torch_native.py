@@ -6,6 +6,10 @@ reproduces vLLM's greedy outputs."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -242,3 +246,39 @@ def test_an_unwritable_cache_directory_falls_back_to_the_temp_directory(
             assert native._build().parent.parent == tmp_path / "tmp"
     finally:
         native.load_kernels.cache_clear()
+
+
+# A first compile held open until it is stopped (a real one takes seconds; no compiler needed).
+_COMPILE_UNTIL_STOPPED = """
+import subprocess, time
+from engine.torch_runner import native
+
+def held_open(command, **kwargs):
+    print("compiling", flush=True)
+    time.sleep(600)
+
+native._compiler = lambda: "cc"
+subprocess.run = held_open
+native.load_kernels()
+"""
+
+
+def test_a_compile_stopped_by_sigterm_leaves_no_scratch_in_the_cache(tmp_path: Path) -> None:
+    # `kvplane up` stops engines still starting with SIGTERM: Ctrl-C during a first start.
+    cache = tmp_path / "xdg" / "kvplane" / "native"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+    }
+    with subprocess.Popen(
+        [sys.executable, "-c", _COMPILE_UNTIL_STOPPED],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    ) as build:  # fmt: skip
+        assert build.stdout is not None
+        assert build.stdout.readline() == b"compiling\n"
+        assert len(list(cache.iterdir())) == 1  # its scratch
+        build.send_signal(signal.SIGTERM)
+        _, errors = build.communicate(timeout=60)
+    assert build.returncode == -signal.SIGTERM, errors  # still reads as killed by SIGTERM
+    assert list(cache.iterdir()) == []

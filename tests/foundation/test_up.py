@@ -83,10 +83,12 @@ SIM_FLEET = (
 )
 
 
-def _up(fleet: Path, tmp_path: Path) -> subprocess.Popen[str]:
-    """`kvplane up FLEET --no-live` (this checkout's code), its log on a pipe."""
+def _up(fleet: Path, tmp_path: Path, wrapper: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    """`kvplane up FLEET --no-live` (this checkout's code), its log on a pipe; `wrapper`
+    runs it (`nohup`)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
+        [*wrapper, sys.executable, "-m", "kvplane", "up", str(fleet), "--no-live"],
+        stdout=subprocess.DEVNULL,  # not a terminal: nohup writes no nohup.out
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO,
@@ -115,6 +117,16 @@ def _serving_members(proc: subprocess.Popen[str], count: int) -> dict[str, tuple
         if match:
             members[match.group(1)] = (match.group(3), int(match.group(4)))
     return members
+
+
+def _kill_leftovers(proc: subprocess.Popen[str], pids: list[int]) -> None:
+    """After a test that failed half-way: neither up nor its members may outlive it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _default_fleet_on_free_ports() -> dict[str, Any]:
@@ -221,12 +233,7 @@ def test_sigkill_of_up_takes_every_member_with_it(tmp_path: Path) -> None:
         assert (stale / "controller.log").exists()
         assert remove_stale_workdirs(tmp_path) == [stale] and not stale.exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in pids:  # a failed run must not leave members behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(proc, pids)
 
 
 @pytest.mark.timeout(120)
@@ -258,12 +265,7 @@ def test_a_member_that_dies_stops_the_fleet_and_fails_up(tmp_path: Path) -> None
         assert "Traceback" not in rest
         assert _wait_gone(pids, 5) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(proc, pids)
 
 
 @pytest.mark.timeout(120)
@@ -307,12 +309,7 @@ def test_interrupt_during_start_up_leaves_no_process(
         pids += [int(p) for p in re.findall(r"started \(pid (\d+)\)", rest)]
         assert not any(_alive(pid) for pid in pids)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in pids:  # a failed run must not leave members behind either
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_leftovers(proc, pids)
 
 
 @pytest.mark.timeout(120)
@@ -880,3 +877,70 @@ def test_a_member_whose_up_is_already_gone_exits_at_once() -> None:
     orphan = {**ours, PARENT_ENV: str(os.getpid() + 1_000_000)}
     gone = subprocess.run([sys.executable, "-c", script], env=orphan, capture_output=True)
     assert (gone.returncode, gone.stdout) == (1, b"")
+
+
+@pytest.mark.timeout(60)
+async def test_members_killed_by_a_second_ctrl_c_are_not_drained(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second Ctrl-C kills every member: the stop that follows says so once, not a
+    failed drain for each member (their processes are not reaped yet)."""
+    fleet = Fleet(FleetConfig.model_validate(yaml.safe_load(SIM_FLEET)), tmp_path)
+    try:
+        await fleet.start()
+        fleet.kill_all()
+        with caplog.at_level("WARNING", logger="kvplane.up.fleet"):
+            await fleet.drain()
+    finally:
+        await fleet.stop()
+    assert [r.getMessage() for r in caplog.records if r.name == "kvplane.up.fleet"] == []
+    codes = [m.process.returncode for m in fleet.members if m.process is not None]
+    assert codes == [-signal.SIGKILL] * 3
+
+
+@pytest.mark.timeout(60)
+async def test_a_member_deaf_to_sigterm_is_killed_after_stop_timeout(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A member that does not act on SIGTERM (hung; here stopped, which holds the signal
+    pending) is killed after `stop_timeout_s`; the others stop cleanly."""
+    config = yaml.safe_load(SIM_FLEET)
+    config["stop_timeout_s"] = 1
+    fleet = Fleet(FleetConfig.model_validate(config), tmp_path)
+    try:
+        await fleet.start()
+        hung = fleet.member("engine-1")
+        assert hung.pid is not None
+        os.kill(hung.pid, signal.SIGSTOP)
+        with caplog.at_level("WARNING", logger="kvplane.up.fleet"):
+            await fleet.stop()
+    finally:
+        await fleet.stop()
+    assert "engine-1 did not stop in time; killing it" in caplog.messages
+    codes = {m.name: m.process.returncode for m in fleet.members if m.process is not None}
+    assert codes == {"engine-0": 0, "engine-1": -signal.SIGKILL, "controller": 0}
+
+
+@pytest.mark.timeout(120)
+def test_up_under_nohup_outlives_the_terminal_hangup(tmp_path: Path) -> None:
+    """`nohup kvplane up &` starts up with SIGHUP ignored: the terminal closing must not stop
+    the fleet. Here the hangup comes first and Ctrl-C after it: only Ctrl-C stops the fleet,
+    as a first interrupt (drained), not as a second one (every member killed)."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(SIM_FLEET)
+    proc = _up(fleet, tmp_path, wrapper=("nohup",))
+    pids: list[int] = []
+    try:
+        assert proc.stderr is not None
+        members = _serving_members(proc, 3)
+        pids = [pid for _, pid in members.values()]
+        assert len(pids) == 3
+        proc.send_signal(signal.SIGHUP)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        rest = proc.stderr.read()
+        assert "fleet stopped" in rest
+        assert "interrupted again" not in rest, rest
+        assert _wait_gone(pids, 5) == []
+    finally:
+        _kill_leftovers(proc, pids)
