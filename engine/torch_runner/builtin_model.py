@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from engine.torch_runner.errors import CheckpointError
-from engine.torch_runner.first_use import sigterm_unwinds
+from engine.torch_runner.first_use import cache_root, sigterm_unwinds
 
 BUILTIN_MODEL = "builtin"
 BUILTIN_MODEL_NAME = "tiny-llama-builtin-v1"
@@ -76,13 +75,8 @@ for i in range(10):
 
 
 def default_cache_dir() -> Path:
-    """Where models are cached: $KVPLANE_CACHE_DIR/models, else the XDG cache."""
-    root = os.environ.get("KVPLANE_CACHE_DIR")
-    if root:
-        return Path(root) / "models"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".cache"
-    return base / "kvplane" / "models"
+    """Where models are cached: `models` under kvplane's cache (`first_use.cache_root`)."""
+    return cache_root() / "models"
 
 
 def ensure_builtin_model(cache_dir: Path | None = None) -> Path:

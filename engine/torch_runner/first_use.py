@@ -1,5 +1,8 @@
-"""What a first-use build (the builtin model, the native kernels) does when SIGTERM stops it:
-unwind, so that its scratch folder is removed, then end the process as SIGTERM does.
+"""What the first-use builds (the builtin model, the native kernels) share: the cache they
+build into, and what they do when SIGTERM stops them: unwind, so that the scratch folder is
+removed, then end the process as SIGTERM does.
+
+The cache: `$KVPLANE_CACHE_DIR`, else `$XDG_CACHE_HOME/kvplane`, else `~/.cache/kvplane`.
 
 SIGTERM's default action ends the process on the spot, skipping every `finally`; `kvplane
 up` stops members still starting with SIGTERM (Ctrl-C during a first start, or `up` gone),
@@ -11,9 +14,20 @@ torch-free.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """kvplane's cache folder, which every first-use build writes under (its own subfolder)."""
+    root = os.environ.get("KVPLANE_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvplane"
 
 
 class _Terminated(BaseException):

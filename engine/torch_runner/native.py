@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from engine.torch_runner.first_use import sigterm_unwinds
+from engine.torch_runner.first_use import cache_root, sigterm_unwinds
 
 logger = logging.getLogger(__name__)
 
@@ -574,8 +574,7 @@ def _cpu_signature() -> str:
 def _cache_dir() -> Path:
     """The user's cache directory, or a per-user one under the temp directory when that cannot
     be created (a read-only home)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    directory = Path(base) / "kvplane" / "native"
+    directory = cache_root() / "native"
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError:

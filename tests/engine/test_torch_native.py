@@ -29,6 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def fresh_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty build cache and a forgotten per-process kernel (restored afterwards)."""
+    monkeypatch.delenv("KVPLANE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     native.load_kernels.cache_clear()
     yield tmp_path / "kvplane" / "native"
@@ -227,6 +228,19 @@ def test_bfloat16_runs_without_the_kernel() -> None:
         TINY_LLAMA, dtype="bfloat16", block_size=16, num_blocks=64
     )
     assert runner.native_kernels is None
+
+
+def test_kernels_are_built_under_kvplane_cache_dir_as_models_are(
+    fresh_kernel_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`$KVPLANE_CACHE_DIR` moves all of kvplane's cache (the builtin model's too), not the
+    models alone."""
+    monkeypatch.setenv("KVPLANE_CACHE_DIR", str(tmp_path / "kvplane-cache"))
+    if native.load_kernels() is None:  # no compiler here: nothing is built
+        assert not native.compiler_available()
+        return
+    assert native._build().parent == tmp_path / "kvplane-cache" / "native"
+    assert not fresh_kernel_cache.exists()
 
 
 def test_an_unwritable_cache_directory_falls_back_to_the_temp_directory(
