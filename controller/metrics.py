@@ -88,7 +88,8 @@ class _EngineCollector:
             ),
             "event_lag": GaugeMetricFamily(
                 "kvplane_controller_engine_event_lag_seconds",
-                "Event lag of the engine's last KV-event batch (in the index minus stamped)",
+                "Event lag of the engine's last KV-event batch (in the index minus stamped); "
+                "no series while its events do not reach the index",
                 labels=labels,
             ),
             # No series for an engine whose events are not this replica's to follow
@@ -119,9 +120,11 @@ class _EngineCollector:
                 families["queued"].add_metric(key, float(load.queued_requests))
             if load.used_kv_blocks is not None and load.total_kv_blocks:
                 families["kv"].add_metric(key, load.used_kv_blocks / load.total_kv_blocks)
-            if record.event_lag_s is not None:
-                families["event_lag"].add_metric(key, record.event_lag_s)
             up = None if self._events_following is None else self._events_following(record).up
+            # While its events do not arrive the last batch's lag says nothing: no series
+            # rather than a value frozen at it (`kv_events_up` 0 says why).
+            if record.event_lag_s is not None and up is not False:
+                families["event_lag"].add_metric(key, record.event_lag_s)
             if up is not None:
                 families["kv_events_up"].add_metric(key, 1.0 if up else 0.0)
         yield from families.values()

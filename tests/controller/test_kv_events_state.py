@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import re
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import msgpack
 import pytest
 import zmq.asyncio
 
@@ -24,7 +26,7 @@ from tests.controller.fronted_engine import Forwarding, start_fronted_engine
 from tests.controller.test_admin_cli import cli
 from tests.controller.test_admin_cli_membership import cli_json
 from tests.controller.test_controller_replicas import close_replica, shared_index, small_engines
-from tests.controller.test_fleet_events import RankedZmqEngine, sample, scrape
+from tests.controller.test_fleet_events import BLOCK, RankedZmqEngine, sample, scrape
 from tests.controller.test_processes import indexer_process
 from tests.indexer.fake_kv_publisher import FakeKvPublisher
 from tests.polling import eventually
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.timeout(90)
 
 WAIT_S = 20.0
 UP = "kvplane_controller_engine_kv_events_up"
+LAG = "kvplane_controller_engine_event_lag_seconds"
 
 
 async def worker(fleet: EngineFleet[Any], address: str) -> dict[str, Any]:
@@ -70,12 +73,25 @@ async def test_a_lost_zmq_publisher_shows_down_while_the_engine_stays_ready() ->
         row = await wait_kv_events(fleet, address, "following")
         assert row["kv_events_reason"] == "" and row["kv_events_since_unix_s"] > 0
         assert sample(await scrape(fleet), UP, address) == 1.0
+        await publisher.wait_subscribed()
+        stored = ["BlockStored", [11], None, list(range(BLOCK)), BLOCK, None, "GPU"]
+        await publisher.publish(
+            [b"", (0).to_bytes(8, "big"), msgpack.packb([time.time(), [stored], 1])]
+        )
+
+        async def lag_exported() -> bool:
+            return sample(await scrape(fleet), LAG, address) is not None
+
+        await eventually(lag_exported, WAIT_S, "the batch's event lag exported")
 
         publisher.close_pub()  # the publisher is gone; the engine still answers
         row = await wait_kv_events(fleet, address, "down")
         assert row["state"] == "ready" and row["routable"]
         assert f"publisher {publisher.endpoint} disconnected" in row["kv_events_reason"]
-        assert sample(await scrape(fleet), UP, address) == 0.0
+        scraped = await scrape(fleet)
+        assert sample(scraped, UP, address) == 0.0
+        # The last batch's lag says nothing of events that do not arrive: no value frozen at it.
+        assert sample(scraped, LAG, address) is None
         table = await cli("workers", "--target", fleet.target)
         assert "KV EVENTS" in table.stdout
         assert re.search(r"down since \d\d:\d\d:\d\dZ: publisher tcp://", table.stdout)
