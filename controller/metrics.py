@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from controller.event_following import EventFollowing
 from controller.registry import EngineRecord, EngineState, Registry
 from controller.replica_sync import ReplicaSync
+from indexer.size_gauges import IndexSizeGauges
 from indexer.sources.zmq import SOURCE_COUNTER_HELP, SourceCounters
 
 # An engine's KV-event source counters, by engine address (None: it has no source now).
@@ -244,12 +245,9 @@ class ControllerMetrics:
             "Engines taken out of routing for failing requests (outlier ejection)",
             registry=r,
         )
-        self.index_blocks = Gauge(
-            "kvplane_controller_index_blocks", "Blocks in the index", registry=r
-        )
-        self.index_placements = Gauge(
-            "kvplane_controller_index_placements", "Placements in the index", registry=r
-        )
+        # The service's index-stats refresh records the figures; none while unreachable.
+        self.index_size = IndexSizeGauges("controller", index_answers)
+        r.register(self.index_size)
         # 0 while a shared Redis or remote indexer does not answer: requests are routed by
         # load, without cache knowledge (the gateway's Health is DEGRADED, check `kv_index`).
         self.index_reachable = Gauge(

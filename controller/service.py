@@ -402,9 +402,8 @@ class Controller:
         remote index the one call that keeps its `unavailable` current while no request asks."""
         while True:
             stats = await self.try_index_stats()
+            self.metrics.index_size.record(stats)
             if stats is not None:
-                self.metrics.index_blocks.set(stats.num_blocks)
-                self.metrics.index_placements.set(stats.num_placements)
                 self.fleet.indexed_blocks = blocks_by_engine(stats)
             await asyncio.sleep(INDEX_STATS_INTERVAL_S)
 

@@ -30,6 +30,7 @@ from indexer.backend import IndexBackend, ReachableIndex
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
 from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
+from indexer.size_gauges import IndexSizeGauges, refresh_index_size
 from indexer.sources.leased import LeasedEngineSources, LeasedSource, Source, lease_name
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
 from indexer.sources.resync import Resyncable, connect_resync, resync_engine
@@ -161,14 +162,18 @@ class IndexerCollector:
             "Prefix queries being answered",
             value=self._limiter.in_flight,
         )
-        # (Read from the backend's own state, as the controller's index_reachable: no call.)
-        shared = self._backend if isinstance(self._backend, ReachableIndex) else None
         yield GaugeMetricFamily(
             "kvplane_indexer_index_reachable",
             "1 when the index answers queries; 0 while a shared Redis does not (down, out of "
             "memory, or replaying the batches buffered meanwhile)",
-            value=int(shared is None or shared.unavailable is None),
+            value=int(index_answers(self._backend)),
         )
+
+
+def index_answers(backend: IndexBackend) -> bool:
+    """Whether the index answers queries now, read from the backend's own state (as the
+    controller's index_reachable: no call); the memory backend always does."""
+    return not isinstance(backend, ReachableIndex) or backend.unavailable is None
 
 
 async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -> None:
@@ -200,9 +205,11 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
             options=[("grpc.max_receive_message_length", config.max_request_bytes)],
         )
         metrics_server = None
+        index_size = IndexSizeGauges("indexer", functools.partial(index_answers, backend))
         if config.metrics_listen is not None:
             registry = CollectorRegistry()
             registry.register(IndexerCollector(sources, kv_indexer, kv_indexer.limiter, backend))
+            registry.register(index_size)
             try:
                 metrics_server, _ = start_metrics_server(config.metrics_listen, registry)
             except KvplaneError:
@@ -220,6 +227,12 @@ async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -
                 tasks += [
                     group.create_task(e.run(), name=f"lease:{e.lease.engine}") for e in leased
                 ]
+                if config.metrics_listen is not None:
+                    tasks.append(
+                        group.create_task(
+                            refresh_index_size(backend, index_size), name="index size"
+                        )
+                    )
                 await serve_until_signal(server, config.shutdown_grace_s)
                 for task in tasks:
                     task.cancel()

@@ -12,12 +12,14 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 import controller.service
 from kvplane.cli import app
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
+from tests.controller.test_fleet_events import scrape
 from tests.controller.test_processes import indexer_process
 from tests.polling import eventually
 from tests.redis_servers import RedisServer, free_port
@@ -71,16 +73,38 @@ async def index_shown_as(fleet: Fleet, state: pb.HealthState.ValueType, message:
     assert reachable == (1 if state == pb.HEALTH_STATE_READY else 0)
 
 
-async def test_health_is_degraded_while_the_shared_redis_is_down(redis: RedisServer) -> None:
-    fleet = await make_fleet(2, index={"backend": redis.url})
+async def index_size_shown(fleet: Fleet) -> dict[str, float]:
+    """The index-size gauges on the controller's /metrics, by name (absent: not there)."""
+    text = await scrape(fleet)
+    names = ("kvplane_controller_index_blocks", "kvplane_controller_index_placements")
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name in names
+    }
+
+
+async def test_health_is_degraded_while_the_shared_redis_is_down(
+    redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Meanwhile the index's size is not on /metrics, rather than its last value frozen."""
+    monkeypatch.setattr(controller.service, "INDEX_STATS_INTERVAL_S", 0.1)
+    fleet = await make_fleet(2, index={"backend": redis.url}, metrics_listen="127.0.0.1:0")
     where = f"Redis at 127.0.0.1:{redis.port}"
     try:
         await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+
+        async def size_shown() -> bool:
+            return len(await index_size_shown(fleet)) == 2
+
+        await eventually(size_shown, 30, "the index's size on /metrics")
 
         await asyncio.to_thread(redis.kill)
         await index_shown_as(
             fleet, pb.HEALTH_STATE_DEGRADED, f"shared index unavailable: {where} did not answer ("
         )
+        assert await index_size_shown(fleet) == {}
         # The engines are fine: only the index's check says what is wrong.
         checks = (await fleet.gateway.Health(pb.HealthRequest())).checks
         engines = [c.state for c in checks if c.name.startswith("engine:")]
@@ -88,6 +112,7 @@ async def test_health_is_degraded_while_the_shared_redis_is_down(redis: RedisSer
 
         await asyncio.to_thread(redis.start)
         await index_shown_as(fleet, pb.HEALTH_STATE_READY, where)
+        await eventually(size_shown, 30, "the index's size on /metrics again")
     finally:
         await close_fleet(fleet)
 

@@ -171,6 +171,18 @@ class Run:
         ]
         return values[0] if values else None
 
+    async def size_shown(self, seq: int, what: str) -> None:
+        """Wait until /metrics gives the index's size as the publisher's live blocks after
+        `seq`, all on w0 (refreshed every few seconds)."""
+        blocks = len(_model_through(seq))
+
+        async def shown() -> bool:
+            return self.metric("kvplane_indexer_index_blocks") == blocks
+
+        await eventually(shown, WAIT_S, what)
+        assert self.metric("kvplane_indexer_index_workers") == 1
+        assert (self.metric("kvplane_indexer_index_placements") or 0) >= blocks
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -250,6 +262,7 @@ async def test_redis_out_of_memory_during_ingestion(
     run = Run(tmp_path, publisher, 10_000, writer_lease_s=1.0 if past_the_lease else 30.0)
     try:
         async with run.serving() as stub:
+            await run.size_shown(19, "the index's size on /metrics")
             run.redis.command("CONFIG", "SET", "maxmemory", 1)  # far below what Redis uses
             await run.publish_through(34)  # seq 20: BlockRemoved
 
@@ -262,6 +275,9 @@ async def test_redis_out_of_memory_during_ingestion(
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "is out of memory and refuses writes" in str(info.value.details())
             assert run.metric("kvplane_indexer_index_reachable") == 0
+            # Its size is not shown meanwhile, rather than the last one read frozen.
+            for name in ("blocks", "placements", "workers"):
+                assert run.metric(f"kvplane_indexer_index_{name}") is None
             if past_the_lease:
                 lease = "kvplane:{default:0}:l:w0"
 
@@ -272,6 +288,7 @@ async def test_redis_out_of_memory_during_ingestion(
             run.redis.command("CONFIG", "SET", "maxmemory", 0)
             await run.expect(stub, 34, "the index once Redis takes writes again")
             assert run.metric("kvplane_indexer_index_reachable") == 1
+            await run.size_shown(34, "the index's size on /metrics again")
             await run.publish_through(55)
             await run.expect(stub, 55, "live ingestion afterwards")
         assert "takes the index's writes again" in run.log
