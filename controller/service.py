@@ -37,6 +37,7 @@ from controller.router import (
 from controller.tokenizers import ModelTokenizers
 from indexer.backend import IndexBackend, IndexStats, ReachableIndex
 from indexer.backends import open_backend
+from indexer.size_gauges import REFRESH_COST_FACTOR
 from indexer.sources.resync import connect_resync
 
 log = logging.getLogger(__name__)
@@ -399,13 +400,18 @@ class Controller:
 
     async def _refresh_index_stats(self) -> None:
         """Every INDEX_STATS_INTERVAL_S from the start: the index-size gauges, and for a
-        remote index the one call that keeps its `unavailable` current while no request asks."""
+        remote index the one call that keeps its `unavailable` current while no request asks.
+        A read of a large shared index is long (it walks and decodes all of it, on this event
+        loop: about 5 s for 1M blocks on Redis), so the wait after one is REFRESH_COST_FACTOR
+        times as long as it took when that is longer: routing keeps nine tenths of the loop."""
         while True:
+            started = self.clock()
             stats = await self.try_index_stats()
             self.metrics.index_size.record(stats)
             if stats is not None:
                 self.fleet.indexed_blocks = blocks_by_engine(stats)
-            await asyncio.sleep(INDEX_STATS_INTERVAL_S)
+            took_s = self.clock() - started
+            await asyncio.sleep(max(INDEX_STATS_INTERVAL_S, REFRESH_COST_FACTOR * took_s))
 
     async def try_index_stats(self) -> IndexStats | None:
         """`index_stats`, or None when the index cannot answer (a shared or remote index may

@@ -16,6 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 import controller.service
+from controller.config import ControllerConfig
+from indexer.backend import IndexStats
+from indexer.memory_backend import MemoryBackend
 from kvplane.cli import app
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
@@ -178,3 +181,30 @@ async def test_the_embedded_index_has_no_check() -> None:
         assert fleet.app.controller.metrics.registry.get_sample_value(gauge) == 1
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_long_read_of_the_index_size_is_followed_by_a_longer_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reading a large shared index's size walks all of it on the controller's event loop
+    (seconds at a million blocks): the next read waits ten times as long as that one took,
+    so that routing keeps most of the loop, where a fixed 5 s period would keep it busy."""
+    now = [0.0]
+
+    class SlowStats(MemoryBackend):
+        async def stats(self) -> IndexStats:
+            now[0] += 3.0  # the read took 3 s
+            return await super().stats()
+
+    waits: list[float] = []
+
+    async def first_wait(delay: float) -> None:
+        waits.append(delay)
+        raise asyncio.CancelledError  # one round is enough
+
+    service = controller.service.Controller(ControllerConfig(), SlowStats(), clock=lambda: now[0])
+    monkeypatch.setattr(asyncio, "sleep", first_wait)
+    with pytest.raises(asyncio.CancelledError):
+        await service._refresh_index_stats()
+    monkeypatch.undo()
+    assert waits == [30.0]
