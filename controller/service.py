@@ -35,9 +35,9 @@ from controller.router import (
     make_policy,
 )
 from controller.tokenizers import ModelTokenizers
-from indexer.backend import IndexBackend, IndexStats, ReachableIndex
+from indexer.backend import IndexBackend, IndexStats, ReachableIndex, index_answers
 from indexer.backends import open_backend
-from indexer.size_gauges import REFRESH_COST_FACTOR
+from indexer.size_gauges import refresh_wait_s
 from indexer.sources.resync import connect_resync
 
 log = logging.getLogger(__name__)
@@ -118,9 +118,7 @@ class Controller:
         self.metrics = ControllerMetrics(
             self.fleet.registry,
             self.fleet.event_counters,
-            index_answers=lambda: (
-                (index := self.reachable_index()) is None or index.unavailable is None
-            ),
+            index_answers=lambda: index_answers(self.reachable_index()),
             events_following=self.fleet.event_following,
         )
         self._tokenizers = ModelTokenizers({})
@@ -402,16 +400,15 @@ class Controller:
         """Every INDEX_STATS_INTERVAL_S from the start: the index-size gauges, and for a
         remote index the one call that keeps its `unavailable` current while no request asks.
         A read of a large shared index is long (it walks and decodes all of it, on this event
-        loop: about 5 s for 1M blocks on Redis), so the wait after one is REFRESH_COST_FACTOR
-        times as long as it took when that is longer: routing keeps nine tenths of the loop."""
+        loop: about 5 s for 1M blocks on Redis), so the wait after one grows with it
+        (`refresh_wait_s`): routing keeps nine tenths of the loop."""
         while True:
             started = self.clock()
             stats = await self.try_index_stats()
             self.metrics.index_size.record(stats)
             if stats is not None:
                 self.fleet.indexed_blocks = blocks_by_engine(stats)
-            took_s = self.clock() - started
-            await asyncio.sleep(max(INDEX_STATS_INTERVAL_S, REFRESH_COST_FACTOR * took_s))
+            await asyncio.sleep(refresh_wait_s(self.clock() - started, INDEX_STATS_INTERVAL_S))
 
     async def try_index_stats(self) -> IndexStats | None:
         """`index_stats`, or None when the index cannot answer (a shared or remote index may

@@ -135,3 +135,10 @@ class ReachableIndex(Protocol):
         """Why it does not answer now, one line naming it, from what its calls last found
         (None: it answers)."""
         ...
+
+
+def index_answers(index: object) -> bool:
+    """Whether `index` answers queries now, from what its client last found (no call): an
+    index in the process (the memory backend; None, none yet) always does, a
+    `ReachableIndex` while its `unavailable` is None."""
+    return not isinstance(index, ReachableIndex) or index.unavailable is None

@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from indexer.backend import IndexBackend, ReachableIndex
+from indexer.backend import IndexBackend, index_answers
 from indexer.backends import open_backend
 from indexer.config import IndexerConfig, OpenEngineSourceConfig, ZmqSourceConfig
 from indexer.servicer import IngestCounters, KvIndexerServicer, PrefixQueryLimiter, index_services
@@ -168,12 +168,6 @@ class IndexerCollector:
             "memory, or replaying the batches buffered meanwhile)",
             value=int(index_answers(self._backend)),
         )
-
-
-def index_answers(backend: IndexBackend) -> bool:
-    """Whether the index answers queries now, read from the backend's own state (as the
-    controller's index_reachable: no call); the memory backend always does."""
-    return not isinstance(backend, ReachableIndex) or backend.unavailable is None
 
 
 async def run_indexer(config: IndexerConfig, *, port_file: Path | None = None) -> None:

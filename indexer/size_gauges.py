@@ -29,6 +29,12 @@ MIN_REFRESH_S = 5.0
 REFRESH_COST_FACTOR = 10.0
 
 
+def refresh_wait_s(read_s: float, minimum_s: float = MIN_REFRESH_S) -> float:
+    """How long to wait before the next read of the index's size, after one that took
+    `read_s`: `minimum_s`, or REFRESH_COST_FACTOR times as long as the read when longer."""
+    return max(minimum_s, REFRESH_COST_FACTOR * read_s)
+
+
 class IndexSizeGauges:
     """Prometheus collector of the last index size recorded, exported while `answers()`."""
 
@@ -63,9 +69,8 @@ class IndexSizeGauges:
 async def refresh_index_size(
     backend: IndexBackend, gauges: IndexSizeGauges, clock: Callable[[], float] = time.monotonic
 ) -> None:
-    """Forever: read `backend.stats()` into `gauges`, then wait MIN_REFRESH_S, or
-    REFRESH_COST_FACTOR times as long as the read took if longer. A failed read (a shared
-    index down) is logged when the failures start and when they end."""
+    """Forever: read `backend.stats()` into `gauges`, then wait (`refresh_wait_s`). A failed
+    read (a shared index down) is logged when the failures start and when they end."""
     failing = False
     while True:
         started = clock()
@@ -81,4 +86,4 @@ async def refresh_index_size(
                 log.info("index size read again")
             failing = False
         gauges.record(stats)
-        await asyncio.sleep(max(MIN_REFRESH_S, REFRESH_COST_FACTOR * (clock() - started)))
+        await asyncio.sleep(refresh_wait_s(clock() - started))
