@@ -271,8 +271,9 @@ class _OpenEngineGenerate:
             events[-1].usage.CopyFrom(handover.usage)
         return events
 
-    async def release(self, engine: str, session: pb.KvSessionRef) -> None:
-        await self._fleet.stub(engine).Abort(pb.AbortRequest(kv_session=session))
+    async def release(self, engine: str, session: pb.KvSessionRef) -> bool:
+        reply = await self._fleet.stub(engine).Abort(pb.AbortRequest(kv_session=session))
+        return reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
 
 
 class EngineOutcome(NamedTuple):
