@@ -5,6 +5,7 @@ prefix as cached, and no session stays open on the prefill engine."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any, NamedTuple
 import grpc
 import pytest
 
+from controller import gateway
 from engine.config import KvTransferConfig, LoraConfig
 from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
@@ -255,3 +257,27 @@ async def test_a_session_its_prefill_engine_ended_before_an_unread_handoff_ends_
         requests = fleet.app.controller.metrics.requests
         assert requests.labels("aborted")._value.get() == 1
         assert requests.labels("engine_error")._value.get() == 0
+
+
+async def test_an_aborting_gateway_drain_completes_past_an_unread_handoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway's own Drain (deadline 0, aborting) asks the prefill engine to abort the
+    request, which answers ALREADY_FINISHED (its part is over): the gateway ends the request
+    at the handoff, and the drain completes at once, its engines idle, without waiting out
+    its grace for the client (here far longer than the test's bound: it used to wait all of
+    it). The client gets its output finished CANCELLED once it reads on."""
+    monkeypatch.setattr(gateway, "DRAIN_ABORT_GRACE_S", 3600.0)
+    async with stalled_at_the_handoff() as stalled:
+        drain = pb.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+        )
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            events = [e async for e in stalled.fleet.gateway.Drain(drain)]
+        assert [e.WhichOneof("event") for e in events].count("error") == 0
+        assert (events[-1].state, events[-1].in_flight_requests) == (pb.DRAIN_STATE_COMPLETE, 0)
+        assert "r" in stalled.fleet.app.gateway.relay.running  # its client still holds it
+        responses = [r async for r in stalled.call]
+        assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        await stalled.assert_nothing_left()
