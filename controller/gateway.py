@@ -271,8 +271,9 @@ class _OpenEngineGenerate:
             events[-1].usage.CopyFrom(handover.usage)
         return events
 
-    async def release(self, engine: str, session: pb.KvSessionRef) -> None:
-        await self._fleet.stub(engine).Abort(pb.AbortRequest(kv_session=session))
+    async def release(self, engine: str, session: pb.KvSessionRef) -> bool:
+        reply = await self._fleet.stub(engine).Abort(pb.AbortRequest(kv_session=session))
+        return reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
 
 
 class EngineOutcome(NamedTuple):
@@ -925,9 +926,10 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         change, and every progress interval) until none is left, then COMPLETE. Past the
         deadline, without `abort_after_deadline`: one terminal EngineError (DRAINING), the
         requests keep running; with it: abort the requests this gateway relays, then COMPLETE
-        once they have ended (the same error if some outlive DRAIN_ABORT_GRACE_S, unless
-        their engines said they ended: `_unended`). Engines keep running; drain an engine
-        with the admin API."""
+        once they have ended or their engines said they ended (`_unended`: a client that
+        stops reading holds the gateway's relay, not the drain), the same error if some
+        outlive DRAIN_ABORT_GRACE_S. Engines keep running; drain an engine with the admin
+        API."""
         # Every request admitted here counts, from its planning on: one still being planned
         # when the drain starts is routed afterwards.
         in_flight_ids = self.relay.running
@@ -939,8 +941,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         aborted: set[tuple[str, str]] = set()  # (request id, engine) told to abort
         ended: set[tuple[str, str]] = set()  # (request id, engine) the engine said ended
         aborts_end: float | None = None  # when waiting for the aborted requests gives up
-        while in_flight_ids:
-            now, in_flight = time.monotonic(), len(in_flight_ids)
+        while True:
+            now = time.monotonic()
+            # Once it aborted them, what the drain waits for is the engines' work (`_unended`),
+            # as an engine's drain does: not clients that stopped reading.
+            in_flight = len(in_flight_ids) if aborts_end is None else self._unended(ended)
+            if not in_flight:
+                break
             if deadline is not None and now >= deadline:
                 if not request.abort_after_deadline:
                     message = f"deadline passed, requests in flight: {in_flight}"
@@ -949,14 +956,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 if aborts_end is None:
                     aborts_end = now + DRAIN_ABORT_GRACE_S
                 elif now >= aborts_end:
-                    unended = self._unended(ended)
-                    if not unended:
-                        break
                     message = (
                         f"requests still in flight {DRAIN_ABORT_GRACE_S:g} s after they were "
-                        f"aborted: {unended}"
+                        f"aborted: {in_flight}"
                     )
-                    yield _drain_failed(unended, message)
+                    yield _drain_failed(in_flight, message)
                     return
                 await self._abort_relayed(aborted, ended)
             if in_flight != reported or now - reported_at >= DRAIN_PROGRESS_INTERVAL_S:

@@ -51,7 +51,9 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   has output from the first hop, any failure ends the stream with one in-band error; a decode
   hop failing before anything was relayed while the prefill engine that holds its session
   does not answer (`Handoff.holder_gone`) runs the request again as a whole, once, without
-  that engine.
+  that engine; one whose first decode engine refused the session NOT_FOUND while that
+  prefill engine answers that it ended the session itself (its drain, its TTL, an Abort of
+  it: `Handoff.release`) ends at the handoff, as an aborted request does.
 """
 
 from __future__ import annotations
@@ -232,9 +234,11 @@ class Handoff(Protocol[Request, Response_contra]):
         aborted before the handoff, so there is no decode hop)."""
         ...
 
-    async def release(self, engine: str, session: Any) -> None:
+    async def release(self, engine: str, session: Any) -> bool:
         """Ask `engine` to free the KV session it handed over (no decode engine attached
-        it); raises what the engine answered on failure."""
+        it); raises what the engine answered on failure. True when the engine said the
+        session had ended there already (the seed's ALREADY_FINISHED: its drain, its TTL, an
+        Abort of it, or its puller's release)."""
         ...
 
     def with_session(self, request: Request, session: Any) -> Request:
@@ -280,6 +284,12 @@ class _Stage(NamedTuple):
     # again as a whole (`_SessionLost`, raised out of the hop) rather than with the session
     # on another decode engine? None: never asked.
     session_lost: Callable[[str, str], Awaitable[_SessionLost | None]] | None = None
+    # A decode hop's question after its first engine refused the KV session NOT_FOUND before
+    # anything was relayed, the session's holder still there: did the holder end the session
+    # itself (its drain aborting, its TTL, an Abort of it), no decode engine having attached
+    # it? Asking releases the session. True: the request ends at the handoff, as one aborted
+    # there (`Relay.aborted_unrouted`). None: never asked.
+    session_ended: Callable[[], Awaitable[bool]] | None = None
     # The prefill hop of a disaggregated request: the engine it picks is the request's
     # prefill engine in its route (`kvplane-route`), unless that is a decode engine
     # prefilling the prompt itself (a retry), which serves the whole request.
@@ -369,7 +379,7 @@ class Relay:
         # Abort the engine cannot find yet ends it: abort_unaccepted).
         self._unanswered: dict[str, EngineCall[Any]] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releases: set[asyncio.Task[bool]] = set()
         # request id -> where it ran so far, told to its client (`kvplane-route`).
         self._routes: dict[str, RouteReport] = {}
 
@@ -720,6 +730,13 @@ class Relay:
                 await abort_with(context, grpc.StatusCode.INTERNAL, message)
             yield ending
             return
+        decoded = relayed = gone = released = False
+
+        async def ended_on_holder() -> bool:
+            nonlocal released
+            released = True
+            return await self._release(handoff, prefilled_on, session, request_id)
+
         stream = self._attempts(
             surface,
             handoff.with_session(request, session),
@@ -734,16 +751,17 @@ class Relay:
                 after_output=shown,
                 carries_session=True,
                 session_lost=None if lost is not None else self._lost(handoff, prefilled_on),
+                session_ended=ended_on_holder,
             ),
         )
-        decoded = relayed = gone = False
         try:
             async with aclosing(stream):
                 async for response in stream:
                     decoded, relayed = surface.error(response) is None, True
                     yield response
             if not relayed and request_id in self.aborted_unrouted:
-                # Aborted at the handoff, before a decode engine took it (`_end_aborted`).
+                # Aborted at the handoff, before a decode engine took it, or its session ended
+                # on its prefill engine (`_end_aborted`).
                 assert handover is not None  # it carried the session
                 for event in handoff.cancelled(request, handover):
                     yield event
@@ -752,8 +770,8 @@ class Relay:
             raise
         finally:
             # No decode engine took the session (or the client left): free it, unless it is
-            # gone with its engine.
-            if not decoded and not gone:
+            # gone with its engine, or was freed when asked whether it had ended.
+            if not decoded and not gone and not released:
                 self._release_session(handoff, prefilled_on, session, request_id)
 
     @staticmethod
@@ -783,25 +801,31 @@ class Relay:
     def _release_session(
         self, handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
     ) -> None:
-        """Free a KV session no decode engine attached on the prefill engine that holds it,
-        in the background: the client's answer does not wait for it. An engine that no
-        longer has it (a decode engine attached it before failing) answers NOT_FOUND."""
-
-        async def release() -> None:
-            try:
-                await handoff.release(engine, session)
-            except grpc.aio.AioRpcError as exc:
-                level = (
-                    logging.DEBUG if exc.code() == grpc.StatusCode.NOT_FOUND else logging.WARNING
-                )
-                log.log(level, "request %s: releasing its KV session on %s failed: %s: %s",
-                        request_id, engine, exc.code().name, exc.details())  # fmt: skip
-            except KeyError:  # the engine left the fleet, and its sessions with it
-                pass
-
-        task = asyncio.create_task(release(), name=f"release KV session of {request_id}")
+        """`_release` in the background: the client's answer does not wait for it."""
+        task = asyncio.create_task(
+            self._release(handoff, engine, session, request_id),
+            name=f"release KV session of {request_id}",
+        )
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+    @staticmethod
+    async def _release(
+        handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
+    ) -> bool:
+        """Free a KV session no decode engine attached on the prefill engine that holds it;
+        whether that engine said it had ended the session already (`Handoff.release`). An
+        engine that no longer knows it (a decode engine attached it before failing, a
+        restarted engine) answers NOT_FOUND."""
+        try:
+            return await handoff.release(engine, session)
+        except grpc.aio.AioRpcError as exc:
+            level = logging.DEBUG if exc.code() == grpc.StatusCode.NOT_FOUND else logging.WARNING
+            log.log(level, "request %s: releasing its KV session on %s failed: %s: %s",
+                    request_id, engine, exc.code().name, exc.details())  # fmt: skip
+        except KeyError:  # the engine left the fleet, and its sessions with it
+            pass
+        return False
 
     async def _attempts(
         self,
@@ -942,6 +966,20 @@ class Relay:
                     )
                     if lost is not None:
                         raise lost from None
+                if (
+                    not relayed
+                    and retry is None  # no decode engine attached the session before
+                    and cause.code() == grpc.StatusCode.NOT_FOUND
+                    and stage.session_ended is not None
+                    and not await self.adapter_left(request_id, plan.lora_name, engine)
+                    and await stage.session_ended()
+                ):
+                    log.info("request %s: engine %s refused its KV session, which %s ended; "
+                             "the request ends at the handoff", request_id, engine,
+                             self.handed_over.get(request_id))  # fmt: skip
+                    self.aborted_unrouted.add(request_id)
+                    await self._end_aborted(stage, context)
+                    return
                 if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
                     cause = gateway_failure(
                         grpc.StatusCode.UNAVAILABLE,

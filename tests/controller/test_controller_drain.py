@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from controller import gateway
 from kvplane.cli_common import RpcCallError
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
@@ -253,16 +254,20 @@ async def test_a_drain_that_keeps_accepting_refuses_nothing(fleet: Fleet) -> Non
 
 
 async def test_an_aborting_drain_completes_past_clients_that_stop_reading(
-    fleet: Fleet,
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A client that stops reading its stream (its flow-control window full, never
     cancelling) keeps the gateway's relay of it open as long as it likes, although its
     engine ended the request when the drain aborted it: past its aborting deadline the drain
-    completes, as an engine's does, instead of failing with "requests still in flight"
-    (OpenEngine Generate and vllm.Generate alike). The engines are idle then; the gateway's
-    accounting of those requests ends when their clients leave."""
+    completes once the engines said so, as an engine's does, instead of failing with
+    "requests still in flight" (OpenEngine Generate and vllm.Generate alike), or waiting out
+    its grace for requests that could end (here far longer than the test's bound: it used
+    to wait all of it). The engines are idle then; the gateway's accounting of those
+    requests ends when their clients leave."""
     from vllm_grpc import vllm_grpc_pb2 as vpb
     from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    monkeypatch.setattr(gateway, "DRAIN_ABORT_GRACE_S", 3600.0)
 
     # Engines that never sleep: both requests are computed at once, and their clients stop
     # the gateway's relay of them with their windows full.
@@ -287,7 +292,8 @@ async def test_an_aborting_drain_completes_past_clients_that_stop_reading(
         drain = pb.DrainRequest(
             stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
         )
-        # A bound, not a measurement: such a drain used to fail after its 5 s of grace.
+        # A bound, not a measurement: such a drain used to fail after its 5 s of grace, then
+        # to wait all of it.
         async with asyncio.timeout(30):
             events = [e async for e in fleet.gateway.Drain(drain)]
         assert [e.WhichOneof("event") for e in events].count("error") == 0

@@ -5,12 +5,18 @@ prefix as cached, and no session stays open on the prefill engine."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import grpc
 import pytest
 
-from engine.config import LoraConfig
+from controller import gateway
+from engine.config import KvTransferConfig, LoraConfig
+from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -130,59 +136,148 @@ async def test_a_lora_adapter_no_decode_engine_holds_is_refused_before_the_prefi
         await close_fleet(fleet)
 
 
+class StalledAtTheHandoff(NamedTuple):
+    """A disaggregated request whose client stopped reading before the gateway read its
+    prefill engine's handoff: a real controller, a real prefill and decode engine (sim)."""
+
+    fleet: Fleet
+    prefill: EngineApp
+    decode: EngineApp
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse]
+
+    async def open_sessions(self) -> int:
+        """The KV sessions the prefill engine holds (GetLoad)."""
+        async with grpc.aio.insecure_channel(self.fleet.address(self.prefill)) as direct:
+            load = await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest())
+        return load.active_kv_sessions
+
+    async def assert_nothing_left(self) -> None:
+        """No KV session, no request on either engine, nothing in the gateway's accounts."""
+
+        async def released() -> bool:
+            return await self.open_sessions() == 0
+
+        await eventually(released)
+        for engine in (self.prefill, self.decode):
+            async with grpc.aio.insecure_channel(self.fleet.address(engine)) as direct:
+                load = await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest())
+            assert (load.running_requests, load.used_kv_blocks) == (0, 0)
+        relay = self.fleet.app.gateway.relay
+        assert (relay.running, relay.holding, relay.handed_over) == (set(), {}, {})
+        assert (relay.prefilling, relay.aborted_unrouted) == (set(), set())
+        assert len(self.fleet.app.controller.router.inflight) == 0
+
+
+@contextlib.asynccontextmanager
+async def stalled_at_the_handoff(**prefill_config: Any) -> AsyncIterator[StalledAtTheHandoff]:
+    """A client that stops reading (its flow-control window full, never cancelling) holds
+    the gateway before its prompt output (prompt logprobs, more than its window) is through,
+    and so before the gateway reads the prefill engine's PrefillReady: the prefill engine's
+    part is over, its KV session open. `prefill_config`: more of its EngineConfig."""
+    prefill = await start_sim_engine(
+        "p0", role="prefill", num_kv_blocks=1100, max_model_len=4096, **prefill_config
+    )
+    decode = await start_sim_engine("d0", role="decode", num_kv_blocks=1100, max_model_len=4096)
+    fleet = await make_fleet(engines=[prefill, decode])
+    try:
+        async with grpc.aio.insecure_channel(
+            fleet.target,
+            options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
+        ) as slow_reader:
+            request = generate_request("r", list(range(1000, 3000)), max_tokens=50)
+            request.response.return_prompt_logprobs = True  # more than the client's window
+            call = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
+            stalled = StalledAtTheHandoff(fleet, prefill, decode, call)
+
+            async def handed_over() -> bool:
+                return await stalled.open_sessions() == 1
+
+            await eventually(handed_over)
+            assert "r" not in fleet.app.gateway.relay.handed_over  # not read by the gateway
+            yield stalled
+    finally:
+        await close_fleet(fleet)
+
+
 @pytest.mark.parametrize("target", ["request_id", "all_requests"])
 async def test_an_abort_after_an_unread_handoff_ends_the_request_without_a_decode(
     target: str,
 ) -> None:
-    """A client that stops reading (its flow-control window full, never cancelling) holds
-    the gateway before its prompt output is through, and so before it reads the prefill
-    engine's handoff: the prefill engine's part is over (an Abort of the request there is
+    """The prefill engine's part is over (an Abort of the request there is
     ALREADY_FINISHED), the gateway's is not. An Abort through the gateway ends the request
     there, as at any handoff: the client then gets its output finished CANCELLED, no decode
     engine is called, and the prefill engine's KV session is released. It used to answer
     ALREADY_FINISHED and let the decode hop generate everything once the client read on."""
-    prefill = await start_sim_engine("p0", role="prefill", num_kv_blocks=1100, max_model_len=4096)
-    decode = await start_sim_engine("d0", role="decode", num_kv_blocks=1100, max_model_len=4096)
-    fleet = await make_fleet(engines=[prefill, decode])
-    relay = fleet.app.gateway.relay
-    try:
-        async with (
-            grpc.aio.insecure_channel(
-                fleet.target,
-                options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
-            ) as slow_reader,
-            grpc.aio.insecure_channel(fleet.address(prefill)) as direct,
-        ):
-            request = generate_request("r", list(range(1000, 3000)), max_tokens=50)
-            request.response.return_prompt_logprobs = True  # more than the client's window
-            call = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
+    async with stalled_at_the_handoff() as stalled:
+        if target == "request_id":
+            reply = await stalled.fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+            assert (reply.status, reply.message) == (
+                pb.ABORT_STATUS_ABORTED,
+                "aborted at the handoff to a decode engine",
+            )
+        else:
+            everything = pb.AbortRequest(all_requests=pb.AllRequests())
+            reply = await stalled.fleet.gateway.Abort(everything)
+            assert reply.status == pb.ABORT_STATUS_ABORTED
+        responses = [r async for r in stalled.call]
+        assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        await stalled.assert_nothing_left()
+        assert "r" not in stalled.decode.service._finished  # no decode engine was called
 
-            async def handed_over() -> bool:
-                load = await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest())
-                return load.active_kv_sessions == 1
 
-            await eventually(handed_over)
-            assert "r" not in relay.handed_over  # the gateway has not read the handoff
-            if target == "request_id":
-                reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
-                assert (reply.status, reply.message) == (
-                    pb.ABORT_STATUS_ABORTED,
-                    "aborted at the handoff to a decode engine",
-                )
-            else:
-                everything = pb.AbortRequest(all_requests=pb.AllRequests())
-                reply = await fleet.gateway.Abort(everything)
-                assert reply.status == pb.ABORT_STATUS_ABORTED
-            responses = [r async for r in call]
-            assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
-            assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+@pytest.mark.parametrize("ended_by", ["drain", "ttl"])
+async def test_a_session_its_prefill_engine_ended_before_an_unread_handoff_ends_the_request(
+    ended_by: str,
+) -> None:
+    """The prefill engine ends the KV session while the gateway has not read the handoff:
+    `admin drain` of that engine aborting past its deadline, or the session's TTL. Once
+    the client reads on, the decode engine refuses the session (NOT_FOUND) and the prefill
+    engine, asked to release it, says it ended it already (ALREADY_FINISHED): the request
+    ended there, and the client gets its outputs finished CANCELLED with the prefill's
+    usage, as from an engine whose drain aborted the request. It used to get a retryable
+    INTERNAL error ("refused the KV session: NOT_FOUND") for a request no engine would run."""
+    ttl = {"kv_transfer": KvTransferConfig(session_ttl_s=2.0)} if ended_by == "ttl" else {}
+    async with stalled_at_the_handoff(**ttl) as stalled:
+        fleet = stalled.fleet
+        if ended_by == "drain":
+            drain = apb.DrainEngineRequest(engine="p0", deadline_ms=0, abort_after_deadline=True)
+            events = [e async for e in fleet.admin.DrainEngine(drain)]
+            assert events[-1].state == pb.DRAIN_STATE_COMPLETE
 
-            async def released() -> bool:
-                load = await pb_grpc.OpenEngineStub(direct).GetLoad(pb.GetLoadRequest())
-                return load.active_kv_sessions == 0
+        async def session_ended() -> bool:
+            return await stalled.open_sessions() == 0
 
-            await eventually(released)
-        assert "r" not in decode.service._finished  # no decode engine was called
-        assert len(fleet.app.controller.router.inflight) == 0
-    finally:
-        await close_fleet(fleet)
+        await eventually(session_ended)
+        responses = [r async for r in stalled.call]
+        assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        assert responses[-1].usage.prompt_tokens == 2000
+        await stalled.assert_nothing_left()
+        requests = fleet.app.controller.metrics.requests
+        assert requests.labels("aborted")._value.get() == 1
+        assert requests.labels("engine_error")._value.get() == 0
+
+
+async def test_an_aborting_gateway_drain_completes_past_an_unread_handoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gateway's own Drain (deadline 0, aborting) asks the prefill engine to abort the
+    request, which answers ALREADY_FINISHED (its part is over): the gateway ends the request
+    at the handoff, and the drain completes at once, its engines idle, without waiting out
+    its grace for the client (here far longer than the test's bound: it used to wait all of
+    it). The client gets its output finished CANCELLED once it reads on."""
+    monkeypatch.setattr(gateway, "DRAIN_ABORT_GRACE_S", 3600.0)
+    async with stalled_at_the_handoff() as stalled:
+        drain = pb.DrainRequest(
+            stop_accepting_new_requests=True, deadline_ms=0, abort_after_deadline=True
+        )
+        async with asyncio.timeout(30):  # a bound, not a measurement
+            events = [e async for e in stalled.fleet.gateway.Drain(drain)]
+        assert [e.WhichOneof("event") for e in events].count("error") == 0
+        assert (events[-1].state, events[-1].in_flight_requests) == (pb.DRAIN_STATE_COMPLETE, 0)
+        assert "r" in stalled.fleet.app.gateway.relay.running  # its client still holds it
+        responses = [r async for r in stalled.call]
+        assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        await stalled.assert_nothing_left()
