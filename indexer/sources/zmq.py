@@ -29,8 +29,12 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   so the replayed batch at the last applied seq must be byte for byte the one applied: vLLM and
   SGLang replay the very bytes they published, and every batch carries its own timestamp. If it
   differs or is no longer buffered (or there is no replay), or the replay does not cover the
-  gap contiguously, the worker is cleared and rebuilt from whatever the replay buffer holds;
+  gap contiguously, the worker is cleared and rebuilt from what the replay buffer holds up to
+  the message;
   otherwise the replayed batches heal the gap;
+- a replay's replies count only as an unbroken run of seqs ending at the newest: a replay
+  ROUTER drops replies past its high-water mark and still sends the end marker, so a hole is
+  asked for again, and what stays unfilled drops everything before it (`_replay`);
 - seq < expected: a live copy of a batch the last replay applied (same seq, same bytes) is
   dropped as a duplicate; anything else is an engine restart (seq reset), so the worker is
   cleared and rebuilt as on a first message;
@@ -120,6 +124,8 @@ _STARTING = "starting"
 _RECONNECTED = "the publisher is back"
 # connect / bind errors that no retry can cure: the endpoint itself is malformed.
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
+# Replay requests at most per replay: the first, then one per hole left (see `_replay`).
+MAX_REPLAY_ROUNDS = 8
 
 
 class BatchSink(Protocol):
@@ -644,12 +650,13 @@ class ZmqSource:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         await self._reset_worker(trigger.seq)
         if trigger.seq > 0:
-            # Whatever the buffer holds before the trigger, contiguous or not: after the
-            # clear, a partial rebuild only misses blocks, it never keeps stale ones.
-            for reply in await self._replay(0) or ():
-                if reply.seq >= trigger.seq:
-                    break
-                await self._apply(reply)
+            # What the buffer holds before the trigger, when it runs up to the trigger (the
+            # replay's seqs are consecutive): after the clear, a rebuild that starts late only
+            # misses blocks; one that skipped a batch would keep what that batch removed.
+            replies = [r for r in await self._replay(0) or () if r.seq < trigger.seq]
+            if replies and replies[-1].seq + 1 == trigger.seq:
+                for reply in replies:
+                    await self._apply(reply)
         await self._apply(trigger)
         if reason is not None and self.on_sequence_break is not None:
             self.on_sequence_break()
@@ -689,37 +696,42 @@ class ZmqSource:
             self.counters.num_duplicates += 1
 
     async def _replay(self, start_seq: int) -> list[ZmqMessage] | None:
-        """Every buffered message with seq >= start_seq (legacy protocol), or None when no
-        replay endpoint is configured or the replay failed."""
+        """The buffered messages from `start_seq` on, as one run of consecutive seqs that ends
+        at the newest (legacy protocol), or None when no replay endpoint is configured or the
+        replay failed.
+
+        A replay can come back with holes: vLLM's and SGLang's replay ROUTER sends its whole
+        buffer in one tight loop, and a ROUTER silently drops what its high-water mark (1000
+        messages, theirs is left at the default) cannot take while its I/O thread catches
+        up; the end marker, sent last, often gets through after such a drop. Applied as it
+        came, a replay with a hole would lose what the missing batches removed: blocks the
+        engine evicted would stay indexed. So each hole is asked for again (a replay from its
+        first missing seq, `MAX_REPLAY_ROUNDS` at most, while each round fills some), and
+        what stays unfilled drops every message before the last hole: those blocks are
+        missing until stored again, never stale, as with a buffer trimmed at its start."""
         if not self.settings.replay_endpoint:
             return None
-        self.counters.num_replays += 1
         # (No heartbeats here: `replay_timeout_s` bounds every wait of a replay, a silent
         # publisher's included.)
         dealer = self._context.socket(zmq.DEALER)
-        replies: list[ZmqMessage] = []
+        received: dict[int, ZmqMessage] = {}
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            # As deep as the SUB's queue: a replay's replies are read one at a time, and what
+            # the DEALER cannot queue backs up into the ROUTER, which drops it.
+            dealer.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
             set_ip_version(dealer, self.settings.replay_endpoint)
             dealer.connect(self.settings.replay_endpoint)
-            # A DEALER with no connected peer blocks on send: bound that wait too. (Not
-            # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
-            # reply does, and the cancelled source would then follow on forever.)
-            async with asyncio.timeout(self.settings.replay_timeout_s):
-                await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
-            while True:
-                async with asyncio.timeout(self.settings.replay_timeout_s):
-                    frames = await dealer.recv_multipart()
-                try:
-                    reply = decode_replay_reply(frames)
-                except KvEventDecodeError as exc:
-                    self.counters.num_bad_messages += 1
-                    log.warning("worker %s: bad replay reply: %s", self.worker_id, exc)
-                    continue
-                if reply is None:
+            request: int | None = start_seq
+            for _ in range(MAX_REPLAY_ROUNDS):
+                if request is None:
                     break
-                if _is_wanted_topic(reply.topic, self.settings.topic):
-                    replies.append(reply)
+                replies = await self._replay_round(dealer, request)
+                if request != start_seq and (not replies or replies[0].seq != request):
+                    break  # the hole is no longer buffered (trimmed meanwhile, or a restart)
+                for reply in replies:
+                    received.setdefault(reply.seq, reply)
+                request = _first_missing_seq(received)
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1
             self._replay_failures_in_a_row += 1
@@ -743,9 +755,61 @@ class ZmqSource:
                 self._replay_failures_in_a_row,
             )
             self._replay_failures_in_a_row = 0
+        replies = [received[seq] for seq in sorted(received)]
+        run = _consecutive_tail(replies)
+        if len(run) < len(replies):
+            self.counters.num_gaps += 1
+            log.warning(
+                "worker %s: the replay from seq %d lost seqs before %d (dropped at the "
+                "publisher's high-water mark, not replayed again); applying seq %d to %d only",
+                self.worker_id,
+                start_seq,
+                run[0].seq,
+                run[0].seq,
+                run[-1].seq,
+            )
+        return run
+
+    async def _replay_round(self, dealer: zmq.asyncio.Socket, start_seq: int) -> list[ZmqMessage]:
+        """One replay request on `dealer`: the replies up to the end marker, in seq order."""
+        self.counters.num_replays += 1
+        replies: list[ZmqMessage] = []
+        # A DEALER with no connected peer blocks on send: bound that wait too. (Not
+        # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
+        # reply does, and the cancelled source would then follow on forever.)
+        async with asyncio.timeout(self.settings.replay_timeout_s):
+            await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
+        while True:
+            async with asyncio.timeout(self.settings.replay_timeout_s):
+                frames = await dealer.recv_multipart()
+            try:
+                reply = decode_replay_reply(frames)
+            except KvEventDecodeError as exc:
+                self.counters.num_bad_messages += 1
+                log.warning("worker %s: bad replay reply: %s", self.worker_id, exc)
+                continue
+            if reply is None:
+                break
+            if _is_wanted_topic(reply.topic, self.settings.topic):
+                replies.append(reply)
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies
+
+
+def _first_missing_seq(received: dict[int, ZmqMessage]) -> int | None:
+    """The first seq missing between the lowest and the highest received (a hole), if any."""
+    if not received or len(received) == max(received) - min(received) + 1:
+        return None
+    return next(seq for seq in itertools.count(min(received)) if seq not in received)
+
+
+def _consecutive_tail(replies: list[ZmqMessage]) -> list[ZmqMessage]:
+    """The longest run of consecutive seqs that ends at the last of `replies` (seq order)."""
+    start = len(replies) - 1
+    while start > 0 and replies[start - 1].seq + 1 == replies[start].seq:
+        start -= 1
+    return replies[max(start, 0) :]
 
 
 async def _connection_events(monitor: zmq.asyncio.Socket) -> list[tuple[int, int]]:
