@@ -234,6 +234,7 @@ def _stored(f: Mapping[Any, Any]) -> BlockStored:
         block_size=block_size,
         medium=_medium(f.get("medium")),
         lora_name=_opt_str(f.get("lora_name"), "lora_name"),
+        lora_id=_opt_int(f.get("lora_id"), "lora_id", minimum=_I64_MIN),
         extra_keys=_extra_keys(f.get("extra_keys")),
         cache_salt=_opt_str(f.get("cache_salt"), "cache_salt"),
         group_idx=_opt_int(f.get("group_idx"), "group_idx", minimum=0) or 0,

@@ -53,6 +53,7 @@ def test_sglang_vector_1_positional_events() -> None:
         parent_block_hash=42,
         token_ids=(10, 20, 30, 40),
         block_size=4,
+        lora_id=7,
         medium="GPU",
     )
     assert removed == BlockRemoved(block_hashes=(100, 200), medium="DISK")

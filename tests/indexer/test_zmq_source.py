@@ -17,10 +17,11 @@ import zmq.asyncio
 
 from indexer.batch import Batch
 from indexer.index import PrefixIndex
+from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
-from indexer.translate import TranslateOptions, WorkerTranslator
+from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import ServerConfig
@@ -367,6 +368,38 @@ async def test_a_source_with_a_topic_receives_two_frame_messages_too(
         await publisher.close()
     assert _keys(index) == {1, 2, 3}
     assert (source.counters.num_gaps, source.counters.num_resets) == (0, 1)  # the first's
+
+
+async def test_a_lora_block_named_by_lora_id_only_is_not_indexed_as_the_base_models(
+    context: zmq.asyncio.Context,
+) -> None:
+    """Older vLLM names a LoRA adapter's blocks by `lora_id` alone (positional events, no
+    `lora_name`). Canonical keys must carry the adapter's name: keyed from the tokens alone,
+    the LoRA's block would answer a base-model prompt that the engine cannot serve from it.
+    It is skipped and counted; its base-model sibling is indexed."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    translator = WorkerTranslator(
+        TranslateOptions("w0", "10.0.0.1:8000", hash_mode=HashMode.CANONICAL)
+    )
+    settings = ZmqSourceSettings(endpoint=publisher.endpoint, topic="kv@", rebuild_at_start=False)
+    source = ZmqSource(settings, translator, MemoryBackend(index), context=context)
+    lora_tokens, base_tokens = [1, 2, 3, 4], [5, 6, 7, 8]
+    # vLLM <= 0.10: ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]
+    events = [
+        ["BlockStored", [101], None, lora_tokens, 4, 7, "GPU"],
+        ["BlockStored", [202], None, base_tokens, 4, None, "GPU"],
+    ]
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_message(0, *events))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == set(block_keys(base_tokens, 4))
+    assert translator.counters.num_unresolved == 1
+    assert source.counters.num_bad_events == 0
 
 
 async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(
