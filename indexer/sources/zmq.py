@@ -723,11 +723,11 @@ class ZmqSource:
             set_ip_version(dealer, self.settings.replay_endpoint)
             dealer.connect(self.settings.replay_endpoint)
             request: int | None = start_seq
-            for _ in range(MAX_REPLAY_ROUNDS):
+            for round_number in range(MAX_REPLAY_ROUNDS):
                 if request is None:
                     break
                 replies = await self._replay_round(dealer, request)
-                if request != start_seq and (not replies or replies[0].seq != request):
+                if round_number and (not replies or replies[0].seq != request):
                     break  # the hole is no longer buffered (trimmed meanwhile, or a restart)
                 for reply in replies:
                     received.setdefault(reply.seq, reply)
@@ -760,8 +760,9 @@ class ZmqSource:
         if len(run) < len(replies):
             self.counters.num_gaps += 1
             log.warning(
-                "worker %s: the replay from seq %d lost seqs before %d (dropped at the "
-                "publisher's high-water mark, not replayed again); applying seq %d to %d only",
+                "worker %s: the replay from seq %d has a hole before seq %d that asking again "
+                "did not fill (a replay ROUTER drops replies past its high-water mark); "
+                "applying seq %d to %d only",
                 self.worker_id,
                 start_seq,
                 run[0].seq,
