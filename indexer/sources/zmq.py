@@ -775,6 +775,7 @@ class ZmqSource:
         """One replay request on `dealer`: the replies up to the end marker, in seq order."""
         self.counters.num_replays += 1
         replies: list[ZmqMessage] = []
+        foreign_topic: str | None = None  # a reply's under another topic than the source's
         # A DEALER with no connected peer blocks on send: bound that wait too. (Not
         # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
         # reply does, and the cancelled source would then follow on forever.)
@@ -793,6 +794,19 @@ class ZmqSource:
                 break
             if _is_wanted_topic(reply.topic, self.settings.topic):
                 replies.append(reply)
+            else:
+                foreign_topic = reply.topic
+        if foreign_topic is not None and not replies:
+            # The SUB filters at the publisher, so a `topic` the publisher never sends shows
+            # nowhere else: the worker stays empty, its link up, no message counted.
+            log.warning(
+                "worker %s: the replay from %s holds batches under topic %r only, none under "
+                "this source's %r: is `topic` right? (its live messages are filtered out too)",
+                self.worker_id,
+                self.settings.replay_endpoint,
+                foreign_topic,
+                self.settings.topic,
+            )
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies

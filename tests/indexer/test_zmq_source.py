@@ -402,6 +402,37 @@ async def test_a_lora_block_named_by_lora_id_only_is_not_indexed_as_the_base_mod
     assert source.counters.num_bad_events == 0
 
 
+async def test_a_topic_the_publisher_never_sends_is_told_by_the_replay(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SUB's topic filter runs at the publisher, so a mistyped `topic` brings nothing
+    live and nothing counted: the replay, which answers whatever the topic, says it."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    await publisher.publish(
+        [b"kv@gpu-0@Llama-3", _seq(0), msgpack.packb([0.0, [_stored(1)], 0])], live=False
+    )
+    source = _source(
+        publisher.endpoint,
+        context,
+        MemoryBackend(index),
+        replay=publisher.replay_endpoint,
+        topic="kv@gpu-0@llama",
+        rebuild_at_start=True,
+    )
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.counters.num_replays >= 1, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == set()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "under topic 'kv@gpu-0@Llama-3' only" in m and "'kv@gpu-0@llama'" in m for m in warned
+    ), warned
+
+
 async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(
     context: zmq.asyncio.Context,
 ) -> None:
