@@ -74,6 +74,11 @@ with a topic receives both (see `TWO_FRAME_SUBSCRIPTION`). TCP endpoints on an I
 reports its handshakes and disconnections (a publisher nothing answers at never connects): a
 SUB reconnects by itself, so `stream_lost` never says it.
 
+A replayed batch of another data-parallel rank than the live stream's (a replay endpoint left
+at another rank's port) is counted as bad and dropped; a live batch's rank that differs from
+the rank of the batches the worker holds (filled by such a replay at start) makes its gap
+check clear and rebuild (`_is_other_ranks`, `_learn_rank`).
+
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
 A message whose content the translator or the index refuses (validation) counts as bad too:
 its refused batch is dropped (a missing block, never a stale one) and the stream goes on.
@@ -259,6 +264,13 @@ class ZmqSource:
         if settings.replay_endpoint and settings.rebuild_at_start:
             self._resync_wanted.set()
         self.last_seq: int | None = None
+        # The data-parallel rank the live stream's batches carry (None until one says), and
+        # whether replayed batches of another rank were warned about (`_is_other_ranks`).
+        self._live_rank: int | None = None
+        self._warned_other_rank = False
+        # The rank of the batches the worker holds (None when none said): a start's replay
+        # runs before any live batch tells the stream's rank.
+        self._applied_rank: int | None = None
         # Whether the publisher is connected now, as the SUB's monitor says (`_OpenConnections`).
         self.link = Link(f"connecting to {settings.endpoint}")
         # Set once the SUB socket is connected (or bound): for callers that must not publish
@@ -521,7 +533,7 @@ class ZmqSource:
         if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
             return
         for reply in replies:
-            await self._apply(reply)
+            await self._apply(reply, replayed=True)
         if not replies:
             self._expected = floor
         else:
@@ -591,24 +603,66 @@ class ZmqSource:
             )
             await self._rebuild(message, reason="seq reset")
 
-    async def _apply(self, message: ZmqMessage) -> None:
-        """Decode, translate and apply one message (a malformed payload is counted)."""
+    async def _apply(self, message: ZmqMessage, *, replayed: bool = False) -> None:
+        """Decode, translate and apply one message (a malformed payload is counted, and so is
+        a replayed batch of another data-parallel rank than the live stream's)."""
         try:
             batch = decode_payload(message.payload, array_tail=self.settings.array_tail)
         except KvEventDecodeError as exc:
             self.counters.num_bad_messages += 1
             log.warning("worker %s: dropping seq %d: %s", self.worker_id, message.seq, exc)
         else:
-            self.counters.num_events += len(batch.events)
-            self.counters.num_bad_events += batch.num_bad_events
-            self.counters.num_unknown_events += batch.num_unknown_events
-            await self._index(batch, message.seq)
-            if self.on_batch_time is not None:
-                self.on_batch_time(batch.ts)
+            if self._is_other_ranks(batch, replayed=replayed):
+                self.counters.num_bad_messages += 1
+            else:
+                self.counters.num_events += len(batch.events)
+                self.counters.num_bad_events += batch.num_bad_events
+                self.counters.num_unknown_events += batch.num_unknown_events
+                await self._index(batch, message.seq)
+                if self.on_batch_time is not None:
+                    self.on_batch_time(batch.ts)
         # A malformed payload still consumes its seq: it is not a gap to heal.
         self._expected = message.seq + 1
         self.last_seq = message.seq
         self._last_payload = message.payload
+
+    def _learn_rank(self, message: ZmqMessage) -> None:
+        """Take the data-parallel rank a live message's batch carries as the stream's (before
+        a rebuild or a gap's replay: a replay endpoint left at another rank's port must not
+        fill the worker; see `_is_other_ranks`)."""
+        with contextlib.suppress(KvEventDecodeError):
+            batch = decode_payload(message.payload, array_tail=self.settings.array_tail)
+            if batch.data_parallel_rank is not None:
+                self._live_rank = batch.data_parallel_rank
+
+    def _is_other_ranks(self, batch: EventBatch, *, replayed: bool) -> bool:
+        """Whether a replayed batch is another data-parallel rank's than the live stream's (the
+        replay endpoint is another rank's: vLLM and SGLang offset both ports by the rank, and
+        a replay endpoint left at another rank's port would rebuild the worker from that
+        rank's blocks); a live batch tells the stream's rank."""
+        rank = batch.data_parallel_rank
+        if not replayed:
+            if rank is not None:
+                self._live_rank = self._applied_rank = rank
+            return False
+        if rank is None or self._live_rank is None or rank == self._live_rank:
+            self._warned_other_rank = False
+            if rank is not None:
+                self._applied_rank = rank
+            return False
+        if not self._warned_other_rank:  # once per run of them (a rebuild replays thousands)
+            self._warned_other_rank = True
+            log.warning(
+                "worker %s: dropping replayed batches of data-parallel rank %d: the live stream "
+                "from %s is rank %d's; is replay endpoint %s that rank's (its port offset by "
+                "the rank, as the endpoint's)?",
+                self.worker_id,
+                rank,
+                self.settings.endpoint,
+                self._live_rank,
+                self.settings.replay_endpoint,
+            )
+        return True
 
     async def _index(self, batch: EventBatch, seq: int) -> None:
         """Translate and apply one decoded message. What its content causes (a translation
@@ -639,6 +693,7 @@ class ZmqSource:
         message rebuilds, unless a replay applied after this sets it again)."""
         self._expected = None
         self._replayed = {}
+        self._applied_rank = None
         self.counters.num_resets += 1
         await self.sink.apply(self.translator.reset(seq=seq))
         self.counters.num_batches_applied += 1
@@ -648,6 +703,7 @@ class ZmqSource:
         A `reason` is a break in a stream followed until now (see `on_sequence_break`)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
+        self._learn_rank(trigger)  # before the replay, whose batches must be of that rank
         await self._reset_worker(trigger.seq)
         if trigger.seq > 0:
             # What the buffer holds before the trigger, when it runs up to the trigger (the
@@ -656,7 +712,7 @@ class ZmqSource:
             replies = [r for r in await self._replay(0) or () if r.seq < trigger.seq]
             if replies and replies[-1].seq + 1 == trigger.seq:
                 for reply in replies:
-                    await self._apply(reply)
+                    await self._apply(reply, replayed=True)
         await self._apply(trigger)
         if reason is not None and self.on_sequence_break is not None:
             self.on_sequence_break()
@@ -666,6 +722,14 @@ class ZmqSource:
         replay from the last applied seq, or clear and rebuild the worker when the replay shows
         another publisher process (see the module docstring) or cannot cover the gap."""
         last = expected - 1
+        self._learn_rank(trigger)
+        if self._applied_rank not in (None, self._live_rank):
+            await self._rebuild(
+                trigger,
+                reason=f"the worker holds data-parallel rank {self._applied_rank}'s batches "
+                f"(replayed), the live stream is rank {self._live_rank}'s",
+            )
+            return
         replies = await self._replay(last)
         if replies is None:
             await self._rebuild(trigger, reason="no replay to check the stream against")
@@ -687,7 +751,7 @@ class ZmqSource:
             await self._rebuild(trigger, reason="replay cannot cover the gap")
             return
         for reply in replies[1:]:
-            await self._apply(reply)
+            await self._apply(reply, replayed=True)
         # Live messages after the trigger that the replay already applied are duplicates.
         self._replayed = {r.seq: r.payload for r in replies if r.seq > trigger.seq}
         if trigger.seq >= (self._expected or 0):

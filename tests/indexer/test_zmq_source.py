@@ -433,6 +433,71 @@ async def test_a_topic_the_publisher_never_sends_is_told_by_the_replay(
     ), warned
 
 
+def _rank_message(seq: int, rank: int, *events: object) -> list[bytes]:
+    return [TOPIC, _seq(seq), msgpack.packb([float(seq), list(events), rank])]
+
+
+@contextlib.asynccontextmanager
+async def _rank1_with_rank0s_replay(
+    context: zmq.asyncio.Context, index: PrefixIndex, *, rebuild_at_start: bool
+) -> AsyncIterator[tuple[FakeKvPublisher, ZmqSource]]:
+    """Rank 1's publisher and a source running on its PUB with the replay endpoint of rank
+    0's publisher, whose replay buffer holds its seqs 0-3 (blocks 1-4)."""
+    rank0 = FakeKvPublisher(context)
+    rank0.start_replay()
+    for seq in range(4):
+        await rank0.publish(_rank_message(seq, 0, _stored(seq + 1)), live=False)
+    rank1 = FakeKvPublisher(context)
+    sink, replay = MemoryBackend(index), rank0.replay_endpoint
+    source = _source(
+        rank1.endpoint, context, sink, replay=replay, rebuild_at_start=rebuild_at_start
+    )
+    try:
+        async with running(source.run()):
+            yield rank1, source
+    finally:
+        await rank0.close()
+        await rank1.close()
+
+
+async def test_a_replay_endpoint_of_another_data_parallel_rank_never_fills_the_worker(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's rank r publishes on the endpoint's port + r and replays on the replay port + r:
+    a source on rank 1's PUB whose replay endpoint was left at rank 0's. The gap's replay
+    (rank 0's batches) is another stream: its batches are dropped and counted, not indexed as
+    rank 1's blocks; the worker holds what rank 1 published since."""
+    index = PrefixIndex()
+    async with _rank1_with_rank0s_replay(context, index, rebuild_at_start=False) as (rank1, source):
+        await rank1.wait_subscribed()
+        await rank1.publish(_rank_message(0, 1, _stored(11)))
+        await rank1.publish(_rank_message(1, 1, _stored(12)))
+        await rank1.publish(_rank_message(2, 1, _stored(13)), live=False)  # a gap
+        await rank1.publish(_rank_message(3, 1, _stored(14)))
+        await source.wait_until(lambda: source.last_seq == 3, WAIT_S)
+    # The gap's replay did not match rank 1's seq 1: cleared, and none of rank 0's blocks.
+    assert _keys(index) == {14}
+    assert source.counters.num_bad_messages == 3  # rank 0's seqs 0-2, before the trigger
+    assert any("data-parallel rank 0" in r.getMessage() for r in caplog.records)
+
+
+async def test_another_ranks_replay_at_start_is_cleared_by_the_first_live_batch(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The same misconfiguration, found at start: the rebuild from the replay runs before any
+    live batch says which rank the stream is, so rank 0's blocks fill the worker; the first
+    live batch (rank 1's, checked as a new connection's first) clears them, and the replay
+    brings none back."""
+    index = PrefixIndex()
+    async with _rank1_with_rank0s_replay(context, index, rebuild_at_start=True) as (rank1, source):
+        await source.wait_until(lambda: source.last_seq == 3, WAIT_S)
+        assert _keys(index) == {1, 2, 3, 4}  # rank 0's, not yet known to be another's
+        await rank1.wait_subscribed()
+        await rank1.publish(_rank_message(4, 1, _stored(15)))
+        await source.wait_until(lambda: source.last_seq == 4, WAIT_S)
+    assert _keys(index) == {15}
+
+
 async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(
     context: zmq.asyncio.Context,
 ) -> None:
