@@ -24,6 +24,10 @@ class BlockStored:
     # "GPU", "CPU", "CPU_PINNED", "DISK", "STORAGE", "EXTERNAL", ... upper-cased; None = unset.
     medium: str | None = None
     lora_name: str | None = None
+    # vLLM's deprecated adapter id, the only LoRA identity older vLLM sends (no lora_name):
+    # a block with it is a LoRA's, whose canonical key its tokens alone cannot give. (An int
+    # from vLLM; SGLang's adapter ids are strings, which its events may carry one day.)
+    lora_id: int | str | None = None
     # One entry per block (None or a tuple of hashable keys), or () when the engine sent none.
     extra_keys: tuple[tuple[object, ...] | None, ...] = ()
     # SGLang sends the salt as a field; vLLM puts it in extra_keys of the first block.

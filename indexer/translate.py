@@ -10,7 +10,8 @@ What it decides:
 - **Key space.** `engine`: the engine's hash in sfixed64 (`to_sfixed64`). `canonical`:
   kvplane's chained key of the block's tokens (`indexer.keys.block_keys`), with an engine-hash
   -> canonical-key map per worker that resolves removals and re-announcements without tokens.
-  An event that cannot be keyed (no tokens, unknown parent) is skipped and counted.
+  An event that cannot be keyed (no tokens, unknown parent, a LoRA's block with its `lora_id`
+  and no `lora_name`) is skipped and counted.
 - **Copies.** vLLM can hold the same hash in two physical blocks and then removes it twice, so
   copies are counted per (tier, KV cache group, engine hash): a block is reported when its
   first copy at a tier appears, in any group, and revoked when its last copy there goes.
@@ -111,14 +112,15 @@ class TranslateOptions:
 @dataclass(slots=True)
 class TranslateCounters:
     num_skipped_medium: int = 0  # medium mapped to no tier
-    num_unresolved: int = 0  # canonical mode: no tokens, unknown parent or unknown hash
+    # canonical mode: no tokens, unknown parent or unknown hash, a LoRA's block without its name
+    num_unresolved: int = 0
 
 
 # What each `TranslateCounters` field counts, as the HELP of the indexer's counter of it.
 TRANSLATE_COUNTER_HELP = {
     "num_skipped_medium": "KV events not indexed: their storage medium maps to no tier",
-    "num_unresolved": "KV events not indexed (canonical hashing): no tokens, or an unknown "
-    "parent or hash",
+    "num_unresolved": "KV events not indexed (canonical hashing): no tokens, an unknown "
+    "parent or hash, or a LoRA adapter's block without its name",
 }
 
 
@@ -259,6 +261,11 @@ class WorkerTranslator:
         if all(live is not None for live in known):
             return [live.key for live in known if live is not None]
         if not block_size or len(event.token_ids) != block_size * len(engine_keys):
+            return None
+        if event.lora_id is not None and not event.lora_name:
+            # A LoRA's block named by id only (vLLM before lora_name): its key must carry the
+            # adapter's name, and keyed from its tokens alone it would pass for the base
+            # model's block.
             return None
         parent: BlockKey | None = None
         if event.parent_block_hash is not None:

@@ -234,6 +234,7 @@ def _stored(f: Mapping[Any, Any]) -> BlockStored:
         block_size=block_size,
         medium=_medium(f.get("medium")),
         lora_name=_opt_str(f.get("lora_name"), "lora_name"),
+        lora_id=_lora_id(f.get("lora_id")),
         extra_keys=_extra_keys(f.get("extra_keys")),
         cache_salt=_opt_str(f.get("cache_salt"), "cache_salt"),
         group_idx=_opt_int(f.get("group_idx"), "group_idx", minimum=0) or 0,
@@ -309,6 +310,16 @@ def _medium(value: object) -> str | None:
     if not isinstance(value, str):
         raise TypeError(f"medium must be a string or nil, got {type(value).__name__}")
     return value.upper()
+
+
+def _lora_id(value: object) -> int | str | None:
+    """vLLM's int adapter id, or a string one (SGLang names its adapters by string ids);
+    "" is none."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str) or type(value) is int:
+        return value
+    raise TypeError(f"lora_id must be an int, a string or nil, got {type(value).__name__}")
 
 
 def _opt_str(value: object, name: str) -> str | None:

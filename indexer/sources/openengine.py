@@ -131,6 +131,7 @@ def decode_event(event: pb.KvEvent) -> EngineEvent | None:
             block_size=s.block_size or None,
             medium=_medium(s.medium),
             lora_name=s.lora_name or None,
+            lora_id=s.lora_id or None,
             extra_keys=tuple(tuple(k.values) or None for k in s.extra_keys),
             group_idx=s.group_idx,
             kv_cache_spec_kind=s.kv_cache_spec_kind or None,

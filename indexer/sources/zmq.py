@@ -29,8 +29,12 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   so the replayed batch at the last applied seq must be byte for byte the one applied: vLLM and
   SGLang replay the very bytes they published, and every batch carries its own timestamp. If it
   differs or is no longer buffered (or there is no replay), or the replay does not cover the
-  gap contiguously, the worker is cleared and rebuilt from whatever the replay buffer holds;
+  gap contiguously, the worker is cleared and rebuilt from what the replay buffer holds up to
+  the message;
   otherwise the replayed batches heal the gap;
+- a replay's replies count only as an unbroken run of seqs ending at the newest: a replay
+  ROUTER drops replies past its high-water mark and still sends the end marker, so a hole is
+  asked for again, and what stays unfilled drops everything before it (`_replay`);
 - seq < expected: a live copy of a batch the last replay applied (same seq, same bytes) is
   dropped as a duplicate; anything else is an engine restart (seq reset), so the worker is
   cleared and rebuilt as on a first message;
@@ -69,6 +73,11 @@ with a topic receives both (see `TWO_FRAME_SUBSCRIPTION`). TCP endpoints on an I
 `link` (`indexer.sources.link`) says whether the publisher is connected now, as the monitor
 reports its handshakes and disconnections (a publisher nothing answers at never connects): a
 SUB reconnects by itself, so `stream_lost` never says it.
+
+A replayed batch of another data-parallel rank than the live stream's (a replay endpoint left
+at another rank's port) is counted as bad and dropped; a live batch's rank that differs from
+the rank of the batches the worker holds (filled by such a replay at start) makes its gap
+check clear and rebuild (`_is_other_ranks`, `_learn_rank`).
 
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
 A message whose content the translator or the index refuses (validation) counts as bad too:
@@ -120,6 +129,8 @@ _STARTING = "starting"
 _RECONNECTED = "the publisher is back"
 # connect / bind errors that no retry can cure: the endpoint itself is malformed.
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
+# Replay requests at most per replay: the first, then one per hole left (see `_replay`).
+MAX_REPLAY_ROUNDS = 8
 
 
 class BatchSink(Protocol):
@@ -253,6 +264,13 @@ class ZmqSource:
         if settings.replay_endpoint and settings.rebuild_at_start:
             self._resync_wanted.set()
         self.last_seq: int | None = None
+        # The data-parallel rank the live stream's batches carry (None until one says), and
+        # whether replayed batches of another rank were warned about (`_is_other_ranks`).
+        self._live_rank: int | None = None
+        self._warned_other_rank = False
+        # The rank of the batches the worker holds (None when none said): a start's replay
+        # runs before any live batch tells the stream's rank.
+        self._applied_rank: int | None = None
         # Whether the publisher is connected now, as the SUB's monitor says (`_OpenConnections`).
         self.link = Link(f"connecting to {settings.endpoint}")
         # Set once the SUB socket is connected (or bound): for callers that must not publish
@@ -515,7 +533,7 @@ class ZmqSource:
         if replies is None:  # no replay (or it failed): the next message rebuilds, retrying it
             return
         for reply in replies:
-            await self._apply(reply)
+            await self._apply(reply, replayed=True)
         if not replies:
             self._expected = floor
         else:
@@ -585,24 +603,66 @@ class ZmqSource:
             )
             await self._rebuild(message, reason="seq reset")
 
-    async def _apply(self, message: ZmqMessage) -> None:
-        """Decode, translate and apply one message (a malformed payload is counted)."""
+    async def _apply(self, message: ZmqMessage, *, replayed: bool = False) -> None:
+        """Decode, translate and apply one message (a malformed payload is counted, and so is
+        a replayed batch of another data-parallel rank than the live stream's)."""
         try:
             batch = decode_payload(message.payload, array_tail=self.settings.array_tail)
         except KvEventDecodeError as exc:
             self.counters.num_bad_messages += 1
             log.warning("worker %s: dropping seq %d: %s", self.worker_id, message.seq, exc)
         else:
-            self.counters.num_events += len(batch.events)
-            self.counters.num_bad_events += batch.num_bad_events
-            self.counters.num_unknown_events += batch.num_unknown_events
-            await self._index(batch, message.seq)
-            if self.on_batch_time is not None:
-                self.on_batch_time(batch.ts)
+            if self._is_other_ranks(batch, replayed=replayed):
+                self.counters.num_bad_messages += 1
+            else:
+                self.counters.num_events += len(batch.events)
+                self.counters.num_bad_events += batch.num_bad_events
+                self.counters.num_unknown_events += batch.num_unknown_events
+                await self._index(batch, message.seq)
+                if self.on_batch_time is not None:
+                    self.on_batch_time(batch.ts)
         # A malformed payload still consumes its seq: it is not a gap to heal.
         self._expected = message.seq + 1
         self.last_seq = message.seq
         self._last_payload = message.payload
+
+    def _learn_rank(self, message: ZmqMessage) -> None:
+        """Take the data-parallel rank a live message's batch carries as the stream's (before
+        a rebuild or a gap's replay: a replay endpoint left at another rank's port must not
+        fill the worker; see `_is_other_ranks`)."""
+        with contextlib.suppress(KvEventDecodeError):
+            batch = decode_payload(message.payload, array_tail=self.settings.array_tail)
+            if batch.data_parallel_rank is not None:
+                self._live_rank = batch.data_parallel_rank
+
+    def _is_other_ranks(self, batch: EventBatch, *, replayed: bool) -> bool:
+        """Whether a replayed batch is another data-parallel rank's than the live stream's (the
+        replay endpoint is another rank's: vLLM and SGLang offset both ports by the rank, and
+        a replay endpoint left at another rank's port would rebuild the worker from that
+        rank's blocks); a live batch tells the stream's rank."""
+        rank = batch.data_parallel_rank
+        if not replayed:
+            if rank is not None:
+                self._live_rank = self._applied_rank = rank
+            return False
+        if rank is None or self._live_rank is None or rank == self._live_rank:
+            self._warned_other_rank = False
+            if rank is not None:
+                self._applied_rank = rank
+            return False
+        if not self._warned_other_rank:  # once per run of them (a rebuild replays thousands)
+            self._warned_other_rank = True
+            log.warning(
+                "worker %s: dropping replayed batches of data-parallel rank %d: the live stream "
+                "from %s is rank %d's; is replay endpoint %s that rank's (its port offset by "
+                "the rank, as the endpoint's)?",
+                self.worker_id,
+                rank,
+                self.settings.endpoint,
+                self._live_rank,
+                self.settings.replay_endpoint,
+            )
+        return True
 
     async def _index(self, batch: EventBatch, seq: int) -> None:
         """Translate and apply one decoded message. What its content causes (a translation
@@ -633,6 +693,7 @@ class ZmqSource:
         message rebuilds, unless a replay applied after this sets it again)."""
         self._expected = None
         self._replayed = {}
+        self._applied_rank = None
         self.counters.num_resets += 1
         await self.sink.apply(self.translator.reset(seq=seq))
         self.counters.num_batches_applied += 1
@@ -642,14 +703,16 @@ class ZmqSource:
         A `reason` is a break in a stream followed until now (see `on_sequence_break`)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
+        self._learn_rank(trigger)  # before the replay, whose batches must be of that rank
         await self._reset_worker(trigger.seq)
         if trigger.seq > 0:
-            # Whatever the buffer holds before the trigger, contiguous or not: after the
-            # clear, a partial rebuild only misses blocks, it never keeps stale ones.
-            for reply in await self._replay(0) or ():
-                if reply.seq >= trigger.seq:
-                    break
-                await self._apply(reply)
+            # What the buffer holds before the trigger, when it runs up to the trigger (the
+            # replay's seqs are consecutive): after the clear, a rebuild that starts late only
+            # misses blocks; one that skipped a batch would keep what that batch removed.
+            replies = [r for r in await self._replay(0) or () if r.seq < trigger.seq]
+            if replies and replies[-1].seq + 1 == trigger.seq:
+                for reply in replies:
+                    await self._apply(reply, replayed=True)
         await self._apply(trigger)
         if reason is not None and self.on_sequence_break is not None:
             self.on_sequence_break()
@@ -659,6 +722,14 @@ class ZmqSource:
         replay from the last applied seq, or clear and rebuild the worker when the replay shows
         another publisher process (see the module docstring) or cannot cover the gap."""
         last = expected - 1
+        self._learn_rank(trigger)
+        if self._applied_rank not in (None, self._live_rank):
+            await self._rebuild(
+                trigger,
+                reason=f"the worker holds data-parallel rank {self._applied_rank}'s batches "
+                f"(replayed), the live stream is rank {self._live_rank}'s",
+            )
+            return
         replies = await self._replay(last)
         if replies is None:
             await self._rebuild(trigger, reason="no replay to check the stream against")
@@ -680,7 +751,7 @@ class ZmqSource:
             await self._rebuild(trigger, reason="replay cannot cover the gap")
             return
         for reply in replies[1:]:
-            await self._apply(reply)
+            await self._apply(reply, replayed=True)
         # Live messages after the trigger that the replay already applied are duplicates.
         self._replayed = {r.seq: r.payload for r in replies if r.seq > trigger.seq}
         if trigger.seq >= (self._expected or 0):
@@ -689,37 +760,42 @@ class ZmqSource:
             self.counters.num_duplicates += 1
 
     async def _replay(self, start_seq: int) -> list[ZmqMessage] | None:
-        """Every buffered message with seq >= start_seq (legacy protocol), or None when no
-        replay endpoint is configured or the replay failed."""
+        """The buffered messages from `start_seq` on, as one run of consecutive seqs that ends
+        at the newest (legacy protocol), or None when no replay endpoint is configured or the
+        replay failed.
+
+        A replay can come back with holes: vLLM's and SGLang's replay ROUTER sends its whole
+        buffer in one tight loop, and a ROUTER silently drops what its high-water mark (1000
+        messages, theirs is left at the default) cannot take while its I/O thread catches
+        up; the end marker, sent last, often gets through after such a drop. Applied as it
+        came, a replay with a hole would lose what the missing batches removed: blocks the
+        engine evicted would stay indexed. So each hole is asked for again (a replay from its
+        first missing seq, `MAX_REPLAY_ROUNDS` at most, while each round fills some), and
+        what stays unfilled drops every message before the last hole: those blocks are
+        missing until stored again, never stale, as with a buffer trimmed at its start."""
         if not self.settings.replay_endpoint:
             return None
-        self.counters.num_replays += 1
         # (No heartbeats here: `replay_timeout_s` bounds every wait of a replay, a silent
         # publisher's included.)
         dealer = self._context.socket(zmq.DEALER)
-        replies: list[ZmqMessage] = []
+        received: dict[int, ZmqMessage] = {}
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            # As deep as the SUB's queue: a replay's replies are read one at a time, and what
+            # the DEALER cannot queue backs up into the ROUTER, which drops it.
+            dealer.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
             set_ip_version(dealer, self.settings.replay_endpoint)
             dealer.connect(self.settings.replay_endpoint)
-            # A DEALER with no connected peer blocks on send: bound that wait too. (Not
-            # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
-            # reply does, and the cancelled source would then follow on forever.)
-            async with asyncio.timeout(self.settings.replay_timeout_s):
-                await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
-            while True:
-                async with asyncio.timeout(self.settings.replay_timeout_s):
-                    frames = await dealer.recv_multipart()
-                try:
-                    reply = decode_replay_reply(frames)
-                except KvEventDecodeError as exc:
-                    self.counters.num_bad_messages += 1
-                    log.warning("worker %s: bad replay reply: %s", self.worker_id, exc)
-                    continue
-                if reply is None:
+            request: int | None = start_seq
+            for round_number in range(MAX_REPLAY_ROUNDS):
+                if request is None:
                     break
-                if _is_wanted_topic(reply.topic, self.settings.topic):
-                    replies.append(reply)
+                replies = await self._replay_round(dealer, request)
+                if round_number and (not replies or replies[0].seq != request):
+                    break  # the hole is no longer buffered (trimmed meanwhile, or a restart)
+                for reply in replies:
+                    received.setdefault(reply.seq, reply)
+                request = _first_missing_seq(received)
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1
             self._replay_failures_in_a_row += 1
@@ -743,9 +819,76 @@ class ZmqSource:
                 self._replay_failures_in_a_row,
             )
             self._replay_failures_in_a_row = 0
+        replies = [received[seq] for seq in sorted(received)]
+        run = _consecutive_tail(replies)
+        if len(run) < len(replies):
+            self.counters.num_gaps += 1
+            log.warning(
+                "worker %s: the replay from seq %d has a hole before seq %d that asking again "
+                "did not fill (a replay ROUTER drops replies past its high-water mark); "
+                "applying seq %d to %d only",
+                self.worker_id,
+                start_seq,
+                run[0].seq,
+                run[0].seq,
+                run[-1].seq,
+            )
+        return run
+
+    async def _replay_round(self, dealer: zmq.asyncio.Socket, start_seq: int) -> list[ZmqMessage]:
+        """One replay request on `dealer`: the replies up to the end marker, in seq order."""
+        self.counters.num_replays += 1
+        replies: list[ZmqMessage] = []
+        foreign_topic: str | None = None  # a reply's under another topic than the source's
+        # A DEALER with no connected peer blocks on send: bound that wait too. (Not
+        # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
+        # reply does, and the cancelled source would then follow on forever.)
+        async with asyncio.timeout(self.settings.replay_timeout_s):
+            await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
+        while True:
+            async with asyncio.timeout(self.settings.replay_timeout_s):
+                frames = await dealer.recv_multipart()
+            try:
+                reply = decode_replay_reply(frames)
+            except KvEventDecodeError as exc:
+                self.counters.num_bad_messages += 1
+                log.warning("worker %s: bad replay reply: %s", self.worker_id, exc)
+                continue
+            if reply is None:
+                break
+            if _is_wanted_topic(reply.topic, self.settings.topic):
+                replies.append(reply)
+            else:
+                foreign_topic = reply.topic
+        if foreign_topic is not None and not replies:
+            # The SUB filters at the publisher, so a `topic` the publisher never sends shows
+            # nowhere else: the worker stays empty, its link up, no message counted.
+            log.warning(
+                "worker %s: the replay from %s holds batches under topic %r only, none under "
+                "this source's %r: is `topic` right? (its live messages are filtered out too)",
+                self.worker_id,
+                self.settings.replay_endpoint,
+                foreign_topic,
+                self.settings.topic,
+            )
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies
+
+
+def _first_missing_seq(received: dict[int, ZmqMessage]) -> int | None:
+    """The first seq missing between the lowest and the highest received (a hole), if any."""
+    if not received or len(received) == max(received) - min(received) + 1:
+        return None
+    return next(seq for seq in itertools.count(min(received)) if seq not in received)
+
+
+def _consecutive_tail(replies: list[ZmqMessage]) -> list[ZmqMessage]:
+    """The longest run of consecutive seqs that ends at the last of `replies` (seq order)."""
+    start = len(replies) - 1
+    while start > 0 and replies[start - 1].seq + 1 == replies[start].seq:
+        start -= 1
+    return replies[max(start, 0) :]
 
 
 async def _connection_events(monitor: zmq.asyncio.Socket) -> list[tuple[int, int]]:

@@ -52,6 +52,9 @@ class FakeKvPublisher:
         # Like vLLM's buffer_steps: only the newest batches stay replayable.
         self.buffer_steps = buffer_steps
         self.replay_requests: list[int] = []
+        # seq -> how many more replays lose it (None: every one), as a ROUTER at its
+        # high-water mark drops replies (`lose_in_replays`).
+        self.lost_in_replays: dict[int, int | None] = {}
         self.subscriptions: set[bytes] = set()  # every topic subscribed to so far
         self._replay_task: asyncio.Task[None] | None = None
 
@@ -141,6 +144,23 @@ class FakeKvPublisher:
         if live:
             await self.send(frames[1:] if two_frames else frames)
 
+    def lose_in_replays(self, seq: int, times: int | None = None) -> None:
+        """The next `times` replays (None: every one) leave out `seq` and still end with the
+        end marker: what vLLM's and SGLang's replay ROUTER does when its tight send loop
+        outruns its high-water mark (1000 messages), which ZMQ's ROUTER handles by dropping."""
+        self.lost_in_replays[seq] = times
+
+    def _lost(self, seq: int) -> bool:
+        """Whether this replay leaves `seq` out (counting it as one of its losses)."""
+        if seq not in self.lost_in_replays:
+            return False
+        times = self.lost_in_replays[seq]
+        if times is not None:
+            if times == 0:
+                return False
+            self.lost_in_replays[seq] = times - 1
+        return True
+
     def start_replay(self) -> None:
         self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
@@ -150,7 +170,7 @@ class FakeKvPublisher:
             start_seq = int.from_bytes(start, "big")
             self.replay_requests.append(start_seq)
             for seq in sorted(self.buffer):
-                if seq >= start_seq:
+                if seq >= start_seq and not self._lost(seq):
                     topic, seq_frame, payload = self.buffer[seq]
                     body = (
                         [topic, seq_frame, payload]

@@ -239,6 +239,85 @@ async def test_a_gap_replay_cannot_cover_clears_and_rebuilds_without_stale_entri
     assert set(_indexed(index)) == set(final_live().live())
 
 
+def _lost_removal_seq(through: int) -> int:
+    """The first captured batch (before `through`) that removes blocks still gone at
+    `through`: losing it in a replay would leave them indexed."""
+    gone = set(_model_through(through).live())
+    for message in live_messages()[:through]:
+        removed = {
+            to_sfixed64(h)
+            for event in message.events
+            if event["type"] == "BlockRemoved"
+            for h in event["block_hashes"]
+        }
+        if removed and not removed & gone:
+            return message.seq
+    raise AssertionError("the capture has no such removal")
+
+
+async def test_a_replay_that_lost_a_batch_at_the_routers_high_water_mark_asks_for_it_again(
+    context: zmq.asyncio.Context,
+) -> None:
+    """vLLM's replay ROUTER sends its whole buffer in one loop and drops what its high-water
+    mark cannot take, the end marker still coming last (measured: a 10,000-batch buffer lost
+    some on loopback). The source asks for the hole again instead of applying the replay
+    without the lost batch, whose removals would otherwise leave evicted blocks indexed."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    last = CLEAR_SEQ - 1
+    lost = _lost_removal_seq(last)
+    for message in live_messages()[:CLEAR_SEQ]:  # published before this source ran
+        await publisher.publish(message.frames, live=False, replay_frames=REPLAY[message.seq])
+    publisher.lose_in_replays(lost, times=1)
+    source = _source(publisher, context, MemoryBackend(index), rebuild_at_start=True)
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.last_seq == last, WAIT_S)
+    finally:
+        await publisher.close()
+    _assert_matches_vllm(source, index, last)
+    assert publisher.replay_requests == [0, lost]
+    assert source.counters.num_gaps == 0
+
+
+@pytest.mark.parametrize("at_start", [True, False], ids=["start-replay", "first-message"])
+async def test_a_replay_hole_that_stays_unfilled_leaves_blocks_missing_never_stale(
+    context: zmq.asyncio.Context, at_start: bool
+) -> None:
+    """A batch every replay loses (the ROUTER keeps dropping it): the worker is rebuilt from
+    the batches after it only, as from a buffer trimmed there, whether the rebuild runs at
+    start or at the first message (its seq not 0)."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    last = CLEAR_SEQ - 1
+    lost = _lost_removal_seq(last)
+    messages = live_messages()
+    replayed_only = messages[:last] if not at_start else messages[: last + 1]
+    for message in replayed_only:
+        await publisher.publish(message.frames, live=False, replay_frames=REPLAY[message.seq])
+    publisher.lose_in_replays(lost)
+    source = _source(publisher, context, MemoryBackend(index), rebuild_at_start=at_start)
+    try:
+        async with running(source.run()):
+            if not at_start:  # the first message rebuilds the worker from the replay
+                await publisher.wait_subscribed()
+                await _publish(publisher, messages[last:], source, until=last)
+            await source.wait_until(lambda: source.last_seq == last, WAIT_S)
+    finally:
+        await publisher.close()
+    indexed = set(_indexed(index))
+    assert indexed <= set(_model_through(last).live())  # nothing the engine evicted
+    assert publisher.replay_requests == [0, lost]
+    # Exactly what the batches after the lost one stored and did not remove.
+    after = LiveModel()
+    for message in messages[lost + 1 : last + 1]:
+        after.apply(message.events, strict=False)
+    assert indexed == set(after.live())
+    assert source.counters.num_gaps == 1
+
+
 async def test_an_engine_restart_seq_reset_clears_the_worker(context: zmq.asyncio.Context) -> None:
     index = PrefixIndex()
     publisher = FakeKvPublisher(context)

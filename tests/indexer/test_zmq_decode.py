@@ -53,6 +53,7 @@ def test_sglang_vector_1_positional_events() -> None:
         parent_block_hash=42,
         token_ids=(10, 20, 30, 40),
         block_size=4,
+        lora_id=7,
         medium="GPU",
     )
     assert removed == BlockRemoved(block_hashes=(100, 200), medium="DISK")
@@ -150,10 +151,25 @@ def test_a_bad_event_is_skipped_and_its_siblings_kept() -> None:
         42,
         [],
         ["BlockStored", [1], None, None, None, None, 5],
+        ["BlockStored", [1], None, None, None, 1.5],  # lora_id
     ]
     batch = decode_payload(_pack([0.0, [good, *bad_events, good], None]))
     assert batch.events == (BlockRemoved((5,), "GPU"), BlockRemoved((5,), "GPU"))
     assert batch.num_bad_events == len(bad_events)
+
+
+def test_lora_id_is_kept_as_vllms_int_or_a_string_id_and_empty_is_none() -> None:
+    events = [
+        ["BlockStored", [1], None, [], 1, 7],
+        {"type": "BlockStored", "block_hashes": [2], "lora_id": "adapter-uuid"},
+        {"type": "BlockStored", "block_hashes": [3], "lora_id": ""},
+    ]
+    batch = decode_payload(_pack([0.0, events, None]))
+    assert [e.lora_id for e in batch.events if isinstance(e, BlockStored)] == [
+        7,
+        "adapter-uuid",
+        None,
+    ]
 
 
 def test_array_tail_is_engine_specific_unless_asked_for() -> None:

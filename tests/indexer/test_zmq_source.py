@@ -17,10 +17,11 @@ import zmq.asyncio
 
 from indexer.batch import Batch
 from indexer.index import PrefixIndex
+from indexer.keys import block_keys
 from indexer.memory_backend import MemoryBackend
 from indexer.servicer import index_services
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
-from indexer.translate import TranslateOptions, WorkerTranslator
+from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import ServerConfig
@@ -367,6 +368,134 @@ async def test_a_source_with_a_topic_receives_two_frame_messages_too(
         await publisher.close()
     assert _keys(index) == {1, 2, 3}
     assert (source.counters.num_gaps, source.counters.num_resets) == (0, 1)  # the first's
+
+
+async def test_a_lora_block_named_by_lora_id_only_is_not_indexed_as_the_base_models(
+    context: zmq.asyncio.Context,
+) -> None:
+    """Older vLLM names a LoRA adapter's blocks by `lora_id` alone (positional events, no
+    `lora_name`). Canonical keys must carry the adapter's name: keyed from the tokens alone,
+    the LoRA's block would answer a base-model prompt that the engine cannot serve from it.
+    It is skipped and counted; its base-model sibling is indexed."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    translator = WorkerTranslator(
+        TranslateOptions("w0", "10.0.0.1:8000", hash_mode=HashMode.CANONICAL)
+    )
+    settings = ZmqSourceSettings(endpoint=publisher.endpoint, topic="kv@", rebuild_at_start=False)
+    source = ZmqSource(settings, translator, MemoryBackend(index), context=context)
+    lora_tokens, base_tokens = [1, 2, 3, 4], [5, 6, 7, 8]
+    # vLLM <= 0.10: ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium]
+    events = [
+        ["BlockStored", [101], None, lora_tokens, 4, 7, "GPU"],
+        ["BlockStored", [202], None, base_tokens, 4, None, "GPU"],
+    ]
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.send(_message(0, *events))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == set(block_keys(base_tokens, 4))
+    assert translator.counters.num_unresolved == 1
+    assert source.counters.num_bad_events == 0
+
+
+async def test_a_topic_the_publisher_never_sends_is_told_by_the_replay(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SUB's topic filter runs at the publisher, so a mistyped `topic` brings nothing
+    live and nothing counted: the replay, which answers whatever the topic, says it."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    await publisher.publish(
+        [b"kv@gpu-0@Llama-3", _seq(0), msgpack.packb([0.0, [_stored(1)], 0])], live=False
+    )
+    source = _source(
+        publisher.endpoint,
+        context,
+        MemoryBackend(index),
+        replay=publisher.replay_endpoint,
+        topic="kv@gpu-0@llama",
+        rebuild_at_start=True,
+    )
+    try:
+        async with running(source.run()):
+            await source.wait_until(lambda: source.counters.num_replays >= 1, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == set()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "under topic 'kv@gpu-0@Llama-3' only" in m and "'kv@gpu-0@llama'" in m for m in warned
+    ), warned
+
+
+def _rank_message(seq: int, rank: int, *events: object) -> list[bytes]:
+    return [TOPIC, _seq(seq), msgpack.packb([float(seq), list(events), rank])]
+
+
+@contextlib.asynccontextmanager
+async def _rank1_with_rank0s_replay(
+    context: zmq.asyncio.Context, index: PrefixIndex, *, rebuild_at_start: bool
+) -> AsyncIterator[tuple[FakeKvPublisher, ZmqSource]]:
+    """Rank 1's publisher and a source running on its PUB with the replay endpoint of rank
+    0's publisher, whose replay buffer holds its seqs 0-3 (blocks 1-4)."""
+    rank0 = FakeKvPublisher(context)
+    rank0.start_replay()
+    for seq in range(4):
+        await rank0.publish(_rank_message(seq, 0, _stored(seq + 1)), live=False)
+    rank1 = FakeKvPublisher(context)
+    sink, replay = MemoryBackend(index), rank0.replay_endpoint
+    source = _source(
+        rank1.endpoint, context, sink, replay=replay, rebuild_at_start=rebuild_at_start
+    )
+    try:
+        async with running(source.run()):
+            yield rank1, source
+    finally:
+        await rank0.close()
+        await rank1.close()
+
+
+async def test_a_replay_endpoint_of_another_data_parallel_rank_never_fills_the_worker(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's rank r publishes on the endpoint's port + r and replays on the replay port + r:
+    a source on rank 1's PUB whose replay endpoint was left at rank 0's. The gap's replay
+    (rank 0's batches) is another stream: its batches are dropped and counted, not indexed as
+    rank 1's blocks; the worker holds what rank 1 published since."""
+    index = PrefixIndex()
+    async with _rank1_with_rank0s_replay(context, index, rebuild_at_start=False) as (rank1, source):
+        await rank1.wait_subscribed()
+        await rank1.publish(_rank_message(0, 1, _stored(11)))
+        await rank1.publish(_rank_message(1, 1, _stored(12)))
+        await rank1.publish(_rank_message(2, 1, _stored(13)), live=False)  # a gap
+        await rank1.publish(_rank_message(3, 1, _stored(14)))
+        await source.wait_until(lambda: source.last_seq == 3, WAIT_S)
+    # The gap's replay did not match rank 1's seq 1: cleared, and none of rank 0's blocks.
+    assert _keys(index) == {14}
+    assert source.counters.num_bad_messages == 3  # rank 0's seqs 0-2, before the trigger
+    assert any("data-parallel rank 0" in r.getMessage() for r in caplog.records)
+
+
+async def test_another_ranks_replay_at_start_is_cleared_by_the_first_live_batch(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The same misconfiguration, found at start: the rebuild from the replay runs before any
+    live batch says which rank the stream is, so rank 0's blocks fill the worker; the first
+    live batch (rank 1's, checked as a new connection's first) clears them, and the replay
+    brings none back."""
+    index = PrefixIndex()
+    async with _rank1_with_rank0s_replay(context, index, rebuild_at_start=True) as (rank1, source):
+        await source.wait_until(lambda: source.last_seq == 3, WAIT_S)
+        assert _keys(index) == {1, 2, 3, 4}  # rank 0's, not yet known to be another's
+        await rank1.wait_subscribed()
+        await rank1.publish(_rank_message(4, 1, _stored(15)))
+        await source.wait_until(lambda: source.last_seq == 4, WAIT_S)
+    assert _keys(index) == {15}
 
 
 async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(

@@ -74,7 +74,9 @@ class LiveModel:
         self.parent: dict[int, int | None] = {}
         self.salt: dict[int, str | None] = {}
 
-    def apply(self, events: list[dict[str, Any]]) -> None:
+    def apply(self, events: list[dict[str, Any]], *, strict: bool = True) -> None:
+        """`strict` False: a model started mid-stream, where a removal of a block stored
+        before its start (which it does not hold) is ignored."""
         for event in events:
             kind = event["type"]
             if kind == "BlockStored":
@@ -91,6 +93,8 @@ class LiveModel:
                     self.salt.setdefault(h, salt)
             elif kind == "BlockRemoved":
                 for h in event["block_hashes"]:
+                    if not strict and not self.copies[h]:
+                        continue
                     assert self.copies[h] > 0, "a removal of a block the model does not hold"
                     self.copies[h] -= 1
             elif kind == "AllBlocksCleared":
