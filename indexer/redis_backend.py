@@ -18,9 +18,11 @@ ConfigError at start-up; a Redis that is merely down is not. Queries fail fast w
 `IndexUnavailableError` (a KvplaneError; servicers map it to UNAVAILABLE), and go on failing
 until the batches buffered in the outage are applied (an answer without them would miss
 acknowledged placements). Redis at its `maxmemory` refusing writes is such an outage too (an
-answer could show a block whose removal it refused). Applies that cannot reach Redis are
-buffered in order (at most `max_buffered_batches`); past that, the worker whose batch
-overflows loses its buffered batches and is marked for resync. A background task brings the
+answer could show a block whose removal waits behind a refused report), in which the buffered
+removals that come first of their worker's still apply (`_release_buffered`: they only free
+memory), so that the index shrinks back under the cap by itself. Applies that cannot reach
+Redis are buffered in order (at most `max_buffered_batches`); past that, the worker whose
+batch overflows loses its buffered batches and is marked for resync. A background task brings the
 backend back by itself: it reloads the functions, detects a Redis that lost its data (the
 partition's boot token changed), removes the workers marked for resync (so nothing stale
 stays), replays the buffer in order, then asks the sources to resync those workers
@@ -143,6 +145,11 @@ MAX_GROUP_HASHES = 65_536
 _PARTITION_FULL = "KVP_WORKERS "
 # kvp_apply's status (kvp_remove's error) for a fenced write of a process without the lease.
 _FENCED = "KVP_FENCED "
+# kvp_release's status for a batch it leaves to kvp_apply (it could grow the index).
+_GROWS = "KVP_GROWS "
+# Functions Redis runs even at its maxmemory (allow-oom in redis_functions.lua: they only free
+# memory); every other writing function is refused there, so only those say Redis takes writes.
+_FREEING = frozenset({"kvp_release", "kvp_remove", "kvp_sweep"})
 # Refusals that pass: a replica being promoted, a slot moving, memory pressure, a busy script.
 _TRANSIENT = (OutOfMemoryError, ReadOnlyError, TryAgainError)
 # KVP_MOVING: the partition's cluster slot is being moved to another node (redis_functions.lua).
@@ -178,6 +185,10 @@ async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
     except IndexUnavailableError as exc:
         log.warning("%s; the indexer keeps trying", exc)
     return backend
+
+
+class _RedisFull(IndexUnavailableError):
+    """Redis at its `maxmemory` refused a write that could grow the index (`_out_of_memory`)."""
 
 
 class LeaseState(enum.Enum):
@@ -248,10 +259,11 @@ class RedisBackend:
         # Why the last call failed for Redis being away (None: Redis answered since), kept by
         # every call, the maintenance task's included, so that `unavailable` asks nothing.
         self._failure: str | None = None
-        # Redis refuses writes at its `maxmemory` (logged once when found, and when it takes
-        # writes again), the `maxmemory-policy` last read (`_check_eviction_policy`), and
-        # whether Redis lets this process read it (CONFIG is often refused by managed Redis).
-        self._memory_full = False
+        # Why Redis refuses the writes that grow the index, at its `maxmemory` (None: it took
+        # the last one; logged once when found, and when it takes them again), the
+        # `maxmemory-policy` last read (`_check_eviction_policy`), and whether Redis lets
+        # this process read it (CONFIG is often refused by managed Redis).
+        self._memory_full: str | None = None
         self._policy: str | None = None
         self._policy_readable = True
 
@@ -302,7 +314,7 @@ class RedisBackend:
         `maintenance_interval_s`): a health check asks this, never Redis itself."""
         if self._outage:
             return self._outage_reason()
-        return self._failure
+        return self._memory_full or self._failure
 
     @property
     def num_buffered_batches(self) -> int:
@@ -375,9 +387,13 @@ class RedisBackend:
         """Queries wait for the batches buffered in an outage: an answer without them would
         miss placements whose applies were already acknowledged (a router would take a cached
         prefix for a cold one). Until the recovery has replayed them, a query is UNAVAILABLE,
-        as during the outage itself."""
+        as during the outage itself. So is any query while Redis refuses the writes that grow
+        the index (`_out_of_memory`): another process may have such a batch buffered, a removal
+        behind it."""
         if self._outage:
             raise IndexUnavailableError(self._outage_reason())
+        if self._memory_full is not None:
+            raise IndexUnavailableError(self._memory_full)
 
     def _outage_reason(self) -> str:
         """Why queries wait during an outage: the recovery's last failure, else its progress."""
@@ -417,26 +433,30 @@ class RedisBackend:
 
     def _out_of_memory(self, exc: OutOfMemoryError) -> IndexUnavailableError:
         """Redis at its `maxmemory` with nothing it may evict (`maxmemory-policy noeviction`,
-        Redis's default): it refuses every write function at its start, a batch of removals
-        as much as one of reports, and FUNCTION LOAD, while queries (no-writes) still run.
-        An outage, said as such: this process buffers its applies and its queries wait for
-        them (so no answer shows a block whose removal Redis refused), and a process that
-        only reads stops answering at its next maintenance call (a write refused alike),
-        until Redis takes writes again. Logged once when found."""
-        if not self._memory_full:
-            self._memory_full = True
-            log.warning("Redis at %s is out of memory and refuses the index's writes (%s); "
-                        "queries answer UNAVAILABLE until it takes them again: raise its "
-                        "maxmemory or free memory", self._where, exc)  # fmt: skip
-        return IndexUnavailableError(
+        Redis's default): it refuses every function that could grow the index at its start
+        (and FUNCTION LOAD), while queries (no-writes) and the functions that only free
+        memory (`_FREEING`) still run. An outage, said as such: this process buffers its
+        applies and its queries wait for them, and every process's queries fail until Redis
+        takes writes again (another one may have a removal buffered behind a report: no
+        answer shows a block whose removal waits); a process that only reads finds it at its
+        next maintenance call (kvp_probe). Meanwhile the buffered batches that only free
+        memory are applied (`_release_buffered`), so that the index shrinks back under the
+        cap as engines evict blocks. Logged once when found."""
+        message = (
             f"shared index unavailable: Redis at {self._where} is out of memory and refuses "
             f"writes ({exc}): raise its maxmemory or free memory"
         )
+        if self._memory_full is None:
+            log.warning("Redis at %s is out of memory and refuses the index's writes (%s); "
+                        "queries answer UNAVAILABLE until it takes them again: raise its "
+                        "maxmemory or free memory", self._where, exc)  # fmt: skip
+        self._memory_full = message
+        return _RedisFull(message)
 
     def _took_writes(self) -> None:
-        """Redis took a write: a memory shortage it had is over."""
-        if self._memory_full:
-            self._memory_full = False
+        """Redis took a write that could grow the index: a memory shortage it had is over."""
+        if self._memory_full is not None:
+            self._memory_full = None
             log.info("Redis at %s takes the index's writes again", self._where)
 
     async def _check_eviction_policy(self) -> None:
@@ -478,12 +498,18 @@ class RedisBackend:
             if silences_seen is not None and self._num_silences != silences_seen:
                 raise self._silent()  # the call before it in the queue timed out meanwhile
             code = FUNCTIONS_FILE.read_text()
+            refused: OutOfMemoryError | None = None
             try:
-                if isinstance(self._client, RedisCluster):
-                    await self._client.initialize()  # learn every primary, not just seeds
-                    await self._load_on_every_primary(code)
-                else:
-                    await self._client.function_load(code, replace=True)
+                try:
+                    if isinstance(self._client, RedisCluster):
+                        await self._client.initialize()  # learn every primary, not just seeds
+                        await self._load_on_every_primary(code)
+                    else:
+                        await self._client.function_load(code, replace=True)
+                except OutOfMemoryError as exc:
+                    # Refused at maxmemory: the library loaded before serves (kvp_boot runs
+                    # there too), so that the index can shrink back under the cap.
+                    refused = exc
                 boot, nb = await self._client.execute_command(
                     "FCALL",
                     "kvp_boot" + ABI_SUFFIX,
@@ -493,6 +519,8 @@ class RedisBackend:
                     secrets.token_hex(8),
                 )
             except (*_UNREACHABLE, OSError, ResponseError) as exc:
+                if refused is not None and "Function not found" in str(exc):
+                    exc = refused  # no library to fall back on: say why it is not loaded
                 not_ready = self._not_ready(exc)
                 self._failure = str(not_ready)
                 raise not_ready from exc
@@ -509,7 +537,10 @@ class RedisBackend:
             self._boot = boot
             self._ready = True
             self._failure = None
-            self._took_writes()  # (FUNCTION LOAD and kvp_boot are writes)
+            if refused is None:
+                self._took_writes()  # (FUNCTION LOAD is refused at maxmemory)
+            else:
+                self._out_of_memory(refused)  # queries wait, as in any process then
         await self._check_eviction_policy()
         if data_lost:
             self._state_lost("the index")
@@ -652,7 +683,7 @@ class RedisBackend:
                     f"shared index error from Redis at {self._where}: {text}"
                 ) from exc
             self._acked_mark = max(self._acked_mark, mark)
-            if not readonly:
+            if not readonly and function not in _FREEING:
                 self._took_writes()
             return reply
         raise AssertionError("unreachable")
@@ -681,10 +712,13 @@ class RedisBackend:
             self._enqueue(batch)
             self._start_recovery()
 
-    async def _apply_batches(self, batches: Sequence[Batch]) -> list[str | None]:
+    async def _apply_batches(
+        self, batches: Sequence[Batch], function: str = "kvp_apply"
+    ) -> list[str | None]:
         """One atomic call applying `batches` in order: per batch None, or why it was refused
         (then nothing of it was written): by Redis, or here when it cannot be encoded, which
-        validation should have made impossible; such a batch fails alone, never its group."""
+        validation should have made impossible; such a batch fails alone, never its group.
+        `function`: kvp_apply, or kvp_release (`_release_buffered`)."""
         statuses: list[str | None] = [None] * len(batches)
         args: list[bytes | str | int] = []
         sent: list[int] = []
@@ -697,7 +731,7 @@ class RedisBackend:
             else:
                 sent.append(i)
         if sent:
-            replies = await self._fcall("kvp_apply", args, boot=True)
+            replies = await self._fcall(function, args, boot=True)
             for i, status in zip(sent, replies, strict=True):
                 statuses[i] = None if status == 1 else _text(status)
         return statuses
@@ -786,19 +820,21 @@ class RedisBackend:
                 while self._buffer:
                     # Left in the buffer until applied, so new batches queue behind them.
                     head = list(itertools.islice(self._buffer, MAX_GROUP_BATCHES))
-                    statuses = await self._replay_head(head)
+                    try:
+                        statuses = await self._replay_head(head)
+                    except _RedisFull:
+                        if await self._release_buffered():
+                            continue  # memory freed: the head may fit now
+                        raise
                     self._recovery_error = None
                     for batch, status in zip(head, statuses, strict=True):
-                        if status is None:
-                            self._known_workers.add(batch.worker_id)
-                        elif status.startswith(_FENCED):  # the lease's new holder rebuilt it
-                            log.info("buffered batch of %s not applied: %s", batch.worker_id,
-                                     status)  # fmt: skip
-                        else:
-                            log.error("buffered batch of %s refused: %s", batch.worker_id, status)
-                            self._request_resync({batch.worker_id})
+                        self._replayed(batch, status)
                         if self._buffer and self._buffer[0] is batch:  # not filtered meanwhile
                             self._buffer.popleft()
+                if self._memory_full is not None:
+                    # Every buffered batch was one that frees memory: the outage ends once
+                    # Redis takes writes again, as it would have with one that grows the index.
+                    await self._fcall("kvp_probe", [])
                 if not self._dropping and not self._removals:
                     break
             except KvplaneError as exc:
@@ -818,11 +854,51 @@ class RedisBackend:
         log.info("Redis at %s is back; buffered batches applied", self._where)
         self._announce_resyncs()
 
-    async def _replay_head(self, head: list[Batch]) -> list[str | None]:
+    def _replayed(self, batch: Batch, status: str | None) -> None:
+        """What a buffered batch's replay did (`status`: None, or why it was refused)."""
+        if status is None:
+            self._known_workers.add(batch.worker_id)
+        elif status.startswith(_FENCED):  # the lease's new holder rebuilt it
+            log.info("buffered batch of %s not applied: %s", batch.worker_id, status)
+        else:
+            log.error("buffered batch of %s refused: %s", batch.worker_id, status)
+            self._request_resync({batch.worker_id})
+
+    async def _release_buffered(self) -> bool:
+        """At maxmemory: apply now the buffered batches that only free memory (`_only_frees`)
+        and come first of their worker's (a worker's batches apply in order: a removal behind
+        a report waits for it), with kvp_release, which Redis runs even then, so that the
+        index shrinks back under the cap by itself and the rest can follow. Another worker's
+        batches may so apply after it, as if it had come first (they come from other sources:
+        their order is the arrival's). One call; whether it applied any."""
+        blocked: set[str] = set()
+        first: list[Batch] = []
+        for batch in self._buffer:
+            if batch.worker_id not in blocked and _only_frees(batch):
+                first.append(batch)
+            else:
+                blocked.add(batch.worker_id)
+        first = first[: _group_size(first)]
+        if not first:
+            return False
+        statuses = await self._replay_head(first, "kvp_release")
+        applied: set[int] = set()
+        for batch, status in zip(first, statuses, strict=True):
+            if status is None or not status.startswith(_GROWS):  # else it stays for kvp_apply
+                self._replayed(batch, status)
+                applied.add(id(batch))
+        self._buffer = deque(b for b in self._buffer if id(b) not in applied)
+        log.debug("Redis at %s is out of memory: %d buffered batches of removals applied, %d "
+                  "batches wait", self._where, len(applied), len(self._buffer))  # fmt: skip
+        return bool(applied)
+
+    async def _replay_head(
+        self, head: list[Batch], function: str = "kvp_apply"
+    ) -> list[str | None]:
         """`_apply_batches` for buffered batches; an unexpected failure (not Redis being away)
         refuses them, since retrying them would keep the outage going forever."""
         try:
-            return await self._apply_batches(head)
+            return await self._apply_batches(head, function)
         except KvplaneError:
             raise
         except Exception as exc:
@@ -846,7 +922,12 @@ class RedisBackend:
                     elif int(mark or 0) < acked:
                         self._writes_lost = True
                         self._ready = False
-                await self.sweep()
+                await self.sweep()  # (run even at maxmemory: it frees what CLEARs left)
+                # Refused while Redis is at its maxmemory: keeps `_memory_full` current, so
+                # that a process that only reads stops (and starts) answering with the writers.
+                await self._fcall("kvp_probe", [])
+            except _RedisFull as exc:
+                log.debug("index maintenance: %s", exc)
             except (IndexUnavailableError, *_UNREACHABLE, OSError) as exc:
                 self._ready = False
                 if not isinstance(exc, IndexUnavailableError):  # those are already recorded
@@ -1142,20 +1223,31 @@ def _refused(batch: Batch, status: str) -> IndexBackendError:
     return IndexBackendError(f"batch of {batch.worker_id}: {status}")
 
 
+def _group_size(batches: Sequence[Batch]) -> int:
+    """How many of the first `batches` one kvp_apply call carries (its limits above)."""
+    n = 0
+    num_hashes = 0
+    while n < len(batches) and n < MAX_GROUP_BATCHES:
+        num_hashes += sum(len(a.hashes) for a in batches[n].actions)
+        if n and num_hashes > MAX_GROUP_HASHES:
+            break
+        n += 1
+    return n
+
+
 def _take_group(
     queue: list[tuple[Batch, asyncio.Future[None]]],
 ) -> list[tuple[Batch, asyncio.Future[None]]]:
     """The longest head of `queue` within one call's limits, removed from it."""
-    n = 0
-    num_hashes = 0
-    while n < len(queue) and n < MAX_GROUP_BATCHES:
-        num_hashes += sum(len(a.hashes) for a in queue[n][0].actions)
-        if n and num_hashes > MAX_GROUP_HASHES:
-            break
-        n += 1
+    n = _group_size([batch for batch, _ in queue])
     group = queue[:n]
     del queue[:n]
     return group
+
+
+def _only_frees(batch: Batch) -> bool:
+    """A batch of removals only (REVOKE, CLEAR): kvp_release may apply it at maxmemory."""
+    return all(a.type is not ActionType.REPORT for a in batch.actions)
 
 
 def _causes(exc: BaseException) -> list[BaseException]:

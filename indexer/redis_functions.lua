@@ -1,9 +1,10 @@
-#!lua name=kvplane_v3
+#!lua name=kvplane_v4
 --[[
 kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
 with FUNCTION LOAD REPLACE on every primary). The library's name and its functions' names end
-with its ABI version (`_v3`): a change of any function's arguments or replies takes the next
-one, so that processes of two kvplane versions sharing a Redis in a rolling upgrade each call
+with its ABI version (`_v4`): a change of any function's arguments, replies or flags, or a
+function added, takes the next one (v4: kvp_release, kvp_probe, allow-oom), so that
+processes of two kvplane versions sharing a Redis in a rolling upgrade each call
 their own library (a library's REPLACE would otherwise swap the other version's functions
 under it); the key layout below is shared by every version. docs/redis.md describes the layout; in short, for
 one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:<part>}:m":
@@ -384,22 +385,53 @@ local function apply_one(ctx, args, i)
   return 1, after
 end
 
+-- Whether the batch at args[i] (see apply_one) could grow the index: a REPORT, or a worker
+-- that is not registered under its name with this address and spec (apply_one would register
+-- it, or store them anew). REVOKE and CLEAR only shorten or delete records, or bump epochs
+-- and counters that already exist.
+local function may_grow(ctx, args, i)
+  local after = i + 5 + 7 * tonumber(args[i + 4])
+  for a = i + 5, after - 1, 7 do
+    if tonumber(args[a]) == 1 then return true end
+  end
+  local wid = redis.call('HGET', ctx.base .. ':wi', args[i])
+  if not wid then return true end
+  local row = redis.call('HMGET', ctx.base .. ':w:' .. wid, 'a', 's')
+  return row[1] ~= args[i + 1] or (row[2] or '') ~= args[i + 2]
+end
+
 -- ARGV: nb, boot, then batches (see apply_one), applied in order, all in this one atomic
--- call. Returns one status per batch.
-local function kvp_apply(keys, args)
+-- call. Returns one status per batch. With `only_freeing` (kvp_release) a batch that
+-- could grow the index (may_grow) is not applied, and neither is any later batch of its
+-- worker in this call (a worker's batches apply in order): its status says so.
+local function apply_batches(keys, args, only_freeing)
   local ctx = new_ctx(keys, args)
   local err = check_boot(ctx, args[2])
   if err then return err end
   local statuses = {}
+  local held = {}
   local i = 3
   while i <= #args do
     local status
-    status, i = apply_one(ctx, args, i)
+    if only_freeing and (held[args[i]] or may_grow(ctx, args, i)) then
+      held[args[i]] = true
+      status = 'KVP_GROWS this batch could grow the index'
+      i = i + 5 + 7 * tonumber(args[i + 4])
+    else
+      status, i = apply_one(ctx, args, i)
+    end
     statuses[#statuses + 1] = status
   end
   flush_deltas(ctx)
   return statuses
 end
+
+local function kvp_apply(keys, args) return apply_batches(keys, args, false) end
+
+-- kvp_apply for batches that only free memory (REVOKE, CLEAR), run even while Redis is at
+-- its maxmemory (allow-oom): an index that filled Redis shrinks back under it as engines
+-- evict blocks. Every other batch is left for kvp_apply (KVP_GROWS).
+local function kvp_release(keys, args) return apply_batches(keys, args, true) end
 
 -- Worker table entries for the ids in `seen` (a list): id, name, address, spec.
 local function worker_rows(ctx, seen, out)
@@ -802,6 +834,13 @@ local function free_removed_ids(base)
   end
 end
 
+-- Writes nothing, and is refused like kvp_apply while Redis is at its maxmemory (it declares
+-- no flags): tells a process whether Redis takes the writes that grow the index.
+local function kvp_probe(keys, args)
+  check_slot_settled(keys[1])
+  return 1
+end
+
 -- ARGV: nb, token. Claims an empty partition (boot token) and returns the current token.
 local function kvp_boot(keys, args)
   check_slot_settled(keys[1])
@@ -877,13 +916,22 @@ local function kvp_lease(keys, args)
 end
 
 -- Every name ends with the ABI version, as the library's own (first line).
-local ABI = '_v3'
+local ABI = '_v4'
 redis.register_function('kvp_apply' .. ABI, kvp_apply)
 redis.register_function('kvp_lease' .. ABI, kvp_lease)
 redis.register_function('kvp_match' .. ABI, kvp_match)
-redis.register_function('kvp_remove' .. ABI, kvp_remove)
-redis.register_function('kvp_sweep' .. ABI, kvp_sweep)
-redis.register_function('kvp_boot' .. ABI, kvp_boot)
+redis.register_function('kvp_probe' .. ABI, kvp_probe)
+-- Run even while Redis is at its maxmemory (allow-oom): they delete and shorten records, or
+-- write a few bytes of counters and marks that mostly exist already (kvp_boot writes only
+-- into an empty partition), so that the index can shrink back under the cap by itself.
+redis.register_function{ function_name = 'kvp_release' .. ABI, callback = kvp_release,
+  flags = { 'allow-oom' } }
+redis.register_function{ function_name = 'kvp_remove' .. ABI, callback = kvp_remove,
+  flags = { 'allow-oom' } }
+redis.register_function{ function_name = 'kvp_sweep' .. ABI, callback = kvp_sweep,
+  flags = { 'allow-oom' } }
+redis.register_function{ function_name = 'kvp_boot' .. ABI, callback = kvp_boot,
+  flags = { 'allow-oom' } }
 redis.register_function{ function_name = 'kvp_match_ro' .. ABI, callback = kvp_match_ro,
   flags = { 'no-writes' } }
 redis.register_function{ function_name = 'kvp_hits' .. ABI, callback = kvp_hits, flags = { 'no-writes' } }
