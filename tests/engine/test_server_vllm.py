@@ -335,6 +335,33 @@ async def test_options_the_engine_does_not_implement_are_refused(
         assert await idle(engine)
 
 
+def with_newer_vllm_fields(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """`request` as a client built on today's vLLM proto sends it, with `lora_name` = "x"
+    (GenerateRequest field 15, a string) and `skip_special_tokens` = false (ResponseOptions
+    field 8, a bool): fields the seed's schema does not have."""
+    newer = pb.GenerateRequest.FromString(request.SerializeToString() + b"\x7a\x01x")
+    newer.response.MergeFromString(b"\x40\x00")
+    return newer
+
+
+async def test_fields_of_a_newer_vllm_proto_are_refused_not_ignored() -> None:
+    """A LoRA name or a decoding option this server's proto lacks would otherwise be dropped
+    by protobuf and the request served as if they were not sent (the base model's answer):
+    INVALID_ARGUMENT naming where each one is, before acceptance, unary and streaming."""
+    async with running_engine() as engine:
+        newer = with_newer_vllm_fields(_request())
+        unary = await rpc_error(engine.vllm.Generate(newer))
+        events, streamed = await stream_error(engine.vllm.GenerateStream(newer))
+        assert events == []
+        for error in (unary, streamed):
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "GenerateRequest field 15" in (error.details() or ""), error.details()
+            assert "GenerateRequest.response field 8" in (error.details() or "")
+        assert await idle(engine)
+        served = await engine.vllm.Generate(_request())  # the seed's fields alone: served
+    assert served.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+
+
 async def test_an_empty_kv_transfer_params_is_no_parameter() -> None:
     async with running_engine() as engine:
         request = _request()
