@@ -30,6 +30,7 @@ everything into one response and so supports one sequence only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from engine.core.api import (
     Candidate,
@@ -295,6 +297,24 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
     def __init__(self, service: EngineService, ctx: EngineContext) -> None:
         self._service = service
         self._ctx = ctx
+        self._health_updates: set[asyncio.Task[None]] = set()
+
+    def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
+        """`grpc.health.v1` says NOT_SERVING for `vllm.Generate` once the engine takes no new
+        requests (a drain, a shutdown, its engine thread ended), as vLLM's server turns its
+        service NOT_SERVING when its engine fails or shuts down: this proto has no health of
+        its own for a client to read. (The empty name stays SERVING while the process runs.)"""
+
+        def changed() -> None:
+            status = health_pb2.HealthCheckResponse.SERVING
+            if not self._service.serving:
+                status = health_pb2.HealthCheckResponse.NOT_SERVING
+            update = asyncio.ensure_future(health_servicer.set(SERVICE_NAME, status))
+            self._health_updates.add(update)
+            update.add_done_callback(self._health_updates.discard)
+
+        self._service.on_serving_changed(changed)
+        changed()
 
     def service(self) -> Service:
         return Service(

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import SimTimingConfig
 from openengine.v1 import openengine_pb2 as oe
@@ -539,3 +540,42 @@ async def test_an_aborted_unary_generate_answers_aborted_not_an_error() -> None:
     assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
     assert unary.outputs.finish_info.num_output_tokens == unary.outputs.num_tokens == 0
     assert unary.prompt_info.num_prompt_tokens == len(PROMPT)
+
+
+async def _vllm_health(engine: Engine) -> int:
+    reply = await health_pb2_grpc.HealthStub(engine.channel).Check(
+        health_pb2.HealthCheckRequest(service="vllm.Generate")
+    )
+    return int(reply.status)
+
+
+@pytest.mark.parametrize("how", ["drain", "engine_thread_ends"])
+async def test_grpc_health_of_vllm_generate_turns_not_serving_once_no_request_is_taken(
+    how: str,
+) -> None:
+    """This proto has no health of its own: as vLLM's server turns its service NOT_SERVING when
+    its engine fails or shuts down, `grpc.health.v1` says NOT_SERVING for `vllm.Generate` once
+    the engine takes no new requests (drained, or its engine thread gone). The empty name
+    stays SERVING (the process is up: what `kvplane up` and a liveness probe ask)."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    async with running_engine() as engine:
+        assert await _vllm_health(engine) == serving
+        if how == "drain":
+            drain = oe.DrainRequest(stop_accepting_new_requests=True, deadline_ms=0)
+            assert [r.state async for r in engine.stub.Drain(drain)][-1] == (
+                oe.DRAIN_STATE_COMPLETE
+            )
+        else:
+            await asyncio.to_thread(engine.app.service.engine_loop.stop, 10.0)
+
+        async def not_serving_now() -> bool:
+            return bool(await _vllm_health(engine) == not_serving)
+
+        await eventually(not_serving_now, what="vllm.Generate NOT_SERVING")
+        refused = await rpc_error(engine.vllm.Generate(_request()))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+        whole = await health_pb2_grpc.HealthStub(engine.channel).Check(
+            health_pb2.HealthCheckRequest()
+        )
+        assert whole.status == serving
