@@ -579,3 +579,20 @@ async def test_grpc_health_of_vllm_generate_turns_not_serving_once_no_request_is
             health_pb2.HealthCheckRequest()
         )
         assert whole.status == serving
+
+
+async def test_a_minimum_the_context_cannot_hold_is_refused_not_cut_short() -> None:
+    """As vLLM's server (the minimum above the maximum once that is capped at the context):
+    a `min_new_tokens` larger than what the context leaves after the prompt could only end
+    LENGTH short of it, so it is INVALID_ARGUMENT before acceptance; the most the context
+    holds is served."""
+    async with running_engine() as engine:  # max_model_len 256, a prompt of 24: room for 232
+        request = _request(stopping=pb.StoppingCriteria(max_new_tokens=1000, min_new_tokens=233))
+        events, error = await stream_error(engine.vllm.GenerateStream(request))
+        assert events == []
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "232" in (error.details() or ""), error.details()
+        assert await idle(engine)
+        request.stopping.min_new_tokens = 232
+        served = await engine.vllm.Generate(request)
+    assert served.outputs.finish_info.num_output_tokens == 232
