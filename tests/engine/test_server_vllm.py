@@ -596,3 +596,26 @@ async def test_a_minimum_the_context_cannot_hold_is_refused_not_cut_short() -> N
         request.stopping.min_new_tokens = 232
         served = await engine.vllm.Generate(request)
     assert served.outputs.finish_info.num_output_tokens == 232
+
+
+@pytest.mark.parametrize(
+    ("ignore_eos", "reason"), [(False, "eos_token_id"), (True, "stop_token_id")]
+)
+async def test_the_eos_listed_as_a_stop_id_is_reported_as_the_eos(
+    ignore_eos: bool, reason: str
+) -> None:
+    """vLLM checks the EOS before the stop ids (`check_stop`), so a client that also lists the
+    EOS in `stop_token_ids` is told `eos_token_id`; with `ignore_eos` the EOS is only a stop id
+    and so reported."""
+    config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
+    async with running_engine(config) as engine:
+        eos = (await engine.vllm.Generate(_request())).outputs.finish_info.eos_token_id
+        request = _request(
+            stopping=pb.StoppingCriteria(
+                max_new_tokens=5, stop_token_ids=[eos], ignore_eos=ignore_eos
+            )
+        )
+        finish = (await engine.vllm.Generate(request)).outputs.finish_info
+    assert finish.finish_reason == pb.FinishInfo.STOP
+    assert finish.WhichOneof("stop_reason") == reason
+    assert getattr(finish, reason) == eos
