@@ -112,12 +112,14 @@ async def create_server(
     *,
     options: Iterable[tuple[str, Any]] = (),
     handler_wrapper: HandlerWrapper | None = None,
+    health_servicer: health.aio.HealthServicer | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Build, bind and start a server for `services`; returns it with the bound port.
     `handler_wrapper` wraps each of their methods' handlers as they are registered (see
     `TolerantRegistration`: calls pay no interceptor).
 
-    Health reports SERVING for the empty service name and every registered service.
+    Health reports SERVING for the empty service name and every registered service once the
+    server starts; pass `health_servicer` to change a service's status later.
     """
     services = list(services)
     interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -137,7 +139,8 @@ async def create_server(
         interceptors=interceptors,
         options=[("grpc.so_reuseport", 0), *options],
     )
-    health_servicer = health.aio.HealthServicer()
+    if health_servicer is None:
+        health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     registration = cast(grpc.aio.Server, TolerantRegistration(server, handler_wrapper))
     for service in services:

@@ -195,6 +195,14 @@ class EngineCore:
                 f"prompt of {num_prompt} tokens leaves no room for output in a context of "
                 f"{self.max_model_len}"
             )
+        room = self.max_model_len - num_prompt
+        if request.sampling.min_tokens > room:
+            # The output ends at the context (LENGTH) before its minimum: refused, as vLLM
+            # refuses a minimum above the maximum it caps at the context.
+            raise InvalidRequestError(
+                f"a minimum of {request.sampling.min_tokens} new tokens does not fit: the "
+                f"context of {self.max_model_len} leaves {room} after a prompt of {num_prompt}"
+            )
         bm = self.block_manager
         if bm.blocks_for(num_prompt + 1) > bm.num_blocks:
             raise PromptTooLongError(

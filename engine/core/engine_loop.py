@@ -103,10 +103,14 @@ class EngineLoop:
         core: EngineCore,
         *,
         on_step: Callable[[StepReport], None] | None = None,
+        on_exit: Callable[[], None] | None = None,
         thread_name: str = "engine-step",
     ) -> None:
+        """`on_exit` is called on the engine thread as it ends (stopped or failed), once
+        `running` is false."""
         self.core = core
         self._on_step = on_step
+        self._on_exit = on_exit
         self._thread_name = thread_name
         # Reentrant: `submit`'s `admit` reads `num_queued` under it.
         self._cond = threading.Condition(threading.RLock())
@@ -142,7 +146,11 @@ class EngineLoop:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not (self._stopping or self._stopped)
+        )
 
     def load(self) -> LoadSnapshot:
         """The engine's load now (any thread): measured at the start and at the end of each
@@ -320,6 +328,8 @@ class EngineLoop:
                         sink(output)
                     except Exception:
                         logger.warning("output sink of %s failed", request.request_id)
+            if self._on_exit is not None:
+                self._on_exit()
 
     def _run_command(self, command: Callable[[], list[RequestOutput]]) -> list[RequestOutput]:
         try:

@@ -1,9 +1,10 @@
 """When an output stops, and which of its tokens and text are emitted.
 
 Checked after each sampled token, in this order:
-1. a caller stop token id, then EOS (unless `ignore_eos`): both only once `min_tokens` tokens
-   were generated; the matched token is emitted only with `include_stop_in_output` (its text
-   too) or `emit_stop_token` (its id alone, vLLM's output);
+1. EOS (unless `ignore_eos`), then a caller stop token id (vLLM's order: the EOS listed as a
+   stop id too is reported as the EOS): both only once `min_tokens` tokens were generated;
+   the matched token is emitted only with `include_stop_in_output` (its text too) or
+   `emit_stop_token` (its id alone, vLLM's output);
 2. stop strings (after `min_tokens`), searched in the text across token boundaries: the output
    text is cut before the match (or after it, with `include_stop_in_output`);
 3. `max_tokens` (or the context limit): LENGTH.
@@ -72,7 +73,7 @@ class StopChecker:
         sampling = self._sampling
         past_min = self._num_tokens > sampling.min_tokens
         if past_min and (token_id in self._stop_token_ids or token_id in self._eos_token_ids):
-            kind = StopKind.STOP_TOKEN if token_id in self._stop_token_ids else StopKind.EOS
+            kind = StopKind.EOS if token_id in self._eos_token_ids else StopKind.STOP_TOKEN
             if sampling.include_stop_in_output:
                 self._text += text_delta
             return StopDecision(

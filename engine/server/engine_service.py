@@ -233,6 +233,7 @@ class EngineService:
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._accepting = True
         self._draining = False
+        self._serving_listeners: list[Callable[[], None]] = []
         # One compile at a time: compiling is pure Python and holds the GIL, so threads that
         # compile side by side finish no sooner, and each takes a share of the GIL from the
         # event loop that answers Health and GetLoad.
@@ -258,6 +259,11 @@ class EngineService:
         with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
             self._aio_loop.call_soon_threadsafe(self._on_report, report)
 
+    def on_exit_threadsafe(self) -> None:
+        """EngineLoop's `on_exit` (engine thread): the engine serves no more."""
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: shutting down
+            self._aio_loop.call_soon_threadsafe(self._serving_changed)
+
     def _on_report(self, report: StepReport) -> None:
         self.kv_log.append(report.kv_events)
         self.runtime_events.publish_step(report.result.stats, report.load)
@@ -277,6 +283,26 @@ class EngineService:
     @property
     def engine_running(self) -> bool:
         return self.engine_loop.running
+
+    @property
+    def serving(self) -> bool:
+        """Whether new requests can be taken: not draining (or shutting down), and the engine
+        thread running. Once false it stays so."""
+        return self._accepting and self.engine_running
+
+    def on_serving_changed(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on the event loop) when `serving` turns false."""
+        self._serving_listeners.append(listener)
+
+    def _stop_accepting(self) -> None:
+        self._draining = True
+        if self._accepting:
+            self._accepting = False
+            self._serving_changed()
+
+    def _serving_changed(self) -> None:
+        for listener in self._serving_listeners:
+            listener()
 
     @property
     def num_in_flight(self) -> int:
@@ -612,8 +638,7 @@ class EngineService:
         with DEADLINE_EXCEEDED (still not accepting).
         """
         if stop_accepting:
-            self._accepting = False
-            self._draining = True
+            self._stop_accepting()
         loop = asyncio.get_running_loop()
         deadline = None if deadline_s is None else loop.time() + deadline_s
         aborted = False
@@ -663,8 +688,7 @@ class EngineService:
     async def close(self, grace_s: float) -> None:
         """Stop accepting, give requests (and open KV sessions) `grace_s` to finish, then stop
         the engine thread."""
-        self._accepting = False
-        self._draining = True
+        self._stop_accepting()
         if self.num_in_flight or self.num_open_kv_sessions:
 
             async def drained() -> None:

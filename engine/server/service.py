@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
 from engine.config import (
@@ -363,7 +364,10 @@ async def start_engine(config: EngineConfig) -> EngineApp:
     def on_step(report: StepReport) -> None:  # engine thread; the service exists by then
         services[0].on_step_threadsafe(report)
 
-    engine_loop = EngineLoop(core, on_step=on_step)
+    def on_exit() -> None:  # engine thread
+        services[0].on_exit_threadsafe()
+
+    engine_loop = EngineLoop(core, on_step=on_step, on_exit=on_exit)
     role = _ROLE[config.role]
     service = EngineService(
         engine_loop,
@@ -425,7 +429,8 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         kv_block_bytes=runner.kv_block_bytes,
     )
     services_to_serve = [openengine.service(), vllm.service(), kv_transfer.service()]
-    server, port = await create_server(config, services_to_serve)
+    health_servicer = health.aio.HealthServicer()
+    server, port = await create_server(config, services_to_serve, health_servicer=health_servicer)
     publisher: ZmqKvPublisher | None = None
     metrics_server: Any | None = None
     metrics_port: int | None = None
@@ -474,6 +479,7 @@ async def start_engine(config: EngineConfig) -> EngineApp:
         await server.stop(0)
         raise
     engine_loop.start()
+    vllm.report_health(health_servicer)
     log.info(
         "engine %s serving %s (%s, role %s, runner %s) on port %d",
         instance_id,

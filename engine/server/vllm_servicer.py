@@ -9,12 +9,14 @@ no model default (0 is none).
 `priority` is vLLM's (a lower value is handled earlier), the opposite of OpenEngine's.
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
-Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
-acceptance like in OpenEngine. This proto has no error event: a failure after acceptance ends
-the stream with gRPC INTERNAL. Logprobs are sent only when asked for (`output_logprobs`,
-`prompt_logprobs`); a candidate selection without them is ignored, as vLLM's server does. A
-prompt position without a logprob (the first prompt token) reports logprob 0.0 and rank 0 (as
-vLLM's server), so that the arrays stay aligned with `token_ids`.
+Unsupported options (logit bias, allowed token ids, KV transfer params, and any field outside
+the seed's schema: today's vLLM proto adds `lora_name`, `session_id`, ...) are refused before
+acceptance like in OpenEngine, never silently ignored. This proto has no error event: a
+failure after acceptance ends the stream with gRPC INTERNAL. Logprobs are sent only when
+asked for (`output_logprobs`, `prompt_logprobs`); a candidate selection without them is
+ignored, as vLLM's server does. A prompt position without a logprob (the first prompt
+token) reports logprob 0.0 and rank 0 (as vLLM's server), so that the arrays stay aligned
+with `token_ids`.
 
 Streaming: the first response carries `prompt_info` (with prompt logprobs asked for, the
 first one that has them, or the first to end a sequence: a request aborted before its prefill
@@ -28,6 +30,7 @@ everything into one response and so supports one sequence only.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from engine.core.api import (
     Candidate,
@@ -59,6 +63,7 @@ from engine.server.errors import (
 from engine.server.info import POOLING_ONLY_MESSAGE
 from engine.server.openengine_convert import EngineContext, guided_from_proto
 from engine.server.openengine_servicer import refuse
+from engine.server.unknown_fields import unknown_fields
 from kvplane.server import Service, abort_with
 from openengine.v1 import openengine_pb2 as oe
 from vllm_grpc import vllm_grpc_pb2 as pb
@@ -130,6 +135,13 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
     if ctx.role != oe.ENGINE_ROLE_AGGREGATED:
         raise RoleMismatchError("vllm.Generate runs on an AGGREGATED engine only")
+    unknown = unknown_fields(request)
+    if unknown:
+        raise UnsupportedOptionError(
+            f"fields this server's vllm.Generate does not have: {', '.join(unknown)} (options "
+            "of a newer vLLM proto, e.g. lora_name, session_id, skip_special_tokens, are "
+            "refused rather than ignored)"
+        )
     dec = request.decoding
     if dec.logit_bias or dec.allowed_token_ids:
         raise UnsupportedOptionError("logit_bias and allowed_token_ids are not supported")
@@ -285,6 +297,24 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
     def __init__(self, service: EngineService, ctx: EngineContext) -> None:
         self._service = service
         self._ctx = ctx
+        self._health_updates: set[asyncio.Task[None]] = set()
+
+    def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
+        """`grpc.health.v1` says NOT_SERVING for `vllm.Generate` once the engine takes no new
+        requests (a drain, a shutdown, its engine thread ended), as vLLM's server turns its
+        service NOT_SERVING when its engine fails or shuts down: this proto has no health of
+        its own for a client to read. (The empty name stays SERVING while the process runs.)"""
+
+        def changed() -> None:
+            status = health_pb2.HealthCheckResponse.SERVING
+            if not self._service.serving:
+                status = health_pb2.HealthCheckResponse.NOT_SERVING
+            update = asyncio.ensure_future(health_servicer.set(SERVICE_NAME, status))
+            self._health_updates.add(update)
+            update.add_done_callback(self._health_updates.discard)
+
+        self._service.on_serving_changed(changed)
+        changed()
 
     def service(self) -> Service:
         return Service(

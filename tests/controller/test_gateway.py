@@ -1065,6 +1065,31 @@ async def test_vllm_generate_is_routed_to_the_prefix_holder(fleet: Fleet) -> Non
     assert len(fleet.app.controller.router.inflight) == 0
 
 
+async def test_vllm_fields_of_a_newer_proto_are_refused_through_the_gateway(fleet: Fleet) -> None:
+    """The gateway relays the request with the fields it does not know either, so the engine
+    refuses them as it does a direct client (not served as if they were not sent)."""
+    from tests.engine.test_server_vllm import with_newer_vllm_fields
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    stub = vpb_grpc.GenerateStub(fleet.channel)
+    newer = with_newer_vllm_fields(
+        vpb.GenerateRequest(
+            model="sim",
+            token_ids=vpb.TokenIds(ids=[*PREFIX, 1]),
+            stopping=vpb.StoppingCriteria(max_new_tokens=3),
+        )
+    )
+    for call in (stub.Generate(newer), stub.GenerateStream(newer)):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call if isinstance(call, grpc.aio.UnaryUnaryCall) else [r async for r in call]
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = refused.value.details() or ""
+        assert "GenerateRequest field 15" in details, details
+        assert "GenerateRequest.response field 8" in details, details
+    assert len(fleet.app.controller.router.inflight) == 0
+
+
 async def test_vllm_truncated_prompt_is_routed_by_the_tokens_the_engine_keeps(
     fleet: Fleet,
 ) -> None:

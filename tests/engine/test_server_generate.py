@@ -526,3 +526,16 @@ async def test_options_at_the_advertised_limits_are_accepted() -> None:
         responses = await collect(engine.stub, request)
     finished = [r for r in responses if r.WhichOneof("event") == "finished"]
     assert len(finished) == limits.max_num_sequences == 8
+
+
+async def test_a_min_tokens_the_context_cannot_hold_is_invalid_argument() -> None:
+    """The context (256) leaves 252 tokens after a prompt of 4: a minimum of 253 could only
+    end LENGTH short of it, so Generate refuses it before acceptance (as vLLM does)."""
+    async with running_engine() as engine:
+        request = generate_request([1, 2, 3, 4], max_tokens=1000)
+        request.stopping.min_tokens = 253
+        events, error = await stream_error(engine.stub.Generate(request))
+        assert events == []
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "leaves 252 after a prompt of 4" in (error.details() or ""), error.details()
+        assert await idle(engine)

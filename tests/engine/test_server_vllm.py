@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.config import SimTimingConfig
 from openengine.v1 import openengine_pb2 as oe
@@ -335,6 +336,33 @@ async def test_options_the_engine_does_not_implement_are_refused(
         assert await idle(engine)
 
 
+def with_newer_vllm_fields(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """`request` as a client built on today's vLLM proto sends it, with `lora_name` = "x"
+    (GenerateRequest field 15, a string) and `skip_special_tokens` = false (ResponseOptions
+    field 8, a bool): fields the seed's schema does not have."""
+    newer = pb.GenerateRequest.FromString(request.SerializeToString() + b"\x7a\x01x")
+    newer.response.MergeFromString(b"\x40\x00")
+    return newer
+
+
+async def test_fields_of_a_newer_vllm_proto_are_refused_not_ignored() -> None:
+    """A LoRA name or a decoding option this server's proto lacks would otherwise be dropped
+    by protobuf and the request served as if they were not sent (the base model's answer):
+    INVALID_ARGUMENT naming where each one is, before acceptance, unary and streaming."""
+    async with running_engine() as engine:
+        newer = with_newer_vllm_fields(_request())
+        unary = await rpc_error(engine.vllm.Generate(newer))
+        events, streamed = await stream_error(engine.vllm.GenerateStream(newer))
+        assert events == []
+        for error in (unary, streamed):
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "GenerateRequest field 15" in (error.details() or ""), error.details()
+            assert "GenerateRequest.response field 8" in (error.details() or "")
+        assert await idle(engine)
+        served = await engine.vllm.Generate(_request())  # the seed's fields alone: served
+    assert served.outputs.finish_info.finish_reason == pb.FinishInfo.LENGTH
+
+
 async def test_an_empty_kv_transfer_params_is_no_parameter() -> None:
     async with running_engine() as engine:
         request = _request()
@@ -512,3 +540,82 @@ async def test_an_aborted_unary_generate_answers_aborted_not_an_error() -> None:
     assert unary.outputs.finish_info.finish_reason == pb.FinishInfo.ABORTED
     assert unary.outputs.finish_info.num_output_tokens == unary.outputs.num_tokens == 0
     assert unary.prompt_info.num_prompt_tokens == len(PROMPT)
+
+
+async def _vllm_health(engine: Engine) -> int:
+    reply = await health_pb2_grpc.HealthStub(engine.channel).Check(
+        health_pb2.HealthCheckRequest(service="vllm.Generate")
+    )
+    return int(reply.status)
+
+
+@pytest.mark.parametrize("how", ["drain", "engine_thread_ends"])
+async def test_grpc_health_of_vllm_generate_turns_not_serving_once_no_request_is_taken(
+    how: str,
+) -> None:
+    """This proto has no health of its own: as vLLM's server turns its service NOT_SERVING when
+    its engine fails or shuts down, `grpc.health.v1` says NOT_SERVING for `vllm.Generate` once
+    the engine takes no new requests (drained, or its engine thread gone). The empty name
+    stays SERVING (the process is up: what `kvplane up` and a liveness probe ask)."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    async with running_engine() as engine:
+        assert await _vllm_health(engine) == serving
+        if how == "drain":
+            drain = oe.DrainRequest(stop_accepting_new_requests=True, deadline_ms=0)
+            assert [r.state async for r in engine.stub.Drain(drain)][-1] == (
+                oe.DRAIN_STATE_COMPLETE
+            )
+        else:
+            await asyncio.to_thread(engine.app.service.engine_loop.stop, 10.0)
+
+        async def not_serving_now() -> bool:
+            return bool(await _vllm_health(engine) == not_serving)
+
+        await eventually(not_serving_now, what="vllm.Generate NOT_SERVING")
+        refused = await rpc_error(engine.vllm.Generate(_request()))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE, refused
+        whole = await health_pb2_grpc.HealthStub(engine.channel).Check(
+            health_pb2.HealthCheckRequest()
+        )
+        assert whole.status == serving
+
+
+async def test_a_minimum_the_context_cannot_hold_is_refused_not_cut_short() -> None:
+    """As vLLM's server (the minimum above the maximum once that is capped at the context):
+    a `min_new_tokens` larger than what the context leaves after the prompt could only end
+    LENGTH short of it, so it is INVALID_ARGUMENT before acceptance; the most the context
+    holds is served."""
+    async with running_engine() as engine:  # max_model_len 256, a prompt of 24: room for 232
+        request = _request(stopping=pb.StoppingCriteria(max_new_tokens=1000, min_new_tokens=233))
+        events, error = await stream_error(engine.vllm.GenerateStream(request))
+        assert events == []
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+        assert "232" in (error.details() or ""), error.details()
+        assert await idle(engine)
+        request.stopping.min_new_tokens = 232
+        served = await engine.vllm.Generate(request)
+    assert served.outputs.finish_info.num_output_tokens == 232
+
+
+@pytest.mark.parametrize(
+    ("ignore_eos", "reason"), [(False, "eos_token_id"), (True, "stop_token_id")]
+)
+async def test_the_eos_listed_as_a_stop_id_is_reported_as_the_eos(
+    ignore_eos: bool, reason: str
+) -> None:
+    """vLLM checks the EOS before the stop ids (`check_stop`), so a client that also lists the
+    EOS in `stop_token_ids` is told `eos_token_id`; with `ignore_eos` the EOS is only a stop id
+    and so reported."""
+    config = sim_config(sim=SimTimingConfig(time_scale=0.0, vocab_size=1000, eos_after=3))
+    async with running_engine(config) as engine:
+        eos = (await engine.vllm.Generate(_request())).outputs.finish_info.eos_token_id
+        request = _request(
+            stopping=pb.StoppingCriteria(
+                max_new_tokens=5, stop_token_ids=[eos], ignore_eos=ignore_eos
+            )
+        )
+        finish = (await engine.vllm.Generate(request)).outputs.finish_info
+    assert finish.finish_reason == pb.FinishInfo.STOP
+    assert finish.WhichOneof("stop_reason") == reason
+    assert getattr(finish, reason) == eos

@@ -73,6 +73,18 @@ def test_held_back_text_is_flushed_when_the_length_runs_out() -> None:
     assert decision.finish_reason is FinishReason.LENGTH
 
 
+def test_an_eos_listed_as_a_stop_id_matches_as_the_eos_unless_ignored() -> None:
+    """vLLM's order (its `check_stop`): the EOS before the caller's stop ids."""
+    listed = SamplingParams(stop_token_ids=(EOS,))
+    assert StopChecker(listed, {EOS}, 9).on_token(EOS, "").stop_match == StopMatch(
+        StopKind.EOS, token_id=EOS
+    )
+    ignored = SamplingParams(stop_token_ids=(EOS,), ignore_eos=True)
+    assert StopChecker(ignored, {EOS}, 9).on_token(EOS, "").stop_match == StopMatch(
+        StopKind.STOP_TOKEN, token_id=EOS
+    )
+
+
 def test_stop_token_and_eos_respect_min_tokens_and_ignore_eos() -> None:
     sampling = SamplingParams(stop_token_ids=(7,), min_tokens=2)
     checker = StopChecker(sampling, {EOS}, 100)
