@@ -195,16 +195,23 @@ class Fleet:
         process holds (another fleet's controller on 127.0.0.1:8100) fails the start in a
         moment, not once the engines started before that member have loaded their models. It
         holds nothing: the member binds the port itself, and one taken in between still fails
-        that member's start."""
+        that member's start. An address two members are both given is refused too (each
+        would pass alone)."""
+        given: dict[tuple[str, int], str] = {}  # (host, port) -> "member (its setting)"
         for member in self.members:
             for setting, listen in member.config.fixed_listen_addresses():
+                which = f"{member.name} (its {setting})"
                 host, port = parse_host_port(listen)
+                if (host, port) in given:
+                    raise KvplaneError(
+                        f"{given[host, port]} and {which} both listen on {listen}; no member "
+                        "was started"
+                    )
+                given[host, port] = which
                 try:
                     check_bindable(listen, host, port)
                 except ConfigError as exc:
-                    raise KvplaneError(
-                        f"{member.name} (its {setting}): {exc}; no member was started"
-                    ) from None
+                    raise KvplaneError(f"{which}: {exc}; no member was started") from None
 
     async def _start_when_ready(self, member: Member) -> None:
         refs = member.config.refers_to()

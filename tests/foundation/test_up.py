@@ -961,6 +961,18 @@ def test_a_hung_member_holds_up_no_other_members_stop(tmp_path: Path) -> None:
         assert wait_gone([pid for _, pid in members.values()], 5) == []
 
 
+def _error_before_any_member_starts(config: dict[str, Any], tmp_path: Path) -> str:
+    """`kvplane up` of the fleet `config`, failing (exit 1) before it starts any member: its
+    error line."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(config))
+    proc = _up(fleet, tmp_path)
+    _, errors = proc.communicate(timeout=60)
+    assert proc.returncode == 1, errors
+    assert " started (pid" not in errors, errors
+    return errors.splitlines()[-1]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("member", "setting"),
@@ -978,17 +990,29 @@ def test_a_held_port_fails_the_start_before_any_member_starts(
         held = f"127.0.0.1:{holder.getsockname()[1]}"
         config = yaml.safe_load(SIM_FLEET)
         next(m for m in config["members"] if m["name"] == member)["config"][setting] = held
-        fleet = tmp_path / "fleet.yaml"
-        fleet.write_text(yaml.safe_dump(config))
-        proc = _up(fleet, tmp_path)
-        _, errors = proc.communicate(timeout=60)
-    assert proc.returncode == 1, errors
-    assert errors.splitlines()[-1] == (
+        error = _error_before_any_member_starts(config, tmp_path)
+    assert error == (
         f"kvplane: error: {member} (its {setting}): cannot listen on {held}: Address already in"
         " use; no member was started"
-    ), errors
-    assert " started (pid" not in errors
+    )
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member, no log to keep
+
+
+def test_an_address_given_to_two_members_fails_the_start_before_either_starts(
+    tmp_path: Path,
+) -> None:
+    """Each member alone could bind it, so only the second's start would fail, once the
+    first is up."""
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        shared = f"127.0.0.1:{probe.getsockname()[1]}"
+    config = yaml.safe_load(SIM_FLEET)
+    for member in config["members"][:2]:
+        member["config"]["metrics_listen" if member["name"] == "engine-0" else "listen"] = shared
+    assert _error_before_any_member_starts(config, tmp_path) == (
+        f"kvplane: error: engine-0 (its metrics_listen) and engine-1 (its listen) both listen"
+        f" on {shared}; no member was started"
+    )
 
 
 @pytest.mark.timeout(120)
