@@ -155,7 +155,7 @@ async def create_server(
         server,
     )
     host, port = parse_host_port(config.listen)
-    _check_bindable(config.listen, host, port)
+    check_bindable(config.listen, host, port)
     address = join_host_port(host, port)
     try:
         if config.tls is not None:
@@ -174,12 +174,13 @@ async def create_server(
     return server, bound
 
 
-def _check_bindable(listen: str, host: str, port: int) -> None:
-    """Refuse a port another process holds, or one this user may not bind, in one line. gRPC
-    would log a line of its own on stderr first (from its C core, whatever our logging says)
-    and then raise only "Failed to bind"; a plain socket says why. Other failures (an address
-    family the host lacks for one of a name's addresses) are left to gRPC, which binds what
-    it can."""
+def check_bindable(listen: str, host: str, port: int) -> None:
+    """Refuse a port another process holds, or one this user may not bind, in one line, by
+    binding it and closing it at once (so `kvplane up` also checks its members' ports with it
+    before starting any). gRPC would log a line of its own on stderr first (from its C core,
+    whatever our logging says) and then raise only "Failed to bind"; a plain socket says why.
+    Other failures (an address family the host lacks for one of a name's addresses) are left
+    to gRPC, which binds what it can."""
     if port == 0:
         return
     try:

@@ -25,12 +25,15 @@ How it is built. The source below is compiled once per machine with the system C
 the user's cache directory (keyed by the source, the flags and the CPU), and called through
 ctypes with the tensors' data pointers (no torch headers, no Python extension ABI). Every
 wrapper checks dtypes, contiguity, shapes and the indices the C code follows before it runs.
+The compiler runs in a process group of its own, killed whole when the compile is stopped
+(SIGTERM while an engine starts, see `first_use`), so none of its processes outlives it.
 When no compiler is found, compilation fails or the library cannot be loaded,
 `load_kernels()` returns None and the caller keeps the torch path; the reason is logged once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -38,6 +41,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -618,9 +622,34 @@ def _build() -> Path:
                 str(built),
                 str(source),
             ]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+            done = _compile(command)
             if done.returncode == 0:
                 os.replace(built, target)  # atomic: concurrent builders agree
                 return target
             errors.append(f"{' '.join(flags)}: {done.stderr.strip()[:300]}")
     raise RuntimeError("compiling the kernel failed: " + "; ".join(errors))
+
+
+_COMPILE_TIMEOUT_S = 120
+
+
+def _compile(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Run the compiler to its end in a process group of its own, and kill that whole group
+    on any way out before then (SIGTERM's unwind, Ctrl-C, the timeout): the driver (`cc`)
+    runs `cc1`, `as` and `ld` as children, and killing the driver alone, as
+    `subprocess.run` does, leaves the one at work compiling on, an orphan."""
+    with subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0,  # its pid is its group's id
+    ) as compiler:
+        try:
+            stdout, stderr = compiler.communicate(timeout=_COMPILE_TIMEOUT_S)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(compiler.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(command, compiler.returncode, stdout, stderr)

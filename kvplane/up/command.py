@@ -98,10 +98,9 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
     finally:
         stopper.cancel()
         log.info(
-            "stopping the fleet: draining the controller and engines, then stopping every member"
+            "stopping the fleet: draining the controller and engines, each member stopped once"
+            " its own drain ends"
         )
-        await fleet.stop_planners()
-        await fleet.drain()
         await fleet.stop()
         log.info("fleet stopped")
         for sig in signals:

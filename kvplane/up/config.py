@@ -9,6 +9,7 @@ fleet's controller."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 from pathlib import Path
@@ -20,7 +21,14 @@ from pydantic import Field, field_validator, model_validator
 from controller.config import ControllerConfig
 from engine.config import EngineConfig, check_model_source
 from indexer.config import IndexerConfig
-from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, load_config, validate_config
+from kvplane.config import (
+    ClientTlsConfig,
+    ServerConfig,
+    StrictModel,
+    load_config,
+    parse_host_port,
+    validate_config,
+)
 from kvplane.errors import ConfigError
 from planner.config import PlannerConfig
 
@@ -73,6 +81,25 @@ class MemberConfig(StrictModel):
             return ["planner", "run", "--config", str(config_path)]
         return [self.kind, "serve", "--config", str(config_path), "--port-file", str(port_file)]
 
+    def fixed_listen_addresses(self) -> list[tuple[str, str]]:
+        """(setting, HOST:PORT) of each address the member is configured to listen on with a
+        port of its own: `listen` and `metrics_listen` (a planner's `live.metrics_listen`).
+        Port 0 (picked at run time) is left out, as is a value naming another member or not
+        an address at all (the member's config check reports it)."""
+        settings: dict[str, Any] = {}
+        if self.serves:
+            settings = {k: self.config.get(k) for k in ("listen", "metrics_listen")}
+        elif isinstance(live := self.config.get("live"), dict):
+            settings = {"live.metrics_listen": live.get("metrics_listen")}
+        fixed = []
+        for setting, value in settings.items():
+            if not isinstance(value, str) or PLACEHOLDER.search(value):
+                continue
+            with contextlib.suppress(ValueError):
+                if parse_host_port(value)[1] != 0:
+                    fixed.append((setting, value))
+        return fixed
+
     def server_config(self, addresses: dict[str, str], folder: Path) -> dict[str, Any]:
         """The YAML `up` gives the member's process: `config` with each ${name} replaced by
         `addresses[name]`, a server's `listen` defaulting to 127.0.0.1:0, a controller's
@@ -121,8 +148,10 @@ def _substitute(value: Any, addresses: dict[str, str]) -> Any:
 
 class FleetConfig(StrictModel):
     members: list[MemberConfig] = Field(min_length=1)
-    # Seconds each member gets to become healthy, and to stop after SIGTERM.
+    # Seconds each member gets to become healthy.
     start_timeout_s: float = Field(default=120.0, gt=0)
+    # Seconds a member gets to stop after SIGTERM, then it is killed; at the latest this long
+    # past the drain's deadline (`Fleet.stop`).
     stop_timeout_s: float = Field(default=15.0, gt=0)
     # On Ctrl-C engines finish what they run for this long; what is left is then aborted.
     drain_deadline_s: float = Field(default=3.0, ge=0)

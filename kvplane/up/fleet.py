@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -24,7 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.registry import EngineState
 from kvplane.channels import ClientChannels
-from kvplane.errors import KvplaneError
+from kvplane.config import parse_host_port
+from kvplane.errors import ConfigError, KvplaneError
+from kvplane.server import check_bindable
 from kvplane.up.config import FleetConfig, MemberConfig
 from kvplane.up.member import member_environment
 from kvplane_api.v1 import admin_pb2 as apb
@@ -38,6 +41,9 @@ log = logging.getLogger(__name__)
 _METRICS_LINE = re.compile(r"metrics on http://(\S+)/metrics")
 # Each run's private folder is named after its pid, so a later run can tell a dead run's.
 WORKDIR_PREFIX = "kvplane-up-"
+# How long past the drain's deadline a member's answer is waited for (it aborts what is left,
+# then says so); one that has not answered by then is stopped anyway.
+DRAIN_REPLY_GRACE_S = 5.0
 
 
 def _member_environment(name: str, cpus: list[int] | None) -> dict[str, str]:
@@ -171,7 +177,9 @@ class Fleet:
         return next(m for m in self.members if m.name == name)
 
     async def start(self) -> None:
-        """Start every member as soon as the members it names are up; raise if one fails."""
+        """Start every member as soon as the members it names are up; raise if one fails.
+        The ports they are configured to listen on are checked first (`check_ports`)."""
+        self.check_ports()
         tasks = [asyncio.ensure_future(self._start_when_ready(member)) for member in self.members]
         try:
             for task in asyncio.as_completed(tasks):
@@ -180,6 +188,30 @@ class Fleet:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def check_ports(self) -> None:
+        """The pre-flight: bind and close at once each port a member is configured to listen
+        on (not port 0, picked at run time), before any member starts, so that one another
+        process holds (another fleet's controller on 127.0.0.1:8100) fails the start in a
+        moment, not once the engines started before that member have loaded their models. It
+        holds nothing: the member binds the port itself, and one taken in between still fails
+        that member's start. An address two members are both given is refused too (each
+        would pass alone)."""
+        given: dict[tuple[str, int], str] = {}  # (host, port) -> "member (its setting)"
+        for member in self.members:
+            for setting, listen in member.config.fixed_listen_addresses():
+                which = f"{member.name} (its {setting})"
+                host, port = parse_host_port(listen)
+                if (host, port) in given:
+                    raise KvplaneError(
+                        f"{given[host, port]} and {which} both listen on {listen}; no member "
+                        "was started"
+                    )
+                given[host, port] = which
+                try:
+                    check_bindable(listen, host, port)
+                except ConfigError as exc:
+                    raise KvplaneError(f"{which}: {exc}; no member was started") from None
 
     async def _start_when_ready(self, member: Member) -> None:
         refs = member.config.refers_to()
@@ -283,6 +315,22 @@ class Fleet:
                 wait.cancel()
         return waits[done.pop()]
 
+    async def stop(self) -> None:
+        """Stop every member: the planners first, then the rest at once (`_drain_and_stop`),
+        each killed if it still runs `stop_timeout_s` after its SIGTERM or at one deadline for
+        all, `drain_deadline_s` + `stop_timeout_s` from the drain's start (nothing is drained
+        after a second Ctrl-C's kill), whichever comes first. Every member is signalled on
+        its own schedule, so a hung one (answering neither its drain nor SIGTERM) holds up no
+        other member's SIGTERM, and the stop lasts at most one member's worst case: the
+        drain's deadline, then `stop_timeout_s`; not the wait for its drain's answer plus
+        `stop_timeout_s`."""
+        await self.stop_planners()
+        loop = asyncio.get_running_loop()
+        drain_s = 0.0 if self.killed else self.config.drain_deadline_s
+        deadline = loop.time() + drain_s + self.config.stop_timeout_s
+        rest = [m for m in self.members if m.config.serves]
+        await asyncio.gather(*(self._drain_and_stop(m, deadline) for m in rest))
+
     async def stop_planners(self) -> None:
         """Stop the planners first, before the rest is drained: a planner still running would
         replace the engines it sees draining. Each takes its engines out of the controller
@@ -295,26 +343,40 @@ class Fleet:
             )
         await asyncio.gather(*(self._stop_member(m) for m in planners))
 
-    async def drain(self) -> None:
-        """Drain every running engine and controller at once: in-flight requests get the
-        drain deadline, then the rest are aborted. A controller drains its gateway, so that
-        clients are told the fleet is stopping (not that some engine drains) from the first
-        moment. Errors are logged, never raised (stopping goes on). Killed members are not
-        dialled: their processes may not be reaped yet, and each drain would fail."""
-        if self.killed:
-            return
-        draining = [
-            m
-            for m in self.members
-            if m.kind in ("engine", "controller")
-            and m.address is not None
-            and m.process is not None
-            and m.process.returncode is None
-        ]
-        if draining:
-            await asyncio.gather(*(self._drain(m) for m in draining))
+    def _drainable(self, member: Member) -> bool:
+        """An engine or controller serving and still running (killed members are not dialled:
+        their processes may not be reaped yet, and each drain would fail)."""
+        return (
+            not self.killed
+            and member.kind in ("engine", "controller")
+            and member.address is not None
+            and member.process is not None
+            and member.process.returncode is None
+        )
 
-    async def _drain(self, member: Member) -> None:
+    async def drain(self) -> None:
+        """Drain every running engine and controller at once, without stopping them: in-flight
+        requests get the drain deadline, then the rest are aborted. A controller drains its
+        gateway, so that clients are told the fleet is stopping (not that some engine drains)
+        from the first moment. Errors are logged, never raised (stopping goes on)."""
+        deadline = asyncio.get_running_loop().time() + self._drain_wait_s()
+        draining = [m for m in self.members if self._drainable(m)]
+        await asyncio.gather(*(self._drain(m, deadline) for m in draining))
+
+    def _drain_wait_s(self) -> float:
+        """How long a drain's answer is waited for: its deadline, and `DRAIN_REPLY_GRACE_S`
+        for the member to abort what is left and say so."""
+        return self.config.drain_deadline_s + DRAIN_REPLY_GRACE_S
+
+    async def _drain_and_stop(self, member: Member, deadline: float) -> None:
+        """Drain the member (an engine or controller), then SIGTERM it as soon as its own
+        drain has ended (or has not answered by `_drain_wait_s`, or the stop's `deadline`)."""
+        if self._drainable(member):
+            now = asyncio.get_running_loop().time()
+            await self._drain(member, min(deadline, now + self._drain_wait_s()))
+        await self._stop_member(member, deadline)
+
+    async def _drain(self, member: Member, answer_by: float) -> None:
         assert member.address is not None
         deadline_s = self.config.drain_deadline_s
         request = pb.DrainRequest(
@@ -322,10 +384,11 @@ class Fleet:
             deadline_ms=int(deadline_s * 1000),
             abort_after_deadline=True,
         )
+        timeout = max(0.0, answer_by - asyncio.get_running_loop().time())
         try:
             async with self.channels.aio_channel(member.address) as channel:
                 stub: pb_grpc.OpenEngineAsyncStub = pb_grpc.OpenEngineStub(channel)
-                async for reply in stub.Drain(request, timeout=deadline_s + 5.0):
+                async for reply in stub.Drain(request, timeout=timeout):
                     if reply.state == pb.DRAIN_STATE_COMPLETE:
                         member.state = "drained"
                         log.debug("%s drained", member.name)
@@ -335,37 +398,25 @@ class Fleet:
                 return
             log.warning("%s: drain failed (%s); stopping it anyway", member.name, exc.code().name)
 
-    def _depths(self) -> dict[str, int]:
-        """How far each member is from the members that name no one (0): the start order."""
-        depths: dict[str, int] = {}
-        for member in self.members:  # a member names only earlier members
-            refs = member.config.refers_to()
-            depths[member.name] = 1 + max((depths[r] for r in refs), default=-1)
-        return depths
-
-    async def stop(self) -> None:
-        """SIGTERM members in reverse start order (those that name others first), each
-        level at once; kill what is still running after `stop_timeout_s`."""
-        depths = self._depths()
-        for depth in sorted(set(depths.values()), reverse=True):
-            level = [m for m in self.members if depths[m.name] == depth]
-            await asyncio.gather(*(self._stop_member(m) for m in level))
-
-    async def _stop_member(self, member: Member) -> None:
+    async def _stop_member(self, member: Member, deadline: float = math.inf) -> None:
+        """SIGTERM the member; kill it with its process group if it still runs
+        `stop_timeout_s` later, or at the stop's `deadline` (the event loop's clock) if that
+        comes first."""
         process = member.process
         if process is None or process.returncode is not None:
             return
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)
+        kill_at = min(deadline, asyncio.get_running_loop().time() + self.config.stop_timeout_s)
         try:
-            async with asyncio.timeout(self.config.stop_timeout_s):
-                await process.wait()
+            async with asyncio.timeout_at(kill_at):
+                code = await process.wait()
         except TimeoutError:
             log.warning("%s did not stop in time; killing it", member.name)
             _kill_group(process)
-            await process.wait()
-        member.state = f"stopped ({process.returncode})"
-        log.debug("%s stopped (%s)", member.name, process.returncode)
+            code = await process.wait()
+        member.state = f"stopped ({code})"
+        log.info("%s stopped with %s", member.name, exit_how(code))
 
 
 def remove_stale_workdirs(parent: Path) -> list[Path]:

@@ -5,12 +5,14 @@ reproduces vLLM's greedy outputs."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from engine.torch_runner.errors import KvCacheError
 from engine.torch_runner.model import apply_rotary, rms_norm
 from engine.torch_runner.runner import TorchModelRunner
 from tests.engine.torch_reference import TINY_LLAMA, drive, vllm_requests, vllm_sequences
+from tests.processes import descendants, wait_gone
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -264,15 +267,15 @@ def test_an_unwritable_cache_directory_falls_back_to_the_temp_directory(
 
 # A first compile held open until it is stopped (a real one takes seconds; no compiler needed).
 _COMPILE_UNTIL_STOPPED = """
-import subprocess, time
+import time
 from engine.torch_runner import native
 
-def held_open(command, **kwargs):
+def held_open(command):
     print("compiling", flush=True)
     time.sleep(600)
 
 native._compiler = lambda: "cc"
-subprocess.run = held_open
+native._compile = held_open
 native.load_kernels()
 """
 
@@ -296,3 +299,50 @@ def test_a_compile_stopped_by_sigterm_leaves_no_scratch_in_the_cache(tmp_path: P
         _, errors = build.communicate(timeout=60)
     assert build.returncode == -signal.SIGTERM, errors  # still reads as killed by SIGTERM
     assert list(cache.iterdir()) == []
+
+
+# A first compile by the real compiler, held open: its source includes a FIFO that nobody
+# opens for writing, so the compiler proper (`cc1`, the `cc` driver's child) waits in it.
+_COMPILE_HELD_ON_A_FIFO = """
+import sys
+from engine.torch_runner import native
+
+native._SOURCE = '#include "' + sys.argv[1] + '"\\n'
+native.load_kernels()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_compile_stopped_by_sigterm_leaves_no_compiler_process(tmp_path: Path) -> None:
+    """SIGTERM (`kvplane up` stopping an engine that compiles its kernels on first use) ends
+    the compiler's whole process tree with the engine: killing the `cc` driver alone left
+    `cc1` compiling on, an orphan."""
+    assert native.compiler_available()
+    fifo = tmp_path / "held.h"
+    os.mkfifo(fifo)
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "KVPLANE_CACHE_DIR"},
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+    }
+    compile_processes: list[int] = []
+    with subprocess.Popen(
+        [sys.executable, "-c", _COMPILE_HELD_ON_A_FIFO, str(fifo)],
+        stderr=subprocess.PIPE, env=env, start_new_session=True,
+    ) as build:  # fmt: skip
+        try:
+            # The driver and the compiler proper it runs, waiting in the FIFO.
+            while len(compile_processes) < 2 and build.poll() is None:
+                time.sleep(0.05)
+                compile_processes = descendants(build.pid)
+            assert len(compile_processes) >= 2, build.stderr
+            build.send_signal(signal.SIGTERM)
+            _, errors = build.communicate(timeout=30)
+            assert build.returncode == -signal.SIGTERM, errors
+            # Time to die, not to finish: the FIFO holds the compiler until it is killed.
+            assert wait_gone(compile_processes, 10) == []
+        finally:
+            for pid in compile_processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    assert list((tmp_path / "xdg" / "kvplane" / "native").iterdir()) == []

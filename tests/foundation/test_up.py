@@ -9,10 +9,12 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.engine.test_server_pooling_runner import write_headless_classifier
+from tests.processes import running, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 MEMBER_LINE = re.compile(r"fleet member (\S+) \((\w+)\) on (\S+) pid (\d+)")
@@ -55,23 +58,6 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan waits for init to reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """The pids still running after up to `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return [pid for pid in pids if _running(pid)]
 
 
 SIM_FLEET = (
@@ -138,6 +124,26 @@ def _kill_leftovers(proc: subprocess.Popen[str], pids: list[int]) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def _sim_fleet_up(
+    tmp_path: Path, text: str = SIM_FLEET, wrapper: tuple[str, ...] = ()
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, tuple[str, int]]]]:
+    """`kvplane up` of a fleet of three members (`text`, SIM_FLEET's), once all serve: up and
+    name -> (address, pid) of each; neither up nor a member outlives the block."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(text)
+    proc = _up(fleet, tmp_path, wrapper)
+    pids: list[int] = []
+    try:
+        assert proc.stderr is not None
+        members = _serving_members(proc, 3)
+        pids = [pid for _, pid in members.values()]
+        assert len(pids) == 3
+        yield proc, members
+    finally:
+        _kill_leftovers(proc, pids)
 
 
 def _default_fleet_on_free_ports() -> dict[str, Any]:
@@ -228,36 +234,23 @@ def test_ctrl_c_drains_in_flight_work_and_leaves_no_process(tmp_path: Path) -> N
 def test_sigkill_of_up_takes_every_member_with_it(tmp_path: Path) -> None:
     """Nothing can catch SIGKILL: the members (in sessions of their own) must notice that
     their parent is gone, or they keep their ports (the default fleet's 127.0.0.1:8100)."""
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(SIM_FLEET)
-    proc = _up(fleet, tmp_path)
-    pids: list[int] = []
-    try:
-        pids = [pid for _, pid in _serving_members(proc, 3).values()]
-        assert len(pids) == 3 and all(_running(pid) for pid in pids)
+    with _sim_fleet_up(tmp_path) as (proc, members):
+        pids = [pid for _, pid in members.values()]
+        assert all(running(pid) for pid in pids)
         assert remove_stale_workdirs(tmp_path) == []  # a running fleet's folder is kept
         proc.kill()
         proc.wait(timeout=10)
-        assert _wait_gone(pids, 15) == []
+        assert wait_gone(pids, 15) == []
         # Its folder (member configs and logs) stays behind, for the next run to remove.
         [stale] = tmp_path.glob(f"{WORKDIR_PREFIX}{proc.pid}-*")
         assert (stale / "controller.log").exists()
         assert remove_stale_workdirs(tmp_path) == [stale] and not stale.exists()
-    finally:
-        _kill_leftovers(proc, pids)
 
 
 @pytest.mark.timeout(120)
 def test_a_member_that_dies_stops_the_fleet_and_fails_up(tmp_path: Path) -> None:
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(SIM_FLEET)
-    proc = _up(fleet, tmp_path)
-    pids: list[int] = []
-    try:
+    with _sim_fleet_up(tmp_path) as (proc, members):
         assert proc.stderr is not None
-        members = _serving_members(proc, 3)
-        pids = [pid for _, pid in members.values()]
-        assert len(pids) == 3
         os.kill(members["engine-1"][1], signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         rest = proc.stderr.read()
@@ -274,9 +267,7 @@ def test_a_member_that_dies_stops_the_fleet_and_fails_up(tmp_path: Path) -> None
         assert f"configs and logs are kept in {log_path.parent} (the next kvplane up" in rest
         assert "a member exited" in rest.splitlines()[-1]
         assert "Traceback" not in rest
-        assert _wait_gone(pids, 5) == []
-    finally:
-        _kill_leftovers(proc, pids)
+        assert wait_gone([pid for _, pid in members.values()], 5) == []
 
 
 @pytest.mark.timeout(120)
@@ -390,8 +381,7 @@ async def test_status_shows_load_cache_and_routing_of_a_running_fleet(
             route = await apb_grpc.AdminStub(ch).Route(apb.PromptQuery(prompt="Hello, world"))
         assert route.tokenized and route.num_prompt_tokens > 0
     finally:
-        await fleet.drain()
-        await fleet.stop()
+        await fleet.stop()  # drains first
     pids = [m.pid for m in fleet.members]
     assert all(pid is not None and not _alive(pid) for pid in pids)
 
@@ -946,25 +936,96 @@ async def test_a_member_deaf_to_sigterm_is_killed_after_stop_timeout(
 
 
 @pytest.mark.timeout(120)
+def test_a_hung_member_holds_up_no_other_members_stop(tmp_path: Path) -> None:
+    """A member that answers neither its drain nor SIGTERM (hung; here stopped, which holds
+    the signal pending) is killed at the stop's deadline, and the others, stopped each as its
+    own drain ends, are gone by then: before, a hung controller (stopped first, as the last
+    started) held every engine's SIGTERM back for `stop_timeout_s`, and each engine was
+    stopped only after it was killed."""
+    hurried = "drain_deadline_s: 0\nstop_timeout_s: 10\n" + SIM_FLEET
+    with _sim_fleet_up(tmp_path, hurried) as (proc, members):
+        assert proc.stderr is not None
+        os.kill(members["controller"][1], signal.SIGSTOP)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        rest = proc.stderr.read()
+        events = re.findall(r"(\S+) (stopped with .*|did not stop in time)", rest)
+        assert sorted(events[:2]) == [
+            ("engine-0", "stopped with code 0"),
+            ("engine-1", "stopped with code 0"),
+        ], rest
+        assert events[2:] == [
+            ("controller", "did not stop in time"),
+            ("controller", "stopped with code -9 (SIGKILL)"),
+        ], rest
+        assert wait_gone([pid for _, pid in members.values()], 5) == []
+
+
+def _error_before_any_member_starts(config: dict[str, Any], tmp_path: Path) -> str:
+    """`kvplane up` of the fleet `config`, failing (exit 1) before it starts any member: its
+    error line."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump(config))
+    proc = _up(fleet, tmp_path)
+    _, errors = proc.communicate(timeout=60)
+    assert proc.returncode == 1, errors
+    assert " started (pid" not in errors, errors
+    return errors.splitlines()[-1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("member", "setting"),
+    [("controller", "listen"), ("engine-1", "metrics_listen")],
+)
+def test_a_held_port_fails_the_start_before_any_member_starts(
+    tmp_path: Path, member: str, setting: str
+) -> None:
+    """A port another process holds (another fleet's controller on 127.0.0.1:8100, say) is
+    found before anything starts, not once the members before its own have started (engines
+    load models first), and the error names the member, its setting and the port."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = f"127.0.0.1:{holder.getsockname()[1]}"
+        config = yaml.safe_load(SIM_FLEET)
+        next(m for m in config["members"] if m["name"] == member)["config"][setting] = held
+        error = _error_before_any_member_starts(config, tmp_path)
+    assert error == (
+        f"kvplane: error: {member} (its {setting}): cannot listen on {held}: Address already in"
+        " use; no member was started"
+    )
+    assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member, no log to keep
+
+
+def test_an_address_given_to_two_members_fails_the_start_before_either_starts(
+    tmp_path: Path,
+) -> None:
+    """Each member alone could bind it, so only the second's start would fail, once the
+    first is up."""
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        shared = f"127.0.0.1:{probe.getsockname()[1]}"
+    config = yaml.safe_load(SIM_FLEET)
+    for member in config["members"][:2]:
+        member["config"]["metrics_listen" if member["name"] == "engine-0" else "listen"] = shared
+    assert _error_before_any_member_starts(config, tmp_path) == (
+        f"kvplane: error: engine-0 (its metrics_listen) and engine-1 (its listen) both listen"
+        f" on {shared}; no member was started"
+    )
+
+
+@pytest.mark.timeout(120)
 def test_up_under_nohup_outlives_the_terminal_hangup(tmp_path: Path) -> None:
     """`nohup kvplane up &` starts up with SIGHUP ignored: the terminal closing must not stop
     the fleet. Here the hangup comes first and Ctrl-C after it: only Ctrl-C stops the fleet,
     as a first interrupt (drained), not as a second one (every member killed)."""
-    fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(SIM_FLEET)
-    proc = _up(fleet, tmp_path, wrapper=("nohup",))
-    pids: list[int] = []
-    try:
+    with _sim_fleet_up(tmp_path, wrapper=("nohup",)) as (proc, members):
         assert proc.stderr is not None
-        members = _serving_members(proc, 3)
-        pids = [pid for _, pid in members.values()]
-        assert len(pids) == 3
         proc.send_signal(signal.SIGHUP)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         rest = proc.stderr.read()
         assert "fleet stopped" in rest
         assert "interrupted again" not in rest, rest
-        assert _wait_gone(pids, 5) == []
-    finally:
-        _kill_leftovers(proc, pids)
+        assert wait_gone([pid for _, pid in members.values()], 5) == []

@@ -14,7 +14,8 @@ from kvplane.errors import ConfigError
 from kvplane.up.config import FleetConfig, load_fleet
 from kvplane.up.fleet import WORKDIR_PREFIX, Fleet
 from kvplane.up.status import collect_status
-from tests.foundation.test_up import MEMBER_LINE, REPO, _running, _up_check, _wait_gone
+from tests.foundation.test_up import MEMBER_LINE, REPO, _up_check
+from tests.processes import running, wait_gone
 
 
 def _children(pid: int) -> list[int]:
@@ -38,7 +39,7 @@ def _naming(folder: Path) -> list[int]:
             text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if str(folder) in text and _running(int(cmdline.parent.name)):
+        if str(folder) in text and running(int(cmdline.parent.name)):
             pids.append(int(cmdline.parent.name))
     return pids
 
@@ -80,15 +81,14 @@ async def test_the_planners_engines_are_the_fleets_until_the_planner_stops_first
 
         await fleet.stop_planners()
         assert planner.state == "stopped (0)"
-        assert _wait_gone(engines, 0) == []  # the planner stopped them before it exited
+        assert wait_gone(engines, 0) == []  # the planner stopped them before it exited
         # It took them out of the controller, which was still up: no stale engine is left.
         after = await collect_status(fleet)
         assert after.engines == []
         assert fleet.member("controller").state == "serving"
     finally:
-        await fleet.drain()
-        await fleet.stop()
-        assert _wait_gone(engines, 10) == []
+        await fleet.stop()  # drains first
+        assert wait_gone(engines, 10) == []
 
 
 @pytest.mark.timeout(90)
