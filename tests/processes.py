@@ -3,9 +3,12 @@ to be gone, and a process's descendants (a compiler's children, a fleet's member
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
+
+from kvplane.process_tree import descendants
+
+__all__ = ["descendants", "running", "wait_gone"]
 
 
 def running(pid: int) -> bool:
@@ -23,17 +26,3 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return [pid for pid in pids if running(pid)]
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes under `pid`: its children, theirs, and so on."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):  # it ended meanwhile
-            parents[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
-    found: list[int] = []
-    generation = [pid]
-    while generation:
-        generation = [child for child, parent in parents.items() if parent in generation]
-        found += generation
-    return found

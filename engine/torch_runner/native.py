@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from engine.torch_runner.first_use import cache_root, sigterm_unwinds
+from kvplane.process_tree import descendants
 
 logger = logging.getLogger(__name__)
 
@@ -634,22 +635,31 @@ _COMPILE_TIMEOUT_S = 120
 
 
 def _compile(command: list[str]) -> subprocess.CompletedProcess[str]:
-    """Run the compiler to its end in a process group of its own, and kill that whole group
-    on any way out before then (SIGTERM's unwind, Ctrl-C, the timeout): the driver (`cc`)
-    runs `cc1`, `as` and `ld` as children, and killing the driver alone, as
-    `subprocess.run` does, leaves the one at work compiling on, an orphan."""
+    """Run the compiler to its end, and kill it with every process under it on any way out
+    before then (SIGTERM's unwind, Ctrl-C, the timeout): the driver (`cc`) runs `cc1`, `as`
+    and `ld` as children, and killing the driver alone, as `subprocess.run` does, leaves the
+    one at work compiling on, an orphan. The compiler stays in this process's group, so a
+    kill of the engine's whole group (`kvplane up` past `stop_timeout_s`) takes it too."""
     with subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        process_group=0,  # its pid is its group's id
     ) as compiler:
         try:
             stdout, stderr = compiler.communicate(timeout=_COMPILE_TIMEOUT_S)
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(compiler.pid, signal.SIGKILL)
+            _kill_tree(compiler.pid)
             raise
     return subprocess.CompletedProcess(command, compiler.returncode, stdout, stderr)
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and its descendants; stopped first, so that it starts no child between
+    the listing and the kill."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGSTOP)
+    for member in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)

@@ -44,6 +44,9 @@ WORKDIR_PREFIX = "kvplane-up-"
 # How long past the drain's deadline a member's answer is waited for (it aborts what is left,
 # then says so); one that has not answered by then is stopped anyway.
 DRAIN_REPLY_GRACE_S = 5.0
+# The members drained before they stop (they serve requests); the others (an indexer) are
+# what those use, stopped after them.
+DRAINED_KINDS = ("engine", "controller")
 
 
 def _member_environment(name: str, cpus: list[int] | None) -> dict[str, str]:
@@ -316,20 +319,24 @@ class Fleet:
         return waits[done.pop()]
 
     async def stop(self) -> None:
-        """Stop every member: the planners first, then the rest at once (`_drain_and_stop`),
-        each killed if it still runs `stop_timeout_s` after its SIGTERM or at one deadline for
-        all, `drain_deadline_s` + `stop_timeout_s` from the drain's start (nothing is drained
-        after a second Ctrl-C's kill), whichever comes first. Every member is signalled on
-        its own schedule, so a hung one (answering neither its drain nor SIGTERM) holds up no
-        other member's SIGTERM, and the stop lasts at most one member's worst case: the
-        drain's deadline, then `stop_timeout_s`; not the wait for its drain's answer plus
-        `stop_timeout_s`."""
+        """Stop every member: the planners first, then the engines and controllers at once
+        (`_drain_and_stop`), each killed if it still runs `stop_timeout_s` after its SIGTERM
+        or at one deadline for all, `drain_deadline_s` + `stop_timeout_s` from the drain's
+        start (nothing is drained after a second Ctrl-C's kill), whichever comes first; then
+        what they use (an indexer), killed `stop_timeout_s` after its SIGTERM. Every engine
+        and controller is signalled on its own schedule, so a hung one (answering neither its
+        drain nor SIGTERM) holds up no other one's SIGTERM, and their stop lasts at most one
+        member's worst case: the drain's deadline, then `stop_timeout_s`; not the wait for its
+        drain's answer plus `stop_timeout_s`."""
         await self.stop_planners()
         loop = asyncio.get_running_loop()
         drain_s = 0.0 if self.killed else self.config.drain_deadline_s
         deadline = loop.time() + drain_s + self.config.stop_timeout_s
-        rest = [m for m in self.members if m.config.serves]
-        await asyncio.gather(*(self._drain_and_stop(m, deadline) for m in rest))
+        drained = [m for m in self.members if m.kind in DRAINED_KINDS]
+        await asyncio.gather(*(self._drain_and_stop(m, deadline) for m in drained))
+        # Then what they use (an indexer): a controller draining still reads its index.
+        used = [m for m in self.members if m.config.serves and m.kind not in DRAINED_KINDS]
+        await asyncio.gather(*(self._stop_member(m) for m in used))
 
     async def stop_planners(self) -> None:
         """Stop the planners first, before the rest is drained: a planner still running would
@@ -348,7 +355,7 @@ class Fleet:
         their processes may not be reaped yet, and each drain would fail)."""
         return (
             not self.killed
-            and member.kind in ("engine", "controller")
+            and member.kind in DRAINED_KINDS
             and member.address is not None
             and member.process is not None
             and member.process.returncode is None

@@ -221,7 +221,11 @@ def test_ctrl_c_drains_in_flight_work_and_leaves_no_process(tmp_path: Path) -> N
             assert not _alive(pid)
             with pytest.raises(grpc.RpcError):
                 _health(address)
-        assert "fleet stopped" in proc.stderr.read()
+        rest = proc.stderr.read()
+        assert "fleet stopped" in rest
+        # The indexer, which a draining controller may still read, ends last.
+        ended = re.findall(r"(\S+) stopped with code 0", rest)
+        assert sorted(ended[:2]) == ["controller", "engine-0"] and ended[2:] == ["idx"], rest
         assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # a run that went well
     finally:
         if proc.poll() is None:
