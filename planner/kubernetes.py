@@ -65,7 +65,16 @@ from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import KubernetesConfig, LiveConfig
 from planner.controller_admin import ControllerAdmin
-from planner.kube_api import DELETION_COST, KubeApi, KubeApiError, Pod, Scale, in_cluster
+from planner.kube_api import (
+    DELETION_COST,
+    ROLE_HINT,
+    Access,
+    KubeApi,
+    KubeApiError,
+    Pod,
+    Scale,
+    in_cluster,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +174,35 @@ class KubernetesDeployments:
         self._looks: dict[str, asyncio.Task[list[tuple[str, str]]]] = {}  # by pool: `adopt`
         self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
 
-    async def check(self) -> None:
-        """Read each Deployment's scale and pods: a ConfigError (one line) when the API
-        refuses (404: no such Deployment; 401/403: the token or its RBAC) or cannot be
-        reached."""
+    def needs(self) -> list[Access]:
+        """Every call the actuator makes (configs/k8s/planner-rbac.yaml grants them): each
+        Deployment's scale read and patched, pods listed and patched (deletion cost)."""
+        scales = [
+            Access(verb, "apps", "deployments", "scale", deployment)
+            for deployment in self._deployments.values()
+            for verb in ("get", "patch")
+        ]
+        return [*scales, Access("list", "", "pods"), Access("patch", "", "pods")]
+
+    async def check(self, also: Sequence[Access] = ()) -> None:
+        """Ask the API server whether the token may make every call the actuator makes
+        (`needs`) and `also` (the leader election's), then read each Deployment's scale and
+        pods: a ConfigError (one line) when a call is not allowed (naming each), when the API
+        refuses (404: no such Deployment; 401: the token) or cannot be reached. Without the
+        review, a Role that lacks a write would only show at the first scale, as a warning
+        every tick."""
         namespace = self._api.connection.namespace
+        try:
+            denied = [
+                a for a in [*self.needs(), *also] if not await self._call(self._api.allows, a)
+            ]
+        except KubeApiError as exc:
+            raise ConfigError(f"reviewing the planner's access: {exc}") from exc
+        if denied:
+            raise ConfigError(
+                f"the planner may not {', '.join(map(str, denied))} in namespace {namespace} "
+                f"({ROLE_HINT})"
+            )
         for pool, deployment in self._deployments.items():
             try:
                 await self._selector(pool)

@@ -49,6 +49,7 @@ from planner.kube_api import (
     DELETION_COST,
     SERVICE_ACCOUNT_DIR,
     KubeApi,
+    KubeApiError,
     KubeConnection,
     Pod,
     Scale,
@@ -686,14 +687,73 @@ async def test_api_errors_at_start_are_one_line(empty: Cluster, tmp_path: Path) 
         messages = [await check(empty, api) for api, _ in cases]
     empty.kube.forbidden.add(("list", "pods"))
     messages.append(await check(empty, empty.api()))
-    cases.append((empty.api(), 'cannot list resource "pods"'))
+    cases.append((empty.api(), "the planner may not list pods in namespace serving"))
     empty.kube.forbidden.clear()
     del empty.kube.deployments[DEPLOYMENT]
     messages.append(await check(empty, empty.api()))
-    cases.append((empty.api(), f'404 NotFound: deployments.apps "{DEPLOYMENT}" not found'))
+    cases.append(
+        (empty.api(), f"pool default: GET {empty.kube.url}/apis/apps/v1/namespaces/serving/")
+    )
     for message, (_, expected) in zip(messages, cases, strict=True):
-        assert message.startswith("pool default: ") and expected in message
-        assert "\n" not in message
+        assert expected in message and "\n" not in message
+    assert messages[-1].endswith(f'404 NotFound: deployments.apps "{DEPLOYMENT}" not found (is '
+                                 f"Deployment {DEPLOYMENT} in namespace serving?)")  # fmt: skip
+
+
+# The Role of configs/k8s/planner-rbac.yaml without its writes: what a read-only Role grants.
+READ_ONLY_ROLE = {
+    ("apps", "deployments/scale", "get"),
+    ("", "pods", "list"),
+    ("coordination.k8s.io", "leases", "get"),
+}
+
+
+@pytest.mark.timeout(60)
+async def test_a_role_lacking_a_verb_fails_the_start_naming_every_verb_it_lacks(
+    empty: Cluster,
+) -> None:
+    """Before the first scale: reads alone would pass the start-up check, and the missing
+    writes show only when the planner first scales (a warning every tick)."""
+    empty.kube.allowed = READ_ONLY_ROLE
+    message = await check(empty, empty.api())
+    assert message == (
+        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods in "
+        "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+    )
+    # The review says what the calls would meet: the API server refuses them alike.
+    with pytest.raises(KubeApiError) as refused:
+        empty.api().patch_scale(DEPLOYMENT, 1, "")
+    assert refused.value.status == 403
+    assert 'cannot patch resource "deployments/scale" in API group "apps"' in str(refused.value)
+    assert empty.kube.deployments[DEPLOYMENT].replicas == 0
+    # The shipped Role grants all the actuator asks to be reviewed.
+    empty.kube.allowed = shipped_role()
+    await empty.actuator().check()
+    subresource = {a.get("subresource", "") for a in empty.kube.reviews}
+    assert subresource == {"scale", ""}
+    asked = {
+        (a["group"], a["resource"] + (f"/{a['subresource']}" if a.get("subresource") else ""),
+         a["verb"])
+        for a in empty.kube.reviews
+    }  # fmt: skip
+    assert asked == {
+        ("apps", "deployments/scale", "get"),
+        ("apps", "deployments/scale", "patch"),
+        ("", "pods", "list"),
+        ("", "pods", "patch"),
+    }
+
+
+def test_planner_run_names_the_verbs_its_role_lacks_in_one_line(tmp_path: Path) -> None:
+    with fake_kube(tmp_path, None) as kube:
+        kube.add_deployment(DEPLOYMENT, 0, LABELS)
+        kube.allowed = READ_ONLY_ROLE
+        config = config_file(tmp_path, kube)
+        result = CliRunner().invoke(kvplane_app, ["planner", "run", "--config", str(config)])
+    assert result.exit_code == 1 and isinstance(result.exception, ConfigError)  # main: one line
+    line = str(result.exception)
+    assert line.startswith(f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, ")
+    assert "\n" not in line
 
 
 async def check(cluster: Cluster, api: KubeApi) -> str:
