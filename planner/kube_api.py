@@ -5,7 +5,7 @@ make a call (a SelfSubjectAccessReview, which every authenticated user may creat
 leader Lease (GET, POST, PUT: planner/leader_election.py).
 
 Calls are blocking (`http.client`); the actuator runs each in a daemon thread of its own, which
-a planner that stops does not wait for (planner/kubernetes.py, `_in_daemon_thread`). Each opens
+a planner that stops does not wait for (planner/kubernetes.py, `in_daemon_thread`). Each opens
 its own connection, so calls from several threads share nothing. The bearer token
 is read from its file at every call: the kubelet rotates projected service-account tokens in
 place. Every failure, an HTTP error (the API's Status object gives its reason and message) or
@@ -111,13 +111,15 @@ class Pod:
 class Access:
     """One verb on one resource the planner calls (a rule of its RBAC Role): `resource` with
     its `subresource` (e.g. deployments and scale), of API `group` ("" for the core group),
-    optionally one object `name` (a Role may name the objects it allows)."""
+    optionally one object `name` (a Role may name the objects it allows), in `namespace` (""
+    for the connection's)."""
 
     verb: str
     group: str
     resource: str
     subresource: str = ""
     name: str = ""
+    namespace: str = ""
 
     def __str__(self) -> str:
         """As `kubectl auth can-i` takes it: `patch deployments.apps/scale kvplane-engine`."""
@@ -216,7 +218,8 @@ class KubeApi:
     def allows(self, access: Access) -> bool:
         """Whether the API server's authorizers (RBAC) let this token make `access` in the
         namespace: a SelfSubjectAccessReview, which answers without making the call."""
-        attributes = {"namespace": self.connection.namespace, "verb": access.verb}
+        namespace = access.namespace or self.connection.namespace
+        attributes = {"namespace": namespace, "verb": access.verb}
         attributes |= {"group": access.group, "resource": access.resource}
         if access.subresource:
             attributes["subresource"] = access.subresource

@@ -92,7 +92,7 @@ def free_port() -> int:
 class Cluster:
     kube: FakeKube
     app: ControllerApp
-    ca_file: Path
+    ca_file: Path | None  # None: the fake serves plain HTTP
     token_file: Path
 
     def api(self, token_file: Path | None = None) -> KubeApi:
@@ -145,7 +145,7 @@ def fake_kube(
 
 async def cluster_with(
     tmp_path: Path,
-    tls_files: tuple[Path, Path],
+    tls_files: tuple[Path, Path] | None,
     replicas: int,
     *,
     restart_delay_s: float = 1.0,
@@ -159,7 +159,7 @@ async def cluster_with(
             kube.add_deployment(DEPLOYMENT, replicas, LABELS)
             token_file = tmp_path / "token"
             token_file.write_text(kube.token + "\n")
-            cluster = Cluster(kube, app, tls_files[0], token_file)
+            cluster = Cluster(kube, app, tls_files[0] if tls_files else None, token_file)
             await cluster.wait(lambda: len(kube.ready_pods(DEPLOYMENT)) == replicas)
             yield cluster
     finally:
@@ -659,6 +659,7 @@ async def test_a_deployment_deleted_by_hand_ends_its_engines_and_fails_starts_in
 
 
 def delete_pod(cluster: Cluster, name: str) -> None:
+    assert cluster.ca_file is not None
     context = ssl.create_default_context(cafile=str(cluster.ca_file))
     connection = http.client.HTTPSConnection(cluster.kube.url.split("//")[1], context=context)
     path = f"/api/v1/namespaces/{cluster.kube.namespace}/pods/{name}"
@@ -751,9 +752,12 @@ def test_planner_run_names_the_verbs_its_role_lacks_in_one_line(tmp_path: Path) 
         config = config_file(tmp_path, kube)
         result = CliRunner().invoke(kvplane_app, ["planner", "run", "--config", str(config)])
     assert result.exit_code == 1 and isinstance(result.exception, ConfigError)  # main: one line
-    line = str(result.exception)
-    assert line.startswith(f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, ")
-    assert "\n" not in line
+    # The leader election's Lease too (live.kubernetes.leader_election, on by default).
+    assert str(result.exception) == (
+        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods, create "
+        "leases.coordination.k8s.io, update leases.coordination.k8s.io kvplane-planner in "
+        "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+    )
 
 
 async def check(cluster: Cluster, api: KubeApi) -> str:
@@ -846,7 +850,8 @@ def test_planner_run_ends_each_api_call_within_live_kubernetes_api_timeout_s(
         kube.hang_requests = False
     assert result.exit_code == 1 and isinstance(result.exception, ConfigError), result.output
     line = str(result.exception)
-    assert line.startswith("pool default: GET ") and "\n" not in line
+    # The first call: the review of the planner's access.
+    assert line.startswith("reviewing the planner's access: POST ") and "\n" not in line
     # Given up at 2 s: mid-answer, or (a loaded machine) before its headers came.
     assert line.endswith(("no whole answer within 2 s", "timed out")), line
 
@@ -912,6 +917,10 @@ async def test_planner_run_scales_the_deployment_and_leaves_its_pods_when_stoppe
     assert empty.kube.deployments[DEPLOYMENT].replicas == 2
     addresses = sorted(empty.kube.address(p) for p in empty.kube.ready_pods(DEPLOYMENT))
     assert len(addresses) == 2 and empty.registered() == addresses
+    # It led (its Lease) and, stopped, released the Lease: a standby takes over at once.
+    lease = empty.kube.leases["kvplane-planner"]["spec"]
+    assert lease["holderIdentity"] == "" and lease["leaseDurationSeconds"] == 1
+    assert empty.kube.requests <= shipped_role()  # the shipped RBAC Role allows all it asked
 
 
 @pytest.mark.timeout(60)
