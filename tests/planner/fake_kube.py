@@ -525,8 +525,9 @@ class FakeKube:
         lease = _object(headers, body, "coordination.k8s.io/v1", "Lease")
         metadata = lease.get("metadata") or {}
         name = metadata.get("name")
+        # A create's URL names no object: RBAC's message names the resource alone.
+        self._check_allowed("create", "leases", "leases.coordination.k8s.io", "coordination.k8s.io")
         what = f'leases.coordination.k8s.io "{name}"'
-        self._check_allowed("create", "leases", what, "coordination.k8s.io")
         if not name:
             raise ApiError(
                 422,

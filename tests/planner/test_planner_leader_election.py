@@ -1,7 +1,8 @@
 """Leader election of planners that share Deployments (planner/leader_election.py) against the
 fake API server's Leases (tests/planner/fake_kube.py): one candidate leads, another takes over
 only once the lease expired as it saw it, a leader that cannot renew stops acting before
-then, a takeover that races a renewal loses on the 409; end to end, of two `kvplane planner
+then, a takeover that races a renewal loses on the 409 (a create that races another on
+the 409 AlreadyExists); end to end, of two `kvplane planner
 run` only the leader acts, the other takes over when the leader is killed, and a leader whose
 renewals fail stops acting until it holds the lease again."""
 
@@ -96,9 +97,10 @@ class ReadsThen(KubeApi):
         self._then = then
 
     def get_lease(self, name: str) -> dict[str, Any]:
-        lease = super().get_lease(name)
-        self._then()
-        return lease
+        try:
+            return super().get_lease(name)
+        finally:
+            self._then()
 
 
 @pytest.mark.timeout(60)
@@ -125,6 +127,21 @@ async def test_a_takeover_that_races_the_leaders_renewal_loses_on_the_conflict(
     assert not await b.try_acquire_or_renew() and not b.leading
     spec = lease_spec(cluster.kube)
     assert spec["holderIdentity"] == "a" and spec["renewTime"].startswith("2099")
+
+
+@pytest.mark.timeout(60)
+async def test_of_two_candidates_that_found_no_lease_the_second_to_create_it_stands_by(
+    cluster: Cluster,
+) -> None:
+    raw = cluster.api()
+
+    def creation_by_a() -> None:  # between b's read (404) and its create
+        if LEASE not in cluster.kube.leases:
+            raw.create_lease(LEASE, {"holderIdentity": "a", "leaseDurationSeconds": 15})
+
+    b = candidate(cluster, "b", Clock(), ReadsThen(raw.connection, creation_by_a))
+    assert not await b.try_acquire_or_renew() and not b.leading  # 409 AlreadyExists
+    assert lease_spec(cluster.kube)["holderIdentity"] == "a"
 
 
 # ------------------------------------------------------------------ `kvplane planner run`
