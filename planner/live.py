@@ -223,8 +223,8 @@ class LivePlanner:
         cancelled (the looks at the fleet too, by the actuator's close); removals under way
         are finished (each call is bounded), else a drained engine would be left serving nothing;
         without `finish_removals` (a leader that lost its lease must stop acting at once) they
-        are cancelled too, and the next leader finishes them (it adopts the drained pod, and
-        clears the deletion cost a removal left)."""
+        are cancelled too, and the next leader takes them back (it adopts the drained pod,
+        clearing the deletion cost a removal left, or sees it draining)."""
         for task in [*self._starts, *(self._removals if not finish_removals else ())]:
             task.cancel()
         await asyncio.gather(*self._starts, *self._removals, return_exceptions=True)
