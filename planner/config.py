@@ -137,6 +137,37 @@ _SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 API_TIMEOUT_S = 10.0
 
 
+class LeaderElectionConfig(StrictModel):
+    """Planners that share the Deployments elect one leader through a coordination.k8s.io/v1
+    Lease (planner/leader_election.py); the others observe it and stand by. The defaults are
+    client-go's (kube-controller-manager's): 15 s, 10 s, 2 s."""
+
+    # The Lease (made by the first planner), in `namespace` (default: the Deployments').
+    lease_name: str = Field(default="kvplane-planner", max_length=253, pattern=_DNS_SUBDOMAIN)
+    namespace: str | None = Field(default=None, pattern=_DNS_LABEL)
+    # A standby takes over a Lease not renewed for this long (a leader killed or cut off).
+    lease_duration_s: int = Field(default=15, ge=1)
+    # A leader that has not renewed within this of its last renewal stops acting: before a
+    # standby could take over (lease_duration_s), the difference covering calls under way.
+    renew_deadline_s: float = Field(default=10.0, gt=0)
+    # How often the leader renews and a standby tries to take over (jittered: up to 2.2 times).
+    retry_period_s: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_timing(self) -> LeaderElectionConfig:
+        if self.renew_deadline_s >= self.lease_duration_s:
+            raise ValueError(
+                f"renew_deadline_s ({self.renew_deadline_s:g}) must be below lease_duration_s "
+                f"({self.lease_duration_s}): a leader must stop acting before another may start"
+            )
+        if self.renew_deadline_s <= 1.2 * self.retry_period_s:
+            raise ValueError(
+                f"renew_deadline_s ({self.renew_deadline_s:g}) must be above 1.2 times "
+                f"retry_period_s ({self.retry_period_s:g}): room for a renewal to be retried"
+            )
+        return self
+
+
 class KubernetesConfig(StrictModel):
     """Engines as the pods of one Deployment per pool (planner/kubernetes.py). Unset
     `api_server` and `namespace` are those of the pod the planner runs in."""
@@ -160,6 +191,9 @@ class KubernetesConfig(StrictModel):
     # Each API call ends within this (its Retry-After waits included), however slowly the
     # server answers. The ticks do not wait for the calls; a start or removal does.
     api_timeout_s: float = Field(default=API_TIMEOUT_S, gt=0)
+    # Planners sharing these Deployments elect one leader, which alone acts; null: no
+    # election (one planner only, e.g. a Deployment of `replicas: 1`, `strategy: Recreate`).
+    leader_election: LeaderElectionConfig | None = Field(default_factory=LeaderElectionConfig)
 
     @model_validator(mode="after")
     def _check_deployments(self) -> KubernetesConfig:

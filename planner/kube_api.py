@@ -1,9 +1,11 @@
 """The few Kubernetes API calls the planner makes, over the standard library only (the control
 plane gains no dependency): a Deployment's scale subresource (GET; PATCH of spec.replicas), its
-pods by label selector (LIST), and a pod's annotations (merge PATCH).
+pods by label selector (LIST), a pod's annotations (merge PATCH), whether the planner may
+make a call (a SelfSubjectAccessReview, which every authenticated user may create) and its
+leader Lease (GET, POST, PUT: planner/leader_election.py).
 
 Calls are blocking (`http.client`); the actuator runs each in a daemon thread of its own, which
-a planner that stops does not wait for (planner/kubernetes.py, `_in_daemon_thread`). Each opens
+a planner that stops does not wait for (planner/kubernetes.py, `in_daemon_thread`). Each opens
 its own connection, so calls from several threads share nothing. The bearer token
 is read from its file at every call: the kubelet rotates projected service-account tokens in
 place. Every failure, an HTTP error (the API's Status object gives its reason and message) or
@@ -43,12 +45,16 @@ SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # The annotation by which the ReplicaSet picks the pods a scale-down deletes (lowest first).
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 MERGE_PATCH = "application/merge-patch+json"
+# The body of a create (POST) or an update (PUT): the whole object.
+JSON = "application/json"
 # The default of `live.kubernetes.api_timeout_s` (planner.config), the limit of each call.
 REQUEST_TIMEOUT_S = API_TIMEOUT_S
 # A call tries this often at most (Retry-After answers; client-go allows 10, but the actuator's
 # work waits).
 _ATTEMPTS = 4
 _READ_CHUNK_BYTES = 65536
+# Where a 403, or a verb the planner's RBAC Role lacks, sends the operator.
+ROLE_HINT = "the planner's RBAC Role: configs/k8s/planner-rbac.yaml"
 # Pod phases after which no container runs again (restartPolicy Always included).
 _ENDED_PHASES = frozenset({"Succeeded", "Failed"})
 
@@ -99,6 +105,28 @@ class Pod:
         a deletionTimestamp, until someone deletes it; the ReplicaSet has made one in its
         place."""
         return not self.deleting and self.phase not in _ENDED_PHASES
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """One verb on one resource the planner calls (a rule of its RBAC Role): `resource` with
+    its `subresource` (e.g. deployments and scale), of API `group` ("" for the core group),
+    optionally one object `name` (a Role may name the objects it allows), in `namespace` (""
+    for the connection's)."""
+
+    verb: str
+    group: str
+    resource: str
+    subresource: str = ""
+    name: str = ""
+    namespace: str = ""
+
+    def __str__(self) -> str:
+        """As `kubectl auth can-i` takes it: `patch deployments.apps/scale kvplane-engine`."""
+        resource = f"{self.resource}.{self.group}" if self.group else self.resource
+        if self.subresource:
+            resource += f"/{self.subresource}"
+        return f"{self.verb} {resource}" + (f" {self.name}" if self.name else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +215,50 @@ class KubeApi:
         path = f"/api/v1/namespaces/{self._namespace}/pods/{_segment(name)}"
         self._call("PATCH", path, {"metadata": {"annotations": dict(annotations)}})
 
+    def allows(self, access: Access) -> bool:
+        """Whether the API server's authorizers (RBAC) let this token make `access` in the
+        namespace: a SelfSubjectAccessReview, which answers without making the call."""
+        namespace = access.namespace or self.connection.namespace
+        attributes = {"namespace": namespace, "verb": access.verb}
+        attributes |= {"group": access.group, "resource": access.resource}
+        if access.subresource:
+            attributes["subresource"] = access.subresource
+        if access.name:
+            attributes["name"] = access.name
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": attributes},
+        }
+        path = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+        answer = self._call("POST", path, review)
+        return answer.get("status", {}).get("allowed") is True
+
+    def get_lease(self, name: str) -> dict[str, Any]:
+        """The coordination.k8s.io/v1 Lease `name` (a KubeApiError with status 404 if none)."""
+        return self._call("GET", self._lease_path(name))
+
+    def create_lease(self, name: str, spec: Mapping[str, object]) -> dict[str, Any]:
+        """Create Lease `name` with `spec`: a KubeApiError with status 409 (AlreadyExists) if
+        another made it first."""
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": name, "namespace": self.connection.namespace},
+            "spec": dict(spec),
+        }
+        return self._call("POST", self._lease_path(""), lease)
+
+    def update_lease(self, lease: Mapping[str, Any], spec: Mapping[str, object]) -> dict[str, Any]:
+        """Replace the spec of `lease` (as read) with `spec`, if the Lease is still at the
+        resourceVersion read: one changed since is a KubeApiError with status 409 (Conflict)."""
+        updated = {**lease, "spec": dict(spec)}
+        return self._call("PUT", self._lease_path(str(lease["metadata"]["name"])), updated)
+
+    def _lease_path(self, name: str) -> str:
+        leases = f"/apis/coordination.k8s.io/v1/namespaces/{self._namespace}/leases"
+        return f"{leases}/{_segment(name)}" if name else leases
+
     @property
     def _namespace(self) -> str:
         return _segment(self.connection.namespace)
@@ -195,10 +267,12 @@ class KubeApi:
         deployments = f"/apis/apps/v1/namespaces/{self._namespace}/deployments"
         return f"{deployments}/{_segment(deployment)}/scale"
 
-    def _call(self, method: str, path: str, patch: object | None = None) -> dict[str, Any]:
+    def _call(self, method: str, path: str, sent: object | None = None) -> dict[str, Any]:
+        """`method` on `path`, with `sent` as its JSON body (a merge patch for PATCH, the whole
+        object for POST and PUT); the answer's JSON object."""
         what = f"{method} {self.connection.server}{path.split('?', maxsplit=1)[0]}"
         deadline = time.monotonic() + self.timeout_s
-        body = None if patch is None else json.dumps(patch).encode()
+        body = None if sent is None else json.dumps(sent).encode()
         for attempt in range(_ATTEMPTS):
             status, retry_after_s, data = self._exchange(what, method, path, body, deadline)
             if status < 300:
@@ -225,7 +299,7 @@ class KubeApi:
         """One request: its status, Retry-After (seconds) and body, read by `deadline`."""
         headers = {"Accept": "application/json"}
         if body is not None:
-            headers["Content-Type"] = MERGE_PATCH
+            headers["Content-Type"] = MERGE_PATCH if method == "PATCH" else JSON
         token_file = self.connection.token_file
         if token_file is not None:
             try:
@@ -269,7 +343,7 @@ class KubeApi:
                 return " (no token sent: give live.kubernetes.token_file)"
             return f" (the token in {token_file} was refused, read again at every call)"
         if status == 403:
-            return " (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+            return f" ({ROLE_HINT})"
         return ""
 
 

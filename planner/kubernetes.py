@@ -35,16 +35,17 @@
   replacement pod would be adopted and grow the pool back.
 - **Close** leaves the pods running and registered: the Deployment outlives the planner.
 
-API errors at `check` (a missing Deployment, RBAC, a server that cannot be reached) are a
-one-line ConfigError; later they are one warning line and the tick goes on (a start fails and
-the core asks again; an adoption or a removal is tried again next tick). Each call ends within
-`live.kubernetes.api_timeout_s` (`KubeApi`, which also waits out a Retry-After). The pools are
-looked at and scaled concurrently, at most MAX_CALLS_IN_FLIGHT calls at once; one pool's look
-(`adopt`) and removals take turns under its lock, in the order asked (the live planner runs
-them beside its ticks, so none holds up the engines' observation). A scale PATCH that failed
-yet may have been made (a 5xx, an answer lost) is not made twice: a start's count of free
-replicas sees the replica it made, and a removal tried again first reads whether the scale
-is at what it asked (`_scale_away`).
+API errors at `check` (a verb the token's RBAC does not allow, asked of the API server by a
+SelfSubjectAccessReview per call before any is made; a missing Deployment, a server that cannot
+be reached) are a one-line ConfigError; later they are one warning line and the tick goes on (a
+start fails and the core asks again; an adoption or a removal is tried again next tick). Each
+call ends within `live.kubernetes.api_timeout_s` (`KubeApi`, which also waits out a
+Retry-After). The pools are looked at and scaled concurrently, at most MAX_CALLS_IN_FLIGHT calls at
+once; one pool's look (`adopt`) and removals take turns under its lock, in the order asked (the
+live planner runs them beside its ticks, so none holds up the engines' observation). A scale
+PATCH that failed yet may have been made (a 5xx, an answer lost) is not made twice: a start's
+count of free replicas sees the replica it made, and a removal tried again first reads whether
+the scale is at what it asked (`_scale_away`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,16 @@ from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import KubernetesConfig, LiveConfig
 from planner.controller_admin import ControllerAdmin
-from planner.kube_api import DELETION_COST, KubeApi, KubeApiError, Pod, Scale, in_cluster
+from planner.kube_api import (
+    DELETION_COST,
+    ROLE_HINT,
+    Access,
+    KubeApi,
+    KubeApiError,
+    Pod,
+    Scale,
+    in_cluster,
+)
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +175,40 @@ class KubernetesDeployments:
         self._looks: dict[str, asyncio.Task[list[tuple[str, str]]]] = {}  # by pool: `adopt`
         self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
 
-    async def check(self) -> None:
-        """Read each Deployment's scale and pods: a ConfigError (one line) when the API
-        refuses (404: no such Deployment; 401/403: the token or its RBAC) or cannot be
-        reached."""
+    def needs(self) -> list[Access]:
+        """Every call the actuator makes (configs/k8s/planner-rbac.yaml grants them): each
+        Deployment's scale read and patched, pods listed and patched (deletion cost)."""
+        scales = [
+            Access(verb, "apps", "deployments", "scale", deployment)
+            for deployment in self._deployments.values()
+            for verb in ("get", "patch")
+        ]
+        return [*scales, Access("list", "", "pods"), Access("patch", "", "pods")]
+
+    async def check(self, also: Sequence[Access] = ()) -> None:
+        """Ask the API server whether the token may make every call the actuator makes
+        (`needs`) and `also` (the leader election's), then read each Deployment's scale and
+        pods: a ConfigError (one line) when a call is not allowed (naming each), when the API
+        refuses (404: no such Deployment; 401: the token) or cannot be reached. Without the
+        review, a Role that lacks a write would only show at the first scale, as a warning
+        every tick."""
         namespace = self._api.connection.namespace
+        try:
+            denied = [
+                a for a in [*self.needs(), *also] if not await self._call(self._api.allows, a)
+            ]
+        except KubeApiError as exc:
+            raise ConfigError(f"reviewing the planner's access: {exc}") from exc
+        if denied:
+            calls = [
+                f"{access} in namespace {access.namespace}"
+                if access.namespace not in {"", namespace}
+                else str(access)
+                for access in denied
+            ]
+            raise ConfigError(
+                f"the planner may not {', '.join(calls)} in namespace {namespace} ({ROLE_HINT})"
+            )
         for pool, deployment in self._deployments.items():
             try:
                 await self._selector(pool)
@@ -624,10 +663,10 @@ class KubernetesDeployments:
     async def _call(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """An API call, once fewer than MAX_CALLS_IN_FLIGHT are under way."""
         async with self._calls:
-            return await _in_daemon_thread(call, *args, **kwargs)
+            return await in_daemon_thread(call, *args, **kwargs)
 
 
-async def _in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+async def in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """`call(*args, **kwargs)` (a blocking API call) in a daemon thread of its own.
 
     Not `asyncio.to_thread`: its pool's threads are joined by `asyncio.run` on the way out
@@ -651,15 +690,9 @@ async def _in_daemon_thread(call: Callable[P, T], *args: P.args, **kwargs: P.kwa
     return await asyncio.wrap_future(future)
 
 
-async def connect_deployments(
-    live: LiveConfig,
-    kubernetes: KubernetesConfig,
-    environ: Mapping[str, str],
-    controller_channels: ClientChannels = INSECURE,
-) -> KubernetesDeployments:
-    """The actuator `live.kubernetes` describes (`environ` gives the in-cluster defaults),
-    dialling the controller with `controller_channels` (`live.controller_tls`), once the API
-    has shown it serves each Deployment; else a ConfigError (one line)."""
+def kube_api(kubernetes: KubernetesConfig, environ: Mapping[str, str]) -> KubeApi:
+    """The API client `live.kubernetes` describes (`environ` gives the in-cluster defaults);
+    a ConfigError (one line) when it cannot be made."""
     connection = in_cluster(
         environ,
         server=kubernetes.api_server,
@@ -667,17 +700,41 @@ async def connect_deployments(
         token_file=kubernetes.token_file,
         ca_file=kubernetes.ca_file,
     )
-    actuator = KubernetesDeployments(
+    return KubeApi(connection, kubernetes.api_timeout_s)
+
+
+def deployments_actuator(
+    live: LiveConfig,
+    kubernetes: KubernetesConfig,
+    api: KubeApi,
+    controller_channels: ClientChannels = INSECURE,
+) -> KubernetesDeployments:
+    """The actuator `live.kubernetes` describes over `api`, dialling the controller with
+    `controller_channels` (`live.controller_tls`); not checked (`connect_deployments`)."""
+    return KubernetesDeployments(
         controller=live.controller,
-        api=KubeApi(connection, kubernetes.api_timeout_s),
+        api=api,
         deployments=kubernetes.deployments,
         engine_port=kubernetes.engine_port,
         start_timeout_s=live.start_timeout_s,
         poll_s=kubernetes.poll_s,
         channels=controller_channels,
     )
+
+
+async def connect_deployments(
+    live: LiveConfig,
+    kubernetes: KubernetesConfig,
+    api: KubeApi,
+    controller_channels: ClientChannels = INSECURE,
+    also: Sequence[Access] = (),
+) -> KubernetesDeployments:
+    """`deployments_actuator`, once the API has shown it may make every call the actuator
+    makes and `also` (the leader election's) and that it serves each Deployment; else a
+    ConfigError (one line)."""
+    actuator = deployments_actuator(live, kubernetes, api, controller_channels)
     try:
-        await actuator.check()
+        await actuator.check(also)
     except BaseException:  # a ConfigError, or Ctrl-C during the check: nobody else closes it
         await actuator.close()
         raise

@@ -64,7 +64,8 @@ from planner.core.observations import (
     Observations,
 )
 from planner.core.planner import Planner
-from planner.kubernetes import connect_deployments
+from planner.kubernetes import connect_deployments, deployments_actuator, kube_api
+from planner.leader_election import LeaderElector, lead, leader_elector
 from planner.metrics import LossCause, Operation, PlannerMetrics
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class LivePlanner:
         channels: ClientChannels = INSECURE,
         clock: Callable[[], float] = time.monotonic,
         metrics: PlannerMetrics | None = None,
+        may_act: Callable[[], bool] = lambda: True,
     ) -> None:
         self.policy = policy
         self.actuator = actuator
@@ -149,6 +151,9 @@ class LivePlanner:
         self.metrics = metrics if metrics is not None else PlannerMetrics()
         self._channels = channels
         self._clock = clock
+        # False once this planner must not act (a leader whose Lease ran out: it is cancelled
+        # soon after; until then, nothing more is begun, not even in the same tick).
+        self._may_act = may_act
         self._placeholders = itertools.count()
         self._starts: set[asyncio.Task[None]] = set()
         # The actuator's work under way beside the ticks (with `_starts` and its own looks at
@@ -183,14 +188,19 @@ class LivePlanner:
             await self.actuator.controller_restarted()
             log.warning("the controller restarted: registering the engines again")
             async with self._acting:
-                await self._reconcile(self._clock())
+                if self._may_act():
+                    await self._reconcile(self._clock())
 
     async def tick(self) -> list[Decision]:
         async with self._acting:
+            if not self._may_act():
+                return []
             now_s = self._clock()
             observations = await self._observe(now_s)
             decisions = self.policy.decide(observations, now_s)
             for decision in decisions:
+                if not self._may_act():
+                    return []
                 log.info("decision: %s", _describe(decision))
                 self.metrics.on_decision(decision)
                 await self._apply(decision, now_s)
@@ -207,12 +217,15 @@ class LivePlanner:
                 if estimate is not None:
                     self.metrics.on_estimate(pool.name, estimate)
 
-    async def close(self) -> None:
+    async def close(self, *, finish_removals: bool = True) -> None:
         """Stop observing, then close the actuator, which decides the engines' fate: local
         ones end with the planner, a Deployment's pods keep serving. Starts under way are
         cancelled (the looks at the fleet too, by the actuator's close); removals under way
-        are finished (each call is bounded), else a drained engine would be left serving nothing."""
-        for task in self._starts:
+        are finished (each call is bounded), else a drained engine would be left serving nothing;
+        without `finish_removals` (a leader that lost its lease must stop acting at once) they
+        are cancelled too, and the next leader takes them back (it adopts the drained pod,
+        clearing the deletion cost a removal left, or sees it draining)."""
+        for task in [*self._starts, *(self._removals if not finish_removals else ())]:
             task.cancel()
         await asyncio.gather(*self._starts, *self._removals, return_exceptions=True)
         for engine in list(self.engines.values()):
@@ -406,6 +419,9 @@ class LivePlanner:
         """After the removals of its pool under way (a pool's actions go in order: a Deployment
         scaled down, then up), start an engine in place of `placeholder`."""
         await self._removals_done(placeholder.pool)
+        if not self._may_act():
+            del self.engines[placeholder.engine_id]
+            return
         try:
             address = await self.actuator.start(placeholder.pool)
         except Exception as exc:  # any failure: the core will ask again
@@ -438,6 +454,8 @@ class LivePlanner:
 
     async def _actuate_removal(self, address: str, pool: str, *, kill: bool) -> None:
         await self._removals_done(pool, before=asyncio.current_task())
+        if not self._may_act():
+            return  # the next leader takes the engine over as it finds it
         operation: Operation = "kill" if kill else "stop"
         try:
             await (self.actuator.kill if kill else self.actuator.stop)(address)
@@ -531,7 +549,9 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
     """`kvplane planner run`: the core over the actuator `live:` chooses (local engine
     processes, or Deployments' pods) until SIGTERM/SIGINT. Local engines are removed from the
     controller and stopped (SIGTERM) at the end; pods keep serving. `environ` gives a
-    Kubernetes actuator its in-cluster defaults."""
+    Kubernetes actuator its in-cluster defaults; with its `leader_election` (the default), the
+    planner acts only while it leads (planner/leader_election.py), each term as a restarted
+    planner would, and stands by otherwise."""
     live = config.live
     if live is None:
         raise ConfigError(
@@ -551,9 +571,14 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
         if live.metrics_listen is not None:  # before any engine starts: a bad address stops it
             metrics_server, _ = start_metrics_server(live.metrics_listen, metrics.registry)
         actuator: Actuator
-        if live.kubernetes is not None:
+        elector: LeaderElector | None = None
+        kubernetes = live.kubernetes
+        if kubernetes is not None:
+            api = kube_api(kubernetes, environ)
+            if kubernetes.leader_election is not None:
+                elector = leader_elector(api, kubernetes.leader_election)
             actuator = await connect_deployments(
-                live, live.kubernetes, environ, controller_channels
+                live, kubernetes, api, controller_channels, elector.needs() if elector else ()
             )
         else:
             workdir = live.workdir or Path(scratch)
@@ -566,21 +591,40 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 channels=controller_channels,
                 pool_args={pool.name: pool.engine_args for pool in config.pools},
             )
-        planner = LivePlanner(
-            Planner(config),
-            actuator,
-            load_timeout_s=live.load_timeout_s,
-            lost_after_failed_polls=live.lost_after_failed_polls,
-            channels=engine_channels,
-            metrics=metrics,
-        )
+
+        async def act(actuator: Actuator) -> None:
+            """Plan over `actuator` until `stop` (or, leading, until cancelled)."""
+            planner = LivePlanner(
+                Planner(config),
+                actuator,
+                load_timeout_s=live.load_timeout_s,
+                lost_after_failed_polls=live.lost_after_failed_polls,
+                channels=engine_channels,
+                metrics=metrics,
+                may_act=lambda: elector is None or elector.leading,
+            )
+            try:
+                await planner.run(stop, config.scaling.tick_s)
+            finally:
+                await planner.close(finish_removals=elector is None or elector.leading)
+
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         try:
-            await planner.run(stop, config.scaling.tick_s)
+            if elector is None:
+                await act(actuator)
+            else:
+                # Each term as leader acts through an actuator of its own, as a restarted
+                # planner would: it adopts the fleet as the last leader left it.
+                assert kubernetes is not None
+                await actuator.close()
+                await lead(
+                    elector,
+                    stop,
+                    lambda: act(deployments_actuator(live, kubernetes, api, controller_channels)),
+                )
         finally:
-            await planner.close()
             if metrics_server is not None:
                 metrics_server.shutdown()

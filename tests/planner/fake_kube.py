@@ -12,8 +12,23 @@ What it implements (namespaced, one namespace):
 - `GET .../api/v1/namespaces/NS/pods?labelSelector=k=v,...` (equality selectors only): a
   PodList; `GET`, `PATCH` (merge patch: labels and annotations) and `DELETE` of
   `.../pods/NAME`.
+- `POST .../apis/authorization.k8s.io/v1/selfsubjectaccessreviews` (any authenticated user
+  may, as the `system:basic-user` ClusterRole allows): 201 and the review with its
+  status.allowed as the fake's RBAC decides (reason named as RBAC does when allowed), for
+  resourceAttributes in the fake's namespace; exactly one of resourceAttributes and
+  nonResourceAttributes, else 422 (non-resource URLs are never allowed here).
+- The fake's RBAC, the planner's Role: with `allowed` None (the default) every (API group,
+  resource, verb) is granted, else only those it holds (resource as a Role names it:
+  `deployments/scale`); `forbidden` refuses a (verb, resource) on top. A request RBAC does
+  not grant is 403 Forbidden with the API server's message, and so reviewed.
+- `GET`, `PUT` of `.../apis/coordination.k8s.io/v1/namespaces/NS/leases/NAME` and `POST`
+  of `.../leases` (coordination.k8s.io/v1 Lease): a create of a name that exists is 409
+  AlreadyExists, an update of one that does not 404, an update whose metadata.resourceVersion
+  is not the current one 409 Conflict (none: unconditional), a name not the URL's 400; the
+  spec's leaseDurationSeconds must be > 0 and leaseTransitions >= 0 (422), acquireTime and
+  renewTime RFC 3339 times (400). POST and PUT take `application/json` (else 415).
 - Errors are Status objects (`kind: Status`, `code`, `reason`, `message`): 401 without the
-  bearer token, 403 for a (verb, resource) made forbidden with `forbid` (the RBAC message), 404
+  bearer token, 403 for what the RBAC part does not grant (the RBAC message), 404
   for a missing object or path, 405, 409, 415, 422 for replicas that are not a natural number.
   Every change bumps a cluster-wide resourceVersion, the Deployment's too when the
   Deployment controller part writes its status (after each change of spec.replicas, of its
@@ -26,7 +41,8 @@ What it implements (namespaced, one namespace):
   makes it act on nothing until cleared, then on the latest spec.replicas only, as
   Kubernetes' Deployment and ReplicaSet controllers do when several changes arrive before
   their work queue syncs (a scale from 1 to 0 and back to 1 deletes no pod).
-- `faults` (a list of `Fault`) answers the next matching requests as an overloaded or failing
+- `faults` (a list of `Fault`, of a method and a resource: "deployments/scale", "pods",
+  "leases") answers the next matching requests as an overloaded or failing
   API server does: 429 TooManyRequests (API Priority and Fairness: the request was not
   processed, `Retry-After` header and `details.retryAfterSeconds`), 500 InternalError, 503
   ServiceUnavailable (a restarting server: with `Retry-After` when given), 504 Timeout (the
@@ -72,6 +88,7 @@ import itertools
 import json
 import os
 import random
+import re
 import signal
 import ssl
 import subprocess
@@ -93,6 +110,9 @@ from kvplane.up.member import member_environment
 
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 _PATCH_TYPES = {"application/merge-patch+json", "application/strategic-merge-patch+json"}
+_OBJECT_TYPES = {"application/json"}  # a create's or an update's body (yaml, protobuf: unused)
+# The API server's time formats (metav1.Time, metav1.MicroTime): RFC 3339.
+_RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
 _LOOP_S = 0.05  # the controllers' and kubelet's pass
 _TERMINATION_GRACE_S = 30.0
 # The API server sets no Content-Length: Go's net/http sends an answer longer than its
@@ -171,8 +191,8 @@ _FAULT_STATUS = {
 
 @dataclass
 class Fault:
-    """The next `times` requests of `method` on `resource` ("deployments/scale", "pods")
-    answered with `code` (one of `_FAULT_STATUS`)."""
+    """The next `times` requests of `method` on `resource` ("deployments/scale", "pods",
+    "leases") answered with `code` (one of `_FAULT_STATUS`)."""
 
     method: str
     resource: str
@@ -206,7 +226,12 @@ class FakeKube:
         self.deployments: dict[str, Deployment] = {}
         self.pods: dict[str, Pod] = {}
         self.deleted: list[str] = []  # pods the ReplicaSet part deleted to scale down, in order
+        # The RBAC part: (API group, resource, verb) granted (None: all), and (verb, resource)
+        # refused on top.
+        self.allowed: set[tuple[str, str, str]] | None = None
         self.forbidden: set[tuple[str, str]] = set()  # (verb, resource) refused with 403
+        self.leases: dict[str, dict[str, Any]] = {}  # coordination.k8s.io/v1 Leases by name
+        self.reviews: list[dict[str, Any]] = []  # the SelfSubjectAccessReviews' attributes
         self.requests: set[tuple[str, str, str]] = set()  # (API group, resource, verb) asked
         # Set: the next scale-down ranks pods without their deletion cost, as a ReplicaSet
         # controller does whose informer cache has not seen the annotation yet.
@@ -337,7 +362,7 @@ class FakeKube:
             raise ApiError(401, "Unauthorized", "Unauthorized")
         url = urllib.parse.urlsplit(path)
         parts = url.path.strip("/").split("/")
-        fault = self._fault(method, "deployments/scale" if parts[-1] == "scale" else "pods")
+        fault = self._fault(method, _fault_resource(parts))
         if fault is not None:
             if fault.applied:
                 self._route(method, url, parts, headers, body)
@@ -366,6 +391,16 @@ class FakeKube:
         body: bytes,
     ) -> tuple[int, object]:
         namespaced = f"namespaces/{self.namespace}"
+        if parts == ["apis", "authorization.k8s.io", "v1", "selfsubjectaccessreviews"]:
+            if method != "POST":
+                raise ApiError(405, "MethodNotAllowed", f"the server does not allow {method} here")
+            return self._review(headers, body)
+        if parts[:6] == ["apis", "coordination.k8s.io", "v1", *namespaced.split("/"), "leases"]:
+            if len(parts) == 6 and method == "POST":
+                return self._create_lease(headers, body)
+            if len(parts) == 7 and method in {"GET", "PUT"}:
+                return self._lease(method, parts[6], headers, body)
+            raise ApiError(405, "MethodNotAllowed", f"the server does not allow {method} here")
         if parts[:5] == ["apis", "apps", "v1", *namespaced.split("/")]:
             if len(parts) == 8 and parts[5] == "deployments" and parts[7] == "scale":
                 return self._scale(method, parts[6], headers, body)
@@ -431,9 +466,14 @@ class FakeKube:
             self._changed.notify_all()
             return 200, self._pod_object(pod)
 
+    def grants(self, group: str, resource: str, verb: str) -> bool:
+        """Whether the fake's RBAC lets the planner's service account make the call."""
+        allowed = self.allowed is None or (group, resource, verb) in self.allowed
+        return allowed and (verb, resource) not in self.forbidden
+
     def _check_allowed(self, verb: str, resource: str, what: str, group: str = "") -> None:
         self.requests.add((group, resource, verb))
-        if (verb, resource) in self.forbidden:
+        if not self.grants(group, resource, verb):
             raise ApiError(
                 403,
                 "Forbidden",
@@ -441,6 +481,121 @@ class FakeKube:
                 f'"system:serviceaccount:{self.namespace}:kvplane-planner" cannot {verb} '
                 f'resource "{resource}" in API group "{group}" in the namespace '
                 f'"{self.namespace}"',
+            )
+
+    def _review(self, headers: Any, body: bytes) -> tuple[int, object]:
+        """A SelfSubjectAccessReview: what the RBAC part decides for the attributes asked."""
+        review = _object(headers, body, "authorization.k8s.io/v1", "SelfSubjectAccessReview")
+        spec = review.get("spec") or {}
+        attributes = spec.get("resourceAttributes")
+        if (attributes is None) == (spec.get("nonResourceAttributes") is None):
+            raise ApiError(
+                422,
+                "Invalid",
+                "SelfSubjectAccessReview.authorization.k8s.io is invalid: spec.resourceAttributes: "
+                'Invalid value: "null": exactly one of nonResourceAttributes or '
+                "resourceAttributes must be specified",
+            )
+        allowed = False
+        if attributes is not None:
+            with self._changed:
+                self.reviews.append(dict(attributes))
+            resource = str(attributes.get("resource", ""))
+            if attributes.get("subresource"):
+                resource += f"/{attributes['subresource']}"
+            allowed = attributes.get("namespace") == self.namespace and self.grants(
+                str(attributes.get("group", "")), resource, str(attributes.get("verb", ""))
+            )
+        status: dict[str, Any] = {"allowed": allowed}
+        if allowed:
+            status["reason"] = (
+                f'RBAC: allowed by RoleBinding "kvplane-planner/{self.namespace}" of Role '
+                f'"kvplane-planner" to ServiceAccount "kvplane-planner/{self.namespace}"'
+            )
+        answer = {
+            "kind": "SelfSubjectAccessReview",
+            "apiVersion": "authorization.k8s.io/v1",
+            "metadata": {"creationTimestamp": None},
+            "spec": spec,
+            "status": status,
+        }
+        return 201, answer
+
+    def _create_lease(self, headers: Any, body: bytes) -> tuple[int, object]:
+        lease = _object(headers, body, "coordination.k8s.io/v1", "Lease")
+        metadata = lease.get("metadata") or {}
+        name = metadata.get("name")
+        # A create's URL names no object: RBAC's message names the resource alone.
+        self._check_allowed("create", "leases", "leases.coordination.k8s.io", "coordination.k8s.io")
+        what = f'leases.coordination.k8s.io "{name}"'
+        if not name:
+            raise ApiError(
+                422,
+                "Invalid",
+                "Lease.coordination.k8s.io is invalid: metadata.name: Required value",
+            )
+        self._check_namespace(metadata)
+        spec = _lease_spec(lease, name)
+        with self._changed:
+            if name in self.leases:
+                raise ApiError(409, "AlreadyExists", f"{what} already exists")
+            self.leases[name] = {
+                "kind": "Lease",
+                "apiVersion": "coordination.k8s.io/v1",
+                "metadata": {
+                    "name": name,
+                    "namespace": self.namespace,
+                    "uid": str(uuid.uuid4()),
+                    "resourceVersion": self._version(),
+                    "creationTimestamp": _now(),
+                },
+                "spec": spec,
+            }
+            self._changed.notify_all()
+            return 201, self.leases[name]
+
+    def _lease(self, method: str, name: str, headers: Any, body: bytes) -> tuple[int, object]:
+        what = f'leases.coordination.k8s.io "{name}"'
+        verb = {"GET": "get", "PUT": "update"}[method]
+        self._check_allowed(verb, "leases", what, "coordination.k8s.io")
+        update = (
+            _object(headers, body, "coordination.k8s.io/v1", "Lease") if verb == "update" else None
+        )
+        with self._changed:
+            lease = self.leases.get(name)
+            if lease is None:
+                raise ApiError(404, "NotFound", f"{what} not found")
+            if update is not None:
+                metadata = update.get("metadata") or {}
+                if metadata.get("name") != name:
+                    raise ApiError(
+                        400,
+                        "BadRequest",
+                        f"the name of the object ({metadata.get('name')}) does not match the "
+                        f"name on the URL ({name})",
+                    )
+                self._check_namespace(metadata)
+                version = metadata.get("resourceVersion")
+                if version and version != lease["metadata"]["resourceVersion"]:
+                    raise ApiError(
+                        409,
+                        "Conflict",
+                        f"Operation cannot be fulfilled on {what}: the object has been "
+                        "modified; please apply your changes to the latest version and try again",
+                    )
+                lease["spec"] = _lease_spec(update, name)
+                lease["metadata"]["resourceVersion"] = self._version()
+                self._changed.notify_all()
+            return 200, json.loads(json.dumps(lease))  # a copy: the answer is sent unlocked
+
+    def _check_namespace(self, metadata: dict[str, Any]) -> None:
+        namespace = metadata.get("namespace")
+        if namespace and namespace != self.namespace:
+            raise ApiError(
+                400,
+                "BadRequest",
+                "the namespace of the provided object does not match the namespace sent on "
+                "the request",
             )
 
     def _scale_object(self, deployment: Deployment) -> dict[str, Any]:
@@ -748,20 +903,69 @@ def _status(error: ApiError) -> dict[str, Any]:
     return status
 
 
+def _fault_resource(parts: list[str]) -> str:
+    """The resource a `Fault` names for a request's path."""
+    if parts[-1] == "scale":
+        return "deployments/scale"
+    if "leases" in parts:
+        return "leases"
+    return "pods"
+
+
+def _object(headers: Any, body: bytes, api_version: str, kind: str) -> dict[str, Any]:
+    """A create's or an update's body: a JSON object of `kind` (the API server decodes a body
+    as the type of its URL: another kind is a 400)."""
+    sent = _json_body(headers, body, _OBJECT_TYPES, "body")
+    if (sent.get("apiVersion"), sent.get("kind")) != (api_version, kind):
+        raise ApiError(
+            400,
+            "BadRequest",
+            f"the API version in the data ({sent.get('apiVersion')}) does not match the "
+            f"expected API version ({api_version}) or kind ({sent.get('kind')}) {kind}",
+        )
+    return sent
+
+
+def _lease_spec(lease: dict[str, Any], name: str) -> dict[str, Any]:
+    """A Lease's spec as the API server validates it."""
+    spec = lease.get("spec") or {}
+    if not isinstance(spec, dict):
+        raise ApiError(400, "BadRequest", "spec: not an object")
+    for key in ("acquireTime", "renewTime"):
+        value = spec.get(key)
+        if value is not None and not (isinstance(value, str) and _RFC3339.match(value)):
+            raise ApiError(400, "BadRequest", f"spec.{key}: {value!r} is not an RFC 3339 time")
+    invalid = f'Lease.coordination.k8s.io "{name}" is invalid: spec.'
+    duration = spec.get("leaseDurationSeconds")
+    if duration is not None and (not isinstance(duration, int) or duration <= 0):
+        raise ApiError(422, "Invalid", f"{invalid}leaseDurationSeconds: must be greater than 0")
+    transitions = spec.get("leaseTransitions")
+    if transitions is not None and (not isinstance(transitions, int) or transitions < 0):
+        raise ApiError(
+            422, "Invalid", f"{invalid}leaseTransitions: must be greater than or equal to 0"
+        )
+    return dict(spec)
+
+
 def _merge_patch(headers: Any, body: bytes) -> dict[str, Any]:
+    return _json_body(headers, body, _PATCH_TYPES, "patch")
+
+
+def _json_body(headers: Any, body: bytes, types: set[str], what: str) -> dict[str, Any]:
+    """A request's body: a JSON object sent as one of the media `types` (else 415)."""
     content_type = (headers.get("Content-Type") or "").split(";")[0].strip()
-    if content_type not in _PATCH_TYPES:
+    if content_type not in types:
         raise ApiError(
             415, "UnsupportedMediaType", f'the body of the request was in an unknown format - '
-            f'accepted media types include: {", ".join(sorted(_PATCH_TYPES))}'
+            f'accepted media types include: {", ".join(sorted(types))}'
         )  # fmt: skip
     try:
-        patch = json.loads(body)
+        sent = json.loads(body)
     except ValueError as exc:
-        raise ApiError(400, "BadRequest", f"error decoding patch: {exc}") from exc
-    if not isinstance(patch, dict):
-        raise ApiError(400, "BadRequest", "a merge patch must be a JSON object")
-    return patch
+        raise ApiError(400, "BadRequest", f"error decoding {what}: {exc}") from exc
+    if not isinstance(sent, dict):
+        raise ApiError(400, "BadRequest", f"the {what} must be a JSON object")
+    return sent
 
 
 def _stop(process: subprocess.Popen[bytes] | None) -> None:

@@ -67,6 +67,12 @@ BAD_CONFIGS = {
     "pools: [{name: p, engine_args: [--role, prefill]}]\n"
     "live: {controller: 'c:1', kubernetes: {deployments: {p: e}}}\n": "pools p: engine_args "
     "start local engines",
+    "live: {controller: 'c:1', kubernetes: {deployments: {default: e}, leader_election: "
+    "{renew_deadline_s: 15}}}\n": "renew_deadline_s (15) must be below lease_duration_s (15)",
+    "live: {controller: 'c:1', kubernetes: {deployments: {default: e}, leader_election: "
+    "{retry_period_s: 9}}}\n": "renew_deadline_s (10) must be above 1.2 times retry_period_s",
+    "live: {controller: 'c:1', kubernetes: {deployments: {default: e}, leader_election: "
+    "{lease_name: Planner}}}\n": "lease_name",
 }
 
 

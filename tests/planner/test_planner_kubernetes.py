@@ -49,6 +49,7 @@ from planner.kube_api import (
     DELETION_COST,
     SERVICE_ACCOUNT_DIR,
     KubeApi,
+    KubeApiError,
     KubeConnection,
     Pod,
     Scale,
@@ -91,7 +92,7 @@ def free_port() -> int:
 class Cluster:
     kube: FakeKube
     app: ControllerApp
-    ca_file: Path
+    ca_file: Path | None  # None: the fake serves plain HTTP
     token_file: Path
 
     def api(self, token_file: Path | None = None) -> KubeApi:
@@ -144,7 +145,7 @@ def fake_kube(
 
 async def cluster_with(
     tmp_path: Path,
-    tls_files: tuple[Path, Path],
+    tls_files: tuple[Path, Path] | None,
     replicas: int,
     *,
     restart_delay_s: float = 1.0,
@@ -158,7 +159,7 @@ async def cluster_with(
             kube.add_deployment(DEPLOYMENT, replicas, LABELS)
             token_file = tmp_path / "token"
             token_file.write_text(kube.token + "\n")
-            cluster = Cluster(kube, app, tls_files[0], token_file)
+            cluster = Cluster(kube, app, tls_files[0] if tls_files else None, token_file)
             await cluster.wait(lambda: len(kube.ready_pods(DEPLOYMENT)) == replicas)
             yield cluster
     finally:
@@ -658,6 +659,7 @@ async def test_a_deployment_deleted_by_hand_ends_its_engines_and_fails_starts_in
 
 
 def delete_pod(cluster: Cluster, name: str) -> None:
+    assert cluster.ca_file is not None
     context = ssl.create_default_context(cafile=str(cluster.ca_file))
     connection = http.client.HTTPSConnection(cluster.kube.url.split("//")[1], context=context)
     path = f"/api/v1/namespaces/{cluster.kube.namespace}/pods/{name}"
@@ -686,14 +688,76 @@ async def test_api_errors_at_start_are_one_line(empty: Cluster, tmp_path: Path) 
         messages = [await check(empty, api) for api, _ in cases]
     empty.kube.forbidden.add(("list", "pods"))
     messages.append(await check(empty, empty.api()))
-    cases.append((empty.api(), 'cannot list resource "pods"'))
+    cases.append((empty.api(), "the planner may not list pods in namespace serving"))
     empty.kube.forbidden.clear()
     del empty.kube.deployments[DEPLOYMENT]
     messages.append(await check(empty, empty.api()))
-    cases.append((empty.api(), f'404 NotFound: deployments.apps "{DEPLOYMENT}" not found'))
+    cases.append(
+        (empty.api(), f"pool default: GET {empty.kube.url}/apis/apps/v1/namespaces/serving/")
+    )
     for message, (_, expected) in zip(messages, cases, strict=True):
-        assert message.startswith("pool default: ") and expected in message
-        assert "\n" not in message
+        assert expected in message and "\n" not in message
+    assert messages[-1].endswith(f'404 NotFound: deployments.apps "{DEPLOYMENT}" not found (is '
+                                 f"Deployment {DEPLOYMENT} in namespace serving?)")  # fmt: skip
+
+
+# The Role of configs/k8s/planner-rbac.yaml without its writes: what a read-only Role grants.
+READ_ONLY_ROLE = {
+    ("apps", "deployments/scale", "get"),
+    ("", "pods", "list"),
+    ("coordination.k8s.io", "leases", "get"),
+}
+
+
+@pytest.mark.timeout(60)
+async def test_a_role_lacking_a_verb_fails_the_start_naming_every_verb_it_lacks(
+    empty: Cluster,
+) -> None:
+    """Before the first scale: reads alone would pass the start-up check, and the missing
+    writes show only when the planner first scales (a warning every tick)."""
+    empty.kube.allowed = READ_ONLY_ROLE
+    message = await check(empty, empty.api())
+    assert message == (
+        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods in "
+        "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+    )
+    # The review says what the calls would meet: the API server refuses them alike.
+    with pytest.raises(KubeApiError) as refused:
+        empty.api().patch_scale(DEPLOYMENT, 1, "")
+    assert refused.value.status == 403
+    assert 'cannot patch resource "deployments/scale" in API group "apps"' in str(refused.value)
+    assert empty.kube.deployments[DEPLOYMENT].replicas == 0
+    # The shipped Role grants all the actuator asks to be reviewed.
+    empty.kube.allowed = shipped_role()
+    await empty.actuator().check()
+    subresource = {a.get("subresource", "") for a in empty.kube.reviews}
+    assert subresource == {"scale", ""}
+    asked = {
+        (a["group"], a["resource"] + (f"/{a['subresource']}" if a.get("subresource") else ""),
+         a["verb"])
+        for a in empty.kube.reviews
+    }  # fmt: skip
+    assert asked == {
+        ("apps", "deployments/scale", "get"),
+        ("apps", "deployments/scale", "patch"),
+        ("", "pods", "list"),
+        ("", "pods", "patch"),
+    }
+
+
+def test_planner_run_names_the_verbs_its_role_lacks_in_one_line(tmp_path: Path) -> None:
+    with fake_kube(tmp_path, None) as kube:
+        kube.add_deployment(DEPLOYMENT, 0, LABELS)
+        kube.allowed = READ_ONLY_ROLE
+        config = config_file(tmp_path, kube)
+        result = CliRunner().invoke(kvplane_app, ["planner", "run", "--config", str(config)])
+    assert result.exit_code == 1 and isinstance(result.exception, ConfigError)  # main: one line
+    # The leader election's Lease too (live.kubernetes.leader_election, on by default).
+    assert str(result.exception) == (
+        f"the planner may not patch deployments.apps/scale {DEPLOYMENT}, patch pods, create "
+        "leases.coordination.k8s.io, update leases.coordination.k8s.io kvplane-planner in "
+        "namespace serving (the planner's RBAC Role: configs/k8s/planner-rbac.yaml)"
+    )
 
 
 async def check(cluster: Cluster, api: KubeApi) -> str:
@@ -786,7 +850,8 @@ def test_planner_run_ends_each_api_call_within_live_kubernetes_api_timeout_s(
         kube.hang_requests = False
     assert result.exit_code == 1 and isinstance(result.exception, ConfigError), result.output
     line = str(result.exception)
-    assert line.startswith("pool default: GET ") and "\n" not in line
+    # The first call: the review of the planner's access.
+    assert line.startswith("reviewing the planner's access: POST ") and "\n" not in line
     # Given up at 2 s: mid-answer, or (a loaded machine) before its headers came.
     assert line.endswith(("no whole answer within 2 s", "timed out")), line
 
@@ -852,6 +917,10 @@ async def test_planner_run_scales_the_deployment_and_leaves_its_pods_when_stoppe
     assert empty.kube.deployments[DEPLOYMENT].replicas == 2
     addresses = sorted(empty.kube.address(p) for p in empty.kube.ready_pods(DEPLOYMENT))
     assert len(addresses) == 2 and empty.registered() == addresses
+    # It led (its Lease) and, stopped, released the Lease: a standby takes over at once.
+    lease = empty.kube.leases["kvplane-planner"]["spec"]
+    assert lease["holderIdentity"] == "" and lease["leaseDurationSeconds"] == 1
+    assert empty.kube.requests <= shipped_role()  # the shipped RBAC Role allows all it asked
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,261 @@
+"""Leader election of planners that share Deployments (planner/leader_election.py) against the
+fake API server's Leases (tests/planner/fake_kube.py): one candidate leads, another takes over
+only once the lease expired as it saw it, a leader that cannot renew stops acting before
+then, a takeover that races a renewal loses on the 409 (a create that races another on
+the 409 AlreadyExists); end to end, of two `kvplane planner
+run` only the leader acts, the other takes over when the leader is killed, and a leader whose
+renewals fail stops acting until it holds the lease again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from planner.config import LeaderElectionConfig
+from planner.kube_api import KubeApi, KubeConnection
+from planner.leader_election import LeaderElector
+from tests.planner.fake_kube import FakeKube, Fault
+from tests.planner.test_planner_kubernetes import DEPLOYMENT, Cluster, cluster_with
+
+LEASE = "kvplane-planner"
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async for cluster in cluster_with(tmp_path, None, 0):
+        yield cluster
+
+
+def candidate(
+    cluster: Cluster, identity: str, clock: Clock, api: KubeApi | None = None
+) -> LeaderElector:
+    """A candidate with client-go's timing (15 s, 10 s, 2 s) on `clock`."""
+    return LeaderElector(api or cluster.api(), LeaderElectionConfig(), identity, clock=clock)
+
+
+def lease_spec(kube: FakeKube) -> dict[str, Any]:
+    return dict(kube.leases[LEASE]["spec"])
+
+
+@pytest.mark.timeout(60)
+async def test_a_standby_takes_over_only_once_the_lease_expired_and_the_leader_stopped_before(
+    cluster: Cluster,
+) -> None:
+    clock = Clock()
+    a, b = candidate(cluster, "a", clock), candidate(cluster, "b", clock)
+    assert await a.try_acquire_or_renew() and a.leading  # the Lease is made, held by a
+    first = lease_spec(cluster.kube)
+    assert first["holderIdentity"] == "a" and first["leaseDurationSeconds"] == 15
+    assert first["leaseTransitions"] == 0 and first["acquireTime"] == first["renewTime"]
+    assert not await b.try_acquire_or_renew() and not b.leading  # held: b stands by
+    clock.now = 5.0
+    assert await a.try_acquire_or_renew()  # a renewal: the term goes on
+    renewed = lease_spec(cluster.kube)
+    assert renewed["acquireTime"] == first["acquireTime"] and renewed["leaseTransitions"] == 0
+    assert renewed["renewTime"] >= first["renewTime"]
+    clock.now = 14.0
+    # b sees the renewal now (its own clock: the holder's may be skewed): valid until 29 s.
+    assert not await b.try_acquire_or_renew()
+    # a stops renewing (killed, or cut off from the API server): past its renew deadline (10 s
+    # from its last renewal) it no longer leads, before b may take over.
+    clock.now = 15.5
+    assert not a.leading
+    assert not await b.try_acquire_or_renew()
+    clock.now = 28.5
+    assert not await b.try_acquire_or_renew()
+    clock.now = 29.5
+    assert await b.try_acquire_or_renew() and b.leading
+    taken = lease_spec(cluster.kube)
+    assert taken["holderIdentity"] == "b" and taken["leaseTransitions"] == 1
+    assert taken["acquireTime"] == taken["renewTime"] > renewed["renewTime"]
+    # a, back, finds the lease taken: it stands by until b's expires.
+    assert not await a.try_acquire_or_renew() and not a.leading
+
+
+class ReadsThen(KubeApi):
+    """An API client that runs `then` after each Lease it reads (before its caller writes)."""
+
+    def __init__(self, connection: KubeConnection, then: Any) -> None:
+        super().__init__(connection)
+        self._then = then
+
+    def get_lease(self, name: str) -> dict[str, Any]:
+        try:
+            return super().get_lease(name)
+        finally:
+            self._then()
+
+
+@pytest.mark.timeout(60)
+async def test_a_takeover_that_races_the_leaders_renewal_loses_on_the_conflict(
+    cluster: Cluster,
+) -> None:
+    """The update is conditional on the resourceVersion read: a candidate that read an
+    expired lease, which its holder renewed before the candidate's write, gets a 409 and
+    stands by; the lease stays the holder's."""
+    clock = Clock()
+    a = candidate(cluster, "a", clock)
+    assert await a.try_acquire_or_renew()
+    raw = cluster.api()
+
+    def renewal_by_a() -> None:
+        lease = raw.get_lease(LEASE)
+        raw.update_lease(lease, {**lease["spec"], "renewTime": "2099-01-01T00:00:00.000000Z"})
+
+    renewals_first = ReadsThen(cluster.api().connection, lambda: None)
+    b = candidate(cluster, "b", clock, renewals_first)
+    assert not await b.try_acquire_or_renew()  # seen at 0 s, held by a
+    clock.now = 16.0  # expired as b saw it
+    renewals_first._then = renewal_by_a
+    assert not await b.try_acquire_or_renew() and not b.leading
+    spec = lease_spec(cluster.kube)
+    assert spec["holderIdentity"] == "a" and spec["renewTime"].startswith("2099")
+
+
+@pytest.mark.timeout(60)
+async def test_of_two_candidates_that_found_no_lease_the_second_to_create_it_stands_by(
+    cluster: Cluster,
+) -> None:
+    raw = cluster.api()
+
+    def creation_by_a() -> None:  # between b's read (404) and its create
+        if LEASE not in cluster.kube.leases:
+            raw.create_lease(LEASE, {"holderIdentity": "a", "leaseDurationSeconds": 15})
+
+    b = candidate(cluster, "b", Clock(), ReadsThen(raw.connection, creation_by_a))
+    assert not await b.try_acquire_or_renew() and not b.leading  # 409 AlreadyExists
+    assert lease_spec(cluster.kube)["holderIdentity"] == "a"
+
+
+# ------------------------------------------------------------------ `kvplane planner run`
+
+
+def planner_config(cluster: Cluster, path: Path, min_engines: int) -> Path:
+    """A planner of pool default (at least `min_engines`) over the cluster's Deployment, with
+    short leases (2 s, renewed every 0.2 s: a takeover within seconds)."""
+    kubernetes = {
+        "api_server": cluster.kube.url,
+        "namespace": cluster.kube.namespace,
+        "token_file": str(cluster.token_file),
+        "engine_port": cluster.kube.engine_port,
+        "deployments": {"default": DEPLOYMENT},
+        "poll_s": 0.1,
+        "leader_election": {"lease_duration_s": 2, "renew_deadline_s": 1, "retry_period_s": 0.2},
+    }
+    scaling = {"tick_s": 0.2, "scale_up_cooldown_s": 0, "scale_down_cooldown_s": 0}
+    config = {
+        "pools": [{"min_engines": min_engines, "max_engines": 2}],
+        "scaling": scaling,
+        "live": {"controller": f"127.0.0.1:{cluster.app.port}", "kubernetes": kubernetes},
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
+async def start_planner(config: Path, log: Path) -> asyncio.subprocess.Process:
+    with log.open("wb") as stderr:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
+            stderr=stderr,
+        )  # fmt: skip
+
+
+async def logged(log: Path, text: str, after: str | None = None) -> list[str]:
+    """Until the planner's `log` has a line holding `text` (after the line holding `after`,
+    if given); its lines."""
+    async with asyncio.timeout(90):
+        while True:
+            lines = (await asyncio.to_thread(log.read_text)).splitlines()
+            start = next((i for i, line in enumerate(lines) if after and after in line), -1)
+            if after is not None and start < 0:
+                await asyncio.sleep(0.05)
+                continue
+            if any(text in line for line in lines[start + 1 :]):
+                return lines
+            await asyncio.sleep(0.05)
+
+
+def between(lines: list[str], first: str, last: str) -> list[str]:
+    """The lines after the first holding `first`, up to the next holding `last`."""
+    start = next(i for i, line in enumerate(lines) if first in line)
+    end = next(i for i, line in enumerate(lines) if i > start and last in line)
+    return lines[start + 1 : end]
+
+
+async def stop(process: asyncio.subprocess.Process, signum: int = signal.SIGTERM) -> None:
+    if process.returncode is None:
+        process.send_signal(signum)
+        await process.wait()
+
+
+@pytest.mark.timeout(180)
+async def test_of_two_planners_only_the_leader_acts_and_the_other_takes_over_when_it_dies(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Planner a (at least one engine) leads; planner b (at least two: a difference the test
+    can see) stands by and decides nothing until a is killed (SIGKILL: no release), then
+    takes over once the lease expired and scales the pool to its own minimum."""
+    a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
+    a = await start_planner(planner_config(cluster, tmp_path / "a.yaml", 1), a_log)
+    b = None
+    try:
+        await logged(a_log, "leading: lease serving/kvplane-planner taken")
+        await cluster.wait_routable(1)
+        b = await start_planner(planner_config(cluster, tmp_path / "b.yaml", 2), b_log)
+        await logged(b_log, "standing by")
+        assert lease_spec(cluster.kube)["holderIdentity"] in a_log.read_text()
+        a.send_signal(signal.SIGKILL)
+        await a.wait()
+        lines = await logged(b_log, "decision: scale pool default to 2", after="leading: lease")
+        await cluster.wait_routable(2)
+    finally:
+        await stop(a, signal.SIGKILL)
+        if b is not None:
+            await stop(b)
+    # b decided nothing while it stood by; it took the lease over from a (one transition).
+    assert not any("decision:" in line for line in between(lines, "standing by", "leading:"))
+    assert b.returncode == 0
+    assert cluster.kube.deployments[DEPLOYMENT].replicas == 2
+    spec = lease_spec(cluster.kube)
+    assert spec["leaseTransitions"] == 1 and spec["holderIdentity"] == ""  # b released it
+
+
+@pytest.mark.timeout(180)
+async def test_a_leader_whose_renewals_fail_stops_acting_until_it_leads_again(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The API server refuses the renewals (500): past renew_deadline_s the planner stops
+    acting (the Deployment scaled to 0 by hand meanwhile is left so), and once it holds the
+    lease again it scales the pool back to its minimum."""
+    log = tmp_path / "planner.log"
+    planner = await start_planner(planner_config(cluster, tmp_path / "p.yaml", 1), log)
+    try:
+        await cluster.wait_routable(1)
+        cluster.kube.faults.append(Fault("PUT", "leases", 500, times=10**6))
+        await logged(log, "not renewed within renew_deadline_s (1 s): stopped acting")
+        cluster.api().patch_scale(DEPLOYMENT, 0, "")  # an operator's scale to 0
+        await cluster.wait(lambda: not cluster.kube.pods)
+        cluster.kube.faults.clear()
+        lines = await logged(log, "decision: scale pool default to 1", after="stopped acting")
+        await cluster.wait_routable(1)
+    finally:
+        await stop(planner)
+    assert not any("decision:" in line for line in between(lines, "stopped acting", "leading:"))
+    assert planner.returncode == 0
