@@ -17,10 +17,11 @@ not have, cluster mode it lacks, credentials it refuses: `RedisMisconfiguredErro
 ConfigError at start-up; a Redis that is merely down is not. Queries fail fast with
 `IndexUnavailableError` (a KvplaneError; servicers map it to UNAVAILABLE), and go on failing
 until the batches buffered in the outage are applied (an answer without them would miss
-acknowledged placements). Redis at its `maxmemory` refusing writes is such an outage too (an
-answer could show a block whose removal waits behind a refused report), in which the buffered
+acknowledged placements). Redis refusing writes is such an outage too (an answer could show a
+block whose removal waits behind a refused report): at its `maxmemory`, where the buffered
 removals that come first of their worker's still apply (`_release_buffered`: they only free
-memory), so that the index shrinks back under the cap by itself. Applies that cannot reach
+memory) and writer leases are kept (`_lease`), so that the index shrinks back under the cap by
+itself; and unable to persist to disk (MISCONF), until a save succeeds. Applies that cannot reach
 Redis are buffered in order (at most `max_buffered_batches`); past that, the worker whose
 batch overflows loses its buffered batches and is marked for resync. A background task brings the
 backend back by itself: it reloads the functions, detects a Redis that lost its data (the
@@ -148,8 +149,12 @@ _FENCED = "KVP_FENCED "
 # kvp_release's status for a batch it leaves to kvp_apply (it could grow the index).
 _GROWS = "KVP_GROWS "
 # Functions Redis runs even at its maxmemory (allow-oom in redis_functions.lua: they only free
-# memory); every other writing function is refused there, so only those say Redis takes writes.
-_FREEING = frozenset({"kvp_release", "kvp_remove", "kvp_sweep"})
+# memory, or rewrite a lease key that exists); every other writing function is refused there,
+# so only those say Redis takes writes.
+_RUN_AT_MAXMEMORY = frozenset({"kvp_release", "kvp_remove", "kvp_sweep", "kvp_renew"})
+# How Redis starts its refusal of every write while it cannot persist to disk (an RDB snapshot
+# failed under `stop-writes-on-bgsave-error yes`, or an AOF write failed).
+_CANNOT_PERSIST = "MISCONF"
 # Refusals that pass: a replica being promoted, a slot moving, memory pressure, a busy script.
 _TRANSIENT = (OutOfMemoryError, ReadOnlyError, TryAgainError)
 # KVP_MOVING: the partition's cluster slot is being moved to another node (redis_functions.lua).
@@ -187,8 +192,13 @@ async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
     return backend
 
 
-class _RedisFull(IndexUnavailableError):
-    """Redis at its `maxmemory` refused a write that could grow the index (`_out_of_memory`)."""
+class _WritesRefused(IndexUnavailableError):
+    """Redis answers, and runs queries, but refuses the index's writes (`_refusing_writes`)."""
+
+
+class _RedisFull(_WritesRefused):
+    """Redis at its `maxmemory` refused a write that could grow the index (`_out_of_memory`):
+    the functions that only free memory still run."""
 
 
 class LeaseState(enum.Enum):
@@ -259,11 +269,11 @@ class RedisBackend:
         # Why the last call failed for Redis being away (None: Redis answered since), kept by
         # every call, the maintenance task's included, so that `unavailable` asks nothing.
         self._failure: str | None = None
-        # Why Redis refuses the writes that grow the index, at its `maxmemory` (None: it took
-        # the last one; logged once when found, and when it takes them again), the
-        # `maxmemory-policy` last read (`_check_eviction_policy`), and whether Redis lets
-        # this process read it (CONFIG is often refused by managed Redis).
-        self._memory_full: str | None = None
+        # Why Redis refuses the writes that grow the index, at its `maxmemory` or unable to
+        # persist (None: it took the last one; logged once when found, and when it takes them
+        # again), the `maxmemory-policy` last read (`_check_eviction_policy`), and whether
+        # Redis lets this process read it (CONFIG is often refused by managed Redis).
+        self._writes_refused: str | None = None
         self._policy: str | None = None
         self._policy_readable = True
 
@@ -314,7 +324,7 @@ class RedisBackend:
         `maintenance_interval_s`): a health check asks this, never Redis itself."""
         if self._outage:
             return self._outage_reason()
-        return self._memory_full or self._failure
+        return self._writes_refused or self._failure
 
     @property
     def num_buffered_batches(self) -> int:
@@ -347,8 +357,9 @@ class RedisBackend:
     async def hold_lease(self, name: str, holder: str, ttl_s: float) -> LeaseState:
         """Take the writer lease `name` for `holder` if nobody holds it, or keep it another
         `ttl_s` if `holder` does (Redis's clock decides the expiry). IndexUnavailableError
-        while Redis cannot answer: the lease then runs out by itself."""
-        reply = await self._fcall("kvp_lease", [name, holder, max(1, round(ttl_s * 1000))])
+        while Redis cannot answer (or cannot take it: `_lease`): the lease then runs out by
+        itself."""
+        reply = await self._lease([name, holder, max(1, round(ttl_s * 1000))])
         return LeaseState(int(reply))
 
     async def ask_resync(
@@ -362,13 +373,31 @@ class RedisBackend:
         `holder` resyncs the engine itself."""
         mode = "lost" if only_if_stream_lost else "all"
         args: list[bytes | str | int] = [name, holder, max(1, round(ttl_s * 1000)), "resync", mode]
-        state, holder_now = await self._fcall("kvp_lease", args)
+        state, holder_now = await self._lease(args)
         return LeaseState(int(state)), _text(holder_now)
 
     async def release_lease(self, name: str, holder: str) -> None:
         """Give up `holder`'s lease `name` (nothing when another holds it), so that another
         process takes it at its next try instead of after the expiry."""
-        await self._fcall("kvp_lease", [name, holder, "release"])
+        await self._lease([name, holder, "release"])
+
+    async def _lease(self, args: Sequence[bytes | str | int]) -> Any:
+        """kvp_lease; at maxmemory, where Redis refuses it (it may create a key), kvp_renew,
+        which Redis runs even then and which does only what rewrites the lease key that
+        exists: its holder keeps the lease (so that a writer under leases frees memory with
+        its removals past a lease's term, not fenced), a restarted process of the holding
+        replica takes it over, its holder releases it. Taking a lease nobody holds and
+        handing a resync over to another holder wait for Redis to take writes: the refusal
+        is raised."""
+        try:
+            return await self._fcall("kvp_lease", args)
+        except _RedisFull as full:
+            try:
+                return await self._fcall("kvp_renew", args)
+            except IndexBackendError as exc:
+                if _GROWS not in str(exc):
+                    raise
+                raise full from None
 
     def take_resync_requests(self) -> frozenset[str]:
         """Workers to resync since the last call (the polling form of the listener)."""
@@ -388,12 +417,12 @@ class RedisBackend:
         miss placements whose applies were already acknowledged (a router would take a cached
         prefix for a cold one). Until the recovery has replayed them, a query is UNAVAILABLE,
         as during the outage itself. So is any query while Redis refuses the writes that grow
-        the index (`_out_of_memory`): another process may have such a batch buffered, a removal
-        behind it."""
+        the index (`_refusing_writes`): another process may have such a batch buffered, a
+        removal behind it."""
         if self._outage:
             raise IndexUnavailableError(self._outage_reason())
-        if self._memory_full is not None:
-            raise IndexUnavailableError(self._memory_full)
+        if self._writes_refused is not None:
+            raise IndexUnavailableError(self._writes_refused)
 
     def _outage_reason(self) -> str:
         """Why queries wait during an outage: the recovery's last failure, else its progress."""
@@ -427,6 +456,8 @@ class RedisBackend:
             )
         if isinstance(exc, OutOfMemoryError):  # FUNCTION LOAD and kvp_boot are writes
             return self._out_of_memory(exc)
+        if text.startswith(_CANNOT_PERSIST):
+            return self._cannot_persist(exc)
         if isinstance(exc, ResponseError):
             return IndexUnavailableError(f"Redis at {self._where} refused: {exc}")
         return self._unavailable(exc)
@@ -435,28 +466,52 @@ class RedisBackend:
         """Redis at its `maxmemory` with nothing it may evict (`maxmemory-policy noeviction`,
         Redis's default): it refuses every function that could grow the index at its start
         (and FUNCTION LOAD), while queries (no-writes) and the functions that only free
-        memory (`_FREEING`) still run. An outage, said as such: this process buffers its
-        applies and its queries wait for them, and every process's queries fail until Redis
-        takes writes again (another one may have a removal buffered behind a report: no
-        answer shows a block whose removal waits); a process that only reads finds it at its
-        next maintenance call (kvp_probe). Meanwhile the buffered batches that only free
-        memory are applied (`_release_buffered`), so that the index shrinks back under the
-        cap as engines evict blocks. Logged once when found."""
-        message = (
-            f"shared index unavailable: Redis at {self._where} is out of memory and refuses "
-            f"writes ({exc}): raise its maxmemory or free memory"
+        memory or rewrite a lease key that exists (`_RUN_AT_MAXMEMORY`) still run. An outage
+        (`_refusing_writes`) in which the buffered batches that only free memory are applied
+        (`_release_buffered`), so that the index shrinks back under the cap as engines evict
+        blocks, and writer leases are kept (`_lease`)."""
+        return self._refusing_writes(
+            "is out of memory", exc, "raise its maxmemory or free memory", _RedisFull
         )
-        if self._memory_full is None:
-            log.warning("Redis at %s is out of memory and refuses the index's writes (%s); "
-                        "queries answer UNAVAILABLE until it takes them again: raise its "
-                        "maxmemory or free memory", self._where, exc)  # fmt: skip
-        self._memory_full = message
-        return _RedisFull(message)
+
+    def _cannot_persist(self, exc: Exception) -> IndexUnavailableError:
+        """Redis cannot persist to disk (MISCONF: an RDB snapshot failed under
+        `stop-writes-on-bgsave-error yes`, Redis's default where it saves snapshots, or an
+        AOF write failed): it refuses every function that writes, those that only free
+        memory and kvp_renew included, until a save succeeds, while queries (no-writes) still
+        run. The same outage as at maxmemory (`_refusing_writes`), but nothing is applied
+        meanwhile, and writer leases are not renewed (they run out; their next takers
+        rebuild the engines)."""
+        return self._refusing_writes(
+            "cannot persist to disk",
+            exc,
+            "fix what its log says (disk space, permissions of its dir) and run BGSAVE: it "
+            "takes writes again once a save succeeds",
+            _WritesRefused,
+        )
+
+    def _refusing_writes(
+        self, state: str, exc: Exception, remedy: str, error: type[_WritesRefused]
+    ) -> _WritesRefused:
+        """Redis answers but refuses the index's writes (`state`: why). An outage, said as
+        such: this process buffers its applies and its queries wait for them, and every
+        process's queries fail until Redis takes writes again (another one may have a
+        removal buffered behind a report: no answer shows a block whose removal waits); a
+        process that only reads finds it at its next maintenance call (kvp_probe, refused
+        as well). Logged once when found (and when the reason changes)."""
+        said = f"Redis at {self._where} {state}"
+        message = f"shared index unavailable: {said} and refuses writes ({exc}): {remedy}"
+        if self._writes_refused is None or said not in self._writes_refused:
+            log.warning("%s and refuses the index's writes (%s); queries answer UNAVAILABLE "
+                        "until it takes them again: %s", said, exc, remedy)  # fmt: skip
+        self._writes_refused = message
+        return error(message)
 
     def _took_writes(self) -> None:
-        """Redis took a write that could grow the index: a memory shortage it had is over."""
-        if self._memory_full is not None:
-            self._memory_full = None
+        """Redis took a write that could grow the index: a refusal it had (its maxmemory, a
+        failed save) is over."""
+        if self._writes_refused is not None:
+            self._writes_refused = None
             log.info("Redis at %s takes the index's writes again", self._where)
 
     async def _check_eviction_policy(self) -> None:
@@ -675,6 +730,8 @@ class RedisBackend:
                     continue
                 if isinstance(exc, OutOfMemoryError):
                     raise self._out_of_memory(exc) from exc
+                if text.startswith(_CANNOT_PERSIST):
+                    raise self._cannot_persist(exc) from exc
                 if isinstance(exc, _TRANSIENT) or text.startswith(_TRANSIENT_PREFIXES):
                     raise IndexUnavailableError(
                         f"shared index unavailable: Redis at {self._where}: {text}"
@@ -683,7 +740,7 @@ class RedisBackend:
                     f"shared index error from Redis at {self._where}: {text}"
                 ) from exc
             self._acked_mark = max(self._acked_mark, mark)
-            if not readonly and function not in _FREEING:
+            if not readonly and function not in _RUN_AT_MAXMEMORY:
                 self._took_writes()
             return reply
         raise AssertionError("unreachable")
@@ -831,7 +888,7 @@ class RedisBackend:
                         self._replayed(batch, status)
                         if self._buffer and self._buffer[0] is batch:  # not filtered meanwhile
                             self._buffer.popleft()
-                if self._memory_full is not None:
+                if self._writes_refused is not None:
                     # Every buffered batch was one that frees memory: the outage ends once
                     # Redis takes writes again, as it would have with one that grows the index.
                     await self._fcall("kvp_probe", [])
@@ -923,10 +980,11 @@ class RedisBackend:
                         self._writes_lost = True
                         self._ready = False
                 await self.sweep()  # (run even at maxmemory: it frees what CLEARs left)
-                # Refused while Redis is at its maxmemory: keeps `_memory_full` current, so
-                # that a process that only reads stops (and starts) answering with the writers.
+                # Refused while Redis refuses writes (its maxmemory, a failed save): keeps
+                # `_writes_refused` current, so that a process that only reads stops (and
+                # starts) answering with the writers.
                 await self._fcall("kvp_probe", [])
-            except _RedisFull as exc:
+            except _WritesRefused as exc:
                 log.debug("index maintenance: %s", exc)
             except (IndexUnavailableError, *_UNREACHABLE, OSError) as exc:
                 self._ready = False

@@ -3,7 +3,7 @@
 kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
 with FUNCTION LOAD REPLACE on every primary). The library's name and its functions' names end
 with its ABI version (`_v4`): a change of any function's arguments, replies or flags, or a
-function added, takes the next one (v4: kvp_release, kvp_probe, allow-oom), so that
+function added, takes the next one (v4: kvp_release, kvp_renew, kvp_probe, allow-oom), so that
 processes of two kvplane versions sharing a Redis in a rolling upgrade each call
 their own library (a library's REPLACE would otherwise swap the other version's functions
 under it); the key layout below is shared by every version. docs/redis.md describes the layout; in short, for
@@ -879,7 +879,12 @@ end
 -- and the reply is {0, <the holder's id>}; otherwise the lease is taken or kept as above,
 -- {1 or 2, ""}, and `holder` resyncs the engine itself (a recorded resync stays for its
 -- next renewal).
-local function kvp_lease(keys, args)
+--
+-- With `rewrite_only` (kvp_renew, run even at maxmemory) only what rewrites the existing
+-- lease key (its expiry, or its holder for a restarted replica's process), deletes, or only
+-- reads is done; what could create a key (taking a lease nobody holds, recording a resync
+-- for another holder) is refused, nothing written: KVP_GROWS.
+local function lease(keys, args, rewrite_only)
   check_slot_settled(keys[1])
   local base = string.sub(keys[1], 1, -3)
   local key = base .. ':l:' .. args[2]
@@ -891,6 +896,9 @@ local function kvp_lease(keys, args)
   end
   local resync = args[5] == 'resync'
   if not current or (current ~= args[3] and replica_of(current) == replica_of(args[3])) then
+    if rewrite_only and not current then
+      return redis.error_reply('KVP_GROWS taking a lease nobody holds creates its key')
+    end
     redis.call('SET', key, args[3], 'PX', args[4])
     redis.call('DEL', asked) -- the taker rebuilds the engine from scratch
     if resync then return { 1, '' } end
@@ -906,6 +914,9 @@ local function kvp_lease(keys, args)
     return 3
   end
   if resync then
+    if rewrite_only then
+      return redis.error_reply('KVP_GROWS recording a resync for the holder may create its key')
+    end
     if args[6] == 'all' or redis.call('GET', asked) ~= 'all' then
       redis.call('SET', asked, args[6])
     end
@@ -915,6 +926,14 @@ local function kvp_lease(keys, args)
   return 0
 end
 
+local function kvp_lease(keys, args) return lease(keys, args, false) end
+
+-- kvp_lease for a lease key that exists (renewed by its holder, taken over by its replica's
+-- new process, released), run even while Redis is at its maxmemory (allow-oom): a writer
+-- under leases keeps them there, so its removals, which free memory, are not fenced once a
+-- lease's term has passed. Everything else is left for kvp_lease (KVP_GROWS).
+local function kvp_renew(keys, args) return lease(keys, args, true) end
+
 -- Every name ends with the ABI version, as the library's own (first line).
 local ABI = '_v4'
 redis.register_function('kvp_apply' .. ABI, kvp_apply)
@@ -923,8 +942,11 @@ redis.register_function('kvp_match' .. ABI, kvp_match)
 redis.register_function('kvp_probe' .. ABI, kvp_probe)
 -- Run even while Redis is at its maxmemory (allow-oom): they delete and shorten records, or
 -- write a few bytes of counters and marks that mostly exist already (kvp_boot writes only
--- into an empty partition), so that the index can shrink back under the cap by itself.
+-- into an empty partition; kvp_renew only rewrites an existing lease key), so that the index
+-- can shrink back under the cap by itself.
 redis.register_function{ function_name = 'kvp_release' .. ABI, callback = kvp_release,
+  flags = { 'allow-oom' } }
+redis.register_function{ function_name = 'kvp_renew' .. ABI, callback = kvp_renew,
   flags = { 'allow-oom' } }
 redis.register_function{ function_name = 'kvp_remove' .. ABI, callback = kvp_remove,
   flags = { 'allow-oom' } }

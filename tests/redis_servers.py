@@ -144,6 +144,34 @@ class RedisServer:
     def flushall(self) -> None:
         self.client().flushall()
 
+    def break_saves(self) -> None:
+        """Make Redis unable to persist, as a full or read-only disk would: snapshots on
+        (`save`), and a directory where its RDB file goes, so that BGSAVE fails to rename its
+        temporary file there (whatever the user: root ignores permissions). Under
+        `stop-writes-on-bgsave-error yes` (Redis's default) Redis then refuses every write
+        (MISCONF) until a save succeeds (`mend_saves`)."""
+        self.command("CONFIG", "SET", "save", "3600 1")  # none due: no save of its own
+        self._rdb_file().mkdir()
+        self._save_and_wait("err")
+
+    def mend_saves(self) -> None:
+        """Undo `break_saves`: the RDB file's place is free again, and a BGSAVE succeeds."""
+        self._rdb_file().rmdir()
+        self._save_and_wait("ok")
+
+    def _rdb_file(self) -> Path:
+        config = self.client().config_get("dir") | self.client().config_get("dbfilename")
+        return Path(str(config["dir"])) / str(config["dbfilename"])
+
+    def _save_and_wait(self, status: str) -> None:
+        self.command("BGSAVE")
+
+        def saved() -> bool:
+            info = self.client().info("persistence")
+            return not info["rdb_bgsave_in_progress"] and info["rdb_last_bgsave_status"] == status
+
+        wait_for(saved, 10, f"BGSAVE to end with status {status}")
+
 
 class RedisClusterNodes:
     """Three primaries covering all slots, each with `replicas` replicas."""

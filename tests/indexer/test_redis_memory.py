@@ -8,9 +8,10 @@ removal buffered behind a report: no answer may show the block as if it had gone
 that Redis is out of memory, and both answer exactly again, without a restart, once Redis
 takes writes. The batches that only free memory (removals, CLEAR, a worker removed) are
 applied meanwhile, first of their worker's, so that an index that filled Redis shrinks back
-under the cap by itself and the buffered reports follow. A policy that lets Redis evict the
-index's own keys (`allkeys-*`) is warned of at start-up; a Redis that refuses CONFIG (as
-managed ones often do) is served without a word.
+under the cap by itself and the buffered reports follow; a writer under leases keeps them
+meanwhile (renewed with kvp_renew), so that its removals are not fenced past a lease's term.
+A policy that lets Redis evict the index's own keys (`allkeys-*`) is warned of at start-up;
+a Redis that refuses CONFIG (as managed ones often do) is served without a word.
 """
 
 from __future__ import annotations
@@ -22,34 +23,27 @@ import pytest
 
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
 from indexer.memory_backend import MemoryBackend
-from indexer.redis_backend import IndexUnavailableError, RedisBackend, open_redis_backend
+from indexer.redis_backend import (
+    IndexUnavailableError,
+    LeaseState,
+    RedisBackend,
+    open_redis_backend,
+)
 from tests.indexer.backend_views import observe, worker_keys
+from tests.indexer.redis_refusals import (
+    WORKER,
+    batch,
+    held,
+    refuses_saying,
+    why_unavailable,
+    writer_and_reader,
+)
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
 
 pytestmark = pytest.mark.timeout(60)
-WORKER = "w0"
 OUT_OF_MEMORY = "is out of memory and refuses writes"
 EVICTING = "may evict the index's keys"
-
-
-def _batch(kind: ActionType, keys: tuple[BlockKey, ...], worker: str = WORKER) -> Batch:
-    return Batch(worker, (Action(kind, Tier.HBM, keys),), f"addr-{worker}")
-
-
-async def _held(backend: RedisBackend, keys: list[BlockKey]) -> list[tuple[str, tuple[int, ...]]]:
-    """The queried blocks each worker holds at HBM."""
-    return [(w.worker_id, w.by_tier[0].hashes) for w in await backend.match(keys, False)]
-
-
-async def _why_unavailable(backend: RedisBackend) -> str:
-    """The error of a query (MatchExternalKv and MatchExternalKvPrefix) of `backend`."""
-    with pytest.raises(IndexUnavailableError) as match_error:
-        await backend.match([1, 2, 3], False)
-    with pytest.raises(IndexUnavailableError) as prefix_error:
-        await backend.match_prefix([1, 2, 3], 0)
-    assert str(prefix_error.value) == str(match_error.value)
-    return str(match_error.value)
 
 
 async def test_redis_out_of_memory_fails_closed_and_recovers_by_itself(
@@ -58,26 +52,19 @@ async def test_redis_out_of_memory_fails_closed_and_recovers_by_itself(
     caplog.set_level(logging.INFO, logger="indexer.redis_backend")
     server = RedisServer(tmp_path / "redis")
     server.start()
-    # Two processes on one partition: one writes, one only reads (a router replica holding
-    # no engine's writer lease).
-    writer = await open_redis_backend(server.url, buckets=16, maintenance_interval_s=0.05)
-    reader = await open_redis_backend(server.url, buckets=16, maintenance_interval_s=0.05)
-    try:
-        await writer.apply(_batch(ActionType.REPORT, (1, 2, 3)))
-        await writer.apply(_batch(ActionType.REPORT, (11, 12), "w1"))
-        assert await _held(reader, [1, 2, 3]) == [(WORKER, (1, 2, 3))]
+    async with writer_and_reader(server) as (writer, reader):
         server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
         server.command("CONFIG", "SET", "maxmemory", 1)  # far below what Redis uses
 
         # The engine stored block 4, then evicted block 1: Redis refuses the report, and the
         # removal waits behind it (in order), acknowledged and buffered, so neither process
         # may show block 1 any more.
-        await writer.apply(_batch(ActionType.REPORT, (4,)))
-        await writer.apply(_batch(ActionType.REVOKE, (1,)))
+        await writer.apply(batch(ActionType.REPORT, (4,)))
+        await writer.apply(batch(ActionType.REVOKE, (1,)))
         assert not writer.healthy and writer.num_buffered_batches == 2
-        assert OUT_OF_MEMORY in await _why_unavailable(writer)
+        assert OUT_OF_MEMORY in await why_unavailable(writer)
         # Another worker's removal, with nothing of its worker buffered, is applied even now.
-        await writer.apply(_batch(ActionType.REVOKE, (11,), "w1"))
+        await writer.apply(batch(ActionType.REVOKE, (11,), "w1"))
 
         async def released() -> bool:
             return await worker_keys(reader, "w1") == {12}
@@ -86,15 +73,12 @@ async def test_redis_out_of_memory_fails_closed_and_recovers_by_itself(
         assert writer.num_buffered_batches == 2
         assert await worker_keys(reader, WORKER) == {1, 2, 3}  # w0's removal still waits
 
-        async def reader_refuses() -> bool:
-            try:
-                await reader.match([1], False)
-            except IndexUnavailableError as exc:
-                return OUT_OF_MEMORY in str(exc)
-            return False
-
-        await eventually(reader_refuses, 30, "the reading process to stop answering")
-        assert OUT_OF_MEMORY in await _why_unavailable(reader)
+        await eventually(
+            lambda: refuses_saying(reader, OUT_OF_MEMORY),
+            30,
+            "the reading process to stop answering",
+        )
+        assert OUT_OF_MEMORY in await why_unavailable(reader)
         assert reader.unavailable is not None and OUT_OF_MEMORY in reader.unavailable
         assert writer.num_buffered_batches == 2  # still refused
 
@@ -104,18 +88,14 @@ async def test_redis_out_of_memory_fails_closed_and_recovers_by_itself(
             return writer.healthy and reader.unavailable is None
 
         await eventually(recovered, 30, "the writing process to replay its buffer")
-        assert await _held(writer, [1, 2, 3, 4]) == [(WORKER, (2, 3, 4))]
-        assert await _held(reader, [1, 2, 3, 4, 11, 12]) == [(WORKER, (2, 3, 4)), ("w1", (12,))]
+        assert await held(writer, [1, 2, 3, 4]) == [(WORKER, (2, 3, 4))]
+        assert await held(reader, [1, 2, 3, 4, 11, 12]) == [(WORKER, (2, 3, 4)), ("w1", (12,))]
         assert reader.unavailable is None and writer.unavailable is None
         messages = [r.getMessage() for r in caplog.records]
         said = [m for m in messages if "is out of memory and refuses the index's writes" in m]
         assert len(said) == 2  # once per process, not once per refused call
         assert "raise its maxmemory or free memory" in said[0]
         assert sum("takes the index's writes again" in m for m in messages) == 2
-    finally:
-        await writer.close()
-        await reader.close()
-        server.stop()
 
 
 async def test_removals_shrink_a_full_redis_and_the_buffered_reports_follow(
@@ -138,29 +118,29 @@ async def test_removals_shrink_a_full_redis_and_the_buffered_reports_follow(
 
     try:
         for first in range(1, 20_001, 500):  # w0: 20,000 blocks, the bulk of the index
-            await apply(writer, _batch(ActionType.REPORT, tuple(range(first, first + 500))))
+            await apply(writer, batch(ActionType.REPORT, tuple(range(first, first + 500))))
         for worker in ("w2", "w3"):
-            await apply(writer, _batch(ActionType.REPORT, tuple(range(30_001, 32_001)), worker))
-        await apply(writer, _batch(ActionType.REPORT, (40_001, 40_002), "w4"))
+            await apply(writer, batch(ActionType.REPORT, tuple(range(30_001, 32_001)), worker))
+        await apply(writer, batch(ActionType.REPORT, (40_001, 40_002), "w4"))
         used = await writer.used_memory_bytes()
         cap = used - 200_000
         server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
         server.command("CONFIG", "SET", "maxmemory", cap)
 
-        await apply(writer, _batch(ActionType.REPORT, (50_001, 50_002, 50_003), "w1"))
+        await apply(writer, batch(ActionType.REPORT, (50_001, 50_002, 50_003), "w1"))
         assert writer.num_buffered_batches == 1  # refused: it would grow the index
-        assert OUT_OF_MEMORY in await _why_unavailable(writer)
+        assert OUT_OF_MEMORY in await why_unavailable(writer)
 
         # A process started now (FUNCTION LOAD refused) clears w2's tier; this one evicts
         # w0's blocks but the first 100, and removes w3.
         late = await open_redis_backend(server.url, buckets=256, maintenance_interval_s=0.05)
-        assert OUT_OF_MEMORY in await _why_unavailable(late)
+        assert OUT_OF_MEMORY in await why_unavailable(late)
         await apply(
             late, Batch("w2", (Action(ActionType.CLEAR_ALL_AT_TIER, Tier.HBM, ()),), "addr-w2")
         )
         for first in range(101, 20_001, 500):
             keys = tuple(range(first, min(first + 500, 20_001)))
-            await apply(writer, _batch(ActionType.REVOKE, keys))
+            await apply(writer, batch(ActionType.REVOKE, keys))
         await writer.remove_worker("w3")
         await expected.remove_worker("w3")
 
@@ -177,6 +157,71 @@ async def test_removals_shrink_a_full_redis_and_the_buffered_reports_follow(
         await writer.close()
         if late is not None:
             await late.close()
+        server.stop()
+
+
+async def test_a_writer_under_leases_keeps_them_at_maxmemory(tmp_path: Path) -> None:
+    """At maxmemory a lease's holder keeps renewing it (kvp_renew: it only rewrites the
+    lease key), past the term it took it for, so that its removals under the lease still
+    apply and free memory instead of being fenced once the term is over; a restarted process
+    of a replica takes its lease over, and a holder releases its own. Taking a lease nobody
+    holds, and handing a resync over to another holder, wait for Redis to take writes."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    writer = await open_redis_backend(server.url, buckets=16, maintenance_interval_s=0.05)
+    writer.fence_writes("a/1", lambda worker: "e0")  # every worker's engine: e0
+    lease = "kvplane:{default:0}:l:e0"
+
+    def leased(kind: ActionType, keys: tuple[BlockKey, ...], worker: str) -> Batch:
+        return batch(kind, keys, worker)._replace(under_lease=True)
+
+    try:
+        assert await writer.hold_lease("e0", "a/1", 5.0) is LeaseState.TAKEN
+        assert await writer.hold_lease("e1", "b/1", 30.0) is LeaseState.TAKEN
+        await writer.apply(leased(ActionType.REPORT, (1, 2, 3), WORKER))
+        await writer.apply(leased(ActionType.REPORT, (11, 12), "w1"))
+        server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        server.command("CONFIG", "SET", "maxmemory", 1)  # far below what Redis uses
+        await writer.apply(leased(ActionType.REPORT, (4,), WORKER))  # refused: buffered
+        assert OUT_OF_MEMORY in await why_unavailable(writer)
+
+        # Kept, for longer than the term it was taken for.
+        assert await writer.hold_lease("e0", "a/1", 600.0) is LeaseState.KEPT
+        assert int(server.command("PTTL", lease)) > 5_000
+        assert await writer.hold_lease("e0", "c/1", 600.0) is LeaseState.HELD_ELSEWHERE
+        # So a removal under it (of a worker with nothing buffered) is applied, not fenced.
+        await writer.apply(leased(ActionType.REVOKE, (11,), "w1"))
+
+        async def released() -> bool:
+            return await worker_keys(writer, "w1") == {12}
+
+        await eventually(released, 30, "w1's removal to be applied at maxmemory")
+        assert writer.num_buffered_batches == 1
+
+        assert await writer.hold_lease("e1", "b/2", 30.0) is LeaseState.TAKEN  # b restarted
+        assert server.command("GET", "kvplane:{default:0}:l:e1") == b"b/2"
+        await writer.release_lease("e1", "b/2")
+        assert not server.command("EXISTS", "kvplane:{default:0}:l:e1")
+        with pytest.raises(IndexUnavailableError, match=OUT_OF_MEMORY):
+            await writer.hold_lease("e1", "b/2", 30.0)  # nobody holds it: a new key
+        with pytest.raises(IndexUnavailableError, match=OUT_OF_MEMORY):
+            await writer.ask_resync("e0", "c/1", 30.0, only_if_stream_lost=False)
+        assert not server.command("EXISTS", "kvplane:{default:0}:l:e1")
+        assert not server.command("EXISTS", "kvplane:{default:0}:r:e0")
+
+        server.command("CONFIG", "SET", "maxmemory", 0)
+
+        async def recovered() -> bool:
+            return writer.healthy and writer.unavailable is None
+
+        await eventually(recovered, 30, "the writing process to replay its buffer")
+        assert await held(writer, [1, 2, 3, 4, 11, 12]) == [
+            (WORKER, (1, 2, 3, 4)),
+            ("w1", (12,)),
+        ]
+        assert await writer.hold_lease("e0", "a/1", 30.0) is LeaseState.KEPT
+    finally:
+        await writer.close()
         server.stop()
 
 
@@ -219,8 +264,8 @@ async def test_a_redis_that_refuses_config_is_served_without_a_warning(
     server.start()
     backend = await open_redis_backend(server.url, buckets=16)
     try:
-        await backend.apply(_batch(ActionType.REPORT, (1, 2)))
-        assert await _held(backend, [1, 2]) == [(WORKER, (1, 2))]
+        await backend.apply(batch(ActionType.REPORT, (1, 2)))
+        assert await held(backend, [1, 2]) == [(WORKER, (1, 2))]
         assert not [r for r in caplog.records if r.levelno >= logging.INFO]
     finally:
         await backend.close()

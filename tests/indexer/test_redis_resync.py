@@ -36,6 +36,7 @@ from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSetting
 from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
 from indexer.translate import TranslateOptions, WorkerTranslator
+from indexer.writer_lease import RENEWALS_PER_TERM
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
 from kvplane.config import load_config
@@ -248,18 +249,18 @@ async def test_buffer_overflow_during_an_outage(
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("past_the_lease", [False, True], ids=["lease-kept", "lease-expired"])
+@pytest.mark.parametrize("past_the_lease", [False, True], ids=["lease-kept", "past-its-term"])
 async def test_redis_out_of_memory_during_ingestion(
     tmp_path: Path, context: zmq.asyncio.Context, past_the_lease: bool
 ) -> None:
     """Redis at its maxmemory (noeviction) refuses the indexer's batches, the engine's
     BlockRemoved among them: the index answers UNAVAILABLE, saying why, never the removed
     blocks; once the cap is raised it holds exactly the publisher's live blocks again, with
-    no restart. Past the writer lease's term (its renewals refused too) the lease is taken
-    again and the worker rebuilt from the replay."""
+    no restart. The writer lease is renewed at maxmemory too, past its term: the source
+    keeps it, and the worker is not rebuilt."""
     publisher = FakeKvPublisher(context)
     publisher.start_replay()
-    run = Run(tmp_path, publisher, 10_000, writer_lease_s=1.0 if past_the_lease else 30.0)
+    run = Run(tmp_path, publisher, 10_000, writer_lease_s=2.0 if past_the_lease else 30.0)
     try:
         async with run.serving() as stub:
             await run.size_shown(19, "the index's size on /metrics")
@@ -280,11 +281,17 @@ async def test_redis_out_of_memory_during_ingestion(
                 assert run.metric(f"kvplane_indexer_index_{name}") is None
             if past_the_lease:
                 lease = "kvplane:{default:0}:l:w0"
+                holder = run.redis.command("GET", lease)
+                seen = {"left_ms": int(run.redis.command("PTTL", lease)), "renewals": 0}
 
-                def lease_expired() -> bool:
-                    return not run.redis.command("EXISTS", lease)
+                def renewed_past_its_term() -> bool:
+                    assert run.redis.command("GET", lease) == holder  # never expired
+                    left_ms = int(run.redis.command("PTTL", lease))
+                    seen["renewals"] += left_ms > seen["left_ms"]  # its expiry pushed back
+                    seen["left_ms"] = left_ms
+                    return seen["renewals"] > 2 * RENEWALS_PER_TERM  # two terms' worth
 
-                await eventually(lease_expired, WAIT_S, "the writer lease to expire")
+                await eventually(renewed_past_its_term, WAIT_S, "the lease to be renewed")
             run.redis.command("CONFIG", "SET", "maxmemory", 0)
             await run.expect(stub, 34, "the index once Redis takes writes again")
             assert run.metric("kvplane_indexer_index_reachable") == 1
@@ -292,6 +299,7 @@ async def test_redis_out_of_memory_during_ingestion(
             await run.publish_through(55)
             await run.expect(stub, 55, "live ingestion afterwards")
         assert "takes the index's writes again" in run.log
+        assert run.log.count("resubscribing from a snapshot") == 1  # kept throughout
     finally:
         run.stop()
         await publisher.close()
