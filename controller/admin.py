@@ -30,6 +30,11 @@ Context = grpc.aio.ServicerContext[Any, Any]
 GUARDED_METHODS = frozenset(
     {"RegisterEngine", "RemoveEngine", "Cordon", "Uncordon", "DrainEngine", "CheckAccess"}
 )
+# Every call refuses fields outside its request's schema (kvplane.request_decoding): an option
+# of a newer CLI or planner (a rolling upgrade) that this controller would drop unseen would
+# change the fleet (an engine registered or drained otherwise than asked) or the answer (a
+# route explained for another request).
+STRICT_METHODS = frozenset(apb.DESCRIPTOR.services_by_name["Admin"].methods_by_name)
 
 
 class AdminServicer(apb_grpc.AdminServicer):

@@ -19,6 +19,7 @@ import grpc
 import uvloop
 
 from controller.admin import GUARDED_METHODS as ADMIN_GUARDED
+from controller.admin import STRICT_METHODS as ADMIN_STRICT
 from controller.admin import AdminServicer
 from controller.config import ControllerConfig
 from controller.gateway import GatewayServicer
@@ -35,6 +36,16 @@ from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 log = logging.getLogger(__name__)
 
 GATEWAY_MUTATING = frozenset({"Abort", "Drain", "LoadLora", "UnloadLora"})
+# The gateway's calls that refuse fields outside their request's schema themselves
+# (kvplane.request_decoding), as an engine does: those it answers or acts on itself (an Abort
+# it may end at the relay, its own drain, the LoRA intent it records, the fleet's load and
+# health). The calls it relays to one engine (Generate, Embed, Classify, Score, GetModelInfo)
+# pass such fields on, intact, and that engine decides (the bundled one refuses them); those it
+# refuses whatever the request (GetKvConnectorInfo, ...: UNIMPLEMENTED) and GetEngineInfo (the
+# revision handshake) are not strict.
+GATEWAY_STRICT = frozenset(
+    {"Abort", "Drain", "LoadLora", "UnloadLora", "ListLoras", "GetLoad", "Health"}
+)
 ADMIN_SERVICE = "kvplane.v1.Admin"
 
 
@@ -74,12 +85,14 @@ async def start_controller(
             "openengine.v1.OpenEngine",
             lambda s: pb_grpc.add_OpenEngineServicer_to_server(gateway, s),
             GATEWAY_MUTATING,
+            GATEWAY_STRICT,
         ),
         Service("vllm.Generate", lambda s: vpb_grpc.add_GenerateServicer_to_server(vllm, s)),
         Service(
             ADMIN_SERVICE,
             lambda s: apb_grpc.add_AdminServicer_to_server(admin, s),
             ADMIN_GUARDED,
+            ADMIN_STRICT,
         ),
     ]
     try:

@@ -48,12 +48,16 @@ def bearer_token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 @dataclass(frozen=True)
 class Service:
     """One servicer to register: its full name (for health and reflection), the function
-    that adds it to a server, and which of its methods need the token without
-    `protect_reads`: those that change state (and a check that a caller may call them)."""
+    that adds it to a server, which of its methods need the token without `protect_reads`:
+    those that change state (and a check that a caller may call them), and which refuse a
+    request carrying fields outside their schema, INVALID_ARGUMENT before the servicer runs
+    (`kvplane.request_decoding`): those for which an option of a newer proto, dropped
+    unseen, would change what the call does."""
 
     name: str
     add_to_server: Callable[[grpc.aio.Server], None]
     guarded_methods: frozenset[str] = field(default_factory=frozenset)
+    strict_methods: frozenset[str] = field(default_factory=frozenset)
 
     def method_path(self, method: str) -> str:
         return f"/{self.name}/{method}"
@@ -142,7 +146,8 @@ async def create_server(
     if health_servicer is None:
         health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    registration = cast(grpc.aio.Server, TolerantRegistration(server, handler_wrapper))
+    strict = {s.method_path(m) for s in services for m in s.strict_methods}
+    registration = cast(grpc.aio.Server, TolerantRegistration(server, handler_wrapper, strict))
     for service in services:
         service.add_to_server(registration)
     names = [s.name for s in services]

@@ -9,7 +9,10 @@ Features this engine lacks are refused before acceptance and advertised as unsup
 tasks without a pooler (the sim runner) or Classify without a classification head (once their
 required context fields are there) and LoRA when `lora.enabled` is off -> FAILED_PRECONDITION,
 guided decoding and media -> INVALID_ARGUMENT (unsupported explicit options), a KV session on
-an engine that is not DECODE -> FAILED_PRECONDITION.
+an engine that is not DECODE -> FAILED_PRECONDITION. A request carrying fields outside the
+schema (an option of a newer OpenEngine revision, which protobuf would drop unseen) is
+INVALID_ARGUMENT naming them, before the servicer runs (`STRICT_METHODS`): every RPC but
+GetEngineInfo, the revision handshake every client must be able to make.
 
 Roles: a PREFILL engine's Generate ends with PrefillReady naming a KV session; a DECODE
 engine's Generate with `kv.session` pulls that session before acceptance
@@ -62,6 +65,16 @@ R = TypeVar("R")
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = "openengine.v1.OpenEngine"
 MUTATING_METHODS = frozenset({"Drain", "Abort", "LoadLora", "UnloadLora"})
+# The RPCs that refuse fields outside their request's schema (kvplane.request_decoding): an
+# option of a newer revision, silently dropped, would change what the call does, and the seed
+# has an explicit option the engine does not support refused (INVALID_ARGUMENT). All but
+# GetEngineInfo, whose answer (`schema_revision`) is how a client of any revision learns
+# whether it may talk to this engine at all (seed: clients fail closed outside their range).
+STRICT_METHODS = frozenset(
+    name
+    for name in pb.DESCRIPTOR.services_by_name["OpenEngine"].methods_by_name
+    if name != "GetEngineInfo"
+)
 
 # How an event subscription ends when the engine shuts down: a terminal EngineError
 # (DRAINING, retryable: a new process may follow), so that a subscriber tells it from a
@@ -115,6 +128,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             SERVICE_NAME,
             lambda server: pb_grpc.add_OpenEngineServicer_to_server(self, server),
             MUTATING_METHODS,
+            STRICT_METHODS,
         )
 
     def _check_model(self, model: str) -> None:

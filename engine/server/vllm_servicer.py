@@ -9,9 +9,10 @@ no model default (0 is none).
 `priority` is vLLM's (a lower value is handled earlier), the opposite of OpenEngine's.
 Structured output maps to the engine's guided decoding as OpenEngine's `guided` does (`json`
 is a JSON schema, `grammar` an EBNF grammar; `structural_tag` is refused, INVALID_ARGUMENT).
-Unsupported options (logit bias, allowed token ids, KV transfer params, and any field outside
-the seed's schema: today's vLLM proto adds `lora_name`, `session_id`, ...) are refused before
-acceptance like in OpenEngine, never silently ignored. This proto has no error event: a
+Unsupported options (logit bias, allowed token ids, KV transfer params) are refused before
+acceptance like in OpenEngine, never silently ignored; so, first of all, is any field outside
+the seed's schema (today's vLLM proto adds `lora_name`, `session_id`, ...): both methods are
+strict (`kvplane.request_decoding`). This proto has no error event: a
 failure after acceptance ends the stream with gRPC INTERNAL. Logprobs are sent only when
 asked for (`output_logprobs`, `prompt_logprobs`); a candidate selection without them is
 ignored, as vLLM's server does. A prompt position without a logprob (the first prompt
@@ -63,7 +64,6 @@ from engine.server.errors import (
 from engine.server.info import POOLING_ONLY_MESSAGE
 from engine.server.openengine_convert import EngineContext, guided_from_proto
 from engine.server.openengine_servicer import refuse
-from engine.server.unknown_fields import unknown_fields
 from kvplane.server import Service, abort_with
 from openengine.v1 import openengine_pb2 as oe
 from vllm_grpc import vllm_grpc_pb2 as pb
@@ -135,13 +135,6 @@ def engine_request_from_vllm(request: pb.GenerateRequest, ctx: EngineContext) ->
         raise FeatureDisabledError(POOLING_ONLY_MESSAGE)
     if ctx.role != oe.ENGINE_ROLE_AGGREGATED:
         raise RoleMismatchError("vllm.Generate runs on an AGGREGATED engine only")
-    unknown = unknown_fields(request)
-    if unknown:
-        raise UnsupportedOptionError(
-            f"fields this server's vllm.Generate does not have: {', '.join(unknown)} (options "
-            "of a newer vLLM proto, e.g. lora_name, session_id, skip_special_tokens, are "
-            "refused rather than ignored)"
-        )
     dec = request.decoding
     if dec.logit_bias or dec.allowed_token_ids:
         raise UnsupportedOptionError("logit_bias and allowed_token_ids are not supported")
@@ -318,7 +311,9 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
 
     def service(self) -> Service:
         return Service(
-            SERVICE_NAME, lambda server: pb_grpc.add_GenerateServicer_to_server(self, server)
+            SERVICE_NAME,
+            lambda server: pb_grpc.add_GenerateServicer_to_server(self, server),
+            strict_methods=frozenset({"Generate", "GenerateStream"}),
         )
 
     async def _run(

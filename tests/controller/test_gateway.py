@@ -1090,6 +1090,102 @@ async def test_vllm_fields_of_a_newer_proto_are_refused_through_the_gateway(flee
     assert len(fleet.app.controller.router.inflight) == 0
 
 
+async def test_openengine_fields_of_a_newer_revision_reach_the_engine_and_are_refused(
+    fleet: Fleet,
+) -> None:
+    """Generate and GetModelInfo, which the gateway relays to one engine, carry the fields it
+    does not know either on to that engine, intact (nested ones too), and the engine refuses
+    them as it does a direct client: not served as if they had not been sent."""
+    from tests.engine.test_server_unknown_fields import with_newer_field
+
+    newer = generate_request("newer", [*PREFIX, 1])
+    with_newer_field(newer)
+    with_newer_field(newer.sampling, 42)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await generate(fleet, newer)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = refused.value.details() or ""
+    assert "GenerateRequest field 99" in details, details
+    assert "GenerateRequest.sampling field 42" in details, details
+    assert len(fleet.app.controller.router.inflight) == 0
+    info = fleet.gateway.GetModelInfo(with_newer_field(pb.GetModelInfoRequest(model="sim")))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await info
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "GetModelInfoRequest field 99" in (refused.value.details() or "")
+
+
+async def test_the_gateways_own_calls_refuse_fields_of_a_newer_revision(fleet: Fleet) -> None:
+    """The calls the gateway answers or acts on itself refuse them as an engine does (an
+    Abort it may end at the relay, its drain, the LoRA intent it records, the fleet's load
+    and health); GetEngineInfo, the revision handshake, answers."""
+    from tests.engine.test_server_unknown_fields import with_newer_field
+
+    gateway = fleet.gateway
+    calls: list[tuple[str, Any]] = [
+        ("AbortRequest", gateway.Abort(with_newer_field(pb.AbortRequest(request_id="x")))),
+        ("HealthRequest", gateway.Health(with_newer_field(pb.HealthRequest()))),
+        ("GetLoadRequest", gateway.GetLoad(with_newer_field(pb.GetLoadRequest()))),
+        ("ListLorasRequest", gateway.ListLoras(with_newer_field(pb.ListLorasRequest()))),
+        (
+            "LoadLoraRequest",
+            gateway.LoadLora(
+                with_newer_field(
+                    pb.LoadLoraRequest(
+                        adapter=pb.LoraAdapter(lora_id=1, lora_name="a", source_path="/a")
+                    )
+                )
+            ),
+        ),
+        (
+            "UnloadLoraRequest",
+            gateway.UnloadLora(with_newer_field(pb.UnloadLoraRequest(lora_name="a"))),
+        ),
+    ]
+    for request_type, call in calls:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request_type
+        assert f"{request_type} field 99" in (refused.value.details() or ""), request_type
+    drain = gateway.Drain(with_newer_field(pb.DrainRequest(stop_accepting_new_requests=True)))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        [r async for r in drain]
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "DrainRequest field 99" in (refused.value.details() or "")
+    assert not fleet.app.controller.draining
+    info = await gateway.GetEngineInfo(with_newer_field(pb.GetEngineInfoRequest()))
+    assert info.schema_revision == 1
+    health = await gateway.Health(pb.HealthRequest())
+    assert health.state == pb.HEALTH_STATE_READY
+    assert (await generate(fleet, generate_request("after", [*PREFIX, 2])))[-1].HasField("finished")
+
+
+async def test_admin_calls_refuse_fields_of_a_newer_revision(fleet: Fleet) -> None:
+    """An admin call with an option of a newer CLI or planner would otherwise change the fleet
+    otherwise than asked: refused, the fleet left as it was."""
+    from tests.engine.test_server_unknown_fields import with_newer_field
+
+    address = fleet.address(fleet.engines[0])
+    cordon = fleet.admin.Cordon(with_newer_field(apb.EngineRef(engine=address)))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await cordon
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "EngineRef field 99" in (refused.value.details() or "")
+    listed = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+    assert not any(w.cordoned for w in listed.workers)
+    extra = await start_sim_engine("extra")
+    try:
+        register = apb.RegisterEngineRequest(address=f"127.0.0.1:{extra.port}", kv_events="none")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fleet.admin.RegisterEngine(with_newer_field(register))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "RegisterEngineRequest field 99" in (refused.value.details() or "")
+        listed = await fleet.admin.ListWorkers(apb.ListWorkersRequest())
+        assert register.address not in {w.address for w in listed.workers}
+    finally:
+        await extra.close()
+
+
 async def test_vllm_truncated_prompt_is_routed_by_the_tokens_the_engine_keeps(
     fleet: Fleet,
 ) -> None:

@@ -208,6 +208,18 @@ async def test_revoke_and_clear_ignore_the_report_only_fields(
     ] == [(HBM, [1, 3], [1, 1], [16, 16]), (DRAM, [9], [0], [0])]
 
 
+async def test_a_batch_with_the_reserved_incarnation_field_is_applied(served: Server) -> None:
+    """The seed reserved field 5 (it "held the worker incarnation token used for restart
+    fencing"; applies are unconditional now): a bridge that still sends it is applied, as
+    SGLang's indexer, which ignores fields it does not know, does. KVIndexer is not strict
+    (docs/indexer.md)."""
+    batch = _batch(_report(HBM, [1, 2]))
+    batch.MergeFromString(b"\x28\x07")  # field 5, varint 7
+    await served.kv.ApplyExternalKvBatch(batch)
+    match = await served.kv.MatchExternalKv(kv.MatchExternalKvRequest(hashes=[1, 2]))
+    assert [list(t.hashes) for t in match.matches[0].hashes_by_tier] == [[1, 2]]
+
+
 async def test_limits_are_inclusive_and_an_empty_batch_refreshes_the_address(
     served_backend: ServedBackend,
 ) -> None:

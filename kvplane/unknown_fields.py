@@ -2,10 +2,12 @@
 
 protobuf keeps a field it does not know as bytes and the servicer never sees it, so an option
 from a newer revision of a proto (today's vLLM adds `lora_name`, `session_id`,
-`skip_special_tokens`, `ec_transfer_params`, ... to the `vllm.Generate` seed's messages) would
-be served as if it had not been sent: a LoRA request answered by the base model. A server
-that refuses unsupported explicit options (INVALID_ARGUMENT) names these instead. A proto3
-client sends a field only when it is set, so a request that uses none of them passes.
+`skip_special_tokens`, `ec_transfer_params`, ... to the `vllm.Generate` seed's messages; a
+later OpenEngine revision may add options to `openengine.v1`) would be served as if it had not
+been sent: a LoRA request answered by the base model. A server that refuses unsupported
+explicit options (INVALID_ARGUMENT) names these instead: `kvplane.request_decoding` does so
+for the methods a `kvplane.server.Service` declares strict. A proto3 client sends a field
+only when it is set, so a request that uses none of them passes.
 """
 
 from __future__ import annotations
