@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 Context = grpc.aio.ServicerContext[Any, Any]
 KV_INDEXER_SERVICE = "kv_indexer.v1.KVIndexer"
 KV_INDEX_SERVICE = "kvplane.v1.KvIndex"
+# Every KvIndex call refuses fields outside its schema: a newer controller's option that an
+# older indexer ignored (`mm_items`, `hash_seed`) would change the answer silently.
+KV_INDEX_STRICT = frozenset(api.DESCRIPTOR.services_by_name["KvIndex"].methods_by_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +363,7 @@ def index_services(
             KV_INDEX_SERVICE,
             lambda server: api_grpc.add_KvIndexServicer_to_server(kv_index, server),
             frozenset({"ResyncEngine"}),
+            KV_INDEX_STRICT,
         ),
     ]
     return services, kv_indexer, kv_index

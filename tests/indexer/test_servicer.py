@@ -208,6 +208,20 @@ async def test_revoke_and_clear_ignore_the_report_only_fields(
     ] == [(HBM, [1, 3], [1, 1], [16, 16]), (DRAM, [9], [0], [0])]
 
 
+async def test_match_tokens_with_a_field_of_a_newer_revision_is_refused(served: Server) -> None:
+    """KvIndex is strict: a newer controller's option an older indexer does not know would
+    change the match silently, so the request is refused, naming the field."""
+    await served.kv.ApplyExternalKvBatch(_batch(_report(HBM, [1, 2])))
+    request = api.MatchTokensRequest(token_ids=list(range(8)), block_size=4)
+    request.MergeFromString(b"\xf8\x01\x01")  # field 31, varint 1
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await served.api.MatchTokens(request)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "field 31" in (refused.value.details() or "")
+    request.DiscardUnknownFields()
+    await served.api.MatchTokens(request)  # the same request without it is answered
+
+
 async def test_a_batch_with_the_reserved_incarnation_field_is_applied(served: Server) -> None:
     """The seed reserved field 5 (it "held the worker incarnation token used for restart
     fencing"; applies are unconditional now): a bridge that still sends it is applied, as
