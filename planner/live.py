@@ -576,7 +576,11 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
         if kubernetes is not None:
             api = kube_api(kubernetes, environ)
             if kubernetes.leader_election is not None:
-                elector = leader_elector(api, kubernetes.leader_election)
+                elector = leader_elector(
+                    api,
+                    kubernetes.leader_election,
+                    on_transitions=metrics.on_leader_transitions,
+                )
             actuator = await connect_deployments(
                 live, kubernetes, api, controller_channels, elector.needs() if elector else ()
             )
@@ -592,6 +596,12 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 pool_args={pool.name: pool.engine_args for pool in config.pools},
             )
 
+        def leading() -> bool:
+            """Whether this planner may act: it leads, or there is no election."""
+            return elector is None or elector.leading
+
+        metrics.on_leading(leading)
+
         async def act(actuator: Actuator) -> None:
             """Plan over `actuator` until `stop` (or, leading, until cancelled)."""
             planner = LivePlanner(
@@ -601,12 +611,12 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 lost_after_failed_polls=live.lost_after_failed_polls,
                 channels=engine_channels,
                 metrics=metrics,
-                may_act=lambda: elector is None or elector.leading,
+                may_act=leading,
             )
             try:
                 await planner.run(stop, config.scaling.tick_s)
             finally:
-                await planner.close(finish_removals=elector is None or elector.leading)
+                await planner.close(finish_removals=leading())
 
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

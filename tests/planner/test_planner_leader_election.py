@@ -2,14 +2,16 @@
 fake API server's Leases (tests/planner/fake_kube.py): one candidate leads, another takes over
 only once the lease expired as it saw it, a leader that cannot renew stops acting before
 then, a takeover that races a renewal loses on the 409 (a create that races another on
-the 409 AlreadyExists); end to end, of two `kvplane planner
-run` only the leader acts, the other takes over when the leader is killed, and a leader whose
-renewals fail stops acting until it holds the lease again."""
+the 409 AlreadyExists), each candidate counts the takeovers it sees; end to end, of two
+`kvplane planner run` only the leader acts (and its /metrics says it leads), the other takes
+over when the leader is killed, and a leader whose renewals fail stops acting until it holds
+the lease again."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -23,6 +25,7 @@ from planner.kube_api import KubeApi, KubeConnection
 from planner.leader_election import LeaderElector
 from tests.planner.fake_kube import FakeKube, Fault
 from tests.planner.test_planner_kubernetes import DEPLOYMENT, Cluster, cluster_with
+from tests.planner.test_planner_live import scrape, value
 
 LEASE = "kvplane-planner"
 
@@ -43,11 +46,31 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         yield cluster
 
 
+class Transitions:
+    """What a candidate reports by `on_transitions`, summed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, count: int) -> None:
+        self.count += count
+
+
 def candidate(
-    cluster: Cluster, identity: str, clock: Clock, api: KubeApi | None = None
+    cluster: Cluster,
+    identity: str,
+    clock: Clock,
+    api: KubeApi | None = None,
+    transitions: Transitions | None = None,
 ) -> LeaderElector:
     """A candidate with client-go's timing (15 s, 10 s, 2 s) on `clock`."""
-    return LeaderElector(api or cluster.api(), LeaderElectionConfig(), identity, clock=clock)
+    return LeaderElector(
+        api or cluster.api(),
+        LeaderElectionConfig(),
+        identity,
+        clock=clock,
+        on_transitions=transitions or Transitions(),
+    )
 
 
 def lease_spec(kube: FakeKube) -> dict[str, Any]:
@@ -87,6 +110,31 @@ async def test_a_standby_takes_over_only_once_the_lease_expired_and_the_leader_s
     assert taken["acquireTime"] == taken["renewTime"] > renewed["renewTime"]
     # a, back, finds the lease taken: it stands by until b's expires.
     assert not await a.try_acquire_or_renew() and not a.leading
+
+
+@pytest.mark.timeout(60)
+async def test_each_candidate_counts_the_takeovers_it_sees_its_own_included(
+    cluster: Cluster,
+) -> None:
+    """From the first Lease it reads (its baseline: a made Lease counts none), a candidate
+    counts each new holder it sees, by the Lease's leaseTransitions: a release is none, the
+    takeover of a released Lease one."""
+    clock = Clock()
+    seen_by = {name: Transitions() for name in "abc"}
+    a, b, c = (candidate(cluster, n, clock, transitions=seen_by[n]) for n in "abc")
+    assert await a.try_acquire_or_renew()  # made: no takeover
+    assert not await b.try_acquire_or_renew()
+    clock.now = 16.0  # a renewed nothing: expired as b saw it
+    assert await b.try_acquire_or_renew()  # b takes over
+    assert not await a.try_acquire_or_renew()  # a sees it
+    assert not await c.try_acquire_or_renew()  # c's first read (a candidate started late)
+    assert [seen_by[n].count for n in "abc"] == [1, 1, 0]
+    await b.release()  # no new holder yet
+    assert await a.try_acquire_or_renew()  # the released Lease taken: one more
+    assert not await b.try_acquire_or_renew()
+    assert not await c.try_acquire_or_renew()
+    assert lease_spec(cluster.kube)["leaseTransitions"] == 2
+    assert [seen_by[n].count for n in "abc"] == [2, 2, 1]
 
 
 class ReadsThen(KubeApi):
@@ -163,7 +211,11 @@ def planner_config(cluster: Cluster, path: Path, min_engines: int) -> Path:
     config = {
         "pools": [{"min_engines": min_engines, "max_engines": 2}],
         "scaling": scaling,
-        "live": {"controller": f"127.0.0.1:{cluster.app.port}", "kubernetes": kubernetes},
+        "live": {
+            "controller": f"127.0.0.1:{cluster.app.port}",
+            "kubernetes": kubernetes,
+            "metrics_listen": "127.0.0.1:0",
+        },
     }
     path.write_text(json.dumps(config))
     return path
@@ -192,6 +244,16 @@ async def logged(log: Path, text: str, after: str | None = None) -> list[str]:
             await asyncio.sleep(0.05)
 
 
+async def leader_metrics(log: Path) -> tuple[float | None, float | None]:
+    """The planner's `kvplane_planner_leader` and `..._leader_transitions_total`, scraped from
+    its /metrics (`metrics_listen: 127.0.0.1:0`: the port from its log)."""
+    lines = await logged(log, "metrics on http://")
+    match = next(m for line in lines if (m := re.search(r"metrics on http://.*:(\d+)/", line)))
+    samples = await scrape(int(match[1]))
+    leader = value(samples, "kvplane_planner_leader")
+    return leader, value(samples, "kvplane_planner_leader_transitions_total")
+
+
 def between(lines: list[str], first: str, last: str) -> list[str]:
     """The lines after the first holding `first`, up to the next holding `last`."""
     start = next(i for i, line in enumerate(lines) if first in line)
@@ -211,7 +273,8 @@ async def test_of_two_planners_only_the_leader_acts_and_the_other_takes_over_whe
 ) -> None:
     """Planner a (at least one engine) leads; planner b (at least two: a difference the test
     can see) stands by and decides nothing until a is killed (SIGKILL: no release), then
-    takes over once the lease expired and scales the pool to its own minimum."""
+    takes over once the lease expired and scales the pool to its own minimum. Each one's
+    /metrics says whether it leads, and b counts the one takeover it saw (its own)."""
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
     a = await start_planner(planner_config(cluster, tmp_path / "a.yaml", 1), a_log)
     b = None
@@ -221,10 +284,13 @@ async def test_of_two_planners_only_the_leader_acts_and_the_other_takes_over_whe
         b = await start_planner(planner_config(cluster, tmp_path / "b.yaml", 2), b_log)
         await logged(b_log, "standing by")
         assert lease_spec(cluster.kube)["holderIdentity"] in a_log.read_text()
+        assert await leader_metrics(a_log) == (1, 0)  # a made the Lease: no takeover
+        assert await leader_metrics(b_log) == (0, 0)
         a.send_signal(signal.SIGKILL)
         await a.wait()
         lines = await logged(b_log, "decision: scale pool default to 2", after="leading: lease")
         await cluster.wait_routable(2)
+        assert await leader_metrics(b_log) == (1, 1)
     finally:
         await stop(a, signal.SIGKILL)
         if b is not None:
