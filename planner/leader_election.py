@@ -263,15 +263,28 @@ def _micro_time() -> str:
 
 
 async def lead(
-    elector: LeaderElector, stop: asyncio.Event, term: Callable[[], Coroutine[Any, Any, None]]
+    elector: LeaderElector,
+    stop: asyncio.Event,
+    term: Callable[[], Coroutine[Any, Any, None]],
+    stand_by: Callable[[], Coroutine[Any, Any, None]],
 ) -> None:
     """Until `stop` is set: become leader, then run `term()` (which acts, until `stop`) while
     leading. A term whose leading ended is cancelled at once (it must stop acting; it then
-    stands by as a candidate again); one that ended after `stop` releases the Lease."""
+    stands by as a candidate again); one that ended after `stop` releases the Lease. While
+    not leading, `stand_by()` runs (it observes, acting on nothing, until cancelled: this
+    candidate leads, or stops)."""
     while not stop.is_set():
         acquiring = asyncio.create_task(elector.acquire(), name="acquire the lease")
         stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        standing_by = asyncio.create_task(stand_by(), name="stand by")
+        await asyncio.wait({acquiring, stopping, standing_by}, return_when=asyncio.FIRST_COMPLETED)
+        standing_by.cancel()
+        await asyncio.gather(standing_by, return_exceptions=True)
+        if not standing_by.cancelled() and standing_by.exception() is not None:
+            acquiring.cancel()
+            stopping.cancel()
+            await asyncio.gather(acquiring, stopping, return_exceptions=True)
+            standing_by.result()  # its error: the planner fails, as with a term's
         if not acquiring.done():
             acquiring.cancel()
             await asyncio.gather(acquiring, return_exceptions=True)

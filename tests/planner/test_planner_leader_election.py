@@ -18,14 +18,29 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from planner.config import LeaderElectionConfig
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.config import (
+    LeaderElectionConfig,
+    PlannerConfig,
+    PoolConfig,
+    ScalingConfig,
+    SlaTargets,
+)
+from planner.core.decisions import Decision, Reason, ScalePool
+from planner.core.observations import Observations
+from planner.core.planner import Planner
 from planner.kube_api import KubeApi, KubeConnection
 from planner.leader_election import LeaderElector
+from planner.live import LivePlanner
+from planner.metrics import PlannerMetrics
+from tests.controller.conftest import generate_request
 from tests.planner.fake_kube import FakeKube, Fault
 from tests.planner.test_planner_kubernetes import DEPLOYMENT, Cluster, cluster_with
 from tests.planner.test_planner_live import scrape, value
+from tests.polling import eventually
 
 LEASE = "kvplane-planner"
 
@@ -192,16 +207,99 @@ async def test_of_two_candidates_that_found_no_lease_the_second_to_create_it_sta
     assert lease_spec(cluster.kube)["holderIdentity"] == "a"
 
 
+# ------------------------------------------------------------------ a warm standby
+
+
+@pytest.fixture
+async def one_pod(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async for cluster in cluster_with(tmp_path, None, 1):
+        yield cluster
+
+
+class RecordedPlanner(Planner):
+    """The kvplane core, keeping what each `decide` returned."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        super().__init__(config)
+        self.decisions: list[list[Decision]] = []
+        self.decided = asyncio.Event()
+
+    def decide(self, observations: Observations, now_s: float) -> list[Decision]:
+        decisions = super().decide(observations, now_s)
+        self.decisions.append(decisions)
+        self.decided.set()
+        return decisions
+
+
+@pytest.mark.timeout(120)
+async def test_a_standby_learns_from_the_fleet_writing_nothing_and_decides_at_once_as_leader(
+    one_pod: Cluster, tmp_path: Path
+) -> None:
+    """Standing by (`LivePlanner.watch`, on an injected clock), the planner observes the
+    Deployment's pod as a leader does (its load, the forward passes of a generation it runs)
+    and its core learns from them (the pool sized), while the API server gets no write from
+    it (its own token) and the controller no registration. Taking over, its first tick sizes
+    the pool from that history (an ITL target below any pass's time: the pool's maximum),
+    where a planner that observed nothing only measures at its first."""
+    cluster = one_pod
+    cluster.kube.other_tokens.add("standby-token")
+    token_file = tmp_path / "standby-token"
+    token_file.write_text("standby-token\n")
+    scaling = ScalingConfig(tick_s=0.2, scale_up_cooldown_s=0)
+    pool = PoolConfig(min_engines=1, max_engines=2)
+    core = RecordedPlanner(PlannerConfig(sla=SlaTargets(itl_ms=1), pools=(pool,), scaling=scaling))
+    clock, metrics = Clock(), PlannerMetrics()
+    fleet = cluster.actuator(cluster.api(token_file))
+    live = LivePlanner(core, fleet, clock=clock, metrics=metrics)
+
+    def passes_seen() -> float:
+        passes = metrics.registry.get_sample_value(
+            "kvplane_planner_forward_passes_total", {"pool": "default"}
+        )
+        return passes or 0.0
+
+    (pod,) = cluster.kube.ready_pods(DEPLOYMENT)
+    async with grpc.aio.insecure_channel(cluster.kube.address(pod)) as channel:
+        request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
+        generation = pb_grpc.OpenEngineStub(channel).Generate(request)
+        try:
+            await generation.initial_metadata()
+            while not passes_seen() or core.estimate("default") is None:
+                clock.now += 1.0
+                await live.watch(fleet.serving)
+                await asyncio.sleep(0.05)  # passes to come (the loop waits for them)
+            serving = metrics.registry.get_sample_value(
+                "kvplane_planner_engines", {"pool": "default", "state": "serving"}
+            )
+            assert serving == 1
+            assert not [w for w in cluster.kube.writes if w[0] == "standby-token"]
+            assert cluster.registered() == [] and core.decisions == []
+            assert cluster.kube.deployments[DEPLOYMENT].replicas == 1
+            stop = asyncio.Event()
+            clock.now += 1.0
+            term = asyncio.create_task(live.lead(cluster.actuator(), stop, scaling.tick_s))
+            await core.decided.wait()
+            stop.set()
+            await term
+        finally:
+            generation.cancel()
+            await live.close()
+    assert core.decisions[0] == [ScalePool("default", 2, Reason.FORECAST_NEEDS_MORE)]
+
+
 # ------------------------------------------------------------------ `kvplane planner run`
 
 
-def planner_config(cluster: Cluster, path: Path, min_engines: int) -> Path:
+def planner_config(
+    cluster: Cluster, path: Path, min_engines: int, token_file: Path | None = None
+) -> Path:
     """A planner of pool default (at least `min_engines`) over the cluster's Deployment, with
-    short leases (2 s, renewed every 0.2 s: a takeover within seconds)."""
+    short leases (2 s, renewed every 0.2 s: a takeover within seconds), calling the API
+    server with `token_file` (the cluster's if None)."""
     kubernetes = {
         "api_server": cluster.kube.url,
         "namespace": cluster.kube.namespace,
-        "token_file": str(cluster.token_file),
+        "token_file": str(token_file or cluster.token_file),
         "engine_port": cluster.kube.engine_port,
         "deployments": {"default": DEPLOYMENT},
         "poll_s": 0.1,
@@ -244,12 +342,16 @@ async def logged(log: Path, text: str, after: str | None = None) -> list[str]:
             await asyncio.sleep(0.05)
 
 
-async def leader_metrics(log: Path) -> tuple[float | None, float | None]:
-    """The planner's `kvplane_planner_leader` and `..._leader_transitions_total`, scraped from
-    its /metrics (`metrics_listen: 127.0.0.1:0`: the port from its log)."""
+async def metrics_port(log: Path) -> int:
+    """The planner's /metrics port (`metrics_listen: 127.0.0.1:0`), from its log."""
     lines = await logged(log, "metrics on http://")
     match = next(m for line in lines if (m := re.search(r"metrics on http://.*:(\d+)/", line)))
-    samples = await scrape(int(match[1]))
+    return int(match[1])
+
+
+async def leader_metrics(log: Path) -> tuple[float | None, float | None]:
+    """The planner's `kvplane_planner_leader` and `..._leader_transitions_total`."""
+    samples = await scrape(await metrics_port(log))
     leader = value(samples, "kvplane_planner_leader")
     return leader, value(samples, "kvplane_planner_leader_transitions_total")
 
@@ -274,18 +376,32 @@ async def test_of_two_planners_only_the_leader_acts_and_the_other_takes_over_whe
     """Planner a (at least one engine) leads; planner b (at least two: a difference the test
     can see) stands by and decides nothing until a is killed (SIGKILL: no release), then
     takes over once the lease expired and scales the pool to its own minimum. Each one's
-    /metrics says whether it leads, and b counts the one takeover it saw (its own)."""
+    /metrics says whether it leads, and b counts the one takeover it saw (its own). Standing
+    by, b observes a's engine (its /metrics show it) and the API server gets no write from it
+    (b has a token of its own)."""
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
     a = await start_planner(planner_config(cluster, tmp_path / "a.yaml", 1), a_log)
     b = None
+    cluster.kube.other_tokens.add("planner-b")
+    b_token = tmp_path / "b-token"
+    b_token.write_text("planner-b\n")
     try:
         await logged(a_log, "leading: lease serving/kvplane-planner taken")
         await cluster.wait_routable(1)
-        b = await start_planner(planner_config(cluster, tmp_path / "b.yaml", 2), b_log)
+        b_config = planner_config(cluster, tmp_path / "b.yaml", 2, b_token)
+        b = await start_planner(b_config, b_log)
         await logged(b_log, "standing by")
         assert lease_spec(cluster.kube)["holderIdentity"] in a_log.read_text()
         assert await leader_metrics(a_log) == (1, 0)  # a made the Lease: no takeover
         assert await leader_metrics(b_log) == (0, 0)
+        b_port = await metrics_port(b_log)
+
+        async def b_observes_the_engine() -> bool:
+            samples = await scrape(b_port)
+            return value(samples, "kvplane_planner_engines", pool="default", state="serving") == 1
+
+        await eventually(b_observes_the_engine, 60)
+        assert not [w for w in cluster.kube.writes if w[0] == "planner-b"]
         a.send_signal(signal.SIGKILL)
         await a.wait()
         lines = await logged(b_log, "decision: scale pool default to 2", after="leading: lease")
