@@ -34,6 +34,8 @@
   has replaced it, so its replica goes too (as a drained pod's), else the restarted or
   replacement pod would be adopted and grow the pool back.
 - **Close** leaves the pods running and registered: the Deployment outlives the planner.
+- **A standby's look** (`serving`, a planner that does not lead): each Deployment's Ready pods,
+  by reads alone; none is registered or taken as an engine.
 
 API errors at `check` (a verb the token's RBAC does not allow, asked of the API server by a
 SelfSubjectAccessReview per call before any is made; a missing Deployment, a server that cannot
@@ -283,6 +285,20 @@ class KubernetesDeployments:
                 adopted.append((engine.address, pool))
                 log.info("pod %s of Deployment %s adopted", pod.name, self._deployments[pool])
         return adopted
+
+    async def serving(self) -> dict[str, str]:
+        """The Ready pods of every Deployment (address -> pool), as a standby planner
+        observes them (`LivePlanner.watch`): by reads alone (each scale for its selector, the
+        pods listed), for a planner that must not act: nothing is registered, annotated or
+        scaled, and the actuator takes none of them as its engines."""
+        pools = list(self._deployments)
+        listed = await asyncio.gather(*(self._pods(pool) for pool in pools))
+        return {
+            self._address(pod): pool
+            for pool, pods in zip(pools, listed, strict=True)
+            for pod in pods
+            if pod.ready and pod.active and pod.ip
+        }
 
     def _note_exits(self, pool: str, pods: Sequence[Pod]) -> None:
         by_uid = {pod.uid: pod for pod in pods}

@@ -23,6 +23,10 @@ acts, the others observe it and stand by:
   leaseDurationSeconds 1), as client-go's ReleaseOnCancel, so a standby takes over at its
   next try instead of after the lease expires. A leader killed, or partitioned, releases
   nothing: the Lease expires.
+
+Each change of holder counts one more leaseTransitions in the Lease; the candidate reports the
+increments it sees (`on_transitions`, the planner's `kvplane_planner_leader_transitions`), its
+own takeovers included, from the first Lease it reads on.
 """
 
 from __future__ import annotations
@@ -51,7 +55,12 @@ _JITTER = 1.2
 _RELEASED_DURATION_S = 1
 
 
-def leader_elector(api: KubeApi, config: LeaderElectionConfig) -> LeaderElector:
+def leader_elector(
+    api: KubeApi,
+    config: LeaderElectionConfig,
+    *,
+    on_transitions: Callable[[int], None] = lambda _: None,
+) -> LeaderElector:
     """This planner's candidacy per `config` (`live.kubernetes.leader_election`), through
     `api`'s server, as an identity of its host (in a pod, the pod's name) and a random suffix,
     so that a restarted planner on the same host is a new candidate. Its calls end within
@@ -60,7 +69,8 @@ def leader_elector(api: KubeApi, config: LeaderElectionConfig) -> LeaderElector:
         api.connection, namespace=config.namespace or api.connection.namespace
     )
     lease_api = KubeApi(connection, min(api.timeout_s, config.renew_deadline_s))
-    return LeaderElector(lease_api, config, f"{socket.gethostname()}_{uuid.uuid4()}")
+    identity = f"{socket.gethostname()}_{uuid.uuid4()}"
+    return LeaderElector(lease_api, config, identity, on_transitions=on_transitions)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,7 +92,9 @@ class _Observed:
 
 
 class LeaderElector:
-    """A candidate `identity` for the Lease `config.lease_name` of `api`'s namespace."""
+    """A candidate `identity` for the Lease `config.lease_name` of `api`'s namespace;
+    `on_transitions(n)`: the Lease's leaseTransitions went up by `n` since this candidate last
+    read or wrote it (n new holders: another's takeover, or this candidate's)."""
 
     def __init__(
         self,
@@ -91,11 +103,14 @@ class LeaderElector:
         identity: str,
         *,
         clock: Callable[[], float] = time.monotonic,
+        on_transitions: Callable[[int], None] = lambda _: None,
     ) -> None:
         self._api = api
         self._config = config
         self.identity = identity
         self._clock = clock
+        self._on_transitions = on_transitions
+        self._transitions: int | None = None  # leaseTransitions as last read or written
         self._observed: _Observed | None = None
         self._lease: dict[str, Any] | None = None  # as last read or written
         self._leading_until = float("-inf")  # on `clock`
@@ -196,6 +211,7 @@ class LeaderElector:
             self._won(created, begun)
             return True
         spec = dict(lease.get("spec") or {})
+        self._count_transitions(spec)
         if self._observed is None or self._observed.spec != spec:
             self._observed = _Observed(spec, self._clock())
             if self._observed.holder and self._observed.holder != self.identity:
@@ -223,7 +239,16 @@ class LeaderElector:
         """This candidate wrote `lease` holding it, in a call begun at `begun`."""
         self._lease = lease
         self._observed = _Observed(dict(lease.get("spec") or {}), self._clock())
+        self._count_transitions(self._observed.spec)
         self._leading_until = begun + self._config.renew_deadline_s
+
+    def _count_transitions(self, spec: dict[str, Any]) -> None:
+        """Report the holders that took the Lease since it was last seen (the first Lease seen
+        is the baseline; one made again, its count restarted, is a new baseline)."""
+        transitions = int(spec.get("leaseTransitions") or 0)
+        if self._transitions is not None and transitions > self._transitions:
+            self._on_transitions(transitions - self._transitions)
+        self._transitions = transitions
 
     def _spec_of_lease(self) -> dict[str, Any]:
         return dict((self._lease or {}).get("spec") or {})
@@ -238,15 +263,28 @@ def _micro_time() -> str:
 
 
 async def lead(
-    elector: LeaderElector, stop: asyncio.Event, term: Callable[[], Coroutine[Any, Any, None]]
+    elector: LeaderElector,
+    stop: asyncio.Event,
+    term: Callable[[], Coroutine[Any, Any, None]],
+    stand_by: Callable[[], Coroutine[Any, Any, None]],
 ) -> None:
     """Until `stop` is set: become leader, then run `term()` (which acts, until `stop`) while
     leading. A term whose leading ended is cancelled at once (it must stop acting; it then
-    stands by as a candidate again); one that ended after `stop` releases the Lease."""
+    stands by as a candidate again); one that ended after `stop` releases the Lease. While
+    not leading, `stand_by()` runs (it observes, acting on nothing, until cancelled: this
+    candidate leads, or stops)."""
     while not stop.is_set():
         acquiring = asyncio.create_task(elector.acquire(), name="acquire the lease")
         stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        standing_by = asyncio.create_task(stand_by(), name="stand by")
+        await asyncio.wait({acquiring, stopping, standing_by}, return_when=asyncio.FIRST_COMPLETED)
+        standing_by.cancel()
+        await asyncio.gather(standing_by, return_exceptions=True)
+        if not standing_by.cancelled() and standing_by.exception() is not None:
+            acquiring.cancel()
+            stopping.cancel()
+            await asyncio.gather(acquiring, stopping, return_exceptions=True)
+            standing_by.result()  # its error: the planner fails, as with a term's
         if not acquiring.done():
             acquiring.cancel()
             await asyncio.gather(acquiring, return_exceptions=True)

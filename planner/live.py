@@ -27,19 +27,26 @@ updates the metrics (`planner.metrics`), served on `live.metrics_listen` when se
 controller is dialled per `live.controller_tls` and the engines per `live.engine_tls`
 (insecure when unset), every call carrying the bearer token of `live.controller_token_file` /
 `live.engine_token_file` when set; their files are read and checked before anything starts.
+
+With leader election (`planner.leader_election`), a planner that does not lead stands by warm
+(`stand_by`): each tick it observes the engines of the Deployments' Ready pods as above
+(GetLoad, runtime events) and its core learns from them (`Planner.observe`), by reads of the
+API alone and with no call to the controller; each term as leader (`lead`) acts through an
+actuator of its own, with that core and those engines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import math
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -64,7 +71,12 @@ from planner.core.observations import (
     Observations,
 )
 from planner.core.planner import Planner
-from planner.kubernetes import connect_deployments, deployments_actuator, kube_api
+from planner.kubernetes import (
+    KubernetesDeployments,
+    connect_deployments,
+    deployments_actuator,
+    kube_api,
+)
 from planner.leader_election import LeaderElector, lead, leader_elector
 from planner.metrics import LossCause, Operation, PlannerMetrics
 
@@ -164,21 +176,74 @@ class LivePlanner:
         # Held by a tick and by a reconciliation between ticks: one must not register an
         # engine again while the other takes it out of the controller.
         self._acting = asyncio.Lock()
+        # The engines observed standing by (`watch`), from a term's start (`lead`) to its
+        # first look at the fleet: those the actuator does not adopt then are forgotten.
+        self._observed_standing_by: set[str] = set()
 
     async def run(self, stop: asyncio.Event, tick_s: float) -> None:
         """Tick until `stop` is set; meanwhile, a restarted controller gets the engines back
         as soon as it answers (`_reregister_on_restart`), not up to `tick_s` later."""
         watch = asyncio.create_task(self._reregister_on_restart(), name="controller restarts")
         try:
-            while not stop.is_set():
-                await self.tick()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(tick_s):
-                        await stop.wait()
+            await _every(tick_s, stop, self.tick)
         finally:
             watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watch
+
+    async def lead(self, actuator: Actuator, stop: asyncio.Event, tick_s: float) -> None:
+        """One term as leader (`planner.leader_election`): `run` through `actuator`, a fresh
+        one (its first look adopts the fleet as the last leader left it), until `stop` or
+        until cancelled (leading ended), then `end_term`. The engines observed standing by
+        (`stand_by`) that its first look adopts are observed on, so their forward passes since
+        the standby's last tick count at the first; the others are forgotten then (they are
+        not this planner's). The actuator held before is held again after."""
+        standing_by, self.actuator = self.actuator, actuator
+        self._looked = False
+        self._observed_standing_by = set(self.engines)
+        try:
+            await self.run(stop, tick_s)
+        finally:
+            try:
+                await self.end_term(finish_removals=self._may_act())
+            finally:
+                self.actuator = standing_by
+
+    async def stand_by(
+        self,
+        serving: Callable[[], Awaitable[Mapping[str, str]]],
+        stop: asyncio.Event,
+        tick_s: float,
+    ) -> None:
+        """Until `stop` is set (or until cancelled: this planner takes over), `watch` the
+        engines `serving()` lists every `tick_s`."""
+        await _every(tick_s, stop, lambda: self.watch(serving))
+
+    async def watch(self, serving: Callable[[], Awaitable[Mapping[str, str]]]) -> None:
+        """A standby's tick: observe the engines `serving()` lists (address -> pool: the
+        leader's Deployments' Ready pods) as a leader's tick does, their load and their
+        forward passes, and let the core learn from them (`Planner.observe`: its forecast and
+        cost model go on), acting on nothing: neither the actuator nor the controller is
+        called, nothing is decided. An engine no longer listed is forgotten; one that does
+        not answer keeps its last load (losing it is the leader's). A listing that fails
+        keeps the engines as they were (said in one line)."""
+        now_s = self._clock()
+        try:
+            listed = await serving()
+        except Exception as exc:  # the next tick lists again
+            log.warning("standing by: the engines not listed: %s", exc)
+        else:
+            for engine in [e for e in self.engines.values() if e.engine_id not in listed]:
+                await self._forget(engine)
+            for address, pool in listed.items():
+                if address not in self.engines:
+                    self._serve(address, pool)
+        engines = list(self.engines.values())
+        await asyncio.gather(*(self._poll(e) for e in engines))
+        observations = self._observations(engines, now_s)
+        if isinstance(self.policy, Planner):  # the benchmark's peers learn nothing
+            self.policy.observe(observations, now_s)
+        self._update_metrics()
 
     async def _reregister_on_restart(self) -> None:
         """Each time the controller is a new process, reconcile with it at once (`_reconcile`:
@@ -225,17 +290,40 @@ class LivePlanner:
         without `finish_removals` (a leader that lost its lease must stop acting at once) they
         are cancelled too, and the next leader takes them back (it adopts the drained pod,
         clearing the deletion cost a removal left, or sees it draining)."""
-        for task in [*self._starts, *(self._removals if not finish_removals else ())]:
-            task.cancel()
-        await asyncio.gather(*self._starts, *self._removals, return_exceptions=True)
+        await self._stop_acting(finish_removals=finish_removals)
         for engine in list(self.engines.values()):
             await self._forget(engine)
         await self.actuator.close()
 
+    async def end_term(self, *, finish_removals: bool = True) -> None:
+        """As `close`, but the engines are observed on, as a standby finds them (serving: it
+        does not know which the controller drains), so that a leader that lost its Lease
+        stands by without a gap in their forward passes; the engines still starting are
+        forgotten."""
+        await self._stop_acting(finish_removals=finish_removals)
+        for engine in list(self.engines.values()):
+            if engine.channel is None:
+                del self.engines[engine.engine_id]
+            else:
+                engine.state, engine.drain_deadline_s = EngineState.SERVING, None
+        await self.actuator.close()
+
+    async def _stop_acting(self, *, finish_removals: bool) -> None:
+        """Starts under way cancelled; removals finished, or cancelled too."""
+        for task in [*self._starts, *(self._removals if not finish_removals else ())]:
+            task.cancel()
+        await asyncio.gather(*self._starts, *self._removals, return_exceptions=True)
+
     # ---------------------------------------------------------------- observing
 
     async def _observe(self, now_s: float) -> Observations:
-        for address, pool in await self._adopted():
+        adopted = await self._adopted()
+        taken = {address for address, _ in adopted}
+        for address in self._observed_standing_by - taken:  # not this planner's
+            if (left := self.engines.get(address)) is not None:
+                await self._forget(left)
+        self._observed_standing_by = set()
+        for address, pool in adopted:
             if address not in self.engines:
                 self._serve(address, pool)
         for address in self.actuator.exited():  # the core must not count a dead engine
@@ -256,7 +344,11 @@ class LivePlanner:
                 engine.failed_polls,
             )
             await self._lose(engine, "unresponsive")
-        running = [e for e in running if e not in lost]
+        return self._observations([e for e in running if e not in lost], now_s)
+
+    def _observations(self, running: list[_Engine], now_s: float) -> Observations:
+        """The core's input at `now_s`: every engine, and the forward passes `running` ones
+        reported since the last tick (counted, then taken)."""
         passes: list[ForwardPasses] = []
         for engine in running:
             self.metrics.forward_passes.labels(engine.pool).inc(
@@ -475,19 +567,30 @@ class LivePlanner:
             await asyncio.wait(earlier)
 
     async def _forget(self, engine: _Engine) -> None:
-        """Stop observing `engine` (the actuator still has it)."""
-        if engine.events is not None:
-            engine.events.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await engine.events
-        if engine.channel is not None:
-            await engine.channel.close()
+        """Stop observing `engine` (the actuator still has it). Cancelled midway (a standby
+        taking over), the engine is forgotten all the same, and the cancellation goes on."""
         self.engines.pop(engine.engine_id, None)
+        try:
+            if engine.events is not None:
+                engine.events.cancel()
+                await asyncio.wait([engine.events])  # unlike awaiting it, swallows no cancel
+        finally:
+            if engine.channel is not None:
+                await engine.channel.close()
 
     def _failed(self, operation: Operation, message: str, *args: object) -> None:
         """One log line (`message % args`) and the failure counted."""
         log.error(message, *args)
         self.metrics.on_failure(operation)
+
+
+async def _every(tick_s: float, stop: asyncio.Event, step: Callable[[], Awaitable[object]]) -> None:
+    """`step()` every `tick_s` until `stop` is set."""
+    while not stop.is_set():
+        await step()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(tick_s):
+                await stop.wait()
 
 
 def _load(info: pb.LoadInfo, last: EngineLoad) -> EngineLoad:
@@ -550,8 +653,9 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
     processes, or Deployments' pods) until SIGTERM/SIGINT. Local engines are removed from the
     controller and stopped (SIGTERM) at the end; pods keep serving. `environ` gives a
     Kubernetes actuator its in-cluster defaults; with its `leader_election` (the default), the
-    planner acts only while it leads (planner/leader_election.py), each term as a restarted
-    planner would, and stands by otherwise."""
+    planner acts only while it leads (planner/leader_election.py), each term through an
+    actuator of its own, as a restarted planner would, and stands by otherwise, observing the
+    fleet (`LivePlanner.stand_by`) so that a term goes on from what it learnt."""
     live = config.live
     if live is None:
         raise ConfigError(
@@ -576,7 +680,11 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
         if kubernetes is not None:
             api = kube_api(kubernetes, environ)
             if kubernetes.leader_election is not None:
-                elector = leader_elector(api, kubernetes.leader_election)
+                elector = leader_elector(
+                    api,
+                    kubernetes.leader_election,
+                    on_transitions=metrics.on_leader_transitions,
+                )
             actuator = await connect_deployments(
                 live, kubernetes, api, controller_channels, elector.needs() if elector else ()
             )
@@ -592,39 +700,48 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
                 pool_args={pool.name: pool.engine_args for pool in config.pools},
             )
 
-        async def act(actuator: Actuator) -> None:
-            """Plan over `actuator` until `stop` (or, leading, until cancelled)."""
-            planner = LivePlanner(
-                Planner(config),
-                actuator,
-                load_timeout_s=live.load_timeout_s,
-                lost_after_failed_polls=live.lost_after_failed_polls,
-                channels=engine_channels,
-                metrics=metrics,
-                may_act=lambda: elector is None or elector.leading,
-            )
-            try:
-                await planner.run(stop, config.scaling.tick_s)
-            finally:
-                await planner.close(finish_removals=elector is None or elector.leading)
+        def leading() -> bool:
+            """Whether this planner may act: it leads, or there is no election."""
+            return elector is None or elector.leading
 
+        metrics.on_leading(leading)
+
+        planner = LivePlanner(
+            Planner(config),
+            actuator,
+            load_timeout_s=live.load_timeout_s,
+            lost_after_failed_polls=live.lost_after_failed_polls,
+            channels=engine_channels,
+            metrics=metrics,
+            may_act=leading,
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
+        tick_s = config.scaling.tick_s
         try:
             if elector is None:
-                await act(actuator)
+                await planner.run(stop, tick_s)
             else:
-                # Each term as leader acts through an actuator of its own, as a restarted
-                # planner would: it adopts the fleet as the last leader left it.
-                assert kubernetes is not None
-                await actuator.close()
+                # Standing by, the planner observes the fleet through the actuator checked at
+                # start, which only lists it (`serving`); each term as leader acts through an
+                # actuator of its own, as a restarted planner would: it adopts the fleet as
+                # the last leader left it, with what the standby learnt.
+                assert kubernetes is not None and isinstance(actuator, KubernetesDeployments)
                 await lead(
                     elector,
                     stop,
-                    lambda: act(deployments_actuator(live, kubernetes, api, controller_channels)),
+                    lambda: planner.lead(
+                        deployments_actuator(live, kubernetes, api, controller_channels),
+                        stop,
+                        tick_s,
+                    ),
+                    functools.partial(planner.stand_by, actuator.serving, stop, tick_s),
                 )
         finally:
-            if metrics_server is not None:
-                metrics_server.shutdown()
+            try:
+                await planner.close(finish_removals=leading())
+            finally:
+                if metrics_server is not None:
+                    metrics_server.shutdown()

@@ -4,7 +4,8 @@ Updated by the tick loop (`planner.live`), so a scrape reads the fleet as of the
 engines per pool and state (and those not answering GetLoad), the core's sizing of each pool
 (its inputs, the learned pass-cost model, the engines needed by each SLA constraint), the
 decisions by kind and reason, engines lost (exited, or not answering), the actuator's failures
-by operation, and the tick's duration. Label values come from the config (pools), the core's
+by operation, and the tick's duration; whether this planner leads (read at each scrape) and the
+leader election's transitions it saw. Label values come from the config (pools), the core's
 vocabularies (states, kinds, reasons) or this module's (causes, operations): never from an
 engine's address.
 """
@@ -12,7 +13,7 @@ engine's address.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -154,6 +155,18 @@ class PlannerMetrics:
             ["operation"],
             registry=r,
         )
+        self.leader = Gauge(
+            "kvplane_planner_leader",
+            "1 while this planner may act (it leads, or runs without "
+            "live.kubernetes.leader_election); 0 while it stands by as a candidate",
+            registry=r,
+        )
+        self.leader_transitions = Counter(
+            "kvplane_planner_leader_transitions",
+            "Takeovers of the leader election's Lease this planner saw (its leaseTransitions' "
+            "increments since the planner started, its own takeovers included)",
+            registry=r,
+        )
         self.tick_seconds = Histogram(
             "kvplane_planner_tick_seconds",
             "Duration of one tick: observe, decide, hand the actions to the actuator",
@@ -198,6 +211,14 @@ class PlannerMetrics:
         self.pass_fixed_seconds.labels(pool).set(cost.fixed_ms / 1000.0)
         self.pass_prefill_seconds_per_token.labels(pool).set(cost.prefill_ms_per_token / 1000.0)
         self.pass_kv_seconds.labels(pool).set(cost.kv_ms / 1000.0)
+
+    def on_leading(self, leading: Callable[[], bool]) -> None:
+        """`kvplane_planner_leader` reads `leading()` at each scrape: a leader whose renewals
+        fail reads 0 from its renew deadline on, not from its next tick."""
+        self.leader.set_function(lambda: float(leading()))
+
+    def on_leader_transitions(self, count: int) -> None:
+        self.leader_transitions.inc(count)
 
     def on_decision(self, decision: Decision) -> None:
         kind = decision_kind(decision)

@@ -26,6 +26,12 @@ Each tick, per configured pool (engines of other pools are left alone):
    `scale_down_headroom` extra room, when nothing is starting, no SLA is at risk and no
    scaling decision is younger than `scale_down_cooldown_s`; the least loaded serving engines
    are drained (OVERPROVISIONED).
+
+A standby (a planner that does not lead: `planner.leader_election`) calls `observe` instead:
+steps 3 and 4 only, so that the leader it replaces hands over no cold forecast or cost model.
+The first `decide` after it is a takeover: the leader may have scaled meanwhile, so the
+scale-down cooldown and window start then, as at a planner's first tick; a scale-up the
+observed load needs is decided at once.
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ class _PoolState:
     wanted: deque[tuple[float, int]] = field(default_factory=deque)
     last_estimate: PoolEstimate | None = None
     role: PoolRole | None = None  # the last tick's (a warning is logged when it changes)
+    # False until the first `decide` (or the first after an `observe`): it starts the
+    # scale-down cooldown and window.
+    deciding: bool = False
 
 
 class Planner:
@@ -117,15 +126,32 @@ class Planner:
         return self._pools[pool].last_estimate
 
     def decide(self, observations: Observations, now_s: float) -> list[Decision]:
+        decisions: list[Decision] = []
+        for pool, engines, passes in self._by_pool(observations):
+            decisions.extend(self._decide_pool(pool, engines, passes, now_s))
+        return decisions
+
+    def observe(self, observations: Observations, now_s: float) -> None:
+        """A standby's tick: learn from `observations` (the cost model, the forecasts, the
+        running means, the estimate) as `decide` does, deciding nothing."""
+        for pool, engines, passes in self._by_pool(observations):
+            state = self._pools[pool.name]
+            self._learn_and_size(pool, state, engines, passes, now_s)
+            state.deciding = False
+
+    def _by_pool(
+        self, observations: Observations
+    ) -> list[tuple[PoolConfig, list[EngineObservation], list[ForwardPasses]]]:
+        """Each configured pool with its engines and their passes (other pools' are left)."""
         passes_by_engine: dict[str, list[ForwardPasses]] = {}
         for batch in observations.passes:
             passes_by_engine.setdefault(batch.engine_id, []).append(batch)
-        decisions: list[Decision] = []
+        by_pool = []
         for pool in self.config.pools:
             engines = observations.in_pool(pool.name)
             passes = [b for e in engines for b in passes_by_engine.get(e.engine_id, ())]
-            decisions.extend(self._decide_pool(pool, engines, passes, now_s))
-        return decisions
+            by_pool.append((pool, engines, passes))
+        return by_pool
 
     def _decide_pool(
         self,
@@ -151,12 +177,15 @@ class Planner:
                 *self._resize(pool, engines, pool.max_engines, Reason.ABOVE_MAX, now_s),
             ]
         estimate = self._learn_and_size(pool, state, engines, passes, now_s)
-        if estimate is None:
-            # The first tick: the planner takes over the fleet as it is; the cooldown and
-            # the window start now (no scale-down before they have seen it).
+        if estimate is None or not state.deciding:
+            # The first tick, or a takeover: the planner takes over the fleet as it is; the
+            # cooldown and the window start now (no scale-down before they have seen it).
+            # Without a rate yet (not observed before) nothing more is decided.
+            state.deciding = True
             state.last_scale_s = now_s
             state.wanted.append((now_s, current))
-            return decisions
+            if estimate is None:
+                return decisions
         pending = has_pending(engines)
         at_risk = self._sla_at_risk(state, engines)
         up = estimate.engines_wanted

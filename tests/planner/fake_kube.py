@@ -27,8 +27,11 @@ What it implements (namespaced, one namespace):
   is not the current one 409 Conflict (none: unconditional), a name not the URL's 400; the
   spec's leaseDurationSeconds must be > 0 and leaseTransitions >= 0 (422), acquireTime and
   renewTime RFC 3339 times (400). POST and PUT take `application/json` (else 415).
-- Errors are Status objects (`kind: Status`, `code`, `reason`, `message`): 401 without the
-  bearer token, 403 for what the RBAC part does not grant (the RBAC message), 404
+- Clients are told apart by their bearer token: `token`, or one of `other_tokens` (e.g. a
+  second planner's). `writes` records every request that is not a read (any method but GET;
+  access reviews aside, which persist nothing) with the token that sent it, answered or not.
+- Errors are Status objects (`kind: Status`, `code`, `reason`, `message`): 401 without a
+  bearer token it knows, 403 for what the RBAC part does not grant (the RBAC message), 404
   for a missing object or path, 405, 409, 415, 422 for replicas that are not a natural number.
   Every change bumps a cluster-wide resourceVersion, the Deployment's too when the
   Deployment controller part writes its status (after each change of spec.replicas, of its
@@ -233,6 +236,8 @@ class FakeKube:
         self.leases: dict[str, dict[str, Any]] = {}  # coordination.k8s.io/v1 Leases by name
         self.reviews: list[dict[str, Any]] = []  # the SelfSubjectAccessReviews' attributes
         self.requests: set[tuple[str, str, str]] = set()  # (API group, resource, verb) asked
+        self.other_tokens: set[str] = set()  # bearer tokens accepted beside `token`
+        self.writes: list[tuple[str, str, str]] = []  # (token, method, path), in order
         # Set: the next scale-down ranks pods without their deletion cost, as a ReplicaSet
         # controller does whose informer cache has not seen the annotation yet.
         self.stale_deletion_cost = False
@@ -358,10 +363,14 @@ class FakeKube:
     # ---------------------------------------------------------------- the API
 
     def handle(self, method: str, path: str, headers: Any, body: bytes) -> tuple[int, object]:
-        if headers.get("Authorization") != f"Bearer {self.token}":
+        scheme, _, token = str(headers.get("Authorization") or "").partition(" ")
+        if scheme != "Bearer" or token not in {self.token, *self.other_tokens}:
             raise ApiError(401, "Unauthorized", "Unauthorized")
         url = urllib.parse.urlsplit(path)
         parts = url.path.strip("/").split("/")
+        if method != "GET" and parts[-1:] != ["selfsubjectaccessreviews"]:
+            with self._changed:
+                self.writes.append((token, method, url.path))
         fault = self._fault(method, _fault_resource(parts))
         if fault is not None:
             if fault.applied:

@@ -255,3 +255,44 @@ def test_engines_of_unconfigured_pools_are_left_alone() -> None:
     engines = [engine("x", pool="other"), engine("y", pool="other"), idle("a")]
     assert tick(planner, 0, *engines) == []
     assert tick(planner, 5, engine("x", DRAINING, pool="other"), idle("a")) == []
+
+
+def observe(planner: Planner, now_s: float, *engines: EngineObservation) -> None:
+    """A standby's tick (`Planner.observe`) of `engines`, each with its passes."""
+    batches = tuple(passes(e.engine_id) for e in engines if e.state is SERVING)
+    planner.observe(Observations(tuple(engines), batches), now_s)
+
+
+def test_a_standby_taking_over_scales_up_at_its_first_decision_from_the_load_it_observed() -> None:
+    """A standby's core learns from the ticks it observes (the leader's fleet, heavily
+    loaded), deciding nothing; its first `decide`, as leader, scales up to the sized need at
+    once, where a planner that observed nothing only measures at its first tick."""
+    warm, cold = make_planner(), make_planner()
+    for now_s in (0, 5, 10):
+        observe(warm, now_s, busy("a"), busy("b"))
+    need = warm.need("default")
+    assert need is not None and need.kv == pytest.approx(2 * 1.9 / 0.6)
+    (up,) = tick(warm, 15, busy("a"), busy("b"))
+    assert up == ScalePool("default", 7, Reason.FORECAST_NEEDS_MORE)
+    assert tick(cold, 15, busy("a"), busy("b")) == []
+
+
+def test_a_standby_taking_over_scales_down_only_after_the_cooldown_from_its_takeover() -> None:
+    """The leader it replaces may have scaled just before: the scale-down cooldown runs from
+    the takeover, as from a planner's first tick, however long the standby observed an idle
+    fleet; and again from a second takeover (it stood by again meanwhile)."""
+    planner = make_planner(scale_down_stabilisation_s=0, scale_down_cooldown_s=60)
+    engines = (idle("a", running=3), idle("b", running=1), idle("c", running=2))
+    for now_s in range(0, 300, 5):
+        observe(planner, now_s, *engines)
+    assert tick(planner, 300, *engines) == []  # the takeover
+    assert tick(planner, 355, *engines) == []
+    assert tick(planner, 361, *engines) == [
+        DrainEngine("b", "default", 361 + 300, Reason.OVERPROVISIONED),
+        DrainEngine("c", "default", 361 + 300, Reason.OVERPROVISIONED),
+    ]
+    for now_s in range(400, 500, 5):
+        observe(planner, now_s, *engines)
+    assert tick(planner, 500, *engines) == []  # the second takeover
+    assert tick(planner, 559, *engines) == []
+    assert tick(planner, 561, *engines) != []

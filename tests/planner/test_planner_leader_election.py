@@ -2,27 +2,45 @@
 fake API server's Leases (tests/planner/fake_kube.py): one candidate leads, another takes over
 only once the lease expired as it saw it, a leader that cannot renew stops acting before
 then, a takeover that races a renewal loses on the 409 (a create that races another on
-the 409 AlreadyExists); end to end, of two `kvplane planner
-run` only the leader acts, the other takes over when the leader is killed, and a leader whose
-renewals fail stops acting until it holds the lease again."""
+the 409 AlreadyExists), each candidate counts the takeovers it sees; end to end, of two
+`kvplane planner run` only the leader acts (and its /metrics says it leads), the other takes
+over when the leader is killed, and a leader whose renewals fail stops acting until it holds
+the lease again."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from planner.config import LeaderElectionConfig
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.config import (
+    LeaderElectionConfig,
+    PlannerConfig,
+    PoolConfig,
+    ScalingConfig,
+    SlaTargets,
+)
+from planner.core.decisions import Decision, Reason, ScalePool
+from planner.core.observations import Observations
+from planner.core.planner import Planner
 from planner.kube_api import KubeApi, KubeConnection
 from planner.leader_election import LeaderElector
+from planner.live import LivePlanner
+from planner.metrics import PlannerMetrics
+from tests.controller.conftest import generate_request
 from tests.planner.fake_kube import FakeKube, Fault
 from tests.planner.test_planner_kubernetes import DEPLOYMENT, Cluster, cluster_with
+from tests.planner.test_planner_live import scrape, value
+from tests.polling import eventually
 
 LEASE = "kvplane-planner"
 
@@ -43,11 +61,31 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         yield cluster
 
 
+class Transitions:
+    """What a candidate reports by `on_transitions`, summed."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, count: int) -> None:
+        self.count += count
+
+
 def candidate(
-    cluster: Cluster, identity: str, clock: Clock, api: KubeApi | None = None
+    cluster: Cluster,
+    identity: str,
+    clock: Clock,
+    api: KubeApi | None = None,
+    transitions: Transitions | None = None,
 ) -> LeaderElector:
     """A candidate with client-go's timing (15 s, 10 s, 2 s) on `clock`."""
-    return LeaderElector(api or cluster.api(), LeaderElectionConfig(), identity, clock=clock)
+    return LeaderElector(
+        api or cluster.api(),
+        LeaderElectionConfig(),
+        identity,
+        clock=clock,
+        on_transitions=transitions or Transitions(),
+    )
 
 
 def lease_spec(kube: FakeKube) -> dict[str, Any]:
@@ -87,6 +125,31 @@ async def test_a_standby_takes_over_only_once_the_lease_expired_and_the_leader_s
     assert taken["acquireTime"] == taken["renewTime"] > renewed["renewTime"]
     # a, back, finds the lease taken: it stands by until b's expires.
     assert not await a.try_acquire_or_renew() and not a.leading
+
+
+@pytest.mark.timeout(60)
+async def test_each_candidate_counts_the_takeovers_it_sees_its_own_included(
+    cluster: Cluster,
+) -> None:
+    """From the first Lease it reads (its baseline: a made Lease counts none), a candidate
+    counts each new holder it sees, by the Lease's leaseTransitions: a release is none, the
+    takeover of a released Lease one."""
+    clock = Clock()
+    seen_by = {name: Transitions() for name in "abc"}
+    a, b, c = (candidate(cluster, n, clock, transitions=seen_by[n]) for n in "abc")
+    assert await a.try_acquire_or_renew()  # made: no takeover
+    assert not await b.try_acquire_or_renew()
+    clock.now = 16.0  # a renewed nothing: expired as b saw it
+    assert await b.try_acquire_or_renew()  # b takes over
+    assert not await a.try_acquire_or_renew()  # a sees it
+    assert not await c.try_acquire_or_renew()  # c's first read (a candidate started late)
+    assert [seen_by[n].count for n in "abc"] == [1, 1, 0]
+    await b.release()  # no new holder yet
+    assert await a.try_acquire_or_renew()  # the released Lease taken: one more
+    assert not await b.try_acquire_or_renew()
+    assert not await c.try_acquire_or_renew()
+    assert lease_spec(cluster.kube)["leaseTransitions"] == 2
+    assert [seen_by[n].count for n in "abc"] == [2, 2, 1]
 
 
 class ReadsThen(KubeApi):
@@ -144,16 +207,99 @@ async def test_of_two_candidates_that_found_no_lease_the_second_to_create_it_sta
     assert lease_spec(cluster.kube)["holderIdentity"] == "a"
 
 
+# ------------------------------------------------------------------ a warm standby
+
+
+@pytest.fixture
+async def one_pod(tmp_path: Path) -> AsyncIterator[Cluster]:
+    async for cluster in cluster_with(tmp_path, None, 1):
+        yield cluster
+
+
+class RecordedPlanner(Planner):
+    """The kvplane core, keeping what each `decide` returned."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        super().__init__(config)
+        self.decisions: list[list[Decision]] = []
+        self.decided = asyncio.Event()
+
+    def decide(self, observations: Observations, now_s: float) -> list[Decision]:
+        decisions = super().decide(observations, now_s)
+        self.decisions.append(decisions)
+        self.decided.set()
+        return decisions
+
+
+@pytest.mark.timeout(120)
+async def test_a_standby_learns_from_the_fleet_writing_nothing_and_decides_at_once_as_leader(
+    one_pod: Cluster, tmp_path: Path
+) -> None:
+    """Standing by (`LivePlanner.watch`, on an injected clock), the planner observes the
+    Deployment's pod as a leader does (its load, the forward passes of a generation it runs)
+    and its core learns from them (the pool sized), while the API server gets no write from
+    it (its own token) and the controller no registration. Taking over, its first tick sizes
+    the pool from that history (an ITL target below any pass's time: the pool's maximum),
+    where a planner that observed nothing only measures at its first."""
+    cluster = one_pod
+    cluster.kube.other_tokens.add("standby-token")
+    token_file = tmp_path / "standby-token"
+    token_file.write_text("standby-token\n")
+    scaling = ScalingConfig(tick_s=0.2, scale_up_cooldown_s=0)
+    pool = PoolConfig(min_engines=1, max_engines=2)
+    core = RecordedPlanner(PlannerConfig(sla=SlaTargets(itl_ms=1), pools=(pool,), scaling=scaling))
+    clock, metrics = Clock(), PlannerMetrics()
+    fleet = cluster.actuator(cluster.api(token_file))
+    live = LivePlanner(core, fleet, clock=clock, metrics=metrics)
+
+    def passes_seen() -> float:
+        passes = metrics.registry.get_sample_value(
+            "kvplane_planner_forward_passes_total", {"pool": "default"}
+        )
+        return passes or 0.0
+
+    (pod,) = cluster.kube.ready_pods(DEPLOYMENT)
+    async with grpc.aio.insecure_channel(cluster.kube.address(pod)) as channel:
+        request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
+        generation = pb_grpc.OpenEngineStub(channel).Generate(request)
+        try:
+            await generation.initial_metadata()
+            while not passes_seen() or core.estimate("default") is None:
+                clock.now += 1.0
+                await live.watch(fleet.serving)
+                await asyncio.sleep(0.05)  # passes to come (the loop waits for them)
+            serving = metrics.registry.get_sample_value(
+                "kvplane_planner_engines", {"pool": "default", "state": "serving"}
+            )
+            assert serving == 1
+            assert not [w for w in cluster.kube.writes if w[0] == "standby-token"]
+            assert cluster.registered() == [] and core.decisions == []
+            assert cluster.kube.deployments[DEPLOYMENT].replicas == 1
+            stop = asyncio.Event()
+            clock.now += 1.0
+            term = asyncio.create_task(live.lead(cluster.actuator(), stop, scaling.tick_s))
+            await core.decided.wait()
+            stop.set()
+            await term
+        finally:
+            generation.cancel()
+            await live.close()
+    assert core.decisions[0] == [ScalePool("default", 2, Reason.FORECAST_NEEDS_MORE)]
+
+
 # ------------------------------------------------------------------ `kvplane planner run`
 
 
-def planner_config(cluster: Cluster, path: Path, min_engines: int) -> Path:
+def planner_config(
+    cluster: Cluster, path: Path, min_engines: int, token_file: Path | None = None
+) -> Path:
     """A planner of pool default (at least `min_engines`) over the cluster's Deployment, with
-    short leases (2 s, renewed every 0.2 s: a takeover within seconds)."""
+    short leases (2 s, renewed every 0.2 s: a takeover within seconds), calling the API
+    server with `token_file` (the cluster's if None)."""
     kubernetes = {
         "api_server": cluster.kube.url,
         "namespace": cluster.kube.namespace,
-        "token_file": str(cluster.token_file),
+        "token_file": str(token_file or cluster.token_file),
         "engine_port": cluster.kube.engine_port,
         "deployments": {"default": DEPLOYMENT},
         "poll_s": 0.1,
@@ -163,7 +309,11 @@ def planner_config(cluster: Cluster, path: Path, min_engines: int) -> Path:
     config = {
         "pools": [{"min_engines": min_engines, "max_engines": 2}],
         "scaling": scaling,
-        "live": {"controller": f"127.0.0.1:{cluster.app.port}", "kubernetes": kubernetes},
+        "live": {
+            "controller": f"127.0.0.1:{cluster.app.port}",
+            "kubernetes": kubernetes,
+            "metrics_listen": "127.0.0.1:0",
+        },
     }
     path.write_text(json.dumps(config))
     return path
@@ -192,6 +342,20 @@ async def logged(log: Path, text: str, after: str | None = None) -> list[str]:
             await asyncio.sleep(0.05)
 
 
+async def metrics_port(log: Path) -> int:
+    """The planner's /metrics port (`metrics_listen: 127.0.0.1:0`), from its log."""
+    lines = await logged(log, "metrics on http://")
+    match = next(m for line in lines if (m := re.search(r"metrics on http://.*:(\d+)/", line)))
+    return int(match[1])
+
+
+async def leader_metrics(log: Path) -> tuple[float | None, float | None]:
+    """The planner's `kvplane_planner_leader` and `..._leader_transitions_total`."""
+    samples = await scrape(await metrics_port(log))
+    leader = value(samples, "kvplane_planner_leader")
+    return leader, value(samples, "kvplane_planner_leader_transitions_total")
+
+
 def between(lines: list[str], first: str, last: str) -> list[str]:
     """The lines after the first holding `first`, up to the next holding `last`."""
     start = next(i for i, line in enumerate(lines) if first in line)
@@ -211,20 +375,38 @@ async def test_of_two_planners_only_the_leader_acts_and_the_other_takes_over_whe
 ) -> None:
     """Planner a (at least one engine) leads; planner b (at least two: a difference the test
     can see) stands by and decides nothing until a is killed (SIGKILL: no release), then
-    takes over once the lease expired and scales the pool to its own minimum."""
+    takes over once the lease expired and scales the pool to its own minimum. Each one's
+    /metrics says whether it leads, and b counts the one takeover it saw (its own). Standing
+    by, b observes a's engine (its /metrics show it) and the API server gets no write from it
+    (b has a token of its own)."""
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
     a = await start_planner(planner_config(cluster, tmp_path / "a.yaml", 1), a_log)
     b = None
+    cluster.kube.other_tokens.add("planner-b")
+    b_token = tmp_path / "b-token"
+    b_token.write_text("planner-b\n")
     try:
         await logged(a_log, "leading: lease serving/kvplane-planner taken")
         await cluster.wait_routable(1)
-        b = await start_planner(planner_config(cluster, tmp_path / "b.yaml", 2), b_log)
+        b_config = planner_config(cluster, tmp_path / "b.yaml", 2, b_token)
+        b = await start_planner(b_config, b_log)
         await logged(b_log, "standing by")
         assert lease_spec(cluster.kube)["holderIdentity"] in a_log.read_text()
+        assert await leader_metrics(a_log) == (1, 0)  # a made the Lease: no takeover
+        assert await leader_metrics(b_log) == (0, 0)
+        b_port = await metrics_port(b_log)
+
+        async def b_observes_the_engine() -> bool:
+            samples = await scrape(b_port)
+            return value(samples, "kvplane_planner_engines", pool="default", state="serving") == 1
+
+        await eventually(b_observes_the_engine, 60)
+        assert not [w for w in cluster.kube.writes if w[0] == "planner-b"]
         a.send_signal(signal.SIGKILL)
         await a.wait()
         lines = await logged(b_log, "decision: scale pool default to 2", after="leading: lease")
         await cluster.wait_routable(2)
+        assert await leader_metrics(b_log) == (1, 1)
     finally:
         await stop(a, signal.SIGKILL)
         if b is not None:

@@ -162,6 +162,9 @@ async def planner_serves_a_prompt(
         await eventually(lambda: engines_answering(metrics_port, 1), 60)
         samples = await scrape(metrics_port)
         assert value(samples, "kvplane_planner_engines", pool="default", state="serving") == 1
+        # No leader election (the local actuator): the one planner acts.
+        assert value(samples, "kvplane_planner_leader") == 1
+        assert value(samples, "kvplane_planner_leader_transitions_total") == 0
         assert not any(
             value(samples, "kvplane_planner_engines_lost_total", pool="default", cause=cause)
             for cause in ("exited", "unresponsive")
