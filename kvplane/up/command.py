@@ -97,12 +97,13 @@ async def _run_in(workdir: Path, config: FleetConfig, live: bool, check: bool) -
         return main.result()
     finally:
         stopper.cancel()
-        log.info(
-            "stopping the fleet: draining the controller and engines, each member stopped once"
-            " its own drain ends"
-        )
-        await fleet.stop()
-        log.info("fleet stopped")
+        if fleet.any_started():  # else the start's error is the one line printed
+            log.info(
+                "stopping the fleet: draining the controller and engines, each member stopped"
+                " once its own drain ends"
+            )
+            await fleet.stop()
+            log.info("fleet stopped")
         for sig in signals:
             loop.remove_signal_handler(sig)
 

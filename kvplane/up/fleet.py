@@ -179,6 +179,11 @@ class Fleet:
     def member(self, name: str) -> Member:
         return next(m for m in self.members if m.name == name)
 
+    def any_started(self) -> bool:
+        """Whether any member's process was started: a failed pre-flight (`check_ports`)
+        starts none, so there is nothing to stop, nor to say is being stopped."""
+        return any(m.process is not None for m in self.members)
+
     async def start(self) -> None:
         """Start every member as soon as the members it names are up; raise if one fails.
         The ports they are configured to listen on are checked first (`check_ports`)."""
