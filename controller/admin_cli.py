@@ -36,9 +36,11 @@ from kvplane.cli_common import (
     OutputOption,
     RpcCallError,
     TokenFileOption,
+    a_name,
     bearer_metadata,
     emit,
     finite_number,
+    not_blank,
     target_option,
     usage_error_for,
 )
@@ -60,12 +62,18 @@ T = TypeVar("T")
 TargetOpt = Annotated[
     str | None, target_option("HOST:PORT of the controller or engine.", DEFAULT_TARGET)
 ]
-PromptOpt = Annotated[str | None, typer.Option("--prompt", help="Prompt text.")]
+PromptOpt = Annotated[
+    str | None,
+    typer.Option("--prompt", help="Prompt text.", callback=not_blank("the prompt's text")),
+]
 LoraOpt = Annotated[
     str, typer.Option("--lora", help="LoRA adapter the request names (its engines, its cache).")
 ]
 CacheSaltOpt = Annotated[
     str, typer.Option("--cache-salt", help="The request's cache salt (its own cached prefixes).")
+]
+EngineOpt = Annotated[
+    str | None, typer.Option("--engine", help="Only this fleet engine.", callback=a_name)
 ]
 TokensFileOpt = Annotated[
     Path | None,
@@ -566,7 +574,8 @@ def drain(
     ctx: typer.Context,
     *,
     engine: Annotated[
-        str | None, typer.Argument(help="Engine instance id or address (or give --self).")
+        str | None,
+        typer.Argument(help="Engine instance id or address (or give --self).", callback=a_name),
     ] = None,
     drain_self: Annotated[
         bool,
@@ -676,7 +685,9 @@ def _engine_command(
 
     def command(
         ctx: typer.Context,
-        engine: Annotated[str, typer.Argument(help="Engine instance id or address.")],
+        engine: Annotated[
+            str, typer.Argument(help="Engine instance id or address.", callback=a_name)
+        ],
         target: TargetOpt = None,
         token_file: TokenFileOption = None,
         output: OutputOption = OutputFormat.table,
@@ -786,7 +797,9 @@ def _wait_until_reached(server: ClientTarget, address: str, wait_s: float) -> di
 def abort(
     ctx: typer.Context,
     *,
-    request_id: Annotated[str | None, typer.Argument(help="The request to abort.")] = None,
+    request_id: Annotated[
+        str | None, typer.Argument(help="The request to abort.", callback=a_name)
+    ] = None,
     all_requests: Annotated[bool, typer.Option("--all", help="Abort every request.")] = False,
     target: TargetOpt = None,
     token_file: TokenFileOption = None,
@@ -909,7 +922,7 @@ def lora_load(
     lora_id: Annotated[
         int, typer.Option("--id", min=1, max=INT64_MAX, help="Positive adapter id.")
     ],
-    engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
+    engine: EngineOpt = None,
     target: TargetOpt = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
@@ -936,7 +949,7 @@ def lora_unload(
     ctx: typer.Context,
     *,
     name: Annotated[str, typer.Argument(help="Adapter name.")],
-    engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
+    engine: EngineOpt = None,
     target: TargetOpt = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
