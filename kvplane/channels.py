@@ -42,6 +42,9 @@ HUNG_UP = "Socket closed"
 # How a controller's status about one of its engines begins ("engine HOST:PORT ..."): a hang-up
 # it names is that engine's (its process died), not one of the connection to the controller.
 RELAYED_ENGINE_FAILURE = "engine "
+# What a gRPC server (grpcio, as every kvplane server) answers for a method it does not have:
+# the address is another kind of server (an indexer's, an engine's, for a controller's).
+METHOD_NOT_FOUND = "Method not found!"
 ChannelOptions = tuple[tuple[str, Any], ...]
 Metadata = tuple[tuple[str, str], ...]
 

@@ -17,6 +17,7 @@ import typer
 
 from kvplane.channels import (
     INSECURE,
+    METHOD_NOT_FOUND,
     ClientChannels,
     ClientSettings,
     Metadata,
@@ -342,8 +343,6 @@ class RpcCallError(KvplaneError):
     """A CLI's RPC failed (unreachable target, rejected call): shown as one line."""
 
 
-# What a gRPC server (grpcio, as every kvplane server) answers for a method it does not have.
-METHOD_NOT_FOUND = "Method not found!"
 # What grpcio reports when a call's own deadline passes (a server relaying another's
 # DEADLINE_EXCEEDED, or refusing a deadline already passed, says something of its own).
 CLIENT_DEADLINE_PASSED = "Deadline Exceeded"

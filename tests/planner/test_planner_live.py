@@ -45,7 +45,7 @@ from planner.core.observations import IDLE, EngineObservation, EngineRole, Engin
 from planner.core.planner import Planner
 from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
-from tests.controller.conftest import generate_request
+from tests.controller.conftest import generate_request, start_sim_engine
 from tests.controller.test_processes import controller_process
 from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
@@ -468,6 +468,28 @@ async def test_ctrl_c_while_the_planner_scales_up_leaves_no_engine_behind(
     assert "Traceback" not in stderr.decode()
     assert processes_running(str(workdir)) == []
     await fleet.wait_for(lambda: not fleet.registry.records(), 30)
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_against_another_kind_of_server_spawns_nothing_and_names_it(
+    tmp_path: Path,
+) -> None:
+    """live.controller given an engine's address (or an indexer's): said to be no controller,
+    not gRPC's "UNIMPLEMENTED: Method not found!", logged at every tick."""
+    engine = await start_sim_engine("e0")
+    actuator = local_processes(engine.port, tmp_path)
+    try:
+        with pytest.raises(KvplaneError) as failed:
+            await actuator.start("default")
+    finally:
+        await actuator.close()
+        await engine.close()
+    assert str(failed.value) == (
+        f"no engine of default started: controller 127.0.0.1:{engine.port} is not a kvplane "
+        "controller: it does not serve the admin API (does live.controller give another "
+        "server's address?)"
+    )
+    assert not actuator._spawned
 
 
 @pytest.mark.timeout(120)
