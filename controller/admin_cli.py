@@ -14,7 +14,8 @@ variable. A TLS server is dialled with the admin group's `--tls-ca` (and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -627,6 +628,33 @@ def drain(
             if output is OutputFormat.table:
                 typer.echo(_render_drain(data))
 
+    with _said_to_go_on(f"engine {engine}" if engine is not None else server.address):
+        _follow_drain(
+            server,
+            engine,
+            deadline_ms=deadline_ms,
+            abort_after_deadline=abort_after_deadline,
+            metadata=metadata,
+            follow=follow,
+        )
+    if output is OutputFormat.json:
+        emit({"events": events}, output, str)
+    last = events[-1] if events else {}
+    if "error" in last:
+        raise RpcCallError(f"drain failed: {last['error'].get('message', '')}")
+
+
+def _follow_drain(
+    server: ClientTarget,
+    engine: str | None,
+    *,
+    deadline_ms: int | None,
+    abort_after_deadline: bool,
+    metadata: tuple[tuple[str, str], ...],
+    follow: Callable[[Iterable[pb.DrainResponse]], None],
+) -> None:
+    """Start the drain of `engine` (DrainEngine; None: the target's own Drain) and `follow`
+    its events."""
     if engine is not None:
         req = apb.DrainEngineRequest(engine=engine, abort_after_deadline=abort_after_deadline)
         if deadline_ms is not None:
@@ -641,11 +669,21 @@ def drain(
         if deadline_ms is not None:
             dreq.deadline_ms = deadline_ms
         _call(server, lambda ch: follow(pb_grpc.OpenEngineStub(ch).Drain(dreq, metadata=metadata)))
-    if output is OutputFormat.json:
-        emit({"events": events}, output, str)
-    last = events[-1] if events else {}
-    if "error" in last:
-        raise RpcCallError(f"drain failed: {last['error'].get('message', '')}")
+
+
+@contextmanager
+def _said_to_go_on(drained: str) -> Iterator[None]:
+    """Ctrl-C stops following a drain, not the drain (the seed has no RPC that undoes one):
+    said on stderr before the interrupt ends the command (exit 130), so that the operator
+    does not take `drained` for back in service."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo(
+            f"kvplane: interrupted: the drain of {drained} goes on (leaving it does not undo it)",
+            err=True,
+        )
+        raise
 
 
 def _render_drain(d: dict[str, Any]) -> str:

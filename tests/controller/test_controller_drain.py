@@ -8,6 +8,8 @@ the controller relays, and COMPLETE comes once they have ended."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -171,6 +173,36 @@ async def test_admin_drain_needs_engine_or_self_and_reports_a_passed_deadline(
     drained = await cli("drain", "--self", *t)
     assert drained.exit_code == 0, drained.output
     assert drained.output.strip().splitlines()[-1].startswith("COMPLETE")
+
+
+async def test_ctrl_c_stops_following_a_drain_and_says_the_drain_goes_on(
+    slow_fleet: Fleet,
+) -> None:
+    """`kvplane admin drain` interrupted (Ctrl-C) while a request holds the drain: exit 130,
+    one line saying the drain goes on, which it does (it exited 130 saying nothing, and the
+    operator could take the target for back in service)."""
+    fleet = slow_fleet
+    long = await start_long(fleet.gateway, "long")
+    command = [sys.executable, "-m", "kvplane", "admin", "-t", fleet.target, "drain", "--self"]
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        started = await process.stdout.readline()  # following the drain
+        assert started.decode().startswith("STARTED"), started
+        process.send_signal(signal.SIGINT)
+        _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 130
+    assert stderr.decode() == (
+        f"kvplane: interrupted: the drain of {fleet.target} goes on (leaving it does not undo it)\n"
+    )
+    assert await health(fleet) == pb.HEALTH_STATE_DRAINING
+    long.cancel()
 
 
 async def test_admin_drain_self_drains_the_controller(fleet: Fleet) -> None:
