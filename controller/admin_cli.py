@@ -628,7 +628,9 @@ def drain(
             if output is OutputFormat.table:
                 typer.echo(_render_drain(data))
 
-    with _said_to_go_on(f"engine {engine}" if engine is not None else server.address):
+    drained = f"engine {engine}" if engine is not None else server.address
+    # Ctrl-C stops following the drain, not the drain (the seed has no RPC that undoes one).
+    with _said_if_interrupted(f"the drain of {drained} goes on (leaving it does not undo it)"):
         _follow_drain(
             server,
             engine,
@@ -672,17 +674,14 @@ def _follow_drain(
 
 
 @contextmanager
-def _said_to_go_on(drained: str) -> Iterator[None]:
-    """Ctrl-C stops following a drain, not the drain (the seed has no RPC that undoes one):
-    said on stderr before the interrupt ends the command (exit 130), so that the operator
-    does not take `drained` for back in service."""
+def _said_if_interrupted(what_goes_on: str) -> Iterator[None]:
+    """A command that waits on what it started at the server (a drain, a registration):
+    Ctrl-C stops the waiting, not what the server does, so `what_goes_on` is said on stderr
+    before the interrupt ends the command (exit 130), lest the operator take it for undone."""
     try:
         yield
     except KeyboardInterrupt:
-        typer.echo(
-            f"kvplane: interrupted: the drain of {drained} goes on (leaving it does not undo it)",
-            err=True,
-        )
+        typer.echo(f"kvplane: interrupted: {what_goes_on}", err=True)
         raise
 
 
@@ -793,7 +792,9 @@ def register_engine(
     )
     data = _dict(reply)
     if wait_s > 0:
-        data = _wait_until_reached(server, address, wait_s)
+        stays = f"engine {address} stays registered (remove it: kvplane admin remove {address})"
+        with _said_if_interrupted(stays):
+            data = _wait_until_reached(server, address, wait_s)
     emit(data, output, lambda d: _render_workers({"workers": [d]}))
 
 

@@ -4,8 +4,11 @@ gone, and every refusal is one line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import pytest
 
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
 from tests.controller.test_admin_cli import cli
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,6 +92,40 @@ async def test_refusals_are_one_line(fleet: Fleet) -> None:
     # --wait-s 0 returns at once, before the controller has dialled the engine.
     at_once = await cli_json("register", nobody, "--wait-s", "0", *t)
     assert at_once["state"] == "unknown"
+
+
+async def test_ctrl_c_while_waiting_for_the_engine_says_it_stays_registered(
+    fleet: Fleet,
+) -> None:
+    """`register --wait-s` interrupted (Ctrl-C) while the controller has not reached the
+    engine: exit 130, one line saying the engine stays registered and how to remove it, as
+    the wait's own failure says (it exited 130 saying nothing)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{probe.getsockname()[1]}"
+    registry = fleet.app.controller.fleet.registry
+    command = ["admin", "-t", fleet.target, "register", nobody, "--wait-s", "600"]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvplane", *command, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        # Registered, and polled in vain three times: the command, answered as soon as the
+        # engine was registered, has been waiting on the controller for a while by then.
+        await eventually(
+            lambda: any(r.address == nobody and r.num_failures >= 3 for r in registry.records())
+        )
+        process.send_signal(signal.SIGINT)
+        _, stderr = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 130
+    assert stderr.decode() == (
+        f"kvplane: interrupted: engine {nobody} stays registered (remove it: kvplane admin "
+        f"remove {nobody})\n"
+    )
+    assert any(r.address == nobody for r in registry.records())
 
 
 @pytest.mark.parametrize(
