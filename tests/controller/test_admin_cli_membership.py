@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ import pytest
 
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
 from tests.controller.test_admin_cli import cli
+from tests.interrupted import interrupted
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,24 +103,18 @@ async def test_ctrl_c_while_waiting_for_the_engine_says_it_stays_registered(
         probe.bind(("127.0.0.1", 0))
         nobody = f"127.0.0.1:{probe.getsockname()[1]}"
     registry = fleet.app.controller.fleet.registry
-    command = ["admin", "-t", fleet.target, "register", nobody, "--wait-s", "600"]
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvplane", *command, stderr=asyncio.subprocess.PIPE
-    )
-    try:
+
+    async def waiting(process: asyncio.subprocess.Process) -> None:
         # Registered, and polled in vain three times: the command, answered as soon as the
         # engine was registered, has been waiting on the controller for a while by then.
         await eventually(
             lambda: any(r.address == nobody and r.num_failures >= 3 for r in registry.records())
         )
-        process.send_signal(signal.SIGINT)
-        _, stderr = await process.communicate()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.returncode == 130
-    assert stderr.decode() == (
+
+    command = ["admin", "-t", fleet.target, "register", nobody, "--wait-s", "600"]
+    result = await interrupted(command, waiting)
+    assert result.returncode == 130
+    assert result.stderr == (
         f"kvplane: interrupted: engine {nobody} stays registered (remove it: kvplane admin "
         f"remove {nobody})\n"
     )

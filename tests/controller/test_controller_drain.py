@@ -8,8 +8,6 @@ the controller relays, and COMPLETE comes once they have ended."""
 from __future__ import annotations
 
 import asyncio
-import signal
-import sys
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,6 +21,7 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.test_admin_cli import cli
 from tests.controller.test_gateway import hold_planning
+from tests.interrupted import interrupted
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,22 +182,15 @@ async def test_ctrl_c_stops_following_a_drain_and_says_the_drain_goes_on(
     operator could take the target for back in service)."""
     fleet = slow_fleet
     long = await start_long(fleet.gateway, "long")
-    command = [sys.executable, "-m", "kvplane", "admin", "-t", fleet.target, "drain", "--self"]
-    process = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    try:
+
+    async def following(process: asyncio.subprocess.Process) -> None:
         assert process.stdout is not None
-        started = await process.stdout.readline()  # following the drain
+        started = await process.stdout.readline()
         assert started.decode().startswith("STARTED"), started
-        process.send_signal(signal.SIGINT)
-        _, stderr = await process.communicate()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.returncode == 130
-    assert stderr.decode() == (
+
+    result = await interrupted(["admin", "-t", fleet.target, "drain", "--self"], following)
+    assert result.returncode == 130
+    assert result.stderr == (
         f"kvplane: interrupted: the drain of {fleet.target} goes on (leaving it does not undo it)\n"
     )
     assert await health(fleet) == pb.HEALTH_STATE_DRAINING
