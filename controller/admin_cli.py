@@ -14,7 +14,8 @@ variable. A TLS server is dialled with the admin group's `--tls-ca` (and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -36,9 +37,11 @@ from kvplane.cli_common import (
     OutputOption,
     RpcCallError,
     TokenFileOption,
+    a_name,
     bearer_metadata,
     emit,
     finite_number,
+    not_blank,
     target_option,
     usage_error_for,
 )
@@ -60,12 +63,18 @@ T = TypeVar("T")
 TargetOpt = Annotated[
     str | None, target_option("HOST:PORT of the controller or engine.", DEFAULT_TARGET)
 ]
-PromptOpt = Annotated[str | None, typer.Option("--prompt", help="Prompt text.")]
+PromptOpt = Annotated[
+    str | None,
+    typer.Option("--prompt", help="Prompt text.", callback=not_blank("the prompt's text")),
+]
 LoraOpt = Annotated[
     str, typer.Option("--lora", help="LoRA adapter the request names (its engines, its cache).")
 ]
 CacheSaltOpt = Annotated[
     str, typer.Option("--cache-salt", help="The request's cache salt (its own cached prefixes).")
+]
+EngineOpt = Annotated[
+    str | None, typer.Option("--engine", help="Only this fleet engine.", callback=a_name)
 ]
 TokensFileOpt = Annotated[
     Path | None,
@@ -566,7 +575,8 @@ def drain(
     ctx: typer.Context,
     *,
     engine: Annotated[
-        str | None, typer.Argument(help="Engine instance id or address (or give --self).")
+        str | None,
+        typer.Argument(help="Engine instance id or address (or give --self).", callback=a_name),
     ] = None,
     drain_self: Annotated[
         bool,
@@ -618,6 +628,35 @@ def drain(
             if output is OutputFormat.table:
                 typer.echo(_render_drain(data))
 
+    drained = f"engine {engine}" if engine is not None else server.address
+    # Ctrl-C stops following the drain, not the drain (the seed has no RPC that undoes one).
+    with _said_if_interrupted(f"the drain of {drained} goes on (leaving it does not undo it)"):
+        _follow_drain(
+            server,
+            engine,
+            deadline_ms=deadline_ms,
+            abort_after_deadline=abort_after_deadline,
+            metadata=metadata,
+            follow=follow,
+        )
+    if output is OutputFormat.json:
+        emit({"events": events}, output, str)
+    last = events[-1] if events else {}
+    if "error" in last:
+        raise RpcCallError(f"drain failed: {last['error'].get('message', '')}")
+
+
+def _follow_drain(
+    server: ClientTarget,
+    engine: str | None,
+    *,
+    deadline_ms: int | None,
+    abort_after_deadline: bool,
+    metadata: tuple[tuple[str, str], ...],
+    follow: Callable[[Iterable[pb.DrainResponse]], None],
+) -> None:
+    """Start the drain of `engine` (DrainEngine; None: the target's own Drain) and `follow`
+    its events."""
     if engine is not None:
         req = apb.DrainEngineRequest(engine=engine, abort_after_deadline=abort_after_deadline)
         if deadline_ms is not None:
@@ -632,11 +671,18 @@ def drain(
         if deadline_ms is not None:
             dreq.deadline_ms = deadline_ms
         _call(server, lambda ch: follow(pb_grpc.OpenEngineStub(ch).Drain(dreq, metadata=metadata)))
-    if output is OutputFormat.json:
-        emit({"events": events}, output, str)
-    last = events[-1] if events else {}
-    if "error" in last:
-        raise RpcCallError(f"drain failed: {last['error'].get('message', '')}")
+
+
+@contextmanager
+def _said_if_interrupted(what_goes_on: str) -> Iterator[None]:
+    """A command that waits on what it started at the server (a drain, a registration):
+    Ctrl-C stops the waiting, not what the server does, so `what_goes_on` is said on stderr
+    before the interrupt ends the command (exit 130), lest the operator take it for undone."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        typer.echo(f"kvplane: interrupted: {what_goes_on}", err=True)
+        raise
 
 
 def _render_drain(d: dict[str, Any]) -> str:
@@ -676,7 +722,9 @@ def _engine_command(
 
     def command(
         ctx: typer.Context,
-        engine: Annotated[str, typer.Argument(help="Engine instance id or address.")],
+        engine: Annotated[
+            str, typer.Argument(help="Engine instance id or address.", callback=a_name)
+        ],
         target: TargetOpt = None,
         token_file: TokenFileOption = None,
         output: OutputOption = OutputFormat.table,
@@ -744,7 +792,9 @@ def register_engine(
     )
     data = _dict(reply)
     if wait_s > 0:
-        data = _wait_until_reached(server, address, wait_s)
+        stays = f"engine {address} stays registered (remove it: kvplane admin remove {address})"
+        with _said_if_interrupted(stays):
+            data = _wait_until_reached(server, address, wait_s)
     emit(data, output, lambda d: _render_workers({"workers": [d]}))
 
 
@@ -786,7 +836,9 @@ def _wait_until_reached(server: ClientTarget, address: str, wait_s: float) -> di
 def abort(
     ctx: typer.Context,
     *,
-    request_id: Annotated[str | None, typer.Argument(help="The request to abort.")] = None,
+    request_id: Annotated[
+        str | None, typer.Argument(help="The request to abort.", callback=a_name)
+    ] = None,
     all_requests: Annotated[bool, typer.Option("--all", help="Abort every request.")] = False,
     target: TargetOpt = None,
     token_file: TokenFileOption = None,
@@ -909,7 +961,7 @@ def lora_load(
     lora_id: Annotated[
         int, typer.Option("--id", min=1, max=INT64_MAX, help="Positive adapter id.")
     ],
-    engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
+    engine: EngineOpt = None,
     target: TargetOpt = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
@@ -936,7 +988,7 @@ def lora_unload(
     ctx: typer.Context,
     *,
     name: Annotated[str, typer.Argument(help="Adapter name.")],
-    engine: Annotated[str | None, typer.Option("--engine", help="Only this fleet engine.")] = None,
+    engine: EngineOpt = None,
     target: TargetOpt = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,

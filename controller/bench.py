@@ -22,8 +22,9 @@ from engine.core.mooncake_trace import TraceRequest, load_trace
 from kvplane.cli_common import (
     OutputFormat,
     OutputOption,
+    TraceBlockSizeOption,
+    TraceSpeedupOption,
     emit,
-    finite_number,
     load_command_config,
     policy_list,
     usage_error_for,
@@ -229,13 +230,8 @@ def bench_route(
     trace: Annotated[Path, typer.Option("--trace", help="Mooncake-format JSONL trace.")],
     workers: Annotated[int, typer.Option(min=1, help="Simulated engines.")] = 8,
     blocks_per_worker: Annotated[int, typer.Option(min=1, help="KV blocks per engine.")] = 2048,
-    block_size: Annotated[
-        int, typer.Option(min=1, help="Tokens per KV block and per trace hash id.")
-    ] = 512,
-    speedup: Annotated[
-        float,
-        typer.Option(min=0.001, callback=finite_number, help="Arrivals at trace time / speedup."),
-    ] = 1.0,
+    block_size: TraceBlockSizeOption = 512,
+    speedup: TraceSpeedupOption = 1.0,
     policies: Annotated[
         str, typer.Option(help="Comma-separated policies (default: all).")
     ] = ",".join(POLICY_NAMES),

@@ -29,6 +29,7 @@ from controller.admin_cli import DEFAULT_TARGET, TARGET_KIND, TokensFileOpt
 from controller.fleet import generates
 from controller.route_report import read_route
 from indexer.admin_cli import read_token_ids
+from indexer.validation import MAX_UINT32
 from kvplane.cli_common import (
     RPC_TIMEOUT_S,
     ClientTarget,
@@ -40,6 +41,7 @@ from kvplane.cli_common import (
     TlsServerNameOption,
     client_channels,
     finite_number,
+    not_blank,
     target_option,
 )
 from openengine.v1 import openengine_pb2 as pb
@@ -201,12 +203,6 @@ def _prompts(prompt: str | list[int] | None) -> Iterator[str | list[int]]:
             yield line.rstrip("\n")
 
 
-def _prompt_given(value: str | None) -> str | None:
-    if value is not None and not value.strip():
-        raise typer.BadParameter("is empty: give the prompt's text, or leave it out to read stdin")
-    return value
-
-
 def complete(
     *,
     prompt: Annotated[
@@ -214,13 +210,16 @@ def complete(
         typer.Option(
             "--prompt",
             "-p",
-            callback=_prompt_given,
+            callback=not_blank("the prompt's text, or leave it out to read stdin"),
             help="Prompt text; without it, each line of stdin is a prompt, sent in turn.",
         ),
     ] = None,
     tokens_file: TokensFileOpt = None,
     max_tokens: Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Tokens to generate at most.")
+        int,
+        typer.Option(  # StoppingOptions.max_tokens is a uint32
+            "--max-tokens", min=1, max=MAX_UINT32, help="Tokens to generate at most."
+        ),
     ] = 32,
     temperature: Annotated[
         float,

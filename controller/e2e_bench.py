@@ -582,7 +582,9 @@ def _cell(value: float | None) -> str:
 
 def bench_e2e(
     *,
-    requests: Annotated[int, typer.Option("--requests", min=1)] = 240,
+    requests: Annotated[
+        int, typer.Option("--requests", min=1, help="Requests drawn from the trace (per fleet).")
+    ] = 240,
     rate: Annotated[
         float,
         typer.Option(
@@ -592,7 +594,7 @@ def bench_e2e(
             help="Mean arrivals per s (to each fleet).",
         ),
     ] = 4.5,
-    engines: Annotated[int, typer.Option(min=1)] = 4,
+    engines: Annotated[int, typer.Option(min=1, help="Engines of each fleet.")] = 4,
     model: Annotated[
         str, typer.Option(help="random-LxH (e.g. random-8x512), builtin, or a model directory.")
     ] = "random-8x512",
@@ -603,8 +605,10 @@ def bench_e2e(
     block_tokens: Annotated[
         int, typer.Option(min=1, help="Tokens per trace hash id (a 512-token trace block).")
     ] = 16,
-    max_prompt_tokens: Annotated[int, typer.Option(min=1)] = 1024,
-    output_tokens: Annotated[int, typer.Option(min=1)] = 2,
+    max_prompt_tokens: Annotated[
+        int, typer.Option(min=1, help="Longer prompts are cut to this many tokens.")
+    ] = 1024,
+    output_tokens: Annotated[int, typer.Option(min=1, help="Tokens generated per request.")] = 2,
     kv_blocks: Annotated[int, typer.Option(min=1, help="KV blocks per engine.")] = 2048,
     max_batched_tokens: Annotated[
         int, typer.Option(min=1, help="Engines' token budget per forward pass.")
@@ -612,7 +616,10 @@ def bench_e2e(
     gateway_requests: Annotated[
         int, typer.Option(min=0, help="Direct/gateway pairs for the added latency (0: skip).")
     ] = 300,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[
+        int,
+        typer.Option(help="Seed of the requests drawn, the routers and the gateway pairs."),
+    ] = 0,
     rounds: Annotated[
         int,
         typer.Option(

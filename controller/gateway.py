@@ -77,6 +77,7 @@ from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
 from controller.registry import (
     CONTROLLER_ENGINE_NAME,
     POLL_FAILED_STATES,
+    EmptyEngineRefError,
     EngineRecord,
     EngineState,
     LoraRoutingError,
@@ -725,8 +726,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             return reachable
         try:
             record = self.controller.fleet.registry.get(wanted)
-        except UnknownEngineError as exc:
-            await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        except (UnknownEngineError, EmptyEngineRefError) as exc:
+            await abort_with(context, status_of(exc), str(exc))
         if not any(r is record for r in reachable):
             await abort_with(
                 context,
@@ -888,14 +889,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     async def _named_engine_address(self, context: Context) -> str | None:
         """The address of the engine a LoRA call's `kvplane-engine` metadata names (NOT_FOUND
-        for one not in the fleet, as `_lora_engines` answers); None for the whole fleet."""
+        for one not in the fleet, INVALID_ARGUMENT for an empty name, as `_lora_engines`
+        answers); None for the whole fleet."""
         wanted = _metadata_value(context, ENGINE_METADATA_KEY)
         if wanted is None:
             return None
         try:
             return self.controller.fleet.registry.get(wanted).address
-        except UnknownEngineError as exc:
-            await abort_with(context, grpc.StatusCode.NOT_FOUND, str(exc))
+        except (UnknownEngineError, EmptyEngineRefError) as exc:
+            await abort_with(context, status_of(exc), str(exc))
 
     async def ListLoras(
         self, request: pb.ListLorasRequest, context: Context

@@ -117,9 +117,11 @@ async def _gateway_overhead(
 
 def bench_gateway(
     *,
-    engines: Annotated[int, typer.Option(min=1)] = 3,
-    requests: Annotated[int, typer.Option(min=10)] = 300,
-    prompt_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    engines: Annotated[int, typer.Option(min=1, help="Sim engines behind the gateway.")] = 3,
+    requests: Annotated[
+        int, typer.Option(min=10, help="Request pairs: each sent direct and through the gateway.")
+    ] = 300,
+    prompt_tokens: Annotated[int, typer.Option(min=1, help="Tokens of each prompt.")] = 256,
     relay_floor: Annotated[
         bool, typer.Option(help="Also time a bare gRPC relay: the floor of any Python hop.")
     ] = True,

@@ -29,18 +29,22 @@ def serve(
             "--model",
             "-m",
             help="'sim', 'builtin' (a tiny random Llama built on first use) or an HF model "
-            "directory (overrides config).",
+            "directory (overrides the config's; default: sim).",
         ),
     ] = None,
     role: Annotated[
-        str | None, typer.Option("--role", help="aggregated, prefill or decode.")
+        str | None,
+        typer.Option(
+            "--role",
+            help="aggregated, prefill or decode (overrides the config's; default: aggregated).",
+        ),
     ] = None,
     runner: Annotated[
         str | None,
         typer.Option(
             "--runner",
             help="generate, pooling (Embed/Classify/Score only) or auto (pooling for a "
-            "classifier without an LM head).",
+            "classifier without an LM head) (overrides the config's; default: auto).",
         ),
     ] = None,
     generation_config: Annotated[
@@ -48,11 +52,17 @@ def serve(
         typer.Option(
             "--generation-config",
             help="auto (the model's generation_config.json gives the defaults of the sampling "
-            "options requests leave unset) or none (the engine's fixed defaults).",
+            "options requests leave unset) or none (the engine's fixed defaults) (overrides "
+            "the config's; default: auto).",
         ),
     ] = None,
     instance_id: Annotated[
-        str | None, typer.Option("--instance-id", help="This engine's id in EngineInfo/GetLoad.")
+        str | None,
+        typer.Option(
+            "--instance-id",
+            help="This engine's id in EngineInfo/GetLoad (overrides the config's; default: a "
+            "fresh id per process).",
+        ),
     ] = None,
     port_file: PortFileOption = None,
 ) -> None:

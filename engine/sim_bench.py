@@ -23,7 +23,14 @@ import typer
 from engine.core.api import EngineRequest, SamplingParams, SchedulerConfig
 from engine.core.mooncake_trace import FILLER_TOKEN_BASE, TraceRequest, load_trace
 from engine.core.sim_fleet import SimFleet, TimedRequest, round_robin, trace_prompt_tokens
-from kvplane.cli_common import OutputFormat, OutputOption, emit, finite_number, usage_error_for
+from kvplane.cli_common import (
+    OutputFormat,
+    OutputOption,
+    TraceBlockSizeOption,
+    TraceSpeedupOption,
+    emit,
+    usage_error_for,
+)
 from kvplane.errors import KvplaneError
 
 DEFAULT_TRACE = (
@@ -150,10 +157,10 @@ def bench_sim(
     *,
     trace: Annotated[Path, typer.Option(help="Mooncake-format JSONL trace.")] = DEFAULT_TRACE,
     requests: Annotated[int, typer.Option(min=1, help="First N requests of the trace.")] = 10_000,
-    engines: Annotated[int, typer.Option(min=1)] = 16,
-    blocks_per_engine: Annotated[int, typer.Option(min=1)] = 2048,
-    block_size: Annotated[int, typer.Option(min=1)] = 512,
-    speedup: Annotated[float, typer.Option(min=0.001, callback=finite_number)] = 1.0,
+    engines: Annotated[int, typer.Option(min=1, help="Simulated engines (round robin).")] = 16,
+    blocks_per_engine: Annotated[int, typer.Option(min=1, help="KV blocks per engine.")] = 2048,
+    block_size: TraceBlockSizeOption = 512,
+    speedup: TraceSpeedupOption = 1.0,
     fast_forward: Annotated[
         bool, typer.Option(help="Run pure-decode stretches in one call (same results).")
     ] = True,

@@ -35,6 +35,7 @@ from kvplane.cli_common import (
     TlsKeyOption,
     TlsServerNameOption,
     TokenFileOption,
+    a_name,
     bearer_metadata,
     client_channels,
     emit,
@@ -146,7 +147,9 @@ def stats(
 @index_app.command()
 def resync(
     ctx: typer.Context,
-    engine: Annotated[str, typer.Argument(help="The engine's address (or its worker id).")],
+    engine: Annotated[
+        str, typer.Argument(help="The engine's address (or its worker id).", callback=a_name)
+    ],
     target: IndexTargetOption = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
@@ -157,8 +160,6 @@ def resync(
     resubscribe from a snapshot (what a controller does when it sees the engine restart).
     An indexer replica that does not hold the engine's writer lease hands it to the one that
     does (named in the answer), which does it at its next lease renewal."""
-    if not engine.strip():
-        raise typer.BadParameter("must name an engine", param_hint="ENGINE")
     metadata = bearer_metadata(token_file)
     response = _call(
         ctx,

@@ -42,6 +42,9 @@ HUNG_UP = "Socket closed"
 # How a controller's status about one of its engines begins ("engine HOST:PORT ..."): a hang-up
 # it names is that engine's (its process died), not one of the connection to the controller.
 RELAYED_ENGINE_FAILURE = "engine "
+# What a gRPC server (grpcio, as every kvplane server) answers for a method it does not have:
+# the address is another kind of server (an indexer's, an engine's, for a controller's).
+METHOD_NOT_FOUND = "Method not found!"
 ChannelOptions = tuple[tuple[str, Any], ...]
 Metadata = tuple[tuple[str, str], ...]
 
@@ -312,13 +315,17 @@ _EXPIRED = "certificate has expired"
 _NOT_YET_VALID = "certificate is not yet valid"
 # What gRPC says of a server certificate whose names do not include the host dialled.
 _WRONG_NAME = "Hostname Verification Check failed"
+# What gRPC says of a server that answers in HTTP/1 (a /metrics address, a web server):
+# "Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 79)".
+_NOT_HTTP2 = "Failed parsing HTTP/2"
 
 
 def plain_details(details: str) -> str:
     """`details` of a call that could not connect, as an operator reads them: "TLS handshake
     failed: CERTIFICATE_VERIFY_FAILED: certificate has expired", "TLS handshake failed: the
     server certificate's names do not include the host dialled", "the server closed the
-    connection (Socket closed)"; any other details as they are."""
+    connection (Socket closed)", "the server answers HTTP/1, not gRPC (a /metrics address?)";
+    any other details as they are."""
     connect = _CONNECT_FAILED.search(details)
     if connect is None:
         return details
@@ -336,6 +343,8 @@ def plain_details(details: str) -> str:
         )
     if cause == HUNG_UP:
         return f"the server closed the connection ({HUNG_UP})"
+    if cause.startswith(_NOT_HTTP2):
+        return "the server answers HTTP/1, not gRPC (a /metrics address?)"
     return details
 
 

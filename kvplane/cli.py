@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from kvplane import __version__
-from kvplane.cli_common import OutputFormat, emit
+from kvplane.cli_common import OutputFormat, OutputOption, command_line_errors, emit
 from kvplane.errors import KvplaneError
 from kvplane.logs import LogFormat, LogLevel, configure_logging
 from kvplane.up.member import join_fleet
@@ -41,9 +41,7 @@ def _root(
 
 
 @app.command()
-def version(
-    output: Annotated[OutputFormat, typer.Option("--output", "-o")] = OutputFormat.table,
-) -> None:
+def version(output: OutputOption = OutputFormat.table) -> None:
     """Print kvplane's version."""
     emit({"version": __version__}, output, lambda d: f"kvplane {d['version']}")
 
@@ -69,7 +67,9 @@ def up(
     from kvplane.up.command import run_fleet
     from kvplane.up.config import load_fleet
 
-    if not asyncio.run(run_fleet(load_fleet(config), live, check)):
+    with command_line_errors(param_hint="CONFIG"):  # a file that cannot be read: exit 2
+        fleet = load_fleet(config)
+    if not asyncio.run(run_fleet(fleet, live, check)):
         what = "kvplane up --check failed" if check else "kvplane up stopped: a member exited"
         raise KvplaneError(f"{what} (see the log above)")
 

@@ -17,6 +17,7 @@ import typer
 
 from kvplane.channels import (
     INSECURE,
+    METHOD_NOT_FOUND,
     ClientChannels,
     ClientSettings,
     Metadata,
@@ -101,17 +102,25 @@ def usage_error_for(param_hint: str) -> Iterator[None]:
         raise typer.BadParameter(str(exc), param_hint=param_hint) from None
 
 
+@contextmanager
+def command_line_errors(param_hint: str | None = None) -> Iterator[None]:
+    """Loading a config a command was given: a CommandLineError raised inside (a flag's value
+    that cannot be used, or the config file that cannot be read) is a usage error naming the
+    flag, or `param_hint` (the argument that gave the file), as `usage_error_for` makes it;
+    a bad value in the file stays a ConfigError naming the file (exit 1)."""
+    try:
+        yield
+    except CommandLineError as exc:
+        raise typer.BadParameter(exc.problem, param_hint=param_hint or exc.param_hint) from None
+
+
 def load_command_config(
     model: type[ConfigT], path: Path | None, flags: dict[str, object] | None = None
 ) -> ConfigT:
-    """`load_config` of a command's `--config` and the flags that override it: a value given
-    on the command line that cannot be used (a flag's, or a `--config` file that cannot be
-    read) is a usage error naming the flag, as `usage_error_for` makes it; a bad value in
-    the file stays a ConfigError naming the file (exit 1)."""
-    try:
+    """`load_config` of a command's `--config` and the flags that override it, with
+    `command_line_errors`."""
+    with command_line_errors():
         return load_config(model, path, flags)
-    except CommandLineError as exc:
-        raise typer.BadParameter(exc.problem, param_hint=exc.param_hint) from None
 
 
 def finite_number(value: float | None) -> float | None:
@@ -120,6 +129,36 @@ def finite_number(value: float | None) -> float | None:
     if value is not None and not math.isfinite(value):
         raise typer.BadParameter(f"{value} is not a finite number")
     return value
+
+
+# The options of a benchmark that replays a Mooncake trace (`bench route`, `bench sim`).
+TraceBlockSizeOption = Annotated[
+    int, typer.Option(min=1, help="Tokens per KV block and per trace hash id.")
+]
+TraceSpeedupOption = Annotated[
+    float,
+    typer.Option(min=0.001, callback=finite_number, help="Arrivals at trace time / speedup."),
+]
+
+
+def not_blank(what: str) -> Callable[[typer.CallbackParam, str | None], str | None]:
+    """A callback for an argument or option that must hold text (`what`: what to give
+    instead, "a name"): an empty or blank value (an unset shell variable) is a usage error
+    here, named as the help names it, rather than a request the server refuses (exit 1) or
+    one that asks about nothing. None: not given."""
+
+    def check(param: typer.CallbackParam, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            argument = param.param_type_name == "argument"
+            hint = param.name.upper() if argument and param.name else None
+            raise typer.BadParameter(f"is empty: give {what}", param_hint=hint)
+        return value
+
+    return check
+
+
+# An ENGINE, a REQUEST_ID, `--engine`: one thing on the server, which "" does not name.
+a_name = not_blank("a name")
 
 
 def _dial_target(value: str | None) -> str | None:
@@ -304,8 +343,6 @@ class RpcCallError(KvplaneError):
     """A CLI's RPC failed (unreachable target, rejected call): shown as one line."""
 
 
-# What a gRPC server (grpcio, as every kvplane server) answers for a method it does not have.
-METHOD_NOT_FOUND = "Method not found!"
 # What grpcio reports when a call's own deadline passes (a server relaying another's
 # DEADLINE_EXCEEDED, or refusing a deadline already passed, says something of its own).
 CLIENT_DEADLINE_PASSED = "Deadline Exceeded"

@@ -23,7 +23,13 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 
-from kvplane.channels import INSECURE, ClientChannels, ClientSettings, setting_hint
+from kvplane.channels import (
+    INSECURE,
+    METHOD_NOT_FOUND,
+    ClientChannels,
+    ClientSettings,
+    setting_hint,
+)
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -60,6 +66,7 @@ class ControllerAdmin:
     """The admin API of the controller at `controller` (HOST:PORT)."""
 
     def __init__(self, controller: str, channels: ClientChannels = INSECURE) -> None:
+        self._controller = controller
         self._channels = channels
         self._channel = channels.reconnecting(*_RECONNECT_S).aio_channel(controller)
         self._stub = apb_grpc.AdminStub(self._channel)
@@ -230,7 +237,13 @@ class ControllerAdmin:
 
     def describe(self, exc: grpc.aio.AioRpcError) -> str:
         """A failed admin call in one line, with the setting (TLS, token) it most likely
-        lacks."""
+        lacks; a server without the admin API is said to be another kind of server (not
+        gRPC's bare "UNIMPLEMENTED: Method not found!", every tick)."""
+        if exc.code() is grpc.StatusCode.UNIMPLEMENTED and exc.details() == METHOD_NOT_FOUND:
+            return (
+                f"{self._controller} is not a kvplane controller: it does not serve the admin "
+                "API (does live.controller give another server's address?)"
+            )
         hint = setting_hint(self._channels, exc.code(), exc.details() or "", CONTROLLER_SETTINGS)
         return rpc_error(exc) + hint
 

@@ -423,7 +423,9 @@ def bench_engine(
     threads: Annotated[
         int | None, typer.Option(min=1, help="torch intra-op threads (default: torch's).")
     ] = None,
-    ttft_prompt_tokens: Annotated[int, typer.Option(min=1)] = 1024,
+    ttft_prompt_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens of the prompt whose TTFT is timed cold and cached.")
+    ] = 1024,
     compare_hf: Annotated[bool, typer.Option(help="Also run HF generate if installed.")] = True,
     output: OutputOption = OutputFormat.table,
 ) -> None:

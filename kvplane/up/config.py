@@ -30,6 +30,7 @@ from kvplane.config import (
     validate_config,
 )
 from kvplane.errors import ConfigError
+from kvplane.up.member import cpus_missing
 from planner.config import PlannerConfig
 
 MemberKind = Literal["engine", "indexer", "controller", "planner"]
@@ -236,6 +237,9 @@ def load_fleet(path: Path | None) -> FleetConfig:
     planners: dict[str, str] = {}  # controller address -> the planner member using it
     members_at = {address: name for name, address in stand_ins.items()}
     for member in fleet.members:
+        if member.cpus is not None and (missing := cpus_missing(member.cpus)):
+            # Before any member starts: one started first would be stopped again.
+            raise ConfigError(f"invalid config in {where}, member {member.name}: cpus: {missing}")
         server = validate_config(
             CONFIG_MODELS[member.kind],
             member.server_config(stand_ins, folder),

@@ -29,7 +29,7 @@ from kvplane.config import parse_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.server import check_bindable
 from kvplane.up.config import FleetConfig, MemberConfig
-from kvplane.up.member import member_environment
+from kvplane.up.member import cpus_missing, member_environment
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -52,13 +52,8 @@ DRAINED_KINDS = ("engine", "controller")
 def _member_environment(name: str, cpus: list[int] | None) -> dict[str, str]:
     """The member's environment: ours, and that it dies with us and keeps to `cpus` (if
     given), which it applies itself (`kvplane.up.member`)."""
-    if cpus is not None:
-        available = os.sched_getaffinity(0)
-        missing = sorted(set(cpus) - available)
-        if missing:
-            raise KvplaneError(
-                f"{name}: cpus {missing} are not among this process's CPUs {sorted(available)}"
-            )
+    if cpus is not None and (missing := cpus_missing(cpus)):
+        raise KvplaneError(f"{name}: cpus {missing}")
     return {**os.environ, **member_environment(cpus)}
 
 

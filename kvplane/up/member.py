@@ -29,6 +29,16 @@ def member_environment(cpus: list[int] | None) -> dict[str, str]:
     return env
 
 
+def cpus_missing(cpus: list[int]) -> str | None:
+    """Why a member cannot keep to `cpus` on this machine (some are not among this process's
+    CPUs, which its children inherit), or None when it can."""
+    available = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - available)
+    if not missing:
+        return None
+    return f"{missing} are not among this process's CPUs {sorted(available)}"
+
+
 def join_fleet() -> None:
     """Act on `member_environment`'s variables, if this process has them, and drop them so
     that the member's own children do not act on them too."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner, Result
 
 from controller.admin_cli import ControllerRequiredError
@@ -19,6 +20,7 @@ from indexer.backends import open_backend
 from indexer.config import IndexerConfig
 from indexer.servicer import index_services
 from kvplane.cli import app
+from kvplane.metrics import start_metrics_server
 from kvplane.server import create_server
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
@@ -379,7 +381,9 @@ async def test_every_command_carries_the_token_to_a_read_protected_server(
 
 async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> None:
     """An indexer given to the engine commands, a controller or an engine given to `admin
-    index`: one line naming what the target is not, not gRPC's "Method not found!"."""
+    index`: one line naming what the target is not, not gRPC's "Method not found!". A
+    server's /metrics port (HTTP/1) given for its gRPC one: said to answer HTTP/1, not gRPC's
+    "Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 79)"."""
     config = IndexerConfig(listen="127.0.0.1:0")
     backend = await open_backend("memory")
     services, _, _ = index_services(
@@ -388,22 +392,29 @@ async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> No
         max_concurrent_prefix_queries=config.max_concurrent_prefix_queries,
     )
     server, port = await create_server(config, services)
+    metrics_server, metrics_port = start_metrics_server("127.0.0.1:0", CollectorRegistry())
     indexer, engine = f"127.0.0.1:{port}", fleet.address(fleet.engines[0])
+    metrics = f"127.0.0.1:{metrics_port}"
+    engines = " is not a controller or an engine: it does not serve this call"
+    indexers = " is not a kvplane indexer: it does not serve this call"
+    http1 = ": UNAVAILABLE: the server answers HTTP/1, not gRPC (a /metrics address?)"
     try:
-        for target, command, kind in (
-            (indexer, ["workers"], "a controller or an engine"),
-            (indexer, ["health"], "a controller or an engine"),
-            (indexer, ["lora", "list"], "a controller or an engine"),
-            (indexer, ["abort", "--all"], "a controller or an engine"),
-            (fleet.target, ["index", "stats"], "a kvplane indexer"),
-            (engine, ["index", "match", "--hashes", "1"], "a kvplane indexer"),
+        for target, command, says in (
+            (indexer, ["workers"], engines),
+            (indexer, ["health"], engines),
+            (indexer, ["lora", "list"], engines),
+            (indexer, ["abort", "--all"], engines),
+            (fleet.target, ["index", "stats"], indexers),
+            (engine, ["index", "match", "--hashes", "1"], indexers),
+            (metrics, ["health"], http1),
+            (metrics, ["workers"], http1),
+            (metrics, ["index", "stats"], http1),
         ):
             result = await cli("--target", target, *command)
             assert result.exit_code == 1, (command, result.output)
-            assert str(result.exception) == (
-                f"{target} is not {kind}: it does not serve this call"
-            ), command
+            assert str(result.exception) == f"{target}{says}", command
     finally:
+        metrics_server.shutdown()
         await server.stop(None)
         await backend.close()
 

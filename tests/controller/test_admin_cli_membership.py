@@ -4,6 +4,7 @@ gone, and every refusal is one line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from pathlib import Path
@@ -13,6 +14,8 @@ import pytest
 
 from tests.controller.conftest import Fleet, close_fleet, make_fleet, start_sim_engine
 from tests.controller.test_admin_cli import cli
+from tests.interrupted import interrupted
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,6 +91,34 @@ async def test_refusals_are_one_line(fleet: Fleet) -> None:
     # --wait-s 0 returns at once, before the controller has dialled the engine.
     at_once = await cli_json("register", nobody, "--wait-s", "0", *t)
     assert at_once["state"] == "unknown"
+
+
+async def test_ctrl_c_while_waiting_for_the_engine_says_it_stays_registered(
+    fleet: Fleet,
+) -> None:
+    """`register --wait-s` interrupted (Ctrl-C) while the controller has not reached the
+    engine: exit 130, one line saying the engine stays registered and how to remove it, as
+    the wait's own failure says (it exited 130 saying nothing)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{probe.getsockname()[1]}"
+    registry = fleet.app.controller.fleet.registry
+
+    async def waiting(process: asyncio.subprocess.Process) -> None:
+        # Registered, and polled in vain three times: the command, answered as soon as the
+        # engine was registered, has been waiting on the controller for a while by then.
+        await eventually(
+            lambda: any(r.address == nobody and r.num_failures >= 3 for r in registry.records())
+        )
+
+    command = ["admin", "-t", fleet.target, "register", nobody, "--wait-s", "600"]
+    result = await interrupted(command, waiting)
+    assert result.returncode == 130
+    assert result.stderr == (
+        f"kvplane: interrupted: engine {nobody} stays registered (remove it: kvplane admin "
+        f"remove {nobody})\n"
+    )
+    assert any(r.address == nobody for r in registry.records())
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,32 @@ def test_arguments_that_do_not_go_together_are_a_usage_error(
 
 
 @pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["cordon", ""], "ENGINE"),
+        (["uncordon", " "], "ENGINE"),
+        (["remove", ""], "ENGINE"),
+        (["drain", ""], "ENGINE"),
+        (["abort", ""], "REQUEST_ID"),
+        (["lora", "load", "x", "/tmp/x", "--id", "1", "--engine", ""], "'--engine'"),
+        (["lora", "unload", "x", "--engine", " "], "'--engine'"),
+        (["index", "resync", ""], "ENGINE"),
+        (["match", "--prompt", ""], "'--prompt'"),
+        (["route", "--prompt", " "], "'--prompt'"),
+    ],
+)
+def test_an_empty_name_or_prompt_is_a_usage_error(args: list[str], hint: str) -> None:
+    """`cordon "$UNSET"` names no engine: refused before anything is sent, as an empty
+    --target is (it was the server's INVALID_ARGUMENT, exit 1, and an empty `--engine` of a
+    LoRA call the controller's UNKNOWN); an empty prompt, as `kvplane complete` refuses one
+    (match and route explained a prompt the gateway refuses)."""
+    result = admin(*args)
+    assert result.exit_code == 2, result.output
+    what = "the prompt's text" if hint == "'--prompt'" else "a name"
+    assert f"Invalid value for {hint}: is empty: give {what}" in result.output
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["--target", "", "health"],

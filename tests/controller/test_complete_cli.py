@@ -196,6 +196,7 @@ def test_an_unreachable_target_is_one_line_and_exit_1() -> None:
     ("args", "problem"),
     [
         (["--max-tokens", "0"], "--max-tokens"),
+        (["--max-tokens", str(2**32)], "--max-tokens"),  # a uint32: protobuf's ValueError
         (["--temperature", "-1"], "--temperature"),
         (["--prompt", ""], "--prompt"),
         (["--output", "table"], "--output"),

@@ -21,6 +21,7 @@ from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import Fleet, close_fleet, generate_request, make_fleet
 from tests.controller.test_admin_cli import cli
 from tests.controller.test_gateway import hold_planning
+from tests.interrupted import interrupted
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -171,6 +172,29 @@ async def test_admin_drain_needs_engine_or_self_and_reports_a_passed_deadline(
     drained = await cli("drain", "--self", *t)
     assert drained.exit_code == 0, drained.output
     assert drained.output.strip().splitlines()[-1].startswith("COMPLETE")
+
+
+async def test_ctrl_c_stops_following_a_drain_and_says_the_drain_goes_on(
+    slow_fleet: Fleet,
+) -> None:
+    """`kvplane admin drain` interrupted (Ctrl-C) while a request holds the drain: exit 130,
+    one line saying the drain goes on, which it does (it exited 130 saying nothing, and the
+    operator could take the target for back in service)."""
+    fleet = slow_fleet
+    long = await start_long(fleet.gateway, "long")
+
+    async def following(process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        started = await process.stdout.readline()
+        assert started.decode().startswith("STARTED"), started
+
+    result = await interrupted(["admin", "-t", fleet.target, "drain", "--self"], following)
+    assert result.returncode == 130
+    assert result.stderr == (
+        f"kvplane: interrupted: the drain of {fleet.target} goes on (leaving it does not undo it)\n"
+    )
+    assert await health(fleet) == pb.HEALTH_STATE_DRAINING
+    long.cancel()
 
 
 async def test_admin_drain_self_drains_the_controller(fleet: Fleet) -> None:

@@ -769,6 +769,22 @@ async def test_lora_on_a_fleet_without_lora_is_refused_naming_every_engine(fleet
     )
 
 
+async def test_a_lora_call_naming_an_empty_engine_is_invalid_argument(fleet: Fleet) -> None:
+    """`kvplane-engine: ""` names no engine: the admin API's answer for an empty engine name
+    (it was UNKNOWN, 'Unexpected <class EmptyEngineRefError>')."""
+    adapter = pb.LoraAdapter(lora_id=1, lora_name="x", source_path="/tmp")
+    on_none = ((ENGINE_METADATA_KEY, ""),)
+    for call in (
+        fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter), metadata=on_none),
+        fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"), metadata=on_none),
+        fleet.gateway.ListLoras(pb.ListLorasRequest(), metadata=on_none),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == "name the engine by its address or instance id"
+
+
 async def test_fleet_views_load_health_info(fleet: Fleet) -> None:
     await generate(fleet, generate_request("a", [*PREFIX, 1]))
     load = await fleet.gateway.GetLoad(pb.GetLoadRequest())

@@ -11,9 +11,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import typer
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from typer.core import TyperGroup
 
+from engine.config import EngineConfig
+from kvplane.cli import app
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -203,3 +207,19 @@ def test_serve_refuses_contradictory_config_with_one_line(
     assert line in result.stderr
     assert b"Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("field", ["model", "role", "runner", "generation_config"])
+def test_serve_help_gives_each_override_flag_the_configs_default(field: str) -> None:
+    """`engine serve --role` and the like say what they fall back to, the config's default
+    (they said what the values are, not which one an engine gets without them)."""
+    root = typer.main.get_command(app)
+    assert isinstance(root, TyperGroup)
+    ctx = root.make_context("kvplane", ["engine", "serve"], resilient_parsing=True)
+    group = root.get_command(ctx, "engine")
+    assert isinstance(group, TyperGroup)
+    serve = group.get_command(ctx, "serve")
+    assert serve is not None
+    flag = "--" + field.replace("_", "-")
+    (option,) = [p for p in serve.params if flag in getattr(p, "opts", ())]
+    assert f"default: {EngineConfig.model_fields[field].default})" in getattr(option, "help", "")

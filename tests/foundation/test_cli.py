@@ -85,6 +85,15 @@ def test_version_json() -> None:
     assert json.loads(result.stdout)["version"]
 
 
+def test_every_option_says_what_it_does() -> None:
+    """Each option of every command has a help text in its --help (`version --output` had
+    none, only its choices)."""
+    for path, command in _commands(typer.main.get_command(app)):
+        for param in getattr(command, "params", ()):
+            if param.param_type_name == "option":
+                assert getattr(param, "help", None), f"kvplane {path} {param.opts[0]}"
+
+
 def test_planner_run_without_a_config_is_a_usage_error() -> None:
     """A required option left out, as click reports one, saying what the file must hold (it
     was exit 1, `kvplane: error: ...`, as if a file had been given)."""
@@ -247,6 +256,30 @@ def test_a_config_file_that_cannot_be_read_is_a_usage_error(
         f"Error: Invalid value for --config: cannot read config {missing}: No such file or "
         "directory"
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "problem"),
+    [
+        ("absent.yaml", None, "cannot read config {path}: No such file or directory"),
+        ("binary.yaml", b"\xff", "config {path} is not UTF-8 text (byte 0: invalid start byte)"),
+    ],
+)
+def test_a_fleet_file_that_cannot_be_read_is_a_usage_error(
+    name: str, content: bytes | None, problem: str, tmp_path: Path
+) -> None:
+    """`kvplane up FILE` as every server's `--config FILE` (README: exit codes); it was exit
+    1, `kvplane: error: ...`, as if the file had held a bad value. What a file holds stays
+    the file's error (exit 1)."""
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    line = _usage_error_line(run("up", str(path)))
+    assert line == f"Error: Invalid value for CONFIG: {problem.format(path=path)}"
+    path.write_text("members: []\nbogus: 1\n")
+    result = run("up", str(path))
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"kvplane: error: invalid config in {path}: "), result.stderr
 
 
 def test_a_bad_value_in_the_file_stays_a_config_error_naming_the_file(tmp_path: Path) -> None:

@@ -788,6 +788,28 @@ async def test_a_member_pinned_to_a_missing_cpu_is_refused_before_it_starts(
         load_fleet(empty)
 
 
+def test_a_fleet_file_pinning_a_member_to_a_missing_cpu_is_refused_before_any_starts(
+    tmp_path: Path,
+) -> None:
+    """Checked with the file, as every member's config is, naming the file and the member:
+    the members listed before it were started first and stopped again (and the log said
+    the fleet was stopping before the error)."""
+    available = sorted(os.sched_getaffinity(0))
+    missing = available[-1] + 1
+    path = tmp_path / "fleet.yaml"
+    path.write_text(
+        "members:\n"
+        "  - {name: a, kind: engine, config: {model: sim}}\n"
+        f"  - {{name: b, kind: engine, cpus: [{available[0]}, {missing}]}}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_fleet(path)
+    assert str(caught.value) == (
+        f"invalid config in {path}, member b: cpus: [{missing}] are not among this "
+        f"process's CPUs {available}"
+    )
+
+
 async def test_a_member_exiting_during_start_up_is_reported_with_its_exit_code(
     tmp_path: Path,
 ) -> None:

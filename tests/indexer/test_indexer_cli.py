@@ -755,7 +755,7 @@ async def test_admin_resync_drops_an_engines_entries_with_the_token(tmp_path: Pa
             "worker holds its entries and no source of this indexer follows it (give its "
             "address or worker id, as `kvplane admin index stats` lists them)"
         )
-    assert blank.exit_code == 2 and "must name an engine" in blank.output
+    assert blank.exit_code == 2 and "Invalid value for ENGINE: is empty" in blank.output
     assert left == ["b:1"]
 
 

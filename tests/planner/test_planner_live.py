@@ -45,8 +45,9 @@ from planner.core.observations import IDLE, EngineObservation, EngineRole, Engin
 from planner.core.planner import Planner
 from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
-from tests.controller.conftest import generate_request
+from tests.controller.conftest import generate_request, start_sim_engine
 from tests.controller.test_processes import controller_process
+from tests.interrupted import interrupted
 from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
 
@@ -448,26 +449,41 @@ async def test_ctrl_c_while_the_planner_scales_up_leaves_no_engine_behind(
     live = {"controller": f"127.0.0.1:{setup.app.port}", "workdir": str(workdir)}
     config.write_text(json.dumps({"pools": [{"min_engines": 2, "max_engines": 2}], "live": live}))
     fleet = setup.app.controller.fleet
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvplane", "planner", "run", "--config", str(config),
-        stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
+
+    async def spawned(process: asyncio.subprocess.Process) -> None:
         async with asyncio.timeout(60):  # both engines spawned (their logs opened)
             for _ in itertools.count():
                 if len(list(workdir.glob("*.log"))) == 2:
                     break
                 await asyncio.sleep(0.01)
-        process.send_signal(signal.SIGINT)
-        _, stderr = await process.communicate()
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.returncode == 0, stderr.decode()
-    assert "Traceback" not in stderr.decode()
+
+    result = await interrupted(["planner", "run", "--config", str(config)], spawned)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
     assert processes_running(str(workdir)) == []
     await fleet.wait_for(lambda: not fleet.registry.records(), 30)
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_against_another_kind_of_server_spawns_nothing_and_names_it(
+    tmp_path: Path,
+) -> None:
+    """live.controller given an engine's address (or an indexer's): said to be no controller,
+    not gRPC's "UNIMPLEMENTED: Method not found!", logged at every tick."""
+    engine = await start_sim_engine("e0")
+    actuator = local_processes(engine.port, tmp_path)
+    try:
+        with pytest.raises(KvplaneError) as failed:
+            await actuator.start("default")
+    finally:
+        await actuator.close()
+        await engine.close()
+    assert str(failed.value) == (
+        f"no engine of default started: controller 127.0.0.1:{engine.port} is not a kvplane "
+        "controller: it does not serve the admin API (does live.controller give another "
+        "server's address?)"
+    )
+    assert not actuator._spawned
 
 
 @pytest.mark.timeout(120)
