@@ -88,7 +88,13 @@ from indexer.sources.zmq import SourceCounters, ZmqSource
 from indexer.translate import HashMode, TranslateOptions, WorkerTranslator
 from indexer.writer_lease import LeasedSink, LeasingIndex, WriterLease, lease_holder
 from indexer.zmq_decode import ArrayTail, engine_array_tail
-from kvplane.channels import INSECURE, ClientChannels, ClientSettings, failure_details
+from kvplane.channels import (
+    INSECURE,
+    ClientChannels,
+    ClientSettings,
+    Redialling,
+    failure_details,
+)
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -231,9 +237,9 @@ class _Engine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.address = address
-        self._channels = channels
-        self.channel = channels.aio_channel(address)
-        self.stub = pb_grpc.OpenEngineStub(self.channel)
+        self.dialled: Redialling[pb_grpc.OpenEngineAsyncStub] = Redialling(
+            channels, address, pb_grpc.OpenEngineStub
+        )
         # Why the calls on an earlier channel of this engine were ended (`abandon_calls`),
         # and the start of the outage that did it (one abandonment per outage).
         self.calls_ended_because: str | None = None
@@ -278,11 +284,16 @@ class _Engine:
         """End every call on the engine's channel (each fails as cancelled, see
         `controller.relay.engine_failure`) and dial it afresh for the calls to come. Closing
         the channel is what ends a removed engine's calls too: one mechanism for both."""
-        old = self.channel
         self.calls_ended_because = because
-        self.channel = self._channels.aio_channel(self.address)
-        self.stub = pb_grpc.OpenEngineStub(self.channel)
-        await old.close()
+        await self.dialled.redial()
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self.dialled.channel
+
+    @property
+    def stub(self) -> pb_grpc.OpenEngineAsyncStub:
+        return self.dialled.stub
 
     @property
     def writes_index(self) -> bool:
@@ -831,6 +842,10 @@ class Fleet:
                 need_identity = True
                 next_health = 0.0
                 await self._notify()
+                if engine.dialled.renewed():  # an expired client certificate, say
+                    log.info("engine %s: dialling it again with its renewed engine_tls files",
+                             address)  # fmt: skip
+                    await engine.abandon_calls("dialled again with renewed engine_tls files")
                 await self._wait_unreachable(engine, delay)
                 continue
             except Exception as exc:  # a bug or a malformed answer: keep polling, loudly

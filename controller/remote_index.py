@@ -12,7 +12,13 @@ import grpc
 from controller.router import PrefixHit
 from indexer.backend import IndexStats, WorkerStats
 from indexer.batch import Tier
-from kvplane.channels import INSECURE, ClientChannels, ClientSettings, failure_details
+from kvplane.channels import (
+    INSECURE,
+    ClientChannels,
+    ClientSettings,
+    Redialling,
+    failure_details,
+)
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import index_pb2 as ipb
 from kvplane_api.v1 import index_pb2_grpc as ipb_grpc
@@ -87,8 +93,9 @@ class RemoteIndex:
     ) -> None:
         self.channels = channels
         self.target = target
-        self._channel = channels.aio_channel(target)
-        self._stub = ipb_grpc.KvIndexStub(self._channel)
+        self._dialled: Redialling[ipb_grpc.KvIndexAsyncStub] = Redialling(
+            channels, target, ipb_grpc.KvIndexStub
+        )
         self._timeout_s = timeout_s
         self._key_space = _KEY_SPACES[key_space]
         self._hash_seed = hash_seed
@@ -114,6 +121,7 @@ class RemoteIndex:
         try:
             reply = await call()
         except grpc.aio.AioRpcError as exc:
+            await self._dialled.after_failure()
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 initial, most = self._backoff_s
                 self._pause_s = min(max(2 * self._pause_s, initial), most)
@@ -157,7 +165,9 @@ class RemoteIndex:
             key_space=self._key_space,
             hash_seed=self._hash_seed,
         )
-        reply = await self._ask(lambda: self._stub.MatchTokens(request, timeout=self._timeout_s))
+        reply = await self._ask(
+            lambda: self._dialled.stub.MatchTokens(request, timeout=self._timeout_s)
+        )
         hits: dict[str, PrefixHit] = {}
         for m in reply.matches:
             if (m.worker_address or m.worker_id) in self.restarted:
@@ -184,7 +194,9 @@ class RemoteIndex:
         self.restarted.add(engine)
         request = ipb.ResyncEngineRequest(engine=engine, only_if_stream_lost=first_contact)
         try:
-            await self._ask(lambda: self._stub.ResyncEngine(request, timeout=self._timeout_s))
+            await self._ask(
+                lambda: self._dialled.stub.ResyncEngine(request, timeout=self._timeout_s)
+            )
         except RemoteIndexError as exc:
             if exc.code not in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND):
                 if first_contact:
@@ -197,7 +209,9 @@ class RemoteIndex:
         address when the indexer has one, else its worker id), as `match` does. A failed call
         is a KvplaneError of one line (callers log it)."""
         reply = await self._ask(
-            lambda: self._stub.GetIndexStats(ipb.GetIndexStatsRequest(), timeout=self._timeout_s)
+            lambda: self._dialled.stub.GetIndexStats(
+                ipb.GetIndexStatsRequest(), timeout=self._timeout_s
+            )
         )
         workers = tuple(
             WorkerStats(
@@ -208,4 +222,4 @@ class RemoteIndex:
         return IndexStats(reply.backend, reply.num_blocks, reply.num_placements, workers)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._dialled.close()

@@ -66,7 +66,7 @@ from indexer.validation import validate_batch
 from indexer.zmq_decode import ArrayTail
 from kv_indexer.v1 import kv_indexer_pb2 as kv
 from kv_indexer.v1 import kv_indexer_pb2_grpc as kv_grpc
-from kvplane.channels import INSECURE, ClientChannels
+from kvplane.channels import INSECURE, ClientChannels, Redialling
 from kvplane.errors import ConfigError, KvplaneError
 from kvplane.server import bearer_token_metadata
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
@@ -103,8 +103,9 @@ class KvIndexerSink:
         backoff_initial_s: float = 0.1,
         backoff_max_s: float = 5.0,
     ) -> None:
-        self._channel = channels.aio_channel(target)
-        self._stub = kv_grpc.KVIndexerStub(self._channel)
+        self._dialled: Redialling[kv_grpc.KVIndexerAsyncStub] = Redialling(
+            channels, target, kv_grpc.KVIndexerStub
+        )
         self._metadata = bearer_token_metadata(token)
         self._timeout_s = timeout_s
         self._backoff_initial_s = backoff_initial_s
@@ -137,10 +138,11 @@ class KvIndexerSink:
         unreachable = False
         while True:
             try:
-                await self._stub.ApplyExternalKvBatch(
+                await self._dialled.stub.ApplyExternalKvBatch(
                     request, timeout=self._timeout_s, metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as exc:
+                await self._dialled.after_failure()
                 unreachable |= exc.code() == grpc.StatusCode.UNAVAILABLE
                 if exc.code() in _REFUSED:
                     raise ConfigError(
@@ -218,10 +220,11 @@ class KvIndexerSink:
         hashes = list(dict.fromkeys(key for _tier, key in asked))
         request = kv.MatchExternalKvRequest(hashes=hashes, count_as_hit=False)
         try:
-            response = await self._stub.MatchExternalKv(
+            response = await self._dialled.stub.MatchExternalKv(
                 request, timeout=self._timeout_s, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
+            await self._dialled.after_failure()
             if exc.code() != self._probe_failure:
                 log.warning(
                     "probe of %s failed (%s: %s); trying again in a while",
@@ -242,7 +245,7 @@ class KvIndexerSink:
         }
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._dialled.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,10 @@ certificate) from a `ClientTlsConfig`. The admin CLIs, the controller's channels
 engines and to a remote indexer, and the OpenEngine KV-event sources all open their channels
 here, so the credentials are built in one place.
 
-`ClientChannels.load` reads and checks the PEM files once (a missing or unusable file is a
-one-line TlsFileError, a ConfigError saying which file); the channels it opens share the
-credentials. `with_metadata` adds metadata (a bearer token) to every call of its channels
+`ClientChannels.load` reads and checks the PEM files (a missing or unusable file is a
+one-line TlsFileError, a ConfigError saying which file); each channel it opens is dialled with
+the files as they are then (`kvplane.client_tls`: a renewed client certificate or CA is used
+from the next channel). `with_metadata` adds metadata (a bearer token) to every call of its channels
 that brings no `authorization` of its own (an interceptor, installed only then);
 `with_token_file` adds the bearer token a client's setting names, its file followed as it
 changes (`kvplane.token_file`: a token rotated on disk is sent from the next call).
@@ -18,24 +19,22 @@ them, gRPC's trail of a TLS handshake that failed cut to OpenSSL's reason, with 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
-import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import grpc
 
+from kvplane.client_tls import ClientTlsFiles
 from kvplane.config import ClientTlsConfig
-from kvplane.errors import ConfigError
 from kvplane.server import AUTH_METADATA_KEY, bearer_token_metadata
 from kvplane.token_file import TokenFile
 
-# What each file must hold, and the PEM header that shows it does.
-_CERTIFICATE = ("a certificate", b"-----BEGIN CERTIFICATE-----")
-_PRIVATE_KEY = ("a private key", b"PRIVATE KEY-----")  # PRIVATE KEY, RSA/EC PRIVATE KEY
 # What a channel reports when the server hangs up on it, as a TLS server does on plaintext and
 # a mutual-TLS server on a client without a certificate.
 HUNG_UP = "Socket closed"
@@ -45,6 +44,8 @@ RELAYED_ENGINE_FAILURE = "engine "
 # What a gRPC server (grpcio, as every kvplane server) answers for a method it does not have:
 # the address is another kind of server (an indexer's, an engine's, for a controller's).
 METHOD_NOT_FOUND = "Method not found!"
+log = logging.getLogger(__name__)
+
 ChannelOptions = tuple[tuple[str, Any], ...]
 Metadata = tuple[tuple[str, str], ...]
 
@@ -55,40 +56,16 @@ Metadata = tuple[tuple[str, str], ...]
 # to a peer that stays down); a client with its own schedule sets it with `reconnecting`.
 MAX_RECONNECT_BACKOFF_MS = 5000
 _BOUNDED_RECONNECT: ChannelOptions = (("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),)
-
-
-TlsFileField = Literal["ca_file", "cert_file", "key_file"]
-
-
-class TlsFileError(ConfigError):
-    """A file of a `ClientTlsConfig` that cannot be used (missing, unreadable, not PEM, a key
-    not the certificate's); `field` says which, for a client whose settings are named
-    otherwise (the CLIs' --tls-* flags)."""
-
-    def __init__(self, message: str, field: TlsFileField) -> None:
-        super().__init__(message)
-        self.field: TlsFileField = field
-
-
-def _read_pem(path: Path, holds: tuple[str, bytes], what: str, field: TlsFileField) -> bytes:
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise TlsFileError(f"cannot read {what} {path}: {exc.strerror}", field) from exc
-    noun, header = holds
-    if header not in data:
-        raise TlsFileError(f"{what} {path} does not hold {noun} in PEM", field)
-    return data
+_Stub = TypeVar("_Stub")
 
 
 @dataclass(frozen=True)
 class ClientChannels:
-    """Credentials (None: insecure) and channel options for dialling servers."""
+    """TLS files (None: insecure) and channel options for dialling servers."""
 
-    credentials: grpc.ChannelCredentials | None = None
+    # The TLS files the channels are dialled with (None: insecure), read again as they change.
+    tls_files: ClientTlsFiles | None = None
     options: ChannelOptions = _BOUNDED_RECONNECT
-    # A client certificate is presented (mutual TLS).
-    client_certificate: bool = False
     # Sent with every call that has no authorization of its own (a bearer token).
     metadata: Metadata = ()
     # The file of the bearer token every call carries (in place of `metadata`), read again
@@ -100,44 +77,35 @@ class ClientChannels:
 
     @classmethod
     def load(cls, tls: ClientTlsConfig | None, where: str = "") -> ClientChannels:
-        """Insecure for None; else TLS from `tls`'s files. `where` ("engine_tls") prefixes
-        the error of a missing or unusable file (a TlsFileError)."""
+        """Insecure for None; else TLS from `tls`'s files, followed as they change. `where`
+        ("engine_tls") prefixes the error of a missing or unusable file (a TlsFileError)."""
         if tls is None:
             return cls()
-        prefix = f"{where}: " if where else ""
-        try:
-            root = (
-                _read_pem(tls.ca_file, _CERTIFICATE, "TLS CA file", "ca_file")
-                if tls.ca_file is not None
-                else None
-            )
-            key = chain = None
-            if tls.cert_file is not None and tls.key_file is not None:
-                chain = _read_pem(tls.cert_file, _CERTIFICATE, "TLS certificate file", "cert_file")
-                key = _read_pem(tls.key_file, _PRIVATE_KEY, "TLS key file", "key_file")
-                try:
-                    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-                    context.load_cert_chain(tls.cert_file, tls.key_file, password=b"")
-                except ssl.SSLError as exc:
-                    why = "not its key" if exc.reason == "KEY_VALUES_MISMATCH" else str(exc)
-                    raise TlsFileError(
-                        f"TLS key file {tls.key_file} cannot be used with certificate "
-                        f"{tls.cert_file}: {why}",
-                        "key_file",
-                    ) from exc
-        except TlsFileError as exc:
-            raise TlsFileError(f"{prefix}{exc}", exc.field) from exc
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=root, private_key=key, certificate_chain=chain
-        )
         options = _BOUNDED_RECONNECT
         if tls.server_name is not None:
             options = (*options, ("grpc.ssl_target_name_override", tls.server_name))
-        return cls(credentials, options, client_certificate=chain is not None)
+        return cls(ClientTlsFiles(tls, where), options)
 
     @property
     def tls(self) -> bool:
-        return self.credentials is not None
+        return self.tls_files is not None
+
+    @property
+    def client_certificate(self) -> bool:
+        """A client certificate is presented (mutual TLS)."""
+        return self.tls_files is not None and self.tls_files.client_certificate
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """What a channel dialled now is dialled with (None: insecure): the TLS files as they
+        are now, once they can be used."""
+        return None if self.tls_files is None else self.tls_files.current()
+
+    def dialled_with_old_files(self, credentials: grpc.ChannelCredentials | None) -> bool:
+        """Whether a channel dialled with `credentials` (`credentials()` then) would be
+        dialled otherwise now: the TLS files changed since. A long-running client that cannot
+        reach its server dials it again then (gRPC's channels keep the credentials they were
+        made with, at every reconnection)."""
+        return self.credentials() is not credentials
 
     @property
     def bearer_token(self) -> bool:
@@ -207,23 +175,95 @@ class ClientChannels:
             ),
             *self.interceptors,
         ] or None
-        if self.credentials is None:
+        credentials = self.credentials()
+        if credentials is None:
             return grpc.aio.insecure_channel(
                 target, options=list(self.options), interceptors=interceptors
             )
         return grpc.aio.secure_channel(
-            target, self.credentials, options=list(self.options), interceptors=interceptors
+            target, credentials, options=list(self.options), interceptors=interceptors
         )
 
     def channel(self, target: str) -> grpc.Channel:
         """A synchronous channel to `target` (the CLIs)."""
-        if self.credentials is None:
+        credentials = self.credentials()
+        if credentials is None:
             channel = grpc.insecure_channel(target, options=list(self.options))
         else:
-            channel = grpc.secure_channel(target, self.credentials, options=list(self.options))
+            channel = grpc.secure_channel(target, credentials, options=list(self.options))
         if not self._adds_metadata:
             return channel
         return grpc.intercept_channel(channel, _DefaultMetadata(self.call_metadata))
+
+
+class Redialling(Generic[_Stub]):
+    """A long-running client's channel to one server (`target`) and the `stub` made on it,
+    dialled again with the TLS files as they are now once a call failed without a connection
+    up and the files changed since the dial (`renewed`): gRPC keeps a channel's credentials
+    at every reconnection, so an expired client certificate, or a server certificate from a
+    new CA, left the server unreachable until the client was restarted. The old channel
+    reaches nothing: it is closed, ending any call still on it."""
+
+    def __init__(
+        self, channels: ClientChannels, target: str, stub: Callable[[grpc.aio.Channel], _Stub]
+    ) -> None:
+        self._channels = channels
+        self.target = target
+        self._make_stub = stub
+        # Old channels closing while their calls end (`follow_files`), and those tasks.
+        self._old: set[grpc.aio.Channel] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+        self.channel, self.stub = self._dial()
+
+    def _dial(self) -> tuple[grpc.aio.Channel, _Stub]:
+        self._dialled_with = self._channels.credentials()
+        channel = self._channels.aio_channel(self.target)
+        return channel, self._make_stub(channel)
+
+    def renewed(self) -> bool:
+        """The channel has no connection up (a call on it just failed) and the TLS files
+        changed since it was dialled."""
+        return self.channel.get_state() is not grpc.ChannelConnectivity.READY and (
+            self._channels.dialled_with_old_files(self._dialled_with)
+        )
+
+    async def redial(self) -> None:
+        """Dial the server again (the TLS files as they are now) and close the old channel,
+        ending the calls on it."""
+        old = self.channel
+        self.channel, self.stub = self._dial()
+        await old.close()
+
+    async def after_failure(self) -> None:
+        """`redial` when a call just failed for want of the files `renewed` since."""
+        if self.renewed():
+            log.info("%s: dialling it again with its renewed TLS files", self.target)
+            await self.redial()
+
+    def follow_files(self, grace_s: float) -> None:
+        """Before a call that must not fail for a rotation (a KV pull: a user's request):
+        dial again at once when the TLS files changed since (a `stat` a file), the old
+        channel closed in the background once the calls on it had `grace_s` to end."""
+        if not self._channels.dialled_with_old_files(self._dialled_with):
+            return
+        log.info("%s: dialling it with its renewed TLS files from now on", self.target)
+        old = self.channel
+        self.channel, self.stub = self._dial()
+        self._old.add(old)
+
+        async def close_old() -> None:
+            await old.close(grace_s)
+            self._old.discard(old)
+
+        closing = asyncio.create_task(close_old(), name=f"close a channel to {self.target}")
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """Close the channel, and any old one at once (their calls end)."""
+        for old in list(self._old):
+            await old.close()
+        await self.channel.close()
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,10 @@ from kvplane.channels import (
     ClientChannels,
     ClientSettings,
     Metadata,
-    TlsFileError,
-    TlsFileField,
     plain_details,
     setting_hint,
 )
+from kvplane.client_tls import TlsFileError, TlsFileField
 from kvplane.config import (
     ClientTlsConfig,
     ConfigT,

@@ -3,80 +3,72 @@ as they change: a certificate renewed on disk (cert-manager's Secret, an operato
 served from the next connection, without a restart, as Envoy's and Go's reloading
 certificate providers do.
 
-gRPC asks `_CertificateFiles.fetch` before every handshake; it costs one `stat` a file while
-they are unchanged. Changed files are used only once they make a pair (the key is the
-certificate's, each holds PEM): a rotation caught halfway (one file written, not yet the
-other) keeps the pair served before, with a warning, until the files match again.
+gRPC asks `fetch` before every handshake; it costs one `stat` a file while
+they are unchanged. Changed files are used only once they can be (`kvplane.tls_files`: each
+holds PEM, the key is the certificate's, the client CA file loads): a rotation caught halfway
+(one file written, not yet the other) keeps the pair served before, with a warning naming the
+file, until the files match again. At start, a file that cannot be used is a one-line
+PemFileError naming it (gRPC would fail with a bare "Failed to bind").
 """
 
 from __future__ import annotations
 
 import logging
-import ssl
+from functools import partial
 
 import grpc
 
 from kvplane.config import TlsConfig
-from kvplane.errors import ConfigError
-from kvplane.token_file import file_identity
+from kvplane.tls_files import (
+    CERTIFICATE,
+    PRIVATE_KEY,
+    FollowedFiles,
+    PemFileError,
+    check_key_pair,
+    read_ca,
+    read_pem,
+)
 
 log = logging.getLogger(__name__)
 
 
-class _CertificateFiles:
-    def __init__(self, tls: TlsConfig) -> None:
-        self._tls = tls
-        self._seen = self._identities()
-        self.initial = self._load()
-
-    def _identities(self) -> tuple[object, ...]:
-        tls = self._tls
-        return tuple(file_identity(p) for p in (tls.cert_file, tls.key_file, tls.client_ca_file))
-
-    def _load(self) -> grpc.ServerCertificateConfiguration:
-        """The files as a configuration; a ConfigError saying why they cannot be used."""
-        tls = self._tls
-        try:
-            key = tls.key_file.read_bytes()
-            cert = tls.cert_file.read_bytes()
-            client_ca = tls.client_ca_file.read_bytes() if tls.client_ca_file else None
-        except OSError as exc:
-            raise ConfigError(f"cannot read TLS file: {exc}") from exc
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
-                tls.cert_file, tls.key_file, password=b""
-            )
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(
-                f"tls: key_file {tls.key_file} and cert_file {tls.cert_file} do not make a "
-                f"pair: {exc}"
-            ) from exc
-        return grpc.ssl_server_certificate_configuration([(key, cert)], client_ca)
-
-    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
-        """A new configuration when the files changed and make a pair; else None (gRPC keeps
-        the one it has)."""
-        seen = self._identities()
-        if seen == self._seen:
-            return None
-        self._seen = seen
-        try:
-            configuration = self._load()
-        except ConfigError as exc:
-            log.warning("%s; serving the certificate read before", exc)
-            return None
-        log.info("tls: %s changed: serving it from the next connection", self._tls.cert_file)
-        return configuration
+def _configuration(tls: TlsConfig) -> grpc.ServerCertificateConfiguration:
+    """The files as a configuration; a PemFileError naming the file that cannot be used."""
+    try:
+        cert = read_pem(tls.cert_file, CERTIFICATE, "cert_file")
+        key = read_pem(tls.key_file, PRIVATE_KEY, "key_file")
+        check_key_pair(
+            tls.cert_file,
+            tls.key_file,
+            f"key_file {tls.key_file} and cert_file {tls.cert_file} do not make a pair",
+        )
+        client_ca = read_ca(tls.client_ca_file, "client_ca_file") if tls.client_ca_file else None
+    except PemFileError as exc:
+        raise PemFileError(f"tls: {exc}") from exc
+    return grpc.ssl_server_certificate_configuration([(key, cert)], client_ca)
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
     """Credentials serving `tls`'s certificate (requiring a client certificate its
     `client_ca_file` signed, when set), read again as the files change. Files that cannot be
     used at start are a ConfigError."""
-    files = _CertificateFiles(tls)
+    files = FollowedFiles(
+        (tls.cert_file, tls.key_file, tls.client_ca_file),
+        partial(_configuration, tls),
+        "serving the certificate read before",
+    )
+
+    def fetch() -> grpc.ServerCertificateConfiguration | None:
+        """A new configuration when the files changed and can be used; else None (gRPC
+        keeps the one it has)."""
+        configuration = files.renewed()
+        if configuration is not None:
+            log.info("tls: %s changed: serving it from the next connection", tls.cert_file)
+        return configuration
+
     return grpc.dynamic_ssl_server_credentials(
-        files.initial,
+        files.value,
         # (grpc's stub leaves out the None its documentation allows: "no change".)
-        files.fetch,  # type: ignore[arg-type]
+        fetch,  # type: ignore[arg-type]
         require_client_authentication=tls.client_ca_file is not None,
     )

@@ -28,6 +28,7 @@ from kvplane.channels import (
     METHOD_NOT_FOUND,
     ClientChannels,
     ClientSettings,
+    Redialling,
     setting_hint,
 )
 from kvplane.errors import KvplaneError
@@ -62,16 +63,25 @@ CONTROLLER_SETTINGS = ClientSettings(
 )
 
 
+def _admin_and_gateway(
+    channel: grpc.aio.Channel,
+) -> tuple[apb_grpc.AdminAsyncStub, pb_grpc.OpenEngineAsyncStub]:
+    return apb_grpc.AdminStub(channel), pb_grpc.OpenEngineStub(channel)
+
+
 class ControllerAdmin:
     """The admin API of the controller at `controller` (HOST:PORT)."""
 
     def __init__(self, controller: str, channels: ClientChannels = INSECURE) -> None:
         self._controller = controller
         self._channels = channels
-        self._channel = channels.reconnecting(*_RECONNECT_S).aio_channel(controller)
-        self._stub = apb_grpc.AdminStub(self._channel)
-        # The gateway on the same server: GetEngineInfo names the controller's process.
-        self._gateway = pb_grpc.OpenEngineStub(self._channel)
+        # The admin API and, on the same server, the gateway: GetEngineInfo names the
+        # controller's process.
+        self._dialled = Redialling(
+            channels.reconnecting(*_RECONNECT_S),
+            controller,
+            _admin_and_gateway,
+        )
         self._instance_id: str | None = None  # the last one `restarted` saw
         self._drains: set[asyncio.Task[None]] = set()
 
@@ -88,6 +98,7 @@ class ControllerAdmin:
                     pb.GetEngineInfoRequest(), timeout=ADMIN_TIMEOUT_S, wait_for_ready=True
                 )
             except grpc.aio.AioRpcError as exc:
+                await self._dialled.after_failure()
                 # Down for longer than the call waited: asked again at once. Refused (its
                 # token, an older controller): asked again later; the ticks' ListWorkers
                 # reconciles meanwhile.
@@ -104,7 +115,8 @@ class ControllerAdmin:
         `within_s` passes."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within_s):
-                await self._channel.wait_for_state_change(self._channel.get_state())
+                channel = self._dialled.channel
+                await channel.wait_for_state_change(channel.get_state())
 
     async def check_reachable(self, pool: str) -> None:
         """Raise, in one line, unless the controller answers and would register an engine:
@@ -114,6 +126,7 @@ class ControllerAdmin:
             await self._list()
             await self._check_may_register()
         except grpc.aio.AioRpcError as exc:
+            await self._dialled.after_failure()
             raise KvplaneError(
                 f"no engine of {pool} started: controller {self.describe(exc)}"
             ) from exc
@@ -233,7 +246,15 @@ class ControllerAdmin:
     async def close(self) -> None:
         for task in list(self._drains):
             task.cancel()
-        await self._channel.close()
+        await self._dialled.close()
+
+    @property
+    def _stub(self) -> apb_grpc.AdminAsyncStub:
+        return self._dialled.stub[0]
+
+    @property
+    def _gateway(self) -> pb_grpc.OpenEngineAsyncStub:
+        return self._dialled.stub[1]
 
     def describe(self, exc: grpc.aio.AioRpcError) -> str:
         """A failed admin call in one line, with the setting (TLS, token) it most likely

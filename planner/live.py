@@ -52,7 +52,7 @@ from pathlib import Path
 
 import grpc
 
-from kvplane.channels import INSECURE, ClientChannels, ClientSettings, setting_hint
+from kvplane.channels import INSECURE, ClientChannels, ClientSettings, Redialling, setting_hint
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
 from openengine.v1 import openengine_pb2 as pb
@@ -111,7 +111,8 @@ class _Engine:
     pool: str
     state: EngineState
     load: EngineLoad = IDLE
-    channel: grpc.aio.Channel | None = None
+    # Its channel and stub (None: not started yet).
+    dialled: Redialling[pb_grpc.OpenEngineAsyncStub] | None = None
     passes: list[ForwardPasses] = field(default_factory=list)  # since the last tick
     events: asyncio.Task[None] | None = None
     # GetLoads in a row that failed or timed out (not those that refused the planner's token).
@@ -302,7 +303,7 @@ class LivePlanner:
         forgotten."""
         await self._stop_acting(finish_removals=finish_removals)
         for engine in list(self.engines.values()):
-            if engine.channel is None:
+            if engine.dialled is None:
                 del self.engines[engine.engine_id]
             else:
                 engine.state, engine.drain_deadline_s = EngineState.SERVING, None
@@ -332,7 +333,7 @@ class LivePlanner:
                 log.warning("engine %s exited on its own: removed", address)
                 await self._lose(engine, "exited")
         await self._reconcile(now_s)
-        running = [e for e in self.engines.values() if e.channel is not None]
+        running = [e for e in self.engines.values() if e.dialled is not None]
         await asyncio.gather(*(self._poll(e) for e in running))
         # Alive to the OS but not answering (hung, SIGSTOPped): serving nothing, yet the core
         # would count it forever. One slow answer is not enough to lose it.
@@ -377,7 +378,7 @@ class LivePlanner:
         """The actuator's `sync` with the engines running: serving ones the controller does
         not list are registered again, those it lists as draining (drained by hand) are
         marked DRAINING."""
-        running = [e for e in self.engines.values() if e.channel is not None]
+        running = [e for e in self.engines.values() if e.dialled is not None]
         serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
         draining = {
             e.engine_id: max(0.0, e.drain_deadline_s - now_s)
@@ -394,13 +395,14 @@ class LivePlanner:
             self.engines[address].state = EngineState.DRAINING
 
     async def _poll(self, engine: _Engine) -> None:
-        assert engine.channel is not None
-        stub = pb_grpc.OpenEngineStub(engine.channel)
+        assert engine.dialled is not None
+        stub = engine.dialled.stub
         if not engine.info_read:
             await self._read_engine_info(engine, stub)
         try:
             info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
         except grpc.aio.AioRpcError as exc:
+            await engine.dialled.after_failure()
             details = exc.details() or ""
             hint = setting_hint(self._channels, exc.code(), details, ENGINE_SETTINGS)
             log.warning("GetLoad %s: %s%s", engine.engine_id, details or exc.code().name, hint)
@@ -442,15 +444,15 @@ class LivePlanner:
         falls too far behind, and every pass missed after that would make the fleet look idler
         than it is. An engine without runtime events (UNIMPLEMENTED) is not asked again; an
         event whose attributes are not numbers is skipped (said once)."""
-        assert engine.channel is not None
-        stub = pb_grpc.OpenEngineStub(engine.channel)
+        dialled = engine.dialled
+        assert dialled is not None
         request = pb.SubscribeRuntimeEventsRequest(types=[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS])
         said_malformed = False
         while True:
             wait_s = RESUBSCRIBE_S
             why = "ended"
             try:
-                async for response in stub.SubscribeRuntimeEvents(request):
+                async for response in dialled.stub.SubscribeRuntimeEvents(request):
                     if response.WhichOneof("event") == "error":  # terminal: nothing follows
                         error = response.error
                         why = f"ended by the engine ({pb.ErrorCode.Name(error.code)}"
@@ -526,7 +528,7 @@ class LivePlanner:
     def _serve(self, address: str, pool: str) -> None:
         """Observe a serving engine (started, or adopted by the actuator)."""
         engine = _Engine(address, pool, EngineState.SERVING)
-        engine.channel = self._channels.aio_channel(address)
+        engine.dialled = Redialling(self._channels, address, pb_grpc.OpenEngineStub)
         engine.events = asyncio.create_task(self._follow_passes(engine))
         self.engines[address] = engine
         log.info("engine %s serves in pool %s", address, pool)
@@ -575,8 +577,8 @@ class LivePlanner:
                 engine.events.cancel()
                 await asyncio.wait([engine.events])  # unlike awaiting it, swallows no cancel
         finally:
-            if engine.channel is not None:
-                await engine.channel.close()
+            if engine.dialled is not None:
+                await engine.dialled.close()
 
     def _failed(self, operation: Operation, message: str, *args: object) -> None:
         """One log line (`message % args`) and the failure counted."""

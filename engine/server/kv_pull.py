@@ -29,7 +29,7 @@ from engine.server.kv_transfer import (
     blocks_per_chunk,
     check_fit,
 )
-from kvplane.channels import ClientChannels
+from kvplane.channels import ClientChannels, Redialling
 from kvplane.config import join_host_port, parse_dial_target
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import kv_transfer_pb2 as kt
@@ -100,7 +100,7 @@ class KvSessionPuller:
         receive = max(_MIN_RECEIVE_BYTES, self._blocks_per_chunk * kv_block_bytes + (1 << 20))
         self._channel_options = channels.with_options(("grpc.max_receive_message_length", receive))
         self._timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peers: dict[str, Redialling[kt_grpc.KvTransferAsyncStub]] = {}
         self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -156,7 +156,8 @@ class KvSessionPuller:
         """Pull the session for `request`: its tokens must be a prefix of the request's
         prompt, its namespace the request's."""
         target = self.check(ref)
-        stub = kt_grpc.KvTransferStub(self._channel(target))
+        peer = self._peer(target)
+        peer.follow_files(self._timeout_s)  # no pull fails for a renewed peer_tls
         namespace = KvNamespace.of(request)
         prompt_token_ids = request.prompt_token_ids
         pull_request = kt.PullKvSessionRequest(
@@ -168,11 +169,12 @@ class KvSessionPuller:
             cache_salt=namespace.cache_salt,
             max_blocks_per_chunk=self._blocks_per_chunk,
         )
-        call = stub.PullKvSession(pull_request, timeout=self._timeout_s)
+        call = peer.stub.PullKvSession(pull_request, timeout=self._timeout_s)
         where = f"KV session {ref.session_id!r} at {target}"
         try:
             return await self._receive(call, prompt_token_ids, where)
         except grpc.aio.AioRpcError as exc:
+            await peer.after_failure()
             raise _pull_error(exc, where) from None
         finally:
             call.cancel()  # a no-op once it ended; else the prefill engine keeps the session
@@ -240,7 +242,7 @@ class KvSessionPuller:
         accepted here: it releases the session at once rather than after `PULLED_GRACE_S`.
         A failure only costs the prefill engine that wait (logged at debug level)."""
         target = self.check(ref)
-        stub = kt_grpc.KvTransferStub(self._channel(target))
+        stub = self._peer(target).stub
 
         async def release() -> None:
             try:
@@ -255,18 +257,17 @@ class KvSessionPuller:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    def _channel(self, target: str) -> grpc.aio.Channel:
-        channel = self._channels.get(target)
-        if channel is None:
-            channel = self._channels[target] = self._channel_options.aio_channel(target)
-        return channel
+    def _peer(self, target: str) -> Redialling[kt_grpc.KvTransferAsyncStub]:
+        if target not in self._peers:
+            self._peers[target] = Redialling(self._channel_options, target, kt_grpc.KvTransferStub)
+        return self._peers[target]
 
     async def close(self) -> None:
         if self._releases:  # the prefill engines' sessions would otherwise wait out their grace
             await asyncio.wait(set(self._releases), timeout=1.0)
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
+        peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            await peer.close()
 
 
 def _dialable(host: str, port: int) -> bool:

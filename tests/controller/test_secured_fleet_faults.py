@@ -28,6 +28,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import start_sim_engine
 from tests.polling import eventually
+from tests.rotation import replace_file
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -217,11 +218,39 @@ async def test_a_certificate_renewed_on_disk_is_served_without_a_restart(
         await engine.close()
 
 
-def replace_file(path: Path, data: bytes) -> None:
-    """Replace the file at once, as a Kubernetes Secret's update or `mv` does."""
-    partial = path.with_name(f".{path.name}.new")
-    partial.write_bytes(data)
-    partial.replace(path)
+async def test_client_tls_files_renewed_on_disk_are_dialled_without_a_restart(
+    pki: Path, tmp_path: Path
+) -> None:
+    """The controller's `engine_tls` files replaced while it runs (a client certificate the
+    engine does not trust renewed with one it does, as cert-manager renews an expired one;
+    its CA bundle likewise): the controller dials the engine again with them and routes to
+    it, neither restarted. (They were read once, at start: the engine stayed unreachable
+    until the controller was restarted.)"""
+    ca, cert, key = tmp_path / "ca.pem", tmp_path / "client.pem", tmp_path / "client.key"
+    ca.write_bytes((pki / "other-ca.pem").read_bytes())
+    cert.write_bytes((pki / "other-ca-client.pem").read_bytes())
+    key.write_bytes((pki / "other-ca-client.key").read_bytes())
+    engine = await start_sim_engine("e0", tls=serving(pki, "server", client_ca=True))
+    engine_tls = {"ca_file": ca, "cert_file": cert, "key_file": key}
+    controller = await start_plain_controller(engine, engine_tls=engine_tls)
+    try:
+        await wait_for_error(
+            controller, "unreachable", "UNAVAILABLE: TLS handshake failed: "
+            "CERTIFICATE_VERIFY_FAILED: unable to get local issuer certificate (a server "
+            "certificate not signed by the CA of engine_tls?)"
+        )  # fmt: skip
+        replace_file(ca, (pki / "ca.pem").read_bytes())
+        await wait_for_error(
+            controller, "unreachable", "UNAVAILABLE: the server closed the connection (Socket "
+            f"closed) (a client certificate the server does not trust? check "
+            f"{ENGINE_CERTIFICATE_FILE})"
+        )  # fmt: skip
+        replace_file(cert, (pki / "client.pem").read_bytes())
+        replace_file(key, (pki / "client.key").read_bytes())
+        await wait_for_error(controller, "ready", "")
+    finally:
+        await controller.close(0.2)
+        await engine.close()
 
 
 def rotate(path: Path, token: str) -> None:

@@ -16,6 +16,7 @@ import grpc
 from engine.config import EngineConfig, SimTimingConfig
 from engine.server.engine_service import EngineService
 from engine.server.service import EngineApp, start_engine
+from kvplane.channels import INSECURE, ClientChannels
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -68,9 +69,12 @@ def torch_config(model: str, **overrides: Any) -> EngineConfig:
 
 
 @asynccontextmanager
-async def running_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+async def running_engine(
+    config: EngineConfig | None = None, channels: ClientChannels = INSECURE
+) -> AsyncIterator[Engine]:
+    """The engine `config` makes, dialled as `channels` says (one serving TLS: with TLS)."""
     app = await start_engine(config or sim_config())
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    channel = channels.aio_channel(f"127.0.0.1:{app.port}")
     try:
         yield Engine(
             app,

@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 from engine.config import KvTransferConfig, LoraConfig
-from kvplane.config import AuthConfig
+from kvplane.channels import ClientChannels
+from kvplane.config import AuthConfig, ClientTlsConfig, TlsConfig
 from kvplane_api.v1 import kv_transfer_pb2 as kt
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kt_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -33,6 +34,7 @@ from tests.engine.lora_adapters import write_adapter_config
 from tests.grpc_streams import next_reply
 from tests.partial_servicers import PartialKvTransfer
 from tests.polling import eventually
+from tests.rotation import replace_file
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
 pytestmark = pytest.mark.timeout(60)
@@ -564,6 +566,41 @@ async def test_a_prefill_engine_with_auth_serves_pulls_to_its_token_only(tmp_pat
         assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "peer_token_file" in (refused.details() or "")
         decoded = await collect(trusted.stub, with_session(session))
+        assert decoded[-1].usage.cached_prompt_tokens == 8
+
+
+async def test_a_decode_engine_pulls_with_its_peer_tls_files_renewed_on_disk(
+    pki: Path, tmp_path: Path
+) -> None:
+    """A prefill engine serving mutual TLS, and a decode engine whose `peer_tls` client
+    certificate it does not trust: the pull is refused. The certificate renewed on disk with
+    one it trusts, the next pull is served, the decode engine not restarted. (Its channel to
+    the peer kept the certificate it was dialled with: every pull failed until a restart.)"""
+    cert, key = tmp_path / "client.pem", tmp_path / "client.key"
+    cert.write_bytes((pki / "other-ca-client.pem").read_bytes())
+    key.write_bytes((pki / "other-ca-client.key").read_bytes())
+    serving = TlsConfig(
+        cert_file=pki / "server.pem", key_file=pki / "server.key", client_ca_file=pki / "ca.pem"
+    )
+    trusted = ClientTlsConfig(
+        ca_file=pki / "ca.pem", cert_file=pki / "client.pem", key_file=pki / "client.key"
+    )
+    peer = KvTransferConfig(
+        peer_tls=ClientTlsConfig(ca_file=pki / "ca.pem", cert_file=cert, key_file=key)
+    )
+    async with AsyncExitStack() as stack:
+        prefiller = await stack.enter_async_context(
+            running_engine(sim_config(role="prefill", tls=serving), ClientChannels.load(trusted))
+        )
+        decoder = await stack.enter_async_context(
+            running_engine(sim_config(role="decode", kv_transfer=peer))
+        )
+        session = await prefill(prefiller)
+        refused = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
+        assert "Socket closed" in (refused.details() or ""), refused.details()
+        replace_file(cert, (pki / "client.pem").read_bytes())
+        replace_file(key, (pki / "client.key").read_bytes())
+        decoded = await collect(decoder.stub, with_session(await prefill(prefiller)))
         assert decoded[-1].usage.cached_prompt_tokens == 8
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvplane.config import AuthConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
 from kvplane.server import MAX_STATUS_MESSAGE_BYTES, Service, create_server, status_message
+from tests.rotation import replace_file
 
 ECHO = "kvplane.test.Echo"
 
@@ -142,7 +144,7 @@ async def test_tls_and_mutual_tls(pki: Path) -> None:
 
 async def test_unreadable_tls_or_token_file_is_a_config_error(tmp_path: Path) -> None:
     missing = tmp_path / "missing.pem"
-    with pytest.raises(ConfigError, match="TLS"):
+    with pytest.raises(ConfigError, match=f"^tls: cannot read cert_file {missing}: No such file"):
         await create_server(
             ServerConfig(listen="127.0.0.1:0", tls=TlsConfig(cert_file=missing, key_file=missing)),
             [],
@@ -160,6 +162,71 @@ async def test_a_key_that_is_not_the_certificates_is_a_config_error(pki: Path) -
     with pytest.raises(ConfigError, match=r"^tls: key_file .*client.key and cert_file "
                                           r".*server.pem do not make a pair: "):  # fmt: skip
         await create_server(ServerConfig(listen="127.0.0.1:0", tls=tls), [])
+
+
+NOT_A_CERTIFICATE = (
+    "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "content", "error"),
+    [
+        ("cert_file", "server.key", "does not hold a certificate in PEM"),
+        ("key_file", "server.pem", "does not hold a private key in PEM"),
+        ("client_ca_file", "server.key", "does not hold a certificate in PEM"),
+        ("client_ca_file", NOT_A_CERTIFICATE, "holds no usable certificate (OpenSSL: "),
+        ("client_ca_file", None, "cannot read"),
+    ],
+    ids=["cert-not-pem", "key-not-pem", "client-ca-not-pem", "client-ca-corrupt", "missing"],
+)
+async def test_an_unusable_tls_file_is_one_line_naming_it(
+    pki: Path, tmp_path: Path, field: str, content: str | None, error: str
+) -> None:
+    """Each `tls` file is checked at start and named when it cannot be used. (A client CA
+    file that was not PEM went to gRPC, which logged lines of its C core and failed with
+    "cannot listen on 127.0.0.1:0: Failed to bind to address"; a certificate or key that was
+    not said "do not make a pair", naming neither.)"""
+    files = {
+        "cert_file": pki / "server.pem",
+        "key_file": pki / "server.key",
+        "client_ca_file": pki / "ca.pem",
+    }
+    bad = files[field] = tmp_path / "bad.pem"
+    if content is not None:
+        bad.write_text(content if "-" in content else (pki / content).read_text())
+    tls = TlsConfig.model_validate(files)
+    with pytest.raises(ConfigError, match=rf"^tls: (cannot read )?{field} {bad}:? ") as err:
+        await create_server(ServerConfig(listen="127.0.0.1:0", tls=tls), [])
+    assert error in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+async def test_a_client_ca_file_rotated_to_one_that_cannot_be_used_keeps_the_one_before(
+    pki: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mutual-TLS server whose client CA file is replaced by one OpenSSL cannot load (a
+    bad write, a Secret's wrong key) goes on taking the clients the CA read before signed,
+    with a warning naming the file."""
+    client_ca = tmp_path / "client-ca.pem"
+    client_ca.write_bytes((pki / "ca.pem").read_bytes())
+    tls = TlsConfig(
+        cert_file=pki / "server.pem", key_file=pki / "server.key", client_ca_file=client_ca
+    )
+    server, port = await create_server(ServerConfig(listen="127.0.0.1:0", tls=tls), [ECHO_SERVICE])
+    with_cert = grpc.ssl_channel_credentials(
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        private_key=(pki / "client.key").read_bytes(),
+        certificate_chain=(pki / "client.pem").read_bytes(),
+    )
+    try:
+        replace_file(client_ca, NOT_A_CERTIFICATE.encode())
+        with caplog.at_level(logging.WARNING, logger="kvplane.tls_files"):
+            async with grpc.aio.secure_channel(f"localhost:{port}", with_cert) as channel:
+                assert await _call(channel, "Read") == b"hi"
+        assert f"tls: client_ca_file {client_ca} holds no usable certificate" in caplog.text
+    finally:
+        await server.stop(None)
 
 
 def test_a_long_status_message_is_cut_in_the_middle_on_a_character_boundary() -> None:

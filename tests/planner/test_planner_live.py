@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from controller.registry import EngineState as RegistryState
+from kvplane.channels import INSECURE, Redialling
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
 from kvplane_api.v1 import admin_pb2 as apb
@@ -536,7 +537,7 @@ async def following(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     engine = live_module._Engine(f"127.0.0.1:{port}", "default", EngineState.SERVING)
-    engine.channel = grpc.aio.insecure_channel(engine.engine_id)
+    engine.dialled = Redialling(INSECURE, engine.engine_id, pb_grpc.OpenEngineStub)
     planner_ = LivePlanner(planner(1, 1), local_processes(1, Path("/nonexistent")))
     follower = asyncio.create_task(planner_._follow_passes(engine))
     try:
@@ -545,7 +546,7 @@ async def following(
         follower.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await follower
-        await engine.channel.close()
+        await engine.dialled.close()
         await server.stop(None)
 
 
