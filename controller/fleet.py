@@ -164,6 +164,17 @@ def _names(adapters: Sequence[LoraSpec] | None) -> frozenset[str] | None:
     return None if adapters is None else frozenset(a.lora_name for a in adapters)
 
 
+def health_of(reply: pb.HealthResponse) -> tuple[EngineState, str]:
+    """The engine's state as its Health answer says, and what its failing checks say. A state
+    this build does not know (a newer engine's, or nonsense) is not ready, saying so: an
+    engine is routed only when it says READY or DEGRADED in words this controller reads."""
+    state = _HEALTH.get(reply.state)
+    if state is None:
+        said = f"unknown health state {reply.state}"
+        return EngineState.NOT_READY, "; ".join(filter(None, (said, _failing_checks(reply))))
+    return state, _failing_checks(reply)
+
+
 def _failing_checks(reply: pb.HealthResponse) -> str:
     """What the checks that are not READY say (a READY check's message is information, such
     as the model's name, not a problem)."""
@@ -808,8 +819,8 @@ class Fleet:
                 # fails would otherwise turn routable (READY) for the instant between the two
                 # at every retry, and take requests there.
                 if reply is not None:
-                    message = _failing_checks(reply)
-                    self.registry.on_health(address, _HEALTH[reply.state], now, message)
+                    state, message = health_of(reply)
+                    self.registry.on_health(address, state, now, message)
                 self.registry.on_load(address, load_from_proto(load))
                 if reply is not None:
                     await self._notify()

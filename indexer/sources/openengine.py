@@ -2,7 +2,8 @@
 engine's advertised ZMQ sources, one worker per data-parallel rank).
 
 Resync protocol (seed 000, "KV connector and KV events"): every subscription asks for
-`include_snapshot` and, after the first, `start_sequence_number = last + 1`. The engine then
+`include_snapshot` and, after the first, `start_sequence_number = last + 1` (0 after a batch
+numbered 2^64 - 1, which has no next number). The engine then
 either replays from there (no batch lost) or, when it no longer buffers that far back (or it
 restarted), sends a snapshot batch. A batch whose sequence number is not the next one expected
 (a snapshot, an engine restart) clears the worker before it is applied, so the index never
@@ -75,6 +76,7 @@ from indexer.translate import WorkerTranslator
 from indexer.zmq_decode import ArrayTail
 from kvplane.channels import INSECURE, ClientChannels, plain_details
 from kvplane.config import BIND_WILDCARD_HOSTS, join_host_port
+from kvplane.enum_names import enum_name
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -89,6 +91,8 @@ _MEDIA: dict[int, str | None] = {
     pb.STORAGE_MEDIUM_EXTERNAL: "EXTERNAL",
 }
 _INT64_BYTES = 8
+# The largest `KvEventBatch.sequence_number` (uint64).
+MAX_SEQUENCE_NUMBER = (1 << 64) - 1
 
 
 def _medium(value: int) -> str | None:
@@ -301,6 +305,10 @@ class OpenEngineSource:
             log.warning("worker %s: %s; resubscribing", self.worker_id, self._resync_wanted)
             self._resync_wanted = None
             self.last_seq = None  # the snapshot (or replay from 0) clears and rebuilds
+        if self.last_seq == MAX_SEQUENCE_NUMBER:
+            # No next number to resume from (the engine's nonsense, or a wrap): start over
+            # from a snapshot, which clears and rebuilds, as after a resync.
+            self.last_seq = None
         start = 0 if self.last_seq is None else self.last_seq + 1
         request = pb.SubscribeKvEventsRequest(
             data_parallel_ranks=self.settings.data_parallel_ranks,
@@ -316,10 +324,8 @@ class OpenEngineSource:
         try:
             async for response in call:
                 if response.WhichOneof("event") == "error":
-                    ended = (
-                        f"the stream ended with {pb.ErrorCode.Name(response.error.code)}: "
-                        f"{response.error.message}"
-                    )
+                    code = enum_name(pb.ErrorCode.DESCRIPTOR, response.error.code)
+                    ended = f"the stream ended with {code}: {response.error.message}"
                     log.warning("openengine source %s: %s", self.settings.target, ended)
                     break
                 if response.WhichOneof("event") == "batch":
