@@ -673,17 +673,24 @@ class Fleet:
     def block_size(self, records: Sequence[EngineRecord]) -> int:
         """The block size a prompt for `records` is hashed in: theirs (a fleet may serve
         models of different block sizes), the most common one if they disagree (an engine
-        of another size then has no cache the router can see), else the config's default."""
+        of another size then has no cache the router can see), else the config's default.
+        Between sizes equally common, the config's default when it is one of them (two
+        engines, one reporting a size nothing else uses: the order of their addresses
+        decided), else the first engine's."""
+        default = self.config.default_block_size
         sizes = Counter(
             r.identity.block_size for r in records if r.identity and r.identity.block_size
         )
         if not sizes:
-            return self.config.default_block_size
+            return default
         if len(sizes) > 1:
             self._mixed_block_sizes.warn(
                 f"the engines a prompt may go to have block sizes {sorted(sizes)}: it is "
                 "matched in the most common one; the others are routed without cache knowledge"
             )
+        most = max(sizes.values())
+        if sizes.get(default) == most:
+            return default
         return sizes.most_common(1)[0][0]
 
     async def prompt_view(

@@ -19,6 +19,7 @@ KV events for good.
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -57,13 +58,14 @@ UNKNOWN_CODE = 99
 
 class Scripted(Forwarding):
     """The sim engine's answers, but for those a test scripts: `instance_id` (GetEngineInfo's),
-    `load` (GetLoad), `health` (Health), `generate_error` (Generate's only event),
-    `last_batch` (SubscribeKvEvents: that one batch, then the stream ends; each
-    subscription's start is kept in `subscriptions`)."""
+    `block_size` (GetModelInfo's), `load` (GetLoad), `health` (Health), `generate_error`
+    (Generate's only event), `last_batch` (SubscribeKvEvents: that one batch, then the
+    stream ends; each subscription's start is kept in `subscriptions`)."""
 
     def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
         super().__init__(inner)
         self.instance_id: str | None = None
+        self.block_size: int | None = None
         self.load: pb.LoadInfo | None = None
         self.health: pb.HealthResponse | None = None
         self.generate_error: pb.EngineError | None = None
@@ -74,6 +76,12 @@ class Scripted(Forwarding):
         info = await self.inner.GetEngineInfo(request)
         if self.instance_id is not None:
             info.instance_id = self.instance_id
+        return info
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: Context) -> Any:
+        info = await self.inner.GetModelInfo(request)
+        if self.block_size is not None:
+            info.kv_block_size = self.block_size
         return info
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
@@ -100,6 +108,18 @@ class Scripted(Forwarding):
                 yield reply
             return
         yield pb.SubscribeKvEventsResponse(batch=self.last_batch)
+
+
+def free_port_after(port: int) -> int:
+    """A free port on 127.0.0.1 whose address sorts after `port`'s (as many digits, higher)."""
+    for candidate in range(port + 1, 10 ** len(str(port))):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+        return candidate
+    raise AssertionError(f"no free port after {port}")
 
 
 async def scripted_fleet(num_scripted: int, num_sims: int) -> EngineFleet[Any]:
@@ -252,3 +272,33 @@ async def test_an_instance_id_too_long_for_the_route_metadata_is_rejected_not_ro
     finally:
         await close_fleet(fleet)
         await odd.close()
+
+
+async def test_a_block_size_one_engine_in_two_reports_leaves_the_configured_ones_cache_seen() -> (
+    None
+):
+    """Engines that disagree on the KV block size: a prompt is matched in the size most of
+    them report, and on a tie in the controller's `default_block_size` (16) when one of them
+    reports it. Listed first, an engine claiming 1024-token blocks next to a sim engine of
+    16 made every prompt match in 1024: no prompt has a full block, and the sim engine's
+    cache was never seen."""
+    odd = await start_fronted_engine("odd", Scripted)
+    odd.servicer.block_size = 1024
+    # The engines are listed by address: the odd one first, the sim engine's port after it.
+    sim = await start_sim_engine("e0", port=free_port_after(odd.port))
+    fleet = await make_fleet(engines=engines_of_kinds(odd, sim))
+    try:
+        ids = list(range(1, 41))  # two full blocks of 16
+        async with grpc.aio.insecure_channel(fleet.address(sim)) as channel:
+            request = generate_request("on-sim", ids, max_tokens=1)
+            [_ async for _ in pb_grpc.OpenEngineStub(channel).Generate(request)]
+        query = apb.PromptQuery(token_ids=pb.TokenIds(ids=ids), model="sim")
+
+        async def seen_on_sim() -> bool:
+            reply = await fleet.admin.Match(query)
+            held = {m.engine: m.device_blocks for m in reply.matches}
+            return reply.num_blocks == 2 and held.get(fleet.address(sim)) == 2
+
+        await eventually(seen_on_sim, WAIT_S, "the sim engine's blocks matched")
+    finally:
+        await close_fleet(fleet)
