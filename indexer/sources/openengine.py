@@ -11,7 +11,9 @@ keeps stale entries; a snapshot starts with AllBlocksCleared and lists every cac
 other batch out of sequence (batches went missing from the stream: an adapter that lost
 messages of the engine's own feed) is applied after the clear too, and the source then
 resubscribes from sequence number 0 with `include_snapshot`, so that what the clear dropped
-and what the missing batches held come back.
+and what the missing batches held come back: at once, unless no batch in sequence came since
+the last such resubscription (an engine whose every stream breaks sequence), then after the
+reconnect backoff.
 
 The engine is dialled as `channels` says (insecure by default; TLS from a `ClientTlsConfig`).
 A terminal `EngineError` on the stream, a broken stream or an unreachable engine all end in a
@@ -91,6 +93,10 @@ _MEDIA: dict[int, str | None] = {
     pb.STORAGE_MEDIUM_EXTERNAL: "EXTERNAL",
 }
 _INT64_BYTES = 8
+# Resubscriptions for batches gone missing that follow each other with no batch in sequence
+# between them (the engine's stream breaks sequence every time): from this one on, they wait
+# the reconnect backoff instead of resubscribing at once.
+_GAPS_BEFORE_BACKOFF = 2
 # The largest `KvEventBatch.sequence_number` (uint64).
 MAX_SEQUENCE_NUMBER = (1 << 64) - 1
 
@@ -184,6 +190,9 @@ class OpenEngineSource:
         self.on_batch_time = on_batch_time
         self.on_sequence_break = on_sequence_break
         self.last_seq: int | None = None
+        # Batches out of sequence (not snapshots) since the last batch in sequence: an engine
+        # whose every stream breaks sequence is resubscribed with backoff, not at once.
+        self._gaps_in_a_row = 0
         # Set when the engine lacks SubscribeKvEvents and its advertised ZMQ sources are
         # followed instead (one per data-parallel rank).
         self.zmq_sources: tuple[ZmqSource, ...] = ()
@@ -241,7 +250,8 @@ class OpenEngineSource:
             follow_zmq = False
             try:
                 async with self._channels.aio_channel(self.settings.target) as channel:
-                    if await self._subscribe(channel):
+                    delivered = await self._subscribe(channel)
+                    if delivered and self._gaps_in_a_row < _GAPS_BEFORE_BACKOFF:
                         backoff = self.settings.backoff_initial_s
             except asyncio.CancelledError:
                 raise
@@ -268,7 +278,14 @@ class OpenEngineSource:
                         "openengine source %s: ZMQ discovery failed", self.settings.target
                     )
             if self._resync_wanted is not None:
-                continue  # resubscribe at once
+                if self._gaps_in_a_row < _GAPS_BEFORE_BACKOFF:
+                    continue  # resubscribe at once
+                log.warning(
+                    "worker %s: its stream broke sequence again before a batch in sequence; "
+                    "resubscribing in %.1fs",
+                    self.worker_id,
+                    backoff,
+                )
             self.counters.num_restarts += 1
             self._wake.clear()
             # A resync request ends the wait. (Not `asyncio.wait_for`: on Python 3.11 it loses
@@ -359,7 +376,9 @@ class OpenEngineSource:
         self.counters.num_messages += 1
         seq = batch.sequence_number
         expected = None if self.last_seq is None else self.last_seq + 1
-        if seq != expected:
+        if seq == expected:
+            self._gaps_in_a_row = 0
+        else:
             if expected is not None:
                 self.counters.num_gaps += 1
                 log.warning(
@@ -370,6 +389,7 @@ class OpenEngineSource:
                 )
                 if not _is_snapshot(batch):  # what the clear drops comes back with a snapshot
                     self._resync_wanted = "batches went missing from the stream"
+                    self._gaps_in_a_row += 1
             self.counters.num_resets += 1
             await self.sink.apply(self.translator.reset(seq=seq))
             self.counters.num_batches_applied += 1
