@@ -2,13 +2,14 @@
 candidates for a prompt.
 
 Per engine it owns one poll task (GetEngineInfo, each served model's GetModelInfo at once, and
-ListLoras on first contact, after a failed poll, whenever GetLoad reports a new instance id,
-and at once when the engine's KV-event stream (SubscribeKvEvents or ZMQ) breaks sequence,
-which may be a restart that kept the instance id: a changed identity then makes it a new
-process; an engine whose models disagree on the KV block size is rejected; Health every
-`poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls fail, as
-UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and one
-KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
+ListLoras on first contact, after a failed poll, whenever GetLoad reports a new instance id
+(one it named before at the address, with no failed poll since, rejects the address: several
+processes answer there), and at once when the engine's KV-event stream (SubscribeKvEvents or
+ZMQ) breaks sequence, which may be a restart that kept the instance id: a changed identity then
+makes it a new process; an engine whose models disagree on the KV block size is rejected;
+Health every `poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls
+fail, as UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and
+one KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
 index under the engine's address as worker id, and measures each batch's event lag (the
 controller's wall clock when the batch is in the index minus the engine's timestamp on it). A
 new engine process (`Registry.on_identity`: a new instance id, or an engine answering again
@@ -782,6 +783,10 @@ class Fleet:
         need_identity = True
         # GetLoad's instance id since the identity was fetched; "" until it names one.
         load_instance = ""
+        # Every instance id GetLoad named since the engine's polls last failed: one named
+        # again after another is no restart (a process does not come back from before its
+        # successor without an outage) but several processes answering at one address.
+        named: set[str] = set()
         # The next identity fetched is a new process: GetLoad named a new instance, or the
         # process answering was rejected as incompatible (whatever answers next is another).
         restarted = False
@@ -812,7 +817,17 @@ class Fleet:
                 # Compared with GetLoad's own earlier answers, not with GetEngineInfo's
                 # instance id: an engine may leave that one empty or name itself otherwise
                 # there, which would read as a restart at every poll.
-                if load_instance and load.instance_id and load.instance_id != load_instance:
+                changed = bool(load_instance) and load.instance_id not in ("", load_instance)
+                if changed and load.instance_id in named:
+                    raise IncompatibleEngineError(
+                        f"GetLoad named instance {load.instance_id} again after "
+                        f"{load_instance}: several engine processes answer at this address "
+                        "(a load balancer in front of them?); register each engine process "
+                        "at an address of its own"
+                    )
+                if load.instance_id:
+                    named.add(load.instance_id)
+                if changed:
                     log.info("engine %s restarted (instance %s)", address, load.instance_id)
                     # Out of routing until the new process's identity is read and the old
                     # one's blocks are dropped: they would attract traffic meanwhile.
@@ -851,6 +866,7 @@ class Fleet:
                 delay = health.backoff_max_s
                 need_identity = restarted = True
             except grpc.aio.AioRpcError as exc:
+                named.clear()  # whatever answers next may be a new process, under any id
                 details = self.engine_failure_details(exc.code(), exc.details() or "")
                 error = f"{exc.code().name}: {details}"
                 failure = poll_failure(exc.code().name)

@@ -18,9 +18,10 @@ KV events for good.
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,8 @@ UNKNOWN_CODE = 99
 
 class Scripted(Forwarding):
     """The sim engine's answers, but for those a test scripts: `instance_id` (GetEngineInfo's),
-    `block_size` (GetModelInfo's), `load` (GetLoad), `health` (Health), `generate_error`
+    `block_size` (GetModelInfo's), `load` (GetLoad; `load_instances`: the instance id of
+    each answer), `health` (Health), `generate_error`
     (Generate's only event), `last_batch` (SubscribeKvEvents: that one batch, then the
     stream ends; each subscription's start is kept in `subscriptions`)."""
 
@@ -67,6 +69,7 @@ class Scripted(Forwarding):
         self.instance_id: str | None = None
         self.block_size: int | None = None
         self.load: pb.LoadInfo | None = None
+        self.load_instances: Iterator[str] | None = None
         self.health: pb.HealthResponse | None = None
         self.generate_error: pb.EngineError | None = None
         self.last_batch: pb.KvEventBatch | None = None
@@ -85,7 +88,10 @@ class Scripted(Forwarding):
         return info
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
-        return self.load or await self.inner.GetLoad(request)
+        load = self.load or await self.inner.GetLoad(request)
+        if self.load_instances is not None:
+            load.instance_id = next(self.load_instances)
+        return load
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
         return self.health or await self.inner.Health(request)
@@ -300,5 +306,28 @@ async def test_a_block_size_one_engine_in_two_reports_leaves_the_configured_ones
             return reply.num_blocks == 2 and held.get(fleet.address(sim)) == 2
 
         await eventually(seen_on_sim, WAIT_S, "the sim engine's blocks matched")
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_instance_ids_that_alternate_at_one_address_are_rejected_not_restarts() -> None:
+    """GetLoad naming A, B, A, ... (two engine processes behind one address, a Kubernetes
+    Service say): a process does not come back from before its successor without an outage,
+    so this is no restart but an address the controller cannot follow; incompatible, saying
+    why. It read as a restart at every GetLoad: the engine's index entries dropped and its
+    identity read again each time, and it stayed routable in between."""
+    fleet = await scripted_fleet(1, 1)
+    try:
+        [odd] = scripted_of(fleet)
+        address = fleet.address(odd)
+        odd.servicer.load_instances = itertools.cycle(["pod-a", "pod-b"])
+        await wait_state(fleet, address, EngineState.INCOMPATIBLE)
+        row = await worker(fleet, address)
+        assert row["last_error"].startswith("GetLoad named instance pod-")
+        assert "several engine processes answer at this address" in row["last_error"]
+        assert set(await routed(fleet, "alternating", 3)) == {fleet.address(fleet.engines[1])}
+
+        odd.servicer.load_instances = itertools.repeat("pod-a")  # one process again
+        await wait_state(fleet, address, EngineState.READY)
     finally:
         await close_fleet(fleet)
