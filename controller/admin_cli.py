@@ -46,6 +46,7 @@ from kvplane.cli_common import (
     usage_error_for,
 )
 from kvplane.config import parse_dial_target
+from kvplane.enum_names import enum_name
 from kvplane.errors import KvplaneError
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
@@ -198,13 +199,15 @@ def _engine_as_worker(channel: grpc.Channel, address: str) -> dict[str, Any]:
     info = stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=RPC_TIMEOUT_S)
     health = stub.Health(pb.HealthRequest(), timeout=RPC_TIMEOUT_S)
     load = stub.GetLoad(pb.GetLoadRequest(), timeout=RPC_TIMEOUT_S)
+    role = enum_name(pb.EngineRole.DESCRIPTOR, info.role)
+    state = enum_name(pb.HealthState.DESCRIPTOR, health.state)
     row: dict[str, Any] = {
         "address": address,
         "instance_id": info.instance_id,
         "engine_name": info.engine_name,
-        "role": pb.EngineRole.Name(info.role).removeprefix("ENGINE_ROLE_").lower(),
+        "role": role.removeprefix("ENGINE_ROLE_").lower(),
         "models": list(info.supported_models),
-        "state": pb.HealthState.Name(health.state).removeprefix("HEALTH_STATE_").lower(),
+        "state": state.removeprefix("HEALTH_STATE_").lower(),
     }
     for name in ("running_requests", "queued_requests", "used_kv_blocks", "total_kv_blocks"):
         if load.HasField(name):

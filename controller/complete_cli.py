@@ -44,6 +44,7 @@ from kvplane.cli_common import (
     not_blank,
     target_option,
 )
+from kvplane.enum_names import enum_name
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 
@@ -169,11 +170,11 @@ def _complete(
             done.text += token.text
             done.token_ids.extend(ids)
         elif event == "finished":
-            reason = pb.FinishReason.Name(response.finished.reason)
+            reason = enum_name(pb.FinishReason.DESCRIPTOR, response.finished.reason)
             done.finish_reason = reason.removeprefix("FINISH_REASON_").lower()
         elif event == "error":
             error = response.error
-            code = pb.ErrorCode.Name(error.code).removeprefix("ERROR_CODE_")
+            code = enum_name(pb.ErrorCode.DESCRIPTOR, error.code).removeprefix("ERROR_CODE_")
             raise RpcCallError(f"the engine failed the request: {code}: {error.message}")
         if response.HasField("usage"):
             usage = response.usage

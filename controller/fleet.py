@@ -2,13 +2,14 @@
 candidates for a prompt.
 
 Per engine it owns one poll task (GetEngineInfo, each served model's GetModelInfo at once, and
-ListLoras on first contact, after a failed poll, whenever GetLoad reports a new instance id,
-and at once when the engine's KV-event stream (SubscribeKvEvents or ZMQ) breaks sequence,
-which may be a restart that kept the instance id: a changed identity then makes it a new
-process; an engine whose models disagree on the KV block size is rejected; Health every
-`poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls fail, as
-UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and one
-KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
+ListLoras on first contact, after a failed poll, whenever GetLoad reports a new instance id
+(one it named before at the address, with no failed poll since, rejects the address: several
+processes answer there), and at once when the engine's KV-event stream (SubscribeKvEvents or
+ZMQ) breaks sequence, which may be a restart that kept the instance id: a changed identity then
+makes it a new process; an engine whose models disagree on the KV block size is rejected;
+Health every `poll_interval_s`; GetLoad every `load_poll_interval_s`; backoff while its polls
+fail, as UNREACHABLE when they do not reach it, FAILING when it answers them with errors) and
+one KV-event task (SubscribeKvEvents, or the ZMQ source GetKvEventSources advertises) feeding the
 index under the engine's address as worker id, and measures each batch's event lag (the
 controller's wall clock when the batch is in the index minus the engine's timestamp on it). A
 new engine process (`Registry.on_identity`: a new instance id, or an engine answering again
@@ -162,6 +163,17 @@ def _names(adapters: Sequence[LoraSpec] | None) -> frozenset[str] | None:
     """The names of the adapters ListLoras listed (None: the engine serves no LoRA), as the
     registry keeps them."""
     return None if adapters is None else frozenset(a.lora_name for a in adapters)
+
+
+def health_of(reply: pb.HealthResponse) -> tuple[EngineState, str]:
+    """The engine's state as its Health answer says, and what its failing checks say. A state
+    this build does not know (a newer engine's, or nonsense) is not ready, saying so: an
+    engine is routed only when it says READY or DEGRADED in words this controller reads."""
+    state = _HEALTH.get(reply.state)
+    if state is None:
+        said = f"unknown health state {reply.state}"
+        return EngineState.NOT_READY, "; ".join(filter(None, (said, _failing_checks(reply))))
+    return state, _failing_checks(reply)
 
 
 def _failing_checks(reply: pb.HealthResponse) -> str:
@@ -662,17 +674,24 @@ class Fleet:
     def block_size(self, records: Sequence[EngineRecord]) -> int:
         """The block size a prompt for `records` is hashed in: theirs (a fleet may serve
         models of different block sizes), the most common one if they disagree (an engine
-        of another size then has no cache the router can see), else the config's default."""
+        of another size then has no cache the router can see), else the config's default.
+        Between sizes equally common, the config's default when it is one of them (two
+        engines, one reporting a size nothing else uses: the order of their addresses
+        decided), else the first engine's."""
+        default = self.config.default_block_size
         sizes = Counter(
             r.identity.block_size for r in records if r.identity and r.identity.block_size
         )
         if not sizes:
-            return self.config.default_block_size
+            return default
         if len(sizes) > 1:
             self._mixed_block_sizes.warn(
                 f"the engines a prompt may go to have block sizes {sorted(sizes)}: it is "
                 "matched in the most common one; the others are routed without cache knowledge"
             )
+        most = max(sizes.values())
+        if sizes.get(default) == most:
+            return default
         return sizes.most_common(1)[0][0]
 
     async def prompt_view(
@@ -764,6 +783,10 @@ class Fleet:
         need_identity = True
         # GetLoad's instance id since the identity was fetched; "" until it names one.
         load_instance = ""
+        # Every instance id GetLoad named since the engine's polls last failed: one named
+        # again after another is no restart (a process does not come back from before its
+        # successor without an outage) but several processes answering at one address.
+        named: set[str] = set()
         # The next identity fetched is a new process: GetLoad named a new instance, or the
         # process answering was rejected as incompatible (whatever answers next is another).
         restarted = False
@@ -794,7 +817,17 @@ class Fleet:
                 # Compared with GetLoad's own earlier answers, not with GetEngineInfo's
                 # instance id: an engine may leave that one empty or name itself otherwise
                 # there, which would read as a restart at every poll.
-                if load_instance and load.instance_id and load.instance_id != load_instance:
+                changed = bool(load_instance) and load.instance_id not in ("", load_instance)
+                if changed and load.instance_id in named:
+                    raise IncompatibleEngineError(
+                        f"GetLoad named instance {load.instance_id} again after "
+                        f"{load_instance}: several engine processes answer at this address "
+                        "(a load balancer in front of them?); register each engine process "
+                        "at an address of its own"
+                    )
+                if load.instance_id:
+                    named.add(load.instance_id)
+                if changed:
                     log.info("engine %s restarted (instance %s)", address, load.instance_id)
                     # Out of routing until the new process's identity is read and the old
                     # one's blocks are dropped: they would attract traffic meanwhile.
@@ -808,8 +841,8 @@ class Fleet:
                 # fails would otherwise turn routable (READY) for the instant between the two
                 # at every retry, and take requests there.
                 if reply is not None:
-                    message = _failing_checks(reply)
-                    self.registry.on_health(address, _HEALTH[reply.state], now, message)
+                    state, message = health_of(reply)
+                    self.registry.on_health(address, state, now, message)
                 self.registry.on_load(address, load_from_proto(load))
                 if reply is not None:
                     await self._notify()
@@ -833,6 +866,7 @@ class Fleet:
                 delay = health.backoff_max_s
                 need_identity = restarted = True
             except grpc.aio.AioRpcError as exc:
+                named.clear()  # whatever answers next may be a new process, under any id
                 details = self.engine_failure_details(exc.code(), exc.details() or "")
                 error = f"{exc.code().name}: {details}"
                 failure = poll_failure(exc.code().name)

@@ -69,6 +69,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 
 from controller.fleet import POOLING_TASKS, Fleet
 from controller.hops import FRONTS_METADATA_KEY
@@ -99,6 +100,7 @@ from controller.router import AllEnginesBusyError
 from controller.service import Controller, PromptInput
 from controller.statuses import status_of
 from kvplane import __version__
+from kvplane.enum_names import enum_name
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -144,6 +146,13 @@ _SUMMED_LOAD = (
     "total_kv_blocks",
     "waiting_tokens",
 )
+# The largest value each of them holds on the wire (uint32 or uint64): a sum past it (an
+# engine reporting nonsense, 2^64 - 1 blocks in use) is sent as that, not as a failed GetLoad.
+_LOAD_FIELD_MAX = {
+    name: (1 << 32) - 1 if field.type == FieldDescriptor.TYPE_UINT32 else (1 << 64) - 1
+    for name, field in pb.LoadInfo.DESCRIPTOR.fields_by_name.items()
+    if name in _SUMMED_LOAD
+}
 
 # Statuses of an engine call that did not reach the engine, or got no answer in time.
 _UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -180,7 +189,7 @@ class _OpenEngineGenerate:
             return None
         error = response.error
         return InBandError(
-            error.message or pb.ErrorCode.Name(error.code),
+            error.message or enum_name(pb.ErrorCode.DESCRIPTOR, error.code),
             error.retryable,
             engine_fault=error.code == pb.ERROR_CODE_INTERNAL,
             not_found=error.code == pb.ERROR_CODE_MODEL_NOT_FOUND,
@@ -1064,7 +1073,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         for name, total in totals.items():
             if total is not None:
-                setattr(reply, name, total)
+                setattr(reply, name, min(total, _LOAD_FIELD_MAX[name]))
         reply.attributes["engines"] = str(len(records))
         reply.attributes["routable_engines"] = str(sum(r.routable for r in records))
         return reply
@@ -1165,7 +1174,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     outcome = "no inference_probe check"
                 else:
                     passed += check.state == pb.HEALTH_STATE_READY
-                    outcome = check.message or pb.HealthState.Name(check.state)
+                    outcome = check.message or enum_name(pb.HealthState.DESCRIPTOR, check.state)
             results_text.append(f"{record.address}: {outcome}")
         if passed == len(records):
             state = pb.HEALTH_STATE_READY

@@ -5,8 +5,9 @@ for a poll.
 
 Compatibility (seed 000, "Core identity and roles"): an engine is accepted only when its
 `schema_revision` is one this client was tested with, its `minimum_client_revision` does not
-exceed ours, and its `schema_release` names an immutable release (not a moving branch). It
-fails closed: an engine that does not pass is INCOMPATIBLE and never routed to.
+exceed ours, and its `schema_release` names an immutable release (not a moving branch); and
+only when its `instance_id` is at most `MAX_INSTANCE_ID_BYTES` long. It fails closed: an
+engine that does not pass is INCOMPATIBLE and never routed to.
 
 Routable = health READY or DEGRADED, compatible, not cordoned, not ejected. DRAINING and
 NOT_READY leave routing the moment a health answer says so. A poll that fails leaves the engine
@@ -57,6 +58,11 @@ CLIENT_REVISION = 1
 # What a kvplane controller's gateway calls itself in GetEngineInfo.
 CONTROLLER_ENGINE_NAME = "kvplane-controller"
 SUPPORTED_SERVER_REVISIONS = frozenset({1})
+# The longest instance id an engine may have, in UTF-8 bytes: the gateway names the engine
+# that served a request in the call's trailing metadata (`controller.route_report`), which
+# gRPC clients refuse past 8-16 KiB, failing a request the engine served. Kubernetes pod
+# names and UUIDs are far below it.
+MAX_INSTANCE_ID_BYTES = 1024
 _MOVING_RELEASES = frozenset({"", "main", "master", "head", "latest", "trunk", "develop"})
 
 
@@ -684,6 +690,14 @@ class Registry:
             record.identity = identity
             _reject(record, str(exc))
             raise
+        id_bytes = len(identity.instance_id.encode())
+        if id_bytes > MAX_INSTANCE_ID_BYTES:
+            _reject(
+                record,
+                f"its instance_id is {id_bytes} bytes long, more than {MAX_INSTANCE_ID_BYTES}: "
+                "it would not fit the metadata naming the engine of each request routed there",
+            )
+            raise IncompatibleEngineError(record.last_error)
         if identity.instance_id == self.own_instance_id:
             # This controller's own gateway, registered under its address: each request routed
             # there would come back in, to be routed again.

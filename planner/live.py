@@ -53,6 +53,7 @@ from pathlib import Path
 import grpc
 
 from kvplane.channels import INSECURE, ClientChannels, ClientSettings, Redialling, setting_hint
+from kvplane.enum_names import enum_name
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
 from openengine.v1 import openengine_pb2 as pb
@@ -455,7 +456,8 @@ class LivePlanner:
                 async for response in dialled.stub.SubscribeRuntimeEvents(request):
                     if response.WhichOneof("event") == "error":  # terminal: nothing follows
                         error = response.error
-                        why = f"ended by the engine ({pb.ErrorCode.Name(error.code)}"
+                        code = enum_name(pb.ErrorCode.DESCRIPTOR, error.code)
+                        why = f"ended by the engine ({code}"
                         why += f": {error.message})" if error.message else ")"
                         if error.HasField("retry_after_ms"):
                             wait_s = max(wait_s, error.retry_after_ms / 1000.0)

@@ -2,7 +2,8 @@
 engine's advertised ZMQ sources, one worker per data-parallel rank).
 
 Resync protocol (seed 000, "KV connector and KV events"): every subscription asks for
-`include_snapshot` and, after the first, `start_sequence_number = last + 1`. The engine then
+`include_snapshot` and, after the first, `start_sequence_number = last + 1` (0 after a batch
+numbered 2^64 - 1, which has no next number). The engine then
 either replays from there (no batch lost) or, when it no longer buffers that far back (or it
 restarted), sends a snapshot batch. A batch whose sequence number is not the next one expected
 (a snapshot, an engine restart) clears the worker before it is applied, so the index never
@@ -10,7 +11,9 @@ keeps stale entries; a snapshot starts with AllBlocksCleared and lists every cac
 other batch out of sequence (batches went missing from the stream: an adapter that lost
 messages of the engine's own feed) is applied after the clear too, and the source then
 resubscribes from sequence number 0 with `include_snapshot`, so that what the clear dropped
-and what the missing batches held come back.
+and what the missing batches held come back: at once, unless no batch in sequence came since
+the last such resubscription (an engine whose every stream breaks sequence), then after the
+reconnect backoff.
 
 The engine is dialled as `channels` says (insecure by default; TLS from a `ClientTlsConfig`).
 A terminal `EngineError` on the stream, a broken stream or an unreachable engine all end in a
@@ -75,6 +78,7 @@ from indexer.translate import WorkerTranslator
 from indexer.zmq_decode import ArrayTail
 from kvplane.channels import INSECURE, ClientChannels, plain_details
 from kvplane.config import BIND_WILDCARD_HOSTS, join_host_port
+from kvplane.enum_names import enum_name
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -89,6 +93,12 @@ _MEDIA: dict[int, str | None] = {
     pb.STORAGE_MEDIUM_EXTERNAL: "EXTERNAL",
 }
 _INT64_BYTES = 8
+# Resubscriptions for batches gone missing that follow each other with no batch in sequence
+# between them (the engine's stream breaks sequence every time): from this one on, they wait
+# the reconnect backoff instead of resubscribing at once.
+_GAPS_BEFORE_BACKOFF = 2
+# The largest `KvEventBatch.sequence_number` (uint64).
+MAX_SEQUENCE_NUMBER = (1 << 64) - 1
 
 
 def _medium(value: int) -> str | None:
@@ -180,6 +190,9 @@ class OpenEngineSource:
         self.on_batch_time = on_batch_time
         self.on_sequence_break = on_sequence_break
         self.last_seq: int | None = None
+        # Batches out of sequence (not snapshots) since the last batch in sequence: an engine
+        # whose every stream breaks sequence is resubscribed with backoff, not at once.
+        self._gaps_in_a_row = 0
         # Set when the engine lacks SubscribeKvEvents and its advertised ZMQ sources are
         # followed instead (one per data-parallel rank).
         self.zmq_sources: tuple[ZmqSource, ...] = ()
@@ -237,7 +250,8 @@ class OpenEngineSource:
             follow_zmq = False
             try:
                 async with self._channels.aio_channel(self.settings.target) as channel:
-                    if await self._subscribe(channel):
+                    delivered = await self._subscribe(channel)
+                    if delivered and self._gaps_in_a_row < _GAPS_BEFORE_BACKOFF:
                         backoff = self.settings.backoff_initial_s
             except asyncio.CancelledError:
                 raise
@@ -264,7 +278,14 @@ class OpenEngineSource:
                         "openengine source %s: ZMQ discovery failed", self.settings.target
                     )
             if self._resync_wanted is not None:
-                continue  # resubscribe at once
+                if self._gaps_in_a_row < _GAPS_BEFORE_BACKOFF:
+                    continue  # resubscribe at once
+                log.warning(
+                    "worker %s: its stream broke sequence again before a batch in sequence; "
+                    "resubscribing in %.1fs",
+                    self.worker_id,
+                    backoff,
+                )
             self.counters.num_restarts += 1
             self._wake.clear()
             # A resync request ends the wait. (Not `asyncio.wait_for`: on Python 3.11 it loses
@@ -301,6 +322,10 @@ class OpenEngineSource:
             log.warning("worker %s: %s; resubscribing", self.worker_id, self._resync_wanted)
             self._resync_wanted = None
             self.last_seq = None  # the snapshot (or replay from 0) clears and rebuilds
+        if self.last_seq == MAX_SEQUENCE_NUMBER:
+            # No next number to resume from (the engine's nonsense, or a wrap): start over
+            # from a snapshot, which clears and rebuilds, as after a resync.
+            self.last_seq = None
         start = 0 if self.last_seq is None else self.last_seq + 1
         request = pb.SubscribeKvEventsRequest(
             data_parallel_ranks=self.settings.data_parallel_ranks,
@@ -316,10 +341,8 @@ class OpenEngineSource:
         try:
             async for response in call:
                 if response.WhichOneof("event") == "error":
-                    ended = (
-                        f"the stream ended with {pb.ErrorCode.Name(response.error.code)}: "
-                        f"{response.error.message}"
-                    )
+                    code = enum_name(pb.ErrorCode.DESCRIPTOR, response.error.code)
+                    ended = f"the stream ended with {code}: {response.error.message}"
                     log.warning("openengine source %s: %s", self.settings.target, ended)
                     break
                 if response.WhichOneof("event") == "batch":
@@ -353,7 +376,9 @@ class OpenEngineSource:
         self.counters.num_messages += 1
         seq = batch.sequence_number
         expected = None if self.last_seq is None else self.last_seq + 1
-        if seq != expected:
+        if seq == expected:
+            self._gaps_in_a_row = 0
+        else:
             if expected is not None:
                 self.counters.num_gaps += 1
                 log.warning(
@@ -364,6 +389,7 @@ class OpenEngineSource:
                 )
                 if not _is_snapshot(batch):  # what the clear drops comes back with a snapshot
                     self._resync_wanted = "batches went missing from the stream"
+                    self._gaps_in_a_row += 1
             self.counters.num_resets += 1
             await self.sink.apply(self.translator.reset(seq=seq))
             self.counters.num_batches_applied += 1

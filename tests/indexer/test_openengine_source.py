@@ -38,6 +38,7 @@ from tests.engine.engine_server_harness import sim_config
 from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
 from tests.indexer.hybrid_events import hybrid_payload
 from tests.partial_servicers import PartialOpenEngine
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 20.0
@@ -232,6 +233,31 @@ async def test_a_live_batch_after_a_gap_is_followed_by_a_snapshot_subscription()
     ]
     assert _keys(index, target) == {10: Tier.HBM, 11: Tier.HBM, 12: Tier.HBM, 13: Tier.HBM}
     assert (source.counters.num_gaps, source.counters.num_resyncs) == (1, 1)
+
+
+async def test_a_stream_that_breaks_sequence_at_every_subscription_is_resubscribed_with_backoff(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine whose every subscription goes out of sequence (10, then 5): the first gap
+    resubscribes at once, as above; one after it with no batch in sequence between them waits
+    the reconnect backoff, saying so. It resubscribed at once every time: about 500
+    subscriptions a second, each clearing the worker and waking the controller's identity
+    poll."""
+    broken = [_batch(10, _stored(1)), _batch(5, _stored(2))]
+    engine = ScriptedEngine([broken, broken, broken])
+    server, target = await _serve(engine)
+    source = _source(target, PrefixIndex())
+    try:
+        async with running(source.run()):
+            await eventually(lambda: len(engine.requests) == 4, WAIT_S, "a 4th subscription")
+    finally:
+        engine.hold.set()
+        await server.stop(None)
+    counters = source.counters
+    # The 2nd and 3rd resubscriptions waited the backoff; the 1st went at once.
+    assert (counters.num_gaps, counters.num_resyncs, counters.num_restarts) == (3, 3, 2)
+    again = f"worker {target}: its stream broke sequence again before a batch in sequence"
+    assert sum(r.getMessage().startswith(again) for r in caplog.records) == 2
 
 
 async def _first_zmq_message(

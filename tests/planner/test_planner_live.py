@@ -682,12 +682,17 @@ async def test_an_engine_that_dies_while_draining_is_forgotten_not_replaced(
         assert metrics.registry.get_sample_value("kvplane_planner_engines_lost_total", lost) == 1
 
 
+@pytest.mark.parametrize(
+    ("code", "named"),
+    [(pb.ERROR_CODE_OVERLOADED, "ERROR_CODE_OVERLOADED"), (99, "ErrorCode 99")],
+)
 async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int, named: str
 ) -> None:
     """An engine ends a subscriber that fell too far behind (one EngineError event, then the
     end, as engine.server's SubscribeRuntimeEvents does): the planner says why and subscribes
-    again, so later passes still reach the core."""
+    again, so later passes still reach the core. An error code this build does not know is
+    named by its number (it failed the subscription with ValueError)."""
     monkeypatch.setattr(live_module, "RESUBSCRIBE_S", 0.01)
     subscriptions = 0
 
@@ -699,7 +704,7 @@ async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
             subscriptions += 1
             if subscriptions == 1:
                 yield forward_pass(duration_ms="10", batch_size="1")
-                overrun = pb.EngineError(code=pb.ERROR_CODE_OVERLOADED, message="fell behind")
+                overrun = pb.EngineError(code=code, message="fell behind")  # type: ignore[arg-type]
                 yield pb.SubscribeRuntimeEventsResponse(error=overrun)
                 return
             yield forward_pass(duration_ms="20", batch_size="1")
@@ -710,7 +715,7 @@ async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
         await until_passes(engine, 2)
     assert [p.duration_s for p in engine.passes] == [0.01, 0.02]
     assert subscriptions == 2
-    ended = f"runtime events of {engine.engine_id} ended by the engine (ERROR_CODE_OVERLOADED"
+    ended = f"runtime events of {engine.engine_id} ended by the engine ({named}"
     assert any(r.getMessage().startswith(f"{ended}: fell behind)") for r in caplog.records)
 
 
