@@ -42,6 +42,7 @@ from kvplane.cli_common import (
     emit,
     finite_number,
     not_blank,
+    server_kind,
     target_option,
     usage_error_for,
 )
@@ -68,11 +69,26 @@ PromptOpt = Annotated[
     str | None,
     typer.Option("--prompt", help="Prompt text.", callback=not_blank("the prompt's text")),
 ]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="Model the request names (default: the fleet's default model).",
+        callback=not_blank("a model name, or leave it out for the default model"),
+    ),
+]
+# An empty --lora or --cache-salt is what leaving it out means: a request without one.
 LoraOpt = Annotated[
-    str, typer.Option("--lora", help="LoRA adapter the request names (its engines, its cache).")
+    str,
+    typer.Option(
+        "--lora", help="LoRA adapter the request names (its engines, its cache; default: none)."
+    ),
 ]
 CacheSaltOpt = Annotated[
-    str, typer.Option("--cache-salt", help="The request's cache salt (its own cached prefixes).")
+    str,
+    typer.Option(
+        "--cache-salt", help="The request's cache salt (its own cached prefixes; default: none)."
+    ),
 ]
 EngineOpt = Annotated[
     str | None, typer.Option("--engine", help="Only this fleet engine.", callback=a_name)
@@ -132,7 +148,8 @@ def _is_unimplemented(exc: grpc.RpcError) -> bool:
 
 
 class ControllerRequiredError(KvplaneError):
-    """A fleet command was sent to a target without the controller's admin API (an engine)."""
+    """A fleet command was sent to a target without the controller's admin API (an engine, an
+    indexer: named by `server_kind`)."""
 
 
 def _admin_call(command: str, server: ClientTarget, rpc: Callable[[apb_grpc.AdminStub], T]) -> T:
@@ -144,9 +161,11 @@ def _admin_call(command: str, server: ClientTarget, rpc: Callable[[apb_grpc.Admi
         except grpc.RpcError as exc:
             if not _is_unimplemented(exc):
                 raise
+            kind = server_kind(channel)
+            what = f"is {kind}, which serves" if kind else "serves"
             raise ControllerRequiredError(
-                f"`{command}` needs a controller: {server.address} serves no kvplane admin API "
-                "(an engine?); give the controller's --target"
+                f"`{command}` needs a controller: {server.address} {what} no kvplane admin "
+                "API; give the controller's --target"
             ) from None
 
 
@@ -159,11 +178,11 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def _prompt_query(
-    prompt: str | None, tokens_file: Path | None, model: str, lora: str, cache_salt: str
+    prompt: str | None, tokens_file: Path | None, model: str | None, lora: str, cache_salt: str
 ) -> apb.PromptQuery:
     if (prompt is None) == (tokens_file is None):
         raise typer.BadParameter("give exactly one of --prompt and --tokens-file")
-    query = apb.PromptQuery(model=model, lora_name=lora, cache_salt=cache_salt)
+    query = apb.PromptQuery(model=model or "", lora_name=lora, cache_salt=cache_salt)
     if prompt is not None:
         query.prompt = prompt
     else:
@@ -401,7 +420,7 @@ def match(
     *,
     prompt: PromptOpt = None,
     tokens_file: TokensFileOpt = None,
-    model: Annotated[str, typer.Option(help="Model name.")] = "",
+    model: ModelOpt = None,
     lora: LoraOpt = "",
     cache_salt: CacheSaltOpt = "",
     target: TargetOpt = None,
@@ -448,7 +467,7 @@ def route(
     *,
     prompt: PromptOpt = None,
     tokens_file: TokensFileOpt = None,
-    model: Annotated[str, typer.Option(help="Model name.")] = "",
+    model: ModelOpt = None,
     lora: LoraOpt = "",
     cache_salt: CacheSaltOpt = "",
     bypass_prefix_cache: Annotated[
@@ -460,21 +479,22 @@ def route(
         ),
     ] = False,
     session_key: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--session-key",
             help="As a request carrying this session key (the value of its "
             "router.session_metadata_key metadata): sent where that session is bound, "
             "reason session.",
+            callback=not_blank("a session key, or leave it out for a request of no session"),
         ),
-    ] = "",
+    ] = None,
     target: TargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Where the router would send a prompt, and every engine's cost terms (controller)."""
     query = _prompt_query(prompt, tokens_file, model, lora, cache_salt)
     query.bypass_prefix_cache = bypass_prefix_cache
-    query.session_key = session_key
+    query.session_key = session_key or ""
     reply = _admin_call(
         "route", _server(ctx, target), lambda stub: stub.Route(query, timeout=RPC_TIMEOUT_S)
     )
@@ -546,7 +566,7 @@ def _predicted_note(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def _prefix_unknown(reply: dict[str, Any], model: str) -> str:
+def _prefix_unknown(reply: dict[str, Any], model: str | None) -> str:
     """The lines saying why the engines' cached prefixes of the prompt are unknown: a text
     prompt that was not tokenized (no tokenizer for it, or too long), or an index that could
     not answer; empty when they are known."""

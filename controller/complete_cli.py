@@ -231,7 +231,10 @@ def complete(
     model: Annotated[
         str | None,
         typer.Option(
-            "--model", "-m", help="Model to ask for (default: the first the target generates with)."
+            "--model",
+            "-m",
+            help="Model to ask for (default: the first the target generates with).",
+            callback=not_blank("a model name, or leave it out for the first the target generates"),
         ),
     ] = None,
     session_key: Annotated[
@@ -240,6 +243,7 @@ def complete(
             "--session-key",
             help="Session of the request: a controller with router.session_metadata_key sends "
             "a session's requests to the engine that served it.",
+            callback=not_blank("a session key, or leave it out for a request of no session"),
         ),
     ] = None,
     session_metadata_key: Annotated[

@@ -39,6 +39,7 @@ from kvplane.cli_common import (
     bearer_metadata,
     client_channels,
     emit,
+    not_blank,
     remember_group_client,
     target_option,
     usage_error_for,
@@ -188,7 +189,13 @@ def resync(
 @index_app.command()
 def dump(
     ctx: typer.Context,
-    worker_id: Annotated[str, typer.Option(help="Only this worker (default: all).")] = "",
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            help="Only this worker (default: all).",
+            callback=not_blank("a worker id, or leave it out for every worker"),
+        ),
+    ] = None,
     target: IndexTargetOption = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
@@ -199,7 +206,7 @@ def dump(
         # Printed batch by batch as they arrive, with no deadline: a large index takes as long
         # as it takes, and is never held in memory whole.
         stream = api_grpc.KvIndexStub(channel).DumpIndex(
-            api.DumpIndexRequest(worker_id=worker_id), metadata=metadata
+            api.DumpIndexRequest(worker_id=worker_id or ""), metadata=metadata
         )
         batches = (_as_dict(batch) for batch in stream)
         if output is OutputFormat.json:
@@ -218,7 +225,7 @@ def _echo_json_array(items: Iterable[dict[str, Any]]) -> None:
     typer.echo("[]" if opening == "[" else "\n]")
 
 
-def _echo_dump_table(batches: Iterable[dict[str, Any]], worker_id: str) -> None:
+def _echo_dump_table(batches: Iterable[dict[str, Any]], worker_id: str | None) -> None:
     empty = True
     for batch in batches:
         empty = False

@@ -2,25 +2,54 @@
 into one line on stderr.
 
 Exit codes: 0 success, 1 a known error (bad config, unreachable target, RPC error, a run that
-fails), 2 usage errors: any bad command-line argument (`cli_common.usage_error_for`).
+fails, output that cannot be written), 2 usage errors: any bad command-line argument
+(`cli_common.usage_error_for`), a command left out (the group's help is printed), 130
+interrupted (Ctrl-C), 141 output to a closed pipe (`| head`; silent, as coreutils).
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from kvplane import __version__
-from kvplane.cli_common import OutputFormat, OutputOption, command_line_errors, emit
+from kvplane.cli_common import (
+    OutputFormat,
+    OutputOption,
+    command_line_errors,
+    emit,
+    usage_errors_named_as_ours,
+)
 from kvplane.errors import KvplaneError
 from kvplane.logs import LogFormat, LogLevel, configure_logging
 from kvplane.up.member import join_fleet
 
+
+class _KvplaneCommand(TyperGroup):
+    """The root command group: a usage error of any command under it names its parameter as
+    the project's own checks do (`usage_errors_named_as_ours`). A command's options are parsed
+    inside its group's `invoke`, the root's own in its `make_context`."""
+
+    # The contexts are click's (typer's own copy of it, which it does not export): Any.
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with usage_errors_named_as_ours():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with usage_errors_named_as_ours():
+            return super().invoke(ctx)
+
+
 app = typer.Typer(
     name="kvplane",
+    cls=_KvplaneCommand,
     help="KV-aware routing and indexing control plane for LLM inference fleets.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -95,11 +124,44 @@ def _register_groups() -> None:
 _register_groups()
 
 
+# The exit status of a command whose reader went away (`kvplane admin workers | head -1`): a
+# process killed by SIGPIPE, as a shell reports one (coreutils' `yes | head -1`: 141).
+CLOSED_PIPE_EXIT = 128 + signal.SIGPIPE
+
+
+def _after_closed_pipe(exc: BaseException) -> bool:
+    """Whether `exc` is click's exit after a write to a closed pipe: it catches EPIPE around
+    a command and exits 1, with the BrokenPipeError as the exit's context."""
+    return isinstance(exc.__context__, BrokenPipeError)
+
+
+def _leave_quietly_after_closed_pipe() -> None:
+    """Exit CLOSED_PIPE_EXIT with nothing on stderr: stdout now writes to /dev/null, so the
+    interpreter's last flush of what is still buffered does not fail and print a warning
+    (Python's documented way: docs.python.org/3/library/signal.html, "Note on SIGPIPE")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(CLOSED_PIPE_EXIT)
+
+
+# What writing the output fails with when its file cannot take it (`> /dev/full`, a full or
+# over-quota disk, an I/O error): one line, exit 1, as `cat` says "write error".
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+
+
 def main() -> None:
     join_fleet()  # a member of a `kvplane up` fleet: die with it, keep to its CPUs
     try:
         # Outside standalone mode click returns a `typer.Exit`'s code instead of exiting.
         code = app(standalone_mode=False)
+        sys.stdout.flush()  # a failure to write the last of the output is reported too
+    except BrokenPipeError:
+        _leave_quietly_after_closed_pipe()
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS or exc.filename is not None:
+            raise  # not a failed write (a file that cannot be opened names itself)
+        typer.echo(f"kvplane: error: write error: {exc.strerror}", err=True)
+        sys.exit(1)
     except KvplaneError as exc:
         typer.echo(f"kvplane: error: {exc}", err=True)
         sys.exit(1)
@@ -109,6 +171,8 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except (typer.Exit, SystemExit) as exc:
+        if _after_closed_pipe(exc):
+            _leave_quietly_after_closed_pipe()
         code = getattr(exc, "exit_code", None)
         if code is None:
             code = getattr(exc, "code", 0)

@@ -10,10 +10,11 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import grpc
 import typer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvplane.channels import (
     INSECURE,
@@ -140,6 +141,42 @@ TraceSpeedupOption = Annotated[
 ]
 
 
+class NamedParameter(Protocol):
+    """What names a click parameter (a `typer.CallbackParam`, the one a BadParameter holds)."""
+
+    @property
+    def param_type_name(self) -> str: ...
+    @property
+    def name(self) -> str | None: ...
+    @property
+    def opts(self) -> list[str]: ...
+
+
+def param_hint_of(param: NamedParameter) -> str:
+    """How a usage error names `param`, as README's exit codes show it: `--target` (an
+    option's first long name), `ENGINE` (an argument), rather than click's own quoted list of
+    every name of the option (`'--target' / '-t'`)."""
+    if param.param_type_name == "argument":
+        return (param.name or "").upper()
+    long_names = [name for name in param.opts if name.startswith("--")]
+    return (long_names or param.opts)[0]
+
+
+@contextmanager
+def usage_errors_named_as_ours() -> Iterator[None]:
+    """Inside: a usage error of a parameter (click's own checks: a value out of range, not an
+    integer, not a choice; a callback's BadParameter without a hint) names its parameter by
+    `param_hint_of`, as every check of this project's does (`usage_error_for`). A missing
+    one keeps click's wording (`Missing option '--config' / '-c'.`)."""
+    try:
+        yield
+    except typer.BadParameter as exc:
+        # Not its subclass MissingParameter, whose message is worded around click's hint.
+        if type(exc) is typer.BadParameter and exc.param is not None and exc.param_hint is None:
+            exc.param_hint = param_hint_of(exc.param)
+        raise
+
+
 def not_blank(what: str) -> Callable[[typer.CallbackParam, str | None], str | None]:
     """A callback for an argument or option that must hold text (`what`: what to give
     instead, "a name"): an empty or blank value (an unset shell variable) is a usage error
@@ -148,9 +185,7 @@ def not_blank(what: str) -> Callable[[typer.CallbackParam, str | None], str | No
 
     def check(param: typer.CallbackParam, value: str | None) -> str | None:
         if value is not None and not value.strip():
-            argument = param.param_type_name == "argument"
-            hint = param.name.upper() if argument and param.name else None
-            raise typer.BadParameter(f"is empty: give {what}", param_hint=hint)
+            raise typer.BadParameter(f"is empty: give {what}", param_hint=param_hint_of(param))
         return value
 
     return check
@@ -351,6 +386,31 @@ _CLIENT_FLAGS = ClientSettings(
 )
 
 
+# The service by which each kind of kvplane server is known, as each registers it
+# (controller.app, indexer.servicer, engine.server): a controller serves OpenEngine too (its
+# gateway), so the admin API is asked about first.
+_KIND_BY_SERVICE = (
+    ("kvplane.v1.Admin", "a kvplane controller"),
+    ("kvplane.v1.KvIndex", "a kvplane indexer"),
+    ("openengine.v1.OpenEngine", "a kvplane engine"),
+)
+
+
+def server_kind(channel: grpc.Channel) -> str | None:
+    """What kind of kvplane server answers on `channel` ("a kvplane indexer"), for an error
+    about a target of the wrong kind. Every kvplane server's health service knows each service
+    it serves (`kvplane.server.create_server`; no token needed) and answers NOT_FOUND for the
+    others. None: none of them answered (not a kvplane server)."""
+    health = health_pb2_grpc.HealthStub(channel)
+    for service, kind in _KIND_BY_SERVICE:
+        try:
+            health.Check(health_pb2.HealthCheckRequest(service=service), timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError:
+            continue
+        return kind
+    return None
+
+
 @contextmanager
 def rpc_channel(
     target: str, expects: str | None = None, channels: ClientChannels = INSECURE
@@ -358,7 +418,8 @@ def rpc_channel(
     """A channel to `target` (insecure, or TLS per `channels`) whose gRPC errors become
     one-line RpcCallErrors. `expects`: what the target should be ("a kvplane indexer"); a
     server without the method called (another kind of server) is then said to be something
-    else, rather than gRPC's "UNIMPLEMENTED: Method not found!". A server that hangs up on
+    else (what it is, when it is a kvplane server: `server_kind`), rather than gRPC's
+    "UNIMPLEMENTED: Method not found!". A server that hangs up on
     the connection most likely wants TLS or a client certificate: the error says so. One that
     lets a call's deadline (RPC_TIMEOUT_S) pass is said not to have answered, rather than
     gRPC's "DEADLINE_EXCEEDED: Deadline Exceeded"."""
@@ -369,9 +430,9 @@ def rpc_channel(
             code = exc.code() if isinstance(exc, grpc.Call) else None
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
             if expects and code == grpc.StatusCode.UNIMPLEMENTED and details == METHOD_NOT_FOUND:
-                raise RpcCallError(
-                    f"{target} is not {expects}: it does not serve this call"
-                ) from None
+                kind = server_kind(channel)
+                what = f"it is {kind}" if kind else "it does not serve this call"
+                raise RpcCallError(f"{target} is not {expects}: {what}") from None
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and details == CLIENT_DEADLINE_PASSED:
                 raise RpcCallError(
                     f"{target} did not answer within {RPC_TIMEOUT_S:g} s (is its process "

@@ -210,6 +210,7 @@ def load_config(
         frozenset(given),
         wanted_by=wanted_by,
         from_file=path is not None,
+        under_flags={field: data[field] for field in given if field in data},
     )
 
 
@@ -285,11 +286,13 @@ def validate_config(
     *,
     wanted_by: str = "--config",
     from_file: bool = True,
+    under_flags: dict[str, object] | None = None,
 ) -> ConfigT:
     """Validate `data` as `model`. On failure, one ConfigError listing every problem by where
     its value came from: a field in `flag_fields` from its flag (`invalid --role: ...`), any
     other from `where` (`invalid config in FILE: key: ...`); a check across fields, from
-    both (`invalid config in FILE with --model: ...`), or from the flags alone when not
+    both (`invalid config in FILE with --model: ...`: the flags it involves, `_flags_involved`;
+    `under_flags`: the file's values the flags replaced), or from the flags alone when not
     `from_file` (`where` then names defaults, which pass every check). When a flag is blamed,
     the error is a CommandLineError naming the first such flag. A config of another kind (its
     top-level keys all another kind's) is said to be one in a line instead (`FILE looks like a
@@ -314,12 +317,16 @@ def validate_config(
                 source = f"invalid {flag}"
             elif loc or not flag_fields:
                 source = f"invalid config in {where}"
-            elif not from_file:
-                flag = " / ".join(_flag_name(field) for field in sorted(flag_fields))
-                source = f"invalid {flag}"
             else:
-                flags = ", ".join(_flag_name(field) for field in sorted(flag_fields))
-                source = f"invalid config in {where} with {flags}"
+                involved = _flags_involved(model, data, flag_fields, under_flags or {}, err)
+                if not from_file:  # the defaults pass every check: some flag is involved
+                    flag = " / ".join(_flag_name(f) for f in involved or sorted(flag_fields))
+                    source = f"invalid {flag}"
+                elif involved:
+                    flags = ", ".join(_flag_name(field) for field in involved)
+                    source = f"invalid config in {where} with {flags}"
+                else:
+                    source = f"invalid config in {where}"
             message = _without_pydantic_prefix(err)
             problem = f"{'.'.join(loc)}: {message}" if loc else message
             by_source.setdefault(source, []).append(problem)
@@ -332,6 +339,30 @@ def validate_config(
             flag, problems = next(iter(by_flag.items()))
             raise CommandLineError(message, param_hint=flag, problem="; ".join(problems)) from exc
         raise ConfigError(message) from exc
+
+
+def _flags_involved(
+    model: type[BaseModel],
+    data: dict[str, object],
+    flag_fields: frozenset[str],
+    under_flags: dict[str, object],
+    err: ErrorDetails,
+) -> list[str]:
+    """The fields of `flag_fields` whose flag a check across fields (`err`, failed on `data`)
+    involves: those without whose flag (the file's value back, else the default) it passes.
+    A `redis:` block with `backend: memory` involves no `--listen` given with it."""
+    involved = []
+    for field in sorted(flag_fields):
+        without = {key: value for key, value in data.items() if key != field}
+        if field in under_flags:
+            without[field] = under_flags[field]
+        try:
+            model.model_validate(without)
+        except ValidationError as exc:
+            if any(not e["loc"] and e["msg"] == err["msg"] for e in exc.errors()):
+                continue  # fails the same way without it
+        involved.append(field)
+    return involved
 
 
 # What pydantic writes before the message of an exception raised by a validator (our checks):

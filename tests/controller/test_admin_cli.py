@@ -380,8 +380,9 @@ async def test_every_command_carries_the_token_to_a_read_protected_server(
 
 
 async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> None:
-    """An indexer given to the engine commands, a controller or an engine given to `admin
-    index`: one line naming what the target is not, not gRPC's "Method not found!". A
+    """An indexer given to the engine commands or the fleet commands, a controller or an
+    engine given to `admin index`: one line naming what the target is not and what it is
+    (`drain` said "(an engine?)" of an indexer), not gRPC's "Method not found!". A
     server's /metrics port (HTTP/1) given for its gRPC one: said to answer HTTP/1, not gRPC's
     "Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame type 79)"."""
     config = IndexerConfig(listen="127.0.0.1:0")
@@ -395,24 +396,42 @@ async def test_a_target_of_another_kind_is_named_in_one_line(fleet: Fleet) -> No
     metrics_server, metrics_port = start_metrics_server("127.0.0.1:0", CollectorRegistry())
     indexer, engine = f"127.0.0.1:{port}", fleet.address(fleet.engines[0])
     metrics = f"127.0.0.1:{metrics_port}"
-    engines = " is not a controller or an engine: it does not serve this call"
-    indexers = " is not a kvplane indexer: it does not serve this call"
-    http1 = ": UNAVAILABLE: the server answers HTTP/1, not gRPC (a /metrics address?)"
+    engines = f"{indexer} is not a controller or an engine: it is a kvplane indexer"
+
+    def needs_a_controller(command: str) -> str:
+        return (
+            f"`{command}` needs a controller: {indexer} is a kvplane indexer, which serves no "
+            "kvplane admin API; give the controller's --target"
+        )
+
+    def http1(target: str) -> str:
+        return f"{target}: UNAVAILABLE: the server answers HTTP/1, not gRPC (a /metrics address?)"
+
     try:
         for target, command, says in (
             (indexer, ["workers"], engines),
             (indexer, ["health"], engines),
             (indexer, ["lora", "list"], engines),
             (indexer, ["abort", "--all"], engines),
-            (fleet.target, ["index", "stats"], indexers),
-            (engine, ["index", "match", "--hashes", "1"], indexers),
-            (metrics, ["health"], http1),
-            (metrics, ["workers"], http1),
-            (metrics, ["index", "stats"], http1),
+            (indexer, ["drain", "e0"], needs_a_controller("drain ENGINE")),
+            (indexer, ["cordon", "e0"], needs_a_controller("cordon")),
+            (
+                fleet.target,
+                ["index", "stats"],
+                f"{fleet.target} is not a kvplane indexer: it is a kvplane controller",
+            ),
+            (
+                engine,
+                ["index", "match", "--hashes", "1"],
+                f"{engine} is not a kvplane indexer: it is a kvplane engine",
+            ),
+            (metrics, ["health"], http1(metrics)),
+            (metrics, ["workers"], http1(metrics)),
+            (metrics, ["index", "stats"], http1(metrics)),
         ):
             result = await cli("--target", target, *command)
             assert result.exit_code == 1, (command, result.output)
-            assert str(result.exception) == f"{target}{says}", command
+            assert str(result.exception) == says, command
     finally:
         metrics_server.shutdown()
         await server.stop(None)

@@ -28,9 +28,11 @@ def admin(*args: str) -> Result:
     ],
 )
 def test_an_option_out_of_range_is_a_usage_error(command: list[str], option: str) -> None:
+    """Worded as every usage error of the project's own checks (README: exit codes), not
+    click's `Invalid value for '--id'`."""
     result = admin(*command)
     assert result.exit_code == 2
-    assert f"Invalid value for '{option}'" in result.output
+    assert f"Invalid value for {option}: Input should be less than or equal to" in result.output
     assert not isinstance(result.exception, ValueError)
     assert "Traceback" not in result.output
 
@@ -79,11 +81,11 @@ def test_arguments_that_do_not_go_together_are_a_usage_error(
         (["remove", ""], "ENGINE"),
         (["drain", ""], "ENGINE"),
         (["abort", ""], "REQUEST_ID"),
-        (["lora", "load", "x", "/tmp/x", "--id", "1", "--engine", ""], "'--engine'"),
-        (["lora", "unload", "x", "--engine", " "], "'--engine'"),
+        (["lora", "load", "x", "/tmp/x", "--id", "1", "--engine", ""], "--engine"),
+        (["lora", "unload", "x", "--engine", " "], "--engine"),
         (["index", "resync", ""], "ENGINE"),
-        (["match", "--prompt", ""], "'--prompt'"),
-        (["route", "--prompt", " "], "'--prompt'"),
+        (["match", "--prompt", ""], "--prompt"),
+        (["route", "--prompt", " "], "--prompt"),
     ],
 )
 def test_an_empty_name_or_prompt_is_a_usage_error(args: list[str], hint: str) -> None:
@@ -93,8 +95,30 @@ def test_an_empty_name_or_prompt_is_a_usage_error(args: list[str], hint: str) ->
     (match and route explained a prompt the gateway refuses)."""
     result = admin(*args)
     assert result.exit_code == 2, result.output
-    what = "the prompt's text" if hint == "'--prompt'" else "a name"
+    what = "the prompt's text" if hint == "--prompt" else "a name"
     assert f"Invalid value for {hint}: is empty: give {what}" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "instead"),
+    [
+        (["index", "dump", "--worker-id", ""], "--worker-id", "a worker id, or leave it out for"),
+        (["match", "--prompt", "a", "--model", ""], "--model", "a model name, or leave it out"),
+        (["route", "--prompt", "a", "--model", " "], "--model", "a model name, or leave it out"),
+        (["route", "--prompt", "a", "--session-key", ""], "--session-key", "a session key, or"),
+    ],
+)
+def test_an_empty_value_is_not_taken_for_the_default(
+    args: list[str], option: str, instead: str
+) -> None:
+    """An empty value (an unset shell variable) where leaving the option out means the
+    default: `index dump --worker-id ""` dumped every worker, `--model ""` asked about the
+    default model, `--session-key ""` about a request of no session. Refused before anything
+    is dialled (the target, port 1, would be refused anyway: it was exit 1)."""
+    result = admin(*args[:1], "--target", "127.0.0.1:1", *args[1:])
+    assert result.exit_code == 2, result.output
+    shown = " ".join(result.output.replace("│", " ").split())  # click's box, its lines wrapped
+    assert f"Invalid value for {option}: is empty: give {instead}" in shown
 
 
 @pytest.mark.parametrize(
@@ -111,7 +135,7 @@ def test_an_empty_target_is_a_usage_error(args: list[str]) -> None:
     """`--target "$UNSET"` names no server; it must not quietly mean the default one."""
     result = admin(*args)
     assert result.exit_code == 2
-    assert "Invalid value for '--target' / '-t': is empty: give HOST:PORT" in result.output
+    assert "Invalid value for --target: is empty: give HOST:PORT" in result.output
 
 
 @pytest.mark.parametrize(
@@ -132,5 +156,5 @@ def test_a_target_that_names_no_single_server_is_a_usage_error(
     out-of-range port round to another one (73636 reaches 8100) and send a drain there."""
     result = admin(*command[:1], "--target", target, *command[1:])
     assert result.exit_code == 2, result.output
-    assert "Invalid value for '--target' / '-t'" in result.output
+    assert "Invalid value for --target: " in result.output
     assert message in result.output

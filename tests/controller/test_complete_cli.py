@@ -203,6 +203,9 @@ def test_an_unreachable_target_is_one_line_and_exit_1() -> None:
         (["--target", ""], "--target"),
         (["--tokens-file", "/nonexistent/ids.json"], "--tokens-file"),
         (["--prompt", "hi", "--tokens-file", "/dev/null"], "--tokens-file"),
+        # Empty is not "the default" (leaving it out is): nothing is dialled (port 1).
+        (["-p", "hi", "-t", "127.0.0.1:1", "--model", ""], "--model: is empty: give a model"),
+        (["-p", "hi", "-t", "127.0.0.1:1", "--session-key", " "], "--session-key: is empty"),
     ],
 )
 def test_a_bad_option_exits_2(args: list[str], problem: str) -> None:

@@ -140,5 +140,5 @@ def test_bench_e2e_rejects_an_unknown_kv_events_mode() -> None:
         app, ["bench", "e2e", "--trace", str(TRACE), "--kv-events", "zmq", "-o", "json"]
     )
     assert result.exit_code == 2
-    assert "Invalid value for '--kv-events': Value error, 'zmq' is not one of" in result.output
+    assert "Invalid value for --kv-events: Value error, 'zmq' is not one of" in result.output
     assert "Traceback" not in result.output

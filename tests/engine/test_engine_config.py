@@ -45,8 +45,14 @@ def test_every_kv_transfer_key_names_the_role_that_reads_it() -> None:
 
 
 def test_the_role_flag_is_named_when_it_makes_the_engine_aggregated() -> None:
+    """The file's `role: prefill` replaced by `--role aggregated`; a file without a role
+    fails alone (the default is aggregated), and no flag is named."""
     data: dict[str, object] = {"role": "aggregated", "kv_transfer": {"session_ttl_s": 5.0}}
     with pytest.raises(ConfigError, match=r"with --role: .*kv_transfer\.session_ttl_s"):
+        validate_config(
+            EngineConfig, data, "engine.yaml", frozenset({"role"}), under_flags={"role": "prefill"}
+        )
+    with pytest.raises(ConfigError, match=r"^invalid config in engine.yaml: kv_transfer\."):
         validate_config(EngineConfig, data, "engine.yaml", frozenset({"role"}))
 
 

@@ -132,6 +132,44 @@ def test_usage_error_exits_2() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("group", [[], ["admin"], ["admin", "index"]])
+def test_a_command_left_out_prints_the_help_and_exits_2(group: list[str]) -> None:
+    """`kvplane` (or a group) without a command: its help, then exit 2 as any usage error
+    (README: exit codes), not 0: nothing was done."""
+    result = run(*group)
+    assert result.returncode == 2, result.stderr
+    assert "Usage: " in result.stdout and "Commands" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args", [["version"], ["version", "-o", "json"], ["admin", "--help"]])
+def test_output_that_cannot_be_written_is_one_line(args: list[str]) -> None:
+    """Output to a full disk (`> /dev/full`): one line and exit 1, as `cat`'s "write error",
+    for a command's output and for a help (it was a traceback)."""
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [*KVPLANE, *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60
+        )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == "kvplane: error: write error: No space left on device\n"
+
+
+@pytest.mark.parametrize("args", [["version"], ["--help"]])
+def test_output_to_a_closed_pipe_exits_141_quietly(args: list[str]) -> None:
+    """`kvplane ... | head -1` once head has gone: nothing on stderr and 141, as a coreutils
+    command killed by SIGPIPE (it was exit 1, as for a failure)."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        result = subprocess.run(
+            [*KVPLANE, *args], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60
+        )
+    finally:
+        os.close(write)
+    assert result.returncode == 128 + signal.SIGPIPE
+    assert result.stderr == ""
+
+
 @pytest.mark.parametrize(
     ("option", "value", "choices"),
     [("--log-level", "bogus", "'debug', 'info'"), ("--log-format", "JSONL", "'text', 'json'")],
@@ -142,7 +180,7 @@ def test_an_unknown_log_level_or_format_is_a_usage_error(
     """Not a traceback (an unknown level once reached `logging`), nor silently plain text."""
     result = run(option, value, "version")
     assert result.returncode == 2
-    assert f"Invalid value for '{option}'" in result.stderr and choices in result.stderr
+    assert f"Invalid value for {option}: " in result.stderr and choices in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -307,14 +345,47 @@ def test_an_empty_instance_id_in_the_file_is_a_config_error_naming_it(tmp_path: 
 
 
 def test_a_flag_at_odds_with_the_file_is_blamed_on_both(tmp_path: Path) -> None:
-    """Neither value is wrong alone: a config error, naming the file and the flag."""
+    """Neither value is wrong alone: a config error, naming the file and the flag (not the
+    flags given with it that the check does not involve)."""
     config = tmp_path / "engine.yaml"
-    config.write_text("kv_cache_bytes: 1000000\n")
-    result = run("engine", "serve", "--config", str(config), "--model", "sim")
+    config.write_text("model: builtin\nkv_cache_bytes: 1000000\n")
+    listen = ["--listen", "127.0.0.1:0"]  # given too, and not at odds with anything
+    result = run("engine", "serve", "--config", str(config), "--model", "sim", *listen)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"kvplane: error: invalid config in {config} with --model: the sim runner needs"
         " num_kv_blocks, not kv_cache_bytes"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("command", "content", "problem"),
+    [
+        (
+            ["indexer", "serve"],
+            "backend: memory\nredis:\n  buckets: 4\n",
+            "redis: options are for a Redis backend, but backend is memory: remove the redis: "
+            "block or set backend to redis://HOST:PORT/DB",
+        ),
+        (
+            # The file alone fails this way too: the sim model is the default.
+            ["engine", "serve", "--model", "sim"],
+            "kv_cache_bytes: 1000000\n",
+            "the sim runner needs num_kv_blocks, not kv_cache_bytes",
+        ),
+    ],
+)
+def test_a_check_across_keys_of_the_file_alone_blames_no_flag(
+    command: list[str], content: str, problem: str, tmp_path: Path
+) -> None:
+    """A problem between the file's own keys, with a flag it does not involve given too (it
+    said `invalid config in FILE with --listen: redis: ...`, blaming the flag)."""
+    config = tmp_path / "server.yaml"
+    config.write_text(content)
+    result = run(*command, "--config", str(config), "--listen", "127.0.0.1:0")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"kvplane: error: invalid config in {config}: {problem}"
     ]
 
 

@@ -62,26 +62,34 @@ def test_what_the_command_line_got_wrong_is_told_apart_from_the_file(tmp_path: P
 
 
 def test_a_check_across_fields_without_a_file_is_the_flags_alone() -> None:
-    """The embedded defaults pass every check: a combination they refuse is the flags'."""
+    """The embedded defaults pass every check: a combination they refuse is the flags', those
+    it involves (the sim model is the default: `--role decode` has no part in it)."""
     from engine.config import EngineConfig
 
     with pytest.raises(CommandLineError) as caught:
         load_config(EngineConfig, None, {"runner": "pooling", "role": "decode", "model": None})
-    assert caught.value.param_hint == "--role / --runner"
+    assert caught.value.param_hint == "--runner"
     assert caught.value.problem.startswith("runner: pooling needs a torch model")
-    assert str(caught.value).startswith("invalid --role / --runner: runner: pooling needs")
+    assert str(caught.value).startswith("invalid --runner: runner: pooling needs")
 
 
 def test_a_check_across_fields_names_the_file_and_the_flags(tmp_path: Path) -> None:
     from engine.config import EngineConfig
 
     path = tmp_path / "e.yaml"
+    path.write_text("model: builtin\nkv_cache_bytes: 1000000\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(EngineConfig, path, {"model": "sim", "role": "decode"})
+    assert str(caught.value) == (
+        f"invalid config in {path} with --model: the sim runner needs"
+        " num_kv_blocks, not kv_cache_bytes"
+    )
+    # The file alone fails so (the sim model is the default): no flag is blamed.
     path.write_text("kv_cache_bytes: 1000000\n")
     with pytest.raises(ConfigError) as caught:
         load_config(EngineConfig, path, {"model": "sim", "role": None})
     assert str(caught.value) == (
-        f"invalid config in {path} with --model: the sim runner needs"
-        " num_kv_blocks, not kv_cache_bytes"
+        f"invalid config in {path}: the sim runner needs num_kv_blocks, not kv_cache_bytes"
     )
 
 
