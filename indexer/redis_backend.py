@@ -19,17 +19,17 @@ ConfigError at start-up; a Redis that is merely down is not. Queries fail fast w
 until the batches buffered in the outage are applied (an answer without them would miss
 acknowledged placements). Redis refusing writes is such an outage too (an answer could show a
 block whose removal waits behind a refused report): at its `maxmemory`, where the buffered
-removals that come first of their worker's still apply (`_release_buffered`: they only free
-memory) and writer leases are kept (`_lease`), so that the index shrinks back under the cap by
-itself; and unable to persist to disk (MISCONF), until a save succeeds. Applies that cannot reach
-Redis are buffered in order (at most `max_buffered_batches`); past that, the worker whose
-batch overflows loses its buffered batches and is marked for resync. A background task brings the
-backend back by itself: it reloads the functions, detects a Redis that lost its data (the
-partition's boot token changed), removes the workers marked for resync (so nothing stale
-stays), replays the buffer in order, then asks the sources to resync those workers
-(`take_resync_requests` / `add_resync_listener`). A batch is never half-applied: each is one
-atomic function call, and re-applying one is idempotent. Snapshots and stats read the
-partition in several bounded calls, not one atomic cut.
+removals that may go ahead of what is buffered before them, with the in-order result, still
+apply (`_release_buffered`: they only free memory) and writer leases are kept (`_lease`), so
+that the index shrinks back under the cap by itself; and unable to persist to disk (MISCONF),
+until a save succeeds. Applies that cannot reach Redis are buffered in order (at most
+`max_buffered_batches`); past that, the worker whose batch overflows loses its buffered batches
+and is marked for resync. A background task brings the backend back by itself: it reloads the
+functions, detects a Redis that lost its data (the partition's boot token changed), removes the
+workers marked for resync (so nothing stale stays), replays the buffer in order, then asks the
+sources to resync those workers (`take_resync_requests` / `add_resync_listener`). A batch is
+never half-applied: each is one atomic function call, and re-applying one is idempotent.
+Snapshots and stats read the partition in several bounded calls, not one atomic cut.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ from indexer.backend import (
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier
 from indexer.component_rule import resident_components, spec_prefix_blocks
+from indexer.early_removals import early_removals
 from indexer.index import PrefixIndex
 from indexer.redis_client import (
     Client,
@@ -467,7 +468,7 @@ class RedisBackend:
         Redis's default): it refuses every function that could grow the index at its start
         (and FUNCTION LOAD), while queries (no-writes) and the functions that only free
         memory or rewrite a lease key that exists (`_RUN_AT_MAXMEMORY`) still run. An outage
-        (`_refusing_writes`) in which the buffered batches that only free memory are applied
+        (`_refusing_writes`) in which the buffered removals that may go ahead are applied
         (`_release_buffered`), so that the index shrinks back under the cap as engines evict
         blocks, and writer leases are kept (`_lease`)."""
         return self._refusing_writes(
@@ -922,32 +923,38 @@ class RedisBackend:
             self._request_resync({batch.worker_id})
 
     async def _release_buffered(self) -> bool:
-        """At maxmemory: apply now the buffered batches that only free memory (`_only_frees`)
-        and come first of their worker's (a worker's batches apply in order: a removal behind
-        a report waits for it), with kvp_release, which Redis runs even then, so that the
-        index shrinks back under the cap by itself and the rest can follow. Another worker's
-        batches may so apply after it, as if it had come first (they come from other sources:
-        their order is the arrival's). One call; whether it applied any."""
-        blocked: set[str] = set()
-        first: list[Batch] = []
-        for batch in self._buffer:
-            if batch.worker_id not in blocked and _only_frees(batch):
-                first.append(batch)
-            else:
-                blocked.add(batch.worker_id)
-        first = first[: _group_size(first)]
-        if not first:
-            return False
-        statuses = await self._replay_head(first, "kvp_release")
-        applied: set[int] = set()
-        for batch, status in zip(first, statuses, strict=True):
-            if status is None or not status.startswith(_GROWS):  # else it stays for kvp_apply
-                self._replayed(batch, status)
-                applied.add(id(batch))
-        self._buffer = deque(b for b in self._buffer if id(b) not in applied)
-        log.debug("Redis at %s is out of memory: %d buffered batches of removals applied, %d "
-                  "batches wait", self._where, len(applied), len(self._buffer))  # fmt: skip
-        return bool(applied)
+        """At maxmemory: apply now, with kvp_release, which Redis runs even then, the buffered
+        removals that may go ahead of what is buffered before them with the in-order result
+        (`early_removals`: REVOKEs of blocks no buffered REPORT before them names, CLEARs
+        before every buffered REPORT), so that the index shrinks back under the cap by itself
+        as engines evict blocks, even while each of their batches also stores new ones (vLLM
+        publishes one per engine step), and the rest can follow. Each batch's such removals
+        apply as one batch of its worker and are struck from it (nothing applies twice), in
+        calls of at most one group each. Found once: what is buffered meanwhile comes after
+        them, and a batch filtered out meanwhile (its worker removed or dropped) only held
+        back removals behind it. Whether it applied any."""
+        splits = early_removals(list(self._buffer))
+        applied = 0
+        while splits:
+            n = _group_size([s.early for s in splits])
+            chunk, splits = splits[:n], splits[n:]
+            statuses = await self._replay_head([s.early for s in chunk], "kvp_release")
+            left: dict[int, Batch | None] = {}
+            for split, status in zip(chunk, statuses, strict=True):
+                if status is None or not status.startswith(_GROWS):  # else it stays for kvp_apply
+                    self._replayed(split.early, status)
+                    left[id(split.batch)] = split.rest
+            if left:
+                buffer: deque[Batch] = deque()
+                for b in self._buffer:
+                    rest = left.get(id(b), b)
+                    if rest is not None:
+                        buffer.append(rest)
+                self._buffer = buffer
+                applied += len(left)
+        log.debug("Redis at %s is out of memory: removals of %d buffered batches applied, %d "
+                  "batches wait", self._where, applied, len(self._buffer))  # fmt: skip
+        return applied > 0
 
     async def _replay_head(
         self, head: list[Batch], function: str = "kvp_apply"
@@ -1301,11 +1308,6 @@ def _take_group(
     group = queue[:n]
     del queue[:n]
     return group
-
-
-def _only_frees(batch: Batch) -> bool:
-    """A batch of removals only (REVOKE, CLEAR): kvp_release may apply it at maxmemory."""
-    return all(a.type is not ActionType.REPORT for a in batch.actions)
 
 
 def _causes(exc: BaseException) -> list[BaseException]:

@@ -6,8 +6,9 @@ at its start. The writing process buffers its batches and its queries wait; a pr
 only reads stops answering once its maintenance probe is refused (another process may hold a
 removal buffered behind a report: no answer may show the block as if it had gone); both say
 that Redis is out of memory, and both answer exactly again, without a restart, once Redis
-takes writes. The batches that only free memory (removals, CLEAR, a worker removed) are
-applied meanwhile, first of their worker's, so that an index that filled Redis shrinks back
+takes writes. The removals (REVOKE, CLEAR, a worker removed) that may go ahead of what is
+buffered before them with the in-order result are applied meanwhile, those in batches that
+also report included (an engine step's), so that an index that filled Redis shrinks back
 under the cap by itself and the buffered reports follow; a writer under leases keeps them
 meanwhile (renewed with kvp_renew), so that its removals are not fenced past a lease's term.
 A policy that lets Redis evict the index's own keys (`allkeys-*`) is warned of at start-up;
@@ -17,11 +18,15 @@ a Redis that refuses CONFIG (as managed ones often do) is served without a word.
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 
 import pytest
 
+from indexer.backend import IndexBackend
 from indexer.batch import Action, ActionType, Batch, BlockKey, Tier
+from indexer.early_removals import early_removals
+from indexer.index import Placement
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import (
     IndexUnavailableError,
@@ -56,22 +61,24 @@ async def test_redis_out_of_memory_fails_closed_and_recovers_by_itself(
         server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
         server.command("CONFIG", "SET", "maxmemory", 1)  # far below what Redis uses
 
-        # The engine stored block 4, then evicted block 1: Redis refuses the report, and the
-        # removal waits behind it (in order), acknowledged and buffered, so neither process
-        # may show block 1 any more.
+        # The engine stored block 4, then evicted block 1: Redis refuses the report, buffered
+        # and acknowledged, so neither process may answer any more.
         await writer.apply(batch(ActionType.REPORT, (4,)))
-        await writer.apply(batch(ActionType.REVOKE, (1,)))
-        assert not writer.healthy and writer.num_buffered_batches == 2
+        assert not writer.healthy and writer.num_buffered_batches == 1
         assert OUT_OF_MEMORY in await why_unavailable(writer)
-        # Another worker's removal, with nothing of its worker buffered, is applied even now.
+        # The removal of a block the buffered report does not name is applied even now, as is
+        # another worker's, with nothing of its worker buffered.
+        await writer.apply(batch(ActionType.REVOKE, (1,)))
         await writer.apply(batch(ActionType.REVOKE, (11,), "w1"))
 
         async def released() -> bool:
-            return await worker_keys(reader, "w1") == {12}
+            return (
+                writer.num_buffered_batches == 1
+                and await worker_keys(reader, "w1") == {12}
+                and await worker_keys(reader, WORKER) == {2, 3}
+            )
 
-        await eventually(released, 30, "w1's removal to be applied at maxmemory")
-        assert writer.num_buffered_batches == 2
-        assert await worker_keys(reader, WORKER) == {1, 2, 3}  # w0's removal still waits
+        await eventually(released, 30, "the removals to be applied at maxmemory")
 
         await eventually(
             lambda: refuses_saying(reader, OUT_OF_MEMORY),
@@ -80,7 +87,7 @@ async def test_redis_out_of_memory_fails_closed_and_recovers_by_itself(
         )
         assert OUT_OF_MEMORY in await why_unavailable(reader)
         assert reader.unavailable is not None and OUT_OF_MEMORY in reader.unavailable
-        assert writer.num_buffered_batches == 2  # still refused
+        assert writer.num_buffered_batches == 1  # still refused
 
         server.command("CONFIG", "SET", "maxmemory", 0)  # the operator raises the cap
 
@@ -269,4 +276,161 @@ async def test_a_redis_that_refuses_config_is_served_without_a_warning(
         assert not [r for r in caplog.records if r.levelno >= logging.INFO]
     finally:
         await backend.close()
+        server.stop()
+
+
+def _step(stored: tuple[BlockKey, ...], evicted: tuple[BlockKey, ...], worker: str) -> Batch:
+    """One engine step's batch, as vLLM publishes it: the blocks stored, then those evicted."""
+    actions = [Action(ActionType.REPORT, Tier.HBM, stored, block_sizes=(16,) * len(stored))]
+    if evicted:
+        actions.append(Action(ActionType.REVOKE, Tier.HBM, evicted))
+    return Batch(worker, tuple(actions), f"addr-{worker}")
+
+
+async def test_engine_steps_that_store_and_evict_shrink_a_full_redis(tmp_path: Path) -> None:
+    """Redis is full; the engines go on serving, each step storing a few blocks and evicting
+    more (one batch each, as vLLM's). Every batch stores, so none may apply whole, but each
+    one's evictions free memory at once: the index falls back under the cap, the stored
+    blocks follow, and the index holds what the memory backend given the same batches does,
+    with no operator (before, nothing freed memory and the index stayed refused for good)."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    writer = await open_redis_backend(server.url, buckets=256, maintenance_interval_s=0.05)
+    expected = MemoryBackend()
+
+    async def apply(b: Batch) -> None:
+        await writer.apply(b)
+        await expected.apply(b)
+
+    try:
+        for worker, base in (("w0", 0), ("w1", 100_000)):  # 10,000 blocks each
+            for first in range(base + 1, base + 10_001, 500):
+                await apply(_step(tuple(range(first, first + 500)), (), worker))
+        used = await writer.used_memory_bytes()
+        server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        server.command("CONFIG", "SET", "maxmemory", used - 100_000)
+
+        # 40 steps per engine: 4 blocks stored, 200 evicted, oldest first.
+        for step in range(40):
+            for worker, base in (("w0", 0), ("w1", 100_000)):
+                stored = tuple(range(base + 50_001 + 4 * step, base + 50_005 + 4 * step))
+                evicted = tuple(range(base + 1 + 200 * step, base + 201 + 200 * step))
+                await apply(_step(stored, evicted, worker))
+        assert not writer.healthy
+        assert OUT_OF_MEMORY in await why_unavailable(writer)
+
+        async def recovered() -> bool:
+            return writer.healthy and writer.unavailable is None
+
+        await eventually(recovered, 30, "the evictions to free memory and the index recover")
+        assert used - await writer.used_memory_bytes() > 100_000
+        queries = [[1, 2], [8_001, 8_002], [50_001, 50_002, 50_160], [100_001], [150_157]]
+        assert await observe(writer, queries) == await observe(expected, queries)
+        assert len(await worker_keys(writer, "w0")) == 2_000 + 160
+    finally:
+        await writer.close()
+        server.stop()
+
+
+def _random_batch(rng: random.Random, worker: str) -> Batch:
+    """A batch of 1 to 4 random actions over 30 blocks and two tiers: chains reported (some
+    with token counts, masks, a parent, as new copies), blocks revoked (some one copy), tiers
+    cleared; now and then under another address."""
+    actions = []
+    for _ in range(rng.randint(1, 4)):
+        tier = rng.choice((Tier.HBM, Tier.DRAM))
+        keys = tuple(rng.sample(range(1, 31), rng.randint(1, 3)))
+        roll = rng.random()
+        if roll < 0.5:
+            masks = tuple(rng.randint(0, 3) for _ in keys) if rng.random() < 0.3 else ()
+            sizes = (16,) * len(keys) if rng.random() < 0.5 else ()
+            parent = rng.choice((None, rng.randint(1, 30)))
+            copies = rng.random() < 0.3
+            actions.append(Action(ActionType.REPORT, tier, keys, masks, sizes, parent, copies))
+        elif roll < 0.93:
+            actions.append(Action(ActionType.REVOKE, tier, keys, copies=rng.random() < 0.3))
+        else:
+            actions.append(Action(ActionType.CLEAR_ALL_AT_TIER, tier))
+    address = f"addr-{worker}" + ("-moved" if rng.random() < 0.1 else "")
+    return Batch(worker, tuple(actions), address)
+
+
+async def _placements(backend: IndexBackend) -> list[Placement]:
+    """Every placement, read the way a process may while Redis is full: from a snapshot."""
+    rebuilt = MemoryBackend()
+    async for b in backend.snapshot():
+        await rebuilt.apply(b)
+    return sorted(rebuilt.index.placements(), key=lambda p: (p.worker_id, p.tier, p.key))
+
+
+def _released_at_maxmemory(before: MemoryBackend, buffered: list[Batch]) -> MemoryBackend:
+    """`before` with what a full Redis applies of `buffered`: the removals that may go early,
+    each batch's under its worker's address and spec as Redis has them (kvp_release leaves a
+    batch that would store others, and its worker's later ones)."""
+    index = before.index
+    held: set[str] = set()
+    for split in early_removals(buffered):
+        worker = split.early.worker_id
+        as_redis_has_it = index.worker_info(worker)
+        if worker in held or as_redis_has_it != (
+            split.early.worker_address,
+            split.early.cache_spec,
+        ):
+            held.add(worker)
+            continue
+        index.apply(split.early)
+    return before
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_released_removals_leave_the_in_order_index(tmp_path: Path, seed: int) -> None:
+    """Random batches of three workers mixing reports and removals, Redis full part-way and
+    given memory again later: at the cap Redis holds exactly the removals that may go early
+    applied, and once it takes writes again the index is what the memory backend given the
+    same batches in order holds, to the last copy, mask, token count, hit count and address.
+    (Removals that waited only for their own worker's reports would leave other hit counts
+    and token counts than in order on half of these seeds.)"""
+    rng = random.Random(seed)
+    workers = ("w0", "w1", "w2")
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    writer = await open_redis_backend(server.url, buckets=16, maintenance_interval_s=0.05)
+    expected = MemoryBackend()
+    at_cap = MemoryBackend()
+    try:
+        for _ in range(40):
+            b = _random_batch(rng, rng.choice(workers))
+            for backend in (writer, expected, at_cap):
+                await backend.apply(b)
+        for backend in (writer, expected):  # hit counts, kept by blocks that stay
+            await backend.match(list(range(1, 31)), True)
+        server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        server.command("CONFIG", "SET", "maxmemory", 1)
+        buffered = [_random_batch(rng, rng.choice(workers)) for _ in range(60)]
+        for b in buffered:
+            await writer.apply(b)
+            await expected.apply(b)
+        assert not writer.healthy
+        released = _released_at_maxmemory(at_cap, buffered)
+
+        async def removals_released() -> bool:
+            return await _placements(writer) == await _placements(released)
+
+        await eventually(removals_released, 30, "the removals to be applied at maxmemory")
+        assert OUT_OF_MEMORY in await why_unavailable(writer)
+
+        server.command("CONFIG", "SET", "maxmemory", 0)
+        for _ in range(10):
+            b = _random_batch(rng, rng.choice(workers))
+            await writer.apply(b)
+            await expected.apply(b)
+
+        async def recovered() -> bool:
+            return writer.healthy and writer.unavailable is None
+
+        await eventually(recovered, 30, "the writing process to replay its buffer")
+        queries = [list(range(1, 31)), list(range(30, 0, -1)), [5, 6, 7]]
+        assert await observe(writer, queries) == await observe(expected, queries)
+    finally:
+        await writer.close()
         server.stop()
