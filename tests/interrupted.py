@@ -8,6 +8,8 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from tests.processes import DEFAULT_SIGNALS
+
 
 @dataclass(frozen=True, slots=True)
 class Interrupted:
@@ -23,6 +25,7 @@ async def interrupted(
     interrupted: `ready` may read its stdout), send it SIGINT and wait for it to exit. It is
     killed if `ready` fails, so that no process outlives the test."""
     process = await asyncio.create_subprocess_exec(
+        *DEFAULT_SIGNALS,
         sys.executable,
         "-m",
         "kvplane",

@@ -3,12 +3,13 @@ to be gone, and a process's descendants (a compiler's children, a fleet's member
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 from kvplane.process_tree import descendants
 
-__all__ = ["descendants", "running", "wait_gone"]
+__all__ = ["DEFAULT_SIGNALS", "descendants", "running", "wait_gone"]
 
 
 def running(pid: int) -> bool:
@@ -26,3 +27,16 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     while any(running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return [pid for pid in pids if running(pid)]
+
+
+# A command prefix that runs the rest of the command with SIGINT and SIGHUP at their default
+# actions, whatever ran the tests: a shell's background job (`.ci/run &`) starts with SIGINT
+# ignored, and `nohup` with SIGHUP ignored, and a process keeps what it inherits as ignored
+# (Python then installs no KeyboardInterrupt handler), so a test's Ctrl-C or hangup would
+# reach nothing.
+DEFAULT_SIGNALS = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+)

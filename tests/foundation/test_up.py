@@ -38,7 +38,7 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.fronted_engine import Context, Forwarding, start_fronted_engine
 from tests.engine.test_server_pooling_runner import write_headless_classifier
-from tests.processes import running, wait_gone
+from tests.processes import DEFAULT_SIGNALS, running, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
 MEMBER_LINE = re.compile(r"fleet member (\S+) \((\w+)\) on (\S+) pid (\d+)")
@@ -67,16 +67,6 @@ SIM_FLEET = (
     "  - name: controller\n"
     "    kind: controller\n"
     "    config: {engines: [{address: '${engine-0}'}, {address: '${engine-1}'}]}\n"
-)
-
-
-# Runs the command after it with SIGHUP's default action, as a terminal's session has it,
-# whatever ran the tests (a SIGHUP ignored, as under nohup, stays ignored across exec).
-HANGUP_DEFAULT = (
-    sys.executable,
-    "-c",
-    "import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
-    "os.execv(sys.argv[1], sys.argv[1:])",
 )
 
 
@@ -290,7 +280,7 @@ def test_interrupt_during_start_up_leaves_no_process(
     fleet.write_text(SIM_FLEET)
     proc = subprocess.Popen(
         [
-            *HANGUP_DEFAULT,
+            *DEFAULT_SIGNALS,
             sys.executable,
             "-m",
             "kvplane",
