@@ -28,7 +28,10 @@ and is marked for resync. A background task brings the backend back by itself: i
 functions, detects a Redis that lost its data (the partition's boot token changed), removes the
 workers marked for resync (so nothing stale stays), replays the buffer in order, then asks the
 sources to resync those workers (`take_resync_requests` / `add_resync_listener`). A batch is
-never half-applied: each is one atomic function call, and re-applying one is idempotent.
+never half-applied: each is one atomic function call. Re-applying one is not idempotent (a
+REPORT or REVOKE with `copies` adds or drops one more copy), so a call whose outcome is unknown
+(its connection dropped, or it timed out, after sending) is settled before its batches are
+replayed (`_settle`): the call's write mark says whether Redis ran it.
 Snapshots and stats read the partition in several bounded calls, not one atomic cut.
 """
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import itertools
 import logging
 import re
@@ -76,7 +80,7 @@ from indexer.backend import (
 )
 from indexer.batch import Action, ActionType, Batch, BlockKey, CacheSpec, Tier
 from indexer.component_rule import resident_components, spec_prefix_blocks
-from indexer.early_removals import early_removals
+from indexer.early_removals import EarlySplit, early_removals
 from indexer.index import PrefixIndex
 from indexer.redis_client import (
     Client,
@@ -149,6 +153,9 @@ _PARTITION_FULL = "KVP_WORKERS "
 _FENCED = "KVP_FENCED "
 # kvp_release's status for a batch it leaves to kvp_apply (it could grow the index).
 _GROWS = "KVP_GROWS "
+# A marked call whose mark Redis stored already (check_boot): it ran, or was settled as not
+# run (`_settle_held`), before this copy of it arrived.
+_STALE = "KVP_STALE "
 # Functions Redis runs even at its maxmemory (allow-oom in redis_functions.lua: they only free
 # memory, or rewrite a lease key that exists); every other writing function is refused there,
 # so only those say Redis takes writes.
@@ -193,6 +200,18 @@ async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
     return backend
 
 
+class _OutcomeUnknown(IndexUnavailableError):
+    """A marked call (`_fcall` with `boot`) whose reply never came: Redis may have run it, or
+    not (`_settle` finds out from its `mark`); with `ran`, Redis refused it as already run
+    (redis-py resent it after the first reply was lost): its reply, with the batches'
+    statuses, is lost all the same."""
+
+    def __init__(self, message: str, mark: int, ran: bool = False) -> None:
+        super().__init__(message)
+        self.mark = mark
+        self.ran = ran
+
+
 class _WritesRefused(IndexUnavailableError):
     """Redis answers, and runs queries, but refuses the index's writes (`_refusing_writes`)."""
 
@@ -234,6 +253,11 @@ class RedisBackend:
         self._next_mark = 1
         self._acked_mark = 0
         self._writes_lost = False
+        # Marked calls go one at a time, so that the stored mark tells whether a call whose
+        # reply was lost ran (`_settle`): that call's mark, and what its running did (None:
+        # nothing to undo), until settled.
+        self._marks_lock = asyncio.Lock()
+        self._in_doubt: tuple[int, Callable[[], None] | None] | None = None
         # Writer leases (`fence_writes`): this process's holder id and the lease of a worker
         # (its engine). None: writes are unconditional (the indexer's, seed 004's KVIndexer).
         self._fence_holder: str | None = None
@@ -656,9 +680,13 @@ class RedisBackend:
         *,
         readonly: bool = False,
         boot: bool = False,
+        if_ran: Callable[[], None] | None = None,
     ) -> Any:
         """One function call. With `boot` the partition's boot token goes first: the function
-        refuses to write into a partition that lost its data without this process noticing.
+        refuses to write into a partition that lost its data without this process noticing;
+        and the call carries this process's next write mark, one such call at a time, after
+        the last one whose outcome is unknown is settled (`_settle`; `if_ran`: what to do
+        if this one's outcome is unknown and it turns out to have run).
         A query fails at once while Redis is paused as silent (_SILENT_PAUSE_S); writes (the
         group commit, the recovery, which has its own backoff) still ask it, so that Redis back
         is found, and the pause ended, as soon as it answers."""
@@ -668,7 +696,16 @@ class RedisBackend:
         self._asking_again = self._asking_again or gated
         silences_seen = self._num_silences
         try:
-            reply = await self._fcall_once(function, args, readonly=readonly, boot=boot)
+            if boot:
+                async with self._marks_lock:
+                    await self._settle_held()
+                    try:
+                        reply = await self._fcall_once(function, args, readonly=False, boot=True)
+                    except _OutcomeUnknown as exc:
+                        self._in_doubt = (exc.mark, if_ran)
+                        raise IndexUnavailableError(str(exc)) from exc
+            else:
+                reply = await self._fcall_once(function, args, readonly=readonly, boot=False)
         except IndexUnavailableError as exc:
             self._failure = str(exc)
             if any(isinstance(e, RedisTimeoutError) for e in _causes(exc)):
@@ -699,14 +736,21 @@ class RedisBackend:
         *,
         readonly: bool,
         boot: bool,
+        mark: int | None = None,
     ) -> Any:
+        """`_fcall` without its pause; `mark`: the write mark to resend (`_settle_held`),
+        else with `boot` the next one."""
         silences_seen = self._num_silences
+        resent = mark
         for attempt in (0, 1):
             await self._ensure_ready(silences_seen)
             head: list[bytes | str | int] = [self._nb]
             mark = 0
             if boot:
-                mark, self._next_mark = self._next_mark, self._next_mark + 1
+                if resent is not None:
+                    mark = resent
+                else:
+                    mark, self._next_mark = self._next_mark, self._next_mark + 1
                 token = (self._boot or b"").decode()
                 head.append(f"{token} {self._writer} {self._acked_mark} {mark}")
             try:
@@ -720,6 +764,8 @@ class RedisBackend:
                 )
             except (*_UNREACHABLE, OSError) as exc:
                 self._ready = False
+                if boot:
+                    raise _OutcomeUnknown(str(self._unavailable(exc)), mark) from exc
                 raise self._unavailable(exc) from exc
             except ResponseError as exc:
                 text = str(exc)
@@ -729,6 +775,10 @@ class RedisBackend:
                 if stale and attempt == 0:
                     self._ready = False
                     continue
+                if boot and text.startswith(_STALE):
+                    raise _OutcomeUnknown(
+                        f"shared index unavailable: Redis at {self._where}: {text}", mark, ran=True
+                    ) from exc
                 if isinstance(exc, OutOfMemoryError):
                     raise self._out_of_memory(exc) from exc
                 if text.startswith(_CANNOT_PERSIST):
@@ -745,6 +795,43 @@ class RedisBackend:
                 self._took_writes()
             return reply
         raise AssertionError("unreachable")
+
+    async def _settle(self) -> None:
+        """`_settle_held`, for a caller not making a marked call."""
+        async with self._marks_lock:
+            await self._settle_held()
+
+    async def _settle_held(self) -> None:
+        """Finds out whether the marked call whose reply was lost ran, before any later marked
+        call is sent (the caller holds `_marks_lock`): it ran, atomically, iff the stored mark
+        (`lw:<writer>`) reached its mark. If not, that mark is claimed by resending it on an
+        empty kvp_release (run even at maxmemory; behind the lost call if Redis still holds
+        it, as under CLIENT PAUSE), so that the call, reaching Redis only afterwards, is refused
+        as stale (check_boot in redis_functions.lua) instead of running after its batches were
+        replayed; refused so itself, the call came first and ran."""
+        if self._in_doubt is None:
+            return
+        mark, if_ran = self._in_doubt
+        await self._ensure_ready()
+        try:
+            stored = await self._client.hget(self._meta_key, f"lw:{self._writer}")
+        except (*_UNREACHABLE, OSError) as exc:
+            self._ready = False
+            raise self._unavailable(exc) from exc
+        ran = int(stored or 0) >= mark
+        if not ran:
+            try:
+                await self._fcall_once("kvp_release", [], readonly=False, boot=True, mark=mark)
+            except _OutcomeUnknown as exc:
+                if not exc.ran:
+                    raise
+                ran = True
+        self._in_doubt = None
+        if ran:
+            log.info("Redis at %s ran the call whose reply was lost: not replayed", self._where)
+            self._acked_mark = max(self._acked_mark, mark)
+            if if_ran is not None:
+                if_ran()
 
     # ------------------------------------------------------------------ apply
 
@@ -771,12 +858,16 @@ class RedisBackend:
             self._start_recovery()
 
     async def _apply_batches(
-        self, batches: Sequence[Batch], function: str = "kvp_apply"
+        self,
+        batches: Sequence[Batch],
+        function: str = "kvp_apply",
+        if_ran: Callable[[], None] | None = None,
     ) -> list[str | None]:
         """One atomic call applying `batches` in order: per batch None, or why it was refused
         (then nothing of it was written): by Redis, or here when it cannot be encoded, which
         validation should have made impossible; such a batch fails alone, never its group.
-        `function`: kvp_apply, or kvp_release (`_release_buffered`)."""
+        `function`: kvp_apply, or kvp_release (`_release_buffered`). `if_ran`: see `_fcall`;
+        by default the batches, buffered meanwhile, leave the buffer (`_ran_buffered`)."""
         statuses: list[str | None] = [None] * len(batches)
         args: list[bytes | str | int] = []
         sent: list[int] = []
@@ -789,7 +880,10 @@ class RedisBackend:
             else:
                 sent.append(i)
         if sent:
-            replies = await self._fcall(function, args, boot=True)
+            ran = [batches[i] for i in sent]
+            replies = await self._fcall(
+                function, args, boot=True, if_ran=if_ran or (lambda: self._ran_buffered(ran))
+            )
             for i, status in zip(sent, replies, strict=True):
                 statuses[i] = None if status == 1 else _text(status)
         return statuses
@@ -839,6 +933,14 @@ class RedisBackend:
                     done.set_exception(IndexUnavailableError("shared index closed"))
             self._group.clear()
 
+    def _ran_buffered(self, batches: Sequence[Batch]) -> None:
+        """`batches` were applied by a call whose reply was lost (`_settle`): they leave the
+        buffer, where the outage put them, instead of applying twice. (Their statuses were lost
+        with the reply: each counts as applied.)"""
+        ran = {id(b) for b in batches}
+        self._buffer = deque(b for b in self._buffer if id(b) not in ran)
+        self._known_workers.update(b.worker_id for b in batches)
+
     def _start_recovery(self) -> None:
         if self._recovery is None or self._recovery.done():
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
@@ -861,6 +963,7 @@ class RedisBackend:
         while True:
             try:
                 await self._ensure_ready()
+                await self._settle()  # before the buffer is read: what ran leaves it
                 # (Until a write is taken, the last failure still says why: a Redis that
                 # answers may refuse every write, out of memory.)
                 while self._removals:
@@ -938,31 +1041,44 @@ class RedisBackend:
         while splits:
             n = _group_size([s.early for s in splits])
             chunk, splits = splits[:n], splits[n:]
-            statuses = await self._replay_head([s.early for s in chunk], "kvp_release")
+            statuses = await self._replay_head(
+                [s.early for s in chunk], "kvp_release", functools.partial(self._released, chunk)
+            )
             left: dict[int, Batch | None] = {}
             for split, status in zip(chunk, statuses, strict=True):
                 if status is None or not status.startswith(_GROWS):  # else it stays for kvp_apply
                     self._replayed(split.early, status)
                     left[id(split.batch)] = split.rest
-            if left:
-                buffer: deque[Batch] = deque()
-                for b in self._buffer:
-                    rest = left.get(id(b), b)
-                    if rest is not None:
-                        buffer.append(rest)
-                self._buffer = buffer
-                applied += len(left)
+            self._strike(left)
+            applied += len(left)
         log.debug("Redis at %s is out of memory: removals of %d buffered batches applied, %d "
                   "batches wait", self._where, applied, len(self._buffer))  # fmt: skip
         return applied > 0
 
+    def _released(self, chunk: Sequence[EarlySplit]) -> None:
+        """The kvp_release call of `chunk` ran, its reply lost (`_settle`): each batch's early
+        removals count as applied."""
+        self._known_workers.update(s.batch.worker_id for s in chunk)
+        self._strike({id(s.batch): s.rest for s in chunk})
+
+    def _strike(self, rests: dict[int, Batch | None]) -> None:
+        """Replaces the buffered batches whose early removals applied (by id) with the rest of
+        each (None: nothing is left of it)."""
+        if rests:
+            self._buffer = deque(
+                rest for b in self._buffer if (rest := rests.get(id(b), b)) is not None
+            )
+
     async def _replay_head(
-        self, head: list[Batch], function: str = "kvp_apply"
+        self,
+        head: list[Batch],
+        function: str = "kvp_apply",
+        if_ran: Callable[[], None] | None = None,
     ) -> list[str | None]:
         """`_apply_batches` for buffered batches; an unexpected failure (not Redis being away)
         refuses them, since retrying them would keep the outage going forever."""
         try:
-            return await self._apply_batches(head, function)
+            return await self._apply_batches(head, function, if_ran)
         except KvplaneError:
             raise
         except Exception as exc:

@@ -1,9 +1,10 @@
-#!lua name=kvplane_v4
+#!lua name=kvplane_v5
 --[[
 kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
 with FUNCTION LOAD REPLACE on every primary). The library's name and its functions' names end
-with its ABI version (`_v4`): a change of any function's arguments, replies or flags, or a
-function added, takes the next one (v4: kvp_release, kvp_renew, kvp_probe, allow-oom), so that
+with its ABI version (`_v5`): a change of any function's arguments, replies or flags, or a
+function added, takes the next one (v4: kvp_release, kvp_renew, kvp_probe, allow-oom; v5: a
+write whose mark is not above the stored one refused, KVP_STALE, see check_boot), so that
 processes of two kvplane versions sharing a Redis in a rolling upgrade each call
 their own library (a library's REPLACE would otherwise swap the other version's functions
 under it); the key layout below is shared by every version. docs/redis.md describes the layout; in short, for
@@ -325,7 +326,14 @@ local function check_boot(ctx, arg)
     return redis.error_reply('KVP_LOST acknowledged writes of this process are gone (Redis '
       .. 'came back with older data)')
   end
-  if tonumber(mark) > stored then redis.call('HSET', mkey, field, mark) end
+  -- A process sends its marked calls one at a time, in mark order, so a mark not above the
+  -- stored one is a copy of a call that ran (a client's resend after a lost reply) or one
+  -- that reached Redis only after the process settled it as not run (redis_backend.py
+  -- `_settle_held`, which resends its mark on an empty kvp_release): either must not run.
+  if tonumber(mark) <= stored then
+    return redis.error_reply('KVP_STALE this write ran already or was settled as not run')
+  end
+  redis.call('HSET', mkey, field, mark)
   return nil
 end
 
@@ -935,7 +943,7 @@ local function kvp_lease(keys, args) return lease(keys, args, false) end
 local function kvp_renew(keys, args) return lease(keys, args, true) end
 
 -- Every name ends with the ABI version, as the library's own (first line).
-local ABI = '_v4'
+local ABI = '_v5'
 redis.register_function('kvp_apply' .. ABI, kvp_apply)
 redis.register_function('kvp_lease' .. ABI, kvp_lease)
 redis.register_function('kvp_match' .. ABI, kvp_match)

@@ -3,12 +3,14 @@ only it, behind a network partition from an engine: the process reaches the engi
 it (a ZMQ endpoint given as the forwarder's, or gRPC's `grpc_proxy` environment variable
 naming it as an HTTP CONNECT proxy), its other connections (Redis) and other processes'
 direct routes stay up, and `cut()` drops its connections and refuses new ones, as a
-partition between the two would."""
+partition between the two would. `lose_next_reply` drops one connection between a request
+and its reply: the server ran the request, the client never learns whether it did."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 
 class TcpForwarder:
@@ -20,7 +22,14 @@ class TcpForwarder:
         self._server: asyncio.Server | None = None
         self._port = 0
         self._writers: set[asyncio.StreamWriter] = set()
+        self._serving: set[asyncio.Task[None]] = set()  # one per connection
         self.tunnels = 0  # connections forwarded so far
+        # `lose_next_reply` / `lose_next_request`: the marker, whether the request still
+        # reaches the server, how many more requests to lose, and the event set once lost.
+        self._doomed_by: bytes | None = None
+        self._doomed_after_server = True
+        self._doomed_times = 0
+        self._lost = asyncio.Event()
 
     @classmethod
     async def start(cls, to: str | None = None) -> TcpForwarder:
@@ -39,6 +48,30 @@ class TcpForwarder:
         """As a ZMQ endpoint."""
         return f"tcp://127.0.0.1:{self._port}"
 
+    def lose_next_reply(self, marker: bytes) -> asyncio.Event:
+        """The next request holding `marker` reaches the server, but its connection drops as
+        the reply comes back, the reply not forwarded. Returns the event set once it has."""
+        return self._lose(marker, after_server=True, times=1)
+
+    def lose_next_request(self, marker: bytes, times: int = 1) -> asyncio.Event:
+        """The next `times` requests holding `marker` never reach the server: each one's
+        connection drops instead. Returns the event set once the last has."""
+        return self._lose(marker, after_server=False, times=times)
+
+    def _lose(self, marker: bytes, after_server: bool, times: int) -> asyncio.Event:
+        self._doomed_by, self._doomed_after_server, self._doomed_times = marker, after_server, times
+        self._lost = asyncio.Event()
+        return self._lost
+
+    def _dooms(self, data: bytes) -> bool:
+        """Whether `data` is a request to lose (or whose reply to lose)."""
+        if self._doomed_by is None or self._doomed_by not in data:
+            return False
+        self._doomed_times -= 1
+        if self._doomed_times == 0:
+            self._doomed_by = None
+        return True
+
     async def cut(self) -> None:
         """Refuse new connections and drop every one open."""
         if self._server is not None:
@@ -46,8 +79,14 @@ class TcpForwarder:
             self._server = None
         for writer in list(self._writers):
             writer.transport.abort()
+        # (Ended here, not cancelled with the event loop, which asyncio logs as an error.)
+        await asyncio.gather(*self._serving, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
         self._writers.add(writer)
         up_writer: asyncio.StreamWriter | None = None
         try:
@@ -65,7 +104,22 @@ class TcpForwarder:
             self.tunnels += 1
             if self._to is None:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+            doomed = False  # this connection's reply is to be lost
+
+            def request(data: bytes) -> bool:
+                nonlocal doomed
+                after_server = self._doomed_after_server
+                if not self._dooms(data):
+                    return True
+                if self._doomed_by is None:
+                    self._lost.set()
+                doomed = after_server
+                return after_server
+
+            def reply(data: bytes) -> bool:
+                return not doomed
+
+            await asyncio.gather(_pipe(reader, up_writer, request), _pipe(up_reader, writer, reply))
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
@@ -75,9 +129,14 @@ class TcpForwarder:
                     end.transport.abort()
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def _pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    forwards: Callable[[bytes], bool] = lambda data: True,
+) -> None:
+    """Copies `reader` to `writer` until either ends, or until `forwards` refuses a chunk."""
     try:
-        while data := await reader.read(65536):
+        while (data := await reader.read(65536)) and forwards(data):
             writer.write(data)
             await writer.drain()
     except OSError:

@@ -5,12 +5,14 @@ behaviour with a redis-server killed and restarted, and several processes sharin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import random
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -37,6 +39,7 @@ from kvplane.errors import ConfigError
 from tests.indexer.backend_views import observe
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
+from tests.tcp_forwarder import TcpForwarder
 
 WORKERS = ("w0", "w1", "w2")
 SPECS = (
@@ -805,3 +808,86 @@ async def test_another_kvplane_versions_library_beside_this_one_changes_nothing(
         assert libraries == {b"kvplane", b"kvplane" + ABI_SUFFIX.encode()}
     finally:
         await backend.close()
+
+
+def _copy(kind: ActionType, key: int) -> Batch:
+    """One more (REPORT) or one fewer (REVOKE) physical copy of block `key` on w0."""
+    return Batch("w0", (Action(kind, Tier.HBM, (key,), copies=True),), "addr-w0")
+
+
+# A kvp_apply call on the wire (not the library's source, which FUNCTION LOAD sends).
+KVP_APPLY_CALL = f"\r\nkvp_apply{ABI_SUFFIX}\r\n".encode()
+
+
+@contextlib.asynccontextmanager
+async def _behind_forwarder(
+    redis_server: RedisServer,
+) -> AsyncIterator[tuple[TcpForwarder, RedisBackend]]:
+    """A backend reaching `redis_server` through a forwarder that can lose its calls."""
+    redis_server.flushall()
+    forwarder = await TcpForwarder.start(f"127.0.0.1:{redis_server.port}")
+    try:
+        backend = await open_redis_backend(
+            forwarder.endpoint.replace("tcp://", "redis://"), buckets=8, maintenance_interval_s=0.05
+        )
+        try:
+            yield forwarder, backend
+        finally:
+            await backend.close()
+    finally:
+        await forwarder.cut()
+
+
+async def _assert_applied_once(backend: RedisBackend, history: list[Batch]) -> None:
+    """Once recovered, `backend` holds what the memory backend does given each batch once."""
+    await eventually(lambda: backend.healthy, 30, "the backend to recover")
+    memory = MemoryBackend()
+    for batch in history:
+        await memory.apply(batch)
+    assert await backend.match([1], False) == await memory.match([1], False)
+    assert [b async for b in backend.snapshot("w0")] == [b async for b in memory.snapshot("w0")]
+
+
+@pytest.mark.timeout(60)
+async def test_a_write_whose_reply_was_lost_is_not_applied_twice(
+    redis_server: RedisServer,
+) -> None:
+    """A write that Redis ran but whose reply never came back (the connection dropped in
+    between; redis-py's resend of it is refused as already run) is settled by its write mark
+    before the buffered batches are replayed: a copies REPORT or REVOKE applied twice would
+    count one copy too many or too few. Lost once as the batch is first written, then again
+    as the recovery replays one buffered meanwhile: the copy count is the memory backend's
+    given each batch once."""
+    history = [
+        _copy(ActionType.REPORT, 1),
+        _copy(ActionType.REPORT, 1),  # its reply is lost
+        _copy(ActionType.REPORT, 1),  # buffered; its replay's reply is lost
+        _copy(ActionType.REVOKE, 1),
+    ]
+    async with _behind_forwarder(redis_server) as (forwarder, backend):
+        await backend.apply(history[0])
+        lost = forwarder.lose_next_reply(KVP_APPLY_CALL)
+        await backend.apply(history[1])  # buffered, as Redis seemed away
+        assert lost.is_set()
+        lost_again = forwarder.lose_next_reply(KVP_APPLY_CALL)
+        await backend.apply(history[2])
+        await eventually(lambda: backend.healthy, 30, "the backend to recover")
+        assert lost_again.is_set()
+        await backend.apply(history[3])
+        await _assert_applied_once(backend, history)
+
+
+@pytest.mark.timeout(60)
+async def test_a_write_that_never_reached_redis_is_replayed_once(
+    redis_server: RedisServer,
+) -> None:
+    """The other outcome of a call whose reply never came: its request never reached Redis
+    (sent, and redis-py's resend, each on a connection that dropped). Settling finds it did
+    not run and claims its mark; the batch is replayed, once."""
+    history = [_copy(ActionType.REPORT, 1), _copy(ActionType.REPORT, 1)]
+    async with _behind_forwarder(redis_server) as (forwarder, backend):
+        await backend.apply(history[0])
+        lost = forwarder.lose_next_request(KVP_APPLY_CALL, times=2)
+        await backend.apply(history[1])  # buffered, as Redis seemed away
+        assert lost.is_set()
+        await _assert_applied_once(backend, history)
