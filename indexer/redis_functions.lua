@@ -1,9 +1,9 @@
-#!lua name=kvplane_v5
+#!lua name=kvplane_v4
 --[[
 kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
 with FUNCTION LOAD REPLACE on every primary). The library's name and its functions' names end
-with its ABI version (`_v5`): a change of any function's arguments, replies or flags, or a
-function added, takes the next one (v4: kvp_release, kvp_renew, kvp_probe, allow-oom; v5: a
+with its ABI version (`_v4`): a change of any function's arguments, replies or flags, or a
+function added, takes the next one (v4: kvp_release, kvp_renew, kvp_probe, allow-oom, and a
 write whose mark is not above the stored one refused, KVP_STALE, see check_boot), so that
 processes of two kvplane versions sharing a Redis in a rolling upgrade each call
 their own library (a library's REPLACE would otherwise swap the other version's functions
@@ -943,7 +943,7 @@ local function kvp_lease(keys, args) return lease(keys, args, false) end
 local function kvp_renew(keys, args) return lease(keys, args, true) end
 
 -- Every name ends with the ABI version, as the library's own (first line).
-local ABI = '_v5'
+local ABI = '_v4'
 redis.register_function('kvp_apply' .. ABI, kvp_apply)
 redis.register_function('kvp_lease' .. ABI, kvp_lease)
 redis.register_function('kvp_match' .. ABI, kvp_match)
