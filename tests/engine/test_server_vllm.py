@@ -296,6 +296,20 @@ def _counter(metrics: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+async def _counted_after(engine: Any, request: pb.GenerateRequest, name: str) -> float:
+    """Send `request` (unary), then the counter `name` once the request's prompt is counted:
+    the counters are counted from the engine's step report, which may reach the event loop
+    after the answer did."""
+    prompts = _counter(await metrics_text(engine), "prompt_tokens")
+    await engine.vllm.Generate(request)
+
+    async def its_prompt_counted() -> bool:
+        return _counter(await metrics_text(engine), "prompt_tokens") > prompts
+
+    await eventually(its_prompt_counted, what="the request's prompt counted")
+    return _counter(await metrics_text(engine), name)
+
+
 def _with_kv_transfer_params() -> pb.GenerateRequest:
     request = pb.GenerateRequest()
     request.kv.kv_transfer_params.update({"do_remote_prefill": True})
@@ -398,8 +412,8 @@ async def test_truncate_prompt_tokens_keeps_the_last_tokens() -> None:
             request = _request()
             request.truncate_prompt_tokens = truncate
             before = _counter(await metrics_text(engine), "prompt_tokens")
+            computed = await _counted_after(engine, request, "prompt_tokens") - before
             unary = await engine.vllm.Generate(request)
-            computed = _counter(await metrics_text(engine), "prompt_tokens") - before
             assert list(unary.prompt_info.token_ids) == kept
             assert unary.prompt_info.num_prompt_tokens == computed == len(kept)
 
@@ -490,12 +504,12 @@ async def test_cache_salt_and_bypass_prefix_cache() -> None:
 
         assert await openengine_cached("") == 0  # the salted blocks are not for others
         assert await openengine_cached("tenant-a") == 20  # all but the last token's block
+
         # The unsalted prompt is cached now (by the OpenEngine request above).
         before = _counter(await metrics_text(engine), "cached_prompt_tokens")
-        await engine.vllm.Generate(_request(kv=pb.KVCacheParameters(bypass_prefix_cache=True)))
-        assert _counter(await metrics_text(engine), "cached_prompt_tokens") == before
-        await engine.vllm.Generate(_request())
-        assert _counter(await metrics_text(engine), "cached_prompt_tokens") == before + 20
+        bypassed = _request(kv=pb.KVCacheParameters(bypass_prefix_cache=True))
+        assert await _counted_after(engine, bypassed, "cached_prompt_tokens") == before
+        assert await _counted_after(engine, _request(), "cached_prompt_tokens") == before + 20
 
 
 async def test_a_draining_engine_refuses_new_work_and_aborts_at_its_deadline() -> None:
