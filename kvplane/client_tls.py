@@ -20,6 +20,7 @@ import grpc
 from kvplane import tls_files
 from kvplane.config import ClientTlsConfig
 from kvplane.errors import ConfigError
+from kvplane.followed_files import FollowedFiles
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class ClientTlsFiles:
     def __init__(self, tls: ClientTlsConfig, where: str = "") -> None:
         self._tls = tls
         self._prefix = f"{where}: " if where else ""
-        self._files = tls_files.FollowedFiles(
+        self._files = FollowedFiles(
             (tls.ca_file, tls.cert_file, tls.key_file),
             self._load,
             "dialling with the files read before",

@@ -19,10 +19,10 @@ from functools import partial
 import grpc
 
 from kvplane.config import TlsConfig
+from kvplane.followed_files import FollowedFiles
 from kvplane.tls_files import (
     CERTIFICATE,
     PRIVATE_KEY,
-    FollowedFiles,
     PemFileError,
     check_key_pair,
     read_ca,

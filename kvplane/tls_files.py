@@ -3,23 +3,18 @@ clients (`kvplane.channels`) alike, at start and at each rotation: a file that i
 unreadable, not PEM of what it must hold, a key that is not the certificate's, or a CA file
 OpenSSL cannot load is a `PemFileError` of one line naming the file. Left to gRPC, a server
 given an unusable CA file logs lines of its C core and fails with a bare "Failed to bind",
-and a client fails every handshake. `FollowedFiles` makes them again as they change.
+and a client fails every handshake. `kvplane.followed_files` makes them again as they change.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable
 from pathlib import Path
-from typing import Generic, TypeVar
 
 from kvplane.errors import ConfigError
-from kvplane.token_file import file_identity
 
 log = logging.getLogger(__name__)
-
-_Made = TypeVar("_Made")
 
 # What each file must hold, and the PEM header that shows it does.
 CERTIFICATE = ("a certificate", b"-----BEGIN CERTIFICATE-----")
@@ -66,36 +61,3 @@ def check_key_pair(cert_file: Path, key_file: Path, message: str) -> None:
             else str(exc)
         )
         raise PemFileError(f"{message}: {why}") from exc
-
-
-class FollowedFiles(Generic[_Made]):
-    """What `make` makes of the files at `paths` (`value`), made again when one of them
-    changes: a `stat` a file while none does. The first `make` raises (a file that cannot be
-    used at start is a mistake); later, a file that cannot be used (a rotation caught
-    halfway) is a warning saying what is `kept`, and `value` stays."""
-
-    def __init__(
-        self, paths: tuple[Path | None, ...], make: Callable[[], _Made], kept: str
-    ) -> None:
-        self._paths = paths
-        self._make = make
-        self._kept = kept
-        self._seen = self._identities()
-        self.value = make()
-
-    def _identities(self) -> tuple[object, ...]:
-        return tuple(file_identity(path) for path in self._paths)
-
-    def renewed(self) -> _Made | None:
-        """The new `value` when the files changed since and can be used; else None."""
-        seen = self._identities()
-        if seen == self._seen:
-            return None
-        self._seen = seen
-        try:
-            value = self._make()
-        except ConfigError as exc:
-            log.warning("%s; %s", exc, self._kept)
-            return None
-        self.value = value
-        return value

@@ -13,27 +13,13 @@ through a non-atomic write, or removed) keeps the last token, with one warning a
 from __future__ import annotations
 
 import logging
-import os
+from functools import partial
 from pathlib import Path
 
 from kvplane.config import read_token_file
-from kvplane.errors import ConfigError
+from kvplane.followed_files import FollowedFiles
 
 log = logging.getLogger(__name__)
-
-FileIdentity = tuple[int, int, int, int]  # device, inode, size, modification time (ns)
-
-
-def file_identity(path: Path | None) -> FileIdentity | None:
-    """What changes when the file at `path` is replaced or rewritten (None: no file there,
-    or no path); a symlink is followed, so a Kubernetes Secret's swap of its target shows."""
-    if path is None:
-        return None
-    try:
-        stat = os.stat(path)
-    except OSError:
-        return None
-    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 class TokenFile:
@@ -44,20 +30,13 @@ class TokenFile:
     def __init__(self, path: Path, setting: str) -> None:
         self.path = path
         self._setting = setting
-        self._seen = file_identity(path)
-        self._token = read_token_file(path, setting)
+        self._file = FollowedFiles(
+            (path,), partial(read_token_file, path, setting), "keeping the token read before"
+        )
 
     def current(self) -> str:
-        seen = file_identity(self.path)
-        if seen == self._seen:
-            return self._token
-        self._seen = seen
-        try:
-            token = read_token_file(self.path, self._setting)
-        except ConfigError as exc:
-            log.warning("%s; keeping the token read before", exc)
-            return self._token
-        if token != self._token:
+        before = self._file.value
+        token = self._file.renewed()
+        if token is not None and token != before:
             log.info("%s %s changed: using its new token", self._setting, self.path)
-        self._token = token
-        return token
+        return self._file.value
