@@ -157,7 +157,6 @@ class KvSessionPuller:
         prompt, its namespace the request's."""
         target = self.check(ref)
         peer = self._peer(target)
-        peer.follow_files(self._timeout_s)  # no pull fails for a renewed peer_tls
         namespace = KvNamespace.of(request)
         prompt_token_ids = request.prompt_token_ids
         pull_request = kt.PullKvSessionRequest(
@@ -259,7 +258,11 @@ class KvSessionPuller:
 
     def _peer(self, target: str) -> Redialling[kt_grpc.KvTransferAsyncStub]:
         if target not in self._peers:
-            self._peers[target] = Redialling(self._channel_options, target, kt_grpc.KvTransferStub)
+            # A pull under way when peer_tls is renewed ends on the old channel (its timeout
+            # bounds it); the next is made on a channel dialled with the new files.
+            self._peers[target] = Redialling(
+                self._channel_options, target, kt_grpc.KvTransferStub, self._timeout_s
+            )
         return self._peers[target]
 
     async def close(self) -> None:
