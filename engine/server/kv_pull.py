@@ -241,11 +241,11 @@ class KvSessionPuller:
         accepted here: it releases the session at once rather than after `PULLED_GRACE_S`.
         A failure only costs the prefill engine that wait (logged at debug level)."""
         target = self.check(ref)
-        stub = self._peer(target).stub
+        peer = self._peer(target)
 
         async def release() -> None:
             try:
-                await stub.ReleaseKvSession(
+                await peer.stub.ReleaseKvSession(
                     kt.ReleaseKvSessionRequest(session_id=ref.session_id), timeout=self._timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
