@@ -329,7 +329,7 @@ class _Engine:
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        await self.channel.close()
+        await self.dialled.close()
 
 
 # The settings a failed call to an engine names when its TLS or token and the controller's do

@@ -6,8 +6,9 @@ here, so the credentials are built in one place.
 `ClientChannels.load` reads and checks the PEM files (a missing or unusable file is a
 one-line TlsFileError, a ConfigError saying which file); each channel it opens is dialled with
 the files as they are then (`kvplane.client_tls`: a renewed client certificate or CA is used
-from the next channel). `with_metadata` adds metadata (a bearer token) to every call of its channels
-that brings no `authorization` of its own (an interceptor, installed only then);
+from the next channel; a long-running client's `Redialling` dials again before its next
+call). `with_metadata` adds metadata (a bearer token) to every call of its channels that
+brings no `authorization` of its own (an interceptor, installed only then);
 `with_token_file` adds the bearer token a client's setting names, its file followed as it
 changes (`kvplane.token_file`: a token rotated on disk is sent from the next call).
 
@@ -20,6 +21,7 @@ them, gRPC's trail of a TLS handshake that failed cut to OpenSSL's reason, with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from collections.abc import Callable
@@ -102,9 +104,9 @@ class ClientChannels:
 
     def dialled_with_old_files(self, credentials: grpc.ChannelCredentials | None) -> bool:
         """Whether a channel dialled with `credentials` (`credentials()` then) would be
-        dialled otherwise now: the TLS files changed since. A long-running client that cannot
-        reach its server dials it again then (gRPC's channels keep the credentials they were
-        made with, at every reconnection)."""
+        dialled otherwise now: the TLS files changed since, and can be used. A long-running
+        client dials its server again then (`Redialling`: gRPC's channels keep the
+        credentials they were made with, at every reconnection)."""
         return self.credentials() is not credentials
 
     @property
@@ -196,74 +198,117 @@ class ClientChannels:
         return grpc.intercept_channel(channel, _DefaultMetadata(self.call_metadata))
 
 
+# How long an old channel's calls may run on after a rotation dialled its server again
+# (`Redialling`): a relayed generation or a KV pull ends well within it; a stream that never
+# ends (a planner's runtime events) is ended then and subscribed again on the new channel,
+# so no connection made with a certificate since replaced lives on for ever.
+OLD_CHANNEL_GRACE_S = 3600.0
+
+
 class Redialling(Generic[_Stub]):
     """A long-running client's channel to one server (`target`) and the `stub` made on it,
-    dialled again with the TLS files as they are now once a call failed without a connection
-    up and the files changed since the dial (`renewed`): gRPC keeps a channel's credentials
-    at every reconnection, so an expired client certificate, or a server certificate from a
-    new CA, left the server unreachable until the client was restarted. The old channel
-    reaches nothing: it is closed, ending any call still on it."""
+    dialled again with its TLS files when they change: gRPC keeps a channel's credentials at
+    every reconnection, so an expired client certificate, or a server certificate from a new
+    CA, left the server unreachable until the client was restarted.
+
+    `channel` and `stub` are what a new call is made on: each look checks the TLS files (a
+    `stat` a file) and, once they changed and can be used (a rotation caught halfway keeps
+    the channel it has), dials the server with them. The calls and streams already on the
+    old channel finish there; it is closed once the last of them ended, or after `grace_s`
+    (which ends those still running). A call that failed with no connection up and files
+    changed since (`after_failure`) closes its channel at once: nothing on it reaches the
+    server."""
 
     def __init__(
-        self, channels: ClientChannels, target: str, stub: Callable[[grpc.aio.Channel], _Stub]
+        self,
+        channels: ClientChannels,
+        target: str,
+        stub: Callable[[grpc.aio.Channel], _Stub],
+        grace_s: float = OLD_CHANNEL_GRACE_S,
     ) -> None:
         self._channels = channels
         self.target = target
         self._make_stub = stub
-        # Old channels closing while their calls end (`follow_files`), and those tasks.
-        self._old: set[grpc.aio.Channel] = set()
-        self._closing: set[asyncio.Task[None]] = set()
-        self.channel, self.stub = self._dial()
+        self._grace_s = grace_s
+        # Old channels closing as their calls end (`_follow_files`), each with its task.
+        self._retiring: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
+        self._channel, self._stub = self._dial()
 
     def _dial(self) -> tuple[grpc.aio.Channel, _Stub]:
         self._dialled_with = self._channels.credentials()
         channel = self._channels.aio_channel(self.target)
         return channel, self._make_stub(channel)
 
+    def _dial_again(self) -> grpc.aio.Channel:
+        """Dial the server again (the TLS files as they are now); the old channel, for the
+        caller to close."""
+        old = self._channel
+        self._channel, self._stub = self._dial()
+        return old
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel for a new call: dialled with the TLS files as they are now."""
+        self._follow_files()
+        return self._channel
+
+    @property
+    def stub(self) -> _Stub:
+        """The stub for a new call, on `channel`."""
+        self._follow_files()
+        return self._stub
+
+    def _follow_files(self) -> None:
+        """Dial the server again when the TLS files changed since (a `stat` a file), the old
+        channel closed in the background once its calls ended (`grace_s` at most)."""
+        if not self._channels.dialled_with_old_files(self._dialled_with):
+            return
+        log.info("%s: dialling it with its renewed TLS files from now on", self.target)
+        old = self._dial_again()
+        self._retiring[old] = asyncio.create_task(
+            self._retire(old), name=f"close a channel to {self.target}"
+        )
+
+    async def _retire(self, old: grpc.aio.Channel) -> None:
+        try:
+            await old.close(self._grace_s)
+        finally:
+            self._retiring.pop(old, None)
+
     def renewed(self) -> bool:
         """The channel has no connection up (a call on it just failed) and the TLS files
         changed since it was dialled."""
-        return self.channel.get_state() is not grpc.ChannelConnectivity.READY and (
+        return self._channel.get_state() is not grpc.ChannelConnectivity.READY and (
             self._channels.dialled_with_old_files(self._dialled_with)
         )
 
     async def redial(self) -> None:
-        """Dial the server again (the TLS files as they are now) and close the old channel,
-        ending the calls on it."""
-        old = self.channel
-        self.channel, self.stub = self._dial()
+        """Dial the server again (the TLS files as they are now), ending every call on the
+        channel and on the old ones still closing."""
+        old = self._dial_again()
+        await self._close_retiring()
         await old.close()
 
     async def after_failure(self) -> None:
-        """`redial` when a call just failed for want of the files `renewed` since."""
+        """When a call just failed for want of the files `renewed` since: dial again, and
+        close the channel it failed on (it has no connection up)."""
         if self.renewed():
             log.info("%s: dialling it again with its renewed TLS files", self.target)
-            await self.redial()
+            await self._dial_again().close()
 
-    def follow_files(self, grace_s: float) -> None:
-        """Before a call that must not fail for a rotation (a KV pull: a user's request):
-        dial again at once when the TLS files changed since (a `stat` a file), the old
-        channel closed in the background once the calls on it had `grace_s` to end."""
-        if not self._channels.dialled_with_old_files(self._dialled_with):
-            return
-        log.info("%s: dialling it with its renewed TLS files from now on", self.target)
-        old = self.channel
-        self.channel, self.stub = self._dial()
-        self._old.add(old)
-
-        async def close_old() -> None:
-            await old.close(grace_s)
-            self._old.discard(old)
-
-        closing = asyncio.create_task(close_old(), name=f"close a channel to {self.target}")
-        self._closing.add(closing)
-        closing.add_done_callback(self._closing.discard)
+    async def _close_retiring(self) -> None:
+        """Close the old channels at once, ending their calls."""
+        retiring, self._retiring = list(self._retiring.items()), {}
+        for old, task in retiring:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await old.close()
 
     async def close(self) -> None:
         """Close the channel, and any old one at once (their calls end)."""
-        for old in list(self._old):
-            await old.close()
-        await self.channel.close()
+        await self._close_retiring()
+        await self._channel.close()
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """A client's TLS credentials (a `ClientTlsConfig`: `ca_file`, a client certificate), its
 files followed as they change, as a server's are (`kvplane.server_tls`): a client
 certificate or CA bundle renewed on disk (cert-manager's Secret, an operator's `mv`) is used
-by every channel dialled from then on, without a restart. A long-running client that cannot
-reach its server any more (its client certificate expired, the server's new one from another
-CA) dials again with the new files (`ClientChannels.dialled_with_old_files`).
+by every channel dialled from then on, without a restart. A long-running client's channel
+(`channels.Redialling`) is dialled again with the new files before its next call
+(`ClientChannels.dialled_with_old_files`).
 
 `ClientTlsFiles.current()` costs one `stat` a file while they are unchanged. Changed files
 are used only once they can be (each holds PEM, the key is the certificate's): a rotation

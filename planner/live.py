@@ -397,11 +397,12 @@ class LivePlanner:
 
     async def _poll(self, engine: _Engine) -> None:
         assert engine.dialled is not None
-        stub = engine.dialled.stub
         if not engine.info_read:
-            await self._read_engine_info(engine, stub)
+            await self._read_engine_info(engine, engine.dialled)
         try:
-            info = await stub.GetLoad(pb.GetLoadRequest(), timeout=self._load_timeout_s)
+            info = await engine.dialled.stub.GetLoad(
+                pb.GetLoadRequest(), timeout=self._load_timeout_s
+            )
         except grpc.aio.AioRpcError as exc:
             await engine.dialled.after_failure()
             details = exc.details() or ""
@@ -416,21 +417,27 @@ class LivePlanner:
         engine.failed_polls = 0
         engine.load = _load(info, engine.load)
 
-    async def _read_engine_info(self, engine: _Engine, stub: pb_grpc.OpenEngineAsyncStub) -> None:
+    async def _read_engine_info(
+        self, engine: _Engine, dialled: Redialling[pb_grpc.OpenEngineAsyncStub]
+    ) -> None:
         """Once per engine: its role (GetEngineInfo's: which SLA bounds its pool is sized by)
         and its KV block size (GetModelInfo of the first model GetEngineInfo lists, its
         default: the seed requires a model), in which the KV demand of its queued prompt
         tokens is counted. Not reported (unspecified, absent, no model listed,
         UNIMPLEMENTED): no role (the pool's configured one stands) and the default block size;
-        another failure: asked again at the next poll (its GetLoad says why)."""
+        another failure: asked again at the next poll (its GetLoad says why). Each call is
+        made on `dialled.stub` as it is then: a channel left for renewed TLS files is closed
+        once its calls ended."""
         timeout = self._load_timeout_s
         try:
-            engine_info = await stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
+            engine_info = await dialled.stub.GetEngineInfo(
+                pb.GetEngineInfoRequest(), timeout=timeout
+            )
             engine.role = _ROLES.get(engine_info.role)
             info = None
             if engine_info.supported_models:
                 request = pb.GetModelInfoRequest(model=engine_info.supported_models[0])
-                info = await stub.GetModelInfo(request, timeout=timeout)
+                info = await dialled.stub.GetModelInfo(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             engine.info_read = exc.code() is grpc.StatusCode.UNIMPLEMENTED
             return

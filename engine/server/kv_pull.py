@@ -157,7 +157,6 @@ class KvSessionPuller:
         prompt, its namespace the request's."""
         target = self.check(ref)
         peer = self._peer(target)
-        peer.follow_files(self._timeout_s)  # no pull fails for a renewed peer_tls
         namespace = KvNamespace.of(request)
         prompt_token_ids = request.prompt_token_ids
         pull_request = kt.PullKvSessionRequest(
@@ -242,11 +241,11 @@ class KvSessionPuller:
         accepted here: it releases the session at once rather than after `PULLED_GRACE_S`.
         A failure only costs the prefill engine that wait (logged at debug level)."""
         target = self.check(ref)
-        stub = self._peer(target).stub
+        peer = self._peer(target)
 
         async def release() -> None:
             try:
-                await stub.ReleaseKvSession(
+                await peer.stub.ReleaseKvSession(
                     kt.ReleaseKvSessionRequest(session_id=ref.session_id), timeout=self._timeout_s
                 )
             except grpc.aio.AioRpcError as exc:
@@ -259,7 +258,11 @@ class KvSessionPuller:
 
     def _peer(self, target: str) -> Redialling[kt_grpc.KvTransferAsyncStub]:
         if target not in self._peers:
-            self._peers[target] = Redialling(self._channel_options, target, kt_grpc.KvTransferStub)
+            # A pull under way when peer_tls is renewed ends on the old channel (its timeout
+            # bounds it); the next is made on a channel dialled with the new files.
+            self._peers[target] = Redialling(
+                self._channel_options, target, kt_grpc.KvTransferStub, self._timeout_s
+            )
         return self._peers[target]
 
     async def close(self) -> None:

@@ -5,6 +5,7 @@ mutual-TLS server on 127.0.0.1, openssl-made certificates (the `pki` fixture).""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from kvplane.channels import ClientChannels, Redialling
 from kvplane.config import ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
 from kvplane.server import create_server
+from kvplane.server_tls import server_credentials
 from tests.rotation import replace_file
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,37 +94,169 @@ def test_a_ca_file_openssl_cannot_load_is_a_config_error_naming_it(tmp_path: Pat
         ClientChannels.load(ClientTlsConfig(ca_file=ca), "engine_tls")
 
 
-async def test_a_long_running_channel_is_dialled_again_once_its_files_are_renewed(
-    pki: Path, tmp_path: Path, mutual_tls_port: int
-) -> None:
-    """gRPC keeps a channel's credentials at every reconnection: a long-running client's
-    channel (`Redialling`, the controller's to an engine, the planner's, a decode engine's to
-    a prefill peer) presenting a certificate the server refuses is dialled again once the
-    files are renewed and a call failed, and not before (nothing changed)."""
+class PeerStub:
+    """The client of `peer_server`: `Name`, the common name of the client certificate the
+    server saw on the call's connection; `Count`, a stream of b"1", then (once the server's
+    `go_on` is set) b"2"."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.Name: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
+            "/test.Peer/Name"
+        )
+        self.Count: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+            "/test.Peer/Count"
+        )
+
+
+class PeerServer:
+    """A mutual-TLS server on 127.0.0.1 (`kvplane.server_tls`: its files followed as they
+    change) answering `PeerStub`'s calls."""
+
+    def __init__(self, tls: TlsConfig) -> None:
+        self.go_on = asyncio.Event()
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "test.Peer",
+                    {
+                        "Name": grpc.unary_unary_rpc_method_handler(self._name),
+                        "Count": grpc.unary_stream_rpc_method_handler(self._count),
+                    },
+                )
+            ]
+        )
+        self.port = self.server.add_secure_port("127.0.0.1:0", server_credentials(tls))
+
+    async def _name(self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        return next(iter(context.auth_context().get("x509_common_name", [b""])))
+
+    async def _count(
+        self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        yield b"1"
+        await self.go_on.wait()
+        yield b"2"
+
+
+@pytest.fixture
+async def peer_server(pki: Path, tmp_path: Path) -> AsyncIterator[PeerServer]:
+    """A `PeerServer` trusting the client certificates of the CA in tmp_path/client-ca.pem:
+    other-ca's at first (other-ca-client.pem)."""
+    client_ca = tmp_path / "client-ca.pem"
+    client_ca.write_bytes((pki / "other-ca.pem").read_bytes())
+    tls = TlsConfig(
+        cert_file=pki / "server.pem", key_file=pki / "server.key", client_ca_file=client_ca
+    )
+    peer = PeerServer(tls)
+    await peer.server.start()
+    yield peer
+    await peer.server.stop(None)
+
+
+def redialling_peer(pki: Path, tmp_path: Path, port: int) -> Redialling[PeerStub]:
+    """A long-running client's channel to `port` presenting other-ca-client.pem, from its
+    files tmp_path/client.pem and client.key (followed as they change)."""
     cert, key = tmp_path / "client.pem", tmp_path / "client.key"
     cert.write_bytes((pki / "other-ca-client.pem").read_bytes())
     key.write_bytes((pki / "other-ca-client.key").read_bytes())
     tls = ClientTlsConfig(ca_file=pki / "ca.pem", cert_file=cert, key_file=key)
-    dialled: Redialling[health_pb2_grpc.HealthStub] = Redialling(
-        ClientChannels.load(tls), f"127.0.0.1:{mutual_tls_port}", health_pb2_grpc.HealthStub
-    )
+    return Redialling(ClientChannels.load(tls), f"127.0.0.1:{port}", PeerStub)
 
-    async def check() -> grpc.StatusCode:
+
+def rotate_to_ca(pki: Path, tmp_path: Path) -> None:
+    """cert-manager's renewal with a new issuer: the server now trusts ca.pem's client
+    certificates only (a client certificate of other-ca is refused on a new connection),
+    and the client's files hold client.pem, which ca.pem signed."""
+    replace_file(tmp_path / "client-ca.pem", (pki / "ca.pem").read_bytes())
+    replace_file(tmp_path / "client.pem", (pki / "client.pem").read_bytes())
+    replace_file(tmp_path / "client.key", (pki / "client.key").read_bytes())
+
+
+async def closed(channel: grpc.aio.Channel) -> None:
+    """Return once `channel` is closed: a call on it is refused at once."""
+    while True:
         try:
-            await dialled.stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            await dialled.after_failure()
-            return exc.code()
-        return grpc.StatusCode.OK
+            await PeerStub(channel).Name(b"", timeout=10)
+        except grpc.aio.UsageError:
+            return
+        await asyncio.sleep(0.05)
 
+
+async def test_a_stream_open_across_a_rotation_ends_on_the_old_channel_as_new_calls_use_the_new(
+    pki: Path, tmp_path: Path, peer_server: PeerServer
+) -> None:
+    """cert-manager renews a long-running client's certificate (and the server's trust)
+    while a stream runs on its channel: the next call is made on a channel dialled with the
+    new files (the server sees the new certificate; no call failed first), the stream goes
+    on to its end on the old channel, which is closed then. (The renewed files were used
+    only once a call had failed, and that dial ended the streams on the old channel.)"""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    try:
+        assert await dialled.stub.Name(b"", timeout=10) == b"other-ca-client"
+        old = dialled.channel
+        stream = dialled.stub.Count(b"", timeout=30)
+        received = [await stream.read()]
+        rotate_to_ca(pki, tmp_path)
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"
+        assert dialled.channel is not old
+        peer_server.go_on.set()
+        while (message := await stream.read()) is not grpc.aio.EOF:
+            received.append(message)
+        assert received == [b"1", b"2"]
+        assert await stream.code() is grpc.StatusCode.OK
+        await closed(old)  # its last call ended
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"
+    finally:
+        await dialled.close()
+
+
+async def test_a_rotation_caught_halfway_keeps_the_working_channel(
+    pki: Path, tmp_path: Path, peer_server: PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The certificate renewed on disk, not yet its key: the channel dialled before goes on
+    serving the calls (a warning), until the key follows; then the next call presents the
+    new certificate."""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    try:
+        working = dialled.channel
+        assert await dialled.stub.Name(b"", timeout=10) == b"other-ca-client"
+        replace_file(tmp_path / "client.pem", (pki / "client.pem").read_bytes())
+        with caplog.at_level(logging.WARNING, logger="kvplane.followed_files"):
+            assert await dialled.stub.Name(b"", timeout=10) == b"other-ca-client"
+        assert "cannot be used with certificate" in caplog.text
+        assert dialled.channel is working
+        replace_file(tmp_path / "client-ca.pem", (pki / "ca.pem").read_bytes())
+        replace_file(tmp_path / "client.key", (pki / "client.key").read_bytes())
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"
+    finally:
+        await dialled.close()
+
+
+async def test_a_call_failed_for_files_renewed_as_it_ran_closes_its_channel_at_once(
+    pki: Path, tmp_path: Path, peer_server: PeerServer
+) -> None:
+    """A call made just before the files were renewed fails (its channel dialled with the
+    old certificate, which the server now refuses): `after_failure` dials again and closes
+    that channel at once (nothing on it reaches the server); a call that failed with the
+    files unchanged dials nothing."""
+    replace_file(tmp_path / "client-ca.pem", (pki / "ca.pem").read_bytes())
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
     try:
         first = dialled.channel
-        assert await check() is grpc.StatusCode.UNAVAILABLE
+        stub = dialled.stub
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Name(b"", timeout=10)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        await dialled.after_failure()
         assert dialled.channel is first  # the files did not change: the same channel
-        replace_file(cert, (pki / "client.pem").read_bytes())
-        replace_file(key, (pki / "client.key").read_bytes())
-        assert await check() is grpc.StatusCode.UNAVAILABLE  # dialled with the old files
-        assert dialled.channel is not first
-        assert await check() is grpc.StatusCode.OK
+        replace_file(tmp_path / "client.pem", (pki / "client.pem").read_bytes())
+        replace_file(tmp_path / "client.key", (pki / "client.key").read_bytes())
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Name(b"", timeout=10)  # made on the old channel
+        await dialled.after_failure()
+        with pytest.raises(grpc.aio.UsageError):
+            await PeerStub(first).Name(b"", timeout=10)  # closed
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"
     finally:
         await dialled.close()
