@@ -52,8 +52,12 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   hop failing before anything was relayed while the prefill engine that holds its session
   does not answer (`Handoff.holder_gone`) runs the request again as a whole, once, without
   that engine; one whose first decode engine refused the session NOT_FOUND while that
-  prefill engine answers that it ended the session itself (its drain, its TTL, an Abort of
-  it: `Handoff.release`) ends at the handoff, as an aborted request does.
+  prefill engine answers that it ended the session itself (`Handoff.release`) ends at the
+  handoff, as an aborted request does, when that engine drains (`Handoff.holder_draining`),
+  and otherwise (its TTL) runs again as a whole, once, that engine included;
+- a hop's failure before anything was relayed is judged alike whether the engine said it
+  with a status or in-band (`HopFailure`: an in-band error by its status form), in one
+  place (`Relay._judge`).
 """
 
 from __future__ import annotations
@@ -159,18 +163,78 @@ class InBandError(NamedTuple):
     `not_found`: what the request names is not there (ERROR_CODE_MODEL_NOT_FOUND: its model,
     or its LoRA adapter unloaded after the engine accepted it), as a status NOT_FOUND says;
     `overloaded`: a refusal for capacity (ERROR_CODE_OVERLOADED), counted as the status
-    RESOURCE_EXHAUSTED is."""
+    RESOURCE_EXHAUSTED is. `status`: its status form, the status an engine answers for the
+    same failure before acceptance (seed: one failure, a status or an EngineError by its
+    phase), which `HopFailure` judges it by; `about_session`: it names the request's KV
+    session (ERROR_CODE_KV_SESSION_NOT_FOUND, ERROR_CODE_KV_TRANSFER_FAILED), where a status
+    cannot say (a decode engine's NOT_FOUND may be of its session or of its model)."""
 
     message: str
     retryable: bool
     engine_fault: bool = False
     not_found: bool = False
     overloaded: bool = False
+    status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    about_session: bool = False
 
     @property
     def outcome(self) -> RequestOutcome:
         """The request's outcome when this error ends it."""
         return "overloaded" if self.overloaded else "engine_error"
+
+
+class HopFailure(NamedTuple):
+    """How an engine failed a hop before anything of it was relayed, in one form whether it
+    said so with a gRPC status or in-band (a terminal EngineError as its first response):
+    `Relay._judge` decides what follows alike for both, so that an engine reporting a lost
+    KV session in-band is treated as one refusing it NOT_FOUND."""
+
+    # The status, or the in-band error's status form (`InBandError.status`).
+    cause: grpc.aio.AioRpcError
+    # Another engine may succeed with the request: a status in RETRYABLE; in-band, the
+    # engine's own word (EngineError.retryable), which a status does not carry.
+    retryable: bool
+    # A decode engine refused the request's KV session (SESSION_REFUSALS: an unknown, expired
+    # or unusable session, a failed transfer): the session failed, not the client's request.
+    refused_session: bool = False
+    # What the request names is not there (NOT_FOUND, in-band MODEL_NOT_FOUND): maybe its
+    # LoRA adapter, unloaded since it was routed (`Relay.adapter_left`).
+    not_found: bool = False
+    # The engine's in-band refusal, which ends the request as it is when no other engine
+    # can take it; None for a status.
+    refusal: Any = None
+
+    @classmethod
+    def of_status(cls, cause: grpc.aio.AioRpcError, stage: _Stage) -> HopFailure:
+        code = cause.code()
+        return cls(
+            cause,
+            code in RETRYABLE,
+            refused_session=stage.carries_session and code in SESSION_REFUSALS,
+            not_found=code == grpc.StatusCode.NOT_FOUND,
+        )
+
+    @classmethod
+    def of_in_band(cls, error: InBandError, refusal: Any, stage: _Stage) -> HopFailure:
+        return cls(
+            gateway_failure(error.status, error.message),
+            error.retryable,
+            refused_session=(
+                stage.carries_session and error.about_session and error.status in SESSION_REFUSALS
+            ),
+            not_found=error.not_found,
+            refusal=refusal,
+        )
+
+    @property
+    def described(self) -> str:
+        return f"{self.cause.code().name}: {self.cause.details()}"
+
+    @property
+    def answer(self) -> Any:
+        """What the client gets when no other engine takes the request: the engine's own
+        in-band refusal, else the status (`_Retry.failure`)."""
+        return self.cause if self.refusal is None else self.refusal
 
 
 class EngineCall(Protocol[Response_co]):
@@ -255,6 +319,13 @@ class Handoff(Protocol[Request, Response_contra]):
         (unreachable, unanswering, out of the fleet): no decode engine can pull from it."""
         ...
 
+    async def holder_draining(self, engine: str) -> bool:
+        """Whether the prefill engine `engine`, which said it ended a KV session it handed
+        over, drains (its drain's deadline ends every session it holds): the one cause of
+        that end a client must see as its request aborted. The seed's Abort answers
+        ALREADY_FINISHED alike for a session expired, released or drained."""
+        ...
+
     def cancelled(self, request: Request, handover: Response_contra) -> list[Any]:
         """The terminal events of a request aborted at the handoff (after its prefill engine's
         handoff event `handover`, before a decode engine took it), as an engine ends an
@@ -287,8 +358,10 @@ class _Stage(NamedTuple):
     # A decode hop's question after its first engine refused the KV session NOT_FOUND before
     # anything was relayed, the session's holder still there: did the holder end the session
     # itself (its drain aborting, its TTL, an Abort of it), no decode engine having attached
-    # it? Asking releases the session. True: the request ends at the handoff, as one aborted
-    # there (`Relay.aborted_unrouted`). None: never asked.
+    # it? Asking releases the session. True: a drain ended it, and the request ends at the
+    # handoff, as one aborted there (`Relay.aborted_unrouted`); any other end (its TTL, the
+    # client having read slowly) raises `_SessionLost`: the request runs again as a whole,
+    # once. None: never asked.
     session_ended: Callable[[], Awaitable[bool]] | None = None
     # The prefill hop of a disaggregated request: the engine it picks is the request's
     # prefill engine in its route (`kvplane-route`), unless that is a decode engine
@@ -314,17 +387,44 @@ class _Retry(Exception):
 
 
 class _SessionLost(Exception):
-    """A decode hop failed before anything was relayed because the prefill engine holding
-    the request's KV session is gone: the request runs again as a whole, once."""
+    """A decode hop failed before anything was relayed because the request's KV session is
+    lost: the prefill engine holding it is gone, or ended it before a decode engine took it
+    (its TTL passed while the client read the prefill's output slowly). The request runs
+    again as a whole, once; on its prefill engine too when that is there (`holder_up`)."""
 
-    def __init__(self, holder: str, failure: grpc.aio.AioRpcError) -> None:
+    def __init__(
+        self, holder: str, failure: grpc.aio.AioRpcError, *, holder_up: bool = False
+    ) -> None:
         super().__init__(failure.details())
         self.holder = holder
+        self.holder_up = holder_up
         # What the client gets if nothing can take the request again (naming the holder).
         self.failure = failure
         # Whether the client already has output of the request (its prompt's, from the
         # prefill hop): the run again then ends any failure in-band.
         self.shown = False
+
+
+class _Verdict(NamedTuple):
+    """What follows a hop's failure before anything was relayed (`Relay._judge`)."""
+
+    # How the failure ends the request when nothing else takes it (a refused KV session:
+    # the gateway's UNAVAILABLE naming the engine, never the client's NOT_FOUND).
+    failure: HopFailure
+    # Another engine takes the request (the one retry, or a re-route).
+    retry: _Retry | None = None
+    # The request's KV session ended on its prefill engine by a drain: the request ends at
+    # the handoff, as one aborted there.
+    ended: bool = False
+
+
+class _Refused(Exception):
+    """An engine's in-band refusal of a hop that ends the request as the same status would
+    (`_Verdict.failure` without the engine's own response)."""
+
+    def __init__(self, cause: grpc.aio.AioRpcError) -> None:
+        super().__init__(cause.details())
+        self.cause = cause
 
 
 class RecentIds:
@@ -624,20 +724,22 @@ class Relay:
             return
         except _SessionLost as exc:
             lost = exc
-        # The prefill engine that held the session is gone: the request runs again as a whole,
-        # once, where a new request would go with that engine down (another prefill engine,
-        # or a decode engine prefilling the prompt itself), the client none the wiser. Nothing
-        # of the decode hop was relayed, so no token is sent twice; the prompt's own output
-        # (prompt logprobs) the client has already is not asked for again.
-        log.info("request %s: the prefill engine %s holding its KV session is gone; running "
-                 "it again as a whole", plan.request.request_id, lost.holder)  # fmt: skip
+        # The KV session is lost: the request runs again as a whole, once, the client none the
+        # wiser. Its prefill engine gone, where a new request would go with that engine down
+        # (another prefill engine, or a decode engine prefilling the prompt itself); its
+        # session expired there, where a new request would go. Nothing of the decode hop was
+        # relayed, so no token is sent twice; the prompt's own output (prompt logprobs) the
+        # client has already is not asked for again.
+        log.info("request %s: its KV session is lost (%s); running it again as a whole",
+                 plan.request.request_id, lost)  # fmt: skip
         self.handed_over.pop(plan.request.request_id, None)
+        excluded = frozenset() if lost.holder_up else frozenset({lost.holder})
         hops = self._prefill_then_decode(
             surface,
             handoff,
             handoff.without_prompt_output(request),
             plan,
-            lambda tried: c.route_prefill(plan, tried | {lost.holder}),
+            lambda tried: c.route_prefill(plan, tried | excluded),
             context=context,
             started=started,
             lost=lost,
@@ -735,7 +837,19 @@ class Relay:
         async def ended_on_holder() -> bool:
             nonlocal released
             released = True
-            return await self._release(handoff, prefilled_on, session, request_id)
+            if not await self._release(handoff, prefilled_on, session, request_id):
+                return False  # it was open: another decode engine may take it
+            if lost is not None or await handoff.holder_draining(prefilled_on):
+                return True  # a drain's end (or this is the run again): it ends at the handoff
+            raise _SessionLost(
+                prefilled_on,
+                gateway_failure(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"engine {prefilled_on} ended the request's KV session before a decode "
+                    "engine took it (its session TTL passed)",
+                ),
+                holder_up=True,
+            )
 
         stream = self._attempts(
             surface,
@@ -905,14 +1019,16 @@ class Relay:
                         self._unanswered.pop(request_id, None)
                         error = surface.error(response)
                         if not relayed:
-                            if error is not None and error.retryable and retry is None:
-                                raise _Retry(error.message, response, engine)
-                            if (
-                                error is not None
-                                and error.not_found
-                                and await self.adapter_left(request_id, plan.lora_name, engine)
-                            ):  # re-routed as the same refusal as a status is (below)
-                                raise _Retry(error.message, response, engine, counted=False)
+                            if error is not None:  # judged as the same status is (below)
+                                refused = HopFailure.of_in_band(error, response, stage)
+                                verdict = await self._judge(refused, stage, engine, plan, retry)
+                                if verdict.retry is not None:
+                                    raise verdict.retry
+                                if verdict.ended:
+                                    await self._end_aborted(stage, context)
+                                    return
+                                if verdict.failure.refusal is None:
+                                    raise _Refused(verdict.failure.cause)
                             if stage.times_first_response:
                                 elapsed = time.perf_counter() - started
                                 c.metrics.first_response_seconds.observe(elapsed)
@@ -947,69 +1063,32 @@ class Relay:
             except _Retry as exc:
                 if error is not None and error.engine_fault:
                     await self.report(engine, error.message)
-                if stage.session_lost is not None and (
-                    lost := await stage.session_lost(engine, str(exc))
-                ):
-                    raise lost from None
-                log.info("request %s: engine %s refused (%s); retrying elsewhere",
-                         request_id, engine, exc)  # fmt: skip
                 retry = exc if exc.counted else retry or exc
+            except _Refused as exc:
+                yield await self._failed(
+                    surface, request, stage, exc.cause, engine=engine, context=context
+                )
+                return
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
                 if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
                     await self._end_aborted(stage, context)
                     return
                 await self.report_failure(engine, cause)
-                if not relayed and stage.session_lost is not None:
-                    lost = await stage.session_lost(
-                        engine, f"{cause.code().name}: {cause.details()}"
-                    )
-                    if lost is not None:
-                        raise lost from None
-                if (
-                    not relayed
-                    and retry is None  # no decode engine attached the session before
-                    and cause.code() == grpc.StatusCode.NOT_FOUND
-                    and stage.session_ended is not None
-                    and not await self.adapter_left(request_id, plan.lora_name, engine)
-                    and await stage.session_ended()
-                ):
-                    log.info("request %s: engine %s refused its KV session, which %s ended; "
-                             "the request ends at the handoff", request_id, engine,
-                             self.handed_over.get(request_id))  # fmt: skip
-                    self.aborted_unrouted.add(request_id)
-                    await self._end_aborted(stage, context)
-                    return
-                if stage.carries_session and not relayed and cause.code() in SESSION_REFUSALS:
-                    cause = gateway_failure(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"engine {engine} refused the KV session: {cause.code().name}: "
-                        f"{cause.details()}",
-                    )
-                if (
-                    not relayed
-                    and cause.code() == grpc.StatusCode.NOT_FOUND
-                    and await self.adapter_left(request_id, plan.lora_name, engine)
-                ):
-                    # Not the one retry: nothing ran, and each engine is tried once.
-                    retry = retry or _Retry(cause.code().name, cause, engine)
-                    continue
-                if (
-                    not relayed
-                    and retry is None
-                    and self.retries_elsewhere(request_id, engine, cause)
-                ):
-                    retry = _Retry(cause.code().name, cause, engine)
-                    continue
-                self._count(_failure_outcome(cause.code()))
-                failed = gateway_failure(
-                    cause.code(), f"engine {engine} failed mid-stream: {cause.code().name}: "
-                    f"{cause.details()}"
-                )  # fmt: skip
-                ending = self._ending(surface, request, stage, failed, relayed=relayed)
-                if ending is None:
-                    await pass_status(context, cause, engine, c.fleet)
-                yield ending
+                if not relayed:
+                    failure = HopFailure.of_status(cause, stage)
+                    verdict = await self._judge(failure, stage, engine, plan, retry)
+                    if verdict.ended:
+                        await self._end_aborted(stage, context)
+                        return
+                    if verdict.retry is not None:
+                        again = verdict.retry
+                        retry = again if again.counted else retry or again
+                        continue
+                    cause = verdict.failure.cause
+                yield await self._failed(
+                    surface, request, stage, cause, engine=engine, context=context, relayed=relayed
+                )
                 return
             finally:
                 self._unanswered.pop(request_id, None)
@@ -1019,6 +1098,81 @@ class Relay:
                 if self.holding.get(request_id) == engine:
                     del self.holding[request_id]
                     self.finished.add(request_id)
+
+    async def _judge(
+        self,
+        failure: HopFailure,
+        stage: _Stage,
+        engine: str,
+        plan: Plan,
+        retry: _Retry | None,
+    ) -> _Verdict:
+        """What follows `engine` failing a hop before anything of it was relayed, whichever
+        form it said it in (`HopFailure`); `retry`: the hop's retry so far. In order: a
+        decode hop whose KV session is lost (its holder gone: `_Stage.session_lost`; ended
+        there other than by a drain: `_Stage.session_ended`) raises `_SessionLost`; one whose
+        first engine found no session that its holder's drain ended ends at the handoff; a
+        refused session is the engine's failure (UNAVAILABLE), not the client's; an engine
+        that no longer holds the request's LoRA adapter is left for one that does; else the
+        one retry, when another engine may succeed."""
+        request_id = plan.request.request_id
+        if stage.session_lost is not None:
+            lost = await stage.session_lost(engine, failure.described)
+            if lost is not None:
+                raise lost
+        if (
+            failure.refused_session
+            and failure.cause.code() == grpc.StatusCode.NOT_FOUND
+            and retry is None  # no decode engine attached the session before
+            and stage.session_ended is not None
+            and not await self.adapter_left(request_id, plan.lora_name, engine)
+            and await stage.session_ended()
+        ):
+            log.info("request %s: engine %s refused its KV session, which %s ended; the "
+                     "request ends at the handoff", request_id, engine,
+                     self.handed_over.get(request_id))  # fmt: skip
+            self.aborted_unrouted.add(request_id)
+            return _Verdict(failure, ended=True)
+        if failure.refused_session:
+            refused = gateway_failure(
+                grpc.StatusCode.UNAVAILABLE,
+                f"engine {engine} refused the KV session: {failure.described}",
+            )
+            failure = HopFailure(refused, retryable=True)
+        if failure.not_found and await self.adapter_left(request_id, plan.lora_name, engine):
+            # Not the one retry: nothing ran, and each engine is tried once.
+            return _Verdict(
+                failure, _Retry(failure.described, failure.answer, engine, counted=False)
+            )
+        if retry is None and failure.retryable:
+            log.info("request %s: engine %s failed before the first response (%s); retrying "
+                     "elsewhere", request_id, engine, failure.described)  # fmt: skip
+            return _Verdict(failure, _Retry(failure.described, failure.answer, engine))
+        return _Verdict(failure)
+
+    async def _failed(
+        self,
+        surface: Surface[Request, Response],
+        request: Request,
+        stage: _Stage,
+        cause: grpc.aio.AioRpcError,
+        *,
+        engine: str,
+        context: Context,
+        relayed: bool = False,
+    ) -> Response:
+        """End the client's stream after `engine` failed its hop with `cause`, nothing else
+        taking the request: the status passes (`pass_status`), or, once the client has
+        output, one in-band error (`_ending`), which is returned."""
+        self._count(_failure_outcome(cause.code()))
+        failed = gateway_failure(
+            cause.code(), f"engine {engine} failed mid-stream: {cause.code().name}: "
+            f"{cause.details()}"
+        )  # fmt: skip
+        ending = self._ending(surface, request, stage, failed, relayed=relayed)
+        if ending is None:
+            await pass_status(context, cause, engine, self.controller.fleet)
+        return ending
 
     async def adapter_left(self, request_id: str, lora_name: str, engine: str) -> bool:
         """Whether `engine`, refusing a request naming the LoRA adapter `lora_name` NOT_FOUND

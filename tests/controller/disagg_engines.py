@@ -13,7 +13,9 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
   holds the stream open after its PrefillReady until it is set (the request is finished on
   the engine then: an Abort of it is ALREADY_FINISHED).
 - DECODE: needs `kv.session` naming a session a prefill engine opened and nobody attached yet
-  (else FAILED_PRECONDITION for none, NOT_FOUND for an unknown one: before acceptance); the
+  (else FAILED_PRECONDITION for none, NOT_FOUND for an unknown one: before acceptance; with
+  `Sessions.in_band_refusal`, an unknown one is accepted and refused in-band, one terminal
+  EngineError of that code, as an engine that pulls after acceptance does); the
   "transfer" is the sim engine computing the prompt itself, then it decodes. With
   `accept_local_prefill` it also takes requests without a session and prefills them itself,
   as engines that can prefill locally do. `decode_gate` holds every request with a session
@@ -52,6 +54,14 @@ class Sessions:
     on_open: Callable[[], object] | None = None  # what it returns is not read
     # Every session is lost before a decode engine attaches (a failed transfer).
     lost: bool = False
+    # Decode engines refuse an unknown session in-band, after acceptance, with an EngineError
+    # of this code (KV_SESSION_NOT_FOUND, KV_TRANSFER_FAILED), not with a status.
+    in_band_refusal: pb.ErrorCode.ValueType | None = None
+    # Every session ends on its prefill engine as it is handed over (its TTL passing, a
+    # drain), before `on_open`: a decode engine finds none, and the prefill engine's Abort
+    # of it answers ALREADY_FINISHED.
+    ended_at_once: bool = False
+    ended: dict[str, str] = field(default_factory=dict)  # session id -> prefill engine
 
 
 class RoleServicer(Forwarding):
@@ -87,6 +97,8 @@ class RoleServicer(Forwarding):
     async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
         if request.WhichOneof("target") == "kv_session":
             session_id = request.kv_session.session_id
+            if self.sessions.ended.get(session_id) == self.name:
+                return pb.AbortResponse(status=pb.ABORT_STATUS_ALREADY_FINISHED)
             if self.sessions.open.get(session_id) != self.name:  # only the engine holding it
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such KV session here")
             del self.sessions.open[session_id]
@@ -123,7 +135,12 @@ class RoleServicer(Forwarding):
                 await self.decode_gate.wait()
             session_id = request.kv.session.session_id
             if self.sessions.open.pop(session_id, None) is None or self.sessions.lost:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV session {session_id!r}")
+                code = self.sessions.in_band_refusal
+                if code is None:
+                    await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV session {session_id!r}")
+                error = pb.EngineError(code=code, message=f"no KV session {session_id!r}")
+                yield pb.GenerateResponse(request_id=request.request_id, error=error)
+                return
         elif not self.accept_local_prefill:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -174,7 +191,8 @@ class RoleServicer(Forwarding):
             if response.HasField("usage"):
                 usage.CopyFrom(response.usage)
         session_id = f"{self.name}-{next(self.sessions.ids)}"
-        self.sessions.open[session_id] = self.name
+        held = self.sessions.ended if self.sessions.ended_at_once else self.sessions.open
+        held[session_id] = self.name
         if self.sessions.on_open is not None:
             self.sessions.on_open()
         usage.completion_tokens = 0

@@ -265,17 +265,41 @@ async def test_vllm_generate_cannot_hand_over_and_says_so() -> None:
         await close_fleet(fleet)
 
 
-async def test_a_decode_failure_after_prompt_output_is_one_terminal_engine_error() -> None:
+# How a decode engine refuses a KV session it cannot find: the status NOT_FOUND before
+# acceptance, or in-band (accepted, then one EngineError(KV_SESSION_NOT_FOUND)).
+REFUSAL_FORMS = ["status", "in_band"]
+
+
+def _refuse(sessions: Sessions, form: str) -> None:
+    """Decode engines refuse an unknown session in `form`: a REFUSAL_FORMS name, or
+    "in_band_transfer" (in-band KV_TRANSFER_FAILED, not retryable: the status form
+    FAILED_PRECONDITION of a session a decode engine cannot use)."""
+    sessions.in_band_refusal = {
+        "status": None,
+        "in_band": pb.ERROR_CODE_KV_SESSION_NOT_FOUND,
+        "in_band_transfer": pb.ERROR_CODE_KV_TRANSFER_FAILED,
+    }[form]
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_a_decode_failure_after_prompt_output_is_one_terminal_engine_error(form: str) -> None:
     """The client has the prefill's prompt logprobs: the decode engine refusing the session
-    ends the stream with one EngineError, not a status (WIRE.md section 3)."""
+    ends the stream with one EngineError, not a status (WIRE.md section 3): the gateway's,
+    retryable (the session failed, not the request), whichever form the refusal took. An
+    in-band refusal used to reach the client as it was, KV_SESSION_NOT_FOUND for a session
+    the client never named."""
     fleet, _, _, sessions = await _fleet(1, 1)
     try:
         sessions.lost = True
+        _refuse(sessions, form)
         request = generate_request("r", [*PREFIX, 1])
         request.response.return_prompt_logprobs = True
         reply = await _generate(fleet, request)
         assert [r.WhichOneof("event") for r in reply] == ["prompt", "error"]
-        assert "no KV session" in reply[-1].error.message
+        error = reply[-1].error
+        assert (error.code, error.retryable) == (pb.ERROR_CODE_INTERNAL, True)
+        assert "refused the KV session" in error.message
+        assert "no KV session" in error.message
         assert not fleet.app.gateway.relay.holding
         assert len(fleet.app.controller.router.inflight) == 0
     finally:
@@ -514,12 +538,16 @@ async def test_a_session_no_decode_engine_took_is_released_on_the_prefill_engine
         await close_fleet(fleet)
 
 
-async def test_a_decode_engine_refusing_the_session_is_an_engine_failure() -> None:
+@pytest.mark.parametrize("form", [*REFUSAL_FORMS, "in_band_transfer"])
+async def test_a_decode_engine_refusing_the_session_is_an_engine_failure(form: str) -> None:
     """Not the client's NOT_FOUND for a session it never named: another decode engine is
-    tried, then the request is UNAVAILABLE, counted as an engine error."""
+    tried, then the request is UNAVAILABLE, counted as an engine error; alike whether the
+    decode engines refuse with the status or in-band (which used to end the request at the
+    first decode engine, its KV_SESSION_NOT_FOUND passed to the client)."""
     fleet, _, decode, sessions = await _fleet(1, 2)
     try:
         sessions.lost = True
+        _refuse(sessions, form)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _generate(fleet, generate_request("r", [*PREFIX, 1]))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -527,6 +555,90 @@ async def test_a_decode_engine_refusing_the_session_is_an_engine_failure() -> No
         assert sorted(_calls(decode, "r")) == [("d0", True), ("d1", True)]
         assert _outcomes(fleet) == {"engine_error": 1}
         assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_a_session_lost_with_its_prefill_engine_runs_the_request_again(form: str) -> None:
+    """The prefill engine stops after handing the session over, and the decode engine finds
+    no session (status or in-band): the prefill engine does not answer, so the request runs
+    again as a whole, once, without it (here on the decode engine prefilling the prompt
+    itself), and the client gets its tokens. In-band, it used to get the decode engine's
+    KV_SESSION_NOT_FOUND."""
+    fleet, prefill, decode, sessions = await _fleet(
+        1, 1, accept_local_prefill=True, router={"skip_prefill_ratio": 0.9}
+    )
+    try:
+        sessions.lost = True
+        _refuse(sessions, form)
+        gate = decode[0].servicer.decode_gate = asyncio.Event()
+        running = asyncio.ensure_future(_generate(fleet, generate_request("r", [*PREFIX, 1])))
+
+        async def at_the_decode_engine() -> bool:
+            return ("r", True) in decode[0].servicer.generated
+
+        await eventually(at_the_decode_engine)
+        await prefill[0].server.stop(None)
+        gate.set()
+        reply = await running
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert _calls(prefill + decode, "r") == [("p0", False), ("d0", True), ("d0", False)]
+        assert _outcomes(fleet) == {"ok": 1}
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_a_session_its_prefill_engine_ended_runs_the_request_again(form: str) -> None:
+    """The prefill engine ended the session before the decode engine came (its TTL): the
+    decode engine finds none (status or in-band), and the prefill engine, asked to release
+    it, says it ended it already (ALREADY_FINISHED) and does not drain. The request runs
+    again as a whole, once, on that prefill engine too, and the client gets its tokens. It
+    used to end finished CANCELLED (status), or with KV_SESSION_NOT_FOUND (in-band)."""
+    fleet, prefill, decode, sessions = await _fleet(1, 1)
+    try:
+        _refuse(sessions, form)
+        sessions.ended_at_once = True  # the first session only:
+        sessions.on_open = lambda: setattr(sessions, "ended_at_once", False)
+        reply = await _generate(fleet, generate_request("r", [*PREFIX, 1], max_tokens=5))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.token.tokens) for r in reply if r.HasField("token")) == 5
+        # Each engine's calls in order: twice the prefill, twice the decode with a session.
+        expected = [("p0", False), ("p0", False), ("d0", True), ("d0", True)]
+        assert _calls(prefill + decode, "r") == expected
+        assert _outcomes(fleet) == {"ok": 1}
+        assert sessions.open == {}
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_a_session_its_draining_prefill_engine_ended_ends_the_request(form: str) -> None:
+    """As above, but the prefill engine drains (its drain's deadline ended the session): the
+    request ends at the handoff, finished CANCELLED, as one its engine's drain aborted; no
+    run again. In-band, it used to end with KV_SESSION_NOT_FOUND."""
+    fleet, prefill, decode, sessions = await _fleet(1, 1)
+    try:
+        _refuse(sessions, form)
+        sessions.ended_at_once = True
+        gate = decode[0].servicer.decode_gate = asyncio.Event()
+        running = asyncio.ensure_future(_generate(fleet, generate_request("r", [*PREFIX, 1])))
+
+        async def at_the_decode_engine() -> bool:
+            return ("r", True) in decode[0].servicer.generated
+
+        await eventually(at_the_decode_engine)
+        drain = pb.DrainRequest(stop_accepting_new_requests=True)
+        [_ async for _ in prefill[0].servicer.inner.Drain(drain)]
+        gate.set()
+        reply = await running
+        assert [r.WhichOneof("event") for r in reply] == ["finished"]
+        assert reply[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        assert _calls(prefill + decode, "r") == [("p0", False), ("d0", True)]
+        assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 1
     finally:
         await close_fleet(fleet)
 

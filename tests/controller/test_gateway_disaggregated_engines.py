@@ -226,24 +226,19 @@ async def test_an_abort_after_an_unread_handoff_ends_the_request_without_a_decod
         assert "r" not in stalled.decode.service._finished  # no decode engine was called
 
 
-@pytest.mark.parametrize("ended_by", ["drain", "ttl"])
-async def test_a_session_its_prefill_engine_ended_before_an_unread_handoff_ends_the_request(
-    ended_by: str,
-) -> None:
+async def test_a_session_drained_before_an_unread_handoff_ends_the_request() -> None:
     """The prefill engine ends the KV session while the gateway has not read the handoff:
-    `admin drain` of that engine aborting past its deadline, or the session's TTL. Once
-    the client reads on, the decode engine refuses the session (NOT_FOUND) and the prefill
-    engine, asked to release it, says it ended it already (ALREADY_FINISHED): the request
-    ended there, and the client gets its outputs finished CANCELLED with the prefill's
-    usage, as from an engine whose drain aborted the request. It used to get a retryable
-    INTERNAL error ("refused the KV session: NOT_FOUND") for a request no engine would run."""
-    ttl = {"kv_transfer": KvTransferConfig(session_ttl_s=2.0)} if ended_by == "ttl" else {}
-    async with stalled_at_the_handoff(**ttl) as stalled:
+    `admin drain` of that engine aborting past its deadline. Once the client reads on, the
+    decode engine refuses the session (NOT_FOUND), the prefill engine, asked to release it,
+    says it ended it already (ALREADY_FINISHED), and it drains: the request ended there, and
+    the client gets its outputs finished CANCELLED with the prefill's usage, as from an
+    engine whose drain aborted the request. It used to get a retryable INTERNAL error
+    ("refused the KV session: NOT_FOUND") for a request no engine would run."""
+    async with stalled_at_the_handoff() as stalled:
         fleet = stalled.fleet
-        if ended_by == "drain":
-            drain = apb.DrainEngineRequest(engine="p0", deadline_ms=0, abort_after_deadline=True)
-            events = [e async for e in fleet.admin.DrainEngine(drain)]
-            assert events[-1].state == pb.DRAIN_STATE_COMPLETE
+        drain = apb.DrainEngineRequest(engine="p0", deadline_ms=0, abort_after_deadline=True)
+        events = [e async for e in fleet.admin.DrainEngine(drain)]
+        assert events[-1].state == pb.DRAIN_STATE_COMPLETE
 
         async def session_ended() -> bool:
             return await stalled.open_sessions() == 0
@@ -257,6 +252,34 @@ async def test_a_session_its_prefill_engine_ended_before_an_unread_handoff_ends_
         requests = fleet.app.controller.metrics.requests
         assert requests.labels("aborted")._value.get() == 1
         assert requests.labels("engine_error")._value.get() == 0
+
+
+async def test_a_session_that_expired_before_an_unread_handoff_runs_the_request_again() -> None:
+    """The client read the prefill's output so slowly that the prefill engine's KV session
+    passed its TTL (`kv_transfer.session_ttl_s`) before the gateway read the handoff. The
+    decode engine refuses the session (NOT_FOUND); the prefill engine says it ended it
+    (ALREADY_FINISHED) and does not drain: the client did nothing wrong, so the request runs
+    again as a whole, once (here on the same prefill engine, the only one), and the client,
+    reading on, gets all its tokens, its prompt output once. It used to end finished
+    CANCELLED, as a drain's end."""
+    async with stalled_at_the_handoff(kv_transfer=KvTransferConfig(session_ttl_s=2.0)) as stalled:
+        fleet = stalled.fleet
+
+        async def session_ended() -> bool:
+            return await stalled.open_sessions() == 0
+
+        await eventually(session_ended)
+        responses = [r async for r in stalled.call]
+        events = [r.WhichOneof("event") for r in responses]
+        assert events == ["prompt", *["token"] * 50, "finished"]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert responses[-1].usage.completion_tokens == 50
+        await stalled.assert_nothing_left()
+        assert "r" in stalled.decode.service._finished  # decoded, with the second session
+        metrics = fleet.app.controller.metrics
+        assert metrics.requests.labels("ok")._value.get() == 1
+        assert metrics.requests.labels("aborted")._value.get() == 0
+        assert metrics.retries._value.get() == 1
 
 
 async def test_an_aborting_gateway_drain_completes_past_an_unread_handoff(
