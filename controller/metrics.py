@@ -78,7 +78,7 @@ class _EngineCollector:
                 labels=labels,
             ),
             "kv": GaugeMetricFamily(
-                "kvplane_controller_engine_kv_usage",
+                "kvplane_controller_engine_kv_usage_ratio",
                 "Used / total KV blocks (GetLoad)",
                 labels=labels,
             ),
@@ -221,7 +221,7 @@ class ControllerMetrics:
         self._cached_tokens_error_sum = 0
         self._cached_tokens_max_sum = 0
         self.cached_tokens_accuracy = Gauge(
-            "kvplane_controller_cached_tokens_prediction_accuracy",
+            "kvplane_controller_cached_tokens_prediction_accuracy_ratio",
             "1 - sum |predicted - reported| / sum max(predicted, reported) cached prompt tokens",
             registry=r,
         )
