@@ -55,6 +55,7 @@ import grpc
 
 from controller.config import ControllerConfig, KvEventsMode
 from controller.event_following import EventFollowing, FollowingState
+from controller.event_lag import MAX_CLOCK_LEAD_S, MAX_PLAUSIBLE_LAG_S, event_lag_s
 from controller.hops import FRONTS_METADATA_KEY, metadata_values, via_interceptors
 from controller.lora_intent import LoraIntent, LoraSpec
 from controller.registry import (
@@ -264,6 +265,8 @@ class _Engine:
         self.no_source_reason: str | None = None
         # When its last KV-event batch was indexed here (unix time; None: none yet).
         self.last_event_unix_s: float | None = None
+        # Its current source delivered a batch whose stamp is implausible (warned once).
+        self.implausible_stamp_warned = False
         # The process whose KV events this replica follows into the index (None: none yet,
         # or KV events off); on a shared index, only while it holds `lease`.
         self.followed: EngineIdentity | None = None
@@ -352,6 +355,7 @@ class Fleet:
         on_engine_gone: Callable[[str], None] | None = None,
         on_cache_predicted: Callable[[str, int | None], None] | None = None,
         on_event_lag: Callable[[str, float], None] | None = None,
+        on_implausible_event_stamp: Callable[[str], None] | None = None,
         instance_id: str | None = None,
     ) -> None:
         """`instance_id`: the controller's own, which no engine of the fleet may have.
@@ -359,7 +363,10 @@ class Fleet:
         already met (what the router knew of it goes; not on a first contact,
         `_forget_old_process`). `on_cache_predicted(address, capacity_blocks)`: a process of
         an engine whose cache the router predicts (`kv_events: approximate`) was met, the
-        first one included (`_tell_predicted`)."""
+        first one included (`_tell_predicted`). `on_event_lag(address, lag_s)`: a KV-event
+        batch of the engine is in the index, `lag_s` after the engine stamped it;
+        `on_implausible_event_stamp(address)` instead when its stamp cannot be when it was
+        produced (`controller.event_lag`)."""
         self.config = config
         self.index = index
         health = config.health
@@ -379,6 +386,7 @@ class Fleet:
         self._on_engine_gone = on_engine_gone
         self._on_cache_predicted = on_cache_predicted
         self._on_event_lag = on_event_lag
+        self._on_implausible_event_stamp = on_implausible_event_stamp
         self._changed = asyncio.Condition()
         self._routing_blind = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # The adapters loaded through the controller, restored on every new engine process;
@@ -1178,6 +1186,7 @@ class Fleet:
             return
         engine.no_source_reason = None
         engine.source = source
+        engine.implausible_stamp_warned = False
         engine.events_task = asyncio.create_task(source.run(), name=f"kv events {engine.address}")
         engine.events_task.add_done_callback(functools.partial(_events_ended, engine.address))
 
@@ -1192,12 +1201,32 @@ class Fleet:
     def _event_applied(self, address: str, stamped_unix_s: float) -> None:
         """A KV-event batch the engine stamped at `stamped_unix_s` is in the index."""
         engine = self._engines.get(address)
+        now_unix_s = time.time()
         if engine is not None:
-            engine.last_event_unix_s = time.time()
-        # Two hosts' clocks: a skew that puts the stamp in our future reads as no lag.
-        lag_s = max(0.0, time.time() - stamped_unix_s)
+            engine.last_event_unix_s = now_unix_s
+        lag_s = event_lag_s(stamped_unix_s, now_unix_s)
+        # A stamp that cannot be the batch's (`controller.event_lag`) clears the engine's
+        # last lag rather than leave it frozen, and is counted, not observed.
         self.registry.on_event_lag(address, lag_s)
-        if self._on_event_lag is not None:
+        if lag_s is None:
+            if engine is not None and not engine.implausible_stamp_warned:
+                engine.implausible_stamp_warned = True
+                log.warning(
+                    "engine %s: a KV-event batch stamped at unix %.3f reached the index at "
+                    "%.3f by the controller's clock: not taken as event lag (more than %.0f s "
+                    "old, or more than %.0f s ahead: the engine's clock or its stamps are "
+                    "wrong); such batches are counted in "
+                    "kvplane_controller_event_timestamps_implausible_total (warned once per "
+                    "source)",
+                    address,
+                    stamped_unix_s,
+                    now_unix_s,
+                    MAX_PLAUSIBLE_LAG_S,
+                    MAX_CLOCK_LEAD_S,
+                )
+            if self._on_implausible_event_stamp is not None:
+                self._on_implausible_event_stamp(address)
+        elif self._on_event_lag is not None:
             self._on_event_lag(address, lag_s)
 
     async def _zmq_source(

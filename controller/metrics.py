@@ -2,9 +2,10 @@
 time), routing decisions by policy and reason, predicted vs engine-reported cached tokens, index
 size, whether each engine's KV events reach the index now, KV-event lag (per engine: the
 controller's wall clock when a batch is in the index minus the engine's timestamp on it; engine
-and controller clocks must agree), what each engine's KV-event source went through (resyncs,
-gaps, reconnects), gateway latency, and with `router.replica_sync` whether this replica hears
-its peers."""
+and controller clocks must agree; batches whose stamp is implausible are counted instead,
+`controller.event_lag`), what each engine's KV-event source went through (resyncs, gaps,
+reconnects), gateway latency, and with `router.replica_sync` whether this replica hears its
+peers."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class _EngineCollector:
                 labels=labels,
             ),
             "kv": GaugeMetricFamily(
-                "kvplane_controller_engine_kv_usage",
+                "kvplane_controller_engine_kv_usage_ratio",
                 "Used / total KV blocks (GetLoad)",
                 labels=labels,
             ),
@@ -221,7 +222,7 @@ class ControllerMetrics:
         self._cached_tokens_error_sum = 0
         self._cached_tokens_max_sum = 0
         self.cached_tokens_accuracy = Gauge(
-            "kvplane_controller_cached_tokens_prediction_accuracy",
+            "kvplane_controller_cached_tokens_prediction_accuracy_ratio",
             "1 - sum |predicted - reported| / sum max(predicted, reported) cached prompt tokens",
             registry=r,
         )
@@ -261,6 +262,15 @@ class ControllerMetrics:
             "KV-event batches by lag: in the index minus the engine's timestamp on the batch",
             ["engine"],
             buckets=_EVENT_LAG_BUCKETS,
+            registry=r,
+        )
+        # Batches whose stamp cannot be when they were produced (`controller.event_lag`): not
+        # in the lag histogram, whose sum a single ~1.8e9 s lag would spoil.
+        self.event_timestamps_implausible = Counter(
+            "kvplane_controller_event_timestamps_implausible",
+            "KV-event batches whose engine timestamp is implausible (more than an hour old, "
+            "or more than a second ahead of the controller's clock): not taken as event lag",
+            ["engine"],
             registry=r,
         )
         self.route_seconds = Histogram(
@@ -311,11 +321,16 @@ class ControllerMetrics:
             child = self._event_lags[engine] = self.event_lag_seconds.labels(engine)
         child.observe(lag_s)
 
+    def count_implausible_event_stamp(self, engine: str) -> None:
+        """A KV-event batch of the engine whose stamp is implausible (seldom: no cached child)."""
+        self.event_timestamps_implausible.labels(engine).inc()
+
     def forget_engine(self, engine: str) -> None:
         """Drop an engine's event-lag series (it left the fleet or is a new process)."""
         self._event_lags.pop(engine, None)
-        with contextlib.suppress(KeyError):
-            self.event_lag_seconds.remove(engine)
+        for family in (self.event_lag_seconds, self.event_timestamps_implausible):
+            with contextlib.suppress(KeyError):
+                family.remove(engine)
 
     def count_decision(self, policy: str, reason: str) -> None:
         child = self._decisions.get((policy, reason))

@@ -878,7 +878,8 @@ class Registry:
         if record is not None:
             record.load = load
 
-    def on_event_lag(self, address: str, lag_s: float) -> None:
+    def on_event_lag(self, address: str, lag_s: float | None) -> None:
+        """The lag of the engine's last KV-event batch (None: its stamp was implausible)."""
         record = self._by_address.get(address)
         if record is not None:
             record.event_lag_s = lag_s

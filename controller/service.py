@@ -113,6 +113,7 @@ class Controller:
             on_engine_gone=self._engine_gone,
             on_cache_predicted=self.router.predict_cache,
             on_event_lag=self._event_lag,
+            on_implausible_event_stamp=self._implausible_event_stamp,
             instance_id=self.instance_id,
         )
         self.metrics = ControllerMetrics(
@@ -167,6 +168,9 @@ class Controller:
 
     def _event_lag(self, address: str, lag_s: float) -> None:
         self.metrics.observe_event_lag(address, lag_s)
+
+    def _implausible_event_stamp(self, address: str) -> None:
+        self.metrics.count_implausible_event_stamp(address)
 
     async def tokenize(self, prompt: str, model: str = "") -> list[int] | None:
         """`prompt` in `model`'s tokens; None when no tokenizer is configured for it or the

@@ -361,15 +361,6 @@ class Fleet:
             and member.process.returncode is None
         )
 
-    async def drain(self) -> None:
-        """Drain every running engine and controller at once, without stopping them: in-flight
-        requests get the drain deadline, then the rest are aborted. A controller drains its
-        gateway, so that clients are told the fleet is stopping (not that some engine drains)
-        from the first moment. Errors are logged, never raised (stopping goes on)."""
-        deadline = asyncio.get_running_loop().time() + self._drain_wait_s()
-        draining = [m for m in self.members if self._drainable(m)]
-        await asyncio.gather(*(self._drain(m, deadline) for m in draining))
-
     def _drain_wait_s(self) -> float:
         """How long a drain's answer is waited for: its deadline, and `DRAIN_REPLY_GRACE_S`
         for the member to abort what is left and say so."""

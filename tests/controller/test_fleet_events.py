@@ -296,6 +296,59 @@ async def test_an_engine_followed_rank_by_rank_is_routed_by_its_best_rank() -> N
         context.term()
 
 
+async def test_implausible_event_stamps_are_counted_not_taken_as_lag(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A batch stamped 0 (an engine that stamps nothing, or whose clock was never set) would
+    read as ~1.8e9 s of lag, and one stamped an hour ahead as none: both are counted as
+    implausible, with one warning for the source naming the engine, and neither reaches the
+    lag histogram; the next batch, stamped now, is taken as lag."""
+    caplog.set_level("WARNING", logger="controller.fleet")
+    context = zmq.asyncio.Context()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    engine = await start_fronted_engine(
+        "clockless", lambda inner: RankedZmqEngine(inner, [publisher])
+    )
+    fleet = await make_fleet(engines=[engine], metrics_listen="127.0.0.1:0")
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        await publisher.wait_subscribed()
+        started = time.time()
+        stamps = (0.0, started + 3600, started)
+        for seq, stamp in enumerate(stamps):
+            tokens = list(range(8000 + 100 * seq, 8000 + 100 * seq + BLOCK))
+            stored = ["BlockStored", [seq + 1], None, tokens, BLOCK, None, "GPU"]
+            frames = [b"", seq.to_bytes(8, "big"), msgpack.packb([stamp, [stored], 0])]
+            await publisher.publish(frames)
+
+        implausible = "kvplane_controller_event_timestamps_implausible_total"
+
+        def counted(text: str, name: str) -> float:
+            return sample(text, name, address) or 0.0
+
+        async def all_counted() -> bool:
+            text = await scrape(fleet)
+            lags = counted(text, "kvplane_controller_event_lag_seconds_count")
+            return lags + counted(text, implausible) == len(stamps)
+
+        await eventually(all_counted, WAIT_S)
+        text = await scrape(fleet)
+        elapsed = time.time() - started
+        assert sample(text, implausible, address) == 2
+        assert sample(text, "kvplane_controller_event_lag_seconds_count", address) == 1
+        assert_event_lag_exported(text, address, elapsed)
+        lag_sum = sample(text, "kvplane_controller_event_lag_seconds_sum", address)
+        assert lag_sum is not None and 0.0 <= lag_sum <= elapsed
+        warnings = [m for m in caplog.messages if "not taken as event lag" in m]
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith(f"engine {address}: a KV-event batch stamped at unix 0.000")
+    finally:
+        await close_fleet(fleet)
+        await publisher.close()
+        context.term()
+
+
 async def test_zmq_events_of_an_engine_without_get_kv_event_sources_are_none(
     fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:

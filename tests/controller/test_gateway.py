@@ -1011,14 +1011,16 @@ async def test_prometheus_metrics_are_exported() -> None:
         assert values("kvplane_controller_first_response_seconds_count") == [1]
         assert values("kvplane_controller_predicted_cached_tokens_total") == [0]
         assert values("kvplane_controller_actual_cached_tokens_total") == [0]
-        assert values("kvplane_controller_cached_tokens_prediction_accuracy") == [1.0]
+        # Fractions (0-1) end in _ratio, as the engine's kvplane_engine_kv_usage_ratio does.
+        assert values("kvplane_controller_cached_tokens_prediction_accuracy_ratio") == [1.0]
         # Per engine: both engines of the fleet, by address.
-        running = {
-            s.labels["engine"]
-            for s in samples
-            if s.name == "kvplane_controller_engine_running_requests"
-        }
-        assert running == {fleet.address(e) for e in fleet.engines}
+        addresses = {fleet.address(e) for e in fleet.engines}
+        for name in ("running_requests", "kv_usage_ratio"):
+            engines = {
+                s.labels["engine"] for s in samples if s.name == f"kvplane_controller_engine_{name}"
+            }
+            assert engines == addresses, name
+        assert all(0 <= v <= 1 for v in values("kvplane_controller_engine_kv_usage_ratio"))
         assert len(values("kvplane_controller_index_blocks")) == 1
     finally:
         await close_fleet(fleet)

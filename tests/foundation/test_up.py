@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -844,26 +845,67 @@ async def test_a_controller_is_up_once_it_has_reached_its_engines(tmp_path: Path
         await engine.close()
 
 
-@pytest.mark.timeout(60)
+async def _refused_while_stopping(stub: pb_grpc.OpenEngineAsyncStub) -> grpc.aio.AioRpcError:
+    """Short requests sent until one is refused by the controller's own drain (those that
+    come before it drains are served, or may meet an engine already draining)."""
+    outcomes: list[str] = []
+    try:
+        async with asyncio.timeout(30):
+            for n in itertools.count():
+                request = pb.GenerateRequest(
+                    request_id=f"late-{n}",
+                    model="sim",
+                    token_ids=pb.TokenIds(ids=[1, 2, 3]),
+                    stopping=pb.StoppingOptions(max_tokens=1),
+                )
+                try:
+                    _ = [r async for r in stub.Generate(request, timeout=10)]
+                    outcomes.append("served")
+                except grpc.aio.AioRpcError as exc:
+                    if exc.details() == "the controller is draining":
+                        return exc
+                    outcomes.append(f"{exc.code().name}: {exc.details()}")
+    except TimeoutError:
+        pass
+    raise AssertionError(f"the controller never refused as draining: {outcomes[-5:]}")
+
+
+@pytest.mark.timeout(90)
 async def test_stopping_drains_the_controller_too(tmp_path: Path) -> None:
     """While the fleet stops, a request reaching the controller is refused by the controller
-    itself (UNAVAILABLE, it drains), not routed to an engine that is draining."""
-    fleet = Fleet(FleetConfig.model_validate(yaml.safe_load(SIM_FLEET)), tmp_path)
+    itself (UNAVAILABLE, it drains), not routed to an engine that is draining. A long
+    generation in flight holds the controller's drain open (the deadline is far); once its
+    client leaves, the drains end and the stop completes."""
+    config = yaml.safe_load(SIM_FLEET)
+    config["drain_deadline_s"] = 60
+    fleet = Fleet(FleetConfig.model_validate(config), tmp_path)
+    stopping: asyncio.Task[None] | None = None
     try:
         await fleet.start()
-        await fleet.drain()
-        engine = fleet.member("engine-0")
-        assert engine.state == "drained"
         async with grpc.aio.insecure_channel(fleet.member("controller").address or "") as ch:
-            request = pb.GenerateRequest(
-                request_id="late", model="sim", token_ids=pb.TokenIds(ids=[1, 2, 3])
+            stub = pb_grpc.OpenEngineStub(ch)
+            long = stub.Generate(
+                pb.GenerateRequest(
+                    request_id="long",
+                    model="sim",
+                    token_ids=pb.TokenIds(ids=list(range(1, 33))),
+                    stopping=pb.StoppingOptions(max_tokens=3000, ignore_eos=True),
+                )
             )
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                async for _ in pb_grpc.OpenEngineStub(ch).Generate(request, timeout=10):
-                    pass
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert refused.value.details() == "the controller is draining"
+            first = await long.read()
+            assert isinstance(first, pb.GenerateResponse) and first.WhichOneof("event") == "token"
+            stopping = asyncio.create_task(fleet.stop())
+            try:
+                refused = await _refused_while_stopping(stub)
+            finally:
+                long.cancel()
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        await stopping
+        codes = {m.name: m.process.returncode for m in fleet.members if m.process is not None}
+        assert codes == {"engine-0": 0, "engine-1": 0, "controller": 0}
     finally:
+        if stopping is not None:
+            await asyncio.wait([stopping])
         await fleet.stop()
 
 
@@ -915,7 +957,7 @@ async def test_members_killed_by_a_second_ctrl_c_are_not_drained(
         await fleet.start()
         fleet.kill_all()
         with caplog.at_level("WARNING", logger="kvplane.up.fleet"):
-            await fleet.drain()
+            await fleet.stop()
     finally:
         await fleet.stop()
     warned = [
