@@ -247,6 +247,22 @@ class HealthConfig(StrictModel):
     eject_after_failures: int = Field(default=5, ge=0)
     eject_for_s: float = Field(default=10.0, gt=0)
     eject_max_s: float = Field(default=120.0, gt=0)
+    # Hold-down (controller/registry.py): an engine whose health leaves ready (NOT_READY,
+    # STARTING, a failed poll) this many times within flap_window_s is held out of routing
+    # once it says READY again, until it has said so for hold_down_s (doubling with each
+    # hold-down in a row up to hold_down_max_s) and then for hold_down_ready_polls polls.
+    # One leave (a restart) comes back at its first READY, as ever. 0: never held down.
+    hold_down_after_flaps: int = Field(default=3, ge=0)
+    flap_window_s: float = Field(default=60.0, gt=0)
+    hold_down_s: float = Field(default=10.0, gt=0)
+    hold_down_max_s: float = Field(default=300.0, gt=0)
+    hold_down_ready_polls: int = Field(default=3, ge=1)
+
+    @model_validator(mode="after")
+    def _check_hold_down(self) -> HealthConfig:
+        if self.hold_down_max_s < self.hold_down_s:
+            raise ValueError("health.hold_down_max_s must be at least hold_down_s")
+        return self
 
 
 class ControllerConfig(ServerConfig):

@@ -64,6 +64,7 @@ from controller.registry import (
     EngineIdentity,
     EngineRecord,
     EngineState,
+    HoldDownPolicy,
     IncompatibleEngineError,
     ModelFacts,
     PollFailure,
@@ -375,6 +376,13 @@ class Fleet:
             health.backoff_max_s,
             EjectionPolicy(health.eject_after_failures, health.eject_for_s, health.eject_max_s),
             own_instance_id=instance_id,
+            hold_down=HoldDownPolicy(
+                health.hold_down_after_flaps,
+                health.flap_window_s,
+                health.hold_down_s,
+                health.hold_down_max_s,
+                health.hold_down_ready_polls,
+            ),
         )
         self._clock = clock
         self._engines: dict[str, _Engine] = {}

@@ -136,6 +136,7 @@ _HEALTH_PB = {
     EngineState.FAILING: pb.HEALTH_STATE_NOT_READY,
     EngineState.INCOMPATIBLE: pb.HEALTH_STATE_NOT_READY,
     EngineState.EJECTED: pb.HEALTH_STATE_NOT_READY,  # takes no traffic for now
+    EngineState.HELD_DOWN: pb.HEALTH_STATE_NOT_READY,  # flapped: takes no traffic for now
 }
 
 # The LoadInfo figures GetLoad sums over the fleet (the registry keeps these of each engine).

@@ -103,6 +103,14 @@ class _EngineCollector:
                 labels=labels,
             ),
         }
+        # Counted by the registry (its hold-down, controller/registry.py), kept with the
+        # engine's record: it restarts when the engine is removed and registered again.
+        flaps = CounterMetricFamily(
+            "kvplane_controller_engine_flaps",
+            "Times the engine's health left ready (NOT_READY, STARTING, a failed poll), not "
+            "counting drains and cordons; too many within health.flap_window_s hold it down",
+            labels=labels,
+        )
         # One series per state, 1 for the engine's own (Prometheus' state set): an alert on
         # `{state="failing"} == 1` has a series to watch before the engine ever fails.
         states = GaugeMetricFamily(
@@ -114,6 +122,7 @@ class _EngineCollector:
             key = [record.address, record.engine_id]
             load = record.load
             families["routable"].add_metric(key, 1.0 if record.routable else 0.0)
+            flaps.add_metric(key, float(record.num_flaps))
             for state in EngineState:
                 states.add_metric([*key, state.value], 1.0 if record.state is state else 0.0)
             if load.running_requests is not None:
@@ -130,6 +139,7 @@ class _EngineCollector:
             if up is not None:
                 families["kv_events_up"].add_metric(key, 1.0 if up else 0.0)
         yield from families.values()
+        yield flaps
         yield states
         yield from self._source_counters()
 

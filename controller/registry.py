@@ -27,6 +27,23 @@ engines taking traffic (routable, or ejected) are ejected at once: a fault of ev
 not an outlier, and those left routable are never all ejected. A new process starts
 with a clean record.
 
+Hold-down (`HoldDownPolicy`): an engine whose health flaps (READY, NOT_READY, READY, ... at
+every poll: a sick engine that passes every other probe) leaves routing at each NOT_READY, as
+it must, but with nothing more would be put back at each READY, and keep taking (and failing
+or slowing) traffic half the time. So each time an engine that says it is ready (READY or
+DEGRADED, ejected or held down included) stops saying so (NOT_READY, STARTING, or a poll that
+fails) is a flap; from its `after_flaps`-th flap within `window_s` it is HELD_DOWN: out of
+routing while its health says READY, until it has said so for `initial_s` (doubling with
+each hold-down in a row, up to `max_s`), and then for `ready_polls` polls more. A flap while
+held restarts the hold-down, twice as long; one within `window_s` of being put back holds it
+again at once, twice as long (its probation, as an ejection's); a window without a flap
+after it is put back clears the record. An engine that leaves ready once (a restart) or now
+and then comes back at its first READY, as before. Kubernetes' readiness `successThreshold`,
+Envoy's `healthy_threshold` and its ejection time growing with each ejection, kept to what a
+fleet needs. The record outlives a new process (a crash loop is flapping too). Drains and
+cordons are no flaps: an engine that drains, or one an operator cordoned (and restarts, say,
+while working on it), is not flapping, and its leaves do not count.
+
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
 gateway's own LoadLora/UnloadLora/ListLoras, and the fleet service's restores of the fleet's
@@ -77,6 +94,7 @@ class EngineState(enum.StrEnum):
     FAILING = "failing"  # it answers its polls with errors (INTERNAL, ...): up, but broken
     INCOMPATIBLE = "incompatible"
     EJECTED = "ejected"  # healthy to its polls, but failing requests (outlier ejection)
+    HELD_DOWN = "held_down"  # ready to its polls, held out after flapping (hold-down)
 
 
 ROUTABLE_STATES = frozenset({EngineState.READY, EngineState.DEGRADED})
@@ -86,6 +104,10 @@ ROUTABLE_STATES = frozenset({EngineState.READY, EngineState.DEGRADED})
 ROUTABLE_MEMO_SIZE = 64
 # What a failed poll leaves an engine in, until a poll succeeds.
 POLL_FAILED_STATES = frozenset({EngineState.UNREACHABLE, EngineState.FAILING})
+# An engine whose health says it is ready, whether or not it is routed (hold-down: leaving
+# one of these for one of `_NOT_READY_STATES` is a flap).
+_READY_TO_ITS_POLLS = ROUTABLE_STATES | {EngineState.EJECTED, EngineState.HELD_DOWN}
+_NOT_READY_STATES = POLL_FAILED_STATES | {EngineState.NOT_READY, EngineState.STARTING}
 
 
 class PollFailure(enum.Enum):
@@ -122,6 +144,17 @@ class EjectionPolicy:
     after_failures: int = 5  # failed requests in a row; 0: never eject
     initial_s: float = 10.0
     max_s: float = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class HoldDownPolicy:
+    """When an engine whose health flaps is held out of routing (the module's "Hold-down")."""
+
+    after_flaps: int = 3  # flaps within window_s that hold it down; 0: never
+    window_s: float = 60.0
+    initial_s: float = 10.0  # ready this long first, doubling with each hold-down in a row
+    max_s: float = 300.0
+    ready_polls: int = 3  # then this many ready health answers more
 
 
 class Role(enum.StrEnum):
@@ -348,6 +381,17 @@ class EngineRecord:
     ejections: int = 0
     ejected_until_s: float | None = None
     ejected_for: str = ""
+    # Hold-down: its flaps since it was added (the metric), when those within the window
+    # were, hold-downs in a row (each doubles the next), how long it must be ready now (0:
+    # not held down), since when it has been (None: not yet since its last flap), the ready
+    # polls it owes after that, and when it was last put back (its probation's start).
+    num_flaps: int = 0
+    flap_times: list[float] = field(default_factory=list)
+    hold_downs: int = 0
+    hold_s: float = 0.0
+    held_ready_since_s: float | None = None
+    hold_polls_left: int = 0
+    released_s: float | None = None
 
     @property
     def engine_id(self) -> str:
@@ -398,12 +442,14 @@ class Registry:
         backoff_max_s: float = 30.0,
         ejection: EjectionPolicy = EjectionPolicy(),
         own_instance_id: str | None = None,
+        hold_down: HoldDownPolicy = HoldDownPolicy(),
     ) -> None:
         """`own_instance_id`: the controller's own (its gateway answers GetEngineInfo with it),
         refused as an engine."""
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.ejection = ejection
+        self.hold_down = hold_down
         self.own_instance_id = own_instance_id
         self._by_address: dict[str, EngineRecord] = {}
         # The records by address, sorted again only when an engine joins or leaves: every
@@ -646,7 +692,7 @@ class Registry:
         not ready keeps its state and error (a drain it cannot be sent fails, and says why)."""
         record = self.get(key)
         record.drain_requested = True
-        if record.state in ROUTABLE_STATES or record.state is EngineState.EJECTED:
+        if record.state in _READY_TO_ITS_POLLS:
             record.state = EngineState.DRAINING
             self.version += 1
         return record
@@ -810,16 +856,22 @@ class Registry:
         if record is None or record.state is EngineState.INCOMPATIBLE:
             return
         ejected = record.ejected_until_s is not None and now_s < record.ejected_until_s
+        self._count_flap(record, state, now_s)
+        held = state in ROUTABLE_STATES and self._still_held(record, now_s)
         if record.drain_requested and state in ROUTABLE_STATES:
             state = EngineState.DRAINING
         elif state is EngineState.DRAINING:
             record.drain_requested = False  # the engine drains: its own health decides now
         elif ejected and state in ROUTABLE_STATES:
             state = EngineState.EJECTED
+        elif held:
+            state = EngineState.HELD_DOWN
         if not ejected:
             record.ejected_until_s = None
         if state is EngineState.EJECTED:
             record.last_error = record.ejected_for
+        elif state is EngineState.HELD_DOWN:
+            record.last_error = self._held_for(record, now_s)
         else:
             record.last_error = "" if state in ROUTABLE_STATES else message
         if state is not record.state:
@@ -827,6 +879,62 @@ class Registry:
         record.state = state
         record.num_failures = 0
         record.next_attempt_s = now_s
+
+    def _count_flap(self, record: EngineRecord, state: EngineState, now_s: float) -> None:
+        """Before `record` takes `state`: count a flap (the module's "Hold-down") if it leaves
+        ready, and hold it down when that is one too many. Not while it drains or is
+        cordoned: then the controller or an operator took it out, not its own health."""
+        if (
+            record.state not in _READY_TO_ITS_POLLS
+            or state not in _NOT_READY_STATES
+            or record.cordoned
+            or record.drain_requested
+        ):
+            return
+        record.num_flaps += 1
+        policy = self.hold_down
+        if not policy.after_flaps:
+            return
+        window_start_s = now_s - policy.window_s
+        record.flap_times = [t for t in record.flap_times if t > window_start_s] + [now_s]
+        if record.released_s is not None and record.released_s <= window_start_s:
+            record.hold_downs = 0  # in routing a whole window since its last hold-down
+        if not record.hold_downs and len(record.flap_times) < policy.after_flaps:
+            return
+        record.hold_s = min(policy.initial_s * 2.0**record.hold_downs, policy.max_s)
+        record.hold_downs += 1
+        record.held_ready_since_s = None
+        record.hold_polls_left = policy.ready_polls
+        record.released_s = None
+
+    def _still_held(self, record: EngineRecord, now_s: float) -> bool:
+        """A ready health answer of `record`: whether its hold-down keeps it out of routing
+        (ready for `hold_s`, then for `ready_polls` answers more), putting it back if not."""
+        if not record.hold_s:
+            return False
+        if record.held_ready_since_s is None:
+            record.held_ready_since_s = now_s
+        if now_s - record.held_ready_since_s >= record.hold_s:
+            record.hold_polls_left -= 1
+            if record.hold_polls_left <= 0:
+                record.hold_s = 0.0
+                record.held_ready_since_s = None
+                record.released_s = now_s
+                return False
+        return True
+
+    def _held_for(self, record: EngineRecord, now_s: float) -> str:
+        """Why a held-down engine that says it is ready is not routed, and until when."""
+        since_s = record.held_ready_since_s if record.held_ready_since_s is not None else now_s
+        left_s = max(0.0, since_s + record.hold_s - now_s)
+        flaps = len(record.flap_times)
+        window_s = self.hold_down.window_s
+        return (
+            f"left ready {flaps} time{'s' if flaps != 1 else ''} in {window_s:g} s "
+            f"(hold-down {record.hold_s:g} s); routable in {left_s:.0f} s and "
+            f"{record.hold_polls_left} more ready poll{'s' if record.hold_polls_left != 1 else ''}"
+            ", if it stays ready"
+        )
 
     def on_request_served(self, engine: str) -> None:
         """A request the engine (address or instance id) served: its failure count restarts.
@@ -906,6 +1014,7 @@ class Registry:
             if record.state not in POLL_FAILED_STATES:
                 record.connection_lost = False
                 record.unreachable_since_s = None
+            self._count_flap(record, failure.state, now_s)
             if failure.state is not record.state:
                 self.version += 1
             record.state = failure.state

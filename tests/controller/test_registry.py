@@ -16,6 +16,7 @@ from controller.registry import (
     EjectionPolicy,
     EngineIdentity,
     EngineState,
+    HoldDownPolicy,
     IncompatibleEngineError,
     LoraNotLoadedError,
     LoraUnavailableError,
@@ -666,3 +667,111 @@ def test_the_routable_listings_kept_do_not_grow_with_the_models_requests_name() 
     for n in range(3 * ROUTABLE_MEMO_SIZE):
         assert [r.address for r in registry.routable(f"model-{n}", generating=True)] == ["h:1"]
     assert len(registry._routable_memo) <= ROUTABLE_MEMO_SIZE
+
+
+def flapping_registry(policy: HoldDownPolicy) -> Registry:
+    registry = Registry(hold_down=policy)
+    registry.add("h:1")
+    registry.on_identity("h:1", identity("e0"))
+    registry.on_health("h:1", EngineState.READY, 0.0)
+    return registry
+
+
+def flap(registry: Registry, now_s: float) -> None:
+    """One poll NOT_READY, the next READY."""
+    registry.on_health("h:1", EngineState.NOT_READY, now_s, "sick")
+    registry.on_health("h:1", EngineState.READY, now_s + 1.0)
+
+
+def test_an_engine_that_leaves_ready_once_is_back_at_its_first_ready_poll() -> None:
+    registry = flapping_registry(HoldDownPolicy(3, 60.0, 10.0, 300.0, 3))
+    registry.on_poll_failed("h:1", 1.0, "UNAVAILABLE: restarting")  # a restart
+    registry.on_health("h:1", EngineState.STARTING, 2.0)
+    registry.on_health("h:1", EngineState.READY, 3.0)
+    assert registry.get("h:1").routable
+    flap(registry, 100.0)  # a minute later: one in the window again
+    assert registry.get("h:1").routable
+    assert registry.get("h:1").num_flaps == 2
+
+
+def test_a_flapping_engine_is_held_down_for_longer_at_each_flap_then_owes_ready_polls() -> None:
+    registry = flapping_registry(HoldDownPolicy(3, 60.0, 10.0, 25.0, 2))
+    record = registry.get("h:1")
+    flap(registry, 1.0)
+    flap(registry, 3.0)
+    assert record.routable
+    flap(registry, 5.0)  # the third within the window: held down once ready again
+    assert record.state is EngineState.HELD_DOWN and not record.routable
+    assert registry.routable() == []
+    assert record.last_error == (
+        "left ready 3 times in 60 s (hold-down 10 s); routable in 10 s and 2 more ready "
+        "polls, if it stays ready"
+    )
+    registry.on_health("h:1", EngineState.READY, 15.9)
+    assert record.state is EngineState.HELD_DOWN
+    # A flap while held: held again, twice as long, from its next READY.
+    flap(registry, 16.0)
+    assert "hold-down 20 s" in record.last_error
+    registry.on_health("h:1", EngineState.READY, 37.0)  # ready 20 s: the first poll owed
+    assert record.state is EngineState.HELD_DOWN
+    assert record.last_error.endswith("routable in 0 s and 1 more ready poll, if it stays ready")
+    registry.on_health("h:1", EngineState.READY, 38.0)
+    assert record.routable and record.last_error == ""
+    # Within a window of being put back, one flap holds it again: capped at 25 s.
+    flap(registry, 50.0)
+    assert record.state is EngineState.HELD_DOWN and "hold-down 25 s" in record.last_error
+    registry.on_health("h:1", EngineState.READY, 76.0)
+    registry.on_health("h:1", EngineState.READY, 77.0)
+    assert record.routable
+    # A whole window in routing after that clears its record: one flap is one flap again.
+    flap(registry, 140.0)
+    assert record.routable
+    assert record.num_flaps == 6
+
+
+def test_a_new_process_keeps_the_hold_down_a_crash_loop_is_flapping() -> None:
+    registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1))
+    for now_s in (1.0, 3.0):
+        registry.on_poll_failed("h:1", now_s, "UNAVAILABLE: crashed")
+        registry.on_identity("h:1", identity("e0"))
+        registry.on_health("h:1", EngineState.READY, now_s + 1.0)
+    assert registry.get("h:1").state is EngineState.HELD_DOWN
+
+
+def test_drains_and_cordons_are_no_flaps_and_a_drain_outranks_a_hold_down() -> None:
+    registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1))
+    record = registry.get("h:1")
+    registry.set_cordoned("h:1", True)  # an operator restarts it while it is cordoned
+    flap(registry, 1.0)
+    flap(registry, 3.0)
+    registry.set_cordoned("h:1", False)
+    assert record.routable
+    for now_s in (5.0, 7.0):  # it drains and comes back, twice
+        registry.on_health("h:1", EngineState.DRAINING, now_s)
+        registry.on_health("h:1", EngineState.NOT_READY, now_s + 0.5)
+        registry.on_health("h:1", EngineState.READY, now_s + 1.0)
+    assert record.routable and record.num_flaps == 0
+    flap(registry, 10.0)
+    flap(registry, 12.0)
+    assert record.state is EngineState.HELD_DOWN
+    registry.request_drain("h:1")
+    assert registry.get("h:1").state is EngineState.DRAINING
+    registry.on_health("h:1", EngineState.READY, 14.0)
+    assert registry.get("h:1").state is EngineState.DRAINING
+
+
+def test_hold_down_config_is_checked(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("health: {hold_down_s: 30, hold_down_max_s: 20}\n")
+    with pytest.raises(ConfigError, match="hold_down_max_s must be at least hold_down_s"):
+        load_config(ControllerConfig, path)
+    path.write_text("health: {hold_down_ready_polls: 0}\n")
+    with pytest.raises(ConfigError, match="hold_down_ready_polls"):
+        load_config(ControllerConfig, path)
+
+
+def test_hold_down_off() -> None:
+    registry = flapping_registry(HoldDownPolicy(0, 60.0, 10.0, 300.0, 1))
+    for now_s in range(10):
+        flap(registry, float(now_s * 2))
+    assert registry.get("h:1").routable

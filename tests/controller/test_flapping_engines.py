@@ -1,0 +1,154 @@
+"""An engine whose health flaps, through real servers: a scripted OpenEngine server in front
+of a sim engine answers READY and NOT_READY at alternate polls, next to a plain sim engine,
+behind a real controller. It leaves routing at each NOT_READY (as it must), and without a
+hold-down it was put back at each READY, taking requests half the time; now, past
+`health.hold_down_after_flaps` flaps in `flap_window_s`, it stays out while it says READY
+until its hold-down is over, and operators see why (`kvplane admin workers`, `health`,
+/metrics). An engine that leaves ready once (a restart), or that drains, comes back as
+before. Time runs through the config's short poll intervals; nothing here is timed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+
+from controller.registry import EngineRecord, EngineState
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import (
+    EngineFleet,
+    close_fleet,
+    engines_of_kinds,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.fronted_engine import FrontedEngine, start_fronted_engine
+from tests.controller.test_admin_cli_membership import cli_json
+from tests.controller.test_fleet_events import sample, scrape
+from tests.controller.test_fleet_health import routed, wait_state
+from tests.controller.test_nonsense_engines import Scripted
+from tests.polling import eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+WAIT_S = 15.0
+# A window and a hold-down of 10 minutes: a test that waits for its end fails instead.
+LONG_HOLD_DOWN = {"flap_window_s": 600, "hold_down_s": 600, "hold_down_max_s": 600}
+
+
+class Flapping(Scripted):
+    """While `flapping`, Health answers `down` (NOT_READY) at every other poll and the sim
+    engine's READY between; otherwise the sim engine's own answer. Counts its polls."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.flapping = False
+        self.down = pb.HEALTH_STATE_NOT_READY
+        self.polls = 0
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
+        self.polls += 1
+        if self.flapping and self.polls % 2:
+            check = pb.HealthCheck(name="scheduler", state=self.down, message="sick")
+            return pb.HealthResponse(state=self.down, checks=[check])
+        return await super().Health(request, context)
+
+
+async def flapping_fleet(**health: Any) -> tuple[EngineFleet[Any], FrontedEngine[Flapping]]:
+    flapping = await start_fronted_engine("flappy", Flapping)
+    sim = await start_sim_engine("steady")
+    fleet = await make_fleet(
+        engines=engines_of_kinds(flapping, sim), metrics_listen="127.0.0.1:0", health=health
+    )
+    return fleet, flapping
+
+
+def record_of(fleet: EngineFleet[Any], engine: FrontedEngine[Flapping]) -> EngineRecord:
+    return fleet.app.controller.fleet.registry.get(f"127.0.0.1:{engine.port}")
+
+
+async def flap_until(fleet: EngineFleet[Any], engine: FrontedEngine[Flapping], flaps: int) -> None:
+    """Flap until the controller has counted `flaps` flaps of it, then answer READY only."""
+    record = record_of(fleet, engine)
+    engine.servicer.flapping = True
+    await fleet.app.controller.fleet.wait_for(lambda: record.num_flaps >= flaps, WAIT_S)
+    engine.servicer.flapping = False
+
+
+async def polled(engine: FrontedEngine[Flapping], polls: int) -> None:
+    """Until the controller has polled the engine's health `polls` times more."""
+    until = engine.servicer.polls + polls
+    await eventually(lambda: engine.servicer.polls >= until, WAIT_S, f"{polls} health polls")
+
+
+async def test_a_flapping_engine_says_ready_but_is_held_down_and_operators_see_why() -> None:
+    fleet, flapping = await flapping_fleet(
+        hold_down_after_flaps=3, hold_down_ready_polls=2, **LONG_HOLD_DOWN
+    )
+    address = f"127.0.0.1:{flapping.port}"
+    record = record_of(fleet, flapping)
+    try:
+        await flap_until(fleet, flapping, 3)
+        await polled(flapping, 3)  # READY at each of them now
+        assert record.state is EngineState.HELD_DOWN
+        # Every request goes to the steady engine while the flapping one says READY.
+        assert set(await routed(fleet, "held", 12)) == {f"127.0.0.1:{fleet.engines[1].port}"}
+        shown = next(
+            w
+            for w in (await cli_json("workers", "--target", fleet.target))["workers"]
+            if w["address"] == address
+        )
+        assert shown["state"] == "held_down" and not shown["routable"]
+        assert shown["last_error"].startswith("left ready 3 times in 600 s (hold-down 600 s); ")
+        assert "routable in " in shown["last_error"]
+        assert shown["last_error"].endswith(" s and 2 more ready polls, if it stays ready")
+        health = await cli_json("health", "--target", fleet.target)
+        check = next(c for c in health["checks"] if c["name"] == f"engine:{address}")
+        assert check["state"] == "HEALTH_STATE_NOT_READY"
+        assert check["message"] == f"held_down: {shown['last_error']}"
+        flaps = sample(await scrape(fleet), "kvplane_controller_engine_flaps_total", address)
+        assert flaps == 3
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_held_down_engine_is_routed_again_once_it_stays_ready() -> None:
+    fleet, flapping = await flapping_fleet(
+        hold_down_after_flaps=2, flap_window_s=600, hold_down_s=0.2, hold_down_ready_polls=3
+    )
+    record = record_of(fleet, flapping)
+    try:
+        await flap_until(fleet, flapping, 2)
+        await wait_state(fleet, record.address, EngineState.HELD_DOWN)
+        assert "(hold-down 0.2 s)" in record.last_error
+        await wait_state(fleet, record.address, EngineState.READY)
+        assert record.routable
+        # Within a window of being put back, one flap holds it down again, twice as long.
+        await flap_until(fleet, flapping, 3)
+        await wait_state(fleet, record.address, EngineState.HELD_DOWN)
+        assert "(hold-down 0.4 s)" in record.last_error
+        await wait_state(fleet, record.address, EngineState.READY)
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_that_leaves_ready_once_or_drains_is_back_at_its_first_ready() -> None:
+    """Held down, it would miss the waits for READY."""
+    fleet, flapping = await flapping_fleet(
+        hold_down_after_flaps=2, hold_down_ready_polls=5, **LONG_HOLD_DOWN
+    )
+    record = record_of(fleet, flapping)
+    try:
+        await flap_until(fleet, flapping, 1)  # a restart, say
+        await wait_state(fleet, record.address, EngineState.READY)
+        # Draining and back, again and again: the drain is no flap.
+        flapping.servicer.down = pb.HEALTH_STATE_DRAINING
+        flapping.servicer.flapping = True
+        await polled(flapping, 8)
+        flapping.servicer.flapping = False
+        await wait_state(fleet, record.address, EngineState.READY)
+        assert record.num_flaps == 1
+    finally:
+        await close_fleet(fleet)
