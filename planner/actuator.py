@@ -15,6 +15,7 @@ Deployment per pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -27,6 +28,7 @@ import grpc
 
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import KvplaneError
+from kvplane.process_exit import exit_how, log_tail
 from kvplane.up.member import member_environment
 from planner.controller_admin import ControllerAdmin
 
@@ -106,8 +108,12 @@ class LocalProcesses:
         self._workdir = workdir
         self._start_timeout_s = start_timeout_s
         self._admin = ControllerAdmin(controller, channels)
-        self._numbers = itertools.count()
+        # A reused workdir (a planner restarted after SIGKILL): its engines' port files say
+        # which engines it left registered; its logs, which numbers not to write over.
+        self._left_over, first_number = _previous_run(workdir)
+        self._numbers = itertools.count(first_number)
         self._processes: dict[str, asyncio.subprocess.Process] = {}  # by address, serving
+        self._port_files: dict[str, Path] = {}  # by address, serving
         self._spawned: list[asyncio.subprocess.Process] = []  # every child, for `num_alive`
         # Stops under way: each waits for its engine to exit (killed after `_STOP_GRACE_S`)
         # beside the ticks, so a drained engine that hangs as it stops holds up no decision.
@@ -118,7 +124,23 @@ class LocalProcesses:
         return sorted(self._processes)
 
     async def adopt(self, *, wait: bool = True) -> list[tuple[str, str]]:
-        return []  # a previous planner's children died with it
+        """Nothing: a previous planner's children died with it. Those it left registered (it
+        was killed: SIGKILL, a crash) are taken out of the controller, which would otherwise
+        list them, unreachable, for good."""
+        if self._left_over:
+            removed = await self._admin.remove_listed(sorted(self._left_over))
+            if removed is not None:  # else the controller did not answer: the next tick's look
+                for address in removed:
+                    log.warning(
+                        "engine %s of a previous planner (its port file %s): taken out of the "
+                        "controller",
+                        address,
+                        self._left_over[address],
+                    )
+                for port_file in self._left_over.values():
+                    port_file.unlink(missing_ok=True)
+                self._left_over = {}
+        return []
 
     async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
         return await self._admin.sync(serving, draining)
@@ -138,7 +160,8 @@ class LocalProcesses:
         number = next(self._numbers)
         port_file = self._workdir / f"{pool}-{number}.port"
         port_file.unlink(missing_ok=True)  # a previous run's, in a reused workdir: a stale port
-        with (self._workdir / f"{pool}-{number}.log").open("wb") as log_file:
+        log_path = self._workdir / f"{pool}-{number}.log"
+        with log_path.open("wb") as log_file:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvplane", "engine", "serve", *self._engine_args,
                 *self._pool_args.get(pool, ()),
@@ -157,19 +180,26 @@ class LocalProcesses:
             if address is not None:
                 await self._admin.remove(address)
             await _terminate(process)
+            port_file.unlink(missing_ok=True)
             if isinstance(exc, grpc.aio.AioRpcError):
                 why = self._admin.describe(exc)
             elif isinstance(exc, TimeoutError):  # its str is empty
                 why = f"no port after start_timeout_s ({self._start_timeout_s:g} s)"
             else:
                 why = str(exc)
-            raise KvplaneError(f"engine {pool}-{number} did not start: {why}") from exc
+            # Why it failed is in its log (a bad model path, a config error): said here, so
+            # one line tells the operator what to fix, and where to read more.
+            tail = log_tail(log_path)
+            ends = f"; its log {log_path} ends: {tail}" if tail else ""
+            raise KvplaneError(f"engine {pool}-{number} did not start: {why}{ends}") from exc
         except asyncio.CancelledError:  # the planner is closing: leave no child behind
             if address is not None:  # the controller may have taken it before the answer came
                 await self._admin.remove(address)
             await _terminate(process)
+            port_file.unlink(missing_ok=True)
             raise
         self._processes[address] = process
+        self._port_files[address] = port_file
         return address
 
     async def _routed(self, address: str) -> None:
@@ -190,7 +220,7 @@ class LocalProcesses:
         async with asyncio.timeout(self._start_timeout_s):
             while True:
                 if process.returncode is not None:
-                    raise KvplaneError(f"exited with {process.returncode}")
+                    raise KvplaneError(f"exited with {exit_how(process.returncode)}")
                 port = _read_port(port_file)
                 if port is not None:
                     return port
@@ -219,8 +249,12 @@ class LocalProcesses:
             await process.wait()
 
     async def _forget(self, address: str) -> asyncio.subprocess.Process | None:
-        """Take `address` out of the controller and of the engines started; its process."""
+        """Take `address` out of the controller and of the engines started; its process. Its
+        port file goes too: one left in the workdir names an engine a killed planner left
+        registered."""
         await self._admin.remove(address)
+        if (port_file := self._port_files.pop(address, None)) is not None:
+            port_file.unlink(missing_ok=True)
         return self._processes.pop(address, None)
 
     async def close(self) -> None:
@@ -230,6 +264,24 @@ class LocalProcesses:
         await asyncio.gather(*(self.stop(address) for address in list(self._processes)))
         await asyncio.gather(*self._stopping)
         await self._admin.close()
+
+
+def _previous_run(workdir: Path) -> tuple[dict[str, Path], int]:
+    """What an earlier planner left in `workdir`: its engines' addresses with their port
+    files (each removed when its engine is, so those left are of a planner that was killed),
+    and the first engine number none of its files has."""
+    left_over: dict[str, Path] = {}
+    numbers = [-1]
+    for path in workdir.glob("*-*.*"):
+        name, _, number = path.stem.rpartition("-")
+        if not (name and number.isdigit() and path.suffix in (".port", ".log")):
+            continue
+        numbers.append(int(number))
+        if path.suffix == ".port":
+            with contextlib.suppress(ValueError):  # not a port: not an engine's
+                if (port := _read_port(path)) is not None:
+                    left_over[f"127.0.0.1:{port}"] = path
+    return left_over, max(numbers) + 1
 
 
 def _read_port(path: Path) -> int | None:

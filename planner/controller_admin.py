@@ -243,6 +243,19 @@ class ControllerAdmin:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 log.warning("controller: RemoveEngine of %s: %s", address, self.describe(exc))
 
+    async def remove_listed(self, addresses: Sequence[str]) -> list[str] | None:
+        """RemoveEngine of each of `addresses` the controller lists; those it removed, or None
+        (said in one warning) when it did not answer."""
+        try:
+            listed = {worker.address for worker in (await self._list()).workers}
+            removed = [address for address in addresses if address in listed]
+            for address in removed:
+                await self.remove(address)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("controller: %s", self.describe(exc))
+            return None
+        return removed
+
     async def close(self) -> None:
         for task in list(self._drains):
             task.cancel()

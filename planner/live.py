@@ -52,7 +52,14 @@ from pathlib import Path
 
 import grpc
 
-from kvplane.channels import INSECURE, ClientChannels, ClientSettings, Redialling, setting_hint
+from kvplane.channels import (
+    HUNG_UP,
+    INSECURE,
+    ClientChannels,
+    ClientSettings,
+    Redialling,
+    setting_hint,
+)
 from kvplane.enum_names import enum_name
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
@@ -80,6 +87,7 @@ from planner.kubernetes import (
 )
 from planner.leader_election import LeaderElector, lead, leader_elector
 from planner.metrics import LossCause, Operation, PlannerMetrics
+from planner.start_backoff import StartBackoff
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +130,7 @@ class _Engine:
     # GetEngineInfo's role and GetModelInfo's kv_block_size taken (or not reported).
     info_read: bool = False
     role: EngineRole | None = None  # GetEngineInfo's (None: not reported)
+    serving_since_s: float = 0.0  # when it was started or adopted (the planner's clock)
 
     def observation(self, now_s: float | None = None) -> EngineObservation:
         """What the core sees at `now_s`. An engine that does not report its request counts
@@ -156,6 +165,7 @@ class LivePlanner:
         clock: Callable[[], float] = time.monotonic,
         metrics: PlannerMetrics | None = None,
         may_act: Callable[[], bool] = lambda: True,
+        start_backoff: StartBackoff | None = None,
     ) -> None:
         self.policy = policy
         self.actuator = actuator
@@ -169,6 +179,8 @@ class LivePlanner:
         # soon after; until then, nothing more is begun, not even in the same tick).
         self._may_act = may_act
         self._placeholders = itertools.count()
+        # Starts of a pool whose engines keep failing wait longer and longer.
+        self._backoff = start_backoff if start_backoff is not None else StartBackoff(10.0, 300.0)
         self._starts: set[asyncio.Task[None]] = set()
         # The actuator's work under way beside the ticks (with `_starts` and its own looks at
         # the fleet, `_adopted`): removals (their pool by task, in the order begun: a pool's
@@ -346,7 +358,11 @@ class LivePlanner:
                 engine.failed_polls,
             )
             await self._lose(engine, "unresponsive")
-        return self._observations([e for e in running if e not in lost], now_s)
+        kept = [e for e in running if e not in lost]
+        for engine in kept:
+            if engine.state is EngineState.SERVING:
+                self._backoff.serving(engine.pool, engine.serving_since_s, now_s)
+        return self._observations(kept, now_s)
 
     def _observations(self, running: list[_Engine], now_s: float) -> Observations:
         """The core's input at `now_s`: every engine, and the forward passes `running` ones
@@ -485,8 +501,14 @@ class LivePlanner:
                         engine.engine_id,
                     )
                     return
-                hint = setting_hint(
-                    self._channels, exc.code(), exc.details() or "", ENGINE_SETTINGS
+                details = exc.details() or ""
+                # An engine that answered over this channel and hangs up is one whose process
+                # ended (killed, crashed), not a TLS server refusing plaintext.
+                hung_up = engine.info_read and HUNG_UP in details
+                hint = (
+                    ""
+                    if hung_up
+                    else setting_hint(self._channels, exc.code(), details, ENGINE_SETTINGS)
                 )
                 why = f"ended ({exc.code().name}){hint}"
             log.info("runtime events of %s %s; subscribing again", engine.engine_id, why)
@@ -521,14 +543,21 @@ class LivePlanner:
     async def _start(self, placeholder: _Engine) -> None:
         """After the removals of its pool under way (a pool's actions go in order: a Deployment
         scaled down, then up), start an engine in place of `placeholder`."""
-        await self._removals_done(placeholder.pool)
+        pool = placeholder.pool
+        await self._removals_done(pool)
+        # Its pool's engines failed: it waits as STARTING, so the core asks for no other.
+        if (wait_s := self._backoff.wait_s(pool, self._clock())) > 0:
+            await asyncio.sleep(wait_s)
         if not self._may_act():
             del self.engines[placeholder.engine_id]
             return
         try:
-            address = await self.actuator.start(placeholder.pool)
-        except Exception as exc:  # any failure: the core will ask again
-            self._failed("start", "starting an engine of %s failed: %s", placeholder.pool, exc)
+            address = await self.actuator.start(pool)
+        except Exception as exc:  # any failure: the core will ask again, after the back-off
+            next_s = self._backoff.failed(pool, self._clock())
+            self._failed(
+                "start", "starting an engine of %s failed: %s%s", pool, exc, _next_start(next_s)
+            )
             del self.engines[placeholder.engine_id]
             return
         del self.engines[placeholder.engine_id]
@@ -536,7 +565,7 @@ class LivePlanner:
 
     def _serve(self, address: str, pool: str) -> None:
         """Observe a serving engine (started, or adopted by the actuator)."""
-        engine = _Engine(address, pool, EngineState.SERVING)
+        engine = _Engine(address, pool, EngineState.SERVING, serving_since_s=self._clock())
         engine.dialled = Redialling(self._channels, address, pb_grpc.OpenEngineStub)
         engine.events = asyncio.create_task(self._follow_passes(engine))
         self.engines[address] = engine
@@ -544,6 +573,10 @@ class LivePlanner:
 
     async def _lose(self, engine: _Engine, cause: LossCause) -> None:
         self.metrics.on_lost(engine.pool, cause)
+        if engine.state is EngineState.SERVING:  # crashing while serving: its pool is failing
+            next_s = self._backoff.failed(engine.pool, self._clock())
+            if next_s > 0:
+                log.warning("engines of %s keep failing:%s", engine.pool, _next_start(next_s))
         await self._remove(engine, kill=cause == "unresponsive")
 
     async def _remove(self, engine: _Engine, *, kill: bool = False) -> None:
@@ -648,6 +681,11 @@ def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -
     )
 
 
+def _next_start(wait_s: float) -> str:
+    """When a failing pool's next engine start begins, said after its failure."""
+    return f" (the next start waits {wait_s:g} s)" if wait_s > 0 else ""
+
+
 def _describe(decision: Decision) -> str:
     """One line of the decision log."""
     if isinstance(decision, ScalePool):
@@ -723,6 +761,7 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             load_timeout_s=live.load_timeout_s,
             lost_after_failed_polls=live.lost_after_failed_polls,
             channels=engine_channels,
+            start_backoff=StartBackoff(live.start_backoff_s, live.start_backoff_max_s),
             metrics=metrics,
             may_act=leading,
         )

@@ -15,13 +15,12 @@ from pathlib import Path
 
 from kvplane.config import ClientTlsConfig
 from kvplane.errors import KvplaneError
+from kvplane.process_exit import exit_how, log_tail
 from kvplane.up.config import FleetConfig
 from kvplane.up.fleet import (
     WORKDIR_PREFIX,
     Fleet,
     Member,
-    exit_how,
-    log_tail,
     remove_stale_workdirs,
 )
 from kvplane.up.status import collect_status, render_status

@@ -27,6 +27,7 @@ from controller.registry import EngineState
 from kvplane.channels import ClientChannels
 from kvplane.config import parse_host_port
 from kvplane.errors import ConfigError, KvplaneError
+from kvplane.process_exit import exit_how, log_tail
 from kvplane.server import check_bindable
 from kvplane.up.config import FleetConfig, MemberConfig
 from kvplane.up.member import cpus_missing, member_environment
@@ -61,22 +62,6 @@ def _kill_group(process: asyncio.subprocess.Process) -> None:
     """SIGKILL the member and whatever it started (it leads its own process group)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-
-
-def log_tail(path: Path, lines: int = 3) -> str:
-    """The last lines of a member's log, on one line."""
-    with contextlib.suppress(OSError):
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
-    return ""
-
-
-def exit_how(code: int) -> str:
-    """A member's exit status in words: "code 1", "code -9 (SIGKILL)"."""
-    how = f"code {code}"
-    if code < 0:  # killed by a signal
-        with contextlib.suppress(ValueError):
-            how += f" ({signal.Signals(-code).name})"
-    return how
 
 
 @dataclass

@@ -20,6 +20,13 @@ def test_max_below_min_is_refused() -> None:
         PoolConfig(name="p", min_engines=2, max_engines=1)
 
 
+def test_a_start_backoff_whose_maximum_is_below_its_first_wait_is_refused() -> None:
+    with pytest.raises(
+        ValidationError, match=r"start_backoff_max_s \(5\) is below start_backoff_s \(10\)"
+    ):
+        LiveConfig(controller="127.0.0.1:1", start_backoff_max_s=5)
+
+
 def test_pools_are_named_once() -> None:
     with pytest.raises(ValidationError, match="pools listed twice: a"):
         PlannerConfig(pools=(PoolConfig(name="a"), PoolConfig(name="a")))

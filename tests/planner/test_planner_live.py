@@ -46,6 +46,7 @@ from planner.core.observations import IDLE, EngineObservation, EngineRole, Engin
 from planner.core.planner import Planner
 from planner.live import LivePlanner, _load
 from planner.metrics import PlannerMetrics
+from planner.start_backoff import StartBackoff
 from tests.controller.conftest import generate_request, start_sim_engine
 from tests.controller.test_processes import controller_process
 from tests.interrupted import interrupted
@@ -239,13 +240,23 @@ async def test_closing_while_the_controller_registers_an_engine_leaves_it_out(
 
 
 @pytest.mark.timeout(180)
-async def test_an_engine_killed_is_removed_and_replaced(setup: Setup) -> None:
+async def test_an_engine_killed_is_removed_and_replaced(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "planner.live")
     fleet, actuator = setup.app.controller.fleet, setup.actuator
     metrics = PlannerMetrics()
     async with serving(setup, 2, metrics=metrics) as (live, (victim, _)):
+        assert await live.tick() == []  # its first poll: it answers
+        assert live.engines[victim].info_read
         process = actuator._processes[victim]
         os.kill(process.pid, signal.SIGKILL)
         await process.wait()
+        # Its runtime-event stream ends as the process does: said so, without the hint of a
+        # TLS server hanging up on plaintext (it answered over this channel).
+        prefix = f"runtime events of {victim} ended (UNAVAILABLE)"
+        await eventually(lambda: any(prefix in r.getMessage() for r in caplog.records), 30)
+        assert not [r for r in caplog.records if "live.engine_tls" in r.getMessage()]
         # The next tick forgets it (and takes it out of the controller): the pool is below
         # its minimum again, rather than counting a dead engine as serving.
         assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
@@ -403,11 +414,11 @@ async def routed(admin: apb_grpc.AdminAsyncStub) -> list[str]:
     return sorted(w.address for w in workers if w.routable)
 
 
-@pytest.mark.timeout(120)
-async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -> None:
-    # The real command: SIGKILL gives it no chance to stop its engines; they must not outlive it.
-    config = tmp_path / "planner.yaml"
-    live = {"controller": f"127.0.0.1:{setup.app.port}", "workdir": str(tmp_path / "work")}
+async def killed_planner(setup: Setup, workdir: Path) -> str:
+    """The real command, keeping one engine in `workdir`, SIGKILLed once the controller routes
+    to its engine (which it no longer does once it returns): that engine's address."""
+    config = workdir.parent / "planner.yaml"
+    live = {"controller": f"127.0.0.1:{setup.app.port}", "workdir": str(workdir)}
     config.write_text(json.dumps({"pools": [{"min_engines": 1, "max_engines": 1}], "live": live}))
     fleet = setup.app.controller.fleet
     process = await asyncio.create_subprocess_exec(
@@ -421,6 +432,13 @@ async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -
         process.kill()
         await process.wait()
     await fleet.wait_for(lambda: not fleet.registry.routable(), 30)
+    return address
+
+
+@pytest.mark.timeout(120)
+async def test_engines_die_with_a_killed_planner(setup: Setup, tmp_path: Path) -> None:
+    # SIGKILL gives it no chance to stop its engines; they must not outlive it.
+    address = await killed_planner(setup, tmp_path / "work")
     host, port = address.rsplit(":", 1)
     with pytest.raises(ConnectionRefusedError):
         await asyncio.open_connection(host, int(port))
@@ -1113,3 +1131,126 @@ async def test_a_removal_the_controller_does_not_take_is_said(
             await gone.close()
     (said,) = caplog.records
     assert said.getMessage().startswith("controller: RemoveEngine of 127.0.0.1:1: UNAVAILABLE")
+
+
+async def failed_start(actuator: LocalProcesses) -> str:
+    """Why `actuator`'s start of an engine of `default` failed (it is closed then)."""
+    try:
+        with pytest.raises(KvplaneError) as failed:
+            await actuator.start("default")
+    finally:
+        await actuator.close()
+    return str(failed.value)
+
+
+def failing_engines(workdir: Path, controller_port: int) -> LocalProcesses:
+    """Engines that exit at once, as an operator's typo in the model path makes them."""
+    return LocalProcesses(
+        controller=f"127.0.0.1:{controller_port}",
+        engine_args=("--model", str(workdir / "no-such-model")),
+        workdir=workdir,
+        start_timeout_s=120,
+    )
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_that_exits_at_once_is_said_with_its_log(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """The failed start's line says why (its log's last lines) and where to read more, not
+    only "exited with 2"."""
+    actuator = failing_engines(tmp_path, setup.app.port)
+    message = await failed_start(actuator)
+    assert message.startswith("engine default-0 did not start: exited with code 2; its log ")
+    assert f"{tmp_path / 'default-0.log'} ends: " in message
+    assert "Invalid value for --model" in message and "\n" not in message
+    assert actuator.num_alive() == 0 and not setup.app.controller.fleet.registry.records()
+
+
+@pytest.mark.timeout(120)
+async def test_a_pool_whose_engines_fail_to_start_backs_off(
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A start that fails is retried at the next tick once; after a second failure in a row
+    the pool's next start waits (here an hour), counted as STARTING meanwhile: no process
+    spawned and no engine log written at every tick."""
+    caplog.set_level(logging.INFO, "planner.live")
+    actuator = failing_engines(tmp_path, setup.app.port)
+    live = LivePlanner(planner(1, 1), actuator, start_backoff=StartBackoff(3600.0, 3600.0))
+    try:
+        for _ in range(2):
+            assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+            await asyncio.gather(*live._starts)
+        failures = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(failures) == 2
+        assert "(the next start waits" not in failures[0]  # the first is retried at once
+        assert failures[1].endswith("(the next start waits 3600 s)")
+        assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+        # It waits as STARTING: the core asks for nothing more, nothing is spawned.
+        assert [e.state for e in live.engines.values()] == [EngineState.STARTING]
+        assert await live.tick() == []
+        done, _ = await asyncio.wait(live._starts, timeout=2)
+        assert not done
+        assert len(actuator._spawned) == 2  # two engine logs, not one a tick
+    finally:
+        await live.close()
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(180)
+async def test_engines_that_keep_crashing_while_serving_back_off(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine that exits on its own is replaced at the next tick; when its replacement
+    exits too, the pool's next start waits: a crash loop is not a new engine every tick."""
+    caplog.set_level(logging.WARNING, "planner.live")
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    backoff = StartBackoff(3600.0, 3600.0)
+    async with serving(setup, 1, start_backoff=backoff) as (live, _):
+        for crash in range(2):
+            (victim,) = live.engines
+            process = actuator._processes[victim]
+            os.kill(process.pid, signal.SIGKILL)
+            await process.wait()
+            assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+            if crash == 0:  # the first: replaced at once
+                await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 120)
+                await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        assert any(
+            r.getMessage() == "engines of default keep failing: (the next start waits 3600 s)"
+            for r in caplog.records
+        )
+        assert [e.state for e in live.engines.values()] == [EngineState.STARTING]
+        done, _ = await asyncio.wait(live._starts, timeout=2)
+        assert not done
+        assert len(actuator._spawned) == 2
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(180)
+async def test_a_planner_restarted_after_sigkill_takes_its_dead_engines_out(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """`kvplane planner run` SIGKILLed: its engine dies with it, but the controller still
+    lists it. Restarted on the same workdir, the planner takes it out of the controller (its
+    port file names it) and starts its own anew, writing over none of the dead run's logs."""
+    workdir = tmp_path / "work"
+    fleet = setup.app.controller.fleet
+    dead = await killed_planner(setup, workdir)
+    assert [r.address for r in fleet.registry.records()] == [dead]  # listed, unreachable
+    dead_log = (workdir / "default-0.log").read_bytes()
+
+    restarted = local_processes(setup.app.port, workdir)
+    live = LivePlanner(planner(1, 1), restarted)
+    try:
+        await live.tick()
+        assert dead not in {r.address for r in fleet.registry.records()}
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        assert [r.address for r in fleet.registry.records()] == sorted(live.engines)
+    finally:
+        await live.close()
+    assert (workdir / "default-0.log").read_bytes() == dead_log
+    assert (workdir / "default-1.log").exists()
+    # Stopped cleanly, it leaves no port file: nothing for the next start to take out.
+    assert not list(workdir.glob("*.port"))

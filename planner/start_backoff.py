@@ -1,0 +1,56 @@
+"""How long a pool's next engine start waits after its engines failed: Kubernetes'
+CrashLoopBackOff rule. An engine that cannot start (a bad model path, an engine argument it
+refuses) or that crashes soon after it serves would otherwise be started again at every tick,
+for good: a process spawned, a log file written and, with a real model, minutes of GPU time
+loading it, each `tick_s`. The first failure is retried at once (one engine killed by hand is
+replaced at the next tick, as before); each failure in a row after it waits twice as long,
+from `first_s` up to `max_s`. The count starts over once an engine of the pool started after
+the last failure has served for `max_s` (as the kubelet's after ten minutes of a container
+running): not for the engines that served all along, or a pool of healthy engines whose new
+ones cannot start (a full GPU) would be started again at every tick."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Failures:
+    in_a_row: int
+    last_s: float
+
+
+class StartBackoff:
+    def __init__(self, first_s: float, max_s: float) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self._pools: dict[str, _Failures] = {}
+
+    def failed(self, pool: str, now_s: float) -> float:
+        """A start of `pool` failed, or one of its engines was lost, at `now_s`: the seconds
+        its next start waits."""
+        failures = self._pools.get(pool)
+        if failures is None:
+            failures = self._pools[pool] = _Failures(0, now_s)
+        failures.in_a_row += 1
+        failures.last_s = now_s
+        return self._wait_s(failures)
+
+    def serving(self, pool: str, since_s: float, now_s: float) -> None:
+        """An engine of `pool` serves at `now_s`, since `since_s`: its pool's failures are over
+        if it began after the last and has served `max_s`."""
+        failures = self._pools.get(pool)
+        if failures is not None and since_s >= failures.last_s and now_s - since_s >= self.max_s:
+            del self._pools[pool]
+
+    def wait_s(self, pool: str, now_s: float) -> float:
+        """Seconds from `now_s` until a start of `pool` may begin (0: now)."""
+        failures = self._pools.get(pool)
+        if failures is None:
+            return 0.0
+        return max(0.0, failures.last_s + self._wait_s(failures) - now_s)
+
+    def _wait_s(self, failures: _Failures) -> float:
+        if failures.in_a_row <= 1:
+            return 0.0
+        return min(self.max_s, self.first_s * 2.0 ** (failures.in_a_row - 2))

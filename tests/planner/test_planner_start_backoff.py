@@ -1,0 +1,38 @@
+"""A failing pool's starts back off as Kubernetes' CrashLoopBackOff does: the first failure
+retried at once, then waits doubling from `first_s` up to `max_s`, over once an engine of the
+pool started after the last failure has served `max_s`."""
+
+from __future__ import annotations
+
+from planner.start_backoff import StartBackoff
+
+
+def test_waits_double_up_to_the_maximum() -> None:
+    backoff = StartBackoff(10.0, 60.0)
+    assert backoff.wait_s("p", 0.0) == 0.0
+    assert [backoff.failed("p", float(t)) for t in range(6)] == [0, 10, 20, 40, 60, 60]
+    assert backoff.wait_s("p", 5.0) == 60.0  # from the last failure
+    assert backoff.wait_s("p", 30.0) == 35.0
+    assert backoff.wait_s("p", 65.0) == 0.0
+    assert backoff.wait_s("other", 5.0) == 0.0  # each pool its own
+
+
+def test_an_engine_started_after_the_failures_that_served_ends_them() -> None:
+    backoff = StartBackoff(10.0, 60.0)
+    backoff.failed("p", 100.0)
+    backoff.failed("p", 101.0)
+    backoff.serving("p", since_s=110.0, now_s=150.0)  # not long enough yet
+    assert backoff.wait_s("p", 105.0) == 6.0
+    backoff.serving("p", since_s=110.0, now_s=170.0)
+    assert backoff.wait_s("p", 105.0) == 0.0
+    assert backoff.failed("p", 200.0) == 0.0  # retried at once again
+
+
+def test_an_engine_that_served_all_along_does_not_end_them() -> None:
+    """A pool of healthy engines whose new ones cannot start (a full GPU): still backed off."""
+    backoff = StartBackoff(10.0, 60.0)
+    backoff.failed("p", 1000.0)
+    backoff.failed("p", 1001.0)
+    backoff.serving("p", since_s=0.0, now_s=1002.0)
+    assert backoff.wait_s("p", 1002.0) == 9.0
+    assert backoff.failed("p", 1011.0) == 20.0
