@@ -978,9 +978,9 @@ redis.register_function('kvp_lease' .. ABI, kvp_lease)
 redis.register_function('kvp_match' .. ABI, kvp_match)
 redis.register_function('kvp_probe' .. ABI, kvp_probe)
 -- Run even while Redis is at its maxmemory (allow-oom): they delete and shorten records, or
--- write a few bytes of counters and marks that mostly exist already (kvp_boot writes only
--- into an empty partition; kvp_renew only rewrites an existing lease key), so that the index
--- can shrink back under the cap by itself.
+-- write a few bytes of counters, marks and outcomes (record_outcome) that mostly exist
+-- already (kvp_boot writes only into an empty partition; kvp_renew only rewrites an existing
+-- lease key), so that the index can shrink back under the cap by itself.
 redis.register_function{ function_name = 'kvp_release' .. ABI, callback = kvp_release,
   flags = { 'allow-oom' } }
 redis.register_function{ function_name = 'kvp_renew' .. ABI, callback = kvp_renew,
