@@ -30,6 +30,16 @@ still holds). A CLEAR does not commute with an earlier REPORT of its worker on a
 same argument for every block it may clear), nor with another worker's REPORT of a block it
 clears, which cannot be told here.
 
+Nor may a REVOKE of k pass another placement's earlier REPORT of k where the block would stay
+(another live placement holds it as the REVOKE applies): other processes sharing the index
+apply their own early removals meanwhile, and may end the block before this process replays the
+REPORT, which then starts it afresh; however their removals interleave with this process's
+batches applied in order (the REPORT first), the REVOKE's placement holds the block for the
+REPORT, which keeps its hit count (and its token count and parent where it states none). A hit
+counted once Redis takes writes, before the REPORT is replayed, and then deleted with the
+block, makes even a REPORT that states both differ. docs/redis.md ("Redis at its `maxmemory`")
+has the whole argument.
+
 Hence a removal goes early iff it commutes with every action buffered before it: a REVOKE
 of a block that no buffered REPORT before it names, of any worker (a REVOKE naming several
 blocks goes early for those, and waits for the others); a CLEAR before which no REPORT at all

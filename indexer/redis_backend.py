@@ -31,7 +31,8 @@ sources to resync those workers (`take_resync_requests` / `add_resync_listener`)
 never half-applied: each is one atomic function call. Re-applying one is not idempotent (a
 REPORT or REVOKE with `copies` adds or drops one more copy), so a call whose outcome is unknown
 (its connection dropped, or it timed out, after sending) is settled before its batches are
-replayed (`_settle`): the call's write mark says whether Redis ran it.
+replayed (`_settle`): the call's write mark, and the outcome Redis records with it, say
+whether Redis ran it and what it did with each batch.
 Snapshots and stats read the partition in several bounded calls, not one atomic cut.
 """
 
@@ -42,6 +43,7 @@ import contextlib
 import enum
 import functools
 import itertools
+import json
 import logging
 import re
 import secrets
@@ -177,6 +179,10 @@ _TRANSIENT_PREFIXES = (
 )
 # A block read by kvp_dump: key, token count, parent, placements (worker name, tier, mask, copies).
 DumpedBlock = tuple[BlockKey, int, BlockKey | None, list[tuple[str, int, int, int]]]
+# What to do when a marked call whose reply was lost turns out to have run (`_settle_held`),
+# given the statuses of the batches Redis refused in it, by their index in the call (read back
+# from `lo:<writer>`, record_outcome in redis_functions.lua; the others applied).
+_IfRan = Callable[[dict[int, str]], None]
 
 
 async def open_redis_backend(url: str, **options: Any) -> RedisBackend:
@@ -254,10 +260,10 @@ class RedisBackend:
         self._acked_mark = 0
         self._writes_lost = False
         # Marked calls go one at a time, so that the stored mark tells whether a call whose
-        # reply was lost ran (`_settle`): that call's mark, and what its running did (None:
-        # nothing to undo), until settled.
+        # reply was lost ran (`_settle`): that call's mark, and what to do should it have run
+        # (given its refused batches; None: nothing), until settled.
         self._marks_lock = asyncio.Lock()
-        self._in_doubt: tuple[int, Callable[[], None] | None] | None = None
+        self._in_doubt: tuple[int, _IfRan | None] | None = None
         # Writer leases (`fence_writes`): this process's holder id and the lease of a worker
         # (its engine). None: writes are unconditional (the indexer's, seed 004's KVIndexer).
         self._fence_holder: str | None = None
@@ -320,14 +326,17 @@ class RedisBackend:
         await self._client.aclose()
 
     async def _forget_mark(self) -> None:
-        """Delete this process's write mark (`lw:<writer>` in the meta hash): no process reads
-        another's, and nobody writes under this process's random id after it, so the field
-        would only grow the hash by one per process start for good. (A process killed leaves
-        its mark: one small field per crash.)"""
+        """Delete this process's write mark (`lw:<writer>` in the meta hash) and its last
+        call's outcome (`lo:<writer>`, if any): no process reads another's, and nobody writes
+        under this process's random id after it, so the fields would only grow the hash by
+        one or two per process start for good. (A process killed leaves them: one or two
+        small fields per crash.)"""
         if self._next_mark == 1:  # it wrote nothing: no mark
             return
         try:
-            await self._client.execute_command("HDEL", self._meta_key, f"lw:{self._writer}")
+            await self._client.execute_command(
+                "HDEL", self._meta_key, f"lw:{self._writer}", f"lo:{self._writer}"
+            )
         except (*_UNREACHABLE, OSError, RedisError) as exc:
             log.debug("write mark not deleted (Redis unreachable): %s", exc)
 
@@ -680,13 +689,14 @@ class RedisBackend:
         *,
         readonly: bool = False,
         boot: bool = False,
-        if_ran: Callable[[], None] | None = None,
+        if_ran: _IfRan | None = None,
     ) -> Any:
         """One function call. With `boot` the partition's boot token goes first: the function
         refuses to write into a partition that lost its data without this process noticing;
         and the call carries this process's next write mark, one such call at a time, after
         the last one whose outcome is unknown is settled (`_settle`; `if_ran`: what to do
-        if this one's outcome is unknown and it turns out to have run).
+        if this one's outcome is unknown and it turns out to have run, given the batches
+        it refused).
         A query fails at once while Redis is paused as silent (_SILENT_PAUSE_S); writes (the
         group commit, the recovery, which has its own backoff) still ask it, so that Redis back
         is found, and the pause ended, as soon as it answers."""
@@ -804,34 +814,59 @@ class RedisBackend:
     async def _settle_held(self) -> None:
         """Finds out whether the marked call whose reply was lost ran, before any later marked
         call is sent (the caller holds `_marks_lock`): it ran, atomically, iff the stored mark
-        (`lw:<writer>`) reached its mark. If not, that mark is claimed by resending it on an
-        empty kvp_release (run even at maxmemory; behind the lost call if Redis still holds
-        it, as under CLIENT PAUSE), so that the call, reaching Redis only afterwards, is refused
-        as stale (check_boot in redis_functions.lua) instead of running after its batches were
-        replayed; refused so itself, the call came first and ran."""
+        (`lw:<writer>`) reached its mark and that mark was not claimed for it (below). If the
+        stored mark is below it, the mark is claimed by resending it on an empty kvp_release
+        (run even at maxmemory; behind the lost call if Redis still holds it, as under CLIENT
+        PAUSE), so that the call, reaching Redis only afterwards, is refused as stale
+        (check_boot in redis_functions.lua) instead of running after its batches were
+        replayed. The claim records itself as such (`lo:<writer>`), as a call that ran
+        records the batches it refused, so one read tells all three apart, however many
+        replies were lost: the claim's own reply lost, or its resend refused as stale
+        (the first send ran), is read again, never taken for the call having run."""
         if self._in_doubt is None:
             return
         mark, if_ran = self._in_doubt
-        await self._ensure_ready()
-        try:
-            stored = await self._client.hget(self._meta_key, f"lw:{self._writer}")
-        except (*_UNREACHABLE, OSError) as exc:
-            self._ready = False
-            raise self._unavailable(exc) from exc
-        ran = int(stored or 0) >= mark
-        if not ran:
+        while True:
+            settled, refused = await self._outcome_of(mark)
+            if settled:
+                break
             try:
                 await self._fcall_once("kvp_release", [], readonly=False, boot=True, mark=mark)
             except _OutcomeUnknown as exc:
                 if not exc.ran:
-                    raise
-                ran = True
+                    raise  # still in doubt: read again at the next settling
+                continue  # refused as stale: the call or an earlier send of this claim ran
+            refused = None
+            break
         self._in_doubt = None
-        if ran:
+        self._acked_mark = max(self._acked_mark, mark)
+        if refused is not None:
             log.info("Redis at %s ran the call whose reply was lost: not replayed", self._where)
-            self._acked_mark = max(self._acked_mark, mark)
             if if_ran is not None:
-                if_ran()
+                if_ran(refused)
+
+    async def _outcome_of(self, mark: int) -> tuple[bool, dict[int, str] | None]:
+        """What the marked call `mark` did, read from the stored mark and outcome
+        (record_outcome in redis_functions.lua): (False, None) while neither it nor a claim
+        of its mark ran; (True, None) when its mark was claimed (it never runs); else it ran,
+        (True, the batches it refused, by index in the call: empty when all applied)."""
+        await self._ensure_ready()
+        try:
+            stored, outcome = await self._client.execute_command(
+                "HMGET", self._meta_key, f"lw:{self._writer}", f"lo:{self._writer}"
+            )
+        except (*_UNREACHABLE, OSError) as exc:
+            self._ready = False
+            raise self._unavailable(exc) from exc
+        if int(stored or 0) < mark:
+            return False, None
+        record: list[Any] = json.loads(outcome) if outcome else [0]
+        if record[0] != mark:
+            return True, {}  # it refused nothing
+        if len(record) == 1:
+            return True, None  # claimed
+        flat = record[1]
+        return True, {int(flat[j]) - 1: str(flat[j + 1]) for j in range(0, len(flat), 2)}
 
     # ------------------------------------------------------------------ apply
 
@@ -861,13 +896,15 @@ class RedisBackend:
         self,
         batches: Sequence[Batch],
         function: str = "kvp_apply",
-        if_ran: Callable[[], None] | None = None,
+        if_ran: Callable[[list[str | None]], object] | None = None,
     ) -> list[str | None]:
         """One atomic call applying `batches` in order: per batch None, or why it was refused
         (then nothing of it was written): by Redis, or here when it cannot be encoded, which
         validation should have made impossible; such a batch fails alone, never its group.
-        `function`: kvp_apply, or kvp_release (`_release_buffered`). `if_ran`: see `_fcall`;
-        by default the batches, buffered meanwhile, leave the buffer (`_ran_buffered`)."""
+        `function`: kvp_apply, or kvp_release (`_release_buffered`). `if_ran`: what to do
+        with these statuses should the call's reply be lost and the call turn out to have run
+        (`_settle_held` reads them back); by default the batches, buffered meanwhile, leave
+        the buffer as their replay's statuses say (`_ran_buffered`)."""
         statuses: list[str | None] = [None] * len(batches)
         args: list[bytes | str | int] = []
         sent: list[int] = []
@@ -880,10 +917,14 @@ class RedisBackend:
             else:
                 sent.append(i)
         if sent:
-            ran = [batches[i] for i in sent]
-            replies = await self._fcall(
-                function, args, boot=True, if_ran=if_ran or (lambda: self._ran_buffered(ran))
-            )
+            settled = if_ran or functools.partial(self._ran_buffered, batches)
+
+            def ran(refused: dict[int, str]) -> None:
+                for j, i in enumerate(sent):
+                    statuses[i] = refused.get(j)
+                settled(statuses)
+
+            replies = await self._fcall(function, args, boot=True, if_ran=ran)
             for i, status in zip(sent, replies, strict=True):
                 statuses[i] = None if status == 1 else _text(status)
         return statuses
@@ -933,13 +974,15 @@ class RedisBackend:
                     done.set_exception(IndexUnavailableError("shared index closed"))
             self._group.clear()
 
-    def _ran_buffered(self, batches: Sequence[Batch]) -> None:
-        """`batches` were applied by a call whose reply was lost (`_settle`): they leave the
-        buffer, where the outage put them, instead of applying twice. (Their statuses were lost
-        with the reply: each counts as applied.)"""
+    def _ran_buffered(self, batches: Sequence[Batch], statuses: Sequence[str | None]) -> None:
+        """`batches` went in a call whose reply was lost and which ran (`_settle`), with
+        `statuses`, read back from Redis: they leave the buffer, where the outage put them,
+        instead of applying twice, each as its replay would have (`_replayed`: a batch
+        refused is logged, or its worker resynced, as when the reply arrives)."""
         ran = {id(b) for b in batches}
         self._buffer = deque(b for b in self._buffer if id(b) not in ran)
-        self._known_workers.update(b.worker_id for b in batches)
+        for batch, status in zip(batches, statuses, strict=True):
+            self._replayed(batch, status)
 
     def _start_recovery(self) -> None:
         if self._recovery is None or self._recovery.done():
@@ -1041,25 +1084,26 @@ class RedisBackend:
         while splits:
             n = _group_size([s.early for s in splits])
             chunk, splits = splits[:n], splits[n:]
-            statuses = await self._replay_head(
-                [s.early for s in chunk], "kvp_release", functools.partial(self._released, chunk)
+            released = functools.partial(self._released, chunk)
+            applied += released(
+                await self._replay_head([s.early for s in chunk], "kvp_release", released)
             )
-            left: dict[int, Batch | None] = {}
-            for split, status in zip(chunk, statuses, strict=True):
-                if status is None or not status.startswith(_GROWS):  # else it stays for kvp_apply
-                    self._replayed(split.early, status)
-                    left[id(split.batch)] = split.rest
-            self._strike(left)
-            applied += len(left)
         log.debug("Redis at %s is out of memory: removals of %d buffered batches applied, %d "
                   "batches wait", self._where, applied, len(self._buffer))  # fmt: skip
         return applied > 0
 
-    def _released(self, chunk: Sequence[EarlySplit]) -> None:
-        """The kvp_release call of `chunk` ran, its reply lost (`_settle`): each batch's early
-        removals count as applied."""
-        self._known_workers.update(s.batch.worker_id for s in chunk)
-        self._strike({id(s.batch): s.rest for s in chunk})
+    def _released(self, chunk: Sequence[EarlySplit], statuses: Sequence[str | None]) -> int:
+        """What the kvp_release call of `chunk` did (`statuses`, from its reply, or read back
+        by `_settle` when the reply was lost): each batch's early removals that were not
+        left for kvp_apply (KVP_GROWS: they stay buffered) are struck from it, as replayed
+        (`_replayed`). How many batches' were."""
+        left: dict[int, Batch | None] = {}
+        for split, status in zip(chunk, statuses, strict=True):
+            if status is None or not status.startswith(_GROWS):
+                self._replayed(split.early, status)
+                left[id(split.batch)] = split.rest
+        self._strike(left)
+        return len(left)
 
     def _strike(self, rests: dict[int, Batch | None]) -> None:
         """Replaces the buffered batches whose early removals applied (by id) with the rest of
@@ -1073,7 +1117,7 @@ class RedisBackend:
         self,
         head: list[Batch],
         function: str = "kvp_apply",
-        if_ran: Callable[[], None] | None = None,
+        if_ran: Callable[[list[str | None]], object] | None = None,
     ) -> list[str | None]:
         """`_apply_batches` for buffered batches; an unexpected failure (not Redis being away)
         refuses them, since retrying them would keep the outage going forever."""

@@ -1,10 +1,12 @@
-#!lua name=kvplane_v4
+#!lua name=kvplane_v5
 --[[
 kvplane's shared prefix index as a Redis Functions library (loaded by indexer/redis_backend.py
 with FUNCTION LOAD REPLACE on every primary). The library's name and its functions' names end
-with its ABI version (`_v4`): a change of any function's arguments, replies or flags, or a
-function added, takes the next one (v4: kvp_release, kvp_renew, kvp_probe, allow-oom, and a
-write whose mark is not above the stored one refused, KVP_STALE, see check_boot), so that
+with its ABI version (`_v5`): a change of any function's arguments, replies or flags, of
+what it records for its callers to read back, or a function added, takes the next one (v4:
+kvp_release, kvp_renew, kvp_probe, allow-oom, and a write whose mark is not above the stored
+one refused, KVP_STALE, see check_boot; v5: the outcome of a call that refused a batch, or
+claimed a lost call's mark, recorded for its process, see record_outcome), so that
 processes of two kvplane versions sharing a Redis in a rolling upgrade each call
 their own library (a library's REPLACE would otherwise swap the other version's functions
 under it); the key layout below is shared by every version. docs/redis.md describes the layout; in short, for
@@ -12,7 +14,9 @@ one partition whose keys all share the hash tag in KEYS[1] = "<prefix>:{<model>:
 
   <base>:m          HASH  meta: boot token, nw (highest worker id given out), fr (removed
                           ids are freed), gcg/swg/swc/pg (sweeper), lw:<writer> (the mark
-                          of each writing process's latest write, see check_boot)
+                          of each writing process's latest write, see check_boot),
+                          lo:<writer> (what its latest call that refused a batch, or
+                          claimed a mark, did, see record_outcome)
   <base>:wi         HASH  registered worker name -> small int id
   <base>:ws         SET   ids of registered workers
   <base>:wf         LIST  ids of removed workers, free for new names (oldest first)
@@ -334,7 +338,31 @@ local function check_boot(ctx, arg)
     return redis.error_reply('KVP_STALE this write ran already or was settled as not run')
   end
   redis.call('HSET', mkey, field, mark)
+  ctx.writer = writer
+  ctx.mark = tonumber(mark)
   return nil
+end
+
+-- What a marked kvp_apply / kvp_release did, for the process to read back should its reply be
+-- lost (redis_backend.py `_settle_held`, which reads it with the stored mark): `lo:<writer>` in
+-- the meta hash, JSON `[mark, [index, status, ...]]` with the call's refused batches (1-based),
+-- or `[mark]` for the empty kvp_release that claims a lost call's mark (it did not run). Only
+-- a call that refused a batch, or claims, writes it (one field per process, overwritten): a
+-- stored mark at or above a call's mark with another mark here means every batch applied.
+local function record_outcome(ctx, statuses)
+  local outcome = { ctx.mark }
+  if #statuses > 0 then
+    local refused = {}
+    for j, status in ipairs(statuses) do
+      if status ~= 1 then
+        refused[#refused + 1] = j
+        refused[#refused + 1] = status
+      end
+    end
+    if #refused == 0 then return end
+    outcome[2] = refused
+  end
+  redis.call('HSET', ctx.base .. ':m', 'lo:' .. ctx.writer, cjson.encode(outcome))
 end
 
 -- `fence`: "" (an unconditional write: the KVIndexer API's, seed 004), or "<holder> <engine>"
@@ -431,6 +459,7 @@ local function apply_batches(keys, args, only_freeing)
     statuses[#statuses + 1] = status
   end
   flush_deltas(ctx)
+  record_outcome(ctx, statuses)
   return statuses
 end
 
@@ -943,15 +972,15 @@ local function kvp_lease(keys, args) return lease(keys, args, false) end
 local function kvp_renew(keys, args) return lease(keys, args, true) end
 
 -- Every name ends with the ABI version, as the library's own (first line).
-local ABI = '_v4'
+local ABI = '_v5'
 redis.register_function('kvp_apply' .. ABI, kvp_apply)
 redis.register_function('kvp_lease' .. ABI, kvp_lease)
 redis.register_function('kvp_match' .. ABI, kvp_match)
 redis.register_function('kvp_probe' .. ABI, kvp_probe)
 -- Run even while Redis is at its maxmemory (allow-oom): they delete and shorten records, or
--- write a few bytes of counters and marks that mostly exist already (kvp_boot writes only
--- into an empty partition; kvp_renew only rewrites an existing lease key), so that the index
--- can shrink back under the cap by itself.
+-- write a few bytes of counters, marks and outcomes (record_outcome) that mostly exist
+-- already (kvp_boot writes only into an empty partition; kvp_renew only rewrites an existing
+-- lease key), so that the index can shrink back under the cap by itself.
 redis.register_function{ function_name = 'kvp_release' .. ABI, callback = kvp_release,
   flags = { 'allow-oom' } }
 redis.register_function{ function_name = 'kvp_renew' .. ABI, callback = kvp_renew,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import random
 import signal
@@ -426,24 +427,29 @@ async def test_cleared_and_removed_placements_are_swept(redis_server: RedisServe
 
 async def test_a_closed_process_leaves_no_write_mark_behind(redis_server: RedisServer) -> None:
     """Each process writing to a partition keeps a mark of its latest write in the meta hash
-    (check_boot): closed, it deletes its own, so processes started and stopped one after
-    another (restarts, rolling upgrades) do not grow the hash by one field each; a process
-    still running keeps its mark."""
+    (check_boot), and the outcome of its latest call that refused a batch (record_outcome):
+    closed, it deletes its own, so processes started and stopped one after another (restarts,
+    rolling upgrades) do not grow the hash by a field or two each; a process still running
+    keeps its mark."""
     redis_server.flushall()
     client = redis_server.client()
 
     def marks() -> list[bytes]:
         fields = [f for k in client.scan_iter(match="*:m") for f in client.hkeys(k)]
         assert all(isinstance(f, bytes) for f in fields)  # the client does not decode
-        return [f for f in fields if isinstance(f, bytes) and f[:3] == b"lw:"]
+        return [f for f in fields if isinstance(f, bytes) and f[:3] in (b"lw:", b"lo:")]
 
     running = await open_redis_backend(redis_server.url, buckets=8)
     try:
         await running.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (1,)),), "a"))
         for n in range(3):
             backend = await open_redis_backend(redis_server.url, buckets=8)
+            backend.fence_writes("nobody's lease", str)
             await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (n + 2,)),), "b"))
             assert len(marks()) == 2
+            with pytest.raises(LeaseLostError):  # refused: its outcome is kept too
+                await backend.apply(_leased_batch("w1", n + 2))
+            assert len(marks()) == 3
             await backend.close()
             assert len(marks()) == 1
         await running.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (9,)),), "a"))
@@ -817,6 +823,8 @@ def _copy(kind: ActionType, key: int) -> Batch:
 
 # A kvp_apply call on the wire (not the library's source, which FUNCTION LOAD sends).
 KVP_APPLY_CALL = f"\r\nkvp_apply{ABI_SUFFIX}\r\n".encode()
+# The empty kvp_release that claims the mark of a call whose reply was lost (`_settle_held`).
+KVP_RELEASE_CALL = f"\r\nkvp_release{ABI_SUFFIX}\r\n".encode()
 
 
 @contextlib.asynccontextmanager
@@ -878,16 +886,95 @@ async def test_a_write_whose_reply_was_lost_is_not_applied_twice(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("claim_reply_lost", [False, True])
 async def test_a_write_that_never_reached_redis_is_replayed_once(
-    redis_server: RedisServer,
+    redis_server: RedisServer, claim_reply_lost: bool
 ) -> None:
     """The other outcome of a call whose reply never came: its request never reached Redis
     (sent, and redis-py's resend, each on a connection that dropped). Settling finds it did
-    not run and claims its mark; the batch is replayed, once."""
+    not run and claims its mark; the batch is replayed, once. Also in a double fault: the
+    reply of that claim lost too (redis-py's resend of the claim refused as stale): the
+    claim ran, not the call, and settling reads that back instead of taking the call for
+    run (before, the batch was dropped)."""
     history = [_copy(ActionType.REPORT, 1), _copy(ActionType.REPORT, 1)]
     async with _behind_forwarder(redis_server) as (forwarder, backend):
         await backend.apply(history[0])
         lost = forwarder.lose_next_request(KVP_APPLY_CALL, times=2)
         await backend.apply(history[1])  # buffered, as Redis seemed away
         assert lost.is_set()
+        if claim_reply_lost:
+            claim_lost = forwarder.lose_next_reply(KVP_RELEASE_CALL)
         await _assert_applied_once(backend, history)
+        if claim_reply_lost:
+            assert claim_lost.is_set()
+
+
+@pytest.mark.timeout(60)
+async def test_batches_refused_in_a_call_whose_reply_was_lost_are_handled_as_refused(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A call that ran although its reply was lost still tells what each of its batches did
+    (Redis keeps the outcome of a call that refused one, for its process to read back): a
+    batch fenced by a writer lease another replica holds is dropped and logged, and one Redis
+    refused for want of a worker id is dropped and its worker resynced, as when the reply
+    of a buffered batch's replay arrives; the batch that applied is not replayed. Before,
+    each batch of such a call counted as applied: no resync was asked."""
+    caplog.set_level(logging.INFO, logger="indexer.redis_backend")
+    async with _behind_forwarder(redis_server) as (forwarder, backend):
+        asked: list[str] = []
+        backend.add_resync_listener(asked.append)
+        backend.fence_writes("a/1", str)
+        assert await backend.hold_lease("w0", "a/1", 30) is LeaseState.TAKEN
+        assert await backend.hold_lease("w1", "b/1", 30) is LeaseState.TAKEN  # another's
+        await backend.apply(_leased_batch("w0", 1))
+        client = redis_server.client()
+        (meta,) = client.scan_iter(match="*:m")
+        client.hset(meta, "nw", 65535)  # every worker id is given out: w2 gets none
+        lost = forwarder.lose_next_reply(KVP_APPLY_CALL)
+        await asyncio.gather(  # one call, buffered as Redis seemed away
+            backend.apply(_leased_batch("w0", 2)),
+            backend.apply(_leased_batch("w1", 3)),
+            backend.apply(_stored_batch("w2", 4)),
+        )
+        assert lost.is_set()
+        await eventually(lambda: backend.healthy, 30, "the backend to recover")
+        assert [await _holders(backend, k) for k in (1, 2, 3, 4)] == [["w0"], ["w0"], [], []]
+        assert asked == ["w2"]
+        assert "buffered batch of w1 not applied: KVP_FENCED" in caplog.text
+        assert "buffered batch of w2 refused: KVP_WORKERS" in caplog.text
+
+
+@pytest.mark.timeout(60)
+async def test_removals_left_for_kvp_apply_in_a_release_whose_reply_was_lost_stay_buffered(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At maxmemory a buffered removal of a worker whose address changed is sent with
+    kvp_release, which leaves it for kvp_apply (KVP_GROWS: applying it would store the new
+    address). That call's reply lost, settling reads back that it left the removal: the batch
+    stays buffered and applies once Redis takes writes. Before, every early removal of such
+    a call counted as applied: the REVOKE was dropped, the block and the old address kept."""
+    history = [
+        Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (1,)),), "addr-a"),
+        Batch("w0", (Action(ActionType.REVOKE, Tier.HBM, (1,)),), "addr-b"),
+    ]
+    caplog.set_level(logging.INFO, logger="indexer.redis_backend")
+    async with _behind_forwarder(redis_server) as (forwarder, backend):
+        try:
+            await backend.apply(history[0])
+            redis_server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+            redis_server.command("CONFIG", "SET", "maxmemory", 1)
+            lost = forwarder.lose_next_reply(KVP_RELEASE_CALL)
+            await backend.apply(history[1])  # refused at maxmemory: buffered
+            await eventually(lost.is_set, 30, "the release's reply to be lost")
+            await eventually(
+                lambda: "ran the call whose reply was lost" in caplog.text, 30, "the settling"
+            )
+            assert backend.num_buffered_batches == 1
+        finally:
+            redis_server.command("CONFIG", "SET", "maxmemory", 0)
+        await eventually(lambda: backend.healthy and backend.unavailable is None, 30, "recovery")
+        memory = MemoryBackend()
+        for batch in history:
+            await memory.apply(batch)
+        assert await backend.match([1], False) == await memory.match([1], False) == []
+        assert (await backend.stats()).workers == (await memory.stats()).workers
