@@ -218,10 +218,14 @@ class Controller:
         is available now (UNAVAILABLE: worth retrying). A fleet with no engine at all cannot
         tell (just started, its planner's engines not registered again yet):
         NoEngineRegisteredError, UNAVAILABLE. No model named is the default model, which an
-        empty fleet may still get. With `generating` (a Generate, or admin route/match), also
-        GenerationUnsupportedError when every engine serving it is pooling-only:
-        FAILED_PRECONDITION, it will never generate there."""
+        empty fleet may still get, and which must be one model: ModelRequiredError
+        (INVALID_ARGUMENT) when the engines serve different models to a request naming none
+        (`Registry.check_default_model`). With `generating` (a Generate, or admin
+        route/match), also GenerationUnsupportedError when every engine serving it is
+        pooling-only: FAILED_PRECONDITION, it will never generate there."""
         registry = self.fleet.registry
+        if not model:
+            registry.check_default_model(generating=generating)
         if model and not registry.may_serve(model):
             if len(registry) == 0:
                 raise NoEngineRegisteredError(
