@@ -574,11 +574,12 @@ class Registry:
             ):
                 yield r
 
-    def check_default_model(self, *, generating: bool = False) -> None:
-        """Raise ModelRequiredError when the compatible engines serve a request naming no
-        model with different models (each its first listed; with `generating`, only engines
-        whose first model generates: a Generate never goes to the others). Engines whose
-        models are not known yet are left out: they may serve any."""
+    def default_model(self, *, generating: bool = False) -> str | None:
+        """The model the compatible engines serve a request naming none: each its first
+        listed (with `generating`, only engines whose first model generates: a Generate never
+        goes to the others); None while no engine's models are known. Raise
+        ModelRequiredError when they differ. Engines whose models are not known yet are left
+        out: they may serve any."""
         defaults: set[str] = set()
         for r in self._may_serve(None):
             identity = r.identity
@@ -593,6 +594,7 @@ class Registry:
                 f"naming none ({', '.join(sorted(defaults))}), which one would answer is not "
                 "decided"
             )
+        return next(iter(defaults), None)
 
     def check_generates(self, model: str) -> None:
         """Raise GenerationUnsupportedError when every engine that serves `model` ("": the

@@ -149,3 +149,31 @@ async def test_an_adapter_on_one_models_engine_serves_that_model_only(
         )
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_session_asking_both_models_stays_on_one_engine_of_each() -> None:
+    """One session (`session_id`) alternating between `a` and `b`: each model's turns stay
+    on the engine its first turn went to. (The session followed its latest route: each `b`
+    turn stuck it to `b0`, so the next `a` turn was routed afresh, to either `a` engine.)
+    The prompts share nothing, so only the session can keep them together."""
+    engines = [
+        await start_sim_engine("a0", served_model_name="a"),
+        await start_sim_engine("a1", served_model_name="a"),
+        await start_sim_engine("b0", served_model_name="b", block_size=32),
+    ]
+    fleet = await make_fleet(
+        engines=engines, router={"policy": "round_robin", "session_metadata_key": "session_id"}
+    )
+    try:
+        served: dict[str, set[str]] = {"a": set(), "b": set()}
+        for i in range(6):
+            for model in ("a", "b"):
+                request = generate_request(f"{model}{i}", [1000 * i + len(model), i], 1)
+                request.model = model
+                request.metadata["session_id"] = "s"
+                _, route = await generate_routed(fleet, request)
+                assert route is not None
+                served[model].add(route["instance_id"])
+        assert len(served["a"]) == 1 and served["b"] == {"b0"}
+    finally:
+        await close_fleet(fleet)
