@@ -578,8 +578,11 @@ class Registry:
         """The model the compatible engines serve a request naming none: each its first
         listed (with `generating`, only engines whose first model generates: a Generate never
         goes to the others); None while no engine's models are known. Raise
-        ModelRequiredError when they differ. Engines whose models are not known yet are left
-        out: they may serve any."""
+        ModelRequiredError when they differ. A controller fronted as an engine counts every
+        model it serves: it answers a request naming none only when its own engines agree,
+        which its GetEngineInfo does not say, and a fleet that sent it there would have it
+        refused by the controller below one time and served by an engine here the next.
+        Engines whose models are not known yet are left out: they may serve any."""
         defaults: set[str] = set()
         for r in self._may_serve(None):
             identity = r.identity
@@ -587,7 +590,7 @@ class Registry:
                 continue
             if generating and not identity.facts_of(None).generates:
                 continue
-            defaults.add(identity.models[0])
+            defaults.update(identity.models if identity.is_controller else identity.models[:1])
         if len(defaults) > 1:
             raise ModelRequiredError(
                 "name a model: the engines of this fleet serve different models to a request "

@@ -177,3 +177,38 @@ async def test_a_session_asking_both_models_stays_on_one_engine_of_each() -> Non
         assert len(served["a"]) == 1 and served["b"] == {"b0"}
     finally:
         await close_fleet(fleet)
+
+
+async def test_a_controller_fronting_both_models_makes_a_request_naming_none_refused() -> None:
+    """An upper controller fronting a lower one (engines of `a` and `b`) and an engine of
+    its own serving the model the lower one lists first: a request naming no model is
+    refused by the upper one, every time. (The lower controller's first model was taken
+    for its default: round robin sent such a request to the upper's own engine, served,
+    then to the lower controller, refused.)"""
+    lower = await make_fleet(
+        engines=[
+            await start_sim_engine("a0", served_model_name="a"),
+            await start_sim_engine("b0", served_model_name="b"),
+        ]
+    )
+    first = (await lower.gateway.GetEngineInfo(pb.GetEngineInfoRequest())).supported_models[0]
+    upper = await make_fleet(
+        engines=[await start_sim_engine("own", served_model_name=first)],
+        router={"policy": "round_robin"},
+    )
+    try:
+        await upper.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=lower.target, kv_events="none")
+        )
+        await upper.wait_routable(2)
+        for i in range(4):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await generate_routed(upper, request_for("", f"n{i}"))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "(a, b)" in (refused.value.details() or "")
+        for model in ("a", "b"):
+            reply, _ = await generate_routed(upper, request_for(model, f"named-{model}"))
+            assert reply[-1].WhichOneof("event") == "finished"
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
