@@ -399,12 +399,15 @@ class Controller:
         """What `route` would decide, charging no one; in a `disaggregated` fleet, the first
         hop's (as `route_disaggregated`: a prefill engine, or the decode engine that would
         prefill the prompt itself). AllEnginesBusyError when the request would be refused
-        as every engine it needs is busy."""
+        as every engine it needs is busy; NoEngineAvailableError naming each engine serving
+        the model and its state when none takes traffic, as `route` says it to a Generate."""
         if disaggregated:
             placement = self._first_hop(plan, charge=False)
             decision = placement.prefill or placement.decode
             assert decision is not None  # one of the two is the first hop
             return decision
+        if not plan.view.candidates:
+            raise NoEngineAvailableError(self.fleet.registry.why_unavailable(plan.model))
         return self.router.explain(
             plan.request,
             plan.view.candidates,

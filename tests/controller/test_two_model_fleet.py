@@ -6,7 +6,7 @@ model's engine serves that model only."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
 import grpc
@@ -212,3 +212,26 @@ async def test_a_controller_fronting_both_models_makes_a_request_naming_none_ref
     finally:
         await close_fleet(upper)
         await close_fleet(lower)
+
+
+async def test_draining_the_only_engine_of_a_model_says_so_everywhere(two_models: Fleet) -> None:
+    """`b0`, the only engine of `b`, drained: a Generate, GetModelInfo and admin `route` for
+    `b` are UNAVAILABLE naming it (`route` said only "no engine available to route to"),
+    and `a` is served as before."""
+    fleet = two_models
+    b0 = fleet.address(fleet.engines[2])
+    events = [e async for e in fleet.admin.DrainEngine(apb.DrainEngineRequest(engine=b0))]
+    assert events[-1].state == pb.DRAIN_STATE_COMPLETE
+    query = apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT), model="b")
+    calls: dict[str, Awaitable[object]] = {
+        "generate": generate_routed(fleet, request_for("b", "drained")),
+        "model info": fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="b")),
+        "route": fleet.admin.Route(query),
+    }
+    for what, call in calls.items():
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, what
+        assert "b0 draining" in (refused.value.details() or ""), (what, refused.value.details())
+    _, route = await generate_routed(fleet, request_for("a", "still"))
+    assert route is not None and route["instance_id"] in {"a0", "a1"}
