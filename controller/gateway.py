@@ -4,6 +4,8 @@
   shares, never to an engine that serves the request's model for pooling only (each
   model's own GetModelInfo, `EngineIdentity.facts_of`): FAILED_PRECONDITION for a request
   carrying `kv.session` (the gateway is AGGREGATED), NOT_FOUND for a model no engine serves,
+  INVALID_ARGUMENT for a request naming none when the engines serve different models to
+  such a request (`Registry.default_model`),
   FAILED_PRECONDITION for one only pooling-only engines serve,
   ALREADY_EXISTS for the id of a request running through the gateway; the chosen engine's
   stream is relayed unchanged, the engine and the router's decision in the trailing

@@ -193,6 +193,12 @@ class NoEngineRegisteredError(KvplaneError):
     registered engines do not serve, which clients take as final."""
 
 
+class ModelRequiredError(KvplaneError):
+    """A request names no model while the fleet's engines serve different models by default
+    (the first each lists): which one would answer it would be the router's pick, a model
+    switching from one request to the next. INVALID_ARGUMENT: the client names the model."""
+
+
 class GenerationUnsupportedError(KvplaneError):
     """Every engine serving the model is pooling-only: a Generate can never be served there
     (the seed's unsupported task, FAILED_PRECONDITION), not merely not now."""
@@ -614,6 +620,31 @@ class Registry:
             ):
                 yield r
 
+    def default_model(self, *, generating: bool = False) -> str | None:
+        """The model the compatible engines serve a request naming none: each its first
+        listed (with `generating`, only engines whose first model generates: a Generate never
+        goes to the others); None while no engine's models are known. Raise
+        ModelRequiredError when they differ. A controller fronted as an engine counts every
+        model it serves: it answers a request naming none only when its own engines agree,
+        which its GetEngineInfo does not say, and a fleet that sent it there would have it
+        refused by the controller below one time and served by an engine here the next.
+        Engines whose models are not known yet are left out: they may serve any."""
+        defaults: set[str] = set()
+        for r in self._may_serve(None):
+            identity = r.identity
+            if identity is None or not identity.models:
+                continue
+            if generating and not identity.facts_of(None).generates:
+                continue
+            defaults.update(identity.models if identity.is_controller else identity.models[:1])
+        if len(defaults) > 1:
+            raise ModelRequiredError(
+                "name a model: the engines of this fleet serve different models to a request "
+                f"naming none ({', '.join(sorted(defaults))}), which one would answer is not "
+                "decided"
+            )
+        return next(iter(defaults), None)
+
     def check_generates(self, model: str) -> None:
         """Raise GenerationUnsupportedError when every engine that serves `model` ("": the
         default model) is known to be pooling-only; an engine not reached yet may generate."""
@@ -660,8 +691,11 @@ class Registry:
         one is named) holds `lora_name` for `model` (call it when `routable(...,
         lora_name=lora_name)` is empty): LoraUnavailableError when some engine holds it,
         LoraUnsupportedError when no engine serving the model supports LoRA, else
-        LoraNotLoadedError. Returns when no such engine serves the model at all (the request
-        fails as any request for it does)."""
+        LoraNotLoadedError, naming the engines of other models that hold it, if any (an
+        adapter is trained for one base model: loaded on another model's engine it is no
+        help, and "no engine has it" would send the operator looking in vain). Returns when
+        no such engine serves the model at all (the request fails as any request for it
+        does)."""
         serving = [
             r
             for r in sorted(self._may_serve(model), key=lambda r: r.address)
@@ -684,7 +718,18 @@ class Registry:
             raise LoraUnsupportedError(
                 f"no {kind} serving {model or 'the default model'} supports LoRA"
             )
-        raise LoraNotLoadedError(f"no {kind} has LoRA adapter {lora_name!r} loaded")
+        elsewhere = sorted(
+            r.engine_id
+            for r in self._by_address.values()
+            if model
+            and r.identity is not None
+            and not r.identity.serves(model)
+            and r.holds_lora(lora_name)
+        )
+        held = f" (engines not serving {model!r} hold it: {', '.join(elsewhere)})"
+        raise LoraNotLoadedError(
+            f"no {kind} has LoRA adapter {lora_name!r} loaded" + (held if elsewhere else "")
+        )
 
     def request_drain(self, key: str) -> EngineRecord:
         """Out of routing at once, until the engine's own health takes over (it says

@@ -77,6 +77,7 @@ from controller.metrics import RequestOutcome
 from controller.registry import (
     GenerationUnsupportedError,
     LoraRoutingError,
+    ModelRequiredError,
     NoEngineRegisteredError,
     Role,
     UnknownModelError,
@@ -588,7 +589,7 @@ class Relay:
             await abort_with(context, grpc.StatusCode.UNAVAILABLE, "the controller is draining")
         try:
             c.check_model(query.model, generating=True)
-        except (UnknownModelError, GenerationUnsupportedError) as exc:
+        except (UnknownModelError, ModelRequiredError, GenerationUnsupportedError) as exc:
             self._count("invalid")
             await abort_with(context, status_of(exc), str(exc))
         except NoEngineRegisteredError as exc:

@@ -211,10 +211,23 @@ class Controller:
             num_tokens,
             view.block_size,
             view.block_keys,
-            query.session_key,
+            self._session_of(query),
             reads_cache=not query.bypass_prefix_cache,
         )
         return Plan(request, view, tokenized, query.model, query.lora_name)
+
+    def _session_of(self, query: PromptInput) -> str | None:
+        """The router's session key of the request: its session per model, a request naming
+        no model being the default model's (`Registry.default_model`). A client's session
+        (one conversation, one user) may ask two models; each model's turns stick to an
+        engine of that model, where its cache is, and a turn of the other model does not move
+        them (one key for both had each turn stick the session to the other model's engine,
+        so the next turn of the first was routed afresh). A newline cannot occur in a gRPC
+        metadata value, so no session of one model reads as another's."""
+        if not query.session_key:
+            return query.session_key
+        model = query.model or self.fleet.registry.default_model(generating=True)
+        return f"{model}\n{query.session_key}" if model else query.session_key
 
     def check_model(self, model: str, *, generating: bool = False) -> None:
         """Raise UnknownModelError when no engine of the fleet serves `model`, whatever its
@@ -222,10 +235,14 @@ class Controller:
         is available now (UNAVAILABLE: worth retrying). A fleet with no engine at all cannot
         tell (just started, its planner's engines not registered again yet):
         NoEngineRegisteredError, UNAVAILABLE. No model named is the default model, which an
-        empty fleet may still get. With `generating` (a Generate, or admin route/match), also
-        GenerationUnsupportedError when every engine serving it is pooling-only:
-        FAILED_PRECONDITION, it will never generate there."""
+        empty fleet may still get, and which must be one model: ModelRequiredError
+        (INVALID_ARGUMENT) when the engines serve different models to a request naming none
+        (`Registry.default_model`). With `generating` (a Generate, or admin
+        route/match), also GenerationUnsupportedError when every engine serving it is
+        pooling-only: FAILED_PRECONDITION, it will never generate there."""
         registry = self.fleet.registry
+        if not model:
+            registry.default_model(generating=generating)
         if model and not registry.may_serve(model):
             if len(registry) == 0:
                 raise NoEngineRegisteredError(
@@ -386,12 +403,15 @@ class Controller:
         """What `route` would decide, charging no one; in a `disaggregated` fleet, the first
         hop's (as `route_disaggregated`: a prefill engine, or the decode engine that would
         prefill the prompt itself). AllEnginesBusyError when the request would be refused
-        as every engine it needs is busy."""
+        as every engine it needs is busy; NoEngineAvailableError naming each engine serving
+        the model and its state when none takes traffic, as `route` says it to a Generate."""
         if disaggregated:
             placement = self._first_hop(plan, charge=False)
             decision = placement.prefill or placement.decode
             assert decision is not None  # one of the two is the first hop
             return decision
+        if not plan.view.candidates:
+            raise NoEngineAvailableError(self.fleet.registry.why_unavailable(plan.model))
         return self.router.explain(
             plan.request,
             plan.view.candidates,

@@ -114,7 +114,7 @@ async def test_admin_route_and_match_for_a_pooling_only_model_are_failed_precond
     mixed_fleet: Fleet, rpc: str
 ) -> None:
     """As Generate: a model only pooling-only engines serve is FAILED_PRECONDITION, not
-    UNAVAILABLE ("no engine available to route to", Route) or an empty table (Match)."""
+    UNAVAILABLE (Route) or an empty table (Match)."""
     await mixed_fleet.admin.RemoveEngine(apb.EngineRef(engine="gen"))
     query = apb.PromptQuery(model=MODEL, token_ids=pb.TokenIds(ids=[5, 6, 7]))
     with pytest.raises(grpc.aio.AioRpcError) as err:

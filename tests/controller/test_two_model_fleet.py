@@ -1,0 +1,237 @@
+"""A fleet of sim engines serving two models (two engines of `a`, one of `b` with another
+block size) behind the controller, through real servers: a request is routed to its own
+model's engines only, and a request naming no model, which such a fleet would answer with
+whichever model the router picked, is refused until it names one; an adapter loaded on one
+model's engine serves that model only."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controller.outcomes import ENGINE_METADATA_KEY
+from engine.config import LoraConfig
+from kvplane_api.v1 import admin_pb2 as apb
+from openengine.v1 import openengine_pb2 as pb
+from tests.controller.conftest import (
+    Fleet,
+    close_fleet,
+    generate_request,
+    make_fleet,
+    start_sim_engine,
+)
+from tests.controller.test_gateway import generate_routed
+from tests.engine.lora_adapters import write_adapter_config
+
+pytestmark = pytest.mark.timeout(60)
+
+PROMPT = list(range(300, 364))  # four blocks of 16, two of 32
+
+
+@pytest.fixture
+async def two_models() -> AsyncIterator[Fleet]:
+    engines = [
+        await start_sim_engine("a0", served_model_name="a"),
+        await start_sim_engine("a1", served_model_name="a"),
+        await start_sim_engine("b0", served_model_name="b", block_size=32),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        yield fleet
+    finally:
+        await close_fleet(fleet)
+
+
+def request_for(model: str, request_id: str) -> pb.GenerateRequest:
+    request = generate_request(request_id, PROMPT)
+    request.model = model
+    return request
+
+
+async def test_each_models_requests_go_to_its_own_engines_only(two_models: Fleet) -> None:
+    fleet = two_models
+    served_by = {"a": {"a0", "a1"}, "b": {"b0"}}
+    for model, engines in served_by.items():
+        for i in range(4):
+            reply, route = await generate_routed(fleet, request_for(model, f"{model}{i}"))
+            assert reply[-1].WhichOneof("event") == "finished"
+            assert route is not None and route["instance_id"] in engines
+
+
+async def test_a_request_naming_no_model_is_refused_until_it_names_one(
+    two_models: Fleet,
+) -> None:
+    """It went to any engine: the same client was answered by `a` or by `b` (and matched in
+    a block size that was not always its engine's). Now every path that routes it says
+    INVALID_ARGUMENT, naming the models; `match` and `route` too."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    fleet = two_models
+    refusals = []
+    with pytest.raises(grpc.aio.AioRpcError) as generate:
+        await generate_routed(fleet, request_for("", "unnamed"))
+    refusals.append(generate.value)
+    vllm = vpb.GenerateRequest(
+        request_id="unnamed-vllm", token_ids=vpb.TokenIds(ids=PROMPT),
+        stopping=vpb.StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+    )  # fmt: skip
+    with pytest.raises(grpc.aio.AioRpcError) as vllm_generate:
+        await vpb_grpc.GenerateStub(fleet.channel).Generate(vllm)
+    refusals.append(vllm_generate.value)
+    query = apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT))
+    for call in (fleet.admin.Route, fleet.admin.Match):
+        with pytest.raises(grpc.aio.AioRpcError) as explained:
+            await call(query)
+        refusals.append(explained.value)
+    for refusal in refusals:
+        assert refusal.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "name a model" in (refusal.details() or "")
+        assert "(a, b)" in (refusal.details() or "")
+    # Named, each is served as before.
+    _, route = await generate_routed(fleet, request_for("b", "named"))
+    assert route is not None and route["instance_id"] == "b0"
+
+
+async def test_a_fleet_of_one_model_serves_a_request_naming_none() -> None:
+    """Engines that serve one default model alike (one of them serving a second model
+    besides, by an alias) answer a request naming none as before."""
+    engines = [
+        await start_sim_engine("a0", served_model_name="a"),
+        await start_sim_engine("a1", served_model_name="a", served_model_aliases=["a-chat"]),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        for i in range(3):
+            reply, _ = await generate_routed(fleet, request_for("", f"n{i}"))
+            assert reply[-1].WhichOneof("event") == "finished"
+        explained = await fleet.admin.Route(apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT)))
+        assert explained.engine
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_adapter_on_one_models_engine_serves_that_model_only(
+    tmp_path: Path,
+) -> None:
+    """An adapter loaded on `a0` only (`lora load --engine`): a request for `a` naming it
+    goes there, every time; one for `b` naming it is NOT_FOUND, and says where the adapter
+    is (it said "no engine has LoRA adapter 'x' loaded", while an engine had it)."""
+    engines = [
+        await start_sim_engine("a0", served_model_name="a", lora=LoraConfig(enabled=True)),
+        await start_sim_engine("a1", served_model_name="a", lora=LoraConfig(enabled=True)),
+        await start_sim_engine("b0", served_model_name="b", lora=LoraConfig(enabled=True)),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        adapter = pb.LoraAdapter(
+            lora_id=1, lora_name="x", source_path=str(write_adapter_config(tmp_path / "x"))
+        )
+        a0 = fleet.address(engines[0])
+        await fleet.gateway.LoadLora(
+            pb.LoadLoraRequest(adapter=adapter), metadata=((ENGINE_METADATA_KEY, a0),)
+        )
+        for i in range(3):
+            request = request_for("a", f"x{i}")
+            request.lora_name = "x"
+            _, route = await generate_routed(fleet, request)
+            assert route is not None and route["instance_id"] == "a0"
+        request = request_for("b", "xb")
+        request.lora_name = "x"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate_routed(fleet, request)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert refused.value.details() == (
+            "no engine has LoRA adapter 'x' loaded (engines not serving 'b' hold it: a0)"
+        )
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_session_asking_both_models_stays_on_one_engine_of_each() -> None:
+    """One session (`session_id`) alternating between `a` and `b`: each model's turns stay
+    on the engine its first turn went to. (The session followed its latest route: each `b`
+    turn stuck it to `b0`, so the next `a` turn was routed afresh, to either `a` engine.)
+    The prompts share nothing, so only the session can keep them together."""
+    engines = [
+        await start_sim_engine("a0", served_model_name="a"),
+        await start_sim_engine("a1", served_model_name="a"),
+        await start_sim_engine("b0", served_model_name="b", block_size=32),
+    ]
+    fleet = await make_fleet(
+        engines=engines, router={"policy": "round_robin", "session_metadata_key": "session_id"}
+    )
+    try:
+        served: dict[str, set[str]] = {"a": set(), "b": set()}
+        for i in range(6):
+            for model in ("a", "b"):
+                request = generate_request(f"{model}{i}", [1000 * i + len(model), i], 1)
+                request.model = model
+                request.metadata["session_id"] = "s"
+                _, route = await generate_routed(fleet, request)
+                assert route is not None
+                served[model].add(route["instance_id"])
+        assert len(served["a"]) == 1 and served["b"] == {"b0"}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_controller_fronting_both_models_makes_a_request_naming_none_refused() -> None:
+    """An upper controller fronting a lower one (engines of `a` and `b`) and an engine of
+    its own serving the model the lower one lists first: a request naming no model is
+    refused by the upper one, every time. (The lower controller's first model was taken
+    for its default: round robin sent such a request to the upper's own engine, served,
+    then to the lower controller, refused.)"""
+    lower = await make_fleet(
+        engines=[
+            await start_sim_engine("a0", served_model_name="a"),
+            await start_sim_engine("b0", served_model_name="b"),
+        ]
+    )
+    first = (await lower.gateway.GetEngineInfo(pb.GetEngineInfoRequest())).supported_models[0]
+    upper = await make_fleet(
+        engines=[await start_sim_engine("own", served_model_name=first)],
+        router={"policy": "round_robin"},
+    )
+    try:
+        await upper.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=lower.target, kv_events="none")
+        )
+        await upper.wait_routable(2)
+        for i in range(4):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await generate_routed(upper, request_for("", f"n{i}"))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "(a, b)" in (refused.value.details() or "")
+        for model in ("a", "b"):
+            reply, _ = await generate_routed(upper, request_for(model, f"named-{model}"))
+            assert reply[-1].WhichOneof("event") == "finished"
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
+
+
+async def test_draining_the_only_engine_of_a_model_says_so_everywhere(two_models: Fleet) -> None:
+    """`b0`, the only engine of `b`, drained: a Generate, GetModelInfo and admin `route` for
+    `b` are UNAVAILABLE naming it (`route` said only "no engine available to route to"),
+    and `a` is served as before."""
+    fleet = two_models
+    b0 = fleet.address(fleet.engines[2])
+    events = [e async for e in fleet.admin.DrainEngine(apb.DrainEngineRequest(engine=b0))]
+    assert events[-1].state == pb.DRAIN_STATE_COMPLETE
+    query = apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT), model="b")
+    calls: dict[str, Awaitable[object]] = {
+        "generate": generate_routed(fleet, request_for("b", "drained")),
+        "model info": fleet.gateway.GetModelInfo(pb.GetModelInfoRequest(model="b")),
+        "route": fleet.admin.Route(query),
+    }
+    for what, call in calls.items():
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, what
+        assert "b0 draining" in (refused.value.details() or ""), (what, refused.value.details())
+    _, route = await generate_routed(fleet, request_for("a", "still"))
+    assert route is not None and route["instance_id"] in {"a0", "a1"}
