@@ -9,6 +9,13 @@ service loads it on an engine whose new process it meets (`wanted_on`) before ro
 requests naming those adapters there. An unload forgets it: fleet-wide, everywhere; with
 `--engine E`, on E only (a fleet-wide adapter then stays off E).
 
+An adapter is trained for one base model: a fleet-wide load is for the engines serving one
+model (`lora load --model M`, `kvplane-model` metadata; the gateway takes the one base model
+the LoRA-capable engines serve when none is named, and refuses a fleet whose engines serve
+several), and the intent remembers it (`models`), so that an engine joining is given only the
+adapters of a model it serves. An adapter found on every engine (below) has no model: the
+engines' ListLoras does not say which base model an adapter was loaded for.
+
 The intent lives in the controller's memory, and the controller keeps no state of its own
 (ARCHITECTURE.md): a restarted controller rebuilds it from the engines. Each engine process
 it meets (first contact, registration, a return, a restart) tells what it holds (`found_on`,
@@ -67,6 +74,10 @@ class LoraIntent:
     undecided: dict[str, set[str]] = field(default_factory=dict)
     # The engines `found_on` was told of -> whether they serve LoRA.
     read: dict[str, bool] = field(default_factory=dict)
+    # name -> the model a fleet-wide load of it is for: only engines serving that model
+    # want it. Absent: every engine (an adapter found on every engine, whose model is not
+    # known).
+    models: dict[str, str] = field(default_factory=dict)
 
     def conflict(self, spec: LoraSpec) -> LoraSpec | None:
         """The remembered adapter that has `spec`'s name but another id or path, if any."""
@@ -75,12 +86,23 @@ class LoraIntent:
                 return known
         return None
 
-    def loaded(self, spec: LoraSpec, address: str | None) -> None:
-        """`spec` was loaded on the fleet (`address` None) or on that engine alone."""
+    def model_conflict(self, lora_name: str, model: str | None) -> str | None:
+        """The model the fleet holds `lora_name` for when it is another than `model`: one
+        name is one adapter, trained for one base model."""
+        known = self.models.get(lora_name)
+        return known if known is not None and known != model else None
+
+    def loaded(self, spec: LoraSpec, address: str | None, model: str | None = None) -> None:
+        """`spec` was loaded on the fleet (`address` None), for the engines serving `model`
+        (None: every engine), or on that engine alone."""
         self.loads[(spec.lora_name, address)] = spec
         self.undecided.pop(spec.lora_name, None)
         if address is None:
             self.unloaded_from.pop(spec.lora_name, None)
+            if model is None:
+                self.models.pop(spec.lora_name, None)
+            else:
+                self.models[spec.lora_name] = model
         else:
             self.unloaded_from.get(spec.lora_name, set()).discard(address)
 
@@ -89,6 +111,7 @@ class LoraIntent:
         self.undecided.pop(lora_name, None)
         if address is None:
             self.unloaded_from[lora_name] = {None}
+            self.models.pop(lora_name, None)
             for key in [k for k in self.loads if k[0] == lora_name]:
                 del self.loads[key]
             return
@@ -143,11 +166,17 @@ class LoraIntent:
             if not self.undecided[name]:
                 self._make_fleet_wide(name)
 
-    def wanted_on(self, address: str) -> list[LoraSpec]:
-        """The adapters the engine at `address` should hold, in the order they were loaded."""
+    def wanted_on(self, address: str, models: Collection[str]) -> list[LoraSpec]:
+        """The adapters the engine at `address`, serving `models`, should hold, in the order
+        they were loaded: a fleet-wide adapter for a model only where that model is served."""
         wanted: dict[str, LoraSpec] = {}
         for (name, on), spec in self.loads.items():
-            if on == address or (on is None and address not in self.unloaded_from.get(name, ())):
+            model = self.models.get(name)
+            if on == address or (
+                on is None
+                and address not in self.unloaded_from.get(name, ())
+                and (model is None or model in models)
+            ):
                 wanted.setdefault(name, spec)
         return list(wanted.values())
 
@@ -158,6 +187,7 @@ class LoraIntent:
         """Every engine read holds the found adapter: the fleet's, in the place of its
         holders' entries (at the first one's place in the loading order)."""
         self.undecided.pop(lora_name, None)
+        self.models.pop(lora_name, None)
         self.loads = {
             (name, None if name == lora_name else on): spec
             for (name, on), spec in self.loads.items()
