@@ -391,7 +391,9 @@ def test_status_names_each_engines_model_when_the_fleet_serves_several() -> None
         EngineStatus("engine-1", "127.0.0.1:2", "ready", 0, 0, 3, 256, models=(llama,)),
         EngineStatus("engine-2", "127.0.0.1:3", "unreachable", models=("b", "b-chat")),
     ]
-    members = [("controller", "controller", "127.0.0.1:4", 1, "running")]
+    members: list[tuple[str, str, str, int | None, str]] = [
+        ("controller", "controller", "127.0.0.1:4", 1, "running")
+    ]
     console = Console(record=True, width=80)  # a plain terminal's width
     console.print(render_status(FleetStatus(members, engines)))
     text = " ".join(console.export_text().split())
