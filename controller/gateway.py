@@ -963,12 +963,14 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
         def unloaded(address: str, *_: object) -> None:
             fleet.registry.on_lora_unloaded(address, request.lora_name)
+            fleet.lora_intent.unload_confirmed(request.lora_name, address)
 
         async with fleet.lora_changes:
             # Forgotten whatever the engines answer: the operator wants it gone (an engine
             # that keeps it for now is reported, and loses it with its process).
             on_one = await self._named_engine_address(context)
-            fleet.lora_intent.unloaded(request.lora_name, on_one)
+            addresses = [r.address for r in fleet.registry.records()]
+            fleet.lora_intent.unloaded(request.lora_name, on_one, addresses)
             replies = await self._lora_fan_out(
                 context,
                 lambda s: s.UnloadLora(request, timeout=self._lora_timeout_s(context)),

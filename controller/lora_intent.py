@@ -23,8 +23,12 @@ from ListLoras): an adapter held by every engine the controller knew when it fir
 it is the fleet's (so an engine registered or scaled up later gets it too), one some of them
 were read without is the holders' own. An engine restarted while no controller watched is
 read without its adapters, as one never given them: they stay its peers' own. What this
-controller unloaded stays unloaded for its lifetime: an engine away during the unload that
-comes back holding the adapter does not bring it back into the intent.
+controller unloaded stays unloaded while an engine may still hold it: an engine away during
+the unload that comes back holding the adapter does not bring it back into the intent. The
+unload is remembered (`unloaded_from`) until every engine it was for has answered it, been
+read without the adapter or left the fleet (`unconfirmed`): a fleet that loads and unloads
+ever new names (adapters per tenant, per version) would otherwise remember every name it
+ever unloaded.
 
 One name is one adapter across the fleet (the router sends a request naming it to any engine
 holding it): a load under a known name with another id or path is refused (`conflict`)
@@ -65,9 +69,13 @@ class LoraIntent:
     loads: dict[tuple[str, str | None], LoraSpec] = field(default_factory=dict)
     # name -> where it was unloaded through this controller since it was last loaded there:
     # an address (`--engine`; a fleet-wide adapter then stays off it), None (the whole
-    # fleet). For the controller's lifetime: an engine found holding it there gives it back
-    # to no intent.
+    # fleet). An engine found holding it there gives it back to no intent. Kept while
+    # `unconfirmed` names an engine for it, or, for an address, while the name is loaded
+    # fleet-wide (it keeps the adapter off that engine).
     unloaded_from: dict[str, set[str | None]] = field(default_factory=dict)
+    # name -> the engines an unload of it was for that may still hold it: they have neither
+    # answered it (unloaded, or NOT_FOUND) nor been read without it since, nor left.
+    unconfirmed: dict[str, set[str]] = field(default_factory=dict)
     # name -> the engines the controller knew but had not read when it first found the
     # adapter on one: the fleet's once each of them was read holding it, the holders' own
     # as soon as one was read without it (or once the operator loads or unloads it).
@@ -95,28 +103,45 @@ class LoraIntent:
     def loaded(self, spec: LoraSpec, address: str | None, model: str | None = None) -> None:
         """`spec` was loaded on the fleet (`address` None), for the engines serving `model`
         (None: every engine), or on that engine alone."""
-        self.loads[(spec.lora_name, address)] = spec
-        self.undecided.pop(spec.lora_name, None)
+        name = spec.lora_name
+        self.loads[(name, address)] = spec
+        self.undecided.pop(name, None)
         if address is None:
-            self.unloaded_from.pop(spec.lora_name, None)
+            self.unloaded_from.pop(name, None)
+            self.unconfirmed.pop(name, None)
             if model is None:
-                self.models.pop(spec.lora_name, None)
+                self.models.pop(name, None)
             else:
-                self.models[spec.lora_name] = model
+                self.models[name] = model
         else:
-            self.unloaded_from.get(spec.lora_name, set()).discard(address)
+            self.unloaded_from.get(name, set()).discard(address)
+            self.unconfirmed.get(name, set()).discard(address)
+            self._retire(name)
 
-    def unloaded(self, lora_name: str, address: str | None) -> None:
-        """`lora_name` was unloaded from the fleet (`address` None) or from that engine."""
+    def unloaded(self, lora_name: str, address: str | None, fleet: Collection[str]) -> None:
+        """`lora_name` is being unloaded from the fleet (`address` None) or from that engine;
+        `fleet`: the addresses of every engine the controller knows. Remembered until each
+        engine it is for may no longer hold it (`unload_confirmed`, `found_on`,
+        `forget_engine`)."""
         self.undecided.pop(lora_name, None)
         if address is None:
             self.unloaded_from[lora_name] = {None}
             self.models.pop(lora_name, None)
             for key in [k for k in self.loads if k[0] == lora_name]:
                 del self.loads[key]
-            return
-        self.loads.pop((lora_name, address), None)
-        self.unloaded_from.setdefault(lora_name, set()).add(address)
+            # Not the engines read serving no LoRA: they hold no adapter.
+            self.unconfirmed[lora_name] = {a for a in fleet if self.read.get(a, True)}
+        else:
+            self.loads.pop((lora_name, address), None)
+            self.unloaded_from.setdefault(lora_name, set()).add(address)
+            self.unconfirmed.setdefault(lora_name, set()).add(address)
+        self._retire(lora_name)
+
+    def unload_confirmed(self, lora_name: str, address: str) -> None:
+        """The engine at `address` answered the unload of `lora_name`: it no longer holds it
+        (unloaded, or NOT_FOUND)."""
+        self.unconfirmed.get(lora_name, set()).discard(address)
+        self._retire(lora_name)
 
     def found_on(
         self, address: str, held: Sequence[LoraSpec] | None, fleet: Collection[str]
@@ -132,6 +157,10 @@ class LoraIntent:
                 del self.undecided[name]  # read without it: the holders' own
             elif not self.undecided[name]:
                 self._make_fleet_wide(name)
+        held_names = {spec.lora_name for spec in held or ()}
+        for name in [n for n, engines in self.unconfirmed.items() if address in engines]:
+            if name not in held_names:  # read without it: that engine no longer holds it
+                self.unload_confirmed(name, address)
         others_read = any(lora for other, lora in self.read.items() if other != address)
         self.read[address] = held is not None
         if held is None:
@@ -160,6 +189,10 @@ class LoraIntent:
             del self.loads[key]
         for addresses in self.unloaded_from.values():
             addresses.discard(address)
+        for name in [n for n, engines in self.unconfirmed.items() if address in engines]:
+            self.unload_confirmed(name, address)
+        for name in [n for n, addresses in self.unloaded_from.items() if not addresses]:
+            del self.unloaded_from[name]
         self.read.pop(address, None)
         for name in [n for n, waiting in self.undecided.items() if address in waiting]:
             self.undecided[name].discard(address)
@@ -179,6 +212,16 @@ class LoraIntent:
             ):
                 wanted.setdefault(name, spec)
         return list(wanted.values())
+
+    def _retire(self, lora_name: str) -> None:
+        """Forget the unloads of `lora_name` once no engine they were for may still hold it,
+        but for the engines a fleet-wide load of it is kept off (an exclusion, not a
+        memory of an unload)."""
+        if self.unconfirmed.get(lora_name):
+            return
+        self.unconfirmed.pop(lora_name, None)
+        if (lora_name, None) not in self.loads or not self.unloaded_from.get(lora_name):
+            self.unloaded_from.pop(lora_name, None)
 
     def _known(self, lora_name: str) -> LoraSpec | None:
         return next((s for (n, _), s in self.loads.items() if n == lora_name), None)

@@ -187,6 +187,7 @@ class ReplicaSync:
             wait_s = min(wait_s * 2, _RETRY_S[1])
 
     def _forget_silent_peers(self) -> None:
+        self.protocol.forget_silent_other_versions(self.clock(), self.timeout_s)
         for origin in self.protocol.silent_peers(self.clock(), self.timeout_s):
             log.warning(
                 "replica sync: no word from controller %s for %.0f s; releasing its requests",

@@ -1328,6 +1328,9 @@ class RedisBackend:
         """Removes the worker; while Redis is down the removal is queued (applied before any
         later batch of that worker) and IndexUnavailableError raised."""
         self._buffer = deque(b for b in self._buffer if b.worker_id != worker_id)
+        # Nothing of it stays for a loss to lose: a later batch of it makes it known again
+        # (kept, every engine ever met was asked to resync after each loss).
+        self._known_workers.discard(worker_id)
         self._dropping.discard(worker_id)
         self._resync.discard(worker_id)
         self._unannounced.discard(worker_id)

@@ -121,7 +121,9 @@ class ReplicaProtocol:
         self._outbox: list[list[Any]] = []
         self._last_seq: dict[str, int] = {}
         self._asked: dict[str, float] = {}  # origin -> when its snapshot was last asked for
-        self._other_versions: set[str] = set()  # origins of another version, warned about
+        # Origins of another version, warned about -> when last heard from; forgotten once
+        # silent (`forget_silent_other_versions`), as every replica restart is a new origin.
+        self._other_versions: dict[str, float] = {}
 
     def queue(self, event: RouteEvent) -> None:
         """One of the router's own events, sent with the next `turn`."""
@@ -169,7 +171,7 @@ class ReplicaProtocol:
             log.warning("replica sync: dropping a message that is not one (%s)", exc)
             return []
         if version != VERSION:
-            self._other_version(origin, version)
+            self._other_version(origin, version, now_s)
             return []
         if origin == self.instance_id:
             return []
@@ -200,11 +202,12 @@ class ReplicaProtocol:
             log.warning("replica sync: dropping a bad message from %s (%s)", origin, exc)
         return replies
 
-    def _other_version(self, origin: str, version: Any) -> None:
+    def _other_version(self, origin: str, version: Any, now_s: float) -> None:
         """A peer of another release: said once per peer, not at each of its messages."""
-        if origin in self._other_versions:
+        known = origin in self._other_versions
+        self._other_versions[origin] = now_s
+        if known:
             return
-        self._other_versions.add(origin)
         log.warning(
             "replica sync: ignoring controller %s, which speaks version %s of the replicas' "
             "sync (this one speaks %d): the two do not see each other's requests until they "
@@ -217,6 +220,18 @@ class ReplicaProtocol:
     def _ask_again(self, origin: str, now_s: float) -> bool:
         asked = self._asked.get(origin)
         return asked is not None and now_s - asked >= self.resend_after_s
+
+    @property
+    def num_other_versions(self) -> int:
+        """Peers of another version heard from lately (ignored)."""
+        return len(self._other_versions)
+
+    def forget_silent_other_versions(self, now_s: float, timeout_s: float) -> None:
+        """Forget the peers of another version not heard from for `timeout_s` (heard again,
+        they are warned about again)."""
+        for origin, heard in list(self._other_versions.items()):
+            if heard < now_s - timeout_s:
+                del self._other_versions[origin]
 
     def silent_peers(self, now_s: float, timeout_s: float) -> list[str]:
         """The peers not heard from for `timeout_s`."""

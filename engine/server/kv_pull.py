@@ -9,9 +9,11 @@ before adding it (the blocks enter the prefix cache, so admission finds them as 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
-from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -45,6 +47,10 @@ log = logging.getLogger(__name__)
 # model) may be bigger.
 _MIN_RECEIVE_BYTES = 4 << 20
 _MAX_SESSION_ID_CHARS = 1024
+# Channels to prefill engines kept open while no call uses them, the least recently used
+# closed first: prefill engines come and go (a planner starts them on new ports), and a ref
+# may name any endpoint, so one channel per address for the engine's life grew without bound.
+MAX_IDLE_PEERS = 32
 
 
 def decode_request(request: EngineRequest) -> EngineRequest:
@@ -82,7 +88,8 @@ class PulledSession:
 
 class KvSessionPuller:
     """A DECODE engine's side of the transfer: checks a `KvSessionRef` and pulls it. Channels
-    to prefill engines are kept per address and closed by `close`."""
+    to prefill engines are kept per address, at most `MAX_IDLE_PEERS` of them unused, and
+    closed by `close`."""
 
     def __init__(
         self,
@@ -100,7 +107,10 @@ class KvSessionPuller:
         receive = max(_MIN_RECEIVE_BYTES, self._blocks_per_chunk * kv_block_bytes + (1 << 20))
         self._channel_options = channels.with_options(("grpc.max_receive_message_length", receive))
         self._timeout_s = timeout_s
-        self._peers: dict[str, Redialling[kt_grpc.KvTransferAsyncStub]] = {}
+        # address -> its channel, the least recently used first.
+        self._peers: collections.OrderedDict[str, Redialling[kt_grpc.KvTransferAsyncStub]]
+        self._peers = collections.OrderedDict()
+        self._calls = collections.Counter[str]()  # address -> calls on its channel now
         self._releases: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -117,6 +127,11 @@ class KvSessionPuller:
             channels=channels,
             timeout_s=config.pull_timeout_s,
         )
+
+    @property
+    def num_peer_channels(self) -> int:
+        """Channels open to prefill engines now."""
+        return len(self._peers)
 
     def check(self, ref: pb.KvSessionRef) -> str:
         """The address to pull `ref` from; refuses, before any transfer, a session this engine
@@ -156,7 +171,16 @@ class KvSessionPuller:
         """Pull the session for `request`: its tokens must be a prefix of the request's
         prompt, its namespace the request's."""
         target = self.check(ref)
-        peer = self._peer(target)
+        async with self._peer(target) as peer:
+            return await self._pull(peer, target, ref, request)
+
+    async def _pull(
+        self,
+        peer: Redialling[kt_grpc.KvTransferAsyncStub],
+        target: str,
+        ref: pb.KvSessionRef,
+        request: EngineRequest,
+    ) -> PulledSession:
         namespace = KvNamespace.of(request)
         prompt_token_ids = request.prompt_token_ids
         pull_request = kt.PullKvSessionRequest(
@@ -241,13 +265,14 @@ class KvSessionPuller:
         accepted here: it releases the session at once rather than after `PULLED_GRACE_S`.
         A failure only costs the prefill engine that wait (logged at debug level)."""
         target = self.check(ref)
-        peer = self._peer(target)
 
         async def release() -> None:
             try:
-                await peer.stub.ReleaseKvSession(
-                    kt.ReleaseKvSessionRequest(session_id=ref.session_id), timeout=self._timeout_s
-                )
+                async with self._peer(target) as peer:
+                    await peer.stub.ReleaseKvSession(
+                        kt.ReleaseKvSessionRequest(session_id=ref.session_id),
+                        timeout=self._timeout_s,
+                    )
             except grpc.aio.AioRpcError as exc:
                 log.debug("releasing KV session %s at %s failed: %s: %s", ref.session_id,
                           target, exc.code().name, exc.details())  # fmt: skip
@@ -256,19 +281,38 @@ class KvSessionPuller:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    def _peer(self, target: str) -> Redialling[kt_grpc.KvTransferAsyncStub]:
-        if target not in self._peers:
+    @asynccontextmanager
+    async def _peer(self, target: str) -> AsyncIterator[Redialling[kt_grpc.KvTransferAsyncStub]]:
+        """The channel to the prefill engine at `target` for a call; once it ended, the
+        least recently used channels beyond `MAX_IDLE_PEERS` unused are closed."""
+        peer = self._peers.get(target)
+        if peer is None:
             # A pull under way when peer_tls is renewed ends on the old channel (its timeout
             # bounds it); the next is made on a channel dialled with the new files.
-            self._peers[target] = Redialling(
+            peer = self._peers[target] = Redialling(
                 self._channel_options, target, kt_grpc.KvTransferStub, self._timeout_s
             )
-        return self._peers[target]
+        self._peers.move_to_end(target)
+        self._calls[target] += 1
+        try:
+            yield peer
+        finally:
+            self._calls[target] -= 1
+            if not self._calls[target]:
+                del self._calls[target]
+            await self._close_idle_peers()
+
+    async def _close_idle_peers(self) -> None:
+        while True:  # looked at again after each close: a call may have taken one meanwhile
+            idle = [address for address in self._peers if address not in self._calls]
+            if len(idle) <= MAX_IDLE_PEERS:
+                return
+            await self._peers.pop(idle[0]).close()
 
     async def close(self) -> None:
         if self._releases:  # the prefill engines' sessions would otherwise wait out their grace
             await asyncio.wait(set(self._releases), timeout=1.0)
-        peers, self._peers = list(self._peers.values()), {}
+        peers, self._peers = list(self._peers.values()), collections.OrderedDict()
         for peer in peers:
             await peer.close()
 

@@ -7,6 +7,8 @@ of LoRA slots keeps what it holds, and routing follows what each engine holds.""
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -269,5 +271,47 @@ async def test_one_name_stays_one_adapter_across_the_fleet(tmp_path: Path) -> No
         assert not loaded.already_loaded  # e1 and e2 had to load it
         held = [str(Path((await engine_adapters(e))["x"])) for e in fleet.engines]
         assert held == [x.source_path] * 3
+    finally:
+        await close_fleet(fleet)
+
+
+def intent_tables(fleet: Fleet) -> dict[str, Any]:
+    """A copy of every table of the fleet's LoRA intent, by field name."""
+    intent = fleet.app.controller.fleet.lora_intent
+    return {f.name: copy.deepcopy(getattr(intent, f.name)) for f in dataclasses.fields(intent)}
+
+
+async def test_adapters_loaded_and_unloaded_by_the_hundred_leave_nothing_in_the_intent(
+    tmp_path: Path,
+) -> None:
+    """A fleet loading and unloading ever new adapter names (one per tenant, per version),
+    fleet-wide and on one engine, and unloading names it never held (NOT_FOUND): once
+    every engine answered an unload the intent remembers nothing of it, its tables as they
+    were before (it remembered every name unloaded, for the controller's life). A
+    fleet-wide adapter kept off one engine stays so: that is intent, not memory."""
+    fleet = await lora_fleet(2)
+    try:
+        kept = adapter(tmp_path, "kept", 1)
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=kept))
+        await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="kept"), metadata=on("e0"))
+        before = intent_tables(fleet)
+        for i in range(30):
+            tenant = adapter(tmp_path, f"tenant-{i}", 100 + i, directory="tenant")
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=tenant))
+            await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name=tenant.lora_name))
+            own = adapter(tmp_path, f"own-{i}", 200 + i, directory="own")
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=own), metadata=on("e1"))
+            await fleet.gateway.UnloadLora(
+                pb.UnloadLoraRequest(lora_name=own.lora_name), metadata=on("e1")
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name=f"never-{i}"))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert intent_tables(fleet) == before
+        e0 = fleet.address(fleet.engines[0])
+        restarted = await fleet.restart_engine(e0, "e0", lora=LORA)
+        await eventually(lambda: restored(fleet, restarted, {}), 15, "e0 still without kept")
+        e1 = fleet.address(fleet.engines[1])
+        assert await engine_adapters(fleet.engine_at(e1)) == {"kept": kept.source_path}
     finally:
         await close_fleet(fleet)

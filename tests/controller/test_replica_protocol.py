@@ -20,7 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from controller.router import Candidate, Router, RouteRequest, make_policy
-from controller.router.replica_protocol import ReplicaProtocol, decode_event
+from controller.router.replica_protocol import VERSION, ReplicaProtocol, decode_event
 from controller.router.router import SessionRoute
 
 ENGINES = ("e1", "e2", "e3")
@@ -388,3 +388,15 @@ def test_a_peer_of_another_version_is_ignored_with_one_warning(
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1, said
     assert f"ignoring controller other, which speaks version {version}" in said[0]
+
+
+def test_peers_of_another_version_are_forgotten_once_silent() -> None:
+    """Every restart of a replica of another release is a new origin: each is remembered
+    (to be warned about once) only while it speaks, so a long rolling upgrade of restarting
+    replicas leaves none behind; one heard again after its silence is warned about again."""
+    protocol = ReplicaProtocol(Router(make_policy("kvplane")), "new")
+    for restart in range(100):
+        message = msgpack.packb([VERSION + 1, f"old-{restart}", 1, "beat", None])
+        protocol.receive(message, float(restart))
+        protocol.forget_silent_other_versions(float(restart), TIMEOUT_S)
+    assert protocol.num_other_versions == TIMEOUT_S + 1  # heard within the timeout

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from engine.config import KvTransferConfig, LoraConfig
+from engine.server.kv_pull import MAX_IDLE_PEERS
 from kvplane.channels import ClientChannels
 from kvplane.config import AuthConfig, ClientTlsConfig, TlsConfig
 from kvplane_api.v1 import kv_transfer_pb2 as kt
@@ -34,6 +35,7 @@ from tests.engine.lora_adapters import write_adapter_config
 from tests.grpc_streams import next_reply
 from tests.partial_servicers import PartialKvTransfer
 from tests.polling import eventually
+from tests.redis_servers import free_port
 from tests.rotation import replace_file
 from vllm_grpc import vllm_grpc_pb2 as vpb
 
@@ -342,6 +344,27 @@ async def test_an_unreachable_prefill_engine_is_unavailable() -> None:
         error = await rpc_error(lambda: collect(decoder.stub, with_session(session)))
         assert error.code() == grpc.StatusCode.UNAVAILABLE
         assert session.session_id in (error.details() or "")
+
+
+async def test_refs_to_ever_new_prefill_endpoints_keep_a_bounded_number_of_channels() -> None:
+    """Prefill engines come and go on new ports (a planner scaling them), and a ref may name
+    any endpoint: the decode engine keeps at most MAX_IDLE_PEERS channels to them unused,
+    the least recently used closed (one per address was kept for its life), and still pulls
+    from a prefill engine it had a channel to before."""
+    async with engines(sim_config(role="prefill"), sim_config(role="decode")) as (
+        prefiller,
+        decoder,
+    ):
+        assert decoder.app.kv_puller is not None
+        session = await prefill(prefiller)
+        for _ in range(MAX_IDLE_PEERS + 8):
+            gone = pb.KvSessionRef()
+            gone.CopyFrom(session)
+            gone.endpoints[0].port = free_port()  # nothing listens there
+            error = await rpc_error(collect(decoder.stub, with_session(gone)))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert decoder.app.kv_puller.num_peer_channels == MAX_IDLE_PEERS
+        assert tokens(await collect(decoder.stub, with_session(session)))
 
 
 async def test_roles_and_sessions_that_do_not_fit_are_failed_precondition() -> None:

@@ -473,3 +473,26 @@ async def test_a_redis_that_lost_its_data_resyncs_only_the_workers_this_process_
         await backend.close()
     assert asked == ["w0"]
     assert held == {"w1": {11}}
+
+
+@pytest.mark.timeout(60)
+async def test_a_redis_that_lost_its_data_resyncs_no_worker_removed_before(
+    redis_server: RedisServer,
+) -> None:
+    """Engines come and go (a planner scaling, restarts at new ports): each written and
+    then removed leaves nothing in Redis to lose, so a loss asks only the one still there to
+    resync, not every worker this process ever wrote (it remembered them all)."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=3600)
+    asked: list[str] = []
+    backend.add_resync_listener(asked.append)
+    try:
+        for i in range(20):
+            await backend.apply(Batch(f"gone{i}", (Action(ActionType.REPORT, Tier.HBM, (i,)),)))
+            await backend.remove_worker(f"gone{i}")
+        await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (100,)),)))
+        redis_server.flushall()  # Redis lost the index
+        await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (101,)),)))
+    finally:
+        await backend.close()
+    assert asked == ["w0"]

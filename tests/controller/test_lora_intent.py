@@ -1,0 +1,61 @@
+"""The fleet's LoRA intent (controller/lora_intent.py) remembers an unload while an engine it
+was for may still hold the adapter (away during the unload: stopped, cut off, not read yet),
+and only so long: each engine answering it, read without the adapter or leaving the fleet
+ends that, so a fleet unloading ever new names does not remember them all."""
+
+from __future__ import annotations
+
+from controller.lora_intent import LoraIntent, LoraSpec
+
+X = LoraSpec(1, "x", "/adapters/x")
+
+
+def test_an_engine_away_during_an_unload_keeps_it_unloaded_until_read_without_it() -> None:
+    intent = LoraIntent()
+    intent.loaded(X, None)
+    intent.unloaded("x", None, ["a", "b"])
+    intent.unload_confirmed("x", "a")  # b is away: it did not answer
+    assert intent.found_on("b", [X], ["a", "b"]) == []  # back, holding x
+    assert intent.wanted_on("a", ["m"]) == [] and "x" in intent.unloaded_from
+    intent.found_on("b", [], ["a", "b"])  # a new process of b, without x
+    assert intent.unloaded_from == {} and intent.unconfirmed == {}
+    intent.found_on("c", [X], ["a", "b", "c"])  # one met later holding x: its own
+    assert intent.wanted_on("c", ["m"]) == [X] and intent.wanted_on("a", ["m"]) == []
+
+
+def test_an_unload_is_forgotten_once_the_engine_away_leaves_the_fleet() -> None:
+    intent = LoraIntent()
+    intent.loaded(X, "b")
+    intent.unloaded("x", "b", ["a", "b"])
+    assert intent.unloaded_from == {"x": {"b"}}
+    intent.forget_engine("b")
+    assert intent.unloaded_from == {} and intent.unconfirmed == {}
+
+
+def test_an_unload_waits_for_no_engine_read_serving_no_lora() -> None:
+    intent = LoraIntent()
+    intent.found_on("plain", None, ["plain", "a"])
+    intent.loaded(X, None)
+    intent.unloaded("x", None, ["plain", "a"])
+    intent.unload_confirmed("x", "a")
+    assert intent.unloaded_from == {} and intent.unconfirmed == {}
+
+
+def test_an_engine_kept_off_a_fleet_wide_adapter_stays_off_it() -> None:
+    intent = LoraIntent()
+    intent.loaded(X, None)
+    intent.unloaded("x", "a", ["a", "b"])
+    intent.unload_confirmed("x", "a")
+    assert intent.wanted_on("a", ["m"]) == [] and intent.wanted_on("b", ["m"]) == [X]
+    intent.loaded(X, "a")  # loaded there again: no exclusion left
+    assert intent.unloaded_from == {} and intent.wanted_on("a", ["m"]) == [X]
+
+
+def test_a_fleet_wide_adapter_for_a_model_is_wanted_only_where_that_model_is_served() -> None:
+    intent = LoraIntent()
+    intent.loaded(X, None, "a")
+    assert intent.wanted_on("b0", ["b"]) == [] and intent.wanted_on("a0", ["a", "a-chat"]) == [X]
+    assert intent.model_conflict("x", "b") == "a" and intent.model_conflict("x", "a") is None
+    intent.unloaded("x", None, ["a0", "b0"])
+    intent.loaded(X, None, "b")  # unloaded, then loaded for another model
+    assert intent.wanted_on("a0", ["a"]) == [] and intent.wanted_on("b0", ["b"]) == [X]
