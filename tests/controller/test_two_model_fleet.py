@@ -350,3 +350,33 @@ async def test_admin_workers_shows_each_engines_models(two_models: Fleet) -> Non
     many = [f"model-{i:02}" for i in range(8)]
     assert models_cell(many) == "model-00,model-01,model-02,model-03,+4"
     assert models_cell(["x" * 50, "y"]) == "x" * 50 + ",+1"
+
+
+async def test_a_load_for_one_model_reaches_that_models_engines_behind_a_fronted_controller(
+    tmp_path: Path,
+) -> None:
+    """An upper controller fronting a lower one (engines of `a` and `b`): the upper's fleet
+    serves both, so a load naming no model is refused there too; `--model a` is passed on,
+    and the lower controller loads it on its engine of `a` only."""
+    lora = LoraConfig(enabled=True)
+    engines = [
+        await start_sim_engine("a0", served_model_name="a", lora=lora),
+        await start_sim_engine("b0", served_model_name="b", lora=lora),
+    ]
+    lower = await make_fleet(engines=engines)
+    upper = await make_fleet(engines=[])
+    try:
+        await upper.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=lower.target, kv_events="none")
+        )
+        await upper.wait_routable(1)
+        x = str(write_adapter_config(tmp_path / "x"))
+        t = ["--target", upper.target]
+        refused = await cli("lora", "load", "x", x, "--id", "1", *t)
+        assert refused.exit_code != 0 and "(a, b)" in str(refused.exception)
+        loaded = await cli("lora", "load", "x", x, "--id", "1", "--model", "a", *t)
+        assert loaded.exit_code == 0, loaded.output
+        assert [list(await engine_adapters(e)) for e in engines] == [["x"], []]
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
