@@ -364,7 +364,7 @@ async def test_a_load_for_one_model_reaches_that_models_engines_behind_a_fronted
         await start_sim_engine("b0", served_model_name="b", lora=lora),
     ]
     lower = await make_fleet(engines=engines)
-    upper = await make_fleet(engines=[])
+    upper: Fleet = await make_fleet(engines=[])
     try:
         await upper.admin.RegisterEngine(
             apb.RegisterEngineRequest(address=lower.target, kv_events="none")
