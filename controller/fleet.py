@@ -991,11 +991,17 @@ class Fleet:
         naming it are not routed to this engine (`EngineRecord.lora_conflicts`) until it is
         unloaded there, hence a warning."""
         fleet = [r.address for r in self.registry.records()]
+        identity = self.registry.get(address).identity
+        # Its base model: what an adapter found there was loaded for (a controller fronted
+        # as an engine serves several: not known).
+        model = None
+        if identity is not None and identity.models and not identity.is_controller:
+            model = identity.models[0]
         if not adapters:  # nothing to take in: no need to wait for a LoRA call in progress
-            self.lora_intent.found_on(address, adapters, fleet)
+            self.lora_intent.found_on(address, adapters, fleet, model)
             return
         async with self.lora_changes:
-            conflicts = self.lora_intent.found_on(address, adapters, fleet)
+            conflicts = self.lora_intent.found_on(address, adapters, fleet, model)
         for found, known in conflicts:
             log.warning("engine %s holds LoRA adapter %s, which conflicts with %s the fleet "
                         "holds: one name is one adapter across the fleet; requests naming it "

@@ -59,3 +59,16 @@ def test_a_fleet_wide_adapter_for_a_model_is_wanted_only_where_that_model_is_ser
     intent.unloaded("x", None, ["a0", "b0"])
     intent.loaded(X, None, "b")  # unloaded, then loaded for another model
     assert intent.wanted_on("a0", ["a"]) == [] and intent.wanted_on("b0", ["b"]) == [X]
+
+
+def test_an_adapter_found_on_every_engine_of_one_model_is_that_models() -> None:
+    """Found on a0 and a1, not on b0 (read first or in between): the fleet's for `a`, and
+    b0 read without it does not make it a0's and a1's own."""
+    for order in (["b0", "a0", "a1"], ["a0", "b0", "a1"]):
+        intent = LoraIntent()
+        fleet = ["a0", "a1", "b0"]
+        for address in order:
+            intent.found_on(address, [] if address == "b0" else [X], fleet, address[0])
+        assert intent.models == {"x": "a"}, order
+        assert intent.wanted_on("a2", ["a"]) == [X] and intent.wanted_on("b1", ["b"]) == []
+        assert intent.undecided == {} and intent.undecided_models == {}

@@ -26,7 +26,7 @@ from tests.controller.conftest import (
 from tests.controller.test_gateway import generate_routed
 from tests.controller.test_gateway_scripted import cli
 from tests.controller.test_lora_engines import outcome_lines
-from tests.controller.test_lora_fleet_intent import engine_adapters
+from tests.controller.test_lora_fleet_intent import engine_adapters, load_on
 from tests.engine.lora_adapters import write_adapter_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -380,3 +380,39 @@ async def test_a_load_for_one_model_reaches_that_models_engines_behind_a_fronted
     finally:
         await close_fleet(upper)
         await close_fleet(lower)
+
+
+async def test_a_restarted_controller_takes_an_adapter_back_for_the_model_that_holds_it(
+    tmp_path: Path,
+) -> None:
+    """`x` loaded for `a` (`--model a`) on `a0` and `a1`, not on `b0`; a new controller in
+    front of them (the old one killed) took it for `a0`'s and `a1`'s own, as `b0` was read
+    without it, so an engine of `a` registered later was not given it. It is `a`'s again:
+    the `a` engine registered later gets it, the `b` one does not."""
+    lora = LoraConfig(enabled=True)
+    engines = [
+        await start_sim_engine("a0", served_model_name="a", lora=lora),
+        await start_sim_engine("a1", served_model_name="a", lora=lora),
+        await start_sim_engine("b0", served_model_name="b", block_size=32, lora=lora),
+    ]
+    x = pb.LoraAdapter(
+        lora_id=1, lora_name="x", source_path=str(write_adapter_config(tmp_path / "x"))
+    )
+    for engine in engines[:2]:
+        await load_on(engine, x)
+    fleet = await make_fleet(engines=engines)
+    try:
+        await fleet.wait_routable(3)
+        joined = [
+            await start_sim_engine("a2", served_model_name="a", lora=lora),
+            await start_sim_engine("b1", served_model_name="b", block_size=32, lora=lora),
+        ]
+        fleet.engines.extend(joined)
+        for engine in joined:
+            address = fleet.address(engine)
+            await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await fleet.wait_routable(5)  # each restored before it is routed to
+        assert [list(await engine_adapters(e)) for e in joined] == [["x"], []]
+        assert fleet.app.controller.fleet.lora_intent.models == {"x": "a"}
+    finally:
+        await close_fleet(fleet)
