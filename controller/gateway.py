@@ -38,7 +38,9 @@
   the same (seed: ABORTED and ALREADY_FINISHED say the target ended; there is no "partly").
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
-  request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
+  request metadata `kvplane-engine` names (a LoadLora: or to the engines serving the model
+  `kvplane-model` names; without either, INVALID_ARGUMENT when the LoRA-capable engines
+  serve different base models); the call succeeds only if every asked engine did
   (UnloadLora: NOT_FOUND from an engine means it never had the adapter; NOT_FOUND only when
   none had it); FAILED_PRECONDITION when no engine supports LoRA. Every engine's outcome,
   and the adapters it holds, ride in the trailing metadata (EngineOutcome) and in the
