@@ -27,7 +27,7 @@ from google.protobuf.message import Message
 
 from controller.config import KvEventsMode
 from controller.fleet import generates
-from controller.outcomes import ENGINE_METADATA_KEY, read_outcomes
+from controller.outcomes import ENGINE_METADATA_KEY, lora_model_metadata, read_outcomes
 from indexer.admin_cli import TOKENS_FILE_FORMATS, read_token_ids
 from indexer.validation import MAX_UINT32
 from kvplane.cli_common import (
@@ -41,6 +41,7 @@ from kvplane.cli_common import (
     bearer_metadata,
     emit,
     finite_number,
+    models_cell,
     not_blank,
     server_kind,
     target_option,
@@ -92,6 +93,15 @@ CacheSaltOpt = Annotated[
 ]
 EngineOpt = Annotated[
     str | None, typer.Option("--engine", help="Only this fleet engine.", callback=a_name)
+]
+LoraModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="Only the fleet engines serving this base model, and those that join later "
+        "(needed when the fleet's LoRA-capable engines serve several).",
+        callback=not_blank("the base model the adapter was trained for"),
+    ),
 ]
 TokensFileOpt = Annotated[
     Path | None,
@@ -279,6 +289,7 @@ def _render_workers(data: dict[str, Any]) -> str:
             w.get("instance_id"),
             w.get("address"),
             w.get("source"),
+            models_cell(w.get("models", ())),
             f"{w.get('role')} (pooling only)" if w.get("pooling_only") else w.get("role"),
             w.get("state"),
             "yes" if w.get("cordoned") else "",
@@ -298,6 +309,7 @@ def _render_workers(data: dict[str, Any]) -> str:
         "ENGINE",
         "ADDRESS",
         "SOURCE",
+        "MODELS",
         "ROLE",
         "STATE",
         "CORDONED",
@@ -930,19 +942,21 @@ lora_app = typer.Typer(no_args_is_help=True, help="LoRA adapters on the fleet or
 
 
 def _engine_metadata(
-    command: str, server: ClientTarget, engine: str | None
+    command: str, server: ClientTarget, engine: str | None, model: str | None = None
 ) -> tuple[tuple[str, str], ...]:
     """The request metadata that has the controller `server` forward a LoRA call to fleet
-    engine `engine` only (controller.outcomes); none without `engine`. The target must be a
-    controller: an engine ignores metadata it does not know and would act on itself,
-    whatever `engine` names."""
-    if engine is None:
+    engine `engine` only, or to the engines serving `model` (controller.outcomes); none
+    without either. The target must be a controller: an engine ignores metadata it does not
+    know and would act on itself, whatever `engine` or `model` names."""
+    if engine is None and model is None:
         return ()
     _admin_call(
         command,
         server,
         lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=RPC_TIMEOUT_S),
     )
+    if engine is None:
+        return lora_model_metadata(model)
     return ((ENGINE_METADATA_KEY, engine),)
 
 
@@ -985,16 +999,24 @@ def lora_load(
         int, typer.Option("--id", min=1, max=INT64_MAX, help="Positive adapter id.")
     ],
     engine: EngineOpt = None,
+    model: LoraModelOpt = None,
     target: TargetOpt = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Load an adapter on every engine, or through the controller on one.
+    """Load an adapter on every engine, or through the controller on one (--engine) or on
+    those serving one base model (--model).
 
     Behind a controller, each engine's outcome is shown."""
+    if engine is not None and model is not None:
+        raise typer.BadParameter(
+            "give --engine or --model, not both: an engine's adapter is for the model it serves",
+            param_hint="--model",
+        )
     server = _server(ctx, target)
     metadata = bearer_metadata(token_file)
-    metadata += _engine_metadata("lora load --engine", server, engine)
+    command = "lora load --engine" if model is None else "lora load --model"
+    metadata += _engine_metadata(command, server, engine, model)
     req = pb.LoadLoraRequest(
         adapter=pb.LoraAdapter(lora_id=lora_id, lora_name=name, source_path=path)
     )

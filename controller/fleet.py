@@ -58,6 +58,7 @@ from controller.event_following import EventFollowing, FollowingState
 from controller.event_lag import MAX_CLOCK_LEAD_S, MAX_PLAUSIBLE_LAG_S, event_lag_s
 from controller.hops import FRONTS_METADATA_KEY, metadata_values, via_interceptors
 from controller.lora_intent import LoraIntent, LoraSpec
+from controller.outcomes import lora_model_metadata
 from controller.registry import (
     DuplicateEngineError,
     EjectionPolicy,
@@ -728,7 +729,10 @@ class Fleet:
         if lora_name and not records:
             # Only engines holding the adapter may take the request: say why there is none.
             self.registry.check_lora(lora_name, model or None)
-        size = self.block_size(records)
+        # With no engine to route to (the model's engines drained, down, cordoned), the size
+        # they were last known to use: admin `match` shows the prompt's blocks as they
+        # cache them, not in the config's default size.
+        size = self.block_size(records or self.registry.may_serve_records(model or None))
         keys: tuple[int, ...] = ()
         hits: dict[str, PrefixHit] = {}
         lora, salt = lora_name or None, cache_salt or None
@@ -987,11 +991,17 @@ class Fleet:
         naming it are not routed to this engine (`EngineRecord.lora_conflicts`) until it is
         unloaded there, hence a warning."""
         fleet = [r.address for r in self.registry.records()]
+        identity = self.registry.get(address).identity
+        # Its base model: what an adapter found there was loaded for (a controller fronted
+        # as an engine serves several: not known).
+        model = None
+        if identity is not None and identity.models and not identity.is_controller:
+            model = identity.models[0]
         if not adapters:  # nothing to take in: no need to wait for a LoRA call in progress
-            self.lora_intent.found_on(address, adapters, fleet)
+            self.lora_intent.found_on(address, adapters, fleet, model)
             return
         async with self.lora_changes:
-            conflicts = self.lora_intent.found_on(address, adapters, fleet)
+            conflicts = self.lora_intent.found_on(address, adapters, fleet, model)
         for found, known in conflicts:
             log.warning("engine %s holds LoRA adapter %s, which conflicts with %s the fleet "
                         "holds: one name is one adapter across the fleet; requests naming it "
@@ -1009,9 +1019,10 @@ class Fleet:
         record = self.registry.get(address)
         if record.lora_adapters is None:
             return []
+        models = record.identity.models if record.identity is not None else ()
         return [
             spec
-            for spec in self.lora_intent.wanted_on(address)
+            for spec in self.lora_intent.wanted_on(address, models)
             if spec.lora_name not in record.lora_adapters  # (a conflicting copy: not loadable)
         ]
 
@@ -1027,9 +1038,12 @@ class Fleet:
                 adapter = pb.LoraAdapter(
                     lora_id=spec.lora_id, lora_name=spec.lora_name, source_path=spec.source_path
                 )
+                model = self.lora_intent.models.get(spec.lora_name)
                 try:
                     await engine.stub.LoadLora(
-                        pb.LoadLoraRequest(adapter=adapter), timeout=self.config.lora_timeout_s
+                        pb.LoadLoraRequest(adapter=adapter),
+                        timeout=self.config.lora_timeout_s,
+                        metadata=lora_model_metadata(model),
                     )
                 except grpc.aio.AioRpcError as exc:
                     log.warning("engine %s: LoRA adapter %s not restored: %s: %s",

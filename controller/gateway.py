@@ -38,7 +38,9 @@
   the same (seed: ABORTED and ALREADY_FINISHED say the target ended; there is no "partly").
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
-  request metadata `kvplane-engine` names; the call succeeds only if every asked engine did
+  request metadata `kvplane-engine` names (a LoadLora: or to the engines serving the model
+  `kvplane-model` names; without either, INVALID_ARGUMENT when the LoRA-capable engines
+  serve different base models); the call succeeds only if every asked engine did
   (UnloadLora: NOT_FOUND from an engine means it never had the adapter; NOT_FOUND only when
   none had it); FAILED_PRECONDITION when no engine supports LoRA. Every engine's outcome,
   and the adapters it holds, ride in the trailing metadata (EngineOutcome) and in the
@@ -49,7 +51,10 @@
   the engines hold), and a load under a name it holds with another adapter is
   ALREADY_EXISTS before any engine is asked.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
-  detail in `attributes`.
+  detail in `attributes`; the KV block counts only where every engine reporting them has one
+  block size (a fleet serving models of 16- and 32-token blocks: absent), the KV in tokens
+  (`used_kv_tokens`, `total_kv_tokens`) and the block sizes (`kv_block_size`) in
+  `attributes`.
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
   answered as an engine answers them (the probe: every engine taking traffic runs its own).
   GetModelInfo: a routable engine serving the model answers, with the pooling tasks and
@@ -76,7 +81,12 @@ from google.protobuf.descriptor import FieldDescriptor
 from controller.fleet import POOLING_TASKS, Fleet
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
-from controller.outcomes import ENGINE_METADATA_KEY, outcome_metadata
+from controller.outcomes import (
+    ENGINE_METADATA_KEY,
+    MODEL_METADATA_KEY,
+    lora_model_metadata,
+    outcome_metadata,
+)
 from controller.registry import (
     CONTROLLER_ENGINE_NAME,
     POLL_FAILED_STATES,
@@ -84,6 +94,7 @@ from controller.registry import (
     EngineRecord,
     EngineState,
     LoraRoutingError,
+    ModelRequiredError,
     NoEngineRegisteredError,
     UnknownEngineError,
     UnknownModelError,
@@ -103,6 +114,7 @@ from controller.service import Controller, PromptInput
 from controller.statuses import status_of
 from kvplane import __version__
 from kvplane.enum_names import enum_name
+from kvplane.errors import KvplaneError
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
@@ -149,6 +161,8 @@ _SUMMED_LOAD = (
     "total_kv_blocks",
     "waiting_tokens",
 )
+# The figures of them counted in KV blocks: summed only over engines of one block size.
+_KV_BLOCK_FIELDS = ("used_kv_blocks", "total_kv_blocks")
 # The largest value each of them holds on the wire (uint32 or uint64): a sum past it (an
 # engine reporting nonsense, 2^64 - 1 blocks in use) is sent as that, not as a failed GetLoad.
 _LOAD_FIELD_MAX = {
@@ -775,14 +789,20 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         return pb.AbortResponse(status=status, message=summary)
 
-    async def _lora_engines(self, context: Context) -> list[EngineRecord]:
+    async def _lora_engines(self, context: Context, model: str | None) -> list[EngineRecord]:
         """The engines a LoRA call is for: the one its request metadata names
-        (`kvplane-engine`, controller.outcomes), else every reachable engine."""
+        (`kvplane-engine`, controller.outcomes), else every reachable engine (serving
+        `model`, when one is named: `_lora_model`)."""
         reachable = self._reachable()
+        if model is not None:
+            reachable = [r for r in reachable if r.identity and model in r.identity.models]
         wanted = _metadata_value(context, ENGINE_METADATA_KEY)
         if wanted is None:
             if not reachable:
-                await abort_with(context, grpc.StatusCode.UNAVAILABLE, "no engine is reachable")
+                serving = "" if model is None else f" serving model {model!r}"
+                await abort_with(
+                    context, grpc.StatusCode.UNAVAILABLE, f"no engine{serving} is reachable"
+                )
             return reachable
         try:
             record = self.controller.fleet.registry.get(wanted)
@@ -805,6 +825,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         *,
         on_absent: Callable[[str], None] | None = None,
         unloading: str | None = None,
+        model: str | None = None,
     ) -> list[T]:
         """Call every engine the call is for (`_lora_engines`) that may support LoRA
         (GetModelInfo did not say `supports_lora: false`); report every engine's outcome
@@ -818,8 +839,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         holds it (stopped, wedged, cut off: it keeps the adapter, and its traffic once back)
         fails the call, UNAVAILABLE, instead of passing unmentioned; the asked engines
         holding it leave its routing before they are asked (back on one whose unload fails),
-        so no request naming it is sent to an engine that is unloading it."""
-        engines = await self._lora_engines(context)
+        so no request naming it is sent to an engine that is unloading it. `model`: the
+        engines serving it only (a LoadLora's `kvplane-model`)."""
+        engines = await self._lora_engines(context, model)
         asked = [r for r in engines if r.identity is None or r.identity.supports_lora is not False]
         outcomes = {
             r.address: EngineOutcome(r, "skipped", "supports_lora is false")
@@ -888,8 +910,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             request.adapter.lora_id, request.adapter.lora_name, request.adapter.source_path
         )
         on_one = await self._named_engine_address(context)
+        named_model = await self._lora_model(context, on_one)
         # One change at a time: two loads racing for one name would each win on some engines.
         async with fleet.lora_changes:
+            model = named_model
+            if on_one is None and named_model is None:
+                try:
+                    model = self._fleet_lora_model()
+                except ModelRequiredError as exc:
+                    await abort_with(context, status_of(exc), str(exc))
             known = fleet.lora_intent.conflict(spec)
             if known is not None:
                 await abort_with(
@@ -899,16 +928,31 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     "controller or found on its engines: one name is one adapter across the "
                     "fleet (unload it first)",
                 )
+            known_model = (
+                None if on_one else fleet.lora_intent.model_conflict(spec.lora_name, model)
+            )
+            if known_model is not None:
+                await abort_with(
+                    context,
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"LoRA adapter {spec} is loaded for model {known_model!r}: one name is one "
+                    "adapter, trained for one base model (unload it first)",
+                )
 
             def loaded(address: str, reply: pb.LoadLoraResponse) -> None:
                 fleet.registry.on_lora_loaded(address, reply.adapter.lora_name)
-                fleet.lora_intent.loaded(spec, on_one)
+                fleet.lora_intent.loaded(spec, on_one, model)
 
             replies = await self._lora_fan_out(
                 context,
-                lambda s: s.LoadLora(request, timeout=self._lora_timeout_s(context)),
+                lambda s: s.LoadLora(
+                    request,
+                    timeout=self._lora_timeout_s(context),
+                    metadata=lora_model_metadata(named_model),
+                ),
                 lambda r: (r.adapter.lora_name,),
                 loaded,
+                model=named_model,
             )
         return pb.LoadLoraResponse(
             adapter=replies[0].adapter, already_loaded=all(r.already_loaded for r in replies)
@@ -948,6 +992,40 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         limit_s = config.health.rpc_timeout_s if listing else config.lora_timeout_s
         remaining_s = context.time_remaining()
         return limit_s if remaining_s is None else min(limit_s, remaining_s)
+
+    async def _lora_model(self, context: Context, on_one: str | None) -> str | None:
+        """The model a LoadLora's `kvplane-model` metadata names (None: none named):
+        INVALID_ARGUMENT when it is empty or comes with `kvplane-engine` (an engine's
+        adapter is for the model it serves), NOT_FOUND for a model no engine serves."""
+        model = _metadata_value(context, MODEL_METADATA_KEY)
+        if model is None:
+            return None
+        if not model or on_one is not None:
+            await abort_with(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{MODEL_METADATA_KEY} must name a model, and is not for a call naming an engine",
+            )
+        try:
+            self.controller.check_model(model)
+        except KvplaneError as exc:
+            await abort_with(context, status_of(exc), str(exc))
+        return model
+
+    def _fleet_lora_model(self) -> str | None:
+        """The model a fleet-wide load naming none is for: the one base model the
+        LoRA-capable engines serve (None while none is known). ModelRequiredError when they
+        serve several: the adapter would be attached to models it was not trained for (a
+        torch engine refuses it, or serves a wrong adapter), as a request naming no model
+        is refused where the engines' default models differ."""
+        models = self.controller.fleet.registry.base_models(lora=True)
+        if len(models) > 1:
+            raise ModelRequiredError(
+                "name a model (lora load --model, `kvplane-model` metadata): the LoRA-capable "
+                f"engines of this fleet serve different base models ({', '.join(models)}), "
+                "and an adapter is trained for one"
+            )
+        return next(iter(models), None)
 
     async def _named_engine_address(self, context: Context) -> str | None:
         """The address of the engine a LoRA call's `kvplane-engine` metadata names (NOT_FOUND
@@ -1112,24 +1190,49 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # Each figure is the sum over the engines that report it, and absent when none does
         # (seed: absent is unavailable, a present zero a measured zero).
         totals: dict[str, int | None] = dict.fromkeys(_SUMMED_LOAD)
+        kv_tokens: dict[str, int | None] = dict.fromkeys(_KV_BLOCK_FIELDS)
+        block_sizes: set[int] = set()
         for r in records:
             load = r.load
+            size = self._block_size_of(r)
             for name, total in totals.items():
                 value = getattr(load, name)
                 if value is not None:
                     totals[name] = (total or 0) + value
+                    if name in kv_tokens:
+                        kv_tokens[name] = (kv_tokens[name] or 0) + value * size
+                        block_sizes.add(size)
             inflight = self.controller.router.inflight.of(r.address).requests
             reply.attributes[f"engine.{r.address}"] = (
                 f"instance={r.engine_id} state={r.state.value} cordoned={r.cordoned} "
                 f"running={_text(load.running_requests)} queued={_text(load.queued_requests)} "
-                f"kv={_text(load.used_kv_blocks)}/{_text(load.total_kv_blocks)} inflight={inflight}"
+                f"kv={_text(load.used_kv_blocks)}/{_text(load.total_kv_blocks)} "
+                f"block_size={size} inflight={inflight}"
             )
+        if len(block_sizes) > 1:
+            # Blocks of 16 and of 32 tokens do not add up to a count of anything: the KV
+            # figures go in tokens (attributes: the seed's LoadInfo counts KV in blocks only).
+            for name in _KV_BLOCK_FIELDS:
+                totals[name] = None
+        for name, tokens in kv_tokens.items():
+            if tokens is not None:
+                reply.attributes[name.replace("_blocks", "_tokens")] = str(tokens)
+        if block_sizes:
+            reply.attributes["kv_block_size"] = ",".join(str(s) for s in sorted(block_sizes))
         for name, total in totals.items():
             if total is not None:
                 setattr(reply, name, min(total, _LOAD_FIELD_MAX[name]))
         reply.attributes["engines"] = str(len(records))
         reply.attributes["routable_engines"] = str(sum(r.routable for r in records))
         return reply
+
+    def _block_size_of(self, record: EngineRecord) -> int:
+        """The tokens one of the engine's KV blocks holds: its models' block size, else the
+        config's default (what the router hashes its prompts in)."""
+        identity = record.identity
+        if identity is not None and identity.block_size:
+            return identity.block_size
+        return self.controller.config.default_block_size
 
     async def Health(self, request: pb.HealthRequest, context: Context) -> pb.HealthResponse:
         """One check per engine, the fleet's state (`_health_state`), and what the request

@@ -9,6 +9,16 @@ service loads it on an engine whose new process it meets (`wanted_on`) before ro
 requests naming those adapters there. An unload forgets it: fleet-wide, everywhere; with
 `--engine E`, on E only (a fleet-wide adapter then stays off E).
 
+An adapter is trained for one base model: a fleet-wide load is for the engines serving one
+model (`lora load --model M`, `kvplane-model` metadata; the gateway takes the one base model
+the LoRA-capable engines serve when none is named, and refuses a fleet whose engines serve
+several), and the intent remembers it (`models`), so that an engine joining is given only the
+adapters of a model it serves. An adapter found on every engine (below) has no model: the
+engines' ListLoras does not say which base model an adapter was loaded for, so an adapter
+found is taken for the base model (first listed) of the engine it was found on: it is the
+fleet's, for that model, once every engine of that model the controller knew holds it
+(engines of other models, not given it, do not count).
+
 The intent lives in the controller's memory, and the controller keeps no state of its own
 (ARCHITECTURE.md): a restarted controller rebuilds it from the engines. Each engine process
 it meets (first contact, registration, a return, a restart) tells what it holds (`found_on`,
@@ -75,6 +85,15 @@ class LoraIntent:
     undecided: dict[str, set[str]] = field(default_factory=dict)
     # The engines `found_on` was told of -> whether they serve LoRA.
     read: dict[str, bool] = field(default_factory=dict)
+    # The engines `found_on` was told of -> their base model, where one was named.
+    read_models: dict[str, str] = field(default_factory=dict)
+    # name (in `undecided`) -> the base model of the engine it was first found on: the
+    # model it becomes the fleet's for; engines of other models do not decide it.
+    undecided_models: dict[str, str] = field(default_factory=dict)
+    # name -> the model a fleet-wide load of it is for: only engines serving that model
+    # want it. Absent: every engine (an adapter found on every engine, whose model is not
+    # known).
+    models: dict[str, str] = field(default_factory=dict)
 
     def conflict(self, spec: LoraSpec) -> LoraSpec | None:
         """The remembered adapter that has `spec`'s name but another id or path, if any."""
@@ -83,14 +102,25 @@ class LoraIntent:
                 return known
         return None
 
-    def loaded(self, spec: LoraSpec, address: str | None) -> None:
-        """`spec` was loaded on the fleet (`address` None) or on that engine alone."""
+    def model_conflict(self, lora_name: str, model: str | None) -> str | None:
+        """The model the fleet holds `lora_name` for when it is another than `model`: one
+        name is one adapter, trained for one base model."""
+        known = self.models.get(lora_name)
+        return known if known is not None and known != model else None
+
+    def loaded(self, spec: LoraSpec, address: str | None, model: str | None = None) -> None:
+        """`spec` was loaded on the fleet (`address` None), for the engines serving `model`
+        (None: every engine), or on that engine alone."""
         name = spec.lora_name
         self.loads[(name, address)] = spec
-        self.undecided.pop(name, None)
+        self._decided(name)
         if address is None:
             self.unloaded_from.pop(name, None)
             self.unconfirmed.pop(name, None)
+            if model is None:
+                self.models.pop(name, None)
+            else:
+                self.models[name] = model
         else:
             self.unloaded_from.get(name, set()).discard(address)
             self.unconfirmed.get(name, set()).discard(address)
@@ -101,9 +131,10 @@ class LoraIntent:
         `fleet`: the addresses of every engine the controller knows. Remembered until each
         engine it is for may no longer hold it (`unload_confirmed`, `found_on`,
         `forget_engine`)."""
-        self.undecided.pop(lora_name, None)
+        self._decided(lora_name)
         if address is None:
             self.unloaded_from[lora_name] = {None}
+            self.models.pop(lora_name, None)
             for key in [k for k in self.loads if k[0] == lora_name]:
                 del self.loads[key]
             # Not the engines read serving no LoRA: they hold no adapter.
@@ -121,25 +152,38 @@ class LoraIntent:
         self._retire(lora_name)
 
     def found_on(
-        self, address: str, held: Sequence[LoraSpec] | None, fleet: Collection[str]
+        self,
+        address: str,
+        held: Sequence[LoraSpec] | None,
+        fleet: Collection[str],
+        model: str | None = None,
     ) -> list[tuple[LoraSpec, LoraSpec]]:
-        """A process of the engine at `address` was met holding `held` (ListLoras; None: it
-        serves no LoRA); `fleet`: the addresses of every engine the controller knows. Takes
-        into the intent what it holds that the intent lacks, unless this controller
-        unloaded it there or from the fleet. Returns the adapters it holds under a name the
-        intent knows with another id or path, each with the known one (kept)."""
+        """A process of the engine at `address`, serving base model `model` (None: not
+        known, or a controller fronted as an engine, which serves several), was met holding
+        `held` (ListLoras; None: it serves no LoRA); `fleet`: the addresses of every engine
+        the controller knows. Takes into the intent what it holds that the intent lacks,
+        unless this controller unloaded it there or from the fleet. Returns the adapters it
+        holds under a name the intent knows with another id or path, each with the known one
+        (kept)."""
         for name in [n for n, waiting in self.undecided.items() if address in waiting]:
             self.undecided[name].discard(address)
-            if held is not None and self._known(name) not in held:
-                del self.undecided[name]  # read without it: the holders' own
+            peer = _same_model(self.undecided_models.get(name), model)
+            if peer and held is not None and self._known(name) not in held:
+                self._decided(name)  # read without it: the holders' own
             elif not self.undecided[name]:
                 self._make_fleet_wide(name)
         held_names = {spec.lora_name for spec in held or ()}
         for name in [n for n, engines in self.unconfirmed.items() if address in engines]:
             if name not in held_names:  # read without it: that engine no longer holds it
                 self.unload_confirmed(name, address)
-        others_read = any(lora for other, lora in self.read.items() if other != address)
+        others_read = any(
+            lora and _same_model(self.read_models.get(other), model)
+            for other, lora in self.read.items()
+            if other != address
+        )
         self.read[address] = held is not None
+        if model is not None:
+            self.read_models[address] = model
         if held is None:
             return []
         conflicts: list[tuple[LoraSpec, LoraSpec]] = []
@@ -156,6 +200,8 @@ class LoraIntent:
                 self.loads[(name, address)] = spec
             if first_found and not others_read:  # every engine read so far holds it
                 self.undecided[name] = set(fleet) - self.read.keys()
+                if model is not None:
+                    self.undecided_models[name] = model
                 if not self.undecided[name]:
                     self._make_fleet_wide(name)
         return conflicts
@@ -171,16 +217,23 @@ class LoraIntent:
         for name in [n for n, addresses in self.unloaded_from.items() if not addresses]:
             del self.unloaded_from[name]
         self.read.pop(address, None)
+        self.read_models.pop(address, None)
         for name in [n for n, waiting in self.undecided.items() if address in waiting]:
             self.undecided[name].discard(address)
             if not self.undecided[name]:
                 self._make_fleet_wide(name)
 
-    def wanted_on(self, address: str) -> list[LoraSpec]:
-        """The adapters the engine at `address` should hold, in the order they were loaded."""
+    def wanted_on(self, address: str, models: Collection[str]) -> list[LoraSpec]:
+        """The adapters the engine at `address`, serving `models`, should hold, in the order
+        they were loaded: a fleet-wide adapter for a model only where that model is served."""
         wanted: dict[str, LoraSpec] = {}
         for (name, on), spec in self.loads.items():
-            if on == address or (on is None and address not in self.unloaded_from.get(name, ())):
+            model = self.models.get(name)
+            if on == address or (
+                on is None
+                and address not in self.unloaded_from.get(name, ())
+                and (model is None or model in models)
+            ):
                 wanted.setdefault(name, spec)
         return list(wanted.values())
 
@@ -194,14 +247,31 @@ class LoraIntent:
         if (lora_name, None) not in self.loads or not self.unloaded_from.get(lora_name):
             self.unloaded_from.pop(lora_name, None)
 
+    def _decided(self, lora_name: str) -> None:
+        """Whether `lora_name`, found, is the fleet's or its holders' own is decided (or
+        no longer asked: the operator loaded or unloaded it)."""
+        self.undecided.pop(lora_name, None)
+        self.undecided_models.pop(lora_name, None)
+
     def _known(self, lora_name: str) -> LoraSpec | None:
         return next((s for (n, _), s in self.loads.items() if n == lora_name), None)
 
     def _make_fleet_wide(self, lora_name: str) -> None:
         """Every engine read holds the found adapter: the fleet's, in the place of its
-        holders' entries (at the first one's place in the loading order)."""
-        self.undecided.pop(lora_name, None)
+        holders' entries (at the first one's place in the loading order), for the model it
+        was first found with."""
+        model = self.undecided_models.get(lora_name)
+        self._decided(lora_name)
+        if model is None:
+            self.models.pop(lora_name, None)
+        else:
+            self.models[lora_name] = model
         self.loads = {
             (name, None if name == lora_name else on): spec
             for (name, on), spec in self.loads.items()
         }
+
+
+def _same_model(first: str | None, second: str | None) -> bool:
+    """Whether two engines' base models may be one (None: not known, or several)."""
+    return first is None or second is None or first == second

@@ -9,7 +9,11 @@ large fleet's entries are capped (`outcome_metadata`): failures first, and a las
 
 The other way round, a LoRA call (LoadLora, UnloadLora, ListLoras) may name the one engine
 it is for in its request metadata: `kvplane-engine: ENGINE` (an instance id or an address of
-the fleet); the gateway then asks that engine only and reports its outcome alone."""
+the fleet); the gateway then asks that engine only and reports its outcome alone. A LoadLora
+for the whole fleet may name the base model the adapter is for instead: `kvplane-model:
+MODEL`; the gateway then asks the engines serving that model only (and passes the metadata
+on, for a controller fronted as an engine), and the fleet's LoRA intent remembers the model
+(controller.lora_intent)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Any
 
 OUTCOME_METADATA_KEY = "kvplane-engine-outcome"
 ENGINE_METADATA_KEY = "kvplane-engine"
+MODEL_METADATA_KEY = "kvplane-model"
 # Bytes of outcome entries one call carries (gRPC's default client limit is 8 KiB soft, 16 KiB
 # hard, for all the metadata together).
 MAX_OUTCOME_BYTES = 6_000
@@ -40,6 +45,11 @@ def outcome_metadata(entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
             break
         out.append((OUTCOME_METADATA_KEY, value))
     return out
+
+
+def lora_model_metadata(model: str | None) -> tuple[tuple[str, str], ...]:
+    """The request metadata of a LoadLora for the engines serving `model` (none: None)."""
+    return ((MODEL_METADATA_KEY, model),) if model else ()
 
 
 def read_outcomes(metadata: Iterable[tuple[str, str | bytes]] | None) -> list[dict[str, Any]]:

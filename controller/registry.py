@@ -612,6 +612,10 @@ class Registry:
         model). An incompatible engine never serves."""
         return any(True for _ in self._may_serve(model))
 
+    def may_serve_records(self, model: str | None) -> list[EngineRecord]:
+        """The engines `may_serve` counts, whatever their health, by address."""
+        return sorted(self._may_serve(model), key=lambda r: r.address)
+
     def _may_serve(self, model: str | None) -> Iterator[EngineRecord]:
         """The engines `may_serve` counts, in no particular order."""
         for r in self._by_address.values():
@@ -629,6 +633,21 @@ class Registry:
         which its GetEngineInfo does not say, and a fleet that sent it there would have it
         refused by the controller below one time and served by an engine here the next.
         Engines whose models are not known yet are left out: they may serve any."""
+        defaults = self.base_models(generating=generating)
+        if len(defaults) > 1:
+            raise ModelRequiredError(
+                "name a model: the engines of this fleet serve different models to a request "
+                f"naming none ({', '.join(defaults)}), which one would answer is not decided"
+            )
+        return next(iter(defaults), None)
+
+    def base_models(self, *, generating: bool = False, lora: bool = False) -> list[str]:
+        """The models the compatible engines serve a request naming none, sorted: each
+        engine's first listed, every model of a controller fronted as an engine
+        (`default_model`). With `generating`, only engines whose first model generates; with
+        `lora`, only engines that may take LoRA adapters (not `supports_lora: false`): the
+        base models an adapter loaded on the whole fleet would be attached to. Engines whose
+        models are not known yet are left out."""
         defaults: set[str] = set()
         for r in self._may_serve(None):
             identity = r.identity
@@ -636,14 +655,10 @@ class Registry:
                 continue
             if generating and not identity.facts_of(None).generates:
                 continue
+            if lora and identity.supports_lora is False:
+                continue
             defaults.update(identity.models if identity.is_controller else identity.models[:1])
-        if len(defaults) > 1:
-            raise ModelRequiredError(
-                "name a model: the engines of this fleet serve different models to a request "
-                f"naming none ({', '.join(sorted(defaults))}), which one would answer is not "
-                "decided"
-            )
-        return next(iter(defaults), None)
+        return sorted(defaults)
 
     def check_generates(self, model: str) -> None:
         """Raise GenerationUnsupportedError when every engine that serves `model` ("": the
@@ -676,7 +691,7 @@ class Registry:
         """Each engine that serves `model`, or may (not reached yet), by address, with
         `state_of` it (by default `EngineRecord.availability`): what a refusal for want of an
         engine says, so that the client sees why (a cordon, a drain, an outage)."""
-        serving = sorted(self._may_serve(model), key=lambda r: r.address)
+        serving = self.may_serve_records(model)
         return ", ".join(f"{r.engine_id} {state_of(r)}" for r in serving) or "none serves it"
 
     def check_lora(

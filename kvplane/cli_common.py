@@ -445,6 +445,25 @@ def rpc_channel(
             ) from None
 
 
+# The widest models cell of a table (`admin workers`): the models past it are counted.
+MODELS_CELL_WIDTH = 40
+
+
+def models_cell(models: Sequence[str], width: int = MODELS_CELL_WIDTH) -> str:
+    """An engine's models in one table cell: names joined by commas, as many as fit in
+    `width` (the first, its default model, always), the rest counted (`a,b,+3`). The whole
+    list is in the JSON output."""
+    shown: list[str] = []
+    for i, model in enumerate(models):
+        left = len(models) - i - 1
+        cell = ",".join([*shown, model]) + (f",+{left}" if left else "")
+        if shown and len(cell) > width:
+            break
+        shown.append(model)
+    left = len(models) - len(shown)
+    return ",".join(shown) + (f",+{left}" if left else "")
+
+
 def emit(data: Any, output: OutputFormat, render: Callable[[Any], str]) -> None:
     """Print `data` as JSON or through `render` as a human table/line."""
     if output is OutputFormat.json:

@@ -39,6 +39,7 @@ class EngineStatus:
     cached_blocks: int | None = None  # the engine's prefix cache (GetLoad)
     indexed_blocks: int | None = None  # what the controller's index places on it
     inflight: int | None = None  # the router's own count
+    models: tuple[str, ...] = ()  # what it serves, as the controller read it (none without)
 
     @property
     def kv_usage(self) -> float | None:
@@ -172,6 +173,7 @@ async def collect_status(fleet: Fleet) -> FleetStatus:
                 cached_blocks=int(cached) if cached else None,
                 indexed_blocks=worker.indexed_blocks if worker is not None else None,
                 inflight=worker.inflight_requests if worker is not None else None,
+                models=tuple(worker.models) if worker is not None else (),
             )
         )
     order = {m.address: i for i, m in enumerate(fleet.members)}
@@ -190,6 +192,16 @@ async def collect_status(fleet: Fleet) -> FleetStatus:
         index_blocks=workers.index_blocks if workers is not None else None,
         **routing,
     )
+
+
+def engines_by_model(engines: list[EngineStatus]) -> str:
+    """Each model (an engine's default first, as it lists them) with the engines serving it:
+    `a: a0, a1; b: b0` (an engine whose models are not known is left out)."""
+    serving: dict[str, list[str]] = {}
+    for e in engines:
+        for model in e.models:
+            serving.setdefault(model, []).append(e.name)
+    return "; ".join(f"{model}: {', '.join(names)}" for model, names in serving.items())
 
 
 def _text(value: object) -> str:
@@ -237,6 +249,10 @@ def render_status(status: FleetStatus) -> Any:
     decisions = ", ".join(f"{k} {v}" for k, v in sorted(status.decisions.items())) or "none yet"
     routing = Table.grid(padding=(0, 2))
     routing.add_row("policy", status.policy or "-")
+    # A fleet of several models: which engines serve which (a models column would not fit
+    # the engines table in 80 columns, model names being long).
+    if len({e.models for e in status.engines}) > 1:
+        routing.add_row("models", engines_by_model(status.engines))
     routing.add_row("index", f"{_text(status.index_blocks)} blocks")
     routing.add_row(
         "hit ratio",

@@ -86,10 +86,11 @@ async def test_admin_cli_against_the_controller(fleet: Fleet, tmp_path: Path) ->
     policy, header, *rows = table.stdout.splitlines()
     assert policy == "policy kvplane"
     # SOURCE: where each engine came from, as in the JSON (these are the config's engines).
-    assert header.split()[:5] == ["ENGINE", "ADDRESS", "SOURCE", "ROLE", "STATE"]
+    # MODELS: what each engine serves, as the JSON's `models`.
+    assert header.split()[:6] == ["ENGINE", "ADDRESS", "SOURCE", "MODELS", "ROLE", "STATE"]
     by_engine = {w["instance_id"]: w for w in workers["workers"]}
-    assert sorted(row.split()[:5] for row in rows) == [
-        [engine, by_engine[engine]["address"], "config", "aggregated", "ready"]
+    assert sorted(row.split()[:6] for row in rows) == [
+        [engine, by_engine[engine]["address"], "config", "sim", "aggregated", "ready"]
         for engine in ("e0", "e1", "e2")
     ]
     # The engines' health checks name their model ("sim"): information, not an ERROR.

@@ -52,8 +52,8 @@ async def test_an_engine_registered_by_hand_is_routed_to_until_removed(fleet: Fl
         table = await cli("register", address, "--kv-events", "none", *t)
         assert table.exit_code == 0, table.output
         header, row = table.stdout.splitlines()
-        assert header.split()[:5] == ["ENGINE", "ADDRESS", "SOURCE", "ROLE", "STATE"]
-        assert row.split()[:5] == ["e3", address, "admin", "aggregated", "ready"]
+        assert header.split()[:6] == ["ENGINE", "ADDRESS", "SOURCE", "MODELS", "ROLE", "STATE"]
+        assert row.split()[:6] == ["e3", address, "admin", "sim", "aggregated", "ready"]
         assert _workers(await cli_json("workers", *t))[address]["kv_events"] == "none"
         gone = await cli_json("remove", address, *t)
         assert (gone["instance_id"], gone["address"]) == ("e3", address)

@@ -132,7 +132,7 @@ async def test_an_engine_answering_its_polls_with_errors_is_failing_not_unreacha
             error,
         )
         line = await table_row(fleet, h0)
-        assert line.split()[4] == "failing" and line.rstrip().endswith(error), line
+        assert line.split()[5] == "failing" and line.rstrip().endswith(error), line
         assert set(await routed(fleet, "a", 4)) == {e1}
         checks = (await fleet_health(fleet))[1]
         assert checks[f"engine:{h0}"] == (pb.HEALTH_STATE_NOT_READY, f"failing: {error}")
@@ -150,7 +150,7 @@ async def test_an_engine_answering_its_polls_with_errors_is_failing_not_unreacha
         await wait_state(fleet, h0, EngineState.UNREACHABLE)
         row = await worker(fleet, h0)
         assert row["state"] == "unreachable" and row["last_error"].startswith("UNAVAILABLE: ")
-        assert (await table_row(fleet, h0)).split()[4] == "unreachable"
+        assert (await table_row(fleet, h0)).split()[5] == "unreachable"
         assert await states_exported(fleet) == {h0: "unreachable", e1: "ready"}
     finally:
         await close_fleet(fleet)

@@ -16,11 +16,11 @@ def test_an_engine_away_during_an_unload_keeps_it_unloaded_until_read_without_it
     intent.unloaded("x", None, ["a", "b"])
     intent.unload_confirmed("x", "a")  # b is away: it did not answer
     assert intent.found_on("b", [X], ["a", "b"]) == []  # back, holding x
-    assert intent.wanted_on("a") == [] and "x" in intent.unloaded_from
+    assert intent.wanted_on("a", ["m"]) == [] and "x" in intent.unloaded_from
     intent.found_on("b", [], ["a", "b"])  # a new process of b, without x
     assert intent.unloaded_from == {} and intent.unconfirmed == {}
     intent.found_on("c", [X], ["a", "b", "c"])  # one met later holding x: its own
-    assert intent.wanted_on("c") == [X] and intent.wanted_on("a") == []
+    assert intent.wanted_on("c", ["m"]) == [X] and intent.wanted_on("a", ["m"]) == []
 
 
 def test_an_unload_is_forgotten_once_the_engine_away_leaves_the_fleet() -> None:
@@ -46,6 +46,29 @@ def test_an_engine_kept_off_a_fleet_wide_adapter_stays_off_it() -> None:
     intent.loaded(X, None)
     intent.unloaded("x", "a", ["a", "b"])
     intent.unload_confirmed("x", "a")
-    assert intent.wanted_on("a") == [] and intent.wanted_on("b") == [X]
+    assert intent.wanted_on("a", ["m"]) == [] and intent.wanted_on("b", ["m"]) == [X]
     intent.loaded(X, "a")  # loaded there again: no exclusion left
-    assert intent.unloaded_from == {} and intent.wanted_on("a") == [X]
+    assert intent.unloaded_from == {} and intent.wanted_on("a", ["m"]) == [X]
+
+
+def test_a_fleet_wide_adapter_for_a_model_is_wanted_only_where_that_model_is_served() -> None:
+    intent = LoraIntent()
+    intent.loaded(X, None, "a")
+    assert intent.wanted_on("b0", ["b"]) == [] and intent.wanted_on("a0", ["a", "a-chat"]) == [X]
+    assert intent.model_conflict("x", "b") == "a" and intent.model_conflict("x", "a") is None
+    intent.unloaded("x", None, ["a0", "b0"])
+    intent.loaded(X, None, "b")  # unloaded, then loaded for another model
+    assert intent.wanted_on("a0", ["a"]) == [] and intent.wanted_on("b0", ["b"]) == [X]
+
+
+def test_an_adapter_found_on_every_engine_of_one_model_is_that_models() -> None:
+    """Found on a0 and a1, not on b0 (read first or in between): the fleet's for `a`, and
+    b0 read without it does not make it a0's and a1's own."""
+    for order in (["b0", "a0", "a1"], ["a0", "b0", "a1"]):
+        intent = LoraIntent()
+        fleet = ["a0", "a1", "b0"]
+        for address in order:
+            intent.found_on(address, [] if address == "b0" else [X], fleet, address[0])
+        assert intent.models == {"x": "a"}, order
+        assert intent.wanted_on("a2", ["a"]) == [X] and intent.wanted_on("b1", ["b"]) == []
+        assert intent.undecided == {} and intent.undecided_models == {}

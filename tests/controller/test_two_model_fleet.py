@@ -24,6 +24,9 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.test_gateway import generate_routed
+from tests.controller.test_gateway_scripted import cli
+from tests.controller.test_lora_engines import outcome_lines
+from tests.controller.test_lora_fleet_intent import engine_adapters, load_on
 from tests.engine.lora_adapters import write_adapter_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -235,3 +238,181 @@ async def test_draining_the_only_engine_of_a_model_says_so_everywhere(two_models
         assert "b0 draining" in (refused.value.details() or ""), (what, refused.value.details())
     _, route = await generate_routed(fleet, request_for("a", "still"))
     assert route is not None and route["instance_id"] in {"a0", "a1"}
+
+
+async def test_a_fleet_wide_adapter_is_loaded_for_one_model_only(tmp_path: Path) -> None:
+    """`lora load` for the whole fleet went to every LoRA-capable engine, whatever model it
+    serves: `x`, trained for `a`, was attached to `b0` too, and to a `b` engine registered
+    later. Now a load naming no model is refused, naming the base models; `--model a` loads
+    it on `a`'s engines only, and of the engines registered later only `a`'s gets it."""
+    lora = LoraConfig(enabled=True)
+    engines = [
+        await start_sim_engine("a0", served_model_name="a", lora=lora),
+        await start_sim_engine("a1", served_model_name="a", lora=lora),
+        await start_sim_engine("b0", served_model_name="b", block_size=32, lora=lora),
+    ]
+    fleet = await make_fleet(engines=engines)
+    try:
+        t = ["--target", fleet.target]
+        x = str(write_adapter_config(tmp_path / "x"))
+        refused = await cli("lora", "load", "x", x, "--id", "1", *t)
+        assert refused.exit_code != 0
+        assert "INVALID_ARGUMENT" in str(refused.exception)
+        assert "different base models (a, b)" in str(refused.exception)
+        assert [await engine_adapters(e) for e in engines] == [{}, {}, {}]
+
+        loaded = await cli("lora", "load", "x", x, "--id", "1", "--model", "a", *t)
+        assert loaded.exit_code == 0, loaded.output
+        assert outcome_lines(loaded.output) == {"a0": "ok", "a1": "ok"}
+        assert [list(await engine_adapters(e)) for e in engines] == [["x"], ["x"], []]
+
+        joined = [
+            await start_sim_engine("a2", served_model_name="a", lora=lora),
+            await start_sim_engine("b1", served_model_name="b", block_size=32, lora=lora),
+        ]
+        fleet.engines.extend(joined)
+        for engine in joined:
+            await fleet.admin.RegisterEngine(
+                apb.RegisterEngineRequest(address=fleet.address(engine))
+            )
+        # Routable once its first poll, which restores the fleet's adapters, is done.
+        await fleet.wait_routable(5)
+        assert [list(await engine_adapters(e)) for e in joined] == [["x"], []]
+
+        both = await cli("lora", "load", "x", x, "--id", "1", "--model", "b", *t)
+        assert both.exit_code != 0 and "loaded for model 'a'" in str(both.exception)
+        unknown = await cli("lora", "load", "y", x, "--id", "2", "--model", "c", *t)
+        assert unknown.exit_code != 0 and "NOT_FOUND" in str(unknown.exception)
+        with_engine = await cli(
+            "lora", "load", "y", x, "--id", "2", "--model", "a", "--engine", "a0", *t
+        )
+        assert with_engine.exit_code == 2 and "not both" in with_engine.output
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_match_for_a_model_with_no_routable_engine_uses_its_block_size(
+    two_models: Fleet,
+) -> None:
+    """`b0`, the only engine of `b` (blocks of 32), drained: admin `match` for `b` showed
+    the prompt in blocks of 16 (the config's default, as no engine was left to route to);
+    it shows them as `b0` caches them."""
+    fleet = two_models
+    b0 = fleet.address(fleet.engines[2])
+    query = apb.PromptQuery(token_ids=pb.TokenIds(ids=PROMPT), model="b")
+    before = await fleet.admin.Match(query)
+    assert (before.block_size, before.num_blocks) == (32, 2)
+    events = [e async for e in fleet.admin.DrainEngine(apb.DrainEngineRequest(engine=b0))]
+    assert events[-1].state == pb.DRAIN_STATE_COMPLETE
+    drained = await fleet.admin.Match(query)
+    assert (drained.block_size, drained.num_blocks) == (32, 2)
+    assert [m.instance_id for m in drained.matches] == []
+
+
+async def test_the_fleets_kv_load_is_not_summed_across_block_sizes(two_models: Fleet) -> None:
+    """GetLoad summed the KV blocks of `a`'s engines (16 tokens each) and `b0`'s (32) into
+    one count of nothing: the fleet's block counts are absent, its KV in tokens is in the
+    attributes, with the block sizes, and each engine's detail names its own."""
+    fleet = two_models
+    await fleet.wait_routable(3)
+    load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+    assert not load.HasField("used_kv_blocks") and not load.HasField("total_kv_blocks")
+    assert load.attributes["kv_block_size"] == "16,32"
+    assert load.attributes["total_kv_tokens"] == str(256 * 16 * 2 + 256 * 32)
+    assert load.attributes["used_kv_tokens"] == "0"
+    b0 = fleet.address(fleet.engines[2])
+    assert "kv=0/256 block_size=32" in load.attributes[f"engine.{b0}"]
+    # One model's engines alike: their blocks add up, as before.
+    a0 = fleet.address(fleet.engines[0])
+    await fleet.admin.RemoveEngine(apb.EngineRef(engine=b0))
+    load = await fleet.gateway.GetLoad(pb.GetLoadRequest())
+    assert (load.used_kv_blocks, load.total_kv_blocks) == (0, 512)
+    assert load.attributes["kv_block_size"] == "16"
+    assert "block_size=16" in load.attributes[f"engine.{a0}"]
+
+
+async def test_admin_workers_shows_each_engines_models(two_models: Fleet) -> None:
+    """The table had no MODELS column (only the JSON named them): which engine serves `b`
+    was not to be seen. Many models are shown as fit, the rest counted."""
+    from kvplane.cli_common import models_cell
+
+    fleet = two_models
+    await fleet.wait_routable(3)
+    table = await cli("workers", "--target", fleet.target)
+    assert table.exit_code == 0, table.output
+    _, header, *rows = table.stdout.splitlines()
+    assert header.split()[3] == "MODELS"
+    assert sorted(row.split()[:1] + row.split()[3:4] for row in rows) == [
+        ["a0", "a"],
+        ["a1", "a"],
+        ["b0", "b"],
+    ]
+    many = [f"model-{i:02}" for i in range(8)]
+    assert models_cell(many) == "model-00,model-01,model-02,model-03,+4"
+    assert models_cell(["x" * 50, "y"]) == "x" * 50 + ",+1"
+
+
+async def test_a_load_for_one_model_reaches_that_models_engines_behind_a_fronted_controller(
+    tmp_path: Path,
+) -> None:
+    """An upper controller fronting a lower one (engines of `a` and `b`): the upper's fleet
+    serves both, so a load naming no model is refused there too; `--model a` is passed on,
+    and the lower controller loads it on its engine of `a` only."""
+    lora = LoraConfig(enabled=True)
+    engines = [
+        await start_sim_engine("a0", served_model_name="a", lora=lora),
+        await start_sim_engine("b0", served_model_name="b", lora=lora),
+    ]
+    lower = await make_fleet(engines=engines)
+    upper: Fleet = await make_fleet(engines=[])
+    try:
+        await upper.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=lower.target, kv_events="none")
+        )
+        await upper.wait_routable(1)
+        x = str(write_adapter_config(tmp_path / "x"))
+        t = ["--target", upper.target]
+        refused = await cli("lora", "load", "x", x, "--id", "1", *t)
+        assert refused.exit_code != 0 and "(a, b)" in str(refused.exception)
+        loaded = await cli("lora", "load", "x", x, "--id", "1", "--model", "a", *t)
+        assert loaded.exit_code == 0, loaded.output
+        assert [list(await engine_adapters(e)) for e in engines] == [["x"], []]
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
+
+
+async def test_a_restarted_controller_takes_an_adapter_back_for_the_model_that_holds_it(
+    tmp_path: Path,
+) -> None:
+    """`x` loaded for `a` (`--model a`) on `a0` and `a1`, not on `b0`; a new controller in
+    front of them (the old one killed) took it for `a0`'s and `a1`'s own, as `b0` was read
+    without it, so an engine of `a` registered later was not given it. It is `a`'s again:
+    the `a` engine registered later gets it, the `b` one does not."""
+    lora = LoraConfig(enabled=True)
+    engines = [
+        await start_sim_engine("a0", served_model_name="a", lora=lora),
+        await start_sim_engine("a1", served_model_name="a", lora=lora),
+        await start_sim_engine("b0", served_model_name="b", block_size=32, lora=lora),
+    ]
+    x = pb.LoraAdapter(
+        lora_id=1, lora_name="x", source_path=str(write_adapter_config(tmp_path / "x"))
+    )
+    for engine in engines[:2]:
+        await load_on(engine, x)
+    fleet = await make_fleet(engines=engines)
+    try:
+        await fleet.wait_routable(3)
+        joined = [
+            await start_sim_engine("a2", served_model_name="a", lora=lora),
+            await start_sim_engine("b1", served_model_name="b", block_size=32, lora=lora),
+        ]
+        fleet.engines.extend(joined)
+        for engine in joined:
+            address = fleet.address(engine)
+            await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await fleet.wait_routable(5)  # each restored before it is routed to
+        assert [list(await engine_adapters(e)) for e in joined] == [["x"], []]
+        assert fleet.app.controller.fleet.lora_intent.models == {"x": "a"}
+    finally:
+        await close_fleet(fleet)

@@ -32,7 +32,7 @@ from kvplane.up.command import admin_tls_flags
 from kvplane.up.config import DEFAULT_FLEET, FleetConfig, load_fleet
 from kvplane.up.fleet import WORKDIR_PREFIX, Fleet, remove_stale_workdirs
 from kvplane.up.member import PARENT_ENV, member_environment
-from kvplane.up.status import collect_status, render_status
+from kvplane.up.status import EngineStatus, FleetStatus, collect_status, render_status
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -379,6 +379,29 @@ async def test_status_shows_load_cache_and_routing_of_a_running_fleet(
         await fleet.stop()  # drains first
     pids = [m.pid for m in fleet.members]
     assert all(pid is not None and not _alive(pid) for pid in pids)
+
+
+def test_status_names_each_engines_model_when_the_fleet_serves_several() -> None:
+    """The live view did not say which engine serves which model in a fleet of several
+    (the JSON of `admin workers` did): it names them under the engines, within a plain
+    terminal's width, long names whole; a fleet of one model goes without."""
+    llama = "meta-llama/Llama-3.1-8B-Instruct"
+    engines = [
+        EngineStatus("engine-0", "127.0.0.1:1", "ready", 0, 0, 3, 256, models=(llama,)),
+        EngineStatus("engine-1", "127.0.0.1:2", "ready", 0, 0, 3, 256, models=(llama,)),
+        EngineStatus("engine-2", "127.0.0.1:3", "unreachable", models=("b", "b-chat")),
+    ]
+    members: list[tuple[str, str, str, int | None, str]] = [
+        ("controller", "controller", "127.0.0.1:4", 1, "running")
+    ]
+    console = Console(record=True, width=80)  # a plain terminal's width
+    console.print(render_status(FleetStatus(members, engines)))
+    text = " ".join(console.export_text().split())
+    assert f"models {llama}: engine-0, engine-1; b: engine-2; b-chat: engine-2" in text
+    assert "in flight" in text  # nothing cut short
+    console = Console(record=True, width=80)
+    console.print(render_status(FleetStatus(members, engines[:2])))
+    assert "models" not in console.export_text()
 
 
 @pytest.mark.timeout(180)
