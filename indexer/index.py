@@ -19,9 +19,10 @@ workers are interned to small integers `w`; each block is one entry of a key -> 
 bit `3w + tier - 1` marks a placement, so a prefix match for every legacy worker at once reads
 those integers along the chain and visits only where they change (see `_legacy_prefix`). Rare
 data lives in sparse side tables keyed by block key: non-zero component masks, copy counts
-above one, hit counters, known token counts. Each worker keeps a log of its REPORTs' hash
-tuples with their parents (CLEAR and removal touch only its own keys), compacted when it
-outgrows twice the worker's blocks plus `_LOG_SLACK` (and by CLEAR and snapshots).
+above one, hit counters, known token counts (interned, up to MAX_INTERNED_SIZES distinct
+ones). Each worker keeps a log of its REPORTs' hash tuples with their parents (CLEAR and
+removal touch only its own keys), compacted when it outgrows twice the worker's blocks plus
+`_LOG_SLACK` (and by CLEAR and snapshots).
 
 Tree: the parent links are not stored per block (a second per-block table would cost as much
 as the index itself on every store); they are the chain order of the REPORTs in the workers'
@@ -101,6 +102,10 @@ PURGE_STEP_BLOCKS = 1024
 _QUIET_RUN_LIMIT = 16
 # Stale entries a worker's key log may hold beyond twice its live blocks before compaction.
 _LOG_SLACK = 4096
+# Distinct block token counts interned (one int object shared by every block of that count):
+# an engine reports a handful (its block size, partial last blocks), so beyond this many a
+# source sends nonsense, and later new counts are stored as they come, not kept for good.
+MAX_INTERNED_SIZES = 4096
 # Component bits as plain ints (IntFlag arithmetic is slow on the hot path).
 _FULL, _SWA, _MAMBA = int(Component.FULL), int(Component.SWA), int(Component.MAMBA)
 
@@ -259,7 +264,7 @@ class PrefixIndex:
         self._dead = 0
         self._pending: list[_Worker] = []
         self._num_placements = 0
-        self._size_values: dict[int, int] = {}  # interned token counts
+        self._size_values: dict[int, int] = {}  # interned token counts (MAX_INTERNED_SIZES)
 
     # ------------------------------------------------------------------ apply
 
@@ -404,9 +409,12 @@ class PrefixIndex:
         if sizes:
             known = self._sizes
             interned = self._size_values
+            # Chosen once per REPORT, not per block: the table outgrows the bound by at most
+            # one REPORT's counts.
+            share = interned.setdefault if len(interned) < MAX_INTERNED_SIZES else interned.get
             for key, size in zip(hashes, sizes, strict=True):
                 if size:
-                    known[key] = interned.setdefault(size, size)
+                    known[key] = share(size, size)
 
     def _revoke(self, worker: _Worker, action: Action) -> None:
         get = self._tiers.get

@@ -30,7 +30,7 @@ from kvplane.channels import INSECURE, ClientChannels
 from kvplane.errors import KvplaneError
 from kvplane.process_exit import exit_how, log_tail
 from kvplane.up.member import member_environment
-from planner.controller_admin import ControllerAdmin
+from planner.controller_admin import ControllerAdmin, HandDrains
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,15 @@ class Actuator(Protocol):
         """Start one engine of `pool`; its address once the controller routes to it."""
         ...
 
-    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
+    async def sync(
+        self, serving: Sequence[str], draining: Mapping[str, float | None]
+    ) -> HandDrains:
         """Register again those of `serving` the controller does not list (it restarted); return
-        those it lists as draining (drained by hand, not by the planner). Drain again those of
-        `draining` (drained by the planner: address -> seconds left to the deadline) that the
-        controller routes to again."""
+        those it lists as draining (drained by hand, not by the planner), and those of
+        `draining` drained by hand (None: found so by an earlier `sync`) that it routes to
+        again (the drain was not taken: they serve again). Drain again those of `draining`
+        drained by the planner (address -> seconds left to the deadline) that the controller
+        routes to again."""
         ...
 
     async def controller_restarted(self) -> None:
@@ -114,7 +118,9 @@ class LocalProcesses:
         self._numbers = itertools.count(first_number)
         self._processes: dict[str, asyncio.subprocess.Process] = {}  # by address, serving
         self._port_files: dict[str, Path] = {}  # by address, serving
-        self._spawned: list[asyncio.subprocess.Process] = []  # every child, for `num_alive`
+        # Children not reaped yet as of the last start, for `num_alive`: each start drops
+        # those reaped since, so engines crash-looping for days do not grow it.
+        self._spawned: list[asyncio.subprocess.Process] = []
         # Stops under way: each waits for its engine to exit (killed after `_STOP_GRACE_S`)
         # beside the ticks, so a drained engine that hangs as it stops holds up no decision.
         self._stopping: set[asyncio.Task[None]] = set()
@@ -142,7 +148,9 @@ class LocalProcesses:
                 self._left_over = {}
         return []
 
-    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
+    async def sync(
+        self, serving: Sequence[str], draining: Mapping[str, float | None]
+    ) -> HandDrains:
         return await self._admin.sync(serving, draining)
 
     async def controller_restarted(self) -> None:
@@ -170,6 +178,7 @@ class LocalProcesses:
                 env={**os.environ, **member_environment(None)},  # it dies with the planner
                 start_new_session=True,  # Ctrl-C reaches the planner only; it stops them in order
             )  # fmt: skip
+        self._spawned = [child for child in self._spawned if child.returncode is None]
         self._spawned.append(process)
         address: str | None = None
         try:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import grpc
 
@@ -61,6 +62,15 @@ CONTROLLER_SETTINGS = ClientSettings(
     "live.controller_token_file",
     "live.controller_tls.server_name",
 )
+
+
+class HandDrains(NamedTuple):
+    """Operators' drains (`kvplane admin drain`) as a reconciliation (`sync`) found them."""
+
+    begun: list[str]  # engines it was told serve that the controller lists as draining
+    # Engines it was told were drained by hand that the controller routes to again: the drain
+    # was not taken (the engine did not answer it in time; the operator was told so).
+    withdrawn: list[str]
 
 
 def _admin_and_gateway(
@@ -186,21 +196,29 @@ class ControllerAdmin:
                 return f"{worker.state}: {worker.last_error}" if worker.last_error else worker.state
         return ""
 
-    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
+    async def sync(
+        self, serving: Sequence[str], draining: Mapping[str, float | None]
+    ) -> HandDrains:
         """Register again those of `serving` the controller does not list; return those it
-        lists as draining. Drain again each of `draining` (address: seconds left to its
-        deadline) that the controller routes to: its drain was not taken (the engine did not
-        answer the Drain in time, and the controller routes to it again once it answers its
-        health), and it would serve on while counted as leaving. A controller that does not
-        answer: one warning, nothing returned."""
+        lists as draining, and those of `draining` drained by hand (None) that it routes to
+        again. Drain again each of `draining` drained by the planner (address: seconds left
+        to its deadline) that the controller routes to: its drain was not taken (the engine
+        did not answer the Drain in time, and the controller routes to it again once it
+        answers its health), and it would serve on while counted as leaving. A controller
+        that does not answer: one warning, nothing returned."""
         if not serving and not draining:
-            return []
+            return HandDrains([], [])
+        withdrawn: list[str] = []
         try:
             listed = await self._list()
             states = {worker.address: worker.state for worker in listed.workers}
             routed = {worker.address for worker in listed.workers if worker.routable}
             for address, within_s in draining.items():
-                if address in routed and states[address] != "draining":
+                if address not in routed or states[address] == "draining":
+                    continue
+                if within_s is None:  # an operator's: theirs to ask again
+                    withdrawn.append(address)
+                else:
                     log.warning("engine %s is routed to again (its drain was not taken)", address)
                     await self.drain(address, within_s)
             for address in serving:
@@ -213,8 +231,10 @@ class ControllerAdmin:
                     await self.register(address)
         except grpc.aio.AioRpcError as exc:
             log.warning("controller: %s", self.describe(exc))
-            return []
-        return [address for address in serving if states.get(address) == "draining"]
+            return HandDrains([], [])
+        return HandDrains(
+            [address for address in serving if states.get(address) == "draining"], withdrawn
+        )
 
     async def drain(self, address: str, within_s: float) -> None:
         """Ask the controller to drain `address`; requests still running after `within_s` are

@@ -67,7 +67,7 @@ from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
 from planner.config import KubernetesConfig, LiveConfig
-from planner.controller_admin import ControllerAdmin
+from planner.controller_admin import ControllerAdmin, HandDrains
 from planner.kube_api import (
     DELETION_COST,
     ROLE_HINT,
@@ -351,12 +351,16 @@ class KubernetesDeployments:
     def exited(self) -> list[str]:
         return sorted(self._exited)
 
-    async def sync(self, serving: Sequence[str], draining: Mapping[str, float]) -> list[str]:
-        drained_by_hand = await self._admin.sync(serving, draining)
+    async def sync(
+        self, serving: Sequence[str], draining: Mapping[str, float | None]
+    ) -> HandDrains:
+        hand = await self._admin.sync(serving, draining)
         # An operator's drain sends the engine on its way out as the planner's does (the core
-        # starts its replacement at once): should its pod exit, its replica goes too.
-        self._draining.update(drained_by_hand)
-        return drained_by_hand
+        # starts its replacement at once): should its pod exit, its replica goes too. One not
+        # taken (the engine serves again) is no longer on its way out: its replica stays.
+        self._draining.update(hand.begun)
+        self._draining.difference_update(hand.withdrawn)
+        return hand
 
     async def controller_restarted(self) -> None:
         await self._admin.restarted()

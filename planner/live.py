@@ -340,11 +340,14 @@ class LivePlanner:
         for address, pool in adopted:
             if address not in self.engines:
                 self._serve(address, pool)
+        # Pools whose serving engines this look lost: one failure each, however many it
+        # lost (a node failure killing three at once is one failure, not three in a row).
+        failing: set[str] = set()
         for address in self.actuator.exited():  # the core must not count a dead engine
             engine = self.engines.get(address)
             if engine is not None:
                 log.warning("engine %s exited on its own: removed", address)
-                await self._lose(engine, "exited")
+                failing |= await self._lose(engine, "exited")
         await self._reconcile(now_s)
         running = [e for e in self.engines.values() if e.dialled is not None]
         await asyncio.gather(*(self._poll(e) for e in running))
@@ -357,7 +360,10 @@ class LivePlanner:
                 engine.engine_id,
                 engine.failed_polls,
             )
-            await self._lose(engine, "unresponsive")
+            failing |= await self._lose(engine, "unresponsive")
+        for pool in sorted(failing):
+            if (next_s := self._backoff.failed(pool, self._clock())) > 0:
+                log.warning("engines of %s keep failing:%s", pool, _next_start(next_s))
         kept = [e for e in running if e not in lost]
         for engine in kept:
             if engine.state is EngineState.SERVING:
@@ -394,22 +400,34 @@ class LivePlanner:
     async def _reconcile(self, now_s: float) -> None:
         """The actuator's `sync` with the engines running: serving ones the controller does
         not list are registered again, those it lists as draining (drained by hand) are
-        marked DRAINING."""
+        marked DRAINING, and those drained by hand that it routes to again (the engine did not
+        take the drain) SERVING again: else, kept busy, one would serve on for good counted as
+        leaving, and its pod's exit would take its replica with it."""
         running = [e for e in self.engines.values() if e.dialled is not None]
         serving = [e.engine_id for e in running if e.state is EngineState.SERVING]
+        # Seconds left to the planner's drains' deadlines; None: drained by hand.
         draining = {
-            e.engine_id: max(0.0, e.drain_deadline_s - now_s)
+            e.engine_id: None
+            if e.drain_deadline_s is None
+            else max(0.0, e.drain_deadline_s - now_s)
             for e in running
-            if e.state is EngineState.DRAINING and e.drain_deadline_s is not None
+            if e.state is EngineState.DRAINING
         }
         try:
-            drained_by_hand = await self.actuator.sync(serving, draining)
+            hand = await self.actuator.sync(serving, draining)
         except Exception as exc:  # any failure: the next tick reconciles again
             self._failed("sync", "reconciling with the controller failed: %s", exc)
             return
-        for address in drained_by_hand:
+        for address in hand.begun:
             log.warning("engine %s was drained through the controller: leaving", address)
             self.engines[address].state = EngineState.DRAINING
+        for address in hand.withdrawn:
+            log.warning(
+                "engine %s is routed to again (its drain through the controller was not "
+                "taken): serving",
+                address,
+            )
+            self.engines[address].state = EngineState.SERVING
 
     async def _poll(self, engine: _Engine) -> None:
         assert engine.dialled is not None
@@ -571,13 +589,13 @@ class LivePlanner:
         self.engines[address] = engine
         log.info("engine %s serves in pool %s", address, pool)
 
-    async def _lose(self, engine: _Engine, cause: LossCause) -> None:
+    async def _lose(self, engine: _Engine, cause: LossCause) -> set[str]:
+        """Count and remove an engine lost; the pool failing by it (crashing while serving;
+        a draining engine was leaving anyway), for the start back-off, else none."""
         self.metrics.on_lost(engine.pool, cause)
-        if engine.state is EngineState.SERVING:  # crashing while serving: its pool is failing
-            next_s = self._backoff.failed(engine.pool, self._clock())
-            if next_s > 0:
-                log.warning("engines of %s keep failing:%s", engine.pool, _next_start(next_s))
+        failing = {engine.pool} if engine.state is EngineState.SERVING else set()
         await self._remove(engine, kill=cause == "unresponsive")
+        return failing
 
     async def _remove(self, engine: _Engine, *, kill: bool = False) -> None:
         """Stop observing `engine` at once; the actuator stops (or kills) it beside the ticks,

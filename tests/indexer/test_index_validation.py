@@ -9,6 +9,7 @@ import pytest
 
 from indexer.batch import Action, ActionType, Batch, CacheSpec, Tier
 from indexer.index import (
+    MAX_INTERNED_SIZES,
     IndexRequestError,
     PrefixIndex,
     ValidationKind,
@@ -87,6 +88,20 @@ def test_rejected_batch_changes_nothing() -> None:
         index.apply(Batch(bad.worker_id, bad.actions, "b", cache_spec=CacheSpec(components=1)))
     assert [(p.worker_id, p.key) for p in index.placements()] == [("w", 1)]
     assert index.worker_info("w") == ("a", None)
+
+
+def test_ever_new_token_counts_are_kept_but_not_all_interned() -> None:
+    """Token counts are checked only as uint32: a misbehaving source may report a new one in
+    every REPORT. Each is kept with its block, but the index's table of shared counts stops
+    growing at MAX_INTERNED_SIZES instead of keeping every count ever seen."""
+    index = PrefixIndex()
+    blocks = MAX_INTERNED_SIZES + 100
+    for key in range(blocks):
+        index.apply(Batch("w", (report((key,), block_sizes=(1_000_000 + key,)),)))
+    assert [index.block_size(key) for key in range(blocks)] == [
+        1_000_000 + key for key in range(blocks)
+    ]
+    assert len(index._size_values) == MAX_INTERNED_SIZES
 
 
 def test_wire_enums() -> None:

@@ -4,8 +4,9 @@ processes on their own loopback IPs) and a real in-process controller: a start s
 registers the Ready pod; a removal deletes the drained pod, not a serving one (and is retried
 when the API refuses it); a restarted planner adopts the pods instead of doubling them; pods
 that vanish or crash are reported and leave the controller, draining ones (drained by the
-planner or by hand) with their replicas, and the pod made for the replica of a draining pod
-deleted or evicted is the one deleted; a hung pod is scaled away and replaced by one start;
+planner or by hand) with their replicas, one whose drain by hand was not taken serves again
+(keeping its replica), and the pod made for the replica of a draining pod deleted or evicted
+is the one deleted; a hung pod is scaled away and replaced by one start;
 API errors are one line; end to end, load scales the pool up and its end scales it down again,
 deleting the drained pod."""
 
@@ -523,7 +524,8 @@ async def test_a_pod_drained_by_hand_that_exits_takes_its_replica_with_it(
     is empty, its replica goes too: refilled by Kubernetes, it would be adopted and the pool
     would run one engine more than the planner wants."""
     kube, fleet = two_pods.kube, two_pods.app.controller.fleet
-    live = LivePlanner(planner(2, 2), two_pods.actuator())
+    actuator = two_pods.actuator()
+    live = LivePlanner(planner(2, 2), actuator)
     operator = ControllerAdmin(f"127.0.0.1:{two_pods.app.port}")
     drained, _ = kube.ready_pods(DEPLOYMENT)
     address = kube.address(drained)
@@ -553,6 +555,8 @@ async def test_a_pod_drained_by_hand_that_exits_takes_its_replica_with_it(
                 await asyncio.sleep(0.1)
         await asyncio.gather(*live._removals)  # its removal runs beside the ticks
         assert kube.deployments[DEPLOYMENT].replicas == 2  # its replica went with it
+        # Its address is no longer taken for a draining one: a pod given its IP later is not.
+        assert address not in actuator._draining
         await two_pods.wait(lambda: drained.name not in kube.pods and len(kube.pods) == 2)
         serving = sorted(kube.address(pod) for pod in kube.ready_pods(DEPLOYMENT))
         assert await live.tick() == []
@@ -562,6 +566,85 @@ async def test_a_pod_drained_by_hand_that_exits_takes_its_replica_with_it(
             generation.cancel()
             await asyncio.gather(generation, return_exceptions=True)
         await operator.close()
+        await live.close()
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_drained_by_hand_that_empties_is_removed_and_forgotten(
+    two_pods: Cluster,
+) -> None:
+    """An operator's drain of an engine that holds no request: the planner replaces it and
+    removes it, deleting its pod, and keeps its address as draining no longer (a pod given
+    that IP later would otherwise take its replica with it when it exits)."""
+    kube = two_pods.kube
+    actuator = two_pods.actuator()
+    live = LivePlanner(planner(2, 2), actuator)
+    operator = ControllerAdmin(f"127.0.0.1:{two_pods.app.port}")
+    drained, _ = kube.ready_pods(DEPLOYMENT)
+    address = kube.address(drained)
+    try:
+        assert await live.tick() == []  # the Deployment's two pods adopted
+        await two_pods.wait_routable(2)
+        await operator.drain(address, 300)
+        async with asyncio.timeout(60):
+            while address in live.engines or len(two_pods.routable()) != 2:
+                await live.tick()
+                await asyncio.sleep(0.1)
+            await asyncio.gather(*live._removals, *live._starts)
+        assert address not in actuator._draining
+        assert kube.deleted == [drained.name] and kube.deployments[DEPLOYMENT].replicas == 2
+        assert sorted(live.engines) == two_pods.routable() == two_pods.registered()
+    finally:
+        await operator.close()
+        await live.close()
+
+
+@pytest.mark.timeout(180)
+async def test_an_engine_whose_drain_by_hand_was_not_taken_serves_again(
+    two_pods: Cluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's drain the engine does not take: it did not answer the Drain in time, so
+    the controller withdraws the drain (here as its DrainEngine does then) and routes to the
+    engine again once it answers its health. The planner, which counted it as leaving and
+    started its replacement, counts it as serving again: its pod exiting later is a serving
+    engine's crash, whose replica stays for Kubernetes to refill."""
+    caplog.set_level(logging.WARNING, "planner.live")
+    kube, fleet = two_pods.kube, two_pods.app.controller.fleet
+    actuator = two_pods.actuator()
+    pool = PoolConfig(min_engines=2, max_engines=3)  # no scale-down for 300 s (the default)
+    scaling = ScalingConfig(tick_s=0.2, scale_up_cooldown_s=0)
+    live = LivePlanner(Planner(PlannerConfig(pools=(pool,), scaling=scaling)), actuator)
+    drained, _ = kube.ready_pods(DEPLOYMENT)
+    address = kube.address(drained)
+    # A long request keeps the engine from being empty, so it is not removed at once.
+    generation = asyncio.create_task(generate_on(address))
+    try:
+        assert await live.tick() == []  # the Deployment's two pods adopted
+        await two_pods.wait_routable(2)
+        await fleet.wait_for(
+            lambda: (fleet.registry.get(address).load.running_requests or 0) > 0, 60
+        )
+        await fleet.request_drain(address)  # what DrainEngine does first
+        assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        assert live.engines[address].state is EngineState.DRAINING
+        await fleet.wait_for(lambda: not live._starts and len(two_pods.routable()) == 2, 60)
+        fleet.registry.withdraw_drain(address)  # the engine did not answer the Drain in time
+        await two_pods.wait_routable(3)
+        assert await live.tick() == []
+        assert live.engines[address].state is EngineState.SERVING
+        assert f"engine {address} is routed to again" in caplog.text
+        kube.kill_container(drained.name)
+        await two_pods.wait(lambda: not drained.ready)
+        async with asyncio.timeout(30):  # until a look at the fleet has seen it go
+            while address in live.engines:
+                await live.tick()
+                await asyncio.sleep(0.1)
+        await asyncio.gather(*live._removals)
+        assert kube.deployments[DEPLOYMENT].replicas == 3  # its replica stays
+        assert address not in actuator._draining
+    finally:
+        generation.cancel()
+        await asyncio.gather(generation, return_exceptions=True)
         await live.close()
 
 

@@ -1143,6 +1143,12 @@ async def failed_start(actuator: LocalProcesses) -> str:
     return str(failed.value)
 
 
+def engines_spawned(workdir: Path) -> int:
+    """How many engine processes of pool default a LocalProcesses in `workdir` ever spawned:
+    each writes a log of its own, kept when it ends."""
+    return len(list(workdir.glob("default-*.log")))
+
+
 def failing_engines(workdir: Path, controller_port: int) -> LocalProcesses:
     """Engines that exit at once, as an operator's typo in the model path makes them."""
     return LocalProcesses(
@@ -1191,7 +1197,7 @@ async def test_a_pool_whose_engines_fail_to_start_backs_off(
         assert await live.tick() == []
         done, _ = await asyncio.wait(live._starts, timeout=2)
         assert not done
-        assert len(actuator._spawned) == 2  # two engine logs, not one a tick
+        assert engines_spawned(tmp_path) == 2  # not one a tick
     finally:
         await live.close()
     assert actuator.num_alive() == 0
@@ -1199,7 +1205,7 @@ async def test_a_pool_whose_engines_fail_to_start_backs_off(
 
 @pytest.mark.timeout(180)
 async def test_engines_that_keep_crashing_while_serving_back_off(
-    setup: Setup, caplog: pytest.LogCaptureFixture
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An engine that exits on its own is replaced at the next tick; when its replacement
     exits too, the pool's next start waits: a crash loop is not a new engine every tick."""
@@ -1223,8 +1229,44 @@ async def test_engines_that_keep_crashing_while_serving_back_off(
         assert [e.state for e in live.engines.values()] == [EngineState.STARTING]
         done, _ = await asyncio.wait(live._starts, timeout=2)
         assert not done
-        assert len(actuator._spawned) == 2
+        assert engines_spawned(tmp_path) == 2  # the first and its replacement
     assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(180)
+async def test_engines_of_a_pool_lost_at_once_are_one_failure(
+    setup: Setup, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two engines of a pool killed together (a node failure) are found in one look at the
+    fleet: one failure, retried at once as a single crash is, not a back-off (an hour here)."""
+    caplog.set_level(logging.WARNING, "planner.live")
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    async with serving(setup, 2, start_backoff=StartBackoff(3600.0, 3600.0)) as (live, victims):
+        processes = [actuator._processes[victim] for victim in victims]
+        for process in processes:
+            os.kill(process.pid, signal.SIGKILL)
+        await asyncio.gather(*(process.wait() for process in processes))
+        assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+        assert not [r for r in caplog.records if "keep failing" in r.getMessage()]
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 2, 120)
+        await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+        assert not set(live.engines) & set(victims)
+    assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_children_that_exited_are_not_kept(setup: Setup, tmp_path: Path) -> None:
+    """A pool whose engines fail for days: the actuator's table of its children holds those
+    alive (here none) and at most the last one started, not every child ever started."""
+    actuator = failing_engines(tmp_path, setup.app.port)
+    try:
+        for _ in range(3):
+            with pytest.raises(KvplaneError):
+                await actuator.start("default")
+        assert engines_spawned(tmp_path) == 3
+        assert len(actuator._spawned) == 1 and actuator.num_alive() == 0
+    finally:
+        await actuator.close()
 
 
 @pytest.mark.timeout(180)
