@@ -1012,7 +1012,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             await abort_with(context, status_of(exc), str(exc))
         if on_one is not None:
             record = self.controller.fleet.registry.get(on_one)
-            if record.identity is None or model not in record.identity.models:
+            # (One not read yet takes no LoRA call: `_lora_engines` says so.)
+            if record.identity is not None and model not in record.identity.models:
                 await abort_with(
                     context,
                     grpc.StatusCode.INVALID_ARGUMENT,
