@@ -99,7 +99,8 @@ LoraModelOpt = Annotated[
     typer.Option(
         "--model",
         help="Only the fleet engines serving this base model, and those that join later "
-        "(needed when the fleet's LoRA-capable engines serve several).",
+        "(needed when the fleet's LoRA-capable engines serve several); with --engine, that "
+        "engine's (a controller fronted as an engine serving several).",
         callback=not_blank("the base model the adapter was trained for"),
     ),
 ]
@@ -945,9 +946,10 @@ def _engine_metadata(
     command: str, server: ClientTarget, engine: str | None, model: str | None = None
 ) -> tuple[tuple[str, str], ...]:
     """The request metadata that has the controller `server` forward a LoRA call to fleet
-    engine `engine` only, or to the engines serving `model` (controller.outcomes); none
-    without either. The target must be a controller: an engine ignores metadata it does not
-    know and would act on itself, whatever `engine` or `model` names."""
+    engine `engine` only, to the engines serving `model`, or to that engine for that model
+    (controller.outcomes); none without either. The target must be a controller: an engine
+    ignores metadata it does not know and would act on itself, whatever `engine` or `model`
+    names."""
     if engine is None and model is None:
         return ()
     _admin_call(
@@ -955,9 +957,8 @@ def _engine_metadata(
         server,
         lambda stub: stub.ListWorkers(apb.ListWorkersRequest(), timeout=RPC_TIMEOUT_S),
     )
-    if engine is None:
-        return lora_model_metadata(model)
-    return ((ENGINE_METADATA_KEY, engine),)
+    named = () if engine is None else ((ENGINE_METADATA_KEY, engine),)
+    return named + lora_model_metadata(model)
 
 
 def _lora_call(
@@ -1005,14 +1006,9 @@ def lora_load(
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Load an adapter on every engine, or through the controller on one (--engine) or on
-    those serving one base model (--model).
+    those serving one base model (--model; both: that engine, for that model).
 
     Behind a controller, each engine's outcome is shown."""
-    if engine is not None and model is not None:
-        raise typer.BadParameter(
-            "give --engine or --model, not both: an engine's adapter is for the model it serves",
-            param_hint="--model",
-        )
     server = _server(ctx, target)
     metadata = bearer_metadata(token_file)
     command = "lora load --engine" if model is None else "lora load --model"

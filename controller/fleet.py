@@ -1038,7 +1038,7 @@ class Fleet:
                 adapter = pb.LoraAdapter(
                     lora_id=spec.lora_id, lora_name=spec.lora_name, source_path=spec.source_path
                 )
-                model = self.lora_intent.models.get(spec.lora_name)
+                model = self.lora_intent.model_of(spec.lora_name, engine.address)
                 try:
                     await engine.stub.LoadLora(
                         pb.LoadLoraRequest(adapter=adapter),

@@ -39,17 +39,17 @@
 - LoadLora / UnloadLora / ListLoras: fan out to every reachable engine that does not say
   `supports_lora: false` (the others are reported as skipped), or to the one engine the
   request metadata `kvplane-engine` names (a LoadLora: or to the engines serving the model
-  `kvplane-model` names; without either, INVALID_ARGUMENT when the LoRA-capable engines
-  serve different base models); the call succeeds only if every asked engine did
-  (UnloadLora: NOT_FOUND from an engine means it never had the adapter; NOT_FOUND only when
-  none had it); FAILED_PRECONDITION when no engine supports LoRA. Every engine's outcome,
-  and the adapters it holds, ride in the trailing metadata (EngineOutcome) and in the
-  message of a failure. What each engine answered updates the registry's record of the
-  adapters it holds, which routing of LoRA requests reads (an UnloadLora takes the adapter
-  out of it before asking). One LoRA call at a time (`Fleet.lora_changes`); LoadLora and
-  UnloadLora update the fleet's LoRA intent (controller.lora_intent, also rebuilt from what
-  the engines hold), and a load under a name it holds with another adapter is
-  ALREADY_EXISTS before any engine is asked.
+  `kvplane-model` names, or with both to that engine for that model; without either,
+  INVALID_ARGUMENT when the LoRA-capable engines serve different base models); the call
+  succeeds only if every asked engine did (UnloadLora: NOT_FOUND from an engine means it
+  never had the adapter; NOT_FOUND only when none had it); FAILED_PRECONDITION when no
+  engine supports LoRA. Every engine's outcome, and the adapters it holds, ride in the
+  trailing metadata (EngineOutcome) and in the message of a failure. What each engine
+  answered updates the registry's record of the adapters it holds, which routing of LoRA
+  requests reads (an UnloadLora takes the adapter out of it before asking). One LoRA call
+  at a time (`Fleet.lora_changes`); LoadLora and UnloadLora update the fleet's LoRA intent
+  (controller.lora_intent, also rebuilt from what the engines hold), and a load under a
+  name it holds with another adapter is ALREADY_EXISTS before any engine is asked.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`; the KV block counts only where every engine reporting them has one
   block size (a fleet serving models of 16- and 32-token blocks: absent), the KV in tokens
@@ -995,21 +995,30 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
     async def _lora_model(self, context: Context, on_one: str | None) -> str | None:
         """The model a LoadLora's `kvplane-model` metadata names (None: none named):
-        INVALID_ARGUMENT when it is empty or comes with `kvplane-engine` (an engine's
-        adapter is for the model it serves), NOT_FOUND for a model no engine serves."""
+        INVALID_ARGUMENT when it is empty, or when `kvplane-engine` names an engine (at
+        `on_one`) that does not serve it; NOT_FOUND for a model no engine serves. With an
+        engine named, it is passed on to that engine: a controller fronted as an engine
+        serves several base models, and refuses a load naming none."""
         model = _metadata_value(context, MODEL_METADATA_KEY)
         if model is None:
             return None
-        if not model or on_one is not None:
+        if not model:
             await abort_with(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{MODEL_METADATA_KEY} must name a model, and is not for a call naming an engine",
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"{MODEL_METADATA_KEY} must name a model"
             )
         try:
             self.controller.check_model(model)
         except KvplaneError as exc:
             await abort_with(context, status_of(exc), str(exc))
+        if on_one is not None:
+            record = self.controller.fleet.registry.get(on_one)
+            # (One not read yet takes no LoRA call: `_lora_engines` says so.)
+            if record.identity is not None and model not in record.identity.models:
+                await abort_with(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"engine {record.engine_id} does not serve model {model!r}",
+                )
         return model
 
     def _fleet_lora_model(self) -> str | None:

@@ -13,11 +13,13 @@ An adapter is trained for one base model: a fleet-wide load is for the engines s
 model (`lora load --model M`, `kvplane-model` metadata; the gateway takes the one base model
 the LoRA-capable engines serve when none is named, and refuses a fleet whose engines serve
 several), and the intent remembers it (`models`), so that an engine joining is given only the
-adapters of a model it serves. An adapter found on every engine (below) has no model: the
-engines' ListLoras does not say which base model an adapter was loaded for, so an adapter
-found is taken for the base model (first listed) of the engine it was found on: it is the
-fleet's, for that model, once every engine of that model the controller knew holds it
-(engines of other models, not given it, do not count).
+adapters of a model it serves. A load on one engine may name a model too (a controller fronted
+as an engine serves several, and refuses a load naming none): remembered with it
+(`engine_models`), and named again when it is restored there. An adapter found on every
+engine (below) has no model: the engines' ListLoras does not say which base model an adapter
+was loaded for, so an adapter found is taken for the base model (first listed) of the engine
+it was found on: it is the fleet's, for that model, once every engine of that model the
+controller knew holds it (engines of other models, not given it, do not count).
 
 The intent lives in the controller's memory, and the controller keeps no state of its own
 (ARCHITECTURE.md): a restarted controller rebuilds it from the engines. Each engine process
@@ -42,7 +44,7 @@ first is kept."""
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 
@@ -94,6 +96,10 @@ class LoraIntent:
     # want it. Absent: every engine (an adapter found on every engine, whose model is not
     # known).
     models: dict[str, str] = field(default_factory=dict)
+    # (name, engine address) -> the model a load of it on that engine alone was for (`lora
+    # load --engine E --model M`: E a controller fronted as an engine, which serves several
+    # base models and refuses a load naming none), named again when it is restored there.
+    engine_models: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def conflict(self, spec: LoraSpec) -> LoraSpec | None:
         """The remembered adapter that has `spec`'s name but another id or path, if any."""
@@ -122,9 +128,18 @@ class LoraIntent:
             else:
                 self.models[name] = model
         else:
+            if model is None:
+                self.engine_models.pop((name, address), None)
+            else:
+                self.engine_models[(name, address)] = model
             self.unloaded_from.get(name, set()).discard(address)
             self.unconfirmed.get(name, set()).discard(address)
             self._retire(name)
+
+    def model_of(self, lora_name: str, address: str) -> str | None:
+        """The model to name when `lora_name` is loaded again on the engine at `address`:
+        its load's there, else the fleet-wide load's (None: none named)."""
+        return self.engine_models.get((lora_name, address)) or self.models.get(lora_name)
 
     def unloaded(self, lora_name: str, address: str | None, fleet: Collection[str]) -> None:
         """`lora_name` is being unloaded from the fleet (`address` None) or from that engine;
@@ -137,10 +152,12 @@ class LoraIntent:
             self.models.pop(lora_name, None)
             for key in [k for k in self.loads if k[0] == lora_name]:
                 del self.loads[key]
+            self._forget_engine_models(lambda name, _: name == lora_name)
             # Not the engines read serving no LoRA: they hold no adapter.
             self.unconfirmed[lora_name] = {a for a in fleet if self.read.get(a, True)}
         else:
             self.loads.pop((lora_name, address), None)
+            self.engine_models.pop((lora_name, address), None)
             self.unloaded_from.setdefault(lora_name, set()).add(address)
             self.unconfirmed.setdefault(lora_name, set()).add(address)
         self._retire(lora_name)
@@ -210,6 +227,7 @@ class LoraIntent:
         """The engine left the fleet: what was loaded on it alone goes with it."""
         for key in [k for k in self.loads if k[1] == address]:
             del self.loads[key]
+        self._forget_engine_models(lambda _, on: on == address)
         for addresses in self.unloaded_from.values():
             addresses.discard(address)
         for name in [n for n, engines in self.unconfirmed.items() if address in engines]:
@@ -237,6 +255,11 @@ class LoraIntent:
                 wanted.setdefault(name, spec)
         return list(wanted.values())
 
+    def _forget_engine_models(self, which: Callable[[str, str], bool]) -> None:
+        """Drop the models of the one-engine loads `which(name, address)` picks."""
+        for key in [k for k in self.engine_models if which(*k)]:
+            del self.engine_models[key]
+
     def _retire(self, lora_name: str) -> None:
         """Forget the unloads of `lora_name` once no engine they were for may still hold it,
         but for the engines a fleet-wide load of it is kept off (an exclusion, not a
@@ -262,6 +285,7 @@ class LoraIntent:
         was first found with."""
         model = self.undecided_models.get(lora_name)
         self._decided(lora_name)
+        self._forget_engine_models(lambda name, _: name == lora_name)
         if model is None:
             self.models.pop(lora_name, None)
         else:

@@ -10,10 +10,10 @@ large fleet's entries are capped (`outcome_metadata`): failures first, and a las
 The other way round, a LoRA call (LoadLora, UnloadLora, ListLoras) may name the one engine
 it is for in its request metadata: `kvplane-engine: ENGINE` (an instance id or an address of
 the fleet); the gateway then asks that engine only and reports its outcome alone. A LoadLora
-for the whole fleet may name the base model the adapter is for instead: `kvplane-model:
-MODEL`; the gateway then asks the engines serving that model only (and passes the metadata
-on, for a controller fronted as an engine), and the fleet's LoRA intent remembers the model
-(controller.lora_intent)."""
+may name the base model the adapter is for: `kvplane-model: MODEL`; the gateway then asks the
+engines serving that model only, or, with `kvplane-engine`, that engine, which must serve it
+(and passes the metadata on, for a controller fronted as an engine), and the fleet's LoRA
+intent remembers the model (controller.lora_intent)."""
 
 from __future__ import annotations
 

@@ -501,8 +501,9 @@ class Relay:
 
     def _between_engines(self, request_id: str) -> bool:
         """Whether the admitted request is where no engine's Abort reaches it: being planned
-        (no engine holds it), between two attempts or hops, or handed over by its prefill
-        engine (whose request is finished) before its decode engine holds it."""
+        (no engine holds it), between two attempts or hops (from an engine's in-band error
+        ending its attempt, `_let_go`), or handed over by its prefill engine (whose request
+        is finished) before its decode engine holds it."""
         if request_id not in self.running:
             return False
         holder = self.holding.get(request_id)
@@ -1021,8 +1022,15 @@ class Relay:
                         error = surface.error(response)
                         if not relayed:
                             if error is not None:  # judged as the same status is (below)
+                                # The engine ended the request with it: while the verdict is
+                                # reached (its KV session's holder asked, over the network)
+                                # an Abort is the gateway's, and ends it (`abort_unrouted`).
+                                self._let_go(request_id, engine)
                                 refused = HopFailure.of_in_band(error, response, stage)
                                 verdict = await self._judge(refused, stage, engine, plan, retry)
+                                if request_id in self.aborted_unrouted:
+                                    await self._end_aborted(stage, context)
+                                    return
                                 if verdict.retry is not None:
                                     raise verdict.retry
                                 if verdict.ended:
@@ -1096,9 +1104,15 @@ class Relay:
                 if call is not None and not call.done():
                     call.cancel()
                 c.router.finish(request_id)
-                if self.holding.get(request_id) == engine:
-                    del self.holding[request_id]
-                    self.finished.add(request_id)
+                self._let_go(request_id, engine)
+
+    def _let_go(self, request_id: str, engine: str) -> None:
+        """`engine` no longer holds the request for this gateway (its call ended, or it ended
+        the request with an in-band error): an Abort of it is the gateway's to carry out
+        while it runs on (`abort_unrouted`), ALREADY_FINISHED once it ended."""
+        if self.holding.get(request_id) == engine:
+            del self.holding[request_id]
+            self.finished.add(request_id)
 
     async def _judge(
         self,

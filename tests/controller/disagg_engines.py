@@ -62,6 +62,10 @@ class Sessions:
     # of it answers ALREADY_FINISHED.
     ended_at_once: bool = False
     ended: dict[str, str] = field(default_factory=dict)  # session id -> prefill engine
+    # The sessions an Abort(kv_session) named, in arrival order; while `release_gate` is
+    # set and not open, each such Abort waits for it (a test's window to act meanwhile).
+    releases: list[str] = field(default_factory=list)
+    release_gate: asyncio.Event | None = None
 
 
 class RoleServicer(Forwarding):
@@ -97,6 +101,9 @@ class RoleServicer(Forwarding):
     async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
         if request.WhichOneof("target") == "kv_session":
             session_id = request.kv_session.session_id
+            self.sessions.releases.append(session_id)
+            if self.sessions.release_gate is not None:
+                await self.sessions.release_gate.wait()
             if self.sessions.ended.get(session_id) == self.name:
                 return pb.AbortResponse(status=pb.ABORT_STATUS_ALREADY_FINISHED)
             if self.sessions.open.get(session_id) != self.name:  # only the engine holding it

@@ -616,6 +616,33 @@ async def test_a_session_its_prefill_engine_ended_runs_the_request_again(form: s
 
 
 @pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_an_abort_while_a_lost_session_is_looked_into_ends_the_request(form: str) -> None:
+    """As above (its TTL ended the session), but the client aborts the request while the
+    gateway asks the prefill engine about the session: the Abort is ABORTED and the request
+    ends CANCELLED, run again nowhere. In-band, the decode engine had ended the request
+    with its refusal yet still held it for the gateway: the Abort went there, which knew
+    nothing of it (NOT_FOUND; an engine that remembers it: ALREADY_FINISHED), and the
+    request ran again, to its last token."""
+    fleet, prefill, decode, sessions = await _fleet(1, 1)
+    try:
+        _refuse(sessions, form)
+        sessions.ended_at_once = True
+        gate = sessions.release_gate = asyncio.Event()
+        running = asyncio.ensure_future(_generate(fleet, generate_request("r", [*PREFIX, 1])))
+        await eventually(lambda: bool(sessions.releases))
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        gate.set()
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await running
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        assert _calls(prefill + decode, "r") == [("p0", False), ("d0", True)]
+        assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
 async def test_a_session_its_draining_prefill_engine_ended_ends_the_request(form: str) -> None:
     """As above, but the prefill engine drains (its drain's deadline ended the session): the
     request ends at the handoff, finished CANCELLED, as one its engine's drain aborted; no

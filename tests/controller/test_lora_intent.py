@@ -72,3 +72,24 @@ def test_an_adapter_found_on_every_engine_of_one_model_is_that_models() -> None:
         assert intent.models == {"x": "a"}, order
         assert intent.wanted_on("a2", ["a"]) == [X] and intent.wanted_on("b1", ["b"]) == []
         assert intent.undecided == {} and intent.undecided_models == {}
+
+
+def test_a_load_on_one_engine_for_a_model_names_it_again_there_until_unloaded() -> None:
+    """`lora load --engine ctl --model a` (ctl a controller fronted as an engine, serving `a`
+    and `b`): restored on ctl, the load names `a` again, as the first did; the model goes
+    with the engine's load (its unload, the engine leaving, the load again naming none)."""
+    intent = LoraIntent()
+    intent.loaded(X, "ctl", "a")
+    assert intent.wanted_on("ctl", ["a", "b"]) == [X] and intent.model_of("x", "ctl") == "a"
+    assert intent.models == {}  # not the fleet's: no other engine wants it
+    intent.loaded(X, "ctl")
+    assert intent.model_of("x", "ctl") is None
+    intent.loaded(X, "ctl", "b")
+    intent.unloaded("x", "ctl", ["ctl"])
+    assert intent.model_of("x", "ctl") is None and intent.engine_models == {}
+    intent.loaded(X, "ctl", "a")
+    intent.forget_engine("ctl")
+    assert intent.engine_models == {}
+    intent.loaded(X, "ctl", "a")
+    intent.unloaded("x", None, ["ctl"])
+    assert intent.engine_models == {}

@@ -48,6 +48,15 @@ async def two_models() -> AsyncIterator[Fleet]:
         await close_fleet(fleet)
 
 
+async def front(upper: Fleet, lower: Fleet, routable: int) -> None:
+    """Register the lower controller as an engine of the upper one, until the upper routes
+    to `routable` engines (its own and the lower one)."""
+    await upper.admin.RegisterEngine(
+        apb.RegisterEngineRequest(address=lower.target, kv_events="none")
+    )
+    await upper.wait_routable(routable)
+
+
 def request_for(model: str, request_id: str) -> pb.GenerateRequest:
     request = generate_request(request_id, PROMPT)
     request.model = model
@@ -200,10 +209,7 @@ async def test_a_controller_fronting_both_models_makes_a_request_naming_none_ref
         router={"policy": "round_robin"},
     )
     try:
-        await upper.admin.RegisterEngine(
-            apb.RegisterEngineRequest(address=lower.target, kv_events="none")
-        )
-        await upper.wait_routable(2)
+        await front(upper, lower, 2)
         for i in range(4):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await generate_routed(upper, request_for("", f"n{i}"))
@@ -284,9 +290,10 @@ async def test_a_fleet_wide_adapter_is_loaded_for_one_model_only(tmp_path: Path)
         unknown = await cli("lora", "load", "y", x, "--id", "2", "--model", "c", *t)
         assert unknown.exit_code != 0 and "NOT_FOUND" in str(unknown.exception)
         with_engine = await cli(
-            "lora", "load", "y", x, "--id", "2", "--model", "a", "--engine", "a0", *t
+            "lora", "load", "y", x, "--id", "2", "--model", "a", "--engine", "b0", *t
         )
-        assert with_engine.exit_code == 2 and "not both" in with_engine.output
+        assert with_engine.exit_code != 0 and "INVALID_ARGUMENT" in str(with_engine.exception)
+        assert "engine b0 does not serve model 'a'" in str(with_engine.exception)
     finally:
         await close_fleet(fleet)
 
@@ -366,10 +373,7 @@ async def test_a_load_for_one_model_reaches_that_models_engines_behind_a_fronted
     lower = await make_fleet(engines=engines)
     upper: Fleet = await make_fleet(engines=[])
     try:
-        await upper.admin.RegisterEngine(
-            apb.RegisterEngineRequest(address=lower.target, kv_events="none")
-        )
-        await upper.wait_routable(1)
+        await front(upper, lower, 1)
         x = str(write_adapter_config(tmp_path / "x"))
         t = ["--target", upper.target]
         refused = await cli("lora", "load", "x", x, "--id", "1", *t)
@@ -416,3 +420,37 @@ async def test_a_restarted_controller_takes_an_adapter_back_for_the_model_that_h
         assert fleet.app.controller.fleet.lora_intent.models == {"x": "a"}
     finally:
         await close_fleet(fleet)
+
+
+async def test_one_fronted_controller_is_given_an_adapter_for_one_of_its_models(
+    tmp_path: Path,
+) -> None:
+    """An upper controller fronting a lower one (engines of `a` and `b`) and an engine of
+    `a` of its own: `lora load --engine LOWER --model a` loads it on the lower controller's
+    engine of `a` only, and not on the upper's own engine. It was refused either way: the
+    model not taken with an engine named, and without it the lower controller, whose
+    engines serve two base models, refused a load naming none."""
+    lora = LoraConfig(enabled=True)
+    engines = [
+        await start_sim_engine("a0", served_model_name="a", lora=lora),
+        await start_sim_engine("b0", served_model_name="b", lora=lora),
+    ]
+    lower = await make_fleet(engines=engines)
+    own = await start_sim_engine("a9", served_model_name="a", lora=lora)
+    upper: Fleet = await make_fleet(engines=[own])
+    try:
+        await front(upper, lower, 2)
+        x = str(write_adapter_config(tmp_path / "x"))
+        t = ["--target", upper.target]
+        unnamed = await cli("lora", "load", "x", x, "--id", "1", "--engine", lower.target, *t)
+        assert unnamed.exit_code != 0 and "(a, b)" in str(unnamed.exception)
+        loaded = await cli(
+            "lora", "load", "x", x, "--id", "1", "--engine", lower.target, "--model", "a", *t
+        )
+        assert loaded.exit_code == 0, loaded.output
+        assert [list(await engine_adapters(e)) for e in [*engines, own]] == [["x"], [], []]
+        intent = upper.app.controller.fleet.lora_intent
+        assert intent.model_of("x", lower.target) == "a"  # named again when restored there
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
