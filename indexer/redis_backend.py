@@ -1346,7 +1346,9 @@ class RedisBackend:
 
     async def _remove(self, worker_id: str) -> int | None:
         """kvp_remove; None when it was fenced (`fence_writes`) and refused: the process
-        holding the worker's lease owns it, and nothing was removed."""
+        holding the worker's lease owns it, and nothing was removed. Once it ran, nothing this
+        process wrote of the worker is left to lose: a batch of it whose call ran before (its
+        reply, or `_settle`, made it known again as the removal waited) no longer counts."""
         args: list[bytes | str | int] = [worker_id, self._fence(worker_id)]
         try:
             removed: int = await self._fcall("kvp_remove", args, boot=True)
@@ -1355,6 +1357,7 @@ class RedisBackend:
                 raise
             log.info("worker %s not removed: %s", worker_id, exc)
             return None
+        self._known_workers.discard(worker_id)
         return removed
 
     # ------------------------------------------------------------------ views

@@ -475,6 +475,13 @@ async def test_a_redis_that_lost_its_data_resyncs_only_the_workers_this_process_
     assert held == {"w1": {11}}
 
 
+async def _lose_the_index_under_w0(backend: RedisBackend, redis_server: RedisServer) -> None:
+    """Worker w0 written, then Redis loses the index, found by the next write (w1's first)."""
+    await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (100,)),)))
+    redis_server.flushall()
+    await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (101,)),)))
+
+
 @pytest.mark.timeout(60)
 async def test_a_redis_that_lost_its_data_resyncs_no_worker_removed_before(
     redis_server: RedisServer,
@@ -490,9 +497,37 @@ async def test_a_redis_that_lost_its_data_resyncs_no_worker_removed_before(
         for i in range(20):
             await backend.apply(Batch(f"gone{i}", (Action(ActionType.REPORT, Tier.HBM, (i,)),)))
             await backend.remove_worker(f"gone{i}")
-        await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (100,)),)))
-        redis_server.flushall()  # Redis lost the index
-        await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (101,)),)))
+        await _lose_the_index_under_w0(backend, redis_server)
+    finally:
+        await backend.close()
+    assert asked == ["w0"]
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_removed_while_its_last_batch_is_applied_is_not_resynced_after_a_loss(
+    redis_server: RedisServer,
+) -> None:
+    """An engine leaves as its last KV events are being written: the removal, made once that
+    write ran, leaves nothing of the worker in Redis, so a later loss does not ask it to
+    resync (the write's reply, arriving after the removal began, made it known again)."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=3600)
+    asked: list[str] = []
+    backend.add_resync_listener(asked.append)
+    try:
+        redis_server.command("CLIENT", "PAUSE", 60_000, "WRITE")  # the write stays in flight
+        try:
+            last = asyncio.create_task(
+                backend.apply(Batch("gone", (Action(ActionType.REPORT, Tier.HBM, (1,)),)))
+            )
+            await eventually(backend._marks_lock.locked)  # the write was sent
+            removal = asyncio.create_task(backend.remove_worker("gone"))
+            await asyncio.sleep(0)  # the removal begins: it waits for the write
+        finally:
+            redis_server.command("CLIENT", "UNPAUSE")
+        await last
+        assert await removal == 1
+        await _lose_the_index_under_w0(backend, redis_server)
     finally:
         await backend.close()
     assert asked == ["w0"]
