@@ -289,6 +289,11 @@ class RedisBackend:
         self._maintenance: asyncio.Task[None] | None = None
         # Group commit: batches waiting for the next kvp_apply call, and its task.
         self._group: list[tuple[Batch, asyncio.Future[None]]] = []
+        # The batches `apply` is writing (by id: their worker), and those of them whose worker
+        # was removed meanwhile (`remove_worker`): one of those whose write fails is not
+        # buffered, as its replay would follow the removal and put the worker back.
+        self._applying: dict[int, str] = {}
+        self._superseded: set[int] = set()
         self._grouper: asyncio.Task[None] | None = None
         # The pause after Redis let a call time out (0: it answers), when one call may ask it
         # again, whether one is asking, and how many calls it let time out (a caller that
@@ -883,14 +888,22 @@ class RedisBackend:
             self._enqueue(batch)
             self._start_recovery()  # (running already, unless it ended without clearing it)
             return
+        key = id(batch)
+        self._applying[key] = batch.worker_id
         try:
             await self._apply_grouped(batch)
         except IndexUnavailableError as exc:
+            if key in self._superseded:  # its removal comes after it: nothing to replay
+                log.debug("batch of removed worker %s not buffered: %s", batch.worker_id, exc)
+                return
             log.warning("%s; buffering batches", exc)
             self._recovery_error = str(exc)  # why queries wait, until the recovery says more
             self._outage = True
             self._enqueue(batch)
             self._start_recovery()
+        finally:
+            self._applying.pop(key, None)  # (the same batch may be applied twice at once)
+            self._superseded.discard(key)
 
     async def _apply_batches(
         self,
@@ -1328,6 +1341,7 @@ class RedisBackend:
         """Removes the worker; while Redis is down the removal is queued (applied before any
         later batch of that worker) and IndexUnavailableError raised."""
         self._buffer = deque(b for b in self._buffer if b.worker_id != worker_id)
+        self._drop_under_way(worker_id)
         # Nothing of it stays for a loss to lose: a later batch of it makes it known again
         # (kept, every engine ever met was asked to resync after each loss).
         self._known_workers.discard(worker_id)
@@ -1344,9 +1358,24 @@ class RedisBackend:
             raise
         return removed or 0
 
+    def _drop_under_way(self, worker_id: str) -> None:
+        """The worker's batches still on their way to Redis go in no later than its removal:
+        those waiting for the call in flight (group commit) are not sent (their `apply`
+        returns, as for a buffered batch the removal drops), and one in that call whose write
+        fails is not buffered (`apply`). Either would follow the removal and put the worker
+        back in the index, an engine that left holding blocks for good."""
+        waiting = [(b, done) for b, done in self._group if b.worker_id == worker_id]
+        self._group[:] = [item for item in self._group if item[0].worker_id != worker_id]
+        for _, done in waiting:
+            if not done.done():
+                done.set_result(None)
+        self._superseded.update(k for k, w in self._applying.items() if w == worker_id)
+
     async def _remove(self, worker_id: str) -> int | None:
         """kvp_remove; None when it was fenced (`fence_writes`) and refused: the process
-        holding the worker's lease owns it, and nothing was removed."""
+        holding the worker's lease owns it, and nothing was removed. Once it ran, nothing this
+        process wrote of the worker is left to lose: a batch of it whose call ran before (its
+        reply, or `_settle`, made it known again as the removal waited) no longer counts."""
         args: list[bytes | str | int] = [worker_id, self._fence(worker_id)]
         try:
             removed: int = await self._fcall("kvp_remove", args, boot=True)
@@ -1355,6 +1384,7 @@ class RedisBackend:
                 raise
             log.info("worker %s not removed: %s", worker_id, exc)
             return None
+        self._known_workers.discard(worker_id)
         return removed
 
     # ------------------------------------------------------------------ views

@@ -21,7 +21,6 @@ them, gRPC's trail of a TLS handshake that failed cut to OpenSSL's reason, with 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 from collections.abc import Callable
@@ -297,18 +296,25 @@ class Redialling(Generic[_Stub]):
             await self._dial_again().close()
 
     async def _close_retiring(self) -> None:
-        """Close the old channels at once, ending their calls."""
+        """Close the old channels at once, ending their calls; cancelled meanwhile, all the
+        same (their closes waited for with `asyncio.wait`: awaiting a task cancelled here
+        raises CancelledError, and swallowing it swallowed this caller's own cancellation)."""
         retiring, self._retiring = list(self._retiring.items()), {}
-        for old, task in retiring:
+        for _, task in retiring:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            await old.close()
+        try:
+            if retiring:
+                await asyncio.wait([task for _, task in retiring])
+        finally:
+            for old, _ in retiring:
+                await old.close()
 
     async def close(self) -> None:
         """Close the channel, and any old one at once (their calls end)."""
-        await self._close_retiring()
-        await self._channel.close()
+        try:
+            await self._close_retiring()
+        finally:
+            await self._channel.close()
 
 
 @dataclass(frozen=True)

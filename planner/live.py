@@ -484,8 +484,9 @@ class LivePlanner:
         A stream that ends is subscribed again after `RESUBSCRIBE_S` (or the engine's
         retry_after_ms, if longer): an engine ends it with an EngineError when the planner
         falls too far behind, and every pass missed after that would make the fleet look idler
-        than it is. An engine without runtime events (UNIMPLEMENTED) is not asked again; an
-        event whose attributes are not numbers is skipped (said once)."""
+        than it is; so is one ended by the close of its channel, left for renewed TLS files
+        (`Redialling`). An engine without runtime events (UNIMPLEMENTED) is not asked again;
+        an event whose attributes are not numbers is skipped (said once)."""
         dialled = engine.dialled
         assert dialled is not None
         request = pb.SubscribeRuntimeEventsRequest(types=[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS])
@@ -529,6 +530,14 @@ class LivePlanner:
                     else setting_hint(self._channels, exc.code(), details, ENGINE_SETTINGS)
                 )
                 why = f"ended ({exc.code().name}){hint}"
+            except asyncio.CancelledError:
+                # The stream's channel was closed under it (an old one, `OLD_CHANNEL_GRACE_S`
+                # after renewed TLS files dialled the engine again): subscribed again on the
+                # new one. This task's own cancellation (the engine removed) goes on.
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise
+                why = "ended (its channel was closed: the TLS files were renewed)"
             log.info("runtime events of %s %s; subscribing again", engine.engine_id, why)
             await asyncio.sleep(wait_s)
 

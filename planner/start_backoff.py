@@ -13,6 +13,7 @@ ones cannot start (a full GPU) would be started again at every tick."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -55,4 +56,7 @@ class StartBackoff:
     def _wait_s(self, failures: _Failures) -> float:
         if failures.in_a_row <= 1:
             return 0.0
-        return min(self.max_s, self.first_s * 2.0 ** (failures.in_a_row - 2))
+        # Doubled no further than to reach `max_s`: a pool failing for days counts thousands
+        # of failures in a row, and 2.0 ** n overflows a float past n = 1023.
+        most = max(0, math.ceil(math.log2(self.max_s / self.first_s)))
+        return min(self.max_s, self.first_s * 2.0 ** min(failures.in_a_row - 2, most))

@@ -260,3 +260,29 @@ async def test_a_call_failed_for_files_renewed_as_it_ran_closes_its_channel_at_o
         assert await dialled.stub.Name(b"", timeout=10) == b"client"
     finally:
         await dialled.close()
+
+
+async def test_a_close_cancelled_as_it_ends_an_old_channel_is_cancelled(
+    pki: Path, tmp_path: Path, peer_server: PeerServer
+) -> None:
+    """A client closes its channel while an old one (left by a rotation, a stream still on
+    it) is closing, and that close is cancelled (a planner standing by, a task group failing):
+    the cancellation goes on to the caller (closing the old channel swallowed it, so the
+    caller went on as if never cancelled); both channels are closed all the same."""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    try:
+        old = dialled.channel
+        stream = dialled.stub.Count(b"", timeout=30)
+        assert await stream.read() == b"1"
+        rotate_to_ca(pki, tmp_path)
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"  # the old channel retires
+        closing = asyncio.create_task(dialled.close())
+        await asyncio.sleep(0)  # it ends the old channel's close
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        await closed(old)  # closed all the same
+        with pytest.raises(grpc.aio.UsageError):
+            await PeerStub(dialled.channel).Name(b"", timeout=10)
+    finally:
+        await dialled.close()

@@ -32,6 +32,7 @@ from indexer.batch import Action, ActionType, Batch, Tier
 from indexer.index import PrefixIndex
 from indexer.memory_backend import MemoryBackend
 from indexer.redis_backend import RedisBackend, open_redis_backend
+from indexer.redis_client import IndexUnavailableError
 from indexer.sources.openengine import OpenEngineSource, OpenEngineSourceSettings
 from indexer.sources.resync import connect_resync
 from indexer.sources.zmq import ZmqSource, ZmqSourceSettings
@@ -475,6 +476,13 @@ async def test_a_redis_that_lost_its_data_resyncs_only_the_workers_this_process_
     assert held == {"w1": {11}}
 
 
+async def _lose_the_index_under_w0(backend: RedisBackend, redis_server: RedisServer) -> None:
+    """Worker w0 written, then Redis loses the index, found by the next write (w1's first)."""
+    await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (100,)),)))
+    redis_server.flushall()
+    await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (101,)),)))
+
+
 @pytest.mark.timeout(60)
 async def test_a_redis_that_lost_its_data_resyncs_no_worker_removed_before(
     redis_server: RedisServer,
@@ -490,9 +498,99 @@ async def test_a_redis_that_lost_its_data_resyncs_no_worker_removed_before(
         for i in range(20):
             await backend.apply(Batch(f"gone{i}", (Action(ActionType.REPORT, Tier.HBM, (i,)),)))
             await backend.remove_worker(f"gone{i}")
-        await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (100,)),)))
-        redis_server.flushall()  # Redis lost the index
-        await backend.apply(Batch("w1", (Action(ActionType.REPORT, Tier.HBM, (101,)),)))
+        await _lose_the_index_under_w0(backend, redis_server)
     finally:
         await backend.close()
     assert asked == ["w0"]
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_removed_while_its_last_batch_is_applied_is_not_resynced_after_a_loss(
+    redis_server: RedisServer,
+) -> None:
+    """An engine leaves as its last KV events are being written: the removal, made once that
+    write ran, leaves nothing of the worker in Redis, so a later loss does not ask it to
+    resync (the write's reply, arriving after the removal began, made it known again)."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=3600)
+    asked: list[str] = []
+    backend.add_resync_listener(asked.append)
+    try:
+        redis_server.command("CLIENT", "PAUSE", 60_000, "WRITE")  # the write stays in flight
+        try:
+            last = asyncio.create_task(
+                backend.apply(Batch("gone", (Action(ActionType.REPORT, Tier.HBM, (1,)),)))
+            )
+            await eventually(backend._marks_lock.locked)  # the write was sent
+            removal = asyncio.create_task(backend.remove_worker("gone"))
+            await asyncio.sleep(0)  # the removal begins: it waits for the write
+        finally:
+            redis_server.command("CLIENT", "UNPAUSE")
+        await last
+        assert await removal == 1
+        await _lose_the_index_under_w0(backend, redis_server)
+    finally:
+        await backend.close()
+    assert asked == ["w0"]
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_removed_while_its_write_failed_stays_removed_after_the_outage(
+    redis_server: RedisServer,
+) -> None:
+    """An engine leaves as its last KV events are being written, and Redis goes down under
+    that write: the write (buffered when it failed, after the removal had dropped the worker's
+    buffered batches) is not replayed after the removal, which would put the engine that left
+    back in the index, placing blocks on it for good."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=3600)
+    try:
+        await backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (100,)),)))
+        redis_server.command("CLIENT", "PAUSE", 60_000, "WRITE")  # the write stays in flight
+        last = asyncio.create_task(
+            backend.apply(Batch("gone", (Action(ActionType.REPORT, Tier.HBM, (1,)),)))
+        )
+        await eventually(backend._marks_lock.locked)  # the write was sent
+        removal = asyncio.create_task(backend.remove_worker("gone"))
+        await asyncio.sleep(0)  # the removal begins: it waits for the write
+        redis_server.kill()  # the write's reply is lost
+        await last  # buffered
+        with pytest.raises(IndexUnavailableError):
+            await removal  # queued
+        redis_server.start()
+        await eventually(lambda: backend.healthy, 30, "the buffered batches replayed")
+        placed = {p.worker_id for p in await backend.match([1], count_as_hit=False)}
+    finally:
+        await backend.close()
+    assert placed == set()
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_removed_while_its_batch_waits_for_the_call_in_flight_stays_removed(
+    redis_server: RedisServer,
+) -> None:
+    """An engine leaves while its last batch waits for the group commit in flight (another
+    worker's): that batch is not sent after the removal, which would put the engine that left
+    back in the index."""
+    redis_server.flushall()
+    backend = await open_redis_backend(redis_server.url, buckets=16, maintenance_interval_s=3600)
+    try:
+        redis_server.command("CLIENT", "PAUSE", 60_000, "WRITE")  # the write stays in flight
+        try:
+            other = asyncio.create_task(
+                backend.apply(Batch("w0", (Action(ActionType.REPORT, Tier.HBM, (100,)),)))
+            )
+            await eventually(backend._marks_lock.locked)  # w0's write was sent
+            last = asyncio.create_task(
+                backend.apply(Batch("gone", (Action(ActionType.REPORT, Tier.HBM, (1,)),)))
+            )
+            await asyncio.sleep(0)  # it waits for w0's call
+            removal = asyncio.create_task(backend.remove_worker("gone"))
+            await asyncio.sleep(0)  # the removal begins: it waits for w0's call
+        finally:
+            redis_server.command("CLIENT", "UNPAUSE")
+        await asyncio.gather(other, last, removal)
+        placed = {p.worker_id for p in await backend.match([1, 100], count_as_hit=False)}
+    finally:
+        await backend.close()
+    assert placed == {"w0"}

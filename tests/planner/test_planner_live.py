@@ -30,9 +30,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from controller.registry import EngineState as RegistryState
-from kvplane.channels import INSECURE, Redialling
+from kvplane.channels import INSECURE, OLD_CHANNEL_GRACE_S, ClientChannels, Redialling
+from kvplane.config import ClientTlsConfig, TlsConfig
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
+from kvplane.server_tls import server_credentials
 from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
@@ -52,6 +54,7 @@ from tests.controller.test_processes import controller_process
 from tests.interrupted import interrupted
 from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
+from tests.rotation import replace_file
 
 
 def planner(min_engines: int, max_engines: int) -> Planner:
@@ -547,15 +550,22 @@ def forward_pass(**attributes: str) -> pb.SubscribeRuntimeEventsResponse:
 @contextlib.asynccontextmanager
 async def following(
     engine_servicer: pb_grpc.OpenEngineServicer,
+    tls: tuple[TlsConfig, ClientChannels, float] | None = None,
 ) -> AsyncIterator[tuple[live_module._Engine, asyncio.Task[None]]]:
     """A real gRPC server playing an engine's part with `engine_servicer`, and the planner
-    following its runtime events (the engine it observes, the following task)."""
+    following its runtime events (the engine it observes, the following task). `tls`: the
+    server's TLS, the planner's channels to it, and how long an old channel's calls may run
+    on after a rotation."""
     server = grpc.aio.server()
     pb_grpc.add_OpenEngineServicer_to_server(engine_servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    if tls is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(tls[0]))
     await server.start()
     engine = live_module._Engine(f"127.0.0.1:{port}", "default", EngineState.SERVING)
-    engine.dialled = Redialling(INSECURE, engine.engine_id, pb_grpc.OpenEngineStub)
+    channels, grace_s = (INSECURE, OLD_CHANNEL_GRACE_S) if tls is None else tls[1:]
+    engine.dialled = Redialling(channels, engine.engine_id, pb_grpc.OpenEngineStub, grace_s)
     planner_ = LivePlanner(planner(1, 1), local_processes(1, Path("/nonexistent")))
     follower = asyncio.create_task(planner_._follow_passes(engine))
     try:
@@ -735,6 +745,39 @@ async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
     assert subscriptions == 2
     ended = f"runtime events of {engine.engine_id} ended by the engine ({named}"
     assert any(r.getMessage().startswith(f"{ended}: fell behind)") for r in caplog.records)
+
+
+async def test_a_stream_ended_with_its_channel_after_a_tls_rotation_is_subscribed_again(
+    pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's TLS files renewed: the planner's next call dials it again, its runtime
+    events stream going on on the old channel until that is closed (`OLD_CHANNEL_GRACE_S`,
+    shortened here); then the planner subscribes again, on the new channel. (The stream's
+    end by its channel's close raised CancelledError, which ended the following for good:
+    the engine's forward passes were no longer observed.)"""
+    monkeypatch.setattr(live_module, "RESUBSCRIBE_S", 0.01)
+    durations_ms = iter(["10", "20"])  # one pass per subscription
+
+    class Engine(PartialOpenEngine):
+        async def SubscribeRuntimeEvents(
+            self, request: object, context: object
+        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+            yield forward_pass(duration_ms=next(durations_ms), batch_size="1")
+            await asyncio.Event().wait()  # open until cancelled
+
+    ca_file = tmp_path / "ca.pem"
+    ca_file.write_bytes((pki / "ca.pem").read_bytes())
+    server_tls = TlsConfig(cert_file=pki / "server.pem", key_file=pki / "server.key")
+    channels = ClientChannels.load(ClientTlsConfig(ca_file=ca_file))
+    async with following(Engine(), (server_tls, channels, 0.2)) as (engine, follower):
+        assert engine.dialled is not None
+        await until_passes(engine, 1)
+        old = engine.dialled.channel
+        replace_file(ca_file, (pki / "ca.pem").read_bytes())  # renewed
+        assert engine.dialled.channel is not old  # the next call's
+        await until_passes(engine, 2)
+        assert not follower.done()
+    assert [p.duration_s for p in engine.passes] == [0.01, 0.02]
 
 
 async def test_a_runtime_event_that_is_not_numbers_is_skipped_not_the_stream(

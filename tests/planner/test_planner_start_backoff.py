@@ -36,3 +36,12 @@ def test_an_engine_that_served_all_along_does_not_end_them() -> None:
     backoff.serving("p", since_s=0.0, now_s=1002.0)
     assert backoff.wait_s("p", 1002.0) == 9.0
     assert backoff.failed("p", 1011.0) == 20.0
+
+
+def test_a_pool_failing_for_days_waits_the_maximum() -> None:
+    """Thousands of failures in a row (an engine that cannot start, retried every `max_s` for
+    days): each waits `max_s` (the doubling overflowed a float past 1024 of them)."""
+    backoff = StartBackoff(10.0, 300.0)
+    waits = [backoff.failed("p", 300.0 * n) for n in range(2000)]
+    assert waits[-1] == 300.0
+    assert backoff.wait_s("p", 300.0 * 1999) == 300.0
