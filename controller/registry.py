@@ -464,7 +464,8 @@ class Registry:
         self._in_order: list[EngineRecord] | None = None
         # Bumped by every change that can take an engine into or out of `routable` (a join,
         # a leave, a state, a cordon, an identity, LoRA adapters; not a load). What was
-        # derived from the routable engines stays true while it stands: `routable`'s memo,
+        # derived from the engines' identities and states stays true while it stands:
+        # `routable`'s memo, `base_models`' (identities, and which engines are rejected),
         # and the candidates of a plan (`Controller.route` re-checks them only after a
         # change). So every such change goes through a method of this class, never a
         # record's field set from outside.
@@ -473,6 +474,10 @@ class Registry:
         # `_memo_version`: every request asks it, and at hundreds of engines testing each
         # engine again for each request cost as much as routing it.
         self._routable_memo: dict[tuple[str | None, Role | None, bool], list[EngineRecord]] = {}
+        # `base_models` by (generating, lora), as of `_memo_version` too: a request naming no
+        # model asks it twice (its model check, its session key), each time a scan of every
+        # engine and a sort.
+        self._base_models_memo: dict[tuple[bool, bool], tuple[str, ...]] = {}
         self._memo_version = -1
 
     def __len__(self) -> int:
@@ -561,9 +566,7 @@ class Registry:
         `generating`, only those that generate (a Generate: not pooling-only engines)."""
         if lora_name or cordoned:
             return list(self._routable(model, role, lora_name, cordoned, generating))
-        if self._memo_version != self.version:
-            self._routable_memo.clear()
-            self._memo_version = self.version
+        self._drop_stale_memos()
         key = (model, role, generating)
         records = self._routable_memo.get(key)
         if records is None:
@@ -573,6 +576,13 @@ class Registry:
                 self._routable(model, role, lora_name, cordoned, generating)
             )
         return list(records)
+
+    def _drop_stale_memos(self) -> None:
+        """Forget what was derived from the engines before the registry's last change."""
+        if self._memo_version != self.version:
+            self._routable_memo.clear()
+            self._base_models_memo.clear()
+            self._memo_version = self.version
 
     def any_routable(
         self, model: str | None = None, role: Role | None = None, *, generating: bool = False
@@ -647,7 +657,16 @@ class Registry:
         (`default_model`). With `generating`, only engines whose first model generates; with
         `lora`, only engines that may take LoRA adapters (not `supports_lora: false`): the
         base models an adapter loaded on the whole fleet would be attached to. Engines whose
-        models are not known yet are left out."""
+        models are not known yet are left out. Kept until the registry changes."""
+        self._drop_stale_memos()
+        key = (generating, lora)
+        models = self._base_models_memo.get(key)
+        if models is None:
+            models = self._base_models_memo[key] = self._scan_base_models(generating, lora)
+        return list(models)
+
+    def _scan_base_models(self, generating: bool, lora: bool) -> tuple[str, ...]:
+        """`base_models`, from every engine."""
         defaults: set[str] = set()
         for r in self._may_serve(None):
             identity = r.identity
@@ -658,15 +677,19 @@ class Registry:
             if lora and identity.supports_lora is False:
                 continue
             defaults.update(identity.models if identity.is_controller else identity.models[:1])
-        return sorted(defaults)
+        return tuple(sorted(defaults))
 
     def check_generates(self, model: str) -> None:
         """Raise GenerationUnsupportedError when every engine that serves `model` ("": the
-        default model) is known to be pooling-only; an engine not reached yet may generate."""
-        serving = list(self._may_serve(model))
-        if serving and all(
-            r.identity is not None and not r.identity.facts_of(model).generates for r in serving
-        ):
+        default model) is known to be pooling-only; an engine not reached yet may generate.
+        Every Generate asks: it stops at the first engine that may generate, where a fleet
+        of hundreds would otherwise be scanned whole at every request."""
+        served = False
+        for r in self._may_serve(model):
+            if r.identity is None or r.identity.facts_of(model).generates:
+                return
+            served = True
+        if served:
             what = f"model {model!r}" if model else "the default model"
             raise GenerationUnsupportedError(
                 f"{what} is served for Embed, Classify and Score only: every engine serving "

@@ -632,7 +632,10 @@ class Relay:
         disaggregated = c.disaggregated(query.model)
         try:
             plan = await c.plan(query, role=None if disaggregated else Role.AGGREGATED)
-        except LoraRoutingError as exc:  # no routable engine holds the request's LoRA adapter
+        except (LoraRoutingError, ModelRequiredError) as exc:
+            # No routable engine holds the request's LoRA adapter; or, for a request naming
+            # no model, the engines' default models came to differ after `check_model` (an
+            # engine of another model read meanwhile): its session is keyed by that model.
             status = status_of(exc)
             self._count("invalid" if status in CLIENT_ERRORS else "no_engine")
             await abort_with(context, status, str(exc))

@@ -223,7 +223,9 @@ class Controller:
         engine of that model, where its cache is, and a turn of the other model does not move
         them (one key for both had each turn stick the session to the other model's engine,
         so the next turn of the first was routed afresh). A newline cannot occur in a gRPC
-        metadata value, so no session of one model reads as another's."""
+        metadata value, so no session of one model reads as another's. ModelRequiredError
+        when the engines' default models came to differ since the request's model was
+        checked (`check_model`; an engine of another model read while it was planned)."""
         if not query.session_key:
             return query.session_key
         model = query.model or self.fleet.registry.default_model(generating=True)

@@ -2,7 +2,7 @@
 costs as the fleet grows.
 
     python docs/benchmarks/fleet_scale.py [--engines 8 64 256] [--idle-s 30] [--requests 400]
-        [--load-poll-s 0.5] [--profile DIR] [--no-load] [--decisions]
+        [--load-poll-s 0.5] [--profile DIR] [--no-load] [--decisions [--no-model]]
 
 For each fleet size N: one process serves N sim engines (`--model sim`, `time_scale: 0`), each
 its own grpc.aio server on its own loopback port, built by `engine.server.service.start_engine`
@@ -28,6 +28,10 @@ stream per engine). Measured, from outside the controller:
 does for each Generate before it calls an engine (`Controller.disaggregated`, `plan` and
 `route`, then the request finished) over N engines registered as ready, at 8, 64 and 256:
 the routing path's own cost per engine, free of the polls and of a shared machine's noise.
+With `--no-model` its requests name no model, each with a session key of its own, and are
+checked first as the gateway checks them (`Controller.check_model`): the fleet's default
+model is looked up twice a request (`Registry.default_model`), for the check and for the
+session key.
 
 `--profile DIR` also runs the controller under cProfile and writes DIR/controller-N.prof when it
 stops (cProfile's per-call cost inflates code that makes many small calls: compare profiles with
@@ -328,8 +332,9 @@ async def measure(count: int, args: argparse.Namespace, workdir: Path) -> None:
         )
 
 
-async def decisions(count: int, requests: int) -> None:
-    """CPU a request of the gateway's routing path over `count` ready engines (no gRPC)."""
+async def decisions(count: int, requests: int, *, no_model: bool = False) -> None:
+    """CPU a request of the gateway's routing path over `count` ready engines (no gRPC);
+    with `no_model`, of requests naming no model, checked first and each in a session."""
     from controller.config import ControllerConfig, RouterConfig
     from controller.registry import EngineIdentity, EngineState, ModelFacts, Role
     from controller.router import LoadSnapshot
@@ -353,7 +358,11 @@ async def decisions(count: int, requests: int) -> None:
     prompts = _prompts(requests, seed=count)
     started = time.thread_time()
     for i, tokens in enumerate(prompts):
-        query = PromptInput(f"r{i}", token_ids=tuple(tokens), model="sim")
+        if no_model:
+            query = PromptInput(f"r{i}", token_ids=tuple(tokens), session_key=f"s{i}")
+            controller.check_model(query.model, generating=True)
+        else:
+            query = PromptInput(f"r{i}", token_ids=tuple(tokens), model="sim")
         disaggregated = controller.disaggregated(query.model)
         plan = await controller.plan(query, role=None if disaggregated else Role.AGGREGATED)
         controller.route(plan)
@@ -361,7 +370,9 @@ async def decisions(count: int, requests: int) -> None:
     spent = (time.thread_time() - started) / requests
     print(
         f"N={count:4d}: {spent * 1e6:7.0f} us CPU a request ({spent / count * 1e9:5.0f} ns an "
-        f"engine) to plan and route, in process (load average {os.getloadavg()[0]:.2f})",
+        f"engine) to {'check, ' if no_model else ''}plan and route"
+        f"{' requests naming no model' if no_model else ''}, in process (load average "
+        f"{os.getloadavg()[0]:.2f})",
         flush=True,
     )
 
@@ -372,7 +383,7 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="fleet-scale-") as scratch:
         for count in args.engines:
             if args.decisions:
-                await decisions(count, args.requests)
+                await decisions(count, args.requests, no_model=args.no_model)
             else:
                 await measure(count, args, Path(scratch))
 
@@ -388,6 +399,7 @@ if __name__ == "__main__":
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--no-load", action="store_true")
     parser.add_argument("--decisions", action="store_true")
+    parser.add_argument("--no-model", action="store_true", help="with --decisions")
     parser.add_argument("--serve-engines", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port-file", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -22,6 +22,7 @@ from controller.registry import (
     LoraUnavailableError,
     LoraUnsupportedError,
     ModelFacts,
+    ModelRequiredError,
     PollFailure,
     Registry,
     Role,
@@ -657,6 +658,54 @@ def test_lora_changes_move_the_version_and_show_in_the_next_listing() -> None:
         now, listed = routable_at(registry, lora_name="x")
         assert now > version and listed == expected, (now, version, listed, expected)
         version = now
+
+
+def serving(
+    instance: str, *models: str, generates: bool = True, supports_lora: bool = False
+) -> EngineIdentity:
+    """An engine serving `models`, the first its default."""
+    facts = ModelFacts(block_size=16, supports_lora=supports_lora, generates=generates)
+    return dataclasses.replace(
+        identity(instance), models=models, model_facts=(facts,) * len(models)
+    )
+
+
+def test_the_default_models_kept_follow_every_change_of_the_engines() -> None:
+    """`base_models` (and so `default_model`) is kept between changes of the registry (a
+    request naming no model asks it twice): every change of an engine's models, tasks, LoRA
+    support or rejection, and every join or leave, shows in the next answer."""
+    registry = Registry()
+    _ready(registry, "h:1", serving("e1", "a", supports_lora=True))
+    registry.add("h:2")
+
+    def defaults() -> tuple[list[str], list[str], list[str]]:
+        return (
+            registry.base_models(),
+            registry.base_models(generating=True),
+            registry.base_models(lora=True),
+        )
+
+    assert defaults() == (["a"], ["a"], ["a"])
+    changes: list[tuple[Callable[[], object], tuple[list[str], list[str], list[str]]]] = [
+        (lambda: registry.on_identity("h:2", serving("e2", "b")), (["a", "b"], ["a", "b"], ["a"])),
+        (lambda: registry.mark_incompatible("h:2", "refused"), (["a"], ["a"], ["a"])),
+        (
+            lambda: registry.on_identity("h:2", serving("e2", "b", generates=False)),
+            (["a", "b"], ["a"], ["a"]),
+        ),
+        (
+            lambda: registry.on_identity("h:2", serving("e2", "b", "a", supports_lora=True)),
+            (["a", "b"], ["a", "b"], ["a", "b"]),
+        ),
+        (lambda: registry.on_identity("h:2", serving("e2", "a", "b")), (["a"], ["a"], ["a"])),
+        (lambda: registry.remove("h:1"), (["a"], ["a"], [])),
+        (lambda: _ready(registry, "h:3", serving("e3", "c")), (["a", "c"], ["a", "c"], [])),
+    ]
+    for change, expected in changes:
+        change()
+        assert defaults() == expected
+    with pytest.raises(ModelRequiredError, match=r"\(a, c\)"):
+        registry.default_model()
 
 
 def test_the_routable_listings_kept_do_not_grow_with_the_models_requests_name() -> None:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
+from controller.fleet import PromptView
 from controller.outcomes import ENGINE_METADATA_KEY
 from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
@@ -187,6 +189,41 @@ async def test_a_session_asking_both_models_stays_on_one_engine_of_each() -> Non
                 assert route is not None
                 served[model].add(route["instance_id"])
         assert len(served["a"]) == 1 and served["b"] == {"b0"}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_second_default_model_joining_while_a_request_is_planned_refuses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session's request naming no model passed the model check with one default model,
+    and an engine of another joined before it was planned (its session key names the
+    default model): INVALID_ARGUMENT naming both, as had it come a moment later, where
+    INTERNAL "routing failed" was said. The engine joins inside the plan, after the check."""
+    engines = [await start_sim_engine(f"a{i}", served_model_name="a") for i in range(2)]
+    fleet = await make_fleet(engines=engines, router={"session_metadata_key": "session_id"})
+    late = await start_sim_engine("b0", served_model_name="b")
+    fleet.engines.append(late)  # closed with the fleet
+    controller = fleet.app.controller
+    planned = controller.fleet.prompt_view
+
+    async def joined_then_planned(*args: Any, **kwargs: Any) -> PromptView:
+        await fleet.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=fleet.address(late), kv_events="none")
+        )
+        registry = controller.fleet.registry
+        await controller.fleet.wait_for(lambda: len(registry.base_models()) == 2, 15.0)
+        return await planned(*args, **kwargs)
+
+    monkeypatch.setattr(controller.fleet, "prompt_view", joined_then_planned)
+    try:
+        request = request_for("", "unnamed")
+        request.metadata["session_id"] = "s"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate_routed(fleet, request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "name a model" in (refused.value.details() or "")
+        assert "(a, b)" in (refused.value.details() or "")
     finally:
         await close_fleet(fleet)
 
