@@ -36,6 +36,14 @@ from tests.redis_servers import RedisServer, restartable_port
 
 KVPLANE = [sys.executable, "-m", "kvplane"]
 SETTLE_TIMEOUT_S = 60.0
+# A cycle's spells of traffic, each drawn uniformly from its bounds (seconds): with no fault
+# before it (an error then is a failure), and meeting the fault's aftermath. A CI run passes
+# shorter ones to `drive`: each is one draw from the seed whatever its bounds, so a seed
+# injects the same faults in the same order.
+STEADY_S = (1.0, 3.0)
+AFTERMATH_S = (0.5, 2.0)
+CI_STEADY_S = (0.5, 1.5)  # the short CI soaks': a few requests still in each spell
+CI_AFTERMATH_S = (0.25, 1.0)
 REQUEST_DEADLINE_S = 20.0
 PREFIXES = 6  # prompts share one of these 3-block prefixes
 BLOCK = 16
@@ -481,12 +489,17 @@ class SeededSoak:
         self.in_fault = False  # converged: from here on an error is a failure
         await self.converged()
 
-    async def cycle(self, rate_per_s: float) -> None:
+    async def cycle(
+        self,
+        rate_per_s: float,
+        steady_s: tuple[float, float] = STEADY_S,
+        aftermath_s: tuple[float, float] = AFTERMATH_S,
+    ) -> None:
         """Traffic with no fault, then one fault drawn from the seed with the traffic going
         on, then the traffic stops and the fleet must converge."""
         client = asyncio.create_task(self.client(self.traffic_rate(rate_per_s)))
         try:
-            await asyncio.sleep(self.rng.uniform(1.0, 3.0))  # steady: errors are failures
+            await asyncio.sleep(self.rng.uniform(*steady_s))  # steady: errors are failures
             kind = self.rng.choice(self.FAULTS)
             self.in_fault = True
             self.fault = kind
@@ -496,7 +509,7 @@ class SeededSoak:
             except (grpc.aio.AioRpcError, SoakFailure) as exc:  # an admin call refused, ...
                 self.report.failures.append(f"fault {kind} failed: {exc}")
                 return
-            await asyncio.sleep(self.rng.uniform(0.5, 2.0))  # traffic meets the aftermath
+            await asyncio.sleep(self.rng.uniform(*aftermath_s))  # traffic meets the aftermath
         finally:
             client.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -556,11 +569,18 @@ class GatewaySoak(SeededSoak):
 
 
 async def drive(
-    soak: SeededSoak, *, seconds: float, rate_per_s: float = 4.0, max_faults: int | None = None
+    soak: SeededSoak,
+    *,
+    seconds: float,
+    rate_per_s: float = 4.0,
+    max_faults: int | None = None,
+    steady_s: tuple[float, float] = STEADY_S,
+    aftermath_s: tuple[float, float] = AFTERMATH_S,
 ) -> SoakReport:
-    """`soak`'s run: its fleet started and converged, then cycles until `seconds` have passed
-    (each cycle completes) or `max_faults` were injected, or an invariant failed; then
-    everything stopped, and no process left behind."""
+    """`soak`'s run: its fleet started and converged, then cycles (with spells of traffic
+    `steady_s` and `aftermath_s`) until `seconds` have passed (each cycle completes) or
+    `max_faults` were injected, or an invariant failed; then everything stopped, and no
+    process left behind."""
     try:
         await soak.start()
         await soak.settle("start", "the fleet's start")
@@ -570,7 +590,7 @@ async def drive(
             and not soak.report.failures
             and (max_faults is None or sum(soak.report.faults.values()) < max_faults)
         ):
-            await soak.cycle(rate_per_s)
+            await soak.cycle(rate_per_s, steady_s, aftermath_s)
     finally:
         soak.stop()
     left = soak.leftovers()

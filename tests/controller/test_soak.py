@@ -18,7 +18,7 @@ import pytest
 
 from tests.controller.planner_soak import PlannerSoak
 from tests.controller.soak import Soak
-from tests.soak_fleet import SoakReport, drive
+from tests.soak_fleet import CI_AFTERMATH_S, CI_STEADY_S, SoakReport, drive
 
 SEED = 187  # draws redis restarts around a removal, a controller restart, drain, pause, cordon
 FAULTS = 7
@@ -34,11 +34,21 @@ def assert_clean(report: SoakReport, faults: int) -> None:
 
 @pytest.mark.timeout(240)
 async def test_a_short_seeded_soak_converges_after_every_fault(tmp_path: Path) -> None:
-    assert_clean(await drive(Soak(tmp_path, SEED), seconds=60, max_faults=FAULTS), FAULTS)
+    soak = Soak(tmp_path, SEED)
+    report = await drive(
+        soak, seconds=60, max_faults=FAULTS, steady_s=CI_STEADY_S, aftermath_s=CI_AFTERMATH_S
+    )
+    assert_clean(report, FAULTS)
 
 
 @pytest.mark.timeout(240)
 async def test_a_short_seeded_planner_soak_converges_after_every_fault(tmp_path: Path) -> None:
     soak = PlannerSoak(tmp_path, PLANNER_SEED)
-    report = await drive(soak, seconds=40, max_faults=PLANNER_FAULTS)
+    report = await drive(
+        soak,
+        seconds=40,
+        max_faults=PLANNER_FAULTS,
+        steady_s=CI_STEADY_S,
+        aftermath_s=CI_AFTERMATH_S,
+    )
     assert_clean(report, PLANNER_FAULTS)

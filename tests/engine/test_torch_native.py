@@ -39,6 +39,31 @@ def fresh_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     native.load_kernels.cache_clear()
 
 
+@pytest.fixture(scope="module")
+def _kernel_built_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache home where the kernels were built from nothing, once for this module (a build
+    takes seconds; building from an empty cache is what each test checks the result of)."""
+    home = tmp_path_factory.mktemp("kernel-cache-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("KVPLANE_CACHE_DIR", raising=False)
+        patch.setenv("XDG_CACHE_HOME", str(home))
+        native.load_kernels.cache_clear()
+        native.load_kernels()
+        native.load_kernels.cache_clear()
+    return home
+
+
+@pytest.fixture
+def built_kernel_cache(_kernel_built_once: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """`fresh_kernel_cache` after its first build: what that build left in it, and a
+    per-process kernel loaded from it afresh (restored afterwards)."""
+    monkeypatch.delenv("KVPLANE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(_kernel_built_once))
+    native.load_kernels.cache_clear()
+    yield _kernel_built_once / "kvplane" / "native"
+    native.load_kernels.cache_clear()
+
+
 def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One query [H, D] over keys/values [L, KVH, D], in float64."""
     repeat = q.shape[0] // k.shape[1]
@@ -54,14 +79,14 @@ def dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     [(2, 1, 64, 16), (4, 2, 64, 16), (2, 2, 128, 16), (1, 3, 12, 5), (3, 1, 8, 1), (1, 2, 160, 4)],
 )
 def test_kernel_builds_with_a_compiler_and_equals_dense_attention(
-    fresh_kernel_cache: Path, num_kv_heads: int, group: int, head_dim: int, block_size: int
+    built_kernel_cache: Path, num_kv_heads: int, group: int, head_dim: int, block_size: int
 ) -> None:
     kernel = native.load_kernels()
     assert (kernel is not None) == native.compiler_available()
     if kernel is None:  # no compiler here: nothing is built, the runner uses torch
-        assert not fresh_kernel_cache.exists() or not any(fresh_kernel_cache.iterdir())
+        assert not built_kernel_cache.exists() or not any(built_kernel_cache.iterdir())
         return
-    assert [p.suffix for p in fresh_kernel_cache.iterdir()] == [".so"]
+    assert [p.suffix for p in built_kernel_cache.iterdir()] == [".so"]
     g = torch.Generator().manual_seed(num_kv_heads * 100 + head_dim)
     lengths = [1, 7, block_size, 3 * block_size + 2, 40]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 3
@@ -95,7 +120,7 @@ def test_kernel_builds_with_a_compiler_and_equals_dense_attention(
         torch.testing.assert_close(out[b].double(), expected, atol=1e-5, rtol=1e-5)
     # The second load in another process would find the cached library: same file, no rebuild.
     built = native._build()
-    assert built.parent == fresh_kernel_cache
+    assert built.parent == built_kernel_cache
     # What would make the C code read outside the tensors is refused before it runs.
     bad_block = [list(row) for row in tables]
     bad_block[0][0] = num_blocks

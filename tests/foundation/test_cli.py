@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -10,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import get_args
 
@@ -19,7 +22,7 @@ import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typer.core import TyperGroup
 
-from kvplane.cli import app
+from kvplane.cli import app, main
 from kvplane.up.config import MemberKind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,9 +31,58 @@ GROUPS = ["engine", "indexer", "controller", "planner", "up", "admin", "bench", 
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`kvplane ARGS` as a process of its own: for what only a process shows (its exit
+    status as the shell sees it, a signal, a server's sockets, gRPC core's own stderr lines),
+    and at least once per command group."""
     return subprocess.run(
         [*KVPLANE, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
     )
+
+
+Kvplane = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture
+def kvplane(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Kvplane:
+    """`kvplane ARGS` through the entry point's own `main` in this process, with its exit
+    code, stdout and stderr as `run` gives them: the same code path, without starting Python
+    and importing kvplane once per call (most of this file's time when every test did). For
+    commands that fail before anything is served; logging as `main` configured it is put
+    back after each call."""
+    monkeypatch.chdir(REPO)
+
+    def invoke(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(sys, "argv", ["kvplane", *args])
+        capsys.readouterr()  # only this call's output
+        with _logging_kept():
+            try:
+                main()
+                code: object = 0
+            except SystemExit as exc:
+                code = exc.code
+        out, err = capsys.readouterr()
+        status = code if isinstance(code, int) else (0 if code is None else 1)
+        return subprocess.CompletedProcess(["kvplane", *args], status, out, err)
+
+    return invoke
+
+
+@contextlib.contextmanager
+def _logging_kept() -> Iterator[None]:
+    """The root logger's handlers and the levels `configure_logging` sets, put back: the
+    root callback of every command replaces them, and pytest's own capture with them."""
+    root = logging.getLogger()
+    names = ("", "asyncio", "grpc")
+    levels = {name: logging.getLogger(name).level for name in names}
+    handlers = root.handlers[:]
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def test_help_lists_every_command_group() -> None:
@@ -40,9 +92,9 @@ def test_help_lists_every_command_group() -> None:
         assert re.search(rf"^\W*{group}\b", result.stdout, re.MULTILINE), group
 
 
-def test_up_help_names_every_member_kind() -> None:
+def test_up_help_names_every_member_kind(kvplane: Kvplane) -> None:
     # What a fleet file may hold, as a newcomer reads it from `kvplane up --help`.
-    result = run("up", "--help")
+    result = kvplane("up", "--help")
     assert result.returncode == 0
     for kind in get_args(MemberKind):
         assert kind in result.stdout, kind
@@ -73,14 +125,56 @@ def test_every_command_has_a_one_line_summary() -> None:
         assert summary and "\n" not in summary, f"kvplane {path}: {summary!r}"
 
 
+# Runs `kvplane ARGS` in a fresh interpreter, then prints on stderr's last line which of the
+# components' packages (and their heavy dependencies) it imported.
+_IMPORTS_PROBE = """
+import json, sys
+from kvplane.cli import main
+sys.argv = ["kvplane", *sys.argv[1:]]
+try:
+    main()
+except SystemExit:
+    pass
+packages = {"controller", "engine", "indexer", "planner", "redis", "torch"}
+print(json.dumps(sorted(packages & {name.split(".")[0] for name in sys.modules})), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "packages"),
+    [
+        (["version"], []),
+        (["engine", "serve", "--help"], ["engine"]),
+        (["indexer", "serve", "--help"], ["indexer"]),
+        (["planner", "run", "--help"], ["planner"]),
+    ],
+)
+def test_a_command_imports_no_other_components_modules(
+    args: list[str], packages: list[str]
+) -> None:
+    """`kvplane engine serve` starts every engine of a fleet: it imported the controller's,
+    planner's and benchmarks' modules too (Redis' client among them), 0.35 s of its 0.55 s of
+    imports, for each engine started."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_PROBE, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert "Usage: " in probe.stdout or probe.stdout.startswith("kvplane ")
+    assert json.loads(probe.stderr.splitlines()[-1]) == packages
+
+
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "kvplane"
     result = subprocess.run([str(script), "version"], capture_output=True, text=True, check=True)
     assert result.stdout.startswith("kvplane ")
 
 
-def test_version_json() -> None:
-    result = run("version", "--output", "json")
+def test_version_json(kvplane: Kvplane) -> None:
+    result = kvplane("version", "--output", "json")
     assert result.returncode == 0
     assert json.loads(result.stdout)["version"]
 
@@ -94,10 +188,10 @@ def test_every_option_says_what_it_does() -> None:
                 assert getattr(param, "help", None), f"kvplane {path} {param.opts[0]}"
 
 
-def test_planner_run_without_a_config_is_a_usage_error() -> None:
+def test_planner_run_without_a_config_is_a_usage_error(kvplane: Kvplane) -> None:
     """A required option left out, as click reports one, saying what the file must hold (it
     was exit 1, `kvplane: error: ...`, as if a file had been given)."""
-    line = _usage_error_line(run("planner", "run"))
+    line = _usage_error_line(kvplane("planner", "run"))
     assert line == (
         "Error: Missing option '--config' / '-c'. Give a YAML file whose `live:` section names "
         "the controller (example: configs/planner.yaml)."
@@ -115,10 +209,10 @@ def test_planner_run_on_a_file_without_a_live_section_is_one_line(tmp_path: Path
     )
 
 
-def test_planner_run_help_asks_for_a_config_with_a_live_section() -> None:
+def test_planner_run_help_asks_for_a_config_with_a_live_section(kvplane: Kvplane) -> None:
     """The servers' --config falls back to embedded defaults; the planner's cannot (they name
     no controller), and its help must not promise that it does."""
-    result = run("planner", "run", "--help", timeout=30)
+    result = kvplane("planner", "run", "--help")
     assert result.returncode == 0
     help_text = " ".join(result.stdout.replace("│", " ").split())
     assert "embedded defaults" not in help_text
@@ -133,10 +227,10 @@ def test_usage_error_exits_2() -> None:
 
 
 @pytest.mark.parametrize("group", [[], ["admin"], ["admin", "index"]])
-def test_a_command_left_out_prints_the_help_and_exits_2(group: list[str]) -> None:
+def test_a_command_left_out_prints_the_help_and_exits_2(group: list[str], kvplane: Kvplane) -> None:
     """`kvplane` (or a group) without a command: its help, then exit 2 as any usage error
     (README: exit codes), not 0: nothing was done."""
-    result = run(*group)
+    result = kvplane(*group)
     assert result.returncode == 2, result.stderr
     assert "Usage: " in result.stdout and "Commands" in result.stdout
     assert "Traceback" not in result.stderr
@@ -175,10 +269,10 @@ def test_output_to_a_closed_pipe_exits_141_quietly(args: list[str]) -> None:
     [("--log-level", "bogus", "'debug', 'info'"), ("--log-format", "JSONL", "'text', 'json'")],
 )
 def test_an_unknown_log_level_or_format_is_a_usage_error(
-    option: str, value: str, choices: str
+    option: str, value: str, choices: str, kvplane: Kvplane
 ) -> None:
     """Not a traceback (an unknown level once reached `logging`), nor silently plain text."""
-    result = run(option, value, "version")
+    result = kvplane(option, value, "version")
     assert result.returncode == 2
     assert f"Invalid value for {option}: " in result.stderr and choices in result.stderr
     assert "Traceback" not in result.stderr
@@ -207,7 +301,11 @@ def test_log_level_and_format_ignore_case() -> None:
     ],
 )
 def test_a_token_file_that_cannot_be_used_is_a_usage_error(
-    tmp_path: Path, content: bytes | None, why: str, command: list[str]
+    tmp_path: Path,
+    content: bytes | None,
+    why: str,
+    command: list[str],
+    kvplane: Kvplane,
 ) -> None:
     """Missing, not text (a key file given by mistake) or empty: a file an option gives, so a
     usage error naming the option (it was exit 1, `kvplane: error: ...`), before anything is
@@ -216,22 +314,15 @@ def test_a_token_file_that_cannot_be_used_is_a_usage_error(
     if content is not None:
         token.write_bytes(content)
     args = [arg.format(path=token) for arg in command]
-    result = subprocess.run(
-        [*KVPLANE, *args, "--target", "127.0.0.1:9"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env={**os.environ, "KVPLANE_TOKEN": "s3cret"},
-    )
+    result = kvplane(*args, "--target", "127.0.0.1:9", env={"KVPLANE_TOKEN": "s3cret"})
     line = _usage_error_line(result)
     assert line == f"Error: Invalid value for --token-file: {why.format(path=token)}"
 
 
-def test_unknown_config_key_is_rejected(tmp_path: Path) -> None:
+def test_unknown_config_key_is_rejected(tmp_path: Path, kvplane: Kvplane) -> None:
     config = tmp_path / "indexer.yaml"
     config.write_text("listen: 127.0.0.1:0\nlisten_port: 5\n")
-    result = run("indexer", "serve", "--config", str(config))
+    result = kvplane("indexer", "serve", "--config", str(config))
     assert result.returncode == 1
     assert "listen_port" in result.stderr
     assert "Traceback" not in result.stderr
@@ -273,10 +364,12 @@ def _usage_error_line(result: subprocess.CompletedProcess[str]) -> str:
         ),
     ],
 )
-def test_a_bad_flag_value_is_a_usage_error_naming_the_flag(args: list[str], error: str) -> None:
+def test_a_bad_flag_value_is_a_usage_error_naming_the_flag(
+    args: list[str], error: str, kvplane: Kvplane
+) -> None:
     """As click reports its own checks, and as every bench command does (it was exit 1 and
     `kvplane: error: invalid --role: ...`, like a bad config file)."""
-    line = _usage_error_line(run(*args))
+    line = _usage_error_line(kvplane(*args))
     assert line.startswith(f"Error: Invalid value for {error}"), line
     assert "embedded defaults" not in line
 
@@ -286,10 +379,10 @@ def test_a_bad_flag_value_is_a_usage_error_naming_the_flag(args: list[str], erro
     [["engine", "serve"], ["controller", "serve"], ["indexer", "serve"], ["planner", "run"]],
 )
 def test_a_config_file_that_cannot_be_read_is_a_usage_error(
-    command: list[str], tmp_path: Path
+    command: list[str], tmp_path: Path, kvplane: Kvplane
 ) -> None:
     missing = tmp_path / "absent.yaml"
-    line = _usage_error_line(run(*command, "--config", str(missing)))
+    line = _usage_error_line(kvplane(*command, "--config", str(missing)))
     assert line == (
         f"Error: Invalid value for --config: cannot read config {missing}: No such file or "
         "directory"
@@ -304,7 +397,7 @@ def test_a_config_file_that_cannot_be_read_is_a_usage_error(
     ],
 )
 def test_a_fleet_file_that_cannot_be_read_is_a_usage_error(
-    name: str, content: bytes | None, problem: str, tmp_path: Path
+    name: str, content: bytes | None, problem: str, tmp_path: Path, kvplane: Kvplane
 ) -> None:
     """`kvplane up FILE` as every server's `--config FILE` (README: exit codes); it was exit
     1, `kvplane: error: ...`, as if the file had held a bad value. What a file holds stays
@@ -312,31 +405,35 @@ def test_a_fleet_file_that_cannot_be_read_is_a_usage_error(
     path = tmp_path / name
     if content is not None:
         path.write_bytes(content)
-    line = _usage_error_line(run("up", str(path)))
+    line = _usage_error_line(kvplane("up", str(path)))
     assert line == f"Error: Invalid value for CONFIG: {problem.format(path=path)}"
     path.write_text("members: []\nbogus: 1\n")
-    result = run("up", str(path))
+    result = kvplane("up", str(path))
     assert result.returncode == 1
     assert result.stderr.startswith(f"kvplane: error: invalid config in {path}: "), result.stderr
 
 
-def test_a_bad_value_in_the_file_stays_a_config_error_naming_the_file(tmp_path: Path) -> None:
+def test_a_bad_value_in_the_file_stays_a_config_error_naming_the_file(
+    tmp_path: Path, kvplane: Kvplane
+) -> None:
     config = tmp_path / "engine.yaml"
     config.write_text("model: sim\nblock_size: 0\n")
-    result = run("engine", "serve", "--config", str(config))
+    result = kvplane("engine", "serve", "--config", str(config))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"kvplane: error: invalid config in {config}: block_size: Input should be greater than 0"
     ]
     # With a bad flag too, the command line is checked first, as click checks its options.
-    line = _usage_error_line(run("engine", "serve", "--config", str(config), "--role", "bogus"))
+    line = _usage_error_line(kvplane("engine", "serve", "--config", str(config), "--role", "bogus"))
     assert line.startswith("Error: Invalid value for --role: Input should be 'aggregated'")
 
 
-def test_an_empty_instance_id_in_the_file_is_a_config_error_naming_it(tmp_path: Path) -> None:
+def test_an_empty_instance_id_in_the_file_is_a_config_error_naming_it(
+    tmp_path: Path, kvplane: Kvplane
+) -> None:
     config = tmp_path / "engine.yaml"
     config.write_text("listen: 127.0.0.1:0\ninstance_id: ''\n")
-    result = run("engine", "serve", "--config", str(config), timeout=30)
+    result = kvplane("engine", "serve", "--config", str(config))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"kvplane: error: invalid config in {config}: instance_id: must not be empty (leave it "
@@ -344,13 +441,13 @@ def test_an_empty_instance_id_in_the_file_is_a_config_error_naming_it(tmp_path: 
     ]
 
 
-def test_a_flag_at_odds_with_the_file_is_blamed_on_both(tmp_path: Path) -> None:
+def test_a_flag_at_odds_with_the_file_is_blamed_on_both(tmp_path: Path, kvplane: Kvplane) -> None:
     """Neither value is wrong alone: a config error, naming the file and the flag (not the
     flags given with it that the check does not involve)."""
     config = tmp_path / "engine.yaml"
     config.write_text("model: builtin\nkv_cache_bytes: 1000000\n")
     listen = ["--listen", "127.0.0.1:0"]  # given too, and not at odds with anything
-    result = run("engine", "serve", "--config", str(config), "--model", "sim", *listen)
+    result = kvplane("engine", "serve", "--config", str(config), "--model", "sim", *listen)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"kvplane: error: invalid config in {config} with --model: the sim runner needs"
@@ -376,13 +473,13 @@ def test_a_flag_at_odds_with_the_file_is_blamed_on_both(tmp_path: Path) -> None:
     ],
 )
 def test_a_check_across_keys_of_the_file_alone_blames_no_flag(
-    command: list[str], content: str, problem: str, tmp_path: Path
+    command: list[str], content: str, problem: str, tmp_path: Path, kvplane: Kvplane
 ) -> None:
     """A problem between the file's own keys, with a flag it does not involve given too (it
     said `invalid config in FILE with --listen: redis: ...`, blaming the flag)."""
     config = tmp_path / "server.yaml"
     config.write_text(content)
-    result = run(*command, "--config", str(config), "--listen", "127.0.0.1:0")
+    result = kvplane(*command, "--config", str(config), "--listen", "127.0.0.1:0")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"kvplane: error: invalid config in {config}: {problem}"
@@ -449,12 +546,12 @@ def test_server_started_by_cli_answers_health_and_stops_on_sigint() -> None:
     "serve", [["engine", "serve", "--model", "sim"], ["controller", "serve"], ["indexer", "serve"]]
 )
 def test_a_port_file_in_a_missing_folder_is_refused_before_serving(
-    serve: list[str], tmp_path: Path
+    serve: list[str], tmp_path: Path, kvplane: Kvplane
 ) -> None:
     """Once the server listens it is too late: the write failed with a traceback and left a
     server half started."""
     missing = tmp_path / "absent" / "port"
-    result = run(*serve, "--listen", "127.0.0.1:0", "--port-file", str(missing))
+    result = kvplane(*serve, "--listen", "127.0.0.1:0", "--port-file", str(missing))
     assert result.returncode == 2
     assert f"folder {missing.parent} does not exist" in result.stderr
     assert "Traceback" not in result.stderr and "serving" not in result.stderr
@@ -464,11 +561,11 @@ def test_a_port_file_in_a_missing_folder_is_refused_before_serving(
     "serve", [["engine", "serve", "--model", "sim"], ["controller", "serve"], ["indexer", "serve"]]
 )
 def test_a_port_file_that_is_a_folder_is_refused_before_serving(
-    serve: list[str], tmp_path: Path
+    serve: list[str], tmp_path: Path, kvplane: Kvplane
 ) -> None:
     """The port cannot be written there: found once serving, that was an error line and then
     grpc's traceback of a server never stopped."""
-    result = run(*serve, "--listen", "127.0.0.1:0", "--port-file", str(tmp_path))
+    result = kvplane(*serve, "--listen", "127.0.0.1:0", "--port-file", str(tmp_path))
     assert result.returncode == 2
     assert f"{tmp_path} is a folder: give the path of a file to write" in result.stderr
     assert "Traceback" not in result.stderr and "serving" not in result.stderr

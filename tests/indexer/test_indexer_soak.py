@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.indexer.soak import IndexerSoak
-from tests.soak_fleet import drive
+from tests.soak_fleet import CI_AFTERMATH_S, CI_STEADY_S, drive
 
 # Draws each kind of fault once: the bridged engine restarted, a resync asked of a replica
 # while the other (holding the lease or not) is stopped, a resync of the OpenEngine-fed engine
@@ -22,7 +22,10 @@ FAULTS = 7
 
 @pytest.mark.timeout(240)
 async def test_a_short_seeded_indexer_soak_converges_after_every_fault(tmp_path: Path) -> None:
-    report = await drive(IndexerSoak(tmp_path, SEED), seconds=60, max_faults=FAULTS)
+    soak = IndexerSoak(tmp_path, SEED)
+    report = await drive(
+        soak, seconds=60, max_faults=FAULTS, steady_s=CI_STEADY_S, aftermath_s=CI_AFTERMATH_S
+    )
     assert not report.failures, report.summary()
     assert sum(report.faults.values()) == FAULTS, report.summary()
     assert report.requests["MatchTokens ok"] > 0, report.summary()
