@@ -1005,10 +1005,10 @@ def lora_load(
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
-    """Load an adapter on every engine, or through the controller on one (--engine) or on
-    those serving one base model (--model; both: that engine, for that model).
+    """Load an adapter on every engine, on one (--engine), or on one model's (--model).
 
-    Behind a controller, each engine's outcome is shown."""
+    Through a controller, --engine and --model together load it on that engine for that base
+    model. Behind a controller, each engine's outcome is shown."""
     server = _server(ctx, target)
     metadata = bearer_metadata(token_file)
     command = "lora load --engine" if model is None else "lora load --model"
