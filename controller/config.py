@@ -251,7 +251,9 @@ class HealthConfig(StrictModel):
     # STARTING, a failed poll) this many times within flap_window_s is held out of routing
     # once it says READY again, until it has said so for hold_down_s (doubling with each
     # hold-down in a row up to hold_down_max_s) and then for hold_down_ready_polls polls.
-    # One leave (a restart) comes back at its first READY, as ever. 0: never held down.
+    # One leave (a restart) comes back at its first READY, as ever. 0: never held down;
+    # 1 is refused (every restart would be held down). Never more than half of the fleet
+    # is held out (held down or ejected) at once: the rest is routed all the same.
     hold_down_after_flaps: int = Field(default=3, ge=0)
     flap_window_s: float = Field(default=60.0, gt=0)
     hold_down_s: float = Field(default=10.0, gt=0)
@@ -262,6 +264,13 @@ class HealthConfig(StrictModel):
     def _check_hold_down(self) -> HealthConfig:
         if self.hold_down_max_s < self.hold_down_s:
             raise ValueError("health.hold_down_max_s must be at least hold_down_s")
+        if self.hold_down_after_flaps == 1:
+            # One leave of ready (a restart) comes back at its first READY: held down at
+            # its first flap, every restart would be.
+            raise ValueError(
+                "health.hold_down_after_flaps must be 0 (never) or at least 2: at 1 every "
+                "engine restart would be held down"
+            )
         return self
 
 

@@ -40,7 +40,15 @@ again at once, twice as long (its probation, as an ejection's); a window without
 after it is put back clears the record. An engine that leaves ready once (a restart) or now
 and then comes back at its first READY, as before. Kubernetes' readiness `successThreshold`,
 Envoy's `healthy_threshold` and its ejection time growing with each ejection, kept to what a
-fleet needs. The record outlives a new process (a crash loop is flapping too). Drains and
+fleet needs. Hold-down shares ejection's cap: the engines held out (ejected, or held down
+while they say READY) are never more than half of those taking traffic (routable, ejected or
+held down). Beyond it, held-down engines that say ready are routed anyway, their hold-down
+running on (`_cap_hold_downs`): a blip of the controller's own (its polls time out, a
+partition heals three times a minute) flaps every engine at once, and holding them all down
+would refuse every request while every engine says READY. Ejections count first (an engine
+failing its requests now outranks one that flapped), then the held-down engines whose
+hold-down ends soonest (then with fewest flaps, then by address) are the ones routed. The
+record outlives a new process (a crash loop is flapping too). Drains and
 cordons are no flaps: an engine that drains, or one an operator cordoned (and restarts, say,
 while working on it), is not flapping, and its leaves do not count.
 
@@ -108,6 +116,14 @@ POLL_FAILED_STATES = frozenset({EngineState.UNREACHABLE, EngineState.FAILING})
 # one of these for one of `_NOT_READY_STATES` is a flap).
 _READY_TO_ITS_POLLS = ROUTABLE_STATES | {EngineState.EJECTED, EngineState.HELD_DOWN}
 _NOT_READY_STATES = POLL_FAILED_STATES | {EngineState.NOT_READY, EngineState.STARTING}
+# A held-down engine that says ready: held out (HELD_DOWN) or routed by the cap.
+_HOLDABLE_STATES = ROUTABLE_STATES | {EngineState.HELD_DOWN}
+# How the error of a held-down engine routed by the cap (`Registry._cap_hold_downs`) begins;
+# the rest says why it is held down, and until when (`Registry._held_for`).
+_ROUTED_ANYWAY = (
+    "held down but routed: more than half of the engines taking traffic would be out of "
+    "routing otherwise; "
+)
 
 
 class PollFailure(enum.Enum):
@@ -398,6 +414,9 @@ class EngineRecord:
     held_ready_since_s: float | None = None
     hold_polls_left: int = 0
     released_s: float | None = None
+    # While held down (`hold_s`): what its health says, READY or DEGRADED, the state it takes
+    # when routed all the same (the cap, `Registry._cap_hold_downs`).
+    ready_as: EngineState = EngineState.READY
 
     @property
     def engine_id(self) -> str:
@@ -432,6 +451,13 @@ def _reject(record: EngineRecord, error: str) -> None:
     record.state = EngineState.INCOMPATIBLE
     record.last_error = error
     record.load = LoadSnapshot()
+
+
+def _hold_down_ends_s(record: EngineRecord, now_s: float) -> float:
+    """When the ready time of `record`'s hold-down ends, if it stays ready from `now_s` on
+    (or from when it has been)."""
+    since_s = record.held_ready_since_s
+    return (since_s if since_s is not None else now_s) + record.hold_s
 
 
 def _standing(record: EngineRecord) -> tuple[bool, bool, str]:
@@ -479,6 +505,9 @@ class Registry:
         # engine and a sort.
         self._base_models_memo: dict[tuple[bool, bool], tuple[str, ...]] = {}
         self._memo_version = -1
+        # The latest time a poll or a request's outcome was recorded at: what a held-down
+        # engine's error is written as of when the cap holds it out between its own polls.
+        self._now_s = 0.0
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -524,6 +553,7 @@ class Registry:
         del self._by_address[record.address]
         self._in_order = None
         self.version += 1
+        self._cap_hold_downs()
         return record
 
     def get(self, key: str) -> EngineRecord:
@@ -778,6 +808,7 @@ class Registry:
         if record.state in _READY_TO_ITS_POLLS:
             record.state = EngineState.DRAINING
             self.version += 1
+            self._cap_hold_downs()
         return record
 
     def withdraw_drain(self, address: str) -> None:
@@ -791,6 +822,7 @@ class Registry:
         record = self.get(key)
         record.cordoned = cordoned
         self.version += 1
+        self._cap_hold_downs()
         return record
 
     # ---- what the pollers report ----
@@ -804,6 +836,13 @@ class Registry:
         `restarted` (the caller saw another sign of a new process: GetLoad naming a new
         instance).
         Raises IncompatibleEngineError (and marks the engine) when the revision check fails."""
+        try:
+            return self._take_identity(address, identity, restarted)
+        finally:
+            self._cap_hold_downs()  # an engine rejected leaves the fleet taking traffic
+
+    def _take_identity(self, address: str, identity: EngineIdentity, restarted: bool) -> bool:
+        """`on_identity`, but for the cap on hold-downs."""
         record = self._by_address[address]
         self.version += 1  # whatever follows: a new identity, or the engine rejected
         # An engine whose connection was lost is a new process when it answers again, even
@@ -897,6 +936,7 @@ class Registry:
             record.state = EngineState.UNKNOWN
             record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
             self.version += 1
+            self._cap_hold_downs()
 
     def on_loras(
         self,
@@ -930,6 +970,7 @@ class Registry:
         if record is not None:
             _reject(record, error)
             self.version += 1
+            self._cap_hold_downs()
 
     def on_health(self, address: str, state: EngineState, now_s: float, message: str = "") -> None:
         """Record a health answer. `message` (what the failing checks said) is kept as the
@@ -938,6 +979,7 @@ class Registry:
         record = self._by_address.get(address)
         if record is None or record.state is EngineState.INCOMPATIBLE:
             return
+        self._now_s = max(self._now_s, now_s)
         ejected = record.ejected_until_s is not None and now_s < record.ejected_until_s
         self._count_flap(record, state, now_s)
         held = state in ROUTABLE_STATES and self._still_held(record, now_s)
@@ -948,7 +990,11 @@ class Registry:
         elif ejected and state in ROUTABLE_STATES:
             state = EngineState.EJECTED
         elif held:
-            state = EngineState.HELD_DOWN
+            # Where it stands until the cap decides: as it was if routed by the cap before
+            # with the same health (no change, no bump of `version`), else held out.
+            record.ready_as = state
+            if record.state is not state:
+                state = EngineState.HELD_DOWN
         if not ejected:
             record.ejected_until_s = None
         if state is EngineState.EJECTED:
@@ -962,6 +1008,7 @@ class Registry:
         record.state = state
         record.num_failures = 0
         record.next_attempt_s = now_s
+        self._cap_hold_downs()
 
     def _count_flap(self, record: EngineRecord, state: EngineState, now_s: float) -> None:
         """Before `record` takes `state`: count a flap (the module's "Hold-down") if it leaves
@@ -1006,18 +1053,43 @@ class Registry:
                 return False
         return True
 
-    def _held_for(self, record: EngineRecord, now_s: float) -> str:
-        """Why a held-down engine that says it is ready is not routed, and until when."""
-        since_s = record.held_ready_since_s if record.held_ready_since_s is not None else now_s
-        left_s = max(0.0, since_s + record.hold_s - now_s)
+    def _held_for(self, record: EngineRecord, now_s: float, routed: bool = False) -> str:
+        """Why a held-down engine that says it is ready is not routed, and until when; with
+        `routed` (the cap routes it all the same), why it is, and when its hold-down ends."""
+        left_s = max(0.0, _hold_down_ends_s(record, now_s) - now_s)
         flaps = len(record.flap_times)
         window_s = self.hold_down.window_s
         return (
-            f"left ready {flaps} time{'s' if flaps != 1 else ''} in {window_s:g} s "
-            f"(hold-down {record.hold_s:g} s); routable in {left_s:.0f} s and "
+            (_ROUTED_ANYWAY if routed else "")
+            + f"left ready {flaps} time{'s' if flaps != 1 else ''} in {window_s:g} s "
+            f"(hold-down {record.hold_s:g} s); {'hold-down over' if routed else 'routable'} "
+            f"in {left_s:.0f} s and "
             f"{record.hold_polls_left} more ready poll{'s' if record.hold_polls_left != 1 else ''}"
             ", if it stays ready"
         )
+
+    def _cap_hold_downs(self) -> None:
+        """Hold out the held-down engines that say ready, as many as the cap shared with
+        ejection leaves room for (the module's "Hold-down"), and route the others all the
+        same, their hold-down running on: first out, the one whose hold-down ends last, then
+        the one with most flaps in its window, then by address. Called after every change of
+        the fleet that takes an engine into or out of traffic."""
+        held = [
+            r
+            for r in self._by_address.values()
+            if r.hold_s and not r.cordoned and r.state in _HOLDABLE_STATES
+        ]
+        if not held:
+            return
+        room = max(0, self._num_in_rotation() // 2 - self._num_ejected())
+        held.sort(key=lambda r: (-_hold_down_ends_s(r, self._now_s), -len(r.flap_times), r.address))
+        for n, record in enumerate(held):
+            kept_out = n < room
+            state = EngineState.HELD_DOWN if kept_out else record.ready_as
+            if state is not record.state:
+                self.version += 1
+                record.state = state
+            record.last_error = self._held_for(record, self._now_s, routed=not kept_out)
 
     def on_request_served(self, engine: str) -> None:
         """A request the engine (address or instance id) served: its failure count restarts.
@@ -1036,6 +1108,7 @@ class Registry:
         # well, and counted they would eject the engine at its first failure once it is back.
         if record is None or record.state not in ROUTABLE_STATES:
             return None
+        self._now_s = max(self._now_s, now_s)
         record.request_failures += 1
         if (
             not policy.after_failures
@@ -1052,17 +1125,23 @@ class Registry:
             f"{record.request_failures} requests failed in a row (last: {error}); "
             f"out of routing for {duration_s:g} s"
         )
+        self._cap_hold_downs()  # room for the ejection: a held-down engine may be routed
         return duration_s
 
     def _num_ejected(self) -> int:
         return sum(r.state is EngineState.EJECTED for r in self._by_address.values())
 
     def _num_in_rotation(self) -> int:
-        """The engines that take traffic (routable), ejected ones included: the fleet the
-        ejection cap is half of. Engines down, draining or cordoned are not in it, so that
-        those left routable are never all ejected (clients get their failures, not "no
-        engine")."""
-        return sum(r.routable or r.state is EngineState.EJECTED for r in self._by_address.values())
+        """The engines that take traffic (routable), ejected and held-down ones included:
+        the fleet the cap on ejection and hold-down is half of. Engines down, draining or
+        cordoned are not in it, so that those left routable are never all held out (clients
+        get their failures, not "no engine")."""
+        return sum(
+            r.routable
+            or r.state is EngineState.EJECTED
+            or (r.state is EngineState.HELD_DOWN and not r.cordoned)
+            for r in self._by_address.values()
+        )
 
     def on_load(self, address: str, load: LoadSnapshot) -> None:
         record = self._by_address.get(address)
@@ -1093,6 +1172,7 @@ class Registry:
         record = self._by_address.get(address)
         if record is None:
             return self.backoff_max_s
+        self._now_s = max(self._now_s, now_s)
         if record.state is not EngineState.INCOMPATIBLE:
             if record.state not in POLL_FAILED_STATES:
                 record.connection_lost = False
@@ -1111,6 +1191,7 @@ class Registry:
         delay: float = min(self.backoff_initial_s * 2.0**record.num_failures, self.backoff_max_s)
         record.num_failures += 1
         record.next_attempt_s = now_s + delay
+        self._cap_hold_downs()
         return delay
 
     def unreachable_since(self, address: str) -> float | None:

@@ -5,7 +5,8 @@ hold-down it was put back at each READY, taking requests half the time; now, pas
 `health.hold_down_after_flaps` flaps in `flap_window_s`, it stays out while it says READY
 until its hold-down is over, and operators see why (`kvplane admin workers`, `health`,
 /metrics). An engine that leaves ready once (a restart), or that drains, comes back as
-before. Time runs through the config's short poll intervals; nothing here is timed."""
+before; of engines flapping all at once, half at most are held out. Time runs through the
+config's short poll intervals; nothing here is timed."""
 
 from __future__ import annotations
 
@@ -150,5 +151,48 @@ async def test_an_engine_that_leaves_ready_once_or_drains_is_back_at_its_first_r
         flapping.servicer.flapping = False
         await wait_state(fleet, record.address, EngineState.READY)
         assert record.num_flaps == 1
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_fleet_wide_blip_holds_down_half_of_the_engines_at_most() -> None:
+    """Every engine flapping together (what a blip of the controller's own polls looks like):
+    held down, all three would be out of routing, every request refused while each says
+    READY. One is held out, the other two take the requests, shown routed despite their
+    hold-down."""
+    engines = [await start_fronted_engine(f"flappy{n}", Flapping) for n in range(3)]
+    fleet = await make_fleet(
+        engines=engines_of_kinds(*engines),
+        health={"hold_down_after_flaps": 2, "hold_down_ready_polls": 2, **LONG_HOLD_DOWN},
+    )
+    records = [record_of(fleet, engine) for engine in engines]
+    try:
+        for engine in engines:
+            engine.servicer.flapping = True
+        await fleet.app.controller.fleet.wait_for(
+            lambda: all(r.num_flaps >= 2 for r in records), WAIT_S
+        )
+        for engine in engines:
+            engine.servicer.flapping = False
+        for engine in engines:
+            await polled(engine, 3)  # READY at each of them now
+        workers = (await cli_json("workers", "--target", fleet.target))["workers"]
+        states = sorted((w["state"], w["routable"]) for w in workers)
+        assert states == [("held_down", False), ("ready", True), ("ready", True)]
+        routed_anyway = [w["last_error"] for w in workers if w["routable"]]
+        assert all(
+            e.startswith("held down but routed: more than half of the engines taking ")
+            for e in routed_anyway
+        )
+        assert all(r.hold_s == 600 for r in records)
+        health = await cli_json("health", "--target", fleet.target)
+        checks = {c["name"]: c for c in health["checks"]}
+        for w in workers:
+            check = checks[f"engine:{w['address']}"]
+            if w["routable"]:
+                assert check["state"] == "HEALTH_STATE_READY"
+                assert check["message"] == w["last_error"]
+        served_by = set(await routed(fleet, "blip", 12))
+        assert served_by and served_by <= {w["address"] for w in workers if w["routable"]}
     finally:
         await close_fleet(fleet)

@@ -718,11 +718,14 @@ def test_the_routable_listings_kept_do_not_grow_with_the_models_requests_name() 
     assert len(registry._routable_memo) <= ROUTABLE_MEMO_SIZE
 
 
-def flapping_registry(policy: HoldDownPolicy) -> Registry:
+def flapping_registry(policy: HoldDownPolicy, steady: int = 1) -> Registry:
+    """h:1, which the tests flap, and `steady` engines more (h:2, ...), READY: a hold-down
+    never holds out more than half of the fleet."""
     registry = Registry(hold_down=policy)
-    registry.add("h:1")
-    registry.on_identity("h:1", identity("e0"))
-    registry.on_health("h:1", EngineState.READY, 0.0)
+    for n in range(1, steady + 2):
+        registry.add(f"h:{n}")
+        registry.on_identity(f"h:{n}", identity(f"e{n}"))
+        registry.on_health(f"h:{n}", EngineState.READY, 0.0)
     return registry
 
 
@@ -751,7 +754,7 @@ def test_a_flapping_engine_is_held_down_for_longer_at_each_flap_then_owes_ready_
     assert record.routable
     flap(registry, 5.0)  # the third within the window: held down once ready again
     assert record.state is EngineState.HELD_DOWN and not record.routable
-    assert registry.routable() == []
+    assert [r.address for r in registry.routable()] == ["h:2"]
     assert record.last_error == (
         "left ready 3 times in 60 s (hold-down 10 s); routable in 10 s and 2 more ready "
         "polls, if it stays ready"
@@ -782,7 +785,7 @@ def test_a_new_process_keeps_the_hold_down_a_crash_loop_is_flapping() -> None:
     registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1))
     for now_s in (1.0, 3.0):
         registry.on_poll_failed("h:1", now_s, "UNAVAILABLE: crashed")
-        registry.on_identity("h:1", identity("e0"))
+        registry.on_identity("h:1", identity("e1"))
         registry.on_health("h:1", EngineState.READY, now_s + 1.0)
     assert registry.get("h:1").state is EngineState.HELD_DOWN
 
@@ -824,3 +827,113 @@ def test_hold_down_off() -> None:
     for now_s in range(10):
         flap(registry, float(now_s * 2))
     assert registry.get("h:1").routable
+
+
+def blip(registry: Registry, now_s: float, *addresses: str) -> None:
+    """A poll of each engine fails (the controller's own polls time out), the next answers
+    READY: every engine flaps at once."""
+    for address in addresses:
+        registry.on_poll_failed(address, now_s, "DEADLINE_EXCEEDED: slow", PollFailure.TIMED_OUT)
+    for address in addresses:
+        registry.on_health(address, EngineState.READY, now_s + 1.0)
+
+
+def test_a_fleet_wide_blip_never_holds_down_more_than_half_of_the_engines() -> None:
+    """Every engine flapping together (the controller's blip, not the engines'): held down,
+    they would all be out of routing, every request refused while each says READY. Half are
+    held out at most, the others routed with their hold-down running on; first out, the one
+    that flapped most."""
+    registry = flapping_registry(HoldDownPolicy(3, 60.0, 10.0, 300.0, 1), steady=2)
+    engines = ("h:1", "h:2", "h:3")
+    registry.on_health("h:3", EngineState.NOT_READY, 0.5)  # h:3 flapped once more
+    registry.on_health("h:3", EngineState.READY, 0.7)
+    for now_s in (1.0, 3.0, 5.0):
+        blip(registry, now_s, *engines)
+    assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
+    held = registry.get("h:3")
+    assert held.state is EngineState.HELD_DOWN
+    assert held.last_error.startswith("left ready 4 times in 60 s (hold-down 20 s)")
+    for address in ("h:1", "h:2"):
+        routed = registry.get(address)
+        assert routed.state is EngineState.READY and routed.hold_s == 10.0
+        assert routed.last_error.startswith(
+            "held down but routed: more than half of the engines taking traffic would be out "
+            "of routing otherwise; left ready 3 times in 60 s (hold-down 10 s); hold-down over in "
+        )
+    # Their hold-downs run on: once over, no error is left; h:3's, twice as long, after.
+    for now_s in (16.0, 17.0):
+        for address in engines:
+            registry.on_health(address, EngineState.READY, now_s)
+    assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
+    assert registry.get("h:1").last_error == registry.get("h:2").last_error == ""
+    for now_s in (26.0, 27.0):
+        registry.on_health("h:3", EngineState.READY, now_s)
+    assert [r.address for r in registry.routable()] == list(engines)
+    assert all(r.last_error == "" for r in registry.records())
+    # The routed ones were on probation all the same: a flap within the window holds again.
+    blip(registry, 20.0, "h:1")
+    assert registry.get("h:1").state is EngineState.HELD_DOWN
+
+
+def test_ties_between_held_down_engines_are_decided_by_address() -> None:
+    registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1), steady=3)
+    engines = ("h:1", "h:2", "h:3", "h:4")
+    for now_s in (1.0, 3.0):
+        blip(registry, now_s, *engines)
+    assert [r.address for r in registry.routable()] == ["h:3", "h:4"]
+    assert registry.get("h:1").state is EngineState.HELD_DOWN
+    assert registry.get("h:2").state is EngineState.HELD_DOWN
+
+
+def test_ejection_and_hold_down_share_one_cap_ejection_first() -> None:
+    """Four engines, two held down: an engine failing its requests is ejected all the same
+    (it fails requests now; the held-down ones only flapped), and one held-down engine is
+    routed instead: never more than two of the four out of routing."""
+    registry = Registry(
+        hold_down=HoldDownPolicy(2, 60.0, 10.0, 300.0, 1), ejection=EjectionPolicy(1)
+    )
+    for n in range(1, 5):
+        registry.add(f"h:{n}")
+        registry.on_identity(f"h:{n}", identity(f"e{n}"))
+        registry.on_health(f"h:{n}", EngineState.READY, 0.0)
+    registry.on_health("h:2", EngineState.NOT_READY, 0.5)  # h:2 flapped once more
+    registry.on_health("h:2", EngineState.READY, 0.7)
+    for now_s in (1.0, 3.0):
+        blip(registry, now_s, "h:1", "h:2")
+    assert [r.address for r in registry.routable()] == ["h:3", "h:4"]
+    assert registry.on_request_failed("h:4", 5.0, "INTERNAL: x") == 10.0
+    assert registry.get("h:2").state is EngineState.HELD_DOWN
+    assert [r.address for r in registry.routable()] == ["h:1", "h:3"]
+    # A second ejection routes the other held-down engine too; then half the fleet is out,
+    # ejected: no further ejection.
+    assert registry.on_request_failed("h:3", 5.0, "INTERNAL: x") == 10.0
+    assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
+    assert registry.on_request_failed("h:1", 5.0, "INTERNAL: x") is None
+
+
+def test_a_held_down_engine_is_routed_when_the_rest_of_the_fleet_leaves_traffic() -> None:
+    """Cordoning (or losing) the steady engine leaves the held-down one the last that says
+    READY: routed at once, without waiting for its next poll."""
+    registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1))
+    flap(registry, 1.0)
+    flap(registry, 3.0)
+    assert registry.get("h:1").state is EngineState.HELD_DOWN
+    registry.set_cordoned("h:2", True)
+    assert [r.address for r in registry.routable()] == ["h:1"]
+    registry.set_cordoned("h:2", False)
+    assert [r.address for r in registry.routable()] == ["h:2"]
+    registry.on_poll_failed("h:2", 5.0, "UNAVAILABLE: refused")
+    assert [r.address for r in registry.routable()] == ["h:1"]
+    assert registry.get("h:1").last_error.startswith("held down but routed: ")
+
+
+def test_hold_down_after_one_flap_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("health: {hold_down_after_flaps: 1}\n")
+    with pytest.raises(
+        ConfigError, match=r"hold_down_after_flaps must be 0 \(never\) or at least 2"
+    ):
+        load_config(ControllerConfig, path)
+    for flaps in (0, 2):
+        path.write_text(f"health: {{hold_down_after_flaps: {flaps}}}\n")
+        assert load_config(ControllerConfig, path).health.hold_down_after_flaps == flaps
