@@ -12,7 +12,9 @@ from __future__ import annotations
 import errno
 import functools
 import importlib
+import inspect
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -49,10 +51,41 @@ _COMPONENT_COMMANDS: dict[str, tuple[str, str, str | None]] = {
 }
 
 
+# A line that is not prose running on: indented (an example, code, a list item's next line)
+# or a list item ("- ", "* ", "1. ").
+_STRUCTURED_LINE = re.compile(r"\s|[-*•] |\d+[.)] ")
+
+
+def _flowed(help_text: str) -> str:
+    """`help_text` with each prose paragraph after the first on one line, for the terminal to
+    wrap at its width: typer's rich help keeps a docstring's line breaks, so at 80 columns a
+    paragraph wrapped at 88 in the source read "... ends it" / "with an error.". The first
+    paragraph, the summary a group lists, is kept (a one-line rule of its own). A paragraph
+    with a list, an example or code in it (`_STRUCTURED_LINE`), or one that click's "\\b"
+    line opens, is kept as written."""
+    summary, *rest = inspect.cleandoc(help_text).split("\n\n")
+    kept = (
+        paragraph
+        if paragraph.startswith("\b")
+        or any(_STRUCTURED_LINE.match(line) for line in paragraph.splitlines())
+        else paragraph.replace("\n", " ")
+        for paragraph in rest
+    )
+    return "\n\n".join((summary, *kept))
+
+
+def _flow_help(command: Any) -> None:
+    """Flow (`_flowed`) the help of `command` and of every command under it."""
+    if command.help:
+        command.help = _flowed(command.help)
+    for sub in getattr(command, "commands", {}).values():
+        _flow_help(sub)
+
+
 @functools.cache
 def _component_command(name: str) -> Any:
     """The click command of `_COMPONENT_COMMANDS[name]`, as `app.add_typer` (a group) or
-    `app.command` (a command) would have made it."""
+    `app.command` (a command) would have made it, its helps flowed (`_flowed`)."""
     module, attribute, help_text = _COMPONENT_COMMANDS[name]
     member = getattr(importlib.import_module(module), attribute)
     holder = typer.Typer()
@@ -60,14 +93,21 @@ def _component_command(name: str) -> Any:
         holder.add_typer(member, name=name, help=help_text)
     else:
         holder.command(name)(member)
-    return typer.main.get_group(holder).commands[name]
+    command = typer.main.get_group(holder).commands[name]
+    _flow_help(command)
+    return command
 
 
 class _KvplaneCommand(TyperGroup):
     """The root command group: a usage error of any command under it names its parameter as
     the project's own checks do (`usage_errors_named_as_ours`). A command's options are parsed
     inside its group's `invoke`, the root's own in its `make_context`. The components'
-    commands are imported as they are asked for (`_COMPONENT_COMMANDS`)."""
+    commands are imported as they are asked for (`_COMPONENT_COMMANDS`). Every help, its own
+    and its commands', flows to the terminal's width (`_flowed`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _flow_help(self)  # the root's help and its own commands'; the components' as loaded
 
     # The contexts are click's (typer's own copy of it, which it does not export): Any.
     def make_context(self, *args: Any, **kwargs: Any) -> Any:

@@ -21,8 +21,9 @@ import pytest
 import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from typer.core import TyperGroup
+from typer.testing import CliRunner
 
-from kvplane.cli import app, main
+from kvplane.cli import _KvplaneCommand, app, main
 from kvplane.up.config import MemberKind
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +124,83 @@ def test_every_command_has_a_one_line_summary() -> None:
         help_text = (getattr(command, "help", None) or "").strip()
         summary = help_text.split("\n\n")[0]
         assert summary and "\n" not in summary, f"kvplane {path}: {summary!r}"
+
+
+def _help_lines(output: str) -> list[str]:
+    """The lines of a rendered --help, without the padding rich puts around them."""
+    return [line.strip() for line in output.splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("command", "paragraph"),
+    [
+        (
+            ["admin", "drain"],
+            [
+                "Progress is shown until COMPLETE. A deadline that passes with requests in",
+                "flight ends it with an error.",
+            ],
+        ),
+        (
+            ["admin", "lora", "load"],
+            [
+                "Through a controller, --engine and --model together load it on that engine for",
+                "that base model. Behind a controller, each engine's outcome is shown.",
+            ],
+        ),
+    ],
+)
+def test_a_help_paragraph_flows_to_the_terminal_width(
+    command: list[str], paragraph: list[str], kvplane: Kvplane
+) -> None:
+    """A docstring paragraph wrapped at the source's 88 columns is wrapped at the terminal's
+    80, not cut where the source's lines end ("... ends it" / "with an error.")."""
+    result = kvplane(*command, "--help", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    lines = _help_lines(result.stdout)
+    start = lines.index(paragraph[0])
+    assert lines[start : start + len(paragraph) + 1] == [*paragraph, ""]
+
+
+def test_a_help_keeps_its_lists_and_examples() -> None:
+    """What a help lays out line by line (a list, an example) stays so; the prose around it
+    flows, and the summary a group lists is left as written."""
+    demo = typer.Typer(cls=_KvplaneCommand)
+
+    @demo.command()
+    def show() -> None:
+        """Show what a fleet holds.
+
+        The table has one row per engine of the fleet, and one per engine that the
+        controller has seen leave.
+
+        Columns:
+        - ADDRESS: where it serves
+        - STATE: serving or draining
+
+        Example:
+            kvplane admin workers -o json
+        """
+
+    @demo.command()
+    def other() -> None:
+        """Another command, so that `show` is one of a group."""
+
+    result = CliRunner(env={"COLUMNS": "120"}).invoke(demo, ["show", "--help"])
+    assert result.exit_code == 0, result.output
+    lines = _help_lines(result.output)
+    assert (
+        "The table has one row per engine of the fleet, and one per engine that the controller"
+        " has seen leave." in lines
+    )
+    start = lines.index("Columns:")
+    assert lines[start : start + 3] == [
+        "Columns:",
+        "- ADDRESS: where it serves",
+        "- STATE: serving or draining",
+    ]
+    start = lines.index("Example:")
+    assert lines[start : start + 2] == ["Example:", "kvplane admin workers -o json"]
 
 
 # Runs `kvplane ARGS` in a fresh interpreter, then prints on stderr's last line which of the
