@@ -115,6 +115,9 @@ class LocalProcesses:
         # A reused workdir (a planner restarted after SIGKILL): its engines' port files say
         # which engines it left registered; its logs, which numbers not to write over.
         self._left_over, first_number = _previous_run(workdir)
+        # Held by `adopt` while it takes those out of the controller, and by a start while it
+        # registers its engine: ports are reused, and an engine of this run may have one.
+        self._registering = asyncio.Lock()
         self._numbers = itertools.count(first_number)
         self._processes: dict[str, asyncio.subprocess.Process] = {}  # by address, serving
         self._port_files: dict[str, Path] = {}  # by address, serving
@@ -132,20 +135,26 @@ class LocalProcesses:
     async def adopt(self, *, wait: bool = True) -> list[tuple[str, str]]:
         """Nothing: a previous planner's children died with it. Those it left registered (it
         was killed: SIGKILL, a crash) are taken out of the controller, which would otherwise
-        list them, unreachable, for good."""
-        if self._left_over:
-            removed = await self._admin.remove_listed(sorted(self._left_over))
-            if removed is not None:  # else the controller did not answer: the next tick's look
-                for address in removed:
-                    log.warning(
-                        "engine %s of a previous planner (its port file %s): taken out of the "
-                        "controller",
-                        address,
-                        self._left_over[address],
-                    )
-                for port_file in self._left_over.values():
-                    port_file.unlink(missing_ok=True)
-                self._left_over = {}
+        list them, unreachable, for good. A port file is dropped once its engine is out of the
+        controller (removed, or not listed); one whose RemoveEngine failed is kept, for the
+        next look to take it out."""
+        if not self._left_over:
+            return []
+        # Not while a start registers its engine: one that got a dead engine's port takes it
+        # out of `_left_over` first, and must not be removed as that engine.
+        async with self._registering:
+            removals = await self._admin.remove_listed(sorted(self._left_over))
+            if removals is None:  # the controller did not answer: the next tick's look
+                return []
+            for address in removals.removed:
+                log.warning(
+                    "engine %s of a previous planner (its port file %s): taken out of the "
+                    "controller",
+                    address,
+                    self._left_over[address],
+                )
+            for address in self._left_over.keys() - set(removals.kept):
+                self._left_over.pop(address).unlink(missing_ok=True)
         return []
 
     async def sync(
@@ -183,7 +192,9 @@ class LocalProcesses:
         address: str | None = None
         try:
             address = f"127.0.0.1:{await self._port(port_file, process)}"
-            await self._admin.register(address)
+            async with self._registering:
+                self._take_over_port(address)
+                await self._admin.register(address)
             await self._routed(address)
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
             if address is not None:
@@ -210,6 +221,16 @@ class LocalProcesses:
         self._processes[address] = process
         self._port_files[address] = port_file
         return address
+
+    def _take_over_port(self, address: str) -> None:
+        """`address`, a new engine's, is no longer that of a previous planner's engine (the
+        port is reused: that engine is dead): its port file is dropped, so that `adopt` does
+        not remove this one from the controller in its place. Should the controller list the
+        dead one still, the registration is refused (ALREADY_EXISTS) and the failed start
+        removes it."""
+        if (port_file := self._left_over.pop(address, None)) is not None:
+            log.info("engine port %s of a previous planner (%s) is reused", address, port_file)
+            port_file.unlink(missing_ok=True)
 
     async def _routed(self, address: str) -> None:
         """Until the controller routes to `address`: an engine it cannot reach (its TLS or

@@ -73,6 +73,13 @@ class HandDrains(NamedTuple):
     withdrawn: list[str]
 
 
+class Removals(NamedTuple):
+    """What `remove_listed` did with the engines the controller listed."""
+
+    removed: list[str]
+    kept: list[str]  # their RemoveEngine failed: the controller lists them still
+
+
 def _admin_and_gateway(
     channel: grpc.aio.Channel,
 ) -> tuple[apb_grpc.AdminAsyncStub, pb_grpc.OpenEngineAsyncStub]:
@@ -253,28 +260,33 @@ class ControllerAdmin:
         except grpc.aio.AioRpcError as exc:
             log.warning("drain of %s: %s", request.engine, self.describe(exc))
 
-    async def remove(self, address: str) -> None:
-        """RemoveEngine; an engine the controller no longer lists is not an error, and any
-        other failure is logged (the engine is stopped all the same: the controller then
-        lists it, unreachable, until it is removed by hand)."""
+    async def remove(self, address: str) -> bool:
+        """RemoveEngine; whether the controller no longer lists `address` (one it no longer
+        listed is not an error). Any other failure is logged and False: the engine is stopped
+        all the same (the controller then lists it, unreachable, until it is removed by
+        hand), and a caller that can retry keeps what names it."""
         try:
             await self._stub.RemoveEngine(apb.EngineRef(engine=address), timeout=ADMIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is not grpc.StatusCode.NOT_FOUND:
                 log.warning("controller: RemoveEngine of %s: %s", address, self.describe(exc))
+                return False
+        return True
 
-    async def remove_listed(self, addresses: Sequence[str]) -> list[str] | None:
-        """RemoveEngine of each of `addresses` the controller lists; those it removed, or None
+    async def remove_listed(self, addresses: Sequence[str]) -> Removals | None:
+        """RemoveEngine of each of `addresses` the controller lists: those it removed and
+        those it still lists (their RemoveEngine failed, said in a warning each), or None
         (said in one warning) when it did not answer."""
         try:
             listed = {worker.address for worker in (await self._list()).workers}
-            removed = [address for address in addresses if address in listed]
-            for address in removed:
-                await self.remove(address)
         except grpc.aio.AioRpcError as exc:
             log.warning("controller: %s", self.describe(exc))
             return None
-        return removed
+        removals = Removals([], [])
+        for address in addresses:
+            if address in listed:
+                (removals.removed if await self.remove(address) else removals.kept).append(address)
+        return removals
 
     async def close(self) -> None:
         for task in list(self._drains):

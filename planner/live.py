@@ -153,6 +153,18 @@ class _Engine:
         return EngineObservation(self.engine_id, self.pool, self.state, load, self.role)
 
 
+@dataclass(slots=True, eq=False)
+class _Starts:
+    """The engine starts of a pool that one decision began. Those that fail are one failure
+    of the pool for the start back-off, as the engines one look finds lost are: several
+    failing for one cause (a model path that does not exist, a full node) are not a crash
+    loop, and counted one by one, a pool scaled up by three would wait after its first
+    attempt, not after its second."""
+
+    # The wait the first of them to fail set, said with each failure (None: none failed).
+    wait_s: float | None = None
+
+
 class LivePlanner:
     def __init__(
         self,
@@ -202,8 +214,11 @@ class LivePlanner:
             await _every(tick_s, stop, self.tick)
         finally:
             watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
+            # Not `await watch`: awaiting the cancelled task raises CancelledError, and
+            # swallowing that swallowed a cancellation of `run` itself as it ended.
+            await asyncio.wait([watch])
+            if not watch.cancelled():  # it ended on its own, by an error: raised here
+                watch.result()
 
     async def lead(self, actuator: Actuator, stop: asyncio.Event, tick_s: float) -> None:
         """One term as leader (`planner.leader_election`): `run` through `actuator`, a fresh
@@ -546,6 +561,7 @@ class LivePlanner:
     async def _apply(self, decision: Decision, now_s: float) -> None:
         if isinstance(decision, ScalePool):
             pool = [e.observation() for e in self.engines.values() if e.pool == decision.pool]
+            starts = _Starts()
             for _ in range(decision.num_engines - provisioned(pool)):
                 placeholder = _Engine(
                     f"{decision.pool}-starting-{next(self._placeholders)}",
@@ -553,7 +569,7 @@ class LivePlanner:
                     EngineState.STARTING,
                 )
                 self.engines[placeholder.engine_id] = placeholder
-                task = asyncio.create_task(self._start(placeholder))
+                task = asyncio.create_task(self._start(placeholder, starts))
                 self._starts.add(task)
                 task.add_done_callback(self._starts.discard)
         elif isinstance(decision, DrainEngine):
@@ -567,9 +583,9 @@ class LivePlanner:
         elif isinstance(decision, RemoveEngine):
             await self._remove(self.engines[decision.engine_id])
 
-    async def _start(self, placeholder: _Engine) -> None:
+    async def _start(self, placeholder: _Engine, starts: _Starts) -> None:
         """After the removals of its pool under way (a pool's actions go in order: a Deployment
-        scaled down, then up), start an engine in place of `placeholder`."""
+        scaled down, then up), start an engine in place of `placeholder`, one of `starts`."""
         pool = placeholder.pool
         await self._removals_done(pool)
         # Its pool's engines failed: it waits as STARTING, so the core asks for no other.
@@ -581,9 +597,14 @@ class LivePlanner:
         try:
             address = await self.actuator.start(pool)
         except Exception as exc:  # any failure: the core will ask again, after the back-off
-            next_s = self._backoff.failed(pool, self._clock())
+            if starts.wait_s is None:  # the first of them to fail: its pool's failure
+                starts.wait_s = self._backoff.failed(pool, self._clock())
             self._failed(
-                "start", "starting an engine of %s failed: %s%s", pool, exc, _next_start(next_s)
+                "start",
+                "starting an engine of %s failed: %s%s",
+                pool,
+                exc,
+                _next_start(starts.wait_s),
             )
             del self.engines[placeholder.engine_id]
             return

@@ -4,12 +4,14 @@ refuses) or that crashes soon after it serves would otherwise be started again a
 for good: a process spawned, a log file written and, with a real model, minutes of GPU time
 loading it, each `tick_s`. The engines of a pool lost in one look at the fleet are one failure
 (`LivePlanner` reports each pool once per tick): several killed at once by a node failure are
-not a crash loop. The first failure is retried at once (one engine killed by hand is
-replaced at the next tick, as before); each failure in a row after it waits twice as long,
-from `first_s` up to `max_s`. The count starts over once an engine of the pool started after
-the last failure has served for `max_s` (as the kubelet's after ten minutes of a container
-running): not for the engines that served all along, or a pool of healthy engines whose new
-ones cannot start (a full GPU) would be started again at every tick."""
+not a crash loop. So are the starts of a pool one decision began that fail (`LivePlanner`
+reports the first): several failing for one cause (a bad model path) are one attempt. The
+first failure is retried at once (one engine killed by hand is replaced at the next tick, as
+before); each failure in a row after it waits twice as long, from `first_s` up to `max_s`.
+The count starts over once an engine of the pool started after the last failure has served
+for `max_s` (as the kubelet's after ten minutes of a container running): not for the engines
+that served all along, or a pool of healthy engines whose new ones cannot start (a full GPU)
+would be started again at every tick."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ class StartBackoff:
         self._pools: dict[str, _Failures] = {}
 
     def failed(self, pool: str, now_s: float) -> float:
-        """A start of `pool` failed, or engines of it were lost (any number, in one look at
-        the fleet), at `now_s`: the seconds its next start waits."""
+        """Starts of `pool` failed (any number, begun by one decision), or engines of it were
+        lost (any number, in one look at the fleet), at `now_s`: the seconds its next start
+        waits."""
         failures = self._pools.get(pool)
         if failures is None:
             failures = self._pools[pool] = _Failures(0, now_s)

@@ -1246,6 +1246,32 @@ async def test_a_pool_whose_engines_fail_to_start_backs_off(
     assert actuator.num_alive() == 0
 
 
+@pytest.mark.timeout(120)
+async def test_engines_of_a_pool_that_fail_to_start_together_are_one_failure(
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two engines one decision starts that both fail (a model path that does not exist) are
+    one failure of their pool, as two lost in one look are: both retried at once at the next
+    tick, and the pool waits (an hour here) only once those fail too. Counted one by one,
+    the pool waited after its first attempt."""
+    caplog.set_level(logging.ERROR, "planner.live")
+    actuator = failing_engines(tmp_path, setup.app.port)
+    live = LivePlanner(planner(2, 2), actuator, start_backoff=StartBackoff(3600.0, 3600.0))
+    try:
+        for attempt in range(2):
+            assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
+            await asyncio.gather(*live._starts)
+            failures = [r.getMessage() for r in caplog.records]
+            caplog.clear()
+            assert len(failures) == 2
+            waits = [f.endswith("(the next start waits 3600 s)") for f in failures]
+            assert waits == [attempt == 1] * 2, failures
+        assert engines_spawned(tmp_path) == 4
+    finally:
+        await live.close()
+    assert actuator.num_alive() == 0
+
+
 @pytest.mark.timeout(180)
 async def test_engines_that_keep_crashing_while_serving_back_off(
     setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -1295,6 +1321,58 @@ async def test_engines_of_a_pool_lost_at_once_are_one_failure(
         await fleet.wait_for(lambda: len(live._starts) == 0, 30)
         assert not set(live.engines) & set(victims)
     assert actuator.num_alive() == 0
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_on_a_dead_engines_port_is_not_taken_out_in_its_place(
+    setup: Setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A planner restarted on a killed one's workdir whose controller did not answer its
+    first looks (the dead engines' port files are kept) starts an engine that gets the port
+    of one of them: ports are reused (injected here: the dead run's port file is written,
+    with the new engine's port, as the new engine's port is read). The next look must not
+    take the new engine out of the controller as the dead one: it is routed to still, and
+    the dead run's port file is gone."""
+    from planner import actuator as actuator_module
+
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    dead_port_file = tmp_path / "default-7.port"
+    read_port = actuator_module._read_port
+
+    def port_of_a_dead_engine(path: Path) -> int | None:
+        port = read_port(path)
+        if port is not None and path != dead_port_file and not dead_port_file.exists():
+            dead_port_file.write_text(str(port))
+            actuator._left_over[f"127.0.0.1:{port}"] = dead_port_file
+        return port
+
+    monkeypatch.setattr(actuator_module, "_read_port", port_of_a_dead_engine)
+    try:
+        address = await actuator.start("default")
+        assert await actuator.adopt() == []
+        assert [r.address for r in fleet.registry.routable()] == [address]
+        assert not dead_port_file.exists()
+        assert (tmp_path / "default-0.port").exists()  # the new engine's
+    finally:
+        await actuator.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_planner_cancelled_as_its_run_ends_is_cancelled(tmp_path: Path) -> None:
+    """`run` cancelled as it ends (it waits for its watch of the controller to end: a term
+    as leader ending, a task group failing) raises CancelledError to its caller: swallowed
+    with the watch's own, the caller went on as if `run` had returned."""
+    live = LivePlanner(planner(1, 1), local_processes(1, tmp_path))
+    stop = asyncio.Event()
+    stop.set()  # it ends at once
+    try:
+        running = asyncio.create_task(live.run(stop, 1.0))
+        await asyncio.sleep(0)  # it waits for its watch to end
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+    finally:
+        await live.close()
 
 
 @pytest.mark.timeout(120)

@@ -155,6 +155,65 @@ async def test_a_start_with_a_token_the_controller_does_not_take_says_to_check_i
 
 
 @pytest.mark.timeout(60)
+async def test_a_dead_engine_whose_removal_is_refused_keeps_its_port_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A planner restarted on a killed one's workdir whose RemoveEngine of the dead engine
+    fails (here refused: it lacks the controller's token) does not say it took the engine
+    out, and keeps its port file, so that each look tries again; given the token, a planner
+    takes it out. Both were lost: the controller listed the dead engine for good."""
+    caplog.set_level(logging.WARNING, "planner")
+    right = token_file(tmp_path, "controller-token", "controller-s3cret")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    with socket.socket() as unused:  # the dead engine's port: nothing listens there
+        unused.bind(("127.0.0.1", 0))
+        dead_port = unused.getsockname()[1]
+    dead = f"127.0.0.1:{dead_port}"
+    port_file = workdir / "default-0.port"
+    port_file.write_text(str(dead_port))
+
+    def restarted(**options: Any) -> LocalProcesses:
+        controller = f"127.0.0.1:{app.port}"
+        return LocalProcesses(
+            controller=controller, engine_args=(), workdir=workdir, start_timeout_s=60, **options
+        )
+
+    async with (
+        auth_controller(right) as app,
+        grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel,
+    ):
+        await apb_grpc.AdminStub(channel).RegisterEngine(
+            apb.RegisterEngineRequest(address=dead),
+            metadata=bearer_token_metadata("controller-s3cret"),
+        )
+        refused = restarted()
+        try:
+            for _ in range(2):
+                assert await refused.adopt() == []
+        finally:
+            await refused.close()
+        said = [r.getMessage() for r in caplog.records]
+        refusals = [m for m in said if m.startswith(f"controller: RemoveEngine of {dead}: ")]
+        assert len(refusals) == 2  # each look tried again
+        for refusal in refusals:
+            assert refusal.endswith("(a server requiring a token? give live.controller_token_file)")
+        assert not [m for m in said if "taken out of the controller" in m]
+        assert port_file.exists()
+        assert [r.address for r in app.controller.fleet.registry.records()] == [dead]
+
+        with_token = restarted(
+            channels=INSECURE.with_token_file(right, "live.controller_token_file")
+        )
+        try:
+            assert await with_token.adopt() == []
+        finally:
+            await with_token.close()
+        assert not app.controller.fleet.registry.records()
+        assert not port_file.exists()
+
+
+@pytest.mark.timeout(60)
 async def test_check_access_answers_the_token_alone_and_changes_nothing(tmp_path: Path) -> None:
     """What the planner asks before a start: refused without the token that RegisterEngine
     needs, answered with it, whatever the order of the controller's checks (there is no
