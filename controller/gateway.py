@@ -101,6 +101,7 @@ from controller.registry import (
 )
 from controller.relay import (
     RETRYABLE,
+    GoneHolder,
     InBandError,
     Relay,
     Usage,
@@ -301,19 +302,27 @@ class _OpenEngineGenerate:
         again.response.ClearField("prompt_candidates")
         return again
 
-    async def holder_gone(self, engine: str) -> bool:
-        """Whether the engine does not answer a Health call within `health.rpc_timeout_s`
-        (its process dead or stopped), or left the fleet. Its answer, whatever it says,
-        means it is there, and so are the sessions it holds."""
+    async def holder_gone(self, engine: str, instance_id: str | None) -> GoneHolder | None:
+        """Whether the engine no longer holds the KV sessions it handed over, asked with
+        GetEngineInfo within `health.rpc_timeout_s`: it does not answer (its process dead or
+        stopped), or left the fleet; or it answers as another process than `instance_id`
+        (the one that handed the session over; None: not known), restarted at its address.
+        None: the same process answers, whatever else it says, and so its sessions are there."""
         try:
-            await self._fleet.stub(engine).Health(
-                pb.HealthRequest(), timeout=self._fleet.config.health.rpc_timeout_s
+            info = await self._fleet.stub(engine).GetEngineInfo(
+                pb.GetEngineInfoRequest(), timeout=self._fleet.config.health.rpc_timeout_s
             )
         except KeyError:  # removed from the fleet, its sessions with it
-            return True
+            return GoneHolder("left the fleet")
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
-            return engine_failure(caught, engine, self._fleet).code() in _UNREACHED
-        return False
+            if engine_failure(caught, engine, self._fleet).code() in _UNREACHED:
+                return GoneHolder("does not answer")
+            return None
+        # As the registry names an engine (`EngineIdentity.instance_id`).
+        now = info.instance_id or engine
+        if instance_id is not None and now != instance_id:
+            return GoneHolder(f"restarted (instance {instance_id}, now {now})", restarted=True)
+        return None
 
     async def holder_draining(self, engine: str) -> bool:
         """Whether the engine answers Health DRAINING. One that cannot say now (gone since,

@@ -51,13 +51,19 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   has output from the first hop, any failure ends the stream with one in-band error; a decode
   hop failing before anything was relayed while the prefill engine that holds its session
   does not answer (`Handoff.holder_gone`) runs the request again as a whole, once, without
-  that engine; one whose first decode engine refused the session NOT_FOUND while that
+  that engine, and one whose prefill engine answers as a new process (restarted at its
+  address: the session went with the old one) runs again the same way, that engine
+  included; one whose first decode engine refused the session NOT_FOUND while that
   prefill engine answers that it ended the session itself (`Handoff.release`) ends at the
   handoff, as an aborted request does, when that engine drains (`Handoff.holder_draining`),
-  and otherwise (its TTL) runs again as a whole, once, that engine included;
+  and otherwise (its TTL) runs again as a whole, once, that engine included (ended again
+  there, it ends at the handoff too, counted "engine_error": no one aborted it);
 - a hop's failure before anything was relayed is judged alike whether the engine said it
   with a status or in-band (`HopFailure`: an in-band error by its status form), in one
-  place (`Relay._judge`).
+  place (`Relay._judge`); when no other engine takes it, an in-band refusal reaches the
+  client as the engine sent it (the seed's one failure by its phase), except one naming the
+  request's KV session (KV_SESSION_NOT_FOUND, KV_TRANSFER_FAILED), which the client never
+  sent: that ends it as its status form does.
 """
 
 from __future__ import annotations
@@ -202,7 +208,8 @@ class HopFailure(NamedTuple):
     # LoRA adapter, unloaded since it was routed (`Relay.adapter_left`).
     not_found: bool = False
     # The engine's in-band refusal, which ends the request as it is when no other engine
-    # can take it; None for a status.
+    # can take it; None for a status, and for an in-band error naming the request's KV
+    # session (`of_in_band`).
     refusal: Any = None
 
     @classmethod
@@ -217,14 +224,17 @@ class HopFailure(NamedTuple):
 
     @classmethod
     def of_in_band(cls, error: InBandError, refusal: Any, stage: _Stage) -> HopFailure:
+        """An engine's in-band error as its first response. One naming the gateway's own KV
+        session (`InBandError.about_session`), which the client never sent, is no refusal to
+        pass on as it came: it ends the request as its status form does (a refused session:
+        UNAVAILABLE; a retryable KV_TRANSFER_FAILED: UNAVAILABLE naming the engine)."""
+        of_session = stage.carries_session and error.about_session
         return cls(
             gateway_failure(error.status, error.message),
             error.retryable,
-            refused_session=(
-                stage.carries_session and error.about_session and error.status in SESSION_REFUSALS
-            ),
+            refused_session=of_session and error.status in SESSION_REFUSALS,
             not_found=error.not_found,
-            refusal=refusal,
+            refusal=None if of_session else refusal,
         )
 
     @property
@@ -285,6 +295,15 @@ class Surface(Protocol[Request_contra, Response]):
         ...
 
 
+class GoneHolder(NamedTuple):
+    """Why the prefill engine that handed a KV session over no longer holds it
+    (`Handoff.holder_gone`)."""
+
+    why: str  # as the client's failure says it: "does not answer", "restarted (...)"
+    # A new process answers at its address: up, a new request may go there.
+    restarted: bool = False
+
+
 class Handoff(Protocol[Request, Response_contra]):
     """How an API moves a request from a prefill engine to a decode engine (OpenEngine: the
     prefill stream ends with PrefillReady carrying a KV session; the decode request carries
@@ -315,9 +334,11 @@ class Handoff(Protocol[Request, Response_contra]):
         engine hop after the client already has it from an earlier one."""
         ...
 
-    async def holder_gone(self, engine: str) -> bool:
-        """Whether the prefill engine `engine`, which handed a KV session over, is gone
-        (unreachable, unanswering, out of the fleet): no decode engine can pull from it."""
+    async def holder_gone(self, engine: str, instance_id: str | None) -> GoneHolder | None:
+        """Whether the prefill engine `engine`, which handed a KV session over as the process
+        `instance_id` (None: not known), no longer holds it: unreachable, unanswering, out of
+        the fleet, or a new process at its address (restarted); None while that process is
+        there. Gone, no decode engine can pull the session from it."""
         ...
 
     async def holder_draining(self, engine: str) -> bool:
@@ -359,11 +380,13 @@ class _Stage(NamedTuple):
     # A decode hop's question after its first engine refused the KV session NOT_FOUND before
     # anything was relayed, the session's holder still there: did the holder end the session
     # itself (its drain aborting, its TTL, an Abort of it), no decode engine having attached
-    # it? Asking releases the session. True: a drain ended it, and the request ends at the
-    # handoff, as one aborted there (`Relay.aborted_unrouted`); any other end (its TTL, the
-    # client having read slowly) raises `_SessionLost`: the request runs again as a whole,
-    # once. None: never asked.
-    session_ended: Callable[[], Awaitable[bool]] | None = None
+    # it? Asking releases the session. An outcome: the request ends at the handoff, as one
+    # aborted there (`Relay.aborted_unrouted`), counted so: "aborted" when a drain ended it,
+    # "engine_error" when it ended otherwise in the request's run again (its prefill engine
+    # ended a session a second time: no one aborted it). In the first run any end other than
+    # a drain (its TTL, the client having read slowly) raises `_SessionLost`: the request runs
+    # again as a whole, once. None: the session was not ended there; or never asked.
+    session_ended: Callable[[], Awaitable[RequestOutcome | None]] | None = None
     # The prefill hop of a disaggregated request: the engine it picks is the request's
     # prefill engine in its route (`kvplane-route`), unless that is a decode engine
     # prefilling the prompt itself (a retry), which serves the whole request.
@@ -414,9 +437,9 @@ class _Verdict(NamedTuple):
     failure: HopFailure
     # Another engine takes the request (the one retry, or a re-route).
     retry: _Retry | None = None
-    # The request's KV session ended on its prefill engine by a drain: the request ends at
-    # the handoff, as one aborted there.
-    ended: bool = False
+    # The request's KV session ended on its prefill engine (`_Stage.session_ended`): the
+    # request ends at the handoff, as one aborted there, counted as this outcome.
+    ended: RequestOutcome | None = None
 
 
 class _Refused(Exception):
@@ -785,6 +808,7 @@ class Relay:
         request_id = plan.request.request_id
         session: Any = None
         handover: Response | None = None  # the prefill engine's handoff event
+        holder_instance: str | None = None  # the process that handed the session over
         ended = finished = False
         stream = self._attempts(
             surface,
@@ -810,6 +834,7 @@ class Relay:
                     if found is not None:
                         session, handover = found, response
                         self.handed_over[request_id] = prefilled_on
+                        holder_instance = self._instance_of(prefilled_on)
                         continue
                     # Terminal: it ends the request (an aborted prefill ends finished, no
                     # handoff).
@@ -839,13 +864,17 @@ class Relay:
             return
         decoded = relayed = gone = released = False
 
-        async def ended_on_holder() -> bool:
+        async def ended_on_holder() -> RequestOutcome | None:
             nonlocal released
             released = True
             if not await self._release(handoff, prefilled_on, session, request_id):
-                return False  # it was open: another decode engine may take it
-            if lost is not None or await handoff.holder_draining(prefilled_on):
-                return True  # a drain's end (or this is the run again): it ends at the handoff
+                return None  # it was open: another decode engine may take it
+            if await handoff.holder_draining(prefilled_on):
+                return "aborted"  # a drain's end: it ends at the handoff, as drains abort
+            if lost is not None:  # the run again: its session ended too, not by anyone's Abort
+                log.info("request %s: engine %s ended its KV session again before a decode "
+                         "engine took it", request_id, prefilled_on)  # fmt: skip
+                return "engine_error"
             raise _SessionLost(
                 prefilled_on,
                 gateway_failure(
@@ -869,7 +898,9 @@ class Relay:
                 usage=False,
                 after_output=shown,
                 carries_session=True,
-                session_lost=None if lost is not None else self._lost(handoff, prefilled_on),
+                session_lost=(
+                    None if lost is not None else self._lost(handoff, prefilled_on, holder_instance)
+                ),
                 session_ended=ended_on_holder,
             ),
         )
@@ -895,27 +926,41 @@ class Relay:
 
     @staticmethod
     def _lost(
-        handoff: Handoff[Any, Any], holder: str
+        handoff: Handoff[Any, Any], holder: str, instance_id: str | None
     ) -> Callable[[str, str], Awaitable[_SessionLost | None]]:
         """A decode hop's `session_lost`: after its engine failed before anything was relayed,
-        the prefill engine `holder` is asked whether it is still there. Recognised so, rather
-        than by the decode engine's status, because that status says nothing certain of the
-        cause: a pull from a dead engine is UNAVAILABLE, as is a decode engine that cannot be
-        reached, or one that is draining; and engines of other builds word it their own way."""
+        the prefill engine `holder` is asked whether the process `instance_id` that handed the
+        session over is still there. Recognised so, rather than by the decode engine's status,
+        because that status says nothing certain of the cause: a pull from a dead engine is
+        UNAVAILABLE, as is a decode engine that cannot be reached, or one that is draining;
+        and engines of other builds word it their own way. A new process at the holder's
+        address (restarted) answers, but knows nothing of the session (its release:
+        NOT_FOUND): the session is gone as with a dead holder, and the request runs again
+        where a new request would go, that engine included (it is up)."""
 
         async def lost(engine: str, failure: str) -> _SessionLost | None:
-            if not await handoff.holder_gone(holder):
+            gone = await handoff.holder_gone(holder, instance_id)
+            if gone is None:
                 return None  # the session is there: another decode engine may take it
             return _SessionLost(
                 holder,
                 gateway_failure(
                     grpc.StatusCode.UNAVAILABLE,
-                    f"engine {holder}, which held the request's KV session, does not answer "
+                    f"engine {holder}, which held the request's KV session, {gone.why} "
                     f"(engine {engine} failed the request: {failure})",
                 ),
+                holder_up=gone.restarted,
             )
 
         return lost
+
+    def _instance_of(self, engine: str) -> str | None:
+        """The instance id the registry knows the engine at this address by, None when it
+        has not read its identity (or it left)."""
+        record = self.controller.fleet.registry.by_engine_id(engine)
+        if record is None or record.identity is None:
+            return None
+        return record.identity.instance_id
 
     def _release_session(
         self, handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
@@ -1031,14 +1076,14 @@ class Relay:
                                 self._let_go(request_id, engine)
                                 refused = HopFailure.of_in_band(error, response, stage)
                                 verdict = await self._judge(refused, stage, engine, plan, retry)
+                                if verdict.ended is not None:
+                                    await self._end_aborted(stage, context, verdict.ended)
+                                    return
                                 if request_id in self.aborted_unrouted:
                                     await self._end_aborted(stage, context)
                                     return
                                 if verdict.retry is not None:
                                     raise verdict.retry
-                                if verdict.ended:
-                                    await self._end_aborted(stage, context)
-                                    return
                                 if verdict.failure.refusal is None:
                                     raise _Refused(verdict.failure.cause)
                             if stage.times_first_response:
@@ -1090,8 +1135,8 @@ class Relay:
                 if not relayed:
                     failure = HopFailure.of_status(cause, stage)
                     verdict = await self._judge(failure, stage, engine, plan, retry)
-                    if verdict.ended:
-                        await self._end_aborted(stage, context)
+                    if verdict.ended is not None:
+                        await self._end_aborted(stage, context, verdict.ended)
                         return
                     if verdict.retry is not None:
                         again = verdict.retry
@@ -1129,7 +1174,8 @@ class Relay:
         form it said it in (`HopFailure`); `retry`: the hop's retry so far. In order: a
         decode hop whose KV session is lost (its holder gone: `_Stage.session_lost`; ended
         there other than by a drain: `_Stage.session_ended`) raises `_SessionLost`; one whose
-        first engine found no session that its holder's drain ended ends at the handoff; a
+        first engine found no session that its holder's drain ended (or, in the request's
+        run again, that its holder ended again) ends at the handoff; a
         refused session is the engine's failure (UNAVAILABLE), not the client's; an engine
         that no longer holds the request's LoRA adapter is left for one that does; else the
         one retry, when another engine may succeed."""
@@ -1144,13 +1190,13 @@ class Relay:
             and retry is None  # no decode engine attached the session before
             and stage.session_ended is not None
             and not await self.adapter_left(request_id, plan.lora_name, engine)
-            and await stage.session_ended()
+            and (ended := await stage.session_ended()) is not None
         ):
             log.info("request %s: engine %s refused its KV session, which %s ended; the "
                      "request ends at the handoff", request_id, engine,
                      self.handed_over.get(request_id))  # fmt: skip
             self.aborted_unrouted.add(request_id)
-            return _Verdict(failure, ended=True)
+            return _Verdict(failure, ended=ended)
         if failure.refused_session:
             refused = gateway_failure(
                 grpc.StatusCode.UNAVAILABLE,
@@ -1259,13 +1305,17 @@ class Relay:
         _outcome_counted.set(True)
         self.controller.metrics.count_request(outcome)
 
-    async def _end_aborted(self, stage: _Stage, context: Context) -> None:
+    async def _end_aborted(
+        self, stage: _Stage, context: Context, outcome: RequestOutcome = "aborted"
+    ) -> None:
         """End a hop whose request was aborted where no engine's Abort reached it
         (`abort_unrouted`, `abort_unaccepted`), nothing relayed in it: CANCELLED, as a request
         aborted while planned; a decode hop (it carries a KV session: the prefill engine
         accepted the request) returns empty instead, for `_disaggregated` to end the request
-        as an engine ends an aborted one (`Handoff.cancelled`)."""
-        self._count("aborted")
+        as an engine ends an aborted one (`Handoff.cancelled`). `outcome`: what it counts as
+        (a KV session its prefill engine ended a second time, `_Stage.session_ended`, ends
+        the request so, but no one aborted it)."""
+        self._count(outcome)
         if not stage.carries_session:
             await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before an engine took it")
 

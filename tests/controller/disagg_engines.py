@@ -13,7 +13,8 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
   holds the stream open after its PrefillReady until it is set (the request is finished on
   the engine then: an Abort of it is ALREADY_FINISHED).
 - DECODE: needs `kv.session` naming a session a prefill engine opened and nobody attached yet
-  (else FAILED_PRECONDITION for none, NOT_FOUND for an unknown one: before acceptance; with
+  (else FAILED_PRECONDITION for none, NOT_FOUND, or `Sessions.refusal_status`, for an unknown
+  one: before acceptance; with
   `Sessions.in_band_refusal`, an unknown one is accepted and refused in-band, one terminal
   EngineError of that code, as an engine that pulls after acceptance does); the
   "transfer" is the sim engine computing the prompt itself, then it decodes. With
@@ -55,8 +56,12 @@ class Sessions:
     # Every session is lost before a decode engine attaches (a failed transfer).
     lost: bool = False
     # Decode engines refuse an unknown session in-band, after acceptance, with an EngineError
-    # of this code (KV_SESSION_NOT_FOUND, KV_TRANSFER_FAILED), not with a status.
+    # of this code (KV_SESSION_NOT_FOUND, KV_TRANSFER_FAILED), not with a status; retryable
+    # or not as `retryable_refusal` says.
     in_band_refusal: pb.ErrorCode.ValueType | None = None
+    # Before acceptance, decode engines refuse an unknown session with this status.
+    refusal_status: grpc.StatusCode = grpc.StatusCode.NOT_FOUND
+    retryable_refusal: bool = False
     # Every session ends on its prefill engine as it is handed over (its TTL passing, a
     # drain), before `on_open`: a decode engine finds none, and the prefill engine's Abort
     # of it answers ALREADY_FINISHED.
@@ -144,8 +149,13 @@ class RoleServicer(Forwarding):
             if self.sessions.open.pop(session_id, None) is None or self.sessions.lost:
                 code = self.sessions.in_band_refusal
                 if code is None:
-                    await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV session {session_id!r}")
-                error = pb.EngineError(code=code, message=f"no KV session {session_id!r}")
+                    status = self.sessions.refusal_status
+                    await context.abort(status, f"no KV session {session_id!r}")
+                error = pb.EngineError(
+                    code=code,
+                    message=f"no KV session {session_id!r}",
+                    retryable=self.sessions.retryable_refusal,
+                )
                 yield pb.GenerateResponse(request_id=request.request_id, error=error)
                 return
         elif not self.accept_local_prefill:
@@ -225,11 +235,28 @@ async def start_role_engine(
     role: pb.EngineRole.ValueType,
     sessions: Sessions,
     accept_local_prefill: bool = False,
+    port: int = 0,
 ) -> RoleEngine:
-    """A sim engine playing `role`; its front server's port is what the controller sees."""
+    """A sim engine playing `role` (instance id `{name}-inner`); its front server's port
+    (`port`, 0: any free one) is what the controller sees."""
     engine = await start_fronted_engine(
         f"{name}-inner",
         lambda inner: RoleServicer(name, role, inner, sessions, accept_local_prefill),
+        port=port,
     )
     engine.servicer.port = engine.port  # the endpoint its KV sessions name
     return engine
+
+
+async def restart_role_engine(engine: RoleEngine, name: str) -> RoleEngine:
+    """Stop `engine`'s processes, its KV sessions lost with them, and start a new one at its
+    address, named `name` (so a new instance id, `{name}-inner`), of the same role."""
+    old = engine.servicer
+    await engine.close()
+    sessions = old.sessions
+    for held in (sessions.open, sessions.ended):
+        for session_id in [s for s, holder in held.items() if holder == old.name]:
+            del held[session_id]
+    return await start_role_engine(
+        name, old.role, sessions, old.accept_local_prefill, port=engine.port
+    )

@@ -78,15 +78,17 @@ async def start_fronted_engine(
     name: str,
     servicer_for: Callable[[pb_grpc.OpenEngineAsyncStub], S],
     time_scale: float = 0.0,
+    port: int = 0,
     **config: Any,
 ) -> FrontedEngine[S]:
     """A sim engine named `name` (`time_scale`: its sim's; `config`: more EngineConfig
-    fields) behind `servicer_for(stub of the sim engine)`."""
+    fields) behind `servicer_for(stub of the sim engine)`, listening on `port` (0: any
+    free one; an engine's old port: a new process at its address)."""
     inner = await start_sim_engine(name, time_scale, **config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{inner.port}")
     servicer = servicer_for(pb_grpc.OpenEngineStub(channel))
     server = grpc.aio.server()
     pb_grpc.add_OpenEngineServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return FrontedEngine(servicer, server, port, inner, channel)

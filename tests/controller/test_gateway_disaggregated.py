@@ -6,6 +6,7 @@ client sees one ordinary stream. See tests/controller/disagg_engines.py for the 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import grpc
@@ -17,7 +18,12 @@ from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import EngineFleet, close_fleet, generate_request, make_fleet
-from tests.controller.disagg_engines import RoleEngine, Sessions, start_role_engine
+from tests.controller.disagg_engines import (
+    RoleEngine,
+    Sessions,
+    restart_role_engine,
+    start_role_engine,
+)
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
@@ -271,14 +277,21 @@ REFUSAL_FORMS = ["status", "in_band"]
 
 
 def _refuse(sessions: Sessions, form: str) -> None:
-    """Decode engines refuse an unknown session in `form`: a REFUSAL_FORMS name, or
+    """Decode engines refuse an unknown session in `form`: a REFUSAL_FORMS name;
     "in_band_transfer" (in-band KV_TRANSFER_FAILED, not retryable: the status form
-    FAILED_PRECONDITION of a session a decode engine cannot use)."""
+    FAILED_PRECONDITION of a session a decode engine cannot use); or a failed pull another
+    engine may not fail, in either form: "in_band_transfer_retryable" (in-band
+    KV_TRANSFER_FAILED, retryable) or "unavailable" (its status form, UNAVAILABLE)."""
     sessions.in_band_refusal = {
         "status": None,
         "in_band": pb.ERROR_CODE_KV_SESSION_NOT_FOUND,
         "in_band_transfer": pb.ERROR_CODE_KV_TRANSFER_FAILED,
+        "in_band_transfer_retryable": pb.ERROR_CODE_KV_TRANSFER_FAILED,
+        "unavailable": None,
     }[form]
+    sessions.retryable_refusal = form == "in_band_transfer_retryable"
+    if form == "unavailable":
+        sessions.refusal_status = grpc.StatusCode.UNAVAILABLE
 
 
 @pytest.mark.parametrize("form", REFUSAL_FORMS)
@@ -543,7 +556,9 @@ async def test_a_decode_engine_refusing_the_session_is_an_engine_failure(form: s
     """Not the client's NOT_FOUND for a session it never named: another decode engine is
     tried, then the request is UNAVAILABLE, counted as an engine error; alike whether the
     decode engines refuse with the status or in-band (which used to end the request at the
-    first decode engine, its KV_SESSION_NOT_FOUND passed to the client)."""
+    first decode engine, its KV_SESSION_NOT_FOUND passed to the client). The prefill engine
+    answering the session's release NOT_FOUND is the process that handed it over (the
+    first decode engine took it), not a restarted one: no run again (that is below)."""
     fleet, _, decode, sessions = await _fleet(1, 2)
     try:
         sessions.lost = True
@@ -554,6 +569,79 @@ async def test_a_decode_engine_refusing_the_session_is_an_engine_failure(form: s
         assert "refused the KV session" in (info.value.details() or "")
         assert sorted(_calls(decode, "r")) == [("d0", True), ("d1", True)]
         assert _outcomes(fleet) == {"engine_error": 1}
+        assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("form", ["unavailable", "in_band_transfer_retryable"])
+async def test_a_failed_pull_on_every_decode_engine_is_unavailable_in_either_form(
+    form: str,
+) -> None:
+    """Both decode engines fail to pull the session, a failure another engine may not have:
+    the status UNAVAILABLE before acceptance, or its in-band form, KV_TRANSFER_FAILED
+    retryable. Retried once on the other decode engine, the request then ends alike: the
+    client gets UNAVAILABLE naming the last decode engine, as for any spent retry of a
+    status. In-band, the client used to get the engine's KV_TRANSFER_FAILED, for a session
+    it never named (other in-band refusals, of its own request, still pass as they came)."""
+    fleet, _, decode, sessions = await _fleet(1, 2)
+    try:
+        sessions.lost = True
+        _refuse(sessions, form)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(fleet, generate_request("r", [*PREFIX, 1]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        last = re.fullmatch(
+            r"engine (\S+) failed the request: UNAVAILABLE: no KV session 'p0-0'",
+            info.value.details() or "",
+        )
+        assert last is not None, info.value.details()
+        assert last[1] in {fleet.address(d) for d in decode}
+        assert sorted(_calls(decode, "r")) == [("d0", True), ("d1", True)]
+        assert _outcomes(fleet) == {"engine_error": 1}
+        assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_a_session_lost_with_its_restarted_prefill_engine_runs_the_request_again(
+    form: str,
+) -> None:
+    """The prefill engine restarts at its address (a new process: a new instance id) after
+    handing the session over, and the decode engine finds no session (status or in-band):
+    the new process answers, but the session went with the old one, so the request runs
+    again as a whole, once, as for a dead prefill engine, here on the new process (it is
+    up), and the client gets its tokens. It used to try the other decode engine with the
+    dead session (the new process answering its release NOT_FOUND), then fail UNAVAILABLE."""
+    fleet, prefill, decode, sessions = await _fleet(1, 2)
+    try:
+        _refuse(sessions, form)
+        gate = asyncio.Event()
+        for engine in decode:
+            engine.servicer.decode_gate = gate
+        running = asyncio.ensure_future(_generate(fleet, generate_request("r", [*PREFIX, 1])))
+
+        async def at_a_decode_engine() -> bool:
+            return bool(_calls(decode, "r"))
+
+        await eventually(at_a_decode_engine)
+        address = fleet.address(prefill[0])
+        fleet.engines[0] = restarted = await restart_role_engine(prefill[0], "p0r")
+        registry = fleet.app.controller.fleet.registry
+
+        async def known_restarted() -> bool:
+            record = registry.get(address)
+            return record.engine_id == "p0r-inner" and record.routable
+
+        await eventually(known_restarted)
+        gate.set()
+        reply = await running
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert _calls([prefill[0], restarted], "r") == [("p0", False), ("p0r", False)]
+        assert [session for _, session in _calls(decode, "r")] == [True, True]
+        assert _outcomes(fleet) == {"ok": 1}
         assert fleet.app.controller.metrics.retries._value.get() == 1
     finally:
         await close_fleet(fleet)
@@ -611,6 +699,28 @@ async def test_a_session_its_prefill_engine_ended_runs_the_request_again(form: s
         assert _calls(prefill + decode, "r") == expected
         assert _outcomes(fleet) == {"ok": 1}
         assert sessions.open == {}
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_a_session_its_prefill_engine_ended_again_ends_the_request_unaborted(
+    form: str,
+) -> None:
+    """As above, but the prefill engine ends the session of the run again too (its TTL, not
+    a drain): the request ends at that handoff, each output finished CANCELLED, counted as
+    an engine's failure, not as aborted (no one aborted it, which it used to count as)."""
+    fleet, prefill, decode, sessions = await _fleet(1, 1)
+    try:
+        _refuse(sessions, form)
+        sessions.ended_at_once = True  # every session
+        reply = await _generate(fleet, generate_request("r", [*PREFIX, 1], max_tokens=5))
+        assert [r.WhichOneof("event") for r in reply] == ["finished"]
+        assert reply[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        expected = [("p0", False), ("p0", False), ("d0", True), ("d0", True)]
+        assert _calls(prefill + decode, "r") == expected
+        assert _outcomes(fleet) == {"engine_error": 1}
+        assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 0
     finally:
         await close_fleet(fleet)
 
