@@ -57,7 +57,10 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   prefill engine answers that it ended the session itself (`Handoff.release`) ends at the
   handoff, as an aborted request does, when that engine drains (`Handoff.holder_draining`),
   and otherwise (its TTL) runs again as a whole, once, that engine included (ended again
-  there, it ends at the handoff too, counted "engine_error": no one aborted it);
+  there, it ends at the handoff too, counted "engine_error": no one aborted it); a session
+  that release freed (the refusal was about something else), or may have (no answer), goes
+  to no other decode engine: the request runs again so too (without that engine when it
+  did not answer), and in that run fails as the refusal does (UNAVAILABLE);
 - a hop's failure before anything was relayed is judged alike whether the engine said it
   with a status or in-band (`HopFailure`: an in-band error by its status form), in one
   place (`Relay._judge`); when no other engine takes it, an in-band refusal reaches the
@@ -74,7 +77,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, NamedTuple, NoReturn, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, NoReturn, Protocol, TypeVar
 
 import grpc
 
@@ -378,15 +381,14 @@ class _Stage(NamedTuple):
     # on another decode engine? None: never asked.
     session_lost: Callable[[str, str], Awaitable[_SessionLost | None]] | None = None
     # A decode hop's question after its first engine refused the KV session NOT_FOUND before
-    # anything was relayed, the session's holder still there: did the holder end the session
-    # itself (its drain aborting, its TTL, an Abort of it), no decode engine having attached
-    # it? Asking releases the session. An outcome: the request ends at the handoff, as one
-    # aborted there (`Relay.aborted_unrouted`), counted so: "aborted" when a drain ended it,
-    # "engine_error" when it ended otherwise in the request's run again (its prefill engine
-    # ended a session a second time: no one aborted it). In the first run any end other than
-    # a drain (its TTL, the client having read slowly) raises `_SessionLost`: the request runs
-    # again as a whole, once. None: the session was not ended there; or never asked.
-    session_ended: Callable[[], Awaitable[RequestOutcome | None]] | None = None
+    # anything was relayed (given the engine and its failure), the session's holder still
+    # there: did the holder end the session itself (its drain aborting, its TTL, an Abort of
+    # it), no decode engine having attached it? Asking releases the session: what it learned
+    # is a `_SessionEnd`. In the first run any end other than a drain (its TTL, the client
+    # having read slowly), and a session the release freed or may have freed (the refusal was
+    # about something else: a model the engine no longer serves), raise `_SessionLost`: the
+    # request runs again as a whole, once. None: never asked.
+    session_ended: Callable[[str, str], Awaitable[_SessionEnd]] | None = None
     # The prefill hop of a disaggregated request: the engine it picks is the request's
     # prefill engine in its route (`kvplane-route`), unless that is a decode engine
     # prefilling the prompt itself (a retry), which serves the whole request.
@@ -427,6 +429,28 @@ class _SessionLost(Exception):
         # Whether the client already has output of the request (its prompt's, from the
         # prefill hop): the run again then ends any failure in-band.
         self.shown = False
+
+
+class _SessionEnd(NamedTuple):
+    """What a decode hop learned by releasing its KV session on the prefill engine holding
+    it, its first engine having refused the session NOT_FOUND (`_Stage.session_ended`)."""
+
+    # The session ended there (ALREADY_FINISHED): the request ends at the handoff, as one
+    # aborted there (`Relay.aborted_unrouted`), counted so: "aborted" when a drain ended it,
+    # "engine_error" when it ended otherwise in the request's run again (its prefill engine
+    # ended a session a second time: no one aborted it).
+    ended: RequestOutcome | None = None
+    # The release freed the session (ABORTED: it was open), or may have (unanswered), in the
+    # request's run again: no other decode engine can take it, and the request fails as the
+    # refusal does. (In the first run the request runs again instead: `_SessionLost`.)
+    freed: bool = False
+
+
+# How the prefill engine holding a KV session answered its release (`Relay._release`): it
+# had ended it already; it freed it now; it knows no such session (a decode engine attached
+# it, a restarted process); no answer (unreachable, timed out, left the fleet), so whether
+# the session is still there is unknown.
+Released = Literal["ended", "freed", "not_held", "unanswered"]
 
 
 class _Verdict(NamedTuple):
@@ -503,7 +527,7 @@ class Relay:
         # Abort the engine cannot find yet ends it: abort_unaccepted).
         self._unanswered: dict[str, EngineCall[Any]] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
-        self._releases: set[asyncio.Task[bool]] = set()
+        self._releases: set[asyncio.Task[Released]] = set()
         # request id -> where it ran so far, told to its client (`kvplane-route`).
         self._routes: dict[str, RouteReport] = {}
 
@@ -864,17 +888,34 @@ class Relay:
             return
         decoded = relayed = gone = released = False
 
-        async def ended_on_holder() -> RequestOutcome | None:
+        async def ended_on_holder(engine: str, failure: str) -> _SessionEnd:
             nonlocal released
             released = True
-            if not await self._release(handoff, prefilled_on, session, request_id):
-                return None  # it was open: another decode engine may take it
+            answer = await self._release(handoff, prefilled_on, session, request_id)
+            if answer == "not_held":  # nothing freed here: another decode engine may be tried
+                return _SessionEnd()
+            if answer != "ended":
+                # The gateway freed the session itself, or may have: no decode engine can
+                # take it now. The request runs again as a whole, once (without the holder
+                # when it did not answer); in the run again it fails as the refusal does.
+                if lost is not None:
+                    return _SessionEnd(freed=True)
+                what = "freed it" if answer == "freed" else "got no answer"
+                raise _SessionLost(
+                    prefilled_on,
+                    gateway_failure(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"engine {engine} refused the request's KV session ({failure}); "
+                        f"releasing it on engine {prefilled_on}, which held it, {what}",
+                    ),
+                    holder_up=answer == "freed",
+                )
             if await handoff.holder_draining(prefilled_on):
-                return "aborted"  # a drain's end: it ends at the handoff, as drains abort
+                return _SessionEnd("aborted")  # a drain's end: it ends at the handoff
             if lost is not None:  # the run again: its session ended too, not by anyone's Abort
                 log.info("request %s: engine %s ended its KV session again before a decode "
                          "engine took it", request_id, prefilled_on)  # fmt: skip
-                return "engine_error"
+                return _SessionEnd("engine_error")
             raise _SessionLost(
                 prefilled_on,
                 gateway_failure(
@@ -976,20 +1017,23 @@ class Relay:
     @staticmethod
     async def _release(
         handoff: Handoff[Any, Any], engine: str, session: Any, request_id: str
-    ) -> bool:
+    ) -> Released:
         """Free a KV session no decode engine attached on the prefill engine that holds it;
-        whether that engine said it had ended the session already (`Handoff.release`). An
-        engine that no longer knows it (a decode engine attached it before failing, a
-        restarted engine) answers NOT_FOUND."""
+        how that engine answered (`Released`: whether it had ended the session already,
+        `Handoff.release`). An engine that no longer knows it (a decode engine attached it
+        before failing, a restarted engine) answers NOT_FOUND."""
         try:
-            return await handoff.release(engine, session)
+            return "ended" if await handoff.release(engine, session) else "freed"
         except grpc.aio.AioRpcError as exc:
-            level = logging.DEBUG if exc.code() == grpc.StatusCode.NOT_FOUND else logging.WARNING
-            log.log(level, "request %s: releasing its KV session on %s failed: %s: %s",
-                    request_id, engine, exc.code().name, exc.details())  # fmt: skip
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                log.debug("request %s: engine %s no longer knows its KV session: %s",
+                          request_id, engine, exc.details())  # fmt: skip
+                return "not_held"
+            log.warning("request %s: releasing its KV session on %s failed: %s: %s",
+                        request_id, engine, exc.code().name, exc.details())  # fmt: skip
         except KeyError:  # the engine left the fleet, and its sessions with it
             pass
-        return False
+        return "unanswered"
 
     async def _attempts(
         self,
@@ -1173,30 +1217,33 @@ class Relay:
         """What follows `engine` failing a hop before anything of it was relayed, whichever
         form it said it in (`HopFailure`); `retry`: the hop's retry so far. In order: a
         decode hop whose KV session is lost (its holder gone: `_Stage.session_lost`; ended
-        there other than by a drain: `_Stage.session_ended`) raises `_SessionLost`; one whose
-        first engine found no session that its holder's drain ended (or, in the request's
-        run again, that its holder ended again) ends at the handoff; a
-        refused session is the engine's failure (UNAVAILABLE), not the client's; an engine
-        that no longer holds the request's LoRA adapter is left for one that does; else the
-        one retry, when another engine may succeed."""
+        there other than by a drain, or freed by the release that asked: `_Stage.session_ended`)
+        raises `_SessionLost`; one whose first engine found no session that its holder's
+        drain ended (or, in the request's run again, that its holder ended again) ends at the
+        handoff; a refused session is the engine's failure (UNAVAILABLE), not the client's;
+        an engine that no longer holds the request's LoRA adapter is left for one that does;
+        else the one retry, when another engine may succeed, never with a session the
+        gateway freed (or may have: its release unanswered)."""
         request_id = plan.request.request_id
         if stage.session_lost is not None:
             lost = await stage.session_lost(engine, failure.described)
             if lost is not None:
                 raise lost
+        end = _SessionEnd()
         if (
             failure.refused_session
             and failure.cause.code() == grpc.StatusCode.NOT_FOUND
             and retry is None  # no decode engine attached the session before
             and stage.session_ended is not None
             and not await self.adapter_left(request_id, plan.lora_name, engine)
-            and (ended := await stage.session_ended()) is not None
         ):
+            end = await stage.session_ended(engine, failure.described)
+        if end.ended is not None:
             log.info("request %s: engine %s refused its KV session, which %s ended; the "
                      "request ends at the handoff", request_id, engine,
                      self.handed_over.get(request_id))  # fmt: skip
             self.aborted_unrouted.add(request_id)
-            return _Verdict(failure, ended=ended)
+            return _Verdict(failure, ended=end.ended)
         if failure.refused_session:
             refused = gateway_failure(
                 grpc.StatusCode.UNAVAILABLE,
@@ -1208,7 +1255,7 @@ class Relay:
             return _Verdict(
                 failure, _Retry(failure.described, failure.answer, engine, counted=False)
             )
-        if retry is None and failure.retryable:
+        if retry is None and failure.retryable and not end.freed:
             log.info("request %s: engine %s failed before the first response (%s); retrying "
                      "elsewhere", request_id, engine, failure.described)  # fmt: skip
             return _Verdict(failure, _Retry(failure.described, failure.answer, engine))

@@ -8,7 +8,8 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
   which is dropped) and ends with the terminal PrefillReady carrying a `KvSessionRef`; Usage
   rides on it. A prefill aborted (Abort by request id) ends with finished(CANCELLED) and no
   PrefillReady; Abort(kv_session) frees a session it opened that no decode engine attached
-  (any other engine: NOT_FOUND). `prefill_gate`
+  (any other engine: NOT_FOUND; with `Sessions.release_answer_lost` it frees it, then fails
+  UNAVAILABLE). `prefill_gate`
   holds every prefill until it is set (a test's window to act mid-prefill); `handover_gate`
   holds the stream open after its PrefillReady until it is set (the request is finished on
   the engine then: an Abort of it is ALREADY_FINISHED).
@@ -16,7 +17,8 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
   (else FAILED_PRECONDITION for none, NOT_FOUND, or `Sessions.refusal_status`, for an unknown
   one: before acceptance; with
   `Sessions.in_band_refusal`, an unknown one is accepted and refused in-band, one terminal
-  EngineError of that code, as an engine that pulls after acceptance does); the
+  EngineError of that code, as an engine that pulls after acceptance does; with
+  `Sessions.refuse_open`, an open one is refused so too, left open); the
   "transfer" is the sim engine computing the prompt itself, then it decodes. With
   `accept_local_prefill` it also takes requests without a session and prefills them itself,
   as engines that can prefill locally do. `decode_gate` holds every request with a session
@@ -71,6 +73,14 @@ class Sessions:
     # set and not open, each such Abort waits for it (a test's window to act meanwhile).
     releases: list[str] = field(default_factory=list)
     release_gate: asyncio.Event | None = None
+    # The next this many requests with a session that decode engines get are refused as an
+    # unknown session is (before acceptance, or in-band), the session left open on its
+    # prefill engine: a NOT_FOUND that is not about the session (a decode engine that no
+    # longer serves the model, which the controller does not know yet).
+    refuse_open: int = 0
+    # Abort(kv_session) frees a session it opened, then fails UNAVAILABLE (its answer lost
+    # on the way): the gateway cannot tell whether the session is still there.
+    release_answer_lost: bool = False
 
 
 class RoleServicer(Forwarding):
@@ -114,6 +124,8 @@ class RoleServicer(Forwarding):
             if self.sessions.open.get(session_id) != self.name:  # only the engine holding it
                 await context.abort(grpc.StatusCode.NOT_FOUND, "no such KV session here")
             del self.sessions.open[session_id]
+            if self.sessions.release_answer_lost:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
             return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED)
         aborted = self.prefilling.get(request.request_id)
         if aborted is None:
@@ -146,7 +158,14 @@ class RoleServicer(Forwarding):
             if self.decode_gate is not None:
                 await self.decode_gate.wait()
             session_id = request.kv.session.session_id
-            if self.sessions.open.pop(session_id, None) is None or self.sessions.lost:
+            refused_open = self.sessions.refuse_open > 0
+            if refused_open:
+                self.sessions.refuse_open -= 1
+            if (
+                refused_open
+                or self.sessions.open.pop(session_id, None) is None
+                or self.sessions.lost
+            ):
                 code = self.sessions.in_band_refusal
                 if code is None:
                     status = self.sessions.refusal_status

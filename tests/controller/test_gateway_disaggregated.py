@@ -780,6 +780,80 @@ async def test_a_session_its_draining_prefill_engine_ended_ends_the_request(form
         await close_fleet(fleet)
 
 
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_a_session_freed_when_asked_about_runs_the_request_again(form: str) -> None:
+    """The first decode engine refuses the session NOT_FOUND (status or in-band) while it is
+    open on its prefill engine (a NOT_FOUND about something else: a model that engine no
+    longer serves). Asked whether it had ended, the prefill engine frees it (ABORTED): the
+    request runs again as a whole, once, and the client gets its tokens. The gateway used
+    to hand the session it had just freed to the other decode engine, which found none: the
+    client got UNAVAILABLE."""
+    fleet, prefill, decode, sessions = await _fleet(1, 2)
+    try:
+        _refuse(sessions, form)
+        sessions.refuse_open = 1
+        reply = await _generate(fleet, generate_request("r", [*PREFIX, 1], max_tokens=5))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(r.token.tokens) for r in reply if r.HasField("token")) == 5
+        assert _calls(prefill, "r") == [("p0", False), ("p0", False)]
+        assert [session for _, session in _calls(decode, "r")] == [True, True]
+        assert sessions.releases == ["p0-0"]  # the first session, freed when asked about
+        assert sessions.open == {}
+        assert _outcomes(fleet) == {"ok": 1}
+        assert fleet.app.controller.metrics.retries._value.get() == 1
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("form", REFUSAL_FORMS)
+async def test_a_session_freed_when_asked_about_in_the_run_again_fails_the_request(
+    form: str,
+) -> None:
+    """As above, but a decode engine refuses the run again's session so too: freed when
+    asked about, it goes to no other decode engine; the client gets the gateway's
+    UNAVAILABLE naming the refusing engine, counted as an engine error. The run again used
+    to hand the freed session to the other decode engine."""
+    fleet, prefill, decode, sessions = await _fleet(1, 2)
+    try:
+        _refuse(sessions, form)
+        sessions.refuse_open = 2
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(fleet, generate_request("r", [*PREFIX, 1]))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "refused the KV session" in (info.value.details() or "")
+        assert _calls(prefill, "r") == [("p0", False), ("p0", False)]
+        assert [session for _, session in _calls(decode, "r")] == [True, True]
+        assert sessions.releases == ["p0-0", "p0-1"]
+        assert sessions.open == {}
+        assert _outcomes(fleet) == {"engine_error": 1}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_session_whose_release_failed_runs_the_request_again_elsewhere() -> None:
+    """As above (the first decode engine refuses an open session NOT_FOUND), but the prefill
+    engine's answer to the session's release is lost (UNAVAILABLE, the session freed): the
+    gateway cannot tell whether the session is still there, so it goes to no other decode
+    engine; the request runs again as a whole, once, without that prefill engine (it did
+    not answer), and the client gets its tokens. The gateway used to hand the session to
+    the other decode engine, which found none: the client got UNAVAILABLE."""
+    fleet, prefill, decode, sessions = await _fleet(2, 2)
+    try:
+        sessions.refuse_open = 1
+        sessions.release_answer_lost = True
+        reply = await _generate(fleet, generate_request("r", [*PREFIX, 1], max_tokens=5))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        prefills = [engine for engine, _ in _calls(prefill, "r")]
+        assert len(prefills) == 2 and prefills[0] != prefills[1]
+        assert [session for _, session in _calls(decode, "r")] == [True, True]
+        assert sessions.open == {}
+        assert _outcomes(fleet) == {"ok": 1}
+    finally:
+        await close_fleet(fleet)
+
+
 async def test_a_prefill_engine_that_never_hands_over_is_ejected() -> None:
     """Its streams end without error, and without the KV session: a fault of its own, which
     counts toward its outlier ejection like a failed call (its health says ready)."""
