@@ -356,7 +356,11 @@ class _OpenEngineGenerate:
         return events
 
     async def release(self, engine: str, session: pb.KvSessionRef) -> bool:
-        reply = await self._fleet.stub(engine).Abort(pb.AbortRequest(kv_session=session))
+        # Within `health.rpc_timeout_s`, as the other calls that read nothing: a holder that
+        # does not answer must not hold up the request (its release goes unanswered).
+        reply = await self._fleet.stub(engine).Abort(
+            pb.AbortRequest(kv_session=session), timeout=self._fleet.config.health.rpc_timeout_s
+        )
         return reply.status == pb.ABORT_STATUS_ALREADY_FINISHED
 
 

@@ -854,6 +854,27 @@ async def test_a_session_whose_release_failed_runs_the_request_again_elsewhere()
         await close_fleet(fleet)
 
 
+async def test_a_session_whose_release_hangs_runs_the_request_again_elsewhere() -> None:
+    """As above, but the prefill engine never answers the session's release: the gateway
+    gives up on it after `health.rpc_timeout_s` (as for its other calls that read nothing)
+    and runs the request again elsewhere. The release used to have no deadline: the request
+    waited as long as the engine did."""
+    fleet, prefill, _, sessions = await _fleet(2, 2, health={"rpc_timeout_s": 0.5})
+    sessions.release_gate = asyncio.Event()  # never set before the request ends
+    try:
+        sessions.refuse_open = 1
+        async with asyncio.timeout(20):
+            reply = await _generate(fleet, generate_request("r", [*PREFIX, 1], max_tokens=5))
+        assert reply[-1].WhichOneof("event") == "finished"
+        assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        prefills = [engine for engine, _ in _calls(prefill, "r")]
+        assert len(prefills) == 2 and prefills[0] != prefills[1]
+        assert _outcomes(fleet) == {"ok": 1}
+    finally:
+        sessions.release_gate.set()
+        await close_fleet(fleet)
+
+
 async def test_a_prefill_engine_that_never_hands_over_is_ejected() -> None:
     """Its streams end without error, and without the KV session: a fault of its own, which
     counts toward its outlier ejection like a failed call (its health says ready)."""
