@@ -239,7 +239,8 @@ class LiveConfig(StrictModel):
     # start_backoff_crash_s after it began serving, a crash: one lost later is replaced at
     # once) retries the first failure at once, then waits start_backoff_s, doubled with each
     # failure in a row up to start_backoff_max_s; the count starts over once an engine of the
-    # pool has served start_backoff_max_s (planner/start_backoff.py).
+    # pool started after the last failure has served start_backoff_crash_s
+    # (planner/start_backoff.py).
     start_backoff_s: float = Field(default=10.0, gt=0)
     start_backoff_max_s: float = Field(default=300.0, gt=0)
     start_backoff_crash_s: float = Field(default=2.0, ge=0)

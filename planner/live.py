@@ -390,7 +390,7 @@ class LivePlanner:
         kept = [e for e in running if e not in lost]
         for engine in kept:
             if engine.state is EngineState.SERVING:
-                self._backoff.serving(engine.pool, engine.serving_since_s, now_s)
+                self._backoff.serving(engine.pool, engine.serving_since_s, engine.served_s())
         return self._observations(kept, now_s)
 
     def _observations(self, running: list[_Engine], now_s: float) -> Observations:

@@ -14,10 +14,13 @@ failure are not a crash loop. So are the starts of a pool one decision began tha
 (`LivePlanner` reports the first): several failing for one cause (a bad model path) are one
 attempt. The first failure is retried at once (one engine crashing is replaced at the next
 tick); each failure in a row after it waits twice as long, from `first_s` up to `max_s`. The
-count starts over once an engine of the pool started after the last failure has served for
-`max_s` (as the kubelet's after ten minutes of a container running): not for the engines that
-served all along, or a pool of healthy engines whose new ones cannot start (a full GPU) would be
-started again at every tick."""
+count starts over once an engine of the pool started after the last failure has served
+`crash_within_s`: past the window in which its loss would be a crash, it shows the pool's new
+engines start and serve again (the kubelet, with nothing but a container running to go by, waits
+ten minutes). Not for the engines that served all along, or a pool of healthy engines whose new
+ones cannot start (a full GPU) would be started again at every tick; and counted over the
+kubelet's ten minutes, a pool whose engines are often replaced (a soak, a spot fleet) added a
+rare early loss to the last for good, and its waits grew."""
 
 from __future__ import annotations
 
@@ -54,11 +57,11 @@ class StartBackoff:
         failures.last_s = now_s
         return self._wait_s(failures)
 
-    def serving(self, pool: str, since_s: float, now_s: float) -> None:
-        """An engine of `pool` serves at `now_s`, since `since_s`: its pool's failures are over
-        if it began after the last and has served `max_s`."""
+    def serving(self, pool: str, since_s: float, served_s: float) -> None:
+        """An engine of `pool` serves, since `since_s`, for `served_s` so far: its pool's
+        failures are over if it began after the last and is past `crash`'s window."""
         failures = self._pools.get(pool)
-        if failures is not None and since_s >= failures.last_s and now_s - since_s >= self.max_s:
+        if failures is not None and since_s >= failures.last_s and not self.crash(served_s):
             del self._pools[pool]
 
     def wait_s(self, pool: str, now_s: float) -> float:

@@ -1,7 +1,7 @@
 """A failing pool's starts back off as Kubernetes' CrashLoopBackOff does: the first failure
 retried at once, then waits doubling from `first_s` up to `max_s`, over once an engine of the
-pool started after the last failure has served `max_s`. An engine lost is a failure only if it
-served less than `crash_within_s`."""
+pool started after the last failure has served `crash_within_s`. An engine lost is a failure
+only if it served less than `crash_within_s`."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ def test_an_engine_started_after_the_failures_that_served_ends_them() -> None:
     backoff = StartBackoff(10.0, 60.0, 10.0)
     backoff.failed("p", 100.0)
     backoff.failed("p", 101.0)
-    backoff.serving("p", since_s=110.0, now_s=150.0)  # not long enough yet
+    backoff.serving("p", since_s=110.0, served_s=9.0)  # not long enough yet
     assert backoff.wait_s("p", 105.0) == 6.0
-    backoff.serving("p", since_s=110.0, now_s=170.0)
+    backoff.serving("p", since_s=110.0, served_s=10.0)
     assert backoff.wait_s("p", 105.0) == 0.0
     assert backoff.failed("p", 200.0) == 0.0  # retried at once again
 
@@ -34,7 +34,7 @@ def test_an_engine_that_served_all_along_does_not_end_them() -> None:
     backoff = StartBackoff(10.0, 60.0, 10.0)
     backoff.failed("p", 1000.0)
     backoff.failed("p", 1001.0)
-    backoff.serving("p", since_s=0.0, now_s=1002.0)
+    backoff.serving("p", since_s=0.0, served_s=1002.0)
     assert backoff.wait_s("p", 1002.0) == 9.0
     assert backoff.failed("p", 1011.0) == 20.0
 
