@@ -235,12 +235,15 @@ class LiveConfig(StrictModel):
     # An engine whose GetLoad failed or timed out this many ticks in a row (alive but hung)
     # is lost: taken out of the controller and killed, and the core replaces it.
     lost_after_failed_polls: int = Field(default=3, ge=1)
-    # A pool whose engines fail (a start that fails; one that exits or is lost while serving)
-    # retries the first failure at once, then waits start_backoff_s, doubled with each
+    # A pool whose engines fail (a start that fails; one that exits or is lost less than
+    # start_backoff_crash_s after it began serving, a crash: one lost later is replaced at
+    # once) retries the first failure at once, then waits start_backoff_s, doubled with each
     # failure in a row up to start_backoff_max_s; the count starts over once an engine of the
-    # pool has served start_backoff_max_s (planner/start_backoff.py).
+    # pool started after the last failure has served start_backoff_crash_s
+    # (planner/start_backoff.py).
     start_backoff_s: float = Field(default=10.0, gt=0)
     start_backoff_max_s: float = Field(default=300.0, gt=0)
+    start_backoff_crash_s: float = Field(default=2.0, ge=0)
     # Prometheus /metrics on a side port (HOST:PORT); None disables it.
     metrics_listen: Annotated[str, AfterValidator(_host_port)] | None = None
 

@@ -131,6 +131,11 @@ class _Engine:
     info_read: bool = False
     role: EngineRole | None = None  # GetEngineInfo's (None: not reported)
     serving_since_s: float = 0.0  # when it was started or adopted (the planner's clock)
+    answered_s: float | None = None  # when it last answered a GetLoad (None: never)
+
+    def served_s(self) -> float:
+        """How long it served: from its start (or adoption) to its last answer."""
+        return 0.0 if self.answered_s is None else self.answered_s - self.serving_since_s
 
     def observation(self, now_s: float | None = None) -> EngineObservation:
         """What the core sees at `now_s`. An engine that does not report its request counts
@@ -192,7 +197,9 @@ class LivePlanner:
         self._may_act = may_act
         self._placeholders = itertools.count()
         # Starts of a pool whose engines keep failing wait longer and longer.
-        self._backoff = start_backoff if start_backoff is not None else StartBackoff(10.0, 300.0)
+        self._backoff = (
+            start_backoff if start_backoff is not None else StartBackoff(10.0, 300.0, 2.0)
+        )
         self._starts: set[asyncio.Task[None]] = set()
         # The actuator's work under way beside the ticks (with `_starts` and its own looks at
         # the fleet, `_adopted`): removals (their pool by task, in the order begun: a pool's
@@ -355,8 +362,9 @@ class LivePlanner:
         for address, pool in adopted:
             if address not in self.engines:
                 self._serve(address, pool)
-        # Pools whose serving engines this look lost: one failure each, however many it
-        # lost (a node failure killing three at once is one failure, not three in a row).
+        # Pools whose serving engines this look lost soon after they began serving (`_lose`):
+        # one failure each, however many it lost (a node failure killing three at once is one
+        # failure, not three in a row).
         failing: set[str] = set()
         for address in self.actuator.exited():  # the core must not count a dead engine
             engine = self.engines.get(address)
@@ -382,7 +390,7 @@ class LivePlanner:
         kept = [e for e in running if e not in lost]
         for engine in kept:
             if engine.state is EngineState.SERVING:
-                self._backoff.serving(engine.pool, engine.serving_since_s, now_s)
+                self._backoff.serving(engine.pool, engine.serving_since_s, engine.served_s())
         return self._observations(kept, now_s)
 
     def _observations(self, running: list[_Engine], now_s: float) -> Observations:
@@ -464,6 +472,7 @@ class LivePlanner:
                 engine.failed_polls += 1
             return
         engine.failed_polls = 0
+        engine.answered_s = self._clock()
         engine.load = _load(info, engine.load)
 
     async def _read_engine_info(
@@ -620,10 +629,12 @@ class LivePlanner:
         log.info("engine %s serves in pool %s", address, pool)
 
     async def _lose(self, engine: _Engine, cause: LossCause) -> set[str]:
-        """Count and remove an engine lost; the pool failing by it (crashing while serving;
-        a draining engine was leaving anyway), for the start back-off, else none."""
+        """Count and remove an engine lost; the pool failing by it, for the start back-off: a
+        serving engine's crash soon after it began serving (`StartBackoff.crash`). One that
+        served longer is replaced at once, and a draining engine was leaving anyway: none."""
         self.metrics.on_lost(engine.pool, cause)
-        failing = {engine.pool} if engine.state is EngineState.SERVING else set()
+        crashed = engine.state is EngineState.SERVING and self._backoff.crash(engine.served_s())
+        failing = {engine.pool} if crashed else set()
         await self._remove(engine, kill=cause == "unresponsive")
         return failing
 
@@ -809,7 +820,9 @@ async def run_live(config: PlannerConfig, environ: Mapping[str, str]) -> None:
             load_timeout_s=live.load_timeout_s,
             lost_after_failed_polls=live.lost_after_failed_polls,
             channels=engine_channels,
-            start_backoff=StartBackoff(live.start_backoff_s, live.start_backoff_max_s),
+            start_backoff=StartBackoff(
+                live.start_backoff_s, live.start_backoff_max_s, live.start_backoff_crash_s
+            ),
             metrics=metrics,
             may_act=leading,
         )

@@ -57,10 +57,6 @@ POOLS = {"prefill": ("prefill", 1, 2), "decode": ("decode", 2, 3)}
 ENGINE_CONFIG = "model: sim\nnum_kv_blocks: 64\n"
 # The prefill engines' `kv_transfer.session_ttl_s` (see `_planner_config`).
 SESSION_TTL_S = 20
-# The planner's `live.start_backoff_s` and `start_backoff_max_s`: the soak's kills in a row
-# are a crash loop to the planner, and the defaults' waits (10 s, doubled up to 300 s) held a
-# pool's replacement back past a fault's convergence (seed 1's second prefill kill: 20 s).
-START_BACKOFF_S = (1.0, 4.0)
 # The client's rate, times the run's --rate, drawn for each cycle.
 RATES = {"quiet": 0.25, "steady": 1.0, "burst": 4.0}
 
@@ -138,8 +134,6 @@ class PlannerSoak(GatewaySoak):
             "  start_timeout_s: 60\n"
             "  load_timeout_s: 0.5\n"
             f"  lost_after_failed_polls: {LOST_AFTER_FAILED_POLLS}\n"
-            f"  start_backoff_s: {START_BACKOFF_S[0]}\n"
-            f"  start_backoff_max_s: {START_BACKOFF_S[1]}\n"
         )
 
     @property

@@ -62,6 +62,7 @@ BAD_CONFIGS = {
     "live: {controller: 'localhost'}\n": "HOST:PORT",
     "live: {controller: '127.0.0.1:1', metrics_listen: 'http://h:1'}\n": "metrics_listen",
     "live: {controller: '127.0.0.1:1', lost_after_failed_polls: 0}\n": "lost_after_failed_polls",
+    "live: {controller: '127.0.0.1:1', start_backoff_crash_s: -1}\n": "start_backoff_crash_s",
     "pools: [{name: a}, {name: b}]\n"
     "live: {controller: 'c:1', kubernetes: {deployments: {a: engine}}}\n": "no Deployment for "
     "pool(s) b",

@@ -1225,7 +1225,7 @@ async def test_a_pool_whose_engines_fail_to_start_backs_off(
     spawned and no engine log written at every tick."""
     caplog.set_level(logging.INFO, "planner.live")
     actuator = failing_engines(tmp_path, setup.app.port)
-    live = LivePlanner(planner(1, 1), actuator, start_backoff=StartBackoff(3600.0, 3600.0))
+    live = LivePlanner(planner(1, 1), actuator, start_backoff=StartBackoff(3600.0, 3600.0, 3600.0))
     try:
         for _ in range(2):
             assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
@@ -1256,7 +1256,7 @@ async def test_engines_of_a_pool_that_fail_to_start_together_are_one_failure(
     the pool waited after its first attempt."""
     caplog.set_level(logging.ERROR, "planner.live")
     actuator = failing_engines(tmp_path, setup.app.port)
-    live = LivePlanner(planner(2, 2), actuator, start_backoff=StartBackoff(3600.0, 3600.0))
+    live = LivePlanner(planner(2, 2), actuator, start_backoff=StartBackoff(3600.0, 3600.0, 3600.0))
     try:
         for attempt in range(2):
             assert await live.tick() == [ScalePool("default", 2, Reason.BELOW_MIN)]
@@ -1276,11 +1276,12 @@ async def test_engines_of_a_pool_that_fail_to_start_together_are_one_failure(
 async def test_engines_that_keep_crashing_while_serving_back_off(
     setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An engine that exits on its own is replaced at the next tick; when its replacement
-    exits too, the pool's next start waits: a crash loop is not a new engine every tick."""
+    """An engine that exits on its own soon after it began serving (within `crash_within_s`:
+    an hour here) is replaced at the next tick; when its replacement exits too,
+    the pool's next start waits: a crash loop is not a new engine every tick."""
     caplog.set_level(logging.WARNING, "planner.live")
     fleet, actuator = setup.app.controller.fleet, setup.actuator
-    backoff = StartBackoff(3600.0, 3600.0)
+    backoff = StartBackoff(3600.0, 3600.0, 3600.0)
     async with serving(setup, 1, start_backoff=backoff) as (live, _):
         for crash in range(2):
             (victim,) = live.engines
@@ -1302,6 +1303,37 @@ async def test_engines_that_keep_crashing_while_serving_back_off(
     assert actuator.num_alive() == 0
 
 
+@pytest.mark.timeout(240)
+async def test_engines_lost_after_serving_a_while_are_replaced_at_once(
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine killed after it served longer than `crash_within_s` (a minute here; killed
+    by hand, its node lost) proves its pool's engines start and serve: no crash
+    loop. Each is replaced at the next tick, however many in a row, and a pool below its
+    minimum never waits (an hour here) empty: the kubelet backs off a container that keeps
+    crashing, a ReplicaSet replaces a lost pod at once."""
+    caplog.set_level(logging.WARNING, "planner.live")
+    fleet, actuator = setup.app.controller.fleet, setup.actuator
+    now_s = 1000.0
+    backoff = StartBackoff(3600.0, 3600.0, 60.0)
+    async with serving(setup, 1, start_backoff=backoff, clock=lambda: now_s) as (live, _):
+        for _ in range(3):
+            now_s += 120.0
+            assert await live.tick() == []  # it answers, two minutes after it began serving
+            (victim,) = live.engines
+            process = actuator._processes[victim]
+            os.kill(process.pid, signal.SIGKILL)
+            await process.wait()
+            assert await live.tick() == [ScalePool("default", 1, Reason.BELOW_MIN)]
+            assert not [r for r in caplog.records if "keep failing" in r.getMessage()]
+            await fleet.wait_for(lambda: len(live._starts) == 0, 30)
+            assert [e.state for e in live.engines.values()] == [EngineState.SERVING]
+            assert victim not in live.engines
+        await fleet.wait_for(lambda: len(fleet.registry.routable()) == 1, 120)
+        assert engines_spawned(tmp_path) == 4  # the first and one replacement per kill
+    assert actuator.num_alive() == 0
+
+
 @pytest.mark.timeout(180)
 async def test_engines_of_a_pool_lost_at_once_are_one_failure(
     setup: Setup, caplog: pytest.LogCaptureFixture
@@ -1310,7 +1342,10 @@ async def test_engines_of_a_pool_lost_at_once_are_one_failure(
     fleet: one failure, retried at once as a single crash is, not a back-off (an hour here)."""
     caplog.set_level(logging.WARNING, "planner.live")
     fleet, actuator = setup.app.controller.fleet, setup.actuator
-    async with serving(setup, 2, start_backoff=StartBackoff(3600.0, 3600.0)) as (live, victims):
+    async with serving(setup, 2, start_backoff=StartBackoff(3600.0, 3600.0, 3600.0)) as (
+        live,
+        victims,
+    ):
         processes = [actuator._processes[victim] for victim in victims]
         for process in processes:
             os.kill(process.pid, signal.SIGKILL)
