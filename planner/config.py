@@ -31,6 +31,7 @@ from typing import Annotated
 from pydantic import AfterValidator, Field, model_validator
 
 from kvplane.config import ClientTlsConfig, StrictModel, parse_dial_target, parse_host_port
+from planner import start_backoff
 from planner.core.observations import EngineRole
 
 
@@ -241,9 +242,9 @@ class LiveConfig(StrictModel):
     # failure in a row up to start_backoff_max_s; the count starts over once an engine of the
     # pool started after the last failure has served start_backoff_crash_s
     # (planner/start_backoff.py).
-    start_backoff_s: float = Field(default=10.0, gt=0)
-    start_backoff_max_s: float = Field(default=300.0, gt=0)
-    start_backoff_crash_s: float = Field(default=2.0, ge=0)
+    start_backoff_s: float = Field(default=start_backoff.FIRST_S, gt=0)
+    start_backoff_max_s: float = Field(default=start_backoff.MAX_S, gt=0)
+    start_backoff_crash_s: float = Field(default=start_backoff.CRASH_WITHIN_S, ge=0)
     # Prometheus /metrics on a side port (HOST:PORT); None disables it.
     metrics_listen: Annotated[str, AfterValidator(_host_port)] | None = None
 

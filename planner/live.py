@@ -197,9 +197,7 @@ class LivePlanner:
         self._may_act = may_act
         self._placeholders = itertools.count()
         # Starts of a pool whose engines keep failing wait longer and longer.
-        self._backoff = (
-            start_backoff if start_backoff is not None else StartBackoff(10.0, 300.0, 2.0)
-        )
+        self._backoff = start_backoff if start_backoff is not None else StartBackoff()
         self._starts: set[asyncio.Task[None]] = set()
         # The actuator's work under way beside the ticks (with `_starts` and its own looks at
         # the fleet, `_adopted`): removals (their pool by task, in the order begun: a pool's

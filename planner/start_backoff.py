@@ -27,6 +27,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# The defaults (`live.start_backoff_s`, `start_backoff_max_s`, `start_backoff_crash_s`).
+FIRST_S = 10.0
+MAX_S = 300.0
+CRASH_WITHIN_S = 2.0
+
 
 @dataclass(slots=True)
 class _Failures:
@@ -35,7 +40,12 @@ class _Failures:
 
 
 class StartBackoff:
-    def __init__(self, first_s: float, max_s: float, crash_within_s: float) -> None:
+    def __init__(
+        self,
+        first_s: float = FIRST_S,
+        max_s: float = MAX_S,
+        crash_within_s: float = CRASH_WITHIN_S,
+    ) -> None:
         self.first_s = first_s
         self.max_s = max_s
         self.crash_within_s = crash_within_s
