@@ -115,6 +115,7 @@ from controller.service import Controller, PromptInput
 from controller.statuses import status_of
 from kvplane import __version__
 from kvplane.enum_names import enum_name
+from kvplane.error_codes import status_form
 from kvplane.errors import KvplaneError
 from kvplane.server import abort_with
 from openengine.v1 import openengine_pb2 as pb
@@ -185,42 +186,11 @@ _UNACCEPTED = frozenset({grpc.StatusCode.NOT_FOUND}) | _UNREACHED
 # An engine's Abort answers that say the target ended there (seed: there is no "partly").
 _ENDED = frozenset({pb.ABORT_STATUS_ABORTED, pb.ABORT_STATUS_ALREADY_FINISHED})
 
-# The status form of each in-band error code: the status an engine answers for the same
-# failure before acceptance (the bundled engine's one table, engine/server/errors.py), by the
-# code and whether it is retryable; a code with one row has one form either way. A KV transfer
-# failing on the way is retryable (UNAVAILABLE), a session the decode engine cannot use is not
-# (FAILED_PRECONDITION); an engine stopping is retryable (UNAVAILABLE), its own fault is not.
-_STATUS_FORMS: dict[tuple[pb.ErrorCode.ValueType, bool | None], grpc.StatusCode] = {
-    (pb.ERROR_CODE_INVALID_ARGUMENT, None): grpc.StatusCode.INVALID_ARGUMENT,
-    (pb.ERROR_CODE_UNSUPPORTED_FEATURE, None): grpc.StatusCode.INVALID_ARGUMENT,
-    (pb.ERROR_CODE_ROLE_MISMATCH, None): grpc.StatusCode.FAILED_PRECONDITION,
-    (pb.ERROR_CODE_MODEL_NOT_FOUND, None): grpc.StatusCode.NOT_FOUND,
-    (pb.ERROR_CODE_OVERLOADED, None): grpc.StatusCode.RESOURCE_EXHAUSTED,
-    (pb.ERROR_CODE_REQUEST_NOT_FOUND, None): grpc.StatusCode.NOT_FOUND,
-    (pb.ERROR_CODE_DUPLICATE_REQUEST, None): grpc.StatusCode.ALREADY_EXISTS,
-    (pb.ERROR_CODE_KV_SESSION_NOT_FOUND, None): grpc.StatusCode.NOT_FOUND,
-    (pb.ERROR_CODE_KV_TRANSFER_FAILED, False): grpc.StatusCode.FAILED_PRECONDITION,
-    (pb.ERROR_CODE_KV_TRANSFER_FAILED, True): grpc.StatusCode.UNAVAILABLE,
-    (pb.ERROR_CODE_CANCELLED, None): grpc.StatusCode.CANCELLED,
-    (pb.ERROR_CODE_DRAINING, None): grpc.StatusCode.UNAVAILABLE,
-    (pb.ERROR_CODE_INTERNAL, False): grpc.StatusCode.INTERNAL,
-    (pb.ERROR_CODE_INTERNAL, True): grpc.StatusCode.UNAVAILABLE,
-}
 # In-band codes that name the request's KV session (a status cannot say whose NOT_FOUND it is).
 _SESSION_ERRORS = frozenset({pb.ERROR_CODE_KV_SESSION_NOT_FOUND, pb.ERROR_CODE_KV_TRANSFER_FAILED})
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-def status_form(error: pb.EngineError) -> grpc.StatusCode:
-    """The status an engine answers before acceptance for the failure `error` reports after
-    it (`_STATUS_FORMS`); INTERNAL for a code without one (UNSPECIFIED, or newer than this
-    build)."""
-    found = _STATUS_FORMS.get((error.code, None)) or _STATUS_FORMS.get(
-        (error.code, error.retryable)
-    )
-    return found or grpc.StatusCode.INTERNAL
 
 
 class _OpenEngineGenerate:
@@ -246,7 +216,7 @@ class _OpenEngineGenerate:
             engine_fault=error.code == pb.ERROR_CODE_INTERNAL,
             not_found=error.code == pb.ERROR_CODE_MODEL_NOT_FOUND,
             overloaded=error.code == pb.ERROR_CODE_OVERLOADED,
-            status=status_form(error),
+            status=status_form(error.code, error.retryable),
             about_session=error.code in _SESSION_ERRORS,
         )
 

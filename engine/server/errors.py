@@ -1,14 +1,20 @@
-"""The engine servers' domain errors and the one table that maps every error to a gRPC status.
+"""The engine servers' domain errors and the one table that says how each is reported.
 
 Before acceptance an error is a non-OK status (`grpc_status_for`); after acceptance a
 Generate or subscription stream ends with one terminal `EngineError` (`engine_error_for`)
-and then OK, as the OpenEngine seed requires.
+and then OK, as the OpenEngine seed requires. The status is its error code's status form
+(kvplane/error_codes.py, which the gateway judges engines' in-band errors by) unless the
+table names another.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import NamedTuple
+
 import grpc
 
+from engine.core.api import ErrorKind
 from engine.core.errors import (
     DuplicateRequestError,
     EngineStoppedError,
@@ -19,6 +25,7 @@ from engine.core.errors import (
     LoraNotFoundError,
 )
 from engine.server.kv_event_log import ReplayNotCoveredError, SubscriberOverrunError
+from kvplane.error_codes import status_form
 from kvplane.errors import KvplaneError
 from openengine.v1 import openengine_pb2 as pb
 
@@ -84,67 +91,95 @@ class OverloadedError(EngineServerError):
     """Admission refused: too many requests queued (RESOURCE_EXHAUSTED)."""
 
 
-# Checked in order: the first matching class wins (subclasses before their bases).
-_TABLE: tuple[tuple[type[Exception], grpc.StatusCode, pb.ErrorCode.ValueType, bool], ...] = (
-    (ModelNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_MODEL_NOT_FOUND, False),
-    (
-        UnsupportedOptionError,
-        grpc.StatusCode.INVALID_ARGUMENT,
-        pb.ERROR_CODE_UNSUPPORTED_FEATURE,
-        False,
-    ),
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, pb.ERROR_CODE_INVALID_ARGUMENT, False),
-    (
+class _Reported(NamedTuple):
+    """How the servers report an error: after acceptance its in-band `code` and whether a retry
+    may succeed; before, the code's status form (kvplane/error_codes.py) unless `status` says
+    more than the code can."""
+
+    error: type[Exception]
+    code: pb.ErrorCode.ValueType
+    retryable: bool = False
+    status: grpc.StatusCode | None = None
+
+    @property
+    def grpc_status(self) -> grpc.StatusCode:
+        return self.status or status_form(self.code, self.retryable)
+
+
+# Checked in order: the first matching class wins (subclasses before their bases). `status`
+# only where a status says more than any code: the seed's unsupported task and LoRA-disabled
+# engine are FAILED_PRECONDITION (UNSUPPORTED_FEATURE's form is an unsupported explicit
+# option's INVALID_ARGUMENT), its conflicting LoRA adapter ALREADY_EXISTS; a replay from a
+# sequence number the log no longer covers is OUT_OF_RANGE.
+_TABLE: tuple[_Reported, ...] = (
+    _Reported(ModelNotFoundError, pb.ERROR_CODE_MODEL_NOT_FOUND),
+    _Reported(UnsupportedOptionError, pb.ERROR_CODE_UNSUPPORTED_FEATURE),
+    _Reported(InvalidRequestError, pb.ERROR_CODE_INVALID_ARGUMENT),
+    _Reported(
         FeatureDisabledError,
-        grpc.StatusCode.FAILED_PRECONDITION,
         pb.ERROR_CODE_UNSUPPORTED_FEATURE,
-        False,
+        status=grpc.StatusCode.FAILED_PRECONDITION,
     ),
-    (RoleMismatchError, grpc.StatusCode.FAILED_PRECONDITION, pb.ERROR_CODE_ROLE_MISMATCH, False),
-    (DrainingError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_DRAINING, True),
-    (RequestAbortedError, grpc.StatusCode.CANCELLED, pb.ERROR_CODE_CANCELLED, False),
-    (RequestNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_REQUEST_NOT_FOUND, False),
-    (KvSessionNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_KV_SESSION_NOT_FOUND, False),
-    (
-        KvSessionRefusedError,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        pb.ERROR_CODE_KV_TRANSFER_FAILED,
-        False,
+    _Reported(RoleMismatchError, pb.ERROR_CODE_ROLE_MISMATCH),
+    _Reported(DrainingError, pb.ERROR_CODE_DRAINING, retryable=True),
+    _Reported(RequestAbortedError, pb.ERROR_CODE_CANCELLED),
+    _Reported(RequestNotFoundError, pb.ERROR_CODE_REQUEST_NOT_FOUND),
+    _Reported(KvSessionNotFoundError, pb.ERROR_CODE_KV_SESSION_NOT_FOUND),
+    _Reported(KvSessionRefusedError, pb.ERROR_CODE_KV_TRANSFER_FAILED),
+    _Reported(KvTransferError, pb.ERROR_CODE_KV_TRANSFER_FAILED, retryable=True),
+    _Reported(DuplicateRequestError, pb.ERROR_CODE_DUPLICATE_REQUEST),
+    _Reported(NonFiniteOutputError, pb.ERROR_CODE_INTERNAL),
+    _Reported(OverloadedError, pb.ERROR_CODE_OVERLOADED, retryable=True),
+    _Reported(
+        ReplayNotCoveredError, pb.ERROR_CODE_INVALID_ARGUMENT, status=grpc.StatusCode.OUT_OF_RANGE
     ),
-    (KvTransferError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_KV_TRANSFER_FAILED, True),
-    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS, pb.ERROR_CODE_DUPLICATE_REQUEST, False),
-    (NonFiniteOutputError, grpc.StatusCode.INTERNAL, pb.ERROR_CODE_INTERNAL, False),
-    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, True),
-    (ReplayNotCoveredError, grpc.StatusCode.OUT_OF_RANGE, pb.ERROR_CODE_INVALID_ARGUMENT, False),
-    (SubscriberOverrunError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, True),
-    (EngineStoppedError, grpc.StatusCode.UNAVAILABLE, pb.ERROR_CODE_INTERNAL, True),
+    _Reported(SubscriberOverrunError, pb.ERROR_CODE_OVERLOADED, retryable=True),
+    _Reported(EngineStoppedError, pb.ERROR_CODE_INTERNAL, retryable=True),
     # LoRA (the seed's lifecycle rules; InvalidLoraError is an InvalidRequestError above).
-    (LoraNotFoundError, grpc.StatusCode.NOT_FOUND, pb.ERROR_CODE_MODEL_NOT_FOUND, False),
-    (LoraConflictError, grpc.StatusCode.ALREADY_EXISTS, pb.ERROR_CODE_INVALID_ARGUMENT, False),
-    (LoraCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED, pb.ERROR_CODE_OVERLOADED, False),
-    (
+    _Reported(LoraNotFoundError, pb.ERROR_CODE_MODEL_NOT_FOUND),
+    _Reported(
+        LoraConflictError, pb.ERROR_CODE_INVALID_ARGUMENT, status=grpc.StatusCode.ALREADY_EXISTS
+    ),
+    _Reported(LoraCapacityError, pb.ERROR_CODE_OVERLOADED),
+    _Reported(
         LoraMismatchError,
-        grpc.StatusCode.FAILED_PRECONDITION,
         pb.ERROR_CODE_UNSUPPORTED_FEATURE,
-        False,
+        status=grpc.StatusCode.FAILED_PRECONDITION,
     ),
 )
 
 
+def _reported(exc: Exception) -> _Reported | None:
+    return next((row for row in _TABLE if isinstance(exc, row.error)), None)
+
+
 def grpc_status_for(exc: Exception) -> grpc.StatusCode:
     """The status of a refusal before acceptance; unknown errors are INTERNAL."""
-    for cls, status, _code, _retryable in _TABLE:
-        if isinstance(exc, cls):
-            return status
-    return grpc.StatusCode.INTERNAL
+    row = _reported(exc)
+    return grpc.StatusCode.INTERNAL if row is None else row.grpc_status
 
 
 def engine_error_for(exc: Exception) -> pb.EngineError:
     """The terminal EngineError of a failure after acceptance."""
-    for cls, _status, code, retryable in _TABLE:
-        if isinstance(exc, cls):
-            return pb.EngineError(code=code, message=str(exc), retryable=retryable)
-    return pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message="internal engine error")
+    row = _reported(exc)
+    if row is None:
+        return pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message="internal engine error")
+    return pb.EngineError(code=row.code, message=str(exc), retryable=row.retryable)
+
+
+# A generation the engine ended with FinishReason.ERROR, by whose failure it is: OpenEngine's
+# terminal EngineError of this code, vLLM's front end (no in-band errors) the code's status.
+ERROR_KIND_CODES: Mapping[ErrorKind, pb.ErrorCode.ValueType] = {
+    ErrorKind.ENGINE: pb.ERROR_CODE_INTERNAL,
+    ErrorKind.REQUEST: pb.ERROR_CODE_INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: pb.ERROR_CODE_MODEL_NOT_FOUND,  # as an unloaded adapter is refused
+}
+
+
+def grpc_status_for_kind(kind: ErrorKind) -> grpc.StatusCode:
+    """The status of a generation ended by `kind`'s failure, for a front end without in-band
+    errors."""
+    return status_form(ERROR_KIND_CODES[kind], retryable=False)
 
 
 def public_message(exc: Exception) -> str:

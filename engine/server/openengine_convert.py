@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from engine.core.api import (
     Candidate,
     EngineRequest,
-    ErrorKind,
     FinishReason,
     GuidedDecoding,
     GuideKind,
@@ -32,6 +31,7 @@ from engine.core.api import (
 )
 from engine.core.errors import InvalidRequestError
 from engine.server.errors import (
+    ERROR_KIND_CODES,
     FeatureDisabledError,
     ModelNotFoundError,
     RoleMismatchError,
@@ -236,11 +236,6 @@ _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
 }
-_ERROR_CODES = {
-    ErrorKind.ENGINE: pb.ERROR_CODE_INTERNAL,
-    ErrorKind.REQUEST: pb.ERROR_CODE_INVALID_ARGUMENT,
-    ErrorKind.NOT_FOUND: pb.ERROR_CODE_MODEL_NOT_FOUND,  # as an unloaded adapter is refused
-}
 
 
 def _candidate_proto(c: Candidate, token_text: TokenText) -> pb.LogProb:
@@ -322,7 +317,7 @@ class GenerateStreamEncoder:
             # last one carrying usage. One EngineError (with that usage) stands for them all.
             if self._error_message is None:
                 self._error_message = output.message or "generation failed"
-                self._error_code = _ERROR_CODES[output.error]
+                self._error_code = ERROR_KIND_CODES[output.error]
             if output.usage is not None:
                 events.append(self.error_event(self._error_code, self._error_message))
             return events

@@ -44,7 +44,6 @@ from grpc_health.v1 import health, health_pb2
 from engine.core.api import (
     Candidate,
     EngineRequest,
-    ErrorKind,
     FinishReason,
     GuidedDecoding,
     LogprobRequest,
@@ -60,6 +59,7 @@ from engine.server.errors import (
     ModelNotFoundError,
     RoleMismatchError,
     UnsupportedOptionError,
+    grpc_status_for_kind,
 )
 from engine.server.info import POOLING_ONLY_MESSAGE
 from engine.server.openengine_convert import EngineContext, guided_from_proto
@@ -82,11 +82,6 @@ _FINISH = {
     FinishReason.STOP: pb.FinishInfo.STOP,
     FinishReason.LENGTH: pb.FinishInfo.LENGTH,
     FinishReason.CANCELLED: pb.FinishInfo.ABORTED,
-}
-_ERROR_STATUS = {
-    ErrorKind.ENGINE: grpc.StatusCode.INTERNAL,
-    ErrorKind.REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
 }
 
 
@@ -332,7 +327,9 @@ class VllmGenerateServicer(pb_grpc.GenerateServicer):
             async for output in stream.outputs():
                 if output.finish_reason is FinishReason.ERROR:
                     await abort_with(
-                        context, _ERROR_STATUS[output.error], output.message or "generation failed"
+                        context,
+                        grpc_status_for_kind(output.error),
+                        output.message or "generation failed",
                     )
                 yield encoder.encode(output)
         finally:
