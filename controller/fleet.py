@@ -470,7 +470,7 @@ class Fleet:
                 f"engine {address} is being removed; register it again once that is done"
             )
         record = self.registry.add(
-            address, kv_events=kv_events, source=source, array_tail=array_tail
+            address, kv_events=kv_events, source=source, array_tail=array_tail, now_s=self._clock()
         )
         engine = _Engine(address, self._engine_channels, self._clock)
         self._engines[address] = engine
@@ -499,7 +499,7 @@ class Fleet:
         """The engine leaves the registry now; the task drops what it left (awaited by
         `remove_engine`; a caller that need not wait, or must not while holding a lock, such
         as `controller.membership`, leaves it running: `close` ends it)."""
-        record = self.registry.remove(key)
+        record = self.registry.remove(key, self._clock())
         self.lora_intent.forget_engine(record.address)
         engine = self._engines.pop(record.address, None)
         self._removing.add(record.address)
@@ -851,7 +851,7 @@ class Fleet:
                     log.info("engine %s restarted (instance %s)", address, load.instance_id)
                     # Out of routing until the new process's identity is read and the old
                     # one's blocks are dropped: they would attract traffic meanwhile.
-                    self.registry.on_new_instance(address)
+                    self.registry.on_new_instance(address, now)
                     await self._notify()
                     need_identity = restarted = True
                     next_health = 0.0  # the new process's health, once its identity is in
@@ -967,7 +967,7 @@ class Fleet:
             log.info("engine %s restarted (its KV events broke sequence, its identity changed)",
                      engine.address)  # fmt: skip
             # As a new process GetLoad names: out of routing until the old one is forgotten.
-            self.registry.on_new_instance(engine.address)
+            self.registry.on_new_instance(engine.address, self._clock())
             restarted = True
         is_new = self.registry.on_identity(engine.address, identity, restarted)
         self.registry.on_loras(engine.address, _names(adapters), self._lora_conflicts(adapters))

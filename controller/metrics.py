@@ -106,11 +106,13 @@ class _EngineCollector:
             ),
         }
         # Counted by the registry (its hold-down, controller/registry.py), kept with the
-        # engine's record: it restarts when the engine is removed and registered again.
+        # engine's record: it restarts when the engine is removed and registered again, unless
+        # within health.flap_window_s of its removal (`Registry.add`).
         flaps = CounterMetricFamily(
             "kvplane_controller_engine_flaps",
-            "Times the engine's health left ready (NOT_READY, STARTING, a failed poll), not "
-            "counting drains and cordons; too many within health.flap_window_s hold it down",
+            "Times the engine's health left ready (NOT_READY, STARTING, a failed poll, a new "
+            "process), not counting drains and cordons; too many within health.flap_window_s "
+            "hold it down",
             labels=labels,
         )
         # One series per state, 1 for the engine's own (Prometheus' state set): an alert on
@@ -143,7 +145,21 @@ class _EngineCollector:
         yield from families.values()
         yield flaps
         yield states
+        yield self._routed_by_cap()
         yield from self._source_counters()
+
+    def _routed_by_cap(self) -> CounterMetricFamily:
+        """The registry's count of engines its cap on those held out routed all the same."""
+        family = CounterMetricFamily(
+            "kvplane_controller_routed_by_cap",
+            "Times an engine stayed in routing because at most half of the engines taking "
+            "traffic may be held out: a held-down engine routed (reason hold_down), a request "
+            "failure that would have ejected its engine (reason ejection)",
+            labels=["reason"],
+        )
+        for reason, count in self._registry.routed_by_cap.items():
+            family.add_metric([reason], float(count))
+        return family
 
     def _source_counters(self) -> Iterator[CounterMetricFamily]:
         families = {

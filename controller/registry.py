@@ -31,26 +31,29 @@ Hold-down (`HoldDownPolicy`): an engine whose health flaps (READY, NOT_READY, RE
 every poll: a sick engine that passes every other probe) leaves routing at each NOT_READY, as
 it must, but with nothing more would be put back at each READY, and keep taking (and failing
 or slowing) traffic half the time. So each time an engine that says it is ready (READY or
-DEGRADED, ejected or held down included) stops saying so (NOT_READY, STARTING, or a poll that
-fails) is a flap; from its `after_flaps`-th flap within `window_s` it is HELD_DOWN: out of
-routing while its health says READY, until it has said so for `initial_s` (doubling with
-each hold-down in a row, up to `max_s`), and then for `ready_polls` polls more. A flap while
-held restarts the hold-down, twice as long; one within `window_s` of being put back holds it
-again at once, twice as long (its probation, as an ejection's); a window without a flap
-after it is put back clears the record. An engine that leaves ready once (a restart) or now
-and then comes back at its first READY, as before. Kubernetes' readiness `successThreshold`,
-Envoy's `healthy_threshold` and its ejection time growing with each ejection, kept to what a
-fleet needs. Hold-down shares ejection's cap: the engines held out (ejected, or held down
-while they say READY) are never more than half of those taking traffic (routable, ejected or
-held down). Beyond it, held-down engines that say ready are routed anyway, their hold-down
-running on (`_cap_hold_downs`): a blip of the controller's own (its polls time out, a
-partition heals three times a minute) flaps every engine at once, and holding them all down
-would refuse every request while every engine says READY. Ejections count first (an engine
-failing its requests now outranks one that flapped), then the held-down engines whose
-hold-down ends soonest (then with fewest flaps, then by address) are the ones routed. The
-record outlives a new process (a crash loop is flapping too). Drains and
-cordons are no flaps: an engine that drains, or one an operator cordoned (and restarts, say,
-while working on it), is not flapping, and its leaves do not count.
+DEGRADED, ejected or held down included) stops saying so (NOT_READY, STARTING, a poll that
+fails, or a new process at its address: a restart faster than a health poll) is a flap; from
+its `after_flaps`-th flap within `window_s` it is HELD_DOWN: out of routing while its health
+says READY, until it has said so for `initial_s` (doubling with each hold-down in a row, up to
+`max_s`), and then for `ready_polls` polls more. A flap while held restarts the hold-down,
+twice as long; one within `window_s` of being put back holds it again at once, twice as long
+(its probation, as an ejection's); a window without a flap after it is put back clears the
+record. An engine that leaves ready once (a restart) or now and then comes back at its first
+READY, as before. Kubernetes' readiness `successThreshold`, Envoy's `healthy_threshold` and
+its ejection time growing with each ejection, kept to what a fleet needs. Hold-down shares
+ejection's cap: the engines held out (ejected, or held down while they say READY) are never
+more than half of those taking traffic (routable, ejected or held down). Beyond it, held-down
+engines that say ready are routed anyway, their hold-down running on (`_cap_hold_downs`): a
+blip of the controller's own (its polls time out, a partition heals three times a minute)
+flaps every engine at once, and holding them all down would refuse every request while every
+engine says READY. Ejections count first (an engine failing its requests now outranks one that
+flapped), then the held-down engines whose hold-down ends soonest (then with fewest flaps,
+then by address) are the ones routed, each time counted (`routed_by_cap`, as are the ejections
+the cap refuses). The record outlives a new process (a crash loop is flapping too), and the
+engine's removal for `window_s`: registered again at its address, the engine takes it back (a
+deregister/register loop does not wipe it). Drains and cordons are no flaps: an engine that
+drains, or one an operator cordoned (and restarts, say, while working on it), is not flapping,
+and its leaves do not count.
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -113,9 +116,14 @@ ROUTABLE_MEMO_SIZE = 64
 # What a failed poll leaves an engine in, until a poll succeeds.
 POLL_FAILED_STATES = frozenset({EngineState.UNREACHABLE, EngineState.FAILING})
 # An engine whose health says it is ready, whether or not it is routed (hold-down: leaving
-# one of these for one of `_NOT_READY_STATES` is a flap).
+# one of these for one of `_NOT_READY_STATES` is a flap; UNKNOWN there is a new process at
+# its address, `Registry.on_new_instance`, a restart faster than a health poll).
 _READY_TO_ITS_POLLS = ROUTABLE_STATES | {EngineState.EJECTED, EngineState.HELD_DOWN}
-_NOT_READY_STATES = POLL_FAILED_STATES | {EngineState.NOT_READY, EngineState.STARTING}
+_NOT_READY_STATES = POLL_FAILED_STATES | {
+    EngineState.NOT_READY,
+    EngineState.STARTING,
+    EngineState.UNKNOWN,
+}
 # A held-down engine that says ready: held out (HELD_DOWN) or routed by the cap.
 _HOLDABLE_STATES = ROUTABLE_STATES | {EngineState.HELD_DOWN}
 # How the error of a held-down engine routed by the cap (`Registry._cap_hold_downs`) begins;
@@ -124,6 +132,12 @@ _ROUTED_ANYWAY = (
     "held down but routed: more than half of the engines taking traffic would be out of "
     "routing otherwise; "
 )
+
+
+# Why the cap on engines held out (`Registry.routed_by_cap`) routed an engine all the same.
+CAPPED_HOLD_DOWN = "hold_down"
+CAPPED_EJECTION = "ejection"
+CAPPED_REASONS = (CAPPED_HOLD_DOWN, CAPPED_EJECTION)
 
 
 class PollFailure(enum.Enum):
@@ -453,6 +467,18 @@ def _reject(record: EngineRecord, error: str) -> None:
     record.load = LoadSnapshot()
 
 
+def _take_hold_down_record(record: EngineRecord, removed: EngineRecord) -> None:
+    """A new registration at the address of the engine `removed` within a flap window: its
+    flaps and hold-down go on (the module's "Hold-down"); its ready time while held counts
+    again from its next READY."""
+    record.num_flaps = removed.num_flaps
+    record.flap_times = list(removed.flap_times)
+    record.hold_downs = removed.hold_downs
+    record.hold_s = removed.hold_s
+    record.hold_polls_left = removed.hold_polls_left
+    record.released_s = removed.released_s
+
+
 def _hold_down_ends_s(record: EngineRecord, now_s: float) -> float:
     """When the ready time of `record`'s hold-down ends, if it stays ready from `now_s` on
     (or from when it has been)."""
@@ -508,6 +534,16 @@ class Registry:
         # The latest time a poll or a request's outcome was recorded at: what a held-down
         # engine's error is written as of when the cap holds it out between its own polls.
         self._now_s = 0.0
+        # The records of engines removed while their flaps counted (flaps in the window, or
+        # hold-downs in a row), by address, with when they left: an engine registered again
+        # within `hold_down.window_s` takes its hold-down record back (`add`), so that a
+        # deregister/register loop does not wipe its flaps. Older ones are dropped.
+        self._left_flapping: dict[str, tuple[float, EngineRecord]] = {}
+        # Times the cap shared by ejection and hold-down kept an engine in routing that would
+        # be out otherwise, by reason (`CAPPED_REASONS`): a held-down engine that says ready
+        # put in routing (`_cap_hold_downs`), a request failure that would eject its engine
+        # (`on_request_failed`). The metric `kvplane_controller_routed_by_cap_total`.
+        self.routed_by_cap = dict.fromkeys(CAPPED_REASONS, 0)
 
     def __len__(self) -> int:
         return len(self._by_address)
@@ -539,22 +575,41 @@ class Registry:
         kv_events: str = "grpc",
         source: str = "config",
         array_tail: ArrayTail | None = None,
+        now_s: float | None = None,
     ) -> EngineRecord:
+        """`now_s`: when (None: the latest time the registry recorded), which says whether
+        the hold-down record of an engine removed from this address is still its own."""
         if address in self._by_address:
             raise DuplicateEngineError(f"engine {address} is already registered")
         record = EngineRecord(address, kv_events=kv_events, source=source, array_tail=array_tail)
+        self._drop_old_flaps(self._now_s if now_s is None else now_s)
+        left = self._left_flapping.pop(address, None)
+        if left is not None:
+            _take_hold_down_record(record, left[1])
         self._by_address[address] = record
         self._in_order = None
         self.version += 1
         return record
 
-    def remove(self, key: str) -> EngineRecord:
+    def remove(self, key: str, now_s: float) -> EngineRecord:
+        """The engine leaves the fleet; its hold-down record is kept for `hold_down.window_s`
+        (`add`)."""
         record = self.get(key)
         del self._by_address[record.address]
         self._in_order = None
         self.version += 1
+        self._drop_old_flaps(now_s)
+        if record.flap_times or record.hold_downs:
+            self._left_flapping[record.address] = (now_s, record)
         self._cap_hold_downs()
         return record
+
+    def _drop_old_flaps(self, now_s: float) -> None:
+        """Forget the hold-down records of engines removed a whole flap window ago."""
+        since_s = now_s - self.hold_down.window_s
+        self._left_flapping = {
+            address: left for address, left in self._left_flapping.items() if left[0] > since_s
+        }
 
     def get(self, key: str) -> EngineRecord:
         """By address or by instance id. Several records may name one instance id (one
@@ -926,13 +981,17 @@ class Registry:
                 return other
         return None
 
-    def on_new_instance(self, address: str) -> None:
+    def on_new_instance(self, address: str, now_s: float) -> None:
         """GetLoad named a process other than the one whose identity was read: out of routing
         (UNKNOWN), reporting no load, until `on_identity` has taken the new process and a
         health answer says READY again. Until then the index still holds the old process's
-        blocks."""
+        blocks. An engine that was ready has left ready (a flap, once per new process: it is
+        UNKNOWN from now on), however fast it came back: a crash loop faster than a health
+        poll shows only as this."""
         record = self._by_address.get(address)
         if record is not None and record.state is not EngineState.INCOMPATIBLE:
+            self._now_s = max(self._now_s, now_s)
+            self._count_flap(record, EngineState.UNKNOWN, now_s)
             record.state = EngineState.UNKNOWN
             record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
             self.version += 1
@@ -1086,6 +1145,8 @@ class Registry:
         for n, record in enumerate(held):
             kept_out = n < room
             state = EngineState.HELD_DOWN if kept_out else record.ready_as
+            if record.state is EngineState.HELD_DOWN and not kept_out:
+                self.routed_by_cap[CAPPED_HOLD_DOWN] += 1
             if state is not record.state:
                 self.version += 1
                 record.state = state
@@ -1110,11 +1171,10 @@ class Registry:
             return None
         self._now_s = max(self._now_s, now_s)
         record.request_failures += 1
-        if (
-            not policy.after_failures
-            or record.request_failures < policy.after_failures
-            or self._num_ejected() + 1 > self._num_in_rotation() // 2
-        ):
+        if not policy.after_failures or record.request_failures < policy.after_failures:
+            return None
+        if self._num_ejected() + 1 > self._num_in_rotation() // 2:
+            self.routed_by_cap[CAPPED_EJECTION] += 1
             return None
         duration_s = min(policy.initial_s * 2.0**record.ejections, policy.max_s)
         record.ejections += 1

@@ -28,6 +28,8 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+from tests.controller.test_flapping_engines import routed_by_cap
+from tests.controller.test_fleet_events import scrape
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(90)
@@ -68,7 +70,7 @@ async def fleet_with_broken(
     broken = [await start_fronted_engine(f"broken{i}", BrokenGenerate) for i in range(num_broken)]
     healthy = [await start_sim_engine(f"e{i}") for i in range(num_healthy)]
     engines: list[Any] = [*broken, *healthy]  # make_fleet needs `port` and `close()`
-    fleet = await make_fleet(engines=engines, health=health)
+    fleet = await make_fleet(engines=engines, metrics_listen="127.0.0.1:0", health=health)
     return fleet, broken[0]
 
 
@@ -165,13 +167,19 @@ async def test_an_ejected_engine_comes_back_on_probation_and_a_served_request_cl
 
 async def test_never_more_than_half_of_the_fleet_is_ejected() -> None:
     """When every engine fails, the fault is not an outlier's: one of two stays in routing
-    and the clients get its failure rather than no engine at all."""
+    and the clients get its failure rather than no engine at all. /metrics counts each
+    failure that would have ejected it."""
     fleet, _ = await fleet_with_broken(0, 2, eject_after_failures=1, eject_for_s=600)
     try:
         outcomes = [await generate(fleet) for _ in range(4)]
         assert outcomes == [["INTERNAL"]] * 4
         states = sorted(w["state"] for w in (await workers(fleet)).values())
         assert states == ["ejected", "ready"]
+        metrics = await scrape(fleet)
+        # Every failure of the engine left in routing: the first request's retry there, and
+        # one for each request after it.
+        assert routed_by_cap(metrics, "ejection") == 4
+        assert routed_by_cap(metrics, "hold_down") == 0
     finally:
         await close_fleet(fleet)
 

@@ -5,17 +5,22 @@ hold-down it was put back at each READY, taking requests half the time; now, pas
 `health.hold_down_after_flaps` flaps in `flap_window_s`, it stays out while it says READY
 until its hold-down is over, and operators see why (`kvplane admin workers`, `health`,
 /metrics). An engine that leaves ready once (a restart), or that drains, comes back as
-before; of engines flapping all at once, half at most are held out. Time runs through the
-config's short poll intervals; nothing here is timed."""
+before; of engines flapping all at once, half at most are held out, and /metrics counts those
+routed all the same. An engine crash-looping faster than a health poll (only a new instance id
+between two READY answers) flaps too, and removing a held-down engine and registering it again
+keeps its hold-down. Time runs through the config's short poll intervals; nothing here is
+timed."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
 import pytest
 
 from controller.registry import EngineRecord, EngineState
+from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
     EngineFleet,
@@ -24,7 +29,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.fronted_engine import FrontedEngine, start_fronted_engine
+from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
 from tests.controller.test_admin_cli_membership import cli_json
 from tests.controller.test_fleet_events import sample, scrape
 from tests.controller.test_fleet_health import routed, wait_state
@@ -57,6 +62,35 @@ class Flapping(Scripted):
         return await super().Health(request, context)
 
 
+class CrashLooping(Forwarding):
+    """The sim engine's answers, but a new process after each `restart`: GetEngineInfo and
+    GetLoad name a new instance id, while Health says READY throughout (the process restarts
+    between two polls, faster than the controller can see it down)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.restarts = 0
+
+    @property
+    def instance_id(self) -> str:
+        return f"crashy-{self.restarts}"
+
+    def restart(self) -> str:
+        """A new process, its instance id."""
+        self.restarts += 1
+        return self.instance_id
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        info = await super().GetEngineInfo(request, context)
+        info.instance_id = self.instance_id
+        return info
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
+        load = await super().GetLoad(request, context)
+        load.instance_id = self.instance_id
+        return load
+
+
 async def flapping_fleet(**health: Any) -> tuple[EngineFleet[Any], FrontedEngine[Flapping]]:
     flapping = await start_fronted_engine("flappy", Flapping)
     sim = await start_sim_engine("steady")
@@ -66,8 +100,15 @@ async def flapping_fleet(**health: Any) -> tuple[EngineFleet[Any], FrontedEngine
     return fleet, flapping
 
 
-def record_of(fleet: EngineFleet[Any], engine: FrontedEngine[Flapping]) -> EngineRecord:
+def record_of(fleet: EngineFleet[Any], engine: FrontedEngine[Any]) -> EngineRecord:
     return fleet.app.controller.fleet.registry.get(f"127.0.0.1:{engine.port}")
+
+
+def routed_by_cap(metrics: str, reason: str) -> float | None:
+    """`kvplane_controller_routed_by_cap_total` of `reason` in a /metrics scrape."""
+    line = rf'^kvplane_controller_routed_by_cap_total{{reason="{reason}"}} (\S+)$'
+    match = re.search(line, metrics, re.M)
+    return float(match.group(1)) if match else None
 
 
 async def flap_until(fleet: EngineFleet[Any], engine: FrontedEngine[Flapping], flaps: int) -> None:
@@ -163,6 +204,7 @@ async def test_a_fleet_wide_blip_holds_down_half_of_the_engines_at_most() -> Non
     engines = [await start_fronted_engine(f"flappy{n}", Flapping) for n in range(3)]
     fleet = await make_fleet(
         engines=engines_of_kinds(*engines),
+        metrics_listen="127.0.0.1:0",
         health={"hold_down_after_flaps": 2, "hold_down_ready_polls": 2, **LONG_HOLD_DOWN},
     )
     records = [record_of(fleet, engine) for engine in engines]
@@ -194,5 +236,64 @@ async def test_a_fleet_wide_blip_holds_down_half_of_the_engines_at_most() -> Non
                 assert check["message"] == w["last_error"]
         served_by = set(await routed(fleet, "blip", 12))
         assert served_by and served_by <= {w["address"] for w in workers if w["routable"]}
+        # Each held-down engine the cap put in routing, counted (at least the two routed now).
+        metrics = await scrape(fleet)
+        assert (routed_by_cap(metrics, "hold_down") or 0) >= 2
+        assert routed_by_cap(metrics, "ejection") == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def restarted(fleet: EngineFleet[Any], engine: FrontedEngine[CrashLooping]) -> None:
+    """Restart the crash-looping engine; until the controller has taken the new process and
+    its health answer (READY, held down or not)."""
+    instance = engine.servicer.restart()
+    record = record_of(fleet, engine)
+    back = {EngineState.READY, EngineState.HELD_DOWN}
+    await fleet.app.controller.fleet.wait_for(
+        lambda: record.engine_id == instance and record.state in back, WAIT_S
+    )
+
+
+async def test_an_engine_crash_looping_faster_than_a_health_poll_is_held_down() -> None:
+    """Every health poll finds it READY; only GetLoad and GetEngineInfo naming a new process
+    show the restarts. Each is a flap, and the third holds it down."""
+    crashy = await start_fronted_engine("crashy", CrashLooping)
+    sim = await start_sim_engine("steady")
+    fleet = await make_fleet(
+        engines=engines_of_kinds(crashy, sim),
+        health={"hold_down_after_flaps": 3, "hold_down_ready_polls": 2, **LONG_HOLD_DOWN},
+    )
+    record = record_of(fleet, crashy)
+    try:
+        for _ in range(3):
+            await restarted(fleet, crashy)
+        assert record.num_flaps == 3
+        assert record.state is EngineState.HELD_DOWN
+        assert record.last_error.startswith("left ready 3 times in 600 s (hold-down 600 s); ")
+        assert set(await routed(fleet, "crashy", 12)) == {f"127.0.0.1:{fleet.engines[1].port}"}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_held_down_engine_removed_and_registered_again_is_still_held_down() -> None:
+    """A deregister/register loop (an operator's, a script's) within the flap window is no
+    way out of the hold-down: the engine registered again at the address takes its record
+    back, flaps and hold-down, and is held out at its first READY."""
+    fleet, flapping = await flapping_fleet(
+        hold_down_after_flaps=3, hold_down_ready_polls=2, **LONG_HOLD_DOWN
+    )
+    address = f"127.0.0.1:{flapping.port}"
+    try:
+        await flap_until(fleet, flapping, 3)
+        await wait_state(fleet, address, EngineState.HELD_DOWN)
+        await fleet.admin.RemoveEngine(apb.EngineRef(engine=address))
+        await fleet.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        record = record_of(fleet, flapping)
+        back = {EngineState.READY, EngineState.HELD_DOWN}
+        await fleet.app.controller.fleet.wait_for(lambda: record.state in back, WAIT_S)
+        assert record.state is EngineState.HELD_DOWN
+        assert record.num_flaps == 3
+        assert set(await routed(fleet, "again", 12)) == {f"127.0.0.1:{fleet.engines[1].port}"}
     finally:
         await close_fleet(fleet)

@@ -445,8 +445,10 @@ def test_a_drain_the_engine_did_not_take_is_withdrawn() -> None:
     assert [r.engine_id for r in registry.routable()] == ["e0"]
 
 
-def ready_registry(*addresses: str, policy: EjectionPolicy) -> Registry:
-    registry = Registry(ejection=policy)
+def ready_registry(
+    *addresses: str, policy: EjectionPolicy, hold_down: HoldDownPolicy | None = None
+) -> Registry:
+    registry = Registry(ejection=policy, hold_down=hold_down or HoldDownPolicy())
     for n, address in enumerate(addresses):
         registry.add(address)
         registry.on_identity(address, identity(f"e{n}"))
@@ -573,7 +575,7 @@ def test_engines_joining_and_leaving_are_listed_in_address_order_at_once() -> No
     assert [r.address for r in registry.routable()] == ["h:1", "h:2"]
     _ready(registry, "h:0", identity("e0"))
     assert [r.address for r in registry.routable()] == ["h:0", "h:1", "h:2"]
-    registry.remove("e1")
+    registry.remove("e1", 0.0)
     assert [r.address for r in registry.routable()] == ["h:0", "h:2"]
     listed = registry.records()
     listed.clear()  # a caller's list: the registry's own order is untouched
@@ -606,7 +608,10 @@ def test_every_change_of_routability_moves_the_version_and_shows_in_the_next_lis
     are routed without a registry lookup each while the version stands: so every change
     that takes an engine into or out of routing moves the version, and the next listing
     shows it. A load report changes neither."""
-    registry = ready_registry("h:1", "h:2", policy=EjectionPolicy(1, 10.0, 10.0))
+    # h:2 leaves ready three times below: no hold-down, which would keep it out of the lists.
+    registry = ready_registry(
+        "h:1", "h:2", policy=EjectionPolicy(1, 10.0, 10.0), hold_down=HoldDownPolicy(0)
+    )
     registry.add("h:3")
     registry.on_loras("h:1", frozenset())
     version, listed = routable_at(registry)
@@ -624,13 +629,13 @@ def test_every_change_of_routability_moves_the_version_and_shows_in_the_next_lis
         (lambda: registry.on_health("h:2", EngineState.READY, 4.0), ["h:1", "h:2"]),
         (lambda: registry.on_request_failed("e1", 5.0, "INTERNAL: x"), ["h:1"]),
         (lambda: registry.on_health("h:2", EngineState.READY, 16.0), ["h:1", "h:2"]),
-        (lambda: registry.on_new_instance("h:2"), ["h:1"]),
+        (lambda: registry.on_new_instance("h:2", 16.0), ["h:1"]),
         (lambda: registry.on_identity("h:2", identity("e2")), ["h:1"]),
         (lambda: registry.on_health("h:2", EngineState.READY, 17.0), ["h:1", "h:2"]),
         (lambda: registry.mark_incompatible("h:2", "refused"), ["h:1"]),
         (lambda: registry.on_identity("h:3", identity("e3")), ["h:1"]),
         (lambda: registry.on_health("h:3", EngineState.READY, 18.0), ["h:1", "h:3"]),
-        (lambda: registry.remove("h:1"), ["h:3"]),
+        (lambda: registry.remove("h:1", 19.0), ["h:3"]),
     ]
     for change, expected in changes:
         change()
@@ -698,7 +703,7 @@ def test_the_default_models_kept_follow_every_change_of_the_engines() -> None:
             (["a", "b"], ["a", "b"], ["a", "b"]),
         ),
         (lambda: registry.on_identity("h:2", serving("e2", "a", "b")), (["a"], ["a"], ["a"])),
-        (lambda: registry.remove("h:1"), (["a"], ["a"], [])),
+        (lambda: registry.remove("h:1", 19.0), (["a"], ["a"], [])),
         (lambda: _ready(registry, "h:3", serving("e3", "c")), (["a", "c"], ["a", "c"], [])),
     ]
     for change, expected in changes:
@@ -788,6 +793,23 @@ def test_a_new_process_keeps_the_hold_down_a_crash_loop_is_flapping() -> None:
         registry.on_identity("h:1", identity("e1"))
         registry.on_health("h:1", EngineState.READY, now_s + 1.0)
     assert registry.get("h:1").state is EngineState.HELD_DOWN
+
+
+def test_a_removed_engine_registered_again_takes_its_hold_down_back_within_a_window() -> None:
+    """Registered again at its address within `window_s` of its removal, a held-down engine
+    is held out at its first READY; a window later its record is gone."""
+    registry = flapping_registry(HoldDownPolicy(2, 60.0, 10.0, 300.0, 1))
+    flap(registry, 1.0)
+    flap(registry, 3.0)
+    assert registry.get("h:1").state is EngineState.HELD_DOWN
+    for removed_s, registered_s, state in ((10.0, 69.0, EngineState.HELD_DOWN),
+                                           (100.0, 160.0, EngineState.READY)):  # fmt: skip
+        registry.remove("h:1", removed_s)
+        record = registry.add("h:1", now_s=registered_s)
+        registry.on_identity("h:1", identity("e1"))
+        registry.on_health("h:1", EngineState.READY, registered_s)
+        assert record.state is state
+    assert registry.get("h:1").num_flaps == 0
 
 
 def test_drains_and_cordons_are_no_flaps_and_a_drain_outranks_a_hold_down() -> None:

@@ -42,8 +42,8 @@ TAKEN_OUT: dict[str, Callable[[Registry, str], object]] = {
     "drained": lambda registry, address: registry.request_drain(address),
     "not ready": lambda registry, address: registry.on_health(address, EngineState.NOT_READY, 1.0),
     "unreachable": lambda registry, address: registry.on_poll_failed(address, 1.0, "gone"),
-    "removed": lambda registry, address: registry.remove(address),
-    "restarted": lambda registry, address: registry.on_new_instance(address),
+    "removed": lambda registry, address: registry.remove(address, 1.0),
+    "restarted": lambda registry, address: registry.on_new_instance(address, 1.0),
 }
 
 
