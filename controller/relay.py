@@ -435,17 +435,17 @@ class _SessionLost(Exception):
 
 
 class _SessionEnd(NamedTuple):
-    """What a decode hop learned, in the request's run again, by releasing its KV session on
-    the prefill engine holding it, its first engine having refused the session NOT_FOUND
-    (`_Stage.session_ended`). (In the first run a session gone so raises `_SessionLost`.)"""
+    """What a decode hop learned by releasing its KV session on the prefill engine holding
+    it, its first engine having refused the session NOT_FOUND (`_Stage.session_ended`)."""
 
     # The session ended there by that engine's drain (ALREADY_FINISHED, the engine
     # DRAINING): the request ends at the handoff, as one aborted there
     # (`Relay.aborted_unrouted`), counted "aborted".
     drained: bool = False
-    # The session is gone otherwise (`Released`: ended, freed, not held, or maybe freed):
-    # no decode engine can take it, and the request's second KV session being lost, it
-    # fails with this (UNAVAILABLE: sent again, it may succeed).
+    # In the request's run again, the session is gone otherwise (`Released`: ended, freed,
+    # not held, or maybe freed): no decode engine can take it, and the request's second KV
+    # session being lost, it fails with this (UNAVAILABLE: sent again, it may succeed). (In
+    # the first run such a loss raises `_SessionLost` instead.)
     lost: grpc.aio.AioRpcError | None = None
 
 
