@@ -277,7 +277,10 @@ class _OpenEngineGenerate:
         GetEngineInfo within `health.rpc_timeout_s`: it does not answer (its process dead or
         stopped), or left the fleet; or it answers as another process than `instance_id`
         (the one that handed the session over; None: not known), restarted at its address.
-        None: the same process answers, whatever else it says, and so its sessions are there."""
+        None: the same instance answers, whatever else it says, and so its sessions are there
+        as far as this can tell: a process restarted under an `instance_id` set in its config
+        answers as the old one (nothing else in the seed's answers tells a new process), and
+        is found out by the session's release (NOT_FOUND: `Relay._judge`)."""
         try:
             info = await self._fleet.stub(engine).GetEngineInfo(
                 pb.GetEngineInfoRequest(), timeout=self._fleet.config.health.rpc_timeout_s

@@ -37,8 +37,8 @@ _SOURCE_COUNTERS = {"resyncs": "num_resyncs", "gaps": "num_gaps", "restarts": "n
 # NOT_FOUND, ALREADY_EXISTS: retrying cannot help), apart from engines' failures; "aborted":
 # ended by the gateway on an Abort, before any engine was called or at a disaggregated
 # request's handoff (before its decode engine was), or there by its prefill engine's drain
-# ending its KV session ("engine_error" when that engine ended it, not by a drain, in the
-# request's run again: no one aborted it); "internal": the controller failed to route;
+# ending its KV session (any other loss of its KV session in the request's run again fails
+# it, "engine_error": no one aborted it); "internal": the controller failed to route;
 # "overloaded": refused because every engine was busy (`router.reject_when_all_busy`), or the
 # engine it was last tried on refused it for capacity (RESOURCE_EXHAUSTED, or an in-band
 # EngineError OVERLOADED); "cancelled": the client left before the request's end (it cancelled

@@ -53,14 +53,15 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   does not answer (`Handoff.holder_gone`) runs the request again as a whole, once, without
   that engine, and one whose prefill engine answers as a new process (restarted at its
   address: the session went with the old one) runs again the same way, that engine
-  included; one whose first decode engine refused the session NOT_FOUND while that
-  prefill engine answers that it ended the session itself (`Handoff.release`) ends at the
-  handoff, as an aborted request does, when that engine drains (`Handoff.holder_draining`),
-  and otherwise (its TTL) runs again as a whole, once, that engine included (ended again
-  there, it ends at the handoff too, counted "engine_error": no one aborted it); a session
-  that release freed (the refusal was about something else), or may have (no answer), goes
-  to no other decode engine: the request runs again so too (without that engine when it
-  did not answer), and in that run fails as the refusal does (UNAVAILABLE);
+  included; one whose first decode engine refused the session NOT_FOUND has the gateway
+  release the session on that prefill engine (`Handoff.release`), after which no other
+  decode engine can take it: ended there by its drain (`Handoff.holder_draining`), the
+  request ends at the handoff, as an aborted request does; otherwise (ended by its TTL,
+  freed by that release, not held there: a decode engine took it, or the engine restarted
+  under its configured instance id, which GetEngineInfo cannot tell; no answer) it runs
+  again as a whole, once (without that engine when it did not answer), and a second
+  session lost so fails it, UNAVAILABLE naming the lost session (sent again, it may
+  succeed);
 - a hop's failure before anything was relayed is judged alike whether the engine said it
   with a status or in-band (`HopFailure`: an in-band error by its status form), in one
   place (`Relay._judge`); when no other engine takes it, an in-band refusal reaches the
@@ -382,12 +383,14 @@ class _Stage(NamedTuple):
     session_lost: Callable[[str, str], Awaitable[_SessionLost | None]] | None = None
     # A decode hop's question after its first engine refused the KV session NOT_FOUND before
     # anything was relayed (given the engine and its failure), the session's holder still
-    # there: did the holder end the session itself (its drain aborting, its TTL, an Abort of
-    # it), no decode engine having attached it? Asking releases the session: what it learned
-    # is a `_SessionEnd`. In the first run any end other than a drain (its TTL, the client
-    # having read slowly), and a session the release freed or may have freed (the refusal was
-    # about something else: a model the engine no longer serves), raise `_SessionLost`: the
-    # request runs again as a whole, once. None: never asked.
+    # answering as the process that handed it over: is the session still there for another
+    # decode engine? Asking releases it (`Released`), so it never is: ended by the holder's
+    # drain, the request ends at the handoff (`_SessionEnd.drained`); gone otherwise (its
+    # TTL, the client having read slowly; freed, or maybe freed, by the release, the refusal
+    # about something else such as a model the engine no longer serves; not held there, a
+    # decode engine having taken it, or the holder restarted under its instance id, which
+    # GetEngineInfo cannot tell), the first run raises `_SessionLost` (the request runs again
+    # as a whole, once), the run again fails (`_SessionEnd.lost`). None: never asked.
     session_ended: Callable[[str, str], Awaitable[_SessionEnd]] | None = None
     # The prefill hop of a disaggregated request: the engine it picks is the request's
     # prefill engine in its route (`kvplane-route`), unless that is a decode engine
@@ -435,22 +438,31 @@ class _SessionEnd(NamedTuple):
     """What a decode hop learned by releasing its KV session on the prefill engine holding
     it, its first engine having refused the session NOT_FOUND (`_Stage.session_ended`)."""
 
-    # The session ended there (ALREADY_FINISHED): the request ends at the handoff, as one
-    # aborted there (`Relay.aborted_unrouted`), counted so: "aborted" when a drain ended it,
-    # "engine_error" when it ended otherwise in the request's run again (its prefill engine
-    # ended a session a second time: no one aborted it).
-    ended: RequestOutcome | None = None
-    # The release freed the session (ABORTED: it was open), or may have (unanswered), in the
-    # request's run again: no other decode engine can take it, and the request fails as the
-    # refusal does. (In the first run the request runs again instead: `_SessionLost`.)
-    freed: bool = False
+    # The session ended there by that engine's drain (ALREADY_FINISHED, the engine
+    # DRAINING): the request ends at the handoff, as one aborted there
+    # (`Relay.aborted_unrouted`), counted "aborted".
+    drained: bool = False
+    # In the request's run again, the session is gone otherwise (`Released`: ended, freed,
+    # not held, or maybe freed): no decode engine can take it, and the request's second KV
+    # session being lost, it fails with this (UNAVAILABLE: sent again, it may succeed). (In
+    # the first run such a loss raises `_SessionLost` instead.)
+    lost: grpc.aio.AioRpcError | None = None
 
 
 # How the prefill engine holding a KV session answered its release (`Relay._release`): it
 # had ended it already; it freed it now; it knows no such session (a decode engine attached
-# it, a restarted process); no answer (unreachable, timed out, left the fleet), so whether
-# the session is still there is unknown.
+# it, or a process restarted at its address, under its instance id or not); no answer
+# (unreachable, timed out, left the fleet), so whether the session is still there is
+# unknown. Whatever the answer, no other decode engine can take the session after it.
 Released = Literal["ended", "freed", "not_held", "unanswered"]
+# What each answer says of the session, as a failure ends with it: "engine HOLDER, which
+# held it, ...".
+_RELEASE_WORDS: dict[Released, str] = {
+    "ended": "had ended it before a decode engine took it (its session TTL passed)",
+    "freed": "freed it when asked to release it",
+    "not_held": "no longer holds it (a decode engine took it, or the engine restarted)",
+    "unanswered": "did not answer its release",
+}
 
 
 class _Verdict(NamedTuple):
@@ -461,9 +473,9 @@ class _Verdict(NamedTuple):
     failure: HopFailure
     # Another engine takes the request (the one retry, or a re-route).
     retry: _Retry | None = None
-    # The request's KV session ended on its prefill engine (`_Stage.session_ended`): the
-    # request ends at the handoff, as one aborted there, counted as this outcome.
-    ended: RequestOutcome | None = None
+    # The request's KV session ended on its prefill engine by its drain
+    # (`_Stage.session_ended`): the request ends at the handoff, as one aborted there.
+    aborted: bool = False
 
 
 class _Refused(Exception):
@@ -892,38 +904,29 @@ class Relay:
             nonlocal released
             released = True
             answer = await self._release(handoff, prefilled_on, session, request_id)
-            if answer == "not_held":  # nothing freed here: another decode engine may be tried
-                return _SessionEnd()
-            if answer != "ended":
-                # The gateway freed the session itself, or may have: no decode engine can
-                # take it now. The request runs again as a whole, once (without the holder
-                # when it did not answer); in the run again it fails as the refusal does.
-                if lost is not None:
-                    return _SessionEnd(freed=True)
-                what = "freed it" if answer == "freed" else "got no answer"
-                raise _SessionLost(
-                    prefilled_on,
-                    gateway_failure(
+            if answer == "ended" and await handoff.holder_draining(prefilled_on):
+                return _SessionEnd(drained=True)  # a drain's end: it ends at the handoff
+            # Gone whatever else the answer (`Released`): no other decode engine can take it.
+            why = (
+                f"engine {engine} refused the KV session ({failure}): engine {prefilled_on}, "
+                f"which held it, {_RELEASE_WORDS[answer]}"
+            )
+            if lost is not None:  # the run again: its second KV session lost
+                log.info("request %s: its KV session is lost again (%s)", request_id,
+                         why)  # fmt: skip
+                return _SessionEnd(
+                    lost=gateway_failure(
                         grpc.StatusCode.UNAVAILABLE,
-                        f"engine {engine} refused the request's KV session ({failure}); "
-                        f"releasing it on engine {prefilled_on}, which held it, {what}",
-                    ),
-                    holder_up=answer == "freed",
+                        f"{why}; the request's KV session was lost twice (it ran again once "
+                        "already): send it again",
+                    )
                 )
-            if await handoff.holder_draining(prefilled_on):
-                return _SessionEnd("aborted")  # a drain's end: it ends at the handoff
-            if lost is not None:  # the run again: its session ended too, not by anyone's Abort
-                log.info("request %s: engine %s ended its KV session again before a decode "
-                         "engine took it", request_id, prefilled_on)  # fmt: skip
-                return _SessionEnd("engine_error")
+            # The request runs again as a whole, once; without the holder when it did not
+            # answer (a process that answers, restarted or not, may take it).
             raise _SessionLost(
                 prefilled_on,
-                gateway_failure(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"engine {prefilled_on} ended the request's KV session before a decode "
-                    "engine took it (its session TTL passed)",
-                ),
-                holder_up=True,
+                gateway_failure(grpc.StatusCode.UNAVAILABLE, why),
+                holder_up=answer != "unanswered",
             )
 
         stream = self._attempts(
@@ -977,7 +980,11 @@ class Relay:
         and engines of other builds word it their own way. A new process at the holder's
         address (restarted) answers, but knows nothing of the session (its release:
         NOT_FOUND): the session is gone as with a dead holder, and the request runs again
-        where a new request would go, that engine included (it is up)."""
+        where a new request would go, that engine included (it is up). Only a new instance
+        id tells that process apart: one restarted under the `instance_id` of its config
+        answers as the old one did (the seed's GetEngineInfo, Health and GetLoad carry no
+        start time or incarnation), and is found out by the release, which it answers
+        NOT_FOUND (`_Stage.session_ended`)."""
 
         async def lost(engine: str, failure: str) -> _SessionLost | None:
             gone = await handoff.holder_gone(holder, instance_id)
@@ -1120,8 +1127,8 @@ class Relay:
                                 self._let_go(request_id, engine)
                                 refused = HopFailure.of_in_band(error, response, stage)
                                 verdict = await self._judge(refused, stage, engine, plan, retry)
-                                if verdict.ended is not None:
-                                    await self._end_aborted(stage, context, verdict.ended)
+                                if verdict.aborted:
+                                    await self._end_aborted(stage, context)
                                     return
                                 if request_id in self.aborted_unrouted:
                                     await self._end_aborted(stage, context)
@@ -1179,8 +1186,8 @@ class Relay:
                 if not relayed:
                     failure = HopFailure.of_status(cause, stage)
                     verdict = await self._judge(failure, stage, engine, plan, retry)
-                    if verdict.ended is not None:
-                        await self._end_aborted(stage, context, verdict.ended)
+                    if verdict.aborted:
+                        await self._end_aborted(stage, context)
                         return
                     if verdict.retry is not None:
                         again = verdict.retry
@@ -1216,14 +1223,13 @@ class Relay:
     ) -> _Verdict:
         """What follows `engine` failing a hop before anything of it was relayed, whichever
         form it said it in (`HopFailure`); `retry`: the hop's retry so far. In order: a
-        decode hop whose KV session is lost (its holder gone: `_Stage.session_lost`; ended
-        there other than by a drain, or freed by the release that asked: `_Stage.session_ended`)
-        raises `_SessionLost`; one whose first engine found no session that its holder's
-        drain ended (or, in the request's run again, that its holder ended again) ends at the
-        handoff; a refused session is the engine's failure (UNAVAILABLE), not the client's;
-        an engine that no longer holds the request's LoRA adapter is left for one that does;
-        else the one retry, when another engine may succeed, never with a session the
-        gateway freed (or may have: its release unanswered)."""
+        decode hop whose KV session is lost (its holder gone: `_Stage.session_lost`; gone
+        from its holder other than by its drain, the release that asked answering:
+        `_Stage.session_ended`) raises `_SessionLost`, and in the request's run again fails
+        with no retry; one whose first engine found no session that its holder's drain ended
+        ends at the handoff; a refused session is the engine's failure (UNAVAILABLE), not the
+        client's; an engine that no longer holds the request's LoRA adapter is left for one
+        that does; else the one retry, when another engine may succeed."""
         request_id = plan.request.request_id
         if stage.session_lost is not None:
             lost = await stage.session_lost(engine, failure.described)
@@ -1238,12 +1244,14 @@ class Relay:
             and not await self.adapter_left(request_id, plan.lora_name, engine)
         ):
             end = await stage.session_ended(engine, failure.described)
-        if end.ended is not None:
-            log.info("request %s: engine %s refused its KV session, which %s ended; the "
-                     "request ends at the handoff", request_id, engine,
+        if end.drained:
+            log.info("request %s: engine %s refused its KV session, which %s ended by its "
+                     "drain; the request ends at the handoff", request_id, engine,
                      self.handed_over.get(request_id))  # fmt: skip
             self.aborted_unrouted.add(request_id)
-            return _Verdict(failure, ended=end.ended)
+            return _Verdict(failure, aborted=True)
+        if end.lost is not None:  # no decode engine can take it: no retry
+            return _Verdict(HopFailure(end.lost, retryable=False))
         if failure.refused_session:
             refused = gateway_failure(
                 grpc.StatusCode.UNAVAILABLE,
@@ -1255,7 +1263,7 @@ class Relay:
             return _Verdict(
                 failure, _Retry(failure.described, failure.answer, engine, counted=False)
             )
-        if retry is None and failure.retryable and not end.freed:
+        if retry is None and failure.retryable:
             log.info("request %s: engine %s failed before the first response (%s); retrying "
                      "elsewhere", request_id, engine, failure.described)  # fmt: skip
             return _Verdict(failure, _Retry(failure.described, failure.answer, engine))
@@ -1352,17 +1360,14 @@ class Relay:
         _outcome_counted.set(True)
         self.controller.metrics.count_request(outcome)
 
-    async def _end_aborted(
-        self, stage: _Stage, context: Context, outcome: RequestOutcome = "aborted"
-    ) -> None:
+    async def _end_aborted(self, stage: _Stage, context: Context) -> None:
         """End a hop whose request was aborted where no engine's Abort reached it
-        (`abort_unrouted`, `abort_unaccepted`), nothing relayed in it: CANCELLED, as a request
-        aborted while planned; a decode hop (it carries a KV session: the prefill engine
-        accepted the request) returns empty instead, for `_disaggregated` to end the request
-        as an engine ends an aborted one (`Handoff.cancelled`). `outcome`: what it counts as
-        (a KV session its prefill engine ended a second time, `_Stage.session_ended`, ends
-        the request so, but no one aborted it)."""
-        self._count(outcome)
+        (`abort_unrouted`, `abort_unaccepted`, or its KV session ended by its prefill
+        engine's drain), nothing relayed in it: CANCELLED, as a request aborted while
+        planned; a decode hop (it carries a KV session: the prefill engine accepted the
+        request) returns empty instead, for `_disaggregated` to end the request as an engine
+        ends an aborted one (`Handoff.cancelled`)."""
+        self._count("aborted")
         if not stage.carries_session:
             await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before an engine took it")
 

@@ -103,6 +103,20 @@ class EngineFleet(Generic[E]):
             lambda: len(registry.routable()) == count, timeout_s
         )
 
+    async def answers_as(self, address: str, instance_id: str) -> bool:
+        """Whether the engine at `address` answers the controller's own channel to it as
+        `instance_id` and is routed to: a process restarted there is back for the gateway
+        too, even one under the instance id of the process before (the same to the
+        registry)."""
+        controller = self.app.controller
+        try:
+            info = await controller.fleet.stub(address).GetEngineInfo(
+                pb.GetEngineInfoRequest(), timeout=1
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return info.instance_id == instance_id and controller.fleet.registry.get(address).routable
+
     async def restart_engine(
         self: EngineFleet[EngineApp] | EngineFleet[ServedEngine],
         address: str,

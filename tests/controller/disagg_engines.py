@@ -18,7 +18,8 @@ server that plays the seed's roles ("Disaggregated serving and KV API"):
   one: before acceptance; with
   `Sessions.in_band_refusal`, an unknown one is accepted and refused in-band, one terminal
   EngineError of that code, as an engine that pulls after acceptance does; with
-  `Sessions.refuse_open`, an open one is refused so too, left open); the
+  `Sessions.refuse_open`, an open one is refused so too, left open; with
+  `Sessions.refuse_taken`, one is attached, then refused so); the
   "transfer" is the sim engine computing the prompt itself, then it decodes. With
   `accept_local_prefill` it also takes requests without a session and prefills them itself,
   as engines that can prefill locally do. `decode_gate` holds every request with a session
@@ -78,6 +79,10 @@ class Sessions:
     # prefill engine: a NOT_FOUND that is not about the session (a decode engine that no
     # longer serves the model, which the controller does not know yet).
     refuse_open: int = 0
+    # The next this many requests with a session that decode engines get attach it (its
+    # prefill engine then knows it no more: its release is NOT_FOUND), then refuse it as an
+    # unknown session is: a decode engine that took the session and failed.
+    refuse_taken: int = 0
     # Abort(kv_session) frees a session it opened, then fails UNAVAILABLE (its answer lost
     # on the way): the gateway cannot tell whether the session is still there.
     release_answer_lost: bool = False
@@ -161,10 +166,14 @@ class RoleServicer(Forwarding):
             refused_open = self.sessions.refuse_open > 0
             if refused_open:
                 self.sessions.refuse_open -= 1
+            refused_taken = not refused_open and self.sessions.refuse_taken > 0
+            if refused_taken:
+                self.sessions.refuse_taken -= 1
             if (
                 refused_open
                 or self.sessions.open.pop(session_id, None) is None
                 or self.sessions.lost
+                or refused_taken
             ):
                 code = self.sessions.in_band_refusal
                 if code is None:

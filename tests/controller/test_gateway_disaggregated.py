@@ -551,22 +551,21 @@ async def test_a_session_no_decode_engine_took_is_released_on_the_prefill_engine
         await close_fleet(fleet)
 
 
-@pytest.mark.parametrize("form", [*REFUSAL_FORMS, "in_band_transfer"])
-async def test_a_decode_engine_refusing_the_session_is_an_engine_failure(form: str) -> None:
-    """Not the client's NOT_FOUND for a session it never named: another decode engine is
-    tried, then the request is UNAVAILABLE, counted as an engine error; alike whether the
-    decode engines refuse with the status or in-band (which used to end the request at the
-    first decode engine, its KV_SESSION_NOT_FOUND passed to the client). The prefill engine
-    answering the session's release NOT_FOUND is the process that handed it over (the
-    first decode engine took it), not a restarted one: no run again (that is below)."""
-    fleet, _, decode, sessions = await _fleet(1, 2)
+async def test_a_decode_engine_refusing_the_session_is_an_engine_failure() -> None:
+    """Not the client's NOT_FOUND for a session it never named: a session a decode engine
+    cannot use (in-band KV_TRANSFER_FAILED, not retryable: FAILED_PRECONDITION) is not asked
+    about on the prefill engine, another decode engine is tried with it, then the request is
+    UNAVAILABLE, counted as an engine error. (It used to end the request at the first decode
+    engine, its in-band error passed to the client.)"""
+    fleet, prefill, decode, sessions = await _fleet(1, 2)
     try:
         sessions.lost = True
-        _refuse(sessions, form)
+        _refuse(sessions, "in_band_transfer")
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _generate(fleet, generate_request("r", [*PREFIX, 1]))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "refused the KV session" in (info.value.details() or "")
+        assert _calls(prefill, "r") == [("p0", False)]
         assert sorted(_calls(decode, "r")) == [("d0", True), ("d1", True)]
         assert _outcomes(fleet) == {"engine_error": 1}
         assert fleet.app.controller.metrics.retries._value.get() == 1
@@ -605,15 +604,19 @@ async def test_a_failed_pull_on_every_decode_engine_is_unavailable_in_either_for
 
 
 @pytest.mark.parametrize("form", REFUSAL_FORMS)
+@pytest.mark.parametrize("name", ["p0r", "p0"])
 async def test_a_session_lost_with_its_restarted_prefill_engine_runs_the_request_again(
-    form: str,
+    form: str, name: str
 ) -> None:
-    """The prefill engine restarts at its address (a new process: a new instance id) after
-    handing the session over, and the decode engine finds no session (status or in-band):
-    the new process answers, but the session went with the old one, so the request runs
-    again as a whole, once, as for a dead prefill engine, here on the new process (it is
-    up), and the client gets its tokens. It used to try the other decode engine with the
-    dead session (the new process answering its release NOT_FOUND), then fail UNAVAILABLE."""
+    """The prefill engine restarts at its address after handing the session over, and the
+    decode engine finds no session (status or in-band): the new process answers, but the
+    session went with the old one, so the request runs again as a whole, once, as for a dead
+    prefill engine, here on the new process (it is up), and the client gets its tokens.
+    Under a new instance id (`name` p0r) GetEngineInfo tells the new process; under the old
+    one (p0, as one with `instance_id` in its config restarts) nothing the seed's engines
+    answer does (no start time or incarnation), and its answer NOT_FOUND to the session's
+    release tells it. Either used to try the other decode engine with the dead session,
+    then fail UNAVAILABLE."""
     fleet, prefill, decode, sessions = await _fleet(1, 2)
     try:
         _refuse(sessions, form)
@@ -627,19 +630,14 @@ async def test_a_session_lost_with_its_restarted_prefill_engine_runs_the_request
 
         await eventually(at_a_decode_engine)
         address = fleet.address(prefill[0])
-        fleet.engines[0] = restarted = await restart_role_engine(prefill[0], "p0r")
-        registry = fleet.app.controller.fleet.registry
-
-        async def known_restarted() -> bool:
-            record = registry.get(address)
-            return record.engine_id == "p0r-inner" and record.routable
-
-        await eventually(known_restarted)
+        fleet.engines[0] = restarted = await restart_role_engine(prefill[0], name)
+        await eventually(lambda: fleet.answers_as(address, f"{name}-inner"))
         gate.set()
         reply = await running
         assert reply[-1].WhichOneof("event") == "finished"
         assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
-        assert _calls([prefill[0], restarted], "r") == [("p0", False), ("p0r", False)]
+        assert prefill[0].servicer.generated == [("r", False)]
+        assert restarted.servicer.generated == [("r", False)]  # the run again's prefill
         assert [session for _, session in _calls(decode, "r")] == [True, True]
         assert _outcomes(fleet) == {"ok": 1}
         assert fleet.app.controller.metrics.retries._value.get() == 1
@@ -704,23 +702,48 @@ async def test_a_session_its_prefill_engine_ended_runs_the_request_again(form: s
 
 
 @pytest.mark.parametrize("form", REFUSAL_FORMS)
-async def test_a_session_its_prefill_engine_ended_again_ends_the_request_unaborted(
+async def test_a_session_its_prefill_engine_ended_again_fails_the_request_unavailable(
     form: str,
 ) -> None:
     """As above, but the prefill engine ends the session of the run again too (its TTL, not
-    a drain): the request ends at that handoff, each output finished CANCELLED, counted as
-    an engine's failure, not as aborted (no one aborted it, which it used to count as)."""
+    a drain): the run again was the one allowed, so the client gets UNAVAILABLE naming the
+    lost KV session (sent again, the request may succeed), counted as an engine's failure,
+    not as aborted. It used to end at that handoff, each output finished CANCELLED (the
+    word for a drain or a client's abort)."""
     fleet, prefill, decode, sessions = await _fleet(1, 1)
     try:
         _refuse(sessions, form)
         sessions.ended_at_once = True  # every session
-        reply = await _generate(fleet, generate_request("r", [*PREFIX, 1], max_tokens=5))
-        assert [r.WhichOneof("event") for r in reply] == ["finished"]
-        assert reply[-1].finished.reason == pb.FINISH_REASON_CANCELLED
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _generate(fleet, generate_request("r", [*PREFIX, 1], max_tokens=5))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        details = info.value.details() or ""
+        assert "had ended it before a decode engine took it" in details
+        assert "KV session was lost twice" in details
         expected = [("p0", False), ("p0", False), ("d0", True), ("d0", True)]
         assert _calls(prefill + decode, "r") == expected
         assert _outcomes(fleet) == {"engine_error": 1}
         assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_session_ended_again_after_prompt_output_is_one_retryable_error() -> None:
+    """As above, the client having the prompt's logprobs from the prefill hop: the stream
+    ends with one retryable EngineError naming the lost KV session, not finished
+    CANCELLED."""
+    fleet, _, _, sessions = await _fleet(1, 1)
+    try:
+        _refuse(sessions, "status")
+        sessions.ended_at_once = True
+        request = generate_request("r", [*PREFIX, 1])
+        request.response.return_prompt_logprobs = True
+        reply = await _generate(fleet, request)
+        assert [r.WhichOneof("event") for r in reply] == ["prompt", "error"]
+        error = reply[-1].error
+        assert error.retryable
+        assert "KV session was lost twice" in error.message
+        assert _outcomes(fleet) == {"engine_error": 1}
     finally:
         await close_fleet(fleet)
 
@@ -780,25 +803,33 @@ async def test_a_session_its_draining_prefill_engine_ended_ends_the_request(form
         await close_fleet(fleet)
 
 
+# What the decode engine that refuses a session NOT_FOUND did with it (`Sessions`): left it
+# open on its prefill engine, which a release frees (ABORTED), or took it, after which its
+# prefill engine knows it no more (its release: NOT_FOUND).
+REFUSED_SESSIONS = ["open", "taken"]
+
+
 @pytest.mark.parametrize("form", REFUSAL_FORMS)
-async def test_a_session_freed_when_asked_about_runs_the_request_again(form: str) -> None:
-    """The first decode engine refuses the session NOT_FOUND (status or in-band) while it is
-    open on its prefill engine (a NOT_FOUND about something else: a model that engine no
-    longer serves). Asked whether it had ended, the prefill engine frees it (ABORTED): the
-    request runs again as a whole, once, and the client gets its tokens. The gateway used
-    to hand the session it had just freed to the other decode engine, which found none: the
-    client got UNAVAILABLE."""
+@pytest.mark.parametrize("held", REFUSED_SESSIONS)
+async def test_a_session_gone_when_asked_about_runs_the_request_again(form: str, held: str) -> None:
+    """The first decode engine refuses the session NOT_FOUND (status or in-band), whether it
+    left it open on its prefill engine (a NOT_FOUND about something else: a model that
+    engine no longer serves), which frees it when asked whether it had ended (ABORTED), or
+    took it before failing, its prefill engine answering NOT_FOUND. Either way no decode
+    engine can take it: the request runs again as a whole, once, and the client gets its
+    tokens. The gateway used to hand the dead session to the other decode engine, which
+    found none: the client got UNAVAILABLE."""
     fleet, prefill, decode, sessions = await _fleet(1, 2)
     try:
         _refuse(sessions, form)
-        sessions.refuse_open = 1
+        setattr(sessions, f"refuse_{held}", 1)
         reply = await _generate(fleet, generate_request("r", [*PREFIX, 1], max_tokens=5))
         assert reply[-1].WhichOneof("event") == "finished"
         assert reply[-1].finished.reason == pb.FINISH_REASON_LENGTH
         assert sum(len(r.token.tokens) for r in reply if r.HasField("token")) == 5
         assert _calls(prefill, "r") == [("p0", False), ("p0", False)]
         assert [session for _, session in _calls(decode, "r")] == [True, True]
-        assert sessions.releases == ["p0-0"]  # the first session, freed when asked about
+        assert sessions.releases == ["p0-0"]  # the first session, asked about once
         assert sessions.open == {}
         assert _outcomes(fleet) == {"ok": 1}
         assert fleet.app.controller.metrics.retries._value.get() == 1
@@ -807,21 +838,25 @@ async def test_a_session_freed_when_asked_about_runs_the_request_again(form: str
 
 
 @pytest.mark.parametrize("form", REFUSAL_FORMS)
-async def test_a_session_freed_when_asked_about_in_the_run_again_fails_the_request(
-    form: str,
+@pytest.mark.parametrize("held", REFUSED_SESSIONS)
+async def test_a_session_gone_when_asked_about_in_the_run_again_fails_the_request(
+    form: str, held: str
 ) -> None:
-    """As above, but a decode engine refuses the run again's session so too: freed when
+    """As above, but a decode engine refuses the run again's session so too: gone when
     asked about, it goes to no other decode engine; the client gets the gateway's
-    UNAVAILABLE naming the refusing engine, counted as an engine error. The run again used
-    to hand the freed session to the other decode engine."""
+    UNAVAILABLE naming the refusing engine and the lost KV session (sent again, the request
+    may succeed), counted as an engine error. The run again used to hand the freed session
+    to the other decode engine."""
     fleet, prefill, decode, sessions = await _fleet(1, 2)
     try:
         _refuse(sessions, form)
-        sessions.refuse_open = 2
+        setattr(sessions, f"refuse_{held}", 2)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await _generate(fleet, generate_request("r", [*PREFIX, 1]))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "refused the KV session" in (info.value.details() or "")
+        details = info.value.details() or ""
+        assert "refused the KV session" in details
+        assert "KV session was lost twice" in details
         assert _calls(prefill, "r") == [("p0", False), ("p0", False)]
         assert [session for _, session in _calls(decode, "r")] == [True, True]
         assert sessions.releases == ["p0-0", "p0-1"]

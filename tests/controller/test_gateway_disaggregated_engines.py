@@ -304,3 +304,27 @@ async def test_an_aborting_gateway_drain_completes_past_an_unread_handoff(
         assert [r.WhichOneof("event") for r in responses] == ["prompt", "finished"]
         assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
         await stalled.assert_nothing_left()
+
+
+async def test_a_session_lost_with_its_prefill_engine_restarted_under_its_instance_id() -> None:
+    """The prefill engine restarts at its address, under the `instance_id` of its config,
+    before the gateway read its handoff: the new process answers GetEngineInfo as the old one
+    did (the seed's answers carry no start time or incarnation), but knows nothing of the KV
+    session. The decode engine's pull finds none (NOT_FOUND), the new process answers the
+    session's release NOT_FOUND: the session is lost, so the request runs again as a whole,
+    once, on the new process, and the client, reading on, gets all its tokens. It used to
+    get a retryable error ("refused the KV session"), the session taken for one still there."""
+    async with stalled_at_the_handoff() as stalled:
+        fleet = stalled.fleet
+        address = fleet.address(stalled.prefill)
+        restarted = await fleet.restart_engine(address, "p0", role="prefill", max_model_len=4096)
+        await eventually(lambda: fleet.answers_as(address, "p0"))
+        responses = [r async for r in stalled.call]
+        events = [r.WhichOneof("event") for r in responses]
+        assert events == ["prompt", *["token"] * 50, "finished"]
+        assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+        assert "r" in restarted.service._finished  # the run again's prefill
+        assert "r" in stalled.decode.service._finished  # decoded, with the second session
+        metrics = fleet.app.controller.metrics
+        assert metrics.requests.labels("ok")._value.get() == 1
+        assert metrics.retries._value.get() == 1
