@@ -89,15 +89,18 @@ class PlannerMetrics:
             ["pool"],
             registry=r,
         )
-        self.kv_demand = Gauge(
-            "kvplane_planner_kv_demand",
-            "KV in use plus queued prompts, summed over engines, in engines' worth of cache",
+        # In engines' worth of KV cache (each engine's demand is a fraction of its own cache,
+        # past 1 when saturated): the unit of engines_needed{constraint="kv"}.
+        self.kv_demand_engines = Gauge(
+            "kvplane_planner_kv_demand_engines",
+            "KV in use plus queued prompts, summed over engines, in engines' worth of KV cache "
+            "(1: one engine's cache full)",
             ["pool"],
             registry=r,
         )
-        self.forecast_kv_demand = Gauge(
-            "kvplane_planner_forecast_kv_demand",
-            "KV demand forecast capacity.forecast_horizon_s ahead",
+        self.forecast_kv_demand_engines = Gauge(
+            "kvplane_planner_forecast_kv_demand_engines",
+            "KV demand, in engines' worth of KV cache, forecast capacity.forecast_horizon_s ahead",
             ["pool"],
             registry=r,
         )
@@ -200,8 +203,8 @@ class PlannerMetrics:
         self.forecast_prompt_tokens_per_second.labels(pool).set(
             estimate.forecast_prompt_tokens_per_s
         )
-        self.kv_demand.labels(pool).set(estimate.kv_demand)
-        self.forecast_kv_demand.labels(pool).set(estimate.forecast_kv_demand)
+        self.kv_demand_engines.labels(pool).set(estimate.kv_demand)
+        self.forecast_kv_demand_engines.labels(pool).set(estimate.forecast_kv_demand)
         self.forecast_error_prompt_tokens_per_second.labels(pool).set(
             estimate.forecast_error_prompt_tokens_per_s
         )

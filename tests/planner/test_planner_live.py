@@ -999,7 +999,9 @@ async def test_metrics_show_the_fleet_the_decisions_and_the_sizing(setup: Setup)
     assert measured(samples, "kvplane_planner_forecast_error_prompt_tokens_per_second", **pool) >= 0
     # 0 here: the request had ended by the tick, so no pass had a running request to count.
     assert value(samples, "kvplane_planner_mean_decode_passes", **pool) is not None
-    assert value(samples, "kvplane_planner_kv_demand", **pool) is not None
+    # Named with its unit: engines' worth of KV cache.
+    assert value(samples, "kvplane_planner_kv_demand_engines", **pool) is not None
+    assert value(samples, "kvplane_planner_forecast_kv_demand_engines", **pool) is not None
     assert measured(samples, "kvplane_planner_pass_cost_fixed_seconds", **pool) > 0
     assert measured(samples, "kvplane_planner_pass_cost_prefill_seconds_per_token", **pool) > 0
     assert value(samples, "kvplane_planner_pass_cost_kv_seconds", **pool) is not None
