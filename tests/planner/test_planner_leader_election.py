@@ -10,6 +10,7 @@ the lease again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
@@ -259,12 +260,8 @@ async def test_a_standby_learns_from_the_fleet_writing_nothing_and_decides_at_on
         )
         return passes or 0.0
 
-    (pod,) = cluster.kube.ready_pods(DEPLOYMENT)
-    async with grpc.aio.insecure_channel(cluster.kube.address(pod)) as channel:
-        request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
-        generation = pb_grpc.OpenEngineStub(channel).Generate(request)
-        try:
-            await generation.initial_metadata()
+    try:
+        async with generating(cluster):
             while not passes_seen() or core.estimate("default") is None:
                 clock.now += 1.0
                 await live.watch(fleet.serving)
@@ -282,10 +279,23 @@ async def test_a_standby_learns_from_the_fleet_writing_nothing_and_decides_at_on
             stop.set()
             await term
             assert fleet_gauges(exported(metrics)) == set()  # standing by again
+    finally:
+        await live.close()
+    assert core.decisions[0] == [ScalePool("default", 2, Reason.FORECAST_NEEDS_MORE)]
+
+
+@contextlib.asynccontextmanager
+async def generating(cluster: Cluster) -> AsyncIterator[None]:
+    """While a long generation runs on the Deployment's one pod: its forward passes go on."""
+    (pod,) = cluster.kube.ready_pods(DEPLOYMENT)
+    async with grpc.aio.insecure_channel(cluster.kube.address(pod)) as channel:
+        request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
+        generation = pb_grpc.OpenEngineStub(channel).Generate(request)
+        try:
+            await generation.initial_metadata()
+            yield
         finally:
             generation.cancel()
-            await live.close()
-    assert core.decisions[0] == [ScalePool("default", 2, Reason.FORECAST_NEEDS_MORE)]
 
 
 # The gauges of the fleet: every gauge of the planner's but whether it leads.
@@ -419,15 +429,8 @@ async def test_of_two_planners_only_the_leader_acts_and_the_other_takes_over_whe
             passes = value(samples, "kvplane_planner_forward_passes_total", pool="default")
             return passes is not None and passes >= 1
 
-        (pod,) = cluster.kube.ready_pods(DEPLOYMENT)
-        async with grpc.aio.insecure_channel(cluster.kube.address(pod)) as channel:
-            request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
-            generation = pb_grpc.OpenEngineStub(channel).Generate(request)
-            try:
-                await generation.initial_metadata()
-                await eventually(b_observes_the_engine, 60)
-            finally:
-                generation.cancel()
+        async with generating(cluster):
+            await eventually(b_observes_the_engine, 60)
         assert fleet_gauges(name for name, _ in await scrape(b_port)) == set()
         a_samples = await scrape(a_port)
         assert value(a_samples, "kvplane_planner_engines", pool="default", state="serving") == 1
