@@ -112,9 +112,11 @@ class LocalProcesses:
         self._workdir = workdir
         self._start_timeout_s = start_timeout_s
         self._admin = ControllerAdmin(controller, channels)
-        # A reused workdir (a planner restarted after SIGKILL): its engines' port files say
-        # which engines it left registered; its logs, which numbers not to write over.
-        self._left_over, first_number = _previous_run(workdir)
+        # Engines stopped that the controller may list still, with their port files: a
+        # reused workdir's (a planner restarted after SIGKILL: its engines' port files say
+        # which it left registered; its logs, which numbers not to write over), and this
+        # run's whose RemoveEngine failed. Each look (`adopt`) takes them out.
+        self._left_registered, first_number = _previous_run(workdir)
         # Held by `adopt` while it takes those out of the controller, and by a start while it
         # registers its engine: ports are reused, and an engine of this run may have one.
         self._registering = asyncio.Lock()
@@ -133,28 +135,29 @@ class LocalProcesses:
         return sorted(self._processes)
 
     async def adopt(self, *, wait: bool = True) -> list[tuple[str, str]]:
-        """Nothing: a previous planner's children died with it. Those it left registered (it
-        was killed: SIGKILL, a crash) are taken out of the controller, which would otherwise
-        list them, unreachable, for good. A port file is dropped once its engine is out of the
-        controller (removed, or not listed); one whose RemoveEngine failed is kept, for the
-        next look to take it out."""
-        if not self._left_over:
+        """Nothing: a previous planner's children died with it. Engines left registered are
+        taken out of the controller, which would otherwise list them, unreachable, for good:
+        a previous planner's (it was killed: SIGKILL, a crash), and this run's whose
+        RemoveEngine failed as they stopped (the controller did not answer). A port file is
+        dropped once its engine is out of the controller (removed, or not listed); one whose
+        RemoveEngine failed again is kept, for the next look to take it out."""
+        if not self._left_registered:
             return []
         # Not while a start registers its engine: one that got a dead engine's port takes it
-        # out of `_left_over` first, and must not be removed as that engine.
+        # out of `_left_registered` first, and must not be removed as that engine.
         async with self._registering:
-            removals = await self._admin.remove_listed(sorted(self._left_over))
+            tried = sorted(self._left_registered)  # a stop may add one meanwhile: next look's
+            removals = await self._admin.remove_listed(tried)
             if removals is None:  # the controller did not answer: the next tick's look
                 return []
             for address in removals.removed:
                 log.warning(
-                    "engine %s of a previous planner (its port file %s): taken out of the "
-                    "controller",
+                    "engine %s left registered (its port file %s): taken out of the controller",
                     address,
-                    self._left_over[address],
+                    self._left_registered[address],
                 )
-            for address in self._left_over.keys() - set(removals.kept):
-                self._left_over.pop(address).unlink(missing_ok=True)
+            for address in set(tried) - set(removals.kept):
+                self._left_registered.pop(address).unlink(missing_ok=True)
         return []
 
     async def sync(
@@ -197,10 +200,8 @@ class LocalProcesses:
                 await self._admin.register(address)
             await self._routed(address)
         except (KvplaneError, grpc.aio.AioRpcError, TimeoutError) as exc:
-            if address is not None:
-                await self._admin.remove(address)
+            await self._remove(address, port_file)
             await _terminate(process)
-            port_file.unlink(missing_ok=True)
             if isinstance(exc, grpc.aio.AioRpcError):
                 why = self._admin.describe(exc)
             elif isinstance(exc, TimeoutError):  # its str is empty
@@ -213,23 +214,22 @@ class LocalProcesses:
             ends = f"; its log {log_path} ends: {tail}" if tail else ""
             raise KvplaneError(f"engine {pool}-{number} did not start: {why}{ends}") from exc
         except asyncio.CancelledError:  # the planner is closing: leave no child behind
-            if address is not None:  # the controller may have taken it before the answer came
-                await self._admin.remove(address)
+            # The controller may have taken it before the answer came.
+            await self._remove(address, port_file)
             await _terminate(process)
-            port_file.unlink(missing_ok=True)
             raise
         self._processes[address] = process
         self._port_files[address] = port_file
         return address
 
     def _take_over_port(self, address: str) -> None:
-        """`address`, a new engine's, is no longer that of a previous planner's engine (the
-        port is reused: that engine is dead): its port file is dropped, so that `adopt` does
-        not remove this one from the controller in its place. Should the controller list the
-        dead one still, the registration is refused (ALREADY_EXISTS) and the failed start
-        removes it."""
-        if (port_file := self._left_over.pop(address, None)) is not None:
-            log.info("engine port %s of a previous planner (%s) is reused", address, port_file)
+        """`address`, a new engine's, is no longer that of an engine left registered (a
+        previous planner's, or one stopped: the port is reused, that engine is dead): its
+        port file is dropped, so that `adopt` does not remove this one from the controller in
+        its place. Should the controller list the dead one still, the registration is refused
+        (ALREADY_EXISTS) and the failed start removes it."""
+        if (port_file := self._left_registered.pop(address, None)) is not None:
+            log.info("port %s of an engine left registered (%s) is reused", address, port_file)
             port_file.unlink(missing_ok=True)
 
     async def _routed(self, address: str) -> None:
@@ -279,13 +279,27 @@ class LocalProcesses:
             await process.wait()
 
     async def _forget(self, address: str) -> asyncio.subprocess.Process | None:
-        """Take `address` out of the controller and of the engines started; its process. Its
-        port file goes too: one left in the workdir names an engine a killed planner left
-        registered."""
-        await self._admin.remove(address)
-        if (port_file := self._port_files.pop(address, None)) is not None:
-            port_file.unlink(missing_ok=True)
+        """Take `address` out of the controller and of the engines started; its process."""
+        await self._remove(address, self._port_files.pop(address, None))
         return self._processes.pop(address, None)
+
+    async def _remove(self, address: str | None, port_file: Path | None) -> None:
+        """RemoveEngine of `address`, an engine of this run that stops (None: a start that
+        read no port registered nothing). Its port file goes once the controller no longer
+        lists it; one whose RemoveEngine failed (the controller did not answer) is kept, in the
+        workdir and for the next look (`adopt`) to take it out: a port file left in the
+        workdir names an engine left registered."""
+        removed = address is None or await self._admin.remove(address)
+        if port_file is not None:
+            self._keep_port_file(port_file, None if removed else address)
+
+    def _keep_port_file(self, port_file: Path, registered: str | None) -> None:
+        """Keep `port_file` with the address the controller may list still, or drop it
+        (`registered` None)."""
+        if registered is None:
+            port_file.unlink(missing_ok=True)
+        else:
+            self._left_registered[registered] = port_file
 
     async def close(self) -> None:
         """Stop every engine started (the fleet ends with the planner), all at once: one at a
@@ -298,7 +312,8 @@ class LocalProcesses:
 
 def _previous_run(workdir: Path) -> tuple[dict[str, Path], int]:
     """What an earlier planner left in `workdir`: its engines' addresses with their port
-    files (each removed when its engine is, so those left are of a planner that was killed),
+    files (each removed when its engine is, so those left are of a planner that was killed,
+    or whose RemoveEngine failed),
     and the first engine number none of its files has."""
     left_over: dict[str, Path] = {}
     numbers = [-1]

@@ -31,8 +31,9 @@ controller is dialled per `live.controller_tls` and the engines per `live.engine
 With leader election (`planner.leader_election`), a planner that does not lead stands by warm
 (`stand_by`): each tick it observes the engines of the Deployments' Ready pods as above
 (GetLoad, runtime events) and its core learns from them (`Planner.observe`), by reads of the
-API alone and with no call to the controller; each term as leader (`lead`) acts through an
-actuator of its own, with that core and those engines.
+API alone and with no call to the controller, exporting no gauge of the fleet (only the
+leader reports the fleet it acts on); each term as leader (`lead`) acts through an actuator of
+its own, with that core and those engines.
 """
 
 from __future__ import annotations
@@ -258,9 +259,10 @@ class LivePlanner:
         leader's Deployments' Ready pods) as a leader's tick does, their load and their
         forward passes, and let the core learn from them (`Planner.observe`: its forecast and
         cost model go on), acting on nothing: neither the actuator nor the controller is
-        called, nothing is decided. An engine no longer listed is forgotten; one that does
-        not answer keeps its last load (losing it is the leader's). A listing that fails
-        keeps the engines as they were (said in one line)."""
+        called, nothing is decided, and no gauge of the fleet is exported (the leader's
+        are: `PlannerMetrics.on_standing_by`). An engine no longer listed is forgotten; one
+        that does not answer keeps its last load (losing it is the leader's). A listing that
+        fails keeps the engines as they were (said in one line)."""
         now_s = self._clock()
         try:
             listed = await serving()
@@ -277,7 +279,6 @@ class LivePlanner:
         observations = self._observations(engines, now_s)
         if isinstance(self.policy, Planner):  # the benchmark's peers learn nothing
             self.policy.observe(observations, now_s)
-        self._update_metrics()
 
     async def _reregister_on_restart(self) -> None:
         """Each time the controller is a new process, reconcile with it at once (`_reconcile`:
@@ -333,8 +334,9 @@ class LivePlanner:
         """As `close`, but the engines are observed on, as a standby finds them (serving: it
         does not know which the controller drains), so that a leader that lost its Lease
         stands by without a gap in their forward passes; the engines still starting are
-        forgotten."""
+        forgotten. The fleet's gauges go with the term."""
         await self._stop_acting(finish_removals=finish_removals)
+        self.metrics.on_standing_by()
         for engine in list(self.engines.values()):
             if engine.dialled is None:
                 del self.engines[engine.engine_id]

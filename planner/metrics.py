@@ -5,9 +5,10 @@ engines per pool and state (and those not answering GetLoad), the core's sizing 
 (its inputs, the learned pass-cost model, the engines needed by each SLA constraint), the
 decisions by kind and reason, engines lost (exited, or not answering), the actuator's failures
 by operation, and the tick's duration; whether this planner leads (read at each scrape) and the
-leader election's transitions it saw. Label values come from the config (pools), the core's
-vocabularies (states, kinds, reasons) or this module's (causes, operations): never from an
-engine's address.
+leader election's transitions it saw. A standby (leader election) exports no gauge of the
+fleet: only the leader reports the fleet it acts on. Label values come from the config
+(pools), the core's vocabularies (states, kinds, reasons) or this module's (causes,
+operations): never from an engine's address.
 """
 
 from __future__ import annotations
@@ -89,15 +90,18 @@ class PlannerMetrics:
             ["pool"],
             registry=r,
         )
-        self.kv_demand = Gauge(
-            "kvplane_planner_kv_demand",
-            "KV in use plus queued prompts, summed over engines, in engines' worth of cache",
+        # In engines' worth of KV cache (each engine's demand is a fraction of its own cache,
+        # past 1 when saturated): the unit of engines_needed{constraint="kv"}.
+        self.kv_demand_engines = Gauge(
+            "kvplane_planner_kv_demand_engines",
+            "KV in use plus queued prompts, summed over engines, in engines' worth of KV cache "
+            "(1: one engine's cache full)",
             ["pool"],
             registry=r,
         )
-        self.forecast_kv_demand = Gauge(
-            "kvplane_planner_forecast_kv_demand",
-            "KV demand forecast capacity.forecast_horizon_s ahead",
+        self.forecast_kv_demand_engines = Gauge(
+            "kvplane_planner_forecast_kv_demand_engines",
+            "KV demand, in engines' worth of KV cache, forecast capacity.forecast_horizon_s ahead",
             ["pool"],
             registry=r,
         )
@@ -173,6 +177,23 @@ class PlannerMetrics:
             buckets=_TICK_BUCKETS,
             registry=r,
         )
+        # The fleet as the leader acts on it: exported by the leader only (`on_standing_by`).
+        self._fleet_gauges = (
+            self.engines,
+            self.engines_not_answering,
+            self.engines_wanted,
+            self.engines_needed,
+            self.prompt_tokens_per_second,
+            self.forecast_prompt_tokens_per_second,
+            self.forecast_error_prompt_tokens_per_second,
+            self.kv_demand_engines,
+            self.forecast_kv_demand_engines,
+            self.mean_prompt_tokens,
+            self.mean_decode_passes,
+            self.pass_fixed_seconds,
+            self.pass_prefill_seconds_per_token,
+            self.pass_kv_seconds,
+        )
 
     def on_engines(self, engines: Iterable[EngineObservation]) -> None:
         counts: dict[tuple[str, EngineState], int] = {}
@@ -200,8 +221,8 @@ class PlannerMetrics:
         self.forecast_prompt_tokens_per_second.labels(pool).set(
             estimate.forecast_prompt_tokens_per_s
         )
-        self.kv_demand.labels(pool).set(estimate.kv_demand)
-        self.forecast_kv_demand.labels(pool).set(estimate.forecast_kv_demand)
+        self.kv_demand_engines.labels(pool).set(estimate.kv_demand)
+        self.forecast_kv_demand_engines.labels(pool).set(estimate.forecast_kv_demand)
         self.forecast_error_prompt_tokens_per_second.labels(pool).set(
             estimate.forecast_error_prompt_tokens_per_s
         )
@@ -216,6 +237,14 @@ class PlannerMetrics:
         """`kvplane_planner_leader` reads `leading()` at each scrape: a leader whose renewals
         fail reads 0 from its renew deadline on, not from its next tick."""
         self.leader.set_function(lambda: float(leading()))
+
+    def on_standing_by(self) -> None:
+        """A term as leader ended: the fleet's gauges (engines, the sizing) go until the next
+        term's first tick, as a Kubernetes controller's non-leader replicas report nothing of
+        the work they do not do. A standby observes the fleet but acts on nothing; summed
+        over the planners, its gauges would count the fleet twice. Its counters stay."""
+        for gauge in self._fleet_gauges:
+            gauge.clear()
 
     def on_leader_transitions(self, count: int) -> None:
         self.leader_transitions.inc(count)

@@ -3,8 +3,9 @@ only it, behind a network partition from an engine: the process reaches the engi
 it (a ZMQ endpoint given as the forwarder's, or gRPC's `grpc_proxy` environment variable
 naming it as an HTTP CONNECT proxy), its other connections (Redis) and other processes'
 direct routes stay up, and `cut()` drops its connections and refuses new ones, as a
-partition between the two would. `lose_next_reply` drops one connection between a request
-and its reply: the server ran the request, the client never learns whether it did."""
+partition between the two would (`mend()` ends it). `lose_next_reply` drops one connection
+between a request and its reply: the server ran the request, the client never learns whether
+it did."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ class TcpForwarder:
         return f"http://127.0.0.1:{self._port}"
 
     @property
+    def address(self) -> str:
+        """As a gRPC target (`host:port`)."""
+        return f"127.0.0.1:{self._port}"
+
+    @property
     def endpoint(self) -> str:
         """As a ZMQ endpoint."""
         return f"tcp://127.0.0.1:{self._port}"
@@ -81,6 +87,11 @@ class TcpForwarder:
             writer.transport.abort()
         # (Ended here, not cancelled with the event loop, which asyncio logs as an error.)
         await asyncio.gather(*self._serving, return_exceptions=True)
+
+    async def mend(self) -> None:
+        """After `cut`: accept connections again, on the same port."""
+        if self._server is None:
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", self._port)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

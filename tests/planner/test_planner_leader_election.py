@@ -10,11 +10,12 @@ the lease again."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from planner.config import (
     SlaTargets,
 )
 from planner.core.decisions import Decision, Reason, ScalePool
-from planner.core.observations import Observations
+from planner.core.observations import EngineState, Observations
 from planner.core.planner import Planner
 from planner.kube_api import KubeApi, KubeConnection
 from planner.leader_election import LeaderElector
@@ -238,9 +239,10 @@ async def test_a_standby_learns_from_the_fleet_writing_nothing_and_decides_at_on
     """Standing by (`LivePlanner.watch`, on an injected clock), the planner observes the
     Deployment's pod as a leader does (its load, the forward passes of a generation it runs)
     and its core learns from them (the pool sized), while the API server gets no write from
-    it (its own token) and the controller no registration. Taking over, its first tick sizes
-    the pool from that history (an ITL target below any pass's time: the pool's maximum),
-    where a planner that observed nothing only measures at its first."""
+    it (its own token), the controller no registration, and its metrics no gauge of the
+    fleet (only the leader's report it). Taking over, its first tick sizes the pool from that
+    history (an ITL target below any pass's time: the pool's maximum), where a planner that
+    observed nothing only measures at its first; its term exports the fleet, until it ends."""
     cluster = one_pod
     cluster.kube.other_tokens.add("standby-token")
     token_file = tmp_path / "standby-token"
@@ -258,20 +260,14 @@ async def test_a_standby_learns_from_the_fleet_writing_nothing_and_decides_at_on
         )
         return passes or 0.0
 
-    (pod,) = cluster.kube.ready_pods(DEPLOYMENT)
-    async with grpc.aio.insecure_channel(cluster.kube.address(pod)) as channel:
-        request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
-        generation = pb_grpc.OpenEngineStub(channel).Generate(request)
-        try:
-            await generation.initial_metadata()
+    try:
+        async with generating(cluster):
             while not passes_seen() or core.estimate("default") is None:
                 clock.now += 1.0
                 await live.watch(fleet.serving)
                 await asyncio.sleep(0.05)  # passes to come (the loop waits for them)
-            serving = metrics.registry.get_sample_value(
-                "kvplane_planner_engines", {"pool": "default", "state": "serving"}
-            )
-            assert serving == 1
+            assert [e.state for e in live.engines.values()] == [EngineState.SERVING]
+            assert fleet_gauges(exported(metrics)) == set()
             assert not [w for w in cluster.kube.writes if w[0] == "standby-token"]
             assert cluster.registered() == [] and core.decisions == []
             assert cluster.kube.deployments[DEPLOYMENT].replicas == 1
@@ -279,12 +275,43 @@ async def test_a_standby_learns_from_the_fleet_writing_nothing_and_decides_at_on
             clock.now += 1.0
             term = asyncio.create_task(live.lead(cluster.actuator(), stop, scaling.tick_s))
             await core.decided.wait()
+            await eventually(lambda: fleet_gauges(exported(metrics)) == FLEET_GAUGES)
             stop.set()
             await term
+            assert fleet_gauges(exported(metrics)) == set()  # standing by again
+    finally:
+        await live.close()
+    assert core.decisions[0] == [ScalePool("default", 2, Reason.FORECAST_NEEDS_MORE)]
+
+
+@contextlib.asynccontextmanager
+async def generating(cluster: Cluster) -> AsyncIterator[None]:
+    """While a long generation runs on the Deployment's one pod: its forward passes go on."""
+    (pod,) = cluster.kube.ready_pods(DEPLOYMENT)
+    async with grpc.aio.insecure_channel(cluster.kube.address(pod)) as channel:
+        request = generate_request("long", [1, 2, 3], max_tokens=1_000_000)
+        generation = pb_grpc.OpenEngineStub(channel).Generate(request)
+        try:
+            await generation.initial_metadata()
+            yield
         finally:
             generation.cancel()
-            await live.close()
-    assert core.decisions[0] == [ScalePool("default", 2, Reason.FORECAST_NEEDS_MORE)]
+
+
+# The gauges of the fleet: every gauge of the planner's but whether it leads.
+FLEET_GAUGES = {
+    family.name for family in PlannerMetrics().registry.collect() if family.type == "gauge"
+} - {"kvplane_planner_leader"}
+
+
+def fleet_gauges(names: Iterable[str]) -> set[str]:
+    """The gauges of the fleet among the names of samples `names`."""
+    return set(names) & FLEET_GAUGES
+
+
+def exported(metrics: PlannerMetrics) -> Iterator[str]:
+    """The names of the samples `metrics` has."""
+    return (sample.name for family in metrics.registry.collect() for sample in family.samples)
 
 
 # ------------------------------------------------------------------ `kvplane planner run`
@@ -377,8 +404,9 @@ async def test_of_two_planners_only_the_leader_acts_and_the_other_takes_over_whe
     can see) stands by and decides nothing until a is killed (SIGKILL: no release), then
     takes over once the lease expired and scales the pool to its own minimum. Each one's
     /metrics says whether it leads, and b counts the one takeover it saw (its own). Standing
-    by, b observes a's engine (its /metrics show it) and the API server gets no write from it
-    (b has a token of its own)."""
+    by, b observes a's engine (its /metrics count the forward passes of a generation there)
+    and the API server gets no write from it (b has a token of its own); only the leader's
+    /metrics show the fleet (the engines, the sizing): b's from its takeover on."""
     a_log, b_log = tmp_path / "a.log", tmp_path / "b.log"
     a = await start_planner(planner_config(cluster, tmp_path / "a.yaml", 1), a_log)
     b = None
@@ -394,19 +422,30 @@ async def test_of_two_planners_only_the_leader_acts_and_the_other_takes_over_whe
         assert lease_spec(cluster.kube)["holderIdentity"] in a_log.read_text()
         assert await leader_metrics(a_log) == (1, 0)  # a made the Lease: no takeover
         assert await leader_metrics(b_log) == (0, 0)
-        b_port = await metrics_port(b_log)
+        a_port, b_port = await metrics_port(a_log), await metrics_port(b_log)
 
         async def b_observes_the_engine() -> bool:
             samples = await scrape(b_port)
-            return value(samples, "kvplane_planner_engines", pool="default", state="serving") == 1
+            passes = value(samples, "kvplane_planner_forward_passes_total", pool="default")
+            return passes is not None and passes >= 1
 
-        await eventually(b_observes_the_engine, 60)
+        async with generating(cluster):
+            await eventually(b_observes_the_engine, 60)
+        assert fleet_gauges(name for name, _ in await scrape(b_port)) == set()
+        a_samples = await scrape(a_port)
+        assert value(a_samples, "kvplane_planner_engines", pool="default", state="serving") == 1
         assert not [w for w in cluster.kube.writes if w[0] == "planner-b"]
         a.send_signal(signal.SIGKILL)
         await a.wait()
         lines = await logged(b_log, "decision: scale pool default to 2", after="leading: lease")
         await cluster.wait_routable(2)
         assert await leader_metrics(b_log) == (1, 1)
+
+        async def b_shows_the_fleet() -> bool:
+            samples = await scrape(b_port)
+            return value(samples, "kvplane_planner_engines", pool="default", state="serving") == 2
+
+        await eventually(b_shows_the_fleet, 60)
     finally:
         await stop(a, signal.SIGKILL)
         if b is not None:

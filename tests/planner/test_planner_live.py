@@ -55,6 +55,7 @@ from tests.interrupted import interrupted
 from tests.partial_servicers import PartialOpenEngine
 from tests.polling import eventually
 from tests.rotation import replace_file
+from tests.tcp_forwarder import TcpForwarder
 
 
 def planner(min_engines: int, max_engines: int) -> Planner:
@@ -998,7 +999,9 @@ async def test_metrics_show_the_fleet_the_decisions_and_the_sizing(setup: Setup)
     assert measured(samples, "kvplane_planner_forecast_error_prompt_tokens_per_second", **pool) >= 0
     # 0 here: the request had ended by the tick, so no pass had a running request to count.
     assert value(samples, "kvplane_planner_mean_decode_passes", **pool) is not None
-    assert value(samples, "kvplane_planner_kv_demand", **pool) is not None
+    # Named with its unit: engines' worth of KV cache.
+    assert value(samples, "kvplane_planner_kv_demand_engines", **pool) is not None
+    assert value(samples, "kvplane_planner_forecast_kv_demand_engines", **pool) is not None
     assert measured(samples, "kvplane_planner_pass_cost_fixed_seconds", **pool) > 0
     assert measured(samples, "kvplane_planner_pass_cost_prefill_seconds_per_token", **pool) > 0
     assert value(samples, "kvplane_planner_pass_cost_kv_seconds", **pool) is not None
@@ -1378,7 +1381,7 @@ async def test_an_engine_on_a_dead_engines_port_is_not_taken_out_in_its_place(
         port = read_port(path)
         if port is not None and path != dead_port_file and not dead_port_file.exists():
             dead_port_file.write_text(str(port))
-            actuator._left_over[f"127.0.0.1:{port}"] = dead_port_file
+            actuator._left_registered[f"127.0.0.1:{port}"] = dead_port_file
         return port
 
     monkeypatch.setattr(actuator_module, "_read_port", port_of_a_dead_engine)
@@ -1390,6 +1393,47 @@ async def test_an_engine_on_a_dead_engines_port_is_not_taken_out_in_its_place(
         assert (tmp_path / "default-0.port").exists()  # the new engine's
     finally:
         await actuator.close()
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_stopped_while_the_controller_is_unreachable_is_taken_out_later(
+    setup: Setup, tmp_path: Path
+) -> None:
+    """An engine of this run stopped while the controller does not answer (a partition
+    between the planner and it): its RemoveEngine fails, its port file is kept, and a later
+    look (each tick's `adopt`) takes it out once the controller answers again. Else the
+    controller lists the dead engine, unreachable, for good."""
+    fleet = setup.app.controller.fleet
+    partition = await TcpForwarder.start(f"127.0.0.1:{setup.app.port}")
+    workdir = tmp_path / "behind-a-partition"
+    workdir.mkdir()
+    actuator = LocalProcesses(
+        controller=partition.address,
+        engine_args=("--model", "sim"),
+        workdir=workdir,
+        start_timeout_s=120,
+    )
+    try:
+        address = await actuator.start("default")
+        port_file = workdir / "default-0.port"
+        await partition.cut()
+        await actuator.stop(address)
+        assert port_file.exists()  # its RemoveEngine failed
+        assert await actuator.adopt() == []  # still unreachable: tried again at the next
+        assert port_file.exists()
+        assert [r.address for r in fleet.registry.records()] == [address]
+
+        await partition.mend()
+
+        async def taken_out() -> bool:
+            await actuator.adopt()
+            return not fleet.registry.records()
+
+        await eventually(taken_out, 60, "the next looks to take the stopped engine out")
+        assert not port_file.exists()
+    finally:
+        await actuator.close()
+        await partition.cut()
 
 
 @pytest.mark.timeout(60)
