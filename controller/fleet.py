@@ -120,15 +120,33 @@ _ROLE = {
 }
 
 
+# The LoadInfo attributes a controller's GetLoad tells its KV in tokens under (the seed's
+# LoadInfo counts KV in blocks only, and blocks of several sizes add up to nothing), by the
+# block count each stands for, and the one listing its block sizes ("16,32").
+KV_TOKEN_ATTRIBUTES = {"used_kv_blocks": "used_kv_tokens", "total_kv_blocks": "total_kv_tokens"}
+KV_BLOCK_SIZE_ATTRIBUTE = "kv_block_size"
+
+
 def load_from_proto(load: pb.LoadInfo) -> LoadSnapshot:
-    """GetLoad's scalars with their presence kept (absent = not reported)."""
+    """GetLoad's scalars with their presence kept (absent = not reported), and the KV in
+    tokens a controller fronted as an engine reports in its attributes (KV_TOKEN_ATTRIBUTES;
+    one not a count is not reported)."""
+    sizes = load.attributes.get(KV_BLOCK_SIZE_ATTRIBUTE, "").split(",")
     return LoadSnapshot(
         running_requests=load.running_requests if load.HasField("running_requests") else None,
         queued_requests=load.queued_requests if load.HasField("queued_requests") else None,
         used_kv_blocks=load.used_kv_blocks if load.HasField("used_kv_blocks") else None,
         total_kv_blocks=load.total_kv_blocks if load.HasField("total_kv_blocks") else None,
         waiting_tokens=load.waiting_tokens if load.HasField("waiting_tokens") else None,
+        used_kv_tokens=_count(load.attributes.get(KV_TOKEN_ATTRIBUTES["used_kv_blocks"])),
+        total_kv_tokens=_count(load.attributes.get(KV_TOKEN_ATTRIBUTES["total_kv_blocks"])),
+        kv_block_sizes=tuple(size for s in sizes if (size := _count(s))),
     )
+
+
+def _count(text: str | None) -> int | None:
+    """A non-negative count written in an attribute; None for anything else."""
+    return int(text) if text is not None and text.isascii() and text.isdigit() else None
 
 
 _NO_HIT = PrefixHit()
@@ -866,6 +884,7 @@ class Fleet:
                 self.registry.on_load(address, load_from_proto(load))
                 if reply is not None:
                     await self._notify()
+                    await self._reapply_unloads(engine)
                 delay = health.load_poll_interval_s
             except asyncio.CancelledError:
                 raise
@@ -992,11 +1011,8 @@ class Fleet:
         unloaded there, hence a warning."""
         fleet = [r.address for r in self.registry.records()]
         identity = self.registry.get(address).identity
-        # Its base model: what an adapter found there was loaded for (a controller fronted
-        # as an engine serves several: not known).
-        model = None
-        if identity is not None and identity.models and not identity.is_controller:
-            model = identity.models[0]
+        # What an adapter found there was loaded for.
+        model = identity.base_model if identity is not None else None
         if not adapters:  # nothing to take in: no need to wait for a LoRA call in progress
             self.lora_intent.found_on(address, adapters, fleet, model)
             return
@@ -1025,6 +1041,34 @@ class Fleet:
             for spec in self.lora_intent.wanted_on(address, models)
             if spec.lora_name not in record.lora_adapters  # (a conflicting copy: not loadable)
         ]
+
+    async def _reapply_unloads(self, engine: _Engine) -> None:
+        """At each health poll the engine answers: unload from it what was unloaded through
+        this controller and it still holds, as the controller knows (it did not answer the
+        unload: away, failing, wedged, and back since, the same process). The unload is the
+        operator's intent as a load is, re-applied as loads are restored. One it refuses
+        again is logged, and tried again at its next health poll; until then it keeps the
+        adapter, and requests naming it."""
+        if not self.lora_intent.unconfirmed_on(engine.address):
+            return  # the usual case: no need to wait for a LoRA call in progress
+        async with self.lora_changes:  # (a fan-out in flight has the registry's view ahead)
+            held = self.registry.get(engine.address).lora_adapters or frozenset()
+            for name in self.lora_intent.unloads_due(engine.address, held):
+                try:
+                    await engine.stub.UnloadLora(
+                        pb.UnloadLoraRequest(lora_name=name), timeout=self.config.lora_timeout_s
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: gone already
+                        log.warning("engine %s: LoRA adapter %r, unloaded through the "
+                                    "controller while it did not answer, not unloaded: %s: %s",
+                                    engine.address, name, exc.code().name,
+                                    exc.details())  # fmt: skip
+                        continue
+                log.info("engine %s: LoRA adapter %r unloaded, as it was from the fleet while "
+                         "it did not answer", engine.address, name)  # fmt: skip
+                self.registry.on_lora_unloaded(engine.address, name)
+                self.lora_intent.unload_confirmed(name, engine.address)
 
     async def _restore_loras(self, engine: _Engine) -> None:
         """Load on the engine the adapters the fleet's intent wants there and it lacks, one

@@ -49,12 +49,14 @@
   requests reads (an UnloadLora takes the adapter out of it before asking). One LoRA call
   at a time (`Fleet.lora_changes`); LoadLora and UnloadLora update the fleet's LoRA intent
   (controller.lora_intent, also rebuilt from what the engines hold), and a load under a
-  name it holds with another adapter is ALREADY_EXISTS before any engine is asked.
+  name it holds with another adapter, or for another base model (on the fleet, or on one
+  engine serving another), is ALREADY_EXISTS before any engine is asked.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`; the KV block counts only where every engine reporting them has one
   block size (a fleet serving models of 16- and 32-token blocks: absent), the KV in tokens
   (`used_kv_tokens`, `total_kv_tokens`) and the block sizes (`kv_block_size`) in
-  `attributes`.
+  `attributes`, where a controller fronted as an engine whose fleet mixes block sizes
+  tells its KV (its tokens count there, its block sizes too).
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
   answered as an engine answers them (the probe: every engine taking traffic runs its own).
   GetModelInfo: a routable engine serving the model answers, with the pooling tasks and
@@ -78,7 +80,7 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
-from controller.fleet import POOLING_TASKS, Fleet
+from controller.fleet import KV_BLOCK_SIZE_ATTRIBUTE, KV_TOKEN_ATTRIBUTES, POOLING_TASKS, Fleet
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
 from controller.outcomes import (
@@ -110,7 +112,7 @@ from controller.relay import (
     naming_engine,
     pass_status,
 )
-from controller.router import AllEnginesBusyError
+from controller.router import AllEnginesBusyError, LoadSnapshot
 from controller.service import Controller, PromptInput
 from controller.statuses import status_of
 from kvplane import __version__
@@ -164,7 +166,7 @@ _SUMMED_LOAD = (
     "waiting_tokens",
 )
 # The figures of them counted in KV blocks: summed only over engines of one block size.
-_KV_BLOCK_FIELDS = ("used_kv_blocks", "total_kv_blocks")
+_KV_BLOCK_FIELDS = tuple(KV_TOKEN_ATTRIBUTES)
 # The largest value each of them holds on the wire (uint32 or uint64): a sum past it (an
 # engine reporting nonsense, 2^64 - 1 blocks in use) is sent as that, not as a failed GetLoad.
 _LOAD_FIELD_MAX = {
@@ -914,8 +916,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     "controller or found on its engines: one name is one adapter across the "
                     "fleet (unload it first)",
                 )
+            # The model the adapter goes to: the fleet's, or the one engine's (its base
+            # model, unless a controller fronted as an engine, whose own check decides).
+            target_model = model if on_one is None else named_model or self._base_model(on_one)
             known_model = (
-                None if on_one else fleet.lora_intent.model_conflict(spec.lora_name, model)
+                None
+                if on_one is not None and target_model is None
+                else fleet.lora_intent.model_conflict(spec.lora_name, target_model)
             )
             if known_model is not None:
                 await abort_with(
@@ -955,7 +962,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
         async with fleet.lora_changes:
             # Forgotten whatever the engines answer: the operator wants it gone (an engine
-            # that keeps it for now is reported, and loses it with its process).
+            # that keeps it for now is reported, and the fleet service unloads it there
+            # once it answers its polls again: Fleet._reapply_unloads).
             on_one = await self._named_engine_address(context)
             addresses = [r.address for r in fleet.registry.records()]
             fleet.lora_intent.unloaded(request.lora_name, on_one, addresses)
@@ -1006,6 +1014,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     f"engine {record.engine_id} does not serve model {model!r}",
                 )
         return model
+
+    def _base_model(self, address: str) -> str | None:
+        """The base model of the engine at `address` (EngineIdentity.base_model; None: not
+        read yet, or a controller fronted as an engine)."""
+        identity = self.controller.fleet.registry.get(address).identity
+        return identity.base_model if identity is not None else None
 
     def _fleet_lora_model(self) -> str | None:
         """The model a fleet-wide load naming none is for: the one base model the
@@ -1187,6 +1201,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         totals: dict[str, int | None] = dict.fromkeys(_SUMMED_LOAD)
         kv_tokens: dict[str, int | None] = dict.fromkeys(_KV_BLOCK_FIELDS)
         block_sizes: set[int] = set()
+        in_tokens_only = False  # an engine told its KV in tokens only
         for r in records:
             load = r.load
             size = self._block_size_of(r)
@@ -1194,26 +1209,32 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 value = getattr(load, name)
                 if value is not None:
                     totals[name] = (total or 0) + value
-                    if name in kv_tokens:
-                        kv_tokens[name] = (kv_tokens[name] or 0) + value * size
-                        block_sizes.add(size)
+            engine_tokens, sizes, told_in_tokens = _kv_tokens(load, size)
+            in_tokens_only |= told_in_tokens
+            for name, count in engine_tokens.items():
+                kv_tokens[name] = (kv_tokens[name] or 0) + count
+                block_sizes.update(sizes)
+            kv = f"kv={_text(load.used_kv_blocks)}/{_text(load.total_kv_blocks)}"
+            if told_in_tokens:
+                kv += f" kv_tokens={_text(load.used_kv_tokens)}/{_text(load.total_kv_tokens)}"
             inflight = self.controller.router.inflight.of(r.address).requests
             reply.attributes[f"engine.{r.address}"] = (
                 f"instance={r.engine_id} state={r.state.value} cordoned={r.cordoned} "
                 f"running={_text(load.running_requests)} queued={_text(load.queued_requests)} "
-                f"kv={_text(load.used_kv_blocks)}/{_text(load.total_kv_blocks)} "
-                f"block_size={size} inflight={inflight}"
+                f"{kv} block_size={','.join(str(s) for s in sorted(sizes))} inflight={inflight}"
             )
-        if len(block_sizes) > 1:
+        if len(block_sizes) > 1 or in_tokens_only:
             # Blocks of 16 and of 32 tokens do not add up to a count of anything: the KV
             # figures go in tokens (attributes: the seed's LoadInfo counts KV in blocks only).
             for name in _KV_BLOCK_FIELDS:
                 totals[name] = None
         for name, tokens in kv_tokens.items():
             if tokens is not None:
-                reply.attributes[name.replace("_blocks", "_tokens")] = str(tokens)
+                reply.attributes[KV_TOKEN_ATTRIBUTES[name]] = str(tokens)
         if block_sizes:
-            reply.attributes["kv_block_size"] = ",".join(str(s) for s in sorted(block_sizes))
+            reply.attributes[KV_BLOCK_SIZE_ATTRIBUTE] = ",".join(
+                str(s) for s in sorted(block_sizes)
+            )
         for name, total in totals.items():
             if total is not None:
                 setattr(reply, name, min(total, _LOAD_FIELD_MAX[name]))
@@ -1490,6 +1511,25 @@ def _text(value: int | None) -> str:
 
 def _summary(outcomes: list[EngineOutcome]) -> str:
     return "; ".join(o.text() for o in outcomes)
+
+
+def _kv_tokens(load: LoadSnapshot, block_size: int) -> tuple[dict[str, int], tuple[int, ...], bool]:
+    """An engine's KV figures in tokens, by the block count each stands for (those it
+    reports: its blocks times `block_size`, its block size), the block sizes they are of,
+    and whether it told them in tokens only: a controller fronted as an engine whose fleet
+    mixes block sizes, whose blocks are not told (its attributes, KV_TOKEN_ATTRIBUTES)."""
+    tokens: dict[str, int] = {}
+    in_tokens = False
+    for name, attribute in KV_TOKEN_ATTRIBUTES.items():
+        blocks = getattr(load, name)
+        told = getattr(load, attribute)
+        if blocks is not None:
+            tokens[name] = blocks * block_size
+        elif told is not None:
+            tokens[name] = told
+            in_tokens = True
+    sizes = (load.kv_block_sizes or (block_size,)) if in_tokens else (block_size,)
+    return tokens, sizes, in_tokens
 
 
 def _queue_depth(record: EngineRecord) -> int:

@@ -29,7 +29,8 @@ it is the fleet's (so an engine registered or scaled up later gets it too), one 
 were read without is the holders' own. An engine restarted while no controller watched is
 read without its adapters, as one never given them: they stay its peers' own. What this
 controller unloaded stays unloaded while an engine may still hold it: an engine away during
-the unload that comes back holding the adapter does not bring it back into the intent. The
+the unload that comes back holding the adapter does not bring it back into the intent, and
+the fleet service unloads it there (`unloads_due`), as it restores loads. The
 unload is remembered (`unloaded_from`) until every engine it was for has answered it, been
 read without the adapter or left the fleet (`unconfirmed`): a fleet that loads and unloads
 ever new names (adapters per tenant, per version) would otherwise remember every name it
@@ -168,6 +169,21 @@ class LoraIntent:
         self.unconfirmed.get(lora_name, set()).discard(address)
         self._retire(lora_name)
 
+    def unconfirmed_on(self, address: str) -> list[str]:
+        """The names unloaded through this controller that the engine at `address` may still
+        hold: it has not answered their unload."""
+        return [n for n, engines in self.unconfirmed.items() if address in engines]
+
+    def unloads_due(self, address: str, held: Collection[str]) -> list[str]:
+        """The engine at `address` holds the adapters named `held`: the unloads of the
+        others are confirmed. Returns the names it still holds that an unload through this
+        controller was for, which it did not answer (away, failing): to be unloaded there
+        again."""
+        for name in self.unconfirmed_on(address):
+            if name not in held:  # read without it: that engine no longer holds it
+                self.unload_confirmed(name, address)
+        return self.unconfirmed_on(address)
+
     def found_on(
         self,
         address: str,
@@ -189,10 +205,7 @@ class LoraIntent:
                 self._decided(name)  # read without it: the holders' own
             elif not self.undecided[name]:
                 self._make_fleet_wide(name)
-        held_names = {spec.lora_name for spec in held or ()}
-        for name in [n for n, engines in self.unconfirmed.items() if address in engines]:
-            if name not in held_names:  # read without it: that engine no longer holds it
-                self.unload_confirmed(name, address)
+        self.unloads_due(address, {spec.lora_name for spec in held or ()})
         others_read = any(
             lora and _same_model(self.read_models.get(other), model)
             for other, lora in self.read.items()

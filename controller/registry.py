@@ -329,6 +329,15 @@ class EngineIdentity:
     def is_controller(self) -> bool:
         return self.engine_name == CONTROLLER_ENGINE_NAME
 
+    @property
+    def base_model(self) -> str | None:
+        """The base model a LoRA adapter on it is attached to: its first listed (what it
+        serves a request naming none); None for a controller fronted as an engine, which
+        serves several, or one naming none."""
+        if self.is_controller or not self.models:
+            return None
+        return self.models[0]
+
     def serves(self, model: str | None) -> bool:
         """No model named, or an engine that names none, match."""
         return not model or not self.models or model in self.models

@@ -41,13 +41,20 @@ class Reason(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
-    """The last GetLoad of one engine. None = the engine did not report that value."""
+    """The last GetLoad of one engine. None = the engine did not report that value.
+
+    `used_kv_tokens`, `total_kv_tokens`, `kv_block_sizes`: the KV in tokens and the block
+    sizes a controller fronted as an engine reports in its attributes; the one way its KV
+    is told when its fleet mixes block sizes (its block counts are then absent)."""
 
     running_requests: int | None = None
     queued_requests: int | None = None
     used_kv_blocks: int | None = None
     total_kv_blocks: int | None = None
     waiting_tokens: int | None = None
+    used_kv_tokens: int | None = None
+    total_kv_tokens: int | None = None
+    kv_block_sizes: tuple[int, ...] = ()
 
 
 class InFlight(NamedTuple):

@@ -55,6 +55,19 @@ class Forwarding(PartialOpenEngine):
             yield response
 
 
+class ForwardingLora(Forwarding):
+    """`Forwarding`, with the LoRA calls passed on too (a sim engine serving LoRA behind)."""
+
+    async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> Any:
+        return await self.inner.LoadLora(request)
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Context) -> Any:
+        return await self.inner.UnloadLora(request)
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context: Context) -> Any:
+        return await self.inner.ListLoras(request)
+
+
 S = TypeVar("S", bound=Forwarding)
 
 

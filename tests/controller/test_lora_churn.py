@@ -20,7 +20,11 @@ from engine.server.service import EngineApp
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import EngineFleet, close_fleet, make_fleet, start_sim_engine
-from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+from tests.controller.fronted_engine import (
+    ForwardingLora,
+    FrontedEngine,
+    start_fronted_engine,
+)
 from tests.controller.paused_index import PausedIndex
 from tests.controller.test_lora_fleet_intent import adapter, generate, on
 from tests.polling import eventually
@@ -32,7 +36,7 @@ LORA = LoraConfig(enabled=True)
 GONE = "NOT_FOUND: no engine has LoRA adapter 'x' loaded"
 
 
-class GatedGenerate(Forwarding):
+class GatedGenerate(ForwardingLora):
     """The sim engine's LoRA calls and Generate, each Generate held until `gate` opens (a
     request on its way to the engine); the engine's refusals pass as they are."""
 
@@ -51,15 +55,6 @@ class GatedGenerate(Forwarding):
                 yield response
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), exc.details() or "")
-
-    async def LoadLora(self, request: pb.LoadLoraRequest, context: Context) -> Any:
-        return await self.inner.LoadLora(request)
-
-    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Context) -> Any:
-        return await self.inner.UnloadLora(request)
-
-    async def ListLoras(self, request: pb.ListLorasRequest, context: Context) -> Any:
-        return await self.inner.ListLoras(request)
 
 
 async def test_an_unload_while_the_request_is_planned_answers_the_fleets_status(

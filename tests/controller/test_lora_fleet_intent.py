@@ -30,11 +30,14 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
+from tests.controller.fronted_engine import ForwardingLora, start_fronted_engine
 from tests.controller.test_gateway_scripted import outcomes
 from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
+
+Context = grpc.aio.ServicerContext[Any, Any]
 
 LORA = LoraConfig(enabled=True, max_loras=2)
 
@@ -313,5 +316,69 @@ async def test_adapters_loaded_and_unloaded_by_the_hundred_leave_nothing_in_the_
         await eventually(lambda: restored(fleet, restarted, {}), 15, "e0 still without kept")
         e1 = fleet.address(fleet.engines[1])
         assert await engine_adapters(fleet.engine_at(e1)) == {"kept": kept.source_path}
+    finally:
+        await close_fleet(fleet)
+
+
+class CutOff(ForwardingLora):
+    """A sim engine serving LoRA that answers nothing but UNAVAILABLE while `cut` (a network
+    partition, a wedged server), the same process throughout."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.cut = False
+
+    async def _answer(self, context: Context) -> None:
+        if self.cut:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "cut off")
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        await self._answer(context)
+        return await super().GetEngineInfo(request, context)
+
+    async def Health(self, request: pb.HealthRequest, context: Context) -> Any:
+        await self._answer(context)
+        return await super().Health(request, context)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Context) -> Any:
+        await self._answer(context)
+        return await super().GetLoad(request, context)
+
+    async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Context) -> Any:
+        await self._answer(context)
+        return await super().UnloadLora(request, context)
+
+
+async def test_an_engine_cut_off_during_an_unload_drops_the_adapter_once_back(
+    tmp_path: Path,
+) -> None:
+    """x is on e0 and e1; e1 is cut off (the same process throughout) while x is unloaded
+    from the fleet, which fails for e1. Once e1 answered again it kept x, and requests
+    naming x, until the operator unloaded it again, while the controller remembered the
+    unload for it for good. It is unloaded there when the controller reads e1 back, and
+    the intent forgets the unload."""
+    engines = [await start_fronted_engine(f"e{i}", CutOff, lora=LORA) for i in range(2)]
+    fleet = await make_fleet(engines=engines)
+    try:
+        await fleet.wait_routable(2)
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter(tmp_path, "x", 1)))
+        e1 = engines[1]
+        e1.servicer.cut = True
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert [list(await engine_adapters(e.inner)) for e in engines] == [[], ["x"]]
+
+        e1.servicer.cut = False
+        record = fleet.app.controller.fleet.registry.get(fleet.address(e1))
+
+        async def unloaded() -> bool:
+            return not await engine_adapters(e1.inner) and record.lora_adapters == frozenset()
+
+        await eventually(unloaded, 15, "x unloaded from e1, as the controller knows")
+        await fleet.wait_routable(2)
+        assert (await generate(fleet, "after", "x")).startswith("NOT_FOUND")
+        intent = fleet.app.controller.fleet.lora_intent
+        assert (intent.unconfirmed, intent.unloaded_from, intent.loads) == ({}, {}, {})
     finally:
         await close_fleet(fleet)

@@ -30,6 +30,7 @@ from tests.controller.test_gateway_scripted import cli
 from tests.controller.test_lora_engines import outcome_lines
 from tests.controller.test_lora_fleet_intent import engine_adapters, load_on
 from tests.engine.lora_adapters import write_adapter_config
+from tests.polling import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -287,7 +288,8 @@ async def test_a_fleet_wide_adapter_is_loaded_for_one_model_only(tmp_path: Path)
     """`lora load` for the whole fleet went to every LoRA-capable engine, whatever model it
     serves: `x`, trained for `a`, was attached to `b0` too, and to a `b` engine registered
     later. Now a load naming no model is refused, naming the base models; `--model a` loads
-    it on `a`'s engines only, and of the engines registered later only `a`'s gets it."""
+    it on `a`'s engines only, and of the engines registered later only `a`'s gets it. A load
+    of it on one engine of `b` (`--engine b0`) went through unchecked: refused too."""
     lora = LoraConfig(enabled=True)
     engines = [
         await start_sim_engine("a0", served_model_name="a", lora=lora),
@@ -324,6 +326,13 @@ async def test_a_fleet_wide_adapter_is_loaded_for_one_model_only(tmp_path: Path)
 
         both = await cli("lora", "load", "x", x, "--id", "1", "--model", "b", *t)
         assert both.exit_code != 0 and "loaded for model 'a'" in str(both.exception)
+        # Nor on one engine of `b`, named with its model or not (its base model decides).
+        for named in ([], ["--model", "b"]):
+            on_b = await cli("lora", "load", "x", x, "--id", "1", "--engine", "b0", *named, *t)
+            assert on_b.exit_code != 0, (named, on_b.output)
+            assert "ALREADY_EXISTS" in str(on_b.exception)
+            assert "loaded for model 'a'" in str(on_b.exception)
+        assert list(await engine_adapters(engines[2])) == []
         unknown = await cli("lora", "load", "y", x, "--id", "2", "--model", "c", *t)
         assert unknown.exit_code != 0 and "NOT_FOUND" in str(unknown.exception)
         with_engine = await cli(
@@ -373,6 +382,40 @@ async def test_the_fleets_kv_load_is_not_summed_across_block_sizes(two_models: F
     assert (load.used_kv_blocks, load.total_kv_blocks) == (0, 512)
     assert load.attributes["kv_block_size"] == "16"
     assert "block_size=16" in load.attributes[f"engine.{a0}"]
+
+
+async def test_a_fronted_fleet_of_two_block_sizes_counts_in_the_upper_fleets_kv() -> None:
+    """An upper controller fronting a lower one whose engines of `a` cache in blocks of 16
+    and 32 (its GetLoad tells its KV in tokens only), and an engine of its own: the upper's
+    KV in tokens left the fronted fleet out, as if it had no KV. It counts, its block sizes
+    are the upper's too, and the upper's block counts are absent."""
+    lower = await make_fleet(
+        engines=[
+            await start_sim_engine("a0", served_model_name="a"),
+            await start_sim_engine("a1", served_model_name="a", block_size=32),
+        ]
+    )
+    upper: Fleet = await make_fleet(engines=[await start_sim_engine("u0", served_model_name="a")])
+    try:
+        await lower.wait_routable(2)
+        await front(upper, lower, 2)
+        fronted = 256 * 16 + 256 * 32
+        total = str(256 * 16 + fronted)
+
+        async def counted() -> bool:
+            load = await upper.gateway.GetLoad(pb.GetLoadRequest())
+            return load.attributes.get("total_kv_tokens") == total
+
+        await eventually(counted, 15, f"total_kv_tokens {total}")
+        load = await upper.gateway.GetLoad(pb.GetLoadRequest())
+        assert not load.HasField("used_kv_blocks") and not load.HasField("total_kv_blocks")
+        assert load.attributes["used_kv_tokens"] == "0"
+        assert load.attributes["kv_block_size"] == "16,32"
+        detail = load.attributes[f"engine.{lower.target}"]
+        assert f"kv=?/? kv_tokens=0/{fronted} block_size=16,32" in detail, detail
+    finally:
+        await close_fleet(upper)
+        await close_fleet(lower)
 
 
 async def test_admin_workers_shows_each_engines_models(two_models: Fleet) -> None:
@@ -491,3 +534,51 @@ async def test_one_fronted_controller_is_given_an_adapter_for_one_of_its_models(
     finally:
         await close_fleet(upper)
         await close_fleet(lower)
+
+
+async def test_an_adapter_of_no_known_model_reaches_a_fronted_controller_once_named(
+    tmp_path: Path,
+) -> None:
+    """An upper controller found `x` on the one controller it fronts (engines of `a` and
+    `b`): fleet-wide, of no known model. A second such controller registered is not given
+    it (it refuses a load naming no model, and no rule tells `a` from `b`: a documented
+    limit); `lora load --model a` of the same adapter names its model, and it reaches the
+    second controller's engine of `a`."""
+    lora = LoraConfig(enabled=True)
+    first = [
+        await start_sim_engine("a0", served_model_name="a", lora=lora),
+        await start_sim_engine("b0", served_model_name="b", lora=lora),
+    ]
+    second = [
+        await start_sim_engine("a1", served_model_name="a", lora=lora),
+        await start_sim_engine("b1", served_model_name="b", lora=lora),
+    ]
+    lowers = [await make_fleet(engines=first), await make_fleet(engines=second)]
+    upper: Fleet = await make_fleet(engines=[])
+    try:
+        x = str(write_adapter_config(tmp_path / "x"))
+        await lowers[0].wait_routable(2)
+        await lowers[1].wait_routable(2)
+        loaded = await cli("lora", "load", "x", x, "--id", "1", "--model", "a",
+                           "--target", lowers[0].target)  # fmt: skip
+        assert loaded.exit_code == 0, loaded.output
+        await front(upper, lowers[0], 1)
+        intent = upper.app.controller.fleet.lora_intent
+        assert list(intent.loads) == [("x", None)] and intent.models == {}
+        await front(upper, lowers[1], 2)  # its first poll, with the restore, is done
+        assert [await engine_adapters(e) for e in second] == [{}, {}]
+
+        t = ["--target", upper.target]
+        named = await cli("lora", "load", "x", x, "--id", "1", "--model", "a", *t)
+        assert named.exit_code == 0, named.output
+        assert [list(await engine_adapters(e)) for e in [*first, *second]] == [
+            ["x"],
+            [],
+            ["x"],
+            [],
+        ]
+        assert intent.models == {"x": "a"}
+    finally:
+        await close_fleet(upper)
+        for lower in lowers:
+            await close_fleet(lower)
