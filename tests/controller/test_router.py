@@ -37,7 +37,7 @@ def request(rid: str = "r", blocks: int = 4, extra: int = 5, keys_from: int = 0)
 
 
 def cand(eid: str, device: int = 0, host: int = 0, **load: int) -> Candidate:
-    return Candidate(eid, hit=PrefixHit(device, host), load=LoadSnapshot(**load))
+    return Candidate(eid, hit=PrefixHit(device, host), load=dataclasses.replace(LoadSnapshot(), **load))
 
 
 def test_kvplane_cost_terms_are_prefill_queue_and_decode() -> None:
@@ -82,7 +82,7 @@ def test_overlap_weight_follows_cache_pressure() -> None:
 def roomy(eid: str, device: int = 0, **load: int) -> Candidate:
     """An engine whose cache is empty of data (cache pressure 0)."""
     return Candidate(
-        eid, hit=PrefixHit(device), load=LoadSnapshot(**load), total_kv_blocks=10_000,
+        eid, hit=PrefixHit(device), load=dataclasses.replace(LoadSnapshot(), **load), total_kv_blocks=10_000,
         cached_blocks=0,
     )  # fmt: skip
 
