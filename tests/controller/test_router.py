@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import Any
 from collections import Counter
 
 import pytest
@@ -36,8 +37,8 @@ def request(rid: str = "r", blocks: int = 4, extra: int = 5, keys_from: int = 0)
     return RouteRequest(rid, blocks * BS + extra, BS, keys)
 
 
-def cand(eid: str, device: int = 0, host: int = 0, **load: int) -> Candidate:
-    return Candidate(eid, hit=PrefixHit(device, host), load=dataclasses.replace(LoadSnapshot(), **load))
+def cand(eid: str, device: int = 0, host: int = 0, **load: Any) -> Candidate:
+    return Candidate(eid, hit=PrefixHit(device, host), load=LoadSnapshot(**load))
 
 
 def test_kvplane_cost_terms_are_prefill_queue_and_decode() -> None:
@@ -79,10 +80,10 @@ def test_overlap_weight_follows_cache_pressure() -> None:
     assert policy.costs(req, unknown)[0].prefill_cost == pytest.approx(5.0 * (8 * BS + 1))
 
 
-def roomy(eid: str, device: int = 0, **load: int) -> Candidate:
+def roomy(eid: str, device: int = 0, **load: Any) -> Candidate:
     """An engine whose cache is empty of data (cache pressure 0)."""
     return Candidate(
-        eid, hit=PrefixHit(device), load=dataclasses.replace(LoadSnapshot(), **load), total_kv_blocks=10_000,
+        eid, hit=PrefixHit(device), load=LoadSnapshot(**load), total_kv_blocks=10_000,
         cached_blocks=0,
     )  # fmt: skip
 
