@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import Any
 from collections import Counter
+from typing import Any
 
 import pytest
 
