@@ -302,6 +302,8 @@ class _Engine:
         # The remote index could not be told of this engine's new process: throttled per
         # engine, so that one engine's repeated failures do not hide another's.
         self.remote_resync_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
+        # An unload it did not answer, re-applied at its load polls, refused again: the same.
+        self.unload_refused = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # Set by its KV-event source when a batch out of sequence cleared its worker: the
         # engine may have restarted under the same instance id between two polls, which
         # GetLoad cannot tell. The poll task wakes and reads its identity again.
@@ -1047,8 +1049,8 @@ class Fleet:
         this controller and it still holds, as the controller knows (it did not answer the
         unload: away, failing, wedged, and back since, the same process). The unload is the
         operator's intent as a load is, re-applied as loads are restored. One it refuses
-        again is logged, and tried again at its next health poll; until then it keeps the
-        adapter, and requests naming it."""
+        again is logged (at most once per BLIND_WARNING_INTERVAL_S for the engine), and tried
+        again at its next load poll; until then it keeps the adapter, and requests naming it."""
         if not self.lora_intent.unconfirmed_on(engine.address):
             return  # the usual case: no need to wait for a LoRA call in progress
         async with self.lora_changes:  # (a fan-out in flight has the registry's view ahead)
@@ -1060,10 +1062,11 @@ class Fleet:
                     )
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: gone already
-                        log.warning("engine %s: LoRA adapter %r, unloaded through the "
-                                    "controller while it did not answer, not unloaded: %s: %s",
-                                    engine.address, name, exc.code().name,
-                                    exc.details())  # fmt: skip
+                        engine.unload_refused.warn(
+                            f"engine {engine.address}: LoRA adapter {name!r}, unloaded through "
+                            f"the controller while it did not answer, not unloaded: "
+                            f"{exc.code().name}: {exc.details()}"
+                        )
                         continue
                 log.info("engine %s: LoRA adapter %r unloaded, as it was from the fleet while "
                          "it did not answer", engine.address, name)  # fmt: skip
