@@ -24,7 +24,10 @@
   start of that pool is waiting for a pod, or a removal of that pool is due whose pod is gone
   (the pod made for its replica is to be scaled away instead). So a restarted planner takes
   over the fleet as it finds it instead of doubling it, and a pod the ReplicaSet recreated
-  serves again. A pod taken as an engine (adopted, or by a start) first has the drained
+  serves again. Engines stopped whose RemoveEngine failed (the controller did not answer) are
+  taken out of the controller there too, until it no longer lists them (else it would list
+  each, its pod gone, unreachable for good); a pod given the IP of one meanwhile waits.
+  A pod taken as an engine (adopted, or by a start) first has the drained
   deletion cost cleared, if a removal that did not finish left it; one a scale-down the
   ReplicaSet has yet to act on is to delete is left to go (`_cleared`).
 - **Exits**: an engine whose pod vanished, is terminating or is no longer Ready is reported by
@@ -168,6 +171,9 @@ class KubernetesDeployments:
         self._draining: set[str] = set()  # addresses drained (by anyone), until stopped
         self._unscaled: dict[str, _Replica] = {}  # by uid: removals the API refused so far
         self._leaving: dict[str, _Replica] = {}  # by uid: pods scaled away, until gone
+        # Engines stopped whose RemoveEngine failed (the controller did not answer), which it
+        # may list still: their pool by address, until a look takes them out (`_take_out`).
+        self._left_registered: dict[str, str] = {}
         # By uid of `_unscaled`: scale-downs that may have been made (`_scale_away`).
         self._unknown_scale_downs: dict[str, _UnknownScaleDown] = {}
         self._replicas: dict[str, int] = {}  # by pool: spec.replicas, as last read or set
@@ -255,6 +261,7 @@ class KubernetesDeployments:
     async def _adopt_pool(self, pool: str) -> list[tuple[str, str]]:
         adopted: list[tuple[str, str]] = []
         async with self._pool_locks[pool]:
+            await self._take_out(pool)  # the controller's: not held up by the API server
             try:
                 pods = await self._pods(pool)
             except KubeApiError as exc:
@@ -390,7 +397,7 @@ class KubernetesDeployments:
             # Free again (or exited meanwhile): the next `adopt` takes it if it is Ready.
             self._engines.pop(engine.address, None)
             self._exited.pop(engine.address, None)
-            await self._admin.remove(engine.address)
+            await self._remove(engine.address, pool)
             why = (
                 self._admin.describe(exc)
                 if isinstance(exc, grpc.aio.AioRpcError)
@@ -483,8 +490,10 @@ class KubernetesDeployments:
 
     def _free(self, pods: Sequence[Pod]) -> list[Pod]:
         """Ready pods, oldest first, that are no engine and not on their way out. A pod at
-        the address of an exited engine waits until the planner has removed that one (pod
-        IPs are reused): one address, one engine."""
+        the address of an exited engine waits until the planner has removed that one, and one
+        at the address of an engine left registered until the controller no longer lists it
+        (pod IPs are reused; a look's RemoveEngine would take the new engine out): one
+        address, one engine."""
         taken = self._taken()
         return sorted(
             (
@@ -495,6 +504,7 @@ class KubernetesDeployments:
                 and pod.ip
                 and pod.uid not in taken
                 and self._address(pod) not in self._exited
+                and self._address(pod) not in self._left_registered
             ),
             key=lambda pod: (pod.created, pod.name),
         )
@@ -513,7 +523,8 @@ class KubernetesDeployments:
         exited only leaves the controller (its replica stays for Kubernetes to refill), unless
         it exited while draining, by the planner's drain or an operator's (it was on its way
         out and the core has replaced it: its replica goes too). A scale-away the API refuses
-        raises (the planner counts the failure), and is retried at every later `adopt`. Under
+        raises (the planner counts the failure), and is retried at every later `adopt`; so is
+        a RemoveEngine that failed (`_remove`), which is only logged. Under
         its pool's lock, as `adopt`'s look at that pool: the two must not scale the same
         removal away twice."""
         known = self._exited.get(address) or self._engines.get(address)
@@ -522,10 +533,10 @@ class KubernetesDeployments:
             await self._admin.remove(address)
             return
         async with self._pool_locks[known.pool]:
-            await self._stop(address)
+            await self._stop(address, known.pool)
 
-    async def _stop(self, address: str) -> None:
-        await self._admin.remove(address)
+    async def _stop(self, address: str, pool: str) -> None:
+        await self._remove(address, pool)
         was_draining = address in self._draining
         self._draining.discard(address)
         engine = self._exited.pop(address, None)
@@ -540,6 +551,29 @@ class KubernetesDeployments:
         if engine.uid in self._unscaled:  # the planner logs why, in one line
             not_done = not_done or f"pod {engine.pod} not scaled away yet"
             raise KvplaneError(f"{not_done} (tried again every tick)")
+
+    async def _remove(self, address: str, pool: str) -> None:
+        """RemoveEngine of `address`, an engine of `pool` that stops. One that failed (the
+        controller did not answer: restarting, a partition) is kept, for the pool's next look
+        to take out (`_take_out`): else the controller would list the engine, its pod gone,
+        unreachable for good."""
+        if not await self._admin.remove(address):
+            self._left_registered[address] = pool
+
+    async def _take_out(self, pool: str) -> None:
+        """RemoveEngine of the pool's engines left registered (`_remove`) that the controller
+        lists still; each is forgotten once it no longer lists it. One whose RemoveEngine
+        fails again, or all when the controller does not answer, wait for the next look (a
+        warning says why)."""
+        tried = sorted(a for a, of in self._left_registered.items() if of == pool)
+        if not tried or (removals := await self._admin.remove_listed(tried)) is None:
+            return
+        for address in removals.removed:
+            log.warning(
+                "engine %s left registered as it stopped: taken out of the controller", address
+            )
+        for address in set(tried) - set(removals.kept):
+            self._left_registered.pop(address, None)
 
     async def kill(self, address: str) -> None:
         """An engine that stopped answering goes as a drained one does: its pod is scaled

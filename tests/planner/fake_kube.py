@@ -70,7 +70,8 @@ What it implements (namespaced, one namespace):
   engine serve ENGINE_ARGS --listen IP:PORT` (one container port for every pod, as in a
   cluster; an IPv6 IP in brackets), and marks it Ready once the gRPC health check answers
   SERVING (a readiness probe). A container that exits leaves its pod not Ready and is
-  restarted after `restart_delay_s` (as with CrashLoopBackOff). A deleted pod gets a
+  restarted after `restart_delay_s` (as with CrashLoopBackOff; `restart_container` ends the
+  wait). A deleted pod gets a
   deletionTimestamp, its process SIGTERM, and leaves the list once the process has exited
   (SIGKILL after the grace period). `evict` fails a pod as the kubelet's eviction does: its
   container killed, phase Failed (reason Evicted), still listed with its IP and without a
@@ -350,6 +351,15 @@ class FakeKube:
         assert process is not None
         process.kill()
         process.wait()
+
+    def restart_container(self, name: str) -> None:
+        """End the restart back-off of a pod's crashed container, once the pod is seen not
+        Ready: it starts again at the next pass, in the same pod at the same IP (and is Ready
+        once its health answers)."""
+        with self._changed:
+            pod = self.pods[name]
+            assert pod.restart_at is not None, "the crash is not seen yet"
+            pod.restart_at = time.monotonic()
 
     def close(self) -> None:
         self._closing.set()

@@ -62,6 +62,8 @@ from planner.metrics import PlannerMetrics
 from tests.controller.conftest import generate_request
 from tests.planner.fake_kube import FakeKube, Fault
 from tests.planner.fake_kube import Pod as FakePod
+from tests.polling import eventually
+from tests.tcp_forwarder import TcpForwarder
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEPLOYMENT = "kvplane-engine"
@@ -103,9 +105,13 @@ class Cluster:
             )
         )
 
-    def actuator(self, api: KubeApi | None = None) -> KubernetesDeployments:
+    def actuator(
+        self, api: KubeApi | None = None, *, controller: str | None = None
+    ) -> KubernetesDeployments:
+        """The actuator of the Deployment, dialling the controller at `controller` (a
+        forwarder to it, say), by default the controller itself."""
         return KubernetesDeployments(
-            controller=f"127.0.0.1:{self.app.port}",
+            controller=controller or f"127.0.0.1:{self.app.port}",
             api=api or self.api(),
             deployments={"default": DEPLOYMENT},
             engine_port=self.kube.engine_port,
@@ -366,6 +372,82 @@ async def test_a_drained_pod_the_scale_down_spared_is_removed_again(two_pods: Cl
         await actuator.close()
     assert kube.deleted == [other.name, drained.name]
     assert kube.deployments[DEPLOYMENT].replicas == 0  # the core starts the one it needs
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_scaled_away_while_the_controller_is_unreachable_is_taken_out_later(
+    two_pods: Cluster,
+) -> None:
+    """A drained engine removed while the controller does not answer (a partition between
+    the planner and it): its RemoveEngine fails, its pod is scaled away all the same, and a
+    later look (each tick's `adopt`) takes the engine out of the controller once it answers,
+    even while the API server is down. Else the controller would list it, its pod gone,
+    unreachable for good."""
+    kube, fleet = two_pods.kube, two_pods.app.controller.fleet
+    partition = await TcpForwarder.start(f"127.0.0.1:{two_pods.app.port}")
+    actuator = two_pods.actuator(controller=partition.address)
+    try:
+        drained, serving = await adopt_and_drain_the_first_ready(two_pods, actuator)
+        await fleet.wait_for(lambda: two_pods.routable() == [kube.address(serving)], 30)
+        await partition.cut()
+        await actuator.stop(kube.address(drained))  # its RemoveEngine fails, said in a line
+        await two_pods.wait(lambda: drained.name not in kube.pods)
+        assert kube.deleted == [drained.name]
+        assert await actuator.adopt() == []  # unreachable still: tried again at the next
+        both = sorted(kube.address(pod) for pod in (drained, serving))
+        assert two_pods.registered() == both
+        kube.go_down()
+        await partition.mend()
+
+        async def taken_out() -> bool:
+            await actuator.adopt()
+            return two_pods.registered() == [kube.address(serving)]
+
+        await eventually(taken_out, 60, "a look to take the scaled-away engine out")
+        kube.come_back()
+        assert await actuator.adopt() == [] and actuator.exited() == []
+    finally:
+        await actuator.close()
+        await partition.cut()
+    assert two_pods.registered() == [kube.address(serving)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_pod_at_the_address_of_an_engine_left_registered_waits_until_it_is_out(
+    two_pods: Cluster,
+) -> None:
+    """A crashed engine whose RemoveEngine failed as it stopped (its request lost on the way:
+    the controller lists it still) and whose container then restarts, in the same pod at the
+    same IP: the pod is not taken as an engine while a look has yet to take the old one out
+    (one address, one engine: taken, the new engine would be the one taken out), then it
+    is, and stays registered."""
+    kube = two_pods.kube
+    crashed, serving = kube.ready_pods(DEPLOYMENT)
+    address = kube.address(crashed)
+    partition = await TcpForwarder.start(f"127.0.0.1:{two_pods.app.port}")
+    actuator = two_pods.actuator(controller=partition.address)
+    try:
+        assert len(await actuator.adopt()) == 2
+        await two_pods.wait_routable(2)
+        kube.kill_container(crashed.name)
+        await two_pods.wait(lambda: not crashed.ready)
+        assert await actuator.adopt() == [] and actuator.exited() == [address]
+        lost = partition.lose_next_request(address.encode())  # its RemoveEngine
+        await actuator.stop(address)  # only out of the controller: its replica stays
+        assert lost.is_set() and address in two_pods.registered()
+        kube.restart_container(crashed.name)
+        await two_pods.wait(lambda: crashed.ready)
+        lost = partition.lose_next_request(address.encode())  # the look's RemoveEngine
+        assert await actuator.adopt() == []
+        assert lost.is_set() and address in two_pods.registered()
+        assert await actuator.adopt() == [(address, "default")]  # out, then registered anew
+        assert await actuator.adopt() == [] and actuator.exited() == []
+        await two_pods.wait_routable(2)
+    finally:
+        await actuator.close()
+        await partition.cut()
+    assert kube.deployments[DEPLOYMENT].replicas == 2 and not kube.deleted
+    assert two_pods.registered() == sorted(kube.address(pod) for pod in (crashed, serving))
 
 
 @pytest.mark.timeout(120)
