@@ -184,6 +184,11 @@ _UNACCEPTED = frozenset({grpc.StatusCode.NOT_FOUND}) | _UNREACHED
 
 # An engine's Abort answers that say the target ended there (seed: there is no "partly").
 _ENDED = frozenset({pb.ABORT_STATUS_ABORTED, pb.ABORT_STATUS_ALREADY_FINISHED})
+# How an operator has engines take LoRA adapters, told with a LoRA call no engine could take.
+_LORA_HOW = (
+    "to use adapters, start engines with LoRA on (the bundled engine's lora.enabled: true, "
+    "vLLM's --enable-lora)"
+)
 
 # The status form of each in-band error code: the status an engine answers for the same
 # failure before acceptance (the bundled engine's one table, engine/server/errors.py), by the
@@ -910,7 +915,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 if named
                 else "no engine in the fleet supports LoRA"
             )
-            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"{refusal}: {summary}")
+            await abort_with(
+                context, grpc.StatusCode.FAILED_PRECONDITION, f"{refusal}: {summary}; {_LORA_HOW}"
+            )
         if failures:
             await abort_with(context, failures[0].code(), summary)
         if not replies:
