@@ -99,6 +99,12 @@ def test_up_help_names_every_member_kind(kvplane: Kvplane) -> None:
     assert result.returncode == 0
     for kind in get_args(MemberKind):
         assert kind in result.stdout, kind
+    # The argument as the README writes it, and what runs without it (it said only "embedded
+    # defaults", and the usage line `[config]`).
+    assert "kvplane up [OPTIONS] [FLEET.yaml]" in result.stdout
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.stdout).split())
+    assert "configs/local.yaml: three engines serving the builtin model" in flat
+    assert "a controller on 127.0.0.1:8100" in flat
 
 
 def _commands(command: object, path: tuple[str, ...] = ()) -> list[tuple[str, object]]:
@@ -484,7 +490,7 @@ def test_a_fleet_file_that_cannot_be_read_is_a_usage_error(
     if content is not None:
         path.write_bytes(content)
     line = _usage_error_line(kvplane("up", str(path)))
-    assert line == f"Error: Invalid value for CONFIG: {problem.format(path=path)}"
+    assert line == f"Error: Invalid value for FLEET.yaml: {problem.format(path=path)}"
     path.write_text("members: []\nbogus: 1\n")
     result = kvplane("up", str(path))
     assert result.returncode == 1
