@@ -1093,7 +1093,8 @@ def test_a_held_port_fails_the_start_before_any_member_starts(
         error = _error_before_any_member_starts(config, tmp_path)
     assert error == (
         f"kvplane: error: {member} (its {setting}): cannot listen on {held}: Address already in"
-        " use; no member was started"
+        " use; no member was started (a kvplane up already running? stop it, or give "
+        f"{member} another {setting} in the fleet file)"
     )
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member, no log to keep
 
