@@ -66,6 +66,11 @@ T = TypeVar("T")
 TargetOpt = Annotated[
     str | None, target_option("HOST:PORT of the controller or engine.", DEFAULT_TARGET)
 ]
+# The fleet commands' (match, route, register, remove, cordon, uncordon): an engine has no
+# admin API, so they need a controller.
+ControllerTargetOpt = Annotated[
+    str | None, target_option("HOST:PORT of the controller.", DEFAULT_TARGET)
+]
 PromptOpt = Annotated[
     str | None,
     typer.Option("--prompt", help="Prompt text.", callback=not_blank("the prompt's text")),
@@ -436,7 +441,7 @@ def match(
     model: ModelOpt = None,
     lora: LoraOpt = "",
     cache_salt: CacheSaltOpt = "",
-    target: TargetOpt = None,
+    target: ControllerTargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """How much of a prompt each engine holds (controller)."""
@@ -501,7 +506,7 @@ def route(
             callback=not_blank("a session key, or leave it out for a request of no session"),
         ),
     ] = None,
-    target: TargetOpt = None,
+    target: ControllerTargetOpt = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:
     """Where the router would send a prompt, and every engine's cost terms (controller)."""
@@ -761,7 +766,7 @@ def _engine_command(
         engine: Annotated[
             str, typer.Argument(help="Engine instance id or address.", callback=a_name)
         ],
-        target: TargetOpt = None,
+        target: ControllerTargetOpt = None,
         token_file: TokenFileOption = None,
         output: OutputOption = OutputFormat.table,
     ) -> None:
@@ -809,7 +814,7 @@ def register_engine(
             "reached by then (or that it rejects) fails the command. 0: return at once.",
         ),
     ] = 10.0,
-    target: TargetOpt = None,
+    target: ControllerTargetOpt = None,
     token_file: TokenFileOption = None,
     output: OutputOption = OutputFormat.table,
 ) -> None:

@@ -187,6 +187,11 @@ _UNACCEPTED = frozenset({grpc.StatusCode.NOT_FOUND}) | _UNREACHED
 
 # An engine's Abort answers that say the target ended there (seed: there is no "partly").
 _ENDED = frozenset({pb.ABORT_STATUS_ABORTED, pb.ABORT_STATUS_ALREADY_FINISHED})
+# How an operator has engines take LoRA adapters, told with a LoRA call no engine could take.
+_LORA_HOW = (
+    "to use adapters, start engines with LoRA on (the bundled engine's lora.enabled: true, "
+    "vLLM's --enable-lora)"
+)
 
 # In-band codes that name the request's KV session (a status cannot say whose NOT_FOUND it is).
 _SESSION_ERRORS = frozenset({pb.ERROR_CODE_KV_SESSION_NOT_FOUND, pb.ERROR_CODE_KV_TRANSFER_FAILED})
@@ -885,7 +890,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 if named
                 else "no engine in the fleet supports LoRA"
             )
-            await abort_with(context, grpc.StatusCode.FAILED_PRECONDITION, f"{refusal}: {summary}")
+            await abort_with(
+                context, grpc.StatusCode.FAILED_PRECONDITION, f"{refusal}: {summary}; {_LORA_HOW}"
+            )
         if failures:
             await abort_with(context, failures[0].code(), summary)
         if not replies:

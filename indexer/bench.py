@@ -635,8 +635,11 @@ async def run_index_bench(
 
 
 def render_table(result: dict[str, Any]) -> str:
+    dynamo = result["dynamo"]
+    if dynamo == "absent":  # say how to have the comparison the benchmark is for
+        dynamo += " (pip install ai-dynamo-runtime==1.6.1 to compare)"
     lines = [
-        f"backend: {result['backend']}   dynamo: {result['dynamo']}",
+        f"backend: {result['backend']}   dynamo: {dynamo}",
         f"{'workload':<26}{'kvplane ops/s':>15}{'dynamo ops/s':>15}{'ratio':>7}"
         f"{'core ops/s':>13}{'ratio':>7}  unit",
     ]

@@ -13,7 +13,8 @@ brings no `authorization` of its own (an interceptor, installed only then);
 changes (`kvplane.token_file`: a token rotated on disk is sent from the next call).
 
 `setting_hint` says which setting a failed call most likely lacks or has wrong (TLS, a client
-certificate, a certificate's CA or name, a token), in the words of the client's own settings
+certificate, a certificate's CA or name, a token, the server's address where nothing listens),
+in the words of the client's own settings
 (CLI flags, config keys); `failure_details` are a failed call's details as an operator reads
 them, gRPC's trail of a TLS handshake that failed cut to OpenSSL's reason, with that hint.
 """
@@ -321,13 +322,15 @@ class Redialling(Generic[_Stub]):
 class ClientSettings:
     """How a client's user names its settings, for `setting_hint`: the one that turns TLS on
     ("--tls-ca", "live.controller_tls"), the client certificate's, and the bearer token's
-    ("live.controller_token_file"; None: no hint about the token), and the one overriding the
-    name checked in the server's certificate ("--tls-server-name")."""
+    ("live.controller_token_file"; None: no hint about the token), the one overriding the
+    name checked in the server's certificate ("--tls-server-name"), and the one giving the
+    server's address ("--target"; None: no hint when nothing listens there)."""
 
     tls: str
     client_certificate: str
     token: str | None = None
     server_name: str | None = None
+    address: str | None = None
 
 
 # What a server with bearer-token authentication answers a call without the right token
@@ -351,7 +354,17 @@ def setting_hint(
         if channels.bearer_token:
             return f" (not the server's token? check {settings.token})"
         return f" (a server requiring a token? give {settings.token})"
+    if settings.address is not None and _refused(details):
+        return f" (nothing listens there: start the server, or give {settings.address})"
     return _tls_hint(channels, details, settings)
+
+
+def _refused(details: str) -> bool:
+    """Whether a call could not connect because its server's port refused the connection
+    (no process listens on it): gRPC's "failed to connect to all addresses; last error:
+    UNKNOWN: ipv4:127.0.0.1:8100: Failed to connect to remote host: Connection refused"."""
+    connect = _CONNECT_FAILED.search(details)
+    return connect is not None and details.endswith(_CONNECTION_REFUSED)
 
 
 def _tls_hint(channels: ClientChannels, details: str, settings: ClientSettings) -> str:
@@ -400,6 +413,7 @@ def failure_details(
 # routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: unable to get local issuer
 # certificate: OK" (the reason, and for a certificate that did not verify, why).
 _CONNECT_FAILED = re.compile(r"failed to connect to all addresses; last error: \w+: [^ ]+: ")
+_CONNECTION_REFUSED = "Connection refused"
 _HANDSHAKE_FAILED = re.compile(r"Tls handshake failed .*:OPENSSL_internal:(\w+)(?:: ([^:]*))?")
 _CERTIFICATE_UNVERIFIED = "CERTIFICATE_VERIFY_FAILED"
 _EXPIRED = "certificate has expired"

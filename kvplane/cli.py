@@ -166,7 +166,13 @@ def version(output: OutputOption = OutputFormat.table) -> None:
 @app.command()
 def up(
     config: Annotated[
-        Path | None, typer.Argument(help="Fleet YAML; embedded defaults when omitted.")
+        Path | None,
+        typer.Argument(
+            metavar="FLEET.yaml",
+            help="Fleet YAML: its members (configs/local*.yaml, docs/up.md). Omitted: the "
+            "embedded default fleet, as configs/local.yaml: three engines serving the builtin "
+            "model and a controller on 127.0.0.1:8100.",
+        ),
     ] = None,
     live: Annotated[bool, typer.Option(help="Show a live status table on a terminal.")] = True,
     check: Annotated[
@@ -184,7 +190,7 @@ def up(
     from kvplane.up.command import run_fleet
     from kvplane.up.config import load_fleet
 
-    with command_line_errors(param_hint="CONFIG"):  # a file that cannot be read: exit 2
+    with command_line_errors(param_hint="FLEET.yaml"):  # a file that cannot be read: exit 2
         fleet = load_fleet(config)
     if not asyncio.run(run_fleet(fleet, live, check)):
         what = "kvplane up --check failed" if check else "kvplane up stopped: a member exited"

@@ -380,9 +380,13 @@ class RpcCallError(KvplaneError):
 # What grpcio reports when a call's own deadline passes (a server relaying another's
 # DEADLINE_EXCEEDED, or refusing a deadline already passed, says something of its own).
 CLIENT_DEADLINE_PASSED = "Deadline Exceeded"
-# The CLIs' TLS and token options, as `rpc_channel`'s errors name them.
+# The CLIs' TLS, token and target options, as `rpc_channel`'s errors name them.
 _CLIENT_FLAGS = ClientSettings(
-    "--tls-ca", "--tls-cert and --tls-key", "--token-file or $KVPLANE_TOKEN", "--tls-server-name"
+    "--tls-ca",
+    "--tls-cert and --tls-key",
+    "--token-file or $KVPLANE_TOKEN",
+    "--tls-server-name",
+    "--target HOST:PORT",
 )
 
 

@@ -28,6 +28,8 @@ SCHEMA_RELEASE = "openengine-v1-r1+seed.94b72b7dabd1ee94"
 POOLING_ONLY_MESSAGE = (
     "this engine serves Embed, Classify and Score only (runner: pooling): it does not generate"
 )
+# Why an engine run without LoRA refuses an adapter (FAILED_PRECONDITION), and how to have it.
+LORA_DISABLED_MESSAGE = "LoRA is not enabled on this engine (start it with lora.enabled: true)"
 
 _ALL_MODES = [
     pb.CANDIDATE_TOKEN_SELECTION_MODE_TOP_N,

@@ -37,7 +37,7 @@ from engine.server.errors import (
     RoleMismatchError,
     UnsupportedOptionError,
 )
-from engine.server.info import POOLING_ONLY_MESSAGE, ServedModel
+from engine.server.info import LORA_DISABLED_MESSAGE, POOLING_ONLY_MESSAGE, ServedModel
 from openengine.v1 import openengine_pb2 as pb
 
 TokenText = Callable[[int], str]
@@ -148,7 +148,7 @@ def check_unsupported(request: pb.GenerateRequest, ctx: EngineContext) -> None:
     if request.media:
         raise UnsupportedOptionError("media inputs are not supported by this engine")
     if request.lora_name and not ctx.model.supports_lora:
-        raise FeatureDisabledError("LoRA is not enabled on this engine")
+        raise FeatureDisabledError(LORA_DISABLED_MESSAGE)
     # A DECODE engine takes requests with a session and, like vLLM's decode instances,
     # without one (it prefills them itself).
     if request.kv.HasField("session") and ctx.role != pb.ENGINE_ROLE_DECODE:

@@ -41,7 +41,13 @@ from engine.server.errors import (
     grpc_status_for,
     public_message,
 )
-from engine.server.info import engine_info, kv_connector_info, load_info, model_info
+from engine.server.info import (
+    LORA_DISABLED_MESSAGE,
+    engine_info,
+    kv_connector_info,
+    load_info,
+    model_info,
+)
 from engine.server.kv_event_log import SubscriberOverrunError
 from engine.server.kv_pull import KvSessionPuller, decode_request
 from engine.server.kv_transfer import KvNamespace, prefill_request
@@ -437,7 +443,7 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
 
     def _lora_service(self) -> LoraService:
         if self._lora is None:
-            raise FeatureDisabledError("LoRA is not enabled on this engine")
+            raise FeatureDisabledError(LORA_DISABLED_MESSAGE)
         return self._lora
 
     # ---------------------------------------------------------------- KV

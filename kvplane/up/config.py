@@ -167,6 +167,7 @@ class FleetConfig(StrictModel):
     def _check_names(self) -> FleetConfig:
         seen: set[str] = set()
         controllers: list[str] = []
+        names = [m.name for m in self.members]
         for member in self.members:
             if member.name in seen:
                 raise ValueError(f"duplicate member name {member.name!r}")
@@ -175,9 +176,15 @@ class FleetConfig(StrictModel):
             elif member.kind == "controller":
                 controllers.append(member.name)
             for ref in sorted(member.refers_to()):
+                if ref not in names:
+                    raise ValueError(
+                        f"member {member.name!r} refers to ${{{ref}}}, but no member is named "
+                        f"{ref!r} (members: {', '.join(names)})"
+                    )
                 if ref not in seen:
                     raise ValueError(
-                        f"member {member.name!r} refers to ${{{ref}}} before it is defined"
+                        f"member {member.name!r} refers to ${{{ref}}} before it is defined: "
+                        f"list {ref!r} above it"
                     )
             seen.add(member.name)
         return self

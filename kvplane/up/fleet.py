@@ -199,7 +199,11 @@ class Fleet:
                 try:
                     check_bindable(listen, host, port)
                 except ConfigError as exc:
-                    raise KvplaneError(f"{which}: {exc}; no member was started") from None
+                    raise KvplaneError(
+                        f"{which}: {exc}; no member was started (a kvplane up already "
+                        f"running? stop it, or give {member.name} another {setting} in the "
+                        "fleet file)"
+                    ) from None
 
     async def _start_when_ready(self, member: Member) -> None:
         refs = member.config.refers_to()

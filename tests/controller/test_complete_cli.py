@@ -182,14 +182,21 @@ def kvplane(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_an_unreachable_target_is_one_line_and_exit_1() -> None:
+    """A port nothing listens on (no fleet up yet, a wrong --target): the line says what to
+    do, not only gRPC's "Connection refused"; so does `admin`'s, which shares the client."""
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         target = f"127.0.0.1:{s.getsockname()[1]}"
-    result = kvplane("complete", "--target", target, "--prompt", "hi")
-    assert result.returncode == 1, result.stderr
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"kvplane: error: {target}: UNAVAILABLE")
-    assert result.stdout == ""
+    for command in (["complete", "--prompt", "hi"], ["admin", "workers"]):
+        result = kvplane(*command, "--target", target)
+        assert result.returncode == 1, result.stderr
+        lines = result.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kvplane: error: {target}: UNAVAILABLE")
+        assert lines[0].endswith(
+            "Connection refused (nothing listens there: start the server, or give --target "
+            "HOST:PORT)"
+        ), command
+        assert result.stdout == ""
 
 
 @pytest.mark.parametrize(

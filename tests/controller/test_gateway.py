@@ -741,6 +741,13 @@ async def test_client_errors_count_as_invalid_not_engine_errors() -> None:
         await close_fleet(fleet)
 
 
+# What a refused LoRA call adds: how to have engines that take adapters.
+LORA_HOW = (
+    "; to use adapters, start engines with LoRA on (the bundled engine's lora.enabled: true, "
+    "vLLM's --enable-lora)"
+)
+
+
 async def test_lora_on_a_fleet_without_lora_is_refused_naming_every_engine(fleet: Fleet) -> None:
     # The sim engine with LoRA off (its default) says supports_lora: false; engines that
     # serve LoRA: test_lora_routing.py (scripted) and test_lora_engines.py (the bundled one).
@@ -758,6 +765,7 @@ async def test_lora_on_a_fleet_without_lora_is_refused_naming_every_engine(fleet
         reported = [v for k, v in err.value.trailing_metadata() or () if k == OUTCOME_METADATA_KEY]
         assert len(reported) == 3 and all('"outcome": "skipped"' in str(v) for v in reported)
         assert (err.value.details() or "").startswith("no engine in the fleet supports LoRA: ")
+        assert (err.value.details() or "").endswith(LORA_HOW)
     named = fleet.address(fleet.engines[0])
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await fleet.gateway.ListLoras(
@@ -765,7 +773,7 @@ async def test_lora_on_a_fleet_without_lora_is_refused_naming_every_engine(fleet
         )
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert err.value.details() == f"the engine named does not support LoRA: {named}: skipped" + (
-        " (supports_lora is false)"
+        f" (supports_lora is false){LORA_HOW}"
     )
 
 

@@ -164,11 +164,20 @@ async def test_a_path_is_one_directory_however_it_is_spelled(tmp_path: Path) -> 
 
 
 async def test_lora_disabled_by_default_refuses_every_lora_call(tmp_path: Path) -> None:
+    """Each refusal says how to have LoRA (`kvplane admin lora list` against a default
+    engine said only that it is not enabled)."""
+    how = "LoRA is not enabled on this engine (start it with lora.enabled: true)"
     async with running_engine() as engine:
         err = await rpc_error(load(engine, "x", write_adapter_config(tmp_path / "x"), 1))
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.details() == how
         list_err = await rpc_error(engine.stub.ListLoras(pb.ListLorasRequest()))
         assert list_err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert list_err.details() == how
+        request = generate_request(PROMPT, lora_name="x")
+        _, generate_err = await stream_error(engine.stub.Generate(request))
+        assert generate_err.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert generate_err.details() == how
 
 
 async def test_adapters_namespace_the_prefix_cache_and_kv_events(tmp_path: Path) -> None:

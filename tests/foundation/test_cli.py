@@ -99,6 +99,40 @@ def test_up_help_names_every_member_kind(kvplane: Kvplane) -> None:
     assert result.returncode == 0
     for kind in get_args(MemberKind):
         assert kind in result.stdout, kind
+    # The argument as the README writes it, and what runs without it (it said only "embedded
+    # defaults", and the usage line `[config]`).
+    assert "kvplane up [OPTIONS] [FLEET.yaml]" in result.stdout
+    flat = _flat_help(result.stdout)
+    assert "configs/local.yaml: three engines serving the builtin model" in flat
+    assert "a controller on 127.0.0.1:8100" in flat
+
+
+def _flat_help(text: str) -> str:
+    """--help as one line of words: the boxes' frames gone, wrapped lines joined."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+
+@pytest.mark.parametrize(
+    ("command", "target"),
+    [
+        (["match"], "the controller."),
+        (["route"], "the controller."),
+        (["register"], "the controller."),
+        (["remove"], "the controller."),
+        (["cordon"], "the controller."),
+        (["uncordon"], "the controller."),
+        (["drain"], "the controller or engine."),  # --self drains an engine too
+        (["workers"], "the controller or engine."),
+    ],
+)
+def test_admin_target_help_names_what_the_command_needs(
+    command: list[str], target: str, kvplane: Kvplane
+) -> None:
+    """The fleet commands answer an engine "needs a controller": their --target said "of the
+    controller or engine" as every admin command's does."""
+    result = kvplane("admin", *command, "--help")
+    assert result.returncode == 0
+    assert f"--target -t <str> HOST:PORT of {target}" in _flat_help(result.stdout)
 
 
 def _commands(command: object, path: tuple[str, ...] = ()) -> list[tuple[str, object]]:
@@ -484,7 +518,7 @@ def test_a_fleet_file_that_cannot_be_read_is_a_usage_error(
     if content is not None:
         path.write_bytes(content)
     line = _usage_error_line(kvplane("up", str(path)))
-    assert line == f"Error: Invalid value for CONFIG: {problem.format(path=path)}"
+    assert line == f"Error: Invalid value for FLEET.yaml: {problem.format(path=path)}"
     path.write_text("members: []\nbogus: 1\n")
     result = kvplane("up", str(path))
     assert result.returncode == 1

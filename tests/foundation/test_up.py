@@ -738,15 +738,32 @@ def test_member_names_may_use_what_a_placeholder_can_name(tmp_path: Path) -> Non
     assert [m.name for m in load_fleet(fleet).members] == ["engine_0.a-1", "c"]
 
 
-def test_fleet_refers_only_to_earlier_members(tmp_path: Path) -> None:
+# A controller naming engine `${e}`.
+_NAMING_E = "  - {name: c, kind: controller, config: {engines: [{address: '${e}'}]}}\n"
+
+
+@pytest.mark.parametrize(
+    ("members", "problem"),
+    [
+        (
+            _NAMING_E + "  - {name: e, kind: engine}\n",
+            "member 'c' refers to ${e} before it is defined: list 'e' above it",
+        ),
+        # A typo: it was said to come "before it is defined", as if a member further down
+        # had the name.
+        (
+            "  - {name: e0, kind: engine}\n" + _NAMING_E,
+            "member 'c' refers to ${e}, but no member is named 'e' (members: e0, c)",
+        ),
+    ],
+    ids=["later", "nowhere"],
+)
+def test_fleet_refers_only_to_earlier_members(members: str, problem: str, tmp_path: Path) -> None:
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(
-        "members:\n"
-        "  - {name: c, kind: controller, config: {engines: [{address: '${e}'}]}}\n"
-        "  - {name: e, kind: engine}\n"
-    )
-    with pytest.raises(ConfigError, match="before it is defined"):
+    fleet.write_text("members:\n" + members)
+    with pytest.raises(ConfigError) as refused:
         load_fleet(fleet)
+    assert str(refused.value) == f"invalid config in {fleet}: {problem}"
 
 
 def test_configs_local_is_the_embedded_default() -> None:
@@ -1076,7 +1093,8 @@ def test_a_held_port_fails_the_start_before_any_member_starts(
         error = _error_before_any_member_starts(config, tmp_path)
     assert error == (
         f"kvplane: error: {member} (its {setting}): cannot listen on {held}: Address already in"
-        " use; no member was started"
+        " use; no member was started (a kvplane up already running? stop it, or give "
+        f"{member} another {setting} in the fleet file)"
     )
     assert list(tmp_path.glob(f"{WORKDIR_PREFIX}*")) == []  # no member, no log to keep
 

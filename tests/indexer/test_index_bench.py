@@ -65,6 +65,9 @@ async def test_bench_index_reports_every_figure(
     assert result["memory"]["placements"] == TINY.memory_blocks
     rendered = bench.render_table(result)
     assert "memory:" in rendered and "service MatchExternalKvPrefix" in rendered
+    # Without Dynamo the table says how to have it (it said only "dynamo: absent").
+    how = "dynamo: absent (pip install ai-dynamo-runtime==1.6.1 to compare)"
+    assert (how in rendered) is not with_dynamo
 
 
 async def test_bench_index_on_redis_leaves_no_key_behind(redis_server: RedisServer) -> None:
