@@ -15,15 +15,20 @@ What this API changes on the way:
   matches those against the index (a prompt as sent would share no prefix with them).
 - The response has no cached-token count: usage records the prompt tokens only
   (`prompt_info.num_prompt_tokens`), not the router's prediction against the engine's.
+- This proto has no health of its own: `grpc.health.v1` says NOT_SERVING for
+  `vllm.Generate` once the gateway drains (it refuses every new request), as an engine's
+  service does (`report_health`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
@@ -31,6 +36,7 @@ from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 Context = grpc.aio.ServicerContext[Any, Any]
+SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["Generate"].full_name
 
 
 class _UnaryCall:
@@ -98,6 +104,19 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
         self.relay = relay
         self._unary = _VllmGenerate(self._stub, unary=True)
         self._stream = _VllmGenerate(self._stub, unary=False)
+        self._health_updates: set[asyncio.Future[None]] = set()
+
+    def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
+        """Say NOT_SERVING for `vllm.Generate` once the controller drains, for good (a drain
+        is never undone). The empty name stays SERVING while the process runs."""
+
+        def drained() -> None:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+            update = asyncio.ensure_future(health_servicer.set(SERVICE_NAME, status))
+            self._health_updates.add(update)
+            update.add_done_callback(self._health_updates.discard)
+
+        self.controller.on_draining(drained)
 
     def _stub(self, address: str) -> vpb_grpc.GenerateAsyncStub:
         """Over the fleet's channel to the engine: an engine that left the fleet is a
