@@ -249,6 +249,11 @@ class _OpenEngineGenerate:
             error=pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message=message, retryable=retryable),
         )
 
+    def aborted(self, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        """None: a request aborted before an engine took it ends with the status CANCELLED
+        (docs/controller.md, "Abort")."""
+        return []
+
     # The handoff of a disaggregated fleet (seed: "Disaggregated serving and KV API").
 
     def session(self, response: pb.GenerateResponse) -> pb.KvSessionRef | None:
