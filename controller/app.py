@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import uvloop
+from grpc_health.v1 import health
 
 from controller.admin import GUARDED_METHODS as ADMIN_GUARDED
 from controller.admin import STRICT_METHODS as ADMIN_STRICT
@@ -25,6 +26,7 @@ from controller.config import ControllerConfig
 from controller.gateway import GatewayServicer
 from controller.hops import LoopGuard
 from controller.service import Controller
+from controller.vllm_gateway import SERVICE_NAME as VLLM_SERVICE
 from controller.vllm_gateway import VllmGatewayServicer
 from indexer.backend import IndexBackend
 from kvplane.metrics import start_metrics_server
@@ -87,7 +89,7 @@ async def start_controller(
             GATEWAY_MUTATING,
             GATEWAY_STRICT,
         ),
-        Service("vllm.Generate", lambda s: vpb_grpc.add_GenerateServicer_to_server(vllm, s)),
+        Service(VLLM_SERVICE, lambda s: vpb_grpc.add_GenerateServicer_to_server(vllm, s)),
         Service(
             ADMIN_SERVICE,
             lambda s: apb_grpc.add_AdminServicer_to_server(admin, s),
@@ -101,7 +103,11 @@ async def start_controller(
         loop_guard = LoopGuard(
             controller.instance_id, [s.name for s in services if s.name != ADMIN_SERVICE]
         )
-        server, port = await create_server(config, services, handler_wrapper=loop_guard)
+        health_servicer = health.aio.HealthServicer()
+        vllm.report_health(health_servicer)
+        server, port = await create_server(
+            config, services, handler_wrapper=loop_guard, health_servicer=health_servicer
+        )
     except Exception:
         await controller.close()
         raise

@@ -256,6 +256,11 @@ class _OpenEngineGenerate:
             error=pb.EngineError(code=pb.ERROR_CODE_INTERNAL, message=message, retryable=retryable),
         )
 
+    def aborted(self, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        """None: a request aborted before an engine took it ends with the status CANCELLED
+        (docs/controller.md, "Abort")."""
+        return []
+
     # The handoff of a disaggregated fleet (seed: "Disaggregated serving and KV API").
 
     def session(self, response: pb.GenerateResponse) -> pb.KvSessionRef | None:
@@ -1091,7 +1096,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # Every request admitted here counts, from its planning on: one still being planned
         # when the drain starts is routed afterwards.
         in_flight_ids = self.relay.running
-        self.controller.draining = self.controller.draining or request.stop_accepting_new_requests
+        if request.stop_accepting_new_requests:
+            self.controller.stop_accepting()
         now = time.monotonic()
         deadline = now + request.deadline_ms / 1000.0 if request.HasField("deadline_ms") else None
         yield _drain_state(pb.DRAIN_STATE_STARTED, len(in_flight_ids))

@@ -20,7 +20,8 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
   request aborted before an engine took it (being planned, or its call not yet accepted)
-  ends here, CANCELLED, and one aborted at the handoff (its prefill engine handed it over,
+  ends here, CANCELLED, or as the API ends an aborted request (`Surface.aborted`:
+  vllm.Generate's ABORTED), and one aborted at the handoff (its prefill engine handed it over,
   no decode engine holds or has accepted it yet; or that engine answered the Abort that its
   part ended before the gateway read the handoff, `ended_at`) ends here as an aborted
   request ends on an engine, every output finished CANCELLED, with no decode hop; an
@@ -296,6 +297,12 @@ class Surface(Protocol[Request_contra, Response]):
         when the API has no such event (the failure then passes as a status). `retryable`:
         whether the unchanged request may succeed if the client sends it again (the seed's
         EngineError.retryable)."""
+        ...
+
+    def aborted(self, request: Request_contra) -> list[Response]:
+        """The responses that end the request as an engine ends an aborted one, for an abort
+        that reached it before any engine accepted it (`Relay._end_aborted`); none when the
+        API ends it with the status CANCELLED."""
         ...
 
 
@@ -704,7 +711,9 @@ class Relay:
             await abort_with(context, grpc.StatusCode.INTERNAL, "routing failed; see the log")
         if query.request_id in self.aborted_unrouted:
             # Aborted while it was planned: no engine has seen it, so the gateway ends it.
-            await self._end_aborted(_WHOLE_REQUEST, context)
+            for closing in await self._end_aborted(surface, request, _WHOLE_REQUEST, context):
+                yield closing
+            return
         if not disaggregated:
             stream = self._attempts(
                 surface,
@@ -1066,7 +1075,8 @@ class Relay:
         sent_from = retried.engine if retried is not None else None
         while True:
             if request_id in self.aborted_unrouted:  # between two engines (abort_unrouted)
-                await self._end_aborted(stage, context)
+                for closing in await self._end_aborted(surface, request, stage, context):
+                    yield closing
                 return
             try:
                 decision = route(frozenset(tried))
@@ -1128,10 +1138,16 @@ class Relay:
                                 refused = HopFailure.of_in_band(error, response, stage)
                                 verdict = await self._judge(refused, stage, engine, plan, retry)
                                 if verdict.aborted:
-                                    await self._end_aborted(stage, context)
+                                    for closing in await self._end_aborted(
+                                        surface, request, stage, context
+                                    ):
+                                        yield closing
                                     return
                                 if request_id in self.aborted_unrouted:
-                                    await self._end_aborted(stage, context)
+                                    for closing in await self._end_aborted(
+                                        surface, request, stage, context
+                                    ):
+                                        yield closing
                                     return
                                 if verdict.retry is not None:
                                     raise verdict.retry
@@ -1180,14 +1196,16 @@ class Relay:
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 cause = engine_failure(caught, engine, c.fleet)
                 if not relayed and request_id in self.aborted_unrouted:  # abort_unaccepted
-                    await self._end_aborted(stage, context)
+                    for closing in await self._end_aborted(surface, request, stage, context):
+                        yield closing
                     return
                 await self.report_failure(engine, cause)
                 if not relayed:
                     failure = HopFailure.of_status(cause, stage)
                     verdict = await self._judge(failure, stage, engine, plan, retry)
                     if verdict.aborted:
-                        await self._end_aborted(stage, context)
+                        for closing in await self._end_aborted(surface, request, stage, context):
+                            yield closing
                         return
                     if verdict.retry is not None:
                         again = verdict.retry
@@ -1360,16 +1378,27 @@ class Relay:
         _outcome_counted.set(True)
         self.controller.metrics.count_request(outcome)
 
-    async def _end_aborted(self, stage: _Stage, context: Context) -> None:
+    async def _end_aborted(
+        self,
+        surface: Surface[Request, Response],
+        request: Request,
+        stage: _Stage,
+        context: Context,
+    ) -> list[Response]:
         """End a hop whose request was aborted where no engine's Abort reached it
         (`abort_unrouted`, `abort_unaccepted`, or its KV session ended by its prefill
-        engine's drain), nothing relayed in it: CANCELLED, as a request aborted while
-        planned; a decode hop (it carries a KV session: the prefill engine accepted the
-        request) returns empty instead, for `_disaggregated` to end the request as an engine
-        ends an aborted one (`Handoff.cancelled`)."""
+        engine's drain), nothing relayed in it: the responses that end it as an engine ends
+        an aborted request when the API says so (`Surface.aborted`), else CANCELLED; a
+        decode hop (it carries a KV session: the prefill engine accepted the request)
+        returns empty instead, for `_disaggregated` to end the request as an engine ends an
+        aborted one (`Handoff.cancelled`)."""
         self._count("aborted")
-        if not stage.carries_session:
+        if stage.carries_session:
+            return []
+        ending = surface.aborted(request)
+        if not ending:
             await abort_with(context, grpc.StatusCode.CANCELLED, "aborted before an engine took it")
+        return ending
 
     async def _shed(self, refusal: AllEnginesBusyError, context: Context) -> NoReturn:
         """Refuse a new request because every engine that could take it is busy (load

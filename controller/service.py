@@ -127,12 +127,27 @@ class Controller:
         # An index that cannot answer is asked every 5 s and at every ListWorkers (the live
         # status of `kvplane up` lists them every second): one warning at most per interval.
         self._stats_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock, log)
-        # Set by the gateway's Drain and never cleared: a drained controller refuses new
-        # requests (and admin Route explains none) until it restarts, as a drained engine does.
+        # Set by the gateway's Drain (`stop_accepting`) and never cleared: a drained
+        # controller refuses new requests (and admin Route explains none) until it restarts,
+        # as a drained engine does.
         self.draining = False
+        self._on_draining: list[Callable[[], None]] = []
         self.replica_sync: ReplicaSync | None = None
         # RegisterEngine, RemoveEngine and cordons: shared with the other replicas on Redis.
         self.membership = Membership(self.fleet, config)
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests from now on (`draining`), telling those who asked
+        (`on_draining`) once."""
+        if self.draining:
+            return
+        self.draining = True
+        for changed in self._on_draining:
+            changed()
+
+    def on_draining(self, changed: Callable[[], None]) -> None:
+        """Call `changed` when the controller stops accepting new requests."""
+        self._on_draining.append(changed)
 
     async def start(self) -> None:
         self._tokenizers = ModelTokenizers.load(self.config.tokenizers, self.config.tokenizer)

@@ -15,15 +15,23 @@ What this API changes on the way:
   matches those against the index (a prompt as sent would share no prefix with them).
 - The response has no cached-token count: usage records the prompt tokens only
   (`prompt_info.num_prompt_tokens`), not the router's prediction against the engine's.
+- A request aborted before any engine accepted it (while planned, say) ends as an engine
+  ends one aborted before its prefill, `finish_info` ABORTED with status OK (`aborted`),
+  not with the relay's CANCELLED.
+- This proto has no health of its own: `grpc.health.v1` says NOT_SERVING for
+  `vllm.Generate` once the gateway drains (it refuses every new request), as an engine's
+  service does (`report_health`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from controller.relay import InBandError, Relay, Usage
 from controller.service import Controller, PromptInput
@@ -31,6 +39,7 @@ from vllm_grpc import vllm_grpc_pb2 as vpb
 from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 Context = grpc.aio.ServicerContext[Any, Any]
+SERVICE_NAME = vpb.DESCRIPTOR.services_by_name["Generate"].full_name
 
 
 class _UnaryCall:
@@ -89,6 +98,25 @@ class _VllmGenerate:
         """vllm.Generate has no in-band error event: a failure passes as a status."""
         return None
 
+    def aborted(self, request: vpb.GenerateRequest) -> list[vpb.GenerateResponse]:
+        """As an engine ends a request aborted before its prefill (status OK): each sequence
+        (the one of a unary call) finished ABORTED with no token, the first response with
+        `prompt_info`. Its prompt is counted only when sent as token ids (and kept as the
+        engine keeps it, `truncate_prompt_tokens`): a text prompt's tokens are the engine's
+        to count, so `prompt_info` is left out then."""
+        aborted = vpb.FinishInfo(finish_reason=vpb.FinishInfo.ABORTED)
+        ending = [
+            vpb.GenerateResponse(outputs=vpb.SequenceOutput(index=index, finish_info=aborted))
+            for index in range(1 if self._unary else self.num_outputs(request))
+        ]
+        if request.WhichOneof("prompt") == "token_ids":
+            kept = request.token_ids.ids[-request.truncate_prompt_tokens :]
+            info = ending[0].prompt_info
+            info.num_prompt_tokens = len(kept)
+            if request.response.prompt_token_ids:
+                info.token_ids.extend(kept)
+        return ending
+
 
 class VllmGatewayServicer(vpb_grpc.GenerateServicer):
     def __init__(self, controller: Controller, relay: Relay) -> None:
@@ -98,6 +126,19 @@ class VllmGatewayServicer(vpb_grpc.GenerateServicer):
         self.relay = relay
         self._unary = _VllmGenerate(self._stub, unary=True)
         self._stream = _VllmGenerate(self._stub, unary=False)
+        self._health_updates: set[asyncio.Future[None]] = set()
+
+    def report_health(self, health_servicer: health.aio.HealthServicer) -> None:
+        """Say NOT_SERVING for `vllm.Generate` once the controller drains, for good (a drain
+        is never undone). The empty name stays SERVING while the process runs."""
+
+        def drained() -> None:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
+            update = asyncio.ensure_future(health_servicer.set(SERVICE_NAME, status))
+            self._health_updates.add(update)
+            update.add_done_callback(self._health_updates.discard)
+
+        self.controller.on_draining(drained)
 
     def _stub(self, address: str) -> vpb_grpc.GenerateAsyncStub:
         """Over the fleet's channel to the engine: an engine that left the fleet is a

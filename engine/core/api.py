@@ -118,18 +118,30 @@ class SamplingParams:
         ):
             if not math.isfinite(value):
                 raise InvalidRequestError(f"{name} must be a finite number, not {value}")
-        if self.temperature < 0:
-            raise InvalidRequestError("temperature must be >= 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p must be in (0, 1]")
+        # Each out-of-range value is named with what was sent, in the fields' own names
+        # (OpenEngine's and vllm.Generate's alike).
+        for name, value, within, allowed in (
+            ("temperature", self.temperature, self.temperature >= 0, ">= 0"),
+            ("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", self.min_p, 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            (
+                "frequency_penalty",
+                self.frequency_penalty,
+                abs(self.frequency_penalty) <= 2.0,
+                "in [-2, 2]",
+            ),
+            (
+                "presence_penalty",
+                self.presence_penalty,
+                abs(self.presence_penalty) <= 2.0,
+                "in [-2, 2]",
+            ),
+            ("repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0, "> 0"),
+        ):
+            if not within:
+                raise InvalidRequestError(f"{name} must be {allowed}, got {value:g}")
         if self.top_k is not None and self.top_k < 1:
-            raise InvalidRequestError("top_k must be >= 1 when set")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError("min_p must be in [0, 1]")
-        if not -2.0 <= self.frequency_penalty <= 2.0 or not -2.0 <= self.presence_penalty <= 2.0:
-            raise InvalidRequestError("frequency/presence penalties must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequestError("repetition_penalty must be > 0")
+            raise InvalidRequestError(f"top_k must be >= 1 when set, got {self.top_k}")
         if self.num_sequences < 1:
             raise InvalidRequestError("num_sequences must be >= 1")
         if self.max_tokens is not None and self.max_tokens < 1:

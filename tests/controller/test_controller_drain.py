@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller import gateway
 from kvplane.cli_common import RpcCallError
@@ -265,6 +266,36 @@ async def test_vllm_generate_counts_in_the_drain_and_is_refused_after_it(
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert refused.value.details() == "the controller is draining"
     stream.cancel()
+
+
+async def grpc_health(fleet: Fleet, service: str) -> int:
+    reply = await health_pb2_grpc.HealthStub(fleet.channel).Check(
+        health_pb2.HealthCheckRequest(service=service)
+    )
+    return int(reply.status)
+
+
+async def test_grpc_health_of_vllm_generate_turns_not_serving_once_the_gateway_drains(
+    fleet: Fleet,
+) -> None:
+    """As an engine's: `vllm.Generate` has no health call of its own, so a vLLM client (or
+    its load balancer) reads `grpc.health.v1` for it, and a drained gateway refuses every
+    new vllm.Generate. A drain that keeps accepting changes nothing; the empty name (the
+    process is up) and OpenEngine (whose clients read its Health) stay SERVING."""
+    serving: int = health_pb2.HealthCheckResponse.SERVING
+    assert await grpc_health(fleet, "vllm.Generate") == serving
+    [_ async for _ in fleet.gateway.Drain(pb.DrainRequest())]
+    assert await grpc_health(fleet, "vllm.Generate") == serving
+    drain = pb.DrainRequest(stop_accepting_new_requests=True)
+    assert [e.state async for e in fleet.gateway.Drain(drain)][-1] == pb.DRAIN_STATE_COMPLETE
+
+    async def not_serving() -> bool:
+        wanted: int = health_pb2.HealthCheckResponse.NOT_SERVING
+        return await grpc_health(fleet, "vllm.Generate") == wanted
+
+    await eventually(not_serving, what="vllm.Generate NOT_SERVING")
+    for service in ("", "openengine.v1.OpenEngine"):
+        assert await grpc_health(fleet, service) == serving, service
 
 
 async def test_a_drain_that_keeps_accepting_refuses_nothing(fleet: Fleet) -> None:

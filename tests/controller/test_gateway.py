@@ -704,6 +704,50 @@ async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
     assert done[-1].WhichOneof("event") == "finished"
 
 
+@pytest.mark.parametrize("unary", [False, True])
+async def test_a_vllm_request_aborted_before_any_engine_ends_aborted_as_on_an_engine(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, unary: bool
+) -> None:
+    """vllm.Generate ends an aborted request with `finish_info` ABORTED and status OK, on an
+    engine even before its prefill (tests/engine/test_server_vllm.py), as vLLM's server does:
+    the gateway ends one aborted while it plans it so too (every sequence of a stream, one
+    unary reply, the prompt counted as the engine keeps it), not with the status CANCELLED
+    a vLLM client would take for a failure."""
+    from vllm_grpc import vllm_grpc_pb2 as vpb
+    from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
+
+    planning, go_on = hold_planning(fleet, monkeypatch)
+    chosen = record_routes(fleet)
+    stub = vpb_grpc.GenerateStub(fleet.channel)
+    request = vpb.GenerateRequest(
+        request_id="early", model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 1]),
+        truncate_prompt_tokens=10, sampling=vpb.RandomSampling(num_sequences=1 if unary else 2),
+        response=vpb.ResponseOptions(prompt_token_ids=True),
+    )  # fmt: skip
+
+    async def responses() -> list[vpb.GenerateResponse]:
+        if unary:
+            return [await stub.Generate(request)]
+        return [r async for r in stub.GenerateStream(request)]
+
+    call = asyncio.ensure_future(responses())
+    await asyncio.wait_for(planning.wait(), 10)
+    reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
+    assert reply.status == pb.ABORT_STATUS_ABORTED
+    go_on.set()
+    ended = await call
+    assert chosen == []  # never routed
+    assert [r.outputs.index for r in ended] == ([0] if unary else [0, 1])
+    for response in ended:
+        finish = response.outputs.finish_info
+        assert finish.finish_reason == vpb.FinishInfo.ABORTED
+        assert finish.num_output_tokens == response.outputs.num_tokens == 0
+    assert ended[0].prompt_info.num_prompt_tokens == 10
+    assert list(ended[0].prompt_info.token_ids) == [*PREFIX, 1][-10:]
+    assert not any(r.HasField("prompt_info") for r in ended[1:])
+    assert fleet.app.controller.metrics._outcomes["aborted"]._value.get() == 1
+
+
 def test_finished_ids_are_remembered_up_to_the_bound() -> None:
     recent = RecentIds(3)
     for rid in ("a", "b", "c", "a", "d"):  # "a" again: the newest, "b" the oldest

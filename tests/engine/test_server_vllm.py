@@ -231,6 +231,44 @@ async def test_out_of_range_options_are_invalid_argument(options: pb.GenerateReq
         assert await idle(engine)
 
 
+@pytest.mark.parametrize(
+    ("options", "details"),
+    [
+        (pb.GenerateRequest(temperature=-0.5), "temperature must be >= 0, got -0.5"),
+        (
+            pb.GenerateRequest(sampling=pb.RandomSampling(top_p=1.5)),
+            "top_p must be in (0, 1], got 1.5",
+        ),
+        (pb.GenerateRequest(sampling=pb.RandomSampling(min_p=2)), "min_p must be in [0, 1], got 2"),
+        (
+            pb.GenerateRequest(decoding=pb.DecodingParameters(frequency_penalty=2.5)),
+            "frequency_penalty must be in [-2, 2], got 2.5",
+        ),
+        (
+            pb.GenerateRequest(decoding=pb.DecodingParameters(presence_penalty=-3)),
+            "presence_penalty must be in [-2, 2], got -3",
+        ),
+        (
+            pb.GenerateRequest(decoding=pb.DecodingParameters(repetition_penalty=-1)),
+            "repetition_penalty must be > 0, got -1",
+        ),
+    ],
+    ids=["temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition"],
+)
+async def test_an_out_of_range_sampling_value_is_named_with_what_was_sent(
+    options: pb.GenerateRequest, details: str
+) -> None:
+    """INVALID_ARGUMENT before acceptance, saying which field (in the proto's own name; not
+    "frequency/presence penalties") is out of which range, and the value the client sent."""
+    async with running_engine() as engine:
+        request = _request()
+        request.MergeFrom(options)
+        error = await rpc_error(engine.vllm.Generate(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.details() == details
+        assert await idle(engine)
+
+
 @pytest.mark.parametrize("include_stop", [False, True])
 async def test_a_matched_stop_token_is_sent_and_counted(include_stop: bool) -> None:
     """As vLLM's output: the matched stop token (EOS or a stop id) ends `token_ids`, with its
