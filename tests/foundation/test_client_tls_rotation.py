@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvplane.channels import ClientChannels, Redialling
 from kvplane.config import ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
+from kvplane.redialled_stream import redialled_stream
 from kvplane.server import create_server
 from kvplane.server_tls import server_credentials
 from tests.rotation import replace_file
@@ -97,7 +98,7 @@ def test_a_ca_file_openssl_cannot_load_is_a_config_error_naming_it(tmp_path: Pat
 class PeerStub:
     """The client of `peer_server`: `Name`, the common name of the client certificate the
     server saw on the call's connection; `Count`, a stream of b"1", then (once the server's
-    `go_on` is set) b"2"."""
+    `go_on` is set) b"2"; `Events`, a subscription to what the server publishes."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.Name: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
@@ -105,6 +106,9 @@ class PeerStub:
         )
         self.Count: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
             "/test.Peer/Count"
+        )
+        self.Events: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+            "/test.Peer/Events"
         )
 
 
@@ -114,6 +118,9 @@ class PeerServer:
 
     def __init__(self, tls: TlsConfig) -> None:
         self.go_on = asyncio.Event()
+        # The `Events` subscriptions open, oldest first.
+        self.subscriptions: list[asyncio.Queue[bytes]] = []
+        self.subscribed = asyncio.Condition()
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers(
             [
@@ -122,6 +129,7 @@ class PeerServer:
                     {
                         "Name": grpc.unary_unary_rpc_method_handler(self._name),
                         "Count": grpc.unary_stream_rpc_method_handler(self._count),
+                        "Events": grpc.unary_stream_rpc_method_handler(self._events),
                     },
                 )
             ]
@@ -137,6 +145,27 @@ class PeerServer:
         yield b"1"
         await self.go_on.wait()
         yield b"2"
+
+    async def _events(
+        self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        async with self.subscribed:
+            self.subscriptions.append(queue)
+            self.subscribed.notify_all()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.subscriptions.remove(queue)
+            async with self.subscribed:
+                self.subscribed.notify_all()
+
+    async def until_subscribed(self, count: int) -> list[asyncio.Queue[bytes]]:
+        """The `Events` subscriptions, once `count` are open."""
+        async with asyncio.timeout(10), self.subscribed:
+            await self.subscribed.wait_for(lambda: len(self.subscriptions) == count)
+        return list(self.subscriptions)
 
 
 @pytest.fixture
@@ -183,14 +212,25 @@ async def closed(channel: grpc.aio.Channel) -> None:
         await asyncio.sleep(0.05)
 
 
+def hours_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop's clock moves on two hours (what its timers see): a call that runs that
+    long, a generation relayed for hours."""
+    loop = asyncio.get_running_loop()
+    now = loop.time
+    monkeypatch.setattr(loop, "time", lambda: now() + 2 * 3600.0)
+
+
 async def test_a_stream_open_across_a_rotation_ends_on_the_old_channel_as_new_calls_use_the_new(
-    pki: Path, tmp_path: Path, peer_server: PeerServer
+    pki: Path, tmp_path: Path, peer_server: PeerServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cert-manager renews a long-running client's certificate (and the server's trust)
     while a stream runs on its channel: the next call is made on a channel dialled with the
     new files (the server sees the new certificate; no call failed first), the stream goes
-    on to its end on the old channel, which is closed then. (The renewed files were used
-    only once a call had failed, and that dial ended the streams on the old channel.)"""
+    on to its end on the old channel, however long it runs (hours: a generation the gateway
+    relays), as a TLS connection keeps the session it was made with; the old channel is
+    closed then. (The renewed files were used only once a call had failed, and that dial
+    ended the streams on the old channel; later, the old channel was closed an hour after
+    the rotation, cutting the stream: the gateway said the engine had left.)"""
     dialled = redialling_peer(pki, tmp_path, peer_server.port)
     try:
         assert await dialled.stub.Name(b"", timeout=10) == b"other-ca-client"
@@ -200,6 +240,8 @@ async def test_a_stream_open_across_a_rotation_ends_on_the_old_channel_as_new_ca
         rotate_to_ca(pki, tmp_path)
         assert await dialled.stub.Name(b"", timeout=10) == b"client"
         assert dialled.channel is not old
+        hours_later(monkeypatch)
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"  # the loop ran on
         peer_server.go_on.set()
         while (message := await stream.read()) is not grpc.aio.EOF:
             received.append(message)
@@ -285,4 +327,49 @@ async def test_a_close_cancelled_as_it_ends_an_old_channel_is_cancelled(
         with pytest.raises(grpc.aio.UsageError):
             await PeerStub(dialled.channel).Name(b"", timeout=10)
     finally:
+        await dialled.close()
+
+
+@pytest.mark.parametrize("first", ["old", "new"])
+async def test_a_subscription_moves_to_the_new_channel_with_every_message_once(
+    pki: Path, tmp_path: Path, peer_server: PeerServer, first: str
+) -> None:
+    """A subscription that never ends, open across a rotation, moves to the channel dialled
+    with the new files, make-before-break: a second subscription is opened there, and the
+    first is ended once both carried the same message, whichever stream brings the messages
+    first; each message is passed on once, those the two carried together included, and the
+    old channel is closed then. (The stream stayed on the old channel, to be cut an hour
+    later and subscribed again: the messages in between were lost.)"""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    messages: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def read() -> None:
+        async for message in redialled_stream(dialled, lambda stub: stub.Events(b""), bytes.decode):
+            messages.put_nowait(message)
+
+    reader = asyncio.create_task(read())
+    try:
+        old = dialled.channel
+        [subscription] = await peer_server.until_subscribed(1)
+        subscription.put_nowait(b"1")
+        received = [await messages.get()]
+        rotate_to_ca(pki, tmp_path)
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"
+        old_one, new_one = await peer_server.until_subscribed(2)
+        # What the server published since both were open, one stream ahead of the other.
+        ahead, behind = (old_one, new_one) if first == "old" else (new_one, old_one)
+        for message in (b"2", b"3", b"4"):
+            ahead.put_nowait(message)
+        received += [await messages.get() for _ in range(3)]
+        for message in (b"2", b"3", b"4"):
+            behind.put_nowait(message)
+        assert await peer_server.until_subscribed(1) == [new_one]  # the old one ended
+        new_one.put_nowait(b"5")
+        received.append(await messages.get())
+        assert received == [b"1", b"2", b"3", b"4", b"5"]
+        assert messages.empty()
+        await closed(old)
+    finally:
+        reader.cancel()
+        await asyncio.wait([reader])
         await dialled.close()
