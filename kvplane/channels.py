@@ -245,10 +245,10 @@ class Redialling(Generic[_Stub]):
         self._redialled = asyncio.Event()
         return old
 
-    async def dialled_again(self) -> None:
-        """Return once the server is dialled again from now: renewed TLS files seen by a look
-        at `channel` or `stub`, `after_failure`, `redial`."""
-        await self._redialled.wait()
+    def dialled_again(self) -> asyncio.Event:
+        """An event set once the server is dialled again after this call: renewed TLS files
+        seen by a look at `channel` or `stub`, `after_failure`, `redial`."""
+        return self._redialled
 
     @property
     def channel(self) -> grpc.aio.Channel:

@@ -9,9 +9,10 @@ the stream and in the same order on every subscription, as the server fans each 
 all of them: the first id one stream carries that the other already passed on is where they
 overlap; from there the new one carries all that follows. Until then both are read and each
 message is passed on once, whichever brings it first. A server that sends nothing meanwhile
-(an idle engine) keeps both open until it does; a new subscription that fails leaves the old
-one running (the next renewal tries again). Messages without an id (a terminal error) are
-passed on as they come.
+(an idle engine) keeps both open until it does; a renewal meanwhile is followed once that
+move is done (never more than two streams); a new subscription that fails leaves the old one
+running (the next renewal tries again). Messages without an id (a terminal error) are passed
+on as they come.
 """
 
 from __future__ import annotations
@@ -78,9 +79,13 @@ def _why(error: BaseException | None) -> str:
     return type(error).__name__
 
 
-async def _watch(dialled: Redialling[Any], queue: asyncio.Queue[_Item]) -> None:
+async def _watch(
+    dialled: Redialling[Any], redialled: asyncio.Event, queue: asyncio.Queue[_Item]
+) -> None:
+    """Tell the stream each time `dialled` is dialled again (`redialled`: the first time)."""
     while True:
-        await dialled.dialled_again()
+        await redialled.wait()
+        redialled = dialled.dialled_again()
         await queue.put((None, _Redialled()))
 
 
@@ -93,19 +98,32 @@ async def redialled_stream(
     moved to each new channel `dialled` dials. It ends as the stream does (an error raised as
     the call raised it). Close it (`contextlib.aclosing`) to end the calls."""
     queue: asyncio.Queue[_Item] = asyncio.Queue(maxsize=1)
-    current: _Subscription[_Message] = _Subscription(subscribe(dialled.stub), queue)
+    stub = dialled.stub
+    # (Taken with the stub: a renewal seen before the watcher runs is not missed.)
+    redialled = dialled.dialled_again()
+    current: _Subscription[_Message] = _Subscription(subscribe(stub), queue)
     moving: _Subscription[_Message] | None = None
-    # The ids passed on since a move began, from either stream (a later copy is skipped).
-    passed: set[str] = set()
-    watcher = asyncio.create_task(_watch(dialled, queue), name=f"watch {dialled.target}")
+    # Dialled again while a move was under way: another move follows it.
+    again = False
+    # The ids passed on since a move began, from each stream: the first one a stream brings
+    # that the other passed on is where they overlap.
+    from_current: set[str] = set()
+    from_moving: set[str] = set()
+    # The ids the current stream still brings that were passed on from the one it replaced.
+    skip: set[str] = set()
+    watcher = asyncio.create_task(_watch(dialled, redialled, queue), name=f"watch {dialled.target}")
     try:
         while True:
-            source, item = await queue.get()
+            if again and moving is None:
+                again, item = False, _Redialled()
+            else:
+                source, item = await queue.get()
             if isinstance(item, _Redialled):
                 if moving is not None:
-                    moving.end()
-                moving = _Subscription(subscribe(dialled.stub), queue)
-                passed.clear()
+                    again = True
+                else:
+                    moving = _Subscription(subscribe(dialled.stub), queue)
+                    from_current, from_moving = set(), set()
                 continue
             if source is not current and source is not moving:
                 continue  # a subscription ended since
@@ -117,26 +135,35 @@ async def redialled_stream(
                         _why(item.error),
                     )
                     moving = None
-                    passed.clear()
-                    continue
-                if moving is not None:  # the old one ended first: on with the new one
-                    current, moving = moving, None
-                    continue
-                if item.error is not None:
+                elif moving is not None:  # the old one ended first: on with the new one
+                    current, moving, skip = moving, None, from_current
+                elif item.error is not None:
                     raise item.error
-                return
+                else:
+                    return
+                continue
             key = message_id(item)
-            if key is not None and key in passed:  # passed on from the other stream
-                if moving is not None:  # they overlap: the new one carries all that follows
+            if key is None:
+                yield item
+            elif source is current:
+                if key in skip:
+                    skip.discard(key)
+                    continue
+                skip.clear()
+                if moving is None:
+                    yield item
+                elif key in from_moving:  # the new one is ahead: it carries all that follows
                     current.end()
                     current, moving = moving, None
-                passed.discard(key)
-                continue
-            if key is not None and moving is not None:
-                passed.add(key)
-            elif moving is None:
-                passed.clear()
-            yield item
+                else:
+                    from_current.add(key)
+                    yield item
+            elif key in from_current:  # the old one is ahead: the new one carries the rest
+                current.end()
+                current, moving, skip = moving, None, from_current - {key}
+            else:
+                from_moving.add(key)
+                yield item
     finally:
         watcher.cancel()
         current.end()

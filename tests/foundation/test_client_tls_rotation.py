@@ -161,10 +161,14 @@ class PeerServer:
             async with self.subscribed:
                 self.subscribed.notify_all()
 
-    async def until_subscribed(self, count: int) -> list[asyncio.Queue[bytes]]:
-        """The `Events` subscriptions, once `count` are open."""
+    async def until_subscribed(
+        self, count: int, without: asyncio.Queue[bytes] | None = None
+    ) -> list[asyncio.Queue[bytes]]:
+        """The `Events` subscriptions, once `count` are open (`without` not among them)."""
         async with asyncio.timeout(10), self.subscribed:
-            await self.subscribed.wait_for(lambda: len(self.subscriptions) == count)
+            await self.subscribed.wait_for(
+                lambda: len(self.subscriptions) == count and without not in self.subscriptions
+            )
         return list(self.subscriptions)
 
 
@@ -330,6 +334,13 @@ async def test_a_close_cancelled_as_it_ends_an_old_channel_is_cancelled(
         await dialled.close()
 
 
+async def read_events(dialled: Redialling[PeerStub], messages: asyncio.Queue[bytes]) -> None:
+    """Put the messages of an `Events` subscription on `dialled`, moved at each renewal
+    (`redialled_stream`; a message's id: itself), in `messages`."""
+    async for message in redialled_stream(dialled, lambda stub: stub.Events(b""), bytes.decode):
+        messages.put_nowait(message)
+
+
 @pytest.mark.parametrize("first", ["old", "new"])
 async def test_a_subscription_moves_to_the_new_channel_with_every_message_once(
     pki: Path, tmp_path: Path, peer_server: PeerServer, first: str
@@ -342,12 +353,7 @@ async def test_a_subscription_moves_to_the_new_channel_with_every_message_once(
     later and subscribed again: the messages in between were lost.)"""
     dialled = redialling_peer(pki, tmp_path, peer_server.port)
     messages: asyncio.Queue[bytes] = asyncio.Queue()
-
-    async def read() -> None:
-        async for message in redialled_stream(dialled, lambda stub: stub.Events(b""), bytes.decode):
-            messages.put_nowait(message)
-
-    reader = asyncio.create_task(read())
+    reader = asyncio.create_task(read_events(dialled, messages))
     try:
         old = dialled.channel
         [subscription] = await peer_server.until_subscribed(1)
@@ -369,6 +375,42 @@ async def test_a_subscription_moves_to_the_new_channel_with_every_message_once(
         assert received == [b"1", b"2", b"3", b"4", b"5"]
         assert messages.empty()
         await closed(old)
+    finally:
+        reader.cancel()
+        await asyncio.wait([reader])
+        await dialled.close()
+
+
+async def test_a_subscription_follows_a_second_renewal_made_while_it_moves(
+    pki: Path, tmp_path: Path, peer_server: PeerServer
+) -> None:
+    """The files renewed again while the subscription moves (the server idle: the two
+    streams have not overlapped yet): the move under way completes, then the subscription
+    moves on to the newest channel; every message once."""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    messages: asyncio.Queue[bytes] = asyncio.Queue()
+    reader = asyncio.create_task(read_events(dialled, messages))
+    try:
+        await peer_server.until_subscribed(1)
+        rotate_to_ca(pki, tmp_path)
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"
+        first, second = await peer_server.until_subscribed(2)
+        replace_file(tmp_path / "client.pem", (pki / "client.pem").read_bytes())  # renewed again
+        newest = dialled.channel
+        for subscription in (first, second):
+            subscription.put_nowait(b"1")
+        assert await messages.get() == b"1"
+        # The first ended, and a third subscription opened on the newest channel.
+        still, third = await peer_server.until_subscribed(2, without=first)
+        assert still is second
+        for subscription in (second, third):
+            subscription.put_nowait(b"2")
+        assert await messages.get() == b"2"
+        assert await peer_server.until_subscribed(1) == [third]
+        third.put_nowait(b"3")
+        assert await messages.get() == b"3"
+        assert messages.empty()
+        assert dialled.channel is newest
     finally:
         reader.cancel()
         await asyncio.wait([reader])
