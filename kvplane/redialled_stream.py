@@ -4,15 +4,20 @@ files), make-before-break: the same call is opened on the new channel while the 
 goes on, and the old one is ended once both carried the same message, so that nothing is
 lost in between and nothing is passed on twice.
 
-Messages are told apart by an id (`message_id`: a runtime event's `event_id`), unique in
-the stream and in the same order on every subscription, as the server fans each one out to
-all of them: the first id one stream carries that the other already passed on is where they
-overlap; from there the new one carries all that follows. Until then both are read and each
-message is passed on once, whichever brings it first. A server that sends nothing meanwhile
-(an idle engine) keeps both open until it does; a renewal meanwhile is followed once that
-move is done (never more than two streams); a new subscription that fails leaves the old one
-running (the next renewal tries again). Messages without an id (a terminal error) are passed
-on as they come.
+Messages are told apart by an id (`message_id`: a runtime event's `event_id`; an empty one
+is none). Where the server gives a message the same id on every subscription, fanning each
+one out to all of them (kvplane's engine does), the first id one stream carries that the
+other already passed on is where they overlap; from there the new one carries all that
+follows. Until then both are read and each message is passed on once, whichever brings it
+first; a message without an id (a terminal error) is passed on as it comes. OpenEngine does
+not promise such ids (an engine may make one per subscription, or none), so a move also
+ends once one stream brought `MAX_UNMATCHED` messages (with or without an id) and no
+overlap: on with the new one if it brought any (the old one ended; a warning, as the
+messages both carried meanwhile may have been passed on twice), else the new one is ended
+and the old goes on (a warning; the next renewal tries again). A server that sends nothing
+meanwhile (an idle engine) keeps both open until it does; a renewal meanwhile is followed
+once that move is done (never more than two streams); a new subscription that fails leaves
+the old one running.
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ import grpc
 from kvplane.channels import Redialling
 
 log = logging.getLogger(__name__)
+
+# How many messages one stream may bring in a move, with or without an id, while the other
+# matched none of them. Streams whose ids line up overlap within the messages in flight as
+# the new one opens (a few, for a client that keeps up), well under it; others never do, and
+# meanwhile their messages are passed on twice: it bounds those (a few seconds of a busy
+# engine's passes, once per renewal), a stalled new stream, and the ids kept (as many per
+# stream). An old stream more than this behind the new one loses the messages in between.
+MAX_UNMATCHED = 256
 
 _Stub = TypeVar("_Stub")
 _Message = TypeVar("_Message")
@@ -109,6 +122,8 @@ async def redialled_stream(
     # that the other passed on is where they overlap.
     from_current: set[str] = set()
     from_moving: set[str] = set()
+    # The messages each stream brought since a move began, with or without an id.
+    brought_current = brought_moving = 0
     # The ids the current stream still brings that were passed on from the one it replaced.
     skip: set[str] = set()
     watcher = asyncio.create_task(_watch(dialled, redialled, queue), name=f"watch {dialled.target}")
@@ -124,6 +139,7 @@ async def redialled_stream(
                 else:
                     moving = _Subscription(subscribe(dialled.stub), queue)
                     from_current, from_moving = set(), set()
+                    brought_current = brought_moving = 0
                 continue
             if source is not current and source is not moving:
                 continue  # a subscription ended since
@@ -142,13 +158,16 @@ async def redialled_stream(
                 else:
                     return
                 continue
-            key = message_id(item)
+            key = message_id(item) or None  # an empty id is none
+            if source is moving:
+                brought_moving += 1
+            elif moving is not None:
+                brought_current += 1
             if key is None:
                 yield item
+            elif source is current and key in skip:
+                skip.discard(key)
             elif source is current:
-                if key in skip:
-                    skip.discard(key)
-                    continue
                 skip.clear()
                 if moving is None:
                     yield item
@@ -164,6 +183,28 @@ async def redialled_stream(
             else:
                 from_moving.add(key)
                 yield item
+            if moving is None or max(brought_current, brought_moving) < MAX_UNMATCHED:
+                continue
+            if brought_moving:
+                log.warning(
+                    "%s: the subscriptions on the old and new channel carried no message id "
+                    "in common in %d messages (their ids do not line up): on with the new one "
+                    "(the messages both carried meanwhile may have been passed on twice)",
+                    dialled.target,
+                    max(brought_current, brought_moving),
+                )
+                current.end()
+                current, moving, skip = moving, None, set()
+            else:
+                log.warning(
+                    "%s: the subscription on the new channel brought nothing while the old "
+                    "one brought %d messages: ended, the old one goes on (the next renewal "
+                    "tries again)",
+                    dialled.target,
+                    brought_current,
+                )
+                moving.end()
+                moving = None
     finally:
         watcher.cancel()
         current.end()
