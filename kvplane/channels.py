@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -198,13 +199,6 @@ class ClientChannels:
         return grpc.intercept_channel(channel, _DefaultMetadata(self.call_metadata))
 
 
-# How long an old channel's calls may run on after a rotation dialled its server again
-# (`Redialling`): a relayed generation or a KV pull ends well within it; a stream that never
-# ends (a planner's runtime events) is ended then and subscribed again on the new channel,
-# so no connection made with a certificate since replaced lives on for ever.
-OLD_CHANNEL_GRACE_S = 3600.0
-
-
 class Redialling(Generic[_Stub]):
     """A long-running client's channel to one server (`target`) and the `stub` made on it,
     dialled again with its TLS files when they change: gRPC keeps a channel's credentials at
@@ -214,24 +208,28 @@ class Redialling(Generic[_Stub]):
     `channel` and `stub` are what a new call is made on: each look checks the TLS files (a
     `stat` a file) and, once they changed and can be used (a rotation caught halfway keeps
     the channel it has), dials the server with them. The calls and streams already on the
-    old channel finish there; it is closed once the last of them ended, or after `grace_s`
-    (which ends those still running). A call that failed with no connection up and files
-    changed since (`after_failure`) closes its channel at once: nothing on it reaches the
-    server."""
+    old channel finish there, however long they run (as a TLS connection keeps the session it
+    was made with, in gRPC and Envoy alike): it is closed once the last of them ended. Each
+    old channel is one connection (one fd) and the buffers of its calls, kept only as long as
+    a call made before the renewal: a unary call or KV pull its deadline, a relayed generation
+    its request; a subscription that never ends moves to the new channel itself
+    (`dialled_again`, `kvplane.redialled_stream`). A call that failed with no connection up
+    and files changed since (`after_failure`) closes its channel at once: nothing on it
+    reaches the server."""
 
     def __init__(
         self,
         channels: ClientChannels,
         target: str,
         stub: Callable[[grpc.aio.Channel], _Stub],
-        grace_s: float = OLD_CHANNEL_GRACE_S,
     ) -> None:
         self._channels = channels
         self.target = target
         self._make_stub = stub
-        self._grace_s = grace_s
         # Old channels closing as their calls end (`_follow_files`), each with its task.
         self._retiring: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
+        # Set (and replaced) each time the server is dialled again (`dialled_again`).
+        self._redialled = asyncio.Event()
         self._channel, self._stub = self._dial()
 
     def _dial(self) -> tuple[grpc.aio.Channel, _Stub]:
@@ -244,7 +242,14 @@ class Redialling(Generic[_Stub]):
         caller to close."""
         old = self._channel
         self._channel, self._stub = self._dial()
+        self._redialled.set()
+        self._redialled = asyncio.Event()
         return old
+
+    def dialled_again(self) -> asyncio.Event:
+        """An event set once the server is dialled again after this call: renewed TLS files
+        seen by a look at `channel` or `stub`, `after_failure`, `redial`."""
+        return self._redialled
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -260,7 +265,7 @@ class Redialling(Generic[_Stub]):
 
     def _follow_files(self) -> None:
         """Dial the server again when the TLS files changed since (a `stat` a file), the old
-        channel closed in the background once its calls ended (`grace_s` at most)."""
+        channel closed in the background once its calls ended."""
         if not self._channels.dialled_with_old_files(self._dialled_with):
             return
         log.info("%s: dialling it with its renewed TLS files from now on", self.target)
@@ -271,7 +276,9 @@ class Redialling(Generic[_Stub]):
 
     async def _retire(self, old: grpc.aio.Channel) -> None:
         try:
-            await old.close(self._grace_s)
+            # (grpc.aio refuses new calls on a closing channel, waits `grace` for those under
+            # way, and cancels them then: an infinite grace waits for them all.)
+            await old.close(math.inf)
         finally:
             self._retiring.pop(old, None)
 

@@ -64,6 +64,7 @@ from kvplane.channels import (
 from kvplane.enum_names import enum_name
 from kvplane.errors import ConfigError
 from kvplane.metrics import start_metrics_server
+from kvplane.redialled_stream import redialled_stream
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.actuator import Actuator, LocalProcesses
@@ -508,9 +509,10 @@ class LivePlanner:
         A stream that ends is subscribed again after `RESUBSCRIBE_S` (or the engine's
         retry_after_ms, if longer): an engine ends it with an EngineError when the planner
         falls too far behind, and every pass missed after that would make the fleet look idler
-        than it is; so is one ended by the close of its channel, left for renewed TLS files
-        (`Redialling`). An engine without runtime events (UNIMPLEMENTED) is not asked again;
-        an event whose attributes are not numbers is skipped (said once)."""
+        than it is. Renewed TLS files (`Redialling`) move the subscription to the new channel,
+        no pass lost or counted twice (`kvplane.redialled_stream`). An engine without runtime
+        events (UNIMPLEMENTED) is not asked again; an event whose attributes are not numbers
+        is skipped (said once)."""
         dialled = engine.dialled
         assert dialled is not None
         request = pb.SubscribeRuntimeEventsRequest(types=[pb.RUNTIME_EVENT_TYPE_FORWARD_PASS])
@@ -518,8 +520,11 @@ class LivePlanner:
         while True:
             wait_s = RESUBSCRIBE_S
             why = "ended"
+            events = redialled_stream(
+                dialled, lambda stub: stub.SubscribeRuntimeEvents(request), _event_id
+            )
             try:
-                async for response in dialled.stub.SubscribeRuntimeEvents(request):
+                async for response in events:
                     if response.WhichOneof("event") == "error":  # terminal: nothing follows
                         error = response.error
                         code = enum_name(pb.ErrorCode.DESCRIPTOR, error.code)
@@ -555,13 +560,15 @@ class LivePlanner:
                 )
                 why = f"ended ({exc.code().name}){hint}"
             except asyncio.CancelledError:
-                # The stream's channel was closed under it (an old one, `OLD_CHANNEL_GRACE_S`
-                # after renewed TLS files dialled the engine again): subscribed again on the
+                # The stream's channel was closed under it (dialled again after a call failed
+                # for renewed TLS files, before the stream moved): subscribed again on the
                 # new one. This task's own cancellation (the engine removed) goes on.
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
                     raise
                 why = "ended (its channel was closed: the TLS files were renewed)"
+            finally:
+                await events.aclose()
             log.info("runtime events of %s %s; subscribing again", engine.engine_id, why)
             await asyncio.sleep(wait_s)
 
@@ -714,6 +721,14 @@ def _load(info: pb.LoadInfo, last: EngineLoad) -> EngineLoad:
             info.active_kv_sessions if has("active_kv_sessions") else last.active_kv_sessions
         ),
     )
+
+
+def _event_id(response: pb.SubscribeRuntimeEventsResponse) -> str | None:
+    """A runtime event's id (None: a terminal error)."""
+    if response.WhichOneof("event") != "runtime_event":
+        return None
+    event_id: str = response.runtime_event.event_id
+    return event_id
 
 
 def _forward_pass(engine_id: str, response: pb.SubscribeRuntimeEventsResponse) -> ForwardPasses:

@@ -290,7 +290,7 @@ class KvSessionPuller:
             # A pull under way when peer_tls is renewed ends on the old channel (its timeout
             # bounds it); the next is made on a channel dialled with the new files.
             peer = self._peers[target] = Redialling(
-                self._channel_options, target, kt_grpc.KvTransferStub, self._timeout_s
+                self._channel_options, target, kt_grpc.KvTransferStub
             )
         self._peers.move_to_end(target)
         self._calls[target] += 1

@@ -6,8 +6,9 @@ mutual-TLS server on 127.0.0.1, openssl-made certificates (the `pki` fixture).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -17,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvplane.channels import ClientChannels, Redialling
 from kvplane.config import ClientTlsConfig, ServerConfig, TlsConfig
 from kvplane.errors import ConfigError
+from kvplane.redialled_stream import MAX_UNMATCHED, redialled_stream
 from kvplane.server import create_server
 from kvplane.server_tls import server_credentials
 from tests.rotation import replace_file
@@ -97,7 +99,7 @@ def test_a_ca_file_openssl_cannot_load_is_a_config_error_naming_it(tmp_path: Pat
 class PeerStub:
     """The client of `peer_server`: `Name`, the common name of the client certificate the
     server saw on the call's connection; `Count`, a stream of b"1", then (once the server's
-    `go_on` is set) b"2"."""
+    `go_on` is set) b"2"; `Events`, a subscription to what the server publishes."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.Name: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(
@@ -105,6 +107,9 @@ class PeerStub:
         )
         self.Count: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
             "/test.Peer/Count"
+        )
+        self.Events: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+            "/test.Peer/Events"
         )
 
 
@@ -114,6 +119,9 @@ class PeerServer:
 
     def __init__(self, tls: TlsConfig) -> None:
         self.go_on = asyncio.Event()
+        # The `Events` subscriptions open, oldest first.
+        self.subscriptions: list[asyncio.Queue[bytes]] = []
+        self.subscribed = asyncio.Condition()
         self.server = grpc.aio.server()
         self.server.add_generic_rpc_handlers(
             [
@@ -122,6 +130,7 @@ class PeerServer:
                     {
                         "Name": grpc.unary_unary_rpc_method_handler(self._name),
                         "Count": grpc.unary_stream_rpc_method_handler(self._count),
+                        "Events": grpc.unary_stream_rpc_method_handler(self._events),
                     },
                 )
             ]
@@ -137,6 +146,31 @@ class PeerServer:
         yield b"1"
         await self.go_on.wait()
         yield b"2"
+
+    async def _events(
+        self, request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        async with self.subscribed:
+            self.subscriptions.append(queue)
+            self.subscribed.notify_all()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.subscriptions.remove(queue)
+            async with self.subscribed:
+                self.subscribed.notify_all()
+
+    async def until_subscribed(
+        self, count: int, without: asyncio.Queue[bytes] | None = None
+    ) -> list[asyncio.Queue[bytes]]:
+        """The `Events` subscriptions, once `count` are open (`without` not among them)."""
+        async with asyncio.timeout(10), self.subscribed:
+            await self.subscribed.wait_for(
+                lambda: len(self.subscriptions) == count and without not in self.subscriptions
+            )
+        return list(self.subscriptions)
 
 
 @pytest.fixture
@@ -183,14 +217,25 @@ async def closed(channel: grpc.aio.Channel) -> None:
         await asyncio.sleep(0.05)
 
 
+def hours_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop's clock moves on two hours (what its timers see): a call that runs that
+    long, a generation relayed for hours."""
+    loop = asyncio.get_running_loop()
+    now = loop.time
+    monkeypatch.setattr(loop, "time", lambda: now() + 2 * 3600.0)
+
+
 async def test_a_stream_open_across_a_rotation_ends_on_the_old_channel_as_new_calls_use_the_new(
-    pki: Path, tmp_path: Path, peer_server: PeerServer
+    pki: Path, tmp_path: Path, peer_server: PeerServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cert-manager renews a long-running client's certificate (and the server's trust)
     while a stream runs on its channel: the next call is made on a channel dialled with the
     new files (the server sees the new certificate; no call failed first), the stream goes
-    on to its end on the old channel, which is closed then. (The renewed files were used
-    only once a call had failed, and that dial ended the streams on the old channel.)"""
+    on to its end on the old channel, however long it runs (hours: a generation the gateway
+    relays), as a TLS connection keeps the session it was made with; the old channel is
+    closed then. (The renewed files were used only once a call had failed, and that dial
+    ended the streams on the old channel; later, the old channel was closed an hour after
+    the rotation, cutting the stream: the gateway said the engine had left.)"""
     dialled = redialling_peer(pki, tmp_path, peer_server.port)
     try:
         assert await dialled.stub.Name(b"", timeout=10) == b"other-ca-client"
@@ -200,6 +245,8 @@ async def test_a_stream_open_across_a_rotation_ends_on_the_old_channel_as_new_ca
         rotate_to_ca(pki, tmp_path)
         assert await dialled.stub.Name(b"", timeout=10) == b"client"
         assert dialled.channel is not old
+        hours_later(monkeypatch)
+        assert await dialled.stub.Name(b"", timeout=10) == b"client"  # the loop ran on
         peer_server.go_on.set()
         while (message := await stream.read()) is not grpc.aio.EOF:
             received.append(message)
@@ -286,3 +333,175 @@ async def test_a_close_cancelled_as_it_ends_an_old_channel_is_cancelled(
             await PeerStub(dialled.channel).Name(b"", timeout=10)
     finally:
         await dialled.close()
+
+
+@contextlib.asynccontextmanager
+async def reading_events(
+    dialled: Redialling[PeerStub], message_id: Callable[[bytes], str] = bytes.decode
+) -> AsyncIterator[asyncio.Queue[bytes]]:
+    """The messages of an `Events` subscription on `dialled`, moved at each renewal
+    (`redialled_stream`; a message's id: itself, unless `message_id` says), as they come;
+    the subscription and `dialled` closed at the end."""
+    messages: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def read() -> None:
+        async for message in redialled_stream(dialled, lambda stub: stub.Events(b""), message_id):
+            messages.put_nowait(message)
+
+    reader = asyncio.create_task(read())
+    try:
+        yield messages
+    finally:
+        reader.cancel()
+        await asyncio.wait([reader])
+        await dialled.close()
+
+
+async def renewed_under(
+    dialled: Redialling[PeerStub], peer_server: PeerServer, pki: Path, tmp_path: Path
+) -> list[asyncio.Queue[bytes]]:
+    """`rotate_to_ca` under an `Events` subscription on `dialled`: the next call is made on
+    the new channel, and the subscription moves there; its old and new subscriptions."""
+    rotate_to_ca(pki, tmp_path)
+    assert await dialled.stub.Name(b"", timeout=10) == b"client"
+    return await peer_server.until_subscribed(2)
+
+
+@pytest.mark.parametrize("first", ["old", "new"])
+async def test_a_subscription_moves_to_the_new_channel_with_every_message_once(
+    pki: Path, tmp_path: Path, peer_server: PeerServer, first: str
+) -> None:
+    """A subscription that never ends, open across a rotation, moves to the channel dialled
+    with the new files, make-before-break: a second subscription is opened there, and the
+    first is ended once both carried the same message, whichever stream brings the messages
+    first; each message is passed on once, those the two carried together included, and the
+    old channel is closed then. (The stream stayed on the old channel, to be cut an hour
+    later and subscribed again: the messages in between were lost.)"""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    async with reading_events(dialled) as messages:
+        old = dialled.channel
+        [subscription] = await peer_server.until_subscribed(1)
+        subscription.put_nowait(b"1")
+        received = [await messages.get()]
+        old_one, new_one = await renewed_under(dialled, peer_server, pki, tmp_path)
+        # What the server published since both were open, one stream ahead of the other.
+        ahead, behind = (old_one, new_one) if first == "old" else (new_one, old_one)
+        for message in (b"2", b"3", b"4"):
+            ahead.put_nowait(message)
+        received += [await messages.get() for _ in range(3)]
+        for message in (b"2", b"3", b"4"):
+            behind.put_nowait(message)
+        assert await peer_server.until_subscribed(1) == [new_one]  # the old one ended
+        new_one.put_nowait(b"5")
+        received.append(await messages.get())
+        assert received == [b"1", b"2", b"3", b"4", b"5"]
+        assert messages.empty()
+        await closed(old)
+
+
+async def test_a_subscription_follows_a_second_renewal_made_while_it_moves(
+    pki: Path, tmp_path: Path, peer_server: PeerServer
+) -> None:
+    """The files renewed again while the subscription moves (the server idle: the two
+    streams have not overlapped yet): the move under way completes, then the subscription
+    moves on to the newest channel; every message once."""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    async with reading_events(dialled) as messages:
+        await peer_server.until_subscribed(1)
+        first, second = await renewed_under(dialled, peer_server, pki, tmp_path)
+        replace_file(tmp_path / "client.pem", (pki / "client.pem").read_bytes())  # renewed again
+        newest = dialled.channel
+        for subscription in (first, second):
+            subscription.put_nowait(b"1")
+        assert await messages.get() == b"1"
+        # The first ended, and a third subscription opened on the newest channel.
+        still, third = await peer_server.until_subscribed(2, without=first)
+        assert still is second
+        for subscription in (second, third):
+            subscription.put_nowait(b"2")
+        assert await messages.get() == b"2"
+        assert await peer_server.until_subscribed(1) == [third]
+        third.put_nowait(b"3")
+        assert await messages.get() == b"3"
+        assert messages.empty()
+        assert dialled.channel is newest
+
+
+def with_id(event: int, event_id: str) -> bytes:
+    """An `Events` message carrying `event` with the id `event_id`: b"ID/EVENT"."""
+    return f"{event_id}/{event}".encode()
+
+
+def id_of(message: bytes) -> str:
+    return message.partition(b"/")[0].decode()
+
+
+async def until_received(messages: asyncio.Queue[bytes], event: int, received: list[int]) -> None:
+    """Read the events of `with_id` messages into `received` until `event` is among them."""
+    async with asyncio.timeout(10):
+        while event not in received:
+            received.append(int((await messages.get()).partition(b"/")[2]))
+
+
+@pytest.mark.parametrize("ids", ["per subscription", "empty"])
+async def test_a_subscription_whose_event_ids_do_not_line_up_moves_to_the_new_stream_alone(
+    pki: Path, tmp_path: Path, peer_server: PeerServer, caplog: pytest.LogCaptureFixture, ids: str
+) -> None:
+    """An engine that gives each subscription its own event ids (a UUID per send), or none
+    (OpenEngine promises neither way): the subscription moved by a renewal ends up on the
+    new channel alone (the old call cancelled) once one stream brought `MAX_UNMATCHED` events
+    none of which the other carried, with one warning; every event arrives (one only the old
+    stream brought included), and each one after the move once. (The streams never
+    overlapped: both stayed open for good, each event passed on twice, their ids kept without
+    bound; an empty id was taken for an overlap, and the event lost.)"""
+
+    def message(event: int, subscription: str) -> bytes:
+        return with_id(event, f"{subscription}-{event}" if ids == "per subscription" else "")
+
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    received: list[int] = []
+    async with reading_events(dialled, id_of) as messages:
+        [old_one] = await peer_server.until_subscribed(1)
+        old_one.put_nowait(message(1, "old"))
+        await until_received(messages, 1, received)
+        with caplog.at_level(logging.WARNING, logger="kvplane.redialled_stream"):
+            old_one, new_one = await renewed_under(dialled, peer_server, pki, tmp_path)
+            old_one.put_nowait(message(2, "old"))  # published as the new one opened
+            await until_received(messages, 2, received)
+            last = 2 + MAX_UNMATCHED
+            for event in range(3, last + 1):  # published to both, the new one first
+                new_one.put_nowait(message(event, "new"))
+                await until_received(messages, event, received)
+                old_one.put_nowait(message(event, "old"))
+            assert await peer_server.until_subscribed(1) == [new_one]  # the old one ended
+        assert caplog.text.count("carried no message id in common") == 1
+        for event in (last + 1, last + 2):
+            new_one.put_nowait(message(event, "new"))
+        await until_received(messages, last + 2, received)
+        assert sorted(set(received)) == list(range(1, last + 3))
+        assert received.count(last + 1) == 1
+        assert received[-2:] == [last + 1, last + 2]
+        assert messages.empty()
+
+
+async def test_a_new_subscription_that_brings_nothing_is_ended_and_the_old_one_goes_on(
+    pki: Path, tmp_path: Path, peer_server: PeerServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The subscription a renewal opens on the new channel brings nothing while the old one
+    brings every event: once the old one brought `MAX_UNMATCHED` events, the new call is cancelled
+    (a warning) and the old one goes on, each event once. (The move waited for an overlap
+    for good: two streams open, the old one's ids kept without bound.)"""
+    dialled = redialling_peer(pki, tmp_path, peer_server.port)
+    async with reading_events(dialled) as messages:
+        await peer_server.until_subscribed(1)
+        old_one, new_one = await renewed_under(dialled, peer_server, pki, tmp_path)
+        events = [str(event).encode() for event in range(1, MAX_UNMATCHED + 1)]
+        with caplog.at_level(logging.WARNING, logger="kvplane.redialled_stream"):
+            for event in events:
+                old_one.put_nowait(event)
+            assert [await messages.get() for _ in events] == events
+            assert await peer_server.until_subscribed(1, without=new_one) == [old_one]
+        assert "the subscription on the new channel brought nothing" in caplog.text
+        old_one.put_nowait(b"next")
+        assert await messages.get() == b"next"
+        assert messages.empty()

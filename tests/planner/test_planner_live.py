@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from controller.app import ControllerApp, start_controller
 from controller.config import ControllerConfig
 from controller.registry import EngineState as RegistryState
-from kvplane.channels import INSECURE, OLD_CHANNEL_GRACE_S, ClientChannels, Redialling
+from kvplane.channels import INSECURE, ClientChannels, Redialling
 from kvplane.config import ClientTlsConfig, TlsConfig
 from kvplane.errors import KvplaneError
 from kvplane.metrics import start_metrics_server
@@ -551,12 +551,11 @@ def forward_pass(**attributes: str) -> pb.SubscribeRuntimeEventsResponse:
 @contextlib.asynccontextmanager
 async def following(
     engine_servicer: pb_grpc.OpenEngineServicer,
-    tls: tuple[TlsConfig, ClientChannels, float] | None = None,
+    tls: tuple[TlsConfig, ClientChannels] | None = None,
 ) -> AsyncIterator[tuple[live_module._Engine, asyncio.Task[None]]]:
     """A real gRPC server playing an engine's part with `engine_servicer`, and the planner
     following its runtime events (the engine it observes, the following task). `tls`: the
-    server's TLS, the planner's channels to it, and how long an old channel's calls may run
-    on after a rotation."""
+    server's TLS and the planner's channels to it."""
     server = grpc.aio.server()
     pb_grpc.add_OpenEngineServicer_to_server(engine_servicer, server)
     if tls is None:
@@ -565,8 +564,8 @@ async def following(
         port = server.add_secure_port("127.0.0.1:0", server_credentials(tls[0]))
     await server.start()
     engine = live_module._Engine(f"127.0.0.1:{port}", "default", EngineState.SERVING)
-    channels, grace_s = (INSECURE, OLD_CHANNEL_GRACE_S) if tls is None else tls[1:]
-    engine.dialled = Redialling(channels, engine.engine_id, pb_grpc.OpenEngineStub, grace_s)
+    channels = INSECURE if tls is None else tls[1]
+    engine.dialled = Redialling(channels, engine.engine_id, pb_grpc.OpenEngineStub)
     planner_ = LivePlanner(planner(1, 1), local_processes(1, Path("/nonexistent")))
     follower = asyncio.create_task(planner_._follow_passes(engine))
     try:
@@ -748,37 +747,76 @@ async def test_a_runtime_event_stream_that_ends_is_subscribed_again(
     assert any(r.getMessage().startswith(f"{ended}: fell behind)") for r in caplog.records)
 
 
-async def test_a_stream_ended_with_its_channel_after_a_tls_rotation_is_subscribed_again(
-    pki: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+class BroadcastingEngine(PartialOpenEngine):
+    """An engine whose runtime events (`publish`) go to every subscription open, each with its
+    own id, as engine.server's do."""
+
+    def __init__(self) -> None:
+        self.subscriptions: list[asyncio.Queue[pb.SubscribeRuntimeEventsResponse]] = []
+        self.opened = 0
+        self.changed = asyncio.Condition()
+
+    async def SubscribeRuntimeEvents(
+        self, request: object, context: object
+    ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
+        queue: asyncio.Queue[pb.SubscribeRuntimeEventsResponse] = asyncio.Queue()
+        async with self.changed:
+            self.subscriptions.append(queue)
+            self.opened += 1
+            self.changed.notify_all()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self.subscriptions.remove(queue)
+            async with self.changed:
+                self.changed.notify_all()
+
+    def publish(self, number: int) -> None:
+        """FORWARD_PASS number `number` (its duration `number` ms) to every subscription."""
+        response = forward_pass(duration_ms=str(number), batch_size="1")
+        response.runtime_event.event_id = f"engine-{number}"
+        for queue in self.subscriptions:
+            queue.put_nowait(response)
+
+    async def until(self, opened: int, open_now: int) -> None:
+        """Return once `opened` subscriptions were opened and `open_now` are open."""
+        async with asyncio.timeout(10), self.changed:
+            await self.changed.wait_for(
+                lambda: self.opened == opened and len(self.subscriptions) == open_now
+            )
+
+
+async def test_runtime_events_move_to_the_new_channel_after_a_tls_rotation_with_none_lost(
+    pki: Path, tmp_path: Path
 ) -> None:
-    """The engine's TLS files renewed: the planner's next call dials it again, its runtime
-    events stream going on on the old channel until that is closed (`OLD_CHANNEL_GRACE_S`,
-    shortened here); then the planner subscribes again, on the new channel. (The stream's
-    end by its channel's close raised CancelledError, which ended the following for good:
-    the engine's forward passes were no longer observed.)"""
-    monkeypatch.setattr(live_module, "RESUBSCRIBE_S", 0.01)
-    durations_ms = iter(["10", "20"])  # one pass per subscription
-
-    class Engine(PartialOpenEngine):
-        async def SubscribeRuntimeEvents(
-            self, request: object, context: object
-        ) -> AsyncIterator[pb.SubscribeRuntimeEventsResponse]:
-            yield forward_pass(duration_ms=next(durations_ms), batch_size="1")
-            await asyncio.Event().wait()  # open until cancelled
-
+    """The engine's TLS files renewed: the planner's next call dials it again, and its
+    runtime-event subscription moves to the new channel by itself, make-before-break: a
+    second subscription is opened there while the first goes on, and the first is ended once
+    both carried the same event. Every pass reaches the planner once, those published while
+    both were open included. (The stream stayed on the old channel until it was closed an
+    hour later, then was subscribed again a second later: the passes in between were lost.)"""
+    engine_servicer = BroadcastingEngine()
     ca_file = tmp_path / "ca.pem"
     ca_file.write_bytes((pki / "ca.pem").read_bytes())
     server_tls = TlsConfig(cert_file=pki / "server.pem", key_file=pki / "server.key")
     channels = ClientChannels.load(ClientTlsConfig(ca_file=ca_file))
-    async with following(Engine(), (server_tls, channels, 0.2)) as (engine, follower):
+    async with following(engine_servicer, (server_tls, channels)) as (engine, follower):
         assert engine.dialled is not None
+        await engine_servicer.until(opened=1, open_now=1)
+        engine_servicer.publish(1)
         await until_passes(engine, 1)
         old = engine.dialled.channel
         replace_file(ca_file, (pki / "ca.pem").read_bytes())  # renewed
         assert engine.dialled.channel is not old  # the next call's
-        await until_passes(engine, 2)
+        await engine_servicer.until(opened=2, open_now=2)  # made before the break
+        for number in (2, 3, 4):
+            engine_servicer.publish(number)
+        await engine_servicer.until(opened=2, open_now=1)  # the old one ended
+        engine_servicer.publish(5)
+        await until_passes(engine, 5)
         assert not follower.done()
-    assert [p.duration_s for p in engine.passes] == [0.01, 0.02]
+    assert [p.duration_s for p in engine.passes] == [0.001, 0.002, 0.003, 0.004, 0.005]
 
 
 async def test_a_runtime_event_that_is_not_numbers_is_skipped_not_the_stream(
