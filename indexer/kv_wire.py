@@ -3,7 +3,7 @@
 Adapter code: the servicers, the bridge and the admin CLI use it; the core never sees protos.
 `batch_from_proto` keeps unknown enum values as they are so that `indexer.index.validate_batch`
 rejects them with the seed's status code and in the seed's order (worker id, action count,
-each action, hash total).
+hash total, each action).
 """
 
 from __future__ import annotations

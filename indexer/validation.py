@@ -78,10 +78,11 @@ def worker_name_problem(field: str, value: str) -> str | None:
 
 def validate_batch(batch: Batch) -> None:
     """ApplyExternalKvBatch's rules, checked before any state changes (WIRE.md section 2),
-    plus kvplane's own on the worker's names (`worker_name_problem`).
+    plus kvplane's own on the worker's names (`worker_name_problem`). In SGLang's order: the
+    worker id, the batch's size (actions, then hashes), then each action's own rules.
 
-    On every apply's path: one pass, each action unpacked once; the error message (and the
-    action's position in it) is worked out only for a batch that fails."""
+    On every apply's path: the hash total, then one pass, each action unpacked once; the error
+    message (and the action's position in it) is worked out only for a batch that fails."""
     actions = batch.actions
     if not batch.worker_id or type(batch.worker_id) is not str:
         raise _invalid("worker_id must be a non-empty string")
@@ -97,7 +98,15 @@ def validate_batch(batch: Batch) -> None:
             ValidationKind.RESOURCE_EXHAUSTED,
             f"{len(actions)} actions in one batch; at most {MAX_ACTIONS_PER_BATCH}",
         )
-    num_hashes = 0
+    # The hash total before any action's own rules, as SGLang's indexer checks them: a batch
+    # too large is RESOURCE_EXHAUSTED whatever else is wrong with it (a CLEAR's hashes are
+    # ignored, so not counted).
+    num_hashes = sum([len(action[2]) for action in actions if action[0] != _CLEAR])
+    if num_hashes > MAX_HASHES_PER_REQUEST:
+        raise IndexRequestError(
+            ValidationKind.RESOURCE_EXHAUSTED,
+            f"{num_hashes} hashes in one batch; at most {MAX_HASHES_PER_REQUEST}",
+        )
     for action in actions:
         kind, tier, hashes, masks, sizes, _parent, _copies = action
         if kind not in _ACTION_VALUES:
@@ -128,12 +137,6 @@ def validate_batch(batch: Batch) -> None:
             sizes and (min(sizes) < 0 or max(sizes) > MAX_UINT32)
         ):
             _range_error(actions.index(action), "component_masks and block_sizes must be uint32")
-        num_hashes += n
-    if num_hashes > MAX_HASHES_PER_REQUEST:
-        raise IndexRequestError(
-            ValidationKind.RESOURCE_EXHAUSTED,
-            f"{num_hashes} hashes in one batch; at most {MAX_HASHES_PER_REQUEST}",
-        )
 
 
 def _shape_error(i: int, n: int, num_masks: int, num_sizes: int) -> NoReturn:

@@ -16,6 +16,8 @@ from indexer.index import PrefixIndex
 TIERS = (Tier.HBM, Tier.DRAM, Tier.SSD)
 SERVABLE = (1 << Tier.HBM) | (1 << Tier.DRAM)
 FULL, SWA, MAMBA = 1, 2, 4
+# One tier of a worker in a MatchExternalKv answer: tier, hashes, their masks and sizes.
+TierRow = tuple[Tier, list[BlockKey], list[int], list[int]]
 
 workers = st.sampled_from(["a", "b", "c"])
 tiers = st.sampled_from(TIERS)
@@ -158,6 +160,24 @@ class Model:
                 best = i + 1
         return best
 
+    def match(self, hashes: list[BlockKey]) -> list[tuple[str, str, list[TierRow]]]:
+        """MatchExternalKv as WIRE.md states it: distinct hashes in first-seen order; workers
+        in first-seen order (those first seen on one hash by worker id); per worker its tiers
+        ascending, each with its hashes in query order and their masks and sizes aligned."""
+        distinct = list(dict.fromkeys(hashes))
+        order: list[str] = []
+        for key in distinct:
+            order.extend(sorted({w for (w, _, k) in self.placements if k == key} - set(order)))
+        out = []
+        for wid in order:
+            rows = []
+            for tier in TIERS:
+                if held := [k for k in distinct if (wid, tier, k) in self.placements]:
+                    masks = [self.placements[(wid, tier, k)][0] for k in held]
+                    rows.append((tier, held, masks, [self.sizes.get(k, 0) for k in held]))
+            out.append((wid, self.info[wid][0], rows))
+        return out
+
     def match_prefix(self, hashes: list[BlockKey], max_blocks: int) -> list[tuple[str, int]]:
         limit = hashes[: max_blocks or len(hashes)]
         out = []
@@ -264,18 +284,20 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(hashes=st.lists(keys, min_size=1, max_size=6), count=st.booleans())
     def match(self, hashes: list[BlockKey], count: bool) -> None:
-        got = self.index.match(hashes, count)
-        placed = {
-            (wp.worker_id, tp.tier, k): m
-            for wp in got
-            for tp in wp.by_tier
-            for k, m in zip(tp.hashes, tp.component_masks, strict=True)
-        }
-        distinct = set(hashes)
-        want = {p: e[0] for p, e in self.model.placements.items() if p[2] in distinct}
-        assert placed == want
+        got = [
+            (
+                wp.worker_id,
+                wp.address,
+                [
+                    (tp.tier, list(tp.hashes), list(tp.component_masks), list(tp.block_sizes))
+                    for tp in wp.by_tier
+                ],
+            )
+            for wp in self.index.match(hashes, count)
+        ]
+        assert got == self.model.match(hashes)
         if count:
-            for key in distinct:
+            for key in set(hashes):
                 if self.model.holds(key):
                     self.model.hits[key] = self.model.hits.get(key, 0) + 1
 
@@ -285,6 +307,11 @@ class IndexMachine(RuleBasedStateMachine):
         got = [(m.worker_id, m.matched_prefix_blocks) for m in result.matches]
         want = self.model.match_prefix(hashes, max_blocks)
         assert got == want
+        assert [m.worker_address for m in result.matches] == [
+            self.model.info[wid][0] for wid, _ in want
+        ]
+        if not self.model.holds(hashes[0]):  # WIRE.md: a first-block miss reads one block
+            assert result.blocks_read == 1
         assert result.best_prefix_blocks == (want[0][1] if want else 0)
 
     @rule(hashes=st.lists(keys, min_size=1, max_size=6))

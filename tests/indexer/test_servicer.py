@@ -234,6 +234,25 @@ async def test_a_batch_with_the_reserved_incarnation_field_is_applied(served: Se
     assert [list(t.hashes) for t in match.matches[0].hashes_by_tier] == [[1, 2]]
 
 
+async def test_a_batch_over_the_hash_limit_is_resource_exhausted_whatever_else_is_wrong(
+    served_backend: ServedBackend,
+) -> None:
+    """SGLang's indexer checks a batch's size (actions, then hashes summed over them) before
+    any action's own rules, so a batch too large is RESOURCE_EXHAUSTED even when one of its
+    actions is malformed too: a sender splits it and retries, whatever it would learn next."""
+    stub = served_backend.stub
+    too_many = [_report(HBM, list(range(10_000))), _report(DRAM, list(range(6_385)))]
+    for malformed in (
+        _report(kv.TIER_UNKNOWN, [1]),
+        kv.ExternalKvAction(type=kv.ACTION_UNKNOWN, tier=HBM, hashes=[1]),
+        _report(HBM, [1, 2], component_masks=[1]),
+        kv.ExternalKvAction(type=REVOKE, tier=HBM),
+    ):
+        for actions in ((malformed, *too_many), (*too_many, malformed)):
+            assert await _code(stub.ApplyExternalKvBatch(_batch(*actions))) == EXHAUSTED
+    assert (await served_backend.stats()).num_placements == 0
+
+
 async def test_limits_are_inclusive_and_an_empty_batch_refreshes_the_address(
     served_backend: ServedBackend,
 ) -> None:
