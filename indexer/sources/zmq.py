@@ -79,7 +79,9 @@ at another rank's port) is counted as bad and dropped; a live batch's rank that 
 the rank of the batches the worker holds (filled by such a replay at start) makes its gap
 check clear and rebuild (`_is_other_ranks`, `_learn_rank`).
 
-Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
+Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one
+(each logged as a warning only at the source's 1st, 2nd, 4th, 8th, ... bad message,
+`_drop_bad_message`; malformed and unknown events likewise, `_drop_bad_events`).
 A message whose content the translator or the index refuses (validation) counts as bad too:
 its refused batch is dropped (a missing block, never a stale one) and the stream goes on.
 What these rules cannot see is listed in docs/indexer.md ("Sequence tracking").
@@ -394,8 +396,7 @@ class ZmqSource:
                 try:
                     message = decode_frames(frames)
                 except KvEventDecodeError as exc:
-                    self.counters.num_bad_messages += 1
-                    log.warning("dropping bad message from %s: %s", self.settings.endpoint, exc)
+                    self._drop_bad_message("bad message from %s: %s", self.settings.endpoint, exc)
                 else:
                     if _is_wanted_topic(message.topic, self.settings.topic):
                         await self._on_message(message)
@@ -609,15 +610,13 @@ class ZmqSource:
         try:
             batch = decode_payload(message.payload, array_tail=self.settings.array_tail)
         except KvEventDecodeError as exc:
-            self.counters.num_bad_messages += 1
-            log.warning("worker %s: dropping seq %d: %s", self.worker_id, message.seq, exc)
+            self._drop_bad_message("seq %d: %s", message.seq, exc)
         else:
             if self._is_other_ranks(batch, replayed=replayed):
-                self.counters.num_bad_messages += 1
+                self.counters.num_bad_messages += 1  # (warned once per run, by the check)
             else:
                 self.counters.num_events += len(batch.events)
-                self.counters.num_bad_events += batch.num_bad_events
-                self.counters.num_unknown_events += batch.num_unknown_events
+                self._drop_bad_events(message.seq, batch)
                 await self._index(batch, message.seq)
                 if self.on_batch_time is not None:
                     self.on_batch_time(batch.ts)
@@ -671,22 +670,60 @@ class ZmqSource:
         (e.g. Redis down) raises: the index is in doubt."""
         try:
             index_batches = self.translator.translate(batch.events, seq=seq)
-        except Exception:
-            self.counters.num_bad_messages += 1
-            log.exception("worker %s: dropping seq %d: translation failed", self.worker_id, seq)
+        except Exception as exc:
+            self._drop_bad_message("seq %d: translation failed: %r", seq, exc, exc_info=True)
             return
-        refused = False
+        refusal: IndexRequestError | None = None
         for index_batch in index_batches:
             try:
                 await self.sink.apply(index_batch)
             except IndexRequestError as exc:
-                refused = True
-                log.warning(
-                    "worker %s: index refused a batch of seq %d: %s", self.worker_id, seq, exc
-                )
+                refusal = exc
                 continue
             self.counters.num_batches_applied += 1
-        self.counters.num_bad_messages += refused
+        if refusal is not None:
+            self._drop_bad_message("seq %d: the index refused a batch of it: %s", seq, refusal)
+
+    def _drop_bad_message(self, what: str, *args: object, exc_info: bool = False) -> None:
+        """Count a message dropped as bad (`what % args` says which and why) and log it: a
+        warning for the 1st, 2nd, 4th, 8th, ... of the source's, the rest at debug level (a
+        publisher of another format, or a stray sender, sends nothing else: a warning per
+        message would flood the log; `bad_messages` counts them all)."""
+        self.counters.num_bad_messages += 1
+        count = self.counters.num_bad_messages
+        log.log(
+            _sparse_level(count - 1, count),
+            "worker %s: dropping " + what + " (%d bad messages so far)",
+            self.worker_id,
+            *args,
+            count,
+            exc_info=exc_info,
+        )
+
+    def _drop_bad_events(self, seq: int, batch: EventBatch) -> None:
+        """Count a batch's malformed and unknown events (its other events are applied) and
+        log them as `_drop_bad_message` does: when either count reaches the next power of
+        two (an engine newer than this version publishes a kind of event in every batch)."""
+        if not batch.num_bad_events and not batch.num_unknown_events:
+            return
+        counters = self.counters
+        bad, unknown = counters.num_bad_events, counters.num_unknown_events
+        counters.num_bad_events += batch.num_bad_events
+        counters.num_unknown_events += batch.num_unknown_events
+        log.log(
+            max(
+                _sparse_level(bad, counters.num_bad_events),
+                _sparse_level(unknown, counters.num_unknown_events),
+            ),
+            "worker %s: seq %d had %d malformed and %d unknown events, skipped (%d and %d so "
+            "far); its other events are applied",
+            self.worker_id,
+            seq,
+            batch.num_bad_events,
+            batch.num_unknown_events,
+            counters.num_bad_events,
+            counters.num_unknown_events,
+        )
 
     async def _reset_worker(self, seq: int) -> None:
         """Clear the worker in the index; the stream's place is forgotten with it (the next
@@ -801,7 +838,7 @@ class ZmqSource:
             self._replay_failures_in_a_row += 1
             failures = self._replay_failures_in_a_row
             log.log(
-                logging.WARNING if failures.bit_count() == 1 else logging.DEBUG,
+                _sparse_level(failures - 1, failures),
                 "worker %s: replay from %s failed%s: %r",
                 self.worker_id,
                 self.settings.replay_endpoint,
@@ -851,8 +888,7 @@ class ZmqSource:
             try:
                 reply = decode_replay_reply(frames)
             except KvEventDecodeError as exc:
-                self.counters.num_bad_messages += 1
-                log.warning("worker %s: bad replay reply: %s", self.worker_id, exc)
+                self._drop_bad_message("a bad replay reply: %s", exc)
                 continue
             if reply is None:
                 break
@@ -874,6 +910,12 @@ class ZmqSource:
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies
+
+
+def _sparse_level(before: int, after: int) -> int:
+    """WARNING when a count went from `before` past a power of two (its 1st, 2nd, 4th, 8th,
+    ... occurrence), else DEBUG: how a condition that may repeat on every message is logged."""
+    return logging.WARNING if after.bit_length() > before.bit_length() else logging.DEBUG
 
 
 def _first_missing_seq(received: dict[int, ZmqMessage]) -> int | None:

@@ -942,3 +942,34 @@ async def test_a_replay_that_keeps_failing_warns_less_and_less_often(
     finally:
         await publisher.close()
     assert any("answered after" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_stream_of_bad_messages_warns_less_and_less_often(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A publisher of another format (or a stray sender) sends nothing but bad messages, and
+    a newer engine an unknown kind of event in every batch: each used to warn (or, for the
+    unknown events, nothing said so but a counter). Now the 1st, 2nd, 4th, 8th, ... of each
+    warn, saying how many so far, and the source keeps applying the good ones."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    source = _source(publisher.endpoint, context, MemoryBackend(index))
+    caplog.set_level(logging.DEBUG, logger="indexer.sources.zmq")
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            for seq in range(100):
+                await publisher.send([TOPIC, _seq(seq), b"\xc1 not msgpack"])
+            for seq in range(100, 200):
+                await publisher.send(_message(seq, {"type": "BlockPinned"}, _stored(seq)))
+            await source.wait_until(lambda: source.last_seq == 199, WAIT_S)
+    finally:
+        await publisher.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    bad = [w for w in warnings if "dropping seq" in w]
+    unknown = [w for w in warnings if "unknown events" in w]
+    assert (source.counters.num_bad_messages, source.counters.num_unknown_events) == (100, 100)
+    assert len(bad) == len(unknown) == (100).bit_length()  # at 1, 2, 4, ..., 64
+    assert "(64 bad messages so far)" in bad[-1]
+    assert "(0 and 64 so far)" in unknown[-1]
+    assert _keys(index) == set(range(100, 200))
