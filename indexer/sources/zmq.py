@@ -275,6 +275,8 @@ class ZmqSource:
         self._applied_rank: int | None = None
         # Whether the publisher is connected now, as the SUB's monitor says (`_OpenConnections`).
         self.link = Link(f"connecting to {settings.endpoint}")
+        # Whether a failed connection to a publisher never reached was warned of.
+        self._warned_unreachable = False
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
         self.ready = asyncio.Event()
@@ -332,8 +334,12 @@ class ZmqSource:
         # Reports each connection before any message can arrive on it: once its ZMTP handshake
         # succeeded, not at its TCP connect or accept (the kernel of a stopped publisher still
         # accepts; such a connection brings nothing and ends at the handshake's timeout).
+        # (Failed connection attempts only for `_warn_unreachable`.)
         connections = sub.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _OpenConnections.OPENED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED
+            | _OpenConnections.OPENED
+            | zmq.EVENT_CONNECT_RETRIED
         )
         # A connection that ends while another is still open is not the publisher leaving.
         open_connections = _OpenConnections()
@@ -386,7 +392,7 @@ class ZmqSource:
                 frames = recv.result()
                 recv = None
                 self.counters.num_messages += 1
-                events = open_connections.publisher_events(await _connection_events(connections))
+                events = await self._queued_publisher_events()
                 # Messages of a connection come before its end: with no connection since, this
                 # one is the departed publisher's last word, applied before its worker is
                 # cleared (the other way round, it would be the only stale thing left).
@@ -431,6 +437,8 @@ class ZmqSource:
         # Connections made after the last end (one that came and went is no publisher now).
         if len(events) > (ends[-1] + 1 if ends else 0):
             self._new_connection = True
+            if self._warned_unreachable and not self.link.ever_up:
+                log.info("worker %s: reached publisher %s", self.worker_id, self.settings.endpoint)
             self.link.went_up()
             # A failed start replay on this connection is retried from the shortest wait.
             self._start_replay_backoff = self.settings.backoff_initial_s
@@ -463,13 +471,40 @@ class ZmqSource:
     async def _handle_queued_connection_events(self) -> bool:
         """Act on the SUB's monitor events queued so far (`_on_connection_events`); whether
         there were any of the publisher's."""
-        if self._monitor is None:
-            return False
-        connections, open_connections = self._monitor
-        events = open_connections.publisher_events(await _connection_events(connections))
+        events = await self._queued_publisher_events()
         if events:
             await self._on_connection_events(events)
         return bool(events)
+
+    async def _queued_publisher_events(self) -> list[int]:
+        """The SUB's monitor events queued so far, reduced to the publisher's handshakes and
+        ends (`_OpenConnections`); failed connection attempts are told to
+        `_warn_unreachable`."""
+        if self._monitor is None:
+            return []
+        connections, open_connections = self._monitor
+        events = await _connection_events(connections)
+        if any(event == zmq.EVENT_CONNECT_RETRIED for event, _ in events):
+            self._warn_unreachable()
+        return open_connections.publisher_events(
+            [(event, value) for event, value in events if event != zmq.EVENT_CONNECT_RETRIED]
+        )
+
+    def _warn_unreachable(self) -> None:
+        """ZMQ failed to connect to a publisher the source has never reached (a wrong host or
+        port, a firewall, an engine not up yet): ZMQ retries silently for ever, so say it
+        once, the first time. (A publisher that was reached and went away was warned of at
+        its disconnection.)"""
+        if self.link.ever_up or self._warned_unreachable:
+            return
+        self._warned_unreachable = True
+        log.warning(
+            "worker %s: cannot reach publisher %s yet (ZMQ keeps retrying, every %.1f s at "
+            "most); the worker stays unindexed until it answers",
+            self.worker_id,
+            self.settings.endpoint,
+            self.settings.backoff_max_s,
+        )
 
     def _attach(self, sub: zmq.asyncio.Socket) -> None:
         """Connect (or bind) the SUB; a malformed endpoint is a `ConfigError`, not retried."""
