@@ -304,22 +304,35 @@ class ZmqSource:
         self._resync_wanted.set()
 
     async def run(self) -> None:
-        """Follow the publisher until cancelled; restart with backoff after any error."""
+        """Follow the publisher until cancelled; restart with backoff after any error. A streak
+        of failures with no batch applied between them (a bind on an address taken or not
+        this host's, an index that stays down) logs its 1st, 2nd, 4th, 8th, ... failure as an
+        error, the rest at debug level; one that follows applied batches starts a new streak,
+        from the shortest backoff."""
         backoff = self.settings.backoff_initial_s
+        failures = 0  # in a row
+        applied = self.counters.num_batches_applied  # when the last one happened
         while True:
             try:
                 await self._follow()
             except (asyncio.CancelledError, ConfigError):
                 raise
             except Exception as exc:
+                if self.counters.num_batches_applied != applied:
+                    failures, backoff = 0, self.settings.backoff_initial_s
+                applied = self.counters.num_batches_applied
+                failures += 1
                 self.counters.num_restarts += 1
                 self._expected = None  # the index is in doubt: rebuild on the next message
                 self.link.went_down(f"restarting after an error: {exc!r}")
-                log.exception(
-                    "zmq source %s (worker %s) failed; retrying in %.1fs",
+                log.log(
+                    _sparse_level(failures - 1, failures, logging.ERROR),
+                    "zmq source %s (worker %s) failed%s; retrying in %.1fs",
                     self.settings.endpoint,
                     self.worker_id,
+                    f" ({failures} times in a row)" if failures > 1 else "",
                     backoff,
+                    exc_info=True,
                 )
                 if self._resync_wanted.is_set():  # pending from before: no shortcut
                     await asyncio.sleep(backoff)
@@ -947,10 +960,11 @@ class ZmqSource:
         return replies
 
 
-def _sparse_level(before: int, after: int) -> int:
-    """WARNING when a count went from `before` past a power of two (its 1st, 2nd, 4th, 8th,
-    ... occurrence), else DEBUG: how a condition that may repeat on every message is logged."""
-    return logging.WARNING if after.bit_length() > before.bit_length() else logging.DEBUG
+def _sparse_level(before: int, after: int, level: int = logging.WARNING) -> int:
+    """`level` when a count went from `before` past a power of two (its 1st, 2nd, 4th, 8th,
+    ... occurrence), else DEBUG: how a condition that may repeat on every message, or every
+    retry, is logged."""
+    return level if after.bit_length() > before.bit_length() else logging.DEBUG
 
 
 def _first_missing_seq(received: dict[int, ZmqMessage]) -> int | None:

@@ -30,6 +30,7 @@ from kvplane_api.v1 import index_pb2 as api
 from kvplane_api.v1 import index_pb2_grpc as api_grpc
 from tests.indexer.backend_factories import FACTORIES
 from tests.indexer.fake_kv_publisher import FakeKvPublisher, running
+from tests.polling import eventually
 from tests.redis_servers import restartable_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -973,3 +974,36 @@ async def test_a_stream_of_bad_messages_warns_less_and_less_often(
     assert "(64 bad messages so far)" in bad[-1]
     assert "(0 and 64 so far)" in unknown[-1]
     assert _keys(index) == set(range(100, 200))
+
+
+async def test_a_bind_that_keeps_failing_logs_less_and_less_often(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A binding source whose port another process holds (a second indexer on the host, a
+    stale engine) restarts after every failed bind: each restart logged an error with its
+    traceback, one every 5 s for as long as the port stayed taken. A streak logs at its 1st,
+    2nd, 4th, 8th, ... failure; once the port is free the source binds and indexes."""
+    holder = context.socket(zmq.PUB)
+    holder.bind("tcp://127.0.0.1:*")
+    endpoint = holder.getsockopt_string(zmq.LAST_ENDPOINT)
+    index = PrefixIndex()
+    source = _source(endpoint, context, MemoryBackend(index), bind=True)
+    caplog.set_level(logging.DEBUG, logger="indexer.sources.zmq")
+    publisher: FakeKvPublisher | None = None
+    try:
+        async with running(source.run()):
+            # (no message: `wait_until` is never woken)
+            await eventually(lambda: source.counters.num_restarts >= 9, WAIT_S)
+            restarts = source.counters.num_restarts
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(errors) == restarts.bit_length()  # at 1, 2, 4, 8, ...
+            assert "(8 times in a row)" in errors[3]
+            holder.close(linger=0)
+            await asyncio.wait_for(source.ready.wait(), WAIT_S)
+            publisher = FakeKvPublisher(context, endpoint=endpoint, connect=True)
+            await _publish_blocks_10_to_12(publisher, source)
+    finally:
+        holder.close(linger=0)
+        if publisher is not None:
+            await publisher.close()
+    assert _keys(index) == {10, 11, 12}
