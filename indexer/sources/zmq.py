@@ -49,6 +49,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   timeout is closed by libzmq, which is the disconnect above. Only a connection whose ZMTP
   handshake succeeded counts as the publisher back: the kernel of a stopped process still
   accepts TCP connections, and such a connection carries nothing;
+- a connecting SUB's connection that ends before its ZMTP handshake (a peer of another socket
+  type, a server that is not ZMQ, a stopped process) restarts the loop as a failure does:
+  libzmq never dials again after a protocol error;
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
   message rebuilds the worker as on a first message; an endpoint ZMQ cannot parse (EINVAL,
   EPROTONOSUPPORT from connect / bind) would fail again on every restart, so it ends `run`
@@ -480,6 +483,19 @@ class ZmqSource:
                 self._resync_wanted.set()
             if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
+        if ends and not self.settings.bind and self._ended_before_handshake():
+            # libzmq dials again after a connection it could not handshake on that timed out
+            # or failed, not after a protocol error (a peer of another socket type): the SUB
+            # would stay unconnected for good, so the source restarts it (with its backoff).
+            raise ConnectionError(
+                f"the connection to {self.settings.endpoint} ended before its ZMTP handshake: "
+                "no ZMQ publisher answers there (a socket of another type, e.g. the replay "
+                "endpoint's ROUTER; a server that is not ZMQ; a stopped process)"
+            )
+
+    def _ended_before_handshake(self) -> bool:
+        """Whether the SUB's last connection ended before its ZMTP handshake."""
+        return self._monitor is not None and self._monitor[1].ended_before_handshake
 
     async def _handle_queued_connection_events(self) -> bool:
         """Act on the SUB's monitor events queued so far (`_on_connection_events`); whether
@@ -1007,6 +1023,9 @@ class _OpenConnections:
 
     def __init__(self) -> None:
         self._open: set[int] = set()
+        self._handshaken = False  # since the last connection opened
+        # Whether the last end that counted came before any handshake since that opening.
+        self.ended_before_handshake = False
 
     def publisher_events(self, events: list[tuple[int, int]]) -> list[int]:
         """`events` (in order) reduced to the handshakes and the ends that leave no connection
@@ -1015,11 +1034,14 @@ class _OpenConnections:
         for event, descriptor in events:
             if event & self.OPENED:
                 self._open.add(descriptor)
+                self._handshaken = False
             elif event == zmq.EVENT_DISCONNECTED:
                 self._open.discard(descriptor)
                 if not self._open:
                     kept.append(event)
+                    self.ended_before_handshake = not self._handshaken
             else:
+                self._handshaken = True
                 kept.append(event)
         return kept
 

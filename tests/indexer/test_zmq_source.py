@@ -1007,3 +1007,33 @@ async def test_a_bind_that_keeps_failing_logs_less_and_less_often(
         if publisher is not None:
             await publisher.close()
     assert _keys(index) == {10, 11, 12}
+
+
+async def test_a_peer_of_another_socket_type_does_not_stop_the_source_for_good(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The source's endpoint reaches a ZMQ socket that is no PUB (the replay endpoint's
+    ROUTER given for the PUB's, or its port taken by one for a while): libzmq ends the
+    connection at the handshake and, a protocol error, never dials again, so the SUB stayed
+    unconnected for good, even once a publisher was on that port. The source now restarts
+    its SUB with backoff (`restarts`, saying why), and indexes the publisher once it is
+    there."""
+    router = context.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    index = PrefixIndex()
+    source = _source(endpoint, context, MemoryBackend(index))
+    publisher: FakeKvPublisher | None = None
+    try:
+        async with running(source.run()):
+            await eventually(lambda: source.counters.num_restarts >= 2, WAIT_S)
+            assert "before its ZMTP handshake" in source.link.reason
+            router.close(linger=0)
+            publisher = FakeKvPublisher(context, endpoint=endpoint, pub_now=False)
+            await publisher.open_pub_when_free()
+            await _publish_blocks_10_to_12(publisher, source)
+    finally:
+        router.close(linger=0)
+        if publisher is not None:
+            await publisher.close()
+    assert _keys(index) == {10, 11, 12}
