@@ -799,9 +799,16 @@ class ZmqSource:
         await self.sink.apply(self.translator.reset(seq=seq))
         self.counters.num_batches_applied += 1
 
-    async def _rebuild(self, trigger: ZmqMessage, *, reason: str | None) -> None:
+    async def _rebuild(
+        self,
+        trigger: ZmqMessage,
+        *,
+        reason: str | None,
+        whole_buffer: list[ZmqMessage] | None = None,
+    ) -> None:
         """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`.
-        A `reason` is a break in a stream followed until now (see `on_sequence_break`)."""
+        A `reason` is a break in a stream followed until now (see `on_sequence_break`).
+        `whole_buffer`: a replay just received that holds the whole buffer (not asked again)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         self._learn_rank(trigger)  # before the replay, whose batches must be of that rank
@@ -810,7 +817,8 @@ class ZmqSource:
             # What the buffer holds before the trigger, when it runs up to the trigger (the
             # replay's seqs are consecutive): after the clear, a rebuild that starts late only
             # misses blocks; one that skipped a batch would keep what that batch removed.
-            replies = [r for r in await self._replay(0) or () if r.seq < trigger.seq]
+            buffered = whole_buffer if whole_buffer is not None else await self._replay(0)
+            replies = [r for r in buffered or () if r.seq < trigger.seq]
             if replies and replies[-1].seq + 1 == trigger.seq:
                 for reply in replies:
                     await self._apply(reply, replayed=True)
@@ -839,6 +847,8 @@ class ZmqSource:
             await self._rebuild(
                 trigger,
                 reason=f"the replay no longer holds seq {last} (buffer trimmed, or a restart)",
+                # A buffer that starts after `last` came whole (the backlog outgrew it).
+                whole_buffer=replies or None,
             )
             return
         if replies[0].payload != self._last_payload:

@@ -1037,3 +1037,33 @@ async def test_a_peer_of_another_socket_type_does_not_stop_the_source_for_good(
         if publisher is not None:
             await publisher.close()
     assert _keys(index) == {10, 11, 12}
+
+
+async def test_a_gap_the_buffer_no_longer_covers_is_rebuilt_from_one_replay(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A source fell so far behind (a slow index, a burst) that the publisher dropped its
+    messages and trimmed the batches after the last applied one from its replay buffer. The
+    replay that checks the gap already brings the whole buffer: the rebuild takes its batches
+    from it, where it asked the engine for the same buffer a second time (each such gap cost
+    the engine two full replays while the source was the one behind)."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context, buffer_steps=3)
+    publisher.start_replay()
+    source = _source(
+        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
+    )
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(100)))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+            for seq in range(1, 6):  # lost live; with seq 6, the buffer keeps seqs 4-6
+                await publisher.publish(_message(seq, _stored(100 + seq)), live=False)
+            await publisher.publish(_message(6, {"type": "BlockRemoved", "block_hashes": [103]}))
+            await source.wait_until(lambda: source.last_seq == 6, WAIT_S)
+    finally:
+        await publisher.close()
+    assert publisher.replay_requests == [0]  # the check of seq 0, which held seqs 4-6
+    assert _keys(index) == {104, 105}  # what the buffer held: missing blocks, none stale
+    assert source.counters.num_resets == 2  # the first message's clear, then the gap's
