@@ -804,11 +804,12 @@ class ZmqSource:
         trigger: ZmqMessage,
         *,
         reason: str | None,
-        whole_buffer: list[ZmqMessage] | None = None,
+        buffered: list[ZmqMessage] | None = None,
     ) -> None:
         """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`.
         A `reason` is a break in a stream followed until now (see `on_sequence_break`).
-        `whole_buffer`: a replay just received that holds the whole buffer (not asked again)."""
+        `buffered`: what a replay made just now says the buffer holds (the whole buffer, or
+        nothing when it failed), not asked for again; None: replay from seq 0."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         self._learn_rank(trigger)  # before the replay, whose batches must be of that rank
@@ -817,7 +818,8 @@ class ZmqSource:
             # What the buffer holds before the trigger, when it runs up to the trigger (the
             # replay's seqs are consecutive): after the clear, a rebuild that starts late only
             # misses blocks; one that skipped a batch would keep what that batch removed.
-            buffered = whole_buffer if whole_buffer is not None else await self._replay(0)
+            if buffered is None:
+                buffered = await self._replay(0)
             replies = [r for r in buffered or () if r.seq < trigger.seq]
             if replies and replies[-1].seq + 1 == trigger.seq:
                 for reply in replies:
@@ -841,14 +843,20 @@ class ZmqSource:
             return
         replies = await self._replay(last)
         if replies is None:
-            await self._rebuild(trigger, reason="no replay to check the stream against")
+            await self._rebuild(
+                trigger,
+                reason="no replay to check the stream against",
+                # (A replay that just failed, timed out, is not tried again at once: the
+                # source would stall twice as long on a replay endpoint that never answers.)
+                buffered=[],
+            )
             return
         if not replies or replies[0].seq != last:
             await self._rebuild(
                 trigger,
                 reason=f"the replay no longer holds seq {last} (buffer trimmed, or a restart)",
                 # A buffer that starts after `last` came whole (the backlog outgrew it).
-                whole_buffer=replies or None,
+                buffered=replies or None,
             )
             return
         if replies[0].payload != self._last_payload:

@@ -520,8 +520,9 @@ async def test_an_unreachable_replay_endpoint_fails_the_replay_and_rebuilds(
     finally:
         await publisher.close()
     assert source.counters.num_gaps == 1
-    # From seq 0 (the last applied, to check the gap), then from 0 again to rebuild.
-    assert source.counters.num_replay_failures == 2
+    # From seq 0 (the last applied, to check the gap) only: asking again at once to rebuild
+    # doubled the stall (2 * replay_timeout_s) of every gap on a replay that never answers.
+    assert source.counters.num_replay_failures == 1
     assert _keys(index) == {2}  # cleared: block 1 may be stale after the lost batches
 
 
