@@ -779,12 +779,13 @@ class ZmqSource:
                 _sparse_level(bad, counters.num_bad_events),
                 _sparse_level(unknown, counters.num_unknown_events),
             ),
-            "worker %s: seq %d had %d malformed and %d unknown events, skipped (%d and %d so "
-            "far); its other events are applied",
+            "worker %s: seq %d had %d malformed and %d unknown events%s, skipped (%d and %d "
+            "so far); its other events are applied",
             self.worker_id,
             seq,
             batch.num_bad_events,
             batch.num_unknown_events,
+            _named_types(batch.unknown_types),
             counters.num_bad_events,
             counters.num_unknown_events,
         )
@@ -992,6 +993,14 @@ class ZmqSource:
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies
+
+
+def _named_types(tags: tuple[str, ...], most: int = 4) -> str:
+    """`tags` as a log says them: quoted, cut short (a sender's string, any length)."""
+    if not tags:
+        return ""
+    named = ", ".join(repr(tag[:40]) for tag in tags[:most])
+    return f" (of types {named}{', ...' if len(tags) > most else ''})"
 
 
 def _sparse_level(before: int, after: int, level: int = logging.WARNING) -> int:

@@ -973,7 +973,7 @@ async def test_a_stream_of_bad_messages_warns_less_and_less_often(
     assert (source.counters.num_bad_messages, source.counters.num_unknown_events) == (100, 100)
     assert len(bad) == len(unknown) == (100).bit_length()  # at 1, 2, 4, ..., 64
     assert "(64 bad messages so far)" in bad[-1]
-    assert "(0 and 64 so far)" in unknown[-1]
+    assert "1 unknown events (of types 'BlockPinned'), skipped (0 and 64 so far)" in unknown[-1]
     assert _keys(index) == set(range(100, 200))
 
 
