@@ -63,3 +63,5 @@ class EventBatch:
     # Events dropped while decoding: malformed ones, and tags this decoder does not know.
     num_bad_events: int = 0
     num_unknown_events: int = 0
+    # The unknown events' tags, each once, in the order seen (what a newer engine sends).
+    unknown_types: tuple[str, ...] = ()

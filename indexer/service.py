@@ -147,6 +147,18 @@ class IndexerCollector:
             followed_now = source.followed if isinstance(source, LeasedSource) else True
             followed.add_metric([source.worker_id], int(followed_now))
         yield followed
+        up = GaugeMetricFamily(
+            "kvplane_indexer_source_up",
+            "1 while the source's stream from its engine is up (a ZMQ SUB connected to its "
+            "publisher, a SubscribeKvEvents call reaching the engine); 0 while it is not (the "
+            "publisher unreachable or not up yet, gone, refusing): the worker's entries are "
+            "then missing or frozen. No series while another replica follows it",
+            labels=["worker_id"],
+        )
+        for source in self._sources:
+            if not isinstance(source, LeasedSource) or source.followed:
+                up.add_metric([source.worker_id], int(source.link.up))
+        yield up
         yield CounterMetricFamily(
             "kvplane_indexer_external_batches_applied",
             "ApplyExternalKvBatch calls applied",

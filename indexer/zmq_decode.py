@@ -136,7 +136,8 @@ def decode_payload(payload: bytes, *, array_tail: ArrayTail = "ignore") -> Event
     except Exception as exc:  # whatever the input: a bad message, never a source failure
         raise PayloadError(f"unusable EventBatch: {type(exc).__name__}: {exc}") from exc
     events: list[EngineEvent] = []
-    num_bad = num_unknown = 0
+    num_bad = 0
+    unknown: list[str] = []  # the unknown events' tags
     for raw_event in raw_events:
         try:
             event = decode_event(raw_event, array_tail=array_tail)
@@ -144,10 +145,12 @@ def decode_payload(payload: bytes, *, array_tail: ArrayTail = "ignore") -> Event
             num_bad += 1
             continue
         if event is None:
-            num_unknown += 1
+            unknown.append(_tag(raw_event)[0])
         else:
             events.append(event)
-    return EventBatch(ts, tuple(events), dp_rank, num_bad, num_unknown)
+    return EventBatch(
+        ts, tuple(events), dp_rank, num_bad, len(unknown), tuple(dict.fromkeys(unknown))
+    )
 
 
 def _envelope(raw: object) -> tuple[float, list[Any], int | None]:
@@ -199,17 +202,23 @@ def decode_event(raw: object, *, array_tail: ArrayTail = "ignore") -> EngineEven
         raise EventDecodeError(f"malformed event: {type(exc).__name__}: {exc}") from exc
 
 
-def _decode_event(raw: object, array_tail: ArrayTail) -> EngineEvent | None:
+def _tag(raw: object) -> tuple[str, Mapping[Any, Any]]:
+    """An event's type tag, and its fields when it is a map (an array's are read by layout)."""
     if isinstance(raw, Mapping):
         tag = raw.get("type")
         fields: Mapping[Any, Any] = raw
     elif isinstance(raw, list) and raw:
         tag = raw[0]
-        fields = {}  # filled below once the tag picks the layout
+        fields = {}
     else:
         raise EventDecodeError(f"event must be a map or a non-empty array, got {raw!r:.60}")
     if not isinstance(tag, str):
         raise EventDecodeError(f"event tag must be a string, got {type(tag).__name__}")
+    return tag, fields
+
+
+def _decode_event(raw: object, array_tail: ArrayTail) -> EngineEvent | None:
+    tag, fields = _tag(raw)
     decoder = _DECODERS.get(tag)
     if decoder is None:
         return None

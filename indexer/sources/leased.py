@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
+from indexer.sources.link import Link
 from indexer.sources.openengine import OpenEngineSource, engine_worker_id
 from indexer.sources.zmq import BatchSink, SourceCounters, ZmqSource
 from indexer.translate import WorkerTranslator
@@ -62,9 +63,14 @@ class LeasedSource:
         return self._running
 
     @property
+    def link(self) -> Link:
+        """The stream's state, as the last source run here says (`Link`)."""
+        return self._source.link
+
+    @property
     def reaches_engine(self) -> bool:
         """Whether this replica follows the source and its stream is up (`Link`)."""
-        return self._running and self._source.link.up
+        return self._running and self.link.up
 
     @property
     def stream_lost(self) -> bool:

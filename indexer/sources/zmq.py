@@ -49,6 +49,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   timeout is closed by libzmq, which is the disconnect above. Only a connection whose ZMTP
   handshake succeeded counts as the publisher back: the kernel of a stopped process still
   accepts TCP connections, and such a connection carries nothing;
+- a connecting SUB's connection that ends before its ZMTP handshake (a peer of another socket
+  type, a server that is not ZMQ, a stopped process) restarts the loop as a failure does:
+  libzmq never dials again after a protocol error;
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
   message rebuilds the worker as on a first message; an endpoint ZMQ cannot parse (EINVAL,
   EPROTONOSUPPORT from connect / bind) would fail again on every restart, so it ends `run`
@@ -79,7 +82,9 @@ at another rank's port) is counted as bad and dropped; a live batch's rank that 
 the rank of the batches the worker holds (filled by such a replay at start) makes its gap
 check clear and rebuild (`_is_other_ranks`, `_learn_rank`).
 
-Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one.
+Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one
+(each logged as a warning only at the source's 1st, 2nd, 4th, 8th, ... bad message,
+`_drop_bad_message`; malformed and unknown events likewise, `_drop_bad_events`).
 A message whose content the translator or the index refuses (validation) counts as bad too:
 its refused batch is dropped (a missing block, never a stale one) and the stream goes on.
 What these rules cannot see is listed in docs/indexer.md ("Sequence tracking").
@@ -273,6 +278,8 @@ class ZmqSource:
         self._applied_rank: int | None = None
         # Whether the publisher is connected now, as the SUB's monitor says (`_OpenConnections`).
         self.link = Link(f"connecting to {settings.endpoint}")
+        # Whether a failed connection to a publisher never reached was warned of.
+        self._warned_unreachable = False
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
         self.ready = asyncio.Event()
@@ -300,22 +307,35 @@ class ZmqSource:
         self._resync_wanted.set()
 
     async def run(self) -> None:
-        """Follow the publisher until cancelled; restart with backoff after any error."""
+        """Follow the publisher until cancelled; restart with backoff after any error. A streak
+        of failures with no batch applied between them (a bind on an address taken or not
+        this host's, an index that stays down) logs its 1st, 2nd, 4th, 8th, ... failure as an
+        error, the rest at debug level; one that follows applied batches starts a new streak,
+        from the shortest backoff."""
         backoff = self.settings.backoff_initial_s
+        failures = 0  # in a row
+        applied = self.counters.num_batches_applied  # when the last one happened
         while True:
             try:
                 await self._follow()
             except (asyncio.CancelledError, ConfigError):
                 raise
             except Exception as exc:
+                if self.counters.num_batches_applied != applied:
+                    failures, backoff = 0, self.settings.backoff_initial_s
+                applied = self.counters.num_batches_applied
+                failures += 1
                 self.counters.num_restarts += 1
                 self._expected = None  # the index is in doubt: rebuild on the next message
                 self.link.went_down(f"restarting after an error: {exc!r}")
-                log.exception(
-                    "zmq source %s (worker %s) failed; retrying in %.1fs",
+                log.log(
+                    _sparse_level(failures - 1, failures, logging.ERROR),
+                    "zmq source %s (worker %s) failed%s; retrying in %.1fs",
                     self.settings.endpoint,
                     self.worker_id,
+                    f" ({failures} times in a row)" if failures > 1 else "",
                     backoff,
+                    exc_info=True,
                 )
                 if self._resync_wanted.is_set():  # pending from before: no shortcut
                     await asyncio.sleep(backoff)
@@ -330,8 +350,12 @@ class ZmqSource:
         # Reports each connection before any message can arrive on it: once its ZMTP handshake
         # succeeded, not at its TCP connect or accept (the kernel of a stopped publisher still
         # accepts; such a connection brings nothing and ends at the handshake's timeout).
+        # (Failed connection attempts only for `_warn_unreachable`.)
         connections = sub.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _OpenConnections.OPENED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED
+            | _OpenConnections.OPENED
+            | zmq.EVENT_CONNECT_RETRIED
         )
         # A connection that ends while another is still open is not the publisher leaving.
         open_connections = _OpenConnections()
@@ -384,7 +408,7 @@ class ZmqSource:
                 frames = recv.result()
                 recv = None
                 self.counters.num_messages += 1
-                events = open_connections.publisher_events(await _connection_events(connections))
+                events = await self._queued_publisher_events()
                 # Messages of a connection come before its end: with no connection since, this
                 # one is the departed publisher's last word, applied before its worker is
                 # cleared (the other way round, it would be the only stale thing left).
@@ -394,8 +418,7 @@ class ZmqSource:
                 try:
                     message = decode_frames(frames)
                 except KvEventDecodeError as exc:
-                    self.counters.num_bad_messages += 1
-                    log.warning("dropping bad message from %s: %s", self.settings.endpoint, exc)
+                    self._drop_bad_message("bad message from %s: %s", self.settings.endpoint, exc)
                 else:
                     if _is_wanted_topic(message.topic, self.settings.topic):
                         await self._on_message(message)
@@ -430,6 +453,8 @@ class ZmqSource:
         # Connections made after the last end (one that came and went is no publisher now).
         if len(events) > (ends[-1] + 1 if ends else 0):
             self._new_connection = True
+            if self._warned_unreachable and not self.link.ever_up:
+                log.info("worker %s: reached publisher %s", self.worker_id, self.settings.endpoint)
             self.link.went_up()
             # A failed start replay on this connection is retried from the shortest wait.
             self._start_replay_backoff = self.settings.backoff_initial_s
@@ -458,17 +483,57 @@ class ZmqSource:
                 self._resync_wanted.set()
             if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
+        if ends and not self.settings.bind and self._ended_before_handshake():
+            # libzmq dials again after a connection it could not handshake on that timed out
+            # or failed, not after a protocol error (a peer of another socket type): the SUB
+            # would stay unconnected for good, so the source restarts it (with its backoff).
+            raise ConnectionError(
+                f"the connection to {self.settings.endpoint} ended before its ZMTP handshake: "
+                "no ZMQ publisher answers there (a socket of another type, e.g. the replay "
+                "endpoint's ROUTER; a server that is not ZMQ; a stopped process)"
+            )
+
+    def _ended_before_handshake(self) -> bool:
+        """Whether the SUB's last connection ended before its ZMTP handshake."""
+        return self._monitor is not None and self._monitor[1].ended_before_handshake
 
     async def _handle_queued_connection_events(self) -> bool:
         """Act on the SUB's monitor events queued so far (`_on_connection_events`); whether
         there were any of the publisher's."""
-        if self._monitor is None:
-            return False
-        connections, open_connections = self._monitor
-        events = open_connections.publisher_events(await _connection_events(connections))
+        events = await self._queued_publisher_events()
         if events:
             await self._on_connection_events(events)
         return bool(events)
+
+    async def _queued_publisher_events(self) -> list[int]:
+        """The SUB's monitor events queued so far, reduced to the publisher's handshakes and
+        ends (`_OpenConnections`); failed connection attempts are told to
+        `_warn_unreachable`."""
+        if self._monitor is None:
+            return []
+        connections, open_connections = self._monitor
+        events = await _connection_events(connections)
+        if any(event == zmq.EVENT_CONNECT_RETRIED for event, _ in events):
+            self._warn_unreachable()
+        return open_connections.publisher_events(
+            [(event, value) for event, value in events if event != zmq.EVENT_CONNECT_RETRIED]
+        )
+
+    def _warn_unreachable(self) -> None:
+        """ZMQ failed to connect to a publisher the source has never reached (a wrong host or
+        port, a firewall, an engine not up yet): ZMQ retries silently for ever, so say it
+        once, the first time. (A publisher that was reached and went away was warned of at
+        its disconnection.)"""
+        if self.link.ever_up or self._warned_unreachable:
+            return
+        self._warned_unreachable = True
+        log.warning(
+            "worker %s: cannot reach publisher %s yet (ZMQ keeps retrying, every %.1f s at "
+            "most); the worker stays unindexed until it answers",
+            self.worker_id,
+            self.settings.endpoint,
+            self.settings.backoff_max_s,
+        )
 
     def _attach(self, sub: zmq.asyncio.Socket) -> None:
         """Connect (or bind) the SUB; a malformed endpoint is a `ConfigError`, not retried."""
@@ -609,15 +674,13 @@ class ZmqSource:
         try:
             batch = decode_payload(message.payload, array_tail=self.settings.array_tail)
         except KvEventDecodeError as exc:
-            self.counters.num_bad_messages += 1
-            log.warning("worker %s: dropping seq %d: %s", self.worker_id, message.seq, exc)
+            self._drop_bad_message("seq %d: %s", message.seq, exc)
         else:
             if self._is_other_ranks(batch, replayed=replayed):
-                self.counters.num_bad_messages += 1
+                self.counters.num_bad_messages += 1  # (warned once per run, by the check)
             else:
                 self.counters.num_events += len(batch.events)
-                self.counters.num_bad_events += batch.num_bad_events
-                self.counters.num_unknown_events += batch.num_unknown_events
+                self._drop_bad_events(message.seq, batch)
                 await self._index(batch, message.seq)
                 if self.on_batch_time is not None:
                     self.on_batch_time(batch.ts)
@@ -671,22 +734,61 @@ class ZmqSource:
         (e.g. Redis down) raises: the index is in doubt."""
         try:
             index_batches = self.translator.translate(batch.events, seq=seq)
-        except Exception:
-            self.counters.num_bad_messages += 1
-            log.exception("worker %s: dropping seq %d: translation failed", self.worker_id, seq)
+        except Exception as exc:
+            self._drop_bad_message("seq %d: translation failed: %r", seq, exc, exc_info=True)
             return
-        refused = False
+        refusal: IndexRequestError | None = None
         for index_batch in index_batches:
             try:
                 await self.sink.apply(index_batch)
             except IndexRequestError as exc:
-                refused = True
-                log.warning(
-                    "worker %s: index refused a batch of seq %d: %s", self.worker_id, seq, exc
-                )
+                refusal = exc
                 continue
             self.counters.num_batches_applied += 1
-        self.counters.num_bad_messages += refused
+        if refusal is not None:
+            self._drop_bad_message("seq %d: the index refused a batch of it: %s", seq, refusal)
+
+    def _drop_bad_message(self, what: str, *args: object, exc_info: bool = False) -> None:
+        """Count a message dropped as bad (`what % args` says which and why) and log it: a
+        warning for the 1st, 2nd, 4th, 8th, ... of the source's, the rest at debug level (a
+        publisher of another format, or a stray sender, sends nothing else: a warning per
+        message would flood the log; `bad_messages` counts them all)."""
+        self.counters.num_bad_messages += 1
+        count = self.counters.num_bad_messages
+        log.log(
+            _sparse_level(count - 1, count),
+            "worker %s: dropping " + what + " (%d bad messages so far)",
+            self.worker_id,
+            *args,
+            count,
+            exc_info=exc_info,
+        )
+
+    def _drop_bad_events(self, seq: int, batch: EventBatch) -> None:
+        """Count a batch's malformed and unknown events (its other events are applied) and
+        log them as `_drop_bad_message` does: when either count reaches the next power of
+        two (an engine newer than this version publishes a kind of event in every batch)."""
+        if not batch.num_bad_events and not batch.num_unknown_events:
+            return
+        counters = self.counters
+        bad, unknown = counters.num_bad_events, counters.num_unknown_events
+        counters.num_bad_events += batch.num_bad_events
+        counters.num_unknown_events += batch.num_unknown_events
+        log.log(
+            max(
+                _sparse_level(bad, counters.num_bad_events),
+                _sparse_level(unknown, counters.num_unknown_events),
+            ),
+            "worker %s: seq %d had %d malformed and %d unknown events%s, skipped (%d and %d "
+            "so far); its other events are applied",
+            self.worker_id,
+            seq,
+            batch.num_bad_events,
+            batch.num_unknown_events,
+            _named_types(batch.unknown_types),
+            counters.num_bad_events,
+            counters.num_unknown_events,
+        )
 
     async def _reset_worker(self, seq: int) -> None:
         """Clear the worker in the index; the stream's place is forgotten with it (the next
@@ -698,9 +800,17 @@ class ZmqSource:
         await self.sink.apply(self.translator.reset(seq=seq))
         self.counters.num_batches_applied += 1
 
-    async def _rebuild(self, trigger: ZmqMessage, *, reason: str | None) -> None:
+    async def _rebuild(
+        self,
+        trigger: ZmqMessage,
+        *,
+        reason: str | None,
+        buffered: list[ZmqMessage] | None = None,
+    ) -> None:
         """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`.
-        A `reason` is a break in a stream followed until now (see `on_sequence_break`)."""
+        A `reason` is a break in a stream followed until now (see `on_sequence_break`).
+        `buffered`: what a replay made just now says the buffer holds (the whole buffer, or
+        nothing when it failed), not asked for again; None: replay from seq 0."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         self._learn_rank(trigger)  # before the replay, whose batches must be of that rank
@@ -709,7 +819,9 @@ class ZmqSource:
             # What the buffer holds before the trigger, when it runs up to the trigger (the
             # replay's seqs are consecutive): after the clear, a rebuild that starts late only
             # misses blocks; one that skipped a batch would keep what that batch removed.
-            replies = [r for r in await self._replay(0) or () if r.seq < trigger.seq]
+            if buffered is None:
+                buffered = await self._replay(0)
+            replies = [r for r in buffered or () if r.seq < trigger.seq]
             if replies and replies[-1].seq + 1 == trigger.seq:
                 for reply in replies:
                     await self._apply(reply, replayed=True)
@@ -732,12 +844,20 @@ class ZmqSource:
             return
         replies = await self._replay(last)
         if replies is None:
-            await self._rebuild(trigger, reason="no replay to check the stream against")
+            await self._rebuild(
+                trigger,
+                reason="no replay to check the stream against",
+                # (A replay that just failed, timed out, is not tried again at once: the
+                # source would stall twice as long on a replay endpoint that never answers.)
+                buffered=[],
+            )
             return
         if not replies or replies[0].seq != last:
             await self._rebuild(
                 trigger,
                 reason=f"the replay no longer holds seq {last} (buffer trimmed, or a restart)",
+                # A buffer that starts after `last` came whole (the backlog outgrew it).
+                buffered=replies or None,
             )
             return
         if replies[0].payload != self._last_payload:
@@ -801,7 +921,7 @@ class ZmqSource:
             self._replay_failures_in_a_row += 1
             failures = self._replay_failures_in_a_row
             log.log(
-                logging.WARNING if failures.bit_count() == 1 else logging.DEBUG,
+                _sparse_level(failures - 1, failures),
                 "worker %s: replay from %s failed%s: %r",
                 self.worker_id,
                 self.settings.replay_endpoint,
@@ -851,8 +971,7 @@ class ZmqSource:
             try:
                 reply = decode_replay_reply(frames)
             except KvEventDecodeError as exc:
-                self.counters.num_bad_messages += 1
-                log.warning("worker %s: bad replay reply: %s", self.worker_id, exc)
+                self._drop_bad_message("a bad replay reply: %s", exc)
                 continue
             if reply is None:
                 break
@@ -874,6 +993,21 @@ class ZmqSource:
         self.counters.num_replayed_messages += len(replies)
         replies.sort(key=lambda m: m.seq)
         return replies
+
+
+def _named_types(tags: tuple[str, ...], most: int = 4) -> str:
+    """`tags` as a log says them: quoted, cut short (a sender's string, any length)."""
+    if not tags:
+        return ""
+    named = ", ".join(repr(tag[:40]) for tag in tags[:most])
+    return f" (of types {named}{', ...' if len(tags) > most else ''})"
+
+
+def _sparse_level(before: int, after: int, level: int = logging.WARNING) -> int:
+    """`level` when a count went from `before` past a power of two (its 1st, 2nd, 4th, 8th,
+    ... occurrence), else DEBUG: how a condition that may repeat on every message, or every
+    retry, is logged."""
+    return level if after.bit_length() > before.bit_length() else logging.DEBUG
 
 
 def _first_missing_seq(received: dict[int, ZmqMessage]) -> int | None:
@@ -916,6 +1050,9 @@ class _OpenConnections:
 
     def __init__(self) -> None:
         self._open: set[int] = set()
+        self._handshaken = False  # since the last connection opened
+        # Whether the last end that counted came before any handshake since that opening.
+        self.ended_before_handshake = False
 
     def publisher_events(self, events: list[tuple[int, int]]) -> list[int]:
         """`events` (in order) reduced to the handshakes and the ends that leave no connection
@@ -924,11 +1061,14 @@ class _OpenConnections:
         for event, descriptor in events:
             if event & self.OPENED:
                 self._open.add(descriptor)
+                self._handshaken = False
             elif event == zmq.EVENT_DISCONNECTED:
                 self._open.discard(descriptor)
                 if not self._open:
                     kept.append(event)
+                    self.ended_before_handshake = not self._handshaken
             else:
+                self._handshaken = True
                 kept.append(event)
         return kept
 

@@ -215,15 +215,62 @@ def _metrics_text(metrics_port: int) -> str:
         return str(r.read().decode())
 
 
-def _source_messages(metrics_port: int) -> float:
+def _metric(metrics_port: int, series: str) -> float | None:
+    """The value of one series on `/metrics` (None: not exported, or no answer yet)."""
     try:
         body = _metrics_text(metrics_port)
     except OSError:
-        return 0.0
+        return None
     for line in body.splitlines():
-        if line.startswith('kvplane_indexer_source_messages_total{worker_id="w0"}'):
+        if line.startswith(series + " "):
             return float(line.split()[-1])
-    return 0.0
+    return None
+
+
+def _source_messages(metrics_port: int) -> float:
+    return _metric(metrics_port, 'kvplane_indexer_source_messages_total{worker_id="w0"}') or 0.0
+
+
+async def test_serve_tells_a_publisher_it_cannot_reach_on_metrics_and_once_in_its_log(
+    tmp_path: Path, context: zmq.asyncio.Context
+) -> None:
+    """A source's publisher address that nothing answers at (a wrong port, a firewall, an
+    engine not up yet): ZMQ retries for ever and in silence, so the indexer said nothing and
+    every counter stayed 0 as on an idle engine. It now warns once and exports
+    `kvplane_indexer_source_up` 0, then 1 once the publisher is there."""
+    pub_port = _free_port()
+    metrics_port = _free_port()
+    config = tmp_path / "indexer.yaml"
+    config.write_text(
+        f"""
+listen: 127.0.0.1:0
+metrics_listen: 127.0.0.1:{metrics_port}
+backend: memory
+sources:
+  - kind: zmq
+    worker_id: w0
+    worker_address: 10.0.0.1:8000
+    endpoint: tcp://127.0.0.1:{pub_port}
+"""
+    )
+    log = tmp_path / "serve.log"
+    process = _spawn(["indexer", "serve", "--config", str(config)], log)
+    up = 'kvplane_indexer_source_up{worker_id="w0"}'
+    unreachable = f"cannot reach publisher tcp://127.0.0.1:{pub_port}"
+    publisher: FakeKvPublisher | None = None
+    try:
+        await eventually(lambda: unreachable in log.read_text(), WAIT_S)
+        assert _metric(metrics_port, up) == 0
+        publisher = FakeKvPublisher(context, endpoint=f"tcp://127.0.0.1:{pub_port}")
+        await publisher.wait_subscribed()
+        await eventually(lambda: _metric(metrics_port, up) == 1, WAIT_S)
+        assert _stop(process) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if publisher is not None:
+            await publisher.close()
+    assert log.read_text().count(unreachable) == 1
 
 
 async def test_bridge_subprocess_feeds_a_serve_subprocess(

@@ -134,6 +134,7 @@ def test_map_envelope_and_unknown_fields_and_types_are_ignored() -> None:
     batch = decode_payload(payload)
     assert batch.events == (BlockStored(block_hashes=(1,)), AllBlocksCleared(medium="CPU"))
     assert batch.num_unknown_events == 2
+    assert batch.unknown_types == ("SomethingNew", "AnotherNewThing")  # named in the log
     assert batch.num_bad_events == 0
 
 
