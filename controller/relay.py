@@ -27,14 +27,18 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
   request ends on an engine, every output finished CANCELLED, with no decode hop; an
   engine's answer that a request ended releases the router's accounting of it at once;
 - relay the engine's responses unchanged; the first output releases the router's prefill
-  accounting, the end of the attempt all of it;
+  accounting, the end of the attempt all of it. Leading responses that carry no output,
+  only of the prompt (OpenEngine's prompt logprobs; a vLLM server's first response, its
+  `prompt_info` alone), are held until the engine's first output (or an in-band error
+  passed on as it came, or the end of its stream), then relayed in order: an engine
+  failing before its first token has relayed nothing, and is retried as such (below);
 - tell the client where the request ran (the seed's responses cannot): trailing metadata
   `kvplane-route` (controller/route_report.py), set as each hop chooses its engine, so that a
   request failing once an engine was chosen carries it too;
 - an engine call that fails after its stream's terminal events were relayed (every output
   ended, or an in-band error) adds nothing: the stream ends as the engine ended it;
 - retry once on another engine when the engine failed before anything was relayed (a status
-  in RETRYABLE, or a retryable in-band error as its first response; an engine removed from
+  in RETRYABLE, or a retryable in-band error before its first output; an engine removed from
   the fleet mid-request, or unreachable past `health.abandon_streams_after_s`, fails as
   UNAVAILABLE); if no other engine can take it, the client gets the engine's own failure,
   naming the engine unless it refuses the request itself (`pass_status`; `retries_elsewhere`:
@@ -197,7 +201,7 @@ class InBandError(NamedTuple):
 
 class HopFailure(NamedTuple):
     """How an engine failed a hop before anything of it was relayed, in one form whether it
-    said so with a gRPC status or in-band (a terminal EngineError as its first response):
+    said so with a gRPC status or in-band (a terminal EngineError before its first output):
     `Relay._judge` decides what follows alike for both, so that an engine reporting a lost
     KV session in-band is treated as one refusing it NOT_FOUND."""
 
@@ -229,7 +233,7 @@ class HopFailure(NamedTuple):
 
     @classmethod
     def of_in_band(cls, error: InBandError, refusal: Any, stage: _Stage) -> HopFailure:
-        """An engine's in-band error as its first response. One naming the gateway's own KV
+        """An engine's in-band error before its first output. One naming the gateway's own KV
         session (`InBandError.about_session`), which the client never sent, is no refusal to
         pass on as it came: it ends the request as its status form does (a refused session:
         UNAVAILABLE; a retryable KV_TRANSFER_FAILED: UNAVAILABLE naming the engine)."""
@@ -275,7 +279,8 @@ class Surface(Protocol[Request_contra, Response]):
         ...
 
     def has_output(self, response: Response) -> bool:
-        """Whether the response carries generated output (the prefill is over)."""
+        """Whether the response carries generated output (the prefill is over). The relay
+        holds the responses before the first that does (of the prompt alone) until it comes."""
         ...
 
     def usage(self, response: Response) -> Usage | None: ...
@@ -1109,6 +1114,13 @@ class Relay:
             engine = sent_from = decision.engine_id
             tried.add(engine)
             relayed = False
+            # The engine's leading responses that carry no generated output, only of the
+            # prompt (OpenEngine's prompt logprobs; a vLLM engine's first response, its
+            # `prompt_info` alone): held until its first output, or an in-band error passed
+            # on as it came, or the end of its stream, then relayed in order, unchanged. A
+            # failure before then is one before anything was relayed (retried elsewhere),
+            # and they go with the failed attempt: the retry's own are relayed.
+            held: list[Response] = []
             # Outputs that ended, and the request's: once all have, or an in-band error was
             # relayed, the client has every terminal event it will get.
             num_ended, num_outputs = 0, surface.num_outputs(request)
@@ -1129,6 +1141,7 @@ class Relay:
                     async for response in call:
                         self._unanswered.pop(request_id, None)
                         error = surface.error(response)
+                        usage = surface.usage(response) or usage
                         if not relayed:
                             if error is not None:  # judged as the same status is (below)
                                 # The engine ended the request with it: while the verdict is
@@ -1153,15 +1166,22 @@ class Relay:
                                     raise verdict.retry
                                 if verdict.failure.refusal is None:
                                     raise _Refused(verdict.failure.cause)
-                            if stage.times_first_response:
-                                elapsed = time.perf_counter() - started
-                                c.metrics.first_response_seconds.observe(elapsed)
+                            elif not surface.has_output(response):
+                                held.append(response)
+                                continue
+                            self._first_relayed(stage, started)
                             relayed = True
+                            for leading in held:
+                                yield leading
                         if surface.has_output(response):
                             c.router.first_token(request_id)
-                        usage = surface.usage(response) or usage
                         num_ended += surface.outputs_ended(request, response)
                         yield response
+                    if not relayed and held:  # it ended with no output (its prompt's alone)
+                        self._first_relayed(stage, started)
+                        relayed = True
+                        for leading in held:
+                            yield leading
                 except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                     if error is None and not (relayed and num_ended >= num_outputs):
                         raise
@@ -1222,6 +1242,13 @@ class Relay:
                     call.cancel()
                 c.router.finish(request_id)
                 self._let_go(request_id, engine)
+
+    def _first_relayed(self, stage: _Stage, started: float) -> None:
+        """A hop relays its first response now: observe the time to it, when the hop says so
+        (`_Stage.times_first_response`)."""
+        if stage.times_first_response:
+            elapsed = time.perf_counter() - started
+            self.controller.metrics.first_response_seconds.observe(elapsed)
 
     def _let_go(self, request_id: str, engine: str) -> None:
         """`engine` no longer holds the request for this gateway (its call ended, or it ended

@@ -6,7 +6,9 @@ service) answers; the response is relayed unchanged.
 
 What this API changes on the way:
 - It has no in-band error event: after something was relayed, an engine failure passes
-  through as the engine's status.
+  through as the engine's status. A vLLM server's stream begins with a response carrying
+  `prompt_info` alone: the relay holds it until the first output (`has_output`), so an
+  engine failing before its first token is retried elsewhere.
 - A request without `request_id` gets one (`vllm-<hex>`) before routing, so that the router's
   in-flight accounting and Abort can tell it from other requests.
 - The session key (config `router.session_metadata_key`) is read from the call's gRPC

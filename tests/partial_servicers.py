@@ -13,6 +13,7 @@ from typing import Any
 from kvplane_api.v1 import index_pb2_grpc as index_grpc
 from kvplane_api.v1 import kv_transfer_pb2_grpc as kv_transfer_grpc
 from openengine.v1 import openengine_pb2_grpc as openengine_grpc
+from vllm_grpc import vllm_grpc_pb2_grpc as vllm_grpc
 
 Rpc = Callable[..., Any]
 
@@ -53,3 +54,10 @@ class PartialKvTransfer(kv_transfer_grpc.KvTransferServicer):
 
     PullKvSession: Rpc
     ReleaseKvSession: Rpc
+
+
+class PartialVllmGenerate(vllm_grpc.GenerateServicer):
+    """A `vllm.Generate` servicer; the RPCs a subclass leaves out answer UNIMPLEMENTED."""
+
+    Generate: Rpc
+    GenerateStream: Rpc

@@ -92,16 +92,21 @@ async def start_fronted_engine(
     servicer_for: Callable[[pb_grpc.OpenEngineAsyncStub], S],
     time_scale: float = 0.0,
     port: int = 0,
+    serve_also: Callable[[S, grpc.aio.Server, grpc.aio.Channel], None] | None = None,
     **config: Any,
 ) -> FrontedEngine[S]:
     """A sim engine named `name` (`time_scale`: its sim's; `config`: more EngineConfig
     fields) behind `servicer_for(stub of the sim engine)`, listening on `port` (0: any
-    free one; an engine's old port: a new process at its address)."""
+    free one; an engine's old port: a new process at its address). `serve_also`: adds more
+    services to the front server (such as `vllm.Generate`), given the OpenEngine servicer
+    and the channel to the sim engine."""
     inner = await start_sim_engine(name, time_scale, **config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{inner.port}")
     servicer = servicer_for(pb_grpc.OpenEngineStub(channel))
     server = grpc.aio.server()
     pb_grpc.add_OpenEngineServicer_to_server(servicer, server)
+    if serve_also is not None:
+        serve_also(servicer, server, channel)
     port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     return FrontedEngine(servicer, server, port, inner, channel)

@@ -34,7 +34,10 @@ from tests.controller.conftest import (
     make_fleet,
 )
 from tests.controller.fronted_engine import Forwarding, FrontedEngine, start_fronted_engine
+from tests.partial_servicers import PartialVllmGenerate
 from tests.polling import eventually
+from vllm_grpc import vllm_grpc_pb2 as vpb
+from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,7 +59,12 @@ class GenerateFaults:
     - "token_then_error": the first token, then one retryable terminal EngineError;
     - "token_then_unavailable": the first token, then the call fails with UNAVAILABLE;
     - "token_then_error_then_internal": "token_then_error", then the call fails with INTERNAL;
-    - "finished_then_internal": the whole stream, then the call fails with INTERNAL.
+    - "finished_then_internal": the whole stream, then the call fails with INTERNAL;
+    - "prompt_then_error", "prompt_then_unavailable": as the "token_" ones, after the
+      prompt's output (a request asking for prompt logprobs), before any token;
+    - on `vllm.Generate` (ScriptedVllm): "prompt_info_then_unavailable", a vLLM server's
+      first response (its `prompt_info` alone), then the call fails with UNAVAILABLE;
+      "prompt_info_then_end", that response alone, then the stream ends OK.
     """
 
     pending: list[str] = field(default_factory=list)
@@ -167,23 +175,27 @@ class ScriptedServicer(ReportsLoad):
                 ),
             )
             return
+        # The event after which the fault strikes, and what it does then.
+        after, _, then = (fault or "").partition("_then_")
         call = self.inner.Generate(request)
         try:
             async for response in call:
                 yield response
-                if fault in ("token_then_error", "token_then_error_then_internal"):
+                if response.WhichOneof("event") != after:
+                    continue
+                if then.startswith("error"):
                     yield pb.GenerateResponse(
                         request_id=request.request_id,
                         error=pb.EngineError(
                             code=pb.ERROR_CODE_OVERLOADED,
-                            message="scripted: token_then_error",
+                            message=f"scripted: {after}_then_error",
                             retryable=True,
                         ),
                     )
                     break
-                if fault == "token_then_unavailable":
+                if then == "unavailable":
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: gone")
-            if fault in ("finished_then_internal", "token_then_error_then_internal"):
+            if then.endswith("internal"):
                 await context.abort(grpc.StatusCode.INTERNAL, "scripted: broke after the end")
         finally:
             call.cancel()
@@ -329,6 +341,45 @@ class ScriptedServicer(ReportsLoad):
         return pb.ScoreResponse(request_id=request.context.request_id, groups=groups)
 
 
+class ScriptedVllm(PartialVllmGenerate):
+    """`vllm.Generate`'s GenerateStream beside a ScriptedServicer, streamed as a vLLM server
+    streams it: its first response carries `prompt_info` alone, before any token (the
+    bundled engine sends it with its first token); then the sim engine's stream. Each call
+    is recorded with the engine's Generate calls, and takes the next of its GenerateFaults
+    ("prompt_info_then_unavailable", "prompt_info_then_end")."""
+
+    def __init__(self, inner: vpb_grpc.GenerateAsyncStub, engine: ScriptedServicer) -> None:
+        self.inner = inner
+        self.engine = engine
+
+    async def GenerateStream(
+        self, request: vpb.GenerateRequest, context: Context
+    ) -> AsyncIterator[vpb.GenerateResponse]:
+        self.engine.generate_calls.append(request.request_id)
+        faults = self.engine.faults.pending
+        fault = faults.pop(0) if faults else None
+        call = self.inner.GenerateStream(request)
+        try:
+            async for response in call:
+                if response.HasField("prompt_info"):
+                    yield vpb.GenerateResponse(prompt_info=response.prompt_info)
+                    if fault == "prompt_info_then_unavailable":
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: gone")
+                    if fault == "prompt_info_then_end":
+                        return
+                    response.ClearField("prompt_info")
+                yield response
+        finally:
+            call.cancel()
+
+
+def serve_vllm(engine: ScriptedServicer, server: grpc.aio.Server, inner: grpc.aio.Channel) -> None:
+    """`start_fronted_engine`'s `serve_also`: ScriptedVllm on the front server."""
+    vpb_grpc.add_GenerateServicer_to_server(
+        ScriptedVllm(vpb_grpc.GenerateStub(inner), engine), server
+    )
+
+
 ScriptedEngine = FrontedEngine[ScriptedServicer]
 
 
@@ -340,7 +391,9 @@ async def start_scripted_engine(
     lora_enabled: bool = False,
     tasks: frozenset[str] = frozenset(),
     time_scale: float = 0.0,
+    vllm: bool = False,
 ) -> ScriptedEngine:
+    """`vllm`: it serves `vllm.Generate` too (ScriptedVllm)."""
     return await start_fronted_engine(
         name,
         lambda inner: ScriptedServicer(
@@ -351,6 +404,7 @@ async def start_scripted_engine(
             tasks=tasks,
         ),
         time_scale,
+        serve_also=serve_vllm if vllm else None,
     )
 
 
@@ -768,11 +822,11 @@ async def test_classify_and_score_go_to_the_engines_that_support_them() -> None:
 
 
 async def two_engine_fleet(
-    faults: GenerateFaults,
+    faults: GenerateFaults, *, vllm: bool = False
 ) -> tuple[ScriptedFleet, list[ScriptedEngine]]:
     engines = [
-        await start_scripted_engine("e0", faults),
-        await start_scripted_engine("e1", faults),
+        await start_scripted_engine("e0", faults, vllm=vllm),
+        await start_scripted_engine("e1", faults, vllm=vllm),
     ]
     return await scripted_fleet(*engines), engines
 
@@ -797,6 +851,98 @@ async def test_failure_before_the_first_token_is_retried_once_elsewhere(fault: s
         assert metrics.requests.labels("ok")._value.get() == 1
         assert len(fleet.app.controller.router.inflight) == 0
         assert fleet.app.gateway.relay.holding == {}
+    finally:
+        await close_fleet(fleet)
+
+
+@pytest.mark.parametrize("fault", ["prompt_then_unavailable", "prompt_then_error"])
+async def test_a_failure_after_the_prompts_output_before_a_token_is_retried_elsewhere(
+    fault: str,
+) -> None:
+    """The prompt's output (prompt logprobs) comes before the first token: an engine failing
+    after it, a status or a retryable EngineError, failed before the first token, so the
+    request is retried elsewhere, and the client gets the prompt's output once, the second
+    engine's (it got the failed engine's, then one terminal EngineError)."""
+    fleet, engines = await two_engine_fleet(GenerateFaults([fault]))
+    try:
+        request = generate_request("r", [1, 2, 3], 4)
+        request.response.return_prompt_logprobs = True
+        reply = [r async for r in fleet.gateway.Generate(request)]
+        assert [r.WhichOneof("event") for r in reply] == ["prompt"] + ["token"] * 4 + ["finished"]
+        assert calls(engines, "r") == 2
+        metrics = fleet.app.controller.metrics
+        assert metrics.retries._value.get() == 1
+        assert metrics.requests.labels("ok")._value.get() == 1
+        assert len(fleet.app.controller.router.inflight) == 0
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_second_failure_after_the_prompts_output_is_one_before_anything_relayed() -> None:
+    """With its one retry spent, an engine failing after the prompt's output, before a
+    token, ends the request as a failure before anything was relayed: its status, naming
+    the engine; the prompt's output held back goes with it."""
+    faults = GenerateFaults(["prompt_then_unavailable", "prompt_then_unavailable"])
+    fleet, engines = await two_engine_fleet(faults)
+    try:
+        request = generate_request("r", [1, 2, 3], 4)
+        request.response.return_prompt_logprobs = True
+        relayed: list[pb.GenerateResponse] = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for response in fleet.gateway.Generate(request):
+                relayed.append(response)
+        assert relayed == []
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "failed the request: UNAVAILABLE: scripted: gone" in (err.value.details() or "")
+        assert calls(engines, "r") == 2
+    finally:
+        await close_fleet(fleet)
+
+
+def vllm_request(request_id: str) -> vpb.GenerateRequest:
+    return vpb.GenerateRequest(
+        request_id=request_id, model="sim", token_ids=vpb.TokenIds(ids=[1, 2, 3]),
+        stopping=vpb.StoppingCriteria(max_new_tokens=4, ignore_eos=True),
+    )  # fmt: skip
+
+
+async def test_a_vllm_engine_failing_after_its_prompt_info_is_retried_elsewhere() -> None:
+    """A vLLM server's stream begins with a response carrying `prompt_info` alone, before
+    any token. An engine failing after it failed before the first token: the request is
+    retried on another engine, and the client gets that engine's stream, `prompt_info`
+    once (it got the failed engine's `prompt_info`, then UNAVAILABLE)."""
+    fleet, engines = await two_engine_fleet(
+        GenerateFaults(["prompt_info_then_unavailable"]), vllm=True
+    )
+    try:
+        stub = vpb_grpc.GenerateStub(fleet.channel)
+        reply = [r async for r in stub.GenerateStream(vllm_request("v"))]
+        assert reply[0].HasField("prompt_info") and not reply[0].HasField("outputs")
+        assert reply[0].prompt_info.num_prompt_tokens == 3
+        assert not any(r.HasField("prompt_info") for r in reply[1:])
+        assert sum(r.outputs.num_tokens for r in reply) == 4
+        assert reply[-1].outputs.finish_info.finish_reason == vpb.FinishInfo.LENGTH
+        assert calls(engines, "v") == 2
+        metrics = fleet.app.controller.metrics
+        assert metrics.retries._value.get() == 1
+        assert metrics.requests.labels("ok")._value.get() == 1
+        assert fleet.app.gateway.relay.holding == {}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_vllm_stream_ending_with_its_prompt_info_alone_relays_it() -> None:
+    """A stream that ends without a token has what was held for the first token relayed at
+    its end, as the engine sent it."""
+    engine = await start_scripted_engine("e0", GenerateFaults(["prompt_info_then_end"]), vllm=True)
+    fleet = await scripted_fleet(engine)
+    try:
+        stub = vpb_grpc.GenerateStub(fleet.channel)
+        reply = [r async for r in stub.GenerateStream(vllm_request("v"))]
+        assert reply == [vpb.GenerateResponse(prompt_info=vpb.PromptInfo(num_prompt_tokens=3))]
+        metrics = fleet.app.controller.metrics
+        assert metrics.requests.labels("ok")._value.get() == 1
+        assert metrics.prompt_tokens._value.get() == 3
     finally:
         await close_fleet(fleet)
 
