@@ -27,9 +27,10 @@
   unless no engine can abort it now (being planned, or handed over by its prefill engine
   before a decode engine holds it): the relay ends it, ABORTED (and so when its prefill
   engine answers ALREADY_FINISHED for a handoff the gateway has not read yet:
-  Relay.ended_at); an engine's answer that the request ended releases it from the router's
-  accounting, though its client may not have read everything yet; one of the last requests
-  that ended is ALREADY_FINISHED (as an engine answers), an id never seen NOT_FOUND;
+  Relay.ended_at), its stream as an engine ends an aborted request (each output finished
+  CANCELLED, status OK); an engine's answer that the request ended releases it from the
+  router's accounting, though its client may not have read everything yet; one of the last
+  requests that ended is ALREADY_FINISHED (as an engine answers), an id never seen NOT_FOUND;
   `all_requests` ends the requests no engine can abort here and fans out, as KV sessions
   do, and also to every engine holding a relayed stream, reachable or not (a stopped one is
   reported, DEADLINE_EXCEEDED); every engine refusing alike is their status, UNAVAILABLE when
@@ -257,9 +258,19 @@ class _OpenEngineGenerate:
         )
 
     def aborted(self, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
-        """None: a request aborted before an engine took it ends with the status CANCELLED
-        (docs/controller.md, "Abort")."""
-        return []
+        """As an engine ends a request aborted before its prefill (status OK): each output
+        finished CANCELLED, the last with the Usage of its prompt when sent as token ids (no
+        completion token, nothing read from the cache). A text prompt's tokens are the
+        engine's to count, so Usage is left out then."""
+        usage = None
+        if request.WhichOneof("input") == "token_ids":
+            num_prompt_tokens = len(request.token_ids.ids)
+            usage = pb.Usage(
+                prompt_tokens=num_prompt_tokens,
+                total_tokens=num_prompt_tokens,
+                cached_prompt_tokens=0,
+            )
+        return self._cancelled(request, usage)
 
     # The handoff of a disaggregated fleet (seed: "Disaggregated serving and KV API").
 
@@ -327,17 +338,25 @@ class _OpenEngineGenerate:
     def cancelled(
         self, request: pb.GenerateRequest, handover: pb.GenerateResponse
     ) -> list[pb.GenerateResponse]:
+        return self._cancelled(request, handover.usage if handover.HasField("usage") else None)
+
+    def _cancelled(
+        self, request: pb.GenerateRequest, usage: pb.Usage | None
+    ) -> list[pb.GenerateResponse]:
+        """The events that end an aborted request on an engine: each output finished
+        CANCELLED ("aborted"), the last carrying `usage` (seed: Usage rides on the final
+        response)."""
         events = [
             pb.GenerateResponse(
                 request_id=request.request_id,
                 finished=pb.GenerationFinished(
-                    output_index=index, reason=pb.FINISH_REASON_CANCELLED
+                    output_index=index, reason=pb.FINISH_REASON_CANCELLED, message="aborted"
                 ),
             )
             for index in range(self.num_outputs(request))
         ]
-        if handover.HasField("usage"):  # seed: Usage rides on the final response
-            events[-1].usage.CopyFrom(handover.usage)
+        if usage is not None:
+            events[-1].usage.CopyFrom(usage)
         return events
 
     async def release(self, engine: str, session: pb.KvSessionRef) -> bool:

@@ -19,12 +19,13 @@ output, usage or a refusal worth retrying, how a failure after output ends the s
 - hold request id -> engine while the request runs, so that OpenEngine Abort finds it and
   Drain counts it whatever API started it, and remember the last FINISHED_MEMORY ids an
   engine ran once they end, so that Abort answers ALREADY_FINISHED as the engine would; a
-  request aborted before an engine took it (being planned, or its call not yet accepted)
-  ends here, CANCELLED, or as the API ends an aborted request (`Surface.aborted`:
-  vllm.Generate's ABORTED), and one aborted at the handoff (its prefill engine handed it over,
-  no decode engine holds or has accepted it yet; or that engine answered the Abort that its
-  part ended before the gateway read the handoff, `ended_at`) ends here as an aborted
-  request ends on an engine, every output finished CANCELLED, with no decode hop; an
+  request aborted before an engine took it (being planned, between two engines, or its call
+  not yet accepted) ends here as an engine ends a request aborted before its prefill, status
+  OK (`Surface.aborted`: OpenEngine's outputs finished CANCELLED, vllm.Generate's ABORTED),
+  and one aborted at the handoff (its prefill engine handed it over, no decode engine holds
+  or has accepted it yet; or that engine answered the Abort that its part ended before the
+  gateway read the handoff, `ended_at`) ends here as an aborted request ends on an engine,
+  every output finished CANCELLED, the last with the prefill's usage, with no decode hop; an
   engine's answer that a request ended releases the router's accounting of it at once;
 - relay the engine's responses unchanged; the first output releases the router's prefill
   accounting, the end of the attempt all of it. Leading responses that carry no output,
@@ -305,9 +306,10 @@ class Surface(Protocol[Request_contra, Response]):
         ...
 
     def aborted(self, request: Request_contra) -> list[Response]:
-        """The responses that end the request as an engine ends an aborted one, for an abort
-        that reached it before any engine accepted it (`Relay._end_aborted`); none when the
-        API ends it with the status CANCELLED."""
+        """The responses that end the request as an engine ends one aborted before its
+        prefill, for an abort that reached it before any engine accepted it
+        (`Relay._end_aborted`); none for a request that asks for no output at all (an engine
+        refuses it), which ends with the status CANCELLED."""
         ...
 
 
@@ -536,9 +538,10 @@ class Relay:
         # Ids of requests an engine ran, once they ended (Abort: ALREADY_FINISHED).
         self.finished = RecentIds(FINISHED_MEMORY)
         # Ids aborted while still being planned, before any engine had them, or while their
-        # engine had not accepted them yet: they end here, CANCELLED. And ids aborted at the
-        # handoff, between their prefill and decode hops: they end here, each output
-        # finished CANCELLED (`Handoff.cancelled`).
+        # engine had not accepted them yet: they end here, as an engine ends a request
+        # aborted before its prefill (`Surface.aborted`). And ids aborted at the handoff,
+        # between their prefill and decode hops: they end here, each output finished
+        # CANCELLED (`Handoff.cancelled`).
         self.aborted_unrouted: set[str] = set()
         # request id -> the prefill engine that handed it over (its handoff event came), until
         # the request ends: that engine ran its part, so an Abort of the request is the
@@ -899,7 +902,9 @@ class Relay:
         if session is not None:
             await self.report(prefilled_on, None)
         else:
-            if finished:  # counted as any request that ended (aborted) on its engine
+            # Counted as any request that ended (aborted) on its engine, unless the gateway
+            # ended it so itself (`_end_aborted`: "aborted").
+            if finished and not _outcome_counted.get():
                 self._count("ok")
                 c.metrics.request_seconds.observe(time.perf_counter() - started)
             if ended:
@@ -1415,10 +1420,11 @@ class Relay:
         """End a hop whose request was aborted where no engine's Abort reached it
         (`abort_unrouted`, `abort_unaccepted`, or its KV session ended by its prefill
         engine's drain), nothing relayed in it: the responses that end it as an engine ends
-        an aborted request when the API says so (`Surface.aborted`), else CANCELLED; a
-        decode hop (it carries a KV session: the prefill engine accepted the request)
-        returns empty instead, for `_disaggregated` to end the request as an engine ends an
-        aborted one (`Handoff.cancelled`)."""
+        a request aborted before its prefill, status OK (`Surface.aborted`; CANCELLED for a
+        request that asks for no output, which an engine would have refused); a decode hop
+        (it carries a KV session: the prefill engine accepted the request) returns empty
+        instead, for `_prefill_then_decode` to end the request as an engine ends an aborted
+        one (`Handoff.cancelled`)."""
         self._count("aborted")
         if stage.carries_session:
             return []

@@ -18,8 +18,7 @@ What this API changes on the way:
 - The response has no cached-token count: usage records the prompt tokens only
   (`prompt_info.num_prompt_tokens`), not the router's prediction against the engine's.
 - A request aborted before any engine accepted it (while planned, say) ends as an engine
-  ends one aborted before its prefill, `finish_info` ABORTED with status OK (`aborted`),
-  not with the relay's CANCELLED.
+  ends one aborted before its prefill, `finish_info` ABORTED with status OK (`aborted`).
 - This proto has no health of its own: `grpc.health.v1` says NOT_SERVING for
   `vllm.Generate` once the gateway drains (it refuses every new request), as an engine's
   service does (`report_health`).

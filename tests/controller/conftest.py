@@ -22,6 +22,7 @@ from indexer.backend import IndexBackend
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from tests.polling import eventually
 from tests.redis_servers import RedisServer
 
 
@@ -240,6 +241,34 @@ def generate_request(
         stopping=pb.StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
         metadata=metadata,
     )
+
+
+async def ended_while_queued(request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    """How the bundled engine ends `request` (up to 2 outputs) aborted before its prefill:
+    a sim engine whose 2 seats are taken queues it, and an Abort of its id ends it there."""
+    engine = await start_sim_engine("queues", time_scale=0.5, max_num_seqs=2)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine.port}")
+    stub = pb_grpc.OpenEngineStub(channel)
+    try:
+        seats = generate_request("seats", [1, 2, 3], max_tokens=100_000)
+        seats.sampling.num_sequences = 2
+        running = stub.Generate(seats)
+        await running.read()  # its first token: both seats are taken
+        stream = stub.Generate(request)
+
+        async def queued() -> bool:  # GetLoad counts sequences
+            load = await stub.GetLoad(pb.GetLoadRequest())
+            return load.queued_requests == (request.sampling.num_sequences or 1)
+
+        await eventually(queued, what="the request queued")
+        reply = await stub.Abort(pb.AbortRequest(request_id=request.request_id))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        ended = [r async for r in stream]
+        running.cancel()
+        return ended
+    finally:
+        await channel.close()
+        await engine.close()
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from tests.controller.conftest import (
     EngineFleet,
     Fleet,
     close_fleet,
+    ended_while_queued,
     generate_request,
     make_fleet,
     start_sim_engine,
@@ -678,11 +679,17 @@ async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
 ) -> None:
     """An Abort that arrives while the request is being planned (tokenising a long prompt,
     asking the index) is ABORTED, and the request ends there: no engine ever runs it. Abort
-    of every request reaches it too: no engine holds it, so no engine's Abort could."""
+    of every request reaches it too: no engine holds it, so no engine's Abort could. The
+    stream ends as an engine ends a request aborted before its prefill (status OK, each
+    output finished CANCELLED, the last with the prompt's usage), not with the status
+    CANCELLED a client takes for a failure."""
     controller = fleet.app.controller
+    early = generate_request("early", [*PREFIX, 1])
+    early.sampling.num_sequences = 2
+    expected = await ended_while_queued(early)
     planning, go_on = hold_planning(fleet, monkeypatch)
     chosen = record_routes(fleet)
-    request = asyncio.ensure_future(generate(fleet, generate_request("early", [*PREFIX, 1])))
+    request = asyncio.ensure_future(generate(fleet, early))
     await asyncio.wait_for(planning.wait(), 10)
     if target == "request_id":
         reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="early"))
@@ -691,9 +698,9 @@ async def test_abort_of_a_request_still_being_routed_ends_it_before_any_engine(
         assert "gateway: 1 aborted before they were routed" in reply.message
     assert reply.status == pb.ABORT_STATUS_ABORTED
     go_on.set()
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await request
-    assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert await request == expected
+    assert [r.finished.reason for r in expected] == [pb.FINISH_REASON_CANCELLED] * 2
+    assert expected[-1].usage.prompt_tokens == len(PREFIX) + 1
     assert chosen == []  # never routed
     assert controller.metrics._outcomes["aborted"]._value.get() == 1
     # Freed as the gateway's handler unwinds, which may be just after the client's status.

@@ -17,7 +17,13 @@ from controller.route_report import read_route
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
-from tests.controller.conftest import EngineFleet, close_fleet, generate_request, make_fleet
+from tests.controller.conftest import (
+    EngineFleet,
+    close_fleet,
+    ended_while_queued,
+    generate_request,
+    make_fleet,
+)
 from tests.controller.disagg_engines import (
     RoleEngine,
     Sessions,
@@ -752,25 +758,26 @@ async def test_a_session_ended_again_after_prompt_output_is_one_retryable_error(
 async def test_an_abort_while_a_lost_session_is_looked_into_ends_the_request(form: str) -> None:
     """As above (its TTL ended the session), but the client aborts the request while the
     gateway asks the prefill engine about the session: the Abort is ABORTED and the request
-    ends CANCELLED, run again nowhere. In-band, the decode engine had ended the request
-    with its refusal yet still held it for the gateway: the Abort went there, which knew
-    nothing of it (NOT_FOUND; an engine that remembers it: ALREADY_FINISHED), and the
-    request ran again, to its last token."""
+    ends as an engine ends one aborted before its prefill (status OK, its output finished
+    CANCELLED with the prompt's usage), run again nowhere, counted once, "aborted". In-band,
+    the decode engine had ended the request with its refusal yet still held it for the
+    gateway: the Abort went there, which knew nothing of it (NOT_FOUND; an engine that
+    remembers it: ALREADY_FINISHED), and the request ran again, to its last token."""
     fleet, prefill, decode, sessions = await _fleet(1, 1)
     try:
         _refuse(sessions, form)
         sessions.ended_at_once = True
         gate = sessions.release_gate = asyncio.Event()
-        running = asyncio.ensure_future(_generate(fleet, generate_request("r", [*PREFIX, 1])))
+        request = generate_request("r", [*PREFIX, 1])
+        running = asyncio.ensure_future(_generate(fleet, request))
         await eventually(lambda: bool(sessions.releases))
         reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
         assert reply.status == pb.ABORT_STATUS_ABORTED
         gate.set()
-        with pytest.raises(grpc.aio.AioRpcError) as ended:
-            await running
-        assert ended.value.code() == grpc.StatusCode.CANCELLED
+        assert await running == await ended_while_queued(request)
         assert _calls(prefill + decode, "r") == [("p0", False), ("d0", True)]
         assert fleet.app.controller.metrics.requests.labels("aborted")._value.get() == 1
+        assert _outcomes(fleet) == {}  # not "ok" as well
     finally:
         await close_fleet(fleet)
 
