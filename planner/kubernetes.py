@@ -29,8 +29,8 @@
   each, its pod gone, unreachable for good); a pod given the IP of one meanwhile waits. So are
   those an earlier planner left so (stopped, or no longer leading, before it took them out):
   each registration says the pool's Deployment (RegisterEngine `owner`), and the pool's
-  engines the controller lists that no pod of it is at are found at each look
-  (`_find_left_registered`).
+  engines the controller lists that no pod of it is at are found by the pool's first look
+  the controller answers, and every LEFT_REGISTERED_LOOK_S after (`_find_left_registered`).
   A pod taken as an engine (adopted, or by a start) first has the drained
   deletion cost cleared, if a removal that did not finish left it; one a scale-down the
   ReplicaSet has yet to act on is to delete is left to go (`_cleared`).
@@ -64,6 +64,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -102,6 +103,11 @@ _CONFLICT_BACKOFF_S = 0.01
 # API calls under way at once, all pools together (each in a thread of its own): pools are
 # looked at and scaled concurrently, within what a loaded API server should be asked.
 MAX_CALLS_IN_FLIGHT = 8
+# How often a pool's look asks the controller for the engines an earlier planner left
+# registered (`_find_left_registered`), after the first look that could: a ListWorkers, which
+# on a Redis index reads the whole index for its block counts, and such engines come from a
+# planner before this actuator (a restart, an earlier leader), so mostly at its first look.
+LEFT_REGISTERED_LOOK_S = 60.0
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -187,6 +193,8 @@ class KubernetesDeployments:
         self._pool_locks = {pool: asyncio.Lock() for pool in self._deployments}
         self._looks: dict[str, asyncio.Task[list[tuple[str, str]]]] = {}  # by pool: `adopt`
         self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
+        # By pool: when its look last found the engines left registered (`time.monotonic`).
+        self._left_registered_looked: dict[str, float] = {}
 
     def needs(self) -> list[Access]:
         """Every call the actuator makes (configs/k8s/planner-rbac.yaml grants them): each
@@ -267,16 +275,21 @@ class KubernetesDeployments:
         adopted: list[tuple[str, str]] = []
         async with self._pool_locks[pool]:
             await self._take_out(pool)  # the controller's: not held up by the API server
-            # Before the pods: an engine registered after the listing has its pod listed.
-            registered = await self._admin.registered_by(self._owner(pool))
+            registered = None
+            looked = self._left_registered_looked.get(pool)
+            if looked is None or time.monotonic() - looked >= LEFT_REGISTERED_LOOK_S:
+                # Before the pods: an engine registered after this has its pod listed.
+                registered = await self._admin.registered_by(self._owner(pool))
             try:
                 pods = await self._pods(pool)
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 return adopted
             self._note_exits(pool, pods)
-            if registered and self._find_left_registered(pool, registered, pods):
-                await self._take_out(pool)
+            if registered is not None:
+                self._left_registered_looked[pool] = time.monotonic()
+                if self._find_left_registered(pool, registered, pods):
+                    await self._take_out(pool)
             if (not_done := await self._retry_removals(pool)) is not None:
                 log.warning("%s (tried again next tick)", not_done)
             if self._waiting[pool]:  # its starts take the Ready pods first
