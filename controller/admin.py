@@ -54,6 +54,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             routable=record.routable,
             kv_events=record.kv_events,
             source=record.source,
+            owner=record.owner,
             indexed_blocks=indexed.get(record.address, 0),
             inflight_requests=self.controller.router.inflight.of(record.address).requests,
             last_error=record.last_error,
@@ -113,7 +114,7 @@ class AdminServicer(apb_grpc.AdminServicer):
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, f"kv_events {mode!r}?")
         try:
             parse_dial_target(request.address)
-            record = await self.controller.membership.register(request.address, mode)
+            record = await self.controller.membership.register(request.address, mode, request.owner)
         except ValueError as exc:
             await abort_with(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except KvplaneError as exc:

@@ -484,13 +484,19 @@ class Fleet:
         kv_events: str = KvEventsMode.grpc.value,
         source: str = "admin",
         array_tail: ArrayTail | None = None,
+        owner: str = "",
     ) -> EngineRecord:
         if address in self._removing:
             raise DuplicateEngineError(
                 f"engine {address} is being removed; register it again once that is done"
             )
         record = self.registry.add(
-            address, kv_events=kv_events, source=source, array_tail=array_tail, now_s=self._clock()
+            address,
+            kv_events=kv_events,
+            source=source,
+            array_tail=array_tail,
+            now_s=self._clock(),
+            owner=owner,
         )
         engine = _Engine(address, self._engine_channels, self._clock)
         self._engines[address] = engine

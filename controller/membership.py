@@ -12,17 +12,18 @@ the others within a poll interval. A call whose change Redis does not take is re
 
 The hash's fields: `a:<address>` an engine registered through the admin API (its `kv_events`
 mode; RegisterEngine takes no `array_tail`: every replica chooses the engine's from its
-GetEngineInfo name, alike), `c:<address>` a cordoned engine, `x:<address>` an engine of the
-replicas' config removed (config engines are in every replica's config; removing one through
-any replica removes it from all, a replica started later included, until it is registered
-again), and `v`, the hash's generation: set (to a fresh token) by whoever writes a hash Redis
-does not hold, kept by every change after. A hash without it was lost by Redis (or never
-written): the replica writes its own membership back instead of dropping what it does not
-find. A replica that finds another generation than it read last finds a hash written back
-since by another replica, which knew only its own membership: it writes its own back too (the
-fields merge) before applying the hash, so no replica takes what another did not know for a
-removal. Once every running replica has read the new generation, the hash is the union of
-their views.
+GetEngineInfo name, alike), `o:<address>` who registered it (its RegisterEngine's `owner`,
+when it said; a replica older than the field ignores it), `c:<address>` a cordoned engine,
+`x:<address>` an engine of the replicas' config removed (config engines are in every
+replica's config; removing one through any replica removes it from all, a replica started
+later included, until it is registered again), and `v`, the hash's generation: set (to a
+fresh token) by whoever writes a hash Redis does not hold, kept by every change after. A
+hash without it was lost by Redis (or never written): the replica writes its own membership
+back instead of dropping what it does not find. A replica that finds another generation than
+it read last finds a hash written back since by another replica, which knew only its own
+membership: it writes its own back too (the fields merge) before applying the hash, so no
+replica takes what another did not know for a removal. Once every running replica has read
+the new generation, the hash is the union of their views.
 
 Without a Redis index the calls change this replica's fleet only, as they always did.
 """
@@ -46,7 +47,7 @@ from kvplane.errors import KvplaneError
 
 log = logging.getLogger(__name__)
 
-_REGISTERED, _CORDONED, _REMOVED, _MARKER = "a:", "c:", "x:", "v"
+_REGISTERED, _OWNER, _CORDONED, _REMOVED, _MARKER = "a:", "o:", "c:", "x:", "v"
 
 
 class MembershipUnavailableError(KvplaneError):
@@ -97,11 +98,17 @@ class Membership:
 
     # ---- the admin API's changes ----
 
-    async def register(self, address: str, kv_events: str) -> EngineRecord:
+    async def register(self, address: str, kv_events: str, owner: str = "") -> EngineRecord:
         async with self._lock:
-            record = await self.fleet.add_engine(address, kv_events, source="admin")
+            record = await self.fleet.add_engine(address, kv_events, source="admin", owner=owner)
+            fields = {_REGISTERED + address: kv_events}
+            deleted = [_REMOVED + address]
+            if owner:
+                fields[_OWNER + address] = owner
+            else:
+                deleted.append(_OWNER + address)
             try:
-                await self._write({_REGISTERED + address: kv_events}, [_REMOVED + address])
+                await self._write(fields, deleted)
             except MembershipUnavailableError:
                 await self.fleet.remove_engine(address)
                 raise
@@ -115,7 +122,9 @@ class Membership:
             # record's source is then "admin"): without its `x:` a replica started later would
             # route to it again.
             removed = {_REMOVED + address: "1"} if self._in_config(address) else {}
-            await self._write(removed, [_REGISTERED + address, _CORDONED + address])
+            await self._write(
+                removed, [_REGISTERED + address, _OWNER + address, _CORDONED + address]
+            )
             # Out of the registry now; what it left is dropped out of the lock (a registration
             # of the address meanwhile is refused as "being removed", not held up).
             record, removal = self.fleet.begin_removal(address)
@@ -211,7 +220,8 @@ class Membership:
             log.info("engine %s registered through another controller replica", address)
             # (Still being removed here: added at the next read.)
             with contextlib.suppress(DuplicateEngineError):
-                await self.fleet.add_engine(address, mode, source="admin")
+                owner = fields.get(_OWNER + address, "")
+                await self.fleet.add_engine(address, mode, source="admin", owner=owner)
         for record in registry.records():
             cordoned = _CORDONED + record.address in fields
             if record.cordoned != cordoned:
@@ -225,6 +235,7 @@ class Membership:
         of its own."""
         records = self.fleet.registry.records()
         fields = {_REGISTERED + r.address: r.kv_events for r in records if r.source == "admin"}
+        fields.update({_OWNER + r.address: r.owner for r in records if r.owner})
         fields.update({_CORDONED + r.address: "1" for r in records if r.cordoned})
         present = {r.address for r in records}
         fields.update(

@@ -387,6 +387,8 @@ class EngineRecord:
     address: str
     kv_events: str = "grpc"
     source: str = "config"  # config | admin
+    # Who registered it through the admin API, as its RegisterEngine said ("": nobody said).
+    owner: str = ""
     # The engine entry's `array_tail` (None: chosen from the engine's name).
     array_tail: ArrayTail | None = None
     identity: EngineIdentity | None = None
@@ -585,12 +587,16 @@ class Registry:
         source: str = "config",
         array_tail: ArrayTail | None = None,
         now_s: float | None = None,
+        *,
+        owner: str = "",
     ) -> EngineRecord:
         """`now_s`: when (None: the latest time the registry recorded), which says whether
         the hold-down record of an engine removed from this address is still its own."""
         if address in self._by_address:
             raise DuplicateEngineError(f"engine {address} is already registered")
-        record = EngineRecord(address, kv_events=kv_events, source=source, array_tail=array_tail)
+        record = EngineRecord(
+            address, kv_events=kv_events, source=source, array_tail=array_tail, owner=owner
+        )
         self._drop_old_flaps(self._now_s if now_s is None else now_s)
         left = self._left_flapping.pop(address, None)
         if left is not None:

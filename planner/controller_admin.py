@@ -8,7 +8,10 @@ are registered again, those it lists as draining are returned, and those the pla
 that it routes to again (the drain was not taken) are drained again. Every call is bounded by
 `ADMIN_TIMEOUT_S` except the drain stream, which lasts as long as the drain. `restarted`
 returns when the controller is a new process (its instance id changed): the planner then
-registers its engines again at once, not at its next tick. `describe` gives a
+registers its engines again at once, not at its next tick. Every registration carries the
+`owner` that `owner_of` gives its address (none when ""), so that the actuator finds its
+engines among the controller's (`registered_by`) after a restart of its own; a controller
+older than the field refuses it, and is asked again without it. `describe` gives a
 failed call in one line, with the setting it most likely lacks: `live.controller_tls` when a
 TLS controller hung up on the connection, `live.controller_token_file` when the controller
 refused the call's token (or its lack of one).
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -87,11 +90,18 @@ def _admin_and_gateway(
 
 
 class ControllerAdmin:
-    """The admin API of the controller at `controller` (HOST:PORT)."""
+    """The admin API of the controller at `controller` (HOST:PORT); `owner_of(address)` is
+    the `owner` a registration of `address` says (RegisterEngine)."""
 
-    def __init__(self, controller: str, channels: ClientChannels = INSECURE) -> None:
+    def __init__(
+        self,
+        controller: str,
+        channels: ClientChannels = INSECURE,
+        owner_of: Callable[[str], str] = lambda address: "",
+    ) -> None:
         self._controller = controller
         self._channels = channels
+        self._owner_of = owner_of
         # The admin API and, on the same server, the gateway: GetEngineInfo names the
         # controller's process.
         self._dialled = Redialling(
@@ -162,11 +172,19 @@ class ControllerAdmin:
 
     async def register(self, address: str, *, existing_ok: bool = False) -> None:
         """RegisterEngine; with `existing_ok`, an engine the controller already lists (one a
-        previous planner registered) is not an error."""
+        previous planner registered) is not an error. The engine's owner (`owner_of`) goes
+        with it, unless the controller is older than RegisterEngine's `owner` (it refuses
+        fields it does not have): the engine is registered without."""
+        request = apb.RegisterEngineRequest(address=address, owner=self._owner_of(address))
         try:
-            await self._stub.RegisterEngine(
-                apb.RegisterEngineRequest(address=address), timeout=ADMIN_TIMEOUT_S
-            )
+            try:
+                await self._stub.RegisterEngine(request, timeout=ADMIN_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                if not (request.owner and _refused_owner(exc)):
+                    raise
+                log.debug("controller %s has no RegisterEngine owner", self._controller)
+                request.ClearField("owner")
+                await self._stub.RegisterEngine(request, timeout=ADMIN_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             if not (existing_ok and exc.code() is grpc.StatusCode.ALREADY_EXISTS):
                 raise
@@ -288,6 +306,17 @@ class ControllerAdmin:
                 (removals.removed if await self.remove(address) else removals.kept).append(address)
         return removals
 
+    async def registered_by(self, owner: str) -> list[apb.WorkerInfo] | None:
+        """The engines the controller lists whose registration said `owner`, or None when it
+        does not answer (the tick's `sync` says why). A controller older than the field lists
+        none."""
+        try:
+            listed = await self._list()
+        except grpc.aio.AioRpcError as exc:
+            log.debug("controller: %s", self.describe(exc))
+            return None
+        return [worker for worker in listed.workers if worker.owner == owner]
+
     async def close(self) -> None:
         for task in list(self._drains):
             task.cancel()
@@ -315,6 +344,15 @@ class ControllerAdmin:
 
     async def _list(self) -> apb.ListWorkersResponse:
         return await self._stub.ListWorkers(apb.ListWorkersRequest(), timeout=ADMIN_TIMEOUT_S)
+
+
+def _refused_owner(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a RegisterEngine was refused for its `owner`, a field the controller does not
+    have (`kvplane.request_decoding`: an older controller)."""
+    owner = apb.RegisterEngineRequest.OWNER_FIELD_NUMBER
+    return exc.code() is grpc.StatusCode.INVALID_ARGUMENT and (
+        f"RegisterEngineRequest field {owner}" in (exc.details() or "")
+    )
 
 
 def rpc_error(exc: grpc.aio.AioRpcError) -> str:

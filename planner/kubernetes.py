@@ -26,7 +26,11 @@
   over the fleet as it finds it instead of doubling it, and a pod the ReplicaSet recreated
   serves again. Engines stopped whose RemoveEngine failed (the controller did not answer) are
   taken out of the controller there too, until it no longer lists them (else it would list
-  each, its pod gone, unreachable for good); a pod given the IP of one meanwhile waits.
+  each, its pod gone, unreachable for good); a pod given the IP of one meanwhile waits. So are
+  those an earlier planner left so (stopped, or no longer leading, before it took them out):
+  each registration says the pool's Deployment (RegisterEngine `owner`), and the pool's
+  engines the controller lists that no pod of it is at are found by the pool's first look
+  the controller answers, and every LEFT_REGISTERED_LOOK_S after (`_find_left_registered`).
   A pod taken as an engine (adopted, or by a start) first has the drained
   deletion cost cleared, if a removal that did not finish left it; one a scale-down the
   ReplicaSet has yet to act on is to delete is left to go (`_cleared`).
@@ -60,6 +64,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -69,6 +74,7 @@ import grpc
 from kvplane.channels import INSECURE, ClientChannels
 from kvplane.config import join_host_port
 from kvplane.errors import ConfigError, KvplaneError
+from kvplane_api.v1 import admin_pb2 as apb
 from planner.config import KubernetesConfig, LiveConfig
 from planner.controller_admin import ControllerAdmin, HandDrains
 from planner.kube_api import (
@@ -97,6 +103,11 @@ _CONFLICT_BACKOFF_S = 0.01
 # API calls under way at once, all pools together (each in a thread of its own): pools are
 # looked at and scaled concurrently, within what a loaded API server should be asked.
 MAX_CALLS_IN_FLIGHT = 8
+# How often a pool's look asks the controller for the engines an earlier planner left
+# registered (`_find_left_registered`), after the first look that could: a ListWorkers, which
+# on a Redis index reads the whole index for its block counts, and such engines come from a
+# planner before this actuator (a restart, an earlier leader), so mostly at its first look.
+LEFT_REGISTERED_LOOK_S = 60.0
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -163,7 +174,7 @@ class KubernetesDeployments:
         self._engine_port = engine_port
         self._start_timeout_s = start_timeout_s
         self._poll_s = poll_s
-        self._admin = ControllerAdmin(controller, channels)
+        self._admin = ControllerAdmin(controller, channels, owner_of=self._owner_of)
         self._selectors: dict[str, str] = {}  # by pool, from its scale
         self._engines: dict[str, _Engine] = {}  # by address
         self._waiting = collections.Counter[str]()  # starts of a pool waiting for a pod
@@ -182,6 +193,8 @@ class KubernetesDeployments:
         self._pool_locks = {pool: asyncio.Lock() for pool in self._deployments}
         self._looks: dict[str, asyncio.Task[list[tuple[str, str]]]] = {}  # by pool: `adopt`
         self._calls = asyncio.Semaphore(MAX_CALLS_IN_FLIGHT)
+        # By pool: when its look last found the engines left registered (`time.monotonic`).
+        self._left_registered_looked: dict[str, float] = {}
 
     def needs(self) -> list[Access]:
         """Every call the actuator makes (configs/k8s/planner-rbac.yaml grants them): each
@@ -262,12 +275,21 @@ class KubernetesDeployments:
         adopted: list[tuple[str, str]] = []
         async with self._pool_locks[pool]:
             await self._take_out(pool)  # the controller's: not held up by the API server
+            registered = None
+            looked = self._left_registered_looked.get(pool)
+            if looked is None or time.monotonic() - looked >= LEFT_REGISTERED_LOOK_S:
+                # Before the pods: an engine registered after this has its pod listed.
+                registered = await self._admin.registered_by(self._owner(pool))
             try:
                 pods = await self._pods(pool)
             except KubeApiError as exc:
                 log.warning("pods of pool %s not listed: %s", pool, exc)
                 return adopted
             self._note_exits(pool, pods)
+            if registered is not None:
+                self._left_registered_looked[pool] = time.monotonic()
+                if self._find_left_registered(pool, registered, pods):
+                    await self._take_out(pool)
             if (not_done := await self._retry_removals(pool)) is not None:
                 log.warning("%s (tried again next tick)", not_done)
             if self._waiting[pool]:  # its starts take the Ready pods first
@@ -292,6 +314,49 @@ class KubernetesDeployments:
                 adopted.append((engine.address, pool))
                 log.info("pod %s of Deployment %s adopted", pod.name, self._deployments[pool])
         return adopted
+
+    def _find_left_registered(
+        self, pool: str, registered: Sequence[apb.WorkerInfo], pods: Sequence[Pod]
+    ) -> bool:
+        """Note as left registered (for `_take_out`) the pool's engines the controller lists
+        (`registered`: its registrations say this pool's owner) that no pod of the pool is
+        now, nor an engine of this planner: an earlier planner's, stopped (or no longer
+        leading) after its RemoveEngine failed, whose memory of them went with it. A pod not
+        Ready yet, or restarting its engine, is not one of those; one still routed to is left
+        alone (an address reused by another Deployment's pod, which another pool or planner
+        adopted under the owner the controller kept). Whether any was found."""
+        present = {self._address(pod) for pod in pods if pod.ip and pod.active}
+        found = False
+        for worker in registered:
+            address = worker.address
+            if (
+                worker.routable
+                or address in present
+                or address in self._engines
+                or address in self._exited
+                or address in self._left_registered
+            ):
+                continue
+            log.warning(
+                "engine %s of pool %s is in the controller (%s) but no pod of Deployment %s: "
+                "left registered by an earlier planner, taken out",
+                address,
+                pool,
+                worker.state,
+                self._deployments[pool],
+            )
+            self._left_registered[address] = pool
+            found = True
+        return found
+
+    def _owner(self, pool: str) -> str:
+        """What the pool's registrations say of whom they are (RegisterEngine `owner`): its
+        Deployment, which a planner restarted, or the next leader, manages as this one did."""
+        return f"kubernetes:{self._api.connection.namespace}/{self._deployments[pool]}"
+
+    def _owner_of(self, address: str) -> str:
+        engine = self._engines.get(address) or self._exited.get(address)
+        return "" if engine is None else self._owner(engine.pool)
 
     async def serving(self) -> dict[str, str]:
         """The Ready pods of every Deployment (address -> pool), as a standby planner
@@ -561,10 +626,10 @@ class KubernetesDeployments:
             self._left_registered[address] = pool
 
     async def _take_out(self, pool: str) -> None:
-        """RemoveEngine of the pool's engines left registered (`_remove`) that the controller
-        lists still; each is forgotten once it no longer lists it. One whose RemoveEngine
-        fails again, or all when the controller does not answer, wait for the next look (a
-        warning says why)."""
+        """RemoveEngine of the pool's engines left registered (`_remove`; by an earlier
+        planner: `_find_left_registered`) that the controller lists still; each is forgotten
+        once it no longer lists it. One whose RemoveEngine fails again, or all when the
+        controller does not answer, wait for the next look (a warning says why)."""
         tried = sorted(a for a, of in self._left_registered.items() if of == pool)
         if not tried or (removals := await self._admin.remove_listed(tried)) is None:
             return

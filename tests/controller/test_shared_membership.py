@@ -59,10 +59,13 @@ async def test_an_engine_registered_cordoned_and_removed_through_one_replica_is_
     engine = await start_sim_engine("e0")
     address = f"127.0.0.1:{engine.port}"
     try:
-        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address, kv_events="zmq"))
+        await a.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=address, kv_events="zmq", owner="kubernetes:ns/d")
+        )
         await eventually(lambda: routes_to(b, address), 20, "b to route to the registered engine")
         registered = (await workers(b))[address]
         assert (registered.source, registered.kv_events) == ("admin", "zmq")
+        assert registered.owner == "kubernetes:ns/d"  # as the planner finds its engines again
 
         await a.admin.Cordon(apb.EngineRef(engine=address))
         await eventually(lambda: not_routed(b, address), 20, "b to stop routing to it")
@@ -96,13 +99,14 @@ async def test_a_replica_started_later_has_the_engines_registered_and_cordoned_b
     addresses = [f"127.0.0.1:{e.port}" for e in engines]
     later: Fleet | None = None
     try:
-        for address in addresses:
-            await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        for address, owner in zip(addresses, ["kubernetes:ns/d", ""], strict=True):
+            await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address, owner=owner))
         await a.admin.Cordon(apb.EngineRef(engine=addresses[1]))
         later = await make_fleet(engines=[], index=shared_index(redis))
         known = await workers(later)  # read as it started, before serving
         assert sorted(known) == sorted(addresses)
         assert [known[a].cordoned for a in addresses] == [False, True]
+        assert [known[a].owner for a in addresses] == ["kubernetes:ns/d", ""]
         await eventually(lambda: routes_to(later, addresses[0]), 20, "the later one to route")
     finally:
         if later is not None:

@@ -71,7 +71,7 @@ What it implements (namespaced, one namespace):
   cluster; an IPv6 IP in brackets), and marks it Ready once the gRPC health check answers
   SERVING (a readiness probe). A container that exits leaves its pod not Ready and is
   restarted after `restart_delay_s` (as with CrashLoopBackOff; `restart_container` ends the
-  wait). A deleted pod gets a
+  wait); the pod stays Running at its IP meanwhile. A deleted pod gets a
   deletionTimestamp, its process SIGTERM, and leaves the list once the process has exited
   (SIGKILL after the grace period). `evict` fails a pod as the kubelet's eviction does: its
   container killed, phase Failed (reason Evicted), still listed with its IP and without a
@@ -153,6 +153,9 @@ class Pod:
     annotations: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
     ready_since: float | None = None  # monotonic; None: not Ready
+    # Its container was started once: the pod is Running, at its IP, from then on, a crashed
+    # container waiting to be restarted (CrashLoopBackOff) included.
+    sandboxed: bool = False
     restart_at: float | None = None  # a container that exited starts again then
     deleting_since: float | None = None  # monotonic; set: terminating
     deletion_timestamp: str | None = None
@@ -673,8 +676,9 @@ class FakeKube:
         if pod.failed_reason is not None:  # the IP it had stays in its status
             status = {"phase": "Failed", "reason": pod.failed_reason, "podIP": pod.ip}
         else:
-            status = {"phase": "Running" if started else "Pending"}
-            status.update({"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]} if started else {})
+            sandboxed = pod.sandboxed
+            status = {"phase": "Running" if sandboxed else "Pending"}
+            status.update({"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]} if sandboxed else {})
         # The conditions a kubelet reports, in its order: the planner reads only Ready.
         conditions = {
             "PodReadyToStartContainers": True,
@@ -683,7 +687,11 @@ class FakeKube:
             "ContainersReady": pod.ready,
             "PodScheduled": True,
         }
-        state = {"running": {"startedAt": pod.created}} if started else {"waiting": {}}
+        state: dict[str, Any] = {"waiting": {}}
+        if started:
+            state = {"running": {"startedAt": pod.created}}
+        elif pod.sandboxed:
+            state = {"waiting": {"reason": "CrashLoopBackOff"}}
         scheduled = {"nodeName": "node-1"} if pod.scheduled else {}
         pod_object = {
             "kind": "Pod",
@@ -877,6 +885,7 @@ class FakeKube:
                     start_new_session=True,  # a container is nobody's terminal job
                 )  # fmt: skip
             pod.restart_at = None
+            pod.sandboxed = True
             pod.resource_version = self._version()
 
 
@@ -884,7 +893,7 @@ def _deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:
     """Kubernetes' order of pods to delete first (ascending)."""
     cost = int(pod.annotations.get(DELETION_COST, "0"))
     ready_since = pod.ready_since or 0.0
-    return (pod.process is not None, pod.ready, cost, -ready_since, -pod.number)
+    return (pod.sandboxed, pod.ready, cost, -ready_since, -pod.number)  # Pending first
 
 
 def _stale_deletion_rank(pod: Pod) -> tuple[bool, bool, int, float, int]:

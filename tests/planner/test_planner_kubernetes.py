@@ -25,13 +25,17 @@ import ssl
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import yaml
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.message import Message
+from google.protobuf.message_factory import GetMessageClass
 from typer.testing import CliRunner
 
 from controller.app import ControllerApp, start_controller
@@ -39,6 +43,9 @@ from controller.config import ControllerConfig
 from kvplane.cli import app as kvplane_app
 from kvplane.config import load_config
 from kvplane.errors import ConfigError, KvplaneError
+from kvplane.request_decoding import TolerantRegistration
+from kvplane_api.v1 import admin_pb2 as apb
+from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from planner.config import CapacityConfig, PlannerConfig, PoolConfig, ScalingConfig
@@ -157,9 +164,17 @@ async def cluster_with(
     *,
     restart_delay_s: float = 1.0,
     ipv6: bool = False,
+    engines: Sequence[str] = (),
 ) -> AsyncIterator[Cluster]:
+    """The fake cluster, its Deployment at `replicas`, and a controller whose config lists
+    `engines` (addresses)."""
     health = {"poll_interval_s": 0.2, "load_poll_interval_s": 0.1}
-    config = {"listen": "127.0.0.1:0", "health": health, "shutdown_grace_s": 0.5}
+    config = {
+        "listen": "127.0.0.1:0",
+        "health": health,
+        "shutdown_grace_s": 0.5,
+        "engines": [{"address": address} for address in engines],
+    }
     app = await start_controller(ControllerConfig.model_validate(config))
     try:
         with fake_kube(tmp_path, tls_files, restart_delay_s=restart_delay_s, ipv6=ipv6) as kube:
@@ -448,6 +463,200 @@ async def test_a_pod_at_the_address_of_an_engine_left_registered_waits_until_it_
         await partition.cut()
     assert kube.deployments[DEPLOYMENT].replicas == 2 and not kube.deleted
     assert two_pods.registered() == sorted(kube.address(pod) for pod in (crashed, serving))
+
+
+async def scale_away_unreachable(
+    cluster: Cluster, drained: FakePod, *, also_exited: FakePod | None = None
+) -> None:
+    """A planner adopts the Deployment's pods, drains `drained` and removes it while the
+    controller does not answer (a partition): its RemoveEngine fails, its pod is scaled away
+    all the same. Then, with `also_exited`, that engine's container crashes (its pod stays,
+    not Ready, its replica too) and its RemoveEngine fails as well. Then the planner stops:
+    what it knew of them goes with it."""
+    kube = cluster.kube
+    partition = await TcpForwarder.start(f"127.0.0.1:{cluster.app.port}")
+    actuator = cluster.actuator(controller=partition.address)
+    try:
+        assert len(await actuator.adopt()) == 2
+        await cluster.wait_routable(2)
+        await actuator.drain(kube.address(drained), 5)
+        await cluster.app.controller.fleet.wait_for(
+            lambda: kube.address(drained) not in cluster.routable(), 30
+        )
+        await partition.cut()
+        await actuator.stop(kube.address(drained))
+        await cluster.wait(lambda: drained.name not in kube.pods)
+        if also_exited is not None:
+            kube.kill_container(also_exited.name)
+            await cluster.wait(lambda: not also_exited.ready)
+            assert await actuator.adopt() == []
+            assert actuator.exited() == [kube.address(also_exited)]
+            await actuator.stop(kube.address(also_exited))  # its replica stays
+    finally:
+        await actuator.close()
+        await partition.cut()
+    assert kube.deleted == [drained.name]
+    assert kube.address(drained) in cluster.registered()
+
+
+@pytest.fixture
+def config_engine() -> str:
+    """The address of an engine of the controller's config, at which nothing listens."""
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+async def two_pods_and_a_config_engine(
+    tmp_path: Path, tls_files: tuple[Path, Path], config_engine: str
+) -> AsyncIterator[Cluster]:
+    async for cluster in cluster_with(
+        tmp_path, tls_files, 2, restart_delay_s=3600, engines=[config_engine]
+    ):
+        yield cluster
+
+
+async def another_deployments_engine(cluster: Cluster) -> str:
+    """The address of an engine of another Deployment, adopted by its planner, then that
+    Deployment deleted (its pod with it): the controller lists the engine, no pod is at it."""
+    kube = cluster.kube
+    kube.add_deployment("another-engine", 1, {"app": "another-engine"})
+    await cluster.wait(lambda: len(kube.ready_pods("another-engine")) == 1)
+    (pod,) = kube.ready_pods("another-engine")
+    others = KubernetesDeployments(
+        controller=f"127.0.0.1:{cluster.app.port}",
+        api=cluster.api(),
+        deployments={"other": "another-engine"},
+        engine_port=kube.engine_port,
+        start_timeout_s=60,
+    )
+    try:
+        assert await others.adopt() == [(kube.address(pod), "other")]
+    finally:
+        await others.close()
+    kube.delete_deployment("another-engine")
+    await cluster.wait(lambda: pod.name not in kube.pods)
+    return kube.address(pod)
+
+
+@pytest.mark.timeout(120)
+async def test_a_new_planner_takes_out_the_engines_its_predecessor_left_registered(
+    two_pods_and_a_config_engine: Cluster, config_engine: str
+) -> None:
+    """A planner scales a pool down while the controller is unreachable, then stops (Ctrl-C,
+    a crash, a lost Lease): the controller lists the engine, its pod gone. The next planner
+    finds it among the engines the controller lists as registered for the pool's Deployment
+    that no pod is, and takes it out. Engines that are not the pool's stay, though no pod is
+    at their address either: the controller's config engine, one registered by hand
+    (`kvplane admin register`, as an older planner registered its engines), another
+    Deployment's."""
+    cluster = two_pods_and_a_config_engine
+    kube = cluster.kube
+    by_hand = f"127.0.0.1:{free_port()}"
+    admin = ControllerAdmin(f"127.0.0.1:{cluster.app.port}")
+    try:
+        await admin.register(by_hand)
+    finally:
+        await admin.close()
+    others = await another_deployments_engine(cluster)
+    drained, serving = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    await scale_away_unreachable(cluster, drained)
+    kept = sorted([config_engine, by_hand, others, kube.address(serving)])
+    actuator = cluster.actuator()  # the next planner
+    try:
+
+        async def taken_out() -> bool:
+            await actuator.adopt()
+            return cluster.registered() == kept
+
+        await eventually(taken_out, 30, "the new planner to take the engine out")
+        assert await actuator.adopt() == [] and actuator.exited() == []
+    finally:
+        await actuator.close()
+    assert cluster.registered() == kept
+    assert cluster.routable() == [kube.address(serving)]
+    assert kube.deployments[DEPLOYMENT].replicas == 1
+
+
+def request_without_owner() -> type[Message]:
+    """RegisterEngineRequest as a controller older than its `owner` has it."""
+    older = descriptor_pb2.FileDescriptorProto(
+        name="older_admin.proto", package="kvplane.v1", syntax="proto3"
+    )
+    message = older.message_type.add()
+    apb.RegisterEngineRequest.DESCRIPTOR.CopyToProto(message)
+    fields = [f for f in message.field if f.name != "owner"]
+    del message.field[:]
+    message.field.extend(fields)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(older)
+    return GetMessageClass(pool.FindMessageTypeByName("kvplane.v1.RegisterEngineRequest"))
+
+
+@pytest.mark.timeout(30)
+async def test_a_controller_older_than_owner_gets_the_registration_without_it() -> None:
+    """Such a controller refuses a field it does not have (INVALID_ARGUMENT, as every
+    controller's admin API does: `kvplane.request_decoding`): the actuator registers the
+    engine without its owner rather than not at all."""
+    registered: list[str] = []
+
+    async def register(request: Any, context: object) -> apb.WorkerInfo:
+        registered.append(request.address)
+        return apb.WorkerInfo(address=request.address)
+
+    method = grpc.unary_unary_rpc_method_handler(
+        register,
+        request_deserializer=request_without_owner().FromString,
+        response_serializer=apb.WorkerInfo.SerializeToString,
+    )
+    server = grpc.aio.server()
+    TolerantRegistration(
+        server, strict={"/kvplane.v1.Admin/RegisterEngine"}
+    ).add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("kvplane.v1.Admin", {"RegisterEngine": method})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    admin = ControllerAdmin(f"127.0.0.1:{port}", owner_of=lambda address: "kubernetes:ns/d")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            refused = apb.RegisterEngineRequest(address="127.0.0.1:8", owner="kubernetes:ns/d")
+            with pytest.raises(grpc.aio.AioRpcError, match="RegisterEngineRequest field 3"):
+                await apb_grpc.AdminStub(channel).RegisterEngine(refused)
+        await admin.register("127.0.0.1:9")
+    finally:
+        await admin.close()
+        await server.stop(None)
+    assert registered == ["127.0.0.1:9"]
+
+
+@pytest.mark.timeout(120)
+async def test_a_new_planner_leaves_an_engine_whose_pod_is_not_ready_yet(
+    two_pods: Cluster,
+) -> None:
+    """The engine of a pod not Ready (its container crashed: restarted in the same pod, at
+    the same IP) is no engine left behind: the next planner, taking out the one scaled away,
+    leaves it in the controller, and takes the pod as an engine once it is Ready."""
+    kube = two_pods.kube
+    drained, crashed = sorted(kube.ready_pods(DEPLOYMENT), key=lambda pod: pod.ready_since or 0)
+    await scale_away_unreachable(two_pods, drained, also_exited=crashed)
+    address = kube.address(crashed)
+    actuator = two_pods.actuator()  # the next planner
+    try:
+
+        async def taken_out() -> bool:
+            assert await actuator.adopt() == []  # not Ready: not taken
+            assert address in two_pods.registered()
+            return two_pods.registered() == [address]
+
+        await eventually(taken_out, 30, "the new planner to take the scaled-away engine out")
+        kube.restart_container(crashed.name)
+        await two_pods.wait(lambda: crashed.ready)
+        assert await actuator.adopt() == [(address, "default")]
+        await two_pods.wait_routable(1)
+    finally:
+        await actuator.close()
+    assert two_pods.registered() == two_pods.routable() == [address]
+    assert kube.deployments[DEPLOYMENT].replicas == 1
 
 
 @pytest.mark.timeout(120)

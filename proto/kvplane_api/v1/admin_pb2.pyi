@@ -96,6 +96,7 @@ class WorkerInfo(_message.Message):
     KV_EVENTS_REASON_FIELD_NUMBER: _builtins.int
     KV_EVENTS_SINCE_UNIX_S_FIELD_NUMBER: _builtins.int
     LAST_KV_EVENT_UNIX_S_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     instance_id: _builtins.str
     engine_name: _builtins.str
@@ -142,6 +143,10 @@ class WorkerInfo(_message.Message):
     """when it entered this state (absent: unknown)"""
     last_kv_event_unix_s: _builtins.float
     """when its last batch was indexed here"""
+    owner: _builtins.str
+    """Who registered the engine, as its RegisterEngine said (`owner`); "" for a config engine
+    and one registered without.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -171,10 +176,11 @@ class WorkerInfo(_message.Message):
         kv_events_reason: _builtins.str = ...,
         kv_events_since_unix_s: _builtins.float | None = ...,
         last_kv_event_unix_s: _builtins.float | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_kv_events_since_unix_s", b"_kv_events_since_unix_s", "_last_kv_event_unix_s", b"_last_kv_event_unix_s", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "block_size", b"block_size", "kv_events_since_unix_s", b"kv_events_since_unix_s", "last_kv_event_unix_s", b"last_kv_event_unix_s", "queued_requests", b"queued_requests", "running_requests", b"running_requests", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_kv_events_since_unix_s", b"_kv_events_since_unix_s", "_last_kv_event_unix_s", b"_last_kv_event_unix_s", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "address", b"address", "block_size", b"block_size", "cordoned", b"cordoned", "engine_name", b"engine_name", "engine_version", b"engine_version", "indexed_blocks", b"indexed_blocks", "inflight_requests", b"inflight_requests", "instance_id", b"instance_id", "kv_events", b"kv_events", "kv_events_reason", b"kv_events_reason", "kv_events_since_unix_s", b"kv_events_since_unix_s", "kv_events_state", b"kv_events_state", "last_error", b"last_error", "last_kv_event_unix_s", b"last_kv_event_unix_s", "models", b"models", "pooling_only", b"pooling_only", "queued_requests", b"queued_requests", "role", b"role", "routable", b"routable", "running_requests", b"running_requests", "source", b"source", "state", b"state", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_block_size", b"_block_size", "_kv_events_since_unix_s", b"_kv_events_since_unix_s", "_last_kv_event_unix_s", b"_last_kv_event_unix_s", "_queued_requests", b"_queued_requests", "_running_requests", b"_running_requests", "_total_kv_blocks", b"_total_kv_blocks", "_used_kv_blocks", b"_used_kv_blocks", "address", b"address", "block_size", b"block_size", "cordoned", b"cordoned", "engine_name", b"engine_name", "engine_version", b"engine_version", "indexed_blocks", b"indexed_blocks", "inflight_requests", b"inflight_requests", "instance_id", b"instance_id", "kv_events", b"kv_events", "kv_events_reason", b"kv_events_reason", "kv_events_since_unix_s", b"kv_events_since_unix_s", "kv_events_state", b"kv_events_state", "last_error", b"last_error", "last_kv_event_unix_s", b"last_kv_event_unix_s", "models", b"models", "owner", b"owner", "pooling_only", b"pooling_only", "queued_requests", b"queued_requests", "role", b"role", "routable", b"routable", "running_requests", b"running_requests", "source", b"source", "state", b"state", "total_kv_blocks", b"total_kv_blocks", "used_kv_blocks", b"used_kv_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__block_size: _TypeAlias = _typing.Literal["block_size"]  # noqa: Y015
     _WhichOneofArgType__block_size: _TypeAlias = _typing.Literal["_block_size", b"_block_size"]  # noqa: Y015
@@ -239,18 +245,24 @@ class RegisterEngineRequest(_message.Message):
 
     ADDRESS_FIELD_NUMBER: _builtins.int
     KV_EVENTS_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     kv_events: _builtins.str
     """grpc (default), zmq, none, approximate"""
+    owner: _builtins.str
+    """Who registers it, for that client to find its engines again (the planner's Kubernetes
+    actuator: `kubernetes:<namespace>/<deployment>`); "" (the default): nobody says.
+    """
     def __init__(
         self,
         *,
         address: _builtins.str = ...,
         kv_events: _builtins.str = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "kv_events", b"kv_events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "kv_events", b"kv_events", "owner", b"owner"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
