@@ -361,6 +361,7 @@ class EngineLoop:
         with self._cond:
             previous, self._load = self._load, load
             self._submitted_in_load = submitted
+        dropped = False
         for output in result.outputs:
             with self._cond:
                 live = self._sinks.get(output.request_id)
@@ -375,7 +376,10 @@ class EngineLoop:
                 logger.warning("output sink of %s failed; aborting it", output.request_id)
                 with self._cond:
                     self._sinks.pop(output.request_id, None)
-                self.core.abort(output.request_id)
+                dropped = bool(self.core.abort(output.request_id)) or dropped
+        if dropped:  # its blocks are free now: the load measured above still holds them
+            with self._cond:
+                self._load = self.core.load()
         events = self.core.take_kv_events()
         # A command may change the load alone (releasing a KV session frees blocks).
         changed = result.outputs or result.stats or events or self._load != previous

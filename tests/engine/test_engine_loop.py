@@ -21,6 +21,7 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
 from engine.core.sim_runner import SimRunner
+from tests.polling import eventually
 
 
 def make_loop(time_scale: float = 0.0, reports: list[StepReport] | None = None) -> EngineLoop:
@@ -226,4 +227,25 @@ async def test_a_failing_step_errors_its_requests_and_the_engine_carries_on() ->
     )
     outputs = await collect(ok)
     assert outputs[-1].finish_reason is FinishReason.LENGTH
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_whose_consumer_is_gone_leaves_the_load() -> None:
+    """The consumer's event loop closed (its sink raises): the request is aborted, and the
+    load (GetLoad's) says so at once, not only once other work comes (an idle engine used to
+    report it running, holding its blocks, until then)."""
+    engine = make_loop()
+    engine.start()
+    gone = asyncio.new_event_loop()
+    gone.close()
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    unread: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(EngineRequest("a", tuple(range(5, 30)), long), asyncio_sink(gone, unread))
+    await eventually(lambda: engine.num_live_requests() == 0, what="the request dropped")
+    # Nothing else is submitted: the engine thread is idle from here on.
+    await eventually(
+        lambda: (engine.load().num_running, engine.load().num_used_blocks) == (0, 0),
+        what="the load without the dropped request",
+    )
     engine.stop(timeout_s=10)
