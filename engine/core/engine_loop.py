@@ -45,6 +45,9 @@ T = TypeVar("T")
 
 OutputSink = Callable[[RequestOutput], None]
 
+# After a step that changed nothing, the next waits for a command or this long.
+_STALLED_RETRY_S = 0.1
+
 
 class _CallSoonThreadsafe(Protocol):
     def call_soon_threadsafe(self, callback: Callable[..., object], *args: Any) -> object: ...
@@ -288,11 +291,17 @@ class EngineLoop:
     # ---------------------------------------------------------------- engine thread
 
     def _run(self) -> None:
+        stalled = False
         try:
             while True:
                 with self._cond:
                     while not self._commands and not self._stopping and not self.core.has_work():
                         self._cond.wait()
+                    if stalled and not self._commands and not self._stopping:
+                        # The last step changed nothing (its sequences wait for blocks that KV
+                        # sessions hold): the next one would not either until a command comes
+                        # (a release), or time passes (aging reorders the queue).
+                        self._cond.wait(_STALLED_RETRY_S)
                     commands = list(self._commands)
                     self._commands.clear()
                     stopping = self._stopping
@@ -307,9 +316,10 @@ class EngineLoop:
                     self._publish(StepResult(outputs, None), submitted)
                     return
                 result = StepResult(outputs, None)
-                if self.core.has_work():
+                stepped = self.core.has_work()
+                if stepped:
                     result = self._step(outputs, submitted)
-                self._publish(result, submitted)
+                stalled = not self._publish(result, submitted) and stepped
         except Exception:
             logger.exception("the engine thread failed; failing every live request")
         finally:
@@ -355,12 +365,14 @@ class EngineLoop:
         outputs.extend(result.outputs)
         return StepResult(outputs, result.stats)
 
-    def _publish(self, result: StepResult, submitted: _Submitted) -> None:
-        """`submitted`: the submitted sequences the engine thread has taken in."""
+    def _publish(self, result: StepResult, submitted: _Submitted) -> bool:
+        """`submitted`: the submitted sequences the engine thread has taken in. Returns
+        whether anything changed (outputs, a pass, KV events or the load)."""
         load = self.core.load()
         with self._cond:
             previous, self._load = self._load, load
             self._submitted_in_load = submitted
+        dropped = False
         for output in result.outputs:
             with self._cond:
                 live = self._sinks.get(output.request_id)
@@ -375,12 +387,16 @@ class EngineLoop:
                 logger.warning("output sink of %s failed; aborting it", output.request_id)
                 with self._cond:
                     self._sinks.pop(output.request_id, None)
-                self.core.abort(output.request_id)
+                dropped = bool(self.core.abort(output.request_id)) or dropped
+        if dropped:  # its blocks are free now: the load measured above still holds them
+            with self._cond:
+                self._load = self.core.load()
         events = self.core.take_kv_events()
         # A command may change the load alone (releasing a KV session frees blocks).
-        changed = result.outputs or result.stats or events or self._load != previous
+        changed = bool(result.outputs or result.stats or events or self._load != previous)
         if self._on_step is not None and changed:
             try:
                 self._on_step(StepReport(result, events, self._load))
             except Exception:  # a broken observer must not take the engine thread down
                 logger.exception("on_step observer failed")
+        return changed

@@ -5,12 +5,15 @@ Each step (`schedule`) spends a token budget (`max_num_batched_tokens`):
    all its uncomputed tokens (one for a decode, the rest of its prompt for a prefill) capped by
    what is left of the budget. When the pool cannot hold them, the lowest-priority,
    latest-arrived running sequence is preempted (blocks freed, `num_computed_tokens` reset; it
-   goes back to the front of its level's queue) until it fits; a sequence that cannot fit even
-   alone is finished as out of capacity.
+   goes back to the front of its level's queue) until it fits; a sequence whose next chunk
+   needs more blocks than the whole pool is finished as out of capacity, one short only of
+   blocks that KV sessions hold is preempted too (it waits for their release).
 2. Then waiting sequences, while seats (`max_num_seqs`) and budget remain and nothing was
    preempted this step: the waiting queue's best head (below) takes its prefix hits and slots
    for its first chunk. If the pool cannot hold that chunk, admission stops (head-of-line: a
-   big prompt is not overtaken forever by small ones).
+   big prompt is not overtaken forever by small ones); with nothing running, the head waits
+   for KV sessions to release their blocks, or is out of capacity if the chunk is larger than
+   the pool.
 
 Waiting order: larger priority first, FCFS within a priority (one FIFO per level, so picking
 is O(number of levels)). No starvation: with `aging_s` set, a sequence's effective priority
@@ -136,7 +139,9 @@ class Scheduler:
                 if pending:
                     self._preempt(pending.pop(), out)
                     continue
-                if kept:  # everyone still running is already scheduled: yield this one
+                if kept or not self._beyond_pool(target):
+                    # The blocks it lacks are held by sequences already scheduled, or by KV
+                    # sessions: yield this one until they are free.
                     self._preempt(seq, out)
                 else:  # alone and still too big for the whole pool
                     out.out_of_capacity.append(seq)
@@ -174,8 +179,9 @@ class Scheduler:
                 use_cache=use_cache,
             )
             if not ok:
-                if not self.running:  # nothing else holds blocks: it can never fit
+                if not self.running and self._beyond_pool(num_hit + num_new):
                     out.out_of_capacity.append(seq)
+                # Else it waits: for running sequences to end, or KV sessions to be released.
                 break
             num_cached = bm.allocate(
                 seq.seq_id,
@@ -195,6 +201,12 @@ class Scheduler:
             out.scheduled.append(ScheduledWork(seq, num_new))
             budget -= num_new
         return budget
+
+    def _beyond_pool(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` tokens need more blocks than the whole pool has: the only
+        reason to finish a sequence as out of capacity. Blocks it lacks with nothing else
+        running are held by KV sessions, which are released in time."""
+        return self.block_manager.blocks_for(num_tokens) > self.block_manager.num_blocks
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq.seq_id)

@@ -347,7 +347,10 @@ class EngineService:
             )
         if not self.engine_loop.running:
             raise EngineStoppedError("the engine thread is not running")
-        if request_id in self._live_tasks:
+        # An id stays taken until its client has read the last output or gone (`_live`), not
+        # only while the engine runs it: the first request's client leaving would otherwise
+        # cancel (`cancel_nowait`) a second request that took the id in between.
+        if request_id in self._live_tasks or request_id in self._live:
             raise DuplicateRequestError(f"request {request_id!r} is already running")
 
     @property
@@ -518,8 +521,6 @@ class EngineService:
         self._check_accepting(request_id, internal=False)
         if request is not None:
             self.engine_loop.core.check_request(request)
-        if request_id in self._live:
-            raise DuplicateRequestError(f"request {request_id!r} is already running")
         self._check_admission(task)
         handle = TaskHandle(request_id, waiting=request is None)
         self._live_tasks[request_id] = handle

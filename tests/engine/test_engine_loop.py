@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +22,7 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
 from engine.core.sim_runner import SimRunner
+from tests.polling import eventually
 
 
 def make_loop(time_scale: float = 0.0, reports: list[StepReport] | None = None) -> EngineLoop:
@@ -226,4 +228,55 @@ async def test_a_failing_step_errors_its_requests_and_the_engine_carries_on() ->
     )
     outputs = await collect(ok)
     assert outputs[-1].finish_reason is FinishReason.LENGTH
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_whose_consumer_is_gone_leaves_the_load() -> None:
+    """The consumer's event loop closed (its sink raises): the request is aborted, and the
+    load (GetLoad's) says so at once, not only once other work comes (an idle engine used to
+    report it running, holding its blocks, until then)."""
+    engine = make_loop()
+    engine.start()
+    gone = asyncio.new_event_loop()
+    gone.close()
+    long = SamplingParams(max_tokens=100_000, ignore_eos=True)
+    unread: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(EngineRequest("a", tuple(range(5, 30)), long), asyncio_sink(gone, unread))
+    await eventually(lambda: engine.num_live_requests() == 0, what="the request dropped")
+    # Nothing else is submitted: the engine thread is idle from here on.
+    await eventually(
+        lambda: (engine.load().num_running, engine.load().num_used_blocks) == (0, 0),
+        what="the load without the dropped request",
+    )
+    engine.stop(timeout_s=10)
+
+
+@pytest.mark.timeout(30)
+async def test_a_request_waiting_for_blocks_a_session_holds_runs_once_it_is_released() -> None:
+    """The engine thread waits (for a command, or a while) instead of stepping in vain while
+    a request waits for blocks a KV session holds; the release wakes it."""
+    core = EngineCore(SimRunner(block_size=4, num_blocks=6, time_scale=0))
+    engine = EngineLoop(core)
+    engine.start()
+    loop = asyncio.get_running_loop()
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prefill = EngineRequest("p", tuple(range(100, 110)), greedy, kv_session_id="s1")
+    done: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    engine.submit(prefill, asyncio_sink(loop, done))
+    assert (await collect(done))[-1].held_kv_session  # 2 blocks held, 4 free
+    long = EngineRequest("long", tuple(range(500, 513)), replace(greedy, max_tokens=8))
+    engine.submit(long, asyncio_sink(loop, done))
+    # 4 tokens fill the 4 free blocks; the 5th token's KV needs a 5th block.
+    head = [await asyncio.wait_for(done.get(), timeout=10) for _ in range(4)]
+    assert not any(o.finished for o in head)
+    await eventually(
+        lambda: (engine.load().num_running, engine.load().num_waiting) == (0, 1),
+        what="the request waiting for the session's blocks",
+    )
+    assert await asyncio.wrap_future(engine.call(lambda c: c.release_kv_session("s1")))
+    outputs = await collect(done)
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].message == ""
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 8
+    assert len(head + outputs) == 8
     engine.stop(timeout_s=10)

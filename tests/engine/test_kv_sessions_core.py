@@ -82,6 +82,36 @@ def test_a_prefill_holds_its_reusable_blocks_until_released() -> None:
     bm.check_invariants()
 
 
+def test_a_request_short_of_blocks_held_by_a_session_waits_for_its_release() -> None:
+    """A request that fits the KV cache, short only of the blocks a session holds, waits (a
+    held session lasts until pulled, aborted or its TTL); it used to end at once as LENGTH
+    "KV cache full", its output cut short. Here it outgrows what is free mid-decode."""
+    core = EngineCore(BytesRunner(num_blocks=6))
+    run(core, prefill())  # holds 2 blocks: 4 left
+    # 13 prompt tokens and 8 new: 20 tokens computed, 5 blocks (of 6).
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    request = EngineRequest("long", tuple(range(500, 513)), sampling)
+    core.add_request(request)
+    outputs: list[RequestOutput] = []
+    for _ in range(100):
+        result = core.step()
+        outputs.extend(result.outputs)
+        if result.stats is None and not result.outputs:
+            break  # nothing can run until the session is released
+    assert core.has_work() and not any(o.finished for o in outputs)
+    assert core.step().outputs == []  # and stays so
+    assert core.release_kv_session("s1")
+    while core.has_work():
+        outputs.extend(core.step().outputs)
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].message == ""
+    alone = run(EngineCore(BytesRunner()), request)
+    assert [t for o in outputs for t in o.new_token_ids] == [
+        t for o in alone for t in o.new_token_ids
+    ]
+    assert core.block_manager.num_used_blocks == 0
+    core.block_manager.check_invariants()
+
+
 def test_a_request_without_a_session_or_aborted_holds_nothing() -> None:
     core = EngineCore(BytesRunner())
     assert not run(core, prefill(None))[-1].held_kv_session

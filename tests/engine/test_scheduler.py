@@ -46,20 +46,39 @@ def make_core(
 
 
 def request(
-    request_id: str, num_prompt: int, max_tokens: int, *, priority: int = 0, base: int = 0
+    request_id: str,
+    num_prompt: int,
+    max_tokens: int,
+    *,
+    priority: int = 0,
+    base: int = 0,
+    kv_session_id: str | None = None,
 ) -> EngineRequest:
     prompt = tuple(base + 10 + (i * 7) % 500 for i in range(num_prompt))
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return EngineRequest(request_id, prompt, sampling, priority=priority)
+    return EngineRequest(
+        request_id, prompt, sampling, priority=priority, kv_session_id=kv_session_id
+    )
 
 
-def run_to_end(core: EngineCore, max_steps: int = 10_000) -> dict[str, list[RequestOutput]]:
+def run_to_end(
+    core: EngineCore, hold_steps: int = 0, max_steps: int = 10_000
+) -> dict[str, list[RequestOutput]]:
+    """Step until nothing is left, releasing each KV session (named as its request)
+    `hold_steps` steps after its request ended."""
     outputs: dict[str, list[RequestOutput]] = defaultdict(list)
-    for _ in range(max_steps):
-        if not core.has_work():
+    held: dict[str, int] = {}  # session id -> the step it was held at
+    for step in range(max_steps):
+        for session_id, since in list(held.items()):
+            if step - since >= hold_steps:
+                assert core.release_kv_session(session_id)
+                del held[session_id]
+        if not core.has_work() and not held:
             return outputs
         for out in core.step().outputs:
             outputs[out.request_id].append(out)
+            if out.held_kv_session:
+                held[out.request_id] = step
     raise AssertionError("the engine did not finish")
 
 
@@ -192,30 +211,50 @@ def test_abort_running_and_waiting_requests_frees_everything() -> None:
     core.block_manager.check_invariants()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     requests=st.lists(
-        st.tuples(st.integers(1, 40), st.integers(1, 30), st.integers(0, 2), st.integers(0, 3)),
+        st.tuples(
+            st.integers(1, 40),
+            st.integers(1, 30),
+            st.integers(0, 2),
+            st.integers(0, 3),
+            st.booleans(),
+        ),
         min_size=1,
         max_size=8,
     ),
     num_blocks=st.integers(12, 40),
     budget=st.integers(1, 48),
     max_num_seqs=st.integers(1, 6),
+    hold_steps=st.integers(0, 40),
 )
 def test_any_workload_finishes_with_the_same_tokens_as_an_unconstrained_engine(
-    requests: list[tuple[int, int, int, int]],
+    requests: list[tuple[int, int, int, int, bool]],
     num_blocks: int,
     budget: int,
     max_num_seqs: int,
+    hold_steps: int,
 ) -> None:
+    """Some requests hold a KV session (a PREFILL engine's) when they end, released
+    `hold_steps` steps later (as a decode engine's pull would): the blocks it holds make others
+    wait, never end early."""
+
     def run(core: EngineCore) -> dict[str, list[int]]:
-        for i, (num_prompt, max_tokens, priority, prefix) in enumerate(requests):
+        for i, (num_prompt, max_tokens, priority, prefix, holds) in enumerate(requests):
             # A few shared prefixes so that prefix hits happen.
+            session = f"r{i}" if holds else None
             core.add_request(
-                request(f"r{i}", num_prompt, max_tokens, priority=priority, base=prefix)
+                request(
+                    f"r{i}",
+                    num_prompt,
+                    max_tokens,
+                    priority=priority,
+                    base=prefix,
+                    kv_session_id=session,
+                )
             )
-        outputs = run_to_end(core)
+        outputs = run_to_end(core, hold_steps)
         core.block_manager.check_invariants()
         assert core.load().num_used_blocks == 0
         assert not core.has_work()
@@ -223,7 +262,7 @@ def test_any_workload_finishes_with_the_same_tokens_as_an_unconstrained_engine(
 
     constrained = run(make_core(num_blocks=num_blocks, budget=budget, max_num_seqs=max_num_seqs))
     reference = run(make_core(num_blocks=512, budget=512, max_num_seqs=64))
-    for i, (num_prompt, max_tokens, _, _) in enumerate(requests):
+    for i, (num_prompt, max_tokens, *_) in enumerate(requests):
         rid = f"r{i}"
         if len(reference[rid]) == len(constrained[rid]):
             assert constrained[rid] == reference[rid]

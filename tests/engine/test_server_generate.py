@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -15,6 +17,7 @@ from engine.config import EngineConfig, SimTimingConfig
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.engine.engine_server_harness import (
+    Engine,
     collect,
     generate_request,
     idle,
@@ -371,10 +374,11 @@ async def test_drain_deadline_zero_aborts_at_once_or_fails_without_abort() -> No
         await eventually(lambda: idle(engine), what="engine idle after drain")
 
 
-async def test_a_drain_aborting_at_its_deadline_completes_past_clients_that_stop_reading() -> None:
-    """A client that stops reading (its flow-control window full, never cancelling) keeps its
-    stream open as long as it likes; past an aborting deadline the drain waits for the
-    engine's work only, which has ended, not for those clients to read it."""
+@asynccontextmanager
+async def _engine_and_slow_reader() -> AsyncIterator[tuple[Engine, grpc.aio.Channel]]:
+    """An engine whose requests can outlast a whole window of output (4000 tokens), and a
+    channel whose client, once it stops reading, keeps its streams open with their flow-control
+    windows full (never cancelling)."""
     config = sim_config(max_model_len=4096, num_kv_blocks=1100)
     async with (
         running_engine(config) as engine,
@@ -383,6 +387,14 @@ async def test_a_drain_aborting_at_its_deadline_completes_past_clients_that_stop
             options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)],
         ) as slow_reader,
     ):
+        yield engine, slow_reader
+
+
+async def test_a_drain_aborting_at_its_deadline_completes_past_clients_that_stop_reading() -> None:
+    """A client that stops reading (its flow-control window full, never cancelling) keeps its
+    stream open as long as it likes; past an aborting deadline the drain waits for the
+    engine's work only, which has ended, not for those clients to read it."""
+    async with _engine_and_slow_reader() as (engine, slow_reader):
         request = generate_request(PROMPT, max_tokens=4000, request_id="openengine")
         openengine = pb_grpc.OpenEngineStub(slow_reader).Generate(request)
         vllm = vllm_grpc.GenerateStub(slow_reader).GenerateStream(
@@ -405,6 +417,45 @@ async def test_a_drain_aborting_at_its_deadline_completes_past_clients_that_stop
         assert (load.running_requests, load.used_kv_blocks) == (0, 0)
         openengine.cancel()
         vllm.cancel()
+
+
+async def test_a_request_id_stays_taken_until_its_client_has_read_the_end() -> None:
+    """A request the engine has ended but whose client has not read the end yet (its
+    flow-control window full) still holds its id: a second request with that id is
+    ALREADY_EXISTS. It used to be accepted, and the first client going away then cancelled
+    the second request (the cancel names the id). Once that client is gone the id is free."""
+    async with _engine_and_slow_reader() as (engine, slow_reader):
+        first = pb_grpc.OpenEngineStub(slow_reader).Generate(
+            generate_request(PROMPT, max_tokens=4000, request_id="same")
+        )
+        await first.read()  # then never again
+
+        async def engine_done() -> bool:
+            load = await engine.stub.GetLoad(pb.GetLoadRequest())
+            return (load.running_requests, load.queued_requests) == (0, 0)
+
+        await eventually(engine_done, what="the engine ended the first request")
+        _, refused = await stream_error(
+            engine.stub.Generate(generate_request(PROMPT, max_tokens=4, request_id="same"))
+        )
+        assert refused.code() == grpc.StatusCode.ALREADY_EXISTS
+
+        first.cancel()  # the first client goes away: the id is free again
+
+        async def second_runs() -> bool:
+            try:
+                responses = await collect(
+                    engine.stub, generate_request(PROMPT, max_tokens=4, request_id="same")
+                )
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.ALREADY_EXISTS, exc
+                return False
+            assert responses[-1].finished.reason == pb.FINISH_REASON_LENGTH
+            assert sum(len(r.token.tokens) for r in responses) == 4
+            return True
+
+        await eventually(second_runs, what="the id free once the first client left")
+        await eventually(lambda: idle(engine), what="engine idle")
 
 
 async def test_runner_failure_after_acceptance_is_one_terminal_engine_error() -> None:

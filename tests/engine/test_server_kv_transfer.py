@@ -198,6 +198,27 @@ async def test_an_unpulled_session_expires_after_its_ttl() -> None:
         assert gone.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_prefill_short_of_the_blocks_sessions_hold_waits_for_their_release() -> None:
+    """A prefill that fits the KV cache but not what the sessions waiting for their pulls
+    leave free waits until one is released (a pull, Abort, the TTL); it used to fail at once
+    (KV_TRANSFER_FAILED "KV cache full"), however briefly the blocks were held."""
+    async with engines(sim_config(role="prefill", num_kv_blocks=8)) as (prefiller,):
+        held = await prefill(prefiller, list(range(100, 129)))  # 29 tokens: holds 7 blocks
+        assert await used_blocks(prefiller) == 7
+        waiting = asyncio.ensure_future(
+            collect(prefiller.stub, generate_request(list(range(300, 312))))  # 3 blocks
+        )
+
+        async def queued() -> bool:
+            load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
+            return (load.running_requests, load.queued_requests) == (0, 1)
+
+        await eventually(queued, what="the second prefill waiting for blocks")
+        await prefiller.stub.Abort(pb.AbortRequest(kv_session=held))
+        responses = await waiting
+        assert responses[-1].WhichOneof("event") == "prefill_ready", responses[-1]
+
+
 async def test_sessions_the_decode_engine_cannot_use_are_refused_before_acceptance() -> None:
     async with engines(
         sim_config(role="prefill"),
