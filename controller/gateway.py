@@ -22,7 +22,10 @@
   serves, UNAVAILABLE while the capable engines take no traffic. An engine failing the task
   with a retryable status has it retried once on another capable engine, as a Generate
   failing before its first response (Relay.retries_elsewhere); the failure the client gets
-  names the engine, as a Generate's does (relay.pass_status).
+  names the engine, as a Generate's does (relay.pass_status), but an engine's abort (the
+  status CANCELLED) passes in the engine's words. An Abort of a task its engine has not
+  accepted yet (no reply: the engine answers NOT_FOUND, or does not answer) cancels the
+  call there and ends the task as an engine ends an aborted one (CANCELLED), as a Generate.
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
   before a decode engine holds it): the relay ends it, ABORTED (and so when its prefill
@@ -76,7 +79,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -466,7 +469,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         self,
         task: str,
         task_context: pb.TaskRequestContext,
-        call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
+        call: Callable[[pb_grpc.OpenEngineAsyncStub], grpc.aio.UnaryUnaryCall[Any, T]],
         context: Context,
     ) -> T:
         if not task_context.request_id or not task_context.model:
@@ -496,9 +499,11 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 tried.add(engine)
                 relay.holding[request_id] = engine
                 try:
-                    reply = await call(fleet.stub(engine))
+                    reply = await relay.unary(request_id, call(fleet.stub(engine)))
                 except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                     failure = engine_failure(caught, engine, fleet)
+                    if request_id in relay.aborted_unrouted:  # its call cancelled for it
+                        await _end_aborted_task(request_id, context)
                     await relay.report_failure(engine, failure)
                     adapter_left = failure.code() == grpc.StatusCode.NOT_FOUND and (
                         await relay.adapter_left(request_id, task_context.lora_name, engine)
@@ -519,9 +524,12 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     self.controller.metrics.retries.inc()
                     engine = other.address
                     continue
+                if request_id in relay.aborted_unrouted:  # the reply came as it was aborted
+                    await _end_aborted_task(request_id, context)
                 await relay.report(engine, None)
                 return reply
-            # As a Generate's failure passes: naming the engine, unless it refused the request.
+            # As a Generate's failure passes: naming the engine, unless it refused the request
+            # (or aborted it: the engine's words).
             await pass_status(context, failure, engine, self.controller.fleet)
         finally:
             relay.holding.pop(request_id, None)
@@ -1492,6 +1500,13 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             grpc.StatusCode.UNAVAILABLE,
             f"no engine serving {request.model!r} can answer now: {why}",
         )
+
+
+async def _end_aborted_task(request_id: str, context: Context) -> NoReturn:
+    """End a pooling task that the gateway aborted itself (its engine had not accepted it:
+    `Relay.abort_unaccepted`) as an engine ends an aborted task: the status CANCELLED, in the
+    bundled engine's words."""
+    await abort_with(context, grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
 
 
 async def _require_model(controller: Controller, model: str, context: Context) -> None:

@@ -119,6 +119,7 @@ Response = TypeVar("Response")
 Request_contra = TypeVar("Request_contra", contravariant=True)
 Response_co = TypeVar("Response_co", covariant=True)
 Response_contra = TypeVar("Response_contra", contravariant=True)
+T = TypeVar("T")
 
 # What an engine run with `auth` answers a call without its token. The controller calls every
 # engine with its own `engine_token_file`, never its client's token, so this refuses the
@@ -151,6 +152,11 @@ CLIENT_ERRORS = frozenset(
         grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
+# How an engine ends a call whose request it aborted (an Abort, a drain's deadline): a pooling
+# task, or an older DECODE engine's Generate aborted while it pulled its KV session. An end,
+# not a failure: passed to the client as the engine worded it (`pass_status`), counted
+# "aborted".
+ENGINE_ABORTED = grpc.StatusCode.CANCELLED
 # An engine's own failure (a broken device, a wedged worker), which counts toward its outlier
 # ejection (controller/registry.py). Not UNAVAILABLE: "not now", a draining engine's refusal
 # (vllm.Generate has no in-band DRAINING) or a KV pull the prefill side failed; an engine
@@ -258,14 +264,18 @@ class HopFailure(NamedTuple):
         return self.cause if self.refusal is None else self.refusal
 
 
-class EngineCall(Protocol[Response_co]):
-    """A started engine call: its responses, and a way to stop it (grpc.aio calls are)."""
-
-    def __aiter__(self) -> AsyncIterator[Response_co]: ...
+class StartedCall(Protocol):
+    """A started engine call, which can be stopped (grpc.aio calls are)."""
 
     def cancel(self) -> bool: ...
 
     def done(self) -> bool: ...
+
+
+class EngineCall(StartedCall, Protocol[Response_co]):
+    """A started engine call's responses, and a way to stop it."""
+
+    def __aiter__(self) -> AsyncIterator[Response_co]: ...
 
 
 class Surface(Protocol[Request_contra, Response]):
@@ -552,7 +562,7 @@ class Relay:
         self.prefilling: set[str] = set()
         # request id -> its engine call, from the call until the engine's first response (an
         # Abort the engine cannot find yet ends it: abort_unaccepted).
-        self._unanswered: dict[str, EngineCall[Any]] = {}
+        self._unanswered: dict[str, StartedCall] = {}
         # KV sessions being released in the background (a reference keeps each task alive).
         self._releases: set[asyncio.Task[Released]] = set()
         # request id -> where it ran so far, told to its client (`kvplane-route`).
@@ -631,6 +641,17 @@ class Relay:
         self.aborted_unrouted.add(request_id)
         call.cancel()
         return True
+
+    async def unary(self, request_id: str, call: grpc.aio.UnaryUnaryCall[Any, T]) -> T:
+        """The reply to `call`, a unary call (a pooling task) to the engine holding
+        `request_id` for this gateway. Until it comes the request is not known to be accepted
+        there (one reply says both): an Abort that its engine cannot find ends it here
+        (`abort_unaccepted`: the call is cancelled, which this raises)."""
+        self._unanswered[request_id] = call
+        try:
+            return await call
+        finally:
+            self._unanswered.pop(request_id, None)
 
     def abort_all_unaccepted(self, engines: set[str]) -> int:
         """`abort_unaccepted` every request whose call one of `engines` has not answered (they
@@ -1518,6 +1539,8 @@ def naming_engine(failure: grpc.aio.AioRpcError, engine: str, call: str, fleet: 
 
 
 def _failure_outcome(code: grpc.StatusCode) -> RequestOutcome:
+    if code == ENGINE_ABORTED:
+        return "aborted"
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return "overloaded"  # refused for capacity (`max_queued_requests`), as shedding counts
     return "invalid" if code in CLIENT_ERRORS else "engine_error"
@@ -1532,10 +1555,13 @@ async def pass_status(
     context: Context, error: grpc.aio.AioRpcError, engine: str | None, fleet: Fleet
 ) -> NoReturn:
     """End the client's call with `engine`'s failure. A refusal of the request itself (a
-    status in CLIENT_ERRORS) is the engine's answer to the client, passed as it is; any
-    other failure names the engine: its bare status ("Socket closed": its process died)
-    would read as the controller's own."""
+    status in CLIENT_ERRORS) is the engine's answer to the client, passed as it is, and so
+    is its abort (ENGINE_ABORTED: not a failure, "aborted" when it said nothing); any other
+    failure names the engine: its bare status ("Socket closed": its process died) would read
+    as the controller's own."""
     code = error.code()
+    if code == ENGINE_ABORTED:
+        await abort_with(context, code, error.details() or "aborted")
     if engine is None or code in CLIENT_ERRORS:
         await abort_with(context, code, error.details() or code.name)
     await abort_with(context, code, naming_engine(error, engine, "request", fleet))

@@ -187,7 +187,7 @@ async def _count_probe_tokens(stream: RequestStream) -> int:
 
 
 def _pull_outcome(error: BaseException) -> PullOutcome:
-    if isinstance(error, asyncio.CancelledError):
+    if isinstance(error, asyncio.CancelledError | RequestAbortedError):
         return "cancelled"
     if isinstance(error, KvSessionNotFoundError):
         return "not_found"

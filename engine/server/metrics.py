@@ -11,7 +11,7 @@ from engine.core.api import EngineRequest, StepReport
 
 # How a DECODE engine's pull of a KV session ended: `refused` is a session it cannot use (or a
 # malformed ref), `failed` the transfer itself (unreachable, too slow, malformed stream),
-# `cancelled` the client gone during the pull.
+# `cancelled` the client gone, or the request aborted (Abort, a drain's deadline), during the pull.
 PullOutcome = Literal["ok", "not_found", "refused", "failed", "cancelled"]
 
 

@@ -16,12 +16,14 @@ GetEngineInfo, the revision handshake every client must be able to make.
 
 Roles: a PREFILL engine's Generate ends with PrefillReady naming a KV session; a DECODE
 engine's Generate with `kv.session` pulls that session before acceptance
-(`engine.server.kv_transfer`); Abort(kv_session) releases a session.
+(`engine.server.kv_transfer`), and one aborted meanwhile ends as a request aborted before its
+prefill does (each output finished CANCELLED, status OK); Abort(kv_session) releases a session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +39,7 @@ from engine.server.errors import (
     FeatureDisabledError,
     KvSessionNotFoundError,
     ModelNotFoundError,
+    RequestAbortedError,
     engine_error_for,
     grpc_status_for,
     public_message,
@@ -155,7 +158,8 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
                 stream = await self._pull_and_submit(
                     self._kv_puller, request.kv.session, engine_request
                 )
-                engine_request = stream.request
+                if stream is not None:
+                    engine_request = stream.request
             else:
                 if sessions is not None:
                     session_id = sessions.open(KvNamespace.of(engine_request))
@@ -177,6 +181,10 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             self._token_text,
             kv_session=kv_session,
         )
+        if stream is None:  # aborted while it pulled its KV session
+            for event in encoder.aborted_before_prefill():
+                yield event
+            return
         try:
             async for output in stream.outputs():
                 for event in encoder.encode(output):
@@ -198,24 +206,29 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
 
     async def _pull_and_submit(
         self, puller: KvSessionPuller, session: pb.KvSessionRef, engine_request: EngineRequest
-    ) -> RequestStream:
+    ) -> RequestStream | None:
         """A DECODE engine's request with a KV session: admitted first (everything `submit`
         would refuse is refused before the pull; from then on it is in flight), then pulled,
-        then submitted with the blocks imported just before it; once it is accepted, the
-        prefill engine is told to release the session."""
+        then submitted with the blocks imported just before it. None: Abort (or a drain's
+        deadline) ended it first, so the core never had it. Accepted or aborted, the request
+        needs the session no longer: the prefill engine is told to release it."""
         handle = self._service.begin_pull(engine_request)
         pull = asyncio.ensure_future(puller.pull(session, engine_request))
+        stream: RequestStream | None = None
         try:
             pulled = await self._service.unless_aborted(handle, pull)
         except BaseException as exc:
             pull.cancel()  # aborted (or the client gone): stop the transfer at once
             self._service.abandon_pull(handle, exc)
-            raise
-        decoding = decode_request(engine_request)
-        stream = self._service.end_pull(
-            handle, decoding, pulled.importer(decoding), num_blocks=len(pulled.blocks)
-        )
-        puller.release(session)  # accepted: the prefill engine need not keep it any longer
+            if not isinstance(exc, RequestAbortedError):
+                raise  # the client gone (another puller may take it) or the pull failed
+        else:
+            decoding = decode_request(engine_request)
+            with contextlib.suppress(RequestAbortedError):  # aborted as the pull ended
+                stream = self._service.end_pull(
+                    handle, decoding, pulled.importer(decoding), num_blocks=len(pulled.blocks)
+                )
+        puller.release(session)
         return stream
 
     async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:

@@ -28,6 +28,7 @@ from tests.controller.conftest import (
     start_sim_engine,
 )
 from tests.controller.test_gateway_scripted import cli
+from tests.engine.engine_server_harness import engine_thread_held
 from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
 
@@ -224,6 +225,49 @@ async def test_an_abort_after_an_unread_handoff_ends_the_request_without_a_decod
         assert responses[-1].finished.reason == pb.FINISH_REASON_CANCELLED
         await stalled.assert_nothing_left()
         assert "r" not in stalled.decode.service._finished  # no decode engine was called
+
+
+async def test_an_abort_while_the_decode_engine_pulls_ends_the_request_as_on_an_engine() -> None:
+    """The decode engine pulls the KV session (the prefill engine's engine thread held: the
+    pull waits for it) when an Abort through the gateway reaches it: it ends the request
+    as one aborted before its prefill, its output finished CANCELLED with the Usage of the
+    prompt, status OK, relayed as it came, and tells the prefill engine to release the
+    session. The client used to get an in-band EngineError ("engine ... failed mid-stream:
+    CANCELLED: ..."), the decode engine having ended the call with the status CANCELLED."""
+    async with stalled_at_the_handoff() as stalled:
+        async with grpc.aio.insecure_channel(stalled.fleet.address(stalled.decode)) as direct:
+            decoder = pb_grpc.OpenEngineStub(direct)
+            async with engine_thread_held(stalled.prefill.service):
+                reading = asyncio.ensure_future(_read_all(stalled.call))
+
+                async def pulling() -> bool:
+                    load = await decoder.GetLoad(pb.GetLoadRequest())
+                    return load.running_requests == 1
+
+                await eventually(pulling)
+                reply = await stalled.fleet.gateway.Abort(pb.AbortRequest(request_id="r"))
+                assert reply.status == pb.ABORT_STATUS_ABORTED
+                responses = await reading  # at once: the pull is cancelled
+        assert {r.WhichOneof("event") for r in responses[:-1]} == {"prompt"}
+        num_prompt_tokens = 2000
+        assert responses[-1] == pb.GenerateResponse(
+            request_id="r",
+            finished=pb.GenerationFinished(
+                output_index=0, reason=pb.FINISH_REASON_CANCELLED, message="aborted"
+            ),
+            usage=pb.Usage(
+                prompt_tokens=num_prompt_tokens,
+                total_tokens=num_prompt_tokens,
+                cached_prompt_tokens=0,
+            ),
+        )
+        await stalled.assert_nothing_left()
+
+
+async def _read_all(
+    call: grpc.aio.UnaryStreamCall[pb.GenerateRequest, pb.GenerateResponse],
+) -> list[pb.GenerateResponse]:
+    return [r async for r in call]
 
 
 async def test_a_session_drained_before_an_unread_handoff_ends_the_request() -> None:

@@ -102,8 +102,10 @@ class ScriptedServicer(ReportsLoad):
       input (Score: per group, one per candidate), in request order, the index present even
       for 0; an unknown model is NOT_FOUND, a `lora_name` is refused as Generate's. While
       `task_gate` is set and not open, each accepted task waits for it: Abort of its id
-      ends it CANCELLED (as the bundled engine ends an aborted task), and a task whose call
-      is cancelled is recorded in `tasks_cancelled`.
+      ends it CANCELLED (as the bundled engine ends an aborted task, in its words), and a
+      task whose call is cancelled is recorded in `tasks_cancelled`. While `task_arrival`
+      is set and not open, each task waits for it before it is accepted (as a call on its
+      way: Abort of its id is the sim engine's NOT_FOUND), recorded in `tasks_arrived`.
     - Generate takes the next of the shared GenerateFaults, else is the sim engine's. One
       naming a LoRA adapter is refused as the seed says (LoRA disabled: FAILED_PRECONDITION;
       an adapter not loaded here: NOT_FOUND), else runs as the sim engine's without it (the
@@ -134,6 +136,8 @@ class ScriptedServicer(ReportsLoad):
         self.task_gate: asyncio.Event | None = None
         self.held_tasks: dict[str, asyncio.Event] = {}  # request id -> set when aborted
         self.tasks_cancelled: list[str] = []
+        self.task_arrival: asyncio.Event | None = None
+        self.tasks_arrived: list[str] = []
 
     # ---- what the test gives it ----
 
@@ -255,6 +259,14 @@ class ScriptedServicer(ReportsLoad):
         self, task: str, request_context: pb.TaskRequestContext, context: Context
     ) -> None:
         self.task_calls.append(task)
+        request_id = request_context.request_id
+        if self.task_arrival is not None:
+            self.tasks_arrived.append(request_id)
+            try:
+                await self.task_arrival.wait()
+            except asyncio.CancelledError:
+                self.tasks_cancelled.append(request_id)
+                raise
         if task not in self.tasks:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{task} is unsupported")
         if request_context.model not in ("", "sim"):
@@ -283,12 +295,15 @@ class ScriptedServicer(ReportsLoad):
         finally:
             del self.held_tasks[request_context.request_id]
         if aborted.is_set():
-            await context.abort(grpc.StatusCode.CANCELLED, "scripted: aborted")
+            await context.abort(grpc.StatusCode.CANCELLED, f"request {request_id!r} was aborted")
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> Any:
         held = self.held_tasks.get(request.request_id) if request.request_id else None
         if held is None:
-            return await self.inner.Abort(request)
+            try:
+                return await self.inner.Abort(request)
+            except grpc.aio.AioRpcError as exc:  # the sim engine's status, as it answered
+                await context.abort(exc.code(), exc.details() or "")
         held.set()
         return pb.AbortResponse(status=pb.ABORT_STATUS_ABORTED, message="aborted")
 
@@ -648,8 +663,10 @@ async def test_tasks_go_only_to_engines_that_support_them() -> None:
 async def test_a_running_task_is_aborted_by_id_and_stopped_by_its_clients_cancel() -> None:
     """Seed: task ids share generation's namespace and abort semantics, and a client's
     cancellation stops the work. A running Classify's id is ALREADY_EXISTS for a Generate;
-    Abort of it reaches the engine running it (ABORTED; the call ends CANCELLED), then
-    ALREADY_FINISHED; a client cancelling its Classify cancels the engine's call."""
+    Abort of it reaches the engine running it (ABORTED; the call ends CANCELLED in the
+    engine's words, not as an engine failure: it read "engine ADDRESS failed the request:
+    CANCELLED: ..."), then ALREADY_FINISHED; a client cancelling its Classify cancels the
+    engine's call."""
     engines = [
         await start_scripted_engine("e0"),
         await start_scripted_engine("e1", tasks=frozenset({"classify"})),
@@ -677,6 +694,7 @@ async def test_a_running_task_is_aborted_by_id_and_stopped_by_its_clients_cancel
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await first
         assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert err.value.details() == "request 't1' was aborted"
         again = await fleet.gateway.Abort(pb.AbortRequest(request_id="t1"))
         assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
 
@@ -690,6 +708,44 @@ async def test_a_running_task_is_aborted_by_id_and_stopped_by_its_clients_cancel
         await eventually(cancelled_on_the_engine)
         await eventually(lambda: fleet.app.gateway.relay.running == set())
     finally:
+        await close_fleet(fleet)
+
+
+async def test_an_abort_of_a_task_its_engine_has_not_accepted_yet_ends_it() -> None:
+    """An Abort between routing and the engine's acceptance of an Embed: the engine answers
+    NOT_FOUND (it has no such task yet), so the gateway ends the task itself, as a Generate:
+    ABORTED, its call to the engine cancelled, the task ended as an engine ends an aborted
+    one (CANCELLED, the engine's words). The Abort used to answer NOT_FOUND, and the task
+    ran to its end once the engine took it."""
+    engine = await start_scripted_engine("e0", tasks=frozenset({"embed"}))
+    fleet = await scripted_fleet(engine)
+    late = engine.servicer
+    late.task_arrival = asyncio.Event()
+    inputs = [pb.TaskInput(item_id="i", token_ids=pb.TokenIds(ids=[1, 5]))]
+    context = pb.TaskRequestContext(request_id="t", model="sim")
+    try:
+        embedding = fleet.gateway.Embed(pb.EmbedRequest(context=context, inputs=inputs))
+
+        async def arrived() -> bool:
+            return late.tasks_arrived == ["t"]
+
+        await eventually(arrived)
+        reply = await fleet.gateway.Abort(pb.AbortRequest(request_id="t"))
+        assert reply.status == pb.ABORT_STATUS_ABORTED
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await embedding
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        assert err.value.details() == "request 't' was aborted"
+
+        async def cancelled_on_the_engine() -> bool:
+            return late.tasks_cancelled == ["t"]
+
+        await eventually(cancelled_on_the_engine)
+        await eventually(lambda: fleet.app.gateway.relay.running == set())
+        again = await fleet.gateway.Abort(pb.AbortRequest(request_id="t"))
+        assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+    finally:
+        late.task_arrival.set()
         await close_fleet(fleet)
 
 

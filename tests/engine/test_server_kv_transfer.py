@@ -23,6 +23,7 @@ from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
     Engine,
     collect,
+    engine_thread_held,
     fake_prefill_engine,
     generate_request,
     metrics_text,
@@ -494,11 +495,21 @@ async def test_drain_waits_for_open_sessions_and_releases_them_at_the_deadline()
 
 class _HeldPrefillEngine(PartialKvTransfer):
     """A prefill engine's pull service that sends the header of PROMPT's session, then holds
-    the blocks until `release` is set: a pull in progress for as long as a test needs."""
+    the blocks until `release` is set: a pull in progress for as long as a test needs. The
+    sessions its pullers release are in `released` (`released_one` set at each)."""
 
     def __init__(self) -> None:
         self.pulling = asyncio.Event()
         self.release = asyncio.Event()
+        self.released: list[str] = []
+        self.released_one = asyncio.Event()
+
+    async def ReleaseKvSession(
+        self, request: kt.ReleaseKvSessionRequest, context: Any
+    ) -> kt.ReleaseKvSessionResponse:
+        self.released.append(request.session_id)
+        self.released_one.set()
+        return kt.ReleaseKvSessionResponse()
 
     async def PullKvSession(
         self, request: kt.PullKvSessionRequest, context: Any
@@ -543,13 +554,20 @@ async def test_a_drain_waits_for_a_pull_in_progress_and_admits_its_request() -> 
         assert last.in_flight_requests == 0
 
 
-async def test_an_abort_during_the_pull_cancels_the_request() -> None:
+async def test_an_abort_during_the_pull_ends_the_request_as_one_aborted_before_its_prefill() -> (
+    None
+):
+    """As an aggregated engine ends a request aborted while queued (and as this one ends it
+    aborted later): each output finished CANCELLED, the last with the Usage of its prompt,
+    status OK; the pull cancelled, the session released on the prefill engine, which the
+    request needs no longer. It used to end with the status CANCELLED, the session kept."""
     async with (
         held_prefill_engine() as (held, session),
-        engines(sim_config(role="decode")) as (decoder,),
+        engines(sim_config(role="decode", metrics_listen="127.0.0.1:0")) as (decoder,),
     ):
         request = with_session(session)
         request.request_id = "pulling"
+        request.sampling.num_sequences = 2
         generation = asyncio.create_task(collect(decoder.stub, request))
         await asyncio.wait_for(held.pulling.wait(), 10)
         # Its id is taken while it pulls: a second request of that id would pull for nothing.
@@ -558,11 +576,60 @@ async def test_an_abort_during_the_pull_cancels_the_request() -> None:
         reply = await decoder.stub.Abort(pb.AbortRequest(request_id="pulling"))
         assert reply.status == pb.ABORT_STATUS_ABORTED
         # At once, not when the (held) pull ends: the transfer is cancelled.
-        error = await rpc_error(lambda: asyncio.wait_for(generation, 5))
-        assert error.code() == grpc.StatusCode.CANCELLED
+        events = await asyncio.wait_for(generation, 5)
+        assert events == _aborted_before_its_prefill("pulling", num_outputs=2)
+        await asyncio.wait_for(held.released_one.wait(), 10)
+        assert held.released == [session.session_id]
         held.release.set()
         load = await decoder.stub.GetLoad(pb.GetLoadRequest())
         assert load.running_requests == 0 and load.used_kv_blocks == 0
+        again = await decoder.stub.Abort(pb.AbortRequest(request_id="pulling"))
+        assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
+        line = 'kvplane_engine_kv_pulls_total{model="sim",outcome="cancelled"} 1.0'
+        assert line in await metrics_text(decoder)
+
+
+def _aborted_before_its_prefill(request_id: str, num_outputs: int) -> list[pb.GenerateResponse]:
+    """How an engine ends a request of PROMPT aborted before its prefill: each output
+    finished CANCELLED ("aborted"), the last with the Usage of its prompt alone."""
+    events = [
+        pb.GenerateResponse(
+            request_id=request_id,
+            finished=pb.GenerationFinished(
+                output_index=index, reason=pb.FINISH_REASON_CANCELLED, message="aborted"
+            ),
+        )
+        for index in range(num_outputs)
+    ]
+    events[-1].usage.CopyFrom(
+        pb.Usage(prompt_tokens=len(PROMPT), total_tokens=len(PROMPT), cached_prompt_tokens=0)
+    )
+    return events
+
+
+async def test_an_aggregated_engine_ends_a_request_aborted_before_its_prefill_alike() -> None:
+    """The end the test above expects is an aggregated engine's for the same request aborted
+    while queued (its engine thread busy: the core has not begun it)."""
+    async with engines(sim_config()) as (engine,):
+        request = generate_request(PROMPT, max_tokens=5)
+        request.request_id = "queued"
+        request.sampling.num_sequences = 2
+        async with engine_thread_held(engine.app.service):
+            generation = asyncio.create_task(collect(engine.stub, request))
+
+            def in_flight() -> bool:
+                return engine.app.service.num_in_flight == 1
+
+            await eventually(in_flight, what="the request accepted")
+            abort = asyncio.ensure_future(engine.stub.Abort(pb.AbortRequest(request_id="queued")))
+            commands = engine.app.service.engine_loop._commands  # the thread's queue
+
+            def abort_queued() -> bool:  # behind the request's admission: the core adds it
+                return len(commands) == 2  # and aborts it before a step
+
+            await eventually(abort_queued, what="the Abort queued")
+        assert (await abort).status == pb.ABORT_STATUS_ABORTED
+        assert await generation == _aborted_before_its_prefill("queued", num_outputs=2)
 
 
 async def test_metrics_count_pulls_by_outcome_and_open_sessions() -> None:
