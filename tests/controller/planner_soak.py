@@ -39,6 +39,7 @@ from kvplane_api.v1 import admin_pb2 as apb
 from kvplane_api.v1 import admin_pb2_grpc as apb_grpc
 from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
+from planner.start_backoff import CRASH_WITHIN_S
 from tests.redis_servers import restartable_port
 from tests.soak_fleet import (
     KVPLANE,
@@ -55,6 +56,12 @@ LOST_AFTER_FAILED_POLLS = 3
 # pool -> (role, min engines, max engines)
 POOLS = {"prefill": ("prefill", 1, 2), "decode": ("decode", 2, 3)}
 ENGINE_CONFIG = "model: sim\nnum_kv_blocks: 64\n"
+# How long an engine is routed to before a fault may take it: the soak's faults are an outside
+# kill, a hang, a drain of an engine that served; an engine lost within the planner's
+# `live.start_backoff_crash_s` of serving is a crash loop to it (planner/start_backoff.py), and
+# a few in a row back its pool's starts off for 10, 20, 40 s, past what a fault's convergence
+# bound and a short CI soak allow (the back-off has tests of its own).
+SERVED_BEFORE_A_FAULT_S = CRASH_WITHIN_S + 1.0
 # The prefill engines' `kv_transfer.session_ttl_s` (see `_planner_config`).
 SESSION_TTL_S = 20
 # The client's rate, times the run's --rate, drawn for each cycle.
@@ -92,6 +99,8 @@ class PlannerSoak(GatewaySoak):
         self.planner = Process(
             "planner", [*KVPLANE, "planner", "run", "--config", str(config)], workdir
         )
+        # When this soak first saw each child routable (its pid: `_serving_child`).
+        self._routable_since: dict[int, float] = {}
 
     def _controller_config(self) -> str:
         return (
@@ -191,8 +200,9 @@ class PlannerSoak(GatewaySoak):
         return found
 
     async def _serving_child(self, pool: str | None = None) -> Child:
-        """A child of `pool` (None: any) drawn at random among those the controller routes to
-        (not one the planner is starting, draining or stopping); waits for one (bounded)."""
+        """A child of `pool` (None: any) drawn at random among those the controller has routed
+        to for SERVED_BEFORE_A_FAULT_S as seen here (not one the planner is starting, draining
+        or stopping); waits for one (bounded)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SETTLE_TIMEOUT_S
         while True:
@@ -202,8 +212,14 @@ class PlannerSoak(GatewaySoak):
                     for w in await controller_workers(self.controller_target)
                     if w.routable
                 }
+                now = loop.time()
+                children = [c for c in self.children() if c.address in routable]
+                since = {c.pid: self._routable_since.get(c.pid, now) for c in children}
+                self._routable_since = since
                 serving = [
-                    c for c in self.children() if c.address in routable and pool in (None, c.pool)
+                    c
+                    for c in children
+                    if now - since[c.pid] >= SERVED_BEFORE_A_FAULT_S and pool in (None, c.pool)
                 ]
                 if serving:
                     return self.rng.choice(sorted(serving, key=lambda c: c.pid))
