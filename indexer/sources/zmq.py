@@ -19,7 +19,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   is indexed all the same. A replay that failed while the SUB was connected (the publisher's
   replay ROUTER not answering yet) is retried with the source's backoff until one answers or
   a message comes (a streak of failures warns at its 1st, 2nd, 4th, 8th, ... failure, and
-  says when the replay answers again);
+  says when the replay answers again). A rebuild that follows a replay failed on the same
+  connection (timed out: an endpoint that never answers) does not ask again at once: it
+  rebuilds from its message alone rather than stall the source a second time;
 - seq == expected: applied, unless it is the first message since the SUB made or accepted a
   new connection (an engine restart is a new connection; the SUB may have missed the new
   process's first messages, exactly as many as the old one had sent): then it is checked as
@@ -30,7 +32,8 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   SGLang replay the very bytes they published, and every batch carries its own timestamp. If it
   differs or is no longer buffered (or there is no replay), or the replay does not cover the
   gap contiguously, the worker is cleared and rebuilt from what the replay buffer holds up to
-  the message;
+  the message, and past it to the newest batch the replay brought when it holds the message
+  itself (a lagging source catches up at once; their live copies are then duplicates);
   otherwise the replayed batches heal the gap;
 - a replay's replies count only as an unbroken run of seqs ending at the newest: a replay
   ROUTER drops replies past its high-water mark and still sends the end marker, so a hole is
@@ -264,6 +267,11 @@ class ZmqSource:
         # Replays failed since the last one that answered: a dead replay ROUTER beside a live
         # PUB fails every retry, so only the 1st, 2nd, 4th, 8th, ... of a streak warn.
         self._replay_failures_in_a_row = 0
+        # The last replay on the SUB's present connection failed (timed out): the rebuild at
+        # the first message does not ask again at once, which would stall the source twice as
+        # long on a replay endpoint that never answers (the rebuild at the connection, then
+        # the first message's). Forgotten when a replay answers and when the connection ends.
+        self._replay_failed_on_connection = False
         # The SUB's monitor and its open connections while `_follow` runs (None otherwise).
         self._monitor: tuple[zmq.asyncio.Socket, _OpenConnections] | None = None
         if settings.replay_endpoint and settings.rebuild_at_start:
@@ -366,6 +374,7 @@ class ZmqSource:
         # (Its result is not read: pyzmq's stubs type a socket's poll as a Poller's.)
         monitored: asyncio.Future[object] | None = None
         waker = asyncio.ensure_future(self._resync_wanted.wait())
+        self._replay_failed_on_connection = False  # a new SUB: a new connection
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
@@ -450,6 +459,8 @@ class ZmqSource:
         engine never does. The next connection (the engine back, restarted or not) then
         rebuilds the worker from the replay at once, as a start does."""
         ends = [i for i, event in enumerate(events) if event == zmq.EVENT_DISCONNECTED]
+        if ends:
+            self._replay_failed_on_connection = False  # (the connection it failed on)
         # Connections made after the last end (one that came and went is no publisher now).
         if len(events) > (ends[-1] + 1 if ends else 0):
             self._new_connection = True
@@ -807,25 +818,36 @@ class ZmqSource:
         reason: str | None,
         buffered: list[ZmqMessage] | None = None,
     ) -> None:
-        """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`.
-        A `reason` is a break in a stream followed until now (see `on_sequence_break`).
-        `buffered`: what a replay made just now says the buffer holds (the whole buffer, or
-        nothing when it failed), not asked for again; None: replay from seq 0."""
+        """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`,
+        up to the newest batch the replay brought (a source lagging behind its publisher
+        catches up at once). A `reason` is a break in a stream followed until now (see
+        `on_sequence_break`). `buffered`: what a replay made just now says the buffer holds
+        (the whole buffer, or nothing when it failed), not asked for again; None: replay from
+        seq 0 (unless the last replay on this connection failed: from `trigger` alone)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         self._learn_rank(trigger)  # before the replay, whose batches must be of that rank
         await self._reset_worker(trigger.seq)
+        newer: list[ZmqMessage] = []
         if trigger.seq > 0:
-            # What the buffer holds before the trigger, when it runs up to the trigger (the
-            # replay's seqs are consecutive): after the clear, a rebuild that starts late only
-            # misses blocks; one that skipped a batch would keep what that batch removed.
-            if buffered is None:
+            if buffered is None and not self._replay_failed_on_connection:
                 buffered = await self._replay(0)
-            replies = [r for r in buffered or () if r.seq < trigger.seq]
-            if replies and replies[-1].seq + 1 == trigger.seq:
-                for reply in replies:
+            # The replay's seqs are consecutive. Its batches before the trigger count when
+            # they run up to it, those after it when it holds the trigger itself (the same
+            # bytes: the same process): after the clear, a rebuild that starts late only
+            # misses blocks; one that skipped a batch would keep what that batch removed.
+            replies = buffered or []
+            before = [r for r in replies if r.seq < trigger.seq]
+            if before and before[-1].seq + 1 == trigger.seq:
+                for reply in before:
                     await self._apply(reply, replayed=True)
+            if any(r.seq == trigger.seq and r.payload == trigger.payload for r in replies):
+                newer = [r for r in replies if r.seq > trigger.seq]
         await self._apply(trigger)
+        for reply in newer:
+            await self._apply(reply, replayed=True)
+        # Their live copies, still to come, are duplicates.
+        self._replayed = {r.seq: r.payload for r in newer}
         if reason is not None and self.on_sequence_break is not None:
             self.on_sequence_break()
 
@@ -843,14 +865,8 @@ class ZmqSource:
             )
             return
         replies = await self._replay(last)
-        if replies is None:
-            await self._rebuild(
-                trigger,
-                reason="no replay to check the stream against",
-                # (A replay that just failed, timed out, is not tried again at once: the
-                # source would stall twice as long on a replay endpoint that never answers.)
-                buffered=[],
-            )
+        if replies is None:  # (one that failed is not asked again at once: `_rebuild`)
+            await self._rebuild(trigger, reason="no replay to check the stream against")
             return
         if not replies or replies[0].seq != last:
             await self._rebuild(
@@ -919,6 +935,7 @@ class ZmqSource:
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1
             self._replay_failures_in_a_row += 1
+            self._replay_failed_on_connection = True
             failures = self._replay_failures_in_a_row
             log.log(
                 _sparse_level(failures - 1, failures),
@@ -931,6 +948,7 @@ class ZmqSource:
             return None
         finally:
             dealer.close(linger=0)
+        self._replay_failed_on_connection = False
         if self._replay_failures_in_a_row:
             log.info(
                 "worker %s: replay from %s answered after %d failures",
