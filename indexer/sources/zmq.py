@@ -85,6 +85,10 @@ at another rank's port) is counted as bad and dropped; a live batch's rank that 
 the rank of the batches the worker holds (filled by such a replay at start) makes its gap
 check clear and rebuild (`_is_other_ranks`, `_learn_rank`).
 
+Received messages wait for the index in a `ReceiveQueue`, bounded by messages and by bytes
+(`receive_hwm`, `receive_queue_bytes`): past either, its oldest are dropped (`_receive`), a
+gap the next message shows and the replay heals.
+
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one
 (each logged as a warning only at the source's 1st, 2nd, 4th, 8th, ... bad message,
 `_drop_bad_message`; malformed and unknown events likewise, `_drop_bad_events`).
@@ -110,6 +114,7 @@ from zmq.utils.monitor import parse_monitor_message
 from indexer.batch import Batch
 from indexer.engine_events import EventBatch
 from indexer.sources.link import Link
+from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES, ReceiveQueue
 from indexer.translate import WorkerTranslator
 from indexer.validation import IndexRequestError
 from indexer.zmq_decode import (
@@ -139,6 +144,10 @@ _RECONNECTED = "the publisher is back"
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
 # Replay requests at most per replay: the first, then one per hole left (see `_replay`).
 MAX_REPLAY_ROUNDS = 8
+# The SUB's own receive queue (ZMQ's, bounded by its count of messages only): the source moves
+# each message into its `ReceiveQueue`, bounded by bytes too, as it arrives, so this one fills
+# only while the source's event loop is busy; past it, TCP holds the rest back at the publisher.
+SUB_QUEUE_MESSAGES = 100
 
 
 class BatchSink(Protocol):
@@ -168,6 +177,7 @@ class SourceCounters:
     num_resets: int = 0
     num_restarts: int = 0  # loop restarts after an error (reconnect with backoff)
     num_resyncs: int = 0  # rebuilds the index asked for (request_resync)
+    num_queue_drops: int = 0  # evicted from a full receive queue (`ReceiveQueue`)
 
 
 # What each `SourceCounters` field counts, as the Prometheus HELP of the counter that exports
@@ -190,6 +200,8 @@ SOURCE_COUNTER_HELP = {
     "num_restarts": "KV-event subscriptions restarted after an error",
     "num_resyncs": "KV-event resubscriptions with a snapshot (the index lost the engine's "
     "entries, or its stream skipped)",
+    "num_queue_drops": "KV-event messages dropped, the oldest first, from a full receive queue "
+    "(the index behind the engine; healed from the replay as gaps)",
 }
 
 
@@ -212,7 +224,9 @@ class ZmqSourceSettings:
     rebuild_at_start: bool = True
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
+    # The receive queue's bounds, in messages and in bytes (`ReceiveQueue`).
     receive_hwm: int = 100_000
+    receive_queue_bytes: int = DEFAULT_RECEIVE_QUEUE_BYTES
 
 
 class ZmqSource:
@@ -291,6 +305,8 @@ class ZmqSource:
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
         self.ready = asyncio.Event()
+        # The messages received and not handled yet (emptied when the SUB is made anew).
+        self.receive_queue = ReceiveQueue(settings.receive_hwm, settings.receive_queue_bytes)
 
     @property
     def worker_id(self) -> str:
@@ -375,9 +391,11 @@ class ZmqSource:
         monitored: asyncio.Future[object] | None = None
         waker = asyncio.ensure_future(self._resync_wanted.wait())
         self._replay_failed_on_connection = False  # a new SUB: a new connection
+        self.receive_queue.clear()
+        receiver: asyncio.Future[None] | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
+            sub.setsockopt(zmq.RCVHWM, SUB_QUEUE_MESSAGES)
             sub.setsockopt(zmq.RECONNECT_IVL, int(self.settings.backoff_initial_s * 1000))
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.backoff_max_s * 1000))
             self.settings.heartbeat.apply_to(sub)
@@ -385,6 +403,7 @@ class ZmqSource:
                 sub.setsockopt(zmq.SUBSCRIBE, prefix)
             self._attach(sub)
             log.info("zmq source %s -> worker %s", self.settings.endpoint, self.worker_id)
+            receiver = asyncio.ensure_future(self._receive(sub))
             self.ready.set()
             while True:
                 if self._resync_wanted.is_set():
@@ -398,17 +417,22 @@ class ZmqSource:
                         self._progress.notify_all()
                     continue
                 if recv is None:
-                    recv = asyncio.ensure_future(sub.recv_multipart())
+                    recv = asyncio.ensure_future(self.receive_queue.get())
                 if monitored is None:
                     monitored = asyncio.ensure_future(_readable(connections))
-                if not recv.done():  # (it is already done when a message was queued)
+                if not recv.done():  # (done already when a message came meanwhile)
                     await asyncio.wait(
-                        (recv, waker, monitored), return_when=asyncio.FIRST_COMPLETED
+                        (recv, waker, monitored, receiver), return_when=asyncio.FIRST_COMPLETED
                     )
+                    if receiver.done():
+                        receiver.result()  # the SUB failed: restart
                     if waker.done():
                         waker = asyncio.ensure_future(self._resync_wanted.wait())
                     if not recv.done():
-                        if monitored.done():
+                        # (A message received already goes first: the events read with it
+                        # say whether it is a departed publisher's last word. Not the SUB's
+                        # own EVENTS: reading them eats the edge `_receive`'s read waits for.)
+                        if monitored.done() and not self.receive_queue:
                             monitored = None
                             if await self._handle_queued_connection_events():
                                 async with self._progress:
@@ -416,7 +440,6 @@ class ZmqSource:
                         continue
                 frames = recv.result()
                 recv = None
-                self.counters.num_messages += 1
                 events = await self._queued_publisher_events()
                 # Messages of a connection come before its end: with no connection since, this
                 # one is the departed publisher's last word, applied before its worker is
@@ -441,6 +464,8 @@ class ZmqSource:
                 self._start_replay_retry.cancel()
                 self._start_replay_retry = None
             waker.cancel()
+            if receiver is not None:
+                receiver.cancel()
             if recv is not None:
                 recv.cancel()
             if monitored is not None:
@@ -449,6 +474,30 @@ class ZmqSource:
                 sub.disable_monitor()
             connections.close(linger=0)
             sub.close(linger=0)
+
+    async def _receive(self, sub: zmq.asyncio.Socket) -> None:
+        """Move each message from the SUB into the receive queue as it arrives. A full queue
+        drops its oldest messages (counted, warned of at the 1st, 2nd, 4th, 8th, ... drop):
+        `_on_message` sees the gap at the next message it reads and heals it from the replay."""
+        while True:
+            frames = await sub.recv_multipart()
+            self.counters.num_messages += 1
+            dropped = self.receive_queue.put(frames)
+            if dropped:
+                before = self.counters.num_queue_drops
+                self.counters.num_queue_drops += dropped
+                log.log(
+                    _sparse_level(before, self.counters.num_queue_drops),
+                    "worker %s: the receive queue is full (%d messages, %d bytes at most): "
+                    "dropped its %d oldest (%d so far); the index is behind the publisher, "
+                    "the gap is healed from the replay",
+                    self.worker_id,
+                    self.settings.receive_hwm,
+                    self.settings.receive_queue_bytes,
+                    dropped,
+                    self.counters.num_queue_drops,
+                )
+            await asyncio.sleep(0)  # the index's turn, while messages keep coming
 
     async def _on_connection_events(self, events: list[int]) -> None:
         """Act on the SUB's monitor events. A connection made or accepted (its handshake done)
@@ -917,8 +966,8 @@ class ZmqSource:
         received: dict[int, ZmqMessage] = {}
         try:
             dealer.setsockopt(zmq.LINGER, 0)
-            # As deep as the SUB's queue: a replay's replies are read one at a time, and what
-            # the DEALER cannot queue backs up into the ROUTER, which drops it.
+            # As deep as the receive queue: a replay's replies are read one at a time, and
+            # what the DEALER cannot queue backs up into the ROUTER, which drops it.
             dealer.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
             set_ip_version(dealer, self.settings.replay_endpoint)
             dealer.connect(self.settings.replay_endpoint)
