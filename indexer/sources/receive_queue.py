@@ -31,7 +31,8 @@ class ReceiveQueue:
         self._messages: deque[tuple[list[bytes], int]] = deque()
         self.bytes = 0  # the queued messages' frames, in bytes
         self.peak_bytes = 0  # the most `bytes` has been
-        self._filled = asyncio.Event()
+        # The consumer's wait for a message while the queue was empty (`next`).
+        self._waiter: asyncio.Future[list[bytes]] | None = None
 
     def __len__(self) -> int:
         return len(self._messages)
@@ -48,14 +49,22 @@ class ReceiveQueue:
         self._messages.append((frames, size))
         self.bytes += size
         self.peak_bytes = max(self.peak_bytes, self.bytes)
-        self._filled.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(self._pop())
+        self._waiter = None
         return evicted
 
-    async def get(self) -> list[bytes]:
-        """The oldest message, once there is one."""
-        while not self._messages:
-            self._filled.clear()
-            await self._filled.wait()
+    def next(self) -> asyncio.Future[list[bytes]]:
+        """The oldest message: done already when one is queued (no task, no turn of the event
+        loop per message), else once one comes. (Cancelling it leaves the message queued.)"""
+        future: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        if self._messages:
+            future.set_result(self._pop())
+        else:
+            self._waiter = future
+        return future
+
+    def _pop(self) -> list[bytes]:
         frames, size = self._messages.popleft()
         self.bytes -= size
         return frames

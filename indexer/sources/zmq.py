@@ -148,6 +148,9 @@ MAX_REPLAY_ROUNDS = 8
 # each message into its `ReceiveQueue`, bounded by bytes too, as it arrives, so this one fills
 # only while the source's event loop is busy; past it, TCP holds the rest back at the publisher.
 SUB_QUEUE_MESSAGES = 100
+# Messages `_receive` moves in one turn of the event loop at most (a read of a message already
+# in the SUB's queue waits for nothing, so it would not let the index run while they come).
+RECEIVE_TURN = 32
 
 
 class BatchSink(Protocol):
@@ -417,10 +420,10 @@ class ZmqSource:
                         self._progress.notify_all()
                     continue
                 if recv is None:
-                    recv = asyncio.ensure_future(self.receive_queue.get())
+                    recv = self.receive_queue.next()
                 if monitored is None:
                     monitored = asyncio.ensure_future(_readable(connections))
-                if not recv.done():  # (done already when a message came meanwhile)
+                if not recv.done():  # (done already when a message was queued)
                     await asyncio.wait(
                         (recv, waker, monitored, receiver), return_when=asyncio.FIRST_COMPLETED
                     )
@@ -479,7 +482,7 @@ class ZmqSource:
         """Move each message from the SUB into the receive queue as it arrives. A full queue
         drops its oldest messages (counted, warned of at the 1st, 2nd, 4th, 8th, ... drop):
         `_on_message` sees the gap at the next message it reads and heals it from the replay."""
-        while True:
+        for received in itertools.count(1):
             frames = await sub.recv_multipart()
             self.counters.num_messages += 1
             dropped = self.receive_queue.put(frames)
@@ -497,7 +500,8 @@ class ZmqSource:
                     dropped,
                     self.counters.num_queue_drops,
                 )
-            await asyncio.sleep(0)  # the index's turn, while messages keep coming
+            if received % RECEIVE_TURN == 0:  # the index's turn, while messages keep coming
+                await asyncio.sleep(0)
 
     async def _on_connection_events(self, events: list[int]) -> None:
         """Act on the SUB's monitor events. A connection made or accepted (its handshake done)
