@@ -11,8 +11,8 @@ default skips nil and EXTERNAL media (configurable). Positional events' fields f
 Copies are counted here, since the KVIndexer API has no notion of them.
 
 An apply that fails with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED) is retried with
-backoff, blocking the stream (ZMQ buffers meanwhile; an
-overflow shows up as a gap and is replayed); UNAUTHENTICATED and PERMISSION_DENIED stop the
+backoff, blocking the stream (the source's receive queue buffers meanwhile, up to its bounds;
+an overflow shows up as a gap and is replayed); UNAUTHENTICATED and PERMISSION_DENIED stop the
 bridge (a ConfigError: every later batch would be refused alike, so running on would only drop
 them); any other status drops that batch and is logged.
 The target may lose the worker's blocks (kvplane's memory indexer restarts empty, a Redis

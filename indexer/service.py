@@ -83,6 +83,7 @@ def build_source(
             array_tail=config.array_tail,
             replay_timeout_s=config.replay_timeout_s,
             heartbeat=config.heartbeat(),
+            receive_queue_bytes=config.receive_queue_bytes,
         )
         return ZmqSource(settings, translator, backend)
     return OpenEngineSource(

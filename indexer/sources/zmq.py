@@ -19,7 +19,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   is indexed all the same. A replay that failed while the SUB was connected (the publisher's
   replay ROUTER not answering yet) is retried with the source's backoff until one answers or
   a message comes (a streak of failures warns at its 1st, 2nd, 4th, 8th, ... failure, and
-  says when the replay answers again);
+  says when the replay answers again). A rebuild that follows a replay failed on the same
+  connection (timed out: an endpoint that never answers) does not ask again at once: it
+  rebuilds from its message alone rather than stall the source a second time;
 - seq == expected: applied, unless it is the first message since the SUB made or accepted a
   new connection (an engine restart is a new connection; the SUB may have missed the new
   process's first messages, exactly as many as the old one had sent): then it is checked as
@@ -30,7 +32,8 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   SGLang replay the very bytes they published, and every batch carries its own timestamp. If it
   differs or is no longer buffered (or there is no replay), or the replay does not cover the
   gap contiguously, the worker is cleared and rebuilt from what the replay buffer holds up to
-  the message;
+  the message, and past it to the newest batch the replay brought when it holds the message
+  itself (a lagging source catches up at once; their live copies are then duplicates);
   otherwise the replayed batches heal the gap;
 - a replay's replies count only as an unbroken run of seqs ending at the newest: a replay
   ROUTER drops replies past its high-water mark and still sends the end marker, so a hole is
@@ -82,6 +85,10 @@ at another rank's port) is counted as bad and dropped; a live batch's rank that 
 the rank of the batches the worker holds (filled by such a replay at start) makes its gap
 check clear and rebuild (`_is_other_ranks`, `_learn_rank`).
 
+Received messages wait for the index in a `ReceiveQueue`, bounded by messages and by bytes
+(`receive_hwm`, `receive_queue_bytes`): past either, its oldest are dropped (`_receive`), a
+gap the next message shows and the replay heals.
+
 Malformed messages are counted and dropped (`indexer.zmq_decode`); the loop never dies of one
 (each logged as a warning only at the source's 1st, 2nd, 4th, 8th, ... bad message,
 `_drop_bad_message`; malformed and unknown events likewise, `_drop_bad_events`).
@@ -107,6 +114,7 @@ from zmq.utils.monitor import parse_monitor_message
 from indexer.batch import Batch
 from indexer.engine_events import EventBatch
 from indexer.sources.link import Link
+from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES, ReceiveQueue
 from indexer.translate import WorkerTranslator
 from indexer.validation import IndexRequestError
 from indexer.zmq_decode import (
@@ -136,6 +144,13 @@ _RECONNECTED = "the publisher is back"
 _BAD_ENDPOINT_ERRNOS = frozenset({zmq.EINVAL, zmq.EPROTONOSUPPORT})
 # Replay requests at most per replay: the first, then one per hole left (see `_replay`).
 MAX_REPLAY_ROUNDS = 8
+# The SUB's own receive queue (ZMQ's, bounded by its count of messages only): the source moves
+# each message into its `ReceiveQueue`, bounded by bytes too, as it arrives, so this one fills
+# only while the source's event loop is busy; past it, TCP holds the rest back at the publisher.
+SUB_QUEUE_MESSAGES = 100
+# Messages `_receive` moves in one turn of the event loop at most (a read of a message already
+# in the SUB's queue waits for nothing, so it would not let the index run while they come).
+RECEIVE_TURN = 32
 
 
 class BatchSink(Protocol):
@@ -165,6 +180,7 @@ class SourceCounters:
     num_resets: int = 0
     num_restarts: int = 0  # loop restarts after an error (reconnect with backoff)
     num_resyncs: int = 0  # rebuilds the index asked for (request_resync)
+    num_queue_drops: int = 0  # evicted from a full receive queue (`ReceiveQueue`)
 
 
 # What each `SourceCounters` field counts, as the Prometheus HELP of the counter that exports
@@ -187,6 +203,8 @@ SOURCE_COUNTER_HELP = {
     "num_restarts": "KV-event subscriptions restarted after an error",
     "num_resyncs": "KV-event resubscriptions with a snapshot (the index lost the engine's "
     "entries, or its stream skipped)",
+    "num_queue_drops": "KV-event messages dropped, the oldest first, from a full receive queue "
+    "(the index behind the engine; healed from the replay as gaps)",
 }
 
 
@@ -209,7 +227,9 @@ class ZmqSourceSettings:
     rebuild_at_start: bool = True
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 5.0
+    # The receive queue's bounds, in messages and in bytes (`ReceiveQueue`).
     receive_hwm: int = 100_000
+    receive_queue_bytes: int = DEFAULT_RECEIVE_QUEUE_BYTES
 
 
 class ZmqSource:
@@ -264,6 +284,11 @@ class ZmqSource:
         # Replays failed since the last one that answered: a dead replay ROUTER beside a live
         # PUB fails every retry, so only the 1st, 2nd, 4th, 8th, ... of a streak warn.
         self._replay_failures_in_a_row = 0
+        # The last replay on the SUB's present connection failed (timed out): the rebuild at
+        # the first message does not ask again at once, which would stall the source twice as
+        # long on a replay endpoint that never answers (the rebuild at the connection, then
+        # the first message's). Forgotten when a replay answers and when the connection ends.
+        self._replay_failed_on_connection = False
         # The SUB's monitor and its open connections while `_follow` runs (None otherwise).
         self._monitor: tuple[zmq.asyncio.Socket, _OpenConnections] | None = None
         if settings.replay_endpoint and settings.rebuild_at_start:
@@ -283,6 +308,8 @@ class ZmqSource:
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
         self.ready = asyncio.Event()
+        # The messages received and not handled yet (emptied when the SUB is made anew).
+        self.receive_queue = ReceiveQueue(settings.receive_hwm, settings.receive_queue_bytes)
 
     @property
     def worker_id(self) -> str:
@@ -366,9 +393,12 @@ class ZmqSource:
         # (Its result is not read: pyzmq's stubs type a socket's poll as a Poller's.)
         monitored: asyncio.Future[object] | None = None
         waker = asyncio.ensure_future(self._resync_wanted.wait())
+        self._replay_failed_on_connection = False  # a new SUB: a new connection
+        self.receive_queue.clear()
+        receiver: asyncio.Future[None] | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
+            sub.setsockopt(zmq.RCVHWM, SUB_QUEUE_MESSAGES)
             sub.setsockopt(zmq.RECONNECT_IVL, int(self.settings.backoff_initial_s * 1000))
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.backoff_max_s * 1000))
             self.settings.heartbeat.apply_to(sub)
@@ -376,6 +406,7 @@ class ZmqSource:
                 sub.setsockopt(zmq.SUBSCRIBE, prefix)
             self._attach(sub)
             log.info("zmq source %s -> worker %s", self.settings.endpoint, self.worker_id)
+            receiver = asyncio.ensure_future(self._receive(sub))
             self.ready.set()
             while True:
                 if self._resync_wanted.is_set():
@@ -389,17 +420,22 @@ class ZmqSource:
                         self._progress.notify_all()
                     continue
                 if recv is None:
-                    recv = asyncio.ensure_future(sub.recv_multipart())
+                    recv = self.receive_queue.next()
                 if monitored is None:
                     monitored = asyncio.ensure_future(_readable(connections))
-                if not recv.done():  # (it is already done when a message was queued)
+                if not recv.done():  # (done already when a message was queued)
                     await asyncio.wait(
-                        (recv, waker, monitored), return_when=asyncio.FIRST_COMPLETED
+                        (recv, waker, monitored, receiver), return_when=asyncio.FIRST_COMPLETED
                     )
+                    if receiver.done():
+                        receiver.result()  # the SUB failed: restart
                     if waker.done():
                         waker = asyncio.ensure_future(self._resync_wanted.wait())
                     if not recv.done():
-                        if monitored.done():
+                        # (A message received already goes first: the events read with it
+                        # say whether it is a departed publisher's last word. Not the SUB's
+                        # own EVENTS: reading them eats the edge `_receive`'s read waits for.)
+                        if monitored.done() and not self.receive_queue:
                             monitored = None
                             if await self._handle_queued_connection_events():
                                 async with self._progress:
@@ -407,7 +443,6 @@ class ZmqSource:
                         continue
                 frames = recv.result()
                 recv = None
-                self.counters.num_messages += 1
                 events = await self._queued_publisher_events()
                 # Messages of a connection come before its end: with no connection since, this
                 # one is the departed publisher's last word, applied before its worker is
@@ -432,6 +467,8 @@ class ZmqSource:
                 self._start_replay_retry.cancel()
                 self._start_replay_retry = None
             waker.cancel()
+            if receiver is not None:
+                receiver.cancel()
             if recv is not None:
                 recv.cancel()
             if monitored is not None:
@@ -440,6 +477,31 @@ class ZmqSource:
                 sub.disable_monitor()
             connections.close(linger=0)
             sub.close(linger=0)
+
+    async def _receive(self, sub: zmq.asyncio.Socket) -> None:
+        """Move each message from the SUB into the receive queue as it arrives. A full queue
+        drops its oldest messages (counted, warned of at the 1st, 2nd, 4th, 8th, ... drop):
+        `_on_message` sees the gap at the next message it reads and heals it from the replay."""
+        for received in itertools.count(1):
+            frames = await sub.recv_multipart()
+            self.counters.num_messages += 1
+            dropped = self.receive_queue.put(frames)
+            if dropped:
+                before = self.counters.num_queue_drops
+                self.counters.num_queue_drops += dropped
+                log.log(
+                    _sparse_level(before, self.counters.num_queue_drops),
+                    "worker %s: the receive queue is full (%d messages, %d bytes at most): "
+                    "dropped its %d oldest (%d so far); the index is behind the publisher, "
+                    "the gap is healed from the replay",
+                    self.worker_id,
+                    self.settings.receive_hwm,
+                    self.settings.receive_queue_bytes,
+                    dropped,
+                    self.counters.num_queue_drops,
+                )
+            if received % RECEIVE_TURN == 0:  # the index's turn, while messages keep coming
+                await asyncio.sleep(0)
 
     async def _on_connection_events(self, events: list[int]) -> None:
         """Act on the SUB's monitor events. A connection made or accepted (its handshake done)
@@ -450,6 +512,8 @@ class ZmqSource:
         engine never does. The next connection (the engine back, restarted or not) then
         rebuilds the worker from the replay at once, as a start does."""
         ends = [i for i, event in enumerate(events) if event == zmq.EVENT_DISCONNECTED]
+        if ends:
+            self._replay_failed_on_connection = False  # (the connection it failed on)
         # Connections made after the last end (one that came and went is no publisher now).
         if len(events) > (ends[-1] + 1 if ends else 0):
             self._new_connection = True
@@ -807,25 +871,36 @@ class ZmqSource:
         reason: str | None,
         buffered: list[ZmqMessage] | None = None,
     ) -> None:
-        """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`.
-        A `reason` is a break in a stream followed until now (see `on_sequence_break`).
-        `buffered`: what a replay made just now says the buffer holds (the whole buffer, or
-        nothing when it failed), not asked for again; None: replay from seq 0."""
+        """Clear the worker, then rebuild it from the replay buffer (if any) and `trigger`,
+        up to the newest batch the replay brought (a source lagging behind its publisher
+        catches up at once). A `reason` is a break in a stream followed until now (see
+        `on_sequence_break`). `buffered`: what a replay made just now says the buffer holds
+        (the whole buffer, or nothing when it failed), not asked for again; None: replay from
+        seq 0 (unless the last replay on this connection failed: from `trigger` alone)."""
         if reason is not None:
             log.warning("worker %s: clearing and rebuilding (%s)", self.worker_id, reason)
         self._learn_rank(trigger)  # before the replay, whose batches must be of that rank
         await self._reset_worker(trigger.seq)
+        newer: list[ZmqMessage] = []
         if trigger.seq > 0:
-            # What the buffer holds before the trigger, when it runs up to the trigger (the
-            # replay's seqs are consecutive): after the clear, a rebuild that starts late only
-            # misses blocks; one that skipped a batch would keep what that batch removed.
-            if buffered is None:
+            if buffered is None and not self._replay_failed_on_connection:
                 buffered = await self._replay(0)
-            replies = [r for r in buffered or () if r.seq < trigger.seq]
-            if replies and replies[-1].seq + 1 == trigger.seq:
-                for reply in replies:
+            # The replay's seqs are consecutive. Its batches before the trigger count when
+            # they run up to it, those after it when it holds the trigger itself (the same
+            # bytes: the same process): after the clear, a rebuild that starts late only
+            # misses blocks; one that skipped a batch would keep what that batch removed.
+            replies = buffered or []
+            before = [r for r in replies if r.seq < trigger.seq]
+            if before and before[-1].seq + 1 == trigger.seq:
+                for reply in before:
                     await self._apply(reply, replayed=True)
+            if any(r.seq == trigger.seq and r.payload == trigger.payload for r in replies):
+                newer = [r for r in replies if r.seq > trigger.seq]
         await self._apply(trigger)
+        for reply in newer:
+            await self._apply(reply, replayed=True)
+        # Their live copies, still to come, are duplicates.
+        self._replayed = {r.seq: r.payload for r in newer}
         if reason is not None and self.on_sequence_break is not None:
             self.on_sequence_break()
 
@@ -843,14 +918,8 @@ class ZmqSource:
             )
             return
         replies = await self._replay(last)
-        if replies is None:
-            await self._rebuild(
-                trigger,
-                reason="no replay to check the stream against",
-                # (A replay that just failed, timed out, is not tried again at once: the
-                # source would stall twice as long on a replay endpoint that never answers.)
-                buffered=[],
-            )
+        if replies is None:  # (one that failed is not asked again at once: `_rebuild`)
+            await self._rebuild(trigger, reason="no replay to check the stream against")
             return
         if not replies or replies[0].seq != last:
             await self._rebuild(
@@ -901,8 +970,8 @@ class ZmqSource:
         received: dict[int, ZmqMessage] = {}
         try:
             dealer.setsockopt(zmq.LINGER, 0)
-            # As deep as the SUB's queue: a replay's replies are read one at a time, and what
-            # the DEALER cannot queue backs up into the ROUTER, which drops it.
+            # As deep as the receive queue: a replay's replies are read one at a time, and
+            # what the DEALER cannot queue backs up into the ROUTER, which drops it.
             dealer.setsockopt(zmq.RCVHWM, self.settings.receive_hwm)
             set_ip_version(dealer, self.settings.replay_endpoint)
             dealer.connect(self.settings.replay_endpoint)
@@ -919,6 +988,7 @@ class ZmqSource:
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1
             self._replay_failures_in_a_row += 1
+            self._replay_failed_on_connection = True
             failures = self._replay_failures_in_a_row
             log.log(
                 _sparse_level(failures - 1, failures),
@@ -931,6 +1001,7 @@ class ZmqSource:
             return None
         finally:
             dealer.close(linger=0)
+        self._replay_failed_on_connection = False
         if self._replay_failures_in_a_row:
             log.info(
                 "worker %s: replay from %s answered after %d failures",

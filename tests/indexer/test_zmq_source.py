@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -72,6 +73,8 @@ def _source(
     bind: bool = False,
     replay_timeout_s: float = 5.0,
     rebuild_at_start: bool = False,
+    backoff_s: tuple[float, float] = (0.05, 0.2),
+    receive_queue_bytes: int | None = None,  # None: the default
 ) -> ZmqSource:
     translator = WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000"))
     settings = ZmqSourceSettings(
@@ -80,19 +83,25 @@ def _source(
         topic=topic,
         bind=bind,
         replay_timeout_s=replay_timeout_s,
-        backoff_initial_s=0.05,
-        backoff_max_s=0.2,
+        backoff_initial_s=backoff_s[0],
+        backoff_max_s=backoff_s[1],
         # Most tests follow the first-message rules; the rebuild at start has its own.
         rebuild_at_start=rebuild_at_start,
     )
+    if receive_queue_bytes is not None:
+        settings = dataclasses.replace(settings, receive_queue_bytes=receive_queue_bytes)
     return ZmqSource(settings, translator, sink, context=context)  # type: ignore[arg-type]
 
 
-def _replaying(context: zmq.asyncio.Context) -> tuple[PrefixIndex, FakeKvPublisher, ZmqSource]:
-    """A publisher with a replay socket, and a source following it into a fresh index."""
+def _replaying(
+    context: zmq.asyncio.Context, *, buffer_steps: int | None = None, serving: bool = True
+) -> tuple[PrefixIndex, FakeKvPublisher, ZmqSource]:
+    """A publisher with a replay socket (serving replays, unless not yet: `start_replay`),
+    and a source following it into a fresh index."""
     index = PrefixIndex()
-    publisher = FakeKvPublisher(context)
-    publisher.start_replay()
+    publisher = FakeKvPublisher(context, buffer_steps=buffer_steps)
+    if serving:
+        publisher.start_replay()
     source = _source(
         publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
     )
@@ -279,6 +288,58 @@ async def test_a_failing_sink_restarts_the_source_and_rebuilds_from_replay(
     assert _keys(index) == {2}
     assert publisher.replay_requests == [0]
     assert source.counters.num_resets == 2
+
+
+class SlowSink:
+    """An index slower than its publisher (a slow Redis): each batch takes `delay_s`."""
+
+    def __init__(self, backend: MemoryBackend, delay_s: float) -> None:
+        self.backend = backend
+        self.delay_s = delay_s
+
+    async def apply(self, batch: Batch) -> None:
+        await asyncio.sleep(self.delay_s)
+        await self.backend.apply(batch)
+
+
+async def test_a_publisher_faster_than_the_index_fills_the_queue_to_its_bytes_only(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A burst of large batches (some 100 KB each: a long prompt's blocks) to a slow index.
+    The receive queue holds at most `receive_queue_bytes` of them and drops the oldest past
+    that (before, the SUB queued 100,000 messages whatever their size: some 10 GB of such
+    batches); the drops are gaps, healed from the replay, and once the publisher stops the
+    index holds exactly what the engine does: no block missing, none stale."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    bound = 1024 * 1024  # some 10 batches
+    source = _source(
+        publisher.endpoint,
+        context,
+        SlowSink(MemoryBackend(index), delay_s=0.002),
+        replay=publisher.replay_endpoint,
+        receive_queue_bytes=bound,
+    )
+    padding = b"\x00" * 100_000  # a field this version does not know, ignored
+    cached: set[int] = set()
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            for seq in range(200):
+                events: list[object] = [{**_stored(seq), "padding": padding}]
+                cached.add(seq)
+                if seq % 7 == 6:  # the engine evicts an older block now and then
+                    events.append({"type": "BlockRemoved", "block_hashes": [seq - 3]})
+                    cached.discard(seq - 3)
+                await publisher.publish(_message(seq, *events))
+            await source.wait_until(lambda: source.last_seq == 199, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_queue_drops > 0  # the queue was full...
+    assert source.receive_queue.peak_bytes <= bound  # ...at its bound in bytes, never past it
+    assert source.counters.num_gaps > 0 and source.counters.num_bad_messages == 0
+    assert _keys(index) == cached
 
 
 class ResyncingSink:
@@ -1048,12 +1109,7 @@ async def test_a_gap_the_buffer_no_longer_covers_is_rebuilt_from_one_replay(
     replay that checks the gap already brings the whole buffer: the rebuild takes its batches
     from it, where it asked the engine for the same buffer a second time (each such gap cost
     the engine two full replays while the source was the one behind)."""
-    index = PrefixIndex()
-    publisher = FakeKvPublisher(context, buffer_steps=3)
-    publisher.start_replay()
-    source = _source(
-        publisher.endpoint, context, MemoryBackend(index), replay=publisher.replay_endpoint
-    )
+    index, publisher, source = _replaying(context, buffer_steps=3)
     try:
         async with running(source.run()):
             await publisher.wait_subscribed()
@@ -1068,3 +1124,94 @@ async def test_a_gap_the_buffer_no_longer_covers_is_rebuilt_from_one_replay(
     assert publisher.replay_requests == [0]  # the check of seq 0, which held seqs 4-6
     assert _keys(index) == {104, 105}  # what the buffer held: missing blocks, none stale
     assert source.counters.num_resets == 2  # the first message's clear, then the gap's
+
+
+async def test_a_replay_that_timed_out_at_a_connection_is_not_asked_again_at_its_first_message(
+    context: zmq.asyncio.Context,
+) -> None:
+    """A replay endpoint that never answers: the publisher's new connection rebuilds the
+    worker from the replay, which times out; its first message then rebuilds from itself
+    alone, without a second replay (before, every new connection stalled the source twice
+    `replay_timeout_s`: at the connection, then at the first message)."""
+    silent = context.socket(zmq.ROUTER)  # takes replay requests, answers none
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    # A free port (not a probe socket's just closed: ZMQ's I/O thread frees it soon, not at
+    # once, and the source's bind would then fail and wait out its backoff).
+    endpoint = f"tcp://127.0.0.1:{restartable_port()}"
+    index = PrefixIndex()
+    source = _source(
+        endpoint,
+        context,
+        MemoryBackend(index),
+        replay=silent.getsockopt_string(zmq.LAST_ENDPOINT),
+        bind=True,  # the publishers connect: no reconnect backoff of the source's to wait out
+        replay_timeout_s=0.3,
+        backoff_s=(60.0, 60.0),  # no retry of the failed replay while the test runs
+    )
+    try:
+        async with running(source.run()):
+            await asyncio.wait_for(source.ready.wait(), WAIT_S)
+            first = FakeKvPublisher(context, endpoint=endpoint, connect=True)
+            try:
+                await first.wait_subscribed()
+                await first.send(_message(0, _stored(1)))  # seq 0: nothing to replay
+                await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+            finally:
+                await first.close()
+            await source.wait_until(lambda: not _keys(index), WAIT_S)  # cleared at its end
+            back = FakeKvPublisher(context, endpoint=endpoint, connect=True)
+            try:
+                await back.wait_subscribed()
+                # The connection's rebuild from the replay: it times out.
+                await source.wait_until(lambda: source.counters.num_replay_failures == 1, WAIT_S)
+                await back.send(_message(5, _stored(6)))
+                await source.wait_until(lambda: source.last_seq == 5, WAIT_S)
+            finally:
+                await back.close()
+    finally:
+        silent.close(linger=0)
+    assert source.counters.num_replay_failures == 1
+    assert source.counters.num_replays == 1
+    assert _keys(index) == {6}
+
+
+async def test_a_lagging_source_rebuilds_up_to_the_newest_batch_the_replay_brought(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The source lags: the batches after the last applied one are gone from the publisher's
+    buffer by the time it sees the gap, and newer ones are buffered behind the message that
+    showed it. The rebuild applies every batch the replay brought, in order, up to the newest
+    (before, only up to that message: the source then caught up batch by batch, or at the
+    next gap); their live copies are duplicates."""
+    index, publisher, source = _replaying(context, buffer_steps=4, serving=False)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(0, _stored(100)))
+            await source.wait_until(lambda: source.last_seq == 0, WAIT_S)
+            for seq in range(1, 5):  # lost live
+                await publisher.publish(_message(seq, _stored(100 + seq)), live=False)
+            await publisher.publish(_message(5, _stored(105)))  # shows the gap
+            await eventually(lambda: source.counters.num_replays == 1, WAIT_S, "the replay")
+            # Published while the source waits for the replay; the buffer keeps seqs 5-8.
+            newer = [
+                _message(6, {"type": "BlockRemoved", "block_hashes": [105]}),
+                _message(7, _stored(107)),
+                _message(8, _stored(108, parent=107)),
+            ]
+            for message in newer:
+                await publisher.publish(message, live=False)
+            publisher.start_replay()
+            await source.wait_until(lambda: (source.last_seq or 0) >= 5, WAIT_S)
+            assert source.last_seq == 8
+            assert _keys(index) == {107, 108}
+            for message in newer:  # their live copies, late
+                await publisher.send(message)
+            await publisher.publish(_message(9, _stored(109, parent=108)))
+            await source.wait_until(lambda: source.last_seq == 9, WAIT_S)
+    finally:
+        await publisher.close()
+    assert publisher.replay_requests == [0]
+    assert source.counters.num_duplicates == 3
+    assert _keys(index) == {107, 108, 109}
