@@ -150,6 +150,11 @@ def _count(text: str | None) -> int | None:
 
 
 _NO_HIT = PrefixHit()
+# An engine's LoRA call failing so was not answered (gone, wedged): the fleet service's next
+# LoRA call to it would wait as long, so its restore or re-applied unloads end there, and go
+# on at its next poll, not one call after another (each up to `lora_timeout_s`, the fleet's
+# LoRA calls held up meanwhile, `Fleet.lora_changes`).
+_LORA_CALLS_UNANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # While an index cannot answer, every routed request meets the failure: warn this often.
 BLIND_WARNING_INTERVAL_S = 10.0
 
@@ -1056,7 +1061,9 @@ class Fleet:
         unload: away, failing, wedged, and back since, the same process). The unload is the
         operator's intent as a load is, re-applied as loads are restored. One it refuses
         again is logged (at most once per BLIND_WARNING_INTERVAL_S for the engine), and tried
-        again at its next load poll; until then it keeps the adapter, and requests naming it."""
+        again at its next health poll; until then it keeps the adapter, and requests naming
+        it. One it does not answer (UNAVAILABLE, DEADLINE_EXCEEDED) ends the poll's unloads
+        there, as a restore of its loads ends."""
         if not self.lora_intent.unconfirmed_on(engine.address):
             return  # the usual case: no need to wait for a LoRA call in progress
         async with self.lora_changes:  # (a fan-out in flight has the registry's view ahead)
@@ -1073,6 +1080,8 @@ class Fleet:
                             f"the controller while it did not answer, not unloaded: "
                             f"{exc.code().name}: {exc.details()}"
                         )
+                        if exc.code() in _LORA_CALLS_UNANSWERED:
+                            return  # the others would wait as long: at its next poll
                         continue
                 log.info("engine %s: LoRA adapter %r unloaded, as it was from the fleet while "
                          "it did not answer", engine.address, name)  # fmt: skip
@@ -1101,8 +1110,7 @@ class Fleet:
                 except grpc.aio.AioRpcError as exc:
                     log.warning("engine %s: LoRA adapter %s not restored: %s: %s",
                                 engine.address, spec, exc.code().name, exc.details())  # fmt: skip
-                    if exc.code() in (grpc.StatusCode.UNAVAILABLE,
-                                      grpc.StatusCode.DEADLINE_EXCEEDED):  # fmt: skip
+                    if exc.code() in _LORA_CALLS_UNANSWERED:
                         return  # gone again: its next process is restored then
                     continue
                 log.info("engine %s: LoRA adapter %s restored", engine.address, spec)

@@ -25,7 +25,8 @@
   names the engine, as a Generate's does (relay.pass_status), but an engine's abort (the
   status CANCELLED) passes in the engine's words. An Abort of a task its engine has not
   accepted yet (no reply: the engine answers NOT_FOUND, or does not answer) cancels the
-  call there and ends the task as an engine ends an aborted one (CANCELLED), as a Generate.
+  call there and ends the task as an engine ends an aborted one (CANCELLED), as a Generate;
+  so does an Abort between two engines (its first failed it, the next not yet called).
 - Abort: a request id (from either front end, or of a task) goes to the engine holding it,
   unless no engine can abort it now (being planned, or handed over by its prefill engine
   before a decode engine holds it): the relay ends it, ABORTED (and so when its prefill
@@ -504,10 +505,15 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                     failure = engine_failure(caught, engine, fleet)
                     if request_id in relay.aborted_unrouted:  # its call cancelled for it
                         await _end_aborted_task(request_id, context)
+                    # Between two engines from now on: an Abort is the gateway's to carry out
+                    # (Relay.abort_unrouted), as a Generate's between its attempts.
+                    relay.let_go(request_id, engine)
                     await relay.report_failure(engine, failure)
                     adapter_left = failure.code() == grpc.StatusCode.NOT_FOUND and (
                         await relay.adapter_left(request_id, task_context.lora_name, engine)
                     )
+                    if request_id in relay.aborted_unrouted:  # aborted meanwhile
+                        await _end_aborted_task(request_id, context)
                     if not adapter_left:
                         if retried or not relay.retries_elsewhere(request_id, engine, failure):
                             break

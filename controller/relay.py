@@ -586,7 +586,7 @@ class Relay:
     def _between_engines(self, request_id: str) -> bool:
         """Whether the admitted request is where no engine's Abort reaches it: being planned
         (no engine holds it), between two attempts or hops (from an engine's in-band error
-        ending its attempt, `_let_go`), or handed over by its prefill engine (whose request
+        ending its attempt, `let_go`), or handed over by its prefill engine (whose request
         is finished) before its decode engine holds it."""
         if request_id not in self.running:
             return False
@@ -1173,7 +1173,7 @@ class Relay:
                                 # The engine ended the request with it: while the verdict is
                                 # reached (its KV session's holder asked, over the network)
                                 # an Abort is the gateway's, and ends it (`abort_unrouted`).
-                                self._let_go(request_id, engine)
+                                self.let_go(request_id, engine)
                                 refused = HopFailure.of_in_band(error, response, stage)
                                 verdict = await self._judge(refused, stage, engine, plan, retry)
                                 if verdict.aborted:
@@ -1267,7 +1267,7 @@ class Relay:
                 if call is not None and not call.done():
                     call.cancel()
                 c.router.finish(request_id)
-                self._let_go(request_id, engine)
+                self.let_go(request_id, engine)
 
     def _first_relayed(self, stage: _Stage, started: float) -> None:
         """A hop relays its first response now: observe the time to it, when the hop says so
@@ -1276,7 +1276,7 @@ class Relay:
             elapsed = time.perf_counter() - started
             self.controller.metrics.first_response_seconds.observe(elapsed)
 
-    def _let_go(self, request_id: str, engine: str) -> None:
+    def let_go(self, request_id: str, engine: str) -> None:
         """`engine` no longer holds the request for this gateway (its call ended, or it ended
         the request with an in-band error): an Abort of it is the gateway's to carry out
         while it runs on (`abort_unrouted`), ALREADY_FINISHED once it ended."""

@@ -97,7 +97,8 @@ class ScriptedServicer(ReportsLoad):
     - LoRA (`lora_enabled`): a positive id, a non-empty name and an absolute directory, else
       INVALID_ARGUMENT; the same triple twice is idempotent (`already_loaded`); a conflicting
       id, name or path is ALREADY_EXISTS; unloading an unknown name is NOT_FOUND; with LoRA
-      disabled every LoRA call is FAILED_PRECONDITION.
+      disabled every LoRA call is FAILED_PRECONDITION. While `list_loras_gate` is set and
+      not open, ListLoras waits for it, having set `list_loras_waiting`.
     - Embed, Classify, Score (each when in `tasks`, else FAILED_PRECONDITION): one output per
       input (Score: per group, one per candidate), in request order, the index present even
       for 0; an unknown model is NOT_FOUND, a `lora_name` is refused as Generate's. While
@@ -138,6 +139,8 @@ class ScriptedServicer(ReportsLoad):
         self.tasks_cancelled: list[str] = []
         self.task_arrival: asyncio.Event | None = None
         self.tasks_arrived: list[str] = []
+        self.list_loras_gate: asyncio.Event | None = None
+        self.list_loras_waiting = asyncio.Event()
 
     # ---- what the test gives it ----
 
@@ -249,6 +252,9 @@ class ScriptedServicer(ReportsLoad):
 
     async def ListLoras(self, request: pb.ListLorasRequest, context: Context) -> Any:
         await self._lora_allowed(context)
+        if self.list_loras_gate is not None:
+            self.list_loras_waiting.set()
+            await self.list_loras_gate.wait()
         return pb.ListLorasResponse(
             adapters=sorted(self.adapters.values(), key=lambda a: a.lora_id)
         )
@@ -795,6 +801,28 @@ def task_call(
     return gateway.Score(pb.ScoreRequest(context=context, groups=[group]))
 
 
+async def e0_first_lora_fleet(
+    tasks: frozenset[str],
+) -> tuple[list[ScriptedEngine], ScriptedFleet]:
+    """Two engines serving LoRA and `tasks`; e1 reports running requests (read by the
+    controller before this returns), so e0 is each task's first pick."""
+    engines = [
+        await start_scripted_engine(f"e{i}", advertise_lora=True, lora_enabled=True, tasks=tasks)
+        for i in range(2)
+    ]
+    engines[1].servicer.load = {"running_requests": 3}
+    fleet = await scripted_fleet(*engines)
+    registry = fleet.app.controller.fleet.registry
+    try:
+        await fleet.app.controller.fleet.wait_for(
+            lambda: registry.get(address(engines[1])).load.running_requests == 3, 15
+        )
+    except BaseException:
+        await close_fleet(fleet)
+        raise
+    return engines, fleet
+
+
 async def test_a_task_whose_engine_lost_its_adapter_goes_to_one_holding_it(
     tmp_path: Path,
 ) -> None:
@@ -805,20 +833,10 @@ async def test_a_task_whose_engine_lost_its_adapter_goes_to_one_holding_it(
     is NOT_FOUND as the fleet says ("no embed engine has LoRA adapter 'x' loaded"), not the
     engine's bare refusal."""
     tasks = ("embed", "classify", "score")
-    engines = [
-        await start_scripted_engine(
-            f"e{i}", advertise_lora=True, lora_enabled=True, tasks=frozenset(tasks)
-        )
-        for i in range(2)
-    ]
-    engines[1].servicer.load = {"running_requests": 3}
-    fleet = await scripted_fleet(*engines)
+    engines, fleet = await e0_first_lora_fleet(frozenset(tasks))
     registry = fleet.app.controller.fleet.registry
     x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
     try:
-        await fleet.app.controller.fleet.wait_for(
-            lambda: registry.get(address(engines[1])).load.running_requests == 3, 15
-        )
         for task in tasks:
             await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
             del engines[0].servicer.adapters["x"]
@@ -838,6 +856,36 @@ async def test_a_task_whose_engine_lost_its_adapter_goes_to_one_holding_it(
                 grpc.StatusCode.NOT_FOUND,
                 f"no {task} engine has LoRA adapter 'x' loaded",
             )
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_abort_of_a_task_between_its_two_engines_ends_it(tmp_path: Path) -> None:
+    """An Embed naming x is refused by e0 (x unloaded there behind the controller's back):
+    while the gateway reads e0's adapters again before sending the task to e1, no engine
+    holds the task, so an Abort of it is the gateway's to carry out: ABORTED, and the task
+    ends as an engine ends an aborted one (CANCELLED), e1 never called. The Abort went to e0,
+    which answered NOT_FOUND, and the task then ran on e1 to its end."""
+    engines, fleet = await e0_first_lora_fleet(frozenset({"embed"}))
+    x = pb.LoraAdapter(lora_id=1, lora_name="x", source_path=str(tmp_path / "x"))
+    try:
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        first = engines[0].servicer
+        del first.adapters["x"]
+        first.list_loras_gate = asyncio.Event()
+        embed = task_call(fleet.gateway, "embed", "t", "x")
+        await asyncio.wait_for(first.list_loras_waiting.wait(), 15)
+        assert first.task_calls == ["embed"]
+        aborted = await fleet.gateway.Abort(pb.AbortRequest(request_id="t"))
+        assert aborted.status == pb.ABORT_STATUS_ABORTED
+        first.list_loras_gate.set()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await embed
+        assert (err.value.code(), err.value.details()) == (
+            grpc.StatusCode.CANCELLED,
+            "request 't' was aborted",
+        )
+        assert engines[1].servicer.task_calls == []
     finally:
         await close_fleet(fleet)
 

@@ -322,11 +322,14 @@ async def test_adapters_loaded_and_unloaded_by_the_hundred_leave_nothing_in_the_
 
 class CutOff(ForwardingLora):
     """A sim engine serving LoRA that answers nothing but UNAVAILABLE while `cut` (a network
-    partition, a wedged server), the same process throughout."""
+    partition, a wedged server), the same process throughout. While `unloads_hang`, an
+    UnloadLora never answers (a wedged LoRA worker); each one's name is kept in `unloads`."""
 
     def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
         super().__init__(inner)
         self.cut = False
+        self.unloads_hang = False
+        self.unloads: list[str] = []
 
     async def _answer(self, context: Context) -> None:
         if self.cut:
@@ -346,6 +349,9 @@ class CutOff(ForwardingLora):
 
     async def UnloadLora(self, request: pb.UnloadLoraRequest, context: Context) -> Any:
         await self._answer(context)
+        self.unloads.append(request.lora_name)
+        if self.unloads_hang:
+            await asyncio.Event().wait()  # until the controller's deadline cancels it
         return await super().UnloadLora(request, context)
 
 
@@ -380,5 +386,30 @@ async def test_an_engine_cut_off_during_an_unload_drops_the_adapter_once_back(
         assert (await generate(fleet, "after", "x")).startswith("NOT_FOUND")
         intent = fleet.app.controller.fleet.lora_intent
         assert (intent.unconfirmed, intent.unloaded_from, intent.loads) == ({}, {}, {})
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_whose_unloads_time_out_is_asked_one_at_a_time(tmp_path: Path) -> None:
+    """x and y are unloaded from the fleet while e1 is cut off. Back, e1 answers its polls
+    but its UnloadLora hangs: the first unload re-applied that times out ends that poll's
+    unloads (as a restore of its loads ends), x is asked again at the next poll, and y is not
+    asked meanwhile: each would hold the poll, and every LoRA call of the fleet, for
+    `lora_timeout_s` more."""
+    engines = [await start_fronted_engine(f"e{i}", CutOff, lora=LORA) for i in range(2)]
+    fleet = await make_fleet(engines=engines, lora_timeout_s=0.5)
+    try:
+        await fleet.wait_routable(2)
+        for n, name in enumerate(("x", "y"), 1):
+            await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter(tmp_path, name, n)))
+        e1 = engines[1].servicer
+        e1.cut = True
+        for name in ("x", "y"):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name=name))
+        e1.unloads_hang = True
+        e1.cut = False
+        await eventually(lambda: len(e1.unloads) >= 2, 15, "two unloads re-applied on e1")
+        assert e1.unloads[:2] == ["x", "x"]
     finally:
         await close_fleet(fleet)
