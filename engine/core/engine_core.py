@@ -203,10 +203,16 @@ class EngineCore:
                 f"a minimum of {request.sampling.min_tokens} new tokens does not fit: the "
                 f"context of {self.max_model_len} leaves {room} after a prompt of {num_prompt}"
             )
+        # The KV of the prompt and of every output token but the last (a sampled token is
+        # computed only to sample the next): what the shortest output the request must produce
+        # (one token, or `min_tokens`) holds at its end. Beyond that, an output ends at the
+        # cache (LENGTH, "KV cache full") as it ends at the context.
+        min_tokens = request.sampling.min_tokens
         bm = self.block_manager
-        if bm.blocks_for(num_prompt + 1) > bm.num_blocks:
+        if bm.blocks_for(num_prompt + max(min_tokens, 1) - 1) > bm.num_blocks:
+            with_min = f" and min_tokens {min_tokens}" if min_tokens > 1 else ""
             raise PromptTooLongError(
-                f"prompt of {num_prompt} tokens does not fit the KV cache "
+                f"prompt of {num_prompt} tokens{with_min} does not fit the KV cache "
                 f"({bm.num_blocks} blocks of {bm.block_size})"
             )
 
