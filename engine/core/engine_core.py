@@ -63,7 +63,7 @@ from engine.core.errors import (
 )
 from engine.core.guided import compile_guide
 from engine.core.guided_vocab import GuidedState, GuideRegistry, GuideTooCostlyError, TokenMasker
-from engine.core.lora import LoraAdapter, LoraRegistry, LoraRunner
+from engine.core.lora import LoraAdapter, LoraLoad, LoraRegistry, LoraRunner
 from engine.core.scheduler import ScheduledWork, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.sim_runner import SimRunner
@@ -332,21 +332,26 @@ class EngineCore:
             raise LoraNotFoundError("this engine serves no LoRA adapters")
         return self.loras, self.runner
 
-    def load_lora(self, adapter: LoraAdapter, weights: object) -> bool:
-        """Serve `weights` (the runner's `read_lora`) as `adapter`; True when exactly this
-        adapter was loaded already. The name's cached blocks, computed with an earlier adapter
-        of that name, are dropped first (BlockRemoved), and so are the KV sessions held with
-        it (a later pull of one is NOT_FOUND): prefix hits never cross adapters."""
+    def load_lora(self, adapter: LoraAdapter, weights: object) -> LoraLoad:
+        """Serve `weights` (the runner's `read_lora`) as `adapter` (`LoraLoad` says what was
+        done). Loaded afresh, the name's cached blocks, computed with an earlier adapter of that
+        name, are dropped first (BlockRemoved), and so are the KV sessions held with it (a
+        later pull of one is NOT_FOUND): prefix hits never cross adapters. Resumed (this very
+        adapter, unloaded while its requests still run), it is served again as it is: the
+        runner's weights, its cached blocks and sessions are its own (`weights` is unused)."""
         loras, runner = self._lora_runner()
-        if loras.check_load(adapter):
-            return True
-        stale = [sid for sid, held in self._kv_sessions.items() if held.lora_name == adapter.name]
-        for session_id in stale:
-            self.release_kv_session(session_id)
-        self.block_manager.drop_lora_blocks(adapter.name)
-        runner.add_lora(adapter.name, weights)
-        loras.add(adapter)
-        return False
+        outcome = loras.check_load(adapter)
+        if outcome is LoraLoad.LOADED:
+            stale = [
+                sid for sid, held in self._kv_sessions.items() if held.lora_name == adapter.name
+            ]
+            for session_id in stale:
+                self.release_kv_session(session_id)
+            self.block_manager.drop_lora_blocks(adapter.name)
+            runner.add_lora(adapter.name, weights)
+        if outcome is not LoraLoad.ALREADY_LOADED:
+            loras.add(adapter)
+        return outcome
 
     def unload_lora(self, name: str) -> LoraAdapter:
         """Forget the name for new requests; the runner keeps the weights until the requests
