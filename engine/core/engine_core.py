@@ -63,7 +63,7 @@ from engine.core.errors import (
 )
 from engine.core.guided import compile_guide
 from engine.core.guided_vocab import GuidedState, GuideRegistry, GuideTooCostlyError, TokenMasker
-from engine.core.lora import LoraAdapter, LoraRegistry, LoraRunner
+from engine.core.lora import LoraAdapter, LoraLoad, LoraRegistry, LoraRunner
 from engine.core.scheduler import ScheduledWork, Scheduler
 from engine.core.sequence import Sequence
 from engine.core.sim_runner import SimRunner
@@ -203,10 +203,16 @@ class EngineCore:
                 f"a minimum of {request.sampling.min_tokens} new tokens does not fit: the "
                 f"context of {self.max_model_len} leaves {room} after a prompt of {num_prompt}"
             )
+        # The KV of the prompt and of every output token but the last (a sampled token is
+        # computed only to sample the next): what the shortest output the request must produce
+        # (one token, or `min_tokens`) holds at its end. Beyond that, an output ends at the
+        # cache (LENGTH, "KV cache full") as it ends at the context.
+        min_tokens = request.sampling.min_tokens
         bm = self.block_manager
-        if bm.blocks_for(num_prompt + 1) > bm.num_blocks:
+        if bm.blocks_for(num_prompt + max(min_tokens, 1) - 1) > bm.num_blocks:
+            with_min = f" and min_tokens {min_tokens}" if min_tokens > 1 else ""
             raise PromptTooLongError(
-                f"prompt of {num_prompt} tokens does not fit the KV cache "
+                f"prompt of {num_prompt} tokens{with_min} does not fit the KV cache "
                 f"({bm.num_blocks} blocks of {bm.block_size})"
             )
 
@@ -326,21 +332,26 @@ class EngineCore:
             raise LoraNotFoundError("this engine serves no LoRA adapters")
         return self.loras, self.runner
 
-    def load_lora(self, adapter: LoraAdapter, weights: object) -> bool:
-        """Serve `weights` (the runner's `read_lora`) as `adapter`; True when exactly this
-        adapter was loaded already. The name's cached blocks, computed with an earlier adapter
-        of that name, are dropped first (BlockRemoved), and so are the KV sessions held with
-        it (a later pull of one is NOT_FOUND): prefix hits never cross adapters."""
+    def load_lora(self, adapter: LoraAdapter, weights: object) -> LoraLoad:
+        """Serve `weights` (the runner's `read_lora`) as `adapter` (`LoraLoad` says what was
+        done). Loaded afresh, the name's cached blocks, computed with an earlier adapter of that
+        name, are dropped first (BlockRemoved), and so are the KV sessions held with it (a
+        later pull of one is NOT_FOUND): prefix hits never cross adapters. Resumed (this very
+        adapter, unloaded while its requests still run), it is served again as it is: the
+        runner's weights, its cached blocks and sessions are its own (`weights` is unused)."""
         loras, runner = self._lora_runner()
-        if loras.check_load(adapter):
-            return True
-        stale = [sid for sid, held in self._kv_sessions.items() if held.lora_name == adapter.name]
-        for session_id in stale:
-            self.release_kv_session(session_id)
-        self.block_manager.drop_lora_blocks(adapter.name)
-        runner.add_lora(adapter.name, weights)
-        loras.add(adapter)
-        return False
+        outcome = loras.check_load(adapter)
+        if outcome is LoraLoad.LOADED:
+            stale = [
+                sid for sid, held in self._kv_sessions.items() if held.lora_name == adapter.name
+            ]
+            for session_id in stale:
+                self.release_kv_session(session_id)
+            self.block_manager.drop_lora_blocks(adapter.name)
+            runner.add_lora(adapter.name, weights)
+        if outcome is not LoraLoad.ALREADY_LOADED:
+            loras.add(adapter)
+        return outcome
 
     def unload_lora(self, name: str) -> LoraAdapter:
         """Forget the name for new requests; the runner keeps the weights until the requests

@@ -11,10 +11,12 @@ most `max_loras` adapters are loaded at once (RESOURCE_EXHAUSTED beyond).
 
 Unloading while requests use the adapter (vLLM's behaviour: its unload only forgets the name,
 requests already admitted keep their adapter): the name is gone at once for new requests, and
-the runner drops the weights when the last request using them ends. Until then the name cannot
-be loaded again (LoraMismatchError, FAILED_PRECONDITION): its running requests and the prefix
-cache must never mix the old adapter's KV with the new one's (`EngineCore.load_lora` drops the
-name's cached blocks when it loads).
+the runner drops the weights when the last request using them ends. Until then the same triple
+may be loaded again (`LoraLoad.RESUMED`: the adapter is served again as it is, its weights,
+cached blocks and KV sessions kept, and its running requests go on), but no other adapter under
+that name (LoraMismatchError, FAILED_PRECONDITION): its running requests and the prefix cache
+must never mix the old adapter's KV with the new one's (`EngineCore.load_lora` drops the name's
+cached blocks when it loads another).
 
 Threads: the engine thread mutates the registry; `adapters` is an immutable snapshot, replaced
 on every change, that any thread may read (servers check a request's adapter before
@@ -25,6 +27,7 @@ acceptance, and again in the engine thread).
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import os
@@ -81,6 +84,14 @@ class LoraAdapter:
             other.name,
             other.directory,
         )
+
+
+class LoraLoad(enum.Enum):
+    """What a load did."""
+
+    ALREADY_LOADED = "already_loaded"  # exactly this adapter was loaded: nothing changed
+    LOADED = "loaded"  # served afresh: what the name's earlier adapter left is dropped
+    RESUMED = "resumed"  # unloaded while its requests still run: served again as it is
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +212,8 @@ class LoraRegistry:
         self._adapters: Mapping[str, LoraAdapter] = MappingProxyType({})
         # Live requests per name, unloaded names included (their weights stay until 0).
         self._num_requests: dict[str, int] = {}
+        # The adapters unloaded while requests still use them, by name (engine thread only).
+        self._unloaded_in_use: dict[str, LoraAdapter] = {}
 
     @property
     def adapters(self) -> Mapping[str, LoraAdapter]:
@@ -210,13 +223,13 @@ class LoraRegistry:
     def num_requests(self, name: str) -> int:
         return self._num_requests.get(name, 0)
 
-    def check_load(self, adapter: LoraAdapter) -> bool:
-        """True when exactly this adapter is loaded (idempotent); raises on a conflict, when
-        full, or while requests of an unloaded adapter of that name still run."""
+    def check_load(self, adapter: LoraAdapter) -> LoraLoad:
+        """What loading `adapter` would do (`LoraLoad`); raises on a conflict, when full, or
+        while requests of another adapter unloaded under that name still run."""
         adapter.validate()
         loaded = self._adapters.get(adapter.name)
         if loaded is not None and loaded.same_as(adapter):
-            return True
+            return LoraLoad.ALREADY_LOADED
         for other in self._adapters.values():
             if (
                 adapter.name == other.name
@@ -233,14 +246,19 @@ class LoraRegistry:
                 f"{len(self._adapters)} LoRA adapters are loaded, this engine's max_loras: "
                 "unload one first"
             )
-        if self.num_requests(adapter.name):
+        unloaded = self._unloaded_in_use.get(adapter.name)
+        if unloaded is not None:
+            if unloaded.same_as(adapter):
+                return LoraLoad.RESUMED
             raise LoraMismatchError(
                 f"{self.num_requests(adapter.name)} requests of the unloaded LoRA adapter "
-                f"{adapter.name!r} still run: load it again once they finish"
+                f"{adapter.name!r} (id {unloaded.lora_id}, {unloaded.path}) still run: load "
+                "another adapter under that name once they finish"
             )
-        return False
+        return LoraLoad.LOADED
 
     def add(self, adapter: LoraAdapter) -> None:
+        self._unloaded_in_use.pop(adapter.name, None)
         self._adapters = MappingProxyType({**self._adapters, adapter.name: adapter})
 
     def remove(self, name: str) -> LoraAdapter:
@@ -248,6 +266,8 @@ class LoraRegistry:
         if adapter is None:
             raise LoraNotFoundError(f"LoRA adapter {name!r} is not loaded")
         self._adapters = MappingProxyType({k: v for k, v in self._adapters.items() if k != name})
+        if self.num_requests(name):
+            self._unloaded_in_use[name] = adapter
         return adapter
 
     def check_request(self, name: str) -> None:
@@ -267,4 +287,5 @@ class LoraRegistry:
             self._num_requests[name] = left
             return False
         del self._num_requests[name]
+        self._unloaded_in_use.pop(name, None)
         return name not in self._adapters

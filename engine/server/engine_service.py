@@ -29,8 +29,8 @@ joins the queue once pulled), and pooling tasks accepted whose first batch has n
 the engine thread (`TaskHandle.waiting`: behind a long step or other tasks' batches; once its
 first batch runs a task counts running, as a scheduled request does between its steps). So a
 pooling-only engine, which has no generation queue, is bounded too. The health probe is never
-refused (the engine's own work, as while draining) nor counted; a pulled request is not
-refused again once its pull is over.
+refused (the engine's own work, as while draining) nor counted, and goes ahead of every waiting
+request (`PROBE_PRIORITY`); a pulled request is not refused again once its pull is over.
 
 A pooling-only engine (`runner: pooling`, `ServedModel.generates` false) refuses every
 generation request in `submit` (FAILED_PRECONDITION: the front ends refuse them earlier, this
@@ -171,6 +171,10 @@ class TaskHandle:
 # The health probe's request ids: the engine's own work, refused from clients and left out of
 # the request metrics (frequent probing is not load).
 PROBE_ID_PREFIX = "kvplane-health-probe-"
+# The health probe's priority: above any client's (an int32 on both front ends) however long
+# that one has waited (`aging_s`), so the probe is admitted ahead of every waiting request: a
+# prefill at the head of the queue waiting for the blocks KV sessions hold does not hold it.
+PROBE_PRIORITY = 2**62
 
 
 def _not_a_probe(request_id: str) -> bool:
@@ -577,8 +581,8 @@ class EngineService:
         return work.result()
 
     async def probe(self, timeout_s: float) -> str:
-        """Generate one greedy token end to end (a pooling-only engine: embed one token);
-        returns "" or what went wrong.
+        """Generate one greedy token end to end (a pooling-only engine: embed one token),
+        ahead of every waiting request (`PROBE_PRIORITY`); returns "" or what went wrong.
 
         The probe request never outlives this call: timed out, failed, or cancelled with the
         Health RPC that asked for it (its deadline, the client going away), it is cancelled.
@@ -590,6 +594,7 @@ class EngineService:
             prompt_token_ids=(0,),
             sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
             bypass_prefix_cache=True,
+            priority=PROBE_PRIORITY,
         )
         try:
             stream = self.submit(request, internal=True)

@@ -67,11 +67,12 @@ class ServedModel:
     @property
     def max_context_length(self) -> int:
         """The longest sequence (prompt and outputs) it can hold: the model's length, or the
-        KV cache's when that is smaller (a request longer than the cache never runs). A
-        pooling-only engine's inputs never enter its KV cache: the model's length."""
+        KV cache's when that is smaller, one token more than the cache's slots (the last token
+        is sampled, never computed: `EngineCore.check_request`). A pooling-only engine's
+        inputs never enter its KV cache: the model's length."""
         if not self.generates:
             return self.max_model_len
-        return min(self.max_model_len, self.num_blocks * self.block_size)
+        return min(self.max_model_len, self.num_blocks * self.block_size + 1)
 
     @property
     def max_top_n(self) -> int:

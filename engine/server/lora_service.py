@@ -8,7 +8,9 @@ both the event loop and the engine thread); the engine thread then installs it b
 LoRA calls run one at a time (a lock), so two loads never read the same adapter twice or race
 on a name. UnloadLora and ListLoras go to the registry (an unload through the engine thread).
 A fresh load of a name drops the KV sessions a PREFILL engine held with that name's earlier
-load (the core released them): Drain must not wait for them until their TTL.
+load (the core released them): Drain must not wait for them until their TTL. Loading the very
+adapter unloaded while its requests still run resumes it (`LoraLoad.RESUMED`): its sessions
+are kept.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import asyncio
 from pathlib import Path
 
 from engine.core.engine_core import EngineLoop
-from engine.core.lora import LoraAdapter, LoraRegistry, LoraRunner
+from engine.core.lora import LoraAdapter, LoraLoad, LoraRegistry, LoraRunner
 from engine.server.kv_transfer import KvSessionStore
 
 
@@ -44,17 +46,19 @@ class LoraService:
         """Load (False) or find exactly this adapter loaded already (True)."""
         async with self._lock:
             # From this thread the registry's answer is advisory; the engine thread decides.
-            if self._registry.check_load(adapter):
+            if self._registry.check_load(adapter) is LoraLoad.ALREADY_LOADED:
                 return True
+            # Read even to resume an adapter whose requests still run: they may end before the
+            # engine thread decides, and then it loads the adapter afresh.
             weights = await asyncio.to_thread(
                 self._runner.read_lora, Path(adapter.path), max_rank=self.max_lora_rank
             )
-            already_loaded: bool = await asyncio.wrap_future(
+            outcome: LoraLoad = await asyncio.wrap_future(
                 self._loop.call(lambda core: core.load_lora(adapter, weights))
             )
-            if not already_loaded and self._kv_sessions is not None:
+            if outcome is LoraLoad.LOADED and self._kv_sessions is not None:
                 self._kv_sessions.release_lora(adapter.name)
-            return already_loaded
+            return outcome is LoraLoad.ALREADY_LOADED
 
     async def unload(self, name: str) -> LoraAdapter:
         async with self._lock:

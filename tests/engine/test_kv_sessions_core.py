@@ -16,7 +16,7 @@ from engine.core.api import (
     SamplingParams,
 )
 from engine.core.engine_core import EngineCore
-from engine.core.lora import AdapterConfig, LoraAdapter
+from engine.core.lora import AdapterConfig, LoraAdapter, LoraLoad
 from engine.core.sim_runner import SimRunner
 
 BLOCK = 4
@@ -208,4 +208,30 @@ def test_reloading_an_adapter_drops_the_sessions_held_with_its_old_weights() -> 
     assert core.kv_session_tokens("with-ad") is None
     assert core.kv_session_tokens("base") == PROMPT[:8]
     assert core.block_manager.count_hit_tokens(PROMPT, lora_name="ad") == 0
+    core.block_manager.check_invariants()
+
+
+def test_the_same_adapter_loaded_back_while_its_requests_run_keeps_its_sessions() -> None:
+    """Unloaded while a request still uses it, the very adapter (same triple) loaded back is
+    resumed: its weights, its cached blocks and the sessions held with it are its own, so all
+    stay; the request that outlived the unload ends without taking the weights away."""
+    runner = BytesRunner(num_blocks=32)
+    core = EngineCore(runner, max_loras=2)
+    weights = AdapterConfig(rank=4, alpha=8.0, target_modules=frozenset({"q_proj"}))
+    adapter = LoraAdapter(1, "ad", "/v1")
+    assert core.load_lora(adapter, weights) is LoraLoad.LOADED
+    sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    run(core, EngineRequest("a", PROMPT, sampling, lora_name="ad", kv_session_id="with-ad"))
+    long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    core.add_request(EngineRequest("long", PROMPT, long, lora_name="ad"))
+    core.step()
+    core.unload_lora("ad")
+    assert core.load_lora(LoraAdapter(1, "ad", "/v1/"), object()) is LoraLoad.RESUMED
+    assert core.kv_session_tokens("with-ad") == PROMPT[:8]
+    assert core.block_manager.count_hit_tokens(PROMPT, lora_name="ad") == 8
+    outputs = run(core, EngineRequest("b", PROMPT, sampling, lora_name="ad"))
+    assert outputs[-1].usage is not None and outputs[-1].usage.cached_prompt_tokens == 8
+    assert not core.has_work()  # "long" ended too
+    assert runner.loras["ad"] is weights
+    assert core.load_lora(adapter, weights) is LoraLoad.ALREADY_LOADED
     core.block_manager.check_invariants()

@@ -14,6 +14,7 @@ import pytest
 
 from engine.config import LoraConfig, SimTimingConfig
 from engine.core.engine_core import EngineCore
+from engine.core.sim_runner import SimRunner
 from indexer.keys import block_keys
 from openengine.v1 import openengine_pb2 as pb
 from tests.engine.engine_server_harness import (
@@ -205,35 +206,75 @@ async def test_adapters_namespace_the_prefix_cache_and_kv_events(tmp_path: Path)
         assert not (by_name["x"] & by_name["y"] or by_name["x"] & by_name[""])
 
 
+async def _start_long_request(engine: Engine) -> tuple[Any, list[pb.GenerateResponse]]:
+    """Cache the prompt's 2 blocks under "x", then start a 150-token request with "x": its
+    stream and its first response."""
+    await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
+    long = generate_request(PROMPT, max_tokens=150, lora_name="x", request_id="long")
+    long.stopping.ignore_eos = True
+    stream = engine.stub.Generate(long)
+    return stream, [await anext(aiter(stream))]
+
+
+async def _finish_long_request(stream: Any, responses: list[pb.GenerateResponse]) -> None:
+    responses += [r async for r in stream]
+    finished = [r.finished for r in responses if r.HasField("finished")]
+    assert [f.reason for f in finished] == [pb.FINISH_REASON_LENGTH]
+    assert usage(responses).completion_tokens == 150
+
+
+SLOW_SIM = sim_config(lora=lora_config(), sim=SimTimingConfig(time_scale=1.0, vocab_size=1000))
+
+
 async def test_unloading_an_adapter_in_use_lets_its_requests_finish(tmp_path: Path) -> None:
-    """As vLLM: the name goes at once, the running request keeps its adapter to the end; the
-    name cannot be loaded again until then, and a new load drops the old adapter's blocks."""
+    """As vLLM: the name goes at once, the running request keeps its adapter to the end; no
+    other adapter can be loaded under the name until then, and a new load drops the old
+    adapter's blocks."""
     x = write_adapter_config(tmp_path / "x")
-    config = sim_config(lora=lora_config(), sim=SimTimingConfig(time_scale=1.0, vocab_size=1000))
-    async with running_engine(config) as engine:
+    other = write_adapter_config(tmp_path / "other")
+    async with running_engine(SLOW_SIM) as engine:
         await load(engine, "x", x, 1)
-        await collect(engine.stub, generate_request(PROMPT, lora_name="x"))  # caches 2 blocks
-        long = generate_request(PROMPT, max_tokens=150, lora_name="x", request_id="long")
-        long.stopping.ignore_eos = True
-        stream = engine.stub.Generate(long)
-        responses = [await anext(aiter(stream))]
+        stream, responses = await _start_long_request(engine)
         await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
         assert await names(engine) == []
         _, refused = await stream_error(
             engine.stub.Generate(generate_request(PROMPT, lora_name="x"))
         )
         assert refused.code() == grpc.StatusCode.NOT_FOUND
-        busy = await rpc_error(load(engine, "x", x, 1))
-        assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "still run" in (busy.details() or "")
-        responses += [r async for r in stream]
-        finished = [r.finished for r in responses if r.HasField("finished")]
-        assert [f.reason for f in finished] == [pb.FINISH_REASON_LENGTH]
-        assert usage(responses).completion_tokens == 150
-        await asyncio.wait_for(load(engine, "x", x, 1), 10)
+        for lora_id, path in ((1, other), (2, x)):  # another path, another id
+            busy = await rpc_error(load(engine, "x", path, lora_id))
+            assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "still run" in (busy.details() or "")
+        await _finish_long_request(stream, responses)
+        await asyncio.wait_for(load(engine, "x", other, 1), 10)
         # The reloaded adapter may hold other weights: nothing cached under the old one is hit.
         again = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
         assert usage(again).cached_prompt_tokens == 0
+
+
+async def test_the_same_adapter_loaded_back_while_its_requests_run_is_served_again(
+    tmp_path: Path,
+) -> None:
+    """Unloaded while a request uses it, then loaded back as the same triple: accepted (it
+    is the same adapter), the request runs on, new requests use it (its cached blocks still
+    hit), and its weights stay once the old request ends."""
+    x = write_adapter_config(tmp_path / "x")
+    async with running_engine(SLOW_SIM) as engine:
+        await load(engine, "x", x, 1)
+        stream, responses = await _start_long_request(engine)
+        await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+        reloaded = await load(engine, "x", f"{x}/", 1)  # another spelling of the directory
+        assert not reloaded.already_loaded
+        assert await names(engine) == ["x"]
+        again = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
+        assert usage(again).cached_prompt_tokens == 8
+        await _finish_long_request(stream, responses)
+        runner = engine.app.service.engine_loop.core.runner
+        assert isinstance(runner, SimRunner)
+        assert "x" in runner.loras  # the last old request took no weights away
+        after = await collect(engine.stub, generate_request(PROMPT, lora_name="x"))
+        assert usage(after).cached_prompt_tokens == 8
+        assert (await load(engine, "x", x, 1)).already_loaded
 
 
 async def test_a_request_whose_adapter_is_unloaded_as_it_is_added_fails_for_itself(

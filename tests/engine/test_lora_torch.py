@@ -205,17 +205,20 @@ async def test_adapters_that_do_not_fit_the_model_are_refused(
 async def test_an_adapter_unloaded_in_use_serves_its_request_to_the_end(
     base_model: Path, tmp_path: Path
 ) -> None:
+    """Another adapter under the name is refused until the request ends; the same one loaded
+    back meanwhile is served again, the request running on with the same weights."""
     x = write_adapter(tmp_path / "x", base_model, b_scale=0.2, seed=3)
+    other = write_adapter(tmp_path / "other", base_model, b_scale=0.2, seed=4)
     request = greedy(PROMPT, lora="x", max_tokens=400)
     async with running_engine(torch_config(base_model, max_model_len=1024)) as engine:
         await load(engine, "x", x, 1)
         stream = engine.stub.Generate(request)
         responses = [await anext(aiter(stream))]
         await engine.stub.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
-        busy = await rpc_error(load(engine, "x", x, 1))
+        busy = await rpc_error(load(engine, "x", other, 1))
         assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert not (await asyncio.wait_for(load(engine, "x", x, 1), 10)).already_loaded
         responses += [r async for r in stream]
-        await asyncio.wait_for(load(engine, "x", x, 1), 10)
         fresh = await collect(engine.stub, request)
     assert tokens_and_logprobs(responses)[0] == tokens_and_logprobs(fresh)[0]
     assert len(tokens_and_logprobs(fresh)[0]) == 400

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from engine.core.api import (
 )
 from engine.core.block_manager import BlockManager
 from engine.core.engine_core import EngineCore
+from engine.core.errors import PromptTooLongError
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.core.sim_runner import SimRunner, VirtualClock
@@ -209,6 +211,35 @@ def test_abort_running_and_waiting_requests_frees_everything() -> None:
     assert (core.load().prefill_batch_size, core.load().decode_batch_size) == (0, 0)
     assert core.step().outputs == []
     core.block_manager.check_invariants()
+
+
+def test_the_kv_cache_check_refuses_only_what_cannot_produce_its_shortest_output() -> None:
+    """The KV a request holds is its prompt's and every output token's but the last (sampled,
+    never computed): a prompt filling the cache exactly generates its token; one more is
+    refused. With `min_tokens` the prompt and `min_tokens - 1` outputs must fit."""
+    core = make_core(num_blocks=4)  # 16 slots
+    slots = 16
+
+    def generate(num_prompt: int, max_tokens: int, min_tokens: int = 0) -> list[RequestOutput]:
+        sampling = SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=True)
+        rid = f"p{num_prompt}-{max_tokens}-{min_tokens}"
+        core.add_request(EngineRequest(rid, tuple(range(10, 10 + num_prompt)), sampling))
+        return run_to_end(core)[rid]
+
+    for num_prompt in (slots - 1, slots):  # one token under, exact
+        outputs = generate(num_prompt, max_tokens=1)
+        assert len(tokens_of(outputs)) == 1
+        assert outputs[-1].finish_reason is FinishReason.LENGTH and not outputs[-1].message
+    with pytest.raises(PromptTooLongError, match="does not fit the KV cache"):  # one over
+        core.check_request(EngineRequest("over", tuple(range(slots + 1)), SamplingParams()))
+    # A longer output than the cache holds ends at the cache, as before.
+    outputs = generate(slots, max_tokens=3)
+    assert len(tokens_of(outputs)) == 1 and outputs[-1].message == "KV cache full"
+    assert len(tokens_of(generate(slots - 1, max_tokens=2, min_tokens=2))) == 2
+    with pytest.raises(PromptTooLongError, match="min_tokens 2"):
+        core.check_request(
+            EngineRequest("min", tuple(range(slots)), SamplingParams(min_tokens=2, max_tokens=2))
+        )
 
 
 @settings(max_examples=200, deadline=None)

@@ -52,10 +52,11 @@ async def test_model_info_says_exactly_what_is_supported() -> None:
     assert info.served_model_name == "sim"
     assert (info.kv_block_size, info.total_kv_blocks, info.max_context_length) == (4, 64, 256)
     assert info.max_running_requests == 8 and info.max_batched_tokens == 256
-    # The context is the KV cache's when that is smaller than the model's length.
+    # The context is the KV cache's when that is smaller than the model's length: its 32
+    # slots and the last token, sampled but never computed.
     async with running_engine(sim_config(num_kv_blocks=8)) as small:
         small_info = await small.stub.GetModelInfo(pb.GetModelInfoRequest(model="sim"))
-    assert (small_info.max_context_length, small_info.max_output_tokens) == (32, 31)
+    assert (small_info.max_context_length, small_info.max_output_tokens) == (33, 32)
     # Unsupported is an explicit false, never absent.
     gen = info.generation
     assert gen.guided_decoding.HasField("supported") and not gen.guided_decoding.supported

@@ -204,17 +204,41 @@ async def test_a_prefill_short_of_the_blocks_sessions_hold_waits_for_their_relea
     leave free waits until one is released (a pull, Abort, the TTL); it used to fail at once
     (KV_TRANSFER_FAILED "KV cache full"), however briefly the blocks were held."""
     async with engines(sim_config(role="prefill", num_kv_blocks=8)) as (prefiller,):
-        held = await prefill(prefiller, list(range(100, 129)))  # 29 tokens: holds 7 blocks
-        assert await used_blocks(prefiller) == 7
-        waiting = asyncio.ensure_future(
-            collect(prefiller.stub, generate_request(list(range(300, 312))))  # 3 blocks
-        )
+        held, waiting = await _a_prefill_waiting_for_blocks(prefiller)
+        await prefiller.stub.Abort(pb.AbortRequest(kv_session=held))
+        responses = await waiting
+        assert responses[-1].WhichOneof("event") == "prefill_ready", responses[-1]
 
-        async def queued() -> bool:
-            load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
-            return (load.running_requests, load.queued_requests) == (0, 1)
 
-        await eventually(queued, what="the second prefill waiting for blocks")
+async def _a_prefill_waiting_for_blocks(
+    prefiller: Engine,
+) -> tuple[pb.KvSessionRef, asyncio.Future[list[pb.GenerateResponse]]]:
+    """On an engine of 8 blocks: a session holding 7, and a prefill of 3 blocks waiting for
+    them (its responses to come)."""
+    held = await prefill(prefiller, list(range(100, 129)))  # 29 tokens: holds 7 blocks
+    assert await used_blocks(prefiller) == 7
+    waiting = asyncio.ensure_future(
+        collect(prefiller.stub, generate_request(list(range(300, 312))))  # 3 blocks
+    )
+
+    async def queued() -> bool:
+        load = await prefiller.stub.GetLoad(pb.GetLoadRequest())
+        return (load.running_requests, load.queued_requests) == (0, 1)
+
+    await eventually(queued, what="the second prefill waiting for blocks")
+    return held, waiting
+
+
+async def test_a_health_probe_is_not_held_behind_a_prefill_waiting_for_blocks() -> None:
+    """The probe goes ahead of the waiting prefill (the free block is enough for it): Health
+    answers READY while the session is still held, the prefill still waiting."""
+    async with engines(sim_config(role="prefill", num_kv_blocks=8)) as (prefiller,):
+        held, waiting = await _a_prefill_waiting_for_blocks(prefiller)
+        probed = await prefiller.stub.Health(pb.HealthRequest(include_inference_probe=True))
+        assert probed.state == pb.HEALTH_STATE_READY, probed
+        probe = next(c for c in probed.checks if c.name == "inference_probe")
+        assert probe.message == "generated 1 token"
+        assert not waiting.done() and await used_blocks(prefiller) == 7
         await prefiller.stub.Abort(pb.AbortRequest(kv_session=held))
         responses = await waiting
         assert responses[-1].WhichOneof("event") == "prefill_ready", responses[-1]
