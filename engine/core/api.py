@@ -546,6 +546,9 @@ class LoadSnapshot:
 class StepResult:
     outputs: list[RequestOutput]
     stats: ForwardPassStats | None  # None when nothing ran
+    # Sequences preempted this step, with or without a pass (one preempted to wait for blocks
+    # that KV sessions hold is preempted in a step that runs none: `stats` cannot say it).
+    num_preempted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -485,7 +485,7 @@ class EngineCore:
             )
         if not sched.scheduled:
             self._last_prefill_batch = self._last_decode_batch = 0
-            return StepResult(outputs, None)
+            return StepResult(outputs, None, len(sched.preempted))
         batch, dead_ends = self._build_batch(sched.scheduled)
         num_decode = batch.num_decode_sequences
         self._last_decode_batch = num_decode
@@ -512,7 +512,7 @@ class EngineCore:
             num_cached_tokens=sched.num_cached_tokens,
             num_preempted=len(sched.preempted),
         )
-        return StepResult(outputs, stats)
+        return StepResult(outputs, stats, len(sched.preempted))
 
     def fast_forward_decode(self, until_s: float) -> list[RequestOutput]:
         """Offline replay with the sim runner only: run consecutive pure-decode passes in one

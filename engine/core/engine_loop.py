@@ -363,7 +363,7 @@ class EngineLoop:
             outputs.extend(self.core.abort_all(FinishReason.ERROR, "engine step failed"))
             return StepResult(outputs, None)
         outputs.extend(result.outputs)
-        return StepResult(outputs, result.stats)
+        return StepResult(outputs, result.stats, result.num_preempted)
 
     def _publish(self, result: StepResult, submitted: _Submitted) -> bool:
         """`submitted`: the submitted sequences the engine thread has taken in. Returns
@@ -372,7 +372,8 @@ class EngineLoop:
         with self._cond:
             previous, self._load = self._load, load
             self._submitted_in_load = submitted
-        dropped = False
+        # The ends of the requests whose sink failed (aborted here): reported with the rest.
+        dropped: list[RequestOutput] = []
         for output in result.outputs:
             with self._cond:
                 live = self._sinks.get(output.request_id)
@@ -387,13 +388,20 @@ class EngineLoop:
                 logger.warning("output sink of %s failed; aborting it", output.request_id)
                 with self._cond:
                     self._sinks.pop(output.request_id, None)
-                dropped = bool(self.core.abort(output.request_id)) or dropped
+                dropped.extend(self.core.abort(output.request_id))
         if dropped:  # its blocks are free now: the load measured above still holds them
             with self._cond:
                 self._load = self.core.load()
+            result = StepResult([*result.outputs, *dropped], result.stats, result.num_preempted)
         events = self.core.take_kv_events()
         # A command may change the load alone (releasing a KV session frees blocks).
-        changed = bool(result.outputs or result.stats or events or self._load != previous)
+        changed = bool(
+            result.outputs
+            or result.stats
+            or result.num_preempted
+            or events
+            or self._load != previous
+        )
         if self._on_step is not None and changed:
             try:
                 self._on_step(StepReport(result, events, self._load))

@@ -13,7 +13,9 @@ Each step (`schedule`) spends a token budget (`max_num_batched_tokens`):
    for its first chunk. If the pool cannot hold that chunk, admission stops (head-of-line: a
    big prompt is not overtaken forever by small ones); with nothing running, the head waits
    for KV sessions to release their blocks, or is out of capacity if the chunk is larger than
-   the pool.
+   the pool. With nothing running, a head whose chunk fits but whose context so far does not
+   (its prefix not cached: `bypass_prefix_cache`, caching off) waits likewise, rather than be
+   admitted, preempted at the chunk that reaches the sessions' blocks, and recomputed again.
 
 Waiting order: larger priority first, FCFS within a priority (one FIFO per level, so picking
 is O(number of levels)). No starvation: with `aging_s` set, a sequence's effective priority
@@ -183,6 +185,11 @@ class Scheduler:
                     out.out_of_capacity.append(seq)
                 # Else it waits: for running sequences to end, or KV sessions to be released.
                 break
+            if not self.running and not self._fits_alone(seq):
+                # Its chunk fits, its context does not: alone, it would be preempted at the
+                # chunk that reaches the blocks KV sessions hold, admitted again, and so on,
+                # recomputing it pass after pass. It waits for their release instead.
+                break
             num_cached = bm.allocate(
                 seq.seq_id,
                 seq.token_ids,
@@ -207,6 +214,18 @@ class Scheduler:
         reason to finish a sequence as out of capacity. Blocks it lacks with nothing else
         running are held by KV sessions, which are released in time."""
         return self.block_manager.blocks_for(num_tokens) > self.block_manager.num_blocks
+
+    def _fits_alone(self, seq: Sequence) -> bool:
+        """Whether the free blocks (and its prefix hits) hold all of `seq`'s tokens so far, or
+        nothing would: a context larger than the whole pool runs until it is out of capacity."""
+        request = seq.request
+        return self._beyond_pool(seq.num_tokens) or self.block_manager.can_allocate(
+            seq.token_ids,
+            seq.num_tokens,
+            lora_name=request.lora_name,
+            cache_salt=request.cache_salt,
+            use_cache=seq.use_prefix_cache,
+        )
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free(seq.seq_id)

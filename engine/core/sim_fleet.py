@@ -233,8 +233,7 @@ class SimFleet:
         result = engine.core.step()
         if result.stats is None and not result.outputs:
             raise RuntimeError(f"sim engine {engine.index} has work but scheduled nothing")
-        if result.stats is not None:
-            engine.num_preemptions += result.stats.num_preempted
+        engine.num_preemptions += result.num_preempted
         now_s = engine.clock.now()
         for output in result.outputs:
             record = records[output.request_id]

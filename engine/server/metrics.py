@@ -161,8 +161,8 @@ class EngineMetrics:
         stats = report.result.stats
         if stats is not None:
             self.step_seconds.labels(m).observe(stats.duration_s)
-            if stats.num_preempted:
-                self.preemptions.labels(m).inc(stats.num_preempted)
+        if report.result.num_preempted:
+            self.preemptions.labels(m).inc(report.result.num_preempted)
         if report.kv_events:
             self.kv_event_batches.labels(m).inc()
         load = report.load

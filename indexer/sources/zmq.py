@@ -287,7 +287,8 @@ class ZmqSource:
         # The last replay on the SUB's present connection failed (timed out): the rebuild at
         # the first message does not ask again at once, which would stall the source twice as
         # long on a replay endpoint that never answers (the rebuild at the connection, then
-        # the first message's). Forgotten when a replay answers and when the connection ends.
+        # the first message's). Forgotten when a replay answers and when a connection is made
+        # or ends.
         self._replay_failed_on_connection = False
         # The SUB's monitor and its open connections while `_follow` runs (None otherwise).
         self._monitor: tuple[zmq.asyncio.Socket, _OpenConnections] | None = None
@@ -517,6 +518,9 @@ class ZmqSource:
         # Connections made after the last end (one that came and went is no publisher now).
         if len(events) > (ends[-1] + 1 if ends else 0):
             self._new_connection = True
+            # A replay that failed before this connection (the start's, made while the SUB
+            # was connecting) did not fail on it: its first message asks the replay again.
+            self._replay_failed_on_connection = False
             if self._warned_unreachable and not self.link.ever_up:
                 log.info("worker %s: reached publisher %s", self.worker_id, self.settings.endpoint)
             self.link.went_up()

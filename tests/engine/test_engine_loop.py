@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from engine.core.api import (
     EngineRequest,
@@ -22,13 +24,18 @@ from engine.core.api import (
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
 from engine.core.sim_runner import SimRunner
+from engine.server.metrics import EngineMetrics
 from tests.polling import eventually
 
 
-def make_loop(time_scale: float = 0.0, reports: list[StepReport] | None = None) -> EngineLoop:
+def make_loop(
+    time_scale: float = 0.0,
+    reports: list[StepReport] | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+) -> EngineLoop:
     runner = SimRunner(block_size=4, num_blocks=256, time_scale=time_scale)
     core = EngineCore(runner, SchedulerConfig(max_num_batched_tokens=64))
-    return EngineLoop(core, on_step=reports.append if reports is not None else None)
+    return EngineLoop(core, on_step=reports.append if reports is not None else on_step)
 
 
 async def collect(queue: asyncio.Queue[RequestOutput]) -> list[RequestOutput]:
@@ -235,8 +242,10 @@ async def test_a_failing_step_errors_its_requests_and_the_engine_carries_on() ->
 async def test_a_request_whose_consumer_is_gone_leaves_the_load() -> None:
     """The consumer's event loop closed (its sink raises): the request is aborted, and the
     load (GetLoad's) says so at once, not only once other work comes (an idle engine used to
-    report it running, holding its blocks, until then)."""
-    engine = make_loop()
+    report it running, holding its blocks, until then). Its end, CANCELLED, is counted as an
+    aborted request's (kvplane_engine_finished_outputs_total): it was dropped with the sink."""
+    registry = CollectorRegistry()
+    engine = make_loop(on_step=EngineMetrics(registry, "m").on_report)
     engine.start()
     gone = asyncio.new_event_loop()
     gone.close()
@@ -249,15 +258,23 @@ async def test_a_request_whose_consumer_is_gone_leaves_the_load() -> None:
         lambda: (engine.load().num_running, engine.load().num_used_blocks) == (0, 0),
         what="the load without the dropped request",
     )
+    cancelled = {"reason": FinishReason.CANCELLED.value}
+    await eventually(  # (reported after the load is measured)
+        lambda: _counted(registry, "kvplane_engine_finished_outputs_total", **cancelled) == 1,
+        what="the dropped request counted finished",
+    )
     engine.stop(timeout_s=10)
 
 
 @pytest.mark.timeout(30)
 async def test_a_request_waiting_for_blocks_a_session_holds_runs_once_it_is_released() -> None:
     """The engine thread waits (for a command, or a while) instead of stepping in vain while
-    a request waits for blocks a KV session holds; the release wakes it."""
+    a request waits for blocks a KV session holds; the release wakes it. Its preemption, in a
+    step that runs no pass, is counted (kvplane_engine_preemptions_total counted only a
+    pass's: it read 0)."""
+    registry = CollectorRegistry()
     core = EngineCore(SimRunner(block_size=4, num_blocks=6, time_scale=0))
-    engine = EngineLoop(core)
+    engine = EngineLoop(core, on_step=EngineMetrics(registry, "m").on_report)
     engine.start()
     loop = asyncio.get_running_loop()
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -279,4 +296,9 @@ async def test_a_request_waiting_for_blocks_a_session_holds_runs_once_it_is_rele
     assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].message == ""
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 8
     assert len(head + outputs) == 8
+    assert _counted(registry, "kvplane_engine_preemptions_total") == 1
     engine.stop(timeout_s=10)
+
+
+def _counted(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, {"model": "m", **labels}) or 0.0

@@ -14,6 +14,7 @@ from engine.core.api import (
     KvBlockBytes,
     RequestOutput,
     SamplingParams,
+    SchedulerConfig,
 )
 from engine.core.engine_core import EngineCore
 from engine.core.lora import AdapterConfig, LoraAdapter, LoraLoad
@@ -109,6 +110,38 @@ def test_a_request_short_of_blocks_held_by_a_session_waits_for_its_release() -> 
         t for o in alone for t in o.new_token_ids
     ]
     assert core.block_manager.num_used_blocks == 0
+    core.block_manager.check_invariants()
+
+
+def test_an_uncached_request_short_of_session_blocks_waits_without_recomputing() -> None:
+    """Its prefix not cached (`bypass_prefix_cache`) and its prompt chunked, a request that
+    outgrew what the session left free used to be admitted again chunk by chunk, preempted
+    again at the chunk that reaches the session's blocks, and so on: a forward pass every
+    step, recomputing it for as long as the session is held. It waits, preempted once, until
+    the release."""
+    config = SchedulerConfig(max_num_batched_tokens=BLOCK * 2)
+    core = EngineCore(BytesRunner(num_blocks=6), config)
+    run(core, prefill())  # holds 2 blocks: 4 left
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    request = EngineRequest("long", tuple(range(500, 513)), sampling, bypass_prefix_cache=True)
+    core.add_request(request)
+    outputs: list[RequestOutput] = []
+    passes = 0
+    for _ in range(100):
+        result = core.step()
+        outputs.extend(result.outputs)
+        passes += result.stats is not None
+    # Its prompt in 2 chunks and 4 tokens fill the 4 free blocks; nothing more runs.
+    assert passes == 5 and not any(o.finished for o in outputs)
+    assert core.load().num_waiting == 1
+    assert core.release_kv_session("s1")
+    while core.has_work():
+        outputs.extend(core.step().outputs)
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and outputs[-1].message == ""
+    alone = run(EngineCore(BytesRunner(), config), request)
+    assert [t for o in outputs for t in o.new_token_ids] == [
+        t for o in alone for t in o.new_token_ids
+    ]
     core.block_manager.check_invariants()
 
 

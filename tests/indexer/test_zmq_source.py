@@ -1176,6 +1176,31 @@ async def test_a_replay_that_timed_out_at_a_connection_is_not_asked_again_at_its
     assert _keys(index) == {6}
 
 
+async def test_a_start_replay_that_failed_as_the_sub_connected_is_asked_again_at_its_first_message(
+    context: zmq.asyncio.Context,
+) -> None:
+    """The engine's PUB accepts the SUB at once, its replay ROUTER answers only later: the
+    start's replay fails while the SUB connects, and the engine's next batch is queued by
+    then. That batch's rebuild asks the replay again, which now answers with what the engine
+    published before the SUB (before, a replay failed before the connection counted as one
+    failed on it: the worker was rebuilt from the batch alone, the earlier blocks missing)."""
+    publisher = FakeKvPublisher(context)  # its ROUTER bound, silent until `start_replay`
+    await publisher.publish(_message(0, _stored(1, 2)), live=False)  # before the SUB
+    index = PrefixIndex()
+    source = _starting_source(publisher, context, index, replay_timeout_s=2.0)
+    try:
+        async with running(source.run()):
+            await publisher.wait_subscribed()  # while the start's replay waits
+            await publisher.publish(_message(1, _stored(3, parent=2)))
+            await source.wait_until(lambda: source.counters.num_replay_failures >= 1, WAIT_S)
+            publisher.start_replay()
+            await source.wait_until(lambda: source.last_seq == 1, WAIT_S)
+            await source.wait_until(lambda: _keys(index) == {1, 2, 3}, WAIT_S)
+    finally:
+        await publisher.close()
+    assert source.counters.num_replay_failures == 1
+
+
 async def test_a_lagging_source_rebuilds_up_to_the_newest_batch_the_replay_brought(
     context: zmq.asyncio.Context,
 ) -> None:
