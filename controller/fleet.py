@@ -995,11 +995,17 @@ class Fleet:
         adapters = await self._list_loras(engine, identity)
         previous = self.registry.get(engine.address).identity
         first_contact = previous is None
-        if stream_broke and not first_contact and identity != previous:
-            log.info("engine %s restarted (its KV events broke sequence, its identity changed)",
-                     engine.address)  # fmt: skip
-            # As a new process GetLoad names: out of routing until the old one is forgotten.
-            self.registry.on_new_instance(engine.address, self._clock())
+        if stream_broke and previous is not None and identity != previous:
+            same_instance = identity.instance_id == previous.instance_id
+            if same_instance:
+                log.info("engine %s changed its identity under its instance id (its KV events "
+                         "broke sequence): taken as a new process", engine.address)  # fmt: skip
+            else:
+                log.info("engine %s restarted (its KV events broke sequence, its identity "
+                         "changed)", engine.address)  # fmt: skip
+            # As a new process GetLoad names: out of routing until the old one is forgotten;
+            # a flap only if another instance id says that the process changed.
+            self.registry.on_new_instance(engine.address, self._clock(), same_instance)
             restarted = True
         is_new = self.registry.on_identity(engine.address, identity, restarted)
         self.registry.on_loras(engine.address, _names(adapters), self._lora_conflicts(adapters))

@@ -32,28 +32,33 @@ every poll: a sick engine that passes every other probe) leaves routing at each 
 it must, but with nothing more would be put back at each READY, and keep taking (and failing
 or slowing) traffic half the time. So each time an engine that says it is ready (READY or
 DEGRADED, ejected or held down included) stops saying so (NOT_READY, STARTING, a poll that
-fails, or a new process at its address: a restart faster than a health poll) is a flap; from
-its `after_flaps`-th flap within `window_s` it is HELD_DOWN: out of routing while its health
-says READY, until it has said so for `initial_s` (doubling with each hold-down in a row, up to
-`max_s`), and then for `ready_polls` polls more. A flap while held restarts the hold-down,
-twice as long; one within `window_s` of being put back holds it again at once, twice as long
-(its probation, as an ejection's); a window without a flap after it is put back clears the
-record. An engine that leaves ready once (a restart) or now and then comes back at its first
-READY, as before. Kubernetes' readiness `successThreshold`, Envoy's `healthy_threshold` and
-its ejection time growing with each ejection, kept to what a fleet needs. Hold-down shares
-ejection's cap: the engines held out (ejected, or held down while they say READY) are never
-more than half of those taking traffic (routable, ejected or held down). Beyond it, held-down
-engines that say ready are routed anyway, their hold-down running on (`_cap_hold_downs`): a
-blip of the controller's own (its polls time out, a partition heals three times a minute)
-flaps every engine at once, and holding them all down would refuse every request while every
-engine says READY. Ejections count first (an engine failing its requests now outranks one that
-flapped), then the held-down engines whose hold-down ends soonest (then with fewest flaps,
-then by address) are the ones routed, each time counted (`routed_by_cap`, as are the ejections
-the cap refuses). The record outlives a new process (a crash loop is flapping too), and the
-engine's removal for `window_s`: registered again at its address, the engine takes it back (a
-deregister/register loop does not wipe it). Drains and cordons are no flaps: an engine that
-drains, or one an operator cordoned (and restarts, say, while working on it), is not flapping,
-and its leaves do not count.
+fails, or a new process at its address: a restart faster than a health poll, which another
+instance id shows) is a flap; an identity changed under the same instance id is none (a
+controller fronted as an engine whose own fleet changed: taken as a new process, it did not
+leave ready). From its `after_flaps`-th flap within `window_s` it is HELD_DOWN: out of routing
+while its health says READY, until it has said so for `initial_s` (doubling with each
+hold-down in a row, up to `max_s`), and then for `ready_polls` polls more. A flap while held
+restarts the hold-down, twice as long; one within `window_s` of being put back holds it again
+at once, twice as long (its probation, as an ejection's); a window without a flap after it is
+put back clears the record. An engine that leaves ready once (a restart) or now and then comes
+back at its first READY, as before. Kubernetes' readiness `successThreshold`, Envoy's
+`healthy_threshold` and its ejection time growing with each ejection, kept to what a fleet
+needs. Hold-down shares ejection's cap: the engines held out (ejected, or held down while they
+say READY) are never more than half of those taking traffic (routable, ejected or held down).
+Beyond it, held-down engines that say ready are routed anyway, their hold-down running on
+(`_cap_hold_downs`): a blip of the controller's own (its polls time out, a partition heals
+three times a minute) flaps every engine at once, and holding them all down would refuse every
+request while every engine says READY. Ejections count first (an engine failing its requests
+now outranks one that flapped), then the held-down engines whose hold-down ends soonest (then
+with fewest flaps, then by address) are the ones routed, each time counted (`routed_by_cap`,
+as are the ejections the cap refuses). The record outlives a new process (a crash loop is
+flapping too), and the engine's removal for `window_s`: registered again at its address, the
+engine takes it back (a deregister/register loop does not wipe it). It follows the address,
+not the process: another engine registered there within `window_s` (a new pod on a recycled
+address) takes it too, as nothing tells it from the same engine restarted, which comes with a
+new instance id as well (dropping the record for a new id would let every crash-looping engine
+out). Drains and cordons are no flaps: an engine that drains, or one an operator cordoned (and
+restarts, say, while working on it), is not flapping, and its leaves do not count.
 
 LoRA: each record keeps the adapters its engine holds, as the controller last learnt them
 (ListLoras whenever the fleet service fetches the engine's identity, then the outcomes of the
@@ -117,7 +122,8 @@ ROUTABLE_MEMO_SIZE = 64
 POLL_FAILED_STATES = frozenset({EngineState.UNREACHABLE, EngineState.FAILING})
 # An engine whose health says it is ready, whether or not it is routed (hold-down: leaving
 # one of these for one of `_NOT_READY_STATES` is a flap; UNKNOWN there is a new process at
-# its address, `Registry.on_new_instance`, a restart faster than a health poll).
+# its address, `Registry.on_new_instance`, a restart faster than a health poll, unless the
+# instance id is the same).
 _READY_TO_ITS_POLLS = ROUTABLE_STATES | {EngineState.EJECTED, EngineState.HELD_DOWN}
 _NOT_READY_STATES = POLL_FAILED_STATES | {
     EngineState.NOT_READY,
@@ -996,17 +1002,22 @@ class Registry:
                 return other
         return None
 
-    def on_new_instance(self, address: str, now_s: float) -> None:
+    def on_new_instance(self, address: str, now_s: float, same_instance: bool = False) -> None:
         """GetLoad named a process other than the one whose identity was read: out of routing
         (UNKNOWN), reporting no load, until `on_identity` has taken the new process and a
         health answer says READY again. Until then the index still holds the old process's
         blocks. An engine that was ready has left ready (a flap, once per new process: it is
         UNKNOWN from now on), however fast it came back: a crash loop faster than a health
-        poll shows only as this."""
+        poll shows only as this. `same_instance`: its identity changed under the instance id
+        of the one read (a controller fronted as an engine, whose own fleet changed; an
+        engine redeployed under the instance id its config sets): taken as a new process all
+        the same, but no flap, as nothing says that its process went away (a crash loop
+        under a fixed instance id keeps its identity, and is not taken for a restart here)."""
         record = self._by_address.get(address)
         if record is not None and record.state is not EngineState.INCOMPATIBLE:
             self._now_s = max(self._now_s, now_s)
-            self._count_flap(record, EngineState.UNKNOWN, now_s)
+            if not same_instance:
+                self._count_flap(record, EngineState.UNKNOWN, now_s)
             record.state = EngineState.UNKNOWN
             record.load = LoadSnapshot()  # the old process's: the fleet's totals drop it
             self.version += 1

@@ -8,12 +8,15 @@ until its hold-down is over, and operators see why (`kvplane admin workers`, `he
 before; of engines flapping all at once, half at most are held out, and /metrics counts those
 routed all the same. An engine crash-looping faster than a health poll (only a new instance id
 between two READY answers) flaps too, and removing a held-down engine and registering it again
-keeps its hold-down. Time runs through the config's short poll intervals; nothing here is
-timed."""
+keeps its hold-down; a controller fronted as an engine, whose identity changes with its own
+fleet under the same instance id, does not flap when its KV-event stream breaks sequence. Time
+runs through the config's short poll intervals; nothing here is timed."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -22,8 +25,10 @@ import pytest
 from controller.registry import EngineRecord, EngineState
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
+from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.controller.conftest import (
     EngineFleet,
+    Fleet,
     close_fleet,
     engines_of_kinds,
     make_fleet,
@@ -297,3 +302,93 @@ async def test_a_held_down_engine_removed_and_registered_again_is_still_held_dow
         assert set(await routed(fleet, "again", 12)) == {f"127.0.0.1:{fleet.engines[1].port}"}
     finally:
         await close_fleet(fleet)
+
+
+class BreakingController(Forwarding):
+    """A lower controller's gateway passed on, with a KV-event stream of its own (a gateway
+    serves none): each subscription opens with a snapshot, then sends a batch numbered past
+    one that never comes (the stream breaks sequence, as one that lost its place in it does)
+    each time `break_sequence` is called."""
+
+    def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
+        super().__init__(inner)
+        self.sequence_number = 0
+        self.breaks: asyncio.Queue[None] = asyncio.Queue()
+
+    def break_sequence(self) -> None:
+        self.breaks.put_nowait(None)
+
+    async def GetEngineInfo(self, request: pb.GetEngineInfoRequest, context: Context) -> Any:
+        call = self.inner.GetEngineInfo(request)
+        info = await call
+        context.set_trailing_metadata(tuple(await call.trailing_metadata()))  # whom it fronts
+        return info
+
+    async def SubscribeKvEvents(
+        self, request: pb.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeKvEventsResponse]:
+        cleared = pb.KvEvent(all_blocks_cleared=pb.AllBlocksCleared())
+        snapshot = pb.KvEventBatch(sequence_number=self.sequence_number, events=[cleared])
+        yield pb.SubscribeKvEventsResponse(batch=snapshot)
+        while True:
+            await self.breaks.get()
+            self.sequence_number += 2
+            batch = pb.KvEventBatch(sequence_number=self.sequence_number)
+            yield pb.SubscribeKvEventsResponse(batch=batch)
+
+
+async def test_a_fronted_controller_changing_with_its_fleet_is_no_flap() -> None:
+    """An upper controller fronts a lower one (an engine of `a`) through a server passing its
+    calls on that adds a KV-event stream. Each time an engine of `b` joins or leaves the lower
+    fleet, and the stream breaks sequence, the upper reads the lower's identity again: another
+    one (its models) under the same instance id. It is taken as a new process (out of routing
+    until the identity is in), but no flap: counted as one, three within the window held the
+    whole lower fleet out of routing while it said READY."""
+    lower = await make_fleet(engines=[await start_sim_engine("a0", served_model_name="a")])
+    upper: Fleet = await make_fleet(
+        engines=[await start_sim_engine("u0", served_model_name="a")],
+        health={"hold_down_after_flaps": 3, "hold_down_ready_polls": 2, **LONG_HOLD_DOWN},
+    )
+    channel = grpc.aio.insecure_channel(lower.target)
+    front = BreakingController(pb_grpc.OpenEngineStub(channel))
+    server = grpc.aio.server()
+    pb_grpc.add_OpenEngineServicer_to_server(front, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    b0 = await start_sim_engine("b0", served_model_name="b")
+    b0_address = f"127.0.0.1:{b0.port}"
+    fleet = upper.app.controller.fleet
+    try:
+        await upper.admin.RegisterEngine(apb.RegisterEngineRequest(address=address))
+        await upper.wait_routable(2)
+        record = fleet.registry.get(address)
+        lower_id = lower.app.controller.instance_id
+        for joins in (True, False, True):  # b0 joins the lower fleet, leaves it, joins again
+            if joins:
+                await lower.admin.RegisterEngine(apb.RegisterEngineRequest(address=b0_address))
+            else:
+                await lower.admin.RemoveEngine(apb.EngineRef(engine=b0_address))
+            models = ("a", "b") if joins else ("a",)
+
+            async def lower_serves(models: tuple[str, ...] = models) -> bool:
+                info = await lower.gateway.GetEngineInfo(pb.GetEngineInfoRequest())
+                return tuple(sorted(info.supported_models)) == models
+
+            await eventually(lower_serves, WAIT_S, f"the lower controller serving {models}")
+            front.break_sequence()
+
+            def read_again(models: tuple[str, ...] = models) -> bool:
+                identity = record.identity
+                back = record.state in (EngineState.READY, EngineState.HELD_DOWN)
+                return back and identity is not None and tuple(sorted(identity.models)) == models
+
+            await fleet.wait_for(read_again, WAIT_S)
+            assert record.engine_id == lower_id  # the same process throughout
+        assert record.state is EngineState.READY and record.routable
+        assert record.num_flaps == 0
+    finally:
+        await server.stop(None)
+        await channel.close()
+        await b0.close()
+        await close_fleet(upper)
+        await close_fleet(lower)
