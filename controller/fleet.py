@@ -56,6 +56,7 @@ import grpc
 from controller.config import ControllerConfig, KvEventsMode
 from controller.event_following import EventFollowing, FollowingState
 from controller.event_lag import MAX_CLOCK_LEAD_S, MAX_PLAUSIBLE_LAG_S, event_lag_s
+from controller.fleet_view import FLEET_VIEW_KEY
 from controller.hops import FRONTS_METADATA_KEY, metadata_values, via_interceptors
 from controller.lora_intent import LoraIntent, LoraSpec
 from controller.outcomes import lora_model_metadata
@@ -309,6 +310,9 @@ class _Engine:
         self.remote_resync_failed = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # An unload it did not answer, re-applied at its load polls, refused again: the same.
         self.unload_refused = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
+        # A controller fronted as an engine whose fleet view moved, its identity not read
+        # again (asked again at each load poll until it is): the same.
+        self.view_unread = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # Set by its KV-event source when a batch out of sequence cleared its worker: the
         # engine may have restarted under the same instance id between two polls, which
         # GetLoad cannot tell. The poll task wakes and reads its identity again.
@@ -843,6 +847,9 @@ class Fleet:
         restarted = False
         # The KV-event stream broke sequence: the next identity is compared with the last.
         stream_broke = False
+        # The fleet view (`controller.fleet_view`) the identity read last is of: a controller
+        # fronted as an engine tells it; None until it does.
+        identity_view: str | None = None
         followed = False  # a process was accepted here: what it left must go if it is replaced
         while True:
             now = self._clock()
@@ -852,7 +859,7 @@ class Fleet:
                 next_health = 0.0  # a new process's health, once its identity is in
             try:
                 if need_identity:
-                    await self._fetch_identity(engine, restarted, stream_broke)
+                    identity_view = await self._fetch_identity(engine, restarted, stream_broke)
                     need_identity = restarted = stream_broke = False
                     followed = True
                     load_instance = ""
@@ -895,6 +902,12 @@ class Fleet:
                     state, message = health_of(reply)
                     self.registry.on_health(address, state, now, message)
                 self.registry.on_load(address, load_from_proto(load))
+                view = load.attributes.get(FLEET_VIEW_KEY)
+                if view is not None and identity_view is not None and view != identity_view:
+                    identity_view = await self._read_moved_view(engine, view) or identity_view
+                    next_health = 0.0  # back in routing at once if another block size took it out
+                else:
+                    identity_view = view or identity_view
                 if reply is not None:
                     await self._notify()
                     await self._reapply_unloads(engine)
@@ -964,17 +977,46 @@ class Fleet:
         await engine.abandon_calls(f"unreachable for {unreachable_s:.1f} s")
         await asyncio.sleep(delay_s - due_in_s)
 
+    async def _read_moved_view(self, engine: _Engine, view: str) -> str | None:
+        """A controller fronted as an engine told (GetLoad) that its fleet view moved to
+        `view`: read its identity again, as the same process's. Returns the view the identity
+        read is of; None when it could not be read (an engine of a model that joined is not
+        ready to answer GetModelInfo yet, say): the old identity stands, asked again at the
+        next poll, and the fronted fleet is not taken for unreachable."""
+        log.info("engine %s (a controller) changed its fleet view: reading its models again",
+                 engine.address)  # fmt: skip
+        try:
+            told = await self._fetch_identity(engine, view_moved=True)
+        except grpc.aio.AioRpcError as exc:
+            engine.view_unread.warn(
+                f"engine {engine.address} (a controller) changed its fleet view, which could "
+                f"not be read ({exc.code().name}: {exc.details()}); its old models stand, "
+                "asked again at its next poll"
+            )
+            return None
+        await self._notify()
+        return told or view
+
     async def _fetch_identity(
-        self, engine: _Engine, restarted: bool = False, stream_broke: bool = False
-    ) -> None:
+        self,
+        engine: _Engine,
+        restarted: bool = False,
+        stream_broke: bool = False,
+        view_moved: bool = False,
+    ) -> str | None:
         """Read the engine's identity. `restarted`: it is a new process (GetLoad named one,
         or the one followed was rejected). `stream_broke`: its KV events broke sequence,
         which a new process under the same instance id does, and so does one that lost its
-        place in the stream; an identity other than the last one read says which."""
+        place in the stream; an identity other than the last one read says which.
+        `view_moved`: a controller fronted as an engine told that its fleet view moved (the
+        same process): only another block size makes it a new one, whose blocks go. Returns
+        the fleet view a controller told with it (`controller.fleet_view`), else None."""
         timeout = self.config.health.rpc_timeout_s
         call = engine.stub.GetEngineInfo(pb.GetEngineInfoRequest(), timeout=timeout)
         info = await call
-        fronts = metadata_values(await call.trailing_metadata(), FRONTS_METADATA_KEY)
+        trailing = await call.trailing_metadata()
+        fronts = metadata_values(trailing, FRONTS_METADATA_KEY)
+        told_view = next(iter(metadata_values(trailing, FLEET_VIEW_KEY)), None)
         # Fail closed before asking anything else of an engine we cannot speak to.
         check_revision(info.schema_revision, info.minimum_client_revision, info.schema_release)
         models = tuple(info.supported_models)
@@ -995,14 +1037,18 @@ class Fleet:
         adapters = await self._list_loras(engine, identity)
         previous = self.registry.get(engine.address).identity
         first_contact = previous is None
-        if stream_broke and previous is not None and identity != previous:
+        if previous is not None and (
+            (stream_broke and identity != previous)
+            or (view_moved and identity.block_size != previous.block_size)
+        ):
             same_instance = identity.instance_id == previous.instance_id
+            sign = "its KV events broke sequence" if stream_broke else "its fleet view moved"
             if same_instance:
-                log.info("engine %s changed its identity under its instance id (its KV events "
-                         "broke sequence): taken as a new process", engine.address)  # fmt: skip
+                log.info("engine %s changed its identity under its instance id (%s): taken as a "
+                         "new process", engine.address, sign)  # fmt: skip
             else:
-                log.info("engine %s restarted (its KV events broke sequence, its identity "
-                         "changed)", engine.address)  # fmt: skip
+                log.info("engine %s restarted (%s, its identity changed)",
+                         engine.address, sign)  # fmt: skip
             # As a new process GetLoad names: out of routing until the old one is forgotten;
             # a flap only if another instance id says that the process changed.
             self.registry.on_new_instance(engine.address, self._clock(), same_instance)
@@ -1020,6 +1066,7 @@ class Fleet:
         # outage, scaled up, registered), also one restarted under the same identity
         # faster than a poll, which only its broken event stream shows.
         await self._restore_loras(engine)
+        return told_view
 
     async def _take_in_loras(self, address: str, adapters: tuple[LoraSpec, ...] | None) -> None:
         """Tell the fleet's LoRA intent what a process of the engine met anew holds: so

@@ -61,7 +61,9 @@
   block size (a fleet serving models of 16- and 32-token blocks: absent), the KV in tokens
   (`used_kv_tokens`, `total_kv_tokens`) and the block sizes (`kv_block_size`) in
   `attributes`, where a controller fronted as an engine whose fleet mixes block sizes
-  tells its KV (its tokens count there, its block sizes too).
+  tells its KV (its tokens count there, its block sizes too); `kvplane-fleet-view` in
+  `attributes` is the version of the fleet view GetEngineInfo/GetModelInfo tell
+  (`controller.fleet_view`), which a controller fronting this one follows.
 - Health, GetEngineInfo: the fleet's view; Health's model, role and inference probe are
   answered as an engine answers them (the probe: every engine taking traffic runs its own).
   GetModelInfo: a routable engine serving the model answers, with the pooling tasks and
@@ -86,6 +88,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 
 from controller.fleet import KV_BLOCK_SIZE_ATTRIBUTE, KV_TOKEN_ATTRIBUTES, POOLING_TASKS, Fleet
+from controller.fleet_view import FLEET_VIEW_KEY, fleet_view
 from controller.hops import FRONTS_METADATA_KEY
 from controller.lora_intent import LoraSpec
 from controller.outcomes import (
@@ -1286,6 +1289,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 setattr(reply, name, min(total, _LOAD_FIELD_MAX[name]))
         reply.attributes["engines"] = str(len(records))
         reply.attributes["routable_engines"] = str(sum(r.routable for r in records))
+        # A controller fronting this one reads its identity again when this moves.
+        reply.attributes[FLEET_VIEW_KEY] = fleet_view(records)
         return reply
 
     def _block_size_of(self, record: EngineRecord) -> int:
@@ -1416,7 +1421,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         self, request: pb.GetEngineInfoRequest, context: Context
     ) -> pb.EngineInfo:
         models: list[str] = []
-        for r in self.controller.fleet.registry.records():
+        records = self.controller.fleet.registry.records()
+        for r in records:
             # Not an incompatible engine's: the fleet does not serve them (GetModelInfo and
             # Generate answer NOT_FOUND for a model only such engines name).
             if r.identity is not None and r.state is not EngineState.INCOMPATIBLE:
@@ -1424,7 +1430,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # Which controllers this one fronts: a controller about to front it refuses to if it
         # is among them (a ring of controllers, `controller.hops`).
         fronted = sorted(self.controller.fleet.registry.fronted_controller_ids())
-        context.set_trailing_metadata([(FRONTS_METADATA_KEY, i) for i in fronted])
+        # And the fleet view this answer is of: GetLoad's telling it moved is compared with it.
+        view = (FLEET_VIEW_KEY, fleet_view(records))
+        context.set_trailing_metadata([(FRONTS_METADATA_KEY, i) for i in fronted] + [view])
         return pb.EngineInfo(
             engine_name=CONTROLLER_ENGINE_NAME,
             engine_version=__version__,

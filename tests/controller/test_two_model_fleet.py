@@ -2,10 +2,12 @@
 block size) behind the controller, through real servers: a request is routed to its own
 model's engines only, and a request naming no model, which such a fleet would answer with
 whichever model the router picked, is refused until it names one; an adapter loaded on one
-model's engine serves that model only."""
+model's engine serves that model only; a controller fronting another follows the models its
+fleet gains and loses."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
@@ -15,16 +17,20 @@ import pytest
 
 from controller.fleet import PromptView
 from controller.outcomes import ENGINE_METADATA_KEY
+from controller.registry import EngineRecord
 from engine.config import LoraConfig
 from kvplane_api.v1 import admin_pb2 as apb
 from openengine.v1 import openengine_pb2 as pb
 from tests.controller.conftest import (
     Fleet,
+    ServedEngine,
     close_fleet,
     generate_request,
     make_fleet,
     start_sim_engine,
 )
+from tests.controller.fronted_engine import start_fronted_engine
+from tests.controller.test_fleet_health import SaysHealth
 from tests.controller.test_gateway import generate_routed
 from tests.controller.test_gateway_scripted import cli
 from tests.controller.test_lora_engines import outcome_lines
@@ -416,6 +422,97 @@ async def test_a_fronted_fleet_of_two_block_sizes_counts_in_the_upper_fleets_kv(
     finally:
         await close_fleet(upper)
         await close_fleet(lower)
+
+
+def models_of(record: EngineRecord) -> tuple[str, ...]:
+    return () if record.identity is None else record.identity.models
+
+
+@contextlib.asynccontextmanager
+async def fronting_a_fleet_of_a(
+    b0: ServedEngine,
+) -> AsyncIterator[tuple[Fleet, Fleet, EngineRecord]]:
+    """An upper controller (no engine of its own) fronting a lower one with an engine of
+    `a`, and the upper's record of the lower; `b0` (an engine of `b`, not registered) is
+    closed with them."""
+    lower = await make_fleet(engines=[await start_sim_engine("a0", served_model_name="a")])
+    upper: Fleet = await make_fleet(engines=[])
+    try:
+        await lower.wait_routable(1)
+        await front(upper, lower, 1)
+        yield upper, lower, upper.app.controller.fleet.registry.get(lower.target)
+    finally:
+        await b0.close()
+        await close_fleet(upper)
+        await close_fleet(lower)
+
+
+async def served_when_read(upper: Fleet, record: EngineRecord, model: str, request_id: str) -> None:
+    """Once the upper has read `model` among the lower's models (`record`), it serves it."""
+    await upper.app.controller.fleet.wait_for(
+        lambda: record.routable and model in models_of(record), 15
+    )
+    reply, route = await generate_routed(upper, request_for(model, request_id))
+    assert reply[-1].WhichOneof("event") == "finished"
+    assert route is not None and route["engine"] == record.address
+
+
+async def test_an_upper_controller_follows_the_models_its_fronted_fleet_gains_and_loses() -> None:
+    """An upper controller fronting a lower one (an engine of `a`): an engine of `b` joins
+    the lower fleet, and the upper, which read the lower's models at first contact only,
+    refused a request for `b` (NOT_FOUND) for as long as the lower controller ran. The
+    lower's GetLoad tells its fleet view (`kvplane-fleet-view`), and the upper reads its
+    models again when that moves: it routes `b` there, and once the last engine of `b` left
+    the lower fleet refuses `b` itself, the lower controller never taken for restarted."""
+    b0 = await start_sim_engine("b0", served_model_name="b")
+    b0_address = f"127.0.0.1:{b0.port}"
+    async with fronting_a_fleet_of_a(b0) as (upper, lower, record):
+        epoch = record.epoch
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await generate_routed(upper, request_for("b", "before"))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+        await lower.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=b0_address, kv_events="none")
+        )
+        await served_when_read(upper, record, "b", "joined")
+
+        await lower.admin.RemoveEngine(apb.EngineRef(engine=b0_address))
+        await upper.app.controller.fleet.wait_for(lambda: models_of(record) == ("a",), 15)
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await generate_routed(upper, request_for("b", "left"))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "'b'" in (gone.value.details() or "")
+        await served_when_read(upper, record, "a", "still")
+        # The same process throughout: no index entries or accounting dropped, no flap.
+        assert record.epoch == epoch and record.num_flaps == 0
+
+
+async def test_a_model_joining_a_fronted_fleet_not_ready_yet_leaves_the_upper_routing_as_it_was(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine of `b` joins the lower fleet saying NOT_READY: the lower controller lists
+    `b` but cannot answer GetModelInfo for it (UNAVAILABLE). The upper, reading the lower's
+    models again as its fleet view moved, keeps its old ones meanwhile (it routes `a` there
+    as before, the lower not taken for unreachable) and takes `b` in once it can be read."""
+    b0 = await start_fronted_engine("b0", SaysHealth, served_model_name="b")
+    b0.servicer.state = pb.HEALTH_STATE_NOT_READY
+    async with fronting_a_fleet_of_a(b0) as (upper, lower, record):
+        epoch = record.epoch
+        await lower.admin.RegisterEngine(
+            apb.RegisterEngineRequest(address=f"127.0.0.1:{b0.port}", kv_events="none")
+        )
+        await eventually(
+            lambda: "changed its fleet view, which could not be read" in caplog.text,
+            15,
+            "the upper failing to read the lower's models while b0 is not ready",
+        )
+        assert record.routable and models_of(record) == ("a",)
+        await served_when_read(upper, record, "a", "meanwhile")
+
+        b0.servicer.state = None  # the sim engine's own answer: READY
+        await served_when_read(upper, record, "b", "ready")
+        assert record.epoch == epoch and record.num_flaps == 0
 
 
 async def test_admin_workers_shows_each_engines_models(two_models: Fleet) -> None:
