@@ -12,18 +12,19 @@ the others within a poll interval. A call whose change Redis does not take is re
 
 The hash's fields: `a:<address>` an engine registered through the admin API (its `kv_events`
 mode; RegisterEngine takes no `array_tail`: every replica chooses the engine's from its
-GetEngineInfo name, alike), `o:<address>` who registered it (its RegisterEngine's `owner`,
-when it said; a replica older than the field ignores it), `c:<address>` a cordoned engine,
-`x:<address>` an engine of the replicas' config removed (config engines are in every
-replica's config; removing one through any replica removes it from all, a replica started
-later included, until it is registered again), and `v`, the hash's generation: set (to a
-fresh token) by whoever writes a hash Redis does not hold, kept by every change after. A
-hash without it was lost by Redis (or never written): the replica writes its own membership
-back instead of dropping what it does not find. A replica that finds another generation than
-it read last finds a hash written back since by another replica, which knew only its own
-membership: it writes its own back too (the fields merge) before applying the hash, so no
-replica takes what another did not know for a removal. Once every running replica has read
-the new generation, the hash is the union of their views.
+GetEngineInfo name, alike), `o:<address>` who registered it (its RegisterEngine's `owner`, when
+it said; a replica applies it to an engine it already has too, one removed and registered again
+between two reads; a replica older than the field ignores it), `c:<address>` a cordoned engine,
+`x:<address>` an engine of the replicas' config removed (config engines are in every replica's
+config; removing one through any replica removes it from all, a replica started later included,
+until it is registered again), and `v`, the hash's generation: set (to a fresh token) by
+whoever writes a hash Redis does not hold, kept by every change after. A hash without it was
+lost by Redis (or never written): the replica writes its own membership back instead of
+dropping what it does not find. A replica that finds another generation than it read last finds
+a hash written back since by another replica, which knew only its own membership: it writes its
+own back too (the fields merge) before applying the hash, so no replica takes what another did
+not know for a removal. Once every running replica has read the new generation, the hash is the
+union of their views.
 
 Without a Redis index the calls change this replica's fleet only, as they always did.
 """
@@ -215,12 +216,16 @@ class Membership:
                 log.info("engine %s removed through another controller replica", record.address)
                 self.fleet.begin_removal(record.address)
         for address, mode in registered.items():
-            if registry.by_engine_id(address) is not None:
+            owner = fields.get(_OWNER + address, "")
+            known = registry.by_engine_id(address)
+            if known is not None:
+                # As its registration says: removed and registered again (another owner, or
+                # none) between two reads, it is one this replica already has.
+                known.owner = owner
                 continue
             log.info("engine %s registered through another controller replica", address)
             # (Still being removed here: added at the next read.)
             with contextlib.suppress(DuplicateEngineError):
-                owner = fields.get(_OWNER + address, "")
                 await self.fleet.add_engine(address, mode, source="admin", owner=owner)
         for record in registry.records():
             cordoned = _CORDONED + record.address in fields

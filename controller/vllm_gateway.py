@@ -17,8 +17,9 @@ What this API changes on the way:
   matches those against the index (a prompt as sent would share no prefix with them).
 - The response has no cached-token count: usage records the prompt tokens only
   (`prompt_info.num_prompt_tokens`), not the router's prediction against the engine's.
-- A request aborted before any engine accepted it (while planned, say) ends as an engine
-  ends one aborted before its prefill, `finish_info` ABORTED with status OK (`aborted`).
+- A request aborted before any engine accepted it (while planned, say) ends as the bundled
+  engine ends one aborted before its prefill, `finish_info` ABORTED with status OK, the first
+  sequence's end carrying `prompt_info` in the same response (`aborted`).
 - This proto has no health of its own: `grpc.health.v1` says NOT_SERVING for
   `vllm.Generate` once the gateway drains (it refuses every new request), as an engine's
   service does (`report_health`).
@@ -100,11 +101,12 @@ class _VllmGenerate:
         return None
 
     def aborted(self, request: vpb.GenerateRequest) -> list[vpb.GenerateResponse]:
-        """As an engine ends a request aborted before its prefill (status OK): each sequence
-        (the one of a unary call) finished ABORTED with no token, the first response with
-        `prompt_info`. Its prompt is counted only when sent as token ids (and kept as the
-        engine keeps it, `truncate_prompt_tokens`): a text prompt's tokens are the engine's
-        to count, so `prompt_info` is left out then."""
+        """As the bundled engine ends a request aborted before its prefill (status OK): each
+        sequence (the one of a unary call) finished ABORTED with no token, the first of them
+        with `prompt_info` in the same response (the tests compare the two). Its prompt is
+        counted only when sent as token ids (and kept as the engine keeps it,
+        `truncate_prompt_tokens`): a text prompt's tokens are the engine's to count, so
+        `prompt_info` is left out then."""
         aborted = vpb.FinishInfo(finish_reason=vpb.FinishInfo.ABORTED)
         ending = [
             vpb.GenerateResponse(outputs=vpb.SequenceOutput(index=index, finish_info=aborted))

@@ -58,10 +58,12 @@ from typing import Any, TypeVar
 
 from engine.core.api import (
     EngineRequest,
+    FinishReason,
     LoadSnapshot,
     RequestOutput,
     SamplingParams,
     StepReport,
+    Usage,
 )
 from engine.core.engine_core import EngineCore, EngineLoop, asyncio_sink
 from engine.core.errors import DuplicateRequestError, EngineStoppedError, InvalidRequestError
@@ -425,6 +427,29 @@ class EngineService:
         self._end_pull(handle)
         if self.metrics is not None:
             self.metrics.on_pull(_pull_outcome(error))
+
+    def aborted_before_prefill(self, request: EngineRequest) -> list[RequestOutput]:
+        """The outputs that end `request`, aborted before the core took it (a DECODE engine's,
+        while it pulls its KV session), as the core ends one aborted while queued
+        (`EngineCore.abort`): each output finished CANCELLED ("aborted"), the last with the
+        Usage of its prompt alone (no completion token, nothing read from the cache). Counted
+        in the metrics as that one is: an accepted request and its finished outputs."""
+        last = request.sampling.num_sequences - 1
+        usage = Usage(len(request.prompt_token_ids), 0, 0)
+        outputs = [
+            RequestOutput(
+                request.request_id,
+                index,
+                finish_reason=FinishReason.CANCELLED,
+                message="aborted",
+                usage=usage if index == last else None,
+            )
+            for index in range(last + 1)
+        ]
+        if self.metrics is not None:
+            self.metrics.on_accept(request)
+            self.metrics.on_outputs(outputs)
+        return outputs
 
     def _end_pull(self, handle: TaskHandle) -> None:
         self._num_pulling -= 1

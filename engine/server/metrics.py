@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.core.api import EngineRequest, StepReport
+from engine.core.api import EngineRequest, RequestOutput, StepReport
 
 # How a DECODE engine's pull of a KV session ended: `refused` is a session it cannot use (or a
 # malformed ref), `failed` the transfer itself (unreachable, too slow, malformed stream),
@@ -142,15 +142,10 @@ class EngineMetrics:
         """The open-sessions gauge reads `count()` at every scrape."""
         self.open_kv_sessions.labels(self._model).set_function(count)
 
-    def on_report(
-        self, report: StepReport, counted: Callable[[str], bool] = lambda _request_id: True
-    ) -> None:
-        """Count a step; outputs of requests `counted` says no to (the health probe's) are
-        left out of the request figures."""
+    def on_outputs(self, outputs: Iterable[RequestOutput]) -> None:
+        """Count requests' outputs: their tokens, how they finished, their Usage."""
         m = self._model
-        for output in report.result.outputs:
-            if not counted(output.request_id):
-                continue
+        for output in outputs:
             if output.new_token_ids:
                 self.generation_tokens.labels(m).inc(len(output.new_token_ids))
             if output.finish_reason is not None:
@@ -158,6 +153,14 @@ class EngineMetrics:
             if output.usage is not None:
                 self.prompt_tokens.labels(m).inc(output.usage.prompt_tokens)
                 self.cached_prompt_tokens.labels(m).inc(output.usage.cached_prompt_tokens)
+
+    def on_report(
+        self, report: StepReport, counted: Callable[[str], bool] = lambda _request_id: True
+    ) -> None:
+        """Count a step; outputs of requests `counted` says no to (the health probe's) are
+        left out of the request figures."""
+        m = self._model
+        self.on_outputs(output for output in report.result.outputs if counted(output.request_id))
         stats = report.result.stats
         if stats is not None:
             self.step_seconds.labels(m).observe(stats.duration_s)

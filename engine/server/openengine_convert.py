@@ -390,25 +390,6 @@ class GenerateStreamEncoder:
             response.usage.CopyFrom(usage_proto(prompt_only))
         return response
 
-    def aborted_before_prefill(self) -> list[pb.GenerateResponse]:
-        """The events that end the request aborted before the core took it (a DECODE engine's,
-        while it pulls its KV session) as the core ends one aborted while queued
-        (`EngineCore.abort`): each output finished CANCELLED ("aborted"), the last with the
-        Usage of its prompt alone (no completion token, nothing read from the cache)."""
-        last = self._num_outputs - 1
-        usage = Usage(len(self._prompt), 0, 0)
-        outputs = [
-            RequestOutput(
-                self._request_id,
-                index,
-                finish_reason=FinishReason.CANCELLED,
-                message="aborted",
-                usage=usage if index == last else None,
-            )
-            for index in range(self._num_outputs)
-        ]
-        return [event for output in outputs for event in self.encode(output)]
-
     def error_event(
         self, code: pb.ErrorCode.ValueType, message: str, *, retryable: bool = False
     ) -> pb.GenerateResponse:

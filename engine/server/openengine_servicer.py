@@ -182,8 +182,9 @@ class OpenEngineServicer(pb_grpc.OpenEngineServicer):
             kv_session=kv_session,
         )
         if stream is None:  # aborted while it pulled its KV session
-            for event in encoder.aborted_before_prefill():
-                yield event
+            for output in self._service.aborted_before_prefill(engine_request):
+                for event in encoder.encode(output):
+                    yield event
             return
         try:
             async for output in stream.outputs():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +25,8 @@ from openengine.v1 import openengine_pb2 as pb
 from openengine.v1 import openengine_pb2_grpc as pb_grpc
 from tests.polling import eventually
 from tests.redis_servers import RedisServer
+from vllm_grpc import vllm_grpc_pb2 as vpb
+from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
 
 async def start_sim_engine(
@@ -243,9 +246,10 @@ def generate_request(
     )
 
 
-async def ended_while_queued(request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
-    """How the bundled engine ends `request` (up to 2 outputs) aborted before its prefill:
-    a sim engine whose 2 seats are taken queues it, and an Abort of its id ends it there."""
+@contextlib.asynccontextmanager
+async def engine_with_its_seats_taken() -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to a sim engine whose 2 seats a request holds: the next one it is sent
+    queues there."""
     engine = await start_sim_engine("queues", time_scale=0.5, max_num_seqs=2)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine.port}")
     stub = pb_grpc.OpenEngineStub(channel)
@@ -254,21 +258,52 @@ async def ended_while_queued(request: pb.GenerateRequest) -> list[pb.GenerateRes
         seats.sampling.num_sequences = 2
         running = stub.Generate(seats)
         await running.read()  # its first token: both seats are taken
-        stream = stub.Generate(request)
-
-        async def queued() -> bool:  # GetLoad counts sequences
-            load = await stub.GetLoad(pb.GetLoadRequest())
-            return load.queued_requests == (request.sampling.num_sequences or 1)
-
-        await eventually(queued, what="the request queued")
-        reply = await stub.Abort(pb.AbortRequest(request_id=request.request_id))
-        assert reply.status == pb.ABORT_STATUS_ABORTED
-        ended = [r async for r in stream]
+        yield channel
         running.cancel()
-        return ended
     finally:
         await channel.close()
         await engine.close()
+
+
+async def abort_once_queued(
+    stub: pb_grpc.OpenEngineAsyncStub, request_id: str, num_sequences: int
+) -> None:
+    """Abort `request_id` on the engine of `stub` once its `num_sequences` queue there."""
+
+    async def queued() -> bool:  # GetLoad counts sequences
+        load = await stub.GetLoad(pb.GetLoadRequest())
+        return load.queued_requests == num_sequences
+
+    await eventually(queued, what="the request queued")
+    reply = await stub.Abort(pb.AbortRequest(request_id=request_id))
+    assert reply.status == pb.ABORT_STATUS_ABORTED
+
+
+async def ended_while_queued(request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    """How the bundled engine ends `request` (up to 2 outputs) aborted before its prefill:
+    queued behind the seats taken, an Abort of its id ends it there."""
+    async with engine_with_its_seats_taken() as channel:
+        stub = pb_grpc.OpenEngineStub(channel)
+        stream = stub.Generate(request)
+        await abort_once_queued(stub, request.request_id, request.sampling.num_sequences or 1)
+        return [r async for r in stream]
+
+
+async def vllm_ended_while_queued(
+    request: vpb.GenerateRequest, unary: bool
+) -> list[vpb.GenerateResponse]:
+    """`ended_while_queued` for a vllm.Generate (`unary`) or GenerateStream `request`."""
+    async with engine_with_its_seats_taken() as channel:
+        stub = pb_grpc.OpenEngineStub(channel)
+        vllm = vpb_grpc.GenerateStub(channel)
+        num_sequences = request.sampling.num_sequences or 1
+        if unary:
+            reply = asyncio.ensure_future(vllm.Generate(request))
+            await abort_once_queued(stub, request.request_id, num_sequences)
+            return [await reply]
+        stream = vllm.GenerateStream(request)
+        await abort_once_queued(stub, request.request_id, num_sequences)
+        return [r async for r in stream]
 
 
 @pytest.fixture

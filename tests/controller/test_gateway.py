@@ -29,6 +29,7 @@ from tests.controller.conftest import (
     generate_request,
     make_fleet,
     start_sim_engine,
+    vllm_ended_while_queued,
 )
 from tests.controller.test_fleet_events import scrape
 from tests.partial_servicers import PartialOpenEngine
@@ -723,14 +724,15 @@ async def test_a_vllm_request_aborted_before_any_engine_ends_aborted_as_on_an_en
     from vllm_grpc import vllm_grpc_pb2 as vpb
     from vllm_grpc import vllm_grpc_pb2_grpc as vpb_grpc
 
-    planning, go_on = hold_planning(fleet, monkeypatch)
-    chosen = record_routes(fleet)
-    stub = vpb_grpc.GenerateStub(fleet.channel)
     request = vpb.GenerateRequest(
         request_id="early", model="sim", token_ids=vpb.TokenIds(ids=[*PREFIX, 1]),
         truncate_prompt_tokens=10, sampling=vpb.RandomSampling(num_sequences=1 if unary else 2),
         response=vpb.ResponseOptions(prompt_token_ids=True),
     )  # fmt: skip
+    expected = await vllm_ended_while_queued(request, unary)
+    planning, go_on = hold_planning(fleet, monkeypatch)
+    chosen = record_routes(fleet)
+    stub = vpb_grpc.GenerateStub(fleet.channel)
 
     async def responses() -> list[vpb.GenerateResponse]:
         if unary:
@@ -743,6 +745,7 @@ async def test_a_vllm_request_aborted_before_any_engine_ends_aborted_as_on_an_en
     assert reply.status == pb.ABORT_STATUS_ABORTED
     go_on.set()
     ended = await call
+    assert ended == expected
     assert chosen == []  # never routed
     assert [r.outputs.index for r in ended] == ([0] if unary else [0, 1])
     for response in ended:

@@ -191,6 +191,31 @@ async def test_a_config_engine_removed_stays_removed_after_redis_lost_the_member
 READ_WHEN_TOLD = {"poll_interval_s": 3600}
 
 
+async def test_an_engine_removed_and_registered_again_between_two_reads_has_its_new_owner(
+    redis: RedisServer,
+) -> None:
+    """Removed and registered again through one replica with another owner (or none) while
+    the other does not read the membership: the other reports the owner the registration
+    says. It used to keep the owner it read first, the engine being one it already had."""
+    a: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=READ_WHEN_TOLD)
+    b: Fleet = await make_fleet(engines=[], index=shared_index(redis), health=READ_WHEN_TOLD)
+    engine = await start_sim_engine("e0")
+    address = f"127.0.0.1:{engine.port}"
+    try:
+        await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address, owner="old"))
+        await b.app.controller.membership.refresh()
+        assert (await workers(b))[address].owner == "old"
+        for owner in ("new", ""):
+            await a.admin.RemoveEngine(apb.EngineRef(engine=address))
+            await a.admin.RegisterEngine(apb.RegisterEngineRequest(address=address, owner=owner))
+            await b.app.controller.membership.refresh()
+            assert (await workers(b))[address].owner == owner
+    finally:
+        await close_replica(b)
+        await close_fleet(a)
+        await engine.close()
+
+
 async def test_replicas_finding_the_membership_lost_in_turn_keep_an_engine_registered_again(
     redis: RedisServer,
 ) -> None:

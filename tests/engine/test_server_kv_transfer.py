@@ -609,8 +609,20 @@ async def test_an_abort_during_the_pull_ends_the_request_as_one_aborted_before_i
         assert load.running_requests == 0 and load.used_kv_blocks == 0
         again = await decoder.stub.Abort(pb.AbortRequest(request_id="pulling"))
         assert again.status == pb.ABORT_STATUS_ALREADY_FINISHED
-        line = 'kvplane_engine_kv_pulls_total{model="sim",outcome="cancelled"} 1.0'
-        assert line in await metrics_text(decoder)
+        text = await metrics_text(decoder)
+        assert 'kvplane_engine_kv_pulls_total{model="sim",outcome="cancelled"} 1.0' in text
+        _assert_counted_as_aborted_before_its_prefill(text, num_outputs=2)
+
+
+def _assert_counted_as_aborted_before_its_prefill(metrics: str, num_outputs: int) -> None:
+    """How an engine's metrics count one request of PROMPT aborted before its prefill: an
+    accepted request, each output finished cancelled, the tokens of its prompt."""
+    for line in (
+        'kvplane_engine_requests_total{model="sim"} 1.0',
+        f'kvplane_engine_finished_outputs_total{{model="sim",reason="cancelled"}} {num_outputs}.0',
+        f'kvplane_engine_prompt_tokens_total{{model="sim"}} {len(PROMPT)}.0',
+    ):
+        assert line in metrics, line
 
 
 def _aborted_before_its_prefill(request_id: str, num_outputs: int) -> list[pb.GenerateResponse]:
@@ -633,8 +645,9 @@ def _aborted_before_its_prefill(request_id: str, num_outputs: int) -> list[pb.Ge
 
 async def test_an_aggregated_engine_ends_a_request_aborted_before_its_prefill_alike() -> None:
     """The end the test above expects is an aggregated engine's for the same request aborted
-    while queued (its engine thread busy: the core has not begun it)."""
-    async with engines(sim_config()) as (engine,):
+    while queued (its engine thread busy: the core has not begun it), and so are the metrics
+    (a DECODE engine's used to count neither the request nor its outputs)."""
+    async with engines(sim_config(metrics_listen="127.0.0.1:0")) as (engine,):
         request = generate_request(PROMPT, max_tokens=5)
         request.request_id = "queued"
         request.sampling.num_sequences = 2
@@ -654,6 +667,7 @@ async def test_an_aggregated_engine_ends_a_request_aborted_before_its_prefill_al
             await eventually(abort_queued, what="the Abort queued")
         assert (await abort).status == pb.ABORT_STATUS_ABORTED
         assert await generation == _aborted_before_its_prefill("queued", num_outputs=2)
+        _assert_counted_as_aborted_before_its_prefill(await metrics_text(engine), num_outputs=2)
 
 
 async def test_metrics_count_pulls_by_outcome_and_open_sessions() -> None:
