@@ -19,8 +19,10 @@ is owned here and cancelled by `close()`. A prompt naming a LoRA adapter gets as
 only the engines holding it (registry.check_lora says why there is none). What a new engine
 process holds is taken into the fleet's LoRA intent (controller.lora_intent: a restarted
 controller learns the fleet's adapters back so, `_take_in_loras`), and it is given the
-adapters the intent wants there, in its poll task once its events are followed
-(`_restore_loras`).
+adapters the intent wants there once its events are followed (`_restore_loras`), and the
+unloads it did not answer at its health polls (`_reapply_unloads`): both in the engine's LoRA
+task, off its poll task, so an engine whose LoRA calls hang neither stalls its own polls nor
+holds up the fleet's other LoRA calls (`_Engine.lora_calls`).
 
 Calls to an engine end with its channel: a removed engine's channel is closed, and so is
 the channel of one unreachable (its polls unanswered; an error answer is an answer) for
@@ -48,7 +50,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -153,8 +155,8 @@ def _count(text: str | None) -> int | None:
 _NO_HIT = PrefixHit()
 # An engine's LoRA call failing so was not answered (gone, wedged): the fleet service's next
 # LoRA call to it would wait as long, so its restore or re-applied unloads end there, and go
-# on at its next poll, not one call after another (each up to `lora_timeout_s`, the fleet's
-# LoRA calls held up meanwhile, `Fleet.lora_changes`).
+# on when next due, not one call after another (each up to `lora_timeout_s`, the gateway's
+# LoRA changes to that engine waiting meanwhile, `_Engine.lora_calls`).
 _LORA_CALLS_UNANSWERED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 # While an index cannot answer, every routed request meets the failure: warn this often.
 BLIND_WARNING_INTERVAL_S = 10.0
@@ -284,6 +286,16 @@ class _Engine:
         self.calls_ended_because: str | None = None
         self.abandoned_outage_s: float | None = None
         self.poll_task: asyncio.Task[None] | None = None
+        # Its LoRA task (`Fleet._lora_work`): at most one, started when a restore or a
+        # re-applied unload is due and none runs; one due meanwhile is done when it ends.
+        self.lora_task: asyncio.Task[None] | None = None
+        self.restore_due = False
+        self.unloads_due = False
+        # Held around each LoRA change sent to the engine (LoadLora, UnloadLora: the LoRA
+        # task's, the gateway's), so the engine gets them in the order they were decided (a
+        # load then an unload of one adapter never swapped); the fleet's `lora_changes` is
+        # not held while it waits for the engine, so a wedged one holds up only its own.
+        self.lora_calls = asyncio.Lock()
         self.events_task: asyncio.Task[None] | None = None
         self.source: OpenEngineSource | ZmqSource | None = None
         # Why the engine's events have no source though they are wanted (its advertised ZMQ
@@ -355,7 +367,7 @@ class _Engine:
         self.source = None
 
     async def close(self) -> None:
-        tasks = (self.lease_task, self.poll_task, self.events_task)
+        tasks = (self.lease_task, self.poll_task, self.lora_task, self.events_task)
         for task in tasks:
             if task is not None:
                 task.cancel()
@@ -428,9 +440,10 @@ class Fleet:
         self._changed = asyncio.Condition()
         self._routing_blind = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
         # The adapters loaded through the controller, restored on every new engine process;
-        # held with `lora_changes` by the gateway's LoadLora/UnloadLora and by a restore,
-        # so that an engine never ends up holding an adapter the fleet just unloaded, nor
-        # two loads racing for one name split the fleet between two adapters.
+        # `lora_changes` is held by the gateway's LoRA calls (two loads racing for one name
+        # would split the fleet between two adapters), and by an engine's LoRA task only
+        # while it decides its next call there (never while waiting for the engine), so that
+        # an engine never ends up holding an adapter the fleet just unloaded.
         self.lora_intent = LoraIntent()
         self.lora_changes = asyncio.Lock()
         self._mixed_block_sizes = ThrottledWarning(BLIND_WARNING_INTERVAL_S, clock)
@@ -910,7 +923,8 @@ class Fleet:
                     identity_view = view or identity_view
                 if reply is not None:
                     await self._notify()
-                    await self._reapply_unloads(engine)
+                    if self.lora_intent.unconfirmed_on(address):  # (the usual case: none)
+                        self._lora_work_due(engine, unloads=True)
                 delay = health.load_poll_interval_s
             except asyncio.CancelledError:
                 raise
@@ -1065,7 +1079,8 @@ class Fleet:
         # Whenever its adapters were read again: a new process (restarted, back after an
         # outage, scaled up, registered), also one restarted under the same identity
         # faster than a poll, which only its broken event stream shows.
-        await self._restore_loras(engine)
+        if self._missing_loras(engine.address):  # (the usual case: none)
+            self._lora_work_due(engine, restore=True)
         return told_view
 
     async def _take_in_loras(self, address: str, adapters: tuple[LoraSpec, ...] | None) -> None:
@@ -1108,66 +1123,138 @@ class Fleet:
             if spec.lora_name not in record.lora_adapters  # (a conflicting copy: not loadable)
         ]
 
+    def _lora_work_due(self, engine: _Engine, restore: bool = False, unloads: bool = False) -> None:
+        """A restore of the engine's adapters, or its unconfirmed unloads, are due: done by
+        its LoRA task, started unless one runs (which does them before it ends)."""
+        engine.restore_due |= restore
+        engine.unloads_due |= unloads
+        if engine.lora_task is None or engine.lora_task.done():
+            engine.lora_task = asyncio.create_task(
+                self._lora_work(engine), name=f"loras {engine.address}"
+            )
+
+    async def _lora_work(self, engine: _Engine) -> None:
+        """The engine's LoRA task: its restore (`_restore_loras`) and re-applied unloads
+        (`_reapply_unloads`) until none is due. Off its poll task: an engine whose LoRA
+        calls hang (up to `lora_timeout_s` each) is polled meanwhile all the same."""
+        while engine.restore_due or engine.unloads_due:
+            restore, unloads = engine.restore_due, engine.unloads_due
+            engine.restore_due = engine.unloads_due = False
+            try:
+                if restore:
+                    await self._restore_loras(engine)
+                if unloads:
+                    await self._reapply_unloads(engine)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug: logged, its poll goes on and starts it again
+                log.exception("engine %s: its LoRA adapters not brought up to date", engine.address)
+
+    @contextlib.asynccontextmanager
+    async def lora_change_to(self, address: str, timeout_s: float) -> AsyncIterator[None]:
+        """Hold the engine's LoRA changes (`_Engine.lora_calls`) for one sent to it (the
+        gateway's LoadLora, UnloadLora), waiting at most `timeout_s` for the one it runs:
+        DEADLINE_EXCEEDED after that, as the engine's own timeout would be."""
+        engine = self._engines[address]
+        try:
+            async with asyncio.timeout(timeout_s):
+                await engine.lora_calls.acquire()
+        except TimeoutError:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "its earlier LoRA call (restoring its adapters or unloading one) is not "
+                "answered yet",
+            ) from None
+        try:
+            yield
+        finally:
+            engine.lora_calls.release()
+
+    async def _next_lora_change(self, engine: _Engine, due: Callable[[], bool]) -> bool:
+        """Take the engine's LoRA changes (`_Engine.lora_calls`) for a change of its LoRA
+        task if `due()` still holds once no gateway LoRA call runs (it may have made the
+        change, or its opposite, meanwhile); False, and nothing held, if not. The gateway
+        takes the engine's only under `lora_changes`, so it is free here."""
+        async with self.lora_changes:
+            if not due():
+                return False
+            await engine.lora_calls.acquire()
+            return True
+
     async def _reapply_unloads(self, engine: _Engine) -> None:
-        """At each health poll the engine answers: unload from it what was unloaded through
-        this controller and it still holds, as the controller knows (it did not answer the
-        unload: away, failing, wedged, and back since, the same process). The unload is the
-        operator's intent as a load is, re-applied as loads are restored. One it refuses
+        """Unload from the engine what was unloaded through this controller and it still
+        holds, as the controller knows (it did not answer the unload: away, failing, wedged,
+        and back since, the same process): due at each health poll it answers. The unload is
+        the operator's intent as a load is, re-applied as loads are restored. One it refuses
         again is logged (at most once per BLIND_WARNING_INTERVAL_S for the engine), and tried
         again at its next health poll; until then it keeps the adapter, and requests naming
-        it. One it does not answer (UNAVAILABLE, DEADLINE_EXCEEDED) ends the poll's unloads
-        there, as a restore of its loads ends."""
-        if not self.lora_intent.unconfirmed_on(engine.address):
-            return  # the usual case: no need to wait for a LoRA call in progress
-        async with self.lora_changes:  # (a fan-out in flight has the registry's view ahead)
-            held = self.registry.get(engine.address).lora_adapters or frozenset()
-            for name in self.lora_intent.unloads_due(engine.address, held):
-                try:
-                    await engine.stub.UnloadLora(
-                        pb.UnloadLoraRequest(lora_name=name), timeout=self.config.lora_timeout_s
+        it. One it does not answer (UNAVAILABLE, DEADLINE_EXCEEDED) ends the unloads there,
+        as a restore of its loads ends."""
+        address = engine.address
+
+        def due(name: str) -> bool:
+            held = self.registry.get(address).lora_adapters or frozenset()
+            return name in self.lora_intent.unloads_due(address, held)
+
+        for name in self.lora_intent.unconfirmed_on(address):
+            if not await self._next_lora_change(engine, functools.partial(due, name)):
+                continue
+            try:
+                await engine.stub.UnloadLora(
+                    pb.UnloadLoraRequest(lora_name=name), timeout=self.config.lora_timeout_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: gone already
+                    engine.unload_refused.warn(
+                        f"engine {address}: LoRA adapter {name!r}, unloaded through "
+                        f"the controller while it did not answer, not unloaded: "
+                        f"{exc.code().name}: {exc.details()}"
                     )
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: gone already
-                        engine.unload_refused.warn(
-                            f"engine {engine.address}: LoRA adapter {name!r}, unloaded through "
-                            f"the controller while it did not answer, not unloaded: "
-                            f"{exc.code().name}: {exc.details()}"
-                        )
-                        if exc.code() in _LORA_CALLS_UNANSWERED:
-                            return  # the others would wait as long: at its next poll
-                        continue
-                log.info("engine %s: LoRA adapter %r unloaded, as it was from the fleet while "
-                         "it did not answer", engine.address, name)  # fmt: skip
-                self.registry.on_lora_unloaded(engine.address, name)
-                self.lora_intent.unload_confirmed(name, engine.address)
+                    if exc.code() in _LORA_CALLS_UNANSWERED:
+                        return  # the others would wait as long: at its next poll
+                    continue
+            finally:
+                engine.lora_calls.release()
+            log.info("engine %s: LoRA adapter %r unloaded, as it was from the fleet while "
+                     "it did not answer", address, name)  # fmt: skip
+            self.registry.on_lora_unloaded(address, name)
+            self.lora_intent.unload_confirmed(name, address)
 
     async def _restore_loras(self, engine: _Engine) -> None:
         """Load on the engine the adapters the fleet's intent wants there and it lacks, one
         by one, in the order they were loaded; each is routed to there once loaded. A
         refusal (out of LoRA slots, a directory gone since) is logged and leaves the engine
         without that adapter until its adapters are next read again; the intent stays."""
-        if not self._missing_loras(engine.address):
-            return  # the usual case: no need to wait for a LoRA call in progress
-        async with self.lora_changes:
-            for spec in self._missing_loras(engine.address):
-                adapter = pb.LoraAdapter(
-                    lora_id=spec.lora_id, lora_name=spec.lora_name, source_path=spec.source_path
+        address = engine.address
+
+        def due(spec: LoraSpec) -> bool:
+            return spec in self._missing_loras(address)
+
+        for spec in self._missing_loras(address):
+            if not await self._next_lora_change(engine, functools.partial(due, spec)):
+                continue
+            adapter = pb.LoraAdapter(
+                lora_id=spec.lora_id, lora_name=spec.lora_name, source_path=spec.source_path
+            )
+            model = self.lora_intent.model_of(spec.lora_name, address)
+            try:
+                await engine.stub.LoadLora(
+                    pb.LoadLoraRequest(adapter=adapter),
+                    timeout=self.config.lora_timeout_s,
+                    metadata=lora_model_metadata(model),
                 )
-                model = self.lora_intent.model_of(spec.lora_name, engine.address)
-                try:
-                    await engine.stub.LoadLora(
-                        pb.LoadLoraRequest(adapter=adapter),
-                        timeout=self.config.lora_timeout_s,
-                        metadata=lora_model_metadata(model),
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    log.warning("engine %s: LoRA adapter %s not restored: %s: %s",
-                                engine.address, spec, exc.code().name, exc.details())  # fmt: skip
-                    if exc.code() in _LORA_CALLS_UNANSWERED:
-                        return  # gone again: its next process is restored then
-                    continue
-                log.info("engine %s: LoRA adapter %s restored", engine.address, spec)
-                self.registry.on_lora_loaded(engine.address, spec.lora_name)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("engine %s: LoRA adapter %s not restored: %s: %s",
+                            address, spec, exc.code().name, exc.details())  # fmt: skip
+                if exc.code() in _LORA_CALLS_UNANSWERED:
+                    return  # gone again: its next process is restored then
+                continue
+            finally:
+                engine.lora_calls.release()
+            log.info("engine %s: LoRA adapter %s restored", address, spec)
+            self.registry.on_lora_loaded(address, spec.lora_name)
 
     async def _model_facts(
         self, engine: _Engine, models: tuple[str, ...]

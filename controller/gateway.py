@@ -52,10 +52,12 @@
   trailing metadata (EngineOutcome) and in the message of a failure. What each engine
   answered updates the registry's record of the adapters it holds, which routing of LoRA
   requests reads (an UnloadLora takes the adapter out of it before asking). One LoRA call
-  at a time (`Fleet.lora_changes`); LoadLora and UnloadLora update the fleet's LoRA intent
-  (controller.lora_intent, also rebuilt from what the engines hold), and a load under a
-  name it holds with another adapter, or for another base model (on the fleet, or on one
-  engine serving another), is ALREADY_EXISTS before any engine is asked.
+  at a time (`Fleet.lora_changes`), and a LoadLora's or UnloadLora's call to an engine
+  after the engine's LoRA change in progress (`Fleet.lora_change_to`); LoadLora and
+  UnloadLora update the fleet's LoRA intent (controller.lora_intent, also rebuilt from
+  what the engines hold), and a load under a name it holds with another adapter, or for
+  another base model (on the fleet, or on one engine serving another), is ALREADY_EXISTS
+  before any engine is asked.
 - GetLoad: the fleet's sums (a figure no engine reports is absent, not 0), with per-engine
   detail in `attributes`; the KV block counts only where every engine reporting them has one
   block size (a fleet serving models of 16- and 32-token blocks: absent), the KV in tokens
@@ -661,10 +663,20 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         self,
         records: list[EngineRecord],
         call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
+        *,
+        lora_change_s: float | None = None,
     ) -> list[tuple[EngineRecord, T | grpc.aio.AioRpcError]]:
+        """`call` on every engine of `records` at once. `lora_change_s`: each call is a LoRA
+        change, sent once the engine's LoRA change in progress ended, waited for that long
+        at most (`Fleet.lora_change_to`)."""
+        fleet = self.controller.fleet
+
         async def one(record: EngineRecord) -> T | grpc.aio.AioRpcError:
             try:
-                return await call(self.controller.fleet.stub(record.address))
+                if lora_change_s is None:
+                    return await call(fleet.stub(record.address))
+                async with fleet.lora_change_to(record.address, lora_change_s):
+                    return await call(fleet.stub(record.address))
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 return engine_failure(caught, record.address, self.controller.fleet)
 
@@ -860,6 +872,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         on_absent: Callable[[str], None] | None = None,
         unloading: str | None = None,
         model: str | None = None,
+        changes: bool = False,
     ) -> list[T]:
         """Call every engine the call is for (`_lora_engines`) that may support LoRA
         (GetModelInfo did not say `supports_lora: false`); report every engine's outcome
@@ -874,7 +887,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         fails the call, UNAVAILABLE, instead of passing unmentioned; the asked engines
         holding it leave its routing before they are asked (back on one whose unload fails),
         so no request naming it is sent to an engine that is unloading it. `model`: the
-        engines serving it only (a LoadLora's `kvplane-model`)."""
+        engines serving it only (a LoadLora's `kvplane-model`). `changes` (LoadLora,
+        UnloadLora): each engine's call is sent once its LoRA change in progress (the fleet
+        service restoring its adapters, say) ended, so the engine gets them in order."""
         engines = await self._lora_engines(context, model)
         asked = [r for r in engines if r.identity is None or r.identity.supports_lora is not False]
         outcomes = {
@@ -890,7 +905,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             registry.on_lora_unloaded(address, unloading or "")
         replies: list[T] = []
         failures: list[grpc.aio.AioRpcError] = []
-        for record, result in await self._fan_out(asked, call):
+        change_s = self._lora_timeout_s(context) if changes else None
+        for record, result in await self._fan_out(asked, call, lora_change_s=change_s):
             if isinstance(result, grpc.aio.AioRpcError):
                 outcome = EngineOutcome.of(record, result, self.controller.fleet)
                 if on_absent is not None and result.code() == grpc.StatusCode.NOT_FOUND:
@@ -994,6 +1010,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 lambda r: (r.adapter.lora_name,),
                 loaded,
                 model=named_model,
+                changes=True,
             )
         return pb.LoadLoraResponse(
             adapter=replies[0].adapter, already_loaded=all(r.already_loaded for r in replies)
@@ -1022,6 +1039,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
                 unloaded,
                 on_absent=unloaded,
                 unloading=request.lora_name,
+                changes=True,
             )
         return pb.UnloadLoraResponse(adapter=replies[0].adapter)
 

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from controller.outcomes import ENGINE_METADATA_KEY
+from controller.registry import EngineState
 from engine.config import LoraConfig
 from engine.server.service import EngineApp
 from kvplane_api.v1 import admin_pb2 as apb
@@ -30,7 +31,7 @@ from tests.controller.conftest import (
     make_fleet,
     start_sim_engine,
 )
-from tests.controller.fronted_engine import ForwardingLora, start_fronted_engine
+from tests.controller.fronted_engine import ForwardingLora, FrontedEngine, start_fronted_engine
 from tests.controller.test_gateway_scripted import outcomes
 from tests.engine.lora_adapters import write_adapter_config
 from tests.polling import eventually
@@ -323,13 +324,15 @@ async def test_adapters_loaded_and_unloaded_by_the_hundred_leave_nothing_in_the_
 class CutOff(ForwardingLora):
     """A sim engine serving LoRA that answers nothing but UNAVAILABLE while `cut` (a network
     partition, a wedged server), the same process throughout. While `unloads_hang`, an
-    UnloadLora never answers (a wedged LoRA worker); each one's name is kept in `unloads`."""
+    UnloadLora is not answered until `released` (a wedged LoRA worker); each one's name is
+    kept in `unloads`."""
 
     def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
         super().__init__(inner)
         self.cut = False
         self.unloads_hang = False
         self.unloads: list[str] = []
+        self.released = asyncio.Event()
 
     async def _answer(self, context: Context) -> None:
         if self.cut:
@@ -351,7 +354,7 @@ class CutOff(ForwardingLora):
         await self._answer(context)
         self.unloads.append(request.lora_name)
         if self.unloads_hang:
-            await asyncio.Event().wait()  # until the controller's deadline cancels it
+            await self.released.wait()  # or until the controller's deadline cancels it
         return await super().UnloadLora(request, context)
 
 
@@ -412,4 +415,75 @@ async def test_an_engine_whose_unloads_time_out_is_asked_one_at_a_time(tmp_path:
         await eventually(lambda: len(e1.unloads) >= 2, 15, "two unloads re-applied on e1")
         assert e1.unloads[:2] == ["x", "x"]
     finally:
+        await close_fleet(fleet)
+
+
+async def unload_hanging_on_e1(
+    tmp_path: Path,
+) -> tuple[EngineFleet[FrontedEngine[CutOff]], list[FrontedEngine[CutOff]]]:
+    """A fleet of e0 and e1 that loaded x; x unloaded from the fleet while e1 was cut off.
+    Back, e1 answers its polls but its UnloadLora hangs until released (no deadline in
+    reach): returned once the controller re-applied x's unload there."""
+    engines = [await start_fronted_engine(f"e{i}", CutOff, lora=LORA) for i in range(2)]
+    fleet = await make_fleet(engines=engines, lora_timeout_s=3600.0)
+    await fleet.wait_routable(2)
+    await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter(tmp_path, "x", 1)))
+    e1 = engines[1].servicer
+    e1.cut = True
+    with pytest.raises(grpc.aio.AioRpcError):
+        await fleet.gateway.UnloadLora(pb.UnloadLoraRequest(lora_name="x"))
+    e1.unloads_hang = True
+    e1.cut = False
+    await eventually(lambda: e1.unloads == ["x"], 15, "x's unload re-applied on e1")
+    return fleet, engines
+
+
+async def test_an_engine_whose_unloads_hang_holds_up_no_lora_call_of_the_others(
+    tmp_path: Path,
+) -> None:
+    """While e1's re-applied unload of x hangs, `lora list` (e1 answers ListLoras) and a
+    load on e0 answer, before the hang ends: the wedged engine holds up its own LoRA
+    changes only, not the fleet's. Released, x is gone from e1, as the controller knows."""
+    fleet, engines = await unload_hanging_on_e1(tmp_path)
+    e0, e1 = engines
+    try:
+        listing = asyncio.ensure_future(fleet.gateway.ListLoras(pb.ListLorasRequest()))
+        await eventually(listing.done, 15, "lora list answered while e1's unload hangs")
+        assert [a.lora_name for a in listing.result().adapters] == ["x"]  # e1's, still
+        y = adapter(tmp_path, "y", 2)
+        load = asyncio.ensure_future(
+            fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=y), metadata=on("e0"))
+        )
+        await eventually(load.done, 15, "a load on e0 answered while e1's unload hangs")
+        load.result()
+        assert not e1.servicer.released.is_set() and e1.servicer.unloads == ["x"]
+        assert list(await engine_adapters(e0.inner)) == ["y"]
+        e1.servicer.released.set()
+        record = fleet.app.controller.fleet.registry.get(fleet.address(e1))
+
+        async def unloaded() -> bool:
+            return not await engine_adapters(e1.inner) and record.lora_adapters == frozenset()
+
+        await eventually(unloaded, 15, "x unloaded from e1, as the controller knows")
+    finally:
+        e1.servicer.released.set()
+        await close_fleet(fleet)
+
+
+async def test_an_engine_whose_unloads_hang_is_polled_meanwhile(tmp_path: Path) -> None:
+    """While e1's re-applied unload of x hangs, e1's health and load polls go on: cut off
+    (its polls unanswered), it leaves routing, and it is back once it answers again,
+    all before the hang ends."""
+    fleet, engines = await unload_hanging_on_e1(tmp_path)
+    e1 = engines[1]
+    record = fleet.app.controller.fleet.registry.get(fleet.address(e1))
+    try:
+        e1.servicer.cut = True
+        await eventually(lambda: not record.routable, 15, "e1 out of routing, cut off")
+        assert record.state in (EngineState.UNREACHABLE, EngineState.FAILING)
+        e1.servicer.cut = False
+        await eventually(lambda: record.routable, 15, "e1 back in routing")
+        assert not e1.servicer.released.is_set() and e1.servicer.unloads[0] == "x"
+    finally:
+        e1.servicer.released.set()
         await close_fleet(fleet)
