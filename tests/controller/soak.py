@@ -42,6 +42,10 @@ from tests.soak_fleet import (
 )
 
 LEASE_S = 1.5
+# The longest flap hold-down (`health.hold_down_max_s`; shipped 300 s): the soak restarts an
+# engine every few seconds, so one of three is often held down (10 s, then 20 s: the hold-down
+# is exercised), but a third in a row (40 s, then 80 s) would outlast the 60 s convergence bound.
+HOLD_DOWN_MAX_S = 20.0
 
 
 @dataclass
@@ -89,7 +93,7 @@ class Soak(GatewaySoak):
             f"index: {{backend: '{self.redis.url}', writer_lease_s: {LEASE_S}}}\n"
             "router: {replica_sync: true}\n"
             "health: {poll_interval_s: 0.3, load_poll_interval_s: 0.3, backoff_initial_s: 0.1, "
-            "backoff_max_s: 1.0}\n"
+            f"backoff_max_s: 1.0, hold_down_max_s: {HOLD_DOWN_MAX_S}}}\n"
             f"engines:\n{engines}"
         )
         return self._serve(name, "controller", config), port
