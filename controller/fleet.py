@@ -296,6 +296,9 @@ class _Engine:
         # load then an unload of one adapter never swapped); the fleet's `lora_changes` is
         # not held while it waits for the engine, so a wedged one holds up only its own.
         self.lora_calls = asyncio.Lock()
+        # How many changes its LoRA task has taught the registry: a listing of its adapters
+        # taken across one may be from before it, not to be learnt (`lora_task_changes`).
+        self.lora_task_changes = 0
         self.events_task: asyncio.Task[None] | None = None
         self.source: OpenEngineSource | ZmqSource | None = None
         # Why the engine's events have no source though they are wanted (its advertised ZMQ
@@ -1172,6 +1175,13 @@ class Fleet:
         finally:
             engine.lora_calls.release()
 
+    def lora_task_changes(self, address: str) -> int:
+        """How many changes the engine's LoRA task has made (its restores, its re-applied
+        unloads): a listing of its adapters (the gateway's ListLoras) during which this
+        moved may be from before one, and would undo what it taught the router."""
+        engine = self._engines.get(address)
+        return engine.lora_task_changes if engine is not None else 0
+
     async def _next_lora_change(self, engine: _Engine, due: Callable[[], bool]) -> bool:
         """Take the engine's LoRA changes (`_Engine.lora_calls`) for a change of its LoRA
         task if `due()` still holds once no gateway LoRA call runs (it may have made the
@@ -1221,6 +1231,7 @@ class Fleet:
                      "it did not answer", address, name)  # fmt: skip
             self.registry.on_lora_unloaded(address, name)
             self.lora_intent.unload_confirmed(name, address)
+            engine.lora_task_changes += 1
 
     async def _restore_loras(self, engine: _Engine) -> None:
         """Load on the engine the adapters the fleet's intent wants there and it lacks, one
@@ -1255,6 +1266,7 @@ class Fleet:
                 engine.lora_calls.release()
             log.info("engine %s: LoRA adapter %s restored", address, spec)
             self.registry.on_lora_loaded(address, spec.lora_name)
+            engine.lora_task_changes += 1
 
     async def _model_facts(
         self, engine: _Engine, models: tuple[str, ...]
