@@ -436,6 +436,9 @@ class Fleet:
         # entries and accounting would be dropped with the old ones.
         self._removing: set[str] = set()
         self._removals: set[asyncio.Task[None]] = set()  # their tasks (`remove_engine`)
+        # The removed engines whose removal task has not closed them yet: `close` closes
+        # those of a removal task it ended first (one not started yet closes nothing).
+        self._leaving: set[_Engine] = set()
         self._on_engine_gone = on_engine_gone
         self._on_cache_predicted = on_cache_predicted
         self._on_event_lag = on_event_lag
@@ -553,6 +556,8 @@ class Fleet:
         record = self.registry.remove(key, self._clock())
         self.lora_intent.forget_engine(record.address)
         engine = self._engines.pop(record.address, None)
+        if engine is not None:
+            self._leaving.add(engine)
         self._removing.add(record.address)
         # In a task of its own, shielded: a caller that stops waiting (RemoveEngine's client
         # gives up) must not leave the engine's entries and accounting behind, which nothing
@@ -570,6 +575,7 @@ class Fleet:
         try:
             if engine is not None:
                 await engine.close()
+                self._leaving.discard(engine)
             if engine is None or engine.writes_index:
                 await self._drop_indexed(address)
             if engine is not None and engine.lease is not None:
@@ -695,8 +701,9 @@ class Fleet:
             task.cancel()
         if self._removals:
             await asyncio.wait(self._removals)
-        engines = list(self._engines.values())
+        engines = [*self._engines.values(), *self._leaving]
         self._engines.clear()
+        self._leaving.clear()
         for engine in engines:
             await engine.close()
         # The other replicas take over the engines this one followed at their next renewal.

@@ -527,3 +527,23 @@ async def test_a_listing_does_not_undo_an_unload_the_fleet_service_re_applied_me
             engine.servicer.released.set()
             engine.servicer.listing_released.set()
         await close_fleet(fleet)
+
+
+async def test_an_engine_removed_as_the_controller_stops_has_its_lora_task_ended(
+    tmp_path: Path,
+) -> None:
+    """e1 removed (as through another replica: its removal left running) while its
+    re-applied unload hangs, and the controller stops at once: its LoRA task, and its polls,
+    end with the controller, not left running against the engine."""
+    fleet, engines = await unload_hanging_on_e1(tmp_path)
+    controller_fleet = fleet.app.controller.fleet
+    address = fleet.address(engines[1])
+    e1 = controller_fleet._engines[address]
+    try:
+        controller_fleet.begin_removal(address)
+        await controller_fleet.close()
+        assert e1.lora_task is not None and e1.lora_task.done()
+        assert e1.poll_task is not None and e1.poll_task.done()
+    finally:
+        engines[1].servicer.released.set()
+        await close_fleet(fleet)
