@@ -296,6 +296,9 @@ class _Engine:
         # load then an unload of one adapter never swapped); the fleet's `lora_changes` is
         # not held while it waits for the engine, so a wedged one holds up only its own.
         self.lora_calls = asyncio.Lock()
+        # How many changes its LoRA task has taught the registry: a listing of its adapters
+        # taken across one may be from before it, not to be learnt (`lora_task_changes`).
+        self.lora_task_changes = 0
         self.events_task: asyncio.Task[None] | None = None
         self.source: OpenEngineSource | ZmqSource | None = None
         # Why the engine's events have no source though they are wanted (its advertised ZMQ
@@ -433,6 +436,9 @@ class Fleet:
         # entries and accounting would be dropped with the old ones.
         self._removing: set[str] = set()
         self._removals: set[asyncio.Task[None]] = set()  # their tasks (`remove_engine`)
+        # The removed engines whose removal task has not closed them yet: `close` closes
+        # those of a removal task it ended first (one not started yet closes nothing).
+        self._leaving: set[_Engine] = set()
         self._on_engine_gone = on_engine_gone
         self._on_cache_predicted = on_cache_predicted
         self._on_event_lag = on_event_lag
@@ -550,6 +556,8 @@ class Fleet:
         record = self.registry.remove(key, self._clock())
         self.lora_intent.forget_engine(record.address)
         engine = self._engines.pop(record.address, None)
+        if engine is not None:
+            self._leaving.add(engine)
         self._removing.add(record.address)
         # In a task of its own, shielded: a caller that stops waiting (RemoveEngine's client
         # gives up) must not leave the engine's entries and accounting behind, which nothing
@@ -567,6 +575,7 @@ class Fleet:
         try:
             if engine is not None:
                 await engine.close()
+                self._leaving.discard(engine)
             if engine is None or engine.writes_index:
                 await self._drop_indexed(address)
             if engine is not None and engine.lease is not None:
@@ -692,8 +701,9 @@ class Fleet:
             task.cancel()
         if self._removals:
             await asyncio.wait(self._removals)
-        engines = list(self._engines.values())
+        engines = [*self._engines.values(), *self._leaving]
         self._engines.clear()
+        self._leaving.clear()
         for engine in engines:
             await engine.close()
         # The other replicas take over the engines this one followed at their next renewal.
@@ -1172,6 +1182,13 @@ class Fleet:
         finally:
             engine.lora_calls.release()
 
+    def lora_task_changes(self, address: str) -> int:
+        """How many changes the engine's LoRA task has made (its restores, its re-applied
+        unloads): a listing of its adapters (the gateway's ListLoras) during which this
+        moved may be from before one, and would undo what it taught the router."""
+        engine = self._engines.get(address)
+        return engine.lora_task_changes if engine is not None else 0
+
     async def _next_lora_change(self, engine: _Engine, due: Callable[[], bool]) -> bool:
         """Take the engine's LoRA changes (`_Engine.lora_calls`) for a change of its LoRA
         task if `due()` still holds once no gateway LoRA call runs (it may have made the
@@ -1221,6 +1238,7 @@ class Fleet:
                      "it did not answer", address, name)  # fmt: skip
             self.registry.on_lora_unloaded(address, name)
             self.lora_intent.unload_confirmed(name, address)
+            engine.lora_task_changes += 1
 
     async def _restore_loras(self, engine: _Engine) -> None:
         """Load on the engine the adapters the fleet's intent wants there and it lacks, one
@@ -1255,6 +1273,7 @@ class Fleet:
                 engine.lora_calls.release()
             log.info("engine %s: LoRA adapter %s restored", address, spec)
             self.registry.on_lora_loaded(address, spec.lora_name)
+            engine.lora_task_changes += 1
 
     async def _model_facts(
         self, engine: _Engine, models: tuple[str, ...]

@@ -1117,17 +1117,25 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def ListLoras(
         self, request: pb.ListLorasRequest, context: Context
     ) -> pb.ListLorasResponse:
-        registry = self.controller.fleet.registry
+        fleet = self.controller.fleet
+        registry = fleet.registry
+
+        def learn(address: str, reply: pb.ListLorasResponse, made: int) -> None:
+            # Not when the fleet service changed the engine's adapters meanwhile (a restore,
+            # a re-applied unload, which run off `lora_changes`): the listing may be from
+            # before, what it taught the router stands.
+            if fleet.lora_task_changes(address) == made:
+                registry.on_loras(address, frozenset(a.lora_name for a in reply.adapters))
+
         # Not while a load or unload runs: a listing from before it would undo what it
         # taught the router.
-        async with self.controller.fleet.lora_changes:
+        async with fleet.lora_changes:
+            made = {r.address: fleet.lora_task_changes(r.address) for r in registry.records()}
             replies = await self._lora_fan_out(
                 context,
                 lambda s: s.ListLoras(request, timeout=self._lora_timeout_s(context, listing=True)),
                 lambda r: tuple(a.lora_name for a in r.adapters),
-                lambda address, r: registry.on_loras(
-                    address, frozenset(a.lora_name for a in r.adapters)
-                ),
+                lambda address, r: learn(address, r, made.get(address, -1)),
             )
         union: dict[tuple[int, str, str], pb.LoraAdapter] = {}
         for reply in replies:

@@ -325,7 +325,8 @@ class CutOff(ForwardingLora):
     """A sim engine serving LoRA that answers nothing but UNAVAILABLE while `cut` (a network
     partition, a wedged server), the same process throughout. While `unloads_hang`, an
     UnloadLora is not answered until `released` (a wedged LoRA worker); each one's name is
-    kept in `unloads`."""
+    kept in `unloads`. While `listings_held`, a ListLoras reads what the engine holds at once
+    (`listed`) and answers it once `listing_released` (a slow answer on the way back)."""
 
     def __init__(self, inner: pb_grpc.OpenEngineAsyncStub) -> None:
         super().__init__(inner)
@@ -333,6 +334,9 @@ class CutOff(ForwardingLora):
         self.unloads_hang = False
         self.unloads: list[str] = []
         self.released = asyncio.Event()
+        self.listings_held = False
+        self.listed = False
+        self.listing_released = asyncio.Event()
 
     async def _answer(self, context: Context) -> None:
         if self.cut:
@@ -356,6 +360,13 @@ class CutOff(ForwardingLora):
         if self.unloads_hang:
             await self.released.wait()  # or until the controller's deadline cancels it
         return await super().UnloadLora(request, context)
+
+    async def ListLoras(self, request: pb.ListLorasRequest, context: Context) -> Any:
+        reply = await super().ListLoras(request, context)
+        self.listed = True
+        if self.listings_held:
+            await self.listing_released.wait()
+        return reply
 
 
 async def test_an_engine_cut_off_during_an_unload_drops_the_adapter_once_back(
@@ -486,4 +497,53 @@ async def test_an_engine_whose_unloads_hang_is_polled_meanwhile(tmp_path: Path) 
         assert not e1.servicer.released.is_set() and e1.servicer.unloads[0] == "x"
     finally:
         e1.servicer.released.set()
+        await close_fleet(fleet)
+
+
+async def test_a_listing_does_not_undo_an_unload_the_fleet_service_re_applied_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """`lora list` while e1's re-applied unload of x is in progress, its answer back only
+    once the unload ended: x, gone from e1, is not taught back to the router by that listing
+    from before (requests naming x would be routed to e1, which no longer holds it)."""
+    fleet, engines = await unload_hanging_on_e1(tmp_path)
+    e1 = engines[1]
+    record = fleet.app.controller.fleet.registry.get(fleet.address(e1))
+    try:
+        for engine in engines:
+            engine.servicer.listings_held = True
+            engine.servicer.listed = False
+        listing = asyncio.ensure_future(fleet.gateway.ListLoras(pb.ListLorasRequest()))
+        await eventually(lambda: e1.servicer.listed, 15, "e1 listed, holding x still")
+        e1.servicer.released.set()
+        await eventually(lambda: record.lora_adapters == frozenset(), 15, "x unloaded from e1")
+        for engine in engines:
+            engine.servicer.listing_released.set()
+        await listing
+        assert not await engine_adapters(e1.inner)
+        assert record.lora_adapters == frozenset()
+    finally:
+        for engine in engines:
+            engine.servicer.released.set()
+            engine.servicer.listing_released.set()
+        await close_fleet(fleet)
+
+
+async def test_an_engine_removed_as_the_controller_stops_has_its_lora_task_ended(
+    tmp_path: Path,
+) -> None:
+    """e1 removed (as through another replica: its removal left running) while its
+    re-applied unload hangs, and the controller stops at once: its LoRA task, and its polls,
+    end with the controller, not left running against the engine."""
+    fleet, engines = await unload_hanging_on_e1(tmp_path)
+    controller_fleet = fleet.app.controller.fleet
+    address = fleet.address(engines[1])
+    e1 = controller_fleet._engines[address]
+    try:
+        controller_fleet.begin_removal(address)
+        await controller_fleet.close()
+        assert e1.lora_task is not None and e1.lora_task.done()
+        assert e1.poll_task is not None and e1.poll_task.done()
+    finally:
+        engines[1].servicer.released.set()
         await close_fleet(fleet)
