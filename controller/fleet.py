@@ -1251,12 +1251,13 @@ class Fleet:
             return spec in self._missing_loras(address)
 
         for spec in self._missing_loras(address):
-            if not await self._next_lora_change(engine, functools.partial(due, spec)):
-                continue
             adapter = pb.LoraAdapter(
                 lora_id=spec.lora_id, lora_name=spec.lora_name, source_path=spec.source_path
             )
             model = self.lora_intent.model_of(spec.lora_name, address)
+            # (Nothing between taking the engine's LoRA changes and the `try` that lets go.)
+            if not await self._next_lora_change(engine, functools.partial(due, spec)):
+                continue
             try:
                 await engine.stub.LoadLora(
                     pb.LoadLoraRequest(adapter=adapter),
