@@ -77,6 +77,7 @@ is pooling-only, while another model of the same engine may generate.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -86,6 +87,8 @@ from kvplane.errors import KvplaneError
 
 if TYPE_CHECKING:
     from indexer.zmq_decode import ArrayTail
+
+log = logging.getLogger(__name__)
 
 CLIENT_REVISION = 1
 # What a kvplane controller's gateway calls itself in GetEngineInfo.
@@ -1118,6 +1121,12 @@ class Registry:
             return
         record.hold_s = min(policy.initial_s * 2.0**record.hold_downs, policy.max_s)
         record.hold_downs += 1
+        log.warning(
+            "engine %s held down: left ready %d times in %g s; out of routing for %g s once it "
+            "says READY again, then %d ready polls",
+            record.address, len(record.flap_times), policy.window_s, record.hold_s,
+            policy.ready_polls,
+        )  # fmt: skip
         record.held_ready_since_s = None
         record.hold_polls_left = policy.ready_polls
         record.released_s = None

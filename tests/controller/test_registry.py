@@ -4,6 +4,7 @@ controller's config."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -784,6 +785,18 @@ def test_a_flapping_engine_is_held_down_for_longer_at_each_flap_then_owes_ready_
     flap(registry, 140.0)
     assert record.routable
     assert record.num_flaps == 6
+
+
+def test_a_hold_down_is_logged_once_when_it_begins(caplog: pytest.LogCaptureFixture) -> None:
+    registry = flapping_registry(HoldDownPolicy(3, 60.0, 10.0, 300.0, 2))
+    with caplog.at_level(logging.WARNING, logger="controller.registry"):
+        for now_s in (1.0, 3.0, 5.0):
+            flap(registry, now_s)
+        registry.on_health("h:1", EngineState.READY, 7.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine h:1 held down: left ready 3 times in 60 s; out of routing for 10 s once it "
+        "says READY again, then 2 ready polls"
+    ]
 
 
 def test_a_new_process_keeps_the_hold_down_a_crash_loop_is_flapping() -> None:
