@@ -292,7 +292,8 @@ class ControllerConfig(ServerConfig):
     # LoadLora/UnloadLora, a restore on an engine that joins): an engine reads the adapter's
     # weights from disk, where health.rpc_timeout_s is for calls that read nothing. The
     # gateway's LoRA calls run one at a time, so a wedged engine holds the others up this
-    # long at most; a restore, off the engine's polls, holds up only the changes to it.
+    # long at most (the wait for its LoRA change in progress included: the wait and the
+    # call share it); a restore, off the engine's polls, holds up only the changes to it.
     lora_timeout_s: float = Field(default=30.0, gt=0)
     # tokenizer.json of each model (by the model name requests carry), used to tokenise its
     # text prompts for routing (controller/tokenizers.py).

@@ -933,8 +933,9 @@ class Fleet:
                     identity_view = view or identity_view
                 if reply is not None:
                     await self._notify()
-                    if self.lora_intent.unconfirmed_on(address):  # (the usual case: none)
-                        self._lora_work_due(engine, unloads=True)
+                    unloads = bool(self.lora_intent.unconfirmed_on(address))
+                    if unloads or engine.restore_due:  # (the usual case: neither)
+                        self._lora_work_due(engine, unloads=unloads)
                 delay = health.load_poll_interval_s
             except asyncio.CancelledError:
                 raise
@@ -1058,6 +1059,7 @@ class Fleet:
             model_facts=facts,
             fronted_controller_ids=frozenset(fronts),
         )
+        listed_at = engine.lora_task_changes
         adapters = await self._list_loras(engine, identity)
         previous = self.registry.get(engine.address).identity
         first_contact = previous is None
@@ -1078,7 +1080,15 @@ class Fleet:
             self.registry.on_new_instance(engine.address, self._clock(), same_instance)
             restarted = True
         is_new = self.registry.on_identity(engine.address, identity, restarted)
-        self.registry.on_loras(engine.address, _names(adapters), self._lora_conflicts(adapters))
+        # A new process's adapters are learnt whatever its LoRA task did meanwhile (the
+        # registry knows none of them); the same process's (a fleet view re-read) as the
+        # listing guard allows.
+        self.learn_loras(
+            engine.address,
+            _names(adapters),
+            listed_at if not is_new else engine.lora_task_changes,
+            self._lora_conflicts(adapters),
+        )
         if is_new:
             await self._take_in_loras(engine.address, adapters)
             engine.events_pending = True
@@ -1157,17 +1167,24 @@ class Fleet:
                     await self._reapply_unloads(engine)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a bug: logged, its poll goes on and starts it again
+            except Exception:  # a bug: logged, and still due: its next poll starts it again
                 log.exception("engine %s: its LoRA adapters not brought up to date", engine.address)
+                engine.restore_due |= restore
+                engine.unloads_due |= unloads
+                return
 
     @contextlib.asynccontextmanager
-    async def lora_change_to(self, address: str, timeout_s: float) -> AsyncIterator[None]:
+    async def lora_change_to(self, address: str, timeout_s: float) -> AsyncIterator[float]:
         """Hold the engine's LoRA changes (`_Engine.lora_calls`) for one sent to it (the
         gateway's LoadLora, UnloadLora), waiting at most `timeout_s` for the one it runs:
-        DEADLINE_EXCEEDED after that, as the engine's own timeout would be."""
+        DEADLINE_EXCEEDED after that, as the engine's own timeout would be. Yields what is
+        left of `timeout_s` for the call: the wait and the call share it, so a change takes
+        `timeout_s` at most."""
         engine = self._engines[address]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout_at(deadline):
                 await engine.lora_calls.acquire()
         except TimeoutError:
             raise grpc.aio.AioRpcError(
@@ -1178,7 +1195,7 @@ class Fleet:
                 "answered yet",
             ) from None
         try:
-            yield
+            yield max(deadline - loop.time(), 0.0)
         finally:
             engine.lora_calls.release()
 
@@ -1189,13 +1206,29 @@ class Fleet:
         engine = self._engines.get(address)
         return engine.lora_task_changes if engine is not None else 0
 
+    def learn_loras(
+        self,
+        address: str,
+        adapters: frozenset[str] | None,
+        listed_at: int,
+        conflicts: frozenset[str] = frozenset(),
+    ) -> None:
+        """Record the adapters a listing found on the engine (`Registry.on_loras`), unless
+        its LoRA task changed them while the listing ran (`listed_at`: its
+        `lora_task_changes` as the listing began): the listing may be from before that
+        change, and would undo what it taught the router. Every listing that is learnt (the
+        gateway's ListLoras, `refresh_loras`, an identity read) goes through here."""
+        if self.lora_task_changes(address) == listed_at:
+            self.registry.on_loras(address, adapters, conflicts)
+
     async def _next_lora_change(self, engine: _Engine, due: Callable[[], bool]) -> bool:
         """Take the engine's LoRA changes (`_Engine.lora_calls`) for a change of its LoRA
         task if `due()` still holds once no gateway LoRA call runs (it may have made the
         change, or its opposite, meanwhile); False, and nothing held, if not. The gateway
-        takes the engine's only under `lora_changes`, so it is free here."""
+        takes the engine's only under `lora_changes`, so it is free here. False too for an
+        engine removed meanwhile: its LoRA work ends there (`due` would not find it)."""
         async with self.lora_changes:
-            if not due():
+            if self._engines.get(engine.address) is not engine or not due():
                 return False
             await engine.lora_calls.acquire()
             return True
@@ -1308,12 +1341,13 @@ class Fleet:
         identity = self.registry.get(address).identity if engine is not None else None
         if engine is None or identity is None:
             return
+        listed_at = engine.lora_task_changes
         try:
             adapters = await self._list_loras(engine, identity)
         except grpc.aio.AioRpcError as exc:
             log.info("engine %s: LoRA adapters not read again: %s", address, exc.code().name)
             return
-        self.registry.on_loras(address, _names(adapters), self._lora_conflicts(adapters))
+        self.learn_loras(address, _names(adapters), listed_at, self._lora_conflicts(adapters))
 
     async def _list_loras(
         self, engine: _Engine, identity: EngineIdentity

@@ -662,21 +662,23 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def _fan_out(
         self,
         records: list[EngineRecord],
-        call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
+        call: Callable[[pb_grpc.OpenEngineAsyncStub, float], Awaitable[T]],
+        timeout_s: float,
         *,
-        lora_change_s: float | None = None,
+        lora_changes: bool = False,
     ) -> list[tuple[EngineRecord, T | grpc.aio.AioRpcError]]:
-        """`call` on every engine of `records` at once. `lora_change_s`: each call is a LoRA
-        change, sent once the engine's LoRA change in progress ended, waited for that long
-        at most (`Fleet.lora_change_to`)."""
+        """`call(stub, timeout_s)` on every engine of `records` at once. `lora_changes`: each
+        call is a LoRA change, sent once the engine's LoRA change in progress ended; the
+        wait and the call share `timeout_s` (`Fleet.lora_change_to`), the call getting what
+        the wait left."""
         fleet = self.controller.fleet
 
         async def one(record: EngineRecord) -> T | grpc.aio.AioRpcError:
             try:
-                if lora_change_s is None:
-                    return await call(fleet.stub(record.address))
-                async with fleet.lora_change_to(record.address, lora_change_s):
-                    return await call(fleet.stub(record.address))
+                if not lora_changes:
+                    return await call(fleet.stub(record.address), timeout_s)
+                async with fleet.lora_change_to(record.address, timeout_s) as left_s:
+                    return await call(fleet.stub(record.address), left_s)
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as caught:
                 return engine_failure(caught, record.address, self.controller.fleet)
 
@@ -765,7 +767,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         # outcomes instead of holding the whole fan-out.
         results = await self._fan_out(
             records,
-            lambda s: s.Abort(request, timeout=self.controller.config.health.rpc_timeout_s),
+            lambda s, timeout_s: s.Abort(request, timeout=timeout_s),
+            self.controller.config.health.rpc_timeout_s,
         )
         outcomes = [
             EngineOutcome.of(record, result, self.controller.fleet) for record, result in results
@@ -865,7 +868,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     async def _lora_fan_out(
         self,
         context: Context,
-        call: Callable[[pb_grpc.OpenEngineAsyncStub], Awaitable[T]],
+        call: Callable[[pb_grpc.OpenEngineAsyncStub, float], Awaitable[T]],
         held: Callable[[T], tuple[str, ...] | None],
         learn: Callable[[str, T], None],
         *,
@@ -876,7 +879,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
     ) -> list[T]:
         """Call every engine the call is for (`_lora_engines`) that may support LoRA
         (GetModelInfo did not say `supports_lora: false`); report every engine's outcome
-        (EngineOutcome) and fail unless all asked engines succeeded. `held` names the
+        (EngineOutcome) and fail unless all asked engines succeeded; `call(stub, timeout_s)`
+        is given how long the engine has (`_lora_timeout_s`). `held` names the
         adapters a reply shows on its engine; `learn(address, reply)` records in the
         registry what a successful reply changed there (the router sends a LoRA request only
         to engines holding its adapter), before any failure ends the call. With `on_absent`
@@ -889,7 +893,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         so no request naming it is sent to an engine that is unloading it. `model`: the
         engines serving it only (a LoadLora's `kvplane-model`). `changes` (LoadLora,
         UnloadLora): each engine's call is sent once its LoRA change in progress (the fleet
-        service restoring its adapters, say) ended, so the engine gets them in order."""
+        service restoring its adapters, say) ended, so the engine gets them in order; the
+        wait counts against its `lora_timeout_s`."""
         engines = await self._lora_engines(context, model)
         asked = [r for r in engines if r.identity is None or r.identity.supports_lora is not False]
         outcomes = {
@@ -905,8 +910,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             registry.on_lora_unloaded(address, unloading or "")
         replies: list[T] = []
         failures: list[grpc.aio.AioRpcError] = []
-        change_s = self._lora_timeout_s(context) if changes else None
-        for record, result in await self._fan_out(asked, call, lora_change_s=change_s):
+        timeout_s = self._lora_timeout_s(context, listing=not changes)
+        for record, result in await self._fan_out(asked, call, timeout_s, lora_changes=changes):
             if isinstance(result, grpc.aio.AioRpcError):
                 outcome = EngineOutcome.of(record, result, self.controller.fleet)
                 if on_absent is not None and result.code() == grpc.StatusCode.NOT_FOUND:
@@ -1002,10 +1007,8 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
 
             replies = await self._lora_fan_out(
                 context,
-                lambda s: s.LoadLora(
-                    request,
-                    timeout=self._lora_timeout_s(context),
-                    metadata=lora_model_metadata(named_model),
+                lambda s, timeout_s: s.LoadLora(
+                    request, timeout=timeout_s, metadata=lora_model_metadata(named_model)
                 ),
                 lambda r: (r.adapter.lora_name,),
                 loaded,
@@ -1034,7 +1037,7 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             fleet.lora_intent.unloaded(request.lora_name, on_one, addresses)
             replies = await self._lora_fan_out(
                 context,
-                lambda s: s.UnloadLora(request, timeout=self._lora_timeout_s(context)),
+                lambda s, timeout_s: s.UnloadLora(request, timeout=timeout_s),
                 lambda r: None,
                 unloaded,
                 on_absent=unloaded,
@@ -1120,22 +1123,20 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
         fleet = self.controller.fleet
         registry = fleet.registry
 
-        def learn(address: str, reply: pb.ListLorasResponse, made: int) -> None:
+        def learn(address: str, reply: pb.ListLorasResponse, listed_at: int) -> None:
             # Not when the fleet service changed the engine's adapters meanwhile (a restore,
-            # a re-applied unload, which run off `lora_changes`): the listing may be from
-            # before, what it taught the router stands.
-            if fleet.lora_task_changes(address) == made:
-                registry.on_loras(address, frozenset(a.lora_name for a in reply.adapters))
+            # a re-applied unload, which run off `lora_changes`): `Fleet.learn_loras`.
+            fleet.learn_loras(address, frozenset(a.lora_name for a in reply.adapters), listed_at)
 
         # Not while a load or unload runs: a listing from before it would undo what it
         # taught the router.
         async with fleet.lora_changes:
-            made = {r.address: fleet.lora_task_changes(r.address) for r in registry.records()}
+            listed_at = {r.address: fleet.lora_task_changes(r.address) for r in registry.records()}
             replies = await self._lora_fan_out(
                 context,
-                lambda s: s.ListLoras(request, timeout=self._lora_timeout_s(context, listing=True)),
+                lambda s, timeout_s: s.ListLoras(request, timeout=timeout_s),
                 lambda r: tuple(a.lora_name for a in r.adapters),
-                lambda address, r: learn(address, r, made.get(address, -1)),
+                lambda address, r: learn(address, r, listed_at.get(address, -1)),
             )
         union: dict[tuple[int, str, str], pb.LoraAdapter] = {}
         for reply in replies:
@@ -1411,7 +1412,9 @@ class GatewayServicer(pb_grpc.OpenEngineServicer):
             )
         probe = pb.HealthRequest(include_inference_probe=True, model=model)
         results = await self._fan_out(
-            records, lambda s: s.Health(probe, timeout=INFERENCE_PROBE_TIMEOUT_S)
+            records,
+            lambda s, timeout_s: s.Health(probe, timeout=timeout_s),
+            INFERENCE_PROBE_TIMEOUT_S,
         )
         passed, results_text = 0, []
         for record, result in results:

@@ -547,3 +547,93 @@ async def test_an_engine_removed_as_the_controller_stops_has_its_lora_task_ended
     finally:
         engines[1].servicer.released.set()
         await close_fleet(fleet)
+
+
+async def test_a_restore_that_fails_on_a_bug_is_tried_again_at_the_next_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """x is loaded on the fleet; e1 restarted, its first restore fails on an unexpected
+    error (a bug, injected: nothing an engine answers raises one): it is logged, and the
+    restore is still due, done at e1's next poll, not only when e1's identity is next read
+    (which a process that stays up may never have)."""
+    fleet = await lora_fleet(2)
+    controller_fleet = fleet.app.controller.fleet
+    restore = controller_fleet._restore_loras
+    failed: list[str] = []
+
+    async def failing_once(engine: Any) -> None:
+        if not failed:
+            failed.append(engine.address)
+            raise RuntimeError("an injected bug")
+        await restore(engine)
+
+    try:
+        x = adapter(tmp_path, "x", 1)
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=x))
+        monkeypatch.setattr(controller_fleet, "_restore_loras", failing_once)
+        e1 = fleet.address(fleet.engines[1])
+        restarted = await fleet.restart_engine(e1, "e1", lora=LORA)
+        await eventually(lambda: restored(fleet, restarted, {"x": x.source_path}), 15, "x back")
+        assert failed == [e1]
+        assert "its LoRA adapters not brought up to date" in caplog.text
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_an_engine_removed_while_its_restore_waits_ends_it_without_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """e1 restarted while a LoRA call holds the fleet's LoRA changes: its restore of x waits
+    for them. e1 is removed as they are let go: its LoRA task ends without a word of error
+    (an ordinary removal, not a bug), and nothing is loaded on the process removed."""
+    fleet = await lora_fleet(2)
+    controller_fleet = fleet.app.controller.fleet
+    try:
+        await fleet.gateway.LoadLora(pb.LoadLoraRequest(adapter=adapter(tmp_path, "x", 1)))
+        address = fleet.address(fleet.engines[1])
+        async with controller_fleet.lora_changes:  # a gateway LoRA call in progress
+            restarted = await fleet.restart_engine(address, "e1", lora=LORA)
+            engine = controller_fleet._engines[address]
+
+            def waiting() -> bool:
+                task = engine.lora_task
+                return task is not None and not task.done() and not engine.restore_due
+
+            await eventually(waiting, 15, "e1's restore waiting for the fleet's LoRA changes")
+            caplog.clear()
+        # Let go (its restore's turn comes first), then removed before the restore runs.
+        _, removal = controller_fleet.begin_removal(address)
+        await removal
+        assert engine.lora_task is not None and engine.lora_task.done()
+        assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert await engine_adapters(restarted) == {}
+    finally:
+        await close_fleet(fleet)
+
+
+async def test_a_refresh_does_not_undo_an_unload_the_fleet_service_re_applied_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """e1, asked to read its adapters again (a request refused for naming x), lists them
+    while its re-applied unload of x is in progress, the answer back only once the unload
+    ended: x, gone from e1, is not taught back to the router by that listing from before."""
+    fleet, engines = await unload_hanging_on_e1(tmp_path)
+    e1 = engines[1]
+    controller_fleet = fleet.app.controller.fleet
+    address = fleet.address(e1)
+    record = controller_fleet.registry.get(address)
+    try:
+        e1.servicer.listings_held = True
+        e1.servicer.listed = False
+        refresh = asyncio.ensure_future(controller_fleet.refresh_loras(address))
+        await eventually(lambda: e1.servicer.listed, 15, "e1 listed, holding x still")
+        e1.servicer.released.set()
+        await eventually(lambda: record.lora_adapters == frozenset(), 15, "x unloaded from e1")
+        e1.servicer.listing_released.set()
+        await refresh
+        assert not await engine_adapters(e1.inner)
+        assert record.lora_adapters == frozenset()
+    finally:
+        e1.servicer.released.set()
+        e1.servicer.listing_released.set()
+        await close_fleet(fleet)
