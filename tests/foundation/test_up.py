@@ -1006,8 +1006,15 @@ async def test_members_killed_by_a_second_ctrl_c_are_not_drained(
         if r.name == "kvplane.up.fleet" and r.levelno >= logging.WARNING
     ]
     assert warned == []
-    codes = [m.process.returncode for m in fleet.members if m.process is not None]
-    assert codes == [-signal.SIGKILL] * 3
+    # Every member was killed and reaped: gone, with an exit status. (Not -SIGKILL itself:
+    # about one run in six under pytest, asyncio's child watcher finds a member's status
+    # collected already and reports 255; the killed process is gone all the same.)
+    processes = [m.process for m in fleet.members if m.process is not None]
+    assert len(processes) == 3
+    for process in processes:
+        assert process.returncode in (-signal.SIGKILL, 255)
+        with pytest.raises(ProcessLookupError):
+            os.kill(process.pid, 0)
 
 
 @pytest.mark.timeout(60)
