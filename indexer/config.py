@@ -43,15 +43,19 @@ from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES
 from indexer.translate import HashMode, MediumMap
 from indexer.validation import MAX_UINT32, worker_name_problem
 from indexer.zmq_decode import ArrayTail
-from kvplane.config import ClientTlsConfig, ServerConfig, StrictModel, parse_host_port
+from kvplane.config import (
+    ClientTlsConfig,
+    ServerConfig,
+    StrictFloat,
+    StrictModel,
+    parse_host_port,
+)
 from kvplane.zmq_heartbeat import DEFAULT_HEARTBEAT, Heartbeat
 
 TierName = Literal["HBM", "DRAM", "SSD"]
 MediumTarget = Literal["HBM", "DRAM", "SSD", "skip"]
 # gRPC channel arguments are C ints.
 MAX_C_INT = (1 << 31) - 1
-# A float setting: an int is fine (YAML's `5`), a bool or a string is a mistake.
-StrictFloat = Annotated[float, Field(strict=True)]
 BlockSize = Annotated[StrictInt, Field(gt=0, le=MAX_UINT32)]
 # The term of a writer lease (`indexer.writer_lease`), the controller's `index.writer_lease_s`
 # and the indexer's `writer_lease_s`.

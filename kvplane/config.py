@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 from pydantic import (
@@ -25,6 +25,10 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from kvplane.errors import CommandLineError, ConfigError
+
+# A float setting: an int is fine (YAML's `5`), a bool or a string is a mistake (`true` is
+# not 1.0 s, nor "5" five).
+StrictFloat = Annotated[float, Field(strict=True)]
 
 
 class StrictModel(BaseModel):
@@ -135,7 +139,7 @@ class ServerConfig(StrictModel):
     # Prometheus /metrics on a side port; None disables it.
     metrics_listen: str | None = None
     # Seconds in-flight RPCs get to finish on SIGTERM/SIGINT.
-    shutdown_grace_s: float = Field(default=5.0, ge=0)
+    shutdown_grace_s: StrictFloat = Field(default=5.0, ge=0)
 
     @field_validator("listen")
     @classmethod

@@ -166,6 +166,9 @@ def test_valid_zmq_endpoints_load(fields: dict[str, object]) -> None:
         ({"backend": "redis://h:1/0", "redis": {"timeout_s": True}}, "redis.timeout_s"),
         ({"backend": "redis://h:1/0", "redis": {"max_buffered_batches": True}}, "redis."),
         ({"writer_lease_s": "10"}, "writer_lease_s"),
+        # The shared server block's (kvplane.config.ServerConfig): `true` was 1 s, "5" 5 s.
+        ({"shutdown_grace_s": True}, "shutdown_grace_s"),
+        ({"shutdown_grace_s": "5"}, "shutdown_grace_s"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_an_error_not_a_coercion(
