@@ -52,9 +52,12 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   timeout is closed by libzmq, which is the disconnect above. Only a connection whose ZMTP
   handshake succeeded counts as the publisher back: the kernel of a stopped process still
   accepts TCP connections, and such a connection carries nothing;
-- a connecting SUB's connection that ends before its ZMTP handshake (a peer of another socket
-  type, a server that is not ZMQ, a stopped process) restarts the loop as a failure does:
-  libzmq never dials again after a protocol error;
+- a connecting SUB's connection that ends before its ZMTP handshake on a protocol error (a
+  peer of another socket type) restarts the loop as a failure does: libzmq never dials again
+  after a protocol error. One whose handshake failed otherwise (it timed out: a stopped
+  process, whose kernel still accepts the connection; the peer closed it) is dialled again
+  by libzmq itself: the SUB is kept, its link down, and the streak is logged at its 1st, 2nd,
+  4th, 8th, ... failure (`_OpenConnections.redials`);
 - a sink failure leaves the index in doubt: the loop restarts (with backoff) and the next
   message rebuilds the worker as on a first message; an endpoint ZMQ cannot parse (EINVAL,
   EPROTONOSUPPORT from connect / bind) would fail again on every restart, so it ends `run`
@@ -306,6 +309,9 @@ class ZmqSource:
         self.link = Link(f"connecting to {settings.endpoint}")
         # Whether a failed connection to a publisher never reached was warned of.
         self._warned_unreachable = False
+        # Connections in a row whose ZMTP handshake failed without a protocol error (a
+        # stopped publisher), since the last that succeeded (`_on_end_before_handshake`).
+        self._silent_handshakes = 0
         # Set once the SUB socket is connected (or bound): for callers that must not publish
         # before a binding source listens.
         self.ready = asyncio.Event()
@@ -381,6 +387,7 @@ class ZmqSource:
         # (Failed connection attempts only for `_warn_unreachable`.)
         connections = sub.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_DISCONNECTED
             | _OpenConnections.OPENED
             | zmq.EVENT_CONNECT_RETRIED
@@ -524,6 +531,7 @@ class ZmqSource:
             if self._warned_unreachable and not self.link.ever_up:
                 log.info("worker %s: reached publisher %s", self.worker_id, self.settings.endpoint)
             self.link.went_up()
+            self._silent_handshakes = 0
             # A failed start replay on this connection is retried from the shortest wait.
             self._start_replay_backoff = self.settings.backoff_initial_s
         elif ends:
@@ -551,19 +559,39 @@ class ZmqSource:
                 self._resync_wanted.set()
             if sequence_break and self.on_sequence_break is not None:  # maybe a new process
                 self.on_sequence_break()
-        if ends and not self.settings.bind and self._ended_before_handshake():
-            # libzmq dials again after a connection it could not handshake on that timed out
-            # or failed, not after a protocol error (a peer of another socket type): the SUB
-            # would stay unconnected for good, so the source restarts it (with its backoff).
-            raise ConnectionError(
-                f"the connection to {self.settings.endpoint} ended before its ZMTP handshake: "
-                "no ZMQ publisher answers there (a socket of another type, e.g. the replay "
-                "endpoint's ROUTER; a server that is not ZMQ; a stopped process)"
-            )
+        if ends and not self.settings.bind and self._monitor is not None:
+            self._on_end_before_handshake(self._monitor[1])
 
-    def _ended_before_handshake(self) -> bool:
-        """Whether the SUB's last connection ended before its ZMTP handshake."""
-        return self._monitor is not None and self._monitor[1].ended_before_handshake
+    def _on_end_before_handshake(self, open_connections: _OpenConnections) -> None:
+        """The SUB's last connection ended before its ZMTP handshake (if it did). libzmq dials
+        again after a handshake that timed out or a connection the peer closed (a silent peer:
+        a stopped process, whose kernel still accepts connections), not after a protocol error
+        (a peer of another socket type): the SUB would then stay unconnected for good, so the
+        source restarts it (with its backoff). The other kind keeps the SUB: restarting it
+        would only dial the same silent peer again, and count a failure each time."""
+        if not open_connections.ended_before_handshake:
+            return
+        if open_connections.redials:
+            self._silent_handshakes += 1
+            reason = (
+                f"publisher {self.settings.endpoint} accepted the connection but did not "
+                f"complete its ZMTP handshake within {self.settings.heartbeat.timeout_s:g} s "
+                "(a stopped or frozen process?); ZMQ dials again"
+            )
+            self.link.went_down(reason)
+            log.log(
+                _sparse_level(self._silent_handshakes - 1, self._silent_handshakes),
+                "worker %s: %s (%d times in a row)",
+                self.worker_id,
+                reason,
+                self._silent_handshakes,
+            )
+            return
+        raise ConnectionError(
+            f"the connection to {self.settings.endpoint} ended before its ZMTP handshake: "
+            "no ZMQ publisher answers there (a socket of another type, e.g. the replay "
+            "endpoint's ROUTER)"
+        )
 
     async def _handle_queued_connection_events(self) -> bool:
         """Act on the SUB's monitor events queued so far (`_on_connection_events`); whether
@@ -1119,15 +1147,23 @@ class _OpenConnections:
     publisher leaving while the publisher's own connection is still open. So an end counts
     only when it leaves no connection open (one still open without a handshake ends at the
     handshake's timeout, and its end then counts). A connecting SUB has one connection at a
-    time: every end counts, as before."""
+    time: every end counts, as before.
+
+    A handshake that fails without a protocol error (it timed out, or the peer closed the
+    connection) is reported as such before the end; one that fails on a protocol error (a peer
+    of another socket type) is not: its connection just ends. libzmq dials again after the
+    former only (`redials`)."""
 
     OPENED = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
 
     def __init__(self) -> None:
         self._open: set[int] = set()
         self._handshaken = False  # since the last connection opened
-        # Whether the last end that counted came before any handshake since that opening.
+        self._handshake_failed = False  # without a protocol error, since that opening
+        # Whether the last end that counted came before any handshake since that opening, and
+        # whether libzmq dials again after it (its handshake failed without a protocol error).
         self.ended_before_handshake = False
+        self.redials = False
 
     def publisher_events(self, events: list[tuple[int, int]]) -> list[int]:
         """`events` (in order) reduced to the handshakes and the ends that leave no connection
@@ -1136,12 +1172,15 @@ class _OpenConnections:
         for event, descriptor in events:
             if event & self.OPENED:
                 self._open.add(descriptor)
-                self._handshaken = False
+                self._handshaken = self._handshake_failed = False
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                self._handshake_failed = True
             elif event == zmq.EVENT_DISCONNECTED:
                 self._open.discard(descriptor)
                 if not self._open:
                     kept.append(event)
                     self.ended_before_handshake = not self._handshaken
+                    self.redials = self._handshake_failed
             else:
                 self._handshaken = True
                 kept.append(event)
