@@ -37,7 +37,9 @@ Sequence rules (WIRE.md section 1; per publisher, starting at 0):
   otherwise the replayed batches heal the gap;
 - a replay's replies count only as an unbroken run of seqs ending at the newest: a replay
   ROUTER drops replies past its high-water mark and still sends the end marker, so a hole is
-  asked for again, and what stays unfilled drops everything before it (`_replay`);
+  asked for again, and what stays unfilled drops everything before it (`_replay`). A replay
+  holds at most `replay_bytes` of replies as they come (`HeldReplies`): past that its oldest
+  are dropped, a hole before the newest as an unfilled one is;
 - seq < expected: a live copy of a batch the last replay applied (same seq, same bytes) is
   dropped as a duplicate; anything else is an engine restart (seq reset), so the worker is
   cleared and rebuilt as on a first message;
@@ -116,6 +118,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from indexer.batch import Batch
 from indexer.engine_events import EventBatch
+from indexer.sources.held_replies import DEFAULT_REPLAY_BYTES, HeldReplies
 from indexer.sources.link import Link
 from indexer.sources.receive_queue import DEFAULT_RECEIVE_QUEUE_BYTES, ReceiveQueue
 from indexer.translate import WorkerTranslator
@@ -233,6 +236,8 @@ class ZmqSourceSettings:
     # The receive queue's bounds, in messages and in bytes (`ReceiveQueue`).
     receive_hwm: int = 100_000
     receive_queue_bytes: int = DEFAULT_RECEIVE_QUEUE_BYTES
+    # A replay's replies held until applied, at most, in bytes (`HeldReplies`).
+    replay_bytes: int = DEFAULT_REPLAY_BYTES
 
 
 class ZmqSource:
@@ -956,7 +961,8 @@ class ZmqSource:
         if not replies or replies[0].seq != last:
             await self._rebuild(
                 trigger,
-                reason=f"the replay no longer holds seq {last} (buffer trimmed, or a restart)",
+                reason=f"the replay no longer holds seq {last} (buffer trimmed, a restart, or "
+                "more to replay than replay_bytes)",
                 # A buffer that starts after `last` came whole (the backlog outgrew it).
                 buffered=replies or None,
             )
@@ -993,13 +999,15 @@ class ZmqSource:
         engine evicted would stay indexed. So each hole is asked for again (a replay from its
         first missing seq, `MAX_REPLAY_ROUNDS` at most, while each round fills some), and
         what stays unfilled drops every message before the last hole: those blocks are
-        missing until stored again, never stale, as with a buffer trimmed at its start."""
+        missing until stored again, never stale, as with a buffer trimmed at its start. The
+        replies are held as they come, at most `replay_bytes` of them: past that the oldest
+        are dropped, which leaves such a hole, treated the same way (`HeldReplies`)."""
         if not self.settings.replay_endpoint:
             return None
         # (No heartbeats here: `replay_timeout_s` bounds every wait of a replay, a silent
         # publisher's included.)
         dealer = self._context.socket(zmq.DEALER)
-        received: dict[int, ZmqMessage] = {}
+        received = HeldReplies(self.settings.replay_bytes)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             # As deep as the receive queue: a replay's replies are read one at a time, and
@@ -1011,12 +1019,10 @@ class ZmqSource:
             for round_number in range(MAX_REPLAY_ROUNDS):
                 if request is None:
                     break
-                replies = await self._replay_round(dealer, request)
-                if round_number and (not replies or replies[0].seq != request):
+                first = await self._replay_round(dealer, request, received)
+                if round_number and first != request:
                     break  # the hole is no longer buffered (trimmed meanwhile, or a restart)
-                for reply in replies:
-                    received.setdefault(reply.seq, reply)
-                request = _first_missing_seq(received)
+                request = received.first_missing_seq()
         except (TimeoutError, zmq.ZMQError) as exc:
             self.counters.num_replay_failures += 1
             self._replay_failures_in_a_row += 1
@@ -1042,9 +1048,21 @@ class ZmqSource:
                 self._replay_failures_in_a_row,
             )
             self._replay_failures_in_a_row = 0
-        replies = [received[seq] for seq in sorted(received)]
+        replies = received.in_seq_order()
         run = _consecutive_tail(replies)
-        if len(run) < len(replies):
+        if received.dropped:
+            self.counters.num_gaps += 1
+            log.warning(
+                "worker %s: the replay from seq %d brought more than replay_bytes "
+                "(%d bytes): dropped its %d oldest replies; applying seq %d to %d only",
+                self.worker_id,
+                start_seq,
+                received.max_bytes,
+                received.dropped,
+                run[0].seq,
+                run[-1].seq,
+            )
+        elif len(run) < len(replies):
             self.counters.num_gaps += 1
             log.warning(
                 "worker %s: the replay from seq %d has a hole before seq %d that asking again "
@@ -1058,10 +1076,14 @@ class ZmqSource:
             )
         return run
 
-    async def _replay_round(self, dealer: zmq.asyncio.Socket, start_seq: int) -> list[ZmqMessage]:
-        """One replay request on `dealer`: the replies up to the end marker, in seq order."""
+    async def _replay_round(
+        self, dealer: zmq.asyncio.Socket, start_seq: int, received: HeldReplies
+    ) -> int | None:
+        """One replay request on `dealer`: its replies up to the end marker go to `received`;
+        the lowest seq they held (None: none)."""
         self.counters.num_replays += 1
-        replies: list[ZmqMessage] = []
+        count = 0
+        lowest: int | None = None
         foreign_topic: str | None = None  # a reply's under another topic than the source's
         # A DEALER with no connected peer blocks on send: bound that wait too. (Not
         # `asyncio.wait_for`: on Python 3.11 it loses a cancellation that arrives as the
@@ -1079,10 +1101,12 @@ class ZmqSource:
             if reply is None:
                 break
             if _is_wanted_topic(reply.topic, self.settings.topic):
-                replies.append(reply)
+                count += 1
+                lowest = reply.seq if lowest is None else min(lowest, reply.seq)
+                received.add(reply)
             else:
                 foreign_topic = reply.topic
-        if foreign_topic is not None and not replies:
+        if foreign_topic is not None and not count:
             # The SUB filters at the publisher, so a `topic` the publisher never sends shows
             # nowhere else: the worker stays empty, its link up, no message counted.
             log.warning(
@@ -1093,9 +1117,8 @@ class ZmqSource:
                 foreign_topic,
                 self.settings.topic,
             )
-        self.counters.num_replayed_messages += len(replies)
-        replies.sort(key=lambda m: m.seq)
-        return replies
+        self.counters.num_replayed_messages += count
+        return lowest
 
 
 def _named_types(tags: tuple[str, ...], most: int = 4) -> str:
@@ -1111,13 +1134,6 @@ def _sparse_level(before: int, after: int, level: int = logging.WARNING) -> int:
     ... occurrence), else DEBUG: how a condition that may repeat on every message, or every
     retry, is logged."""
     return level if after.bit_length() > before.bit_length() else logging.DEBUG
-
-
-def _first_missing_seq(received: dict[int, ZmqMessage]) -> int | None:
-    """The first seq missing between the lowest and the highest received (a hole), if any."""
-    if not received or len(received) == max(received) - min(received) + 1:
-        return None
-    return next(seq for seq in itertools.count(min(received)) if seq not in received)
 
 
 def _consecutive_tail(replies: list[ZmqMessage]) -> list[ZmqMessage]:

@@ -79,6 +79,7 @@ def _source(
     rebuild_at_start: bool = False,
     backoff_s: tuple[float, float] = (0.05, 0.2),
     receive_queue_bytes: int | None = None,  # None: the default
+    replay_bytes: int | None = None,  # None: the default
     heartbeat: Heartbeat = DEFAULT_HEARTBEAT,
 ) -> ZmqSource:
     translator = WorkerTranslator(TranslateOptions("w0", "10.0.0.1:8000"))
@@ -96,6 +97,8 @@ def _source(
     )
     if receive_queue_bytes is not None:
         settings = dataclasses.replace(settings, receive_queue_bytes=receive_queue_bytes)
+    if replay_bytes is not None:
+        settings = dataclasses.replace(settings, replay_bytes=replay_bytes)
     return ZmqSource(settings, translator, sink, context=context)  # type: ignore[arg-type]
 
 
@@ -119,6 +122,7 @@ def _starting_source(
     context: zmq.asyncio.Context,
     index: PrefixIndex,
     replay_timeout_s: float = 5.0,
+    replay_bytes: int | None = None,
 ) -> ZmqSource:
     """A source on the publisher that rebuilds from its replay at start, into `index`."""
     return _source(
@@ -128,6 +132,7 @@ def _starting_source(
         replay=publisher.replay_endpoint,
         replay_timeout_s=replay_timeout_s,
         rebuild_at_start=True,
+        replay_bytes=replay_bytes,
     )
 
 
@@ -1307,3 +1312,36 @@ async def test_a_stopped_publisher_is_dialled_again_by_zmq_not_by_restarting_the
         process.send_signal(signal.SIGCONT)
         process.kill()
         await process.wait()
+
+
+async def test_a_replay_holds_at_most_replay_bytes_of_replies(
+    context: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replay of more large batches (some 100 KB each: a long prompt's blocks) than
+    `replay_bytes` holds. Its replies were all held until applied, whatever their size
+    (thousands of such batches: gigabytes); now the replay keeps the newest that fit and drops
+    the oldest, a hole before them as an unfilled one is (`gaps`, a warning): the worker is
+    rebuilt from the newest batches, blocks missing, never stale, and the stream goes on."""
+    index = PrefixIndex()
+    publisher = FakeKvPublisher(context)
+    publisher.start_replay()
+    padding = b"\x00" * 100_000  # a field this version does not know, ignored
+    for seq in range(50):
+        await publisher.publish(_message(seq, {**_stored(seq), "padding": padding}), live=False)
+    payload_bytes = len(publisher.buffer[0][2])
+    bound = 1024 * 1024  # some 10 batches
+    source = _starting_source(publisher, context, index, replay_bytes=bound)
+    held = bound // payload_bytes
+    try:
+        async with running(source.run()):
+            await eventually(lambda: source.last_seq == 49, WAIT_S, "the start's replay applied")
+            assert _keys(index) == set(range(50 - held, 50))
+            assert source.counters.num_gaps == 1
+            assert f"dropped its {50 - held} oldest replies" in caplog.text
+            await publisher.wait_subscribed()
+            await publisher.publish(_message(50, _stored(50)))
+            await source.wait_until(lambda: source.last_seq == 50, WAIT_S)
+    finally:
+        await publisher.close()
+    assert _keys(index) == set(range(50 - held, 51))
+    assert source.counters.num_resets == 1 and source.counters.num_bad_messages == 0
